@@ -1,0 +1,98 @@
+"""Device KV pool and its page allocator.
+
+Units: a *page* holds ``page_size`` consecutive token slots; slot = page * page_size + offset.
+Page 0 is reserved: it contains slot 0, the padding slot that batches point at, so it is never
+handed out and never counted as capacity.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class PageAllocator:
+    """Free list of device pages (page ids 1 .. num_pages-1; page 0 is reserved).
+
+    Allocation order is a pure function of the alloc/free sequence, so ranks that apply the
+    same operations hand out the same page ids (DESIGN invariant 3).
+    """
+
+    def __init__(self, num_pages: int) -> None:
+        if num_pages < 2:
+            raise ValueError("a page allocator needs at least one usable page besides the reserved page 0")
+        self.num_pages = num_pages
+        self._free = np.arange(1, num_pages, dtype=np.int64)
+
+    @property
+    def capacity(self) -> int:
+        """Usable pages (excludes the reserved page 0)."""
+        return self.num_pages - 1
+
+    @property
+    def available(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> np.ndarray | None:
+        """``n`` page ids, or None (and no change) when fewer than ``n`` are free."""
+        if n < 0:
+            # Fix: a negative n used to slice ``_free[:n]`` and hand out all but |n| free pages.
+            raise ValueError(f"cannot allocate {n} pages")
+        if n > len(self._free):
+            return None
+        pages, self._free = self._free[:n], self._free[n:]
+        return pages
+
+    def free(self, pages: np.ndarray) -> None:
+        if len(pages):
+            self._free = np.concatenate([self._free, np.asarray(pages, dtype=np.int64)])
+
+    def reset(self) -> None:
+        self._free = np.arange(1, self.num_pages, dtype=np.int64)
+
+
+def pages_to_slots(pages: np.ndarray, page_size: int, num_tokens: int | None = None) -> torch.Tensor:
+    """Slots of the first ``num_tokens`` tokens stored in ``pages`` (all of them by default)."""
+    pages_t = torch.as_tensor(np.asarray(pages, dtype=np.int64))
+    slots = (pages_t.view(-1, 1) * page_size + torch.arange(page_size).view(1, -1)).view(-1)
+    return slots if num_tokens is None else slots[:num_tokens]
+
+
+class DeviceKVPool:
+    """Per-layer K and V buffers ``[num_pages * page_size, num_kv_heads, head_dim]`` (L1).
+
+    Satisfies the model's ``KVView``: the model writes and reads these buffers by slot.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.num_slots = num_pages * page_size
+        shape = (self.num_slots, num_kv_heads, head_dim)
+        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.bytes_per_page = 2 * num_layers * page_size * num_kv_heads * head_dim * dtype.itemsize
+        logger.info(
+            "device KV pool: %d pages x %d tokens, %.1f MiB", num_pages - 1, page_size,
+            self.bytes_per_page * num_pages / 2**20,
+        )
+
+    @property
+    def total_bytes(self) -> int:
+        return self.bytes_per_page * self.num_pages
+
+    def wait_layer(self, layer: int) -> None:
+        """Nothing is ever in flight into the device pool by itself; loads wrap this view."""

@@ -1,0 +1,315 @@
+"""Page-granular radix tree over token ids: the logical index of every cache tier.
+
+Invariants (checked by :meth:`RadixCache.check_invariants`):
+
+* Every node key is a whole number of pages; a child is found by its first page's bytes.
+* A node's ``device_pages`` (L1 page ids, one per key page) is either complete or None (the
+  node's device copy was evicted; later tiers keep ``host_pages`` / ``hash_values``).
+* ``lock_ref`` counts running requests whose matched path passes through the node; a locked
+  node is never evicted. A lock on a node also locks every ancestor.
+* Page accounting: device pages held by the tree = ``evictable_pages`` (unlocked) +
+  ``protected_pages`` (locked). With the allocator's free pages and the pages that requests own
+  outside the tree, they add up to the pool's capacity.
+* Decisions depend only on the operation sequence: recency is a logical tick, not wall time,
+  and ties break by node id, so ranks replaying the same operations agree (DESIGN invariant 3).
+
+Keys carry a namespace (model identity, ``cache_salt``, ...): each namespace has its own root,
+so different namespaces never share nodes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from .pools import PageAllocator
+
+logger = logging.getLogger(__name__)
+
+_EMPTY_PAGES = np.zeros(0, dtype=np.int64)
+
+
+class TreeNode:
+    """One edge of the tree: ``key`` tokens and where their KV lives in each tier."""
+
+    __slots__ = (
+        "id", "namespace", "key", "parent", "children", "device_pages", "host_pages",
+        "hash_values", "lock_ref", "last_access", "hit_count",
+    )
+
+    def __init__(self, node_id: int, namespace: str, key: np.ndarray, parent: "TreeNode | None") -> None:
+        self.id = node_id
+        self.namespace = namespace
+        self.key = key  # int32 token ids, len = num_pages * page_size
+        self.parent = parent
+        self.children: dict[bytes, TreeNode] = {}
+        self.device_pages: np.ndarray | None = None  # L1 page ids
+        self.host_pages: np.ndarray | None = None  # L2 page ids (hierarchical cache)
+        self.hash_values: list[bytes] | None = None  # per-page chained hashes (storage tier)
+        self.lock_ref = 0
+        self.last_access = 0
+        self.hit_count = 0
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.device_pages) if self.device_pages is not None else 0
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    def __repr__(self) -> str:
+        return f"TreeNode(id={self.id}, tokens={len(self.key)}, lock_ref={self.lock_ref})"
+
+
+@dataclass
+class MatchResult:
+    """Result of :meth:`RadixCache.match_prefix`. Lengths are in tokens (whole pages)."""
+
+    device_pages: np.ndarray  # L1 page ids of the device hit, in order
+    device_hit_tokens: int  # = len(device_pages) * page_size
+    last_device_node: TreeNode  # deepest node of the device hit (lock this one)
+    host_hit_tokens: int  # tokens past the device hit found only in lower tiers
+    last_node: TreeNode  # deepest matched node of any tier
+
+
+class RadixCache:
+    """The L1 prefix cache: match / insert / lock / evict over logical token pages."""
+
+    def __init__(self, page_size: int, allocator: PageAllocator, eviction_policy: str = "lru") -> None:
+        if eviction_policy not in ("lru", "lfu"):
+            raise ValueError(f"unknown eviction policy {eviction_policy!r}")
+        self.page_size = page_size
+        self.allocator = allocator
+        self.eviction_policy = eviction_policy
+        self._ids = itertools.count()
+        self._tick = 0
+        self._roots: dict[str, TreeNode] = {}
+        self.evictable_pages = 0
+        self.protected_pages = 0
+        self.evicted_pages_total = 0
+
+    # ---- helpers -------------------------------------------------------------------------
+    def _root(self, namespace: str) -> TreeNode:
+        root = self._roots.get(namespace)
+        if root is None:
+            root = TreeNode(next(self._ids), namespace, np.zeros(0, dtype=np.int32), None)
+            root.device_pages = _EMPTY_PAGES
+            root.lock_ref = 1  # roots are never evicted
+            self._roots[namespace] = root
+        return root
+
+    def _page_key(self, tokens: np.ndarray, start: int) -> bytes:
+        return tokens[start : start + self.page_size].tobytes()
+
+    def _common_pages(self, key: np.ndarray, tokens: np.ndarray, start: int) -> int:
+        """Whole pages of ``key`` that equal ``tokens[start:]``, in tokens."""
+        n = min(len(key), len(tokens) - start)
+        diff = np.flatnonzero(key[:n] != tokens[start : start + n])
+        same = int(diff[0]) if len(diff) else n
+        return same - same % self.page_size
+
+    def _touch(self, node: TreeNode) -> None:
+        self._tick += 1
+        node.last_access = self._tick
+        node.hit_count += 1
+
+    def _split(self, node: TreeNode, at: int) -> TreeNode:
+        """Cut ``node`` after ``at`` tokens (whole pages); return the new upper part."""
+        pages_at = at // self.page_size
+        upper = TreeNode(next(self._ids), node.namespace, node.key[:at], node.parent)
+        upper.lock_ref, upper.last_access, upper.hit_count = node.lock_ref, node.last_access, node.hit_count
+        if node.device_pages is not None:
+            upper.device_pages, node.device_pages = node.device_pages[:pages_at], node.device_pages[pages_at:]
+        if node.host_pages is not None:
+            upper.host_pages, node.host_pages = node.host_pages[:pages_at], node.host_pages[pages_at:]
+        if node.hash_values is not None:
+            upper.hash_values, node.hash_values = node.hash_values[:pages_at], node.hash_values[pages_at:]
+        node.parent.children[self._page_key(upper.key, 0)] = upper
+        node.key = node.key[at:]
+        node.parent = upper
+        upper.children[self._page_key(node.key, 0)] = node
+        return upper
+
+    def _as_tokens(self, tokens) -> np.ndarray:
+        arr = np.asarray(tokens, dtype=np.int32)
+        return arr[: len(arr) - len(arr) % self.page_size]
+
+    # ---- the contract --------------------------------------------------------------------
+    def match_prefix(self, namespace: str, tokens) -> MatchResult:
+        """Longest cached prefix of ``tokens`` (whole pages) in ``namespace``.
+
+        Splits a node when the match ends inside it, so the returned node is an exact
+        boundary that a request can lock. Updates recency and hit counts.
+        """
+        tokens = self._as_tokens(tokens)
+        node = self._root(namespace)
+        last_device = node
+        device: list[np.ndarray] = []
+        host_tokens = 0
+        pos = 0
+        while pos < len(tokens):
+            child = node.children.get(self._page_key(tokens, pos))
+            if child is None:
+                break
+            n = self._common_pages(child.key, tokens, pos)
+            if n < len(child.key):
+                child = self._split(child, n)
+            # Fix: touch after the split, so only the matched part gets the new recency / hit
+            # (touching first also refreshed the unmatched lower half, skewing LRU and LFU).
+            self._touch(child)
+            if child.device_pages is not None and last_device is node:
+                device.append(child.device_pages)
+                last_device = child
+            else:
+                host_tokens += n
+            node = child
+            pos += n
+        pages = np.concatenate(device) if device else _EMPTY_PAGES
+        return MatchResult(pages, len(pages) * self.page_size, last_device, host_tokens, node)
+
+    def insert(self, namespace: str, tokens, pages: np.ndarray) -> int:
+        """Insert ``tokens`` (whole pages) whose KV lives in device ``pages``.
+
+        Returns how many leading tokens were already cached on the device: the caller still
+        owns ``pages`` for that span beyond what it had matched itself and must free those
+        duplicates. The tree owns every page of the new suffix from now on.
+        """
+        tokens = self._as_tokens(tokens)
+        pages = np.asarray(pages, dtype=np.int64)
+        if len(pages) != len(tokens) // self.page_size:
+            raise ValueError(f"insert of {len(tokens)} tokens needs {len(tokens) // self.page_size} pages, got {len(pages)}")
+        node = self._root(namespace)
+        pos = 0
+        on_device: int | None = None  # where the device-resident prefix ends
+        while pos < len(tokens):
+            child = node.children.get(self._page_key(tokens, pos))
+            if child is None:
+                leaf = TreeNode(next(self._ids), namespace, tokens[pos:].copy(), node)
+                leaf.device_pages = pages[pos // self.page_size :].copy()
+                self._touch(leaf)
+                node.children[self._page_key(leaf.key, 0)] = leaf
+                self.evictable_pages += leaf.num_pages
+                return pos if on_device is None else on_device
+            n = self._common_pages(child.key, tokens, pos)
+            if n < len(child.key):
+                child = self._split(child, n)
+            self._touch(child)  # Fix: after the split (see match_prefix)
+            if child.device_pages is None:
+                # A node whose device copy was evicted adopts the caller's pages. Eviction is
+                # leaf-first, so everything below it is device-less too: the device prefix ends here.
+                child.device_pages = pages[pos // self.page_size : (pos + n) // self.page_size].copy()
+                self._count(child, +1)
+                if on_device is None:
+                    on_device = pos
+            node = child
+            pos += n
+        return pos if on_device is None else on_device
+
+    def _count(self, node: TreeNode, sign: int) -> None:
+        if node.lock_ref > 0:
+            self.protected_pages += sign * node.num_pages
+        else:
+            self.evictable_pages += sign * node.num_pages
+
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        while node is not None and not node.is_root:
+            if node.lock_ref == 0:
+                self.evictable_pages -= node.num_pages
+                self.protected_pages += node.num_pages
+            node.lock_ref += 1
+            node = node.parent
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        while node is not None and not node.is_root:
+            if node.lock_ref <= 0:
+                raise RuntimeError(f"unlock of an unlocked node {node}")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.protected_pages -= node.num_pages
+                self.evictable_pages += node.num_pages
+            node = node.parent
+
+    def _eviction_key(self, node: TreeNode) -> tuple:
+        if self.eviction_policy == "lfu":
+            return (node.hit_count, node.last_access, node.id)
+        return (node.last_access, node.id)
+
+    def _evictable_leaf(self, node: TreeNode) -> bool:
+        return (
+            not node.is_root and node.lock_ref == 0 and node.device_pages is not None
+            and not any(c.device_pages is not None for c in node.children.values())
+        )
+
+    def evict(self, num_pages: int) -> int:
+        """Free at least ``num_pages`` device pages from unlocked leaves, least valuable first
+        (policy order). Returns the pages freed (may be fewer when too little is evictable)."""
+        heap = [(self._eviction_key(n), n) for n in self._all_nodes() if self._evictable_leaf(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_pages and heap:
+            _, node = heapq.heappop(heap)
+            freed += node.num_pages
+            self.evictable_pages -= node.num_pages
+            self.allocator.free(node.device_pages)
+            node.device_pages = None
+            parent = node.parent
+            if node.host_pages is None and not node.children:
+                del parent.children[self._page_key(node.key, 0)]
+            if self._evictable_leaf(parent):
+                heapq.heappush(heap, (self._eviction_key(parent), parent))
+        self.evicted_pages_total += freed
+        if freed:
+            logger.debug("evicted %d device pages", freed)
+        return freed
+
+    def reset(self) -> None:
+        """Drop every node and return its device pages. Only valid when nothing is locked."""
+        if self.protected_pages:
+            raise RuntimeError(f"cannot reset the cache while {self.protected_pages} pages are locked")
+        for node in self._all_nodes():
+            if not node.is_root and node.device_pages is not None:
+                self.allocator.free(node.device_pages)
+        self._roots.clear()
+        self.evictable_pages = 0
+
+    # ---- introspection -------------------------------------------------------------------
+    @property
+    def cached_pages(self) -> int:
+        return self.evictable_pages + self.protected_pages
+
+    def _all_nodes(self):
+        stack = list(self._roots.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def num_nodes(self) -> int:
+        return sum(1 for n in self._all_nodes() if not n.is_root)
+
+    def check_invariants(self) -> None:
+        """Recompute every counter from the nodes and compare; raise AssertionError on drift."""
+        evictable = protected = 0
+        seen_pages: set[int] = set()
+        for node in self._all_nodes():
+            if node.is_root:
+                continue
+            assert len(node.key) > 0 and len(node.key) % self.page_size == 0, f"{node}: key not whole pages"
+            if node.device_pages is not None:
+                assert len(node.device_pages) * self.page_size == len(node.key), f"{node}: pages do not cover key"
+                for p in node.device_pages.tolist():
+                    assert p != 0 and p not in seen_pages, f"{node}: page {p} reserved or shared"
+                    seen_pages.add(p)
+                if node.lock_ref > 0:
+                    protected += node.num_pages
+                else:
+                    evictable += node.num_pages
+            assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()), f"{node}: lock below parent"
+            assert node.parent.children.get(self._page_key(node.key, 0)) is node, f"{node}: parent link broken"
+        assert evictable == self.evictable_pages, (evictable, self.evictable_pages)
+        assert protected == self.protected_pages, (protected, self.protected_pages)

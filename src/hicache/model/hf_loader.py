@@ -1,0 +1,101 @@
+"""Load a local Hugging Face model directory (config.json + *.safetensors + tokenizer.json)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from hicache.model.errors import ModelFormatError, ModelNotFoundError
+from hicache.model.llama import LlamaForCausalLM
+from hicache.model.spec import ModelSpec
+from hicache.model.tokenizer import Tokenizer, load_hf_tokenizer
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+# Qwen2 always has q/k/v biases; its config has no attention_bias key to say so.
+_BIAS_BY_DEFAULT = {"qwen2"}
+
+
+def spec_from_hf_config(config: dict) -> ModelSpec:
+    """A :class:`ModelSpec` from an HF ``config.json`` dict (Llama / Qwen2 / Mistral).
+
+    RoPE: ``rope_theta`` + ``rope_scaling`` (transformers 4) or ``rope_parameters`` (transformers 5).
+    Sliding-window attention, where a config declares it, is not applied (full attention).
+    """
+    archs = config.get("architectures") or []
+    if archs and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise ModelFormatError(
+            f"model architecture {archs[0]} is not supported; expected one of {', '.join(SUPPORTED_ARCHITECTURES)}."
+        )
+    try:
+        hidden = int(config["hidden_size"])
+        heads = int(config["num_attention_heads"])
+        rope = dict(config.get("rope_parameters") or {})
+        scaling = config.get("rope_scaling") or None
+        theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
+        if scaling is None and rope:
+            rope.pop("rope_theta", None)
+            scaling = rope if rope.get("rope_type", "default") != "default" else None
+        model_type = config.get("model_type", "llama")
+        return ModelSpec(
+            num_layers=int(config["num_hidden_layers"]),
+            hidden_size=hidden,
+            num_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or hidden // heads),
+            intermediate_size=int(config["intermediate_size"]),
+            vocab_size=int(config["vocab_size"]),
+            rope_theta=float(theta),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+            attention_bias=bool(config.get("attention_bias", model_type in _BIAS_BY_DEFAULT)),
+            rope_scaling=scaling,
+        )
+    except KeyError as e:
+        raise ModelFormatError(f"config.json lacks the field {e.args[0]!r}.") from None
+
+
+def _check_folder(folder: Path) -> list[Path]:
+    if not folder.is_dir():
+        raise ModelNotFoundError(f"model directory {folder} does not exist.")
+    for needed in ("config.json", "tokenizer.json"):
+        if not (folder / needed).is_file():
+            raise ModelNotFoundError(f"model directory {folder} has no {needed}.")
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights:
+        raise ModelNotFoundError(f"model directory {folder} has no *.safetensors weights.")
+    return weights
+
+
+def load_hf_dir(folder: Path, dtype: torch.dtype, device: torch.device | str) -> tuple[LlamaForCausalLM, Tokenizer, ModelSpec]:
+    weights = _check_folder(folder)
+    with open(folder / "config.json", encoding="utf-8") as f:
+        config = json.load(f)
+    spec = spec_from_hf_config(config)
+    tokenizer = load_hf_tokenizer(folder, config)
+    model = LlamaForCausalLM(spec, dtype, device)
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for file in weights:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    if name not in params:
+                        # Tied checkpoints may still store lm_head; rotary caches are recomputed.
+                        if name == "lm_head.weight" or name.endswith("rotary_emb.inv_freq"):
+                            continue
+                        raise ModelFormatError(f"checkpoint tensor {name} in {file.name} has no place in the model.")
+                    values = f.get_tensor(name)
+                    if tuple(values.shape) != tuple(params[name].shape):
+                        raise ModelFormatError(
+                            f"checkpoint tensor {name} has shape {tuple(values.shape)}, expected {tuple(params[name].shape)}."
+                        )
+                    params[name].copy_(values)
+                    loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ModelFormatError(f"checkpoint in {folder} lacks {', '.join(missing[:3])}{'...' if len(missing) > 3 else ''}.")
+    return model, tokenizer, spec

@@ -1,0 +1,80 @@
+"""``load_model(name)``: the one entry point from a user's model name to a runnable model."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hicache.model.errors import ModelNotFoundError
+from hicache.model.gguf_loader import find_smollm2_gguf, load_gguf
+from hicache.model.hf_loader import load_hf_dir
+from hicache.model.llama import LlamaForCausalLM
+from hicache.model.random_model import init_random_weights, parse_random_spec
+from hicache.model.spec import ModelSpec, ModelSpecError
+from hicache.model.tokenizer import Tokenizer, byte_tokenizer
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run. ``identity`` names weights + dtype stably across processes; the
+    cache uses it to namespace KV keys, so two models never share cached K/V."""
+
+    model: LlamaForCausalLM
+    tokenizer: Tokenizer
+    spec: ModelSpec
+    name: str
+    identity: str
+    load_seconds: float = 0.0
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def _file_fingerprint(paths: list[Path]) -> str:
+    """Cheap stand-in for a content hash: path, size and mtime of each file."""
+    parts = []
+    for p in sorted(paths):
+        st = p.stat()
+        parts.append(f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}")
+    return _digest("|".join(parts))
+
+
+def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu", seed: int = 0) -> LoadedModel:
+    """Load ``name``: ``"smollm2"`` (embedded GGUF), a local HF directory, or ``"random:<preset|JSON>"``.
+
+    ``seed`` only matters for random models. Raises :class:`ModelNotFoundError` (a ConfigError)
+    for names that resolve to nothing.
+    """
+    if dtype not in SUPPORTED_DTYPES:
+        raise ModelSpecError(f"model dtype {dtype} is not supported; use torch.float32 or torch.bfloat16.")
+    dtype_name = str(dtype).removeprefix("torch.")
+    start = time.perf_counter()
+    if name == "smollm2":
+        path = find_smollm2_gguf()
+        model, tokenizer, spec = load_gguf(path, dtype, device)
+        identity = f"gguf:{path.name}:{_file_fingerprint([path])}:{dtype_name}"
+    elif name.startswith("random:"):
+        spec = parse_random_spec(name[len("random:"):])
+        model = LlamaForCausalLM(spec, dtype, device)
+        init_random_weights(model, seed)
+        tokenizer = byte_tokenizer()
+        spec_json = json.dumps(spec.to_dict(), sort_keys=True)
+        identity = f"random:{_digest(spec_json)}:seed={seed}:{dtype_name}"
+    elif Path(name).expanduser().exists() or "/" in name or name.startswith("."):
+        folder = Path(name).expanduser()
+        model, tokenizer, spec = load_hf_dir(folder, dtype, device)
+        files = [p for p in folder.iterdir() if p.suffix in (".json", ".safetensors")]
+        identity = f"hf:{folder.resolve().name}:{_file_fingerprint(files)}:{dtype_name}"
+    else:
+        raise ModelNotFoundError(
+            f"unknown model {name!r}: expected 'smollm2', a local Hugging Face directory, or 'random:<preset or JSON>'."
+        )
+    return LoadedModel(model, tokenizer, spec, name, identity, time.perf_counter() - start)

@@ -1,0 +1,88 @@
+"""Tiny deterministic random models (``random:<preset>`` / ``random:{json}``) for tests and demos."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import torch
+
+from hicache.model.errors import ModelNotFoundError
+from hicache.model.llama import LlamaForCausalLM
+from hicache.model.spec import ModelSpec, ModelSpecError
+from hicache.model.tokenizer import RANDOM_SPECIAL_TOKENS
+
+# Tokenizer ids: 256 bytes + the specials; the vocab may be larger (unused rows), never smaller.
+MIN_RANDOM_VOCAB = 256 + len(RANDOM_SPECIAL_TOKENS)
+
+_COMMON = dict(
+    vocab_size=320,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    max_position_embeddings=4096,
+    attention_bias=False,
+    rope_scaling=None,
+)
+PRESETS: dict[str, dict] = {
+    "tiny": dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128, **_COMMON),
+    "small": dict(num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=256, **_COMMON),
+}
+
+# Weight scale: small enough that activations stay tame, large enough that logits differ per token.
+INIT_STD = 0.02
+
+
+def parse_random_spec(arg: str) -> ModelSpec:
+    """``arg`` is what follows ``random:``: a preset name, or a JSON object of ModelSpec fields
+    (optionally with ``"preset"``, default ``tiny``) overriding that preset.
+
+    When the JSON changes ``hidden_size`` or ``num_heads`` but not ``head_dim``, head_dim follows
+    ``hidden_size // num_heads``.
+    """
+    arg = arg.strip()
+    if not arg.startswith("{"):
+        if arg not in PRESETS:
+            raise ModelNotFoundError(
+                f"unknown random model preset {arg!r}: expected one of {', '.join(PRESETS)} or a JSON object of fields."
+            )
+        return ModelSpec(**PRESETS[arg])
+    try:
+        overrides = json.loads(arg)
+    except json.JSONDecodeError as e:
+        raise ModelSpecError(f"random model spec is not valid JSON ({e.msg} at character {e.pos}).") from None
+    if not isinstance(overrides, dict):
+        raise ModelSpecError("random model spec JSON must be an object of ModelSpec fields.")
+    preset = overrides.pop("preset", "tiny")
+    if preset not in PRESETS:
+        raise ModelNotFoundError(f"unknown random model preset {preset!r}: expected one of {', '.join(PRESETS)}.")
+    fields = {f.name for f in dataclasses.fields(ModelSpec)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ModelSpecError(f"unknown random model spec field(s) {', '.join(unknown)}; known: {', '.join(sorted(fields))}.")
+    values = dict(PRESETS[preset])
+    if ("hidden_size" in overrides or "num_heads" in overrides) and "head_dim" not in overrides:
+        values["head_dim"] = overrides.get("hidden_size", values["hidden_size"]) // overrides.get("num_heads", values["num_heads"])
+    values.update(overrides)
+    spec = ModelSpec(**values)
+    if spec.vocab_size < MIN_RANDOM_VOCAB:
+        raise ModelSpecError(f"random model vocab_size must be at least {MIN_RANDOM_VOCAB} (the byte tokenizer's size).")
+    return spec
+
+
+@torch.no_grad()
+def init_random_weights(model: LlamaForCausalLM, seed: int) -> None:
+    """Fill every parameter deterministically from ``seed``, independent of dtype and device:
+    values are drawn in float32 on the CPU, in parameter order, then copied in.
+
+    Matrices and biases ~ N(0, INIT_STD); norm weights ~ 1 + N(0, 0.1) (not all-ones, so a loader
+    that drops them would be caught by parity tests).
+    """
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in model.named_parameters():
+        values = torch.randn(param.shape, generator=gen, dtype=torch.float32)
+        if name.endswith("norm.weight"):
+            values = 1.0 + 0.1 * values
+        else:
+            values = INIT_STD * values
+        param.copy_(values)

@@ -1,0 +1,116 @@
+"""Shape of a Llama-family decoder, independent of where its weights come from."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hicache.config import ConfigError
+
+
+class ModelSpecError(ConfigError):
+    """A model shape that cannot be built (inconsistent sizes, unsupported RoPE scaling)."""
+
+
+# RoPE scaling kinds the model implements; "default" means none.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass
+class ModelSpec:
+    """Sizes of a Llama / Qwen2 / Mistral-style decoder.
+
+    ``head_dim`` need not equal ``hidden_size // num_heads`` (q/o projections are
+    ``num_heads * head_dim`` wide). ``num_heads`` must be a multiple of ``num_kv_heads`` (GQA).
+    ``rope_scaling``: ``None`` or an HF-style dict with ``rope_type`` in :data:`SUPPORTED_ROPE_TYPES`.
+    """
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    attention_bias: bool = False
+    rope_scaling: dict | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                     "intermediate_size", "vocab_size", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ModelSpecError(f"model spec field {name} must be a positive integer, got {value!r}.")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelSpecError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})."
+            )
+        if self.head_dim % 2:
+            raise ModelSpecError(f"head_dim must be even for rotary embeddings, got {self.head_dim}.")
+        if not (self.rope_theta > 0 and self.rms_norm_eps > 0):
+            raise ModelSpecError("rope_theta and rms_norm_eps must be positive.")
+        rope_type = rope_scaling_type(self.rope_scaling)
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ModelSpecError(
+                f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}."
+            )
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes one token's K and V take over all layers at ``dtype``."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+    def num_parameters(self) -> int:
+        """Parameter count (tied embeddings counted once)."""
+        h, q, kvw = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attn = h * q + 2 * h * kvw + q * h + (q + 2 * kvw if self.attention_bias else 0)
+        mlp = 3 * h * self.intermediate_size
+        per_layer = attn + mlp + 2 * h
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.vocab_size * h + self.num_layers * per_layer + h + head
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def rope_scaling_type(rope_scaling: dict | None) -> str:
+    """The scaling kind of an HF ``rope_scaling`` dict (older configs spell the key ``type``)."""
+    if not rope_scaling:
+        return "default"
+    return str(rope_scaling.get("rope_type", rope_scaling.get("type", "default")))
+
+
+def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
+    """Per-pair rotary frequencies ``[head_dim // 2]`` float32 (radians per position), scaling applied."""
+    dim = spec.head_dim
+    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    kind = rope_scaling_type(spec.rope_scaling)
+    scaling = spec.rope_scaling or {}
+    if kind == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "llama3":
+        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the band between
+        # is blended linearly in (context / wavelength).
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv_freq
+        low_freq_wavelen, high_freq_wavelen = old_ctx / low, old_ctx / high
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        in_band = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        inv_freq = torch.where(in_band, blended, scaled)
+    return inv_freq.to(torch.float32)

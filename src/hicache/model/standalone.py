@@ -1,0 +1,38 @@
+"""Standalone forwards over a :class:`DenseKV`, without an engine: handy for tests and debugging."""
+
+from __future__ import annotations
+
+from typing import Collection
+
+import torch
+
+from hicache.model.batch import make_forward_batch
+from hicache.model.dense_kv import DenseKV
+from hicache.model.llama import LlamaForCausalLM
+
+
+def prefill_logits(model: LlamaForCausalLM, ids: list[int], num_slots: int | None = None) -> torch.Tensor:
+    """All-position logits ``[len(ids), vocab]`` of a cold single-sequence prefill (slots 1..n)."""
+    kv = DenseKV(model.spec, num_slots or len(ids) + 1, model.dtype, model.device)
+    batch = make_forward_batch([ids], [0], [torch.arange(1, len(ids) + 1)], logits="all", device=model.device)
+    return model(batch, kv)
+
+
+def greedy_paged(
+    model: LlamaForCausalLM, ids: list[int], steps: int, stop_ids: Collection[int] = ()
+) -> list[int]:
+    """Greedy continuation of at most ``steps`` tokens (ending early after a ``stop_ids`` token):
+    one prefill, then one-token decode steps that read the context from the cache by slot."""
+    kv = DenseKV(model.spec, len(ids) + steps + 1, model.dtype, model.device)
+    slots = torch.arange(1, len(ids) + steps + 1)
+    batch = make_forward_batch([ids], [0], [slots[: len(ids)]], device=model.device)
+    out: list[int] = []
+    next_id = int(model(batch, kv)[-1].argmax())
+    for _ in range(steps):
+        out.append(next_id)
+        if next_id in stop_ids:
+            break
+        n = len(ids) + len(out)
+        batch = make_forward_batch([[next_id]], [n - 1], [slots[:n]], device=model.device)
+        next_id = int(model(batch, kv)[-1].argmax())
+    return out

@@ -1,0 +1,225 @@
+"""Text <-> token ids and chat prompts, over a ``tokenizers.Tokenizer``.
+
+Builders here make byte-level BPE tokenizers from a GGUF vocabulary and a tiny one for random
+test models; an HF ``tokenizer.json`` is loaded as-is by :func:`load_hf_tokenizer`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+# Used when a model ships no chat template (random test models, bare HF directories).
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+def _raise_template_error(message: str) -> None:
+    raise TemplateError(message)
+
+
+class Tokenizer:
+    """Encode/decode plus the ids an engine needs (BOS, the set of stop tokens) and chat rendering.
+
+    ``encode`` adds no special tokens, except a leading BOS when ``add_bos`` (the model was trained
+    with one) and the text does not already start with it (chat templates often write it).
+    """
+
+    def __init__(
+        self,
+        tokenizer: HFTokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_ids: Iterable[int],
+        add_bos: bool = False,
+        chat_template: str | None = None,
+    ) -> None:
+        self._tok = tokenizer
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids: set[int] = {int(i) for i in eos_token_ids}
+        self.add_bos = add_bos and bos_token_id is not None
+        self.chat_template = chat_template or CHATML_TEMPLATE
+        self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.globals["raise_exception"] = _raise_template_error
+        env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+        self._template = env.from_string(self.chat_template)
+
+    @property
+    def backend(self) -> HFTokenizer:
+        """The wrapped ``tokenizers.Tokenizer``."""
+        return self._tok
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def encode(self, text: str) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if self.add_bos and (not ids or ids[0] != self.bos_token_id):
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` (``{"role", "content"}`` dicts) with the model's Jinja template."""
+        bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
+        eos_id = min(self.eos_token_ids) if self.eos_token_ids else None
+        eos = self.id_to_token(eos_id) if eos_id is not None else ""
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos or "",
+            eos_token=eos or "",
+        )
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """The byte-level BPE alphabet: each byte maps to one printable character.
+
+    Printable Latin-1 bytes map to themselves; the rest (controls, space...) are shifted to
+    code points from 256 upward, in byte order, so no byte becomes whitespace or a control.
+    """
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table: dict[int, str] = {}
+    shifted = 0
+    for byte in range(256):
+        if byte in keep:
+            table[byte] = chr(byte)
+        else:
+            table[byte] = chr(256 + shifted)
+            shifted += 1
+    return table
+
+
+def _byte_level_bpe(vocab: dict[str, int], merges: list[tuple[str, str]], split_digits: bool) -> HFTokenizer:
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if split_digits:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+# GGUF ``tokenizer.ggml.pre`` names whose pre-tokenization is "each digit alone, then GPT-2 split".
+_DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact"}
+_GPT2_PRE = {"gpt-2", "gpt2", "default"}
+# GGUF token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
+_SPECIAL_TOKEN_TYPES = {3, 4}
+
+
+def tokenizer_from_gguf_vocab(
+    tokens: Sequence[str],
+    token_types: Sequence[int],
+    merges: Sequence[str],
+    pre: str,
+) -> HFTokenizer:
+    """A byte-level BPE tokenizer from GGUF ``tokenizer.ggml.*`` arrays (model ``gpt2``).
+
+    Raises ``ValueError`` for a pre-tokenizer this builder does not know.
+    """
+    if pre in _DIGIT_SPLIT_PRE:
+        split_digits = True
+    elif pre in _GPT2_PRE:
+        split_digits = False
+    else:
+        raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}")
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    tok = _byte_level_bpe(vocab, pairs, split_digits)  # type: ignore[arg-type]
+    specials = [
+        AddedToken(t, special=True, normalized=False)
+        for t, ty in zip(tokens, token_types)
+        if int(ty) in _SPECIAL_TOKEN_TYPES
+    ]
+    tok.add_special_tokens(specials)
+    return tok
+
+
+RANDOM_SPECIAL_TOKENS = ("<bos>", "<eos>", "<|im_start|>", "<|im_end|>")
+
+
+def byte_tokenizer() -> Tokenizer:
+    """A tiny real tokenizer for random models: ids 0-255 are the bytes, then 4 specials (256-259)."""
+    alphabet = bytes_to_unicode()
+    vocab = {alphabet[b]: b for b in range(256)}
+    for i, special in enumerate(RANDOM_SPECIAL_TOKENS):
+        vocab[special] = 256 + i
+    tok = _byte_level_bpe(vocab, [], split_digits=False)
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in RANDOM_SPECIAL_TOKENS])
+    return Tokenizer(tok, bos_token_id=256, eos_token_ids={257, 259}, add_bos=False, chat_template=CHATML_TEMPLATE)
+
+
+def _token_content(value: Any) -> str | None:
+    """``tokenizer_config.json`` writes special tokens as a string or ``{"content": ...}``."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value if isinstance(v, int)]
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    return data if isinstance(data, dict) else {}
+
+
+def load_hf_tokenizer(folder: Path, config: dict) -> Tokenizer:
+    """The tokenizer of an HF model directory: ``tokenizer.json`` plus optional
+    ``tokenizer_config.json`` / ``chat_template.jinja`` / ``generation_config.json``."""
+    tok = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+    tcfg = _read_json(folder / "tokenizer_config.json")
+    gen = _read_json(folder / "generation_config.json")
+
+    def lookup(value: Any) -> int | None:
+        content = _token_content(value)
+        return tok.token_to_id(content) if content is not None else None
+
+    bos = lookup(tcfg.get("bos_token"))
+    if bos is None:
+        bos = next(iter(_as_id_list(gen.get("bos_token_id")) or _as_id_list(config.get("bos_token_id"))), None)
+    eos: set[int] = set(_as_id_list(gen.get("eos_token_id"))) | set(_as_id_list(config.get("eos_token_id")))
+    eos_from_cfg = lookup(tcfg.get("eos_token"))
+    if eos_from_cfg is not None:
+        eos.add(eos_from_cfg)
+
+    # Whether the model expects a leading BOS: tokenizer_config says so, or tokenizer.json's
+    # post-processor adds one (Llama 3 style) -- detected by encoding with and without specials.
+    add_bos = tcfg.get("add_bos_token")
+    if add_bos is None and bos is not None:
+        with_specials = tok.encode("a", add_special_tokens=True).ids
+        add_bos = bool(with_specials) and with_specials[0] == bos and tok.encode("a", add_special_tokens=False).ids[:1] != [bos]
+
+    template = tcfg.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    jinja_file = folder / "chat_template.jinja"
+    if not template and jinja_file.is_file():
+        template = jinja_file.read_text(encoding="utf-8")
+    if template and "<|im_end|>" in template and tok.token_to_id("<|im_end|>") is not None:
+        eos.add(tok.token_to_id("<|im_end|>"))
+    return Tokenizer(tok, bos_token_id=bos, eos_token_ids=eos, add_bos=bool(add_bos), chat_template=template)

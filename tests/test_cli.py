@@ -1,0 +1,66 @@
+"""The `hicache` command as a user runs it: JSON output, demo, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def hicache(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "hicache.cli", *args], capture_output=True, text=True,
+                          input=stdin, env=env, timeout=300)
+
+
+def test_generate_json() -> None:
+    out = hicache("generate", "--model", "random:tiny", "--dtype", "float32", "--max-total-tokens", "1024",
+                  "--prompt", "hello", "--prompt", "hello there", "--max-new-tokens", "5", "--json")
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["completion_tokens"] == 5 and len(row["output_ids"]) == 5
+        assert set(row["cached_tokens_details"]) == {"device", "host", "storage"}
+        assert row["ttft_s"] > 0 and isinstance(row["text"], str)
+
+
+def test_user_errors_are_one_line_without_traceback(tmp_path: Path) -> None:
+    cases = [
+        ("generate", "--model", "no-such-model", "--prompt", "x"),
+        ("generate", "--model", "random:tiny", "--prompt", "x", "--page-size", "0"),
+        ("generate", "--model", "random:tiny", "--prompt", "x", "--temperature", "-2"),
+        ("generate", "--model", "random:tiny", "--prompt-file", str(tmp_path / "missing.txt")),
+        ("generate", "--model", str(tmp_path), "--prompt", "x"),
+    ]
+    for args in cases:
+        out = hicache(*args)
+        assert out.returncode == 2, (args, out.stderr)
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), (args, out.stderr)
+        assert "Traceback" not in out.stderr
+
+
+def test_demo_runs_a_multi_turn_session() -> None:
+    out = hicache("demo", "--model", "random:tiny", "--dtype", "float32", "--max-total-tokens", "8192",
+                  "--turns", "4", "--max-new-tokens", "8")
+    assert out.returncode == 0, out.stderr
+    rows = [line.split() for line in out.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert [int(r[0]) for r in rows] == [1, 2, 3, 4]
+    inputs, cached = [int(r[1]) for r in rows], [int(r[2]) for r in rows]
+    assert cached[0] == 0
+    for turn in range(1, 4):  # each turn reuses at least the previous turn's prompt (whole pages)
+        assert cached[turn] >= inputs[turn - 1] - 16
+    assert "summary: hit rate" in out.stdout
+
+
+def test_chat_reads_turns_from_stdin() -> None:
+    out = hicache("chat", "--model", "random:tiny", "--dtype", "float32", "--max-total-tokens", "4096",
+                  "--max-new-tokens", "4", stdin="hi\nhow are you\n/exit\n")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("assistant>") == 2
+    assert "cached" in out.stderr

@@ -1,0 +1,232 @@
+"""Engine behaviour on tiny random models (float32): DESIGN invariant 1 (a cache hit never
+changes greedy output), batching, chunked prefill, stop conditions, bad input, accounting."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hicache import Engine, InvalidRequestError, SamplingParams
+from hicache.config import ConfigError
+
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
+LOGIT_ATOL = 1e-4  # fp32 logits of a cached vs. recomputed prefix
+
+
+def make_engine(**kw) -> Engine:
+    opts = dict(dtype="float32", page_size=4, max_total_tokens=4096, chunked_prefill_size=64)
+    opts.update(kw)
+    return Engine(opts.pop("model", "random:tiny"), **opts)
+
+
+@pytest.fixture(scope="module")
+def plain() -> Engine:
+    """The reference: no prefix reuse."""
+    return make_engine(disable_radix_cache=True)
+
+
+def prompts(n: int, length: int, shared: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    head = [rng.randrange(5, 250) for _ in range(shared)]
+    return [head + [rng.randrange(5, 250) for _ in range(length - shared)] for _ in range(n)]
+
+
+def record_logits(engine: Engine) -> list[torch.Tensor]:
+    """Capture the logits of every forward pass (rows = sequences of that step)."""
+    seen: list[torch.Tensor] = []
+    forward = engine.scheduler.forward
+
+    def spy(*args):
+        out = forward(*args)
+        seen.append(out.clone())
+        return out
+
+    engine.scheduler.forward = spy
+    return seen
+
+
+def assert_balanced(engine: Engine) -> None:
+    u = engine.cache.usage()
+    assert u["free_pages"] + u["cached_pages"] + u["request_pages"] == u["capacity_pages"]
+    if engine.cache.tree is not None:
+        engine.cache.tree.check_invariants()
+
+
+def test_full_and_partial_hits_keep_greedy_output_and_logits(plain: Engine) -> None:
+    engine = make_engine()
+    p = prompts(1, 50, 50)[0]
+    ref = plain.generate([p], GREEDY)[0]
+    logits = record_logits(engine)
+    cold = engine.generate([p], GREEDY)[0]
+    first_cold = logits[0][0]
+    full = engine.generate([p], GREEDY)[0]
+    first_full = logits[len(logits) - len(full.output_ids)][0]
+    partial = engine.generate([p[:30] + [7, 8, 9]], GREEDY)[0]
+    assert cold.output_ids == full.output_ids == ref.output_ids
+    assert cold.cached_tokens == 0
+    assert full.cached_tokens == 48  # whole pages, one token left to compute
+    assert full.cached_tokens_details == {"device": 48, "host": 0, "storage": 0}
+    assert partial.cached_tokens == 28
+    assert partial.output_ids == plain.generate([p[:30] + [7, 8, 9]], GREEDY)[0].output_ids
+    torch.testing.assert_close(first_full, first_cold, atol=LOGIT_ATOL, rtol=0)
+    assert_balanced(engine)
+
+
+def test_multi_turn_reuses_previous_turn(plain: Engine) -> None:
+    engine = make_engine()
+    history = prompts(1, 40, 40, seed=3)[0]
+    for turn in range(4):
+        res = engine.generate([history], GREEDY)[0]
+        assert res.output_ids == plain.generate([history], GREEDY)[0].output_ids
+        if turn:
+            # Everything but the partial last page of the previous turn's KV is a hit.
+            assert res.cached_tokens >= prev_kv_tokens - engine.config.page_size
+        prev_kv_tokens = len(history) + len(res.output_ids) - 1
+        history = history + res.output_ids + [11 + turn, 12, 13, 14, 15]
+    assert_balanced(engine)
+
+
+def test_eviction_pressure_keeps_output(plain: Engine) -> None:
+    # Room for about three conversations: later turns evict earlier ones.
+    engine = make_engine(max_total_tokens=320)
+    convs = prompts(6, 40, 12, seed=5)
+    for turn in range(3):
+        for i, conv in enumerate(convs):
+            res = engine.generate([conv], GREEDY)[0]
+            assert res.output_ids == plain.generate([conv], GREEDY)[0].output_ids
+            convs[i] = conv + res.output_ids + [20 + turn, 21, 22]
+            assert_balanced(engine)
+    assert engine.stats()["evicted_device_pages"] > 0
+    assert engine.stats()["hit_tokens"]["device"] > 0
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_batched_requests_match_one_by_one(plain: Engine, policy: str) -> None:
+    engine = make_engine(radix_eviction_policy=policy, max_running_requests=3, chunked_prefill_size=16)
+    batch = prompts(7, 30, 10, seed=7)
+    batch = [p[: 9 + 4 * i] for i, p in enumerate(batch)]  # different lengths, some sharing a prefix
+    together = engine.generate(batch, GREEDY)
+    alone = [plain.generate([p], GREEDY)[0] for p in batch]
+    assert [r.output_ids for r in together] == [r.output_ids for r in alone]
+    assert_balanced(engine)
+
+
+def test_chunked_prefill_equals_one_pass(plain: Engine) -> None:
+    p = prompts(1, 150, 150, seed=9)[0]
+    ref = plain.generate([p], GREEDY)[0]
+    for chunk in (4, 24, 1024):
+        engine = make_engine(chunked_prefill_size=chunk)
+        assert engine.generate([p], GREEDY)[0].output_ids == ref.output_ids
+        # Chunk-boundary inserts make the computed prefix visible before the request finishes.
+        assert engine.generate([p], GREEDY)[0].cached_tokens == 148
+        assert_balanced(engine)
+
+
+def test_cache_salt_isolates_namespaces() -> None:
+    engine = make_engine()
+    p = prompts(1, 40, 40, seed=11)[0]
+    engine.generate([p], GREEDY, cache_salt="alice")
+    assert engine.generate([p], GREEDY, cache_salt="bob")[0].cached_tokens == 0
+    assert engine.generate([p], GREEDY)[0].cached_tokens == 0
+    assert engine.generate([p], GREEDY, cache_salt="alice")[0].cached_tokens > 0
+
+
+def test_stop_conditions() -> None:
+    engine = make_engine()
+    p = prompts(1, 20, 20, seed=13)[0]
+    free = engine.generate([p], SamplingParams(max_new_tokens=10, temperature=0.0))[0]
+    assert free.finish_reason == "length" and len(free.output_ids) == 10
+    stop_tok = free.output_ids[4]
+    first = free.output_ids.index(stop_tok)
+    res = engine.generate([p], SamplingParams(max_new_tokens=10, temperature=0.0, stop_token_ids=[stop_tok]))[0]
+    assert res.finish_reason == "stop" and res.output_ids == free.output_ids[: first + 1]
+    # EOS stops unless ignore_eos.
+    engine.scheduler.eos_token_ids = {stop_tok}
+    assert engine.generate([p], SamplingParams(max_new_tokens=10, temperature=0.0))[0].output_ids == res.output_ids
+    ignored = engine.generate([p], SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True))[0]
+    assert ignored.output_ids == free.output_ids
+    # Stop strings cut the text before the stop string (a letter the byte tokenizer emits as one token).
+    letters = [(q, t) for q in prompts(30, 20, 0, seed=14) for t in engine.generate([q], GREEDY)[0].output_ids[2:]
+               if chr(t).isalpha() and t < 128]
+    q, letter_tok = letters[0]
+    out = engine.generate([q], GREEDY)[0]
+    res = engine.generate([q], SamplingParams(max_new_tokens=12, temperature=0.0, stop=["zz", chr(letter_tok)]))[0]
+    cut = out.output_ids.index(letter_tok)
+    assert res.finish_reason == "stop" and res.output_ids == out.output_ids[: cut + 1]
+    assert res.text == engine.tokenizer.decode(out.output_ids[:cut])
+    assert_balanced(engine)
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent() -> None:
+    engine = make_engine()
+    p1, p2 = prompts(2, 20, 0, seed=17)
+    sp = SamplingParams(max_new_tokens=15, temperature=0.9, top_p=0.9, top_k=50, seed=1234)
+    alone = engine.generate([p1], sp)[0].output_ids
+    together = engine.generate([p1, p2], [sp, SamplingParams(max_new_tokens=15, temperature=1.0, seed=1)])
+    assert together[0].output_ids == alone
+    other_seed = engine.generate([p1], SamplingParams(max_new_tokens=15, temperature=0.9, seed=99))[0]
+    assert other_seed.output_ids != alone
+
+
+def test_text_prompt_and_chat() -> None:
+    engine = make_engine()
+    res = engine.generate("hello world", GREEDY)[0]
+    assert res.prompt_tokens == len(engine.tokenizer.encode("hello world"))
+    chat = engine.chat([{"role": "user", "content": "hi"}], GREEDY)
+    again = engine.chat([{"role": "user", "content": "hi"}], GREEDY)
+    assert chat.output_ids == again.output_ids and again.cached_tokens > 0
+    assert chat.ttft_s > 0 and chat.queue_time_s >= 0 and chat.forward_time_s > 0
+
+
+@pytest.mark.parametrize(
+    "prompt, sampling, message",
+    [
+        ([], GREEDY, "empty"),
+        ("", GREEDY, "empty"),
+        ([1] * 5000, GREEDY, "context length"),
+        ([1, 2], SamplingParams(temperature=-1), "temperature"),
+        ([1, 2], SamplingParams(top_p=0.0), "top_p"),
+        ([1, 2], SamplingParams(top_k=0), "top_k"),
+        ([1, 2], SamplingParams(max_new_tokens=0), "max_new_tokens"),
+        ([1, 10**6], GREEDY, "token ids"),
+    ],
+)
+def test_bad_requests_raise_one_clear_error_and_engine_keeps_serving(prompt, sampling, message) -> None:
+    engine = make_engine(context_length=256)
+    with pytest.raises(InvalidRequestError, match=message):
+        engine.generate([prompt] if prompt == [] else prompt, sampling)
+    assert engine.generate([[5, 6, 7]], GREEDY)[0].completion_tokens == 12
+    assert_balanced(engine)
+
+
+def test_pool_too_small_for_one_request() -> None:
+    engine = make_engine(max_total_tokens=32)
+    with pytest.raises(InvalidRequestError, match="device pool holds"):
+        engine.generate([list(range(5, 40))], GREEDY)
+    assert engine.generate([[5, 6]], SamplingParams(max_new_tokens=4, temperature=0))[0].completion_tokens == 4
+
+
+def test_bad_options() -> None:
+    with pytest.raises(ConfigError, match="unknown model"):
+        Engine("no-such-model")
+    with pytest.raises(ConfigError, match="unknown engine option"):
+        Engine("random:tiny", max_totl_tokens=5)
+    with pytest.raises(ConfigError, match="page-size"):
+        Engine("random:tiny", page_size=0)
+    with pytest.raises(ConfigError, match="radix-eviction-policy"):
+        Engine("random:tiny", radix_eviction_policy="fifo")
+
+
+def test_flush_and_stats() -> None:
+    engine = make_engine()
+    p = prompts(1, 40, 40, seed=19)[0]
+    engine.generate([p], GREEDY)
+    engine.generate([p], GREEDY)
+    stats = engine.stats()
+    assert stats["hit_tokens"]["device"] == 36 and stats["prompt_tokens"] == 80
+    assert stats["device_pool"]["cached_pages"] > 0
+    assert engine.flush_cache()
+    assert engine.stats()["device_pool"]["free_pages"] == engine.cache.capacity_pages
+    assert engine.generate([p], GREEDY)[0].cached_tokens == 0

@@ -1,0 +1,89 @@
+"""load_model dispatch, random-model specs and user-facing errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hicache.config import ConfigError
+from hicache.model import ModelNotFoundError, ModelSpec, load_model
+from hicache.model.spec import ModelSpecError
+from hicache.model.standalone import prefill_logits
+
+
+def test_unknown_name_is_one_clear_sentence():
+    with pytest.raises(ModelNotFoundError) as e:
+        load_model("foo")
+    assert isinstance(e.value, ConfigError)
+    assert str(e.value) == (
+        "unknown model 'foo': expected 'smollm2', a local Hugging Face directory, or 'random:<preset or JSON>'."
+    )
+
+
+def test_missing_directory_and_missing_files(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        load_model(str(tmp_path / "nope"))
+    with pytest.raises(ModelNotFoundError, match="has no config.json"):
+        load_model(str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(ModelNotFoundError, match="safetensors"):
+        load_model(str(tmp_path))
+
+
+def test_random_presets_and_json_overrides():
+    tiny = load_model("random:tiny", dtype=torch.float32)
+    assert (tiny.spec.num_layers, tiny.spec.hidden_size, tiny.spec.num_heads, tiny.spec.num_kv_heads) == (2, 64, 4, 2)
+    assert (tiny.spec.head_dim, tiny.spec.intermediate_size, tiny.spec.vocab_size) == (16, 128, 320)
+    small = load_model("random:small", dtype=torch.float32)
+    assert (small.spec.num_layers, small.spec.hidden_size, small.spec.num_heads, small.spec.num_kv_heads) == (4, 128, 4, 2)
+    custom = load_model('random:{"num_layers": 3, "num_kv_heads": 4}', dtype=torch.float32)
+    assert custom.spec.num_layers == 3 and custom.spec.num_kv_heads == 4 and custom.spec.hidden_size == 64
+    assert len(custom.model.model.layers) == 3
+    assert custom.tokenizer.vocab_size <= custom.spec.vocab_size
+
+
+@pytest.mark.parametrize(
+    "name, error",
+    [
+        ("random:huge", ModelNotFoundError),
+        ("random:{not json", ModelSpecError),
+        ('random:{"num_layerz": 2}', ModelSpecError),
+        ('random:{"num_heads": 4, "num_kv_heads": 3}', ModelSpecError),
+        ('random:{"vocab_size": 100}', ModelSpecError),
+    ],
+)
+def test_bad_random_specs(name, error):
+    with pytest.raises(error):
+        load_model(name)
+
+
+def test_random_weights_are_seeded_and_identity_tracks_them():
+    a = load_model("random:tiny", dtype=torch.float32, seed=0)
+    b = load_model("random:tiny", dtype=torch.float32, seed=0)
+    c = load_model("random:tiny", dtype=torch.float32, seed=1)
+    d = load_model("random:tiny", dtype=torch.bfloat16, seed=0)
+    ids = a.tokenizer.encode("hello world")
+    la, lb, lc = (prefill_logits(m.model, ids) for m in (a, b, c))
+    assert torch.equal(la, lb) and not torch.allclose(la, lc)
+    assert la[-1].std() > 1e-2  # logits differ between tokens
+    assert a.identity == b.identity and len({a.identity, c.identity, d.identity}) == 3
+
+
+def test_kv_bytes_per_token():
+    spec = load_model("random:tiny").spec
+    assert spec.kv_bytes_per_token(torch.bfloat16) == 2 * 2 * 2 * 16 * 2
+    assert spec.kv_bytes_per_token(torch.float32) == 2 * spec.kv_bytes_per_token(torch.bfloat16)
+
+
+def test_float16_rejected():
+    with pytest.raises(ConfigError):
+        load_model("random:tiny", dtype=torch.float16)
+
+
+def test_spec_validation():
+    base = json.loads(json.dumps(load_model("random:tiny").spec.to_dict()))
+    with pytest.raises(ModelSpecError, match="rope"):
+        ModelSpec(**{**base, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})

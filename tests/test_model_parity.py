@@ -1,0 +1,139 @@
+"""Parity of our Llama-family model with transformers' implementation on tiny random weights.
+
+transformers builds and randomizes the model and saves it as an HF directory; we load that
+directory through our own HF loader, so config parsing, weight naming, RoPE (incl. Llama-3
+scaling), GQA, q/k/v bias and tied heads are all checked against an independent implementation.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hicache.model import load_model
+from hicache.model.hf_loader import spec_from_hf_config
+from hicache.model.standalone import greedy_paged, prefill_logits
+from hicache.model.tokenizer import byte_tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+# fp32 on both sides: observed max differences are <= 4e-7. Ignoring the Llama-3 scaling would
+# give ~3e-3, so this tolerance does catch RoPE mistakes.
+ATOL = 1e-5
+
+TINY = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    bos_token_id=256,
+    eos_token_id=257,
+)
+
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    # Small on purpose: with head_dim 16 this puts wavelengths in all three bands (kept, blended, slowed).
+    "original_max_position_embeddings": 64,
+}
+
+CASES = {
+    "llama": ("llama", dict(rope_theta=10000.0)),
+    "llama_tied": ("llama", dict(rope_theta=10000.0, tie_word_embeddings=True)),
+    "llama3_rope_scaling": ("llama", dict(rope_theta=500000.0, rope_scaling=LLAMA3_SCALING)),
+    "qwen2_bias": ("qwen2", dict(rope_theta=1000000.0)),
+    "qwen2_bias_tied": ("qwen2", dict(rope_theta=1000000.0, tie_word_embeddings=True)),
+}
+
+
+def _hf_model(kind: str, extra: dict, seed: int = 1234):
+    if kind == "llama":
+        config = transformers.LlamaConfig(**TINY, **extra)
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        config = transformers.Qwen2Config(**TINY, **extra)
+        model = transformers.Qwen2ForCausalLM(config)
+    # transformers zero-inits biases and one-inits norms; randomize everything so a loader
+    # that drops or misplaces any tensor shows up as a mismatch.
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.02 * noise)
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def pair(request, tmp_path_factory):
+    """(transformers model, our LoadedModel) on identical weights."""
+    kind, extra = CASES[request.param]
+    hf = _hf_model(kind, extra)
+    folder = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(folder)
+    tok = byte_tokenizer()
+    tok.backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<bos>", "eos_token": "<eos>", "chat_template": tok.chat_template})
+    )
+    ours = load_model(str(folder), dtype=torch.float32)
+    return hf, ours
+
+
+def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def _hf_greedy(hf, ids: list[int], steps: int) -> list[int]:
+    seq = list(ids)
+    for _ in range(steps):
+        seq.append(int(_hf_logits(hf, seq)[-1].argmax()))
+    return seq[len(ids):]
+
+
+PROMPT = "The quick brown fox jumps over the lazy dog; 42 times!"
+
+
+def test_prefill_logits_match_transformers(pair):
+    hf, ours = pair
+    ids = ours.tokenizer.encode(PROMPT)
+    expected = _hf_logits(hf, ids)
+    got = prefill_logits(ours.model, ids)
+    assert got.dtype == torch.float32 and got.shape == expected.shape
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+    # The comparison is meaningful only if logits actually vary between tokens and positions.
+    assert expected.std() > 1e-2
+
+
+def test_greedy_continuation_matches_transformers(pair):
+    hf, ours = pair
+    ids = ours.tokenizer.encode(ours.tokenizer.apply_chat_template([{"role": "user", "content": "Hi there"}]))
+    assert greedy_paged(ours.model, ids, steps=8) == _hf_greedy(hf, ids, steps=8)
+
+
+def test_spec_from_transformers4_style_config():
+    """Older config.json files keep rope_theta / rope_scaling at top level."""
+    spec = spec_from_hf_config(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "num_hidden_layers": 2,
+            "intermediate_size": 128,
+            "vocab_size": 320,
+            "rope_theta": 500000.0,
+            "rope_scaling": {"type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64},
+        }
+    )
+    assert spec.rope_theta == 500000.0 and spec.rope_scaling["type"] == "llama3"
+    assert spec.head_dim == 16 and not spec.attention_bias and not spec.tie_word_embeddings
