@@ -42,6 +42,20 @@ class EngineConfig:
     )
     disable_radix_cache: bool = _opt(False, "Turn prefix reuse off (every request computes its whole prompt).")
     radix_eviction_policy: str = _opt("lru", "Order in which unlocked leaves leave the device tier.", ("lru", "lfu"))
+    # Hierarchical cache (L2 host tier)
+    enable_hierarchical_cache: bool = _opt(False, "Keep KV that leaves the device in a host-memory pool (L2).")
+    hicache_ratio: float = _opt(2.0, "Host pool size as a multiple of the device pool.")
+    hicache_size: float = _opt(0.0, "Host pool size in GB (overrides --hicache-ratio when > 0).")
+    hicache_write_policy: str = _opt(
+        "write_through",
+        "When device KV is copied to host: on insert, on the Nth hit (selective), or at device eviction.",
+        ("write_through", "write_through_selective", "write_back"),
+    )
+    hicache_write_through_threshold: int = _opt(2, "Hits before a node is backed up under write_through_selective.")
+    hicache_mem_layout: str = _opt(
+        "layer_first", "Host pool layout: layer_first, or page_first (one page of all layers contiguous).",
+        ("layer_first", "page_first"),
+    )
     # Scheduling
     chunked_prefill_size: int = _opt(2048, "Most prompt tokens computed in one prefill step (a long prompt is chunked).")
     max_running_requests: int = _opt(32, "Most requests decoding at once.")
@@ -66,6 +80,12 @@ class EngineConfig:
             raise ConfigError("--max-running-requests must be at least 1.")
         if self.context_length is not None and self.context_length < 2:
             raise ConfigError("--context-length must be at least 2.")
+        if self.enable_hierarchical_cache and self.disable_radix_cache:
+            raise ConfigError("--enable-hierarchical-cache needs the radix cache; drop --disable-radix-cache.")
+        if self.hicache_ratio <= 0 or self.hicache_size < 0:
+            raise ConfigError("--hicache-ratio must be > 0 and --hicache-size >= 0.")
+        if self.hicache_write_through_threshold < 1:
+            raise ConfigError("--hicache-write-through-threshold must be at least 1.")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:

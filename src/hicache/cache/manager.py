@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .controller import BACKUP, LOAD, TransferController, TransferOp
+from .host_pool import HostKVPool
 from .pools import DeviceKVPool, PageAllocator, pages_to_slots
 from .radix import RadixCache, TreeNode
 
@@ -41,23 +43,66 @@ class KVState:
 
 @dataclass
 class CacheStats:
-    """Cumulative counters since start (or the last flush for pool usage)."""
+    """Cumulative counters since start."""
 
     prompt_tokens: int = 0
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0
     storage_hit_tokens: int = 0
     evicted_device_pages: int = 0
+    evicted_host_pages: int = 0
+    backup_tokens: int = 0
+    backup_bytes: int = 0
+    load_tokens: int = 0
+    load_bytes: int = 0
+    load_time_s: float = 0.0  # submit -> finish, summed over load-backs
+    backup_skipped_pages: int = 0  # host pool full of locked data
+
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+
+
+class _KVView:
+    """The model's view: device buffers, with reads of layer i gated on in-flight loads."""
+
+    def __init__(self, pool: DeviceKVPool, controller: TransferController | None) -> None:
+        self.k_buffers, self.v_buffers = pool.k_buffers, pool.v_buffers
+        self.wait_layer = controller.wait_layer if controller is not None else pool.wait_layer
 
 
 class KVCacheManager:
-    """Owns the device pool, its allocator and the radix tree (None when reuse is off)."""
+    """Owns the device pool and its allocator, the radix tree (None when reuse is off) and,
+    with a host tier, the host pool, its allocator and the transfer controller."""
 
-    def __init__(self, pool: DeviceKVPool, eviction_policy: str = "lru", enable_prefix_cache: bool = True) -> None:
+    def __init__(
+        self,
+        pool: DeviceKVPool,
+        eviction_policy: str = "lru",
+        enable_prefix_cache: bool = True,
+        host_pool: HostKVPool | None = None,
+        write_policy: str = "write_through",
+        write_through_threshold: int = 2,
+    ) -> None:
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"unknown write policy {write_policy!r}")
         self.pool = pool
         self.page_size = pool.page_size
         self.allocator = PageAllocator(pool.num_pages)
-        self.tree = RadixCache(self.page_size, self.allocator, eviction_policy) if enable_prefix_cache else None
+        self.host_pool = host_pool
+        self.host_allocator = PageAllocator(host_pool.num_pages) if host_pool is not None else None
+        self.controller = TransferController(pool, host_pool) if host_pool is not None else None
+        self.tree = (
+            RadixCache(self.page_size, self.allocator, eviction_policy, self.host_allocator)
+            if enable_prefix_cache else None
+        )
+        self.write_policy = write_policy
+        # Hits a node needs before it is backed up (write_back: only at eviction).
+        self.backup_threshold = {"write_through": 1, "write_through_selective": write_through_threshold,
+                                 "write_back": None}[write_policy]
+        if self.tree is not None and host_pool is not None and write_policy == "write_back":
+            self.tree.backup_on_evict = self._backup_now
+        self.kv_view = _KVView(pool, self.controller)
+        self._pending: dict[str, list[tuple[np.ndarray, np.ndarray, TreeNode | None]]] = {BACKUP: [], LOAD: []}
         self.stats = CacheStats()
 
     @property
@@ -69,32 +114,53 @@ class KVCacheManager:
 
     def admit(self, namespace: str, tokens: np.ndarray, reserve_tokens: int) -> KVState | None:
         """Match ``tokens`` (the prompt), lock the hit and reserve pages up to ``reserve_tokens``
-        (prompt + most output). Returns None, with nothing changed, when the pool cannot hold
-        it even after evicting unlocked cache.
+        (prompt + most output). A host hit gets device pages and a load-back (submitted with
+        :meth:`submit_transfers`). Returns None, with nothing changed, when the pool cannot hold
+        the request even after evicting unlocked cache.
 
         At least one prompt token is always left uncomputed so the prompt yields logits.
         """
         hit_pages = np.zeros(0, dtype=np.int64)
         node = None
+        host_nodes: list[TreeNode] = []
         if self.tree is not None:
             match = self.tree.match_prefix(namespace, tokens[: len(tokens) - 1])
-            hit_pages, node = match.device_pages, match.last_device_node
-            self.tree.inc_lock_ref(node)
+            hit_pages, node = match.device_pages, match.last_node
+            self.tree.inc_lock_ref(node)  # also protects the host-hit nodes from L2 eviction
+            n = match.last_node
+            while n is not match.last_device_node:
+                host_nodes.append(n)
+                n = n.parent
+            host_nodes.reverse()
         need = self.pages_for(reserve_tokens) - len(hit_pages)
         new_pages = self._alloc(need)
         if new_pages is None:
             if node is not None:
                 self.tree.dec_lock_ref(node)
             return None
+        # Load-back: the host-hit nodes take the first new pages, in path order.
+        loaded = 0
+        for hn in host_nodes:
+            dev = new_pages[loaded : loaded + len(hn.host_pages)]
+            self.tree.attach_device_pages(hn, dev)
+            self._pending[LOAD].append((dev, hn.host_pages, None))
+            loaded += len(dev)
+        if host_nodes:
+            self.tree.inc_lock_ref(host_nodes[-1])  # held until the load's ack is consumed
+            self._pending[LOAD][-1] = (*self._pending[LOAD][-1][:2], host_nodes[-1])
         state = KVState(
             pages=np.concatenate([hit_pages, new_pages]),
-            cached_pages=len(hit_pages),
+            cached_pages=len(hit_pages) + loaded,
             node=node,
             device_hit_tokens=len(hit_pages) * self.page_size,
+            host_hit_tokens=loaded * self.page_size,
         )
         state.refresh_slots(self.page_size)
         self.stats.prompt_tokens += len(tokens)
         self.stats.device_hit_tokens += state.device_hit_tokens
+        self.stats.host_hit_tokens += state.host_hit_tokens
+        if node is not None:
+            self._maybe_backup(node)
         return state
 
     def _alloc(self, n: int) -> np.ndarray | None:
@@ -142,13 +208,103 @@ class KVCacheManager:
         # Pages we computed for a span another request cached first are duplicates: free them.
         if already > state.cached_pages:
             self.allocator.free(state.pages[state.cached_pages : already])
+        if self.controller is not None:
+            self._maybe_backup(self.tree.node_at(namespace, tokens))
+
+    # ---- host tier -----------------------------------------------------------------------
+    def _maybe_backup(self, node: TreeNode | None) -> None:
+        """Queue a backup of every node on the path to ``node`` that the write policy says
+        should have a host copy and has none yet. Each is locked until its ack is consumed."""
+        if self.controller is None or self.backup_threshold is None or node is None:
+            return
+        path = []
+        while not node.is_root:
+            if node.host_pages is None and node.device_pages is not None and node.hit_count >= self.backup_threshold:
+                path.append(node)
+            node = node.parent
+        for n in reversed(path):
+            host = self._alloc_host(n.num_pages)
+            if host is None:
+                self.stats.backup_skipped_pages += n.num_pages
+                continue
+            self.tree.attach_host_pages(n, host)
+            self.tree.inc_lock_ref(n)
+            self._pending[BACKUP].append((n.device_pages, host, n))
+
+    def _alloc_host(self, n: int) -> np.ndarray | None:
+        if n > self.host_allocator.available:
+            self.stats.evicted_host_pages += self.tree.evict_host(n - self.host_allocator.available)
+        return self.host_allocator.alloc(n)
+
+    def _backup_now(self, node: TreeNode) -> bool:
+        """write_back: copy an L1 victim to host before its device pages are freed."""
+        host = self._alloc_host(node.num_pages)
+        if host is None:
+            self.stats.backup_skipped_pages += node.num_pages
+            return False
+        self.tree.attach_host_pages(node, host)
+        op = self.controller.submit(BACKUP, node.device_pages, host, [])
+        op.done.wait()
+        return True
+
+    def submit_transfers(self) -> None:
+        """Submit this step's queued loads and backups, merged into one op per direction."""
+        if self.controller is None:
+            return
+        for kind, items in self._pending.items():
+            if items:
+                dev = np.concatenate([d for d, _, _ in items])
+                host = np.concatenate([h for _, h, _ in items])
+                self.controller.submit(kind, dev, host, [n for _, _, n in items if n is not None])
+                items.clear()
+
+    def ack_counts(self) -> dict[str, int]:
+        """Leading acks ready on this rank, per direction (the input to agreement)."""
+        if self.controller is None:
+            return {BACKUP: 0, LOAD: 0}
+        return {kind: self.controller.ready_count(kind) for kind in (BACKUP, LOAD)}
+
+    def consume_acks(self, counts: dict[str, int]) -> None:
+        """Apply exactly ``counts[kind]`` leading acks: unlock their nodes, count their bytes."""
+        if self.controller is None:
+            return
+        for kind, n in counts.items():
+            for op in self.controller.pop(kind, n) if n else ():
+                for node in op.payload:
+                    self.tree.dec_lock_ref(node)
+                self._account(op)
+
+    def _account(self, op: TransferOp) -> None:
+        tokens, nbytes = op.num_pages * self.page_size, op.num_pages * self.pool.bytes_per_page
+        if op.kind == BACKUP:
+            self.stats.backup_tokens += tokens
+            self.stats.backup_bytes += nbytes
+        else:
+            self.stats.load_tokens += tokens
+            self.stats.load_bytes += nbytes
+            self.stats.load_time_s += op.finish_time - op.submit_time
+        logger.debug("%s ack op=%d pages=%d", op.kind, op.op_id, op.num_pages)
+
+    def drain(self) -> None:
+        """Submit and consume every transfer (used when idle, e.g. before a flush)."""
+        if self.controller is None:
+            return
+        self.submit_transfers()
+        self.consume_acks({kind: self.controller.pending(kind) for kind in (BACKUP, LOAD)})
+
 
     def flush(self) -> None:
-        """Drop all cached prefixes. Only valid when no request holds pages."""
+        """Drop all cached prefixes in every tier. Only valid when no request holds pages."""
+        self.drain()
         if self.tree is not None:
             self.tree.reset()
         if self.allocator.available != self.allocator.capacity:
             raise RuntimeError("flush while requests still hold device pages")
+
+    def shutdown(self) -> None:
+        if self.controller is not None:
+            self.drain()
+            self.controller.shutdown()
 
     def usage(self) -> dict:
         tree = self.tree
@@ -161,4 +317,15 @@ class KVCacheManager:
             "locked_pages": tree.protected_pages if tree else 0,
             "request_pages": self.capacity_pages - self.allocator.available - (tree.cached_pages if tree else 0),
             "device_pool_bytes": self.pool.total_bytes,
+        }
+
+    def host_usage(self) -> dict | None:
+        if self.host_pool is None:
+            return None
+        return {
+            "capacity_pages": self.host_allocator.capacity,
+            "free_pages": self.host_allocator.available,
+            "cached_pages": self.tree.host_pages_held,
+            "layout": self.host_pool.layout,
+            "host_pool_bytes": self.host_pool.total_bytes,
         }

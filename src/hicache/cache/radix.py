@@ -23,6 +23,7 @@ import heapq
 import itertools
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -80,12 +81,24 @@ class MatchResult:
 class RadixCache:
     """The L1 prefix cache: match / insert / lock / evict over logical token pages."""
 
-    def __init__(self, page_size: int, allocator: PageAllocator, eviction_policy: str = "lru") -> None:
+    def __init__(
+        self,
+        page_size: int,
+        allocator: PageAllocator,
+        eviction_policy: str = "lru",
+        host_allocator: PageAllocator | None = None,
+    ) -> None:
         if eviction_policy not in ("lru", "lfu"):
             raise ValueError(f"unknown eviction policy {eviction_policy!r}")
         self.page_size = page_size
         self.allocator = allocator
+        self.host_allocator = host_allocator  # L2 pages; None without a host tier
         self.eviction_policy = eviction_policy
+        # Called for an L1 victim that has no host copy yet; returns True once it has one
+        # (write_back). Without it such a victim is dropped.
+        self.backup_on_evict: Callable[[TreeNode], bool] | None = None
+        self.host_pages_held = 0
+        self.evicted_host_pages_total = 0
         self._ids = itertools.count()
         self._tick = 0
         self._roots: dict[str, TreeNode] = {}
@@ -165,8 +178,10 @@ class RadixCache:
             if child.device_pages is not None and last_device is node:
                 device.append(child.device_pages)
                 last_device = child
-            else:
+            elif child.host_pages is not None:
                 host_tokens += n
+            else:
+                break
             node = child
             pos += n
         pages = np.concatenate(device) if device else _EMPTY_PAGES
@@ -210,6 +225,19 @@ class RadixCache:
             pos += n
         return pos if on_device is None else on_device
 
+    def node_at(self, namespace: str, tokens) -> TreeNode | None:
+        """The node whose path ends exactly after ``tokens`` (whole pages), or None. Read-only:
+        no split, no recency update."""
+        tokens = self._as_tokens(tokens)
+        node = self._roots.get(namespace)
+        pos = 0
+        while node is not None and pos < len(tokens):
+            node = node.children.get(self._page_key(tokens, pos))
+            if node is None or self._common_pages(node.key, tokens, pos) != len(node.key):
+                return None
+            pos += len(node.key)
+        return node
+
     def _count(self, node: TreeNode, sign: int) -> None:
         if node.lock_ref > 0:
             self.protected_pages += sign * node.num_pages
@@ -247,25 +275,74 @@ class RadixCache:
 
     def evict(self, num_pages: int) -> int:
         """Free at least ``num_pages`` device pages from unlocked leaves, least valuable first
-        (policy order). Returns the pages freed (may be fewer when too little is evictable)."""
+        (policy order). A victim with a host copy stays in the tree as host-only; one without
+        is dropped (with any host-only nodes below it). Returns the pages freed (fewer when too
+        little is evictable)."""
         heap = [(self._eviction_key(n), n) for n in self._all_nodes() if self._evictable_leaf(n)]
         heapq.heapify(heap)
         freed = 0
         while freed < num_pages and heap:
             _, node = heapq.heappop(heap)
+            if node.host_pages is None and self.backup_on_evict is not None:
+                self.backup_on_evict(node)
             freed += node.num_pages
             self.evictable_pages -= node.num_pages
             self.allocator.free(node.device_pages)
             node.device_pages = None
             parent = node.parent
-            if node.host_pages is None and not node.children:
-                del parent.children[self._page_key(node.key, 0)]
+            if node.host_pages is None:
+                self._delete_subtree(node)
             if self._evictable_leaf(parent):
                 heapq.heappush(heap, (self._eviction_key(parent), parent))
         self.evicted_pages_total += freed
         if freed:
             logger.debug("evicted %d device pages", freed)
         return freed
+
+    def evict_host(self, num_pages: int) -> int:
+        """Free at least ``num_pages`` host pages by deleting unlocked host-only leaves in
+        policy order. Returns the host pages freed."""
+        heap = [(self._eviction_key(n), n) for n in self._all_nodes() if self._host_evictable_leaf(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_pages and heap:
+            _, node = heapq.heappop(heap)
+            parent = node.parent
+            freed += len(node.host_pages)
+            self._delete_subtree(node)
+            if self._host_evictable_leaf(parent):
+                heapq.heappush(heap, (self._eviction_key(parent), parent))
+        self.evicted_host_pages_total += freed
+        return freed
+
+    def _host_evictable_leaf(self, node: TreeNode) -> bool:
+        return (not node.is_root and node.lock_ref == 0 and node.device_pages is None
+                and node.host_pages is not None and not node.children)
+
+    def _delete_subtree(self, node: TreeNode) -> None:
+        """Unlink ``node``; free the host pages of it and everything below (none is on device)."""
+        del node.parent.children[self._page_key(node.key, 0)]
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            assert n.device_pages is None and n.lock_ref == 0, f"{n}: deleting live data"
+            if n.host_pages is not None:
+                self.host_allocator.free(n.host_pages)
+                self.host_pages_held -= len(n.host_pages)
+                n.host_pages = None
+            stack.extend(n.children.values())
+
+    def attach_host_pages(self, node: TreeNode, host_pages: np.ndarray) -> None:
+        """Record ``node``'s L2 copy (its backup is in flight while the node stays locked)."""
+        assert node.host_pages is None and len(host_pages) * self.page_size == len(node.key)
+        node.host_pages = host_pages
+        self.host_pages_held += len(host_pages)
+
+    def attach_device_pages(self, node: TreeNode, device_pages: np.ndarray) -> None:
+        """Give a host-only node device pages (a load-back into them is in flight)."""
+        assert node.device_pages is None and len(device_pages) * self.page_size == len(node.key)
+        node.device_pages = device_pages
+        self._count(node, +1)
 
     def reset(self) -> None:
         """Drop every node and return its device pages. Only valid when nothing is locked."""
@@ -274,8 +351,11 @@ class RadixCache:
         for node in self._all_nodes():
             if not node.is_root and node.device_pages is not None:
                 self.allocator.free(node.device_pages)
+            if not node.is_root and node.host_pages is not None:
+                self.host_allocator.free(node.host_pages)
         self._roots.clear()
         self.evictable_pages = 0
+        self.host_pages_held = 0
 
     # ---- introspection -------------------------------------------------------------------
     @property
@@ -296,6 +376,7 @@ class RadixCache:
         """Recompute every counter from the nodes and compare; raise AssertionError on drift."""
         evictable = protected = 0
         seen_pages: set[int] = set()
+        seen_host: set[int] = set()
         for node in self._all_nodes():
             if node.is_root:
                 continue
@@ -309,7 +390,16 @@ class RadixCache:
                     protected += node.num_pages
                 else:
                     evictable += node.num_pages
+            else:
+                assert node.host_pages is not None, f"{node}: in no tier"
+                assert all(c.device_pages is None for c in node.children.values()), f"{node}: device below host-only"
+            if node.host_pages is not None:
+                assert len(node.host_pages) * self.page_size == len(node.key), f"{node}: host pages do not cover key"
+                for p in node.host_pages.tolist():
+                    assert p != 0 and p not in seen_host, f"{node}: host page {p} reserved or shared"
+                    seen_host.add(p)
             assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()), f"{node}: lock below parent"
             assert node.parent.children.get(self._page_key(node.key, 0)) is node, f"{node}: parent link broken"
         assert evictable == self.evictable_pages, (evictable, self.evictable_pages)
         assert protected == self.protected_pages, (protected, self.protected_pages)
+        assert len(seen_host) == self.host_pages_held, (len(seen_host), self.host_pages_held)

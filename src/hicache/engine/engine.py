@@ -5,15 +5,17 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+import threading
 from typing import Any, Sequence, Union
 
 import torch
 
+from ..cache.host_pool import HostKVPool
 from ..cache.manager import KVCacheManager
 from ..cache.pools import DeviceKVPool
 from ..config import ConfigError, EngineConfig
 from ..device import device_memory_budget, resolve_device
-from ..errors import InvalidRequestError
+from ..errors import ContextLengthError, HicacheError, InvalidRequestError
 from ..model import load_model
 from .request import GenerateResult, Request
 from .runner import ModelRunner
@@ -50,9 +52,17 @@ class Engine:
         self.pool = DeviceKVPool(
             spec.num_layers, spec.num_kv_heads, spec.head_dim, num_pages, cfg.page_size, self.dtype, self.device
         )
-        self.cache = KVCacheManager(pool=self.pool, eviction_policy=cfg.radix_eviction_policy,
-                                    enable_prefix_cache=not cfg.disable_radix_cache)
-        self.runner = ModelRunner(self.loaded.model, self.pool, self.device)
+        self.host_pool = HostKVPool(self.pool, self._host_pool_pages(num_pages), cfg.hicache_mem_layout) \
+            if cfg.enable_hierarchical_cache else None
+        self.cache = KVCacheManager(
+            pool=self.pool,
+            eviction_policy=cfg.radix_eviction_policy,
+            enable_prefix_cache=not cfg.disable_radix_cache,
+            host_pool=self.host_pool,
+            write_policy=cfg.hicache_write_policy,
+            write_through_threshold=cfg.hicache_write_through_threshold,
+        )
+        self.runner = ModelRunner(self.loaded.model, self.cache.kv_view, self.device)
         self.scheduler = Scheduler(
             cache=self.cache,
             forward=self.runner.forward,
@@ -66,6 +76,9 @@ class Engine:
             f"{self.loaded.identity}|{cfg.dtype}|page={cfg.page_size}".encode()
         ).hexdigest()[:16]
         self._rids = itertools.count()
+        # Set by EngineLoop (engine/loop.py) while its thread drives the scheduler; then only that
+        # thread may call generate / flush_cache (DESIGN invariant 3).
+        self._driver_thread: int | None = None
         logger.info(
             "engine ready: model=%s device=%s dtype=%s pool=%d tokens context=%d",
             cfg.model, self.device, cfg.dtype, self.cache.capacity_pages * cfg.page_size, self.context_length,
@@ -86,6 +99,17 @@ class Engine:
             )
         return int(pages) + 1
 
+    def _host_pool_pages(self, device_pages: int) -> int:
+        """Host pages + the reserved page 0: --hicache-size GB, else --hicache-ratio x device."""
+        cfg = self.config
+        if cfg.hicache_size > 0:
+            pages = int(cfg.hicache_size * 1e9 // self.pool.bytes_per_page)
+        else:
+            pages = int((device_pages - 1) * cfg.hicache_ratio)
+        if pages < 1:
+            raise ConfigError("the host KV pool would hold no page; raise --hicache-size or --hicache-ratio.")
+        return pages + 1
+
     # ---- requests ------------------------------------------------------------------------
     def _make_request(self, prompt: Prompt, sampling: SamplingParams, cache_salt: str | None) -> Request:
         sampling.validate()
@@ -96,7 +120,7 @@ class Engine:
         if min(ids) < 0 or max(ids) >= vocab:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab}).")
         if len(ids) >= self.context_length:
-            raise InvalidRequestError(
+            raise ContextLengthError(
                 f"the prompt has {len(ids)} tokens but the context length is {self.context_length}; "
                 "shorten it so at least one output token fits."
             )
@@ -125,6 +149,7 @@ class Engine:
             sampling = [sampling or SamplingParams() for _ in prompts]
         if len(sampling) != len(prompts):
             raise InvalidRequestError(f"got {len(sampling)} sampling params for {len(prompts)} prompts.")
+        self._check_driver("generate")
         reqs = [self._make_request(p, s, cache_salt) for p, s in zip(prompts, sampling)]
         for req in reqs:
             self.scheduler.add(req)
@@ -148,16 +173,23 @@ class Engine:
     # ---- cache control and introspection -------------------------------------------------
     def flush_cache(self) -> bool:
         """Empty the prefix cache. Refused (False) while requests are in flight."""
+        self._check_driver("flush_cache")
         if self.scheduler.has_work():
             return False
         self.cache.flush()
         logger.info("cache flushed")
         return True
 
+    def _check_driver(self, what: str) -> None:
+        if self._driver_thread is not None and threading.get_ident() != self._driver_thread:
+            raise HicacheError(
+                f"Engine.{what} cannot be called while an EngineLoop drives this engine; go through the loop."
+            )
+
     def stats(self) -> dict[str, Any]:
         s = self.cache.stats
         hits = {"device": s.device_hit_tokens, "host": s.host_hit_tokens, "storage": s.storage_hit_tokens}
-        return {
+        out = {
             "prompt_tokens": s.prompt_tokens,
             "hit_tokens": hits,
             "hit_rate": (sum(hits.values()) / s.prompt_tokens) if s.prompt_tokens else 0.0,
@@ -166,11 +198,22 @@ class Engine:
             "running_requests": len(self.scheduler.running),
             "waiting_requests": len(self.scheduler.waiting),
         }
+        host = self.cache.host_usage()
+        if host is not None:
+            out["host_pool"] = host
+            out["evicted_host_pages"] = s.evicted_host_pages
+            out["transfers"] = {
+                "backup_tokens": s.backup_tokens, "backup_bytes": s.backup_bytes,
+                "load_tokens": s.load_tokens, "load_bytes": s.load_bytes,
+                "load_time_s": s.load_time_s, "backup_skipped_pages": s.backup_skipped_pages,
+            }
+        return out
 
     def shutdown(self) -> None:
         """Drop requests and free the model and pools."""
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):
             self.scheduler.abort(req.rid)
+        self.cache.shutdown()
         self.runner = self.scheduler = self.pool = self.cache = self.loaded = None  # type: ignore[assignment]
 
     def __enter__(self) -> "Engine":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -41,6 +41,9 @@ class Request:
     finish_time: float = 0.0
     finish_reason: str = ""
     text: str = ""
+    # Called on the scheduler thread after each new token and once more when finished
+    # (status FINISHED); a server uses it to stream. Must be cheap and must not raise.
+    on_update: Optional[Callable[["Request"], None]] = field(default=None, repr=False)
     tokens_np: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -57,6 +57,8 @@ class Scheduler:
             if req.rid == rid:
                 self.waiting.remove(req)
                 req.status, req.finish_reason = Status.FINISHED, "abort"
+                if req.on_update is not None:
+                    req.on_update(req)
                 return True
         for req in self.running:
             if req.rid == rid:
@@ -69,14 +71,19 @@ class Scheduler:
         """Run one prefill batch if any prompt work is ready, else one decode batch.
         Returns the requests that finished in this step."""
         self.num_steps += 1
+        # Transfer acks change lock state only here, at a fixed point of the step, and only as
+        # many as counted (one rank: what is ready; several ranks: an agreed count).
+        self.cache.consume_acks(self.cache.ack_counts())
         finished: list[Request] = []
         prefill = self._schedule_prefill()
+        self.cache.submit_transfers()  # load-backs must be in flight before the forward waits on them
         if prefill:
             self._run_prefill(prefill, finished)
         else:
             decode = [r for r in self.running if r.status is Status.DECODE]
             if decode:
                 self._run_decode(decode, finished)
+        self.cache.submit_transfers()  # backups of what finished in this step
         return finished
 
     def _schedule_prefill(self) -> list[tuple[Request, int]]:
@@ -104,7 +111,7 @@ class Scheduler:
         if kv is None:
             return False
         req.kv = kv
-        req.computed = kv.device_hit_tokens
+        req.computed = kv.device_hit_tokens + kv.host_hit_tokens
         req.status = Status.PREFILL
         req.admitted_time = time.perf_counter()
         logger.info(
@@ -159,6 +166,8 @@ class Scheduler:
         if reason:
             self._finish(req, reason)
             finished.append(req)
+        elif req.on_update is not None:
+            req.on_update(req)
 
     def _finish(self, req: Request, reason: str) -> None:
         self.cache.release(req.namespace, req.tokens_with_kv(), req.kv)
@@ -170,6 +179,8 @@ class Scheduler:
         cut = _stop_index(req.text, req.sampling.stop_strings)
         if cut >= 0:  # the stop string itself is not part of the answer
             req.text = req.text[:cut]
+        if req.on_update is not None:
+            req.on_update(req)
         logger.info(
             "finish rid=%d reason=%s prompt=%d output=%d ttft=%.3fs e2e=%.3fs",
             req.rid, reason, len(req.prompt_ids), len(req.output_ids),

@@ -1,0 +1,168 @@
+"""Device <-> host transfers: queued, executed asynchronously, acknowledged in order.
+
+Each submitted operation executes on a worker thread (one per direction, FIFO), layer by
+layer, setting one ready event per layer and a done event at the end. On CUDA the worker runs
+its copies on its own stream, ordered after the compute that produced the data, and
+synchronizes that stream before setting each event; on CPU the copies are plain torch ops that
+release the GIL while they run.
+
+The scheduler thread never looks at events to change cache state. It asks how many leading
+acks are ready (:meth:`ready_count`), decides how many to consume (today: that count; with
+several ranks: an agreed count), and :meth:`pop` hands back exactly that many, waiting for any
+that are not locally done yet (DESIGN invariant 3).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from .host_pool import HostKVPool, as_index, copy_pages, device_page_view
+from .pools import DeviceKVPool
+
+logger = logging.getLogger(__name__)
+
+BACKUP, LOAD = "backup", "load"
+
+
+@dataclass
+class TransferOp:
+    """One merged copy between device pages and host pages (same length, same order)."""
+
+    op_id: int
+    kind: str  # BACKUP (device -> host) | LOAD (host -> device)
+    device_pages: np.ndarray
+    host_pages: np.ndarray
+    payload: list = field(default_factory=list)  # what the cache attaches (nodes to unlock)
+    layer_done: list[threading.Event] = field(default_factory=list)
+    done: threading.Event = field(default_factory=threading.Event)
+    submit_time: float = 0.0
+    finish_time: float = 0.0
+    error: Optional[BaseException] = None
+    after_compute: Optional[object] = None  # CUDA event: the data's producer on the compute stream
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.device_pages)
+
+
+class TransferController:
+    def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool) -> None:
+        self.device_pool = device_pool
+        self.host_pool = host_pool
+        self.num_layers = len(device_pool.k_buffers)
+        self.cuda = device_pool.k_buffers[0].is_cuda
+        self._ids = itertools.count()
+        self._acks: dict[str, deque[TransferOp]] = {BACKUP: deque(), LOAD: deque()}
+        self._last_load: TransferOp | None = None
+        # Test hook (fault injection): seconds to sleep before copying each layer of an op.
+        self.delay_fn: Callable[[TransferOp, int], float] | None = None
+        self._queues = {kind: queue.Queue() for kind in (BACKUP, LOAD)}
+        self._workers = [
+            threading.Thread(target=self._work, args=(kind,), name=f"hicache-{kind}", daemon=True)
+            for kind in (BACKUP, LOAD)
+        ]
+        for w in self._workers:
+            w.start()
+
+    # ---- scheduler-thread API ------------------------------------------------------------
+    def submit(self, kind: str, device_pages: np.ndarray, host_pages: np.ndarray, payload: list) -> TransferOp:
+        assert len(device_pages) == len(host_pages) > 0
+        op = TransferOp(next(self._ids), kind, np.asarray(device_pages), np.asarray(host_pages), payload,
+                        [threading.Event() for _ in range(self.num_layers)], submit_time=time.perf_counter())
+        if self.cuda:
+            op.after_compute = torch.cuda.Event()
+            op.after_compute.record(torch.cuda.current_stream(device_pool_device(self.device_pool)))
+        self._acks[kind].append(op)
+        if kind == LOAD:
+            self._last_load = op
+        self._queues[kind].put(op)
+        return op
+
+    def ready_count(self, kind: str) -> int:
+        """How many leading ops of ``kind`` have finished locally."""
+        n = 0
+        for op in self._acks[kind]:
+            if not op.done.is_set():
+                break
+            n += 1
+        return n
+
+    def pending(self, kind: str) -> int:
+        return len(self._acks[kind])
+
+    def pop(self, kind: str, n: int) -> list[TransferOp]:
+        """Remove exactly the first ``n`` acks of ``kind``, waiting for any still running."""
+        ops = [self._acks[kind].popleft() for _ in range(n)]
+        for op in ops:
+            op.done.wait()
+            if op.error is not None:
+                raise RuntimeError(f"{kind} transfer {op.op_id} failed") from op.error
+        return ops
+
+    def wait_layer(self, layer: int) -> None:
+        """Block until every load submitted so far has finished ``layer`` (loads run FIFO)."""
+        op = self._last_load
+        if op is not None and not op.done.is_set():
+            op.layer_done[layer].wait()
+
+    def shutdown(self) -> None:
+        for kind in (BACKUP, LOAD):
+            self._queues[kind].put(None)
+        for w in self._workers:
+            w.join(timeout=5)
+
+    # ---- worker threads ------------------------------------------------------------------
+    def _work(self, kind: str) -> None:
+        stream = torch.cuda.Stream(device_pool_device(self.device_pool)) if self.cuda else None
+        while True:
+            op = self._queues[kind].get()
+            if op is None:
+                return
+            try:
+                if stream is not None:
+                    with torch.cuda.stream(stream):
+                        stream.wait_event(op.after_compute)
+                        self._run(op, stream)
+                else:
+                    self._run(op, None)
+            except BaseException as e:  # surfaced to the scheduler by pop()
+                op.error = e
+                logger.error("%s transfer %d of %d pages failed: %s", op.kind, op.op_id, op.num_pages, e)
+            finally:
+                for ev in op.layer_done:
+                    ev.set()
+                op.finish_time = time.perf_counter()
+                op.done.set()
+
+    def _run(self, op: TransferOp, stream) -> None:
+        ps = self.device_pool.page_size
+        dev_idx, host_idx = as_index(op.device_pages), as_index(op.host_pages)
+        if self.cuda:
+            dev_idx = dev_idx.to(self.device_pool.k_buffers[0].device)
+        for layer in range(self.num_layers):
+            if self.delay_fn is not None:
+                time.sleep(self.delay_fn(op, layer))
+            for kv, bufs in ((0, self.device_pool.k_buffers), (1, self.device_pool.v_buffers)):
+                dev = device_page_view(bufs[layer], ps)
+                host = self.host_pool.page_view(layer, kv)
+                if op.kind == BACKUP:
+                    copy_pages(dev, dev_idx, host, host_idx)
+                else:
+                    copy_pages(host, host_idx, dev, dev_idx)
+            if stream is not None:
+                stream.synchronize()
+            op.layer_done[layer].set()
+
+
+def device_pool_device(pool: DeviceKVPool) -> torch.device:
+    return pool.k_buffers[0].device

@@ -1,0 +1,195 @@
+"""L2 host tier: host hits keep greedy output (every write policy, both layouts), randomized
+transfer delays keep the tree invariants, layer-wise load-back overlaps compute, a split
+during a pending backup keeps both fragments' data, and impossible setups fail clearly."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from hicache import Engine, SamplingParams
+from hicache.cache.controller import BACKUP, LOAD
+from hicache.cache.host_pool import HostKVPool
+from hicache.cache.manager import KVCacheManager
+from hicache.cache.pools import DeviceKVPool
+from hicache.config import ConfigError
+
+GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def plain() -> Engine:
+    return Engine("random:tiny", dtype="float32", page_size=4, max_total_tokens=4096, disable_radix_cache=True)
+
+
+def small_device_engine(**kw) -> Engine:
+    opts = dict(dtype="float32", page_size=4, max_total_tokens=320, enable_hierarchical_cache=True, hicache_ratio=4.0)
+    opts.update(kw)
+    return Engine(opts.pop("model", "random:tiny"), **opts)
+
+
+def assert_balanced(engine: Engine) -> None:
+    u, h = engine.cache.usage(), engine.cache.host_usage()
+    assert u["free_pages"] + u["cached_pages"] + u["request_pages"] == u["capacity_pages"]
+    assert h["free_pages"] + h["cached_pages"] == h["capacity_pages"]
+    engine.cache.tree.check_invariants()
+
+
+def conversations(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(5, 250) for _ in range(8)]
+    return [shared + [rng.randrange(5, 250) for _ in range(32)] for _ in range(n)]
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
+def test_host_hits_keep_greedy_output(plain: Engine, policy: str, layout: str) -> None:
+    engine = small_device_engine(hicache_write_policy=policy, hicache_mem_layout=layout)
+    convs = conversations(6, seed=5)
+    host_hits = 0
+    for turn in range(3):
+        for i, conv in enumerate(convs):
+            res = engine.generate([conv], GREEDY)[0]
+            assert res.output_ids == plain.generate([conv], GREEDY)[0].output_ids, (turn, i)
+            host_hits += res.cached_tokens_details["host"]
+            convs[i] = conv + res.output_ids + [20 + turn, 21, 22]
+            assert_balanced(engine)
+    stats = engine.stats()
+    assert host_hits > 0 and stats["hit_tokens"]["host"] == host_hits
+    assert stats["transfers"]["load_tokens"] == host_hits and stats["transfers"]["backup_tokens"] > 0
+    assert stats["evicted_device_pages"] > 0
+    assert engine.flush_cache()
+    assert engine.cache.host_usage()["free_pages"] == engine.cache.host_usage()["capacity_pages"]
+    assert engine.cache.usage()["free_pages"] == engine.cache.capacity_pages
+    engine.shutdown()
+
+
+def test_random_interleavings_with_transfer_delays_keep_invariants(plain: Engine) -> None:
+    """Many short requests sharing prefixes, batched together, with every layer of every
+    transfer delayed by a random amount; invariants are checked after every scheduler step."""
+    engine = small_device_engine(max_total_tokens=128, hicache_ratio=2.0, max_running_requests=3,
+                                 chunked_prefill_size=16)
+    rng, delays = random.Random(42), random.Random(7)  # delays are drawn on the worker threads
+    engine.cache.controller.delay_fn = lambda op, layer: delays.random() * 0.003
+    heads = [[rng.randrange(5, 250) for _ in range(12)] for _ in range(8)]
+    checked = 0
+    for round_ in range(4):
+        prompts = [rng.choice(heads) + [rng.randrange(5, 250) for _ in range(rng.randrange(1, 14))] for _ in range(6)]
+        reqs = [engine._make_request(p, GREEDY, None) for p in prompts]
+        for r in reqs:
+            engine.scheduler.add(r)
+        while engine.scheduler.has_work():
+            engine.scheduler.step()
+            assert_balanced(engine)
+            checked += 1
+        for p, r in zip(prompts, reqs):
+            assert r.output_ids == plain.generate([p], GREEDY)[0].output_ids
+    assert checked > 20 and engine.stats()["hit_tokens"]["host"] > 0
+    assert engine.flush_cache()
+    assert engine.cache.host_usage()["cached_pages"] == 0 and engine.cache.tree.num_nodes() == 0
+    engine.shutdown()
+
+
+def test_layerwise_load_back_overlaps_compute() -> None:
+    """Layer 0 of the forward starts while later layers of its load are still copying."""
+    engine = small_device_engine(model="random:small", max_total_tokens=256)
+    prompt = list(range(5, 69))
+    engine.generate([prompt], GREEDY)
+    engine.cache.drain()
+    engine.cache.tree.evict(10**6)  # everything now lives on the host only
+    assert engine.cache.usage()["cached_pages"] == 0
+
+    controller = engine.cache.controller
+    controller.delay_fn = lambda op, layer: 0.05 if op.kind == LOAD else 0.0
+    loads, waits = [], {}
+    submit, wait_layer = controller.submit, engine.cache.kv_view.wait_layer
+
+    def spy_submit(kind, *a):
+        op = submit(kind, *a)
+        if kind == LOAD:
+            loads.append(op)
+        return op
+
+    def spy_wait(layer):
+        wait_layer(layer)
+        waits.setdefault(layer, time.perf_counter())
+
+    controller.submit, engine.cache.kv_view.wait_layer = spy_submit, spy_wait
+    res = engine.generate([prompt], GREEDY)[0]
+    assert res.cached_tokens_details["host"] == 60 and len(loads) == 1
+    num_layers = engine.loaded.spec.num_layers
+    assert waits[0] < loads[0].finish_time, "layer 0 should compute before the last layer is loaded"
+    assert all(waits[i] >= 0 for i in range(num_layers))
+    engine.shutdown()
+
+
+def _manager(page_size: int = 2, layers: int = 2) -> KVCacheManager:
+    pool = DeviceKVPool(layers, 1, 4, num_pages=16, page_size=page_size, dtype=torch.float32, device="cpu")
+    return KVCacheManager(pool, host_pool=HostKVPool(pool, num_pages=32), write_policy="write_through")
+
+
+def _fill(mgr: KVCacheManager, pages: np.ndarray, tokens: np.ndarray) -> None:
+    """Write a recognisable KV for each token (value = token id) into ``pages``."""
+    ps = mgr.page_size
+    for layer, (k, v) in enumerate(zip(mgr.pool.k_buffers, mgr.pool.v_buffers)):
+        for i, tok in enumerate(tokens.tolist()):
+            slot = int(pages[i // ps]) * ps + i % ps
+            k[slot] = tok + 1000 * layer
+            v[slot] = -tok - 1000 * layer
+
+
+def _read(mgr: KVCacheManager, pages: np.ndarray, n: int) -> list[float]:
+    ps = mgr.page_size
+    slots = [int(pages[i // ps]) * ps + i % ps for i in range(n)]
+    return [float(mgr.pool.k_buffers[layer][s, 0, 0]) for layer in range(len(mgr.pool.k_buffers)) for s in slots]
+
+
+def test_split_during_pending_backup_keeps_both_fragments() -> None:
+    mgr = _manager()
+    release_backup = threading.Event()
+
+    def hold_backups(op, layer) -> float:
+        if op.kind == BACKUP:
+            release_backup.wait(5)
+        return 0.0
+
+    mgr.controller.delay_fn = hold_backups
+    tokens = np.arange(10, 22, dtype=np.int32)  # 6 pages of 2
+    state = mgr.admit("ns", tokens, len(tokens))
+    _fill(mgr, state.pages, tokens)
+    mgr.release("ns", tokens, state)
+    mgr.submit_transfers()  # the backup now blocks in the worker
+    assert mgr.ack_counts()[BACKUP] == 0
+    # A request sharing the first 3 pages splits the node while its backup is pending.
+    other = np.concatenate([tokens[:6], np.array([90, 91, 92, 93], dtype=np.int32)])
+    st2 = mgr.admit("ns", other, len(other))
+    assert st2.device_hit_tokens == 6
+    mgr.tree.check_invariants()
+    release_backup.set()
+    mgr.consume_acks({BACKUP: mgr.controller.pending(BACKUP), LOAD: 0})
+    mgr.release("ns", other[:6], st2)
+    mgr.drain()
+    mgr.tree.check_invariants()
+    assert mgr.tree.protected_pages == 0
+    # Drop every device copy; both fragments come back from host with the right data.
+    mgr.tree.evict(10**6)
+    st3 = mgr.admit("ns", np.concatenate([tokens, [1]]).astype(np.int32), 14)
+    assert st3.host_hit_tokens == 12 and st3.device_hit_tokens == 0
+    mgr.submit_transfers()
+    mgr.drain()
+    assert _read(mgr, st3.pages, 12) == [float(t + 1000 * layer) for layer in range(2) for t in tokens.tolist()]
+    mgr.shutdown()
+
+
+def test_bad_setups_fail_clearly() -> None:
+    with pytest.raises(ConfigError, match="needs the radix cache"):
+        Engine("random:tiny", enable_hierarchical_cache=True, disable_radix_cache=True)
+    with pytest.raises(ConfigError, match="host memory"):
+        Engine("random:tiny", max_total_tokens=256, enable_hierarchical_cache=True, hicache_size=100000.0)
+    with pytest.raises(ConfigError, match="hicache-write-policy"):
+        Engine("random:tiny", enable_hierarchical_cache=True, hicache_write_policy="sometimes")
