@@ -26,7 +26,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from .host_pool import HostKVPool, as_index, copy_pages, device_page_view
+from .host_pool import HostKVPool, as_index, copy_pages, device_page_view, page_runs
 from .pools import DeviceKVPool
 
 logger = logging.getLogger(__name__)
@@ -66,6 +66,7 @@ class TransferController:
         self._last_load: TransferOp | None = None
         # Test hook (fault injection): seconds to sleep before copying each layer of an op.
         self.delay_fn: Callable[[TransferOp, int], float] | None = None
+        self._staging_bufs: dict[str, torch.Tensor] = {}
         self._queues = {kind: queue.Queue() for kind in (BACKUP, LOAD)}
         self._workers = [
             threading.Thread(target=self._work, args=(kind,), name=f"hicache-{kind}", daemon=True)
@@ -149,6 +150,13 @@ class TransferController:
         dev_idx, host_idx = as_index(op.device_pages), as_index(op.host_pages)
         if self.cuda:
             dev_idx = dev_idx.to(self.device_pool.k_buffers[0].device)
+        # The gather lands in a buffer this worker reuses, on the source side of the copy.
+        src_sample = self.device_pool.k_buffers[0] if op.kind == BACKUP else self.host_pool.buffer
+        staging = self._staging(op.kind, op.num_pages, src_sample)
+        src_pages, dst_pages = (op.device_pages, op.host_pages) if op.kind == BACKUP else (op.host_pages, op.device_pages)
+        runs = page_runs(src_pages, dst_pages)
+        if len(runs) > max(1, op.num_pages // 8):  # too fragmented: gather + scatter is cheaper
+            runs = None
         for layer in range(self.num_layers):
             if self.delay_fn is not None:
                 time.sleep(self.delay_fn(op, layer))
@@ -156,12 +164,26 @@ class TransferController:
                 dev = device_page_view(bufs[layer], ps)
                 host = self.host_pool.page_view(layer, kv)
                 if op.kind == BACKUP:
-                    copy_pages(dev, dev_idx, host, host_idx)
+                    copy_pages(dev, dev_idx, host, host_idx, staging, runs)
                 else:
-                    copy_pages(host, host_idx, dev, dev_idx)
+                    copy_pages(host, host_idx, dev, dev_idx, staging, runs)
             if stream is not None:
                 stream.synchronize()
             op.layer_done[layer].set()
+
+    def _staging(self, kind: str, num_pages: int, like: torch.Tensor) -> torch.Tensor:
+        """A ``[>= num_pages, page_size, kv_heads, head_dim]`` buffer owned by ``kind``'s worker,
+        grown on demand and counted in :attr:`staging_bytes`."""
+        buf = self._staging_bufs.get(kind)
+        if buf is None or buf.shape[0] < num_pages:
+            row = device_page_view(self.device_pool.k_buffers[0], self.device_pool.page_size).shape[1:]
+            buf = torch.empty((num_pages, *row), dtype=like.dtype, device=like.device)
+            self._staging_bufs[kind] = buf
+        return buf
+
+    @property
+    def staging_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._staging_bufs.values())
 
 
 def device_pool_device(pool: DeviceKVPool) -> torch.device:

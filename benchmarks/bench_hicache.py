@@ -1,0 +1,114 @@
+"""L2 host tier, measured side by side in one run:
+
+1. page copy bandwidth device<->host for each host layout vs. one contiguous copy of the same
+   bytes (SmolLM2-shaped pools: 30 layers, 3 KV heads x 64, bf16, page 16, scattered pages);
+2. TTFT of a prompt whose first K tokens are served from L2 vs. L1 vs. computed cold.
+
+    python benchmarks/bench_hicache.py [--pages 512] [--prefix 4096] [--suffix 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+from hicache import Engine, SamplingParams  # noqa: E402
+from hicache.cache.controller import BACKUP, LOAD, TransferController  # noqa: E402
+from hicache.cache.host_pool import HostKVPool  # noqa: E402
+from hicache.cache.pools import DeviceKVPool  # noqa: E402
+
+
+def best_of(fn, repeats: int = 5) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def bench_copies(num_pages: int) -> None:
+    rng = np.random.default_rng(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    pool = DeviceKVPool(30, 3, 64, num_pages=4 * num_pages + 1, page_size=16, dtype=torch.bfloat16, device=device)
+    nbytes = pool.bytes_per_page * num_pages
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty(nbytes // 2, dtype=torch.bfloat16, pin_memory=torch.cuda.is_available())
+    memcpy = best_of(lambda: dst.copy_(src))
+    print(f"copy of {num_pages} pages ({nbytes / 2**20:.0f} MiB), device={device}")
+    print(f"{'layout':>12} {'pages':>9} {'direction':>9} {'GB/s':>7} {'memcpy GB/s':>11} {'ratio':>6}")
+    for layout in ("layer_first", "page_first"):
+        host = HostKVPool(pool, 4 * num_pages + 1, layout)
+        ctl = TransferController(pool, host)
+        placements = {
+            # what the allocators hand out in steady state: a few consecutive runs
+            "runs": (np.arange(1, num_pages + 1), np.arange(num_pages + 7, 2 * num_pages + 7)),
+            "scattered": (rng.permutation(np.arange(1, pool.num_pages))[:num_pages],
+                          rng.permutation(np.arange(1, host.num_pages))[:num_pages]),
+        }
+        for placement, (dev_pages, host_pages) in placements.items():
+            for kind in (BACKUP, LOAD):
+                t = best_of(lambda: ctl.submit(kind, dev_pages, host_pages, []).done.wait())
+                print(f"{layout:>12} {placement:>9} {kind:>9} {nbytes / t / 1e9:>7.2f} "
+                      f"{nbytes / memcpy / 1e9:>11.2f} {memcpy / t:>6.2f}")
+        ctl.shutdown()
+
+
+def bench_ttft(prefix: int, suffix: int, repeats: int) -> None:
+    engine = Engine("smollm2", max_total_tokens=3 * (prefix + suffix) + 256, enable_hierarchical_cache=True)
+    vocab = engine.loaded.spec.vocab_size
+    rng = np.random.default_rng(1)
+    one = SamplingParams(max_new_tokens=1, temperature=0.0)
+
+    def run(ids):
+        return engine.generate([ids], one)[0]
+
+    run(rng.integers(100, vocab, 64).tolist())  # warm up
+    cold, l1, l2, alone = [], [], [], []
+    for _ in range(repeats):
+        head = rng.integers(100, vocab, prefix).tolist()
+        tail = rng.integers(100, vocab, suffix).tolist()
+        engine.flush_cache()
+        cold.append(run(head + tail).ttft_s)
+        engine.flush_cache()
+        run(head + [1])
+        engine.cache.drain()  # backups acknowledged: the prefix is in both tiers
+        l1.append(run(head + tail).ttft_s)
+        engine.cache.drain()
+        engine.cache.tree.evict(10**9)  # drop the device copies: the prefix is host-only
+        res = run(head + tail)
+        assert res.cached_tokens_details["host"] >= prefix - engine.config.page_size, res.cached_tokens_details
+        l2.append(res.ttft_s)
+        engine.flush_cache()
+        alone.append(run(tail).ttft_s)
+    c, a, b, s = (statistics.median(x) for x in (cold, l1, l2, alone))
+    print(f"\nTTFT on smollm2 ({engine.config.dtype}), {prefix}-token prefix + {suffix}-token suffix, "
+          f"median of {repeats}")
+    print(f"{'cold ms':>9} {'L1-hit ms':>9} {'L2-hit ms':>9} {'suffix-only ms':>14} {'L2/L1':>6} {'cold/L2':>7}")
+    print(f"{c * 1e3:>9.1f} {a * 1e3:>9.1f} {b * 1e3:>9.1f} {s * 1e3:>14.1f} {b / a:>6.2f} {c / b:>7.1f}")
+    engine.shutdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pages", type=int, default=512)
+    ap.add_argument("--prefix", type=int, default=4096)
+    ap.add_argument("--suffix", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--skip-ttft", action="store_true")
+    args = ap.parse_args()
+    bench_copies(args.pages)
+    if not args.skip_ttft:
+        bench_ttft(args.prefix, args.suffix, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
