@@ -8,3 +8,7 @@ class HicacheError(ValueError):
 
 class InvalidRequestError(HicacheError):
     """A request the engine cannot serve (bad sampling values, prompt too long, ...)."""
+
+
+class ContextLengthError(InvalidRequestError):
+    """The prompt leaves no room for output within the context length."""
