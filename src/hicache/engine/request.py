@@ -82,8 +82,10 @@ class GenerateResult:
 
     @classmethod
     def from_request(cls, req: Request) -> "GenerateResult":
-        kv = req.kv
-        details = {"device": kv.device_hit_tokens, "host": kv.host_hit_tokens, "storage": kv.storage_hit_tokens}
+        kv = req.kv  # None when aborted before admission: it never held anything
+        details = {"device": kv.device_hit_tokens, "host": kv.host_hit_tokens, "storage": kv.storage_hit_tokens} \
+            if kv is not None else {"device": 0, "host": 0, "storage": 0}
+        started = req.first_token_time > 0
         return cls(
             rid=req.rid,
             text=req.text,
@@ -93,8 +95,8 @@ class GenerateResult:
             cached_tokens=sum(details.values()),
             cached_tokens_details=details,
             finish_reason=req.finish_reason,
-            ttft_s=req.first_token_time - req.arrival_time,
-            queue_time_s=req.admitted_time - req.arrival_time,
-            forward_time_s=req.first_token_time - req.admitted_time,
-            e2e_s=req.finish_time - req.arrival_time,
+            ttft_s=req.first_token_time - req.arrival_time if started else 0.0,
+            queue_time_s=req.admitted_time - req.arrival_time if kv is not None else 0.0,
+            forward_time_s=req.first_token_time - req.admitted_time if started else 0.0,
+            e2e_s=req.finish_time - req.arrival_time if req.finish_time else 0.0,
         )

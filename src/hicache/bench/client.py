@@ -1,0 +1,144 @@
+"""Streaming OpenAI-compatible requests with client-side timing, and server probes.
+
+Times are seconds from ``time.perf_counter``. TTFT is the arrival of the first chunk carrying
+non-empty text; ITL the gaps between later text-carrying chunks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import httpx
+
+
+@dataclass
+class RequestRecord:
+    """What one request measured."""
+
+    turn: int
+    conversation: int = -1
+    ok: bool = False
+    error: str = ""
+    text: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    cached_tokens_details: dict[str, int] = field(default_factory=dict)
+    ttft_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    e2e_s: float = 0.0
+    start_s: float = 0.0
+
+
+def _error_message(body: bytes, status: int) -> str:
+    try:
+        return f"HTTP {status}: {json.loads(body)['error']['message']}"
+    except Exception:
+        return f"HTTP {status}: {body[:200].decode(errors='replace')}"
+
+
+async def stream_request(client: httpx.AsyncClient, base_url: str, model: str, rec: RequestRecord, *,
+                         messages: Optional[list[dict]] = None, prompt: Optional[str] = None, max_tokens: int,
+                         temperature: float = 0.0, ignore_eos: bool = True, extra: dict | None = None) -> RequestRecord:
+    """Send one streaming chat (``messages``) or completion (``prompt``) request, filling ``rec``."""
+    chat = messages is not None
+    payload: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
+                               "stream_options": {"include_usage": True}, **(extra or {})}
+    if ignore_eos:
+        payload["ignore_eos"] = True
+    if chat:
+        payload["messages"] = messages
+    else:
+        payload["prompt"] = prompt
+    url = f"{base_url}/v1/chat/completions" if chat else f"{base_url}/v1/completions"
+    parts: list[str] = []
+    chunks = 0
+    start = rec.start_s = time.perf_counter()
+    last = start
+    try:
+        async with client.stream("POST", url, json=payload) as resp:
+            if resp.status_code != 200:
+                rec.error = _error_message(await resp.aread(), resp.status_code)
+                return rec
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    rec.error = str(obj["error"].get("message", obj["error"]))
+                    return rec
+                if obj.get("usage"):
+                    u = obj["usage"]
+                    rec.prompt_tokens = u.get("prompt_tokens") or 0
+                    rec.completion_tokens = u.get("completion_tokens") or 0
+                    details = u.get("prompt_tokens_details") or {}
+                    rec.cached_tokens = details.get("cached_tokens") or 0
+                    rec.cached_tokens_details = dict(details.get("cached_tokens_details") or {})
+                for choice in obj.get("choices") or []:
+                    piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                    if piece:
+                        now = time.perf_counter()
+                        if not parts:
+                            rec.ttft_s = now - start
+                        else:
+                            rec.itl_s.append(now - last)
+                        last = now
+                        parts.append(piece)
+                        chunks += 1
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        rec.error = f"{type(e).__name__}: {e}"
+        return rec
+    rec.e2e_s = time.perf_counter() - start
+    rec.text = "".join(parts)
+    if not rec.completion_tokens:  # a server that does not report usage in the stream
+        rec.completion_tokens = chunks
+    if not parts:  # nothing visible came back: count TTFT as the whole request
+        rec.ttft_s = rec.e2e_s
+    rec.ok = True
+    return rec
+
+
+async def server_info(client: httpx.AsyncClient, base_url: str) -> dict[str, Any]:
+    """{"model": first served model id, "hicache": bool}."""
+    resp = await client.get(f"{base_url}/v1/models")
+    resp.raise_for_status()
+    data = resp.json().get("data") or [{}]
+    return {"model": data[0].get("id"), "hicache": data[0].get("owned_by") == "hicache"}
+
+
+async def count_tokens(client: httpx.AsyncClient, base_url: str, texts: list[str]) -> list[int]:
+    """Token counts with the server's tokenizer (hicache's ``/tokenize``)."""
+    resp = await client.post(f"{base_url}/tokenize", json={"prompt": texts})
+    resp.raise_for_status()
+    return resp.json()["counts"]
+
+
+_SAMPLE = re.compile(r'^(hicache_[a-z_]+)(?:\{([^}]*)\})?\s+(\S+)$')
+
+
+async def scrape_metrics(client: httpx.AsyncClient, base_url: str) -> dict[str, float]:
+    """hicache counters from ``/metrics`` as {"name{labels}": value}; empty when unavailable."""
+    try:
+        resp = await client.get(f"{base_url}/metrics")
+        if resp.status_code != 200:
+            return {}
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for line in resp.text.splitlines():
+        m = _SAMPLE.match(line)
+        if m:
+            out[f"{m.group(1)}{{{m.group(2) or ''}}}"] = float(m.group(3))
+    return out
+
+
+async def flush_cache(client: httpx.AsyncClient, base_url: str) -> bool:
+    resp = await client.post(f"{base_url}/flush_cache", params={"timeout": 30})
+    return resp.status_code == 200

@@ -1,0 +1,186 @@
+"""``hicache bench``: flags, optional server launch, run, report.
+
+A pure HTTP client: it imports neither torch nor the engine, so it can measure any
+OpenAI-compatible server (hicache-only features, /tokenize and /metrics, are used when the
+server is hicache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+from ..errors import HicacheError
+
+logger = logging.getLogger(__name__)
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default="http://127.0.0.1:30000", help="Server to measure (OpenAI-compatible).")
+    p.add_argument("--model", default=None, help="Model name to request (default: the server's first model).")
+    p.add_argument("--dataset-name", default="generated-shared-prefix", choices=["generated-shared-prefix", "trace"])
+    g = p.add_argument_group("generated-shared-prefix (lengths in tokens)")
+    g.add_argument("--gsp-num-groups", type=int, default=4, help="Groups; one shared system prompt each.")
+    g.add_argument("--gsp-prompts-per-group", type=int, default=4, help="Conversations per group.")
+    g.add_argument("--gsp-system-prompt-len", type=int, default=512)
+    g.add_argument("--gsp-question-len", type=int, default=64, help="New user text per turn.")
+    g.add_argument("--gsp-output-len", type=int, default=32, help="max_tokens of each turn.")
+    g.add_argument("--gsp-num-turns", type=int, default=3)
+    g = p.add_argument_group("trace replay")
+    g.add_argument("--trace-file", default=None, help="JSON Lines of timestamped requests (see bench/workload.py).")
+    g.add_argument("--trace-speed", type=float, default=1.0, help="Replay speed-up factor.")
+    g.add_argument("--trace-max-tokens", type=int, default=64, help="max_tokens when a line gives none.")
+    g = p.add_argument_group("load")
+    g.add_argument("--max-concurrency", type=int, default=None, help="Most requests in flight (default: no limit).")
+    g.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="Conversation arrivals per second (Poisson); inf starts all at once.")
+    g.add_argument("--seed", type=int, default=1)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--disable-ignore-eos", action="store_true", help="Let requests stop at EOS.")
+    g.add_argument("--flush-cache", action="store_true", help="POST /flush_cache before the run (hicache).")
+    g = p.add_argument_group("output")
+    g.add_argument("--output-file", default=None, help="Write the report as JSON here.")
+    g.add_argument("--plot", default=None, help="Write a PNG (TTFT by turn, hit rate by tier) here.")
+    g.add_argument("--disable-tqdm", action="store_true")
+    g = p.add_argument_group("launch a server for the run")
+    g.add_argument("--launch-server", action="store_true",
+                   help="Start `hicache serve` on a free local port for the run, then stop it.")
+    g.add_argument("--server-args", default="--model smollm2",
+                   help="Flags for the launched server, one string (e.g. \"--model random:tiny --dtype float32\").")
+    g.add_argument("--server-timeout", type=float, default=600.0, help="Seconds to wait for the launched server.")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_server(server_args: str, timeout: float) -> tuple[subprocess.Popen, str]:
+    """Start ``hicache serve`` in a subprocess; returns (process, base URL) once /health answers."""
+    import httpx
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "hicache.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+           *shlex.split(server_args)]
+    print(f"launching: {' '.join(shlex.quote(c) for c in cmd)}", file=sys.stderr)
+    proc = subprocess.Popen(cmd)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise HicacheError(f"the launched server exited with status {proc.returncode} before it was ready.")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.terminate()
+    raise HicacheError(f"the launched server was not ready within {timeout:.0f} s.")
+
+
+async def _run(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
+    import httpx
+    from tqdm import tqdm
+
+    from .client import count_tokens, flush_cache, scrape_metrics, server_info
+    from .report import summarize
+    from .runner import run_conversations, run_trace
+    from .workload import WORDS, generated_shared_prefix, load_trace, random_text
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0), limits=limits) as client:
+        try:
+            info = await server_info(client, base_url)
+        except httpx.HTTPError as e:
+            raise HicacheError(f"cannot reach {base_url}/v1/models: {e}.") from None
+        model = args.model or info["model"]
+        workload: dict[str, Any] = {"base_url": base_url, "model": model, "server_is_hicache": info["hicache"],
+                                    "max_concurrency": args.max_concurrency, "request_rate": args.request_rate,
+                                    "seed": args.seed}
+        if args.dataset_name == "trace":
+            if not args.trace_file:
+                raise HicacheError("--dataset-name trace needs --trace-file FILE.")
+            try:
+                reqs = load_trace(args.trace_file, args.trace_max_tokens)
+            except (OSError, ValueError) as e:
+                raise HicacheError(f"cannot read the trace: {e}.") from None
+            total = len(reqs)
+            workload.update(name=f"trace {os.path.basename(args.trace_file)} ({total} requests, x{args.trace_speed})")
+        else:
+            import random
+
+            tpw = 1.0
+            if info["hicache"]:  # measure words -> tokens with the server's tokenizer
+                sample = random_text(random.Random(args.seed + 7), 2000)
+                tpw = (await count_tokens(client, base_url, [sample]))[0] / 2000
+            convs = generated_shared_prefix(args.gsp_num_groups, args.gsp_prompts_per_group,
+                                            args.gsp_system_prompt_len, args.gsp_question_len, args.gsp_num_turns,
+                                            args.seed, tpw)
+            total = len(convs) * args.gsp_num_turns
+            workload.update(
+                name=(f"generated-shared-prefix {args.gsp_num_groups} groups x {args.gsp_prompts_per_group} "
+                      f"conversations x {args.gsp_num_turns} turns"),
+                tokens_per_word=tpw, num_words=len(WORDS),
+                **{k: getattr(args, k) for k in ("gsp_system_prompt_len", "gsp_question_len", "gsp_output_len")},
+            )
+            if info["hicache"]:
+                systems = sorted({c.system for c in convs})
+                qs = [q for c in convs for q in c.questions]
+                counts = await count_tokens(client, base_url, systems + qs)
+                workload["measured_system_prompt_len"] = sum(counts[: len(systems)]) / len(systems)
+                workload["measured_question_len"] = sum(counts[len(systems):]) / max(len(qs), 1)
+        if args.flush_cache and info["hicache"] and not await flush_cache(client, base_url):
+            raise HicacheError("the server refused /flush_cache (requests still running).")
+
+        before = await scrape_metrics(client, base_url) if info["hicache"] else {}
+        bar = tqdm(total=total, desc="bench", unit="req", disable=args.disable_tqdm, file=sys.stderr)
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        common = dict(max_concurrency=args.max_concurrency, temperature=args.temperature,
+                      ignore_eos=not args.disable_ignore_eos, on_done=bar.update)
+        if args.dataset_name == "trace":
+            records = await run_trace(client, base_url, model, reqs, speed=args.trace_speed, **common)
+        else:
+            records = await run_conversations(client, base_url, model, convs, output_len=args.gsp_output_len,
+                                              request_rate=args.request_rate, seed=args.seed, **common)
+        duration, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        bar.close()
+        after = await scrape_metrics(client, base_url) if info["hicache"] else {}
+    return summarize(records, duration, workload, before, after, cpu)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from .report import format_report, plot_report
+
+    proc = None
+    base_url = args.base_url.rstrip("/")
+    try:
+        if args.launch_server:
+            proc, base_url = launch_server(args.server_args, args.server_timeout)
+        rep = asyncio.run(_run(args, base_url))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    print(format_report(rep))
+    if args.output_file:
+        with open(args.output_file, "w", encoding="utf-8") as f:
+            json.dump(rep, f, indent=2)
+        print(f"report written to {args.output_file}", file=sys.stderr)
+    if args.plot:
+        plot_report(rep, args.plot)
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    return 0 if rep["completed"] else 1

@@ -1,0 +1,249 @@
+"""EngineLoop: drives one Engine from a background thread for concurrent callers (the server).
+
+The loop thread is the only thread that touches the scheduler and the cache (DESIGN invariant
+3). Callers post commands to it through a thread-safe queue (add, abort, call) and receive
+token updates through ``Request.on_update``, forwarded into an asyncio queue of the caller's
+event loop with ``call_soon_threadsafe``. ``Engine.generate`` stays the in-process way to drive
+an engine; it refuses to run while a loop drives the same engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence, Union
+
+from ..errors import HicacheError
+from .engine import Engine
+from .request import GenerateResult, Request, Status
+from .sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Prompt = Union[str, Sequence[int]]
+
+
+@dataclass
+class Update:
+    """New output since the previous update of one request."""
+
+    token_ids: list[int]  # tokens appended since the previous update
+    num_output_tokens: int  # output tokens so far
+    finished: bool
+    result: Optional[GenerateResult] = None  # set on the final update
+
+
+class RequestHandle:
+    """A submitted request as seen from an asyncio event loop: ``async for update in handle``."""
+
+    def __init__(self, req: Request, aio_loop: asyncio.AbstractEventLoop) -> None:
+        self.rid = req.rid
+        self.prompt_tokens = len(req.prompt_ids)
+        self.max_new_tokens = req.max_new_tokens
+        self.finished = False
+        self.result: Optional[GenerateResult] = None
+        self._aio_loop = aio_loop
+        self._queue: asyncio.Queue[Update] = asyncio.Queue()
+        self._sent = 0  # output tokens already forwarded; touched by the loop thread only
+
+    def _push(self, req: Request) -> None:
+        """``Request.on_update``: runs on the loop thread, cheap, never raises."""
+        n = len(req.output_ids)
+        done = req.status is Status.FINISHED
+        upd = Update(req.output_ids[self._sent : n], n, done, GenerateResult.from_request(req) if done else None)
+        self._sent = n
+        try:
+            self._aio_loop.call_soon_threadsafe(self._queue.put_nowait, upd)
+        except RuntimeError:  # the caller's event loop is closed: nobody listens any more
+            pass
+
+    def __aiter__(self) -> "RequestHandle":
+        return self
+
+    async def __anext__(self) -> Update:
+        if self.finished:
+            raise StopAsyncIteration
+        upd = await self._queue.get()
+        if upd.finished:
+            self.finished, self.result = True, upd.result
+        return upd
+
+    async def wait(self) -> GenerateResult:
+        """Consume updates until the request finishes; returns its result."""
+        async for _ in self:
+            pass
+        assert self.result is not None
+        return self.result
+
+
+class EngineLoop:
+    """Runs ``engine.scheduler.step()`` on a dedicated thread while there is work.
+
+    ``on_finish(result)`` (optional) is called on the loop thread once per finished request, e.g.
+    to update metrics; it must be cheap and must not raise.
+    """
+
+    def __init__(self, engine: Engine, on_finish: Callable[[GenerateResult], None] | None = None) -> None:
+        self.engine = engine
+        self.on_finish = on_finish
+        self._cmds: queue.Queue[tuple] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._inflight = 0  # submitted and not yet finished
+        self.error: BaseException | None = None  # set if the loop thread died
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def start(self) -> "EngineLoop":
+        if self._thread is not None:
+            raise HicacheError("the engine loop is already running.")
+        if self.engine._driver_thread is not None:
+            raise HicacheError("another EngineLoop already drives this engine.")
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(ready,), name="hicache-engine-loop", daemon=True)
+        self._thread.start()
+        ready.wait()
+        logger.info("engine loop started")
+        return self
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        """Abort what is left, stop the thread and hand the engine back to in-process use."""
+        if self._thread is None:
+            return
+        self._cmds.put(("stop",))
+        self._thread.join(timeout)
+        self._thread = None
+        logger.info("engine loop stopped")
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_inflight(self) -> int:
+        """Requests submitted and not finished (queued, waiting or running)."""
+        return self._inflight
+
+    # ---- commands (any thread) -----------------------------------------------------------
+    def submit(
+        self,
+        prompt: Prompt,
+        sampling: SamplingParams,
+        cache_salt: str | None = None,
+        aio_loop: asyncio.AbstractEventLoop | None = None,
+    ) -> RequestHandle:
+        """Validate on the caller's thread (raises InvalidRequestError) and queue the request.
+        Call from a coroutine, or pass the event loop that will consume the handle."""
+        if not self.alive:
+            raise HicacheError("the engine loop is not running.")
+        req = self.engine._make_request(prompt, sampling, cache_salt)
+        handle = RequestHandle(req, aio_loop or asyncio.get_running_loop())
+        req.on_update = handle._push
+        with self._lock:
+            self._inflight += 1
+        self._cmds.put(("add", req))
+        return handle
+
+    def abort(self, rid: int) -> None:
+        """Drop a request wherever it is; frees what it holds. No-op once it has finished."""
+        self._cmds.put(("abort", rid))
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run ``fn()`` on the loop thread between two steps; its result comes back in the future."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if not self.alive:
+            fut.set_exception(HicacheError("the engine loop is not running."))
+            return fut
+        self._cmds.put(("call", fn, fut))
+        return fut
+
+    async def acall(self, fn: Callable[[], Any]) -> Any:
+        return await asyncio.wrap_future(self.call(fn))
+
+    async def flush(self, timeout: float = 0.0, poll_s: float = 0.05) -> bool:
+        """Empty the cache once no request is in flight, waiting up to ``timeout`` seconds.
+        False when requests were still running at the deadline."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(timeout, 0.0)
+        while True:
+            if await self.acall(self.engine.flush_cache):
+                return True
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(poll_s)
+
+    async def stats(self) -> dict[str, Any]:
+        """``Engine.stats()`` taken on the loop thread."""
+        return await self.acall(self.engine.stats)
+
+    # ---- the loop thread -----------------------------------------------------------------
+    def _run(self, ready: threading.Event) -> None:
+        eng = self.engine
+        eng._driver_thread = threading.get_ident()
+        ready.set()
+        sched = eng.scheduler
+        try:
+            while True:
+                if not sched.has_work() and eng.cache.has_pending_transfers():
+                    eng.cache.drain()  # idle: apply outstanding acks so no lock outlives its transfer
+                if not self._drain(block=not sched.has_work()):
+                    break
+                if sched.has_work():
+                    for req in sched.step():
+                        self._finished(req)
+        except BaseException as e:  # a bug: fail every request rather than hang its client
+            self.error = e
+            logger.exception("engine loop crashed; aborting all requests")
+        finally:
+            for req in list(sched.running) + list(sched.waiting):
+                try:
+                    sched.abort(req.rid)
+                    self._finished(req)
+                except Exception:
+                    logger.exception("abort rid=%d failed", req.rid)
+            eng._driver_thread = None
+
+    def _drain(self, block: bool) -> bool:
+        """Apply queued commands (waiting for one when ``block``). False on stop."""
+        try:
+            cmd = self._cmds.get(block=block)
+        except queue.Empty:
+            return True
+        while True:
+            kind = cmd[0]
+            if kind == "stop":
+                return False
+            if kind == "add":
+                self.engine.scheduler.add(cmd[1])
+            elif kind == "abort":
+                self._abort(cmd[1])
+            elif kind == "call":
+                fut: concurrent.futures.Future = cmd[2]
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(cmd[1]())
+                    except BaseException as e:
+                        fut.set_exception(e)
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _abort(self, rid: int) -> None:
+        sched = self.engine.scheduler
+        req = next((r for r in list(sched.waiting) + sched.running if r.rid == rid), None)
+        if req is not None and sched.abort(rid):
+            logger.info("abort rid=%d output=%d", rid, len(req.output_ids))
+            self._finished(req)
+
+    def _finished(self, req: Request) -> None:
+        with self._lock:
+            self._inflight -= 1
+        if self.on_finish is not None:
+            try:
+                self.on_finish(GenerateResult.from_request(req))
+            except Exception:
+                logger.exception("on_finish failed for rid=%d", req.rid)

@@ -1,0 +1,92 @@
+"""Prometheus metrics (``hicache_`` prefix) in a registry of their own per server.
+
+Per-request counters and histograms are updated on the engine-loop thread when a request
+finishes; gauges are refreshed from ``Engine.stats()`` (taken on the loop thread) at scrape
+time. Tiers and pools are read from whatever ``stats()`` reports, so a new tier shows up
+without a code change here.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+from ..engine.request import GenerateResult
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_EVICTED = re.compile(r"^evicted_(\w+)_pages$")
+disable_created_metrics()  # no `*_created` series: they double the scrape for nothing here
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.prompt_tokens = Counter("hicache_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter("hicache_generation_tokens", "Generated tokens of finished requests.", registry=r)
+        self.cached_tokens = Counter("hicache_cached_tokens", "Prompt tokens served from the cache, by tier.",
+                                     ["tier"], registry=r)
+        self.requests = Counter("hicache_requests", "Finished requests by finish reason (stop, length, abort).",
+                                ["finish_reason"], registry=r)
+        self.running = Gauge("hicache_num_running_requests", "Requests admitted and running.", registry=r)
+        self.waiting = Gauge("hicache_num_waiting_requests", "Requests queued for admission.", registry=r)
+        self.pool_usage = Gauge("hicache_pool_usage_ratio", "Used fraction of a KV pool (request + cached pages).",
+                                ["pool"], registry=r)
+        self.pool_pages = Gauge("hicache_pool_pages", "KV pool pages by state.", ["pool", "state"], registry=r)
+        self.hit_rate = Gauge("hicache_cache_hit_rate", "Cached prompt tokens / prompt tokens since start.", registry=r)
+        self.other = Gauge("hicache_engine_stat", "Other numeric groups of Engine.stats() (e.g. transfers), as reported.",
+                           ["group", "field"], registry=r)
+        self.evicted = Counter("hicache_evicted_pages", "Pages evicted from a tier.", ["tier"], registry=r)
+        self.ttft = Histogram("hicache_time_to_first_token_seconds", "Arrival to first token.",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("hicache_e2e_request_latency_seconds", "Arrival to finish.", buckets=LATENCY_BUCKETS,
+                             registry=r)
+        self.queue_time = Histogram("hicache_queue_time_seconds", "Arrival to admission.", buckets=LATENCY_BUCKETS,
+                                    registry=r)
+        self._evicted_seen: dict[str, float] = {}
+        for tier in ("device", "host", "storage"):
+            self.cached_tokens.labels(tier=tier)
+
+    def observe_finished(self, res: GenerateResult) -> None:
+        """Called on the engine-loop thread once per finished request."""
+        self.requests.labels(finish_reason=res.finish_reason or "unknown").inc()
+        self.prompt_tokens.inc(res.prompt_tokens)
+        self.generation_tokens.inc(res.completion_tokens)
+        for tier, n in res.cached_tokens_details.items():
+            self.cached_tokens.labels(tier=tier).inc(n)
+        if res.completion_tokens and res.ttft_s > 0:
+            self.ttft.observe(res.ttft_s)
+        if res.e2e_s > 0:
+            self.e2e.observe(res.e2e_s)
+        if res.queue_time_s > 0:
+            self.queue_time.observe(res.queue_time_s)
+
+    def update_from_stats(self, stats: dict[str, Any]) -> None:
+        """Refresh gauges from ``Engine.stats()``: every ``*_pool`` dict becomes a pool."""
+        self.running.set(stats.get("running_requests", 0))
+        self.waiting.set(stats.get("waiting_requests", 0))
+        self.hit_rate.set(stats.get("hit_rate", 0.0))
+        for tier in stats.get("hit_tokens", {}):
+            self.cached_tokens.labels(tier=tier)
+        for key, value in stats.items():
+            if key.endswith("_pool") and isinstance(value, dict):
+                pool = key[: -len("_pool")]
+                for field, n in value.items():
+                    if field.endswith("_pages") and isinstance(n, (int, float)):
+                        self.pool_pages.labels(pool=pool, state=field[: -len("_pages")]).set(n)
+                cap, free = value.get("capacity_pages"), value.get("free_pages")
+                if cap:
+                    self.pool_usage.labels(pool=pool).set(1.0 - free / cap if free is not None else 0.0)
+            elif key != "hit_tokens" and isinstance(value, dict):
+                for field, n in value.items():
+                    if isinstance(n, (int, float)) and not isinstance(n, bool):
+                        self.other.labels(group=key, field=field).set(n)
+            m = _EVICTED.match(key)
+            if m and isinstance(value, (int, float)):
+                tier, prev = m.group(1), self._evicted_seen.get(m.group(1), 0)
+                self.evicted.labels(tier=tier).inc(value - prev if value >= prev else value)  # reset -> restart
+                self._evicted_seen[tier] = value
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

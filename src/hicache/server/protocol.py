@@ -1,0 +1,131 @@
+"""OpenAI-compatible request bodies (pydantic) and the error shape the server returns.
+
+Unknown fields are ignored, as OpenAI-compatible servers do; fields that would change the
+answer in ways this engine does not support (n > 1, logprobs, penalties, ...) are refused with
+one clear sentence.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class APIError(Exception):
+    """An error answered as ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields shared by both endpoints (OpenAI names; ``top_k``, ``ignore_eos``,
+    ``stop_token_ids`` and ``cache_salt`` are extensions)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = -1
+    n: int = 1
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    seed: Optional[int] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    ignore_eos: bool = False
+    cache_salt: Optional[str] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: Optional[Union[bool, int]] = None
+    user: Optional[str] = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(param, message) for the first option this engine cannot honour, else None."""
+        if self.n != 1:
+            return "n", "only n=1 is supported."
+        if self.logprobs:
+            return "logprobs", "logprobs are not supported."
+        if self.presence_penalty or self.frequency_penalty:
+            return "presence_penalty", "presence_penalty and frequency_penalty are not supported; leave them at 0."
+        return None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[str, list[TextPart]]] = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    top_logprobs: Optional[int] = None
+
+    def max_new_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    max_tokens: Optional[int] = 16
+    echo: bool = False
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.echo:
+            return "echo", "echo is not supported."
+        if self.suffix:
+            return "suffix", "suffix is not supported."
+        if self.best_of not in (None, 1):
+            return "best_of", "only best_of=1 is supported."
+        return super().unsupported()
+
+    def single_prompt(self) -> Union[str, list[int]]:
+        """The one prompt of this request (a batch of one is unwrapped)."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise APIError(400, f"one prompt per request is supported, got {len(p)}.", param="prompt")
+            return p[0]
+        return p
+
+    def max_new_tokens(self) -> Optional[int]:
+        return self.max_tokens
+
+
+class TokenizeRequest(BaseModel):
+    """``/tokenize`` (extension): token counts with the served model's tokenizer."""
+
+    prompt: Union[str, list[str]]
+    return_ids: bool = False

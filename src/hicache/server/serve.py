@@ -1,0 +1,64 @@
+"""Start the server: ``hicache serve`` (foreground) or :class:`ServerThread` (in-process, tests)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import uvicorn
+
+from ..engine.engine import Engine
+from ..engine.loop import EngineLoop
+from .app import create_app
+from .metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+def build(engine: Engine, served_model_name: str | None = None, max_queued_requests: int = 512):
+    """(app, loop): a started EngineLoop over ``engine`` and the app serving it."""
+    metrics = ServerMetrics()
+    loop = EngineLoop(engine, on_finish=metrics.observe_finished).start()
+    app = create_app(loop, metrics, served_model_name or engine.config.model, max_queued_requests)
+    return app, loop
+
+
+def run_server(engine: Engine, host: str, port: int, served_model_name: str | None = None,
+               max_queued_requests: int = 512, log_level: str = "warning") -> None:
+    """Serve until interrupted (blocks)."""
+    app, loop = build(engine, served_model_name, max_queued_requests)
+    logger.warning("hicache serving %s on http://%s:%d", served_model_name or engine.config.model, host, port)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
+    finally:
+        loop.stop()
+
+
+class ServerThread:
+    """Uvicorn in a background thread on 127.0.0.1 (port 0 = any free port)."""
+
+    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0, **kw: Any) -> None:
+        self.app, self.loop = build(engine, **kw)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port, log_level="warning",
+                                                    access_log=False, lifespan="off"))
+        self._thread = threading.Thread(target=self.server.run, name="hicache-http", daemon=True)
+        self.host = host
+
+    def start(self, timeout: float = 30.0) -> str:
+        """Start and return the base URL (``http://host:port``)."""
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the HTTP server did not start.")
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.base_url = f"http://{self.host}:{port}"
+        return self.base_url
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(10)
+        self.loop.stop()
