@@ -50,8 +50,8 @@ def test_demo_runs_a_multi_turn_session() -> None:
                   "--turns", "4", "--max-new-tokens", "8")
     assert out.returncode == 0, out.stderr
     rows = [line.split() for line in out.stdout.splitlines() if line.strip()[:1].isdigit()]
-    assert [int(r[0]) for r in rows] == [1, 2, 3, 4]
-    inputs, cached = [int(r[1]) for r in rows], [int(r[2]) for r in rows]
+    assert [(int(r[0]), int(r[1])) for r in rows] == [(1, 1), (1, 2), (1, 3), (1, 4)]  # agent, turn
+    inputs, cached = [int(r[2]) for r in rows], [int(r[3]) for r in rows]
     assert cached[0] == 0
     for turn in range(1, 4):  # each turn reuses at least the previous turn's prompt (whole pages)
         assert cached[turn] >= inputs[turn - 1] - 16
@@ -64,3 +64,13 @@ def test_chat_reads_turns_from_stdin() -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("assistant>") == 2
     assert "cached" in out.stderr
+
+
+def test_demo_with_agents_and_host_tier_shows_host_hits() -> None:
+    out = hicache("demo", "--model", "random:tiny", "--dtype", "float32", "--max-total-tokens", "2048",
+                  "--agents", "3", "--turns", "3", "--max-new-tokens", "8", "--enable-hierarchical-cache")
+    assert out.returncode == 0, out.stderr
+    rows = [line.split() for line in out.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert len(rows) == 9
+    assert sum(int(r[5]) for r in rows) > 0, out.stdout  # host-tier hits
+    assert "host tier on" in out.stdout

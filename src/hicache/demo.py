@@ -40,34 +40,42 @@ def _tool_output(turn: int, rng: random.Random) -> str:
     return kinds[turn % len(kinds)]()
 
 
-def run_demo(engine: Engine, turns: int = 8, max_new_tokens: int = 40) -> int:
+def run_demo(engine: Engine, turns: int = 8, max_new_tokens: int = 40, agents: int = 1) -> int:
+    """``agents`` sessions take turns round-robin; with a small device pool and the host tier
+    on, each agent's history leaves the device between its turns and comes back from L2."""
     rng = random.Random(0)
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}]
-    print(f"hicache demo: {turns}-turn agent session on {engine.config.model} "
+    sessions = [[{"role": "system", "content": SYSTEM},
+                 {"role": "user", "content": f"{TASK} (workspace {a + 1})"}] for a in range(agents)]
+    host = "on" if engine.host_pool is not None else "off"
+    print(f"hicache demo: {agents} agent(s) x {turns} turns on {engine.config.model} "
           f"({engine.device}, {engine.config.dtype}, page {engine.config.page_size}, "
-          f"pool {engine.cache.capacity_pages * engine.config.page_size} tokens)\n")
-    print(f"{'turn':>4} {'input':>6} {'cached':>6} {'device':>6} {'host':>5} {'storage':>7} {'TTFT ms':>8}  reply")
+          f"device pool {engine.cache.capacity_pages * engine.config.page_size} tokens, host tier {host})\n")
+    print(f"{'agent':>5} {'turn':>4} {'input':>6} {'cached':>6} {'device':>6} {'host':>5} {'storage':>7} "
+          f"{'TTFT ms':>8}  reply")
     results = []
     for turn in range(turns):
-        res = engine.chat(messages, sampling)
-        results.append(res)
-        d = res.cached_tokens_details
-        reply = textwrap.shorten(res.text.replace("\n", " "), 60, placeholder="...")
-        print(f"{turn + 1:>4} {res.prompt_tokens:>6} {res.cached_tokens:>6} {d['device']:>6} {d['host']:>5} "
-              f"{d['storage']:>7} {res.ttft_s * 1000:>8.1f}  {reply}")
-        messages.append({"role": "assistant", "content": res.text})
-        messages.append({"role": "user", "content": f"Tool output:\n{_tool_output(turn, rng)}\nWhat next?"})
+        for a, messages in enumerate(sessions):
+            res = engine.chat(messages, sampling)
+            results.append(res)
+            d = res.cached_tokens_details
+            reply = textwrap.shorten(res.text.replace("\n", " "), 50, placeholder="...")
+            print(f"{a + 1:>5} {turn + 1:>4} {res.prompt_tokens:>6} {res.cached_tokens:>6} {d['device']:>6} "
+                  f"{d['host']:>5} {d['storage']:>7} {res.ttft_s * 1000:>8.1f}  {reply}")
+            messages.append({"role": "assistant", "content": res.text})
+            messages.append({"role": "user", "content": f"Tool output:\n{_tool_output(turn, rng)}\nWhat next?"})
 
-    last_prompt = messages[:-2]  # the final turn's prompt, replayed cold for a like-for-like TTFT
+    last_prompt = sessions[-1][:-2]  # the final turn's prompt, replayed cold for a like-for-like TTFT
     warm = results[-1]
     engine.flush_cache()
     cold = engine.chat(last_prompt, sampling)
     prompt = sum(r.prompt_tokens for r in results)
-    cached = sum(r.cached_tokens for r in results)
-    later = results[1:]
-    print(f"\nsummary: hit rate {cached / prompt:.1%} ({cached}/{prompt} prompt tokens served from cache); "
-          f"TTFT turn 1 (cold) {results[0].ttft_s * 1000:.0f} ms, later turns mean "
+    tiers = {t: sum(r.cached_tokens_details[t] for r in results) for t in ("device", "host", "storage")}
+    later = results[agents:]
+    print(f"\nsummary: hit rate {sum(tiers.values()) / prompt:.1%} of {prompt} prompt tokens "
+          f"(device {tiers['device'] / prompt:.1%}, host {tiers['host'] / prompt:.1%}, "
+          f"storage {tiers['storage'] / prompt:.1%}); TTFT first turn(s) (cold) "
+          f"{sum(r.ttft_s for r in results[:agents]) / agents * 1000:.0f} ms, later turns mean "
           f"{sum(r.ttft_s for r in later) / max(len(later), 1) * 1000:.0f} ms; last turn ({warm.prompt_tokens} "
           f"tokens) warm {warm.ttft_s * 1000:.0f} ms vs cold {cold.ttft_s * 1000:.0f} ms "
           f"({cold.ttft_s / warm.ttft_s:.1f}x faster with the cache)")

@@ -14,6 +14,7 @@ that are not locally done yet (DESIGN invariant 3).
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import queue
@@ -74,6 +75,8 @@ class TransferController:
         ]
         for w in self._workers:
             w.start()
+        # Workers must be joined before the interpreter tears torch down under them.
+        atexit.register(self.shutdown)
 
     # ---- scheduler-thread API ------------------------------------------------------------
     def submit(self, kind: str, device_pages: np.ndarray, host_pages: np.ndarray, payload: list) -> TransferOp:
@@ -117,10 +120,14 @@ class TransferController:
             op.layer_done[layer].wait()
 
     def shutdown(self) -> None:
+        """Stop the workers after the ops already queued (idempotent)."""
+        if not any(w.is_alive() for w in self._workers):
+            return
         for kind in (BACKUP, LOAD):
             self._queues[kind].put(None)
         for w in self._workers:
             w.join(timeout=5)
+        atexit.unregister(self.shutdown)
 
     # ---- worker threads ------------------------------------------------------------------
     def _work(self, kind: str) -> None:
