@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any, Optional, get_args, get_origin, get_type_hints
 
@@ -56,6 +57,19 @@ class EngineConfig:
         "layer_first", "Host pool layout: layer_first, or page_first (one page of all layers contiguous).",
         ("layer_first", "page_first"),
     )
+    # Storage tier (L3)
+    hicache_storage_backend: Optional[str] = _opt(
+        None, "L3 backend: 'file', 'valkey', or 'module:Class' for your own (needs --enable-hierarchical-cache)."
+    )
+    hicache_storage_backend_extra_config: Optional[str] = _opt(
+        None, 'Backend options as JSON, e.g. \'{"path": "/data/kv", "max_bytes": 10000000000}\'.'
+    )
+    hicache_storage_prefetch_policy: str = _opt(
+        "best_effort", "How long a request waits for its storage prefetch.", ("best_effort", "wait_complete", "timeout")
+    )
+    hicache_storage_prefetch_threshold: int = _opt(256, "Least uncached prompt tokens for which storage is asked.")
+    hicache_storage_prefetch_timeout_base: float = _opt(1.0, "timeout policy: seconds a prefetch may take ...")
+    hicache_storage_prefetch_timeout_per_1k_tokens: float = _opt(0.25, "... plus this many seconds per 1K tokens.")
     # Scheduling
     chunked_prefill_size: int = _opt(2048, "Most prompt tokens computed in one prefill step (a long prompt is chunked).")
     max_running_requests: int = _opt(32, "Most requests decoding at once.")
@@ -84,6 +98,15 @@ class EngineConfig:
             raise ConfigError("--enable-hierarchical-cache needs the radix cache; drop --disable-radix-cache.")
         if self.hicache_ratio <= 0 or self.hicache_size < 0:
             raise ConfigError("--hicache-ratio must be > 0 and --hicache-size >= 0.")
+        if self.hicache_storage_backend and not self.enable_hierarchical_cache:
+            raise ConfigError("--hicache-storage-backend needs --enable-hierarchical-cache (storage moves through host memory).")
+        if self.hicache_storage_backend_extra_config:
+            try:
+                extra = json.loads(self.hicache_storage_backend_extra_config)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--hicache-storage-backend-extra-config is not valid JSON ({e.msg}).") from None
+            if not isinstance(extra, dict):
+                raise ConfigError("--hicache-storage-backend-extra-config must be a JSON object.")
         if self.hicache_write_through_threshold < 1:
             raise ConfigError("--hicache-write-through-threshold must be at least 1.")
         for f in dataclasses.fields(self):

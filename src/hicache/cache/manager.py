@@ -17,6 +17,9 @@ from .controller import BACKUP, LOAD, TransferController, TransferOp
 from .host_pool import HostKVPool
 from .pools import DeviceKVPool, PageAllocator, pages_to_slots
 from .radix import RadixCache, TreeNode
+from .storage.base import StorageBackend
+from .storage.controller import PrefetchOp, StorageController
+from .storage.keys import namespace_digest, page_hashes
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +85,9 @@ class KVCacheManager:
         host_pool: HostKVPool | None = None,
         write_policy: str = "write_through",
         write_through_threshold: int = 2,
+        storage: StorageBackend | None = None,
+        prefetch_threshold: int = 256,
+        prefetch_max_host_fraction: float = 0.5,
     ) -> None:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"unknown write policy {write_policy!r}")
@@ -102,6 +108,14 @@ class KVCacheManager:
         if self.tree is not None and host_pool is not None and write_policy == "write_back":
             self.tree.backup_on_evict = self._backup_now
         self.kv_view = _KVView(pool, self.controller)
+        # L3: prefetch reserves host pages; at most this many may be held by prefetches at once.
+        self.storage = StorageController(storage, host_pool) if storage is not None else None
+        self.prefetch_threshold = prefetch_threshold
+        self.prefetch_page_limit = int(prefetch_max_host_fraction * self.host_allocator.capacity) \
+            if self.host_allocator is not None else 0
+        self.prefetch_held_pages = 0
+        self._stopped_prefetches: list[tuple[PrefetchOp, np.ndarray]] = []  # waiting for their thread
+        self._ns_digests: dict[str, bytes] = {}
         self._pending: dict[str, list[tuple[np.ndarray, np.ndarray, TreeNode | None]]] = {BACKUP: [], LOAD: []}
         self.stats = CacheStats()
 
@@ -112,7 +126,7 @@ class KVCacheManager:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def admit(self, namespace: str, tokens: np.ndarray, reserve_tokens: int) -> KVState | None:
+    def admit(self, namespace: str, tokens: np.ndarray, reserve_tokens: int, storage_tokens: int = 0) -> KVState | None:
         """Match ``tokens`` (the prompt), lock the hit and reserve pages up to ``reserve_tokens``
         (prompt + most output). A host hit gets device pages and a load-back (submitted with
         :meth:`submit_transfers`). Returns None, with nothing changed, when the pool cannot hold
@@ -155,10 +169,14 @@ class KVCacheManager:
             device_hit_tokens=len(hit_pages) * self.page_size,
             host_hit_tokens=loaded * self.page_size,
         )
+        # Pages that a prefetch just brought from storage arrive as host hits: report them as such.
+        state.storage_hit_tokens = min(storage_tokens, state.host_hit_tokens)
+        state.host_hit_tokens -= state.storage_hit_tokens
         state.refresh_slots(self.page_size)
         self.stats.prompt_tokens += len(tokens)
         self.stats.device_hit_tokens += state.device_hit_tokens
         self.stats.host_hit_tokens += state.host_hit_tokens
+        self.stats.storage_hit_tokens += state.storage_hit_tokens
         if node is not None:
             self._maybe_backup(node)
         return state
@@ -262,17 +280,31 @@ class KVCacheManager:
         """Leading acks ready on this rank, per direction (the input to agreement)."""
         if self.controller is None:
             return {BACKUP: 0, LOAD: 0}
-        return {kind: self.controller.ready_count(kind) for kind in (BACKUP, LOAD)}
+        counts = {kind: self.controller.ready_count(kind) for kind in (BACKUP, LOAD)}
+        if self.storage is not None:
+            counts["storage_backup"] = self.storage.backup_ready_count()
+        return counts
 
     def consume_acks(self, counts: dict[str, int]) -> None:
         """Apply exactly ``counts[kind]`` leading acks: unlock their nodes, count their bytes."""
         if self.controller is None:
             return
-        for kind, n in counts.items():
-            for op in self.controller.pop(kind, n) if n else ():
+        for kind in (BACKUP, LOAD):
+            for op in self.controller.pop(kind, counts.get(kind, 0)):
                 for node in op.payload:
                     self.tree.dec_lock_ref(node)
+                    if kind == BACKUP and self.storage is not None:
+                        self._backup_to_storage(node)
                 self._account(op)
+        if self.storage is not None:
+            for op in self.storage.pop_backups(counts.get("storage_backup", 0)):
+                for node in op.payload:
+                    self.tree.dec_host_ref(node)
+                    if op.failure:
+                        node.stored = False
+                if op.failure:
+                    self.storage.stats.fail(op.failure)
+            self._reap_stopped_prefetches()
 
     def _account(self, op: TransferOp) -> None:
         tokens, nbytes = op.num_pages * self.page_size, op.num_pages * self.pool.bytes_per_page
@@ -288,14 +320,120 @@ class KVCacheManager:
     def has_pending_transfers(self) -> bool:
         return self.controller is not None and (
             any(self._pending.values()) or any(self.controller.pending(k) for k in (BACKUP, LOAD))
+            or (self.storage is not None and (self.storage.pending_backups() > 0 or bool(self._stopped_prefetches)))
         )
 
     def drain(self) -> None:
-        """Submit and consume every transfer (used when idle, e.g. before a flush)."""
+        """Submit and consume every transfer, storage writes included (used when idle, e.g.
+        before a flush)."""
         if self.controller is None:
             return
         self.submit_transfers()
         self.consume_acks({kind: self.controller.pending(kind) for kind in (BACKUP, LOAD)})
+        if self.storage is not None:  # host backups just consumed may have queued storage writes
+            self.consume_acks({"storage_backup": self.storage.pending_backups()})
+            for op, _ in self._stopped_prefetches:
+                op.done.wait()
+            self._reap_stopped_prefetches()
+
+    # ---- storage tier (L3) ---------------------------------------------------------------
+    def ns_digest(self, namespace: str) -> bytes:
+        """Head of the hash chain: names the model, dtype, page size and object layout."""
+        d = self._ns_digests.get(namespace)
+        if d is None:
+            d = namespace_digest(namespace=namespace, page_size=self.page_size, dtype=str(self.pool.k_buffers[0].dtype),
+                                 object_layout="layer,kv,token,head,dim/v1",
+                                 kv_shape=list(self.pool.k_buffers[0].shape[1:]), layers=len(self.pool.k_buffers))
+            self._ns_digests[namespace] = d
+        return d
+
+    def _chain_end(self, node: TreeNode) -> bytes:
+        """The hash of the last page on the path to ``node`` (computing missing ones)."""
+        path = []
+        n = node
+        while not n.is_root and n.hash_values is None:
+            path.append(n)
+            n = n.parent
+        prev = self.ns_digest(node.namespace) if n.is_root else n.hash_values[-1]
+        for n in reversed(path):
+            n.hash_values = page_hashes(n.key, self.page_size, prev)
+            prev = n.hash_values[-1]
+        return prev
+
+    def _backup_to_storage(self, node: TreeNode) -> None:
+        """Write the host copies on the path to ``node`` that storage lacks; their host data
+        stays protected until the write's ack is consumed."""
+        path = []
+        n = node
+        while not n.is_root and not n.stored:
+            if n.host_pages is not None:
+                path.append(n)
+            n = n.parent
+        for n in reversed(path):
+            self._chain_end(n)
+            n.stored = True
+            self.tree.inc_host_ref(n)
+            self.storage.backup(self.ns_digest(n.namespace), list(n.hash_values), n.host_pages.copy(), [n])
+
+    def start_prefetch(self, namespace: str, tokens: np.ndarray) -> PrefetchOp | None:
+        """Ask storage for the prompt's pages past what the device and host tiers hold, if the
+        uncached tail is long enough and prefetches hold few enough host pages."""
+        if self.storage is None:
+            return None
+        match = self.tree.match_prefix(namespace, tokens[: len(tokens) - 1])
+        start = match.device_hit_tokens // self.page_size + match.host_hit_tokens // self.page_size
+        tail = (len(tokens) - 1) // self.page_size - start
+        if tail * self.page_size < self.prefetch_threshold or self.prefetch_held_pages + tail > self.prefetch_page_limit:
+            return None
+        host = self._alloc_host(tail)
+        if host is None:
+            return None
+        prev = self._chain_end(match.last_node) if not match.last_node.is_root else self.ns_digest(namespace)
+        hashes = page_hashes(tokens[start * self.page_size : (start + tail) * self.page_size], self.page_size, prev)
+        op = self.storage.prefetch(namespace, self.ns_digest(namespace), hashes, host)
+        op.start_page = start
+        self.prefetch_held_pages += tail
+        logger.debug("prefetch op=%d pages=%d from page %d", op.op_id, tail, start)
+        return op
+
+    @staticmethod
+    def prefetch_ack_count(op: PrefetchOp) -> int:
+        """Progress acks published so far (the input to agreement)."""
+        return len(op.progress)
+
+    def consume_prefetch_acks(self, op: PrefetchOp, n: int) -> bool:
+        """Apply the first ``n`` progress acks; True once the final one is applied."""
+        if n > op.consumed:
+            op.consumed, op.completed = n, op.progress[n - 1]
+        return op.done.is_set() and op.consumed == len(op.progress)
+
+    def finish_prefetch(self, op: PrefetchOp, tokens: np.ndarray) -> int:
+        """Stop waiting: insert the pages the consumed acks cover as host-only nodes, release
+        the rest (once the reader is done with them). Returns the tokens inserted."""
+        op.stop.set()
+        ps, done = self.page_size, op.completed
+        taken_from = self.tree.insert_host(op.namespace, tokens[: (op.start_page + done) * ps], op.host_pages[:done],
+                                           op.start_page, op.hashes[:done])
+        self.host_allocator.free(op.host_pages[:taken_from])
+        self.prefetch_held_pages -= done
+        self.storage.stats.prefetched_pages += done
+        self.storage.stats.prefetch_bytes += done * self.pool.bytes_per_page
+        if op.failure:
+            self.storage.stats.fail(op.failure)
+        self._stopped_prefetches.append((op, op.host_pages[done:]))
+        self._reap_stopped_prefetches()
+        return (done - taken_from) * ps if taken_from < done else 0
+
+    def _reap_stopped_prefetches(self) -> None:
+        """Free the unused host pages of prefetches whose reader has finished."""
+        keep = []
+        for op, unused in self._stopped_prefetches:
+            if op.done.is_set():
+                self.host_allocator.free(unused)
+                self.prefetch_held_pages -= len(unused)
+            else:
+                keep.append((op, unused))
+        self._stopped_prefetches = keep
 
 
     def flush(self) -> None:
@@ -310,6 +448,8 @@ class KVCacheManager:
         if self.controller is not None:
             self.drain()
             self.controller.shutdown()
+        if self.storage is not None:
+            self.storage.shutdown()
 
     def usage(self) -> dict:
         tree = self.tree

@@ -39,7 +39,7 @@ class TreeNode:
 
     __slots__ = (
         "id", "namespace", "key", "parent", "children", "device_pages", "host_pages",
-        "hash_values", "lock_ref", "last_access", "hit_count",
+        "hash_values", "stored", "lock_ref", "host_ref", "last_access", "hit_count",
     )
 
     def __init__(self, node_id: int, namespace: str, key: np.ndarray, parent: "TreeNode | None") -> None:
@@ -51,7 +51,9 @@ class TreeNode:
         self.device_pages: np.ndarray | None = None  # L1 page ids
         self.host_pages: np.ndarray | None = None  # L2 page ids (hierarchical cache)
         self.hash_values: list[bytes] | None = None  # per-page chained hashes (storage tier)
+        self.stored = False  # a storage backup of this node's pages was issued (L3)
         self.lock_ref = 0
+        self.host_ref = 0  # in-flight reads of the host copy (storage backups); like lock_ref, path-wide
         self.last_access = 0
         self.hit_count = 0
 
@@ -135,7 +137,8 @@ class RadixCache:
         """Cut ``node`` after ``at`` tokens (whole pages); return the new upper part."""
         pages_at = at // self.page_size
         upper = TreeNode(next(self._ids), node.namespace, node.key[:at], node.parent)
-        upper.lock_ref, upper.last_access, upper.hit_count = node.lock_ref, node.last_access, node.hit_count
+        upper.lock_ref, upper.host_ref, upper.stored = node.lock_ref, node.host_ref, node.stored
+        upper.last_access, upper.hit_count = node.last_access, node.hit_count
         if node.device_pages is not None:
             upper.device_pages, node.device_pages = node.device_pages[:pages_at], node.device_pages[pages_at:]
         if node.host_pages is not None:
@@ -262,6 +265,50 @@ class RadixCache:
                 self.evictable_pages += node.num_pages
             node = node.parent
 
+    def inc_host_ref(self, node: TreeNode) -> None:
+        """Protect the host copies of ``node`` and its ancestors from L2 eviction."""
+        while node is not None and not node.is_root:
+            node.host_ref += 1
+            node = node.parent
+
+    def dec_host_ref(self, node: TreeNode) -> None:
+        while node is not None and not node.is_root:
+            if node.host_ref <= 0:
+                raise RuntimeError(f"host unref of an unprotected node {node}")
+            node.host_ref -= 1
+            node = node.parent
+
+    def insert_host(self, namespace: str, tokens, host_pages: np.ndarray, start_page: int,
+                    hashes: list[bytes] | None = None) -> int:
+        """Insert host-only pages fetched from storage: ``host_pages[i]`` holds page
+        ``start_page + i`` of ``tokens`` (whole pages). Pages the tree already has, in any tier,
+        are not taken. Returns the index into ``host_pages`` from which the tree took ownership
+        (``len(host_pages)`` when it took none: the caller frees ``host_pages[:returned]``)."""
+        tokens = self._as_tokens(tokens)
+        node = self._root(namespace)
+        pos = 0
+        while pos < len(tokens):
+            child = node.children.get(self._page_key(tokens, pos))
+            if child is None:
+                first = pos // self.page_size - start_page
+                if first < 0:  # the prefix before the fetched pages is gone: nothing to hang them on
+                    return len(host_pages)
+                leaf = TreeNode(next(self._ids), namespace, tokens[pos:].copy(), node)
+                leaf.host_pages = np.asarray(host_pages[first:], dtype=np.int64).copy()
+                if hashes is not None:
+                    leaf.hash_values = list(hashes[first:])
+                leaf.stored = True  # it came from storage
+                self._touch(leaf)
+                node.children[self._page_key(leaf.key, 0)] = leaf
+                self.host_pages_held += len(leaf.host_pages)
+                return first
+            n = self._common_pages(child.key, tokens, pos)
+            if n < len(child.key):
+                child = self._split(child, n)
+            node = child
+            pos += n
+        return len(host_pages)
+
     def _eviction_key(self, node: TreeNode) -> tuple:
         if self.eviction_policy == "lfu":
             return (node.hit_count, node.last_access, node.id)
@@ -271,6 +318,8 @@ class RadixCache:
         return (
             not node.is_root and node.lock_ref == 0 and node.device_pages is not None
             and not any(c.device_pages is not None for c in node.children.values())
+            # dropping a node without a host copy drops its subtree: not while storage reads it
+            and (node.host_pages is not None or node.host_ref == 0)
         )
 
     def evict(self, num_pages: int) -> int:
@@ -316,7 +365,7 @@ class RadixCache:
         return freed
 
     def _host_evictable_leaf(self, node: TreeNode) -> bool:
-        return (not node.is_root and node.lock_ref == 0 and node.device_pages is None
+        return (not node.is_root and node.lock_ref == 0 and node.host_ref == 0 and node.device_pages is None
                 and node.host_pages is not None and not node.children)
 
     def _delete_subtree(self, node: TreeNode) -> None:
@@ -325,7 +374,7 @@ class RadixCache:
         stack = [node]
         while stack:
             n = stack.pop()
-            assert n.device_pages is None and n.lock_ref == 0, f"{n}: deleting live data"
+            assert n.device_pages is None and n.lock_ref == 0 and n.host_ref == 0, f"{n}: deleting live data"
             if n.host_pages is not None:
                 self.host_allocator.free(n.host_pages)
                 self.host_pages_held -= len(n.host_pages)
@@ -399,6 +448,9 @@ class RadixCache:
                     assert p != 0 and p not in seen_host, f"{node}: host page {p} reserved or shared"
                     seen_host.add(p)
             assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()), f"{node}: lock below parent"
+            assert node.host_ref >= sum(c.host_ref for c in node.children.values()), f"{node}: host ref below parent"
+            if node.hash_values is not None:
+                assert len(node.hash_values) * self.page_size == len(node.key), f"{node}: hashes do not cover key"
             assert node.parent.children.get(self._page_key(node.key, 0)) is node, f"{node}: parent link broken"
         assert evictable == self.evictable_pages, (evictable, self.evictable_pages)
         assert protected == self.protected_pages, (protected, self.protected_pages)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import logging
 import threading
 from typing import Any, Sequence, Union
@@ -12,6 +13,8 @@ import torch
 
 from ..cache.host_pool import HostKVPool
 from ..cache.manager import KVCacheManager
+from ..cache.storage.base import StorageError
+from ..cache.storage.registry import create_backend
 from ..cache.pools import DeviceKVPool
 from ..config import ConfigError, EngineConfig
 from ..device import device_memory_budget, resolve_device
@@ -55,6 +58,8 @@ class Engine:
         self.host_pool = HostKVPool(self.pool, self._host_pool_pages(num_pages), cfg.hicache_mem_layout) \
             if cfg.enable_hierarchical_cache else None
         self.cache = KVCacheManager(
+            storage=self._storage_backend(),
+            prefetch_threshold=cfg.hicache_storage_prefetch_threshold,
             pool=self.pool,
             eviction_policy=cfg.radix_eviction_policy,
             enable_prefix_cache=not cfg.disable_radix_cache,
@@ -70,6 +75,9 @@ class Engine:
             eos_token_ids=set(self.tokenizer.eos_token_ids),
             chunked_prefill_size=cfg.chunked_prefill_size,
             max_running_requests=cfg.max_running_requests,
+            prefetch_policy=cfg.hicache_storage_prefetch_policy,
+            prefetch_timeout=lambda tokens: cfg.hicache_storage_prefetch_timeout_base
+            + cfg.hicache_storage_prefetch_timeout_per_1k_tokens * tokens / 1000,
         )
         # Cache keys of different models, dtypes or page sizes must never meet.
         self.model_namespace = hashlib.sha256(
@@ -98,6 +106,20 @@ class Engine:
                 "raise --mem-fraction-static or set --max-total-tokens."
             )
         return int(pages) + 1
+
+    def _storage_backend(self):
+        """The L3 backend, or None. A backend that is down at start is reported and skipped:
+        the engine serves without storage rather than not at all."""
+        cfg = self.config
+        if not cfg.hicache_storage_backend:
+            return None
+        extra = json.loads(cfg.hicache_storage_backend_extra_config or "{}")
+        try:
+            return create_backend(cfg.hicache_storage_backend, extra)
+        except StorageError as e:
+            logger.warning("storage backend %s is unavailable (%s); serving without the storage tier",
+                           cfg.hicache_storage_backend, e)
+            return None
 
     def _host_pool_pages(self, device_pages: int) -> int:
         """Host pages + the reserved page 0: --hicache-size GB, else --hicache-ratio x device."""
@@ -198,6 +220,15 @@ class Engine:
             "running_requests": len(self.scheduler.running),
             "waiting_requests": len(self.scheduler.waiting),
         }
+        if self.cache.storage is not None:
+            st = self.cache.storage.stats
+            out["storage"] = {
+                "backend": self.cache.storage.backend.name,
+                "prefetch_ops": st.prefetch_ops, "prefetched_tokens": st.prefetched_pages * self.config.page_size,
+                "prefetch_bytes": st.prefetch_bytes, "prefetch_time_s": st.prefetch_time_s,
+                "backup_tokens": st.backup_pages * self.config.page_size, "backup_bytes": st.backup_bytes,
+                "backup_time_s": st.backup_time_s, "failures": dict(st.failures),
+            }
         host = self.cache.host_usage()
         if host is not None:
             out["host_pool"] = host

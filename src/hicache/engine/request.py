@@ -44,6 +44,9 @@ class Request:
     # Called on the scheduler thread after each new token and once more when finished
     # (status FINISHED); a server uses it to stream. Must be cheap and must not raise.
     on_update: Optional[Callable[["Request"], None]] = field(default=None, repr=False)
+    prefetch: Optional[object] = field(default=None, repr=False)  # storage PrefetchOp in flight
+    prefetch_deadline: float = 0.0  # when the scheduler stops waiting for it (perf_counter)
+    storage_tokens: int = 0  # prompt tokens its prefetch brought into the host tier
     tokens_np: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

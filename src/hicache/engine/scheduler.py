@@ -33,6 +33,8 @@ class Scheduler:
         eos_token_ids: set[int],
         chunked_prefill_size: int,
         max_running_requests: int,
+        prefetch_policy: str = "best_effort",
+        prefetch_timeout: Callable[[int], float] = lambda tokens: 1.0,
     ) -> None:
         self.cache = cache
         self.forward = forward
@@ -40,12 +42,20 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.chunked_prefill_size = chunked_prefill_size
         self.max_running_requests = max_running_requests
+        self.prefetch_policy = prefetch_policy
+        self.prefetch_timeout = prefetch_timeout  # seconds allowed for a prefetch of N tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_steps = 0
 
     # ---- queue ---------------------------------------------------------------------------
     def add(self, req: Request) -> None:
+        req.prefetch = self.cache.start_prefetch(req.namespace, req.tokens_np)
+        if req.prefetch is not None:
+            tokens = len(req.prefetch.hashes) * self.cache.page_size
+            # wait_complete still gives up on a storage that hangs: no request waits forever.
+            limit = self.prefetch_timeout(tokens) * (1 if self.prefetch_policy == "timeout" else 20)
+            req.prefetch_deadline = time.perf_counter() + limit
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -56,6 +66,9 @@ class Scheduler:
         for req in self.waiting:
             if req.rid == rid:
                 self.waiting.remove(req)
+                if req.prefetch is not None:
+                    self.cache.finish_prefetch(req.prefetch, req.tokens_np)
+                    req.prefetch = None
                 req.status, req.finish_reason = Status.FINISHED, "abort"
                 if req.on_update is not None:
                     req.on_update(req)
@@ -84,6 +97,8 @@ class Scheduler:
             if decode:
                 self._run_decode(decode, finished)
         self.cache.submit_transfers()  # backups of what finished in this step
+        if not prefill and not self.running and self.waiting:
+            time.sleep(0.001)  # only prefetches to wait for: do not spin
         return finished
 
     def _schedule_prefill(self) -> list[tuple[Request, int]]:
@@ -95,19 +110,36 @@ class Scheduler:
                 n = min(len(req.prompt_ids) - req.computed, budget)
                 batch.append((req, n))
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_running_requests:
-            req = self.waiting[0]
+        for req in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_running_requests:
+                break
+            if not self._prefetch_settled(req):
+                continue  # its storage read is still arriving; later requests may go first
             if not self._admit(req):
-                break  # first-come first-served: later requests wait behind it
-            self.waiting.popleft()
+                break  # first-come first-served for memory: later requests wait behind it
+            self.waiting.remove(req)
             self.running.append(req)
             n = min(len(req.prompt_ids) - req.computed, budget)
             batch.append((req, n))
             budget -= n
         return batch
 
+    def _prefetch_settled(self, req: Request) -> bool:
+        """Apply the request's prefetch progress; True once the policy stops waiting for it,
+        after inserting what arrived into the cache."""
+        op = req.prefetch
+        if op is None:
+            return True
+        final = self.cache.consume_prefetch_acks(op, self.cache.prefetch_ack_count(op))
+        if not (final or self.prefetch_policy == "best_effort" or time.perf_counter() > req.prefetch_deadline):
+            return False
+        req.storage_tokens = self.cache.finish_prefetch(op, req.tokens_np)
+        req.prefetch = None
+        return True
+
     def _admit(self, req: Request) -> bool:
-        kv = self.cache.admit(req.namespace, req.tokens_np, len(req.prompt_ids) + req.max_new_tokens)
+        kv = self.cache.admit(req.namespace, req.tokens_np, len(req.prompt_ids) + req.max_new_tokens,
+                              req.storage_tokens)
         if kv is None:
             return False
         req.kv = kv

@@ -1,0 +1,62 @@
+"""The L3 storage contract. Backends move opaque page objects by key; they know nothing of
+trees, pools or tokens. Everything is batched (a batch is a list of keys, e.g. 128 pages).
+
+Keys are strings naming a whole prefix (see :mod:`.keys`); an object is the encoded page
+(header + payload, see :mod:`.objects`), so a backend never needs to understand its bytes.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+
+class StorageError(RuntimeError):
+    """A backend could not complete an operation (unreachable, I/O error, ...)."""
+
+
+@dataclass
+class BackendStats:
+    """Counters a backend keeps about itself (monotonic unless noted)."""
+
+    gets: int = 0
+    get_hits: int = 0
+    sets: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    errors: int = 0
+    evictions: int = 0  # objects the backend dropped to respect its own size cap
+    extra: dict = field(default_factory=dict)
+
+
+class StorageBackend(abc.ABC):
+    """Implementations must be safe to call from one background thread at a time per method
+    kind (the prefetch thread reads, the backup thread writes, concurrently)."""
+
+    name: str = "base"
+
+    @abc.abstractmethod
+    def exists_prefix(self, keys: list[str]) -> int:
+        """How many leading ``keys`` exist (stops at the first missing one)."""
+
+    @abc.abstractmethod
+    def batch_get(self, keys: list[str]) -> list[bytes | None]:
+        """The objects for ``keys``, None where missing. Raises StorageError when the backend
+        fails as a whole; a single unreadable object is None."""
+
+    @abc.abstractmethod
+    def batch_set(self, keys: list[str], values: list[bytes]) -> int:
+        """Store objects atomically per object (a reader never sees a partial one). Returns
+        how many leading objects were stored."""
+
+    @abc.abstractmethod
+    def delete(self, keys: list[str]) -> None: ...
+
+    @abc.abstractmethod
+    def clear(self) -> None: ...
+
+    @abc.abstractmethod
+    def stats(self) -> BackendStats: ...
+
+    def close(self) -> None:  # noqa: B027 - optional
+        """Release connections / file handles."""

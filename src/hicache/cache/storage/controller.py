@@ -1,0 +1,223 @@
+"""L3 <-> L2 movement: prefetch (storage -> host pages) and backup (host pages -> storage),
+each on its own background thread.
+
+Background threads only produce progress; the scheduler thread decides. A prefetch publishes
+ordered progress acks (pages completed so far, then a final ack); the scheduler consumes an
+explicit number of them (today: what is there; with several ranks: an agreed number), and only
+then inserts what arrived into the tree. A backup's host pages stay protected until the
+scheduler consumes its ack.
+
+Objects are a page of every layer's K and V, laid out ``[layer, K/V, token, kv_head, head_dim]``
+whatever the host pool layout, so deployments with either layout share them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+import warnings
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..host_pool import HostKVPool
+from .base import StorageBackend
+from .objects import decode_checked, encode
+
+logger = logging.getLogger(__name__)
+
+BATCH_PAGES = 128
+
+
+@dataclass
+class PrefetchOp:
+    """Read ``keys`` (a prefix's next pages) into ``host_pages`` until one is missing or bad."""
+
+    op_id: int
+    namespace: str
+    ns_digest: bytes
+    hashes: list[bytes]
+    host_pages: np.ndarray  # reserved by the scheduler, one per key
+    issue_time: float = field(default_factory=time.perf_counter)
+    progress: list[int] = field(default_factory=list)  # acks: pages completed so far (monotonic)
+    done: threading.Event = field(default_factory=threading.Event)  # the thread is finished with it
+    stop: threading.Event = field(default_factory=threading.Event)  # the scheduler stopped waiting
+    hit_pages: int = -1  # how many keys exist (known after the first query)
+    failure: str = ""  # why reading stopped early (missing, checksum, short, backend_error, ...)
+    consumed: int = 0  # progress acks the scheduler has applied
+    completed: int = 0  # pages the scheduler accepted (value of the last consumed ack)
+
+
+@dataclass
+class BackupOp:
+    op_id: int
+    ns_digest: bytes
+    hashes: list[bytes]
+    host_pages: np.ndarray
+    payload: list  # what the cache attaches (nodes whose host data must stay)
+    done: threading.Event = field(default_factory=threading.Event)
+    written: int = 0
+    failure: str = ""
+
+
+@dataclass
+class StorageStats:
+    prefetch_ops: int = 0
+    prefetched_pages: int = 0
+    prefetch_bytes: int = 0
+    prefetch_time_s: float = 0.0
+    backup_pages: int = 0
+    backup_bytes: int = 0
+    backup_time_s: float = 0.0
+    failures: dict = field(default_factory=dict)  # reason -> count
+
+    def fail(self, reason: str) -> None:
+        self.failures[reason] = self.failures.get(reason, 0) + 1
+
+
+class StorageController:
+    def __init__(self, backend: StorageBackend, host_pool: HostKVPool) -> None:
+        self.backend = backend
+        self.host_pool = host_pool
+        self.stats = StorageStats()
+        self._ids = itertools.count()
+        self._backups: deque[BackupOp] = deque()
+        self._queues: dict[str, queue.Queue] = {"prefetch": queue.Queue(), "backup": queue.Queue()}
+        self._threads = [
+            threading.Thread(target=self._prefetch_worker, name="hicache-prefetch", daemon=True),
+            threading.Thread(target=self._backup_worker, name="hicache-storage-backup", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+        # Test hook (fault injection): seconds to sleep before each batch read.
+        self.read_delay_fn = None
+
+    # ---- page <-> object payload ---------------------------------------------------------
+    def page_bytes(self, host_page: int) -> bytes:
+        h = self.host_pool
+        if h.layout == "page_first":
+            page = h.buffer[host_page]
+        else:
+            page = h.buffer[:, :, host_page]
+        return page.contiguous().view(torch.uint8).numpy().tobytes()
+
+    def load_page(self, host_page: int, payload: memoryview) -> None:
+        h = self.host_pool
+        with warnings.catch_warnings():  # read-only source: torch warns, but we only read from it
+            warnings.simplefilter("ignore", UserWarning)
+            src = torch.frombuffer(payload, dtype=torch.uint8).view(h.dtype)
+        if h.layout == "page_first":
+            h.buffer[host_page].view(-1).copy_(src)
+        else:
+            h.buffer[:, :, host_page].copy_(src.view(h.buffer[:, :, host_page].shape))
+
+    # ---- scheduler-thread API ------------------------------------------------------------
+    def prefetch(self, namespace: str, ns_digest: bytes, hashes: list[bytes], host_pages: np.ndarray) -> PrefetchOp:
+        op = PrefetchOp(next(self._ids), namespace, ns_digest, hashes, host_pages)
+        self.stats.prefetch_ops += 1
+        self._queues["prefetch"].put(op)
+        return op
+
+    def backup(self, ns_digest: bytes, hashes: list[bytes], host_pages: np.ndarray, payload: list) -> BackupOp:
+        op = BackupOp(next(self._ids), ns_digest, hashes, host_pages, payload)
+        self._backups.append(op)
+        self._queues["backup"].put(op)
+        return op
+
+    def backup_ready_count(self) -> int:
+        n = 0
+        for op in self._backups:
+            if not op.done.is_set():
+                break
+            n += 1
+        return n
+
+    def pending_backups(self) -> int:
+        return len(self._backups)
+
+    def pop_backups(self, n: int) -> list[BackupOp]:
+        ops = [self._backups.popleft() for _ in range(n)]
+        for op in ops:
+            op.done.wait()
+        return ops
+
+    def shutdown(self) -> None:
+        for q in self._queues.values():
+            q.put(None)
+        for t in self._threads:
+            t.join(timeout=5)
+        self.backend.close()
+
+    # ---- background threads --------------------------------------------------------------
+    def _prefetch_worker(self) -> None:
+        while (op := self._queues["prefetch"].get()) is not None:
+            try:
+                self._read(op)
+            except Exception as e:  # never let one op kill the thread
+                op.failure = op.failure or "backend_error"
+                logger.warning("prefetch op=%d failed: %s", op.op_id, e)
+            finally:
+                op.progress.append(op.progress[-1] if op.progress else 0)  # the final ack
+                op.done.set()
+
+    def _read(self, op: PrefetchOp) -> None:
+        keys = [h.hex() for h in op.hashes]
+        try:
+            op.hit_pages = self.backend.exists_prefix(keys)
+        except Exception as e:
+            op.hit_pages, op.failure = 0, "backend_error"
+            logger.warning("storage exists query failed (%d keys): %s", len(keys), e)
+            return
+        done = 0
+        while done < op.hit_pages and not op.stop.is_set():
+            if self.read_delay_fn is not None:
+                time.sleep(self.read_delay_fn(op))
+            batch = keys[done : min(done + BATCH_PAGES, op.hit_pages)]
+            t0 = time.perf_counter()
+            try:
+                blobs = self.backend.batch_get(batch)
+            except Exception as e:
+                op.failure = "backend_error"
+                logger.warning("storage read of %d pages failed: %s", len(batch), e)
+                return
+            good = 0
+            for i, blob in enumerate(blobs):
+                payload, reason = (None, "missing") if blob is None else \
+                    decode_checked(blob, op.ns_digest, op.hashes[done + i])
+                if payload is None:
+                    op.failure = getattr(reason, "value", str(reason))
+                    break
+                self.load_page(int(op.host_pages[done + i]), payload)
+                good += 1
+            done += good
+            self.stats.prefetch_time_s += time.perf_counter() - t0
+            op.progress.append(done)
+            if good < len(batch):
+                logger.warning("prefetch op=%d stopped at page %d/%d: %s", op.op_id, done, op.hit_pages, op.failure)
+                return
+
+    def _backup_worker(self) -> None:
+        while (op := self._queues["backup"].get()) is not None:
+            t0 = time.perf_counter()
+            try:
+                blobs = [encode(op.ns_digest, h, self.page_bytes(int(p))) for h, p in zip(op.hashes, op.host_pages)]
+                for i in range(0, len(blobs), BATCH_PAGES):
+                    batch = blobs[i : i + BATCH_PAGES]
+                    stored = self.backend.batch_set([h.hex() for h in op.hashes[i : i + BATCH_PAGES]], batch)
+                    op.written += stored
+                    if stored < len(batch):  # keep `written` a leading count: a gap ends the chain
+                        op.failure = "short_write"
+                        break
+                self.stats.backup_bytes += sum(len(b) for b in blobs[: op.written])
+            except Exception as e:
+                op.failure = "backend_error"
+                logger.warning("storage backup op=%d (%d pages) failed: %s", op.op_id, len(op.hashes), e)
+            finally:
+                self.stats.backup_pages += op.written
+                self.stats.backup_time_s += time.perf_counter() - t0
+                op.done.set()

@@ -1,0 +1,399 @@
+"""The ``file`` backend: one file per object under a directory, with an LRU size cap.
+
+Layout: ``<root>/<key[:2]>/<key>``; keys are page-hash hex, so the 256 fan-out
+directories fill evenly and no directory grows past a few thousand entries per million
+objects. Writes go to ``<root>/<key[:2]>/.tmp-<pid>-<rand>-<key>`` and are published with
+``os.replace`` (atomic on POSIX within one filesystem), so a crash mid-write never leaves a
+partial object under its key. Names starting with ``.`` are never objects; at start, temp
+files whose writer process is gone are deleted.
+
+The size cap counts object bytes (header + payload), not filesystem blocks. The LRU index
+lives in memory; it is rebuilt at start by scanning the directory (recency from mtime,
+which reads refresh), so the cap and the eviction order survive restarts.
+
+Sharing one directory between processes is safe for correctness (atomic renames, readers
+treat a vanished file as a miss), but each process enforces ``max_bytes`` over its own
+view of the index only.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .base import BackendStats, StorageBackend, StorageError
+
+log = logging.getLogger(__name__)
+
+ENV_DIR = "HICACHE_STORAGE_DIR"
+DEFAULT_DIR = "~/.cache/hicache/kv"
+TMP_PREFIX = ".tmp-"
+# Keys become file names: keep them to a portable, traversal-free alphabet.
+_KEY_RE = re.compile(r"^[0-9A-Za-z_\-][0-9A-Za-z_.\-]{1,199}$")
+
+
+def default_dir() -> Path:
+    """``$HICACHE_STORAGE_DIR`` if set, else ``~/.cache/hicache/kv``."""
+    return Path(os.environ.get(ENV_DIR) or DEFAULT_DIR).expanduser()
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists (on this host's pid namespace)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    except (OverflowError, ValueError):  # not a pid at all
+        return False
+    return True
+
+
+@dataclass
+class _Index:
+    """key -> object size in bytes, least recently used first; ``total`` = sum of sizes."""
+
+    sizes: OrderedDict[str, int] = field(default_factory=OrderedDict)
+    total: int = 0
+
+    def put(self, key: str, size: int) -> None:
+        self.total += size - self.sizes.pop(key, 0)
+        self.sizes[key] = size
+
+    def pop(self, key: str) -> int:
+        size = self.sizes.pop(key, 0)
+        self.total -= size
+        return size
+
+
+class FileBackend(StorageBackend):
+    """Objects as files in ``path`` (default :func:`default_dir`).
+
+    ``max_bytes``: cap on stored object bytes (None = unbounded); a write that would pass
+    it first evicts least recently used objects. An object larger than the cap is refused.
+    ``fsync``: flush each object to disk before publishing it (durable across power loss;
+    off by default since a lost cache entry is only a recompute, and atomicity against a
+    process crash does not need it). ``touch_on_read``: refresh a read object's mtime so
+    the LRU order survives a restart; only objects whose mtime is older than
+    ``touch_interval_s`` seconds are touched, so the on-disk order is exact to that
+    granularity while the in-memory order is exact.
+
+    Thread safety: one reader thread and one writer thread (and occasional delete/clear/
+    stats calls from others) may run at once; the index is guarded by a lock and file I/O
+    runs outside it.
+    """
+
+    name = "file"
+
+    def __init__(
+        self,
+        path: str | os.PathLike | None = None,
+        max_bytes: int | None = None,
+        fsync: bool = False,
+        touch_on_read: bool = True,
+        touch_interval_s: float = 60.0,
+    ) -> None:
+        self.root = Path(path).expanduser() if path else default_dir()
+        if max_bytes is not None and int(max_bytes) <= 0:
+            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        self.max_bytes = int(max_bytes) if max_bytes is not None else None
+        self.fsync = bool(fsync)
+        self.touch_on_read = bool(touch_on_read)
+        self.touch_interval_s = float(touch_interval_s)
+        self._lock = threading.Lock()
+        self._index = _Index()
+        self._stats = BackendStats()
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StorageError(f"cannot create storage directory {self.root}: {e}") from e
+        stray = self._scan()
+        evicted = self._evict_to_fit(0) if self.max_bytes is not None else (0, 0)
+        log.info(
+            "file storage opened at %s: %d objects, %d bytes, cap %s, removed %d stray temp "
+            "files%s",
+            self.root,
+            len(self._index.sizes),
+            self._index.total,
+            "none" if self.max_bytes is None else f"{self.max_bytes} bytes",
+            stray,
+            f", evicted {evicted[0]} objects to fit the cap" if evicted[0] else "",
+        )
+
+    # -- paths ----------------------------------------------------------------------------
+    def path_of(self, key: str) -> Path:
+        """The file that holds ``key``'s object (whether or not it exists)."""
+        if not _KEY_RE.match(key):
+            raise ValueError(f"invalid storage key {key!r}")
+        return self.root / key[:2] / key
+
+    # -- start-up -------------------------------------------------------------------------
+    def _scan(self) -> int:
+        """Rebuild the index from disk; delete stray temp files. Returns how many."""
+        found: list[tuple[float, str, int]] = []
+        stray = 0
+        for sub in os.scandir(self.root):
+            if not sub.is_dir(follow_symlinks=False) or sub.name.startswith("."):
+                continue
+            for ent in os.scandir(sub.path):
+                name = ent.name
+                if name.startswith(TMP_PREFIX):
+                    if self._is_stray(name):
+                        try:
+                            os.unlink(ent.path)
+                            stray += 1
+                        except OSError:
+                            pass
+                    continue
+                if name.startswith(".") or not _KEY_RE.match(name) or name[:2] != sub.name:
+                    continue
+                try:
+                    st = ent.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                found.append((st.st_mtime, name, st.st_size))
+        found.sort()
+        for _, name, size in found:
+            self._index.put(name, size)
+        return stray
+
+    @staticmethod
+    def _is_stray(name: str) -> bool:
+        # ".tmp-<pid>-<rand>-<key>": a temp file is stray once its writer process is gone.
+        try:
+            pid = int(name[len(TMP_PREFIX) :].split("-", 1)[0])
+        except ValueError:
+            return True
+        return not _pid_alive(pid)
+
+    # -- eviction -------------------------------------------------------------------------
+    def _evict_to_fit(self, incoming: int, keep: str | None = None) -> tuple[int, int]:
+        """Drop LRU objects until ``total + incoming <= max_bytes``. Caller holds the lock
+        (or is the constructor). Returns (objects, bytes) evicted."""
+        assert self.max_bytes is not None
+        n = nbytes = 0
+        sizes = self._index.sizes
+        while sizes and self._index.total + incoming > self.max_bytes:
+            key = next(iter(sizes))
+            if key == keep:  # the object being replaced is accounted by the caller
+                sizes.move_to_end(key)
+                if len(sizes) == 1:
+                    break
+                key = next(iter(sizes))
+            size = self._index.pop(key)
+            try:
+                os.unlink(self.root / key[:2] / key)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                log.warning("file storage: could not evict %s: %s", key, e)
+            n += 1
+            nbytes += size
+        self._stats.evictions += n
+        return n, nbytes
+
+    # -- StorageBackend -------------------------------------------------------------------
+    def exists_prefix(self, keys: list[str]) -> int:
+        # stat only; the disk (not the index) is the truth when a directory is shared.
+        for i, key in enumerate(keys):
+            if not os.path.isfile(self.path_of(key)):
+                return i
+        return len(keys)
+
+    def batch_get(self, keys: list[str]) -> list[bytes | None]:
+        out: list[bytes | None] = []
+        hits = nread = errors = 0
+        touch_before = time.time() - self.touch_interval_s
+        for key in keys:
+            path = self.path_of(key)
+            try:
+                data = _read_file(path, touch_before if self.touch_on_read else None)
+            except FileNotFoundError:
+                out.append(None)
+                continue
+            except OSError as e:
+                errors += 1
+                log.warning("file storage: read of %s failed: %s", path, e)
+                out.append(None)
+                continue
+            out.append(data)
+            hits += 1
+            nread += len(data)
+            with self._lock:
+                if key in self._index.sizes:
+                    self._index.sizes.move_to_end(key)
+                else:  # written by another process sharing the directory
+                    self._index.put(key, len(data))
+        with self._lock:
+            s = self._stats
+            s.gets += len(keys)
+            s.get_hits += hits
+            s.bytes_read += nread
+            s.errors += errors
+        if errors and errors == len(keys):
+            raise StorageError(f"file storage at {self.root}: every read in the batch failed")
+        return out
+
+    def batch_set(self, keys: list[str], values: list[bytes]) -> int:
+        if len(keys) != len(values):
+            raise ValueError("keys and values differ in length")
+        stored = nbytes = 0
+        evicted = [0, 0]
+        for key, value in zip(keys, values):
+            size = memoryview(value).nbytes
+            if self.max_bytes is not None and size > self.max_bytes:
+                log.warning(
+                    "file storage: object %s (%d bytes) is larger than max_bytes %d; refused",
+                    key, size, self.max_bytes,
+                )
+                break
+            path = self.path_of(key)
+            try:
+                tmp = self._write_tmp(path, value)
+            except OSError as e:
+                with self._lock:
+                    self._stats.errors += 1
+                log.warning("file storage: write of %s failed: %s", path, e)
+                break
+            with self._lock:
+                if self.max_bytes is not None:
+                    old = self._index.sizes.get(key, 0)
+                    n, b = self._evict_to_fit(size - old, keep=key)
+                    evicted[0] += n
+                    evicted[1] += b
+                try:
+                    os.replace(tmp, path)
+                except OSError as e:
+                    self._stats.errors += 1
+                    _unlink_quiet(tmp)
+                    log.warning("file storage: publishing %s failed: %s", path, e)
+                    break
+                self._index.put(key, size)
+                self._stats.sets += 1
+                self._stats.bytes_written += size
+            stored += 1
+            nbytes += size
+        if evicted[0]:
+            log.info(
+                "file storage: evicted %d objects (%d bytes) to stay under max_bytes %d",
+                evicted[0], evicted[1], self.max_bytes,
+            )
+        return stored
+
+    def _write_tmp(self, path: Path, value: bytes) -> Path:
+        """Write ``value`` to a fresh temp file next to ``path``; return the temp path."""
+        tmp = path.parent / f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{path.name}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(tmp, flags, 0o644)
+        except FileNotFoundError:
+            # Fan-out directory missing (first write there, or removed by clear()).
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(tmp, flags, 0o644)
+        try:
+            mv = memoryview(value).cast("B")
+            while mv:
+                n = os.write(fd, mv)
+                mv = mv[n:]
+            if self.fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            _unlink_quiet(tmp)
+            raise
+        os.close(fd)
+        return tmp
+
+    def delete(self, keys: list[str]) -> None:
+        with self._lock:
+            for key in keys:
+                path = self.path_of(key)
+                self._index.pop(key)
+                _unlink_quiet(path)
+
+    def clear(self) -> None:
+        """Remove every object (and stray temp file) this directory holds."""
+        with self._lock:
+            n = len(self._index.sizes)
+            for sub in os.scandir(self.root):
+                if not sub.is_dir(follow_symlinks=False) or sub.name.startswith("."):
+                    continue
+                for ent in os.scandir(sub.path):
+                    name = ent.name
+                    if name.startswith(TMP_PREFIX) and not self._is_stray(name):
+                        continue  # a live writer's temp file; it publishes or cleans itself
+                    if name.startswith(TMP_PREFIX) or _KEY_RE.match(name):
+                        _unlink_quiet(Path(ent.path))
+            self._index = _Index()
+        log.info("file storage at %s cleared (%d indexed objects)", self.root, n)
+
+    def stats(self) -> BackendStats:
+        with self._lock:
+            s = self._stats
+            return BackendStats(
+                gets=s.gets,
+                get_hits=s.get_hits,
+                sets=s.sets,
+                bytes_read=s.bytes_read,
+                bytes_written=s.bytes_written,
+                errors=s.errors,
+                evictions=s.evictions,
+                extra={
+                    "path": str(self.root),
+                    "objects": len(self._index.sizes),
+                    "stored_bytes": self._index.total,  # current, not monotonic
+                    "max_bytes": self.max_bytes,
+                },
+            )
+
+
+def _read_file(path: Path, touch_before: float | None = None) -> bytes:
+    """The whole file in one allocation (fstat for the size, then one read). If its mtime
+    is older than ``touch_before`` (epoch seconds), refresh it so a restart's LRU order
+    sees this read; the interval keeps that to one ``futimens`` per object per interval."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        size = st.st_size
+        data = os.read(fd, size)
+        if len(data) < size:
+            # Short read (only for huge files or odd filesystems): finish with a loop.
+            parts = [data]
+            got = len(data)
+            while got < size:
+                chunk = os.read(fd, size - got)
+                if not chunk:
+                    break
+                parts.append(chunk)
+                got += len(chunk)
+            data = b"".join(parts)
+        if touch_before is not None and st.st_mtime < touch_before:
+            try:
+                os.utime(fd if os.utime in os.supports_fd else path)
+            except OSError:
+                pass  # read-only media: recency just is not persisted
+        return data
+    finally:
+        os.close(fd)
+
+
+def _unlink_quiet(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        if e.errno != errno.ENOENT:
+            log.warning("file storage: could not remove %s: %s", path, e)
+

@@ -1,0 +1,229 @@
+"""The ``valkey`` backend: objects as string values in a Valkey (or Redis) server.
+
+Every key is stored as ``prefix + key``; batches go out as MGET / MSET (or a SET EX
+pipeline when ``ttl_s`` is set), chunked to ``batch_size`` keys so one reply stays a few
+tens of MB. ``exists_prefix`` pipelines EXISTS a chunk at a time and stops at the first gap.
+
+Failure model: the constructor PINGs and raises :class:`StorageError` if the server does
+not answer (``check_at_open``); afterwards connection and timeout errors become
+StorageError after one try (no client-side retries, short timeouts), so a down server
+costs callers about ``connect_timeout_s`` per call instead of hanging them. The server's own eviction
+(``maxmemory-policy``) and ``ttl_s`` bound its size; ``evictions`` in stats stays 0 since
+the server does not tell us.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+from .base import BackendStats, StorageBackend, StorageError
+
+log = logging.getLogger(__name__)
+
+
+def _import_valkey():
+    try:
+        import valkey
+    except ImportError as e:  # pragma: no cover - dependency is declared
+        raise StorageError("the valkey backend needs the 'valkey' package") from e
+    return valkey
+
+
+@dataclass
+class _Counters:
+    gets: int = 0
+    get_hits: int = 0
+    sets: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    errors: int = 0
+
+
+class ValkeyBackend(StorageBackend):
+    """Page objects in a Valkey server at ``host:port`` / ``db`` under ``prefix``.
+
+    ``ttl_s``: expire objects this many seconds after their last write (None = never).
+    ``connect_timeout_s`` / ``timeout_s``: socket timeouts in seconds for connecting and for
+    each command (a 128-page batch of 368 KB objects is ~47 MB: allow for it).
+    ``batch_size``: most keys per MGET / MSET / pipeline round trip.
+    ``check_at_open``: PING the server in the constructor and raise StorageError if it does
+    not answer (so a misconfigured or down store is reported once, at start). With False
+    the constructor never connects and each call raises StorageError while it is down.
+
+    Thread safety: the client's connection pool hands each thread its own connection.
+    """
+
+    name = "valkey"
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 6379,
+        db: int = 0,
+        prefix: str = "hicache:",
+        ttl_s: float | None = None,
+        password: str | None = None,
+        connect_timeout_s: float = 1.0,
+        timeout_s: float = 10.0,
+        batch_size: int = 64,
+        check_at_open: bool = True,
+    ) -> None:
+        valkey = _import_valkey()
+        from valkey.backoff import NoBackoff
+        from valkey.retry import Retry
+
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        self.host, self.port, self.db, self.prefix = host, int(port), int(db), prefix
+        self.ttl_ms = None if ttl_s is None else max(1, int(float(ttl_s) * 1000))
+        self.batch_size = int(batch_size)
+        self._errors_cls = (valkey.exceptions.ConnectionError, valkey.exceptions.TimeoutError)
+        self._valkey_error = valkey.exceptions.ValkeyError
+        self._client = valkey.Valkey(
+            host=host,
+            port=self.port,
+            db=self.db,
+            password=password,
+            socket_connect_timeout=connect_timeout_s,
+            socket_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),  # fail fast: the cache degrades to recompute
+            retry_on_timeout=False,
+            health_check_interval=0,
+        )
+        self._c = _Counters()
+        self._lock = threading.Lock()  # counters only; reader and writer threads share them
+        state = "not checked"
+        if check_at_open:
+            try:
+                self._client.ping()
+                state = "reachable"
+            except self._valkey_error as e:
+                self._client.close()
+                raise StorageError(f"valkey server at {host}:{self.port} is unreachable: {e}") from e
+        log.info(
+            "valkey storage opened at %s:%d db %d prefix %r ttl %s: %s",
+            host, self.port, self.db, prefix,
+            "none" if ttl_s is None else f"{ttl_s}s", state,
+        )
+
+    # -- helpers --------------------------------------------------------------------------
+    def _k(self, key: str) -> str:
+        return self.prefix + key
+
+    def _chunks(self, n: int) -> range:
+        return range(0, n, self.batch_size)
+
+    def _fail(self, op: str, e: Exception) -> StorageError:
+        with self._lock:
+            self._c.errors += 1
+        return StorageError(f"valkey {op} at {self.host}:{self.port} failed: {e}")
+
+    # -- StorageBackend -------------------------------------------------------------------
+    def exists_prefix(self, keys: list[str]) -> int:
+        try:
+            for start in self._chunks(len(keys)):
+                chunk = keys[start : start + self.batch_size]
+                pipe = self._client.pipeline(transaction=False)
+                for key in chunk:
+                    pipe.exists(self._k(key))
+                for i, found in enumerate(pipe.execute()):
+                    if not found:
+                        return start + i
+        except self._valkey_error as e:
+            raise self._fail("EXISTS", e) from e
+        return len(keys)
+
+    def batch_get(self, keys: list[str]) -> list[bytes | None]:
+        out: list[bytes | None] = []
+        try:
+            for start in self._chunks(len(keys)):
+                chunk = keys[start : start + self.batch_size]
+                out.extend(self._client.mget([self._k(k) for k in chunk]))
+        except self._valkey_error as e:
+            raise self._fail("MGET", e) from e
+        hits = [v for v in out if v is not None]
+        with self._lock:
+            c = self._c
+            c.gets += len(keys)
+            c.get_hits += len(hits)
+            c.bytes_read += sum(len(v) for v in hits)
+        return out
+
+    def batch_set(self, keys: list[str], values: list[bytes]) -> int:
+        if len(keys) != len(values):
+            raise ValueError("keys and values differ in length")
+        stored = 0
+        try:
+            for start in self._chunks(len(keys)):
+                ks = keys[start : start + self.batch_size]
+                vs = values[start : start + self.batch_size]
+                if self.ttl_ms is None:
+                    self._client.mset({self._k(k): v for k, v in zip(ks, vs)})
+                else:
+                    pipe = self._client.pipeline(transaction=False)
+                    for k, v in zip(ks, vs):
+                        pipe.set(self._k(k), v, px=self.ttl_ms)
+                    pipe.execute()
+                stored += len(ks)
+                with self._lock:
+                    self._c.sets += len(ks)
+                    self._c.bytes_written += sum(memoryview(v).nbytes for v in vs)
+        except self._valkey_error as e:
+            raise self._fail("SET", e) from e
+        return stored
+
+    def delete(self, keys: list[str]) -> None:
+        try:
+            for start in self._chunks(len(keys)):
+                chunk = keys[start : start + self.batch_size]
+                if chunk:
+                    self._client.unlink(*[self._k(k) for k in chunk])
+        except self._valkey_error as e:
+            raise self._fail("UNLINK", e) from e
+
+    def clear(self) -> None:
+        """Remove every key under ``prefix`` (SCAN + UNLINK; never FLUSHDB, the db may be
+        shared with other users)."""
+        n = 0
+        try:
+            batch: list[bytes] = []
+            for k in self._client.scan_iter(match=_glob_escape(self.prefix) + "*", count=1000):
+                batch.append(k)
+                if len(batch) >= 1000:
+                    n += self._client.unlink(*batch)
+                    batch.clear()
+            if batch:
+                n += self._client.unlink(*batch)
+        except self._valkey_error as e:
+            raise self._fail("clear", e) from e
+        log.info(
+            "valkey storage at %s:%d cleared %d keys under %r", self.host, self.port, n, self.prefix
+        )
+
+    def stats(self) -> BackendStats:
+        with self._lock:
+            c = _Counters(**vars(self._c))
+        return BackendStats(
+            gets=c.gets,
+            get_hits=c.get_hits,
+            sets=c.sets,
+            bytes_read=c.bytes_read,
+            bytes_written=c.bytes_written,
+            errors=c.errors,
+            extra={"server": f"{self.host}:{self.port}", "db": self.db, "prefix": self.prefix},
+        )
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def _glob_escape(s: str) -> str:
+    """Escape SCAN MATCH glob characters so a prefix matches literally."""
+    out = []
+    for ch in s:
+        if ch in "*?[]\\":
+            out.append("\\")
+        out.append(ch)
+    return "".join(out)

