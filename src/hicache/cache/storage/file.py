@@ -18,6 +18,8 @@ view of the index only.
 
 from __future__ import annotations
 
+import dataclasses
+
 import errno
 import logging
 import os
@@ -340,15 +342,8 @@ class FileBackend(StorageBackend):
 
     def stats(self) -> BackendStats:
         with self._lock:
-            s = self._stats
-            return BackendStats(
-                gets=s.gets,
-                get_hits=s.get_hits,
-                sets=s.sets,
-                bytes_read=s.bytes_read,
-                bytes_written=s.bytes_written,
-                errors=s.errors,
-                evictions=s.evictions,
+            return dataclasses.replace(
+                self._stats,
                 extra={
                     "path": str(self.root),
                     "objects": len(self._index.sizes),

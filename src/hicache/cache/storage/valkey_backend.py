@@ -14,9 +14,10 @@ the server does not tell us.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import threading
-from dataclasses import dataclass
 
 from .base import BackendStats, StorageBackend, StorageError
 
@@ -29,16 +30,6 @@ def _import_valkey():
     except ImportError as e:  # pragma: no cover - dependency is declared
         raise StorageError("the valkey backend needs the 'valkey' package") from e
     return valkey
-
-
-@dataclass
-class _Counters:
-    gets: int = 0
-    get_hits: int = 0
-    sets: int = 0
-    bytes_read: int = 0
-    bytes_written: int = 0
-    errors: int = 0
 
 
 class ValkeyBackend(StorageBackend):
@@ -92,7 +83,7 @@ class ValkeyBackend(StorageBackend):
             retry_on_timeout=False,
             health_check_interval=0,
         )
-        self._c = _Counters()
+        self._c = BackendStats()
         self._lock = threading.Lock()  # counters only; reader and writer threads share them
         state = "not checked"
         if check_at_open:
@@ -204,16 +195,9 @@ class ValkeyBackend(StorageBackend):
 
     def stats(self) -> BackendStats:
         with self._lock:
-            c = _Counters(**vars(self._c))
-        return BackendStats(
-            gets=c.gets,
-            get_hits=c.get_hits,
-            sets=c.sets,
-            bytes_read=c.bytes_read,
-            bytes_written=c.bytes_written,
-            errors=c.errors,
-            extra={"server": f"{self.host}:{self.port}", "db": self.db, "prefix": self.prefix},
-        )
+            return dataclasses.replace(
+                self._c, extra={"server": f"{self.host}:{self.port}", "db": self.db, "prefix": self.prefix}
+            )
 
     def close(self) -> None:
         self._client.close()
