@@ -2,7 +2,8 @@
 
 1. page copy bandwidth device<->host for each host layout vs. one contiguous copy of the same
    bytes (SmolLM2-shaped pools: 30 layers, 3 KV heads x 64, bf16, page 16, scattered pages);
-2. TTFT of a prompt whose first K tokens are served from L2 vs. L1 vs. computed cold.
+2. TTFT of a prompt whose first K tokens are served from L1 vs. L2 vs. L3 (file backend, warm
+   page cache) vs. computed cold.
 
     python benchmarks/bench_hicache.py [--pages 512] [--prefix 4096] [--suffix 64]
 """
@@ -10,9 +11,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -63,7 +67,11 @@ def bench_copies(num_pages: int) -> None:
 
 
 def bench_ttft(prefix: int, suffix: int, repeats: int) -> None:
-    engine = Engine("smollm2", max_total_tokens=3 * (prefix + suffix) + 256, enable_hierarchical_cache=True)
+    storage_dir = tempfile.mkdtemp(prefix="hicache-bench-kv-")
+    engine = Engine("smollm2", max_total_tokens=3 * (prefix + suffix) + 256, enable_hierarchical_cache=True,
+                    hicache_storage_backend="file",
+                    hicache_storage_backend_extra_config=json.dumps({"path": storage_dir}),
+                    hicache_storage_prefetch_policy="wait_complete")
     vocab = engine.loaded.spec.vocab_size
     rng = np.random.default_rng(1)
     one = SamplingParams(max_new_tokens=1, temperature=0.0)
@@ -72,7 +80,7 @@ def bench_ttft(prefix: int, suffix: int, repeats: int) -> None:
         return engine.generate([ids], one)[0]
 
     run(rng.integers(100, vocab, 64).tolist())  # warm up
-    cold, l1, l2, alone = [], [], [], []
+    cold, l1, l2, l3, alone = [], [], [], [], []
     for _ in range(repeats):
         head = rng.integers(100, vocab, prefix).tolist()
         tail = rng.integers(100, vocab, suffix).tolist()
@@ -87,14 +95,21 @@ def bench_ttft(prefix: int, suffix: int, repeats: int) -> None:
         res = run(head + tail)
         assert res.cached_tokens_details["host"] >= prefix - engine.config.page_size, res.cached_tokens_details
         l2.append(res.ttft_s)
+        engine.flush_cache()  # device and host tiers empty; storage (warm page cache) keeps the prefix
+        res = run(head + tail)
+        assert res.cached_tokens_details["storage"] >= prefix - engine.config.page_size, res.cached_tokens_details
+        l3.append(res.ttft_s)
         engine.flush_cache()
         alone.append(run(tail).ttft_s)
-    c, a, b, s = (statistics.median(x) for x in (cold, l1, l2, alone))
+    c, a, b, d, s = (statistics.median(x) for x in (cold, l1, l2, l3, alone))
     print(f"\nTTFT on smollm2 ({engine.config.dtype}), {prefix}-token prefix + {suffix}-token suffix, "
           f"median of {repeats}")
-    print(f"{'cold ms':>9} {'L1-hit ms':>9} {'L2-hit ms':>9} {'suffix-only ms':>14} {'L2/L1':>6} {'cold/L2':>7}")
-    print(f"{c * 1e3:>9.1f} {a * 1e3:>9.1f} {b * 1e3:>9.1f} {s * 1e3:>14.1f} {b / a:>6.2f} {c / b:>7.1f}")
+    print(f"{'cold ms':>9} {'L1-hit ms':>9} {'L2-hit ms':>9} {'L3-hit ms':>9} {'suffix-only ms':>14} "
+          f"{'L2/L1':>6} {'L3/L1':>6} {'cold/L3':>7}")
+    print(f"{c * 1e3:>9.1f} {a * 1e3:>9.1f} {b * 1e3:>9.1f} {d * 1e3:>9.1f} {s * 1e3:>14.1f} "
+          f"{b / a:>6.2f} {d / a:>6.2f} {c / d:>7.1f}")
     engine.shutdown()
+    shutil.rmtree(storage_dir, ignore_errors=True)
 
 
 def main() -> None:

@@ -65,6 +65,29 @@ e.shutdown()
     assert got["ids"] == reference
 
 
+def computed_tokens(engine: Engine) -> list[int]:
+    """Record how many new tokens each forward computes (a hit must skip its tokens)."""
+    counts: list[int] = []
+    forward = engine.scheduler.forward
+
+    def spy(ids, *rest):
+        counts.append(sum(len(x) for x in ids))
+        return forward(ids, *rest)
+
+    engine.scheduler.forward = spy
+    return counts
+
+
+def test_storage_hit_skips_compute(tmp_path: Path, reference: list[int]) -> None:
+    write_history(tmp_path)
+    engine = storage_engine(tmp_path)
+    counts = computed_tokens(engine)
+    res = engine.generate([PROMPT], GREEDY)[0]
+    assert res.output_ids == reference and res.cached_tokens_details["storage"] == 384
+    assert counts[0] == len(PROMPT) - 384  # the prefill computed only the uncached tail
+    engine.shutdown()
+
+
 def _object_files(path: Path) -> list[Path]:
     return [p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")]
 

@@ -143,7 +143,7 @@ class Scheduler:
         if kv is None:
             return False
         req.kv = kv
-        req.computed = kv.device_hit_tokens + kv.host_hit_tokens
+        req.computed = kv.device_hit_tokens + kv.host_hit_tokens + kv.storage_hit_tokens
         req.status = Status.PREFILL
         req.admitted_time = time.perf_counter()
         logger.info(
