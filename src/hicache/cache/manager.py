@@ -153,15 +153,15 @@ class KVCacheManager:
                 self.tree.dec_lock_ref(node)
             return None
         # Load-back: the host-hit nodes take the first new pages, in path order.
+        # The deepest node is locked until the load's ack is consumed (its ack payload).
         loaded = 0
         for hn in host_nodes:
             dev = new_pages[loaded : loaded + len(hn.host_pages)]
             self.tree.attach_device_pages(hn, dev)
-            self._pending[LOAD].append((dev, hn.host_pages, None))
+            self._pending[LOAD].append((dev, hn.host_pages, hn if hn is host_nodes[-1] else None))
             loaded += len(dev)
         if host_nodes:
-            self.tree.inc_lock_ref(host_nodes[-1])  # held until the load's ack is consumed
-            self._pending[LOAD][-1] = (*self._pending[LOAD][-1][:2], host_nodes[-1])
+            self.tree.inc_lock_ref(host_nodes[-1])
         state = KVState(
             pages=np.concatenate([hit_pages, new_pages]),
             cached_pages=len(hit_pages) + loaded,
