@@ -70,6 +70,9 @@ class EngineConfig:
     hicache_storage_prefetch_threshold: int = _opt(256, "Least uncached prompt tokens for which storage is asked.")
     hicache_storage_prefetch_timeout_base: float = _opt(1.0, "timeout policy: seconds a prefetch may take ...")
     hicache_storage_prefetch_timeout_per_1k_tokens: float = _opt(0.25, "... plus this many seconds per 1K tokens.")
+    # Parallelism
+    tp_size: int = _opt(1, "Tensor-parallel ranks per pipeline stage (attention heads and MLP sharded).")
+    pp_size: int = _opt(1, "Pipeline stages (layers split across them); tp_size x pp_size rank processes.")
     # Scheduling
     chunked_prefill_size: int = _opt(2048, "Most prompt tokens computed in one prefill step (a long prompt is chunked).")
     max_running_requests: int = _opt(32, "Most requests decoding at once.")
@@ -90,6 +93,8 @@ class EngineConfig:
             raise ConfigError(
                 f"--chunked-prefill-size {self.chunked_prefill_size} must be at least one page ({self.page_size})."
             )
+        if self.tp_size < 1 or self.pp_size < 1:
+            raise ConfigError("--tp-size and --pp-size must be at least 1.")
         if self.max_running_requests < 1:
             raise ConfigError("--max-running-requests must be at least 1.")
         if self.context_length is not None and self.context_length < 2:

@@ -50,7 +50,7 @@ def run_demo(engine: Engine, turns: int = 8, max_new_tokens: int = 40, agents: i
     host = "on" if engine.host_pool is not None else "off"
     print(f"hicache demo: {agents} agent(s) x {turns} turns on {engine.config.model} "
           f"({engine.device}, {engine.config.dtype}, page {engine.config.page_size}, "
-          f"device pool {engine.cache.capacity_pages * engine.config.page_size} tokens, host tier {host})\n")
+          f"device pool {engine.capacity_pages * engine.config.page_size} tokens, host tier {host})\n")
     print(f"{'agent':>5} {'turn':>4} {'input':>6} {'cached':>6} {'device':>6} {'host':>5} {'storage':>7} "
           f"{'TTFT ms':>8}  reply")
     results = []

@@ -8,17 +8,20 @@ Units: ``tokens`` are token-id sequences; lengths are tokens unless named ``*_pa
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from ..parallel.consensus import consensus_check
 from .controller import BACKUP, LOAD, TransferController, TransferOp
 from .host_pool import HostKVPool
 from .pools import DeviceKVPool, PageAllocator, pages_to_slots
 from .radix import RadixCache, TreeNode
 from .storage.base import StorageBackend
-from .storage.controller import PrefetchOp, StorageController
+from .storage.controller import Agree, PrefetchOp, StorageController
 from .storage.keys import namespace_digest, page_hashes
 
 logger = logging.getLogger(__name__)
@@ -88,7 +91,12 @@ class KVCacheManager:
         storage: StorageBackend | None = None,
         prefetch_threshold: int = 256,
         prefetch_max_host_fraction: float = 0.5,
+        storage_agree: tuple[Agree, Agree] | None = None,
+        shard: str = "",
     ) -> None:
+        """``storage_agree``: MIN-reduce functions for the prefetch and backup threads when
+        several ranks share the deployment; ``shard``: names this rank's slice of the KV
+        (layers, heads) so ranks never share storage objects."""
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"unknown write policy {write_policy!r}")
         self.pool = pool
@@ -109,12 +117,15 @@ class KVCacheManager:
             self.tree.backup_on_evict = self._backup_now
         self.kv_view = _KVView(pool, self.controller)
         # L3: prefetch reserves host pages; at most this many may be held by prefetches at once.
-        self.storage = StorageController(storage, host_pool) if storage is not None else None
+        self.storage = StorageController(storage, host_pool, *(storage_agree or ())) if storage is not None else None
+        self.shard = shard
         self.prefetch_threshold = prefetch_threshold
         self.prefetch_page_limit = int(prefetch_max_host_fraction * self.host_allocator.capacity) \
             if self.host_allocator is not None else 0
         self.prefetch_held_pages = 0
-        self._stopped_prefetches: list[tuple[PrefetchOp, np.ndarray]] = []  # waiting for their thread
+        # Stopped prefetches whose reader may still write their unused host pages; freed in
+        # order, as many as agreed ("prefetch_reap" acks), so host allocation stays in step.
+        self._stopped_prefetches: deque[tuple[PrefetchOp, np.ndarray]] = deque()
         self._ns_digests: dict[str, bytes] = {}
         self._pending: dict[str, list[tuple[np.ndarray, np.ndarray, TreeNode | None]]] = {BACKUP: [], LOAD: []}
         self.stats = CacheStats()
@@ -126,6 +137,9 @@ class KVCacheManager:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    @consensus_check("cache.admit", args=lambda self, ns, tokens, reserve, storage=0: (ns, len(tokens), reserve, storage),
+                     result=lambda s: None if s is None else (s.device_hit_tokens, s.host_hit_tokens,
+                                                              s.storage_hit_tokens, len(s.pages)))
     def admit(self, namespace: str, tokens: np.ndarray, reserve_tokens: int, storage_tokens: int = 0) -> KVState | None:
         """Match ``tokens`` (the prompt), lock the hit and reserve pages up to ``reserve_tokens``
         (prompt + most output). A host hit gets device pages and a load-back (submitted with
@@ -276,15 +290,27 @@ class KVCacheManager:
                 self.controller.submit(kind, dev, host, [n for _, _, n in items if n is not None])
                 items.clear()
 
-    def ack_counts(self) -> dict[str, int]:
-        """Leading acks ready on this rank, per direction (the input to agreement)."""
+    def ack_kinds(self) -> list[str]:
+        """The ordered ack queues of this cache (the layout of :meth:`ack_counts`)."""
         if self.controller is None:
-            return {BACKUP: 0, LOAD: 0}
-        counts = {kind: self.controller.ready_count(kind) for kind in (BACKUP, LOAD)}
-        if self.storage is not None:
-            counts["storage_backup"] = self.storage.backup_ready_count()
-        return counts
+            return []
+        return [BACKUP, LOAD] + (["storage_backup", "prefetch_reap"] if self.storage is not None else [])
 
+    def ack_counts(self) -> dict[str, int]:
+        """Leading acks ready on this rank, per queue (the input to agreement)."""
+        ready = {BACKUP: lambda: self.controller.ready_count(BACKUP), LOAD: lambda: self.controller.ready_count(LOAD),
+                 "storage_backup": lambda: self.storage.backup_ready_count(), "prefetch_reap": self._reap_ready}
+        return {kind: ready[kind]() for kind in self.ack_kinds()}
+
+    def _reap_ready(self) -> int:
+        n = 0
+        for op, _ in self._stopped_prefetches:
+            if not op.done.is_set():
+                break
+            n += 1
+        return n
+
+    @consensus_check("cache.consume_acks", args=lambda self, counts: sorted(counts.items()))
     def consume_acks(self, counts: dict[str, int]) -> None:
         """Apply exactly ``counts[kind]`` leading acks: unlock their nodes, count their bytes."""
         if self.controller is None:
@@ -304,7 +330,7 @@ class KVCacheManager:
                         node.stored = False
                 if op.failure:
                     self.storage.stats.fail(op.failure)
-            self._reap_stopped_prefetches()
+            self._reap_stopped_prefetches(counts.get("prefetch_reap", 0))
 
     def _account(self, op: TransferOp) -> None:
         tokens, nbytes = op.num_pages * self.page_size, op.num_pages * self.pool.bytes_per_page
@@ -332,9 +358,7 @@ class KVCacheManager:
         self.consume_acks({kind: self.controller.pending(kind) for kind in (BACKUP, LOAD)})
         if self.storage is not None:  # host backups just consumed may have queued storage writes
             self.consume_acks({"storage_backup": self.storage.pending_backups()})
-            for op, _ in self._stopped_prefetches:
-                op.done.wait()
-            self._reap_stopped_prefetches()
+            self._reap_stopped_prefetches(len(self._stopped_prefetches))
 
     # ---- storage tier (L3) ---------------------------------------------------------------
     def ns_digest(self, namespace: str) -> bytes:
@@ -343,7 +367,8 @@ class KVCacheManager:
         if d is None:
             d = namespace_digest(namespace=namespace, page_size=self.page_size, dtype=str(self.pool.k_buffers[0].dtype),
                                  object_layout="layer,kv,token,head,dim/v1",
-                                 kv_shape=list(self.pool.k_buffers[0].shape[1:]), layers=len(self.pool.k_buffers))
+                                 kv_shape=list(self.pool.k_buffers[0].shape[1:]), layers=len(self.pool.k_buffers),
+                                 shard=self.shard)
             self._ns_digests[namespace] = d
         return d
 
@@ -402,11 +427,16 @@ class KVCacheManager:
         return len(op.progress)
 
     def consume_prefetch_acks(self, op: PrefetchOp, n: int) -> bool:
-        """Apply the first ``n`` progress acks; True once the final one is applied."""
+        """Apply the first ``n`` progress acks; True once the final one is applied. With
+        several ranks ``n`` is agreed: this rank's reader may still be publishing it."""
+        while len(op.progress) < n:
+            time.sleep(0.0005)
         if n > op.consumed:
-            op.consumed, op.completed = n, op.progress[n - 1]
-        return op.done.is_set() and op.consumed == len(op.progress)
+            op.consumed, op.completed = n, op.progress[n - 1][0]
+        return op.consumed > 0 and op.progress[op.consumed - 1][1]
 
+    @consensus_check("cache.finish_prefetch", args=lambda self, op, tokens: (op.namespace, op.start_page, op.completed),
+                     result=lambda inserted: inserted)
     def finish_prefetch(self, op: PrefetchOp, tokens: np.ndarray) -> int:
         """Stop waiting: insert the pages the consumed acks cover as host-only nodes, release
         the rest (once the reader is done with them). Returns the tokens inserted."""
@@ -421,19 +451,16 @@ class KVCacheManager:
         if op.failure:
             self.storage.stats.fail(op.failure)
         self._stopped_prefetches.append((op, op.host_pages[done:]))
-        self._reap_stopped_prefetches()
         return (done - taken_from) * ps if taken_from < done else 0
 
-    def _reap_stopped_prefetches(self) -> None:
-        """Free the unused host pages of prefetches whose reader has finished."""
-        keep = []
-        for op, unused in self._stopped_prefetches:
-            if op.done.is_set():
-                self.host_allocator.free(unused)
-                self.prefetch_held_pages -= len(unused)
-            else:
-                keep.append((op, unused))
-        self._stopped_prefetches = keep
+    def _reap_stopped_prefetches(self, n: int) -> None:
+        """Free the unused host pages of the first ``n`` stopped prefetches, waiting for their
+        readers to finish."""
+        for _ in range(n):
+            op, unused = self._stopped_prefetches.popleft()
+            op.done.wait()
+            self.host_allocator.free(unused)
+            self.prefetch_held_pages -= len(unused)
 
 
     def flush(self) -> None:

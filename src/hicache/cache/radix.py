@@ -27,6 +27,7 @@ from typing import Callable
 
 import numpy as np
 
+from ..parallel.consensus import consensus_check
 from .pools import PageAllocator
 
 logger = logging.getLogger(__name__)
@@ -156,6 +157,8 @@ class RadixCache:
         return arr[: len(arr) - len(arr) % self.page_size]
 
     # ---- the contract --------------------------------------------------------------------
+    @consensus_check("tree.match_prefix", args=lambda self, ns, tokens: (ns, len(tokens)),
+                     result=lambda m: (m.device_hit_tokens, m.host_hit_tokens))
     def match_prefix(self, namespace: str, tokens) -> MatchResult:
         """Longest cached prefix of ``tokens`` (whole pages) in ``namespace``.
 
@@ -322,6 +325,7 @@ class RadixCache:
             and (node.host_pages is not None or node.host_ref == 0)
         )
 
+    @consensus_check("tree.evict", args=lambda self, num_pages: num_pages, result=lambda freed: freed)
     def evict(self, num_pages: int) -> int:
         """Free at least ``num_pages`` device pages from unlocked leaves, least valuable first
         (policy order). A victim with a host copy stays in the tree as host-only; one without

@@ -187,8 +187,7 @@ class EngineLoop:
         sched = eng.scheduler
         try:
             while True:
-                if not sched.has_work() and eng.cache.has_pending_transfers():
-                    eng.cache.drain()  # idle: apply outstanding acks so no lock outlives its transfer
+                eng.drain_idle()
                 if not self._drain(block=not sched.has_work()):
                     break
                 if sched.has_work():

@@ -47,6 +47,10 @@ class Request:
     prefetch: Optional[object] = field(default=None, repr=False)  # storage PrefetchOp in flight
     prefetch_deadline: float = 0.0  # when the scheduler stops waiting for it (perf_counter)
     storage_tokens: int = 0  # prompt tokens its prefetch brought into the host tier
+    prefetch_final: bool = False  # the prefetch's final progress ack has been applied (agreed)
+    prefetch_expired: bool = False  # every rank agreed its wait deadline has passed
+    in_flight: bool = False  # in a batch whose results have not been applied yet (pipeline)
+    cached: Optional[dict[str, int]] = None  # prompt tokens hit per tier (device/host/storage), set at admission
     tokens_np: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -85,9 +89,8 @@ class GenerateResult:
 
     @classmethod
     def from_request(cls, req: Request) -> "GenerateResult":
-        kv = req.kv  # None when aborted before admission: it never held anything
-        details = {"device": kv.device_hit_tokens, "host": kv.host_hit_tokens, "storage": kv.storage_hit_tokens} \
-            if kv is not None else {"device": 0, "host": 0, "storage": 0}
+        admitted = req.cached is not None  # False when aborted before admission: it never held anything
+        details = dict(req.cached) if admitted else {"device": 0, "host": 0, "storage": 0}
         started = req.first_token_time > 0
         return cls(
             rid=req.rid,
@@ -99,7 +102,7 @@ class GenerateResult:
             cached_tokens_details=details,
             finish_reason=req.finish_reason,
             ttft_s=req.first_token_time - req.arrival_time if started else 0.0,
-            queue_time_s=req.admitted_time - req.arrival_time if kv is not None else 0.0,
+            queue_time_s=req.admitted_time - req.arrival_time if admitted else 0.0,
             forward_time_s=req.first_token_time - req.admitted_time if started else 0.0,
             e2e_s=req.finish_time - req.arrival_time if req.finish_time else 0.0,
         )

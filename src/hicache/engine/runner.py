@@ -14,7 +14,10 @@ class ModelRunner:
         self.device = device
 
     @torch.inference_mode()
-    def forward(self, input_ids: list[list[int]], prefix_lens: list[int], context_slots: list[torch.Tensor]) -> torch.Tensor:
-        """Logits ``[B, vocab]`` (float32) at each sequence's last new token."""
+    def forward(self, input_ids: list[list[int]], prefix_lens: list[int], context_slots: list[torch.Tensor],
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``[B, vocab]`` (float32) at each sequence's last new token; on a pipeline
+        stage before the last, the hidden states of all new tokens (``hidden``: the previous
+        stage's)."""
         batch = make_forward_batch(input_ids, prefix_lens, context_slots, logits="last", device=self.device)
-        return self.model(batch, self.kv)
+        return self.model(batch, self.kv, hidden)

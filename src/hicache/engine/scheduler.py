@@ -10,11 +10,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
 from ..cache.manager import KVCacheManager
+from ..parallel.consensus import consensus_check
 from .request import Request, Status
 from .sampling import sample
 
@@ -81,32 +83,72 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Run one prefill batch if any prompt work is ready, else one decode batch.
-        Returns the requests that finished in this step."""
-        self.num_steps += 1
-        # Transfer acks change lock state only here, at a fixed point of the step, and only as
-        # many as counted (one rank: what is ready; several ranks: an agreed count).
-        self.cache.consume_acks(self.cache.ack_counts())
-        finished: list[Request] = []
-        prefill = self._schedule_prefill()
+        """One single-rank step: agree (trivially) on events, schedule, run, apply.
+        Returns the requests that finished in this step. Several ranks run the same phases
+        through ``hicache.parallel`` with agreed counts and results that arrive later."""
+        self.consume_events(self.ready_counts())
+        batch = self.schedule()
         self.cache.submit_transfers()  # load-backs must be in flight before the forward waits on them
-        if prefill:
-            self._run_prefill(prefill, finished)
-        else:
-            decode = [r for r in self.running if r.status is Status.DECODE]
-            if decode:
-                self._run_decode(decode, finished)
+        finished: list[Request] = []
+        if batch is not None:
+            tokens = self.sample(batch, self.forward(batch.input_ids(), batch.prefix_lens(), batch.context_slots()))
+            finished = self.apply_results(batch, tokens)
         self.cache.submit_transfers()  # backups of what finished in this step
-        if not prefill and not self.running and self.waiting:
+        if batch is None and not self.running and self.waiting:
             time.sleep(0.001)  # only prefetches to wait for: do not spin
         return finished
+
+    # ---- events: what background work finished, applied only as agreed ----------------
+    def pending_prefetches(self) -> list[Request]:
+        """Waiting requests whose storage prefetch is still open, in queue order (the order
+        of their entries in the event vector)."""
+        return [r for r in self.waiting if r.prefetch is not None]
+
+    def ready_counts(self) -> list[int]:
+        """This rank's view of finished background work, as a vector ranks can MIN-reduce:
+        ready leading acks per cache queue, then per open prefetch its published progress acks
+        and whether its wait deadline passed (1/0)."""
+        counts = list(self.cache.ack_counts().values())
+        now = time.perf_counter()
+        for req in self.pending_prefetches():
+            counts.append(self.cache.prefetch_ack_count(req.prefetch))
+            counts.append(int(now > req.prefetch_deadline))
+        return counts
+
+    @consensus_check("scheduler.consume_events", args=lambda self, counts: list(counts))
+    def consume_events(self, counts: Sequence[int]) -> None:
+        """Apply exactly the agreed ``counts`` (layout of :meth:`ready_counts`). Transfer acks
+        change lock state only here, at a fixed point of the step."""
+        kinds = self.cache.ack_kinds()
+        self.cache.consume_acks(dict(zip(kinds, counts)))
+        rest = counts[len(kinds):]
+        for i, req in enumerate(self.pending_prefetches()):
+            req.prefetch_final = self.cache.consume_prefetch_acks(req.prefetch, rest[2 * i])
+            req.prefetch_expired = bool(rest[2 * i + 1])
+
+    # ---- scheduling ------------------------------------------------------------------------
+    @consensus_check("scheduler.schedule", result=lambda b: None if b is None else (b.kind, b.rids(), b.new_tokens))
+    def schedule(self) -> "Batch | None":
+        """One prefill batch if any prompt work is ready, else one decode batch, else None.
+        Requests whose previous batch has not returned yet (``in_flight``) sit this one out."""
+        prefill = self._schedule_prefill()
+        if prefill:
+            batch = Batch("prefill", [r for r, _ in prefill], [n for _, n in prefill])
+        else:
+            decode = [r for r in self.running if r.status is Status.DECODE and not r.in_flight]
+            if not decode:
+                return None
+            batch = Batch("decode", decode, [1] * len(decode))
+        for req in batch.reqs:
+            req.in_flight = True
+        return batch
 
     def _schedule_prefill(self) -> list[tuple[Request, int]]:
         """(request, new tokens this step) within the chunked-prefill token budget."""
         budget = self.chunked_prefill_size
         batch: list[tuple[Request, int]] = []
         for req in self.running:
-            if req.status is Status.PREFILL and budget > 0:
+            if req.status is Status.PREFILL and not req.in_flight and budget > 0:
                 n = min(len(req.prompt_ids) - req.computed, budget)
                 batch.append((req, n))
                 budget -= n
@@ -125,13 +167,12 @@ class Scheduler:
         return batch
 
     def _prefetch_settled(self, req: Request) -> bool:
-        """Apply the request's prefetch progress; True once the policy stops waiting for it,
-        after inserting what arrived into the cache."""
+        """True once the policy stops waiting for the request's prefetch, after inserting
+        what arrived (the agreed acks) into the cache."""
         op = req.prefetch
         if op is None:
             return True
-        final = self.cache.consume_prefetch_acks(op, self.cache.prefetch_ack_count(op))
-        if not (final or self.prefetch_policy == "best_effort" or time.perf_counter() > req.prefetch_deadline):
+        if not (req.prefetch_final or self.prefetch_policy == "best_effort" or req.prefetch_expired):
             return False
         req.storage_tokens = self.cache.finish_prefetch(op, req.tokens_np)
         req.prefetch = None
@@ -143,6 +184,7 @@ class Scheduler:
         if kv is None:
             return False
         req.kv = kv
+        req.cached = {"device": kv.device_hit_tokens, "host": kv.host_hit_tokens, "storage": kv.storage_hit_tokens}
         req.computed = kv.device_hit_tokens + kv.host_hit_tokens + kv.storage_hit_tokens
         req.status = Status.PREFILL
         req.admitted_time = time.perf_counter()
@@ -153,36 +195,37 @@ class Scheduler:
         )
         return True
 
-    def _run_prefill(self, batch: list[tuple[Request, int]], finished: list[Request]) -> None:
-        ids = [req.prompt_ids[req.computed : req.computed + n] for req, n in batch]
-        prefix = [req.computed for req, _ in batch]
-        slots = [req.kv.slots[: req.computed + n] for req, n in batch]
-        logits = self.forward(ids, prefix, slots)
-        done_rows, done_reqs = [], []
-        for row, (req, n) in enumerate(batch):
+    # ---- results ---------------------------------------------------------------------------
+    def sample(self, batch: "Batch", logits: torch.Tensor) -> list[int]:
+        """One entry per request of ``batch``: its next token, or -1 when the batch only
+        computed a chunk of its prompt. ``logits``: ``[len(batch.reqs), vocab]``."""
+        rows = batch.result_rows()
+        out = [-1] * len(batch.reqs)
+        if rows:
+            reqs = [batch.reqs[i] for i in rows]
+            for i, tok in zip(rows, sample(logits[rows], [r.sampling for r in reqs], [r.generator for r in reqs])):
+                out[i] = tok
+        return out
+
+    @consensus_check("scheduler.apply_results", args=lambda self, batch, tokens: (batch.rids(), list(tokens)))
+    def apply_results(self, batch: "Batch", tokens: Sequence[int]) -> list[Request]:
+        """``batch`` has returned with ``tokens`` (see :meth:`sample`): advance its requests,
+        append their tokens, finish what stopped. Returns the finished requests."""
+        finished: list[Request] = []
+        now = time.perf_counter()
+        for req, n, tok in zip(batch.reqs, batch.new_tokens, tokens):
+            req.in_flight = False
+            if req.status is Status.FINISHED:  # aborted while its batch was in flight
+                continue
             req.computed += n
-            if req.computed == len(req.prompt_ids):
-                done_rows.append(row)
-                done_reqs.append(req)
-            else:  # chunk boundary: share the computed pages with later requests now
-                self.cache.cache_prefix(req.namespace, req.tokens_np[: req.computed], req.kv)
-        if done_reqs:
-            tokens = sample(logits[done_rows], [r.sampling for r in done_reqs], [r.generator for r in done_reqs])
-            now = time.perf_counter()
-            for req, tok in zip(done_reqs, tokens):
+            if req.status is Status.PREFILL:
+                if req.computed < len(req.prompt_ids):  # chunk boundary: share the pages now
+                    self.cache.cache_prefix(req.namespace, req.tokens_np[: req.computed], req.kv)
+                    continue
                 req.first_token_time = now
                 req.status = Status.DECODE
-                self._append_token(req, tok, finished)
-
-    def _run_decode(self, reqs: list[Request], finished: list[Request]) -> None:
-        ids = [[req.output_ids[-1]] for req in reqs]
-        prefix = [req.computed for req in reqs]
-        slots = [req.kv.slots[: req.computed + 1] for req in reqs]
-        logits = self.forward(ids, prefix, slots)
-        tokens = sample(logits, [r.sampling for r in reqs], [r.generator for r in reqs])
-        for req, tok in zip(reqs, tokens):
-            req.computed += 1
             self._append_token(req, tok, finished)
+        return finished
 
     # ---- finishing -----------------------------------------------------------------------
     def _append_token(self, req: Request, tok: int, finished: list[Request]) -> None:
@@ -219,6 +262,36 @@ class Scheduler:
             req.first_token_time - req.arrival_time if req.first_token_time else -1.0,
             req.finish_time - req.arrival_time,
         )
+
+
+@dataclass
+class Batch:
+    """One forward pass as scheduled: ``reqs[i]`` computes ``new_tokens[i]`` tokens (a prompt
+    chunk, or 1 in decode). Built once; every pipeline stage schedules an equal one."""
+
+    kind: str  # "prefill" | "decode"
+    reqs: list[Request]
+    new_tokens: list[int]
+
+    def rids(self) -> list[int]:
+        return [r.rid for r in self.reqs]
+
+    def input_ids(self) -> list[list[int]]:
+        if self.kind == "decode":
+            return [[r.output_ids[-1]] for r in self.reqs]
+        return [r.prompt_ids[r.computed : r.computed + n] for r, n in zip(self.reqs, self.new_tokens)]
+
+    def prefix_lens(self) -> list[int]:
+        return [r.computed for r in self.reqs]
+
+    def context_slots(self) -> list[torch.Tensor]:
+        return [r.kv.slots[: r.computed + n] for r, n in zip(self.reqs, self.new_tokens)]
+
+    def result_rows(self) -> list[int]:
+        """Rows whose logits give a token: decode rows, and prefill rows that end their prompt."""
+        if self.kind == "decode":
+            return list(range(len(self.reqs)))
+        return [i for i, (r, n) in enumerate(zip(self.reqs, self.new_tokens)) if r.computed + n == len(r.prompt_ids)]
 
 
 def _stop_index(text: str, stops: list[str]) -> int:

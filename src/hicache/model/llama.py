@@ -7,7 +7,7 @@ dimension ``i`` pairs with ``i + head_dim / 2``; loaders of other layouts (GGUF)
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +60,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(spec.hidden_size, kv_width, bias=bias)
         self.v_proj = nn.Linear(spec.hidden_size, kv_width, bias=bias)
         self.o_proj = nn.Linear(q_width, spec.hidden_size, bias=False)
+        self.tp_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # sum over TP ranks (model/parallel.py)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv: KVView, rows: Rows
@@ -87,7 +88,7 @@ class Attention(nn.Module):
                 q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True,
                 enable_gqa=True,
             )[0]  # [H, T, D]
-            return self.o_proj(out.transpose(0, 1).reshape(t, -1))
+            return self._out(out.transpose(0, 1).reshape(t, -1))
 
         # Paged path: queries padded per sequence [B, H, Q, D]; context gathered by slot [B, KvH, K, D].
         # index_select rather than advanced indexing: same result, far less overhead on CPU.
@@ -102,7 +103,11 @@ class Attention(nn.Module):
         src_rows, dst_rows = rows
         flat = torch.empty(t, out.shape[1], dtype=out.dtype, device=out.device)
         flat.index_copy_(0, dst_rows, out.index_select(0, src_rows))
-        return self.o_proj(flat)
+        return self._out(flat)
+
+    def _out(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.o_proj(x)
+        return out if self.tp_reduce is None else self.tp_reduce(out)
 
 
 class MLP(nn.Module):
@@ -113,9 +118,11 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.tp_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # sum over TP ranks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out if self.tp_reduce is None else self.tp_reduce(out)
 
 
 class DecoderLayer(nn.Module):
@@ -164,6 +171,9 @@ class LlamaForCausalLM(nn.Module):
         self.eval()
         # Plain attribute, not a buffer: it must stay float32 whatever the weight dtype.
         self.inv_freq = rope_inv_freq(spec).to(self.device)
+        # A pipeline stage (model/parallel.py) holds some layers: the first embeds, the last
+        # returns logits, the others take and return hidden states.
+        self.first_stage = self.last_stage = True
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -174,12 +184,16 @@ class LlamaForCausalLM(nn.Module):
         angles = torch.cat((angles, angles), dim=-1)[:, None, :]
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
-    def forward(self, batch: ForwardBatch, kv: KVView) -> torch.Tensor:
-        h = self.model.embed_tokens(batch.input_ids)
+    def forward(self, batch: ForwardBatch, kv: KVView, hidden: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits on the last stage; elsewhere the hidden states ``[T, hidden]`` for the next
+        stage. ``hidden``: the previous stage's output (not on the first stage)."""
+        h = self.model.embed_tokens(batch.input_ids) if self.first_stage else hidden
         cos, sin = self.rope(batch.positions, h.dtype)
         rows = None if batch.single else valid_rows(batch)
         for layer in self.model.layers:
             h = layer(h, cos, sin, batch, kv, rows)
+        if not self.last_stage:
+            return h
         # Only the requested rows go through the final norm and the (vocab-wide) head.
         h = self.model.norm(h[batch.logits_index])
         return F.linear(h, self.lm_head_weight()).float()

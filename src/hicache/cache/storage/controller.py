@@ -21,6 +21,7 @@ import time
 import warnings
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -44,7 +45,9 @@ class PrefetchOp:
     hashes: list[bytes]
     host_pages: np.ndarray  # reserved by the scheduler, one per key
     issue_time: float = field(default_factory=time.perf_counter)
-    progress: list[int] = field(default_factory=list)  # acks: pages completed so far (monotonic)
+    # acks: (pages completed so far (monotonic), is the final ack), appended as one item so a
+    # count of consumed acks says whether the final one is among them.
+    progress: list[tuple[int, bool]] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)  # the thread is finished with it
     stop: threading.Event = field(default_factory=threading.Event)  # the scheduler stopped waiting
     hit_pages: int = -1  # how many keys exist (known after the first query)
@@ -80,9 +83,21 @@ class StorageStats:
         self.failures[reason] = self.failures.get(reason, 0) + 1
 
 
+def _alone(values: list[int]) -> list[int]:
+    """The agreement of a single rank: its own values."""
+    return values
+
+
+# MIN-reduce over every rank of the deployment (see hicache.parallel), one group per thread.
+Agree = Callable[[list[int]], list[int]]
+
+
 class StorageController:
-    def __init__(self, backend: StorageBackend, host_pool: HostKVPool) -> None:
+    def __init__(self, backend: StorageBackend, host_pool: HostKVPool,
+                 agree_prefetch: Agree = _alone, agree_backup: Agree = _alone) -> None:
         self.backend = backend
+        self._agree_prefetch = agree_prefetch
+        self._agree_backup = agree_backup
         self.host_pool = host_pool
         self.stats = StorageStats()
         self._ids = itertools.count()
@@ -162,44 +177,57 @@ class StorageController:
                 op.failure = op.failure or "backend_error"
                 logger.warning("prefetch op=%d failed: %s", op.op_id, e)
             finally:
-                op.progress.append(op.progress[-1] if op.progress else 0)  # the final ack
+                op.progress.append((op.progress[-1][0] if op.progress else 0, True))  # the final ack
                 op.done.set()
 
     def _read(self, op: PrefetchOp) -> None:
         keys = [h.hex() for h in op.hashes]
         try:
-            op.hit_pages = self.backend.exists_prefix(keys)
+            hit = self.backend.exists_prefix(keys)
         except Exception as e:
-            op.hit_pages, op.failure = 0, "backend_error"
+            hit, op.failure = 0, "backend_error"
             logger.warning("storage exists query failed (%d keys): %s", len(keys), e)
-            return
+        # Several ranks: every rank reads its own shard of the same pages, so a page counts
+        # only when all have it. The agreement runs on every rank for every op, in op order.
+        op.hit_pages = self._agree_prefetch([hit])[0]
         done = 0
-        while done < op.hit_pages and not op.stop.is_set():
-            if self.read_delay_fn is not None:
-                time.sleep(self.read_delay_fn(op))
-            batch = keys[done : min(done + BATCH_PAGES, op.hit_pages)]
-            t0 = time.perf_counter()
-            try:
-                blobs = self.backend.batch_get(batch)
-            except Exception as e:
-                op.failure = "backend_error"
-                logger.warning("storage read of %d pages failed: %s", len(batch), e)
+        while done < op.hit_pages:
+            stopped = op.stop.is_set()
+            end = min(done + BATCH_PAGES, op.hit_pages)
+            good = 0 if stopped else self._read_batch(op, keys, done, end)
+            reached, go_on = self._agree_prefetch([done + good, 0 if stopped else 1])
+            if reached < done + good:
+                op.failure = op.failure or "peer_rank"  # another rank fell short: its pages decide
+            done = reached
+            op.progress.append((done, False))
+            if not go_on or done < end:
+                if done < end and not stopped:
+                    logger.warning("prefetch op=%d stopped at page %d/%d: %s", op.op_id, done, op.hit_pages, op.failure)
                 return
-            good = 0
-            for i, blob in enumerate(blobs):
-                payload, reason = (None, "missing") if blob is None else \
-                    decode_checked(blob, op.ns_digest, op.hashes[done + i])
-                if payload is None:
-                    op.failure = getattr(reason, "value", str(reason))
-                    break
-                self.load_page(int(op.host_pages[done + i]), payload)
-                good += 1
-            done += good
-            self.stats.prefetch_time_s += time.perf_counter() - t0
-            op.progress.append(done)
-            if good < len(batch):
-                logger.warning("prefetch op=%d stopped at page %d/%d: %s", op.op_id, done, op.hit_pages, op.failure)
-                return
+
+    def _read_batch(self, op: PrefetchOp, keys: list[str], start: int, end: int) -> int:
+        """Read pages ``[start, end)`` into their host pages; returns how many leading ones
+        arrived intact (a missing, short or corrupt page ends the run)."""
+        if self.read_delay_fn is not None:
+            time.sleep(self.read_delay_fn(op))
+        t0 = time.perf_counter()
+        try:
+            blobs = self.backend.batch_get(keys[start:end])
+        except Exception as e:
+            op.failure = "backend_error"
+            logger.warning("storage read of %d pages failed: %s", end - start, e)
+            return 0
+        good = 0
+        for i, blob in enumerate(blobs):
+            payload, reason = (None, "missing") if blob is None else \
+                decode_checked(blob, op.ns_digest, op.hashes[start + i])
+            if payload is None:
+                op.failure = getattr(reason, "value", str(reason))
+                break
+            self.load_page(int(op.host_pages[start + i]), payload)
+            good += 1
+        self.stats.prefetch_time_s += time.perf_counter() - t0
+        return good
 
     def _backup_worker(self) -> None:
         while (op := self._queues["backup"].get()) is not None:
@@ -218,6 +246,10 @@ class StorageController:
                 op.failure = "backend_error"
                 logger.warning("storage backup op=%d (%d pages) failed: %s", op.op_id, len(op.hashes), e)
             finally:
+                # Several ranks: a page counts as stored only when every rank stored its shard.
+                agreed = self._agree_backup([op.written])[0]
+                if agreed < len(op.hashes):
+                    op.failure = op.failure or "peer_rank"
                 self.stats.backup_pages += op.written
                 self.stats.backup_time_s += time.perf_counter() - t0
                 op.done.set()

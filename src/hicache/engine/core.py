@@ -1,0 +1,159 @@
+"""What one rank runs: a (possibly sharded) model, its KV pools, the cache manager and the
+scheduler. The single-rank Engine builds one in its own process; with ``--tp-size`` /
+``--pp-size`` every rank process builds one over its slice of the model (hicache.parallel)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..cache.host_pool import HostKVPool
+from ..cache.manager import KVCacheManager
+from ..cache.pools import DeviceKVPool
+from ..cache.storage.base import StorageError
+from ..cache.storage.controller import Agree
+from ..cache.storage.registry import create_backend
+from ..config import ConfigError, EngineConfig
+from ..device import device_memory_budget
+from ..model.loader import LoadedModel
+from ..model.parallel import ModelShard
+from .runner import ModelRunner
+from .scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineCore:
+    pool: DeviceKVPool
+    host_pool: HostKVPool | None
+    cache: KVCacheManager
+    runner: ModelRunner
+    scheduler: Scheduler
+
+
+def build_core(
+    cfg: EngineConfig,
+    loaded: LoadedModel,
+    device: torch.device,
+    dtype: torch.dtype,
+    shard: ModelShard | None = None,
+    agree_pages: Callable[[list[int]], list[int]] = lambda pages: pages,
+    storage_agree: tuple[Agree, Agree] | None = None,
+) -> EngineCore:
+    """Pools sized from the config (``agree_pages`` MIN-reduces the device and host page counts
+    so every rank's allocator, and so every cache decision, is the same), then the cache and
+    the scheduler over ``loaded.model`` (already cut to ``shard`` when given)."""
+    spec = loaded.spec
+    layers = len(shard.layers) if shard else spec.num_layers
+    kv_heads = len(shard.kv_heads) if shard else spec.num_kv_heads
+    elem = torch.empty((), dtype=dtype).element_size()
+    bytes_per_page = 2 * layers * kv_heads * spec.head_dim * elem * cfg.page_size
+    device_pages = _device_pool_pages(cfg, device, bytes_per_page)
+    host_pages = _host_pool_pages(cfg, device_pages, bytes_per_page) if cfg.enable_hierarchical_cache else 0
+    device_pages, host_pages = agree_pages([device_pages, host_pages])
+    pool = DeviceKVPool(layers, kv_heads, spec.head_dim, device_pages, cfg.page_size, dtype, device)
+    host_pool = HostKVPool(pool, host_pages, cfg.hicache_mem_layout) if cfg.enable_hierarchical_cache else None
+    cache = KVCacheManager(
+        storage=_storage_backend(cfg),
+        prefetch_threshold=cfg.hicache_storage_prefetch_threshold,
+        pool=pool,
+        eviction_policy=cfg.radix_eviction_policy,
+        enable_prefix_cache=not cfg.disable_radix_cache,
+        host_pool=host_pool,
+        write_policy=cfg.hicache_write_policy,
+        write_through_threshold=cfg.hicache_write_through_threshold,
+        storage_agree=storage_agree,
+        shard=shard.describe() if shard else "",
+    )
+    runner = ModelRunner(loaded.model, cache.kv_view, device)
+    scheduler = Scheduler(
+        cache=cache,
+        forward=runner.forward,
+        decode_text=loaded.tokenizer.decode,
+        eos_token_ids=set(loaded.tokenizer.eos_token_ids),
+        chunked_prefill_size=cfg.chunked_prefill_size,
+        max_running_requests=cfg.max_running_requests,
+        prefetch_policy=cfg.hicache_storage_prefetch_policy,
+        prefetch_timeout=lambda tokens: cfg.hicache_storage_prefetch_timeout_base
+        + cfg.hicache_storage_prefetch_timeout_per_1k_tokens * tokens / 1000,
+    )
+    return EngineCore(pool, host_pool, cache, runner, scheduler)
+
+
+def _device_pool_pages(cfg: EngineConfig, device: torch.device, bytes_per_page: int) -> int:
+    """Usable pages + the reserved page 0."""
+    if cfg.max_total_tokens is not None:
+        return cfg.max_total_tokens // cfg.page_size + 1
+    budget = device_memory_budget(device, cfg.mem_fraction_static)
+    pages = budget // bytes_per_page
+    if pages < 1:
+        raise ConfigError(
+            f"the KV budget ({max(budget, 0) / 2**20:.0f} MiB) holds no page of {bytes_per_page} bytes; "
+            "raise --mem-fraction-static or set --max-total-tokens."
+        )
+    return int(pages) + 1
+
+
+def _host_pool_pages(cfg: EngineConfig, device_pages: int, bytes_per_page: int) -> int:
+    """Host pages + the reserved page 0: --hicache-size GB, else --hicache-ratio x device."""
+    if cfg.hicache_size > 0:
+        pages = int(cfg.hicache_size * 1e9 // bytes_per_page)
+    else:
+        pages = int((device_pages - 1) * cfg.hicache_ratio)
+    if pages < 1:
+        raise ConfigError("the host KV pool would hold no page; raise --hicache-size or --hicache-ratio.")
+    return pages + 1
+
+
+def _storage_backend(cfg: EngineConfig):
+    """The L3 backend, or None. A backend that is down at start is reported and skipped:
+    the engine serves without storage rather than not at all."""
+    if not cfg.hicache_storage_backend:
+        return None
+    extra = json.loads(cfg.hicache_storage_backend_extra_config or "{}")
+    try:
+        return create_backend(cfg.hicache_storage_backend, extra)
+    except StorageError as e:
+        logger.warning("storage backend %s is unavailable (%s); serving without the storage tier",
+                       cfg.hicache_storage_backend, e)
+        return None
+
+
+def core_stats(core: EngineCore, page_size: int) -> dict[str, Any]:
+    """The cache and queue figures of ``Engine.stats()``."""
+    cache, sched = core.cache, core.scheduler
+    s = cache.stats
+    hits = {"device": s.device_hit_tokens, "host": s.host_hit_tokens, "storage": s.storage_hit_tokens}
+    out = {
+        "prompt_tokens": s.prompt_tokens,
+        "hit_tokens": hits,
+        "hit_rate": (sum(hits.values()) / s.prompt_tokens) if s.prompt_tokens else 0.0,
+        "evicted_device_pages": s.evicted_device_pages,
+        "device_pool": cache.usage(),
+        "running_requests": len(sched.running),
+        "waiting_requests": len(sched.waiting),
+    }
+    if cache.storage is not None:
+        st = cache.storage.stats
+        out["storage"] = {
+            "backend": cache.storage.backend.name,
+            "prefetch_ops": st.prefetch_ops, "prefetched_tokens": st.prefetched_pages * page_size,
+            "prefetch_bytes": st.prefetch_bytes, "prefetch_time_s": st.prefetch_time_s,
+            "backup_tokens": st.backup_pages * page_size, "backup_bytes": st.backup_bytes,
+            "backup_time_s": st.backup_time_s, "failures": dict(st.failures),
+        }
+    host = cache.host_usage()
+    if host is not None:
+        out["host_pool"] = host
+        out["evicted_host_pages"] = s.evicted_host_pages
+        out["transfers"] = {
+            "backup_tokens": s.backup_tokens, "backup_bytes": s.backup_bytes,
+            "load_tokens": s.load_tokens, "load_bytes": s.load_bytes,
+            "load_time_s": s.load_time_s, "backup_skipped_pages": s.backup_skipped_pages,
+        }
+    return out

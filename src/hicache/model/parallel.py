@@ -1,0 +1,136 @@
+"""Cutting a loaded model into one rank's part: a pipeline stage's layers, a tensor-parallel
+slice of its heads and MLP.
+
+Tensor parallelism (Megatron style): q/k/v and gate/up are split by output rows (heads,
+intermediate units), o_proj and down_proj by input columns, and each rank's partial output of
+those two is summed over the TP group (``tp_reduce``). Embedding, norms and the LM head stay
+whole on every rank that needs them. When TP exceeds the KV head count, each KV head is held by
+``tp / num_kv_heads`` ranks (replicated), which GQA allows because a rank's query heads all map
+to one KV head.
+
+Pipeline parallelism: stage ``p`` keeps layers ``stage_layers(...)``; the first stage embeds,
+the last one applies the final norm and the head; the others pass hidden states along.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from hicache.config import ConfigError
+from hicache.model.llama import LlamaForCausalLM
+from hicache.model.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class ModelShard:
+    """Which part of the model one rank holds. Head and layer indices are global."""
+
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    layers: range  # this stage's layers
+    q_heads: range  # this rank's query heads
+    kv_heads: range  # the KV heads its query heads read (its KV pool holds exactly these)
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def describe(self) -> str:
+        """Names the slice for storage keys and logs, e.g. ``layers0-14,kvh0-1``."""
+        return (f"layers{self.layers.start}-{self.layers.stop - 1},"
+                f"kvh{self.kv_heads.start}-{self.kv_heads.stop - 1}")
+
+
+def check_parallel(spec: ModelSpec, tp_size: int, pp_size: int) -> None:
+    """Raise :class:`ConfigError` (one sentence) when the model cannot be split this way."""
+    if tp_size < 1 or pp_size < 1:
+        raise ConfigError("--tp-size and --pp-size must be at least 1.")
+    if spec.num_heads % tp_size:
+        raise ConfigError(
+            f"--tp-size {tp_size} does not divide the model's {spec.num_heads} attention heads; "
+            f"use a divisor of {spec.num_heads}."
+        )
+    kv = spec.num_kv_heads
+    if kv % tp_size and tp_size % kv:
+        raise ConfigError(
+            f"--tp-size {tp_size} neither divides nor is a multiple of the model's {kv} KV heads."
+        )
+    if spec.intermediate_size % tp_size:
+        raise ConfigError(f"--tp-size {tp_size} does not divide the MLP width {spec.intermediate_size}.")
+    if pp_size > spec.num_layers:
+        raise ConfigError(f"--pp-size {pp_size} exceeds the model's {spec.num_layers} layers.")
+
+
+def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> range:
+    """Contiguous, balanced split; earlier stages take the remainder."""
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return range(start, start + base + (1 if pp_rank < extra else 0))
+
+
+def model_shard(spec: ModelSpec, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int) -> ModelShard:
+    check_parallel(spec, tp_size, pp_size)
+    hq = spec.num_heads // tp_size
+    kv = spec.num_kv_heads
+    if tp_size <= kv:
+        per = kv // tp_size
+        kv_heads = range(tp_rank * per, (tp_rank + 1) * per)
+    else:  # replicated: tp_size / kv ranks share each KV head
+        head = tp_rank // (tp_size // kv)
+        kv_heads = range(head, head + 1)
+    return ModelShard(tp_rank, tp_size, pp_rank, pp_size, stage_layers(spec.num_layers, pp_rank, pp_size),
+                      range(tp_rank * hq, (tp_rank + 1) * hq), kv_heads)
+
+
+def _keep_rows(linear: nn.Linear, rows: slice) -> None:
+    linear.weight = nn.Parameter(linear.weight[rows].clone(), requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(linear.bias[rows].clone(), requires_grad=False)
+
+
+def _keep_cols(linear: nn.Linear, cols: slice) -> None:
+    linear.weight = nn.Parameter(linear.weight[:, cols].clone(), requires_grad=False)
+
+
+def shard_model(model: LlamaForCausalLM, shard: ModelShard, tp_reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+    """Cut ``model`` (loaded whole) down to ``shard`` in place. ``tp_reduce`` sums a tensor over
+    the TP group (None when ``tp_size == 1``). Layer ``shard.layers[i]`` reads KV layer ``i``
+    of this rank's pool."""
+    spec = model.spec
+    d = spec.head_dim
+    inter = spec.intermediate_size // shard.tp_size
+    q = slice(shard.q_heads.start * d, shard.q_heads.stop * d)
+    kv = slice(shard.kv_heads.start * d, shard.kv_heads.stop * d)
+    mlp = slice(shard.tp_rank * inter, (shard.tp_rank + 1) * inter)
+    layers = [model.model.layers[i] for i in shard.layers]
+    for local, layer in enumerate(layers):
+        attn = layer.self_attn
+        attn.layer = local
+        if shard.tp_size > 1:
+            _keep_rows(attn.q_proj, q)
+            _keep_rows(attn.k_proj, kv)
+            _keep_rows(attn.v_proj, kv)
+            _keep_cols(attn.o_proj, q)
+            attn.num_heads, attn.num_kv_heads = len(shard.q_heads), len(shard.kv_heads)
+            _keep_rows(layer.mlp.gate_proj, mlp)
+            _keep_rows(layer.mlp.up_proj, mlp)
+            _keep_cols(layer.mlp.down_proj, mlp)
+        attn.tp_reduce = layer.mlp.tp_reduce = tp_reduce
+    model.model.layers = nn.ModuleList(layers)
+    model.first_stage, model.last_stage = shard.first_stage, shard.last_stage
+    if not shard.last_stage:
+        model.model.norm = None
+        model.lm_head = None
+    needs_embedding = shard.first_stage or (shard.last_stage and model.lm_head is None)
+    if not needs_embedding:
+        model.model.embed_tokens = None

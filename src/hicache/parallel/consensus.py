@@ -1,0 +1,315 @@
+"""Rank consensus checker: every rank makes the same decisions in the same logical order.
+
+Invariant checked: all ranks run the same SPMD scheduler on the same request stream, so the
+n-th checked call on every rank is the same function, with the same selected (logical)
+parameters, returning the same selected result. PP stages reach a call at different times;
+only the logical order matters, never the wall-clock time.
+
+Use:
+
+- Turn it on with ``HICACHE_RANK_CONSENSUS_CHECKER=1`` in the environment *before* the checked
+  modules are imported: ``consensus_check`` decides at decoration time. Off, it returns the
+  function itself, so the checker costs nothing.
+- Decorate scheduler and cache functions::
+
+      @consensus_check("cache.admit", args=lambda self, req: (req.rid, len(req.tokens)),
+                       result=lambda r: (r.rid, r.prefix_len))
+      def admit(self, req): ...
+
+  Selectors get exactly the call's arguments (``self`` included) and the return value, and
+  return plain picklable data. Choose logical values (token counts, rids, prefix lengths),
+  never physical page ids: those legitimately differ between ranks with different pool sizes.
+- Each rank process calls ``install_recorder(label, make_queue_sink(monitor.queue))``; the
+  parent runs a ``ConsensusMonitor`` that compares the streams in a background thread.
+
+Reading a report (``Found rank divergence at call #i in f: B differs from A in the ...``):
+
+- *call order*: the ranks called different functions at the same point, i.e. they scheduled
+  differently or consumed events (acks, completions) differently.
+- *parameters*: same function, different inputs: state already diverged earlier, in a place
+  no checked function observed; add checks upstream to narrow it down.
+- *result*: same function and inputs, different outputs: the checked operation itself is not
+  deterministic across ranks.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import multiprocessing
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Sequence, TypeVar
+
+logger = logging.getLogger(__name__)
+
+ENV_VAR = "HICACHE_RANK_CONSENSUS_CHECKER"
+
+F = TypeVar("F", bound=Callable[..., Any])
+Sink = Callable[[str, "Entry"], None]
+DivergenceKind = Literal["call order", "parameters", "result"]
+
+_REPR_LIMIT = 200
+
+
+def enabled() -> bool:
+    """Whether the checker is on in this process (read afresh on every call)."""
+    return os.environ.get(ENV_VAR) == "1"
+
+
+@dataclass
+class Entry:
+    """One recorded call. ``index`` counts checked calls on this rank: 0, 1, 2, ... without gaps."""
+
+    index: int
+    function: str
+    params: Any
+    result: Any
+
+
+class _Recorder:
+    def __init__(self, label: str, sink: Sink) -> None:
+        self.label = label
+        self.sink = sink
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def record(self, function: str, params: Any, result: Any) -> None:
+        # Index assignment and hand-off happen under one lock, so the sink sees indices in order.
+        with self._lock:
+            entry = Entry(self._next, function, params, result)
+            self._next += 1
+            self.sink(self.label, entry)
+
+
+_recorder: _Recorder | None = None
+
+
+def install_recorder(label: str, sink: Sink) -> None:
+    """Record this process's checked calls as rank ``label``; each entry goes to ``sink`` at once.
+
+    Replaces any previous recorder; indices restart at 0.
+    """
+    global _recorder
+    _recorder = _Recorder(label, sink)
+
+
+def uninstall_recorder() -> None:
+    global _recorder
+    _recorder = None
+
+
+def consensus_check(
+    name: str | Callable[..., Any] | None = None,
+    *,
+    args: Callable[..., Any] | None = None,
+    result: Callable[[Any], Any] | None = None,
+) -> Any:
+    """Decorator recording calls of the wrapped function for the rank consensus checker.
+
+    Off at decoration time: returns the function unchanged. On: records
+    ``(name or __qualname__, args(*a, **kw), result(ret))`` after each call that returns, when a
+    recorder is installed. A call that raises records nothing. Also usable bare:
+    ``@consensus_check``.
+    """
+    if callable(name):  # bare @consensus_check
+        return consensus_check()(name)
+
+    def decorate(fn: F) -> F:
+        if not enabled():
+            return fn
+        label = name or fn.__qualname__
+
+        @functools.wraps(fn)
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            rec = _recorder
+            if rec is None:
+                return fn(*a, **kw)
+            # Parameters are selected before the call: the function may mutate its inputs
+            # (or self), and a mismatch should show the state the call started from.
+            params = args(*a, **kw) if args is not None else None
+            ret = fn(*a, **kw)
+            rec.record(label, params, result(ret) if result is not None else None)
+            return ret
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= _REPR_LIMIT else text[: _REPR_LIMIT - 3] + "..."
+
+
+def _same(a: Any, b: Any) -> bool:
+    # Selectors should return plain data; an array-like whose == is elementwise falls back to repr.
+    try:
+        return bool(a == b)
+    except Exception:
+        return repr(a) == repr(b)
+
+
+@dataclass
+class Divergence:
+    """First unequal entry: ``got`` (from ``divergent_rank``) vs ``expected`` (``reference_rank``)."""
+
+    index: int
+    function: str
+    kind: DivergenceKind
+    reference_rank: str
+    divergent_rank: str
+    expected: Entry
+    got: Entry
+
+    def __str__(self) -> str:
+        field = {"call order": "function", "parameters": "params", "result": "result"}[self.kind]
+        got, expected = getattr(self.got, field), getattr(self.expected, field)
+        return (
+            f"Found rank divergence at call #{self.index} in {self.function}: "
+            f"{self.divergent_rank} differs from {self.reference_rank} in the {self.kind}: "
+            f"{_short(got)} vs {_short(expected)}"
+        )
+
+
+class ConsensusComparator:
+    """Compares per-rank entry streams by index; keeps only indices not yet seen by every rank.
+
+    The first entry to arrive for an index is the reference; later arrivals are compared with
+    it. Each rank's entries must arrive in index order, but ranks may lag each other freely.
+    Only the first divergence is reported.
+    """
+
+    def __init__(self, labels: Sequence[str]) -> None:
+        if not labels:
+            raise ValueError("a consensus comparator needs at least one rank label")
+        self.labels = list(labels)
+        self._known = set(self.labels)
+        # index -> (reference label, reference entry, labels that reported it)
+        self._pending: dict[int, tuple[str, Entry, set[str]]] = {}
+        self.compared = 0
+        self.diverged: Divergence | None = None
+
+    def add(self, label: str, entry: Entry) -> Divergence | None:
+        """Feed one entry; returns the divergence it reveals, if it is the first one."""
+        if label not in self._known:
+            raise ValueError(f"unknown rank label {label!r} (expected one of {self.labels})")
+        if self.diverged is not None:
+            return None  # one report is enough; storing more would only grow memory
+        pending = self._pending.get(entry.index)
+        if pending is None:
+            self._pending[entry.index] = (label, entry, {label})
+            self._maybe_done(entry.index)
+            return None
+        ref_label, ref, seen = pending
+        if label in seen:
+            raise ValueError(f"rank {label!r} reported call #{entry.index} twice")
+        kind = self._difference(ref, entry)
+        if kind is not None:
+            self.diverged = Divergence(entry.index, ref.function, kind, ref_label, label, ref, entry)
+            self._pending.clear()
+            return self.diverged
+        seen.add(label)
+        self._maybe_done(entry.index)
+        return None
+
+    def _maybe_done(self, index: int) -> None:
+        if len(self._pending[index][2]) == len(self._known):
+            del self._pending[index]
+            self.compared += 1
+
+    @staticmethod
+    def _difference(ref: Entry, got: Entry) -> DivergenceKind | None:
+        if ref.function != got.function:
+            return "call order"
+        if not _same(ref.params, got.params):
+            return "parameters"
+        if not _same(ref.result, got.result):
+            return "result"
+        return None
+
+
+class _QueueSink:
+    """Picklable sink putting ``(label, entry)`` on a multiprocessing queue."""
+
+    def __init__(self, q: Any) -> None:
+        self.q = q
+
+    def __call__(self, label: str, entry: Entry) -> None:
+        # Put at once (no batching): the queue's feeder thread still flushes it if this rank
+        # then hangs in a collective, so the entry that explains the hang reaches the monitor.
+        self.q.put((label, entry))
+
+
+def make_queue_sink(q: Any) -> Sink:
+    """Sink for ``install_recorder`` in a rank process, given the monitor's queue."""
+    return _QueueSink(q)
+
+
+class ConsensusMonitor:
+    """Reads ``(label, entry)`` items from ``queue`` in a daemon thread and compares ranks.
+
+    On the first divergence: logs it once at error level and calls ``on_divergence`` once (from
+    the monitor thread). Call ``stop()`` after the ranks have finished putting entries.
+    """
+
+    def __init__(
+        self,
+        labels: Sequence[str],
+        on_divergence: Callable[[Divergence], None],
+        mp_context: Any = None,
+        on_entry: Callable[[str, Entry], None] | None = None,
+    ) -> None:
+        """``on_entry(label, entry)`` (optional) sees every entry as it is compared, e.g. to
+        keep a trace; it runs on the monitor thread."""
+        ctx = mp_context if mp_context is not None else multiprocessing.get_context("spawn")
+        self.queue = ctx.Queue()
+        self.sink: Sink = make_queue_sink(self.queue)
+        self._comparator = ConsensusComparator(labels)
+        self._on_divergence = on_divergence
+        self._on_entry = on_entry
+        self._thread: threading.Thread | None = None
+
+    @property
+    def divergence(self) -> Divergence | None:
+        return self._comparator.diverged
+
+    @property
+    def compared(self) -> int:
+        return self._comparator.compared
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("consensus monitor already started")
+        self._thread = threading.Thread(target=self._run, name="rank-consensus-monitor", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Process everything queued so far, then end the thread."""
+        if self._thread is None:
+            return
+        self.queue.put(None)
+        self._thread.join(timeout)
+        self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            label, entry = item
+            if self._on_entry is not None:
+                self._on_entry(label, entry)
+            try:
+                div = self._comparator.add(label, entry)
+            except ValueError as exc:
+                # A malformed stream is a bug in the runtime, not a rank divergence; keep going.
+                logger.error("rank consensus checker: %s", exc)
+                continue
+            if div is not None:
+                logger.error(str(div))
+                try:
+                    self._on_divergence(div)
+                except Exception:
+                    logger.exception("rank consensus checker: on_divergence callback failed")

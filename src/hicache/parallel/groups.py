@@ -1,0 +1,137 @@
+"""One rank's place in the deployment and its torch.distributed groups.
+
+World = PP x TP ranks; rank ``r`` is stage ``r // tp_size``, TP rank ``r % tp_size``. Groups:
+
+- per stage, a TP *control* group (gloo, CPU) for agreement (MIN of ready counts) and the
+  leader's broadcast of each step's inputs, and a TP *tensor* group (gloo on CPU, NCCL on
+  CUDA) for the model's partial-sum all-reduces;
+- two world-wide gloo groups, one per storage background thread (prefetch, backup): each
+  thread MIN-reduces hit and completed lengths over every rank, and a group must only ever be
+  used by one thread so that every rank issues its collectives in the same order;
+- the default group, for start-up agreement and point-to-point step messages between
+  stages (pickled objects, sent with isend so a stage never blocks on its consumer).
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# A stalled peer shows up as a dead process in the frontend long before this.
+COLLECTIVE_TIMEOUT = timedelta(minutes=30)
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    tp_size: int
+    pp_size: int
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // self.tp_size
+
+    @property
+    def label(self) -> str:
+        return rank_label(self.rank, self.tp_size)
+
+    def rank_of(self, pp_rank: int, tp_rank: int) -> int:
+        return pp_rank * self.tp_size + tp_rank
+
+
+def rank_label(rank: int, tp_size: int) -> str:
+    """``PPx/TPy``: how logs and the consensus checker name a rank."""
+    return f"PP{rank // tp_size}/TP{rank % tp_size}"
+
+
+class ParallelGroups:
+    def __init__(self, info: RankInfo, init_method: str, device: torch.device) -> None:
+        self.info = info
+        dist.init_process_group("gloo", init_method=init_method, rank=info.rank, world_size=info.world_size,
+                                timeout=COLLECTIVE_TIMEOUT)
+        tensor_backend = "nccl" if device.type == "cuda" else "gloo"
+        # new_group is collective: every rank creates every group, in the same order.
+        self.tp_ctrl = self.tp_tensor = None
+        for p in range(info.pp_size):
+            ranks = [info.rank_of(p, t) for t in range(info.tp_size)]
+            ctrl = dist.new_group(ranks, backend="gloo")
+            tensor = dist.new_group(ranks, backend=tensor_backend)
+            if p == info.pp_rank:
+                self.tp_ctrl, self.tp_tensor = ctrl, tensor
+        everyone = list(range(info.world_size))
+        self._storage = (dist.new_group(everyone, backend="gloo"), dist.new_group(everyone, backend="gloo"))
+        self.stage_leader = info.rank_of(info.pp_rank, 0)
+        self._sends: list[tuple[Any, ...]] = []  # in-flight isends and the buffers they read
+
+    # ---- agreement ------------------------------------------------------------------------
+    @staticmethod
+    def _min(values: list[int], group: Any) -> list[int]:
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        return t.tolist()
+
+    def tp_min(self, values: list[int]) -> list[int]:
+        """MIN over this stage's TP ranks (every one passes a vector of the same length)."""
+        return values if self.info.tp_size == 1 else self._min(values, self.tp_ctrl)
+
+    def world_min(self, values: list[int]) -> list[int]:
+        return values if self.info.world_size == 1 else self._min(values, None)
+
+    def storage_agree(self) -> tuple:
+        """``(prefetch, backup)`` MIN-reduce functions, one group each (one thread each)."""
+        return (lambda v: self._min(v, self._storage[0]), lambda v: self._min(v, self._storage[1]))
+
+    def tp_broadcast(self, obj: Any) -> Any:
+        """The stage leader's ``obj`` on every TP rank of the stage."""
+        if self.info.tp_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.stage_leader, group=self.tp_ctrl)
+        return box[0]
+
+    # ---- tensor parallel ------------------------------------------------------------------
+    def tp_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of every TP rank's ``x``. On CPU the sum runs in float32 (gloo's reductions
+        are for full-precision types; the rounding then matches one fp32 accumulate)."""
+        if x.device.type == "cpu" and x.dtype != torch.float32:
+            y = x.float()
+            dist.all_reduce(y, group=self.tp_tensor)
+            return y.to(x.dtype)
+        dist.all_reduce(x, group=self.tp_tensor)
+        return x
+
+    # ---- point to point -------------------------------------------------------------------
+    def send(self, dst: int, obj: Any) -> None:
+        """Queue ``obj`` for rank ``dst`` without waiting for it to be received."""
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        works = (dist.isend(size, dst), dist.isend(payload, dst))
+        self._sends = [s for s in self._sends if not all(w.is_completed() for w in s[0])]
+        self._sends.append((works, size, payload))
+
+    def recv(self, src: int) -> Any:
+        size = torch.empty(1, dtype=torch.int64)
+        dist.recv(size, src)
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.recv(payload, src)
+        return pickle.loads(payload.numpy().tobytes())
+
+    def close(self) -> None:
+        for works, *_ in self._sends:
+            for w in works:
+                w.wait()
+        self._sends.clear()

@@ -1,0 +1,93 @@
+"""What travels between the frontend, the leader rank and the pipeline stages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from ..engine.request import Request, Status
+from ..engine.sampling import SamplingParams
+
+
+@dataclass
+class RequestSpec:
+    """A validated request as every rank rebuilds it (same rid, same seeded sampler)."""
+
+    rid: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    namespace: str
+    max_new_tokens: int
+    arrival_time: float  # perf_counter of the frontend (CLOCK_MONOTONIC: one clock per machine)
+
+    @classmethod
+    def of(cls, req: Request) -> "RequestSpec":
+        return cls(req.rid, req.prompt_ids, req.sampling, req.namespace, req.max_new_tokens, req.arrival_time)
+
+    def request(self) -> Request:
+        return Request(rid=self.rid, prompt_ids=list(self.prompt_ids), sampling=self.sampling, namespace=self.namespace,
+                       max_new_tokens=self.max_new_tokens, arrival_time=self.arrival_time)
+
+
+@dataclass
+class StepInputs:
+    """What the leader (PP0/TP0) took from the frontend for one step. Every rank applies it
+    at the same logical point: after the returned batch's results, before the cache check."""
+
+    adds: list[RequestSpec] = field(default_factory=list)
+    aborts: list[int] = field(default_factory=list)
+    command: Optional[str] = None  # "flush" | "stats" | "stop"
+    call_id: int = -1
+
+
+BatchKey = Optional[tuple[str, list[int], list[int]]]  # (kind, rids, new tokens) of a scheduled batch
+
+
+@dataclass
+class StageMessage:
+    """One step, from stage p to stage p+1 (rank to rank of the same TP position)."""
+
+    inputs: StepInputs
+    results: Optional[list[int]]  # tokens of the oldest in-flight batch, which returned at this step
+    counts: list[int]  # the agreed event counts (pp_sync): later stages consume exactly these
+    batch: BatchKey  # what stage 0 scheduled, so a later stage can check it scheduled the same
+    hidden: Optional[torch.Tensor]  # the previous stage's output for that batch
+
+
+@dataclass
+class RequestUpdate:
+    """Leader -> frontend: one request's new tokens and, when finished, its final state."""
+
+    rid: int
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str = ""
+    text: str = ""
+    cached: Optional[dict[str, int]] = None
+    admitted_time: float = 0.0
+    first_token_time: float = 0.0
+    finish_time: float = 0.0
+
+    @classmethod
+    def of(cls, req: Request, sent: int) -> "RequestUpdate":
+        done = req.status is Status.FINISHED
+        return cls(req.rid, req.output_ids[sent:], done, req.finish_reason, req.text if done else "", req.cached,
+                   req.admitted_time, req.first_token_time, req.finish_time)
+
+    def apply(self, req: Request) -> None:
+        req.output_ids.extend(self.token_ids)
+        req.cached = self.cached
+        req.admitted_time, req.first_token_time = self.admitted_time, self.first_token_time
+        if self.cached is not None and req.status is Status.WAITING:
+            req.status = Status.PREFILL
+        if self.first_token_time and req.status is not Status.FINISHED:
+            req.status = Status.DECODE
+        if self.finished:
+            req.status, req.finish_reason, req.text, req.finish_time = \
+                Status.FINISHED, self.finish_reason, self.text, self.finish_time
+
+
+def batch_key(batch: Any) -> BatchKey:
+    return None if batch is None else (batch.kind, batch.rids(), list(batch.new_tokens))

@@ -1,0 +1,259 @@
+"""A rank process: its slice of the model, its own pools, radix tree and scheduler, and the
+step loop that keeps every rank's cache decisions identical.
+
+Every rank runs the same scheduler on the same request stream (SPMD). What could differ
+between ranks is *when* background work (copies, storage reads) finishes; so each step's
+event counts are agreed, never read locally:
+
+- Stage 0: the leader (PP0/TP0) takes the frontend's requests for the step and broadcasts
+  them over the stage's TP group; the TP ranks MIN-reduce their ready counts.
+- ``pp_sync``: stage 0 sends the agreed counts downstream with the step (point to point, no
+  barrier); a later stage consumes exactly those (waiting for its own copies of those acks
+  when they are not done yet; extra ready acks stay queued) and forwards them.
+
+Pipeline: each step's batch travels stage to stage as hidden states; the last stage samples
+and sends the tokens back to stage 0, which applies them ``pp_size`` steps later and tells
+every stage (in that step's message) to apply them at the same point. A request whose batch
+is still in the pipeline sits out the steps in between, so ``pp_size`` micro-batches of
+different requests are in flight at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import sys
+import time
+import traceback
+from collections import deque
+from typing import Any
+
+import torch
+
+from ..config import EngineConfig
+from ..device import resolve_device
+from ..engine.core import EngineCore, build_core, core_stats
+from ..engine.request import Request
+from ..engine.scheduler import Batch
+from ..errors import HicacheError
+from ..model import load_model
+from ..model.parallel import model_shard, shard_model
+from . import consensus
+from .faults import FaultPlan
+from .groups import ParallelGroups, RankInfo
+from .messages import RequestUpdate, StageMessage, StepInputs, batch_key
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.5  # an idle leader still steps this often, so acks keep draining everywhere
+# Test switches (never set in production): a later stage uses its own ready counts instead
+# of the agreed ones; one rank shortens its prefix matches.
+DISABLE_PP_SYNC_ENV = "HICACHE_TEST_DISABLE_PP_SYNC"
+ALTER_MATCH_ENV = "HICACHE_TEST_ALTER_MATCH"
+
+
+class RankDivergenceError(HicacheError):
+    """A later stage scheduled something other than what stage 0 scheduled."""
+
+
+class StageLoop:
+    def __init__(self, info: RankInfo, groups: ParallelGroups, core: EngineCore, inbox: Any = None,
+                 outbox: Any = None) -> None:
+        self.info, self.groups, self.core = info, groups, core
+        self.sched, self.cache = core.scheduler, core.cache
+        self.first = info.pp_rank == 0
+        self.last = info.pp_rank == info.pp_size - 1
+        self.leader = info.rank == 0
+        self.inbox, self.outbox = inbox, outbox
+        self.pp_sync = os.environ.get(DISABLE_PP_SYNC_ENV) != "1"
+        self.inflight: deque[tuple[int, Batch]] = deque()  # (step, batch) sent down, not yet returned
+        self.step = 0
+        self._sent: dict[int, int] = {}  # leader: output tokens already reported, per rid
+        self._updates: list[RequestUpdate] = []
+        self.prev = info.rank_of(info.pp_rank - 1, info.tp_rank) if not self.first else None
+        self.next = info.rank_of(info.pp_rank + 1, info.tp_rank) if not self.last else None
+        self.head = info.rank_of(0, info.tp_rank)  # where the last stage returns tokens
+        self.tail = info.rank_of(info.pp_size - 1, info.tp_rank)  # where stage 0 receives them
+
+    # ---- the loop -------------------------------------------------------------------------
+    def run(self) -> None:
+        while True:
+            msg: StageMessage | None = None
+            if self.first:
+                inputs = self.groups.tp_broadcast(self._leader_inputs() if self.leader else None)
+                results = self._returned_tokens(inputs.command == "stop")
+            else:
+                msg = self.groups.recv(self.prev)
+                inputs, results = msg.inputs, msg.results
+            self._apply(inputs, results)
+            if inputs.command == "stop":
+                if not self.last:
+                    self.groups.send(self.next, StageMessage(inputs, None, [], None, None))
+                return
+            if self.first:
+                counts = self.groups.tp_min(self.sched.ready_counts())
+            else:
+                counts = msg.counts if self.pp_sync else self.sched.ready_counts()
+            self.sched.consume_events(counts)
+            batch = self.sched.schedule()
+            if msg is not None and batch_key(batch) != msg.batch:
+                raise RankDivergenceError(
+                    f"{self.info.label} scheduled {batch_key(batch)} where stage 0 scheduled {msg.batch}"
+                )
+            self.cache.submit_transfers()  # load-backs in flight before the forward waits on them
+            out = None
+            if batch is not None:
+                out = self.core.runner.forward(batch.input_ids(), batch.prefix_lens(), batch.context_slots(),
+                                               msg.hidden if msg is not None else None)
+            if not self.last:
+                self.groups.send(self.next, StageMessage(inputs, results, counts, batch_key(batch), out))
+                if batch is not None:
+                    self.inflight.append((self.step, batch))
+            elif batch is not None:
+                tokens = self.sched.sample(batch, out)
+                if self.first:  # one stage: the batch returns at once
+                    self.sched.apply_results(batch, tokens)
+                else:
+                    self.groups.send(self.head, tokens)
+                    self.inflight.append((self.step, batch))
+            self.cache.submit_transfers()  # backups of what finished
+            self._report()
+            if self.leader and batch is None and not self.inflight and self.sched.waiting:
+                time.sleep(0.001)  # only prefetches to wait for: do not spin
+            self.step += 1
+
+    def _returned_tokens(self, stopping: bool) -> list[int] | None:
+        """Stage 0 of a pipeline: the tokens of the oldest in-flight batch once ``pp_size``
+        steps have passed (blocking). When stopping, outstanding batches are collected and
+        dropped, so no stage exits with a send nobody receives."""
+        if self.last or not self.inflight:
+            return None
+        if stopping:
+            while self.inflight:
+                self.groups.recv(self.tail)
+                self.inflight.popleft()
+            return None
+        if self.step - self.inflight[0][0] < self.info.pp_size:
+            return None
+        return self.groups.recv(self.tail)
+
+    def _apply(self, inputs: StepInputs, results: list[int] | None) -> None:
+        """The step's inputs, in the same order on every rank."""
+        if results is not None:
+            _, batch = self.inflight.popleft()
+            self.sched.apply_results(batch, results)
+        for rid in inputs.aborts:
+            self.sched.abort(rid)
+        for spec in inputs.adds:
+            req = spec.request()
+            if self.leader:
+                req.on_update = self._on_update
+            self.sched.add(req)
+        if inputs.command == "flush":
+            self.cache.flush()
+            logger.info("cache flushed")
+            self._reply(inputs.call_id, True)
+        elif inputs.command == "stats":
+            self._reply(inputs.call_id, core_stats(self.core, self.cache.page_size))
+        elif inputs.command == "stop":
+            for req in list(self.sched.running) + list(self.sched.waiting):
+                self.sched.abort(req.rid)
+            self._report()
+
+    # ---- leader <-> frontend ----------------------------------------------------------------
+    def _leader_inputs(self) -> StepInputs:
+        """Everything the frontend queued; waits up to IDLE_POLL_S when there is nothing to do.
+        A command (flush, stats, stop) ends the step's intake: it applies after the adds."""
+        inputs = StepInputs()
+        idle = not self.sched.has_work() and not self.inflight
+        try:
+            item = self.inbox.get(timeout=IDLE_POLL_S) if idle else self.inbox.get_nowait()
+        except queue.Empty:
+            return inputs
+        while True:
+            kind = item[0]
+            if kind == "add":
+                inputs.adds.append(item[1])
+            elif kind == "abort":
+                inputs.aborts.append(item[1])
+            else:  # ("call", call_id, command)
+                inputs.call_id, inputs.command = item[1], item[2]
+                return inputs
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return inputs
+
+    def _on_update(self, req: Request) -> None:
+        upd = RequestUpdate.of(req, self._sent.get(req.rid, 0))
+        self._sent[req.rid] = len(req.output_ids)
+        if upd.finished:
+            self._sent.pop(req.rid, None)
+        self._updates.append(upd)
+
+    def _report(self) -> None:
+        if self._updates:
+            self.outbox.put(("updates", self._updates))
+            self._updates = []
+
+    def _reply(self, call_id: int, value: Any) -> None:
+        if self.leader:
+            self.outbox.put(("reply", call_id, value))
+
+
+def _alter_matches(cache: Any) -> None:
+    """Test hook: this rank's prefix matches come back one page short."""
+    tree = cache.tree
+    original = tree.match_prefix
+
+    def shorter(namespace: str, tokens: Any) -> Any:
+        match = original(namespace, tokens)
+        pages = match.device_hit_tokens // tree.page_size
+        return original(namespace, tokens[: (pages - 1) * tree.page_size]) if pages >= 2 else match
+
+    tree.match_prefix = shorter
+
+
+def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox: Any, outbox: Any,
+              consensus_queue: Any, log_level: int) -> None:
+    """Entry point of a rank process (spawned by :class:`hicache.parallel.frontend.RankGroup`)."""
+    cfg = EngineConfig(**cfg_fields)
+    info = RankInfo(rank, cfg.tp_size, cfg.pp_size)
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s {info.label} %(name)s: %(message)s")
+    groups = None
+    try:
+        torch.set_num_threads(cfg.num_threads or max(1, (os.cpu_count() or 1) // info.world_size))
+        device = resolve_device(cfg.device)
+        if device.type == "cuda":
+            device = torch.device("cuda", info.rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+        dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.dtype]
+        groups = ParallelGroups(info, init_method, device)
+        loaded = load_model(cfg.model, dtype=dtype, device=device, seed=cfg.random_seed)
+        shard = model_shard(loaded.spec, info.tp_rank, info.tp_size, info.pp_rank, info.pp_size)
+        shard_model(loaded.model, shard, groups.tp_reduce if info.tp_size > 1 else None)
+        core = build_core(cfg, loaded, device, dtype, shard, agree_pages=groups.world_min,
+                          storage_agree=groups.storage_agree())
+        plan = FaultPlan.from_env()
+        if plan is not None:
+            plan.install(core.cache, info.label, rank)
+        if os.environ.get(ALTER_MATCH_ENV) == info.label and core.cache.tree is not None:
+            _alter_matches(core.cache)
+        if consensus_queue is not None:
+            consensus.install_recorder(info.label, consensus.make_queue_sink(consensus_queue))
+        logger.info("rank ready: %s device pages=%d host pages=%d", shard.describe(), core.pool.num_pages,
+                    core.host_pool.num_pages if core.host_pool is not None else 0)
+        status.put(("ready", rank, core.cache.capacity_pages))
+        StageLoop(info, groups, core, inbox, outbox).run()
+        core.cache.shutdown()
+        groups.close()
+    except BaseException as e:  # report, then die: the frontend stops every rank
+        msg = str(e) if isinstance(e, HicacheError) else f"{type(e).__name__}: {e}"
+        status.put(("error", rank, msg, traceback.format_exc()))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip interpreter teardown: peers' collectives are no longer ours to wait for
