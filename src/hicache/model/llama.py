@@ -61,6 +61,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(spec.hidden_size, kv_width, bias=bias)
         self.o_proj = nn.Linear(q_width, spec.hidden_size, bias=False)
         self.tp_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # sum over TP ranks (model/parallel.py)
+        # Uneven TP split: the local KV head of each local query head (None: SDPA's equal groups).
+        self.kv_map: Optional[torch.Tensor] = None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv: KVView, rows: Rows
@@ -85,8 +87,8 @@ class Attention(nn.Module):
             # 4-D inputs: torch's CPU flash kernel takes them; 3-D ones fall back to the ~4x slower
             # math path.
             out = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True,
-                enable_gqa=True,
+                q.transpose(0, 1)[None], self._heads(k.transpose(0, 1)[None]), self._heads(v.transpose(0, 1)[None]),
+                is_causal=True, enable_gqa=self.kv_map is None,
             )[0]  # [H, T, D]
             return self._out(out.transpose(0, 1).reshape(t, -1))
 
@@ -97,13 +99,18 @@ class Attention(nn.Module):
         qb = q.index_select(0, batch.q_index.reshape(-1)).view(bsz, max_q, self.num_heads, self.head_dim).transpose(1, 2)
         kb = k_buf.index_select(0, ctx).view(bsz, -1, self.num_kv_heads, self.head_dim).to(q.dtype).transpose(1, 2)
         vb = v_buf.index_select(0, ctx).view(bsz, -1, self.num_kv_heads, self.head_dim).to(q.dtype).transpose(1, 2)
-        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=batch.attn_mask, enable_gqa=True)
+        out = F.scaled_dot_product_attention(qb, self._heads(kb), self._heads(vb), attn_mask=batch.attn_mask,
+                                             enable_gqa=self.kv_map is None)
         out = out.transpose(1, 2).reshape(bsz * max_q, -1)  # [B*Q, H*D]
         assert rows is not None  # computed for every non-single batch
         src_rows, dst_rows = rows
         flat = torch.empty(t, out.shape[1], dtype=out.dtype, device=out.device)
         flat.index_copy_(0, dst_rows, out.index_select(0, src_rows))
         return self._out(flat)
+
+    def _heads(self, kv: torch.Tensor) -> torch.Tensor:
+        """``[B, KvH, K, D]`` as SDPA reads it: as is, or one KV head per query head."""
+        return kv if self.kv_map is None else kv.index_select(1, self.kv_map)
 
     def _out(self, x: torch.Tensor) -> torch.Tensor:
         out = self.o_proj(x)

@@ -4,9 +4,9 @@ slice of its heads and MLP.
 Tensor parallelism (Megatron style): q/k/v and gate/up are split by output rows (heads,
 intermediate units), o_proj and down_proj by input columns, and each rank's partial output of
 those two is summed over the TP group (``tp_reduce``). Embedding, norms and the LM head stay
-whole on every rank that needs them. When TP exceeds the KV head count, each KV head is held by
-``tp / num_kv_heads`` ranks (replicated), which GQA allows because a rank's query heads all map
-to one KV head.
+whole on every rank that needs them. Splits need not be even: query heads go out as evenly as
+possible, and each rank holds (replicates) every KV head one of its query heads reads -- so
+TP may exceed the KV head count, and SmolLM2 (9 heads, 3 KV heads) runs at TP2 as well as TP3.
 
 Pipeline parallelism: stage ``p`` keeps layers ``stage_layers(...)``; the first stage embeds,
 the last one applies the final norm and the head; the others pass hidden states along.
@@ -55,41 +55,34 @@ def check_parallel(spec: ModelSpec, tp_size: int, pp_size: int) -> None:
     """Raise :class:`ConfigError` (one sentence) when the model cannot be split this way."""
     if tp_size < 1 or pp_size < 1:
         raise ConfigError("--tp-size and --pp-size must be at least 1.")
-    if spec.num_heads % tp_size:
-        raise ConfigError(
-            f"--tp-size {tp_size} does not divide the model's {spec.num_heads} attention heads; "
-            f"use a divisor of {spec.num_heads}."
-        )
-    kv = spec.num_kv_heads
-    if kv % tp_size and tp_size % kv:
-        raise ConfigError(
-            f"--tp-size {tp_size} neither divides nor is a multiple of the model's {kv} KV heads."
-        )
-    if spec.intermediate_size % tp_size:
-        raise ConfigError(f"--tp-size {tp_size} does not divide the MLP width {spec.intermediate_size}.")
+    if tp_size > spec.num_heads:
+        raise ConfigError(f"--tp-size {tp_size} exceeds the model's {spec.num_heads} attention heads.")
     if pp_size > spec.num_layers:
         raise ConfigError(f"--pp-size {pp_size} exceeds the model's {spec.num_layers} layers.")
 
 
+def split(n: int, parts: int, index: int) -> range:
+    """Part ``index`` of ``range(n)`` cut into ``parts`` contiguous pieces; the first
+    ``n % parts`` pieces are one longer."""
+    base, extra = divmod(n, parts)
+    start = index * base + min(index, extra)
+    return range(start, start + base + (1 if index < extra else 0))
+
+
 def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> range:
-    """Contiguous, balanced split; earlier stages take the remainder."""
-    base, extra = divmod(num_layers, pp_size)
-    start = pp_rank * base + min(pp_rank, extra)
-    return range(start, start + base + (1 if pp_rank < extra else 0))
+    return split(num_layers, pp_size, pp_rank)
 
 
 def model_shard(spec: ModelSpec, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int) -> ModelShard:
+    """Query heads are split as evenly as possible (9 heads over TP2: 5 + 4); a rank holds the
+    KV heads its query heads read, so a KV head whose group straddles two ranks is held by
+    both (SmolLM2 at TP2: KV head 1 on both ranks)."""
     check_parallel(spec, tp_size, pp_size)
-    hq = spec.num_heads // tp_size
-    kv = spec.num_kv_heads
-    if tp_size <= kv:
-        per = kv // tp_size
-        kv_heads = range(tp_rank * per, (tp_rank + 1) * per)
-    else:  # replicated: tp_size / kv ranks share each KV head
-        head = tp_rank // (tp_size // kv)
-        kv_heads = range(head, head + 1)
+    q_heads = split(spec.num_heads, tp_size, tp_rank)
+    group = spec.num_heads // spec.num_kv_heads
+    kv_heads = range(q_heads.start // group, (q_heads.stop - 1) // group + 1)
     return ModelShard(tp_rank, tp_size, pp_rank, pp_size, stage_layers(spec.num_layers, pp_rank, pp_size),
-                      range(tp_rank * hq, (tp_rank + 1) * hq), kv_heads)
+                      q_heads, kv_heads)
 
 
 def _keep_rows(linear: nn.Linear, rows: slice) -> None:
@@ -108,10 +101,17 @@ def shard_model(model: LlamaForCausalLM, shard: ModelShard, tp_reduce: Callable[
     of this rank's pool."""
     spec = model.spec
     d = spec.head_dim
-    inter = spec.intermediate_size // shard.tp_size
     q = slice(shard.q_heads.start * d, shard.q_heads.stop * d)
     kv = slice(shard.kv_heads.start * d, shard.kv_heads.stop * d)
-    mlp = slice(shard.tp_rank * inter, (shard.tp_rank + 1) * inter)
+    units = split(spec.intermediate_size, shard.tp_size, shard.tp_rank)
+    mlp = slice(units.start, units.stop)
+    # Which local KV head each local query head reads. SDPA's GQA mode assumes equal
+    # contiguous groups; an uneven split needs the explicit map.
+    group = spec.num_heads // spec.num_kv_heads
+    kv_of_q = [h // group - shard.kv_heads.start for h in shard.q_heads]
+    nq, nkv = len(shard.q_heads), len(shard.kv_heads)
+    even = nq % nkv == 0 and kv_of_q == [j // (nq // nkv) for j in range(nq)]
+    kv_map = None if even else torch.tensor(kv_of_q, dtype=torch.long, device=model.device)
     layers = [model.model.layers[i] for i in shard.layers]
     for local, layer in enumerate(layers):
         attn = layer.self_attn
@@ -121,7 +121,7 @@ def shard_model(model: LlamaForCausalLM, shard: ModelShard, tp_reduce: Callable[
             _keep_rows(attn.k_proj, kv)
             _keep_rows(attn.v_proj, kv)
             _keep_cols(attn.o_proj, q)
-            attn.num_heads, attn.num_kv_heads = len(shard.q_heads), len(shard.kv_heads)
+            attn.num_heads, attn.num_kv_heads, attn.kv_map = nq, nkv, kv_map
             _keep_rows(layer.mlp.gate_proj, mlp)
             _keep_rows(layer.mlp.up_proj, mlp)
             _keep_cols(layer.mlp.down_proj, mlp)

@@ -136,21 +136,29 @@ class RankGroup:
             self._fail(self.failure)
 
     def _explain(self, dead: list) -> str:
-        if self.monitor is not None:  # a divergence explains a crash that follows it: look first
-            time.sleep(0.5)
-            if self.failure is not None:
-                return self.failure
-        errors = []
+        """The root cause: a divergence if the checker saw one, else a rank that died without
+        reporting (killed), else the first error a rank reported (its peers then fail on the
+        broken connection and report that too)."""
+        time.sleep(0.5)  # let the monitor and the other ranks' reports catch up
+        if self.failure is not None:
+            return self.failure
+        reported: dict[int, str] = {}
         while True:
             try:
                 item = self.status.get_nowait()
             except queue.Empty:
                 break
             if item[0] == "error":
-                errors.append(f"rank {self.labels[item[1]]} failed: {item[2]}")
+                reported.setdefault(item[1], item[2])
                 logger.error("rank %s traceback:\n%s", self.labels[item[1]], item[3])
-        if errors:
-            return errors[0]
+        silent = [(r, p) for r, p in enumerate(self.procs) if p.exitcode is not None and r not in reported]
+        if silent:
+            r, p = silent[0]
+            how = f"was killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exited with code {p.exitcode}"
+            return f"rank {self.labels[r]} (pid {p.pid}) {how}"
+        if reported:
+            r = min(reported)
+            return f"rank {self.labels[r]} failed: {reported[r]}"
         r, p = dead[0]
         return f"rank {self.labels[r]} (pid {p.pid}) exited with code {p.exitcode}"
 

@@ -54,6 +54,7 @@ class StageMessage:
     counts: list[int]  # the agreed event counts (pp_sync): later stages consume exactly these
     batch: BatchKey  # what stage 0 scheduled, so a later stage can check it scheduled the same
     hidden: Optional[torch.Tensor]  # the previous stage's output for that batch
+    sent_at: float = 0.0  # perf_counter just before the send (CLOCK_MONOTONIC: one clock per machine)
 
 
 @dataclass

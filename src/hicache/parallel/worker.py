@@ -75,6 +75,11 @@ class StageLoop:
         self.next = info.rank_of(info.pp_rank + 1, info.tp_rank) if not self.last else None
         self.head = info.rank_of(0, info.tp_rank)  # where the last stage returns tokens
         self.tail = info.rank_of(info.pp_size - 1, info.tp_rank)  # where stage 0 receives them
+        # Agreement overhead (Engine.stats()["agreement"] from the leader): scheduling steps, time
+        # in stage 0's tp_min; on later stages, the pp_sync hop (stage p's send -> our recv).
+        self.agree_steps = 0
+        self.agree_s = 0.0
+        self.hop_s, self.hops = 0.0, 0
 
     # ---- the loop -------------------------------------------------------------------------
     def run(self) -> None:
@@ -85,14 +90,29 @@ class StageLoop:
                 results = self._returned_tokens(inputs.command == "stop")
             else:
                 msg = self.groups.recv(self.prev)
+                if msg.sent_at:
+                    self.hop_s += time.perf_counter() - msg.sent_at
+                    self.hops += 1
                 inputs, results = msg.inputs, msg.results
             self._apply(inputs, results)
-            if inputs.command == "stop":
+            if inputs.command in ("stop", "flush"):
+                # Forward first: draining waits for storage ops every rank's threads must reach.
                 if not self.last:
                     self.groups.send(self.next, StageMessage(inputs, None, [], None, None))
-                return
+                if inputs.command == "stop":
+                    if self.hops:
+                        logger.info("pp_sync hop: %d messages, %.3f ms mean", self.hops, self.hop_s / self.hops * 1e3)
+                    return
+                self.cache.flush()
+                logger.info("cache flushed")
+                self._reply(inputs.call_id, True)
+                self.step += 1
+                continue
+            self.agree_steps += 1
             if self.first:
+                t0 = time.perf_counter()
                 counts = self.groups.tp_min(self.sched.ready_counts())
+                self.agree_s += time.perf_counter() - t0
             else:
                 counts = msg.counts if self.pp_sync else self.sched.ready_counts()
             self.sched.consume_events(counts)
@@ -107,7 +127,8 @@ class StageLoop:
                 out = self.core.runner.forward(batch.input_ids(), batch.prefix_lens(), batch.context_slots(),
                                                msg.hidden if msg is not None else None)
             if not self.last:
-                self.groups.send(self.next, StageMessage(inputs, results, counts, batch_key(batch), out))
+                self.groups.send(self.next, StageMessage(inputs, results, counts, batch_key(batch), out,
+                                                         time.perf_counter()))
                 if batch is not None:
                     self.inflight.append((self.step, batch))
             elif batch is not None:
@@ -150,12 +171,11 @@ class StageLoop:
             if self.leader:
                 req.on_update = self._on_update
             self.sched.add(req)
-        if inputs.command == "flush":
-            self.cache.flush()
-            logger.info("cache flushed")
-            self._reply(inputs.call_id, True)
-        elif inputs.command == "stats":
-            self._reply(inputs.call_id, core_stats(self.core, self.cache.page_size))
+        if inputs.command == "stats":
+            out = core_stats(self.core, self.cache.page_size)
+            out["agreement"] = {"steps": self.agree_steps,
+                                "tp_min_ms_per_step": self.agree_s / max(self.agree_steps, 1) * 1e3}
+            self._reply(inputs.call_id, out)
         elif inputs.command == "stop":
             for req in list(self.sched.running) + list(self.sched.waiting):
                 self.sched.abort(req.rid)
@@ -251,9 +271,17 @@ def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox:
     except BaseException as e:  # report, then die: the frontend stops every rank
         msg = str(e) if isinstance(e, HicacheError) else f"{type(e).__name__}: {e}"
         status.put(("error", rank, msg, traceback.format_exc()))
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        _exit(1, status, outbox)
+    _exit(0, status, outbox)
+
+
+def _exit(code: int, *queues: Any) -> None:
+    """Flush what this rank queued for the frontend, then exit without interpreter teardown
+    (peers' collectives are no longer ours to wait for)."""
+    for q in queues:
+        if q is not None:
+            q.close()
+            q.join_thread()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)  # skip interpreter teardown: peers' collectives are no longer ours to wait for
+    os._exit(code)

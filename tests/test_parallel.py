@@ -1,0 +1,190 @@
+"""Multi-rank runtime (TP, PP, TP x PP on gloo): the same greedy tokens as one rank without a
+cache, whatever the tiers hit and however late each rank's copies finish (DESIGN inv. 1, 3)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from hicache import Engine, SamplingParams
+from hicache.errors import HicacheError
+from hicache.parallel import consensus
+from hicache.parallel.faults import ENV_VAR as FAULTS_ENV
+from hicache.parallel.worker import ALTER_MATCH_ENV, DISABLE_PP_SYNC_ENV
+
+MODEL = "random:small"  # 4 layers, 4 heads, 2 KV heads: TP2, PP2 and TP2 x PP2 all fit
+BASE = dict(dtype="float32", page_size=4)
+
+
+def multi_turn(engine: Engine, seed: int, storage_round: bool) -> list[list[int]]:
+    """Three agents take turns (one batch per round); each prompt is the agent's whole history
+    plus a new message. Then, with ``storage_round``, the cache is flushed and every agent's
+    first turn is asked again: only storage can serve it."""
+    rng = random.Random(seed)
+    system = [rng.randrange(5, 250) for _ in range(24)]
+    history = [system + [100 + a] * 3 for a in range(3)]
+    first_prompts: list[list[int]] = []
+    outputs = []
+    for turn in range(4):
+        prompts = [h + [rng.randrange(5, 250) for _ in range(rng.randrange(6, 20))] for h in history]
+        if turn == 0:
+            first_prompts = prompts
+        sampling = [SamplingParams(max_new_tokens=rng.randrange(3, 9), temperature=0.0) for _ in prompts]
+        results = engine.generate(prompts, sampling)
+        outputs += [r.output_ids for r in results]
+        history = [p + r.output_ids for p, r in zip(prompts, results)]
+    if storage_round:
+        assert engine.flush_cache()
+        outputs += [r.output_ids for r in engine.generate(first_prompts, SamplingParams(max_new_tokens=4, temperature=0.0))]
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    engine = Engine(MODEL, max_total_tokens=4096, disable_radix_cache=True, **BASE)
+    try:
+        return multi_turn(engine, seed=7, storage_round=True)
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture
+def checker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank consensus checker on, for ranks started from now on."""
+    monkeypatch.setenv(consensus.ENV_VAR, "1")
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
+def test_every_tier_hits_and_output_equals_single_rank(
+    tp: int, pp: int, tmp_path: Path, reference: list[list[int]], checker: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(FAULTS_ENV, json.dumps({"seed": tp * 10 + pp, "max_delay_s": 0.01}))
+    engine = Engine(
+        MODEL, tp_size=tp, pp_size=pp, max_total_tokens=160, enable_hierarchical_cache=True, hicache_ratio=8,
+        hicache_storage_backend="file", hicache_storage_backend_extra_config=json.dumps({"path": str(tmp_path)}),
+        hicache_storage_prefetch_threshold=16, hicache_storage_prefetch_policy="wait_complete", **BASE,
+    )
+    try:
+        assert multi_turn(engine, seed=7, storage_round=True) == reference
+        stats = engine.stats()
+        assert stats["parallel"] == {"tp_size": tp, "pp_size": pp}
+        assert stats["evicted_device_pages"] > 0
+        assert all(stats["hit_tokens"][tier] > 0 for tier in ("device", "host", "storage")), stats["hit_tokens"]
+        assert engine.group.monitor.divergence is None
+        assert engine.group.monitor.compared > 100  # the checker really compared every rank's calls
+    finally:
+        engine.shutdown()
+
+
+def backup_counts(trace: list[consensus.Entry]) -> list[int]:
+    """Backup acks consumed at each cache check that consumed any."""
+    return [e.params[0] for e in trace if e.function == "scheduler.consume_events" and e.params[0] > 0]
+
+
+def seed_pp_engine(monkeypatch: pytest.MonkeyPatch, pp_sync: bool) -> Engine:
+    """Seed section 2: backups A and B complete at once on stage 1, while stage 0 sees A
+    finish well before B."""
+    monkeypatch.setenv(FAULTS_ENV, json.dumps({"delays": {"PP0/TP0": {"backup": {"0": 0.3, "1": 2.0}}}}))
+    if not pp_sync:
+        monkeypatch.setenv(DISABLE_PP_SYNC_ENV, "1")
+    return Engine(MODEL, pp_size=2, max_total_tokens=512, enable_hierarchical_cache=True, **BASE)
+
+
+def finish_two_requests(engine: Engine) -> None:
+    """Two requests that finish one step apart: A's release backs up its pages, then B's."""
+    prompts = [[7] * 20, [9] * 20]  # distinct prompts: one backup op each
+    engine.generate(prompts, [SamplingParams(max_new_tokens=n, temperature=0.0) for n in (3, 4)])
+
+
+def test_pp_sync_makes_stages_consume_the_same_acks(checker: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = seed_pp_engine(monkeypatch, pp_sync=True)
+    try:
+        finish_two_requests(engine)
+        trace = engine.group.trace
+        deadline = time.monotonic() + 15  # idle steps keep checking: stage 0 sees A at ~0.3 s, B at ~2.3 s
+        while time.monotonic() < deadline and min(len(backup_counts(trace[s])) for s in ("PP0/TP0", "PP1/TP0")) < 2:
+            time.sleep(0.2)
+        # Stage 0 consumed A alone, then B; stage 1 (where both finished together) did the same.
+        assert backup_counts(trace["PP0/TP0"]) == [1, 1]
+        assert backup_counts(trace["PP1/TP0"]) == [1, 1]
+        assert engine.group.monitor.divergence is None
+    finally:
+        engine.shutdown()
+
+
+def test_without_pp_sync_the_checker_reports_the_divergence(checker: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = seed_pp_engine(monkeypatch, pp_sync=False)
+    try:
+        with pytest.raises(HicacheError, match="Found rank divergence") as info:
+            finish_two_requests(engine)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                engine.stats()  # raises once the checker has stopped the engine
+                time.sleep(0.2)
+    finally:
+        engine.shutdown()
+    div = engine.group.monitor.divergence
+    # Entries are recorded as calls return: the cache call inside consume_events comes first.
+    assert div is not None and div.function == "cache.consume_acks" and div.kind == "parameters"
+    assert {div.reference_rank, div.divergent_rank} == {"PP0/TP0", "PP1/TP0"}
+    assert "cache.consume_acks" in str(info.value)
+
+
+def test_checker_names_an_injected_divergence(checker: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ALTER_MATCH_ENV, "PP0/TP1")
+    engine = Engine(MODEL, tp_size=2, max_total_tokens=512, **BASE)
+    try:
+        prompt = [(i * 13) % 240 + 5 for i in range(40)]
+        engine.generate([prompt], SamplingParams(max_new_tokens=2, temperature=0.0))
+        with pytest.raises(HicacheError, match="Found rank divergence"):
+            for _ in range(20):  # the second turn hits the cache: PP0/TP1 now matches a page less
+                engine.generate([prompt + [3, 4, 5]], SamplingParams(max_new_tokens=2, temperature=0.0))
+        div = engine.group.monitor.divergence
+        assert "PP0/TP1" in (div.divergent_rank, div.reference_rank)
+        # The altered rank matched twice (full, then a page shorter) where its peer moved on.
+        assert "tree.match_prefix" in (div.expected.function, div.got.function)
+    finally:
+        engine.shutdown()
+
+
+def test_a_dead_rank_stops_the_engine_with_its_name() -> None:
+    engine = Engine(MODEL, tp_size=2, max_total_tokens=512, **BASE)
+    try:
+        os.kill(engine.group.procs[1].pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(HicacheError, match="PP0/TP1"):
+            engine.generate([[5] * 30], SamplingParams(max_new_tokens=4, temperature=0.0))
+        assert time.monotonic() - start < 30
+    finally:
+        engine.shutdown()
+
+
+def test_bad_parallel_layout_is_one_clear_error() -> None:
+    with pytest.raises(HicacheError, match="exceeds the model's 4 attention heads"):
+        Engine(MODEL, tp_size=5, **BASE)
+    with pytest.raises(HicacheError, match="exceeds the model's 4 layers"):
+        Engine(MODEL, pp_size=5, **BASE)
+
+
+@pytest.mark.parametrize("tp,pp", [(3, 1), (2, 2)])
+def test_smollm2_sharded_matches_single_rank(tp: int, pp: int) -> None:
+    """SmolLM2 has 9 heads and 3 KV heads: TP3 gives each rank one KV head; TP2 splits the
+    heads 5 + 4, both ranks holding KV head 1."""
+    messages = [{"role": "user", "content": "Name three colors."}]
+    sampling = SamplingParams(max_new_tokens=8, temperature=0.0)
+    single = Engine("smollm2", dtype="float32", max_total_tokens=1024)
+    try:
+        want = single.chat(messages, sampling).output_ids
+    finally:
+        single.shutdown()
+    engine = Engine("smollm2", dtype="float32", max_total_tokens=1024, tp_size=tp, pp_size=pp)
+    try:
+        assert engine.chat(messages, sampling).output_ids == want
+    finally:
+        engine.shutdown()
