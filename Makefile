@@ -33,6 +33,9 @@ demo: setup
 	rm -rf out/demo-kv
 	$(VENV)/bin/hicache demo $(DEMO_L3) --turns 2
 	$(VENV)/bin/hicache demo $(DEMO_L3) --turns 2
+	@echo
+	@echo "== two-way tensor x two-way pipeline parallel: 4 rank processes, the rank consensus checker on =="
+	HICACHE_RANK_CONSENSUS_CHECKER=1 $(VENV)/bin/hicache demo --tp-size 2 --pp-size 2 --turns 3 --max-new-tokens 16
 
 # Starts `hicache serve` (SmolLM2) on a free local port, runs a short multi-turn benchmark
 # against it, prints the report (and writes out/serve-demo.{json,png}), then stops the server.
@@ -52,6 +55,7 @@ bench: setup
 	$(PY) benchmarks/bench_hicache.py
 	$(PY) benchmarks/bench_storage.py
 	$(PY) benchmarks/bench_server.py
+	$(PY) benchmarks/bench_parallel.py
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info

@@ -188,3 +188,41 @@ def test_smollm2_sharded_matches_single_rank(tp: int, pp: int) -> None:
         assert engine.chat(messages, sampling).output_ids == want
     finally:
         engine.shutdown()
+
+
+def test_server_with_ranks_serves_every_tier(tmp_path: Path, checker: None) -> None:
+    """The HTTP server in front of TP2 x PP2 ranks: a multi-turn session whose turns hit the
+    device tier, then (after the device pool is overrun) the host tier, then (after a flush)
+    storage, with the consensus checker watching."""
+    import httpx
+
+    from hicache.server.serve import ServerThread
+
+    engine = Engine(
+        MODEL, tp_size=2, pp_size=2, max_total_tokens=96, enable_hierarchical_cache=True, hicache_ratio=8,
+        hicache_storage_backend="file", hicache_storage_backend_extra_config=json.dumps({"path": str(tmp_path)}),
+        hicache_storage_prefetch_threshold=16, hicache_storage_prefetch_policy="wait_complete", **BASE,
+    )
+    srv = ServerThread(engine, served_model_name="tiny")
+    url = srv.start()
+    try:
+        def complete(prompt: list[int]) -> dict:
+            r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 4,
+                                                          "temperature": 0}, timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        history = [(i * 11) % 240 + 5 for i in range(40)]
+        other = [(i * 17) % 240 + 5 for i in range(60)]
+        complete(history)
+        history += [9, 9, 9, 9]  # the next turn: the same history and a new message
+        details = [complete(history)["usage"]["prompt_tokens_details"]["cached_tokens_details"]]  # device hit
+        complete(other)  # overruns the 96-token device pool: the session's pages go to host
+        details.append(complete(history)["usage"]["prompt_tokens_details"]["cached_tokens_details"])  # host hit
+        assert httpx.post(f"{url}/flush_cache?timeout=10").status_code == 200
+        details.append(complete(history)["usage"]["prompt_tokens_details"]["cached_tokens_details"])  # storage
+        assert details[0]["device"] > 0 and details[1]["host"] > 0 and details[2]["storage"] > 0, details
+        assert engine.group.monitor.divergence is None
+    finally:
+        srv.stop()
+        engine.shutdown()

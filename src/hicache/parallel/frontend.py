@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0
 POLL_S = 0.05
+TRACE_ENTRIES = 100_000  # the checker's recent calls kept per rank (for reports and tests)
 
 
 def _free_port() -> int:
@@ -52,7 +53,7 @@ class RankGroup:
         self._updates: deque[list[RequestUpdate]] = deque()
         # Checker: the ranks' call streams, compared here as they arrive (HICACHE_RANK_CONSENSUS_CHECKER=1).
         self.monitor: consensus.ConsensusMonitor | None = None
-        self.trace: dict[str, list[consensus.Entry]] = {label: [] for label in self.labels}
+        self.trace: dict[str, deque[consensus.Entry]] = {label: deque(maxlen=TRACE_ENTRIES) for label in self.labels}
         if consensus.enabled():
             self.monitor = consensus.ConsensusMonitor(self.labels, self._on_divergence, ctx, on_entry=self._keep)
             self.monitor.start()
