@@ -79,7 +79,7 @@ def micro_rank(rank: int, tp: int, pp: int, init: str, repeats: int, out) -> Non
         for i in range(WARMUP + repeats):
             if info.pp_rank == 0:
                 t = time.perf_counter()
-                groups.send(1, StageMessage(StepInputs(), None, list(range(COUNTS)), None, None, time.perf_counter()))
+                groups.send(1, StageMessage(StepInputs(), [], list(range(COUNTS)), None, None, time.perf_counter()))
                 groups.recv(1)
                 if i >= WARMUP:
                     rtt.append(time.perf_counter() - t)
@@ -87,7 +87,7 @@ def micro_rank(rank: int, tp: int, pp: int, init: str, repeats: int, out) -> Non
                 msg = groups.recv(0)
                 if i >= WARMUP:
                     stamped.append(time.perf_counter() - msg.sent_at)
-                groups.send(0, StageMessage(msg.inputs, None, msg.counts, None, None, time.perf_counter()))
+                groups.send(0, StageMessage(msg.inputs, [], msg.counts, None, None, time.perf_counter()))
         if info.pp_rank == 0:
             res["hop_rtt"] = rtt
         else:

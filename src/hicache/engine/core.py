@@ -42,24 +42,35 @@ def build_core(
     device: torch.device,
     dtype: torch.dtype,
     shard: ModelShard | None = None,
-    agree_pages: Callable[[list[int]], list[int]] = lambda pages: pages,
+    agree: Callable[[list[int]], list[int]] = lambda values: values,
     storage_agree: tuple[Agree, Agree] | None = None,
+    memory_share: int = 1,
 ) -> EngineCore:
-    """Pools sized from the config (``agree_pages`` MIN-reduces the device and host page counts
-    so every rank's allocator, and so every cache decision, is the same), then the cache and
-    the scheduler over ``loaded.model`` (already cut to ``shard`` when given)."""
+    """Pools sized from the config, then the cache and the scheduler over ``loaded.model``
+    (already cut to ``shard`` when given).
+
+    Several ranks: ``agree`` MIN-reduces the device and host page counts and whether the
+    storage backend is reachable, so every rank's allocators and tiers, hence every cache
+    decision, are the same; ``memory_share`` ranks size their pools from one memory budget."""
     spec = loaded.spec
     layers = len(shard.layers) if shard else spec.num_layers
     kv_heads = len(shard.kv_heads) if shard else spec.num_kv_heads
     elem = torch.empty((), dtype=dtype).element_size()
     bytes_per_page = 2 * layers * kv_heads * spec.head_dim * elem * cfg.page_size
-    device_pages = _device_pool_pages(cfg, device, bytes_per_page)
+    device_pages = _device_pool_pages(cfg, device, bytes_per_page, memory_share)
     host_pages = _host_pool_pages(cfg, device_pages, bytes_per_page) if cfg.enable_hierarchical_cache else 0
-    device_pages, host_pages = agree_pages([device_pages, host_pages])
+    storage = _storage_backend(cfg)
+    device_pages, host_pages, storage_everywhere = agree(
+        [device_pages, host_pages, int(storage is not None or not cfg.hicache_storage_backend)])
+    if storage is not None and not storage_everywhere:
+        logger.warning("storage backend %s is unavailable on another rank; serving without the storage tier",
+                       cfg.hicache_storage_backend)
+        storage.close()
+        storage = None
     pool = DeviceKVPool(layers, kv_heads, spec.head_dim, device_pages, cfg.page_size, dtype, device)
     host_pool = HostKVPool(pool, host_pages, cfg.hicache_mem_layout) if cfg.enable_hierarchical_cache else None
     cache = KVCacheManager(
-        storage=_storage_backend(cfg),
+        storage=storage,
         prefetch_threshold=cfg.hicache_storage_prefetch_threshold,
         pool=pool,
         eviction_policy=cfg.radix_eviction_policy,
@@ -85,11 +96,11 @@ def build_core(
     return EngineCore(pool, host_pool, cache, runner, scheduler)
 
 
-def _device_pool_pages(cfg: EngineConfig, device: torch.device, bytes_per_page: int) -> int:
-    """Usable pages + the reserved page 0."""
+def _device_pool_pages(cfg: EngineConfig, device: torch.device, bytes_per_page: int, share: int = 1) -> int:
+    """Usable pages + the reserved page 0 (``share`` ranks draw on the same memory)."""
     if cfg.max_total_tokens is not None:
         return cfg.max_total_tokens // cfg.page_size + 1
-    budget = device_memory_budget(device, cfg.mem_fraction_static)
+    budget = device_memory_budget(device, cfg.mem_fraction_static) // share
     pages = budget // bytes_per_page
     if pages < 1:
         raise ConfigError(

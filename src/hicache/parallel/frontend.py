@@ -12,12 +12,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import multiprocessing
 import queue
 import socket
+import threading
 import time
 from collections import deque
 from typing import Any
+
+import torch.multiprocessing
 
 from ..config import ConfigError, EngineConfig
 from ..engine.request import Request, Status
@@ -44,10 +46,12 @@ class RankGroup:
     def __init__(self, cfg: EngineConfig) -> None:
         self.world = cfg.tp_size * cfg.pp_size
         self.labels = [rank_label(r, cfg.tp_size) for r in range(self.world)]
-        ctx = multiprocessing.get_context("spawn")
+        ctx = torch.multiprocessing.get_context("spawn")
         self.inbox, self.outbox, self.status = ctx.Queue(), ctx.Queue(), ctx.Queue()
-        self.failure: str | None = None
-        self._stopping = False
+        self.failure: str | None = None  # why the ranks were stopped, once they were
+        self._stopping = False  # the ranks are being (or were) stopped
+        self._closed = False
+        self._halt_lock = threading.Lock()
         self._calls = itertools.count()
         self._replies: dict[int, Any] = {}
         self._updates: deque[list[RequestUpdate]] = deque()
@@ -74,6 +78,7 @@ class RankGroup:
                     [p.pid for p in self.procs])
         self.capacity_pages = self._wait_ready()
         self.scheduler = RemoteScheduler(self)
+        threading.Thread(target=self._watch, name="hicache-rank-watchdog", daemon=True).start()
 
     # ---- lifecycle --------------------------------------------------------------------------
     def _wait_ready(self) -> int:
@@ -83,9 +88,12 @@ class RankGroup:
             try:
                 item = self.status.get(timeout=POLL_S * 4)
             except queue.Empty:
+                dead = [(r, p) for r, p in enumerate(self.procs) if p.exitcode is not None]
+                if dead:
+                    self._halt(self._explain(dead))
+                elif time.monotonic() > deadline:
+                    self._halt(f"ranks did not start within {STARTUP_TIMEOUT_S:.0f} s")
                 self._check_alive()
-                if time.monotonic() > deadline:
-                    self._fail(f"ranks did not start within {STARTUP_TIMEOUT_S:.0f} s")
                 continue
             if item[0] == "error":
                 # A bad option shows the same on every rank: report it like a single-rank ConfigError.
@@ -94,17 +102,24 @@ class RankGroup:
                     f"rank {self.labels[item[1]]} failed to start: {item[2]}")
             ready[item[1]] = item[2]
         if len(set(ready.values())) != 1:
-            self._fail(f"ranks disagree on the device pool size: {ready}")
+            self._halt(f"ranks disagree on the device pool size: {ready}")
+            self._check_alive()
         return next(iter(ready.values()))
 
     def shutdown(self) -> None:
-        if self._stopping:
+        """Stop the ranks: in order when healthy (they drain their transfers), else by force."""
+        if self._closed:
             return
-        self._stopping = True
+        self._closed = True
         if self.failure is None:
+            self._stopping = True  # from here on an exiting rank is not a failure
             self.inbox.put(("call", next(self._calls), "stop"))
-            for p in self.procs:
-                p.join(timeout=30)
+            deadline = time.monotonic() + 30
+            while any(p.is_alive() for p in self.procs) and time.monotonic() < deadline:
+                try:  # keep reading: the leader's last updates must flow for it to exit
+                    self.outbox.get(timeout=0.1)
+                except queue.Empty:
+                    pass
         self._stop_all()
         if self.monitor is not None:
             self.monitor.stop(timeout=5)
@@ -120,30 +135,44 @@ class RankGroup:
                 p.kill()
 
     # ---- failure ----------------------------------------------------------------------------
+    def _watch(self) -> None:
+        """Watchdog: a rank that dies or reports an error stops every rank at once, even while
+        the frontend is idle; the next call then raises."""
+        while not self._stopping and self.failure is None:
+            dead = [(r, p) for r, p in enumerate(self.procs) if p.exitcode is not None]
+            if dead or not self.status.empty():
+                self._halt(self._explain(dead))
+                return
+            time.sleep(0.2)
+
+    def _halt(self, why: str) -> None:
+        with self._halt_lock:
+            if self.failure is not None or self._stopping:
+                return
+            self.failure = why
+        logger.error("stopping all ranks: %s", why)
+        self._stop_all()
+
     def _on_divergence(self, div: consensus.Divergence) -> None:
-        self.failure = self.failure or str(div)
+        self._halt(str(div))
 
     def _keep(self, label: str, entry: consensus.Entry) -> None:
         self.trace[label].append(entry)
 
     def _check_alive(self) -> None:
-        """Raise (after stopping every rank) if a rank died, reported an error, or the checker
-        found a divergence."""
-        if self.failure is None:
-            dead = [(r, p) for r, p in enumerate(self.procs) if p.exitcode is not None and not self._stopping]
-            if dead or not self.status.empty():
-                self.failure = self._explain(dead)
         if self.failure is not None:
-            self._fail(self.failure)
+            raise HicacheError(f"the engine stopped: {self.failure}")
+        if self._stopping:
+            raise HicacheError("the engine is stopped.")
 
     def _explain(self, dead: list) -> str:
         """The root cause: a divergence if the checker saw one, else a rank that died without
-        reporting (killed), else the first error a rank reported (its peers then fail on the
-        broken connection and report that too)."""
+        reporting (killed), else the first error a rank reported that is not a broken
+        connection to a peer (peers of a failed rank fail that way too)."""
         time.sleep(0.5)  # let the monitor and the other ranks' reports catch up
         if self.failure is not None:
             return self.failure
-        reported: dict[int, str] = {}
+        reported: dict[int, str] = {}  # arrival order
         while True:
             try:
                 item = self.status.get_nowait()
@@ -158,16 +187,10 @@ class RankGroup:
             how = f"was killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exited with code {p.exitcode}"
             return f"rank {self.labels[r]} (pid {p.pid}) {how}"
         if reported:
-            r = min(reported)
-            return f"rank {self.labels[r]} failed: {reported[r]}"
+            primary = [r for r, m in reported.items() if not _peer_failure(m)] or list(reported)
+            return f"rank {self.labels[primary[0]]} failed: {reported[primary[0]]}"
         r, p = dead[0]
         return f"rank {self.labels[r]} (pid {p.pid}) exited with code {p.exitcode}"
-
-    def _fail(self, why: str) -> None:
-        if not self._stopping:
-            logger.error("stopping all ranks: %s", why)
-            self._stop_all()
-        raise HicacheError(f"the engine stopped: {why}")
 
     # ---- talking to the leader -----------------------------------------------------------
     def send(self, item: tuple) -> None:
@@ -193,12 +216,11 @@ class RankGroup:
                 return
 
     def updates(self, timeout: float) -> list[RequestUpdate]:
+        self._check_alive()
         if not self._updates:
             self._pump(timeout)
         out = [u for batch in self._updates for u in batch]
         self._updates.clear()
-        if self.failure is not None:
-            self._fail(self.failure)
         return out
 
     def call(self, command: str) -> Any:
@@ -206,9 +228,7 @@ class RankGroup:
         call_id = next(self._calls)
         self.send(("call", call_id, command))
         while call_id not in self._replies:
-            if self._stopping:
-                self._check_alive()
-                raise HicacheError("the engine is stopped.")
+            self._check_alive()
             self._pump(POLL_S)
         return self._replies.pop(call_id)
 
@@ -260,3 +280,8 @@ class RemoteScheduler:
             if req.on_update is not None:
                 req.on_update(req)
         return finished
+
+
+def _peer_failure(message: str) -> bool:
+    """An error that only says a peer went away (gloo's words for it)."""
+    return any(w in message for w in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"))

@@ -50,7 +50,7 @@ class StageMessage:
     """One step, from stage p to stage p+1 (rank to rank of the same TP position)."""
 
     inputs: StepInputs
-    results: Optional[list[int]]  # tokens of the oldest in-flight batch, which returned at this step
+    results: list[list[int]]  # tokens of the in-flight batches that returned at this step, oldest first
     counts: list[int]  # the agreed event counts (pp_sync): later stages consume exactly these
     batch: BatchKey  # what stage 0 scheduled, so a later stage can check it scheduled the same
     hidden: Optional[torch.Tensor]  # the previous stage's output for that batch

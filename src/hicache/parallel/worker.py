@@ -47,6 +47,7 @@ from .messages import RequestUpdate, StageMessage, StepInputs, batch_key
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.5  # an idle leader still steps this often, so acks keep draining everywhere
+PREFETCH_POLL_S = 0.005  # step period while only storage prefetches are awaited
 # Test switches (never set in production): a later stage uses its own ready counts instead
 # of the agreed ones; one rank shortens its prefix matches.
 DISABLE_PP_SYNC_ENV = "HICACHE_TEST_DISABLE_PP_SYNC"
@@ -87,7 +88,7 @@ class StageLoop:
             msg: StageMessage | None = None
             if self.first:
                 inputs = self.groups.tp_broadcast(self._leader_inputs() if self.leader else None)
-                results = self._returned_tokens(inputs.command == "stop")
+                results = self._returned_tokens(inputs.command in ("stop", "flush"))
             else:
                 msg = self.groups.recv(self.prev)
                 if msg.sent_at:
@@ -98,14 +99,12 @@ class StageLoop:
             if inputs.command in ("stop", "flush"):
                 # Forward first: draining waits for storage ops every rank's threads must reach.
                 if not self.last:
-                    self.groups.send(self.next, StageMessage(inputs, None, [], None, None))
+                    self.groups.send(self.next, StageMessage(inputs, results, [], None, None))
                 if inputs.command == "stop":
                     if self.hops:
                         logger.info("pp_sync hop: %d messages, %.3f ms mean", self.hops, self.hop_s / self.hops * 1e3)
                     return
-                self.cache.flush()
-                logger.info("cache flushed")
-                self._reply(inputs.call_id, True)
+                self._reply(inputs.call_id, self._flush())
                 self.step += 1
                 continue
             self.agree_steps += 1
@@ -133,6 +132,9 @@ class StageLoop:
                     self.inflight.append((self.step, batch))
             elif batch is not None:
                 tokens = self.sched.sample(batch, out)
+                if self.info.tp_size > 1 and any(not r.sampling.greedy for r in batch.reqs):
+                    # Random sampling: one draw for the stage, whatever each process's RNG state.
+                    tokens = self.groups.tp_broadcast(tokens)
                 if self.first:  # one stage: the batch returns at once
                     self.sched.apply_results(batch, tokens)
                 else:
@@ -141,36 +143,34 @@ class StageLoop:
             self.cache.submit_transfers()  # backups of what finished
             self._report()
             if self.leader and batch is None and not self.inflight and self.sched.waiting:
-                time.sleep(0.001)  # only prefetches to wait for: do not spin
+                time.sleep(PREFETCH_POLL_S)  # only prefetches to wait for: do not flood the pipeline
             self.step += 1
 
-    def _returned_tokens(self, stopping: bool) -> list[int] | None:
+    def _returned_tokens(self, drain: bool) -> list[list[int]]:
         """Stage 0 of a pipeline: the tokens of the oldest in-flight batch once ``pp_size``
-        steps have passed (blocking). When stopping, outstanding batches are collected and
-        dropped, so no stage exits with a send nobody receives."""
+        steps have passed (blocking), or with ``drain`` (flush, stop) of every in-flight batch,
+        so that no stage keeps a batch the others dropped."""
         if self.last or not self.inflight:
-            return None
-        if stopping:
-            while self.inflight:
-                self.groups.recv(self.tail)
-                self.inflight.popleft()
-            return None
+            return []
+        if drain:
+            return [self.groups.recv(self.tail) for _ in range(len(self.inflight))]
         if self.step - self.inflight[0][0] < self.info.pp_size:
-            return None
-        return self.groups.recv(self.tail)
+            return []
+        return [self.groups.recv(self.tail)]
 
-    def _apply(self, inputs: StepInputs, results: list[int] | None) -> None:
-        """The step's inputs, in the same order on every rank."""
-        if results is not None:
+    def _apply(self, inputs: StepInputs, results: list[list[int]]) -> None:
+        """The step's inputs, in the same order on every rank. Adds before aborts: a client
+        may abort a request in the same step it arrived."""
+        for tokens in results:
             _, batch = self.inflight.popleft()
-            self.sched.apply_results(batch, results)
-        for rid in inputs.aborts:
-            self.sched.abort(rid)
+            self.sched.apply_results(batch, tokens)
         for spec in inputs.adds:
             req = spec.request()
             if self.leader:
                 req.on_update = self._on_update
             self.sched.add(req)
+        for rid in inputs.aborts:
+            self.sched.abort(rid)
         if inputs.command == "stats":
             out = core_stats(self.core, self.cache.page_size)
             out["agreement"] = {"steps": self.agree_steps,
@@ -180,6 +180,15 @@ class StageLoop:
             for req in list(self.sched.running) + list(self.sched.waiting):
                 self.sched.abort(req.rid)
             self._report()
+
+    def _flush(self) -> bool:
+        """Empty every tier (the same decision on every rank: it depends on the request
+        stream only). Refused while a request still holds pages."""
+        if self.sched.has_work() or self.inflight:
+            return False
+        self.cache.flush()
+        logger.info("cache flushed")
+        return True
 
     # ---- leader <-> frontend ----------------------------------------------------------------
     def _leader_inputs(self) -> StepInputs:
@@ -253,8 +262,9 @@ def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox:
         loaded = load_model(cfg.model, dtype=dtype, device=device, seed=cfg.random_seed)
         shard = model_shard(loaded.spec, info.tp_rank, info.tp_size, info.pp_rank, info.pp_size)
         shard_model(loaded.model, shard, groups.tp_reduce if info.tp_size > 1 else None)
-        core = build_core(cfg, loaded, device, dtype, shard, agree_pages=groups.world_min,
-                          storage_agree=groups.storage_agree())
+        ranks_per_device = info.world_size if device.type == "cpu" else -(-info.world_size // torch.cuda.device_count())
+        core = build_core(cfg, loaded, device, dtype, shard, agree=groups.world_min,
+                          storage_agree=groups.storage_agree(), memory_share=ranks_per_device)
         plan = FaultPlan.from_env()
         if plan is not None:
             plan.install(core.cache, info.label, rank)
@@ -271,8 +281,8 @@ def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox:
     except BaseException as e:  # report, then die: the frontend stops every rank
         msg = str(e) if isinstance(e, HicacheError) else f"{type(e).__name__}: {e}"
         status.put(("error", rank, msg, traceback.format_exc()))
-        _exit(1, status, outbox)
-    _exit(0, status, outbox)
+        _exit(1, status, outbox, consensus_queue)
+    _exit(0, status, outbox, consensus_queue)
 
 
 def _exit(code: int, *queues: Any) -> None:

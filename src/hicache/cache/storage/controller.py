@@ -194,7 +194,13 @@ class StorageController:
         while done < op.hit_pages:
             stopped = op.stop.is_set()
             end = min(done + BATCH_PAGES, op.hit_pages)
-            good = 0 if stopped else self._read_batch(op, keys, done, end)
+            good = 0
+            if not stopped:
+                try:  # a local failure still joins this round's agreement: it just brings 0 pages
+                    good = self._read_batch(op, keys, done, end)
+                except Exception as e:
+                    op.failure = op.failure or "backend_error"
+                    logger.warning("prefetch op=%d: reading pages %d-%d failed: %s", op.op_id, done, end, e)
             reached, go_on = self._agree_prefetch([done + good, 0 if stopped else 1])
             if reached < done + good:
                 op.failure = op.failure or "peer_rank"  # another rank fell short: its pages decide
