@@ -10,7 +10,8 @@
    Target: agreement <= 2 ms per scheduling step.
 2. Engine: TTFT of a cached multi-turn session (``--prefix``-token system prefix, each turn
    appends the previous answer and 32 new user tokens, max_new_tokens=8, greedy) at TP1 vs TP
-   (``--tp``, default the smallest size > 1 ``check_parallel`` accepts for the model) vs PP2, plus the
+   (``--tp``, default the smallest size > 1 ``check_parallel`` accepts for the model; its
+   all-reduces through shared memory, and through gloo for comparison) vs PP2, plus the
    leader's ``stats()["agreement"]`` (tp_min ms per step). Per-turn figures are the median
    of ``--sessions`` conversations (different prefixes, the same for every configuration).
 """
@@ -192,30 +193,35 @@ def bench_engine(args: argparse.Namespace, micro_ms: float | None) -> None:
     check_parallel(spec, tp, 1)
     runs.append(("TP1", sessions(engine, args), {}))
     engine.shutdown()
-    for name, kw in ((f"TP{tp}", {"tp_size": tp}), ("PP2", {"pp_size": 2})):
-        log(f"engine: {name} ({args.model}, {tp if 'tp_size' in kw else 2} rank processes)")
+    # TP's partial sums go through shared memory on CPU; the "gloo" run shows what that saves.
+    configs = ((f"TP{tp}", {"tp_size": tp}, "shm"), (f"TP{tp}gloo", {"tp_size": tp}, "gloo"),
+               ("PP2", {"pp_size": 2}, "shm"))
+    for name, kw, reduce in configs:
+        log(f"engine: {name} ({args.model}, {tp if 'tp_size' in kw else 2} rank processes, TP all-reduce {reduce})")
+        os.environ["HICACHE_TP_ALLREDUCE"] = reduce  # read by the rank processes at start-up
         engine = Engine(args.model, **opts, **kw)
         ttft = sessions(engine, args)
         runs.append((name, ttft, engine.stats().get("agreement", {})))
         engine.shutdown()
+    os.environ.pop("HICACHE_TP_ALLREDUCE")
 
     print(f"\nTTFT (median of {args.sessions} sessions) of a {args.turns}-turn session on {args.model} ({dtype}; {spec.num_heads} heads / "
           f"{spec.num_kv_heads} KV heads, TP{tp}): {args.prefix}-token prefix, "
           f"+{USER_TOKENS} user tokens and the previous answer per turn, max_new_tokens=8, greedy")
     print(f"{'turn':<14}" + "".join(f"{name + ' ms':>11}" for name, _, _ in runs)
-          + "".join(f"{name + '/TP1':>10}" for name, _, _ in runs[1:]))
+          + "".join(f"{name + '/TP1':>13}" for name, _, _ in runs[1:]))
     base = runs[0][1]
     for i in range(args.turns):
         label = "1 (cold)" if i == 0 else f"{i + 1} (cached)"
         print(f"{label:<14}" + "".join(f"{t[i] * 1e3:>11.1f}" for _, t, _ in runs)
-              + "".join(f"{t[i] / base[i]:>9.2f}x" for _, t, _ in runs[1:]))
+              + "".join(f"{t[i] / base[i]:>12.2f}x" for _, t, _ in runs[1:]))
     if args.turns > 1:
         means = [statistics.mean(t[1:]) for _, t, _ in runs]
         print(f"{'mean cached':<14}" + "".join(f"{m * 1e3:>11.1f}" for m in means)
-              + "".join(f"{m / means[0]:>9.2f}x" for m in means[1:]))
+              + "".join(f"{m / means[0]:>12.2f}x" for m in means[1:]))
         meds = [statistics.median(t[1:]) for _, t, _ in runs]
         print(f"{'median cached':<14}" + "".join(f"{m * 1e3:>11.1f}" for m in meds)
-              + "".join(f"{m / meds[0]:>9.2f}x" for m in meds[1:]))
+              + "".join(f"{m / meds[0]:>12.2f}x" for m in meds[1:]))
     print("\nleader's stats()['agreement'] (stage 0 tp_min per scheduling step, idle polls included; "
           "includes waiting for the slowest TP rank):")
     for name, _, agr in runs[1:]:
@@ -223,10 +229,11 @@ def bench_engine(args: argparse.Namespace, micro_ms: float | None) -> None:
             ms = agr["tp_min_ms_per_step"]
             note = " (TP1 per stage: no collective)" if name.startswith("PP") else \
                 f" -> target <= {TARGET_MS:.0f} ms: {'met' if ms <= TARGET_MS else 'not met'}"
-            print(f"  {name:<5} steps {agr['steps']:>5}   tp_min {ms:.3f} ms/step{note}")
+            print(f"  {name:<8} steps {agr['steps']:>5}   tp_min {ms:.3f} ms/step{note}")
     ncpu = os.cpu_count() or 1
-    print(f"\nnote: this machine has {ncpu} CPU cores; the {tp} (TP) and 2 (PP) rank processes share them, "
-          f"so TP/PP are expected to be slower than TP1 here; the figures of interest are the agreement costs.")
+    print(f"\nnote: this machine has {ncpu} CPU cores; the {tp} (TP) and 2 (PP) rank processes share them "
+          f"(TP1 uses all of them in one process). TP{tp}gloo: the model's all-reduces through gloo instead of "
+          f"shared memory (HICACHE_TP_ALLREDUCE=gloo).")
     if micro_ms is not None:
         print(f"micro agreement per step: {micro_ms:.3f} ms (target <= {TARGET_MS:.0f} ms)")
 

@@ -118,6 +118,23 @@ def test_long_randomized_run_reports_no_divergence(checker: None, monkeypatch: p
         engine.shutdown()
 
 
+@pytest.mark.parametrize("reduce", ["shm", "gloo"])
+def test_tp_partial_sums_through_shared_memory_or_gloo(reduce: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ways of summing TP partial outputs (shared memory, the CPU default; gloo, the
+    fallback) give one rank's greedy tokens, prefill chunks and decode batches alike."""
+    plain = Engine(MODEL, max_total_tokens=4096, disable_radix_cache=True, **BASE)
+    try:
+        want = random_waves(plain, seed=3)
+    finally:
+        plain.shutdown()
+    monkeypatch.setenv("HICACHE_TP_ALLREDUCE", reduce)
+    engine = Engine(MODEL, tp_size=4, max_total_tokens=1024, chunked_prefill_size=16, **BASE)
+    try:
+        assert random_waves(engine, seed=3) == want
+    finally:
+        engine.shutdown()
+
+
 def backup_counts(trace: list[consensus.Entry]) -> list[int]:
     """Backup acks consumed at each cache check that consumed any."""
     return [e.params[0] for e in trace if e.function == "scheduler.consume_events" and e.params[0] > 0]

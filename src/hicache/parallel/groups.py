@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .shm_allreduce import ShmAllReduce, shm_allreduce_supported
+
 # A stalled peer shows up as a dead process in the frontend long before this.
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 
@@ -75,6 +77,14 @@ class ParallelGroups:
         self._storage = (dist.new_group(everyone, backend="gloo"), dist.new_group(everyone, backend="gloo"))
         self.stage_leader = info.rank_of(info.pp_rank, 0)
         self._sends: list[tuple[Any, ...]] = []  # in-flight isends and the buffers they read
+        self._shm: ShmAllReduce | None = None
+
+    def use_shared_memory_reduce(self, max_elems: int) -> bool:
+        """CPU TP ranks (always on one host here): sum through shared memory instead of gloo
+        for tensors of up to ``max_elems`` elements. Collective: every TP rank calls it."""
+        if self.info.tp_size > 1 and shm_allreduce_supported():
+            self._shm = ShmAllReduce(self.info.tp_rank, self.info.tp_size, max_elems, self.tp_ctrl, self.stage_leader)
+        return self._shm is not None
 
     # ---- agreement ------------------------------------------------------------------------
     @staticmethod
@@ -104,8 +114,12 @@ class ParallelGroups:
 
     # ---- tensor parallel ------------------------------------------------------------------
     def tp_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum of every TP rank's ``x``. On CPU the sum runs in float32 (gloo's reductions
-        are for full-precision types; the rounding then matches one fp32 accumulate)."""
+        """Sum of every TP rank's ``x``. On CPU the sum runs in float32 (through shared
+        memory when enabled, else gloo) and is rounded back to ``x``'s dtype once."""
+        if x.device.type == "cpu" and self._shm is not None:
+            y = self._shm(x.float())
+            if y is not None:
+                return y.to(x.dtype)
         if x.device.type == "cpu" and x.dtype != torch.float32:
             y = x.float()
             dist.all_reduce(y, group=self.tp_tensor)
@@ -135,3 +149,5 @@ class ParallelGroups:
             for w in works:
                 w.wait()
         self._sends.clear()
+        if self._shm is not None:
+            self._shm.close()

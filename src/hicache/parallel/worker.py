@@ -262,6 +262,9 @@ def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox:
         loaded = load_model(cfg.model, dtype=dtype, device=device, seed=cfg.random_seed)
         shard = model_shard(loaded.spec, info.tp_rank, info.tp_size, info.pp_rank, info.pp_size)
         shard_model(loaded.model, shard, groups.tp_reduce if info.tp_size > 1 else None)
+        if device.type == "cpu":  # the largest partial sum: a full prefill chunk or decode batch
+            groups.use_shared_memory_reduce(
+                max(cfg.chunked_prefill_size, cfg.max_running_requests) * loaded.spec.hidden_size)
         ranks_per_device = info.world_size if device.type == "cpu" else -(-info.world_size // torch.cuda.device_count())
         core = build_core(cfg, loaded, device, dtype, shard, agree=groups.world_min,
                           storage_agree=groups.storage_agree(), memory_share=ranks_per_device)
