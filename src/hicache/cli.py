@@ -51,22 +51,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise HicacheError(f"cannot read prompt file {path}: {e.strerror}.") from None
     if not prompts:
         raise HicacheError("give a prompt with --prompt TEXT or --prompt-file FILE.")
-    engine = _engine(args)
-    if args.chat:
-        prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-    for res in engine.generate(prompts, _sampling(args)):
-        if args.json:
-            print(json.dumps(dataclasses.asdict(res), ensure_ascii=False))
-        else:
-            print(res.text)
-            print(f"[{res.prompt_tokens} prompt tokens, {res.cached_tokens} cached, "
-                  f"{res.completion_tokens} generated, TTFT {res.ttft_s * 1000:.0f} ms, {res.finish_reason}]",
-                  file=sys.stderr)
+    with _engine(args) as engine:  # shut down in order: storage writes finish, ranks exit
+        if args.chat:
+            prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+        for res in engine.generate(prompts, _sampling(args)):
+            if args.json:
+                print(json.dumps(dataclasses.asdict(res), ensure_ascii=False))
+            else:
+                print(res.text)
+                print(f"[{res.prompt_tokens} prompt tokens, {res.cached_tokens} cached, "
+                      f"{res.completion_tokens} generated, TTFT {res.ttft_s * 1000:.0f} ms, {res.finish_reason}]",
+                      file=sys.stderr)
     return 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    engine = _engine(args)
+    with _engine(args) as engine:
+        _chat_loop(engine, args)
+    return 0
+
+
+def _chat_loop(engine, args: argparse.Namespace) -> None:
     sampling = _sampling(args)
     messages: list[dict[str, str]] = []
     if args.system:
@@ -90,13 +95,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
         print(f"assistant> {res.text}")
         print(f"  [{res.prompt_tokens} prompt tokens, {res.cached_tokens} cached {res.cached_tokens_details}, "
               f"TTFT {res.ttft_s * 1000:.0f} ms]", file=sys.stderr)
-    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo(_engine(args), turns=args.turns, max_new_tokens=args.max_new_tokens, agents=args.agents)
+    with _engine(args) as engine:
+        return run_demo(engine, turns=args.turns, max_new_tokens=args.max_new_tokens, agents=args.agents)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -123,6 +123,7 @@ class RankGroup:
         self._stop_all()
         if self.monitor is not None:
             self.monitor.stop(timeout=5)
+        logger.info("ranks stopped: exit codes %s", [p.exitcode for p in self.procs])
 
     def _stop_all(self) -> None:
         self._stopping = True

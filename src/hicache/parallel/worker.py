@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import signal
 import sys
 import time
 import traceback
@@ -247,6 +248,8 @@ def _alter_matches(cache: Any) -> None:
 def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox: Any, outbox: Any,
               consensus_queue: Any, log_level: int) -> None:
     """Entry point of a rank process (spawned by :class:`hicache.parallel.frontend.RankGroup`)."""
+    # Ctrl-C reaches the whole process group; the frontend decides how the ranks stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     cfg = EngineConfig(**cfg_fields)
     info = RankInfo(rank, cfg.tp_size, cfg.pp_size)
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s {info.label} %(name)s: %(message)s")

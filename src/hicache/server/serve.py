@@ -27,13 +27,15 @@ def build(engine: Engine, served_model_name: str | None = None, max_queued_reque
 
 def run_server(engine: Engine, host: str, port: int, served_model_name: str | None = None,
                max_queued_requests: int = 512, log_level: str = "warning") -> None:
-    """Serve until interrupted (blocks)."""
+    """Serve until interrupted (blocks); then stop the engine in order (pending host and storage
+    writes finish, rank processes exit)."""
     app, loop = build(engine, served_model_name, max_queued_requests)
     logger.warning("hicache serving %s on http://%s:%d", served_model_name or engine.config.model, host, port)
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
     finally:
         loop.stop()
+        engine.shutdown()
 
 
 class ServerThread:
