@@ -87,3 +87,13 @@ def test_spec_validation():
     base = json.loads(json.dumps(load_model("random:tiny").spec.to_dict()))
     with pytest.raises(ModelSpecError, match="rope"):
         ModelSpec(**{**base, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+
+
+@pytest.mark.parametrize("name", ["random:tiny", "smollm2"])
+def test_loading_without_weights_keeps_shape_tokenizer_and_identity(name):
+    """What a multi-rank frontend loads: everything but the weights."""
+    full = load_model(name, dtype=torch.float32)
+    meta = load_model(name, dtype=torch.float32, weights=False)
+    assert meta.model is None and full.model is not None
+    assert meta.spec == full.spec and meta.identity == full.identity
+    assert meta.tokenizer.encode("Hello, cache!") == full.tokenizer.encode("Hello, cache!")

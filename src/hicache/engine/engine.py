@@ -40,7 +40,10 @@ class Engine:
             torch.set_num_threads(cfg.num_threads)
         self.device = resolve_device(cfg.device)
         self.dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.dtype]
-        self.loaded = load_model(cfg.model, dtype=self.dtype, device=self.device, seed=cfg.random_seed)
+        ranks = cfg.tp_size * cfg.pp_size
+        # With several ranks this process only tokenizes: each rank loads its own slice.
+        self.loaded = load_model(cfg.model, dtype=self.dtype, device=self.device, seed=cfg.random_seed,
+                                 weights=ranks == 1)
         self.tokenizer = self.loaded.tokenizer
         spec = self.loaded.spec
         self.context_length = cfg.context_length or spec.max_position_embeddings
@@ -53,11 +56,10 @@ class Engine:
             f"{self.loaded.identity}|{cfg.dtype}|page={cfg.page_size}".encode()
         ).hexdigest()[:16]
         self.group: "RankGroup | None" = None
-        if cfg.tp_size * cfg.pp_size > 1:
+        if ranks > 1:
             from ..parallel.frontend import RankGroup
 
             check_parallel(spec, cfg.tp_size, cfg.pp_size)
-            self.loaded.model = None  # the ranks load their own slices; this process only tokenizes
             self.group = RankGroup(cfg)
             self.scheduler = self.group.scheduler
             self.capacity_pages = self.group.capacity_pages

@@ -126,8 +126,10 @@ def _tokenizer_from_gguf(reader) -> Tokenizer:
     )
 
 
-def load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str) -> tuple[LlamaForCausalLM, Tokenizer, ModelSpec]:
-    """Read, dequantize (to float32, then ``dtype``) and un-permute every tensor of a GGUF file."""
+def load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
+              weights: bool = True) -> tuple[LlamaForCausalLM | None, Tokenizer, ModelSpec]:
+    """Read, dequantize (to float32, then ``dtype``) and un-permute every tensor of a GGUF file.
+    ``weights=False``: only the shape and the tokenizer (the model is None)."""
     import gguf  # local import: only this loader needs it, and it is slow-ish to import
 
     try:
@@ -137,6 +139,8 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str) -> tup
     names = {t.name for t in reader.tensors}
     spec = _spec_from_gguf(reader, names)
     tokenizer = _tokenizer_from_gguf(reader)
+    if not weights:
+        return None, tokenizer, spec
     model = LlamaForCausalLM(spec, dtype, device)
     params = dict(model.named_parameters())
     loaded: set[str] = set()

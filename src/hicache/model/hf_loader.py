@@ -70,12 +70,16 @@ def _check_folder(folder: Path) -> list[Path]:
     return weights
 
 
-def load_hf_dir(folder: Path, dtype: torch.dtype, device: torch.device | str) -> tuple[LlamaForCausalLM, Tokenizer, ModelSpec]:
+def load_hf_dir(folder: Path, dtype: torch.dtype, device: torch.device | str,
+                load_weights: bool = True) -> tuple[LlamaForCausalLM | None, Tokenizer, ModelSpec]:
+    """``load_weights=False``: only the shape and the tokenizer (the model is None)."""
     weights = _check_folder(folder)
     with open(folder / "config.json", encoding="utf-8") as f:
         config = json.load(f)
     spec = spec_from_hf_config(config)
     tokenizer = load_hf_tokenizer(folder, config)
+    if not load_weights:
+        return None, tokenizer, spec
     model = LlamaForCausalLM(spec, dtype, device)
     params = dict(model.named_parameters())
     loaded: set[str] = set()

@@ -26,7 +26,7 @@ class LoadedModel:
     """A model ready to run. ``identity`` names weights + dtype stably across processes; the
     cache uses it to namespace KV keys, so two models never share cached K/V."""
 
-    model: LlamaForCausalLM
+    model: LlamaForCausalLM | None  # None when loaded without weights (a multi-rank frontend)
     tokenizer: Tokenizer
     spec: ModelSpec
     name: str
@@ -47,10 +47,12 @@ def _file_fingerprint(paths: list[Path]) -> str:
     return _digest("|".join(parts))
 
 
-def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu", seed: int = 0) -> LoadedModel:
+def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu", seed: int = 0,
+               weights: bool = True) -> LoadedModel:
     """Load ``name``: ``"smollm2"`` (embedded GGUF), a local HF directory, or ``"random:<preset|JSON>"``.
 
-    ``seed`` only matters for random models. Raises :class:`ModelNotFoundError` (a ConfigError)
+    ``seed`` only matters for random models. ``weights=False`` reads only the shape, the
+    tokenizer and the identity (``model`` is None): what a process that only tokenizes needs. Raises :class:`ModelNotFoundError` (a ConfigError)
     for names that resolve to nothing.
     """
     if dtype not in SUPPORTED_DTYPES:
@@ -59,18 +61,20 @@ def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.dev
     start = time.perf_counter()
     if name == "smollm2":
         path = find_smollm2_gguf()
-        model, tokenizer, spec = load_gguf(path, dtype, device)
+        model, tokenizer, spec = load_gguf(path, dtype, device, weights)
         identity = f"gguf:{path.name}:{_file_fingerprint([path])}:{dtype_name}"
     elif name.startswith("random:"):
         spec = parse_random_spec(name[len("random:"):])
-        model = LlamaForCausalLM(spec, dtype, device)
-        init_random_weights(model, seed)
+        model = None
+        if weights:
+            model = LlamaForCausalLM(spec, dtype, device)
+            init_random_weights(model, seed)
         tokenizer = byte_tokenizer()
         spec_json = json.dumps(spec.to_dict(), sort_keys=True)
         identity = f"random:{_digest(spec_json)}:seed={seed}:{dtype_name}"
     elif Path(name).expanduser().exists() or "/" in name or name.startswith("."):
         folder = Path(name).expanduser()
-        model, tokenizer, spec = load_hf_dir(folder, dtype, device)
+        model, tokenizer, spec = load_hf_dir(folder, dtype, device, weights)
         files = [p for p in folder.iterdir() if p.suffix in (".json", ".safetensors")]
         identity = f"hf:{folder.resolve().name}:{_file_fingerprint(files)}:{dtype_name}"
     else:
