@@ -22,7 +22,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 import torch
@@ -94,12 +94,7 @@ class TransferController:
 
     def ready_count(self, kind: str) -> int:
         """How many leading ops of ``kind`` have finished locally."""
-        n = 0
-        for op in self._acks[kind]:
-            if not op.done.is_set():
-                break
-            n += 1
-        return n
+        return leading_done(self._acks[kind])
 
     def pending(self, kind: str) -> int:
         return len(self._acks[kind])
@@ -191,6 +186,17 @@ class TransferController:
     @property
     def staging_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._staging_bufs.values())
+
+
+def leading_done(ops: Iterable[Any]) -> int:
+    """How many ops at the head of an ordered queue have finished (``op.done`` set): the
+    ready count of an ack queue, the input to agreement."""
+    n = 0
+    for op in ops:
+        if not op.done.is_set():
+            break
+        n += 1
+    return n
 
 
 def device_pool_device(pool: DeviceKVPool) -> torch.device:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..parallel.consensus import consensus_check
-from .controller import BACKUP, LOAD, TransferController, TransferOp
+from .controller import BACKUP, LOAD, TransferController, TransferOp, leading_done
 from .host_pool import HostKVPool
 from .pools import DeviceKVPool, PageAllocator, pages_to_slots
 from .radix import RadixCache, TreeNode
@@ -297,18 +297,14 @@ class KVCacheManager:
         return [BACKUP, LOAD] + (["storage_backup", "prefetch_reap"] if self.storage is not None else [])
 
     def ack_counts(self) -> dict[str, int]:
-        """Leading acks ready on this rank, per queue (the input to agreement)."""
-        ready = {BACKUP: lambda: self.controller.ready_count(BACKUP), LOAD: lambda: self.controller.ready_count(LOAD),
-                 "storage_backup": lambda: self.storage.backup_ready_count(), "prefetch_reap": self._reap_ready}
-        return {kind: ready[kind]() for kind in self.ack_kinds()}
-
-    def _reap_ready(self) -> int:
-        n = 0
-        for op, _ in self._stopped_prefetches:
-            if not op.done.is_set():
-                break
-            n += 1
-        return n
+        """Leading acks ready on this rank, per queue of :meth:`ack_kinds` (the input to agreement)."""
+        if self.controller is None:
+            return {}
+        counts = {BACKUP: self.controller.ready_count(BACKUP), LOAD: self.controller.ready_count(LOAD)}
+        if self.storage is not None:
+            counts["storage_backup"] = self.storage.backup_ready_count()
+            counts["prefetch_reap"] = leading_done(op for op, _ in self._stopped_prefetches)
+        return counts
 
     @consensus_check("cache.consume_acks", args=lambda self, counts: sorted(counts.items()))
     def consume_acks(self, counts: dict[str, int]) -> None:
@@ -433,7 +429,7 @@ class KVCacheManager:
             time.sleep(0.0005)
         if n > op.consumed:
             op.consumed, op.completed = n, op.progress[n - 1][0]
-        return op.consumed > 0 and op.progress[op.consumed - 1][1]
+        return op.final_applied
 
     @consensus_check("cache.finish_prefetch", args=lambda self, op, tokens: (op.namespace, op.start_page, op.completed),
                      result=lambda inserted: inserted)

@@ -47,7 +47,6 @@ class Request:
     prefetch: Optional[object] = field(default=None, repr=False)  # storage PrefetchOp in flight
     prefetch_deadline: float = 0.0  # when the scheduler stops waiting for it (perf_counter)
     storage_tokens: int = 0  # prompt tokens its prefetch brought into the host tier
-    prefetch_final: bool = False  # the prefetch's final progress ack has been applied (agreed)
     prefetch_expired: bool = False  # every rank agreed its wait deadline has passed
     in_flight: bool = False  # in a batch whose results have not been applied yet (pipeline)
     cached: Optional[dict[str, int]] = None  # prompt tokens hit per tier (device/host/storage), set at admission

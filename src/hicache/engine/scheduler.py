@@ -48,7 +48,6 @@ class Scheduler:
         self.prefetch_timeout = prefetch_timeout  # seconds allowed for a prefetch of N tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.num_steps = 0
 
     # ---- queue ---------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -123,7 +122,7 @@ class Scheduler:
         self.cache.consume_acks(dict(zip(kinds, counts)))
         rest = counts[len(kinds):]
         for i, req in enumerate(self.pending_prefetches()):
-            req.prefetch_final = self.cache.consume_prefetch_acks(req.prefetch, rest[2 * i])
+            self.cache.consume_prefetch_acks(req.prefetch, rest[2 * i])
             req.prefetch_expired = bool(rest[2 * i + 1])
 
     # ---- scheduling ------------------------------------------------------------------------
@@ -172,7 +171,7 @@ class Scheduler:
         op = req.prefetch
         if op is None:
             return True
-        if not (req.prefetch_final or self.prefetch_policy == "best_effort" or req.prefetch_expired):
+        if not (op.final_applied or self.prefetch_policy == "best_effort" or req.prefetch_expired):
             return False
         req.storage_tokens = self.cache.finish_prefetch(op, req.tokens_np)
         req.prefetch = None

@@ -185,7 +185,7 @@ class StageLoop:
     def _flush(self) -> bool:
         """Empty every tier (the same decision on every rank: it depends on the request
         stream only). Refused while a request still holds pages."""
-        if self.sched.has_work() or self.inflight:
+        if self.sched.has_work():  # (no batch is in flight: the flush step collected them)
             return False
         self.cache.flush()
         logger.info("cache flushed")

@@ -26,6 +26,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..controller import leading_done
 from ..host_pool import HostKVPool
 from .base import StorageBackend
 from .objects import decode_checked, encode
@@ -54,6 +55,11 @@ class PrefetchOp:
     failure: str = ""  # why reading stopped early (missing, checksum, short, backend_error, ...)
     consumed: int = 0  # progress acks the scheduler has applied
     completed: int = 0  # pages the scheduler accepted (value of the last consumed ack)
+
+    @property
+    def final_applied(self) -> bool:
+        """The scheduler has applied the final progress ack: nothing more will arrive."""
+        return self.consumed > 0 and self.progress[self.consumed - 1][1]
 
 
 @dataclass
@@ -145,12 +151,7 @@ class StorageController:
         return op
 
     def backup_ready_count(self) -> int:
-        n = 0
-        for op in self._backups:
-            if not op.done.is_set():
-                break
-            n += 1
-        return n
+        return leading_done(self._backups)
 
     def pending_backups(self) -> int:
         return len(self._backups)
