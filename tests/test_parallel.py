@@ -302,3 +302,36 @@ def test_abort_and_flush_keep_the_stages_in_step() -> None:
             assert engine.generate([prompt], greedy)[0].output_ids == want
     finally:
         engine.shutdown()
+
+
+def test_a_corrupt_object_on_one_rank_shortens_the_hit_on_every_rank(tmp_path: Path, checker: None) -> None:
+    """Each rank stores its own shard of every page; a corrupt shard on one rank ends the hit
+    there for all ranks (agreed completed length), and the rest is recomputed (DESIGN inv. 5)."""
+    prompt = [(i * 29) % 240 + 5 for i in range(120)]
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    plain = Engine(MODEL, max_total_tokens=1024, disable_radix_cache=True, **BASE)
+    try:
+        want = plain.generate([prompt], greedy)[0].output_ids
+    finally:
+        plain.shutdown()
+    engine = Engine(
+        MODEL, tp_size=2, max_total_tokens=1024, enable_hierarchical_cache=True,
+        hicache_storage_backend="file", hicache_storage_backend_extra_config=json.dumps({"path": str(tmp_path)}),
+        hicache_storage_prefetch_threshold=16, hicache_storage_prefetch_policy="wait_complete", **BASE,
+    )
+    try:
+        engine.generate([prompt], greedy)
+        assert engine.flush_cache()  # device and host emptied; storage keeps both ranks' shards
+        objects = sorted(p for p in tmp_path.rglob("*") if p.is_file() and not p.name.startswith("."))
+        assert len(objects) == 2 * 31  # 31 pages (prompt + output with KV, page 4) x 2 ranks
+        victim = objects[len(objects) // 2]  # one shard of one page, on whichever rank wrote it
+        data = bytearray(victim.read_bytes())
+        data[-10] ^= 0xFF
+        victim.write_bytes(bytes(data))
+        res = engine.generate([prompt], greedy)[0]
+        assert res.output_ids == want
+        assert res.cached_tokens_details["storage"] < 116  # a full hit would be 29 pages
+        assert engine.stats()["storage"]["failures"]  # "checksum" on its rank, "peer_rank" on the other
+        assert engine.group.monitor.divergence is None
+    finally:
+        engine.shutdown()
