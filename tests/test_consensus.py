@@ -317,3 +317,33 @@ def test_monitor_in_process_sink_and_idempotent_stop():
             monitor.sink(label, e)
     monitor.stop(timeout=10)
     assert monitor.divergence is None and monitor.compared == 4
+
+
+_KILLED_WRITER_SCRIPT = """
+import multiprocessing, os, threading
+from hicache.parallel.consensus import ConsensusMonitor
+
+def killed_mid_put(q):
+    q._wlock.acquire()  # what a rank killed inside a put leaves behind: the write lock held for good
+    os._exit(1)
+
+if __name__ == "__main__":
+    ctx = multiprocessing.get_context("spawn")
+    monitor = ConsensusMonitor(["TP0", "TP1"], lambda d: None, mp_context=ctx)
+    monitor.start()
+    rank = ctx.Process(target=killed_mid_put, args=(monitor.queue,))
+    rank.start()
+    rank.join()
+    monitor.stop(timeout=30)
+    alive = [t.name for t in threading.enumerate() if t.name == "rank-consensus-monitor"]
+    print("monitor threads alive:", alive)
+"""
+
+
+def test_a_rank_killed_mid_put_does_not_block_stop_or_exit(tmp_path):
+    """The frontend stops its monitor and exits even when a rank died holding the queue's lock."""
+    script = tmp_path / "killed_writer.py"
+    script.write_text(_KILLED_WRITER_SCRIPT)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "monitor threads alive: []" in done.stdout

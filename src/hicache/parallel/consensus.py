@@ -38,6 +38,7 @@ import functools
 import logging
 import multiprocessing
 import os
+import queue
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Sequence, TypeVar
@@ -51,6 +52,7 @@ Sink = Callable[[str, "Entry"], None]
 DivergenceKind = Literal["call order", "parameters", "result"]
 
 _REPR_LIMIT = 200
+_STOP_POLL_S = 0.1  # how often an idle monitor looks at its stop event
 
 
 def enabled() -> bool:
@@ -252,6 +254,10 @@ class ConsensusMonitor:
 
     On the first divergence: logs it once at error level and calls ``on_divergence`` once (from
     the monitor thread). Call ``stop()`` after the ranks have finished putting entries.
+
+    Only the ranks write to the queue. A rank killed in the middle of a put leaves the queue's
+    write lock held for good, so a sentinel put from this side could never arrive and its feeder
+    thread would block the process's exit; ``stop()`` signals through an event instead.
     """
 
     def __init__(
@@ -270,6 +276,7 @@ class ConsensusMonitor:
         self._on_divergence = on_divergence
         self._on_entry = on_entry
         self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
 
     @property
     def divergence(self) -> Divergence | None:
@@ -289,15 +296,18 @@ class ConsensusMonitor:
         """Process everything queued so far, then end the thread."""
         if self._thread is None:
             return
-        self.queue.put(None)
+        self._stop.set()
         self._thread.join(timeout)
         self._thread = None
 
     def _run(self) -> None:
         while True:
-            item = self.queue.get()
-            if item is None:
-                return
+            try:
+                item = self.queue.get(timeout=_STOP_POLL_S)
+            except queue.Empty:
+                if self._stop.is_set():
+                    return
+                continue
             label, entry = item
             if self._on_entry is not None:
                 self._on_entry(label, entry)

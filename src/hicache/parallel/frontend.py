@@ -76,9 +76,15 @@ class RankGroup:
             p.start()
         logger.info("started %d ranks (tp=%d pp=%d): pids %s", self.world, cfg.tp_size, cfg.pp_size,
                     [p.pid for p in self.procs])
-        self.capacity_pages = self._wait_ready()
+        self._watchdog: threading.Thread | None = None
+        try:
+            self.capacity_pages = self._wait_ready()
+        except BaseException:
+            self._release()
+            raise
         self.scheduler = RemoteScheduler(self)
-        threading.Thread(target=self._watch, name="hicache-rank-watchdog", daemon=True).start()
+        self._watchdog = threading.Thread(target=self._watch, name="hicache-rank-watchdog", daemon=True)
+        self._watchdog.start()
 
     # ---- lifecycle --------------------------------------------------------------------------
     def _wait_ready(self) -> int:
@@ -97,7 +103,6 @@ class RankGroup:
                 continue
             if item[0] == "error":
                 # A bad option shows the same on every rank: report it like a single-rank ConfigError.
-                self._stop_all()
                 raise ConfigError(item[2]) if "ConfigError" in item[3] else HicacheError(
                     f"rank {self.labels[item[1]]} failed to start: {item[2]}")
             ready[item[1]] = item[2]
@@ -120,10 +125,16 @@ class RankGroup:
                     self.outbox.get(timeout=0.1)
                 except queue.Empty:
                     pass
+        self._release()
+        logger.info("ranks stopped: exit codes %s", [p.exitcode for p in self.procs])
+
+    def _release(self) -> None:
+        """Stop the ranks by force if still running, and every thread this group started."""
         self._stop_all()
         if self.monitor is not None:
             self.monitor.stop(timeout=5)
-        logger.info("ranks stopped: exit codes %s", [p.exitcode for p in self.procs])
+        if self._watchdog is not None:
+            self._watchdog.join(timeout=5)
 
     def _stop_all(self) -> None:
         self._stopping = True
@@ -134,6 +145,10 @@ class RankGroup:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+                p.join()
+        # What the leader never read is moot now; without this the inbox's feeder thread, stuck
+        # on a full pipe nobody reads, would block this process's exit.
+        self.inbox.cancel_join_thread()
 
     # ---- failure ----------------------------------------------------------------------------
     def _watch(self) -> None:
