@@ -219,6 +219,22 @@ def test_bad_options() -> None:
         Engine("random:tiny", radix_eviction_policy="fifo")
 
 
+def test_device_pool_budget_is_shared_and_counts_staging_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sized from a budget (no --max-total-tokens): ranks on one device split it, and a rank's
+    staging buffers (e.g. the shared-memory all-reduce) come out of its share (DESIGN inv. 6)."""
+    from hicache.config import EngineConfig
+    from hicache.engine import core
+
+    mib = 2**20
+    monkeypatch.setattr(core, "device_memory_budget", lambda device, fraction: 64 * mib)
+    cfg, cpu = EngineConfig(model="random:tiny"), torch.device("cpu")
+    assert core._device_pool_pages(cfg, cpu, mib) == 64 + 1  # + the reserved page 0
+    assert core._device_pool_pages(cfg, cpu, mib, share=2) == 32 + 1
+    assert core._device_pool_pages(cfg, cpu, mib, share=2, staging_bytes=8 * mib) == 24 + 1
+    with pytest.raises(ConfigError, match="after 32 MiB of staging buffers"):
+        core._device_pool_pages(cfg, cpu, mib, share=2, staging_bytes=32 * mib)
+
+
 def test_flush_and_stats() -> None:
     engine = make_engine()
     p = prompts(1, 40, 40, seed=19)[0]

@@ -45,19 +45,21 @@ def build_core(
     agree: Callable[[list[int]], list[int]] = lambda values: values,
     storage_agree: tuple[Agree, Agree] | None = None,
     memory_share: int = 1,
+    staging_bytes: int = 0,
 ) -> EngineCore:
     """Pools sized from the config, then the cache and the scheduler over ``loaded.model``
     (already cut to ``shard`` when given).
 
     Several ranks: ``agree`` MIN-reduces the device and host page counts and whether the
     storage backend is reachable, so every rank's allocators and tiers, hence every cache
-    decision, are the same; ``memory_share`` ranks size their pools from one memory budget."""
+    decision, are the same; ``memory_share`` ranks size their pools from one memory budget,
+    of which ``staging_bytes`` (this rank's buffers outside the pools) are already spent."""
     spec = loaded.spec
     layers = len(shard.layers) if shard else spec.num_layers
     kv_heads = len(shard.kv_heads) if shard else spec.num_kv_heads
     elem = torch.empty((), dtype=dtype).element_size()
     bytes_per_page = 2 * layers * kv_heads * spec.head_dim * elem * cfg.page_size
-    device_pages = _device_pool_pages(cfg, device, bytes_per_page, memory_share)
+    device_pages = _device_pool_pages(cfg, device, bytes_per_page, memory_share, staging_bytes)
     host_pages = _host_pool_pages(cfg, device_pages, bytes_per_page) if cfg.enable_hierarchical_cache else 0
     storage = _storage_backend(cfg)
     device_pages, host_pages, storage_everywhere = agree(
@@ -96,15 +98,19 @@ def build_core(
     return EngineCore(pool, host_pool, cache, runner, scheduler)
 
 
-def _device_pool_pages(cfg: EngineConfig, device: torch.device, bytes_per_page: int, share: int = 1) -> int:
-    """Usable pages + the reserved page 0 (``share`` ranks draw on the same memory)."""
+def _device_pool_pages(
+    cfg: EngineConfig, device: torch.device, bytes_per_page: int, share: int = 1, staging_bytes: int = 0
+) -> int:
+    """Usable pages + the reserved page 0 (``share`` ranks draw on the same memory; this one
+    already holds ``staging_bytes`` of it in buffers outside the pool)."""
     if cfg.max_total_tokens is not None:
         return cfg.max_total_tokens // cfg.page_size + 1
-    budget = device_memory_budget(device, cfg.mem_fraction_static) // share
+    budget = device_memory_budget(device, cfg.mem_fraction_static) // share - staging_bytes
     pages = budget // bytes_per_page
     if pages < 1:
+        staging = f" after {staging_bytes / 2**20:.0f} MiB of staging buffers" if staging_bytes else ""
         raise ConfigError(
-            f"the KV budget ({max(budget, 0) / 2**20:.0f} MiB) holds no page of {bytes_per_page} bytes; "
+            f"the KV budget ({max(budget, 0) / 2**20:.0f} MiB{staging}) holds no page of {bytes_per_page} bytes; "
             "raise --mem-fraction-static or set --max-total-tokens."
         )
     return int(pages) + 1

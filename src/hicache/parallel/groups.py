@@ -86,6 +86,11 @@ class ParallelGroups:
             self._shm = ShmAllReduce(self.info.tp_rank, self.info.tp_size, max_elems, self.tp_ctrl, self.stage_leader)
         return self._shm is not None
 
+    def staging_bytes(self) -> int:
+        """This rank's share of the host memory its collectives keep allocated (the shared
+        all-reduce segment, split over the TP group): budgeted like the KV pools (DESIGN inv. 6)."""
+        return 0 if self._shm is None else -(-self._shm.nbytes // self.info.tp_size)
+
     # ---- agreement ------------------------------------------------------------------------
     @staticmethod
     def _min(values: list[int], group: Any) -> list[int]:

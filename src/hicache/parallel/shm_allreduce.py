@@ -43,6 +43,7 @@ class ShmAllReduce:
         self.rank, self.size, self.max_elems = tp_rank, tp_size, max_elems
         flag_bytes = tp_size * FLAG_STRIDE * 8
         nbytes = flag_bytes + 2 * tp_size * max_elems * 4
+        self.nbytes = nbytes  # the whole segment, shared by the group's ranks
         box = [f"hicache-tp-{uuid.uuid4().hex[:12]}" if tp_rank == 0 else None]
         dist.broadcast_object_list(box, src=leader, group=group)
         if tp_rank == 0:

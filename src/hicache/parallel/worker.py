@@ -270,7 +270,8 @@ def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox:
                 max(cfg.chunked_prefill_size, cfg.max_running_requests) * loaded.spec.hidden_size)
         ranks_per_device = info.world_size if device.type == "cpu" else -(-info.world_size // torch.cuda.device_count())
         core = build_core(cfg, loaded, device, dtype, shard, agree=groups.world_min,
-                          storage_agree=groups.storage_agree(), memory_share=ranks_per_device)
+                          storage_agree=groups.storage_agree(), memory_share=ranks_per_device,
+                          staging_bytes=groups.staging_bytes())
         plan = FaultPlan.from_env()
         if plan is not None:
             plan.install(core.cache, info.label, rank)
@@ -278,8 +279,9 @@ def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox:
             _alter_matches(core.cache)
         if consensus_queue is not None:
             consensus.install_recorder(info.label, consensus.make_queue_sink(consensus_queue))
-        logger.info("rank ready: %s device pages=%d host pages=%d", shard.describe(), core.pool.num_pages,
-                    core.host_pool.num_pages if core.host_pool is not None else 0)
+        logger.info("rank ready: %s device pages=%d host pages=%d staging=%.1f MiB", shard.describe(),
+                    core.pool.num_pages, core.host_pool.num_pages if core.host_pool is not None else 0,
+                    groups.staging_bytes() / 2**20)
         status.put(("ready", rank, core.cache.capacity_pages))
         StageLoop(info, groups, core, inbox, outbox).run()
         core.cache.shutdown()
