@@ -3,16 +3,26 @@ cache, whatever the tiers hit and however late each rank's copies finish (DESIGN
 
 from __future__ import annotations
 
+import fcntl
+import gc
 import json
+import multiprocessing
 import os
 import random
 import signal
+import struct
+import subprocess
+import sys
+import termios
+import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from hicache import Engine, SamplingParams
+from hicache.bench.main import launch_server
 from hicache.errors import HicacheError
 from hicache.parallel import consensus
 from hicache.parallel.faults import ENV_VAR as FAULTS_ENV
@@ -218,6 +228,138 @@ def test_a_dead_rank_stops_the_engine_with_its_name() -> None:
             engine.generate([[5] * 30], SamplingParams(max_new_tokens=4, temperature=0.0))
     finally:
         engine.shutdown()
+
+
+def _alive(pids: list[int]) -> list[int]:
+    """Those of ``pids`` still running (a zombie waiting to be reaped has ended)."""
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    out.append(pid)
+        except FileNotFoundError:
+            pass
+    return out
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (FileNotFoundError, ProcessLookupError):
+                pass
+    return out
+
+
+def _wait_gone(pids: list[int], timeout: float = 30.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return _alive(pids)
+
+
+def _shm_segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("hicache-tp-")} if os.path.isdir("/dev/shm") else set()
+
+
+_FRONTEND_SCRIPT = """
+import sys, time
+from hicache import Engine
+if __name__ == "__main__":
+    engine = Engine("random:small", tp_size=2, dtype="float32", page_size=4, max_total_tokens=512)
+    print("RANKS", *[p.pid for p in engine.group.procs], flush=True)
+    time.sleep(600)
+"""
+
+
+def test_ranks_exit_when_the_frontend_is_killed(tmp_path: Path) -> None:
+    """SIGKILL of the user's process (OOM killer, kill -9): the ranks notice and exit; no
+    shared-memory segment is left behind."""
+    script = tmp_path / "frontend.py"
+    script.write_text(_FRONTEND_SCRIPT)
+    before = _shm_segments()
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("RANKS"), line
+        ranks = [int(x) for x in line.split()[1:]]
+        assert len(_alive(ranks)) == 2
+        assert _shm_segments() == before  # the all-reduce segment's name is dropped once mapped
+    finally:
+        proc.kill()
+        proc.wait()
+    assert _wait_gone(ranks) == []
+
+
+def test_serve_stops_its_ranks_in_order_on_sigterm() -> None:
+    """`docker stop` / systemd / k8s send SIGTERM: the server stops the engine (ranks exit 0)."""
+    proc, url = launch_server("--model random:small --tp-size 2 --dtype float32 --page-size 4 "
+                              "--max-total-tokens 512", timeout=180)
+    ranks = _children(proc.pid)
+    try:
+        assert httpx.get(url + "/health").status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert _wait_gone(ranks, timeout=10) == []
+
+
+def test_a_leader_killed_mid_message_is_an_error_not_a_hang() -> None:
+    """The leader dies while the frontend lags behind its updates (a message half-written in a
+    full pipe): the frontend's next read raises, naming the rank, instead of waiting forever."""
+    engine = Engine(MODEL, tp_size=2, max_total_tokens=16384, max_running_requests=256, **BASE)
+    group = engine.group
+    try:
+        sampling = SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True)
+        for i in range(256):  # queued to the leader; nobody reads its updates meanwhile
+            engine.scheduler.add(engine._make_request([5 + i % 200, 7, 9, 11], sampling, None))
+        deadline = time.monotonic() + 30
+        while _unread_bytes(group.outbox) < 60_000 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)  # the leader's writer is now blocked inside a message
+        os.kill(group.procs[0].pid, signal.SIGKILL)
+        raised: list[BaseException] = []
+
+        def drive() -> None:
+            try:
+                while engine.scheduler.has_work():
+                    engine.scheduler.step()
+            except BaseException as e:
+                raised.append(e)
+
+        driver = threading.Thread(target=drive, daemon=True)
+        driver.start()
+        driver.join(timeout=30)
+        assert not driver.is_alive(), "the frontend is stuck reading from a dead leader"
+        assert raised and isinstance(raised[0], HicacheError)
+        assert "rank PP0/TP0" in str(raised[0]) and "killed by signal 9" in str(raised[0])
+    finally:
+        engine.shutdown()
+
+
+def _unread_bytes(q) -> int:
+    """Bytes waiting in a multiprocessing queue's pipe (test instrumentation)."""
+    buf = fcntl.ioctl(q._reader.fileno(), termios.FIONREAD, b"\0\0\0\0")
+    return struct.unpack("i", buf)[0]
+
+
+def test_an_engine_dropped_without_shutdown_stops_its_ranks() -> None:
+    def start() -> list[int]:
+        engine = Engine(MODEL, tp_size=2, max_total_tokens=512, **BASE)
+        engine.generate([[5] * 12], SamplingParams(max_new_tokens=2, temperature=0.0))
+        return [p.pid for p in engine.group.procs]
+
+    ranks = start()  # the engine is garbage now
+    gc.collect()
+    assert _wait_gone(ranks) == []
+    assert multiprocessing.active_children() == []
 
 
 def test_bad_parallel_layout_is_one_clear_error() -> None:

@@ -6,6 +6,7 @@ import hashlib
 import itertools
 import logging
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any, Sequence, Union
 
 import torch
@@ -70,6 +71,9 @@ class Engine:
             self.scheduler = core.scheduler
             self.capacity_pages = self.cache.capacity_pages
             self._core = core
+        # Stops the ranks or the cache's threads (pending writes finish) on shutdown(), when the
+        # engine is garbage-collected without it, or at interpreter exit, whichever comes first.
+        self._stop_parts = weakref.finalize(self, _stop_parts, self.group, self.cache)
         self._rids = itertools.count()
         # Set by EngineLoop (engine/loop.py) while its thread drives the scheduler; then only that
         # thread may call generate / flush_cache (DESIGN invariant 3).
@@ -175,10 +179,7 @@ class Engine:
             return
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):
             self.scheduler.abort(req.rid)
-        if self.group is not None:
-            self.group.shutdown()
-        else:
-            self.cache.shutdown()
+        self._stop_parts()
         self.runner = self.scheduler = self.pool = self.cache = self.loaded = self._core = None  # type: ignore[assignment]
 
     def __enter__(self) -> "Engine":
@@ -186,3 +187,11 @@ class Engine:
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
+
+
+def _stop_parts(group: "RankGroup | None", cache: Any) -> None:
+    """What ``Engine.shutdown`` stops; holds no reference to the engine (see weakref.finalize)."""
+    if group is not None:
+        group.shutdown()
+    elif cache is not None:
+        cache.shutdown()

@@ -43,6 +43,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Sequence, TypeVar
 
+from .channels import WRITERS_GONE
+
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "HICACHE_RANK_CONSENSUS_CHECKER"
@@ -308,6 +310,8 @@ class ConsensusMonitor:
                 if self._stop.is_set():
                     return
                 continue
+            except WRITERS_GONE:  # every rank has exited (the owner gave up its write end)
+                return
             label, entry = item
             if self._on_entry is not None:
                 self._on_entry(label, entry)

@@ -25,6 +25,7 @@ from ..config import ConfigError, EngineConfig
 from ..engine.request import Request, Status
 from ..errors import HicacheError
 from . import consensus
+from .channels import WRITERS_GONE, reader_only
 from .groups import rank_label
 from .messages import RequestSpec, RequestUpdate
 from .worker import rank_main
@@ -48,6 +49,9 @@ class RankGroup:
         self.labels = [rank_label(r, cfg.tp_size) for r in range(self.world)]
         ctx = torch.multiprocessing.get_context("spawn")
         self.inbox, self.outbox, self.status = ctx.Queue(), ctx.Queue(), ctx.Queue()
+        # What the leader never read is moot once it is gone: never hold up this process's exit
+        # to flush it into a pipe nobody reads.
+        self.inbox.cancel_join_thread()
         self.failure: str | None = None  # why the ranks were stopped, once they were
         self._stopping = False  # the ranks are being (or were) stopped
         self._closed = False
@@ -58,26 +62,10 @@ class RankGroup:
         # Checker: the ranks' call streams, compared here as they arrive (HICACHE_RANK_CONSENSUS_CHECKER=1).
         self.monitor: consensus.ConsensusMonitor | None = None
         self.trace: dict[str, deque[consensus.Entry]] = {label: deque(maxlen=TRACE_ENTRIES) for label in self.labels}
-        if consensus.enabled():
-            self.monitor = consensus.ConsensusMonitor(self.labels, self._on_divergence, ctx, on_entry=self._keep)
-            self.monitor.start()
-        init = f"tcp://127.0.0.1:{_free_port()}"
-        fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-        level = logging.getLogger().getEffectiveLevel()
-        self.procs = [
-            ctx.Process(
-                target=rank_main, name=f"hicache-rank-{self.labels[r]}", daemon=True,
-                args=(r, fields, init, self.status, self.inbox if r == 0 else None, self.outbox if r == 0 else None,
-                      self.monitor.queue if self.monitor else None, level),
-            )
-            for r in range(self.world)
-        ]
-        for p in self.procs:
-            p.start()
-        logger.info("started %d ranks (tp=%d pp=%d): pids %s", self.world, cfg.tp_size, cfg.pp_size,
-                    [p.pid for p in self.procs])
+        self.procs: list[Any] = []  # started rank processes, in rank order
         self._watchdog: threading.Thread | None = None
-        try:
+        try:  # whatever fails or is interrupted from here on, nothing is left running
+            self._start(cfg, ctx)
             self.capacity_pages = self._wait_ready()
         except BaseException:
             self._release()
@@ -87,13 +75,35 @@ class RankGroup:
         self._watchdog.start()
 
     # ---- lifecycle --------------------------------------------------------------------------
+    def _start(self, cfg: EngineConfig, ctx: Any) -> None:
+        if consensus.enabled():
+            self.monitor = consensus.ConsensusMonitor(self.labels, self._on_divergence, ctx, on_entry=self._keep)
+            self.monitor.start()
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+        level = logging.getLogger().getEffectiveLevel()
+        monitor_queue = self.monitor.queue if self.monitor else None
+        for r in range(self.world):
+            p = ctx.Process(
+                target=rank_main, name=f"hicache-rank-{self.labels[r]}", daemon=True,
+                args=(r, fields, init, self.status, self.inbox if r == 0 else None, self.outbox if r == 0 else None,
+                      monitor_queue, level),
+            )
+            p.start()
+            self.procs.append(p)
+        reader_only(self.outbox, self.status, monitor_queue)  # only the ranks write these
+        logger.info("started %d ranks (tp=%d pp=%d): pids %s", self.world, cfg.tp_size, cfg.pp_size,
+                    [p.pid for p in self.procs])
+
     def _wait_ready(self) -> int:
         ready: dict[int, int] = {}
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while len(ready) < self.world:
             try:
                 item = self.status.get(timeout=POLL_S * 4)
-            except queue.Empty:
+            except (queue.Empty, *WRITERS_GONE) as e:
+                if not isinstance(e, queue.Empty):
+                    time.sleep(POLL_S)  # every rank has exited: let their exit codes show
                 dead = [(r, p) for r, p in enumerate(self.procs) if p.exitcode is not None]
                 if dead:
                     self._halt(self._explain(dead))
@@ -116,23 +126,27 @@ class RankGroup:
         if self._closed:
             return
         self._closed = True
-        if self.failure is None:
-            self._stopping = True  # from here on an exiting rank is not a failure
-            self.inbox.put(("call", next(self._calls), "stop"))
-            deadline = time.monotonic() + 30
-            while any(p.is_alive() for p in self.procs) and time.monotonic() < deadline:
-                try:  # keep reading: the leader's last updates must flow for it to exit
-                    self.outbox.get(timeout=0.1)
-                except queue.Empty:
-                    pass
-        self._release()
+        try:
+            if self.failure is None:
+                self._stopping = True  # from here on an exiting rank is not a failure
+                self.inbox.put(("call", next(self._calls), "stop"))
+                deadline = time.monotonic() + 30
+                while any(p.is_alive() for p in self.procs) and time.monotonic() < deadline:
+                    try:  # keep reading: the leader's last updates must flow for it to exit
+                        self.outbox.get(timeout=0.1)
+                    except queue.Empty:
+                        pass
+                    except WRITERS_GONE:
+                        break
+        finally:  # even when interrupted (Ctrl-C while waiting): stop by force
+            self._release()
         logger.info("ranks stopped: exit codes %s", [p.exitcode for p in self.procs])
 
     def _release(self) -> None:
         """Stop the ranks by force if still running, and every thread this group started."""
         self._stop_all()
         if self.monitor is not None:
-            self.monitor.stop(timeout=5)
+            self.monitor.stop(timeout=30)  # ranks are gone: the backlog is finite
         if self._watchdog is not None:
             self._watchdog.join(timeout=5)
 
@@ -146,9 +160,6 @@ class RankGroup:
             if p.is_alive():
                 p.kill()
                 p.join()
-        # What the leader never read is moot now; without this the inbox's feeder thread, stuck
-        # on a full pipe nobody reads, would block this process's exit.
-        self.inbox.cancel_join_thread()
 
     # ---- failure ----------------------------------------------------------------------------
     def _watch(self) -> None:
@@ -192,7 +203,7 @@ class RankGroup:
         while True:
             try:
                 item = self.status.get_nowait()
-            except queue.Empty:
+            except (queue.Empty, *WRITERS_GONE):
                 break
             if item[0] == "error":
                 reported.setdefault(item[1], item[2])
@@ -205,8 +216,10 @@ class RankGroup:
         if reported:
             primary = [r for r, m in reported.items() if not _peer_failure(m)] or list(reported)
             return f"rank {self.labels[primary[0]]} failed: {reported[primary[0]]}"
-        r, p = dead[0]
-        return f"rank {self.labels[r]} (pid {p.pid}) exited with code {p.exitcode}"
+        if dead:
+            r, p = dead[0]
+            return f"rank {self.labels[r]} (pid {p.pid}) exited with code {p.exitcode}"
+        return f"rank {self.labels[0]} closed its connection to the frontend"
 
     # ---- talking to the leader -----------------------------------------------------------
     def send(self, item: tuple) -> None:
@@ -221,6 +234,10 @@ class RankGroup:
         except queue.Empty:
             self._check_alive()
             return
+        except WRITERS_GONE:  # the leader is gone (maybe in the middle of a message)
+            self._halt(self._explain([(r, p) for r, p in enumerate(self.procs) if p.exitcode is not None]))
+            self._check_alive()
+            return
         while True:
             if item[0] == "updates":
                 self._updates.append(item[1])
@@ -228,7 +245,7 @@ class RankGroup:
                 self._replies[item[1]] = item[2]
             try:
                 item = self.outbox.get_nowait()
-            except queue.Empty:
+            except (queue.Empty, *WRITERS_GONE):  # the next read reports a gone leader
                 return
 
     def updates(self, timeout: float) -> list[RequestUpdate]:

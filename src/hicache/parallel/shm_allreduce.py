@@ -17,6 +17,7 @@ Visibility relies on x86's in-order stores (data before flag); other machines us
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import platform
 import time
@@ -30,6 +31,14 @@ import torch.distributed as dist
 
 FLAG_STRIDE = 8  # int64s per flag: one cache line each, so ranks never write the same line
 SPIN_BEFORE_YIELD = 200
+PARENT_CHECK_SPINS = 100_000  # while waiting for peers, look at the frontend this often (~0.1-1 s)
+
+
+def parent_alive() -> bool:
+    """Whether the process that spawned this one still runs (True in a process not spawned
+    by multiprocessing)."""
+    parent = multiprocessing.parent_process()
+    return parent is None or parent.is_alive()
 
 
 def shm_allreduce_supported() -> bool:
@@ -52,14 +61,17 @@ class ShmAllReduce:
         dist.barrier(group=group)
         if tp_rank != 0:
             # Ranks share the frontend's resource tracker: attaching registers the same name
-            # again (a set), the creator's unlink unregisters it, and the tracker unlinks it
-            # if the creator is killed first.
+            # again (a set) and the creator's unlink below unregisters it.
             self.shm = shared_memory.SharedMemory(name=box[0])
         self.flags = np.ndarray((tp_size * FLAG_STRIDE,), dtype=np.int64, buffer=self.shm.buf)[::FLAG_STRIDE]
         self.data = torch.frombuffer(self.shm.buf, dtype=torch.float32, offset=flag_bytes,
                                      count=2 * tp_size * max_elems).view(2, tp_size, max_elems)
         self.calls = 0
         dist.barrier(group=group)
+        if tp_rank == 0:
+            # Every rank has mapped the segment: drop its name now, so that nothing is left in
+            # /dev/shm however the ranks end (the mappings live until each rank closes or dies).
+            self.shm.unlink()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
         """``x`` summed over the group (a new tensor), or None when ``x`` does not fit."""
@@ -75,10 +87,12 @@ class ShmAllReduce:
             spins += 1
             if spins > SPIN_BEFORE_YIELD:
                 time.sleep(0)  # give the core to a rank that has not arrived yet
+                if spins % PARENT_CHECK_SPINS == 0 and not parent_alive():
+                    # A dead peer is the frontend's to handle (it stops every rank); with the
+                    # frontend gone too, nobody would: stop spinning.
+                    raise RuntimeError("the frontend process is gone")
         return slots[:, :n].sum(0).view_as(x)
 
     def close(self) -> None:
         del self.data, self.flags
         self.shm.close()
-        if self.rank == 0:
-            self.shm.unlink()

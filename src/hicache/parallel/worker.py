@@ -41,6 +41,7 @@ from ..errors import HicacheError
 from ..model import load_model
 from ..model.parallel import model_shard, shard_model
 from . import consensus
+from .channels import WRITERS_GONE, reader_only, writer_only
 from .faults import FaultPlan
 from .groups import ParallelGroups, RankInfo
 from .messages import RequestUpdate, StageMessage, StepInputs, batch_key
@@ -82,6 +83,7 @@ class StageLoop:
         self.agree_steps = 0
         self.agree_s = 0.0
         self.hop_s, self.hops = 0.0, 0
+        self.frontend_gone = False  # the leader found the frontend's end of its inbox closed
 
     # ---- the loop -------------------------------------------------------------------------
     def run(self) -> None:
@@ -201,6 +203,11 @@ class StageLoop:
             item = self.inbox.get(timeout=IDLE_POLL_S) if idle else self.inbox.get_nowait()
         except queue.Empty:
             return inputs
+        except WRITERS_GONE:  # the frontend exited without stopping us (killed, or never shut down)
+            if not self.frontend_gone:
+                logger.warning("the frontend process is gone: stopping")
+            self.frontend_gone = True
+            return StepInputs(command="stop")
         while True:
             kind = item[0]
             if kind == "add":
@@ -212,7 +219,7 @@ class StageLoop:
                 return inputs
             try:
                 item = self.inbox.get_nowait()
-            except queue.Empty:
+            except (queue.Empty, *WRITERS_GONE):  # (a gone frontend is noticed next step)
                 return inputs
 
     def _on_update(self, req: Request) -> None:
@@ -223,7 +230,7 @@ class StageLoop:
         self._updates.append(upd)
 
     def _report(self) -> None:
-        if self._updates:
+        if self._updates and not self.frontend_gone:
             self.outbox.put(("updates", self._updates))
             self._updates = []
 
@@ -250,6 +257,8 @@ def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox:
     """Entry point of a rank process (spawned by :class:`hicache.parallel.frontend.RankGroup`)."""
     # Ctrl-C reaches the whole process group; the frontend decides how the ranks stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    reader_only(inbox)  # a frontend that dies then reads as end-of-file, even mid-message
+    writer_only(status, outbox, consensus_queue)  # and our puts then fail instead of blocking
     cfg = EngineConfig(**cfg_fields)
     info = RankInfo(rank, cfg.tp_size, cfg.pp_size)
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s {info.label} %(name)s: %(message)s")

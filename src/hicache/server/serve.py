@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from typing import Any
@@ -15,6 +16,8 @@ from .app import create_app
 from .metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
+
+GRACEFUL_SHUTDOWN_S = 10  # on stop, open requests get this long before their connections close
 
 
 def build(engine: Engine, served_model_name: str | None = None, max_queued_requests: int = 512):
@@ -31,11 +34,20 @@ def run_server(engine: Engine, host: str, port: int, served_model_name: str | No
     writes finish, rank processes exit)."""
     app, loop = build(engine, served_model_name, max_queued_requests)
     logger.warning("hicache serving %s on http://%s:%d", served_model_name or engine.config.model, host, port)
+    if threading.current_thread() is threading.main_thread():
+        # uvicorn stops gracefully on SIGTERM, then re-raises it: with the default action the
+        # process would die there, before the engine stops (rank processes left running).
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
+        uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False,
+                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     finally:
         loop.stop()
         engine.shutdown()
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 class ServerThread:

@@ -1,0 +1,31 @@
+"""Queues between the frontend and the ranks, and how each side notices the other is gone.
+
+A ``multiprocessing.Queue`` keeps both ends of its pipe in every process that holds it. So a
+reader never sees end-of-file: when a writer dies in the middle of a message (SIGKILL, the OOM
+killer) the reader waits forever for the rest. And a writer never sees a broken pipe: when the
+reader dies, its feeder thread fills the pipe and blocks, and so does the writer's exit. Each
+side therefore gives up the end it does not use: a reader's read then raises one of
+:data:`WRITERS_GONE` once every writer has exited, and a writer's puts fail (and are dropped)
+once the reader has.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+WRITERS_GONE = (EOFError, OSError)  # a whole message was never coming: every writer has exited
+
+
+def reader_only(*queues: Any) -> None:
+    """Close this process's write end of ``queues`` (after the writers have started); ``put``
+    on them is then an error here. ``None`` entries are skipped."""
+    for q in queues:
+        if q is not None:
+            q._writer.close()  # CPython's Queue has no public way to give up one end
+
+
+def writer_only(*queues: Any) -> None:
+    """Close this process's read end of ``queues``; ``get`` on them is then an error here."""
+    for q in queues:
+        if q is not None:
+            q._reader.close()
