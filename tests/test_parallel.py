@@ -90,6 +90,8 @@ def test_every_tier_hits_and_output_equals_single_rank(
         assert engine.group.monitor.compared > 100  # the checker really compared every rank's calls
     finally:
         engine.shutdown()
+    # An orderly stop: every rank drained its transfers and storage writes and exited by itself.
+    assert [p.exitcode for p in engine.group.procs] == [0] * (tp * pp)
 
 
 def random_waves(engine: Engine, seed: int) -> list[list[int]]:

@@ -299,7 +299,8 @@ class ConsensusMonitor:
         if self._thread is None:
             return
         self._stop.set()
-        self._thread.join(timeout)
+        if self._thread is not threading.current_thread():  # (stopped from its own callback)
+            self._thread.join(timeout)
         self._thread = None
 
     def _run(self) -> None:

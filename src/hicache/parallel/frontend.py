@@ -136,7 +136,9 @@ class RankGroup:
                         self.outbox.get(timeout=0.1)
                     except queue.Empty:
                         pass
-                    except WRITERS_GONE:
+                    except WRITERS_GONE:  # the leader has exited; the others may still be draining
+                        for p in self.procs:
+                            p.join(max(0.0, deadline - time.monotonic()))
                         break
         finally:  # even when interrupted (Ctrl-C while waiting): stop by force
             self._release()
@@ -147,19 +149,17 @@ class RankGroup:
         self._stop_all()
         if self.monitor is not None:
             self.monitor.stop(timeout=30)  # ranks are gone: the backlog is finite
-        if self._watchdog is not None:
+        if self._watchdog is not None and self._watchdog is not threading.current_thread():
             self._watchdog.join(timeout=5)
 
     def _stop_all(self) -> None:
+        """Stop by force (ranks ignore SIGINT and SIGTERM: only an orderly stop or this ends them)."""
         self._stopping = True
         for p in self.procs:
             if p.is_alive():
-                p.terminate()
+                p.kill()
         for p in self.procs:
             p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
 
     # ---- failure ----------------------------------------------------------------------------
     def _watch(self) -> None:

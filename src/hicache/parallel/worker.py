@@ -255,8 +255,10 @@ def _alter_matches(cache: Any) -> None:
 def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox: Any, outbox: Any,
               consensus_queue: Any, log_level: int) -> None:
     """Entry point of a rank process (spawned by :class:`hicache.parallel.frontend.RankGroup`)."""
-    # Ctrl-C reaches the whole process group; the frontend decides how the ranks stop.
+    # Ctrl-C, and SIGTERM sent to a whole process group (systemd, `kill -- -pgid`), reach the
+    # ranks too; the frontend decides how they stop (in order, or by SIGKILL).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     reader_only(inbox)  # a frontend that dies then reads as end-of-file, even mid-message
     writer_only(status, outbox, consensus_queue)  # and our puts then fail instead of blocking
     cfg = EngineConfig(**cfg_fields)
