@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .shm_allreduce import ShmAllReduce, shm_allreduce_supported
+from .shm_allreduce import ShmAllReduce, open_shm_allreduce, shm_allreduce_supported
 
 # A stalled peer shows up as a dead process in the frontend long before this.
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
@@ -83,7 +83,8 @@ class ParallelGroups:
         """CPU TP ranks (always on one host here): sum through shared memory instead of gloo
         for tensors of up to ``max_elems`` elements. Collective: every TP rank calls it."""
         if self.info.tp_size > 1 and shm_allreduce_supported():
-            self._shm = ShmAllReduce(self.info.tp_rank, self.info.tp_size, max_elems, self.tp_ctrl, self.stage_leader)
+            self._shm = open_shm_allreduce(self.info.tp_rank, self.info.tp_size, max_elems, self.tp_ctrl,
+                                           self.stage_leader)
         return self._shm is not None
 
     def staging_bytes(self) -> int:

@@ -17,6 +17,7 @@ Visibility relies on x86's in-order stores (data before flag); other machines us
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import platform
@@ -29,8 +30,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+logger = logging.getLogger(__name__)
+
 FLAG_STRIDE = 8  # int64s per flag: one cache line each, so ranks never write the same line
 SPIN_BEFORE_YIELD = 200
+SHM_DIR = "/dev/shm"
 PARENT_CHECK_SPINS = 100_000  # while waiting for peers, look at the frontend this often (~0.1-1 s)
 
 
@@ -45,24 +49,54 @@ def shm_allreduce_supported() -> bool:
     return platform.machine() in ("x86_64", "AMD64") and os.environ.get("HICACHE_TP_ALLREDUCE", "shm") == "shm"
 
 
+def segment_bytes(tp_size: int, max_elems: int) -> int:
+    """Bytes of one TP group's segment: a flag per rank, two buffers of a slot per rank."""
+    return tp_size * FLAG_STRIDE * 8 + 2 * tp_size * max_elems * 4
+
+
+def shm_free_bytes() -> int | None:
+    """Free bytes in /dev/shm (None where there is no such file system to ask)."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def open_shm_allreduce(tp_rank: int, tp_size: int, max_elems: int, group: Any, leader: int) -> "ShmAllReduce | None":
+    """The group's shared-memory all-reduce, or None on every rank of ``group`` when the stage
+    leader (global rank ``leader``) finds too little room for the segment: a tmpfs that runs
+    full under a mapping kills the process with SIGBUS (a container's default /dev/shm is 64 MiB)."""
+    box: list[str | None] = [None]
+    if tp_rank == 0:
+        need, free = segment_bytes(tp_size, max_elems), shm_free_bytes()
+        if free is not None and free < need:
+            logger.warning("the shared-memory TP all-reduce needs %.1f MiB but %s has %.1f MiB free: "
+                           "summing through gloo instead (slower)", need / 2**20, SHM_DIR, free / 2**20)
+            box = [""]
+        else:
+            box = [f"hicache-tp-{uuid.uuid4().hex[:12]}"]
+    dist.broadcast_object_list(box, src=leader, group=group)
+    return ShmAllReduce(tp_rank, tp_size, max_elems, group, box[0]) if box[0] else None
+
+
 class ShmAllReduce:
     """Sum of float32 CPU tensors of up to ``max_elems`` elements over one TP group."""
 
-    def __init__(self, tp_rank: int, tp_size: int, max_elems: int, group: Any, leader: int) -> None:
+    def __init__(self, tp_rank: int, tp_size: int, max_elems: int, group: Any, name: str) -> None:
+        """Collective over ``group``; ``name`` (the same on every rank) names the new segment.
+        Use :func:`open_shm_allreduce`."""
         self.rank, self.size, self.max_elems = tp_rank, tp_size, max_elems
         flag_bytes = tp_size * FLAG_STRIDE * 8
-        nbytes = flag_bytes + 2 * tp_size * max_elems * 4
-        self.nbytes = nbytes  # the whole segment, shared by the group's ranks
-        box = [f"hicache-tp-{uuid.uuid4().hex[:12]}" if tp_rank == 0 else None]
-        dist.broadcast_object_list(box, src=leader, group=group)
+        self.nbytes = segment_bytes(tp_size, max_elems)  # the whole segment, shared by the group's ranks
         if tp_rank == 0:
-            self.shm = shared_memory.SharedMemory(name=box[0], create=True, size=nbytes)
+            self.shm = shared_memory.SharedMemory(name=name, create=True, size=self.nbytes)
             self.shm.buf[:flag_bytes] = bytes(flag_bytes)
         dist.barrier(group=group)
         if tp_rank != 0:
             # Ranks share the frontend's resource tracker: attaching registers the same name
             # again (a set) and the creator's unlink below unregisters it.
-            self.shm = shared_memory.SharedMemory(name=box[0])
+            self.shm = shared_memory.SharedMemory(name=name)
         self.flags = np.ndarray((tp_size * FLAG_STRIDE,), dtype=np.int64, buffer=self.shm.buf)[::FLAG_STRIDE]
         self.data = torch.frombuffer(self.shm.buf, dtype=torch.float32, offset=flag_bytes,
                                      count=2 * tp_size * max_elems).view(2, tp_size, max_elems)
