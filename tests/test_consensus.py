@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -202,7 +203,8 @@ def test_reports_kind_index_and_ranks(field, kind):
     assert (div.reference_rank, div.divergent_rank) == ("PP0/TP0", "PP0/TP1")
     assert div.expected == streams["PP0/TP0"][12] and div.got == streams["PP0/TP1"][12]
     assert cmp.diverged is div
-    assert cmp.compared == 12 - 3  # PP1/TP0 lags 3 calls, so it had confirmed only 0..8
+    # Reported once the lagging PP1/TP0 reached #12 too (the vote), having confirmed 0..11.
+    assert cmp.compared == 12
 
 
 def test_message_names_everything():
@@ -235,9 +237,52 @@ def test_first_divergence_only():
         "PP1/TP0": _stream(30, change=2, field="function"),
     }
     found = _feed(cmp, streams, {"PP0/TP0": 0, "PP0/TP1": 0, "PP1/TP0": 5})
-    # PP0/TP1 at #4 is seen first in arrival order, though PP1/TP0 diverges at an earlier index.
-    assert [(d.index, d.divergent_rank) for d in found] == [(4, "PP0/TP1")]
+    # PP0/TP1's mismatch at #4 is seen first, but while it waits for the lagging PP1/TP0 to
+    # vote, PP1/TP0 mismatches at #2: the earliest divergence is the one reported.
+    assert [(d.index, d.kind, d.divergent_rank) for d in found] == [(2, "call order", "PP1/TP0")]
     assert cmp.add("PP1/TP0", _stream(30)[29]) is None
+
+
+def test_majority_names_the_odd_rank_even_when_it_arrives_first():
+    cmp = ConsensusComparator(["TP0", "TP1", "TP2"])
+    odd, good = Entry(0, "f", ("r", 5), 16), Entry(0, "f", ("r", 5), 12)
+    assert cmp.add("TP0", odd) is None
+    assert cmp.add("TP1", good) is None  # a mismatch: waits for TP2 to vote
+    assert cmp.undecided
+    div = cmp.add("TP2", good)
+    assert (div.reference_rank, div.divergent_rank, div.kind) == ("TP1", "TP0", "result")
+    assert (div.expected, div.got) == (good, odd)
+    assert not cmp.undecided and cmp.decide() is None
+
+
+def test_without_a_majority_or_a_vote_the_mismatch_is_reported_as_seen():
+    a, b, c = Entry(0, "f", 1, 1), Entry(0, "f", 1, 2), Entry(0, "f", 1, 3)
+    cmp = ConsensusComparator(["TP0", "TP1", "TP2"])
+    cmp.add("TP0", a)
+    cmp.add("TP1", b)
+    div = cmp.add("TP2", c)  # three different results: no majority
+    assert (div.reference_rank, div.divergent_rank) == ("TP0", "TP1")
+    hung = ConsensusComparator(["TP0", "TP1", "TP2"])
+    hung.add("TP0", a)
+    hung.add("TP1", b)  # TP2 never reports call #0 (it hung)
+    div = hung.decide()
+    assert (div.index, div.reference_rank, div.divergent_rank) == (0, "TP0", "TP1")
+    assert hung.diverged is div and hung.add("TP2", a) is None
+
+
+def test_monitor_reports_an_open_vote_after_the_grace_period():
+    found: list[Divergence] = []
+    monitor = ConsensusMonitor(["TP0", "TP1", "TP2"], found.append, vote_grace_s=0.2)
+    monitor.start()
+    try:
+        monitor.sink("TP0", Entry(0, "f", 1, 1))
+        monitor.sink("TP1", Entry(0, "f", 1, 2))  # TP2 hangs: never reports
+        deadline = time.monotonic() + 10
+        while not found and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        monitor.stop(timeout=10)
+    assert [(d.index, d.divergent_rank) for d in found] == [(0, "TP1")]
 
 
 def test_reference_is_first_arrival():
@@ -347,3 +392,23 @@ def test_a_rank_killed_mid_put_does_not_block_stop_or_exit(tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "monitor threads alive: []" in done.stdout
+
+
+def test_monitor_settles_an_open_vote_at_once_when_asked():
+    """The runtime asks when a rank died: it cannot vote, so the mismatch is reported now."""
+    found: list[Divergence] = []
+    monitor = ConsensusMonitor(["TP0", "TP1", "TP2"], found.append, vote_grace_s=600)
+    monitor.start()
+    try:
+        monitor.sink("TP0", Entry(0, "f", 1, 1))
+        monitor.sink("TP1", Entry(0, "f", 1, 2))
+        time.sleep(0.3)
+        assert found == []  # waiting for TP2's vote
+        monitor.settle()
+        deadline = time.monotonic() + 10
+        while not found and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        monitor.stop(timeout=10)
+    assert [(d.index, d.divergent_rank) for d in found] == [(0, "TP1")]
+

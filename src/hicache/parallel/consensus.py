@@ -40,6 +40,7 @@ import multiprocessing
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Sequence, TypeVar
 
@@ -55,6 +56,7 @@ DivergenceKind = Literal["call order", "parameters", "result"]
 
 _REPR_LIMIT = 200
 _STOP_POLL_S = 0.1  # how often an idle monitor looks at its stop event
+VOTE_GRACE_S = 2.0  # how long a mismatch waits for the remaining ranks before it is reported as seen
 
 
 def enabled() -> bool:
@@ -182,7 +184,12 @@ class ConsensusComparator:
 
     The first entry to arrive for an index is the reference; later arrivals are compared with
     it. Each rank's entries must arrive in index order, but ranks may lag each other freely.
-    Only the first divergence is reported.
+    Only the first divergence is reported. With two ranks it is reported at once. With three or
+    more, a mismatch makes that index *suspect* and the report waits for every rank's entry
+    there, so that a majority names the odd rank out (the first arrival may be the odd one);
+    a lagging rank that mismatches at an earlier index moves the suspicion there. A rank that
+    never reports (it hung) leaves the vote open: :meth:`decide` then reports the mismatch as
+    first seen.
     """
 
     def __init__(self, labels: Sequence[str]) -> None:
@@ -194,6 +201,13 @@ class ConsensusComparator:
         self._pending: dict[int, tuple[str, Entry, set[str]]] = {}
         self.compared = 0
         self.diverged: Divergence | None = None
+        # The earliest suspect index: the mismatch as first seen, and every rank's entry there.
+        self._suspect: tuple[Divergence, dict[str, Entry]] | None = None
+
+    @property
+    def undecided(self) -> bool:
+        """A mismatch waits for the remaining ranks' entries to name the odd one out."""
+        return self._suspect is not None and self.diverged is None
 
     def add(self, label: str, entry: Entry) -> Divergence | None:
         """Feed one entry; returns the divergence it reveals, if it is the first one."""
@@ -201,6 +215,15 @@ class ConsensusComparator:
             raise ValueError(f"unknown rank label {label!r} (expected one of {self.labels})")
         if self.diverged is not None:
             return None  # one report is enough; storing more would only grow memory
+        if self._suspect is not None:
+            first, arrivals = self._suspect
+            if entry.index > first.index:
+                return None  # this rank already reported the suspect index: nothing to add
+            if entry.index == first.index:
+                if label in arrivals:
+                    raise ValueError(f"rank {label!r} reported call #{entry.index} twice")
+                arrivals[label] = entry
+                return self._vote() if len(arrivals) == len(self._known) else None
         pending = self._pending.get(entry.index)
         if pending is None:
             self._pending[entry.index] = (label, entry, {label})
@@ -210,13 +233,56 @@ class ConsensusComparator:
         if label in seen:
             raise ValueError(f"rank {label!r} reported call #{entry.index} twice")
         kind = self._difference(ref, entry)
-        if kind is not None:
-            self.diverged = Divergence(entry.index, ref.function, kind, ref_label, label, ref, entry)
-            self._pending.clear()
-            return self.diverged
-        seen.add(label)
-        self._maybe_done(entry.index)
-        return None
+        if kind is None:
+            seen.add(label)
+            self._maybe_done(entry.index)
+            return None
+        first = Divergence(entry.index, ref.function, kind, ref_label, label, ref, entry)
+        if len(self._known) < 3:
+            return self._report(first)
+        # Suspect this index (earlier than any current suspect: entries arrive in index order
+        # per rank, and later indices are ignored once one is suspect).
+        arrivals = {seen_label: ref for seen_label in seen}
+        arrivals[label] = entry
+        self._suspect = (first, arrivals)
+        return self._vote() if len(arrivals) == len(self._known) else None
+
+    def decide(self) -> Divergence | None:
+        """Report an open suspicion as first seen (a rank never reported the index)."""
+        if not self.undecided:
+            return None
+        assert self._suspect is not None
+        return self._report(self._suspect[0])
+
+    def _vote(self) -> Divergence:
+        """Every rank reported the suspect index: the largest group of equal entries is the
+        reference when it is a strict majority; the first rank outside it is the divergent one."""
+        assert self._suspect is not None
+        first, arrivals = self._suspect
+        order = list(arrivals)  # arrival order
+        groups: list[list[str]] = []
+        for label in order:
+            for group in groups:
+                if self._difference(arrivals[group[0]], arrivals[label]) is None:
+                    group.append(label)
+                    break
+            else:
+                groups.append([label])
+        majority = max(groups, key=len)
+        if 2 * len(majority) <= len(order):
+            return self._report(first)  # no majority: report the mismatch as first seen
+        ref_label = majority[0]
+        odd = next(label for label in order if label not in majority)
+        ref, got = arrivals[ref_label], arrivals[odd]
+        kind = self._difference(ref, got)
+        assert kind is not None
+        return self._report(Divergence(first.index, ref.function, kind, ref_label, odd, ref, got))
+
+    def _report(self, div: Divergence) -> Divergence:
+        self.diverged = div
+        self._pending.clear()
+        self._suspect = None
+        return div
 
     def _maybe_done(self, index: int) -> None:
         if len(self._pending[index][2]) == len(self._known):
@@ -268,17 +334,21 @@ class ConsensusMonitor:
         on_divergence: Callable[[Divergence], None],
         mp_context: Any = None,
         on_entry: Callable[[str, Entry], None] | None = None,
+        vote_grace_s: float = VOTE_GRACE_S,
     ) -> None:
         """``on_entry(label, entry)`` (optional) sees every entry as it is compared, e.g. to
-        keep a trace; it runs on the monitor thread."""
+        keep a trace; it runs on the monitor thread. With three or more ranks a mismatch waits
+        up to ``vote_grace_s`` for every rank's entry, to name the odd one out by majority."""
         ctx = mp_context if mp_context is not None else multiprocessing.get_context("spawn")
         self.queue = ctx.Queue()
         self.sink: Sink = make_queue_sink(self.queue)
         self._comparator = ConsensusComparator(labels)
         self._on_divergence = on_divergence
         self._on_entry = on_entry
+        self.vote_grace_s = vote_grace_s
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._settle = threading.Event()
 
     @property
     def divergence(self) -> Divergence | None:
@@ -294,6 +364,11 @@ class ConsensusMonitor:
         self._thread = threading.Thread(target=self._run, name="rank-consensus-monitor", daemon=True)
         self._thread.start()
 
+    def settle(self) -> None:
+        """Stop waiting for votes: a rank died, so an open one would never complete. A mismatch
+        seen so far is then reported (within one poll, ~0.1 s) as first seen."""
+        self._settle.set()
+
     def stop(self, timeout: float | None = None) -> None:
         """Process everything queued so far, then end the thread."""
         if self._thread is None:
@@ -304,27 +379,40 @@ class ConsensusMonitor:
         self._thread = None
 
     def _run(self) -> None:
+        suspect_since: float | None = None  # when the comparator began waiting to vote
         while True:
+            done = False
             try:
                 item = self.queue.get(timeout=_STOP_POLL_S)
             except queue.Empty:
-                if self._stop.is_set():
-                    return
-                continue
+                item, done = None, self._stop.is_set()
             except WRITERS_GONE:  # every rank has exited (the owner gave up its write end)
+                item, done = None, True
+            if item is not None:
+                self._compare(*item)
+            if self._comparator.undecided:
+                # An open vote waits vote_grace_s for the remaining ranks: one may have hung.
+                now = time.monotonic()
+                suspect_since = suspect_since or now
+                if done or self._settle.is_set() or now - suspect_since > self.vote_grace_s:
+                    self._report(self._comparator.decide())
+            if done:
                 return
-            label, entry = item
-            if self._on_entry is not None:
-                self._on_entry(label, entry)
-            try:
-                div = self._comparator.add(label, entry)
-            except ValueError as exc:
-                # A malformed stream is a bug in the runtime, not a rank divergence; keep going.
-                logger.error("rank consensus checker: %s", exc)
-                continue
-            if div is not None:
-                logger.error(str(div))
-                try:
-                    self._on_divergence(div)
-                except Exception:
-                    logger.exception("rank consensus checker: on_divergence callback failed")
+
+    def _compare(self, label: str, entry: Entry) -> None:
+        if self._on_entry is not None:
+            self._on_entry(label, entry)
+        try:
+            self._report(self._comparator.add(label, entry))
+        except ValueError as exc:
+            # A malformed stream is a bug in the runtime, not a rank divergence; keep going.
+            logger.error("rank consensus checker: %s", exc)
+
+    def _report(self, div: Divergence | None) -> None:
+        if div is None:
+            return
+        logger.error(str(div))
+        try:
+            self._on_divergence(div)
+        except Exception:
+            logger.exception("rank consensus checker: on_divergence callback failed")

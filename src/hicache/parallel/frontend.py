@@ -196,6 +196,8 @@ class RankGroup:
         """The root cause: a divergence if the checker saw one, else a rank that died without
         reporting (killed), else the first error a rank reported that is not a broken
         connection to a peer (peers of a failed rank fail that way too)."""
+        if self.monitor is not None:
+            self.monitor.settle()  # a dead rank cannot vote: report what the checker saw
         time.sleep(0.5)  # let the monitor and the other ranks' reports catch up
         if self.failure is not None:
             return self.failure
