@@ -73,7 +73,7 @@ class Engine:
             self._core = core
         # Stops the ranks or the cache's threads (pending writes finish) on shutdown(), when the
         # engine is garbage-collected without it, or at interpreter exit, whichever comes first.
-        self._stop_parts = weakref.finalize(self, _stop_parts, self.group, self.cache)
+        self._finalizer = weakref.finalize(self, _stop_parts, self.group, self.cache)
         self._rids = itertools.count()
         # Set by EngineLoop (engine/loop.py) while its thread drives the scheduler; then only that
         # thread may call generate / flush_cache (DESIGN invariant 3).
@@ -179,7 +179,7 @@ class Engine:
             return
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):
             self.scheduler.abort(req.rid)
-        self._stop_parts()
+        self._finalizer()
         self.runner = self.scheduler = self.pool = self.cache = self.loaded = self._core = None  # type: ignore[assignment]
 
     def __enter__(self) -> "Engine":

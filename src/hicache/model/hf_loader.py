@@ -71,20 +71,20 @@ def _check_folder(folder: Path) -> list[Path]:
 
 
 def load_hf_dir(folder: Path, dtype: torch.dtype, device: torch.device | str,
-                load_weights: bool = True) -> tuple[LlamaForCausalLM | None, Tokenizer, ModelSpec]:
-    """``load_weights=False``: only the shape and the tokenizer (the model is None)."""
-    weights = _check_folder(folder)
+                weights: bool = True) -> tuple[LlamaForCausalLM | None, Tokenizer, ModelSpec]:
+    """``weights=False``: only the shape and the tokenizer (the model is None)."""
+    weight_files = _check_folder(folder)
     with open(folder / "config.json", encoding="utf-8") as f:
         config = json.load(f)
     spec = spec_from_hf_config(config)
     tokenizer = load_hf_tokenizer(folder, config)
-    if not load_weights:
+    if not weights:
         return None, tokenizer, spec
     model = LlamaForCausalLM(spec, dtype, device)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     with torch.no_grad():
-        for file in weights:
+        for file in weight_files:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
                     if name not in params:

@@ -52,8 +52,8 @@ def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.dev
     """Load ``name``: ``"smollm2"`` (embedded GGUF), a local HF directory, or ``"random:<preset|JSON>"``.
 
     ``seed`` only matters for random models. ``weights=False`` reads only the shape, the
-    tokenizer and the identity (``model`` is None): what a process that only tokenizes needs. Raises :class:`ModelNotFoundError` (a ConfigError)
-    for names that resolve to nothing.
+    tokenizer and the identity (``model`` is None): what a process that only tokenizes needs.
+    Raises :class:`ModelNotFoundError` (a ConfigError) for names that resolve to nothing.
     """
     if dtype not in SUPPORTED_DTYPES:
         raise ModelSpecError(f"model dtype {dtype} is not supported; use torch.float32 or torch.bfloat16.")

@@ -104,7 +104,7 @@ class RankGroup:
             except (queue.Empty, *WRITERS_GONE) as e:
                 if not isinstance(e, queue.Empty):
                     time.sleep(POLL_S)  # every rank has exited: let their exit codes show
-                dead = [(r, p) for r, p in enumerate(self.procs) if p.exitcode is not None]
+                dead = self._exited()
                 if dead:
                     self._halt(self._explain(dead))
                 elif time.monotonic() > deadline:
@@ -166,11 +166,15 @@ class RankGroup:
         """Watchdog: a rank that dies or reports an error stops every rank at once, even while
         the frontend is idle; the next call then raises."""
         while not self._stopping and self.failure is None:
-            dead = [(r, p) for r, p in enumerate(self.procs) if p.exitcode is not None]
+            dead = self._exited()
             if dead or not self.status.empty():
                 self._halt(self._explain(dead))
                 return
             time.sleep(0.2)
+
+    def _exited(self) -> list[tuple[int, Any]]:
+        """``(rank, process)`` of the ranks that have exited."""
+        return [(r, p) for r, p in enumerate(self.procs) if p.exitcode is not None]
 
     def _halt(self, why: str) -> None:
         with self._halt_lock:
@@ -210,7 +214,7 @@ class RankGroup:
             if item[0] == "error":
                 reported.setdefault(item[1], item[2])
                 logger.error("rank %s traceback:\n%s", self.labels[item[1]], item[3])
-        silent = [(r, p) for r, p in enumerate(self.procs) if p.exitcode is not None and r not in reported]
+        silent = [(r, p) for r, p in self._exited() if r not in reported]
         if silent:
             r, p = silent[0]
             how = f"was killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exited with code {p.exitcode}"
@@ -237,7 +241,7 @@ class RankGroup:
             self._check_alive()
             return
         except WRITERS_GONE:  # the leader is gone (maybe in the middle of a message)
-            self._halt(self._explain([(r, p) for r, p in enumerate(self.procs) if p.exitcode is not None]))
+            self._halt(self._explain(self._exited()))
             self._check_alive()
             return
         while True:

@@ -49,9 +49,13 @@ def shm_allreduce_supported() -> bool:
     return platform.machine() in ("x86_64", "AMD64") and os.environ.get("HICACHE_TP_ALLREDUCE", "shm") == "shm"
 
 
+def _flag_bytes(tp_size: int) -> int:
+    return tp_size * FLAG_STRIDE * 8
+
+
 def segment_bytes(tp_size: int, max_elems: int) -> int:
     """Bytes of one TP group's segment: a flag per rank, two buffers of a slot per rank."""
-    return tp_size * FLAG_STRIDE * 8 + 2 * tp_size * max_elems * 4
+    return _flag_bytes(tp_size) + 2 * tp_size * max_elems * 4
 
 
 def shm_free_bytes() -> int | None:
@@ -87,7 +91,7 @@ class ShmAllReduce:
         """Collective over ``group``; ``name`` (the same on every rank) names the new segment.
         Use :func:`open_shm_allreduce`."""
         self.rank, self.size, self.max_elems = tp_rank, tp_size, max_elems
-        flag_bytes = tp_size * FLAG_STRIDE * 8
+        flag_bytes = _flag_bytes(tp_size)
         self.nbytes = segment_bytes(tp_size, max_elems)  # the whole segment, shared by the group's ranks
         if tp_rank == 0:
             self.shm = shared_memory.SharedMemory(name=name, create=True, size=self.nbytes)
