@@ -13,23 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hicache import Engine, SamplingParams
+from hicache import Engine
 from hicache.cache.storage import controller as storage_controller
 from hicache.cache.storage.faulty import FaultyBackend
 from hicache.cache.storage.keys import page_hashes
+from storage_engines import GREEDY, PROMPT, storage_engine, write_history
 
-GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
 SRC = str(Path(__file__).resolve().parents[1] / "src")
-PROMPT = [(i * 37 + 11) % 240 + 5 for i in range(400)]
-
-
-def storage_engine(path: Path, **kw) -> Engine:
-    opts = dict(dtype="float32", page_size=16, max_total_tokens=2048, enable_hierarchical_cache=True,
-                hicache_storage_backend="file",
-                hicache_storage_backend_extra_config=json.dumps({"path": str(path)}),
-                hicache_storage_prefetch_threshold=64, hicache_storage_prefetch_policy="wait_complete")
-    opts.update(kw)
-    return Engine(opts.pop("model", "random:tiny"), **opts)
 
 
 @pytest.fixture(scope="module")
@@ -38,18 +28,11 @@ def reference() -> list[int]:
     return plain.generate([PROMPT], GREEDY)[0].output_ids
 
 
-def write_history(path: Path) -> None:
-    """One engine computes PROMPT and, on shutdown, has flushed its pages down to storage."""
-    engine = storage_engine(path)
-    engine.generate([PROMPT], GREEDY)
-    engine.shutdown()
-
-
 def test_new_process_serves_stored_history(tmp_path: Path, reference: list[int]) -> None:
     write_history(tmp_path)
     code = f"""
 import json
-from hicache import Engine, SamplingParams
+from hicache import Engine
 e = Engine("random:tiny", dtype="float32", page_size=16, max_total_tokens=2048, enable_hierarchical_cache=True,
            hicache_storage_backend="file", hicache_storage_backend_extra_config=json.dumps({{"path": {str(tmp_path)!r}}}),
            hicache_storage_prefetch_threshold=64, hicache_storage_prefetch_policy="wait_complete")
@@ -186,3 +169,124 @@ def test_valkey_backend_end_to_end(valkey_server, reference: list[int]) -> None:
     res = reader.generate([PROMPT], GREEDY)[0]
     assert res.output_ids == reference and res.cached_tokens_details["storage"] == 384
     reader.shutdown()
+
+
+# ---- the default (adaptive) prefetch policy --------------------------------------------------
+# Recomputing a page of this model costs far more than reading it (~100x on a CPU), as with
+# real models: measured honestly, the adaptive policy decides to wait for storage.
+HEAVY = 'random:{"hidden_size": 512, "intermediate_size": 2048, "num_heads": 8, "num_kv_heads": 1}'
+
+
+def default_policy_engine(path: Path, **kw) -> Engine:
+    """storage_engine() without a prefetch policy argument: the engine's default applies."""
+    opts = dict(dtype="float32", page_size=16, max_total_tokens=2048, enable_hierarchical_cache=True,
+                hicache_storage_backend="file", hicache_storage_backend_extra_config=json.dumps({"path": str(path)}),
+                hicache_storage_prefetch_threshold=64)
+    opts.update(kw)
+    return Engine(opts.pop("model", "random:tiny"), **opts)
+
+
+def conversation(engine: Engine, turns: int = 3) -> list:
+    """A sequential client: turn k+1 sends turn k's prompt, its answer and a new message."""
+    prompt: list[int] = []
+    results = []
+    for k in range(turns):
+        prompt = prompt + [(i * 13 + k * 29) % 240 + 5 for i in range(120)]
+        results.append(engine.generate([prompt], GREEDY)[0])
+        prompt = prompt + results[-1].output_ids
+    return results
+
+
+def test_default_policy_serves_a_sequential_client_from_storage(tmp_path: Path) -> None:
+    plain = Engine(HEAVY, dtype="float32", max_total_tokens=2048, disable_radix_cache=True)
+    want = plain.generate([PROMPT], GREEDY)[0].output_ids
+    want_turns = [r.output_ids for r in conversation(plain)]
+    plain.shutdown()
+    writer = default_policy_engine(tmp_path, model=HEAVY)
+    writer.generate([PROMPT], GREEDY)
+    assert [r.output_ids for r in conversation(writer)] == want_turns
+    writer.shutdown()  # every page reaches the file store
+
+    engine = default_policy_engine(tmp_path, model=HEAVY)
+    assert engine.config.hicache_storage_prefetch_policy == "adaptive"
+    res = engine.generate([PROMPT], GREEDY)[0]
+    assert res.output_ids == want and res.cached_tokens_details["storage"] == 384
+    assert engine.flush_cache()
+    turns = conversation(engine)  # decided on this engine's own measurements now
+    assert [r.output_ids for r in turns] == want_turns
+    assert all(r.cached_tokens_details["storage"] > 0 for r in turns), [r.cached_tokens_details for r in turns]
+    assert turns[1].cached_tokens_details["device"] > 0  # the previous turn, still on the device
+    st = engine.stats()["storage"]
+    assert st["prefill_tokens_per_s"] > 0 and st["read_s_per_page"] > 0
+    assert st["prefetch_waited"] == 4 and st["prefetch_skipped"] == 0
+    engine.shutdown()
+
+
+def test_adaptive_rule_deadlines() -> None:
+    from hicache.engine.prefetch_policy import PROBE_EVERY, PrefetchPolicy
+
+    policy = PrefetchPolicy("adaptive", timeout=lambda tokens: 1.0 + tokens / 1000)
+    assert policy.deadline(1, 24, 384, None, now=10.0) == pytest.approx(11.384)  # nothing measured: timeout
+    policy.prefill.observe(1000, 1.0)  # 1000 tokens/s: 384 tokens take 0.384 s to recompute
+    assert policy.deadline(2, 24, 384, None, now=10.0) == pytest.approx(11.384)  # no read measured yet
+    assert policy.deadline(3, 24, 384, 0.001, now=10.0) == pytest.approx(10.384)  # load 0.024 s: wait
+    assert policy.deadline(4, 24, 384, 0.1, now=10.0) == 10.0  # load 2.4 s: do not wait
+    decisions = [policy.deadline(5, 24, 384, 0.1, now=10.0) for _ in range(PROBE_EVERY)]
+    assert decisions[: PROBE_EVERY - 2] == [10.0] * (PROBE_EVERY - 2)
+    assert decisions[PROBE_EVERY - 2] == pytest.approx(10.384)  # the probe that refreshes the estimate
+    assert decisions[-1] == 10.0
+    assert (policy.waited, policy.skipped) == (4, PROBE_EVERY)
+    policy.prefill.observe(1000, 3.0)  # slower passes pull the throughput estimate down
+    assert policy.prefill.tokens_per_s < 1000
+
+
+def add_and_run(engine: Engine, prompt: list[int]):
+    """Queue ``prompt`` through the scheduler by hand and step until it finishes; returns the
+    request and its arrival time (perf_counter)."""
+    req = engine._make_request(prompt, GREEDY, None)
+    arrival = time.perf_counter()
+    engine.scheduler.add(req)
+    while engine.scheduler.has_work():
+        engine.scheduler.step()
+    return req, arrival
+
+
+@pytest.mark.parametrize("load", ["costlier", "cheaper"])
+def test_adaptive_policy_waits_only_when_loading_is_cheaper(tmp_path: Path, reference: list[int], load: str) -> None:
+    write_history(tmp_path)
+    engine = default_policy_engine(tmp_path)
+    # Injected measurements: recomputing the 384-token tail takes 20 s (19.2 tokens/s); reading
+    # takes 10 s per page ("costlier": 240 s in all) or 0.1 ms ("cheaper": 2.4 ms in all).
+    engine.scheduler.prefetch_rule.prefill.observe(192, 10.0)
+    engine.cache.storage.read_page_s = 10.0 if load == "costlier" else 1e-4
+    engine.cache.storage.read_delay_fn = lambda op: 0.25  # before each batch
+    old_batch, storage_controller.BATCH_PAGES = storage_controller.BATCH_PAGES, 8  # 24 pages: 3 slow batches
+    try:
+        req, arrival = add_and_run(engine, PROMPT)
+    finally:
+        storage_controller.BATCH_PAGES = old_batch
+    assert req.output_ids == reference
+    st = engine.stats()["storage"]
+    if load == "costlier":  # scheduled at once: the deadline is its arrival
+        assert req.prefetch_deadline <= arrival + 0.1
+        assert req.cached["storage"] == 0 and (st["prefetch_waited"], st["prefetch_skipped"]) == (0, 1)
+    else:  # waits up to one recompute time, and the final ack comes well before
+        assert req.prefetch_deadline == pytest.approx(arrival + 20.0, abs=0.5)
+        assert req.cached["storage"] == 384 and (st["prefetch_waited"], st["prefetch_skipped"]) == (1, 0)
+    engine.shutdown()
+
+
+def test_adaptive_policy_gives_up_on_a_hung_backend(tmp_path: Path, reference: list[int]) -> None:
+    write_history(tmp_path)
+    engine = default_policy_engine(tmp_path)
+    engine.scheduler.prefetch_rule.prefill.observe(384, 0.3)  # the tail recomputes in 0.3 s
+    engine.cache.storage.read_page_s = 1e-4  # and loads in 2.4 ms, were the store not hung
+    hung = FaultyBackend(engine.cache.storage.backend, hang_s=60.0)
+    engine.cache.storage.backend = hung
+    try:
+        res = engine.generate([PROMPT], GREEDY)[0]
+        assert res.output_ids == reference and res.cached_tokens_details["storage"] == 0
+        assert engine.stats()["storage"]["prefetch_waited"] == 1
+    finally:
+        hung.release()
+        engine.shutdown()

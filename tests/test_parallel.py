@@ -398,7 +398,7 @@ def test_smollm2_sharded_matches_single_rank(tp: int, pp: int) -> None:
 def test_server_with_ranks_serves_every_tier(tmp_path: Path, checker: None) -> None:
     """The HTTP server in front of TP2 x PP2 ranks: a multi-turn session whose turns hit the
     device tier, then (after the device pool is overrun) the host tier, then (after a flush)
-    storage, with the consensus checker watching."""
+    storage under the default prefetch policy, with the consensus checker watching."""
     import httpx
 
     from hicache.server.serve import ServerThread
@@ -406,7 +406,7 @@ def test_server_with_ranks_serves_every_tier(tmp_path: Path, checker: None) -> N
     engine = Engine(
         MODEL, tp_size=2, pp_size=2, max_total_tokens=96, enable_hierarchical_cache=True, hicache_ratio=8,
         hicache_storage_backend="file", hicache_storage_backend_extra_config=json.dumps({"path": str(tmp_path)}),
-        hicache_storage_prefetch_threshold=16, hicache_storage_prefetch_policy="wait_complete", **BASE,
+        hicache_storage_prefetch_threshold=16, **BASE,  # the default prefetch policy (adaptive)
     )
     srv = ServerThread(engine, served_model_name="tiny")
     url = srv.start()

@@ -3,9 +3,9 @@
 from typing import Any
 
 from .config import EngineConfig
-from .errors import HicacheError, InvalidRequestError
+from .errors import EngineDeadError, HicacheError, InvalidRequestError
 
-__all__ = ["Engine", "EngineConfig", "GenerateResult", "HicacheError", "InvalidRequestError", "SamplingParams"]
+__all__ = ["Engine", "EngineConfig", "GenerateResult", "EngineDeadError", "HicacheError", "InvalidRequestError", "SamplingParams"]
 __version__ = "0.1.0"
 
 _LAZY = {"Engine", "GenerateResult", "SamplingParams"}

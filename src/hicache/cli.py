@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 from typing import Sequence
 
@@ -107,9 +108,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from .server.serve import run_server
 
-    run_server(_engine(args), host=args.host, port=args.port, served_model_name=args.served_model_name,
-               max_queued_requests=args.max_queued_requests, log_level=args.log_level)
-    return 0
+    return run_server(_engine(args), host=args.host, port=args.port, served_model_name=args.served_model_name,
+                      max_queued_requests=args.max_queued_requests, log_level=args.log_level,
+                      api_key=args.api_key or os.environ.get("HICACHE_API_KEY") or None,
+                      max_request_bytes=args.max_request_bytes)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -151,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="Model name clients use (default: --model).")
     p.add_argument("--max-queued-requests", type=int, default=512,
                    help="Requests allowed to wait beyond --max-running-requests; more are refused with 503.")
+    p.add_argument("--api-key", default=None,
+                   help="Require 'Authorization: Bearer <key>' on every endpoint but /health and /metrics "
+                        "(default: $HICACHE_API_KEY, else no key).")
+    p.add_argument("--max-request-bytes", type=int, default=8 * 2**20,
+                   help="Largest request body accepted (default 8 MiB); larger ones get 413 before they are "
+                        "read in full.")
     EngineConfig.add_cli_args(p)
     p.set_defaults(func=cmd_serve)
 

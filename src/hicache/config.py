@@ -65,11 +65,20 @@ class EngineConfig:
         None, 'Backend options as JSON, e.g. \'{"path": "/data/kv", "max_bytes": 10000000000}\'.'
     )
     hicache_storage_prefetch_policy: str = _opt(
-        "best_effort", "How long a request waits for its storage prefetch.", ("best_effort", "wait_complete", "timeout")
+        "adaptive",
+        "How long a request waits for its storage prefetch: best_effort, not at all; wait_complete, until the "
+        "read ends (at most 20x the timeout formula); timeout, at most the timeout formula below; adaptive, "
+        "while loading is measured to be cheaper than recomputing, at most one recompute time (the timeout "
+        "formula until both are measured).",
+        ("best_effort", "wait_complete", "timeout", "adaptive"),
     )
     hicache_storage_prefetch_threshold: int = _opt(256, "Least uncached prompt tokens for which storage is asked.")
-    hicache_storage_prefetch_timeout_base: float = _opt(1.0, "timeout policy: seconds a prefetch may take ...")
+    hicache_storage_prefetch_timeout_base: float = _opt(1.0, "timeout formula: seconds a prefetch may take ...")
     hicache_storage_prefetch_timeout_per_1k_tokens: float = _opt(0.25, "... plus this many seconds per 1K tokens.")
+    hicache_storage_op_timeout: float = _opt(
+        10.0, "Deadline in seconds of each storage backend call (exists/get/set of one batch); a call past it is "
+        "abandoned and fails (recompute), and a backend that keeps failing is skipped and re-probed."
+    )
     # Parallelism
     tp_size: int = _opt(1, "Tensor-parallel ranks per pipeline stage (attention heads and MLP sharded).")
     pp_size: int = _opt(1, "Pipeline stages (layers split across them); tp_size x pp_size rank processes.")
@@ -112,6 +121,8 @@ class EngineConfig:
                 raise ConfigError(f"--hicache-storage-backend-extra-config is not valid JSON ({e.msg}).") from None
             if not isinstance(extra, dict):
                 raise ConfigError("--hicache-storage-backend-extra-config must be a JSON object.")
+        if not self.hicache_storage_op_timeout > 0:
+            raise ConfigError(f"--hicache-storage-op-timeout must be > 0 seconds, got {self.hicache_storage_op_timeout}.")
         if self.hicache_write_through_threshold < 1:
             raise ConfigError("--hicache-write-through-threshold must be at least 1.")
         for f in dataclasses.fields(self):

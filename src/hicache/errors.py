@@ -3,7 +3,7 @@ instead of a traceback, and the engine keeps serving other requests."""
 
 
 class HicacheError(ValueError):
-    """Base of user-facing errors."""
+    """Base of the errors hicache raises with a one-sentence message for the user."""
 
 
 class InvalidRequestError(HicacheError):
@@ -12,3 +12,8 @@ class InvalidRequestError(HicacheError):
 
 class ContextLengthError(InvalidRequestError):
     """The prompt leaves no room for output within the context length."""
+
+
+class EngineDeadError(HicacheError):
+    """The engine can no longer serve (its loop crashed, a rank died): not the caller's fault.
+    A server answers 503 and exits so that its supervisor restarts it."""

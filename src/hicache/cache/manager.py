@@ -93,10 +93,12 @@ class KVCacheManager:
         prefetch_max_host_fraction: float = 0.5,
         storage_agree: tuple[Agree, Agree] | None = None,
         shard: str = "",
+        storage_op_timeout: float = 10.0,
     ) -> None:
         """``storage_agree``: MIN-reduce functions for the prefetch and backup threads when
         several ranks share the deployment; ``shard``: names this rank's slice of the KV
-        (layers, heads) so ranks never share storage objects."""
+        (layers, heads) so ranks never share storage objects; ``storage_op_timeout``: deadline
+        in seconds of each storage backend call (a breaker skips a backend that keeps failing)."""
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"unknown write policy {write_policy!r}")
         self.pool = pool
@@ -117,7 +119,8 @@ class KVCacheManager:
             self.tree.backup_on_evict = self._backup_now
         self.kv_view = _KVView(pool, self.controller)
         # L3: prefetch reserves host pages; at most this many may be held by prefetches at once.
-        self.storage = StorageController(storage, host_pool, *(storage_agree or ())) if storage is not None else None
+        self.storage = StorageController(storage, host_pool, *(storage_agree or ()), op_timeout=storage_op_timeout) \
+            if storage is not None else None
         self.shard = shard
         self.prefetch_threshold = prefetch_threshold
         self.prefetch_page_limit = int(prefetch_max_host_fraction * self.host_allocator.capacity) \
@@ -345,9 +348,19 @@ class KVCacheManager:
             or (self.storage is not None and (self.storage.pending_backups() > 0 or bool(self._stopped_prefetches)))
         )
 
+    def drain_ready(self) -> None:
+        """Idle housekeeping: submit queued transfers and apply the acks that are ready now,
+        never waiting (a hung storage backend must not hold the scheduler thread). Acks that
+        are not ready yet stay for a later call; the caller comes back while
+        :meth:`has_pending_transfers`."""
+        if self.controller is None:
+            return
+        self.submit_transfers()
+        self.consume_acks(self.ack_counts())
+
     def drain(self) -> None:
-        """Submit and consume every transfer, storage writes included (used when idle, e.g.
-        before a flush)."""
+        """Submit and consume every transfer, storage writes included, waiting for them (flush
+        and shutdown only: storage calls are bounded by their deadlines, see storage.guard)."""
         if self.controller is None:
             return
         self.submit_transfers()
@@ -444,17 +457,20 @@ class KVCacheManager:
         self.prefetch_held_pages -= done
         self.storage.stats.prefetched_pages += done
         self.storage.stats.prefetch_bytes += done * self.pool.bytes_per_page
-        if op.failure:
-            self.storage.stats.fail(op.failure)
+        # Its failure (if any) is counted when it is reaped: best_effort stops waiting before the
+        # reader knows whether the store answered.
         self._stopped_prefetches.append((op, op.host_pages[done:]))
         return (done - taken_from) * ps if taken_from < done else 0
 
     def _reap_stopped_prefetches(self, n: int) -> None:
-        """Free the unused host pages of the first ``n`` stopped prefetches, waiting for their
-        readers to finish."""
+        """Free the unused host pages of the first ``n`` stopped prefetches and count their
+        failures, waiting for their readers to finish (only :meth:`drain` asks for readers that
+        are not done; their backend calls are bounded by deadlines)."""
         for _ in range(n):
             op, unused = self._stopped_prefetches.popleft()
             op.done.wait()
+            if op.failure:
+                self.storage.stats.fail(op.failure)
             self.host_allocator.free(unused)
             self.prefetch_held_pages -= len(unused)
 

@@ -82,6 +82,7 @@ def build_core(
         write_through_threshold=cfg.hicache_write_through_threshold,
         storage_agree=storage_agree,
         shard=shard.describe() if shard else "",
+        storage_op_timeout=cfg.hicache_storage_op_timeout,
     )
     runner = ModelRunner(loaded.model, cache.kv_view, device)
     scheduler = Scheduler(
@@ -161,8 +162,15 @@ def core_stats(core: EngineCore, page_size: int) -> dict[str, Any]:
             "backend": cache.storage.backend.name,
             "prefetch_ops": st.prefetch_ops, "prefetched_tokens": st.prefetched_pages * page_size,
             "prefetch_bytes": st.prefetch_bytes, "prefetch_time_s": st.prefetch_time_s,
+            # the prefetch policy's decisions and the two measurements the adaptive one weighs
+            "prefetch_policy": sched.prefetch_policy, "prefetch_waited": sched.prefetch_rule.waited,
+            "prefetch_skipped": sched.prefetch_rule.skipped,
+            "prefill_tokens_per_s": sched.prefetch_rule.prefill.tokens_per_s,
+            "read_s_per_page": cache.storage.read_page_s,
             "backup_tokens": st.backup_pages * page_size, "backup_bytes": st.backup_bytes,
             "backup_time_s": st.backup_time_s, "failures": dict(st.failures),
+            # state (closed/open/half_open), opens, short_circuited, timeouts, ... (storage.guard)
+            "breaker": cache.storage.guard.snapshot(),
         }
     host = cache.host_usage()
     if host is not None:

@@ -157,10 +157,17 @@ class Engine:
         return True
 
     def drain_idle(self) -> None:
-        """Idle housekeeping: apply outstanding transfer acks so no lock outlives its transfer
-        (several ranks do this themselves, in agreed steps)."""
+        """Idle housekeeping: apply the transfer acks that are ready so no lock outlives its
+        transfer (several ranks do this themselves, in agreed steps). Never waits: a storage
+        write stuck in a hung backend must not hold the loop thread; the loop comes back (it
+        polls while idle) and applies the rest once ready."""
         if self.group is None and not self.scheduler.has_work() and self.cache.has_pending_transfers():
-            self.cache.drain()
+            self.cache.drain_ready()
+
+    def check_alive(self) -> None:
+        """Raises :class:`EngineDeadError` if the engine can no longer serve (a rank died)."""
+        if self.group is not None:
+            self.group.check_alive()
 
     def _check_driver(self, what: str) -> None:
         if self._driver_thread is not None and threading.get_ident() != self._driver_thread:

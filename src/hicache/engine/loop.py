@@ -14,15 +14,18 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
-from ..errors import HicacheError
+from ..errors import EngineDeadError, HicacheError
 from .engine import Engine
 from .request import GenerateResult, Request, Status
 from .sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.5  # while idle the loop wakes this often to apply finished transfers and check ranks
 
 Prompt = Union[str, Sequence[int]]
 
@@ -85,15 +88,23 @@ class EngineLoop:
 
     ``on_finish(result)`` (optional) is called on the loop thread once per finished request, e.g.
     to update metrics; it must be cheap and must not raise.
+
+    If the engine fails (a bug in a step, a rank that died), every request in flight finishes
+    with ``finish_reason="error"`` and the failure as ``GenerateResult.error``, new requests get
+    :class:`EngineDeadError`, and ``on_death(error)`` (optional) is called once, from the loop
+    thread, so a server can exit and be restarted.
     """
 
-    def __init__(self, engine: Engine, on_finish: Callable[[GenerateResult], None] | None = None) -> None:
+    def __init__(self, engine: Engine, on_finish: Callable[[GenerateResult], None] | None = None,
+                 on_death: Callable[[BaseException], None] | None = None) -> None:
         self.engine = engine
         self.on_finish = on_finish
+        self.on_death = on_death
         self._cmds: queue.Queue[tuple] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._inflight = 0  # submitted and not yet finished
+        self._stopped = False
         self.error: BaseException | None = None  # set if the loop thread died
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -116,11 +127,19 @@ class EngineLoop:
         self._cmds.put(("stop",))
         self._thread.join(timeout)
         self._thread = None
+        self._stopped = True
         logger.info("engine loop stopped")
 
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def check_alive(self) -> None:
+        """Raises :class:`EngineDeadError` (saying why) unless the loop is serving."""
+        if self.error is not None:
+            raise EngineDeadError(f"the engine failed and is not serving: {_describe(self.error)}")
+        if not self.alive:
+            raise EngineDeadError("the engine loop is not running.")
 
     @property
     def num_inflight(self) -> int:
@@ -137,8 +156,7 @@ class EngineLoop:
     ) -> RequestHandle:
         """Validate on the caller's thread (raises InvalidRequestError) and queue the request.
         Call from a coroutine, or pass the event loop that will consume the handle."""
-        if not self.alive:
-            raise HicacheError("the engine loop is not running.")
+        self.check_alive()
         req = self.engine._make_request(prompt, sampling, cache_salt)
         handle = RequestHandle(req, aio_loop or asyncio.get_running_loop())
         req.on_update = handle._push
@@ -154,8 +172,10 @@ class EngineLoop:
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run ``fn()`` on the loop thread between two steps; its result comes back in the future."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        if not self.alive:
-            fut.set_exception(HicacheError("the engine loop is not running."))
+        try:
+            self.check_alive()
+        except EngineDeadError as e:
+            fut.set_exception(e)
             return fut
         self._cmds.put(("call", fn, fut))
         return fut
@@ -193,23 +213,55 @@ class EngineLoop:
                 if sched.has_work():
                     for req in sched.step():
                         self._finished(req)
-        except BaseException as e:  # a bug: fail every request rather than hang its client
+        except BaseException as e:  # a bug or a dead rank: fail every request rather than hang its client
             self.error = e
-            logger.exception("engine loop crashed; aborting all requests")
+            logger.exception("engine loop crashed; failing %d request(s)", self._inflight)
         finally:
-            for req in list(sched.running) + list(sched.waiting):
-                try:
-                    sched.abort(req.rid)
-                    self._finished(req)
-                except Exception:
-                    logger.exception("abort rid=%d failed", req.rid)
+            if self.error is None:
+                self._abort_all()
+            else:
+                self._fail_all(_describe(self.error))
             eng._driver_thread = None
+        if self.error is not None and self.on_death is not None:
+            self.on_death(self.error)
+
+    def _abort_all(self) -> None:
+        sched = self.engine.scheduler
+        for req in list(sched.running) + list(sched.waiting):
+            try:
+                sched.abort(req.rid)
+                self._finished(req)
+            except Exception:
+                logger.exception("abort rid=%d failed", req.rid)
+
+    def _fail_all(self, why: str) -> None:
+        """The engine is broken: finish every request with the error, touching no engine state."""
+        sched = self.engine.scheduler
+        reqs = list(sched.running) + list(sched.waiting)
+        while True:  # and those still queued as commands
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "add":
+                reqs.append(cmd[1])
+            elif cmd[0] == "call" and cmd[2].set_running_or_notify_cancel():
+                cmd[2].set_exception(EngineDeadError(f"the engine failed: {why}"))
+        for req in reqs:
+            if req.status is Status.FINISHED:
+                continue
+            req.status, req.finish_reason, req.error = Status.FINISHED, "error", why
+            req.finish_time = time.perf_counter()
+            if req.on_update is not None:
+                req.on_update(req)
+            self._finished(req)
 
     def _drain(self, block: bool) -> bool:
         """Apply queued commands (waiting for one when ``block``). False on stop."""
         try:
-            cmd = self._cmds.get(block=block)
+            cmd = self._cmds.get(block=block, timeout=IDLE_POLL_S if block else None)
         except queue.Empty:
+            self.engine.check_alive()  # idle: a rank that died meanwhile is found here, not at the next request
             return True
         while True:
             kind = cmd[0]
@@ -246,3 +298,8 @@ class EngineLoop:
                 self.on_finish(GenerateResult.from_request(req))
             except Exception:
                 logger.exception("on_finish failed for rid=%d", req.rid)
+
+
+def _describe(error: BaseException) -> str:
+    """One line naming an engine failure (HicacheError messages are already sentences)."""
+    return str(error) if isinstance(error, HicacheError) else f"{type(error).__name__}: {error}"

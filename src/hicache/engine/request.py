@@ -40,6 +40,7 @@ class Request:
     first_token_time: float = 0.0
     finish_time: float = 0.0
     finish_reason: str = ""
+    error: str = ""  # why the engine failed it (finish_reason "error")
     text: str = ""
     # Called on the scheduler thread after each new token and once more when finished
     # (status FINISHED); a server uses it to stream. Must be cheap and must not raise.
@@ -80,11 +81,12 @@ class GenerateResult:
     completion_tokens: int
     cached_tokens: int
     cached_tokens_details: dict[str, int]  # device / host / storage hit tokens
-    finish_reason: str  # "stop" (EOS, stop string or stop token) | "length"
+    finish_reason: str  # "stop" (EOS, stop string or stop token) | "length" | "abort" | "error"
     ttft_s: float  # arrival -> first token
     queue_time_s: float  # arrival -> admitted
     forward_time_s: float  # admitted -> first token
     e2e_s: float
+    error: str = ""  # with finish_reason "error": what failed in the engine
 
     @classmethod
     def from_request(cls, req: Request) -> "GenerateResult":
@@ -104,4 +106,5 @@ class GenerateResult:
             queue_time_s=req.admitted_time - req.arrival_time if admitted else 0.0,
             forward_time_s=req.first_token_time - req.admitted_time if started else 0.0,
             e2e_s=req.finish_time - req.arrival_time if req.finish_time else 0.0,
+            error=req.error,
         )

@@ -1,13 +1,28 @@
-"""Sampling parameters and the sampler (greedy, temperature, top-p, top-k, seeded)."""
+"""Sampling parameters and the sampler (greedy, temperature, top-p, top-k, seeded).
+
+No parameter value that passes :meth:`SamplingParams.validate` can make the sampler produce a
+NaN or fail: temperatures below :data:`GREEDY_TEMPERATURE` decode greedily, logits are shifted
+by their maximum before scaling, top-p always keeps the most likely token, and a row that still
+has no valid distribution (non-finite logits from the model) falls back to its argmax.
+"""
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
 
 from ..errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+# Below this temperature sampling is greedy, as in vLLM and SGLang: dividing logits by a tinier
+# number only overflows, it cannot change which token is most likely.
+GREEDY_TEMPERATURE = 1e-5
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 
 
 @dataclass
@@ -28,14 +43,18 @@ class SamplingParams:
     seed: Optional[int] = None
 
     def validate(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise InvalidRequestError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}.")
-        if self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}.")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if self.top_k != -1 and self.top_k < 1:
-            raise InvalidRequestError(f"top_k must be -1 (off) or >= 1, got {self.top_k}.")
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}.")
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}.")
+        if not _is_int(self.top_k) or (self.top_k != -1 and self.top_k < 1):
+            raise InvalidRequestError(f"top_k must be -1 (off) or >= 1, got {self.top_k!r}.")
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
+            raise InvalidRequestError(f"seed must be an integer in [-2^63, 2^64), got {self.seed!r}.")
+        if any(not _is_int(t) for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids must be integers.")
 
     @property
     def stop_strings(self) -> list[str]:
@@ -45,7 +64,15 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]) -> list[int]:
@@ -54,16 +81,31 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
     for i, p in enumerate(params):
         if p.greedy:
             continue
-        row = logits[i] / p.temperature
-        if p.top_k > 0:
-            kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
-        if p.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            # Keep the smallest head whose mass reaches top_p (always at least one token).
-            drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
-            sorted_probs[drop] = 0.0
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        probs = _probs(logits[i], p)
+        if probs is None:
+            logger.warning("no valid distribution for row %d (non-finite logits); taking its argmax", i)
+            continue
         out[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
     return out
+
+
+def _probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor | None:
+    """The row's sampling distribution after temperature, top-k and top-p; None if it has none."""
+    # Shift by the max first: the best token scales to exactly 0, the rest to <= 0 (or -inf),
+    # so no temperature can overflow to inf - inf.
+    row = (logits - logits.max()) / p.temperature
+    if p.top_k > 0:
+        kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    probs = torch.softmax(row, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # Keep the smallest head whose mass reaches top_p, and always the most likely token
+        # (rounding in the cumulative sum could otherwise drop every token for a tiny top_p).
+        drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+        drop[0] = False
+        sorted_probs[drop] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+        return None
+    return probs

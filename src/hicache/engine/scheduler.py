@@ -17,6 +17,7 @@ import torch
 
 from ..cache.manager import KVCacheManager
 from ..parallel.consensus import consensus_check
+from .prefetch_policy import PrefetchPolicy
 from .request import Request, Status
 from .sampling import sample
 
@@ -35,7 +36,7 @@ class Scheduler:
         eos_token_ids: set[int],
         chunked_prefill_size: int,
         max_running_requests: int,
-        prefetch_policy: str = "best_effort",
+        prefetch_policy: str = "adaptive",
         prefetch_timeout: Callable[[int], float] = lambda tokens: 1.0,
     ) -> None:
         self.cache = cache
@@ -45,7 +46,8 @@ class Scheduler:
         self.chunked_prefill_size = chunked_prefill_size
         self.max_running_requests = max_running_requests
         self.prefetch_policy = prefetch_policy
-        self.prefetch_timeout = prefetch_timeout  # seconds allowed for a prefetch of N tokens
+        # Wait deadlines per prefetch; prefetch_timeout: seconds the timeout policy allows N tokens.
+        self.prefetch_rule = PrefetchPolicy(prefetch_policy, prefetch_timeout)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -53,11 +55,18 @@ class Scheduler:
     def add(self, req: Request) -> None:
         req.prefetch = self.cache.start_prefetch(req.namespace, req.tokens_np)
         if req.prefetch is not None:
-            tokens = len(req.prefetch.hashes) * self.cache.page_size
-            # wait_complete still gives up on a storage that hangs: no request waits forever.
-            limit = self.prefetch_timeout(tokens) * (1 if self.prefetch_policy == "timeout" else 20)
-            req.prefetch_deadline = time.perf_counter() + limit
+            pages = len(req.prefetch.hashes)
+            req.prefetch_deadline = self.prefetch_rule.deadline(
+                req.rid, pages, pages * self.cache.page_size, self.cache.storage.read_page_s, time.perf_counter())
         self.waiting.append(req)
+
+    def observe_forward(self, batch: "Batch", seconds: float) -> None:
+        """``batch``'s forward pass took ``seconds`` on this rank (up to where its output was
+        used, so that an asynchronous device has finished it). Prefill passes feed the
+        throughput estimate of the adaptive prefetch policy; decode passes say nothing about
+        the cost of recomputing a prompt."""
+        if batch.kind == "prefill":
+            self.prefetch_rule.prefill.observe(sum(batch.new_tokens), seconds)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -90,7 +99,9 @@ class Scheduler:
         self.cache.submit_transfers()  # load-backs must be in flight before the forward waits on them
         finished: list[Request] = []
         if batch is not None:
+            t0 = time.perf_counter()
             tokens = self.sample(batch, self.forward(batch.input_ids(), batch.prefix_lens(), batch.context_slots()))
+            self.observe_forward(batch, time.perf_counter() - t0)  # sampling has read the logits
             finished = self.apply_results(batch, tokens)
         self.cache.submit_transfers()  # backups of what finished in this step
         if batch is None and not self.running and self.waiting:
@@ -106,12 +117,12 @@ class Scheduler:
     def ready_counts(self) -> list[int]:
         """This rank's view of finished background work, as a vector ranks can MIN-reduce:
         ready leading acks per cache queue, then per open prefetch its published progress acks
-        and whether its wait deadline passed (1/0)."""
+        and whether its wait deadline has come (1/0)."""
         counts = list(self.cache.ack_counts().values())
         now = time.perf_counter()
         for req in self.pending_prefetches():
             counts.append(self.cache.prefetch_ack_count(req.prefetch))
-            counts.append(int(now > req.prefetch_deadline))
+            counts.append(int(now >= req.prefetch_deadline))
         return counts
 
     @consensus_check("scheduler.consume_events", args=lambda self, counts: list(counts))

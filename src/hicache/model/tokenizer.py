@@ -65,7 +65,9 @@ class Tokenizer:
         return self._tok.id_to_token(token_id)
 
     def encode(self, text: str) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        # encode_batch gives the same ids as encode but releases the GIL while it works, so a
+        # server tokenizing a huge prompt on a worker thread keeps answering other requests.
+        ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         if self.add_bos and (not ids or ids[0] != self.bos_token_id):
             ids.insert(0, self.bos_token_id)
         return ids

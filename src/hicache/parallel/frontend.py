@@ -23,7 +23,7 @@ import torch.multiprocessing
 
 from ..config import ConfigError, EngineConfig
 from ..engine.request import Request, Status
-from ..errors import HicacheError
+from ..errors import EngineDeadError, HicacheError
 from . import consensus
 from .channels import WRITERS_GONE, reader_only
 from .groups import rank_label
@@ -109,7 +109,7 @@ class RankGroup:
                     self._halt(self._explain(dead))
                 elif time.monotonic() > deadline:
                     self._halt(f"ranks did not start within {STARTUP_TIMEOUT_S:.0f} s")
-                self._check_alive()
+                self.check_alive()
                 continue
             if item[0] == "error":
                 # A bad option shows the same on every rank: report it like a single-rank ConfigError.
@@ -118,7 +118,7 @@ class RankGroup:
             ready[item[1]] = item[2]
         if len(set(ready.values())) != 1:
             self._halt(f"ranks disagree on the device pool size: {ready}")
-            self._check_alive()
+            self.check_alive()
         return next(iter(ready.values()))
 
     def shutdown(self) -> None:
@@ -190,11 +190,12 @@ class RankGroup:
     def _keep(self, label: str, entry: consensus.Entry) -> None:
         self.trace[label].append(entry)
 
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
+        """Raises EngineDeadError once the ranks were stopped (a failure, or shutdown)."""
         if self.failure is not None:
-            raise HicacheError(f"the engine stopped: {self.failure}")
+            raise EngineDeadError(f"the engine stopped: {self.failure}")
         if self._stopping:
-            raise HicacheError("the engine is stopped.")
+            raise EngineDeadError("the engine is stopped.")
 
     def _explain(self, dead: list) -> str:
         """The root cause: a divergence if the checker saw one, else a rank that died without
@@ -238,11 +239,11 @@ class RankGroup:
         try:
             item = self.outbox.get(timeout=timeout)
         except queue.Empty:
-            self._check_alive()
+            self.check_alive()
             return
         except WRITERS_GONE:  # the leader is gone (maybe in the middle of a message)
             self._halt(self._explain(self._exited()))
-            self._check_alive()
+            self.check_alive()
             return
         while True:
             if item[0] == "updates":
@@ -255,7 +256,7 @@ class RankGroup:
                 return
 
     def updates(self, timeout: float) -> list[RequestUpdate]:
-        self._check_alive()
+        self.check_alive()
         if not self._updates:
             self._pump(timeout)
         out = [u for batch in self._updates for u in batch]
@@ -267,7 +268,7 @@ class RankGroup:
         call_id = next(self._calls)
         self.send(("call", call_id, command))
         while call_id not in self._replies:
-            self._check_alive()
+            self.check_alive()
             self._pump(POLL_S)
         return self._replies.pop(call_id)
 

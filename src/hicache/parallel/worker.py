@@ -125,6 +125,7 @@ class StageLoop:
                 )
             self.cache.submit_transfers()  # load-backs in flight before the forward waits on them
             out = None
+            t0 = time.perf_counter()
             if batch is not None:
                 out = self.core.runner.forward(batch.input_ids(), batch.prefix_lens(), batch.context_slots(),
                                                msg.hidden if msg is not None else None)
@@ -143,6 +144,8 @@ class StageLoop:
                 else:
                     self.groups.send(self.head, tokens)
                     self.inflight.append((self.step, batch))
+            if batch is not None:  # its output has been sent or sampled: the forward is done
+                self.sched.observe_forward(batch, time.perf_counter() - t0)
             self.cache.submit_transfers()  # backups of what finished
             self._report()
             if self.leader and batch is None and not self.inflight and self.sched.waiting:

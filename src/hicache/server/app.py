@@ -4,6 +4,11 @@ Endpoints: ``/v1/chat/completions``, ``/v1/completions`` (streaming as server-se
 not), ``/v1/models``, ``/health``, ``/flush_cache``, ``/metrics`` (Prometheus text), and two
 extensions: ``/stats`` (``Engine.stats()`` as JSON) and ``/tokenize`` (token counts with the
 served tokenizer, used by ``hicache bench``). Every error is OpenAI-shaped JSON.
+
+The event loop only moves bytes: parsing a body, rendering the chat template and tokenizing
+run on a small worker pool (:func:`_prepare_chat`, :func:`_prepare_completion`), so one huge
+request never stalls ``/health`` or the streams of others. If the engine fails, requests in
+flight end with 503 ``engine_dead`` (an ``error`` event when streaming) and so do new ones.
 """
 
 from __future__ import annotations
@@ -13,49 +18,85 @@ import json
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.loop import EngineLoop, RequestHandle
 from ..engine.request import GenerateResult
 from ..engine.sampling import SamplingParams
-from ..errors import ContextLengthError, HicacheError
+from ..errors import ContextLengthError, EngineDeadError, HicacheError
+from ..model.tokenizer import Tokenizer
 from .detok import IncrementalText
 from .metrics import ServerMetrics
+from .middleware import CatchAllErrors, RequireApiKey
+from .parsing import DEFAULT_MAX_REQUEST_BYTES, parse_body, read_body
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, TokenizeRequest, _Sampling
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CHAT_MAX_TOKENS = 128  # when a chat request gives neither max_tokens nor max_completion_tokens
 DISCONNECT_POLL_S = 0.2  # how often a non-streaming request checks whether its client left
+PREPARE_WORKERS = 2  # threads that parse and tokenize request bodies
+
+
+@dataclass
+class ServerOptions:
+    """How the HTTP layer treats clients (``hicache serve`` flags)."""
+
+    served_model_name: str
+    max_queued_requests: int = 512
+    api_key: Optional[str] = None  # None: no authentication
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+
+
+@dataclass
+class Prepared:
+    """A validated request, tokenized, ready to submit."""
+
+    body: _Sampling
+    ids: list[int]
+    sampling: SamplingParams
+    param: str  # the field that holds the prompt, for errors about it
 
 
 class ServerState:
-    """What the handlers share: the loop, metrics and the served name."""
+    """What the handlers share: the loop, metrics, options and the worker pool."""
 
-    def __init__(self, loop: EngineLoop, metrics: ServerMetrics, served_model_name: str,
-                 max_queued_requests: int) -> None:
+    def __init__(self, loop: EngineLoop, metrics: ServerMetrics, opts: ServerOptions) -> None:
         self.loop = loop
         self.engine = loop.engine
         self.metrics = metrics
-        self.served_model_name = served_model_name
-        self.max_inflight = loop.engine.config.max_running_requests + max_queued_requests
+        self.opts = opts
+        self.max_inflight = loop.engine.config.max_running_requests + opts.max_queued_requests
         self.created = int(time.time())
+        self.workers = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="hicache-http-prepare")
+
+    async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.workers, fn, *args)
 
     def check_model(self, name: str) -> None:
-        if name not in (self.served_model_name, self.engine.config.model):
-            raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.served_model_name}'.",
-                           param="model", code="model_not_found")
+        if name not in (self.opts.served_model_name, self.engine.config.model):
+            raise APIError(404, f"the model '{name}' does not exist; this server serves "
+                                f"'{self.opts.served_model_name}'.", param="model", code="model_not_found")
 
     def check_capacity(self) -> None:
         n = self.loop.num_inflight
         if n >= self.max_inflight:
             raise APIError(503, f"the server is overloaded ({n} requests in flight); retry later.",
                            type="server_error", code="server_overloaded")
+
+    def close(self) -> None:
+        self.workers.shutdown(wait=False, cancel_futures=True)
+
+
+def engine_dead(e: BaseException | str) -> APIError:
+    return APIError(503, str(e), type="server_error", code="engine_dead")
 
 
 def _usage(res: GenerateResult) -> dict[str, Any]:
@@ -74,25 +115,6 @@ def _timing(res: GenerateResult) -> dict[str, float]:
             "e2e_s": res.e2e_s}
 
 
-async def _parse(request: Request, model: type[BaseModel]) -> Any:
-    raw = await request.body()
-    try:
-        obj = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        where = f" (line {e.lineno} column {e.colno})" if isinstance(e, json.JSONDecodeError) else ""
-        raise APIError(400, f"the request body is not valid JSON: {getattr(e, 'msg', str(e))}{where}.",
-                       code="invalid_json") from None
-    if not isinstance(obj, dict):
-        raise APIError(400, "the request body must be a JSON object.", code="invalid_json")
-    try:
-        return model.model_validate(obj)
-    except ValidationError as e:
-        err = e.errors()[0]
-        param = ".".join(str(p) for p in err["loc"]) or None
-        msg = err["msg"].rstrip(".")
-        raise APIError(400, f"{param}: {msg}." if param else f"{msg}.", param=param, code="invalid_value") from None
-
-
 def _sampling(body: _Sampling, max_new: Optional[int], default_max: int) -> SamplingParams:
     bad = body.unsupported()
     if bad:
@@ -104,39 +126,111 @@ def _sampling(body: _Sampling, max_new: Optional[int], default_max: int) -> Samp
         temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, stop=body.stop,
         stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos, seed=body.seed,
     )
+    try:
+        sp.validate()
+    except HicacheError as e:
+        raise APIError(400, str(e), code="invalid_value") from None
     return sp
 
 
-def create_app(loop: EngineLoop, metrics: ServerMetrics, served_model_name: str,
-               max_queued_requests: int = 512) -> FastAPI:
+def _check_fits(ids: list[int], max_new: Optional[int], context_length: int, param: str) -> None:
+    """An explicit max_tokens that cannot fit is an error (a default one is shortened)."""
+    if max_new is not None and len(ids) + max_new > context_length:
+        raise APIError(400, f"the prompt has {len(ids)} tokens and max_tokens is {max_new}, but the context length "
+                            f"is {context_length}; lower max_tokens or shorten the prompt.",
+                       param=param, code="context_length_exceeded")
+
+
+def _prepare_chat(raw: bytes, st: ServerState) -> Prepared:
+    body = parse_body(raw, ChatCompletionRequest)
+    st.check_model(body.model)
+    sp = _sampling(body, body.max_new_tokens(), DEFAULT_CHAT_MAX_TOKENS)
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+    tok: Tokenizer = st.engine.tokenizer
+    try:
+        text = tok.apply_chat_template(messages, add_generation_prompt=True)
+    except Exception as e:  # the model's Jinja template refused these messages
+        raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
+    ids = tok.encode(text)
+    _check_fits(ids, body.max_new_tokens(), st.engine.context_length, "messages")
+    return Prepared(body, ids, sp, "messages")
+
+
+def _prepare_completion(raw: bytes, st: ServerState) -> Prepared:
+    body = parse_body(raw, CompletionRequest)
+    st.check_model(body.model)
+    sp = _sampling(body, body.max_new_tokens(), 16)
+    prompt = body.single_prompt()
+    ids = st.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    _check_fits(ids, body.max_tokens if "max_tokens" in body.model_fields_set else None,
+                st.engine.context_length, "prompt")
+    return Prepared(body, ids, sp, "prompt")
+
+
+def _tokenize(raw: bytes, st: ServerState) -> dict[str, Any]:
+    body = parse_body(raw, TokenizeRequest)
+    texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    ids = [st.engine.tokenizer.encode(t) for t in texts]
+    out: dict[str, Any] = {"counts": [len(x) for x in ids], "max_model_len": st.engine.context_length}
+    if body.return_ids:
+        out["tokens"] = ids
+    return out
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def create_app(loop: EngineLoop, metrics: ServerMetrics, opts: ServerOptions) -> FastAPI:
     """The FastAPI app; ``loop`` must be started (and is stopped by whoever started it)."""
-    st = ServerState(loop, metrics, served_model_name, max_queued_requests)
-    tok = st.engine.tokenizer
+    st = ServerState(loop, metrics, opts)
     app = FastAPI(title="hicache", docs_url=None, redoc_url=None)
     app.state.hicache = st
+    _add_error_handlers(app, st)
+    app.add_middleware(CatchAllErrors, on_error=lambda: metrics.rejected.labels(reason="internal_error").inc())
+    if opts.api_key:
+        app.add_middleware(RequireApiKey, api_key=opts.api_key,
+                           on_reject=lambda: metrics.rejected.labels(reason="invalid_api_key").inc())
+    _add_openai_routes(app, st)
+    _add_operation_routes(app, st)
+    return app
 
-    # ---- errors --------------------------------------------------------------------------
+
+def _add_error_handlers(app: FastAPI, st: ServerState) -> None:
+    def answer(e: APIError) -> JSONResponse:
+        if e.status != 499:  # a client that left was not refused
+            st.metrics.rejected.labels(reason=e.code or e.type).inc()
+        return JSONResponse(e.body(), status_code=e.status)
+
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return answer(e)
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:
+        return answer(engine_dead(e))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         msg = {404: "no such endpoint.", 405: "method not allowed on this endpoint."}.get(e.status_code, str(e.detail))
-        return JSONResponse(APIError(e.status_code, msg).body(), status_code=e.status_code)
+        return answer(APIError(e.status_code, msg))
 
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, e: Exception) -> JSONResponse:
-        logger.exception("internal error")
-        return JSONResponse(APIError(500, f"internal server error: {type(e).__name__}.", type="server_error").body(),
-                            status_code=500)
+    @app.exception_handler(RequestValidationError)
+    async def _bad_params(_: Request, e: RequestValidationError) -> JSONResponse:
+        err = e.errors()[0]
+        param = str(err["loc"][-1]) if err.get("loc") else None
+        return answer(APIError(400, f"{param}: {err['msg'].rstrip('.')}.", param=param, code="invalid_value"))
 
-    def submit(prompt: Any, sp: SamplingParams, salt: Optional[str], param: str) -> RequestHandle:
+
+def _add_openai_routes(app: FastAPI, st: ServerState) -> None:
+    def submit(p: Prepared) -> RequestHandle:
         st.check_capacity()
         try:
-            return st.loop.submit(prompt, sp, salt)
+            return st.loop.submit(p.ids, p.sampling, p.body.cache_salt)
         except ContextLengthError as e:
-            raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
+            raise APIError(400, str(e), param=p.param, code="context_length_exceeded") from None
+        except EngineDeadError as e:
+            raise engine_dead(e) from None
         except HicacheError as e:
             raise APIError(400, str(e), code="invalid_value") from None
 
@@ -147,7 +241,10 @@ def create_app(loop: EngineLoop, metrics: ServerMetrics, served_model_name: str,
             while True:
                 done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
                 if done:
-                    return task.result()
+                    res = task.result()
+                    if res.finish_reason == "error":
+                        raise engine_dead(f"the engine failed during this request: {res.error}")
+                    return res
                 if await request.is_disconnected():
                     logger.info("client disconnected rid=%d; aborting", handle.rid)
                     raise APIError(499, "the client closed the connection.", code="client_closed")
@@ -156,105 +253,98 @@ def create_app(loop: EngineLoop, metrics: ServerMetrics, served_model_name: str,
                 task.cancel()
                 st.loop.abort(handle.rid)
 
-    def sse(obj: Any) -> str:
-        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
     async def stream(handle: RequestHandle, stops: list[str], make_chunk: Callable[[str, Optional[str], bool], dict],
                      base: dict, include_usage: bool) -> AsyncIterator[str]:
-        detok = IncrementalText(tok.decode, stops)
+        detok = IncrementalText(st.engine.tokenizer.decode, stops)
         first = True
         try:
             async for upd in handle:
                 if upd.finished:
                     res = upd.result
+                    if res.finish_reason == "error":  # OpenAI's way to fail a stream that has begun
+                        yield _sse(engine_dead(f"the engine failed during this request: {res.error}").body())
+                        yield "data: [DONE]\n\n"
+                        return
                     text = detok.finish(res.text)
                     if text or first:
-                        yield sse(make_chunk(text, None, first))
-                    yield sse(make_chunk("", res.finish_reason, False))
+                        yield _sse(make_chunk(text, None, first))
+                    yield _sse(make_chunk("", res.finish_reason, False))
                     if include_usage:
-                        yield sse({**base, "choices": [], "usage": _usage(res), "timing": _timing(res)})
+                        yield _sse({**base, "choices": [], "usage": _usage(res), "timing": _timing(res)})
                     yield "data: [DONE]\n\n"
                     return
-                yield sse(make_chunk(detok.add(upd.token_ids), None, first))
+                yield _sse(make_chunk(detok.add(upd.token_ids), None, first))
                 first = False
         finally:
             if not handle.finished:  # the client went away (or the server is stopping)
                 logger.info("stream closed early rid=%d; aborting", handle.rid)
                 st.loop.abort(handle.rid)
 
-    # ---- OpenAI endpoints ----------------------------------------------------------------
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        body: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
-        st.check_model(body.model)
-        sp = _sampling(body, body.max_new_tokens(), DEFAULT_CHAT_MAX_TOKENS)
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
-        try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=True)
-        except Exception as e:  # the model's Jinja template refused these messages
-            raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
-        handle = submit(tok.encode(text), sp, body.cache_salt, "messages")
-        logger.info("chat rid=%d prompt=%d max_new=%d stream=%s", handle.rid, handle.prompt_tokens,
-                    handle.max_new_tokens, body.stream)
-        base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": body.model}
-        if body.stream:
-            base["object"] = "chat.completion.chunk"
-
-            def chunk(text: str, finish: Optional[str], first: bool) -> dict:
-                delta = {"role": "assistant", "content": text} if first else ({"content": text} if text or not finish else {})
-                return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
-
-            return StreamingResponse(stream(handle, sp.stop_strings, chunk, base, body.include_usage),
+    async def answer(request: Request, p: Prepared, base: dict, make_chunk: Callable, result: Callable) -> Response:
+        handle = submit(p)
+        logger.info("%s rid=%d prompt=%d max_new=%d stream=%s", base["object"], handle.rid, handle.prompt_tokens,
+                    handle.max_new_tokens, p.body.stream)
+        if p.body.stream:
+            return StreamingResponse(stream(handle, p.sampling.stop_strings, make_chunk, base, p.body.include_usage),
                                      media_type="text/event-stream")
         res = await collect(request, handle)
-        return JSONResponse({
-            **base, "object": "chat.completion",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": res.text}, "logprobs": None,
-                         "finish_reason": res.finish_reason}],
-            "usage": _usage(res), "timing": _timing(res),
-        })
+        return JSONResponse({**base, **result(res), "usage": _usage(res), "timing": _timing(res)})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        p: Prepared = await st.off_loop(_prepare_chat, await read_body(request, st.opts.max_request_bytes), st)
+        base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": p.body.model,
+                "object": "chat.completion.chunk" if p.body.stream else "chat.completion"}
+
+        def chunk(text: str, finish: Optional[str], first: bool) -> dict:
+            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text or not finish else {})
+            return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+        def result(res: GenerateResult) -> dict:
+            return {"choices": [{"index": 0, "message": {"role": "assistant", "content": res.text}, "logprobs": None,
+                                 "finish_reason": res.finish_reason}]}
+
+        return await answer(request, p, base, chunk, result)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body: CompletionRequest = await _parse(request, CompletionRequest)
-        st.check_model(body.model)
-        sp = _sampling(body, body.max_new_tokens(), 16)
-        prompt = body.single_prompt()
-        handle = submit(tok.encode(prompt) if isinstance(prompt, str) else prompt, sp, body.cache_salt, "prompt")
-        logger.info("completion rid=%d prompt=%d max_new=%d stream=%s", handle.rid, handle.prompt_tokens,
-                    handle.max_new_tokens, body.stream)
+        p: Prepared = await st.off_loop(_prepare_completion, await read_body(request, st.opts.max_request_bytes), st)
         base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": body.model}
-        if body.stream:
-            def chunk(text: str, finish: Optional[str], first: bool) -> dict:
-                return {**base, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+                "model": p.body.model}
 
-            return StreamingResponse(stream(handle, sp.stop_strings, chunk, base, body.include_usage),
-                                     media_type="text/event-stream")
-        res = await collect(request, handle)
-        return JSONResponse({
-            **base,
-            "choices": [{"index": 0, "text": res.text, "logprobs": None, "finish_reason": res.finish_reason}],
-            "usage": _usage(res), "timing": _timing(res),
-        })
+        def chunk(text: str, finish: Optional[str], first: bool) -> dict:
+            return {**base, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+
+        def result(res: GenerateResult) -> dict:
+            return {"choices": [{"index": 0, "text": res.text, "logprobs": None, "finish_reason": res.finish_reason}]}
+
+        return await answer(request, p, base, chunk, result)
 
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{
-            "id": st.served_model_name, "object": "model", "created": st.created, "owned_by": "hicache",
+            "id": st.opts.served_model_name, "object": "model", "created": st.created, "owned_by": "hicache",
             "root": st.engine.config.model, "max_model_len": st.engine.context_length,
         }]}
 
-    # ---- operations ----------------------------------------------------------------------
+
+def _add_operation_routes(app: FastAPI, st: ServerState) -> None:
     @app.get("/health")
     async def health() -> Response:
-        if not st.loop.alive:
-            raise APIError(503, "the engine loop is not running.", type="server_error", code="engine_dead")
+        st.loop.check_alive()  # EngineDeadError -> 503 engine_dead, saying why
         return JSONResponse({"status": "ok"})
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache(timeout: float = 0.0) -> Response:
+    async def flush_cache(request: Request) -> Response:
         """Empty the prefix cache; refused while requests run unless they finish within ``timeout`` s."""
+        raw = request.query_params.get("timeout", "0")
+        try:
+            timeout = float(raw)
+            if not 0.0 <= timeout <= 3600.0:
+                raise ValueError
+        except ValueError:
+            raise APIError(400, f"timeout must be a number of seconds in [0, 3600], got {raw!r}.", param="timeout",
+                           code="invalid_value") from None
         if await st.loop.flush(timeout):
             logger.info("flush_cache ok")
             return JSONResponse({"flushed": True, "message": "the cache was flushed."})
@@ -274,12 +364,4 @@ def create_app(loop: EngineLoop, metrics: ServerMetrics, served_model_name: str,
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
-        body: TokenizeRequest = await _parse(request, TokenizeRequest)
-        texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-        ids = [tok.encode(t) for t in texts]
-        out: dict[str, Any] = {"counts": [len(x) for x in ids], "max_model_len": st.engine.context_length}
-        if body.return_ids:
-            out["tokens"] = ids
-        return out
-
-    return app
+        return await st.off_loop(_tokenize, await read_body(request, st.opts.max_request_bytes), st)

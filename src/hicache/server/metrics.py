@@ -44,7 +44,17 @@ class ServerMetrics:
                              registry=r)
         self.queue_time = Histogram("hicache_queue_time_seconds", "Arrival to admission.", buckets=LATENCY_BUCKETS,
                                     registry=r)
-        self._evicted_seen: dict[str, float] = {}
+        self.rejected = Counter("hicache_rejected_requests", "Requests answered with an error instead of a result, "
+                                "by error code (invalid_value, server_overloaded, engine_dead, invalid_api_key, ...).",
+                                ["reason"], registry=r)
+        self.storage_failures = Counter("hicache_storage_failures", "Storage (L3) operations that failed, by backend "
+                                        "and kind (timeout, breaker_open, backend_error, missing, checksum, ...).",
+                                        ["backend", "kind"], registry=r)
+        self.breaker_state = Gauge("hicache_storage_breaker_state", "1 for the storage circuit breaker's current "
+                                   "state (closed, open, half_open), 0 for the others.", ["backend", "state"], registry=r)
+        self.breaker_opens = Counter("hicache_storage_breaker_opens", "Times the storage circuit breaker opened.",
+                                     ["backend"], registry=r)
+        self._seen: dict[tuple, float] = {}  # cumulative figures already counted
         for tier in ("device", "host", "storage"):
             self.cached_tokens.labels(tier=tier)
 
@@ -84,9 +94,25 @@ class ServerMetrics:
                         self.other.labels(group=key, field=field).set(n)
             m = _EVICTED.match(key)
             if m and isinstance(value, (int, float)):
-                tier, prev = m.group(1), self._evicted_seen.get(m.group(1), 0)
-                self.evicted.labels(tier=tier).inc(value - prev if value >= prev else value)  # reset -> restart
-                self._evicted_seen[tier] = value
+                self._advance(self.evicted.labels(tier=m.group(1)), ("evicted", m.group(1)), value)
+        if isinstance(stats.get("storage"), dict):
+            self._update_storage(stats["storage"])
+
+    def _advance(self, counter: Any, key: tuple, total: float) -> None:
+        """Move ``counter`` to a cumulative ``total`` read from stats (a smaller total: restarted)."""
+        prev = self._seen.get(key, 0)
+        counter.inc(total - prev if total >= prev else total)
+        self._seen[key] = total
+
+    def _update_storage(self, storage: dict[str, Any]) -> None:
+        backend = str(storage.get("backend", "unknown"))
+        for kind, n in (storage.get("failures") or {}).items():
+            self._advance(self.storage_failures.labels(backend=backend, kind=kind), ("fail", backend, kind), n)
+        breaker = storage.get("breaker")
+        if isinstance(breaker, dict):
+            for state in ("closed", "open", "half_open"):
+                self.breaker_state.labels(backend=backend, state=state).set(float(breaker.get("state") == state))
+            self._advance(self.breaker_opens.labels(backend=backend), ("opens", backend), breaker.get("opens", 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

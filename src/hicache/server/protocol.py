@@ -1,15 +1,19 @@
 """OpenAI-compatible request bodies (pydantic) and the error shape the server returns.
 
 Unknown fields are ignored, as OpenAI-compatible servers do; fields that would change the
-answer in ways this engine does not support (n > 1, logprobs, penalties, ...) are refused with
-one clear sentence.
+answer in ways this engine does not support (n > 1, logprobs, penalties, tools, structured
+output, ...) are refused with one clear sentence. Types are strict: ``"max_tokens": "3"`` or
+``"stream": "yes"`` is an error, not a guess; numbers must be finite.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# Strict types (no "3" -> 3, no "yes" -> True) and no inf/NaN in any float field.
+STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class APIError(Exception):
@@ -25,6 +29,8 @@ class APIError(Exception):
 
 
 class StreamOptions(BaseModel):
+    model_config = STRICT
+
     include_usage: bool = False
 
 
@@ -32,7 +38,7 @@ class _Sampling(BaseModel):
     """Fields shared by both endpoints (OpenAI names; ``top_k``, ``ignore_eos``,
     ``stop_token_ids`` and ``cache_salt`` are extensions)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     model: str
     temperature: float = Field(1.0, ge=0.0)
@@ -50,9 +56,26 @@ class _Sampling(BaseModel):
     frequency_penalty: float = 0.0
     logprobs: Optional[Union[bool, int]] = None
     user: Optional[str] = None
+    response_format: Optional[dict[str, Any]] = None
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt_not_empty(cls, v: Optional[str]) -> Optional[str]:
+        # An empty salt would silently share the unsalted namespace: refuse it, as vLLM does.
+        if v is not None and not v:
+            raise ValueError("must be a non-empty string when given")
+        return v
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for the first option this engine cannot honour, else None."""
+        if self.tools:
+            return "tools", "tools (function calling) are not supported."
+        if self.tool_choice not in (None, "none", "auto"):
+            return "tool_choice", "tool_choice is not supported (no tools)."
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            return "response_format", "only response_format {\"type\": \"text\"} is supported (no JSON or schema mode)."
         if self.n != 1:
             return "n", "only n=1 is supported."
         if self.logprobs:
@@ -67,12 +90,14 @@ class _Sampling(BaseModel):
 
 
 class TextPart(BaseModel):
+    model_config = STRICT
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[TextPart]]] = None
@@ -126,6 +151,8 @@ class CompletionRequest(_Sampling):
 
 class TokenizeRequest(BaseModel):
     """``/tokenize`` (extension): token counts with the served model's tokenizer."""
+
+    model_config = STRICT
 
     prompt: Union[str, list[str]]
     return_ids: bool = False

@@ -6,13 +6,13 @@ import logging
 import signal
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import uvicorn
 
 from ..engine.engine import Engine
 from ..engine.loop import EngineLoop
-from .app import create_app
+from .app import ServerOptions, create_app
 from .metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -20,30 +20,44 @@ logger = logging.getLogger(__name__)
 GRACEFUL_SHUTDOWN_S = 10  # on stop, open requests get this long before their connections close
 
 
-def build(engine: Engine, served_model_name: str | None = None, max_queued_requests: int = 512):
-    """(app, loop): a started EngineLoop over ``engine`` and the app serving it."""
+def build(engine: Engine, served_model_name: str | None = None, on_death: Callable[[BaseException], None] | None = None,
+          **options: Any):
+    """(app, loop): a started EngineLoop over ``engine`` and the app serving it; ``options`` are
+    :class:`ServerOptions` fields."""
     metrics = ServerMetrics()
-    loop = EngineLoop(engine, on_finish=metrics.observe_finished).start()
-    app = create_app(loop, metrics, served_model_name or engine.config.model, max_queued_requests)
-    return app, loop
+    loop = EngineLoop(engine, on_finish=metrics.observe_finished, on_death=on_death).start()
+    opts = ServerOptions(served_model_name=served_model_name or engine.config.model, **options)
+    return create_app(loop, metrics, opts), loop
 
 
 def run_server(engine: Engine, host: str, port: int, served_model_name: str | None = None,
-               max_queued_requests: int = 512, log_level: str = "warning") -> None:
-    """Serve until interrupted (blocks); then stop the engine in order (pending host and storage
-    writes finish, rank processes exit)."""
-    app, loop = build(engine, served_model_name, max_queued_requests)
-    logger.warning("hicache serving %s on http://%s:%d", served_model_name or engine.config.model, host, port)
+               log_level: str = "warning", **options: Any) -> int:
+    """Serve until interrupted or until the engine fails (blocks); then stop the engine in order
+    (pending host and storage writes finish, rank processes exit). Returns the exit status:
+    0 after an orderly stop, 1 when the engine failed (so a supervisor restarts the server)."""
+    server: uvicorn.Server | None = None
+
+    def engine_died(error: BaseException) -> None:
+        logger.error("the engine failed (%s); answering open requests with 503 and exiting", error)
+        if server is not None:
+            server.should_exit = True
+
+    app, loop = build(engine, served_model_name, on_death=engine_died, **options)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                                           timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+    logger.warning("hicache serving %s on http://%s:%d%s", served_model_name or engine.config.model, host, port,
+                   " (API key required)" if options.get("api_key") else "")
     if threading.current_thread() is threading.main_thread():
         # uvicorn stops gracefully on SIGTERM, then re-raises it: with the default action the
         # process would die there, before the engine stops (rank processes left running).
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False,
-                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        server.run()
     finally:
+        app.state.hicache.close()
         loop.stop()
         engine.shutdown()
+    return 1 if loop.error is not None else 0
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:
@@ -75,4 +89,5 @@ class ServerThread:
     def stop(self) -> None:
         self.server.should_exit = True
         self._thread.join(10)
+        self.app.state.hicache.close()
         self.loop.stop()

@@ -9,6 +9,10 @@ scheduler consumes its ack.
 
 Objects are a page of every layer's K and V, laid out ``[layer, K/V, token, kv_head, head_dim]``
 whatever the host pool layout, so deployments with either layout share them.
+
+Every backend call goes through a :class:`~.guard.GuardedBackend` (per-call deadline, circuit
+breaker): a hung or failing store ends an op early with a failure reason (``timeout``,
+``breaker_open``, ``backend_error``), never a stuck thread the scheduler waits on.
 """
 
 from __future__ import annotations
@@ -29,11 +33,13 @@ import torch
 from ..controller import leading_done
 from ..host_pool import HostKVPool
 from .base import StorageBackend
+from .guard import GuardedBackend, failure_reason
 from .objects import decode_checked, encode
 
 logger = logging.getLogger(__name__)
 
 BATCH_PAGES = 128
+READ_EWMA_ALPHA = 0.25  # weight of the newest batch read in the per-page read estimate
 
 
 @dataclass
@@ -98,14 +104,25 @@ def _alone(values: list[int]) -> list[int]:
 Agree = Callable[[list[int]], list[int]]
 
 
+def _log_failure(reason: str, msg: str, *args: object) -> None:
+    """A refused call while the breaker is open is expected (its opening was logged once):
+    debug only, so an open breaker does not flood the log; real failures warn."""
+    logger.log(logging.DEBUG if reason == "breaker_open" else logging.WARNING, msg, *args)
+
+
 class StorageController:
     def __init__(self, backend: StorageBackend, host_pool: HostKVPool,
-                 agree_prefetch: Agree = _alone, agree_backup: Agree = _alone) -> None:
-        self.backend = backend
+                 agree_prefetch: Agree = _alone, agree_backup: Agree = _alone, op_timeout: float = 10.0) -> None:
+        """``op_timeout``: deadline in seconds of each backend call (see :mod:`.guard`)."""
+        self.guard = backend if isinstance(backend, GuardedBackend) else GuardedBackend(backend, timeout_s=op_timeout)
         self._agree_prefetch = agree_prefetch
         self._agree_backup = agree_backup
         self.host_pool = host_pool
         self.stats = StorageStats()
+        # Seconds to read and verify one page (exponentially weighted over batch reads; None
+        # before the first). Written by the prefetch thread, read by the scheduler's prefetch
+        # policy: one float, replaced whole.
+        self.read_page_s: float | None = None
         self._ids = itertools.count()
         self._backups: deque[BackupOp] = deque()
         self._queues: dict[str, queue.Queue] = {"prefetch": queue.Queue(), "backup": queue.Queue()}
@@ -117,6 +134,16 @@ class StorageController:
             t.start()
         # Test hook (fault injection): seconds to sleep before each batch read.
         self.read_delay_fn = None
+
+    @property
+    def backend(self) -> StorageBackend:
+        """The backend behind the guard; assigning one keeps the guard around it (tests swap in
+        a fault-injecting wrapper this way)."""
+        return self.guard.inner
+
+    @backend.setter
+    def backend(self, backend: StorageBackend) -> None:
+        self.guard.inner = backend
 
     # ---- page <-> object payload ---------------------------------------------------------
     def page_bytes(self, host_page: int) -> bytes:
@@ -157,6 +184,8 @@ class StorageController:
         return len(self._backups)
 
     def pop_backups(self, n: int) -> list[BackupOp]:
+        """The first ``n`` backups; waits for any not done (only a full drain asks for those:
+        each of their backend calls is bounded by the guard's deadline)."""
         ops = [self._backups.popleft() for _ in range(n)]
         for op in ops:
             op.done.wait()
@@ -167,7 +196,7 @@ class StorageController:
             q.put(None)
         for t in self._threads:
             t.join(timeout=5)
-        self.backend.close()
+        self.guard.close()
 
     # ---- background threads --------------------------------------------------------------
     def _prefetch_worker(self) -> None:
@@ -175,7 +204,7 @@ class StorageController:
             try:
                 self._read(op)
             except Exception as e:  # never let one op kill the thread
-                op.failure = op.failure or "backend_error"
+                op.failure = op.failure or failure_reason(e)
                 logger.warning("prefetch op=%d failed: %s", op.op_id, e)
             finally:
                 op.progress.append((op.progress[-1][0] if op.progress else 0, True))  # the final ack
@@ -184,10 +213,10 @@ class StorageController:
     def _read(self, op: PrefetchOp) -> None:
         keys = [h.hex() for h in op.hashes]
         try:
-            hit = self.backend.exists_prefix(keys)
+            hit = self.guard.exists_prefix(keys)
         except Exception as e:
-            hit, op.failure = 0, "backend_error"
-            logger.warning("storage exists query failed (%d keys): %s", len(keys), e)
+            hit, op.failure = 0, failure_reason(e)
+            _log_failure(op.failure, "prefetch op=%d: storage exists query (%d keys) failed: %s", op.op_id, len(keys), e)
         # Several ranks: every rank reads its own shard of the same pages, so a page counts
         # only when all have it. The agreement runs on every rank for every op, in op order.
         op.hit_pages = self._agree_prefetch([hit])[0]
@@ -200,7 +229,7 @@ class StorageController:
                 try:  # a local failure still joins this round's agreement: it just brings 0 pages
                     good = self._read_batch(op, keys, done, end)
                 except Exception as e:
-                    op.failure = op.failure or "backend_error"
+                    op.failure = op.failure or failure_reason(e)
                     logger.warning("prefetch op=%d: reading pages %d-%d failed: %s", op.op_id, done, end, e)
             reached, go_on = self._agree_prefetch([done + good, 0 if stopped else 1])
             if reached < done + good:
@@ -209,7 +238,8 @@ class StorageController:
             op.progress.append((done, False))
             if not go_on or done < end:
                 if done < end and not stopped:
-                    logger.warning("prefetch op=%d stopped at page %d/%d: %s", op.op_id, done, op.hit_pages, op.failure)
+                    _log_failure(op.failure, "prefetch op=%d stopped at page %d/%d: %s", op.op_id, done, op.hit_pages,
+                                 op.failure)
                 return
 
     def _read_batch(self, op: PrefetchOp, keys: list[str], start: int, end: int) -> int:
@@ -219,10 +249,10 @@ class StorageController:
             time.sleep(self.read_delay_fn(op))
         t0 = time.perf_counter()
         try:
-            blobs = self.backend.batch_get(keys[start:end])
+            blobs = self.guard.batch_get(keys[start:end])
         except Exception as e:
-            op.failure = "backend_error"
-            logger.warning("storage read of %d pages failed: %s", end - start, e)
+            op.failure = failure_reason(e)
+            _log_failure(op.failure, "prefetch op=%d: storage read of %d pages failed: %s", op.op_id, end - start, e)
             return 0
         good = 0
         for i, blob in enumerate(blobs):
@@ -233,8 +263,16 @@ class StorageController:
                 break
             self.load_page(int(op.host_pages[start + i]), payload)
             good += 1
-        self.stats.prefetch_time_s += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        self.stats.prefetch_time_s += elapsed
+        self._observe_read(end - start, elapsed)
         return good
+
+    def _observe_read(self, pages: int, seconds: float) -> None:
+        """Fold one batch read (``pages`` pages asked for, in ``seconds``) into ``read_page_s``."""
+        per_page = seconds / pages
+        last = self.read_page_s
+        self.read_page_s = per_page if last is None else last + READ_EWMA_ALPHA * (per_page - last)
 
     def _backup_worker(self) -> None:
         while (op := self._queues["backup"].get()) is not None:
@@ -243,15 +281,15 @@ class StorageController:
                 blobs = [encode(op.ns_digest, h, self.page_bytes(int(p))) for h, p in zip(op.hashes, op.host_pages)]
                 for i in range(0, len(blobs), BATCH_PAGES):
                     batch = blobs[i : i + BATCH_PAGES]
-                    stored = self.backend.batch_set([h.hex() for h in op.hashes[i : i + BATCH_PAGES]], batch)
+                    stored = self.guard.batch_set([h.hex() for h in op.hashes[i : i + BATCH_PAGES]], batch)
                     op.written += stored
                     if stored < len(batch):  # keep `written` a leading count: a gap ends the chain
                         op.failure = "short_write"
                         break
                 self.stats.backup_bytes += sum(len(b) for b in blobs[: op.written])
             except Exception as e:
-                op.failure = "backend_error"
-                logger.warning("storage backup op=%d (%d pages) failed: %s", op.op_id, len(op.hashes), e)
+                op.failure = failure_reason(e)
+                _log_failure(op.failure, "storage backup op=%d (%d pages) failed: %s", op.op_id, len(op.hashes), e)
             finally:
                 # Several ranks: a page counts as stored only when every rank stored its shard.
                 agreed = self._agree_backup([op.written])[0]

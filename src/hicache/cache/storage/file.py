@@ -19,12 +19,12 @@ view of the index only.
 from __future__ import annotations
 
 import dataclasses
-
 import errno
 import logging
 import os
 import re
 import secrets
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -122,16 +122,10 @@ class FileBackend(StorageBackend):
             raise StorageError(f"cannot create storage directory {self.root}: {e}") from e
         stray = self._scan()
         evicted = self._evict_to_fit(0) if self.max_bytes is not None else (0, 0)
-        log.info(
-            "file storage opened at %s: %d objects, %d bytes, cap %s, removed %d stray temp "
-            "files%s",
-            self.root,
-            len(self._index.sizes),
-            self._index.total,
-            "none" if self.max_bytes is None else f"{self.max_bytes} bytes",
-            stray,
-            f", evicted {evicted[0]} objects to fit the cap" if evicted[0] else "",
-        )
+        log.info("file storage opened at %s: %d objects, %d bytes, cap %s, removed %d stray temp files%s",
+                 self.root, len(self._index.sizes), self._index.total,
+                 "none" if self.max_bytes is None else f"{self.max_bytes} bytes", stray,
+                 f", evicted {evicted[0]} objects to fit the cap" if evicted[0] else "")
 
     # -- paths ----------------------------------------------------------------------------
     def path_of(self, key: str) -> Path:
@@ -207,15 +201,25 @@ class FileBackend(StorageBackend):
 
     # -- StorageBackend -------------------------------------------------------------------
     def exists_prefix(self, keys: list[str]) -> int:
-        # stat only; the disk (not the index) is the truth when a directory is shared.
+        # stat only; the disk (not the index) is the truth when a directory is shared. Only
+        # ENOENT is a miss: EACCES, ENOTDIR, EIO, ... are errors an operator must see.
         for i, key in enumerate(keys):
-            if not os.path.isfile(self.path_of(key)):
+            try:
+                if not stat.S_ISREG(os.stat(self.path_of(key)).st_mode):
+                    return i  # not an object (e.g. a stray directory): a miss
+            except FileNotFoundError:
                 return i
+            except OSError as e:
+                with self._lock:
+                    self._stats.errors += 1
+                log.warning("file storage: cannot stat key %d of %d: %s", i, len(keys), e)
+                raise StorageError(f"file storage at {self.root}: cannot stat an object: {e}") from e
         return len(keys)
 
     def batch_get(self, keys: list[str]) -> list[bytes | None]:
         out: list[bytes | None] = []
         hits = nread = errors = 0
+        first_error = ""
         touch_before = time.time() - self.touch_interval_s
         for key in keys:
             path = self.path_of(key)
@@ -224,9 +228,9 @@ class FileBackend(StorageBackend):
             except FileNotFoundError:
                 out.append(None)
                 continue
-            except OSError as e:
+            except OSError as e:  # unreadable, not missing: counted and logged (once per batch)
                 errors += 1
-                log.warning("file storage: read of %s failed: %s", path, e)
+                first_error = first_error or f"{path}: {e}"
                 out.append(None)
                 continue
             out.append(data)
@@ -243,6 +247,8 @@ class FileBackend(StorageBackend):
             s.get_hits += hits
             s.bytes_read += nread
             s.errors += errors
+        if errors:
+            log.warning("file storage: %d of %d reads failed, first %s", errors, len(keys), first_error)
         if errors and errors == len(keys):
             raise StorageError(f"file storage at {self.root}: every read in the batch failed")
         return out
