@@ -32,7 +32,7 @@ def test_new_process_serves_stored_history(tmp_path: Path, reference: list[int])
     write_history(tmp_path)
     code = f"""
 import json
-from hicache import Engine
+from hicache import Engine, SamplingParams
 e = Engine("random:tiny", dtype="float32", page_size=16, max_total_tokens=2048, enable_hierarchical_cache=True,
            hicache_storage_backend="file", hicache_storage_backend_extra_config=json.dumps({{"path": {str(tmp_path)!r}}}),
            hicache_storage_prefetch_threshold=64, hicache_storage_prefetch_policy="wait_complete")
