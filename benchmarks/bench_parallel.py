@@ -60,6 +60,7 @@ def micro_rank(rank: int, tp: int, pp: int, init: str, repeats: int, out) -> Non
     import torch.distributed as dist
 
     from hicache.parallel.groups import ParallelGroups, RankInfo
+    from hicache.engine.events import StepEvents
     from hicache.parallel.messages import StageMessage, StepInputs
 
     torch.set_num_threads(1)
@@ -77,10 +78,11 @@ def micro_rank(rank: int, tp: int, pp: int, init: str, repeats: int, out) -> Non
         res["tp_min"] = times
     if pp > 1 and tp == 1:  # stage 0 <-> stage 1 ping-pong of a StageMessage
         rtt, stamped = [], []
+        events = StepEvents.from_list(list(range(COUNTS)))  # 4 queue counts + 2 open prefetches
         for i in range(WARMUP + repeats):
             if info.pp_rank == 0:
                 t = time.perf_counter()
-                groups.send(1, StageMessage(StepInputs(), [], list(range(COUNTS)), None, None, time.perf_counter()))
+                groups.send(1, StageMessage(StepInputs(), [], events, None, None, time.perf_counter()))
                 groups.recv(1)
                 if i >= WARMUP:
                     rtt.append(time.perf_counter() - t)
@@ -88,7 +90,7 @@ def micro_rank(rank: int, tp: int, pp: int, init: str, repeats: int, out) -> Non
                 msg = groups.recv(0)
                 if i >= WARMUP:
                     stamped.append(time.perf_counter() - msg.sent_at)
-                groups.send(0, StageMessage(msg.inputs, [], msg.counts, None, None, time.perf_counter()))
+                groups.send(0, StageMessage(msg.inputs, [], msg.events, None, None, time.perf_counter()))
         if info.pp_rank == 0:
             res["hop_rtt"] = rtt
         else:

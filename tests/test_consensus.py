@@ -12,18 +12,16 @@ import time
 
 import pytest
 
-from hicache.parallel import consensus
-from hicache.parallel.consensus import (
+from hicache.consensus_record import (
     ENV_VAR,
-    ConsensusComparator,
-    ConsensusMonitor,
-    Divergence,
     Entry,
     consensus_check,
     install_recorder,
     make_queue_sink,
     uninstall_recorder,
 )
+from hicache.parallel import consensus
+from hicache.parallel.consensus import ConsensusComparator, ConsensusMonitor, Divergence
 
 
 @pytest.fixture
@@ -43,7 +41,7 @@ def recorded(checker_on):
 # --- decorator on/off -------------------------------------------------------------------------
 
 _PROBE = """
-from hicache.parallel.consensus import consensus_check
+from hicache.consensus_record import consensus_check
 def f(x):
     return x
 g = consensus_check("f")(f)

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 
 import numpy as np
 import pytest
 import torch
 
 from hicache import Engine, SamplingParams
+from hicache.cache.acks import AckCounts
 from hicache.cache.controller import BACKUP, LOAD
 from hicache.cache.host_pool import HostKVPool
 from hicache.cache.manager import KVCacheManager
@@ -104,7 +104,10 @@ def test_random_interleavings_with_transfer_delays_keep_invariants(plain: Engine
 
 
 def test_layerwise_load_back_overlaps_compute() -> None:
-    """Layer 0 of the forward starts while later layers of its load are still copying."""
+    """The forward reads layer i as soon as layer i is loaded: its wait for layer i ends
+    while layer i+1 is still copying. The copy of layer i+1 is held until the forward has
+    finished waiting for layer i, so a load-back that made the forward wait for the whole
+    copy (no overlap) would stall here and show layer i+1 complete."""
     engine = small_device_engine(model="random:small", max_total_tokens=256)
     prompt = list(range(5, 69))
     engine.generate([prompt], GREEDY)
@@ -112,9 +115,17 @@ def test_layerwise_load_back_overlaps_compute() -> None:
     engine.cache.tree.evict(10**6)  # everything now lives on the host only
     assert engine.cache.usage()["cached_pages"] == 0
 
+    num_layers = engine.loaded.spec.num_layers
     controller = engine.cache.controller
-    controller.delay_fn = lambda op, layer: 0.05 if op.kind == LOAD else 0.0
-    loads, waits = [], {}
+    waited = [threading.Event() for _ in range(num_layers)]
+    next_layer_done_at_wait: dict[int, bool] = {}
+    loads = []
+
+    def hold_until_previous_layer_read(op, layer: int) -> float:
+        if op.kind == LOAD and layer > 0:
+            waited[layer - 1].wait(5)  # (5 s: without overlap this never comes; then fail, not hang)
+        return 0.0
+
     submit, wait_layer = controller.submit, engine.cache.kv_view.wait_layer
 
     def spy_submit(kind, *a):
@@ -123,16 +134,19 @@ def test_layerwise_load_back_overlaps_compute() -> None:
             loads.append(op)
         return op
 
-    def spy_wait(layer):
+    def spy_wait(layer: int) -> None:
         wait_layer(layer)
-        waits.setdefault(layer, time.perf_counter())
+        if loads and layer not in next_layer_done_at_wait:
+            nxt = loads[0].layer_done[layer + 1] if layer + 1 < num_layers else None
+            next_layer_done_at_wait[layer] = nxt is not None and nxt.is_set()
+        waited[layer].set()
 
+    controller.delay_fn = hold_until_previous_layer_read
     controller.submit, engine.cache.kv_view.wait_layer = spy_submit, spy_wait
     res = engine.generate([prompt], GREEDY)[0]
     assert res.cached_tokens_details["host"] == 60 and len(loads) == 1
-    num_layers = engine.loaded.spec.num_layers
-    assert waits[0] < loads[0].finish_time, "layer 0 should compute before the last layer is loaded"
-    assert all(waits[i] >= 0 for i in range(num_layers))
+    assert sorted(next_layer_done_at_wait) == list(range(num_layers))
+    assert not any(next_layer_done_at_wait.values()), next_layer_done_at_wait
     engine.shutdown()
 
 
@@ -172,14 +186,14 @@ def test_split_during_pending_backup_keeps_both_fragments() -> None:
     _fill(mgr, state.pages, tokens)
     mgr.release("ns", tokens, state)
     mgr.submit_transfers()  # the backup now blocks in the worker
-    assert mgr.ack_counts()[BACKUP] == 0
+    assert mgr.ack_counts().backup == 0
     # A request sharing the first 3 pages splits the node while its backup is pending.
     other = np.concatenate([tokens[:6], np.array([90, 91, 92, 93], dtype=np.int32)])
     st2 = mgr.admit("ns", other, len(other))
     assert st2.device_hit_tokens == 6
     mgr.tree.check_invariants()
     release_backup.set()
-    mgr.consume_acks({BACKUP: mgr.controller.pending(BACKUP), LOAD: 0})
+    mgr.consume_acks(AckCounts(backup=mgr.controller.pending(BACKUP)))
     mgr.release("ns", other[:6], st2)
     mgr.drain()
     mgr.tree.check_invariants()

@@ -290,3 +290,58 @@ def test_adaptive_policy_gives_up_on_a_hung_backend(tmp_path: Path, reference: l
     finally:
         hung.release()
         engine.shutdown()
+
+
+def _tree_state(engine: Engine) -> list[tuple[int, int, bool]]:
+    """(tokens, hit count, has a host copy) of every node, in a fixed order."""
+    nodes = [n for n in engine.cache.tree._all_nodes() if not n.is_root]
+    return sorted((len(n.key), n.hit_count, n.host_pages is not None) for n in nodes)
+
+
+def test_prefetch_probe_is_not_a_hit(tmp_path: Path) -> None:
+    """The prefetch probe reads the tree without touching it: with storage on, a request adds
+    the same hits to its path as without, so write_through_selective backs up on the same
+    request (it used to count the probe as one more hit and back up a request early)."""
+    kw = dict(hicache_write_policy="write_through_selective", hicache_write_through_threshold=4)
+    with_storage = storage_engine(tmp_path, **kw)
+    without = storage_engine(tmp_path, hicache_storage_backend=None, **kw)
+    try:
+        assert with_storage.cache.storage is not None and without.cache.storage is None
+        for turn in range(3):
+            for engine in (with_storage, without):
+                engine.generate([PROMPT], GREEDY)
+                engine.cache.drain()
+            assert _tree_state(with_storage) == _tree_state(without), turn
+            if turn == 1:  # the shared prompt node has 3 hits (insert, admit, insert): under 4
+                assert not any(host for _, _, host in _tree_state(with_storage))
+    finally:
+        with_storage.shutdown()
+        without.shutdown()
+
+
+def test_prefetch_chain_continues_inside_a_node(tmp_path: Path) -> None:
+    """A probe that ends inside a tree node neither splits nor counts it, and the prefetch's
+    keys continue the chain from that node's hash at the page where the match ends."""
+    import torch
+
+    from hicache.cache.host_pool import HostKVPool
+    from hicache.cache.manager import KVCacheManager
+    from hicache.cache.pools import DeviceKVPool
+    from hicache.cache.storage import create_backend
+
+    pool = DeviceKVPool(2, 1, 4, 64, 4, torch.float32, "cpu")
+    cache = KVCacheManager(pool, host_pool=HostKVPool(pool, num_pages=64), prefetch_threshold=4,
+                           storage=create_backend("file", {"path": str(tmp_path)}))
+    try:
+        cached = np.arange(1, 13, dtype=np.int32)  # one node of 3 pages
+        cache.tree.insert("ns", cached, cache.allocator.alloc(3))
+        prompt = np.concatenate([cached[:8], np.arange(50, 71)]).astype(np.int32)  # shares 2 of its pages
+        before = [(n.id, n.hit_count, n.last_access) for n in cache.tree._all_nodes()]
+        op = cache.start_prefetch("ns", prompt)
+        assert [(n.id, n.hit_count, n.last_access) for n in cache.tree._all_nodes()] == before
+        assert op is not None and op.start_page == 2
+        whole = page_hashes(prompt, 4, cache.ns_digest("ns"))
+        assert op.hashes == whole[2 : (len(prompt) - 1) // 4]
+        cache.finish_prefetch(op, prompt)
+    finally:
+        cache.shutdown()

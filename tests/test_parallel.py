@@ -21,10 +21,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from hicache import Engine, SamplingParams
+from hicache import Engine, SamplingParams, consensus_record
 from hicache.bench.main import launch_server
+from hicache.engine.events import StepEvents
 from hicache.errors import HicacheError
-from hicache.parallel import consensus
 from hicache.parallel.faults import ENV_VAR as FAULTS_ENV
 from hicache.parallel.worker import ALTER_MATCH_ENV, DISABLE_PP_SYNC_ENV
 
@@ -67,7 +67,7 @@ def reference() -> list[list[int]]:
 @pytest.fixture
 def checker(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank consensus checker on, for ranks started from now on."""
-    monkeypatch.setenv(consensus.ENV_VAR, "1")
+    monkeypatch.setenv(consensus_record.ENV_VAR, "1")
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
@@ -147,9 +147,10 @@ def test_tp_partial_sums_through_shared_memory_or_gloo(reduce: str, monkeypatch:
         engine.shutdown()
 
 
-def backup_counts(trace: list[consensus.Entry]) -> list[int]:
+def backup_counts(trace: list[consensus_record.Entry]) -> list[int]:
     """Backup acks consumed at each cache check that consumed any."""
-    return [e.params[0] for e in trace if e.function == "scheduler.consume_events" and e.params[0] > 0]
+    consumed = (StepEvents.from_list(e.params).acks.backup for e in trace if e.function == "scheduler.consume_events")
+    return [n for n in consumed if n > 0]
 
 
 def seed_pp_engine(monkeypatch: pytest.MonkeyPatch, pp_sync: bool) -> Engine:
@@ -201,7 +202,7 @@ def test_without_pp_sync_the_checker_reports_the_divergence(checker: None, monke
     assert "cache.consume_acks" in str(info.value)
 
 
-@pytest.mark.parametrize("tp,pp,altered", [(2, 1, "PP0/TP1"), (2, 2, "PP0/TP0")])
+@pytest.mark.parametrize("tp,pp,altered", [(3, 1, "PP0/TP1"), (2, 2, "PP0/TP0")])
 def test_checker_names_an_injected_divergence(
     tp: int, pp: int, altered: str, checker: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -214,10 +215,9 @@ def test_checker_names_an_injected_divergence(
             for _ in range(20):  # the second turn hits the cache: the altered rank matches a page less
                 engine.generate([prompt + [3, 4, 5]], SamplingParams(max_new_tokens=2, temperature=0.0))
         div = engine.group.monitor.divergence
-        if tp * pp >= 3:  # a majority names the odd rank, though it is the leader and arrives first
-            assert div.divergent_rank == altered
-        else:  # two ranks: either may be the reference
-            assert altered in (div.divergent_rank, div.reference_rank)
+        # Three ranks or more: a majority names the odd rank, even when it is the leader and
+        # its entries arrive first.
+        assert div.divergent_rank == altered and div.reference_rank != altered
         # The altered rank matched twice (full, then a page shorter) where its peer moved on.
         assert "tree.match_prefix" in (div.expected.function, div.got.function)
     finally:
@@ -485,3 +485,36 @@ def test_a_corrupt_object_on_one_rank_shortens_the_hit_on_every_rank(tmp_path: P
         assert engine.group.monitor.divergence is None
     finally:
         engine.shutdown()
+
+
+_UNGUARDED_SCRIPT = """
+import json
+from hicache import Engine, SamplingParams
+with open({marker!r}, "a") as marker:  # one line per run of this top level
+    marker.write("ran\\n")
+engine = Engine("random:tiny", dtype="float32", tp_size=2, max_total_tokens=1024)
+result = engine.generate([{prompt!r}], SamplingParams(max_new_tokens=6, temperature=0.0))[0]
+print("OUTPUT", json.dumps(result.output_ids), flush=True)
+engine.shutdown()
+"""
+
+
+def test_a_script_without_main_guard_runs_once_and_gets_one_ranks_tokens(tmp_path: Path) -> None:
+    """The rank processes never re-run the user's script: a plain script with no
+    ``if __name__ == "__main__":`` guard starts a TP2 engine and gets one rank's greedy tokens."""
+    prompt = [5, 17, 42, 99, 3, 250, 7, 61, 12, 33]
+    marker = tmp_path / "ran.txt"
+    script = tmp_path / "unguarded.py"
+    script.write_text(_UNGUARDED_SCRIPT.format(marker=str(marker), prompt=prompt))
+    src = Path(__file__).resolve().parents[1] / "src"
+    done = subprocess.run([sys.executable, str(script)], env=dict(os.environ, PYTHONPATH=str(src)),
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert marker.read_text().splitlines() == ["ran"]  # the ranks did not import it again
+    outputs = [line.split(maxsplit=1)[1] for line in done.stdout.splitlines() if line.startswith("OUTPUT ")]
+    plain = Engine("random:tiny", dtype="float32", max_total_tokens=1024)
+    try:
+        want = plain.generate([prompt], SamplingParams(max_new_tokens=6, temperature=0.0))[0].output_ids
+    finally:
+        plain.shutdown()
+    assert [json.loads(o) for o in outputs] == [want]

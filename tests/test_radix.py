@@ -399,8 +399,6 @@ def test_reset_returns_all_pages():
 def test_insert_into_device_less_node_keeps_accounting():
     """When insert adopts pages for an evicted (host-backed) node, the tree must own or free
     every caller page past the returned length; none may leak."""
-    if not hasattr(RadixCache, "attach_host_pages"):
-        pytest.skip("no host tier API")
     alloc, host = PageAllocator(32), PageAllocator(32)
     tree = RadixCache(1, alloc, "lru", host_allocator=host)
     put(tree, alloc, toks(1, 2, 3, 4))
@@ -413,10 +411,8 @@ def test_insert_into_device_less_node_keeps_accounting():
     m = tree.match_prefix("m", toks(1, 2, 3, 4))
     assert m.device_hit_tokens == 0 and m.host_hit_tokens == 4
     pages = alloc.alloc(6)
-    already = tree.insert("m", toks(1, 2, 3, 4, 5, 6), pages)
-    assert already == 0
-    alloc.free(pages[:already])
-    accounting(tree, alloc)  # the tree owns all 6 pages now
+    assert tree.insert("m", toks(1, 2, 3, 4, 5, 6), pages) == 0  # nothing was on the device: all 6 adopted
+    accounting(tree, alloc)  # the tree owns all 6 pages now: none leaked, none freed twice
     assert tree.match_prefix("m", toks(1, 2, 3, 4, 5, 6)).device_pages.tolist() == pages.tolist()
     tree.reset()
     assert alloc.available == alloc.capacity and host.available == host.capacity
@@ -639,3 +635,93 @@ def test_match_equals_longest_cached_prefix_without_eviction(ps, seqs):
     assert tree.cached_pages == len(cached)
     tree.reset()
     assert alloc.available == alloc.capacity
+
+
+# ---- peek_prefix: match_prefix's lengths, read-only ----------------------------------------
+def snapshot(tree: RadixCache) -> tuple:
+    """Everything a read-only call must leave alone: every node's fields, the counters, the
+    logical tick and the next node id."""
+    nodes = sorted(
+        (n.id, n.namespace, n.key.tobytes(), None if n.parent is None else n.parent.id,
+         None if n.device_pages is None else n.device_pages.tolist(),
+         None if n.host_pages is None else n.host_pages.tolist(),
+         n.lock_ref, n.host_ref, n.last_access, n.hit_count, n.stored)
+        for n in tree._all_nodes()
+    )
+    return (nodes, sorted(tree._roots), tree._tick, repr(tree._ids), tree.evictable_pages,
+            tree.protected_pages, tree.host_pages_held)
+
+
+def test_peek_inside_a_node_neither_splits_nor_counts():
+    alloc, tree = make(page_size=2)
+    put(tree, alloc, toks(1, 2, 3, 4, 5, 6))
+    before = snapshot(tree)
+    p = tree.peek_prefix("m", toks(1, 2, 3, 4, 9, 9))
+    assert snapshot(tree) == before and tree.num_nodes() == 1
+    assert (p.device_hit_tokens, p.host_hit_tokens, p.node_pages) == (4, 0, 2)
+    assert p.node is tree.node_at("m", toks(1, 2, 3, 4, 5, 6))  # the whole node: not split
+    m = tree.match_prefix("m", toks(1, 2, 3, 4, 9, 9))
+    assert m.device_hit_tokens == 4 and m.last_node is p.node.parent  # match splits where peek stopped
+
+
+def test_peek_on_unknown_namespace_or_miss_creates_nothing():
+    alloc, tree = make(page_size=2)
+    put(tree, alloc, toks(1, 2, 3, 4))
+    before = snapshot(tree)
+    for ns, t in (("other", toks(1, 2)), ("m", toks(7, 7)), ("m", toks(1))):
+        p = tree.peek_prefix(ns, t)
+        assert (p.device_hit_tokens, p.host_hit_tokens, p.node, p.node_pages) == (0, 0, None, 0)
+    assert snapshot(tree) == before  # no root was made for "other"
+
+
+def _fresh_pages(tree: RadixCache, alloc: PageAllocator, n: int) -> np.ndarray | None:
+    if n > alloc.available:
+        tree.evict(n - alloc.available)
+    return alloc.alloc(n)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_peek_equals_match_and_changes_nothing(data):
+    """Random workloads over both tiers (inserts, host backups, device eviction that leaves
+    host-only nodes, storage fetches): every peek leaves the tree as it was and reports the
+    lengths of the match_prefix that follows, ending where that match ends (or splits)."""
+    ps = data.draw(st.integers(1, 3), label="page_size")
+    alloc, host = PageAllocator(24), PageAllocator(24)
+    tree = RadixCache(ps, alloc, data.draw(st.sampled_from(["lru", "lfu"])), host)
+    seqs = st.lists(st.integers(0, 2), max_size=14).map(lambda s: np.array(s, dtype=np.int32))
+    seen = [np.zeros(0, dtype=np.int32)]  # earlier sequences: most new ones extend one, so paths get deep
+    for _ in range(data.draw(st.integers(1, 30), label="steps")):
+        kind = data.draw(st.sampled_from(["insert", "insert", "backup", "evict", "fetch", "probe", "probe"]))
+        base = data.draw(st.sampled_from(seen))
+        t = np.concatenate([base[: data.draw(st.integers(0, len(base)))], data.draw(seqs)]).astype(np.int32)
+        ns = data.draw(st.sampled_from(["a", "a", "b"]))
+        seen.append(t)
+        n = len(t) // ps
+        if kind == "insert" and (pages := _fresh_pages(tree, alloc, n)) is not None:
+            alloc.free(pages[: tree.insert(ns, t, pages) // ps])
+        elif kind == "backup":
+            nodes = [x for x in tree._all_nodes() if not x.is_root and x.host_pages is None]
+            node = data.draw(st.sampled_from(nodes)) if nodes else None
+            if node is not None and (hp := host.alloc(len(node.key) // ps)) is not None:
+                tree.attach_host_pages(node, hp)
+        elif kind == "evict":
+            tree.evict(data.draw(st.integers(0, 8)))
+        elif kind == "fetch":
+            p = tree.peek_prefix(ns, t)
+            start = (p.device_hit_tokens + p.host_hit_tokens) // ps
+            if n > start and (hp := host.alloc(n - start)) is not None:
+                host.free(hp[: tree.insert_host(ns, t, hp, start)])
+        elif kind == "probe":
+            before = snapshot(tree)
+            p = tree.peek_prefix(ns, t)
+            assert snapshot(tree) == before
+            whole = None if p.node is None else len(p.node.key)
+            m = tree.match_prefix(ns, t)
+            assert (p.device_hit_tokens, p.host_hit_tokens) == (m.device_hit_tokens, m.host_hit_tokens)
+            if p.node is None:
+                assert m.last_node.is_root
+            else:
+                assert 0 < p.node_pages * ps <= whole
+                assert m.last_node is (p.node if p.node_pages * ps == whole else p.node.parent)
+        tree.check_invariants()

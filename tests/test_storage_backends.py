@@ -16,7 +16,7 @@ from hicache.cache.storage import objects
 from hicache.cache.storage.base import StorageBackend, StorageError
 from hicache.cache.storage.faulty import FaultyBackend
 from hicache.cache.storage.file import TMP_PREFIX, FileBackend
-from hicache.cache.storage.keys import key_of, namespace_digest, page_hashes
+from hicache.cache.storage.keys import namespace_digest, object_key, page_hashes
 from hicache.cache.storage.objects import DecodeStatus, decode, decode_checked, encode
 from hicache.cache.storage.registry import create_backend
 from hicache.config import ConfigError
@@ -34,7 +34,7 @@ def _pages(n: int, size: int = 1000, seed: int = 0, ns: bytes = NS):
     out = []
     for i, h in enumerate(hashes):
         payload = bytes((seed + i + j) % 251 for j in range(size))
-        out.append((key_of(h), h, encode(ns, h, payload)))
+        out.append((object_key(h), h, encode(ns, h, payload)))
     return out
 
 

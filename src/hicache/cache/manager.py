@@ -15,14 +15,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..parallel.consensus import consensus_check
+from ..consensus_record import consensus_check
+from .acks import AckCounts
 from .controller import BACKUP, LOAD, TransferController, TransferOp, leading_done
 from .host_pool import HostKVPool
 from .pools import DeviceKVPool, PageAllocator, pages_to_slots
 from .radix import RadixCache, TreeNode
 from .storage.base import StorageBackend
 from .storage.controller import Agree, PrefetchOp, StorageController
-from .storage.keys import namespace_digest, page_hashes
+from .storage.keys import KeyNamespace, continue_chain, page_hashes
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +122,8 @@ class KVCacheManager:
         # L3: prefetch reserves host pages; at most this many may be held by prefetches at once.
         self.storage = StorageController(storage, host_pool, *(storage_agree or ()), op_timeout=storage_op_timeout) \
             if storage is not None else None
-        self.shard = shard
+        k = pool.k_buffers[0]  # what a page object holds: this rank's layers and KV heads
+        self.keys = KeyNamespace(self.page_size, str(k.dtype), tuple(k.shape[1:]), len(pool.k_buffers), shard)
         self.prefetch_threshold = prefetch_threshold
         self.prefetch_page_limit = int(prefetch_max_host_fraction * self.host_allocator.capacity) \
             if self.host_allocator is not None else 0
@@ -129,7 +131,6 @@ class KVCacheManager:
         # Stopped prefetches whose reader may still write their unused host pages; freed in
         # order, as many as agreed ("prefetch_reap" acks), so host allocation stays in step.
         self._stopped_prefetches: deque[tuple[PrefetchOp, np.ndarray]] = deque()
-        self._ns_digests: dict[str, bytes] = {}
         self._pending: dict[str, list[tuple[np.ndarray, np.ndarray, TreeNode | None]]] = {BACKUP: [], LOAD: []}
         self.stats = CacheStats()
 
@@ -293,43 +294,36 @@ class KVCacheManager:
                 self.controller.submit(kind, dev, host, [n for _, _, n in items if n is not None])
                 items.clear()
 
-    def ack_kinds(self) -> list[str]:
-        """The ordered ack queues of this cache (the layout of :meth:`ack_counts`)."""
+    def ack_counts(self) -> AckCounts:
+        """Leading acks ready on this rank, per queue (the input to agreement)."""
         if self.controller is None:
-            return []
-        return [BACKUP, LOAD] + (["storage_backup", "prefetch_reap"] if self.storage is not None else [])
+            return AckCounts()
+        if self.storage is None:
+            return AckCounts(self.controller.ready_count(BACKUP), self.controller.ready_count(LOAD))
+        return AckCounts(self.controller.ready_count(BACKUP), self.controller.ready_count(LOAD),
+                         self.storage.backup_ready_count(), leading_done(op for op, _ in self._stopped_prefetches))
 
-    def ack_counts(self) -> dict[str, int]:
-        """Leading acks ready on this rank, per queue of :meth:`ack_kinds` (the input to agreement)."""
-        if self.controller is None:
-            return {}
-        counts = {BACKUP: self.controller.ready_count(BACKUP), LOAD: self.controller.ready_count(LOAD)}
-        if self.storage is not None:
-            counts["storage_backup"] = self.storage.backup_ready_count()
-            counts["prefetch_reap"] = leading_done(op for op, _ in self._stopped_prefetches)
-        return counts
-
-    @consensus_check("cache.consume_acks", args=lambda self, counts: sorted(counts.items()))
-    def consume_acks(self, counts: dict[str, int]) -> None:
-        """Apply exactly ``counts[kind]`` leading acks: unlock their nodes, count their bytes."""
+    @consensus_check("cache.consume_acks", args=lambda self, acks: acks.to_list())
+    def consume_acks(self, acks: AckCounts) -> None:
+        """Apply exactly the given leading acks: unlock their nodes, count their bytes."""
         if self.controller is None:
             return
-        for kind in (BACKUP, LOAD):
-            for op in self.controller.pop(kind, counts.get(kind, 0)):
+        for kind, n in ((BACKUP, acks.backup), (LOAD, acks.load)):
+            for op in self.controller.pop(kind, n):
                 for node in op.payload:
                     self.tree.dec_lock_ref(node)
                     if kind == BACKUP and self.storage is not None:
                         self._backup_to_storage(node)
                 self._account(op)
         if self.storage is not None:
-            for op in self.storage.pop_backups(counts.get("storage_backup", 0)):
+            for op in self.storage.pop_backups(acks.storage_backup):
                 for node in op.payload:
                     self.tree.dec_host_ref(node)
                     if op.failure:
                         node.stored = False
                 if op.failure:
                     self.storage.stats.fail(op.failure)
-            self._reap_stopped_prefetches(counts.get("prefetch_reap", 0))
+            self._reap_stopped_prefetches(acks.prefetch_reap)
 
     def _account(self, op: TransferOp) -> None:
         tokens, nbytes = op.num_pages * self.page_size, op.num_pages * self.pool.bytes_per_page
@@ -364,35 +358,29 @@ class KVCacheManager:
         if self.controller is None:
             return
         self.submit_transfers()
-        self.consume_acks({kind: self.controller.pending(kind) for kind in (BACKUP, LOAD)})
+        self.consume_acks(AckCounts(backup=self.controller.pending(BACKUP), load=self.controller.pending(LOAD)))
         if self.storage is not None:  # host backups just consumed may have queued storage writes
-            self.consume_acks({"storage_backup": self.storage.pending_backups()})
-            self._reap_stopped_prefetches(len(self._stopped_prefetches))
+            self.consume_acks(AckCounts(storage_backup=self.storage.pending_backups(),
+                                        prefetch_reap=len(self._stopped_prefetches)))
 
     # ---- storage tier (L3) ---------------------------------------------------------------
     def ns_digest(self, namespace: str) -> bytes:
-        """Head of the hash chain: names the model, dtype, page size and object layout."""
-        d = self._ns_digests.get(namespace)
-        if d is None:
-            d = namespace_digest(namespace=namespace, page_size=self.page_size, dtype=str(self.pool.k_buffers[0].dtype),
-                                 object_layout="layer,kv,token,head,dim/v1",
-                                 kv_shape=list(self.pool.k_buffers[0].shape[1:]), layers=len(self.pool.k_buffers),
-                                 shard=self.shard)
-            self._ns_digests[namespace] = d
-        return d
+        """Head of the hash chain of ``namespace`` on this rank (see :class:`KeyNamespace`)."""
+        return self.keys.digest(namespace)
 
-    def _chain_end(self, node: TreeNode) -> bytes:
-        """The hash of the last page on the path to ``node`` (computing missing ones)."""
+    def _node_hashes(self, node: TreeNode) -> list[bytes]:
+        """The page hashes of (non-root) ``node``; the missing ones on its path are computed and
+        kept on their nodes, so a chain is hashed once however often it is continued."""
         path = []
         n = node
         while not n.is_root and n.hash_values is None:
             path.append(n)
             n = n.parent
-        prev = self.ns_digest(node.namespace) if n.is_root else n.hash_values[-1]
-        for n in reversed(path):
-            n.hash_values = page_hashes(n.key, self.page_size, prev)
-            prev = n.hash_values[-1]
-        return prev
+        path.reverse()
+        head = self.ns_digest(node.namespace) if n.is_root else n.hash_values[-1]
+        for m, hashes in zip(path, continue_chain([m.key for m in path], self.page_size, head)):
+            m.hash_values = hashes
+        return node.hash_values
 
     def _backup_to_storage(self, node: TreeNode) -> None:
         """Write the host copies on the path to ``node`` that storage lacks; their host data
@@ -404,25 +392,25 @@ class KVCacheManager:
                 path.append(n)
             n = n.parent
         for n in reversed(path):
-            self._chain_end(n)
             n.stored = True
             self.tree.inc_host_ref(n)
-            self.storage.backup(self.ns_digest(n.namespace), list(n.hash_values), n.host_pages.copy(), [n])
+            self.storage.backup(self.ns_digest(n.namespace), list(self._node_hashes(n)), n.host_pages.copy(), [n])
 
     def start_prefetch(self, namespace: str, tokens: np.ndarray) -> PrefetchOp | None:
         """Ask storage for the prompt's pages past what the device and host tiers hold, if the
         uncached tail is long enough and prefetches hold few enough host pages."""
         if self.storage is None:
             return None
-        match = self.tree.match_prefix(namespace, tokens[: len(tokens) - 1])
-        start = match.device_hit_tokens // self.page_size + match.host_hit_tokens // self.page_size
+        peek = self.tree.peek_prefix(namespace, tokens[: len(tokens) - 1])  # not a hit: admit counts it
+        start = (peek.device_hit_tokens + peek.host_hit_tokens) // self.page_size
         tail = (len(tokens) - 1) // self.page_size - start
         if tail * self.page_size < self.prefetch_threshold or self.prefetch_held_pages + tail > self.prefetch_page_limit:
             return None
+        # The chain goes on from the last cached page, inside peek.node when the match ends mid-node.
+        prev = self.ns_digest(namespace) if peek.node is None else self._node_hashes(peek.node)[peek.node_pages - 1]
         host = self._alloc_host(tail)
         if host is None:
             return None
-        prev = self._chain_end(match.last_node) if not match.last_node.is_root else self.ns_digest(namespace)
         hashes = page_hashes(tokens[start * self.page_size : (start + tail) * self.page_size], self.page_size, prev)
         op = self.storage.prefetch(namespace, self.ns_digest(namespace), hashes, host)
         op.start_page = start

@@ -27,7 +27,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..parallel.consensus import consensus_check
+from ..consensus_record import consensus_check
 from .pools import PageAllocator
 
 logger = logging.getLogger(__name__)
@@ -79,6 +79,19 @@ class MatchResult:
     last_device_node: TreeNode  # deepest node of the device hit (lock this one)
     host_hit_tokens: int  # tokens past the device hit found only in lower tiers
     last_node: TreeNode  # deepest matched node of any tier
+
+
+@dataclass(frozen=True)
+class PeekResult:
+    """Result of :meth:`RadixCache.peek_prefix`: the lengths of :meth:`RadixCache.match_prefix`
+    (tokens, whole pages) with the tree untouched. The match ends ``node_pages`` pages into
+    ``node`` (None when nothing matched); that is inside ``node`` where match_prefix would
+    have split it."""
+
+    device_hit_tokens: int
+    host_hit_tokens: int
+    node: TreeNode | None
+    node_pages: int
 
 
 class RadixCache:
@@ -192,6 +205,29 @@ class RadixCache:
             pos += n
         pages = np.concatenate(device) if device else _EMPTY_PAGES
         return MatchResult(pages, len(pages) * self.page_size, last_device, host_tokens, node)
+
+    def peek_prefix(self, namespace: str, tokens) -> PeekResult:
+        """:meth:`match_prefix`'s lengths without changing any state: no split, no hit count,
+        no recency, no root created (a probe, e.g. for a prefetch, is not a hit)."""
+        tokens = self._as_tokens(tokens)
+        parent, node = self._roots.get(namespace), None
+        device = host = pages = pos = 0
+        while parent is not None and pos < len(tokens):
+            child = parent.children.get(self._page_key(tokens, pos))
+            if child is None:
+                break
+            n = self._common_pages(child.key, tokens, pos)
+            if child.device_pages is not None and host == 0:  # device hits are a leading run
+                device += n
+            elif child.host_pages is not None:
+                host += n
+            else:
+                break
+            parent = node = child
+            pages, pos = n // self.page_size, pos + n
+            if n < len(child.key):  # the match ends inside this node
+                break
+        return PeekResult(device, host, node, pages)
 
     def insert(self, namespace: str, tokens, pages: np.ndarray) -> int:
         """Insert ``tokens`` (whole pages) whose KV lives in device ``pages``.

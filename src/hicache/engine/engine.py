@@ -2,26 +2,29 @@
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Sequence, Union
+from typing import TYPE_CHECKING, Any, Sequence, Union, cast
 
 import torch
 
+from ..cache.storage.keys import tree_namespace
 from ..config import ConfigError, EngineConfig
 from ..device import resolve_device
 from ..errors import ContextLengthError, HicacheError, InvalidRequestError
 from ..model import load_model
-from ..model.parallel import check_parallel
-from .core import build_core, core_stats
+from .backend import Backend, LocalBackend, SchedulerView, make_backend
 from .request import GenerateResult, Request
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from ..cache.host_pool import HostKVPool
+    from ..cache.manager import KVCacheManager
+    from ..cache.pools import DeviceKVPool
     from ..parallel.frontend import RankGroup
+    from .runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +35,8 @@ class Engine:
     """One model, one device KV pool with its prefix cache, one scheduler.
 
     Options are :class:`EngineConfig` fields, the CLI flags with underscores
-    (``--max-total-tokens`` <-> ``max_total_tokens``).
+    (``--max-total-tokens`` <-> ``max_total_tokens``). Where the scheduler runs (this process,
+    or rank processes) is the :class:`~hicache.engine.backend.Backend`'s business.
     """
 
     def __init__(self, model: str = "smollm2", **options: Any) -> None:
@@ -52,28 +56,14 @@ class Engine:
             raise ConfigError(
                 f"--context-length {self.context_length} exceeds the model's {spec.max_position_embeddings} positions."
             )
-        # Cache keys of different models, dtypes or page sizes must never meet.
-        self.model_namespace = hashlib.sha256(
-            f"{self.loaded.identity}|{cfg.dtype}|page={cfg.page_size}".encode()
-        ).hexdigest()[:16]
-        self.group: "RankGroup | None" = None
-        if ranks > 1:
-            from ..parallel.frontend import RankGroup
-
-            check_parallel(spec, cfg.tp_size, cfg.pp_size)
-            self.group = RankGroup(cfg)
-            self.scheduler = self.group.scheduler
-            self.capacity_pages = self.group.capacity_pages
-            self.cache = self.pool = self.host_pool = self.runner = None
-        else:
-            core = build_core(cfg, self.loaded, self.device, self.dtype)
-            self.pool, self.host_pool, self.cache, self.runner = core.pool, core.host_pool, core.cache, core.runner
-            self.scheduler = core.scheduler
-            self.capacity_pages = self.cache.capacity_pages
-            self._core = core
+        # Cache keys of different models, dtypes or page sizes must never meet (storage.keys owns them).
+        self.model_namespace = tree_namespace(self.loaded.identity, cfg.dtype, cfg.page_size)
+        self.backend: Backend = make_backend(cfg, self.loaded, self.device, self.dtype)
+        self._closed = False
         # Stops the ranks or the cache's threads (pending writes finish) on shutdown(), when the
         # engine is garbage-collected without it, or at interpreter exit, whichever comes first.
-        self._finalizer = weakref.finalize(self, _stop_parts, self.group, self.cache)
+        # The bound method holds the backend, never the engine (or it would never be collected).
+        self._finalizer = weakref.finalize(self, self.backend.shutdown)
         self._rids = itertools.count()
         # Set by EngineLoop (engine/loop.py) while its thread drives the scheduler; then only that
         # thread may call generate / flush_cache (DESIGN invariant 3).
@@ -83,6 +73,44 @@ class Engine:
             cfg.model, self.device, cfg.dtype, self.capacity_pages * cfg.page_size, self.context_length,
             cfg.tp_size, cfg.pp_size,
         )
+
+    # ---- the backend's parts (tests, benchmarks, the demo) -------------------------------
+    @property
+    def scheduler(self) -> SchedulerView | None:
+        """The scheduler (a stand-in for the leader's with several ranks); None once shut down."""
+        return None if self._closed else self.backend.scheduler
+
+    @property
+    def capacity_pages(self) -> int:
+        """Usable device KV pages (every rank holds the same number)."""
+        return self.backend.capacity_pages
+
+    @property
+    def cache(self) -> KVCacheManager | None:
+        """This process's cache manager; None with several ranks (each holds its own)."""
+        core = self.backend.core
+        return core.cache if core is not None else None
+
+    @property
+    def pool(self) -> DeviceKVPool | None:
+        core = self.backend.core
+        return core.pool if core is not None else None
+
+    @property
+    def host_pool(self) -> HostKVPool | None:
+        core = self.backend.core
+        return core.host_pool if core is not None else None
+
+    @property
+    def runner(self) -> ModelRunner | None:
+        core = self.backend.core
+        return core.runner if core is not None else None
+
+    @property
+    def group(self) -> RankGroup | None:
+        """The rank processes (their pids, the checker's monitor and trace); None on one rank.
+        Inspection only: the engine itself never asks which backend it holds."""
+        return None if isinstance(self.backend, LocalBackend) else cast("RankGroup", self.backend)
 
     # ---- requests ------------------------------------------------------------------------
     def _make_request(self, prompt: Prompt, sampling: SamplingParams, cache_salt: str | None) -> Request:
@@ -105,7 +133,7 @@ class Engine:
                 f"the request needs {need} KV pages (prompt {len(ids)} + max_new_tokens {max_new} tokens) but the "
                 f"device pool holds {self.capacity_pages}; raise --max-total-tokens or lower max_new_tokens."
             )
-        namespace = self.model_namespace if not cache_salt else f"{self.model_namespace}|{cache_salt}"
+        namespace = tree_namespace(self.loaded.identity, self.config.dtype, self.config.page_size, cache_salt)
         return Request(rid=next(self._rids), prompt_ids=ids, sampling=sampling, namespace=namespace,
                        max_new_tokens=max_new)
 
@@ -124,12 +152,13 @@ class Engine:
         if len(sampling) != len(prompts):
             raise InvalidRequestError(f"got {len(sampling)} sampling params for {len(prompts)} prompts.")
         self._check_driver("generate")
+        sched = self._live_scheduler()
         reqs = [self._make_request(p, s, cache_salt) for p, s in zip(prompts, sampling)]
         for req in reqs:
-            self.scheduler.add(req)
+            sched.add(req)
         pending = {r.rid for r in reqs}
         while pending:
-            for req in self.scheduler.step():
+            for req in sched.step():
                 pending.discard(req.rid)
         return [GenerateResult.from_request(r) for r in reqs]
 
@@ -148,26 +177,20 @@ class Engine:
     def flush_cache(self) -> bool:
         """Empty the prefix cache. Refused (False) while requests are in flight."""
         self._check_driver("flush_cache")
-        if self.scheduler.has_work():
+        if self._live_scheduler().has_work():
             return False
-        if self.group is not None:
-            return self.group.call("flush")
-        self.cache.flush()
-        logger.info("cache flushed")
-        return True
+        return self.backend.flush()
 
     def drain_idle(self) -> None:
         """Idle housekeeping: apply the transfer acks that are ready so no lock outlives its
         transfer (several ranks do this themselves, in agreed steps). Never waits: a storage
         write stuck in a hung backend must not hold the loop thread; the loop comes back (it
         polls while idle) and applies the rest once ready."""
-        if self.group is None and not self.scheduler.has_work() and self.cache.has_pending_transfers():
-            self.cache.drain_ready()
+        self.backend.drain_idle()
 
     def check_alive(self) -> None:
         """Raises :class:`EngineDeadError` if the engine can no longer serve (a rank died)."""
-        if self.group is not None:
-            self.group.check_alive()
+        self.backend.check_alive()
 
     def _check_driver(self, what: str) -> None:
         if self._driver_thread is not None and threading.get_ident() != self._driver_thread:
@@ -175,30 +198,30 @@ class Engine:
                 f"Engine.{what} cannot be called while an EngineLoop drives this engine; go through the loop."
             )
 
+    def _live_scheduler(self) -> SchedulerView:
+        # After shutdown() a remote scheduler would wait for ranks that are gone: refuse at once.
+        if self._closed:
+            raise HicacheError("the engine was shut down.")
+        return self.backend.scheduler
+
     def stats(self) -> dict[str, Any]:
-        out = self.group.call("stats") if self.group is not None else core_stats(self._core, self.config.page_size)
+        out = self.backend.stats()
         out["parallel"] = {"tp_size": self.config.tp_size, "pp_size": self.config.pp_size}
         return out
 
     def shutdown(self) -> None:
         """Drop requests and free the model and pools (stop the rank processes)."""
-        if self.scheduler is None:
+        if self._closed:
             return
-        for req in list(self.scheduler.running) + list(self.scheduler.waiting):
-            self.scheduler.abort(req.rid)
-        self._finalizer()
-        self.runner = self.scheduler = self.pool = self.cache = self.loaded = self._core = None  # type: ignore[assignment]
+        sched = self.backend.scheduler
+        for req in list(sched.running) + list(sched.waiting):
+            sched.abort(req.rid)
+        self._closed = True
+        self._finalizer()  # the backend drops its model and pools
+        self.loaded = None  # type: ignore[assignment]
 
     def __enter__(self) -> "Engine":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
-
-
-def _stop_parts(group: "RankGroup | None", cache: Any) -> None:
-    """What ``Engine.shutdown`` stops; holds no reference to the engine (see weakref.finalize)."""
-    if group is not None:
-        group.shutdown()
-    elif cache is not None:
-        cache.shutdown()

@@ -12,7 +12,7 @@
   exist it falls back to the ``timeout`` formula.
 
 Each rank computes its own deadline from its own measurements. The scheduler acts on it only
-through the agreed "deadline passed" flag (``Scheduler.ready_counts``, MIN-reduced; later
+through the agreed "deadline passed" flag (``Scheduler.ready_events``, MIN-reduced; later
 pipeline stages follow stage 0), so ranks that measure differently still decide alike.
 """
 

@@ -16,7 +16,8 @@ from typing import Callable, Sequence
 import torch
 
 from ..cache.manager import KVCacheManager
-from ..parallel.consensus import consensus_check
+from ..consensus_record import consensus_check
+from .events import PrefetchEvent, StepEvents
 from .prefetch_policy import PrefetchPolicy
 from .request import Request, Status
 from .sampling import sample
@@ -94,7 +95,7 @@ class Scheduler:
         """One single-rank step: agree (trivially) on events, schedule, run, apply.
         Returns the requests that finished in this step. Several ranks run the same phases
         through ``hicache.parallel`` with agreed counts and results that arrive later."""
-        self.consume_events(self.ready_counts())
+        self.consume_events(self.ready_events())
         batch = self.schedule()
         self.cache.submit_transfers()  # load-backs must be in flight before the forward waits on them
         finished: list[Request] = []
@@ -114,27 +115,23 @@ class Scheduler:
         of their entries in the event vector)."""
         return [r for r in self.waiting if r.prefetch is not None]
 
-    def ready_counts(self) -> list[int]:
-        """This rank's view of finished background work, as a vector ranks can MIN-reduce:
-        ready leading acks per cache queue, then per open prefetch its published progress acks
-        and whether its wait deadline has come (1/0)."""
-        counts = list(self.cache.ack_counts().values())
+    def ready_events(self) -> StepEvents:
+        """This rank's view of finished background work (ranks MIN-reduce its list form):
+        ready leading acks per cache queue, then per open prefetch its published progress
+        acks and whether its wait deadline has come."""
         now = time.perf_counter()
-        for req in self.pending_prefetches():
-            counts.append(self.cache.prefetch_ack_count(req.prefetch))
-            counts.append(int(now >= req.prefetch_deadline))
-        return counts
+        return StepEvents(self.cache.ack_counts(), tuple(
+            PrefetchEvent(self.cache.prefetch_ack_count(r.prefetch), now >= r.prefetch_deadline)
+            for r in self.pending_prefetches()))
 
-    @consensus_check("scheduler.consume_events", args=lambda self, counts: list(counts))
-    def consume_events(self, counts: Sequence[int]) -> None:
-        """Apply exactly the agreed ``counts`` (layout of :meth:`ready_counts`). Transfer acks
-        change lock state only here, at a fixed point of the step."""
-        kinds = self.cache.ack_kinds()
-        self.cache.consume_acks(dict(zip(kinds, counts)))
-        rest = counts[len(kinds):]
-        for i, req in enumerate(self.pending_prefetches()):
-            self.cache.consume_prefetch_acks(req.prefetch, rest[2 * i])
-            req.prefetch_expired = bool(rest[2 * i + 1])
+    @consensus_check("scheduler.consume_events", args=lambda self, events: events.to_list())
+    def consume_events(self, events: StepEvents) -> None:
+        """Apply exactly the agreed ``events``. Transfer acks change lock state only here, at a
+        fixed point of the step."""
+        self.cache.consume_acks(events.acks)
+        for req, p in zip(self.pending_prefetches(), events.prefetches, strict=True):
+            self.cache.consume_prefetch_acks(req.prefetch, p.acks)
+            req.prefetch_expired = p.expired
 
     # ---- scheduling ------------------------------------------------------------------------
     @consensus_check("scheduler.schedule", result=lambda b: None if b is None else (b.kind, b.rids(), b.new_tokens))

@@ -1,26 +1,15 @@
-"""Rank consensus checker: every rank makes the same decisions in the same logical order.
+"""Rank consensus checker, monitoring side: compares the ranks' recorded call streams.
 
 Invariant checked: all ranks run the same SPMD scheduler on the same request stream, so the
 n-th checked call on every rank is the same function, with the same selected (logical)
 parameters, returning the same selected result. PP stages reach a call at different times;
 only the logical order matters, never the wall-clock time.
 
-Use:
-
-- Turn it on with ``HICACHE_RANK_CONSENSUS_CHECKER=1`` in the environment *before* the checked
-  modules are imported: ``consensus_check`` decides at decoration time. Off, it returns the
-  function itself, so the checker costs nothing.
-- Decorate scheduler and cache functions::
-
-      @consensus_check("cache.admit", args=lambda self, req: (req.rid, len(req.tokens)),
-                       result=lambda r: (r.rid, r.prefix_len))
-      def admit(self, req): ...
-
-  Selectors get exactly the call's arguments (``self`` included) and the return value, and
-  return plain picklable data. Choose logical values (token counts, rids, prefix lengths),
-  never physical page ids: those legitimately differ between ranks with different pool sizes.
-- Each rank process calls ``install_recorder(label, make_queue_sink(monitor.queue))``; the
-  parent runs a ``ConsensusMonitor`` that compares the streams in a background thread.
+The recording side (the ``consensus_check`` decorator, ``Entry``, ``install_recorder``,
+``make_queue_sink``) lives in :mod:`hicache.consensus_record`, below every other module, so the
+cache and the engine never import this package. Here: the comparison (``ConsensusComparator``)
+and the parent's background thread (``ConsensusMonitor``), whose ``queue`` every rank process
+passes to ``install_recorder(label, make_queue_sink(queue))``.
 
 Reading a report (``Found rank divergence at call #i in f: B differs from A in the ...``):
 
@@ -34,114 +23,24 @@ Reading a report (``Found rank divergence at call #i in f: B differs from A in t
 
 from __future__ import annotations
 
-import functools
 import logging
 import multiprocessing
-import os
 import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Sequence, TypeVar
+from typing import Any, Callable, Literal, Sequence
 
+from ..consensus_record import Entry, Sink, make_queue_sink
 from .channels import WRITERS_GONE
 
 logger = logging.getLogger(__name__)
 
-ENV_VAR = "HICACHE_RANK_CONSENSUS_CHECKER"
-
-F = TypeVar("F", bound=Callable[..., Any])
-Sink = Callable[[str, "Entry"], None]
 DivergenceKind = Literal["call order", "parameters", "result"]
 
 _REPR_LIMIT = 200
 _STOP_POLL_S = 0.1  # how often an idle monitor looks at its stop event
 VOTE_GRACE_S = 2.0  # how long a mismatch waits for the remaining ranks before it is reported as seen
-
-
-def enabled() -> bool:
-    """Whether the checker is on in this process (read afresh on every call)."""
-    return os.environ.get(ENV_VAR) == "1"
-
-
-@dataclass
-class Entry:
-    """One recorded call. ``index`` counts checked calls on this rank: 0, 1, 2, ... without gaps."""
-
-    index: int
-    function: str
-    params: Any
-    result: Any
-
-
-class _Recorder:
-    def __init__(self, label: str, sink: Sink) -> None:
-        self.label = label
-        self.sink = sink
-        self._next = 0
-        self._lock = threading.Lock()
-
-    def record(self, function: str, params: Any, result: Any) -> None:
-        # Index assignment and hand-off happen under one lock, so the sink sees indices in order.
-        with self._lock:
-            entry = Entry(self._next, function, params, result)
-            self._next += 1
-            self.sink(self.label, entry)
-
-
-_recorder: _Recorder | None = None
-
-
-def install_recorder(label: str, sink: Sink) -> None:
-    """Record this process's checked calls as rank ``label``; each entry goes to ``sink`` at once.
-
-    Replaces any previous recorder; indices restart at 0.
-    """
-    global _recorder
-    _recorder = _Recorder(label, sink)
-
-
-def uninstall_recorder() -> None:
-    global _recorder
-    _recorder = None
-
-
-def consensus_check(
-    name: str | Callable[..., Any] | None = None,
-    *,
-    args: Callable[..., Any] | None = None,
-    result: Callable[[Any], Any] | None = None,
-) -> Any:
-    """Decorator recording calls of the wrapped function for the rank consensus checker.
-
-    Off at decoration time: returns the function unchanged. On: records
-    ``(name or __qualname__, args(*a, **kw), result(ret))`` after each call that returns, when a
-    recorder is installed. A call that raises records nothing. Also usable bare:
-    ``@consensus_check``.
-    """
-    if callable(name):  # bare @consensus_check
-        return consensus_check()(name)
-
-    def decorate(fn: F) -> F:
-        if not enabled():
-            return fn
-        label = name or fn.__qualname__
-
-        @functools.wraps(fn)
-        def wrapper(*a: Any, **kw: Any) -> Any:
-            rec = _recorder
-            if rec is None:
-                return fn(*a, **kw)
-            # Parameters are selected before the call: the function may mutate its inputs
-            # (or self), and a mismatch should show the state the call started from.
-            params = args(*a, **kw) if args is not None else None
-            ret = fn(*a, **kw)
-            rec.record(label, params, result(ret) if result is not None else None)
-            return ret
-
-        return wrapper  # type: ignore[return-value]
-
-    return decorate
 
 
 def _short(value: Any) -> str:
@@ -298,23 +197,6 @@ class ConsensusComparator:
         if not _same(ref.result, got.result):
             return "result"
         return None
-
-
-class _QueueSink:
-    """Picklable sink putting ``(label, entry)`` on a multiprocessing queue."""
-
-    def __init__(self, q: Any) -> None:
-        self.q = q
-
-    def __call__(self, label: str, entry: Entry) -> None:
-        # Put at once (no batching): the queue's feeder thread still flushes it if this rank
-        # then hangs in a collective, so the entry that explains the hang reaches the monitor.
-        self.q.put((label, entry))
-
-
-def make_queue_sink(q: Any) -> Sink:
-    """Sink for ``install_recorder`` in a rank process, given the monitor's queue."""
-    return _QueueSink(q)
 
 
 class ConsensusMonitor:

@@ -9,23 +9,27 @@ checker, stop every rank and surface as one :class:`HicacheError` naming the ran
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
 import queue
 import socket
+import sys
 import threading
 import time
+import types
 from collections import deque
-from typing import Any
+from typing import Any, Iterator
 
 import torch.multiprocessing
 
 from ..config import ConfigError, EngineConfig
+from ..consensus_record import Entry, enabled as checker_enabled
 from ..engine.request import Request, Status
 from ..errors import EngineDeadError, HicacheError
-from . import consensus
 from .channels import WRITERS_GONE, reader_only
+from .consensus import ConsensusMonitor, Divergence
 from .groups import rank_label
 from .messages import RequestSpec, RequestUpdate
 from .worker import rank_main
@@ -43,7 +47,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def _user_main_hidden() -> Iterator[None]:
+    """Start processes with the user's ``__main__`` out of sight, so the ranks never re-run it.
+
+    Spawn tells a child how to rebuild the parent's ``__main__`` (Python 3.11,
+    ``multiprocessing.spawn.get_preparation_data``): ``init_main_from_name`` when
+    ``__main__.__spec__`` has a name (``python -m pkg.mod``), else ``init_main_from_path`` from
+    ``__main__.__file__`` (``python script.py``); with neither, the child leaves its own
+    ``__main__`` alone. Given one, the child re-imports the module as ``__mp_main__``, running a
+    script's top level again: without an ``if __name__ == "__main__":`` guard that builds a
+    second Engine inside the rank, which dies bootstrapping. The ranks need nothing from the
+    user's module (their target and arguments are hicache's and plain data), so while they are
+    started ``__main__`` is a bare module (``__spec__`` None, no ``__file__``). Another thread
+    reading ``sys.modules["__main__"]`` in these few milliseconds sees the stub.
+    """
+    real = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = real
+
+
 class RankGroup:
+    """The rank processes of one engine, as the Engine's backend (``engine/backend.py``)."""
+
+    core = None  # the ranks hold the model, pools and cache; this process only forwards
+
     def __init__(self, cfg: EngineConfig) -> None:
         self.world = cfg.tp_size * cfg.pp_size
         self.labels = [rank_label(r, cfg.tp_size) for r in range(self.world)]
@@ -60,8 +91,8 @@ class RankGroup:
         self._replies: dict[int, Any] = {}
         self._updates: deque[list[RequestUpdate]] = deque()
         # Checker: the ranks' call streams, compared here as they arrive (HICACHE_RANK_CONSENSUS_CHECKER=1).
-        self.monitor: consensus.ConsensusMonitor | None = None
-        self.trace: dict[str, deque[consensus.Entry]] = {label: deque(maxlen=TRACE_ENTRIES) for label in self.labels}
+        self.monitor: ConsensusMonitor | None = None
+        self.trace: dict[str, deque[Entry]] = {label: deque(maxlen=TRACE_ENTRIES) for label in self.labels}
         self.procs: list[Any] = []  # started rank processes, in rank order
         self._watchdog: threading.Thread | None = None
         try:  # whatever fails or is interrupted from here on, nothing is left running
@@ -76,21 +107,22 @@ class RankGroup:
 
     # ---- lifecycle --------------------------------------------------------------------------
     def _start(self, cfg: EngineConfig, ctx: Any) -> None:
-        if consensus.enabled():
-            self.monitor = consensus.ConsensusMonitor(self.labels, self._on_divergence, ctx, on_entry=self._keep)
+        if checker_enabled():
+            self.monitor = ConsensusMonitor(self.labels, self._on_divergence, ctx, on_entry=self._keep)
             self.monitor.start()
         init = f"tcp://127.0.0.1:{_free_port()}"
         fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
         level = logging.getLogger().getEffectiveLevel()
         monitor_queue = self.monitor.queue if self.monitor else None
-        for r in range(self.world):
-            p = ctx.Process(
-                target=rank_main, name=f"hicache-rank-{self.labels[r]}", daemon=True,
-                args=(r, fields, init, self.status, self.inbox if r == 0 else None, self.outbox if r == 0 else None,
-                      monitor_queue, level),
-            )
-            p.start()
-            self.procs.append(p)
+        with _user_main_hidden():
+            for r in range(self.world):
+                p = ctx.Process(
+                    target=rank_main, name=f"hicache-rank-{self.labels[r]}", daemon=True,
+                    args=(r, fields, init, self.status, self.inbox if r == 0 else None,
+                          self.outbox if r == 0 else None, monitor_queue, level),
+                )
+                p.start()
+                self.procs.append(p)
         reader_only(self.outbox, self.status, monitor_queue)  # only the ranks write these
         logger.info("started %d ranks (tp=%d pp=%d): pids %s", self.world, cfg.tp_size, cfg.pp_size,
                     [p.pid for p in self.procs])
@@ -184,10 +216,10 @@ class RankGroup:
         logger.error("stopping all ranks: %s", why)
         self._stop_all()
 
-    def _on_divergence(self, div: consensus.Divergence) -> None:
+    def _on_divergence(self, div: Divergence) -> None:
         self._halt(str(div))
 
-    def _keep(self, label: str, entry: consensus.Entry) -> None:
+    def _keep(self, label: str, entry: Entry) -> None:
         self.trace[label].append(entry)
 
     def check_alive(self) -> None:
@@ -271,6 +303,18 @@ class RankGroup:
             self.check_alive()
             self._pump(POLL_S)
         return self._replies.pop(call_id)
+
+    # ---- the rest of the Engine's backend interface -----------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """The leader's cache and queue figures."""
+        return self.call("stats")
+
+    def flush(self) -> bool:
+        """Every rank empties its cache at the same step."""
+        return bool(self.call("flush"))
+
+    def drain_idle(self) -> None:
+        """Nothing to do here: the ranks apply their acks themselves, in agreed steps."""
 
 
 class RemoteScheduler:

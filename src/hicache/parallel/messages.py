@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..engine.events import StepEvents
 from ..engine.request import Request, Status
 from ..engine.sampling import SamplingParams
 
@@ -51,7 +52,7 @@ class StageMessage:
 
     inputs: StepInputs
     results: list[list[int]]  # tokens of the in-flight batches that returned at this step, oldest first
-    counts: list[int]  # the agreed event counts (pp_sync): later stages consume exactly these
+    events: StepEvents  # the agreed events (pp_sync): later stages consume exactly these
     batch: BatchKey  # what stage 0 scheduled, so a later stage can check it scheduled the same
     hidden: Optional[torch.Tensor]  # the previous stage's output for that batch
     sent_at: float = 0.0  # perf_counter just before the send (CLOCK_MONOTONIC: one clock per machine)

@@ -33,14 +33,15 @@ from typing import Any
 import torch
 
 from ..config import EngineConfig
+from ..consensus_record import install_recorder, make_queue_sink
 from ..device import resolve_device
 from ..engine.core import EngineCore, build_core, core_stats
+from ..engine.events import StepEvents
 from ..engine.request import Request
 from ..engine.scheduler import Batch
 from ..errors import HicacheError
 from ..model import load_model
 from ..model.parallel import model_shard, shard_model
-from . import consensus
 from .channels import WRITERS_GONE, reader_only, writer_only
 from .faults import FaultPlan
 from .groups import ParallelGroups, RankInfo
@@ -102,7 +103,7 @@ class StageLoop:
             if inputs.command in ("stop", "flush"):
                 # Forward first: draining waits for storage ops every rank's threads must reach.
                 if not self.last:
-                    self.groups.send(self.next, StageMessage(inputs, results, [], None, None))
+                    self.groups.send(self.next, StageMessage(inputs, results, StepEvents(), None, None))
                 if inputs.command == "stop":
                     if self.hops:
                         logger.info("pp_sync hop: %d messages, %.3f ms mean", self.hops, self.hop_s / self.hops * 1e3)
@@ -113,11 +114,11 @@ class StageLoop:
             self.agree_steps += 1
             if self.first:
                 t0 = time.perf_counter()
-                counts = self.groups.tp_min(self.sched.ready_counts())
+                events = StepEvents.from_list(self.groups.tp_min(self.sched.ready_events().to_list()))
                 self.agree_s += time.perf_counter() - t0
             else:
-                counts = msg.counts if self.pp_sync else self.sched.ready_counts()
-            self.sched.consume_events(counts)
+                events = msg.events if self.pp_sync else self.sched.ready_events()
+            self.sched.consume_events(events)
             batch = self.sched.schedule()
             if msg is not None and batch_key(batch) != msg.batch:
                 raise RankDivergenceError(
@@ -130,7 +131,7 @@ class StageLoop:
                 out = self.core.runner.forward(batch.input_ids(), batch.prefix_lens(), batch.context_slots(),
                                                msg.hidden if msg is not None else None)
             if not self.last:
-                self.groups.send(self.next, StageMessage(inputs, results, counts, batch_key(batch), out,
+                self.groups.send(self.next, StageMessage(inputs, results, events, batch_key(batch), out,
                                                          time.perf_counter()))
                 if batch is not None:
                     self.inflight.append((self.step, batch))
@@ -292,7 +293,7 @@ def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox:
         if os.environ.get(ALTER_MATCH_ENV) == info.label and core.cache.tree is not None:
             _alter_matches(core.cache)
         if consensus_queue is not None:
-            consensus.install_recorder(info.label, consensus.make_queue_sink(consensus_queue))
+            install_recorder(info.label, make_queue_sink(consensus_queue))
         logger.info("rank ready: %s device pages=%d host pages=%d staging=%.1f MiB", shard.describe(),
                     core.pool.num_pages, core.host_pool.num_pages if core.host_pool is not None else 0,
                     groups.staging_bytes() / 2**20)

@@ -34,6 +34,7 @@ from ..controller import leading_done
 from ..host_pool import HostKVPool
 from .base import StorageBackend
 from .guard import GuardedBackend, failure_reason
+from .keys import object_key
 from .objects import decode_checked, encode
 
 logger = logging.getLogger(__name__)
@@ -211,7 +212,7 @@ class StorageController:
                 op.done.set()
 
     def _read(self, op: PrefetchOp) -> None:
-        keys = [h.hex() for h in op.hashes]
+        keys = [object_key(h) for h in op.hashes]
         try:
             hit = self.guard.exists_prefix(keys)
         except Exception as e:
@@ -281,7 +282,7 @@ class StorageController:
                 blobs = [encode(op.ns_digest, h, self.page_bytes(int(p))) for h, p in zip(op.hashes, op.host_pages)]
                 for i in range(0, len(blobs), BATCH_PAGES):
                     batch = blobs[i : i + BATCH_PAGES]
-                    stored = self.guard.batch_set([h.hex() for h in op.hashes[i : i + BATCH_PAGES]], batch)
+                    stored = self.guard.batch_set([object_key(h) for h in op.hashes[i : i + BATCH_PAGES]], batch)
                     op.written += stored
                     if stored < len(batch):  # keep `written` a leading count: a gap ends the chain
                         op.failure = "short_write"

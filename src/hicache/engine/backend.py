@@ -1,0 +1,135 @@
+"""Where the Engine's scheduler runs: one backend object, one interface, whatever the layout.
+
+Invariant: :class:`~hicache.engine.engine.Engine` talks to exactly one :class:`Backend` and
+never asks which kind it holds. :class:`LocalBackend` keeps the model, pools, cache and
+scheduler in this process (one rank); ``hicache.parallel.frontend.RankGroup`` keeps them in the
+rank processes (``--tp-size`` / ``--pp-size`` > 1) and forwards to its leader.
+
+Imports point down: ``hicache.parallel`` builds on ``engine.core``, so the multi-rank backend
+is imported only inside :func:`make_backend`, when it is asked for, and never at module level.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
+
+import torch
+
+from ..config import EngineConfig
+from ..errors import HicacheError
+from ..model.loader import LoadedModel
+from ..model.parallel import check_parallel
+from .core import EngineCore, build_core, core_stats
+from .request import Request
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class SchedulerView(Protocol):
+    """What the Engine and the EngineLoop call on a scheduler, local or remote."""
+
+    @property
+    def running(self) -> Sequence[Request]: ...
+
+    @property
+    def waiting(self) -> Sequence[Request]: ...
+
+    def add(self, req: Request) -> None: ...
+
+    def step(self) -> list[Request]: ...
+
+    def abort(self, rid: int) -> bool: ...
+
+    def has_work(self) -> bool: ...
+
+
+class Backend(Protocol):
+    """The Engine's one backend. ``capacity_pages``: usable device pages (on every rank the
+    same); ``core``: the in-process parts when this process holds them, else None."""
+
+    @property
+    def scheduler(self) -> SchedulerView: ...
+
+    @property
+    def capacity_pages(self) -> int: ...
+
+    @property
+    def core(self) -> EngineCore | None: ...
+
+    def stats(self) -> dict[str, Any]:
+        """Cache and queue figures (``Engine.stats()`` without the layout)."""
+        ...
+
+    def flush(self) -> bool:
+        """Empty the prefix cache; the caller has checked that no request is in flight."""
+        ...
+
+    def drain_idle(self) -> None:
+        """Idle housekeeping; never waits."""
+        ...
+
+    def check_alive(self) -> None:
+        """Raise :class:`~hicache.errors.EngineDeadError` once the backend can no longer serve."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop threads or processes and free the model and pools; idempotent."""
+        ...
+
+
+class LocalBackend:
+    """One rank in this process: the :class:`EngineCore` itself."""
+
+    def __init__(self, core: EngineCore, page_size: int) -> None:
+        self.core: EngineCore | None = core
+        self.capacity_pages = core.cache.capacity_pages
+        self._page_size = page_size
+
+    def _live(self) -> EngineCore:
+        if self.core is None:
+            raise HicacheError("the engine was shut down.")
+        return self.core
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self._live().scheduler
+
+    def stats(self) -> dict[str, Any]:
+        return core_stats(self._live(), self._page_size)
+
+    def flush(self) -> bool:
+        self._live().cache.flush()
+        logger.info("cache flushed")
+        return True
+
+    def drain_idle(self) -> None:
+        """Apply the transfer acks that are ready, so no lock outlives its transfer. Never
+        waits: a storage write stuck in a hung backend must not hold the loop thread."""
+        core = self._live()
+        if not core.scheduler.has_work() and core.cache.has_pending_transfers():
+            core.cache.drain_ready()
+
+    def check_alive(self) -> None:
+        """One process: if this code runs, the backend is alive."""
+
+    def shutdown(self) -> None:
+        """Stop the cache's threads (pending writes finish), then drop the model and pools."""
+        if self.core is not None:
+            self.core.cache.shutdown()
+            self.core = None
+
+
+def make_backend(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> Backend:
+    """The backend for ``cfg``'s layout: in this process for one rank, rank processes else
+    (each loads its own slice of the model; ``loaded`` then holds the spec and tokenizer)."""
+    if cfg.tp_size * cfg.pp_size == 1:
+        return LocalBackend(build_core(cfg, loaded, device, dtype), cfg.page_size)
+    # Lazy: hicache.parallel imports engine.core, so importing it at load time would point up.
+    from ..parallel.frontend import RankGroup
+
+    check_parallel(loaded.spec, cfg.tp_size, cfg.pp_size)
+    return RankGroup(cfg)
