@@ -36,14 +36,14 @@ def prompts(n: int, length: int, shared: int, seed: int = 0) -> list[list[int]]:
 def record_logits(engine: Engine) -> list[torch.Tensor]:
     """Capture the logits of every forward pass (rows = sequences of that step)."""
     seen: list[torch.Tensor] = []
-    forward = engine.scheduler.forward
+    forward = engine.scheduler.driver.forward
 
     def spy(*args):
         out = forward(*args)
         seen.append(out.clone())
         return out
 
-    engine.scheduler.forward = spy
+    engine.scheduler.driver.forward = spy
     return seen
 
 

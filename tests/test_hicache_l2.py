@@ -65,8 +65,8 @@ def test_host_hits_keep_greedy_output(plain: Engine, policy: str, layout: str) -
     engine.cache.drain()
     engine.cache.tree.evict(10**6)
     counts: list[int] = []
-    forward = engine.scheduler.forward
-    engine.scheduler.forward = lambda ids, *rest: (counts.append(sum(map(len, ids))), forward(ids, *rest))[1]
+    forward = engine.scheduler.driver.forward
+    engine.scheduler.driver.forward = lambda ids, *rest: (counts.append(sum(map(len, ids))), forward(ids, *rest))[1]
     res = engine.generate([convs[-1]], GREEDY)[0]
     assert res.cached_tokens_details["host"] > 0 and counts[0] == len(convs[-1]) - res.cached_tokens
     assert stats["transfers"]["load_tokens"] == host_hits and stats["transfers"]["backup_tokens"] > 0

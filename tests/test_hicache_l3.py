@@ -51,13 +51,13 @@ e.shutdown()
 def computed_tokens(engine: Engine) -> list[int]:
     """Record how many new tokens each forward computes (a hit must skip its tokens)."""
     counts: list[int] = []
-    forward = engine.scheduler.forward
+    forward = engine.scheduler.driver.forward
 
     def spy(ids, *rest):
         counts.append(sum(len(x) for x in ids))
         return forward(ids, *rest)
 
-    engine.scheduler.forward = spy
+    engine.scheduler.driver.forward = spy
     return counts
 
 

@@ -10,6 +10,7 @@ import multiprocessing
 import os
 import random
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -23,10 +24,13 @@ import pytest
 
 from hicache import Engine, SamplingParams, consensus_record
 from hicache.bench.main import launch_server
+from hicache.cli import main as cli_main
+from hicache.config import ConfigError
 from hicache.engine.events import StepEvents
 from hicache.errors import HicacheError
 from hicache.parallel.faults import ENV_VAR as FAULTS_ENV
-from hicache.parallel.worker import ALTER_MATCH_ENV, DISABLE_PP_SYNC_ENV
+from hicache.parallel.stage_step import DISABLE_PP_SYNC_ENV
+from hicache.parallel.worker import ALTER_MATCH_ENV
 
 MODEL = "random:small"  # 4 layers, 4 heads, 2 KV heads: TP2, PP2 and TP2 x PP2 all fit
 BASE = dict(dtype="float32", page_size=4)
@@ -518,3 +522,65 @@ def test_a_script_without_main_guard_runs_once_and_gets_one_ranks_tokens(tmp_pat
     finally:
         plain.shutdown()
     assert [json.loads(o) for o in outputs] == [want]
+
+
+def _two_turns(engine: Engine) -> tuple[list[list[int]], int]:
+    """Two prompts, then a second turn of the first (its prompt + output + a new message):
+    the greedy tokens of all three, and how many tokens the second turn found cached."""
+    sampling = SamplingParams(max_new_tokens=5, temperature=0.0)
+    first = engine.generate([[5, 17, 42, 99] * 5, [7, 8, 9] * 7], sampling)
+    second = engine.generate([[5, 17, 42, 99] * 5 + first[0].output_ids + [11, 12, 13]], sampling)[0]
+    return [r.output_ids for r in first] + [second.output_ids], second.cached_tokens
+
+
+def test_ranks_on_two_nodes_match_one_rank(tmp_path: Path) -> None:
+    """``--nnodes 2`` on loopback: node 1 (``hicache node``, another process tree) runs PP0/TP1,
+    node 0 (this process) runs the frontend and PP0/TP0. The tokens equal one rank's, the
+    second turn hits the cache, and node 0's shutdown stops node 1 in order (exit 0)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{s.getsockname()[1]}"
+    flags = ["--model", MODEL, "--dtype", "float32", "--page-size", "4", "--max-total-tokens", "512",
+             "--tp-size", "2", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", addr]
+    src = Path(__file__).resolve().parents[1] / "src"
+    log = tmp_path / "node1.log"
+    with open(log, "w") as err:
+        node = subprocess.Popen([sys.executable, "-m", "hicache.cli", "node", *flags], stderr=err,
+                                env=dict(os.environ, PYTHONPATH=str(src)))
+    try:
+        engine = Engine(MODEL, tp_size=2, nnodes=2, node_rank=0, dist_init_addr=addr, max_total_tokens=512, **BASE)
+        try:
+            assert len(engine.group.procs) == 1  # only node 0's rank runs here
+            got, cached = _two_turns(engine)
+        finally:
+            engine.shutdown()
+        assert node.wait(timeout=30) == 0, log.read_text()[-4000:]
+        assert [p.exitcode for p in engine.group.procs] == [0]
+    finally:
+        if node.poll() is None:
+            node.kill()
+            node.wait()
+    assert "ranks stopped in order" in log.read_text()
+    assert cached >= 24
+    single = Engine(MODEL, max_total_tokens=512, **BASE)
+    try:
+        assert got == _two_turns(single)[0]
+    finally:
+        single.shutdown()
+    assert multiprocessing.active_children() == []
+
+
+def test_bad_node_flags_are_one_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ConfigError, match=r"needs --dist-init-addr HOST:PORT"):
+        Engine(MODEL, tp_size=2, nnodes=2, **BASE)
+    with pytest.raises(ConfigError, match=r"\(3\) must be divisible by --nnodes 2"):
+        Engine(MODEL, tp_size=3, nnodes=2, dist_init_addr="127.0.0.1:29500", **BASE)
+    with pytest.raises(ConfigError, match=r"--node-rank must be in \[0, 2\)"):
+        Engine(MODEL, tp_size=2, nnodes=2, node_rank=2, dist_init_addr="127.0.0.1:29500", **BASE)
+    with pytest.raises(ConfigError, match=r"node 1 of 2 serves nothing: start its ranks with `hicache node"):
+        Engine(MODEL, tp_size=2, nnodes=2, node_rank=1, dist_init_addr="127.0.0.1:29500", **BASE)
+    # `hicache node` for node 0 (or one node): one `error:` line, status 2, nothing started.
+    assert cli_main(["node", "--model", MODEL, "--tp-size", "2"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: `hicache node` runs the ranks of a node other than 0")
+    assert multiprocessing.active_children() == []

@@ -1,4 +1,4 @@
-"""The ``hicache`` command: generate | chat | demo | serve | bench.
+"""The ``hicache`` command: generate | chat | demo | serve | node | bench.
 
 Engine flags are the :class:`EngineConfig` fields (SGLang names); a user error prints one
 sentence and exits with status 2, never a traceback.
@@ -114,6 +114,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       max_request_bytes=args.max_request_bytes)
 
 
+def cmd_node(args: argparse.Namespace) -> int:
+    """Run this machine's ranks of an engine served from node 0; exit when node 0 stops them."""
+    from .parallel.node import NodeFailed, run_node
+
+    try:
+        return run_node(EngineConfig.from_cli_args(args), report=lambda line: print(line, file=sys.stderr, flush=True))
+    except NodeFailed as e:  # a rank failed (status 1), unlike a bad flag (status 2)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench.main import run_bench
 
@@ -161,6 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "read in full.")
     EngineConfig.add_cli_args(p)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("node", help="Run the ranks of node --node-rank R > 0 of an engine served by node 0 "
+                                    "(--nnodes, --dist-init-addr and the same engine flags as node 0).")
+    EngineConfig.add_cli_args(p)
+    p.set_defaults(func=cmd_node)
 
     p = sub.add_parser("bench", help="Benchmark an OpenAI-compatible server (multi-turn shared prefix, trace replay).")
     from .bench.main import add_bench_args

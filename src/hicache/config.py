@@ -82,6 +82,15 @@ class EngineConfig:
     # Parallelism
     tp_size: int = _opt(1, "Tensor-parallel ranks per pipeline stage (attention heads and MLP sharded).")
     pp_size: int = _opt(1, "Pipeline stages (layers split across them); tp_size x pp_size rank processes.")
+    nnodes: int = _opt(
+        1, "Machines the ranks run on; each runs tp_size x pp_size / nnodes of them (see docs/parallel.md)."
+    )
+    node_rank: int = _opt(
+        0, "This machine's index in [0, nnodes): node 0 holds rank 0 and serves; the others run `hicache node`."
+    )
+    dist_init_addr: Optional[str] = _opt(
+        None, "HOST:PORT where node 0's rank 0 listens for the other ranks to join (required when nnodes > 1)."
+    )
     # Scheduling
     chunked_prefill_size: int = _opt(2048, "Most prompt tokens computed in one prefill step (a long prompt is chunked).")
     max_running_requests: int = _opt(32, "Most requests decoding at once.")
@@ -104,6 +113,7 @@ class EngineConfig:
             )
         if self.tp_size < 1 or self.pp_size < 1:
             raise ConfigError("--tp-size and --pp-size must be at least 1.")
+        self._validate_nodes()
         if self.max_running_requests < 1:
             raise ConfigError("--max-running-requests must be at least 1.")
         if self.context_length is not None and self.context_length < 2:
@@ -129,6 +139,34 @@ class EngineConfig:
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ConfigError(f"--{f.name.replace('_', '-')} must be one of {', '.join(choices)}.")
+
+    def _validate_nodes(self) -> None:
+        """Ranks across machines: every node runs the same number of ranks, node 0 included."""
+        world = self.tp_size * self.pp_size
+        if self.nnodes < 1:
+            raise ConfigError(f"--nnodes must be at least 1, got {self.nnodes}.")
+        if world % self.nnodes:
+            raise ConfigError(
+                f"--tp-size x --pp-size ({world}) must be divisible by --nnodes {self.nnodes} (same ranks per node)."
+            )
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(
+                f"--node-rank must be in [0, {self.nnodes}) for --nnodes {self.nnodes}, got {self.node_rank}."
+            )
+        if self.nnodes > 1 and split_host_port(self.dist_init_addr) is None:
+            raise ConfigError(
+                f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (node 0's address), "
+                f"got {self.dist_init_addr!r}."
+            )
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tp_size * self.pp_size // self.nnodes
+
+    @property
+    def local_ranks(self) -> range:
+        """The global ranks this node runs (node 0 holds rank 0, the leader)."""
+        return range(self.node_rank * self.ranks_per_node, (self.node_rank + 1) * self.ranks_per_node)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -158,3 +196,14 @@ class EngineConfig:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def split_host_port(addr: Optional[str]) -> Optional[tuple[str, int]]:
+    """``("host", port)`` from ``"host:port"`` (``"[::1]:port"`` for IPv6), or None if malformed."""
+    if not addr or ":" not in addr:
+        return None
+    host, _, port = addr.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    return host, int(port)

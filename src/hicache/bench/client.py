@@ -41,6 +41,15 @@ def _error_message(body: bytes, status: int) -> str:
         return f"HTTP {status}: {body[:200].decode(errors='replace')}"
 
 
+def _read_usage(rec: RequestRecord, u: dict[str, Any]) -> None:
+    """The final chunk's ``usage`` (with hicache's per-tier cached-token details)."""
+    rec.prompt_tokens = u.get("prompt_tokens") or 0
+    rec.completion_tokens = u.get("completion_tokens") or 0
+    details = u.get("prompt_tokens_details") or {}
+    rec.cached_tokens = details.get("cached_tokens") or 0
+    rec.cached_tokens_details = dict(details.get("cached_tokens_details") or {})
+
+
 async def stream_request(client: httpx.AsyncClient, base_url: str, model: str, rec: RequestRecord, *,
                          messages: Optional[list[dict]] = None, prompt: Optional[str] = None, max_tokens: int,
                          temperature: float = 0.0, ignore_eos: bool = True, extra: dict | None = None) -> RequestRecord:
@@ -75,12 +84,7 @@ async def stream_request(client: httpx.AsyncClient, base_url: str, model: str, r
                     rec.error = str(obj["error"].get("message", obj["error"]))
                     return rec
                 if obj.get("usage"):
-                    u = obj["usage"]
-                    rec.prompt_tokens = u.get("prompt_tokens") or 0
-                    rec.completion_tokens = u.get("completion_tokens") or 0
-                    details = u.get("prompt_tokens_details") or {}
-                    rec.cached_tokens = details.get("cached_tokens") or 0
-                    rec.cached_tokens_details = dict(details.get("cached_tokens_details") or {})
+                    _read_usage(rec, obj["usage"])
                 for choice in obj.get("choices") or []:
                     piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
                     if piece:

@@ -89,14 +89,56 @@ def launch_server(server_args: str, timeout: float) -> tuple[subprocess.Popen, s
     raise HicacheError(f"the launched server was not ready within {timeout:.0f} s.")
 
 
+async def _workload(args: argparse.Namespace, client: Any, base_url: str, info: dict[str, Any],
+                    workload: dict[str, Any]) -> tuple[Any, Any, int]:
+    """(trace requests or None, conversations or None, request count); describes the
+    workload into ``workload`` (measured with the server's tokenizer when it is hicache)."""
+    from .client import count_tokens
+    from .workload import WORDS, generated_shared_prefix, load_trace, random_text
+
+    reqs, convs = None, None
+    if args.dataset_name == "trace":
+        if not args.trace_file:
+            raise HicacheError("--dataset-name trace needs --trace-file FILE.")
+        try:
+            reqs = load_trace(args.trace_file, args.trace_max_tokens)
+        except (OSError, ValueError) as e:
+            raise HicacheError(f"cannot read the trace: {e}.") from None
+        total = len(reqs)
+        workload.update(name=f"trace {os.path.basename(args.trace_file)} ({total} requests, x{args.trace_speed})")
+    else:
+        import random
+
+        tpw = 1.0
+        if info["hicache"]:  # measure words -> tokens with the server's tokenizer
+            sample = random_text(random.Random(args.seed + 7), 2000)
+            tpw = (await count_tokens(client, base_url, [sample]))[0] / 2000
+        convs = generated_shared_prefix(args.gsp_num_groups, args.gsp_prompts_per_group,
+                                        args.gsp_system_prompt_len, args.gsp_question_len, args.gsp_num_turns,
+                                        args.seed, tpw)
+        total = len(convs) * args.gsp_num_turns
+        workload.update(
+            name=(f"generated-shared-prefix {args.gsp_num_groups} groups x {args.gsp_prompts_per_group} "
+                  f"conversations x {args.gsp_num_turns} turns"),
+            tokens_per_word=tpw, num_words=len(WORDS),
+            **{k: getattr(args, k) for k in ("gsp_system_prompt_len", "gsp_question_len", "gsp_output_len")},
+        )
+        if info["hicache"]:
+            systems = sorted({c.system for c in convs})
+            qs = [q for c in convs for q in c.questions]
+            counts = await count_tokens(client, base_url, systems + qs)
+            workload["measured_system_prompt_len"] = sum(counts[: len(systems)]) / len(systems)
+            workload["measured_question_len"] = sum(counts[len(systems):]) / max(len(qs), 1)
+    return reqs, convs, total
+
+
 async def _run(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
     import httpx
     from tqdm import tqdm
 
-    from .client import count_tokens, flush_cache, scrape_metrics, server_info
+    from .client import flush_cache, scrape_metrics, server_info
     from .report import summarize
     from .runner import run_conversations, run_trace
-    from .workload import WORDS, generated_shared_prefix, load_trace, random_text
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0), limits=limits) as client:
@@ -108,38 +150,7 @@ async def _run(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
         workload: dict[str, Any] = {"base_url": base_url, "model": model, "server_is_hicache": info["hicache"],
                                     "max_concurrency": args.max_concurrency, "request_rate": args.request_rate,
                                     "seed": args.seed}
-        if args.dataset_name == "trace":
-            if not args.trace_file:
-                raise HicacheError("--dataset-name trace needs --trace-file FILE.")
-            try:
-                reqs = load_trace(args.trace_file, args.trace_max_tokens)
-            except (OSError, ValueError) as e:
-                raise HicacheError(f"cannot read the trace: {e}.") from None
-            total = len(reqs)
-            workload.update(name=f"trace {os.path.basename(args.trace_file)} ({total} requests, x{args.trace_speed})")
-        else:
-            import random
-
-            tpw = 1.0
-            if info["hicache"]:  # measure words -> tokens with the server's tokenizer
-                sample = random_text(random.Random(args.seed + 7), 2000)
-                tpw = (await count_tokens(client, base_url, [sample]))[0] / 2000
-            convs = generated_shared_prefix(args.gsp_num_groups, args.gsp_prompts_per_group,
-                                            args.gsp_system_prompt_len, args.gsp_question_len, args.gsp_num_turns,
-                                            args.seed, tpw)
-            total = len(convs) * args.gsp_num_turns
-            workload.update(
-                name=(f"generated-shared-prefix {args.gsp_num_groups} groups x {args.gsp_prompts_per_group} "
-                      f"conversations x {args.gsp_num_turns} turns"),
-                tokens_per_word=tpw, num_words=len(WORDS),
-                **{k: getattr(args, k) for k in ("gsp_system_prompt_len", "gsp_question_len", "gsp_output_len")},
-            )
-            if info["hicache"]:
-                systems = sorted({c.system for c in convs})
-                qs = [q for c in convs for q in c.questions]
-                counts = await count_tokens(client, base_url, systems + qs)
-                workload["measured_system_prompt_len"] = sum(counts[: len(systems)]) / len(systems)
-                workload["measured_question_len"] = sum(counts[len(systems):]) / max(len(qs), 1)
+        reqs, convs, total = await _workload(args, client, base_url, info, workload)
         if args.flush_cache and info["hicache"] and not await flush_cache(client, base_url):
             raise HicacheError("the server refused /flush_cache (requests still running).")
 

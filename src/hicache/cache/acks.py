@@ -32,5 +32,9 @@ class AckCounts:
             raise ValueError(f"AckCounts takes {cls.LENGTH} values, got {len(values)}")
         return cls(*(int(v) for v in values))
 
+    def __add__(self, other: "AckCounts") -> "AckCounts":
+        """Field-wise sum: each tier fills only its own queues' fields."""
+        return AckCounts(*(a + b for a, b in zip(self.to_list(), other.to_list())))
+
     def __bool__(self) -> bool:
         return any(dataclasses.astuple(self))

@@ -22,80 +22,22 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 from ..consensus_record import consensus_check
 from .pools import PageAllocator
+from .tree_node import MatchResult, PeekResult, TreeNode, check_nodes
 
 logger = logging.getLogger(__name__)
 
 _EMPTY_PAGES = np.zeros(0, dtype=np.int64)
 
 
-class TreeNode:
-    """One edge of the tree: ``key`` tokens and where their KV lives in each tier."""
-
-    __slots__ = (
-        "id", "namespace", "key", "parent", "children", "device_pages", "host_pages",
-        "hash_values", "stored", "lock_ref", "host_ref", "last_access", "hit_count",
-    )
-
-    def __init__(self, node_id: int, namespace: str, key: np.ndarray, parent: "TreeNode | None") -> None:
-        self.id = node_id
-        self.namespace = namespace
-        self.key = key  # int32 token ids, len = num_pages * page_size
-        self.parent = parent
-        self.children: dict[bytes, TreeNode] = {}
-        self.device_pages: np.ndarray | None = None  # L1 page ids
-        self.host_pages: np.ndarray | None = None  # L2 page ids (hierarchical cache)
-        self.hash_values: list[bytes] | None = None  # per-page chained hashes (storage tier)
-        self.stored = False  # a storage backup of this node's pages was issued (L3)
-        self.lock_ref = 0
-        self.host_ref = 0  # in-flight reads of the host copy (storage backups); like lock_ref, path-wide
-        self.last_access = 0
-        self.hit_count = 0
-
-    @property
-    def num_pages(self) -> int:
-        return len(self.device_pages) if self.device_pages is not None else 0
-
-    @property
-    def is_root(self) -> bool:
-        return self.parent is None
-
-    def __repr__(self) -> str:
-        return f"TreeNode(id={self.id}, tokens={len(self.key)}, lock_ref={self.lock_ref})"
-
-
-@dataclass
-class MatchResult:
-    """Result of :meth:`RadixCache.match_prefix`. Lengths are in tokens (whole pages)."""
-
-    device_pages: np.ndarray  # L1 page ids of the device hit, in order
-    device_hit_tokens: int  # = len(device_pages) * page_size
-    last_device_node: TreeNode  # deepest node of the device hit (lock this one)
-    host_hit_tokens: int  # tokens past the device hit found only in lower tiers
-    last_node: TreeNode  # deepest matched node of any tier
-
-
-@dataclass(frozen=True)
-class PeekResult:
-    """Result of :meth:`RadixCache.peek_prefix`: the lengths of :meth:`RadixCache.match_prefix`
-    (tokens, whole pages) with the tree untouched. The match ends ``node_pages`` pages into
-    ``node`` (None when nothing matched); that is inside ``node`` where match_prefix would
-    have split it."""
-
-    device_hit_tokens: int
-    host_hit_tokens: int
-    node: TreeNode | None
-    node_pages: int
-
-
 class RadixCache:
-    """The L1 prefix cache: match / insert / lock / evict over logical token pages."""
+    """The prefix index of every tier: match / insert / lock / evict over logical token pages.
+    It keeps each node's tier state consistent; when to copy between tiers is the tiers' policy."""
 
     def __init__(
         self,
@@ -114,7 +56,6 @@ class RadixCache:
         # (write_back). Without it such a victim is dropped.
         self.backup_on_evict: Callable[[TreeNode], bool] | None = None
         self.host_pages_held = 0
-        self.evicted_host_pages_total = 0
         self._ids = itertools.count()
         self._tick = 0
         self._roots: dict[str, TreeNode] = {}
@@ -165,11 +106,49 @@ class RadixCache:
         upper.children[self._page_key(node.key, 0)] = node
         return upper
 
+    def _child(self, node: TreeNode, tokens: np.ndarray, pos: int) -> TreeNode | None:
+        """The child of ``node`` that ``tokens[pos:]`` enters, cut to their common pages; None
+        when no child shares the first page."""
+        child = node.children.get(self._page_key(tokens, pos))
+        if child is not None and (n := self._common_pages(child.key, tokens, pos)) < len(child.key):
+            child = self._split(child, n)
+        return child
+
+    def _leaf(self, parent: TreeNode, key: np.ndarray) -> TreeNode:
+        """A new (touched) leaf below ``parent``; the caller gives it its tier's pages."""
+        leaf = TreeNode(next(self._ids), parent.namespace, key.copy(), parent)
+        self._touch(leaf)
+        parent.children[self._page_key(leaf.key, 0)] = leaf
+        return leaf
+
     def _as_tokens(self, tokens) -> np.ndarray:
         arr = np.asarray(tokens, dtype=np.int32)
         return arr[: len(arr) - len(arr) % self.page_size]
 
     # ---- the contract --------------------------------------------------------------------
+    def _walk(self, namespace: str, tokens: np.ndarray) -> tuple[list[TreeNode], int, int, int]:
+        """Read-only walk along the longest cached prefix of ``tokens``: the nodes passed (the
+        last may match only in part), the tokens of the leading device run, the host-only tokens
+        after it, and the tokens matched in the last node."""
+        node, path = self._roots.get(namespace), []
+        device = host = pos = n = 0
+        while node is not None and pos < len(tokens):
+            child = node.children.get(self._page_key(tokens, pos))
+            if child is None:
+                break
+            k = self._common_pages(child.key, tokens, pos)
+            if child.device_pages is not None and host == 0:  # device hits are a leading run
+                device += k
+            elif child.host_pages is not None:
+                host += k
+            else:
+                break
+            path.append(child)
+            node, pos, n = child, pos + k, k
+            if k < len(child.key):  # the match ends inside this node
+                break
+        return path, device, host, n
+
     @consensus_check("tree.match_prefix", args=lambda self, ns, tokens: (ns, len(tokens)),
                      result=lambda m: (m.device_hit_tokens, m.host_hit_tokens))
     def match_prefix(self, namespace: str, tokens) -> MatchResult:
@@ -179,55 +158,26 @@ class RadixCache:
         boundary that a request can lock. Updates recency and hit counts.
         """
         tokens = self._as_tokens(tokens)
-        node = self._root(namespace)
-        last_device = node
-        device: list[np.ndarray] = []
-        host_tokens = 0
-        pos = 0
-        while pos < len(tokens):
-            child = node.children.get(self._page_key(tokens, pos))
-            if child is None:
-                break
-            n = self._common_pages(child.key, tokens, pos)
-            if n < len(child.key):
-                child = self._split(child, n)
-            # Fix: touch after the split, so only the matched part gets the new recency / hit
-            # (touching first also refreshed the unmatched lower half, skewing LRU and LFU).
-            self._touch(child)
-            if child.device_pages is not None and last_device is node:
-                device.append(child.device_pages)
-                last_device = child
-            elif child.host_pages is not None:
-                host_tokens += n
-            else:
-                break
-            node = child
-            pos += n
-        pages = np.concatenate(device) if device else _EMPTY_PAGES
-        return MatchResult(pages, len(pages) * self.page_size, last_device, host_tokens, node)
+        root = self._root(namespace)
+        path, _, host_tokens, n = self._walk(namespace, tokens)
+        if path and n < len(path[-1].key):
+            path[-1] = self._split(path[-1], n)
+        # Touch after the split, so only the matched part gets the new recency / hit (touching
+        # first also refreshed the unmatched lower half, skewing LRU and LFU).
+        for node in path:
+            self._touch(node)
+        k = 0  # the device hit is the leading run of nodes with device pages
+        while k < len(path) and path[k].device_pages is not None:
+            k += 1
+        pages = np.concatenate([m.device_pages for m in path[:k]]) if k else _EMPTY_PAGES
+        last_device = path[k - 1] if k else root
+        return MatchResult(pages, len(pages) * self.page_size, last_device, host_tokens, path[-1] if path else root)
 
     def peek_prefix(self, namespace: str, tokens) -> PeekResult:
         """:meth:`match_prefix`'s lengths without changing any state: no split, no hit count,
         no recency, no root created (a probe, e.g. for a prefetch, is not a hit)."""
-        tokens = self._as_tokens(tokens)
-        parent, node = self._roots.get(namespace), None
-        device = host = pages = pos = 0
-        while parent is not None and pos < len(tokens):
-            child = parent.children.get(self._page_key(tokens, pos))
-            if child is None:
-                break
-            n = self._common_pages(child.key, tokens, pos)
-            if child.device_pages is not None and host == 0:  # device hits are a leading run
-                device += n
-            elif child.host_pages is not None:
-                host += n
-            else:
-                break
-            parent = node = child
-            pages, pos = n // self.page_size, pos + n
-            if n < len(child.key):  # the match ends inside this node
-                break
-        return PeekResult(device, host, node, pages)
+        path, device, host, n = self._walk(namespace, self._as_tokens(tokens))
+        return PeekResult(device, host, path[-1] if path else None, n // self.page_size if path else 0)
 
     def insert(self, namespace: str, tokens, pages: np.ndarray) -> int:
         """Insert ``tokens`` (whole pages) whose KV lives in device ``pages``.
@@ -240,22 +190,17 @@ class RadixCache:
         pages = np.asarray(pages, dtype=np.int64)
         if len(pages) != len(tokens) // self.page_size:
             raise ValueError(f"insert of {len(tokens)} tokens needs {len(tokens) // self.page_size} pages, got {len(pages)}")
-        node = self._root(namespace)
-        pos = 0
+        node, pos = self._root(namespace), 0
         on_device: int | None = None  # where the device-resident prefix ends
         while pos < len(tokens):
-            child = node.children.get(self._page_key(tokens, pos))
+            child = self._child(node, tokens, pos)
             if child is None:
-                leaf = TreeNode(next(self._ids), namespace, tokens[pos:].copy(), node)
+                leaf = self._leaf(node, tokens[pos:])
                 leaf.device_pages = pages[pos // self.page_size :].copy()
-                self._touch(leaf)
-                node.children[self._page_key(leaf.key, 0)] = leaf
                 self.evictable_pages += leaf.num_pages
                 return pos if on_device is None else on_device
-            n = self._common_pages(child.key, tokens, pos)
-            if n < len(child.key):
-                child = self._split(child, n)
-            self._touch(child)  # Fix: after the split (see match_prefix)
+            n = len(child.key)
+            self._touch(child)  # after the split (see match_prefix)
             if child.device_pages is None:
                 # A node whose device copy was evicted adopts the caller's pages. Eviction is
                 # leaf-first, so everything below it is device-less too: the device prefix ends here.
@@ -263,8 +208,7 @@ class RadixCache:
                 self._count(child, +1)
                 if on_device is None:
                     on_device = pos
-            node = child
-            pos += n
+            node, pos = child, pos + n
         return pos if on_device is None else on_device
 
     def node_at(self, namespace: str, tokens) -> TreeNode | None:
@@ -324,28 +268,21 @@ class RadixCache:
         are not taken. Returns the index into ``host_pages`` from which the tree took ownership
         (``len(host_pages)`` when it took none: the caller frees ``host_pages[:returned]``)."""
         tokens = self._as_tokens(tokens)
-        node = self._root(namespace)
-        pos = 0
+        node, pos = self._root(namespace), 0
         while pos < len(tokens):
-            child = node.children.get(self._page_key(tokens, pos))
+            child = self._child(node, tokens, pos)
             if child is None:
                 first = pos // self.page_size - start_page
                 if first < 0:  # the prefix before the fetched pages is gone: nothing to hang them on
                     return len(host_pages)
-                leaf = TreeNode(next(self._ids), namespace, tokens[pos:].copy(), node)
+                leaf = self._leaf(node, tokens[pos:])
                 leaf.host_pages = np.asarray(host_pages[first:], dtype=np.int64).copy()
                 if hashes is not None:
                     leaf.hash_values = list(hashes[first:])
                 leaf.stored = True  # it came from storage
-                self._touch(leaf)
-                node.children[self._page_key(leaf.key, 0)] = leaf
                 self.host_pages_held += len(leaf.host_pages)
                 return first
-            n = self._common_pages(child.key, tokens, pos)
-            if n < len(child.key):
-                child = self._split(child, n)
-            node = child
-            pos += n
+            node, pos = child, pos + len(child.key)
         return len(host_pages)
 
     def _eviction_key(self, node: TreeNode) -> tuple:
@@ -361,54 +298,45 @@ class RadixCache:
             and (node.host_pages is not None or node.host_ref == 0)
         )
 
+    def evict_leaves(self, num_pages: int, evictable: Callable[[TreeNode], bool],
+                     take: Callable[[TreeNode], int]) -> int:
+        """Apply ``take`` (returns the pages it freed) to ``evictable`` leaves in policy order,
+        a parent joining once its last child goes, until ``num_pages`` are freed or none is left."""
+        heap = [(self._eviction_key(n), n) for n in self._all_nodes() if evictable(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_pages and heap:
+            _, node = heapq.heappop(heap)
+            parent = node.parent
+            freed += take(node)
+            if evictable(parent):
+                heapq.heappush(heap, (self._eviction_key(parent), parent))
+        return freed
+
     @consensus_check("tree.evict", args=lambda self, num_pages: num_pages, result=lambda freed: freed)
     def evict(self, num_pages: int) -> int:
         """Free at least ``num_pages`` device pages from unlocked leaves, least valuable first
         (policy order). A victim with a host copy stays in the tree as host-only; one without
         is dropped (with any host-only nodes below it). Returns the pages freed (fewer when too
         little is evictable)."""
-        heap = [(self._eviction_key(n), n) for n in self._all_nodes() if self._evictable_leaf(n)]
-        heapq.heapify(heap)
-        freed = 0
-        while freed < num_pages and heap:
-            _, node = heapq.heappop(heap)
-            if node.host_pages is None and self.backup_on_evict is not None:
-                self.backup_on_evict(node)
-            freed += node.num_pages
-            self.evictable_pages -= node.num_pages
-            self.allocator.free(node.device_pages)
-            node.device_pages = None
-            parent = node.parent
-            if node.host_pages is None:
-                self._delete_subtree(node)
-            if self._evictable_leaf(parent):
-                heapq.heappush(heap, (self._eviction_key(parent), parent))
+        freed = self.evict_leaves(num_pages, self._evictable_leaf, self._evict_device)
         self.evicted_pages_total += freed
         if freed:
             logger.debug("evicted %d device pages", freed)
         return freed
 
-    def evict_host(self, num_pages: int) -> int:
-        """Free at least ``num_pages`` host pages by deleting unlocked host-only leaves in
-        policy order. Returns the host pages freed."""
-        heap = [(self._eviction_key(n), n) for n in self._all_nodes() if self._host_evictable_leaf(n)]
-        heapq.heapify(heap)
-        freed = 0
-        while freed < num_pages and heap:
-            _, node = heapq.heappop(heap)
-            parent = node.parent
-            freed += len(node.host_pages)
-            self._delete_subtree(node)
-            if self._host_evictable_leaf(parent):
-                heapq.heappush(heap, (self._eviction_key(parent), parent))
-        self.evicted_host_pages_total += freed
+    def _evict_device(self, node: TreeNode) -> int:
+        if node.host_pages is None and self.backup_on_evict is not None:
+            self.backup_on_evict(node)
+        freed = node.num_pages
+        self.evictable_pages -= freed
+        self.allocator.free(node.device_pages)
+        node.device_pages = None
+        if node.host_pages is None:
+            self.delete_subtree(node)
         return freed
 
-    def _host_evictable_leaf(self, node: TreeNode) -> bool:
-        return (not node.is_root and node.lock_ref == 0 and node.host_ref == 0 and node.device_pages is None
-                and node.host_pages is not None and not node.children)
-
-    def _delete_subtree(self, node: TreeNode) -> None:
+    def delete_subtree(self, node: TreeNode) -> None:
         """Unlink ``node``; free the host pages of it and everything below (none is on device)."""
         del node.parent.children[self._page_key(node.key, 0)]
         stack = [node]
@@ -463,35 +391,7 @@ class RadixCache:
 
     def check_invariants(self) -> None:
         """Recompute every counter from the nodes and compare; raise AssertionError on drift."""
-        evictable = protected = 0
-        seen_pages: set[int] = set()
-        seen_host: set[int] = set()
-        for node in self._all_nodes():
-            if node.is_root:
-                continue
-            assert len(node.key) > 0 and len(node.key) % self.page_size == 0, f"{node}: key not whole pages"
-            if node.device_pages is not None:
-                assert len(node.device_pages) * self.page_size == len(node.key), f"{node}: pages do not cover key"
-                for p in node.device_pages.tolist():
-                    assert p != 0 and p not in seen_pages, f"{node}: page {p} reserved or shared"
-                    seen_pages.add(p)
-                if node.lock_ref > 0:
-                    protected += node.num_pages
-                else:
-                    evictable += node.num_pages
-            else:
-                assert node.host_pages is not None, f"{node}: in no tier"
-                assert all(c.device_pages is None for c in node.children.values()), f"{node}: device below host-only"
-            if node.host_pages is not None:
-                assert len(node.host_pages) * self.page_size == len(node.key), f"{node}: host pages do not cover key"
-                for p in node.host_pages.tolist():
-                    assert p != 0 and p not in seen_host, f"{node}: host page {p} reserved or shared"
-                    seen_host.add(p)
-            assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()), f"{node}: lock below parent"
-            assert node.host_ref >= sum(c.host_ref for c in node.children.values()), f"{node}: host ref below parent"
-            if node.hash_values is not None:
-                assert len(node.hash_values) * self.page_size == len(node.key), f"{node}: hashes do not cover key"
-            assert node.parent.children.get(self._page_key(node.key, 0)) is node, f"{node}: parent link broken"
+        evictable, protected, host = check_nodes(self._all_nodes(), self.page_size)
         assert evictable == self.evictable_pages, (evictable, self.evictable_pages)
         assert protected == self.protected_pages, (protected, self.protected_pages)
-        assert len(seen_host) == self.host_pages_held, (len(seen_host), self.host_pages_held)
+        assert host == self.host_pages_held, (host, self.host_pages_held)

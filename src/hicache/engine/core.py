@@ -72,18 +72,11 @@ def build_core(
     pool = DeviceKVPool(layers, kv_heads, spec.head_dim, device_pages, cfg.page_size, dtype, device)
     host_pool = HostKVPool(pool, host_pages, cfg.hicache_mem_layout) if cfg.enable_hierarchical_cache else None
     cache = KVCacheManager(
-        storage=storage,
-        prefetch_threshold=cfg.hicache_storage_prefetch_threshold,
-        pool=pool,
-        eviction_policy=cfg.radix_eviction_policy,
-        enable_prefix_cache=not cfg.disable_radix_cache,
-        host_pool=host_pool,
-        write_policy=cfg.hicache_write_policy,
-        write_through_threshold=cfg.hicache_write_through_threshold,
-        storage_agree=storage_agree,
-        shard=shard.describe() if shard else "",
-        storage_op_timeout=cfg.hicache_storage_op_timeout,
-    )
+        pool=pool, eviction_policy=cfg.radix_eviction_policy, enable_prefix_cache=not cfg.disable_radix_cache,
+        host_pool=host_pool, write_policy=cfg.hicache_write_policy,
+        write_through_threshold=cfg.hicache_write_through_threshold, storage=storage,
+        prefetch_threshold=cfg.hicache_storage_prefetch_threshold, storage_agree=storage_agree,
+        shard=shard.describe() if shard else "", storage_op_timeout=cfg.hicache_storage_op_timeout)
     runner = ModelRunner(loaded.model, cache.kv_view, device)
     scheduler = Scheduler(
         cache=cache,

@@ -22,6 +22,7 @@ from ..errors import EngineDeadError, HicacheError
 from .engine import Engine
 from .request import GenerateResult, Request, Status
 from .sampling import SamplingParams
+from .step import apply_intake, take_intake
 
 logger = logging.getLogger(__name__)
 
@@ -257,38 +258,31 @@ class EngineLoop:
             self._finished(req)
 
     def _drain(self, block: bool) -> bool:
-        """Apply queued commands (waiting for one when ``block``). False on stop."""
-        try:
-            cmd = self._cmds.get(block=block, timeout=IDLE_POLL_S if block else None)
-        except queue.Empty:
-            self.engine.check_alive()  # idle: a rank that died meanwhile is found here, not at the next request
-            return True
+        """Apply queued commands (waiting up to IDLE_POLL_S for one when ``block``): adds and
+        aborts through the same intake as a rank group's leader (engine/step.py), then each
+        ``call`` on this thread. False on stop."""
+        get = (lambda: self._cmds.get(timeout=IDLE_POLL_S)) if block else self._cmds.get_nowait
         while True:
-            kind = cmd[0]
-            if kind == "stop":
-                return False
-            if kind == "add":
-                self.engine.scheduler.add(cmd[1])
-            elif kind == "abort":
-                self._abort(cmd[1])
-            elif kind == "call":
-                fut: concurrent.futures.Future = cmd[2]
-                if fut.set_running_or_notify_cancel():
-                    try:
-                        fut.set_result(cmd[1]())
-                    except BaseException as e:
-                        fut.set_exception(e)
-            try:
-                cmd = self._cmds.get_nowait()
-            except queue.Empty:
+            intake = take_intake(get, self._cmds.get_nowait, (queue.Empty,), lambda c: c[0] in ("call", "stop"))
+            apply_intake(self.engine.scheduler, intake.adds, intake.aborts, on_abort=self._aborted)
+            cmd = intake.command
+            if cmd is None:
+                if block and not (intake.adds or intake.aborts):
+                    self.engine.check_alive()  # idle: a rank that died is found now, not at the next request
                 return True
+            if cmd[0] == "stop":
+                return False
+            fut: concurrent.futures.Future = cmd[2]
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(cmd[1]())
+                except BaseException as e:
+                    fut.set_exception(e)
+            get = self._cmds.get_nowait  # and whatever else is queued
 
-    def _abort(self, rid: int) -> None:
-        sched = self.engine.scheduler
-        req = next((r for r in list(sched.waiting) + sched.running if r.rid == rid), None)
-        if req is not None and sched.abort(rid):
-            logger.info("abort rid=%d output=%d", rid, len(req.output_ids))
-            self._finished(req)
+    def _aborted(self, req: Request) -> None:
+        logger.info("abort rid=%d output=%d", req.rid, len(req.output_ids))
+        self._finished(req)
 
     def _finished(self, req: Request) -> None:
         with self._lock:

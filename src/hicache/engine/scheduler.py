@@ -1,4 +1,5 @@
-"""The step loop: admission, continuous batching with chunked prefill, finish handling.
+"""The scheduler's phases: events, admission, continuous batching with chunked prefill,
+sampling, finish handling. The order they run in, for every rank layout, is engine/step.py.
 
 Every cache decision (match, lock, evict, insert) happens here, on the scheduler thread, as
 a function of the request stream alone (DESIGN invariant 3): ranks that feed the same requests
@@ -21,12 +22,9 @@ from .events import PrefetchEvent, StepEvents
 from .prefetch_policy import PrefetchPolicy
 from .request import Request, Status
 from .sampling import sample
+from .step import ForwardFn, StepDriver
 
 logger = logging.getLogger(__name__)
-
-# forward(input_ids per seq, cached prefix len per seq, context slots per seq) -> logits [B, V]
-ForwardFn = Callable[[list[list[int]], list[int], list[torch.Tensor]], torch.Tensor]
-
 
 class Scheduler:
     def __init__(
@@ -41,7 +39,6 @@ class Scheduler:
         prefetch_timeout: Callable[[int], float] = lambda tokens: 1.0,
     ) -> None:
         self.cache = cache
-        self.forward = forward
         self.decode_text = decode_text
         self.eos_token_ids = eos_token_ids
         self.chunked_prefill_size = chunked_prefill_size
@@ -51,6 +48,9 @@ class Scheduler:
         self.prefetch_rule = PrefetchPolicy(prefetch_policy, prefetch_timeout)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # The phases of a step on this rank alone; a rank of a group replaces it with one that
+        # agrees with its peers and hands its output on (hicache.parallel.worker).
+        self.driver = StepDriver(self, forward)
 
     # ---- queue ---------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -92,19 +92,9 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """One single-rank step: agree (trivially) on events, schedule, run, apply.
-        Returns the requests that finished in this step. Several ranks run the same phases
-        through ``hicache.parallel`` with agreed counts and results that arrive later."""
-        self.consume_events(self.ready_events())
-        batch = self.schedule()
-        self.cache.submit_transfers()  # load-backs must be in flight before the forward waits on them
-        finished: list[Request] = []
-        if batch is not None:
-            t0 = time.perf_counter()
-            tokens = self.sample(batch, self.forward(batch.input_ids(), batch.prefix_lens(), batch.context_slots()))
-            self.observe_forward(batch, time.perf_counter() - t0)  # sampling has read the logits
-            finished = self.apply_results(batch, tokens)
-        self.cache.submit_transfers()  # backups of what finished in this step
+        """One step (agree -> schedule -> forward -> sample -> apply: see engine/step.py);
+        returns the requests that finished in it."""
+        batch, finished = self.driver.step()
         if batch is None and not self.running and self.waiting:
             time.sleep(0.001)  # only prefetches to wait for: do not spin
         return finished

@@ -5,6 +5,12 @@ the leader (PP0/TP0), and turns its updates back into the Engine's Request objec
 ``has_work``, ``running``, ``waiting``), so ``Engine.generate``, ``EngineLoop`` and the server run
 unchanged. A rank that dies or reports an error, and a divergence found by the rank consensus
 checker, stop every rank and surface as one :class:`HicacheError` naming the rank.
+
+With ``--nnodes N`` this process runs on node 0 and starts only node 0's ranks (rank 0, the
+leader, among them: the frontend's queues stay on one machine); the other nodes' ranks are
+started by ``hicache node`` (``parallel/node.py``) and reach these only through the
+collectives. So the start-up handshake, the watchdog and the consensus checker see this node's
+ranks only; a failure elsewhere shows here as a local rank's broken connection.
 """
 
 from __future__ import annotations
@@ -24,14 +30,14 @@ from typing import Any, Iterator
 
 import torch.multiprocessing
 
-from ..config import ConfigError, EngineConfig
+from ..config import ConfigError, EngineConfig, split_host_port
 from ..consensus_record import Entry, enabled as checker_enabled
-from ..engine.request import Request, Status
 from ..errors import EngineDeadError, HicacheError
 from .channels import WRITERS_GONE, reader_only
 from .consensus import ConsensusMonitor, Divergence
 from .groups import rank_label
-from .messages import RequestSpec, RequestUpdate
+from .messages import RequestUpdate
+from .remote_scheduler import RemoteScheduler
 from .worker import rank_main
 
 logger = logging.getLogger(__name__)
@@ -45,6 +51,16 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def init_method(cfg: EngineConfig) -> str:
+    """torch.distributed's rendezvous: ``--dist-init-addr`` across machines (rank 0 listens
+    there), else a free local port."""
+    addr = split_host_port(cfg.dist_init_addr) if cfg.nnodes > 1 else None
+    if addr is None:
+        return f"tcp://127.0.0.1:{_free_port()}"
+    host, port = addr
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
 @contextlib.contextmanager
@@ -76,7 +92,12 @@ class RankGroup:
     core = None  # the ranks hold the model, pools and cache; this process only forwards
 
     def __init__(self, cfg: EngineConfig) -> None:
+        if cfg.node_rank != 0:
+            raise ConfigError(f"node {cfg.node_rank} of {cfg.nnodes} serves nothing: start its ranks with "
+                              f"`hicache node --node-rank {cfg.node_rank}` and the same engine flags.")
         self.world = cfg.tp_size * cfg.pp_size
+        self.nnodes = cfg.nnodes
+        self.local_world = cfg.ranks_per_node  # this node's ranks are 0 .. local_world - 1
         self.labels = [rank_label(r, cfg.tp_size) for r in range(self.world)]
         ctx = torch.multiprocessing.get_context("spawn")
         self.inbox, self.outbox, self.status = ctx.Queue(), ctx.Queue(), ctx.Queue()
@@ -92,8 +113,9 @@ class RankGroup:
         self._updates: deque[list[RequestUpdate]] = deque()
         # Checker: the ranks' call streams, compared here as they arrive (HICACHE_RANK_CONSENSUS_CHECKER=1).
         self.monitor: ConsensusMonitor | None = None
-        self.trace: dict[str, deque[Entry]] = {label: deque(maxlen=TRACE_ENTRIES) for label in self.labels}
-        self.procs: list[Any] = []  # started rank processes, in rank order
+        self.trace: dict[str, deque[Entry]] = {
+            label: deque(maxlen=TRACE_ENTRIES) for label in self.labels[: self.local_world]}
+        self.procs: list[Any] = []  # started rank processes (this node's), in rank order
         self._watchdog: threading.Thread | None = None
         try:  # whatever fails or is interrupted from here on, nothing is left running
             self._start(cfg, ctx)
@@ -107,15 +129,18 @@ class RankGroup:
 
     # ---- lifecycle --------------------------------------------------------------------------
     def _start(self, cfg: EngineConfig, ctx: Any) -> None:
+        local_labels = self.labels[: self.local_world]
         if checker_enabled():
-            self.monitor = ConsensusMonitor(self.labels, self._on_divergence, ctx, on_entry=self._keep)
+            if self.nnodes > 1:  # other nodes' ranks have no queue to this process
+                logger.warning("the rank consensus checker compares node 0's ranks only (%s)", ", ".join(local_labels))
+            self.monitor = ConsensusMonitor(local_labels, self._on_divergence, ctx, on_entry=self._keep)
             self.monitor.start()
-        init = f"tcp://127.0.0.1:{_free_port()}"
+        init = init_method(cfg)
         fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
         level = logging.getLogger().getEffectiveLevel()
         monitor_queue = self.monitor.queue if self.monitor else None
         with _user_main_hidden():
-            for r in range(self.world):
+            for r in range(self.local_world):
                 p = ctx.Process(
                     target=rank_main, name=f"hicache-rank-{self.labels[r]}", daemon=True,
                     args=(r, fields, init, self.status, self.inbox if r == 0 else None,
@@ -124,13 +149,18 @@ class RankGroup:
                 p.start()
                 self.procs.append(p)
         reader_only(self.outbox, self.status, monitor_queue)  # only the ranks write these
-        logger.info("started %d ranks (tp=%d pp=%d): pids %s", self.world, cfg.tp_size, cfg.pp_size,
+        logger.info("started %d ranks (tp=%d pp=%d): pids %s", self.local_world, cfg.tp_size, cfg.pp_size,
                     [p.pid for p in self.procs])
+        if self.nnodes > 1:
+            logger.info("node 0 of %d: ranks %s here, %d on other nodes joining at %s", self.nnodes,
+                        ", ".join(local_labels), self.world - self.local_world, init)
 
     def _wait_ready(self) -> int:
+        """This node's ranks' capacities (the pools were MIN-agreed over every node's ranks
+        before any rank reports ready, so the leader's capacity is the world's)."""
         ready: dict[int, int] = {}
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while len(ready) < self.world:
+        while len(ready) < self.local_world:
             try:
                 item = self.status.get(timeout=POLL_S * 4)
             except (queue.Empty, *WRITERS_GONE) as e:
@@ -253,7 +283,12 @@ class RankGroup:
             how = f"was killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exited with code {p.exitcode}"
             return f"rank {self.labels[r]} (pid {p.pid}) {how}"
         if reported:
-            primary = [r for r, m in reported.items() if not _peer_failure(m)] or list(reported)
+            primary = [r for r, m in reported.items() if not _peer_failure(m)]
+            if not primary and self.nnodes > 1:  # the cause is on a machine this process cannot see
+                r = next(iter(reported))
+                return (f"rank {self.labels[r]} lost a peer on another node (see that node's `hicache node` log): "
+                        f"{reported[r]}")
+            primary = primary or list(reported)
             return f"rank {self.labels[primary[0]]} failed: {reported[primary[0]]}"
         if dead:
             r, p = dead[0]
@@ -315,55 +350,6 @@ class RankGroup:
 
     def drain_idle(self) -> None:
         """Nothing to do here: the ranks apply their acks themselves, in agreed steps."""
-
-
-class RemoteScheduler:
-    """The frontend's view of the ranks' scheduler: the same calls the Engine and EngineLoop
-    make on a local one. Requests stay this process's objects; the leader's updates fill them."""
-
-    def __init__(self, group: RankGroup) -> None:
-        self.group = group
-        self.requests: dict[int, Request] = {}
-
-    @property
-    def waiting(self) -> list[Request]:
-        return [r for r in self.requests.values() if r.cached is None]
-
-    @property
-    def running(self) -> list[Request]:
-        return [r for r in self.requests.values() if r.cached is not None]
-
-    def has_work(self) -> bool:
-        return bool(self.requests)
-
-    def add(self, req: Request) -> None:
-        self.requests[req.rid] = req
-        self.group.send(("add", RequestSpec.of(req)))
-
-    def abort(self, rid: int) -> bool:
-        """Finishes the request here at once; the ranks drop it at their next step."""
-        req = self.requests.pop(rid, None)
-        if req is None:
-            return False
-        req.status, req.finish_reason, req.finish_time = Status.FINISHED, "abort", time.perf_counter()
-        self.group.send(("abort", rid))
-        if req.on_update is not None:
-            req.on_update(req)
-        return True
-
-    def step(self) -> list[Request]:
-        finished = []
-        for upd in self.group.updates(POLL_S):
-            req = self.requests.get(upd.rid)
-            if req is None:  # aborted here already
-                continue
-            upd.apply(req)
-            if upd.finished:
-                del self.requests[upd.rid]
-                finished.append(req)
-            if req.on_update is not None:
-                req.on_update(req)
-        return finished
 
 
 def _peer_failure(message: str) -> bool:

@@ -1,6 +1,9 @@
 """One rank's place in the deployment and its torch.distributed groups.
 
-World = PP x TP ranks; rank ``r`` is stage ``r // tp_size``, TP rank ``r % tp_size``. Groups:
+World = PP x TP ranks; rank ``r`` is stage ``r // tp_size``, TP rank ``r % tp_size``. With
+``nnodes`` machines, node ``n`` runs the consecutive ranks ``[n * k, (n + 1) * k)``, ``k = world //
+nnodes`` (node 0 holds rank 0, the leader); a group may span machines, so only a TP group whose
+ranks all sit on one node may sum through shared memory. Groups:
 
 - per stage, a TP *control* group (gloo, CPU) for agreement (MIN of ready counts) and the
   leader's broadcast of each step's inputs, and a TP *tensor* group (gloo on CPU, NCCL on
@@ -14,6 +17,7 @@ World = PP x TP ranks; rank ``r`` is stage ``r // tp_size``, TP rank ``r % tp_si
 
 from __future__ import annotations
 
+import logging
 import pickle
 from dataclasses import dataclass
 from datetime import timedelta
@@ -24,6 +28,8 @@ import torch.distributed as dist
 
 from .shm_allreduce import ShmAllReduce, open_shm_allreduce, shm_allreduce_supported
 
+logger = logging.getLogger(__name__)
+
 # A stalled peer shows up as a dead process in the frontend long before this.
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 
@@ -33,6 +39,26 @@ class RankInfo:
     rank: int
     tp_size: int
     pp_size: int
+    nnodes: int = 1  # machines; each runs world_size // nnodes consecutive ranks
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    @property
+    def node_rank(self) -> int:
+        return self.rank // self.ranks_per_node
+
+    @property
+    def local_rank(self) -> int:
+        """This rank's index among its node's ranks (threads, devices and memory are per node)."""
+        return self.rank % self.ranks_per_node
+
+    @property
+    def tp_on_one_node(self) -> bool:
+        """Whether every TP rank of this stage runs on this rank's node."""
+        first = self.rank_of(self.pp_rank, 0)
+        return first // self.ranks_per_node == (first + self.tp_size - 1) // self.ranks_per_node
 
     @property
     def world_size(self) -> int:
@@ -80,8 +106,13 @@ class ParallelGroups:
         self._shm: ShmAllReduce | None = None
 
     def use_shared_memory_reduce(self, max_elems: int) -> bool:
-        """CPU TP ranks (always on one host here): sum through shared memory instead of gloo
-        for tensors of up to ``max_elems`` elements. Collective: every TP rank calls it."""
+        """CPU TP ranks on one host: sum through shared memory instead of gloo for tensors of
+        up to ``max_elems`` elements. Collective: every TP rank calls it (and every TP rank
+        computes the same ``tp_on_one_node``, so they all skip it together)."""
+        if self.info.tp_size > 1 and not self.info.tp_on_one_node:
+            if self.info.rank == self.stage_leader:
+                logger.info("the TP group of stage %d spans machines: partial sums through gloo", self.info.pp_rank)
+            return False
         if self.info.tp_size > 1 and shm_allreduce_supported():
             self._shm = open_shm_allreduce(self.info.tp_rank, self.info.tp_size, max_elems, self.tp_ctrl,
                                            self.stage_leader)

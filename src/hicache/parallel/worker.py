@@ -37,6 +37,7 @@ from ..consensus_record import install_recorder, make_queue_sink
 from ..device import resolve_device
 from ..engine.core import EngineCore, build_core, core_stats
 from ..engine.events import StepEvents
+from ..engine.step import Inbound, StepDriver, apply_intake, take_intake
 from ..engine.request import Request
 from ..engine.scheduler import Batch
 from ..errors import HicacheError
@@ -45,20 +46,15 @@ from ..model.parallel import model_shard, shard_model
 from .channels import WRITERS_GONE, reader_only, writer_only
 from .faults import FaultPlan
 from .groups import ParallelGroups, RankInfo
-from .messages import RequestUpdate, StageMessage, StepInputs, batch_key
+from .messages import RequestUpdate, StageMessage, StepInputs
+from .stage_step import StageAgreement, StageStep, stage_output
 
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.5  # an idle leader still steps this often, so acks keep draining everywhere
 PREFETCH_POLL_S = 0.005  # step period while only storage prefetches are awaited
-# Test switches (never set in production): a later stage uses its own ready counts instead
-# of the agreed ones; one rank shortens its prefix matches.
-DISABLE_PP_SYNC_ENV = "HICACHE_TEST_DISABLE_PP_SYNC"
+# Test switch (never set in production): one rank shortens its prefix matches.
 ALTER_MATCH_ENV = "HICACHE_TEST_ALTER_MATCH"
-
-
-class RankDivergenceError(HicacheError):
-    """A later stage scheduled something other than what stage 0 scheduled."""
 
 
 class StageLoop:
@@ -70,19 +66,19 @@ class StageLoop:
         self.last = info.pp_rank == info.pp_size - 1
         self.leader = info.rank == 0
         self.inbox, self.outbox = inbox, outbox
-        self.pp_sync = os.environ.get(DISABLE_PP_SYNC_ENV) != "1"
         self.inflight: deque[tuple[int, Batch]] = deque()  # (step, batch) sent down, not yet returned
         self.step = 0
         self._sent: dict[int, int] = {}  # leader: output tokens already reported, per rid
         self._updates: list[RequestUpdate] = []
         self.prev = info.rank_of(info.pp_rank - 1, info.tp_rank) if not self.first else None
         self.next = info.rank_of(info.pp_rank + 1, info.tp_rank) if not self.last else None
-        self.head = info.rank_of(0, info.tp_rank)  # where the last stage returns tokens
-        self.tail = info.rank_of(info.pp_size - 1, info.tp_rank)  # where stage 0 receives them
-        # Agreement overhead (Engine.stats()["agreement"] from the leader): scheduling steps, time
-        # in stage 0's tp_min; on later stages, the pp_sync hop (stage p's send -> our recv).
-        self.agree_steps = 0
-        self.agree_s = 0.0
+        self.tail = info.rank_of(info.pp_size - 1, info.tp_rank)  # where stage 0 receives tokens
+        # The one step driver, with this stage's agreement (TP MIN / pp_sync) and output.
+        self.agreement = StageAgreement(info, groups)
+        self.driver = StepDriver(self.sched, core.runner.forward, self.agreement,
+                                 stage_output(info, groups, self.sched, self._sent_down))
+        # Agreement overhead (Engine.stats()["agreement"] from the leader): the agreement counts
+        # steps and stage 0's tp_min time; on later stages, the pp_sync hop (send -> our recv).
         self.hop_s, self.hops = 0.0, 0
         self.frontend_gone = False  # the leader found the frontend's end of its inbox closed
 
@@ -111,47 +107,15 @@ class StageLoop:
                 self._reply(inputs.call_id, self._flush())
                 self.step += 1
                 continue
-            self.agree_steps += 1
-            if self.first:
-                t0 = time.perf_counter()
-                events = StepEvents.from_list(self.groups.tp_min(self.sched.ready_events().to_list()))
-                self.agree_s += time.perf_counter() - t0
-            else:
-                events = msg.events if self.pp_sync else self.sched.ready_events()
-            self.sched.consume_events(events)
-            batch = self.sched.schedule()
-            if msg is not None and batch_key(batch) != msg.batch:
-                raise RankDivergenceError(
-                    f"{self.info.label} scheduled {batch_key(batch)} where stage 0 scheduled {msg.batch}"
-                )
-            self.cache.submit_transfers()  # load-backs in flight before the forward waits on them
-            out = None
-            t0 = time.perf_counter()
-            if batch is not None:
-                out = self.core.runner.forward(batch.input_ids(), batch.prefix_lens(), batch.context_slots(),
-                                               msg.hidden if msg is not None else None)
-            if not self.last:
-                self.groups.send(self.next, StageMessage(inputs, results, events, batch_key(batch), out,
-                                                         time.perf_counter()))
-                if batch is not None:
-                    self.inflight.append((self.step, batch))
-            elif batch is not None:
-                tokens = self.sched.sample(batch, out)
-                if self.info.tp_size > 1 and any(not r.sampling.greedy for r in batch.reqs):
-                    # Random sampling: one draw for the stage, whatever each process's RNG state.
-                    tokens = self.groups.tp_broadcast(tokens)
-                if self.first:  # one stage: the batch returns at once
-                    self.sched.apply_results(batch, tokens)
-                else:
-                    self.groups.send(self.head, tokens)
-                    self.inflight.append((self.step, batch))
-            if batch is not None:  # its output has been sent or sampled: the forward is done
-                self.sched.observe_forward(batch, time.perf_counter() - t0)
-            self.cache.submit_transfers()  # backups of what finished
+            batch, _ = self.driver.step(Inbound(msg.events if msg else None, msg.hidden if msg else None,
+                                                StageStep(inputs, results, msg.batch if msg else None)))
             self._report()
             if self.leader and batch is None and not self.inflight and self.sched.waiting:
                 time.sleep(PREFETCH_POLL_S)  # only prefetches to wait for: do not flood the pipeline
             self.step += 1
+
+    def _sent_down(self, batch: Batch) -> None:
+        self.inflight.append((self.step, batch))
 
     def _returned_tokens(self, drain: bool) -> list[list[int]]:
         """Stage 0 of a pipeline: the tokens of the oldest in-flight batch once ``pp_size``
@@ -171,17 +135,15 @@ class StageLoop:
         for tokens in results:
             _, batch = self.inflight.popleft()
             self.sched.apply_results(batch, tokens)
-        for spec in inputs.adds:
-            req = spec.request()
-            if self.leader:
+        reqs = [spec.request() for spec in inputs.adds]
+        if self.leader:
+            for req in reqs:
                 req.on_update = self._on_update
-            self.sched.add(req)
-        for rid in inputs.aborts:
-            self.sched.abort(rid)
+        apply_intake(self.sched, reqs, inputs.aborts)
         if inputs.command == "stats":
             out = core_stats(self.core, self.cache.page_size)
-            out["agreement"] = {"steps": self.agree_steps,
-                                "tp_min_ms_per_step": self.agree_s / max(self.agree_steps, 1) * 1e3}
+            a = self.agreement
+            out["agreement"] = {"steps": a.steps, "tp_min_ms_per_step": a.seconds / max(a.steps, 1) * 1e3}
             self._reply(inputs.call_id, out)
         elif inputs.command == "stop":
             for req in list(self.sched.running) + list(self.sched.waiting):
@@ -199,32 +161,24 @@ class StageLoop:
 
     # ---- leader <-> frontend ----------------------------------------------------------------
     def _leader_inputs(self) -> StepInputs:
-        """Everything the frontend queued; waits up to IDLE_POLL_S when there is nothing to do.
-        A command (flush, stats, stop) ends the step's intake: it applies after the adds."""
-        inputs = StepInputs()
+        """Everything the frontend queued (the same intake as a single-rank EngineLoop's);
+        waits up to IDLE_POLL_S when there is nothing to do. A command (flush, stats, stop)
+        ends the step's intake: it applies after the adds and aborts."""
         idle = not self.sched.has_work() and not self.inflight
-        try:
-            item = self.inbox.get(timeout=IDLE_POLL_S) if idle else self.inbox.get_nowait()
-        except queue.Empty:
-            return inputs
-        except WRITERS_GONE:  # the frontend exited without stopping us (killed, or never shut down)
-            if not self.frontend_gone:
-                logger.warning("the frontend process is gone: stopping")
-            self.frontend_gone = True
-            return StepInputs(command="stop")
-        while True:
-            kind = item[0]
-            if kind == "add":
-                inputs.adds.append(item[1])
-            elif kind == "abort":
-                inputs.aborts.append(item[1])
-            else:  # ("call", call_id, command)
-                inputs.call_id, inputs.command = item[1], item[2]
-                return inputs
+
+        def first() -> tuple:
             try:
-                item = self.inbox.get_nowait()
-            except (queue.Empty, *WRITERS_GONE):  # (a gone frontend is noticed next step)
-                return inputs
+                return self.inbox.get(timeout=IDLE_POLL_S) if idle else self.inbox.get_nowait()
+            except WRITERS_GONE:  # the frontend exited without stopping us (killed, or never shut down)
+                if not self.frontend_gone:
+                    logger.warning("the frontend process is gone: stopping")
+                self.frontend_gone = True
+                return ("call", -1, "stop")
+
+        # (A frontend gone after the first item is noticed at the next step.)
+        intake = take_intake(first, self.inbox.get_nowait, (queue.Empty, *WRITERS_GONE), lambda i: i[0] == "call")
+        cmd = intake.command
+        return StepInputs(intake.adds, intake.aborts, cmd[2] if cmd else None, cmd[1] if cmd else -1)
 
     def _on_update(self, req: Request) -> None:
         upd = RequestUpdate.of(req, self._sent.get(req.rid, 0))
@@ -258,7 +212,8 @@ def _alter_matches(cache: Any) -> None:
 
 def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox: Any, outbox: Any,
               consensus_queue: Any, log_level: int) -> None:
-    """Entry point of a rank process (spawned by :class:`hicache.parallel.frontend.RankGroup`)."""
+    """Entry point of a rank process (spawned by :class:`hicache.parallel.frontend.RankGroup`,
+    or on a node other than 0 by :func:`hicache.parallel.node.run_node`, with no frontend queues)."""
     # Ctrl-C, and SIGTERM sent to a whole process group (systemd, `kill -- -pgid`), reach the
     # ranks too; the frontend decides how they stop (in order, or by SIGKILL).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -266,14 +221,15 @@ def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox:
     reader_only(inbox)  # a frontend that dies then reads as end-of-file, even mid-message
     writer_only(status, outbox, consensus_queue)  # and our puts then fail instead of blocking
     cfg = EngineConfig(**cfg_fields)
-    info = RankInfo(rank, cfg.tp_size, cfg.pp_size)
+    info = RankInfo(rank, cfg.tp_size, cfg.pp_size, cfg.nnodes)
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s {info.label} %(name)s: %(message)s")
     groups = None
     try:
-        torch.set_num_threads(cfg.num_threads or max(1, (os.cpu_count() or 1) // info.world_size))
+        # Threads, devices and memory are this machine's: shared by its node's ranks only.
+        torch.set_num_threads(cfg.num_threads or max(1, (os.cpu_count() or 1) // info.ranks_per_node))
         device = resolve_device(cfg.device)
         if device.type == "cuda":
-            device = torch.device("cuda", info.rank % torch.cuda.device_count())
+            device = torch.device("cuda", info.local_rank % torch.cuda.device_count())
             torch.cuda.set_device(device)
         dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.dtype]
         groups = ParallelGroups(info, init_method, device)
@@ -283,7 +239,8 @@ def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox:
         if device.type == "cpu":  # the largest partial sum: a full prefill chunk or decode batch
             groups.use_shared_memory_reduce(
                 max(cfg.chunked_prefill_size, cfg.max_running_requests) * loaded.spec.hidden_size)
-        ranks_per_device = info.world_size if device.type == "cpu" else -(-info.world_size // torch.cuda.device_count())
+        local = info.ranks_per_node
+        ranks_per_device = local if device.type == "cpu" else -(-local // torch.cuda.device_count())
         core = build_core(cfg, loaded, device, dtype, shard, agree=groups.world_min,
                           storage_agree=groups.storage_agree(), memory_share=ranks_per_device,
                           staging_bytes=groups.staging_bytes())

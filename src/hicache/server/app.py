@@ -222,74 +222,79 @@ def _add_error_handlers(app: FastAPI, st: ServerState) -> None:
         return answer(APIError(400, f"{param}: {err['msg'].rstrip('.')}.", param=param, code="invalid_value"))
 
 
-def _add_openai_routes(app: FastAPI, st: ServerState) -> None:
-    def submit(p: Prepared) -> RequestHandle:
-        st.check_capacity()
-        try:
-            return st.loop.submit(p.ids, p.sampling, p.body.cache_salt)
-        except ContextLengthError as e:
-            raise APIError(400, str(e), param=p.param, code="context_length_exceeded") from None
-        except EngineDeadError as e:
-            raise engine_dead(e) from None
-        except HicacheError as e:
-            raise APIError(400, str(e), code="invalid_value") from None
+def _submit(st: ServerState, p: Prepared) -> RequestHandle:
+    """Queue a prepared request; engine-side refusals become OpenAI errors."""
+    st.check_capacity()
+    try:
+        return st.loop.submit(p.ids, p.sampling, p.body.cache_salt)
+    except ContextLengthError as e:
+        raise APIError(400, str(e), param=p.param, code="context_length_exceeded") from None
+    except EngineDeadError as e:
+        raise engine_dead(e) from None
+    except HicacheError as e:
+        raise APIError(400, str(e), code="invalid_value") from None
 
-    async def collect(request: Request, handle: RequestHandle) -> GenerateResult:
-        """Wait for the result; abort the request if the client goes away meanwhile."""
-        task = asyncio.ensure_future(handle.wait())
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-                if done:
-                    res = task.result()
-                    if res.finish_reason == "error":
-                        raise engine_dead(f"the engine failed during this request: {res.error}")
-                    return res
-                if await request.is_disconnected():
-                    logger.info("client disconnected rid=%d; aborting", handle.rid)
-                    raise APIError(499, "the client closed the connection.", code="client_closed")
-        finally:
-            if not task.done():
-                task.cancel()
-                st.loop.abort(handle.rid)
+async def _collect(st: ServerState, request: Request, handle: RequestHandle) -> GenerateResult:
+    """Wait for the result; abort the request if the client goes away meanwhile."""
+    task = asyncio.ensure_future(handle.wait())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                res = task.result()
+                if res.finish_reason == "error":
+                    raise engine_dead(f"the engine failed during this request: {res.error}")
+                return res
+            if await request.is_disconnected():
+                logger.info("client disconnected rid=%d; aborting", handle.rid)
+                raise APIError(499, "the client closed the connection.", code="client_closed")
+    finally:
+        if not task.done():
+            task.cancel()
+            st.loop.abort(handle.rid)
 
-    async def stream(handle: RequestHandle, stops: list[str], make_chunk: Callable[[str, Optional[str], bool], dict],
-                     base: dict, include_usage: bool) -> AsyncIterator[str]:
-        detok = IncrementalText(st.engine.tokenizer.decode, stops)
-        first = True
-        try:
-            async for upd in handle:
-                if upd.finished:
-                    res = upd.result
-                    if res.finish_reason == "error":  # OpenAI's way to fail a stream that has begun
-                        yield _sse(engine_dead(f"the engine failed during this request: {res.error}").body())
-                        yield "data: [DONE]\n\n"
-                        return
-                    text = detok.finish(res.text)
-                    if text or first:
-                        yield _sse(make_chunk(text, None, first))
-                    yield _sse(make_chunk("", res.finish_reason, False))
-                    if include_usage:
-                        yield _sse({**base, "choices": [], "usage": _usage(res), "timing": _timing(res)})
+async def _stream(st: ServerState, handle: RequestHandle, stops: list[str],
+                  make_chunk: Callable[[str, Optional[str], bool], dict], base: dict,
+                  include_usage: bool) -> AsyncIterator[str]:
+    detok = IncrementalText(st.engine.tokenizer.decode, stops)
+    first = True
+    try:
+        async for upd in handle:
+            if upd.finished:
+                res = upd.result
+                if res.finish_reason == "error":  # OpenAI's way to fail a stream that has begun
+                    yield _sse(engine_dead(f"the engine failed during this request: {res.error}").body())
                     yield "data: [DONE]\n\n"
                     return
-                yield _sse(make_chunk(detok.add(upd.token_ids), None, first))
-                first = False
-        finally:
-            if not handle.finished:  # the client went away (or the server is stopping)
-                logger.info("stream closed early rid=%d; aborting", handle.rid)
-                st.loop.abort(handle.rid)
+                text = detok.finish(res.text)
+                if text or first:
+                    yield _sse(make_chunk(text, None, first))
+                yield _sse(make_chunk("", res.finish_reason, False))
+                if include_usage:
+                    yield _sse({**base, "choices": [], "usage": _usage(res), "timing": _timing(res)})
+                yield "data: [DONE]\n\n"
+                return
+            yield _sse(make_chunk(detok.add(upd.token_ids), None, first))
+            first = False
+    finally:
+        if not handle.finished:  # the client went away (or the server is stopping)
+            logger.info("stream closed early rid=%d; aborting", handle.rid)
+            st.loop.abort(handle.rid)
 
-    async def answer(request: Request, p: Prepared, base: dict, make_chunk: Callable, result: Callable) -> Response:
-        handle = submit(p)
-        logger.info("%s rid=%d prompt=%d max_new=%d stream=%s", base["object"], handle.rid, handle.prompt_tokens,
-                    handle.max_new_tokens, p.body.stream)
-        if p.body.stream:
-            return StreamingResponse(stream(handle, p.sampling.stop_strings, make_chunk, base, p.body.include_usage),
-                                     media_type="text/event-stream")
-        res = await collect(request, handle)
-        return JSONResponse({**base, **result(res), "usage": _usage(res), "timing": _timing(res)})
+async def _answer(st: ServerState, request: Request, p: Prepared, base: dict, make_chunk: Callable,
+                  result: Callable) -> Response:
+    """Submit ``p``; stream its chunks (``make_chunk``) or return the whole ``result``."""
+    handle = _submit(st, p)
+    logger.info("%s rid=%d prompt=%d max_new=%d stream=%s", base["object"], handle.rid, handle.prompt_tokens,
+                handle.max_new_tokens, p.body.stream)
+    if p.body.stream:
+        return StreamingResponse(_stream(st, handle, p.sampling.stop_strings, make_chunk, base, p.body.include_usage),
+                                 media_type="text/event-stream")
+    res = await _collect(st, request, handle)
+    return JSONResponse({**base, **result(res), "usage": _usage(res), "timing": _timing(res)})
 
+
+def _add_openai_routes(app: FastAPI, st: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         p: Prepared = await st.off_loop(_prepare_chat, await read_body(request, st.opts.max_request_bytes), st)
@@ -304,7 +309,7 @@ def _add_openai_routes(app: FastAPI, st: ServerState) -> None:
             return {"choices": [{"index": 0, "message": {"role": "assistant", "content": res.text}, "logprobs": None,
                                  "finish_reason": res.finish_reason}]}
 
-        return await answer(request, p, base, chunk, result)
+        return await _answer(st, request, p, base, chunk, result)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -318,7 +323,7 @@ def _add_openai_routes(app: FastAPI, st: ServerState) -> None:
         def result(res: GenerateResult) -> dict:
             return {"choices": [{"index": 0, "text": res.text, "logprobs": None, "finish_reason": res.finish_reason}]}
 
-        return await answer(request, p, base, chunk, result)
+        return await _answer(st, request, p, base, chunk, result)
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -1,0 +1,161 @@
+"""The device tier (L1): admission and eviction on the device pool.
+
+Admission matches a prompt in the tree, locks the hit and reserves the rest of the request's
+pages, evicting unlocked leaves to make room; a finished span is inserted back and its lock
+moved to the new boundary. Host-hit nodes get device pages here; their load-back is the host
+tier's (:meth:`.host_tier.HostTier.load_back`).
+
+Units: ``tokens`` are token-id sequences; lengths are tokens unless named ``*_pages``; page ids
+are logical pages of the device pool. Invariant: every device page is free, held by the tree,
+or owned by exactly one :class:`KVState` (``pages[cached_pages:]``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .pools import DeviceKVPool, PageAllocator, pages_to_slots
+from .radix import RadixCache
+from .tiers import CacheStats, Tier
+from .tree_node import TreeNode
+
+
+@dataclass
+class KVState:
+    """One request's hold on the device pool.
+
+    ``pages[:cached_pages]`` belong to the tree and are locked through ``node``; the rest were
+    allocated for this request and are its own until inserted or freed.
+    """
+
+    pages: np.ndarray
+    cached_pages: int
+    node: TreeNode | None
+    device_hit_tokens: int
+    host_hit_tokens: int = 0
+    storage_hit_tokens: int = 0
+    slots: torch.Tensor = field(default=None)  # slots of every page, in order (cached)
+
+    def refresh_slots(self, page_size: int) -> None:
+        self.slots = pages_to_slots(self.pages, page_size)
+
+
+class DeviceTier:
+    """The device pool's allocator and the tree (None when prefix reuse is off). ``lower`` is
+    the host tier, told of every node that becomes cached on the device."""
+
+    def __init__(self, pool: DeviceKVPool, eviction_policy: str, enable_prefix_cache: bool,
+                 host_allocator: PageAllocator | None, stats: CacheStats) -> None:
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.allocator = PageAllocator(pool.num_pages)
+        self.tree = RadixCache(self.page_size, self.allocator, eviction_policy, host_allocator) \
+            if enable_prefix_cache else None
+        self.stats = stats
+        self.lower: Tier | None = None
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def admit(self, namespace: str, tokens: np.ndarray, reserve_tokens: int,
+              storage_tokens: int) -> tuple[KVState, list[TreeNode]] | None:
+        """Match, lock and reserve (see :meth:`.manager.KVCacheManager.admit`). Returns the
+        state and the host-hit nodes, in path order, that just got device pages (the first new
+        pages) and need a load-back; None, with nothing changed, when the pool is too full."""
+        hit_pages = np.zeros(0, dtype=np.int64)
+        node = None
+        host_nodes: list[TreeNode] = []
+        if self.tree is not None:
+            match = self.tree.match_prefix(namespace, tokens[: len(tokens) - 1])
+            hit_pages, node = match.device_pages, match.last_node
+            self.tree.inc_lock_ref(node)  # also protects the host-hit nodes from L2 eviction
+            n = match.last_node
+            while n is not match.last_device_node:
+                host_nodes.append(n)
+                n = n.parent
+            host_nodes.reverse()
+        new_pages = self._alloc(self.pages_for(reserve_tokens) - len(hit_pages))
+        if new_pages is None:
+            if node is not None:
+                self.tree.dec_lock_ref(node)
+            return None
+        loaded = 0
+        for hn in host_nodes:
+            self.tree.attach_device_pages(hn, new_pages[loaded : loaded + len(hn.host_pages)])
+            loaded += len(hn.host_pages)
+        state = KVState(pages=np.concatenate([hit_pages, new_pages]), cached_pages=len(hit_pages) + loaded,
+                        node=node, device_hit_tokens=len(hit_pages) * self.page_size,
+                        host_hit_tokens=loaded * self.page_size)
+        # Pages that a prefetch just brought from storage arrive as host hits: report them as such.
+        state.storage_hit_tokens = min(storage_tokens, state.host_hit_tokens)
+        state.host_hit_tokens -= state.storage_hit_tokens
+        state.refresh_slots(self.page_size)
+        self.stats.prompt_tokens += len(tokens)
+        self.stats.device_hit_tokens += state.device_hit_tokens
+        self.stats.host_hit_tokens += state.host_hit_tokens
+        self.stats.storage_hit_tokens += state.storage_hit_tokens
+        return state, host_nodes
+
+    def _alloc(self, n: int) -> np.ndarray | None:
+        if n > self.allocator.available and self.tree is not None:
+            self.stats.evicted_device_pages += self.tree.evict(n - self.allocator.available)
+        return self.allocator.alloc(n)
+
+    def cache_prefix(self, namespace: str, tokens: np.ndarray, state: KVState) -> None:
+        """Insert the whole pages of ``tokens`` (whose KV is computed) into the tree and move
+        the request's lock to the new boundary, so concurrent requests can share it."""
+        if self.tree is None:
+            return
+        n_pages = len(tokens) // self.page_size
+        if n_pages <= state.cached_pages:
+            return
+        self._insert(namespace, tokens[: n_pages * self.page_size], state)
+        match = self.tree.match_prefix(namespace, tokens[: n_pages * self.page_size])
+        assert len(match.device_pages) == n_pages, "inserted prefix must match in full"
+        if not np.array_equal(match.device_pages, state.pages[:n_pages]):
+            state.pages[:n_pages] = match.device_pages
+            state.refresh_slots(self.page_size)
+        self.tree.inc_lock_ref(match.last_device_node)
+        self.tree.dec_lock_ref(state.node)
+        state.node = match.last_device_node
+        state.cached_pages = n_pages
+
+    def release(self, namespace: str, tokens: np.ndarray, state: KVState) -> None:
+        """The request is done: cache the whole pages of ``tokens`` (those whose KV is
+        computed), free every other page the request held, drop its lock."""
+        keep = 0
+        if self.tree is not None:
+            keep = len(tokens) // self.page_size
+            if keep > state.cached_pages:
+                self._insert(namespace, tokens[: keep * self.page_size], state)
+            keep = max(keep, state.cached_pages)
+        self.allocator.free(state.pages[keep:])
+        if state.node is not None:
+            self.tree.dec_lock_ref(state.node)
+        state.pages = state.pages[:0]
+        state.node = None
+
+    def _insert(self, namespace: str, tokens: np.ndarray, state: KVState) -> None:
+        n_pages = len(tokens) // self.page_size
+        already = self.tree.insert(namespace, tokens, state.pages[:n_pages]) // self.page_size
+        # Pages we computed for a span another request cached first are duplicates: free them.
+        if already > state.cached_pages:
+            self.allocator.free(state.pages[state.cached_pages : already])
+        if self.lower is not None:
+            self.lower.on_insert(self.tree.node_at(namespace, tokens))
+
+    def usage(self) -> dict:
+        tree, capacity = self.tree, self.allocator.capacity
+        return {
+            "page_size": self.page_size,
+            "capacity_pages": capacity,
+            "free_pages": self.allocator.available,
+            "cached_pages": tree.cached_pages if tree else 0,
+            "evictable_pages": tree.evictable_pages if tree else 0,
+            "locked_pages": tree.protected_pages if tree else 0,
+            "request_pages": capacity - self.allocator.available - (tree.cached_pages if tree else 0),
+            "device_pool_bytes": self.pool.total_bytes,
+        }

@@ -1,0 +1,164 @@
+"""The host tier (L2): write policy, device<->host copies, their acks, host eviction.
+
+A node gets a host copy by its write policy: ``write_through`` on insert, ``write_through_
+selective`` on its Nth hit, ``write_back`` only when the device evicts it. A backup locks its
+node until the ack is consumed; a load-back (host hit at admission) locks the deepest loaded
+node until its ack is consumed. A consumed backup ack tells the tier below (storage) that the
+node now has a host copy. Host eviction deletes unlocked, unprotected host-only leaves.
+
+Units: page ids and counts are logical pages of the host pool unless named ``dev``; a host
+page mirrors one device page (same page size). Invariant: transfers are queued during a step
+and submitted once per step, one op per direction, in queue order.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from .acks import AckCounts
+from .controller import BACKUP, LOAD, TransferController, TransferOp
+from .host_pool import HostKVPool
+from .pools import DeviceKVPool, PageAllocator
+from .radix import RadixCache
+from .tiers import CacheStats, Tier
+from .tree_node import TreeNode
+
+logger = logging.getLogger(__name__)
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+
+# One queued copy: device pages, host pages, and the node to unlock when its ack is consumed.
+_Item = tuple[np.ndarray, np.ndarray, TreeNode | None]
+
+
+class HostTier:
+    """Implements :class:`~.tiers.Tier` below the device; ``lower`` is the storage tier."""
+
+    def __init__(self, pool: DeviceKVPool, host_pool: HostKVPool, allocator: PageAllocator,
+                 tree: RadixCache | None, write_policy: str, write_through_threshold: int,
+                 stats: CacheStats) -> None:
+        self.pool, self.host_pool, self.allocator, self.tree, self.stats = pool, host_pool, allocator, tree, stats
+        self.controller = TransferController(pool, host_pool)
+        # Hits a node needs before it is backed up (write_back: only at eviction).
+        self.backup_threshold = {"write_through": 1, "write_through_selective": write_through_threshold,
+                                 "write_back": None}[write_policy]
+        if tree is not None and write_policy == "write_back":
+            tree.backup_on_evict = self.on_evict
+        self.lower: Tier | None = None
+        self._pending: dict[str, list[_Item]] = {BACKUP: [], LOAD: []}
+
+    # ---- write policy --------------------------------------------------------------------
+    def on_insert(self, node: TreeNode | None) -> None:
+        """Queue a backup of every node on the path to ``node`` that the write policy says
+        should have a host copy and has none yet. Each is locked until its ack is consumed."""
+        if self.backup_threshold is None or node is None:
+            return
+        path = []
+        while not node.is_root:
+            if node.host_pages is None and node.device_pages is not None and node.hit_count >= self.backup_threshold:
+                path.append(node)
+            node = node.parent
+        for n in reversed(path):
+            host = self.alloc(n.num_pages)
+            if host is None:
+                self.stats.backup_skipped_pages += n.num_pages
+                continue
+            self.tree.attach_host_pages(n, host)
+            self.tree.inc_lock_ref(n)
+            self._pending[BACKUP].append((n.device_pages, host, n))
+
+    def on_evict(self, node: TreeNode) -> bool:
+        """write_back: copy an L1 victim to host before its device pages are freed."""
+        host = self.alloc(node.num_pages)
+        if host is None:
+            self.stats.backup_skipped_pages += node.num_pages
+            return False
+        self.tree.attach_host_pages(node, host)
+        op = self.controller.submit(BACKUP, node.device_pages, host, [])
+        op.done.wait()
+        return True
+
+    def load_back(self, nodes: list[TreeNode]) -> None:
+        """Queue host->device copies into the device pages ``nodes`` (a path, in order) were
+        just given; the deepest stays locked until the load's ack is consumed (its payload)."""
+        for n in nodes:
+            self._pending[LOAD].append((n.device_pages, n.host_pages, n if n is nodes[-1] else None))
+        self.tree.inc_lock_ref(nodes[-1])
+
+    # ---- host pages ----------------------------------------------------------------------
+    def alloc(self, n: int) -> np.ndarray | None:
+        """``n`` host pages, evicting host-only leaves first when too few are free."""
+        if n > self.allocator.available:
+            self.stats.evicted_host_pages += self.evict(n - self.allocator.available)
+        return self.allocator.alloc(n)
+
+    def evict(self, num_pages: int) -> int:
+        """Free at least ``num_pages`` host pages by deleting unlocked host-only leaves in
+        policy order. Returns the host pages freed."""
+        return self.tree.evict_leaves(num_pages, _host_evictable_leaf, self._drop)
+
+    def _drop(self, node: TreeNode) -> int:
+        freed = len(node.host_pages)
+        self.tree.delete_subtree(node)
+        return freed
+
+    # ---- queues --------------------------------------------------------------------------
+    def submit(self) -> None:
+        """Submit this step's queued loads and backups, merged into one op per direction."""
+        for kind, items in self._pending.items():
+            if items:
+                dev = np.concatenate([d for d, _, _ in items])
+                host = np.concatenate([h for _, h, _ in items])
+                self.controller.submit(kind, dev, host, [n for _, _, n in items if n is not None])
+                items.clear()
+
+    def ready_acks(self) -> AckCounts:
+        return AckCounts(self.controller.ready_count(BACKUP), self.controller.ready_count(LOAD))
+
+    def pending_acks(self) -> AckCounts:
+        return AckCounts(backup=self.controller.pending(BACKUP), load=self.controller.pending(LOAD))
+
+    def consume_acks(self, acks: AckCounts) -> None:
+        """Unlock the nodes of the first ``acks.backup`` / ``acks.load`` ops, count their bytes;
+        a backed-up node is handed to the tier below."""
+        for kind, n in ((BACKUP, acks.backup), (LOAD, acks.load)):
+            for op in self.controller.pop(kind, n):
+                for node in op.payload:
+                    self.tree.dec_lock_ref(node)
+                    if kind == BACKUP and self.lower is not None:
+                        self.lower.on_insert(node)
+                self._account(op)
+
+    def _account(self, op: TransferOp) -> None:
+        tokens, nbytes = op.num_pages * self.pool.page_size, op.num_pages * self.pool.bytes_per_page
+        if op.kind == BACKUP:
+            self.stats.backup_tokens += tokens
+            self.stats.backup_bytes += nbytes
+        else:
+            self.stats.load_tokens += tokens
+            self.stats.load_bytes += nbytes
+            self.stats.load_time_s += op.finish_time - op.submit_time
+        logger.debug("%s ack op=%d pages=%d", op.kind, op.op_id, op.num_pages)
+
+    def has_pending(self) -> bool:
+        return any(self._pending.values()) or any(self.controller.pending(k) for k in (BACKUP, LOAD))
+
+    def shutdown(self) -> None:
+        self.controller.shutdown()
+
+    def usage(self) -> dict:
+        return {
+            "capacity_pages": self.allocator.capacity,
+            "free_pages": self.allocator.available,
+            "cached_pages": self.tree.host_pages_held,
+            "layout": self.host_pool.layout,
+            "host_pool_bytes": self.host_pool.total_bytes,
+        }
+
+
+def _host_evictable_leaf(node: TreeNode) -> bool:
+    """Host eviction takes leaves that are host-only, unlocked and not read by storage."""
+    return (not node.is_root and node.lock_ref == 0 and node.host_ref == 0 and node.device_pages is None
+            and node.host_pages is not None and not node.children)

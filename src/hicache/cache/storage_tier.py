@@ -1,0 +1,166 @@
+"""The storage tier (L3): prefetch lifecycle, storage backups, and the key chain.
+
+* Prefetch: storage is asked for a prompt's pages past what the device and host hold; they
+  land in host pages reserved up front. Its reader publishes progress acks; the scheduler
+  applies an agreed count, then :meth:`StorageTier.finish_prefetch` inserts the covered pages
+  as host-only nodes. A stopped prefetch's unused host pages are freed only when reaped, in
+  order and as many as agreed ("prefetch_reap" acks), so host allocation stays in step.
+* Backup: once a node's host copy is acked, the host copies on its path that storage lacks are
+  written; their host data stays protected (``host_ref``) until the write's ack is consumed.
+* Keys: page ``i`` of a path is named by a hash chained over every earlier page from the
+  namespace's digest (:mod:`.storage.keys`); hashes are kept on the nodes once computed.
+
+Units: ``start_page`` / ``completed`` / held counts are pages (host pool pages for held ones);
+``tokens`` are token ids. Invariant: ``prefetch_held_pages`` counts the host pages reserved by
+prefetches that are running or stopped but not yet reaped, and stays under the limit.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+import numpy as np
+
+from .acks import AckCounts
+from .controller import leading_done
+from .host_tier import HostTier
+from .storage.base import StorageBackend
+from .storage.controller import Agree, PrefetchOp, StorageController
+from .storage.keys import KeyNamespace, continue_chain, page_hashes
+from .tree_node import TreeNode
+
+logger = logging.getLogger(__name__)
+
+
+def node_hashes(node: TreeNode, keys: KeyNamespace) -> list[bytes]:
+    """The page hashes of (non-root) ``node``; the missing ones on its path are computed and
+    kept on their nodes, so a chain is hashed once however often it is continued."""
+    path = []
+    n = node
+    while not n.is_root and n.hash_values is None:
+        path.append(n)
+        n = n.parent
+    path.reverse()
+    head = keys.digest(node.namespace) if n.is_root else n.hash_values[-1]
+    for m, hashes in zip(path, continue_chain([m.key for m in path], keys.page_size, head)):
+        m.hash_values = hashes
+    return node.hash_values
+
+
+def consume_prefetch_acks(op: PrefetchOp, n: int) -> bool:
+    """Apply the first ``n`` progress acks; True once the final one is applied. With
+    several ranks ``n`` is agreed: this rank's reader may still be publishing it."""
+    while len(op.progress) < n:
+        time.sleep(0.0005)
+    if n > op.consumed:
+        op.consumed, op.completed = n, op.progress[n - 1][0]
+    return op.final_applied
+
+
+class StorageTier:
+    """Implements :class:`~.tiers.Tier` below the host tier, whose pages it borrows."""
+
+    def __init__(self, backend: StorageBackend, host: HostTier, keys: KeyNamespace, agree: tuple[Agree, Agree] | None,
+                 op_timeout: float, prefetch_threshold: int, prefetch_max_host_fraction: float) -> None:
+        self.host, self.tree, self.keys, self.stats = host, host.tree, keys, host.stats
+        self.page_size = keys.page_size
+        self.controller = StorageController(backend, host.host_pool, *(agree or ()), op_timeout=op_timeout)
+        self.prefetch_threshold = prefetch_threshold
+        # At most this many host pages may be held by prefetches at once.
+        self.prefetch_page_limit = int(prefetch_max_host_fraction * host.allocator.capacity)
+        self.prefetch_held_pages = 0
+        # Stopped prefetches whose reader may still write their unused host pages.
+        self._stopped: deque[tuple[PrefetchOp, np.ndarray]] = deque()
+
+    # ---- prefetch ------------------------------------------------------------------------
+    def start_prefetch(self, namespace: str, tokens: np.ndarray) -> PrefetchOp | None:
+        """Ask storage for the prompt's pages past what the device and host tiers hold, if the
+        uncached tail is long enough and prefetches hold few enough host pages."""
+        peek = self.tree.peek_prefix(namespace, tokens[: len(tokens) - 1])  # not a hit: admit counts it
+        start = (peek.device_hit_tokens + peek.host_hit_tokens) // self.page_size
+        tail = (len(tokens) - 1) // self.page_size - start
+        if tail * self.page_size < self.prefetch_threshold or self.prefetch_held_pages + tail > self.prefetch_page_limit:
+            return None
+        # The chain goes on from the last cached page, inside peek.node when the match ends mid-node.
+        digest = self.keys.digest(namespace)
+        prev = digest if peek.node is None else node_hashes(peek.node, self.keys)[peek.node_pages - 1]
+        host = self.host.alloc(tail)
+        if host is None:
+            return None
+        hashes = page_hashes(tokens[start * self.page_size : (start + tail) * self.page_size], self.page_size, prev)
+        op = self.controller.prefetch(namespace, digest, hashes, host)
+        op.start_page = start
+        self.prefetch_held_pages += tail
+        logger.debug("prefetch op=%d pages=%d from page %d", op.op_id, tail, start)
+        return op
+
+    def finish_prefetch(self, op: PrefetchOp, tokens: np.ndarray) -> int:
+        """Stop waiting: insert the pages the consumed acks cover as host-only nodes, release
+        the rest (once the reader is done with them). Returns the tokens inserted."""
+        op.stop.set()
+        ps, done = self.page_size, op.completed
+        taken_from = self.tree.insert_host(op.namespace, tokens[: (op.start_page + done) * ps], op.host_pages[:done],
+                                           op.start_page, op.hashes[:done])
+        self.host.allocator.free(op.host_pages[:taken_from])
+        self.prefetch_held_pages -= done
+        self.controller.stats.prefetched_pages += done
+        self.controller.stats.prefetch_bytes += done * self.host.pool.bytes_per_page
+        # Its failure (if any) is counted when it is reaped: best_effort stops waiting before the
+        # reader knows whether the store answered.
+        self._stopped.append((op, op.host_pages[done:]))
+        return (done - taken_from) * ps if taken_from < done else 0
+
+    def _reap(self, n: int) -> None:
+        """Free the unused host pages of the first ``n`` stopped prefetches and count their
+        failures, waiting for their readers to finish (only a drain asks for readers that are
+        not done; their backend calls are bounded by deadlines)."""
+        for _ in range(n):
+            op, unused = self._stopped.popleft()
+            op.done.wait()
+            if op.failure:
+                self.controller.stats.fail(op.failure)
+            self.host.allocator.free(unused)
+            self.prefetch_held_pages -= len(unused)
+
+    # ---- backups -------------------------------------------------------------------------
+    def on_insert(self, node: TreeNode | None) -> None:
+        """``node`` has a host copy now: write the host copies on its path that storage lacks."""
+        path = []
+        n = node
+        while not n.is_root and not n.stored:
+            if n.host_pages is not None:
+                path.append(n)
+            n = n.parent
+        for n in reversed(path):
+            n.stored = True
+            self.tree.inc_host_ref(n)
+            self.controller.backup(self.keys.digest(n.namespace), list(node_hashes(n, self.keys)),
+                                   n.host_pages.copy(), [n])
+
+    # ---- queues --------------------------------------------------------------------------
+    def ready_acks(self) -> AckCounts:
+        return AckCounts(storage_backup=self.controller.backup_ready_count(),
+                         prefetch_reap=leading_done(op for op, _ in self._stopped))
+
+    def pending_acks(self) -> AckCounts:
+        return AckCounts(storage_backup=self.controller.pending_backups(), prefetch_reap=len(self._stopped))
+
+    def consume_acks(self, acks: AckCounts) -> None:
+        """Release the host copies of the first ``acks.storage_backup`` writes (a failed write
+        leaves its nodes unstored), then reap ``acks.prefetch_reap`` stopped prefetches."""
+        for op in self.controller.pop_backups(acks.storage_backup):
+            for node in op.payload:
+                self.tree.dec_host_ref(node)
+                if op.failure:
+                    node.stored = False
+            if op.failure:
+                self.controller.stats.fail(op.failure)
+        self._reap(acks.prefetch_reap)
+
+    def has_pending(self) -> bool:
+        return self.controller.pending_backups() > 0 or bool(self._stopped)
+
+    def shutdown(self) -> None:
+        self.controller.shutdown()

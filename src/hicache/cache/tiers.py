@@ -1,0 +1,65 @@
+"""The tier contract: what a tier below the device offers the manager, and the counters
+every tier writes.
+
+The tiers are the device (L1, :mod:`.device_tier`: admission and eviction on the device pool),
+the host (L2, :mod:`.host_tier`) and storage (L3, :mod:`.storage_tier`). All of them share one
+:class:`~.radix.RadixCache` for their node state. Each lower tier hangs below the one above it
+and learns of a new copy there through :meth:`Tier.on_insert`::
+
+    device --on_insert(node)--> host --on_insert(node) on backup ack--> storage
+
+Background work (copies, storage writes, prefetch readers) finishes into ordered queues. A tier
+reports its *leading* acks and applies exactly the counts it is given, only at the fixed point
+of the step, so every rank changes the tree identically (DESIGN invariant 3). Each tier owns
+its own fields of :class:`~.acks.AckCounts` and leaves the others 0.
+
+Units: page counts are logical pages of the tier's own pool; ``*_tokens`` are tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from .acks import AckCounts
+from .tree_node import TreeNode
+
+
+class Tier(Protocol):
+    """A tier below the device, as the tier above and the manager drive it."""
+
+    def on_insert(self, node: TreeNode | None) -> None:
+        """The tier above now holds ``node`` and its path: copy down what the policy asks."""
+
+    def ready_acks(self) -> AckCounts:
+        """Leading acks of this tier's queues that are ready on this rank (agreement input)."""
+
+    def pending_acks(self) -> AckCounts:
+        """Every ack this tier's queues still owe (what a drain waits for)."""
+
+    def consume_acks(self, acks: AckCounts) -> None:
+        """Apply exactly this tier's fields of ``acks``, in queue order."""
+
+    def has_pending(self) -> bool:
+        """Whether queued or in-flight work remains."""
+
+    def shutdown(self) -> None:
+        """Stop the tier's threads (after a drain)."""
+
+
+@dataclass
+class CacheStats:
+    """Cumulative counters since start, written by every tier."""
+
+    prompt_tokens: int = 0
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    storage_hit_tokens: int = 0
+    evicted_device_pages: int = 0
+    evicted_host_pages: int = 0
+    backup_tokens: int = 0
+    backup_bytes: int = 0
+    load_tokens: int = 0
+    load_bytes: int = 0
+    load_time_s: float = 0.0  # submit -> finish, summed over load-backs
+    backup_skipped_pages: int = 0  # host pool full of locked data

@@ -1,0 +1,110 @@
+"""The radix tree's node and the results of its walks: per-node state of every tier.
+
+Units: ``key`` is token ids, always whole pages; ``device_pages`` / ``host_pages`` are logical
+page ids of the L1 / L2 pool, one per key page; ``hash_values`` one chained hash per key page.
+The tree (:mod:`.radix`) keeps the invariants between these fields; tiers only read them and
+change them through the tree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+
+
+class TreeNode:
+    """One edge of the tree: ``key`` tokens and where their KV lives in each tier."""
+
+    __slots__ = (
+        "id", "namespace", "key", "parent", "children", "device_pages", "host_pages",
+        "hash_values", "stored", "lock_ref", "host_ref", "last_access", "hit_count",
+    )
+
+    def __init__(self, node_id: int, namespace: str, key: np.ndarray, parent: "TreeNode | None") -> None:
+        self.id = node_id
+        self.namespace = namespace
+        self.key = key  # int32 token ids, len = num_pages * page_size
+        self.parent = parent
+        self.children: dict[bytes, TreeNode] = {}
+        self.device_pages: np.ndarray | None = None  # L1 page ids
+        self.host_pages: np.ndarray | None = None  # L2 page ids (hierarchical cache)
+        self.hash_values: list[bytes] | None = None  # per-page chained hashes (storage tier)
+        self.stored = False  # a storage backup of this node's pages was issued (L3)
+        self.lock_ref = 0
+        self.host_ref = 0  # in-flight reads of the host copy (storage backups); like lock_ref, path-wide
+        self.last_access = 0
+        self.hit_count = 0
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.device_pages) if self.device_pages is not None else 0
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    def __repr__(self) -> str:
+        return f"TreeNode(id={self.id}, tokens={len(self.key)}, lock_ref={self.lock_ref})"
+
+
+@dataclass
+class MatchResult:
+    """Result of :meth:`RadixCache.match_prefix`. Lengths are in tokens (whole pages)."""
+
+    device_pages: np.ndarray  # L1 page ids of the device hit, in order
+    device_hit_tokens: int  # = len(device_pages) * page_size
+    last_device_node: TreeNode  # deepest node of the device hit (lock this one)
+    host_hit_tokens: int  # tokens past the device hit found only in lower tiers
+    last_node: TreeNode  # deepest matched node of any tier
+
+
+@dataclass(frozen=True)
+class PeekResult:
+    """Result of :meth:`RadixCache.peek_prefix`: the lengths of :meth:`RadixCache.match_prefix`
+    (tokens, whole pages) with the tree untouched. The match ends ``node_pages`` pages into
+    ``node`` (None when nothing matched); that is inside ``node`` where match_prefix would
+    have split it."""
+
+    device_hit_tokens: int
+    host_hit_tokens: int
+    node: TreeNode | None
+    node_pages: int
+
+
+def check_nodes(nodes: Iterable[TreeNode], page_size: int) -> tuple[int, int, int]:
+    """Assert every per-node invariant over ``nodes`` (a whole tree, roots included) and
+    return the recounted (evictable device pages, locked device pages, host pages)."""
+    evictable = protected = 0
+    seen_pages: set[int] = set()
+    seen_host: set[int] = set()
+    for node in nodes:
+        if node.is_root:
+            continue
+        assert len(node.key) > 0 and len(node.key) % page_size == 0, f"{node}: key not whole pages"
+        if node.device_pages is not None:
+            _check_pages(node, node.device_pages, seen_pages, page_size, "device")
+            if node.lock_ref > 0:
+                protected += node.num_pages
+            else:
+                evictable += node.num_pages
+        else:
+            assert node.host_pages is not None, f"{node}: in no tier"
+            assert all(c.device_pages is None for c in node.children.values()), f"{node}: device below host-only"
+        if node.host_pages is not None:
+            _check_pages(node, node.host_pages, seen_host, page_size, "host")
+        assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()), f"{node}: lock below parent"
+        assert node.host_ref >= sum(c.host_ref for c in node.children.values()), f"{node}: host ref below parent"
+        if node.hash_values is not None:
+            assert len(node.hash_values) * page_size == len(node.key), f"{node}: hashes do not cover key"
+        assert node.parent.children.get(node.key[:page_size].tobytes()) is node, f"{node}: parent link broken"
+    return evictable, protected, len(seen_host)
+
+
+def _check_pages(node: TreeNode, pages: np.ndarray, seen: set[int], page_size: int, tier: str) -> None:
+    """One page id per key page; page 0 is reserved and no page is shared within a tier."""
+    assert len(pages) * page_size == len(node.key), f"{node}: {tier} pages do not cover key"
+    for p in pages.tolist():
+        assert p != 0 and p not in seen, f"{node}: {tier} page {p} reserved or shared"
+        seen.add(p)

@@ -1,0 +1,185 @@
+"""One step, for every rank layout: agree -> schedule -> forward -> hand on -> apply.
+
+This is the only place the phases are written down. A single-rank engine and every rank of a
+TP / PP group run :meth:`StepDriver.step`; what differs between layouts is plugged in:
+
+- an :class:`Agreement` turns this rank's :class:`StepEvents` into the agreed ones: nothing to
+  agree on one rank (:data:`ALONE`), ``all_reduce(MIN)`` over the stage's TP group on stage 0,
+  and on a later pipeline stage the vector stage 0 sent with the step (pp_sync);
+- an :class:`Output` says what the stage does with its forward's output: sample and apply at
+  once (the only stage), send hidden states down the pipeline, or sample and send the tokens
+  back to stage 0 (the last of several stages), where they are applied ``pp_size`` steps later.
+
+The step, in order (DESIGN invariant 3: cache state changes only at fixed points, as agreed)::
+
+    events = agreement.agree(scheduler.ready_events(), inbound)
+    scheduler.consume_events(events)        # transfer / storage acks, exactly as agreed
+    batch = scheduler.schedule()            # the same batch on every rank
+    cache.submit_transfers()                # load-backs in flight before the forward reads them
+    out = forward(batch, inbound.hidden)    # logits, or hidden states mid-pipeline
+    finished = output.hand_on(batch, out)   # sample + apply | send down | sample + send back
+    cache.submit_transfers()                # backups of what finished
+
+Command intake (add / abort, then one command) is :func:`apply_intake`, shared by the
+single-rank :class:`~hicache.engine.loop.EngineLoop` and the multi-rank leader.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence
+
+import torch
+
+from .events import StepEvents
+from .request import Request
+
+if TYPE_CHECKING:
+    from .scheduler import Batch, Scheduler
+
+# forward(input_ids per seq, cached prefix len per seq, context slots per seq, hidden in) -> output
+ForwardFn = Callable[[list[list[int]], list[int], list[torch.Tensor], Optional[torch.Tensor]], torch.Tensor]
+
+
+@dataclass
+class Inbound:
+    """A group rank's per-step data (None on a single rank)."""
+
+    events: Optional[StepEvents] = None  # later pipeline stages: the events stage 0 agreed
+    hidden: Optional[torch.Tensor] = None  # later pipeline stages: the previous stage's output
+    context: Any = None  # the layout's own data (e.g. what the step message carries on)
+
+
+class Agreement(Protocol):
+    def agree(self, local: StepEvents, inbound: Optional[Inbound]) -> StepEvents:
+        """The events every rank of the group applies this step."""
+        ...
+
+    def confirm(self, batch: Optional["Batch"], inbound: Optional[Inbound]) -> None:
+        """Raise if this rank scheduled something other than its group (before the forward)."""
+        ...
+
+
+class _Alone:
+    """One rank: its own view is the agreement."""
+
+    def agree(self, local: StepEvents, inbound: Optional[Inbound]) -> StepEvents:
+        return local
+
+    def confirm(self, batch: Optional["Batch"], inbound: Optional[Inbound]) -> None:
+        pass
+
+
+ALONE: Agreement = _Alone()
+
+
+class Output(Protocol):
+    def hand_on(self, batch: Optional["Batch"], out: Optional[torch.Tensor], events: StepEvents,
+                inbound: Optional[Inbound]) -> list[Request]:
+        """Do this stage's part with the forward's output (``batch`` None: nothing ran, but a
+        pipeline stage still passes the step on). Returns the requests that finished."""
+        ...
+
+
+@dataclass
+class SampleAndApply:
+    """The only stage: sample the batch's next tokens and apply them at once.
+    ``share_draws``: with several TP ranks, one rank's random draws for the whole stage."""
+
+    scheduler: "Scheduler"
+    share_draws: Optional[Callable[[list[int]], list[int]]] = None
+
+    def hand_on(self, batch: Optional["Batch"], out: Optional[torch.Tensor], events: StepEvents,
+                inbound: Optional[Inbound]) -> list[Request]:
+        if batch is None:
+            return []
+        return self.scheduler.apply_results(batch, sample_batch(self.scheduler, batch, out, self.share_draws))
+
+
+def sample_batch(sched: "Scheduler", batch: "Batch", logits: torch.Tensor,
+                 share_draws: Optional[Callable[[list[int]], list[int]]]) -> list[int]:
+    """The batch's tokens; random draws come from one rank when ``share_draws`` is given, so
+    every rank of a stage gets the same tokens whatever its own RNG state."""
+    tokens = sched.sample(batch, logits)
+    if share_draws is not None and any(not r.sampling.greedy for r in batch.reqs):
+        tokens = share_draws(tokens)
+    return tokens
+
+
+class StepDriver:
+    """Runs the phases of a step on one rank (see the module docstring)."""
+
+    def __init__(self, scheduler: "Scheduler", forward: ForwardFn, agreement: Agreement = ALONE,
+                 output: Optional[Output] = None) -> None:
+        self.scheduler = scheduler
+        self.forward = forward
+        self.agreement = agreement
+        self.output = output if output is not None else SampleAndApply(scheduler)
+
+    def step(self, inbound: Optional[Inbound] = None) -> tuple[Optional["Batch"], list[Request]]:
+        """One step; returns the batch it ran (None if nothing was ready) and the requests that
+        finished in it."""
+        sched, cache = self.scheduler, self.scheduler.cache
+        events = self.agreement.agree(sched.ready_events(), inbound)
+        sched.consume_events(events)
+        batch = sched.schedule()
+        self.agreement.confirm(batch, inbound)
+        cache.submit_transfers()  # load-backs must be in flight before the forward waits on them
+        out = None
+        t0 = time.perf_counter()
+        if batch is not None:
+            out = self.forward(batch.input_ids(), batch.prefix_lens(), batch.context_slots(),
+                               inbound.hidden if inbound is not None else None)
+        finished = self.output.hand_on(batch, out, events, inbound)
+        if batch is not None:  # its output has been sampled or sent on: the forward is done
+            sched.observe_forward(batch, time.perf_counter() - t0)
+        cache.submit_transfers()  # backups of what finished in this step
+        return batch, finished
+
+
+# ---- command intake ------------------------------------------------------------------------
+@dataclass
+class Intake:
+    """Commands taken from a queue for one step: adds and aborts (adds first: a client may
+    abort a request in the step it arrived), then at most one command that ends the intake."""
+
+    adds: list[Any] = field(default_factory=list)
+    aborts: list[int] = field(default_factory=list)
+    command: Any = None
+
+
+def take_intake(get: Callable[[], tuple], get_nowait: Callable[[], tuple], empty: tuple[type, ...],
+                is_command: Callable[[tuple], bool]) -> Intake:
+    """Everything queued now: ``get()`` for the first item (it may wait), then ``get_nowait()``
+    until the queue raises one of ``empty``. Items are ``("add", x)``, ``("abort", rid)`` or a
+    command (``is_command``), which ends the intake."""
+    intake = Intake()
+    try:
+        item = get()
+    except empty:
+        return intake
+    while True:
+        if item[0] == "add":
+            intake.adds.append(item[1])
+        elif item[0] == "abort":
+            intake.aborts.append(item[1])
+        elif is_command(item):
+            intake.command = item
+            return intake
+        try:
+            item = get_nowait()
+        except empty:
+            return intake
+
+
+def apply_intake(sched: "Scheduler", adds: Sequence[Request], aborts: Sequence[int],
+                 on_abort: Callable[[Request], None] | None = None) -> None:
+    """Add, then abort, in this order on every rank. ``on_abort(req)``: a request that was
+    found and dropped (e.g. to count it as finished)."""
+    for req in adds:
+        sched.add(req)
+    for rid in aborts:
+        req = next((r for r in list(sched.waiting) + list(sched.running) if r.rid == rid), None)
+        if sched.abort(rid) and on_abort is not None and req is not None:
+            on_abort(req)

@@ -1,0 +1,167 @@
+"""``hicache node``: the ranks of one engine that run on a machine other than node 0.
+
+Invariants:
+
+- Node ``R`` of ``N`` runs the global ranks ``[R * k, (R + 1) * k)``, ``k = tp * pp // N``; it
+  never holds rank 0, so it has no frontend: no requests come in here and no updates go out.
+  Its ranks get every step's inputs, and ``stop``, from node 0 through the collectives (the TP
+  broadcast and the pipeline's stage messages), exactly as a non-leader rank on one machine.
+- This launcher only watches: it collects its ranks' ``ready`` and ``error`` reports on a
+  local status queue and logs them. It exits 0 once every rank has exited 0 (node 0 stopped
+  the engine in order), and non-zero as soon as one rank fails or dies, after killing the
+  others: a node whose peers vanished never lingers (its ranks' collectives fail too, and
+  whatever is left is killed here).
+- The ranks ignore SIGINT and SIGTERM (as on one machine); this launcher turns either into
+  killing them, which node 0 then sees as a lost peer and reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import signal
+import time
+from typing import Any, Callable
+
+import torch.multiprocessing
+
+from ..config import ConfigError, EngineConfig
+from ..errors import HicacheError
+from ..model import load_model
+from ..model.parallel import check_parallel
+from .channels import WRITERS_GONE, reader_only
+from .frontend import STARTUP_TIMEOUT_S, _peer_failure, _user_main_hidden, init_method
+from .groups import rank_label
+from .worker import rank_main
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.2
+
+
+class NodeFailed(HicacheError):
+    """A rank of this node failed or died; the message names it."""
+
+
+def run_node(cfg: EngineConfig, report: Callable[[str], None] = logger.info) -> int:
+    """Start this node's ranks, wait until they stop; 0 if they all stopped in order.
+    ``report`` receives the lifecycle lines (ready, stopped). Raises :class:`ConfigError` for
+    a bad flag combination and :class:`NodeFailed` when a rank fails."""
+    if cfg.nnodes < 2 or cfg.node_rank == 0:
+        raise ConfigError("`hicache node` runs the ranks of a node other than 0: give --nnodes N (> 1), "
+                          "--node-rank R (1 .. N-1) and --dist-init-addr HOST:PORT.")
+    check_parallel(load_model(cfg.model, weights=False).spec, cfg.tp_size, cfg.pp_size)
+    node = _Node(cfg)
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        node.start()
+        node.wait_ready()
+        report(f"node {cfg.node_rank} of {cfg.nnodes}: ranks {', '.join(node.labels)} ready "
+               f"(device pages={node.capacity}); waiting for node 0 to stop them")
+        node.wait_stopped()
+        report(f"node {cfg.node_rank} of {cfg.nnodes}: ranks stopped in order")
+        return 0
+    finally:
+        node.kill()  # nothing outlives the launcher, however it ends
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # SIGTERM: stop like Ctrl-C (the ranks are killed on the way out)
+
+
+class _Node:
+    """This node's rank processes and their status queue."""
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        self.ranks = list(cfg.local_ranks)
+        self.labels = [rank_label(r, cfg.tp_size) for r in self.ranks]
+        self.ctx = torch.multiprocessing.get_context("spawn")
+        self.status = self.ctx.Queue()
+        self.procs: list[Any] = []
+        self.capacity = 0
+
+    def start(self) -> None:
+        fields = {f.name: getattr(self.cfg, f.name) for f in dataclasses.fields(self.cfg)}
+        init, level = init_method(self.cfg), logging.getLogger().getEffectiveLevel()
+        with _user_main_hidden():  # the ranks never re-run the launching script
+            for r, label in zip(self.ranks, self.labels):
+                p = self.ctx.Process(target=rank_main, name=f"hicache-rank-{label}", daemon=True,
+                                     args=(r, fields, init, self.status, None, None, None, level))
+                p.start()
+                self.procs.append(p)
+        reader_only(self.status)  # only the ranks write it: a killed rank reads as end-of-file
+        logger.info("node %d of %d: started ranks %s (pids %s), joining %s", self.cfg.node_rank, self.cfg.nnodes,
+                    ", ".join(self.labels), [p.pid for p in self.procs], init)
+
+    def wait_ready(self) -> None:
+        """Until every local rank has joined the world and built its pools."""
+        ready: set[int] = set()
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while len(ready) < len(self.ranks):
+            item = self._next_report()
+            if item is None:
+                self._check_exits(starting=True)
+                if time.monotonic() > deadline:
+                    raise NodeFailed(f"ranks {', '.join(self.labels)} did not start within {STARTUP_TIMEOUT_S:.0f} s "
+                                     f"(is node 0 up at {self.cfg.dist_init_addr}?)")
+                continue
+            if item[0] == "error":
+                self._failed(item, starting=True)
+            ready.add(item[1])
+            self.capacity = item[2]
+
+    def wait_stopped(self) -> None:
+        """Until every local rank has exited: 0 for all after node 0's stop, else a failure."""
+        while any(p.exitcode is None for p in self.procs):
+            item = self._next_report()
+            if item is not None and item[0] == "error":
+                self._failed(item, starting=False)
+            self._check_exits(starting=False)
+        self._check_exits(starting=False)
+
+    def _next_report(self) -> tuple | None:
+        try:
+            return self.status.get(timeout=POLL_S)
+        except queue.Empty:
+            return None
+        except WRITERS_GONE:  # every rank has exited: their exit codes tell the rest
+            time.sleep(POLL_S)
+            return None
+
+    def _check_exits(self, starting: bool) -> None:
+        """A rank that exited non-zero (or at all, before it was ready) without a report."""
+        for label, p in zip(self.labels, self.procs):
+            if p.exitcode is not None and (p.exitcode != 0 or starting):
+                self._drain_reports()
+                how = f"was killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exited with code {p.exitcode}"
+                raise NodeFailed(f"rank {label} (pid {p.pid}) {how}")
+
+    def _drain_reports(self) -> None:
+        """An error a rank reported just before exiting explains its exit better: raise that."""
+        while True:
+            try:
+                item = self.status.get_nowait()
+            except (queue.Empty, *WRITERS_GONE):
+                return
+            if item[0] == "error":
+                self._failed(item, starting=False)
+
+    def _failed(self, item: tuple, starting: bool) -> None:
+        _, rank, message, tb = item
+        label = rank_label(rank, self.cfg.tp_size)
+        logger.error("rank %s traceback:\n%s", label, tb)
+        if starting and "ConfigError" in tb:  # a bad option shows the same on every rank
+            raise ConfigError(message)
+        hint = " (a rank on another node failed or its node is gone)" if _peer_failure(message) else ""
+        raise NodeFailed(f"rank {label} failed{hint}: {message}")
+
+    def kill(self) -> None:
+        """Kill the ranks still running (an orderly stop only comes from node 0)."""
+        for p in self.procs:
+            if p.exitcode is None:
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=10)

@@ -1,0 +1,68 @@
+"""The frontend's stand-in for the ranks' scheduler (``RankGroup.scheduler``).
+
+It answers the calls the Engine and the EngineLoop make on a local scheduler (``add``,
+``abort``, ``step``, ``has_work``, ``running``, ``waiting``): requests stay this process's
+objects, the leader's updates fill them in, and a step is "read what the leader sent".
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from ..engine.request import Request, Status
+from .messages import RequestSpec
+
+if TYPE_CHECKING:
+    from .frontend import RankGroup
+
+POLL_S = 0.05  # how long a step waits for the leader's next updates
+
+
+class RemoteScheduler:
+    """The frontend's view of the ranks' scheduler: the same calls the Engine and EngineLoop
+    make on a local one. Requests stay this process's objects; the leader's updates fill them."""
+
+    def __init__(self, group: "RankGroup") -> None:
+        self.group = group
+        self.requests: dict[int, Request] = {}
+
+    @property
+    def waiting(self) -> list[Request]:
+        return [r for r in self.requests.values() if r.cached is None]
+
+    @property
+    def running(self) -> list[Request]:
+        return [r for r in self.requests.values() if r.cached is not None]
+
+    def has_work(self) -> bool:
+        return bool(self.requests)
+
+    def add(self, req: Request) -> None:
+        self.requests[req.rid] = req
+        self.group.send(("add", RequestSpec.of(req)))
+
+    def abort(self, rid: int) -> bool:
+        """Finishes the request here at once; the ranks drop it at their next step."""
+        req = self.requests.pop(rid, None)
+        if req is None:
+            return False
+        req.status, req.finish_reason, req.finish_time = Status.FINISHED, "abort", time.perf_counter()
+        self.group.send(("abort", rid))
+        if req.on_update is not None:
+            req.on_update(req)
+        return True
+
+    def step(self) -> list[Request]:
+        finished = []
+        for upd in self.group.updates(POLL_S):
+            req = self.requests.get(upd.rid)
+            if req is None:  # aborted here already
+                continue
+            upd.apply(req)
+            if upd.finished:
+                del self.requests[upd.rid]
+                finished.append(req)
+            if req.on_update is not None:
+                req.on_update(req)
+        return finished
