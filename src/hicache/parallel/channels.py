@@ -11,7 +11,8 @@ once the reader has.
 
 from __future__ import annotations
 
-from typing import Any
+import queue
+from typing import Any, Iterator
 
 WRITERS_GONE = (EOFError, OSError)  # a whole message was never coming: every writer has exited
 
@@ -29,3 +30,17 @@ def writer_only(*queues: Any) -> None:
     for q in queues:
         if q is not None:
             q._reader.close()
+
+
+def queued_now(q: Any) -> Iterator[Any]:
+    """The items ``q`` holds now, oldest first; stops at empty or once every writer is gone."""
+    while True:
+        try:
+            yield q.get_nowait()
+        except (queue.Empty, *WRITERS_GONE):
+            return
+
+
+def exit_text(proc: Any) -> str:
+    """How a finished process ended, for a message: killed by which signal, or its code."""
+    return f"was killed by signal {-proc.exitcode}" if proc.exitcode < 0 else f"exited with code {proc.exitcode}"

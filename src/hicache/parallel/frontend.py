@@ -33,7 +33,7 @@ import torch.multiprocessing
 from ..config import ConfigError, EngineConfig, split_host_port
 from ..consensus_record import Entry, enabled as checker_enabled
 from ..errors import EngineDeadError, HicacheError
-from .channels import WRITERS_GONE, reader_only
+from .channels import WRITERS_GONE, exit_text, queued_now, reader_only
 from .consensus import ConsensusMonitor, Divergence
 from .groups import rank_label
 from .messages import RequestUpdate
@@ -269,19 +269,14 @@ class RankGroup:
         if self.failure is not None:
             return self.failure
         reported: dict[int, str] = {}  # arrival order
-        while True:
-            try:
-                item = self.status.get_nowait()
-            except (queue.Empty, *WRITERS_GONE):
-                break
+        for item in queued_now(self.status):
             if item[0] == "error":
                 reported.setdefault(item[1], item[2])
                 logger.error("rank %s traceback:\n%s", self.labels[item[1]], item[3])
         silent = [(r, p) for r, p in self._exited() if r not in reported]
         if silent:
             r, p = silent[0]
-            how = f"was killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exited with code {p.exitcode}"
-            return f"rank {self.labels[r]} (pid {p.pid}) {how}"
+            return f"rank {self.labels[r]} (pid {p.pid}) {exit_text(p)}"
         if reported:
             primary = [r for r, m in reported.items() if not _peer_failure(m)]
             if not primary and self.nnodes > 1:  # the cause is on a machine this process cannot see

@@ -30,7 +30,7 @@ from ..config import ConfigError, EngineConfig
 from ..errors import HicacheError
 from ..model import load_model
 from ..model.parallel import check_parallel
-from .channels import WRITERS_GONE, reader_only
+from .channels import WRITERS_GONE, exit_text, queued_now, reader_only
 from .frontend import STARTUP_TIMEOUT_S, _peer_failure, _user_main_hidden, init_method
 from .groups import rank_label
 from .worker import rank_main
@@ -136,16 +136,11 @@ class _Node:
         for label, p in zip(self.labels, self.procs):
             if p.exitcode is not None and (p.exitcode != 0 or starting):
                 self._drain_reports()
-                how = f"was killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exited with code {p.exitcode}"
-                raise NodeFailed(f"rank {label} (pid {p.pid}) {how}")
+                raise NodeFailed(f"rank {label} (pid {p.pid}) {exit_text(p)}")
 
     def _drain_reports(self) -> None:
         """An error a rank reported just before exiting explains its exit better: raise that."""
-        while True:
-            try:
-                item = self.status.get_nowait()
-            except (queue.Empty, *WRITERS_GONE):
-                return
+        for item in queued_now(self.status):
             if item[0] == "error":
                 self._failed(item, starting=False)
 
