@@ -3,12 +3,14 @@ changes greedy output), batching, chunked prefill, stop conditions, bad input, a
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
 import torch
 
 from hicache import Engine, InvalidRequestError, SamplingParams
+from hicache import device as device_mod
 from hicache.config import ConfigError
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
@@ -246,3 +248,33 @@ def test_flush_and_stats() -> None:
     assert engine.flush_cache()
     assert engine.stats()["device_pool"]["free_pages"] == engine.cache.capacity_pages
     assert engine.generate([p], GREEDY)[0].cached_tokens == 0
+
+
+@pytest.mark.parametrize("device, cuda_bf16, cpu_native_bf16, want", [
+    ("cpu", False, False, "float32"),  # AVX2-only CPU: bf16 would be emulated
+    ("cpu", False, True, "bfloat16"),  # AVX512-BF16 / AMX
+    ("cuda", True, False, "bfloat16"),
+    ("cuda", False, False, "float16"),
+])
+def test_dtype_auto_picks_what_the_hardware_runs_natively(monkeypatch: pytest.MonkeyPatch, device: str,
+                                                          cuda_bf16: bool, cpu_native_bf16: bool, want: str) -> None:
+    monkeypatch.setattr(device_mod, "cpu_has_native_bf16", lambda: cpu_native_bf16)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: cuda_bf16)
+    chosen, why = device_mod.resolve_dtype("auto", torch.device(device))
+    assert chosen == want and why
+    assert device_mod.resolve_dtype("bfloat16", torch.device(device)) == ("bfloat16", "requested")
+
+
+def test_engine_resolves_dtype_auto_once_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
+    want, _ = device_mod.resolve_dtype("auto", torch.device("cpu"))
+    with caplog.at_level(logging.INFO, logger="hicache.device"):
+        auto = Engine("random:tiny", max_total_tokens=512)
+    assert auto.config.dtype == want and auto.pool.k_buffers[0].dtype == device_mod.DTYPES[want]
+    assert f"dtype auto -> {want}" in caplog.text
+    explicit = Engine("random:tiny", max_total_tokens=512, dtype=want)
+    # Cache namespaces (and so storage keys) name the dtype that runs, not "auto".
+    assert auto.model_namespace == explicit.model_namespace
+    ids = [5, 6, 7, 8, 9, 10]
+    assert auto.generate([ids], GREEDY)[0].output_ids == explicit.generate([ids], GREEDY)[0].output_ids
+    auto.shutdown()
+    explicit.shutdown()

@@ -306,3 +306,25 @@ def test_serve_exits_nonzero_when_a_rank_dies(tmp_path: Path) -> None:
             proc.kill()
             proc.wait()
         log.close()
+
+
+def test_storage_failures_and_breaker_state_reach_prometheus() -> None:
+    """The storage figures of Engine.stats() become counters by backend and kind and a breaker
+    state gauge; cumulative stats move the counters by their increase only."""
+    from hicache.server.metrics import ServerMetrics
+
+    m = ServerMetrics()
+
+    def storage(failures: dict, state: str, opens: int) -> dict:
+        return {"storage": {"backend": "valkey", "failures": failures,
+                            "breaker": {"state": state, "opens": opens, "short_circuited": 0, "timeouts": 0}}}
+
+    m.update_from_stats(storage({"timeout": 2, "backend_error": 1}, "open", 1))
+    m.update_from_stats(storage({"timeout": 5, "backend_error": 1, "breaker_open": 7}, "half_open", 1))
+    text = m.render().decode()
+    assert 'hicache_storage_failures_total{backend="valkey",kind="timeout"} 5.0' in text
+    assert 'hicache_storage_failures_total{backend="valkey",kind="breaker_open"} 7.0' in text
+    assert 'hicache_storage_failures_total{backend="valkey",kind="backend_error"} 1.0' in text
+    assert 'hicache_storage_breaker_state{backend="valkey",state="half_open"} 1.0' in text
+    assert 'hicache_storage_breaker_state{backend="valkey",state="open"} 0.0' in text
+    assert 'hicache_storage_breaker_opens_total{backend="valkey"} 1.0' in text

@@ -29,7 +29,12 @@ class EngineConfig:
         "Model to serve: 'smollm2' (embedded SmolLM2-135M-Instruct), a local Hugging Face "
         "directory (config.json + *.safetensors + tokenizer.json), or 'random:<preset or JSON>'.",
     )
-    dtype: str = _opt("bfloat16", "Weight and KV dtype.", ("bfloat16", "float32"))
+    dtype: str = _opt(
+        "auto",
+        "Weight and KV dtype. 'auto': bfloat16 where the hardware runs it natively (CUDA; CPUs with "
+        "AVX512-BF16 or AMX), float16 on CUDA without bf16, float32 on other CPUs.",
+        ("auto", "bfloat16", "float16", "float32"),
+    )
     device: str = _opt("auto", "'auto' (cuda when present, else cpu), 'cpu' or 'cuda[:N]'.")
     context_length: Optional[int] = _opt(None, "Maximum tokens per request (prompt + output); default: the model's.")
     random_seed: int = _opt(0, "Seed for random-model weights.")

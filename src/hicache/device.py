@@ -1,13 +1,18 @@
-"""The small device abstraction: which device, how much memory it has. Code elsewhere stays
-device-agnostic (CUDA when present, CPU otherwise)."""
+"""The small device abstraction: which device, which dtype, how much memory it has. Code
+elsewhere stays device-agnostic (CUDA when present, CPU otherwise)."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
 from .config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -38,3 +43,35 @@ def device_memory_budget(device: torch.device, fraction: float | None) -> int:
         free, total = torch.cuda.mem_get_info(device)
         return int(total * (fraction or 0.85) - (total - free))
     return int(available_host_memory() * (fraction or 0.10))
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 matmuls in hardware (AVX512-BF16 or AMX); elsewhere torch
+    emulates bf16, several times slower than float32."""
+    cpu = torch.cpu
+    return bool(getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()
+                or getattr(cpu, "_is_amx_tile_supported", lambda: False)())
+
+
+def resolve_dtype(name: str, device: torch.device) -> tuple[str, str]:
+    """``(dtype name, why)`` for ``--dtype``: ``auto`` is bf16 where the hardware runs it
+    natively (CUDA with bf16 support, else fp16 on CUDA; a CPU with AVX512-BF16 or AMX),
+    float32 on any other CPU. An explicit name is kept."""
+    if name != "auto":
+        return name, "requested"
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return "bfloat16", "CUDA device with bf16 support"
+        return "float16", "CUDA device without bf16 support"
+    if cpu_has_native_bf16():
+        return "bfloat16", "CPU with native bf16 (AVX512-BF16 or AMX)"
+    caps = torch.backends.cpu.get_cpu_capability()
+    return "float32", f"CPU without native bf16 ({caps}; bf16 would be emulated, several times slower)"
+
+
+def choose_dtype(name: str, device: torch.device) -> str:
+    """:func:`resolve_dtype`'s name, logged once when ``auto`` chose it."""
+    chosen, why = resolve_dtype(name, device)
+    if name == "auto":
+        logger.info("dtype auto -> %s: %s", chosen, why)
+    return chosen

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -12,7 +13,7 @@ import torch
 
 from ..cache.storage.keys import tree_namespace
 from ..config import ConfigError, EngineConfig
-from ..device import resolve_device
+from ..device import DTYPES, choose_dtype, resolve_device
 from ..errors import ContextLengthError, HicacheError, InvalidRequestError
 from ..model import load_model
 from .backend import Backend, LocalBackend, SchedulerView, make_backend
@@ -40,11 +41,13 @@ class Engine:
     """
 
     def __init__(self, model: str = "smollm2", **options: Any) -> None:
-        self.config = cfg = EngineConfig.from_kwargs(model=model, **options)
+        cfg = EngineConfig.from_kwargs(model=model, **options)
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         self.device = resolve_device(cfg.device)
-        self.dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.dtype]
+        # Resolved once, here: rank processes, cache namespaces and storage keys see the real dtype.
+        self.config = cfg = dataclasses.replace(cfg, dtype=choose_dtype(cfg.dtype, self.device))
+        self.dtype = DTYPES[cfg.dtype]
         ranks = cfg.tp_size * cfg.pp_size
         # With several ranks this process only tokenizes: each rank loads its own slice.
         self.loaded = load_model(cfg.model, dtype=self.dtype, device=self.device, seed=cfg.random_seed,

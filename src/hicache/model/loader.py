@@ -18,7 +18,7 @@ from hicache.model.random_model import init_random_weights, parse_random_spec
 from hicache.model.spec import ModelSpec, ModelSpecError
 from hicache.model.tokenizer import Tokenizer, byte_tokenizer
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass
@@ -56,7 +56,9 @@ def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.dev
     Raises :class:`ModelNotFoundError` (a ConfigError) for names that resolve to nothing.
     """
     if dtype not in SUPPORTED_DTYPES:
-        raise ModelSpecError(f"model dtype {dtype} is not supported; use torch.float32 or torch.bfloat16.")
+        raise ModelSpecError(f"model dtype {dtype} is not supported; use torch.float32, torch.bfloat16 or torch.float16.")
+    if dtype == torch.float16 and torch.device(device).type != "cuda":
+        raise ModelSpecError("float16 runs ~100x slower than float32 on a CPU; use --dtype auto or float32 there.")
     dtype_name = str(dtype).removeprefix("torch.")
     start = time.perf_counter()
     if name == "smollm2":

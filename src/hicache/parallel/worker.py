@@ -34,7 +34,7 @@ import torch
 
 from ..config import EngineConfig
 from ..consensus_record import install_recorder, make_queue_sink
-from ..device import resolve_device
+from ..device import DTYPES, choose_dtype, resolve_device
 from ..engine.core import EngineCore, build_core, core_stats
 from ..engine.events import StepEvents
 from ..engine.step import Inbound, StepDriver, apply_intake, take_intake
@@ -231,7 +231,7 @@ def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox:
         if device.type == "cuda":
             device = torch.device("cuda", info.local_rank % torch.cuda.device_count())
             torch.cuda.set_device(device)
-        dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.dtype]
+        dtype = DTYPES[choose_dtype(cfg.dtype, device)]  # (node 0's Engine passes it resolved)
         groups = ParallelGroups(info, init_method, device)
         loaded = load_model(cfg.model, dtype=dtype, device=device, seed=cfg.random_seed)
         shard = model_shard(loaded.spec, info.tp_rank, info.tp_size, info.pp_rank, info.pp_size)
