@@ -88,26 +88,26 @@ class Engine:
         """Usable device KV pages (every rank holds the same number)."""
         return self.backend.capacity_pages
 
+    def _core_part(self, name: str) -> Any:
+        """A part of the in-process core; None with several ranks (each rank holds its own)."""
+        core = self.backend.core
+        return getattr(core, name) if core is not None else None
+
     @property
     def cache(self) -> KVCacheManager | None:
-        """This process's cache manager; None with several ranks (each holds its own)."""
-        core = self.backend.core
-        return core.cache if core is not None else None
+        return self._core_part("cache")
 
     @property
     def pool(self) -> DeviceKVPool | None:
-        core = self.backend.core
-        return core.pool if core is not None else None
+        return self._core_part("pool")
 
     @property
     def host_pool(self) -> HostKVPool | None:
-        core = self.backend.core
-        return core.host_pool if core is not None else None
+        return self._core_part("host_pool")
 
     @property
     def runner(self) -> ModelRunner | None:
-        core = self.backend.core
-        return core.runner if core is not None else None
+        return self._core_part("runner")
 
     @property
     def group(self) -> RankGroup | None:
