@@ -180,6 +180,9 @@ def apply_intake(sched: "Scheduler", adds: Sequence[Request], aborts: Sequence[i
     for req in adds:
         sched.add(req)
     for rid in aborts:
+        if on_abort is None:
+            sched.abort(rid)
+            continue
         req = next((r for r in list(sched.waiting) + list(sched.running) if r.rid == rid), None)
-        if sched.abort(rid) and on_abort is not None and req is not None:
+        if req is not None and sched.abort(rid):
             on_abort(req)

@@ -99,6 +99,11 @@ def engine_dead(e: BaseException | str) -> APIError:
     return APIError(503, str(e), type="server_error", code="engine_dead")
 
 
+def engine_dead_during(res: GenerateResult) -> APIError:
+    """A request the engine failed while it ran (finish_reason "error")."""
+    return engine_dead(f"the engine failed during this request: {res.error}")
+
+
 def _usage(res: GenerateResult) -> dict[str, Any]:
     return {
         "prompt_tokens": res.prompt_tokens,
@@ -243,7 +248,7 @@ async def _collect(st: ServerState, request: Request, handle: RequestHandle) -> 
             if done:
                 res = task.result()
                 if res.finish_reason == "error":
-                    raise engine_dead(f"the engine failed during this request: {res.error}")
+                    raise engine_dead_during(res)
                 return res
             if await request.is_disconnected():
                 logger.info("client disconnected rid=%d; aborting", handle.rid)
@@ -263,7 +268,7 @@ async def _stream(st: ServerState, handle: RequestHandle, stops: list[str],
             if upd.finished:
                 res = upd.result
                 if res.finish_reason == "error":  # OpenAI's way to fail a stream that has begun
-                    yield _sse(engine_dead(f"the engine failed during this request: {res.error}").body())
+                    yield _sse(engine_dead_during(res).body())
                     yield "data: [DONE]\n\n"
                     return
                 text = detok.finish(res.text)
