@@ -51,7 +51,7 @@ class Engine:
         ranks = cfg.tp_size * cfg.pp_size
         # With several ranks this process only tokenizes: each rank loads its own slice.
         self.loaded = load_model(cfg.model, dtype=self.dtype, device=self.device, seed=cfg.random_seed,
-                                 weights=ranks == 1)
+                                 weights=ranks == 1, decode_dtype=DTYPES.get(cfg.decode_weight_dtype))
         self.tokenizer = self.loaded.tokenizer
         spec = self.loaded.spec
         self.context_length = cfg.context_length or spec.max_position_embeddings

@@ -9,7 +9,7 @@ slot 0 is padding and never holds real data.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Optional, Protocol, Sequence
 
 import torch
 
@@ -28,10 +28,39 @@ class KVView(Protocol):
     def wait_layer(self, layer: int) -> None: ...
 
 
+# Keys stored in at most this many runs of consecutive slots are read as views of the KV
+# buffers; more scattered ones are gathered once per layer (one copy beats many small kernels).
+MAX_VIEW_RUNS = 8
+
+
+@dataclass(frozen=True)
+class SeqSpan:
+    """One sequence of a batch. Its new tokens are rows ``[start, start + length)`` of T.
+
+    The keys every new token sees -- the cached prefix, plus the token itself when it is a lone
+    decode token (its K/V is written before attention) -- are either ``full_runs``
+    (``(first slot, count)`` runs of consecutive slots) or, when too scattered, ``full_slots`` to
+    gather. ``causal``: the new tokens attend to each other causally (more than one new token)."""
+
+    start: int
+    length: int
+    full_runs: tuple[tuple[int, int], ...]
+    full_slots: Optional[torch.Tensor]
+    causal: bool
+
+
+@dataclass(frozen=True)
+class DecodeLayout:
+    """A decode batch (B > 1 sequences, one new token each) read as one padded block."""
+
+    kv_slots: torch.Tensor  # [B, K] long: each context's slots in position order, 0-padded
+    key_bias: torch.Tensor  # [B, 1, 1, K] float32: 0 for a real key, -inf for padding
+
+
 @dataclass
 class ForwardBatch:
-    """One forward pass. T = total new tokens, B = sequences, Q = max new tokens of a sequence,
-    K = max context length (cached prefix + new tokens) of a sequence.
+    """One forward pass. T = total new tokens, B = sequences, K = max context length (cached
+    prefix + new tokens) of a sequence.
 
     Built once per step by :func:`make_forward_batch`; every layer reuses the same metadata.
     """
@@ -39,12 +68,37 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T] long: the new tokens, sequence after sequence
     positions: torch.Tensor  # [T] long: absolute position of each new token in its sequence
     out_slots: torch.Tensor  # [T] long: slot where each new token's K/V is written
-    kv_slots: torch.Tensor  # [B, K] long: slots of each sequence's context in position order, 0-padded
-    q_index: torch.Tensor  # [B, Q] long: flat index (into T) of each sequence's new tokens, 0-padded
-    q_valid: torch.Tensor  # [B, Q] bool: which q_index entries are real
-    attn_mask: torch.Tensor  # [B, 1, Q, K] bool: True where query may attend (causal, in length)
+    spans: list[SeqSpan]  # [B]: where each sequence's rows and cached prefix are
+    decode: Optional[DecodeLayout]  # set for decode batches of more than one sequence
     logits_index: torch.Tensor  # [R] long: rows of T whose logits the caller wants
-    single: bool  # one sequence whose context is exactly its new tokens in slot order: no padding
+    single: bool  # one sequence with no cached prefix: plain causal attention on its tokens
+
+
+def slot_runs(slots: torch.Tensor) -> list[tuple[int, int]]:
+    """``(first slot, count)`` of each run of consecutive slots in ``slots`` (CPU, in order)."""
+    if slots.numel() == 0:
+        return []
+    starts = [0] + ((slots[1:] - slots[:-1]) != 1).nonzero().flatten().add(1).tolist() + [int(slots.numel())]
+    return [(int(slots[a]), b - a) for a, b in zip(starts[:-1], starts[1:])]
+
+
+def _span(start: int, length: int, context: torch.Tensor, device: torch.device) -> SeqSpan:
+    causal = length > 1
+    full = context[: context.numel() - length] if causal else context
+    runs = slot_runs(full)
+    if len(runs) <= MAX_VIEW_RUNS:
+        return SeqSpan(start, length, tuple(runs), None, causal)
+    return SeqSpan(start, length, (), full.to(device), causal)
+
+
+def _decode_layout(context_slots: Sequence[torch.Tensor], device: torch.device) -> DecodeLayout:
+    lens = [int(c.numel()) for c in context_slots]
+    kv_slots = torch.zeros(len(lens), max(lens), dtype=torch.long)
+    for b, slots in enumerate(context_slots):
+        kv_slots[b, : lens[b]] = slots
+    padding = torch.arange(max(lens)).view(1, -1) >= torch.tensor(lens).view(-1, 1)
+    key_bias = torch.zeros(padding.shape).masked_fill_(padding, float("-inf"))
+    return DecodeLayout(kv_slots.to(device), key_bias[:, None, None, :].to(device))
 
 
 def make_forward_batch(
@@ -65,45 +119,28 @@ def make_forward_batch(
     if not lens or min(lens) <= 0:
         raise ValueError("every sequence in a forward batch needs at least one new token")
     bsz = len(lens)
-    ctx_lens = [p + n for p, n in zip(prefix_lens, lens)]
+    context_slots = [torch.as_tensor(c).long().cpu() for c in context_slots]
     for b in range(bsz):
-        if int(context_slots[b].numel()) != ctx_lens[b]:
-            raise ValueError(f"sequence {b}: {context_slots[b].numel()} context slots for {ctx_lens[b]} tokens")
-    max_q, max_k = max(lens), max(ctx_lens)
+        if int(context_slots[b].numel()) != prefix_lens[b] + lens[b]:
+            raise ValueError(f"sequence {b}: {context_slots[b].numel()} context slots for "
+                             f"{prefix_lens[b] + lens[b]} tokens")
+    dev = torch.device(device)
 
     flat_ids = torch.tensor([t for ids in input_ids for t in ids], dtype=torch.long)
     positions = torch.cat([torch.arange(p, p + n, dtype=torch.long) for p, n in zip(prefix_lens, lens)])
-    out_slots = torch.cat([context_slots[b][prefix_lens[b]:] for b in range(bsz)]).long()
-
-    kv_slots = torch.zeros(bsz, max_k, dtype=torch.long)
-    q_index = torch.zeros(bsz, max_q, dtype=torch.long)
-    q_valid = torch.zeros(bsz, max_q, dtype=torch.bool)
-    q_pos = torch.zeros(bsz, max_q, dtype=torch.long)
-    start = 0
-    for b in range(bsz):
-        kv_slots[b, : ctx_lens[b]] = context_slots[b]
-        q_index[b, : lens[b]] = torch.arange(start, start + lens[b])
-        q_valid[b, : lens[b]] = True
-        q_pos[b, : lens[b]] = torch.arange(prefix_lens[b], ctx_lens[b])
-        start += lens[b]
-    kv_pos = torch.arange(max_k)
-    kv_len = torch.tensor(ctx_lens).view(bsz, 1, 1)
-    mask = (kv_pos.view(1, 1, max_k) <= q_pos.view(bsz, max_q, 1)) & (kv_pos.view(1, 1, max_k) < kv_len)
-    # Padded query rows attend to slot 0 only, so softmax stays finite; their output is dropped.
-    mask[:, :, 0] |= ~q_valid
+    out_slots = torch.cat([context_slots[b][prefix_lens[b]:] for b in range(bsz)])
     ends = torch.tensor(lens).cumsum(0)
+    starts = (ends - torch.tensor(lens)).tolist()
+    decode = _decode_layout(context_slots, dev) if bsz > 1 and max(lens) == 1 else None
+    spans = [] if decode is not None else [
+        _span(starts[b], lens[b], context_slots[b], dev) for b in range(bsz)]
     logits_index = ends - 1 if logits == "last" else torch.arange(int(ends[-1]))
-    single = bsz == 1 and prefix_lens[0] == 0
-
-    dev = torch.device(device)
     return ForwardBatch(
         input_ids=flat_ids.to(dev),
         positions=positions.to(dev),
         out_slots=out_slots.to(dev),
-        kv_slots=kv_slots.to(dev),
-        q_index=q_index.to(dev),
-        q_valid=q_valid.to(dev),
-        attn_mask=mask.unsqueeze(1).to(dev),
+        spans=spans,
+        decode=decode,
         logits_index=logits_index.to(dev),
-        single=single,
+        single=bsz == 1 and prefix_lens[0] == 0,
     )

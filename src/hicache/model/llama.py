@@ -13,7 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hicache.model.batch import ForwardBatch, KVView
+from hicache.model.attention import decode_attention, sequence_attention
+from hicache.model.batch import ForwardBatch, KVView, SeqSpan
+from hicache.model.projection import Projection
 from hicache.model.spec import ModelSpec, rope_inv_freq
 
 
@@ -26,25 +28,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused kernel; the same arithmetic as below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return self.weight * x32.to(x.dtype)  # rounded before the weight, as the reference models do
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-Rows = Optional[tuple[torch.Tensor, torch.Tensor]]
-
-
-def valid_rows(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(src, dst)``: rows of the padded ``[B*Q]`` query layout that are real, and the flat
-    token index (into T) each one belongs to. Computed once per forward (one host sync on CUDA)
-    instead of boolean-masking in every layer."""
-    src = batch.q_valid.reshape(-1).nonzero().squeeze(1)
-    return src, batch.q_index.reshape(-1).index_select(0, src)
 
 
 class Attention(nn.Module):
@@ -60,60 +53,58 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(spec.hidden_size, kv_width, bias=bias)
         self.v_proj = nn.Linear(spec.hidden_size, kv_width, bias=bias)
         self.o_proj = nn.Linear(q_width, spec.hidden_size, bias=False)
+        self.qkv = Projection(self.q_proj, self.k_proj, self.v_proj)
+        self.out = Projection(self.o_proj)
         self.tp_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # sum over TP ranks (model/parallel.py)
-        # Uneven TP split: the local KV head of each local query head (None: SDPA's equal groups).
+        # Uneven TP split: the local KV head of each local query head (None: equal groups).
         self.kv_map: Optional[torch.Tensor] = None
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv: KVView, rows: Rows
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv: KVView
     ) -> torch.Tensor:
-        """``x``: ``[T, hidden]``; ``cos``/``sin``: ``[T, 1, head_dim]`` in x's dtype; ``rows``: see
-        :func:`valid_rows`. Returns ``[T, hidden]``."""
+        """``x``: ``[T, hidden]``; ``cos``/``sin``: ``[T, 1, head_dim]`` in x's dtype. Returns
+        ``[T, hidden]``."""
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k, v = self.qkv(x)
+        # q and k sit side by side in the fused output: rotate both heads' sets in one pass.
+        qk = torch.cat((q, k), dim=-1).view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = qk * cos + rotate_half(qk) * sin
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
 
         kv.wait_layer(self.layer)
         k_buf, v_buf = kv.k_buffers[self.layer], kv.v_buffers[self.layer]
         k_buf.index_copy_(0, batch.out_slots, k.to(k_buf.dtype))
         v_buf.index_copy_(0, batch.out_slots, v.to(v_buf.dtype))
 
-        if batch.single:
-            # Cold prefill of one sequence: its context is exactly the new tokens, so plain causal
-            # attention on them is equivalent to gathering from the buffers (and cheaper).
-            # 4-D inputs: torch's CPU flash kernel takes them; 3-D ones fall back to the ~4x slower
-            # math path.
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], self._heads(k.transpose(0, 1)[None]), self._heads(v.transpose(0, 1)[None]),
-                is_causal=True, enable_gqa=self.kv_map is None,
-            )[0]  # [H, T, D]
-            return self._out(out.transpose(0, 1).reshape(t, -1))
+        if batch.decode is not None:
+            # B sequences, one token each: one padded gather of every context, one batched matmul.
+            layout = batch.decode
+            bsz, ctx = layout.kv_slots.shape
+            flat = layout.kv_slots.view(-1)
+            kb = k_buf.index_select(0, flat).view(bsz, ctx, self.num_kv_heads, self.head_dim)
+            vb = v_buf.index_select(0, flat).view(bsz, ctx, self.num_kv_heads, self.head_dim)
+            return self._out(decode_attention(q, kb, vb, layout.key_bias, self.kv_map).reshape(t, -1))
+        if len(batch.spans) == 1:
+            return self._out(self._sequence(batch.spans[0], q, k, v, k_buf, v_buf).reshape(t, -1))
+        out = torch.empty_like(q)
+        for span in batch.spans:
+            rows = slice(span.start, span.start + span.length)
+            out[rows] = self._sequence(span, q[rows], k[rows], v[rows], k_buf, v_buf)
+        return self._out(out.reshape(t, -1))
 
-        # Paged path: queries padded per sequence [B, H, Q, D]; context gathered by slot [B, KvH, K, D].
-        # index_select rather than advanced indexing: same result, far less overhead on CPU.
-        bsz, max_q = batch.q_index.shape
-        ctx = batch.kv_slots.reshape(-1)
-        qb = q.index_select(0, batch.q_index.reshape(-1)).view(bsz, max_q, self.num_heads, self.head_dim).transpose(1, 2)
-        kb = k_buf.index_select(0, ctx).view(bsz, -1, self.num_kv_heads, self.head_dim).to(q.dtype).transpose(1, 2)
-        vb = v_buf.index_select(0, ctx).view(bsz, -1, self.num_kv_heads, self.head_dim).to(q.dtype).transpose(1, 2)
-        out = F.scaled_dot_product_attention(qb, self._heads(kb), self._heads(vb), attn_mask=batch.attn_mask,
-                                             enable_gqa=self.kv_map is None)
-        out = out.transpose(1, 2).reshape(bsz * max_q, -1)  # [B*Q, H*D]
-        assert rows is not None  # computed for every non-single batch
-        src_rows, dst_rows = rows
-        flat = torch.empty(t, out.shape[1], dtype=out.dtype, device=out.device)
-        flat.index_copy_(0, dst_rows, out.index_select(0, src_rows))
-        return self._out(flat)
-
-    def _heads(self, kv: torch.Tensor) -> torch.Tensor:
-        """``[B, KvH, K, D]`` as SDPA reads it: as is, or one KV head per query head."""
-        return kv if self.kv_map is None else kv.index_select(1, self.kv_map)
+    def _sequence(self, span: SeqSpan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  k_buf: torch.Tensor, v_buf: torch.Tensor) -> torch.Tensor:
+        """One sequence's attention ``[n, H, D]``: the keys all its new tokens see read as views
+        of the buffers (or gathered when scattered), its new tokens' own K/V as computed."""
+        if span.full_slots is not None:
+            full = [(k_buf.index_select(0, span.full_slots), v_buf.index_select(0, span.full_slots))]
+        else:
+            full = [(k_buf[s:s + n], v_buf[s:s + n]) for s, n in span.full_runs]
+        return sequence_attention(q, full, (k, v) if span.causal else None, self.kv_map)
 
     def _out(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.o_proj(x)
+        out = self.out(x)
         return out if self.tp_reduce is None else self.tp_reduce(out)
 
 
@@ -125,10 +116,13 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.gate_up = Projection(self.gate_proj, self.up_proj)
+        self.down = Projection(self.down_proj)
         self.tp_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # sum over TP ranks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x)
+        out = self.down(F.silu(gate) * up)
         return out if self.tp_reduce is None else self.tp_reduce(out)
 
 
@@ -141,9 +135,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(spec)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv: KVView, rows: Rows
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv: KVView
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv, rows)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -181,9 +175,15 @@ class LlamaForCausalLM(nn.Module):
         # A pipeline stage (model/parallel.py) holds some layers: the first embeds, the last
         # returns logits, the others take and return hidden states.
         self.first_stage = self.last_stage = True
+        self.head = Projection(self.model.embed_tokens if self.lm_head is None else self.lm_head)
 
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+    def set_decode_weight_dtype(self, dtype: Optional[torch.dtype]) -> None:
+        """Decode steps read their weights in ``dtype`` (a copy; None: the weights as loaded).
+        Lossy unless ``dtype`` holds every weight exactly; prefill keeps the loaded weights."""
+        for module in self.modules():
+            for part in vars(module).values():
+                if isinstance(part, Projection):
+                    part.decode_dtype = dtype
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin ``[T, 1, head_dim]`` for absolute ``positions`` (angles in float32, then cast)."""
@@ -196,11 +196,10 @@ class LlamaForCausalLM(nn.Module):
         stage. ``hidden``: the previous stage's output (not on the first stage)."""
         h = self.model.embed_tokens(batch.input_ids) if self.first_stage else hidden
         cos, sin = self.rope(batch.positions, h.dtype)
-        rows = None if batch.single else valid_rows(batch)
         for layer in self.model.layers:
-            h = layer(h, cos, sin, batch, kv, rows)
+            h = layer(h, cos, sin, batch, kv)
         if not self.last_stage:
             return h
         # Only the requested rows go through the final norm and the (vocab-wide) head.
         h = self.model.norm(h[batch.logits_index])
-        return F.linear(h, self.lm_head_weight()).float()
+        return self.head(h).float()

@@ -48,11 +48,14 @@ def _file_fingerprint(paths: list[Path]) -> str:
 
 
 def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu", seed: int = 0,
-               weights: bool = True) -> LoadedModel:
+               weights: bool = True, decode_dtype: torch.dtype | None = None) -> LoadedModel:
     """Load ``name``: ``"smollm2"`` (embedded GGUF), a local HF directory, or ``"random:<preset|JSON>"``.
 
     ``seed`` only matters for random models. ``weights=False`` reads only the shape, the
     tokenizer and the identity (``model`` is None): what a process that only tokenizes needs.
+    ``decode_dtype``: decode steps read a copy of the weights in this dtype (see
+    :meth:`LlamaForCausalLM.set_decode_weight_dtype`); it changes the KV they write, so it is
+    part of the identity.
     Raises :class:`ModelNotFoundError` (a ConfigError) for names that resolve to nothing.
     """
     if dtype not in SUPPORTED_DTYPES:
@@ -83,4 +86,8 @@ def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.dev
         raise ModelNotFoundError(
             f"unknown model {name!r}: expected 'smollm2', a local Hugging Face directory, or 'random:<preset or JSON>'."
         )
+    if decode_dtype is not None and decode_dtype != dtype:
+        identity += f":decode-{str(decode_dtype).removeprefix('torch.')}"
+        if model is not None:
+            model.set_decode_weight_dtype(decode_dtype)
     return LoadedModel(model, tokenizer, spec, name, identity, time.perf_counter() - start)

@@ -1,0 +1,125 @@
+"""Attention kernels over a paged KV cache, with no materialised mask.
+
+A sequence's new tokens attend to two kinds of key block: its cached prefix (every key visible
+to every new token) and its own new tokens (causal; the block is square, so upper-left and
+lower-right causal coincide). Each block is attended on its own and the partial results are
+merged by their log-sum-exp -- exact, the same rule flash attention uses between key tiles. A
+prefix stored in a few runs of consecutive slots is read as views of the KV buffers (no gather);
+a scattered one is gathered once per layer.
+
+Decode batches (one new token per sequence, several sequences) take one padded, batched path:
+gather every context, one matmul for the scores, a length mask of shape ``[B, K]``.
+
+Units: ``q`` rows are tokens, heads are query heads (``H``) or KV heads (``KvH``); a query head
+``h`` reads KV head ``h // (H // KvH)`` unless a ``kv_map`` (uneven TP split) says otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+KVBlock = tuple[torch.Tensor, torch.Tensor]  # K and V, each [L, KvH, D]
+
+
+def _expand_heads(x: torch.Tensor, num_heads: int, kv_map: Optional[torch.Tensor]) -> torch.Tensor:
+    """``[L, KvH, D]`` -> ``[L, H, D]``: the KV head each query head reads."""
+    if kv_map is not None:
+        return x.index_select(1, kv_map)
+    return x.repeat_interleave(num_heads // x.shape[1], dim=1)
+
+
+def _flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q``/``k``/``v``: ``[N, L, D]`` with equal head counts N. Output ``[N, Lq, D]`` and
+    log-sum-exp ``[N, Lq]`` (float32) from torch's CPU flash kernel."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q[None], k[None], v[None], 0.0, causal)
+    return out[0], lse[0]
+
+
+def _math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as :func:`_flash_cpu`, in plain matmuls (any device)."""
+    acc = torch.promote_types(q.dtype, torch.float32)  # softmax statistics in float32 at least
+    scores = torch.matmul(q.to(acc), k.to(acc).transpose(1, 2)) * q.shape[-1] ** -0.5
+    if causal:
+        n = q.shape[1]
+        scores.masked_fill_(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    lse = scores.logsumexp(-1)
+    out = torch.matmul(torch.exp(scores - lse[..., None]), v.to(acc))
+    return out.to(q.dtype), lse
+
+
+def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+             kv_map: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q`` ``[H, n, D]`` to one block ``k``/``v`` ``[L, KvH, D]``: output
+    ``[H, n, D]`` and log-sum-exp ``[H, n]``.
+
+    A full (non-causal) block with equal head groups stacks each group's queries along the query
+    axis (``[KvH, G*n, D]``), so keys are never copied per query head; a causal block is the new
+    tokens only (small), so its heads are simply expanded."""
+    kernel = _flash_cpu if q.device.type == "cpu" else _math
+    heads, n, dim = q.shape
+    if causal or kv_map is not None:
+        out, lse = kernel(q, _expand_heads(k, heads, kv_map).transpose(0, 1),
+                          _expand_heads(v, heads, kv_map).transpose(0, 1), causal)
+        return out, lse
+    kv_heads = k.shape[1]
+    stacked = q.reshape(kv_heads, (heads // kv_heads) * n, dim)
+    out, lse = kernel(stacked, k.transpose(0, 1), v.transpose(0, 1), False)
+    return out.reshape(heads, n, dim), lse.reshape(heads, n)
+
+
+def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Combine partial attentions over disjoint key blocks by their log-sum-exp."""
+    if len(parts) == 1:
+        return parts[0][0]
+    lses = torch.stack([lse for _, lse in parts])  # [P, H, n]
+    weights = torch.softmax(lses, dim=0)[..., None]  # each block's share of the probability mass
+    acc = torch.promote_types(parts[0][0].dtype, torch.float32)
+    out = sum(w.to(acc) * o.to(acc) for w, (o, _) in zip(weights, parts))
+    return out.to(parts[0][0].dtype)
+
+
+def sequence_attention(q: torch.Tensor, full: list[KVBlock], new: Optional[KVBlock],
+                       kv_map: Optional[torch.Tensor]) -> torch.Tensor:
+    """One sequence: ``q`` ``[n, H, D]`` for its new tokens; ``full`` key blocks every new token
+    sees (its cached prefix, in any order); ``new`` its new tokens' K/V, attended causally (None
+    when the new token is a lone decode token already included in ``full``). Returns ``[n, H, D]``."""
+    heads = q.shape[1]
+    qh = q.transpose(0, 1)  # [H, n, D]
+    if not full:  # a cold prefill: one causal block, no log-sum-exp needed
+        assert new is not None
+        k_new, v_new = new
+        if kv_map is not None:
+            k_new, v_new = _expand_heads(k_new, heads, kv_map), _expand_heads(v_new, heads, kv_map)
+        # 4-D inputs: torch's CPU flash kernel takes them; 3-D ones fall back to the math path.
+        out = F.scaled_dot_product_attention(qh[None], k_new.transpose(0, 1)[None], v_new.transpose(0, 1)[None],
+                                             is_causal=True, enable_gqa=kv_map is None)[0]
+        return out.transpose(0, 1)
+    if new is None and len(full) == 1:  # a decode token over one run: no statistics to merge
+        k, v = full[0]
+        return decode_attention(q, k[None], v[None], None, kv_map)[0][None]
+    parts = [_partial(qh, k.to(q.dtype), v.to(q.dtype), False, kv_map) for k, v in full]
+    if new is not None:
+        parts.append(_partial(qh, new[0], new[1], True, kv_map))
+    return _merge(parts).transpose(0, 1)
+
+
+def decode_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, key_bias: Optional[torch.Tensor],
+                     kv_map: Optional[torch.Tensor]) -> torch.Tensor:
+    """B sequences, one new token each: ``q`` ``[B, H, D]``, contexts ``[B, K, KvH, D]`` (the new
+    token's K/V included, padded to K), ``key_bias`` ``[B, 1, 1, K]`` (0 for a real key, -inf for
+    padding; None: no padding). Returns ``[B, H, D]``.
+
+    Each KV head's query heads ride along the query axis (``[B, KvH, G, D]``), so the keys are
+    read once per KV head, not once per query head."""
+    bsz, heads, dim = q.shape
+    k, v = k_ctx.to(q.dtype), v_ctx.to(q.dtype)
+    if kv_map is not None:
+        k, v = k.index_select(2, kv_map), v.index_select(2, kv_map)
+    kv_heads = k.shape[2]
+    qg = q.view(bsz, kv_heads, heads // kv_heads, dim)
+    bias = None if key_bias is None else key_bias.to(q.dtype)
+    out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias)
+    return out.reshape(bsz, heads, dim)

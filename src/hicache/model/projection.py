@@ -1,0 +1,71 @@
+"""The model's weight matrices as runnable projections: fused where they share an input, with an
+optional second copy of the weights for decode steps."""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# A pass with at most this many token rows is a decode step: its matmuls are matrix-vector
+# products bound by how many weight bytes they read.
+DECODE_ROWS = 8
+
+
+class Projection:
+    """One or more weight matrices that read the same input (``q_proj``/``k_proj``/``v_proj``,
+    ``gate_proj``/``up_proj``), run as one GEMM: one kernel and one pass over the input.
+
+    The parts (``nn.Linear``, or the tied embedding as LM head) stay the model's parameters, so
+    loaders, TP sharding and checkpoints see them by name. On first use -- and again whenever a
+    part's weight was replaced or moved (a TP shard, ``.to(device)``) -- several parts are
+    concatenated once and each part's weight becomes a view of the concatenation: memory is not
+    doubled, and an in-place load reaches both.
+
+    ``decode_dtype`` (set by :meth:`LlamaForCausalLM.set_decode_weight_dtype`): decode steps use
+    a copy of the weights in that dtype (fewer bytes per step; lossy), prefill the originals.
+    """
+
+    def __init__(self, *parts: Union[nn.Linear, nn.Embedding]) -> None:
+        self.parts = parts
+        self.decode_dtype: Optional[torch.dtype] = None
+        self._weight: Optional[torch.Tensor] = None
+        self._bias: Optional[torch.Tensor] = None
+        self._decode_weight: Optional[torch.Tensor] = None
+        self._sizes: list[int] = []
+        self._key: tuple = ()
+
+    def __call__(self, x: torch.Tensor) -> Union[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """``x @ W.T (+ b)``; split per part when there are several."""
+        if self._key != self._current_key():
+            self._fuse()
+        if self._decode_weight is not None and x.shape[0] <= DECODE_ROWS:
+            bias = None if self._bias is None else self._bias.to(self.decode_dtype)
+            out = F.linear(x.to(self.decode_dtype), self._decode_weight, bias).to(x.dtype)
+        else:
+            out = F.linear(x, self._weight, self._bias)
+        return out if len(self.parts) == 1 else out.split(self._sizes, dim=-1)
+
+    def _current_key(self) -> tuple:
+        return (self.decode_dtype, *(p.weight.data_ptr() for p in self.parts))
+
+    def _fuse(self) -> None:
+        with torch.inference_mode(False), torch.no_grad():  # real tensors: a later load may write them
+            self._sizes = [p.weight.shape[0] for p in self.parts]
+            biases = [getattr(p, "bias", None) for p in self.parts]
+            if len(self.parts) == 1:
+                self._weight, self._bias = self.parts[0].weight, biases[0]
+            else:
+                self._weight = torch.cat([p.weight for p in self.parts])
+                for p, view in zip(self.parts, self._weight.split(self._sizes)):
+                    p.weight = nn.Parameter(view, requires_grad=False)
+                self._bias = None
+                if biases[0] is not None:
+                    self._bias = torch.cat(biases)
+                    for p, view in zip(self.parts, self._bias.split(self._sizes)):
+                        p.bias = nn.Parameter(view, requires_grad=False)
+            same = self.decode_dtype in (None, self._weight.dtype)
+            self._decode_weight = None if same else self._weight.to(self.decode_dtype)
+        self._key = self._current_key()

@@ -1,0 +1,80 @@
+"""Fused projections stay the model's parameters; the decode-weight copy is opt-in, used only by
+decode-sized passes, and keeps its KV apart from the exact weights' in the cache."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hicache import Engine, SamplingParams
+from hicache.model import load_model
+from hicache.model.projection import DECODE_ROWS, Projection
+
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
+
+
+def _linears(*rows: int, bias: bool = True) -> list[nn.Linear]:
+    torch.manual_seed(0)
+    return [nn.Linear(16, n, bias=bias).requires_grad_(False) for n in rows]
+
+
+def test_fused_output_equals_each_part_and_parts_become_views():
+    parts = _linears(8, 4, 4)
+    x = torch.randn(5, 16)
+    want = [p(x) for p in parts]
+    got = Projection(*parts)(x)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    fused = Projection(*parts)
+    fused(x)
+    with torch.no_grad():  # an in-place load into a part reaches the fused matrix
+        parts[1].weight.fill_(0.5)
+        parts[1].bias.zero_()
+    torch.testing.assert_close(fused(x)[1], x.sum(1, keepdim=True).expand(5, 4) * 0.5)
+
+
+def test_replaced_weight_is_fused_again():
+    """A TP shard replaces a part's weight with a slice; the next call sees the new shape."""
+    parts = _linears(8, 4, bias=False)
+    proj = Projection(*parts)
+    x = torch.randn(2, 16)
+    proj(x)
+    parts[0].weight = nn.Parameter(parts[0].weight[:3].clone(), requires_grad=False)
+    a, b = proj(x)
+    assert a.shape == (2, 3) and b.shape == (2, 4)
+    torch.testing.assert_close(a, x @ parts[0].weight.T)
+
+
+def test_decode_copy_serves_only_decode_sized_passes():
+    (part,) = _linears(32, bias=False)
+    proj = Projection(part)
+    proj.decode_dtype = torch.bfloat16
+    decode_x, prefill_x = torch.randn(DECODE_ROWS, 16), torch.randn(DECODE_ROWS + 1, 16)
+    exact = lambda x: x @ part.weight.T  # noqa: E731
+    rounded = lambda x: (x.bfloat16() @ part.weight.bfloat16().T).float()  # noqa: E731
+    torch.testing.assert_close(proj(prefill_x), exact(prefill_x))
+    torch.testing.assert_close(proj(decode_x), rounded(decode_x))
+    assert proj(decode_x).dtype == torch.float32
+    assert not torch.equal(proj(decode_x), exact(decode_x))  # lossy: the flag must say so
+
+
+def test_decode_weight_dtype_is_part_of_the_identity():
+    same = load_model("random:tiny", dtype=torch.float32, weights=False)
+    bf16 = load_model("random:tiny", dtype=torch.float32, weights=False, decode_dtype=torch.bfloat16)
+    noop = load_model("random:tiny", dtype=torch.float32, weights=False, decode_dtype=torch.float32)
+    assert same.identity == noop.identity != bf16.identity
+
+
+def test_engine_with_bf16_decode_weights_generates_and_keeps_a_separate_namespace():
+    ids = list(range(3, 40))
+    exact = Engine("random:small", dtype="float32", max_total_tokens=512)
+    fast = Engine("random:small", dtype="float32", max_total_tokens=512, decode_weight_dtype="bfloat16")
+    try:
+        assert exact.model_namespace != fast.model_namespace
+        a = exact.generate([ids], GREEDY)[0]
+        b = fast.generate([ids], GREEDY)[0]
+        # Prefill uses the exact weights in both: the first token (from the prompt pass) agrees.
+        assert len(b.output_ids) == 12 and a.output_ids[0] == b.output_ids[0]
+    finally:
+        exact.shutdown()
+        fast.shutdown()
