@@ -27,7 +27,8 @@ from typing import Any, Callable, Iterable, Optional
 import numpy as np
 import torch
 
-from .host_pool import HostKVPool, as_index, copy_pages, device_page_view, page_runs
+from .host_pool import HostKVPool, device_page_view
+from .page_copy import PageBuf, PagePlan, copy_pages, page_items
 from .pools import DeviceKVPool
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class TransferController:
         # Test hook (fault injection): seconds to sleep before copying each layer of an op.
         self.delay_fn: Callable[[TransferOp, int], float] | None = None
         self._staging_bufs: dict[str, torch.Tensor] = {}
+        self._views = [[self._page_views(layer, kv) for kv in (0, 1)] for layer in range(self.num_layers)]
         self._queues = {kind: queue.Queue() for kind in (BACKUP, LOAD)}
         self._workers = [
             threading.Thread(target=self._work, args=(kind,), name=f"hicache-{kind}", daemon=True)
@@ -148,30 +150,30 @@ class TransferController:
                 op.done.set()
 
     def _run(self, op: TransferOp, stream) -> None:
-        ps = self.device_pool.page_size
-        dev_idx, host_idx = as_index(op.device_pages), as_index(op.host_pages)
-        if self.cuda:
-            dev_idx = dev_idx.to(self.device_pool.k_buffers[0].device)
-        # The gather lands in a buffer this worker reuses, on the source side of the copy.
-        src_sample = self.device_pool.k_buffers[0] if op.kind == BACKUP else self.host_pool.buffer
-        staging = self._staging(op.kind, op.num_pages, src_sample)
-        src_pages, dst_pages = (op.device_pages, op.host_pages) if op.kind == BACKUP else (op.host_pages, op.device_pages)
-        runs = page_runs(src_pages, dst_pages)
-        if len(runs) > max(1, op.num_pages // 8):  # too fragmented: gather + scatter is cheaper
-            runs = None
+        backup = op.kind == BACKUP
+        plan = PagePlan(op.device_pages, op.host_pages) if backup else PagePlan(op.host_pages, op.device_pages)
+        # On CUDA the gather (pages outside consecutive runs) lands in a buffer this worker reuses,
+        # on the source side of the copy; CPU copies need none.
+        src_sample = self.device_pool.k_buffers[0] if backup else self.host_pool.buffer
+        staging = self._staging(op.kind, len(plan.src_rest), src_sample) if self.cuda and len(plan.src_rest) else None
+        non_blocking = self.cuda and self.host_pool.pinned
         for layer in range(self.num_layers):
             if self.delay_fn is not None:
                 time.sleep(self.delay_fn(op, layer))
-            for kv, bufs in ((0, self.device_pool.k_buffers), (1, self.device_pool.v_buffers)):
-                dev = device_page_view(bufs[layer], ps)
-                host = self.host_pool.page_view(layer, kv)
-                if op.kind == BACKUP:
-                    copy_pages(dev, dev_idx, host, host_idx, staging, runs)
-                else:
-                    copy_pages(host, host_idx, dev, dev_idx, staging, runs)
+            for dev, host in self._views[layer]:
+                src, dst = (dev, host) if backup else (host, dev)
+                copy_pages(src, dst, plan, staging, non_blocking)
             if stream is not None:
                 stream.synchronize()
             op.layer_done[layer].set()
+
+    def _page_views(self, layer: int, kv: int) -> tuple[PageBuf, PageBuf]:
+        """Layer ``layer``'s K (0) or V (1) pages on device and host, made once (the buffers
+        never move); as numpy page items on CPU, where the copies run through numpy."""
+        bufs = self.device_pool.k_buffers if kv == 0 else self.device_pool.v_buffers
+        dev = device_page_view(bufs[layer], self.device_pool.page_size)
+        host = self.host_pool.page_view(layer, kv)
+        return (dev, host) if self.cuda else (page_items(dev), page_items(host))
 
     def _staging(self, kind: str, num_pages: int, like: torch.Tensor) -> torch.Tensor:
         """A ``[>= num_pages, page_size, kv_heads, head_dim]`` buffer owned by ``kind``'s worker,

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import torch
 
 from ..config import ConfigError
@@ -69,36 +68,3 @@ class HostKVPool:
 def device_page_view(buf: torch.Tensor, page_size: int) -> torch.Tensor:
     """A device layer buffer ``[slots, heads, dim]`` seen as ``[pages, page_size, heads, dim]``."""
     return buf.view(-1, page_size, *buf.shape[1:])
-
-
-def page_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> list[tuple[int, int, int]]:
-    """Maximal runs ``(src_start, dst_start, length)`` where both page lists are consecutive."""
-    src, dst = np.asarray(src_pages, dtype=np.int64), np.asarray(dst_pages, dtype=np.int64)
-    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
-    starts = np.concatenate([[0], breaks])
-    ends = np.concatenate([breaks, [len(src)]])
-    return [(int(src[a]), int(dst[a]), int(b - a)) for a, b in zip(starts, ends)]
-
-
-def copy_pages(src: torch.Tensor, src_pages: torch.Tensor, dst: torch.Tensor, dst_pages: torch.Tensor,
-               staging: torch.Tensor | None = None, runs: list[tuple[int, int, int]] | None = None) -> None:
-    """``dst[dst_pages] = src[src_pages]`` over page-shaped views.
-
-    With ``runs`` (few consecutive spans, as the allocators usually hand out) each span is one
-    direct copy; otherwise one gather into ``staging`` (a reusable buffer on the source device;
-    fresh memory when None) and one scatter.
-    """
-    if runs is not None:
-        for s, d, n in runs:
-            dst[d : d + n].copy_(src[s : s + n])
-        return
-    n = len(src_pages)
-    rows = torch.index_select(src, 0, src_pages, out=staging[:n]) if staging is not None \
-        else src.index_select(0, src_pages)
-    if src.device != dst.device:  # one blocking transfer between the gather and the scatter
-        rows = rows.to(dst.device)
-    dst.index_copy_(0, dst_pages, rows)
-
-
-def as_index(pages: np.ndarray) -> torch.Tensor:
-    return torch.as_tensor(np.asarray(pages, dtype=np.int64))

@@ -1,0 +1,123 @@
+"""Copies of whole pages between two page-shaped views, for every direction (device <-> host).
+
+Units are **pages**, never slots (a slot is ``page * page_size + offset``). A *page-shaped view*
+is a tensor ``[num_pages, ...]`` whose dim 0 is the page id and whose rows ``t[p]`` (one page of
+one layer's K or V) are contiguous; the rows themselves may be strided (``page_first`` host
+layout). Both sides of a copy have the same row shape and dtype.
+
+Invariant: after ``copy_pages(src, dst, plan)``, ``dst[plan.dst_pages[i]]`` equals
+``src[plan.src_pages[i]]`` bit for bit for every ``i``, and no other page of ``dst`` changed.
+
+How: a :class:`PagePlan` (cut once per transfer, reused for every layer) splits the page lists
+into runs that are consecutive on both sides, each copied as one slice, and the rest, moved by
+one gather into a contiguous buffer and one scatter from it (with one transfer between them
+when the devices differ). On CPU the slices, gather and scatter are numpy copies of opaque
+page-sized items: one ``memmove`` per page on one thread, GIL released (torch's CPU
+``index_copy_`` moves one element at a time and ran at ~0.2x memcpy; its multi-threaded copies
+stall when the cores are busy). On CUDA they are ``copy_`` / ``index_select`` / ``index_copy_``
+on the caller's current stream, and the host-side scatter of a device -> host gather is numpy.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import numpy as np
+import torch
+
+# Shorter runs go through the gather/scatter: a slice copy costs a few microseconds of Python
+# (a launch on CUDA), more than moving a few pages with the batched copy.
+MIN_RUN = 4
+
+# A page-shaped view, or (CPU only) its page_items() array.
+PageBuf = Union[torch.Tensor, np.ndarray]
+
+
+class PagePlan:
+    """``dst_pages[i] <- src_pages[i]`` cut into ``runs`` ``(src_start, dst_start, length)`` of at
+    least ``min_run`` pages consecutive on both sides, and the remaining pages ``src_rest`` /
+    ``dst_rest`` (same order as given). Destination pages must be distinct."""
+
+    def __init__(self, src_pages: np.ndarray, dst_pages: np.ndarray, min_run: int = MIN_RUN) -> None:
+        src = np.asarray(src_pages, dtype=np.int64).reshape(-1)
+        dst = np.asarray(dst_pages, dtype=np.int64).reshape(-1)
+        if len(src) != len(dst):
+            raise ValueError(f"page lists differ in length: {len(src)} source vs {len(dst)} destination pages")
+        if len(src) and (src.min() < 0 or dst.min() < 0):
+            raise IndexError("negative page id")
+        if len(np.unique(dst)) != len(dst):
+            raise ValueError("destination pages repeat")
+        self.num_pages = len(src)
+        self.src_end = int(src.max()) + 1 if len(src) else 0  # one past the largest page touched
+        self.dst_end = int(dst.max()) + 1 if len(dst) else 0
+        breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+        starts = np.concatenate([[0], breaks]).astype(np.int64) if len(src) else np.zeros(0, np.int64)
+        lengths = np.diff(np.concatenate([starts, [len(src)]]))
+        long = lengths >= max(1, min_run)
+        self.runs = [(int(src[a]), int(dst[a]), int(n)) for a, n in zip(starts[long], lengths[long])]
+        rest = np.repeat(~long, lengths)
+        self.src_rest, self.dst_rest = src[rest], dst[rest]
+        self._indices: dict[tuple[bool, torch.device], torch.Tensor] = {}
+
+    def rest_index(self, dst_side: bool, device: torch.device) -> torch.Tensor:
+        """``dst_rest`` (or ``src_rest``) as an int64 tensor on ``device``, made once."""
+        key = (dst_side, device)
+        if key not in self._indices:
+            self._indices[key] = torch.as_tensor(self.dst_rest if dst_side else self.src_rest).to(device)
+        return self._indices[key]
+
+
+def copy_pages(src: PageBuf, dst: PageBuf, plan: PagePlan, staging: torch.Tensor | None = None,
+               non_blocking: bool = False) -> None:
+    """``dst[plan.dst_pages] = src[plan.src_pages]`` over page-shaped views (see the module doc).
+
+    CPU views may be given as their :func:`page_items` instead, made once by a caller that copies
+    between the same buffers often (it saves ~10 us a call). ``staging``: an optional reusable
+    ``[>= len(plan.src_rest), *row]`` buffer on ``src``'s device for the gather when a CUDA device
+    is involved (fresh memory when None). ``non_blocking``: CUDA slice copies may return early
+    (the host side is pinned); the caller synchronizes its stream before anyone reads ``dst``.
+    """
+    if plan.num_pages == 0:
+        return
+    if plan.src_end > len(src) or plan.dst_end > len(dst):
+        raise IndexError(f"pages out of range: {plan.src_end} > {len(src)} or {plan.dst_end} > {len(dst)}")
+    if isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor) and (
+            src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype):
+        raise ValueError(f"page rows differ: {tuple(src.shape[1:])} {src.dtype} vs {tuple(dst.shape[1:])} {dst.dtype}")
+    if _on_cpu(src) and _on_cpu(dst):
+        s, d = as_items(src), as_items(dst)
+        if s.dtype != d.dtype:  # numpy would pad or cut items of another size
+            raise ValueError(f"page rows differ: {s.dtype.itemsize} vs {d.dtype.itemsize} bytes")
+        for a, b, k in plan.runs:
+            d[b : b + k] = s[a : a + k]
+        if len(plan.src_rest):
+            d[plan.dst_rest] = s[plan.src_rest]  # gather into a temporary, scatter from it
+        return
+    assert isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor)
+    for a, b, k in plan.runs:
+        dst[b : b + k].copy_(src[a : a + k], non_blocking=non_blocking)
+    n = len(plan.src_rest)
+    if n == 0:
+        return
+    out = staging[:n] if staging is not None else None
+    rows = torch.index_select(src, 0, plan.rest_index(False, src.device), out=out)
+    rows = rows.to(dst.device)  # one blocking transfer between the gather and the scatter
+    if _on_cpu(dst):
+        page_items(dst)[plan.dst_rest] = page_items(rows)
+    else:
+        dst.index_copy_(0, plan.rest_index(True, dst.device), rows)
+
+
+def page_items(t: torch.Tensor) -> np.ndarray:
+    """A CPU page-shaped view as a 1-D numpy array sharing its memory, one opaque item (the
+    page's bytes) per page; raises if a page's row is not contiguous."""
+    flat = t.view(t.shape[0], -1).view(torch.uint8).numpy()
+    return flat.view(np.dtype((np.void, flat.shape[1])))[:, 0]
+
+
+def as_items(buf: PageBuf) -> np.ndarray:
+    return buf if isinstance(buf, np.ndarray) else page_items(buf)
+
+
+def _on_cpu(buf: PageBuf) -> bool:
+    return isinstance(buf, np.ndarray) or buf.device.type == "cpu"
