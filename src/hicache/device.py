@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 
 import torch
 
@@ -51,6 +52,24 @@ def cpu_has_native_bf16() -> bool:
     cpu = torch.cpu
     return bool(getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()
                 or getattr(cpu, "_is_amx_tile_supported", lambda: False)())
+
+
+def cpu_description() -> str:
+    """``cpu: <model> | flags: <the SIMD flags speed depends on> | cores: N``, for benchmark
+    headers: every CPU figure depends on them."""
+    model, flags = platform.processor() or "?", []
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name") and model in ("?", "", platform.processor()):
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = [x for x in line.split(":", 1)[1].split()
+                             if x in ("avx", "avx2", "fma", "f16c") or x.startswith(("avx512", "amx"))]
+                    break
+    except OSError:
+        pass
+    return f"cpu: {model} | flags: {' '.join(flags) or 'no avx'} | cores: {os.cpu_count()}"
 
 
 def resolve_dtype(name: str, device: torch.device) -> tuple[str, str]:

@@ -1,0 +1,149 @@
+"""Where a CPU step goes, side by side in one run: weight formats for decode GEMVs, a decode
+step split into its matmuls and the rest, and a cached turn against its new tokens alone, each
+next to the limit the machine sets (memory bandwidth for decode, FLOPs for attention).
+
+    python benchmarks/bench_cpu.py [--context 4096] [--suffix 64] [--repeats 5]
+
+Prints the CPU model and flags first: every figure depends on them (bf16 is native only with
+AVX512-BF16 or AMX; elsewhere it is emulated).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+from hicache.device import cpu_description  # noqa: E402
+from hicache.model import DenseKV, load_model, make_forward_batch  # noqa: E402
+
+
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def read_bandwidth(repeats: int) -> float:
+    """GB/s of a plain reduction over 256 MiB: the rate a bandwidth-bound GEMV can approach."""
+    data = torch.randn(64 * 1024 * 1024)
+    return data.numel() * 4 / median_ms(data.sum, repeats) / 1e6
+
+
+def _int4_g32(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's CPU int4 layout, groups of 32 along K (scale and zero per group), as a Q4_1 file holds."""
+    out_f, in_f = w.shape
+    groups = w.view(out_f, in_f // 32, 32)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scale = (high - low).clamp_min(1e-8) / 15
+    q = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).view(out_f, in_f)
+    scales_zeros = torch.stack([scale.t(), (low + 8 * scale).t()], -1).contiguous()
+    return torch._convert_weight_to_int4pack_for_cpu(q, 1), scales_zeros
+
+
+def bench_formats(model, repeats: int, bandwidth: float) -> None:
+    """One decode step's matmuls over the real weight shapes, every layer (so weights come from
+    memory, not cache), in each format torch offers on CPU."""
+    mats = [w for name, w in model.named_parameters() if w.dim() == 2 and "embed" not in name]
+    mats.append(model.head.parts[0].weight)
+    x = {w.shape[1]: torch.randn(1, w.shape[1]) for w in mats}
+    formats: dict[str, tuple[Callable, Callable, float]] = {
+        "float32 (exact)": (lambda w: w, lambda a, w: F.linear(a, w), 4),
+        "bfloat16 (lossy)": (lambda w: w.bfloat16(), lambda a, w: F.linear(a.bfloat16(), w), 2),
+        "int8 per-channel (lossy)": (
+            lambda w: ((w / (s := w.abs().amax(1).clamp_min(1e-8) / 127)[:, None]).round().to(torch.int8), s),
+            lambda a, w: torch._weight_int8pack_mm(a, w[0], w[1]), 1),
+        "int4 g32 (= Q4_1)": (_int4_g32, lambda a, w: torch._weight_int4pack_mm_for_cpu(a, w[0], 32, w[1]), 0.5625),
+    }
+    params = sum(w.numel() for w in mats)
+    print(f"\n== decode GEMVs, batch 1: {len(mats)} matrices, {params / 1e6:.0f} M weights ==")
+    print(f"{'format':>26} {'ms/step':>8} {'MB read':>8} {'GB/s':>6} {'floor ms':>9} {'vs float32':>10}")
+    base = None
+    for name, (make, run, bytes_per) in formats.items():
+        try:
+            packed = [make(w.float()) for w in mats]
+        except RuntimeError as e:  # a kernel this build lacks
+            print(f"{name:>26}  unavailable: {str(e).splitlines()[0][:60]}")
+            continue
+        ms = median_ms(lambda: [run(x[w.shape[1]], p) for w, p in zip(mats, packed)], repeats)
+        base = base or ms
+        mb = params * bytes_per / 1e6
+        print(f"{name:>26} {ms:>8.1f} {mb:>8.0f} {mb / ms:>6.1f} {mb / bandwidth:>9.1f} {base / ms:>9.2f}x")
+
+
+def bench_steps(loaded, context: int, suffix: int, repeats: int) -> None:
+    model, spec = loaded.model, loaded.spec
+    kv = DenseKV(spec, context + 2 * suffix + 8, model.dtype)
+    slots = torch.arange(1, context + 2 * suffix + 2)
+    ids = torch.randint(1000, 30000, (context + suffix,), generator=torch.Generator().manual_seed(0)).tolist()
+
+    def forward(new, prefix, ctx_slots):
+        with torch.inference_mode():
+            return model(make_forward_batch([new], [prefix], [ctx_slots]), kv)
+
+    forward(ids[:context], 0, slots[:context])
+    alone = median_ms(lambda: forward(ids[context:], 0, slots[context + 1: context + 1 + suffix]), repeats)
+    cached = median_ms(lambda: forward(ids[context:], context, slots[: context + suffix]), repeats)
+    weight_macs = sum(w.numel() for n, w in model.named_parameters() if w.dim() == 2 and "embed" not in n)
+    attn_macs = 2 * spec.num_heads * spec.head_dim * context  # QK^T and PV, per new token per layer
+    floor = 1 + attn_macs * spec.num_layers / weight_macs
+    print(f"\n== cached turn: {suffix} new tokens after {context} cached vs the {suffix} alone ==")
+    print(f"  alone {alone:.0f} ms, cached {cached:.0f} ms: {cached / alone:.2f}x "
+          f"(FLOP floor {floor:.2f}x: attention to {context} keys is {floor - 1:.2f}x the weights' MACs)")
+
+    decode = median_ms(lambda: forward([ids[context]], context, slots[: context + 1]), repeats)
+    matmul_ms = [0.0]
+    original = F.linear
+
+    def timed_linear(*args, **kwargs):
+        start = time.perf_counter()
+        out = original(*args, **kwargs)
+        matmul_ms[0] += (time.perf_counter() - start) * 1e3
+        return out
+
+    F.linear = timed_linear
+    try:
+        steps = max(3, repeats)
+        total = median_ms(lambda: forward([ids[context]], context, slots[: context + 1]), steps)
+        matmul_ms[0] = 0.0
+        forward([ids[context]], context, slots[: context + 1])
+    finally:
+        F.linear = original
+    print(f"\n== decode step, batch 1, context {context} ==")
+    print(f"  {decode:.1f} ms/token ({1e3 / decode:.1f} tok/s): weight matmuls {matmul_ms[0]:.1f} ms, "
+          f"the rest (norms, RoPE, attention, dispatch) {max(0.0, total - matmul_ms[0]):.1f} ms")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--suffix", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(cpu_description(), f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    loaded = load_model(args.model, dtype=getattr(torch, args.dtype))
+    bandwidth = read_bandwidth(args.repeats)
+    print(f"read bandwidth (sum over 256 MiB): {bandwidth:.1f} GB/s")
+    bench_formats(loaded.model, args.repeats, bandwidth)
+    bench_steps(loaded, args.context, args.suffix, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
