@@ -101,7 +101,8 @@ def bench_steps(loaded, context: int, suffix: int, repeats: int) -> None:
     floor = 1 + attn_macs * spec.num_layers / weight_macs
     print(f"\n== cached turn: {suffix} new tokens after {context} cached vs the {suffix} alone ==")
     print(f"  alone {alone:.0f} ms, cached {cached:.0f} ms: {cached / alone:.2f}x "
-          f"(FLOP floor {floor:.2f}x: attention to {context} keys is {floor - 1:.2f}x the weights' MACs)")
+          f"(FLOP floor {floor:.2f}x at equal efficiency: attention to {context} keys is {floor - 1:.2f}x "
+          "the weights' MACs)")
 
     decode = median_ms(lambda: forward([ids[context]], context, slots[: context + 1]), repeats)
     matmul_ms = [0.0]
