@@ -58,6 +58,7 @@ test: setup
 bench: setup
 	$(PY) benchmarks/bench_radix.py
 	$(PY) benchmarks/bench_ttft.py
+	$(PY) benchmarks/bench_cpu.py
 	$(PY) benchmarks/bench_hicache.py
 	$(PY) benchmarks/bench_storage.py
 	$(PY) benchmarks/bench_server.py
