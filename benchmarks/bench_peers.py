@@ -31,9 +31,11 @@ The llama.cpp side runs in ``--peers-python`` (its own venv) through
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
+import shlex
 import socket
 import statistics
 import subprocess
@@ -51,6 +53,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "src"))
 
 from hicache import Engine, SamplingParams  # noqa: E402
+from hicache.config import EngineConfig  # noqa: E402
 from hicache.device import cpu_description  # noqa: E402
 from hicache.model.gguf_loader import find_smollm2_gguf  # noqa: E402
 
@@ -141,8 +144,18 @@ def run_agent(generate, wl: dict) -> list[dict]:
 
 
 # ---- hicache, in-process --------------------------------------------------------------
-def run_hicache(wl: dict, parts: set[str]) -> dict:
-    engine = Engine("smollm2")
+def engine_options(flags: str) -> dict:
+    """Engine keyword options from CLI flags (``--hicache-args "--decode-weight-dtype bfloat16"``)."""
+    parser = argparse.ArgumentParser(prog="--hicache-args")
+    EngineConfig.add_cli_args(parser)
+    cfg = EngineConfig.from_cli_args(parser.parse_args(shlex.split(flags)))
+    default = EngineConfig()
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+            if getattr(cfg, f.name) != getattr(default, f.name) and f.name != "model"}
+
+
+def run_hicache(wl: dict, parts: set[str], flags: str) -> dict:
+    engine = Engine("smollm2", **engine_options(flags))
     res: dict = {"dtype": engine.config.dtype}
 
     def gen(ids: list[int], n: int):
@@ -296,7 +309,7 @@ def run_http(args: argparse.Namespace, peers_python: str, gguf: str, logdir: str
     n = str(os.cpu_count())
     servers = {
         "hicache": [sys.executable, "-m", "hicache.cli", "serve", "--host", "127.0.0.1", "--model", "smollm2",
-                    "--served-model-name", "smollm2"],
+                    "--served-model-name", "smollm2", *shlex.split(args.hicache_args)],
         # `python -m llama_cpp.server` plus ignore_eos -> min_tokens (peers_llamacpp_server.py).
         # logits_all false: the default (true) keeps n_ctx x vocab logits, only needed for logprobs;
         # interrupt_requests false: by default a new request cuts the stream in flight short.
@@ -429,7 +442,8 @@ def report(res: dict, args: argparse.Namespace) -> None:
         print_table(
             f"(d) the same workload over HTTP: hicache bench (generated-shared-prefix {args.groups}x{args.per_group}, "
             f"system {args.system_len}, question {args.question_len}, output {args.output_len}, {args.turns} turns)",
-            "hicache serve (default config) vs python -m llama_cpp.server --cache true (RAM cache, one request at a "
+            f"hicache serve ({args.hicache_args or 'default config'}) vs python -m llama_cpp.server --cache true "
+            "(RAM cache, one request at a "
             "time: more wait in its queue; ignore_eos mapped to its min_tokens); chat requests with text; "
             "ms rows: ratio < 1: hicache faster",
             ["", "hicache", "llama.cpp", "hicache/llama.cpp"], rows)
@@ -443,6 +457,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="2 turns, cold 1K only, 32 decode tokens, 1 repeat.")
     ap.add_argument("--peers-python", default=os.path.join(ROOT, ".venv-peers", "bin", "python"))
     ap.add_argument("--json", default=None, help="Write every figure here.")
+    ap.add_argument("--hicache-args", default="", metavar="FLAGS",
+                    help='Engine flags for hicache, in-process and served, e.g. "--decode-weight-dtype bfloat16".')
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--groups", type=int, default=2)
     ap.add_argument("--per-group", type=int, default=2)
@@ -478,7 +494,7 @@ def main() -> None:
     inproc = parts & set("abc")
     if inproc:
         print("running hicache in-process ...", file=sys.stderr, flush=True)
-        res["hicache"] = run_hicache(wl, inproc)
+        res["hicache"] = run_hicache(wl, inproc, args.hicache_args)
         gc.collect()  # the engine and its KV pool go before the peers run
         if "llama.cpp" in peers:
             print("running llama.cpp (llama-cpp-python) ...", file=sys.stderr, flush=True)
@@ -502,7 +518,8 @@ def main() -> None:
     if "transformers" in res:
         print(f"# transformers: GGUF dequantized to float32 on load ({res['transformers']['load_s']:.1f} s), "
               "generate(do_sample=False)")
-    print(f"# hicache: Engine('smollm2') default config (GGUF dequantized to {dtype}), {hicache_revision()}")
+    config = args.hicache_args or "default config"
+    print(f"# hicache: Engine('smollm2') {config} (GGUF dequantized to {dtype}), {hicache_revision()}")
     if busy_before > 0.10:
         print(f"# WARNING: the CPU was {busy_before:.0%} busy before the run (other processes): figures are skewed")
     report(res, args)
