@@ -7,8 +7,9 @@ merged by their log-sum-exp -- exact, the same rule flash attention uses between
 prefix stored in a few runs of consecutive slots is read as views of the KV buffers (no gather);
 a scattered one is gathered once per layer.
 
-Decode batches (one new token per sequence, several sequences) take one padded, batched path:
-gather every context, one matmul for the scores, a length mask of shape ``[B, K]``.
+A lone decode token needs no causal block: its context (itself included) is one set of keys.
+Decode batches (several sequences, one new token each) take one padded path: every context
+gathered to ``[B, K]`` slots, one SDPA call with a per-key bias ``[B, 1, 1, K]`` for the padding.
 
 Units: ``q`` rows are tokens, heads are query heads (``H``) or KV heads (``KvH``); a query head
 ``h`` reads KV head ``h // (H // KvH)`` unless a ``kv_map`` (uneven TP split) says otherwise.

@@ -78,7 +78,7 @@ class Attention(nn.Module):
         v_buf.index_copy_(0, batch.out_slots, v.to(v_buf.dtype))
 
         if batch.decode is not None:
-            # B sequences, one token each: one padded gather of every context, one batched matmul.
+            # B sequences, one token each: one padded gather of every context, one SDPA call.
             layout = batch.decode
             bsz, ctx = layout.kv_slots.shape
             flat = layout.kv_slots.view(-1)
