@@ -42,6 +42,12 @@ def read_bandwidth(repeats: int) -> float:
     return data.numel() * 4 / median_ms(data.sum, repeats) / 1e6
 
 
+def _int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 weights with one scale per output row (torch's ``_weight_int8pack_mm`` layout)."""
+    scale = w.abs().amax(1).clamp_min(1e-8) / 127
+    return (w / scale[:, None]).round().to(torch.int8), scale
+
+
 def _int4_g32(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """torch's CPU int4 layout, groups of 32 along K (scale and zero per group), as a Q4_1 file holds."""
     out_f, in_f = w.shape
@@ -62,9 +68,7 @@ def bench_formats(model, repeats: int, bandwidth: float) -> None:
     formats: dict[str, tuple[Callable, Callable, float]] = {
         "float32 (exact)": (lambda w: w, lambda a, w: F.linear(a, w), 4),
         "bfloat16 (lossy)": (lambda w: w.bfloat16(), lambda a, w: F.linear(a.bfloat16(), w), 2),
-        "int8 per-channel (lossy)": (
-            lambda w: ((w / (s := w.abs().amax(1).clamp_min(1e-8) / 127)[:, None]).round().to(torch.int8), s),
-            lambda a, w: torch._weight_int8pack_mm(a, w[0], w[1]), 1),
+        "int8 per-channel (lossy)": (_int8_per_channel, lambda a, w: torch._weight_int8pack_mm(a, w[0], w[1]), 1),
         "int4 g32 (= Q4_1)": (_int4_g32, lambda a, w: torch._weight_int4pack_mm_for_cpu(a, w[0], 32, w[1]), 0.5625),
     }
     params = sum(w.numel() for w in mats)

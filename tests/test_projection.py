@@ -78,3 +78,16 @@ def test_engine_with_bf16_decode_weights_generates_and_keeps_a_separate_namespac
     finally:
         exact.shutdown()
         fast.shutdown()
+
+
+def test_weights_are_fused_and_decode_copies_made_before_the_kv_pool_is_sized():
+    """The decode copy is real memory: it exists when loading (or sharding) returns, so the
+    pool budget, taken after the weights are in memory, sees it (DESIGN invariant 6)."""
+    from hicache.model.parallel import model_shard, shard_model
+
+    loaded = load_model("random:small", dtype=torch.float32, decode_dtype=torch.bfloat16)
+    projections = list(loaded.model.projections())
+    assert projections and all(p.prepared for p in projections)
+    shard_model(loaded.model, model_shard(loaded.spec, 0, 2, 0, 2), None)  # TP half, first of 2 stages
+    assert loaded.model.head is None  # a first stage holds no LM head
+    assert all(p.prepared for p in loaded.model.projections())

@@ -62,9 +62,8 @@ def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     kernel = _flash_cpu if q.device.type == "cpu" else _math
     heads, n, dim = q.shape
     if causal or kv_map is not None:
-        out, lse = kernel(q, _expand_heads(k, heads, kv_map).transpose(0, 1),
-                          _expand_heads(v, heads, kv_map).transpose(0, 1), causal)
-        return out, lse
+        return kernel(q, _expand_heads(k, heads, kv_map).transpose(0, 1),
+                      _expand_heads(v, heads, kv_map).transpose(0, 1), causal)
     kv_heads = k.shape[1]
     stacked = q.reshape(kv_heads, (heads // kv_heads) * n, dim)
     out, lse = kernel(stacked, k.transpose(0, 1), v.transpose(0, 1), False)

@@ -7,7 +7,7 @@ dimension ``i`` pairs with ``i + head_dim / 2``; loaders of other layouts (GGUF)
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -65,12 +65,13 @@ class Attention(nn.Module):
         """``x``: ``[T, hidden]``; ``cos``/``sin``: ``[T, 1, head_dim]`` in x's dtype. Returns
         ``[T, hidden]``."""
         t = x.shape[0]
-        q, k, v = self.qkv(x)
+        qkv = self.qkv.whole(x)
         # q and k sit side by side in the fused output: rotate both heads' sets in one pass.
-        qk = torch.cat((q, k), dim=-1).view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk_heads = self.num_heads + self.num_kv_heads
+        qk = qkv[:, : qk_heads * self.head_dim].view(t, qk_heads, self.head_dim)
         qk = qk * cos + rotate_half(qk) * sin
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, qk_heads * self.head_dim:].view(t, self.num_kv_heads, self.head_dim)
 
         kv.wait_layer(self.layer)
         k_buf, v_buf = kv.k_buffers[self.layer], kv.v_buffers[self.layer]
@@ -175,15 +176,24 @@ class LlamaForCausalLM(nn.Module):
         # A pipeline stage (model/parallel.py) holds some layers: the first embeds, the last
         # returns logits, the others take and return hidden states.
         self.first_stage = self.last_stage = True
-        self.head = Projection(self.model.embed_tokens if self.lm_head is None else self.lm_head)
+        self.head: Optional[Projection] = Projection(self.model.embed_tokens if self.lm_head is None else self.lm_head)
+
+    def projections(self) -> Iterator[Projection]:
+        for module in self.modules():
+            yield from (part for part in vars(module).values() if isinstance(part, Projection))
 
     def set_decode_weight_dtype(self, dtype: Optional[torch.dtype]) -> None:
         """Decode steps read their weights in ``dtype`` (a copy; None: the weights as loaded).
         Lossy unless ``dtype`` holds every weight exactly; prefill keeps the loaded weights."""
-        for module in self.modules():
-            for part in vars(module).values():
-                if isinstance(part, Projection):
-                    part.decode_dtype = dtype
+        for projection in self.projections():
+            projection.decode_dtype = dtype
+        self.prepare_projections()
+
+    def prepare_projections(self) -> None:
+        """Fuse the projections (and make decode copies) now, not at the first forward: loaders
+        and :func:`~hicache.model.parallel.shard_model` call it before the KV pool is sized."""
+        for projection in self.projections():
+            projection.prepare()
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin ``[T, 1, head_dim]`` for absolute ``positions`` (angles in float32, then cast)."""

@@ -90,4 +90,6 @@ def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.dev
         identity += f":decode-{str(decode_dtype).removeprefix('torch.')}"
         if model is not None:
             model.set_decode_weight_dtype(decode_dtype)
+    if model is not None:
+        model.prepare_projections()
     return LoadedModel(model, tokenizer, spec, name, identity, time.perf_counter() - start)

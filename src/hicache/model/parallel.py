@@ -131,6 +131,8 @@ def shard_model(model: LlamaForCausalLM, shard: ModelShard, tp_reduce: Callable[
     if not shard.last_stage:
         model.model.norm = None
         model.lm_head = None
+        model.head = None  # its part (the LM head or the tied embedding) is freed with it
     needs_embedding = shard.first_stage or (shard.last_stage and model.lm_head is None)
     if not needs_embedding:
         model.model.embed_tokens = None
+    model.prepare_projections()  # the sliced parts, fused before this rank sizes its KV pool

@@ -39,14 +39,27 @@ class Projection:
 
     def __call__(self, x: torch.Tensor) -> Union[torch.Tensor, tuple[torch.Tensor, ...]]:
         """``x @ W.T (+ b)``; split per part when there are several."""
-        if self._key != self._current_key():
-            self._fuse()
+        out = self.whole(x)
+        return out if len(self.parts) == 1 else out.split(self._sizes, dim=-1)
+
+    def whole(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T (+ b)`` with the parts' outputs side by side (not split)."""
+        self.prepare()
         if self._decode_weight is not None and x.shape[0] <= DECODE_ROWS:
             bias = None if self._bias is None else self._bias.to(self.decode_dtype)
-            out = F.linear(x.to(self.decode_dtype), self._decode_weight, bias).to(x.dtype)
-        else:
-            out = F.linear(x, self._weight, self._bias)
-        return out if len(self.parts) == 1 else out.split(self._sizes, dim=-1)
+            return F.linear(x.to(self.decode_dtype), self._decode_weight, bias).to(x.dtype)
+        return F.linear(x, self._weight, self._bias)
+
+    @property
+    def prepared(self) -> bool:
+        """Whether the fused matrix (and decode copy) match the parts as they are now."""
+        return self._key == self._current_key()
+
+    def prepare(self) -> None:
+        """Fuse now if the parts changed (a load, a shard, a move, a new decode dtype); a model
+        does it before its KV pool is sized, so the decode copy is counted in the budget."""
+        if not self.prepared:
+            self._fuse()
 
     def _current_key(self) -> tuple:
         return (self.decode_dtype, *(p.weight.data_ptr() for p in self.parts))
