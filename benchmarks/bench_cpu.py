@@ -23,7 +23,10 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 from hicache.device import cpu_description  # noqa: E402
+from hicache.kernels import cpu_kernels, unavailable_reason  # noqa: E402
 from hicache.model import DenseKV, load_model, make_forward_batch  # noqa: E402
+from hicache.model.block_quant import BlockQuantWeight, pack_exact  # noqa: E402
+from hicache.model.projection import DECODE_WEIGHTS, Projection  # noqa: E402
 
 
 def median_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -59,9 +62,16 @@ def _int4_g32(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch._convert_weight_to_int4pack_for_cpu(q, 1), scales_zeros
 
 
+def _gguf_blocks(w: torch.Tensor) -> BlockQuantWeight:
+    packed = pack_exact(w)
+    if packed is None or cpu_kernels() is None:
+        raise RuntimeError(f"no exact block copy ({unavailable_reason() or 'weights not block-exact'})")
+    return packed
+
+
 def bench_formats(model, repeats: int, bandwidth: float) -> None:
     """One decode step's matmuls over the real weight shapes, every layer (so weights come from
-    memory, not cache), in each format torch offers on CPU."""
+    memory, not cache), in each format torch offers on CPU, and the native kernels'."""
     mats = [w for name, w in model.named_parameters() if w.dim() == 2 and "embed" not in name]
     mats.append(model.head.parts[0].weight)
     x = {w.shape[1]: torch.randn(1, w.shape[1]) for w in mats}
@@ -70,6 +80,8 @@ def bench_formats(model, repeats: int, bandwidth: float) -> None:
         "bfloat16 (lossy)": (lambda w: w.bfloat16(), lambda a, w: F.linear(a.bfloat16(), w), 2),
         "int8 per-channel (lossy)": (_int8_per_channel, lambda a, w: torch._weight_int8pack_mm(a, w[0], w[1]), 1),
         "int4 g32 (= Q4_1)": (_int4_g32, lambda a, w: torch._weight_int4pack_mm_for_cpu(a, w[0], 32, w[1]), 0.5625),
+        # The GGUF's own Q4_1/Q8_0 blocks through hicache's AVX2 kernels (what decode uses).
+        "GGUF blocks, native (exact)": (_gguf_blocks, lambda a, w: w.linear(a, cpu_kernels()), 0.0),
     }
     params = sum(w.numel() for w in mats)
     print(f"\n== decode GEMVs, batch 1: {len(mats)} matrices, {params / 1e6:.0f} M weights ==")
@@ -83,7 +95,7 @@ def bench_formats(model, repeats: int, bandwidth: float) -> None:
             continue
         ms = median_ms(lambda: [run(x[w.shape[1]], p) for w, p in zip(mats, packed)], repeats)
         base = base or ms
-        mb = params * bytes_per / 1e6
+        mb = (params * bytes_per if bytes_per else sum(p.nbytes for p in packed)) / 1e6
         print(f"{name:>26} {ms:>8.1f} {mb:>8.0f} {mb / ms:>6.1f} {mb / bandwidth:>9.1f} {base / ms:>9.2f}x")
 
 
@@ -110,23 +122,24 @@ def bench_steps(loaded, context: int, suffix: int, repeats: int) -> None:
 
     decode = median_ms(lambda: forward([ids[context]], context, slots[: context + 1]), repeats)
     matmul_ms = [0.0]
-    original = F.linear
+    original = Projection.whole
 
-    def timed_linear(*args, **kwargs):
+    def timed_whole(self, x):
         start = time.perf_counter()
-        out = original(*args, **kwargs)
+        out = original(self, x)
         matmul_ms[0] += (time.perf_counter() - start) * 1e3
         return out
 
-    F.linear = timed_linear
+    Projection.whole = timed_whole
     try:
         steps = max(3, repeats)
         total = median_ms(lambda: forward([ids[context]], context, slots[: context + 1]), steps)
         matmul_ms[0] = 0.0
         forward([ids[context]], context, slots[: context + 1])
     finally:
-        F.linear = original
-    print(f"\n== decode step, batch 1, context {context} ==")
+        Projection.whole = original
+    formats = ", ".join(f"{fmt} x{n}" for fmt, n in sorted(model.decode_formats().items()))
+    print(f"\n== decode step, batch 1, context {context} (decode weights: {formats}) ==")
     print(f"  {decode:.1f} ms/token ({1e3 / decode:.1f} tok/s): weight matmuls {matmul_ms[0]:.1f} ms, "
           f"the rest (norms, RoPE, attention, dispatch) {max(0.0, total - matmul_ms[0]):.1f} ms")
 
@@ -139,11 +152,13 @@ def main() -> None:
     ap.add_argument("--suffix", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--decode-weights", default="auto", choices=DECODE_WEIGHTS,
+                    help="what the decode-step part reads (the engine's --decode-weight-dtype)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     print(cpu_description(), f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    loaded = load_model(args.model, dtype=getattr(torch, args.dtype))
+    loaded = load_model(args.model, dtype=getattr(torch, args.dtype), decode_weights=args.decode_weights)
     bandwidth = read_bandwidth(args.repeats)
     print(f"read bandwidth (sum over 256 MiB): {bandwidth:.1f} GB/s")
     bench_formats(loaded.model, args.repeats, bandwidth)

@@ -1,5 +1,5 @@
-"""Fused projections stay the model's parameters; the decode-weight copy is opt-in, used only by
-decode-sized passes, and keeps its KV apart from the exact weights' in the cache."""
+"""Fused projections stay the model's parameters; a lossy decode-weight copy is opt-in, used only
+by decode-sized passes, and keeps its KV apart from the exact weights' in the cache."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def test_replaced_weight_is_fused_again():
 def test_decode_copy_serves_only_decode_sized_passes():
     (part,) = _linears(32, bias=False)
     proj = Projection(part)
-    proj.decode_dtype = torch.bfloat16
+    proj.decode_weights = "bfloat16"
     decode_x, prefill_x = torch.randn(DECODE_ROWS, 16), torch.randn(DECODE_ROWS + 1, 16)
     exact = lambda x: x @ part.weight.T  # noqa: E731
     rounded = lambda x: (x.bfloat16() @ part.weight.bfloat16().T).float()  # noqa: E731
@@ -60,9 +60,11 @@ def test_decode_copy_serves_only_decode_sized_passes():
 
 def test_decode_weight_dtype_is_part_of_the_identity():
     same = load_model("random:tiny", dtype=torch.float32, weights=False)
-    bf16 = load_model("random:tiny", dtype=torch.float32, weights=False, decode_dtype=torch.bfloat16)
-    noop = load_model("random:tiny", dtype=torch.float32, weights=False, decode_dtype=torch.float32)
-    assert same.identity == noop.identity != bf16.identity
+    bf16 = load_model("random:tiny", dtype=torch.float32, weights=False, decode_weights="bfloat16")
+    exact = load_model("random:tiny", dtype=torch.float32, weights=False, decode_weights="same")
+    noop = load_model("random:tiny", dtype=torch.bfloat16, weights=False, decode_weights="bfloat16")
+    assert same.identity == exact.identity != bf16.identity
+    assert noop.identity.endswith(":bfloat16")  # a bf16 model's bf16 decode copy is no copy
 
 
 def test_engine_with_bf16_decode_weights_generates_and_keeps_a_separate_namespace():
@@ -85,7 +87,7 @@ def test_weights_are_fused_and_decode_copies_made_before_the_kv_pool_is_sized():
     pool budget, taken after the weights are in memory, sees it (DESIGN invariant 6)."""
     from hicache.model.parallel import model_shard, shard_model
 
-    loaded = load_model("random:small", dtype=torch.float32, decode_dtype=torch.bfloat16)
+    loaded = load_model("random:small", dtype=torch.float32, decode_weights="bfloat16")
     projections = list(loaded.model.projections())
     assert projections and all(p.prepared for p in projections)
     shard_model(loaded.model, model_shard(loaded.spec, 0, 2, 0, 2), None)  # TP half, first of 2 stages

@@ -51,7 +51,7 @@ class Engine:
         ranks = cfg.tp_size * cfg.pp_size
         # With several ranks this process only tokenizes: each rank loads its own slice.
         self.loaded = load_model(cfg.model, dtype=self.dtype, device=self.device, seed=cfg.random_seed,
-                                 weights=ranks == 1, decode_dtype=DTYPES.get(cfg.decode_weight_dtype))
+                                 weights=ranks == 1, decode_weights=cfg.decode_weight_dtype)
         self.tokenizer = self.loaded.tokenizer
         spec = self.loaded.spec
         self.context_length = cfg.context_length or spec.max_position_embeddings
@@ -71,9 +71,12 @@ class Engine:
         # Set by EngineLoop (engine/loop.py) while its thread drives the scheduler; then only that
         # thread may call generate / flush_cache (DESIGN invariant 3).
         self._driver_thread: int | None = None
+        model = self.loaded.model  # None with several ranks: each holds its own shards
+        decode = cfg.decode_weight_dtype if model is None else ",".join(
+            f"{fmt}x{n}" for fmt, n in sorted(model.decode_formats().items()))
         logger.info(
-            "engine ready: model=%s device=%s dtype=%s pool=%d tokens context=%d ranks=tp%dxpp%d",
-            cfg.model, self.device, cfg.dtype, self.capacity_pages * cfg.page_size, self.context_length,
+            "engine ready: model=%s device=%s dtype=%s decode-weights=%s pool=%d tokens context=%d ranks=tp%dxpp%d",
+            cfg.model, self.device, cfg.dtype, decode, self.capacity_pages * cfg.page_size, self.context_length,
             cfg.tp_size, cfg.pp_size,
         )
 

@@ -8,8 +8,10 @@ prefix stored in a few runs of consecutive slots is read as views of the KV buff
 a scattered one is gathered once per layer.
 
 A lone decode token needs no causal block: its context (itself included) is one set of keys.
-Decode batches (several sequences, one new token each) take one padded path: every context
-gathered to ``[B, K]`` slots, one SDPA call with a per-key bias ``[B, 1, 1, K]`` for the padding.
+On a CPU with the native kernels (float32), decode batches read every key by its slot straight
+from the buffers (:func:`native_decode_attention`). Elsewhere a decode batch of several
+sequences takes one padded path: every context gathered to ``[B, K]`` slots, one SDPA call with
+a per-key bias ``[B, 1, 1, K]`` for the padding.
 
 Units: ``q`` rows are tokens, heads are query heads (``H``) or KV heads (``KvH``); a query head
 ``h`` reads KV head ``h // (H // KvH)`` unless a ``kv_map`` (uneven TP split) says otherwise.
@@ -21,6 +23,8 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from hicache.kernels import cpu_kernels
 
 KVBlock = tuple[torch.Tensor, torch.Tensor]  # K and V, each [L, KvH, D]
 
@@ -123,3 +127,21 @@ def decode_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, 
     bias = None if key_bias is None else key_bias.to(q.dtype)
     out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias)
     return out.reshape(bsz, heads, dim)
+
+
+NATIVE_HEAD_DIMS = (32, 64, 96, 128)
+
+
+def native_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_slots: torch.Tensor,
+                            lengths: torch.Tensor, kv_map: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """B decode tokens ``q`` ``[B, H, D]`` over keys read by slot from the ``[S, KvH, D]``
+    buffers (``kv_slots`` ``[B, K]``, the first ``lengths[b]`` of row b real), through the native
+    CPU kernel: no gather, no padding mask. None where it does not apply (not float32 on a CPU
+    with the kernels, an uneven TP head map, an unusual head size): use :func:`decode_attention`."""
+    if (q.device.type != "cpu" or q.dtype != torch.float32 or k_buf.dtype != torch.float32 or kv_map is not None
+            or q.shape[-1] not in NATIVE_HEAD_DIMS):
+        return None
+    ops = cpu_kernels()
+    if ops is None:
+        return None
+    return ops.paged_decode_attention(q.contiguous(), k_buf, v_buf, kv_slots, lengths)

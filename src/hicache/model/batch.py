@@ -51,10 +51,11 @@ class SeqSpan:
 
 @dataclass(frozen=True)
 class DecodeLayout:
-    """A decode batch (B > 1 sequences, one new token each) read as one padded block."""
+    """A decode batch (B sequences, one new token each): every context's slots in one block."""
 
     kv_slots: torch.Tensor  # [B, K] long: each context's slots in position order, 0-padded
-    key_bias: torch.Tensor  # [B, 1, 1, K] float32: 0 for a real key, -inf for padding
+    lengths: torch.Tensor  # [B] long (CPU): each context's length, the new token included
+    key_bias: Optional[torch.Tensor]  # [B, 1, 1, K] float32: 0 real key, -inf padding; None if B == 1
 
 
 @dataclass
@@ -68,8 +69,8 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T] long: the new tokens, sequence after sequence
     positions: torch.Tensor  # [T] long: absolute position of each new token in its sequence
     out_slots: torch.Tensor  # [T] long: slot where each new token's K/V is written
-    spans: list[SeqSpan]  # [B]: where each sequence's rows and cached prefix are
-    decode: Optional[DecodeLayout]  # set for decode batches of more than one sequence
+    spans: list[SeqSpan]  # [B]: where each sequence's rows and cached prefix are (not for B>1 decode)
+    decode: Optional[DecodeLayout]  # set when every sequence has one new token
     logits_index: torch.Tensor  # [R] long: rows of T whose logits the caller wants
     single: bool  # one sequence with no cached prefix: plain causal attention on its tokens
 
@@ -92,13 +93,15 @@ def _span(start: int, length: int, context: torch.Tensor, device: torch.device) 
 
 
 def _decode_layout(context_slots: Sequence[torch.Tensor], device: torch.device) -> DecodeLayout:
-    lens = [int(c.numel()) for c in context_slots]
-    kv_slots = torch.zeros(len(lens), max(lens), dtype=torch.long)
+    lens = torch.tensor([int(c.numel()) for c in context_slots])
+    if len(context_slots) == 1:
+        return DecodeLayout(context_slots[0].view(1, -1).to(device), lens, None)
+    kv_slots = torch.zeros(len(lens), int(lens.max()), dtype=torch.long)
     for b, slots in enumerate(context_slots):
-        kv_slots[b, : lens[b]] = slots
-    padding = torch.arange(max(lens)).view(1, -1) >= torch.tensor(lens).view(-1, 1)
+        kv_slots[b, : slots.numel()] = slots
+    padding = torch.arange(kv_slots.shape[1]).view(1, -1) >= lens.view(-1, 1)
     key_bias = torch.zeros(padding.shape).masked_fill_(padding, float("-inf"))
-    return DecodeLayout(kv_slots.to(device), key_bias[:, None, None, :].to(device))
+    return DecodeLayout(kv_slots.to(device), lens, key_bias[:, None, None, :].to(device))
 
 
 def make_forward_batch(
@@ -131,8 +134,9 @@ def make_forward_batch(
     out_slots = torch.cat([context_slots[b][prefix_lens[b]:] for b in range(bsz)])
     ends = torch.tensor(lens).cumsum(0)
     starts = (ends - torch.tensor(lens)).tolist()
-    decode = _decode_layout(context_slots, dev) if bsz > 1 and max(lens) == 1 else None
-    spans = [] if decode is not None else [
+    decode = _decode_layout(context_slots, dev) if max(lens) == 1 else None
+    # A lone sequence keeps its span too: without the native kernel it reads its keys as views.
+    spans = [] if decode is not None and bsz > 1 else [
         _span(starts[b], lens[b], context_slots[b], dev) for b in range(bsz)]
     logits_index = ends - 1 if logits == "last" else torch.arange(int(ends[-1]))
     return ForwardBatch(

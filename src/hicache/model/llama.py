@@ -13,9 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hicache.model.attention import decode_attention, sequence_attention
+from hicache.kernels import cpu_kernels
+from hicache.model.attention import decode_attention, native_decode_attention, sequence_attention
 from hicache.model.batch import ForwardBatch, KVView, SeqSpan
-from hicache.model.projection import Projection
+from hicache.model.projection import DECODE_WEIGHTS, Projection
 from hicache.model.spec import ModelSpec, rope_inv_freq
 
 
@@ -29,6 +30,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # one fused kernel; the same arithmetic as below
+            ops = cpu_kernels() if x.device.type == "cpu" else None
+            if ops is not None:  # torch's CPU rms_norm is several small ops: a decode step pays 60 of them
+                return ops.rms_norm(x.contiguous(), self.weight, self.eps)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -78,9 +82,13 @@ class Attention(nn.Module):
         k_buf.index_copy_(0, batch.out_slots, k.to(k_buf.dtype))
         v_buf.index_copy_(0, batch.out_slots, v.to(v_buf.dtype))
 
-        if batch.decode is not None:
-            # B sequences, one token each: one padded gather of every context, one SDPA call.
-            layout = batch.decode
+        layout = batch.decode
+        if layout is not None:
+            out = native_decode_attention(q, k_buf, v_buf, layout.kv_slots, layout.lengths, self.kv_map)
+            if out is not None:
+                return self._out(out.reshape(t, -1))
+        if layout is not None and layout.key_bias is not None:
+            # B > 1 sequences, one token each: one padded gather of every context, one SDPA call.
             bsz, ctx = layout.kv_slots.shape
             flat = layout.kv_slots.view(-1)
             kb = k_buf.index_select(0, flat).view(bsz, ctx, self.num_kv_heads, self.head_dim)
@@ -182,12 +190,22 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             yield from (part for part in vars(module).values() if isinstance(part, Projection))
 
-    def set_decode_weight_dtype(self, dtype: Optional[torch.dtype]) -> None:
-        """Decode steps read their weights in ``dtype`` (a copy; None: the weights as loaded).
-        Lossy unless ``dtype`` holds every weight exactly; prefill keeps the loaded weights."""
+    def set_decode_weights(self, mode: str) -> None:
+        """What decode steps read (see :data:`~hicache.model.projection.DECODE_WEIGHTS`): exact
+        blocks where a matrix has them ("auto"), the loaded weights ("same"), or a dtype copy
+        (lossy unless the dtype holds every weight). Prefill keeps the loaded weights."""
+        if mode not in DECODE_WEIGHTS:
+            raise ValueError(f"decode weights {mode!r}: expected one of {', '.join(DECODE_WEIGHTS)}")
         for projection in self.projections():
-            projection.decode_dtype = dtype
+            projection.decode_weights = mode
         self.prepare_projections()
+
+    def decode_formats(self) -> dict[str, int]:
+        """How many projections decode steps run in each format ("q4": 120, "q8": 1...)."""
+        formats: dict[str, int] = {}
+        for projection in self.projections():
+            formats[projection.decode_format] = formats.get(projection.decode_format, 0) + 1
+        return formats
 
     def prepare_projections(self) -> None:
         """Fuse the projections (and make decode copies) now, not at the first forward: loaders

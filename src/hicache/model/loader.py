@@ -14,6 +14,7 @@ from hicache.model.errors import ModelNotFoundError
 from hicache.model.gguf_loader import find_smollm2_gguf, load_gguf
 from hicache.model.hf_loader import load_hf_dir
 from hicache.model.llama import LlamaForCausalLM
+from hicache.model.projection import DECODE_WEIGHTS
 from hicache.model.random_model import init_random_weights, parse_random_spec
 from hicache.model.spec import ModelSpec, ModelSpecError
 from hicache.model.tokenizer import Tokenizer, byte_tokenizer
@@ -48,14 +49,14 @@ def _file_fingerprint(paths: list[Path]) -> str:
 
 
 def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu", seed: int = 0,
-               weights: bool = True, decode_dtype: torch.dtype | None = None) -> LoadedModel:
+               weights: bool = True, decode_weights: str = "auto") -> LoadedModel:
     """Load ``name``: ``"smollm2"`` (embedded GGUF), a local HF directory, or ``"random:<preset|JSON>"``.
 
     ``seed`` only matters for random models. ``weights=False`` reads only the shape, the
     tokenizer and the identity (``model`` is None): what a process that only tokenizes needs.
-    ``decode_dtype``: decode steps read a copy of the weights in this dtype (see
-    :meth:`LlamaForCausalLM.set_decode_weight_dtype`); it changes the KV they write, so it is
-    part of the identity.
+    ``decode_weights``: what decode steps read (see :meth:`LlamaForCausalLM.set_decode_weights`);
+    a lossy dtype copy changes the KV they write, so it is part of the identity (exact blocks
+    are the same weights and are not).
     Raises :class:`ModelNotFoundError` (a ConfigError) for names that resolve to nothing.
     """
     if dtype not in SUPPORTED_DTYPES:
@@ -86,10 +87,10 @@ def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.dev
         raise ModelNotFoundError(
             f"unknown model {name!r}: expected 'smollm2', a local Hugging Face directory, or 'random:<preset or JSON>'."
         )
-    if decode_dtype is not None and decode_dtype != dtype:
-        identity += f":decode-{str(decode_dtype).removeprefix('torch.')}"
-        if model is not None:
-            model.set_decode_weight_dtype(decode_dtype)
+    if decode_weights not in DECODE_WEIGHTS:
+        raise ModelSpecError(f"decode weights {decode_weights!r}: expected one of {', '.join(DECODE_WEIGHTS)}.")
+    if decode_weights not in ("auto", "same") and getattr(torch, decode_weights) != dtype:
+        identity += f":decode-{decode_weights}"
     if model is not None:
-        model.prepare_projections()
+        model.set_decode_weights(decode_weights)  # fuses and packs now: before the pool is sized
     return LoadedModel(model, tokenizer, spec, name, identity, time.perf_counter() - start)

@@ -1,5 +1,5 @@
-"""The model's weight matrices as runnable projections: fused where they share an input, with an
-optional second copy of the weights for decode steps."""
+"""The model's weight matrices as runnable projections: fused where they share an input, with a
+second copy of the weights for decode steps where one reads fewer bytes."""
 
 from __future__ import annotations
 
@@ -9,9 +9,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hicache.kernels import cpu_kernels
+from hicache.model.block_quant import BlockQuantWeight, pack_exact
+
 # A pass with at most this many token rows is a decode step: its matmuls are matrix-vector
 # products bound by how many weight bytes they read.
 DECODE_ROWS = 8
+
+# What decode steps read (``--decode-weight-dtype``). "auto": exact 4/8-bit blocks through the
+# native kernels where a matrix is block-exact (GGUF Q4_1/Q8_0 values in float32), else the
+# loaded weights; "same": the loaded weights through torch; a dtype name: a (lossy) copy.
+DECODE_WEIGHTS = ("auto", "same", "bfloat16")
 
 
 class Projection:
@@ -24,16 +32,18 @@ class Projection:
     concatenated once and each part's weight becomes a view of the concatenation: memory is not
     doubled, and an in-place load reaches both.
 
-    ``decode_dtype`` (set by :meth:`LlamaForCausalLM.set_decode_weight_dtype`): decode steps use
-    a copy of the weights in that dtype (fewer bytes per step; lossy), prefill the originals.
+    ``decode_weights`` (one of :data:`DECODE_WEIGHTS`, set by
+    :meth:`LlamaForCausalLM.set_decode_weights`): passes of at most :data:`DECODE_ROWS` rows read
+    exact blocks or a dtype copy when there is one; prefill always reads the fused originals.
     """
 
     def __init__(self, *parts: Union[nn.Linear, nn.Embedding]) -> None:
         self.parts = parts
-        self.decode_dtype: Optional[torch.dtype] = None
+        self.decode_weights = "same"
         self._weight: Optional[torch.Tensor] = None
         self._bias: Optional[torch.Tensor] = None
-        self._decode_weight: Optional[torch.Tensor] = None
+        self._decode_weight: Optional[torch.Tensor] = None  # a dtype copy
+        self._blocks: Optional[BlockQuantWeight] = None  # exact blocks, run by the native kernels
         self._sizes: list[int] = []
         self._key: tuple = ()
 
@@ -45,10 +55,24 @@ class Projection:
     def whole(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T (+ b)`` with the parts' outputs side by side (not split)."""
         self.prepare()
-        if self._decode_weight is not None and x.shape[0] <= DECODE_ROWS:
-            bias = None if self._bias is None else self._bias.to(self.decode_dtype)
-            return F.linear(x.to(self.decode_dtype), self._decode_weight, bias).to(x.dtype)
+        if 0 < x.shape[0] <= DECODE_ROWS:
+            if self._blocks is not None:
+                out = self._blocks.linear(x.contiguous(), cpu_kernels())
+                return out if self._bias is None else out + self._bias
+            if self._decode_weight is not None:
+                dtype = self._decode_weight.dtype
+                bias = None if self._bias is None else self._bias.to(dtype)
+                return F.linear(x.to(dtype), self._decode_weight, bias).to(x.dtype)
         return F.linear(x, self._weight, self._bias)
+
+    @property
+    def decode_format(self) -> str:
+        """What decode passes read: "q4"/"q8" blocks, a dtype copy's name, or "same"."""
+        if self._blocks is not None:
+            return self._blocks.kind
+        if self._decode_weight is not None:
+            return str(self._decode_weight.dtype).removeprefix("torch.")
+        return "same"
 
     @property
     def prepared(self) -> bool:
@@ -62,7 +86,7 @@ class Projection:
             self._fuse()
 
     def _current_key(self) -> tuple:
-        return (self.decode_dtype, *(p.weight.data_ptr() for p in self.parts))
+        return (self.decode_weights, *(p.weight.data_ptr() for p in self.parts))
 
     def _fuse(self) -> None:
         with torch.inference_mode(False), torch.no_grad():  # real tensors: a later load may write them
@@ -79,6 +103,11 @@ class Projection:
                     self._bias = torch.cat(biases)
                     for p, view in zip(self.parts, self._bias.split(self._sizes)):
                         p.bias = nn.Parameter(view, requires_grad=False)
-            same = self.decode_dtype in (None, self._weight.dtype)
-            self._decode_weight = None if same else self._weight.to(self.decode_dtype)
+            self._decode_weight, self._blocks = None, None
+            if self.decode_weights == "auto":
+                if self._weight.device.type == "cpu" and cpu_kernels() is not None:
+                    self._blocks = pack_exact(self._weight)
+            elif self.decode_weights != "same":
+                dtype = getattr(torch, self.decode_weights)
+                self._decode_weight = None if dtype == self._weight.dtype else self._weight.to(dtype)
         self._key = self._current_key()

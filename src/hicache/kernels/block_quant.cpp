@@ -1,0 +1,193 @@
+// Matmuls of a few float32 rows (a decode step) against weights held as exact 4- or 8-bit blocks
+// (GGUF Q4_1 / Q8_0 values): a quarter or an eighth of the bytes a float32 GEMV reads, decoded
+// to float32 in registers. AVX2 + FMA; one output row per task of torch's intra-op pool.
+//
+// Layout (see hicache/model/block_quant.py, which packs and documents it): groups of 32 along K;
+//   q4: qs uint8 [N, K/2], byte j of a group = q[j] | q[j+16] << 4; W = scale*q + minv
+//   q8: qs int8 [N, K];                                             W = scale*q
+// Results equal x @ W.T up to float32 rounding order (sums are taken per group, then scaled).
+#include <immintrin.h>
+#include <ATen/Parallel.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+
+inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+
+inline __m256 u8x8_to_ps(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)); }
+inline __m256 i8x8_to_ps(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)); }
+
+inline __m256 dot32(__m256 w0, __m256 w1, __m256 w2, __m256 w3, const float* xg) {
+  // Two short chains instead of one of four: the group's latency, not its throughput, bounds a GEMV.
+  __m256 a = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xg + 8), _mm256_mul_ps(w0, _mm256_loadu_ps(xg)));
+  __m256 b = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xg + 24), _mm256_mul_ps(w2, _mm256_loadu_ps(xg + 16)));
+  return _mm256_add_ps(a, b);
+}
+
+inline void unpack_q4(const uint8_t* p, __m256& w0, __m256& w1, __m256& w2, __m256& w3) {
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  __m128i lo = _mm_and_si128(b, mask);
+  __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+  w0 = u8x8_to_ps(lo); w1 = u8x8_to_ps(_mm_unpackhi_epi64(lo, lo));
+  w2 = u8x8_to_ps(hi); w3 = u8x8_to_ps(_mm_unpackhi_epi64(hi, hi));
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float s = hsum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// out[m, n] = sum_g scale[n,g] * (x[m, g] . q[n, g]) + minv[n,g] * sum(x[m, g])
+template <int M>
+void q4_rows(const float* x, const float* xsum, const uint8_t* qs, const float* scale,
+             const float* minv, float* out, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t G = K / kGroup;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* qrow = qs + n * (K / 2);
+    const float* srow = scale + n * G;
+    __m256 acc0[M], acc1[M];
+    for (int m = 0; m < M; ++m) acc0[m] = acc1[m] = _mm256_setzero_ps();
+    __m256 w0, w1, w2, w3;
+    int64_t g = 0;
+    for (; g + 2 <= G; g += 2) {
+      unpack_q4(qrow + g * 16, w0, w1, w2, w3);
+      __m256 d0 = _mm256_set1_ps(srow[g]);
+      for (int m = 0; m < M; ++m) acc0[m] = _mm256_fmadd_ps(d0, dot32(w0, w1, w2, w3, x + m * K + g * kGroup), acc0[m]);
+      unpack_q4(qrow + g * 16 + 16, w0, w1, w2, w3);
+      __m256 d1 = _mm256_set1_ps(srow[g + 1]);
+      for (int m = 0; m < M; ++m) acc1[m] = _mm256_fmadd_ps(d1, dot32(w0, w1, w2, w3, x + m * K + (g + 1) * kGroup), acc1[m]);
+    }
+    for (; g < G; ++g) {
+      unpack_q4(qrow + g * 16, w0, w1, w2, w3);
+      __m256 d0 = _mm256_set1_ps(srow[g]);
+      for (int m = 0; m < M; ++m) acc0[m] = _mm256_fmadd_ps(d0, dot32(w0, w1, w2, w3, x + m * K + g * kGroup), acc0[m]);
+    }
+    for (int m = 0; m < M; ++m)
+      out[m * N + n] = hsum(_mm256_add_ps(acc0[m], acc1[m])) + dot(minv + n * G, xsum + m * G, G);
+  }
+}
+
+inline void unpack_q8(const int8_t* p, __m256& w0, __m256& w1, __m256& w2, __m256& w3) {
+  __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16));
+  w0 = i8x8_to_ps(b0); w1 = i8x8_to_ps(_mm_unpackhi_epi64(b0, b0));
+  w2 = i8x8_to_ps(b1); w3 = i8x8_to_ps(_mm_unpackhi_epi64(b1, b1));
+}
+
+// out[m, n] = sum_g scale[n,g] * (x[m, g] . q[n, g])
+template <int M>
+void q8_rows(const float* x, const int8_t* qs, const float* scale, float* out,
+             int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t G = K / kGroup;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* qrow = qs + n * K;
+    const float* srow = scale + n * G;
+    __m256 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    __m256 w0, w1, w2, w3;
+    for (int64_t g = 0; g < G; ++g) {
+      unpack_q8(qrow + g * kGroup, w0, w1, w2, w3);
+      __m256 d = _mm256_set1_ps(srow[g]);
+      for (int m = 0; m < M; ++m) acc[m] = _mm256_fmadd_ps(d, dot32(w0, w1, w2, w3, x + m * K + g * kGroup), acc[m]);
+    }
+    for (int m = 0; m < M; ++m) out[m * N + n] = hsum(acc[m]);
+  }
+}
+
+template <typename F>
+void dispatch_rows(int64_t M, F&& f) {
+  switch (M) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    default: TORCH_CHECK(false, "block-quantized matmuls take 1 to 8 rows (a decode step), got ", M);
+  }
+}
+
+void check_operands(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale, at::ScalarType q_type,
+                    int64_t q_cols_per_k_group) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
+              "x must be a contiguous float32 CPU matrix [M, K]");
+  const int64_t K = x.size(1), G = K / kGroup;
+  TORCH_CHECK(K % kGroup == 0, "K must be a multiple of ", kGroup, ", got ", K);
+  TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == q_type && qs.is_contiguous() && qs.size(1) == G * q_cols_per_k_group,
+              "qs must be contiguous [N, ", G * q_cols_per_k_group, "] of ", q_type);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 2 &&
+              scale.size(0) == qs.size(0) && scale.size(1) == G, "scale must be contiguous float32 [N, ", G, "]");
+}
+
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
+                     const at::Tensor& minv) {
+  check_operands(x, qs, scale, at::kByte, kGroup / 2);
+  TORCH_CHECK(minv.sizes() == scale.sizes() && minv.scalar_type() == at::kFloat && minv.is_contiguous(),
+              "minv must be contiguous float32 shaped like scale");
+  const int64_t M = x.size(0), K = x.size(1), N = qs.size(0), G = K / kGroup;
+  at::Tensor out = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  // Per-group sums of x carry the blocks' minimums: sum_j x_j (d q_j + m) = d (x . q) + m sum_j x_j.
+  std::vector<float> xsum(M * G);
+  for (int64_t i = 0; i < M * G; ++i) {
+    const float* xg = xp + i * kGroup;
+    __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xg), _mm256_loadu_ps(xg + 8)),
+                             _mm256_add_ps(_mm256_loadu_ps(xg + 16), _mm256_loadu_ps(xg + 24)));
+    xsum[i] = hsum(s);
+  }
+  const float* xs = xsum.data();
+  const uint8_t* qp = qs.data_ptr<uint8_t>(); const float* sp = scale.data_ptr<float>();
+  const float* mp = minv.data_ptr<float>(); float* op = out.data_ptr<float>();
+  dispatch_rows(M, [&](auto rows) {
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      q4_rows<decltype(rows)::value>(xp, xs, qp, sp, mp, op, K, N, n0, n1);
+    });
+  });
+  return out;
+}
+
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale) {
+  check_operands(x, qs, scale, at::kChar, kGroup);
+  const int64_t M = x.size(0), K = x.size(1), N = qs.size(0);
+  at::Tensor out = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const int8_t* qp = qs.data_ptr<int8_t>(); const float* sp = scale.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  dispatch_rows(M, [&](auto rows) {
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      q8_rows<decltype(rows)::value>(xp, qp, sp, op, K, N, n0, n1);
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(hicache, m) {
+  m.def("q4_linear(Tensor x, Tensor qs, Tensor scale, Tensor minv) -> Tensor");
+  m.def("q8_linear(Tensor x, Tensor qs, Tensor scale) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(hicache, CPU, m) {
+  m.impl("q4_linear", &q4_linear);
+  m.impl("q8_linear", &q8_linear);
+}

@@ -1,0 +1,80 @@
+"""Exact 4- and 8-bit block copies of float32 weight matrices, for decode steps.
+
+A GGUF model stores most matrices as Q4_1 (groups of 32 along K: ``W = d * q + m``, q in 0..15,
+d and m float16) or Q8_0 (``W = d * q``, q in -127..127); loading dequantizes them to float32, so
+a decode step reads 4 bytes per weight. The copies here take 0.75 (Q4_1) or 1.125 (Q8_0): the
+blocks' scales are kept in float32, so the kernels never convert them. :func:`pack_exact` recovers
+the blocks from the float32 matrix and keeps them only if they rebuild every weight bit for bit --
+the values are the model's own, not a new quantization -- so a matrix that is not block-exact
+(a float32 checkpoint, a TP shard that cuts a group, bf16 weights) simply gets no copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+GROUP = 32  # weights per block along the input (K) axis
+
+
+@dataclass
+class BlockQuantWeight:
+    """``W[n, k] = scale[n, k // 32] * q[n, k] (+ minv[n, k // 32])``, exact in float32.
+
+    ``kind`` "q4": ``qs`` uint8 ``[N, K / 2]``, byte j of a group holding q[j] in its low nibble
+    and q[j + 16] in its high one; ``minv`` set. ``kind`` "q8": ``qs`` int8 ``[N, K]``, no minv.
+    """
+
+    kind: str
+    qs: torch.Tensor
+    scale: torch.Tensor
+    minv: Optional[torch.Tensor] = None
+
+    @property
+    def nbytes(self) -> int:
+        parts = (self.qs, self.scale) if self.minv is None else (self.qs, self.scale, self.minv)
+        return sum(t.numel() * t.element_size() for t in parts)
+
+    def linear(self, x: torch.Tensor, ops) -> torch.Tensor:
+        """``x @ W.T`` for a contiguous float32 ``x`` of 1 to 8 rows, through the native kernels."""
+        if self.kind == "q4":
+            return ops.q4_linear(x, self.qs, self.scale, self.minv)
+        return ops.q8_linear(x, self.qs, self.scale)
+
+
+def pack_exact(w: torch.Tensor) -> Optional[BlockQuantWeight]:
+    """The 4-bit (else 8-bit) blocks that rebuild the float32 CPU matrix ``w`` exactly, or None."""
+    if w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2 or w.shape[1] % GROUP:
+        return None
+    groups = w.detach().reshape(w.shape[0], -1, GROUP)
+    return _pack_q4(groups) or _pack_q8(groups)
+
+
+def _as_float16_scale(x: torch.Tensor) -> torch.Tensor:
+    # GGUF keeps d in float16: rounding the recovered ratio there lands on the stored value.
+    return x.to(torch.float16).to(torch.float32)
+
+
+def _pack_q4(groups: torch.Tensor) -> Optional[BlockQuantWeight]:
+    minv = groups.amin(-1)  # the block minimum has q = 0, so it *is* m
+    scale = _as_float16_scale((groups.amax(-1) - minv) / 15)  # and the maximum has q = 15
+    q = torch.where(scale[..., None] > 0, (groups - minv[..., None]) / scale[..., None], 0.0).round_()
+    if q.amin() < 0 or q.amax() > 15:
+        return None
+    # Two separately rounded float32 ops, as the dequantizer did: the check is bit for bit.
+    if not torch.equal(scale[..., None] * q + minv[..., None], groups):
+        return None
+    q = q.to(torch.uint8)
+    packed = q[..., : GROUP // 2] | (q[..., GROUP // 2:] << 4)
+    return BlockQuantWeight("q4", packed.reshape(groups.shape[0], -1).contiguous(), scale.contiguous(),
+                            minv.contiguous())
+
+
+def _pack_q8(groups: torch.Tensor) -> Optional[BlockQuantWeight]:
+    scale = _as_float16_scale(groups.abs().amax(-1) / 127)
+    q = torch.where(scale[..., None] > 0, groups / scale[..., None], 0.0).round_()
+    if q.abs().amax() > 127 or not torch.equal(scale[..., None] * q, groups):
+        return None
+    return BlockQuantWeight("q8", q.to(torch.int8).reshape(groups.shape[0], -1).contiguous(), scale.contiguous())

@@ -1,0 +1,142 @@
+"""The native CPU kernels: exact block copies of GGUF weights, their matmuls, RMSNorm and paged
+decode attention agree with torch's reference math; the model uses them only where they are exact,
+and runs without them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hicache import Engine, SamplingParams
+from hicache.kernels import cpu_kernels, unavailable_reason
+from hicache.model.attention import decode_attention
+from hicache.model.block_quant import GROUP, pack_exact
+
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=f"no native kernels: {unavailable_reason()}")
+
+
+@pytest.fixture(scope="module")
+def ops():
+    ops = cpu_kernels()
+    assert ops is not None, "the CPU can run the kernels but they did not build (see the log)"
+    return ops
+
+
+def q4_1_matrix(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """A float32 matrix as the GGUF loader makes it from Q4_1 blocks: d * q + m, d and m float16."""
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // GROUP, 1, generator=g) * 0.02).half().float()
+    m = (-torch.rand(n, k // GROUP, 1, generator=g) * 0.1).half().float()
+    q = torch.randint(0, 16, (n, k // GROUP, GROUP), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15  # the quantizer maps each block's minimum to 0, its maximum to 15
+    return (d * q + m).reshape(n, k)
+
+
+def q8_0_matrix(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // GROUP, 1, generator=g) * 0.01).half().float()
+    q = torch.randint(-127, 128, (n, k // GROUP, GROUP), generator=g).float()
+    q[..., 0] = 127
+    return (d * q).reshape(n, k)
+
+
+def test_block_copies_rebuild_the_weights_bit_for_bit_or_are_refused():
+    w4, w8 = q4_1_matrix(48, 96), q8_0_matrix(40, 64)
+    q4, q8 = pack_exact(w4), pack_exact(w8)
+    assert q4.kind == "q4" and q4.qs.shape == (48, 48) and q4.qs.dtype == torch.uint8
+    assert q8.kind == "q8" and q8.qs.shape == (40, 64) and q8.qs.dtype == torch.int8
+    low, high = (q4.qs & 15).float(), (q4.qs >> 4).float()
+    q = torch.cat([low.view(48, 3, 16), high.view(48, 3, 16)], dim=-1)  # byte j: q[j], q[j + 16]
+    assert torch.equal(q * q4.scale[..., None] + q4.minv[..., None], w4.view(48, 3, 32))
+    assert q4.nbytes == w4.numel() * 0.75  # half a byte per weight plus float32 scale and minimum per 32
+    # Not block-exact: real float32 values, one weight nudged, a bf16 model, a cut group.
+    assert pack_exact(torch.randn(8, 64)) is None
+    nudged = w4.clone()
+    nudged[3, 7] = torch.nextafter(nudged[3, 7], torch.tensor(1.0))
+    assert pack_exact(nudged) is None
+    assert pack_exact(w4.bfloat16()) is None
+    assert pack_exact(w4[:, 16:80].contiguous()) is None  # a TP shard cutting blocks in half
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_block_matmuls_match_float32_linear(ops, rows):
+    x = torch.randn(rows, 576)
+    for w in (q4_1_matrix(200, 576), q8_0_matrix(130, 576)):
+        torch.testing.assert_close(pack_exact(w).linear(x, ops), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_block_matmuls_refuse_what_they_cannot_do(ops):
+    packed = pack_exact(q4_1_matrix(16, 64))
+    with pytest.raises(RuntimeError, match="1 to 8 rows"):
+        packed.linear(torch.randn(9, 64), ops)
+    with pytest.raises(RuntimeError, match="float32"):
+        packed.linear(torch.randn(2, 64).double(), ops)
+    with pytest.raises(RuntimeError, match="qs must be"):
+        packed.linear(torch.randn(2, 96), ops)
+
+
+def test_rms_norm_matches_torch(ops):
+    for shape in [(1, 576), (7, 576), (3, 13)]:
+        x, w = torch.randn(shape) * 3, torch.randn(shape[-1])
+        torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), F.rms_norm(x, (shape[-1],), w, 1e-5))
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
+def test_paged_decode_attention_matches_padded_sdpa(ops, heads, kv_heads, dim):
+    g = torch.Generator().manual_seed(1)
+    k_buf, v_buf = torch.randn(3000, kv_heads, dim, generator=g), torch.randn(3000, kv_heads, dim, generator=g)
+    lengths = torch.tensor([1, 7, 300, 1500])  # one-token context, short, and long ones split across threads
+    kv_slots = torch.zeros(4, 1500, dtype=torch.long)
+    for b, n in enumerate(lengths.tolist()):  # scattered slots, never slot 0 (padding)
+        kv_slots[b, :n] = torch.randperm(2999, generator=g)[:n] + 1
+    q = torch.randn(4, heads, dim, generator=g)
+    got = ops.paged_decode_attention(q, k_buf, v_buf, kv_slots, lengths)
+    pad = torch.arange(1500)[None] >= lengths[:, None]
+    bias = torch.zeros(4, 1500).masked_fill_(pad, float("-inf"))[:, None, None, :]
+    gathered = [buf[kv_slots.view(-1)].view(4, 1500, kv_heads, dim) for buf in (k_buf, v_buf)]
+    torch.testing.assert_close(got, decode_attention(q, *gathered, bias, None), rtol=1e-5, atol=1e-5)
+
+
+def test_paged_decode_attention_rejects_slots_outside_the_buffers(ops):
+    k_buf = torch.randn(10, 1, 32)
+    q = torch.randn(1, 1, 32)
+    with pytest.raises(RuntimeError, match="range"):
+        ops.paged_decode_attention(q, k_buf, k_buf, torch.tensor([[3, 10]]), torch.tensor([2]))
+    with pytest.raises(RuntimeError, match="lengths"):
+        ops.paged_decode_attention(q, k_buf, k_buf, torch.tensor([[3, 4]]), torch.tensor([3]))
+
+
+def test_model_without_kernels_still_runs():
+    """``HICACHE_KERNELS=0`` (or a machine where they cannot build): torch's kernels throughout."""
+    code = ("from hicache.kernels import cpu_kernels; from hicache.model import load_model; import torch;"
+            "m = load_model('random:tiny', dtype=torch.float32).model; "
+            "print(cpu_kernels() is None, sorted(m.decode_formats())); print(m.decode_formats() and 'ran')")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "HICACHE_KERNELS": "0"},
+                         capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[0] == "True ['same']"
+
+
+@pytest.mark.slow
+def test_smollm2_decodes_from_its_own_4_bit_blocks_with_the_same_greedy_output():
+    """SmolLM2's GGUF is Q4_1 with a Q8_0 embedding: every projection gets an exact block copy, the
+    cache namespace is unchanged (same weights), and greedy output equals torch's float32 path."""
+    greedy = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    blocks = Engine("smollm2", dtype="float32", max_total_tokens=2048)
+    plain = Engine("smollm2", dtype="float32", max_total_tokens=2048, decode_weight_dtype="same")
+    try:
+        model = blocks.loaded.model
+        assert model.decode_formats() == {"q4": 4 * model.spec.num_layers, "q8": 1}
+        assert plain.loaded.model.decode_formats() == {"same": 4 * model.spec.num_layers + 1}
+        assert blocks.model_namespace == plain.model_namespace
+        prompts = [blocks.tokenizer.encode(t) for t in ("The capital of France is", "def fibonacci(n):")]
+        a = blocks.generate(prompts, greedy)
+        b = plain.generate(prompts, greedy)
+        assert [r.output_ids for r in a] == [r.output_ids for r in b]
+    finally:
+        blocks.shutdown()
+        plain.shutdown()
