@@ -112,6 +112,54 @@ void q8_rows(const float* x, const int8_t* qs, const float* scale, float* out,
   }
 }
 
+// Several rows: rebuild each block's float32 weights once -- d * q, then + m, rounded as the
+// loader rounded them, so these are the model's exact weights -- and share them across the rows:
+// one FMA per weight and row instead of re-decoding the block per row.
+template <int M, typename Block>
+void shared_rows(const float* x, float* out, int64_t K, int64_t N, int64_t n0, int64_t n1, Block&& block) {
+  constexpr int A = M <= 4 ? 2 : 1;  // independent sums per row: short chains, while registers last
+  const int64_t G = K / kGroup;
+  for (int64_t n = n0; n < n1; ++n) {
+    __m256 acc[M][A];
+    for (int m = 0; m < M; ++m)
+      for (int a = 0; a < A; ++a) acc[m][a] = _mm256_setzero_ps();
+    __m256 w[4];
+    for (int64_t g = 0; g < G; ++g) {
+      block(n, g, w);
+      for (int m = 0; m < M; ++m) {
+        const float* xg = x + m * K + g * kGroup;
+        acc[m][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xg), acc[m][0]);
+        acc[m][A - 1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xg + 8), acc[m][A - 1]);
+        acc[m][0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xg + 16), acc[m][0]);
+        acc[m][A - 1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xg + 24), acc[m][A - 1]);
+      }
+    }
+    for (int m = 0; m < M; ++m) out[m * N + n] = hsum(A == 2 ? _mm256_add_ps(acc[m][0], acc[m][A - 1]) : acc[m][0]);
+  }
+}
+
+template <int M>
+void q4_rows_shared(const float* x, const uint8_t* qs, const float* scale, const float* minv, float* out,
+                    int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t G = K / kGroup;
+  shared_rows<M>(x, out, K, N, n0, n1, [&](int64_t n, int64_t g, __m256* w) {
+    unpack_q4(qs + n * (K / 2) + g * 16, w[0], w[1], w[2], w[3]);
+    const __m256 d = _mm256_set1_ps(scale[n * G + g]), m = _mm256_set1_ps(minv[n * G + g]);
+    for (int i = 0; i < 4; ++i) w[i] = _mm256_add_ps(_mm256_mul_ps(d, w[i]), m);
+  });
+}
+
+template <int M>
+void q8_rows_shared(const float* x, const int8_t* qs, const float* scale, float* out,
+                    int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t G = K / kGroup;
+  shared_rows<M>(x, out, K, N, n0, n1, [&](int64_t n, int64_t g, __m256* w) {
+    unpack_q8(qs + n * K + g * kGroup, w[0], w[1], w[2], w[3]);
+    const __m256 d = _mm256_set1_ps(scale[n * G + g]);
+    for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(d, w[i]);
+  });
+}
+
 template <typename F>
 void dispatch_rows(int64_t M, F&& f) {
   switch (M) {
@@ -147,9 +195,10 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   const int64_t M = x.size(0), K = x.size(1), N = qs.size(0), G = K / kGroup;
   at::Tensor out = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
-  // Per-group sums of x carry the blocks' minimums: sum_j x_j (d q_j + m) = d (x . q) + m sum_j x_j.
-  std::vector<float> xsum(M * G);
-  for (int64_t i = 0; i < M * G; ++i) {
+  // One row: per-group sums of x carry the blocks' minimums, sum_j x_j (d q_j + m) =
+  // d (x . q) + m sum_j x_j, so the block is never rebuilt. (Several rows rebuild it once.)
+  std::vector<float> xsum(M == 1 ? G : 0);
+  for (int64_t i = 0; i < static_cast<int64_t>(xsum.size()); ++i) {
     const float* xg = xp + i * kGroup;
     __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xg), _mm256_loadu_ps(xg + 8)),
                              _mm256_add_ps(_mm256_loadu_ps(xg + 16), _mm256_loadu_ps(xg + 24)));
@@ -160,7 +209,9 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   const float* mp = minv.data_ptr<float>(); float* op = out.data_ptr<float>();
   dispatch_rows(M, [&](auto rows) {
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-      q4_rows<decltype(rows)::value>(xp, xs, qp, sp, mp, op, K, N, n0, n1);
+      constexpr int R = decltype(rows)::value;
+      if constexpr (R == 1) q4_rows<1>(xp, xs, qp, sp, mp, op, K, N, n0, n1);
+      else q4_rows_shared<R>(xp, qp, sp, mp, op, K, N, n0, n1);
     });
   });
   return out;
@@ -175,7 +226,9 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   float* op = out.data_ptr<float>();
   dispatch_rows(M, [&](auto rows) {
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-      q8_rows<decltype(rows)::value>(xp, qp, sp, op, K, N, n0, n1);
+      constexpr int R = decltype(rows)::value;
+      if constexpr (R == 1) q8_rows<1>(xp, qp, sp, op, K, N, n0, n1);
+      else q8_rows_shared<R>(xp, qp, sp, op, K, N, n0, n1);
     });
   });
   return out;

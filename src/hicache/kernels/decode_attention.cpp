@@ -1,10 +1,10 @@
 // Decode attention straight from the paged KV buffers: B sequences, one new token each, every key
 // read by its slot (no gather into a padded copy, no mask), float32, AVX2 + FMA.
 //
-// Each (sequence, KV head) is split into chunks of keys so that a single sequence still keeps
-// every thread busy (flash-decoding); a chunk computes its scores for the KV head's G query
-// heads, softmax statistics (max m, sum l) and the unnormalised output, and the chunks are merged
-// by their maxima afterwards -- exact, the same rule as merging flash-attention tiles.
+// Each sequence is split into chunks of keys so that a single sequence still keeps every thread
+// busy (flash-decoding); a chunk computes its scores for every query head, softmax statistics
+// (max m, sum l) and the unnormalised output, and the chunks are merged by their maxima
+// afterwards -- exact, the same rule as merging flash-attention tiles.
 #include <immintrin.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -46,58 +46,75 @@ struct Shape {
   int64_t B, H, KvH, G, D, K, S;
 };
 
-// Scores of G queries against keys [k0, k1): scores[g * n + i], and each query's maximum.
+// Rows are read by slot, so the hardware prefetcher cannot see ahead: ask for the row this many
+// keys on while the current one is computed.
+constexpr int64_t kPrefetch = 8;
+
+inline void prefetch(const float* row, int64_t floats) {
+  for (int64_t f = 0; f < floats; f += 16) _mm_prefetch(reinterpret_cast<const char*>(row + f), _MM_HINT_T0);
+}
+
+// Scores of all H queries against keys [k0, k1): scores[hq * n + i], and each query's maximum.
+// A key's heads are adjacent in the buffer ([S, KvH, D]), so one task reads whole rows: the
+// lines stream in order (a task per KV head would read a third of each row and waste the rest).
 template <int D8>
-void chunk_scores(const Shape& sh, const float* q, const float* kb, const int64_t* slots, int64_t h,
+void chunk_scores(const Shape& sh, const float* q, const float* kb, const float* vb, const int64_t* slots,
                   int64_t k0, int64_t n, float* scores, float* m) {
-  const int64_t D = D8 * 8;
+  const int64_t D = D8 * 8, row = sh.KvH * D;
   for (int64_t i = 0; i < n; ++i) {
-    const float* key = kb + (slots[k0 + i] * sh.KvH + h) * D;
-    __m256 k[D8];
-    for (int d = 0; d < D8; ++d) k[d] = _mm256_loadu_ps(key + 8 * d);
-    for (int64_t g = 0; g < sh.G; ++g) {
-      const float* qg = q + g * D;
-      __m256 s0 = _mm256_mul_ps(_mm256_loadu_ps(qg), k[0]), s1 = _mm256_setzero_ps();
-      for (int d = 1; d < D8; d += 2) {
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * d), k[d], s1);
-        if (d + 1 < D8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * d + 8), k[d + 1], s0);
+    if (i + kPrefetch < n) {  // this key's row now, its value row for the pass after the softmax
+      prefetch(kb + slots[k0 + i + kPrefetch] * row, row);
+      prefetch(vb + slots[k0 + i + kPrefetch] * row, row);
+    }
+    for (int64_t h = 0; h < sh.KvH; ++h) {
+      const float* key = kb + slots[k0 + i] * row + h * D;
+      __m256 k[D8];
+      for (int d = 0; d < D8; ++d) k[d] = _mm256_loadu_ps(key + 8 * d);
+      for (int64_t hq = h * sh.G; hq < (h + 1) * sh.G; ++hq) {
+        const float* qh = q + hq * D;
+        __m256 s0 = _mm256_mul_ps(_mm256_loadu_ps(qh), k[0]), s1 = _mm256_setzero_ps();
+        for (int d = 1; d < D8; d += 2) {
+          s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * d), k[d], s1);
+          if (d + 1 < D8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * d + 8), k[d + 1], s0);
+        }
+        const float score = hsum(_mm256_add_ps(s0, s1));
+        scores[hq * n + i] = score;
+        m[hq] = std::max(m[hq], score);
       }
-      const float score = hsum(_mm256_add_ps(s0, s1));
-      scores[g * n + i] = score;
-      m[g] = std::max(m[g], score);
     }
   }
 }
 
-// acc[g] = sum_i p[g, i] * v_i, each query's accumulator held in registers across the chunk.
+// acc[hq] = sum_i p[hq, i] * v_i (its KV head's row part), the accumulator held in registers.
 template <int D8>
-void chunk_values(const Shape& sh, const float* vb, const int64_t* slots, int64_t h, int64_t k0, int64_t n,
+void chunk_values(const Shape& sh, const float* vb, const int64_t* slots, int64_t k0, int64_t n,
                   const float* p, float* acc) {
-  const int64_t D = D8 * 8;
-  for (int64_t g = 0; g < sh.G; ++g) {
+  const int64_t D = D8 * 8, row = sh.KvH * D;
+  for (int64_t hq = 0; hq < sh.H; ++hq) {
+    const float* vh = vb + (hq / sh.G) * D;
     __m256 a[D8];
     for (int d = 0; d < D8; ++d) a[d] = _mm256_setzero_ps();
-    const float* pg = p + g * n;
+    const float* ph = p + hq * n;
     for (int64_t i = 0; i < n; ++i) {
-      const float* val = vb + (slots[k0 + i] * sh.KvH + h) * D;
-      const __m256 w = _mm256_set1_ps(pg[i]);
+      const float* val = vh + slots[k0 + i] * row;
+      const __m256 w = _mm256_set1_ps(ph[i]);
       for (int d = 0; d < D8; ++d) a[d] = _mm256_fmadd_ps(w, _mm256_loadu_ps(val + 8 * d), a[d]);
     }
-    for (int d = 0; d < D8; ++d) _mm256_storeu_ps(acc + g * D + 8 * d, a[d]);
+    for (int d = 0; d < D8; ++d) _mm256_storeu_ps(acc + hq * D + 8 * d, a[d]);
   }
 }
 
-// One chunk [k0, k1) of one sequence's keys for one KV head: writes m[G], l[G], acc[G, D].
+// One chunk [k0, k1) of one sequence's keys, every head: writes m[H], l[H], acc[H, D].
 template <int D8>
 void attend_chunk(const Shape& sh, const float* q, const float* kb, const float* vb, const int64_t* slots,
-                  int64_t h, int64_t k0, int64_t k1, float* m, float* l, float* acc) {
-  const int64_t G = sh.G, n = k1 - k0;
-  std::vector<float> scores(G * n);
-  std::fill(m, m + G, -std::numeric_limits<float>::infinity());
-  chunk_scores<D8>(sh, q, kb, slots, h, k0, n, scores.data(), m);
-  for (int64_t g = 0; g < G; ++g) {  // p = exp(score - m), l = sum p
-    float* p = scores.data() + g * n;
-    const __m256 mx = _mm256_set1_ps(m[g]);
+                  int64_t k0, int64_t k1, float* m, float* l, float* acc) {
+  const int64_t H = sh.H, n = k1 - k0;
+  std::vector<float> scores(H * n);
+  std::fill(m, m + H, -std::numeric_limits<float>::infinity());
+  chunk_scores<D8>(sh, q, kb, vb, slots, k0, n, scores.data(), m);
+  for (int64_t hq = 0; hq < H; ++hq) {  // p = exp(score - m), l = sum p
+    float* p = scores.data() + hq * n;
+    const __m256 mx = _mm256_set1_ps(m[hq]);
     __m256 sum = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
@@ -105,14 +122,14 @@ void attend_chunk(const Shape& sh, const float* q, const float* kb, const float*
       _mm256_storeu_ps(p + i, e);
       sum = _mm256_add_ps(sum, e);
     }
-    l[g] = hsum(sum);
-    for (; i < n; ++i) { p[i] = std::exp(p[i] - m[g]); l[g] += p[i]; }
+    l[hq] = hsum(sum);
+    for (; i < n; ++i) { p[i] = std::exp(p[i] - m[hq]); l[hq] += p[i]; }
   }
-  chunk_values<D8>(sh, vb, slots, h, k0, n, scores.data(), acc);
+  chunk_values<D8>(sh, vb, slots, k0, n, scores.data(), acc);
 }
 
 using ChunkFn = void (*)(const Shape&, const float*, const float*, const float*, const int64_t*, int64_t,
-                         int64_t, int64_t, float*, float*, float*);
+                         int64_t, float*, float*, float*);
 
 ChunkFn chunk_fn(int64_t D) {
   switch (D) {  // head sizes of the models people run; others are refused (the caller falls back)
@@ -158,46 +175,45 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_buf, 
   const int64_t* len = lengths.data_ptr<int64_t>();
   const int64_t longest = sh.B ? *std::max_element(len, len + sh.B) : 0;
   // Enough chunks to feed every thread a few times, none shorter than kMinChunk keys.
-  const int64_t want = (4 * at::get_num_threads() + sh.B * sh.KvH - 1) / (sh.B * sh.KvH);
+  const int64_t want = (4 * at::get_num_threads() + sh.B - 1) / sh.B;
   const int64_t splits = std::max<int64_t>(1, std::min(want, (longest + kMinChunk - 1) / kMinChunk));
-  const int64_t tasks = sh.B * sh.KvH * splits, G = sh.G, D = sh.D;
-  std::vector<float> m(tasks * G), l(tasks * G), acc(tasks * G * D);
-  // Queries pre-scaled by 1/sqrt(D), grouped per KV head: [B, KvH, G, D] is [B, H, D] already.
-  at::Tensor qs = q * (1.0 / std::sqrt(static_cast<double>(D)));
+  const int64_t tasks = sh.B * splits, H = sh.H, D = sh.D;
+  std::vector<float> m(tasks * H), l(tasks * H), acc(tasks * H * D);
+  at::Tensor qs = q * (1.0 / std::sqrt(static_cast<double>(D)));  // queries pre-scaled by 1/sqrt(D)
   const float* qp = qs.data_ptr<float>();
   const float* kb = k_buf.data_ptr<float>(); const float* vb = v_buf.data_ptr<float>();
   const int64_t* sp = kv_slots.data_ptr<int64_t>();
   const ChunkFn attend = chunk_fn(D);
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / (sh.KvH * splits), h = (t / splits) % sh.KvH, s = t % splits;
+      const int64_t b = t / splits, s = t % splits;
       const int64_t chunk = (len[b] + splits - 1) / splits;
       const int64_t k0 = std::min(len[b], s * chunk), k1 = std::min(len[b], k0 + chunk);
-      float* mt = m.data() + t * G; float* lt = l.data() + t * G; float* at = acc.data() + t * G * D;
+      float* mt = m.data() + t * H; float* lt = l.data() + t * H; float* at = acc.data() + t * H * D;
       if (k0 >= k1) {  // a short sequence in a batch of long ones: this chunk holds no keys
-        std::fill(mt, mt + G, -std::numeric_limits<float>::infinity());
-        std::fill(lt, lt + G, 0.0f);
-        std::fill(at, at + G * D, 0.0f);
+        std::fill(mt, mt + H, -std::numeric_limits<float>::infinity());
+        std::fill(lt, lt + H, 0.0f);
+        std::fill(at, at + H * D, 0.0f);
         continue;
       }
-      attend(sh, qp + (b * sh.H + h * G) * D, kb, vb, sp + b * sh.K, h, k0, k1, mt, lt, at);
+      attend(sh, qp + b * H * D, kb, vb, sp + b * sh.K, k0, k1, mt, lt, at);
     }
   });
   at::Tensor out = at::empty_like(q);
   float* op = out.data_ptr<float>();
-  for (int64_t bh = 0; bh < sh.B * sh.KvH; ++bh) {
-    for (int64_t g = 0; g < G; ++g) {
+  for (int64_t b = 0; b < sh.B; ++b) {
+    for (int64_t hq = 0; hq < H; ++hq) {
       float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t s = 0; s < splits; ++s) mx = std::max(mx, m[(bh * splits + s) * G + g]);
+      for (int64_t s = 0; s < splits; ++s) mx = std::max(mx, m[(b * splits + s) * H + hq]);
       float total = 0.0f;
-      float* dst = op + (bh * G + g) * D;
+      float* dst = op + (b * H + hq) * D;
       std::fill(dst, dst + D, 0.0f);
       for (int64_t s = 0; s < splits; ++s) {
-        const int64_t t = bh * splits + s;
-        if (l[t * G + g] == 0.0f) continue;
-        const float w = std::exp(m[t * G + g] - mx);
-        total += w * l[t * G + g];
-        const float* a = acc.data() + (t * G + g) * D;
+        const int64_t i = (b * splits + s) * H + hq;
+        if (l[i] == 0.0f) continue;
+        const float w = std::exp(m[i] - mx);
+        total += w * l[i];
+        const float* a = acc.data() + i * D;
         for (int64_t d = 0; d < D; ++d) dst[d] += w * a[d];
       }
       for (int64_t d = 0; d < D; ++d) dst[d] /= total;
