@@ -1,11 +1,13 @@
 // Matmuls of a few float32 rows (a decode step) against weights held as exact 4- or 8-bit blocks
-// (GGUF Q4_1 / Q8_0 values): a quarter or an eighth of the bytes a float32 GEMV reads, decoded
-// to float32 in registers. AVX2 + FMA; one output row per task of torch's intra-op pool.
+// (GGUF Q4_1 / Q8_0 values): 0.75 or 1.125 bytes per weight where a float32 GEMV reads 4, decoded
+// to float32 in registers. AVX2 + FMA; output rows (N) split over torch's intra-op pool.
+// One input row takes per-group dot products with the raw q (q4_rows / q8_rows); 2-8 rows rebuild
+// each block's exact weights once and share them (shared_rows).
 //
 // Layout (see hicache/model/block_quant.py, which packs and documents it): groups of 32 along K;
 //   q4: qs uint8 [N, K/2], byte j of a group = q[j] | q[j+16] << 4; W = scale*q + minv
 //   q8: qs int8 [N, K];                                             W = scale*q
-// Results equal x @ W.T up to float32 rounding order (sums are taken per group, then scaled).
+// Results equal x @ W.T up to float32 rounding order.
 #include <immintrin.h>
 #include <ATen/Parallel.h>
 #include <ATen/ATen.h>
