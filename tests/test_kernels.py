@@ -86,6 +86,24 @@ def test_rms_norm_matches_torch(ops):
         torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), F.rms_norm(x, (shape[-1],), w, 1e-5))
 
 
+def test_rope_and_silu_mul_match_the_torch_ops_they_replace(ops):
+    from hicache.model.llama import rotate_half
+
+    t, heads, dim = 5, 12, 64
+    qkv = torch.randn(t, heads * dim + 3 * dim)  # 12 rotated heads, then v's columns untouched
+    angles = torch.randn(t, dim // 2) * 10
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    rotated = qkv[:, : heads * dim].view(t, heads, dim)
+    want = rotated * cos[:, None] + rotate_half(rotated) * sin[:, None]
+    got = qkv.clone()
+    ops.rope_(got, cos, sin, heads, dim)
+    torch.testing.assert_close(got[:, : heads * dim].view(t, heads, dim), want)
+    assert torch.equal(got[:, heads * dim:], qkv[:, heads * dim:])
+    gate_up = torch.randn(3, 2 * 1536) * 6
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up)
+
+
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
 def test_paged_decode_attention_matches_padded_sdpa(ops, heads, kv_heads, dim):
     g = torch.Generator().manual_seed(1)

@@ -24,7 +24,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("block_quant.cpp", "rms_norm.cpp", "decode_attention.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("block_quant.cpp", "layer_ops.cpp", "decode_attention.cpp")]
+HEADERS = [Path(__file__).with_name("simd.h")]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 
 
@@ -32,7 +33,7 @@ def build_dir() -> Path:
     """Where the library for this source (its text and its place: two checkouts never rebuild
     each other's library under a running process), these flags and this torch lives."""
     key = hashlib.sha256()
-    for src in SOURCES:
+    for src in [*SOURCES, *HEADERS]:
         key.update(str(src.resolve()).encode())
         key.update(src.read_bytes())
     key.update(" ".join(CFLAGS).encode())

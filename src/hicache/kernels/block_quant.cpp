@@ -12,6 +12,8 @@
 #include <ATen/Parallel.h>
 #include <ATen/ATen.h>
 #include <torch/library.h>
+
+#include "simd.h"
 #include <c10/util/Exception.h>
 
 #include <cmath>
@@ -21,13 +23,7 @@ namespace {
 
 constexpr int64_t kGroup = 32;
 
-inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-  return _mm_cvtss_f32(lo);
-}
+using hicache_simd::hsum;
 
 inline __m256 u8x8_to_ps(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)); }
 inline __m256 i8x8_to_ps(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)); }

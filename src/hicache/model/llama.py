@@ -30,13 +30,21 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # one fused kernel; the same arithmetic as below
-            ops = cpu_kernels() if x.device.type == "cpu" else None
+            ops = native_ops(x)
             if ops is not None:  # torch's CPU rms_norm is several small ops: a decode step pays 60 of them
                 return ops.rms_norm(x.contiguous(), self.weight, self.eps)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)  # rounded before the weight, as the reference models do
+
+
+def native_ops(x: torch.Tensor):
+    """The native CPU kernels when they serve ``x`` (a contiguous float32 CPU tensor), else None:
+    the torch ops beside each call are the same arithmetic for every other device and dtype."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous():
+        return None
+    return cpu_kernels()
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -72,8 +80,13 @@ class Attention(nn.Module):
         qkv = self.qkv.whole(x)
         # q and k sit side by side in the fused output: rotate both heads' sets in one pass.
         qk_heads = self.num_heads + self.num_kv_heads
-        qk = qkv[:, : qk_heads * self.head_dim].view(t, qk_heads, self.head_dim)
-        qk = qk * cos + rotate_half(qk) * sin
+        ops = native_ops(qkv)
+        if ops is not None and self.head_dim % 16 == 0:
+            ops.rope_(qkv, cos.view(t, -1), sin.view(t, -1), qk_heads, self.head_dim)
+            qk = qkv[:, : qk_heads * self.head_dim].view(t, qk_heads, self.head_dim)
+        else:
+            qk = qkv[:, : qk_heads * self.head_dim].view(t, qk_heads, self.head_dim)
+            qk = qk * cos + rotate_half(qk) * sin
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, qk_heads * self.head_dim:].view(t, self.num_kv_heads, self.head_dim)
 
@@ -130,8 +143,14 @@ class MLP(nn.Module):
         self.tp_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # sum over TP ranks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x)
-        out = self.down(F.silu(gate) * up)
+        gate_up = self.gate_up.whole(x)
+        ops = native_ops(gate_up)
+        if ops is not None and gate_up.shape[-1] % 16 == 0:
+            hidden = ops.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            hidden = F.silu(gate) * up
+        out = self.down(hidden)
         return out if self.tp_reduce is None else self.tp_reduce(out)
 
 
