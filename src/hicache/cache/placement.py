@@ -1,0 +1,143 @@
+"""Page placement for KV sharded across ranks (context parallelism; MLA latent sharding).
+
+Every rank of a shard group keeps the same logical radix tree, request tables and logical page
+ids; only the pool translates, at the copy boundary. Logical page ``q`` lives on rank
+``q mod N`` at that rank's local page ``q // N`` -- arithmetic, no table. Local page 0 of every
+rank is the padding page, so logical pages ``0 .. N-1`` are never handed out.
+
+Ownership follows the sequence: the page at position ``i`` of a sequence (0-based, in pages)
+belongs to rank ``i mod N``. Two sequences that share a prefix therefore agree on its owners,
+an extension continues the rotation (seed, Figure 1a: A/B/C on ranks 0, 1, 0, so D goes to
+rank 1), and every rank contributes about 1/N of any prefix to the per-layer gather.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class PagePlacement:
+    """Where logical pages and slots live among ``num_shards`` ranks (``page_size`` tokens a page)."""
+
+    num_shards: int
+    page_size: int
+
+    def __post_init__(self) -> None:
+        if self.num_shards < 1 or self.page_size < 1:
+            raise ValueError(f"placement needs >= 1 shard and page size >= 1, got {self.num_shards}, {self.page_size}")
+
+    def owner(self, page):
+        """The rank that holds logical ``page`` (int or array)."""
+        return page % self.num_shards
+
+    def local_page(self, page):
+        """The page's index in its owner's pool (int or array)."""
+        return page // self.num_shards
+
+    def logical_page(self, owner: int, local_page: int) -> int:
+        return local_page * self.num_shards + owner
+
+    def locate(self, slot):
+        """``(owner, local row)`` of logical ``slot``: page ``q = slot // p`` on rank ``q mod N``,
+        row ``(q // N) * p + slot mod p`` of that rank's buffers."""
+        q = slot // self.page_size
+        return q % self.num_shards, (q // self.num_shards) * self.page_size + slot % self.page_size
+
+    def owner_at(self, position):
+        """The owner of the page at ``position`` (pages from a sequence's start)."""
+        return position % self.num_shards
+
+    def follows_rotation(self, pages: np.ndarray, first_position: int = 0) -> bool:
+        """Whether ``pages`` (a sequence's pages from ``first_position`` on) sit on the owners the
+        rotation gives their positions; a tree insert or a reload must never break it."""
+        positions = np.arange(first_position, first_position + len(pages))
+        return bool(np.array_equal(self.owner(np.asarray(pages, dtype=np.int64)), self.owner_at(positions)))
+
+
+class ShardedPageAllocator:
+    """Logical page ids for a shard group: one free list per owner, ``pages_per_shard`` local
+    pages each (local page 0 reserved). :meth:`alloc` hands out pages that continue a sequence's
+    owner rotation. Like :class:`~hicache.cache.pools.PageAllocator`, the order is a pure
+    function of the alloc/free sequence, so every rank computes the same ids (DESIGN invariant 3).
+    """
+
+    def __init__(self, placement: PagePlacement, pages_per_shard: int) -> None:
+        if pages_per_shard < 2:
+            raise ValueError("each shard needs at least one usable page besides its padding page 0")
+        self.placement = placement
+        self.pages_per_shard = pages_per_shard
+        self.num_pages = placement.num_shards * pages_per_shard  # logical ids 0 .. num_pages-1
+        self.reset()
+
+    def reset(self) -> None:
+        n = self.placement.num_shards
+        self._free = [list(range(self.pages_per_shard * n + owner - n, owner, -n)) for owner in range(n)]
+
+    @property
+    def capacity(self) -> int:
+        """Usable logical pages (excludes every shard's padding page)."""
+        return self.num_pages - self.placement.num_shards
+
+    @property
+    def available(self) -> int:
+        return sum(len(free) for free in self._free)
+
+    def available_on(self, owner: int) -> int:
+        return len(self._free[owner])
+
+    def alloc(self, n: int, first_position: int = 0) -> np.ndarray | None:
+        """``n`` logical pages for positions ``first_position ..`` of a sequence, each on the
+        owner the rotation gives it; None (and no change) when an owner runs short."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} pages")
+        owners = self.placement.owner_at(np.arange(first_position, first_position + n))
+        need = np.bincount(owners, minlength=self.placement.num_shards)
+        if any(need[o] > len(self._free[o]) for o in range(self.placement.num_shards)):
+            return None
+        # Each free list is kept in descending order: pop() hands out the lowest id first.
+        return np.array([self._free[o].pop() for o in owners], dtype=np.int64)
+
+    def free(self, pages: np.ndarray) -> None:
+        for page in np.asarray(pages, dtype=np.int64).tolist():
+            free = self._free[page % self.placement.num_shards]
+            free.append(page)
+            # Keep descending order so allocation stays a pure function of the operations.
+            if len(free) > 1 and free[-2] < page:
+                free.sort(reverse=True)
+
+
+@dataclass(frozen=True)
+class GatherPlan:
+    """How a sharded prefix is gathered for one layer (seed, Figure 1b).
+
+    Each rank contributes ``contributions[rank]``: the local pages it owns of the prefix, in
+    sequence order, padded with its padding page 0 to the longest rank's count, so every rank
+    sends the same number of pages. The all-gather lays them out owner after owner; ``page_table``
+    gives, for the prefix's pages in logical order, their page index in that gathered buffer, so
+    attention reads A, B, C in order without moving a page.
+    """
+
+    contributions: list[np.ndarray]  # [N] local page ids per rank, each of length pages_per_rank
+    page_table: np.ndarray  # [len(prefix)] index into the gathered [N * pages_per_rank] pages
+
+    @property
+    def pages_per_rank(self) -> int:
+        return len(self.contributions[0])
+
+    @classmethod
+    def for_prefix(cls, placement: PagePlacement, pages: np.ndarray) -> "GatherPlan":
+        pages = np.asarray(pages, dtype=np.int64)
+        owners = placement.owner(pages)
+        counts = np.bincount(owners, minlength=placement.num_shards)
+        width = int(counts.max()) if len(pages) else 0
+        contributions = [np.zeros(width, dtype=np.int64) for _ in range(placement.num_shards)]
+        page_table = np.empty(len(pages), dtype=np.int64)
+        filled = [0] * placement.num_shards
+        for i, (page, owner) in enumerate(zip(pages.tolist(), owners.tolist())):
+            contributions[owner][filled[owner]] = placement.local_page(page)
+            page_table[i] = owner * width + filled[owner]
+            filled[owner] += 1
+        return cls(contributions, page_table)

@@ -1,0 +1,84 @@
+"""Page placement for sharded KV (issue 13): the seed's Figures 1a and 1b, reproduced with the
+real radix tree and allocator, and the slot arithmetic of the pools' copy boundary."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hicache.cache.placement import GatherPlan, PagePlacement, ShardedPageAllocator
+from hicache.cache.radix import RadixCache
+
+PAGE = 4
+NS = "figure-1a"
+
+
+def block(first: int) -> list[int]:
+    """One page of tokens: the seed's A, B, C... are one page each."""
+    return list(range(first, first + PAGE))
+
+
+A, B, C, D, E = (block(100 * i) for i in range(1, 6))
+
+
+def test_figure_1a_logical_tree_and_owner_rotation():
+    placement = PagePlacement(num_shards=2, page_size=PAGE)
+    allocator = ShardedPageAllocator(placement, pages_per_shard=8)
+    tree = RadixCache(PAGE, allocator)
+
+    abc = allocator.alloc(3, first_position=0)
+    tree.insert(NS, A + B + C, abc)
+    # A/B/E shares the A/B node and branches: E continues the rotation at position 2 (rank 0).
+    shared = tree.match_prefix(NS, A + B + E).device_pages
+    e = allocator.alloc(1, first_position=len(shared))
+    tree.insert(NS, A + B + E, np.concatenate([shared, e]))
+
+    pages = {"A": abc[0], "B": abc[1], "C": abc[2], "E": e[0]}
+    where = {name: (placement.owner(p), placement.local_page(p)) for name, p in pages.items()}
+    assert where == {"A": (0, 1), "C": (0, 2), "E": (0, 3), "B": (1, 1)}  # the figure's pools
+
+    # Extending the matched A/B/C allocates D after owners 0, 1, 0: rank 1, logical page 5, local 2.
+    matched = tree.match_prefix(NS, A + B + C + D).device_pages
+    assert matched.tolist() == [pages["A"], pages["B"], pages["C"]]
+    d = allocator.alloc(1, first_position=len(matched))
+    assert d.tolist() == [5] and placement.owner(5) == 1 and placement.local_page(5) == 2
+    tree.insert(NS, A + B + C + D, np.concatenate([matched, d]))
+    for path in (A + B + C + D, A + B + E):
+        assert placement.follows_rotation(tree.match_prefix(NS, path).device_pages)
+
+
+def test_figure_1b_gather_plan_reads_the_prefix_in_logical_order():
+    placement = PagePlacement(num_shards=2, page_size=PAGE)
+    plan = GatherPlan.for_prefix(placement, np.array([2, 3, 4]))  # A, B, C of Figure 1a
+    # Rank 0 contributes A and C, rank 1 contributes B and a padding page.
+    assert [c.tolist() for c in plan.contributions] == [[1, 2], [1, 0]]
+    gathered = ["A", "C", "B", "pad"]  # owner-ordered buffer after the all-gather
+    assert [gathered[i] for i in plan.page_table] == ["A", "B", "C"]
+
+
+def test_slot_arithmetic_matches_the_issue_formula():
+    placement = PagePlacement(num_shards=3, page_size=PAGE)
+    for slot in range(0, 200, 7):
+        q = slot // PAGE
+        assert placement.locate(slot) == (q % 3, (q // 3) * PAGE + slot % PAGE)
+    slots = np.arange(64)
+    owners, rows = placement.locate(slots)
+    assert owners.tolist() == [(s // PAGE) % 3 for s in range(64)]
+    assert placement.logical_page(2, 5) == 17 and placement.owner(17) == 2 and placement.local_page(17) == 5
+
+
+def test_allocator_keeps_rotation_refuses_when_an_owner_is_short_and_recycles():
+    placement = PagePlacement(num_shards=2, page_size=PAGE)
+    allocator = ShardedPageAllocator(placement, pages_per_shard=3)  # local pages 1, 2 per rank
+    assert allocator.capacity == 4 and allocator.available == 4
+    first = allocator.alloc(3, first_position=1)  # owners 1, 0, 1
+    assert placement.follows_rotation(first, first_position=1)
+    assert allocator.available_on(0) == 1 and allocator.available_on(1) == 0
+    assert allocator.alloc(1, first_position=1) is None  # rank 1 is out: no page from rank 0 instead
+    assert allocator.available == 1  # a refused alloc changes nothing
+    allocator.free(first)
+    again = allocator.alloc(3, first_position=1)
+    assert again.tolist() == first.tolist()  # a pure function of the alloc/free sequence
+    assert not placement.follows_rotation(again, first_position=0)
+    with pytest.raises(ValueError):
+        allocator.alloc(-1)
