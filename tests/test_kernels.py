@@ -4,6 +4,7 @@ and runs without them."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -135,14 +136,31 @@ def test_paged_decode_attention_rejects_slots_outside_the_buffers(ops):
         ops.paged_decode_attention(q, k_buf, k_buf, torch.tensor([[3, 4]]), torch.tensor([3]))
 
 
-def test_model_without_kernels_still_runs():
-    """``HICACHE_KERNELS=0`` (or a machine where they cannot build): torch's kernels throughout."""
-    code = ("from hicache.kernels import cpu_kernels; from hicache.model import load_model; import torch;"
-            "m = load_model('random:tiny', dtype=torch.float32).model; "
-            "print(cpu_kernels() is None, sorted(m.decode_formats())); print(m.decode_formats() and 'ran')")
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "HICACHE_KERNELS": "0"},
-                         capture_output=True, text=True, check=True).stdout
-    assert out.splitlines()[0] == "True ['same']"
+FORWARD = """
+import json, sys, torch
+from hicache.kernels import cpu_kernels
+from hicache.model import DenseKV, load_model, make_forward_batch
+loaded = load_model("random:small", dtype=torch.float32)
+kv = DenseKV(loaded.spec, 64, torch.float32)
+ids = list(range(3, 23))
+with torch.inference_mode():  # a prefill, then a decode step over its cached prefix
+    first = loaded.model(make_forward_batch([ids], [0], [torch.arange(1, 21)]), kv)
+    step = loaded.model(make_forward_batch([[7]], [20], [torch.arange(1, 22)]), kv)
+print(json.dumps({"kernels": cpu_kernels() is not None, "logits": torch.cat([first, step]).tolist()}))
+"""
+
+
+def test_model_without_kernels_runs_and_agrees_with_them():
+    """``HICACHE_KERNELS=0`` (or a machine where they cannot build): torch's kernels throughout,
+    the same logits up to rounding order."""
+    runs = {}
+    for flag in ("0", "1"):
+        out = subprocess.run([sys.executable, "-c", FORWARD], env={**os.environ, "HICACHE_KERNELS": flag},
+                             capture_output=True, text=True, check=True).stdout
+        runs[flag] = json.loads(out.splitlines()[-1])
+    assert runs["0"]["kernels"] is False and runs["1"]["kernels"] is True
+    torch.testing.assert_close(torch.tensor(runs["1"]["logits"]), torch.tensor(runs["0"]["logits"]),
+                               rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.slow
@@ -164,3 +182,18 @@ def test_smollm2_decodes_from_its_own_4_bit_blocks_with_the_same_greedy_output()
     finally:
         blocks.shutdown()
         plain.shutdown()
+
+
+def test_a_build_lock_left_by_a_killed_build_is_cleared_and_a_live_one_kept(tmp_path):
+    import time
+
+    from hicache.kernels import STALE_LOCK_S, _clear_stale_lock
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    _clear_stale_lock(lock)
+    assert lock.exists()  # a build may be running: torch's builder waits on it
+    old = time.time() - STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    _clear_stale_lock(lock)
+    assert not lock.exists()  # nobody holds it: waiting on it would hang start-up forever

@@ -41,7 +41,8 @@ class EngineConfig:
         "8-bit blocks (a GGUF Q4_1/Q8_0 model, e.g. smollm2), read those blocks through native AVX2 "
         "kernels -- the same weights at a quarter to an eighth of the bytes -- else the loaded weights. "
         "'same': the loaded weights through torch. 'bfloat16': a rounded copy (lossy: outputs can "
-        "differ; its KV never shares cache keys with the others). Prefill always reads --dtype.",
+        "differ; its KV never shares cache keys with the others). Passes of more than 8 tokens (prefill) "
+        "always read --dtype.",
         ("auto", "same", "bfloat16"),
     )
     device: str = _opt("auto", "'auto' (cuda when present, else cpu), 'cpu' or 'cuda[:N]'.")

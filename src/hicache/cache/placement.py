@@ -101,12 +101,13 @@ class ShardedPageAllocator:
         return np.array([self._free[o].pop() for o in owners], dtype=np.int64)
 
     def free(self, pages: np.ndarray) -> None:
-        for page in np.asarray(pages, dtype=np.int64).tolist():
-            free = self._free[page % self.placement.num_shards]
-            free.append(page)
-            # Keep descending order so allocation stays a pure function of the operations.
-            if len(free) > 1 and free[-2] < page:
-                free.sort(reverse=True)
+        pages = np.asarray(pages, dtype=np.int64)
+        if len(pages) and pages.min() < self.placement.num_shards:
+            raise ValueError("a shard's padding page (logical 0 .. N-1) is never allocated, so never freed")
+        owners = self.placement.owner(pages)
+        for owner in np.unique(owners).tolist():
+            # Descending order: pop() hands out the lowest id, a pure function of the operations.
+            self._free[owner] = sorted(self._free[owner] + pages[owners == owner].tolist(), reverse=True)
 
 
 @dataclass(frozen=True)

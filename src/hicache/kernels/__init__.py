@@ -72,6 +72,7 @@ def _load() -> object:
     folder = build_dir()
     folder.mkdir(parents=True, exist_ok=True)
     fresh = not (folder / "hicache_kernels.so").exists()
+    _clear_stale_lock(folder / "lock")
     start = time.perf_counter()
     # ninja may live beside this interpreter (the venv's `ninja` package), not on PATH.
     os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
@@ -81,3 +82,17 @@ def _load() -> object:
     if fresh:
         logger.info("built native CPU kernels in %.1f s: %s", time.perf_counter() - start, folder)
     return torch.ops.hicache
+
+
+STALE_LOCK_S = 600  # a build takes ~20 s (a few minutes on a busy machine)
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    """torch's builder waits forever on a lock file left by a process killed mid-build."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        logger.warning("removing a kernel build lock %.0f s old (a build was killed?): %s", age, lock)
+        lock.unlink(missing_ok=True)

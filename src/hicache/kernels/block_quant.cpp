@@ -110,9 +110,10 @@ void q8_rows(const float* x, const int8_t* qs, const float* scale, float* out,
   }
 }
 
-// Several rows: rebuild each block's float32 weights once -- d * q, then + m, rounded as the
-// loader rounded them, so these are the model's exact weights -- and share them across the rows:
-// one FMA per weight and row instead of re-decoding the block per row.
+// Several rows: rebuild each block's float32 weights once -- d * q + m, the model's exact weights:
+// d is a float16 value and |q| <= 127, so d * q is exact in float32 and a fused multiply-add (the
+// compiler may contract one) rounds once, as the loader's separate add did -- and share them
+// across the rows: one FMA per weight and row instead of re-decoding the block per row.
 template <int M, typename Block>
 void shared_rows(const float* x, float* out, int64_t K, int64_t N, int64_t n0, int64_t n1, Block&& block) {
   constexpr int A = M <= 4 ? 2 : 1;  // independent sums per row: short chains, while registers last

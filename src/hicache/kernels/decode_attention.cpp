@@ -153,6 +153,7 @@ void check(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
                                   const at::Tensor& kv_slots, const at::Tensor& lengths) {
   check(q, k_buf, v_buf, kv_slots, lengths);
+  if (q.size(0) == 0) return at::empty_like(q);
   Shape sh{q.size(0), q.size(1), k_buf.size(1), q.size(1) / k_buf.size(1), q.size(2), kv_slots.size(1), k_buf.size(0)};
   const int64_t* len = lengths.data_ptr<int64_t>();
   const int64_t longest = sh.B ? *std::max_element(len, len + sh.B) : 0;

@@ -10,9 +10,10 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// exp(x), Cephes' expf (~1 ulp): 0 below -87.3, clamped at 88.3 above (float32's largest).
+// exp(x), Cephes' expf (~1 ulp) on [-87.3, 88.3]; below, exp(-87.3) ~ 1e-38; above, exp(88.3)
+// (float32's largest). NaN stays NaN (max/min return their second operand when one is NaN).
 inline __m256 exp_ps(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  x = _mm256_min_ps(_mm256_set1_ps(88.3f), _mm256_max_ps(_mm256_set1_ps(-87.3f), x));
   __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
   x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
   x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);

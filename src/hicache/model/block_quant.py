@@ -4,7 +4,8 @@ A GGUF model stores most matrices as Q4_1 (groups of 32 along K: ``W = d * q + m
 d and m float16) or Q8_0 (``W = d * q``, q in -127..127); loading dequantizes them to float32, so
 a decode step reads 4 bytes per weight. The copies here take 0.75 (Q4_1) or 1.125 (Q8_0): the
 blocks' scales are kept in float32, so the kernels never convert them. :func:`pack_exact` recovers
-the blocks from the float32 matrix and keeps them only if they rebuild every weight bit for bit --
+the blocks from the float32 matrix and keeps them only if they rebuild every weight exactly (a
+-0.0 weight comes back as +0.0, the one difference ``torch.equal`` does not see) --
 the values are the model's own, not a new quantization -- so a matrix that is not block-exact
 (a float32 checkpoint, a TP shard that cuts a group, bf16 weights) simply gets no copy.
 """
@@ -46,7 +47,7 @@ class BlockQuantWeight:
 
 def pack_exact(w: torch.Tensor) -> Optional[BlockQuantWeight]:
     """The 4-bit (else 8-bit) blocks that rebuild the float32 CPU matrix ``w`` exactly, or None."""
-    if w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2 or w.shape[1] % GROUP:
+    if w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2 or w.shape[1] % GROUP or not w.numel():
         return None
     groups = w.detach().reshape(w.shape[0], -1, GROUP)
     return _pack_q4(groups) or _pack_q8(groups)

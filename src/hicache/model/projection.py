@@ -34,7 +34,8 @@ class Projection:
 
     ``decode_weights`` (one of :data:`DECODE_WEIGHTS`, set by
     :meth:`LlamaForCausalLM.set_decode_weights`): passes of at most :data:`DECODE_ROWS` rows read
-    exact blocks or a dtype copy when there is one; prefill always reads the fused originals.
+    exact blocks or a dtype copy when there is one; larger passes (prefill) read the fused
+    originals.
     """
 
     def __init__(self, *parts: Union[nn.Linear, nn.Embedding]) -> None:
