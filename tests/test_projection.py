@@ -93,3 +93,8 @@ def test_weights_are_fused_and_decode_copies_made_before_the_kv_pool_is_sized():
     shard_model(loaded.model, model_shard(loaded.spec, 0, 2, 0, 2), None)  # TP half, first of 2 stages
     assert loaded.model.head is None  # a first stage holds no LM head
     assert all(p.prepared for p in loaded.model.projections())
+    # A rank loading to shard skips the whole model's copies: shard_model makes its slices' own.
+    rank = load_model("random:small", dtype=torch.float32, decode_weights="bfloat16", to_be_sharded=True)
+    assert not any(p.prepared for p in rank.model.projections())
+    shard_model(rank.model, model_shard(rank.spec, 1, 2, 1, 2), None)
+    assert all(p.prepared and p.decode_format == "bfloat16" for p in rank.model.projections())

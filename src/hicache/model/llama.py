@@ -209,15 +209,17 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             yield from (part for part in vars(module).values() if isinstance(part, Projection))
 
-    def set_decode_weights(self, mode: str) -> None:
+    def set_decode_weights(self, mode: str, prepare: bool = True) -> None:
         """What decode steps read (see :data:`~hicache.model.projection.DECODE_WEIGHTS`): exact
         blocks where a matrix has them ("auto"), the loaded weights ("same"), or a dtype copy
-        (lossy unless the dtype holds every weight). Prefill keeps the loaded weights."""
+        (lossy unless the dtype holds every weight). Larger passes keep the loaded weights.
+        ``prepare=False``: make the copies later (a rank packs only its shard, in shard_model)."""
         if mode not in DECODE_WEIGHTS:
             raise ValueError(f"decode weights {mode!r}: expected one of {', '.join(DECODE_WEIGHTS)}")
         for projection in self.projections():
             projection.decode_weights = mode
-        self.prepare_projections()
+        if prepare:
+            self.prepare_projections()
 
     def decode_formats(self) -> dict[str, int]:
         """How many projections decode steps run in each format ("q4": 120, "q8": 1...)."""

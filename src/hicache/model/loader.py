@@ -49,14 +49,15 @@ def _file_fingerprint(paths: list[Path]) -> str:
 
 
 def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu", seed: int = 0,
-               weights: bool = True, decode_weights: str = "auto") -> LoadedModel:
+               weights: bool = True, decode_weights: str = "auto", to_be_sharded: bool = False) -> LoadedModel:
     """Load ``name``: ``"smollm2"`` (embedded GGUF), a local HF directory, or ``"random:<preset|JSON>"``.
 
     ``seed`` only matters for random models. ``weights=False`` reads only the shape, the
     tokenizer and the identity (``model`` is None): what a process that only tokenizes needs.
     ``decode_weights``: what decode steps read (see :meth:`LlamaForCausalLM.set_decode_weights`);
     a lossy dtype copy changes the KV they write, so it is part of the identity (exact blocks
-    are the same weights and are not).
+    are the same weights and are not). ``to_be_sharded``: :func:`~hicache.model.parallel.shard_model`
+    follows, which fuses and packs the rank's slices; nothing is packed here for the whole model.
     Raises :class:`ModelNotFoundError` (a ConfigError) for names that resolve to nothing.
     """
     if dtype not in SUPPORTED_DTYPES:
@@ -92,5 +93,6 @@ def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.dev
     if decode_weights not in ("auto", "same") and getattr(torch, decode_weights) != dtype:
         identity += f":decode-{decode_weights}"
     if model is not None:
-        model.set_decode_weights(decode_weights)  # fuses and packs now: before the pool is sized
+        # Fuses and packs now (before the pool is sized), or in shard_model for a rank's slices.
+        model.set_decode_weights(decode_weights, prepare=not to_be_sharded)
     return LoadedModel(model, tokenizer, spec, name, identity, time.perf_counter() - start)

@@ -234,7 +234,7 @@ def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox:
         dtype = DTYPES[choose_dtype(cfg.dtype, device)]  # (node 0's Engine passes it resolved)
         groups = ParallelGroups(info, init_method, device)
         loaded = load_model(cfg.model, dtype=dtype, device=device, seed=cfg.random_seed,
-                            decode_weights=cfg.decode_weight_dtype)
+                            decode_weights=cfg.decode_weight_dtype, to_be_sharded=True)
         shard = model_shard(loaded.spec, info.tp_rank, info.tp_size, info.pp_rank, info.pp_size)
         shard_model(loaded.model, shard, groups.tp_reduce if info.tp_size > 1 else None)
         if device.type == "cpu":  # the largest partial sum: a full prefill chunk or decode batch
