@@ -127,6 +127,15 @@ def test_paged_decode_attention_matches_padded_sdpa(ops, heads, kv_heads, dim):
     torch.testing.assert_close(got, decode_attention(q, *gathered, bias, None), rtol=1e-5, atol=1e-5)
 
 
+def test_a_corrupt_key_poisons_decode_attention_instead_of_vanishing(ops):
+    """A NaN in the KV (a bad load) must show, as it does in SDPA, not get a zero weight."""
+    k_buf, v_buf = torch.randn(300, 1, 32), torch.randn(300, 1, 32)
+    k_buf[5] = float("nan")
+    out = ops.paged_decode_attention(torch.randn(1, 2, 32), k_buf, v_buf, torch.arange(1, 257)[None],
+                                     torch.tensor([256]))
+    assert out.isnan().all()
+
+
 def test_paged_decode_attention_rejects_slots_outside_the_buffers(ops):
     k_buf = torch.randn(10, 1, 32)
     q = torch.randn(1, 1, 32)

@@ -1,7 +1,7 @@
 // Matmuls of a few float32 rows (a decode step) against weights held as exact 4- or 8-bit blocks
 // (GGUF Q4_1 / Q8_0 values): 0.75 or 1.125 bytes per weight where a float32 GEMV reads 4, decoded
 // to float32 in registers. AVX2 + FMA; output rows (N) split over torch's intra-op pool.
-// One input row takes per-group dot products with the raw q (q4_rows / q8_rows); 2-8 rows rebuild
+// One input row takes per-group dot products with the raw q (q4_row / q8_row); 2-8 rows rebuild
 // each block's exact weights once and share them (shared_rows).
 //
 // Layout (see hicache/model/block_quant.py, which packs and documents it): groups of 32 along K;
@@ -53,33 +53,28 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// out[m, n] = sum_g scale[n,g] * (x[m, g] . q[n, g]) + minv[n,g] * sum(x[m, g])
-template <int M>
-void q4_rows(const float* x, const float* xsum, const uint8_t* qs, const float* scale,
-             const float* minv, float* out, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+// One row: out[n] = sum_g scale[n,g] * (x[g] . q[n,g]) + minv[n,g] * xsum[g]. Even and odd
+// groups go to separate sums so that two FMA chains run side by side.
+void q4_row(const float* x, const float* xsum, const uint8_t* qs, const float* scale,
+            const float* minv, float* out, int64_t K, int64_t n0, int64_t n1) {
   const int64_t G = K / kGroup;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* qrow = qs + n * (K / 2);
     const float* srow = scale + n * G;
-    __m256 acc0[M], acc1[M];
-    for (int m = 0; m < M; ++m) acc0[m] = acc1[m] = _mm256_setzero_ps();
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     __m256 w0, w1, w2, w3;
     int64_t g = 0;
     for (; g + 2 <= G; g += 2) {
       unpack_q4(qrow + g * 16, w0, w1, w2, w3);
-      __m256 d0 = _mm256_set1_ps(srow[g]);
-      for (int m = 0; m < M; ++m) acc0[m] = _mm256_fmadd_ps(d0, dot32(w0, w1, w2, w3, x + m * K + g * kGroup), acc0[m]);
+      acc0 = _mm256_fmadd_ps(_mm256_set1_ps(srow[g]), dot32(w0, w1, w2, w3, x + g * kGroup), acc0);
       unpack_q4(qrow + g * 16 + 16, w0, w1, w2, w3);
-      __m256 d1 = _mm256_set1_ps(srow[g + 1]);
-      for (int m = 0; m < M; ++m) acc1[m] = _mm256_fmadd_ps(d1, dot32(w0, w1, w2, w3, x + m * K + (g + 1) * kGroup), acc1[m]);
+      acc1 = _mm256_fmadd_ps(_mm256_set1_ps(srow[g + 1]), dot32(w0, w1, w2, w3, x + (g + 1) * kGroup), acc1);
     }
-    for (; g < G; ++g) {
+    if (g < G) {
       unpack_q4(qrow + g * 16, w0, w1, w2, w3);
-      __m256 d0 = _mm256_set1_ps(srow[g]);
-      for (int m = 0; m < M; ++m) acc0[m] = _mm256_fmadd_ps(d0, dot32(w0, w1, w2, w3, x + m * K + g * kGroup), acc0[m]);
+      acc0 = _mm256_fmadd_ps(_mm256_set1_ps(srow[g]), dot32(w0, w1, w2, w3, x + g * kGroup), acc0);
     }
-    for (int m = 0; m < M; ++m)
-      out[m * N + n] = hsum(_mm256_add_ps(acc0[m], acc1[m])) + dot(minv + n * G, xsum + m * G, G);
+    out[n] = hsum(_mm256_add_ps(acc0, acc1)) + dot(minv + n * G, xsum, G);
   }
 }
 
@@ -90,23 +85,19 @@ inline void unpack_q8(const int8_t* p, __m256& w0, __m256& w1, __m256& w2, __m25
   w2 = i8x8_to_ps(b1); w3 = i8x8_to_ps(_mm_unpackhi_epi64(b1, b1));
 }
 
-// out[m, n] = sum_g scale[n,g] * (x[m, g] . q[n, g])
-template <int M>
-void q8_rows(const float* x, const int8_t* qs, const float* scale, float* out,
-             int64_t K, int64_t N, int64_t n0, int64_t n1) {
+// One row: out[n] = sum_g scale[n,g] * (x[g] . q[n,g]).
+void q8_row(const float* x, const int8_t* qs, const float* scale, float* out, int64_t K, int64_t n0, int64_t n1) {
   const int64_t G = K / kGroup;
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* qrow = qs + n * K;
     const float* srow = scale + n * G;
-    __m256 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    __m256 acc = _mm256_setzero_ps();
     __m256 w0, w1, w2, w3;
     for (int64_t g = 0; g < G; ++g) {
       unpack_q8(qrow + g * kGroup, w0, w1, w2, w3);
-      __m256 d = _mm256_set1_ps(srow[g]);
-      for (int m = 0; m < M; ++m) acc[m] = _mm256_fmadd_ps(d, dot32(w0, w1, w2, w3, x + m * K + g * kGroup), acc[m]);
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(srow[g]), dot32(w0, w1, w2, w3, x + g * kGroup), acc);
     }
-    for (int m = 0; m < M; ++m) out[m * N + n] = hsum(acc[m]);
+    out[n] = hsum(acc);
   }
 }
 
@@ -209,7 +200,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   dispatch_rows(M, [&](auto rows) {
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
       constexpr int R = decltype(rows)::value;
-      if constexpr (R == 1) q4_rows<1>(xp, xs, qp, sp, mp, op, K, N, n0, n1);
+      if constexpr (R == 1) q4_row(xp, xs, qp, sp, mp, op, K, n0, n1);
       else q4_rows_shared<R>(xp, qp, sp, mp, op, K, N, n0, n1);
     });
   });
@@ -226,7 +217,7 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   dispatch_rows(M, [&](auto rows) {
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
       constexpr int R = decltype(rows)::value;
-      if constexpr (R == 1) q8_rows<1>(xp, qp, sp, op, K, N, n0, n1);
+      if constexpr (R == 1) q8_row(xp, qp, sp, op, K, n0, n1);
       else q8_rows_shared<R>(xp, qp, sp, op, K, N, n0, n1);
     });
   });

@@ -7,6 +7,7 @@ dimension ``i`` pairs with ``i + head_dim / 2``; loaders of other layouts (GGUF)
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -32,7 +33,7 @@ class RMSNorm(nn.Module):
         if x.dtype == torch.float32:  # one fused kernel; the same arithmetic as below
             ops = native_ops(x)
             if ops is not None:  # torch's CPU rms_norm is several small ops: a decode step pays 60 of them
-                return ops.rms_norm(x.contiguous(), self.weight, self.eps)
+                return ops.rms_norm(x, self.weight, self.eps)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -80,12 +81,11 @@ class Attention(nn.Module):
         qkv = self.qkv.whole(x)
         # q and k sit side by side in the fused output: rotate both heads' sets in one pass.
         qk_heads = self.num_heads + self.num_kv_heads
+        qk = qkv[:, : qk_heads * self.head_dim].view(t, qk_heads, self.head_dim)
         ops = native_ops(qkv)
         if ops is not None and self.head_dim % 16 == 0:
-            ops.rope_(qkv, cos.view(t, -1), sin.view(t, -1), qk_heads, self.head_dim)
-            qk = qkv[:, : qk_heads * self.head_dim].view(t, qk_heads, self.head_dim)
+            ops.rope_(qkv, cos.view(t, -1), sin.view(t, -1), qk_heads, self.head_dim)  # in place: qk sees it
         else:
-            qk = qkv[:, : qk_heads * self.head_dim].view(t, qk_heads, self.head_dim)
             qk = qk * cos + rotate_half(qk) * sin
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, qk_heads * self.head_dim:].view(t, self.num_kv_heads, self.head_dim)
@@ -223,10 +223,7 @@ class LlamaForCausalLM(nn.Module):
 
     def decode_formats(self) -> dict[str, int]:
         """How many projections decode steps run in each format ("q4": 120, "q8": 1...)."""
-        formats: dict[str, int] = {}
-        for projection in self.projections():
-            formats[projection.decode_format] = formats.get(projection.decode_format, 0) + 1
-        return formats
+        return dict(Counter(projection.decode_format for projection in self.projections()))
 
     def prepare_projections(self) -> None:
         """Fuse the projections (and make decode copies) now, not at the first forward: loaders
