@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
+from hicache.cache.manager import KVCacheManager
 from hicache.cache.placement import GatherPlan, PagePlacement, ShardedPageAllocator
+from hicache.cache.pools import DeviceKVPool
 from hicache.cache.radix import RadixCache
 
 PAGE = 4
@@ -82,3 +85,40 @@ def test_allocator_keeps_rotation_refuses_when_an_owner_is_short_and_recycles():
     assert not placement.follows_rotation(again, first_position=0)
     with pytest.raises(ValueError):
         allocator.alloc(-1)
+
+
+def sharded_manager(pages_per_shard: int) -> KVCacheManager:
+    """A cache manager as one rank of a 2-way shard group sees it: its pool holds its own local
+    pages, every page id the tree and requests use is logical."""
+    pool = DeviceKVPool(1, 1, 4, pages_per_shard, PAGE, torch.float32, "cpu")
+    return KVCacheManager(pool, placement=PagePlacement(num_shards=2, page_size=PAGE))
+
+
+def test_admissions_follow_the_rotation_and_extensions_continue_it():
+    cache = sharded_manager(pages_per_shard=8)
+    assert cache.capacity_pages == 14  # 2 ranks x 7 usable local pages
+    abc = np.array(A + B + C + [1])
+    first = cache.admit(NS, abc, reserve_tokens=len(abc) + 2 * PAGE)  # 3 pages + 2 more for output
+    assert PagePlacement(2, PAGE).follows_rotation(first.pages)
+    cache.release(NS, abc, first)  # A, B, C cached
+    # A/B/C/D matches three pages and reserves the rest from position 3: rank 1 first.
+    abcd = np.array(A + B + C + D + [2])
+    second = cache.admit(NS, abcd, reserve_tokens=len(abcd))
+    assert second.device_hit_tokens == 3 * PAGE
+    assert PagePlacement(2, PAGE).owner(second.pages[3:]).tolist() == [1, 0]
+    assert PagePlacement(2, PAGE).follows_rotation(second.pages)
+    assert cache.device.owned_pages() == [3, 2]
+    cache.release(NS, abcd, second)
+
+
+def test_an_owner_short_of_pages_evicts_until_it_has_them():
+    cache = sharded_manager(pages_per_shard=3)  # 2 local pages per rank
+    short = np.array(A + [7])
+    cache.release(NS, short, cache.admit(NS, short, reserve_tokens=len(short)))  # A cached on rank 0
+    ef = np.array(E + block(900) + [8])
+    state = cache.admit("other", ef, reserve_tokens=len(ef))  # needs rank 0 twice: A must go
+    assert state is not None and cache.stats.evicted_device_pages >= 1
+    assert cache.tree.match_prefix(NS, short).device_hit_tokens == 0
+    cache.release("other", ef, state)
+    # Everything cached is evictable, yet a request wider than one owner's pool is refused.
+    assert cache.admit("third", np.arange(5 * PAGE + 1), reserve_tokens=5 * PAGE + 1) is None

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .placement import PagePlacement, ShardedPageAllocator
 from .pools import DeviceKVPool, PageAllocator, pages_to_slots
 from .radix import RadixCache
 from .tiers import CacheStats, Tier
@@ -45,13 +46,21 @@ class KVState:
 
 class DeviceTier:
     """The device pool's allocator and the tree (None when prefix reuse is off). ``lower`` is
-    the host tier, told of every node that becomes cached on the device."""
+    the host tier, told of every node that becomes cached on the device.
+
+    ``placement`` (KV page-sharded over N ranks): page ids are logical, ``pool`` holds this
+    rank's ``pool.num_pages`` local pages, and each of the N ranks as many; a request's pages
+    follow the owner rotation of their positions (:mod:`.placement`). Without one (or N = 1)
+    page ids are the pool's own."""
 
     def __init__(self, pool: DeviceKVPool, eviction_policy: str, enable_prefix_cache: bool,
-                 host_allocator: PageAllocator | None, stats: CacheStats) -> None:
+                 host_allocator: PageAllocator | None, stats: CacheStats,
+                 placement: PagePlacement | None = None) -> None:
         self.pool = pool
         self.page_size = pool.page_size
-        self.allocator = PageAllocator(pool.num_pages)
+        self.placement = placement if placement is not None and placement.num_shards > 1 else None
+        self.allocator: PageAllocator | ShardedPageAllocator = (
+            ShardedPageAllocator(self.placement, pool.num_pages) if self.placement else PageAllocator(pool.num_pages))
         self.tree = RadixCache(self.page_size, self.allocator, eviction_policy, host_allocator) \
             if enable_prefix_cache else None
         self.stats = stats
@@ -77,7 +86,7 @@ class DeviceTier:
                 host_nodes.append(n)
                 n = n.parent
             host_nodes.reverse()
-        new_pages = self._alloc(self.pages_for(reserve_tokens) - len(hit_pages))
+        new_pages = self._alloc(self.pages_for(reserve_tokens) - len(hit_pages), first_position=len(hit_pages))
         if new_pages is None:
             if node is not None:
                 self.tree.dec_lock_ref(node)
@@ -99,10 +108,27 @@ class DeviceTier:
         self.stats.storage_hit_tokens += state.storage_hit_tokens
         return state, host_nodes
 
-    def _alloc(self, n: int) -> np.ndarray | None:
-        if n > self.allocator.available and self.tree is not None:
-            self.stats.evicted_device_pages += self.tree.evict(n - self.allocator.available)
-        return self.allocator.alloc(n)
+    def _alloc(self, n: int, first_position: int) -> np.ndarray | None:
+        """``n`` pages for positions ``first_position ..`` of a sequence, evicting unlocked cache
+        while they do not fit. Sharded, every owner must have its share, so eviction (policy
+        order, owners mixed) repeats until they do or nothing is left to evict."""
+        while True:
+            pages = self.allocator.alloc(n, first_position)
+            short = self._shortfall(n, first_position)
+            if pages is not None or self.tree is None or short == 0:
+                return pages
+            freed = self.tree.evict(short)
+            self.stats.evicted_device_pages += freed
+            if freed == 0:
+                return None
+
+    def _shortfall(self, n: int, first_position: int) -> int:
+        """Pages missing for an ``n``-page allocation (on each owner, when sharded)."""
+        if self.placement is None:
+            return max(0, n - self.allocator.available)
+        owners = self.placement.owner_at(np.arange(first_position, first_position + n))
+        need = np.bincount(owners, minlength=self.placement.num_shards)
+        return int(sum(max(0, int(need[o]) - self.allocator.available_on(o)) for o in range(len(need))))
 
     def cache_prefix(self, namespace: str, tokens: np.ndarray, state: KVState) -> None:
         """Insert the whole pages of ``tokens`` (whose KV is computed) into the tree and move
@@ -140,12 +166,21 @@ class DeviceTier:
 
     def _insert(self, namespace: str, tokens: np.ndarray, state: KVState) -> None:
         n_pages = len(tokens) // self.page_size
+        if self.placement is not None and not self.placement.follows_rotation(state.pages[:n_pages]):
+            raise AssertionError("a sequence's pages must follow the owner rotation of their positions")
         already = self.tree.insert(namespace, tokens, state.pages[:n_pages]) // self.page_size
         # Pages we computed for a span another request cached first are duplicates: free them.
         if already > state.cached_pages:
             self.allocator.free(state.pages[state.cached_pages : already])
         if self.lower is not None:
             self.lower.on_insert(self.tree.node_at(namespace, tokens))
+
+    def owned_pages(self) -> list[int]:
+        """Pages in use (cached or held by requests) on each shard's pool; one entry unsharded."""
+        a = self.allocator
+        if self.placement is None:
+            return [a.capacity - a.available]
+        return [a.pages_per_shard - 1 - a.available_on(o) for o in range(self.placement.num_shards)]
 
     def usage(self) -> dict:
         tree, capacity = self.tree, self.allocator.capacity

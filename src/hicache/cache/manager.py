@@ -22,6 +22,7 @@ from .controller import TransferController
 from .device_tier import DeviceTier, KVState
 from .host_pool import HostKVPool
 from .host_tier import WRITE_POLICIES, HostTier
+from .placement import PagePlacement
 from .pools import DeviceKVPool, PageAllocator
 from .storage.base import StorageBackend
 from .storage.controller import Agree, PrefetchOp
@@ -60,19 +61,25 @@ class KVCacheManager:
         storage_agree: tuple[Agree, Agree] | None = None,
         shard: str = "",
         storage_op_timeout: float = 10.0,
+        placement: PagePlacement | None = None,
     ) -> None:
         """``storage_agree``: MIN-reduce functions for the prefetch and backup threads when
         several ranks share the deployment; ``shard``: names this rank's slice of the KV
         (layers, heads) so ranks never share storage objects; ``storage_op_timeout``: deadline
-        in seconds of each storage backend call (a breaker skips a backend that keeps failing)."""
+        in seconds of each storage backend call (a breaker skips a backend that keeps failing);
+        ``placement``: the device pages are page-sharded over a shard group (``pool`` holds this
+        rank's local pages; page ids everywhere else are logical)."""
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"unknown write policy {write_policy!r}")
+        if placement is not None and placement.num_shards > 1 and host_pool is not None:
+            raise ValueError("a host tier over page-sharded device KV is not built yet")
         if storage is not None and host_pool is None:
             raise ValueError("a storage tier needs a host pool (its prefetches land in host pages)")
         self.pool, self.page_size, self.host_pool, self.write_policy = pool, pool.page_size, host_pool, write_policy
         self.stats = CacheStats()
         self.host_allocator = PageAllocator(host_pool.num_pages) if host_pool is not None else None
-        self.device = DeviceTier(pool, eviction_policy, enable_prefix_cache, self.host_allocator, self.stats)
+        self.device = DeviceTier(pool, eviction_policy, enable_prefix_cache, self.host_allocator, self.stats,
+                                 placement)
         self.allocator, self.tree = self.device.allocator, self.device.tree
         k = pool.k_buffers[0]  # what a page object holds: this rank's layers and KV heads
         self.keys = KeyNamespace(self.page_size, str(k.dtype), tuple(k.shape[1:]), len(pool.k_buffers), shard)

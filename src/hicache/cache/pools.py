@@ -37,8 +37,9 @@ class PageAllocator:
     def available(self) -> int:
         return len(self._free)
 
-    def alloc(self, n: int) -> np.ndarray | None:
-        """``n`` page ids, or None (and no change) when fewer than ``n`` are free."""
+    def alloc(self, n: int, first_position: int = 0) -> np.ndarray | None:
+        """``n`` page ids, or None (and no change) when fewer than ``n`` are free. (Any page
+        serves any position here; ``first_position`` matters to a sharded allocator only.)"""
         if n < 0:
             # Fix: a negative n used to slice ``_free[:n]`` and hand out all but |n| free pages.
             raise ValueError(f"cannot allocate {n} pages")
