@@ -87,7 +87,7 @@ def test_every_tier_hits_and_output_equals_single_rank(
     try:
         assert multi_turn(engine, seed=7, storage_round=True) == reference
         stats = engine.stats()
-        assert stats["parallel"] == {"tp_size": tp, "pp_size": pp}
+        assert stats["parallel"] == {"tp_size": tp, "pp_size": pp, "attn_cp_size": 1, "kv_cache_sharding": False}
         assert stats["evicted_device_pages"] > 0
         assert all(stats["hit_tokens"][tier] > 0 for tier in ("device", "host", "storage")), stats["hit_tokens"]
         assert engine.group.monitor.divergence is None

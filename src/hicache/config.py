@@ -9,8 +9,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Optional, get_args, get_origin, get_type_hints
 
-
 from .errors import HicacheError
+
+CP_STRATEGIES = ("zigzag", "interleave")  # how prefill tokens are split over context-parallel ranks
 
 
 class ConfigError(HicacheError):
@@ -97,6 +98,18 @@ class EngineConfig:
     # Parallelism
     tp_size: int = _opt(1, "Tensor-parallel ranks per pipeline stage (attention heads and MLP sharded).")
     pp_size: int = _opt(1, "Pipeline stages (layers split across them); tp_size x pp_size rank processes.")
+    attn_cp_size: int = _opt(
+        1, "Context-parallel ranks per TP group (divides --tp-size): each takes a share of the prefill tokens; "
+        "weights are replicated across them and tensor-parallel within (tp_size / attn_cp_size ranks)."
+    )
+    enable_kv_cache_sharding: bool = _opt(
+        False, "Page-shard the KV cache across the context-parallel ranks (page q on rank q mod N) instead of "
+        "replicating it: each rank holds 1/N of every prefix, gathered per layer for attention."
+    )
+    cp_strategy: str = _opt(
+        "zigzag", "How prefill tokens are split over context-parallel ranks: zigzag (2N pieces, rank r takes "
+        "r and 2N-1-r) or interleave (page-sized blocks dealt round-robin).", choices=CP_STRATEGIES
+    )
     nnodes: int = _opt(
         1, "Machines the ranks run on; each runs tp_size x pp_size / nnodes of them (see docs/parallel.md)."
     )
@@ -129,6 +142,7 @@ class EngineConfig:
         if self.tp_size < 1 or self.pp_size < 1:
             raise ConfigError("--tp-size and --pp-size must be at least 1.")
         self._validate_nodes()
+        self._validate_context_parallel()
         if self.max_running_requests < 1:
             raise ConfigError("--max-running-requests must be at least 1.")
         if self.context_length is not None and self.context_length < 2:
@@ -154,6 +168,18 @@ class EngineConfig:
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ConfigError(f"--{f.name.replace('_', '-')} must be one of {', '.join(choices)}.")
+
+    def _validate_context_parallel(self) -> None:
+        """The combinations CP is built for; anything else stops here with one sentence."""
+        cp = self.attn_cp_size
+        if cp < 1 or self.tp_size % cp:
+            raise ConfigError(f"--attn-cp-size {cp} must be at least 1 and divide --tp-size {self.tp_size}.")
+        if self.enable_kv_cache_sharding and cp == 1:
+            raise ConfigError("--enable-kv-cache-sharding needs a shard group: set --attn-cp-size to 2 or more.")
+        if cp > 1 and self.pp_size > 1:
+            raise ConfigError("--attn-cp-size with --pp-size > 1 is not supported yet; use one of them.")
+        if cp > 1 and self.enable_hierarchical_cache:
+            raise ConfigError("--attn-cp-size with --enable-hierarchical-cache is not supported yet; drop one of them.")
 
     def _validate_nodes(self) -> None:
         """Ranks across machines: every node runs the same number of ranks, node 0 included."""

@@ -131,5 +131,5 @@ def make_backend(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, d
     # Lazy: hicache.parallel imports engine.core, so importing it at load time would point up.
     from ..parallel.frontend import RankGroup
 
-    check_parallel(loaded.spec, cfg.tp_size, cfg.pp_size)
+    check_parallel(loaded.spec, cfg.tp_size // cfg.attn_cp_size, cfg.pp_size)
     return RankGroup(cfg)

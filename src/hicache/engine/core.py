@@ -13,15 +13,17 @@ import torch
 
 from ..cache.host_pool import HostKVPool
 from ..cache.manager import KVCacheManager
+from ..cache.placement import PagePlacement
 from ..cache.pools import DeviceKVPool
 from ..cache.storage.base import StorageError
 from ..cache.storage.controller import Agree
 from ..cache.storage.registry import create_backend
 from ..config import ConfigError, EngineConfig
 from ..device import device_memory_budget
+from ..model.context_parallel import CPGroup, PrefixGather
 from ..model.loader import LoadedModel
 from ..model.parallel import ModelShard
-from .runner import ModelRunner
+from .runner import ContextParallel, ModelRunner
 from .scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -46,6 +48,7 @@ def build_core(
     storage_agree: tuple[Agree, Agree] | None = None,
     memory_share: int = 1,
     staging_bytes: int = 0,
+    cp_group: CPGroup | None = None,
 ) -> EngineCore:
     """Pools sized from the config, then the cache and the scheduler over ``loaded.model``
     (already cut to ``shard`` when given).
@@ -53,12 +56,24 @@ def build_core(
     Several ranks: ``agree`` MIN-reduces the device and host page counts and whether the
     storage backend is reachable, so every rank's allocators and tiers, hence every cache
     decision, are the same; ``memory_share`` ranks size their pools from one memory budget,
-    of which ``staging_bytes`` (this rank's buffers outside the pools) are already spent."""
+    of which ``staging_bytes`` (this rank's buffers outside the pools) are already spent.
+    ``cp_group``: this rank's context-parallel group (``--attn-cp-size``); with
+    ``--enable-kv-cache-sharding`` the pool holds this rank's share of the logical pages and the
+    prefix-gather scratch is taken from the budget first (DESIGN invariant 6)."""
     spec = loaded.spec
     layers = len(shard.layers) if shard else spec.num_layers
     kv_heads = len(shard.kv_heads) if shard else spec.num_kv_heads
     elem = torch.empty((), dtype=dtype).element_size()
     bytes_per_page = 2 * layers * kv_heads * spec.head_dim * elem * cfg.page_size
+    cp = None
+    if cp_group is not None:
+        cp = ContextParallel(cp_group, cfg.cp_strategy, cfg.page_size)
+        if cfg.enable_kv_cache_sharding:
+            cp.placement = PagePlacement(cp_group.size, cfg.page_size)
+            context = cfg.context_length or spec.max_position_embeddings
+            elems = PrefixGather.scratch_elems(cp_group.size, context, cfg.page_size, kv_heads, spec.head_dim)
+            cp.gather = PrefixGather(cp_group, elems, dtype, device)
+            staging_bytes += cp.gather.nbytes
     device_pages = _device_pool_pages(cfg, device, bytes_per_page, memory_share, staging_bytes)
     host_pages = _host_pool_pages(cfg, device_pages, bytes_per_page) if cfg.enable_hierarchical_cache else 0
     storage = _storage_backend(cfg)
@@ -76,8 +91,9 @@ def build_core(
         host_pool=host_pool, write_policy=cfg.hicache_write_policy,
         write_through_threshold=cfg.hicache_write_through_threshold, storage=storage,
         prefetch_threshold=cfg.hicache_storage_prefetch_threshold, storage_agree=storage_agree,
-        shard=shard.describe() if shard else "", storage_op_timeout=cfg.hicache_storage_op_timeout)
-    runner = ModelRunner(loaded.model, cache.kv_view, device)
+        shard=shard.describe() if shard else "", storage_op_timeout=cfg.hicache_storage_op_timeout,
+        placement=cp.placement if cp is not None else None)
+    runner = ModelRunner(loaded.model, cache.kv_view, device, cp)
     scheduler = Scheduler(
         cache=cache,
         forward=runner.forward,
@@ -165,6 +181,8 @@ def core_stats(core: EngineCore, page_size: int) -> dict[str, Any]:
             # state (closed/open/half_open), opens, short_circuited, timeouts, ... (storage.guard)
             "breaker": cache.storage.guard.snapshot(),
         }
+    if core.runner.cp is not None:
+        out["kv_sharding"] = kv_sharding_stats(core)
     host = cache.host_usage()
     if host is not None:
         out["host_pool"] = host
@@ -175,3 +193,22 @@ def core_stats(core: EngineCore, page_size: int) -> dict[str, Any]:
             "load_time_s": s.load_time_s, "backup_skipped_pages": s.backup_skipped_pages,
         }
     return out
+
+
+def kv_sharding_stats(core: EngineCore) -> dict[str, Any]:
+    """Context parallelism's KV figures as this rank sees them: the logical view (the same on
+    every rank) gives each CP rank's pages in use; the gather figures are this rank's own."""
+    cp = core.runner.cp
+    owned = core.cache.device.owned_pages()
+    gather = cp.gather
+    return {
+        "shards": len(owned) if cp.placement is not None else 1,
+        # pages held on each CP rank: its share when sharded, every page on each when replicated
+        "owned_pages": owned if cp.placement is not None else owned * cp.group.size,
+        "pool_bytes_per_rank": core.pool.total_bytes,
+        "gather_scratch_bytes": gather.nbytes if gather is not None else 0,
+        "gathers": gather.gathers if gather is not None else 0,
+        "gathered_bytes": gather.gathered_bytes if gather is not None else 0,
+        "gather_time_s": gather.busy_s if gather is not None else 0.0,
+        "gather_wait_s": gather.wait_s if gather is not None else 0.0,
+    }

@@ -75,9 +75,10 @@ class Engine:
         decode = cfg.decode_weight_dtype if model is None else ",".join(
             f"{fmt}x{n}" for fmt, n in sorted(model.decode_formats().items()))
         logger.info(
-            "engine ready: model=%s device=%s dtype=%s decode-weights=%s pool=%d tokens context=%d ranks=tp%dxpp%d",
+            "engine ready: model=%s device=%s dtype=%s decode-weights=%s pool=%d tokens context=%d ranks=tp%dxpp%d%s",
             cfg.model, self.device, cfg.dtype, decode, self.capacity_pages * cfg.page_size, self.context_length,
-            cfg.tp_size, cfg.pp_size,
+            cfg.tp_size, cfg.pp_size, f" cp{cfg.attn_cp_size}" + (" kv-sharded" if cfg.enable_kv_cache_sharding else "")
+            if cfg.attn_cp_size > 1 else "",
         )
 
     # ---- the backend's parts (tests, benchmarks, the demo) -------------------------------
@@ -212,7 +213,9 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         out = self.backend.stats()
-        out["parallel"] = {"tp_size": self.config.tp_size, "pp_size": self.config.pp_size}
+        cfg = self.config
+        out["parallel"] = {"tp_size": cfg.tp_size, "pp_size": cfg.pp_size, "attn_cp_size": cfg.attn_cp_size,
+                           "kv_cache_sharding": cfg.enable_kv_cache_sharding}
         return out
 
     def shutdown(self) -> None:

@@ -74,7 +74,7 @@ def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     return out.reshape(heads, n, dim), lse.reshape(heads, n)
 
 
-def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """Combine partial attentions over disjoint key blocks by their log-sum-exp."""
     if len(parts) == 1:
         return parts[0][0]
@@ -83,6 +83,18 @@ def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     acc = torch.promote_types(parts[0][0].dtype, torch.float32)
     out = sum(w.to(acc) * o.to(acc) for w, (o, _) in zip(weights, parts))
     return out.to(parts[0][0].dtype)
+
+
+def keys_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   kv_map: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q`` ``[n, H, D]`` attending to every key of ``k``/``v`` ``[L, KvH, D]`` (L may be 0):
+    output ``[n, H, D]`` and log-sum-exp ``[n, H]`` (float32; -inf and a zero output for no keys),
+    ready for :func:`merge_partials` with other key blocks."""
+    if k.shape[0] == 0:
+        n, heads, _ = q.shape
+        return torch.zeros_like(q), torch.full((n, heads), float("-inf"), device=q.device)
+    out, lse = _partial(q.transpose(0, 1), k.to(q.dtype), v.to(q.dtype), False, kv_map)
+    return out.transpose(0, 1), lse.transpose(0, 1).float()
 
 
 def sequence_attention(q: torch.Tensor, full: list[KVBlock], new: Optional[KVBlock],
@@ -107,7 +119,7 @@ def sequence_attention(q: torch.Tensor, full: list[KVBlock], new: Optional[KVBlo
     parts = [_partial(qh, k.to(q.dtype), v.to(q.dtype), False, kv_map) for k, v in full]
     if new is not None:
         parts.append(_partial(qh, new[0], new[1], True, kv_map))
-    return _merge(parts).transpose(0, 1)
+    return merge_partials(parts).transpose(0, 1)
 
 
 def decode_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, key_bias: Optional[torch.Tensor],

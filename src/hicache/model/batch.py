@@ -9,9 +9,12 @@ slot 0 is padding and never holds real data.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from hicache.model.context_parallel import CPLayout
 
 
 class KVView(Protocol):
@@ -73,6 +76,9 @@ class ForwardBatch:
     decode: Optional[DecodeLayout]  # set when every sequence has one new token
     logits_index: torch.Tensor  # [R] long: rows of T whose logits the caller wants
     single: bool  # one sequence with no cached prefix: plain causal attention on its tokens
+    # Context parallelism (model/context_parallel.py): T is this rank's share of the new tokens,
+    # out_slots / spans / logits_index are unused, the layout says where everything else is.
+    cp: Optional["CPLayout"] = None
 
 
 def slot_runs(slots: torch.Tensor) -> list[tuple[int, int]]:

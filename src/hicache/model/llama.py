@@ -17,6 +17,7 @@ from torch import nn
 from hicache.kernels import cpu_kernels
 from hicache.model.attention import decode_attention, native_decode_attention, sequence_attention
 from hicache.model.batch import ForwardBatch, KVView, SeqSpan
+from hicache.model.context_parallel import cp_attention
 from hicache.model.projection import DECODE_WEIGHTS, Projection
 from hicache.model.spec import ModelSpec, rope_inv_freq
 
@@ -84,13 +85,15 @@ class Attention(nn.Module):
         qk = qkv[:, : qk_heads * self.head_dim].view(t, qk_heads, self.head_dim)
         ops = native_ops(qkv)
         if ops is not None and self.head_dim % 16 == 0:
-            ops.rope_(qkv, cos.view(t, -1), sin.view(t, -1), qk_heads, self.head_dim)  # in place: qk sees it
+            ops.rope_(qkv, cos.flatten(1), sin.flatten(1), qk_heads, self.head_dim)  # in place: qk sees it
         else:
             qk = qk * cos + rotate_half(qk) * sin
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, qk_heads * self.head_dim:].view(t, self.num_kv_heads, self.head_dim)
 
         kv.wait_layer(self.layer)
+        if batch.cp is not None:  # this rank's share of the tokens; K/V spread over the CP group
+            return self._out(cp_attention(q, k, v, batch.cp, self.layer, kv, self.kv_map).flatten(1))
         k_buf, v_buf = kv.k_buffers[self.layer], kv.v_buffers[self.layer]
         k_buf.index_copy_(0, batch.out_slots, k.to(k_buf.dtype))
         v_buf.index_copy_(0, batch.out_slots, v.to(v_buf.dtype))
@@ -247,5 +250,5 @@ class LlamaForCausalLM(nn.Module):
         if not self.last_stage:
             return h
         # Only the requested rows go through the final norm and the (vocab-wide) head.
-        h = self.model.norm(h[batch.logits_index])
+        h = self.model.norm(h[batch.logits_index] if batch.cp is None else batch.cp.final_rows(h))
         return self.head(h).float()

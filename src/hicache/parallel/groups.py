@@ -8,6 +8,12 @@ ranks all sit on one node may sum through shared memory. Groups:
 - per stage, a TP *control* group (gloo, CPU) for agreement (MIN of ready counts) and the
   leader's broadcast of each step's inputs, and a TP *tensor* group (gloo on CPU, NCCL on
   CUDA) for the model's partial-sum all-reduces;
+- with context parallelism (``cp_size`` C > 1) a stage's TP ranks are C CP ranks of
+  ``tp_size / C`` attention-TP ranks each (TP rank t: CP rank ``t // (tp_size / C)``): the
+  tensor group is a CP rank's attention-TP ranks, and the ranks holding the same heads on
+  different CP ranks form two CP groups (the per-layer K/V gathers, and the prefix gathers
+  that run in the background); the control group still spans the whole stage, so agreement
+  and the consensus checker include every CP rank;
 - two world-wide gloo groups, one per storage background thread (prefetch, backup): each
   thread MIN-reduces hit and completed lengths over every rank, and a group must only ever be
   used by one thread so that every rank issues its collectives in the same order;
@@ -19,9 +25,10 @@ from __future__ import annotations
 
 import logging
 import pickle
+import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -40,6 +47,20 @@ class RankInfo:
     tp_size: int
     pp_size: int
     nnodes: int = 1  # machines; each runs world_size // nnodes consecutive ranks
+    cp_size: int = 1  # context-parallel ranks per stage (divides tp_size)
+
+    @property
+    def attn_tp_size(self) -> int:
+        """Tensor-parallel ranks within one CP rank (heads and MLP split over them)."""
+        return self.tp_size // self.cp_size
+
+    @property
+    def cp_rank(self) -> int:
+        return self.tp_rank // self.attn_tp_size
+
+    @property
+    def attn_tp_rank(self) -> int:
+        return self.tp_rank % self.attn_tp_size
 
     @property
     def ranks_per_node(self) -> int:
@@ -80,6 +101,35 @@ class RankInfo:
         return pp_rank * self.tp_size + tp_rank
 
 
+class CPGroup:
+    """One rank's CP group (:class:`hicache.model.context_parallel.CPGroup`): blocking
+    collectives on one gloo/torch group, the background prefix gathers on another, so that
+    each group sees its collectives in the same order on every rank."""
+
+    def __init__(self, group: Any, background: Any, rank: int, size: int) -> None:
+        self.group, self.background, self.rank, self.size = group, background, rank, size
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.new_empty(self.size, *x.shape)
+        dist.all_gather(list(out.unbind(0)), x.contiguous(), group=self.group)
+        return out
+
+    def all_gather_start(self, x: torch.Tensor, out: torch.Tensor) -> Callable[[], float]:
+        work = dist.all_gather(list(out.unbind(0)), x.contiguous(), group=self.background, async_op=True)
+        done: list[float] = []
+        work.get_future().add_done_callback(lambda _: done.append(time.perf_counter()))
+
+        def wait() -> float:
+            work.wait()
+            return done[0] if done else time.perf_counter()
+
+        return wait
+
+    def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x, group=self.group)
+        return x
+
+
 def rank_label(rank: int, tp_size: int) -> str:
     """``PPx/TPy``: how logs and the consensus checker name a rank."""
     return f"PP{rank // tp_size}/TP{rank % tp_size}"
@@ -93,12 +143,23 @@ class ParallelGroups:
         tensor_backend = "nccl" if device.type == "cuda" else "gloo"
         # new_group is collective: every rank creates every group, in the same order.
         self.tp_ctrl = self.tp_tensor = None
+        self.cp: CPGroup | None = None
+        a = info.attn_tp_size
         for p in range(info.pp_size):
             ranks = [info.rank_of(p, t) for t in range(info.tp_size)]
             ctrl = dist.new_group(ranks, backend="gloo")
-            tensor = dist.new_group(ranks, backend=tensor_backend)
             if p == info.pp_rank:
-                self.tp_ctrl, self.tp_tensor = ctrl, tensor
+                self.tp_ctrl = ctrl
+            for c in range(info.cp_size):  # each CP rank's attention-TP ranks share partial sums
+                tensor = dist.new_group(ranks[c * a:(c + 1) * a], backend=tensor_backend)
+                if p == info.pp_rank and c == info.cp_rank:
+                    self.tp_tensor = tensor
+            if info.cp_size > 1:
+                for t in range(a):  # the same heads on every CP rank
+                    members = ranks[t::a]
+                    pair = (dist.new_group(members, backend="gloo"), dist.new_group(members, backend="gloo"))
+                    if p == info.pp_rank and t == info.attn_tp_rank:
+                        self.cp = CPGroup(pair[0], pair[1], info.cp_rank, info.cp_size)
         everyone = list(range(info.world_size))
         self._storage = (dist.new_group(everyone, backend="gloo"), dist.new_group(everyone, backend="gloo"))
         self.stage_leader = info.rank_of(info.pp_rank, 0)
@@ -108,7 +169,10 @@ class ParallelGroups:
     def use_shared_memory_reduce(self, max_elems: int) -> bool:
         """CPU TP ranks on one host: sum through shared memory instead of gloo for tensors of
         up to ``max_elems`` elements. Collective: every TP rank calls it (and every TP rank
-        computes the same ``tp_on_one_node``, so they all skip it together)."""
+        computes the same ``tp_on_one_node``, so they all skip it together). Not with context
+        parallelism: the segment serves a whole stage's TP group, CP ranks sum within theirs."""
+        if self.info.cp_size > 1:
+            return False
         if self.info.tp_size > 1 and not self.info.tp_on_one_node:
             if self.info.rank == self.stage_leader:
                 logger.info("the TP group of stage %d spans machines: partial sums through gloo", self.info.pp_rank)
@@ -140,6 +204,14 @@ class ParallelGroups:
     def storage_agree(self) -> tuple:
         """``(prefetch, backup)`` MIN-reduce functions, one group each (one thread each)."""
         return (lambda v: self._min(v, self._storage[0]), lambda v: self._min(v, self._storage[1]))
+
+    def tp_gather_object(self, obj: Any) -> list[Any]:
+        """Every TP rank's ``obj`` of this stage, in TP rank order (a collective: all call it)."""
+        if self.info.tp_size == 1:
+            return [obj]
+        box: list[Any] = [None] * self.info.tp_size
+        dist.all_gather_object(box, obj, group=self.tp_ctrl)
+        return box
 
     def tp_broadcast(self, obj: Any) -> Any:
         """The stage leader's ``obj`` on every TP rank of the stage."""

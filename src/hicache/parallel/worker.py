@@ -142,6 +142,9 @@ class StageLoop:
         apply_intake(self.sched, reqs, inputs.aborts)
         if inputs.command == "stats":
             out = core_stats(self.core, self.cache.page_size)
+            if "kv_sharding" in out:  # every rank's own gather figures, for stats and Prometheus
+                mine = {k: v for k, v in out["kv_sharding"].items() if k.startswith("gather")}
+                out["kv_sharding"]["per_rank"] = self.groups.tp_gather_object(mine)
             a = self.agreement
             out["agreement"] = {"steps": a.steps, "tp_min_ms_per_step": a.seconds / max(a.steps, 1) * 1e3}
             self._reply(inputs.call_id, out)
@@ -221,7 +224,7 @@ def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox:
     reader_only(inbox)  # a frontend that dies then reads as end-of-file, even mid-message
     writer_only(status, outbox, consensus_queue)  # and our puts then fail instead of blocking
     cfg = EngineConfig(**cfg_fields)
-    info = RankInfo(rank, cfg.tp_size, cfg.pp_size, cfg.nnodes)
+    info = RankInfo(rank, cfg.tp_size, cfg.pp_size, cfg.nnodes, cfg.attn_cp_size)
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s {info.label} %(name)s: %(message)s")
     groups = None
     try:
@@ -235,8 +238,9 @@ def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox:
         groups = ParallelGroups(info, init_method, device)
         loaded = load_model(cfg.model, dtype=dtype, device=device, seed=cfg.random_seed,
                             decode_weights=cfg.decode_weight_dtype, to_be_sharded=True)
-        shard = model_shard(loaded.spec, info.tp_rank, info.tp_size, info.pp_rank, info.pp_size)
-        shard_model(loaded.model, shard, groups.tp_reduce if info.tp_size > 1 else None)
+        # Weights are replicated across CP ranks and tensor-parallel within one.
+        shard = model_shard(loaded.spec, info.attn_tp_rank, info.attn_tp_size, info.pp_rank, info.pp_size)
+        shard_model(loaded.model, shard, groups.tp_reduce if info.attn_tp_size > 1 else None)
         if device.type == "cpu":  # the largest partial sum: a full prefill chunk or decode batch
             groups.use_shared_memory_reduce(
                 max(cfg.chunked_prefill_size, cfg.max_running_requests) * loaded.spec.hidden_size)
@@ -244,7 +248,7 @@ def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox:
         ranks_per_device = local if device.type == "cpu" else -(-local // torch.cuda.device_count())
         core = build_core(cfg, loaded, device, dtype, shard, agree=groups.world_min,
                           storage_agree=groups.storage_agree(), memory_share=ranks_per_device,
-                          staging_bytes=groups.staging_bytes())
+                          staging_bytes=groups.staging_bytes(), cp_group=groups.cp)
         plan = FaultPlan.from_env()
         if plan is not None:
             plan.install(core.cache, info.label, rank)

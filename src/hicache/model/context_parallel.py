@@ -1,0 +1,348 @@
+"""Context parallelism inside one forward pass: the batch as one CP rank sees it, and attention
+over a context whose K/V is spread over the CP group.
+
+Prefill: each CP rank computes a share of every sequence's new tokens (``--cp-strategy``
+zigzag: 2N pieces, rank r takes pieces r and 2N-1-r; interleave: the page-sized blocks of page
+position j go to rank j mod N). Per layer the ranks all-gather the chunk's new K/V (every rank
+then holds all of it), each rank stores the new tokens it owns in its pool, and a rank's query
+piece at offset ``a`` of the new tokens attends to the cached prefix, the new tokens before
+``a`` (all visible), and its own piece (causal) -- the blocks merged by log-sum-exp.
+
+The cached prefix: with replicated KV every rank reads it from its own pool. With page-sharded
+KV each rank contributes the prefix pages it owns to a per-layer all-gather into one of two
+alternating scratch buffers (:class:`PrefixGather`; the gather of the next (layer, sequence)
+runs while this one's attention computes), and a page table says where each logical page
+landed, so the prefix is read in logical order without moving pages in the pools.
+
+Decode with sharded KV: every rank computes every decode token (weights are replicated across
+CP), attends to the keys it owns, and the partial outputs are merged across the group by their
+log-sum-exp -- a [B, H, D+1] all-gather per layer instead of gathering every context. With
+replicated KV a decode batch is a plain batch: every rank holds every key.
+
+The model knows nothing of the radix tree or the placement: the engine's runner translates
+logical slots into (owner, local row) at the pool's copy boundary and hands over
+:class:`ShardedContext` per sequence.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Protocol, Sequence
+
+import torch
+
+from hicache.model.attention import keys_attention, merge_partials, sequence_attention
+
+logger = logging.getLogger(__name__)
+
+CP_STRATEGIES = ("zigzag", "interleave")
+
+
+class CPGroup(Protocol):
+    """The CP ranks that share this rank's attention-TP slice (same heads, other tokens)."""
+
+    rank: int
+    size: int
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """``[size, *x.shape]``: every rank's ``x``, in rank order."""
+        ...
+
+    def all_gather_start(self, x: torch.Tensor, out: torch.Tensor) -> Callable[[], float]:
+        """Start gathering every rank's ``x`` into ``out`` ``[size, *x.shape]``; returns the wait,
+        which returns when the gather completed (``time.perf_counter()``)."""
+        ...
+
+    def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+def split_new_tokens(first_position: int, n: int, size: int, strategy: str, page_size: int) -> list[list[tuple[int, int]]]:
+    """Per CP rank, the ``(offset, length)`` pieces of a sequence's ``n`` new tokens (offsets
+    from its first new token, at absolute position ``first_position``); adjacent pieces merged."""
+    if strategy not in CP_STRATEGIES:
+        raise ValueError(f"cp strategy {strategy!r}: expected one of {', '.join(CP_STRATEGIES)}")
+    pieces: list[list[tuple[int, int]]] = [[] for _ in range(size)]
+
+    def add(rank: int, start: int, length: int) -> None:
+        if length <= 0:
+            return
+        mine = pieces[rank]
+        if mine and mine[-1][0] + mine[-1][1] == start:
+            mine[-1] = (mine[-1][0], mine[-1][1] + length)
+        else:
+            mine.append((start, length))
+
+    if strategy == "zigzag":  # 2N near-equal pieces; rank r gets the r-th and the (2N-1-r)-th
+        base, extra = divmod(n, 2 * size)
+        start = 0
+        for i in range(2 * size):
+            length = base + (1 if i < extra else 0)
+            add(i if i < size else 2 * size - 1 - i, start, length)
+            start += length
+    else:  # interleave: page-aligned blocks dealt round-robin by page position
+        pos, end = first_position, first_position + n
+        while pos < end:
+            stop = min((pos // page_size + 1) * page_size, end)
+            add((pos // page_size) % size, pos - first_position, stop - pos)
+            pos = stop
+    for mine in pieces:  # zigzag may append pieces out of order; keep offsets ascending
+        mine.sort()
+    return pieces
+
+
+@dataclass(frozen=True)
+class ShardedContext:
+    """Where one sequence's context lives among the CP ranks (built by the engine's runner).
+
+    ``owners[i]`` holds context position i at row ``rows[i]`` of its buffers. ``gather_pages``:
+    this rank's local pages of the cached prefix's pages, padded with its padding page 0 to the
+    width every rank sends; ``page_table[j]``: where prefix page j lands in the gathered pages
+    (owner-major, ``owner * width + index``)."""
+
+    owners: torch.Tensor
+    rows: torch.Tensor
+    gather_pages: torch.Tensor
+    page_table: torch.Tensor
+
+
+@dataclass(frozen=True)
+class CPSequence:
+    """One sequence of a CP prefill batch, as this rank computes it."""
+
+    pieces: tuple[tuple[int, int, int], ...]  # (local row, offset in its new tokens, length)
+    new_start: int  # its first new token's index in the batch's (global) new tokens
+    new_len: int
+    prefix_rows: Optional[torch.Tensor]  # cached prefix rows: local pool (replicated) or gathered K rows
+    gather_pages: Optional[torch.Tensor]  # sharded: this rank's contribution to the prefix gather
+
+
+@dataclass
+class CPLayout:
+    """What every layer of one forward needs for context parallelism (see the module docstring)."""
+
+    group: CPGroup
+    seqs: list[CPSequence]  # prefill
+    chunk_k_rows: Optional[torch.Tensor]  # [T] each global new token's K row in the gathered chunk
+    max_local: int  # new-token rows every rank sends in the chunk gather (its own, padded)
+    write_index: torch.Tensor  # global new tokens whose K/V this rank stores
+    write_rows: torch.Tensor  # ... at these rows of its pool
+    logits_rows: torch.Tensor  # local rows holding one of the wanted logits rows ...
+    logits_slots: torch.Tensor  # ... and which of the ``num_logits`` rows each is
+    num_logits: int
+    page_size: int
+    decode_rows: Optional[list[torch.Tensor]] = None  # sharded decode: each context's keys on this rank
+    gather: Optional["PrefixGather"] = None
+    _jobs: dict[tuple[int, int], int] = field(default_factory=dict)
+
+    @property
+    def prefill(self) -> bool:
+        return self.decode_rows is None
+
+    def final_rows(self, h: torch.Tensor) -> torch.Tensor:
+        """The wanted logits rows ``[num_logits, hidden]`` on every rank: each row's holder puts
+        it in, the rest add zeros (an exact sum)."""
+        if not self.prefill:
+            return h[self.logits_rows]
+        out = h.new_zeros(self.num_logits, h.shape[-1])
+        out[self.logits_slots] = h[self.logits_rows]
+        return self.group.all_reduce_sum(out)
+
+
+def _pieces_rows(pieces_per_seq: list[list[tuple[int, int]]], new_starts: list[int]) -> tuple[list[tuple], list[int]]:
+    """Local rows for this rank's pieces, in sequence order; and each local row's global token."""
+    local: list[tuple] = []
+    order: list[int] = []
+    row = 0
+    for pieces, start in zip(pieces_per_seq, new_starts):
+        mine = []
+        for off, length in pieces:
+            mine.append((row, off, length))
+            order.extend(range(start + off, start + off + length))
+            row += length
+        local.append(tuple(mine))
+    return local, order
+
+
+def make_cp_batch(input_ids: Sequence[Sequence[int]], prefix_lens: Sequence[int],
+                  contexts: Sequence[torch.Tensor | ShardedContext], group: CPGroup, strategy: str,
+                  page_size: int, gather: Optional["PrefixGather"], device: torch.device):
+    """This CP rank's :class:`~hicache.model.batch.ForwardBatch` for a batch of B sequences.
+
+    ``contexts[b]``: the context's slots in this rank's pool (replicated KV: a long tensor, the
+    same on every rank), or its :class:`ShardedContext` (page-sharded KV)."""
+    from hicache.model.batch import ForwardBatch, make_forward_batch
+
+    lens = [len(ids) for ids in input_ids]
+    sharded = isinstance(contexts[0], ShardedContext)
+    if max(lens) == 1 and not sharded:  # every rank holds every key: a plain decode batch
+        return make_forward_batch(input_ids, prefix_lens, contexts, device=device)
+    starts = torch.tensor([0] + lens).cumsum(0).tolist()
+    total = starts[-1]
+    rows = [c.rows if sharded else torch.as_tensor(c).long() for c in contexts]
+    new_rows = torch.cat([r[p:] for r, p in zip(rows, prefix_lens)])
+    if sharded:
+        mine = torch.cat([c.owners[p:] for c, p in zip(contexts, prefix_lens)]) == group.rank
+        write_index = mine.nonzero().flatten()
+    else:
+        write_index = torch.arange(total)
+    write_rows = new_rows[write_index]
+    flat_ids = torch.tensor([t for ids in input_ids for t in ids], dtype=torch.long)
+    positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix_lens, lens)])
+    ends = torch.tensor(starts[1:]) - 1
+    if max(lens) == 1:  # sharded decode: every rank computes every token over its own keys
+        decode_rows = [c.rows[c.owners == group.rank].to(device) for c in contexts]
+        cp = CPLayout(group, [], None, total, write_index.to(device), write_rows.to(device), ends.to(device),
+                      torch.arange(len(lens), device=device), len(lens), page_size, decode_rows=decode_rows)
+        local = torch.arange(total)
+    else:
+        split = [split_new_tokens(p, n, group.size, strategy, page_size) for p, n in zip(prefix_lens, lens)]
+        every = [_pieces_rows([s[r] for s in split], starts[:-1]) for r in range(group.size)]
+        max_local = max(max(len(order) for _, order in every), 1)
+        chunk_k_rows = torch.empty(total, dtype=torch.long)
+        for r, (_, order) in enumerate(every):  # K of rank r's row j sits at (2r) * max_local + j
+            chunk_k_rows[torch.tensor(order, dtype=torch.long)] = 2 * r * max_local + torch.arange(len(order))
+        pieces, order = every[group.rank]
+        local = torch.tensor(order, dtype=torch.long)
+        seqs = [_cp_sequence(pieces[b], starts[b], lens[b], prefix_lens[b], contexts[b], sharded, group.size,
+                             page_size, device) for b in range(len(lens))]
+        held = torch.isin(ends, local)
+        slot_of = {int(g): i for i, g in enumerate(order)}
+        logits_rows = torch.tensor([slot_of[int(e)] for e in ends[held]], dtype=torch.long)
+        cp = CPLayout(group, seqs, chunk_k_rows.to(device), max_local, write_index.to(device), write_rows.to(device),
+                      logits_rows.to(device), held.nonzero().flatten().to(device), len(lens), page_size, gather=gather)
+    return ForwardBatch(input_ids=flat_ids[local].to(device), positions=positions[local].to(device),
+                        out_slots=torch.empty(0, dtype=torch.long, device=device), spans=[], decode=None,
+                        logits_index=torch.empty(0, dtype=torch.long, device=device), single=False, cp=cp)
+
+
+def _cp_sequence(pieces: tuple, new_start: int, new_len: int, prefix_len: int, context, sharded: bool,
+                 size: int, page_size: int, device: torch.device) -> CPSequence:
+    if prefix_len == 0:
+        return CPSequence(pieces, new_start, new_len, None, None)
+    if not sharded:
+        return CPSequence(pieces, new_start, new_len, torch.as_tensor(context).long()[:prefix_len].to(device), None)
+    # Gathered layout per rank: [K rows of its W pages | V rows of its W pages], ranks one after another.
+    width = len(context.gather_pages)
+    page_rows = width * page_size
+    positions = torch.arange(prefix_len)
+    gathered_page = context.page_table[positions // page_size]
+    owner, index = gathered_page // width, gathered_page % width
+    k_rows = owner * 2 * page_rows + index * page_size + positions % page_size
+    return CPSequence(pieces, new_start, new_len, k_rows.to(device), context.gather_pages.to(device))
+
+
+class PrefixGather:
+    """The per-layer all-gather of sharded prefixes into two alternating scratch buffers.
+
+    A forward's gathers run in a fixed order -- layer by layer, each sequence with a cached
+    prefix in batch order -- the same on every rank. Waiting for gather i starts gather i + 1
+    into the other buffer, so it travels while gather i's attention computes. ``capacity``:
+    elements of one buffer, counted in the rank's memory budget before the pool is sized."""
+
+    def __init__(self, group: CPGroup, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.group = group
+        self.buffers = [torch.empty(capacity, dtype=dtype, device=device) for _ in range(2)]
+        self.gathers = 0
+        self.gathered_bytes = 0
+        self.wait_s = 0.0  # time layers waited for a gather (what the overlap did not hide)
+        self.busy_s = 0.0  # each gather's launch to completion, summed
+        self._plan: list[tuple[int, int]] = []
+        self._pending: dict[int, tuple[Callable[[], float], torch.Tensor, float]] = {}
+        self._grown = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+    @staticmethod
+    def scratch_elems(size: int, context_tokens: int, page_size: int, kv_heads: int, head_dim: int) -> int:
+        """One buffer's elements for a prefix of up to ``context_tokens``: every rank sends
+        ceil(pages / size) pages of K and V."""
+        pages = -(-context_tokens // page_size)
+        return size * -(-pages // size) * page_size * 2 * kv_heads * head_dim
+
+    def begin(self, layout: CPLayout, num_layers: int) -> None:
+        """Plan this forward's gathers (called once, before the first layer)."""
+        self._plan = [(layer, b) for layer in range(num_layers)
+                      for b, seq in enumerate(layout.seqs) if seq.gather_pages is not None]
+        layout._jobs = {job: i for i, job in enumerate(self._plan)}
+        self._pending.clear()
+
+    def prefix(self, layout: CPLayout, layer: int, b: int, kv) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence b's cached prefix K and V ``[prefix_len, KvH, D]`` for ``layer``, in logical order."""
+        i = layout._jobs[(layer, b)]
+        if i not in self._pending:
+            self._start(layout, i, kv)
+        wait, out, started = self._pending.pop(i)
+        t0 = time.perf_counter()
+        completed = wait()
+        self.wait_s += time.perf_counter() - t0
+        self.busy_s += completed - started
+        if i + 1 < len(self._plan):
+            self._start(layout, i + 1, kv)  # the next gather travels during this attention
+        seq = layout.seqs[b]
+        heads, dim = kv.k_buffers[layer].shape[1:]
+        rows = out.view(-1, heads, dim)
+        page_rows = out.shape[1] // 2  # W pages of K, then W of V, per rank
+        return rows.index_select(0, seq.prefix_rows), rows.index_select(0, seq.prefix_rows + page_rows)
+
+    def _start(self, layout: CPLayout, i: int, kv) -> None:
+        layer, b = self._plan[i]
+        seq = layout.seqs[b]
+        kv.wait_layer(layer)  # restore local pages -> gather -> attention
+        k_buf, v_buf = kv.k_buffers[layer], kv.v_buffers[layer]
+        rows = _page_rows(seq.gather_pages, layout.page_size)
+        mine = torch.cat([k_buf.index_select(0, rows), v_buf.index_select(0, rows)])  # [2 * W * p, KvH, D]
+        need = self.group.size * mine.numel()
+        buf = self.buffers[i % 2]
+        if need > buf.numel():  # longer than budgeted (it should not be): grow once, say so
+            if not self._grown:
+                logger.warning("prefix gather needs %d elements, scratch holds %d: growing it", need, buf.numel())
+                self._grown = True
+            buf = self.buffers[i % 2] = torch.empty(need, dtype=buf.dtype, device=buf.device)
+        out = buf[:need].view(self.group.size, *mine.shape)
+        self._pending[i] = (self.group.all_gather_start(mine, out), out, time.perf_counter())
+        self.gathers += 1
+        self.gathered_bytes += need * buf.element_size()
+
+
+def _page_rows(pages: torch.Tensor, page_size: int) -> torch.Tensor:
+    return (pages.view(-1, 1) * page_size + torch.arange(page_size, device=pages.device).view(1, -1)).view(-1)
+
+
+def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CPLayout, layer: int, kv,
+                 kv_map: Optional[torch.Tensor]) -> torch.Tensor:
+    """This rank's attention output ``[T_local, H, D]`` for its new tokens ``q``/``k``/``v``
+    (see the module docstring); stores the new K/V this rank owns."""
+    k_buf, v_buf = kv.k_buffers[layer], kv.v_buffers[layer]
+    if not layout.prefill:  # sharded decode: every token here, keys split, partials merged
+        k_buf.index_copy_(0, layout.write_rows, k[layout.write_index].to(k_buf.dtype))
+        v_buf.index_copy_(0, layout.write_rows, v[layout.write_index].to(v_buf.dtype))
+        outs, lses = zip(*(keys_attention(q[b:b + 1], k_buf.index_select(0, rows), v_buf.index_select(0, rows), kv_map)
+                           for b, rows in enumerate(layout.decode_rows)))
+        mine = torch.cat([torch.cat(outs).float(), torch.cat(lses)[..., None]], dim=-1)  # [B, H, D + 1]
+        every = layout.group.all_gather(mine)
+        return merge_partials([(part[..., :-1], part[..., -1]) for part in every]).to(q.dtype)
+    # Prefill: all-gather the chunk's new K/V (rank r sends [K rows | V rows], padded to max_local).
+    local = k.shape[0]
+    mine = k.new_zeros(2 * layout.max_local, *k.shape[1:])
+    mine[:local], mine[layout.max_local:layout.max_local + local] = k, v
+    rows = layout.group.all_gather(mine).view(-1, *k.shape[1:])
+    k_all, v_all = rows.index_select(0, layout.chunk_k_rows), rows.index_select(0, layout.chunk_k_rows + layout.max_local)
+    k_buf.index_copy_(0, layout.write_rows, k_all[layout.write_index].to(k_buf.dtype))
+    v_buf.index_copy_(0, layout.write_rows, v_all[layout.write_index].to(v_buf.dtype))
+    out = torch.empty_like(q)
+    for b, seq in enumerate(layout.seqs):
+        prefix: list = []
+        if seq.gather_pages is not None:
+            prefix = [layout.gather.prefix(layout, layer, b, kv)]
+        elif seq.prefix_rows is not None:
+            prefix = [(k_buf.index_select(0, seq.prefix_rows), v_buf.index_select(0, seq.prefix_rows))]
+        k_new = k_all[seq.new_start:seq.new_start + seq.new_len]
+        v_new = v_all[seq.new_start:seq.new_start + seq.new_len]
+        for row, off, n in seq.pieces:
+            full = prefix + ([(k_new[:off], v_new[:off])] if off else [])
+            out[row:row + n] = sequence_attention(q[row:row + n], full, (k_new[off:off + n], v_new[off:off + n]), kv_map)
+    return out
