@@ -1,0 +1,173 @@
+"""Context parallelism (issue 13): CP ranks split the prefill tokens and, with
+--enable-kv-cache-sharding, hold each KV page on one rank only -- and the greedy tokens stay
+those of one rank, whatever the split, the eviction pressure or the attention-TP inside."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from hicache import Engine, SamplingParams, consensus_record
+from hicache.config import ConfigError
+from hicache.errors import HicacheError
+from hicache.model.context_parallel import split_new_tokens
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_parallel import BASE, MODEL, multi_turn  # noqa: E402  (the multi-rank tests' workload)
+
+
+# ---- token split -------------------------------------------------------------------------------
+@pytest.mark.parametrize("n,first", [(1, 0), (7, 0), (37, 5), (64, 16), (3, 9)])
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("strategy", ["zigzag", "interleave"])
+def test_split_covers_every_new_token_once(n: int, first: int, size: int, strategy: str) -> None:
+    pieces = split_new_tokens(first, n, size, strategy, page_size=4)
+    covered = sorted(t for rank in pieces for off, length in rank for t in range(off, off + length))
+    assert covered == list(range(n))
+    for rank in pieces:  # ascending, non-adjacent pieces
+        assert all(a[0] + a[1] < b[0] for a, b in zip(rank, rank[1:]))
+
+
+def test_zigzag_pairs_an_early_piece_with_a_late_one() -> None:
+    # 16 tokens over 2 ranks: 4 pieces of 4; rank 0 takes the first and last, rank 1 the middle.
+    assert split_new_tokens(0, 16, 2, "zigzag", page_size=4) == [[(0, 4), (12, 4)], [(4, 8)]]
+
+
+def test_interleave_deals_whole_pages_by_position() -> None:
+    # New tokens from position 6 with 4-token pages: positions 6-7 are page 1 (rank 1), 8-11
+    # page 2 (rank 0), 12-15 page 3 (rank 1), 16 page 4 (rank 0): the pages each rank owns.
+    assert split_new_tokens(6, 11, 2, "interleave", page_size=4) == [[(2, 4), (10, 1)], [(0, 2), (6, 4)]]
+
+
+# ---- engines -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    engine = Engine(MODEL, max_total_tokens=4096, disable_radix_cache=True, **BASE)
+    try:
+        return multi_turn(engine, seed=7, storage_round=False)
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture
+def checker(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(consensus_record.ENV_VAR, "1")
+
+
+@pytest.mark.parametrize("layout", [
+    dict(tp_size=2, attn_cp_size=2, enable_kv_cache_sharding=True, max_total_tokens=4096),
+    # attention-TP 2 inside each CP rank; tiny chunks and pool: chunked prefill, evictions
+    dict(tp_size=4, attn_cp_size=2, enable_kv_cache_sharding=True, max_total_tokens=96, chunked_prefill_size=8),
+    dict(tp_size=3, attn_cp_size=3, enable_kv_cache_sharding=True, cp_strategy="interleave", max_total_tokens=48),
+    dict(tp_size=2, attn_cp_size=2, max_total_tokens=4096),  # replicated KV: CP splits only the compute
+], ids=["cp2-sharded", "cp2xtp2-sharded-evicting", "cp3-interleave-evicting", "cp2-replicated"])
+def test_output_equals_single_rank(layout: dict, reference: list[list[int]], checker: None) -> None:
+    engine = Engine(MODEL, **layout, **BASE)
+    try:
+        assert multi_turn(engine, seed=7, storage_round=False) == reference
+        stats = engine.stats()
+        assert stats["hit_tokens"]["device"] > 0
+        sharding = stats["kv_sharding"]
+        cp = layout["attn_cp_size"]
+        assert len(sharding["owned_pages"]) == cp and len(sharding["per_rank"]) == layout["tp_size"]
+        if layout.get("enable_kv_cache_sharding"):
+            assert sharding["shards"] == cp and sharding["gather_scratch_bytes"] > 0
+            assert all(rank["gathers"] > 0 for rank in sharding["per_rank"])  # prefixes were gathered
+        else:
+            assert sharding["shards"] == 1 and sharding["gathers"] == 0
+        if layout["max_total_tokens"] < 100:
+            assert stats["evicted_device_pages"] > 0
+        assert engine.group.monitor.divergence is None and engine.group.monitor.compared > 50
+    finally:
+        engine.shutdown()
+    assert [p.exitcode for p in engine.group.procs] == [0] * layout["tp_size"]
+
+
+def test_sharded_ranks_each_hold_about_a_half_of_the_replicated_pages() -> None:
+    """The same prompts, replicated vs sharded KV at CP2: every page on both ranks, or each
+    page on one (the rotation gives each rank every other page of every sequence)."""
+    held = {}
+    for sharded in (False, True):
+        engine = Engine(MODEL, tp_size=2, attn_cp_size=2, enable_kv_cache_sharding=sharded,
+                        max_total_tokens=4096, **BASE)
+        try:
+            multi_turn(engine, seed=3, storage_round=False)
+            held[sharded] = engine.stats()["kv_sharding"]["owned_pages"]
+        finally:
+            engine.shutdown()
+    replicated, sharded = held[False], held[True]
+    assert replicated[0] == replicated[1] > 20
+    assert sum(sharded) == replicated[0]  # the same logical pages, each stored once
+    assert max(sharded) <= replicated[0] // 2 + 3  # ~1/2 per rank (odd-length sequences: one more)
+
+
+def test_bad_combinations_stop_at_start_up_with_one_sentence() -> None:
+    with pytest.raises(ConfigError, match="--attn-cp-size 3 must .* divide --tp-size 2"):
+        Engine(MODEL, tp_size=2, attn_cp_size=3, **BASE)
+    with pytest.raises(ConfigError, match="needs a shard group"):
+        Engine(MODEL, enable_kv_cache_sharding=True, **BASE)
+    with pytest.raises(ConfigError, match="--cp-strategy must be one of zigzag, interleave"):
+        Engine(MODEL, tp_size=2, attn_cp_size=2, cp_strategy="ring", **BASE)
+    with pytest.raises(ConfigError, match="not supported yet"):
+        Engine(MODEL, tp_size=2, attn_cp_size=2, pp_size=2, **BASE)
+    with pytest.raises(HicacheError, match="--tp-size 5 exceeds the model's 4 attention heads"):
+        Engine(MODEL, tp_size=10, attn_cp_size=2, **BASE)  # 5 attention-TP ranks per CP rank
+
+
+def test_a_cp_rank_killed_mid_gather_stops_the_group_with_its_name() -> None:
+    engine = Engine(MODEL, tp_size=2, attn_cp_size=2, enable_kv_cache_sharding=True, max_total_tokens=4096, **BASE)
+    try:
+        prompt = [7 + i % 200 for i in range(200)]
+        engine.generate([prompt], SamplingParams(max_new_tokens=1, temperature=0.0))  # cached: later turns gather
+        victim = engine.group.procs[1]
+        killer = threading.Timer(1.0, os.kill, (victim.pid, signal.SIGKILL))
+        killer.start()
+        t0 = time.monotonic()
+        # Long enough to be mid-step (prefix gathers, decode merges) when the rank dies.
+        with pytest.raises(HicacheError, match="rank PP0/TP1 .* was killed by signal 9"):
+            engine.generate([prompt + [9] * 20] * 3,
+                            SamplingParams(max_new_tokens=3000, temperature=0.0, ignore_eos=True))
+        killer.join()
+        assert time.monotonic() - t0 < 30  # stopped, not hung in a collective
+        deadline = time.monotonic() + 10
+        while any(p.is_alive() for p in engine.group.procs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(p.is_alive() for p in engine.group.procs)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.slow
+def test_smollm2_multi_turn_cp2_sharded_equals_single_rank(checker: None) -> None:
+    greedy = SamplingParams(max_new_tokens=24, temperature=0.0)
+    questions = ["What is the capital of France?", "And of Italy?", "Which of the two is larger?"]
+
+    def session(engine: Engine) -> list[list[int]]:
+        messages = [{"role": "system", "content": "You are a concise assistant."}]
+        outputs = []
+        for question in questions:
+            messages.append({"role": "user", "content": question})
+            res = engine.chat(messages, greedy)
+            outputs.append(res.output_ids)
+            messages.append({"role": "assistant", "content": res.text})
+        return outputs
+
+    opts = dict(dtype="float32", max_total_tokens=2048, page_size=16)
+    single = Engine("smollm2", **opts)
+    try:
+        want = session(single)
+    finally:
+        single.shutdown()
+    engine = Engine("smollm2", tp_size=2, attn_cp_size=2, enable_kv_cache_sharding=True, **opts)
+    try:
+        assert session(engine) == want
+        assert engine.stats()["hit_tokens"]["device"] > 0
+        assert engine.group.monitor.divergence is None
+    finally:
+        engine.shutdown()
