@@ -4,6 +4,7 @@ those of one rank, whatever the split, the eviction pressure or the attention-TP
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -17,6 +18,7 @@ from hicache import Engine, SamplingParams, consensus_record
 from hicache.config import ConfigError
 from hicache.errors import HicacheError
 from hicache.model.context_parallel import split_new_tokens
+from hicache.parallel.faults import ENV_VAR as FAULTS_ENV
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_parallel import BASE, MODEL, multi_turn  # noqa: E402  (the multi-rank tests' workload)
@@ -89,6 +91,45 @@ def test_output_equals_single_rank(layout: dict, reference: list[list[int]], che
     assert [p.exitcode for p in engine.group.procs] == [0] * layout["tp_size"]
 
 
+@pytest.mark.parametrize("layout", [
+    dict(tp_size=2, attn_cp_size=2, enable_kv_cache_sharding=True, max_total_tokens=80),
+    dict(tp_size=3, attn_cp_size=3, enable_kv_cache_sharding=True, cp_strategy="interleave", max_total_tokens=48),
+    dict(tp_size=2, attn_cp_size=2, max_total_tokens=160),
+], ids=["cp2-sharded", "cp3-interleave-sharded", "cp2-replicated"])
+def test_every_tier_hits_and_output_equals_single_rank(layout: dict, tmp_path: Path, checker: None,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """HiCache under CP: each rank backs up, reloads and stores the pages it owns (host pages
+    follow the same rotation as device pages), copies finishing late by different amounts on
+    each rank; a flushed cache is served again from storage alone."""
+    monkeypatch.setenv(FAULTS_ENV, json.dumps({"seed": layout["tp_size"], "max_delay_s": 0.01}))
+    engine = Engine(MODEL, enable_hierarchical_cache=True, hicache_ratio=8, hicache_storage_backend="file",
+                    hicache_storage_backend_extra_config=json.dumps({"path": str(tmp_path)}),
+                    hicache_storage_prefetch_threshold=16, hicache_storage_prefetch_policy="wait_complete",
+                    **layout, **BASE)
+    try:
+        assert multi_turn(engine, seed=7, storage_round=True) == tiered_reference()
+        stats = engine.stats()
+        assert stats["evicted_device_pages"] > 0
+        assert all(stats["hit_tokens"][tier] > 0 for tier in ("device", "host", "storage")), stats["hit_tokens"]
+        assert engine.group.monitor.divergence is None and engine.group.monitor.compared > 100
+    finally:
+        engine.shutdown()
+    assert [p.exitcode for p in engine.group.procs] == [0] * layout["tp_size"]
+
+
+_TIERED: list = []
+
+
+def tiered_reference() -> list[list[int]]:
+    if not _TIERED:
+        engine = Engine(MODEL, max_total_tokens=4096, disable_radix_cache=True, **BASE)
+        try:
+            _TIERED.append(multi_turn(engine, seed=7, storage_round=True))
+        finally:
+            engine.shutdown()
+    return _TIERED[0]
+
+
 def test_sharded_ranks_each_hold_about_a_half_of_the_replicated_pages() -> None:
     """The same prompts, replicated vs sharded KV at CP2: every page on both ranks, or each
     page on one (the rotation gives each rank every other page of every sequence)."""
@@ -144,30 +185,41 @@ def test_a_cp_rank_killed_mid_gather_stops_the_group_with_its_name() -> None:
 
 
 @pytest.mark.slow
-def test_smollm2_multi_turn_cp2_sharded_equals_single_rank(checker: None) -> None:
+def test_smollm2_multi_turn_cp2_sharded_equals_single_rank(tmp_path: Path, checker: None) -> None:
+    """A chat whose history is pushed out of the device pool by other traffic between turns
+    (so it comes back from host memory), then asked again after a flush (from storage)."""
     greedy = SamplingParams(max_new_tokens=24, temperature=0.0)
     questions = ["What is the capital of France?", "And of Italy?", "Which of the two is larger?"]
 
     def session(engine: Engine) -> list[list[int]]:
         messages = [{"role": "system", "content": "You are a concise assistant."}]
         outputs = []
-        for question in questions:
+        for turn, question in enumerate(questions):
             messages.append({"role": "user", "content": question})
             res = engine.chat(messages, greedy)
             outputs.append(res.output_ids)
             messages.append({"role": "assistant", "content": res.text})
+            filler = [{"role": "user", "content": f"{turn}: " + "Describe the sea. " * 100}]  # evicts the chat
+            engine.chat(filler, SamplingParams(max_new_tokens=1, temperature=0.0))
+        assert engine.flush_cache()
+        outputs.append(engine.chat(messages[:-1], greedy).output_ids)  # the last turn again
         return outputs
 
-    opts = dict(dtype="float32", max_total_tokens=2048, page_size=16)
-    single = Engine("smollm2", **opts)
+    opts = dict(dtype="float32", page_size=16, enable_hierarchical_cache=True, hicache_ratio=4,
+                hicache_storage_backend="file", hicache_storage_prefetch_threshold=32,
+                hicache_storage_prefetch_policy="wait_complete")
+    single = Engine("smollm2", max_total_tokens=512, **opts, hicache_storage_backend_extra_config=json.dumps(
+        {"path": str(tmp_path / "single")}))
     try:
         want = session(single)
     finally:
         single.shutdown()
-    engine = Engine("smollm2", tp_size=2, attn_cp_size=2, enable_kv_cache_sharding=True, **opts)
+    engine = Engine("smollm2", tp_size=2, attn_cp_size=2, enable_kv_cache_sharding=True, max_total_tokens=256,
+                    **opts, hicache_storage_backend_extra_config=json.dumps({"path": str(tmp_path / "cp")}))
     try:
         assert session(engine) == want
-        assert engine.stats()["hit_tokens"]["device"] > 0
+        hits = engine.stats()["hit_tokens"]
+        assert all(hits[tier] > 0 for tier in ("device", "host", "storage")), hits
         assert engine.group.monitor.divergence is None
     finally:
         engine.shutdown()

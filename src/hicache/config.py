@@ -178,8 +178,6 @@ class EngineConfig:
             raise ConfigError("--enable-kv-cache-sharding needs a shard group: set --attn-cp-size to 2 or more.")
         if cp > 1 and self.pp_size > 1:
             raise ConfigError("--attn-cp-size with --pp-size > 1 is not supported yet; use one of them.")
-        if cp > 1 and self.enable_hierarchical_cache:
-            raise ConfigError("--attn-cp-size with --enable-hierarchical-cache is not supported yet; drop one of them.")
 
     def _validate_nodes(self) -> None:
         """Ranks across machines: every node runs the same number of ranks, node 0 included."""

@@ -29,6 +29,7 @@ import torch
 
 from .host_pool import HostKVPool, device_page_view
 from .page_copy import PageBuf, PagePlan, copy_pages, page_items
+from .placement import ShardView
 from .pools import DeviceKVPool
 
 logger = logging.getLogger(__name__)
@@ -58,9 +59,12 @@ class TransferOp:
 
 
 class TransferController:
-    def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool) -> None:
+    def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool, shard: ShardView | None = None) -> None:
+        """``shard``: page ids are logical and sharded; this rank copies the pages it holds
+        (every rank runs every op, so acks and their order stay the same on all)."""
         self.device_pool = device_pool
         self.host_pool = host_pool
+        self.shard = shard
         self.num_layers = len(device_pool.k_buffers)
         self.cuda = device_pool.k_buffers[0].is_cuda
         self._ids = itertools.count()
@@ -151,7 +155,13 @@ class TransferController:
 
     def _run(self, op: TransferOp, stream) -> None:
         backup = op.kind == BACKUP
-        plan = PagePlan(op.device_pages, op.host_pages) if backup else PagePlan(op.host_pages, op.device_pages)
+        dev_pages, host_pages = op.device_pages, op.host_pages
+        if self.shard is not None:  # this rank's pages only, as its pools number them
+            mine = self.shard.owned(dev_pages)
+            if not np.array_equal(mine, self.shard.owned(host_pages)):
+                raise RuntimeError(f"{op.kind} {op.op_id}: a device page and its host page have different owners")
+            dev_pages, host_pages = self.shard.local(dev_pages[mine]), self.shard.local(host_pages[mine])
+        plan = PagePlan(dev_pages, host_pages) if backup else PagePlan(host_pages, dev_pages)
         # On CUDA the gather (pages outside consecutive runs) lands in a buffer this worker reuses,
         # on the source side of the copy; CPU copies need none.
         src_sample = self.device_pool.k_buffers[0] if backup else self.host_pool.buffer

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .placement import PagePlacement, ShardedPageAllocator
+from .placement import PagePlacement, ShardedPageAllocator, alloc_evicting
 from .pools import DeviceKVPool, PageAllocator, pages_to_slots
 from .radix import RadixCache
 from .tiers import CacheStats, Tier
@@ -110,25 +110,11 @@ class DeviceTier:
 
     def _alloc(self, n: int, first_position: int) -> np.ndarray | None:
         """``n`` pages for positions ``first_position ..`` of a sequence, evicting unlocked cache
-        while they do not fit. Sharded, every owner must have its share, so eviction (policy
-        order, owners mixed) repeats until they do or nothing is left to evict."""
-        while True:
-            pages = self.allocator.alloc(n, first_position)
-            short = self._shortfall(n, first_position)
-            if pages is not None or self.tree is None or short == 0:
-                return pages
-            freed = self.tree.evict(short)
-            self.stats.evicted_device_pages += freed
-            if freed == 0:
-                return None
-
-    def _shortfall(self, n: int, first_position: int) -> int:
-        """Pages missing for an ``n``-page allocation (on each owner, when sharded)."""
-        if self.placement is None:
-            return max(0, n - self.allocator.available)
-        owners = self.placement.owner_at(np.arange(first_position, first_position + n))
-        need = np.bincount(owners, minlength=self.placement.num_shards)
-        return int(sum(max(0, int(need[o]) - self.allocator.available_on(o)) for o in range(len(need))))
+        while they do not fit."""
+        pages, evicted = alloc_evicting(self.allocator, n, first_position,
+                                        self.tree.evict if self.tree is not None else None)
+        self.stats.evicted_device_pages += evicted
+        return pages
 
     def cache_prefix(self, namespace: str, tokens: np.ndarray, state: KVState) -> None:
         """Insert the whole pages of ``tokens`` (whose KV is computed) into the tree and move

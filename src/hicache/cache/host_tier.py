@@ -20,6 +20,7 @@ import numpy as np
 from .acks import AckCounts
 from .controller import BACKUP, LOAD, TransferController, TransferOp
 from .host_pool import HostKVPool
+from .placement import ShardedPageAllocator, ShardView, alloc_evicting, first_page
 from .pools import DeviceKVPool, PageAllocator
 from .radix import RadixCache
 from .tiers import CacheStats, Tier
@@ -36,11 +37,13 @@ _Item = tuple[np.ndarray, np.ndarray, TreeNode | None]
 class HostTier:
     """Implements :class:`~.tiers.Tier` below the device; ``lower`` is the storage tier."""
 
-    def __init__(self, pool: DeviceKVPool, host_pool: HostKVPool, allocator: PageAllocator,
+    def __init__(self, pool: DeviceKVPool, host_pool: HostKVPool, allocator: PageAllocator | ShardedPageAllocator,
                  tree: RadixCache | None, write_policy: str, write_through_threshold: int,
-                 stats: CacheStats) -> None:
+                 stats: CacheStats, shard: ShardView | None = None) -> None:
+        """``shard``: device and host pages are sharded (this rank's view); host pages follow the
+        owner rotation of their positions like device pages, so each rank copies its own."""
         self.pool, self.host_pool, self.allocator, self.tree, self.stats = pool, host_pool, allocator, tree, stats
-        self.controller = TransferController(pool, host_pool)
+        self.controller = TransferController(pool, host_pool, shard)
         # Hits a node needs before it is backed up (write_back: only at eviction).
         self.backup_threshold = {"write_through": 1, "write_through_selective": write_through_threshold,
                                  "write_back": None}[write_policy]
@@ -61,7 +64,7 @@ class HostTier:
                 path.append(node)
             node = node.parent
         for n in reversed(path):
-            host = self.alloc(n.num_pages)
+            host = self.alloc(n.num_pages, first_page(n, self.pool.page_size))
             if host is None:
                 self.stats.backup_skipped_pages += n.num_pages
                 continue
@@ -71,7 +74,7 @@ class HostTier:
 
     def on_evict(self, node: TreeNode) -> bool:
         """write_back: copy an L1 victim to host before its device pages are freed."""
-        host = self.alloc(node.num_pages)
+        host = self.alloc(node.num_pages, first_page(node, self.pool.page_size))
         if host is None:
             self.stats.backup_skipped_pages += node.num_pages
             return False
@@ -88,11 +91,12 @@ class HostTier:
         self.tree.inc_lock_ref(nodes[-1])
 
     # ---- host pages ----------------------------------------------------------------------
-    def alloc(self, n: int) -> np.ndarray | None:
-        """``n`` host pages, evicting host-only leaves first when too few are free."""
-        if n > self.allocator.available:
-            self.stats.evicted_host_pages += self.evict(n - self.allocator.available)
-        return self.allocator.alloc(n)
+    def alloc(self, n: int, first_position: int) -> np.ndarray | None:
+        """``n`` host pages for positions ``first_position ..`` of a sequence, evicting host-only
+        leaves first when too few are free."""
+        pages, evicted = alloc_evicting(self.allocator, n, first_position, self.evict)
+        self.stats.evicted_host_pages += evicted
+        return pages
 
     def evict(self, num_pages: int) -> int:
         """Free at least ``num_pages`` host pages by deleting unlocked host-only leaves in

@@ -22,7 +22,7 @@ from .controller import TransferController
 from .device_tier import DeviceTier, KVState
 from .host_pool import HostKVPool
 from .host_tier import WRITE_POLICIES, HostTier
-from .placement import PagePlacement
+from .placement import PagePlacement, ShardedPageAllocator, ShardView
 from .pools import DeviceKVPool, PageAllocator
 from .storage.base import StorageBackend
 from .storage.controller import Agree, PrefetchOp
@@ -62,22 +62,27 @@ class KVCacheManager:
         shard: str = "",
         storage_op_timeout: float = 10.0,
         placement: PagePlacement | None = None,
+        shard_rank: int = 0,
     ) -> None:
         """``storage_agree``: MIN-reduce functions for the prefetch and backup threads when
         several ranks share the deployment; ``shard``: names this rank's slice of the KV
         (layers, heads) so ranks never share storage objects; ``storage_op_timeout``: deadline
         in seconds of each storage backend call (a breaker skips a backend that keeps failing);
-        ``placement``: the device pages are page-sharded over a shard group (``pool`` holds this
-        rank's local pages; page ids everywhere else are logical)."""
+        ``placement``: device and host pages are page-sharded over a shard group of which this
+        rank is ``shard_rank`` (``pool`` and ``host_pool`` hold its local pages; page ids
+        everywhere else are logical; copies and storage objects move its own pages only)."""
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"unknown write policy {write_policy!r}")
-        if placement is not None and placement.num_shards > 1 and host_pool is not None:
-            raise ValueError("a host tier over page-sharded device KV is not built yet")
+        sharded = placement is not None and placement.num_shards > 1
+        shard_view = ShardView(placement, shard_rank) if sharded else None
         if storage is not None and host_pool is None:
             raise ValueError("a storage tier needs a host pool (its prefetches land in host pages)")
         self.pool, self.page_size, self.host_pool, self.write_policy = pool, pool.page_size, host_pool, write_policy
         self.stats = CacheStats()
-        self.host_allocator = PageAllocator(host_pool.num_pages) if host_pool is not None else None
+        self.host_allocator: PageAllocator | ShardedPageAllocator | None = None
+        if host_pool is not None:
+            self.host_allocator = ShardedPageAllocator(placement, host_pool.num_pages) if sharded \
+                else PageAllocator(host_pool.num_pages)
         self.device = DeviceTier(pool, eviction_policy, enable_prefix_cache, self.host_allocator, self.stats,
                                  placement)
         self.allocator, self.tree = self.device.allocator, self.device.tree
@@ -88,12 +93,12 @@ class KVCacheManager:
         self.tiers: list[Tier] = []  # the lower tiers, top down
         if host_pool is not None:
             self.host = HostTier(pool, host_pool, self.host_allocator, self.tree, write_policy,
-                                 write_through_threshold, self.stats)
+                                 write_through_threshold, self.stats, shard_view)
             self.device.lower = self.host
             self.tiers.append(self.host)
         if storage is not None:
             self.storage_tier = StorageTier(storage, self.host, self.keys, storage_agree, storage_op_timeout,
-                                            prefetch_threshold, prefetch_max_host_fraction)
+                                            prefetch_threshold, prefetch_max_host_fraction, shard_view)
             self.host.lower = self.storage_tier
             self.tiers.append(self.storage_tier)
         self.controller = self.host.controller if self.host is not None else None

@@ -14,6 +14,7 @@ rank 1), and every rank contributes about 1/N of any prefix to the per-layer gat
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -142,3 +143,62 @@ class GatherPlan:
             page_table[i] = owner * width + filled[owner]
             filled[owner] += 1
         return cls(contributions, page_table)
+
+
+@dataclass(frozen=True)
+class ShardView:
+    """One rank's side of a placement: which of a list of logical pages it holds, and where.
+    Copies between tiers (device <-> host <-> storage) move only these pages: a sequence's
+    device and host pages follow the same rotation, so both ends of a copy share an owner."""
+
+    placement: PagePlacement
+    rank: int
+
+    def owned_indices(self, first_position: int, n: int) -> np.ndarray:
+        """Indices ``i < n`` of a sequence's pages ``first_position + i`` this rank owns."""
+        return np.flatnonzero(self.placement.owner_at(np.arange(first_position, first_position + n)) == self.rank)
+
+    def owned(self, pages: np.ndarray) -> np.ndarray:
+        """Mask of ``pages`` (logical ids) held by this rank."""
+        return self.placement.owner(np.asarray(pages, dtype=np.int64)) == self.rank
+
+    def local(self, pages: np.ndarray) -> np.ndarray:
+        """This rank's pool page ids of ``pages`` (meaningful for owned ones only)."""
+        return self.placement.local_page(np.asarray(pages, dtype=np.int64))
+
+
+def alloc_evicting(allocator: "ShardedPageAllocator | object", n: int, first_position: int,
+                   evict: Callable[[int], int] | None) -> tuple[np.ndarray | None, int]:
+    """``n`` pages for positions ``first_position ..`` of a sequence, calling ``evict(pages)``
+    (returns the pages it freed) while they do not fit. Sharded, every owner needs its share, so
+    eviction (policy order, owners mixed) repeats until they do or nothing is left to evict.
+    Returns the pages (None: they do not fit) and the pages evicted."""
+    evicted = 0
+    while True:
+        pages = allocator.alloc(n, first_position)
+        short = shortfall(allocator, n, first_position)
+        if pages is not None or evict is None or short == 0:
+            return pages, evicted
+        freed = evict(short)
+        evicted += freed
+        if freed == 0:
+            return None, evicted
+
+
+def shortfall(allocator, n: int, first_position: int) -> int:
+    """Pages missing for an ``n``-page allocation (on each owner, when sharded)."""
+    if not isinstance(allocator, ShardedPageAllocator):
+        return max(0, n - allocator.available)
+    placement = allocator.placement
+    need = np.bincount(placement.owner_at(np.arange(first_position, first_position + n)), minlength=placement.num_shards)
+    return int(sum(max(0, int(need[o]) - allocator.available_on(o)) for o in range(placement.num_shards)))
+
+
+def first_page(node, page_size: int) -> int:
+    """Position (in pages from its sequence's start) of a tree node's first page."""
+    pages = 0
+    node = node.parent
+    while node is not None and not node.is_root:
+        pages += len(node.key) // page_size
+        node = node.parent
+    return pages

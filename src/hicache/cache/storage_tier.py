@@ -26,6 +26,7 @@ import numpy as np
 from .acks import AckCounts
 from .controller import leading_done
 from .host_tier import HostTier
+from .placement import ShardView, first_page
 from .storage.base import StorageBackend
 from .storage.controller import Agree, PrefetchOp, StorageController
 from .storage.keys import KeyNamespace, continue_chain, page_hashes
@@ -63,8 +64,12 @@ class StorageTier:
     """Implements :class:`~.tiers.Tier` below the host tier, whose pages it borrows."""
 
     def __init__(self, backend: StorageBackend, host: HostTier, keys: KeyNamespace, agree: tuple[Agree, Agree] | None,
-                 op_timeout: float, prefetch_threshold: int, prefetch_max_host_fraction: float) -> None:
+                 op_timeout: float, prefetch_threshold: int, prefetch_max_host_fraction: float,
+                 shard: ShardView | None = None) -> None:
+        """``shard``: sharded KV; this rank reads and writes the objects of the pages it owns
+        (its keys name its shard, see ``keys``)."""
         self.host, self.tree, self.keys, self.stats = host, host.tree, keys, host.stats
+        self.shard = shard
         self.page_size = keys.page_size
         self.controller = StorageController(backend, host.host_pool, *(agree or ()), op_timeout=op_timeout)
         self.prefetch_threshold = prefetch_threshold
@@ -86,11 +91,15 @@ class StorageTier:
         # The chain goes on from the last cached page, inside peek.node when the match ends mid-node.
         digest = self.keys.digest(namespace)
         prev = digest if peek.node is None else node_hashes(peek.node, self.keys)[peek.node_pages - 1]
-        host = self.host.alloc(tail)
+        host = self.host.alloc(tail, start)
         if host is None:
             return None
         hashes = page_hashes(tokens[start * self.page_size : (start + tail) * self.page_size], self.page_size, prev)
-        op = self.controller.prefetch(namespace, digest, hashes, host)
+        if self.shard is None:
+            op = self.controller.prefetch(namespace, digest, hashes, host)
+        else:
+            op = self.controller.prefetch(namespace, digest, hashes, host, self.shard.owned_indices(start, tail),
+                                          self.shard.local(host))
         op.start_page = start
         self.prefetch_held_pages += tail
         logger.debug("prefetch op=%d pages=%d from page %d", op.op_id, tail, start)
@@ -136,8 +145,13 @@ class StorageTier:
         for n in reversed(path):
             n.stored = True
             self.tree.inc_host_ref(n)
-            self.controller.backup(self.keys.digest(n.namespace), list(node_hashes(n, self.keys)),
-                                   n.host_pages.copy(), [n])
+            hashes = list(node_hashes(n, self.keys))
+            if self.shard is None:
+                self.controller.backup(self.keys.digest(n.namespace), hashes, n.host_pages.copy(), [n])
+            else:
+                owned = self.shard.owned_indices(first_page(n, self.page_size), len(hashes))
+                self.controller.backup(self.keys.digest(n.namespace), hashes, self.shard.local(n.host_pages), [n],
+                                       owned)
 
     # ---- queues --------------------------------------------------------------------------
     def ready_acks(self) -> AckCounts:

@@ -91,8 +91,8 @@ def build_core(
         host_pool=host_pool, write_policy=cfg.hicache_write_policy,
         write_through_threshold=cfg.hicache_write_through_threshold, storage=storage,
         prefetch_threshold=cfg.hicache_storage_prefetch_threshold, storage_agree=storage_agree,
-        shard=shard.describe() if shard else "", storage_op_timeout=cfg.hicache_storage_op_timeout,
-        placement=cp.placement if cp is not None else None)
+        shard=_key_shard(shard, cp_group), storage_op_timeout=cfg.hicache_storage_op_timeout,
+        placement=cp.placement if cp is not None else None, shard_rank=cp_group.rank if cp_group else 0)
     runner = ModelRunner(loaded.model, cache.kv_view, device, cp)
     scheduler = Scheduler(
         cache=cache,
@@ -106,6 +106,13 @@ def build_core(
         + cfg.hicache_storage_prefetch_timeout_per_1k_tokens * tokens / 1000,
     )
     return EngineCore(pool, host_pool, cache, runner, scheduler)
+
+
+def _key_shard(shard: ModelShard | None, cp_group: CPGroup | None) -> str:
+    """What this rank's storage objects hold: its layers and KV heads and, with context
+    parallelism, its CP rank (sharded KV: the pages it owns; replicated: its own copies)."""
+    name = shard.describe() if shard else ""
+    return f"{name},cp{cp_group.rank}of{cp_group.size}" if cp_group is not None else name
 
 
 def _device_pool_pages(

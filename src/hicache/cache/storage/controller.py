@@ -52,6 +52,9 @@ class PrefetchOp:
     ns_digest: bytes
     hashes: list[bytes]
     host_pages: np.ndarray  # reserved by the scheduler, one per key
+    # Sharded KV: the keys this rank reads (indices; None: all) into its pool's pages ``local_pages``.
+    owned: np.ndarray | None = None
+    local_pages: np.ndarray | None = None
     issue_time: float = field(default_factory=time.perf_counter)
     # acks: (pages completed so far (monotonic), is the final ack), appended as one item so a
     # count of consumed acks says whether the final one is among them.
@@ -74,10 +77,11 @@ class BackupOp:
     op_id: int
     ns_digest: bytes
     hashes: list[bytes]
-    host_pages: np.ndarray
+    host_pages: np.ndarray  # this rank's host pool pages, one per key
     payload: list  # what the cache attaches (nodes whose host data must stay)
+    owned: np.ndarray | None = None  # sharded KV: the keys this rank writes (indices; None: all)
     done: threading.Event = field(default_factory=threading.Event)
-    written: int = 0
+    written: int = 0  # leading pages of ``owned`` written
     failure: str = ""
 
 
@@ -99,6 +103,17 @@ class StorageStats:
 def _alone(values: list[int]) -> list[int]:
     """The agreement of a single rank: its own values."""
     return values
+
+
+def _mine(owned: np.ndarray | None, n: int) -> np.ndarray:
+    """The indices of an op's ``n`` pages this rank moves (all of them unless sharded)."""
+    return np.arange(n) if owned is None else owned
+
+
+def _logical(mine: np.ndarray, leading: int, n: int) -> int:
+    """A leading count over this rank's pages ``mine`` as a leading count over all ``n`` pages:
+    up to the first of its pages that is missing (the others are their owners' to count)."""
+    return int(mine[leading]) if leading < len(mine) else n
 
 
 # MIN-reduce over every rank of the deployment (see hicache.parallel), one group per thread.
@@ -166,14 +181,19 @@ class StorageController:
             h.buffer[:, :, host_page].copy_(src.view(h.buffer[:, :, host_page].shape))
 
     # ---- scheduler-thread API ------------------------------------------------------------
-    def prefetch(self, namespace: str, ns_digest: bytes, hashes: list[bytes], host_pages: np.ndarray) -> PrefetchOp:
-        op = PrefetchOp(next(self._ids), namespace, ns_digest, hashes, host_pages)
+    def prefetch(self, namespace: str, ns_digest: bytes, hashes: list[bytes], host_pages: np.ndarray,
+                 owned: np.ndarray | None = None, local_pages: np.ndarray | None = None) -> PrefetchOp:
+        """Read the objects of ``hashes`` into ``host_pages``. Sharded KV: this rank reads the
+        ``owned`` ones, into ``local_pages`` (its pool's ids); hit and completed counts are agreed
+        over every rank in logical pages, so a page counts once its owner has it."""
+        op = PrefetchOp(next(self._ids), namespace, ns_digest, hashes, host_pages, owned, local_pages)
         self.stats.prefetch_ops += 1
         self._queues["prefetch"].put(op)
         return op
 
-    def backup(self, ns_digest: bytes, hashes: list[bytes], host_pages: np.ndarray, payload: list) -> BackupOp:
-        op = BackupOp(next(self._ids), ns_digest, hashes, host_pages, payload)
+    def backup(self, ns_digest: bytes, hashes: list[bytes], host_pages: np.ndarray, payload: list,
+               owned: np.ndarray | None = None) -> BackupOp:
+        op = BackupOp(next(self._ids), ns_digest, hashes, host_pages, payload, owned)
         self._backups.append(op)
         self._queues["backup"].put(op)
         return op
@@ -213,8 +233,9 @@ class StorageController:
 
     def _read(self, op: PrefetchOp) -> None:
         keys = [object_key(h) for h in op.hashes]
+        mine = _mine(op.owned, len(keys))
         try:
-            hit = self.guard.exists_prefix(keys)
+            hit = _logical(mine, self.guard.exists_prefix([keys[i] for i in mine]) if len(mine) else 0, len(keys))
         except Exception as e:
             hit, op.failure = 0, failure_reason(e)
             _log_failure(op.failure, "prefetch op=%d: storage exists query (%d keys) failed: %s", op.op_id, len(keys), e)
@@ -244,29 +265,33 @@ class StorageController:
                 return
 
     def _read_batch(self, op: PrefetchOp, keys: list[str], start: int, end: int) -> int:
-        """Read pages ``[start, end)`` into their host pages; returns how many leading ones
-        arrived intact (a missing, short or corrupt page ends the run)."""
+        """Read pages ``[start, end)`` (this rank's of them) into their host pages; returns how
+        many leading ones arrived intact or are another rank's (a missing, short or corrupt
+        page of this rank ends the run)."""
         if self.read_delay_fn is not None:
             time.sleep(self.read_delay_fn(op))
+        mine = [int(i) for i in _mine(op.owned, len(keys)) if start <= i < end]
+        if not mine:  # every page of this batch is another rank's
+            return end - start
+        pages = op.local_pages if op.local_pages is not None else op.host_pages
         t0 = time.perf_counter()
         try:
-            blobs = self.guard.batch_get(keys[start:end])
+            blobs = self.guard.batch_get([keys[i] for i in mine])
         except Exception as e:
             op.failure = failure_reason(e)
-            _log_failure(op.failure, "prefetch op=%d: storage read of %d pages failed: %s", op.op_id, end - start, e)
-            return 0
-        good = 0
-        for i, blob in enumerate(blobs):
-            payload, reason = (None, "missing") if blob is None else \
-                decode_checked(blob, op.ns_digest, op.hashes[start + i])
+            _log_failure(op.failure, "prefetch op=%d: storage read of %d pages failed: %s", op.op_id, len(mine), e)
+            return mine[0] - start
+        good = end - start
+        for i, blob in zip(mine, blobs):
+            payload, reason = (None, "missing") if blob is None else decode_checked(blob, op.ns_digest, op.hashes[i])
             if payload is None:
                 op.failure = getattr(reason, "value", str(reason))
+                good = i - start
                 break
-            self.load_page(int(op.host_pages[start + i]), payload)
-            good += 1
+            self.load_page(int(pages[i]), payload)
         elapsed = time.perf_counter() - t0
         self.stats.prefetch_time_s += elapsed
-        self._observe_read(end - start, elapsed)
+        self._observe_read(len(mine), elapsed)
         return good
 
     def _observe_read(self, pages: int, seconds: float) -> None:
@@ -278,11 +303,13 @@ class StorageController:
     def _backup_worker(self) -> None:
         while (op := self._queues["backup"].get()) is not None:
             t0 = time.perf_counter()
+            mine = _mine(op.owned, len(op.hashes))
             try:
-                blobs = [encode(op.ns_digest, h, self.page_bytes(int(p))) for h, p in zip(op.hashes, op.host_pages)]
+                hashes = [op.hashes[i] for i in mine]
+                blobs = [encode(op.ns_digest, op.hashes[i], self.page_bytes(int(op.host_pages[i]))) for i in mine]
                 for i in range(0, len(blobs), BATCH_PAGES):
                     batch = blobs[i : i + BATCH_PAGES]
-                    stored = self.guard.batch_set([object_key(h) for h in op.hashes[i : i + BATCH_PAGES]], batch)
+                    stored = self.guard.batch_set([object_key(h) for h in hashes[i : i + BATCH_PAGES]], batch)
                     op.written += stored
                     if stored < len(batch):  # keep `written` a leading count: a gap ends the chain
                         op.failure = "short_write"
@@ -290,10 +317,10 @@ class StorageController:
                 self.stats.backup_bytes += sum(len(b) for b in blobs[: op.written])
             except Exception as e:
                 op.failure = failure_reason(e)
-                _log_failure(op.failure, "storage backup op=%d (%d pages) failed: %s", op.op_id, len(op.hashes), e)
+                _log_failure(op.failure, "storage backup op=%d (%d pages) failed: %s", op.op_id, len(mine), e)
             finally:
                 # Several ranks: a page counts as stored only when every rank stored its shard.
-                agreed = self._agree_backup([op.written])[0]
+                agreed = self._agree_backup([_logical(mine, op.written, len(op.hashes))])[0]
                 if agreed < len(op.hashes):
                     op.failure = op.failure or "peer_rank"
                 self.stats.backup_pages += op.written
