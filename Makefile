@@ -42,7 +42,11 @@ demo: setup
 	$(VENV)/bin/hicache demo $(DEMO_L3) --turns 2
 	@echo
 	@echo "== two-way tensor x two-way pipeline parallel: 4 rank processes, the rank consensus checker on =="
-	HICACHE_RANK_CONSENSUS_CHECKER=1 $(VENV)/bin/hicache demo --tp-size 2 --pp-size 2 --turns 3 --max-new-tokens 16
+	HICACHE_RANK_CONSENSUS_CHECKER=1 $(VENV)/bin/hicache demo --tp-size 2 --pp-size 2 --turns 2 --max-new-tokens 16
+	@echo
+	@echo "== two-way context parallel, KV pages sharded over the two ranks (each holds every other page) =="
+	HICACHE_RANK_CONSENSUS_CHECKER=1 $(VENV)/bin/hicache demo --tp-size 2 --attn-cp-size 2 --enable-kv-cache-sharding \
+		--agents 2 --turns 2 --max-new-tokens 16 --max-total-tokens 1024 --enable-hierarchical-cache
 
 # Starts `hicache serve` (SmolLM2) on a free local port, runs a short multi-turn benchmark
 # against it, prints the report (and writes out/serve-demo.{json,png}), then stops the server.

@@ -47,7 +47,7 @@ def run_demo(engine: Engine, turns: int = 8, max_new_tokens: int = 40, agents: i
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     sessions = [[{"role": "system", "content": SYSTEM},
                  {"role": "user", "content": f"{TASK} (workspace {a + 1})"}] for a in range(agents)]
-    host = "on" if engine.host_pool is not None else "off"
+    host = "on" if engine.config.enable_hierarchical_cache else "off"
     print(f"hicache demo: {agents} agent(s) x {turns} turns on {engine.config.model} "
           f"({engine.device}, {engine.config.dtype}, page {engine.config.page_size}, "
           f"device pool {engine.capacity_pages * engine.config.page_size} tokens, host tier {host})\n")
@@ -80,4 +80,11 @@ def run_demo(engine: Engine, turns: int = 8, max_new_tokens: int = 40, agents: i
           f"{sum(r.ttft_s for r in later) / max(len(later), 1) * 1000:.0f} ms; last turn ({warm.prompt_tokens} "
           f"tokens) warm {warm.ttft_s * 1000:.0f} ms vs cold {cold.ttft_s * 1000:.0f} ms "
           f"({cold.ttft_s / warm.ttft_s:.1f}x faster with the cache)")
+    sharding = engine.stats().get("kv_sharding")
+    if sharding is not None:
+        gathers = sharding["per_rank"][0]
+        how = f"page-sharded over {sharding['shards']} ranks" if sharding["shards"] > 1 else "replicated on every rank"
+        print(f"context parallel KV: {how}; pages held per CP rank {sharding['owned_pages']}; "
+              f"rank 0 ran {gathers['gathers']} prefix gathers ({gathers['gathered_bytes'] / 2**20:.1f} MiB, "
+              f"{gathers['gather_time_s'] * 1e3:.0f} ms, {gathers['gather_wait_s'] * 1e3:.0f} ms of it waited for)")
     return 0
