@@ -13,7 +13,9 @@ from hicache.model.llama import LlamaForCausalLM
 from hicache.model.spec import ModelSpec
 from hicache.model.tokenizer import Tokenizer, load_hf_tokenizer
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "DeepseekV3ForCausalLM",
+                           "DeepseekV2ForCausalLM")
+MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
 # Qwen2 always has q/k/v biases; its config has no attention_bias key to say so.
 _BIAS_BY_DEFAULT = {"qwen2"}
 
@@ -53,9 +55,27 @@ def spec_from_hf_config(config: dict) -> ModelSpec:
             max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
             attention_bias=bool(config.get("attention_bias", model_type in _BIAS_BY_DEFAULT)),
             rope_scaling=scaling,
+            **(_mla_fields(config) if any(a in MLA_ARCHITECTURES for a in archs) else {}),
         )
     except KeyError as e:
         raise ModelFormatError(f"config.json lacks the field {e.args[0]!r}.") from None
+
+
+def _mla_fields(config: dict) -> dict:
+    """DeepSeek-V2/V3 attention sizes; only all-dense models (every layer before
+    ``first_k_dense_replace``, or no routed experts) are supported."""
+    layers = int(config["num_hidden_layers"])
+    if config.get("n_routed_experts") and int(config.get("first_k_dense_replace", 0)) < layers:
+        raise ModelFormatError(
+            f"{config.get('architectures', ['this model'])[0]} with mixture-of-experts layers is not supported; "
+            "only dense layers (first_k_dense_replace >= num_hidden_layers) are.")
+    return dict(
+        kv_lora_rank=int(config["kv_lora_rank"]), q_lora_rank=int(config.get("q_lora_rank") or 0),
+        qk_nope_head_dim=int(config["qk_nope_head_dim"]), qk_rope_head_dim=int(config["qk_rope_head_dim"]),
+        v_head_dim=int(config["v_head_dim"]),
+        # V3 says so in its config; V2 rotates adjacent pairs too (as complex numbers).
+        rope_interleave=bool(config.get("rope_interleave", True)),
+    )
 
 
 def _check_folder(folder: Path) -> list[Path]:

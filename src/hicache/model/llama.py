@@ -18,6 +18,7 @@ from hicache.kernels import cpu_kernels
 from hicache.model.attention import decode_attention, native_decode_attention, sequence_attention
 from hicache.model.batch import ForwardBatch, KVView, SeqSpan
 from hicache.model.context_parallel import cp_attention
+from hicache.model.mla import MLAAttention
 from hicache.model.projection import DECODE_WEIGHTS, Projection
 from hicache.model.spec import ModelSpec, rope_inv_freq
 
@@ -161,7 +162,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec, layer)
+        self.self_attn = MLAAttention(spec, layer) if spec.is_mla else Attention(spec, layer)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 

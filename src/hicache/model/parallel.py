@@ -95,6 +95,16 @@ def _keep_cols(linear: nn.Linear, cols: slice) -> None:
     linear.weight = nn.Parameter(linear.weight[:, cols].clone(), requires_grad=False)
 
 
+def _keep_mla_heads(attn: nn.Module, spec: ModelSpec, heads: range) -> None:
+    """MLA: this rank's query heads of q, kv_b (each head's k_nope and value rows) and o_proj;
+    the latent projections (kv_a, q_a) stay whole: every rank computes the same latent."""
+    qk, kv = spec.qk_nope_head_dim + spec.qk_rope_head_dim, spec.qk_nope_head_dim + spec.v_head_dim
+    _keep_rows(attn.q_b_proj if attn.q_lora else attn.q_proj, slice(heads.start * qk, heads.stop * qk))
+    _keep_rows(attn.kv_b_proj, slice(heads.start * kv, heads.stop * kv))
+    _keep_cols(attn.o_proj, slice(heads.start * spec.v_head_dim, heads.stop * spec.v_head_dim))
+    attn.num_heads = len(heads)
+
+
 def shard_model(model: LlamaForCausalLM, shard: ModelShard, tp_reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
     """Cut ``model`` (loaded whole) down to ``shard`` in place. ``tp_reduce`` sums a tensor over
     the TP group (None when ``tp_size == 1``). Layer ``shard.layers[i]`` reads KV layer ``i``
@@ -116,7 +126,12 @@ def shard_model(model: LlamaForCausalLM, shard: ModelShard, tp_reduce: Callable[
     for local, layer in enumerate(layers):
         attn = layer.self_attn
         attn.layer = local
-        if shard.tp_size > 1:
+        if shard.tp_size > 1 and spec.is_mla:
+            _keep_mla_heads(attn, spec, shard.q_heads)
+            _keep_rows(layer.mlp.gate_proj, mlp)
+            _keep_rows(layer.mlp.up_proj, mlp)
+            _keep_cols(layer.mlp.down_proj, mlp)
+        elif shard.tp_size > 1:
             _keep_rows(attn.q_proj, q)
             _keep_rows(attn.k_proj, kv)
             _keep_rows(attn.v_proj, kv)

@@ -26,6 +26,10 @@ _COMMON = dict(
 )
 PRESETS: dict[str, dict] = {
     "tiny": dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128, **_COMMON),
+    # DeepSeek-V3-style MLA (dense layers): one 48-wide latent per token and layer, 4 heads.
+    "mla-tiny": dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=1, head_dim=24, intermediate_size=128,
+                     kv_lora_rank=32, q_lora_rank=32, qk_nope_head_dim=24, qk_rope_head_dim=16, v_head_dim=20,
+                     rope_interleave=True, **_COMMON),
     "small": dict(num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=256, **_COMMON),
 }
 

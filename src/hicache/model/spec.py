@@ -27,6 +27,13 @@ class ModelSpec:
     ``head_dim`` need not equal ``hidden_size // num_heads`` (q/o projections are
     ``num_heads * head_dim`` wide). ``num_heads`` must be a multiple of ``num_kv_heads`` (GQA).
     ``rope_scaling``: ``None`` or an HF-style dict with ``rope_type`` in :data:`SUPPORTED_ROPE_TYPES`.
+
+    MLA (DeepSeek-V2/V3 attention, ``kv_lora_rank > 0``): each token keeps one latent per layer,
+    ``kv_lora_rank`` compressed KV + ``qk_rope_head_dim`` rotary key, stored in the KV pools as
+    one "KV head" whose two halves sit in the K and V buffers (``num_kv_heads`` 1, ``head_dim`` =
+    half the latent: set here), so pools, tiers, copies and storage move it unchanged.
+    ``q_lora_rank`` 0: one q_proj; else q_a_proj -> norm -> q_b_proj. ``rope_interleave``: rotary
+    pairs are adjacent dims (DeepSeek-V3), not halves.
     """
 
     num_layers: int
@@ -42,9 +49,27 @@ class ModelSpec:
     max_position_embeddings: int
     attention_bias: bool = False
     rope_scaling: dict | None = None
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
 
     def __post_init__(self) -> None:
+        if self.kv_lora_rank:
+            self.num_kv_heads = 1
+            self.head_dim = (self.kv_lora_rank + self.qk_rope_head_dim) // 2
         self.validate()
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def rope_dim(self) -> int:
+        """Dimensions each rotary embedding turns: a head's, or MLA's rotary key part."""
+        return self.qk_rope_head_dim if self.is_mla else self.head_dim
 
     def validate(self) -> None:
         for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -60,11 +85,22 @@ class ModelSpec:
             raise ModelSpecError(f"head_dim must be even for rotary embeddings, got {self.head_dim}.")
         if not (self.rope_theta > 0 and self.rms_norm_eps > 0):
             raise ModelSpecError("rope_theta and rms_norm_eps must be positive.")
+        if self.is_mla:
+            self._validate_mla()
         rope_type = rope_scaling_type(self.rope_scaling)
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ModelSpecError(
                 f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}."
             )
+
+    def _validate_mla(self) -> None:
+        for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, name) < 1:
+                raise ModelSpecError(f"an MLA model (kv_lora_rank {self.kv_lora_rank}) needs {name} >= 1.")
+        if (self.kv_lora_rank + self.qk_rope_head_dim) % 2 or self.qk_rope_head_dim % 2:
+            raise ModelSpecError("MLA needs an even qk_rope_head_dim and an even kv_lora_rank + qk_rope_head_dim.")
+        if self.rope_scaling:
+            raise ModelSpecError("MLA with rope scaling (yarn) is not supported; use a config without rope_scaling.")
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes one token's K and V take over all layers at ``dtype``."""
@@ -92,8 +128,8 @@ def rope_scaling_type(rope_scaling: dict | None) -> str:
 
 
 def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
-    """Per-pair rotary frequencies ``[head_dim // 2]`` float32 (radians per position), scaling applied."""
-    dim = spec.head_dim
+    """Per-pair rotary frequencies ``[rope_dim // 2]`` float32 (radians per position), scaling applied."""
+    dim = spec.rope_dim
     inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     kind = rope_scaling_type(spec.rope_scaling)
     scaling = spec.rope_scaling or {}
