@@ -9,7 +9,8 @@ import json
 import pytest
 import torch
 
-from hicache import Engine, SamplingParams
+from hicache import Engine, SamplingParams, consensus_record
+from hicache.errors import HicacheError
 from hicache.model import load_model
 from hicache.model.standalone import greedy_paged, prefill_logits
 from hicache.model.tokenizer import byte_tokenizer
@@ -111,3 +112,40 @@ def test_engine_cache_decode_and_tp2_equal_a_plain_run() -> None:
             assert engine.stats()["hit_tokens"]["device"] > 0
         finally:
             engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def plain_turns() -> list[list[int]]:
+    engine = Engine("random:mla-tiny", dtype="float32", page_size=4, max_total_tokens=1024, disable_radix_cache=True)
+    try:
+        return _turns(engine)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("layout", [
+    dict(tp_size=2, max_total_tokens=48),  # the latent sharded over the attention-TP ranks, evicting
+    dict(tp_size=2, attn_cp_size=2, max_total_tokens=48),  # ... over context-parallel ranks
+    dict(tp_size=2, max_total_tokens=32, enable_hierarchical_cache=True, hicache_ratio=8, hicache_storage_backend="file",
+         hicache_storage_prefetch_threshold=8),  # every history comes back from host memory
+], ids=["tp2-sharded-latent", "cp2-sharded-latent", "tp2-sharded-latent-hicache"])
+def test_sharded_latent_equals_one_rank(layout: dict, plain_turns: list[list[int]], tmp_path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(consensus_record.ENV_VAR, "1")
+    if "hicache_storage_backend" in layout:
+        layout = dict(layout, hicache_storage_backend_extra_config=json.dumps({"path": str(tmp_path)}))
+    engine = Engine("random:mla-tiny", dtype="float32", page_size=4, enable_kv_cache_sharding=True, **layout)
+    try:
+        assert _turns(engine) == plain_turns
+        stats = engine.stats()
+        assert stats["evicted_device_pages"] > 0 and sum(stats["hit_tokens"].values()) > 0
+        owned = stats["kv_sharding"]["owned_pages"]
+        assert stats["kv_sharding"]["shards"] == 2 and min(owned) > 0 and abs(owned[0] - owned[1]) <= 2
+        assert engine.group.monitor.divergence is None
+    finally:
+        engine.shutdown()
+
+
+def test_latent_sharding_needs_an_mla_model() -> None:
+    with pytest.raises(HicacheError, match="is not an MLA model"):
+        Engine("random:tiny", tp_size=2, enable_kv_cache_sharding=True, dtype="float32")

@@ -104,7 +104,8 @@ class EngineConfig:
     )
     enable_kv_cache_sharding: bool = _opt(
         False, "Page-shard the KV cache across the context-parallel ranks (page q on rank q mod N) instead of "
-        "replicating it: each rank holds 1/N of every prefix, gathered per layer for attention."
+        "replicating it: each rank holds 1/N of every prefix, gathered per layer for attention. Without "
+        "--attn-cp-size, an MLA model's latent (the same on every rank) is sharded over the attention-TP ranks."
     )
     cp_strategy: str = _opt(
         "zigzag", "How prefill tokens are split over context-parallel ranks: zigzag (2N pieces, rank r takes "
@@ -174,8 +175,9 @@ class EngineConfig:
         cp = self.attn_cp_size
         if cp < 1 or self.tp_size % cp:
             raise ConfigError(f"--attn-cp-size {cp} must be at least 1 and divide --tp-size {self.tp_size}.")
-        if self.enable_kv_cache_sharding and cp == 1:
-            raise ConfigError("--enable-kv-cache-sharding needs a shard group: set --attn-cp-size to 2 or more.")
+        if self.enable_kv_cache_sharding and self.tp_size == 1:
+            raise ConfigError("--enable-kv-cache-sharding needs a shard group: --attn-cp-size 2 or more, or "
+                              "--tp-size 2 or more for an MLA model.")
         if cp > 1 and self.pp_size > 1:
             raise ConfigError("--attn-cp-size with --pp-size > 1 is not supported yet; use one of them.")
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import torch
 
-from ..config import EngineConfig
+from ..config import ConfigError, EngineConfig
 from ..errors import HicacheError
 from ..model.loader import LoadedModel
 from ..model.parallel import check_parallel
@@ -132,4 +132,7 @@ def make_backend(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, d
     from ..parallel.frontend import RankGroup
 
     check_parallel(loaded.spec, cfg.tp_size // cfg.attn_cp_size, cfg.pp_size)
+    if cfg.enable_kv_cache_sharding and cfg.attn_cp_size == 1 and not loaded.spec.is_mla:
+        raise ConfigError(f"--enable-kv-cache-sharding without --attn-cp-size shards an MLA latent over the TP ranks, "
+                          f"and {cfg.model} is not an MLA model; set --attn-cp-size to shard over context-parallel ranks.")
     return RankGroup(cfg)

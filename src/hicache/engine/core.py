@@ -49,6 +49,7 @@ def build_core(
     memory_share: int = 1,
     staging_bytes: int = 0,
     cp_group: CPGroup | None = None,
+    split_tokens: bool = True,
 ) -> EngineCore:
     """Pools sized from the config, then the cache and the scheduler over ``loaded.model``
     (already cut to ``shard`` when given).
@@ -57,7 +58,8 @@ def build_core(
     storage backend is reachable, so every rank's allocators and tiers, hence every cache
     decision, are the same; ``memory_share`` ranks size their pools from one memory budget,
     of which ``staging_bytes`` (this rank's buffers outside the pools) are already spent.
-    ``cp_group``: this rank's context-parallel group (``--attn-cp-size``); with
+    ``cp_group``: this rank's context-parallel group (``--attn-cp-size``; ``split_tokens``
+    False: the attention-TP ranks an MLA latent is sharded over, see ``make_cp_batch``); with
     ``--enable-kv-cache-sharding`` the pool holds this rank's share of the logical pages and the
     prefix-gather scratch is taken from the budget first (DESIGN invariant 6)."""
     spec = loaded.spec
@@ -67,7 +69,7 @@ def build_core(
     bytes_per_page = 2 * layers * kv_heads * spec.head_dim * elem * cfg.page_size
     cp = None
     if cp_group is not None:
-        cp = ContextParallel(cp_group, cfg.cp_strategy, cfg.page_size)
+        cp = ContextParallel(cp_group, cfg.cp_strategy, cfg.page_size, split_tokens=split_tokens)
         if cfg.enable_kv_cache_sharding:
             cp.placement = PagePlacement(cp_group.size, cfg.page_size)
             context = cfg.context_length or spec.max_position_embeddings

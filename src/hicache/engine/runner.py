@@ -23,6 +23,7 @@ class ContextParallel:
     page_size: int
     placement: Optional[PagePlacement] = None
     gather: Optional[PrefixGather] = None
+    split_tokens: bool = True  # False: the group's ranks hold other heads of the same tokens (MLA TP)
 
     def contexts(self, prefix_lens: list[int], context_slots: list[torch.Tensor]) -> list:
         """Each context as the model reads it: local slots (replicated), or where every logical
@@ -59,7 +60,7 @@ class ModelRunner:
             batch = make_forward_batch(input_ids, prefix_lens, context_slots, logits="last", device=self.device)
         else:
             batch = make_cp_batch(input_ids, prefix_lens, cp.contexts(prefix_lens, context_slots), cp.group,
-                                  cp.strategy, cp.page_size, cp.gather, self.device)
+                                  cp.strategy, cp.page_size, cp.gather, self.device, cp.split_tokens)
             if batch.cp is not None and cp.gather is not None:
                 cp.gather.begin(batch.cp, len(self.kv.k_buffers))
         return self.model(batch, self.kv, hidden)

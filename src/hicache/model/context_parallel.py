@@ -124,7 +124,8 @@ class CPLayout:
 
     group: CPGroup
     seqs: list[CPSequence]  # prefill
-    chunk_k_rows: Optional[torch.Tensor]  # [T] each global new token's K row in the gathered chunk
+    # [T] each global new token's K row in the gathered chunk; None: every rank has every token
+    chunk_k_rows: Optional[torch.Tensor]
     max_local: int  # new-token rows every rank sends in the chunk gather (its own, padded)
     write_index: torch.Tensor  # global new tokens whose K/V this rank stores
     write_rows: torch.Tensor  # ... at these rows of its pool
@@ -143,7 +144,7 @@ class CPLayout:
     def final_rows(self, h: torch.Tensor) -> torch.Tensor:
         """The wanted logits rows ``[num_logits, hidden]`` on every rank: each row's holder puts
         it in, the rest add zeros (an exact sum)."""
-        if not self.prefill:
+        if not self.prefill or self.chunk_k_rows is None:  # every rank holds every row
             return h[self.logits_rows]
         out = h.new_zeros(self.num_logits, h.shape[-1])
         out[self.logits_slots] = h[self.logits_rows]
@@ -167,11 +168,14 @@ def _pieces_rows(pieces_per_seq: list[list[tuple[int, int]]], new_starts: list[i
 
 def make_cp_batch(input_ids: Sequence[Sequence[int]], prefix_lens: Sequence[int],
                   contexts: Sequence[torch.Tensor | ShardedContext], group: CPGroup, strategy: str,
-                  page_size: int, gather: Optional["PrefixGather"], device: torch.device):
+                  page_size: int, gather: Optional["PrefixGather"], device: torch.device, split_tokens: bool = True):
     """This CP rank's :class:`~hicache.model.batch.ForwardBatch` for a batch of B sequences.
 
     ``contexts[b]``: the context's slots in this rank's pool (replicated KV: a long tensor, the
-    same on every rank), or its :class:`ShardedContext` (page-sharded KV)."""
+    same on every rank), or its :class:`ShardedContext` (page-sharded KV). ``split_tokens``
+    False: the group's ranks are attention-TP ranks over one MLA latent (different heads, the
+    same tokens): every rank computes every token and only the KV is sharded, so decode reads
+    its context through the prefix gather too (a rank cannot merge partials of heads it lacks)."""
     from hicache.model.batch import ForwardBatch, make_forward_batch
 
     lens = [len(ids) for ids in input_ids]
@@ -191,13 +195,14 @@ def make_cp_batch(input_ids: Sequence[Sequence[int]], prefix_lens: Sequence[int]
     flat_ids = torch.tensor([t for ids in input_ids for t in ids], dtype=torch.long)
     positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix_lens, lens)])
     ends = torch.tensor(starts[1:]) - 1
-    if max(lens) == 1:  # sharded decode: every rank computes every token over its own keys
+    if max(lens) == 1 and split_tokens:  # sharded decode: every rank computes every token over its own keys
         decode_rows = [c.rows[c.owners == group.rank].to(device) for c in contexts]
         cp = CPLayout(group, [], None, total, write_index.to(device), write_rows.to(device), ends.to(device),
                       torch.arange(len(lens), device=device), len(lens), page_size, decode_rows=decode_rows)
         local = torch.arange(total)
     else:
-        split = [split_new_tokens(p, n, group.size, strategy, page_size) for p, n in zip(prefix_lens, lens)]
+        split = [split_new_tokens(p, n, group.size, strategy, page_size) if split_tokens else [[(0, n)]] * group.size
+                 for p, n in zip(prefix_lens, lens)]
         every = [_pieces_rows([s[r] for s in split], starts[:-1]) for r in range(group.size)]
         max_local = max(max(len(order) for _, order in every), 1)
         chunk_k_rows = torch.empty(total, dtype=torch.long)
@@ -210,7 +215,8 @@ def make_cp_batch(input_ids: Sequence[Sequence[int]], prefix_lens: Sequence[int]
         held = torch.isin(ends, local)
         slot_of = {int(g): i for i, g in enumerate(order)}
         logits_rows = torch.tensor([slot_of[int(e)] for e in ends[held]], dtype=torch.long)
-        cp = CPLayout(group, seqs, chunk_k_rows.to(device), max_local, write_index.to(device), write_rows.to(device),
+        cp = CPLayout(group, seqs, chunk_k_rows.to(device) if split_tokens else None, max_local,
+                      write_index.to(device), write_rows.to(device),
                       logits_rows.to(device), held.nonzero().flatten().to(device), len(lens), page_size, gather=gather)
     return ForwardBatch(input_ids=flat_ids[local].to(device), positions=positions[local].to(device),
                         out_slots=torch.empty(0, dtype=torch.long, device=device), spans=[], decode=None,
@@ -312,36 +318,45 @@ def _page_rows(pages: torch.Tensor, page_size: int) -> torch.Tensor:
     return (pages.view(-1, 1) * page_size + torch.arange(page_size, device=pages.device).view(1, -1)).view(-1)
 
 
+def _as_stored(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return k, v
+
+
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CPLayout, layer: int, kv,
-                 kv_map: Optional[torch.Tensor]) -> torch.Tensor:
+                 kv_map: Optional[torch.Tensor], read: Callable = _as_stored) -> torch.Tensor:
     """This rank's attention output ``[T_local, H, D]`` for its new tokens ``q``/``k``/``v``
-    (see the module docstring); stores the new K/V this rank owns."""
+    (see the module docstring); stores the new K/V this rank owns. ``k``/``v`` are as the pool
+    stores them; ``read(k, v)`` turns stored rows into attention's keys and values (MLA: the
+    latent's two halves into the latent, as key and value)."""
     k_buf, v_buf = kv.k_buffers[layer], kv.v_buffers[layer]
     if not layout.prefill:  # sharded decode: every token here, keys split, partials merged
         k_buf.index_copy_(0, layout.write_rows, k[layout.write_index].to(k_buf.dtype))
         v_buf.index_copy_(0, layout.write_rows, v[layout.write_index].to(v_buf.dtype))
-        outs, lses = zip(*(keys_attention(q[b:b + 1], k_buf.index_select(0, rows), v_buf.index_select(0, rows), kv_map)
-                           for b, rows in enumerate(layout.decode_rows)))
+        outs, lses = zip(*(keys_attention(q[b:b + 1], *read(k_buf.index_select(0, rows), v_buf.index_select(0, rows)),
+                                          kv_map) for b, rows in enumerate(layout.decode_rows)))
         mine = torch.cat([torch.cat(outs).float(), torch.cat(lses)[..., None]], dim=-1)  # [B, H, D + 1]
         every = layout.group.all_gather(mine)
         return merge_partials([(part[..., :-1], part[..., -1]) for part in every]).to(q.dtype)
-    # Prefill: all-gather the chunk's new K/V (rank r sends [K rows | V rows], padded to max_local).
-    local = k.shape[0]
-    mine = k.new_zeros(2 * layout.max_local, *k.shape[1:])
-    mine[:local], mine[layout.max_local:layout.max_local + local] = k, v
-    rows = layout.group.all_gather(mine).view(-1, *k.shape[1:])
-    k_all, v_all = rows.index_select(0, layout.chunk_k_rows), rows.index_select(0, layout.chunk_k_rows + layout.max_local)
+    if layout.chunk_k_rows is None:  # every rank computed every new token
+        k_all, v_all = k, v
+    else:  # all-gather the chunk's new K/V (rank r sends [K rows | V rows], padded to max_local)
+        local = k.shape[0]
+        mine = k.new_zeros(2 * layout.max_local, *k.shape[1:])
+        mine[:local], mine[layout.max_local:layout.max_local + local] = k, v
+        rows = layout.group.all_gather(mine).view(-1, *k.shape[1:])
+        k_all = rows.index_select(0, layout.chunk_k_rows)
+        v_all = rows.index_select(0, layout.chunk_k_rows + layout.max_local)
     k_buf.index_copy_(0, layout.write_rows, k_all[layout.write_index].to(k_buf.dtype))
     v_buf.index_copy_(0, layout.write_rows, v_all[layout.write_index].to(v_buf.dtype))
     out = torch.empty_like(q)
     for b, seq in enumerate(layout.seqs):
         prefix: list = []
         if seq.gather_pages is not None:
-            prefix = [layout.gather.prefix(layout, layer, b, kv)]
+            prefix = [read(*layout.gather.prefix(layout, layer, b, kv))]
         elif seq.prefix_rows is not None:
-            prefix = [(k_buf.index_select(0, seq.prefix_rows), v_buf.index_select(0, seq.prefix_rows))]
-        k_new = k_all[seq.new_start:seq.new_start + seq.new_len]
-        v_new = v_all[seq.new_start:seq.new_start + seq.new_len]
+            prefix = [read(k_buf.index_select(0, seq.prefix_rows), v_buf.index_select(0, seq.prefix_rows))]
+        k_new, v_new = read(k_all[seq.new_start:seq.new_start + seq.new_len],
+                            v_all[seq.new_start:seq.new_start + seq.new_len])
         for row, off, n in seq.pieces:
             full = prefix + ([(k_new[:off], v_new[:off])] if off else [])
             out[row:row + n] = sequence_attention(q[row:row + n], full, (k_new[off:off + n], v_new[off:off + n]), kv_map)

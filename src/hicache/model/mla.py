@@ -26,11 +26,18 @@ from torch import nn
 
 from hicache.model.attention import decode_attention, sequence_attention
 from hicache.model.batch import ForwardBatch, KVView, SeqSpan
+from hicache.model.context_parallel import cp_attention
 from hicache.model.projection import Projection
 from hicache.model.spec import ModelSpec
 
 # transformers builds the two small MLA norms with their default eps, whatever rms_norm_eps says.
 MLA_NORM_EPS = 1e-6
+
+
+def _latent_kv(k_half: torch.Tensor, v_half: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stored rows (the latent's two halves) as attention's key and value: the latent, twice."""
+    latent = torch.cat((k_half, v_half), dim=-1)
+    return latent, latent
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -98,10 +105,14 @@ class MLAAttention(nn.Module):
         kv.wait_layer(self.layer)
         k_buf, v_buf = kv.k_buffers[self.layer], kv.v_buffers[self.layer]
         half = k_buf.shape[-1]
-        k_buf.index_copy_(0, batch.out_slots, latent[..., :half].to(k_buf.dtype))
-        v_buf.index_copy_(0, batch.out_slots, latent[..., half:].to(v_buf.dtype))
-
-        out = self._attend(q_full, latent, batch, k_buf, v_buf)[..., : self.rank]  # softmax . c
+        if batch.cp is not None:  # the latent sharded over a group (context parallel, or attention-TP)
+            out = cp_attention(q_full, latent[..., :half], latent[..., half:], batch.cp, self.layer, kv, None,
+                               read=_latent_kv)
+        else:
+            k_buf.index_copy_(0, batch.out_slots, latent[..., :half].to(k_buf.dtype))
+            v_buf.index_copy_(0, batch.out_slots, latent[..., half:].to(v_buf.dtype))
+            out = self._attend(q_full, latent, batch, k_buf, v_buf)
+        out = out[..., : self.rank]  # softmax . c
         values = torch.einsum("thr,hvr->thv", out, w[:, self.nope:])
         out = self.out(values.reshape(t, heads * self.v_dim))
         return out if self.tp_reduce is None else self.tp_reduce(out)

@@ -136,7 +136,9 @@ def rank_label(rank: int, tp_size: int) -> str:
 
 
 class ParallelGroups:
-    def __init__(self, info: RankInfo, init_method: str, device: torch.device) -> None:
+    def __init__(self, info: RankInfo, init_method: str, device: torch.device, latent_sharding: bool = False) -> None:
+        """``latent_sharding``: no CP, but an MLA latent is page-sharded over each stage's TP
+        ranks; they then form the stage's shard group (``self.cp``) for the prefix gathers."""
         self.info = info
         dist.init_process_group("gloo", init_method=init_method, rank=info.rank, world_size=info.world_size,
                                 timeout=COLLECTIVE_TIMEOUT)
@@ -154,6 +156,10 @@ class ParallelGroups:
                 tensor = dist.new_group(ranks[c * a:(c + 1) * a], backend=tensor_backend)
                 if p == info.pp_rank and c == info.cp_rank:
                     self.tp_tensor = tensor
+            if latent_sharding and info.cp_size == 1:  # the TP ranks hold the same latent, sharded
+                pair = (dist.new_group(ranks, backend="gloo"), dist.new_group(ranks, backend="gloo"))
+                if p == info.pp_rank:
+                    self.cp = CPGroup(pair[0], pair[1], info.tp_rank, info.tp_size)
             if info.cp_size > 1:
                 for t in range(a):  # the same heads on every CP rank
                     members = ranks[t::a]

@@ -235,7 +235,8 @@ def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox:
             device = torch.device("cuda", info.local_rank % torch.cuda.device_count())
             torch.cuda.set_device(device)
         dtype = DTYPES[choose_dtype(cfg.dtype, device)]  # (node 0's Engine passes it resolved)
-        groups = ParallelGroups(info, init_method, device)
+        groups = ParallelGroups(info, init_method, device,
+                                latent_sharding=cfg.enable_kv_cache_sharding and cfg.attn_cp_size == 1)
         loaded = load_model(cfg.model, dtype=dtype, device=device, seed=cfg.random_seed,
                             decode_weights=cfg.decode_weight_dtype, to_be_sharded=True)
         # Weights are replicated across CP ranks and tensor-parallel within one.
@@ -248,7 +249,8 @@ def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox:
         ranks_per_device = local if device.type == "cpu" else -(-local // torch.cuda.device_count())
         core = build_core(cfg, loaded, device, dtype, shard, agree=groups.world_min,
                           storage_agree=groups.storage_agree(), memory_share=ranks_per_device,
-                          staging_bytes=groups.staging_bytes(), cp_group=groups.cp)
+                          staging_bytes=groups.staging_bytes(), cp_group=groups.cp,
+                          split_tokens=info.cp_size > 1)
         plan = FaultPlan.from_env()
         if plan is not None:
             plan.install(core.cache, info.label, rank)
