@@ -46,7 +46,7 @@ demo: setup
 	@echo
 	@echo "== two-way context parallel, KV pages sharded over the two ranks (each holds every other page) =="
 	HICACHE_RANK_CONSENSUS_CHECKER=1 $(VENV)/bin/hicache demo --tp-size 2 --attn-cp-size 2 --enable-kv-cache-sharding \
-		--agents 2 --turns 2 --max-new-tokens 16 --max-total-tokens 1024 --enable-hierarchical-cache
+		--agents 2 --turns 2 --max-new-tokens 8 --max-total-tokens 1024 --enable-hierarchical-cache
 
 # Starts `hicache serve` (SmolLM2) on a free local port, runs a short multi-turn benchmark
 # against it, prints the report (and writes out/serve-demo.{json,png}), then stops the server.

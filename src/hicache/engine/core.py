@@ -67,15 +67,10 @@ def build_core(
     kv_heads = len(shard.kv_heads) if shard else spec.num_kv_heads
     elem = torch.empty((), dtype=dtype).element_size()
     bytes_per_page = 2 * layers * kv_heads * spec.head_dim * elem * cfg.page_size
-    cp = None
-    if cp_group is not None:
-        cp = ContextParallel(cp_group, cfg.cp_strategy, cfg.page_size, split_tokens=split_tokens)
-        if cfg.enable_kv_cache_sharding:
-            cp.placement = PagePlacement(cp_group.size, cfg.page_size)
-            context = cfg.context_length or spec.max_position_embeddings
-            elems = PrefixGather.scratch_elems(cp_group.size, context, cfg.page_size, kv_heads, spec.head_dim)
-            cp.gather = PrefixGather(cp_group, elems, dtype, device)
-            staging_bytes += cp.gather.nbytes
+    cp = _context_parallel(cfg, cp_group, split_tokens, kv_heads, spec.head_dim, spec.max_position_embeddings,
+                           dtype, device)
+    if cp is not None and cp.gather is not None:
+        staging_bytes += cp.gather.nbytes
     device_pages = _device_pool_pages(cfg, device, bytes_per_page, memory_share, staging_bytes)
     host_pages = _host_pool_pages(cfg, device_pages, bytes_per_page) if cfg.enable_hierarchical_cache else 0
     storage = _storage_backend(cfg)
@@ -108,6 +103,21 @@ def build_core(
         + cfg.hicache_storage_prefetch_timeout_per_1k_tokens * tokens / 1000,
     )
     return EngineCore(pool, host_pool, cache, runner, scheduler)
+
+
+def _context_parallel(cfg: EngineConfig, group: CPGroup | None, split_tokens: bool, kv_heads: int, head_dim: int,
+                      max_positions: int, dtype: torch.dtype, device: torch.device) -> ContextParallel | None:
+    """This rank's part in a CP (or MLA latent) group; sharded, with its prefix-gather scratch
+    sized for the longest context."""
+    if group is None:
+        return None
+    cp = ContextParallel(group, cfg.cp_strategy, cfg.page_size, split_tokens=split_tokens)
+    if cfg.enable_kv_cache_sharding:
+        cp.placement = PagePlacement(group.size, cfg.page_size)
+        context = cfg.context_length or max_positions
+        elems = PrefixGather.scratch_elems(group.size, context, cfg.page_size, kv_heads, head_dim)
+        cp.gather = PrefixGather(group, elems, dtype, device)
+    return cp
 
 
 def _key_shard(shard: ModelShard | None, cp_group: CPGroup | None) -> str:
