@@ -82,7 +82,8 @@ def test_allocator_keeps_rotation_refuses_when_an_owner_is_short_and_recycles():
     allocator.free(first)
     again = allocator.alloc(3, first_position=1)
     assert again.tolist() == first.tolist()  # a pure function of the alloc/free sequence
-    assert not placement.follows_rotation(again, first_position=0)
+    assert not placement.follows_rotation(again, first_position=0, anchor=0)
+    assert placement.follows_rotation(again, first_position=0)  # it is rank 1's rotation from position 0
     with pytest.raises(ValueError):
         allocator.alloc(-1)
 
@@ -113,12 +114,27 @@ def test_admissions_follow_the_rotation_and_extensions_continue_it():
 
 def test_an_owner_short_of_pages_evicts_until_it_has_them():
     cache = sharded_manager(pages_per_shard=3)  # 2 local pages per rank
-    short = np.array(A + [7])
-    cache.release(NS, short, cache.admit(NS, short, reserve_tokens=len(short)))  # A cached on rank 0
+    for ns, seq in (("a", A + [7]), ("b", B + [7])):  # one page each: A on rank 0, B on the roomier rank 1
+        tokens = np.array(seq)
+        cache.release(ns, tokens, cache.admit(ns, tokens, reserve_tokens=len(tokens)))
+    assert cache.device.owned_pages() == [1, 1]
     ef = np.array(E + block(900) + [8])
-    state = cache.admit("other", ef, reserve_tokens=len(ef))  # needs rank 0 twice: A must go
-    assert state is not None and cache.stats.evicted_device_pages >= 1
-    assert cache.tree.match_prefix(NS, short).device_hit_tokens == 0
+    state = cache.admit("other", ef, reserve_tokens=len(ef))  # ranks 0, 1, 0: rank 0 is one short
+    assert state is not None and cache.stats.evicted_device_pages == 1
+    assert cache.tree.match_prefix("a", np.array(A + [7])).device_hit_tokens == 0  # the LRU page went
+    assert cache.tree.match_prefix("b", np.array(B + [7])).device_hit_tokens == PAGE
     cache.release("other", ef, state)
     # Everything cached is evictable, yet a request wider than one owner's pool is refused.
     assert cache.admit("third", np.arange(5 * PAGE + 1), reserve_tokens=5 * PAGE + 1) is None
+
+
+def test_short_sequences_spread_over_every_rank():
+    """One-page requests: each new sequence starts on the rank with the most room, so the
+    pool fills on both ranks (not rank 0 only) before anything waits."""
+    cache = sharded_manager(pages_per_shard=9)  # 8 usable local pages per rank
+    held = [cache.admit(f"ns{i}", np.array([5, 6, i]), reserve_tokens=4) for i in range(16)]
+    assert all(state is not None for state in held)
+    assert cache.device.owned_pages() == [8, 8]
+    assert cache.admit("ns-full", np.array([5, 6, 7]), reserve_tokens=4) is None
+    # A sequence extending a cached path keeps that path's rotation, wherever it started.
+    cache.release("ns1", np.array([5, 6, 1] + [9] * PAGE), held[1])

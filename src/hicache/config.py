@@ -178,8 +178,8 @@ class EngineConfig:
         if self.enable_kv_cache_sharding and self.tp_size == 1:
             raise ConfigError("--enable-kv-cache-sharding needs a shard group: --attn-cp-size 2 or more, or "
                               "--tp-size 2 or more for an MLA model.")
-        if cp > 1 and self.pp_size > 1:
-            raise ConfigError("--attn-cp-size with --pp-size > 1 is not supported yet; use one of them.")
+        if (cp > 1 or self.enable_kv_cache_sharding) and self.pp_size > 1:
+            raise ConfigError("--attn-cp-size or --enable-kv-cache-sharding with --pp-size > 1 is not supported yet.")
 
     def _validate_nodes(self) -> None:
         """Ranks across machines: every node runs the same number of ranks, node 0 included."""

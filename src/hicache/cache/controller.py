@@ -114,6 +114,11 @@ class TransferController:
                 raise RuntimeError(f"{kind} transfer {op.op_id} failed") from op.error
         return ops
 
+    def layer_ready(self, layer: int) -> bool:
+        """Whether :meth:`wait_layer` would return at once."""
+        op = self._last_load
+        return op is None or op.done.is_set() or op.layer_done[layer].is_set()
+
     def wait_layer(self, layer: int) -> None:
         """Block until every load submitted so far has finished ``layer`` (loads run FIFO)."""
         op = self._last_load

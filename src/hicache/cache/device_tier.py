@@ -12,16 +12,21 @@ or owned by exactly one :class:`KVState` (``pages[cached_pages:]``).
 
 from __future__ import annotations
 
+import logging
+
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from .placement import PagePlacement, ShardedPageAllocator, alloc_evicting
+from .placement import PagePlacement, ShardedPageAllocator, alloc_evicting, path_anchor
 from .pools import DeviceKVPool, PageAllocator, pages_to_slots
 from .radix import RadixCache
 from .tiers import CacheStats, Tier
 from .tree_node import TreeNode
+
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -86,7 +91,8 @@ class DeviceTier:
                 host_nodes.append(n)
                 n = n.parent
             host_nodes.reverse()
-        new_pages = self._alloc(self.pages_for(reserve_tokens) - len(hit_pages), first_position=len(hit_pages))
+        new_pages = self._alloc(self.pages_for(reserve_tokens) - len(hit_pages), len(hit_pages),
+                                self._anchor(hit_pages, host_nodes))
         if new_pages is None:
             if node is not None:
                 self.tree.dec_lock_ref(node)
@@ -108,11 +114,22 @@ class DeviceTier:
         self.stats.storage_hit_tokens += state.storage_hit_tokens
         return state, host_nodes
 
-    def _alloc(self, n: int, first_position: int) -> np.ndarray | None:
+    def _anchor(self, hit_pages: np.ndarray, host_nodes: list[TreeNode]) -> int:
+        """Sharded: the rank of the sequence's first page -- its cached path's (device hit, else
+        the host-hit path from the root), or for a new sequence the rank with the most room."""
+        if self.placement is None:
+            return 0
+        if len(hit_pages):
+            return self.placement.anchor_of(hit_pages)
+        if host_nodes:
+            return self.placement.anchor_of(host_nodes[0].host_pages)
+        return self.allocator.roomiest_owner()
+
+    def _alloc(self, n: int, first_position: int, anchor: int) -> np.ndarray | None:
         """``n`` pages for positions ``first_position ..`` of a sequence, evicting unlocked cache
         while they do not fit."""
         pages, evicted = alloc_evicting(self.allocator, n, first_position,
-                                        self.tree.evict if self.tree is not None else None)
+                                        self.tree.evict if self.tree is not None else None, anchor)
         self.stats.evicted_device_pages += evicted
         return pages
 
@@ -122,9 +139,8 @@ class DeviceTier:
         if self.tree is None:
             return
         n_pages = len(tokens) // self.page_size
-        if n_pages <= state.cached_pages:
+        if n_pages <= state.cached_pages or not self._insert(namespace, tokens[: n_pages * self.page_size], state):
             return
-        self._insert(namespace, tokens[: n_pages * self.page_size], state)
         match = self.tree.match_prefix(namespace, tokens[: n_pages * self.page_size])
         assert len(match.device_pages) == n_pages, "inserted prefix must match in full"
         if not np.array_equal(match.device_pages, state.pages[:n_pages]):
@@ -141,25 +157,39 @@ class DeviceTier:
         keep = 0
         if self.tree is not None:
             keep = len(tokens) // self.page_size
-            if keep > state.cached_pages:
-                self._insert(namespace, tokens[: keep * self.page_size], state)
-            keep = max(keep, state.cached_pages)
+            if keep <= state.cached_pages or not self._insert(namespace, tokens[: keep * self.page_size], state):
+                keep = state.cached_pages
         self.allocator.free(state.pages[keep:])
         if state.node is not None:
             self.tree.dec_lock_ref(state.node)
         state.pages = state.pages[:0]
         state.node = None
 
-    def _insert(self, namespace: str, tokens: np.ndarray, state: KVState) -> None:
+    def _insert(self, namespace: str, tokens: np.ndarray, state: KVState) -> bool:
+        """Cache the request's pages for ``tokens``; False (nothing changed) when sharded and the
+        tree already holds this path on another rotation (two new sequences with the same start
+        were admitted before either was cached, on different anchors): joining them would put
+        a device page and its host copy, or a gather, on different ranks."""
         n_pages = len(tokens) // self.page_size
-        if self.placement is not None and not self.placement.follows_rotation(state.pages[:n_pages]):
-            raise AssertionError("a sequence's pages must follow the owner rotation of their positions")
+        if self.placement is not None:
+            if not self.placement.follows_rotation(state.pages[:n_pages]):
+                raise AssertionError("a sequence's pages must follow the owner rotation of their positions")
+            existing = self._path_anchor(namespace, tokens)
+            if existing is not None and existing != self.placement.anchor_of(state.pages):
+                logger.debug("not caching %d pages of %s: the cached path starts on rank %d, these on rank %d",
+                             n_pages, namespace, existing, self.placement.anchor_of(state.pages))
+                return False
         already = self.tree.insert(namespace, tokens, state.pages[:n_pages]) // self.page_size
         # Pages we computed for a span another request cached first are duplicates: free them.
         if already > state.cached_pages:
             self.allocator.free(state.pages[state.cached_pages : already])
         if self.lower is not None:
             self.lower.on_insert(self.tree.node_at(namespace, tokens))
+        return True
+
+    def _path_anchor(self, namespace: str, tokens: np.ndarray) -> int | None:
+        """The rotation anchor of the cached path ``tokens`` starts with (any tier), or None."""
+        return path_anchor(self.placement, self.tree.peek_prefix(namespace, tokens).node)
 
     def owned_pages(self) -> list[int]:
         """Pages in use (cached or held by requests) on each shard's pool; one entry unsharded."""

@@ -20,7 +20,7 @@ import numpy as np
 from .acks import AckCounts
 from .controller import BACKUP, LOAD, TransferController, TransferOp
 from .host_pool import HostKVPool
-from .placement import ShardedPageAllocator, ShardView, alloc_evicting, first_page
+from .placement import ShardedPageAllocator, ShardView, alloc_evicting
 from .pools import DeviceKVPool, PageAllocator
 from .radix import RadixCache
 from .tiers import CacheStats, Tier
@@ -43,6 +43,7 @@ class HostTier:
         """``shard``: device and host pages are sharded (this rank's view); host pages follow the
         owner rotation of their positions like device pages, so each rank copies its own."""
         self.pool, self.host_pool, self.allocator, self.tree, self.stats = pool, host_pool, allocator, tree, stats
+        self.shard = shard
         self.controller = TransferController(pool, host_pool, shard)
         # Hits a node needs before it is backed up (write_back: only at eviction).
         self.backup_threshold = {"write_through": 1, "write_through_selective": write_through_threshold,
@@ -64,7 +65,7 @@ class HostTier:
                 path.append(node)
             node = node.parent
         for n in reversed(path):
-            host = self.alloc(n.num_pages, first_page(n, self.pool.page_size))
+            host = self.alloc(n.num_pages, self._anchor_like(n.device_pages))
             if host is None:
                 self.stats.backup_skipped_pages += n.num_pages
                 continue
@@ -74,7 +75,7 @@ class HostTier:
 
     def on_evict(self, node: TreeNode) -> bool:
         """write_back: copy an L1 victim to host before its device pages are freed."""
-        host = self.alloc(node.num_pages, first_page(node, self.pool.page_size))
+        host = self.alloc(node.num_pages, self._anchor_like(node.device_pages))
         if host is None:
             self.stats.backup_skipped_pages += node.num_pages
             return False
@@ -91,10 +92,15 @@ class HostTier:
         self.tree.inc_lock_ref(nodes[-1])
 
     # ---- host pages ----------------------------------------------------------------------
-    def alloc(self, n: int, first_position: int) -> np.ndarray | None:
-        """``n`` host pages for positions ``first_position ..`` of a sequence, evicting host-only
-        leaves first when too few are free."""
-        pages, evicted = alloc_evicting(self.allocator, n, first_position, self.evict)
+    def _anchor_like(self, device_pages: np.ndarray) -> int:
+        """Sharded: host pages for ``device_pages`` start on their first page's owner, so each
+        host page has its device page's owner."""
+        return 0 if self.shard is None else int(self.shard.placement.owner(int(device_pages[0])))
+
+    def alloc(self, n: int, anchor: int, first_position: int = 0) -> np.ndarray | None:
+        """``n`` host pages for positions ``first_position ..`` of a sequence anchored on rank
+        ``anchor`` (unsharded: any), evicting host-only leaves first when too few are free."""
+        pages, evicted = alloc_evicting(self.allocator, n, first_position, self.evict, anchor)
         self.stats.evicted_host_pages += evicted
         return pages
 

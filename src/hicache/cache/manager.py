@@ -40,6 +40,7 @@ class _KVView:
     def __init__(self, pool: DeviceKVPool, controller: TransferController | None) -> None:
         self.k_buffers, self.v_buffers = pool.k_buffers, pool.v_buffers
         self.wait_layer = controller.wait_layer if controller is not None else pool.wait_layer
+        self.layer_ready = controller.layer_ready if controller is not None else pool.layer_ready
 
 
 class KVCacheManager:

@@ -6,9 +6,12 @@ ids; only the pool translates, at the copy boundary. Logical page ``q`` lives on
 rank is the padding page, so logical pages ``0 .. N-1`` are never handed out.
 
 Ownership follows the sequence: the page at position ``i`` of a sequence (0-based, in pages)
-belongs to rank ``i mod N``. Two sequences that share a prefix therefore agree on its owners,
-an extension continues the rotation (seed, Figure 1a: A/B/C on ranks 0, 1, 0, so D goes to
-rank 1), and every rank contributes about 1/N of any prefix to the per-layer gather.
+belongs to rank ``(anchor + i) mod N``, where the anchor is the owner of the sequence's first
+page. A new sequence (nothing cached) is anchored on the rank with the most free pages, so
+short sequences spread over the ranks; a sequence that extends a cached path takes that path's
+anchor. Two sequences that share a prefix therefore agree on its owners, an extension continues
+the rotation (seed, Figure 1a: A/B/C on ranks 0, 1, 0, so D goes to rank 1), and every rank
+contributes about 1/N of any long prefix to the per-layer gather.
 """
 
 from __future__ import annotations
@@ -47,15 +50,24 @@ class PagePlacement:
         q = slot // self.page_size
         return q % self.num_shards, (q // self.num_shards) * self.page_size + slot % self.page_size
 
-    def owner_at(self, position):
-        """The owner of the page at ``position`` (pages from a sequence's start)."""
-        return position % self.num_shards
+    def owner_at(self, position, anchor: int = 0):
+        """The owner of the page at ``position`` (pages from a sequence's start) of a sequence
+        whose first page is on rank ``anchor``."""
+        return (anchor + position) % self.num_shards
 
-    def follows_rotation(self, pages: np.ndarray, first_position: int = 0) -> bool:
+    def anchor_of(self, pages: np.ndarray, first_position: int = 0) -> int:
+        """The anchor of the sequence whose pages from ``first_position`` on are ``pages``."""
+        return int((self.owner(int(pages[0])) - first_position) % self.num_shards)
+
+    def follows_rotation(self, pages: np.ndarray, first_position: int = 0, anchor: int | None = None) -> bool:
         """Whether ``pages`` (a sequence's pages from ``first_position`` on) sit on the owners the
-        rotation gives their positions; a tree insert or a reload must never break it."""
+        rotation gives their positions (from ``anchor``; None: the one their first page implies);
+        a tree insert or a reload must never break it."""
+        if len(pages) == 0:
+            return True
+        anchor = self.anchor_of(pages, first_position) if anchor is None else anchor
         positions = np.arange(first_position, first_position + len(pages))
-        return bool(np.array_equal(self.owner(np.asarray(pages, dtype=np.int64)), self.owner_at(positions)))
+        return bool(np.array_equal(self.owner(np.asarray(pages, dtype=np.int64)), self.owner_at(positions, anchor)))
 
 
 class ShardedPageAllocator:
@@ -89,12 +101,17 @@ class ShardedPageAllocator:
     def available_on(self, owner: int) -> int:
         return len(self._free[owner])
 
-    def alloc(self, n: int, first_position: int = 0) -> np.ndarray | None:
-        """``n`` logical pages for positions ``first_position ..`` of a sequence, each on the
-        owner the rotation gives it; None (and no change) when an owner runs short."""
+    def roomiest_owner(self) -> int:
+        """The owner with the most free pages (the lowest on ties): where a new sequence starts."""
+        return max(range(self.placement.num_shards), key=lambda o: (len(self._free[o]), -o))
+
+    def alloc(self, n: int, first_position: int = 0, anchor: int = 0) -> np.ndarray | None:
+        """``n`` logical pages for positions ``first_position ..`` of a sequence anchored on rank
+        ``anchor``, each on the owner the rotation gives it; None (and no change) when an owner
+        runs short."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} pages")
-        owners = self.placement.owner_at(np.arange(first_position, first_position + n))
+        owners = self.placement.owner_at(np.arange(first_position, first_position + n), anchor)
         need = np.bincount(owners, minlength=self.placement.num_shards)
         if any(need[o] > len(self._free[o]) for o in range(self.placement.num_shards)):
             return None
@@ -154,9 +171,9 @@ class ShardView:
     placement: PagePlacement
     rank: int
 
-    def owned_indices(self, first_position: int, n: int) -> np.ndarray:
-        """Indices ``i < n`` of a sequence's pages ``first_position + i`` this rank owns."""
-        return np.flatnonzero(self.placement.owner_at(np.arange(first_position, first_position + n)) == self.rank)
+    def owned_indices(self, pages: np.ndarray) -> np.ndarray:
+        """Indices of the ``pages`` (logical ids) this rank holds."""
+        return np.flatnonzero(self.owned(pages))
 
     def owned(self, pages: np.ndarray) -> np.ndarray:
         """Mask of ``pages`` (logical ids) held by this rank."""
@@ -168,15 +185,15 @@ class ShardView:
 
 
 def alloc_evicting(allocator: "ShardedPageAllocator | object", n: int, first_position: int,
-                   evict: Callable[[int], int] | None) -> tuple[np.ndarray | None, int]:
-    """``n`` pages for positions ``first_position ..`` of a sequence, calling ``evict(pages)``
+                   evict: Callable[[int], int] | None, anchor: int = 0) -> tuple[np.ndarray | None, int]:
+    """``n`` pages for positions ``first_position ..`` of a sequence (anchored on ``anchor``), calling ``evict(pages)``
     (returns the pages it freed) while they do not fit. Sharded, every owner needs its share, so
     eviction (policy order, owners mixed) repeats until they do or nothing is left to evict.
     Returns the pages (None: they do not fit) and the pages evicted."""
     evicted = 0
     while True:
-        pages = allocator.alloc(n, first_position)
-        short = shortfall(allocator, n, first_position)
+        pages = allocator.alloc(n, first_position, anchor)
+        short = shortfall(allocator, n, first_position, anchor)
         if pages is not None or evict is None or short == 0:
             return pages, evicted
         freed = evict(short)
@@ -185,20 +202,21 @@ def alloc_evicting(allocator: "ShardedPageAllocator | object", n: int, first_pos
             return None, evicted
 
 
-def shortfall(allocator, n: int, first_position: int) -> int:
+def shortfall(allocator, n: int, first_position: int, anchor: int = 0) -> int:
     """Pages missing for an ``n``-page allocation (on each owner, when sharded)."""
     if not isinstance(allocator, ShardedPageAllocator):
         return max(0, n - allocator.available)
     placement = allocator.placement
-    need = np.bincount(placement.owner_at(np.arange(first_position, first_position + n)), minlength=placement.num_shards)
+    need = np.bincount(placement.owner_at(np.arange(first_position, first_position + n), anchor),
+                       minlength=placement.num_shards)
     return int(sum(max(0, int(need[o]) - allocator.available_on(o)) for o in range(placement.num_shards)))
 
 
-def first_page(node, page_size: int) -> int:
-    """Position (in pages from its sequence's start) of a tree node's first page."""
-    pages = 0
-    node = node.parent
-    while node is not None and not node.is_root:
-        pages += len(node.key) // page_size
+def path_anchor(placement: PagePlacement, node) -> int | None:
+    """The rotation anchor of the cached tree path through ``node`` (its first node's device or
+    host pages; a path keeps one rotation in every tier), or None when there is no node."""
+    if node is None or node.is_root:
+        return None
+    while not node.parent.is_root:
         node = node.parent
-    return pages
+    return placement.anchor_of(node.device_pages if node.device_pages is not None else node.host_pages)

@@ -37,9 +37,10 @@ class PageAllocator:
     def available(self) -> int:
         return len(self._free)
 
-    def alloc(self, n: int, first_position: int = 0) -> np.ndarray | None:
+    def alloc(self, n: int, first_position: int = 0, anchor: int = 0) -> np.ndarray | None:
         """``n`` page ids, or None (and no change) when fewer than ``n`` are free. (Any page
-        serves any position here; ``first_position`` matters to a sharded allocator only.)"""
+        serves any position here; ``first_position`` and ``anchor`` matter to a sharded
+        allocator only.)"""
         if n < 0:
             # Fix: a negative n used to slice ``_free[:n]`` and hand out all but |n| free pages.
             raise ValueError(f"cannot allocate {n} pages")
@@ -97,3 +98,6 @@ class DeviceKVPool:
 
     def wait_layer(self, layer: int) -> None:
         """Nothing is ever in flight into the device pool by itself; loads wrap this view."""
+
+    def layer_ready(self, layer: int) -> bool:
+        return True

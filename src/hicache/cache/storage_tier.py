@@ -26,7 +26,7 @@ import numpy as np
 from .acks import AckCounts
 from .controller import leading_done
 from .host_tier import HostTier
-from .placement import ShardView, first_page
+from .placement import ShardView, path_anchor
 from .storage.base import StorageBackend
 from .storage.controller import Agree, PrefetchOp, StorageController
 from .storage.keys import KeyNamespace, continue_chain, page_hashes
@@ -91,27 +91,37 @@ class StorageTier:
         # The chain goes on from the last cached page, inside peek.node when the match ends mid-node.
         digest = self.keys.digest(namespace)
         prev = digest if peek.node is None else node_hashes(peek.node, self.keys)[peek.node_pages - 1]
-        host = self.host.alloc(tail, start)
+        host = self.host.alloc(tail, self._anchor(peek.node), start)
         if host is None:
             return None
         hashes = page_hashes(tokens[start * self.page_size : (start + tail) * self.page_size], self.page_size, prev)
         if self.shard is None:
             op = self.controller.prefetch(namespace, digest, hashes, host)
         else:
-            op = self.controller.prefetch(namespace, digest, hashes, host, self.shard.owned_indices(start, tail),
+            op = self.controller.prefetch(namespace, digest, hashes, host, self.shard.owned_indices(host),
                                           self.shard.local(host))
         op.start_page = start
         self.prefetch_held_pages += tail
         logger.debug("prefetch op=%d pages=%d from page %d", op.op_id, tail, start)
         return op
 
+    def _anchor(self, node: TreeNode | None) -> int:
+        """Sharded: the first-page owner of the path ending at ``node`` (prefetched pages continue
+        its rotation); for a prompt with nothing cached, the host rank with the most room."""
+        if self.shard is None:
+            return 0
+        anchor = path_anchor(self.shard.placement, node)
+        return self.host.allocator.roomiest_owner() if anchor is None else anchor
+
     def finish_prefetch(self, op: PrefetchOp, tokens: np.ndarray) -> int:
         """Stop waiting: insert the pages the consumed acks cover as host-only nodes, release
         the rest (once the reader is done with them). Returns the tokens inserted."""
         op.stop.set()
         ps, done = self.page_size, op.completed
-        taken_from = self.tree.insert_host(op.namespace, tokens[: (op.start_page + done) * ps], op.host_pages[:done],
-                                           op.start_page, op.hashes[:done])
+        taken_from = done  # (none taken)
+        if self._joins_rotation(op, tokens[: (op.start_page + done) * ps]):
+            taken_from = self.tree.insert_host(op.namespace, tokens[: (op.start_page + done) * ps],
+                                               op.host_pages[:done], op.start_page, op.hashes[:done])
         self.host.allocator.free(op.host_pages[:taken_from])
         self.prefetch_held_pages -= done
         self.controller.stats.prefetched_pages += done
@@ -120,6 +130,15 @@ class StorageTier:
         # reader knows whether the store answered.
         self._stopped.append((op, op.host_pages[done:]))
         return (done - taken_from) * ps if taken_from < done else 0
+
+    def _joins_rotation(self, op: PrefetchOp, tokens: np.ndarray) -> bool:
+        """Sharded: whether the prefetched pages continue the rotation of the path the tree holds
+        for ``tokens`` now (it may have been evicted and cached again, from another rank, while
+        the read ran); if not, they are dropped like an unused prefetch."""
+        if self.shard is None or op.completed == 0:
+            return True
+        existing = path_anchor(self.shard.placement, self.tree.peek_prefix(op.namespace, tokens).node)
+        return existing is None or existing == self.shard.placement.anchor_of(op.host_pages, op.start_page)
 
     def _reap(self, n: int) -> None:
         """Free the unused host pages of the first ``n`` stopped prefetches and count their
@@ -149,7 +168,7 @@ class StorageTier:
             if self.shard is None:
                 self.controller.backup(self.keys.digest(n.namespace), hashes, n.host_pages.copy(), [n])
             else:
-                owned = self.shard.owned_indices(first_page(n, self.page_size), len(hashes))
+                owned = self.shard.owned_indices(n.host_pages)
                 self.controller.backup(self.keys.digest(n.namespace), hashes, self.shard.local(n.host_pages), [n],
                                        owned)
 

@@ -88,7 +88,7 @@ def build_core(
         host_pool=host_pool, write_policy=cfg.hicache_write_policy,
         write_through_threshold=cfg.hicache_write_through_threshold, storage=storage,
         prefetch_threshold=cfg.hicache_storage_prefetch_threshold, storage_agree=storage_agree,
-        shard=_key_shard(shard, cp_group), storage_op_timeout=cfg.hicache_storage_op_timeout,
+        shard=shard.describe() if shard else "", storage_op_timeout=cfg.hicache_storage_op_timeout,
         placement=cp.placement if cp is not None else None, shard_rank=cp_group.rank if cp_group else 0)
     runner = ModelRunner(loaded.model, cache.kv_view, device, cp)
     scheduler = Scheduler(
@@ -115,16 +115,11 @@ def _context_parallel(cfg: EngineConfig, group: CPGroup | None, split_tokens: bo
     if cfg.enable_kv_cache_sharding:
         cp.placement = PagePlacement(group.size, cfg.page_size)
         context = cfg.context_length or max_positions
+        if cfg.max_total_tokens is not None:  # no prefix outgrows the logical pool
+            context = min(context, group.size * cfg.max_total_tokens)
         elems = PrefixGather.scratch_elems(group.size, context, cfg.page_size, kv_heads, head_dim)
         cp.gather = PrefixGather(group, elems, dtype, device)
     return cp
-
-
-def _key_shard(shard: ModelShard | None, cp_group: CPGroup | None) -> str:
-    """What this rank's storage objects hold: its layers and KV heads and, with context
-    parallelism, its CP rank (sharded KV: the pages it owns; replicated: its own copies)."""
-    name = shard.describe() if shard else ""
-    return f"{name},cp{cp_group.rank}of{cp_group.size}" if cp_group is not None else name
 
 
 def _device_pool_pages(

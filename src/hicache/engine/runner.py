@@ -25,15 +25,19 @@ class ContextParallel:
     gather: Optional[PrefixGather] = None
     split_tokens: bool = True  # False: the group's ranks hold other heads of the same tokens (MLA TP)
 
-    def contexts(self, prefix_lens: list[int], context_slots: list[torch.Tensor]) -> list:
+    def contexts(self, prefix_lens: list[int], context_slots: list[torch.Tensor], gathered: bool) -> list:
         """Each context as the model reads it: local slots (replicated), or where every logical
-        slot lives and how its cached prefix is gathered (sharded) -- the pool's copy boundary."""
+        slot lives and, when ``gathered``, how its cached prefix is gathered (sharded) -- the
+        pool's copy boundary."""
         if self.placement is None:
             return context_slots
         out = []
         for prefix_len, slots in zip(prefix_lens, context_slots):
             slots = torch.as_tensor(slots).long()
             owners, rows = self.placement.locate(slots)
+            if not gathered:
+                out.append(ShardedContext(owners, rows, None, None))
+                continue
             prefix_pages = slots[:prefix_len:self.page_size] // self.page_size  # one slot per page
             plan = GatherPlan.for_prefix(self.placement, prefix_pages.numpy())
             out.append(ShardedContext(owners, rows, torch.from_numpy(plan.contributions[self.group.rank]),
@@ -59,7 +63,9 @@ class ModelRunner:
         if cp is None:
             batch = make_forward_batch(input_ids, prefix_lens, context_slots, logits="last", device=self.device)
         else:
-            batch = make_cp_batch(input_ids, prefix_lens, cp.contexts(prefix_lens, context_slots), cp.group,
+            # A decode batch split over CP ranks merges partial attention: no prefix gather.
+            gathered = not (cp.split_tokens and max(len(ids) for ids in input_ids) == 1)
+            batch = make_cp_batch(input_ids, prefix_lens, cp.contexts(prefix_lens, context_slots, gathered), cp.group,
                                   cp.strategy, cp.page_size, cp.gather, self.device, cp.split_tokens)
             if batch.cp is not None and cp.gather is not None:
                 cp.gather.begin(batch.cp, len(self.kv.k_buffers))

@@ -30,6 +30,10 @@ class KVView(Protocol):
 
     def wait_layer(self, layer: int) -> None: ...
 
+    def layer_ready(self, layer: int) -> bool:
+        """Whether ``wait_layer(layer)`` would return at once."""
+        ...
+
 
 # Keys stored in at most this many runs of consecutive slots are read as views of the KV
 # buffers; more scattered ones are gathered once per layer (one copy beats many small kernels).

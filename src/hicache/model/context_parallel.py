@@ -41,7 +41,9 @@ CP_STRATEGIES = ("zigzag", "interleave")
 
 
 class CPGroup(Protocol):
-    """The CP ranks that share this rank's attention-TP slice (same heads, other tokens)."""
+    """The ranks one KV is sharded over and/or tokens split over: the CP ranks that hold this
+    rank's heads (same heads, other tokens), or an MLA latent's attention-TP ranks (other
+    heads, the same tokens and latent)."""
 
     rank: int
     size: int
@@ -87,8 +89,6 @@ def split_new_tokens(first_position: int, n: int, size: int, strategy: str, page
             stop = min((pos // page_size + 1) * page_size, end)
             add((pos // page_size) % size, pos - first_position, stop - pos)
             pos = stop
-    for mine in pieces:  # zigzag may append pieces out of order; keep offsets ascending
-        mine.sort()
     return pieces
 
 
@@ -103,8 +103,8 @@ class ShardedContext:
 
     owners: torch.Tensor
     rows: torch.Tensor
-    gather_pages: torch.Tensor
-    page_table: torch.Tensor
+    gather_pages: Optional[torch.Tensor]  # None: no prefix gather (a decode batch merging partials)
+    page_table: Optional[torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -180,6 +180,10 @@ def make_cp_batch(input_ids: Sequence[Sequence[int]], prefix_lens: Sequence[int]
 
     lens = [len(ids) for ids in input_ids]
     sharded = isinstance(contexts[0], ShardedContext)
+    for b, (context, prefix_len) in enumerate(zip(contexts, prefix_lens)):
+        size = len(context.rows) if sharded else len(context)
+        if size != prefix_len + lens[b]:
+            raise ValueError(f"sequence {b}: {size} context slots for {prefix_len + lens[b]} tokens")
     if max(lens) == 1 and not sharded:  # every rank holds every key: a plain decode batch
         return make_forward_batch(input_ids, prefix_lens, contexts, device=device)
     starts = torch.tensor([0] + lens).cumsum(0).tolist()
@@ -286,8 +290,12 @@ class PrefixGather:
         completed = wait()
         self.wait_s += time.perf_counter() - t0
         self.busy_s += completed - started
-        if i + 1 < len(self._plan):
-            self._start(layout, i + 1, kv)  # the next gather travels during this attention
+        nxt = i + 1
+        if nxt < len(self._plan) and (self._plan[nxt][0] == layer or kv.layer_ready(self._plan[nxt][0])):
+            # The next gather travels during this attention -- unless its layer is still being
+            # restored from host memory: then its own prefix() call starts it (never wait for a
+            # later layer's restore here). Every rank still starts the gathers in plan order.
+            self._start(layout, nxt, kv)
         seq = layout.seqs[b]
         heads, dim = kv.k_buffers[layer].shape[1:]
         rows = out.view(-1, heads, dim)
@@ -332,9 +340,12 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CPLa
     if not layout.prefill:  # sharded decode: every token here, keys split, partials merged
         k_buf.index_copy_(0, layout.write_rows, k[layout.write_index].to(k_buf.dtype))
         v_buf.index_copy_(0, layout.write_rows, v[layout.write_index].to(v_buf.dtype))
-        outs, lses = zip(*(keys_attention(q[b:b + 1], *read(k_buf.index_select(0, rows), v_buf.index_select(0, rows)),
+        # Partials in float32 (whatever the pool dtype), rounded once after the merge, as one rank would.
+        q32 = q.float()
+        outs, lses = zip(*(keys_attention(q32[b:b + 1], *(x.float() for x in read(k_buf.index_select(0, rows),
+                                                                                  v_buf.index_select(0, rows))),
                                           kv_map) for b, rows in enumerate(layout.decode_rows)))
-        mine = torch.cat([torch.cat(outs).float(), torch.cat(lses)[..., None]], dim=-1)  # [B, H, D + 1]
+        mine = torch.cat([torch.cat(outs), torch.cat(lses)[..., None]], dim=-1)  # [B, H, D + 1]
         every = layout.group.all_gather(mine)
         return merge_partials([(part[..., :-1], part[..., -1]) for part in every]).to(q.dtype)
     if layout.chunk_k_rows is None:  # every rank computed every new token
@@ -351,7 +362,7 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CPLa
     out = torch.empty_like(q)
     for b, seq in enumerate(layout.seqs):
         prefix: list = []
-        if seq.gather_pages is not None:
+        if seq.gather_pages is not None:  # even with no pieces here: every rank joins every gather, in order
             prefix = [read(*layout.gather.prefix(layout, layer, b, kv))]
         elif seq.prefix_rows is not None:
             prefix = [read(k_buf.index_select(0, seq.prefix_rows), v_buf.index_select(0, seq.prefix_rows))]

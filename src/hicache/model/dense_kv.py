@@ -20,3 +20,6 @@ class DenseKV:
 
     def wait_layer(self, layer: int) -> None:
         """Nothing is ever loaded in the background here."""
+
+    def layer_ready(self, layer: int) -> bool:
+        return True

@@ -54,9 +54,10 @@ class ServerMetrics:
                                    "state (closed, open, half_open), 0 for the others.", ["backend", "state"], registry=r)
         self.breaker_opens = Counter("hicache_storage_breaker_opens", "Times the storage circuit breaker opened.",
                                      ["backend"], registry=r)
-        self.kv_shard = Gauge("hicache_kv_sharding", "Context parallelism per rank: owned_pages (KV pages held), "
-                              "gathers, gathered_bytes, gather_time_s, gather_wait_s, gather_scratch_bytes.",
-                              ["rank", "field"], registry=r)
+        self.kv_pages = Gauge("hicache_kv_shard_pages", "KV pages held (in use) on each rank of the shard group.",
+                              ["shard_rank"], registry=r)
+        self.kv_gather = Gauge("hicache_kv_gather", "Each stage rank's prefix gathers: gathers, gathered_bytes, "
+                               "gather_time_s, gather_wait_s, gather_scratch_bytes.", ["tp_rank", "field"], registry=r)
         self._seen: dict[tuple, float] = {}  # cumulative figures already counted
         for tier in ("device", "host", "storage"):
             self.cached_tokens.labels(tier=tier)
@@ -104,12 +105,12 @@ class ServerMetrics:
             self._update_kv_sharding(stats["kv_sharding"])
 
     def _update_kv_sharding(self, sharding: dict[str, Any]) -> None:
-        """Context parallelism, per CP rank: pages held, and each rank's gather figures."""
+        """Context parallelism: pages held per shard rank; each stage rank's gather figures."""
         for rank, pages in enumerate(sharding.get("owned_pages", [])):
-            self.kv_shard.labels(rank=str(rank), field="owned_pages").set(pages)
+            self.kv_pages.labels(shard_rank=str(rank)).set(pages)
         for rank, figures in enumerate(sharding.get("per_rank", [])):
             for field, n in figures.items():
-                self.kv_shard.labels(rank=str(rank), field=field).set(n)
+                self.kv_gather.labels(tp_rank=str(rank), field=field).set(n)
 
     def _advance(self, counter: Any, key: tuple, total: float) -> None:
         """Move ``counter`` to a cumulative ``total`` read from stats (a smaller total: restarted)."""

@@ -291,7 +291,7 @@ class StorageController:
             self.load_page(int(pages[i]), payload)
         elapsed = time.perf_counter() - t0
         self.stats.prefetch_time_s += elapsed
-        self._observe_read(len(mine), elapsed)
+        self._observe_read(end - start, elapsed)  # per page of the prompt: the owners read theirs at once
         return good
 
     def _observe_read(self, pages: int, seconds: float) -> None:
