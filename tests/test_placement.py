@@ -138,3 +138,21 @@ def test_short_sequences_spread_over_every_rank():
     assert cache.admit("ns-full", np.array([5, 6, 7]), reserve_tokens=4) is None
     # A sequence extending a cached path keeps that path's rotation, wherever it started.
     cache.release("ns1", np.array([5, 6, 1] + [9] * PAGE), held[1])
+
+
+def test_two_new_sequences_on_different_anchors_are_not_joined():
+    """The same prompt admitted twice before either is cached: they start on different ranks.
+    The second's pages never join the first's cached path (a path keeps one rotation)."""
+    cache = sharded_manager(pages_per_shard=8)
+    placement = PagePlacement(2, PAGE)
+    prompt = np.array(A + B + [3])
+    first = cache.admit(NS, prompt, reserve_tokens=len(prompt))
+    second = cache.admit(NS, prompt, reserve_tokens=len(prompt))
+    assert placement.anchor_of(first.pages) != placement.anchor_of(second.pages)
+    first_pages = first.pages[:2].copy()
+    cache.release(NS, prompt, first)  # A, B cached from first's anchor
+    cache.release(NS, prompt, second)  # not joined: its pages are freed
+    cached = cache.tree.match_prefix(NS, prompt).device_pages
+    assert cached.tolist() == first_pages.tolist() and placement.follows_rotation(cached)
+    assert sum(cache.device.owned_pages()) == 2  # only the cached path holds pages
+    cache.tree.check_invariants()
