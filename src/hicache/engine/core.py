@@ -91,7 +91,11 @@ def build_core(
         shard=shard.describe() if shard else "", storage_op_timeout=cfg.hicache_storage_op_timeout,
         placement=cp.placement if cp is not None else None, shard_rank=cp_group.rank if cp_group else 0)
     runner = ModelRunner(loaded.model, cache.kv_view, device, cp)
-    scheduler = Scheduler(
+    return EngineCore(pool, host_pool, cache, runner, _scheduler(cfg, cache, runner, loaded))
+
+
+def _scheduler(cfg: EngineConfig, cache: KVCacheManager, runner: ModelRunner, loaded: LoadedModel) -> Scheduler:
+    return Scheduler(
         cache=cache,
         forward=runner.forward,
         decode_text=loaded.tokenizer.decode,
@@ -102,7 +106,6 @@ def build_core(
         prefetch_timeout=lambda tokens: cfg.hicache_storage_prefetch_timeout_base
         + cfg.hicache_storage_prefetch_timeout_per_1k_tokens * tokens / 1000,
     )
-    return EngineCore(pool, host_pool, cache, runner, scheduler)
 
 
 def _context_parallel(cfg: EngineConfig, group: CPGroup | None, split_tokens: bool, kv_heads: int, head_dim: int,
