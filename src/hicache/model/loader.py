@@ -16,6 +16,7 @@ from hicache.model.hf_loader import load_hf_dir
 from hicache.model.llama import LlamaForCausalLM
 from hicache.model.projection import DECODE_WEIGHTS
 from hicache.model.random_model import init_random_weights, parse_random_spec
+from hicache.model.requantize import parse_variant, requantize_
 from hicache.model.spec import ModelSpec, ModelSpecError
 from hicache.model.tokenizer import Tokenizer, byte_tokenizer
 
@@ -50,7 +51,8 @@ def _file_fingerprint(paths: list[Path]) -> str:
 
 def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu", seed: int = 0,
                weights: bool = True, decode_weights: str = "auto", to_be_sharded: bool = False) -> LoadedModel:
-    """Load ``name``: ``"smollm2"`` (embedded GGUF), a local HF directory, or ``"random:<preset|JSON>"``.
+    """Load ``name``: ``"smollm2"`` (embedded GGUF; ``"smollm2:int4-g64"``: a requantized copy,
+    :mod:`~hicache.model.requantize`), a local HF directory, or ``"random:<preset|JSON>"``.
 
     ``seed`` only matters for random models. ``weights=False`` reads only the shape, the
     tokenizer and the identity (``model`` is None): what a process that only tokenizes needs.
@@ -66,10 +68,19 @@ def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.dev
         raise ModelSpecError("float16 runs ~100x slower than float32 on a CPU; use --dtype auto or float32 there.")
     dtype_name = str(dtype).removeprefix("torch.")
     start = time.perf_counter()
-    if name == "smollm2":
+    if name == "smollm2" or name.startswith("smollm2:"):
         path = find_smollm2_gguf()
         model, tokenizer, spec = load_gguf(path, dtype, device, weights)
         identity = f"gguf:{path.name}:{_file_fingerprint([path])}:{dtype_name}"
+        if name != "smollm2":  # a requantized copy (e.g. the speculative draft): other weights, other KV
+            variant = name.split(":", 1)[1]
+            try:
+                bits, group = parse_variant(variant)
+            except ValueError as e:
+                raise ModelNotFoundError(f"unknown model {name!r}: {e}.") from None
+            if model is not None:
+                requantize_(model, bits, group)
+            identity += f":requant-{variant}"
     elif name.startswith("random:"):
         spec = parse_random_spec(name[len("random:"):])
         model = None
@@ -86,7 +97,8 @@ def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.dev
         identity = f"hf:{folder.resolve().name}:{_file_fingerprint(files)}:{dtype_name}"
     else:
         raise ModelNotFoundError(
-            f"unknown model {name!r}: expected 'smollm2', a local Hugging Face directory, or 'random:<preset or JSON>'."
+            f"unknown model {name!r}: expected 'smollm2' (or 'smollm2:int4-g64'), a local Hugging Face directory, "
+            "or 'random:<preset or JSON>'."
         )
     if decode_weights not in DECODE_WEIGHTS:
         raise ModelSpecError(f"decode weights {decode_weights!r}: expected one of {', '.join(DECODE_WEIGHTS)}.")
