@@ -156,3 +156,24 @@ def test_two_new_sequences_on_different_anchors_are_not_joined():
     assert cached.tolist() == first_pages.tolist() and placement.follows_rotation(cached)
     assert sum(cache.device.owned_pages()) == 2  # only the cached path holds pages
     cache.tree.check_invariants()
+
+
+def test_eviction_for_a_short_owner_takes_only_that_owners_pages():
+    cache = sharded_manager(pages_per_shard=3)  # 2 local pages per rank
+    pages = {}
+    for ns, seq in (("a", A + [7]), ("b", B + [7]), ("c", C + [7])):  # a, c on rank 0; b on rank 1
+        tokens = np.array(seq)
+        state = cache.admit(ns, tokens, reserve_tokens=len(tokens))
+        pages[ns] = int(state.pages[0])
+        cache.release(ns, tokens, state)
+    placement = PagePlacement(2, PAGE)
+    assert [placement.owner(pages[ns]) for ns in "abc"] == [0, 1, 0]
+    for ns, seq in (("a", A + [7]), ("c", C + [7])):  # b becomes the least recently used
+        tokens = np.array(seq)
+        cache.release(ns, tokens, cache.admit(ns, tokens, reserve_tokens=len(tokens)))
+    e = np.array(E + [8])  # two pages: rank 1 (the roomier) has its one, rank 0 is short
+    state = cache.admit("other", e, reserve_tokens=len(e))
+    # Only a rank-0 page goes (a, the older); policy order alone would take b first, for nothing.
+    assert state is not None and cache.stats.evicted_device_pages == 1
+    assert cache.tree.match_prefix("a", np.array(A + [7])).device_hit_tokens == 0
+    assert cache.tree.match_prefix("b", np.array(B + [7])).device_hit_tokens == PAGE

@@ -14,6 +14,7 @@ and submitted once per step, one op per direction, in queue order.
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import numpy as np
 
@@ -104,10 +105,12 @@ class HostTier:
         self.stats.evicted_host_pages += evicted
         return pages
 
-    def evict(self, num_pages: int) -> int:
+    def evict(self, num_pages: int, wanted: Callable[[np.ndarray], bool] | None = None) -> int:
         """Free at least ``num_pages`` host pages by deleting unlocked host-only leaves in
-        policy order. Returns the host pages freed."""
-        return self.tree.evict_leaves(num_pages, _host_evictable_leaf, self._drop)
+        policy order (``wanted(host_pages)``: only leaves it accepts). Returns the pages freed."""
+        evictable = _host_evictable_leaf if wanted is None else \
+            (lambda n: _host_evictable_leaf(n) and wanted(n.host_pages))
+        return self.tree.evict_leaves(num_pages, evictable, self._drop)
 
     def _drop(self, node: TreeNode) -> int:
         freed = len(node.host_pages)

@@ -185,10 +185,11 @@ class ShardView:
 
 
 def alloc_evicting(allocator: "ShardedPageAllocator | object", n: int, first_position: int,
-                   evict: Callable[[int], int] | None, anchor: int = 0) -> tuple[np.ndarray | None, int]:
+                   evict: Callable[..., int] | None, anchor: int = 0) -> tuple[np.ndarray | None, int]:
     """``n`` pages for positions ``first_position ..`` of a sequence (anchored on ``anchor``), calling ``evict(pages)``
-    (returns the pages it freed) while they do not fit. Sharded, every owner needs its share, so
-    eviction (policy order, owners mixed) repeats until they do or nothing is left to evict.
+    (returns the pages it freed) while they do not fit. Sharded, every owner needs its share:
+    ``evict(pages, wanted)`` takes only leaves holding a page on a short owner, repeated until
+    they fit or nothing is left to evict.
     Returns the pages (None: they do not fit) and the pages evicted."""
     evicted = 0
     while True:
@@ -196,10 +197,25 @@ def alloc_evicting(allocator: "ShardedPageAllocator | object", n: int, first_pos
         short = shortfall(allocator, n, first_position, anchor)
         if pages is not None or evict is None or short == 0:
             return pages, evicted
-        freed = evict(short)
+        if isinstance(allocator, ShardedPageAllocator):
+            freed = evict(short, _on_owners(allocator.placement, _short_owners(allocator, n, first_position, anchor)))
+        else:
+            freed = evict(short)
         evicted += freed
         if freed == 0:
             return None, evicted
+
+
+def _short_owners(allocator: ShardedPageAllocator, n: int, first_position: int, anchor: int) -> list[int]:
+    placement = allocator.placement
+    need = np.bincount(placement.owner_at(np.arange(first_position, first_position + n), anchor),
+                       minlength=placement.num_shards)
+    return [o for o in range(placement.num_shards) if need[o] > allocator.available_on(o)]
+
+
+def _on_owners(placement: PagePlacement, owners: list[int]) -> Callable[[np.ndarray], bool]:
+    """Accepts a node's pages when one of them lives on one of ``owners``."""
+    return lambda pages: bool(np.isin(placement.owner(pages), owners).any())
 
 
 def shortfall(allocator, n: int, first_position: int, anchor: int = 0) -> int:

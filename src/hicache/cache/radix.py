@@ -313,13 +313,16 @@ class RadixCache:
                 heapq.heappush(heap, (self._eviction_key(parent), parent))
         return freed
 
-    @consensus_check("tree.evict", args=lambda self, num_pages: num_pages, result=lambda freed: freed)
-    def evict(self, num_pages: int) -> int:
+    @consensus_check("tree.evict", args=lambda self, num_pages, wanted=None: num_pages, result=lambda freed: freed)
+    def evict(self, num_pages: int, wanted: Callable[[np.ndarray], bool] | None = None) -> int:
         """Free at least ``num_pages`` device pages from unlocked leaves, least valuable first
-        (policy order). A victim with a host copy stays in the tree as host-only; one without
-        is dropped (with any host-only nodes below it). Returns the pages freed (fewer when too
-        little is evictable)."""
-        freed = self.evict_leaves(num_pages, self._evictable_leaf, self._evict_device)
+        (policy order); ``wanted(pages)``: only leaves whose device pages it accepts (sharded KV:
+        those holding a page on an owner that is short). A victim with a host copy stays in the
+        tree as host-only; one without is dropped (with any host-only nodes below it). Returns
+        the pages freed (fewer when too little is evictable)."""
+        evictable = self._evictable_leaf if wanted is None else \
+            (lambda n: self._evictable_leaf(n) and wanted(n.device_pages))
+        freed = self.evict_leaves(num_pages, evictable, self._evict_device)
         self.evicted_pages_total += freed
         if freed:
             logger.debug("evicted %d device pages", freed)
