@@ -13,15 +13,22 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
-from hicache import Engine, SamplingParams, consensus_record
-from hicache.config import ConfigError
+from hicache import Engine, SamplingParams
+from hicache.config import ConfigError, EngineConfig
+from hicache.engine import core
+from hicache.engine.core import build_core
+from hicache.model import load_model
+from hicache.parallel.groups import CPGroup
 from hicache.errors import HicacheError
 from hicache.model.context_parallel import split_new_tokens
 from hicache.parallel.faults import ENV_VAR as FAULTS_ENV
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_parallel import BASE, MODEL, multi_turn  # noqa: E402  (the multi-rank tests' workload)
+# The multi-rank tests' workload, its single-rank cache-off reference and the checker switch.
+from test_parallel import BASE, MODEL, checker, multi_turn, reference  # noqa: E402,F401
 
 
 # ---- token split -------------------------------------------------------------------------------
@@ -47,21 +54,7 @@ def test_interleave_deals_whole_pages_by_position() -> None:
     assert split_new_tokens(6, 11, 2, "interleave", page_size=4) == [[(2, 4), (10, 1)], [(0, 2), (6, 4)]]
 
 
-# ---- engines -----------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def reference() -> list[list[int]]:
-    engine = Engine(MODEL, max_total_tokens=4096, disable_radix_cache=True, **BASE)
-    try:
-        return multi_turn(engine, seed=7, storage_round=False)
-    finally:
-        engine.shutdown()
-
-
-@pytest.fixture
-def checker(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(consensus_record.ENV_VAR, "1")
-
-
+# ---- engines ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("layout", [
     # attention-TP 2 inside each CP rank; tiny chunks and pool: chunked prefill, evictions
     dict(tp_size=4, attn_cp_size=2, enable_kv_cache_sharding=True, max_total_tokens=96, chunked_prefill_size=8),
@@ -71,7 +64,8 @@ def checker(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_output_equals_single_rank(layout: dict, reference: list[list[int]], checker: None) -> None:
     engine = Engine(MODEL, **layout, **BASE)
     try:
-        assert multi_turn(engine, seed=7, storage_round=False) == reference
+        outputs = multi_turn(engine, seed=7, storage_round=False)
+        assert len(outputs) == 12 and outputs == reference[:12]  # 3 agents x 4 turns (no storage round)
         stats = engine.stats()
         assert stats["hit_tokens"]["device"] > 0
         sharding = stats["kv_sharding"]
@@ -99,8 +93,8 @@ def test_output_equals_single_rank(layout: dict, reference: list[list[int]], che
     dict(tp_size=2, attn_cp_size=2, enable_kv_cache_sharding=True, max_total_tokens=80),
     dict(tp_size=3, attn_cp_size=3, enable_kv_cache_sharding=True, cp_strategy="interleave", max_total_tokens=48),
 ], ids=["cp2-sharded", "cp3-interleave-sharded"])
-def test_every_tier_hits_and_output_equals_single_rank(layout: dict, tmp_path: Path, checker: None,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_tier_hits_and_output_equals_single_rank(layout: dict, tmp_path: Path, reference: list[list[int]],
+                                                       checker: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """HiCache under CP: each rank backs up, reloads and stores the pages it owns (host pages
     follow the same rotation as device pages), copies finishing late by different amounts on
     each rank; a flushed cache is served again from storage alone."""
@@ -110,7 +104,7 @@ def test_every_tier_hits_and_output_equals_single_rank(layout: dict, tmp_path: P
                     hicache_storage_prefetch_threshold=16, hicache_storage_prefetch_policy="wait_complete",
                     **layout, **BASE)
     try:
-        assert multi_turn(engine, seed=7, storage_round=True) == tiered_reference()
+        assert multi_turn(engine, seed=7, storage_round=True) == reference
         stats = engine.stats()
         assert stats["evicted_device_pages"] > 0
         assert all(stats["hit_tokens"][tier] > 0 for tier in ("device", "host", "storage")), stats["hit_tokens"]
@@ -118,19 +112,6 @@ def test_every_tier_hits_and_output_equals_single_rank(layout: dict, tmp_path: P
     finally:
         engine.shutdown()
     assert [p.exitcode for p in engine.group.procs] == [0] * layout["tp_size"]
-
-
-_TIERED: list = []
-
-
-def tiered_reference() -> list[list[int]]:
-    if not _TIERED:
-        engine = Engine(MODEL, max_total_tokens=4096, disable_radix_cache=True, **BASE)
-        try:
-            _TIERED.append(multi_turn(engine, seed=7, storage_round=True))
-        finally:
-            engine.shutdown()
-    return _TIERED[0]
 
 
 def test_bad_combinations_stop_at_start_up_with_one_sentence() -> None:
@@ -208,3 +189,24 @@ def test_smollm2_multi_turn_cp2_sharded_equals_single_rank(tmp_path: Path, check
         assert engine.group.monitor.divergence is None
     finally:
         engine.shutdown()
+
+
+def test_gather_scratch_is_taken_from_the_budget_before_the_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DESIGN invariant 6: with sharded KV the prefix-gather scratch comes out of the same
+    memory budget as the pool (a one-rank group here: no collective runs while building)."""
+    monkeypatch.setattr(core, "device_memory_budget", lambda device, fraction: 64 << 20)  # a fixed budget
+    loaded = load_model(MODEL, dtype=torch.float32)
+    cpu = torch.device("cpu")
+    plain = build_core(EngineConfig(model=MODEL, context_length=4096, **BASE), loaded, cpu, torch.float32)
+    store = dist.HashStore()
+    group = dist.ProcessGroupGloo(store, 0, 1)
+    cfg = EngineConfig(model=MODEL, tp_size=2, attn_cp_size=2, enable_kv_cache_sharding=True, context_length=4096,
+                       **BASE)
+    sharded = build_core(cfg, loaded, cpu, torch.float32, cp_group=CPGroup(group, group, 0, 1))
+    scratch = sharded.runner.cp.gather.nbytes
+    assert scratch > 0
+    page = sharded.pool.bytes_per_page
+    assert sharded.pool.total_bytes + scratch <= (64 << 20) + page  # (+ the reserved padding page 0)
+    assert plain.pool.total_bytes - sharded.pool.total_bytes >= scratch - plain.pool.bytes_per_page
+    for built in (plain, sharded):
+        built.cache.shutdown()

@@ -206,11 +206,16 @@ def alloc_evicting(allocator: "ShardedPageAllocator | object", n: int, first_pos
             return None, evicted
 
 
-def _short_owners(allocator: ShardedPageAllocator, n: int, first_position: int, anchor: int) -> list[int]:
+def _missing_per_owner(allocator: ShardedPageAllocator, n: int, first_position: int, anchor: int) -> list[int]:
+    """Pages each owner lacks for an ``n``-page allocation."""
     placement = allocator.placement
     need = np.bincount(placement.owner_at(np.arange(first_position, first_position + n), anchor),
                        minlength=placement.num_shards)
-    return [o for o in range(placement.num_shards) if need[o] > allocator.available_on(o)]
+    return [max(0, int(need[o]) - allocator.available_on(o)) for o in range(placement.num_shards)]
+
+
+def _short_owners(allocator: ShardedPageAllocator, n: int, first_position: int, anchor: int) -> list[int]:
+    return [o for o, missing in enumerate(_missing_per_owner(allocator, n, first_position, anchor)) if missing]
 
 
 def _on_owners(placement: PagePlacement, owners: list[int]) -> Callable[[np.ndarray], bool]:
@@ -222,10 +227,7 @@ def shortfall(allocator, n: int, first_position: int, anchor: int = 0) -> int:
     """Pages missing for an ``n``-page allocation (on each owner, when sharded)."""
     if not isinstance(allocator, ShardedPageAllocator):
         return max(0, n - allocator.available)
-    placement = allocator.placement
-    need = np.bincount(placement.owner_at(np.arange(first_position, first_position + n), anchor),
-                       minlength=placement.num_shards)
-    return int(sum(max(0, int(need[o]) - allocator.available_on(o)) for o in range(placement.num_shards)))
+    return sum(_missing_per_owner(allocator, n, first_position, anchor))
 
 
 def path_anchor(placement: PagePlacement, node) -> int | None:

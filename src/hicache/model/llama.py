@@ -20,7 +20,7 @@ from hicache.model.batch import ForwardBatch, KVView, SeqSpan
 from hicache.model.context_parallel import cp_attention
 from hicache.model.mla import MLAAttention
 from hicache.model.projection import DECODE_WEIGHTS, Projection
-from hicache.model.spec import ModelSpec, rope_inv_freq
+from hicache.model.spec import ModelSpec, rope_inv_freq, rotate_half
 
 
 class RMSNorm(nn.Module):
@@ -48,11 +48,6 @@ def native_ops(x: torch.Tensor):
     if x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous():
         return None
     return cpu_kernels()
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class Attention(nn.Module):

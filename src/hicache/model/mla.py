@@ -28,7 +28,7 @@ from hicache.model.attention import decode_attention, sequence_attention
 from hicache.model.batch import ForwardBatch, KVView, SeqSpan
 from hicache.model.context_parallel import cp_attention
 from hicache.model.projection import Projection
-from hicache.model.spec import ModelSpec
+from hicache.model.spec import ModelSpec, rotate_half
 
 # transformers builds the two small MLA norms with their default eps, whatever rms_norm_eps says.
 MLA_NORM_EPS = 1e-6
@@ -38,11 +38,6 @@ def _latent_kv(k_half: torch.Tensor, v_half: torch.Tensor) -> tuple[torch.Tensor
     """Stored rows (the latent's two halves) as attention's key and value: the latent, twice."""
     latent = torch.cat((k_half, v_half), dim=-1)
     return latent, latent
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class MLAAttention(nn.Module):

@@ -127,6 +127,12 @@ def rope_scaling_type(rope_scaling: dict | None) -> str:
     return str(rope_scaling.get("rope_type", rope_scaling.get("type", "default")))
 
 
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """RoPE's partner of each dimension (HF rotate-half convention): ``[-x2, x1]``."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
 def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
     """Per-pair rotary frequencies ``[rope_dim // 2]`` float32 (radians per position), scaling applied."""
     dim = spec.rope_dim
