@@ -40,8 +40,8 @@ def record_logits(engine: Engine) -> list[torch.Tensor]:
     seen: list[torch.Tensor] = []
     forward = engine.scheduler.driver.forward
 
-    def spy(*args):
-        out = forward(*args)
+    def spy(*args, **kw):
+        out = forward(*args, **kw)
         seen.append(out.clone())
         return out
 

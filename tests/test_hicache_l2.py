@@ -66,7 +66,7 @@ def test_host_hits_keep_greedy_output(plain: Engine, policy: str, layout: str) -
     engine.cache.tree.evict(10**6)
     counts: list[int] = []
     forward = engine.scheduler.driver.forward
-    engine.scheduler.driver.forward = lambda ids, *rest: (counts.append(sum(map(len, ids))), forward(ids, *rest))[1]
+    engine.scheduler.driver.forward = lambda ids, *rest, **kw: (counts.append(sum(map(len, ids))), forward(ids, *rest, **kw))[1]
     res = engine.generate([convs[-1]], GREEDY)[0]
     assert res.cached_tokens_details["host"] > 0 and counts[0] == len(convs[-1]) - res.cached_tokens
     assert stats["transfers"]["load_tokens"] == host_hits and stats["transfers"]["backup_tokens"] > 0

@@ -53,9 +53,9 @@ def computed_tokens(engine: Engine) -> list[int]:
     counts: list[int] = []
     forward = engine.scheduler.driver.forward
 
-    def spy(ids, *rest):
+    def spy(ids, *rest, **kw):
         counts.append(sum(len(x) for x in ids))
-        return forward(ids, *rest)
+        return forward(ids, *rest, **kw)
 
     engine.scheduler.driver.forward = spy
     return counts

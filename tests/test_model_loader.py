@@ -18,8 +18,8 @@ def test_unknown_name_is_one_clear_sentence():
         load_model("foo")
     assert isinstance(e.value, ConfigError)
     assert str(e.value) == (
-        "unknown model 'foo': expected 'smollm2' (or 'smollm2:int4-g64'), a local Hugging Face directory, "
-        "or 'random:<preset or JSON>'."
+        "unknown model 'foo': expected 'smollm2', a GGUF file, a local Hugging Face directory or "
+        "'random:<preset or JSON>', optionally followed by ':int4-g64' (a requantized copy)."
     )
 
 

@@ -12,6 +12,9 @@ from typing import Any, Optional, get_args, get_origin, get_type_hints
 from .errors import HicacheError
 
 CP_STRATEGIES = ("zigzag", "interleave")  # how prefill tokens are split over context-parallel ranks
+SPEC_ALGORITHMS = ("STANDALONE",)  # speculative decoding with a separate draft model
+SPEC_KV_LAYOUTS = ("auto", "packed", "sidecar")  # where a draft model's KV lives (engine/speculative.py)
+DEFAULT_SPEC_STEPS = 3
 
 
 class ConfigError(HicacheError):
@@ -120,6 +123,27 @@ class EngineConfig:
     dist_init_addr: Optional[str] = _opt(
         None, "HOST:PORT where node 0's rank 0 listens for the other ranks to join (required when nnodes > 1)."
     )
+    # Speculative decoding
+    speculative_algorithm: Optional[str] = _opt(
+        None, "Speculative decoding: STANDALONE (a separate draft model proposes tokens, the target verifies "
+        "them in one pass); off when unset."
+    )
+    speculative_draft_model_path: Optional[str] = _opt(
+        None, "The draft model: any name --model takes ('smollm2:int4-g64', a GGUF file, a Hugging Face "
+        "directory, 'random:...'); it must share the target's tokenizer."
+    )
+    speculative_num_steps: Optional[int] = _opt(
+        None, "Draft tokens proposed per sequence before each verify pass (default 3, or num_draft_tokens - 1)."
+    )
+    speculative_num_draft_tokens: Optional[int] = _opt(
+        None, "Tokens per sequence in a verify pass: the last token plus the drafts, so num_steps + 1 for the "
+        "chain drafts built here (the default)."
+    )
+    speculative_draft_kv_layout: str = _opt(
+        "auto", "Where the draft's KV lives in every tier: 'packed' (extra layers of the target's pages: needs the "
+        "same KV row shape and dtype), 'sidecar' (its own pools and storage objects on the target's pages), or "
+        "'auto' (packed when it fits).", SPEC_KV_LAYOUTS
+    )
     # Scheduling
     chunked_prefill_size: int = _opt(2048, "Most prompt tokens computed in one prefill step (a long prompt is chunked).")
     max_running_requests: int = _opt(32, "Most requests decoding at once.")
@@ -144,6 +168,7 @@ class EngineConfig:
             raise ConfigError("--tp-size and --pp-size must be at least 1.")
         self._validate_nodes()
         self._validate_context_parallel()
+        self._validate_speculative()
         if self.max_running_requests < 1:
             raise ConfigError("--max-running-requests must be at least 1.")
         if self.context_length is not None and self.context_length < 2:
@@ -180,6 +205,42 @@ class EngineConfig:
                               "--tp-size 2 or more for an MLA model.")
         if (cp > 1 or self.enable_kv_cache_sharding) and self.pp_size > 1:
             raise ConfigError("--attn-cp-size or --enable-kv-cache-sharding with --pp-size > 1 is not supported yet.")
+
+    def _validate_speculative(self) -> None:
+        """Chain drafts from a separate model, on one rank for now; one sentence for the rest."""
+        algo = self.speculative_algorithm
+        if algo is None:
+            if self.speculative_draft_model_path:
+                raise ConfigError("--speculative-draft-model-path needs --speculative-algorithm STANDALONE.")
+            return
+        if algo not in SPEC_ALGORITHMS:
+            raise ConfigError(f"--speculative-algorithm must be one of {', '.join(SPEC_ALGORITHMS)}, got {algo!r}.")
+        if not self.speculative_draft_model_path:
+            raise ConfigError(f"--speculative-algorithm {algo} needs --speculative-draft-model-path (the draft model).")
+        steps, tokens = self.speculative_num_steps, self.speculative_num_draft_tokens
+        if tokens is not None and tokens < 1:
+            raise ConfigError(f"--speculative-num-draft-tokens must be at least 1, got {tokens}.")
+        if steps is not None and steps < 1:
+            raise ConfigError(f"--speculative-num-steps must be at least 1, got {steps}.")
+        if tokens is not None and steps is not None and tokens != steps + 1:
+            raise ConfigError(f"--speculative-num-draft-tokens {tokens} must be --speculative-num-steps + 1 "
+                              f"({steps + 1}): drafts are chains (tree drafts are not built).")
+        if tokens == 1:
+            raise ConfigError("--speculative-num-draft-tokens 1 verifies no draft token; use 2 or more.")
+        if self.tp_size * self.pp_size > 1 or self.attn_cp_size > 1:
+            raise ConfigError("--speculative-algorithm with --tp-size, --pp-size or --attn-cp-size > 1 is not "
+                              "supported yet.")
+
+    @property
+    def speculative_steps(self) -> int:
+        """Draft tokens per sequence per verify pass (0: speculation off)."""
+        if self.speculative_algorithm is None:
+            return 0
+        if self.speculative_num_steps is not None:
+            return self.speculative_num_steps
+        if self.speculative_num_draft_tokens is not None:
+            return self.speculative_num_draft_tokens - 1
+        return DEFAULT_SPEC_STEPS
 
     def _validate_nodes(self) -> None:
         """Ranks across machines: every node runs the same number of ranks, node 0 included."""

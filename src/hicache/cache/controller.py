@@ -72,6 +72,9 @@ class TransferController:
         self._last_load: TransferOp | None = None
         # Test hook (fault injection): seconds to sleep before copying each layer of an op.
         self.delay_fn: Callable[[TransferOp, int], float] | None = None
+        # Test hook: a load copies only its first ``load_layers`` layers (None: all), e.g. to show
+        # what a prefix hit is worth without the speculative draft's layers (engine/speculative.py).
+        self.load_layers: int | None = None
         self._staging_bufs: dict[str, torch.Tensor] = {}
         self._views = [[self._page_views(layer, kv) for kv in (0, 1)] for layer in range(self.num_layers)]
         self._queues = {kind: queue.Queue() for kind in (BACKUP, LOAD)}
@@ -175,6 +178,9 @@ class TransferController:
         for layer in range(self.num_layers):
             if self.delay_fn is not None:
                 time.sleep(self.delay_fn(op, layer))
+            if not backup and self.load_layers is not None and layer >= self.load_layers:
+                op.layer_done[layer].set()
+                continue
             for dev, host in self._views[layer]:
                 src, dst = (dev, host) if backup else (host, dev)
                 copy_pages(src, dst, plan, staging, non_blocking)

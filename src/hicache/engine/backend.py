@@ -123,11 +123,13 @@ class LocalBackend:
             self.core = None
 
 
-def make_backend(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> Backend:
+def make_backend(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, dtype: torch.dtype,
+                 draft: LoadedModel | None = None) -> Backend:
     """The backend for ``cfg``'s layout: in this process for one rank, rank processes else
-    (each loads its own slice of the model; ``loaded`` then holds the spec and tokenizer)."""
+    (each loads its own slice of the model; ``loaded`` then holds the spec and tokenizer).
+    ``draft``: the speculative draft model (one rank only, for now)."""
     if cfg.tp_size * cfg.pp_size == 1:
-        return LocalBackend(build_core(cfg, loaded, device, dtype), cfg.page_size)
+        return LocalBackend(build_core(cfg, loaded, device, dtype, draft=draft), cfg.page_size)
     # Lazy: hicache.parallel imports engine.core, so importing it at load time would point up.
     from ..parallel.frontend import RankGroup
 

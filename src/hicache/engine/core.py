@@ -25,6 +25,7 @@ from ..model.loader import LoadedModel
 from ..model.parallel import ModelShard
 from .runner import ContextParallel, ModelRunner
 from .scheduler import Scheduler
+from .speculative import LayerWindow, Speculator, packs_with
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ def build_core(
     staging_bytes: int = 0,
     cp_group: CPGroup | None = None,
     split_tokens: bool = True,
+    draft: LoadedModel | None = None,
 ) -> EngineCore:
     """Pools sized from the config, then the cache and the scheduler over ``loaded.model``
     (already cut to ``shard`` when given).
@@ -61,12 +63,14 @@ def build_core(
     ``cp_group``: this rank's context-parallel group (``--attn-cp-size``; ``split_tokens``
     False: the attention-TP ranks an MLA latent is sharded over, see ``make_cp_batch``); with
     ``--enable-kv-cache-sharding`` the pool holds this rank's share of the logical pages and the
-    prefix-gather scratch is taken from the budget first (DESIGN invariant 6)."""
+    prefix-gather scratch is taken from the budget first (DESIGN invariant 6). ``draft``: the
+    speculative draft model, whose KV layers follow the target's in every pool (packed)."""
     spec = loaded.spec
     layers = len(shard.layers) if shard else spec.num_layers
     kv_heads = len(shard.kv_heads) if shard else spec.num_kv_heads
+    draft_layers = _draft_layers(cfg, draft, kv_heads, spec.head_dim)
     elem = torch.empty((), dtype=dtype).element_size()
-    bytes_per_page = 2 * layers * kv_heads * spec.head_dim * elem * cfg.page_size
+    bytes_per_page = 2 * (layers + draft_layers) * kv_heads * spec.head_dim * elem * cfg.page_size
     cp = _context_parallel(cfg, cp_group, split_tokens, kv_heads, spec.head_dim, spec.max_position_embeddings,
                            dtype, device)
     if cp is not None and cp.gather is not None:
@@ -81,7 +85,7 @@ def build_core(
                        cfg.hicache_storage_backend)
         storage.close()
         storage = None
-    pool = DeviceKVPool(layers, kv_heads, spec.head_dim, device_pages, cfg.page_size, dtype, device)
+    pool = DeviceKVPool(layers + draft_layers, kv_heads, spec.head_dim, device_pages, cfg.page_size, dtype, device)
     host_pool = HostKVPool(pool, host_pages, cfg.hicache_mem_layout) if cfg.enable_hierarchical_cache else None
     cache = KVCacheManager(
         pool=pool, eviction_policy=cfg.radix_eviction_policy, enable_prefix_cache=not cfg.disable_radix_cache,
@@ -91,10 +95,32 @@ def build_core(
         shard=shard.describe() if shard else "", storage_op_timeout=cfg.hicache_storage_op_timeout,
         placement=cp.placement if cp is not None else None, shard_rank=cp_group.rank if cp_group else 0)
     runner = ModelRunner(loaded.model, cache.kv_view, device, cp)
-    return EngineCore(pool, host_pool, cache, runner, _scheduler(cfg, cache, runner, loaded))
+    speculator = None
+    if draft is not None:
+        draft_view = LayerWindow(cache.kv_view, layers, draft_layers)
+        speculator = Speculator(ModelRunner(draft.model, draft_view, device), cfg.speculative_steps)
+    return EngineCore(pool, host_pool, cache, runner, _scheduler(cfg, cache, runner, loaded, speculator))
 
 
-def _scheduler(cfg: EngineConfig, cache: KVCacheManager, runner: ModelRunner, loaded: LoadedModel) -> Scheduler:
+def _draft_layers(cfg: EngineConfig, draft: LoadedModel | None, kv_heads: int, head_dim: int) -> int:
+    """How many KV layers the draft adds to every page (packed: after the target's)."""
+    if draft is None:
+        return 0
+    layout = cfg.speculative_draft_kv_layout
+    if not packs_with((kv_heads, head_dim), draft):
+        if layout == "packed":
+            raise ConfigError(f"--speculative-draft-kv-layout packed needs the draft's KV rows to match the target's "
+                              f"({kv_heads} KV heads x {head_dim}); {cfg.speculative_draft_model_path!r} has "
+                              f"{draft.spec.num_kv_heads} x {draft.spec.head_dim}.")
+        layout = "sidecar"
+    if layout == "sidecar":
+        raise ConfigError("--speculative-draft-kv-layout sidecar (a draft whose KV rows differ from the target's) "
+                          "is not built yet; use a draft with the target's KV head count and head size.")
+    return draft.spec.num_layers
+
+
+def _scheduler(cfg: EngineConfig, cache: KVCacheManager, runner: ModelRunner, loaded: LoadedModel,
+               speculator: Speculator | None = None) -> Scheduler:
     return Scheduler(
         cache=cache,
         forward=runner.forward,
@@ -105,6 +131,7 @@ def _scheduler(cfg: EngineConfig, cache: KVCacheManager, runner: ModelRunner, lo
         prefetch_policy=cfg.hicache_storage_prefetch_policy,
         prefetch_timeout=lambda tokens: cfg.hicache_storage_prefetch_timeout_base
         + cfg.hicache_storage_prefetch_timeout_per_1k_tokens * tokens / 1000,
+        speculator=speculator,
     )
 
 
@@ -200,6 +227,13 @@ def core_stats(core: EngineCore, page_size: int) -> dict[str, Any]:
         }
     if core.runner.cp is not None:
         out["kv_sharding"] = kv_sharding_stats(core)
+    if sched.speculator is not None:
+        out["speculative"] = {
+            "num_steps": sched.spec_steps, "verify_steps": sched.spec_verify_steps,
+            "accepted_tokens": sched.spec_accepted_tokens,
+            # mean tokens a verify pass gives a request, its own token included (SGLang's accept length)
+            "accept_length": sched.spec_accepted_tokens / sched.spec_verify_steps if sched.spec_verify_steps else 0.0,
+        }
     host = cache.host_usage()
     if host is not None:
         out["host_pool"] = host

@@ -16,9 +16,11 @@ from ..config import ConfigError, EngineConfig
 from ..device import DTYPES, choose_dtype, resolve_device
 from ..errors import ContextLengthError, HicacheError, InvalidRequestError
 from ..model import load_model
+from ..model.loader import LoadedModel
 from .backend import Backend, LocalBackend, SchedulerView, make_backend
 from .request import GenerateResult, Request
 from .sampling import SamplingParams
+from .speculative import check_draft
 
 if TYPE_CHECKING:
     from ..cache.host_pool import HostKVPool
@@ -59,9 +61,18 @@ class Engine:
             raise ConfigError(
                 f"--context-length {self.context_length} exceeds the model's {spec.max_position_embeddings} positions."
             )
-        # Cache keys of different models, dtypes or page sizes must never meet (storage.keys owns them).
-        self.model_namespace = tree_namespace(self.loaded.identity, cfg.dtype, cfg.page_size)
-        self.backend: Backend = make_backend(cfg, self.loaded, self.device, self.dtype)
+        self.draft: LoadedModel | None = None  # the speculative draft model
+        if cfg.speculative_algorithm:
+            self.draft = load_model(cfg.speculative_draft_model_path, dtype=self.dtype, device=self.device,
+                                    seed=cfg.random_seed, weights=ranks == 1,
+                                    decode_weights=cfg.decode_weight_dtype)
+            check_draft(self.loaded, self.draft, cfg.speculative_draft_model_path)
+        # Cache keys of different models, dtypes or page sizes must never meet (storage.keys owns
+        # them); with a draft, cached pages hold its KV too, so its identity is part of the name.
+        self.cache_identity = self.loaded.identity if self.draft is None else \
+            f"{self.loaded.identity}+draft:{self.draft.identity}"
+        self.model_namespace = tree_namespace(self.cache_identity, cfg.dtype, cfg.page_size)
+        self.backend: Backend = make_backend(cfg, self.loaded, self.device, self.dtype, self.draft)
         self._closed = False
         # Stops the ranks or the cache's threads (pending writes finish) on shutdown(), when the
         # engine is garbage-collected without it, or at interpreter exit, whichever comes first.
@@ -134,13 +145,14 @@ class Engine:
                 "shorten it so at least one output token fits."
             )
         max_new = min(sampling.max_new_tokens, self.context_length - len(ids))
-        need = -(-(len(ids) + max_new) // self.config.page_size)
+        # + the slots a verify pass writes past the last token (speculative decoding)
+        need = -(-(len(ids) + max_new + self.config.speculative_steps) // self.config.page_size)
         if need > self.capacity_pages:
             raise InvalidRequestError(
                 f"the request needs {need} KV pages (prompt {len(ids)} + max_new_tokens {max_new} tokens) but the "
                 f"device pool holds {self.capacity_pages}; raise --max-total-tokens or lower max_new_tokens."
             )
-        namespace = tree_namespace(self.loaded.identity, self.config.dtype, self.config.page_size, cache_salt)
+        namespace = tree_namespace(self.cache_identity, self.config.dtype, self.config.page_size, cache_salt)
         return Request(rid=next(self._rids), prompt_ids=ids, sampling=sampling, namespace=namespace,
                        max_new_tokens=max_new)
 

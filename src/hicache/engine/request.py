@@ -23,7 +23,8 @@ class Status(enum.Enum):
 
 @dataclass
 class Request:
-    """Invariant: ``computed`` tokens of ``all_ids`` have KV in the pool at ``kv.slots``."""
+    """Invariant: ``computed`` tokens of ``all_ids`` have KV in the pool at ``kv.slots`` (with
+    speculative decoding the draft's KV covers ``draft_computed <= computed`` of them)."""
 
     rid: int
     prompt_ids: list[int]
@@ -51,6 +52,9 @@ class Request:
     prefetch_expired: bool = False  # every rank agreed its wait deadline has passed
     in_flight: bool = False  # in a batch whose results have not been applied yet (pipeline)
     cached: Optional[dict[str, int]] = None  # prompt tokens hit per tier (device/host/storage), set at admission
+    draft_computed: Optional[int] = None  # speculative decoding: tokens the draft has KV for (else None)
+    spec_verify_steps: int = 0  # verify passes this request took part in
+    spec_accepted_tokens: int = 0  # tokens those passes gave it (accepted drafts + the target's own)
     tokens_np: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -63,11 +67,18 @@ class Request:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    @property
+    def spec_accept_length(self) -> float:
+        """Mean tokens per verify pass, the target's own token included (0 without speculation)."""
+        return self.spec_accepted_tokens / self.spec_verify_steps if self.spec_verify_steps else 0.0
+
     def tokens_with_kv(self) -> np.ndarray:
-        """Token ids whose KV has been computed (the last sampled token has none yet)."""
+        """Token ids whose KV has been computed (the last sampled token has none yet) -- by the
+        draft too, with speculative decoding: only those may be cached."""
+        n = self.computed if self.draft_computed is None else min(self.computed, self.draft_computed)
         if not self.output_ids:
-            return self.tokens_np[: self.computed]
-        return np.asarray(self.all_ids[: self.computed], dtype=np.int32)
+            return self.tokens_np[:n]
+        return np.asarray(self.all_ids[:n], dtype=np.int32)
 
 
 @dataclass
@@ -87,6 +98,8 @@ class GenerateResult:
     forward_time_s: float  # admitted -> first token
     e2e_s: float
     error: str = ""  # with finish_reason "error": what failed in the engine
+    spec_accept_length: float = 0.0  # speculative decoding: mean tokens per verify pass (0: off)
+    spec_verify_steps: int = 0
 
     @classmethod
     def from_request(cls, req: Request) -> "GenerateResult":
@@ -107,4 +120,6 @@ class GenerateResult:
             forward_time_s=req.first_token_time - req.admitted_time if started else 0.0,
             e2e_s=req.finish_time - req.arrival_time if req.finish_time else 0.0,
             error=req.error,
+            spec_accept_length=req.spec_accept_length,
+            spec_verify_steps=req.spec_verify_steps,
         )

@@ -55,13 +55,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, input_ids: list[list[int]], prefix_lens: list[int], context_slots: list[torch.Tensor],
-                hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits ``[B, vocab]`` (float32) at each sequence's last new token; on a pipeline
-        stage before the last, the hidden states of all new tokens (``hidden``: the previous
-        stage's)."""
+                hidden: torch.Tensor | None = None, logits: str = "last") -> torch.Tensor:
+        """Logits ``[B, vocab]`` (float32) at each sequence's last new token (``logits="all"``:
+        ``[T, vocab]``, at every new token); on a pipeline stage before the last, the hidden
+        states of all new tokens (``hidden``: the previous stage's)."""
         cp = self.cp
         if cp is None:
-            batch = make_forward_batch(input_ids, prefix_lens, context_slots, logits="last", device=self.device)
+            batch = make_forward_batch(input_ids, prefix_lens, context_slots, logits=logits, device=self.device)
         else:
             # A decode batch split over CP ranks merges partial attention: no prefix gather.
             gathered = not (cp.split_tokens and max(len(ids) for ids in input_ids) == 1)

@@ -81,7 +81,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
     for i, p in enumerate(params):
         if p.greedy:
             continue
-        probs = _probs(logits[i], p)
+        probs = probabilities(logits[i], p)
         if probs is None:
             logger.warning("no valid distribution for row %d (non-finite logits); taking its argmax", i)
             continue
@@ -89,7 +89,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
     return out
 
 
-def _probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor | None:
+def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor | None:
     """The row's sampling distribution after temperature, top-k and top-p; None if it has none."""
     # Shift by the max first: the best token scales to exactly 0, the rest to <= 0 (or -inf),
     # so no temperature can overflow to inf - inf.

@@ -12,7 +12,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
@@ -23,6 +23,9 @@ from .prefetch_policy import PrefetchPolicy
 from .request import Request, Status
 from .sampling import sample
 from .step import ForwardFn, StepDriver
+
+if TYPE_CHECKING:
+    from .speculative import Proposal, Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +40,9 @@ class Scheduler:
         max_running_requests: int,
         prefetch_policy: str = "adaptive",
         prefetch_timeout: Callable[[int], float] = lambda tokens: 1.0,
+        speculator: Optional["Speculator"] = None,
     ) -> None:
+        """``speculator``: speculative decoding is on; decode steps become verify passes."""
         self.cache = cache
         self.decode_text = decode_text
         self.eos_token_ids = eos_token_ids
@@ -48,6 +53,11 @@ class Scheduler:
         self.prefetch_rule = PrefetchPolicy(prefetch_policy, prefetch_timeout)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.speculator = speculator
+        # k extra slots per request: a verify pass writes KV for drafts past the last token
+        self.spec_steps = speculator.num_steps if speculator is not None else 0
+        self.spec_verify_steps = 0  # verify passes of every request (summed over requests)
+        self.spec_accepted_tokens = 0
         # The phases of a step on this rank alone; a rank of a group replaces it with one that
         # agrees with its peers and hands its output on (hicache.parallel.worker).
         self.driver = StepDriver(self, forward)
@@ -135,7 +145,10 @@ class Scheduler:
             decode = [r for r in self.running if r.status is Status.DECODE and not r.in_flight]
             if not decode:
                 return None
-            batch = Batch("decode", decode, [1] * len(decode))
+            if self.speculator is not None:  # k drafts + the last token, all checked in one pass
+                batch = Batch("verify", decode, [self.spec_steps + 1] * len(decode))
+            else:
+                batch = Batch("decode", decode, [1] * len(decode))
         for req in batch.reqs:
             req.in_flight = True
         return batch
@@ -176,13 +189,15 @@ class Scheduler:
         return True
 
     def _admit(self, req: Request) -> bool:
-        kv = self.cache.admit(req.namespace, req.tokens_np, len(req.prompt_ids) + req.max_new_tokens,
+        kv = self.cache.admit(req.namespace, req.tokens_np, len(req.prompt_ids) + req.max_new_tokens + self.spec_steps,
                               req.storage_tokens)
         if kv is None:
             return False
         req.kv = kv
         req.cached = {"device": kv.device_hit_tokens, "host": kv.host_hit_tokens, "storage": kv.storage_hit_tokens}
         req.computed = kv.device_hit_tokens + kv.host_hit_tokens + kv.storage_hit_tokens
+        if self.speculator is not None:  # a cached page holds the draft's KV too
+            req.draft_computed = req.computed
         req.status = Status.PREFILL
         req.admitted_time = time.perf_counter()
         logger.info(
@@ -193,9 +208,12 @@ class Scheduler:
         return True
 
     # ---- results ---------------------------------------------------------------------------
-    def sample(self, batch: "Batch", logits: torch.Tensor) -> list[int]:
+    def sample(self, batch: "Batch", logits: torch.Tensor) -> list:
         """One entry per request of ``batch``: its next token, or -1 when the batch only
-        computed a chunk of its prompt. ``logits``: ``[len(batch.reqs), vocab]``."""
+        computed a chunk of its prompt. ``logits``: ``[len(batch.reqs), vocab]``. A verify
+        batch: each request's accepted tokens (a list), from ``logits`` at every verify row."""
+        if batch.kind == "verify":
+            return self.speculator.verify(batch, logits)
         rows = batch.result_rows()
         out = [-1] * len(batch.reqs)
         if rows:
@@ -214,7 +232,12 @@ class Scheduler:
             req.in_flight = False
             if req.status is Status.FINISHED:  # aborted while its batch was in flight
                 continue
+            if batch.kind == "verify":
+                self._apply_verified(req, tok, finished)
+                continue
             req.computed += n
+            if req.draft_computed is not None:  # the draft ran over the same chunk
+                req.draft_computed = req.computed
             if req.status is Status.PREFILL:
                 if req.computed < len(req.prompt_ids):  # chunk boundary: share the pages now
                     self.cache.cache_prefix(req.namespace, req.tokens_np[: req.computed], req.kv)
@@ -223,6 +246,22 @@ class Scheduler:
                 req.status = Status.DECODE
             self._append_token(req, tok, finished)
         return finished
+
+    def _apply_verified(self, req: Request, tokens: Sequence[int], finished: list[Request]) -> None:
+        """A verify pass gave ``tokens`` (j accepted drafts + the target's own): the target's KV
+        now covers the j drafts, the draft's all but the last of them (engine/speculative.py).
+        Set before appending: a token that finishes the request releases what has KV."""
+        j, n = len(tokens) - 1, len(req.all_ids)
+        req.computed = n + j
+        req.draft_computed = n + min(j, self.spec_steps - 1)
+        req.spec_verify_steps += 1
+        req.spec_accepted_tokens += len(tokens)
+        self.spec_verify_steps += 1
+        self.spec_accepted_tokens += len(tokens)
+        for tok in tokens:
+            self._append_token(req, tok, finished)
+            if req.status is Status.FINISHED:
+                return
 
     # ---- finishing -----------------------------------------------------------------------
     def _append_token(self, req: Request, tok: int, finished: list[Request]) -> None:
@@ -266,9 +305,15 @@ class Batch:
     """One forward pass as scheduled: ``reqs[i]`` computes ``new_tokens[i]`` tokens (a prompt
     chunk, or 1 in decode). Built once; every pipeline stage schedules an equal one."""
 
-    kind: str  # "prefill" | "decode"
+    kind: str  # "prefill" | "decode" | "verify" (speculative: the last token + k drafts each)
     reqs: list[Request]
     new_tokens: list[int]
+    proposal: Optional["Proposal"] = None  # verify: the drafts, set in the step's forward phase
+
+    @property
+    def logits(self) -> str:
+        """Which rows' logits the pass returns: every row for a verify pass, else each last."""
+        return "all" if self.kind == "verify" else "last"
 
     def rids(self) -> list[int]:
         return [r.rid for r in self.reqs]
@@ -276,6 +321,8 @@ class Batch:
     def input_ids(self) -> list[list[int]]:
         if self.kind == "decode":
             return [[r.output_ids[-1]] for r in self.reqs]
+        if self.kind == "verify":
+            return [[r.output_ids[-1]] + drafts for r, drafts in zip(self.reqs, self.proposal.tokens)]
         return [r.prompt_ids[r.computed : r.computed + n] for r, n in zip(self.reqs, self.new_tokens)]
 
     def prefix_lens(self) -> list[int]:
@@ -286,7 +333,7 @@ class Batch:
 
     def result_rows(self) -> list[int]:
         """Rows whose logits give a token: decode rows, and prefill rows that end their prompt."""
-        if self.kind == "decode":
+        if self.kind != "prefill":
             return list(range(len(self.reqs)))
         return [i for i, (r, n) in enumerate(zip(self.reqs, self.new_tokens)) if r.computed + n == len(r.prompt_ids)]
 

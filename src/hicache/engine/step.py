@@ -16,7 +16,9 @@ The step, in order (DESIGN invariant 3: cache state changes only at fixed points
     scheduler.consume_events(events)        # transfer / storage acks, exactly as agreed
     batch = scheduler.schedule()            # the same batch on every rank
     cache.submit_transfers()                # load-backs in flight before the forward reads them
-    out = forward(batch, inbound.hidden)    # logits, or hidden states mid-pipeline
+    out = forward(batch, inbound.hidden)    # logits, or hidden states mid-pipeline; speculative:
+                                            # the draft proposes before a verify pass and
+                                            # follows a prefill chunk (engine/speculative.py)
     finished = output.hand_on(batch, out)   # sample + apply | send down | sample + send back
     cache.submit_transfers()                # backups of what finished
 
@@ -38,8 +40,9 @@ from .request import Request
 if TYPE_CHECKING:
     from .scheduler import Batch, Scheduler
 
-# forward(input_ids per seq, cached prefix len per seq, context slots per seq, hidden in) -> output
-ForwardFn = Callable[[list[list[int]], list[int], list[torch.Tensor], Optional[torch.Tensor]], torch.Tensor]
+# forward(input_ids per seq, cached prefix len per seq, context slots per seq, hidden in,
+#         logits="last" | "all") -> output
+ForwardFn = Callable[..., torch.Tensor]
 
 
 @dataclass
@@ -129,8 +132,13 @@ class StepDriver:
         out = None
         t0 = time.perf_counter()
         if batch is not None:
+            spec = sched.speculator
+            if spec is not None and batch.kind == "verify":  # the drafts are the verify pass's input
+                batch.proposal = spec.propose(batch)
             out = self.forward(batch.input_ids(), batch.prefix_lens(), batch.context_slots(),
-                               inbound.hidden if inbound is not None else None)
+                               inbound.hidden if inbound is not None else None, logits=batch.logits)
+            if spec is not None and batch.kind == "prefill":
+                spec.extend(batch)  # after the target: a load-back copies the draft's layers last
         finished = self.output.hand_on(batch, out, events, inbound)
         if batch is not None:  # its output has been sampled or sent on: the forward is done
             sched.observe_forward(batch, time.perf_counter() - t0)

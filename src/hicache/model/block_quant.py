@@ -50,7 +50,7 @@ def pack_exact(w: torch.Tensor) -> Optional[BlockQuantWeight]:
     if w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2 or w.shape[1] % GROUP or not w.numel():
         return None
     groups = w.detach().reshape(w.shape[0], -1, GROUP)
-    return _pack_q4(groups) or _pack_q8(groups)
+    return _pack_q4(groups) or _pack_q8(groups) or _pack_q4_wide(w.detach())
 
 
 def _as_float16_scale(x: torch.Tensor) -> torch.Tensor:
@@ -58,19 +58,37 @@ def _as_float16_scale(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float16).to(torch.float32)
 
 
-def _pack_q4(groups: torch.Tensor) -> Optional[BlockQuantWeight]:
+def _pack_q4(groups: torch.Tensor, float16_scale: bool = True) -> Optional[BlockQuantWeight]:
+    """Q4_1 blocks of ``groups`` ``[N, K / width, width]`` (width a multiple of 32), each group's
+    scale and minimum repeated over its 32-wide blocks; ``float16_scale``: the scale was stored
+    in float16 (GGUF), else it is the float32 ratio itself (``model.requantize``)."""
     minv = groups.amin(-1)  # the block minimum has q = 0, so it *is* m
-    scale = _as_float16_scale((groups.amax(-1) - minv) / 15)  # and the maximum has q = 15
+    scale = (groups.amax(-1) - minv) / 15  # and the maximum has q = 15
+    if float16_scale:
+        scale = _as_float16_scale(scale)
     q = torch.where(scale[..., None] > 0, (groups - minv[..., None]) / scale[..., None], 0.0).round_()
     if q.amin() < 0 or q.amax() > 15:
         return None
     # Two separately rounded float32 ops, as the dequantizer did: the check is bit for bit.
     if not torch.equal(scale[..., None] * q + minv[..., None], groups):
         return None
-    q = q.to(torch.uint8)
+    per_group = groups.shape[-1] // GROUP  # 32-wide blocks per group: they share its scale
+    q = q.to(torch.uint8).reshape(groups.shape[0], -1, GROUP)
     packed = q[..., : GROUP // 2] | (q[..., GROUP // 2:] << 4)
-    return BlockQuantWeight("q4", packed.reshape(groups.shape[0], -1).contiguous(), scale.contiguous(),
-                            minv.contiguous())
+    return BlockQuantWeight("q4", packed.reshape(groups.shape[0], -1).contiguous(),
+                            scale.repeat_interleave(per_group, -1).contiguous(),
+                            minv.repeat_interleave(per_group, -1).contiguous())
+
+
+def _pack_q4_wide(w: torch.Tensor) -> Optional[BlockQuantWeight]:
+    """A requantized copy's matrix (:mod:`hicache.model.requantize`: 4 bits, groups of 32 or 64,
+    float32 scales): the same blocks, rebuilt exactly from float32 ratios."""
+    for width in (GROUP, 2 * GROUP):
+        if w.shape[1] % width == 0:
+            packed = _pack_q4(w.reshape(w.shape[0], -1, width), float16_scale=False)
+            if packed is not None:
+                return packed
+    return None
 
 
 def _pack_q8(groups: torch.Tensor) -> Optional[BlockQuantWeight]:

@@ -49,10 +49,17 @@ def _file_fingerprint(paths: list[Path]) -> str:
     return _digest("|".join(parts))
 
 
+def split_variant(name: str) -> tuple[str, str | None]:
+    """``("smollm2", "int4-g64")`` for ``"smollm2:int4-g64"``; ``(name, None)`` without a variant."""
+    base, _, last = name.rpartition(":")
+    return (base, last) if base and last.startswith("int") and "-g" in last else (name, None)
+
+
 def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu", seed: int = 0,
                weights: bool = True, decode_weights: str = "auto", to_be_sharded: bool = False) -> LoadedModel:
-    """Load ``name``: ``"smollm2"`` (embedded GGUF; ``"smollm2:int4-g64"``: a requantized copy,
-    :mod:`~hicache.model.requantize`), a local HF directory, or ``"random:<preset|JSON>"``.
+    """Load ``name``: ``"smollm2"`` (the embedded GGUF), a GGUF file, a local HF directory, or
+    ``"random:<preset|JSON>"``; any of them followed by ``:int<bits>-g<group>`` (e.g.
+    ``"smollm2:int4-g64"``) is a requantized copy (:mod:`~hicache.model.requantize`).
 
     ``seed`` only matters for random models. ``weights=False`` reads only the shape, the
     tokenizer and the identity (``model`` is None): what a process that only tokenizes needs.
@@ -68,21 +75,20 @@ def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.dev
         raise ModelSpecError("float16 runs ~100x slower than float32 on a CPU; use --dtype auto or float32 there.")
     dtype_name = str(dtype).removeprefix("torch.")
     start = time.perf_counter()
-    if name == "smollm2" or name.startswith("smollm2:"):
-        path = find_smollm2_gguf()
+    base, variant = split_variant(name)
+    if variant is not None:
+        try:
+            bits, group = parse_variant(variant)
+        except ValueError as e:
+            raise ModelNotFoundError(f"unknown model {name!r}: {e}.") from None
+    if base == "smollm2" or base.endswith(".gguf"):
+        path = find_smollm2_gguf() if base == "smollm2" else Path(base).expanduser()
+        if not path.is_file():
+            raise ModelNotFoundError(f"unknown model {name!r}: no GGUF file at {path}.")
         model, tokenizer, spec = load_gguf(path, dtype, device, weights)
         identity = f"gguf:{path.name}:{_file_fingerprint([path])}:{dtype_name}"
-        if name != "smollm2":  # a requantized copy (e.g. the speculative draft): other weights, other KV
-            variant = name.split(":", 1)[1]
-            try:
-                bits, group = parse_variant(variant)
-            except ValueError as e:
-                raise ModelNotFoundError(f"unknown model {name!r}: {e}.") from None
-            if model is not None:
-                requantize_(model, bits, group)
-            identity += f":requant-{variant}"
-    elif name.startswith("random:"):
-        spec = parse_random_spec(name[len("random:"):])
+    elif base.startswith("random:"):
+        spec = parse_random_spec(base[len("random:"):])
         model = None
         if weights:
             model = LlamaForCausalLM(spec, dtype, device)
@@ -90,16 +96,20 @@ def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.dev
         tokenizer = byte_tokenizer()
         spec_json = json.dumps(spec.to_dict(), sort_keys=True)
         identity = f"random:{_digest(spec_json)}:seed={seed}:{dtype_name}"
-    elif Path(name).expanduser().exists() or "/" in name or name.startswith("."):
-        folder = Path(name).expanduser()
+    elif Path(base).expanduser().exists() or "/" in base or base.startswith("."):
+        folder = Path(base).expanduser()
         model, tokenizer, spec = load_hf_dir(folder, dtype, device, weights)
         files = [p for p in folder.iterdir() if p.suffix in (".json", ".safetensors")]
         identity = f"hf:{folder.resolve().name}:{_file_fingerprint(files)}:{dtype_name}"
     else:
         raise ModelNotFoundError(
-            f"unknown model {name!r}: expected 'smollm2' (or 'smollm2:int4-g64'), a local Hugging Face directory, "
-            "or 'random:<preset or JSON>'."
+            f"unknown model {name!r}: expected 'smollm2', a GGUF file, a local Hugging Face directory or "
+            "'random:<preset or JSON>', optionally followed by ':int4-g64' (a requantized copy)."
         )
+    if variant is not None:  # a requantized copy (e.g. the speculative draft): other weights, other KV
+        if model is not None:
+            requantize_(model, bits, group)
+        identity += f":requant-{variant}"
     if decode_weights not in DECODE_WEIGHTS:
         raise ModelSpecError(f"decode weights {decode_weights!r}: expected one of {', '.join(DECODE_WEIGHTS)}.")
     if decode_weights not in ("auto", "same") and getattr(torch, decode_weights) != dtype:

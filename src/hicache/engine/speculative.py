@@ -1,0 +1,176 @@
+"""Speculative decoding, STANDALONE: a separate draft model proposes ``k`` tokens per sequence,
+the target checks them in one forward pass of ``k + 1`` tokens (seed section 3).
+
+Per request (see :class:`~hicache.engine.request.Request`): the target's KV is valid for the
+first ``computed`` tokens of ``all_ids``, the draft's for the first ``draft_computed`` (never
+more). Only tokens both have KV for are cached (``tokens_with_kv``): a prefix hit in any tier
+then brings back the draft's history with the target's, so the draft never proposes from a hole.
+
+One verify round for a sequence of ``n`` tokens (the last one has no KV yet)::
+
+    draft pass 1   input all_ids[draft_computed:]   (1 token, or 2 after a round took every draft)
+    draft pass i   input d_{i-1}                    (i = 2 .. k)    -> d_1 .. d_k
+    verify         input [all_ids[-1], d_1 .. d_k]  at positions n-1 .. n-1+k, logits at every row
+    accept         j drafts + one token of the target's own: greedy keeps the drafts that equal
+                   the target's argmax; sampling uses the rejection rule (the output distribution
+                   is the target's)
+
+after which the target's KV is valid up to ``n + j`` and the draft's up to ``n + min(j, k - 1)``
+(the draft never saw ``d_k``). KV written for rejected positions sits in reserved slots past
+``computed`` and is overwritten later; admission reserves ``k`` slots more per request for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Sequence
+
+import torch
+
+from ..config import ConfigError
+from ..model.batch import KVView
+from ..model.loader import LoadedModel
+from .sampling import probabilities
+
+if TYPE_CHECKING:
+    from .runner import ModelRunner
+    from .scheduler import Batch
+
+
+class LayerWindow:
+    """The draft's layers as a :class:`KVView`: layers ``offset ..`` of a shared view (packed:
+    the draft's K/V are extra layers of the target's pool, waited for like the target's)."""
+
+    def __init__(self, base: KVView, offset: int, count: int) -> None:
+        self.base, self.offset = base, offset
+        self.k_buffers = list(base.k_buffers[offset:offset + count])
+        self.v_buffers = list(base.v_buffers[offset:offset + count])
+
+    def wait_layer(self, layer: int) -> None:
+        self.base.wait_layer(self.offset + layer)
+
+    def layer_ready(self, layer: int) -> bool:
+        return self.base.layer_ready(self.offset + layer)
+
+
+def check_draft(target: LoadedModel, draft: LoadedModel, draft_name: str) -> None:
+    """Refuse, in one sentence, a draft whose tokens mean something else than the target's."""
+    problem = ""
+    if draft.spec.vocab_size != target.spec.vocab_size:
+        problem = f"its vocabulary has {draft.spec.vocab_size} tokens, the target's {target.spec.vocab_size}"
+    elif draft.tokenizer.backend.get_vocab(with_added_tokens=True) != \
+            target.tokenizer.backend.get_vocab(with_added_tokens=True):
+        problem = "its tokenizer maps tokens to other ids"
+    elif draft.tokenizer.eos_token_ids != target.tokenizer.eos_token_ids:
+        problem = "its end-of-sequence tokens differ"
+    if problem:
+        raise ConfigError(f"the draft model {draft_name!r} cannot speculate for {target.name!r}: {problem}; "
+                          "a draft must share the target's tokenizer.")
+
+
+def packs_with(target_kv: tuple[int, int], draft: LoadedModel) -> bool:
+    """Whether the draft's KV rows have the target's shape ``(kv_heads, head_dim)``, so its
+    layers can be extra layers of the target's pages (the dtype is the engine's, shared)."""
+    spec = draft.spec
+    return not spec.is_mla and (spec.num_kv_heads, spec.head_dim) == target_kv
+
+
+@dataclass
+class Proposal:
+    """What the draft proposed for a verify batch: ``tokens[b]`` (k each) and, for sampled
+    requests, the draft's distribution at each of them ``probs[b]`` ``[k, vocab]`` (None: greedy)."""
+
+    tokens: list[list[int]]
+    probs: list[Optional[torch.Tensor]]
+
+
+class Speculator:
+    """Runs the draft model over the same slots as the target and turns a verify pass's logits
+    into the accepted tokens. ``runner``: the draft's :class:`ModelRunner` (its own weights, its
+    KV on the target's slots)."""
+
+    def __init__(self, runner: "ModelRunner", num_steps: int) -> None:
+        self.runner = runner
+        self.num_steps = num_steps
+
+    def extend(self, batch: "Batch") -> None:
+        """A prefill chunk: the draft computes its KV for the same tokens (called after the
+        target's pass, so a layer-wise load-back's draft layers, copied last, have arrived)."""
+        self.runner.forward(batch.input_ids(), batch.prefix_lens(), batch.context_slots())
+
+    def propose(self, batch: "Batch") -> Proposal:
+        """``k`` draft passes over the whole verify batch; the first also feeds every token the
+        draft has not seen yet (1, or 2 after a round that took every draft)."""
+        reqs = batch.reqs
+        seqs = [r.all_ids for r in reqs]
+        tokens: list[list[int]] = [[] for _ in reqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        inputs = [s[r.draft_computed:] for r, s in zip(reqs, seqs)]
+        starts = [r.draft_computed for r in reqs]
+        for _ in range(self.num_steps):
+            ends = [p + len(ids) for p, ids in zip(starts, inputs)]
+            logits = self.runner.forward(inputs, starts, [r.kv.slots[:e] for r, e in zip(reqs, ends)])
+            for b, r in enumerate(reqs):
+                tok, dist = _draw(logits[b], r)
+                tokens[b].append(tok)
+                if dist is not None:
+                    probs[b].append(dist)
+            inputs, starts = [[t[-1]] for t in tokens], ends
+        return Proposal(tokens, [torch.stack(p) if p else None for p in probs])
+
+    def verify(self, batch: "Batch", logits: torch.Tensor) -> list[list[int]]:
+        """The accepted tokens of each request (1 to k + 1): ``logits`` ``[B * (k + 1), vocab]``,
+        the target's at each verify row, sequence after sequence."""
+        k1 = self.num_steps + 1
+        out = []
+        for b, r in enumerate(batch.reqs):
+            rows = logits[b * k1:(b + 1) * k1]
+            drafts, q = batch.proposal.tokens[b], batch.proposal.probs[b]
+            if q is None:
+                out.append(greedy_accept(drafts, rows))
+            else:
+                out.append(rejection_accept(drafts, q, rows, r))
+        return out
+
+
+def _draw(logits: torch.Tensor, req) -> tuple[int, Optional[torch.Tensor]]:
+    """The draft's token for one row, and its distribution when the request samples."""
+    if req.sampling.greedy:
+        return int(logits.argmax()), None
+    dist = probabilities(logits, req.sampling)
+    if dist is None:  # no valid distribution: the argmax, as the sampler does
+        return int(logits.argmax()), None
+    return int(torch.multinomial(dist, 1, generator=req.generator)), dist
+
+
+def greedy_accept(drafts: Sequence[int], logits: torch.Tensor) -> list[int]:
+    """The drafts that equal the target's argmax, then the target's token after them."""
+    target = logits.argmax(dim=-1).tolist()
+    j = 0
+    while j < len(drafts) and drafts[j] == target[j]:
+        j += 1
+    return list(drafts[:j]) + [target[j]]
+
+
+def rejection_accept(drafts: Sequence[int], draft_probs: torch.Tensor, logits: torch.Tensor, req) -> list[int]:
+    """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023): draft ``i`` is kept with
+    probability ``min(1, p_i(d) / q_i(d))``; the first rejected one is replaced by a draw from
+    ``max(p_i - q_i, 0)`` (normalised), and when every draft is kept one more token is drawn from
+    ``p_k``. The tokens are distributed exactly as the target would sample them one by one."""
+    gen = req.generator
+    out: list[int] = []
+    for i, d in enumerate(drafts):
+        p = probabilities(logits[i], req.sampling)
+        if p is None:  # the target has no valid distribution here: take its argmax and stop
+            return out + [int(logits[i].argmax())]
+        q = draft_probs[i]
+        u = float(torch.rand((), generator=gen))
+        if u * float(q[d]) < float(p[d]):  # u < p/q without dividing by a zero q
+            out.append(d)
+            continue
+        residual = (p - q).clamp_(min=0)
+        dist = residual if float(residual.sum()) > 0 else p
+        return out + [int(torch.multinomial(dist, 1, generator=gen))]
+    p = probabilities(logits[len(drafts)], req.sampling)
+    bonus = int(logits[len(drafts)].argmax()) if p is None else int(torch.multinomial(p, 1, generator=gen))
+    return out + [bonus]

@@ -1,0 +1,220 @@
+"""Speculative decoding (issue 14): the draft's KV lives beside the target's in every tier.
+
+The tier tests use a tiny random target and a requantized copy as its draft (agreement ~3 of 4
+tokens: high enough that a draft proposing from a hole visibly loses acceptance); the SmolLM2
+test uses the embedded draft, ``smollm2:int4-g64``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hicache import Engine, SamplingParams
+from hicache.config import ConfigError, EngineConfig
+from hicache.engine.sampling import probabilities
+from hicache.engine.speculative import greedy_accept, rejection_accept
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0)
+TARGET, DRAFT = "random:tiny", "random:tiny:int4-g16"
+SPEC = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=DRAFT, speculative_num_steps=3)
+BASE = dict(dtype="float32", page_size=16, max_total_tokens=4096)
+# A two-turn session: the second prompt is the first, its answer, and a new question.
+TURN1 = [(i * 37 + 11) % 240 + 5 for i in range(200)]
+NEW_QUESTION = [(i * 13 + 3) % 240 + 5 for i in range(40)]
+
+
+def prompts(n: int) -> list[list[int]]:
+    return [[(i * 37 + 11 + 7 * j) % 240 + 5 for i in range(90 + 37 * j)] for j in range(n)]
+
+
+# ---- flags ------------------------------------------------------------------------------
+@pytest.mark.parametrize("options, message", [
+    (dict(speculative_num_draft_tokens=0), "--speculative-num-draft-tokens must be at least 1, got 0"),
+    (dict(speculative_num_draft_tokens=-2), "--speculative-num-draft-tokens must be at least 1, got -2"),
+    (dict(speculative_num_steps=0), "--speculative-num-steps must be at least 1"),
+    (dict(speculative_num_steps=3, speculative_num_draft_tokens=3), "must be --speculative-num-steps \\+ 1 \\(4\\)"),
+    (dict(speculative_draft_model_path=None), "needs --speculative-draft-model-path"),
+    (dict(speculative_algorithm="EAGLE"), "must be one of STANDALONE"),
+    (dict(tp_size=2), "not supported yet"),
+])
+def test_bad_speculative_flags_are_refused(options: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig(**{**SPEC, **options})
+
+
+def test_draft_steps_default_and_derive() -> None:
+    assert EngineConfig().speculative_steps == 0
+    assert EngineConfig(**{**SPEC, "speculative_num_steps": None}).speculative_steps == 3
+    assert EngineConfig(**{**SPEC, "speculative_num_steps": None, "speculative_num_draft_tokens": 6}).speculative_steps == 5
+    with pytest.raises(ConfigError, match="needs --speculative-algorithm STANDALONE"):
+        EngineConfig(speculative_draft_model_path=DRAFT)
+
+
+def test_draft_with_another_vocabulary_is_refused() -> None:
+    other = 'random:{"vocab_size": 400}'
+    with pytest.raises(ConfigError) as e:
+        Engine(TARGET, **BASE, **{**SPEC, "speculative_draft_model_path": other})
+    assert str(e.value) == (f"the draft model {other!r} cannot speculate for 'random:tiny': its vocabulary has 400 "
+                            "tokens, the target's 320; a draft must share the target's tokenizer.")
+
+
+# ---- acceptance rules -----------------------------------------------------------------
+def test_greedy_accept_keeps_the_matching_drafts_and_adds_the_targets_token() -> None:
+    logits = torch.full((4, 8), -1.0)
+    for row, tok in enumerate([5, 2, 7, 1]):
+        logits[row, tok] = 1.0
+    assert greedy_accept([5, 2, 7], logits) == [5, 2, 7, 1]  # all drafts, then the bonus token
+    assert greedy_accept([5, 3, 7], logits) == [5, 2]  # stops at the first mismatch, with the fix
+    assert greedy_accept([4, 2, 7], logits) == [5]
+
+
+def test_rejection_sampling_gives_the_targets_distribution() -> None:
+    """Draft q, target p over 5 tokens: the first token out of the rule is distributed as p
+    whatever q proposes (Leviathan et al., Theorem 1)."""
+    class Req:
+        sampling = SamplingParams(temperature=1.0)
+        generator = torch.Generator().manual_seed(7)
+
+    target_logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0]] * 2)
+    p = probabilities(target_logits[0], Req.sampling)
+    q = torch.tensor([0.05, 0.5, 0.05, 0.3, 0.1])
+    n, counts = 6000, torch.zeros(5)
+    for _ in range(n):
+        draft = int(torch.multinomial(q, 1, generator=Req.generator))
+        counts[rejection_accept([draft], q[None], target_logits, Req)[0]] += 1
+    assert (counts / n - p).abs().max() < 0.02, (counts / n, p)
+
+
+# ---- the engine ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def plain() -> Engine:
+    return Engine(TARGET, **BASE)
+
+
+def test_greedy_output_equals_the_plain_engine(plain: Engine) -> None:
+    """Continuous batching and chunked prefill with a draft: every request says what the
+    target alone says, and the drafts are mostly accepted."""
+    ps = prompts(4)
+    ref = plain.generate(ps, GREEDY)
+    spec = Engine(TARGET, **BASE, **SPEC, chunked_prefill_size=64)
+    out = spec.generate(ps, GREEDY)
+    assert [r.output_ids for r in out] == [r.output_ids for r in ref]
+    for r in out:
+        assert r.spec_verify_steps > 0 and 1.0 <= r.spec_accept_length <= 4.0
+    stats = spec.stats()["speculative"]
+    assert stats["verify_steps"] == sum(r.spec_verify_steps for r in out)
+    assert stats["accept_length"] > 1.5
+    # fewer target passes than tokens: that is what speculation is for
+    assert sum(r.spec_verify_steps for r in out) < sum(r.completion_tokens - 1 for r in out)
+    assert spec.cache.usage()["free_pages"] == spec.cache.capacity_pages - spec.cache.usage()["cached_pages"]
+
+
+def test_sampled_requests_stop_where_asked() -> None:
+    spec = Engine(TARGET, **BASE, **SPEC)
+    sampled = SamplingParams(max_new_tokens=17, temperature=0.8, top_p=0.9, seed=3)
+    a, b = spec.generate(prompts(2), sampled)
+    assert a.completion_tokens <= 17 and b.completion_tokens <= 17
+    assert spec.generate(prompts(2), sampled)[0].output_ids == a.output_ids  # seeded: reproducible
+
+
+# ---- draft state in every tier --------------------------------------------------------------
+def tiered(path: Path, **kw) -> Engine:
+    opts = dict(BASE, enable_hierarchical_cache=True, hicache_storage_backend="file",
+                hicache_storage_backend_extra_config=json.dumps({"path": str(path)}),
+                hicache_storage_prefetch_threshold=64, hicache_storage_prefetch_policy="wait_complete")
+    return Engine(TARGET, **{**opts, **SPEC, **kw})
+
+
+def second_turn(engine: Engine) -> list[int]:
+    """Run turn 1 on ``engine``; the second turn's prompt."""
+    first = engine.generate([TURN1], GREEDY)[0]
+    return TURN1 + first.output_ids + NEW_QUESTION
+
+
+@pytest.fixture(scope="module")
+def cold(tmp_path_factory) -> tuple[list[int], list[int], float]:
+    """(turn-2 prompt, its output, its acceptance length) computed cold in a fresh engine."""
+    engine = tiered(tmp_path_factory.mktemp("warmup"))
+    prompt = second_turn(engine)
+    engine.shutdown()
+    fresh = Engine(TARGET, **BASE, **SPEC)
+    res = fresh.generate([prompt], GREEDY)[0]
+    assert res.cached_tokens == 0
+    return prompt, res.output_ids, res.spec_accept_length
+
+
+@pytest.mark.parametrize("drop_draft", [False, True])
+def test_history_from_device_and_host_keeps_acceptance(tmp_path: Path, cold, drop_draft: bool) -> None:
+    prompt, output, accept = cold
+    engine = tiered(tmp_path)
+    assert second_turn(engine) == prompt
+    device = engine.generate([prompt], GREEDY)[0]  # history still in L1
+    assert device.cached_tokens_details["device"] >= 208
+    assert (device.output_ids, device.spec_accept_length) == (output, accept)
+    engine.cache.drain()
+    engine.cache.tree.evict(10**6)  # the history now lives in L2 only
+    if drop_draft:  # the load-back restores the target's layers and leaves the draft's out
+        engine.cache.controller.load_layers = engine.loaded.spec.num_layers
+    host = engine.generate([prompt], GREEDY)[0]
+    assert host.cached_tokens_details["host"] >= 208
+    assert host.output_ids == output  # the target's KV came back: the output never changes
+    if drop_draft:
+        assert host.spec_accept_length < accept - 0.3, (host.spec_accept_length, accept)
+    else:
+        assert host.spec_accept_length == accept
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("drop_draft", [False, True])
+def test_history_from_storage_in_a_new_process_keeps_acceptance(tmp_path: Path, cold, drop_draft: bool) -> None:
+    prompt, output, accept = cold
+    writer = tiered(tmp_path)
+    second_turn(writer)
+    writer.shutdown()  # its pages are flushed down to the file store
+    code = f"""
+import json
+from hicache import Engine, SamplingParams
+e = Engine({TARGET!r}, **{dict(BASE)!r}, **{SPEC!r}, enable_hierarchical_cache=True, hicache_storage_backend="file",
+           hicache_storage_backend_extra_config=json.dumps({{"path": {str(tmp_path)!r}}}),
+           hicache_storage_prefetch_threshold=64, hicache_storage_prefetch_policy="wait_complete")
+if {drop_draft!r}:
+    e.cache.controller.load_layers = e.loaded.spec.num_layers
+r = e.generate([{prompt!r}], SamplingParams(max_new_tokens=24, temperature=0.0))[0]
+print(json.dumps({{"ids": r.output_ids, "details": r.cached_tokens_details, "accept": r.spec_accept_length}}))
+e.shutdown()
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=SRC))
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["details"]["storage"] >= 208 and got["ids"] == output
+    if drop_draft:
+        assert got["accept"] < accept - 0.3, (got["accept"], accept)
+    else:
+        assert got["accept"] == accept
+
+
+# ---- the embedded model ---------------------------------------------------------------------
+@pytest.mark.slow
+def test_smollm2_greedy_output_is_unchanged_by_its_int4_draft() -> None:
+    messages = ["What is the capital of France?", "Name three primary colors.", "Write one sentence about rain."]
+    opts = dict(dtype="float32", max_total_tokens=4096)
+    plain = Engine("smollm2", **opts)
+    tok = plain.tokenizer
+    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": m}])) for m in messages]
+    sampling = SamplingParams(max_new_tokens=32, temperature=0.0)
+    ref = plain.generate(ids, sampling)
+    plain.shutdown()
+    spec = Engine("smollm2", **opts, speculative_algorithm="STANDALONE",
+                  speculative_draft_model_path="smollm2:int4-g64", speculative_num_steps=3)
+    out = spec.generate(ids, sampling)
+    assert [r.output_ids for r in out] == [r.output_ids for r in ref]
+    assert spec.stats()["speculative"]["accept_length"] > 1.5
