@@ -218,3 +218,33 @@ def test_smollm2_greedy_output_is_unchanged_by_its_int4_draft() -> None:
     out = spec.generate(ids, sampling)
     assert [r.output_ids for r in out] == [r.output_ids for r in ref]
     assert spec.stats()["speculative"]["accept_length"] > 1.5
+
+
+# ---- what an operator sees ------------------------------------------------------------------
+def test_usage_metrics_and_bench_report_the_accept_length(tmp_path: Path, capsys) -> None:
+    import httpx
+
+    from hicache.cli import main
+    from hicache.server.serve import ServerThread
+
+    engine = Engine(TARGET, **{**BASE, "max_total_tokens": 16384}, **SPEC)
+    srv = ServerThread(engine, served_model_name="tiny")
+    base_url = srv.start()
+    try:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hello " * 20}], "max_tokens": 12}
+        usage = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=60).json()["usage"]
+        assert usage["spec_verify_steps"] >= 1 and 1.0 <= usage["spec_accept_length"] <= 4.0
+        out = tmp_path / "report.json"
+        rc = main(["bench", "--base-url", base_url, "--gsp-num-groups", "1", "--gsp-prompts-per-group", "2",
+                   "--gsp-system-prompt-len", "100", "--gsp-question-len", "16", "--gsp-output-len", "12",
+                   "--gsp-num-turns", "2", "--seed", "1", "--output-file", str(out), "--disable-tqdm"])
+        assert rc == 0
+        assert "Accept length:" in capsys.readouterr().out
+        spec = json.loads(out.read_text())["speculative"]
+        total = httpx.get(base_url + "/stats", timeout=10).json()["speculative"]
+        # the bench's window is the whole run but the first request
+        assert spec["verify_steps"] == total["verify_steps"] - usage["spec_verify_steps"]
+        metrics = httpx.get(base_url + "/metrics", timeout=10).text
+        assert 'hicache_spec_accept_length_bucket{le="4.0"} 5.0' in metrics  # 1 chat + 4 bench requests
+    finally:
+        srv.stop()

@@ -41,6 +41,17 @@ def server_hit_rates(before: dict[str, float], after: dict[str, float]) -> dict[
             "total_hit_rate": sum(rates.values())}
 
 
+def server_speculation(before: dict[str, float], after: dict[str, float]) -> dict[str, Any] | None:
+    """Accept length over the run (tokens per verify pass, token-weighted, as SGLang's
+    bench_serving reports it) from hicache's /metrics; None when the server does not speculate."""
+    steps_key, tokens_key = "hicache_spec_verify_steps_sum{}", "hicache_spec_accepted_tokens_total{}"
+    steps = after.get(steps_key, 0.0) - before.get(steps_key, 0.0)
+    if steps <= 0:
+        return None
+    tokens = after.get(tokens_key, 0.0) - before.get(tokens_key, 0.0)
+    return {"verify_steps": steps, "accepted_tokens": tokens, "accept_length": tokens / steps}
+
+
 def summarize(records: list[RequestRecord], duration_s: float, workload: dict[str, Any],
               metrics_before: dict[str, float], metrics_after: dict[str, float], client_cpu_s: float) -> dict[str, Any]:
     ok = [r for r in records if r.ok]
@@ -75,6 +86,7 @@ def summarize(records: list[RequestRecord], duration_s: float, workload: dict[st
         "usage_hit_rate": cached / inp if inp else 0.0,
         "by_turn": turns,
         "server_cache": server_hit_rates(metrics_before, metrics_after),
+        "speculative": server_speculation(metrics_before, metrics_after),
         "client_cpu_s": client_cpu_s,
         "client_cpu_util": client_cpu_s / duration_s if duration_s else 0.0,
     }
@@ -115,6 +127,11 @@ def format_report(rep: dict[str, Any]) -> str:
         row("Server /metrics hit rate, all tiers:", f"{sc['total_hit_rate']:.1%}")
     else:
         row("Server /metrics:", "not hicache")
+    spec = rep.get("speculative")
+    if spec:
+        lines.append(f"{' Speculative decoding ':-^60}")
+        row("Accept length:", f"{spec['accept_length']:.2f}")
+        row("Verify steps:", f"{spec['verify_steps']:.0f}")
     lines.append(f"{' By turn ':-^60}")
     lines.append(f"{'turn':>6}{'requests':>10}{'prompt tok':>12}{'hit rate':>10}{'TTFT mean':>11}{'TTFT p90':>11}")
     for t, d in rep["by_turn"].items():

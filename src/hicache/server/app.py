@@ -111,7 +111,15 @@ def _usage(res: GenerateResult) -> dict[str, Any]:
         "total_tokens": res.prompt_tokens + res.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": res.cached_tokens,
                                   "cached_tokens_details": dict(res.cached_tokens_details)},
+        **_spec(res),
     }
+
+
+def _spec(res: GenerateResult) -> dict[str, Any]:
+    """Speculative decoding's per-request figures (extension; absent when it is off)."""
+    if not res.spec_verify_steps:
+        return {}
+    return {"spec_accept_length": res.spec_accept_length, "spec_verify_steps": res.spec_verify_steps}
 
 
 def _timing(res: GenerateResult) -> dict[str, float]:

@@ -15,6 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 
 from ..engine.request import GenerateResult
 
+ACCEPT_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)  # tokens per verify pass
+STEP_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _EVICTED = re.compile(r"^evicted_(\w+)_pages$")
 disable_created_metrics()  # no `*_created` series: they double the scrape for nothing here
@@ -58,6 +60,15 @@ class ServerMetrics:
                               ["shard_rank"], registry=r)
         self.kv_gather = Gauge("hicache_kv_gather", "Each stage rank's prefix gathers: gathers, gathered_bytes, "
                                "gather_time_s, gather_wait_s, gather_scratch_bytes.", ["tp_rank", "field"], registry=r)
+        # Speculative decoding, per finished request: mean tokens per verify pass (the target's own
+        # included) and how many passes it took; accepted tokens / verify steps sum is the
+        # token-weighted accept length over any window (hicache bench's "Accept length").
+        self.spec_accept_length = Histogram("hicache_spec_accept_length", "Speculative decoding: a request's mean "
+                                            "tokens per verify pass.", buckets=ACCEPT_BUCKETS, registry=r)
+        self.spec_verify_steps = Histogram("hicache_spec_verify_steps", "Speculative decoding: a request's verify "
+                                           "passes.", buckets=STEP_BUCKETS, registry=r)
+        self.spec_accepted = Counter("hicache_spec_accepted_tokens", "Speculative decoding: tokens verify passes "
+                                     "gave finished requests.", registry=r)
         self._seen: dict[tuple, float] = {}  # cumulative figures already counted
         for tier in ("device", "host", "storage"):
             self.cached_tokens.labels(tier=tier)
@@ -75,6 +86,10 @@ class ServerMetrics:
             self.e2e.observe(res.e2e_s)
         if res.queue_time_s > 0:
             self.queue_time.observe(res.queue_time_s)
+        if res.spec_verify_steps:
+            self.spec_accept_length.observe(res.spec_accept_length)
+            self.spec_verify_steps.observe(res.spec_verify_steps)
+            self.spec_accepted.inc(round(res.spec_accept_length * res.spec_verify_steps))
 
     def update_from_stats(self, stats: dict[str, Any]) -> None:
         """Refresh gauges from ``Engine.stats()``: every ``*_pool`` dict becomes a pool."""
