@@ -117,6 +117,18 @@ def test_greedy_output_equals_the_plain_engine(plain: Engine) -> None:
     assert spec.cache.usage()["free_pages"] == spec.cache.capacity_pages - spec.cache.usage()["cached_pages"]
 
 
+def test_a_draft_with_other_kv_rows_gets_a_sidecar(plain: Engine) -> None:
+    draft = 'random:{"num_layers": 1, "num_kv_heads": 1, "head_dim": 32}'
+    with pytest.raises(ConfigError, match="packed needs the draft's KV rows to match the target's"):
+        Engine(TARGET, **BASE, **{**SPEC, "speculative_draft_model_path": draft}, speculative_draft_kv_layout="packed")
+    spec = Engine(TARGET, **BASE, **{**SPEC, "speculative_draft_model_path": draft}, enable_hierarchical_cache=True)
+    assert len(spec.pool.k_buffers) == 2 and spec.cache.sidecar_view.k_buffers[0].shape[1:] == (1, 32)
+    # the draft's bytes are part of every page's budget
+    assert spec.stats()["host_pool"]["host_pool_bytes"] > spec.host_pool.total_bytes
+    ps = prompts(2)
+    assert [r.output_ids for r in spec.generate(ps, GREEDY)] == [r.output_ids for r in plain.generate(ps, GREEDY)]
+
+
 def test_sampled_requests_stop_where_asked() -> None:
     spec = Engine(TARGET, **BASE, **SPEC)
     sampled = SamplingParams(max_new_tokens=17, temperature=0.8, top_p=0.9, seed=3)
@@ -126,6 +138,9 @@ def test_sampled_requests_stop_where_asked() -> None:
 
 
 # ---- draft state in every tier --------------------------------------------------------------
+LAYOUTS = ["packed", "sidecar"]
+
+
 def tiered(path: Path, **kw) -> Engine:
     opts = dict(BASE, enable_hierarchical_cache=True, hicache_storage_backend="file",
                 hicache_storage_backend_extra_config=json.dumps({"path": str(path)}),
@@ -151,10 +166,11 @@ def cold(tmp_path_factory) -> tuple[list[int], list[int], float]:
     return prompt, res.output_ids, res.spec_accept_length
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("drop_draft", [False, True])
-def test_history_from_device_and_host_keeps_acceptance(tmp_path: Path, cold, drop_draft: bool) -> None:
+def test_history_from_device_and_host_keeps_acceptance(tmp_path: Path, cold, drop_draft: bool, layout: str) -> None:
     prompt, output, accept = cold
-    engine = tiered(tmp_path)
+    engine = tiered(tmp_path, speculative_draft_kv_layout=layout)
     assert second_turn(engine) == prompt
     device = engine.generate([prompt], GREEDY)[0]  # history still in L1
     assert device.cached_tokens_details["device"] >= 208
@@ -173,16 +189,19 @@ def test_history_from_device_and_host_keeps_acceptance(tmp_path: Path, cold, dro
     engine.shutdown()
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("drop_draft", [False, True])
-def test_history_from_storage_in_a_new_process_keeps_acceptance(tmp_path: Path, cold, drop_draft: bool) -> None:
+def test_history_from_storage_in_a_new_process_keeps_acceptance(tmp_path: Path, cold, drop_draft: bool,
+                                                               layout: str) -> None:
     prompt, output, accept = cold
-    writer = tiered(tmp_path)
+    writer = tiered(tmp_path, speculative_draft_kv_layout=layout)
     second_turn(writer)
     writer.shutdown()  # its pages are flushed down to the file store
     code = f"""
 import json
 from hicache import Engine, SamplingParams
-e = Engine({TARGET!r}, **{dict(BASE)!r}, **{SPEC!r}, enable_hierarchical_cache=True, hicache_storage_backend="file",
+e = Engine({TARGET!r}, **{dict(BASE)!r}, **{SPEC!r}, speculative_draft_kv_layout={layout!r},
+           enable_hierarchical_cache=True, hicache_storage_backend="file",
            hicache_storage_backend_extra_config=json.dumps({{"path": {str(tmp_path)!r}}}),
            hicache_storage_prefetch_threshold=64, hicache_storage_prefetch_policy="wait_complete")
 if {drop_draft!r}:
@@ -196,6 +215,10 @@ e.shutdown()
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["details"]["storage"] >= 208 and got["ids"] == output
+    names = sorted(p.name for p in tmp_path.rglob("*") if p.is_file())
+    sidecar_objects = [n for n in names if n.endswith("-sidecar1")]
+    # sidecar: one more object per page, on the same hash chain; packed: one object holds both
+    assert len(sidecar_objects) == (len(names) // 2 if layout == "sidecar" else 0)
     if drop_draft:
         assert got["accept"] < accept - 0.3, (got["accept"], accept)
     else:

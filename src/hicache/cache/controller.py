@@ -22,7 +22,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -59,13 +59,20 @@ class TransferOp:
 
 
 class TransferController:
-    def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool, shard: ShardView | None = None) -> None:
+    def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool, shard: ShardView | None = None,
+                 sidecars: Sequence[tuple[DeviceKVPool, HostKVPool]] = ()) -> None:
         """``shard``: page ids are logical and sharded; this rank copies the pages it holds
-        (every rank runs every op, so acks and their order stay the same on all)."""
+        (every rank runs every op, so acks and their order stay the same on all).
+        ``sidecars``: more (device, host) pool pairs on the same page ids with rows of their own
+        (a speculative draft's KV): an op copies their pages too, as layers after the target's,
+        with their own ready events (``wait_layer(num_target_layers + i)``)."""
         self.device_pool = device_pool
         self.host_pool = host_pool
         self.shard = shard
-        self.num_layers = len(device_pool.k_buffers)
+        self.pairs = [(device_pool, host_pool), *sidecars]
+        # Global layer index -> (pool pair, its layer): the target's layers, then each sidecar's.
+        self._layers = [(i, layer) for i, (dev, _) in enumerate(self.pairs) for layer in range(len(dev.k_buffers))]
+        self.num_layers = len(self._layers)
         self.cuda = device_pool.k_buffers[0].is_cuda
         self._ids = itertools.count()
         self._acks: dict[str, deque[TransferOp]] = {BACKUP: deque(), LOAD: deque()}
@@ -75,8 +82,8 @@ class TransferController:
         # Test hook: a load copies only its first ``load_layers`` layers (None: all), e.g. to show
         # what a prefix hit is worth without the speculative draft's layers (engine/speculative.py).
         self.load_layers: int | None = None
-        self._staging_bufs: dict[str, torch.Tensor] = {}
-        self._views = [[self._page_views(layer, kv) for kv in (0, 1)] for layer in range(self.num_layers)]
+        self._staging_bufs: dict[tuple[str, int], torch.Tensor] = {}
+        self._views = [[self._page_views(pair, layer, kv) for kv in (0, 1)] for pair, layer in self._layers]
         self._queues = {kind: queue.Queue() for kind in (BACKUP, LOAD)}
         self._workers = [
             threading.Thread(target=self._work, args=(kind,), name=f"hicache-{kind}", daemon=True)
@@ -170,40 +177,43 @@ class TransferController:
                 raise RuntimeError(f"{op.kind} {op.op_id}: a device page and its host page have different owners")
             dev_pages, host_pages = self.shard.local(dev_pages[mine]), self.shard.local(host_pages[mine])
         plan = PagePlan(dev_pages, host_pages) if backup else PagePlan(host_pages, dev_pages)
-        # On CUDA the gather (pages outside consecutive runs) lands in a buffer this worker reuses,
-        # on the source side of the copy; CPU copies need none.
-        src_sample = self.device_pool.k_buffers[0] if backup else self.host_pool.buffer
-        staging = self._staging(op.kind, len(plan.src_rest), src_sample) if self.cuda and len(plan.src_rest) else None
-        non_blocking = self.cuda and self.host_pool.pinned
-        for layer in range(self.num_layers):
+        for layer, (pair, _) in enumerate(self._layers):
             if self.delay_fn is not None:
                 time.sleep(self.delay_fn(op, layer))
             if not backup and self.load_layers is not None and layer >= self.load_layers:
                 op.layer_done[layer].set()
                 continue
+            # On CUDA the gather (pages outside consecutive runs) lands in a buffer this worker
+            # reuses, on the source side of the copy; CPU copies need none.
+            staging = self._staging(op.kind, pair, len(plan.src_rest), backup) if self.cuda and len(plan.src_rest) \
+                else None
             for dev, host in self._views[layer]:
                 src, dst = (dev, host) if backup else (host, dev)
-                copy_pages(src, dst, plan, staging, non_blocking)
+                copy_pages(src, dst, plan, staging, self.cuda and self.pairs[pair][1].pinned)
             if stream is not None:
                 stream.synchronize()
             op.layer_done[layer].set()
 
-    def _page_views(self, layer: int, kv: int) -> tuple[PageBuf, PageBuf]:
-        """Layer ``layer``'s K (0) or V (1) pages on device and host, made once (the buffers
-        never move); as numpy page items on CPU, where the copies run through numpy."""
-        bufs = self.device_pool.k_buffers if kv == 0 else self.device_pool.v_buffers
-        dev = device_page_view(bufs[layer], self.device_pool.page_size)
-        host = self.host_pool.page_view(layer, kv)
+    def _page_views(self, pair: int, layer: int, kv: int) -> tuple[PageBuf, PageBuf]:
+        """Pool pair ``pair``'s layer ``layer``, K (0) or V (1) pages on device and host, made
+        once (the buffers never move); as numpy page items on CPU, where copies run through numpy."""
+        device_pool, host_pool = self.pairs[pair]
+        bufs = device_pool.k_buffers if kv == 0 else device_pool.v_buffers
+        dev = device_page_view(bufs[layer], device_pool.page_size)
+        host = host_pool.page_view(layer, kv)
         return (dev, host) if self.cuda else (page_items(dev), page_items(host))
 
-    def _staging(self, kind: str, num_pages: int, like: torch.Tensor) -> torch.Tensor:
-        """A ``[>= num_pages, page_size, kv_heads, head_dim]`` buffer owned by ``kind``'s worker,
-        grown on demand and counted in :attr:`staging_bytes`."""
-        buf = self._staging_bufs.get(kind)
+    def _staging(self, kind: str, pair: int, num_pages: int, backup: bool) -> torch.Tensor:
+        """A ``[>= num_pages, page_size, kv_heads, head_dim]`` buffer of pool pair ``pair``'s rows
+        on the copy's source side, owned by ``kind``'s worker, grown on demand and counted in
+        :attr:`staging_bytes`."""
+        buf = self._staging_bufs.get((kind, pair))
         if buf is None or buf.shape[0] < num_pages:
-            row = device_page_view(self.device_pool.k_buffers[0], self.device_pool.page_size).shape[1:]
+            device_pool, host_pool = self.pairs[pair]
+            like = device_pool.k_buffers[0] if backup else host_pool.buffer
+            row = device_page_view(device_pool.k_buffers[0], device_pool.page_size).shape[1:]
             buf = torch.empty((num_pages, *row), dtype=like.dtype, device=like.device)
-            self._staging_bufs[kind] = buf
+            self._staging_bufs[(kind, pair)] = buf
         return buf
 
     @property

@@ -14,7 +14,7 @@ and submitted once per step, one op per direction, in queue order.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -40,12 +40,16 @@ class HostTier:
 
     def __init__(self, pool: DeviceKVPool, host_pool: HostKVPool, allocator: PageAllocator | ShardedPageAllocator,
                  tree: RadixCache | None, write_policy: str, write_through_threshold: int,
-                 stats: CacheStats, shard: ShardView | None = None) -> None:
+                 stats: CacheStats, shard: ShardView | None = None,
+                 sidecars: Sequence[tuple[DeviceKVPool, HostKVPool]] = ()) -> None:
         """``shard``: device and host pages are sharded (this rank's view); host pages follow the
-        owner rotation of their positions like device pages, so each rank copies its own."""
+        owner rotation of their positions like device pages, so each rank copies its own.
+        ``sidecars``: (device, host) pools of KV on the same page ids (a speculative draft's),
+        copied with every page (see :class:`TransferController`)."""
         self.pool, self.host_pool, self.allocator, self.tree, self.stats = pool, host_pool, allocator, tree, stats
         self.shard = shard
-        self.controller = TransferController(pool, host_pool, shard)
+        self.controller = TransferController(pool, host_pool, shard, sidecars)
+        self.bytes_per_page = pool.bytes_per_page + sum(dev.bytes_per_page for dev, _ in sidecars)
         # Hits a node needs before it is backed up (write_back: only at eviction).
         self.backup_threshold = {"write_through": 1, "write_through_selective": write_through_threshold,
                                  "write_back": None}[write_policy]
@@ -145,7 +149,7 @@ class HostTier:
                 self._account(op)
 
     def _account(self, op: TransferOp) -> None:
-        tokens, nbytes = op.num_pages * self.pool.page_size, op.num_pages * self.pool.bytes_per_page
+        tokens, nbytes = op.num_pages * self.pool.page_size, op.num_pages * self.bytes_per_page
         if op.kind == BACKUP:
             self.stats.backup_tokens += tokens
             self.stats.backup_bytes += nbytes
@@ -167,7 +171,7 @@ class HostTier:
             "free_pages": self.allocator.available,
             "cached_pages": self.tree.host_pages_held,
             "layout": self.host_pool.layout,
-            "host_pool_bytes": self.host_pool.total_bytes,
+            "host_pool_bytes": self.host_pool.total_bytes + sum(h.total_bytes for _, h in self.controller.pairs[1:]),
         }
 
 

@@ -35,12 +35,18 @@ __all__ = ["KVCacheManager", "KVState", "CacheStats", "WRITE_POLICIES"]
 
 
 class _KVView:
-    """The model's view: device buffers, with reads of layer i gated on in-flight loads."""
+    """The model's view: device buffers, with reads of layer i gated on in-flight loads
+    (``offset``: the pool's layers come after that many others in each transfer: a sidecar)."""
 
-    def __init__(self, pool: DeviceKVPool, controller: TransferController | None) -> None:
+    def __init__(self, pool: DeviceKVPool, controller: TransferController | None, offset: int = 0) -> None:
         self.k_buffers, self.v_buffers = pool.k_buffers, pool.v_buffers
-        self.wait_layer = controller.wait_layer if controller is not None else pool.wait_layer
-        self.layer_ready = controller.layer_ready if controller is not None else pool.layer_ready
+        if controller is None:
+            self.wait_layer, self.layer_ready = pool.wait_layer, pool.layer_ready
+        elif offset == 0:
+            self.wait_layer, self.layer_ready = controller.wait_layer, controller.layer_ready
+        else:
+            self.wait_layer = lambda layer: controller.wait_layer(offset + layer)
+            self.layer_ready = lambda layer: controller.layer_ready(offset + layer)
 
 
 class KVCacheManager:
@@ -64,6 +70,7 @@ class KVCacheManager:
         storage_op_timeout: float = 10.0,
         placement: PagePlacement | None = None,
         shard_rank: int = 0,
+        sidecar: tuple[DeviceKVPool, HostKVPool | None] | None = None,
     ) -> None:
         """``storage_agree``: MIN-reduce functions for the prefetch and backup threads when
         several ranks share the deployment; ``shard``: names this rank's slice of the KV
@@ -71,7 +78,10 @@ class KVCacheManager:
         in seconds of each storage backend call (a breaker skips a backend that keeps failing);
         ``placement``: device and host pages are page-sharded over a shard group of which this
         rank is ``shard_rank`` (``pool`` and ``host_pool`` hold its local pages; page ids
-        everywhere else are logical; copies and storage objects move its own pages only)."""
+        everywhere else are logical; copies and storage objects move its own pages only);
+        ``sidecar``: device (and host) pools of more KV on the same page ids with rows of their
+        own (a speculative draft's): every copy and storage object of a page carries its share,
+        and the model reads it through :attr:`sidecar_view`."""
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"unknown write policy {write_policy!r}")
         sharded = placement is not None and placement.num_shards > 1
@@ -93,8 +103,9 @@ class KVCacheManager:
         self.storage_tier: StorageTier | None = None
         self.tiers: list[Tier] = []  # the lower tiers, top down
         if host_pool is not None:
+            sidecars = [sidecar] if sidecar is not None else []
             self.host = HostTier(pool, host_pool, self.host_allocator, self.tree, write_policy,
-                                 write_through_threshold, self.stats, shard_view)
+                                 write_through_threshold, self.stats, shard_view, sidecars)
             self.device.lower = self.host
             self.tiers.append(self.host)
         if storage is not None:
@@ -105,6 +116,7 @@ class KVCacheManager:
         self.controller = self.host.controller if self.host is not None else None
         self.storage = self.storage_tier.controller if self.storage_tier is not None else None
         self.kv_view = _KVView(pool, self.controller)
+        self.sidecar_view = None if sidecar is None else _KVView(sidecar[0], self.controller, len(pool.k_buffers))
 
     @property
     def capacity_pages(self) -> int:

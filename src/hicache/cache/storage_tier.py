@@ -71,7 +71,10 @@ class StorageTier:
         self.host, self.tree, self.keys, self.stats = host, host.tree, keys, host.stats
         self.shard = shard
         self.page_size = keys.page_size
-        self.controller = StorageController(backend, host.host_pool, *(agree or ()), op_timeout=op_timeout)
+        # Sidecar KV (a speculative draft's) on the same pages: objects "<key>-sidecar1", ...
+        sidecars = [(f"sidecar{i}", h) for i, (_, h) in enumerate(host.controller.pairs[1:], start=1)]
+        self.controller = StorageController(backend, host.host_pool, *(agree or ()), op_timeout=op_timeout,
+                                            sidecars=sidecars)
         self.prefetch_threshold = prefetch_threshold
         # At most this many host pages may be held by prefetches at once.
         self.prefetch_page_limit = int(prefetch_max_host_fraction * host.allocator.capacity)
@@ -125,7 +128,7 @@ class StorageTier:
         self.host.allocator.free(op.host_pages[:taken_from])
         self.prefetch_held_pages -= done
         self.controller.stats.prefetched_pages += done
-        self.controller.stats.prefetch_bytes += done * self.host.pool.bytes_per_page
+        self.controller.stats.prefetch_bytes += done * self.host.bytes_per_page
         # Its failure (if any) is counted when it is reaped: best_effort stops waiting before the
         # reader knows whether the store answered.
         self._stopped.append((op, op.host_pages[done:]))

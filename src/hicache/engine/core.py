@@ -25,7 +25,7 @@ from ..model.loader import LoadedModel
 from ..model.parallel import ModelShard
 from .runner import ContextParallel, ModelRunner
 from .scheduler import Scheduler
-from .speculative import LayerWindow, Speculator, packs_with
+from .speculative import LayerWindow, Speculator, plan_draft_kv
 
 logger = logging.getLogger(__name__)
 
@@ -64,13 +64,16 @@ def build_core(
     False: the attention-TP ranks an MLA latent is sharded over, see ``make_cp_batch``); with
     ``--enable-kv-cache-sharding`` the pool holds this rank's share of the logical pages and the
     prefix-gather scratch is taken from the budget first (DESIGN invariant 6). ``draft``: the
-    speculative draft model, whose KV layers follow the target's in every pool (packed)."""
+    speculative draft model; its KV is on the target's pages in every tier and counted in
+    every budget (packed: extra layers of the target's pools; sidecar: pools of its own)."""
     spec = loaded.spec
     layers = len(shard.layers) if shard else spec.num_layers
     kv_heads = len(shard.kv_heads) if shard else spec.num_kv_heads
-    draft_layers = _draft_layers(cfg, draft, kv_heads, spec.head_dim)
+    draft_kv = plan_draft_kv(cfg, draft, (kv_heads, spec.head_dim))
     elem = torch.empty((), dtype=dtype).element_size()
-    bytes_per_page = 2 * (layers + draft_layers) * kv_heads * spec.head_dim * elem * cfg.page_size
+    bytes_per_page = 2 * layers * kv_heads * spec.head_dim * elem * cfg.page_size
+    if draft_kv is not None:
+        bytes_per_page += draft_kv.bytes_per_page(elem, cfg.page_size)
     cp = _context_parallel(cfg, cp_group, split_tokens, kv_heads, spec.head_dim, spec.max_position_embeddings,
                            dtype, device)
     if cp is not None and cp.gather is not None:
@@ -85,38 +88,27 @@ def build_core(
                        cfg.hicache_storage_backend)
         storage.close()
         storage = None
-    pool = DeviceKVPool(layers + draft_layers, kv_heads, spec.head_dim, device_pages, cfg.page_size, dtype, device)
+    packed = draft_kv.layers if draft_kv is not None and draft_kv.packed else 0
+    pool = DeviceKVPool(layers + packed, kv_heads, spec.head_dim, device_pages, cfg.page_size, dtype, device)
     host_pool = HostKVPool(pool, host_pages, cfg.hicache_mem_layout) if cfg.enable_hierarchical_cache else None
+    sidecar = None
+    if draft_kv is not None and not draft_kv.packed:
+        draft_pool = DeviceKVPool(draft_kv.layers, *draft_kv.row, device_pages, cfg.page_size, dtype, device)
+        sidecar = (draft_pool, HostKVPool(draft_pool, host_pages, cfg.hicache_mem_layout) if host_pool else None)
     cache = KVCacheManager(
         pool=pool, eviction_policy=cfg.radix_eviction_policy, enable_prefix_cache=not cfg.disable_radix_cache,
         host_pool=host_pool, write_policy=cfg.hicache_write_policy,
         write_through_threshold=cfg.hicache_write_through_threshold, storage=storage,
         prefetch_threshold=cfg.hicache_storage_prefetch_threshold, storage_agree=storage_agree,
         shard=shard.describe() if shard else "", storage_op_timeout=cfg.hicache_storage_op_timeout,
-        placement=cp.placement if cp is not None else None, shard_rank=cp_group.rank if cp_group else 0)
+        placement=cp.placement if cp is not None else None, shard_rank=cp_group.rank if cp_group else 0,
+        sidecar=sidecar)
     runner = ModelRunner(loaded.model, cache.kv_view, device, cp)
     speculator = None
     if draft is not None:
-        draft_view = LayerWindow(cache.kv_view, layers, draft_layers)
+        draft_view = cache.sidecar_view if sidecar is not None else LayerWindow(cache.kv_view, layers, packed)
         speculator = Speculator(ModelRunner(draft.model, draft_view, device), cfg.speculative_steps)
     return EngineCore(pool, host_pool, cache, runner, _scheduler(cfg, cache, runner, loaded, speculator))
-
-
-def _draft_layers(cfg: EngineConfig, draft: LoadedModel | None, kv_heads: int, head_dim: int) -> int:
-    """How many KV layers the draft adds to every page (packed: after the target's)."""
-    if draft is None:
-        return 0
-    layout = cfg.speculative_draft_kv_layout
-    if not packs_with((kv_heads, head_dim), draft):
-        if layout == "packed":
-            raise ConfigError(f"--speculative-draft-kv-layout packed needs the draft's KV rows to match the target's "
-                              f"({kv_heads} KV heads x {head_dim}); {cfg.speculative_draft_model_path!r} has "
-                              f"{draft.spec.num_kv_heads} x {draft.spec.head_dim}.")
-        layout = "sidecar"
-    if layout == "sidecar":
-        raise ConfigError("--speculative-draft-kv-layout sidecar (a draft whose KV rows differ from the target's) "
-                          "is not built yet; use a draft with the target's KV head count and head size.")
-    return draft.spec.num_layers
 
 
 def _scheduler(cfg: EngineConfig, cache: KVCacheManager, runner: ModelRunner, loaded: LoadedModel,

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
-from ..config import ConfigError
+from ..config import ConfigError, EngineConfig
 from ..model.batch import KVView
 from ..model.loader import LoadedModel
 from .sampling import probabilities
@@ -68,11 +68,34 @@ def check_draft(target: LoadedModel, draft: LoadedModel, draft_name: str) -> Non
                           "a draft must share the target's tokenizer.")
 
 
-def packs_with(target_kv: tuple[int, int], draft: LoadedModel) -> bool:
-    """Whether the draft's KV rows have the target's shape ``(kv_heads, head_dim)``, so its
-    layers can be extra layers of the target's pages (the dtype is the engine's, shared)."""
-    spec = draft.spec
-    return not spec.is_mla and (spec.num_kv_heads, spec.head_dim) == target_kv
+@dataclass(frozen=True)
+class DraftKV:
+    """Where the draft's KV lives. ``packed``: its layers follow the target's in the target's
+    pools and page objects (its rows have the target's shape); else a *sidecar*: pools and
+    storage objects of its own, on the target's page ids. Either way one page id names the
+    same tokens in both, so every tier moves both together."""
+
+    packed: bool
+    layers: int
+    row: tuple[int, int]  # (kv_heads, head_dim) of one token of one layer
+
+    def bytes_per_page(self, elem: int, page_size: int) -> int:
+        return 2 * self.layers * self.row[0] * self.row[1] * elem * page_size
+
+
+def plan_draft_kv(cfg: EngineConfig, draft: Optional[LoadedModel], target_row: tuple[int, int]) -> Optional[DraftKV]:
+    """The draft's KV layout for ``--speculative-draft-kv-layout`` (auto: packed when the rows
+    match); None without a draft. (The dtype is the engine's, shared by both models.)"""
+    if draft is None:
+        return None
+    row = (draft.spec.num_kv_heads, draft.spec.head_dim)
+    layout = cfg.speculative_draft_kv_layout
+    if layout == "packed" and row != target_row:
+        raise ConfigError(f"--speculative-draft-kv-layout packed needs the draft's KV rows to match the target's "
+                          f"({target_row[0]} KV heads x {target_row[1]}); {cfg.speculative_draft_model_path!r} has "
+                          f"{row[0]} x {row[1]}.")
+    packed = layout == "packed" or (layout == "auto" and row == target_row)
+    return DraftKV(packed, draft.spec.num_layers, row)
 
 
 @dataclass

@@ -25,7 +25,7 @@ import time
 import warnings
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -128,12 +128,17 @@ def _log_failure(reason: str, msg: str, *args: object) -> None:
 
 class StorageController:
     def __init__(self, backend: StorageBackend, host_pool: HostKVPool,
-                 agree_prefetch: Agree = _alone, agree_backup: Agree = _alone, op_timeout: float = 10.0) -> None:
-        """``op_timeout``: deadline in seconds of each backend call (see :mod:`.guard`)."""
+                 agree_prefetch: Agree = _alone, agree_backup: Agree = _alone, op_timeout: float = 10.0,
+                 sidecars: Sequence[tuple[str, HostKVPool]] = ()) -> None:
+        """``op_timeout``: deadline in seconds of each backend call (see :mod:`.guard`).
+        ``sidecars``: ``(name, host pool)`` of KV on the same host pages with rows of its own (a
+        speculative draft's): each page has one more object per sidecar, ``<key>-<name>``, read
+        and written with the page's; a page is present only when all of its objects are."""
         self.guard = backend if isinstance(backend, GuardedBackend) else GuardedBackend(backend, timeout_s=op_timeout)
         self._agree_prefetch = agree_prefetch
         self._agree_backup = agree_backup
         self.host_pool = host_pool
+        self.parts: list[tuple[str, HostKVPool]] = [("", host_pool), *sidecars]
         self.stats = StorageStats()
         # Seconds to read and verify one page (exponentially weighted over batch reads; None
         # before the first). Written by the prefetch thread, read by the scheduler's prefetch
@@ -162,16 +167,21 @@ class StorageController:
         self.guard.inner = backend
 
     # ---- page <-> object payload ---------------------------------------------------------
-    def page_bytes(self, host_page: int) -> bytes:
-        h = self.host_pool
+    def page_keys(self, h: bytes) -> list[str]:
+        """The keys of one page's objects: the page's own, then one per sidecar."""
+        key = object_key(h)
+        return [f"{key}-{name}" if name else key for name, _ in self.parts]
+
+    def page_bytes(self, host_page: int, part: int = 0) -> bytes:
+        h = self.parts[part][1]
         if h.layout == "page_first":
             page = h.buffer[host_page]
         else:
             page = h.buffer[:, :, host_page]
         return page.contiguous().view(torch.uint8).numpy().tobytes()
 
-    def load_page(self, host_page: int, payload: memoryview) -> None:
-        h = self.host_pool
+    def load_page(self, host_page: int, payload: memoryview, part: int = 0) -> None:
+        h = self.parts[part][1]
         with warnings.catch_warnings():  # read-only source: torch warns, but we only read from it
             warnings.simplefilter("ignore", UserWarning)
             src = torch.frombuffer(payload, dtype=torch.uint8).view(h.dtype)
@@ -232,10 +242,12 @@ class StorageController:
                 op.done.set()
 
     def _read(self, op: PrefetchOp) -> None:
-        keys = [object_key(h) for h in op.hashes]
+        keys = [self.page_keys(h) for h in op.hashes]  # per page: its objects
         mine = _mine(op.owned, len(keys))
+        n = len(self.parts)
         try:
-            hit = _logical(mine, self.guard.exists_prefix([keys[i] for i in mine]) if len(mine) else 0, len(keys))
+            present = self.guard.exists_prefix([k for i in mine for k in keys[i]]) // n if len(mine) else 0
+            hit = _logical(mine, present, len(keys))
         except Exception as e:
             hit, op.failure = 0, failure_reason(e)
             _log_failure(op.failure, "prefetch op=%d: storage exists query (%d keys) failed: %s", op.op_id, len(keys), e)
@@ -264,7 +276,7 @@ class StorageController:
                                  op.failure)
                 return
 
-    def _read_batch(self, op: PrefetchOp, keys: list[str], start: int, end: int) -> int:
+    def _read_batch(self, op: PrefetchOp, keys: list[list[str]], start: int, end: int) -> int:
         """Read pages ``[start, end)`` (this rank's of them) into their host pages; returns how
         many leading ones arrived intact or are another rank's (a missing, short or corrupt
         page of this rank ends the run)."""
@@ -276,23 +288,31 @@ class StorageController:
         pages = op.local_pages if op.local_pages is not None else op.host_pages
         t0 = time.perf_counter()
         try:
-            blobs = self.guard.batch_get([keys[i] for i in mine])
+            blobs = self.guard.batch_get([k for i in mine for k in keys[i]])
         except Exception as e:
             op.failure = failure_reason(e)
             _log_failure(op.failure, "prefetch op=%d: storage read of %d pages failed: %s", op.op_id, len(mine), e)
             return mine[0] - start
-        good = end - start
-        for i, blob in zip(mine, blobs):
-            payload, reason = (None, "missing") if blob is None else decode_checked(blob, op.ns_digest, op.hashes[i])
-            if payload is None:
-                op.failure = getattr(reason, "value", str(reason))
+        good, n = end - start, len(self.parts)
+        for j, i in enumerate(mine):
+            if not self._load_objects(op, i, int(pages[i]), blobs[j * n:(j + 1) * n]):
                 good = i - start
                 break
-            self.load_page(int(pages[i]), payload)
         elapsed = time.perf_counter() - t0
         self.stats.prefetch_time_s += elapsed
         self._observe_read(end - start, elapsed)  # per page of the prompt: the owners read theirs at once
         return good
+
+    def _load_objects(self, op: PrefetchOp, i: int, host_page: int, blobs: list) -> bool:
+        """Page ``i``'s objects (its own, then each sidecar's) into ``host_page``; False, with
+        ``op.failure`` set, at the first missing or corrupt one."""
+        for part, blob in enumerate(blobs):
+            payload, reason = (None, "missing") if blob is None else decode_checked(blob, op.ns_digest, op.hashes[i])
+            if payload is None:
+                op.failure = getattr(reason, "value", str(reason))
+                return False
+            self.load_page(host_page, payload, part)
+        return True
 
     def _observe_read(self, pages: int, seconds: float) -> None:
         """Fold one batch read (``pages`` pages asked for, in ``seconds``) into ``read_page_s``."""
@@ -304,17 +324,19 @@ class StorageController:
         while (op := self._queues["backup"].get()) is not None:
             t0 = time.perf_counter()
             mine = _mine(op.owned, len(op.hashes))
+            n = len(self.parts)  # objects per page, written side by side
             try:
-                hashes = [op.hashes[i] for i in mine]
-                blobs = [encode(op.ns_digest, op.hashes[i], self.page_bytes(int(op.host_pages[i]))) for i in mine]
-                for i in range(0, len(blobs), BATCH_PAGES):
-                    batch = blobs[i : i + BATCH_PAGES]
-                    stored = self.guard.batch_set([object_key(h) for h in hashes[i : i + BATCH_PAGES]], batch)
-                    op.written += stored
+                keys = [k for i in mine for k in self.page_keys(op.hashes[i])]
+                blobs = [encode(op.ns_digest, op.hashes[i], self.page_bytes(int(op.host_pages[i]), part))
+                         for i in mine for part in range(n)]
+                for i in range(0, len(blobs), BATCH_PAGES * n):
+                    batch = blobs[i : i + BATCH_PAGES * n]
+                    stored = self.guard.batch_set(keys[i : i + BATCH_PAGES * n], batch)
+                    op.written += stored // n
                     if stored < len(batch):  # keep `written` a leading count: a gap ends the chain
                         op.failure = "short_write"
                         break
-                self.stats.backup_bytes += sum(len(b) for b in blobs[: op.written])
+                self.stats.backup_bytes += sum(len(b) for b in blobs[: op.written * n])
             except Exception as e:
                 op.failure = failure_reason(e)
                 _log_failure(op.failure, "storage backup op=%d (%d pages) failed: %s", op.op_id, len(mine), e)
