@@ -43,7 +43,7 @@ def prompts(n: int) -> list[list[int]]:
     (dict(speculative_num_steps=3, speculative_num_draft_tokens=3), "must be --speculative-num-steps \\+ 1 \\(4\\)"),
     (dict(speculative_draft_model_path=None), "needs --speculative-draft-model-path"),
     (dict(speculative_algorithm="EAGLE"), "must be one of STANDALONE"),
-    (dict(tp_size=2), "not supported yet"),
+    (dict(attn_cp_size=2, tp_size=2), "not supported yet"),
 ])
 def test_bad_speculative_flags_are_refused(options: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -271,3 +271,40 @@ def test_usage_metrics_and_bench_report_the_accept_length(tmp_path: Path, capsys
         assert 'hicache_spec_accept_length_bucket{le="4.0"} 5.0' in metrics  # 1 chat + 4 bench requests
     finally:
         srv.stop()
+
+
+# ---- ranks ------------------------------------------------------------------------------------
+def agent_session(engine: Engine) -> list[tuple[list[int], float]]:
+    """Three agents, three turns each (one batch per turn), histories growing; every request's
+    (output, acceptance length)."""
+    history = [[(i * 31 + 7 * a) % 240 + 5 for i in range(40)] for a in range(3)]
+    out = []
+    for turn in range(3):
+        prompts = [h + [(turn * 11 + i) % 240 + 5 for i in range(12)] for h in history]
+        results = engine.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0.0))
+        out += [(r.output_ids, r.spec_accept_length) for r in results]
+        history = [p + r.output_ids for p, r in zip(prompts, results)]
+    return out
+
+
+RANKS_MODEL = "random:small"  # 4 layers, 4 heads, 2 KV heads: TP2 and PP2 fit
+RANKS_OPTS = dict(dtype="float32", page_size=4, max_total_tokens=512, enable_hierarchical_cache=True,
+                  speculative_algorithm="STANDALONE", speculative_draft_model_path="random:small:int4-g16",
+                  speculative_num_steps=3)
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_ranks_accept_and_answer_like_one_rank(tp: int, pp: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hicache import consensus_record
+
+    one = Engine(RANKS_MODEL, **RANKS_OPTS)
+    reference = agent_session(one)
+    one.shutdown()
+    assert sum(a for _, a in reference) / len(reference) > 1.5
+    monkeypatch.setenv(consensus_record.ENV_VAR, "1")  # the rank consensus checker
+    ranks = Engine(RANKS_MODEL, tp_size=tp, pp_size=pp, **RANKS_OPTS)
+    try:
+        assert agent_session(ranks) == reference
+        assert ranks.stats()["speculative"]["verify_steps"] > 0
+    finally:
+        ranks.shutdown()

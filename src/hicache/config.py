@@ -227,9 +227,9 @@ class EngineConfig:
                               f"({steps + 1}): drafts are chains (tree drafts are not built).")
         if tokens == 1:
             raise ConfigError("--speculative-num-draft-tokens 1 verifies no draft token; use 2 or more.")
-        if self.tp_size * self.pp_size > 1 or self.attn_cp_size > 1:
-            raise ConfigError("--speculative-algorithm with --tp-size, --pp-size or --attn-cp-size > 1 is not "
-                              "supported yet.")
+        if self.attn_cp_size > 1 or self.enable_kv_cache_sharding:
+            raise ConfigError("--speculative-algorithm with --attn-cp-size > 1 or --enable-kv-cache-sharding is "
+                              "not supported yet.")
 
     @property
     def speculative_steps(self) -> int:

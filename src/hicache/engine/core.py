@@ -52,6 +52,7 @@ def build_core(
     cp_group: CPGroup | None = None,
     split_tokens: bool = True,
     draft: LoadedModel | None = None,
+    draft_row: tuple[int, int] | None = None,
 ) -> EngineCore:
     """Pools sized from the config, then the cache and the scheduler over ``loaded.model``
     (already cut to ``shard`` when given).
@@ -65,11 +66,13 @@ def build_core(
     ``--enable-kv-cache-sharding`` the pool holds this rank's share of the logical pages and the
     prefix-gather scratch is taken from the budget first (DESIGN invariant 6). ``draft``: the
     speculative draft model; its KV is on the target's pages in every tier and counted in
-    every budget (packed: extra layers of the target's pools; sidecar: pools of its own)."""
+    every budget (packed: extra layers of the target's pools; sidecar: pools of its own);
+    ``draft_row``: its local KV row (kv heads, head dim) when tensor-parallel. With speculation
+    on and no ``draft`` (a later pipeline stage) the scheduler still plans verify passes."""
     spec = loaded.spec
     layers = len(shard.layers) if shard else spec.num_layers
     kv_heads = len(shard.kv_heads) if shard else spec.num_kv_heads
-    draft_kv = plan_draft_kv(cfg, draft, (kv_heads, spec.head_dim))
+    draft_kv = plan_draft_kv(cfg, draft, (kv_heads, spec.head_dim), draft_row)
     elem = torch.empty((), dtype=dtype).element_size()
     bytes_per_page = 2 * layers * kv_heads * spec.head_dim * elem * cfg.page_size
     if draft_kv is not None:
@@ -108,6 +111,8 @@ def build_core(
     if draft is not None:
         draft_view = cache.sidecar_view if sidecar is not None else LayerWindow(cache.kv_view, layers, packed)
         speculator = Speculator(ModelRunner(draft.model, draft_view, device), cfg.speculative_steps)
+    elif cfg.speculative_algorithm:
+        speculator = Speculator(None, cfg.speculative_steps)
     return EngineCore(pool, host_pool, cache, runner, _scheduler(cfg, cache, runner, loaded, speculator))
 
 

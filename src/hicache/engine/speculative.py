@@ -23,7 +23,7 @@ after which the target's KV is valid up to ``n + j`` and the draft's up to ``n +
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
@@ -83,12 +83,14 @@ class DraftKV:
         return 2 * self.layers * self.row[0] * self.row[1] * elem * page_size
 
 
-def plan_draft_kv(cfg: EngineConfig, draft: Optional[LoadedModel], target_row: tuple[int, int]) -> Optional[DraftKV]:
+def plan_draft_kv(cfg: EngineConfig, draft: Optional[LoadedModel], target_row: tuple[int, int],
+                  draft_row: Optional[tuple[int, int]] = None) -> Optional[DraftKV]:
     """The draft's KV layout for ``--speculative-draft-kv-layout`` (auto: packed when the rows
-    match); None without a draft. (The dtype is the engine's, shared by both models.)"""
+    match); None without a draft. ``draft_row``: its local row when sharded (default: the
+    whole model's). (The dtype is the engine's, shared by both models.)"""
     if draft is None:
         return None
-    row = (draft.spec.num_kv_heads, draft.spec.head_dim)
+    row = draft_row or (draft.spec.num_kv_heads, draft.spec.head_dim)
     layout = cfg.speculative_draft_kv_layout
     if layout == "packed" and row != target_row:
         raise ConfigError(f"--speculative-draft-kv-layout packed needs the draft's KV rows to match the target's "
@@ -112,9 +114,14 @@ class Speculator:
     into the accepted tokens. ``runner``: the draft's :class:`ModelRunner` (its own weights, its
     KV on the target's slots)."""
 
-    def __init__(self, runner: "ModelRunner", num_steps: int) -> None:
+    def __init__(self, runner: Optional["ModelRunner"], num_steps: int,
+                 share_draws: Optional[Callable[[Any], Any]] = None) -> None:
+        """``runner`` None: a later pipeline stage, which verifies (the last) or passes on what
+        the first stage's draft proposed. ``share_draws``: with several TP ranks, one rank's
+        random draft draws for the whole stage."""
         self.runner = runner
         self.num_steps = num_steps
+        self.share_draws = share_draws
 
     def extend(self, batch: "Batch") -> None:
         """A prefill chunk: the draft computes its KV for the same tokens (called after the
@@ -133,8 +140,11 @@ class Speculator:
         for _ in range(self.num_steps):
             ends = [p + len(ids) for p, ids in zip(starts, inputs)]
             logits = self.runner.forward(inputs, starts, [r.kv.slots[:e] for r, e in zip(reqs, ends)])
-            for b, r in enumerate(reqs):
-                tok, dist = _draw(logits[b], r)
+            drawn = [_draw(logits[b], r) for b, r in enumerate(reqs)]
+            step_tokens = [tok for tok, _ in drawn]
+            if self.share_draws is not None and any(not r.sampling.greedy for r in reqs):
+                step_tokens = self.share_draws(step_tokens)
+            for b, (tok, (_, dist)) in enumerate(zip(step_tokens, drawn)):
                 tokens[b].append(tok)
                 if dist is not None:
                     probs[b].append(dist)

@@ -52,6 +52,7 @@ class Inbound:
     events: Optional[StepEvents] = None  # later pipeline stages: the events stage 0 agreed
     hidden: Optional[torch.Tensor] = None  # later pipeline stages: the previous stage's output
     context: Any = None  # the layout's own data (e.g. what the step message carries on)
+    proposal: Any = None  # later pipeline stages: stage 0's drafts for a verify batch
 
 
 class Agreement(Protocol):
@@ -134,10 +135,11 @@ class StepDriver:
         if batch is not None:
             spec = sched.speculator
             if spec is not None and batch.kind == "verify":  # the drafts are the verify pass's input
-                batch.proposal = spec.propose(batch)
+                handed = inbound.proposal if inbound is not None else None
+                batch.proposal = handed if handed is not None else spec.propose(batch)
             out = self.forward(batch.input_ids(), batch.prefix_lens(), batch.context_slots(),
                                inbound.hidden if inbound is not None else None, logits=batch.logits)
-            if spec is not None and batch.kind == "prefill":
+            if spec is not None and batch.kind == "prefill" and spec.runner is not None:
                 spec.extend(batch)  # after the target: a load-back copies the draft's layers last
         finished = self.output.hand_on(batch, out, events, inbound)
         if batch is not None:  # its output has been sampled or sent on: the forward is done

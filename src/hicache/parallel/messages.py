@@ -56,6 +56,7 @@ class StageMessage:
     batch: BatchKey  # what stage 0 scheduled, so a later stage can check it scheduled the same
     hidden: Optional[torch.Tensor]  # the previous stage's output for that batch
     sent_at: float = 0.0  # perf_counter just before the send (CLOCK_MONOTONIC: one clock per machine)
+    proposal: Any = None  # speculative decoding: stage 0's drafts for that (verify) batch
 
 
 @dataclass
@@ -71,17 +72,20 @@ class RequestUpdate:
     admitted_time: float = 0.0
     first_token_time: float = 0.0
     finish_time: float = 0.0
+    spec: tuple[int, int] = (0, 0)  # speculative decoding: (verify steps, accepted tokens) so far
 
     @classmethod
     def of(cls, req: Request, sent: int) -> "RequestUpdate":
         done = req.status is Status.FINISHED
         return cls(req.rid, req.output_ids[sent:], done, req.finish_reason, req.text if done else "", req.cached,
-                   req.admitted_time, req.first_token_time, req.finish_time)
+                   req.admitted_time, req.first_token_time, req.finish_time,
+                   (req.spec_verify_steps, req.spec_accepted_tokens))
 
     def apply(self, req: Request) -> None:
         req.output_ids.extend(self.token_ids)
         req.cached = self.cached
         req.admitted_time, req.first_token_time = self.admitted_time, self.first_token_time
+        req.spec_verify_steps, req.spec_accepted_tokens = self.spec
         if self.cached is not None and req.status is Status.WAITING:
             req.status = Status.PREFILL
         if self.first_token_time and req.status is not Status.FINISHED:

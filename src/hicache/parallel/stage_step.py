@@ -96,7 +96,7 @@ class SendDown:
                 inbound: Optional[Inbound]) -> list[Request]:
         ctx: StageStep = inbound.context
         self.groups.send(self.next_rank, StageMessage(ctx.inputs, ctx.results, events, batch_key(batch), out,
-                                                      time.perf_counter()))
+                                                      time.perf_counter(), getattr(batch, "proposal", None)))
         if batch is not None:
             self.on_sent(batch)
         return []

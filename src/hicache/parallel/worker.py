@@ -108,7 +108,8 @@ class StageLoop:
                 self.step += 1
                 continue
             batch, _ = self.driver.step(Inbound(msg.events if msg else None, msg.hidden if msg else None,
-                                                StageStep(inputs, results, msg.batch if msg else None)))
+                                                StageStep(inputs, results, msg.batch if msg else None),
+                                                msg.proposal if msg else None))
             self._report()
             if self.leader and batch is None and not self.inflight and self.sched.waiting:
                 time.sleep(PREFETCH_POLL_S)  # only prefetches to wait for: do not flood the pipeline
@@ -213,6 +214,19 @@ def _alter_matches(cache: Any) -> None:
     tree.match_prefix = shorter
 
 
+def _load_draft(cfg: EngineConfig, info: RankInfo, groups: ParallelGroups, dtype: torch.dtype,
+                device: torch.device) -> tuple[Any, Any]:
+    """The speculative draft on a first-stage rank (it proposes before the verify batch enters
+    the pipeline), tensor-parallel like the target so its KV rows pack with the target's."""
+    if not cfg.speculative_algorithm or info.pp_rank > 0:
+        return None, None
+    draft = load_model(cfg.speculative_draft_model_path, dtype=dtype, device=device, seed=cfg.random_seed,
+                       decode_weights=cfg.decode_weight_dtype, to_be_sharded=True)
+    draft_shard = model_shard(draft.spec, info.attn_tp_rank, info.attn_tp_size, 0, 1)
+    shard_model(draft.model, draft_shard, groups.tp_reduce if info.attn_tp_size > 1 else None)
+    return draft, draft_shard
+
+
 def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox: Any, outbox: Any,
               consensus_queue: Any, log_level: int) -> None:
     """Entry point of a rank process (spawned by :class:`hicache.parallel.frontend.RankGroup`,
@@ -242,15 +256,19 @@ def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox:
         # Weights are replicated across CP ranks and tensor-parallel within one.
         shard = model_shard(loaded.spec, info.attn_tp_rank, info.attn_tp_size, info.pp_rank, info.pp_size)
         shard_model(loaded.model, shard, groups.tp_reduce if info.attn_tp_size > 1 else None)
-        if device.type == "cpu":  # the largest partial sum: a full prefill chunk or decode batch
-            groups.use_shared_memory_reduce(
-                max(cfg.chunked_prefill_size, cfg.max_running_requests) * loaded.spec.hidden_size)
+        draft, draft_shard = _load_draft(cfg, info, groups, dtype, device)
+        if device.type == "cpu":  # the largest partial sum: a prefill chunk, a decode or verify batch
+            rows = max(cfg.chunked_prefill_size, cfg.max_running_requests * (cfg.speculative_steps + 1))
+            groups.use_shared_memory_reduce(rows * max(loaded.spec.hidden_size, draft.spec.hidden_size if draft else 0))
         local = info.ranks_per_node
         ranks_per_device = local if device.type == "cpu" else -(-local // torch.cuda.device_count())
         core = build_core(cfg, loaded, device, dtype, shard, agree=groups.world_min,
                           storage_agree=groups.storage_agree(), memory_share=ranks_per_device,
                           staging_bytes=groups.staging_bytes(), cp_group=groups.cp,
-                          split_tokens=info.cp_size > 1)
+                          split_tokens=info.cp_size > 1, draft=draft,
+                          draft_row=(len(draft_shard.kv_heads), draft.spec.head_dim) if draft else None)
+        if core.scheduler.speculator is not None and info.tp_size > 1:  # one rank's draft draws for the stage
+            core.scheduler.speculator.share_draws = groups.tp_broadcast
         plan = FaultPlan.from_env()
         if plan is not None:
             plan.install(core.cache, info.label, rank)
