@@ -47,6 +47,10 @@ demo: setup
 	@echo "== two-way context parallel, KV pages sharded over the two ranks (each holds every other page) =="
 	HICACHE_RANK_CONSENSUS_CHECKER=1 $(VENV)/bin/hicache demo --tp-size 2 --attn-cp-size 2 --enable-kv-cache-sharding \
 		--agents 2 --turns 2 --max-new-tokens 8 --max-total-tokens 1024 --enable-hierarchical-cache
+	@echo
+	@echo "== speculative decoding: a 4-bit draft proposes, SmolLM2 verifies; the draft's KV comes back from L2 with the history =="
+	$(VENV)/bin/hicache demo --agents 2 --turns 2 --max-total-tokens 2048 --enable-hierarchical-cache \
+		--speculative-algorithm STANDALONE --speculative-draft-model-path smollm2:int4-g64 --speculative-num-steps 3
 
 # Starts `hicache serve` (SmolLM2) on a free local port, runs a short multi-turn benchmark
 # against it, prints the report (and writes out/serve-demo.{json,png}), then stops the server.
@@ -68,6 +72,8 @@ bench: setup
 	$(PY) benchmarks/bench_storage.py
 	$(PY) benchmarks/bench_server.py
 	$(PY) benchmarks/bench_parallel.py
+	$(PY) benchmarks/bench_cp.py
+	$(PY) benchmarks/bench_spec.py
 
 # hicache vs. llama.cpp (llama-cpp-python, its RAM prompt cache and its OpenAI server) vs.
 # transformers, on the same GGUF file and the same token ids. Not part of `make test`.

@@ -51,8 +51,9 @@ def run_demo(engine: Engine, turns: int = 8, max_new_tokens: int = 40, agents: i
     print(f"hicache demo: {agents} agent(s) x {turns} turns on {engine.config.model} "
           f"({engine.device}, {engine.config.dtype}, page {engine.config.page_size}, "
           f"device pool {engine.capacity_pages * engine.config.page_size} tokens, host tier {host})\n")
+    spec = engine.config.speculative_steps > 0  # then each turn's acceptance length too
     print(f"{'agent':>5} {'turn':>4} {'input':>6} {'cached':>6} {'device':>6} {'host':>5} {'storage':>7} "
-          f"{'TTFT ms':>8}  reply")
+          f"{'TTFT ms':>8}{'  accept' if spec else ''}  reply")
     results = []
     for turn in range(turns):
         for a, messages in enumerate(sessions):
@@ -60,8 +61,9 @@ def run_demo(engine: Engine, turns: int = 8, max_new_tokens: int = 40, agents: i
             results.append(res)
             d = res.cached_tokens_details
             reply = textwrap.shorten(res.text.replace("\n", " "), 50, placeholder="...")
+            accept = f"{res.spec_accept_length:>8.2f}" if spec else ""
             print(f"{a + 1:>5} {turn + 1:>4} {res.prompt_tokens:>6} {res.cached_tokens:>6} {d['device']:>6} "
-                  f"{d['host']:>5} {d['storage']:>7} {res.ttft_s * 1000:>8.1f}  {reply}")
+                  f"{d['host']:>5} {d['storage']:>7} {res.ttft_s * 1000:>8.1f}{accept}  {reply}")
             messages.append({"role": "assistant", "content": res.text})
             messages.append({"role": "user", "content": f"Tool output:\n{_tool_output(turn, rng)}\nWhat next?"})
 
@@ -80,6 +82,10 @@ def run_demo(engine: Engine, turns: int = 8, max_new_tokens: int = 40, agents: i
           f"{sum(r.ttft_s for r in later) / max(len(later), 1) * 1000:.0f} ms; last turn ({warm.prompt_tokens} "
           f"tokens) warm {warm.ttft_s * 1000:.0f} ms vs cold {cold.ttft_s * 1000:.0f} ms "
           f"({cold.ttft_s / warm.ttft_s:.1f}x faster with the cache)")
+    if spec:
+        s = engine.stats()["speculative"]
+        print(f"speculative decoding: {s['num_steps']} draft tokens per verify pass, accept length "
+              f"{s['accept_length']:.2f} tokens per pass over {s['verify_steps']} passes")
     sharding = engine.stats().get("kv_sharding")
     if sharding is not None:
         gathers = sharding["per_rank"][0]

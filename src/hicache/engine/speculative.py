@@ -171,8 +171,9 @@ def _draw(logits: torch.Tensor, req) -> tuple[int, Optional[torch.Tensor]]:
     if req.sampling.greedy:
         return int(logits.argmax()), None
     dist = probabilities(logits, req.sampling)
-    if dist is None:  # no valid distribution: the argmax, as the sampler does
-        return int(logits.argmax()), None
+    if dist is None:  # no valid distribution: the argmax, as the sampler does -- a draft
+        tok = int(logits.argmax())  # that proposed it with certainty, for the rejection rule
+        return tok, torch.zeros_like(logits).index_fill_(0, torch.tensor([tok]), 1.0)
     return int(torch.multinomial(dist, 1, generator=req.generator)), dist
 
 
