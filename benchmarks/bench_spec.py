@@ -9,7 +9,9 @@ draft steps in ``--steps``, on the same prompts. Printed per configuration: deco
 (output tokens after the first / time after the first token), the acceptance length (tokens
 per verify pass, the target's own included), what one verify round costs (k draft passes + one
 target pass of k + 1 tokens) next to a plain decode step, and whether the greedy outputs equal
-the plain run's. Speculation pays when accept_length x (plain step) > (draft passes + verify).
+the plain run's. Speculation pays when accept_length x (plain step) > (draft passes + verify);
+"free draft" is the speedup a draft of negligible cost would give (accept_length x plain step /
+verify), the ceiling a draft much smaller than the target approaches.
 """
 
 from __future__ import annotations
@@ -121,9 +123,9 @@ def main() -> None:
     print(f"agent workload: {len(prompts)} turns, prompts {[len(p) for p in prompts]} tokens, "
           f"up to {args.max_new_tokens} new tokens each\n")
     print(f"{'config':<16}{'decode tok/s':>13}{'speedup':>9}{'accept len':>11}{'round ms':>10}"
-          f"{'(draft':>8}{'+ verify)':>10}{'plain step ms':>14}{'same output':>12}")
+          f"{'(draft':>8}{'+ verify)':>10}{'plain step ms':>14}{'same output':>12}{'free draft':>11}")
     print(f"{'off':<16}{plain['tokens_per_s']:>13.1f}{1.0:>9.2f}{'-':>11}{'-':>10}{'':>8}{'':>10}"
-          f"{plain['decode_ms']:>14.1f}{'-':>12}")
+          f"{plain['decode_ms']:>14.1f}{'-':>12}{'-':>11}")
     for k in [int(x) for x in args.steps.split(",")]:
         engine = Engine(args.model, **opts, speculative_algorithm="STANDALONE",
                         speculative_draft_model_path=args.draft, speculative_num_steps=k)
@@ -132,9 +134,11 @@ def main() -> None:
         same = r["outputs"] == plain["outputs"]
         print(f"{'k=' + str(k):<16}{r['tokens_per_s']:>13.1f}{r['tokens_per_s'] / plain['tokens_per_s']:>9.2f}"
               f"{r['accept_length']:>11.2f}{r['draft_ms'] + r['verify_ms']:>10.1f}{r['draft_ms']:>8.1f}"
-              f"{r['verify_ms']:>10.1f}{plain['decode_ms']:>14.1f}{str(same):>12}")
+              f"{r['verify_ms']:>10.1f}{plain['decode_ms']:>14.1f}{str(same):>12}"
+              f"{r['accept_length'] * plain['decode_ms'] / r['verify_ms']:>10.2f}x")
         print(f"{'':<16}per turn accept length: {' '.join(f'{a:.2f}' for a in r['accept'])}")
-    print("\nA round pays when accept length x plain step > round time.")
+    print("\nA round pays when accept length x plain step > round time. 'free draft': the speedup if draft "
+          "passes cost nothing (accept length x plain step / verify), the ceiling a much smaller draft approaches.")
 
 
 if __name__ == "__main__":

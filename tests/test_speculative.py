@@ -76,15 +76,17 @@ def test_greedy_accept_keeps_the_matching_drafts_and_adds_the_targets_token() ->
     assert greedy_accept([4, 2, 7], logits) == [5]
 
 
-def test_rejection_sampling_gives_the_targets_distribution() -> None:
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_rejection_sampling_gives_the_targets_distribution(top_p: float) -> None:
     """Draft q, target p over 5 tokens: the first token out of the rule is distributed as p
-    whatever q proposes (Leviathan et al., Theorem 1)."""
+    whatever q proposes (Leviathan et al., Theorem 1); with top-p, as the truncated p."""
     class Req:
-        sampling = SamplingParams(temperature=1.0)
+        sampling = SamplingParams(temperature=1.0, top_p=top_p)
         generator = torch.Generator().manual_seed(7)
 
     target_logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0]] * 2)
     p = probabilities(target_logits[0], Req.sampling)
+    p = p / p.sum()
     q = torch.tensor([0.05, 0.5, 0.05, 0.3, 0.1])
     n, counts = 6000, torch.zeros(5)
     for _ in range(n):
@@ -109,12 +111,30 @@ def test_greedy_output_equals_the_plain_engine(plain: Engine) -> None:
     assert [r.output_ids for r in out] == [r.output_ids for r in ref]
     for r in out:
         assert r.spec_verify_steps > 0 and 1.0 <= r.spec_accept_length <= 4.0
+        # every token after the first (the prefill's) came out of a verify pass
+        assert round(r.spec_accept_length * r.spec_verify_steps) == r.completion_tokens - 1
     stats = spec.stats()["speculative"]
-    assert stats["verify_steps"] == sum(r.spec_verify_steps for r in out)
+    assert stats["request_verify_steps"] == sum(r.spec_verify_steps for r in out)
     assert stats["accept_length"] > 1.5
     # fewer target passes than tokens: that is what speculation is for
     assert sum(r.spec_verify_steps for r in out) < sum(r.completion_tokens - 1 for r in out)
     assert spec.cache.usage()["free_pages"] == spec.cache.capacity_pages - spec.cache.usage()["cached_pages"]
+
+
+def test_a_stop_inside_the_accepted_tokens_ends_the_request_there(plain: Engine) -> None:
+    """The stop token is accepted mid-round: the output ends with it, the tokens drafted after
+    it are neither output nor counted, and what is cached covers only tokens with KV."""
+    prompt = prompts(1)[0]
+    free = plain.generate([prompt], GREEDY)[0].output_ids
+    stop = next(t for t in free[3:] if t not in free[:3])
+    want = free[: free.index(stop) + 1]
+    spec = Engine(TARGET, **BASE, **SPEC)
+    res = spec.generate([prompt], SamplingParams(max_new_tokens=24, temperature=0.0, stop_token_ids=[stop]))[0]
+    assert res.output_ids == want and res.finish_reason == "stop"
+    assert round(res.spec_accept_length * res.spec_verify_steps) == len(want) - 1
+    again = spec.generate([prompt + want + [7, 8]], GREEDY)[0]  # its history comes from the cache
+    ref = plain.generate([prompt + want + [7, 8]], GREEDY)[0]
+    assert again.cached_tokens > 0 and again.output_ids == ref.output_ids
 
 
 def test_a_draft_with_other_kv_rows_gets_a_sidecar(plain: Engine) -> None:
@@ -266,7 +286,7 @@ def test_usage_metrics_and_bench_report_the_accept_length(tmp_path: Path, capsys
         spec = json.loads(out.read_text())["speculative"]
         total = httpx.get(base_url + "/stats", timeout=10).json()["speculative"]
         # the bench's window is the whole run but the first request
-        assert spec["verify_steps"] == total["verify_steps"] - usage["spec_verify_steps"]
+        assert spec["verify_steps"] == total["request_verify_steps"] - usage["spec_verify_steps"]
         metrics = httpx.get(base_url + "/metrics", timeout=10).text
         assert 'hicache_spec_accept_length_bucket{le="4.0"} 5.0' in metrics  # 1 chat + 4 bench requests
     finally:
@@ -275,8 +295,8 @@ def test_usage_metrics_and_bench_report_the_accept_length(tmp_path: Path, capsys
 
 # ---- ranks ------------------------------------------------------------------------------------
 def agent_session(engine: Engine) -> list[tuple[list[int], float]]:
-    """Three agents, three turns each (one batch per turn), histories growing; every request's
-    (output, acceptance length)."""
+    """Three agents, three turns each (one batch per turn), histories growing, then one seeded
+    sampled request; every request's (output, acceptance length)."""
     history = [[(i * 31 + 7 * a) % 240 + 5 for i in range(40)] for a in range(3)]
     out = []
     for turn in range(3):
@@ -284,7 +304,10 @@ def agent_session(engine: Engine) -> list[tuple[list[int], float]]:
         results = engine.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0.0))
         out += [(r.output_ids, r.spec_accept_length) for r in results]
         history = [p + r.output_ids for p, r in zip(prompts, results)]
-    return out
+    # seeded sampling: the draft's draws and the target's have streams of their own, so any
+    # rank layout draws the same
+    sampled = engine.generate([history[0]], SamplingParams(max_new_tokens=10, temperature=0.9, seed=5))[0]
+    return out + [(sampled.output_ids, sampled.spec_accept_length)]
 
 
 RANKS_MODEL = "random:small"  # 4 layers, 4 heads, 2 KV heads: TP2 and PP2 fit
@@ -305,6 +328,6 @@ def test_ranks_accept_and_answer_like_one_rank(tp: int, pp: int, monkeypatch: py
     ranks = Engine(RANKS_MODEL, tp_size=tp, pp_size=pp, **RANKS_OPTS)
     try:
         assert agent_session(ranks) == reference
-        assert ranks.stats()["speculative"]["verify_steps"] > 0
+        assert ranks.stats()["speculative"]["request_verify_steps"] > 0
     finally:
         ranks.shutdown()

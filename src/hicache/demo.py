@@ -85,7 +85,7 @@ def run_demo(engine: Engine, turns: int = 8, max_new_tokens: int = 40, agents: i
     if spec:
         s = engine.stats()["speculative"]
         print(f"speculative decoding: {s['num_steps']} draft tokens per verify pass, accept length "
-              f"{s['accept_length']:.2f} tokens per pass over {s['verify_steps']} passes")
+              f"{s['accept_length']:.2f} tokens per request per pass ({s['request_verify_steps']} request-passes)")
     sharding = engine.stats().get("kv_sharding")
     if sharding is not None:
         gathers = sharding["per_rank"][0]

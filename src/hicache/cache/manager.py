@@ -103,9 +103,8 @@ class KVCacheManager:
         self.storage_tier: StorageTier | None = None
         self.tiers: list[Tier] = []  # the lower tiers, top down
         if host_pool is not None:
-            sidecars = [sidecar] if sidecar is not None else []
             self.host = HostTier(pool, host_pool, self.host_allocator, self.tree, write_policy,
-                                 write_through_threshold, self.stats, shard_view, sidecars)
+                                 write_through_threshold, self.stats, shard_view, [sidecar] if sidecar else [])
             self.device.lower = self.host
             self.tiers.append(self.host)
         if storage is not None:

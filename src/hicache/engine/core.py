@@ -25,7 +25,7 @@ from ..model.loader import LoadedModel
 from ..model.parallel import ModelShard
 from .runner import ContextParallel, ModelRunner
 from .scheduler import Scheduler
-from .speculative import LayerWindow, Speculator, plan_draft_kv
+from .speculative import DraftKV, LayerWindow, Speculator, plan_draft_kv
 
 logger = logging.getLogger(__name__)
 
@@ -94,10 +94,7 @@ def build_core(
     packed = draft_kv.layers if draft_kv is not None and draft_kv.packed else 0
     pool = DeviceKVPool(layers + packed, kv_heads, spec.head_dim, device_pages, cfg.page_size, dtype, device)
     host_pool = HostKVPool(pool, host_pages, cfg.hicache_mem_layout) if cfg.enable_hierarchical_cache else None
-    sidecar = None
-    if draft_kv is not None and not draft_kv.packed:
-        draft_pool = DeviceKVPool(draft_kv.layers, *draft_kv.row, device_pages, cfg.page_size, dtype, device)
-        sidecar = (draft_pool, HostKVPool(draft_pool, host_pages, cfg.hicache_mem_layout) if host_pool else None)
+    sidecar = _sidecar_pools(cfg, draft_kv, device_pages, host_pages, dtype, device)
     cache = KVCacheManager(
         pool=pool, eviction_policy=cfg.radix_eviction_policy, enable_prefix_cache=not cfg.disable_radix_cache,
         host_pool=host_pool, write_policy=cfg.hicache_write_policy,
@@ -107,13 +104,28 @@ def build_core(
         placement=cp.placement if cp is not None else None, shard_rank=cp_group.rank if cp_group else 0,
         sidecar=sidecar)
     runner = ModelRunner(loaded.model, cache.kv_view, device, cp)
-    speculator = None
-    if draft is not None:
-        draft_view = cache.sidecar_view if sidecar is not None else LayerWindow(cache.kv_view, layers, packed)
-        speculator = Speculator(ModelRunner(draft.model, draft_view, device), cfg.speculative_steps)
-    elif cfg.speculative_algorithm:
-        speculator = Speculator(None, cfg.speculative_steps)
+    speculator = _speculator(cfg, draft, cache, layers, packed, device)
     return EngineCore(pool, host_pool, cache, runner, _scheduler(cfg, cache, runner, loaded, speculator))
+
+
+def _speculator(cfg: EngineConfig, draft: LoadedModel | None, cache: KVCacheManager, layers: int, packed: int,
+                device: torch.device) -> Speculator | None:
+    """The draft's runner over its KV (packed: the layers after the target's ``layers``; else
+    the sidecar); with speculation on and no draft here (a later pipeline stage) one that only
+    verifies what the first stage proposed."""
+    if draft is not None:
+        view = LayerWindow(cache.kv_view, layers, packed) if packed else cache.sidecar_view
+        return Speculator(ModelRunner(draft.model, view, device), cfg.speculative_steps)
+    return Speculator(None, cfg.speculative_steps) if cfg.speculative_algorithm else None
+
+
+def _sidecar_pools(cfg: EngineConfig, draft_kv: DraftKV | None, device_pages: int, host_pages: int,
+                   dtype: torch.dtype, device: torch.device) -> tuple[DeviceKVPool, HostKVPool | None] | None:
+    """A sidecar draft's own device (and host) pools, on the target's page ids; None if packed."""
+    if draft_kv is None or draft_kv.packed:
+        return None
+    pool = DeviceKVPool(draft_kv.layers, *draft_kv.row, device_pages, cfg.page_size, dtype, device)
+    return pool, HostKVPool(pool, host_pages, cfg.hicache_mem_layout) if cfg.enable_hierarchical_cache else None
 
 
 def _scheduler(cfg: EngineConfig, cache: KVCacheManager, runner: ModelRunner, loaded: LoadedModel,
@@ -226,10 +238,11 @@ def core_stats(core: EngineCore, page_size: int) -> dict[str, Any]:
         out["kv_sharding"] = kv_sharding_stats(core)
     if sched.speculator is not None:
         out["speculative"] = {
-            "num_steps": sched.spec_steps, "verify_steps": sched.spec_verify_steps,
+            # verify passes counted once per request in each (a pass of 4 requests counts 4)
+            "num_steps": sched.spec_steps, "request_verify_steps": sched.spec_request_verify_steps,
             "accepted_tokens": sched.spec_accepted_tokens,
             # mean tokens a verify pass gives a request, its own token included (SGLang's accept length)
-            "accept_length": sched.spec_accepted_tokens / sched.spec_verify_steps if sched.spec_verify_steps else 0.0,
+            "accept_length": sched.spec_accepted_tokens / max(sched.spec_request_verify_steps, 1),
         }
     host = cache.host_usage()
     if host is not None:

@@ -66,7 +66,7 @@ class Engine:
             self.draft = load_model(cfg.speculative_draft_model_path, dtype=self.dtype, device=self.device,
                                     seed=cfg.random_seed, weights=ranks == 1,
                                     decode_weights=cfg.decode_weight_dtype)
-            check_draft(self.loaded, self.draft, cfg.speculative_draft_model_path)
+            check_draft(self.loaded, self.draft, cfg.speculative_draft_model_path, self.context_length)
         # Cache keys of different models, dtypes or page sizes must never meet (storage.keys owns
         # them); with a draft, cached pages hold its KV too, so its identity is part of the name.
         self.cache_identity = self.loaded.identity if self.draft is None else \

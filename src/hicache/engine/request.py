@@ -14,6 +14,9 @@ from ..cache.manager import KVState
 from .sampling import SamplingParams
 
 
+DRAFT_SEED_OFFSET = 0x9E3779B97F4A7C15  # the draft stream's seed = seed + this (mod 2**64)
+
+
 class Status(enum.Enum):
     WAITING = "waiting"  # queued, holds nothing
     PREFILL = "prefill"  # admitted; prompt (possibly chunked) being computed
@@ -37,6 +40,7 @@ class Request:
     computed: int = 0
     kv: Optional[KVState] = None
     generator: Optional[torch.Generator] = None
+    draft_generator: Optional[torch.Generator] = None  # a seeded request's draft draws (speculative)
     admitted_time: float = 0.0
     first_token_time: float = 0.0
     finish_time: float = 0.0
@@ -62,6 +66,9 @@ class Request:
         self.tokens_np = np.asarray(self.prompt_ids, dtype=np.int32)
         if self.sampling.seed is not None:
             self.generator = torch.Generator().manual_seed(self.sampling.seed)
+            # Speculative drafts draw from a stream of their own: the target's draws (accept or
+            # reject, bonus) then follow the same sequence on one rank or across pipeline stages.
+            self.draft_generator = torch.Generator().manual_seed((self.sampling.seed + DRAFT_SEED_OFFSET) % 2**64)
 
     @property
     def all_ids(self) -> list[int]:

@@ -63,6 +63,7 @@ class ModelRunner:
         if cp is None:
             batch = make_forward_batch(input_ids, prefix_lens, context_slots, logits=logits, device=self.device)
         else:
+            assert logits == "last", "context parallelism returns each sequence's last logits only"
             # A decode batch split over CP ranks merges partial attention: no prefix gather.
             gathered = not (cp.split_tokens and max(len(ids) for ids in input_ids) == 1)
             batch = make_cp_batch(input_ids, prefix_lens, cp.contexts(prefix_lens, context_slots, gathered), cp.group,

@@ -56,7 +56,7 @@ class Scheduler:
         self.speculator = speculator
         # k extra slots per request: a verify pass writes KV for drafts past the last token
         self.spec_steps = speculator.num_steps if speculator is not None else 0
-        self.spec_verify_steps = 0  # verify passes of every request (summed over requests)
+        self.spec_request_verify_steps = 0  # verify passes, counted once per request in each
         self.spec_accepted_tokens = 0
         # The phases of a step on this rank alone; a rank of a group replaces it with one that
         # agrees with its peers and hands its output on (hicache.parallel.worker).
@@ -240,7 +240,7 @@ class Scheduler:
                 req.draft_computed = req.computed
             if req.status is Status.PREFILL:
                 if req.computed < len(req.prompt_ids):  # chunk boundary: share the pages now
-                    self.cache.cache_prefix(req.namespace, req.tokens_np[: req.computed], req.kv)
+                    self.cache.cache_prefix(req.namespace, req.tokens_with_kv(), req.kv)
                     continue
                 req.first_token_time = now
                 req.status = Status.DECODE
@@ -250,30 +250,40 @@ class Scheduler:
     def _apply_verified(self, req: Request, tokens: Sequence[int], finished: list[Request]) -> None:
         """A verify pass gave ``tokens`` (j accepted drafts + the target's own): the target's KV
         now covers the j drafts, the draft's all but the last of them (engine/speculative.py).
-        Set before appending: a token that finishes the request releases what has KV."""
+        Set before appending: a token that finishes the request releases what has KV (at most
+        the tokens it has: an early stop keeps ``computed <= len(all_ids)``)."""
         j, n = len(tokens) - 1, len(req.all_ids)
-        req.computed = n + j
-        req.draft_computed = n + min(j, self.spec_steps - 1)
-        req.spec_verify_steps += 1
-        req.spec_accepted_tokens += len(tokens)
-        self.spec_verify_steps += 1
-        self.spec_accepted_tokens += len(tokens)
+        appended = 0  # the accepted tokens up to the first that finishes the request
         for tok in tokens:
+            req.output_ids.append(tok)
+            appended += 1
+            if self._stop_reason(req):
+                break
+        del req.output_ids[len(req.output_ids) - appended:]
+        req.computed = n + min(j, appended)
+        req.draft_computed = n + min(j, self.spec_steps - 1, appended)
+        req.spec_verify_steps += 1
+        req.spec_accepted_tokens += appended
+        self.spec_request_verify_steps += 1
+        self.spec_accepted_tokens += appended
+        for tok in tokens[:appended]:
             self._append_token(req, tok, finished)
-            if req.status is Status.FINISHED:
-                return
 
     # ---- finishing -----------------------------------------------------------------------
+    def _stop_reason(self, req: Request) -> str:
+        """Why ``req`` stops after its last output token ("stop", "length"), or ""."""
+        tok, sp = req.output_ids[-1], req.sampling
+        if (tok in self.eos_token_ids and not sp.ignore_eos) or tok in sp.stop_token_ids:
+            return "stop"
+        if sp.stop_strings and _stop_index(self.decode_text(req.output_ids), sp.stop_strings) >= 0:
+            return "stop"
+        if len(req.output_ids) >= req.max_new_tokens:
+            return "length"
+        return ""
+
     def _append_token(self, req: Request, tok: int, finished: list[Request]) -> None:
         req.output_ids.append(tok)
-        sp = req.sampling
-        reason = ""
-        if (tok in self.eos_token_ids and not sp.ignore_eos) or tok in sp.stop_token_ids:
-            reason = "stop"
-        elif sp.stop_strings and _stop_index(self.decode_text(req.output_ids), sp.stop_strings) >= 0:
-            reason = "stop"
-        elif len(req.output_ids) >= req.max_new_tokens:
-            reason = "length"
+        reason = self._stop_reason(req)
         if reason:
             self._finish(req, reason)
             finished.append(req)
@@ -303,7 +313,8 @@ class Scheduler:
 @dataclass
 class Batch:
     """One forward pass as scheduled: ``reqs[i]`` computes ``new_tokens[i]`` tokens (a prompt
-    chunk, or 1 in decode). Built once; every pipeline stage schedules an equal one."""
+    chunk, 1 in decode, the last token + k drafts in verify). Built once; every pipeline stage
+    schedules an equal one."""
 
     kind: str  # "prefill" | "decode" | "verify" (speculative: the last token + k drafts each)
     reqs: list[Request]

@@ -53,8 +53,9 @@ class LayerWindow:
         return self.base.layer_ready(self.offset + layer)
 
 
-def check_draft(target: LoadedModel, draft: LoadedModel, draft_name: str) -> None:
-    """Refuse, in one sentence, a draft whose tokens mean something else than the target's."""
+def check_draft(target: LoadedModel, draft: LoadedModel, draft_name: str, context_length: int) -> None:
+    """Refuse, in one sentence, a draft whose tokens mean something else than the target's, or
+    that cannot see as far back as a request may reach."""
     problem = ""
     if draft.spec.vocab_size != target.spec.vocab_size:
         problem = f"its vocabulary has {draft.spec.vocab_size} tokens, the target's {target.spec.vocab_size}"
@@ -66,6 +67,9 @@ def check_draft(target: LoadedModel, draft: LoadedModel, draft_name: str) -> Non
     if problem:
         raise ConfigError(f"the draft model {draft_name!r} cannot speculate for {target.name!r}: {problem}; "
                           "a draft must share the target's tokenizer.")
+    if draft.spec.max_position_embeddings < context_length:
+        raise ConfigError(f"the draft model {draft_name!r} has {draft.spec.max_position_embeddings} positions, "
+                          f"fewer than the context length {context_length}; lower --context-length.")
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,8 @@ class Speculator:
     def propose(self, batch: "Batch") -> Proposal:
         """``k`` draft passes over the whole verify batch; the first also feeds every token the
         draft has not seen yet (1, or 2 after a round that took every draft)."""
+        if self.runner is None:
+            raise RuntimeError("a verify batch reached a pipeline stage without the first stage's drafts")
         reqs = batch.reqs
         seqs = [r.all_ids for r in reqs]
         tokens: list[list[int]] = [[] for _ in reqs]
@@ -167,14 +173,24 @@ class Speculator:
 
 
 def _draw(logits: torch.Tensor, req) -> tuple[int, Optional[torch.Tensor]]:
-    """The draft's token for one row, and its distribution when the request samples."""
+    """The draft's token for one row, and its distribution when the request samples (drawn
+    from the request's draft stream, so every rank layout draws the same drafts)."""
     if req.sampling.greedy:
         return int(logits.argmax()), None
+    dist = _distribution(logits, req)
+    if dist is None:  # no valid distribution: take the argmax, as the sampler does, and tell
+        tok = int(logits.argmax())  # the rejection rule the draft proposed it with certainty
+        dist = torch.zeros_like(logits)
+        dist[tok] = 1.0
+        return tok, dist
+    return int(torch.multinomial(dist, 1, generator=req.draft_generator)), dist
+
+
+def _distribution(logits: torch.Tensor, req) -> Optional[torch.Tensor]:
+    """The request's sampling distribution, normalised: top-p and top-k leave mass that does
+    not sum to 1, which multinomial forgives but the ratios of the rejection rule do not."""
     dist = probabilities(logits, req.sampling)
-    if dist is None:  # no valid distribution: the argmax, as the sampler does -- a draft
-        tok = int(logits.argmax())  # that proposed it with certainty, for the rejection rule
-        return tok, torch.zeros_like(logits).index_fill_(0, torch.tensor([tok]), 1.0)
-    return int(torch.multinomial(dist, 1, generator=req.generator)), dist
+    return None if dist is None else dist / dist.sum()
 
 
 def greedy_accept(drafts: Sequence[int], logits: torch.Tensor) -> list[int]:
@@ -194,7 +210,7 @@ def rejection_accept(drafts: Sequence[int], draft_probs: torch.Tensor, logits: t
     gen = req.generator
     out: list[int] = []
     for i, d in enumerate(drafts):
-        p = probabilities(logits[i], req.sampling)
+        p = _distribution(logits[i], req)
         if p is None:  # the target has no valid distribution here: take its argmax and stop
             return out + [int(logits[i].argmax())]
         q = draft_probs[i]
@@ -205,6 +221,6 @@ def rejection_accept(drafts: Sequence[int], draft_probs: torch.Tensor, logits: t
         residual = (p - q).clamp_(min=0)
         dist = residual if float(residual.sum()) > 0 else p
         return out + [int(torch.multinomial(dist, 1, generator=gen))]
-    p = probabilities(logits[len(drafts)], req.sampling)
+    p = _distribution(logits[len(drafts)], req)
     bonus = int(logits[len(drafts)].argmax()) if p is None else int(torch.multinomial(p, 1, generator=gen))
     return out + [bonus]

@@ -92,7 +92,7 @@ class SampleAndApply:
     ``share_draws``: with several TP ranks, one rank's random draws for the whole stage."""
 
     scheduler: "Scheduler"
-    share_draws: Optional[Callable[[list[int]], list[int]]] = None
+    share_draws: Optional[Callable[[Any], Any]] = None
 
     def hand_on(self, batch: Optional["Batch"], out: Optional[torch.Tensor], events: StepEvents,
                 inbound: Optional[Inbound]) -> list[Request]:
@@ -102,9 +102,10 @@ class SampleAndApply:
 
 
 def sample_batch(sched: "Scheduler", batch: "Batch", logits: torch.Tensor,
-                 share_draws: Optional[Callable[[list[int]], list[int]]]) -> list[int]:
-    """The batch's tokens; random draws come from one rank when ``share_draws`` is given, so
-    every rank of a stage gets the same tokens whatever its own RNG state."""
+                 share_draws: Optional[Callable[[Any], Any]]) -> list:
+    """The batch's tokens (a verify batch: each request's accepted tokens); random draws come
+    from one rank when ``share_draws`` is given, so every rank of a stage gets the same tokens
+    whatever its own RNG state."""
     tokens = sched.sample(batch, logits)
     if share_draws is not None and any(not r.sampling.greedy for r in batch.reqs):
         tokens = share_draws(tokens)

@@ -16,7 +16,7 @@ from hicache.model.hf_loader import load_hf_dir
 from hicache.model.llama import LlamaForCausalLM
 from hicache.model.projection import DECODE_WEIGHTS
 from hicache.model.random_model import init_random_weights, parse_random_spec
-from hicache.model.requantize import parse_variant, requantize_
+from hicache.model.requantize import VARIANT, parse_variant, requantize_
 from hicache.model.spec import ModelSpec, ModelSpecError
 from hicache.model.tokenizer import Tokenizer, byte_tokenizer
 
@@ -52,7 +52,7 @@ def _file_fingerprint(paths: list[Path]) -> str:
 def split_variant(name: str) -> tuple[str, str | None]:
     """``("smollm2", "int4-g64")`` for ``"smollm2:int4-g64"``; ``(name, None)`` without a variant."""
     base, _, last = name.rpartition(":")
-    return (base, last) if base and last.startswith("int") and "-g" in last else (name, None)
+    return (base, last) if base and VARIANT.match(last) else (name, None)
 
 
 def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu", seed: int = 0,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -96,7 +96,7 @@ class SendDown:
                 inbound: Optional[Inbound]) -> list[Request]:
         ctx: StageStep = inbound.context
         self.groups.send(self.next_rank, StageMessage(ctx.inputs, ctx.results, events, batch_key(batch), out,
-                                                      time.perf_counter(), getattr(batch, "proposal", None)))
+                                                      time.perf_counter(), batch.proposal if batch else None))
         if batch is not None:
             self.on_sent(batch)
         return []
@@ -109,7 +109,7 @@ class SampleAndReturn:
     scheduler: Scheduler
     groups: ParallelGroups
     head_rank: int
-    share_draws: Optional[Callable[[list[int]], list[int]]]
+    share_draws: Optional[Callable[[Any], Any]]
     on_sent: Callable[[Batch], None]
 
     def hand_on(self, batch: Optional[Batch], out: Optional[torch.Tensor], events: StepEvents,

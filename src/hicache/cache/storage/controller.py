@@ -167,7 +167,7 @@ class StorageController:
         self.guard.inner = backend
 
     # ---- page <-> object payload ---------------------------------------------------------
-    def page_keys(self, h: bytes) -> list[str]:
+    def object_keys(self, h: bytes) -> list[str]:
         """The keys of one page's objects: the page's own, then one per sidecar."""
         key = object_key(h)
         return [f"{key}-{name}" if name else key for name, _ in self.parts]
@@ -242,7 +242,7 @@ class StorageController:
                 op.done.set()
 
     def _read(self, op: PrefetchOp) -> None:
-        keys = [self.page_keys(h) for h in op.hashes]  # per page: its objects
+        keys = [self.object_keys(h) for h in op.hashes]  # per page: its objects
         mine = _mine(op.owned, len(keys))
         n = len(self.parts)
         try:
@@ -326,7 +326,7 @@ class StorageController:
             mine = _mine(op.owned, len(op.hashes))
             n = len(self.parts)  # objects per page, written side by side
             try:
-                keys = [k for i in mine for k in self.page_keys(op.hashes[i])]
+                keys = [k for i in mine for k in self.object_keys(op.hashes[i])]
                 blobs = [encode(op.ns_digest, op.hashes[i], self.page_bytes(int(op.host_pages[i]), part))
                          for i in mine for part in range(n)]
                 for i in range(0, len(blobs), BATCH_PAGES * n):
