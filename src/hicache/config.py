@@ -91,6 +91,20 @@ class EngineConfig:
         "formula until both are measured).",
         ("best_effort", "wait_complete", "timeout", "adaptive"),
     )
+    hicache_storage_key_scheme: str = _opt(
+        "rank-suffix", "How storage objects are cut and named: rank-suffix (one object per page and rank: only a "
+        "deployment with the same TP/PP layout reads it) or unified (one fixed grid of layer ranges x KV-head "
+        "groups per page, shared by every compatible TP/PP layout; docs/unified_layout.md).",
+        ("rank-suffix", "unified"),
+    )
+    hicache_storage_head_partition: int = _opt(
+        1, "unified: KV heads per storage object (divides the model's KV heads; every rank's KV heads must be "
+        "whole groups). Ignored for MLA, whose latent has no heads."
+    )
+    hicache_storage_layer_partition: Optional[int] = _opt(
+        None, "unified: layers per storage object (default: all of them; every pipeline stage must start on a "
+        "multiple of it)."
+    )
     hicache_storage_prefetch_threshold: int = _opt(256, "Least uncached prompt tokens for which storage is asked.")
     hicache_storage_prefetch_timeout_base: float = _opt(1.0, "timeout formula: seconds a prefetch may take ...")
     hicache_storage_prefetch_timeout_per_1k_tokens: float = _opt(0.25, "... plus this many seconds per 1K tokens.")
@@ -177,6 +191,8 @@ class EngineConfig:
             raise ConfigError("--enable-hierarchical-cache needs the radix cache; drop --disable-radix-cache.")
         if self.hicache_ratio <= 0 or self.hicache_size < 0:
             raise ConfigError("--hicache-ratio must be > 0 and --hicache-size >= 0.")
+        if self.hicache_storage_key_scheme == "unified":
+            self._validate_unified()
         if self.hicache_storage_backend and not self.enable_hierarchical_cache:
             raise ConfigError("--hicache-storage-backend needs --enable-hierarchical-cache (storage moves through host memory).")
         if self.hicache_storage_backend_extra_config:
@@ -205,6 +221,18 @@ class EngineConfig:
                               "--tp-size 2 or more for an MLA model.")
         if (cp > 1 or self.enable_kv_cache_sharding) and self.pp_size > 1:
             raise ConfigError("--attn-cp-size or --enable-kv-cache-sharding with --pp-size > 1 is not supported yet.")
+
+    def _validate_unified(self) -> None:
+        """The unified storage layout covers one MHA or MLA pool, TP and PP, for now."""
+        if not self.hicache_storage_backend:
+            raise ConfigError("--hicache-storage-key-scheme unified names storage objects: it needs "
+                              "--hicache-storage-backend.")
+        if self.attn_cp_size > 1 or self.enable_kv_cache_sharding or self.speculative_algorithm:
+            raise ConfigError("--hicache-storage-key-scheme unified with --attn-cp-size, --enable-kv-cache-sharding "
+                              "or --speculative-algorithm is not supported yet.")
+        if self.hicache_storage_head_partition < 1 or (self.hicache_storage_layer_partition or 1) < 1:
+            raise ConfigError("--hicache-storage-head-partition and --hicache-storage-layer-partition must be at "
+                              "least 1.")
 
     def _validate_speculative(self) -> None:
         """Chain drafts from a separate model, on one rank for now; one sentence for the rest."""

@@ -27,6 +27,8 @@ from .pools import DeviceKVPool, PageAllocator
 from .storage.base import StorageBackend
 from .storage.controller import Agree, PrefetchOp
 from .storage.keys import KeyNamespace
+from .storage.page_objects import GridCell
+from .storage.unified import UnifiedPlan
 from .storage_tier import StorageTier, consume_prefetch_acks, node_hashes
 from .tiers import CacheStats, Tier
 from .tree_node import TreeNode
@@ -47,6 +49,23 @@ class _KVView:
         else:
             self.wait_layer = lambda layer: controller.wait_layer(offset + layer)
             self.layer_ready = lambda layer: controller.layer_ready(offset + layer)
+
+
+def _key_namespace(pool: DeviceKVPool, shard: str, unified: UnifiedPlan | None) -> KeyNamespace:
+    """What names this rank's page objects: its own layers and KV heads (rank-suffix), or the
+    whole model's grid (unified: the same on every rank of every compatible deployment)."""
+    k = pool.k_buffers[0]
+    if unified is None:
+        return KeyNamespace(pool.page_size, str(k.dtype), tuple(k.shape[1:]), len(pool.k_buffers), shard)
+    return unified.key_namespace(pool.page_size, str(k.dtype), k.shape[2])
+
+
+def _grid_objects(host_pool: HostKVPool, plan: UnifiedPlan) -> tuple[list[GridCell], list[GridCell]]:
+    """This rank's read and write cells as objects cut from its host pages."""
+    def cut(cell):
+        return GridCell(host_pool, cell, plan.shard.layers.start, plan.shard.kv_heads.start, plan.grid.heads_of(cell),
+                        plan.grid.mla)
+    return [cut(c) for c in plan.objects.reads], [cut(c) for c in plan.objects.writes]
 
 
 class KVCacheManager:
@@ -71,6 +90,7 @@ class KVCacheManager:
         placement: PagePlacement | None = None,
         shard_rank: int = 0,
         sidecar: tuple[DeviceKVPool, HostKVPool | None] | None = None,
+        unified: UnifiedPlan | None = None,
     ) -> None:
         """``storage_agree``: MIN-reduce functions for the prefetch and backup threads when
         several ranks share the deployment; ``shard``: names this rank's slice of the KV
@@ -81,7 +101,9 @@ class KVCacheManager:
         everywhere else are logical; copies and storage objects move its own pages only);
         ``sidecar``: device (and host) pools of more KV on the same page ids with rows of their
         own (a speculative draft's): every copy and storage object of a page carries its share,
-        and the model reads it through :attr:`sidecar_view`."""
+        and the model reads it through :attr:`sidecar_view`; ``unified``: storage objects follow
+        the unified grid (``--hicache-storage-key-scheme unified``): this rank's read and write
+        cells, under a namespace every compatible deployment shares."""
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"unknown write policy {write_policy!r}")
         sharded = placement is not None and placement.num_shards > 1
@@ -97,8 +119,7 @@ class KVCacheManager:
         self.device = DeviceTier(pool, eviction_policy, enable_prefix_cache, self.host_allocator, self.stats,
                                  placement)
         self.allocator, self.tree = self.device.allocator, self.device.tree
-        k = pool.k_buffers[0]  # what a page object holds: this rank's layers and KV heads
-        self.keys = KeyNamespace(self.page_size, str(k.dtype), tuple(k.shape[1:]), len(pool.k_buffers), shard)
+        self.keys = _key_namespace(pool, shard, unified)
         self.host: HostTier | None = None
         self.storage_tier: StorageTier | None = None
         self.tiers: list[Tier] = []  # the lower tiers, top down
@@ -109,7 +130,8 @@ class KVCacheManager:
             self.tiers.append(self.host)
         if storage is not None:
             self.storage_tier = StorageTier(storage, self.host, self.keys, storage_agree, storage_op_timeout,
-                                            prefetch_threshold, prefetch_max_host_fraction, shard_view)
+                                            prefetch_threshold, prefetch_max_host_fraction, shard_view,
+                                            _grid_objects(host_pool, unified) if unified else None)
             self.host.lower = self.storage_tier
             self.tiers.append(self.storage_tier)
         self.controller = self.host.controller if self.host is not None else None

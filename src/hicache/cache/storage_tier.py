@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from typing import Sequence
 
 import numpy as np
 
@@ -29,6 +30,7 @@ from .host_tier import HostTier
 from .placement import ShardView, path_anchor
 from .storage.base import StorageBackend
 from .storage.controller import Agree, PrefetchOp, StorageController
+from .storage.page_objects import PageObject, WholePage
 from .storage.keys import KeyNamespace, continue_chain, page_hashes
 from .tree_node import TreeNode
 
@@ -65,16 +67,21 @@ class StorageTier:
 
     def __init__(self, backend: StorageBackend, host: HostTier, keys: KeyNamespace, agree: tuple[Agree, Agree] | None,
                  op_timeout: float, prefetch_threshold: int, prefetch_max_host_fraction: float,
-                 shard: ShardView | None = None) -> None:
+                 shard: ShardView | None = None,
+                 objects: tuple[Sequence[PageObject], Sequence[PageObject]] | None = None) -> None:
         """``shard``: sharded KV; this rank reads and writes the objects of the pages it owns
-        (its keys name its shard, see ``keys``)."""
+        (its keys name its shard, see ``keys``). ``objects``: (reads, writes), the objects a
+        host page is read from and written to (the unified grid's cells); default: one object
+        per page of this rank's KV, and one per sidecar pool."""
         self.host, self.tree, self.keys, self.stats = host, host.tree, keys, host.stats
         self.shard = shard
         self.page_size = keys.page_size
-        # Sidecar KV (a speculative draft's) on the same pages: objects "<key>-sidecar1", ...
-        sidecars = [(f"sidecar{i}", h) for i, (_, h) in enumerate(host.controller.pairs[1:], start=1)]
+        if objects is None:  # one object per page; sidecar KV (a speculative draft's): "<key>-sidecar1", ...
+            objects = [WholePage(host.host_pool)] + [
+                WholePage(h, f"-sidecar{i}") for i, (_, h) in enumerate(host.controller.pairs[1:], start=1)]
+            objects = (objects, objects)
         self.controller = StorageController(backend, host.host_pool, *(agree or ()), op_timeout=op_timeout,
-                                            sidecars=sidecars)
+                                            reads=objects[0], writes=objects[1])
         self.prefetch_threshold = prefetch_threshold
         # At most this many host pages may be held by prefetches at once.
         self.prefetch_page_limit = int(prefetch_max_host_fraction * host.allocator.capacity)

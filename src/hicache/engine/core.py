@@ -17,14 +17,17 @@ from ..cache.placement import PagePlacement
 from ..cache.pools import DeviceKVPool
 from ..cache.storage.base import StorageError
 from ..cache.storage.controller import Agree
+from ..cache.storage.unified import UnifiedPlan
 from ..cache.storage.registry import create_backend
 from ..config import ConfigError, EngineConfig
 from ..device import device_memory_budget
 from ..model.context_parallel import CPGroup, PrefixGather
 from ..model.loader import LoadedModel
 from ..model.parallel import ModelShard
+from ..model.spec import ModelSpec
 from .runner import ContextParallel, ModelRunner
 from .scheduler import Scheduler
+from .storage_layout import unified_plans
 from .speculative import DraftKV, LayerWindow, Speculator, plan_draft_kv
 
 logger = logging.getLogger(__name__)
@@ -93,7 +96,10 @@ def build_core(
         storage = None
     packed = draft_kv.layers if draft_kv is not None and draft_kv.packed else 0
     pool = DeviceKVPool(layers + packed, kv_heads, spec.head_dim, device_pages, cfg.page_size, dtype, device)
-    host_pool = HostKVPool(pool, host_pages, cfg.hicache_mem_layout) if cfg.enable_hierarchical_cache else None
+    unified = _unified_plan(cfg, spec, shard)
+    # unified objects are cut from whole host pages: one page of every layer kept contiguous
+    layout = "page_first" if unified is not None else cfg.hicache_mem_layout
+    host_pool = HostKVPool(pool, host_pages, layout) if cfg.enable_hierarchical_cache else None
     sidecar = _sidecar_pools(cfg, draft_kv, device_pages, host_pages, dtype, device)
     cache = KVCacheManager(
         pool=pool, eviction_policy=cfg.radix_eviction_policy, enable_prefix_cache=not cfg.disable_radix_cache,
@@ -102,7 +108,7 @@ def build_core(
         prefetch_threshold=cfg.hicache_storage_prefetch_threshold, storage_agree=storage_agree,
         shard=shard.describe() if shard else "", storage_op_timeout=cfg.hicache_storage_op_timeout,
         placement=cp.placement if cp is not None else None, shard_rank=cp_group.rank if cp_group else 0,
-        sidecar=sidecar)
+        sidecar=sidecar, unified=unified)
     runner = ModelRunner(loaded.model, cache.kv_view, device, cp)
     speculator = _speculator(cfg, draft, cache, layers, packed, device)
     return EngineCore(pool, host_pool, cache, runner, _scheduler(cfg, cache, runner, loaded, speculator))
@@ -117,6 +123,17 @@ def _speculator(cfg: EngineConfig, draft: LoadedModel | None, cache: KVCacheMana
         view = LayerWindow(cache.kv_view, layers, packed) if packed else cache.sidecar_view
         return Speculator(ModelRunner(draft.model, view, device), cfg.speculative_steps)
     return Speculator(None, cfg.speculative_steps) if cfg.speculative_algorithm else None
+
+
+def _unified_plan(cfg: EngineConfig, spec: ModelSpec, shard: ModelShard | None) -> UnifiedPlan | None:
+    """This rank's cells of the unified storage grid (``--hicache-storage-key-scheme unified``)."""
+    plans = unified_plans(cfg, spec)
+    if not plans:
+        return None
+    plan = plans[shard.pp_rank * shard.tp_size + shard.tp_rank if shard is not None else 0]
+    logger.info("unified storage grid %s: this rank reads %d and writes %d of %d objects per page",
+                plan.grid.describe(), len(plan.objects.reads), len(plan.objects.writes), len(plan.grid.cells()))
+    return plan
 
 
 def _sidecar_pools(cfg: EngineConfig, draft_kv: DraftKV | None, device_pages: int, host_pages: int,

@@ -21,6 +21,7 @@ from .backend import Backend, LocalBackend, SchedulerView, make_backend
 from .request import GenerateResult, Request
 from .sampling import SamplingParams
 from .speculative import check_draft
+from .storage_layout import layout_report
 
 if TYPE_CHECKING:
     from ..cache.host_pool import HostKVPool
@@ -229,6 +230,12 @@ class Engine:
         out["parallel"] = {"tp_size": cfg.tp_size, "pp_size": cfg.pp_size, "attn_cp_size": cfg.attn_cp_size,
                            "kv_cache_sharding": cfg.enable_kv_cache_sharding}
         return out
+
+    def storage_layout(self) -> dict[str, Any]:
+        """The L3 object layout for external routers: with the unified key scheme the namespace
+        digest, key pattern, grid and every rank's read / write cells (``GET
+        /get_hicache_l3_cache_layout``)."""
+        return layout_report(self.config, self.loaded.spec, self.dtype, self.model_namespace)
 
     def shutdown(self) -> None:
         """Drop requests and free the model and pools (stop the rank processes)."""

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -132,13 +134,9 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
     ``weights=False``: only the shape and the tokenizer (the model is None)."""
     import gguf  # local import: only this loader needs it, and it is slow-ish to import
 
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except (OSError, ValueError) as e:
-        raise ModelFormatError(f"cannot read GGUF file {path}: {e}.") from None
+    reader, tokenizer = _read(path)
     names = {t.name for t in reader.tensors}
     spec = _spec_from_gguf(reader, names)
-    tokenizer = _tokenizer_from_gguf(reader)
     if not weights:
         return None, tokenizer, spec
     model = LlamaForCausalLM(spec, dtype, device)
@@ -172,6 +170,25 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
 
 def load_gguf_tokenizer(path: Path) -> Tokenizer:
     """Only the tokenizer of a GGUF file (no weights are dequantized)."""
+    return _read(path)[1]
+
+
+def _read(path: Path) -> tuple[Any, Tokenizer]:
+    """The file's reader (metadata parsed, tensors memory-mapped) and tokenizer, parsed once
+    per process and file version: parsing a 49K-token vocabulary takes seconds, and a process
+    (a test run, a benchmark comparing engines) often loads the same file several times."""
+    try:
+        st = path.stat()
+        return _parse(str(path.resolve()), st.st_size, st.st_mtime_ns)
+    except ModelFormatError:
+        raise
+    except (OSError, ValueError) as e:
+        raise ModelFormatError(f"cannot read GGUF file {path}: {e}.") from None
+
+
+@functools.lru_cache(maxsize=4)
+def _parse(path: str, size: int, mtime_ns: int) -> tuple[Any, Tokenizer]:
     import gguf
 
-    return _tokenizer_from_gguf(gguf.GGUFReader(str(path)))
+    reader = gguf.GGUFReader(path)  # read-only: the cached reader and tokenizer are shared
+    return reader, _tokenizer_from_gguf(reader)

@@ -2,8 +2,9 @@
 
 Endpoints: ``/v1/chat/completions``, ``/v1/completions`` (streaming as server-sent events or
 not), ``/v1/models``, ``/health``, ``/flush_cache``, ``/metrics`` (Prometheus text), and two
-extensions: ``/stats`` (``Engine.stats()`` as JSON) and ``/tokenize`` (token counts with the
-served tokenizer, used by ``hicache bench``). Every error is OpenAI-shaped JSON.
+extensions: ``/stats`` (``Engine.stats()`` as JSON), ``/tokenize`` (token counts with the
+served tokenizer, used by ``hicache bench``) and ``/get_hicache_l3_cache_layout`` (how L3 objects
+are cut and named, for routers). Every error is OpenAI-shaped JSON.
 
 The event loop only moves bytes: parsing a body, rendering the chat template and tokenizing
 run on a small worker pool (:func:`_prepare_chat`, :func:`_prepare_completion`), so one huge
@@ -375,6 +376,11 @@ def _add_operation_routes(app: FastAPI, st: ServerState) -> None:
         if st.loop.alive:
             st.metrics.update_from_stats(await st.loop.stats())
         return Response(st.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/get_hicache_l3_cache_layout")
+    async def l3_cache_layout() -> dict:
+        """How L3 objects are cut and named (unified key scheme: grid, namespace, rank cells)."""
+        return st.engine.storage_layout()
 
     @app.get("/stats")
     async def stats() -> dict:

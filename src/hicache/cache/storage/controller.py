@@ -22,19 +22,17 @@ import logging
 import queue
 import threading
 import time
-import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
-import torch
 
 from ..controller import leading_done
 from ..host_pool import HostKVPool
 from .base import StorageBackend
 from .guard import GuardedBackend, failure_reason
-from .keys import object_key
+from .page_objects import PageObject, WholePage
 from .objects import decode_checked, encode
 
 logger = logging.getLogger(__name__)
@@ -129,16 +127,17 @@ def _log_failure(reason: str, msg: str, *args: object) -> None:
 class StorageController:
     def __init__(self, backend: StorageBackend, host_pool: HostKVPool,
                  agree_prefetch: Agree = _alone, agree_backup: Agree = _alone, op_timeout: float = 10.0,
-                 sidecars: Sequence[tuple[str, HostKVPool]] = ()) -> None:
+                 reads: Sequence[PageObject] = (), writes: Sequence[PageObject] | None = None) -> None:
         """``op_timeout``: deadline in seconds of each backend call (see :mod:`.guard`).
-        ``sidecars``: ``(name, host pool)`` of KV on the same host pages with rows of its own (a
-        speculative draft's): each page has one more object per sidecar, ``<key>-<name>``, read
-        and written with the page's; a page is present only when all of its objects are."""
+        ``reads`` / ``writes``: the objects each host page is read from and written to
+        (:mod:`.page_objects`; default: one :class:`WholePage` of ``host_pool`` for both). A page
+        is present only when all of its read objects are; they are read, and written, together."""
         self.guard = backend if isinstance(backend, GuardedBackend) else GuardedBackend(backend, timeout_s=op_timeout)
         self._agree_prefetch = agree_prefetch
         self._agree_backup = agree_backup
         self.host_pool = host_pool
-        self.parts: list[tuple[str, HostKVPool]] = [("", host_pool), *sidecars]
+        self.reads: list[PageObject] = list(reads) or [WholePage(host_pool)]
+        self.writes: list[PageObject] = self.reads if writes is None else list(writes)
         self.stats = StorageStats()
         # Seconds to read and verify one page (exponentially weighted over batch reads; None
         # before the first). Written by the prefetch thread, read by the scheduler's prefetch
@@ -167,28 +166,10 @@ class StorageController:
         self.guard.inner = backend
 
     # ---- page <-> object payload ---------------------------------------------------------
-    def object_keys(self, h: bytes) -> list[str]:
-        """The keys of one page's objects: the page's own, then one per sidecar."""
-        key = object_key(h)
-        return [f"{key}-{name}" if name else key for name, _ in self.parts]
-
-    def page_bytes(self, host_page: int, part: int = 0) -> bytes:
-        h = self.parts[part][1]
-        if h.layout == "page_first":
-            page = h.buffer[host_page]
-        else:
-            page = h.buffer[:, :, host_page]
-        return page.contiguous().view(torch.uint8).numpy().tobytes()
-
-    def load_page(self, host_page: int, payload: memoryview, part: int = 0) -> None:
-        h = self.parts[part][1]
-        with warnings.catch_warnings():  # read-only source: torch warns, but we only read from it
-            warnings.simplefilter("ignore", UserWarning)
-            src = torch.frombuffer(payload, dtype=torch.uint8).view(h.dtype)
-        if h.layout == "page_first":
-            h.buffer[host_page].view(-1).copy_(src)
-        else:
-            h.buffer[:, :, host_page].copy_(src.view(h.buffer[:, :, host_page].shape))
+    @staticmethod
+    def _keys(objects: Sequence[PageObject], op, i: int) -> list[str]:
+        """The keys of page ``i`` of ``op``'s objects."""
+        return [obj.key(op.hashes[i], op.ns_digest) for obj in objects]
 
     # ---- scheduler-thread API ------------------------------------------------------------
     def prefetch(self, namespace: str, ns_digest: bytes, hashes: list[bytes], host_pages: np.ndarray,
@@ -242,9 +223,9 @@ class StorageController:
                 op.done.set()
 
     def _read(self, op: PrefetchOp) -> None:
-        keys = [self.object_keys(h) for h in op.hashes]  # per page: its objects
+        keys = [self._keys(self.reads, op, i) for i in range(len(op.hashes))]  # per page: its objects
         mine = _mine(op.owned, len(keys))
-        n = len(self.parts)
+        n = len(self.reads)
         try:
             present = self.guard.exists_prefix([k for i in mine for k in keys[i]]) // n if len(mine) else 0
             hit = _logical(mine, present, len(keys))
@@ -293,7 +274,7 @@ class StorageController:
             op.failure = failure_reason(e)
             _log_failure(op.failure, "prefetch op=%d: storage read of %d pages failed: %s", op.op_id, len(mine), e)
             return mine[0] - start
-        good, n = end - start, len(self.parts)
+        good, n = end - start, len(self.reads)
         for j, i in enumerate(mine):
             if not self._load_objects(op, i, int(pages[i]), blobs[j * n:(j + 1) * n]):
                 good = i - start
@@ -306,12 +287,12 @@ class StorageController:
     def _load_objects(self, op: PrefetchOp, i: int, host_page: int, blobs: list) -> bool:
         """Page ``i``'s objects (its own, then each sidecar's) into ``host_page``; False, with
         ``op.failure`` set, at the first missing or corrupt one."""
-        for part, blob in enumerate(blobs):
+        for obj, blob in zip(self.reads, blobs):
             payload, reason = (None, "missing") if blob is None else decode_checked(blob, op.ns_digest, op.hashes[i])
             if payload is None:
                 op.failure = getattr(reason, "value", str(reason))
                 return False
-            self.load_page(host_page, payload, part)
+            obj.load(host_page, payload)
         return True
 
     def _observe_read(self, pages: int, seconds: float) -> None:
@@ -324,12 +305,14 @@ class StorageController:
         while (op := self._queues["backup"].get()) is not None:
             t0 = time.perf_counter()
             mine = _mine(op.owned, len(op.hashes))
-            n = len(self.parts)  # objects per page, written side by side
+            n = len(self.writes)  # objects per page, written side by side
             try:
-                keys = [k for i in mine for k in self.object_keys(op.hashes[i])]
-                blobs = [encode(op.ns_digest, op.hashes[i], self.page_bytes(int(op.host_pages[i]), part))
-                         for i in mine for part in range(n)]
-                for i in range(0, len(blobs), BATCH_PAGES * n):
+                if n == 0:  # every object of these pages is another rank's to write
+                    op.written = len(mine)
+                keys = [k for i in mine for k in self._keys(self.writes, op, i)]
+                blobs = [encode(op.ns_digest, op.hashes[i], obj.page_bytes(int(op.host_pages[i])))
+                         for i in mine for obj in self.writes]
+                for i in range(0, len(blobs), BATCH_PAGES * max(n, 1)):
                     batch = blobs[i : i + BATCH_PAGES * n]
                     stored = self.guard.batch_set(keys[i : i + BATCH_PAGES * n], batch)
                     op.written += stored // n

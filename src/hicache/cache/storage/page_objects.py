@@ -1,0 +1,94 @@
+"""The storage objects one host page is cut into, and how each is cut out and put back.
+
+* :class:`WholePage` -- the rank-suffix scheme: one object holds the page of every layer and
+  KV head this rank's pool holds (``suffix``: a sidecar pool's objects, e.g. ``-sidecar1``).
+* :class:`GridCell` -- the unified scheme (:mod:`.unified`): one object per grid cell, the
+  cell's model-global layers and KV heads cut out of this rank's host page and laid out as the
+  cell's object (MHA ``(layer, K/V, token, head_in_group, head_dim)``; MLA ``(layer, token, dim)``).
+
+Either way an object's bytes are produced by :meth:`page_bytes` and put back by :meth:`load`,
+and its key is a function of the page hash (and, for grid cells, the namespace digest).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Protocol
+
+import torch
+
+from ..host_pool import HostKVPool
+from .keys import object_key
+from .unified import Cell
+
+NAMESPACE_KEY_HEX = 16  # hex chars of the namespace digest in a unified key
+
+
+class PageObject(Protocol):
+    def key(self, page_hash: bytes, ns_digest: bytes) -> str: ...
+
+    def page_bytes(self, host_page: int) -> bytes: ...
+
+    def load(self, host_page: int, payload: memoryview) -> None: ...
+
+
+def _page(host: HostKVPool, host_page: int) -> torch.Tensor:
+    """One host page as ``[layers, K/V, token, kv_heads, head_dim]`` (a view, either layout)."""
+    return host.buffer[host_page] if host.layout == "page_first" else host.buffer[:, :, host_page]
+
+
+def _as_tensor(payload: memoryview, dtype: torch.dtype) -> torch.Tensor:
+    with warnings.catch_warnings():  # read-only source: torch warns, but we only read from it
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(payload, dtype=torch.uint8).view(dtype)
+
+
+class WholePage:
+    """Every layer and head of one rank's host page in one object, ``<page hash hex><suffix>``."""
+
+    def __init__(self, host: HostKVPool, suffix: str = "") -> None:
+        self.host, self.suffix = host, suffix
+
+    def key(self, page_hash: bytes, ns_digest: bytes) -> str:
+        return object_key(page_hash) + self.suffix
+
+    def page_bytes(self, host_page: int) -> bytes:
+        return _page(self.host, host_page).contiguous().view(torch.uint8).numpy().tobytes()
+
+    def load(self, host_page: int, payload: memoryview) -> None:
+        page = _page(self.host, host_page)
+        page.copy_(_as_tensor(payload, self.host.dtype).view(page.shape))
+
+
+class GridCell:
+    """One unified-grid cell of this rank's host pages. ``first_layer`` / ``first_head``: the
+    model-global indices of the pool's first layer and KV head; ``heads``: the cell's global
+    KV heads; ``mla``: the pool's one "head" is an MLA latent split over the K and V buffers."""
+
+    def __init__(self, host: HostKVPool, cell: Cell, first_layer: int, first_head: int, heads: range,
+                 mla: bool) -> None:
+        self.host, self.cell, self.mla = host, cell, mla
+        self.layers = slice(cell.layer_start - first_layer, cell.layer_end - first_layer)
+        self.heads = slice(heads.start - first_head, heads.stop - first_head)
+
+    def key(self, page_hash: bytes, ns_digest: bytes) -> str:
+        return f"{object_key(page_hash)}_{ns_digest.hex()[:NAMESPACE_KEY_HEX]}_{self.cell.suffix}"
+
+    def _view(self, host_page: int) -> torch.Tensor:
+        """The cell's part of the page, ``[layer, K/V, token, head, dim]`` (strided)."""
+        return _page(self.host, host_page)[self.layers, :, :, self.heads, :]
+
+    def page_bytes(self, host_page: int) -> bytes:
+        view = self._view(host_page)
+        if self.mla:  # (layer, token, [K half, V half]) = (layer, token, dim)
+            view = view[:, :, :, 0, :].permute(0, 2, 1, 3)
+        return view.contiguous().view(torch.uint8).numpy().tobytes()
+
+    def load(self, host_page: int, payload: memoryview) -> None:
+        view = self._view(host_page)
+        src = _as_tensor(payload, self.host.dtype)
+        if self.mla:
+            layers, kv, tokens, _, dim = view.shape
+            view[:, :, :, 0, :].copy_(src.view(layers, tokens, kv, dim).permute(0, 2, 1, 3))
+        else:
+            view.copy_(src.view(view.shape))

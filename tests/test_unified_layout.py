@@ -1,0 +1,186 @@
+"""The unified storage layout (issue 15, seed Figure 4): one grid of layer ranges x KV-head
+groups per page, so deployments with different TP / PP layouts share their L3 objects."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hicache import Engine, SamplingParams
+from hicache.cache.storage.unified import Cell, RankShard, StorageGrid, plan_rank
+from hicache.config import ConfigError
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
+PROMPT = [(i * 37 + 11) % 240 + 5 for i in range(400)]  # 24 whole pages (of 16) before its last token
+# The seed's example: 60 layers, 8 KV heads; objects of 30 layers x 2 heads.
+SEED_MODEL = 'random:{"num_layers": 60, "num_heads": 8, "num_kv_heads": 8, "hidden_size": 64, "head_dim": 8, ' \
+             '"intermediate_size": 64}'
+SEED_GRID = dict(hicache_storage_layer_partition=30, hicache_storage_head_partition=2)
+
+
+def shards(layers: int, heads: int, tp: int, pp: int) -> list[RankShard]:
+    """Every rank's shard of an even TP x PP split (rank = pp_rank * tp + tp_rank)."""
+    per_stage, per_rank = layers // pp, heads // tp
+    return [RankShard(p * tp + t, range(p * per_stage, (p + 1) * per_stage), range(t * per_rank, (t + 1) * per_rank))
+            for p in range(pp) for t in range(tp)]
+
+
+# ---- the grid and who reads / writes what ----------------------------------------------------
+def test_seed_example_writers_and_readers() -> None:
+    grid = StorageGrid(60, 8, layer_partition=30, head_partition=2)
+    assert [c.suffix for c in grid.cells()] == [f"L{a}-{a + 30}_H{g}" for a in (0, 30) for g in range(4)]
+    writer = shards(60, 8, tp=4, pp=2)
+    plans = [plan_rank(grid, writer, r) for r in range(8)]
+    assert all(len(p.writes) == 1 and p.reads == p.writes for p in plans)  # one object per rank
+    assert sorted(p.writes[0].suffix for p in plans) == sorted(c.suffix for c in grid.cells())
+    assert plans[5].writes[0] == Cell(30, 60, 1)  # PP1/TP1: layers 30-59, heads 2-3
+    reader = shards(60, 8, tp=2, pp=1)
+    tp0, tp1 = plan_rank(grid, reader, 0), plan_rank(grid, reader, 1)
+    assert {c.suffix for c in tp0.reads} == {"L0-30_H0", "L0-30_H1", "L30-60_H0", "L30-60_H1"}
+    assert {c.suffix for c in tp1.reads} == {"L0-30_H2", "L0-30_H3", "L30-60_H2", "L30-60_H3"}
+
+
+def test_replicated_heads_have_one_writer() -> None:
+    """SmolLM2 at TP2 holds KV head 1 on both ranks: the lower rank writes it, both read it."""
+    grid = StorageGrid(30, 3, layer_partition=15, head_partition=1)
+    both = [RankShard(0, range(30), range(0, 2)), RankShard(1, range(30), range(1, 3))]
+    r0, r1 = plan_rank(grid, both, 0), plan_rank(grid, both, 1)
+    assert {c.suffix for c in r0.writes} == {"L0-15_H0", "L15-30_H0", "L0-15_H1", "L15-30_H1"}
+    assert {c.suffix for c in r1.writes} == {"L0-15_H2", "L15-30_H2"}
+    assert {c.suffix for c in r1.reads} == {"L0-15_H1", "L15-30_H1", "L0-15_H2", "L15-30_H2"}
+
+
+def test_a_layout_off_the_grid_is_refused_naming_the_flag() -> None:
+    with pytest.raises(ConfigError, match="--hicache-storage-head-partition must divide the model's 8 KV heads"):
+        StorageGrid(60, 8, layer_partition=30, head_partition=3)
+    grid = StorageGrid(60, 8, layer_partition=25, head_partition=2)
+    with pytest.raises(ConfigError, match="layers 0-29, which do not start and end on the storage grid's layer "
+                                          "ranges of 25; set --hicache-storage-layer-partition"):
+        plan_rank(grid, shards(60, 8, tp=1, pp=2), 0)
+    grid = StorageGrid(60, 8, layer_partition=30, head_partition=4)
+    with pytest.raises(ConfigError, match="KV heads 0-1, which are not whole groups of 4; set "
+                                          "--hicache-storage-head-partition"):
+        plan_rank(grid, shards(60, 8, tp=4, pp=1), 0)
+    with pytest.raises(ConfigError, match="needs --hicache-storage-backend"):
+        Engine("random:tiny", hicache_storage_key_scheme="unified")
+
+
+# ---- engines ----------------------------------------------------------------------------------
+def unified(path: Path, **kw) -> dict:
+    opts = dict(dtype="float32", page_size=16, max_total_tokens=2048, enable_hierarchical_cache=True,
+                hicache_storage_backend="file", hicache_storage_backend_extra_config=json.dumps({"path": str(path)}),
+                hicache_storage_prefetch_threshold=64, hicache_storage_prefetch_policy="wait_complete",
+                hicache_storage_key_scheme="unified")
+    opts.update(kw)
+    return opts
+
+
+def objects(path: Path) -> collections.Counter:
+    """Stored objects per grid cell (the key's tail)."""
+    return collections.Counter(p.name.split("_", 2)[2] for p in path.rglob("*") if p.is_file() and p.name.count("_") == 3)
+
+
+def read_in_new_process(model: str, opts: dict, prompt: list[int]) -> dict:
+    code = f"""
+import json
+from hicache import Engine, SamplingParams
+e = Engine({model!r}, **{opts!r})
+r = e.generate([{prompt!r}], SamplingParams(max_new_tokens=8, temperature=0.0))[0]
+print(json.dumps({{"ids": r.output_ids, "details": r.cached_tokens_details}}))
+e.shutdown()
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=SRC))
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_seed_example_tp4_pp2_writer_tp2_reader(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cold = Engine(SEED_MODEL, dtype="float32", max_total_tokens=2048).generate([PROMPT], GREEDY)[0].output_ids
+    monkeypatch.setenv("HICACHE_RANK_CONSENSUS_CHECKER", "1")
+    writer = Engine(SEED_MODEL, tp_size=4, pp_size=2, **unified(tmp_path, **SEED_GRID))
+    assert writer.generate([PROMPT], GREEDY)[0].output_ids == cold
+    writer.shutdown()  # flushes its pages down to the store
+    stored = objects(tmp_path)
+    pages = stored["L0-30_H0"]
+    assert pages >= 24 and stored == collections.Counter({c: pages for c in stored}) and len(stored) == 8
+    got = read_in_new_process(SEED_MODEL, dict(unified(tmp_path, **SEED_GRID), tp_size=2), PROMPT)
+    assert got["details"]["storage"] == 384 and got["ids"] == cold
+
+
+def test_other_salt_dtype_page_size_or_grid_never_hit(tmp_path: Path) -> None:
+    writer = Engine("random:tiny", **unified(tmp_path, hicache_storage_layer_partition=1))
+    writer.generate([PROMPT], GREEDY)
+    writer.shutdown()
+    hit = Engine("random:tiny", **unified(tmp_path, hicache_storage_layer_partition=1))
+    assert hit.generate([PROMPT], GREEDY)[0].cached_tokens_details["storage"] == 384
+    assert hit.generate([PROMPT], GREEDY, cache_salt="other")[0].cached_tokens == 0
+    hit.shutdown()
+    for other in (dict(hicache_storage_layer_partition=2), dict(page_size=8, hicache_storage_layer_partition=1),
+                  dict(dtype="bfloat16", hicache_storage_layer_partition=1)):
+        engine = Engine("random:tiny", **unified(tmp_path, **other))
+        assert engine.generate([PROMPT], GREEDY)[0].cached_tokens == 0, other
+        engine.shutdown()
+
+
+def test_a_corrupt_cell_shortens_the_hit_to_the_pages_before_it(tmp_path: Path) -> None:
+    cold = Engine("random:tiny", dtype="float32", max_total_tokens=2048).generate([PROMPT], GREEDY)[0].output_ids
+    writer = Engine("random:tiny", **unified(tmp_path, hicache_storage_layer_partition=1))
+    writer.generate([PROMPT], GREEDY)
+    writer.shutdown()
+    reader = Engine("random:tiny", **unified(tmp_path, hicache_storage_layer_partition=1))
+    chain = reader.cache.keys.digest(reader.model_namespace)
+    from hicache.cache.storage.keys import page_hashes
+    tenth = page_hashes(PROMPT[:160], 16, chain)[9].hex()  # the 10th page's hash
+    victim = next(p for p in tmp_path.rglob(f"{tenth}_*_L1-2_H1"))
+    data = bytearray(victim.read_bytes())
+    data[-5] ^= 0xFF  # one flipped byte in one of the page's four objects
+    victim.write_bytes(bytes(data))
+    res = reader.generate([PROMPT], GREEDY)[0]
+    assert res.cached_tokens_details["storage"] == 9 * 16 and res.output_ids == cold
+
+
+def test_the_layout_endpoint_describes_grid_namespace_and_rank_cells(tmp_path: Path) -> None:
+    import httpx
+
+    from hicache.server.serve import ServerThread
+
+    engine = Engine("random:tiny", **unified(tmp_path, hicache_storage_layer_partition=1))
+    srv = ServerThread(engine, served_model_name="tiny")
+    base_url = srv.start()
+    try:
+        layout = httpx.get(base_url + "/get_hicache_l3_cache_layout", timeout=10).json()
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2}
+        assert httpx.post(base_url + "/v1/completions", json=body, timeout=60).status_code == 200
+    finally:
+        srv.stop()
+    engine.shutdown()  # the pages go down to the store
+    assert layout["key_scheme"] == "unified" and layout["grid"]["objects_per_page"] == 4
+    assert layout["ranks"] == [{"rank": 0, "tp_rank": 0, "pp_rank": 0, "layers": [0, 2], "kv_heads": [0, 2],
+                                "reads": ["L0-1_H0", "L0-1_H1", "L1-2_H0", "L1-2_H1"],
+                                "writes": ["L0-1_H0", "L0-1_H1", "L1-2_H0", "L1-2_H1"]}]
+    # a router can name every object of a page from the report alone
+    digest = layout["namespace_digest"]
+    names = {p.name for p in tmp_path.rglob("*") if p.is_file()}
+    assert names and all(n.split("_")[1] == digest[:layout["key_namespace_digest_chars"]] for n in names)
+
+
+def test_valkey_backend_serves_a_tp2_writer_to_a_tp1_reader(valkey_server) -> None:
+    host, port = valkey_server
+    cold = Engine("random:small", dtype="float32", max_total_tokens=2048).generate([PROMPT], GREEDY)[0].output_ids
+    opts = unified(Path("/unused"), hicache_storage_backend="valkey",
+                   hicache_storage_backend_extra_config=json.dumps({"host": host, "port": port}))
+    writer = Engine("random:small", tp_size=2, **opts)
+    writer.generate([PROMPT], GREEDY)
+    writer.shutdown()
+    reader = Engine("random:small", **opts)
+    res = reader.generate([PROMPT], GREEDY)[0]
+    assert res.cached_tokens_details["storage"] == 384 and res.output_ids == cold
+    reader.shutdown()
