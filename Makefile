@@ -17,6 +17,13 @@ DEMO_L3 := --enable-hierarchical-cache --hicache-storage-backend file \
 	--hicache-storage-backend-extra-config '{"path": "out/demo-kv"}' \
 	--hicache-storage-prefetch-threshold 64 --hicache-storage-prefetch-policy wait_complete
 
+# The unified layout: objects on one grid of 15-layer ranges x single KV heads, readable by any
+# TP / PP layout of SmolLM2 whose shards fall on that grid.
+DEMO_UNIFIED := --enable-hierarchical-cache --hicache-storage-backend file \
+	--hicache-storage-backend-extra-config '{"path": "out/demo-unified"}' \
+	--hicache-storage-prefetch-threshold 64 --hicache-storage-prefetch-policy wait_complete \
+	--hicache-storage-key-scheme unified --hicache-storage-layer-partition 15 --hicache-storage-head-partition 1
+
 .PHONY: setup demo serve-demo test bench bench-peers peers-setup clean
 
 setup: $(VENV)/.installed
@@ -51,6 +58,11 @@ demo: setup
 	@echo "== speculative decoding: a 4-bit draft proposes, SmolLM2 verifies; the draft's KV comes back from L2 with the history =="
 	$(VENV)/bin/hicache demo --agents 2 --turns 2 --max-total-tokens 2048 --enable-hierarchical-cache \
 		--speculative-algorithm STANDALONE --speculative-draft-model-path smollm2:int4-g64 --speculative-num-steps 3
+	@echo
+	@echo "== unified storage layout: a two-rank (TP2) engine stores a session; a one-rank engine in a new process continues it from L3 =="
+	rm -rf out/demo-unified
+	$(VENV)/bin/hicache demo $(DEMO_UNIFIED) --tp-size 2 --turns 2 --max-new-tokens 16
+	$(VENV)/bin/hicache demo $(DEMO_UNIFIED) --turns 2 --max-new-tokens 16
 
 # Starts `hicache serve` (SmolLM2) on a free local port, runs a short multi-turn benchmark
 # against it, prints the report (and writes out/serve-demo.{json,png}), then stops the server.
@@ -62,7 +74,7 @@ serve-demo: setup
 		--output-file out/serve-demo.json --plot out/serve-demo.png
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=20 tests  # the slowest tests, to keep the suite under 15 minutes
 
 bench: setup
 	$(PY) benchmarks/bench_radix.py

@@ -84,7 +84,7 @@ def unified(path: Path, **kw) -> dict:
 
 def objects(path: Path) -> collections.Counter:
     """Stored objects per grid cell (the key's tail)."""
-    return collections.Counter(p.name.split("_", 2)[2] for p in path.rglob("*") if p.is_file() and p.name.count("_") == 3)
+    return collections.Counter(p.name.split("_", 2)[2] for p in path.rglob("*") if p.is_file() and p.name.count("_") >= 2)
 
 
 def read_in_new_process(model: str, opts: dict, prompt: list[int]) -> dict:
@@ -181,6 +181,22 @@ def test_valkey_backend_serves_a_tp2_writer_to_a_tp1_reader(valkey_server) -> No
     writer.generate([PROMPT], GREEDY)
     writer.shutdown()
     reader = Engine("random:small", **opts)
+    res = reader.generate([PROMPT], GREEDY)[0]
+    assert res.cached_tokens_details["storage"] == 384 and res.output_ids == cold
+    reader.shutdown()
+
+
+def test_mla_latent_is_written_once_and_read_by_any_layout(tmp_path: Path) -> None:
+    """An MLA latent is the same on every TP rank: TP2 writes each cell once (rank 0), and a
+    one-rank reader assembles its pages from them."""
+    cold = Engine("random:mla-tiny", dtype="float32", max_total_tokens=2048).generate([PROMPT], GREEDY)[0].output_ids
+    opts = unified(tmp_path, hicache_storage_layer_partition=1)
+    writer = Engine("random:mla-tiny", tp_size=2, **opts)
+    writer.generate([PROMPT], GREEDY)
+    writer.shutdown()
+    stored = objects(tmp_path)
+    assert set(stored) == {"L0-1", "L1-2"} and stored["L0-1"] == stored["L1-2"] >= 24
+    reader = Engine("random:mla-tiny", **opts)
     res = reader.generate([PROMPT], GREEDY)[0]
     assert res.cached_tokens_details["storage"] == 384 and res.output_ids == cold
     reader.shutdown()
