@@ -27,7 +27,9 @@ NAMESPACE_KEY_HEX = 16  # hex chars of the namespace digest in a unified key
 class PageObject(Protocol):
     def key(self, page_hash: bytes, ns_digest: bytes) -> str: ...
 
-    def page_bytes(self, host_page: int) -> bytes: ...
+    def page_bytes(self, host_page: int) -> memoryview:
+        """The object's payload (a view: valid while the host page is held for the write)."""
+        ...
 
     def load(self, host_page: int, payload: memoryview) -> None: ...
 
@@ -35,6 +37,12 @@ class PageObject(Protocol):
 def _page(host: HostKVPool, host_page: int) -> torch.Tensor:
     """One host page as ``[layers, K/V, token, kv_heads, head_dim]`` (a view, either layout)."""
     return host.buffer[host_page] if host.layout == "page_first" else host.buffer[:, :, host_page]
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """``t``'s bytes in its logical order: a view of it when contiguous (the object encoder
+    copies them once, into the object), else one gathering copy."""
+    return memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
 
 
 def _as_tensor(payload: memoryview, dtype: torch.dtype) -> torch.Tensor:
@@ -52,8 +60,8 @@ class WholePage:
     def key(self, page_hash: bytes, ns_digest: bytes) -> str:
         return object_key(page_hash) + self.suffix
 
-    def page_bytes(self, host_page: int) -> bytes:
-        return _page(self.host, host_page).contiguous().view(torch.uint8).numpy().tobytes()
+    def page_bytes(self, host_page: int) -> memoryview:
+        return _bytes_of(_page(self.host, host_page))
 
     def load(self, host_page: int, payload: memoryview) -> None:
         page = _page(self.host, host_page)
@@ -78,11 +86,11 @@ class GridCell:
         """The cell's part of the page, ``[layer, K/V, token, head, dim]`` (strided)."""
         return _page(self.host, host_page)[self.layers, :, :, self.heads, :]
 
-    def page_bytes(self, host_page: int) -> bytes:
+    def page_bytes(self, host_page: int) -> memoryview:
         view = self._view(host_page)
         if self.mla:  # (layer, token, [K half, V half]) = (layer, token, dim)
             view = view[:, :, :, 0, :].permute(0, 2, 1, 3)
-        return view.contiguous().view(torch.uint8).numpy().tobytes()
+        return _bytes_of(view)
 
     def load(self, host_page: int, payload: memoryview) -> None:
         view = self._view(host_page)
