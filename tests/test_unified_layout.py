@@ -200,3 +200,20 @@ def test_mla_latent_is_written_once_and_read_by_any_layout(tmp_path: Path) -> No
     res = reader.generate([PROMPT], GREEDY)[0]
     assert res.cached_tokens_details["storage"] == 384 and res.output_ids == cold
     reader.shutdown()
+
+
+@pytest.mark.parametrize("sharded", [True, False])
+def test_context_parallel_writers_share_objects_with_one_rank(tmp_path: Path, sharded: bool) -> None:
+    """CP2 with page-sharded KV: each page's objects are written by the rank that owns the page;
+    replicated: once, by the first CP rank. Either way a one-rank reader serves every page."""
+    cold = Engine("random:small", dtype="float32", max_total_tokens=2048).generate([PROMPT], GREEDY)[0].output_ids
+    opts = unified(tmp_path, hicache_storage_layer_partition=2)
+    writer = Engine("random:small", tp_size=2, attn_cp_size=2, enable_kv_cache_sharding=sharded, **opts)
+    assert writer.generate([PROMPT], GREEDY)[0].output_ids == cold
+    writer.shutdown()
+    stored = objects(tmp_path)
+    assert set(stored) == {"L0-2_H0", "L0-2_H1", "L2-4_H0", "L2-4_H1"} and len(set(stored.values())) == 1
+    reader = Engine("random:small", **opts)
+    res = reader.generate([PROMPT], GREEDY)[0]
+    assert res.cached_tokens_details["storage"] == 384 and res.output_ids == cold
+    reader.shutdown()

@@ -227,9 +227,8 @@ class EngineConfig:
         if not self.hicache_storage_backend:
             raise ConfigError("--hicache-storage-key-scheme unified names storage objects: it needs "
                               "--hicache-storage-backend.")
-        if self.attn_cp_size > 1 or self.enable_kv_cache_sharding or self.speculative_algorithm:
-            raise ConfigError("--hicache-storage-key-scheme unified with --attn-cp-size, --enable-kv-cache-sharding "
-                              "or --speculative-algorithm is not supported yet.")
+        if self.speculative_algorithm:
+            raise ConfigError("--hicache-storage-key-scheme unified with --speculative-algorithm is not supported yet.")
         if self.hicache_storage_head_partition < 1 or (self.hicache_storage_layer_partition or 1) < 1:
             raise ConfigError("--hicache-storage-head-partition and --hicache-storage-layer-partition must be at "
                               "least 1.")

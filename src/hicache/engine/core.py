@@ -27,7 +27,7 @@ from ..model.parallel import ModelShard
 from ..model.spec import ModelSpec
 from .runner import ContextParallel, ModelRunner
 from .scheduler import Scheduler
-from .storage_layout import unified_plans
+from .storage_layout import plan_index, unified_plans
 from .speculative import DraftKV, LayerWindow, Speculator, plan_draft_kv
 
 logger = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ def build_core(
         storage = None
     packed = draft_kv.layers if draft_kv is not None and draft_kv.packed else 0
     pool = DeviceKVPool(layers + packed, kv_heads, spec.head_dim, device_pages, cfg.page_size, dtype, device)
-    unified = _unified_plan(cfg, spec, shard)
+    unified = _unified_plan(cfg, spec, shard, cp_group, split_tokens)
     # unified objects are cut from whole host pages: one page of every layer kept contiguous
     layout = "page_first" if unified is not None else cfg.hicache_mem_layout
     host_pool = HostKVPool(pool, host_pages, layout) if cfg.enable_hierarchical_cache else None
@@ -125,12 +125,16 @@ def _speculator(cfg: EngineConfig, draft: LoadedModel | None, cache: KVCacheMana
     return Speculator(None, cfg.speculative_steps) if cfg.speculative_algorithm else None
 
 
-def _unified_plan(cfg: EngineConfig, spec: ModelSpec, shard: ModelShard | None) -> UnifiedPlan | None:
+def _unified_plan(cfg: EngineConfig, spec: ModelSpec, shard: ModelShard | None, cp_group: CPGroup | None,
+                  split_tokens: bool) -> UnifiedPlan | None:
     """This rank's cells of the unified storage grid (``--hicache-storage-key-scheme unified``)."""
     plans = unified_plans(cfg, spec)
     if not plans:
         return None
-    plan = plans[shard.pp_rank * shard.tp_size + shard.tp_rank if shard is not None else 0]
+    # shard.tp_rank is the attention-TP rank; with CP the full TP rank also counts the CP rank
+    tp_rank = 0 if shard is None else shard.tp_rank + (cp_group.rank * shard.tp_size if cp_group and split_tokens
+                                                         else 0)
+    plan = plans[plan_index(cfg, shard.pp_rank if shard is not None else 0, tp_rank)]
     logger.info("unified storage grid %s: this rank reads %d and writes %d of %d objects per page",
                 plan.grid.describe(), len(plan.objects.reads), len(plan.objects.writes), len(plan.grid.cells()))
     return plan

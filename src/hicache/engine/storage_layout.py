@@ -17,19 +17,35 @@ from ..model.spec import ModelSpec
 KEY_PATTERN = "{page_hash}_{namespace_digest}_L{start_layer}-{end_layer}[_H{head_group}]"
 
 
+def stage_holders(cfg: EngineConfig) -> int:
+    """How many ranks of a pipeline stage plan their objects together: every TP rank when each
+    holds every page (the lowest holder of a cell writes it); with page-sharded KV (CP) only the
+    attention-TP ranks of one CP rank, which together hold the pages that CP rank owns (its
+    owner writes a page's objects); an MLA latent sharded over the TP ranks: one."""
+    if not cfg.enable_kv_cache_sharding:
+        return cfg.tp_size
+    return cfg.tp_size // cfg.attn_cp_size if cfg.attn_cp_size > 1 else 1
+
+
+def plan_index(cfg: EngineConfig, pp_rank: int, tp_rank: int) -> int:
+    """Which of :func:`unified_plans` is the rank at (``pp_rank``, ``tp_rank``)'s."""
+    holders = stage_holders(cfg)
+    return pp_rank * holders + tp_rank % holders
+
+
 def unified_plans(cfg: EngineConfig, spec: ModelSpec) -> list[UnifiedPlan]:
-    """Every rank's plan, by rank (``pp_rank * tp_size + tp_rank``); [] when the key scheme is
-    not unified. Raises ConfigError when a rank's shard does not align with the grid."""
+    """The plans of a stage's holders (:func:`stage_holders`), stage after stage; [] when the
+    key scheme is not unified. Raises ConfigError when a shard does not align with the grid."""
     if cfg.hicache_storage_key_scheme != "unified" or not cfg.hicache_storage_backend:
         return []
     grid = StorageGrid(spec.num_layers, spec.num_kv_heads, cfg.hicache_storage_layer_partition or spec.num_layers,
                        cfg.hicache_storage_head_partition, spec.is_mla)
-    tp, pp = cfg.tp_size, cfg.pp_size
+    holders, attn_tp = stage_holders(cfg), cfg.tp_size // cfg.attn_cp_size
     shards = []
-    for p in range(pp):
-        for t in range(tp):
-            s = model_shard(spec, t, tp, p, pp)
-            shards.append(RankShard(p * tp + t, s.layers, s.kv_heads))
+    for p in range(cfg.pp_size):
+        for t in range(holders):
+            s = model_shard(spec, t % attn_tp, attn_tp, p, cfg.pp_size)  # CP ranks hold the same heads
+            shards.append(RankShard(p * holders + t, s.layers, s.kv_heads))
     return [UnifiedPlan(grid, s, plan_rank(grid, shards, s.rank)) for s in shards]
 
 
@@ -53,7 +69,9 @@ def layout_report(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, tree_n
         "grid": {"layer_ranges": grid.layer_ranges, "head_groups": len(grid.groups), "mla": grid.mla,
                  "layer_partition": grid.layer_partition, "head_partition": None if grid.mla else grid.head_partition,
                  "objects_per_page": len(grid.cells())},
-        "ranks": [{"rank": p.shard.rank, "tp_rank": p.shard.rank % cfg.tp_size, "pp_rank": p.shard.rank // cfg.tp_size,
+        # one entry per holder of a stage (stage_holders: with page-sharded KV each page's owner)
+        "ranks": [{"rank": p.shard.rank, "tp_rank": p.shard.rank % stage_holders(cfg),
+                   "pp_rank": p.shard.rank // stage_holders(cfg),
                    "layers": [p.shard.layers.start, p.shard.layers.stop],
                    "kv_heads": [p.shard.kv_heads.start, p.shard.kv_heads.stop],
                    "reads": [c.suffix for c in p.objects.reads], "writes": [c.suffix for c in p.objects.writes]}
