@@ -217,3 +217,24 @@ def test_context_parallel_writers_share_objects_with_one_rank(tmp_path: Path, sh
     res = reader.generate([PROMPT], GREEDY)[0]
     assert res.cached_tokens_details["storage"] == 384 and res.output_ids == cold
     reader.shutdown()
+
+
+@pytest.mark.parametrize("layout", ["packed", "sidecar"])
+def test_draft_kv_has_cells_of_its_own_and_comes_back_with_the_target(tmp_path: Path, layout: str) -> None:
+    """Speculative decoding on the unified layout: a TP2 writer stores the draft's KV as cells
+    ``draft_L..`` beside the target's; a one-rank reader restores both, so its acceptance equals
+    the cold run's."""
+    spec = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path="random:small:int4-g16",
+                speculative_num_steps=3, speculative_draft_kv_layout=layout)
+    cold = Engine("random:small", dtype="float32", max_total_tokens=2048, **spec).generate([PROMPT], GREEDY)[0]
+    opts = unified(tmp_path, hicache_storage_layer_partition=2, **spec)
+    writer = Engine("random:small", tp_size=2, **opts)
+    writer.generate([PROMPT], GREEDY)
+    writer.shutdown()
+    stored = objects(tmp_path)
+    assert {"draft_L0-2_H0", "draft_L2-4_H1"} <= set(stored) and len(stored) == 8 and len(set(stored.values())) == 1
+    reader = Engine("random:small", **opts)
+    res = reader.generate([PROMPT], GREEDY)[0]
+    assert res.cached_tokens_details["storage"] == 384
+    assert (res.output_ids, res.spec_accept_length) == (cold.output_ids, cold.spec_accept_length)
+    reader.shutdown()

@@ -227,8 +227,6 @@ class EngineConfig:
         if not self.hicache_storage_backend:
             raise ConfigError("--hicache-storage-key-scheme unified names storage objects: it needs "
                               "--hicache-storage-backend.")
-        if self.speculative_algorithm:
-            raise ConfigError("--hicache-storage-key-scheme unified with --speculative-algorithm is not supported yet.")
         if self.hicache_storage_head_partition < 1 or (self.hicache_storage_layer_partition or 1) < 1:
             raise ConfigError("--hicache-storage-head-partition and --hicache-storage-layer-partition must be at "
                               "least 1.")

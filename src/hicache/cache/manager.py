@@ -27,7 +27,7 @@ from .pools import DeviceKVPool, PageAllocator
 from .storage.base import StorageBackend
 from .storage.controller import Agree, PrefetchOp
 from .storage.keys import KeyNamespace
-from .storage.page_objects import GridCell
+from .storage.page_objects import DRAFT_PREFIX, GridCell
 from .storage.unified import UnifiedPlan
 from .storage_tier import StorageTier, consume_prefetch_acks, node_hashes
 from .tiers import CacheStats, Tier
@@ -60,12 +60,22 @@ def _key_namespace(pool: DeviceKVPool, shard: str, unified: UnifiedPlan | None) 
     return unified.key_namespace(pool.page_size, str(k.dtype), k.shape[2])
 
 
-def _grid_objects(host_pool: HostKVPool, plan: UnifiedPlan) -> tuple[list[GridCell], list[GridCell]]:
-    """This rank's read and write cells as objects cut from its host pages."""
-    def cut(cell):
-        return GridCell(host_pool, cell, plan.shard.layers.start, plan.shard.kv_heads.start, plan.grid.heads_of(cell),
-                        plan.grid.mla)
-    return [cut(c) for c in plan.objects.reads], [cut(c) for c in plan.objects.writes]
+def _grid_objects(host_pool: HostKVPool, plan: UnifiedPlan, sidecar_host: HostKVPool | None,
+                  pool_layers: int) -> tuple[list[GridCell], list[GridCell]]:
+    """This rank's read and write cells as objects cut from its host pages, then its draft's:
+    in the sidecar's host pool, or (packed) in the layers after the target's."""
+    def cut(cell, grid, shard, host, first_layer, prefix=""):
+        return GridCell(host, cell, first_layer, shard.kv_heads.start, grid.heads_of(cell), grid.mla, prefix)
+
+    s = plan.shard
+    reads = [cut(c, plan.grid, s, host_pool, s.layers.start) for c in plan.objects.reads]
+    writes = [cut(c, plan.grid, s, host_pool, s.layers.start) for c in plan.objects.writes]
+    if plan.draft is not None:
+        d = plan.draft
+        host, first = (sidecar_host, 0) if sidecar_host is not None else (host_pool, -(pool_layers - d.grid.num_layers))
+        reads += [cut(c, d.grid, d.shard, host, first, DRAFT_PREFIX) for c in d.objects.reads]
+        writes += [cut(c, d.grid, d.shard, host, first, DRAFT_PREFIX) for c in d.objects.writes]
+    return reads, writes
 
 
 class KVCacheManager:
@@ -129,9 +139,10 @@ class KVCacheManager:
             self.device.lower = self.host
             self.tiers.append(self.host)
         if storage is not None:
+            objects = _grid_objects(host_pool, unified, sidecar[1] if sidecar else None, len(pool.k_buffers)) \
+                if unified else None
             self.storage_tier = StorageTier(storage, self.host, self.keys, storage_agree, storage_op_timeout,
-                                            prefetch_threshold, prefetch_max_host_fraction, shard_view,
-                                            _grid_objects(host_pool, unified) if unified else None)
+                                            prefetch_threshold, prefetch_max_host_fraction, shard_view, objects)
             self.host.lower = self.storage_tier
             self.tiers.append(self.storage_tier)
         self.controller = self.host.controller if self.host is not None else None

@@ -96,7 +96,7 @@ def build_core(
         storage = None
     packed = draft_kv.layers if draft_kv is not None and draft_kv.packed else 0
     pool = DeviceKVPool(layers + packed, kv_heads, spec.head_dim, device_pages, cfg.page_size, dtype, device)
-    unified = _unified_plan(cfg, spec, shard, cp_group, split_tokens)
+    unified = _unified_plan(cfg, spec, shard, cp_group, split_tokens, draft)
     # unified objects are cut from whole host pages: one page of every layer kept contiguous
     layout = "page_first" if unified is not None else cfg.hicache_mem_layout
     host_pool = HostKVPool(pool, host_pages, layout) if cfg.enable_hierarchical_cache else None
@@ -126,9 +126,9 @@ def _speculator(cfg: EngineConfig, draft: LoadedModel | None, cache: KVCacheMana
 
 
 def _unified_plan(cfg: EngineConfig, spec: ModelSpec, shard: ModelShard | None, cp_group: CPGroup | None,
-                  split_tokens: bool) -> UnifiedPlan | None:
+                  split_tokens: bool, draft: LoadedModel | None) -> UnifiedPlan | None:
     """This rank's cells of the unified storage grid (``--hicache-storage-key-scheme unified``)."""
-    plans = unified_plans(cfg, spec)
+    plans = unified_plans(cfg, spec, draft.spec if draft is not None else None)
     if not plans:
         return None
     # shard.tp_rank is the attention-TP rank; with CP the full TP rank also counts the CP rank

@@ -235,7 +235,8 @@ class Engine:
         """The L3 object layout for external routers: with the unified key scheme the namespace
         digest, key pattern, grid and every rank's read / write cells (``GET
         /get_hicache_l3_cache_layout``)."""
-        return layout_report(self.config, self.loaded.spec, self.dtype, self.model_namespace)
+        return layout_report(self.config, self.loaded.spec, self.dtype, self.model_namespace,
+                             self.draft.spec if self.draft is not None else None)
 
     def shutdown(self) -> None:
         """Drop requests and free the model and pools (stop the rank processes)."""

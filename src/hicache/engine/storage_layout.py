@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from ..cache.storage.page_objects import NAMESPACE_KEY_HEX
-from ..cache.storage.unified import RankShard, StorageGrid, UnifiedPlan, plan_rank
+from ..cache.storage.page_objects import DRAFT_PREFIX, NAMESPACE_KEY_HEX
+from ..cache.storage.unified import DraftPlan, RankShard, StorageGrid, UnifiedPlan, plan_rank
 from ..config import EngineConfig
 from ..model.parallel import model_shard
 from ..model.spec import ModelSpec
@@ -33,26 +33,42 @@ def plan_index(cfg: EngineConfig, pp_rank: int, tp_rank: int) -> int:
     return pp_rank * holders + tp_rank % holders
 
 
-def unified_plans(cfg: EngineConfig, spec: ModelSpec) -> list[UnifiedPlan]:
+def unified_plans(cfg: EngineConfig, spec: ModelSpec, draft: ModelSpec | None = None) -> list[UnifiedPlan]:
     """The plans of a stage's holders (:func:`stage_holders`), stage after stage; [] when the
-    key scheme is not unified. Raises ConfigError when a shard does not align with the grid."""
+    key scheme is not unified. ``draft``: the speculative draft's spec (its cells are planned
+    on the first stage). Raises ConfigError when a shard does not align with a grid."""
     if cfg.hicache_storage_key_scheme != "unified" or not cfg.hicache_storage_backend:
         return []
-    grid = StorageGrid(spec.num_layers, spec.num_kv_heads, cfg.hicache_storage_layer_partition or spec.num_layers,
+    grid, shards = _grid_and_shards(cfg, spec, cfg.pp_size)
+    drafts: list[DraftPlan | None] = [None] * len(shards)
+    if draft is not None:
+        draft_grid, draft_shards = _grid_and_shards(cfg, draft, 1)
+        for s in draft_shards:
+            drafts[s.rank] = DraftPlan(draft_grid, s, plan_rank(draft_grid, draft_shards, s.rank))
+    return [UnifiedPlan(grid, s, plan_rank(grid, shards, s.rank), d) for s, d in zip(shards, drafts)]
+
+
+def _grid_and_shards(cfg: EngineConfig, spec: ModelSpec, pp_size: int) -> tuple[StorageGrid, list[RankShard]]:
+    """The grid the partition flags give ``spec``, and its shards over ``pp_size`` stages of
+    :func:`stage_holders` ranks (rank = stage x holders + position)."""
+    grid = StorageGrid(spec.num_layers, spec.num_kv_heads,
+                       min(cfg.hicache_storage_layer_partition or spec.num_layers, spec.num_layers),
                        cfg.hicache_storage_head_partition, spec.is_mla)
     holders, attn_tp = stage_holders(cfg), cfg.tp_size // cfg.attn_cp_size
     shards = []
-    for p in range(cfg.pp_size):
+    for p in range(pp_size):
         for t in range(holders):
-            s = model_shard(spec, t % attn_tp, attn_tp, p, cfg.pp_size)  # CP ranks hold the same heads
+            s = model_shard(spec, t % attn_tp, attn_tp, p, pp_size)  # CP ranks hold the same heads
             shards.append(RankShard(p * holders + t, s.layers, s.kv_heads))
-    return [UnifiedPlan(grid, s, plan_rank(grid, shards, s.rank)) for s in shards]
+    return grid, shards
 
 
-def layout_report(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, tree_namespace: str) -> dict[str, Any]:
+def layout_report(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, tree_namespace: str,
+                  draft: ModelSpec | None = None) -> dict[str, Any]:
     """The storage layout as JSON for routers: namespace digest (of requests without a
-    cache_salt; a salt changes it), key pattern, grid, and each rank's read and write sets."""
-    plans = unified_plans(cfg, spec)
+    cache_salt; a salt changes it), key pattern, grid, and each rank's read and write sets
+    (draft cells prefixed ``draft_``)."""
+    plans = unified_plans(cfg, spec, draft)
     if not plans:
         return {"key_scheme": cfg.hicache_storage_key_scheme, "storage_backend": cfg.hicache_storage_backend}
     grid = plans[0].grid
@@ -74,6 +90,13 @@ def layout_report(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, tree_n
                    "pp_rank": p.shard.rank // stage_holders(cfg),
                    "layers": [p.shard.layers.start, p.shard.layers.stop],
                    "kv_heads": [p.shard.kv_heads.start, p.shard.kv_heads.stop],
-                   "reads": [c.suffix for c in p.objects.reads], "writes": [c.suffix for c in p.objects.writes]}
+                   "reads": [c.suffix for c in p.objects.reads] + _draft_suffixes(p, "reads"),
+                   "writes": [c.suffix for c in p.objects.writes] + _draft_suffixes(p, "writes")}
                   for p in plans],
     }
+
+
+def _draft_suffixes(plan: UnifiedPlan, which: str) -> list[str]:
+    if plan.draft is None:
+        return []
+    return [DRAFT_PREFIX + c.suffix for c in getattr(plan.draft.objects, which)]

@@ -22,6 +22,7 @@ from .keys import object_key
 from .unified import Cell
 
 NAMESPACE_KEY_HEX = 16  # hex chars of the namespace digest in a unified key
+DRAFT_PREFIX = "draft_"  # a speculative draft's cells: {page_hash}_{digest}_draft_L{a}-{b}[_H{g}]
 
 
 class PageObject(Protocol):
@@ -71,16 +72,18 @@ class WholePage:
 class GridCell:
     """One unified-grid cell of this rank's host pages. ``first_layer`` / ``first_head``: the
     model-global indices of the pool's first layer and KV head; ``heads``: the cell's global
-    KV heads; ``mla``: the pool's one "head" is an MLA latent split over the K and V buffers."""
+    KV heads; ``mla``: the pool's one "head" is an MLA latent split over the K and V buffers;
+    ``prefix``: :data:`DRAFT_PREFIX` for a speculative draft's cells (the pool's layers at
+    ``first_layer``'s offset may then follow the target's: a negative ``first_layer``)."""
 
     def __init__(self, host: HostKVPool, cell: Cell, first_layer: int, first_head: int, heads: range,
-                 mla: bool) -> None:
-        self.host, self.cell, self.mla = host, cell, mla
+                 mla: bool, prefix: str = "") -> None:
+        self.host, self.cell, self.mla, self.prefix = host, cell, mla, prefix
         self.layers = slice(cell.layer_start - first_layer, cell.layer_end - first_layer)
         self.heads = slice(heads.start - first_head, heads.stop - first_head)
 
     def key(self, page_hash: bytes, ns_digest: bytes) -> str:
-        return f"{object_key(page_hash)}_{ns_digest.hex()[:NAMESPACE_KEY_HEX]}_{self.cell.suffix}"
+        return f"{object_key(page_hash)}_{ns_digest.hex()[:NAMESPACE_KEY_HEX]}_{self.prefix}{self.cell.suffix}"
 
     def _view(self, host_page: int) -> torch.Tensor:
         """The cell's part of the page, ``[layer, K/V, token, head, dim]`` (strided)."""
