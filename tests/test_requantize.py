@@ -41,14 +41,14 @@ def test_variant_names():
 def test_int4_g64_copy_is_another_model_that_mostly_agrees_with_the_target():
     """Teacher-forced next-token agreement over greedy continuations of the target: the 4-bit
     copy is a different model (its own cache identity, not always the same token) that agrees
-    often enough to draft for it; 8 bits nearly always agree."""
+    often enough to draft for it."""
     target = load_model("smollm2", dtype=torch.float32)
     conts = []
     for question in ("What is the capital of France?", "Write a haiku about caches."):
         ids = target.tokenizer.encode(target.tokenizer.apply_chat_template([{"role": "user", "content": question}]))
         conts.append((ids, greedy_paged(target.model, ids, 48)))
     agreement = {}
-    for variant in ("int4-g64", "int8-g64"):
+    for variant in ("int4-g64",):
         draft = load_model(f"smollm2:{variant}", dtype=torch.float32)
         assert draft.identity != target.identity and draft.identity.endswith(variant)
         same = total = 0
@@ -58,5 +58,4 @@ def test_int4_g64_copy_is_another_model_that_mostly_agrees_with_the_target():
             got = prefill_logits(draft.model, seq)[len(ids) - 1:-1].argmax(-1)
             same, total = same + int((want == got).sum()), total + len(out)
         agreement[variant] = same / total
-    assert 0.55 <= agreement["int4-g64"] < 0.95, agreement
-    assert agreement["int8-g64"] >= 0.9, agreement
+    assert 0.55 <= agreement["int4-g64"] < 0.95, agreement  # (int8-g64 measured 0.98: docs/speculative.md)

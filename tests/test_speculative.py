@@ -209,8 +209,7 @@ def test_history_from_device_and_host_keeps_acceptance(tmp_path: Path, cold, dro
     engine.shutdown()
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("drop_draft", [False, True])
+@pytest.mark.parametrize("layout,drop_draft", [("packed", False), ("sidecar", False), ("sidecar", True)])
 def test_history_from_storage_in_a_new_process_keeps_acceptance(tmp_path: Path, cold, drop_draft: bool,
                                                                layout: str) -> None:
     prompt, output, accept = cold

@@ -202,13 +202,13 @@ def test_mla_latent_is_written_once_and_read_by_any_layout(tmp_path: Path) -> No
     reader.shutdown()
 
 
-@pytest.mark.parametrize("sharded", [True, False])
-def test_context_parallel_writers_share_objects_with_one_rank(tmp_path: Path, sharded: bool) -> None:
-    """CP2 with page-sharded KV: each page's objects are written by the rank that owns the page;
-    replicated: once, by the first CP rank. Either way a one-rank reader serves every page."""
+def test_context_parallel_writers_share_objects_with_one_rank(tmp_path: Path) -> None:
+    """CP2 with page-sharded KV: each page's objects are written by the rank that owns the page
+    (a page neither rank wrote would end the reader's hit), and a one-rank reader serves every
+    page. (Replicated CP plans like TP: the first CP rank writes.)"""
     cold = Engine("random:small", dtype="float32", max_total_tokens=2048).generate([PROMPT], GREEDY)[0].output_ids
     opts = unified(tmp_path, hicache_storage_layer_partition=2)
-    writer = Engine("random:small", tp_size=2, attn_cp_size=2, enable_kv_cache_sharding=sharded, **opts)
+    writer = Engine("random:small", tp_size=2, attn_cp_size=2, enable_kv_cache_sharding=True, **opts)
     assert writer.generate([PROMPT], GREEDY)[0].output_ids == cold
     writer.shutdown()
     stored = objects(tmp_path)
@@ -219,16 +219,17 @@ def test_context_parallel_writers_share_objects_with_one_rank(tmp_path: Path, sh
     reader.shutdown()
 
 
-@pytest.mark.parametrize("layout", ["packed", "sidecar"])
-def test_draft_kv_has_cells_of_its_own_and_comes_back_with_the_target(tmp_path: Path, layout: str) -> None:
-    """Speculative decoding on the unified layout: a TP2 writer stores the draft's KV as cells
+@pytest.mark.parametrize("layout,writer_tp", [("packed", 2), ("sidecar", 1)])
+def test_draft_kv_has_cells_of_its_own_and_comes_back_with_the_target(tmp_path: Path, layout: str,
+                                                                      writer_tp: int) -> None:
+    """Speculative decoding on the unified layout: the writer stores the draft's KV as cells
     ``draft_L..`` beside the target's; a one-rank reader restores both, so its acceptance equals
     the cold run's."""
     spec = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path="random:small:int4-g16",
                 speculative_num_steps=3, speculative_draft_kv_layout=layout)
     cold = Engine("random:small", dtype="float32", max_total_tokens=2048, **spec).generate([PROMPT], GREEDY)[0]
     opts = unified(tmp_path, hicache_storage_layer_partition=2, **spec)
-    writer = Engine("random:small", tp_size=2, **opts)
+    writer = Engine("random:small", tp_size=writer_tp, **opts)
     writer.generate([PROMPT], GREEDY)
     writer.shutdown()
     stored = objects(tmp_path)

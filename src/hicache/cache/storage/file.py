@@ -28,7 +28,6 @@ import stat
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,8 +89,7 @@ class FileBackend(StorageBackend):
     process crash does not need it). ``touch_on_read``: refresh a read object's mtime so
     the LRU order survives a restart; only objects whose mtime is older than
     ``touch_interval_s`` seconds are touched, so the on-disk order is exact to that
-    granularity while the in-memory order is exact. ``io_threads``: files of one batch read
-    or written at once.
+    granularity while the in-memory order is exact.
 
     Thread safety: one reader thread and one writer thread (and occasional delete/clear/
     stats calls from others) may run at once; the index is guarded by a lock and file I/O
@@ -107,7 +105,6 @@ class FileBackend(StorageBackend):
         fsync: bool = False,
         touch_on_read: bool = True,
         touch_interval_s: float = 60.0,
-        io_threads: int = 4,
     ) -> None:
         self.root = Path(path).expanduser() if path else default_dir()
         if max_bytes is not None and int(max_bytes) <= 0:
@@ -116,12 +113,6 @@ class FileBackend(StorageBackend):
         self.fsync = bool(fsync)
         self.touch_on_read = bool(touch_on_read)
         self.touch_interval_s = float(touch_interval_s)
-        if int(io_threads) < 1:
-            raise ValueError(f"io_threads must be at least 1, got {io_threads}")
-        # The files of a batch are opened, written and read side by side: per object the
-        # filesystem's open/rename dominate (a page cut on the unified grid is several objects),
-        # and those system calls release the GIL.
-        self._io = ThreadPoolExecutor(max_workers=int(io_threads), thread_name_prefix="hicache-file-io")
         self._lock = threading.Lock()
         self._index = _Index()
         self._stats = BackendStats()
@@ -229,15 +220,20 @@ class FileBackend(StorageBackend):
         out: list[bytes | None] = []
         hits = nread = errors = 0
         first_error = ""
-        touch_before = time.time() - self.touch_interval_s if self.touch_on_read else None
-        paths = [self.path_of(key) for key in keys]
-        for key, path, (data, error) in zip(keys, paths, self._io.map(lambda p: _try_read(p, touch_before), paths)):
-            if error is not None:  # unreadable, not missing: counted and logged (once per batch)
-                errors += 1
-                first_error = first_error or f"{path}: {error}"
-            out.append(data)
-            if data is None:
+        touch_before = time.time() - self.touch_interval_s
+        for key in keys:
+            path = self.path_of(key)
+            try:
+                data = _read_file(path, touch_before if self.touch_on_read else None)
+            except FileNotFoundError:
+                out.append(None)
                 continue
+            except OSError as e:  # unreadable, not missing: counted and logged (once per batch)
+                errors += 1
+                first_error = first_error or f"{path}: {e}"
+                out.append(None)
+                continue
+            out.append(data)
             hits += 1
             nread += len(data)
             with self._lock:
@@ -262,24 +258,21 @@ class FileBackend(StorageBackend):
             raise ValueError("keys and values differ in length")
         stored = nbytes = 0
         evicted = [0, 0]
-        sizes = [memoryview(value).nbytes for value in values]
-        fits = next((i for i, size in enumerate(sizes) if self.max_bytes is not None and size > self.max_bytes),
-                    len(keys))
-        if fits < len(keys):
-            log.warning("file storage: object %s (%d bytes) is larger than max_bytes %d; refused",
-                        keys[fits], sizes[fits], self.max_bytes)
-        paths = [self.path_of(key) for key in keys[:fits]]
-        # Temp files written side by side, then published in order: `stored` stays a leading count.
-        tmps = list(self._io.map(self._try_write_tmp, paths, values[:fits]))
-        for i, (key, path, (tmp, error)) in enumerate(zip(keys, paths, tmps)):
-            size = sizes[i]
-            if tmp is None:
+        for key, value in zip(keys, values):
+            size = memoryview(value).nbytes
+            if self.max_bytes is not None and size > self.max_bytes:
+                log.warning(
+                    "file storage: object %s (%d bytes) is larger than max_bytes %d; refused",
+                    key, size, self.max_bytes,
+                )
+                break
+            path = self.path_of(key)
+            try:
+                tmp = self._write_tmp(path, value)
+            except OSError as e:
                 with self._lock:
                     self._stats.errors += 1
-                log.warning("file storage: write of %s failed: %s", path, error)
-                for later, _ in tmps[i + 1:]:  # written, never to be published
-                    if later is not None:
-                        _unlink_quiet(later)
+                log.warning("file storage: write of %s failed: %s", path, e)
                 break
             with self._lock:
                 if self.max_bytes is not None:
@@ -291,9 +284,7 @@ class FileBackend(StorageBackend):
                     os.replace(tmp, path)
                 except OSError as e:
                     self._stats.errors += 1
-                    for later, _ in tmps[i:]:
-                        if later is not None:
-                            _unlink_quiet(later)
+                    _unlink_quiet(tmp)
                     log.warning("file storage: publishing %s failed: %s", path, e)
                     break
                 self._index.put(key, size)
@@ -307,12 +298,6 @@ class FileBackend(StorageBackend):
                 evicted[0], evicted[1], self.max_bytes,
             )
         return stored
-
-    def _try_write_tmp(self, path: Path, value: bytes) -> tuple[Path | None, OSError | None]:
-        try:
-            return self._write_tmp(path, value), None
-        except OSError as e:
-            return None, e
 
     def _write_tmp(self, path: Path, value: bytes) -> Path:
         """Write ``value`` to a fresh temp file next to ``path``; return the temp path."""
@@ -345,10 +330,6 @@ class FileBackend(StorageBackend):
                 self._index.pop(key)
                 _unlink_quiet(path)
 
-    def close(self) -> None:
-        """Stop the I/O threads (a batch already running finishes)."""
-        self._io.shutdown(wait=False)
-
     def clear(self) -> None:
         """Remove every object (and stray temp file) this directory holds."""
         with self._lock:
@@ -376,16 +357,6 @@ class FileBackend(StorageBackend):
                     "max_bytes": self.max_bytes,
                 },
             )
-
-
-def _try_read(path: Path, touch_before: float | None) -> tuple[bytes | None, OSError | None]:
-    """``(data, None)``; ``(None, None)`` when the file is missing; ``(None, error)`` otherwise."""
-    try:
-        return _read_file(path, touch_before), None
-    except FileNotFoundError:
-        return None, None
-    except OSError as e:
-        return None, e
 
 
 def _read_file(path: Path, touch_before: float | None = None) -> bytes:
