@@ -56,7 +56,7 @@ demo: setup
 		--agents 2 --turns 2 --max-new-tokens 8 --max-total-tokens 1024 --enable-hierarchical-cache
 	@echo
 	@echo "== speculative decoding: a 4-bit draft proposes, SmolLM2 verifies; the draft's KV comes back from L2 with the history =="
-	$(VENV)/bin/hicache demo --agents 2 --turns 2 --max-total-tokens 2048 --enable-hierarchical-cache \
+	$(VENV)/bin/hicache demo --agents 3 --turns 3 --max-total-tokens 1024 --enable-hierarchical-cache \
 		--speculative-algorithm STANDALONE --speculative-draft-model-path smollm2:int4-g64 --speculative-num-steps 3
 	@echo
 	@echo "== unified storage layout: a two-rank (TP2) engine stores a session; a one-rank engine in a new process continues it from L3 =="
