@@ -14,7 +14,7 @@ import pytest
 
 from hicache import Engine, SamplingParams
 from hicache.cache.storage.unified import Cell, RankShard, StorageGrid, plan_rank
-from hicache.config import ConfigError
+from hicache.config import ConfigError, EngineConfig
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
@@ -239,3 +239,21 @@ def test_draft_kv_has_cells_of_its_own_and_comes_back_with_the_target(tmp_path: 
     assert res.cached_tokens_details["storage"] == 384
     assert (res.output_ids, res.spec_accept_length) == (cold.output_ids, cold.spec_accept_length)
     reader.shutdown()
+
+
+def test_holders_per_stage_follow_the_kv_placement() -> None:
+    """Who plans together: every TP rank when each holds every page; one CP rank's attention-TP
+    ranks with page-sharded KV (each page's owner writes it); one holder for an MLA latent
+    sharded over TP ranks."""
+    from hicache.engine.storage_layout import plan_index, stage_holders
+
+    def cfg(**kw) -> EngineConfig:
+        return EngineConfig(enable_hierarchical_cache=True, hicache_storage_backend="file",
+                            hicache_storage_key_scheme="unified", **kw)
+
+    plain, cp_sharded = cfg(tp_size=4, pp_size=2), cfg(tp_size=4, attn_cp_size=2, enable_kv_cache_sharding=True)
+    latent = cfg(tp_size=2, enable_kv_cache_sharding=True)
+    assert (stage_holders(plain), stage_holders(cp_sharded), stage_holders(latent)) == (4, 2, 1)
+    assert plan_index(plain, 1, 3) == 7
+    assert [plan_index(cp_sharded, 0, t) for t in range(4)] == [0, 1, 0, 1]  # CP rank 1 plans like CP rank 0
+    assert [plan_index(latent, 0, t) for t in range(2)] == [0, 0]

@@ -99,6 +99,9 @@ def build_core(
     unified = _unified_plan(cfg, spec, shard, cp_group, split_tokens, draft)
     # unified objects are cut from whole host pages: one page of every layer kept contiguous
     layout = "page_first" if unified is not None else cfg.hicache_mem_layout
+    if layout != cfg.hicache_mem_layout and cfg.enable_hierarchical_cache:
+        logger.info("host KV pool layout page_first (not %s): the unified key scheme cuts objects from whole pages",
+                    cfg.hicache_mem_layout)
     host_pool = HostKVPool(pool, host_pages, layout) if cfg.enable_hierarchical_cache else None
     sidecar = _sidecar_pools(cfg, draft_kv, device_pages, host_pages, dtype, device)
     cache = KVCacheManager(
