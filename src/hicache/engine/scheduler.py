@@ -250,24 +250,20 @@ class Scheduler:
     def _apply_verified(self, req: Request, tokens: Sequence[int], finished: list[Request]) -> None:
         """A verify pass gave ``tokens`` (j accepted drafts + the target's own): the target's KV
         now covers the j drafts, the draft's all but the last of them (engine/speculative.py).
-        Set before appending: a token that finishes the request releases what has KV (at most
-        the tokens it has: an early stop keeps ``computed <= len(all_ids)``)."""
+        Set before appending: a token that finishes the request releases what has KV
+        (``tokens_with_kv`` cuts at the tokens it has); the tokens after it are dropped."""
         j, n = len(tokens) - 1, len(req.all_ids)
-        appended = 0  # the accepted tokens up to the first that finishes the request
-        for tok in tokens:
-            req.output_ids.append(tok)
-            appended += 1
-            if self._stop_reason(req):
-                break
-        del req.output_ids[len(req.output_ids) - appended:]
-        req.computed = n + min(j, appended)
-        req.draft_computed = n + min(j, self.spec_steps - 1, appended)
-        req.spec_verify_steps += 1
-        req.spec_accepted_tokens += appended
+        req.computed = n + j
+        req.draft_computed = n + min(j, self.spec_steps - 1)
+        req.spec_verify_steps += 1  # counted before appending: finishing reports them
         self.spec_request_verify_steps += 1
-        self.spec_accepted_tokens += appended
-        for tok in tokens[:appended]:
+        for tok in tokens:
+            req.spec_accepted_tokens += 1
+            self.spec_accepted_tokens += 1
             self._append_token(req, tok, finished)
+            if req.status is Status.FINISHED:
+                break
+        req.computed = min(req.computed, len(req.all_ids))  # an early stop: only what was appended
 
     # ---- finishing -----------------------------------------------------------------------
     def _stop_reason(self, req: Request) -> str:
