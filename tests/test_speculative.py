@@ -330,3 +330,36 @@ def test_ranks_accept_and_answer_like_one_rank(tp: int, pp: int, monkeypatch: py
         assert ranks.stats()["speculative"]["request_verify_steps"] > 0
     finally:
         ranks.shutdown()
+
+
+# ---- DESIGN invariants 4 and 5 for the draft's KV ----------------------------------------------
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_draft_waits_for_its_own_layers_of_a_slow_load_back(tmp_path: Path, cold, layout: str) -> None:
+    """Ready before read: a load-back whose draft layers arrive late (each held 50 ms) still
+    gives the cold run's acceptance: the draft's passes wait for their layers' events."""
+    prompt, output, accept = cold
+    engine = tiered(tmp_path, speculative_draft_kv_layout=layout)
+    second_turn(engine)
+    engine.cache.drain()
+    engine.cache.tree.evict(10**6)
+    target_layers = engine.loaded.spec.num_layers
+    engine.cache.controller.delay_fn = lambda op, layer: 0.05 if op.kind == "load" and layer >= target_layers else 0.0
+    res = engine.generate([prompt], GREEDY)[0]
+    assert res.cached_tokens_details["host"] >= 208
+    assert (res.output_ids, res.spec_accept_length) == (output, accept)
+    engine.shutdown()
+
+
+def test_a_missing_sidecar_object_ends_the_hit_at_the_page_before(tmp_path: Path, cold) -> None:
+    """Nothing half-restored is served: a page whose draft object is gone is no hit."""
+    prompt, output, _ = cold
+    writer = tiered(tmp_path, speculative_draft_kv_layout="sidecar")
+    second_turn(writer)
+    writer.shutdown()
+    reader = tiered(tmp_path, speculative_draft_kv_layout="sidecar")
+    from hicache.cache.storage.keys import page_hashes
+    sixth = page_hashes(TURN1[:96], 16, reader.cache.keys.digest(reader.model_namespace))[5].hex()
+    next(tmp_path.rglob(f"{sixth}-sidecar1")).unlink()
+    res = reader.generate([prompt], GREEDY)[0]
+    assert res.cached_tokens_details["storage"] == 5 * 16 and res.output_ids == output
+    reader.shutdown()
