@@ -98,3 +98,33 @@ def test_loading_without_weights_keeps_shape_tokenizer_and_identity(name):
     assert meta.model is None and full.model is not None
     assert meta.spec == full.spec and meta.identity == full.identity
     assert meta.tokenizer.encode("Hello, cache!") == full.tokenizer.encode("Hello, cache!")
+
+
+def test_gguf_header_reads_as_the_gguf_package_reads_it():
+    """The fast header reader (hicache.model.gguf_file) gives the gguf package's own reader's
+    metadata values and tensor data for the embedded model's file, byte for byte."""
+    import gguf
+    import numpy as np
+
+    from hicache.model.gguf_file import GGUFFile
+    from hicache.model.gguf_loader import find_smollm2_gguf
+
+    path = find_smollm2_gguf()
+    ours, theirs = GGUFFile(path), gguf.GGUFReader(path)
+    expected = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+    assert ours.fields.keys() == expected.keys() and len(ours.fields["tokenizer.ggml.tokens"]) == 49152
+    for key, value in expected.items():
+        assert ours.fields[key] == pytest.approx(value) if isinstance(value, float) else ours.fields[key] == value, key
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert a.tensor_type == b.tensor_type and a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data), a.name
+
+
+def test_a_broken_gguf_file_is_one_clear_sentence(tmp_path):
+    from hicache.model.gguf_loader import find_smollm2_gguf
+
+    good = find_smollm2_gguf().read_bytes()
+    for name, data in (("cut.gguf", good[:5000]), ("text.gguf", b"not a model at all")):
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ConfigError, match=f"cannot read GGUF file .*{name}: "):
+            load_model(str(tmp_path / name))

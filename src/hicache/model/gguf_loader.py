@@ -6,12 +6,12 @@ import functools
 import importlib.util
 import re
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from hicache.model.errors import ModelFormatError, ModelNotFoundError
+from hicache.model.gguf_file import GGUFFile
 from hicache.model.llama import LlamaForCausalLM
 from hicache.model.spec import ModelSpec
 from hicache.model.tokenizer import Tokenizer, tokenizer_from_gguf_vocab
@@ -71,20 +71,18 @@ def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _field(reader: GGUFFile, key: str, default=None):
+    return reader.fields.get(key, default)
 
 
-def _spec_from_gguf(reader, tensor_names: set[str]) -> ModelSpec:
+def _spec_from_gguf(reader: GGUFFile, tensor_names: set[str]) -> ModelSpec:
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise ModelFormatError(f"GGUF architecture {arch!r} is not supported; only 'llama' is.")
     p = "llama."
     hidden = int(_field(reader, p + "embedding_length"))
     heads = int(_field(reader, p + "attention.head_count"))
-    tokens = reader.fields["tokenizer.ggml.tokens"]
-    vocab = int(_field(reader, p + "vocab_size", len(tokens.data)))
+    vocab = int(_field(reader, p + "vocab_size", len(reader.fields["tokenizer.ggml.tokens"])))
     return ModelSpec(
         num_layers=int(_field(reader, p + "block_count")),
         hidden_size=hidden,
@@ -101,7 +99,7 @@ def _spec_from_gguf(reader, tensor_names: set[str]) -> ModelSpec:
     )
 
 
-def _tokenizer_from_gguf(reader) -> Tokenizer:
+def _tokenizer_from_gguf(reader: GGUFFile) -> Tokenizer:
     model = _field(reader, "tokenizer.ggml.model")
     if model != "gpt2":
         raise ModelFormatError(f"GGUF tokenizer model {model!r} is not supported; only byte-level BPE ('gpt2') is.")
@@ -173,9 +171,9 @@ def load_gguf_tokenizer(path: Path) -> Tokenizer:
     return _read(path)[1]
 
 
-def _read(path: Path) -> tuple[Any, Tokenizer]:
-    """The file's reader (metadata parsed, tensors memory-mapped) and tokenizer, parsed once
-    per process and file version: parsing a 49K-token vocabulary takes seconds, and a process
+def _read(path: Path) -> tuple[GGUFFile, Tokenizer]:
+    """The file's header (metadata parsed, tensors memory-mapped) and tokenizer, parsed once
+    per process and file version: building a 49K-token tokenizer takes a while, and a process
     (a test run, a benchmark comparing engines) often loads the same file several times."""
     try:
         st = path.stat()
@@ -187,8 +185,6 @@ def _read(path: Path) -> tuple[Any, Tokenizer]:
 
 
 @functools.lru_cache(maxsize=4)
-def _parse(path: str, size: int, mtime_ns: int) -> tuple[Any, Tokenizer]:
-    import gguf
-
-    reader = gguf.GGUFReader(path)  # read-only: the cached reader and tokenizer are shared
+def _parse(path: str, size: int, mtime_ns: int) -> tuple[GGUFFile, Tokenizer]:
+    reader = GGUFFile(path)  # read-only: the cached reader and tokenizer are shared
     return reader, _tokenizer_from_gguf(reader)
