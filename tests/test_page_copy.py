@@ -1,5 +1,5 @@
 """Page copies between device and host page views: bit-exact against a per-page reference for
-scattered, consecutive, mixed and empty page lists, both host layouts, both directions; the plan's
+scattered, consecutive, mixed and empty page lists, every host layout, both directions; the plan's
 cut into runs; the CUDA-side logic run on CPU tensors; a whole transfer through the controller."""
 
 from __future__ import annotations
@@ -148,13 +148,20 @@ def test_plan_rejects_bad_page_lists() -> None:
         copy_pages(page_items(src), page_items(torch.zeros(8, 2 * PAGE, HEADS, DIM)), one)
 
 
-@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+# (layout, KV heads per unified object): page_unified with one head per group (rows strided),
+# one group per page (rows contiguous), and an MLA latent (one "head", K and V halves interleaved).
+HOST_LAYOUTS = [("layer_first", None), ("page_first", None), ("page_unified", 1), ("page_unified", HEADS),
+                ("page_unified", 0)]
+
+
+@pytest.mark.parametrize("layout, cell_heads", HOST_LAYOUTS)
 @pytest.mark.parametrize("pattern", ["scattered", "mixed", "consecutive"])
-def test_controller_backup_then_load_round_trips(layout: str, pattern: str) -> None:
-    pool = DeviceKVPool(LAYERS, HEADS, DIM, num_pages=PAGES, page_size=PAGE, dtype=torch.bfloat16, device="cpu")
+def test_controller_backup_then_load_round_trips(layout: str, cell_heads: int | None, pattern: str) -> None:
+    heads = 1 if cell_heads == 0 else HEADS
+    pool = DeviceKVPool(LAYERS, heads, DIM, num_pages=PAGES, page_size=PAGE, dtype=torch.bfloat16, device="cpu")
     for buf in pool.k_buffers + pool.v_buffers:
         buf.copy_(random_bits(buf.shape))
-    host = HostKVPool(pool, PAGES + 9, layout)
+    host = HostKVPool(pool, PAGES + 9, layout, cell_heads=cell_heads)
     ctl = TransferController(pool, host)
     try:
         dev_pages, host_pages = page_lists(pattern, 30, PAGES, host.num_pages, seed=3)
@@ -163,7 +170,7 @@ def test_controller_backup_then_load_round_trips(layout: str, pattern: str) -> N
         assert len(ctl.pop(BACKUP, 1)) == 1
         for layer in range(LAYERS):
             for kv in range(2):
-                got = host.page_view(layer, kv)[host_pages]
+                got = host.page_view(layer, kv)[host_pages].reshape(len(host_pages), PAGE, heads, DIM)
                 assert same_bits(got, before[kv * LAYERS + layer][dev_pages])
         targets = np.random.default_rng(4).permutation(np.arange(1, PAGES))[: len(dev_pages)]
         ctl.submit(LOAD, targets, host_pages, [])

@@ -10,9 +10,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from hicache import Engine, SamplingParams
+from hicache.cache.controller import BACKUP, TransferController
+from hicache.cache.host_pool import HostKVPool
+from hicache.cache.pools import DeviceKVPool
+from hicache.cache.storage.page_objects import GridCell
 from hicache.cache.storage.unified import Cell, RankShard, StorageGrid, plan_rank
 from hicache.config import ConfigError, EngineConfig
 
@@ -45,6 +51,36 @@ def test_seed_example_writers_and_readers() -> None:
     tp0, tp1 = plan_rank(grid, reader, 0), plan_rank(grid, reader, 1)
     assert {c.suffix for c in tp0.reads} == {"L0-30_H0", "L0-30_H1", "L30-60_H0", "L30-60_H1"}
     assert {c.suffix for c in tp1.reads} == {"L0-30_H2", "L0-30_H3", "L30-60_H2", "L30-60_H3"}
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_an_object_has_the_same_bytes_from_every_host_layout(mla: bool) -> None:
+    """page_unified hands out each cell as a slice of the page (no copy); the bytes equal the
+    cell cut out of a page_first or layer_first page, and load back into any of them."""
+    heads = 1 if mla else 4
+    grid = StorageGrid(6, heads, layer_partition=4, head_partition=1 if mla else 2, mla=mla)
+    pool = DeviceKVPool(6, heads, 8, num_pages=8, page_size=4, dtype=torch.float32, device="cpu")
+    for buf in pool.k_buffers + pool.v_buffers:
+        buf.copy_(torch.randn(buf.shape))
+    hosts = [HostKVPool(pool, 8, "page_unified", cell_heads=0 if mla else 2), HostKVPool(pool, 8, "page_first"),
+             HostKVPool(pool, 8, "layer_first")]
+    pages = np.array([3, 5, 6])
+    for host in hosts:
+        ctl = TransferController(pool, host)
+        ctl.submit(BACKUP, pages, pages, [])
+        ctl.pop(BACKUP, 1)
+        ctl.shutdown()
+    cells = [[GridCell(h, c, 0, 0, grid.heads_of(c), mla) for c in grid.cells()] for h in hosts]
+    assert [c.cell.suffix for c in cells[0]] == (["L0-4", "L4-6"] if mla else ["L0-4_H0", "L0-4_H1", "L4-6_H0", "L4-6_H1"])
+    for unified, *others in zip(*cells):
+        payload = unified.page_bytes(5)
+        assert payload.obj is not None and np.shares_memory(np.asarray(payload), hosts[0].buffer.numpy())
+        for other in others:
+            assert bytes(other.page_bytes(5)) == bytes(payload)
+            other.load(2, payload)
+            assert bytes(other.page_bytes(2)) == bytes(payload)
+        unified.load(1, others[0].page_bytes(6))
+        assert bytes(unified.page_bytes(1)) == bytes(others[1].page_bytes(6))
 
 
 def test_replicated_heads_have_one_writer() -> None:
@@ -257,3 +293,39 @@ def test_holders_per_stage_follow_the_kv_placement() -> None:
     assert plan_index(plain, 1, 3) == 7
     assert [plan_index(cp_sharded, 0, t) for t in range(4)] == [0, 1, 0, 1]  # CP rank 1 plans like CP rank 0
     assert [plan_index(latent, 0, t) for t in range(2)] == [0, 0]
+
+
+# ---- SmolLM2 across TP / PP layouts (issue 15's "Show") ---------------------------------------
+SMOLLM2_GRID = dict(hicache_storage_layer_partition=15, hicache_storage_head_partition=1)
+HISTORY = ("A user and an assistant plan a three-day trip to Lisbon. Day one: the Alfama district, the "
+           "cathedral, the castle of Saint George and a fado dinner. Day two: Belem, its tower, the monastery "
+           "and the custard tarts; then the riverside walk to the bridge. Day three: Sintra by train, the "
+           "palaces and the gardens, back for sunset at a viewpoint. The user asks for a budget, a packing list "
+           "and the opening hours of each site, and the assistant answers point by point. ") * 2
+
+
+def test_smollm2_tp1_and_tp3_pp2_continue_each_others_sessions(valkey_server) -> None:
+    """TP1 writes a session; a TP3 x PP2 engine (6 ranks: one KV head, 15 layers each -- one
+    object per rank and page) continues it from L3 and stores its longer turn; a TP1 engine in a
+    new process reads all of that turn back. Every output equals the cache-off engine's."""
+    host, port = valkey_server
+    turn1 = HISTORY + "Summarise day one."
+    turn2 = HISTORY + "Summarise day one. Now day two, in one sentence, and its cost."
+    plain = Engine("smollm2", dtype="float32", max_total_tokens=2048, disable_radix_cache=True)
+    cold1, cold2 = (r.output_ids for r in plain.generate([turn1, turn2], GREEDY))
+    plain.shutdown()
+    opts = unified(Path("/unused"), hicache_storage_backend="valkey", **SMOLLM2_GRID,
+                   hicache_storage_backend_extra_config=json.dumps({"host": host, "port": port,
+                                                                    "prefix": "smollm2-tp-pp:"}))
+    first = Engine("smollm2", **opts)
+    res1 = first.generate(turn1, GREEDY)[0]
+    assert res1.output_ids == cold1 and res1.cached_tokens_details["storage"] == 0
+    first.shutdown()  # its pages reach the store
+    wide = Engine("smollm2", tp_size=3, pp_size=2, **opts)
+    res2 = wide.generate(turn2, GREEDY)[0]
+    assert res2.output_ids == cold2
+    assert res2.cached_tokens_details["storage"] == (res1.prompt_tokens - 1) // 16 * 16  # turn 1's whole pages
+    wide.shutdown()
+    got = read_in_new_process("smollm2", opts, turn2)
+    assert got["ids"] == cold2
+    assert got["details"]["storage"] == (res2.prompt_tokens - 1) // 16 * 16  # pages only the 6 ranks wrote too

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .host_pool import HostKVPool, device_page_view
-from .page_copy import PageBuf, PagePlan, copy_pages, page_items
+from .page_copy import PageBuf, PagePlan, copy_pages, cpu_page_arrays
 from .placement import ShardView
 from .pools import DeviceKVPool
 
@@ -199,19 +199,21 @@ class TransferController:
         once (the buffers never move); as numpy page items on CPU, where copies run through numpy."""
         device_pool, host_pool = self.pairs[pair]
         bufs = device_pool.k_buffers if kv == 0 else device_pool.v_buffers
-        dev = device_page_view(bufs[layer], device_pool.page_size)
         host = host_pool.page_view(layer, kv)
-        return (dev, host) if self.cuda else (page_items(dev), page_items(host))
+        dev = device_page_view(bufs[layer], device_pool.page_size)
+        dev = dev.view(dev.shape[0], *host.shape[1:])  # head groups split out as the host has them
+        return (dev, host) if self.cuda else cpu_page_arrays(dev, host)
 
     def _staging(self, kind: str, pair: int, num_pages: int, backup: bool) -> torch.Tensor:
-        """A ``[>= num_pages, page_size, kv_heads, head_dim]`` buffer of pool pair ``pair``'s rows
-        on the copy's source side, owned by ``kind``'s worker, grown on demand and counted in
-        :attr:`staging_bytes`."""
+        """A ``[>= num_pages, *row]`` buffer of pool pair ``pair``'s page rows (as its page views
+        shape them) on the copy's source side, owned by ``kind``'s worker, grown on demand and
+        counted in :attr:`staging_bytes`."""
         buf = self._staging_bufs.get((kind, pair))
         if buf is None or buf.shape[0] < num_pages:
             device_pool, host_pool = self.pairs[pair]
             like = device_pool.k_buffers[0] if backup else host_pool.buffer
-            row = device_page_view(device_pool.k_buffers[0], device_pool.page_size).shape[1:]
+            first_layer = next(i for i, (p, _) in enumerate(self._layers) if p == pair)
+            row = self._views[first_layer][0][0].shape[1:]
             buf = torch.empty((num_pages, *row), dtype=like.dtype, device=like.device)
             self._staging_bufs[(kind, pair)] = buf
         return buf

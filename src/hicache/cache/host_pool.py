@@ -8,7 +8,12 @@ Layouts (``--hicache-mem-layout``):
 * ``layer_first``: ``[layer, K/V, page, token_in_page, kv_head, head_dim]`` - a layer of many
   pages is contiguous, like the device pool.
 * ``page_first``: ``[page, layer, K/V, token_in_page, kv_head, head_dim]`` - one page of all
-  layers is contiguous, which is what storage objects are cut from.
+  layers is contiguous, which is what rank-suffix storage objects are.
+* ``page_unified`` (chosen by the unified key scheme, :mod:`.storage.unified`): a page's unified
+  storage objects are contiguous slices of it, so they are written and read in place.
+  MHA ``[page, head_group, layer, K/V, token_in_page, head_in_group, head_dim]`` (``cell_heads``
+  heads per group); MLA (``cell_heads=0``) ``[page, layer, token_in_page, K/V, 1, head_dim]``,
+  the latent's two halves side by side per token. A layer's K or V page is then strided.
 """
 
 from __future__ import annotations
@@ -23,12 +28,13 @@ from .pools import DeviceKVPool
 
 logger = logging.getLogger(__name__)
 
-LAYOUTS = ("layer_first", "page_first")
+LAYOUTS = ("layer_first", "page_first", "page_unified")
 
 
 class HostKVPool:
     def __init__(self, device_pool: DeviceKVPool, num_pages: int, layout: str = "layer_first",
-                 pin_memory: bool | None = None) -> None:
+                 pin_memory: bool | None = None, cell_heads: int | None = None) -> None:
+        """``cell_heads``: page_unified only -- KV heads per storage object (0: an MLA latent)."""
         if layout not in LAYOUTS:
             raise ConfigError(f"--hicache-mem-layout must be one of {', '.join(LAYOUTS)}.")
         k0 = device_pool.k_buffers[0]
@@ -45,8 +51,8 @@ class HostKVPool:
                 f"the host KV pool needs {needed / 2**30:.2f} GiB but only {available / 2**30:.2f} GiB of host "
                 "memory is available; lower --hicache-ratio or --hicache-size."
             )
-        row = (self.page_size,) + tuple(k0.shape[1:])
-        shape = ((self.num_layers, 2, num_pages) if layout == "layer_first" else (num_pages, self.num_layers, 2)) + row
+        self.cell_heads = cell_heads
+        shape = self._shape(layout, num_pages, self.num_layers, self.page_size, *k0.shape[1:])
         # Pinned memory makes CUDA copies asynchronous; the CPU build of torch cannot pin.
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.buffer = torch.empty(shape, dtype=self.dtype, pin_memory=pin)
@@ -58,11 +64,39 @@ class HostKVPool:
     def total_bytes(self) -> int:
         return self.bytes_per_page * self.num_pages
 
+    def _shape(self, layout: str, pages: int, layers: int, tokens: int, heads: int, dim: int) -> tuple[int, ...]:
+        if layout == "layer_first":
+            return layers, 2, pages, tokens, heads, dim
+        if layout == "page_first":
+            return pages, layers, 2, tokens, heads, dim
+        if self.cell_heads is None or (self.cell_heads and heads % self.cell_heads) or (not self.cell_heads
+                                                                                         and heads != 1):
+            raise ValueError(f"page_unified needs the KV heads per object dividing the pool's {heads} "
+                             f"(0 for one MLA latent), got {self.cell_heads}")
+        if self.cell_heads == 0:
+            return pages, layers, tokens, 2, 1, dim
+        return pages, heads // self.cell_heads, layers, 2, tokens, self.cell_heads, dim
+
     def page_view(self, layer: int, kv: int) -> torch.Tensor:
-        """``[num_pages, page_size, kv_heads, head_dim]`` view of one layer's K (0) or V (1)."""
+        """One layer's K (0) or V (1) pages, ``[num_pages, page_size, kv_heads, head_dim]``; with
+        several head groups per page_unified page ``[num_pages, page_size, group, head_in_group,
+        head_dim]`` (a device page viewed so has the same elements in the same order)."""
         if self.layout == "layer_first":
             return self.buffer[layer, kv]
-        return self.buffer[:, layer, kv]
+        if self.layout == "page_first":
+            return self.buffer[:, layer, kv]
+        if self.cell_heads == 0:
+            return self.buffer[:, layer, :, kv]
+        if self.buffer.shape[1] == 1:  # one group: rows contiguous, as page_first
+            return self.buffer[:, 0, layer, kv]
+        return self.buffer[:, :, layer, kv].permute(0, 2, 1, 3, 4)
+
+    def cell(self, host_page: int, layers: slice, group: int | None) -> torch.Tensor:
+        """page_unified: layers ``layers`` of head group ``group`` (None: the MLA latent) of one
+        page -- one unified storage object's bytes, contiguous (a view)."""
+        assert self.layout == "page_unified"
+        page = self.buffer[host_page]
+        return page[layers] if group is None else page[group, layers]
 
 
 def device_page_view(buf: torch.Tensor, page_size: int) -> torch.Tensor:

@@ -108,6 +108,28 @@ def copy_pages(src: PageBuf, dst: PageBuf, plan: PagePlan, staging: torch.Tensor
         dst.index_copy_(0, plan.rest_index(True, dst.device), rows)
 
 
+def cpu_page_arrays(a: torch.Tensor, b: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Two CPU page-shaped views as the arrays :func:`copy_pages` moves fastest: their page
+    items when both have contiguous rows; else both as strided numpy arrays of elements (a
+    page_unified host layer with several head groups), which numpy copies a contiguous inner
+    row at a time."""
+    if _rows_contiguous(a) and _rows_contiguous(b):
+        return page_items(a), page_items(b)
+    return _as_bits(a), _as_bits(b)
+
+
+def _as_bits(t: torch.Tensor) -> np.ndarray:
+    """``t``'s elements as integers of the same size (numpy has no bfloat16)."""
+    return t.view(_BITS[t.element_size()]).numpy()
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _rows_contiguous(t: torch.Tensor) -> bool:
+    return t[0].is_contiguous() if len(t) else True
+
+
 def page_items(t: torch.Tensor) -> np.ndarray:
     """A CPU page-shaped view as a 1-D numpy array sharing its memory, one opaque item (the
     page's bytes) per page; raises if a page's row is not contiguous."""

@@ -17,7 +17,7 @@ from ..cache.placement import PagePlacement
 from ..cache.pools import DeviceKVPool
 from ..cache.storage.base import StorageError
 from ..cache.storage.controller import Agree
-from ..cache.storage.unified import UnifiedPlan
+from ..cache.storage.unified import StorageGrid, UnifiedPlan
 from ..cache.storage.registry import create_backend
 from ..config import ConfigError, EngineConfig
 from ..device import device_memory_budget
@@ -97,13 +97,9 @@ def build_core(
     packed = draft_kv.layers if draft_kv is not None and draft_kv.packed else 0
     pool = DeviceKVPool(layers + packed, kv_heads, spec.head_dim, device_pages, cfg.page_size, dtype, device)
     unified = _unified_plan(cfg, spec, shard, cp_group, split_tokens, draft)
-    # unified objects are cut from whole host pages: one page of every layer kept contiguous
-    layout = "page_first" if unified is not None else cfg.hicache_mem_layout
-    if layout != cfg.hicache_mem_layout and cfg.enable_hierarchical_cache:
-        logger.info("host KV pool layout page_first (not %s): the unified key scheme cuts objects from whole pages",
-                    cfg.hicache_mem_layout)
-    host_pool = HostKVPool(pool, host_pages, layout) if cfg.enable_hierarchical_cache else None
-    sidecar = _sidecar_pools(cfg, draft_kv, device_pages, host_pages, dtype, device)
+    host_pool = _host_pool(cfg, pool, host_pages, unified.grid if unified else None)
+    sidecar = _sidecar_pools(cfg, draft_kv, device_pages, host_pages, dtype, device,
+                             unified.draft.grid if unified and unified.draft else None)
     cache = KVCacheManager(
         pool=pool, eviction_policy=cfg.radix_eviction_policy, enable_prefix_cache=not cfg.disable_radix_cache,
         host_pool=host_pool, write_policy=cfg.hicache_write_policy,
@@ -143,13 +139,26 @@ def _unified_plan(cfg: EngineConfig, spec: ModelSpec, shard: ModelShard | None, 
     return plan
 
 
+def _host_pool(cfg: EngineConfig, pool: DeviceKVPool, host_pages: int, grid: StorageGrid | None) -> HostKVPool | None:
+    """The host pool of ``pool`` (None without the host tier); on a unified ``grid`` laid out
+    page_unified, whatever --hicache-mem-layout says, so each object is a slice of a page."""
+    if not cfg.enable_hierarchical_cache:
+        return None
+    if grid is None:
+        return HostKVPool(pool, host_pages, cfg.hicache_mem_layout)
+    logger.info("host KV pool layout page_unified (--hicache-mem-layout %s set aside): the unified key scheme "
+                "writes and reads each storage object in place", cfg.hicache_mem_layout)
+    return HostKVPool(pool, host_pages, "page_unified", cell_heads=0 if grid.mla else grid.head_partition)
+
+
 def _sidecar_pools(cfg: EngineConfig, draft_kv: DraftKV | None, device_pages: int, host_pages: int,
-                   dtype: torch.dtype, device: torch.device) -> tuple[DeviceKVPool, HostKVPool | None] | None:
+                   dtype: torch.dtype, device: torch.device,
+                   grid: StorageGrid | None) -> tuple[DeviceKVPool, HostKVPool | None] | None:
     """A sidecar draft's own device (and host) pools, on the target's page ids; None if packed."""
     if draft_kv is None or draft_kv.packed:
         return None
     pool = DeviceKVPool(draft_kv.layers, *draft_kv.row, device_pages, cfg.page_size, dtype, device)
-    return pool, HostKVPool(pool, host_pages, cfg.hicache_mem_layout) if cfg.enable_hierarchical_cache else None
+    return pool, _host_pool(cfg, pool, host_pages, grid)
 
 
 def _scheduler(cfg: EngineConfig, cache: KVCacheManager, runner: ModelRunner, loaded: LoadedModel,

@@ -3,8 +3,10 @@
 * :class:`WholePage` -- the rank-suffix scheme: one object holds the page of every layer and
   KV head this rank's pool holds (``suffix``: a sidecar pool's objects, e.g. ``-sidecar1``).
 * :class:`GridCell` -- the unified scheme (:mod:`.unified`): one object per grid cell, the
-  cell's model-global layers and KV heads cut out of this rank's host page and laid out as the
-  cell's object (MHA ``(layer, K/V, token, head_in_group, head_dim)``; MLA ``(layer, token, dim)``).
+  cell's model-global layers and KV heads of this rank's host page laid out as the cell's object
+  (MHA ``(layer, K/V, token, head_in_group, head_dim)``; MLA ``(layer, token, dim)``): in a
+  ``page_unified`` host pool a contiguous slice of the page, written and read in place; in
+  another layout cut out (one gathering copy) and scattered back.
 
 Either way an object's bytes are produced by :meth:`page_bytes` and put back by :meth:`load`,
 and its key is a function of the page hash (and, for grid cells, the namespace digest).
@@ -36,7 +38,10 @@ class PageObject(Protocol):
 
 
 def _page(host: HostKVPool, host_page: int) -> torch.Tensor:
-    """One host page as ``[layers, K/V, token, kv_heads, head_dim]`` (a view, either layout)."""
+    """One host page as ``[layers, K/V, token, kv_heads, head_dim]`` (a view; page_first or
+    layer_first: page_unified pages are cut into grid cells only)."""
+    if host.layout == "page_unified":
+        raise ValueError("a page_unified host page is read and written as grid cells, not whole")
     return host.buffer[host_page] if host.layout == "page_first" else host.buffer[:, :, host_page]
 
 
@@ -81,6 +86,11 @@ class GridCell:
         self.host, self.cell, self.mla, self.prefix = host, cell, mla, prefix
         self.layers = slice(cell.layer_start - first_layer, cell.layer_end - first_layer)
         self.heads = slice(heads.start - first_head, heads.stop - first_head)
+        self.group: int | None = None  # the cell's head group in a page_unified host page
+        if host.layout == "page_unified" and not mla:
+            if self.heads.start % host.cell_heads or len(heads) != host.cell_heads:
+                raise ValueError(f"cell {cell.suffix} is not one of the host pool's groups of {host.cell_heads} heads")
+            self.group = self.heads.start // host.cell_heads
 
     def key(self, page_hash: bytes, ns_digest: bytes) -> str:
         return f"{object_key(page_hash)}_{ns_digest.hex()[:NAMESPACE_KEY_HEX]}_{self.prefix}{self.cell.suffix}"
@@ -90,14 +100,20 @@ class GridCell:
         return _page(self.host, host_page)[self.layers, :, :, self.heads, :]
 
     def page_bytes(self, host_page: int) -> memoryview:
+        if self.host.layout == "page_unified":
+            return _bytes_of(self.host.cell(host_page, self.layers, self.group))
         view = self._view(host_page)
         if self.mla:  # (layer, token, [K half, V half]) = (layer, token, dim)
             view = view[:, :, :, 0, :].permute(0, 2, 1, 3)
         return _bytes_of(view)
 
     def load(self, host_page: int, payload: memoryview) -> None:
-        view = self._view(host_page)
         src = _as_tensor(payload, self.host.dtype)
+        if self.host.layout == "page_unified":
+            cell = self.host.cell(host_page, self.layers, self.group)
+            cell.copy_(src.view(cell.shape))
+            return
+        view = self._view(host_page)
         if self.mla:
             layers, kv, tokens, _, dim = view.shape
             view[:, :, :, 0, :].copy_(src.view(layers, tokens, kv, dim).permute(0, 2, 1, 3))
