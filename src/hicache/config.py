@@ -73,7 +73,8 @@ class EngineConfig:
     )
     hicache_write_through_threshold: int = _opt(2, "Hits before a node is backed up under write_through_selective.")
     hicache_mem_layout: str = _opt(
-        "layer_first", "Host pool layout: layer_first, or page_first (one page of all layers contiguous).",
+        "layer_first", "Host pool layout: layer_first, or page_first (one page of all layers contiguous); "
+        "the unified key scheme uses page_unified instead.",
         ("layer_first", "page_first"),
     )
     # Storage tier (L3)
