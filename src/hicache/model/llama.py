@@ -7,6 +7,8 @@ dimension ``i`` pairs with ``i + head_dim / 2``; loaders of other layouts (GGUF)
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections import Counter
 from typing import Callable, Iterator, Optional
 
@@ -168,6 +170,26 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+_INIT_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _no_default_init() -> Iterator[None]:
+    """Build modules with their parameters allocated but not initialised: the default init of
+    a 135M-parameter model costs ~1.2 s, and the meta-device route that also skips it costs
+    ~2.4 s of one-time torch imports per process (paid again by every rank process)."""
+    kinds = (nn.Linear, nn.Embedding)
+    with _INIT_LOCK:
+        saved = [kind.reset_parameters for kind in kinds]
+        for kind in kinds:
+            kind.reset_parameters = lambda self: None
+        try:
+            yield
+        finally:
+            for kind, reset in zip(kinds, saved):
+                kind.reset_parameters = reset
+
+
 class LlamaModel(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -188,13 +210,10 @@ class LlamaForCausalLM(nn.Module):
         self.spec = spec
         self.dtype = dtype
         self.device = torch.device(device)
-        # Build on the meta device, then allocate once: skips the default init of every Linear,
-        # which costs seconds for real models and is overwritten by the loader anyway.
-        with torch.device("meta"):
+        with _no_default_init():  # the loader overwrites every parameter
             self.model = LlamaModel(spec)
             self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
-            self.to(dtype)
-        self.to_empty(device=self.device)
+        self.to(dtype=dtype, device=self.device)
         self.requires_grad_(False)
         self.eval()
         # Plain attribute, not a buffer: it must stay float32 whatever the weight dtype.
