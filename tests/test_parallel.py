@@ -17,6 +17,7 @@ import sys
 import termios
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
 import httpx
@@ -151,9 +152,11 @@ def test_tp_partial_sums_through_shared_memory_or_gloo(reduce: str, monkeypatch:
         engine.shutdown()
 
 
-def backup_counts(trace: list[consensus_record.Entry]) -> list[int]:
-    """Backup acks consumed at each cache check that consumed any."""
-    consumed = (StepEvents.from_list(e.params).acks.backup for e in trace if e.function == "scheduler.consume_events")
+def backup_counts(trace: deque[consensus_record.Entry]) -> list[int]:
+    """Backup acks consumed at each cache check that consumed any (of a snapshot: the monitor
+    thread appends to a live trace)."""
+    entries = trace.copy()
+    consumed = (StepEvents.from_list(e.params).acks.backup for e in entries if e.function == "scheduler.consume_events")
     return [n for n in consumed if n > 0]
 
 
