@@ -304,28 +304,52 @@ HISTORY = ("A user and an assistant plan a three-day trip to Lisbon. Day one: th
            "and the opening hours of each site, and the assistant answers point by point. ") * 2
 
 
-def test_smollm2_tp1_and_tp3_pp2_continue_each_others_sessions(valkey_server) -> None:
+TURN1 = HISTORY + "Summarise day one."
+TURN2 = HISTORY + "Summarise day one. Now day two, in one sentence, and its cost."
+
+
+@pytest.fixture(scope="module")
+def smollm2_cold() -> tuple[list[int], list[int]]:
+    """The cache-off engine's greedy outputs for the two turns."""
+    plain = Engine("smollm2", dtype="float32", max_total_tokens=2048, disable_radix_cache=True)
+    try:
+        return tuple(r.output_ids for r in plain.generate([TURN1, TURN2], GREEDY))
+    finally:
+        plain.shutdown()
+
+
+def test_smollm2_tp1_and_tp3_pp2_continue_each_others_sessions(valkey_server, smollm2_cold) -> None:
     """TP1 writes a session; a TP3 x PP2 engine (6 ranks: one KV head, 15 layers each -- one
     object per rank and page) continues it from L3 and stores its longer turn; a TP1 engine in a
     new process reads all of that turn back. Every output equals the cache-off engine's."""
     host, port = valkey_server
-    turn1 = HISTORY + "Summarise day one."
-    turn2 = HISTORY + "Summarise day one. Now day two, in one sentence, and its cost."
-    plain = Engine("smollm2", dtype="float32", max_total_tokens=2048, disable_radix_cache=True)
-    cold1, cold2 = (r.output_ids for r in plain.generate([turn1, turn2], GREEDY))
-    plain.shutdown()
+    cold1, cold2 = smollm2_cold
     opts = unified(Path("/unused"), hicache_storage_backend="valkey", **SMOLLM2_GRID,
                    hicache_storage_backend_extra_config=json.dumps({"host": host, "port": port,
                                                                     "prefix": "smollm2-tp-pp:"}))
     first = Engine("smollm2", **opts)
-    res1 = first.generate(turn1, GREEDY)[0]
+    res1 = first.generate(TURN1, GREEDY)[0]
     assert res1.output_ids == cold1 and res1.cached_tokens_details["storage"] == 0
     first.shutdown()  # its pages reach the store
     wide = Engine("smollm2", tp_size=3, pp_size=2, **opts)
-    res2 = wide.generate(turn2, GREEDY)[0]
+    res2 = wide.generate(TURN2, GREEDY)[0]
     assert res2.output_ids == cold2
     assert res2.cached_tokens_details["storage"] == (res1.prompt_tokens - 1) // 16 * 16  # turn 1's whole pages
     wide.shutdown()
-    got = read_in_new_process("smollm2", opts, turn2)
+    got = read_in_new_process("smollm2", opts, TURN2)
     assert got["ids"] == cold2
     assert got["details"]["storage"] == (res2.prompt_tokens - 1) // 16 * 16  # pages only the 6 ranks wrote too
+
+
+def test_smollm2_tp3_pp2_writes_a_tp1_reader_reads_on_mooncake(mooncake_store, smollm2_cold) -> None:
+    """The same grid on a Mooncake Store: six ranks write one object each per page into the
+    store service's memory, a one-rank engine in a new process reads every page back."""
+    opts = unified(Path("/unused"), hicache_storage_backend="mooncake", **SMOLLM2_GRID,
+                   hicache_storage_backend_extra_config=json.dumps(dict(mooncake_store, prefix="smollm2-tp-pp:")))
+    wide = Engine("smollm2", tp_size=3, pp_size=2, **opts)
+    res = wide.generate(TURN1, GREEDY)[0]
+    assert res.output_ids == smollm2_cold[0] and res.cached_tokens_details["storage"] == 0
+    wide.shutdown()
+    got = read_in_new_process("smollm2", opts, TURN1)
+    assert got["ids"] == smollm2_cold[0]
+    assert got["details"]["storage"] == (res.prompt_tokens - 1) // 16 * 16
