@@ -4,7 +4,6 @@ and the fallback to gloo when /dev/shm has no room for the segment."""
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -13,16 +12,11 @@ import torch.multiprocessing
 
 from hicache.parallel import shm_allreduce
 from hicache.parallel.shm_allreduce import open_shm_allreduce, segment_bytes
+from hicache.ports import free_port
 
 pytestmark = pytest.mark.skipif(not shm_allreduce.shm_allreduce_supported(), reason="x86 only")
 
 MAX_ELEMS = 1024
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, port: int, free_bytes: int | None, out: dict) -> None:
@@ -47,7 +41,7 @@ def _rank(rank: int, port: int, free_bytes: int | None, out: dict) -> None:
 def _run(free_bytes: int | None) -> dict:
     with torch.multiprocessing.Manager() as manager:
         out = manager.dict()
-        torch.multiprocessing.spawn(_rank, args=(_free_port(), free_bytes, out), nprocs=2)
+        torch.multiprocessing.spawn(_rank, args=(free_port(), free_bytes, out), nprocs=2)
         return dict(out)
 
 

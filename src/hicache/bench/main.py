@@ -13,13 +13,13 @@ import json
 import logging
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import time
 from typing import Any
 
 from ..errors import HicacheError
+from ..ports import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -59,17 +59,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--server-timeout", type=float, default=600.0, help="Seconds to wait for the launched server.")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_server(server_args: str, timeout: float) -> tuple[subprocess.Popen, str]:
     """Start ``hicache serve`` in a subprocess; returns (process, base URL) once /health answers."""
     import httpx
 
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "hicache.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            *shlex.split(server_args)]
     print(f"launching: {' '.join(shlex.quote(c) for c in cmd)}", file=sys.stderr)

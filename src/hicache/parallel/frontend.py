@@ -20,7 +20,6 @@ import dataclasses
 import itertools
 import logging
 import queue
-import socket
 import sys
 import threading
 import time
@@ -33,6 +32,7 @@ import torch.multiprocessing
 from ..config import ConfigError, EngineConfig, split_host_port
 from ..consensus_record import Entry, enabled as checker_enabled
 from ..errors import EngineDeadError, HicacheError
+from ..ports import free_port
 from .channels import WRITERS_GONE, exit_text, queued_now, reader_only
 from .consensus import ConsensusMonitor, Divergence
 from .groups import rank_label
@@ -47,18 +47,12 @@ POLL_S = 0.05
 TRACE_ENTRIES = 100_000  # the checker's recent calls kept per rank (for reports and tests)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_method(cfg: EngineConfig) -> str:
     """torch.distributed's rendezvous: ``--dist-init-addr`` across machines (rank 0 listens
     there), else a free local port."""
     addr = split_host_port(cfg.dist_init_addr) if cfg.nnodes > 1 else None
     if addr is None:
-        return f"tcp://127.0.0.1:{_free_port()}"
+        return f"tcp://127.0.0.1:{free_port()}"
     host, port = addr
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
