@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from hicache import Engine
-from hicache.server import app as server_app
+from hicache.server import operations as server_operations
 from hicache.server.serve import ServerThread
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -123,7 +123,7 @@ def test_unexpected_exception_is_a_500_and_the_connection_survives(http, monkeyp
     def broken(raw: bytes, st) -> dict:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(server_app, "_tokenize", broken)
+    monkeypatch.setattr(server_operations, "_tokenize", broken)
     err = error_of(http.post("/tokenize", json={"prompt": "x"}), 500)
     assert err["type"] == "server_error" and err["code"] == "internal_error" and "RuntimeError" in err["message"]
     monkeypatch.undo()

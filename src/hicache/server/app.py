@@ -1,10 +1,10 @@
 """The OpenAI-compatible HTTP API over an :class:`EngineLoop`.
 
 Endpoints: ``/v1/chat/completions``, ``/v1/completions`` (streaming as server-sent events or
-not), ``/v1/models``, ``/health``, ``/flush_cache``, ``/metrics`` (Prometheus text), and two
-extensions: ``/stats`` (``Engine.stats()`` as JSON), ``/tokenize`` (token counts with the
-served tokenizer, used by ``hicache bench``) and ``/get_hicache_l3_cache_layout`` (how L3 objects
-are cut and named, for routers). Every error is OpenAI-shaped JSON.
+not), ``/v1/models``; the operational ones (health, cache flush, metrics, stats, tokenize, L3
+layout, what sglang-router asks at start) are in :mod:`.operations`. Every error is
+OpenAI-shaped JSON. A request carrying ``bootstrap_host`` / ``bootstrap_port`` /
+``bootstrap_room`` (what sglang-router adds in PD mode) runs as one half of a P/D pair.
 
 The event loop only moves bytes: parsing a body, rendering the chat template and tokenizing
 run on a small worker pool (:func:`_prepare_chat`, :func:`_prepare_completion`), so one huge
@@ -35,9 +35,10 @@ from ..errors import ContextLengthError, EngineDeadError, HicacheError
 from ..model.tokenizer import Tokenizer
 from .detok import IncrementalText
 from .metrics import ServerMetrics
+from .operations import add_operation_routes
 from .middleware import CatchAllErrors, RequireApiKey
 from .parsing import DEFAULT_MAX_REQUEST_BYTES, parse_body, read_body
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, TokenizeRequest, _Sampling
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, _Sampling
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +102,11 @@ def engine_dead(e: BaseException | str) -> APIError:
 
 
 def engine_dead_during(res: GenerateResult) -> APIError:
-    """A request the engine failed while it ran (finish_reason "error")."""
+    """A request the engine failed while it ran (finish_reason "error"). A P/D request whose
+    KV transfer failed is that request's failure, not the engine's."""
+    if res.kv_transfer_error:
+        return APIError(503, f"the KV transfer for this request failed: {res.error}", type="server_error",
+                        code="kv_transfer_failed")
     return engine_dead(f"the engine failed during this request: {res.error}")
 
 
@@ -113,7 +118,16 @@ def _usage(res: GenerateResult) -> dict[str, Any]:
         "prompt_tokens_details": {"cached_tokens": res.cached_tokens,
                                   "cached_tokens_details": dict(res.cached_tokens_details)},
         **_spec(res),
+        **_disagg(res),
     }
+
+
+def _disagg(res: GenerateResult) -> dict[str, Any]:
+    """P/D per-request figures (extension; absent for a request without a bootstrap)."""
+    if not res.disaggregated:
+        return {}
+    return {"decode_prefix_len": res.decode_prefix_len, "kv_transferred_tokens": res.kv_transferred_tokens,
+            "kv_transferred_bytes": res.kv_transferred_bytes}
 
 
 def _spec(res: GenerateResult) -> dict[str, Any]:
@@ -181,16 +195,6 @@ def _prepare_completion(raw: bytes, st: ServerState) -> Prepared:
     return Prepared(body, ids, sp, "prompt")
 
 
-def _tokenize(raw: bytes, st: ServerState) -> dict[str, Any]:
-    body = parse_body(raw, TokenizeRequest)
-    texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-    ids = [st.engine.tokenizer.encode(t) for t in texts]
-    out: dict[str, Any] = {"counts": [len(x) for x in ids], "max_model_len": st.engine.context_length}
-    if body.return_ids:
-        out["tokens"] = ids
-    return out
-
-
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -206,7 +210,7 @@ def create_app(loop: EngineLoop, metrics: ServerMetrics, opts: ServerOptions) ->
         app.add_middleware(RequireApiKey, api_key=opts.api_key,
                            on_reject=lambda: metrics.rejected.labels(reason="invalid_api_key").inc())
     _add_openai_routes(app, st)
-    _add_operation_routes(app, st)
+    add_operation_routes(app, st)
     return app
 
 
@@ -240,7 +244,7 @@ def _submit(st: ServerState, p: Prepared) -> RequestHandle:
     """Queue a prepared request; engine-side refusals become OpenAI errors."""
     st.check_capacity()
     try:
-        return st.loop.submit(p.ids, p.sampling, p.body.cache_salt)
+        return st.loop.submit(p.ids, p.sampling, p.body.cache_salt, bootstrap=p.body.bootstrap())
     except ContextLengthError as e:
         raise APIError(400, str(e), param=p.param, code="context_length_exceeded") from None
     except EngineDeadError as e:
@@ -345,47 +349,3 @@ def _add_openai_routes(app: FastAPI, st: ServerState) -> None:
             "id": st.opts.served_model_name, "object": "model", "created": st.created, "owned_by": "hicache",
             "root": st.engine.config.model, "max_model_len": st.engine.context_length,
         }]}
-
-
-def _add_operation_routes(app: FastAPI, st: ServerState) -> None:
-    @app.get("/health")
-    async def health() -> Response:
-        st.loop.check_alive()  # EngineDeadError -> 503 engine_dead, saying why
-        return JSONResponse({"status": "ok"})
-
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache(request: Request) -> Response:
-        """Empty the prefix cache; refused while requests run unless they finish within ``timeout`` s."""
-        raw = request.query_params.get("timeout", "0")
-        try:
-            timeout = float(raw)
-            if not 0.0 <= timeout <= 3600.0:
-                raise ValueError
-        except ValueError:
-            raise APIError(400, f"timeout must be a number of seconds in [0, 3600], got {raw!r}.", param="timeout",
-                           code="invalid_value") from None
-        if await st.loop.flush(timeout):
-            logger.info("flush_cache ok")
-            return JSONResponse({"flushed": True, "message": "the cache was flushed."})
-        n = st.loop.num_inflight
-        raise APIError(400, f"cannot flush the cache while {n} request(s) are running or waiting; retry when idle "
-                            "or pass ?timeout=SECONDS to wait for them.", code="server_busy")
-
-    @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        if st.loop.alive:
-            st.metrics.update_from_stats(await st.loop.stats())
-        return Response(st.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    @app.get("/get_hicache_l3_cache_layout")
-    async def l3_cache_layout() -> dict:
-        """How L3 objects are cut and named (unified key scheme: grid, namespace, rank cells)."""
-        return st.engine.storage_layout()
-
-    @app.get("/stats")
-    async def stats() -> dict:
-        return {**(await st.loop.stats()), "inflight_requests": st.loop.num_inflight}
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> dict:
-        return await st.off_loop(_tokenize, await read_body(request, st.opts.max_request_bytes), st)

@@ -1,0 +1,90 @@
+"""The server's operational endpoints: ``/health``, ``/flush_cache``, ``/metrics``, ``/stats``,
+``/tokenize``, ``/get_hicache_l3_cache_layout``, and what sglang-router asks every worker at
+start (``/model_info``, ``/server_info``, also under their ``/get_*`` names)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from .parsing import parse_body, read_body
+from .protocol import APIError, TokenizeRequest
+
+if TYPE_CHECKING:
+    from .app import ServerState
+
+logger = logging.getLogger("hicache.server.app")
+
+
+def _tokenize(raw: bytes, st: "ServerState") -> dict[str, Any]:
+    body = parse_body(raw, TokenizeRequest)
+    texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    ids = [st.engine.tokenizer.encode(t) for t in texts]
+    out: dict[str, Any] = {"counts": [len(x) for x in ids], "max_model_len": st.engine.context_length}
+    if body.return_ids:
+        out["tokens"] = ids
+    return out
+
+
+def add_operation_routes(app: FastAPI, st: "ServerState") -> None:
+    """Health, cache control, metrics and introspection endpoints."""
+    @app.get("/health")
+    async def health() -> Response:
+        st.loop.check_alive()  # EngineDeadError -> 503 engine_dead, saying why
+        return JSONResponse({"status": "ok"})
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache(request: Request) -> Response:
+        """Empty the prefix cache; refused while requests run unless they finish within ``timeout`` s."""
+        raw = request.query_params.get("timeout", "0")
+        try:
+            timeout = float(raw)
+            if not 0.0 <= timeout <= 3600.0:
+                raise ValueError
+        except ValueError:
+            raise APIError(400, f"timeout must be a number of seconds in [0, 3600], got {raw!r}.", param="timeout",
+                           code="invalid_value") from None
+        if await st.loop.flush(timeout):
+            logger.info("flush_cache ok")
+            return JSONResponse({"flushed": True, "message": "the cache was flushed."})
+        n = st.loop.num_inflight
+        raise APIError(400, f"cannot flush the cache while {n} request(s) are running or waiting; retry when idle "
+                            "or pass ?timeout=SECONDS to wait for them.", code="server_busy")
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        if st.loop.alive:
+            st.metrics.update_from_stats(await st.loop.stats())
+        return Response(st.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/get_hicache_l3_cache_layout")
+    async def l3_cache_layout() -> dict:
+        """How L3 objects are cut and named (unified key scheme: grid, namespace, rank cells)."""
+        return st.engine.storage_layout()
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info() -> dict:
+        """What sglang-router asks every worker at start (SGLang's fields)."""
+        return {"model_path": st.engine.config.model, "tokenizer_path": st.engine.config.model,
+                "served_model_name": st.opts.served_model_name, "is_generation": True}
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info() -> dict:
+        """The engine's configuration (SGLang's server args where the names agree)."""
+        cfg = st.engine.config
+        return {**{k: v for k, v in dataclasses.asdict(cfg).items() if isinstance(v, (str, int, float, bool, type(None)))},
+                "served_model_name": st.opts.served_model_name, "context_length": st.engine.context_length}
+
+    @app.get("/stats")
+    async def stats() -> dict:
+        return {**(await st.loop.stats()), "inflight_requests": st.loop.num_inflight}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        return await st.off_loop(_tokenize, await read_body(request, st.opts.max_request_bytes), st)
