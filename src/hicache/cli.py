@@ -39,6 +39,8 @@ def _engine(args: argparse.Namespace):
     from .engine import Engine
 
     cfg = EngineConfig.from_cli_args(args)
+    if cfg.disaggregation_bootstrap_host is None and getattr(args, "host", None):  # serve: next to the HTTP API
+        cfg = dataclasses.replace(cfg, disaggregation_bootstrap_host=args.host)
     return Engine(**dataclasses.asdict(cfg))
 
 

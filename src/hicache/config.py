@@ -14,6 +14,8 @@ from .errors import HicacheError
 CP_STRATEGIES = ("zigzag", "interleave")  # how prefill tokens are split over context-parallel ranks
 SPEC_ALGORITHMS = ("STANDALONE",)  # speculative decoding with a separate draft model
 SPEC_KV_LAYOUTS = ("auto", "packed", "sidecar")  # where a draft model's KV lives (engine/speculative.py)
+DISAGG_MODES = ("null", "prefill", "decode")  # prefill/decode disaggregation (hicache.disagg)
+DISAGG_BACKENDS = ("zmq",)
 DEFAULT_SPEC_STEPS = 3
 
 
@@ -159,6 +161,25 @@ class EngineConfig:
         "same KV row shape and dtype), 'sidecar' (its own pools and storage objects on the target's pages), or "
         "'auto' (packed when it fits).", SPEC_KV_LAYOUTS
     )
+    # Prefill/decode disaggregation
+    disaggregation_mode: str = _opt(
+        "null", "This server's role: 'null' (both phases), 'prefill' (computes prompts, sends their KV), or "
+        "'decode' (receives the KV its own tiers lack, decodes).", DISAGG_MODES
+    )
+    disaggregation_bootstrap_port: int = _opt(
+        8998, "Prefill side: the port of the bootstrap socket decode servers ask for KV on (0: any free port)."
+    )
+    disaggregation_bootstrap_host: Optional[str] = _opt(
+        None, "Prefill side: the address the bootstrap socket listens on (default: hicache serve's --host; "
+        "127.0.0.1 for the Python API)."
+    )
+    disaggregation_transfer_backend: str = _opt(
+        "zmq", "How KV crosses between the servers: 'zmq' (ZeroMQ over TCP).", DISAGG_BACKENDS
+    )
+    disaggregation_decode_enable_radix_cache: bool = _opt(
+        False, "Decode side: keep a radix tree (and with --enable-hierarchical-cache the host and storage tiers) "
+        "so a request asks prefill only for the KV after what it already holds."
+    )
     # Scheduling
     chunked_prefill_size: int = _opt(2048, "Most prompt tokens computed in one prefill step (a long prompt is chunked).")
     max_running_requests: int = _opt(32, "Most requests decoding at once.")
@@ -184,6 +205,7 @@ class EngineConfig:
         self._validate_nodes()
         self._validate_context_parallel()
         self._validate_speculative()
+        self._validate_disaggregation()
         if self.max_running_requests < 1:
             raise ConfigError("--max-running-requests must be at least 1.")
         if self.context_length is not None and self.context_length < 2:
@@ -256,6 +278,29 @@ class EngineConfig:
         if self.attn_cp_size > 1 or self.enable_kv_cache_sharding:
             raise ConfigError("--speculative-algorithm with --attn-cp-size > 1 or --enable-kv-cache-sharding is "
                               "not supported yet.")
+
+    def _validate_disaggregation(self) -> None:
+        if self.disaggregation_mode == "null":
+            return
+        if self.tp_size * self.pp_size > 1 or self.attn_cp_size > 1:
+            raise ConfigError(f"--disaggregation-mode {self.disaggregation_mode} runs on one rank for now; drop "
+                              "--tp-size / --pp-size / --attn-cp-size.")
+        if self.speculative_algorithm:
+            raise ConfigError("--disaggregation-mode with --speculative-algorithm is not supported yet.")
+        if self.disaggregation_mode == "decode" and self.enable_hierarchical_cache and \
+                not self.disaggregation_decode_enable_radix_cache:
+            raise ConfigError("a decode server reuses its host tier through its radix tree: add "
+                              "--disaggregation-decode-enable-radix-cache to --enable-hierarchical-cache.")
+        if not 0 <= self.disaggregation_bootstrap_port < 65536:
+            raise ConfigError(f"--disaggregation-bootstrap-port must be in [0, 65535], got "
+                              f"{self.disaggregation_bootstrap_port}.")
+
+    @property
+    def decode_reuses_prefix(self) -> bool:
+        """Whether requests may hit the radix tree: always, but on a decode server only with
+        --disaggregation-decode-enable-radix-cache (as SGLang)."""
+        return not self.disable_radix_cache and (self.disaggregation_mode != "decode"
+                                                 or self.disaggregation_decode_enable_radix_cache)
 
     @property
     def speculative_steps(self) -> int:

@@ -20,6 +20,7 @@ from ..cache.storage.controller import Agree
 from ..cache.storage.unified import StorageGrid, UnifiedPlan
 from ..cache.storage.registry import create_backend
 from ..config import ConfigError, EngineConfig
+from ..disagg.role import DecodeRole, PDRole, PrefillRole
 from ..device import device_memory_budget
 from ..model.context_parallel import CPGroup, PrefixGather
 from ..model.loader import LoadedModel
@@ -101,7 +102,7 @@ def build_core(
     sidecar = _sidecar_pools(cfg, draft_kv, device_pages, host_pages, dtype, device,
                              unified.draft.grid if unified and unified.draft else None)
     cache = KVCacheManager(
-        pool=pool, eviction_policy=cfg.radix_eviction_policy, enable_prefix_cache=not cfg.disable_radix_cache,
+        pool=pool, eviction_policy=cfg.radix_eviction_policy, enable_prefix_cache=cfg.decode_reuses_prefix,
         host_pool=host_pool, write_policy=cfg.hicache_write_policy,
         write_through_threshold=cfg.hicache_write_through_threshold, storage=storage,
         prefetch_threshold=cfg.hicache_storage_prefetch_threshold, storage_agree=storage_agree,
@@ -174,7 +175,17 @@ def _scheduler(cfg: EngineConfig, cache: KVCacheManager, runner: ModelRunner, lo
         prefetch_timeout=lambda tokens: cfg.hicache_storage_prefetch_timeout_base
         + cfg.hicache_storage_prefetch_timeout_per_1k_tokens * tokens / 1000,
         speculator=speculator,
+        pd=_pd_role(cfg, cache),
     )
+
+
+def _pd_role(cfg: EngineConfig, cache: KVCacheManager) -> PDRole | None:
+    """This server's part in prefill/decode disaggregation (hicache.disagg), if any."""
+    if cfg.disaggregation_mode == "prefill":
+        return PrefillRole(cache, cfg.disaggregation_bootstrap_port, cfg.disaggregation_bootstrap_host or "127.0.0.1")
+    if cfg.disaggregation_mode == "decode":
+        return DecodeRole(cache)
+    return None
 
 
 def _context_parallel(cfg: EngineConfig, group: CPGroup | None, split_tokens: bool, kv_heads: int, head_dim: int,
@@ -277,6 +288,8 @@ def core_stats(core: EngineCore, page_size: int) -> dict[str, Any]:
             # mean tokens a verify pass gives a request, its own token included (SGLang's accept length)
             "accept_length": sched.spec_accepted_tokens / max(sched.spec_request_verify_steps, 1),
         }
+    if sched.pd is not None:
+        out["disaggregation"] = sched.pd.snapshot()
     host = cache.host_usage()
     if host is not None:
         out["host_pool"] = host

@@ -13,6 +13,7 @@ import torch
 
 from ..cache.storage.keys import tree_namespace
 from ..config import ConfigError, EngineConfig
+from ..disagg.bootstrap import Bootstrap
 from ..device import DTYPES, choose_dtype, resolve_device
 from ..errors import ContextLengthError, HicacheError, InvalidRequestError
 from ..model import load_model
@@ -132,7 +133,8 @@ class Engine:
         return None if isinstance(self.backend, LocalBackend) else cast("RankGroup", self.backend)
 
     # ---- requests ------------------------------------------------------------------------
-    def _make_request(self, prompt: Prompt, sampling: SamplingParams, cache_salt: str | None) -> Request:
+    def _make_request(self, prompt: Prompt, sampling: SamplingParams, cache_salt: str | None,
+                      bootstrap: Bootstrap | None = None) -> Request:
         sampling.validate()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
@@ -146,6 +148,8 @@ class Engine:
                 "shorten it so at least one output token fits."
             )
         max_new = min(sampling.max_new_tokens, self.context_length - len(ids))
+        if bootstrap is not None and self.config.disaggregation_mode == "prefill":
+            max_new = 1  # the first token; the decode server generates the rest
         # + the slots a verify pass writes past the last token (speculative decoding)
         need = -(-(len(ids) + max_new + self.config.speculative_steps) // self.config.page_size)
         if need > self.capacity_pages:
@@ -155,29 +159,35 @@ class Engine:
             )
         namespace = tree_namespace(self.cache_identity, self.config.dtype, self.config.page_size, cache_salt)
         return Request(rid=next(self._rids), prompt_ids=ids, sampling=sampling, namespace=namespace,
-                       max_new_tokens=max_new)
+                       max_new_tokens=max_new, bootstrap=bootstrap)
 
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
         cache_salt: str | None = None,
+        bootstrap: Bootstrap | Sequence[Bootstrap | None] | None = None,
     ) -> list[GenerateResult]:
         """Generate for one prompt or a list (text or token ids). Returns one result per prompt,
-        in order. An invalid request raises :class:`InvalidRequestError` before anything runs."""
+        in order. An invalid request raises :class:`InvalidRequestError` before anything runs.
+        ``bootstrap`` (P/D, per prompt): where the request's other half runs; a prefill server
+        returns once each prompt's KV was handed over (or given up on)."""
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling is None or isinstance(sampling, SamplingParams):
             sampling = [sampling or SamplingParams() for _ in prompts]
-        if len(sampling) != len(prompts):
-            raise InvalidRequestError(f"got {len(sampling)} sampling params for {len(prompts)} prompts.")
+        if bootstrap is None or isinstance(bootstrap, Bootstrap):
+            bootstrap = [bootstrap] * len(prompts)
+        if len(sampling) != len(prompts) or len(bootstrap) != len(prompts):
+            raise InvalidRequestError(f"got {len(sampling)} sampling params and {len(bootstrap)} bootstraps for "
+                                      f"{len(prompts)} prompts.")
         self._check_driver("generate")
         sched = self._live_scheduler()
-        reqs = [self._make_request(p, s, cache_salt) for p, s in zip(prompts, sampling)]
+        reqs = [self._make_request(p, s, cache_salt, b) for p, s, b in zip(prompts, sampling, bootstrap)]
         for req in reqs:
             sched.add(req)
         pending = {r.rid for r in reqs}
-        while pending:
+        while pending or sched.has_work():
             for req in sched.step():
                 pending.discard(req.rid)
         return [GenerateResult.from_request(r) for r in reqs]

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
+from ..disagg.bootstrap import Bootstrap
 from ..errors import EngineDeadError, HicacheError
 from .engine import Engine
 from .request import GenerateResult, Request, Status
@@ -154,11 +155,13 @@ class EngineLoop:
         sampling: SamplingParams,
         cache_salt: str | None = None,
         aio_loop: asyncio.AbstractEventLoop | None = None,
+        bootstrap: Bootstrap | None = None,
     ) -> RequestHandle:
         """Validate on the caller's thread (raises InvalidRequestError) and queue the request.
-        Call from a coroutine, or pass the event loop that will consume the handle."""
+        Call from a coroutine, or pass the event loop that will consume the handle.
+        ``bootstrap``: P/D, where the request's other half runs."""
         self.check_alive()
-        req = self.engine._make_request(prompt, sampling, cache_salt)
+        req = self.engine._make_request(prompt, sampling, cache_salt, bootstrap)
         handle = RequestHandle(req, aio_loop or asyncio.get_running_loop())
         req.on_update = handle._push
         with self._lock:

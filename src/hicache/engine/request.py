@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from ..cache.manager import KVState
+from ..disagg.bootstrap import Bootstrap
 from .sampling import SamplingParams
 
 
@@ -20,6 +21,7 @@ DRAFT_SEED_OFFSET = 0x9E3779B97F4A7C15  # the draft stream's seed = seed + this 
 class Status(enum.Enum):
     WAITING = "waiting"  # queued, holds nothing
     PREFILL = "prefill"  # admitted; prompt (possibly chunked) being computed
+    RECEIVING = "receiving"  # P/D decode side: admitted, its prompt's KV arriving from prefill
     DECODE = "decode"  # first token sampled; one token per step
     FINISHED = "finished"
 
@@ -59,6 +61,10 @@ class Request:
     draft_computed: Optional[int] = None  # speculative decoding: tokens the draft has KV for (else None)
     spec_verify_steps: int = 0  # verify passes this request took part in
     spec_accepted_tokens: int = 0  # tokens those passes gave it (accepted drafts + the target's own)
+    bootstrap: Optional["Bootstrap"] = None  # P/D: where the request's other half runs
+    decode_prefix_len: int = 0  # P/D decode side: prompt tokens its own tiers supplied (whole pages)
+    transferred_tokens: int = 0  # P/D: KV tokens that crossed the wire for it
+    transferred_bytes: int = 0
     tokens_np: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -107,6 +113,11 @@ class GenerateResult:
     error: str = ""  # with finish_reason "error": what failed in the engine
     spec_accept_length: float = 0.0  # speculative decoding: mean tokens per verify pass (0: off)
     spec_verify_steps: int = 0
+    disaggregated: bool = False  # P/D: the request had a bootstrap
+    decode_prefix_len: int = 0  # P/D decode side: prompt tokens its own tiers supplied
+    kv_transferred_tokens: int = 0  # P/D: prompt tokens whose KV crossed between the servers
+    kv_transferred_bytes: int = 0
+    kv_transfer_error: bool = False  # P/D: finish_reason "error" because the transfer failed
 
     @classmethod
     def from_request(cls, req: Request) -> "GenerateResult":
@@ -129,4 +140,9 @@ class GenerateResult:
             error=req.error,
             spec_accept_length=req.spec_accept_length,
             spec_verify_steps=req.spec_verify_steps,
+            disaggregated=req.bootstrap is not None,
+            decode_prefix_len=req.decode_prefix_len,
+            kv_transfer_error=req.bootstrap is not None and bool(req.error),
+            kv_transferred_tokens=req.transferred_tokens,
+            kv_transferred_bytes=req.transferred_bytes,
         )

@@ -25,6 +25,7 @@ from .sampling import sample
 from .step import ForwardFn, StepDriver
 
 if TYPE_CHECKING:
+    from ..disagg.role import PDRole
     from .speculative import Proposal, Speculator
 
 logger = logging.getLogger(__name__)
@@ -41,8 +42,10 @@ class Scheduler:
         prefetch_policy: str = "adaptive",
         prefetch_timeout: Callable[[int], float] = lambda tokens: 1.0,
         speculator: Optional["Speculator"] = None,
+        pd: Optional["PDRole"] = None,
     ) -> None:
-        """``speculator``: speculative decoding is on; decode steps become verify passes."""
+        """``speculator``: speculative decoding is on; decode steps become verify passes.
+        ``pd``: this server's role in prefill/decode disaggregation (hicache.disagg.role)."""
         self.cache = cache
         self.decode_text = decode_text
         self.eos_token_ids = eos_token_ids
@@ -58,6 +61,7 @@ class Scheduler:
         self.spec_steps = speculator.num_steps if speculator is not None else 0
         self.spec_request_verify_steps = 0  # verify passes, counted once per request in each
         self.spec_accepted_tokens = 0
+        self.pd = pd
         # The phases of a step on this rank alone; a rank of a group replaces it with one that
         # agrees with its peers and hands its output on (hicache.parallel.worker).
         self.driver = StepDriver(self, forward)
@@ -80,7 +84,7 @@ class Scheduler:
             self.prefetch_rule.prefill.observe(sum(batch.new_tokens), seconds)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or (self.pd is not None and self.pd.busy))
 
     def abort(self, rid: int) -> bool:
         """Drop a request wherever it is, freeing what it holds. True if it was found."""
@@ -104,9 +108,13 @@ class Scheduler:
     def step(self) -> list[Request]:
         """One step (agree -> schedule -> forward -> sample -> apply: see engine/step.py);
         returns the requests that finished in it."""
-        batch, finished = self.driver.step()
-        if batch is None and not self.running and self.waiting:
-            time.sleep(0.001)  # only prefetches to wait for: do not spin
+        finished: list[Request] = []
+        if self.pd is not None:  # transfers that ended since the last step
+            self.pd.poll(self, finished)
+        batch, stepped = self.driver.step()
+        finished += stepped
+        if batch is None and ((not self.running and self.waiting) or (self.pd is not None and self.pd.busy)):
+            time.sleep(0.001)  # only prefetches or KV transfers to wait for: do not spin
         return finished
 
     # ---- events: what background work finished, applied only as agreed ----------------
@@ -171,6 +179,9 @@ class Scheduler:
                 break  # first-come first-served for memory: later requests wait behind it
             self.waiting.remove(req)
             self.running.append(req)
+            if self.pd is not None and self.pd.on_admit(req):
+                req.status = Status.RECEIVING  # its prompt's KV comes from the prefill server
+                continue
             n = min(len(req.prompt_ids) - req.computed, budget)
             batch.append((req, n))
             budget -= n
@@ -287,7 +298,8 @@ class Scheduler:
             req.on_update(req)
 
     def _finish(self, req: Request, reason: str) -> None:
-        self.cache.release(req.namespace, req.tokens_with_kv(), req.kv)
+        if self.pd is None or not self.pd.on_finish(req):  # else a transfer still reads or writes its KV
+            self.release_kv(req)
         self.running.remove(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
@@ -304,6 +316,25 @@ class Scheduler:
             req.first_token_time - req.arrival_time if req.first_token_time else -1.0,
             req.finish_time - req.arrival_time,
         )
+
+
+    # ---- disaggregation (hicache.disagg.role calls these from its poll) -------------------
+    def release_kv(self, req: Request) -> None:
+        """Cache the pages of ``req`` that have KV, free the rest, drop its lock."""
+        self.cache.release(req.namespace, req.tokens_with_kv(), req.kv)
+
+    def start_decode(self, req: Request, first_token: int, finished: list[Request]) -> None:
+        """``req``'s whole prompt has KV (local tiers + received suffix): decode from the
+        prefill server's first token."""
+        req.computed = len(req.prompt_ids)
+        req.first_token_time = time.perf_counter()
+        req.status = Status.DECODE
+        self._append_token(req, first_token, finished)
+
+    def fail(self, req: Request, error: str, finished: list[Request]) -> None:
+        req.error = error
+        self._finish(req, "error")
+        finished.append(req)
 
 
 @dataclass

@@ -69,6 +69,10 @@ class ServerMetrics:
                                            "passes.", buckets=STEP_BUCKETS, registry=r)
         self.spec_accepted = Counter("hicache_spec_accepted_tokens", "Speculative decoding: tokens verify passes "
                                      "gave finished requests.", registry=r)
+        # Prefill/decode disaggregation: KV that crossed between the servers (this server's side)
+        self.kv_transfer = Counter("hicache_kv_transfer", "P/D KV transfers of this server's side: requests, failed, "
+                                   "tokens, bytes, seconds (decode side: asking to stored), decode_prefix_tokens "
+                                   "(prompt tokens the decode side's own tiers supplied).", ["field"], registry=r)
         self._seen: dict[tuple, float] = {}  # cumulative figures already counted
         for tier in ("device", "host", "storage"):
             self.cached_tokens.labels(tier=tier)
@@ -118,6 +122,9 @@ class ServerMetrics:
             self._update_storage(stats["storage"])
         if isinstance(stats.get("kv_sharding"), dict):
             self._update_kv_sharding(stats["kv_sharding"])
+        for field, n in (stats.get("disaggregation") or {}).items():
+            if field not in ("open", "bootstrap_port") and isinstance(n, (int, float)):
+                self._advance(self.kv_transfer.labels(field=field), ("pd", field), n)
 
     def _update_kv_sharding(self, sharding: dict[str, Any]) -> None:
         """Context parallelism: pages held per shard rank; each stage rank's gather figures."""

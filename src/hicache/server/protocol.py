@@ -12,6 +12,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ..disagg.bootstrap import Bootstrap
+
 # Strict types (no "3" -> 3, no "yes" -> True) and no inf/NaN in any float field.
 STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
@@ -59,6 +61,20 @@ class _Sampling(BaseModel):
     response_format: Optional[dict[str, Any]] = None
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    # Prefill/decode disaggregation: what sglang-router adds to a request it sends to both
+    # servers (SGLang's other extras it adds, e.g. no_stop_trim, are ignored as unknown fields).
+    bootstrap_host: Optional[str] = None
+    bootstrap_port: Optional[int] = Field(None, ge=0, lt=65536)
+    bootstrap_room: Optional[int] = Field(None, ge=0)
+
+    def bootstrap(self) -> Optional[Bootstrap]:
+        """Where the request's other half runs, or None (all three fields or none)."""
+        fields = (self.bootstrap_host, self.bootstrap_port, self.bootstrap_room)
+        if all(f is None for f in fields):
+            return None
+        if any(f is None for f in fields):
+            raise APIError(400, "bootstrap_host, bootstrap_port and bootstrap_room go together.", param="bootstrap_room")
+        return Bootstrap(self.bootstrap_host, self.bootstrap_port, self.bootstrap_room)
 
     @field_validator("cache_salt")
     @classmethod
