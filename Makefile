@@ -24,7 +24,7 @@ DEMO_UNIFIED := --enable-hierarchical-cache --hicache-storage-backend file \
 	--hicache-storage-prefetch-threshold 64 --hicache-storage-prefetch-policy wait_complete \
 	--hicache-storage-key-scheme unified --hicache-storage-layer-partition 15 --hicache-storage-head-partition 1
 
-.PHONY: setup demo serve-demo test bench bench-peers peers-setup clean
+.PHONY: setup demo pd-demo serve-demo test bench bench-peers peers-setup clean
 
 setup: $(VENV)/.installed
 
@@ -69,6 +69,13 @@ demo: setup
 	rm -rf out/demo-unified
 	$(VENV)/bin/hicache demo $(DEMO_UNIFIED) --tp-size 2 --turns 2 --max-new-tokens 16
 	$(VENV)/bin/hicache demo $(DEMO_UNIFIED) --turns 2 --max-new-tokens 16
+	@echo
+	@echo "== prefill/decode disaggregation behind SGLang's router: the decode server keeps its history and receives only each turn's new KV =="
+	$(PY) -m hicache.disagg.demo --turns 3 --max-new-tokens 16
+
+# The P/D scenario alone: prefill + decode `hicache serve` and sglang-router on 127.0.0.1.
+pd-demo: setup
+	$(PY) -m hicache.disagg.demo
 
 # Starts `hicache serve` (SmolLM2) on a free local port, runs a short multi-turn benchmark
 # against it, prints the report (and writes out/serve-demo.{json,png}), then stops the server.

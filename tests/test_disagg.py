@@ -3,6 +3,7 @@ tiers, reports ``decode_prefix_len`` and receives only the suffix's KV."""
 
 from __future__ import annotations
 
+import importlib
 import threading
 
 import pytest
@@ -18,11 +19,23 @@ SPAN = 64  # tokens: four pages
 A, B, C = ([(i * 31 + 7 * k) % 250 + 3 for i in range(SPAN)] for k in (1, 2, 3))
 
 
-@pytest.fixture
-def servers():
-    prefill = Engine(MODEL, disaggregation_mode="prefill", disaggregation_bootstrap_port=0, **OPTS)
+def mooncake_transfer_engine_missing() -> str | None:
+    try:
+        importlib.import_module("mooncake.engine")
+    except ImportError as e:
+        return f"mooncake.engine does not import ({e}): pip install mooncake-transfer-engine-non-cuda and libibverbs1"
+    return None
+
+
+@pytest.fixture(params=["zmq", "mooncake"])
+def servers(request):
+    """A prefill and a decode engine in this process, over either transfer backend."""
+    if request.param == "mooncake" and mooncake_transfer_engine_missing():
+        pytest.skip(mooncake_transfer_engine_missing())
+    backend = dict(disaggregation_transfer_backend=request.param)
+    prefill = Engine(MODEL, disaggregation_mode="prefill", disaggregation_bootstrap_port=0, **backend, **OPTS)
     decode = Engine(MODEL, disaggregation_mode="decode", disaggregation_decode_enable_radix_cache=True,
-                    enable_hierarchical_cache=True, **OPTS)
+                    enable_hierarchical_cache=True, **backend, **OPTS)
     yield prefill, decode
     prefill.shutdown()
     decode.shutdown()
@@ -74,12 +87,8 @@ def test_without_decode_side_reuse_the_whole_prompt_crosses() -> None:
         decode.shutdown()
 
 
-def test_a_prefill_server_that_never_answers_fails_the_request_and_frees_its_pages(monkeypatch) -> None:
-    from hicache.disagg import transfer
-
-    monkeypatch.setattr(transfer, "RECEIVE_TIMEOUT_S", 0.5)
-    monkeypatch.setattr("hicache.disagg.role.RECEIVE_TIMEOUT_S", 0.5)
-    decode = Engine(MODEL, disaggregation_mode="decode", **OPTS)
+def test_a_prefill_server_that_never_answers_fails_the_request_and_frees_its_pages() -> None:
+    decode = Engine(MODEL, disaggregation_mode="decode", disaggregation_transfer_timeout=0.5, **OPTS)
     try:
         free = decode.cache.allocator.available
         got = decode.generate(A, GREEDY, bootstrap=Bootstrap("127.0.0.1", 9, 5))[0]  # nobody listens there
@@ -110,6 +119,7 @@ def test_sglang_router_serves_a_multi_turn_chat_through_a_pd_pair() -> None:
     common = f"--model {MODEL} --dtype float32 --page-size 16 --max-total-tokens 2048"
     with pd_servers(common, decode_args="--disaggregation-decode-enable-radix-cache --enable-hierarchical-cache") as pd:
         messages = [{"role": "system", "content": "You plan trips. " * 8}]
+        previous = 0  # the last turn's prompt tokens
         for turn, question in enumerate(("Lisbon in three days?", "And Porto?", "Which one in winter?")):
             messages.append({"role": "user", "content": question})
             body = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0}
@@ -126,3 +136,86 @@ def test_sglang_router_serves_a_multi_turn_chat_through_a_pd_pair() -> None:
         assert stats["mode"] == "decode" and stats["requests"] == 3 and stats["failed"] == 0
         assert "hicache_kv_transfer_total{field=\"bytes\"}" in httpx.get(f"{pd.decode_url}/metrics", timeout=10).text
     engine.shutdown()
+
+
+# ---- faults: every page comes back ----------------------------------------------------------
+def test_a_killed_prefill_server_fails_the_decode_request_in_time_and_frees_its_pages() -> None:
+    """The decode server asked a prefill server that then died (SIGKILL, no goodbye): the
+    request ends with 503 kv_transfer_failed after the transfer timeout, and the decode
+    server's pool is as before."""
+    import signal
+    import time
+
+    import httpx
+
+    from hicache.bench.main import launch_server
+    from hicache.ports import free_port
+
+    common = f"--model {MODEL} --dtype float32 --page-size 16 --disaggregation-transfer-timeout 3"
+    port = free_port()
+    prefill, prefill_url = launch_server(f"{common} --disaggregation-mode prefill --disaggregation-bootstrap-port "
+                                         f"{port}", 60)
+    decode, decode_url = launch_server(f"{common} --disaggregation-mode decode", 60)
+    try:
+        free = httpx.get(f"{decode_url}/stats", timeout=10).json()["device_pool"]["free_pages"]
+        prefill.send_signal(signal.SIGKILL)
+        prefill.wait()
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hello " * 40}], "max_tokens": 4,
+                "bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": 42}
+        t0 = time.monotonic()
+        r = httpx.post(f"{decode_url}/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "kv_transfer_failed"
+        assert 3 <= time.monotonic() - t0 < 10
+        stats = httpx.get(f"{decode_url}/stats", timeout=10).json()
+        assert stats["device_pool"]["free_pages"] == free and stats["disaggregation"]["failed"] == 1
+        assert httpx.get(f"{decode_url}/health", timeout=10).status_code == 200  # the server itself is fine
+    finally:
+        for proc in (prefill, decode):
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+def test_a_prefill_whose_decode_server_never_asks_frees_its_kv_after_the_timeout() -> None:
+    prefill = Engine(MODEL, disaggregation_mode="prefill", disaggregation_bootstrap_port=0,
+                     disaggregation_transfer_timeout=0.5, **OPTS)
+    try:
+        free = prefill.cache.allocator.available
+        sent = prefill.generate(A, GREEDY, bootstrap=Bootstrap("127.0.0.1", prefill.scheduler.pd.port, 11))[0]
+        assert sent.output_ids and sent.kv_transferred_tokens == 0  # computed, never sent
+        assert prefill.stats()["disaggregation"]["failed"] == 1
+        assert prefill.cache.allocator.available + prefill.cache.usage()["cached_pages"] == free  # KV went to the tree
+    finally:
+        prefill.shutdown()
+
+
+def test_an_aborted_decode_request_keeps_its_pages_until_its_transfer_ends() -> None:
+    """Its receive could still write into the reserved pages: they come back only when the
+    transfer has ended (here: timed out), never while it may still land."""
+    decode = Engine(MODEL, disaggregation_mode="decode", disaggregation_transfer_timeout=1.0, **OPTS)
+    try:
+        sched, free = decode.scheduler, decode.cache.allocator.available
+        req = decode._make_request(A, GREEDY, None, Bootstrap("127.0.0.1", 9, 12))
+        sched.add(req)
+        while req.status.value != "receiving":
+            sched.step()
+        assert sched.abort(req.rid) and req.finish_reason == "abort"
+        assert decode.cache.allocator.available < free  # still held: the transfer is open
+        while sched.has_work():
+            sched.step()
+        assert decode.cache.allocator.available == free
+    finally:
+        decode.shutdown()
+
+
+def test_servers_with_different_transfer_backends_fail_the_request_clearly() -> None:
+    if mooncake_transfer_engine_missing():
+        pytest.skip(mooncake_transfer_engine_missing())
+    prefill = Engine(MODEL, disaggregation_mode="prefill", disaggregation_bootstrap_port=0, **OPTS)
+    decode = Engine(MODEL, disaggregation_mode="decode", disaggregation_transfer_backend="mooncake", **OPTS)
+    try:
+        got, sent = serve(prefill, decode, A, room=21)
+        assert got.finish_reason == "error" and "different --disaggregation-transfer-backend" in got.error
+        assert sent.kv_transferred_tokens == 0
+    finally:
+        prefill.shutdown()
+        decode.shutdown()

@@ -15,7 +15,7 @@ CP_STRATEGIES = ("zigzag", "interleave")  # how prefill tokens are split over co
 SPEC_ALGORITHMS = ("STANDALONE",)  # speculative decoding with a separate draft model
 SPEC_KV_LAYOUTS = ("auto", "packed", "sidecar")  # where a draft model's KV lives (engine/speculative.py)
 DISAGG_MODES = ("null", "prefill", "decode")  # prefill/decode disaggregation (hicache.disagg)
-DISAGG_BACKENDS = ("zmq",)
+DISAGG_BACKENDS = ("zmq", "mooncake")
 DEFAULT_SPEC_STEPS = 3
 
 
@@ -170,11 +170,17 @@ class EngineConfig:
         8998, "Prefill side: the port of the bootstrap socket decode servers ask for KV on (0: any free port)."
     )
     disaggregation_bootstrap_host: Optional[str] = _opt(
-        None, "Prefill side: the address the bootstrap socket listens on (default: hicache serve's --host; "
-        "127.0.0.1 for the Python API)."
+        None, "The address this server's P/D sockets listen on: the prefill bootstrap socket, a Mooncake transfer "
+        "engine (default: hicache serve's --host; 127.0.0.1 for the Python API)."
     )
     disaggregation_transfer_backend: str = _opt(
-        "zmq", "How KV crosses between the servers: 'zmq' (ZeroMQ over TCP).", DISAGG_BACKENDS
+        "zmq", "How KV crosses between the servers: 'zmq' (the rows in ZeroMQ messages) or 'mooncake' (Mooncake's "
+        "transfer engine writes them straight into the decode pool's pages; TCP here, RDMA in production).",
+        DISAGG_BACKENDS
+    )
+    disaggregation_transfer_timeout: float = _opt(
+        60.0, "Seconds a request's KV transfer may take: a decode request gets an error (and frees its pages) "
+        "when no KV arrived by then; a finished prefill frees its KV when no decode server asked by then."
     )
     disaggregation_decode_enable_radix_cache: bool = _opt(
         False, "Decode side: keep a radix tree (and with --enable-hierarchical-cache the host and storage tiers) "
@@ -291,6 +297,9 @@ class EngineConfig:
                 not self.disaggregation_decode_enable_radix_cache:
             raise ConfigError("a decode server reuses its host tier through its radix tree: add "
                               "--disaggregation-decode-enable-radix-cache to --enable-hierarchical-cache.")
+        if not self.disaggregation_transfer_timeout > 0:
+            raise ConfigError(f"--disaggregation-transfer-timeout must be > 0 seconds, got "
+                              f"{self.disaggregation_transfer_timeout}.")
         if not 0 <= self.disaggregation_bootstrap_port < 65536:
             raise ConfigError(f"--disaggregation-bootstrap-port must be in [0, 65535], got "
                               f"{self.disaggregation_bootstrap_port}.")

@@ -19,7 +19,7 @@ with one job each, docstrings that state units and invariants, comments that exp
 TASK = "The test suite reports a failure in the page allocator. Find the cause and fix it."
 
 
-def _tool_output(turn: int, rng: random.Random) -> str:
+def tool_output(turn: int, rng: random.Random) -> str:
     """A deterministic, realistic-looking tool result for this turn (file listings, logs, code)."""
     kinds = [
         lambda: "\n".join(f"src/hicache/{d}/{f}.py  {rng.randint(40, 400)} lines"
@@ -65,7 +65,7 @@ def run_demo(engine: Engine, turns: int = 8, max_new_tokens: int = 40, agents: i
             print(f"{a + 1:>5} {turn + 1:>4} {res.prompt_tokens:>6} {res.cached_tokens:>6} {d['device']:>6} "
                   f"{d['host']:>5} {d['storage']:>7} {res.ttft_s * 1000:>8.1f}{accept}  {reply}")
             messages.append({"role": "assistant", "content": res.text})
-            messages.append({"role": "user", "content": f"Tool output:\n{_tool_output(turn, rng)}\nWhat next?"})
+            messages.append({"role": "user", "content": f"Tool output:\n{tool_output(turn, rng)}\nWhat next?"})
 
     # The final turn's prompt again, for a like-for-like TTFT: a fresh cache_salt is a namespace
     # no tier has seen, so it runs cold everywhere (storage included).

@@ -23,16 +23,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from ..engine.request import Status
-from .transfer import RECEIVE_TIMEOUT_S, KVReceiver, KVSender, Receive, Send
+from .transfer import KVReceiver, KVSender, Receive, Send
 
 if TYPE_CHECKING:
     from ..cache.manager import KVCacheManager
+    from .mooncake_writes import MooncakeWrites
     from ..engine.request import Request
     from ..engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
-
-SEND_TIMEOUT_S = 60.0  # a finished prefill waits this long for its decode server to ask
 
 
 @dataclass
@@ -47,6 +46,16 @@ class TransferStats:
     bytes: int = 0
     seconds: float = 0.0
     decode_prefix_tokens: int = 0
+
+
+def _writes(backend: str, cache: "KVCacheManager", host: str) -> "MooncakeWrites | None":
+    """The Mooncake transfer engine for ``--disaggregation-transfer-backend mooncake``, else None
+    (rows travel in the ZeroMQ messages)."""
+    if backend != "mooncake":
+        return None
+    from .mooncake_writes import MooncakeWrites
+
+    return MooncakeWrites(cache.pool, host)
 
 
 class PDRole(Protocol):
@@ -77,8 +86,12 @@ class PDRole(Protocol):
 
 
 class PrefillRole:
-    def __init__(self, cache: "KVCacheManager", port: int, host: str = "127.0.0.1") -> None:
-        self.sender = KVSender(cache.pool, port, host)
+    """``timeout_s``: how long a finished prefill waits for its decode server to ask."""
+
+    def __init__(self, cache: "KVCacheManager", port: int, host: str = "127.0.0.1", timeout_s: float = 60.0,
+                 backend: str = "zmq") -> None:
+        self.timeout_s = timeout_s
+        self.sender = KVSender(cache.pool, port, host, _writes(backend, cache, host))
         self.port = self.sender.port
         self.sending: list[tuple["Request", Send]] = []
         self.stats = TransferStats()
@@ -91,7 +104,7 @@ class PrefillRole:
         if req.bootstrap is None or not req.output_ids:
             return False
         job = Send(req.bootstrap.room, req.kv.slots[: len(req.prompt_ids)], req.output_ids[0],
-                   time.perf_counter() + SEND_TIMEOUT_S)
+                   time.perf_counter() + self.timeout_s)
         self.sender.submit(job)
         self.sending.append((req, job))
         return True
@@ -122,9 +135,12 @@ class PrefillRole:
 
 
 class DecodeRole:
-    def __init__(self, cache: "KVCacheManager") -> None:
-        self.cache = cache
-        self.receiver = KVReceiver(cache.pool)
+    """``timeout_s``: how long a request waits for its KV before it fails."""
+
+    def __init__(self, cache: "KVCacheManager", timeout_s: float = 60.0, backend: str = "zmq",
+                 host: str = "127.0.0.1") -> None:
+        self.cache, self.timeout_s = cache, timeout_s
+        self.receiver = KVReceiver(cache.pool, _writes(backend, cache, host))
         self.receiving: list[tuple["Request", Receive]] = []
         self.stats = TransferStats()
 
@@ -134,7 +150,7 @@ class DecodeRole:
         if req.bootstrap is None:
             return False
         job = Receive(req.bootstrap.room, req.bootstrap.address, req.computed, req.kv.slots[: len(req.prompt_ids)],
-                      time.perf_counter() + RECEIVE_TIMEOUT_S)
+                      time.perf_counter() + self.timeout_s)
         req.decode_prefix_len = req.computed
         self.receiver.submit(job)
         self.receiving.append((req, job))

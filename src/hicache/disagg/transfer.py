@@ -29,16 +29,18 @@ import threading
 import time
 from dataclasses import dataclass, field
 import warnings
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from ..cache.pools import DeviceKVPool
 
+if TYPE_CHECKING:
+    from .mooncake_writes import MooncakeWrites
+
 logger = logging.getLogger(__name__)
 
 POLL_MS = 50
-RECEIVE_TIMEOUT_S = 60.0  # a decode request waits this long for its KV (then fails, pages freed)
 
 
 @dataclass
@@ -87,10 +89,12 @@ class KVSender:
     """The prefill server's side: binds the bootstrap socket, matches decode requests to
     finished prefills by room, streams the rows. ``submit`` is called on the scheduler thread."""
 
-    def __init__(self, pool: DeviceKVPool, port: int, host: str = "127.0.0.1") -> None:
+    def __init__(self, pool: DeviceKVPool, port: int, host: str = "127.0.0.1",
+                 writes: Optional["MooncakeWrites"] = None) -> None:
+        """``writes``: move rows with Mooncake's transfer engine instead of message frames."""
         import zmq
 
-        self.pool = pool
+        self.pool, self.writes = pool, writes
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -160,14 +164,20 @@ class KVSender:
         try:
             if int(msg["prompt_len"]) != end or not 0 <= start <= end:
                 raise ValueError(f"decode asked for tokens {start}-{msg['prompt_len']} of a {end}-token prompt")
-            idx = job.slots[start:end]
-            frames = []
-            for k, v in zip(self.pool.k_buffers, self.pool.v_buffers):
-                frames += [_raw(k.index_select(0, idx)), _raw(v.index_select(0, idx))]
+            if (self.writes is None) != ("mooncake" not in msg):
+                raise ValueError("the two servers use different --disaggregation-transfer-backend settings")
             header = {"room": job.room, "first_token": job.first_token, "start": start, "end": end,
                       "layers": len(self.pool.k_buffers), "row_bytes": _rows(self.pool)}
+            frames = []
+            if self.writes is not None:  # the rows are in the decode pool already when this returns
+                header["written"] = job.sent_bytes = self.writes.write(msg["mooncake"], job.slots, start, end)
+            else:
+                idx = job.slots[start:end]
+                for k, v in zip(self.pool.k_buffers, self.pool.v_buffers):
+                    frames += [_raw(k.index_select(0, idx)), _raw(v.index_select(0, idx))]
+                job.sent_bytes = sum(f.nbytes for f in frames)
             self._sock.send_multipart([ident, json.dumps(header).encode(), *frames], copy=False)
-            job.sent_tokens, job.sent_bytes = end - start, sum(f.nbytes for f in frames)
+            job.sent_tokens = end - start
             logger.info("P/D prefill room=%d: sent tokens %d-%d (%d bytes)", job.room, start, end, job.sent_bytes)
         except Exception as e:  # the decode side must hear why, or it waits for its deadline
             job.error = str(e)
@@ -180,10 +190,11 @@ class KVReceiver:
     """The decode server's side: one DEALER per prefill endpoint; writes received rows into
     the reserved slots. ``submit`` is called on the scheduler thread."""
 
-    def __init__(self, pool: DeviceKVPool) -> None:
+    def __init__(self, pool: DeviceKVPool, writes: Optional["MooncakeWrites"] = None) -> None:
+        """``writes``: the prefill server writes rows into this pool with Mooncake's transfer engine."""
         import zmq
 
-        self.pool = pool
+        self.pool, self.writes = pool, writes
         self._ctx = zmq.Context.instance()
         self._jobs: queue.Queue[Optional[Receive]] = queue.Queue()
         self._open: dict[int, Receive] = {}
@@ -235,6 +246,8 @@ class KVReceiver:
                 return False
             self._open[job.room] = job
             msg = {"room": job.room, "decode_prefix_len": job.decode_prefix_len, "prompt_len": len(job.slots)}
+            if self.writes is not None:
+                msg["mooncake"] = self.writes.describe(job.slots, job.decode_prefix_len, len(job.slots))
             self._socket(job.address).send(json.dumps(msg).encode())
 
     def _on_message(self, frames: list) -> None:
@@ -250,21 +263,27 @@ class KVReceiver:
 
     def _store(self, job: Receive, header: dict, frames: list) -> None:
         start, end, layers = int(header["start"]), int(header["end"]), int(header["layers"])
+        want_frames = 0 if "written" in header else 2 * layers
         if start != job.decode_prefix_len or end != len(job.slots) or layers != len(self.pool.k_buffers) \
-                or int(header["row_bytes"]) != _rows(self.pool) or len(frames) != 2 * layers:
+                or int(header["row_bytes"]) != _rows(self.pool) or len(frames) != want_frames:
             job.error = f"the prefill server sent tokens {start}-{end} of {layers} layers, not what was asked"
             return
-        idx = job.slots[start:end]
+        if "written" in header:  # Mooncake: the rows were written into the reserved pages
+            job.received_bytes = int(header["written"])
+        else:
+            job.received_bytes = self._copy_frames(job.slots[start:end], frames)
+        job.first_token = int(header["first_token"])
+        job.received_tokens = end - start
+        job.seconds = time.perf_counter() - job.submitted
+
+    def _copy_frames(self, idx: torch.Tensor, frames: list) -> int:
         for i, (k, v) in enumerate(zip(self.pool.k_buffers, self.pool.v_buffers)):
             for buf, frame in ((k, frames[2 * i]), (v, frames[2 * i + 1])):
                 with warnings.catch_warnings():  # a read-only frame: only read from
                     warnings.simplefilter("ignore", UserWarning)
                     rows = torch.frombuffer(frame.buffer, dtype=buf.dtype).view(len(idx), *buf.shape[1:])
                 buf.index_copy_(0, idx, rows.to(buf.device))
-        job.first_token = int(header["first_token"])
-        job.received_tokens = end - start
-        job.received_bytes = sum(len(f.buffer) for f in frames)
-        job.seconds = time.perf_counter() - job.submitted
+        return sum(len(f.buffer) for f in frames)
 
     def _expire(self, now: float) -> None:
         for room, job in list(self._open.items()):

@@ -181,10 +181,12 @@ def _scheduler(cfg: EngineConfig, cache: KVCacheManager, runner: ModelRunner, lo
 
 def _pd_role(cfg: EngineConfig, cache: KVCacheManager) -> PDRole | None:
     """This server's part in prefill/decode disaggregation (hicache.disagg), if any."""
+    host = cfg.disaggregation_bootstrap_host or "127.0.0.1"
     if cfg.disaggregation_mode == "prefill":
-        return PrefillRole(cache, cfg.disaggregation_bootstrap_port, cfg.disaggregation_bootstrap_host or "127.0.0.1")
+        return PrefillRole(cache, cfg.disaggregation_bootstrap_port, host, cfg.disaggregation_transfer_timeout,
+                           cfg.disaggregation_transfer_backend)
     if cfg.disaggregation_mode == "decode":
-        return DecodeRole(cache)
+        return DecodeRole(cache, cfg.disaggregation_transfer_timeout, cfg.disaggregation_transfer_backend, host)
     return None
 
 

@@ -1,0 +1,73 @@
+"""``--disaggregation-transfer-backend mooncake``: Mooncake's transfer engine writes the KV rows
+straight from the prefill server's pool into the pages the decode server reserved (TCP on this
+machine, RDMA in production); ZeroMQ still carries the small bootstrap messages.
+
+Both servers register every K and V buffer of their device pool with their transfer engine at
+start. The decode server's request message names its engine (``session``), its buffers' base
+addresses and the pages reserved for the suffix; the prefill server issues one batched write of
+``2 x layers x pages`` spans (a page's rows are contiguous on both sides: the suffix starts on a
+page boundary and both pools use the same page size), then tells the decode server it is done.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..cache.pools import DeviceKVPool
+from ..config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+class MooncakeWrites:
+    """One server's transfer engine, with its pool's buffers registered."""
+
+    def __init__(self, pool: DeviceKVPool, hostname: str = "127.0.0.1") -> None:
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as e:
+            raise ConfigError("--disaggregation-transfer-backend mooncake needs Mooncake's transfer engine: pip "
+                              "install mooncake-transfer-engine-non-cuda (and libibverbs1 from the OS packages) "
+                              f"({e}).") from None
+        self.pool = pool
+        self.engine = TransferEngine()
+        if self.engine.initialize(hostname, "P2PHANDSHAKE", "tcp", "") != 0:
+            raise ConfigError(f"Mooncake's transfer engine could not start on {hostname}.")
+        for buf in pool.k_buffers + pool.v_buffers:
+            if self.engine.register_memory(buf.data_ptr(), buf.numel() * buf.element_size()) != 0:
+                raise ConfigError("Mooncake's transfer engine could not register the KV pool's memory.")
+        self.session = f"{hostname}:{self.engine.get_rpc_port()}"
+        logger.info("P/D: Mooncake transfer engine at %s, %d KV buffers registered", self.session,
+                    2 * len(pool.k_buffers))
+
+    def describe(self, slots: torch.Tensor, start: int, end: int) -> dict:
+        """Decode side: where the prefill server should write tokens ``[start, end)`` (``slots``:
+        the prompt's slots in this pool; ``start`` is a page boundary)."""
+        ps = self.pool.page_size
+        return {"session": self.session, "page_size": ps,
+                "k": [b.data_ptr() for b in self.pool.k_buffers], "v": [b.data_ptr() for b in self.pool.v_buffers],
+                "pages": [int(slots[t]) // ps for t in range(start, end, ps)]}
+
+    def write(self, target: dict, slots: torch.Tensor, start: int, end: int) -> int:
+        """Prefill side: write tokens ``[start, end)`` (at ``slots`` in this pool) into ``target``'s
+        pages; returns the bytes written. Raises ValueError on a layout mismatch, RuntimeError
+        when the engine fails."""
+        pool, ps = self.pool, self.pool.page_size
+        row = pool.k_buffers[0][0].numel() * pool.k_buffers[0].element_size()
+        if target["page_size"] != ps or len(target["k"]) != len(pool.k_buffers) or start % ps:
+            raise ValueError(f"the decode pool has {len(target['k'])} layers of pages of {target['page_size']} "
+                             f"tokens, this one {len(pool.k_buffers)} of {ps} (suffix from token {start})")
+        src, dst, lengths = [], [], []
+        for j, page in enumerate(target["pages"]):
+            t0 = start + j * ps
+            n = min(ps, end - t0)
+            for bufs, peer in ((pool.k_buffers, target["k"]), (pool.v_buffers, target["v"])):
+                for buf, peer_base in zip(bufs, peer):
+                    src.append(buf.data_ptr() + int(slots[t0]) * row)
+                    dst.append(peer_base + page * ps * row)
+                    lengths.append(n * row)
+        if src and self.engine.batch_transfer_sync_write(target["session"], src, dst, lengths) != 0:
+            raise RuntimeError(f"Mooncake's transfer engine failed to write to {target['session']}")
+        return sum(lengths)
