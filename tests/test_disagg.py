@@ -219,3 +219,59 @@ def test_servers_with_different_transfer_backends_fail_the_request_clearly() -> 
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+def test_a_decode_server_extends_its_prefix_from_storage(tmp_path) -> None:
+    """The decode server's L3: a restarted decode server finds the session in storage; the span
+    counts toward decode_prefix_len (its prefetch was accepted before admission), so only the
+    new turn's KV crosses."""
+    storage = dict(enable_hierarchical_cache=True, disaggregation_decode_enable_radix_cache=True,
+                   hicache_storage_backend="file", hicache_storage_backend_extra_config=f'{{"path": "{tmp_path}"}}',
+                   hicache_storage_prefetch_threshold=16, hicache_storage_prefetch_policy="wait_complete")
+    prefill = Engine(MODEL, disaggregation_mode="prefill", disaggregation_bootstrap_port=0, **OPTS)
+    try:
+        first = Engine(MODEL, disaggregation_mode="decode", **storage, **OPTS)
+        serve(prefill, first, A + B, room=31)
+        first.shutdown()  # its pages reach the store
+        restarted = Engine(MODEL, disaggregation_mode="decode", **storage, **OPTS)
+        got, sent = serve(prefill, restarted, A + B + C, room=32)
+        restarted.shutdown()
+    finally:
+        prefill.shutdown()
+    plain = Engine(MODEL, **OPTS)
+    assert got.output_ids == plain.generate(A + B + C, GREEDY)[0].output_ids
+    plain.shutdown()
+    assert got.cached_tokens_details["storage"] == 2 * SPAN and got.decode_prefix_len == 2 * SPAN
+    assert got.kv_transferred_tokens == sent.kv_transferred_tokens == SPAN
+
+
+def test_a_client_that_leaves_the_router_cancels_the_decode_side() -> None:
+    """The client gives up mid-answer: sglang-router drops its upstream requests, the decode
+    server aborts its request, and both servers hold nothing but cached pages afterwards."""
+    import time
+
+    import httpx
+
+    from hicache.disagg.launch import pd_servers
+
+    common = f"--model {MODEL} --dtype float32 --page-size 16 --disaggregation-transfer-timeout 5"
+    with pd_servers(common, decode_args="--disaggregation-decode-enable-radix-cache") as pd:
+        urls = (pd.prefill_url, pd.decode_url)
+        pools = {u: httpx.get(f"{u}/stats", timeout=10).json()["device_pool"] for u in urls}
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi " * 300}], "max_tokens": 3000,
+                "ignore_eos": True}
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{pd.url}/v1/chat/completions", json=body, timeout=1.5)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            stats = {u: httpx.get(f"{u}/stats", timeout=10).json() for u in urls}
+            if all(s["running_requests"] == 0 and s["disaggregation"]["open"] == 0 for s in stats.values()):
+                break
+            time.sleep(0.2)
+        for u in urls:
+            pool = stats[u]["device_pool"]
+            assert stats[u]["running_requests"] == 0 and pool["request_pages"] == 0
+            assert pool["free_pages"] + pool["cached_pages"] == pools[u]["free_pages"]
+        assert stats[pd.decode_url]["disaggregation"]["requests"] == 1  # its KV arrived; then the abort ended it
+        metrics = httpx.get(f"{pd.decode_url}/metrics", timeout=10).text
+        assert 'hicache_requests_total{finish_reason="abort"} 1.0' in metrics
