@@ -27,9 +27,9 @@ from .transfer import KVReceiver, KVSender, Receive, Send
 
 if TYPE_CHECKING:
     from ..cache.manager import KVCacheManager
-    from .mooncake_writes import MooncakeWrites
     from ..engine.request import Request
     from ..engine.scheduler import Scheduler
+    from .mooncake_writes import MooncakeWrites
 
 logger = logging.getLogger(__name__)
 
