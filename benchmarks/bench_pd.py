@@ -3,7 +3,7 @@ benchmark at this machine's scale).
 
     python benchmarks/bench_pd.py [--model smollm2] [--groups 2] [--prompts-per-group 2]
                                   [--system-len 512] [--question-len 64] [--output-len 16]
-                                  [--turns 4] [--concurrency 4]
+                                  [--turns 4] [--concurrency 4] [--transfer-backend {zmq,mooncake}]
 
 Each arm starts a prefill and a decode ``hicache serve`` and SGLang's router in PD mode
 (``hicache.disagg.launch``), flushes both caches, and runs ``hicache bench`` through the router
@@ -12,7 +12,8 @@ a question and the previous answer). The prefill server is the same in both arms
 server either keeps no tree (every turn receives its whole prompt's KV) or keeps its device and
 host tiers (``--disaggregation-decode-enable-radix-cache --enable-hierarchical-cache``: a turn
 receives only what the decode server lacks). Printed per arm: mean and median TTFT, output
-throughput, and the KV that crossed per request (from the decode server's ``/stats``).
+throughput, and the KV that crossed per request (from the decode server's ``/stats``; "KV ms":
+from the decode server's ask to the rows stored, which includes waiting for the prefill).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ ARMS = {
 
 
 def run_arm(args: argparse.Namespace, decode_args: str) -> dict:
-    common = f"--model {args.model} --max-total-tokens {args.max_total_tokens}"
+    common = (f"--model {args.model} --max-total-tokens {args.max_total_tokens} "
+              f"--disaggregation-transfer-backend {args.transfer_backend}")
     with pd_servers(common, decode_args=decode_args) as pd:
         for url in (pd.prefill_url, pd.decode_url):
             httpx.post(f"{url}/flush_cache", timeout=30).raise_for_status()
@@ -69,20 +71,22 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--max-total-tokens", type=int, default=16384)
+    ap.add_argument("--transfer-backend", choices=("zmq", "mooncake"), default="zmq")
     args = ap.parse_args()
     print(f"bench_pd: {args.model}, {args.groups} groups x {args.prompts_per_group} conversations x {args.turns} "
           f"turns (system {args.system_len}, question {args.question_len}, output {args.output_len} tokens), "
-          f"concurrency {args.concurrency}; {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
+          f"concurrency {args.concurrency}, {args.transfer_backend} transfers; {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} CPUs")
     rows = {name: run_arm(args, decode_args) for name, decode_args in ARMS.items()}
     print(f"\n{'arm':<28}{'requests':>9}{'TTFT mean ms':>14}{'TTFT median ms':>16}{'out tok/s':>11}"
-          f"{'KV tok/req':>12}{'KV MiB/req':>12}{'decode prefix':>15}")
+          f"{'KV tok/req':>12}{'KV MiB/req':>12}{'KV ms/req':>11}{'decode prefix':>15}")
     for name, r in rows.items():
         rep, pd = r["report"], r["pd"]
         n = max(pd["requests"], 1)
         prefix = pd["decode_prefix_tokens"] / max(pd["decode_prefix_tokens"] + pd["tokens"], 1)
         print(f"{name:<28}{rep['completed']:>9}{rep['ttft_ms']['mean']:>14.1f}{rep['ttft_ms']['median']:>16.1f}"
               f"{rep['output_throughput']:>11.1f}{pd['tokens'] / n:>12.0f}{pd['bytes'] / n / 2**20:>12.2f}"
-              f"{prefix:>14.0%}")
+              f"{pd['seconds'] / n * 1000:>11.0f}{prefix:>14.0%}")
     off, on = rows["decode reuse off"]["report"], rows["decode device + host reuse"]["report"]
     print(f"\nreuse on vs off: TTFT mean {on['ttft_ms']['mean'] / off['ttft_ms']['mean']:.2f}x, median "
           f"{on['ttft_ms']['median'] / off['ttft_ms']['median']:.2f}x, output throughput "
