@@ -275,3 +275,16 @@ def test_a_client_that_leaves_the_router_cancels_the_decode_side() -> None:
         assert stats[pd.decode_url]["disaggregation"]["requests"] == 1  # its KV arrived; then the abort ended it
         metrics = httpx.get(f"{pd.decode_url}/metrics", timeout=10).text
         assert 'hicache_requests_total{finish_reason="abort"} 1.0' in metrics
+
+
+def test_mooncake_writes_merge_pages_that_follow_each_other_on_both_sides() -> None:
+    import torch
+
+    from hicache.disagg.mooncake_writes import _runs
+
+    ps = 4
+    slots = torch.tensor([40, 41, 42, 43, 44, 45, 46, 47, 8, 9, 10, 11, 12, 13])  # pages 10, 11, 2, 3 (half)
+    # tokens 0-13 into decode pages 5, 6, 7, 8: both sides consecutive for the first two pages,
+    # then the source jumps; the last page is partial
+    assert _runs(slots, [5, 6, 7, 8], 0, 14, ps) == [(40, 20, 8), (8, 28, 6)]
+    assert _runs(slots, [5, 9, 10], 4, 14, ps) == [(44, 20, 4), (8, 36, 6)]

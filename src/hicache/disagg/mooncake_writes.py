@@ -20,6 +20,8 @@ from ..config import ConfigError
 
 logger = logging.getLogger(__name__)
 
+MAX_SPANS = 256  # spans per batched write: a TCP lane refused a batch of thousands ("queue-full")
+
 
 class MooncakeWrites:
     """One server's transfer engine, with its pool's buffers registered."""
@@ -60,14 +62,29 @@ class MooncakeWrites:
             raise ValueError(f"the decode pool has {len(target['k'])} layers of pages of {target['page_size']} "
                              f"tokens, this one {len(pool.k_buffers)} of {ps} (suffix from token {start})")
         src, dst, lengths = [], [], []
-        for j, page in enumerate(target["pages"]):
-            t0 = start + j * ps
-            n = min(ps, end - t0)
+        for src_slot, dst_slot, n in _runs(slots, target["pages"], start, end, ps):
             for bufs, peer in ((pool.k_buffers, target["k"]), (pool.v_buffers, target["v"])):
                 for buf, peer_base in zip(bufs, peer):
-                    src.append(buf.data_ptr() + int(slots[t0]) * row)
-                    dst.append(peer_base + page * ps * row)
+                    src.append(buf.data_ptr() + src_slot * row)
+                    dst.append(peer_base + dst_slot * row)
                     lengths.append(n * row)
-        if src and self.engine.batch_transfer_sync_write(target["session"], src, dst, lengths) != 0:
-            raise RuntimeError(f"Mooncake's transfer engine failed to write to {target['session']}")
+        for i in range(0, len(src), MAX_SPANS):  # the engine's queue takes so many spans per call
+            part = slice(i, i + MAX_SPANS)
+            if self.engine.batch_transfer_sync_write(target["session"], src[part], dst[part], lengths[part]) != 0:
+                raise RuntimeError(f"Mooncake's transfer engine failed to write to {target['session']}")
         return sum(lengths)
+
+
+def _runs(slots: torch.Tensor, pages: list[int], start: int, end: int, ps: int) -> list[tuple[int, int, int]]:
+    """Tokens ``[start, end)`` as ``(source slot, destination slot, tokens)`` runs: a page at a
+    time, merged while the pages follow each other on both sides."""
+    runs: list[list[int]] = []
+    for j, page in enumerate(pages):
+        t0 = start + j * ps
+        src, dst, n = int(slots[t0]), page * ps, min(ps, end - t0)
+        last = runs[-1] if runs else None
+        if last is not None and last[0] + last[2] == src and last[1] + last[2] == dst and last[2] % ps == 0:
+            last[2] += n
+        else:
+            runs.append([src, dst, n])
+    return [tuple(r) for r in runs]
