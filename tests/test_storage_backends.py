@@ -26,6 +26,12 @@ NS = namespace_digest(model="random:tiny", dtype="float32", page_size=4, layout=
 OTHER_NS = namespace_digest(model="random:tiny", dtype="float32", page_size=4, cache_salt="b")
 
 
+def every_call(b) -> list:
+    """Each StorageBackend operation on backend ``b``, as a thunk."""
+    return [lambda: b.batch_get(["ab"]), lambda: b.batch_set(["ab"], [b"x"]), lambda: b.exists_prefix(["ab"]),
+            lambda: b.delete(["ab"]), b.clear]
+
+
 def _pages(n: int, size: int = 1000, seed: int = 0, ns: bytes = NS):
     """n (key, page_hash, encoded object) triples of a chained prompt."""
     import numpy as np
@@ -357,20 +363,14 @@ def test_file_default_dir_from_env(tmp_path, monkeypatch):
 def test_valkey_down_raises_storage_error_quickly():
     pytest.importorskip("valkey")
     from hicache.cache.storage.valkey_backend import ValkeyBackend
-    from hicache.cache.storage.valkey_server import free_port
+    from hicache.ports import free_port
 
     port = free_port()  # nothing listens there
     t0 = time.monotonic()
     with pytest.raises(StorageError, match="unreachable"):
         ValkeyBackend(port=port, connect_timeout_s=0.5)  # checked at open by default
     b = ValkeyBackend(port=port, connect_timeout_s=0.5, check_at_open=False)
-    for call in (
-        lambda: b.batch_get(["ab"]),
-        lambda: b.batch_set(["ab"], [b"x"]),
-        lambda: b.exists_prefix(["ab"]),
-        lambda: b.delete(["ab"]),
-        b.clear,
-    ):
+    for call in every_call(b):
         with pytest.raises(StorageError):
             call()
     assert time.monotonic() - t0 < 10  # a hang guard, not a performance assertion
@@ -424,7 +424,7 @@ def _mooncake_config(store: dict, **kw) -> dict:
 
 def test_mooncake_down_raises_storage_error_quickly(mooncake_store):
     from hicache.cache.storage.mooncake_backend import MooncakeBackend
-    from hicache.cache.storage.valkey_server import free_port
+    from hicache.ports import free_port
 
     down = f"127.0.0.1:{free_port()}"  # nothing listens there
     t0 = time.monotonic()
@@ -433,13 +433,7 @@ def test_mooncake_down_raises_storage_error_quickly(mooncake_store):
     with pytest.raises(StorageError, match="metadata server at http://127.0.0.1:.* is unreachable"):
         MooncakeBackend(**{**mooncake_store, "metadata_server": f"http://127.0.0.1:{free_port()}/x"})
     b = MooncakeBackend(master_server_address=down, check_at_open=False)
-    for call in (
-        lambda: b.batch_get(["ab"]),
-        lambda: b.batch_set(["ab"], [b"x"]),
-        lambda: b.exists_prefix(["ab"]),
-        lambda: b.delete(["ab"]),
-        b.clear,
-    ):
+    for call in every_call(b):
         with pytest.raises(StorageError, match="unreachable"):
             call()
     assert time.monotonic() - t0 < 10  # Mooncake's own setup would retry for ~90 s

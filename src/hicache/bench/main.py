@@ -20,6 +20,7 @@ from typing import Any
 
 from ..errors import HicacheError
 from ..ports import free_port
+from ..processes import stop_process
 
 logger = logging.getLogger(__name__)
 
@@ -175,11 +176,7 @@ def run_bench(args: argparse.Namespace) -> int:
         rep = asyncio.run(_run(args, base_url))
     finally:
         if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_process(proc, 30)
     print(format_report(rep))
     if args.output_file:
         with open(args.output_file, "w", encoding="utf-8") as f:

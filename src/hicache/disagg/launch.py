@@ -19,6 +19,7 @@ from typing import Iterator
 
 from ..errors import HicacheError
 from ..ports import free_port
+from ..processes import stop_process
 
 
 def find_sglang_router() -> str | None:
@@ -84,10 +85,6 @@ def pd_servers(common_args: str, prefill_args: str = "", decode_args: str = "",
         yield PDServers(url, prefill_url, decode_url, bootstrap)
     finally:
         for proc in reversed(procs):
-            proc.terminate()
+            proc.terminate()  # all at once, then wait for each
         for proc in reversed(procs):
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc, 15)

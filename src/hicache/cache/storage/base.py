@@ -28,6 +28,13 @@ class BackendStats:
     evictions: int = 0  # objects the backend dropped to respect its own size cap
     extra: dict = field(default_factory=dict)
 
+    def count_gets(self, asked: int, values: list) -> None:
+        """One batch read of ``asked`` keys gave ``values`` (None where missing)."""
+        hits = [v for v in values if v is not None]
+        self.gets += asked
+        self.get_hits += len(hits)
+        self.bytes_read += sum(len(v) for v in hits)
+
 
 class StorageBackend(abc.ABC):
     """Implementations must be safe to call from one background thread at a time per method

@@ -257,12 +257,8 @@ class MooncakeBackend(StorageBackend):
         out: list[bytes | None] = []
         for start in self._chunks(len(keys)):
             out.extend(self._get_chunk([self._k(k) for k in keys[start : start + self.batch_size]]))
-        hits = [v for v in out if v is not None]
         with self._lock:
-            c = self._c
-            c.gets += len(keys)
-            c.get_hits += len(hits)
-            c.bytes_read += sum(len(v) for v in hits)
+            self._c.count_gets(len(keys), out)
         return out
 
     def _get_chunk(self, mkeys: list[str]) -> list[bytes | None]:

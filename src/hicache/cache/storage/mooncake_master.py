@@ -31,7 +31,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .valkey_server import free_port
+from ...ports import free_port
+from ...processes import stop_process
 
 ENV_MASTER = "HICACHE_MOONCAKE_MASTER"
 ENV_CLIENT = "HICACHE_MOONCAKE_CLIENT"
@@ -81,13 +82,7 @@ class _Process:
             return ""
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
+        stop_process(self.proc)
         self.workdir.cleanup()
 
     def __enter__(self):

@@ -134,12 +134,8 @@ class ValkeyBackend(StorageBackend):
                 out.extend(self._client.mget([self._k(k) for k in chunk]))
         except self._valkey_error as e:
             raise self._fail("MGET", e) from e
-        hits = [v for v in out if v is not None]
         with self._lock:
-            c = self._c
-            c.gets += len(keys)
-            c.get_hits += len(hits)
-            c.bytes_read += sum(len(v) for v in hits)
+            self._c.count_gets(len(keys), out)
         return out
 
     def batch_set(self, keys: list[str], values: list[bytes]) -> int:

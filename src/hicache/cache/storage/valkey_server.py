@@ -23,6 +23,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ...ports import free_port
+from ...processes import stop_process
+
 ENV_BINARY = "HICACHE_VALKEY_SERVER"
 
 
@@ -56,13 +59,6 @@ def find_valkey_server() -> str | None:
     return shutil.which("valkey-server") or shutil.which("redis-server")
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def ping(host: str, port: int, timeout_s: float = 0.5) -> bool:
     """True if a RESP server answers PING on (host, port)."""
     try:
@@ -87,13 +83,7 @@ class ValkeyServer:
         return self.host, self.port
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
+        stop_process(self.proc)
         self.workdir.cleanup()
 
     def __enter__(self) -> ValkeyServer:
