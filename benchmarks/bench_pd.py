@@ -4,6 +4,7 @@ benchmark at this machine's scale).
     python benchmarks/bench_pd.py [--model smollm2] [--groups 2] [--prompts-per-group 2]
                                   [--system-len 512] [--question-len 64] [--output-len 16]
                                   [--turns 4] [--concurrency 4] [--transfer-backend {zmq,mooncake}]
+                                  [--prefill-tp 1] [--decode-tp 1]
 
 Each arm starts a prefill and a decode ``hicache serve`` and SGLang's router in PD mode
 (``hicache.disagg.launch``), flushes both caches, and runs ``hicache bench`` through the router
@@ -41,7 +42,8 @@ ARMS = {
 def run_arm(args: argparse.Namespace, decode_args: str) -> dict:
     common = (f"--model {args.model} --max-total-tokens {args.max_total_tokens} "
               f"--disaggregation-transfer-backend {args.transfer_backend}")
-    with pd_servers(common, decode_args=decode_args) as pd:
+    with pd_servers(common, prefill_args=f"--tp-size {args.prefill_tp}",
+                    decode_args=f"--tp-size {args.decode_tp} {decode_args}") as pd:
         for url in (pd.prefill_url, pd.decode_url):
             httpx.post(f"{url}/flush_cache", timeout=30).raise_for_status()
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
@@ -72,10 +74,13 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--max-total-tokens", type=int, default=16384)
     ap.add_argument("--transfer-backend", choices=("zmq", "mooncake"), default="zmq")
+    ap.add_argument("--prefill-tp", type=int, default=1, help="the prefill server's --tp-size")
+    ap.add_argument("--decode-tp", type=int, default=1, help="the decode server's --tp-size (KV heads re-split on receipt)")
     args = ap.parse_args()
     print(f"bench_pd: {args.model}, {args.groups} groups x {args.prompts_per_group} conversations x {args.turns} "
           f"turns (system {args.system_len}, question {args.question_len}, output {args.output_len} tokens), "
-          f"concurrency {args.concurrency}, {args.transfer_backend} transfers; {platform.processor() or platform.machine()}, "
+          f"concurrency {args.concurrency}, {args.transfer_backend} transfers, prefill TP{args.prefill_tp} -> "
+          f"decode TP{args.decode_tp}; {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs")
     rows = {name: run_arm(args, decode_args) for name, decode_args in ARMS.items()}
     print(f"\n{'arm':<28}{'requests':>9}{'TTFT mean ms':>14}{'TTFT median ms':>16}{'out tok/s':>11}"

@@ -41,10 +41,14 @@ def servers(request):
     decode.shutdown()
 
 
+def bootstrap_port(prefill: Engine) -> int:
+    return prefill.stats()["disaggregation"]["bootstrap_port"]
+
+
 def serve(prefill: Engine, decode: Engine, prompt: list[int], room: int):
     """What a router does: the same request to both servers with one bootstrap; the decode
     server's result is the answer (the prefill server's carries what it sent)."""
-    boot = Bootstrap("127.0.0.1", prefill.scheduler.pd.port, room)
+    boot = Bootstrap("127.0.0.1", bootstrap_port(prefill), room)
     sent = []
     side = threading.Thread(target=lambda: sent.append(prefill.generate(prompt, GREEDY, bootstrap=boot)[0]))
     side.start()
@@ -102,8 +106,8 @@ def test_a_prefill_server_that_never_answers_fails_the_request_and_frees_its_pag
 
 
 def test_disaggregation_options_are_checked() -> None:
-    with pytest.raises(ConfigError, match="runs on one rank for now"):
-        Engine(MODEL, disaggregation_mode="decode", tp_size=2)
+    with pytest.raises(ConfigError, match="runs with --tp-size on one machine"):
+        Engine(MODEL, disaggregation_mode="decode", pp_size=2)
     with pytest.raises(ConfigError, match="add --disaggregation-decode-enable-radix-cache"):
         Engine(MODEL, disaggregation_mode="decode", enable_hierarchical_cache=True)
     with pytest.raises(ConfigError, match="--disaggregation-mode must be one of"):
@@ -183,7 +187,7 @@ def test_a_prefill_whose_decode_server_never_asks_frees_its_kv_after_the_timeout
                      disaggregation_transfer_timeout=0.5, **OPTS)
     try:
         free = prefill.cache.allocator.available
-        sent = prefill.generate(A, GREEDY, bootstrap=Bootstrap("127.0.0.1", prefill.scheduler.pd.port, 11))[0]
+        sent = prefill.generate(A, GREEDY, bootstrap=Bootstrap("127.0.0.1", bootstrap_port(prefill), 11))[0]
         assert sent.output_ids and sent.kv_transferred_tokens == 0  # computed, never sent
         assert prefill.stats()["disaggregation"]["failed"] == 1
         assert prefill.cache.allocator.available + prefill.cache.usage()["cached_pages"] == free  # KV went to the tree
@@ -291,3 +295,40 @@ def test_mooncake_writes_merge_pages_that_follow_each_other_on_both_sides() -> N
     # then the source jumps; the last page is partial
     assert _runs(slots, [5, 6, 7, 8], 0, 14, ps) == [(40, 20, 8), (8, 28, 6)]
     assert _runs(slots, [5, 9, 10], 4, 14, ps) == [(44, 20, 4), (8, 36, 6)]
+
+
+# ---- heterogeneous tensor parallelism ------------------------------------------------------------
+# Three KV heads: at TP2 the ranks hold heads 0-1 and 1-2 (head 1's query group straddles them).
+THREE_HEADS = 'random:{"preset": "small", "num_heads": 6, "num_kv_heads": 3, "head_dim": 32}'
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp, backend", [(2, 1, "zmq"), (1, 2, "mooncake")])
+def test_prefill_and_decode_with_different_tp_sizes_resplit_the_kv_heads(prefill_tp, decode_tp, backend) -> None:
+    """Prefill TP2 -> decode TP1: each head comes from the lowest prefill rank holding it (head 1
+    once, not twice); prefill TP1 -> decode TP2: each decode rank receives its own heads (head 1
+    by both). Decoding on the re-split heads gives the one-engine answer, and the second turn
+    crosses only its suffix."""
+    if backend == "mooncake" and mooncake_transfer_engine_missing():
+        pytest.skip(mooncake_transfer_engine_missing())
+    plain = Engine(THREE_HEADS, **OPTS)
+    expected = plain.generate(A + B + C, GREEDY)[0].output_ids
+    spec = plain.loaded.spec
+    plain.shutdown()
+    common = dict(disaggregation_transfer_backend=backend, **OPTS)
+    prefill = Engine(THREE_HEADS, tp_size=prefill_tp, disaggregation_mode="prefill", disaggregation_bootstrap_port=0,
+                     **common)
+    decode = Engine(THREE_HEADS, tp_size=decode_tp, disaggregation_mode="decode",
+                    disaggregation_decode_enable_radix_cache=True, **common)
+    try:
+        serve(prefill, decode, A + B, room=41)
+        got, sent = serve(prefill, decode, A + B + C, room=42)
+        decode_stats, prefill_stats = decode.stats()["disaggregation"], prefill.stats()["disaggregation"]
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+    assert got.output_ids == expected and got.decode_prefix_len == 2 * SPAN
+    assert got.kv_transferred_tokens == sent.kv_transferred_tokens == SPAN
+    heads_crossed = 3 if decode_tp == 1 else 4  # decode TP2 needs head 1 on both of its ranks
+    row = spec.head_dim * 4 * 2 * spec.num_layers  # one head of one token, K and V of every layer (float32)
+    assert got.kv_transferred_bytes == sent.kv_transferred_bytes == SPAN * heads_crossed * row
+    assert decode_stats["bytes"] == prefill_stats["bytes"] == 3 * SPAN * heads_crossed * row  # A+B, then C

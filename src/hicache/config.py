@@ -288,9 +288,9 @@ class EngineConfig:
     def _validate_disaggregation(self) -> None:
         if self.disaggregation_mode == "null":
             return
-        if self.tp_size * self.pp_size > 1 or self.attn_cp_size > 1:
-            raise ConfigError(f"--disaggregation-mode {self.disaggregation_mode} runs on one rank for now; drop "
-                              "--tp-size / --pp-size / --attn-cp-size.")
+        if self.pp_size > 1 or self.attn_cp_size > 1 or self.enable_kv_cache_sharding or self.nnodes > 1:
+            raise ConfigError(f"--disaggregation-mode {self.disaggregation_mode} runs with --tp-size on one machine "
+                              "for now; drop --pp-size / --attn-cp-size / --enable-kv-cache-sharding / --nnodes.")
         if self.speculative_algorithm:
             raise ConfigError("--disaggregation-mode with --speculative-algorithm is not supported yet.")
         if self.disaggregation_mode == "decode" and self.enable_hierarchical_cache and \

@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def endpoint(host: str, port: int) -> str:
+    """A ZeroMQ TCP endpoint (IPv6 hosts in brackets)."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
 @dataclass(frozen=True)
 class Bootstrap:
     """Where a request's other half is: the prefill server's bootstrap address and the room
@@ -16,4 +21,4 @@ class Bootstrap:
 
     @property
     def address(self) -> str:
-        return f"tcp://{self.host}:{self.port}"
+        return endpoint(self.host, self.port)

@@ -2,11 +2,13 @@
 straight from the prefill server's pool into the pages the decode server reserved (TCP on this
 machine, RDMA in production); ZeroMQ still carries the small bootstrap messages.
 
-Both servers register every K and V buffer of their device pool with their transfer engine at
-start. The decode server's request message names its engine (``session``), its buffers' base
-addresses and the pages reserved for the suffix; the prefill server issues one batched write of
-``2 x layers x pages`` spans (a page's rows are contiguous on both sides: the suffix starts on a
-page boundary and both pools use the same page size), then tells the decode server it is done.
+Every rank of both servers registers the K and V buffers of its device pool with its own
+transfer engine at start. Each decode rank's ask also names its engine (``session``), its
+buffers' base addresses, the pages reserved for the suffix and where the asked heads sit in its
+rows; the prefill rank writes ``2 x layers`` spans per run of pages that follow each other on
+both sides (a page's rows are contiguous on both sides: the suffix starts on a page boundary and
+both pools use the same page size), or per token when only a slice of a row crosses (the TP
+sizes differ), then tells the decode rank it is done.
 """
 
 from __future__ import annotations
@@ -44,30 +46,44 @@ class MooncakeWrites:
         logger.info("P/D: Mooncake transfer engine at %s, %d KV buffers registered", self.session,
                     2 * len(pool.k_buffers))
 
-    def describe(self, slots: torch.Tensor, start: int, end: int) -> dict:
-        """Decode side: where the prefill server should write tokens ``[start, end)`` (``slots``:
-        the prompt's slots in this pool; ``start`` is a page boundary)."""
-        ps = self.pool.page_size
-        return {"session": self.session, "page_size": ps,
+    def describe(self, slots: torch.Tensor, start: int, end: int, heads: range) -> dict:
+        """Decode side: where the prefill rank should write tokens ``[start, end)`` of the
+        pool-local ``heads`` (``slots``: the prompt's slots in this pool; ``start`` is a page
+        boundary)."""
+        ps, k = self.pool.page_size, self.pool.k_buffers[0]
+        return {"session": self.session, "page_size": ps, "row_heads": k.shape[1], "first_head": heads.start,
                 "k": [b.data_ptr() for b in self.pool.k_buffers], "v": [b.data_ptr() for b in self.pool.v_buffers],
                 "pages": [int(slots[t]) // ps for t in range(start, end, ps)]}
 
-    def write(self, target: dict, slots: torch.Tensor, start: int, end: int) -> int:
-        """Prefill side: write tokens ``[start, end)`` (at ``slots`` in this pool) into ``target``'s
-        pages; returns the bytes written. Raises ValueError on a layout mismatch, RuntimeError
-        when the engine fails."""
+    def write(self, target: dict, slots: torch.Tensor, start: int, end: int, heads: range) -> int:
+        """Prefill side: write tokens ``[start, end)`` (at ``slots`` in this pool) of the
+        pool-local ``heads`` into ``target``'s pages; returns the bytes written. Whole rows on
+        both sides go a run of pages per span; a slice of a row (TP sizes differ) a token per
+        span. Raises ValueError on a layout mismatch, RuntimeError when the engine fails."""
         pool, ps = self.pool, self.pool.page_size
-        row = pool.k_buffers[0][0].numel() * pool.k_buffers[0].element_size()
+        k = pool.k_buffers[0]
+        hb = k.shape[-1] * k.element_size()
+        src_row, dst_row, width = k.shape[1] * hb, int(target["row_heads"]) * hb, len(heads) * hb
         if target["page_size"] != ps or len(target["k"]) != len(pool.k_buffers) or start % ps:
             raise ValueError(f"the decode pool has {len(target['k'])} layers of pages of {target['page_size']} "
                              f"tokens, this one {len(pool.k_buffers)} of {ps} (suffix from token {start})")
-        src, dst, lengths = [], [], []
+        if not heads:
+            return 0
+        whole = width == src_row == dst_row
+        spans = []  # (source offset, destination offset, bytes) within one buffer
         for src_slot, dst_slot, n in _runs(slots, target["pages"], start, end, ps):
-            for bufs, peer in ((pool.k_buffers, target["k"]), (pool.v_buffers, target["v"])):
-                for buf, peer_base in zip(bufs, peer):
-                    src.append(buf.data_ptr() + src_slot * row)
-                    dst.append(peer_base + dst_slot * row)
-                    lengths.append(n * row)
+            if whole:
+                spans.append((src_slot * src_row, dst_slot * dst_row, n * src_row))
+            else:
+                spans += [((src_slot + t) * src_row + heads.start * hb,
+                           (dst_slot + t) * dst_row + int(target["first_head"]) * hb, width) for t in range(n)]
+        src, dst, lengths = [], [], []
+        for bufs, peer in ((pool.k_buffers, target["k"]), (pool.v_buffers, target["v"])):
+            for buf, peer_base in zip(bufs, peer):
+                for s_off, d_off, n_bytes in spans:
+                    src.append(buf.data_ptr() + s_off)
+                    dst.append(peer_base + d_off)
+                    lengths.append(n_bytes)
         for i in range(0, len(src), MAX_SPANS):  # the engine's queue takes so many spans per call
             part = slice(i, i + MAX_SPANS)
             if self.engine.batch_transfer_sync_write(target["session"], src[part], dst[part], lengths[part]) != 0:

@@ -12,6 +12,13 @@ scheduler calls at fixed points: when a request is admitted, when it finishes, a
   request ends with an error and everything it held is released.
 
 Requests without a bootstrap run as on any engine (handy for tests and warm-up).
+
+With tensor parallelism every rank runs its own role over its own pool (its KV heads; see
+:mod:`hicache.disagg.heads`), and *when* a transfer ended is agreed like any background work:
+each rank reports per open transfer whether it is over here and whether it failed
+(:meth:`PDRole.local_events`), the ranks MIN-reduce the step's event vector, and every rank acts
+on the agreed events at the same point of the same step (:meth:`PDRole.apply`): the tree and the
+request states stay identical across ranks.
 """
 
 from __future__ import annotations
@@ -20,10 +27,14 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
+from ..engine.events import TransferEvent
 from ..engine.request import Status
-from .transfer import KVReceiver, KVSender, Receive, Send
+from .heads import RankEndpoint, TPRanks
+from .receiver import KVReceiver
+from .sender import KVSender
+from .transfer import Receive, Send
 
 if TYPE_CHECKING:
     from ..cache.manager import KVCacheManager
@@ -59,18 +70,22 @@ def _writes(backend: str, cache: "KVCacheManager", host: str) -> "MooncakeWrites
 
 
 class PDRole(Protocol):
-    """The scheduler's hooks (each called on the scheduler thread)."""
+    """The scheduler's hooks (each called on the scheduler thread, at the same point on every rank)."""
 
     def on_admit(self, req: "Request") -> bool:
         """``req`` was just admitted; True: it waits for remote KV instead of computing its prompt."""
         ...
 
     def on_finish(self, req: "Request") -> bool:
-        """``req`` finished; True: a transfer still uses its KV, :meth:`poll` releases it later."""
+        """``req`` finished; True: a transfer still uses its KV, :meth:`apply` releases it later."""
         ...
 
-    def poll(self, sched: "Scheduler", finished: list["Request"]) -> None:
-        """Act on transfers that ended since the last step (requests that finish go to ``finished``)."""
+    def local_events(self) -> tuple[TransferEvent, ...]:
+        """Per open transfer (in the order they opened), whether it is over on this rank."""
+        ...
+
+    def apply(self, sched: "Scheduler", events: Sequence[TransferEvent], finished: list["Request"]) -> None:
+        """Act on the agreed ``events`` (requests that finish go to ``finished``)."""
         ...
 
     @property
@@ -79,46 +94,67 @@ class PDRole(Protocol):
         ...
 
     def snapshot(self) -> dict:
-        """``Engine.stats()["disaggregation"]``: the mode, open transfers and the counters."""
+        """``Engine.stats()["disaggregation"]``: the mode, open transfers and this rank's counters."""
         ...
 
     def close(self) -> None: ...
 
 
-class PrefillRole:
-    """``timeout_s``: how long a finished prefill waits for its decode server to ask."""
+def _split(events: Sequence[TransferEvent], items: list) -> tuple[list, list[tuple[object, TransferEvent]]]:
+    """``items`` (paired with ``events`` in order) as (still open, over with its agreed event)."""
+    pairs = list(zip(items, events, strict=True))
+    return [item for item, e in pairs if not e.ready], [(item, e) for item, e in pairs if e.ready]
 
-    def __init__(self, cache: "KVCacheManager", port: int, host: str = "127.0.0.1", timeout_s: float = 60.0,
-                 backend: str = "zmq") -> None:
-        self.timeout_s = timeout_s
-        self.sender = KVSender(cache.pool, port, host, _writes(backend, cache, host))
+
+class PrefillRole:
+    """``timeout_s``: how long a finished prefill waits for the decode ranks to ask."""
+
+    def __init__(self, cache: "KVCacheManager", port: int, ranks: TPRanks, host: str = "127.0.0.1",
+                 timeout_s: float = 60.0, backend: str = "zmq") -> None:
+        """Rank 0 binds ``port`` (the bootstrap port; 0: any free one), the other ranks any free
+        port; every rank learns all of them (a collective: every rank builds its role)."""
+        self.timeout_s, self.ranks = timeout_s, ranks
+        self.sender = KVSender(cache.pool, port if ranks.rank == 0 else 0, host, ranks.heads,
+                               _writes(backend, cache, host))
         self.port = self.sender.port
-        self.sending: list[tuple["Request", Send]] = []
+        mine = RankEndpoint(host, self.port, ranks.heads).to_wire()
+        self.sender.start([RankEndpoint.from_wire(item, host) for item in ranks.gather(mine)])
+        self.sending: list[tuple["Request", Send, Callable | None]] = []  # with its deferred finish report
         self.stats = TransferStats()
 
     def on_admit(self, req: "Request") -> bool:
         return False
 
     def on_finish(self, req: "Request") -> bool:
-        """Start the send of ``req``'s prompt KV (held until :meth:`poll` sees it sent)."""
+        """Start the send of ``req``'s prompt KV (held until the ranks agree it was sent). Its
+        finish is reported then too, with what crossed."""
         if req.bootstrap is None or not req.output_ids:
             return False
         job = Send(req.bootstrap.room, req.kv.slots[: len(req.prompt_ids)], req.output_ids[0],
                    time.perf_counter() + self.timeout_s)
         self.sender.submit(job)
-        self.sending.append((req, job))
+        self.sending.append((req, job, req.on_update))
+        req.on_update = None
         return True
 
-    def poll(self, sched: "Scheduler", finished: list["Request"]) -> None:
-        """Release the KV of every request whose send has ended."""
-        for item in [s for s in self.sending if s[1].done.is_set()]:
-            self.sending.remove(item)
-            req, job = item
-            req.transferred_tokens, req.transferred_bytes = job.sent_tokens, job.sent_bytes
+    def local_events(self) -> tuple[TransferEvent, ...]:
+        return tuple(TransferEvent(job.done.is_set(), not job.error) for _, job, _ in self.sending)
+
+    def apply(self, sched: "Scheduler", events: Sequence[TransferEvent], finished: list["Request"]) -> None:
+        """Release the KV of every request whose send has ended on every rank."""
+        self.sending, over = _split(events, self.sending)
+        if not over:
+            return
+        moved = self.ranks.total([job.sent_bytes for (_, job, _), _ in over])
+        for ((req, job, report), e), total_bytes in zip(over, moved):
+            req.transferred_tokens, req.transferred_bytes = job.sent_tokens, total_bytes
             sched.release_kv(req)
+            if report is not None:
+                req.on_update = report
+                report(req)
             s = self.stats
             s.requests += 1
-            s.failed += bool(job.error)
+            s.failed += not e.ok
             s.tokens += job.sent_tokens
             s.bytes += job.sent_bytes
 
@@ -137,10 +173,10 @@ class PrefillRole:
 class DecodeRole:
     """``timeout_s``: how long a request waits for its KV before it fails."""
 
-    def __init__(self, cache: "KVCacheManager", timeout_s: float = 60.0, backend: str = "zmq",
+    def __init__(self, cache: "KVCacheManager", ranks: TPRanks, timeout_s: float = 60.0, backend: str = "zmq",
                  host: str = "127.0.0.1") -> None:
-        self.cache, self.timeout_s = cache, timeout_s
-        self.receiver = KVReceiver(cache.pool, _writes(backend, cache, host))
+        self.cache, self.timeout_s, self.ranks = cache, timeout_s, ranks
+        self.receiver = KVReceiver(cache.pool, ranks.heads, ranks.size, _writes(backend, cache, host))
         self.receiving: list[tuple["Request", Receive]] = []
         self.stats = TransferStats()
 
@@ -154,38 +190,46 @@ class DecodeRole:
         req.decode_prefix_len = req.computed
         self.receiver.submit(job)
         self.receiving.append((req, job))
-        logger.info("P/D decode rid=%d room=%d: decode_prefix_len=%d of %d, asking %s for the rest",
-                    req.rid, job.room, req.computed, len(req.prompt_ids), job.address)
+        if self.ranks.rank == 0:
+            logger.info("P/D decode rid=%d room=%d: decode_prefix_len=%d of %d, asking %s for the rest",
+                        req.rid, job.room, req.computed, len(req.prompt_ids), job.address)
         return True
 
     def on_finish(self, req: "Request") -> bool:
         """An aborted request still receiving: its pages stay held until the transfer ends."""
         return any(r is req for r, _ in self.receiving)
 
-    def poll(self, sched: "Scheduler", finished: list["Request"]) -> None:
-        """Start decoding every request whose KV has arrived and whose local restore is done;
-        fail those whose transfer failed; release what aborted requests held."""
-        last_layer = len(self.cache.pool.k_buffers) - 1
-        for item in [r for r in self.receiving if r[1].done.is_set()]:
-            req, job = item
-            if not job.error and not self.cache.kv_view.layer_ready(last_layer):
-                continue  # the host part is still being restored
-            self.receiving.remove(item)
+    def local_events(self) -> tuple[TransferEvent, ...]:
+        """Over: the KV arrived (or the transfer failed) and the local restore of the host
+        part is done (decoding must not read a page still being restored)."""
+        restored = self.cache.kv_view.layer_ready(len(self.cache.pool.k_buffers) - 1)
+        return tuple(TransferEvent(job.done.is_set() and (bool(job.error) or restored), not job.error)
+                     for _, job in self.receiving)
+
+    def apply(self, sched: "Scheduler", events: Sequence[TransferEvent], finished: list["Request"]) -> None:
+        """Start decoding every request whose KV arrived on every rank; fail those whose
+        transfer failed on any; release what aborted requests held."""
+        self.receiving, over = _split(events, self.receiving)
+        if not over:
+            return
+        moved = self.ranks.total([job.received_bytes for (_, job), _ in over])
+        for ((req, job), e), total_bytes in zip(over, moved):
             if req.status is Status.FINISHED:  # aborted meanwhile
                 sched.release_kv(req)
                 continue
             s = self.stats
             s.requests += 1
-            if job.error:
+            if not e.ok:
                 s.failed += 1
-                logger.warning("P/D decode rid=%d room=%d failed: %s", req.rid, job.room, job.error)
-                sched.fail(req, job.error, finished)
+                error = job.error or "the KV transfer failed on another rank of this server"
+                logger.warning("P/D decode rid=%d room=%d failed: %s", req.rid, job.room, error)
+                sched.fail(req, error, finished)
                 continue
             s.tokens += job.received_tokens
             s.bytes += job.received_bytes
             s.seconds += job.seconds
             s.decode_prefix_tokens += job.decode_prefix_len
-            req.transferred_tokens, req.transferred_bytes = job.received_tokens, job.received_bytes
+            req.transferred_tokens, req.transferred_bytes = job.received_tokens, total_bytes
             sched.start_decode(req, job.first_token, finished)
 
     @property

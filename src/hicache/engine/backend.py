@@ -119,9 +119,7 @@ class LocalBackend:
     def shutdown(self) -> None:
         """Stop the cache's threads (pending writes finish), then drop the model and pools."""
         if self.core is not None:
-            if self.core.scheduler.pd is not None:
-                self.core.scheduler.pd.close()
-            self.core.cache.shutdown()
+            self.core.shutdown()
             self.core = None
 
 

@@ -20,6 +20,7 @@ from ..cache.storage.controller import Agree
 from ..cache.storage.unified import StorageGrid, UnifiedPlan
 from ..cache.storage.registry import create_backend
 from ..config import ConfigError, EngineConfig
+from ..disagg.heads import TPRanks
 from ..disagg.role import DecodeRole, PDRole, PrefillRole
 from ..device import device_memory_budget
 from ..model.context_parallel import CPGroup, PrefixGather
@@ -42,6 +43,12 @@ class EngineCore:
     runner: ModelRunner
     scheduler: Scheduler
 
+    def shutdown(self) -> None:
+        """Stop the P/D transfer threads, then the cache's (pending writes finish)."""
+        if self.scheduler.pd is not None:
+            self.scheduler.pd.close()
+        self.cache.shutdown()
+
 
 def build_core(
     cfg: EngineConfig,
@@ -57,6 +64,7 @@ def build_core(
     split_tokens: bool = True,
     draft: LoadedModel | None = None,
     draft_row: tuple[int, int] | None = None,
+    pd_ranks: TPRanks | None = None,
 ) -> EngineCore:
     """Pools sized from the config, then the cache and the scheduler over ``loaded.model``
     (already cut to ``shard`` when given).
@@ -111,7 +119,8 @@ def build_core(
         sidecar=sidecar, unified=unified)
     runner = ModelRunner(loaded.model, cache.kv_view, device, cp)
     speculator = _speculator(cfg, draft, cache, layers, packed, device)
-    return EngineCore(pool, host_pool, cache, runner, _scheduler(cfg, cache, runner, loaded, speculator))
+    pd = _pd_role(cfg, cache, pd_ranks or TPRanks.alone(kv_heads))
+    return EngineCore(pool, host_pool, cache, runner, _scheduler(cfg, cache, runner, loaded, speculator, pd))
 
 
 def _speculator(cfg: EngineConfig, draft: LoadedModel | None, cache: KVCacheManager, layers: int, packed: int,
@@ -163,7 +172,7 @@ def _sidecar_pools(cfg: EngineConfig, draft_kv: DraftKV | None, device_pages: in
 
 
 def _scheduler(cfg: EngineConfig, cache: KVCacheManager, runner: ModelRunner, loaded: LoadedModel,
-               speculator: Speculator | None = None) -> Scheduler:
+               speculator: Speculator | None = None, pd: PDRole | None = None) -> Scheduler:
     return Scheduler(
         cache=cache,
         forward=runner.forward,
@@ -175,18 +184,18 @@ def _scheduler(cfg: EngineConfig, cache: KVCacheManager, runner: ModelRunner, lo
         prefetch_timeout=lambda tokens: cfg.hicache_storage_prefetch_timeout_base
         + cfg.hicache_storage_prefetch_timeout_per_1k_tokens * tokens / 1000,
         speculator=speculator,
-        pd=_pd_role(cfg, cache),
+        pd=pd,
     )
 
 
-def _pd_role(cfg: EngineConfig, cache: KVCacheManager) -> PDRole | None:
-    """This server's part in prefill/decode disaggregation (hicache.disagg), if any."""
+def _pd_role(cfg: EngineConfig, cache: KVCacheManager, ranks: TPRanks) -> PDRole | None:
+    """This rank's part in prefill/decode disaggregation (hicache.disagg), if any."""
     host = cfg.disaggregation_bootstrap_host or "127.0.0.1"
     if cfg.disaggregation_mode == "prefill":
-        return PrefillRole(cache, cfg.disaggregation_bootstrap_port, host, cfg.disaggregation_transfer_timeout,
+        return PrefillRole(cache, cfg.disaggregation_bootstrap_port, ranks, host, cfg.disaggregation_transfer_timeout,
                            cfg.disaggregation_transfer_backend)
     if cfg.disaggregation_mode == "decode":
-        return DecodeRole(cache, cfg.disaggregation_transfer_timeout, cfg.disaggregation_transfer_backend, host)
+        return DecodeRole(cache, ranks, cfg.disaggregation_transfer_timeout, cfg.disaggregation_transfer_backend, host)
     return None
 
 

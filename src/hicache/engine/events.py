@@ -5,10 +5,13 @@ vector (TP ``all_reduce(MIN)`` of :meth:`StepEvents.to_list`, then pp_sync downs
 every rank applies exactly the agreed one (``Scheduler.consume_events``). The list form is
 what collectives, pipeline messages and the rank consensus checker carry:
 
-    [backup, load, storage_backup, prefetch_reap,  acks_0, expired_0,  acks_1, expired_1, ...]
+    [backup, load, storage_backup, prefetch_reap,  n_prefetches,  acks_0, expired_0, ...,
+     ready_0, ok_0,  ready_1, ok_1, ...]
 
-one pair per open prefetch, in the waiting queue's order (the same on every rank, since it is
-a function of the request stream).
+one pair per open prefetch, in the waiting queue's order, then one pair per open P/D KV
+transfer (hicache.disagg.role), in the role's order: both orders are the same on every rank,
+since they are functions of the request stream. MIN makes a transfer ready once it is ready on
+every rank, and not ok once it failed on any.
 """
 
 from __future__ import annotations
@@ -28,20 +31,34 @@ class PrefetchEvent:
 
 
 @dataclass(frozen=True)
+class TransferEvent:
+    """One open P/D KV transfer, as seen by one rank (or as agreed)."""
+
+    ready: bool  # over on this rank (rows stored or sent, or failed) and, decode side, the local restore done
+    ok: bool  # not failed
+
+
+@dataclass(frozen=True)
 class StepEvents:
     acks: AckCounts = field(default_factory=AckCounts)
     prefetches: tuple[PrefetchEvent, ...] = ()
+    transfers: tuple[TransferEvent, ...] = ()
 
     def to_list(self) -> list[int]:
-        out = self.acks.to_list()
+        out = self.acks.to_list() + [len(self.prefetches)]
         for p in self.prefetches:
             out += [p.acks, int(p.expired)]
+        for t in self.transfers:
+            out += [int(t.ready), int(t.ok)]
         return out
 
     @classmethod
     def from_list(cls, values: Sequence[int]) -> "StepEvents":
-        head, rest = values[: AckCounts.LENGTH], values[AckCounts.LENGTH:]
-        if len(rest) % 2:
-            raise ValueError(f"a step's event vector has {AckCounts.LENGTH} + 2 per prefetch values, got {len(values)}")
-        pairs = tuple(PrefetchEvent(int(rest[i]), bool(rest[i + 1])) for i in range(0, len(rest), 2))
-        return cls(AckCounts.from_list(head), pairs)
+        n = AckCounts.LENGTH
+        if len(values) <= n or (len(values) - n - 1) % 2 or len(values) < n + 1 + 2 * values[n]:
+            raise ValueError(f"a step's event vector has {n} + 1 + 2 per prefetch and per transfer values, "
+                             f"got {len(values)}")
+        pairs = [(int(values[i]), int(values[i + 1])) for i in range(n + 1, len(values), 2)]
+        prefetches, transfers = pairs[: values[n]], pairs[values[n]:]
+        return cls(AckCounts.from_list(values[:n]), tuple(PrefetchEvent(a, bool(e)) for a, e in prefetches),
+                   tuple(TransferEvent(bool(r), bool(o)) for r, o in transfers))

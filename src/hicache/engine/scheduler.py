@@ -108,11 +108,7 @@ class Scheduler:
     def step(self) -> list[Request]:
         """One step (agree -> schedule -> forward -> sample -> apply: see engine/step.py);
         returns the requests that finished in it."""
-        finished: list[Request] = []
-        if self.pd is not None:  # transfers that ended since the last step
-            self.pd.poll(self, finished)
-        batch, stepped = self.driver.step()
-        finished += stepped
+        batch, finished = self.driver.step()
         if batch is None and ((not self.running and self.waiting) or (self.pd is not None and self.pd.busy)):
             time.sleep(0.001)  # only prefetches or KV transfers to wait for: do not spin
         return finished
@@ -130,16 +126,21 @@ class Scheduler:
         now = time.perf_counter()
         return StepEvents(self.cache.ack_counts(), tuple(
             PrefetchEvent(self.cache.prefetch_ack_count(r.prefetch), now >= r.prefetch_deadline)
-            for r in self.pending_prefetches()))
+            for r in self.pending_prefetches()), self.pd.local_events() if self.pd is not None else ())
 
     @consensus_check("scheduler.consume_events", args=lambda self, events: events.to_list())
-    def consume_events(self, events: StepEvents) -> None:
+    def consume_events(self, events: StepEvents) -> list[Request]:
         """Apply exactly the agreed ``events``. Transfer acks change lock state only here, at a
-        fixed point of the step."""
+        fixed point of the step; so do P/D transfers that ended. Returns the requests that
+        finished here (a failed transfer)."""
         self.cache.consume_acks(events.acks)
         for req, p in zip(self.pending_prefetches(), events.prefetches, strict=True):
             self.cache.consume_prefetch_acks(req.prefetch, p.acks)
             req.prefetch_expired = p.expired
+        finished: list[Request] = []
+        if self.pd is not None:
+            self.pd.apply(self, events.transfers, finished)
+        return finished
 
     # ---- scheduling ------------------------------------------------------------------------
     @consensus_check("scheduler.schedule", result=lambda b: None if b is None else (b.kind, b.rids(), b.new_tokens))
@@ -318,7 +319,7 @@ class Scheduler:
         )
 
 
-    # ---- disaggregation (hicache.disagg.role calls these from its poll) -------------------
+    # ---- disaggregation (hicache.disagg.role calls these when transfers end) ---------------
     def release_kv(self, req: Request) -> None:
         """Cache the pages of ``req`` that have KV, free the rest, drop its lock."""
         self.cache.release(req.namespace, req.tokens_with_kv(), req.kv)

@@ -13,13 +13,13 @@ TP / PP group run :meth:`StepDriver.step`; what differs between layouts is plugg
 The step, in order (DESIGN invariant 3: cache state changes only at fixed points, as agreed)::
 
     events = agreement.agree(scheduler.ready_events(), inbound)
-    scheduler.consume_events(events)        # transfer / storage acks, exactly as agreed
+    finished = scheduler.consume_events(events)  # storage acks, P/D transfers: as agreed
     batch = scheduler.schedule()            # the same batch on every rank
     cache.submit_transfers()                # load-backs in flight before the forward reads them
     out = forward(batch, inbound.hidden)    # logits, or hidden states mid-pipeline; speculative:
                                             # the draft proposes before a verify pass and
                                             # follows a prefill chunk (engine/speculative.py)
-    finished = output.hand_on(batch, out)   # sample + apply | send down | sample + send back
+    finished += output.hand_on(batch, out)  # sample + apply | send down | sample + send back
     cache.submit_transfers()                # backups of what finished
 
 Command intake (add / abort, then one command) is :func:`apply_intake`, shared by the
@@ -127,7 +127,7 @@ class StepDriver:
         finished in it."""
         sched, cache = self.scheduler, self.scheduler.cache
         events = self.agreement.agree(sched.ready_events(), inbound)
-        sched.consume_events(events)
+        finished = sched.consume_events(events)
         batch = sched.schedule()
         self.agreement.confirm(batch, inbound)
         cache.submit_transfers()  # load-backs must be in flight before the forward waits on them
@@ -142,7 +142,7 @@ class StepDriver:
                                inbound.hidden if inbound is not None else None, logits=batch.logits)
             if spec is not None and batch.kind == "prefill" and spec.runner is not None:
                 spec.extend(batch)  # after the target: a load-back copies the draft's layers last
-        finished = self.output.hand_on(batch, out, events, inbound)
+        finished += self.output.hand_on(batch, out, events, inbound)
         if batch is not None:  # its output has been sampled or sent on: the forward is done
             sched.observe_forward(batch, time.perf_counter() - t0)
         cache.submit_transfers()  # backups of what finished in this step

@@ -204,6 +204,14 @@ class ParallelGroups:
         """MIN over this stage's TP ranks (every one passes a vector of the same length)."""
         return values if self.info.tp_size == 1 else self._min(values, self.tp_ctrl)
 
+    def tp_sum(self, values: list[int]) -> list[int]:
+        """Element-wise SUM over this stage's TP ranks (every one passes a vector of the same length)."""
+        if self.info.tp_size == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.tp_ctrl)
+        return t.tolist()
+
     def world_min(self, values: list[int]) -> list[int]:
         return values if self.info.world_size == 1 else self._min(values, None)
 

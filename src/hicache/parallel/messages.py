@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..disagg.bootstrap import Bootstrap
 from ..engine.events import StepEvents
 from ..engine.request import Request, Status
 from ..engine.sampling import SamplingParams
@@ -22,14 +23,16 @@ class RequestSpec:
     namespace: str
     max_new_tokens: int
     arrival_time: float  # perf_counter of the frontend (CLOCK_MONOTONIC: one clock per machine)
+    bootstrap: Optional[Bootstrap] = None  # P/D: where its other half runs
 
     @classmethod
     def of(cls, req: Request) -> "RequestSpec":
-        return cls(req.rid, req.prompt_ids, req.sampling, req.namespace, req.max_new_tokens, req.arrival_time)
+        return cls(req.rid, req.prompt_ids, req.sampling, req.namespace, req.max_new_tokens, req.arrival_time,
+                   req.bootstrap)
 
     def request(self) -> Request:
         return Request(rid=self.rid, prompt_ids=list(self.prompt_ids), sampling=self.sampling, namespace=self.namespace,
-                       max_new_tokens=self.max_new_tokens, arrival_time=self.arrival_time)
+                       max_new_tokens=self.max_new_tokens, arrival_time=self.arrival_time, bootstrap=self.bootstrap)
 
 
 @dataclass
@@ -73,17 +76,22 @@ class RequestUpdate:
     first_token_time: float = 0.0
     finish_time: float = 0.0
     spec: tuple[int, int] = (0, 0)  # speculative decoding: (verify steps, accepted tokens) so far
+    error: str = ""  # finish_reason "error": why
+    transfer: tuple[int, int, int] = (0, 0, 0)  # P/D: (decode_prefix_len, KV tokens, KV bytes) moved
 
     @classmethod
     def of(cls, req: Request, sent: int) -> "RequestUpdate":
         done = req.status is Status.FINISHED
         return cls(req.rid, req.output_ids[sent:], done, req.finish_reason, req.text if done else "", req.cached,
                    req.admitted_time, req.first_token_time, req.finish_time,
-                   (req.spec_verify_steps, req.spec_accepted_tokens))
+                   (req.spec_verify_steps, req.spec_accepted_tokens), req.error,
+                   (req.decode_prefix_len, req.transferred_tokens, req.transferred_bytes))
 
     def apply(self, req: Request) -> None:
         req.output_ids.extend(self.token_ids)
         req.cached = self.cached
+        req.error = self.error
+        req.decode_prefix_len, req.transferred_tokens, req.transferred_bytes = self.transfer
         req.admitted_time, req.first_token_time = self.admitted_time, self.first_token_time
         req.spec_verify_steps, req.spec_accepted_tokens = self.spec
         if self.cached is not None and req.status is Status.WAITING:

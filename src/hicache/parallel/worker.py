@@ -35,6 +35,7 @@ import torch
 from ..config import EngineConfig
 from ..consensus_record import install_recorder, make_queue_sink
 from ..device import DTYPES, choose_dtype, resolve_device
+from ..disagg.heads import TPRanks
 from ..engine.core import EngineCore, build_core, core_stats
 from ..engine.events import StepEvents
 from ..engine.step import Inbound, StepDriver, apply_intake, take_intake
@@ -111,8 +112,8 @@ class StageLoop:
                                                 StageStep(inputs, results, msg.batch if msg else None),
                                                 msg.proposal if msg else None))
             self._report()
-            if self.leader and batch is None and not self.inflight and self.sched.waiting:
-                time.sleep(PREFETCH_POLL_S)  # only prefetches to wait for: do not flood the pipeline
+            if self.leader and batch is None and not self.inflight and self.sched.has_work():
+                time.sleep(PREFETCH_POLL_S)  # only prefetches or KV transfers to wait for: do not spin
             self.step += 1
 
     def _sent_down(self, batch: Batch) -> None:
@@ -146,6 +147,8 @@ class StageLoop:
             if "kv_sharding" in out:  # every rank's own gather figures, for stats and Prometheus
                 mine = {k: v for k, v in out["kv_sharding"].items() if k.startswith("gather")}
                 out["kv_sharding"]["per_rank"] = self.groups.tp_gather_object(mine)
+            if "disaggregation" in out:  # each rank moved its heads' share of the bytes
+                out["disaggregation"]["bytes"] = sum(self.groups.tp_gather_object(out["disaggregation"]["bytes"]))
             a = self.agreement
             out["agreement"] = {"steps": a.steps, "tp_min_ms_per_step": a.seconds / max(a.steps, 1) * 1e3}
             self._reply(inputs.call_id, out)
@@ -266,7 +269,9 @@ def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox:
                           storage_agree=groups.storage_agree(), memory_share=ranks_per_device,
                           staging_bytes=groups.staging_bytes(), cp_group=groups.cp,
                           split_tokens=info.cp_size > 1, draft=draft,
-                          draft_row=(len(draft_shard.kv_heads), draft.spec.head_dim) if draft else None)
+                          draft_row=(len(draft_shard.kv_heads), draft.spec.head_dim) if draft else None,
+                          pd_ranks=TPRanks(info.tp_rank, info.tp_size, shard.kv_heads, groups.tp_gather_object,
+                                           groups.tp_sum))
         if core.scheduler.speculator is not None and info.tp_size > 1:  # one rank's draft draws for the stage
             core.scheduler.speculator.share_draws = groups.tp_broadcast
         plan = FaultPlan.from_env()
@@ -281,7 +286,7 @@ def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox:
                     groups.staging_bytes() / 2**20)
         status.put(("ready", rank, core.cache.capacity_pages))
         StageLoop(info, groups, core, inbox, outbox).run()
-        core.cache.shutdown()
+        core.shutdown()
         groups.close()
     except BaseException as e:  # report, then die: the frontend stops every rank
         msg = str(e) if isinstance(e, HicacheError) else f"{type(e).__name__}: {e}"

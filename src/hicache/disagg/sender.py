@@ -1,0 +1,148 @@
+"""The prefill side of a KV transfer (protocol: :mod:`hicache.disagg.transfer`): one per rank."""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING, Optional
+
+from ..cache.pools import DeviceKVPool
+from .heads import RankEndpoint
+from .transfer import POLL_MS, Send, head_bytes, raw
+
+if TYPE_CHECKING:
+    from .mooncake_writes import MooncakeWrites
+
+logger = logging.getLogger(__name__)
+
+
+class KVSender:
+    """Binds this rank's KV socket (rank 0's is the bootstrap socket and also answers route
+    asks), matches asks to finished prefills by room and answers them. ``heads``: the
+    model-global KV heads of ``pool``. ``submit`` is called on the scheduler thread."""
+
+    def __init__(self, pool: DeviceKVPool, port: int, host: str, heads: range,
+                 writes: Optional["MooncakeWrites"] = None) -> None:
+        """``port`` 0: any free port. ``writes``: move rows with Mooncake's transfer engine
+        instead of message frames. Answers nothing until :meth:`start`."""
+        import zmq
+
+        self.pool, self.heads, self.writes = pool, heads, writes
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self.port = self._sock.bind_to_random_port(f"tcp://{host}") if port == 0 else port
+        if port:
+            self._sock.bind(f"tcp://{host}:{port}")
+        self.host = host
+        self.route: list[RankEndpoint] = []
+        self._jobs: queue.Queue[Optional[Send]] = queue.Queue()
+        self._asks: dict[int, list[tuple[bytes, dict]]] = {}  # room -> asks not answered yet
+        self._waiting: dict[int, Send] = {}  # room -> prefill done, asks outstanding
+        self._thread = threading.Thread(target=self._run, name="hicache-kv-sender", daemon=True)
+
+    def start(self, route: list[RankEndpoint]) -> None:
+        """Serve; ``route``: every prefill rank of this server (answered to route asks)."""
+        self.route = route
+        self._thread.start()
+
+    def submit(self, job: Send) -> None:
+        self._jobs.put(job)
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        try:
+            while True:
+                for _ in dict(poller.poll(POLL_MS)):
+                    self._on_message(*self._sock.recv_multipart())
+                if not self._drain_jobs():
+                    return
+                self._match()
+        finally:
+            for job in self._waiting.values():
+                job.error = "the prefill server stopped"
+                job.done.set()
+            self._sock.close()
+
+    def _on_message(self, ident: bytes, raw_msg: bytes) -> None:
+        msg = json.loads(raw_msg)
+        if "route" in msg:
+            answer = {"route": [r.to_wire() for r in self.route], "layers": len(self.pool.k_buffers), "head_bytes": head_bytes(self.pool)}
+            self._sock.send_multipart([ident, json.dumps(answer).encode()])
+        else:
+            self._asks.setdefault(int(msg["room"]), []).append((ident, msg))
+
+    def _drain_jobs(self) -> bool:
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return True
+            if job is None:
+                return False
+            self._waiting[job.room] = job
+
+    def _match(self) -> None:
+        now = time.perf_counter()
+        for room, job in list(self._waiting.items()):
+            for ident, msg in self._asks.pop(room, []):
+                self._answer(ident, msg, job)
+                job.askers = int(msg["askers"])
+            if job.askers and job.answered >= job.askers:
+                del self._waiting[room]
+                job.done.set()
+            elif now > job.deadline:
+                del self._waiting[room]
+                job.error = job.error or f"not every decode rank asked for room {room} in time ({job.answered} did)"
+                logger.warning("P/D prefill room=%d: %s", room, job.error)
+                job.done.set()
+
+    def _answer(self, ident: bytes, msg: dict, job: Send) -> None:
+        """One multipart message: header, then K and V rows of every layer for the suffix and
+        the asked heads (or only the header when Mooncake wrote them)."""
+        start, end = int(msg["decode_prefix_len"]), len(job.slots)
+        heads = range(*msg["heads"])
+        try:
+            if int(msg["prompt_len"]) != end or not 0 <= start <= end:
+                raise ValueError(f"decode asked for tokens {start}-{msg['prompt_len']} of a {end}-token prompt")
+            if heads and not (self.heads.start <= heads.start and heads.stop <= self.heads.stop):
+                raise ValueError(f"decode asked for KV heads {heads.start}-{heads.stop - 1}; this rank holds "
+                                 f"{self.heads.start}-{self.heads.stop - 1}")
+            if (self.writes is None) != ("mooncake" not in msg):
+                raise ValueError("the two servers use different --disaggregation-transfer-backend settings")
+            local = range(heads.start - self.heads.start, heads.stop - self.heads.start)
+            header = {"room": job.room, "first_token": job.first_token, "start": start, "end": end,
+                      "layers": len(self.pool.k_buffers), "heads": [heads.start, heads.stop],
+                      "head_bytes": head_bytes(self.pool)}
+            frames = []
+            if self.writes is not None:  # the rows are in the decode pool already when this returns
+                header["written"] = sent = self.writes.write(msg["mooncake"], job.slots, start, end, local)
+            elif heads:
+                idx = job.slots[start:end]
+                for k, v in zip(self.pool.k_buffers, self.pool.v_buffers):
+                    frames += [raw(k.index_select(0, idx)[:, local.start:local.stop]),
+                               raw(v.index_select(0, idx)[:, local.start:local.stop])]
+                sent = sum(f.nbytes for f in frames)
+            else:
+                sent = 0
+            self._sock.send_multipart([ident, json.dumps(header).encode(), *frames], copy=False)
+            job.sent_bytes += sent
+            job.sent_tokens = end - start
+            logger.info("P/D prefill room=%d: sent tokens %d-%d, KV heads %d-%d (%d bytes)", job.room, start, end,
+                        heads.start, heads.stop - 1, sent)
+        except Exception as e:  # the decode side must hear why, or it waits for its deadline
+            job.error = str(e)
+            self._sock.send_multipart([ident, json.dumps({"room": job.room, "error": job.error}).encode()])
+            logger.warning("P/D prefill room=%d: %s", job.room, job.error)
+        job.answered += 1
