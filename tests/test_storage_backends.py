@@ -98,10 +98,30 @@ class _MooncakeKind:
         assert backend.batch_set([key], [blob]) == 1
 
 
-@pytest.fixture(params=["file", "valkey", "mooncake"])
+class _MemoryKind:
+    name = "memory"
+    overwrites = True
+
+    def __init__(self):
+        self.made = None
+
+    def make(self, **kw):
+        from hicache.cache.storage.memory import MemoryBackend
+
+        self.made = self.made or MemoryBackend(**kw)  # one process's memory: every "client" sees it
+        return self.made
+
+    def overwrite_raw(self, backend, key: str, blob: bytes) -> None:
+        backend.delete([key])
+        assert backend.batch_set([key], [blob]) == 1
+
+
+@pytest.fixture(params=["file", "valkey", "mooncake", "memory"])
 def kind(request, tmp_path):
     if request.param == "file":
         return _FileKind(tmp_path / "kv")
+    if request.param == "memory":
+        return _MemoryKind()
     if request.param == "mooncake":
         return _MooncakeKind(request.getfixturevalue("mooncake_store"))
     pytest.importorskip("valkey", reason="the valkey client package is not installed")
@@ -299,6 +319,22 @@ def test_file_backend_evicts_lru_to_respect_max_bytes(tmp_path):
     # A restart with a smaller cap trims the oldest objects.
     c = FileBackend(path=tmp_path, max_bytes=2 * size)
     assert c.stats().extra["objects"] == 2 and c.stats().evictions == 2
+
+
+def test_memory_backend_evicts_lru_to_respect_its_caps():
+    from hicache.cache.storage.memory import MemoryBackend
+
+    pages = _pages(6, size=1000)
+    size = len(pages[0][2])
+    keys = [k for k, _, _ in pages]
+    for b in (MemoryBackend(max_bytes=4 * size), MemoryBackend(max_objects=4)):
+        b.batch_set(keys[:4], [x for _, _, x in pages[:4]])
+        b.batch_get([keys[0]])  # page 0 is now the most recently used; page 1 the least
+        assert b.batch_set(keys[4:6], [x for _, _, x in pages[4:6]]) == 2
+        assert [k for k in keys if b.exists_prefix([k])] == [keys[0], keys[3], keys[4], keys[5]]
+        assert b.stats().evictions == 2 and b.stats().extra == {"objects": 4, "stored_bytes": 4 * size}
+    (bk, _, big), = _pages(1, size=5 * size, seed=9)
+    assert MemoryBackend(max_bytes=4 * size).batch_set([bk], [big]) == 0  # bigger than the whole cap
 
 
 def test_lru_order_survives_restart(tmp_path):

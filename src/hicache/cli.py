@@ -133,6 +133,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from .sim.cli import run_simulate
+
+    return run_simulate(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hicache", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
@@ -179,6 +185,13 @@ def build_parser() -> argparse.ArgumentParser:
                                     "(--nnodes, --dist-init-addr and the same engine flags as node 0).")
     EngineConfig.add_cli_args(p)
     p.set_defaults(func=cmd_node)
+
+    p = sub.add_parser("simulate", help="Replay a Mooncake-format trace through the cache code (no model) on a "
+                                        "virtual clock: hit ratio per tier, TTFT estimates.")
+    from .sim.cli import add_simulate_args
+
+    add_simulate_args(p)
+    p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("bench", help="Benchmark an OpenAI-compatible server (multi-turn shared prefix, trace replay).")
     from .bench.main import add_bench_args

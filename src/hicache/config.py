@@ -81,7 +81,8 @@ class EngineConfig:
     )
     # Storage tier (L3)
     hicache_storage_backend: Optional[str] = _opt(
-        None, "L3 backend: 'file', 'valkey', 'mooncake', or 'module:Class' for your own (needs --enable-hierarchical-cache)."
+        None, "L3 backend: 'file', 'valkey', 'mooncake', 'memory' (this process; gone at exit), or 'module:Class' "
+        "for your own (needs --enable-hierarchical-cache)."
     )
     hicache_storage_backend_extra_config: Optional[str] = _opt(
         None, 'Backend options as JSON, e.g. \'{"path": "/data/kv", "max_bytes": 10000000000}\'.'
@@ -374,6 +375,11 @@ class EngineConfig:
                 group.add_argument(
                     flag, type=typ, default=f.default, choices=f.metadata.get("choices"), help=f.metadata["help"]
                 )
+
+    @classmethod
+    def choices(cls, name: str) -> tuple:
+        """The values flag ``name`` (a field name) accepts."""
+        return next(f.metadata["choices"] for f in dataclasses.fields(cls) if f.name == name)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":

@@ -10,7 +10,7 @@ import json
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import httpx
 
@@ -51,7 +51,7 @@ def _read_usage(rec: RequestRecord, u: dict[str, Any]) -> None:
 
 
 async def stream_request(client: httpx.AsyncClient, base_url: str, model: str, rec: RequestRecord, *,
-                         messages: Optional[list[dict]] = None, prompt: Optional[str] = None, max_tokens: int,
+                         messages: Optional[list[dict]] = None, prompt: Optional[Union[str, list[int]]] = None, max_tokens: int,
                          temperature: float = 0.0, ignore_eos: bool = True, extra: dict | None = None) -> RequestRecord:
     """Send one streaming chat (``messages``) or completion (``prompt``) request, filling ``rec``."""
     chat = messages is not None

@@ -28,7 +28,8 @@ logger = logging.getLogger(__name__)
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:30000", help="Server to measure (OpenAI-compatible).")
     p.add_argument("--model", default=None, help="Model name to request (default: the server's first model).")
-    p.add_argument("--dataset-name", default="generated-shared-prefix", choices=["generated-shared-prefix", "trace"])
+    p.add_argument("--dataset-name", "--dataset", default="generated-shared-prefix",
+                   choices=["generated-shared-prefix", "trace", "mooncake"])
     g = p.add_argument_group("generated-shared-prefix (lengths in tokens)")
     g.add_argument("--gsp-num-groups", type=int, default=4, help="Groups; one shared system prompt each.")
     g.add_argument("--gsp-prompts-per-group", type=int, default=4, help="Conversations per group.")
@@ -36,9 +37,17 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gsp-question-len", type=int, default=64, help="New user text per turn.")
     g.add_argument("--gsp-output-len", type=int, default=32, help="max_tokens of each turn.")
     g.add_argument("--gsp-num-turns", type=int, default=3)
-    g = p.add_argument_group("trace replay")
-    g.add_argument("--trace-file", default=None, help="JSON Lines of timestamped requests (see bench/workload.py).")
+    g = p.add_argument_group("trace replay (trace: timestamped requests; mooncake: a Mooncake-format trace)")
+    g.add_argument("--trace-file", "--trace", default=None,
+                   help="JSON Lines of timestamped requests (see bench/workload.py); with --dataset-name mooncake, a "
+                        "Mooncake-format trace (default: the conversation trace shipped with hicache).")
     g.add_argument("--trace-speed", type=float, default=1.0, help="Replay speed-up factor.")
+    g.add_argument("--time-scale", type=float, default=None,
+                   help="Arrival times multiplied by this (0.01: 100x faster); the inverse of --trace-speed.")
+    g.add_argument("--block-tokens", type=int, default=16, help="mooncake: tokens per 512-token trace block.")
+    g.add_argument("--max-requests", type=int, default=None, help="mooncake: replay only the first N requests.")
+    g.add_argument("--prompt-format", choices=["text", "token-ids"], default="text",
+                   help="mooncake: prompts as words (any server) or as token ids (exactly --block-tokens per block).")
     g.add_argument("--trace-max-tokens", type=int, default=64, help="max_tokens when a line gives none.")
     g = p.add_argument_group("load")
     g.add_argument("--max-concurrency", type=int, default=None, help="Most requests in flight (default: no limit).")
@@ -92,7 +101,9 @@ async def _workload(args: argparse.Namespace, client: Any, base_url: str, info: 
     from .workload import WORDS, generated_shared_prefix, load_trace, random_text
 
     reqs, convs = None, None
-    if args.dataset_name == "trace":
+    if args.dataset_name == "mooncake":
+        reqs, total = await _mooncake(args, client, base_url, info, workload)
+    elif args.dataset_name == "trace":
         if not args.trace_file:
             raise HicacheError("--dataset-name trace needs --trace-file FILE.")
         try:
@@ -127,6 +138,32 @@ async def _workload(args: argparse.Namespace, client: Any, base_url: str, info: 
     return reqs, convs, total
 
 
+async def _mooncake(args: argparse.Namespace, client: Any, base_url: str, info: dict[str, Any],
+                    workload: dict[str, Any]) -> tuple[list, int]:
+    """A Mooncake-format trace as scaled-down completion prompts (bench/workload.py)."""
+    import random
+
+    from ..sim.trace import SHIPPED_TRACE, TraceError
+    from .client import count_tokens
+    from .workload import mooncake_requests, random_text
+
+    if args.block_tokens < 1:
+        raise HicacheError("--block-tokens must be at least 1.")
+    tpw = 1.0
+    if info["hicache"] and args.prompt_format == "text":  # measure words -> tokens with the server's tokenizer
+        tpw = (await count_tokens(client, base_url, [random_text(random.Random(args.seed + 7), 2000)]))[0] / 2000
+    path = args.trace_file or SHIPPED_TRACE
+    try:
+        reqs = mooncake_requests(path, args.block_tokens, tpw, args.max_requests, args.prompt_format == "token-ids")
+    except (OSError, TraceError) as e:
+        raise HicacheError(f"cannot read the trace: {e}") from None
+    if not reqs:
+        raise HicacheError(f"{path} holds no requests.")
+    workload.update(name=f"mooncake {os.path.basename(path)} ({len(reqs)} requests, {args.block_tokens} tokens per "
+                         f"block, x{args.trace_speed:g} time)", tokens_per_word=tpw, block_tokens=args.block_tokens)
+    return reqs, len(reqs)
+
+
 async def _run(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
     import httpx
     from tqdm import tqdm
@@ -154,7 +191,7 @@ async def _run(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
         cpu0, t0 = time.process_time(), time.perf_counter()
         common = dict(max_concurrency=args.max_concurrency, temperature=args.temperature,
                       ignore_eos=not args.disable_ignore_eos, on_done=bar.update)
-        if args.dataset_name == "trace":
+        if args.dataset_name in ("trace", "mooncake"):
             records = await run_trace(client, base_url, model, reqs, speed=args.trace_speed, **common)
         else:
             records = await run_conversations(client, base_url, model, convs, output_len=args.gsp_output_len,
@@ -167,6 +204,11 @@ async def _run(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
 
 def run_bench(args: argparse.Namespace) -> int:
     from .report import format_report, plot_report
+
+    if args.time_scale is not None:
+        if not args.time_scale > 0:
+            raise HicacheError("--time-scale must be > 0.")
+        args.trace_speed = 1 / args.time_scale
 
     proc = None
     base_url = args.base_url.rstrip("/")

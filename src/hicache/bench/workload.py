@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 WORDS = (
     "the of and to in is that it was for on are as with his they at be this from have or by one had not but "
@@ -78,7 +78,7 @@ class TraceRequest:
     timestamp: float
     max_tokens: int
     messages: Optional[list[dict[str, Any]]] = None
-    prompt: Optional[str] = None
+    prompt: Optional[Union[str, list[int]]] = None
     turn: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -101,5 +101,46 @@ def load_trace(path: str, default_max_tokens: int) -> list[TraceRequest]:
                 ))
             except (ValueError, TypeError, AttributeError) as e:
                 raise ValueError(f"{path} line {n}: {e}") from None
+    out.sort(key=lambda r: r.timestamp)
+    return out
+
+
+TOKEN_ID_RANGE = (20, 250)  # token-id prompts: ids every model here has (past SmolLM2's specials)
+
+
+def mooncake_requests(path: str, block_tokens: int, tokens_per_word: float = 1.0,
+                      max_requests: Optional[int] = None, token_ids: bool = False) -> list[TraceRequest]:
+    """A Mooncake-format trace (hicache.sim.trace) as completion prompts, scaled down: each
+    512-token block becomes ``block_tokens`` tokens of words drawn from a generator seeded by its
+    id (equal blocks are equal text, so a shared prefix is shared text), the last block cut in
+    proportion to its real length; then two words of the request's own (a new turn's text: a
+    fully seen prefix still ends in something to compute). ``max_tokens`` is the trace's output
+    length scaled the same way (at least 1); ``turn`` is 1 for a prompt whose first block is new
+    and 2 for one that continues a prefix seen before (TTFT by turn: cold vs returning).
+
+    ``token_ids``: prompts are token ids instead (``block_tokens`` ids per block exactly, so blocks
+    line up with KV pages; hicache, SGLang and vLLM take them on /v1/completions)."""
+    from ..sim.trace import BLOCK_TOKENS, read_trace
+
+    words_per_block = block_tokens if token_ids else max(1, round(block_tokens / tokens_per_word))
+
+    def draw(rng: random.Random, n: int) -> list:
+        return [rng.randrange(*TOKEN_ID_RANGE) for _ in range(n)] if token_ids else [rng.choice(WORDS) for _ in range(n)]
+
+    texts: dict[int, list] = {}
+    seen: set[int] = set()
+    out = []
+    for n, req in enumerate(read_trace(path, max_requests)):
+        parts = []
+        for b, length in zip(req.hash_ids, req.block_lengths()):
+            if b not in texts:
+                texts[b] = draw(random.Random(b), words_per_block)
+            parts += texts[b][: max(1, -(-words_per_block * length // BLOCK_TOKENS))]
+        parts += draw(random.Random(-1 - n), 2)
+        returning = req.hash_ids[0] in seen
+        seen.update(req.hash_ids)
+        out.append(TraceRequest(timestamp=req.timestamp_ms / 1000, prompt=parts if token_ids else " ".join(parts),
+                                turn=1 + returning,
+                                max_tokens=max(1, req.output_length * block_tokens // BLOCK_TOKENS)))
     out.sort(key=lambda r: r.timestamp)
     return out

@@ -1,6 +1,7 @@
 """Backend names -> instances, for ``--hicache-storage-backend`` and its extra-config JSON.
 
-Built in: ``file`` (default), ``valkey`` and ``mooncake`` (Mooncake Store). Anything of the
+Built in: ``file`` (default), ``valkey``, ``mooncake`` (Mooncake Store) and ``memory`` (this
+process's memory: the simulator, tests). Anything of the
 form ``package.module:Class`` is imported and constructed as ``Class(**extra_config)``; it
 must subclass :class:`~.base.StorageBackend`.
 """
@@ -14,14 +15,15 @@ from hicache.config import ConfigError
 
 from .base import StorageBackend
 from .file import FileBackend
+from .memory import MemoryBackend
 from .mooncake_backend import MooncakeBackend
 from .valkey_backend import ValkeyBackend
 
 # Built-ins by name (the modules import their clients, valkey and mooncake.store, lazily).
 BUILTIN: dict[str, type[StorageBackend]] = {
-    "file": FileBackend, "valkey": ValkeyBackend, "mooncake": MooncakeBackend,
+    "file": FileBackend, "valkey": ValkeyBackend, "mooncake": MooncakeBackend, "memory": MemoryBackend,
 }
-CHOICES = "file, valkey, mooncake, or package.module:Class"
+CHOICES = "file, valkey, mooncake, memory, or package.module:Class"
 
 
 def _check_options(name: str, cls: type, config: dict) -> None:
@@ -62,7 +64,7 @@ def _load_class(spec: str) -> type:
 
 
 def create_backend(name: str, extra_config: dict | None = None) -> StorageBackend:
-    """A backend instance for ``name`` (``file``, ``valkey``, ``mooncake`` or ``module:Class``)
+    """A backend instance for ``name`` (``file``, ``valkey``, ``mooncake``, ``memory`` or ``module:Class``)
     built with ``extra_config`` as keyword arguments. Raises ConfigError for an unknown name, an
     unimportable class or an unknown option; backend errors (StorageError) pass through."""
     config = dict(extra_config or {})

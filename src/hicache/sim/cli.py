@@ -1,0 +1,159 @@
+"""``hicache simulate``: flags, the report, and ``--sweep`` (see docs/simulation.md)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+
+from ..config import ConfigError, EngineConfig
+from ..errors import HicacheError
+from .costs import PROFILES
+from .router import ROUTERS
+from .run import TIERS, UNLIMITED, Capacities, SimConfig, simulate
+from .trace import BLOCK_TOKENS, SHIPPED_TRACE, TraceError, load_trace
+
+
+def _tokens(text: str) -> float:
+    """A capacity in tokens: a number (1e6 and 2_000_000 work) or ``unlimited``."""
+    if text.strip().lower() in ("unlimited", "inf", "infinite"):
+        return UNLIMITED
+    try:
+        value = float(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of tokens or 'unlimited'") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a capacity cannot be negative ({text})")
+    return value
+
+
+def add_simulate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", default=SHIPPED_TRACE,
+                   help="Mooncake-format trace (JSON Lines: timestamp ms, input_length, output_length, hash_ids); "
+                        "default: the Mooncake FAST'25 conversation trace shipped with hicache.")
+    p.add_argument("--max-requests", type=int, default=None, help="Replay only the first N requests.")
+    g = p.add_argument_group("capacities per engine (tokens, or 'unlimited'; with none, every tier is unlimited)")
+    g.add_argument("--device-tokens", type=_tokens, default=UNLIMITED, help="L1: device KV pool (default unlimited).")
+    g.add_argument("--host-tokens", type=_tokens, default=None, help="L2: host KV pool (default: no host tier).")
+    g.add_argument("--hicache-size", type=float, default=None,
+                   help="L2 in GB instead (x 10^9 bytes / --kv-bytes-per-token).")
+    g.add_argument("--storage-tokens", type=_tokens, default=None, help="L3: storage (default: no storage tier).")
+    g.add_argument("--kv-bytes-per-token", type=int, default=None,
+                   help="The model's KV bytes per token (default: the cost profile's model).")
+    p.add_argument("--page-size", type=int, default=BLOCK_TOKENS, help="Tokens per KV page (default: one trace block).")
+    p.add_argument("--block-tokens", type=int, default=None,
+                   help=f"Synthetic token ids per {BLOCK_TOKENS}-token trace block (default: one per page).")
+    p.add_argument("--hicache-write-policy", default="write_through",
+                   choices=EngineConfig.choices("hicache_write_policy"))
+    p.add_argument("--radix-eviction-policy", default="lru", choices=EngineConfig.choices("radix_eviction_policy"))
+    p.add_argument("--engines", type=int, default=1, help="Engines (data parallel) behind the router.")
+    p.add_argument("--router", default="cache-aware", choices=ROUTERS, help="sglang-router's policy over the engines.")
+    p.add_argument("--kv-sharding", type=int, default=1,
+                   help="Page-sharded CP over N ranks: N x the device capacity per engine.")
+    p.add_argument("--profile", default="gpu", choices=sorted(PROFILES), help="Cost model for the TTFT estimates.")
+    p.add_argument("--json", action="store_true", help="Print the result as one JSON object.")
+    p.add_argument("--sweep", choices=TIERS, default=None,
+                   help="Run once per --sweep-tokens value of this tier's capacity; plot the hit ratio per tier.")
+    p.add_argument("--sweep-tokens", default="1e6,4e6,16e6,64e6", help="Comma-separated capacities for --sweep.")
+    p.add_argument("--plot", default="simulate_sweep.png", help="Where --sweep writes its PNG.")
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    cost = PROFILES[args.profile]
+    if args.kv_bytes_per_token is not None:
+        if args.kv_bytes_per_token < 1:
+            raise ConfigError("--kv-bytes-per-token must be positive.")
+        cost = dataclasses.replace(cost, kv_bytes_per_token=args.kv_bytes_per_token)
+    host = args.host_tokens
+    if args.hicache_size is not None:
+        if host is not None:
+            raise ConfigError("give --host-tokens or --hicache-size, not both.")
+        host = args.hicache_size * 1e9 / cost.kv_bytes_per_token
+    if args.page_size < 1 or BLOCK_TOKENS % args.page_size and args.page_size % BLOCK_TOKENS:
+        raise ConfigError(f"--page-size must divide {BLOCK_TOKENS} (a trace block) or be a multiple of it.")
+    block_tokens = args.block_tokens or max(1, BLOCK_TOKENS // args.page_size)
+    return SimConfig(Capacities(args.device_tokens, host, args.storage_tokens), args.page_size, block_tokens,
+                     args.hicache_write_policy, args.radix_eviction_policy, args.engines, args.router,
+                     args.kv_sharding, cost)
+
+
+def _report(out: dict, seconds: float) -> str:
+    hit = out["hit_tokens"]
+    lines = [f"{out['requests']} requests, {out['input_tokens'] / 1e6:.1f}M input tokens, simulated in {seconds:.1f} s",
+             f"hit ratio {out['hit_ratio']:.1%}: " + ", ".join(
+                 f"{t} {hit[t] / max(out['input_tokens'], 1):.1%}" for t in TIERS),
+             "TTFT ({} profile) mean {mean:.2f} s, p50 {p50:.2f} s, p99 {p99:.2f} s".format(
+                 out["config"]["cost"], **out["ttft_s"])]
+    if len(out["per_engine"]) > 1:
+        for i, e in enumerate(out["per_engine"]):
+            lines.append(f"  engine {i}: {e['requests']} requests, hit ratio {e['hit_ratio']:.1%}")
+    return "\n".join(lines)
+
+
+def _sweep(args: argparse.Namespace, cfg: SimConfig, trace: list) -> list[dict]:
+    points = []
+    for text in args.sweep_tokens.split(","):
+        value = _tokens(text)
+        caps = dataclasses.replace(cfg.capacities, **{args.sweep: value})
+        out = simulate(trace, dataclasses.replace(cfg, capacities=caps)).to_json()
+        out["swept_tokens"] = "unlimited" if value == UNLIMITED else value
+        points.append(out)
+        if not args.json:
+            print(f"{args.sweep} {value:g} tokens: hit ratio {out['hit_ratio']:.1%} "
+                  + ", ".join(f"{t} {out['hit_tokens'][t] / out['input_tokens']:.1%}" for t in TIERS), flush=True)
+    plot_sweep(points, args.sweep, args.plot)
+    return points
+
+
+def plot_sweep(points: list[dict], tier: str, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    finite = [p for p in points if p["swept_tokens"] != "unlimited"]
+    points = finite  # a log axis has no place for "unlimited"
+    xs = [p["swept_tokens"] for p in points]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    bottom = [0.0] * len(points)
+    for t in TIERS:
+        share = [p["hit_tokens"][t] / p["input_tokens"] for p in points]
+        ax.fill_between(xs, bottom, [b + s for b, s in zip(bottom, share)], step=None, alpha=0.6, label=t)
+        bottom = [b + s for b, s in zip(bottom, share)]
+    ax.plot(xs, bottom, "k.-", label="combined")
+    ax.set_xscale("log")
+    ax.set_xlabel(f"{tier} capacity per engine (tokens)")
+    ax.set_ylabel("hit ratio (share of input tokens)")
+    ax.set_ylim(0, 1)
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    try:
+        trace = load_trace(args.trace, args.max_requests)
+    except (OSError, TraceError) as e:
+        raise HicacheError(f"cannot read the trace: {e}") from None
+    if not trace:
+        raise HicacheError(f"{args.trace} holds no requests.")
+    t0 = time.perf_counter()
+    if args.sweep:
+        points = _sweep(args, cfg, trace)
+        if args.json:
+            json.dump(points, sys.stdout)
+            print()
+        else:
+            print(f"wrote {args.plot}")
+        return 0
+    out = simulate(trace, cfg).to_json()
+    if args.json:
+        json.dump(out, sys.stdout)
+        print()
+    else:
+        print(_report(out, time.perf_counter() - t0))
+    return 0

@@ -1,0 +1,105 @@
+"""One simulated engine: the project's own scheduler, radix tree, pools, host tier and storage
+tier, with a forward pass that computes nothing.
+
+The cache decisions (what hits where, what is evicted, backed up, prefetched) are the engine's:
+the same :class:`~hicache.engine.scheduler.Scheduler` admits each request against the same
+:class:`~hicache.cache.manager.KVCacheManager`. Only the bytes are gone: the pools hold one
+float per token (one layer, one head of width 1), the storage tier writes to the ``memory``
+backend, and the forward pass returns zeros.
+
+Tokens: a trace block becomes ``block_tokens`` synthetic token ids (block id b: ids
+``b * block_tokens + 1 ...``), so equal blocks are equal tokens; every prompt ends with one
+token of its own (the engine always computes a prompt's last token for its logits, so this
+keeps a fully cached prompt's last block countable as a hit). Capacities are pages of these
+tokens; :mod:`hicache.sim.run` converts real tokens to them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..cache.host_pool import HostKVPool
+from ..cache.manager import KVCacheManager
+from ..cache.pools import DeviceKVPool
+from ..cache.storage.memory import MemoryBackend
+from ..engine.request import Request, Status
+from ..engine.sampling import SamplingParams
+from ..engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+GREEDY_ONE = SamplingParams(max_new_tokens=1, temperature=0.0)
+NAMESPACE = "sim"
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Capacities in pages (``None``: no such tier), page size in synthetic tokens, policies."""
+
+    device_pages: int
+    host_pages: Optional[int] = None
+    storage_pages: Optional[int] = None
+    page_size: int = 1
+    write_policy: str = "write_through"
+    eviction_policy: str = "lru"
+    write_through_threshold: int = 2
+
+
+def _no_forward(input_ids, prefix_lens, context_slots, hidden=None, logits="last") -> torch.Tensor:
+    """One row of (zero) logits per sequence over a one-token vocabulary."""
+    return torch.zeros(len(input_ids), 1)
+
+
+class SimEngine:
+    def __init__(self, spec: EngineSpec, prompt_tokens: int) -> None:
+        """``prompt_tokens``: the longest prompt (synthetic tokens): one prefill chunk takes it whole."""
+        self.spec = spec
+        pool = DeviceKVPool(1, 1, 1, spec.device_pages + 1, spec.page_size, torch.float32, "cpu")
+        host = HostKVPool(pool, spec.host_pages, "page_first", pin_memory=False) if spec.host_pages else None
+        storage = None
+        if spec.storage_pages is not None:
+            storage = MemoryBackend(max_objects=spec.storage_pages)
+        self.cache = KVCacheManager(pool, spec.eviction_policy, host_pool=host, write_policy=spec.write_policy,
+                                    write_through_threshold=spec.write_through_threshold, storage=storage,
+                                    prefetch_threshold=spec.page_size)
+        self.scheduler = Scheduler(self.cache, _no_forward, decode_text=lambda ids: "", eos_token_ids=set(),
+                                   chunked_prefill_size=prompt_tokens + spec.page_size, max_running_requests=1,
+                                   prefetch_policy="wait_complete")
+        self._rid = 0
+
+    def serve(self, tokens: list[int]) -> dict[str, int]:
+        """Run one request to its first token; returns its hit tokens per tier (synthetic
+        tokens). Every copy and storage write it queued lands before this returns (between
+        requests the engine's copy threads are far ahead of arrivals)."""
+        if self.cache.pages_for(len(tokens) + 1) > self.spec.device_pages:
+            raise ValueError(f"a {len(tokens)}-token prompt does not fit the device pool ({self.spec.device_pages} "
+                             f"pages of {self.spec.page_size})")
+        self._rid += 1
+        req = Request(rid=self._rid, prompt_ids=tokens, sampling=GREEDY_ONE, namespace=NAMESPACE, max_new_tokens=1)
+        sched = self.scheduler
+        sched.add(req)
+        while req.status is not Status.FINISHED:
+            if req.prefetch is not None:  # its storage read runs on the prefetch thread: wait, not poll
+                req.prefetch.done.wait()
+            sched.step()
+        self.cache.drain()
+        return req.cached
+
+    def cached_tokens(self) -> int:
+        """Synthetic tokens the device tier holds in its tree."""
+        return self.cache.usage().get("cached_pages", 0) * self.spec.page_size
+
+    def close(self) -> None:
+        self.cache.shutdown()
+
+
+def block_token_ids(hash_ids: tuple[int, ...], block_tokens: int, own: int) -> list[int]:
+    """The prompt's synthetic tokens: ``block_tokens`` per block, then the request's own token
+    (``own`` > 0; negative ids never collide with block ids)."""
+    base = np.asarray(hash_ids, dtype=np.int64)[:, None] * block_tokens + np.arange(1, block_tokens + 1)
+    return base.ravel().tolist() + [-own]

@@ -1,0 +1,86 @@
+"""Which engine a request goes to: the policies of ``sglang-router`` (``--policy round_robin`` /
+``cache_aware``) over the simulator's engines.
+
+``cache-aware`` follows sglang-router 0.3.2's rule with its defaults: when the load is
+imbalanced (``max - min > 64`` requests and ``max > 1.5 x min``) the least loaded engine;
+else the engine whose routed history shares the longest prefix with the request, if that
+covers more than ``cache_threshold`` (0.3) of it; else the engine with the smallest history
+(the most room). Like the router it keeps its own approximation of each engine's cache (every
+prefix it sent there, never evicted here), not the engines' real trees. Load = requests routed
+to the engine whose prefill has not finished at the arrival time (virtual clock).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Protocol
+
+from .trace import TraceRequest
+
+ROUTERS = ("round-robin", "cache-aware")
+
+
+class Router(Protocol):
+    def pick(self, req: TraceRequest, now: float) -> int: ...
+
+    def routed(self, req: TraceRequest, engine: int, done_at: float) -> None:
+        """``req`` went to ``engine``; its prefill ends at ``done_at`` (virtual seconds)."""
+        ...
+
+
+class RoundRobin:
+    def __init__(self, engines: int) -> None:
+        self.engines, self.next = engines, 0
+
+    def pick(self, req: TraceRequest, now: float) -> int:
+        i, self.next = self.next, (self.next + 1) % self.engines
+        return i
+
+    def routed(self, req: TraceRequest, engine: int, done_at: float) -> None:
+        pass
+
+
+class CacheAware:
+    def __init__(self, engines: int, cache_threshold: float = 0.3, balance_abs: int = 64,
+                 balance_rel: float = 1.5) -> None:
+        self.cache_threshold, self.balance_abs, self.balance_rel = cache_threshold, balance_abs, balance_rel
+        self.seen: list[set[int]] = [set() for _ in range(engines)]  # block ids (each names its whole prefix)
+        self.busy: list[deque[float]] = [deque() for _ in range(engines)]  # prefill end times, in order
+
+    def _loads(self, now: float) -> list[int]:
+        for q in self.busy:
+            while q and q[0] <= now:
+                q.popleft()
+        return [len(q) for q in self.busy]
+
+    def pick(self, req: TraceRequest, now: float) -> int:
+        loads = self._loads(now)
+        lo, hi = min(loads), max(loads)
+        if hi - lo > self.balance_abs and hi > lo * self.balance_rel:
+            return loads.index(lo)
+        matched = [_leading(req.hash_ids, seen) for seen in self.seen]
+        best = max(range(len(matched)), key=lambda i: matched[i])
+        if req.hash_ids and matched[best] / len(req.hash_ids) > self.cache_threshold:
+            return best
+        return min(range(len(self.seen)), key=lambda i: len(self.seen[i]))
+
+    def routed(self, req: TraceRequest, engine: int, done_at: float) -> None:
+        self.seen[engine].update(req.hash_ids)
+        self.busy[engine].append(done_at)
+
+
+def _leading(ids: tuple[int, ...], seen: set[int]) -> int:
+    n = 0
+    for b in ids:
+        if b not in seen:
+            break
+        n += 1
+    return n
+
+
+def make_router(name: str, engines: int) -> Router:
+    if name == "round-robin":
+        return RoundRobin(engines)
+    if name == "cache-aware":
+        return CacheAware(engines)
+    raise ValueError(f"unknown router {name!r}; choose {', '.join(ROUTERS)}")

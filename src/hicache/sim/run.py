@@ -1,0 +1,176 @@
+"""Replay a trace through simulated engines (:mod:`hicache.sim.engine`) behind a router, on a
+virtual clock (:mod:`hicache.sim.costs`), and count hits per tier in real tokens.
+
+Units: capacities are given in real tokens per engine and become pages (``page_size`` real
+tokens each; a page holds ``block_tokens x page_size / BLOCK_TOKENS`` synthetic tokens); hits are counted in whole
+trace blocks (a block's real token count, the last one capped at the request's input length),
+by the tier that supplied the block's last token.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Optional, Sequence
+
+from ..config import ConfigError
+from .costs import PROFILES, CostModel
+from .engine import EngineSpec, SimEngine, block_token_ids
+from .router import make_router
+from .trace import BLOCK_TOKENS, TraceRequest
+
+TIERS = ("device", "host", "storage")
+UNLIMITED = math.inf
+
+
+@dataclass(frozen=True)
+class Capacities:
+    """Per engine, in real tokens: ``UNLIMITED``, a number, or None (no such tier; the device
+    tier always exists). Storage needs the host tier (its reads land in host memory)."""
+
+    device: float = UNLIMITED
+    host: Optional[float] = None
+    storage: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    capacities: Capacities = Capacities()
+    page_size: int = BLOCK_TOKENS  # real tokens per page
+    block_tokens: int = 1  # synthetic tokens per trace block (a page is page_size / BLOCK_TOKENS of them)
+    write_policy: str = "write_through"
+    eviction_policy: str = "lru"
+    engines: int = 1
+    router: str = "round-robin"
+    kv_sharding: int = 1  # page-sharded CP: the device tier holds this many times its capacity
+    cost: CostModel = PROFILES["gpu"]
+
+    @property
+    def sim_page_size(self) -> int:
+        """Synthetic tokens per page."""
+        return self.block_tokens * self.page_size // BLOCK_TOKENS
+
+    def check(self) -> None:
+        if self.block_tokens < 1 or self.page_size < 1 or self.block_tokens * self.page_size % BLOCK_TOKENS:
+            raise ConfigError(f"a page of {self.page_size} tokens must be a whole number of synthetic tokens: "
+                              f"--block-tokens x --page-size must be a multiple of {BLOCK_TOKENS}.")
+        if self.engines < 1 or self.kv_sharding < 1:
+            raise ConfigError("--engines and --kv-sharding must be at least 1.")
+
+
+@dataclass
+class TierHits:
+    requests: int = 0
+    input_tokens: int = 0
+    hit_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+
+    def add(self, req: TraceRequest, hits: dict[str, int]) -> None:
+        self.requests += 1
+        self.input_tokens += req.input_length
+        for tier in TIERS:
+            self.hit_tokens[tier] += hits[tier]
+
+    def summary(self) -> dict:
+        hit = sum(self.hit_tokens.values())
+        return {"requests": self.requests, "input_tokens": self.input_tokens, "hit_tokens": dict(self.hit_tokens),
+                "hit_ratio": hit / self.input_tokens if self.input_tokens else 0.0}
+
+
+@dataclass
+class SimResult:
+    total: TierHits
+    per_engine: list[TierHits]
+    ttft_s: list[float]
+    config: SimConfig
+    pages: EngineSpec  # what each engine was built with
+
+    def to_json(self) -> dict:
+        t = sorted(self.ttft_s)
+        out = self.total.summary()
+        out["ttft_s"] = {"mean": statistics.fmean(t) if t else 0.0, "p50": _quantile(t, 0.50), "p99": _quantile(t, 0.99)}
+        out["per_engine"] = [e.summary() for e in self.per_engine]
+        cfg = asdict(self.config)
+        cfg["cost"] = self.config.cost.name
+        cfg["capacities"] = {k: ("unlimited" if v == UNLIMITED else v) for k, v in cfg["capacities"].items()}
+        out["config"] = cfg
+        out["engine_pages"] = asdict(self.pages)
+        return out
+
+
+def _quantile(sorted_values: Sequence[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+def tier_hits(cached: dict[str, int], lengths: list[int], block_tokens: int) -> dict[str, int]:
+    """Real tokens hit per tier: whole blocks, each by the tier that supplied its last token
+    (``cached``: synthetic tokens per tier, in prefix order device -> host -> storage)."""
+    ends, out, end = {}, dict.fromkeys(TIERS, 0), 0
+    for tier in TIERS:
+        end += cached.get(tier, 0)
+        ends[tier] = end
+    for i, n in enumerate(lengths):
+        last = (i + 1) * block_tokens
+        tier = next((t for t in TIERS if last <= ends[t]), None)
+        if tier is None:
+            break
+        out[tier] += n
+    return out
+
+
+def _pages(name: str, tokens: Optional[float], cfg: SimConfig, unlimited_pages: int) -> Optional[int]:
+    """Real tokens -> pages of synthetic tokens (None stays None; UNLIMITED: the whole trace)."""
+    if tokens is None:
+        return None
+    if tokens == UNLIMITED:
+        return unlimited_pages
+    pages = int(tokens // cfg.page_size)
+    if pages < 1:
+        raise ConfigError(f"the {name} capacity, {tokens:g} tokens, is smaller than one page ({cfg.page_size} tokens).")
+    return pages
+
+
+def engine_spec(cfg: SimConfig, trace: Sequence[TraceRequest]) -> EngineSpec:
+    if cfg.capacities.storage is not None and cfg.capacities.host is None:
+        raise ConfigError("a storage tier needs a host tier (prefetched pages land in host memory): give a host "
+                          "capacity too.")
+    cfg.check()
+    everything = sum(-(-(len(r.hash_ids) * cfg.block_tokens + 2) // cfg.sim_page_size) for r in trace) + 1
+    cap = cfg.capacities
+    device = _pages("device", cap.device, cfg, everything)
+    return EngineSpec(device * cfg.kv_sharding if cap.device != UNLIMITED else device,
+                      _pages("host", cap.host, cfg, everything), _pages("storage", cap.storage, cfg, everything),
+                      cfg.sim_page_size, cfg.write_policy, cfg.eviction_policy)
+
+
+def simulate(trace: Sequence[TraceRequest], cfg: SimConfig) -> SimResult:
+    """Replay ``trace`` (arrival order) and return hits per tier and TTFT estimates."""
+    spec = engine_spec(cfg, trace)
+    longest = max((len(r.hash_ids) for r in trace), default=0) * cfg.block_tokens + 1
+    if -(-(longest + 1) // spec.page_size) > spec.device_pages:
+        raise ConfigError(f"the device capacity ({spec.device_pages} pages of {cfg.page_size} tokens) cannot hold the "
+                          f"trace's longest prompt ({max(r.input_length for r in trace)} tokens); raise "
+                          "--device-tokens or shorten the trace.")
+    engines = [SimEngine(spec, longest) for _ in range(cfg.engines)]
+    router = make_router(cfg.router, cfg.engines)
+    free_at = [0.0] * cfg.engines  # virtual time each engine's prefill queue empties
+    total, per_engine, ttft = TierHits(), [TierHits() for _ in engines], []
+    try:
+        for n, req in enumerate(trace, 1):
+            arrival = req.timestamp_ms / 1000
+            i = router.pick(req, arrival)
+            cached = engines[i].serve(block_token_ids(req.hash_ids, cfg.block_tokens, n))
+            hits = tier_hits(cached, req.block_lengths(), cfg.block_tokens)
+            total.add(req, hits)
+            per_engine[i].add(req, hits)
+            missed = req.input_length - sum(hits.values())
+            ready = max(arrival + cfg.cost.storage_read_s(hits["storage"]), free_at[i])
+            free_at[i] = ready + cfg.cost.forward_s(missed, hits["host"])
+            ttft.append(free_at[i] - arrival)
+            router.routed(req, i, free_at[i])
+    finally:
+        for e in engines:
+            e.close()
+    return SimResult(total, per_engine, ttft, cfg, spec)

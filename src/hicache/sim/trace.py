@@ -1,0 +1,77 @@
+"""Mooncake-format traces (the FAST'25 release's ``conversation_trace.jsonl`` and its kind).
+
+One JSON object per line: ``timestamp`` (ms since the trace's start), ``input_length`` and
+``output_length`` (tokens), ``hash_ids`` (the prompt's blocks, ``BLOCK_TOKENS`` tokens each, the
+last one partial; equal ids mean an equal block *and* an equal prefix before it, so a
+request's prefix is reusable exactly as far as its ids were seen in that order before).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Iterator
+
+BLOCK_TOKENS = 512  # real tokens per hash_ids block in the Mooncake release
+# The Mooncake FAST'25 conversation trace (Apache-2.0), shipped with hicache: see data/README.md.
+SHIPPED_TRACE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "mooncake_conversation_trace.jsonl")
+
+
+class TraceError(ValueError):
+    """A trace line that is not a request; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+    def block_lengths(self) -> list[int]:
+        """Real tokens of each block: ``BLOCK_TOKENS``, the last one capped at the input length."""
+        n = len(self.hash_ids)
+        return [min(BLOCK_TOKENS, self.input_length - i * BLOCK_TOKENS) for i in range(n)]
+
+
+def _request(obj: object) -> TraceRequest:
+    if not isinstance(obj, dict):
+        raise ValueError("not a JSON object")
+    missing = [k for k in ("timestamp", "input_length", "output_length", "hash_ids") if k not in obj]
+    if missing:
+        raise ValueError(f"missing {', '.join(missing)}")
+    ids, n_in = obj["hash_ids"], obj["input_length"]
+    if not isinstance(n_in, int) or n_in <= 0 or not isinstance(obj["output_length"], int) or obj["output_length"] < 0:
+        raise ValueError("input_length must be a positive integer and output_length a non-negative one")
+    if not isinstance(ids, list) or not all(isinstance(i, int) and i >= 0 for i in ids):
+        raise ValueError("hash_ids must be a list of non-negative integers")
+    if len(ids) != math.ceil(n_in / BLOCK_TOKENS):
+        raise ValueError(f"{len(ids)} hash_ids for {n_in} input tokens (blocks of {BLOCK_TOKENS}: expected "
+                         f"{math.ceil(n_in / BLOCK_TOKENS)})")
+    if not isinstance(obj["timestamp"], (int, float)):
+        raise ValueError("timestamp must be a number (ms)")
+    return TraceRequest(float(obj["timestamp"]), n_in, obj["output_length"], tuple(ids))
+
+
+def read_trace(path: str, limit: int | None = None) -> Iterator[TraceRequest]:
+    """The requests of ``path`` in file order (the first ``limit``); raises :class:`TraceError`
+    naming the line of the first malformed one."""
+    with open(path, encoding="utf-8") as f:
+        count = 0
+        for number, line in enumerate(f, 1):
+            if limit is not None and count >= limit:
+                return
+            if not line.strip():
+                continue
+            try:
+                yield _request(json.loads(line))
+            except ValueError as e:  # json.JSONDecodeError is one
+                raise TraceError(f"{path} line {number}: {e}") from None
+            count += 1
+
+
+def load_trace(path: str, limit: int | None = None) -> list[TraceRequest]:
+    """:func:`read_trace` as a list, sorted by arrival (stable: file order breaks ties)."""
+    return sorted(read_trace(path, limit), key=lambda r: r.timestamp_ms)
