@@ -4,7 +4,7 @@
                                   [--history 1024] [--decode-tokens 32] [--skip-hits] [--skip-latency]
 
 1. Hit shares (the seed's Figure 1d, at our scale): the first ``--requests`` requests of the
-   Mooncake conversation trace (``../shared/traces``; each 512-token prefix block becomes
+   Mooncake conversation trace (shipped with hicache; each 512-token prefix block becomes
    ``--block-tokens`` token ids, equal block ids equal tokens), replayed in order on CP2 with the
    same per-rank budget (``--pool-tokens`` device tokens per rank, a host pool ``--host-ratio``
    times that, large enough to hold the working set either way),
@@ -33,8 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from hicache import Engine, SamplingParams  # noqa: E402
 
-TRACE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "traces",
-                     "mooncake_conversation_trace.jsonl")
+from hicache.sim.trace import SHIPPED_TRACE as TRACE  # noqa: E402  (the Mooncake conversation trace)
 HIT_MODEL = "random:small"  # hit shares depend on the cache, not the weights: a fast model
 CP2 = dict(tp_size=2, attn_cp_size=2)
 

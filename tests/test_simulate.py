@@ -10,7 +10,7 @@ import pytest
 from hicache.cli import main
 from hicache.config import ConfigError
 from hicache.sim.run import UNLIMITED, Capacities, SimConfig, simulate
-from hicache.sim.trace import BLOCK_TOKENS, SHIPPED_TRACE, TraceError, load_trace
+from hicache.sim.trace import BLOCK_TOKENS, SHIPPED_TRACE, TraceError, largest_conversations, load_trace
 
 SLICE = 1500  # requests: seconds to simulate, and plenty of reuse (conversations come back)
 
@@ -60,12 +60,12 @@ def test_storage_recovers_what_small_device_and_host_tiers_lose(trace) -> None:
 
 
 def test_kv_sharding_moves_hits_from_host_to_device(trace) -> None:
-    """Figure 1d in kind: N x the device capacity per engine; the combined ratio stays put when
-    the host tier holds the working set either way."""
+    """Figure 1d in kind: N x the device (and host) capacity per engine; the combined ratio stays
+    put when the host tier holds the working set either way."""
     caps = Capacities(device=256 * BLOCK_TOKENS, host=UNLIMITED)
     one, four = (simulate(trace, SimConfig(caps, kv_sharding=n)).to_json() for n in (1, 4))
     assert four["hit_tokens"]["device"] > one["hit_tokens"]["device"]
-    assert four["hit_tokens"]["host"] < one["hit_tokens"]["host"]
+    assert four["hit_tokens"]["host"] < one["hit_tokens"]["host"]  # (host unlimited either way)
     assert four["hit_ratio"] == pytest.approx(one["hit_ratio"], abs=1e-12)
 
 
@@ -105,3 +105,34 @@ def test_bad_input_is_refused_in_one_sentence(tmp_path, capsys) -> None:
         simulate(load_trace(SHIPPED_TRACE, 5), SimConfig(Capacities(device=100)))
     assert main(["simulate", "--max-requests", "5", "--host-tokens", "10"]) == 2
     assert "smaller than one page" in capsys.readouterr().err
+
+
+# ---- the simulator agrees with a live engine -------------------------------------------------
+@pytest.mark.slow
+def test_simulated_hit_ratios_match_a_live_server_within_two_points(tmp_path) -> None:
+    """The same requests (16 tokens per block: one page), the same capacities (device 96 pages,
+    host 192), replayed on `hicache serve` (SmolLM2) one at a time and on the simulator: each
+    tier's hit ratio agrees within 2 points."""
+    from hicache.bench.main import launch_server
+    from hicache.processes import stop_process
+
+    sliced = tmp_path / "slice.jsonl"  # real requests of the trace's ten largest conversations
+    sliced.write_text("\n".join(largest_conversations(SHIPPED_TRACE, 10, 60, 40)) + "\n")
+    pages, host_ratio = 96, 2
+    proc, url = launch_server(f"--model smollm2 --page-size 16 --max-total-tokens {pages * 16} "
+                              f"--enable-hierarchical-cache --hicache-ratio {host_ratio}", 300)
+    report = tmp_path / "live.json"
+    try:
+        assert main(["bench", "--base-url", url, "--dataset", "mooncake", "--trace", str(sliced),
+                     "--prompt-format", "token-ids", "--block-tokens", "16", "--max-output-tokens", "1",
+                     "--time-scale", "1e-9", "--max-concurrency", "1", "--disable-tqdm",
+                     "--output-file", str(report)]) == 0
+    finally:
+        stop_process(proc, 30)
+    live = json.loads(report.read_text())["server_cache"]["hit_rate"]
+    sim = simulate(load_trace(str(sliced)), SimConfig(Capacities(device=pages * BLOCK_TOKENS,
+                                                                 host=pages * host_ratio * BLOCK_TOKENS))).to_json()
+    predicted = {t: n / sim["input_tokens"] for t, n in sim["hit_tokens"].items()}
+    assert predicted["host"] > 0.05 and predicted["device"] > 0.2  # both tiers matter here
+    for tier in ("device", "host"):
+        assert abs(live.get(tier, 0.0) - predicted[tier]) <= 0.02, (tier, live, predicted)

@@ -46,6 +46,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="Arrival times multiplied by this (0.01: 100x faster); the inverse of --trace-speed.")
     g.add_argument("--block-tokens", type=int, default=16, help="mooncake: tokens per 512-token trace block.")
     g.add_argument("--max-requests", type=int, default=None, help="mooncake: replay only the first N requests.")
+    g.add_argument("--max-output-tokens", type=int, default=None,
+                   help="mooncake: cap on max_tokens (default: the trace's output length, scaled like the blocks).")
     g.add_argument("--prompt-format", choices=["text", "token-ids"], default="text",
                    help="mooncake: prompts as words (any server) or as token ids (exactly --block-tokens per block).")
     g.add_argument("--trace-max-tokens", type=int, default=64, help="max_tokens when a line gives none.")
@@ -157,6 +159,11 @@ async def _mooncake(args: argparse.Namespace, client: Any, base_url: str, info: 
         reqs = mooncake_requests(path, args.block_tokens, tpw, args.max_requests, args.prompt_format == "token-ids")
     except (OSError, TraceError) as e:
         raise HicacheError(f"cannot read the trace: {e}") from None
+    if args.max_output_tokens is not None:
+        if args.max_output_tokens < 1:
+            raise HicacheError("--max-output-tokens must be at least 1.")
+        for r in reqs:
+            r.max_tokens = min(r.max_tokens, args.max_output_tokens)
     if not reqs:
         raise HicacheError(f"{path} holds no requests.")
     workload.update(name=f"mooncake {os.path.basename(path)} ({len(reqs)} requests, {args.block_tokens} tokens per "

@@ -96,7 +96,7 @@ class KVCacheManager:
         prefetch_max_host_fraction: float = 0.5,
         storage_agree: tuple[Agree, Agree] | None = None,
         shard: str = "",
-        storage_op_timeout: float = 10.0,
+        storage_op_timeout: float | None = 10.0,
         placement: PagePlacement | None = None,
         shard_rank: int = 0,
         sidecar: tuple[DeviceKVPool, HostKVPool | None] | None = None,

@@ -1,9 +1,12 @@
-"""Start a P/D pair on this machine: a prefill and a decode ``hicache serve`` plus SGLang's own
-router (``sglang-router``, PyPI) in PD mode in front of them, for tests, ``benchmarks/bench_pd.py``
-and the demo. Everything listens on 127.0.0.1 and stops when the context exits.
+"""Start ``hicache serve`` processes behind SGLang's own router (``sglang-router``, PyPI) on this
+machine: a P/D pair in PD mode (tests, ``benchmarks/bench_pd.py``, the demo) or N data-parallel
+engines under a routing policy (``benchmarks/bench_replay.py``). Everything listens on 127.0.0.1
+and stops when the context exits.
 
     with pd_servers("--model smollm2", decode_args="--disaggregation-decode-enable-radix-cache") as pd:
         httpx.post(f"{pd.url}/v1/chat/completions", json=...)
+    with dp_servers("--model smollm2", engines=2, policy="cache_aware") as dp:
+        ...  # dp.url: the router; dp.worker_urls: each engine
 """
 
 from __future__ import annotations
@@ -36,18 +39,23 @@ class PDServers:
     bootstrap_port: int
 
 
-def launch_router(prefill_url: str, bootstrap_port: int, decode_url: str, timeout: float = 60.0,
+@dataclass
+class DPServers:
+    url: str  # the router
+    worker_urls: list[str]
+
+
+def launch_router(mode_args: list[str], workers: int, timeout: float = 60.0,
                   log=subprocess.DEVNULL) -> tuple[subprocess.Popen, str]:
-    """``sglang-router launch --pd-disaggregation`` on a free port; returns once it lists both
-    workers as healthy."""
+    """``sglang-router launch <mode_args>`` on a free port; returns once it lists ``workers``
+    healthy workers."""
     import httpx
 
     binary = find_sglang_router()
     if binary is None:
         raise HicacheError("sglang-router is not installed: pip install sglang-router (the test extra has it).")
     port = free_port()
-    proc = subprocess.Popen([binary, "launch", "--pd-disaggregation", "--prefill", prefill_url, str(bootstrap_port),
-                             "--decode", decode_url, "--host", "127.0.0.1", "--port", str(port),
+    proc = subprocess.Popen([binary, "launch", *mode_args, "--host", "127.0.0.1", "--port", str(port),
                              # its own metrics listener: a fixed default port would clash between routers
                              "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
                             stdout=log, stderr=subprocess.STDOUT)
@@ -57,12 +65,24 @@ def launch_router(prefill_url: str, bootstrap_port: int, decode_url: str, timeou
         if proc.poll() is not None:
             raise HicacheError(f"sglang-router exited with status {proc.returncode} before it was ready.")
         with contextlib.suppress(httpx.HTTPError, ValueError):
-            workers = httpx.get(f"{url}/workers", timeout=2).json().get("workers", [])
-            if sum(bool(w.get("is_healthy")) for w in workers) >= 2:
+            listed = httpx.get(f"{url}/workers", timeout=2).json().get("workers", [])
+            if sum(bool(w.get("is_healthy")) for w in listed) >= workers:
                 return proc, url
         time.sleep(0.2)
     proc.terminate()
     raise HicacheError(f"sglang-router was not ready within {timeout:.0f} s.")
+
+
+@contextlib.contextmanager
+def _stopped_on_exit() -> Iterator[list[subprocess.Popen]]:
+    procs: list[subprocess.Popen] = []
+    try:
+        yield procs
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()  # all at once, then wait for each
+        for proc in reversed(procs):
+            stop_process(proc, 15)
 
 
 @contextlib.contextmanager
@@ -73,18 +93,30 @@ def pd_servers(common_args: str, prefill_args: str = "", decode_args: str = "",
     from ..bench.main import launch_server
 
     bootstrap = free_port()
-    procs: list[subprocess.Popen] = []
-    try:
+    with _stopped_on_exit() as procs:
         prefill, prefill_url = launch_server(f"{common_args} --disaggregation-mode prefill "
                                              f"--disaggregation-bootstrap-port {bootstrap} {prefill_args}", timeout)
         procs.append(prefill)
         decode, decode_url = launch_server(f"{common_args} --disaggregation-mode decode {decode_args}", timeout)
         procs.append(decode)
-        router, url = launch_router(prefill_url, bootstrap, decode_url, timeout)
+        router, url = launch_router(["--pd-disaggregation", "--prefill", prefill_url, str(bootstrap),
+                                     "--decode", decode_url], 2, timeout)
         procs.append(router)
         yield PDServers(url, prefill_url, decode_url, bootstrap)
-    finally:
-        for proc in reversed(procs):
-            proc.terminate()  # all at once, then wait for each
-        for proc in reversed(procs):
-            stop_process(proc, 15)
+
+
+@contextlib.contextmanager
+def dp_servers(server_args: str, engines: int, policy: str, timeout: float = 120.0) -> Iterator[DPServers]:
+    """``engines`` ``hicache serve`` processes (each with ``server_args``) behind the router with
+    ``--policy`` ``policy`` (``round_robin``, ``cache_aware``, ...); stopped on exit."""
+    from ..bench.main import launch_server
+
+    with _stopped_on_exit() as procs:
+        urls = []
+        for _ in range(engines):
+            proc, url = launch_server(server_args, timeout)
+            procs.append(proc)
+            urls.append(url)
+        router, url = launch_router(["--worker-urls", *urls, "--policy", policy], engines, timeout)
+        procs.append(router)
+        yield DPServers(url, urls)

@@ -119,7 +119,7 @@ def build_core(
         sidecar=sidecar, unified=unified)
     runner = ModelRunner(loaded.model, cache.kv_view, device, cp)
     speculator = _speculator(cfg, draft, cache, layers, packed, device)
-    pd = _pd_role(cfg, cache, pd_ranks or TPRanks.alone(kv_heads))
+    pd = _pd_role(cfg, cache, pd_ranks or TPRanks.alone(kv_heads))  # (a prefill TP group gathers its route here)
     return EngineCore(pool, host_pool, cache, runner, _scheduler(cfg, cache, runner, loaded, speculator, pd))
 
 

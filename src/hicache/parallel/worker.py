@@ -230,6 +230,11 @@ def _load_draft(cfg: EngineConfig, info: RankInfo, groups: ParallelGroups, dtype
     return draft, draft_shard
 
 
+def _pd_ranks(info: RankInfo, shard: Any, groups: ParallelGroups) -> TPRanks:
+    """This rank's KV heads and its TP group's collectives, for a P/D role."""
+    return TPRanks(info.tp_rank, info.tp_size, shard.kv_heads, groups.tp_gather_object, groups.tp_sum)
+
+
 def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox: Any, outbox: Any,
               consensus_queue: Any, log_level: int) -> None:
     """Entry point of a rank process (spawned by :class:`hicache.parallel.frontend.RankGroup`,
@@ -270,8 +275,7 @@ def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox:
                           staging_bytes=groups.staging_bytes(), cp_group=groups.cp,
                           split_tokens=info.cp_size > 1, draft=draft,
                           draft_row=(len(draft_shard.kv_heads), draft.spec.head_dim) if draft else None,
-                          pd_ranks=TPRanks(info.tp_rank, info.tp_size, shard.kv_heads, groups.tp_gather_object,
-                                           groups.tp_sum))
+                          pd_ranks=_pd_ranks(info, shard, groups))
         if core.scheduler.speculator is not None and info.tp_size > 1:  # one rank's draft draws for the stage
             core.scheduler.speculator.share_draws = groups.tp_broadcast
         plan = FaultPlan.from_env()

@@ -34,12 +34,14 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
                    help="Mooncake-format trace (JSON Lines: timestamp ms, input_length, output_length, hash_ids); "
                         "default: the Mooncake FAST'25 conversation trace shipped with hicache.")
     p.add_argument("--max-requests", type=int, default=None, help="Replay only the first N requests.")
-    g = p.add_argument_group("capacities per engine (tokens, or 'unlimited'; with none, every tier is unlimited)")
-    g.add_argument("--device-tokens", type=_tokens, default=UNLIMITED, help="L1: device KV pool (default unlimited).")
-    g.add_argument("--host-tokens", type=_tokens, default=None, help="L2: host KV pool (default: no host tier).")
+    g = p.add_argument_group("capacities (tokens, or 'unlimited'; with none, every tier is unlimited)")
+    g.add_argument("--device-tokens", type=_tokens, default=UNLIMITED,
+                   help="L1: each engine's device KV pool (default unlimited).")
+    g.add_argument("--host-tokens", type=_tokens, default=None, help="L2: each engine's host KV pool (default: none).")
     g.add_argument("--hicache-size", type=float, default=None,
                    help="L2 in GB instead (x 10^9 bytes / --kv-bytes-per-token).")
-    g.add_argument("--storage-tokens", type=_tokens, default=None, help="L3: storage (default: no storage tier).")
+    g.add_argument("--storage-tokens", type=_tokens, default=None,
+                   help="L3: one store every engine shares (default: no storage tier).")
     g.add_argument("--kv-bytes-per-token", type=int, default=None,
                    help="The model's KV bytes per token (default: the cost profile's model).")
     p.add_argument("--page-size", type=int, default=BLOCK_TOKENS, help="Tokens per KV page (default: one trace block).")
@@ -51,7 +53,8 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", type=int, default=1, help="Engines (data parallel) behind the router.")
     p.add_argument("--router", default="cache-aware", choices=ROUTERS, help="sglang-router's policy over the engines.")
     p.add_argument("--kv-sharding", type=int, default=1,
-                   help="Page-sharded CP over N ranks: N x the device capacity per engine.")
+                   help="Page-sharded CP over N ranks (--enable-kv-cache-sharding): N x the device and host "
+                        "capacity per engine (each rank holds its share of the pages).")
     p.add_argument("--profile", default="gpu", choices=sorted(PROFILES), help="Cost model for the TTFT estimates.")
     p.add_argument("--json", action="store_true", help="Print the result as one JSON object.")
     p.add_argument("--sweep", choices=TIERS, default=None,

@@ -39,7 +39,8 @@ NAMESPACE = "sim"
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """Capacities in pages (``None``: no such tier), page size in synthetic tokens, policies."""
+    """Capacities in pages (``None``: no such tier; storage: the store all engines share), page
+    size in synthetic tokens, policies."""
 
     device_pages: int
     host_pages: Optional[int] = None
@@ -55,18 +56,21 @@ def _no_forward(input_ids, prefix_lens, context_slots, hidden=None, logits="last
     return torch.zeros(len(input_ids), 1)
 
 
+def shared_storage(spec: EngineSpec) -> Optional[MemoryBackend]:
+    """The L3 every engine shares (as a Mooncake Store or 3FS cluster is), or None."""
+    return None if spec.storage_pages is None else MemoryBackend(max_objects=spec.storage_pages)
+
+
 class SimEngine:
-    def __init__(self, spec: EngineSpec, prompt_tokens: int) -> None:
-        """``prompt_tokens``: the longest prompt (synthetic tokens): one prefill chunk takes it whole."""
+    def __init__(self, spec: EngineSpec, prompt_tokens: int, storage: Optional[MemoryBackend] = None) -> None:
+        """``prompt_tokens``: the longest prompt (synthetic tokens): one prefill chunk takes it
+        whole. ``storage``: the shared L3 (:func:`shared_storage`)."""
         self.spec = spec
         pool = DeviceKVPool(1, 1, 1, spec.device_pages + 1, spec.page_size, torch.float32, "cpu")
         host = HostKVPool(pool, spec.host_pages, "page_first", pin_memory=False) if spec.host_pages else None
-        storage = None
-        if spec.storage_pages is not None:
-            storage = MemoryBackend(max_objects=spec.storage_pages)
         self.cache = KVCacheManager(pool, spec.eviction_policy, host_pool=host, write_policy=spec.write_policy,
                                     write_through_threshold=spec.write_through_threshold, storage=storage,
-                                    prefetch_threshold=spec.page_size)
+                                    prefetch_threshold=spec.page_size, storage_op_timeout=None)
         self.scheduler = Scheduler(self.cache, _no_forward, decode_text=lambda ids: "", eos_token_ids=set(),
                                    chunked_prefill_size=prompt_tokens + spec.page_size, max_running_requests=1,
                                    prefetch_policy="wait_complete")

@@ -1,13 +1,17 @@
 """Which engine a request goes to: the policies of ``sglang-router`` (``--policy round_robin`` /
 ``cache_aware``) over the simulator's engines.
 
-``cache-aware`` follows sglang-router 0.3.2's rule with its defaults: when the load is
-imbalanced (``max - min > 64`` requests and ``max > 1.5 x min``) the least loaded engine;
-else the engine whose routed history shares the longest prefix with the request, if that
-covers more than ``cache_threshold`` (0.3) of it; else the engine with the smallest history
-(the most room). Like the router it keeps its own approximation of each engine's cache (every
-prefix it sent there, never evicted here), not the engines' real trees. Load = requests routed
-to the engine whose prefill has not finished at the arrival time (virtual clock).
+``cache-aware`` follows sglang-router 0.3.2 (the version hicache installs and tests against)
+with its defaults: when the load is imbalanced (``max - min > 64`` requests and
+``max > 1.5 x min``) the least loaded engine; else the engine whose routed history shares the
+longest prefix with the request, if that covers more than ``cache_threshold`` (0.3) of it; else
+the least loaded engine again (the first on a tie; older routers took the one with the
+smallest history instead). Like the router it keeps its own approximation of each engine's
+cache (every prefix it sent there, never evicted here), not the engines' real trees. Load =
+requests routed to the engine whose prefill has not finished at the arrival time (virtual
+clock). A consequence worth knowing: when requests never overlap (a replay one at a time),
+every load is 0 and a miss always goes to engine 0, so cache-aware routing puts everything on
+one engine.
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ class CacheAware:
         best = max(range(len(matched)), key=lambda i: matched[i])
         if req.hash_ids and matched[best] / len(req.hash_ids) > self.cache_threshold:
             return best
-        return min(range(len(self.seen)), key=lambda i: len(self.seen[i]))
+        return loads.index(lo)
 
     def routed(self, req: TraceRequest, engine: int, done_at: float) -> None:
         self.seen[engine].update(req.hash_ids)

@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 from ..config import ConfigError
 from .costs import PROFILES, CostModel
-from .engine import EngineSpec, SimEngine, block_token_ids
+from .engine import EngineSpec, SimEngine, block_token_ids, shared_storage
 from .router import make_router
 from .trace import BLOCK_TOKENS, TraceRequest
 
@@ -26,8 +26,9 @@ UNLIMITED = math.inf
 
 @dataclass(frozen=True)
 class Capacities:
-    """Per engine, in real tokens: ``UNLIMITED``, a number, or None (no such tier; the device
-    tier always exists). Storage needs the host tier (its reads land in host memory)."""
+    """In real tokens: ``UNLIMITED``, a number, or None (no such tier; the device tier always
+    exists). Device and host are per engine; storage is one store every engine shares, and
+    needs the host tier (its reads land in host memory)."""
 
     device: float = UNLIMITED
     host: Optional[float] = None
@@ -43,7 +44,7 @@ class SimConfig:
     eviction_policy: str = "lru"
     engines: int = 1
     router: str = "round-robin"
-    kv_sharding: int = 1  # page-sharded CP: the device tier holds this many times its capacity
+    kv_sharding: int = 1  # page-sharded CP over N ranks: the device and host tiers hold N x their capacity
     cost: CostModel = PROFILES["gpu"]
 
     @property
@@ -139,10 +140,15 @@ def engine_spec(cfg: SimConfig, trace: Sequence[TraceRequest]) -> EngineSpec:
     cfg.check()
     everything = sum(-(-(len(r.hash_ids) * cfg.block_tokens + 2) // cfg.sim_page_size) for r in trace) + 1
     cap = cfg.capacities
-    device = _pages("device", cap.device, cfg, everything)
-    return EngineSpec(device * cfg.kv_sharding if cap.device != UNLIMITED else device,
-                      _pages("host", cap.host, cfg, everything), _pages("storage", cap.storage, cfg, everything),
-                      cfg.sim_page_size, cfg.write_policy, cfg.eviction_policy)
+    device, host = _pages("device", cap.device, cfg, everything), _pages("host", cap.host, cfg, everything)
+    n = cfg.kv_sharding  # each rank of the group holds its share of the pages, in device and host memory
+
+    def sharded(pages: Optional[int], tokens: Optional[float]) -> Optional[int]:
+        return pages if pages is None or tokens == UNLIMITED else pages * n
+
+    return EngineSpec(sharded(device, cap.device), sharded(host, cap.host),
+                      _pages("storage", cap.storage, cfg, everything), cfg.sim_page_size, cfg.write_policy,
+                      cfg.eviction_policy)
 
 
 def simulate(trace: Sequence[TraceRequest], cfg: SimConfig) -> SimResult:
@@ -153,7 +159,8 @@ def simulate(trace: Sequence[TraceRequest], cfg: SimConfig) -> SimResult:
         raise ConfigError(f"the device capacity ({spec.device_pages} pages of {cfg.page_size} tokens) cannot hold the "
                           f"trace's longest prompt ({max(r.input_length for r in trace)} tokens); raise "
                           "--device-tokens or shorten the trace.")
-    engines = [SimEngine(spec, longest) for _ in range(cfg.engines)]
+    storage = shared_storage(spec)
+    engines = [SimEngine(spec, longest, storage) for _ in range(cfg.engines)]
     router = make_router(cfg.router, cfg.engines)
     free_at = [0.0] * cfg.engines  # virtual time each engine's prefill queue empties
     total, per_engine, ttft = TierHits(), [TierHits() for _ in engines], []

@@ -75,3 +75,17 @@ def read_trace(path: str, limit: int | None = None) -> Iterator[TraceRequest]:
 def load_trace(path: str, limit: int | None = None) -> list[TraceRequest]:
     """:func:`read_trace` as a list, sorted by arrival (stable: file order breaks ties)."""
     return sorted(read_trace(path, limit), key=lambda r: r.timestamp_ms)
+
+
+def largest_conversations(path: str, conversations: int, requests: int, max_blocks: int) -> list[str]:
+    """Lines of ``path`` kept whole (real requests, for small replays with plenty of reuse): the
+    requests of its ``conversations`` largest conversations (requests sharing their first two
+    blocks), prompts of at most ``max_blocks`` blocks, the first ``requests`` of them in file order."""
+    from collections import Counter
+
+    with open(path, encoding="utf-8") as f:
+        lines = [line for line in f.read().splitlines() if line.strip()]
+    heads = [tuple(json.loads(line)["hash_ids"][:2]) for line in lines]
+    sizes = [len(json.loads(line)["hash_ids"]) for line in lines]
+    big = {h for h, _ in Counter(h for h in heads if len(h) == 2).most_common(conversations)}
+    return [line for line, h, n in zip(lines, heads, sizes) if h in big and n <= max_blocks][:requests]

@@ -89,13 +89,15 @@ class GuardedBackend(StorageBackend):
     ``clock`` (monotonic seconds) times the cooldowns and may be replaced by a fake one.
     """
 
-    def __init__(self, inner: StorageBackend, timeout_s: float = 10.0, failures: int = 3,
+    def __init__(self, inner: StorageBackend, timeout_s: float | None = 10.0, failures: int = 3,
                  cooldown_s: float = 5.0, max_cooldown_s: float = 60.0, max_workers: int = 4,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if timeout_s <= 0 or failures < 1 or cooldown_s <= 0 or max_workers < 1:
+        """``timeout_s`` None: no deadline, calls run on the caller's thread (only for a backend
+        that cannot hang: the ``memory`` one in the simulator)."""
+        if (timeout_s is not None and timeout_s <= 0) or failures < 1 or cooldown_s <= 0 or max_workers < 1:
             raise ValueError("timeout_s and cooldown_s must be > 0, failures and max_workers >= 1")
         self.inner = inner
-        self.timeout_s = float(timeout_s)
+        self.timeout_s = None if timeout_s is None else float(timeout_s)
         self.failures = int(failures)
         self.cooldown_s = float(cooldown_s)
         self.max_cooldown_s = float(max(max_cooldown_s, cooldown_s))
@@ -229,6 +231,8 @@ class GuardedBackend(StorageBackend):
     # ---- deadline ------------------------------------------------------------------------
     def _run(self, fn: Callable[[], Any], what: str) -> Any:
         """``fn()`` on a worker thread; the caller waits at most ``timeout_s``."""
+        if self.timeout_s is None:
+            return fn()
         call = _Call(fn)
         self._submit(call)
         if not call.done.wait(self.timeout_s):
