@@ -99,6 +99,10 @@ bench: setup
 	$(PY) benchmarks/bench_parallel.py
 	$(PY) benchmarks/bench_cp.py
 	$(PY) benchmarks/bench_spec.py
+	$(PY) benchmarks/bench_unified.py
+	$(PY) benchmarks/bench_pd.py
+	$(PY) benchmarks/bench_simulate.py
+	$(PY) benchmarks/bench_replay.py
 
 # hicache vs. llama.cpp (llama-cpp-python, its RAM prompt cache and its OpenAI server) vs.
 # transformers, on the same GGUF file and the same token ids. Not part of `make test`.

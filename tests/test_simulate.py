@@ -136,3 +136,18 @@ def test_simulated_hit_ratios_match_a_live_server_within_two_points(tmp_path) ->
     assert predicted["host"] > 0.05 and predicted["device"] > 0.2  # both tiers matter here
     for tier in ("device", "host"):
         assert abs(live.get(tier, 0.0) - predicted[tier]) <= 0.02, (tier, live, predicted)
+
+
+def test_mooncake_replay_prompts_share_text_where_the_trace_shares_blocks(tmp_path) -> None:
+    from hicache.bench.workload import mooncake_requests
+
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 1024, "output_length": 64, "hash_ids": [1, 2]}\n'
+                    '{"timestamp": 500, "input_length": 1300, "output_length": 0, "hash_ids": [1, 2, 3]}\n')
+    first, second = mooncake_requests(str(path), 8)
+    a, b = first.prompt.split(), second.prompt.split()
+    assert len(a) == 2 * 8 + 2 and len(b) == 2 * 8 + 5 + 2  # the last block: ceil(8 x 276/512) words, + 2 own
+    assert a[:16] == b[:16] and a[16:] != b[16:18]  # the shared blocks are the same words, the rest differs
+    assert (first.max_tokens, second.max_tokens) == (1, 1) and second.timestamp == 0.5 and second.turn == 2
+    ids = mooncake_requests(str(path), 8, token_ids=True)[1].prompt
+    assert len(ids) == 23 and all(isinstance(i, int) for i in ids)
