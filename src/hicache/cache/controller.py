@@ -85,6 +85,7 @@ class TransferController:
         self._staging_bufs: dict[tuple[str, int], torch.Tensor] = {}
         self._views = [[self._page_views(pair, layer, kv) for kv in (0, 1)] for pair, layer in self._layers]
         self._queues = {kind: queue.Queue() for kind in (BACKUP, LOAD)}
+        self._inline = False  # see run_inline
         self._workers = [
             threading.Thread(target=self._work, args=(kind,), name=f"hicache-{kind}", daemon=True)
             for kind in (BACKUP, LOAD)
@@ -105,8 +106,19 @@ class TransferController:
         self._acks[kind].append(op)
         if kind == LOAD:
             self._last_load = op
-        self._queues[kind].put(op)
+        if self._inline:
+            self._execute(op, None)
+        else:
+            self._queues[kind].put(op)
         return op
+
+    def run_inline(self) -> None:
+        """From now on run each op on the submitting thread, when it is submitted (the trace
+        simulator: no copy engine to overlap with, and no thread hand-offs to pay). CPU only."""
+        if self.cuda:
+            raise RuntimeError("inline transfers are for CPU pools")
+        self.shutdown()
+        self._inline = True
 
     def ready_count(self, kind: str) -> int:
         """How many leading ops of ``kind`` have finished locally."""
@@ -148,25 +160,25 @@ class TransferController:
     # ---- worker threads ------------------------------------------------------------------
     def _work(self, kind: str) -> None:
         stream = torch.cuda.Stream(device_pool_device(self.device_pool)) if self.cuda else None
-        while True:
-            op = self._queues[kind].get()
-            if op is None:
-                return
-            try:
-                if stream is not None:
-                    with torch.cuda.stream(stream):
-                        stream.wait_event(op.after_compute)
-                        self._run(op, stream)
-                else:
-                    self._run(op, None)
-            except BaseException as e:  # surfaced to the scheduler by pop()
-                op.error = e
-                logger.error("%s transfer %d of %d pages failed: %s", op.kind, op.op_id, op.num_pages, e)
-            finally:
-                for ev in op.layer_done:
-                    ev.set()
-                op.finish_time = time.perf_counter()
-                op.done.set()
+        while (op := self._queues[kind].get()) is not None:
+            self._execute(op, stream)
+
+    def _execute(self, op: TransferOp, stream) -> None:
+        try:
+            if stream is not None:
+                with torch.cuda.stream(stream):
+                    stream.wait_event(op.after_compute)
+                    self._run(op, stream)
+            else:
+                self._run(op, None)
+        except BaseException as e:  # surfaced to the scheduler by pop()
+            op.error = e
+            logger.error("%s transfer %d of %d pages failed: %s", op.kind, op.op_id, op.num_pages, e)
+        finally:
+            for ev in op.layer_done:
+                ev.set()
+            op.finish_time = time.perf_counter()
+            op.done.set()
 
     def _run(self, op: TransferOp, stream) -> None:
         backup = op.kind == BACKUP

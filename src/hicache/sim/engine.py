@@ -5,7 +5,8 @@ The cache decisions (what hits where, what is evicted, backed up, prefetched) ar
 the same :class:`~hicache.engine.scheduler.Scheduler` admits each request against the same
 :class:`~hicache.cache.manager.KVCacheManager`. Only the bytes are gone: the pools hold one
 float per token (one layer, one head of width 1), the storage tier writes to the ``memory``
-backend, and the forward pass returns zeros.
+backend, copies and storage calls run on the scheduler thread (``run_inline``), and the
+forward pass returns zeros.
 
 Tokens: a trace block becomes ``block_tokens`` synthetic token ids (block id b: ids
 ``b * block_tokens + 1 ...``), so equal blocks are equal tokens; every prompt ends with one
@@ -71,6 +72,9 @@ class SimEngine:
         self.cache = KVCacheManager(pool, spec.eviction_policy, host_pool=host, write_policy=spec.write_policy,
                                     write_through_threshold=spec.write_through_threshold, storage=storage,
                                     prefetch_threshold=spec.page_size, storage_op_timeout=None)
+        for controller in (self.cache.controller, self.cache.storage):  # nothing to overlap copies with
+            if controller is not None:
+                controller.run_inline()
         self.scheduler = Scheduler(self.cache, _no_forward, decode_text=lambda ids: "", eos_token_ids=set(),
                                    chunked_prefill_size=prompt_tokens + spec.page_size, max_running_requests=1,
                                    prefetch_policy="wait_complete")
@@ -78,8 +82,9 @@ class SimEngine:
 
     def serve(self, tokens: list[int]) -> dict[str, int]:
         """Run one request to its first token; returns its hit tokens per tier (synthetic
-        tokens). Every copy and storage write it queued lands before this returns (between
-        requests the engine's copy threads are far ahead of arrivals)."""
+        tokens). Every copy and storage write it queued has landed when this returns (copies
+        run inline, at submit; between requests a real engine's copy threads are far ahead of
+        arrivals)."""
         if self.cache.pages_for(len(tokens) + 1) > self.spec.device_pages:
             raise ValueError(f"a {len(tokens)}-token prompt does not fit the device pool ({self.spec.device_pages} "
                              f"pages of {self.spec.page_size})")
@@ -88,8 +93,6 @@ class SimEngine:
         sched = self.scheduler
         sched.add(req)
         while req.status is not Status.FINISHED:
-            if req.prefetch is not None:  # its storage read runs on the prefetch thread: wait, not poll
-                req.prefetch.done.wait()
             sched.step()
         self.cache.drain()
         return req.cached

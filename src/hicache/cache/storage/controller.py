@@ -145,6 +145,7 @@ class StorageController:
         self.read_page_s: float | None = None
         self._ids = itertools.count()
         self._backups: deque[BackupOp] = deque()
+        self._inline = False  # see run_inline
         self._queues: dict[str, queue.Queue] = {"prefetch": queue.Queue(), "backup": queue.Queue()}
         self._threads = [
             threading.Thread(target=self._prefetch_worker, name="hicache-prefetch", daemon=True),
@@ -179,15 +180,27 @@ class StorageController:
         over every rank in logical pages, so a page counts once its owner has it."""
         op = PrefetchOp(next(self._ids), namespace, ns_digest, hashes, host_pages, owned, local_pages)
         self.stats.prefetch_ops += 1
-        self._queues["prefetch"].put(op)
+        if self._inline:
+            self._prefetch(op)
+        else:
+            self._queues["prefetch"].put(op)
         return op
 
     def backup(self, ns_digest: bytes, hashes: list[bytes], host_pages: np.ndarray, payload: list,
                owned: np.ndarray | None = None) -> BackupOp:
         op = BackupOp(next(self._ids), ns_digest, hashes, host_pages, payload, owned)
         self._backups.append(op)
-        self._queues["backup"].put(op)
+        if self._inline:
+            self._backup(op)
+        else:
+            self._queues["backup"].put(op)
         return op
+
+    def run_inline(self) -> None:
+        """From now on read and write on the calling thread, at once (the trace simulator:
+        nothing to overlap with, no thread hand-offs to pay)."""
+        self._stop_threads()
+        self._inline = True
 
     def backup_ready_count(self) -> int:
         return leading_done(self._backups)
@@ -204,23 +217,30 @@ class StorageController:
         return ops
 
     def shutdown(self) -> None:
+        self._stop_threads()
+        self.guard.close()
+
+    def _stop_threads(self) -> None:
+        """After the ops already queued."""
         for q in self._queues.values():
             q.put(None)
         for t in self._threads:
             t.join(timeout=5)
-        self.guard.close()
 
     # ---- background threads --------------------------------------------------------------
     def _prefetch_worker(self) -> None:
         while (op := self._queues["prefetch"].get()) is not None:
-            try:
-                self._read(op)
-            except Exception as e:  # never let one op kill the thread
-                op.failure = op.failure or failure_reason(e)
-                logger.warning("prefetch op=%d failed: %s", op.op_id, e)
-            finally:
-                op.progress.append((op.progress[-1][0] if op.progress else 0, True))  # the final ack
-                op.done.set()
+            self._prefetch(op)
+
+    def _prefetch(self, op: PrefetchOp) -> None:
+        try:
+            self._read(op)
+        except Exception as e:  # never let one op kill the thread
+            op.failure = op.failure or failure_reason(e)
+            logger.warning("prefetch op=%d failed: %s", op.op_id, e)
+        finally:
+            op.progress.append((op.progress[-1][0] if op.progress else 0, True))  # the final ack
+            op.done.set()
 
     def _read(self, op: PrefetchOp) -> None:
         keys = [self._keys(self.reads, op, i) for i in range(len(op.hashes))]  # per page: its objects
@@ -303,31 +323,35 @@ class StorageController:
 
     def _backup_worker(self) -> None:
         while (op := self._queues["backup"].get()) is not None:
-            t0 = time.perf_counter()
-            mine = _mine(op.owned, len(op.hashes))
-            n = len(self.writes)  # objects per page, written side by side
-            try:
-                if n == 0:  # every object of these pages is another rank's to write
-                    op.written = len(mine)
-                keys = [k for i in mine for k in self._keys(self.writes, op, i)]
-                blobs = [encode(op.ns_digest, op.hashes[i], obj.page_bytes(int(op.host_pages[i])))
-                         for i in mine for obj in self.writes]
-                for i in range(0, len(blobs), BATCH_PAGES * max(n, 1)):
-                    batch = blobs[i : i + BATCH_PAGES * n]
-                    stored = self.guard.batch_set(keys[i : i + BATCH_PAGES * n], batch)
-                    op.written += stored // n
-                    if stored < len(batch):  # keep `written` a leading count: a gap ends the chain
-                        op.failure = "short_write"
-                        break
-                self.stats.backup_bytes += sum(len(b) for b in blobs[: op.written * n])
-            except Exception as e:
-                op.failure = failure_reason(e)
-                _log_failure(op.failure, "storage backup op=%d (%d pages) failed: %s", op.op_id, len(mine), e)
-            finally:
-                # Several ranks: a page counts as stored only when every rank stored its shard.
-                agreed = self._agree_backup([_logical(mine, op.written, len(op.hashes))])[0]
-                if agreed < len(op.hashes):
-                    op.failure = op.failure or "peer_rank"
-                self.stats.backup_pages += op.written
-                self.stats.backup_time_s += time.perf_counter() - t0
-                op.done.set()
+            self._backup(op)
+
+    def _backup(self, op: BackupOp) -> None:
+        """One backup op, on the backup thread (or inline)."""
+        t0 = time.perf_counter()
+        mine = _mine(op.owned, len(op.hashes))
+        n = len(self.writes)  # objects per page, written side by side
+        try:
+            if n == 0:  # every object of these pages is another rank's to write
+                op.written = len(mine)
+            keys = [k for i in mine for k in self._keys(self.writes, op, i)]
+            blobs = [encode(op.ns_digest, op.hashes[i], obj.page_bytes(int(op.host_pages[i])))
+                     for i in mine for obj in self.writes]
+            for i in range(0, len(blobs), BATCH_PAGES * max(n, 1)):
+                batch = blobs[i : i + BATCH_PAGES * n]
+                stored = self.guard.batch_set(keys[i : i + BATCH_PAGES * n], batch)
+                op.written += stored // n
+                if stored < len(batch):  # keep `written` a leading count: a gap ends the chain
+                    op.failure = "short_write"
+                    break
+            self.stats.backup_bytes += sum(len(b) for b in blobs[: op.written * n])
+        except Exception as e:
+            op.failure = failure_reason(e)
+            _log_failure(op.failure, "storage backup op=%d (%d pages) failed: %s", op.op_id, len(mine), e)
+        finally:
+            # Several ranks: a page counts as stored only when every rank stored its shard.
+            agreed = self._agree_backup([_logical(mine, op.written, len(op.hashes))])[0]
+            if agreed < len(op.hashes):
+                op.failure = op.failure or "peer_rank"
+            self.stats.backup_pages += op.written
+            self.stats.backup_time_s += time.perf_counter() - t0
+            op.done.set()
