@@ -72,6 +72,10 @@ demo: setup
 	@echo
 	@echo "== prefill/decode disaggregation behind SGLang's router: the decode server keeps its history and receives only each turn's new KV =="
 	$(PY) -m hicache.disagg.demo --turns 3 --max-new-tokens 16
+	@echo
+	@echo "== sizing a deployment: the first 3,000 requests of the Mooncake trace on 4 simulated engines (70B-class KV), memory only, then with a shared store =="
+	$(VENV)/bin/hicache simulate --max-requests 3000 --engines 4 --device-tokens 1.2e6 --host-tokens 3e6
+	$(VENV)/bin/hicache simulate --max-requests 3000 --engines 4 --device-tokens 1.2e6 --host-tokens 3e6 --storage-tokens unlimited
 
 # The P/D scenario alone: prefill + decode `hicache serve` and sglang-router on 127.0.0.1.
 pd-demo: setup
