@@ -332,3 +332,24 @@ def test_prefill_and_decode_with_different_tp_sizes_resplit_the_kv_heads(prefill
     row = spec.head_dim * 4 * 2 * spec.num_layers  # one head of one token, K and V of every layer (float32)
     assert got.kv_transferred_bytes == sent.kv_transferred_bytes == SPAN * heads_crossed * row
     assert decode_stats["bytes"] == prefill_stats["bytes"] == 3 * SPAN * heads_crossed * row  # A+B, then C
+
+
+def test_garbage_on_the_bootstrap_socket_is_dropped_and_transfers_go_on() -> None:
+    """The bootstrap port listens on the network: a stray peer's messages (not JSON, wrong
+    fields, extra frames) are logged and dropped, never the end of the sender's thread."""
+    import zmq
+
+    prefill = Engine(MODEL, disaggregation_mode="prefill", disaggregation_bootstrap_port=0, **OPTS)
+    decode = Engine(MODEL, disaggregation_mode="decode", **OPTS)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(f"tcp://127.0.0.1:{bootstrap_port(prefill)}")
+        for frames in ([b"not json"], [b'{"room": "x"}'], [b'{"room": 1, "askers": 1}', b"extra"], [b"[]"]):
+            sock.send_multipart(frames)
+        got, sent = serve(prefill, decode, A + B, room=51)
+        assert got.finish_reason == "length" and got.kv_transferred_tokens == sent.kv_transferred_tokens == 2 * SPAN
+    finally:
+        sock.close()
+        prefill.shutdown()
+        decode.shutdown()

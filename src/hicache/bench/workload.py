@@ -115,8 +115,8 @@ def mooncake_requests(path: str, block_tokens: int, tokens_per_word: float = 1.0
     id (equal blocks are equal text, so a shared prefix is shared text), the last block cut in
     proportion to its real length; then two words of the request's own (a new turn's text: a
     fully seen prefix still ends in something to compute). ``max_tokens`` is the trace's output
-    length scaled the same way (at least 1); ``turn`` is 1 for a prompt whose first block is new
-    and 2 for one that continues a prefix seen before (TTFT by turn: cold vs returning).
+    length scaled the same way (at least 1); ``turn`` is 1 for the first request of a conversation
+    (its first two blocks new together) and 2 for a later one (TTFT by turn: cold vs returning).
 
     ``token_ids``: prompts are token ids instead (``block_tokens`` ids per block exactly, so blocks
     line up with KV pages; hicache, SGLang and vLLM take them on /v1/completions)."""
@@ -128,7 +128,7 @@ def mooncake_requests(path: str, block_tokens: int, tokens_per_word: float = 1.0
         return [rng.randrange(*TOKEN_ID_RANGE) for _ in range(n)] if token_ids else [rng.choice(WORDS) for _ in range(n)]
 
     texts: dict[int, list] = {}
-    seen: set[int] = set()
+    seen: set[tuple[int, ...]] = set()
     out = []
     for n, req in enumerate(read_trace(path, max_requests)):
         parts = []
@@ -136,9 +136,10 @@ def mooncake_requests(path: str, block_tokens: int, tokens_per_word: float = 1.0
             if b not in texts:
                 texts[b] = draw(random.Random(b), words_per_block)
             parts += texts[b][: max(1, -(-words_per_block * length // BLOCK_TOKENS))]
-        parts += draw(random.Random(-1 - n), 2)
-        returning = req.hash_ids[0] in seen
-        seen.update(req.hash_ids)
+        parts += draw(random.Random(f"own {n}"), 2)  # (a str seed: no collision with a block id's)
+        conversation = req.hash_ids[:2]  # every prompt starts with the same block; a conversation, two
+        returning = conversation in seen
+        seen.add(conversation)
         out.append(TraceRequest(timestamp=req.timestamp_ms / 1000, prompt=parts if token_ids else " ".join(parts),
                                 turn=1 + returning,
                                 max_tokens=max(1, req.output_length * block_tokens // BLOCK_TOKENS)))

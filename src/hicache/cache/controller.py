@@ -114,7 +114,8 @@ class TransferController:
 
     def run_inline(self) -> None:
         """From now on run each op on the submitting thread, when it is submitted (the trace
-        simulator: no copy engine to overlap with, and no thread hand-offs to pay). CPU only."""
+        simulator: no copy engine to overlap with, and no thread hand-offs to pay). CPU, one
+        rank only."""
         if self.cuda:
             raise RuntimeError("inline transfers are for CPU pools")
         self.shutdown()
@@ -172,6 +173,8 @@ class TransferController:
             else:
                 self._run(op, None)
         except BaseException as e:  # surfaced to the scheduler by pop()
+            if self._inline and not isinstance(e, Exception):  # Ctrl-C on the caller's own thread
+                raise
             op.error = e
             logger.error("%s transfer %d of %d pages failed: %s", op.kind, op.op_id, op.num_pages, e)
         finally:

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+WRITE_GRACE_S = 2.0  # Mooncake: a prefill rank's write started in time lands within this (see _ask)
+
 
 class KVReceiver:
     """Learns each prefill server's route once, asks its ranks for this rank's heads (one
@@ -87,6 +89,10 @@ class KVReceiver:
                 return True
             if job is None:
                 return False
+            if job.room in self._open:  # a client reused a room: the first one keeps it
+                job.fail(f"room {job.room} is already in use on this decode server")
+                job.done.set()
+                continue
             self._open[job.room] = job
             if job.address in self._routes:
                 self._ask(job, self._routes[job.address])
@@ -102,9 +108,14 @@ class KVReceiver:
         except ValueError as e:
             return self._end(job, str(e))
         start, end = job.decode_prefix_len, len(job.slots)
+        # A prefill rank answers no ask after this (its clock). Mooncake: it starts no write after
+        # it either, so a write lands before our deadline (when the pages may go to another
+        # request) if it takes under the grace; zmq rows that come late are dropped here.
+        left = job.deadline - time.perf_counter()
+        expires_in = max(left - (min(WRITE_GRACE_S, left / 4) if self.writes is not None else 0.0), 0.0)
         for rank, heads in zip(route, parts):
             msg = {"room": job.room, "decode_prefix_len": start, "prompt_len": end,
-                   "heads": [heads.start, heads.stop], "askers": self.askers}
+                   "heads": [heads.start, heads.stop], "askers": self.askers, "expires_in": expires_in}
             if self.writes is not None:
                 local = range(heads.start - self.heads.start, heads.stop - self.heads.start)
                 msg["mooncake"] = self.writes.describe(job.slots, start, end, local)
@@ -112,26 +123,35 @@ class KVReceiver:
             self._socket(rank.address).send(json.dumps(msg).encode())
 
     def _on_message(self, address: str, frames: list) -> None:
-        header = json.loads(frames[0].bytes)
-        if "route" in header:
-            return self._on_route(address, header)
-        job = self._open.get(int(header["room"]))
+        try:
+            header = json.loads(frames[0].bytes)
+            if "route" in header:
+                return self._on_route(address, header)
+            room = int(header["room"])
+        except (ValueError, TypeError, KeyError) as e:  # (json's errors are ValueErrors)
+            logger.warning("P/D decode: dropped a malformed message from %s (%s)", address, e)
+            return
+        job = self._open.get(room)
         if job is None or address not in job.asked:
             return  # a request that was aborted or timed out meanwhile
         heads = job.asked.pop(address)
         if "error" in header:
             job.fail(f"the prefill server reported: {header['error']}")
         else:
-            self._store(job, header, frames[1:], heads)
+            try:
+                self._store(job, header, frames[1:], heads)
+            except (ValueError, TypeError, KeyError, RuntimeError) as e:
+                job.fail(f"the prefill server sent rows this server cannot store ({e})")
         if not job.asked:
             self._end(job, job.error)
 
     def _on_route(self, address: str, header: dict) -> None:
         jobs = self._routing.pop(address, [])
-        layers, hb = int(header["layers"]), int(header["head_bytes"])
-        if layers != len(self.pool.k_buffers) or hb != head_bytes(self.pool):
-            error = (f"the prefill server's KV has {layers} layers of {hb}-byte heads, this server's "
-                     f"{len(self.pool.k_buffers)} of {head_bytes(self.pool)} (not the same model and dtype)")
+        layers, hb, dtype = int(header["layers"]), int(header["head_bytes"]), str(header["dtype"])
+        mine = str(self.pool.k_buffers[0].dtype)
+        if layers != len(self.pool.k_buffers) or hb != head_bytes(self.pool) or dtype != mine:
+            error = (f"the prefill server's KV has {layers} layers of {hb}-byte {dtype} heads, this server's "
+                     f"{len(self.pool.k_buffers)} of {head_bytes(self.pool)}-byte {mine} (not the same model and dtype)")
             for job in jobs:
                 self._end(job, error)
             return
@@ -164,6 +184,8 @@ class KVReceiver:
                     warnings.simplefilter("ignore", UserWarning)
                     rows = torch.frombuffer(frame.buffer, dtype=buf.dtype).view(len(idx), -1, buf.shape[-1])
                 buf[:, heads].index_copy_(0, idx, rows.to(buf.device))
+        if self.pool.k_buffers[0].is_cuda:  # landed before the scheduler sees the job done
+            torch.cuda.current_stream(self.pool.k_buffers[0].device).synchronize()
         return sum(len(f.buffer) for f in frames)
 
     def _end(self, job: Receive, error: str) -> None:
@@ -179,8 +201,7 @@ class KVReceiver:
     def _expire(self, now: float) -> None:
         for job in [j for j in self._open.values() if now > j.deadline]:
             for address, waiting in list(self._routing.items()):
-                if job in waiting:
-                    waiting.remove(job)
+                waiting[:] = [j for j in waiting if j is not job]
                 if not waiting:  # nobody waits for that route any more: the next job asks anew
                     del self._routing[address]
             self._end(job, f"no KV from the prefill server at {job.address} in time")

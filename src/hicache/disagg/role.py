@@ -128,7 +128,11 @@ class PrefillRole:
     def on_finish(self, req: "Request") -> bool:
         """Start the send of ``req``'s prompt KV (held until the ranks agree it was sent). Its
         finish is reported then too, with what crossed."""
-        if req.bootstrap is None or not req.output_ids:
+        if req.bootstrap is None:
+            return False
+        if not req.output_ids:  # aborted (or failed) before its first token: nothing to send
+            self.sender.refuse(req.bootstrap.room, f"the prefill request ended ({req.finish_reason}) before its "
+                               "first token", time.perf_counter() + self.timeout_s)
             return False
         job = Send(req.bootstrap.room, req.kv.slots[: len(req.prompt_ids)], req.output_ids[0],
                    time.perf_counter() + self.timeout_s)

@@ -9,6 +9,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Optional
 
+import torch
+
 from ..cache.pools import DeviceKVPool
 from .heads import RankEndpoint
 from .transfer import POLL_MS, Send, head_bytes, raw
@@ -52,6 +54,10 @@ class KVSender:
     def submit(self, job: Send) -> None:
         self._jobs.put(job)
 
+    def refuse(self, room: int, reason: str, deadline: float) -> None:
+        """Answer ``room``'s asks with ``reason`` (its prefill ended without KV to send)."""
+        self.submit(Send(room, torch.empty(0, dtype=torch.long), -1, deadline, error=reason))
+
     def close(self) -> None:
         self._jobs.put(None)
         if self._thread.is_alive():
@@ -65,7 +71,7 @@ class KVSender:
         try:
             while True:
                 for _ in dict(poller.poll(POLL_MS)):
-                    self._on_message(*self._sock.recv_multipart())
+                    self._on_message(self._sock.recv_multipart())
                 if not self._drain_jobs():
                     return
                 self._match()
@@ -75,13 +81,26 @@ class KVSender:
                 job.done.set()
             self._sock.close()
 
-    def _on_message(self, ident: bytes, raw_msg: bytes) -> None:
-        msg = json.loads(raw_msg)
-        if "route" in msg:
-            answer = {"route": [r.to_wire() for r in self.route], "layers": len(self.pool.k_buffers), "head_bytes": head_bytes(self.pool)}
-            self._sock.send_multipart([ident, json.dumps(answer).encode()])
-        else:
-            self._asks.setdefault(int(msg["room"]), []).append((ident, msg))
+    def _on_message(self, frames: list[bytes]) -> None:
+        """A route ask (answered at once) or a KV ask (kept until its room's prefill is done or
+        it expires); anything else is logged and dropped: the socket listens on the network."""
+        try:
+            ident, raw_msg = frames
+            msg = json.loads(raw_msg)
+            if "route" in msg:
+                k = self.pool.k_buffers[0]
+                answer = {"route": [r.to_wire() for r in self.route], "layers": len(self.pool.k_buffers),
+                          "head_bytes": head_bytes(self.pool), "dtype": str(k.dtype)}
+                self._sock.send_multipart([ident, json.dumps(answer).encode()])
+                return
+            room, askers = int(msg["room"]), int(msg["askers"])
+            expires = time.perf_counter() + float(msg["expires_in"])
+            if askers < 1 or not isinstance(msg["heads"], list) or "prompt_len" not in msg:
+                raise ValueError("not an ask")
+        except (ValueError, TypeError, KeyError) as e:  # (json's errors are ValueErrors)
+            logger.warning("P/D prefill: dropped a malformed message on the bootstrap socket (%s)", e)
+            return
+        self._asks.setdefault(room, []).append((ident, msg, expires))
 
     def _drain_jobs(self) -> bool:
         while True:
@@ -91,14 +110,21 @@ class KVSender:
                 return True
             if job is None:
                 return False
+            if job.room in self._waiting:  # a client reused a room: the first one keeps it
+                job.error = f"room {job.room} is already in use on this prefill server"
+                job.done.set()
+                continue
             self._waiting[job.room] = job
 
     def _match(self) -> None:
         now = time.perf_counter()
         for room, job in list(self._waiting.items()):
-            for ident, msg in self._asks.pop(room, []):
-                self._answer(ident, msg, job)
+            for ident, msg, expires in self._asks.pop(room, []):
                 job.askers = int(msg["askers"])
+                if now > expires:  # that decode rank gave up (its pages may be someone else's now)
+                    job.error, job.answered = f"the decode side gave up on room {room}", job.answered + 1
+                else:
+                    self._answer(ident, msg, job)
             if job.askers and job.answered >= job.askers:
                 del self._waiting[room]
                 job.done.set()
@@ -107,13 +133,19 @@ class KVSender:
                 job.error = job.error or f"not every decode rank asked for room {room} in time ({job.answered} did)"
                 logger.warning("P/D prefill room=%d: %s", room, job.error)
                 job.done.set()
+        for room, asks in list(self._asks.items()):  # asks for rooms this server never had (aborted, or none)
+            self._asks[room] = [a for a in asks if a[2] >= now]
+            if not self._asks[room]:
+                del self._asks[room]
 
     def _answer(self, ident: bytes, msg: dict, job: Send) -> None:
         """One multipart message: header, then K and V rows of every layer for the suffix and
         the asked heads (or only the header when Mooncake wrote them)."""
-        start, end = int(msg["decode_prefix_len"]), len(job.slots)
-        heads = range(*msg["heads"])
         try:
+            if job.error:  # refused before it could compute (see refuse)
+                raise ValueError(job.error)
+            start, end = int(msg["decode_prefix_len"]), len(job.slots)
+            heads = range(*msg["heads"])
             if int(msg["prompt_len"]) != end or not 0 <= start <= end:
                 raise ValueError(f"decode asked for tokens {start}-{msg['prompt_len']} of a {end}-token prompt")
             if heads and not (self.heads.start <= heads.start and heads.stop <= self.heads.stop):

@@ -46,7 +46,8 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
                    help="The model's KV bytes per token (default: the cost profile's model).")
     p.add_argument("--page-size", type=int, default=BLOCK_TOKENS, help="Tokens per KV page (default: one trace block).")
     p.add_argument("--block-tokens", type=int, default=None,
-                   help=f"Synthetic token ids per {BLOCK_TOKENS}-token trace block (default: one per page).")
+                   help=f"Synthetic token ids per {BLOCK_TOKENS}-token trace block (default: two per page, the "
+                        "fewest that keep each request's own last token out of the cache).")
     p.add_argument("--hicache-write-policy", default="write_through",
                    choices=EngineConfig.choices("hicache_write_policy"))
     p.add_argument("--radix-eviction-policy", default="lru", choices=EngineConfig.choices("radix_eviction_policy"))
@@ -76,7 +77,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         host = args.hicache_size * 1e9 / cost.kv_bytes_per_token
     if args.page_size < 1 or BLOCK_TOKENS % args.page_size and args.page_size % BLOCK_TOKENS:
         raise ConfigError(f"--page-size must divide {BLOCK_TOKENS} (a trace block) or be a multiple of it.")
-    block_tokens = args.block_tokens or max(1, BLOCK_TOKENS // args.page_size)
+    block_tokens = args.block_tokens or max(2, 2 * BLOCK_TOKENS // args.page_size)  # two or more per page
     return SimConfig(Capacities(args.device_tokens, host, args.storage_tokens), args.page_size, block_tokens,
                      args.hicache_write_policy, args.radix_eviction_policy, args.engines, args.router,
                      args.kv_sharding, cost)

@@ -8,10 +8,11 @@ float per token (one layer, one head of width 1), the storage tier writes to the
 backend, copies and storage calls run on the scheduler thread (``run_inline``), and the
 forward pass returns zeros.
 
-Tokens: a trace block becomes ``block_tokens`` synthetic token ids (block id b: ids
-``b * block_tokens + 1 ...``), so equal blocks are equal tokens; every prompt ends with one
-token of its own (the engine always computes a prompt's last token for its logits, so this
-keeps a fully cached prompt's last block countable as a hit). Capacities are pages of these
+Tokens: a trace block becomes ``block_tokens`` synthetic token ids (block b: ids
+``b * block_tokens + 1 ...``, b a dense index of the trace's ids), so equal blocks are equal
+tokens; every prompt ends with one token of its own (the engine always computes a prompt's last
+token for its logits, so this keeps a fully cached prompt's last block countable as a hit; with
+two or more tokens per page it never fills a page, so the tree never caches it). Capacities are pages of these
 tokens; :mod:`hicache.sim.run` converts real tokens to them.
 """
 

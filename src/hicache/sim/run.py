@@ -39,7 +39,10 @@ class Capacities:
 class SimConfig:
     capacities: Capacities = Capacities()
     page_size: int = BLOCK_TOKENS  # real tokens per page
-    block_tokens: int = 1  # synthetic tokens per trace block (a page is page_size / BLOCK_TOKENS of them)
+    # Synthetic tokens per trace block: two, so a page (page_size / BLOCK_TOKENS blocks) holds two
+    # or more and a request's own last token never fills a page of its own (the tree caches only
+    # whole pages; at one token per page every request would cache a page no one can hit).
+    block_tokens: int = 2
     write_policy: str = "write_through"
     eviction_policy: str = "lru"
     engines: int = 1
@@ -163,12 +166,14 @@ def simulate(trace: Sequence[TraceRequest], cfg: SimConfig) -> SimResult:
     engines = [SimEngine(spec, longest, storage) for _ in range(cfg.engines)]
     router = make_router(cfg.router, cfg.engines)
     free_at = [0.0] * cfg.engines  # virtual time each engine's prefill queue empties
+    dense: dict[int, int] = {}  # block id -> a small int (token ids are int32; trace ids may be 64-bit hashes)
     total, per_engine, ttft = TierHits(), [TierHits() for _ in engines], []
     try:
         for n, req in enumerate(trace, 1):
             arrival = req.timestamp_ms / 1000
             i = router.pick(req, arrival)
-            cached = engines[i].serve(block_token_ids(req.hash_ids, cfg.block_tokens, n))
+            blocks = tuple(dense.setdefault(b, len(dense)) for b in req.hash_ids)
+            cached = engines[i].serve(block_token_ids(blocks, cfg.block_tokens, n))
             hits = tier_hits(cached, req.block_lengths(), cfg.block_tokens)
             total.add(req, hits)
             per_engine[i].add(req, hits)

@@ -198,7 +198,8 @@ class StorageController:
 
     def run_inline(self) -> None:
         """From now on read and write on the calling thread, at once (the trace simulator:
-        nothing to overlap with, no thread hand-offs to pay)."""
+        nothing to overlap with, no thread hand-offs to pay). One rank only: the agreement
+        functions belong to the prefetch and backup threads."""
         self._stop_threads()
         self._inline = True
 
