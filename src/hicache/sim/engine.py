@@ -98,10 +98,6 @@ class SimEngine:
         self.cache.drain()
         return req.cached
 
-    def cached_tokens(self) -> int:
-        """Synthetic tokens the device tier holds in its tree."""
-        return self.cache.usage().get("cached_pages", 0) * self.spec.page_size
-
     def close(self) -> None:
         self.cache.shutdown()
 
