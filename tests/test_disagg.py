@@ -303,13 +303,16 @@ THREE_HEADS = 'random:{"preset": "small", "num_heads": 6, "num_kv_heads": 3, "he
 
 
 @pytest.mark.parametrize("prefill_tp, decode_tp, backend", [(2, 1, "zmq"), (1, 2, "mooncake")])
-def test_prefill_and_decode_with_different_tp_sizes_resplit_the_kv_heads(prefill_tp, decode_tp, backend) -> None:
+def test_prefill_and_decode_with_different_tp_sizes_resplit_the_kv_heads(prefill_tp, decode_tp, backend,
+                                                                         monkeypatch) -> None:
     """Prefill TP2 -> decode TP1: each head comes from the lowest prefill rank holding it (head 1
     once, not twice); prefill TP1 -> decode TP2: each decode rank receives its own heads (head 1
     by both). Decoding on the re-split heads gives the one-engine answer, and the second turn
-    crosses only its suffix."""
+    crosses only its suffix. The rank consensus checker is on: the ranks of each server act on a
+    transfer's end at the same step (DESIGN invariant 3), or the run fails naming the rank."""
     if backend == "mooncake" and mooncake_transfer_engine_missing():
         pytest.skip(mooncake_transfer_engine_missing())
+    monkeypatch.setenv("HICACHE_RANK_CONSENSUS_CHECKER", "1")
     plain = Engine(THREE_HEADS, **OPTS)
     expected = plain.generate(A + B + C, GREEDY)[0].output_ids
     spec = plain.loaded.spec
