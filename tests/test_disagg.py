@@ -146,10 +146,11 @@ def test_sglang_router_serves_a_multi_turn_chat_through_a_pd_pair() -> None:
 
 
 # ---- faults: every page comes back ----------------------------------------------------------
-def test_a_killed_prefill_server_fails_the_decode_request_in_time_and_frees_its_pages() -> None:
-    """The decode server asked a prefill server that then died (SIGKILL, no goodbye): the
-    request ends with 503 kv_transfer_failed after the transfer timeout, and the decode
-    server's pool is as before."""
+def test_a_killed_prefill_server_fails_the_decode_request_at_once_and_frees_its_pages() -> None:
+    """The decode server asks a prefill server that died (SIGKILL, no goodbye): its refused
+    connection is a certain failure, so the request ends with 503 kv_transfer_failed at once,
+    not after the 60-second transfer timeout (a router retrying 3 times made it ~4 minutes),
+    and the decode server's pool is as before."""
     import signal
     import time
 
@@ -158,7 +159,7 @@ def test_a_killed_prefill_server_fails_the_decode_request_in_time_and_frees_its_
     from hicache.bench.main import launch_server
     from hicache.ports import free_port
 
-    common = f"--model {MODEL} --dtype float32 --page-size 16 --disaggregation-transfer-timeout 3"
+    common = f"--model {MODEL} --dtype float32 --page-size 16 --disaggregation-transfer-timeout 60"
     port = free_port()
     prefill, prefill_url = launch_server(f"{common} --disaggregation-mode prefill --disaggregation-bootstrap-port "
                                          f"{port}", 60)
@@ -172,7 +173,7 @@ def test_a_killed_prefill_server_fails_the_decode_request_in_time_and_frees_its_
         t0 = time.monotonic()
         r = httpx.post(f"{decode_url}/v1/chat/completions", json=body, timeout=30)
         assert r.status_code == 503 and r.json()["error"]["code"] == "kv_transfer_failed"
-        assert 3 <= time.monotonic() - t0 < 10
+        assert time.monotonic() - t0 < 5 and "refused the connection" in r.json()["error"]["message"]
         stats = httpx.get(f"{decode_url}/stats", timeout=10).json()
         assert stats["device_pool"]["free_pages"] == free and stats["disaggregation"]["failed"] == 1
         assert httpx.get(f"{decode_url}/health", timeout=10).status_code == 200  # the server itself is fine

@@ -19,6 +19,7 @@ import torch
 
 from ..cache.pools import DeviceKVPool
 from ..config import ConfigError
+from .wire import MooncakeTarget
 
 logger = logging.getLogger(__name__)
 
@@ -46,16 +47,16 @@ class MooncakeWrites:
         logger.info("P/D: Mooncake transfer engine at %s, %d KV buffers registered", self.session,
                     2 * len(pool.k_buffers))
 
-    def describe(self, slots: torch.Tensor, start: int, end: int, heads: range) -> dict:
+    def describe(self, slots: torch.Tensor, start: int, end: int, heads: range) -> MooncakeTarget:
         """Decode side: where the prefill rank should write tokens ``[start, end)`` of the
         pool-local ``heads`` (``slots``: the prompt's slots in this pool; ``start`` is a page
         boundary)."""
         ps, k = self.pool.page_size, self.pool.k_buffers[0]
-        return {"session": self.session, "page_size": ps, "row_heads": k.shape[1], "first_head": heads.start,
-                "k": [b.data_ptr() for b in self.pool.k_buffers], "v": [b.data_ptr() for b in self.pool.v_buffers],
-                "pages": [int(slots[t]) // ps for t in range(start, end, ps)]}
+        return MooncakeTarget(self.session, ps, k.shape[1], heads.start, [b.data_ptr() for b in self.pool.k_buffers],
+                              [b.data_ptr() for b in self.pool.v_buffers],
+                              [int(slots[t]) // ps for t in range(start, end, ps)])
 
-    def write(self, target: dict, slots: torch.Tensor, start: int, end: int, heads: range) -> int:
+    def write(self, target: MooncakeTarget, slots: torch.Tensor, start: int, end: int, heads: range) -> int:
         """Prefill side: write tokens ``[start, end)`` (at ``slots`` in this pool) of the
         pool-local ``heads`` into ``target``'s pages; returns the bytes written. Whole rows on
         both sides go a run of pages per span; a slice of a row (TP sizes differ) a token per
@@ -63,22 +64,24 @@ class MooncakeWrites:
         pool, ps = self.pool, self.pool.page_size
         k = pool.k_buffers[0]
         hb = k.shape[-1] * k.element_size()
-        src_row, dst_row, width = k.shape[1] * hb, int(target["row_heads"]) * hb, len(heads) * hb
-        if target["page_size"] != ps or len(target["k"]) != len(pool.k_buffers) or start % ps:
-            raise ValueError(f"the decode pool has {len(target['k'])} layers of pages of {target['page_size']} "
+        src_row, dst_row, width = k.shape[1] * hb, target.row_heads * hb, len(heads) * hb
+        if target.page_size != ps or len(target.k) != len(pool.k_buffers) or start % ps:
+            raise ValueError(f"the decode pool has {len(target.k)} layers of pages of {target.page_size} "
                              f"tokens, this one {len(pool.k_buffers)} of {ps} (suffix from token {start})")
+        if target.first_head + len(heads) > target.row_heads:
+            raise ValueError(f"the decode rows hold {target.row_heads} heads, not {target.first_head + len(heads)}")
         if not heads:
             return 0
         whole = width == src_row == dst_row
         spans = []  # (source offset, destination offset, bytes) within one buffer
-        for src_slot, dst_slot, n in _runs(slots, target["pages"], start, end, ps):
+        for src_slot, dst_slot, n in _runs(slots, target.pages, start, end, ps):
             if whole:
                 spans.append((src_slot * src_row, dst_slot * dst_row, n * src_row))
             else:
                 spans += [((src_slot + t) * src_row + heads.start * hb,
-                           (dst_slot + t) * dst_row + int(target["first_head"]) * hb, width) for t in range(n)]
+                           (dst_slot + t) * dst_row + target.first_head * hb, width) for t in range(n)]
         src, dst, lengths = [], [], []
-        for bufs, peer in ((pool.k_buffers, target["k"]), (pool.v_buffers, target["v"])):
+        for bufs, peer in ((pool.k_buffers, target.k), (pool.v_buffers, target.v)):
             for buf, peer_base in zip(bufs, peer):
                 for s_off, d_off, n_bytes in spans:
                     src.append(buf.data_ptr() + s_off)
@@ -86,8 +89,8 @@ class MooncakeWrites:
                     lengths.append(n_bytes)
         for i in range(0, len(src), MAX_SPANS):  # the engine's queue takes so many spans per call
             part = slice(i, i + MAX_SPANS)
-            if self.engine.batch_transfer_sync_write(target["session"], src[part], dst[part], lengths[part]) != 0:
-                raise RuntimeError(f"Mooncake's transfer engine failed to write to {target['session']}")
+            if self.engine.batch_transfer_sync_write(target.session, src[part], dst[part], lengths[part]) != 0:
+                raise RuntimeError(f"Mooncake's transfer engine failed to write to {target.session}")
         return sum(lengths)
 
 

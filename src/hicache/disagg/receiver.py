@@ -1,11 +1,21 @@
-"""The decode side of a KV transfer (protocol: :mod:`hicache.disagg.transfer`): one per rank."""
+"""The decode side of a KV transfer (protocol: :mod:`hicache.disagg.transfer`): one per rank.
+
+Its peer is whatever prefill server an API client named, so every answer is checked before
+use (:mod:`hicache.disagg.wire`: frame count and size, header fields, the first token within
+the vocabulary, row frames of exactly the asked size); a bad answer fails its request at once,
+anything that cannot be tied to a request is logged and dropped, and nothing a peer sends can
+stop the thread (if it ever dies, :attr:`KVReceiver.failure` says why and the engine reports
+itself dead). Failures that are certain are reported at once, not at the transfer timeout: a
+refused or dropped connection (ZeroMQ's socket monitor reports it), a malformed message (its
+sender answers nothing else that was asked of it), a bad route, an error answer.
+"""
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import queue
-import threading
 import time
 import warnings
 from typing import TYPE_CHECKING, Optional
@@ -15,70 +25,135 @@ import torch
 
 from ..cache.pools import DeviceKVPool
 from .heads import RankEndpoint, heads_from
-from .transfer import POLL_MS, Receive, head_bytes
+from .transfer import POLL_MS, IOThread, Receive, head_bytes
+from .wire import (JSON_FRAME_BYTES, Answer, Ask, DropLog, RouteAnswer, WireError, json_object, limit_socket,
+                   recv_bounded)
 
 if TYPE_CHECKING:
     from .mooncake_writes import MooncakeWrites
 
 logger = logging.getLogger(__name__)
 
+_MONITORS = itertools.count()  # inproc endpoint names of socket monitors, unique in the process
 WRITE_GRACE_S = 2.0  # Mooncake: a prefill rank's write started in time lands within this (see _ask)
 
 
-class KVReceiver:
+class KVReceiver(IOThread):
     """Learns each prefill server's route once, asks its ranks for this rank's heads (one
     DEALER per endpoint) and writes the received rows into the reserved slots. ``heads``: the
     model-global KV heads of ``pool``; ``askers``: this server's TP size (how many of its ranks
-    ask each prefill rank). ``submit`` is called on the scheduler thread."""
+    ask each prefill rank); ``vocab_size``: the model's (a first token must be one of its ids).
+    ``submit`` is called on the scheduler thread."""
 
-    def __init__(self, pool: DeviceKVPool, heads: range, askers: int = 1,
+    name = "hicache-kv-receiver"
+
+    def __init__(self, pool: DeviceKVPool, heads: range, vocab_size: int, askers: int = 1,
                  writes: Optional["MooncakeWrites"] = None) -> None:
         """``writes``: the prefill ranks write rows into this pool with Mooncake's transfer engine."""
         import zmq
 
-        self.pool, self.heads, self.askers, self.writes = pool, heads, askers, writes
+        super().__init__()
+        self.pool, self.heads, self.vocab_size, self.askers, self.writes = pool, heads, vocab_size, askers, writes
+        k = pool.k_buffers[0]
+        self._max_frame = max(k.numel() * k.element_size(), JSON_FRAME_BYTES)  # rows: at most a whole layer
+        self._max_frames = 1 + 2 * len(pool.k_buffers)  # header + K and V of every layer
         self._ctx = zmq.Context.instance()
         self._jobs: queue.Queue[Optional[Receive]] = queue.Queue()
         self._open: dict[int, Receive] = {}  # room -> asked (or waiting for the route)
         self._routes: dict[str, list[RankEndpoint]] = {}  # bootstrap address -> its prefill ranks
         self._routing: dict[str, list[Receive]] = {}  # bootstrap address -> jobs waiting for its route
-        self._socks: dict[str, object] = {}
+        self._socks: dict[str, object] = {}  # address -> DEALER
+        self._monitors: dict[object, str] = {}  # the DEALER's monitor socket -> address
         self._addresses: dict[object, str] = {}
         self._poller = zmq.Poller()
-        self._thread = threading.Thread(target=self._run, name="hicache-kv-receiver", daemon=True)
-        self._thread.start()
+        self._dropped = DropLog(logger)
+        self._start_thread()
 
     def submit(self, job: Receive) -> None:
         self._jobs.put(job)
 
     def close(self) -> None:
         self._jobs.put(None)
-        self._thread.join(timeout=5)
+        self._join()
 
+    # ---- sockets --------------------------------------------------------------------------
     def _socket(self, address: str):
+        """The DEALER to ``address`` (connecting is asynchronous: a refusal arrives as a
+        monitor event, :meth:`_on_monitor`)."""
         import zmq
 
         sock = self._socks.get(address)
         if sock is None:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(address)
+            limit_socket(sock, self._max_frame)
+            # A name of our own: pyzmq's default names the socket's fd, which a closed socket's
+            # monitor may still hold in the shared context when a new socket reuses the number.
+            monitor = sock.get_monitor_socket(zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED,
+                                              f"inproc://hicache-kv-monitor-{next(_MONITORS)}")
+            try:
+                sock.connect(address)
+            except zmq.ZMQError:
+                sock.disable_monitor()
+                monitor.close()
+                sock.close()
+                raise
             self._poller.register(sock, zmq.POLLIN)
-            self._socks[address], self._addresses[sock] = sock, address
+            self._poller.register(monitor, zmq.POLLIN)
+            self._socks[address], self._addresses[sock], self._monitors[monitor] = sock, address, address
         return sock
 
-    def _run(self) -> None:
+    def _forget(self, address: str, error: str) -> None:
+        """``address`` cannot be reached: fail every job that waits on it, close its socket,
+        and forget the routes through it (the next request connects and asks anew)."""
+        for job in self._routing.pop(address, []):
+            self._end(job, error)
+        for job in [j for j in self._open.values() if address in j.asked]:
+            del job.asked[address]
+            self._failed(job, error)
+        for boot, route in list(self._routes.items()):
+            if boot == address or any(r.address == address for r in route):
+                del self._routes[boot]
+        sock = self._socks.pop(address, None)
+        if sock is not None:
+            monitor = next(m for m, a in self._monitors.items() if a == address)
+            for s in (sock, monitor):
+                self._poller.unregister(s)
+            del self._monitors[monitor], self._addresses[sock]
+            sock.disable_monitor()
+            monitor.close()
+            sock.close()
+
+    # ---- the I/O thread -------------------------------------------------------------------
+    def _serve(self) -> None:
         try:
             while self._take_jobs():
                 for sock, _ in self._poller.poll(POLL_MS) if self._socks else []:
-                    self._on_message(self._addresses[sock], sock.recv_multipart(copy=False))
+                    if sock in self._monitors:
+                        self._on_monitor(sock)
+                    elif sock in self._addresses:  # (not closed by a monitor event of this round)
+                        self._receive(self._addresses[sock], sock)
                 self._expire(time.perf_counter())
         finally:
             for job in self._open.values():
                 job.fail("the decode server stopped")
                 job.done.set()
             for sock in self._socks.values():
+                sock.disable_monitor()
                 sock.close()
+            for monitor in self._monitors:
+                monitor.close()
+
+    def _on_monitor(self, monitor) -> None:
+        """The connection to a prefill server was refused, or dropped (the peer went away, or
+        ZeroMQ cut it for a frame over the limit): what was asked there will never come."""
+        import zmq
+        from zmq.utils.monitor import recv_monitor_message
+
+        address = self._monitors[monitor]
+        refused = recv_monitor_message(monitor)["event"] == zmq.EVENT_CONNECT_RETRIED
+        self._forget(address, f"the prefill server at {address} " +
+                     ("refused the connection" if refused else "dropped the connection (or sent a frame over the limit)"))
 
     def _take_jobs(self) -> bool:
         while True:
@@ -96,10 +171,14 @@ class KVReceiver:
             self._open[job.room] = job
             if job.address in self._routes:
                 self._ask(job, self._routes[job.address])
-            else:
-                if job.address not in self._routing:
+                continue
+            if job.address not in self._routing:
+                try:
                     self._socket(job.address).send(json.dumps({"route": 1}).encode())
-                self._routing.setdefault(job.address, []).append(job)
+                except Exception as e:  # e.g. a host name that does not resolve
+                    self._end(job, f"cannot connect to the prefill server at {job.address} ({e})")
+                    continue
+            self._routing.setdefault(job.address, []).append(job)
 
     def _ask(self, job: Receive, route: list[RankEndpoint]) -> None:
         """Ask every prefill rank for the heads it supplies to this rank (maybe none)."""
@@ -114,67 +193,90 @@ class KVReceiver:
         left = job.deadline - time.perf_counter()
         expires_in = max(left - (min(WRITE_GRACE_S, left / 4) if self.writes is not None else 0.0), 0.0)
         for rank, heads in zip(route, parts):
-            msg = {"room": job.room, "decode_prefix_len": start, "prompt_len": end,
-                   "heads": [heads.start, heads.stop], "askers": self.askers, "expires_in": expires_in}
-            if self.writes is not None:
-                local = range(heads.start - self.heads.start, heads.stop - self.heads.start)
-                msg["mooncake"] = self.writes.describe(job.slots, start, end, local)
+            local = range(heads.start - self.heads.start, heads.stop - self.heads.start)
+            target = self.writes.describe(job.slots, start, end, local) if self.writes is not None else None
+            ask = Ask(job.room, start, end, heads, self.askers, expires_in, target)
             job.asked[rank.address] = heads
-            self._socket(rank.address).send(json.dumps(msg).encode())
+            try:
+                self._socket(rank.address).send(json.dumps(ask.to_wire()).encode())
+            except Exception as e:
+                return self._end(job, f"cannot connect to the prefill rank at {rank.address} ({e})")
 
-    def _on_message(self, address: str, frames: list) -> None:
+    def _receive(self, address: str, sock) -> None:
+        """One message from ``address``: a route, an answer (its request ends here if it was
+        bad), or something that is neither (logged and dropped)."""
+        frames = recv_bounded(sock, self._max_frames, copy=False)
+        job = None
         try:
-            header = json.loads(frames[0].bytes)
+            if frames is None:
+                raise WireError(f"a message of more than {self._max_frames} frames")
+            header = json_object(frames[0].bytes)
             if "route" in header:
                 return self._on_route(address, header)
-            room = int(header["room"])
-        except (ValueError, TypeError, KeyError) as e:  # (json's errors are ValueErrors)
-            logger.warning("P/D decode: dropped a malformed message from %s (%s)", address, e)
-            return
-        job = self._open.get(room)
-        if job is None or address not in job.asked:
-            return  # a request that was aborted or timed out meanwhile
-        heads = job.asked.pop(address)
-        if "error" in header:
-            job.fail(f"the prefill server reported: {header['error']}")
-        else:
-            try:
-                self._store(job, header, frames[1:], heads)
-            except (ValueError, TypeError, KeyError, RuntimeError) as e:
-                job.fail(f"the prefill server sent rows this server cannot store ({e})")
-        if not job.asked:
-            self._end(job, job.error)
+            answer = Answer.parse(header, self.vocab_size)
+            job = self._open.get(answer.room)
+            if job is None or address not in job.asked:
+                return  # a request that was aborted or timed out meanwhile
+            heads = job.asked.pop(address)
+            if answer.error:
+                job.fail(f"the prefill server reported: {answer.error}")
+            else:
+                self._store(job, answer, frames[1:], heads)
+        except WireError as e:
+            if job is None:  # a peer that breaks the protocol answers none of what was asked there
+                self._dropped("P/D decode: a malformed message from %s (%s)", address, e)
+                self._forget(address, f"the prefill server at {address} sent a malformed message ({e})")
+            else:
+                job.fail(f"the prefill server at {address} sent a malformed answer ({e})")
+        except Exception as e:  # a bug, not the peer's bytes: only this message (and its request) are lost
+            logger.exception("P/D decode: a message from %s could not be handled", address)
+            if job is not None:
+                job.fail(f"the answer of the prefill server at {address} could not be stored ({type(e).__name__})")
+        if job is not None and (not job.asked or job.error):
+            self._failed(job, job.error) if job.error else self._end(job, "")
 
     def _on_route(self, address: str, header: dict) -> None:
         jobs = self._routing.pop(address, [])
-        layers, hb, dtype = int(header["layers"]), int(header["head_bytes"]), str(header["dtype"])
+        try:
+            answer = RouteAnswer.parse(header)
+        except WireError as e:
+            for job in jobs:
+                self._end(job, f"the prefill server at {address} sent a malformed route ({e})")
+            return
         mine = str(self.pool.k_buffers[0].dtype)
-        if layers != len(self.pool.k_buffers) or hb != head_bytes(self.pool) or dtype != mine:
-            error = (f"the prefill server's KV has {layers} layers of {hb}-byte {dtype} heads, this server's "
-                     f"{len(self.pool.k_buffers)} of {head_bytes(self.pool)}-byte {mine} (not the same model and dtype)")
+        if answer.layers != len(self.pool.k_buffers) or answer.head_bytes != head_bytes(self.pool) \
+                or answer.dtype != mine:
+            error = (f"the prefill server's KV has {answer.layers} layers of {answer.head_bytes}-byte {answer.dtype} "
+                     f"heads, this server's {len(self.pool.k_buffers)} of {head_bytes(self.pool)}-byte {mine} (not "
+                     "the same model and dtype)")
             for job in jobs:
                 self._end(job, error)
             return
         host = urlsplit(address).hostname or ""
-        route = self._routes[address] = [RankEndpoint.from_wire(item, host) for item in header["route"]]
+        route = self._routes[address] = [RankEndpoint.from_wire(item, host) for item in answer.ranks]
         for job in jobs:
             if job.room in self._open:
                 self._ask(job, route)
 
-    def _store(self, job: Receive, header: dict, frames: list, heads: range) -> None:
-        start, end, layers = int(header["start"]), int(header["end"]), int(header["layers"])
-        want_frames = 0 if "written" in header or not heads else 2 * layers
+    def _store(self, job: Receive, answer: Answer, frames: list, heads: range) -> None:
+        """Rows of ``heads`` for tokens ``[start, end)`` into the job's slots; raises WireError
+        when they are not exactly what was asked."""
+        start, end, layers = answer.start, answer.end, answer.layers
+        want_frames = 0 if answer.written is not None or not heads else 2 * layers
         if start != job.decode_prefix_len or end != len(job.slots) or layers != len(self.pool.k_buffers) \
-                or range(*header["heads"]) != heads or len(frames) != want_frames:
-            return job.fail(f"the prefill server sent tokens {start}-{end} of {layers} layers, not what was asked")
-        if job.first_token not in (-1, int(header["first_token"])):
-            return job.fail("the prefill ranks sent different first tokens")
-        if "written" in header:  # Mooncake: the rows were written into the reserved pages
-            job.received_bytes += int(header["written"])
+                or answer.heads != heads or len(frames) != want_frames:
+            raise WireError(f"tokens {start}-{end} of {layers} layers in {len(frames)} frames, not what was asked")
+        frame_bytes = (end - start) * len(heads) * head_bytes(self.pool)
+        if any(len(f.buffer) != frame_bytes for f in frames):
+            raise WireError(f"row frames of other than {frame_bytes} bytes")
+        if job.first_token not in (-1, answer.first_token):
+            raise WireError("the prefill ranks sent different first tokens")
+        if answer.written is not None:  # Mooncake: the rows were written into the reserved pages
+            job.received_bytes += answer.written
         elif heads:
             local = slice(heads.start - self.heads.start, heads.stop - self.heads.start)
             job.received_bytes += self._copy_frames(job.slots[start:end], frames, local)
-        job.first_token = int(header["first_token"])
+        job.first_token = answer.first_token
         job.received_tokens = end - start
 
     def _copy_frames(self, idx: torch.Tensor, frames: list, heads: slice) -> int:
@@ -188,10 +290,18 @@ class KVReceiver:
             torch.cuda.current_stream(self.pool.k_buffers[0].device).synchronize()
         return sum(len(f.buffer) for f in frames)
 
+    def _failed(self, job: Receive, error: str) -> None:
+        """``job`` cannot succeed: end it now, unless Mooncake may still write into its pages
+        (another prefill rank not heard from yet): then when that rank answers, or at the deadline."""
+        job.fail(error)
+        if not job.asked or self.writes is None:  # zmq: rows that come later are dropped, never stored
+            self._end(job, job.error)
+
     def _end(self, job: Receive, error: str) -> None:
         """The job is over (every asked rank answered, or ``error``); a failed job forgets its
         prefill server's route, so the next request asks again (it may have restarted)."""
-        self._open.pop(job.room, None)
+        if self._open.get(job.room) is job:
+            del self._open[job.room]
         if error:
             job.fail(error)
             self._routes.pop(job.address, None)

@@ -81,7 +81,12 @@ class PDRole(Protocol):
         ...
 
     def local_events(self) -> tuple[TransferEvent, ...]:
-        """Per open transfer (in the order they opened), whether it is over on this rank."""
+        """Per open transfer (in the order they opened), whether it is over on this rank.
+        Raises EngineDeadError once the transfer thread has died."""
+        ...
+
+    def check_alive(self) -> None:
+        """Raises EngineDeadError once the transfer thread has died (checked while idle too)."""
         ...
 
     def apply(self, sched: "Scheduler", events: Sequence[TransferEvent], finished: list["Request"]) -> None:
@@ -114,7 +119,7 @@ class PrefillRole:
         """Rank 0 binds ``port`` (the bootstrap port; 0: any free one), the other ranks any free
         port; every rank learns all of them (a collective: every rank builds its role)."""
         self.timeout_s, self.ranks = timeout_s, ranks
-        self.sender = KVSender(cache.pool, port if ranks.rank == 0 else 0, host, ranks.heads,
+        self.sender = KVSender(cache.pool, port if ranks.rank == 0 else 0, host, ranks.heads, timeout_s,
                                _writes(backend, cache, host))
         self.port = self.sender.port
         mine = RankEndpoint(host, self.port, ranks.heads).to_wire()
@@ -142,6 +147,7 @@ class PrefillRole:
         return True
 
     def local_events(self) -> tuple[TransferEvent, ...]:
+        self.check_alive()
         return tuple(TransferEvent(job.done.is_set(), not job.error) for _, job, _ in self.sending)
 
     def apply(self, sched: "Scheduler", events: Sequence[TransferEvent], finished: list["Request"]) -> None:
@@ -162,6 +168,9 @@ class PrefillRole:
             s.tokens += job.sent_tokens
             s.bytes += job.sent_bytes
 
+    def check_alive(self) -> None:
+        self.sender.check_alive()
+
     @property
     def busy(self) -> bool:
         return bool(self.sending)
@@ -177,10 +186,10 @@ class PrefillRole:
 class DecodeRole:
     """``timeout_s``: how long a request waits for its KV before it fails."""
 
-    def __init__(self, cache: "KVCacheManager", ranks: TPRanks, timeout_s: float = 60.0, backend: str = "zmq",
-                 host: str = "127.0.0.1") -> None:
+    def __init__(self, cache: "KVCacheManager", ranks: TPRanks, vocab_size: int, timeout_s: float = 60.0,
+                 backend: str = "zmq", host: str = "127.0.0.1") -> None:
         self.cache, self.timeout_s, self.ranks = cache, timeout_s, ranks
-        self.receiver = KVReceiver(cache.pool, ranks.heads, ranks.size, _writes(backend, cache, host))
+        self.receiver = KVReceiver(cache.pool, ranks.heads, vocab_size, ranks.size, _writes(backend, cache, host))
         self.receiving: list[tuple["Request", Receive]] = []
         self.stats = TransferStats()
 
@@ -206,6 +215,7 @@ class DecodeRole:
     def local_events(self) -> tuple[TransferEvent, ...]:
         """Over: the KV arrived (or the transfer failed) and the local restore of the host
         part is done (decoding must not read a page still being restored)."""
+        self.check_alive()
         restored = self.cache.kv_view.layer_ready(len(self.cache.pool.k_buffers) - 1)
         return tuple(TransferEvent(job.done.is_set() and (bool(job.error) or restored), not job.error)
                      for _, job in self.receiving)
@@ -235,6 +245,9 @@ class DecodeRole:
             s.decode_prefix_tokens += job.decode_prefix_len
             req.transferred_tokens, req.transferred_bytes = job.received_tokens, total_bytes
             sched.start_decode(req, job.first_token, finished)
+
+    def check_alive(self) -> None:
+        self.receiver.check_alive()
 
     @property
     def busy(self) -> bool:

@@ -1,55 +1,94 @@
-"""The prefill side of a KV transfer (protocol: :mod:`hicache.disagg.transfer`): one per rank."""
+"""The prefill side of a KV transfer (protocol: :mod:`hicache.disagg.transfer`): one per rank.
+
+The socket listens on the network, so no message can stop the thread: each is read with a
+bound on its frames and bytes (:mod:`hicache.disagg.wire`), checked field by field, and dropped
+with one log line when it fails, whatever it raised. Asks wait for their room's prefill at most
+until the *smaller* of their own expiry and this server's transfer timeout; a peer holds at most
+``MAX_ASKS_PER_PEER`` open asks (more are answered with an error at once); an ask is found by
+its room in O(1) and expired from a heap, so a flood of asks never slows the next route ask.
+If the thread ever dies, :attr:`KVSender.failure` says why and the engine reports itself dead.
+"""
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import json
 import logging
 import queue
 import threading
 import time
+from collections import Counter
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from ..cache.pools import DeviceKVPool
 from .heads import RankEndpoint
-from .transfer import POLL_MS, Send, head_bytes, raw
+from .transfer import POLL_MS, IOThread, Send, head_bytes, raw
+from .wire import JSON_FRAME_BYTES, Ask, DropLog, WireError, json_object, limit_socket, recv_bounded
 
 if TYPE_CHECKING:
     from .mooncake_writes import MooncakeWrites
 
 logger = logging.getLogger(__name__)
 
+MAX_ASKS_PER_PEER = 4096  # open asks of one decode rank (its running requests, with room to spare)
+MAX_ASKS = 65536  # open asks of all peers together
+BATCH = 256  # messages handled per poll before the jobs are looked at again
 
-class KVSender:
+
+@dataclass
+class PendingAsk:
+    """An ask whose room's prefill is not done yet; ``expires``: perf_counter seconds."""
+
+    peer: bytes
+    ask: Ask
+    expires: float
+
+
+class KVSender(IOThread):
     """Binds this rank's KV socket (rank 0's is the bootstrap socket and also answers route
     asks), matches asks to finished prefills by room and answers them. ``heads``: the
-    model-global KV heads of ``pool``. ``submit`` is called on the scheduler thread."""
+    model-global KV heads of ``pool``; ``max_wait_s``: the longest an ask waits for its room
+    (the server's transfer timeout). ``submit`` is called on the scheduler thread."""
 
-    def __init__(self, pool: DeviceKVPool, port: int, host: str, heads: range,
+    name = "hicache-kv-sender"
+
+    def __init__(self, pool: DeviceKVPool, port: int, host: str, heads: range, max_wait_s: float = 60.0,
                  writes: Optional["MooncakeWrites"] = None) -> None:
         """``port`` 0: any free port. ``writes``: move rows with Mooncake's transfer engine
         instead of message frames. Answers nothing until :meth:`start`."""
         import zmq
 
-        self.pool, self.heads, self.writes = pool, heads, writes
+        super().__init__()
+        self.pool, self.heads, self.writes, self.max_wait_s = pool, heads, writes, max_wait_s
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        # A Mooncake ask lists a buffer address per layer and the suffix's pages: bound it by the pool's.
+        layers, pages = len(pool.k_buffers), pool.k_buffers[0].shape[0] // pool.page_size
+        limit_socket(self._sock, JSON_FRAME_BYTES + 24 * (2 * layers + pages))
+        self._max_ask_bytes = JSON_FRAME_BYTES + 24 * (2 * layers + pages)
         self.port = self._sock.bind_to_random_port(f"tcp://{host}") if port == 0 else port
         if port:
             self._sock.bind(f"tcp://{host}:{port}")
         self.host = host
         self.route: list[RankEndpoint] = []
         self._jobs: queue.Queue[Optional[Send]] = queue.Queue()
-        self._asks: dict[int, list[tuple[bytes, dict]]] = {}  # room -> asks not answered yet
+        self._asks: dict[int, list[PendingAsk]] = {}  # room -> asks whose prefill is not done yet
+        self._expiry: list[tuple[float, int, int]] = []  # heap of (expires, seq, room) over _asks
+        self._seq = itertools.count()
+        self._per_peer: Counter[bytes] = Counter()  # open asks per decode rank
+        self._open = 0  # open asks in all
         self._waiting: dict[int, Send] = {}  # room -> prefill done, asks outstanding
-        self._thread = threading.Thread(target=self._run, name="hicache-kv-sender", daemon=True)
+        self._dropped = DropLog(logger)
 
     def start(self, route: list[RankEndpoint]) -> None:
         """Serve; ``route``: every prefill rank of this server (answered to route asks)."""
         self.route = route
-        self._thread.start()
+        self._start_thread()
 
     def submit(self, job: Send) -> None:
         self._jobs.put(job)
@@ -60,47 +99,72 @@ class KVSender:
 
     def close(self) -> None:
         self._jobs.put(None)
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
+        self._join()
 
-    def _run(self) -> None:
+    # ---- the I/O thread -------------------------------------------------------------------
+    def _serve(self) -> None:
         import zmq
 
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         try:
             while True:
-                for _ in dict(poller.poll(POLL_MS)):
-                    self._on_message(self._sock.recv_multipart())
+                if poller.poll(POLL_MS):
+                    for _ in range(BATCH):
+                        self._receive()
+                        if not self._sock.poll(0):
+                            break
                 if not self._drain_jobs():
                     return
-                self._match()
+                self._match(time.perf_counter())
         finally:
             for job in self._waiting.values():
                 job.error = "the prefill server stopped"
                 job.done.set()
             self._sock.close()
 
-    def _on_message(self, frames: list[bytes]) -> None:
-        """A route ask (answered at once) or a KV ask (kept until its room's prefill is done or
-        it expires); anything else is logged and dropped: the socket listens on the network."""
+    def _receive(self) -> None:
+        """One message: a route ask (answered at once) or a KV ask (kept until its room's
+        prefill is done or it expires); anything else is logged and dropped."""
+        frames = recv_bounded(self._sock, 2)
         try:
-            ident, raw_msg = frames
-            msg = json.loads(raw_msg)
+            if frames is None or len(frames) != 2:
+                raise WireError("a message of more than one frame")
+            peer, msg = frames[0], json_object(frames[1], self._max_ask_bytes)
             if "route" in msg:
-                k = self.pool.k_buffers[0]
-                answer = {"route": [r.to_wire() for r in self.route], "layers": len(self.pool.k_buffers),
-                          "head_bytes": head_bytes(self.pool), "dtype": str(k.dtype)}
-                self._sock.send_multipart([ident, json.dumps(answer).encode()])
-                return
-            room, askers = int(msg["room"]), int(msg["askers"])
-            expires = time.perf_counter() + float(msg["expires_in"])
-            if askers < 1 or not isinstance(msg["heads"], list) or "prompt_len" not in msg:
-                raise ValueError("not an ask")
-        except (ValueError, TypeError, KeyError) as e:  # (json's errors are ValueErrors)
-            logger.warning("P/D prefill: dropped a malformed message on the bootstrap socket (%s)", e)
+                return self._answer_route(peer)
+            self._keep(peer, Ask.parse(msg, len(self.pool.k_buffers)))
+        except WireError as e:
+            self._dropped("P/D prefill: dropped a malformed message on the bootstrap socket (%s)", e)
+        except Exception:  # a bug, not the peer's bytes: still only this message is lost
+            logger.exception("P/D prefill: dropped a message that could not be handled")
+
+    def _answer_route(self, peer: bytes) -> None:
+        k = self.pool.k_buffers[0]
+        answer = {"route": [r.to_wire() for r in self.route], "layers": len(self.pool.k_buffers),
+                  "head_bytes": head_bytes(self.pool), "dtype": str(k.dtype)}
+        self._sock.send_multipart([peer, json.dumps(answer).encode()])
+
+    def _keep(self, peer: bytes, ask: Ask) -> None:
+        """Hold ``ask`` until its room's prefill is done, at most ``max_wait_s``."""
+        if self._per_peer[peer] >= MAX_ASKS_PER_PEER or self._open >= MAX_ASKS:
+            self._send_error(peer, ask.room, f"too many open asks (at most {MAX_ASKS_PER_PEER} per decode rank)")
+            self._dropped("P/D prefill room=%d: refused an ask: too many open asks", ask.room)
             return
-        self._asks.setdefault(room, []).append((ident, msg, expires))
+        expires = time.perf_counter() + min(ask.expires_in, self.max_wait_s)
+        self._asks.setdefault(ask.room, []).append(PendingAsk(peer, ask, expires))
+        self._per_peer[peer] += 1
+        self._open += 1
+        heapq.heappush(self._expiry, (expires, next(self._seq), ask.room))
+
+    def _take(self, room: int) -> list[PendingAsk]:
+        asks = self._asks.pop(room, [])
+        self._open -= len(asks)
+        for a in asks:
+            self._per_peer[a.peer] -= 1
+            if not self._per_peer[a.peer]:
+                del self._per_peer[a.peer]
+        return asks
 
     def _drain_jobs(self) -> bool:
         while True:
@@ -116,15 +180,16 @@ class KVSender:
                 continue
             self._waiting[job.room] = job
 
-    def _match(self) -> None:
-        now = time.perf_counter()
+    def _match(self, now: float) -> None:
+        """Answer the asks of every room whose prefill is done (O(open prefills)), then drop
+        the asks that expired (O(log n) each)."""
         for room, job in list(self._waiting.items()):
-            for ident, msg, expires in self._asks.pop(room, []):
-                job.askers = int(msg["askers"])
-                if now > expires:  # that decode rank gave up (its pages may be someone else's now)
+            for pending in self._take(room):
+                job.askers = pending.ask.askers
+                if now > pending.expires:  # that decode rank gave up (its pages may be someone else's now)
                     job.error, job.answered = f"the decode side gave up on room {room}", job.answered + 1
                 else:
-                    self._answer(ident, msg, job)
+                    self._answer(pending.peer, pending.ask, job)
             if job.askers and job.answered >= job.askers:
                 del self._waiting[room]
                 job.done.set()
@@ -133,25 +198,30 @@ class KVSender:
                 job.error = job.error or f"not every decode rank asked for room {room} in time ({job.answered} did)"
                 logger.warning("P/D prefill room=%d: %s", room, job.error)
                 job.done.set()
-        for room, asks in list(self._asks.items()):  # asks for rooms this server never had (aborted, or none)
-            self._asks[room] = [a for a in asks if a[2] >= now]
-            if not self._asks[room]:
-                del self._asks[room]
+        while self._expiry and self._expiry[0][0] < now:  # asks for rooms this server never had (aborted, or none)
+            _, _, room = heapq.heappop(self._expiry)
+            live = [a for a in self._take(room) if a.expires >= now]
+            if live:  # (asks that came later than the expired one keep their own heap entries)
+                self._asks[room] = live
+                self._open += len(live)
+                self._per_peer.update(a.peer for a in live)
 
-    def _answer(self, ident: bytes, msg: dict, job: Send) -> None:
+    def _send_error(self, peer: bytes, room: int, error: str) -> None:
+        self._sock.send_multipart([peer, json.dumps({"room": room, "error": error}).encode()])
+
+    def _answer(self, peer: bytes, ask: Ask, job: Send) -> None:
         """One multipart message: header, then K and V rows of every layer for the suffix and
         the asked heads (or only the header when Mooncake wrote them)."""
         try:
             if job.error:  # refused before it could compute (see refuse)
                 raise ValueError(job.error)
-            start, end = int(msg["decode_prefix_len"]), len(job.slots)
-            heads = range(*msg["heads"])
-            if int(msg["prompt_len"]) != end or not 0 <= start <= end:
-                raise ValueError(f"decode asked for tokens {start}-{msg['prompt_len']} of a {end}-token prompt")
+            start, end, heads = ask.decode_prefix_len, len(job.slots), ask.heads
+            if ask.prompt_len != end:
+                raise ValueError(f"decode asked for tokens {start}-{ask.prompt_len} of a {end}-token prompt")
             if heads and not (self.heads.start <= heads.start and heads.stop <= self.heads.stop):
                 raise ValueError(f"decode asked for KV heads {heads.start}-{heads.stop - 1}; this rank holds "
                                  f"{self.heads.start}-{self.heads.stop - 1}")
-            if (self.writes is None) != ("mooncake" not in msg):
+            if (self.writes is None) != (ask.mooncake is None):
                 raise ValueError("the two servers use different --disaggregation-transfer-backend settings")
             local = range(heads.start - self.heads.start, heads.stop - self.heads.start)
             header = {"room": job.room, "first_token": job.first_token, "start": start, "end": end,
@@ -159,7 +229,7 @@ class KVSender:
                       "head_bytes": head_bytes(self.pool)}
             frames = []
             if self.writes is not None:  # the rows are in the decode pool already when this returns
-                header["written"] = sent = self.writes.write(msg["mooncake"], job.slots, start, end, local)
+                header["written"] = sent = self.writes.write(ask.mooncake, job.slots, start, end, local)
             elif heads:
                 idx = job.slots[start:end]
                 for k, v in zip(self.pool.k_buffers, self.pool.v_buffers):
@@ -168,13 +238,13 @@ class KVSender:
                 sent = sum(f.nbytes for f in frames)
             else:
                 sent = 0
-            self._sock.send_multipart([ident, json.dumps(header).encode(), *frames], copy=False)
+            self._sock.send_multipart([peer, json.dumps(header).encode(), *frames], copy=False)
             job.sent_bytes += sent
             job.sent_tokens = end - start
             logger.info("P/D prefill room=%d: sent tokens %d-%d, KV heads %d-%d (%d bytes)", job.room, start, end,
                         heads.start, heads.stop - 1, sent)
         except Exception as e:  # the decode side must hear why, or it waits for its deadline
             job.error = str(e)
-            self._sock.send_multipart([ident, json.dumps({"room": job.room, "error": job.error}).encode()])
+            self._send_error(peer, job.room, job.error)
             logger.warning("P/D prefill room=%d: %s", job.room, job.error)
         job.answered += 1

@@ -31,6 +31,7 @@ safe); the scheduler thread hands it work through a queue and reads results from
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -38,8 +39,46 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache.pools import DeviceKVPool
+from ..errors import EngineDeadError
+
+logger = logging.getLogger(__name__)
 
 POLL_MS = 50
+
+
+class IOThread:
+    """The one thread that owns a side's sockets. It must never die; if it does (a bug),
+    :attr:`failure` says why and :meth:`check_alive` raises, so the engine reports itself dead
+    (``/health`` 503, the server exits non-zero) instead of failing every transfer at its
+    timeout while looking healthy."""
+
+    name = "hicache-kv-io"
+
+    def __init__(self) -> None:
+        self.failure: str | None = None
+        self._thread = threading.Thread(target=self._guarded, name=self.name, daemon=True)
+
+    def _serve(self) -> None:
+        raise NotImplementedError
+
+    def _guarded(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:
+            self.failure = f"{type(e).__name__}: {e}"
+            logger.exception("P/D: the %s thread died", self.name)
+
+    def _start_thread(self) -> None:
+        self._thread.start()
+
+    def _join(self) -> None:
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def check_alive(self) -> None:
+        """Raises EngineDeadError once the thread has died."""
+        if self.failure is not None:
+            raise EngineDeadError(f"the P/D transfer thread {self.name} died ({self.failure})")
 
 
 @dataclass

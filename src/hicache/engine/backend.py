@@ -114,7 +114,9 @@ class LocalBackend:
             core.cache.drain_ready()
 
     def check_alive(self) -> None:
-        """One process: if this code runs, the backend is alive."""
+        """One process: alive while the threads it serves with are (P/D transfers)."""
+        if self.core is not None:
+            self.core.check_alive()
 
     def shutdown(self) -> None:
         """Stop the cache's threads (pending writes finish), then drop the model and pools."""

@@ -43,6 +43,11 @@ class EngineCore:
     runner: ModelRunner
     scheduler: Scheduler
 
+    def check_alive(self) -> None:
+        """Raises EngineDeadError once a thread this rank serves with has died."""
+        if self.scheduler.pd is not None:
+            self.scheduler.pd.check_alive()
+
     def shutdown(self) -> None:
         """Stop the P/D transfer threads, then the cache's (pending writes finish)."""
         if self.scheduler.pd is not None:
@@ -119,7 +124,7 @@ def build_core(
         sidecar=sidecar, unified=unified)
     runner = ModelRunner(loaded.model, cache.kv_view, device, cp)
     speculator = _speculator(cfg, draft, cache, layers, packed, device)
-    pd = _pd_role(cfg, cache, pd_ranks or TPRanks.alone(kv_heads))  # (a prefill TP group gathers its route here)
+    pd = _pd_role(cfg, cache, pd_ranks or TPRanks.alone(kv_heads), spec.vocab_size)  # (a prefill TP group gathers its route here)
     return EngineCore(pool, host_pool, cache, runner, _scheduler(cfg, cache, runner, loaded, speculator, pd))
 
 
@@ -188,14 +193,15 @@ def _scheduler(cfg: EngineConfig, cache: KVCacheManager, runner: ModelRunner, lo
     )
 
 
-def _pd_role(cfg: EngineConfig, cache: KVCacheManager, ranks: TPRanks) -> PDRole | None:
+def _pd_role(cfg: EngineConfig, cache: KVCacheManager, ranks: TPRanks, vocab_size: int) -> PDRole | None:
     """This rank's part in prefill/decode disaggregation (hicache.disagg), if any."""
     host = cfg.disaggregation_bootstrap_host or "127.0.0.1"
     if cfg.disaggregation_mode == "prefill":
         return PrefillRole(cache, cfg.disaggregation_bootstrap_port, ranks, host, cfg.disaggregation_transfer_timeout,
                            cfg.disaggregation_transfer_backend)
     if cfg.disaggregation_mode == "decode":
-        return DecodeRole(cache, ranks, cfg.disaggregation_transfer_timeout, cfg.disaggregation_transfer_backend, host)
+        return DecodeRole(cache, ranks, vocab_size, cfg.disaggregation_transfer_timeout,
+                          cfg.disaggregation_transfer_backend, host)
     return None
 
 

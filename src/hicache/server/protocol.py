@@ -13,6 +13,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..disagg.bootstrap import Bootstrap
+from ..disagg.wire import MAX_ROOM
 
 # Strict types (no "3" -> 3, no "yes" -> True) and no inf/NaN in any float field.
 STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
@@ -63,9 +64,9 @@ class _Sampling(BaseModel):
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     # Prefill/decode disaggregation: what sglang-router adds to a request it sends to both
     # servers (SGLang's other extras it adds, e.g. no_stop_trim, are ignored as unknown fields).
-    bootstrap_host: Optional[str] = None
-    bootstrap_port: Optional[int] = Field(None, ge=0, lt=65536)
-    bootstrap_room: Optional[int] = Field(None, ge=0)
+    bootstrap_host: Optional[str] = Field(None, min_length=1, max_length=253)
+    bootstrap_port: Optional[int] = Field(None, ge=1, le=65535)
+    bootstrap_room: Optional[int] = Field(None, ge=0, le=MAX_ROOM)
 
     def bootstrap(self) -> Optional[Bootstrap]:
         """Where the request's other half runs, or None (all three fields or none)."""
@@ -74,7 +75,10 @@ class _Sampling(BaseModel):
             return None
         if any(f is None for f in fields):
             raise APIError(400, "bootstrap_host, bootstrap_port and bootstrap_room go together.", param="bootstrap_room")
-        return Bootstrap(self.bootstrap_host, self.bootstrap_port, self.bootstrap_room)
+        try:
+            return Bootstrap(self.bootstrap_host, self.bootstrap_port, self.bootstrap_room)
+        except ValueError as e:  # a request that could never connect: said now, not at the transfer timeout
+            raise APIError(400, str(e), param="bootstrap_host") from None
 
     @field_validator("cache_salt")
     @classmethod

@@ -1,0 +1,255 @@
+"""What may arrive on a P/D socket, checked before use.
+
+The prefill server's bootstrap socket listens on the network, and a decode server's peer is
+whatever ``bootstrap_host`` / ``bootstrap_port`` an API client named: every message is hostile
+until checked. Each parser here takes one received message and returns a typed value whose
+fields are within bounds (integers are integers, not bools or floats; numbers are finite;
+lists have the expected length; strings are short), or raises :class:`WireError` with one
+sentence. Callers drop (and log) a message that fails; none of these functions raises anything
+else, whatever the bytes (deep nesting, huge numbers, NaN, wrong types).
+
+Size limits are enforced twice: ZeroMQ's ``MAXMSGSIZE`` disconnects a peer whose frame is
+larger than the socket's limit (:func:`limit_socket`), and :func:`recv_bounded` keeps at most a
+fixed number of frames of one message (ZeroMQ has no such option).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+MAX_ROOM = 2**63 - 1  # rooms are non-negative signed 64-bit integers, as SGLang draws them
+MAX_ASKERS = 1024  # decode ranks that ask one prefill rank (the decode server's TP size)
+MAX_RANKS = 1024  # prefill ranks in a route
+MAX_HEADS = 1 << 16  # model-global KV heads
+MAX_LAYERS = 1 << 16
+MAX_TOKENS = 1 << 31  # prompt tokens
+MAX_ADDRESS = 1 << 64  # Mooncake buffer addresses
+MAX_ERROR_CHARS = 500  # a peer's error text kept (it ends up in a log line and an HTTP error)
+JSON_FRAME_BYTES = 64 << 10  # a route ask, a route answer without Mooncake, any answer header
+_HOST = re.compile(r"[A-Za-z0-9._:%-]{1,253}")  # a host name, an IPv4 or an IPv6 address (maybe scoped)
+
+
+class WireError(ValueError):
+    """A message that is not what the protocol allows (one sentence)."""
+
+
+# ---- receiving ----------------------------------------------------------------------------------
+def limit_socket(sock: Any, max_frame_bytes: int, max_queued: int = 1000) -> None:
+    """A peer that sends a frame over ``max_frame_bytes`` is disconnected by ZeroMQ before it
+    is buffered; at most ``max_queued`` messages wait per peer (the rest are dropped)."""
+    import zmq
+
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+    sock.setsockopt(zmq.RCVHWM, max_queued)
+
+
+def recv_bounded(sock: Any, max_frames: int, copy: bool = True) -> Optional[list]:
+    """One whole message from ``sock`` (ready to read), or None when it had more than
+    ``max_frames`` frames (the rest are read and discarded, never kept)."""
+    import zmq
+
+    frames = [sock.recv(copy=copy)]
+    over = False
+    while sock.getsockopt(zmq.RCVMORE):
+        frame = sock.recv(copy=copy)
+        if len(frames) < max_frames:
+            frames.append(frame)
+        else:
+            over = True
+    return None if over else frames
+
+
+def json_object(frame: bytes, limit: int = JSON_FRAME_BYTES) -> dict:
+    """A JSON object of at most ``limit`` bytes."""
+    if len(frame) > limit:
+        raise WireError(f"a {len(frame)}-byte JSON frame (at most {limit})")
+    try:
+        msg = json.loads(frame)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError; nesting a RecursionError
+        raise WireError(f"not JSON ({type(e).__name__})") from None
+    if not isinstance(msg, dict):
+        raise WireError("not a JSON object")
+    return msg
+
+
+class DropLog:
+    """Warnings about dropped messages, at most one line per ``interval_s`` (saying how many
+    were dropped since the previous line): a peer's flood must not flood the log."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 1.0) -> None:
+        self.logger, self.interval_s = logger, interval_s
+        self._last, self._count = -interval_s, 0
+
+    def __call__(self, message: str, *args: Any) -> None:
+        self._count += 1
+        now = time.monotonic()
+        if now - self._last >= self.interval_s:
+            more = f" ({self._count - 1} more dropped since the last such line)" if self._count > 1 else ""
+            self.logger.warning(message + more, *args)
+            self._last, self._count = now, 0
+
+
+# ---- fields -------------------------------------------------------------------------------------
+def integer(msg: dict, key: str, lo: int, hi: int) -> int:
+    value = msg.get(key)
+    if type(value) is not int or not lo <= value <= hi:  # (bool is an int subclass: refused too)
+        raise WireError(f"{key!r} must be an integer in [{lo}, {hi}]")
+    return value
+
+
+def number(msg: dict, key: str, lo: float, hi: float) -> float:
+    value = msg.get(key)
+    if type(value) not in (int, float) or not lo <= value <= hi:  # NaN fails the comparison; 10**400 > hi
+        raise WireError(f"{key!r} must be a number in [{lo}, {hi}]")
+    return float(value)
+
+
+def int_list(msg: dict, key: str, length: int, lo: int, hi: int) -> list[int]:
+    value = msg.get(key)
+    if not isinstance(value, list) or len(value) != length \
+            or any(type(v) is not int or not lo <= v <= hi for v in value):
+        raise WireError(f"{key!r} must be a list of {length} integers in [{lo}, {hi}]")
+    return value
+
+
+def head_range(msg: dict, key: str, limit: int = MAX_HEADS) -> range:
+    start, stop = int_list(msg, key, 2, 0, limit)
+    if start > stop:
+        raise WireError(f"{key!r} must be [first, end) with first <= end")
+    return range(start, stop)
+
+
+def host(value: Any, what: str = "host") -> str:
+    """A host name or IP address (no scheme, port, spaces or wildcards)."""
+    if not isinstance(value, str) or not _HOST.fullmatch(value):
+        raise WireError(f"{what} must be a host name or an IP address")
+    return value
+
+
+def error_text(value: Any) -> str:
+    return (value if isinstance(value, str) else json.dumps(value)[:MAX_ERROR_CHARS])[:MAX_ERROR_CHARS] or "no reason"
+
+
+# ---- messages -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MooncakeTarget:
+    """Where a prefill rank writes an ask's rows with Mooncake (:mod:`hicache.disagg.mooncake_writes`):
+    the decode rank's transfer engine, its K and V buffers' base addresses, the pages reserved
+    for the suffix and where the asked heads sit in its rows."""
+
+    session: str
+    page_size: int
+    row_heads: int
+    first_head: int
+    k: list[int]
+    v: list[int]
+    pages: list[int]
+
+    def to_wire(self) -> dict:
+        return {"session": self.session, "page_size": self.page_size, "row_heads": self.row_heads,
+                "first_head": self.first_head, "k": self.k, "v": self.v, "pages": self.pages}
+
+    @classmethod
+    def parse(cls, msg: Any, layers: int, suffix_tokens: int) -> "MooncakeTarget":
+        if not isinstance(msg, dict):
+            raise WireError("'mooncake' must be an object")
+        session = msg.get("session")
+        if not isinstance(session, str) or ":" not in session:
+            raise WireError("'mooncake.session' must be host:port")
+        host(session.rpartition(":")[0].strip("[]"), "the Mooncake session's host")
+        page_size = integer(msg, "page_size", 1, 1 << 20)
+        pages = -(-suffix_tokens // page_size)
+        return cls(session, page_size, integer(msg, "row_heads", 1, MAX_HEADS), integer(msg, "first_head", 0, MAX_HEADS),
+                   int_list(msg, "k", layers, 0, MAX_ADDRESS), int_list(msg, "v", layers, 0, MAX_ADDRESS),
+                   int_list(msg, "pages", pages, 0, MAX_TOKENS))
+
+
+@dataclass(frozen=True)
+class Ask:
+    """A decode rank's ask to a prefill rank (protocol step 2): tokens
+    ``[decode_prefix_len, prompt_len)`` of ``room``'s prompt, model-global KV ``heads``;
+    ``askers``: how many decode ranks ask; ``expires_in``: seconds until the asker gives up."""
+
+    room: int
+    decode_prefix_len: int
+    prompt_len: int
+    heads: range
+    askers: int
+    expires_in: float
+    mooncake: Optional[MooncakeTarget] = None
+
+    def to_wire(self) -> dict:
+        msg = {"room": self.room, "decode_prefix_len": self.decode_prefix_len, "prompt_len": self.prompt_len,
+               "heads": [self.heads.start, self.heads.stop], "askers": self.askers, "expires_in": self.expires_in}
+        if self.mooncake is not None:
+            msg["mooncake"] = self.mooncake.to_wire()
+        return msg
+
+    @classmethod
+    def parse(cls, msg: dict, layers: int) -> "Ask":
+        """``layers``: the prefill pool's (a Mooncake target lists one address per layer)."""
+        prompt_len = integer(msg, "prompt_len", 0, MAX_TOKENS)
+        start = integer(msg, "decode_prefix_len", 0, prompt_len)
+        mooncake = MooncakeTarget.parse(msg["mooncake"], layers, prompt_len - start) if "mooncake" in msg else None
+        return cls(integer(msg, "room", 0, MAX_ROOM), start, prompt_len, head_range(msg, "heads"),
+                   integer(msg, "askers", 1, MAX_ASKERS), number(msg, "expires_in", 0.0, math.inf), mooncake)
+
+
+@dataclass(frozen=True)
+class RouteAnswer:
+    """The prefill server's route (protocol step 1): every rank's KV socket and heads, and the
+    shape of its KV (to refuse a prefill server of another model or dtype)."""
+
+    ranks: list[list]  # RankEndpoint wire items, checked
+    layers: int
+    head_bytes: int
+    dtype: str
+
+    @classmethod
+    def parse(cls, msg: dict) -> "RouteAnswer":
+        ranks = msg.get("route")
+        if not isinstance(ranks, list) or not 1 <= len(ranks) <= MAX_RANKS:
+            raise WireError(f"'route' must list 1 to {MAX_RANKS} ranks")
+        for item in ranks:
+            if not isinstance(item, list) or len(item) != 4:
+                raise WireError("a route entry must be [host, port, first_head, end_head]")
+            host(item[0], "a prefill rank's host")
+            fields = dict(zip(("port", "first_head", "end_head"), item[1:]))
+            integer(fields, "port", 1, 65535)
+            head_range({"heads": item[2:]}, "heads")
+        dtype = msg.get("dtype")
+        if not isinstance(dtype, str) or len(dtype) > 64:
+            raise WireError("'dtype' must be a short string")
+        return cls(ranks, integer(msg, "layers", 1, MAX_LAYERS), integer(msg, "head_bytes", 1, 1 << 24), dtype)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A prefill rank's answer header (protocol step 3): an error, or tokens ``[start, end)``
+    of ``layers`` layers for ``heads``, sent as frames or (``written`` bytes) by Mooncake."""
+
+    room: int
+    error: str = ""
+    first_token: int = -1
+    start: int = 0
+    end: int = 0
+    layers: int = 0
+    heads: range = range(0)
+    written: Optional[int] = None
+
+    @classmethod
+    def parse(cls, msg: dict, vocab_size: int) -> "Answer":
+        """``vocab_size``: the decode model's; a first token outside it would crash its forward."""
+        room = integer(msg, "room", 0, MAX_ROOM)
+        if "error" in msg:
+            return cls(room, error=error_text(msg["error"]))
+        end = integer(msg, "end", 0, MAX_TOKENS)
+        written = integer(msg, "written", 0, 1 << 62) if "written" in msg else None
+        return cls(room, "", integer(msg, "first_token", 0, vocab_size - 1), integer(msg, "start", 0, end), end,
+                   integer(msg, "layers", 1, MAX_LAYERS), head_range(msg, "heads"), written)
