@@ -7,14 +7,14 @@ then ``PATH``. Without one, tests that use the fixture are skipped with the reas
 Tests sharing the server should use their own key prefix (e.g. a uuid) to stay isolated.
 
 ``mooncake_store``: one throw-away Mooncake Store per test session on 127.0.0.1: a
-``mooncake_master`` (free ports, its HTTP metadata server on) and a ``mooncake_client`` store
-service holding a 256 MiB segment, so objects outlive the processes that write them. Yields
-the extra-config dict of a backend that contributes no memory of its own (add a ``prefix``,
-e.g. a uuid, to stay isolated). Binaries: ``$HICACHE_MOONCAKE_MASTER`` /
-``$HICACHE_MOONCAKE_CLIENT``, next to the venv's python, in the ``mooncake`` package, then
-``PATH``. Skipped with the reason when ``mooncake.store`` does not import (the
-``mooncake-transfer-engine-non-cuda`` wheel, test extra, plus libibverbs1) or a binary is
-missing.
+``mooncake_master`` (free ports; peers exchange transfer metadata directly, no HTTP metadata
+server) and a ``mooncake_client`` store service holding a 256 MiB segment, so objects outlive
+the processes that write them. Yields the extra-config dict of a backend that contributes
+no memory of its own (add a ``prefix``, e.g. a uuid, to stay isolated). Binaries:
+``$HICACHE_MOONCAKE_MASTER`` / ``$HICACHE_MOONCAKE_CLIENT``, next to the venv's python, in the
+``mooncake`` package, then ``PATH``. Skipped with the reason when ``mooncake.store`` does not
+import (the ``mooncake-transfer-engine-non-cuda`` wheel, test extra, plus libibverbs1) or a
+binary is missing.
 
 ``nothing_left_running`` (every test): whatever engine a test made is fully stopped after it.
 """

@@ -21,6 +21,7 @@ from collections import deque
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from hicache import Engine, SamplingParams, consensus_record
@@ -377,6 +378,23 @@ def test_an_engine_dropped_without_shutdown_stops_its_ranks() -> None:
     assert multiprocessing.active_children() == []
 
 
+def _listening(pids: list[int]) -> list[tuple[int, str, int]]:
+    """``(pid, address, port)`` of every TCP socket these processes listen on."""
+    return [(pid, c.laddr.ip, c.laddr.port) for pid in pids
+            for c in psutil.Process(pid).net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN]
+
+
+def test_ranks_listen_on_loopback_only() -> None:
+    """One machine: rank 0's rendezvous store and every rank's gloo sockets listen on
+    127.0.0.1, nothing on a wildcard (torch's own tcp:// rendezvous listens on ``*:port``)."""
+    engine = Engine("random:tiny", tp_size=2, max_total_tokens=512, **BASE)
+    try:
+        listening = _listening([p.pid for p in engine.group.procs])
+        assert len(listening) >= 2 and {ip for _, ip, _ in listening} == {"127.0.0.1"}, listening
+    finally:
+        engine.shutdown()
+
+
 def test_bad_parallel_layout_is_one_clear_error() -> None:
     with pytest.raises(HicacheError, match="exceeds the model's 4 attention heads"):
         Engine(MODEL, tp_size=5, **BASE)
@@ -554,6 +572,8 @@ def test_ranks_on_two_nodes_match_one_rank(tmp_path: Path) -> None:
         engine = Engine(MODEL, tp_size=2, nnodes=2, node_rank=0, dist_init_addr=addr, max_total_tokens=512, **BASE)
         try:
             assert len(engine.group.procs) == 1  # only node 0's rank runs here
+            ranks = [engine.group.procs[0].pid] + [c.pid for c in psutil.Process(node.pid).children()]
+            assert {ip for _, ip, _ in _listening(ranks)} == {"127.0.0.1"}  # both nodes: the route's address
             got, cached = _two_turns(engine)
         finally:
             engine.shutdown()

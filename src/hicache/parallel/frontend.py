@@ -49,7 +49,7 @@ TRACE_ENTRIES = 100_000  # the checker's recent calls kept per rank (for reports
 
 def init_method(cfg: EngineConfig) -> str:
     """torch.distributed's rendezvous: ``--dist-init-addr`` across machines (rank 0 listens
-    there), else a free local port."""
+    there), else a free port of 127.0.0.1: on one machine no rank listens beyond loopback."""
     addr = split_host_port(cfg.dist_init_addr) if cfg.nnodes > 1 else None
     if addr is None:
         return f"tcp://127.0.0.1:{free_port()}"

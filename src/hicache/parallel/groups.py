@@ -19,16 +19,24 @@ ranks all sit on one node may sum through shared memory. Groups:
   used by one thread so that every rank issues its collectives in the same order;
 - the default group, for start-up agreement and point-to-point step messages between
   stages (pickled objects, sent with isend so a stage never blocks on its consumer).
+
+Every socket listens on one address, never on all of them: rank 0's rendezvous store on the
+rendezvous host (loopback on one machine, ``--dist-init-addr``'s host across machines), every
+gloo group on this node's address (the same; on a node other than 0, the address its route to
+node 0 leaves from).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import pickle
+import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -39,6 +47,9 @@ logger = logging.getLogger(__name__)
 
 # A stalled peer shows up as a dead process in the frontend long before this.
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
+# Gloo with its sockets on this node's address (_register_gloo): torch's own "gloo" listens on
+# whatever the machine's host name resolves to, often a public interface.
+GLOO = "hicache_gloo"
 
 
 @dataclass(frozen=True)
@@ -135,21 +146,68 @@ def rank_label(rank: int, tp_size: int) -> str:
     return f"PP{rank // tp_size}/TP{rank % tp_size}"
 
 
+def rendezvous_store(host: str, port: int, info: RankInfo) -> dist.TCPStore:
+    """The ranks' rendezvous store at ``host:port``, served by rank 0 on ``host`` only.
+
+    torch's ``tcp://`` rendezvous serves it on every address (``*:port``, IPv4 and IPv6) and
+    has no option to bind one: rank 0 binds the socket here and hands it over
+    (``master_listen_fd``; the store then owns it)."""
+    if info.rank != 0:
+        return dist.TCPStore(host, port, info.world_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        listener = socket.create_server((host, port), family=family, backlog=socket.SOMAXCONN)
+    except OSError as e:  # e.g. a --dist-init-addr host that is not an address of node 0
+        raise OSError(f"rank 0 cannot serve the rendezvous on {host}:{port}: {e.strerror or e}") from None
+    return dist.TCPStore(host, port, info.world_size, is_master=True, timeout=COLLECTIVE_TIMEOUT,
+                         master_listen_fd=listener.detach())
+
+
+def node_address(host: str, port: int, node_rank: int) -> str:
+    """The address this node's gloo sockets listen on: the rendezvous host on node 0 (loopback
+    on one machine), else the address this node's packets to it leave from (a UDP connect only
+    looks the route up; nothing is sent)."""
+    if node_rank == 0:
+        return host
+    family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(sockaddr)
+        return s.getsockname()[0]
+
+
+def _register_gloo(address: str) -> None:
+    """Backend :data:`GLOO`: gloo whose device (its listening socket) is made for ``address``.
+    torch.distributed takes no gloo device for a group, only a backend that builds one;
+    ``GLOO_SOCKET_IFNAME``, when set, still picks interfaces instead, as in torch."""
+    interfaces = [i for i in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if i]
+
+    def create(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        make = dist.ProcessGroupGloo.create_device
+        opts._devices = [make(interface=i) for i in interfaces] or [make(hostname=address)]
+        return dist.ProcessGroupGloo(store, rank, size, opts)
+
+    dist.Backend.register_backend(GLOO, create, devices=["cpu", "cuda"])
+
+
 class ParallelGroups:
     def __init__(self, info: RankInfo, init_method: str, device: torch.device, latent_sharding: bool = False) -> None:
         """``latent_sharding``: no CP, but an MLA latent is page-sharded over each stage's TP
         ranks; they then form the stage's shard group (``self.cp``) for the prefix gathers."""
         self.info = info
-        dist.init_process_group("gloo", init_method=init_method, rank=info.rank, world_size=info.world_size,
-                                timeout=COLLECTIVE_TIMEOUT)
-        tensor_backend = "nccl" if device.type == "cuda" else "gloo"
+        url = urlsplit(init_method)
+        _register_gloo(node_address(url.hostname, url.port, info.node_rank))
+        dist.init_process_group(GLOO, store=rendezvous_store(url.hostname, url.port, info), rank=info.rank,
+                                world_size=info.world_size, timeout=COLLECTIVE_TIMEOUT)
+        tensor_backend = "nccl" if device.type == "cuda" else GLOO
         # new_group is collective: every rank creates every group, in the same order.
         self.tp_ctrl = self.tp_tensor = None
         self.cp: CPGroup | None = None
         a = info.attn_tp_size
         for p in range(info.pp_size):
             ranks = [info.rank_of(p, t) for t in range(info.tp_size)]
-            ctrl = dist.new_group(ranks, backend="gloo")
+            ctrl = dist.new_group(ranks, backend=GLOO)
             if p == info.pp_rank:
                 self.tp_ctrl = ctrl
             for c in range(info.cp_size):  # each CP rank's attention-TP ranks share partial sums
@@ -157,17 +215,17 @@ class ParallelGroups:
                 if p == info.pp_rank and c == info.cp_rank:
                     self.tp_tensor = tensor
             if latent_sharding and info.cp_size == 1:  # the TP ranks hold the same latent, sharded
-                pair = (dist.new_group(ranks, backend="gloo"), dist.new_group(ranks, backend="gloo"))
+                pair = (dist.new_group(ranks, backend=GLOO), dist.new_group(ranks, backend=GLOO))
                 if p == info.pp_rank:
                     self.cp = CPGroup(pair[0], pair[1], info.tp_rank, info.tp_size)
             if info.cp_size > 1:
                 for t in range(a):  # the same heads on every CP rank
                     members = ranks[t::a]
-                    pair = (dist.new_group(members, backend="gloo"), dist.new_group(members, backend="gloo"))
+                    pair = (dist.new_group(members, backend=GLOO), dist.new_group(members, backend=GLOO))
                     if p == info.pp_rank and t == info.attn_tp_rank:
                         self.cp = CPGroup(pair[0], pair[1], info.cp_rank, info.cp_size)
         everyone = list(range(info.world_size))
-        self._storage = (dist.new_group(everyone, backend="gloo"), dist.new_group(everyone, backend="gloo"))
+        self._storage = (dist.new_group(everyone, backend=GLOO), dist.new_group(everyone, backend=GLOO))
         self.stage_leader = info.rank_of(info.pp_rank, 0)
         self._sends: list[tuple[Any, ...]] = []  # in-flight isends and the buffers they read
         self._shm: ShmAllReduce | None = None

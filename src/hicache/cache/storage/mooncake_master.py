@@ -14,9 +14,13 @@ Where a binary comes from, first match wins (``name`` is ``mooncake_master`` or
   3. inside the installed ``mooncake`` package (the wheel's own copies);
   4. ``PATH``.
 
-Everything runs on 127.0.0.1 on free ports (the master's RPC port, its HTTP metadata server
-and its admin/metrics port), logs to a file in a temp dir, and is stopped (SIGTERM, then
-SIGKILL) on exit.
+Everything runs on 127.0.0.1 on free ports (the master's RPC port and its admin/metrics
+port), logs to a file in a temp dir, and is stopped (SIGTERM, then SIGKILL) on exit. Peers
+exchange transfer metadata directly (``P2PHANDSHAKE``): the master's HTTP metadata server
+listens on 0.0.0.0 whatever ``-http_metadata_server_host`` says (Mooncake 0.3.13), so it stays
+off. The transfer engine inside every Mooncake client (the store service, each engine's
+backend) still listens on every address, for its handshake and data ports: Mooncake has no
+option to bind them.
 """
 
 from __future__ import annotations
@@ -94,19 +98,15 @@ class _Process:
 
 @dataclass
 class MooncakeMaster(_Process):
-    """A master with its HTTP metadata server, both on 127.0.0.1."""
+    """A master on 127.0.0.1; its clients exchange transfer metadata peer to peer."""
 
     rpc_port: int = 0
-    http_port: int = 0
     host: str = "127.0.0.1"
+    metadata_server: str = "P2PHANDSHAKE"
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.rpc_port}"
-
-    @property
-    def metadata_server(self) -> str:
-        return f"http://{self.host}:{self.http_port}/metadata"
 
     def backend_config(self, **overrides) -> dict:
         """The ``MooncakeBackend`` options (extra-config JSON) of a client of this store that
@@ -156,21 +156,19 @@ def _binary(name: str, binary: str | None) -> str:
 def start_mooncake_master(
     binary: str | None = None, start_timeout_s: float = 15.0, attempts: int = 3
 ) -> MooncakeMaster:
-    """Start a master (RPC + HTTP metadata server) on free ports of 127.0.0.1 and wait until
-    both accept connections. FileNotFoundError without a binary, RuntimeError when it does not
-    come up (retried on new ports ``attempts`` times)."""
+    """Start a master on a free port of 127.0.0.1 and wait until it accepts connections.
+    FileNotFoundError without a binary, RuntimeError when it does not come up (retried on new
+    ports ``attempts`` times)."""
     binary = _binary("mooncake_master", binary)
     last = ""
     for _ in range(attempts):
-        rpc, http = free_port(), free_port()
+        rpc = free_port()
         proc, workdir = _spawn([
-            binary, f"-rpc_port={rpc}", "-rpc_address=127.0.0.1",
-            "-enable_http_metadata_server=true", "-http_metadata_server_host=127.0.0.1",
-            f"-http_metadata_server_port={http}", "-metrics_host=127.0.0.1", "-metrics_port=0",
-            "-enable_metric_reporting=false",
+            binary, f"-rpc_port={rpc}", "-rpc_address=127.0.0.1", "-enable_http_metadata_server=false",
+            "-metrics_host=127.0.0.1", "-metrics_port=0", "-enable_metric_reporting=false",
         ], "hicache-mooncake-master-")  # fmt: skip
-        master = MooncakeMaster(proc, workdir, rpc_port=rpc, http_port=http)
-        if _wait(master, [rpc, http], start_timeout_s):
+        master = MooncakeMaster(proc, workdir, rpc_port=rpc)
+        if _wait(master, [rpc], start_timeout_s):
             return master
         last = master.log_tail()
         master.stop()
