@@ -184,11 +184,16 @@ def test_tokenizing_runs_off_the_event_loop(server, http, monkeypatch) -> None:
 
 def test_api_key(server) -> None:
     url = server.base_url
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+    for auth in (None, "Bearer wrong", "bearer wrong", f"bearer {KEY}x", KEY, f"Basic {KEY}", f"Bearer{KEY}"):
+        headers = {} if auth is None else {"Authorization": auth}
         r = httpx.post(url + "/v1/completions", json=completion(), headers=headers)
         err = error_of(r, 401)
         assert err["code"] == "invalid_api_key" and r.headers["www-authenticate"] == "Bearer"
         assert error_of(httpx.post(url + "/flush_cache", headers=headers), 401)["code"] == "invalid_api_key"
+    # The auth scheme is case-insensitive (RFC 7235 section 2.1).
+    for scheme in ("bearer", "BEARER", "bEaReR"):
+        r = httpx.post(url + "/v1/completions", json=completion(), headers={"Authorization": f"{scheme} {KEY}"})
+        assert r.status_code == 200, (scheme, r.text)
     assert httpx.get(url + "/health").status_code == 200  # probes and scrapers need no key
     metrics = httpx.get(url + "/metrics").text
     assert 'hicache_rejected_requests_total{reason="invalid_api_key"}' in metrics

@@ -4,6 +4,10 @@ No parameter value that passes :meth:`SamplingParams.validate` can make the samp
 NaN or fail: temperatures below :data:`GREEDY_TEMPERATURE` decode greedily, logits are shifted
 by their maximum before scaling, top-p always keeps the most likely token, and a row that still
 has no valid distribution (non-finite logits from the model) falls back to its argmax.
+
+One tie rule everywhere: the most likely token is the lowest id among the maximal logits
+(:func:`top_token`). Greedy, top-p's always-kept token and the argmax fallbacks all pick it, so
+``temperature=0`` and ``top_p`` -> 0 give the same text even where low-precision logits tie.
 """
 
 from __future__ import annotations
@@ -75,9 +79,15 @@ def _is_real(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def top_token(logits: torch.Tensor) -> torch.Tensor:
+    """The most likely token of each row (last dim): the lowest id among the maxima
+    (``torch.argmax`` documents that it returns the first maximal index)."""
+    return logits.argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]) -> list[int]:
     """One token per row of ``logits`` ``[B, vocab]`` (float32)."""
-    out = logits.argmax(dim=-1).tolist()
+    out = top_token(logits).tolist()
     for i, p in enumerate(params):
         if p.greedy:
             continue
@@ -100,6 +110,11 @@ def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor | Non
     probs = torch.softmax(row, dim=-1)
     if p.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
+        # The sort orders equal probabilities (tied logits, or a temperature that flattens them)
+        # arbitrarily: put the greedy token, top_token(logits), first. Its probability is the
+        # maximum, so the order stays sorted.
+        top = int((order == top_token(logits)).nonzero()[0])
+        order[[0, top]] = order[[top, 0]]
         # Keep the smallest head whose mass reaches top_p, and always the most likely token
         # (rounding in the cumulative sum could otherwise drop every token for a tiny top_p).
         drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p

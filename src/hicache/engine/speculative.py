@@ -30,7 +30,7 @@ import torch
 from ..config import ConfigError, EngineConfig
 from ..model.batch import KVView
 from ..model.loader import LoadedModel
-from .sampling import probabilities
+from .sampling import probabilities, top_token
 
 if TYPE_CHECKING:
     from .runner import ModelRunner
@@ -176,10 +176,10 @@ def _draw(logits: torch.Tensor, req) -> tuple[int, Optional[torch.Tensor]]:
     """The draft's token for one row, and its distribution when the request samples (drawn
     from the request's draft stream, so every rank layout draws the same drafts)."""
     if req.sampling.greedy:
-        return int(logits.argmax()), None
+        return int(top_token(logits)), None
     dist = _distribution(logits, req)
     if dist is None:  # no valid distribution: take the argmax, as the sampler does, and tell
-        tok = int(logits.argmax())  # the rejection rule the draft proposed it with certainty
+        tok = int(top_token(logits))  # the rejection rule the draft proposed it with certainty
         dist = torch.zeros_like(logits)
         dist[tok] = 1.0
         return tok, dist
@@ -195,7 +195,7 @@ def _distribution(logits: torch.Tensor, req) -> Optional[torch.Tensor]:
 
 def greedy_accept(drafts: Sequence[int], logits: torch.Tensor) -> list[int]:
     """The drafts that equal the target's argmax, then the target's token after them."""
-    target = logits.argmax(dim=-1).tolist()
+    target = top_token(logits).tolist()
     j = 0
     while j < len(drafts) and drafts[j] == target[j]:
         j += 1
@@ -212,7 +212,7 @@ def rejection_accept(drafts: Sequence[int], draft_probs: torch.Tensor, logits: t
     for i, d in enumerate(drafts):
         p = _distribution(logits[i], req)
         if p is None:  # the target has no valid distribution here: take its argmax and stop
-            return out + [int(logits[i].argmax())]
+            return out + [int(top_token(logits[i]))]
         q = draft_probs[i]
         u = float(torch.rand((), generator=gen))
         if u * float(q[d]) < float(p[d]):  # u < p/q without dividing by a zero q
@@ -222,5 +222,5 @@ def rejection_accept(drafts: Sequence[int], draft_probs: torch.Tensor, logits: t
         dist = residual if float(residual.sum()) > 0 else p
         return out + [int(torch.multinomial(dist, 1, generator=gen))]
     p = _distribution(logits[len(drafts)], req)
-    bonus = int(logits[len(drafts)].argmax()) if p is None else int(torch.multinomial(p, 1, generator=gen))
+    bonus = int(top_token(logits[len(drafts)])) if p is None else int(torch.multinomial(p, 1, generator=gen))
     return out + [bonus]

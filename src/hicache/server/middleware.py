@@ -64,18 +64,26 @@ class CatchAllErrors:
 
 class RequireApiKey:
     """``Authorization: Bearer <key>`` on every path but :data:`OPEN_PATHS`; a missing or
-    wrong key is 401 ``invalid_api_key``. Compared in constant time."""
+    wrong key is 401 ``invalid_api_key``. The scheme is case-insensitive (RFC 7235: ``bearer``
+    and ``BEARER`` too) and may be followed by several spaces; the key is compared in constant
+    time."""
 
     def __init__(self, app: ASGIApp, api_key: str, on_reject: Callable[[], None] | None = None) -> None:
         self.app, self.on_reject = app, on_reject
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = api_key.encode()
+
+    def _accepts(self, authorization: bytes) -> bool:
+        scheme, _, key = authorization.partition(b" ")
+        # Compare the key even when the scheme is wrong: the time taken says nothing either way.
+        key_ok = hmac.compare_digest(key.lstrip(b" "), self._expected)
+        return scheme.lower() == b"bearer" and key_ok
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope.get("method") == "OPTIONS":
             await self.app(scope, receive, send)
             return
         given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        if hmac.compare_digest(given, self._expected):
+        if self._accepts(given):
             await self.app(scope, receive, send)
             return
         if self.on_reject is not None:
