@@ -250,19 +250,25 @@ def test_flush_and_stats() -> None:
     assert engine.generate([p], GREEDY)[0].cached_tokens == 0
 
 
-@pytest.mark.parametrize("device, cuda_bf16, cpu_native_bf16, want", [
-    ("cpu", False, False, "float32"),  # AVX2-only CPU: bf16 would be emulated
-    ("cpu", False, True, "bfloat16"),  # AVX512-BF16 / AMX
-    ("cuda", True, False, "bfloat16"),
-    ("cuda", False, False, "float16"),
+@pytest.mark.parametrize("device, cuda_bf16, cpu_native_bf16, want, prefill", [
+    ("cpu", False, False, "float32", "same"),  # AVX2-only CPU: bf16 would be emulated
+    ("cpu", False, True, "float32", "bfloat16"),  # AVX512-BF16 / AMX: decode float32 (blocks), prefill bf16
+    ("cuda", True, False, "bfloat16", "same"),
+    ("cuda", False, False, "float16", "same"),
 ])
-def test_dtype_auto_picks_what_the_hardware_runs_natively(monkeypatch: pytest.MonkeyPatch, device: str,
-                                                          cuda_bf16: bool, cpu_native_bf16: bool, want: str) -> None:
+def test_dtype_auto_picks_what_the_hardware_runs_natively_per_phase(monkeypatch: pytest.MonkeyPatch, device: str,
+                                                                    cuda_bf16: bool, cpu_native_bf16: bool, want: str,
+                                                                    prefill: str) -> None:
     monkeypatch.setattr(device_mod, "cpu_has_native_bf16", lambda: cpu_native_bf16)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: cuda_bf16)
-    chosen, why = device_mod.resolve_dtype("auto", torch.device(device))
+    dev = torch.device(device)
+    chosen, why = device_mod.resolve_dtype("auto", dev)
     assert chosen == want and why
-    assert device_mod.resolve_dtype("bfloat16", torch.device(device)) == ("bfloat16", "requested")
+    assert device_mod.resolve_prefill_weights("auto", "auto", chosen, dev)[0] == prefill
+    assert device_mod.resolve_dtype("bfloat16", dev) == ("bfloat16", "requested")
+    # explicit flags override: an explicit float32 prefills in float32 too
+    assert device_mod.resolve_prefill_weights("auto", "float32", "float32", dev)[0] == "same"
+    assert device_mod.resolve_prefill_weights("bfloat16", "bfloat16", "bfloat16", dev)[0] == "same"
 
 
 def test_engine_resolves_dtype_auto_once_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
@@ -270,8 +276,9 @@ def test_engine_resolves_dtype_auto_once_and_says_why(caplog: pytest.LogCaptureF
     with caplog.at_level(logging.INFO, logger="hicache.device"):
         auto = Engine("random:tiny", max_total_tokens=512)
     assert auto.config.dtype == want and auto.pool.k_buffers[0].dtype == device_mod.DTYPES[want]
-    assert f"dtype auto -> {want}" in caplog.text
-    explicit = Engine("random:tiny", max_total_tokens=512, dtype=want)
+    assert f"dtype auto -> {want}" in caplog.text and "prefill weights auto -> " in caplog.text
+    explicit = Engine("random:tiny", max_total_tokens=512, dtype=want,
+                      prefill_weight_dtype=auto.config.prefill_weight_dtype)
     # Cache namespaces (and so storage keys) name the dtype that runs, not "auto".
     assert auto.model_namespace == explicit.model_namespace
     ids = [5, 6, 7, 8, 9, 10]

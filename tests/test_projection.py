@@ -4,6 +4,7 @@ by decode-sized passes, and keeps its KV apart from the exact weights' in the ca
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hicache import Engine, SamplingParams
@@ -98,3 +99,45 @@ def test_weights_are_fused_and_decode_copies_made_before_the_kv_pool_is_sized():
     assert not any(p.prepared for p in rank.model.projections())
     shard_model(rank.model, model_shard(rank.spec, 1, 2, 1, 2), None)
     assert all(p.prepared and p.decode_format == "bfloat16" for p in rank.model.projections())
+
+
+def test_prefill_copy_serves_only_prefill_sized_passes():
+    """Precision per phase: passes of more than DECODE_ROWS rows read the bf16 copy (inputs cast
+    to bf16, outputs back to float32); decode-sized passes keep the exact float32 path."""
+    (part,) = _linears(32, bias=True)
+    proj = Projection(part)
+    proj.prefill_weights = "bfloat16"
+    decode_x, prefill_x = torch.randn(DECODE_ROWS, 16), torch.randn(DECODE_ROWS + 1, 16)
+    exact = lambda x: x @ part.weight.T + part.bias  # noqa: E731
+    rounded = lambda x: F.linear(x.bfloat16(), part.weight.bfloat16(), part.bias.bfloat16()).float()  # noqa: E731
+    torch.testing.assert_close(proj(decode_x), exact(decode_x))
+    torch.testing.assert_close(proj(prefill_x), rounded(prefill_x))
+    assert proj(prefill_x).dtype == torch.float32 and proj.prefill_format == "bfloat16"
+    assert proj.copies_nbytes() == part.weight.numel() * 2  # counted against the memory budget
+
+
+def test_prefill_weight_dtype_is_part_of_the_identity_and_the_resident_size():
+    same = load_model("random:small", dtype=torch.float32)
+    bf16 = load_model("random:small", dtype=torch.float32, prefill_weights="bfloat16")
+    noop = load_model("random:small", dtype=torch.bfloat16, prefill_weights="bfloat16", weights=False)
+    assert ":prefill-bfloat16" in bf16.identity and ":prefill" not in same.identity
+    assert noop.identity.endswith(":bfloat16")  # a bf16 model's bf16 prefill copy is no copy
+    params = sum(p.numel() for p in same.model.parameters())  # (tied embedding and head: one storage)
+    assert same.model.weight_bytes() == 4 * params
+    assert bf16.model.weight_bytes() == 4 * params + 2 * sum(p._weight.numel() for p in bf16.model.projections())
+
+
+def test_engine_prefilling_from_bf16_keeps_a_separate_namespace_and_close_logits():
+    """The KV of a prompt computed from bf16 weights differs from float32's by bf16 rounding:
+    its own cache namespace; the first token's logits stay within bf16's tolerance."""
+    ids = list(range(3, 40))
+    exact = Engine("random:small", dtype="float32", max_total_tokens=512)
+    mixed = Engine("random:small", dtype="float32", max_total_tokens=512, prefill_weight_dtype="bfloat16")
+    try:
+        assert exact.model_namespace != mixed.model_namespace
+        assert all(p.prefill_format == "bfloat16" for p in mixed.loaded.model.projections())
+        a, b = (e.generate([ids], GREEDY)[0] for e in (exact, mixed))
+        assert len(b.output_ids) == 12 and a.output_ids[0] == b.output_ids[0]
+    finally:
+        exact.shutdown()
+        mixed.shutdown()

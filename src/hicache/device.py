@@ -73,19 +73,44 @@ def cpu_description() -> str:
 
 
 def resolve_dtype(name: str, device: torch.device) -> tuple[str, str]:
-    """``(dtype name, why)`` for ``--dtype``: ``auto`` is bf16 where the hardware runs it
-    natively (CUDA with bf16 support, else fp16 on CUDA; a CPU with AVX512-BF16 or AMX),
-    float32 on any other CPU. An explicit name is kept."""
+    """``(dtype name, why)`` for ``--dtype`` (weights, activations and KV): ``auto`` is bf16 on
+    CUDA with bf16 support, else fp16 there, and float32 on a CPU -- where decode, bound by
+    weight bytes, reads exact 4/8-bit blocks through the native kernels, which take float32
+    activations (a CPU with native bf16 prefills from a bf16 copy instead:
+    :func:`resolve_prefill_weights`). An explicit name is kept."""
     if name != "auto":
         return name, "requested"
     if device.type == "cuda":
         if torch.cuda.is_bf16_supported():
             return "bfloat16", "CUDA device with bf16 support"
         return "float16", "CUDA device without bf16 support"
-    if cpu_has_native_bf16():
-        return "bfloat16", "CPU with native bf16 (AVX512-BF16 or AMX)"
     caps = torch.backends.cpu.get_cpu_capability()
+    if cpu_has_native_bf16():
+        return "float32", f"CPU ({caps}, native bf16): decode from float32 and exact blocks"
     return "float32", f"CPU without native bf16 ({caps}; bf16 would be emulated, several times slower)"
+
+
+def resolve_prefill_weights(name: str, dtype_requested: str, dtype: str, device: torch.device) -> tuple[str, str]:
+    """``(what prefill passes read, why)`` for ``--prefill-weight-dtype``: ``auto`` is a bf16
+    copy when ``--dtype auto`` chose float32 on a CPU that multiplies bf16 natively (prefill is
+    compute-bound, and there bf16 GEMMs are ~1.5x faster), else the loaded weights ("same"). An
+    explicit dtype equal to the model's is "same"."""
+    if name == "auto":
+        if dtype_requested == "auto" and dtype == "float32" and device.type == "cpu" and cpu_has_native_bf16():
+            return "bfloat16", "CPU with native bf16 (AVX512-BF16 or AMX)"
+        return "same", "the loaded weights"
+    return ("same" if name == dtype else name), "requested"
+
+
+def choose_precision(dtype: str, prefill_weights: str, device: torch.device) -> tuple[str, str]:
+    """(dtype, prefill weights) as :func:`resolve_dtype` and :func:`resolve_prefill_weights`
+    resolve them; one log line when either was ``auto``."""
+    chosen, why = resolve_dtype(dtype, device)
+    prefill, prefill_why = resolve_prefill_weights(prefill_weights, dtype, chosen, device)
+    if "auto" in (dtype, prefill_weights):
+        logger.info("precision: dtype %s -> %s (%s); prefill weights %s -> %s (%s)", dtype, chosen, why,
+                    prefill_weights, prefill, prefill_why)
+    return chosen, prefill
 
 
 def choose_dtype(name: str, device: torch.device) -> str:

@@ -14,7 +14,7 @@ import torch
 from ..cache.storage.keys import tree_namespace
 from ..config import ConfigError, EngineConfig
 from ..disagg.bootstrap import Bootstrap
-from ..device import DTYPES, choose_dtype, resolve_device
+from ..device import DTYPES, choose_precision, resolve_device
 from ..errors import ContextLengthError, HicacheError, InvalidRequestError
 from ..model import load_model
 from ..model.loader import LoadedModel
@@ -50,12 +50,14 @@ class Engine:
             torch.set_num_threads(cfg.num_threads)
         self.device = resolve_device(cfg.device)
         # Resolved once, here: rank processes, cache namespaces and storage keys see the real dtype.
-        self.config = cfg = dataclasses.replace(cfg, dtype=choose_dtype(cfg.dtype, self.device))
+        dtype, prefill_weights = choose_precision(cfg.dtype, cfg.prefill_weight_dtype, self.device)
+        self.config = cfg = dataclasses.replace(cfg, dtype=dtype, prefill_weight_dtype=prefill_weights)
         self.dtype = DTYPES[cfg.dtype]
         ranks = cfg.tp_size * cfg.pp_size
         # With several ranks this process only tokenizes: each rank loads its own slice.
         self.loaded = load_model(cfg.model, dtype=self.dtype, device=self.device, seed=cfg.random_seed,
-                                 weights=ranks == 1, decode_weights=cfg.decode_weight_dtype)
+                                 weights=ranks == 1, decode_weights=cfg.decode_weight_dtype,
+                                 prefill_weights=cfg.prefill_weight_dtype)
         self.tokenizer = self.loaded.tokenizer
         spec = self.loaded.spec
         self.context_length = cfg.context_length or spec.max_position_embeddings
@@ -67,7 +69,7 @@ class Engine:
         if cfg.speculative_algorithm:
             self.draft = load_model(cfg.speculative_draft_model_path, dtype=self.dtype, device=self.device,
                                     seed=cfg.random_seed, weights=ranks == 1,
-                                    decode_weights=cfg.decode_weight_dtype)
+                                    decode_weights=cfg.decode_weight_dtype, prefill_weights=cfg.prefill_weight_dtype)
             check_draft(self.loaded, self.draft, cfg.speculative_draft_model_path, self.context_length)
         # Cache keys of different models, dtypes or page sizes must never meet (storage.keys owns
         # them); with a draft, cached pages hold its KV too, so its identity is part of the name.
@@ -87,9 +89,12 @@ class Engine:
         model = self.loaded.model  # None with several ranks: each holds its own shards
         decode = cfg.decode_weight_dtype if model is None else ",".join(
             f"{fmt}x{n}" for fmt, n in sorted(model.decode_formats().items()))
+        resident = "" if model is None else f" weights={model.weight_bytes() / 2**20:.0f}MiB"
         logger.info(
-            "engine ready: model=%s device=%s dtype=%s decode-weights=%s pool=%d tokens context=%d ranks=tp%dxpp%d%s",
-            cfg.model, self.device, cfg.dtype, decode, self.capacity_pages * cfg.page_size, self.context_length,
+            "engine ready: model=%s device=%s dtype=%s prefill-weights=%s decode-weights=%s%s pool=%d tokens "
+            "context=%d ranks=tp%dxpp%d%s",
+            cfg.model, self.device, cfg.dtype, cfg.prefill_weight_dtype, decode, resident,
+            self.capacity_pages * cfg.page_size, self.context_length,
             cfg.tp_size, cfg.pp_size, f" cp{cfg.attn_cp_size}" + (" kv-sharded" if cfg.enable_kv_cache_sharding else "")
             if cfg.attn_cp_size > 1 else "",
         )

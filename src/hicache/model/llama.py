@@ -21,7 +21,7 @@ from hicache.model.attention import decode_attention, native_decode_attention, s
 from hicache.model.batch import ForwardBatch, KVView, SeqSpan
 from hicache.model.context_parallel import cp_attention
 from hicache.model.mla import MLAAttention
-from hicache.model.projection import DECODE_WEIGHTS, Projection
+from hicache.model.projection import DECODE_WEIGHTS, PREFILL_WEIGHTS, Projection
 from hicache.model.spec import ModelSpec, rope_inv_freq, rotate_half
 
 
@@ -238,6 +238,23 @@ class LlamaForCausalLM(nn.Module):
             projection.decode_weights = mode
         if prepare:
             self.prepare_projections()
+
+    def set_prefill_weights(self, mode: str, prepare: bool = True) -> None:
+        """What passes of more than ``DECODE_ROWS`` rows read (see
+        :data:`~hicache.model.projection.PREFILL_WEIGHTS`): the loaded weights ("same") or a
+        dtype copy (lossy unless the dtype holds every weight)."""
+        if mode not in PREFILL_WEIGHTS:
+            raise ValueError(f"prefill weights {mode!r}: expected one of {', '.join(PREFILL_WEIGHTS)}")
+        for projection in self.projections():
+            projection.prefill_weights = mode
+        if prepare:
+            self.prepare_projections()
+
+    def weight_bytes(self) -> int:
+        """Resident bytes of the weights: the parameters (each storage once) and every decode
+        or prefill copy beside them (DESIGN invariant 6: they count against the memory budget)."""
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in self.parameters()}
+        return sum(storages.values()) + sum(projection.copies_nbytes() for projection in self.projections())
 
     def decode_formats(self) -> dict[str, int]:
         """How many projections decode steps run in each format ("q4": 120, "q8": 1...)."""

@@ -14,7 +14,7 @@ from hicache.model.errors import ModelNotFoundError
 from hicache.model.gguf_loader import find_smollm2_gguf, load_gguf
 from hicache.model.hf_loader import load_hf_dir
 from hicache.model.llama import LlamaForCausalLM
-from hicache.model.projection import DECODE_WEIGHTS
+from hicache.model.projection import DECODE_WEIGHTS, PREFILL_WEIGHTS
 from hicache.model.random_model import init_random_weights, parse_random_spec
 from hicache.model.requantize import VARIANT, parse_variant, requantize_
 from hicache.model.spec import ModelSpec, ModelSpecError
@@ -56,7 +56,8 @@ def split_variant(name: str) -> tuple[str, str | None]:
 
 
 def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu", seed: int = 0,
-               weights: bool = True, decode_weights: str = "auto", to_be_sharded: bool = False) -> LoadedModel:
+               weights: bool = True, decode_weights: str = "auto", to_be_sharded: bool = False,
+               prefill_weights: str = "same") -> LoadedModel:
     """Load ``name``: ``"smollm2"`` (the embedded GGUF), a GGUF file, a local HF directory, or
     ``"random:<preset|JSON>"``; any of them followed by ``:int<bits>-g<group>`` (e.g.
     ``"smollm2:int4-g64"``) is a requantized copy (:mod:`~hicache.model.requantize`).
@@ -65,7 +66,8 @@ def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.dev
     tokenizer and the identity (``model`` is None): what a process that only tokenizes needs.
     ``decode_weights``: what decode steps read (see :meth:`LlamaForCausalLM.set_decode_weights`);
     a lossy dtype copy changes the KV they write, so it is part of the identity (exact blocks
-    are the same weights and are not). ``to_be_sharded``: :func:`~hicache.model.parallel.shard_model`
+    are the same weights and are not). ``prefill_weights``: what larger passes read ("same", or a
+    dtype copy: lossy, so named in the identity too). ``to_be_sharded``: :func:`~hicache.model.parallel.shard_model`
     follows, which fuses and packs the rank's slices; nothing is packed here for the whole model.
     Raises :class:`ModelNotFoundError` (a ConfigError) for names that resolve to nothing.
     """
@@ -114,7 +116,12 @@ def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.dev
         raise ModelSpecError(f"decode weights {decode_weights!r}: expected one of {', '.join(DECODE_WEIGHTS)}.")
     if decode_weights not in ("auto", "same") and getattr(torch, decode_weights) != dtype:
         identity += f":decode-{decode_weights}"
+    if prefill_weights not in PREFILL_WEIGHTS:
+        raise ModelSpecError(f"prefill weights {prefill_weights!r}: expected one of {', '.join(PREFILL_WEIGHTS)}.")
+    if prefill_weights != "same" and getattr(torch, prefill_weights) != dtype:
+        identity += f":prefill-{prefill_weights}"
     if model is not None:
         # Fuses and packs now (before the pool is sized), or in shard_model for a rank's slices.
+        model.set_prefill_weights(prefill_weights, prepare=False)
         model.set_decode_weights(decode_weights, prepare=not to_be_sharded)
     return LoadedModel(model, tokenizer, spec, name, identity, time.perf_counter() - start)

@@ -20,6 +20,10 @@ DECODE_ROWS = 8
 # native kernels where a matrix is block-exact (GGUF Q4_1/Q8_0 values in float32), else the
 # loaded weights; "same": the loaded weights through torch; a dtype name: a (lossy) copy.
 DECODE_WEIGHTS = ("auto", "same", "bfloat16")
+# What passes of more than DECODE_ROWS rows (prefill) read (``--prefill-weight-dtype``,
+# resolved by :func:`hicache.device.resolve_prefill_weights`): the loaded weights, or a (lossy)
+# bf16 copy where the CPU multiplies bf16 natively and the model is float32.
+PREFILL_WEIGHTS = ("same", "bfloat16")
 
 
 class Projection:
@@ -34,14 +38,17 @@ class Projection:
 
     ``decode_weights`` (one of :data:`DECODE_WEIGHTS`, set by
     :meth:`LlamaForCausalLM.set_decode_weights`): passes of at most :data:`DECODE_ROWS` rows read
-    exact blocks or a dtype copy when there is one; larger passes (prefill) read the fused
-    originals.
+    exact blocks or a dtype copy when there is one. ``prefill_weights`` (one of
+    :data:`PREFILL_WEIGHTS`): larger passes (prefill) read the fused originals, or a dtype copy
+    (inputs cast to it, outputs back to the input's dtype).
     """
 
     def __init__(self, *parts: Union[nn.Linear, nn.Embedding]) -> None:
         self.parts = parts
         self.decode_weights = "same"
+        self.prefill_weights = "same"
         self._weight: Optional[torch.Tensor] = None
+        self._prefill_weight: Optional[torch.Tensor] = None  # a dtype copy for large passes
         self._bias: Optional[torch.Tensor] = None
         self._decode_weight: Optional[torch.Tensor] = None  # a dtype copy
         self._blocks: Optional[BlockQuantWeight] = None  # exact blocks, run by the native kernels
@@ -61,9 +68,9 @@ class Projection:
                 out = self._blocks.linear(x.contiguous(), cpu_kernels())
                 return out if self._bias is None else out + self._bias
             if self._decode_weight is not None:
-                dtype = self._decode_weight.dtype
-                bias = None if self._bias is None else self._bias.to(dtype)
-                return F.linear(x.to(dtype), self._decode_weight, bias).to(x.dtype)
+                return _linear_in(self._decode_weight, x, self._bias)
+        elif self._prefill_weight is not None:
+            return _linear_in(self._prefill_weight, x, self._bias)
         return F.linear(x, self._weight, self._bias)
 
     @property
@@ -74,6 +81,16 @@ class Projection:
         if self._decode_weight is not None:
             return str(self._decode_weight.dtype).removeprefix("torch.")
         return "same"
+
+    @property
+    def prefill_format(self) -> str:
+        """What prefill passes read: a dtype copy's name, or "same"."""
+        return "same" if self._prefill_weight is None else str(self._prefill_weight.dtype).removeprefix("torch.")
+
+    def copies_nbytes(self) -> int:
+        """Bytes of the decode and prefill copies (beside the loaded weights)."""
+        copies = [c for c in (self._decode_weight, self._prefill_weight) if c is not None]
+        return sum(c.numel() * c.element_size() for c in copies) + (self._blocks.nbytes if self._blocks else 0)
 
     @property
     def prepared(self) -> bool:
@@ -87,7 +104,7 @@ class Projection:
             self._fuse()
 
     def _current_key(self) -> tuple:
-        return (self.decode_weights, *(p.weight.data_ptr() for p in self.parts))
+        return (self.decode_weights, self.prefill_weights, *(p.weight.data_ptr() for p in self.parts))
 
     def _fuse(self) -> None:
         with torch.inference_mode(False), torch.no_grad():  # real tensors: a later load may write them
@@ -111,4 +128,14 @@ class Projection:
             elif self.decode_weights != "same":
                 dtype = getattr(torch, self.decode_weights)
                 self._decode_weight = None if dtype == self._weight.dtype else self._weight.to(dtype)
+            self._prefill_weight = None
+            if self.prefill_weights != "same":
+                dtype = getattr(torch, self.prefill_weights)
+                self._prefill_weight = None if dtype == self._weight.dtype else self._weight.to(dtype)
         self._key = self._current_key()
+
+
+def _linear_in(weight: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` in ``weight``'s dtype, returned in ``x``'s."""
+    dtype = weight.dtype
+    return F.linear(x.to(dtype), weight, None if bias is None else bias.to(dtype)).to(x.dtype)
