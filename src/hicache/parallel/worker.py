@@ -20,6 +20,7 @@ different requests are in flight at once.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -34,7 +35,7 @@ import torch
 
 from ..config import EngineConfig
 from ..consensus_record import install_recorder, make_queue_sink
-from ..device import DTYPES, choose_dtype, resolve_device
+from ..device import DTYPES, choose_precision, resolve_device
 from ..disagg.heads import TPRanks
 from ..engine.core import EngineCore, build_core, core_stats
 from ..engine.events import StepEvents
@@ -257,7 +258,10 @@ def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox:
         if device.type == "cuda":
             device = torch.device("cuda", info.local_rank % torch.cuda.device_count())
             torch.cuda.set_device(device)
-        dtype = DTYPES[choose_dtype(cfg.dtype, device)]  # (node 0's Engine passes it resolved)
+        # Node 0's Engine passes both resolved; a `hicache node` launcher passes the flags as given.
+        dtype_name, prefill_weights = choose_precision(cfg.dtype, cfg.prefill_weight_dtype, device)
+        cfg = dataclasses.replace(cfg, dtype=dtype_name, prefill_weight_dtype=prefill_weights)
+        dtype = DTYPES[dtype_name]
         groups = ParallelGroups(info, init_method, device,
                                 latent_sharding=cfg.enable_kv_cache_sharding and cfg.attn_cp_size == 1)
         loaded = load_model(cfg.model, dtype=dtype, device=device, seed=cfg.random_seed,
