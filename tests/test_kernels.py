@@ -172,6 +172,52 @@ def test_model_without_kernels_runs_and_agrees_with_them():
                                rtol=1e-4, atol=1e-4)
 
 
+BLOCKS = """
+import json, torch
+from hicache.kernels import loaded_isa, cpu_kernels
+from tests.test_kernels import q4_1_matrix, q8_0_matrix
+from hicache.model.block_quant import pack_exact
+x = torch.randn(8, 576, generator=torch.Generator().manual_seed(0))
+out = {}
+for rows in (1, 3, 8):
+    for name, w in (("q4", q4_1_matrix(200, 576)), ("q8", q8_0_matrix(130, 576))):
+        out[f"{name}x{rows}"] = pack_exact(w).linear(x[:rows].contiguous(), cpu_kernels()).tolist()
+print(json.dumps({"isa": loaded_isa(), "out": out}))
+"""
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_each_instruction_set_builds_its_own_kernels_and_they_agree(isa):
+    """``HICACHE_KERNEL_ISA`` picks the build (each in its own cache folder); both give the
+    float32 results up to summation order. The AVX-512 build runs only where the CPU has it."""
+    if isa == "avx512" and torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip(f"this CPU lacks AVX-512 F/BW/VL/DQ (torch sees {torch.backends.cpu.get_cpu_capability()})")
+    from hicache.kernels import build_dir
+
+    assert build_dir("avx2") != build_dir("avx512")
+    root = os.path.dirname(os.path.dirname(__file__))
+    got = subprocess.run([sys.executable, "-c", BLOCKS], env={**os.environ, "HICACHE_KERNEL_ISA": isa}, cwd=root,
+                         capture_output=True, text=True, check=True).stdout
+    run = json.loads(got.splitlines()[-1])
+    assert run["isa"] == isa
+    x = torch.randn(8, 576, generator=torch.Generator().manual_seed(0))
+    for rows in (1, 3, 8):
+        for name, w in (("q4", q4_1_matrix(200, 576)), ("q8", q8_0_matrix(130, 576))):
+            want = F.linear(x[:rows], w)
+            error = (torch.tensor(run["out"][f"{name}x{rows}"]) - want).abs().max() / want.abs().max()
+            assert error < 2e-6, f"{isa} {name} x{rows}: relative error {error:.1e}"
+
+
+def test_an_instruction_set_the_cpu_lacks_is_refused_with_the_reason(monkeypatch):
+    from hicache import kernels
+
+    monkeypatch.setenv("HICACHE_KERNEL_ISA", "avx512")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert "lacks AVX-512" in kernels.unavailable_reason()
+    monkeypatch.setenv("HICACHE_KERNEL_ISA", "neon")
+    assert "not one of avx2, avx512" in kernels.unavailable_reason()
+
+
 @pytest.mark.slow
 def test_smollm2_decodes_from_its_own_4_bit_blocks_with_the_same_greedy_output():
     """SmolLM2's GGUF is Q4_1 with a Q8_0 embedding: every projection gets an exact block copy, the

@@ -1,11 +1,17 @@
-"""Native CPU kernels, compiled once per machine with torch's C++ extension builder.
+"""Native CPU kernels, compiled once per machine and instruction set with torch's C++ extension
+builder.
 
-``make setup`` builds them (``python -m hicache.kernels``); a process that finds them missing
-builds them on first use (~20 s) into a cache folder keyed by the source, the compiler flags and
-the torch version, so a changed source or a new torch never loads a stale library
-(``HICACHE_KERNEL_CACHE`` moves the folder; default ``~/.cache/hicache/kernels``). Where they
-cannot run (no AVX2/FMA, no compiler, not x86) :func:`cpu_kernels` says why once and returns
-None; callers keep their torch path. ``HICACHE_KERNELS=0`` turns them off.
+One build per instruction set (:data:`ISAS`): ``avx512`` where the CPU has AVX-512 F/BW/VL/DQ
+(torch's own "AVX512" capability), else ``avx2`` (AVX2 + FMA); ``HICACHE_KERNEL_ISA=avx2``
+forces the AVX2 build on an AVX-512 machine (to measure both on one), and asking for ``avx512``
+where the CPU lacks it is refused with the reason. ``make setup`` builds this machine's
+(``python -m hicache.kernels``); a process that finds its build missing makes it on first use
+(~20 s) in a cache folder keyed by the source, the instruction set's compiler flags and the
+torch version, so a changed source, a new torch or a checkout moved to a CPU without the
+instructions never loads a library it cannot run (``HICACHE_KERNEL_CACHE`` moves the folder;
+default ``~/.cache/hicache/kernels``). Where they cannot run (no AVX2/FMA, no compiler, not x86)
+:func:`cpu_kernels` says why once and returns None; callers keep their torch path.
+``HICACHE_KERNELS=0`` turns them off.
 """
 
 from __future__ import annotations
@@ -26,17 +32,37 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("block_quant.cpp", "layer_ops.cpp", "decode_attention.cpp")]
 HEADERS = [Path(__file__).with_name("simd.h")]
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+# Compiler flags per instruction set; the avx512 build also compiles the blocks' 16-lane paths.
+ISAS = {
+    "avx2": ["-mavx2", "-mfma"],
+    "avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-DHICACHE_AVX512"],
+}
+ISA_ENV = "HICACHE_KERNEL_ISA"
 
 
-def build_dir() -> Path:
+def kernel_isa() -> str:
+    """The instruction set the kernels are built for here: ``$HICACHE_KERNEL_ISA`` if set (an
+    ``avx512`` this CPU cannot run is refused by :func:`unavailable_reason`), else the best
+    the CPU has."""
+    forced = os.environ.get(ISA_ENV, "").lower()
+    if forced:
+        return forced
+    return "avx512" if torch.backends.cpu.get_cpu_capability() == "AVX512" else "avx2"
+
+
+def cflags(isa: str) -> list[str]:
+    return ["-O3", *ISAS[isa], "-fopenmp"]
+
+
+def build_dir(isa: Optional[str] = None) -> Path:
     """Where the library for this source (its text and its place: two checkouts never rebuild
-    each other's library under a running process), these flags and this torch lives."""
+    each other's library under a running process), this instruction set's flags and this torch
+    lives."""
     key = hashlib.sha256()
     for src in [*SOURCES, *HEADERS]:
         key.update(str(src.resolve()).encode())
         key.update(src.read_bytes())
-    key.update(" ".join(CFLAGS).encode())
+    key.update(" ".join(cflags(isa or kernel_isa())).encode())
     key.update(torch.__version__.encode())
     root = Path(os.environ.get("HICACHE_KERNEL_CACHE", Path.home() / ".cache" / "hicache" / "kernels"))
     return root / key.hexdigest()[:16]
@@ -48,8 +74,14 @@ def unavailable_reason() -> Optional[str]:
         return "HICACHE_KERNELS=0"
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"not an x86-64 CPU ({platform.machine()})"
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return f"the CPU lacks AVX2 (torch sees {torch.backends.cpu.get_cpu_capability()})"
+    caps = torch.backends.cpu.get_cpu_capability()
+    if caps not in ("AVX2", "AVX512"):
+        return f"the CPU lacks AVX2 (torch sees {caps})"
+    isa = kernel_isa()
+    if isa not in ISAS:
+        return f"{ISA_ENV}={isa} is not one of {', '.join(ISAS)}"
+    if isa == "avx512" and caps != "AVX512":
+        return f"{ISA_ENV}=avx512 but the CPU lacks AVX-512 F/BW/VL/DQ (torch sees {caps})"
     return None
 
 
@@ -66,10 +98,16 @@ def cpu_kernels() -> Optional[object]:
     return None
 
 
+def loaded_isa() -> Optional[str]:
+    """The instruction set of the kernels this process runs, or None when they are off."""
+    return kernel_isa() if cpu_kernels() is not None else None
+
+
 def _load() -> object:
     from torch.utils import cpp_extension
 
-    folder = build_dir()
+    isa = kernel_isa()
+    folder = build_dir(isa)
     folder.mkdir(parents=True, exist_ok=True)
     fresh = not (folder / "hicache_kernels.so").exists()
     _clear_stale_lock(folder / "lock")
@@ -77,10 +115,12 @@ def _load() -> object:
     # ninja may live beside this interpreter (the venv's `ninja` package), not on PATH.
     os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     # Also when built: it takes the folder's lock, so a rank never loads a half-linked library.
-    cpp_extension.load(name="hicache_kernels", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
+    cpp_extension.load(name=f"hicache_kernels_{isa}", sources=[str(s) for s in SOURCES], extra_cflags=cflags(isa),
                        build_directory=str(folder), is_python_module=False, verbose=False)
     if fresh:
-        logger.info("built native CPU kernels in %.1f s: %s", time.perf_counter() - start, folder)
+        logger.info("built native CPU kernels (%s) in %.1f s: %s", isa, time.perf_counter() - start, folder)
+    else:
+        logger.info("native CPU kernels (%s): %s", isa, folder)
     return torch.ops.hicache
 
 

@@ -3,9 +3,9 @@
 import logging
 import sys
 
-from hicache.kernels import build_dir, cpu_kernels, unavailable_reason
+from hicache.kernels import build_dir, cpu_kernels, kernel_isa, unavailable_reason
 
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 ops = cpu_kernels()
-print(f"native CPU kernels: {'ready in ' + str(build_dir()) if ops is not None else 'off (' + str(unavailable_reason() or 'build failed, see above') + ')'}")
+print(f"native CPU kernels: {f'{kernel_isa()} build ready in ' + str(build_dir()) if ops is not None else 'off (' + str(unavailable_reason() or 'build failed, see above') + ')'}")
 sys.exit(0)

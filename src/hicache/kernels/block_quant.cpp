@@ -1,6 +1,8 @@
 // Matmuls of a few float32 rows (a decode step) against weights held as exact 4- or 8-bit blocks
 // (GGUF Q4_1 / Q8_0 values): 0.75 or 1.125 bytes per weight where a float32 GEMV reads 4, decoded
-// to float32 in registers. AVX2 + FMA; output rows (N) split over torch's intra-op pool.
+// to float32 in registers. AVX2 + FMA, or AVX-512 (built with -DHICACHE_AVX512: a group's 32
+// weights in two 16-lane registers instead of four 8-lane ones); output rows (N) split over
+// torch's intra-op pool.
 // One input row takes per-group dot products with the raw q (q4_row / q8_row); 2-8 rows rebuild
 // each block's exact weights once and share them (shared_rows).
 //
@@ -53,6 +55,112 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+#ifdef HICACHE_AVX512
+// One row: out[n] = sum_g scale[n,g] * (x[g] . q[n,g]) + minv[n,g] * xsum[g]; each group is two
+// 16-lane halves (q[0..15] from the low nibbles, q[16..31] from the high ones).
+inline void unpack_q4_512(const uint8_t* p, __m512& lo, __m512& hi) {
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, mask)));
+  hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask)));
+}
+
+inline void unpack_q8_512(const int8_t* p, __m512& lo, __m512& hi) {
+  lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+}
+
+inline __m512 dot32_512(__m512 lo, __m512 hi, const float* xg) {
+  return _mm512_fmadd_ps(hi, _mm512_loadu_ps(xg + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(xg)));
+}
+
+void q4_row(const float* x, const float* xsum, const uint8_t* qs, const float* scale,
+            const float* minv, float* out, int64_t K, int64_t n0, int64_t n1) {
+  const int64_t G = K / kGroup;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* qrow = qs + n * (K / 2);
+    const float* srow = scale + n * G;
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), lo, hi;
+    int64_t g = 0;
+    for (; g + 2 <= G; g += 2) {
+      unpack_q4_512(qrow + g * 16, lo, hi);
+      acc0 = _mm512_fmadd_ps(_mm512_set1_ps(srow[g]), dot32_512(lo, hi, x + g * kGroup), acc0);
+      unpack_q4_512(qrow + g * 16 + 16, lo, hi);
+      acc1 = _mm512_fmadd_ps(_mm512_set1_ps(srow[g + 1]), dot32_512(lo, hi, x + (g + 1) * kGroup), acc1);
+    }
+    if (g < G) {
+      unpack_q4_512(qrow + g * 16, lo, hi);
+      acc0 = _mm512_fmadd_ps(_mm512_set1_ps(srow[g]), dot32_512(lo, hi, x + g * kGroup), acc0);
+    }
+    out[n] = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + dot(minv + n * G, xsum, G);
+  }
+}
+
+void q8_row(const float* x, const int8_t* qs, const float* scale, float* out, int64_t K, int64_t n0, int64_t n1) {
+  const int64_t G = K / kGroup;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* qrow = qs + n * K;
+    const float* srow = scale + n * G;
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), lo, hi;
+    int64_t g = 0;
+    for (; g + 2 <= G; g += 2) {
+      unpack_q8_512(qrow + g * kGroup, lo, hi);
+      acc0 = _mm512_fmadd_ps(_mm512_set1_ps(srow[g]), dot32_512(lo, hi, x + g * kGroup), acc0);
+      unpack_q8_512(qrow + (g + 1) * kGroup, lo, hi);
+      acc1 = _mm512_fmadd_ps(_mm512_set1_ps(srow[g + 1]), dot32_512(lo, hi, x + (g + 1) * kGroup), acc1);
+    }
+    if (g < G) {
+      unpack_q8_512(qrow + g * kGroup, lo, hi);
+      acc0 = _mm512_fmadd_ps(_mm512_set1_ps(srow[g]), dot32_512(lo, hi, x + g * kGroup), acc0);
+    }
+    out[n] = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+  }
+}
+
+// Several rows: each block's exact float32 weights rebuilt once (see the AVX2 version's note)
+// and shared across the rows.
+template <int M, typename Block>
+void shared_rows(const float* x, float* out, int64_t K, int64_t N, int64_t n0, int64_t n1, Block&& block) {
+  const int64_t G = K / kGroup;
+  for (int64_t n = n0; n < n1; ++n) {
+    __m512 acc[M][2];
+    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    __m512 w[2];
+    for (int64_t g = 0; g < G; ++g) {
+      block(n, g, w);
+      for (int m = 0; m < M; ++m) {
+        const float* xg = x + m * K + g * kGroup;
+        acc[m][0] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xg), acc[m][0]);
+        acc[m][1] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xg + 16), acc[m][1]);
+      }
+    }
+    for (int m = 0; m < M; ++m) out[m * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
+  }
+}
+
+template <int M>
+void q4_rows_shared(const float* x, const uint8_t* qs, const float* scale, const float* minv, float* out,
+                    int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t G = K / kGroup;
+  shared_rows<M>(x, out, K, N, n0, n1, [&](int64_t n, int64_t g, __m512* w) {
+    unpack_q4_512(qs + n * (K / 2) + g * 16, w[0], w[1]);
+    const __m512 d = _mm512_set1_ps(scale[n * G + g]), m = _mm512_set1_ps(minv[n * G + g]);
+    for (int i = 0; i < 2; ++i) w[i] = _mm512_add_ps(_mm512_mul_ps(d, w[i]), m);
+  });
+}
+
+template <int M>
+void q8_rows_shared(const float* x, const int8_t* qs, const float* scale, float* out,
+                    int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t G = K / kGroup;
+  shared_rows<M>(x, out, K, N, n0, n1, [&](int64_t n, int64_t g, __m512* w) {
+    unpack_q8_512(qs + n * K + g * kGroup, w[0], w[1]);
+    const __m512 d = _mm512_set1_ps(scale[n * G + g]);
+    for (int i = 0; i < 2; ++i) w[i] = _mm512_mul_ps(d, w[i]);
+  });
+}
+
+#else  // AVX2
 // One row: out[n] = sum_g scale[n,g] * (x[g] . q[n,g]) + minv[n,g] * xsum[g]. Even and odd
 // groups go to separate sums so that two FMA chains run side by side.
 void q4_row(const float* x, const float* xsum, const uint8_t* qs, const float* scale,
@@ -149,6 +257,8 @@ void q8_rows_shared(const float* x, const int8_t* qs, const float* scale, float*
     for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(d, w[i]);
   });
 }
+
+#endif  // HICACHE_AVX512
 
 template <typename F>
 void dispatch_rows(int64_t M, F&& f) {
