@@ -230,23 +230,21 @@ class LlamaForCausalLM(nn.Module):
     def set_decode_weights(self, mode: str, prepare: bool = True) -> None:
         """What decode steps read (see :data:`~hicache.model.projection.DECODE_WEIGHTS`): exact
         blocks where a matrix has them ("auto"), the loaded weights ("same"), or a dtype copy
-        (lossy unless the dtype holds every weight). Larger passes keep the loaded weights.
+        (lossy unless the dtype holds every weight).
         ``prepare=False``: make the copies later (a rank packs only its shard, in shard_model)."""
-        if mode not in DECODE_WEIGHTS:
-            raise ValueError(f"decode weights {mode!r}: expected one of {', '.join(DECODE_WEIGHTS)}")
-        for projection in self.projections():
-            projection.decode_weights = mode
-        if prepare:
-            self.prepare_projections()
+        self._set_weights("decode_weights", mode, DECODE_WEIGHTS, prepare)
 
     def set_prefill_weights(self, mode: str, prepare: bool = True) -> None:
         """What passes of more than ``DECODE_ROWS`` rows read (see
         :data:`~hicache.model.projection.PREFILL_WEIGHTS`): the loaded weights ("same") or a
         dtype copy (lossy unless the dtype holds every weight)."""
-        if mode not in PREFILL_WEIGHTS:
-            raise ValueError(f"prefill weights {mode!r}: expected one of {', '.join(PREFILL_WEIGHTS)}")
+        self._set_weights("prefill_weights", mode, PREFILL_WEIGHTS, prepare)
+
+    def _set_weights(self, phase: str, mode: str, allowed: tuple[str, ...], prepare: bool) -> None:
+        if mode not in allowed:
+            raise ValueError(f"{phase.replace('_', ' ')} {mode!r}: expected one of {', '.join(allowed)}")
         for projection in self.projections():
-            projection.prefill_weights = mode
+            setattr(projection, phase, mode)
         if prepare:
             self.prepare_projections()
 
