@@ -167,6 +167,7 @@ def test_an_ask_waits_no_longer_than_the_servers_own_timeout(pair) -> None:
                "expires_in": 1e9}
         sock.send(json.dumps(ask).encode())
         time.sleep(TIMEOUT_S + 0.5)
+        assert sock.poll(1000) and "in time" in json.loads(sock.recv())["error"]  # told so when it expired
         r = httpx.post(f"{pair.prefill_url}/v1/completions", json=body(1003, pair.port), timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["kv_transferred_tokens"] == 0
         assert not sock.poll(200)  # no KV reached the asker
@@ -285,7 +286,101 @@ def test_a_hostile_prefill_fails_its_request_at_once_and_nothing_else(pair, kind
     assert_pair_works(pair, room=3000 + len(kind))
 
 
+# ---- the receiver alone (no model): a peer that stops reading, a route of many ranks ----------------
+def tiny_receiver():
+    import types
+
+    import torch
+
+    from hicache.disagg.receiver import KVReceiver
+
+    pool = types.SimpleNamespace(k_buffers=[torch.zeros(64, 2, 8)], v_buffers=[torch.zeros(64, 2, 8)], page_size=16)
+    return KVReceiver(pool, range(2), vocab_size=100)
+
+
+def lying_router(route: dict, answer=None) -> tuple[zmq.Socket, threading.Event]:
+    """A ROUTER on loopback that answers route asks with ``route`` and KV asks with ``answer(ask)``."""
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.is_set():
+            if sock.poll(20):
+                peer, msg = sock.recv_multipart()[:2]
+                ask = json.loads(msg)
+                frames = [json.dumps(route(port)).encode()] if "route" in ask else (answer(ask) if answer else None)
+                if frames:
+                    sock.send_multipart([peer, *frames])
+        sock.close()
+
+    threading.Thread(target=run, daemon=True).start()
+    return port, stop
+
+
+def test_a_rank_that_never_reads_cannot_block_the_receiver() -> None:
+    """The route sends every ask to a TCP listener that accepts and never reads: once its queue
+    is full a send would block; it fails that request instead, and every request ends by its
+    deadline (before: 1,100 requests blocked the thread for good)."""
+    import socket
+
+    import torch
+
+    from hicache.disagg.transfer import Receive
+
+    silent = socket.create_server(("127.0.0.1", 0))
+    held = []
+    threading.Thread(target=lambda: held.append(silent.accept()), daemon=True).start()
+    port, stop = lying_router(lambda _: {"route": [["127.0.0.1", silent.getsockname()[1], 0, 2]], "layers": 1,
+                                         "head_bytes": 32, "dtype": "torch.float32"})
+    rx = tiny_receiver()
+    try:
+        jobs = [Receive(i, f"tcp://127.0.0.1:{port}", 0, torch.arange(3), time.perf_counter() + 2.0)
+                for i in range(1500)]
+        for job in jobs:
+            rx.submit(job)
+        assert all(job.done.wait(max(0.0, job.deadline + 3 - time.perf_counter())) for job in jobs)
+        assert sum("Again" in job.error for job in jobs) > 0 and rx.failure is None
+    finally:
+        rx.close()
+        stop.set()
+        silent.close()
+
+
+def test_sockets_to_prefill_endpoints_are_bounded_and_idle_ones_closed(monkeypatch) -> None:
+    """A route of many ranks (each a socket) cannot use up the decode rank's sockets: past
+    MAX_PEERS the request fails, idle sockets are closed, and the next real prefill works."""
+    import torch
+
+    from hicache.disagg import receiver as receiver_module
+    from hicache.disagg.transfer import Receive
+
+    monkeypatch.setattr(receiver_module, "MAX_PEERS", 8)
+    port, stop = lying_router(lambda p: {"route": [["127.0.0.1", p, 0, 2]] + [[f"127.0.0.{i + 2}", p, 0, 0]
+                                                                               for i in range(20)],
+                                         "layers": 1, "head_bytes": 32, "dtype": "torch.float32"})
+    good, good_stop = lying_router(
+        lambda p: {"route": [["127.0.0.1", p, 0, 2]], "layers": 1, "head_bytes": 32, "dtype": "torch.float32"},
+        lambda ask: [json.dumps({"room": ask["room"], "first_token": 5, "start": 0, "end": 3, "layers": 1,
+                                 "heads": [0, 2]}).encode(), b"\0" * 192, b"\0" * 192])
+    rx = tiny_receiver()
+    try:
+        hostile = Receive(1, f"tcp://127.0.0.1:{port}", 0, torch.arange(3), time.perf_counter() + 1.0)
+        rx.submit(hostile)
+        assert hostile.done.wait(5) and "TooManyPeers" in hostile.error
+        fine = Receive(2, f"tcp://127.0.0.1:{good}", 0, torch.arange(3), time.perf_counter() + 5.0)
+        rx.submit(fine)
+        assert fine.done.wait(5) and not fine.error and fine.first_token == 5
+        assert len(rx._socks) <= 8
+    finally:
+        rx.close()
+        stop.set()
+        good_stop.set()
+
+
 @pytest.mark.parametrize("field_, value", [("bootstrap_port", 0), ("bootstrap_host", ""), ("bootstrap_host", "*"),
+                                           ("bootstrap_host", "0.0.0.0"),
                                            ("bootstrap_host", "tcp://x:1"), ("bootstrap_room", 2**70),
                                            ("bootstrap_room", -1)])
 def test_bootstrap_fields_that_cannot_work_are_a_400(pair, field_, value) -> None:

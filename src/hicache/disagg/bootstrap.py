@@ -26,6 +26,8 @@ class Bootstrap:
     def __post_init__(self) -> None:
         try:
             host(self.host, "bootstrap_host")
+            if self.host in ("0.0.0.0", "::"):
+                raise WireError("bootstrap_host must be an address to connect to, not a wildcard")
         except WireError as e:
             raise ValueError(f"{e} (got {self.host!r}).") from None
         if type(self.port) is not int or not 1 <= self.port <= 65535:

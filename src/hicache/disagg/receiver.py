@@ -34,8 +34,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+MAX_PEERS = 256  # prefill endpoints (DEALER sockets) one decode rank holds open at once
 _MONITORS = itertools.count()  # inproc endpoint names of socket monitors, unique in the process
 WRITE_GRACE_S = 2.0  # Mooncake: a prefill rank's write started in time lands within this (see _ask)
+
+
+class TooManyPeers(RuntimeError):
+    """Every socket this receiver may hold is in use by an open request."""
 
 
 class KVReceiver(IOThread):
@@ -103,13 +108,33 @@ class KVReceiver(IOThread):
             self._socks[address], self._addresses[sock], self._monitors[monitor] = sock, address, address
         return sock
 
+    def _send(self, address: str, msg: dict) -> None:
+        """``msg`` to ``address`` without ever blocking this thread: a peer that stops reading
+        fills its queue (``SNDHWM``), and then zmq.Again (a certain failure) is raised. Raises
+        whatever connecting raised (e.g. a host name that does not resolve), and
+        TooManyPeers when this receiver already holds :data:`MAX_PEERS` addresses in use."""
+        import zmq
+
+        if address not in self._socks and len(self._socks) >= MAX_PEERS:
+            self._close_idle()
+            if len(self._socks) >= MAX_PEERS:
+                raise TooManyPeers(f"this decode rank already talks to {MAX_PEERS} prefill endpoints")
+        self._socket(address).send(json.dumps(msg).encode(), zmq.NOBLOCK)
+
+    def _close_idle(self) -> None:
+        """Close the sockets no open request waits on (and the routes through them)."""
+        busy = set(self._routing) | {a for job in self._open.values() for a in job.asked}
+        for address in [a for a in self._socks if a not in busy]:
+            self._forget(address, "")
+
     def _forget(self, address: str, error: str) -> None:
         """``address`` cannot be reached: fail every job that waits on it, close its socket,
         and forget the routes through it (the next request connects and asks anew)."""
         for job in self._routing.pop(address, []):
             self._end(job, error)
         for job in [j for j in self._open.values() if address in j.asked]:
-            del job.asked[address]
+            if self.writes is None:  # (with Mooncake that rank may still be writing: its deadline ends it)
+                del job.asked[address]
             self._failed(job, error)
         for boot, route in list(self._routes.items()):
             if boot == address or any(r.address == address for r in route):
@@ -174,9 +199,9 @@ class KVReceiver(IOThread):
                 continue
             if job.address not in self._routing:
                 try:
-                    self._socket(job.address).send(json.dumps({"route": 1}).encode())
-                except Exception as e:  # e.g. a host name that does not resolve
-                    self._end(job, f"cannot connect to the prefill server at {job.address} ({e})")
+                    self._send(job.address, {"route": 1})
+                except Exception as e:  # a host name that does not resolve, a peer that stopped reading
+                    self._end(job, f"cannot ask the prefill server at {job.address} ({type(e).__name__}: {e})")
                     continue
             self._routing.setdefault(job.address, []).append(job)
 
@@ -196,11 +221,11 @@ class KVReceiver(IOThread):
             local = range(heads.start - self.heads.start, heads.stop - self.heads.start)
             target = self.writes.describe(job.slots, start, end, local) if self.writes is not None else None
             ask = Ask(job.room, start, end, heads, self.askers, expires_in, target)
-            job.asked[rank.address] = heads
             try:
-                self._socket(rank.address).send(json.dumps(ask.to_wire()).encode())
-            except Exception as e:
-                return self._end(job, f"cannot connect to the prefill rank at {rank.address} ({e})")
+                self._send(rank.address, ask.to_wire())
+            except Exception as e:  # (ranks asked before this one may be writing: _failed waits for them)
+                return self._failed(job, f"cannot ask the prefill rank at {rank.address} ({type(e).__name__}: {e})")
+            job.asked[rank.address] = heads
 
     def _receive(self, address: str, sock) -> None:
         """One message from ``address``: a route, an answer (its request ends here if it was
@@ -266,6 +291,8 @@ class KVReceiver(IOThread):
         if start != job.decode_prefix_len or end != len(job.slots) or layers != len(self.pool.k_buffers) \
                 or answer.heads != heads or len(frames) != want_frames:
             raise WireError(f"tokens {start}-{end} of {layers} layers in {len(frames)} frames, not what was asked")
+        if (answer.written is not None) != (self.writes is not None):  # rows in frames xor written by Mooncake
+            raise WireError("a Mooncake answer on a zmq transfer (or the reverse)")
         frame_bytes = (end - start) * len(heads) * head_bytes(self.pool)
         if any(len(f.buffer) != frame_bytes for f in frames):
             raise WireError(f"row frames of other than {frame_bytes} bytes")

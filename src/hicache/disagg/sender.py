@@ -41,11 +41,13 @@ BATCH = 256  # messages handled per poll before the jobs are looked at again
 
 @dataclass
 class PendingAsk:
-    """An ask whose room's prefill is not done yet; ``expires``: perf_counter seconds."""
+    """An ask whose room's prefill is not done yet; ``expires``: perf_counter seconds;
+    ``seq``: its entry in the expiry heap."""
 
     peer: bytes
     ask: Ask
     expires: float
+    seq: int
 
 
 class KVSender(IOThread):
@@ -77,8 +79,8 @@ class KVSender(IOThread):
         self.host = host
         self.route: list[RankEndpoint] = []
         self._jobs: queue.Queue[Optional[Send]] = queue.Queue()
-        self._asks: dict[int, list[PendingAsk]] = {}  # room -> asks whose prefill is not done yet
-        self._expiry: list[tuple[float, int, int]] = []  # heap of (expires, seq, room) over _asks
+        self._asks: dict[int, dict[int, PendingAsk]] = {}  # room -> seq -> ask whose prefill is not done yet
+        self._expiry: list[tuple[float, int, int]] = []  # heap of (expires, seq, room); answered asks linger
         self._seq = itertools.count()
         self._per_peer: Counter[bytes] = Counter()  # open asks per decode rank
         self._open = 0  # open asks in all
@@ -151,20 +153,24 @@ class KVSender(IOThread):
             self._send_error(peer, ask.room, f"too many open asks (at most {MAX_ASKS_PER_PEER} per decode rank)")
             self._dropped("P/D prefill room=%d: refused an ask: too many open asks", ask.room)
             return
-        expires = time.perf_counter() + min(ask.expires_in, self.max_wait_s)
-        self._asks.setdefault(ask.room, []).append(PendingAsk(peer, ask, expires))
+        pending = PendingAsk(peer, ask, time.perf_counter() + min(ask.expires_in, self.max_wait_s), next(self._seq))
+        self._asks.setdefault(ask.room, {})[pending.seq] = pending
         self._per_peer[peer] += 1
         self._open += 1
-        heapq.heappush(self._expiry, (expires, next(self._seq), ask.room))
+        heapq.heappush(self._expiry, (pending.expires, pending.seq, ask.room))
 
     def _take(self, room: int) -> list[PendingAsk]:
-        asks = self._asks.pop(room, [])
-        self._open -= len(asks)
+        """Every open ask of ``room``, no longer open."""
+        asks = list(self._asks.pop(room, {}).values())
         for a in asks:
-            self._per_peer[a.peer] -= 1
-            if not self._per_peer[a.peer]:
-                del self._per_peer[a.peer]
+            self._close(a)
         return asks
+
+    def _close(self, a: PendingAsk) -> None:
+        self._open -= 1
+        self._per_peer[a.peer] -= 1
+        if not self._per_peer[a.peer]:
+            del self._per_peer[a.peer]
 
     def _drain_jobs(self) -> bool:
         while True:
@@ -186,7 +192,9 @@ class KVSender(IOThread):
         for room, job in list(self._waiting.items()):
             for pending in self._take(room):
                 job.askers = pending.ask.askers
-                if now > pending.expires:  # that decode rank gave up (its pages may be someone else's now)
+                # (the clock again: answers before this one may have taken a while, and a Mooncake
+                # write must not start after its asker gave up: its pages may be someone else's now)
+                if time.perf_counter() > pending.expires:
                     job.error, job.answered = f"the decode side gave up on room {room}", job.answered + 1
                 else:
                     self._answer(pending.peer, pending.ask, job)
@@ -199,12 +207,14 @@ class KVSender(IOThread):
                 logger.warning("P/D prefill room=%d: %s", room, job.error)
                 job.done.set()
         while self._expiry and self._expiry[0][0] < now:  # asks for rooms this server never had (aborted, or none)
-            _, _, room = heapq.heappop(self._expiry)
-            live = [a for a in self._take(room) if a.expires >= now]
-            if live:  # (asks that came later than the expired one keep their own heap entries)
-                self._asks[room] = live
-                self._open += len(live)
-                self._per_peer.update(a.peer for a in live)
+            _, seq, room = heapq.heappop(self._expiry)
+            pending = self._asks.get(room, {}).pop(seq, None)
+            if pending is None:  # answered meanwhile
+                continue
+            if not self._asks[room]:
+                del self._asks[room]
+            self._close(pending)
+            self._send_error(pending.peer, room, "no request for this room reached this prefill server in time")
 
     def _send_error(self, peer: bytes, room: int, error: str) -> None:
         self._sock.send_multipart([peer, json.dumps({"room": room, "error": error}).encode()])

@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 MAX_ROOM = 2**63 - 1  # rooms are non-negative signed 64-bit integers, as SGLang draws them
 MAX_ASKERS = 1024  # decode ranks that ask one prefill rank (the decode server's TP size)
-MAX_RANKS = 1024  # prefill ranks in a route
+MAX_RANKS = 64  # prefill ranks in a route (its TP size); each is a socket the decode side opens
 MAX_HEADS = 1 << 16  # model-global KV heads
 MAX_LAYERS = 1 << 16
 MAX_TOKENS = 1 << 31  # prompt tokens
@@ -42,11 +42,13 @@ class WireError(ValueError):
 # ---- receiving ----------------------------------------------------------------------------------
 def limit_socket(sock: Any, max_frame_bytes: int, max_queued: int = 1000) -> None:
     """A peer that sends a frame over ``max_frame_bytes`` is disconnected by ZeroMQ before it
-    is buffered; at most ``max_queued`` messages wait per peer (the rest are dropped)."""
+    is buffered; at most ``max_queued`` messages wait per peer in each direction (incoming ones
+    past it are dropped; a non-blocking send past it raises zmq.Again)."""
     import zmq
 
     sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
     sock.setsockopt(zmq.RCVHWM, max_queued)
+    sock.setsockopt(zmq.SNDHWM, max_queued)
 
 
 def recv_bounded(sock: Any, max_frames: int, copy: bool = True) -> Optional[list]:
