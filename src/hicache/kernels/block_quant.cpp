@@ -138,26 +138,14 @@ void shared_rows(const float* x, float* out, int64_t K, int64_t N, int64_t n0, i
   }
 }
 
-template <int M>
-void q4_rows_shared(const float* x, const uint8_t* qs, const float* scale, const float* minv, float* out,
-                    int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  const int64_t G = K / kGroup;
-  shared_rows<M>(x, out, K, N, n0, n1, [&](int64_t n, int64_t g, __m512* w) {
-    unpack_q4_512(qs + n * (K / 2) + g * 16, w[0], w[1]);
-    const __m512 d = _mm512_set1_ps(scale[n * G + g]), m = _mm512_set1_ps(minv[n * G + g]);
-    for (int i = 0; i < 2; ++i) w[i] = _mm512_add_ps(_mm512_mul_ps(d, w[i]), m);
-  });
+// A block's exact weights, rebuilt in registers (d * q + m for q4, d * q for q8).
+inline void rebuild_q4(const uint8_t* p, float d, float m, __m512* w) {
+  unpack_q4_512(p, w[0], w[1]);
+  for (int i = 0; i < 2; ++i) w[i] = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(d), w[i]), _mm512_set1_ps(m));
 }
-
-template <int M>
-void q8_rows_shared(const float* x, const int8_t* qs, const float* scale, float* out,
-                    int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  const int64_t G = K / kGroup;
-  shared_rows<M>(x, out, K, N, n0, n1, [&](int64_t n, int64_t g, __m512* w) {
-    unpack_q8_512(qs + n * K + g * kGroup, w[0], w[1]);
-    const __m512 d = _mm512_set1_ps(scale[n * G + g]);
-    for (int i = 0; i < 2; ++i) w[i] = _mm512_mul_ps(d, w[i]);
-  });
+inline void rebuild_q8(const int8_t* p, float d, __m512* w) {
+  unpack_q8_512(p, w[0], w[1]);
+  for (int i = 0; i < 2; ++i) w[i] = _mm512_mul_ps(_mm512_set1_ps(d), w[i]);
 }
 
 #else  // AVX2
@@ -236,14 +224,25 @@ void shared_rows(const float* x, float* out, int64_t K, int64_t N, int64_t n0, i
   }
 }
 
+// A block's exact weights, rebuilt in registers (d * q + m for q4, d * q for q8).
+inline void rebuild_q4(const uint8_t* p, float d, float m, __m256* w) {
+  unpack_q4(p, w[0], w[1], w[2], w[3]);
+  for (int i = 0; i < 4; ++i) w[i] = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(d), w[i]), _mm256_set1_ps(m));
+}
+inline void rebuild_q8(const int8_t* p, float d, __m256* w) {
+  unpack_q8(p, w[0], w[1], w[2], w[3]);
+  for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(_mm256_set1_ps(d), w[i]);
+}
+
+#endif  // HICACHE_AVX512
+
+// Several rows, either instruction set: shared_rows over each block's rebuilt weights.
 template <int M>
 void q4_rows_shared(const float* x, const uint8_t* qs, const float* scale, const float* minv, float* out,
                     int64_t K, int64_t N, int64_t n0, int64_t n1) {
   const int64_t G = K / kGroup;
-  shared_rows<M>(x, out, K, N, n0, n1, [&](int64_t n, int64_t g, __m256* w) {
-    unpack_q4(qs + n * (K / 2) + g * 16, w[0], w[1], w[2], w[3]);
-    const __m256 d = _mm256_set1_ps(scale[n * G + g]), m = _mm256_set1_ps(minv[n * G + g]);
-    for (int i = 0; i < 4; ++i) w[i] = _mm256_add_ps(_mm256_mul_ps(d, w[i]), m);
+  shared_rows<M>(x, out, K, N, n0, n1, [&](int64_t n, int64_t g, auto* w) {
+    rebuild_q4(qs + n * (K / 2) + g * 16, scale[n * G + g], minv[n * G + g], w);
   });
 }
 
@@ -251,14 +250,10 @@ template <int M>
 void q8_rows_shared(const float* x, const int8_t* qs, const float* scale, float* out,
                     int64_t K, int64_t N, int64_t n0, int64_t n1) {
   const int64_t G = K / kGroup;
-  shared_rows<M>(x, out, K, N, n0, n1, [&](int64_t n, int64_t g, __m256* w) {
-    unpack_q8(qs + n * K + g * kGroup, w[0], w[1], w[2], w[3]);
-    const __m256 d = _mm256_set1_ps(scale[n * G + g]);
-    for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(d, w[i]);
+  shared_rows<M>(x, out, K, N, n0, n1, [&](int64_t n, int64_t g, auto* w) {
+    rebuild_q8(qs + n * K + g * kGroup, scale[n * G + g], w);
   });
 }
-
-#endif  // HICACHE_AVX512
 
 template <typename F>
 void dispatch_rows(int64_t M, F&& f) {
