@@ -536,9 +536,9 @@ def _resolved_dtype() -> str:
     """What Engine(dtype="auto") picks on this machine's CPU (when part a-c did not run)."""
     import torch
 
-    from hicache.device import choose_dtype
+    from hicache.device import resolve_dtype
 
-    return choose_dtype("auto", torch.device("cpu"))
+    return resolve_dtype("auto", torch.device("cpu"))[0]
 
 
 if __name__ == "__main__":

@@ -37,28 +37,21 @@ class EngineConfig:
     )
     dtype: str = _opt(
         "auto",
-        "Weight and KV dtype. 'auto': bfloat16 on CUDA (float16 without bf16 support), float32 on a CPU "
-        "(where the CPU multiplies bf16 natively, AVX512-BF16 or AMX, prefill then reads a bf16 copy of the "
-        "weights: see --prefill-weight-dtype).",
+        "Weight and KV dtype. 'auto': bfloat16 on CUDA (float16 without bf16), float32 on a CPU.",
         ("auto", "bfloat16", "float16", "float32"),
     )
     prefill_weight_dtype: str = _opt(
         "auto",
         "Weights for passes of more than 8 tokens (prefill). 'auto': a bfloat16 copy where --dtype auto chose "
-        "float32 on a CPU that multiplies bf16 natively (AVX512-BF16 or AMX: prefill ~1.5x faster, decode "
-        "keeps its float32 path), else the loaded weights. 'same': the loaded weights. 'bfloat16': a rounded "
-        "copy (lossy: prompt KV differs from float32's by bf16 rounding; its KV never shares cache keys "
-        "with the others).",
+        "float32 on a CPU with AVX512-BF16 or AMX, else 'same' (the loaded weights). 'bfloat16': the copy "
+        "(lossy: its KV has its own cache keys).",
         ("auto", "same", "bfloat16"),
     )
     decode_weight_dtype: str = _opt(
         "auto",
-        "Weights for decode steps (at most 8 tokens). 'auto': where a float32 matrix holds exact 4- or "
-        "8-bit blocks (a GGUF Q4_1/Q8_0 model, e.g. smollm2), read those blocks through native AVX2 "
-        "kernels -- the same weights at a quarter to an eighth of the bytes -- else the loaded weights. "
-        "'same': the loaded weights through torch. 'bfloat16': a rounded copy (lossy: outputs can "
-        "differ; its KV never shares cache keys with the others). Passes of more than 8 tokens (prefill) "
-        "read --prefill-weight-dtype's weights.",
+        "Weights for decode steps (at most 8 tokens). 'auto': a float32 matrix's exact 4/8-bit GGUF blocks "
+        "(Q4_1/Q8_0, e.g. smollm2) through the native kernels where it has them, else 'same' (the loaded "
+        "weights). 'bfloat16': a rounded copy (lossy: its KV has its own cache keys).",
         ("auto", "same", "bfloat16"),
     )
     device: str = _opt("auto", "'auto' (cuda when present, else cpu), 'cpu' or 'cuda[:N]'.")

@@ -111,11 +111,3 @@ def choose_precision(dtype: str, prefill_weights: str, device: torch.device) -> 
         logger.info("precision: dtype %s -> %s (%s); prefill weights %s -> %s (%s)", dtype, chosen, why,
                     prefill_weights, prefill, prefill_why)
     return chosen, prefill
-
-
-def choose_dtype(name: str, device: torch.device) -> str:
-    """:func:`resolve_dtype`'s name, logged once when ``auto`` chose it."""
-    chosen, why = resolve_dtype(name, device)
-    if name == "auto":
-        logger.info("dtype auto -> %s: %s", chosen, why)
-    return chosen

@@ -112,16 +112,23 @@ def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.dev
         if model is not None:
             requantize_(model, bits, group)
         identity += f":requant-{variant}"
-    if decode_weights not in DECODE_WEIGHTS:
-        raise ModelSpecError(f"decode weights {decode_weights!r}: expected one of {', '.join(DECODE_WEIGHTS)}.")
-    if decode_weights not in ("auto", "same") and getattr(torch, decode_weights) != dtype:
-        identity += f":decode-{decode_weights}"
-    if prefill_weights not in PREFILL_WEIGHTS:
-        raise ModelSpecError(f"prefill weights {prefill_weights!r}: expected one of {', '.join(PREFILL_WEIGHTS)}.")
-    if prefill_weights != "same" and getattr(torch, prefill_weights) != dtype:
-        identity += f":prefill-{prefill_weights}"
+    identity += _weight_copies(model, dtype, decode_weights, prefill_weights, to_be_sharded)
+    return LoadedModel(model, tokenizer, spec, name, identity, time.perf_counter() - start)
+
+
+def _weight_copies(model: LlamaForCausalLM | None, dtype: torch.dtype, decode_weights: str, prefill_weights: str,
+                   to_be_sharded: bool) -> str:
+    """Set what decode and prefill passes read; returns the identity suffix naming the lossy
+    copies (a dtype copy changes the KV its passes write; exact blocks do not)."""
+    suffix = ""
+    for phase, mode, allowed, lossless in (("decode", decode_weights, DECODE_WEIGHTS, ("auto", "same")),
+                                           ("prefill", prefill_weights, PREFILL_WEIGHTS, ("same",))):
+        if mode not in allowed:
+            raise ModelSpecError(f"{phase} weights {mode!r}: expected one of {', '.join(allowed)}.")
+        if mode not in lossless and getattr(torch, mode) != dtype:
+            suffix += f":{phase}-{mode}"
     if model is not None:
         # Fuses and packs now (before the pool is sized), or in shard_model for a rank's slices.
         model.set_prefill_weights(prefill_weights, prepare=False)
         model.set_decode_weights(decode_weights, prepare=not to_be_sharded)
-    return LoadedModel(model, tokenizer, spec, name, identity, time.perf_counter() - start)
+    return suffix

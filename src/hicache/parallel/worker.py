@@ -237,6 +237,18 @@ def _pd_ranks(info: RankInfo, shard: Any, groups: ParallelGroups) -> TPRanks:
     return TPRanks(info.tp_rank, info.tp_size, shard.kv_heads, groups.tp_gather_object, groups.tp_sum)
 
 
+def _rank_device(cfg: EngineConfig, info: RankInfo) -> tuple[EngineConfig, torch.device]:
+    """This rank's device (its node's GPU by local rank on CUDA) and ``cfg`` with the dtype and
+    prefill weights resolved for it (node 0's Engine passes both resolved; a `hicache node`
+    launcher passes the flags as given)."""
+    device = resolve_device(cfg.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", info.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    dtype, prefill_weights = choose_precision(cfg.dtype, cfg.prefill_weight_dtype, device)
+    return dataclasses.replace(cfg, dtype=dtype, prefill_weight_dtype=prefill_weights), device
+
+
 def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox: Any, outbox: Any,
               consensus_queue: Any, log_level: int) -> None:
     """Entry point of a rank process (spawned by :class:`hicache.parallel.frontend.RankGroup`,
@@ -254,19 +266,13 @@ def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox:
     try:
         # Threads, devices and memory are this machine's: shared by its node's ranks only.
         torch.set_num_threads(cfg.num_threads or max(1, (os.cpu_count() or 1) // info.ranks_per_node))
-        device = resolve_device(cfg.device)
-        if device.type == "cuda":
-            device = torch.device("cuda", info.local_rank % torch.cuda.device_count())
-            torch.cuda.set_device(device)
-        # Node 0's Engine passes both resolved; a `hicache node` launcher passes the flags as given.
-        dtype_name, prefill_weights = choose_precision(cfg.dtype, cfg.prefill_weight_dtype, device)
-        cfg = dataclasses.replace(cfg, dtype=dtype_name, prefill_weight_dtype=prefill_weights)
-        dtype = DTYPES[dtype_name]
+        cfg, device = _rank_device(cfg, info)
+        dtype = DTYPES[cfg.dtype]
         groups = ParallelGroups(info, init_method, device,
                                 latent_sharding=cfg.enable_kv_cache_sharding and cfg.attn_cp_size == 1)
         loaded = load_model(cfg.model, dtype=dtype, device=device, seed=cfg.random_seed,
                             decode_weights=cfg.decode_weight_dtype, prefill_weights=cfg.prefill_weight_dtype,
-                       to_be_sharded=True)
+                            to_be_sharded=True)
         # Weights are replicated across CP ranks and tensor-parallel within one.
         shard = model_shard(loaded.spec, info.attn_tp_rank, info.attn_tp_size, info.pp_rank, info.pp_size)
         shard_model(loaded.model, shard, groups.tp_reduce if info.attn_tp_size > 1 else None)
