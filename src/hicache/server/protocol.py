@@ -78,7 +78,7 @@ class _Sampling(BaseModel):
         try:
             return Bootstrap(self.bootstrap_host, self.bootstrap_port, self.bootstrap_room)
         except ValueError as e:  # a request that could never connect: said now, not at the transfer timeout
-            raise APIError(400, str(e), param="bootstrap_host") from None
+            raise APIError(400, str(e), param="bootstrap_host", code="invalid_value") from None
 
     @field_validator("cache_salt")
     @classmethod
