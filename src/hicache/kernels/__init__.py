@@ -30,7 +30,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("block_quant.cpp", "layer_ops.cpp", "decode_attention.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("block_quant.cpp", "layer_ops.cpp", "decode_attention.cpp",
+                                                          "decode_layer.cpp")]
 HEADERS = [Path(__file__).with_name("simd.h")]
 # Compiler flags per instruction set; the avx512 build also compiles the blocks' 16-lane paths.
 ISAS = {

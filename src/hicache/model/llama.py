@@ -17,11 +17,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from hicache.kernels import cpu_kernels
-from hicache.model.attention import decode_attention, native_decode_attention, sequence_attention
+from hicache.model.attention import (NATIVE_HEAD_DIMS, decode_attention, native_decode_attention,
+                                     sequence_attention)
 from hicache.model.batch import ForwardBatch, KVView, SeqSpan
 from hicache.model.context_parallel import cp_attention
 from hicache.model.mla import MLAAttention
-from hicache.model.projection import DECODE_WEIGHTS, PREFILL_WEIGHTS, Projection
+from hicache.model.projection import DECODE_ROWS, DECODE_WEIGHTS, PREFILL_WEIGHTS, Projection
 from hicache.model.spec import ModelSpec, rope_inv_freq, rotate_half
 
 
@@ -166,8 +167,54 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv: KVView
     ) -> torch.Tensor:
+        ops = self._fused_decode_ops(x, batch, kv)
+        if ops is not None:
+            operands = self._decode_operands()
+            if operands is not None:
+                return self._fused_decode(ops, operands, x, cos, sin, batch, kv)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    # A decode step's layer as one native call (kernels/decode_layer.cpp): the same kernels in the
+    # same order as the modules above, bit for bit, without ~25 Python dispatches a layer.
+    _decode_key: tuple = ()
+    _decode_args: Optional[tuple] = None
+
+    def _fused_decode_ops(self, x: torch.Tensor, batch: ForwardBatch, kv: KVView):
+        """The native kernels when this pass is one the fused layer serves: a decode batch of at
+        most DECODE_ROWS tokens on one rank, float32 on the CPU, the heads as the kernels take them."""
+        attn = self.self_attn
+        if (batch.decode is None or batch.cp is not None or not 0 < x.shape[0] <= DECODE_ROWS
+                or not isinstance(attn, Attention) or attn.tp_reduce is not None or self.mlp.tp_reduce is not None
+                or attn.kv_map is not None or attn.head_dim not in NATIVE_HEAD_DIMS
+                or kv.k_buffers[attn.layer].dtype != torch.float32 or self.mlp.gate_proj.out_features % 8):
+            return None
+        return native_ops(x)
+
+    def _decode_operands(self) -> Optional[tuple]:
+        """``(kinds, qtypes, weights, qkv bias)`` of the four projections' decode weights, rebuilt
+        when a projection re-fuses; None when one of them is not a native decode kernel."""
+        projections = (self.self_attn.qkv, self.self_attn.out, self.mlp.gate_up, self.mlp.down)
+        key = tuple(p.prepare() for p in projections)
+        if key != self._decode_key:
+            parts = [p.native_decode() for p in projections]
+            usable = None not in parts and all(p.bias is None for p in projections[1:])
+            self._decode_args = (
+                [kind for kind, _, _ in parts], [qtype for _, qtype, _ in parts],
+                [t for _, _, tensors in parts for t in tensors], projections[0].bias,
+            ) if usable else None
+            self._decode_key = key
+        return self._decode_args
+
+    def _fused_decode(self, ops, operands: tuple, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      batch: ForwardBatch, kv: KVView) -> torch.Tensor:
+        attn, layout = self.self_attn, batch.decode
+        kv.wait_layer(attn.layer)
+        kinds, qtypes, weights, qkv_bias = operands
+        return ops.decode_layer(x, self.input_layernorm.weight, self.post_attention_layernorm.weight,
+                                self.input_layernorm.eps, kinds, qtypes, weights, qkv_bias, cos, sin,
+                                attn.num_heads, attn.num_kv_heads, kv.k_buffers[attn.layer],
+                                kv.v_buffers[attn.layer], batch.out_slots, layout.kv_slots, layout.lengths)
 
 
 _INIT_LOCK = threading.Lock()

@@ -73,6 +73,24 @@ class Projection:
             return _linear_in(self._prefill_weight, x, self._bias)
         return F.linear(x, self._weight, self._bias)
 
+    def native_decode(self) -> Optional[tuple[int, int, tuple[torch.Tensor, ...]]]:
+        """What a decode pass reads, for the fused native layer (``kernels/decode_layer.cpp``):
+        ``(kind, ggml type, tensors)`` -- kind 0 the float32 matrix, 1 q4 / 2 q8 blocks -- or None
+        where a decode pass here is not a native kernel (a dtype copy, not a float32 CPU matrix)."""
+        self.prepare()
+        if self._blocks is not None:
+            b = self._blocks
+            return (1, 0, (b.qs, b.scale, b.minv)) if b.kind == "q4" else (2, 0, (b.qs, b.scale))
+        if self._decode_weight is None and self._weight.dtype == torch.float32 and self._weight.device.type == "cpu":
+            return 0, 0, (self._weight,)
+        return None
+
+    @property
+    def bias(self) -> Optional[torch.Tensor]:
+        """The fused bias (the parts' side by side), or None."""
+        self.prepare()
+        return self._bias
+
     @property
     def decode_format(self) -> str:
         """What decode passes read: "q4"/"q8" blocks, a dtype copy's name, or "same"."""
@@ -97,11 +115,13 @@ class Projection:
         """Whether the fused matrix (and decode copy) match the parts as they are now."""
         return self._key == self._current_key()
 
-    def prepare(self) -> None:
+    def prepare(self) -> tuple:
         """Fuse now if the parts changed (a load, a shard, a move, a new decode dtype); a model
-        does it before its KV pool is sized, so the decode copy is counted in the budget."""
+        does it before its KV pool is sized, so the decode copy is counted in the budget.
+        Returns a key that changes whenever the fused weights are rebuilt."""
         if not self.prepared:
             self._fuse()
+        return self._key
 
     def _current_key(self) -> tuple:
         return (self.decode_weights, self.prefill_weights, *(p.weight.data_ptr() for p in self.parts))

@@ -1,0 +1,116 @@
+// One decoder layer of a decode step in one call: B sequences, one new token each, float32, one
+// rank. The Python layer (hicache/model/llama.py) runs ~25 torch ops a layer for a decode token,
+// and at batch 1 their Python dispatch costs as much as their arithmetic; this runs the same
+// kernels in the same order from C++ (the hicache ops through the dispatcher, torch's for the
+// rest), so its output equals the Python path's bit for bit.
+//
+// A projection's decode weights arrive as a kind and its tensors (Projection.native_decode):
+//   dense: weight [N, K] (F.linear)      q4: qs, scale, minv      q8: qs, scale
+//   gguf:  blocks [N, row bytes], with its ggml type in `qtypes`
+// in the order qkv, o, gate_up, down, flattened into `weights`.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <vector>
+
+namespace {
+
+enum Kind : int64_t { kDense = 0, kQ4 = 1, kQ8 = 2, kGGUF = 3 };
+
+int64_t operand_count(int64_t kind) {
+  switch (kind) {
+    case kDense: return 1;
+    case kQ4: return 3;
+    case kQ8: return 2;
+    case kGGUF: return 1;
+    default: TORCH_CHECK(false, "unknown projection kind ", kind);
+  }
+}
+
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> hicache_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+using T = at::Tensor;
+
+// x @ W.T (+ bias) for one projection's operands starting at `w`.
+T project(const T& x, int64_t kind, int64_t qtype, const T* w, const c10::optional<T>& bias) {
+  T out;
+  switch (kind) {
+    case kDense:
+      return at::linear(x, w[0], bias);
+    case kQ4: {
+      static auto op = hicache_op<T(const T&, const T&, const T&, const T&)>("hicache::q4_linear");
+      out = op.call(x, w[0], w[1], w[2]);
+      break;
+    }
+    case kQ8: {
+      static auto op = hicache_op<T(const T&, const T&, const T&)>("hicache::q8_linear");
+      out = op.call(x, w[0], w[1]);
+      break;
+    }
+    default: {
+      static auto op = hicache_op<T(const T&, const T&, int64_t, int64_t)>("hicache::gguf_linear");
+      out = op.call(x, w[0], qtype, x.size(1));
+    }
+  }
+  return bias.has_value() ? out + *bias : out;
+}
+
+struct Layer {
+  std::vector<int64_t> kinds, qtypes;
+  std::vector<const T*> weights;  // each projection's first operand
+};
+
+Layer unpack(at::IntArrayRef kinds, at::IntArrayRef qtypes, at::TensorList weights) {
+  TORCH_CHECK(kinds.size() == 4 && qtypes.size() == 4, "a layer has 4 projections (qkv, o, gate_up, down)");
+  Layer layer{kinds.vec(), qtypes.vec(), {}};
+  size_t at = 0;
+  for (int64_t kind : kinds) {
+    layer.weights.push_back(weights.data() + at);
+    at += operand_count(kind);
+  }
+  TORCH_CHECK(at == weights.size(), "expected ", at, " weight tensors for these kinds, got ", weights.size());
+  return layer;
+}
+
+T decode_layer(const T& x, const T& attn_norm, const T& ffn_norm, double eps, at::IntArrayRef kinds,
+               at::IntArrayRef qtypes, at::TensorList weights, const c10::optional<T>& qkv_bias,
+               const T& cos, const T& sin, int64_t num_heads, int64_t num_kv_heads, T& k_buf, T& v_buf,
+               const T& out_slots, const T& kv_slots, const T& lengths) {
+  static auto rms_norm = hicache_op<T(const T&, const T&, double)>("hicache::rms_norm");
+  static auto rope = hicache_op<void(T&, const T&, const T&, int64_t, int64_t)>("hicache::rope_");
+  static auto silu_mul = hicache_op<T(const T&)>("hicache::silu_mul");
+  static auto attention =
+      hicache_op<T(const T&, const T&, const T&, const T&, const T&)>("hicache::paged_decode_attention");
+  const Layer layer = unpack(kinds, qtypes, weights);
+  const int64_t t = x.size(0), D = k_buf.size(2), qk_heads = num_heads + num_kv_heads;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [T, hidden]");
+  TORCH_CHECK(k_buf.scalar_type() == at::kFloat && v_buf.scalar_type() == at::kFloat, "KV buffers must be float32");
+
+  T qkv = project(rms_norm.call(x, attn_norm, eps), layer.kinds[0], layer.qtypes[0], layer.weights[0], qkv_bias);
+  rope.call(qkv, cos.flatten(1), sin.flatten(1), qk_heads, D);
+  T q = qkv.narrow(1, 0, num_heads * D).view({t, num_heads, D});
+  T k = qkv.narrow(1, num_heads * D, num_kv_heads * D).view({t, num_kv_heads, D});
+  T v = qkv.narrow(1, qk_heads * D, num_kv_heads * D).view({t, num_kv_heads, D});
+  k_buf.index_copy_(0, out_slots, k);
+  v_buf.index_copy_(0, out_slots, v);
+  T attended = attention.call(q.contiguous(), k_buf, v_buf, kv_slots, lengths).reshape({t, -1});
+  T h = x + project(attended.contiguous(), layer.kinds[1], layer.qtypes[1], layer.weights[1], c10::nullopt);
+
+  T gate_up = project(rms_norm.call(h, ffn_norm, eps), layer.kinds[2], layer.qtypes[2], layer.weights[2], c10::nullopt);
+  return h + project(silu_mul.call(gate_up), layer.kinds[3], layer.qtypes[3], layer.weights[3], c10::nullopt);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(hicache, m) {
+  m.def("decode_layer(Tensor x, Tensor attn_norm, Tensor ffn_norm, float eps, int[] kinds, int[] qtypes, "
+        "Tensor[] weights, Tensor? qkv_bias, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, "
+        "Tensor(a!) k_buf, Tensor(b!) v_buf, Tensor out_slots, Tensor kv_slots, Tensor lengths) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(hicache, CPU, m) {
+  m.impl("decode_layer", &decode_layer);
+}

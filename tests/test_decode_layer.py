@@ -1,0 +1,68 @@
+"""A decode step's layers as one native call each (``kernels/decode_layer.cpp``) give the logits
+the Python layer gives, bit for bit: float32 weights (with and without a q/k/v bias), exact 4-bit
+blocks, one sequence and a batch of three; passes it does not serve (prefill, bf16 KV) keep the
+Python layer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hicache.kernels import unavailable_reason
+from hicache.model import DenseKV, load_model, make_forward_batch
+from hicache.model.llama import DecoderLayer
+
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=f"no native kernels: {unavailable_reason()}")
+
+BIASED = "random:" + json.dumps({"preset": "small", "attention_bias": True})
+
+
+def _decode(model, spec, batch_size: int, steps: int, kv_dtype=torch.float32) -> list[torch.Tensor]:
+    """Greedy decode of ``batch_size`` prompts of different lengths; the logits of every step."""
+    kv = DenseKV(spec, 1024, kv_dtype)
+    prompts = [list(range(40 + 9 * b, 40 + 9 * b + 11 + 6 * b)) for b in range(batch_size)]
+    slots = [torch.arange(1 + 200 * b, 1 + 200 * (b + 1)) for b in range(batch_size)]
+    out = []
+    with torch.inference_mode():
+        logits = model(make_forward_batch(prompts, [0] * batch_size, [s[:len(p)] for s, p in zip(slots, prompts)]), kv)
+        for _ in range(steps):
+            lens = [len(p) for p in prompts]
+            for p, token in zip(prompts, logits.argmax(-1).tolist()):
+                p.append(token)
+            batch = make_forward_batch([[p[-1]] for p in prompts], lens, [s[:n + 1] for s, n in zip(slots, lens)])
+            logits = model(batch, kv)
+            out.append(logits)
+    return out
+
+
+def _run(model, spec, batch_size, fused: bool, monkeypatch, kv_dtype=torch.float32):
+    calls = []
+    fused_decode = DecoderLayer._fused_decode
+    with monkeypatch.context() as m:
+        if fused:
+            m.setattr(DecoderLayer, "_fused_decode", lambda self, *a: calls.append(1) or fused_decode(self, *a))
+        else:
+            m.setattr(DecoderLayer, "_fused_decode_ops", lambda self, x, batch, kv: None)
+        return _decode(model, spec, batch_size, steps=5, kv_dtype=kv_dtype), len(calls)
+
+
+@pytest.mark.parametrize("name", ["random:small", BIASED, "random:small:int4-g32"])
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_fused_decode_layer_equals_the_python_layer(name, batch_size, monkeypatch):
+    loaded = load_model(name, dtype=torch.float32, seed=3)
+    model, spec = loaded.model, loaded.spec
+    fused, calls = _run(model, spec, batch_size, True, monkeypatch)
+    python, _ = _run(model, spec, batch_size, False, monkeypatch)
+    assert calls == 5 * spec.num_layers, "every layer of every decode step runs fused"
+    assert all(torch.equal(a, b) for a, b in zip(fused, python))
+    if name.endswith("int4-g32"):
+        assert "q4" in model.decode_formats()  # layers mixing q4 blocks and float32 matrices
+
+
+def test_passes_the_fused_layer_does_not_serve_keep_the_python_layer(monkeypatch):
+    """Prefill passes and a bf16 KV cache (no native decode attention) never take it."""
+    loaded = load_model("random:small", dtype=torch.float32, seed=3)
+    _, calls = _run(loaded.model, loaded.spec, 2, True, monkeypatch, kv_dtype=torch.bfloat16)
+    assert calls == 0
