@@ -64,7 +64,7 @@ def test_block_copies_rebuild_the_weights_bit_for_bit_or_are_refused():
     assert pack_exact(w4[:, 16:80].contiguous()) is None  # a TP shard cutting blocks in half
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 20])
 def test_block_matmuls_match_float32_linear(ops, rows):
     """Equal up to float32 rounding order: sums of 576 products may differ by a few ulps of the
     largest output, never by more."""
@@ -77,8 +77,7 @@ def test_block_matmuls_match_float32_linear(ops, rows):
 
 def test_block_matmuls_refuse_what_they_cannot_do(ops):
     packed = pack_exact(q4_1_matrix(16, 64))
-    with pytest.raises(RuntimeError, match="1 to 8 rows"):
-        packed.linear(torch.randn(9, 64), ops)
+    assert packed.linear(torch.randn(0, 64), ops).shape == (0, 16)
     with pytest.raises(RuntimeError, match="float32"):
         packed.linear(torch.randn(2, 64).double(), ops)
     with pytest.raises(RuntimeError, match="qs must be"):

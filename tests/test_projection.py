@@ -9,7 +9,7 @@ from torch import nn
 
 from hicache import Engine, SamplingParams
 from hicache.model import load_model
-from hicache.model.projection import DECODE_ROWS, Projection
+from hicache.model.projection import DECODE_ROWS, VERIFY_ROWS, Projection
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
 
@@ -50,13 +50,14 @@ def test_decode_copy_serves_only_decode_sized_passes():
     (part,) = _linears(32, bias=False)
     proj = Projection(part)
     proj.decode_weights = "bfloat16"
-    decode_x, prefill_x = torch.randn(DECODE_ROWS, 16), torch.randn(DECODE_ROWS + 1, 16)
+    decode_x, prefill_x = torch.randn(proj.decode_rows, 16), torch.randn(proj.decode_rows + 1, 16)
     exact = lambda x: x @ part.weight.T  # noqa: E731
     rounded = lambda x: (x.bfloat16() @ part.weight.bfloat16().T).float()  # noqa: E731
     torch.testing.assert_close(proj(prefill_x), exact(prefill_x))
     torch.testing.assert_close(proj(decode_x), rounded(decode_x))
     assert proj(decode_x).dtype == torch.float32
     assert not torch.equal(proj(decode_x), exact(decode_x))  # lossy: the flag must say so
+    assert proj.decode_rows == VERIFY_ROWS  # no prefill copy: a verify batch reads the decode weights
 
 
 def test_decode_weight_dtype_is_part_of_the_identity():
@@ -107,12 +108,13 @@ def test_prefill_copy_serves_only_prefill_sized_passes():
     (part,) = _linears(32, bias=True)
     proj = Projection(part)
     proj.prefill_weights = "bfloat16"
-    decode_x, prefill_x = torch.randn(DECODE_ROWS, 16), torch.randn(DECODE_ROWS + 1, 16)
+    decode_x, prefill_x = torch.randn(proj.decode_rows, 16), torch.randn(proj.decode_rows + 1, 16)
     exact = lambda x: x @ part.weight.T + part.bias  # noqa: E731
     rounded = lambda x: F.linear(x.bfloat16(), part.weight.bfloat16(), part.bias.bfloat16()).float()  # noqa: E731
     torch.testing.assert_close(proj(decode_x), exact(decode_x))
     torch.testing.assert_close(proj(prefill_x), rounded(prefill_x))
     assert proj(prefill_x).dtype == torch.float32 and proj.prefill_format == "bfloat16"
+    assert proj.decode_rows == DECODE_ROWS  # the bf16 GEMM beats the decode path beyond a decode batch
     assert proj.copies_nbytes() == part.weight.numel() * 2  # counted against the memory budget
 
 

@@ -4,7 +4,7 @@
 // weights in two 16-lane registers instead of four 8-lane ones); output rows (N) split over
 // torch's intra-op pool.
 // One input row takes per-group dot products with the raw q (q4_row / q8_row); 2-8 rows rebuild
-// each block's exact weights once and share them (shared_rows).
+// each block's exact weights once and share them (shared_rows); more rows go in passes of 8.
 //
 // Layout (see hicache/model/block_quant.py, which packs and documents it): groups of 32 along K;
 //   q4: qs uint8 [N, K/2], byte j of a group = q[j] | q[j+16] << 4; W = scale*q + minv
@@ -18,6 +18,7 @@
 #include "simd.h"
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -255,6 +256,8 @@ void q8_rows_shared(const float* x, const int8_t* qs, const float* scale, float*
   });
 }
 
+constexpr int64_t kMaxShared = 8;  // rows that share one rebuild of a block (registers bound it)
+
 template <typename F>
 void dispatch_rows(int64_t M, F&& f) {
   switch (M) {
@@ -266,7 +269,7 @@ void dispatch_rows(int64_t M, F&& f) {
     case 6: f(std::integral_constant<int, 6>{}); break;
     case 7: f(std::integral_constant<int, 7>{}); break;
     case 8: f(std::integral_constant<int, 8>{}); break;
-    default: TORCH_CHECK(false, "block-quantized matmuls take 1 to 8 rows (a decode step), got ", M);
+    default: TORCH_CHECK(false, "rows per shared block pass: 1 to ", kMaxShared, ", got ", M);
   }
 }
 
@@ -282,31 +285,47 @@ void check_operands(const at::Tensor& x, const at::Tensor& qs, const at::Tensor&
               scale.size(0) == qs.size(0) && scale.size(1) == G, "scale must be contiguous float32 [N, ", G, "]");
 }
 
+// Row sums of 32-wide groups of one row x [K]: sum_j x_j (d q_j + m) = d (x . q) + m sum_j x_j,
+// so a single row never rebuilds a q4 block. (Several rows rebuild it once and share it.)
+std::vector<float> group_sums(const float* x, int64_t K) {
+  std::vector<float> sums(K / kGroup);
+  for (size_t i = 0; i < sums.size(); ++i) {
+    const float* xg = x + i * kGroup;
+    __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xg), _mm256_loadu_ps(xg + 8)),
+                             _mm256_add_ps(_mm256_loadu_ps(xg + 16), _mm256_loadu_ps(xg + 24)));
+    sums[i] = hsum(s);
+  }
+  return sums;
+}
+
+// Any number of rows, in passes of up to kMaxShared rows over the weights (a verify batch of
+// 4 x 5 tokens reads them three times: still fewer bytes than one float32 pass).
+template <typename F>
+void row_passes(const at::Tensor& x, at::Tensor& out, F&& pass) {
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxShared) {
+    const int64_t rows = std::min(kMaxShared, M - m0);
+    pass(x.data_ptr<float>() + m0 * K, out.data_ptr<float>() + m0 * N, rows);
+  }
+}
+
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
                      const at::Tensor& minv) {
   check_operands(x, qs, scale, at::kByte, kGroup / 2);
   TORCH_CHECK(minv.sizes() == scale.sizes() && minv.scalar_type() == at::kFloat && minv.is_contiguous(),
               "minv must be contiguous float32 shaped like scale");
-  const int64_t M = x.size(0), K = x.size(1), N = qs.size(0), G = K / kGroup;
-  at::Tensor out = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  // One row: per-group sums of x carry the blocks' minimums, sum_j x_j (d q_j + m) =
-  // d (x . q) + m sum_j x_j, so the block is never rebuilt. (Several rows rebuild it once.)
-  std::vector<float> xsum(M == 1 ? G : 0);
-  for (int64_t i = 0; i < static_cast<int64_t>(xsum.size()); ++i) {
-    const float* xg = xp + i * kGroup;
-    __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xg), _mm256_loadu_ps(xg + 8)),
-                             _mm256_add_ps(_mm256_loadu_ps(xg + 16), _mm256_loadu_ps(xg + 24)));
-    xsum[i] = hsum(s);
-  }
-  const float* xs = xsum.data();
+  const int64_t K = x.size(1), N = qs.size(0);
+  at::Tensor out = at::empty({x.size(0), N}, x.options());
   const uint8_t* qp = qs.data_ptr<uint8_t>(); const float* sp = scale.data_ptr<float>();
-  const float* mp = minv.data_ptr<float>(); float* op = out.data_ptr<float>();
-  dispatch_rows(M, [&](auto rows) {
-    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-      constexpr int R = decltype(rows)::value;
-      if constexpr (R == 1) q4_row(xp, xs, qp, sp, mp, op, K, n0, n1);
-      else q4_rows_shared<R>(xp, qp, sp, mp, op, K, N, n0, n1);
+  const float* mp = minv.data_ptr<float>();
+  row_passes(x, out, [&](const float* xp, float* op, int64_t M) {
+    const std::vector<float> xsum = M == 1 ? group_sums(xp, K) : std::vector<float>();
+    dispatch_rows(M, [&](auto rows) {
+      at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+        constexpr int R = decltype(rows)::value;
+        if constexpr (R == 1) q4_row(xp, xsum.data(), qp, sp, mp, op, K, n0, n1);
+        else q4_rows_shared<R>(xp, qp, sp, mp, op, K, N, n0, n1);
+      });
     });
   });
   return out;
@@ -314,16 +333,16 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
 
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale) {
   check_operands(x, qs, scale, at::kChar, kGroup);
-  const int64_t M = x.size(0), K = x.size(1), N = qs.size(0);
-  at::Tensor out = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
+  const int64_t K = x.size(1), N = qs.size(0);
+  at::Tensor out = at::empty({x.size(0), N}, x.options());
   const int8_t* qp = qs.data_ptr<int8_t>(); const float* sp = scale.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  dispatch_rows(M, [&](auto rows) {
-    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-      constexpr int R = decltype(rows)::value;
-      if constexpr (R == 1) q8_row(xp, qp, sp, op, K, n0, n1);
-      else q8_rows_shared<R>(xp, qp, sp, op, K, N, n0, n1);
+  row_passes(x, out, [&](const float* xp, float* op, int64_t M) {
+    dispatch_rows(M, [&](auto rows) {
+      at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+        constexpr int R = decltype(rows)::value;
+        if constexpr (R == 1) q8_row(xp, qp, sp, op, K, n0, n1);
+        else q8_rows_shared<R>(xp, qp, sp, op, K, N, n0, n1);
+      });
     });
   });
   return out;

@@ -39,7 +39,7 @@ class BlockQuantWeight:
         return sum(t.numel() * t.element_size() for t in parts)
 
     def linear(self, x: torch.Tensor, ops) -> torch.Tensor:
-        """``x @ W.T`` for a contiguous float32 ``x`` of 1 to 8 rows, through the native kernels."""
+        """``x @ W.T`` for a contiguous float32 ``x`` (any rows: passes of 8), through the native kernels."""
         if self.kind == "q4":
             return ops.q4_linear(x, self.qs, self.scale, self.minv)
         return ops.q8_linear(x, self.qs, self.scale)

@@ -15,6 +15,11 @@ from hicache.model.block_quant import BlockQuantWeight, pack_exact
 # A pass with at most this many token rows is a decode step: its matmuls are matrix-vector
 # products bound by how many weight bytes they read.
 DECODE_ROWS = 8
+# Without a prefill copy, passes up to this many rows read the decode weights too: a speculative
+# verify batch (4 sequences x 5 tokens = 20 rows) or a short chunk reads the blocks in passes of
+# 8 rows, which beats one float32 GEMM up to ~24 rows (SmolLM2's layer at 20 rows: 1.41 vs 1.55
+# ms, AVX-512 VM). Where a native bf16 prefill copy exists its GEMM wins beyond 8 rows (0.79 ms).
+VERIFY_ROWS = 24
 
 # What decode steps read (``--decode-weight-dtype``). "auto": exact 4/8-bit blocks through the
 # native kernels where a matrix is block-exact (GGUF Q4_1/Q8_0 values in float32), else the
@@ -37,7 +42,7 @@ class Projection:
     doubled, and an in-place load reaches both.
 
     ``decode_weights`` (one of :data:`DECODE_WEIGHTS`, set by
-    :meth:`LlamaForCausalLM.set_decode_weights`): passes of at most :data:`DECODE_ROWS` rows read
+    :meth:`LlamaForCausalLM.set_decode_weights`): passes of at most :attr:`decode_rows` rows read
     exact blocks or a dtype copy when there is one. ``prefill_weights`` (one of
     :data:`PREFILL_WEIGHTS`): larger passes (prefill) read the fused originals, or a dtype copy
     (inputs cast to it, outputs back to the input's dtype).
@@ -63,7 +68,7 @@ class Projection:
     def whole(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T (+ b)`` with the parts' outputs side by side (not split)."""
         self.prepare()
-        if 0 < x.shape[0] <= DECODE_ROWS:
+        if 0 < x.shape[0] <= self.decode_rows:
             if self._blocks is not None:
                 out = self._blocks.linear(x.contiguous(), cpu_kernels())
                 return out if self._bias is None else out + self._bias
@@ -72,6 +77,12 @@ class Projection:
         elif self._prefill_weight is not None:
             return _linear_in(self._prefill_weight, x, self._bias)
         return F.linear(x, self._weight, self._bias)
+
+    @property
+    def decode_rows(self) -> int:
+        """Passes of at most this many rows read the decode weights (see :data:`VERIFY_ROWS`)."""
+        self.prepare()
+        return DECODE_ROWS if self._prefill_weight is not None else VERIFY_ROWS
 
     def native_decode(self) -> Optional[tuple[int, int, tuple[torch.Tensor, ...]]]:
         """What a decode pass reads, for the fused native layer (``kernels/decode_layer.cpp``):
