@@ -126,6 +126,27 @@ def test_paged_decode_attention_matches_padded_sdpa(ops, heads, kv_heads, dim):
     torch.testing.assert_close(got, decode_attention(q, *gathered, bias, None), rtol=1e-5, atol=1e-5)
 
 
+def test_decode_attention_shares_prefix_chunks_and_each_sequence_gets_its_own_answer(ops):
+    """Sequences that hold a prefix in the same slots (agents on one system prompt) attend its
+    chunks in one task; each output is bit for bit that sequence's attention alone (chunks sit at
+    fixed positions, so a sequence's output does not depend on what else is in its batch)."""
+    g = torch.Generator().manual_seed(0)
+    k_buf, v_buf = torch.randn(4000, 3, 64, generator=g), torch.randn(4000, 3, 64, generator=g)
+    slots = torch.randperm(3999, generator=g) + 1
+    prefix, rest = slots[:700], slots[700:]
+    rows = [torch.cat([prefix, rest[:5]]), torch.cat([prefix, rest[10:140]]), rest[200:500],
+            torch.cat([prefix[:640], rest[600:661]])]  # the last one leaves the prefix mid-chunk
+    lengths = torch.tensor([len(r) for r in rows])
+    kv_slots = torch.zeros(len(rows), int(lengths.max()), dtype=torch.long)
+    for b, r in enumerate(rows):
+        kv_slots[b, :len(r)] = r
+    q = torch.randn(len(rows), 9, 64, generator=g)
+    together = ops.paged_decode_attention(q, k_buf, v_buf, kv_slots, lengths)
+    for b, r in enumerate(rows):
+        alone = ops.paged_decode_attention(q[b:b + 1].contiguous(), k_buf, v_buf, r[None].contiguous(), lengths[b:b + 1])
+        assert torch.equal(together[b:b + 1], alone)
+
+
 def test_a_corrupt_key_poisons_decode_attention_instead_of_vanishing(ops):
     """A NaN in the KV (a bad load) must show, as it does in SDPA, not get a zero weight."""
     k_buf, v_buf = torch.randn(300, 1, 32), torch.randn(300, 1, 32)

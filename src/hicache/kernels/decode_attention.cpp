@@ -1,10 +1,13 @@
 // Decode attention straight from the paged KV buffers: B sequences, one new token each, every key
 // read by its slot (no gather into a padded copy, no mask), float32, AVX2 + FMA.
 //
-// Each sequence is split into chunks of keys so that a single sequence still keeps every thread
-// busy (flash-decoding); a chunk computes its scores for every query head, softmax statistics
-// (max m, sum l) and the unnormalised output, and the chunks are merged by their maxima
-// afterwards -- exact, the same rule as merging flash-attention tiles.
+// Keys are cut into chunks at fixed positions (every kChunk keys); a chunk computes its scores for
+// every query head, softmax statistics (max m, sum l) and the unnormalised output, and each
+// sequence's chunks are merged in order by their maxima afterwards -- exact, the same rule as
+// merging flash-attention tiles (flash-decoding: one long sequence still keeps every thread busy).
+// Sequences that share a prefix (the radix cache gives them the same slots: agents on one system
+// prompt) attend each shared chunk in one task: its keys are read once for all their queries. As
+// the chunks do not depend on the batch, a sequence's output is the same whatever else is in it.
 #include <immintrin.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -14,12 +17,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
 namespace {
 
-constexpr int64_t kMinChunk = 128;  // keys per task: fewer and the merge costs more than it saves
+constexpr int64_t kChunk = 128;  // keys per chunk: fewer and the merge costs more than it saves
 
 using hicache_simd::exp_ps;
 using hicache_simd::hsum;
@@ -39,64 +43,90 @@ inline void prefetch(const float* row, int64_t floats) {
 // Scores of all H queries against keys [k0, k1): scores[hq * n + i], and each query's maximum.
 // A key's heads are adjacent in the buffer ([S, KvH, D]), so one task reads whole rows: the
 // lines stream in order (a task per KV head would read a third of each row and waste the rest).
+// Lane i = the sum of a[i]'s lanes: eight dot products finished in one vector.
+inline __m256 hsum8(const __m256* a) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// The query's dot products with `count` (<= 8) keys, lane i for key i (lanes past count: 0).
 template <int D8>
-void chunk_scores(const Shape& sh, const float* q, const float* kb, const float* vb, const int64_t* slots,
-                  int64_t k0, int64_t n, float* scores, float* m) {
-  const int64_t D = D8 * 8, row = sh.KvH * D;
-  for (int64_t i = 0; i < n; ++i) {
-    if (i + kPrefetch < n) {  // this key's row now, its value row for the pass after the softmax
-      prefetch(kb + slots[k0 + i + kPrefetch] * row, row);
-      prefetch(vb + slots[k0 + i + kPrefetch] * row, row);
+inline __m256 dot_keys(const float* qh, const float* const* key, int count) {
+  __m256 a[8];
+  for (int k = 0; k < 8; ++k) {
+    if (k >= count) { a[k] = _mm256_setzero_ps(); continue; }
+    __m256 s = _mm256_mul_ps(_mm256_loadu_ps(qh), _mm256_loadu_ps(key[k]));
+    for (int d = 1; d < D8; ++d) s = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * d), _mm256_loadu_ps(key[k] + 8 * d), s);
+    a[k] = s;
+  }
+  return hsum8(a);
+}
+
+// Scores of every member's H queries against keys [k0, k1): scores[(j * H + hq) * n + i], and
+// each query's maximum. Eight keys at a time: their rows (a key's KV heads are adjacent in the
+// buffer, [S, KvH, D], so the lines stream in order) stay in L1 while every query reads them,
+// and each query's eight sums finish together (one horizontal reduction, not eight).
+template <int D8>
+void chunk_scores(const Shape& sh, const float* const* q, int64_t members, const float* kb, const float* vb,
+                  const int64_t* slots, int64_t k0, int64_t n, float* scores, float* m) {
+  const int64_t D = D8 * 8, row = sh.KvH * D, H = sh.H;
+  for (int64_t i = 0; i < n; i += 8) {
+    const int count = static_cast<int>(std::min<int64_t>(8, n - i));
+    for (int64_t a = i + kPrefetch; a < std::min(n, i + kPrefetch + 8); ++a) {  // value rows too, for later
+      prefetch(kb + slots[k0 + a] * row, row);
+      prefetch(vb + slots[k0 + a] * row, row);
     }
     for (int64_t h = 0; h < sh.KvH; ++h) {
-      const float* key = kb + slots[k0 + i] * row + h * D;
-      __m256 k[D8];
-      for (int d = 0; d < D8; ++d) k[d] = _mm256_loadu_ps(key + 8 * d);
-      for (int64_t hq = h * sh.G; hq < (h + 1) * sh.G; ++hq) {
-        const float* qh = q + hq * D;
-        __m256 s0 = _mm256_mul_ps(_mm256_loadu_ps(qh), k[0]), s1 = _mm256_setzero_ps();
-        for (int d = 1; d < D8; d += 2) {
-          s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * d), k[d], s1);
-          if (d + 1 < D8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * d + 8), k[d + 1], s0);
+      const float* key[8];
+      for (int k = 0; k < count; ++k) key[k] = kb + slots[k0 + i + k] * row + h * D;
+      for (int64_t j = 0; j < members; ++j) {
+        for (int64_t hq = h * sh.G; hq < (h + 1) * sh.G; ++hq) {
+          alignas(32) float out[8];
+          _mm256_store_ps(out, dot_keys<D8>(q[j] + hq * D, key, count));
+          float* dst = scores + (j * H + hq) * n + i;
+          for (int k = 0; k < count; ++k) {
+            dst[k] = out[k];
+            m[j * H + hq] = std::max(m[j * H + hq], out[k]);
+          }
         }
-        const float score = hsum(_mm256_add_ps(s0, s1));
-        scores[hq * n + i] = score;
-        m[hq] = std::max(m[hq], score);
       }
     }
   }
 }
 
-// acc[hq] = sum_i p[hq, i] * v_i (its KV head's row part), the accumulator held in registers.
+// acc[q] = sum_i p[q, i] * v_i (its KV head's row part) for each of the `queries` = members * H
+// rows of p, the accumulator held in registers.
 template <int D8>
-void chunk_values(const Shape& sh, const float* vb, const int64_t* slots, int64_t k0, int64_t n,
+void chunk_values(const Shape& sh, int64_t queries, const float* vb, const int64_t* slots, int64_t k0, int64_t n,
                   const float* p, float* acc) {
   const int64_t D = D8 * 8, row = sh.KvH * D;
-  for (int64_t hq = 0; hq < sh.H; ++hq) {
-    const float* vh = vb + (hq / sh.G) * D;
+  for (int64_t r = 0; r < queries; ++r) {
+    const float* vh = vb + ((r % sh.H) / sh.G) * D;
     __m256 a[D8];
     for (int d = 0; d < D8; ++d) a[d] = _mm256_setzero_ps();
-    const float* ph = p + hq * n;
+    const float* ph = p + r * n;
     for (int64_t i = 0; i < n; ++i) {
       const float* val = vh + slots[k0 + i] * row;
       const __m256 w = _mm256_set1_ps(ph[i]);
       for (int d = 0; d < D8; ++d) a[d] = _mm256_fmadd_ps(w, _mm256_loadu_ps(val + 8 * d), a[d]);
     }
-    for (int d = 0; d < D8; ++d) _mm256_storeu_ps(acc + hq * D + 8 * d, a[d]);
+    for (int d = 0; d < D8; ++d) _mm256_storeu_ps(acc + r * D + 8 * d, a[d]);
   }
 }
 
-// One chunk [k0, k1) of one sequence's keys, every head: writes m[H], l[H], acc[H, D].
+// One chunk [k0, k1) of keys held alike by `members` sequences (queries q[j]), every head: writes
+// m, l [members * H] and acc [members * H, D].
 template <int D8>
-void attend_chunk(const Shape& sh, const float* q, const float* kb, const float* vb, const int64_t* slots,
-                  int64_t k0, int64_t k1, float* m, float* l, float* acc) {
-  const int64_t H = sh.H, n = k1 - k0;
-  std::vector<float> scores(H * n);
-  std::fill(m, m + H, -std::numeric_limits<float>::infinity());
-  chunk_scores<D8>(sh, q, kb, vb, slots, k0, n, scores.data(), m);
-  for (int64_t hq = 0; hq < H; ++hq) {  // p = exp(score - m), l = sum p
-    float* p = scores.data() + hq * n;
-    const __m256 mx = _mm256_set1_ps(m[hq]);
+void attend_chunk(const Shape& sh, const float* const* q, int64_t members, const float* kb, const float* vb,
+                  const int64_t* slots, int64_t k0, int64_t k1, float* m, float* l, float* acc) {
+  const int64_t queries = members * sh.H, n = k1 - k0;
+  std::vector<float> scores(queries * n);
+  std::fill(m, m + queries, -std::numeric_limits<float>::infinity());
+  chunk_scores<D8>(sh, q, members, kb, vb, slots, k0, n, scores.data(), m);
+  for (int64_t r = 0; r < queries; ++r) {  // p = exp(score - m), l = sum p
+    float* p = scores.data() + r * n;
+    const __m256 mx = _mm256_set1_ps(m[r]);
     __m256 sum = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
@@ -104,14 +134,14 @@ void attend_chunk(const Shape& sh, const float* q, const float* kb, const float*
       _mm256_storeu_ps(p + i, e);
       sum = _mm256_add_ps(sum, e);
     }
-    l[hq] = hsum(sum);
-    for (; i < n; ++i) { p[i] = std::exp(p[i] - m[hq]); l[hq] += p[i]; }
+    l[r] = hsum(sum);
+    for (; i < n; ++i) { p[i] = std::exp(p[i] - m[r]); l[r] += p[i]; }
   }
-  chunk_values<D8>(sh, vb, slots, k0, n, scores.data(), acc);
+  chunk_values<D8>(sh, queries, vb, slots, k0, n, scores.data(), acc);
 }
 
-using ChunkFn = void (*)(const Shape&, const float*, const float*, const float*, const int64_t*, int64_t,
-                         int64_t, float*, float*, float*);
+using ChunkFn = void (*)(const Shape&, const float* const*, int64_t, const float*, const float*, const int64_t*,
+                         int64_t, int64_t, float*, float*, float*);
 
 ChunkFn chunk_fn(int64_t D) {
   switch (D) {  // head sizes of the models people run; others are refused (the caller falls back)
@@ -148,52 +178,54 @@ void check(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf
   }
 }
 
-// q [B, H, D]; k_buf/v_buf [S, KvH, D]; kv_slots [B, K] (sequence b's keys are its first
-// lengths[b] slots, the new token's own included). Returns softmax(q k^T / sqrt(D)) v, [B, H, D].
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
-                                  const at::Tensor& kv_slots, const at::Tensor& lengths) {
-  check(q, k_buf, v_buf, kv_slots, lengths);
-  if (q.size(0) == 0) return at::empty_like(q);
-  Shape sh{q.size(0), q.size(1), k_buf.size(1), q.size(1) / k_buf.size(1), q.size(2), kv_slots.size(1), k_buf.size(0)};
-  const int64_t* len = lengths.data_ptr<int64_t>();
-  const int64_t longest = sh.B ? *std::max_element(len, len + sh.B) : 0;
-  // Enough chunks to feed every thread a few times, none shorter than kMinChunk keys.
-  const int64_t want = (4 * at::get_num_threads() + sh.B - 1) / sh.B;
-  const int64_t splits = std::max<int64_t>(1, std::min(want, (longest + kMinChunk - 1) / kMinChunk));
-  const int64_t tasks = sh.B * splits, H = sh.H, D = sh.D;
-  std::vector<float> m(tasks * H), l(tasks * H), acc(tasks * H * D);
-  at::Tensor qs = q * (1.0 / std::sqrt(static_cast<double>(D)));  // queries pre-scaled by 1/sqrt(D)
-  const float* qp = qs.data_ptr<float>();
-  const float* kb = k_buf.data_ptr<float>(); const float* vb = v_buf.data_ptr<float>();
-  const int64_t* sp = kv_slots.data_ptr<int64_t>();
-  const ChunkFn attend = chunk_fn(D);
-  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / splits, s = t % splits;
-      const int64_t chunk = (len[b] + splits - 1) / splits;
-      const int64_t k0 = std::min(len[b], s * chunk), k1 = std::min(len[b], k0 + chunk);
-      float* mt = m.data() + t * H; float* lt = l.data() + t * H; float* at = acc.data() + t * H * D;
-      if (k0 >= k1) {  // a short sequence in a batch of long ones: this chunk holds no keys
-        std::fill(mt, mt + H, -std::numeric_limits<float>::infinity());
-        std::fill(lt, lt + H, 0.0f);
-        std::fill(at, at + H * D, 0.0f);
-        continue;
-      }
-      attend(sh, qp + b * H * D, kb, vb, sp + b * sh.K, k0, k1, mt, lt, at);
+// Keys [k0, k1) that `members` hold in the same slots (one member unless the chunk is shared).
+struct Task {
+  int64_t k0, k1;
+  std::vector<int64_t> members;
+  int64_t part = 0;  // where its first member's m / l / acc go; member j's at part + j
+};
+
+// Chunks at fixed positions, in order; a full chunk that several sequences hold in the same slots
+// is one task for all of them (the radix cache hands shared prefixes out as the same pages).
+std::vector<Task> plan_tasks(const Shape& sh, const int64_t* slots, const int64_t* len) {
+  std::vector<Task> tasks;
+  const int64_t longest = *std::max_element(len, len + sh.B);
+  for (int64_t k0 = 0; k0 < longest; k0 += kChunk) {
+    const size_t first = tasks.size();
+    for (int64_t b = 0; b < sh.B; ++b) {
+      if (len[b] <= k0) continue;
+      const int64_t k1 = std::min(len[b], k0 + kChunk);
+      const int64_t* mine = slots + b * sh.K + k0;
+      auto same = [&](const Task& t) {
+        return t.k1 - t.k0 == kChunk && k1 - k0 == kChunk &&
+               std::memcmp(slots + t.members[0] * sh.K + k0, mine, kChunk * sizeof(int64_t)) == 0;
+      };
+      auto shared = std::find_if(tasks.begin() + first, tasks.end(), same);
+      if (shared != tasks.end()) shared->members.push_back(b);
+      else tasks.push_back(Task{k0, k1, {b}});
     }
-  });
-  at::Tensor out = at::empty_like(q);
-  float* op = out.data_ptr<float>();
+  }
+  int64_t parts = 0;
+  for (Task& t : tasks) { t.part = parts; parts += static_cast<int64_t>(t.members.size()); }
+  return tasks;
+}
+
+// out[b] = each sequence's chunks merged in order by their maxima (the flash-attention rule).
+void merge_parts(const Shape& sh, const std::vector<Task>& tasks, const std::vector<float>& m,
+                 const std::vector<float>& l, const std::vector<float>& acc, float* out) {
+  const int64_t H = sh.H, D = sh.D;
+  std::vector<std::vector<int64_t>> parts(sh.B);  // each sequence's parts, in chunk order
+  for (const Task& t : tasks)
+    for (size_t j = 0; j < t.members.size(); ++j) parts[t.members[j]].push_back(t.part + static_cast<int64_t>(j));
   for (int64_t b = 0; b < sh.B; ++b) {
     for (int64_t hq = 0; hq < H; ++hq) {
       float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t s = 0; s < splits; ++s) mx = std::max(mx, m[(b * splits + s) * H + hq]);
+      for (int64_t p : parts[b]) mx = std::max(mx, m[p * H + hq]);
       float total = 0.0f;
-      float* dst = op + (b * H + hq) * D;
+      float* dst = out + (b * H + hq) * D;
       std::fill(dst, dst + D, 0.0f);
-      for (int64_t s = 0; s < splits; ++s) {
-        const int64_t i = (b * splits + s) * H + hq;
-        if (l[i] == 0.0f) continue;
+      for (int64_t p : parts[b]) {
+        const int64_t i = p * H + hq;
         const float w = std::exp(m[i] - mx);
         total += w * l[i];
         const float* a = acc.data() + i * D;
@@ -202,6 +234,37 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_buf, 
       for (int64_t d = 0; d < D; ++d) dst[d] /= total;
     }
   }
+}
+
+// q [B, H, D]; k_buf/v_buf [S, KvH, D]; kv_slots [B, K] (sequence b's keys are its first
+// lengths[b] slots, the new token's own included). Returns softmax(q k^T / sqrt(D)) v, [B, H, D].
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                                  const at::Tensor& kv_slots, const at::Tensor& lengths) {
+  check(q, k_buf, v_buf, kv_slots, lengths);
+  if (q.size(0) == 0) return at::empty_like(q);
+  Shape sh{q.size(0), q.size(1), k_buf.size(1), q.size(1) / k_buf.size(1), q.size(2), kv_slots.size(1), k_buf.size(0)};
+  const int64_t H = sh.H, D = sh.D;
+  const int64_t* sp = kv_slots.data_ptr<int64_t>();
+  const std::vector<Task> tasks = plan_tasks(sh, sp, lengths.data_ptr<int64_t>());
+  const int64_t parts = tasks.back().part + static_cast<int64_t>(tasks.back().members.size());
+  std::vector<float> m(parts * H), l(parts * H), acc(parts * H * D);
+  at::Tensor qs = q * (1.0 / std::sqrt(static_cast<double>(D)));  // queries pre-scaled by 1/sqrt(D)
+  const float* qp = qs.data_ptr<float>();
+  const float* kb = k_buf.data_ptr<float>(); const float* vb = v_buf.data_ptr<float>();
+  const ChunkFn attend = chunk_fn(D);
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
+    std::vector<const float*> queries;
+    for (int64_t t = t0; t < t1; ++t) {
+      const Task& task = tasks[t];
+      queries.clear();
+      for (int64_t b : task.members) queries.push_back(qp + b * H * D);
+      // Slots are read from the first member's row: the others hold the same ones here.
+      attend(sh, queries.data(), static_cast<int64_t>(queries.size()), kb, vb, sp + task.members[0] * sh.K,
+             task.k0, task.k1, m.data() + task.part * H, l.data() + task.part * H, acc.data() + task.part * H * D);
+    }
+  });
+  at::Tensor out = at::empty_like(q);
+  merge_parts(sh, tasks, m, l, acc, out.data_ptr<float>());
   return out;
 }
 
