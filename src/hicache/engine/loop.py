@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ctypes
 import logging
+import os
 import queue
 import threading
 import time
@@ -111,10 +113,14 @@ class EngineLoop:
 
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self) -> "EngineLoop":
+        """Start the loop thread; best called from the thread that loaded the engine. That
+        thread's OpenMP workers are let go here (:func:`release_omp_pool`) so the loop thread's
+        own keep spinning at their barriers; another thread that ran torch keeps its workers."""
         if self._thread is not None:
             raise HicacheError("the engine loop is already running.")
         if self.engine._driver_thread is not None:
             raise HicacheError("another EngineLoop already drives this engine.")
+        release_omp_pool()  # this thread's OpenMP workers would slow every step of the loop's own
         ready = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(ready,), name="hicache-engine-loop", daemon=True)
         self._thread.start()
@@ -295,6 +301,42 @@ class EngineLoop:
                 self.on_finish(GenerateResult.from_request(req))
             except Exception:
                 logger.exception("on_finish failed for rid=%d", req.rid)
+
+
+def release_omp_pool() -> bool:
+    """Let the calling thread's idle OpenMP worker threads exit (GNU libgomp); True if it did.
+
+    libgomp keeps a pool of workers per thread that ran a parallel region: the thread that
+    loaded the model has one, and the loop thread starts its own. Once the process holds more
+    OpenMP threads than there are CPUs, libgomp stops spinning at its barriers and puts every
+    thread to sleep on a futex at the end of each parallel region. A decode step has hundreds of
+    them: on 2 cores a SmolLM2 step took 1.5-1.9x as long on the loop thread as on the loading
+    thread (HTTP median ITL 25 ms vs 13 ms in process, ``benchmarks/bench_server.py
+    --decode-only --keep-omp-pool-too``). The caller's pool comes back if it runs torch again.
+    """
+    lib = _libgomp()
+    if lib is None:
+        return False
+    try:
+        return lib.omp_pause_resource_all(1) == 0  # omp_pause_soft: frees this thread's pool
+    except AttributeError:  # a libgomp older than OpenMP 5.0
+        return False
+
+
+def _libgomp() -> Optional[ctypes.CDLL]:
+    """The GNU OpenMP runtime this process loaded (torch's), or None (another runtime, not Linux)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as f:
+            paths = {line.split()[-1] for line in f if "libgomp" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        if os.path.basename(path).startswith("libgomp") and os.path.exists(path):
+            try:
+                return ctypes.CDLL(path)  # already loaded: the same handle, nothing new runs
+            except OSError:
+                continue
+    return None
 
 
 def _describe(error: BaseException) -> str:
