@@ -23,9 +23,10 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 from hicache.device import cpu_description  # noqa: E402
-from hicache.kernels import cpu_kernels, unavailable_reason  # noqa: E402
+from hicache.kernels import cpu_kernels, loaded_isa, unavailable_reason  # noqa: E402
 from hicache.model import DenseKV, load_model, make_forward_batch  # noqa: E402
 from hicache.model.block_quant import BlockQuantWeight, pack_exact  # noqa: E402
+from hicache.model.gguf_blocks import GGUF_BLOCK_TYPES, GGUFBlockWeight  # noqa: E402
 from hicache.model.projection import DECODE_WEIGHTS, Projection  # noqa: E402
 
 
@@ -71,10 +72,10 @@ def _gguf_blocks(w: torch.Tensor) -> BlockQuantWeight:
 
 def bench_formats(model, repeats: int, bandwidth: float) -> None:
     """One decode step's matmuls over the real weight shapes, every layer (so weights come from
-    memory, not cache), in each format torch offers on CPU, and the native kernels'."""
+    memory, not cache), in each format torch offers on CPU, and the native kernels'; then GGUF's
+    block types as the file stores them (:func:`bench_gguf_blocks`)."""
     mats = [w for name, w in model.named_parameters() if w.dim() == 2 and "embed" not in name]
     mats.append(model.head.parts[0].weight)
-    x = {w.shape[1]: torch.randn(1, w.shape[1]) for w in mats}
     formats: dict[str, tuple[Callable, Callable, float]] = {
         "float32 (exact)": (lambda w: w, lambda a, w: F.linear(a, w), 4),
         "bfloat16 (lossy)": (lambda w: w.bfloat16(), lambda a, w: F.linear(a.bfloat16(), w), 2),
@@ -85,6 +86,15 @@ def bench_formats(model, repeats: int, bandwidth: float) -> None:
     }
     params = sum(w.numel() for w in mats)
     print(f"\n== decode GEMVs, batch 1: {len(mats)} matrices, {params / 1e6:.0f} M weights ==")
+    _format_table(formats, mats, repeats, bandwidth)
+    bench_gguf_blocks(repeats, bandwidth)
+
+
+def _format_table(formats: dict[str, tuple[Callable, Callable, float]], mats: list[torch.Tensor], repeats: int,
+                  bandwidth: float) -> None:
+    """One row per format: every matrix once at batch 1 (bytes_per weight, or 0: the copies' nbytes)."""
+    x = {w.shape[1]: torch.randn(1, w.shape[1]) for w in mats}
+    params = sum(w.numel() for w in mats)
     print(f"{'format':>26} {'ms/step':>8} {'MB read':>8} {'GB/s':>6} {'floor ms':>9} {'vs float32':>10}")
     base = None
     for name, (make, run, bytes_per) in formats.items():
@@ -97,6 +107,48 @@ def bench_formats(model, repeats: int, bandwidth: float) -> None:
         base = base or ms
         mb = (params * bytes_per if bytes_per else sum(p.nbytes for p in packed)) / 1e6
         print(f"{name:>26} {ms:>8.1f} {mb:>8.0f} {mb / ms:>6.1f} {mb / bandwidth:>9.1f} {base / ms:>9.2f}x")
+
+
+GGUF_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+K_QUANT_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # their float16 d / dmin, bytes into a block
+
+
+def _gguf_raw(name: str) -> Callable[[torch.Tensor], GGUFBlockWeight]:
+    """Makes w's blocks in GGUF type ``name``: gguf.quants.quantize's where it writes the type, else
+    random bytes with finite scales (it writes no K-quants; the GEMV's speed does not depend on values)."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[name]
+
+    def make(w: torch.Tensor) -> GGUFBlockWeight:
+        if cpu_kernels() is None:
+            raise RuntimeError(f"no native kernels ({unavailable_reason()})")
+        if name not in K_QUANT_SCALES:
+            return GGUFBlockWeight(int(qtype), torch.from_numpy(gguf.quants.quantize(w.numpy(), qtype)), w.shape[1])
+        _, size, nbytes = GGUF_BLOCK_TYPES[int(qtype)]
+        data = torch.randint(0, 256, (w.shape[0], w.shape[1] // size, nbytes), dtype=torch.uint8)
+        for offset in K_QUANT_SCALES[name]:
+            data[..., offset:offset + 2] = torch.tensor([0x00, 0x20], dtype=torch.uint8)  # float16 2**-7
+        return GGUFBlockWeight(int(qtype), data.view(w.shape[0], -1), w.shape[1])
+
+    return make
+
+
+def bench_gguf_blocks(repeats: int, bandwidth: float, count: int = 48, size: int = 1536) -> None:
+    """GGUF's block types read as the file stores them (``gguf_linear``), batch 1, beside float32
+    and bfloat16, over ``count`` size x size matrices: the K-quants need K % 256 == 0 (SmolLM2's 576
+    is not), and 48 of them outgrow a 32 MiB L3 in every type, so the blocks come from memory."""
+    g = torch.Generator().manual_seed(0)
+    mats = [torch.randn(size, size, generator=g) * 0.02 for _ in range(count)]
+    formats: dict[str, tuple[Callable, Callable, float]] = {
+        "float32 (exact)": (lambda w: w, lambda a, w: F.linear(a, w), 4),
+        "bfloat16 (lossy)": (lambda w: w.bfloat16(), lambda a, w: F.linear(a.bfloat16(), w), 2),
+        **{f"GGUF {name} (as stored)": (_gguf_raw(name), lambda a, w: w.linear(a, cpu_kernels()), 0.0)
+           for name in GGUF_TYPES},
+    }
+    print(f"\n== GGUF blocks as stored, batch 1: {count} matrices {size}x{size}, {count * size * size / 1e6:.0f} M "
+          f"weights, kernels: {loaded_isa() or 'off'} ==")
+    _format_table(formats, mats, repeats, bandwidth)
 
 
 def bench_steps(loaded, context: int, suffix: int, repeats: int) -> None:

@@ -240,14 +240,15 @@ def test_an_instruction_set_the_cpu_lacks_is_refused_with_the_reason(monkeypatch
 
 @pytest.mark.slow
 def test_smollm2_decodes_from_its_own_4_bit_blocks_with_the_same_greedy_output():
-    """SmolLM2's GGUF is Q4_1 with a Q8_0 embedding: every projection gets an exact block copy, the
-    cache namespace is unchanged (same weights), and greedy output equals torch's float32 path."""
+    """SmolLM2's GGUF is Q4_1 with a Q8_0 embedding: every projection decodes from the file's own
+    blocks, the cache namespace is unchanged (same weights), and greedy output equals torch's
+    float32 path."""
     greedy = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
     blocks = Engine("smollm2", dtype="float32", max_total_tokens=2048)
     plain = Engine("smollm2", dtype="float32", max_total_tokens=2048, decode_weight_dtype="same")
     try:
         model = blocks.loaded.model
-        assert model.decode_formats() == {"q4": 4 * model.spec.num_layers, "q8": 1}
+        assert model.decode_formats() == {"q4_1": 4 * model.spec.num_layers, "q8_0": 1}
         assert plain.loaded.model.decode_formats() == {"same": 4 * model.spec.num_layers + 1}
         assert blocks.model_namespace == plain.model_namespace
         prompts = [blocks.tokenizer.encode(t) for t in ("The capital of France is", "def fibonacci(n):")]

@@ -2,7 +2,7 @@
 builder.
 
 One build per instruction set (:data:`ISAS`): ``avx512`` where the CPU has AVX-512 F/BW/VL/DQ
-(torch's own "AVX512" capability), else ``avx2`` (AVX2 + FMA); ``HICACHE_KERNEL_ISA=avx2``
+(torch's own "AVX512" capability), else ``avx2`` (AVX2 + FMA + F16C); ``HICACHE_KERNEL_ISA=avx2``
 forces the AVX2 build on an AVX-512 machine (to measure both on one), and asking for ``avx512``
 where the CPU lacks it is refused with the reason. ``make setup`` builds this machine's
 (``python -m hicache.kernels``); a process that finds its build missing makes it on first use
@@ -31,12 +31,13 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("block_quant.cpp", "layer_ops.cpp", "decode_attention.cpp",
-                                                          "decode_layer.cpp")]
-HEADERS = [Path(__file__).with_name("simd.h")]
+                                                          "decode_layer.cpp", "gguf_blocks.cpp")]
+HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "gguf_blocks.h", "gguf_decode.h")]
 # Compiler flags per instruction set; the avx512 build also compiles the blocks' 16-lane paths.
 ISAS = {
-    "avx2": ["-mavx2", "-mfma"],
-    "avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-DHICACHE_AVX512"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+               "-DHICACHE_AVX512"],
 }
 ISA_ENV = "HICACHE_KERNEL_ISA"
 

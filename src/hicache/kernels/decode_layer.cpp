@@ -4,10 +4,12 @@
 // kernels in the same order from C++ (the hicache ops through the dispatcher, torch's for the
 // rest), so its output equals the Python path's bit for bit.
 //
-// A projection's decode weights arrive as a kind and its tensors (Projection.native_decode):
+// A projection's decode weights arrive as one or more parts whose outputs sit side by side
+// (Projection.native_decode; hicache/model/decode_blocks.py), each a kind and its tensors:
 //   dense: weight [N, K] (F.linear)      q4: qs, scale, minv      q8: qs, scale
 //   gguf:  blocks [N, row bytes], with its ggml type in `qtypes`
-// in the order qkv, o, gate_up, down, flattened into `weights`.
+// Projections in the order qkv, o, gate_up, down; `parts` says how many parts each has; `kinds`
+// and `qtypes` are per part, `weights` every part's tensors in turn.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -35,49 +37,67 @@ c10::TypedOperatorHandle<Sig> hicache_op(const char* name) {
 
 using T = at::Tensor;
 
-// x @ W.T (+ bias) for one projection's operands starting at `w`.
-T project(const T& x, int64_t kind, int64_t qtype, const T* w, const c10::optional<T>& bias) {
-  T out;
-  switch (kind) {
+struct Part {
+  int64_t kind, qtype;
+  const T* w;  // its first tensor
+};
+
+// x @ W.T for one part (blocks or the float32 matrix).
+T part_linear(const T& x, const Part& p) {
+  switch (p.kind) {
     case kDense:
-      return at::linear(x, w[0], bias);
+      return at::linear(x, p.w[0]);
     case kQ4: {
       static auto op = hicache_op<T(const T&, const T&, const T&, const T&)>("hicache::q4_linear");
-      out = op.call(x, w[0], w[1], w[2]);
-      break;
+      return op.call(x, p.w[0], p.w[1], p.w[2]);
     }
     case kQ8: {
       static auto op = hicache_op<T(const T&, const T&, const T&)>("hicache::q8_linear");
-      out = op.call(x, w[0], w[1]);
-      break;
+      return op.call(x, p.w[0], p.w[1]);
     }
     default: {
       static auto op = hicache_op<T(const T&, const T&, int64_t, int64_t)>("hicache::gguf_linear");
-      out = op.call(x, w[0], qtype, x.size(1));
+      return op.call(x, p.w[0], p.qtype, x.size(1));
     }
+  }
+}
+
+// x @ W.T (+ bias) for one projection: its parts' outputs side by side, as Projection.whole.
+T project(const T& x, const std::vector<Part>& parts, const c10::optional<T>& bias) {
+  if (parts.size() == 1 && parts[0].kind == kDense) return at::linear(x, parts[0].w[0], bias);
+  T out;
+  if (parts.size() == 1) {
+    out = part_linear(x, parts[0]);
+  } else {
+    std::vector<T> outs;
+    for (const Part& p : parts) outs.push_back(part_linear(x, p));
+    out = at::cat(outs, -1);
   }
   return bias.has_value() ? out + *bias : out;
 }
 
-struct Layer {
-  std::vector<int64_t> kinds, qtypes;
-  std::vector<const T*> weights;  // each projection's first operand
-};
+using Layer = std::vector<std::vector<Part>>;  // qkv, o, gate_up, down
 
-Layer unpack(at::IntArrayRef kinds, at::IntArrayRef qtypes, at::TensorList weights) {
-  TORCH_CHECK(kinds.size() == 4 && qtypes.size() == 4, "a layer has 4 projections (qkv, o, gate_up, down)");
-  Layer layer{kinds.vec(), qtypes.vec(), {}};
-  size_t at = 0;
-  for (int64_t kind : kinds) {
-    layer.weights.push_back(weights.data() + at);
-    at += operand_count(kind);
+Layer unpack(at::IntArrayRef parts, at::IntArrayRef kinds, at::IntArrayRef qtypes, at::TensorList weights) {
+  TORCH_CHECK(parts.size() == 4, "a layer has 4 projections (qkv, o, gate_up, down)");
+  TORCH_CHECK(kinds.size() == qtypes.size(), "one ggml type per part");
+  Layer layer(4);
+  size_t part = 0, at = 0;
+  for (size_t i = 0; i < 4; ++i) {
+    TORCH_CHECK(parts[i] >= 1, "a projection has at least one part");
+    for (int64_t j = 0; j < parts[i]; ++j, ++part) {
+      TORCH_CHECK(part < kinds.size(), "more parts than kinds");
+      layer[i].push_back(Part{kinds[part], qtypes[part], weights.data() + at});
+      at += operand_count(kinds[part]);
+    }
   }
-  TORCH_CHECK(at == weights.size(), "expected ", at, " weight tensors for these kinds, got ", weights.size());
+  TORCH_CHECK(part == kinds.size() && at == weights.size(), "expected ", part, " kinds and ", at,
+              " weight tensors, got ", kinds.size(), " and ", weights.size());
   return layer;
 }
 
-T decode_layer(const T& x, const T& attn_norm, const T& ffn_norm, double eps, at::IntArrayRef kinds,
-               at::IntArrayRef qtypes, at::TensorList weights, const c10::optional<T>& qkv_bias,
+T decode_layer(const T& x, const T& attn_norm, const T& ffn_norm, double eps, at::IntArrayRef parts,
+               at::IntArrayRef kinds, at::IntArrayRef qtypes, at::TensorList weights, const c10::optional<T>& qkv_bias,
                const T& cos, const T& sin, int64_t num_heads, int64_t num_kv_heads, T& k_buf, T& v_buf,
                const T& out_slots, const T& kv_slots, const T& lengths) {
   static auto rms_norm = hicache_op<T(const T&, const T&, double)>("hicache::rms_norm");
@@ -85,12 +105,12 @@ T decode_layer(const T& x, const T& attn_norm, const T& ffn_norm, double eps, at
   static auto silu_mul = hicache_op<T(const T&)>("hicache::silu_mul");
   static auto attention =
       hicache_op<T(const T&, const T&, const T&, const T&, const T&)>("hicache::paged_decode_attention");
-  const Layer layer = unpack(kinds, qtypes, weights);
+  const Layer layer = unpack(parts, kinds, qtypes, weights);
   const int64_t t = x.size(0), D = k_buf.size(2), qk_heads = num_heads + num_kv_heads;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [T, hidden]");
   TORCH_CHECK(k_buf.scalar_type() == at::kFloat && v_buf.scalar_type() == at::kFloat, "KV buffers must be float32");
 
-  T qkv = project(rms_norm.call(x, attn_norm, eps), layer.kinds[0], layer.qtypes[0], layer.weights[0], qkv_bias);
+  T qkv = project(rms_norm.call(x, attn_norm, eps), layer[0], qkv_bias);
   rope.call(qkv, cos.flatten(1), sin.flatten(1), qk_heads, D);
   T q = qkv.narrow(1, 0, num_heads * D).view({t, num_heads, D});
   T k = qkv.narrow(1, num_heads * D, num_kv_heads * D).view({t, num_kv_heads, D});
@@ -98,16 +118,16 @@ T decode_layer(const T& x, const T& attn_norm, const T& ffn_norm, double eps, at
   k_buf.index_copy_(0, out_slots, k);
   v_buf.index_copy_(0, out_slots, v);
   T attended = attention.call(q.contiguous(), k_buf, v_buf, kv_slots, lengths).reshape({t, -1});
-  T h = x + project(attended.contiguous(), layer.kinds[1], layer.qtypes[1], layer.weights[1], c10::nullopt);
+  T h = x + project(attended.contiguous(), layer[1], c10::nullopt);
 
-  T gate_up = project(rms_norm.call(h, ffn_norm, eps), layer.kinds[2], layer.qtypes[2], layer.weights[2], c10::nullopt);
-  return h + project(silu_mul.call(gate_up), layer.kinds[3], layer.qtypes[3], layer.weights[3], c10::nullopt);
+  T gate_up = project(rms_norm.call(h, ffn_norm, eps), layer[2], c10::nullopt);
+  return h + project(silu_mul.call(gate_up), layer[3], c10::nullopt);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hicache, m) {
-  m.def("decode_layer(Tensor x, Tensor attn_norm, Tensor ffn_norm, float eps, int[] kinds, int[] qtypes, "
+  m.def("decode_layer(Tensor x, Tensor attn_norm, Tensor ffn_norm, float eps, int[] parts, int[] kinds, int[] qtypes, "
         "Tensor[] weights, Tensor? qkv_bias, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, "
         "Tensor(a!) k_buf, Tensor(b!) v_buf, Tensor out_slots, Tensor kv_slots, Tensor lengths) -> Tensor");
 }

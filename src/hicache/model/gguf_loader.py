@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 from hicache.model.errors import ModelFormatError, ModelNotFoundError
-from hicache.model.gguf_file import GGUFFile
+from hicache.model.gguf_blocks import GGUF_BLOCK_TYPES, GGUFBlockWeight
+from hicache.model.gguf_file import GGUFFile, GGUFTensor
 from hicache.model.llama import LlamaForCausalLM
 from hicache.model.spec import ModelSpec
 from hicache.model.tokenizer import Tokenizer, tokenizer_from_gguf_vocab
@@ -128,8 +129,10 @@ def _tokenizer_from_gguf(reader: GGUFFile) -> Tokenizer:
 
 def load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
               weights: bool = True) -> tuple[LlamaForCausalLM | None, Tokenizer, ModelSpec]:
-    """Read, dequantize (to float32, then ``dtype``) and un-permute every tensor of a GGUF file.
-    ``weights=False``: only the shape and the tokenizer (the model is None)."""
+    """Read, dequantize (to float32, then ``dtype``) and un-permute every tensor of a GGUF file;
+    a quantized matrix also keeps the file's blocks as its module's ``gguf_blocks`` (decode steps
+    read them where they rebuild the weights exactly). ``weights=False``: only the shape and the
+    tokenizer (the model is None)."""
     import gguf  # local import: only this loader needs it, and it is slow-ish to import
 
     reader, tokenizer = _read(path)
@@ -159,11 +162,26 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
             if tuple(values.shape) != tuple(target.shape):
                 raise ModelFormatError(f"GGUF tensor {t.name} has shape {tuple(values.shape)}, expected {tuple(target.shape)}.")
             target.copy_(values)
+            blocks = _file_blocks(t, name, spec)
+            if blocks is not None:  # decode steps read these (model/decode_blocks.py)
+                model.get_submodule(name.removesuffix(".weight")).gguf_blocks = blocks
             loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:
         raise ModelFormatError(f"GGUF file lacks tensors for {', '.join(missing[:3])}{'...' if len(missing) > 3 else ''}.")
     return model, tokenizer, spec
+
+
+def _file_blocks(t: GGUFTensor, name: str, spec: ModelSpec) -> GGUFBlockWeight | None:
+    """The matrix's own quantized blocks from the file (rows in the model's order), or None for
+    plain types, types the kernels do not read, and vectors."""
+    if int(t.tensor_type) not in GGUF_BLOCK_TYPES or not name.endswith(".weight") or len(t.shape) != 2:
+        return None
+    blocks = GGUFBlockWeight(int(t.tensor_type), torch.from_numpy(np.array(t.data)), int(t.shape[0]))
+    heads = spec.num_heads if ".q_proj." in name else spec.num_kv_heads if ".k_proj." in name else None
+    if heads is None:
+        return blocks
+    return blocks.permute_rows(unpermute_rope_rows(torch.arange(blocks.out_features), heads))
 
 
 def load_gguf_tokenizer(path: Path) -> Tokenizer:

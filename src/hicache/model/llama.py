@@ -192,15 +192,17 @@ class DecoderLayer(nn.Module):
         return native_ops(x)
 
     def _decode_operands(self) -> Optional[tuple]:
-        """``(kinds, qtypes, weights, qkv bias)`` of the four projections' decode weights, rebuilt
-        when a projection re-fuses; None when one of them is not a native decode kernel."""
+        """``(parts, kinds, qtypes, weights, qkv bias)`` of the four projections' decode weights
+        (see kernels/decode_layer.cpp), rebuilt when a projection re-fuses; None when one of them
+        is not a native decode kernel."""
         projections = (self.self_attn.qkv, self.self_attn.out, self.mlp.gate_up, self.mlp.down)
         key = tuple(p.prepare() for p in projections)
         if key != self._decode_key:
-            parts = [p.native_decode() for p in projections]
-            usable = None not in parts and all(p.bias is None for p in projections[1:])
+            native = [p.native_decode() for p in projections]
+            usable = None not in native and all(p.bias is None for p in projections[1:])
+            parts = [part for one in native for part in one] if usable else []
             self._decode_args = (
-                [kind for kind, _, _ in parts], [qtype for _, qtype, _ in parts],
+                [len(one) for one in native], [kind for kind, _, _ in parts], [qtype for _, qtype, _ in parts],
                 [t for _, _, tensors in parts for t in tensors], projections[0].bias,
             ) if usable else None
             self._decode_key = key
@@ -210,9 +212,8 @@ class DecoderLayer(nn.Module):
                       batch: ForwardBatch, kv: KVView) -> torch.Tensor:
         attn, layout = self.self_attn, batch.decode
         kv.wait_layer(attn.layer)
-        kinds, qtypes, weights, qkv_bias = operands
         return ops.decode_layer(x, self.input_layernorm.weight, self.post_attention_layernorm.weight,
-                                self.input_layernorm.eps, kinds, qtypes, weights, qkv_bias, cos, sin,
+                                self.input_layernorm.eps, *operands, cos, sin,
                                 attn.num_heads, attn.num_kv_heads, kv.k_buffers[attn.layer],
                                 kv.v_buffers[attn.layer], batch.out_slots, layout.kv_slots, layout.lengths)
 
@@ -302,7 +303,7 @@ class LlamaForCausalLM(nn.Module):
         return sum(storages.values()) + sum(projection.copies_nbytes() for projection in self.projections())
 
     def decode_formats(self) -> dict[str, int]:
-        """How many projections decode steps run in each format ("q4": 120, "q8": 1...)."""
+        """How many projections decode steps run in each format ("q4_1": 120, "q8_0": 1...)."""
         return dict(Counter(projection.decode_format for projection in self.projections()))
 
     def prepare_projections(self) -> None:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hicache.kernels import cpu_kernels
-from hicache.model.block_quant import BlockQuantWeight, pack_exact
+from hicache.model.decode_blocks import KIND_DENSE, Block, blocks_linear, decode_blocks, native_operands
 
 # A pass with at most this many token rows is a decode step: its matmuls are matrix-vector
 # products bound by how many weight bytes they read.
@@ -56,7 +56,7 @@ class Projection:
         self._prefill_weight: Optional[torch.Tensor] = None  # a dtype copy for large passes
         self._bias: Optional[torch.Tensor] = None
         self._decode_weight: Optional[torch.Tensor] = None  # a dtype copy
-        self._blocks: Optional[BlockQuantWeight] = None  # exact blocks, run by the native kernels
+        self._blocks: list[Block] = []  # exact blocks, run by the native kernels (model/decode_blocks.py)
         self._sizes: list[int] = []
         self._key: tuple = ()
 
@@ -69,8 +69,8 @@ class Projection:
         """``x @ W.T (+ b)`` with the parts' outputs side by side (not split)."""
         self.prepare()
         if 0 < x.shape[0] <= self.decode_rows:
-            if self._blocks is not None:
-                out = self._blocks.linear(x.contiguous(), cpu_kernels())
+            if self._blocks:
+                out = blocks_linear(self._blocks, x.contiguous(), cpu_kernels())
                 return out if self._bias is None else out + self._bias
             if self._decode_weight is not None:
                 return _linear_in(self._decode_weight, x, self._bias)
@@ -84,16 +84,16 @@ class Projection:
         self.prepare()
         return DECODE_ROWS if self._prefill_weight is not None else VERIFY_ROWS
 
-    def native_decode(self) -> Optional[tuple[int, int, tuple[torch.Tensor, ...]]]:
-        """What a decode pass reads, for the fused native layer (``kernels/decode_layer.cpp``):
-        ``(kind, ggml type, tensors)`` -- kind 0 the float32 matrix, 1 q4 / 2 q8 blocks -- or None
-        where a decode pass here is not a native kernel (a dtype copy, not a float32 CPU matrix)."""
+    def native_decode(self) -> Optional[list[tuple[int, int, tuple[torch.Tensor, ...]]]]:
+        """What a decode pass reads, for the fused native layer (``kernels/decode_layer.cpp``): per
+        block matrix (outputs side by side) ``(kind, ggml type, tensors)``, or the float32 matrix
+        as kind 0; None where a decode pass here is not a native kernel (a dtype copy, not a
+        float32 CPU matrix)."""
         self.prepare()
-        if self._blocks is not None:
-            b = self._blocks
-            return (1, 0, (b.qs, b.scale, b.minv)) if b.kind == "q4" else (2, 0, (b.qs, b.scale))
+        if self._blocks:
+            return [native_operands(b) for b in self._blocks]
         if self._decode_weight is None and self._weight.dtype == torch.float32 and self._weight.device.type == "cpu":
-            return 0, 0, (self._weight,)
+            return [(KIND_DENSE, 0, (self._weight,))]
         return None
 
     @property
@@ -104,9 +104,11 @@ class Projection:
 
     @property
     def decode_format(self) -> str:
-        """What decode passes read: "q4"/"q8" blocks, a dtype copy's name, or "same"."""
-        if self._blocks is not None:
-            return self._blocks.kind
+        """What decode passes read: block types ("q4"/"q8" exact blocks, "q5_0", "q4_k+q6_k" file
+        blocks of parts in two types...), a dtype copy's name, or "same"."""
+        self.prepare()
+        if self._blocks:
+            return "+".join(dict.fromkeys(b.kind for b in self._blocks))
         if self._decode_weight is not None:
             return str(self._decode_weight.dtype).removeprefix("torch.")
         return "same"
@@ -119,7 +121,7 @@ class Projection:
     def copies_nbytes(self) -> int:
         """Bytes of the decode and prefill copies (beside the loaded weights)."""
         copies = [c for c in (self._decode_weight, self._prefill_weight) if c is not None]
-        return sum(c.numel() * c.element_size() for c in copies) + (self._blocks.nbytes if self._blocks else 0)
+        return sum(c.numel() * c.element_size() for c in copies) + sum(b.nbytes for b in self._blocks)
 
     @property
     def prepared(self) -> bool:
@@ -152,10 +154,10 @@ class Projection:
                     self._bias = torch.cat(biases)
                     for p, view in zip(self.parts, self._bias.split(self._sizes)):
                         p.bias = nn.Parameter(view, requires_grad=False)
-            self._decode_weight, self._blocks = None, None
+            self._decode_weight, self._blocks = None, []
             if self.decode_weights == "auto":
                 if self._weight.device.type == "cpu" and cpu_kernels() is not None:
-                    self._blocks = pack_exact(self._weight)
+                    self._blocks = decode_blocks(self.parts, self._weight, cpu_kernels())
             elif self.decode_weights != "same":
                 dtype = getattr(torch, self.decode_weights)
                 self._decode_weight = None if dtype == self._weight.dtype else self._weight.to(dtype)

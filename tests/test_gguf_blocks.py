@@ -1,0 +1,182 @@
+"""Native GEMVs over GGUF's quantized blocks as the file stores them: ``gguf_dequantize`` is
+``gguf.quants.dequantize`` bit for bit, ``gguf_linear`` is ``x @ W.T`` up to float32 rounding, for every
+supported type, on random blocks and on blocks ``gguf.quants.quantize`` made, in each instruction set."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from hicache.kernels import cpu_kernels, unavailable_reason
+from hicache.model.gguf_blocks import GGUF_BLOCK_TYPES, GGUFBlockWeight
+
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=f"no native kernels: {unavailable_reason()}")
+
+# Byte offsets of each type's float16 scales (d, and m or dmin) within a block: random bytes there could
+# be inf or NaN, which no quantizer writes; they get N(0, 0.01) values instead.
+SCALE_OFFSETS = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
+QUANTIZABLE = (2, 3, 6, 7, 8)  # the types gguf.quants.quantize writes (not the K-quants)
+ROWS = (1, 2, 3, 5, 8, 13, 20)  # one chunk of up to 8 rows, and several
+# Float32 sums of K products round to within ~1e-7 of sum |x_k w_k|; one wrong weight of K = 256..1536
+# moves a result by ~1/K of it. 1e-5 tells them apart.
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def ops():
+    ops = cpu_kernels()
+    assert ops is not None, "the CPU can run the kernels but they did not build (see the log)"
+    return ops
+
+
+def shapes(qtype: int) -> list[tuple[int, int]]:
+    """[N, K] pairs: SmolLM2's 576 and 1536 where the block size allows (K-quants need K % 256 == 0)."""
+    return [(576, 1536), (1536, 576)] if GGUF_BLOCK_TYPES[qtype].block_size == 32 else [(576, 1536), (1536, 256)]
+
+
+def random_blocks(qtype: int, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """uint8 [n, row_bytes] of random bytes, the float16 scales overwritten by sane finite values."""
+    _, size, nbytes = GGUF_BLOCK_TYPES[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (n, k // size, nbytes), dtype=np.uint8)
+    for offset in SCALE_OFFSETS[qtype]:
+        scale = (rng.standard_normal((n, k // size, 1)) * 0.01).astype(np.float16)
+        blocks[..., offset:offset + 2] = scale.view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
+def quantized_blocks(qtype: int, n: int, k: int, seed: int = 0) -> np.ndarray:
+    import gguf
+
+    weights = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
+    return gguf.quants.quantize(weights, gguf.GGMLQuantizationType(qtype))
+
+
+def reference(blocks: np.ndarray, qtype: int) -> torch.Tensor:
+    import gguf
+
+    return torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType(qtype)).copy())
+
+
+@functools.lru_cache(maxsize=None)
+def cases(qtype: int) -> list[tuple[str, GGUFBlockWeight, torch.Tensor]]:
+    """(what, the weight, gguf's dequantization of it) for each shape and source of blocks."""
+    out = []
+    for n, k in shapes(qtype):
+        sources = {"random": random_blocks(qtype, n, k)}
+        if qtype in QUANTIZABLE:
+            sources["quantized"] = quantized_blocks(qtype, n, k)
+        for source, blocks in sources.items():
+            weight = GGUFBlockWeight(qtype, torch.from_numpy(blocks), k)
+            out.append((f"{source} {n}x{k}", weight, reference(blocks, qtype)))
+    return out
+
+
+def linear_error(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
+    """Largest |got - x @ W.T| (float64) relative to sum_k |x_k w_k|, the scale float32 rounds at."""
+    want = x.double() @ w.double().T
+    return ((got.double() - want).abs() / (x.double().abs() @ w.double().abs().T)).max().item()
+
+
+@pytest.mark.parametrize("qtype", list(GGUF_BLOCK_TYPES))
+def test_dequantize_is_the_reference_bit_for_bit(ops, qtype):
+    for what, weight, want in cases(qtype):
+        got = weight.dequantize(ops)
+        assert got.shape == want.shape and got.dtype == torch.float32
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), what
+
+
+@pytest.mark.parametrize("qtype", list(GGUF_BLOCK_TYPES))
+def test_linear_matches_float64_matmul_of_the_reference(ops, qtype):
+    g = torch.Generator().manual_seed(qtype)
+    for what, weight, w in cases(qtype):
+        for m in ROWS:
+            x = torch.randn(m, weight.in_features, generator=g)
+            got = weight.linear(x, ops)
+            assert got.shape == (m, weight.out_features)
+            error = linear_error(got, x, w)
+            assert error < TOLERANCE, f"{what}, {m} rows: relative error {error:.1e}"
+
+
+def test_bad_operands_are_refused_with_the_reason(ops):
+    blocks = torch.from_numpy(random_blocks(12, 8, 512))  # Q4_K: 2 blocks of 144 bytes per row
+    x = torch.randn(2, 512)
+    with pytest.raises(RuntimeError, match="unsupported ggml quantization type 10"):
+        ops.gguf_linear(x, blocks, 10, 512)  # Q2_K
+    with pytest.raises(RuntimeError, match="blocks must be a contiguous uint8"):
+        ops.gguf_linear(x, blocks.view(torch.int8), 12, 512)
+    with pytest.raises(RuntimeError, match="x must be a contiguous float32"):
+        ops.gguf_linear(x.double(), blocks, 12, 512)
+    with pytest.raises(RuntimeError, match="multiple of Q4_K's block size 256, got 576"):
+        ops.gguf_dequantize(blocks, 12, 576)
+    with pytest.raises(RuntimeError, match="row_bytes mismatch: Q4_K rows of K = 256 take 144 bytes"):
+        ops.gguf_linear(torch.randn(2, 256), blocks, 12, 256)
+    with pytest.raises(RuntimeError, match="x has 256 columns, in_features"):
+        ops.gguf_linear(torch.randn(2, 256), blocks, 12, 512)
+    with pytest.raises(ValueError, match="uint8 \\[N, 288\\]"):
+        GGUFBlockWeight(12, blocks[:, :200], 512)
+
+
+def test_block_layouts_are_the_gguf_formats_own():
+    """The table written out in gguf_blocks.py (so the model does not import ``gguf``) is the
+    ``gguf`` package's: type codes, weights per block, bytes per block."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    for code, (name, size, nbytes) in GGUF_BLOCK_TYPES.items():
+        assert GGMLQuantizationType(code).name == name
+        assert GGML_QUANT_SIZES[GGMLQuantizationType(code)] == (size, nbytes)
+
+
+def test_weights_report_their_layout_and_fuse_and_permute_by_whole_rows(ops):
+    q, k = (GGUFBlockWeight(14, torch.from_numpy(random_blocks(14, n, 512, seed=n)), 512) for n in (64, 32))
+    assert GGUF_BLOCK_TYPES[14] == ("Q6_K", 256, 210)
+    assert (q.kind, q.out_features, q.row_bytes, q.nbytes) == ("q6_k", 64, 420, 64 * 420)
+    fused = GGUFBlockWeight.cat([q, k])
+    assert fused.out_features == 96
+    assert torch.equal(fused.dequantize(ops), torch.cat([q.dequantize(ops), k.dequantize(ops)]))
+    x = torch.randn(3, 512)
+    assert torch.equal(fused.linear(x, ops), torch.cat([q.linear(x, ops), k.linear(x, ops)], dim=1))
+    other = GGUFBlockWeight(12, torch.from_numpy(random_blocks(12, 8, 512)), 512)
+    assert GGUFBlockWeight.cat([q, other]) is None and GGUFBlockWeight.cat([]) is None
+    index = torch.randperm(64, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(q.permute_rows(index).dequantize(ops), q.dequantize(ops)[index])
+
+
+EACH_TYPE = """
+import json, torch
+from hicache.kernels import cpu_kernels, loaded_isa
+from hicache.model.gguf_blocks import GGUF_BLOCK_TYPES, GGUFBlockWeight
+from tests.test_gguf_blocks import linear_error, random_blocks, reference
+ops, out = cpu_kernels(), {}
+for qtype in GGUF_BLOCK_TYPES:
+    blocks = random_blocks(qtype, 64, 1536, seed=qtype)  # K = 1536: 8 rows take it in two segments
+    weight, w = GGUFBlockWeight(qtype, torch.from_numpy(blocks), 1536), reference(blocks, qtype)
+    x = torch.randn(13, 1536, generator=torch.Generator().manual_seed(qtype))
+    exact = torch.equal(weight.dequantize(ops).view(torch.int32), w.view(torch.int32))
+    out[qtype] = [exact, max(linear_error(weight.linear(x[:m].contiguous(), ops), x[:m], w) for m in (1, 3, 8, 13))]
+print(json.dumps({"isa": loaded_isa(), "out": out}))
+"""
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_each_instruction_set_decodes_every_type_exactly(isa):
+    """``HICACHE_KERNEL_ISA`` picks the build; both dequantize bit for bit and multiply within float32
+    rounding. The AVX-512 build runs only where the CPU has it."""
+    if isa == "avx512" and torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip(f"this CPU lacks AVX-512 F/BW/VL/DQ (torch sees {torch.backends.cpu.get_cpu_capability()})")
+    root = os.path.dirname(os.path.dirname(__file__))
+    got = subprocess.run([sys.executable, "-c", EACH_TYPE], env={**os.environ, "HICACHE_KERNEL_ISA": isa}, cwd=root,
+                         capture_output=True, text=True, check=True).stdout
+    run = json.loads(got.splitlines()[-1])
+    assert run["isa"] == isa
+    for qtype, (exact, error) in run["out"].items():
+        name = GGUF_BLOCK_TYPES[int(qtype)].name
+        assert exact, f"{isa} {name}: dequantized weights differ from gguf's"
+        assert error < TOLERANCE, f"{isa} {name}: relative error {error:.1e}"
