@@ -2,13 +2,17 @@
 token ids, measured side by side in one run. ``make bench-peers`` builds the peers and runs it.
 
     python benchmarks/bench_peers.py [--parts a,b,c,d] [--quick] [--json out/bench-peers.json]
-                                     [--peers-python .venv-peers/bin/python]
+                                     [--peers-python .venv-peers/bin/python] [--gguf PATH | --quantize Q4_K_M]
+
+Every engine runs the same file: the embedded SmolLM2 (Q4_1) unless ``--gguf`` names another;
+``--quantize TYPE`` first makes a TYPE copy of it with llama.cpp's own quantizer (a Q4_K_M
+SmolLM2 has Q5_0, Q4_K, Q6_K and Q8_0 tensors: its 576-wide rows fall back from K-quants).
 
 (a) multi-turn agent workload, in-process: 2 groups x 2 conversations, each group sharing a
     1,024-token system prompt; 4 turns, each appending 64 user token ids (seeded random ordinary
     vocabulary ids) to the conversation so far, which holds the previous turns' 32 greedy output
     tokens; one request at a time, round-robin over the 4 conversations (groups interleaved).
-    Mean TTFT and mean TTFT per turn. hicache: ``Engine("smollm2")``, default config, TTFT = the
+    Mean TTFT and mean TTFT per turn. hicache: ``Engine(<the file>)``, default config, TTFT = the
     result's ``ttft_s`` (request arrival to first token).
     llama.cpp: ``Llama`` with a ``LlamaRAMCache`` (n_ctx 8192, one thread per core), TTFT = the
     first streamed chunk of ``create_completion``. transformers: the GGUF file loaded with
@@ -43,6 +47,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 
@@ -154,8 +159,8 @@ def engine_options(flags: str) -> dict:
             if getattr(cfg, f.name) != getattr(default, f.name) and f.name != "model"}
 
 
-def run_hicache(wl: dict, parts: set[str], flags: str) -> dict:
-    engine = Engine("smollm2", **engine_options(flags))
+def run_hicache(wl: dict, parts: set[str], flags: str, gguf: str) -> dict:
+    engine = Engine(gguf, **engine_options(flags))
     res: dict = {"dtype": engine.config.dtype}
 
     def gen(ids: list[int], n: int):
@@ -182,6 +187,21 @@ def run_hicache(wl: dict, parts: set[str], flags: str) -> dict:
         res["decode"] = {"tokens": n, "tok_s": (r.completion_tokens - 1) / (r.e2e_s - r.ttft_s)}
     engine.shutdown()
     return res
+
+
+def llamacpp_quantize(peers_python: str, src: str, qtype: str) -> str:
+    """``src`` requantized to ``qtype`` by llama.cpp's ``llama_model_quantize`` (in the peers venv),
+    as ``out/<name>.<qtype>.gguf``; an existing file is reused."""
+    dst = os.path.join(ROOT, "out", f"{os.path.basename(src).split('.')[0]}.{qtype}.gguf")
+    if not os.path.exists(dst):
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        code = ("import sys, llama_cpp as l\n"
+                "p = l.llama_model_quantize_default_params()\n"
+                "p.ftype = getattr(l, 'LLAMA_FTYPE_MOSTLY_' + sys.argv[3]); p.allow_requantize = True; p.nthread = 2\n"
+                "sys.exit(l.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p))")
+        print(f"requantizing {os.path.basename(src)} to {qtype} with llama.cpp ...", file=sys.stderr, flush=True)
+        subprocess.run([peers_python, "-c", code, src, dst, qtype.upper()], check=True, capture_output=True)
+    return dst
 
 
 # ---- llama.cpp, through the peers venv ------------------------------------------------
@@ -308,7 +328,7 @@ def stop_server(proc: subprocess.Popen) -> None:
 def run_http(args: argparse.Namespace, peers_python: str, gguf: str, logdir: str) -> dict:
     n = str(os.cpu_count())
     servers = {
-        "hicache": [sys.executable, "-m", "hicache.cli", "serve", "--host", "127.0.0.1", "--model", "smollm2",
+        "hicache": [sys.executable, "-m", "hicache.cli", "serve", "--host", "127.0.0.1", "--model", gguf,
                     "--served-model-name", "smollm2", *shlex.split(args.hicache_args)],
         # `python -m llama_cpp.server` plus ignore_eos -> min_tokens (peers_llamacpp_server.py).
         # logits_all false: the default (true) keeps n_ctx x vocab logits, only needed for logprobs;
@@ -457,6 +477,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="2 turns, cold 1K only, 32 decode tokens, 1 repeat.")
     ap.add_argument("--peers-python", default=os.path.join(ROOT, ".venv-peers", "bin", "python"))
     ap.add_argument("--json", default=None, help="Write every figure here.")
+    ap.add_argument("--gguf", default=None, metavar="PATH",
+                    help="The GGUF file every engine runs (default: the embedded SmolLM2, Q4_1).")
+    ap.add_argument("--quantize", default=None, metavar="TYPE",
+                    help="First requantize that file with llama.cpp's own quantizer to TYPE (Q4_K_M, Q5_K_M, "
+                         "Q6_K, Q8_0, Q4_0, Q5_0...; into out/, reused if there) and run every engine on the result.")
     ap.add_argument("--hicache-args", default="", metavar="FLAGS",
                     help='Engine flags for hicache, in-process and served, e.g. "--decode-weight-dtype bfloat16".')
     ap.add_argument("--seed", type=int, default=1)
@@ -483,10 +508,12 @@ def main() -> None:
     if need_llama and not os.path.exists(args.peers_python):
         ap.error(f"{args.peers_python} not found: run `make peers-setup` (or pass --peers-python)")
 
-    gguf = str(find_smollm2_gguf())
+    gguf = args.gguf or str(find_smollm2_gguf())
+    if args.quantize:
+        gguf = llamacpp_quantize(args.peers_python, gguf, args.quantize)
     from hicache.model.gguf_loader import load_gguf_tokenizer
 
-    vocab = len(load_gguf_tokenizer(find_smollm2_gguf()).backend.get_vocab())
+    vocab = len(load_gguf_tokenizer(Path(gguf)).backend.get_vocab())
     wl = make_workload(args, vocab)
     busy_before = wait_idle(args.wait_idle) if args.wait_idle > 0 else cpu_busy()
     t_start = time.perf_counter()
@@ -494,7 +521,7 @@ def main() -> None:
     inproc = parts & set("abc")
     if inproc:
         print("running hicache in-process ...", file=sys.stderr, flush=True)
-        res["hicache"] = run_hicache(wl, inproc, args.hicache_args)
+        res["hicache"] = run_hicache(wl, inproc, args.hicache_args, gguf)
         gc.collect()  # the engine and its KV pool go before the peers run
         if "llama.cpp" in peers:
             print("running llama.cpp (llama-cpp-python) ...", file=sys.stderr, flush=True)
@@ -510,10 +537,10 @@ def main() -> None:
 
     dtype = res.get("hicache", {}).get("dtype") or _resolved_dtype()
     llama_v = (f"{res['llama.cpp']['version']} (ggml {res['llama.cpp']['ggml']})" if "llama.cpp" in res else None) or (llamacpp_version(args.peers_python) if need_llama else "-")
-    print(f"\n# bench_peers: SmolLM2-135M-Instruct, {os.path.basename(gguf)} (the same file for all), seed {args.seed}")
+    print(f"\n# bench_peers: {os.path.basename(gguf)} (the same file for all), seed {args.seed}")
     print("# " + machine_header(dtype, llama_v))
     if "llama.cpp" in res:
-        print(f"# llama.cpp: n_threads {res['llama.cpp']['n_threads']}, n_ctx 8192, computes on the Q4_1 weights; "
+        print(f"# llama.cpp: n_threads {res['llama.cpp']['n_threads']}, n_ctx 8192, computes on the file's weights; "
               f"system_info: {res['llama.cpp']['system_info']}")
     if "transformers" in res:
         print(f"# transformers: GGUF dequantized to float32 on load ({res['transformers']['load_s']:.1f} s), "
