@@ -137,7 +137,9 @@ class Projection:
         return self._key
 
     def _current_key(self) -> tuple:
-        return (self.decode_weights, self.prefill_weights, *(p.weight.data_ptr() for p in self.parts))
+        # Every pass asks (a decode step: 121 projections): read the parameters straight from the
+        # modules' tables, not through nn.Module.__getattr__ (half of this check's cost).
+        return (self.decode_weights, self.prefill_weights, *(p._parameters["weight"].data_ptr() for p in self.parts))
 
     def _fuse(self) -> None:
         with torch.inference_mode(False), torch.no_grad():  # real tensors: a later load may write them
