@@ -87,21 +87,10 @@ TOKENIZER_TEXTS = [
 ]
 
 
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte-level alphabet (byte -> one printable character)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), ord("\u00ff") + 1)]
-    table, shifted = {}, 0
-    for byte in range(256):
-        if byte in keep:
-            table[byte] = chr(byte)
-        else:
-            table[byte] = chr(256 + shifted)
-            shifted += 1
-    return table
-
-
 def vocabulary() -> tuple[list[str], list[int]]:
     """(tokens, token types): 256 byte symbols, the merges' results, the specials; 320 in all."""
+    from hicache.model.tokenizer import bytes_to_unicode  # the same byte alphabet hicache reads
+
     alphabet = bytes_to_unicode()
     tokens = [alphabet[b] for b in range(256)]
     known = set(tokens)
