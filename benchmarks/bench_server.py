@@ -14,7 +14,7 @@
    ``Engine.generate`` at batch 1 and 4 (each prompt: the cached ``--prefix`` + 64 new ids, 32
    greedy tokens) next to a ``hicache serve`` process streaming the same requests to 1 and 4
    concurrent clients (median ITL, mean E2E). ``--keep-omp-pool-too`` also serves with the
-   loading thread's OpenMP workers kept alive, as before ``release_omp_pool`` (engine/loop.py).
+   loading thread's OpenMP workers kept alive, as before ``release_omp_pool`` (openmp.py).
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def client_capacity(args: argparse.Namespace) -> None:
 
 DECODE_NEW, DECODE_OUT = 64, 32  # part 3: new prompt ids per request, greedy output tokens
 DECODE_REQUESTS = {1: 4, 4: 8}  # part 3: concurrency -> streamed requests
-# Part 3's "before": the server as it was before engine/loop.py's release_omp_pool.
+# Part 3's "before": the server as it was before release_omp_pool (hicache/openmp.py, called by engine/loop.py).
 KEEP_POOL = "import hicache.engine.loop as L; L.release_omp_pool = lambda: False\n"
 
 

@@ -286,34 +286,3 @@ def test_engine_resolves_dtype_auto_once_and_says_why(caplog: pytest.LogCaptureF
     auto.shutdown()
     explicit.shutdown()
 
-
-def test_release_omp_pool_lets_the_callers_openmp_workers_exit() -> None:
-    """EngineLoop.start() frees the starting thread's OpenMP workers: with them alive, GNU
-    libgomp counts more threads than CPUs and sleeps at every barrier of the loop thread's steps."""
-    import os
-    import threading
-    import time
-
-    from hicache.engine.loop import _libgomp, release_omp_pool
-
-    if torch.get_num_threads() < 2 or _libgomp() is None or not os.path.isdir("/proc/self/task"):
-        pytest.skip("needs GNU OpenMP (torch's libgomp) and 2+ torch threads")
-    seen: dict[str, object] = {}
-
-    def in_a_fresh_thread() -> None:  # its own pool, whatever other threads hold
-        a = torch.ones(1 << 22)
-        torch.add(a, a)  # a parallel region: this thread's pool gets its workers
-        seen["with_pool"] = len(os.listdir("/proc/self/task"))
-        seen["released"] = release_omp_pool()
-        deadline = time.monotonic() + 5
-        while len(os.listdir("/proc/self/task")) >= seen["with_pool"] and time.monotonic() < deadline:
-            time.sleep(0.01)
-        seen["after"] = len(os.listdir("/proc/self/task"))
-        seen["sum"] = float(torch.add(a, a).sum())  # torch still works (the pool comes back)
-
-    t = threading.Thread(target=in_a_fresh_thread)
-    t.start()
-    t.join()
-    assert seen["released"] is True
-    assert seen["after"] < seen["with_pool"]
-    assert seen["sum"] == 2.0 * (1 << 22)

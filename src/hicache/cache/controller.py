@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import numpy as np
 import torch
 
+from ..openmp import run_torch_alone
 from .host_pool import HostKVPool, device_page_view
 from .page_copy import PageBuf, PagePlan, copy_pages, cpu_page_arrays
 from .placement import ShardView
@@ -160,6 +161,7 @@ class TransferController:
 
     # ---- worker threads ------------------------------------------------------------------
     def _work(self, kind: str) -> None:
+        run_torch_alone()  # its copies on this thread: an OpenMP pool of its own would slow every step
         stream = torch.cuda.Stream(device_pool_device(self.device_pool)) if self.cuda else None
         while (op := self._queues[kind].get()) is not None:
             self._execute(op, stream)

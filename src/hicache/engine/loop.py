@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import ctypes
 import logging
-import os
 import queue
 import threading
 import time
@@ -22,6 +20,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 from ..disagg.bootstrap import Bootstrap
 from ..errors import EngineDeadError, HicacheError
+from ..openmp import release_omp_pool
 from .engine import Engine
 from .request import GenerateResult, Request, Status
 from .sampling import SamplingParams
@@ -301,42 +300,6 @@ class EngineLoop:
                 self.on_finish(GenerateResult.from_request(req))
             except Exception:
                 logger.exception("on_finish failed for rid=%d", req.rid)
-
-
-def release_omp_pool() -> bool:
-    """Let the calling thread's idle OpenMP worker threads exit (GNU libgomp); True if it did.
-
-    libgomp keeps a pool of workers per thread that ran a parallel region: the thread that
-    loaded the model has one, and the loop thread starts its own. Once the process holds more
-    OpenMP threads than there are CPUs, libgomp stops spinning at its barriers and puts every
-    thread to sleep on a futex at the end of each parallel region. A decode step has hundreds of
-    them: on 2 cores a SmolLM2 step took 1.5-1.9x as long on the loop thread as on the loading
-    thread (HTTP median ITL 25 ms vs 13 ms in process, ``benchmarks/bench_server.py
-    --decode-only --keep-omp-pool-too``). The caller's pool comes back if it runs torch again.
-    """
-    lib = _libgomp()
-    if lib is None:
-        return False
-    try:
-        return lib.omp_pause_resource_all(1) == 0  # omp_pause_soft: frees this thread's pool
-    except AttributeError:  # a libgomp older than OpenMP 5.0
-        return False
-
-
-def _libgomp() -> Optional[ctypes.CDLL]:
-    """The GNU OpenMP runtime this process loaded (torch's), or None (another runtime, not Linux)."""
-    try:
-        with open("/proc/self/maps", encoding="utf-8") as f:
-            paths = {line.split()[-1] for line in f if "libgomp" in line}
-    except OSError:
-        return None
-    for path in sorted(paths):
-        if os.path.basename(path).startswith("libgomp") and os.path.exists(path):
-            try:
-                return ctypes.CDLL(path)  # already loaded: the same handle, nothing new runs
-            except OSError:
-                continue
-    return None
 
 
 def _describe(error: BaseException) -> str:

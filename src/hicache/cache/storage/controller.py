@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ...openmp import run_torch_alone
 from ..controller import leading_done
 from ..host_pool import HostKVPool
 from .base import StorageBackend
@@ -230,6 +231,7 @@ class StorageController:
 
     # ---- background threads --------------------------------------------------------------
     def _prefetch_worker(self) -> None:
+        run_torch_alone()  # its copies on this thread: an OpenMP pool of its own would slow every step
         while (op := self._queues["prefetch"].get()) is not None:
             self._prefetch(op)
 
@@ -323,6 +325,7 @@ class StorageController:
         self.read_page_s = per_page if last is None else last + READ_EWMA_ALPHA * (per_page - last)
 
     def _backup_worker(self) -> None:
+        run_torch_alone()  # its copies on this thread: an OpenMP pool of its own would slow every step
         while (op := self._queues["backup"].get()) is not None:
             self._backup(op)
 
