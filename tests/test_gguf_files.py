@@ -77,6 +77,10 @@ def test_file_blocks_that_no_longer_match_the_weights_are_not_read():
     """A requantized copy of the file (``<file>:int4-g32``, changed in place after loading)
     decodes from its own exact blocks or its float32 weights, never from the file's stale ones."""
     path = str(DATA / "tiny-llama-Q5_0.gguf")
-    formats = load_model(path + ":int4-g32", dtype=torch.float32).model.decode_formats()
+    requantized = load_model(path + ":int4-g32", dtype=torch.float32).model
+    formats = requantized.decode_formats()
     assert "q5_0" not in formats and "q6_k" not in formats, formats
     assert "q5_0" in load_model(path, dtype=torch.float32).model.decode_formats()
+    # Stale blocks stop taking memory (a bf16 model cannot read them either).
+    for model in (requantized, load_model(path, dtype=torch.bfloat16).model):
+        assert not any(hasattr(m, "gguf_blocks") for m in model.modules())

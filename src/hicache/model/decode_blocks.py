@@ -42,23 +42,32 @@ def file_blocks(parts: Sequence[nn.Module], weight: torch.Tensor, ops) -> list[G
     type, if together they rebuild ``weight`` exactly; each part's then becomes a row view of its
     run (memory is not doubled). [] otherwise."""
     blocks: list[Optional[GGUFBlockWeight]] = [getattr(p, "gguf_blocks", None) for p in parts]
-    if weight.dtype != torch.float32 or any(b is None for b in blocks):
+    if any(b is None for b in blocks):
         return []
-    if sum(b.out_features for b in blocks) != weight.shape[0] or any(b.in_features != weight.shape[1] for b in blocks):
-        return []
+    if (weight.dtype != torch.float32 or sum(b.out_features for b in blocks) != weight.shape[0]
+            or any(b.in_features != weight.shape[1] for b in blocks)):
+        return _drop_stale(parts)
     runs = []
     for _, members in groupby(zip(parts, blocks), key=lambda pb: pb[1].qtype):
         members = list(members)
         runs.append((GGUFBlockWeight.cat([b for _, b in members]), [p for p, _ in members]))
     rebuilt = torch.cat([run.dequantize(ops) for run, _ in runs])
     if not torch.equal(rebuilt, weight):
-        return []
+        return _drop_stale(parts)
     for run, members in runs:
         if len(members) > 1:
             rows = run.data.split([p.gguf_blocks.out_features for p in members])
             for part, view in zip(members, rows):
                 part.gguf_blocks = GGUFBlockWeight(run.qtype, view, run.in_features)
     return [run for run, _ in runs]
+
+
+def _drop_stale(parts: Sequence[nn.Module]) -> list:
+    """The weights are no longer the file's (a TP shard, a requantized copy, another dtype): the
+    blocks can never be read again, so they stop taking memory."""
+    for part in parts:
+        del part.gguf_blocks
+    return []
 
 
 def blocks_linear(blocks: Sequence[Block], x: torch.Tensor, ops) -> torch.Tensor:

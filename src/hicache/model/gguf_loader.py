@@ -162,7 +162,7 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
             if tuple(values.shape) != tuple(target.shape):
                 raise ModelFormatError(f"GGUF tensor {t.name} has shape {tuple(values.shape)}, expected {tuple(target.shape)}.")
             target.copy_(values)
-            blocks = _file_blocks(t, name, spec)
+            blocks = _file_blocks(t, name, spec) if dtype == torch.float32 else None
             if blocks is not None:  # decode steps read these (model/decode_blocks.py)
                 model.get_submodule(name.removesuffix(".weight")).gguf_blocks = blocks
             loaded.add(name)
@@ -174,8 +174,11 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
 
 def _file_blocks(t: GGUFTensor, name: str, spec: ModelSpec) -> GGUFBlockWeight | None:
     """The matrix's own quantized blocks from the file (rows in the model's order), or None for
-    plain types, types the kernels do not read, and vectors."""
+    plain types, types the kernels do not read, vectors, and an embedding that is not also the
+    LM head (lookups read its float32 rows; no matmul would read the blocks)."""
     if int(t.tensor_type) not in GGUF_BLOCK_TYPES or not name.endswith(".weight") or len(t.shape) != 2:
+        return None
+    if name == "model.embed_tokens.weight" and not spec.tie_word_embeddings:
         return None
     blocks = GGUFBlockWeight(int(t.tensor_type), torch.from_numpy(np.array(t.data)), int(t.shape[0]))
     heads = spec.num_heads if ".q_proj." in name else spec.num_kv_heads if ".k_proj." in name else None
