@@ -68,7 +68,7 @@ class Projection:
     def whole(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T (+ b)`` with the parts' outputs side by side (not split)."""
         self.prepare()
-        if 0 < x.shape[0] <= self.decode_rows:
+        if 0 < x.shape[0] <= self._decode_rows():
             if self._blocks:
                 out = blocks_linear(self._blocks, x.contiguous(), cpu_kernels())
                 return out if self._bias is None else out + self._bias
@@ -82,6 +82,9 @@ class Projection:
     def decode_rows(self) -> int:
         """Passes of at most this many rows read the decode weights (see :data:`VERIFY_ROWS`)."""
         self.prepare()
+        return self._decode_rows()
+
+    def _decode_rows(self) -> int:  # once prepared: every pass asks, so no second freshness check
         return DECODE_ROWS if self._prefill_weight is not None else VERIFY_ROWS
 
     def native_decode(self) -> Optional[list[tuple[int, int, tuple[torch.Tensor, ...]]]]:
