@@ -66,3 +66,28 @@ def test_passes_the_fused_layer_does_not_serve_keep_the_python_layer(monkeypatch
     loaded = load_model("random:small", dtype=torch.float32, seed=3)
     _, calls = _run(loaded.model, loaded.spec, 2, True, monkeypatch, kv_dtype=torch.bfloat16)
     assert calls == 0
+
+
+
+def test_fused_layer_waits_for_each_layers_kv_before_reading_it(monkeypatch):
+    """Ready before read (DESIGN invariant 4): a load-back still in flight is waited for layer by
+    layer, before the fused call of that layer reads the buffers."""
+    loaded = load_model("random:small", dtype=torch.float32, seed=3)
+    events = []
+
+    class Recording:  # the native ops, with the fused layer's reads recorded
+        def __init__(self, ops):
+            self.ops = ops
+
+        def decode_layer(self, *args):
+            events.append(("read", len([e for e in events if e[0] == "read"]) % loaded.spec.num_layers))
+            return self.ops.decode_layer(*args)
+
+    fused_ops = DecoderLayer._fused_decode_ops
+    monkeypatch.setattr(DecoderLayer, "_fused_decode_ops",
+                        lambda self, *a: None if (ops := fused_ops(self, *a)) is None else Recording(ops))
+    monkeypatch.setattr(DenseKV, "wait_layer", lambda self, layer: events.append(("wait", layer)))
+    _decode(loaded.model, loaded.spec, 1, steps=2)
+    reads = [i for i, e in enumerate(events) if e[0] == "read"]
+    assert len(reads) == 2 * loaded.spec.num_layers
+    assert all(events[i - 1] == ("wait", events[i][1]) for i in reads)
