@@ -6,6 +6,7 @@ Python layer."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -59,6 +60,19 @@ def test_fused_decode_layer_equals_the_python_layer(name, batch_size, monkeypatc
     assert all(torch.equal(a, b) for a, b in zip(fused, python))
     if name.endswith("int4-g32"):
         assert "q4" in model.decode_formats()  # layers mixing q4 blocks and float32 matrices
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K_M"])
+def test_fused_decode_layer_with_int8_inputs_equals_the_python_layer(qtype, monkeypatch):
+    """GGUF blocks times 8-bit inputs (``--decode-activations int8``): the same kernel either way."""
+    path = Path(__file__).parent / "data" / "gguf" / f"tiny-llama-{qtype}.gguf"
+    loaded = load_model(str(path), dtype=torch.float32, decode_activations="int8")
+    model, spec = loaded.model, loaded.spec
+    assert all(kind.endswith("@int8") for kind in model.decode_formats())
+    fused, calls = _run(model, spec, 3, True, monkeypatch)
+    python, _ = _run(model, spec, 3, False, monkeypatch)
+    assert calls == 5 * spec.num_layers
+    assert all(torch.equal(a, b) for a, b in zip(fused, python))
 
 
 def test_passes_the_fused_layer_does_not_serve_keep_the_python_layer(monkeypatch):

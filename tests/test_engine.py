@@ -12,6 +12,7 @@ import torch
 from hicache import Engine, InvalidRequestError, SamplingParams
 from hicache import device as device_mod
 from hicache.config import ConfigError
+from hicache.kernels import unavailable_reason
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
 LOGIT_ATOL = 1e-4  # fp32 logits of a cached vs. recomputed prefix
@@ -269,6 +270,11 @@ def test_dtype_auto_picks_what_the_hardware_runs_natively_per_phase(monkeypatch:
     # explicit flags override: an explicit float32 prefills in float32 too
     assert device_mod.resolve_prefill_weights("auto", "float32", "float32", dev)[0] == "same"
     assert device_mod.resolve_prefill_weights("bfloat16", "bfloat16", "bfloat16", dev)[0] == "same"
+    # decode: GGUF blocks times 8-bit inputs where the kernels run, unless a dtype was asked for
+    int8 = device == "cpu" and unavailable_reason() is None
+    assert device_mod.resolve_decode_activations("auto", "auto", chosen, dev)[0] == ("int8" if int8 else "float32")
+    assert device_mod.resolve_decode_activations("auto", "float32", "float32", dev)[0] == "float32"
+    assert device_mod.resolve_decode_activations("int8", "float32", "float32", dev) == ("int8", "requested")
 
 
 def test_engine_resolves_dtype_auto_once_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
@@ -277,6 +283,7 @@ def test_engine_resolves_dtype_auto_once_and_says_why(caplog: pytest.LogCaptureF
         auto = Engine("random:tiny", max_total_tokens=512)
     assert auto.config.dtype == want and auto.pool.k_buffers[0].dtype == device_mod.DTYPES[want]
     assert f"dtype auto -> {want}" in caplog.text and "prefill weights auto -> " in caplog.text
+    assert "decode activations auto -> " in caplog.text
     explicit = Engine("random:tiny", max_total_tokens=512, dtype=want,
                       prefill_weight_dtype=auto.config.prefill_weight_dtype)
     # Cache namespaces (and so storage keys) name the dtype that runs, not "auto".

@@ -180,3 +180,76 @@ def test_each_instruction_set_decodes_every_type_exactly(isa):
         name = GGUF_BLOCK_TYPES[int(qtype)].name
         assert exact, f"{isa} {name}: dequantized weights differ from gguf's"
         assert error < TOLERANCE, f"{isa} {name}: relative error {error:.1e}"
+
+
+# 8-bit activations (kernels/gguf_int8.cpp): lossy by design, so checked against what they compute --
+# the float64 product of the quantized inputs and the exact weights -- not against x @ W.T.
+def int8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x quantized per 32 values as the kernel does: int8 q, scale d = max |x| / 127, and per chunk
+    d * the sum of its q, then of each half's."""
+    m, k = x.shape
+    chunks = x.view(m, k // 32, 32)
+    top = chunks.abs().amax(-1)
+    inverse = torch.where(top > 0, torch.tensor(127.0) / top, torch.zeros(()))
+    q = torch.round(chunks * inverse[..., None])  # to nearest even, as the CPU rounds
+    halves = q.view(m, k // 32, 2, 16).sum(-1)
+    sums = torch.stack([halves.sum(-1), halves[..., 0], halves[..., 1]], -1) * (top / 127.0)[..., None]
+    return q.to(torch.int8).view(m, k), top / 127.0, sums.view(m, -1)
+
+
+def test_int8_inputs_are_quantized_per_32_to_nearest_even(ops):
+    x = torch.randn(5, 1536, generator=torch.Generator().manual_seed(1)) * 3
+    x[1, :32] = 0.0  # an all-zero chunk: scale 0, q 0
+    x[2, 40] = 1e4  # an outlier takes only its own chunk's precision
+    for got, want in zip(ops.quantize_int8_rows(x), int8_reference(x)):
+        assert torch.equal(got, want)
+    q, d, _ = ops.quantize_int8_rows(x)
+    assert q.abs().max() == 127 and d[1, 0] == 0 and (q[1, :32] == 0).all()
+    assert ((q.view(5, -1, 32).float() * d[..., None]).view(5, -1) - x).abs().max() <= d.max() / 2 + 1e-3
+
+
+@pytest.mark.parametrize("qtype", list(GGUF_BLOCK_TYPES))
+def test_int8_linear_is_the_quantized_inputs_times_the_exact_weights(ops, qtype):
+    g = torch.Generator().manual_seed(100 + qtype)
+    for what, weight, w in cases(qtype):
+        int8 = GGUFBlockWeight(qtype, weight.data, weight.in_features, int8_activations=True)
+        for m in ROWS:
+            x = torch.randn(m, weight.in_features, generator=g)
+            q, d, _ = int8_reference(x)
+            seen = (q.view(m, -1, 32).double() * d.double()[..., None]).view(m, -1)
+            got = int8.linear(x, ops)
+            assert got.shape == (m, weight.out_features)
+            error = linear_error(got, seen, w)
+            assert error < TOLERANCE, f"{what}, {m} rows: relative error {error:.1e}"
+            # and what 8-bit inputs cost against the exact product: ~1e-3 of sum |x_k w_k|
+            assert 1e-5 < linear_error(got, x, w) < 1e-2
+
+
+INT8_BITS = """
+import hashlib, json, torch
+from hicache.kernels import cpu_kernels, loaded_isa
+from hicache.model.gguf_blocks import GGUF_BLOCK_TYPES
+from tests.test_gguf_blocks import random_blocks
+ops, out = cpu_kernels(), {}
+for qtype in GGUF_BLOCK_TYPES:
+    blocks = torch.from_numpy(random_blocks(qtype, 64, 1536, seed=qtype))
+    x = torch.randn(13, 1536, generator=torch.Generator().manual_seed(qtype))
+    got = [ops.gguf_linear_int8(x[:m].contiguous(), blocks, qtype, 1536) for m in (1, 3, 8, 13)]
+    out[qtype] = hashlib.sha256(b"".join(t.numpy().tobytes() for t in got)).hexdigest()
+print(json.dumps({"isa": loaded_isa(), "out": out}))
+"""
+
+
+def test_int8_products_are_the_same_bits_on_every_instruction_set():
+    """The integer dots are exact and the float code after them is the same on every build, so a
+    cache namespace need not name the ISA (docs/precision.md)."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("one instruction set here (no AVX-512 F/BW/VL/DQ): nothing to compare")
+    root = os.path.dirname(os.path.dirname(__file__))
+    runs = {}
+    for isa in ("avx2", "avx512"):
+        got = subprocess.run([sys.executable, "-c", INT8_BITS], env={**os.environ, "HICACHE_KERNEL_ISA": isa},
+                             cwd=root, capture_output=True, text=True, check=True).stdout
+        runs[isa] = json.loads(got.splitlines()[-1])
+        assert runs[isa]["isa"] == isa
+    assert runs["avx2"]["out"] == runs["avx512"]["out"]

@@ -54,6 +54,13 @@ class EngineConfig:
         "weights). 'bfloat16': a rounded copy (lossy: its KV has its own cache keys).",
         ("auto", "same", "bfloat16"),
     )
+    decode_activations: str = _opt(
+        "auto",
+        "What decode steps multiply a GGUF file's quantized blocks with. 'int8': the inputs quantized per 32 "
+        "values, as llama.cpp does (lossy: its KV has its own cache keys; faster GEMVs); 'float32': exact. "
+        "'auto': int8 where --dtype auto chose float32 on a CPU with the native kernels, else float32.",
+        ("auto", "float32", "int8"),
+    )
     device: str = _opt("auto", "'auto' (cuda when present, else cpu), 'cpu' or 'cuda[:N]'.")
     context_length: Optional[int] = _opt(None, "Maximum tokens per request (prompt + output); default: the model's.")
     random_seed: int = _opt(0, "Seed for random-model weights.")
@@ -314,6 +321,11 @@ class EngineConfig:
         --disaggregation-decode-enable-radix-cache (as SGLang)."""
         return not self.disable_radix_cache and (self.disaggregation_mode != "decode"
                                                  or self.disaggregation_decode_enable_radix_cache)
+
+    def precision_options(self) -> dict[str, str]:
+        """What ``load_model`` takes of the precision flags (resolved: :func:`hicache.device.choose_precision`)."""
+        return dict(decode_weights=self.decode_weight_dtype, prefill_weights=self.prefill_weight_dtype,
+                    decode_activations=self.decode_activations)
 
     @property
     def speculative_steps(self) -> int:

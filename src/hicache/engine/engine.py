@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import threading
@@ -50,14 +49,12 @@ class Engine:
             torch.set_num_threads(cfg.num_threads)
         self.device = resolve_device(cfg.device)
         # Resolved once, here: rank processes, cache namespaces and storage keys see the real dtype.
-        dtype, prefill_weights = choose_precision(cfg.dtype, cfg.prefill_weight_dtype, self.device)
-        self.config = cfg = dataclasses.replace(cfg, dtype=dtype, prefill_weight_dtype=prefill_weights)
+        self.config = cfg = choose_precision(cfg, self.device)
         self.dtype = DTYPES[cfg.dtype]
         ranks = cfg.tp_size * cfg.pp_size
         # With several ranks this process only tokenizes: each rank loads its own slice.
         self.loaded = load_model(cfg.model, dtype=self.dtype, device=self.device, seed=cfg.random_seed,
-                                 weights=ranks == 1, decode_weights=cfg.decode_weight_dtype,
-                                 prefill_weights=cfg.prefill_weight_dtype)
+                                 weights=ranks == 1, **cfg.precision_options())
         self.tokenizer = self.loaded.tokenizer
         spec = self.loaded.spec
         self.context_length = cfg.context_length or spec.max_position_embeddings
@@ -69,7 +66,7 @@ class Engine:
         if cfg.speculative_algorithm:
             self.draft = load_model(cfg.speculative_draft_model_path, dtype=self.dtype, device=self.device,
                                     seed=cfg.random_seed, weights=ranks == 1,
-                                    decode_weights=cfg.decode_weight_dtype, prefill_weights=cfg.prefill_weight_dtype)
+                                    **cfg.precision_options())
             check_draft(self.loaded, self.draft, cfg.speculative_draft_model_path, self.context_length)
         # Cache keys of different models, dtypes or page sizes must never meet (storage.keys owns
         # them); with a draft, cached pages hold its KV too, so its identity is part of the name.

@@ -31,8 +31,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("block_quant.cpp", "layer_ops.cpp", "decode_attention.cpp",
-                                                          "decode_layer.cpp", "gguf_blocks.cpp")]
-HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "gguf_blocks.h", "gguf_decode.h")]
+                                                          "decode_layer.cpp", "gguf_blocks.cpp", "gguf_int8.cpp")]
+HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "gguf_blocks.h", "gguf_decode.h", "gguf_int8.h",
+                                                         "gguf_dispatch.h")]
 # Compiler flags per instruction set; the avx512 build also compiles the blocks' 16-lane paths.
 ISAS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
@@ -53,7 +54,22 @@ def kernel_isa() -> str:
 
 
 def cflags(isa: str) -> list[str]:
-    return ["-O3", *ISAS[isa], "-fopenmp"]
+    """The compiler's flags for ``isa`` here: the avx512 build adds VNNI (one instruction per int8
+    dot, ``kernels/gguf_int8.h``) where the CPU has it, so its folder differs from a VNNI-less one's."""
+    vnni = ["-mavx512vnni"] if isa == "avx512" and "avx512_vnni" in cpu_flags() else []
+    return ["-O3", *ISAS[isa], *vnni, "-fopenmp"]
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux names them (``/proc/cpuinfo``); empty where unreadable."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
 
 
 def build_dir(isa: Optional[str] = None) -> Path:

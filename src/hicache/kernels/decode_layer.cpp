@@ -7,7 +7,7 @@
 // A projection's decode weights arrive as one or more parts whose outputs sit side by side
 // (Projection.native_decode; hicache/model/decode_blocks.py), each a kind and its tensors:
 //   dense: weight [N, K] (F.linear)      q4: qs, scale, minv      q8: qs, scale
-//   gguf:  blocks [N, row bytes], with its ggml type in `qtypes`
+//   gguf:  blocks [N, row bytes], with its ggml type in `qtypes`    gguf_int8: the same, 8-bit inputs
 // Projections in the order qkv, o, gate_up, down; `parts` says how many parts each has; `kinds`
 // and `qtypes` are per part, `weights` every part's tensors in turn.
 #include <ATen/ATen.h>
@@ -18,7 +18,7 @@
 
 namespace {
 
-enum Kind : int64_t { kDense = 0, kQ4 = 1, kQ8 = 2, kGGUF = 3 };
+enum Kind : int64_t { kDense = 0, kQ4 = 1, kQ8 = 2, kGGUF = 3, kGGUFInt8 = 4 };
 
 int64_t operand_count(int64_t kind) {
   switch (kind) {
@@ -26,6 +26,7 @@ int64_t operand_count(int64_t kind) {
     case kQ4: return 3;
     case kQ8: return 2;
     case kGGUF: return 1;
+    case kGGUFInt8: return 1;
     default: TORCH_CHECK(false, "unknown projection kind ", kind);
   }
 }
@@ -55,8 +56,12 @@ T part_linear(const T& x, const Part& p) {
       static auto op = hicache_op<T(const T&, const T&, const T&)>("hicache::q8_linear");
       return op.call(x, p.w[0], p.w[1]);
     }
-    default: {
+    case kGGUF: {
       static auto op = hicache_op<T(const T&, const T&, int64_t, int64_t)>("hicache::gguf_linear");
+      return op.call(x, p.w[0], p.qtype, x.size(1));
+    }
+    default: {
+      static auto op = hicache_op<T(const T&, const T&, int64_t, int64_t)>("hicache::gguf_linear_int8");
       return op.call(x, p.w[0], p.qtype, x.size(1));
     }
   }

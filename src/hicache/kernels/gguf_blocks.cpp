@@ -14,6 +14,7 @@
 #include <algorithm>
 
 #include "gguf_decode.h"
+#include "gguf_dispatch.h"
 
 namespace {
 
@@ -91,20 +92,6 @@ void dot_rows(const Gemv& g, int64_t m0, int64_t n0, int64_t n1, int64_t b0, int
   }
 }
 
-template <class Fn>
-void with_rows(int64_t rows, Fn&& f) {
-  switch (rows) {
-    case 1: return f(Idx<1>{});
-    case 2: return f(Idx<2>{});
-    case 3: return f(Idx<3>{});
-    case 4: return f(Idx<4>{});
-    case 5: return f(Idx<5>{});
-    case 6: return f(Idx<6>{});
-    case 7: return f(Idx<7>{});
-    default: return f(Idx<8>{});
-  }
-}
-
 // All M rows of x against weight rows [n0, n1): tiles of kTile weight rows, each read from memory once
 // and decoded once per chunk of up to kMaxRows input rows, a K segment at a time.
 template <class F>
@@ -134,45 +121,23 @@ void dequantize_range(const uint8_t* w, int64_t row_bytes, int64_t K, float* out
   }
 }
 
-constexpr const char* kSupported = "2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0), 12 (Q4_K), 13 (Q5_K), 14 (Q6_K)";
-
-// f(F{}, name) with F the decoder of ggml type qtype.
-template <class Fn>
-void with_format(int64_t qtype, Fn&& f) {
-  switch (qtype) {
-    case Q4_0Layout::kType: return f(Legacy<Q4_0Layout>{}, "Q4_0");
-    case Q4_1Layout::kType: return f(Legacy<Q4_1Layout>{}, "Q4_1");
-    case Q5_0Layout::kType: return f(Legacy<Q5_0Layout>{}, "Q5_0");
-    case Q5_1Layout::kType: return f(Legacy<Q5_1Layout>{}, "Q5_1");
-    case Q8_0Layout::kType: return f(Q8_0{}, "Q8_0");
-    case Q4_KLayout::kType: return f(Q4_K{}, "Q4_K");
-    case Q5_KLayout::kType: return f(Q5_K{}, "Q5_K");
-    case Q6_KLayout::kType: return f(Q6_K{}, "Q6_K");
-    default: TORCH_CHECK(false, "unsupported ggml quantization type ", qtype, "; supported: ", kSupported);
-  }
-}
-
-template <class F>
-void check_blocks(const at::Tensor& blocks, int64_t K, const char* name) {
-  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
-                  blocks.device().is_cpu(),
-              "blocks must be a contiguous uint8 CPU matrix [N, row_bytes], got ", blocks.scalar_type(), " ",
-              blocks.sizes());
-  TORCH_CHECK(K > 0 && K % F::kBlock == 0, "in_features (K) must be a positive multiple of ", name,
-              "'s block size ", F::kBlock, ", got ", K);
-  const int64_t row_bytes = K / F::kBlock * F::kBytes;
-  TORCH_CHECK(blocks.size(1) == row_bytes, "row_bytes mismatch: ", name, " rows of K = ", K, " take ", row_bytes,
-              " bytes (", K / F::kBlock, " blocks of ", F::kBytes, "), got ", blocks.size(1));
-}
+struct Decoders {  // gguf_decode.h's, by type
+  using Q4_0 = Legacy<Q4_0Layout>;
+  using Q4_1 = Legacy<Q4_1Layout>;
+  using Q5_0 = Legacy<Q5_0Layout>;
+  using Q5_1 = Legacy<Q5_1Layout>;
+  using Q8_0 = hicache_gguf::Q8_0;
+  using Q4_K = hicache_gguf::Q4_K;
+  using Q5_K = hicache_gguf::Q5_K;
+  using Q6_K = hicache_gguf::Q6_K;
+};
 
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int64_t in_features) {
   at::Tensor out;
-  with_format(qtype, [&](auto format, const char* name) {
+  with_format<Decoders>(qtype, [&](auto format, const char* name) {
     using F = decltype(format);
     check_blocks<F>(blocks, in_features, name);
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
-                "x must be a contiguous float32 CPU matrix [M, K], got ", x.scalar_type(), " ", x.sizes());
-    TORCH_CHECK(x.size(1) == in_features, "x has ", x.size(1), " columns, in_features (K) is ", in_features);
+    check_inputs(x, in_features);
     out = at::empty({x.size(0), blocks.size(0)}, x.options());
     const Gemv g{x.data_ptr<float>(), blocks.data_ptr<uint8_t>(), out.data_ptr<float>(),
                  x.size(0), in_features, blocks.size(0), blocks.size(1)};
@@ -183,7 +148,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qt
 
 at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t qtype, int64_t in_features) {
   at::Tensor out;
-  with_format(qtype, [&](auto format, const char* name) {
+  with_format<Decoders>(qtype, [&](auto format, const char* name) {
     using F = decltype(format);
     check_blocks<F>(blocks, in_features, name);
     const int64_t N = blocks.size(0), K = in_features, row_bytes = blocks.size(1);

@@ -12,6 +12,7 @@ projection may come in different types (llama.cpp's Q4_K_M keeps ``attn_v`` in Q
 
 from __future__ import annotations
 
+import dataclasses
 from itertools import groupby
 from typing import Optional, Sequence, Union
 
@@ -24,15 +25,16 @@ from hicache.model.gguf_blocks import GGUFBlockWeight
 Block = Union[BlockQuantWeight, GGUFBlockWeight]
 
 # How kernels/decode_layer.cpp names a projection part's operands.
-KIND_DENSE, KIND_Q4, KIND_Q8, KIND_GGUF = 0, 1, 2, 3
+KIND_DENSE, KIND_Q4, KIND_Q8, KIND_GGUF, KIND_GGUF_INT8 = 0, 1, 2, 3, 4
 
 
-def decode_blocks(parts: Sequence[nn.Module], weight: torch.Tensor, ops) -> list[Block]:
+def decode_blocks(parts: Sequence[nn.Module], weight: torch.Tensor, ops, int8_activations: bool = False) -> list[Block]:
     """The blocks decode passes of a projection over ``parts`` (fused ``weight``: their rows one
-    after another) read, or [] when they read ``weight`` itself."""
+    after another) read, or [] when they read ``weight`` itself. ``int8_activations``: file
+    blocks multiply 8-bit inputs (``--decode-activations int8``)."""
     found = file_blocks(parts, weight, ops)
     if found:
-        return found
+        return [dataclasses.replace(b, int8_activations=int8_activations) for b in found]
     packed = pack_exact(weight)
     return [packed] if packed is not None else []
 
@@ -80,7 +82,7 @@ def blocks_linear(blocks: Sequence[Block], x: torch.Tensor, ops) -> torch.Tensor
 def native_operands(block: Block) -> tuple[int, int, tuple[torch.Tensor, ...]]:
     """``(kind, ggml type, tensors)`` of one block matrix for ``kernels/decode_layer.cpp``."""
     if isinstance(block, GGUFBlockWeight):
-        return KIND_GGUF, block.qtype, (block.data,)
+        return (KIND_GGUF_INT8 if block.int8_activations else KIND_GGUF), block.qtype, (block.data,)
     if block.kind == "q4":
         return KIND_Q4, 0, (block.qs, block.scale, block.minv)
     return KIND_Q8, 0, (block.qs, block.scale)

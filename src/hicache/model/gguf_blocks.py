@@ -51,6 +51,7 @@ class GGUFBlockWeight:
     qtype: int
     data: torch.Tensor  # uint8 [N, row_bytes]
     in_features: int
+    int8_activations: bool = False  # multiply with 8-bit inputs (``gguf_linear_int8``: lossy, faster)
 
     def __post_init__(self) -> None:
         if self.qtype not in GGUF_BLOCK_TYPES:
@@ -86,7 +87,10 @@ class GGUFBlockWeight:
 
     def linear(self, x: torch.Tensor, ops) -> torch.Tensor:
         """``x @ W.T``: float32 ``[M, N]`` for a contiguous float32 ``x`` ``[M, K]`` (any M), through the
-        native kernels ``ops`` (:func:`hicache.kernels.cpu_kernels`)."""
+        native kernels ``ops`` (:func:`hicache.kernels.cpu_kernels`); with :attr:`int8_activations`, ``x``
+        quantized to 8 bits per 32 inputs first (see ``kernels/gguf_int8.cpp``)."""
+        if self.int8_activations:
+            return ops.gguf_linear_int8(x, self.data, self.qtype, self.in_features)
         return ops.gguf_linear(x, self.data, self.qtype, self.in_features)
 
     def dequantize(self, ops) -> torch.Tensor:

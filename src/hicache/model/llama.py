@@ -22,7 +22,7 @@ from hicache.model.attention import (NATIVE_HEAD_DIMS, decode_attention, native_
 from hicache.model.batch import ForwardBatch, KVView, SeqSpan
 from hicache.model.context_parallel import cp_attention
 from hicache.model.mla import MLAAttention
-from hicache.model.projection import DECODE_ROWS, DECODE_WEIGHTS, PREFILL_WEIGHTS, Projection
+from hicache.model.projection import DECODE_ACTIVATIONS, DECODE_ROWS, DECODE_WEIGHTS, PREFILL_WEIGHTS, Projection
 from hicache.model.spec import ModelSpec, rope_inv_freq, rotate_half
 
 
@@ -281,6 +281,12 @@ class LlamaForCausalLM(nn.Module):
         (lossy unless the dtype holds every weight).
         ``prepare=False``: make the copies later (a rank packs only its shard, in shard_model)."""
         self._set_weights("decode_weights", mode, DECODE_WEIGHTS, prepare)
+
+    def set_decode_activations(self, mode: str, prepare: bool = True) -> None:
+        """What decode passes multiply GGUF blocks with (see
+        :data:`~hicache.model.projection.DECODE_ACTIVATIONS`): float32 inputs (exact) or inputs
+        quantized to 8 bits per 32 (lossy, faster)."""
+        self._set_weights("decode_activations", mode, DECODE_ACTIVATIONS, prepare)
 
     def set_prefill_weights(self, mode: str, prepare: bool = True) -> None:
         """What passes of more than ``DECODE_ROWS`` rows read (see

@@ -14,7 +14,7 @@ from hicache.model.errors import ModelNotFoundError
 from hicache.model.gguf_loader import find_smollm2_gguf, load_gguf
 from hicache.model.hf_loader import load_hf_dir
 from hicache.model.llama import LlamaForCausalLM
-from hicache.model.projection import DECODE_WEIGHTS, PREFILL_WEIGHTS
+from hicache.model.projection import DECODE_ACTIVATIONS, DECODE_WEIGHTS, PREFILL_WEIGHTS
 from hicache.model.random_model import init_random_weights, parse_random_spec
 from hicache.model.requantize import VARIANT, parse_variant, requantize_
 from hicache.model.spec import ModelSpec, ModelSpecError
@@ -57,7 +57,7 @@ def split_variant(name: str) -> tuple[str, str | None]:
 
 def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu", seed: int = 0,
                weights: bool = True, decode_weights: str = "auto", to_be_sharded: bool = False,
-               prefill_weights: str = "same") -> LoadedModel:
+               prefill_weights: str = "same", decode_activations: str = "float32") -> LoadedModel:
     """Load ``name``: ``"smollm2"`` (the embedded GGUF), a GGUF file, a local HF directory, or
     ``"random:<preset|JSON>"``; any of them followed by ``:int<bits>-g<group>`` (e.g.
     ``"smollm2:int4-g64"``) is a requantized copy (:mod:`~hicache.model.requantize`).
@@ -67,7 +67,10 @@ def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.dev
     ``decode_weights``: what decode steps read (see :meth:`LlamaForCausalLM.set_decode_weights`);
     a lossy dtype copy changes the KV they write, so it is part of the identity (exact blocks
     are the same weights and are not). ``prefill_weights``: what larger passes read ("same", or a
-    dtype copy: lossy, so named in the identity too). ``to_be_sharded``: :func:`~hicache.model.parallel.shard_model`
+    dtype copy: lossy, so named in the identity too). ``decode_activations``: "int8" has decode
+    passes multiply a GGUF file's blocks with 8-bit inputs (lossy: named in the identity of a
+    GGUF model whose decode weights are "auto", on every parallel layout alike, so that engines
+    that share KV by configuration keep sharing it). ``to_be_sharded``: :func:`~hicache.model.parallel.shard_model`
     follows, which fuses and packs the rank's slices; nothing is packed here for the whole model.
     Raises :class:`ModelNotFoundError` (a ConfigError) for names that resolve to nothing.
     """
@@ -112,6 +115,12 @@ def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.dev
         if model is not None:
             requantize_(model, bits, group)
         identity += f":requant-{variant}"
+    if decode_activations not in DECODE_ACTIVATIONS:
+        raise ModelSpecError(f"decode activations {decode_activations!r}: expected one of {', '.join(DECODE_ACTIVATIONS)}.")
+    if decode_activations == "int8" and identity.startswith("gguf:") and variant is None and decode_weights == "auto":
+        identity += ":decode-int8"
+    if model is not None:
+        model.set_decode_activations(decode_activations, prepare=False)
     identity += _weight_copies(model, dtype, decode_weights, prefill_weights, to_be_sharded)
     return LoadedModel(model, tokenizer, spec, name, identity, time.perf_counter() - start)
 

@@ -25,6 +25,10 @@ VERIFY_ROWS = 24
 # native kernels where a matrix is block-exact (GGUF Q4_1/Q8_0 values in float32), else the
 # loaded weights; "same": the loaded weights through torch; a dtype name: a (lossy) copy.
 DECODE_WEIGHTS = ("auto", "same", "bfloat16")
+# What decode passes multiply GGUF blocks with (``--decode-activations``, resolved by
+# :func:`hicache.device.resolve_decode_activations`): exact float32 inputs, or inputs quantized
+# to 8 bits per 32 (``kernels/gguf_int8.cpp``).
+DECODE_ACTIVATIONS = ("float32", "int8")
 # What passes of more than DECODE_ROWS rows (prefill) read (``--prefill-weight-dtype``,
 # resolved by :func:`hicache.device.resolve_prefill_weights`): the loaded weights, or a (lossy)
 # bf16 copy where the CPU multiplies bf16 natively and the model is float32.
@@ -51,6 +55,7 @@ class Projection:
     def __init__(self, *parts: Union[nn.Linear, nn.Embedding]) -> None:
         self.parts = parts
         self.decode_weights = "same"
+        self.decode_activations = "float32"  # or "int8": GGUF blocks multiply 8-bit inputs
         self.prefill_weights = "same"
         self._weight: Optional[torch.Tensor] = None
         self._prefill_weight: Optional[torch.Tensor] = None  # a dtype copy for large passes
@@ -111,7 +116,8 @@ class Projection:
         blocks of parts in two types...), a dtype copy's name, or "same"."""
         self.prepare()
         if self._blocks:
-            return "+".join(dict.fromkeys(b.kind for b in self._blocks))
+            int8 = any(getattr(b, "int8_activations", False) for b in self._blocks)
+            return "+".join(dict.fromkeys(b.kind for b in self._blocks)) + ("@int8" if int8 else "")
         if self._decode_weight is not None:
             return str(self._decode_weight.dtype).removeprefix("torch.")
         return "same"
@@ -142,7 +148,8 @@ class Projection:
     def _current_key(self) -> tuple:
         # Every pass asks (a decode step: 121 projections): read the parameters straight from the
         # modules' tables, not through nn.Module.__getattr__ (half of this check's cost).
-        return (self.decode_weights, self.prefill_weights, *(p._parameters["weight"].data_ptr() for p in self.parts))
+        return (self.decode_weights, self.decode_activations, self.prefill_weights,
+                *(p._parameters["weight"].data_ptr() for p in self.parts))
 
     def _fuse(self) -> None:
         with torch.inference_mode(False), torch.no_grad():  # real tensors: a later load may write them
@@ -162,7 +169,8 @@ class Projection:
             self._decode_weight, self._blocks = None, []
             if self.decode_weights == "auto":
                 if self._weight.device.type == "cpu" and cpu_kernels() is not None:
-                    self._blocks = decode_blocks(self.parts, self._weight, cpu_kernels())
+                    self._blocks = decode_blocks(self.parts, self._weight, cpu_kernels(),
+                                                 int8_activations=self.decode_activations == "int8")
             elif self.decode_weights != "same":
                 dtype = getattr(torch, self.decode_weights)
                 self._decode_weight = None if dtype == self._weight.dtype else self._weight.to(dtype)

@@ -20,7 +20,6 @@ different requests are in flight at once.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import queue
@@ -225,7 +224,7 @@ def _load_draft(cfg: EngineConfig, info: RankInfo, groups: ParallelGroups, dtype
     if not cfg.speculative_algorithm or info.pp_rank > 0:
         return None, None
     draft = load_model(cfg.speculative_draft_model_path, dtype=dtype, device=device, seed=cfg.random_seed,
-                       decode_weights=cfg.decode_weight_dtype, prefill_weights=cfg.prefill_weight_dtype,
+                       **cfg.precision_options(),
                        to_be_sharded=True)
     draft_shard = model_shard(draft.spec, info.attn_tp_rank, info.attn_tp_size, 0, 1)
     shard_model(draft.model, draft_shard, groups.tp_reduce if info.attn_tp_size > 1 else None)
@@ -245,8 +244,7 @@ def _rank_device(cfg: EngineConfig, info: RankInfo) -> tuple[EngineConfig, torch
     if device.type == "cuda":
         device = torch.device("cuda", info.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    dtype, prefill_weights = choose_precision(cfg.dtype, cfg.prefill_weight_dtype, device)
-    return dataclasses.replace(cfg, dtype=dtype, prefill_weight_dtype=prefill_weights), device
+    return choose_precision(cfg, device), device
 
 
 def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox: Any, outbox: Any,
@@ -271,7 +269,7 @@ def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox:
         groups = ParallelGroups(info, init_method, device,
                                 latent_sharding=cfg.enable_kv_cache_sharding and cfg.attn_cp_size == 1)
         loaded = load_model(cfg.model, dtype=dtype, device=device, seed=cfg.random_seed,
-                            decode_weights=cfg.decode_weight_dtype, prefill_weights=cfg.prefill_weight_dtype,
+                            **cfg.precision_options(),
                             to_be_sharded=True)
         # Weights are replicated across CP ranks and tensor-parallel within one.
         shard = model_shard(loaded.spec, info.attn_tp_rank, info.attn_tp_size, info.pp_rank, info.pp_size)
