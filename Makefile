@@ -24,7 +24,7 @@ DEMO_UNIFIED := --enable-hierarchical-cache --hicache-storage-backend file \
 	--hicache-storage-prefetch-threshold 64 --hicache-storage-prefetch-policy wait_complete \
 	--hicache-storage-key-scheme unified --hicache-storage-layer-partition 15 --hicache-storage-head-partition 1
 
-.PHONY: setup demo pd-demo serve-demo test bench bench-peers peers-setup clean
+.PHONY: setup demo pd-demo serve-demo test test-quick bench bench-peers peers-setup clean
 
 setup: $(VENV)/.installed
 
@@ -90,8 +90,15 @@ serve-demo: setup
 		--gsp-output-len 16 --gsp-num-turns 3 --max-concurrency 3 \
 		--output-file out/serve-demo.json --plot out/serve-demo.png
 
+# Everything (CI runs this): under 12 minutes on a 2-core machine; --durations shows the
+# slowest tests, to keep it there. Markers pick areas: `$(PY) -m pytest -m pd` (pyproject.toml).
 test: setup
-	$(PY) -m pytest -q --durations=20 tests  # the slowest tests, to keep the suite under 15 minutes
+	$(PY) -m pytest -q --durations=20 tests
+
+# The inner loop: everything but the tests that start rank processes or are slow (SmolLM2,
+# fixed-length campaigns, a second kernel build); under 3 minutes on a 2-core machine.
+test-quick: setup
+	$(PY) -m pytest -q --durations=10 -m "not multirank and not slow" tests
 
 bench: setup
 	$(PY) benchmarks/bench_radix.py

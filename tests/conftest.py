@@ -16,7 +16,16 @@ no memory of its own (add a ``prefix``, e.g. a uuid, to stay isolated). Binaries
 import (the ``mooncake-transfer-engine-non-cuda`` wheel, test extra, plus libibverbs1) or a
 binary is missing.
 
+``multi_turn_reference``: the multi-rank tests' workload (``rank_workloads.multi_turn``, seed 7,
+with its storage round) on one rank without a cache, computed once per session for
+test_parallel and test_context_parallel. ``checker``: the rank consensus checker on for ranks
+started from then on.
+
 ``nothing_left_running`` (every test): whatever engine a test made is fully stopped after it.
+
+Markers (pyproject.toml): every test carries at least one area marker (AREAS below); a
+test without one stops the run at collection, named. ``multirank`` and ``slow`` say
+what a test costs; ``make test-quick`` leaves both out.
 """
 
 from __future__ import annotations
@@ -27,9 +36,34 @@ import threading
 
 import pytest
 
+from hicache import Engine, consensus_record
 from hicache.cache.storage.valkey_server import find_valkey_server, start_valkey_server
+from rank_workloads import BASE, MODEL, multi_turn
 
 MOONCAKE_SEGMENT_BYTES = 256 << 20
+AREAS = ("model", "cache", "engine", "parallel", "server", "storage", "spec", "pd", "cp")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    unmarked = [item.nodeid for item in items if not any(item.get_closest_marker(a) for a in AREAS)]
+    if unmarked:
+        raise pytest.UsageError("tests without an area marker (one of " + ", ".join(AREAS) + "):\n  "
+                                + "\n  ".join(unmarked))
+
+
+@pytest.fixture(scope="session")
+def multi_turn_reference() -> list[list[int]]:
+    engine = Engine(MODEL, max_total_tokens=4096, disable_radix_cache=True, **BASE)
+    try:
+        return multi_turn(engine, seed=7, storage_round=True)
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture
+def checker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank consensus checker on, for ranks started from now on."""
+    monkeypatch.setenv(consensus_record.ENV_VAR, "1")
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,8 @@ from hicache.model.attention import _flash_cpu, _math, decode_attention, sequenc
 from hicache.model.batch import MAX_VIEW_RUNS, slot_runs
 from hicache.model.standalone import prefill_logits
 
+pytestmark = pytest.mark.model
+
 H, KVH, D = 6, 2, 16
 
 

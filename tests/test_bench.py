@@ -15,6 +15,8 @@ from hicache import Engine
 from hicache.cli import main
 from hicache.server.serve import ServerThread
 
+pytestmark = pytest.mark.server
+
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 

@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.engine
+
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
@@ -29,6 +33,7 @@ def test_generate_json() -> None:
         assert row["ttft_s"] > 0 and isinstance(row["text"], str)
 
 
+@pytest.mark.slow
 def test_user_errors_are_one_line_without_traceback(tmp_path: Path) -> None:
     cases = [
         ("generate", "--model", "no-such-model", "--prompt", "x"),

@@ -23,6 +23,8 @@ from hicache.consensus_record import (
 from hicache.parallel import consensus
 from hicache.parallel.consensus import ConsensusComparator, ConsensusMonitor, Divergence
 
+pytestmark = pytest.mark.parallel
+
 
 @pytest.fixture
 def checker_on(monkeypatch):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -25,10 +24,11 @@ from hicache.parallel.groups import CPGroup
 from hicache.errors import HicacheError
 from hicache.model.context_parallel import split_new_tokens
 from hicache.parallel.faults import ENV_VAR as FAULTS_ENV
+from rank_workloads import BASE, MODEL, multi_turn
 
-sys.path.insert(0, str(Path(__file__).parent))
-# The multi-rank tests' workload, its single-rank cache-off reference and the checker switch.
-from test_parallel import BASE, MODEL, checker, multi_turn, reference  # noqa: E402,F401
+# The workload's single-rank cache-off reference (multi_turn_reference) and the checker switch
+# (checker) are conftest.py fixtures.
+pytestmark = pytest.mark.cp
 
 
 # ---- token split -------------------------------------------------------------------------------
@@ -61,11 +61,12 @@ def test_interleave_deals_whole_pages_by_position() -> None:
     dict(tp_size=3, attn_cp_size=3, enable_kv_cache_sharding=True, cp_strategy="interleave", max_total_tokens=48),
     dict(tp_size=2, attn_cp_size=2, max_total_tokens=4096),  # replicated KV: CP splits only the compute
 ], ids=["cp2xtp2-sharded-evicting", "cp3-interleave-evicting", "cp2-replicated"])
-def test_output_equals_single_rank(layout: dict, reference: list[list[int]], checker: None) -> None:
+@pytest.mark.multirank
+def test_output_equals_single_rank(layout: dict, multi_turn_reference: list[list[int]], checker: None) -> None:
     engine = Engine(MODEL, **layout, **BASE)
     try:
         outputs = multi_turn(engine, seed=7, storage_round=False)
-        assert len(outputs) == 12 and outputs == reference[:12]  # 3 agents x 4 turns (no storage round)
+        assert len(outputs) == 12 and outputs == multi_turn_reference[:12]  # 3 agents x 4 turns (no storage round)
         stats = engine.stats()
         assert stats["hit_tokens"]["device"] > 0
         sharding = stats["kv_sharding"]
@@ -93,8 +94,11 @@ def test_output_equals_single_rank(layout: dict, reference: list[list[int]], che
     dict(tp_size=2, attn_cp_size=2, enable_kv_cache_sharding=True, max_total_tokens=80),
     dict(tp_size=3, attn_cp_size=3, enable_kv_cache_sharding=True, cp_strategy="interleave", max_total_tokens=48),
 ], ids=["cp2-sharded", "cp3-interleave-sharded"])
-def test_every_tier_hits_and_output_equals_single_rank(layout: dict, tmp_path: Path, reference: list[list[int]],
-                                                       checker: None, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.multirank
+@pytest.mark.storage
+def test_every_tier_hits_and_output_equals_single_rank(layout: dict, tmp_path: Path,
+                                                       multi_turn_reference: list[list[int]], checker: None,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """HiCache under CP: each rank backs up, reloads and stores the pages it owns (host pages
     follow the same rotation as device pages), copies finishing late by different amounts on
     each rank; a flushed cache is served again from storage alone."""
@@ -104,7 +108,7 @@ def test_every_tier_hits_and_output_equals_single_rank(layout: dict, tmp_path: P
                     hicache_storage_prefetch_threshold=16, hicache_storage_prefetch_policy="wait_complete",
                     **layout, **BASE)
     try:
-        assert multi_turn(engine, seed=7, storage_round=True) == reference
+        assert multi_turn(engine, seed=7, storage_round=True) == multi_turn_reference
         stats = engine.stats()
         assert stats["evicted_device_pages"] > 0
         assert all(stats["hit_tokens"][tier] > 0 for tier in ("device", "host", "storage")), stats["hit_tokens"]
@@ -127,6 +131,7 @@ def test_bad_combinations_stop_at_start_up_with_one_sentence() -> None:
         Engine(MODEL, tp_size=10, attn_cp_size=2, **BASE)  # 5 attention-TP ranks per CP rank
 
 
+@pytest.mark.multirank
 def test_a_cp_rank_killed_mid_gather_stops_the_group_with_its_name() -> None:
     engine = Engine(MODEL, tp_size=2, attn_cp_size=2, enable_kv_cache_sharding=True, max_total_tokens=4096, **BASE)
     try:
@@ -150,7 +155,9 @@ def test_a_cp_rank_killed_mid_gather_stops_the_group_with_its_name() -> None:
         engine.shutdown()
 
 
+@pytest.mark.multirank
 @pytest.mark.slow
+@pytest.mark.storage
 def test_smollm2_multi_turn_cp2_sharded_equals_single_rank(tmp_path: Path, checker: None) -> None:
     """A chat whose history is pushed out of the device pool by other traffic between turns
     (so it comes back from host memory), then asked again after a flush (from storage)."""

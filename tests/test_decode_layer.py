@@ -15,7 +15,8 @@ from hicache.kernels import unavailable_reason
 from hicache.model import DenseKV, load_model, make_forward_batch
 from hicache.model.llama import DecoderLayer
 
-pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=f"no native kernels: {unavailable_reason()}")
+pytestmark = [pytest.mark.model,
+              pytest.mark.skipif(unavailable_reason() is not None, reason=f"no native kernels: {unavailable_reason()}")]
 
 BIASED = "random:" + json.dumps({"preset": "small", "attention_bias": True})
 

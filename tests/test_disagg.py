@@ -12,6 +12,8 @@ from hicache import Engine, SamplingParams
 from hicache.config import ConfigError
 from hicache.disagg.bootstrap import Bootstrap
 
+pytestmark = pytest.mark.pd
+
 MODEL = "random:small"
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
 OPTS = dict(dtype="float32", page_size=16, max_total_tokens=1024)
@@ -115,6 +117,8 @@ def test_disaggregation_options_are_checked() -> None:
 
 
 # ---- behind SGLang's own router ---------------------------------------------------------------
+@pytest.mark.server
+@pytest.mark.slow
 def test_sglang_router_serves_a_multi_turn_chat_through_a_pd_pair() -> None:
     """sglang-router (PD mode) sends each turn to both servers with a bootstrap; the decode
     server answers, as the one-engine server would, and later turns cross only their suffix."""
@@ -146,6 +150,8 @@ def test_sglang_router_serves_a_multi_turn_chat_through_a_pd_pair() -> None:
 
 
 # ---- faults: every page comes back ----------------------------------------------------------
+@pytest.mark.server
+@pytest.mark.slow
 def test_a_killed_prefill_server_fails_the_decode_request_at_once_and_frees_its_pages() -> None:
     """The decode server asks a prefill server that died (SIGKILL, no goodbye): its refused
     connection is a certain failure, so the request ends with 503 kv_transfer_failed at once,
@@ -229,6 +235,7 @@ def test_servers_with_different_transfer_backends_fail_the_request_clearly() -> 
         decode.shutdown()
 
 
+@pytest.mark.storage
 def test_a_decode_server_extends_its_prefix_from_storage(tmp_path) -> None:
     """The decode server's L3: a restarted decode server finds the session in storage; the span
     counts toward decode_prefix_len (its prefetch was accepted before admission), so only the
@@ -253,6 +260,8 @@ def test_a_decode_server_extends_its_prefix_from_storage(tmp_path) -> None:
     assert got.kv_transferred_tokens == sent.kv_transferred_tokens == SPAN
 
 
+@pytest.mark.server
+@pytest.mark.slow
 def test_a_client_that_leaves_the_router_cancels_the_decode_side() -> None:
     """The client gives up mid-answer: sglang-router drops its upstream requests, the decode
     server aborts its request, and both servers hold nothing but cached pages afterwards."""
@@ -303,6 +312,7 @@ def test_mooncake_writes_merge_pages_that_follow_each_other_on_both_sides() -> N
 THREE_HEADS = 'random:{"preset": "small", "num_heads": 6, "num_kv_heads": 3, "head_dim": 32}'
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("prefill_tp, decode_tp, backend", [(2, 1, "zmq"), (1, 2, "mooncake")])
 def test_prefill_and_decode_with_different_tp_sizes_resplit_the_kv_heads(prefill_tp, decode_tp, backend,
                                                                          monkeypatch) -> None:

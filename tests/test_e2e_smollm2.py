@@ -8,7 +8,7 @@ import pytest
 
 from hicache import Engine, SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0)
 
 

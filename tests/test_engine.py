@@ -14,6 +14,8 @@ from hicache import device as device_mod
 from hicache.config import ConfigError
 from hicache.kernels import unavailable_reason
 
+pytestmark = pytest.mark.engine
+
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
 LOGIT_ATOL = 1e-4  # fp32 logits of a cached vs. recomputed prefix
 
@@ -180,7 +182,21 @@ def test_text_prompt_and_chat() -> None:
     chat = engine.chat([{"role": "user", "content": "hi"}], GREEDY)
     again = engine.chat([{"role": "user", "content": "hi"}], GREEDY)
     assert chat.output_ids == again.output_ids and again.cached_tokens > 0
-    assert chat.ttft_s > 0 and chat.queue_time_s >= 0 and chat.forward_time_s > 0
+    assert chat.ttft_s > 0 and chat.forward_time_s > 0
+    assert chat.queue_time_s + chat.forward_time_s == pytest.approx(chat.ttft_s)  # arrival -> admit -> token
+
+
+def test_queue_time_is_the_wait_for_a_running_slot() -> None:
+    """With one running slot the second request is admitted only when the first finishes: its
+    queue time covers the first one's whole run, the first one's is only its own admission."""
+    engine = make_engine(max_running_requests=1)
+    sp = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    first, second = engine.generate(prompts(2, 40, 0, seed=5), sp)
+    assert first.completion_tokens == second.completion_tokens == 12
+    assert second.queue_time_s >= 0.9 * first.e2e_s > 0  # (less the microseconds between the arrivals)
+    assert first.queue_time_s < 0.1 * second.queue_time_s
+    for r in (first, second):
+        assert r.queue_time_s + r.forward_time_s == pytest.approx(r.ttft_s)
 
 
 @pytest.mark.parametrize(

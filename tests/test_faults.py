@@ -14,10 +14,13 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
+import pytest
 
 from hicache import Engine, SamplingParams
 from hicache.cache.storage.faulty import FaultyBackend
 from hicache.server.serve import ServerThread
+
+pytestmark = [pytest.mark.server, pytest.mark.storage]
 
 SEED = 20261130
 CLIENTS = 3

@@ -10,18 +10,16 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 
 from hicache.kernels import cpu_kernels, unavailable_reason
 from hicache.model.gguf_blocks import GGUF_BLOCK_TYPES, GGUFBlockWeight
+from quant_blocks import linear_error, quantized_blocks, random_blocks, reference
 
-pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=f"no native kernels: {unavailable_reason()}")
+pytestmark = [pytest.mark.model,
+              pytest.mark.skipif(unavailable_reason() is not None, reason=f"no native kernels: {unavailable_reason()}")]
 
-# Byte offsets of each type's float16 scales (d, and m or dmin) within a block: random bytes there could
-# be inf or NaN, which no quantizer writes; they get N(0, 0.01) values instead.
-SCALE_OFFSETS = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
 QUANTIZABLE = (2, 3, 6, 7, 8)  # the types gguf.quants.quantize writes (not the K-quants)
 ROWS = (1, 2, 3, 5, 8, 13, 20)  # one chunk of up to 8 rows, and several
 # Float32 sums of K products round to within ~1e-7 of sum |x_k w_k|; one wrong weight of K = 256..1536
@@ -41,30 +39,6 @@ def shapes(qtype: int) -> list[tuple[int, int]]:
     return [(576, 1536), (1536, 576)] if GGUF_BLOCK_TYPES[qtype].block_size == 32 else [(576, 1536), (1536, 256)]
 
 
-def random_blocks(qtype: int, n: int, k: int, seed: int = 0) -> np.ndarray:
-    """uint8 [n, row_bytes] of random bytes, the float16 scales overwritten by sane finite values."""
-    _, size, nbytes = GGUF_BLOCK_TYPES[qtype]
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, (n, k // size, nbytes), dtype=np.uint8)
-    for offset in SCALE_OFFSETS[qtype]:
-        scale = (rng.standard_normal((n, k // size, 1)) * 0.01).astype(np.float16)
-        blocks[..., offset:offset + 2] = scale.view(np.uint8)
-    return blocks.reshape(n, -1)
-
-
-def quantized_blocks(qtype: int, n: int, k: int, seed: int = 0) -> np.ndarray:
-    import gguf
-
-    weights = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
-    return gguf.quants.quantize(weights, gguf.GGMLQuantizationType(qtype))
-
-
-def reference(blocks: np.ndarray, qtype: int) -> torch.Tensor:
-    import gguf
-
-    return torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType(qtype)).copy())
-
-
 @functools.lru_cache(maxsize=None)
 def cases(qtype: int) -> list[tuple[str, GGUFBlockWeight, torch.Tensor]]:
     """(what, the weight, gguf's dequantization of it) for each shape and source of blocks."""
@@ -77,12 +51,6 @@ def cases(qtype: int) -> list[tuple[str, GGUFBlockWeight, torch.Tensor]]:
             weight = GGUFBlockWeight(qtype, torch.from_numpy(blocks), k)
             out.append((f"{source} {n}x{k}", weight, reference(blocks, qtype)))
     return out
-
-
-def linear_error(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
-    """Largest |got - x @ W.T| (float64) relative to sum_k |x_k w_k|, the scale float32 rounds at."""
-    want = x.double() @ w.double().T
-    return ((got.double() - want).abs() / (x.double().abs() @ w.double().abs().T)).max().item()
 
 
 @pytest.mark.parametrize("qtype", list(GGUF_BLOCK_TYPES))
@@ -153,7 +121,7 @@ EACH_TYPE = """
 import json, torch
 from hicache.kernels import cpu_kernels, loaded_isa
 from hicache.model.gguf_blocks import GGUF_BLOCK_TYPES, GGUFBlockWeight
-from tests.test_gguf_blocks import linear_error, random_blocks, reference
+from tests.quant_blocks import linear_error, random_blocks, reference
 ops, out = cpu_kernels(), {}
 for qtype in GGUF_BLOCK_TYPES:
     blocks = random_blocks(qtype, 64, 1536, seed=qtype)  # K = 1536: 8 rows take it in two segments
@@ -229,7 +197,7 @@ INT8_BITS = """
 import hashlib, json, torch
 from hicache.kernels import cpu_kernels, loaded_isa
 from hicache.model.gguf_blocks import GGUF_BLOCK_TYPES
-from tests.test_gguf_blocks import random_blocks
+from tests.quant_blocks import random_blocks
 ops, out = cpu_kernels(), {}
 for qtype in GGUF_BLOCK_TYPES:
     blocks = torch.from_numpy(random_blocks(qtype, 64, 1536, seed=qtype))

@@ -15,6 +15,8 @@ import torch
 from hicache.kernels import unavailable_reason
 from hicache.model import DenseKV, load_model, make_forward_batch
 
+pytestmark = pytest.mark.model
+
 DATA = Path(__file__).parent / "data" / "gguf"
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K_M", "Q5_K_M", "Q6_K"]
 # The block kinds decode steps read per file (llama.cpp's recipes keep output in Q6_K, and the

@@ -19,6 +19,8 @@ from hicache.cache.manager import KVCacheManager
 from hicache.cache.pools import DeviceKVPool
 from hicache.config import ConfigError
 
+pytestmark = pytest.mark.cache
+
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0)
 
 

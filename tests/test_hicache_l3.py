@@ -21,6 +21,8 @@ from hicache.cache.storage.faulty import FaultyBackend
 from hicache.cache.storage.keys import page_hashes
 from storage_engines import GREEDY, PROMPT, storage_engine, write_history
 
+pytestmark = pytest.mark.storage
+
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 

@@ -16,9 +16,11 @@ import torch.nn.functional as F
 from hicache import Engine, SamplingParams
 from hicache.kernels import cpu_kernels, unavailable_reason
 from hicache.model.attention import decode_attention
-from hicache.model.block_quant import GROUP, pack_exact
+from hicache.model.block_quant import pack_exact
+from quant_blocks import q4_1_matrix, q8_0_matrix
 
-pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=f"no native kernels: {unavailable_reason()}")
+pytestmark = [pytest.mark.model,
+              pytest.mark.skipif(unavailable_reason() is not None, reason=f"no native kernels: {unavailable_reason()}")]
 
 
 @pytest.fixture(scope="module")
@@ -26,24 +28,6 @@ def ops():
     ops = cpu_kernels()
     assert ops is not None, "the CPU can run the kernels but they did not build (see the log)"
     return ops
-
-
-def q4_1_matrix(n: int, k: int, seed: int = 0) -> torch.Tensor:
-    """A float32 matrix as the GGUF loader makes it from Q4_1 blocks: d * q + m, d and m float16."""
-    g = torch.Generator().manual_seed(seed)
-    d = (torch.rand(n, k // GROUP, 1, generator=g) * 0.02).half().float()
-    m = (-torch.rand(n, k // GROUP, 1, generator=g) * 0.1).half().float()
-    q = torch.randint(0, 16, (n, k // GROUP, GROUP), generator=g).float()
-    q[..., 0], q[..., 1] = 0, 15  # the quantizer maps each block's minimum to 0, its maximum to 15
-    return (d * q + m).reshape(n, k)
-
-
-def q8_0_matrix(n: int, k: int, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    d = (torch.rand(n, k // GROUP, 1, generator=g) * 0.01).half().float()
-    q = torch.randint(-127, 128, (n, k // GROUP, GROUP), generator=g).float()
-    q[..., 0] = 127
-    return (d * q).reshape(n, k)
 
 
 def test_block_copies_rebuild_the_weights_bit_for_bit_or_are_refused():
@@ -195,7 +179,7 @@ def test_model_without_kernels_runs_and_agrees_with_them():
 BLOCKS = """
 import json, torch
 from hicache.kernels import loaded_isa, cpu_kernels
-from tests.test_kernels import q4_1_matrix, q8_0_matrix
+from tests.quant_blocks import q4_1_matrix, q8_0_matrix
 from hicache.model.block_quant import pack_exact
 x = torch.randn(8, 576, generator=torch.Generator().manual_seed(0))
 out = {}
@@ -206,7 +190,9 @@ print(json.dumps({"isa": loaded_isa(), "out": out}))
 """
 
 
-@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+# avx2 is slow on an AVX-512 machine: its first run builds a second library (~50 s; setup builds
+# only the machine's own instruction set).
+@pytest.mark.parametrize("isa", [pytest.param("avx2", marks=pytest.mark.slow), "avx512"])
 def test_each_instruction_set_builds_its_own_kernels_and_they_agree(isa):
     """``HICACHE_KERNEL_ISA`` picks the build (each in its own cache folder); both give the
     float32 results up to summation order. The AVX-512 build runs only where the CPU has it."""

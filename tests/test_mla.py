@@ -15,6 +15,8 @@ from hicache.model import load_model
 from hicache.model.standalone import greedy_paged, prefill_logits
 from hicache.model.tokenizer import byte_tokenizer
 
+pytestmark = pytest.mark.model
+
 transformers = pytest.importorskip("transformers")
 
 ATOL = 1e-5  # float32 on both sides; a wrong rope layout or scale shows up as ~1e-3
@@ -98,6 +100,8 @@ def _turns(engine: Engine) -> list[list[int]]:
     return out
 
 
+@pytest.mark.multirank
+@pytest.mark.parallel
 def test_engine_cache_decode_and_tp2_equal_a_plain_run() -> None:
     base = dict(dtype="float32", page_size=4)
     plain = Engine("random:mla-tiny", max_total_tokens=1024, disable_radix_cache=True, **base)
@@ -123,6 +127,9 @@ def plain_turns() -> list[list[int]]:
         engine.shutdown()
 
 
+@pytest.mark.multirank
+@pytest.mark.parallel
+@pytest.mark.cp
 @pytest.mark.parametrize("layout", [
     dict(tp_size=2, max_total_tokens=48),  # the latent sharded over the attention-TP ranks, evicting
     dict(tp_size=2, attn_cp_size=2, max_total_tokens=48),  # ... over context-parallel ranks

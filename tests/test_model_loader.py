@@ -12,6 +12,8 @@ from hicache.model import ModelNotFoundError, ModelSpec, load_model
 from hicache.model.spec import ModelSpecError
 from hicache.model.standalone import prefill_logits
 
+pytestmark = pytest.mark.model
+
 
 def test_unknown_name_is_one_clear_sentence():
     with pytest.raises(ModelNotFoundError) as e:

@@ -9,6 +9,8 @@ import torch
 from hicache.model import DenseKV, load_model, make_forward_batch
 from hicache.model.standalone import prefill_logits
 
+pytestmark = pytest.mark.model
+
 ATOL = 1e-5  # fp32; the paths differ only in summation order
 
 

@@ -17,6 +17,8 @@ from hicache.model.hf_loader import spec_from_hf_config
 from hicache.model.standalone import greedy_paged, prefill_logits
 from hicache.model.tokenizer import byte_tokenizer
 
+pytestmark = pytest.mark.model
+
 transformers = pytest.importorskip("transformers")
 
 # fp32 on both sides: observed max differences are <= 4e-7. Ignoring the Llama-3 scaling would

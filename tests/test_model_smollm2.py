@@ -10,7 +10,7 @@ from hicache.model import load_model
 from hicache.model.gguf_loader import find_smollm2_gguf
 from hicache.model.standalone import greedy_paged, prefill_logits
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,9 @@ import torch
 
 from hicache.openmp import _libgomp, release_omp_pool, run_torch_alone
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.engine, pytest.mark.skipif(
     torch.get_num_threads() < 2 or _libgomp() is None or not os.path.isdir("/proc/self/task"),
-    reason="needs GNU OpenMP (torch's libgomp), 2+ torch threads and /proc")
+    reason="needs GNU OpenMP (torch's libgomp), 2+ torch threads and /proc")]
 
 
 def _threads() -> int:

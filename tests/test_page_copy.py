@@ -14,6 +14,8 @@ from hicache.cache.host_pool import HostKVPool, device_page_view
 from hicache.cache.page_copy import PagePlan, copy_pages, page_items
 from hicache.cache.pools import DeviceKVPool
 
+pytestmark = pytest.mark.cache
+
 LAYERS, HEADS, DIM, PAGE, PAGES = 3, 2, 8, 4, 64
 PATTERNS = ("scattered", "consecutive", "mixed", "reversed", "single", "empty")
 

@@ -25,6 +25,8 @@ from hicache.disagg import sender as sender_module
 from hicache.disagg.bootstrap import Bootstrap
 from hicache.server.serve import ServerThread
 
+pytestmark = [pytest.mark.pd, pytest.mark.server]
+
 MODEL = "random:small"
 OPTS = dict(dtype="float32", page_size=16, max_total_tokens=1024)
 TIMEOUT_S = 2.0  # --disaggregation-transfer-timeout of the pair
@@ -457,6 +459,7 @@ class Fuzzer:
         return [json.dumps(msg).encode()]
 
 
+@pytest.mark.slow
 def test_pd_sockets_survive_a_seeded_fuzz_campaign() -> None:
     """For FUZZ_SECONDS (HICACHE_PD_FUZZ_SECONDS, at most 60) from FUZZ_SEED: a hostile asker
     floods the prefill's bootstrap socket with mutated route asks and KV asks (some for rooms

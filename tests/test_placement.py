@@ -12,6 +12,8 @@ from hicache.cache.placement import GatherPlan, PagePlacement, ShardedPageAlloca
 from hicache.cache.pools import DeviceKVPool
 from hicache.cache.radix import RadixCache
 
+pytestmark = pytest.mark.cache
+
 PAGE = 4
 NS = "figure-1a"
 

@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 from hicache.cache.pools import DeviceKVPool, PageAllocator, pages_to_slots
 
+pytestmark = pytest.mark.cache
+
 
 # ---- PageAllocator --------------------------------------------------------------------------
 def test_capacity_excludes_reserved_page():
@@ -84,18 +86,18 @@ def test_reset_restores_everything():
 
 
 def test_allocation_order_is_deterministic():
-    def run():
-        a = PageAllocator(16)
-        out = []
-        x = a.alloc(5)
-        y = a.alloc(3)
-        a.free(x[1:4])
-        out.append(a.alloc(6).tolist())
-        a.free(y)
-        out.append(a.alloc(4).tolist())
-        return out
-
-    assert run() == run()
+    """Page ids are a pure function of the alloc/free sequence (ranks replaying the same calls
+    get the same ids, DESIGN invariant 3): fresh pages in ascending order, freed pages queued
+    behind them first in, first out."""
+    a = PageAllocator(16)
+    x = a.alloc(5)
+    y = a.alloc(3)
+    assert (x.tolist(), y.tolist()) == ([1, 2, 3, 4, 5], [6, 7, 8])
+    a.free(x[1:4])  # 2, 3, 4 queue behind the never-used 9 .. 15
+    assert a.alloc(6).tolist() == [9, 10, 11, 12, 13, 14]
+    a.free(y)  # 6, 7, 8 queue behind 15, 2, 3, 4
+    assert a.alloc(4).tolist() == [15, 2, 3, 4]
+    assert a.alloc(3).tolist() == [6, 7, 8] and a.available == 0
 
 
 def test_returned_pages_are_not_aliased_by_later_allocs():

@@ -3,6 +3,7 @@ by decode-sized passes, and keeps its KV apart from the exact weights' in the ca
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -10,6 +11,8 @@ from torch import nn
 from hicache import Engine, SamplingParams
 from hicache.model import load_model
 from hicache.model.projection import DECODE_ROWS, VERIFY_ROWS, Projection
+
+pytestmark = pytest.mark.model
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
 

@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 from hicache.cache.pools import PageAllocator
 from hicache.cache.radix import RadixCache
 
+pytestmark = pytest.mark.cache
+
 
 def toks(*xs) -> np.ndarray:
     return np.array(xs, dtype=np.int32)

@@ -11,6 +11,8 @@ from hicache.model import load_model
 from hicache.model.requantize import parse_variant, requantize_matrix
 from hicache.model.standalone import greedy_paged, prefill_logits
 
+pytestmark = pytest.mark.model
+
 
 def test_each_group_takes_at_most_2_pow_bits_levels_within_half_a_step():
     gen = torch.Generator().manual_seed(0)

@@ -12,6 +12,8 @@ import torch
 from hicache import Engine, SamplingParams
 from hicache.engine.sampling import probabilities, sample, top_token
 
+pytestmark = pytest.mark.engine
+
 VOCAB = 49152  # SmolLM2's
 
 

@@ -14,6 +14,8 @@ import pytest
 from hicache import Engine, HicacheError
 from hicache.server.serve import ServerThread
 
+pytestmark = pytest.mark.server
+
 MODEL = "tiny"
 SYSTEM = "You are a terse assistant who answers in one line. " * 4
 

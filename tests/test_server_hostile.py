@@ -23,6 +23,8 @@ from hicache import Engine
 from hicache.server import operations as server_operations
 from hicache.server.serve import ServerThread
 
+pytestmark = pytest.mark.server
+
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 MODEL = "tiny"
 KEY = "sk-hostile-test"
@@ -275,6 +277,8 @@ def _rank_pids(parent: int) -> list[int]:
     return sorted(pids)
 
 
+@pytest.mark.multirank
+@pytest.mark.parallel
 def test_serve_exits_nonzero_when_a_rank_dies(tmp_path: Path) -> None:
     """`hicache serve --tp-size 2`, a rank killed: the stream in flight ends with an engine_dead
     error event, /health says 503, and the process exits with status 1 by itself."""
@@ -315,6 +319,7 @@ def test_serve_exits_nonzero_when_a_rank_dies(tmp_path: Path) -> None:
         log.close()
 
 
+@pytest.mark.storage
 def test_storage_failures_and_breaker_state_reach_prometheus() -> None:
     """The storage figures of Engine.stats() become counters by backend and kind and a breaker
     state gauge; cumulative stats move the counters by their increase only."""

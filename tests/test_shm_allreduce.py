@@ -14,7 +14,8 @@ from hicache.parallel import shm_allreduce
 from hicache.parallel.shm_allreduce import open_shm_allreduce, segment_bytes
 from hicache.ports import free_port
 
-pytestmark = pytest.mark.skipif(not shm_allreduce.shm_allreduce_supported(), reason="x86 only")
+pytestmark = [pytest.mark.parallel, pytest.mark.multirank,
+              pytest.mark.skipif(not shm_allreduce.shm_allreduce_supported(), reason="x86 only")]
 
 MAX_ELEMS = 1024
 

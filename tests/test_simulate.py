@@ -12,6 +12,8 @@ from hicache.config import ConfigError
 from hicache.sim.run import UNLIMITED, Capacities, SimConfig, simulate
 from hicache.sim.trace import BLOCK_TOKENS, SHIPPED_TRACE, TraceError, largest_conversations, load_trace
 
+pytestmark = pytest.mark.cache
+
 SLICE = 1500  # requests: seconds to simulate, and plenty of reuse (conversations come back)
 
 
@@ -108,6 +110,7 @@ def test_bad_input_is_refused_in_one_sentence(tmp_path, capsys) -> None:
 
 
 # ---- the simulator agrees with a live engine -------------------------------------------------
+@pytest.mark.server
 @pytest.mark.slow
 def test_simulated_hit_ratios_match_a_live_server_within_two_points(tmp_path) -> None:
     """The same requests (16 tokens per block: one page), the same capacities (device 64 pages,

@@ -21,6 +21,8 @@ from hicache.config import ConfigError, EngineConfig
 from hicache.engine.sampling import probabilities
 from hicache.engine.speculative import greedy_accept, rejection_accept
 
+pytestmark = pytest.mark.spec
+
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0)
 TARGET, DRAFT = "random:tiny", "random:tiny:int4-g16"
@@ -186,6 +188,7 @@ def cold(tmp_path_factory) -> tuple[list[int], list[int], float]:
     return prompt, res.output_ids, res.spec_accept_length
 
 
+@pytest.mark.cache
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("drop_draft", [False, True])
 def test_history_from_device_and_host_keeps_acceptance(tmp_path: Path, cold, drop_draft: bool, layout: str) -> None:
@@ -209,6 +212,7 @@ def test_history_from_device_and_host_keeps_acceptance(tmp_path: Path, cold, dro
     engine.shutdown()
 
 
+@pytest.mark.storage
 @pytest.mark.parametrize("layout,drop_draft", [("packed", False), ("sidecar", False), ("sidecar", True)])
 def test_history_from_storage_in_a_new_process_keeps_acceptance(tmp_path: Path, cold, drop_draft: bool,
                                                                layout: str) -> None:
@@ -263,6 +267,7 @@ def test_smollm2_greedy_output_is_unchanged_by_its_int4_draft() -> None:
 
 
 # ---- what an operator sees ------------------------------------------------------------------
+@pytest.mark.server
 def test_usage_metrics_and_bench_report_the_accept_length(tmp_path: Path, capsys) -> None:
     import httpx
 
@@ -315,13 +320,24 @@ RANKS_OPTS = dict(dtype="float32", page_size=4, max_total_tokens=512, enable_hie
                   speculative_num_steps=3)
 
 
+@pytest.fixture(scope="module")
+def one_rank_session() -> list[tuple[list[int], float]]:
+    """``agent_session`` on one rank: what every rank layout must answer and accept."""
+    one = Engine(RANKS_MODEL, **RANKS_OPTS)
+    try:
+        return agent_session(one)
+    finally:
+        one.shutdown()
+
+
+@pytest.mark.multirank
+@pytest.mark.parallel
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
-def test_ranks_accept_and_answer_like_one_rank(tp: int, pp: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ranks_accept_and_answer_like_one_rank(tp: int, pp: int, one_rank_session,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
     from hicache import consensus_record
 
-    one = Engine(RANKS_MODEL, **RANKS_OPTS)
-    reference = agent_session(one)
-    one.shutdown()
+    reference = one_rank_session
     assert sum(a for _, a in reference) / len(reference) > 1.5
     monkeypatch.setenv(consensus_record.ENV_VAR, "1")  # the rank consensus checker
     ranks = Engine(RANKS_MODEL, tp_size=tp, pp_size=pp, **RANKS_OPTS)
@@ -333,6 +349,7 @@ def test_ranks_accept_and_answer_like_one_rank(tp: int, pp: int, monkeypatch: py
 
 
 # ---- DESIGN invariants 4 and 5 for the draft's KV ----------------------------------------------
+@pytest.mark.cache
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_the_draft_waits_for_its_own_layers_of_a_slow_load_back(tmp_path: Path, cold, layout: str) -> None:
     """Ready before read: a load-back whose draft layers arrive late (each held 50 ms) still
@@ -350,6 +367,7 @@ def test_the_draft_waits_for_its_own_layers_of_a_slow_load_back(tmp_path: Path, 
     engine.shutdown()
 
 
+@pytest.mark.storage
 def test_a_missing_sidecar_object_ends_the_hit_at_the_page_before(tmp_path: Path, cold) -> None:
     """Nothing half-restored is served: a page whose draft object is gone is no hit."""
     prompt, output, _ = cold

@@ -22,6 +22,8 @@ from hicache.cache.storage.objects import DecodeStatus, decode, decode_checked, 
 from hicache.cache.storage.registry import create_backend
 from hicache.config import ConfigError
 
+pytestmark = pytest.mark.storage
+
 NS = namespace_digest(model="random:tiny", dtype="float32", page_size=4, layout="layer_first")
 OTHER_NS = namespace_digest(model="random:tiny", dtype="float32", page_size=4, cache_salt="b")
 

@@ -20,6 +20,8 @@ from hicache.cache.storage.keys import (
     tree_namespace,
 )
 
+pytestmark = pytest.mark.storage
+
 NS = namespace_digest(model="smollm2", dtype="bfloat16", page_size=16, layout="layer_first")
 
 

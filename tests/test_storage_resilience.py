@@ -27,6 +27,8 @@ from hicache.cache.storage.keys import page_hashes
 from hicache.engine.loop import EngineLoop
 from storage_engines import GREEDY, PROMPT, storage_engine, write_history
 
+pytestmark = pytest.mark.storage
+
 OTHERS = [[(i * (13 + 2 * s) + 7 * s) % 240 + 5 for i in range(120)] for s in range(5)]  # prefetch-sized
 SHORT = [5, 6, 7, 8]  # below the prefetch threshold
 WAIT_S = 30.0  # bound on any answer: far above normal, far below the hangs (600 s) it must not wait for
@@ -330,8 +332,14 @@ def test_stopped_valkey_server_does_not_stall_serving(valkey_server, reference: 
     pid = _server_pid(port)
     os.kill(pid, signal.SIGSTOP)
     try:
-        stats = asyncio.run(served_while_stuck(loop, engine, reference))
-        assert stats["storage"]["backend"] == "valkey"
+        during = asyncio.run(served_while_stuck(loop, engine, reference))["storage"]
+        after = asyncio.run(asyncio.wait_for(loop.stats(), WAIT_S))["storage"]  # the server still stopped
+        # Every answer came while the store had completed nothing: no backup landed, no prefetch
+        # was waited for or loaded (best_effort skipped them) -- before or after the answers.
+        for storage in (during, after):
+            assert storage["backend"] == "valkey" and storage["backup_tokens"] == 0
+            assert storage["prefetch_waited"] == 0 and storage["prefetched_tokens"] == 0
+        assert after["prefetch_skipped"] >= 1
     finally:
         os.kill(pid, signal.SIGCONT)
         loop.stop()

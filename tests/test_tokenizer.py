@@ -7,6 +7,8 @@ import pytest
 from hicache.model.gguf_loader import find_smollm2_gguf, load_gguf_tokenizer
 from hicache.model.tokenizer import byte_tokenizer
 
+pytestmark = pytest.mark.model
+
 SAMPLES = [
     "Hello, world!",
     "The year 2024 had 366 days; pi is 3.14159.",

@@ -22,6 +22,8 @@ from hicache.cache.storage.page_objects import GridCell
 from hicache.cache.storage.unified import Cell, RankShard, StorageGrid, plan_rank
 from hicache.config import ConfigError, EngineConfig
 
+pytestmark = pytest.mark.storage
+
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
 PROMPT = [(i * 37 + 11) % 240 + 5 for i in range(400)]  # 24 whole pages (of 16) before its last token
@@ -138,6 +140,8 @@ e.shutdown()
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.multirank
+@pytest.mark.slow
 def test_seed_example_tp4_pp2_writer_tp2_reader(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cold = Engine(SEED_MODEL, dtype="float32", max_total_tokens=2048).generate([PROMPT], GREEDY)[0].output_ids
     monkeypatch.setenv("HICACHE_RANK_CONSENSUS_CHECKER", "1")
@@ -183,6 +187,7 @@ def test_a_corrupt_cell_shortens_the_hit_to_the_pages_before_it(tmp_path: Path) 
     assert res.cached_tokens_details["storage"] == 9 * 16 and res.output_ids == cold
 
 
+@pytest.mark.server
 def test_the_layout_endpoint_describes_grid_namespace_and_rank_cells(tmp_path: Path) -> None:
     import httpx
 
@@ -208,6 +213,7 @@ def test_the_layout_endpoint_describes_grid_namespace_and_rank_cells(tmp_path: P
     assert names and all(n.split("_")[1] == digest[:layout["key_namespace_digest_chars"]] for n in names)
 
 
+@pytest.mark.multirank
 def test_valkey_backend_serves_a_tp2_writer_to_a_tp1_reader(valkey_server) -> None:
     host, port = valkey_server
     cold = Engine("random:small", dtype="float32", max_total_tokens=2048).generate([PROMPT], GREEDY)[0].output_ids
@@ -222,6 +228,7 @@ def test_valkey_backend_serves_a_tp2_writer_to_a_tp1_reader(valkey_server) -> No
     reader.shutdown()
 
 
+@pytest.mark.multirank
 def test_mla_latent_is_written_once_and_read_by_any_layout(tmp_path: Path) -> None:
     """An MLA latent is the same on every TP rank: TP2 writes each cell once (rank 0), and a
     one-rank reader assembles its pages from them."""
@@ -238,6 +245,8 @@ def test_mla_latent_is_written_once_and_read_by_any_layout(tmp_path: Path) -> No
     reader.shutdown()
 
 
+@pytest.mark.multirank
+@pytest.mark.cp
 def test_context_parallel_writers_share_objects_with_one_rank(tmp_path: Path) -> None:
     """CP2 with page-sharded KV: each page's objects are written by the rank that owns the page
     (a page neither rank wrote would end the reader's hit), and a one-rank reader serves every
@@ -255,6 +264,8 @@ def test_context_parallel_writers_share_objects_with_one_rank(tmp_path: Path) ->
     reader.shutdown()
 
 
+@pytest.mark.multirank
+@pytest.mark.spec
 @pytest.mark.parametrize("layout,writer_tp", [("packed", 2), ("sidecar", 1)])
 def test_draft_kv_has_cells_of_its_own_and_comes_back_with_the_target(tmp_path: Path, layout: str,
                                                                       writer_tp: int) -> None:
@@ -318,6 +329,8 @@ def smollm2_cold() -> tuple[list[int], list[int]]:
         plain.shutdown()
 
 
+@pytest.mark.multirank
+@pytest.mark.slow
 def test_smollm2_tp1_and_tp3_pp2_continue_each_others_sessions(valkey_server, smollm2_cold) -> None:
     """TP1 writes a session; a TP3 x PP2 engine (6 ranks: one KV head, 15 layers each -- one
     object per rank and page) continues it from L3 and stores its longer turn; a TP1 engine in a
@@ -341,6 +354,8 @@ def test_smollm2_tp1_and_tp3_pp2_continue_each_others_sessions(valkey_server, sm
     assert got["details"]["storage"] == (res2.prompt_tokens - 1) // 16 * 16  # pages only the 6 ranks wrote too
 
 
+@pytest.mark.multirank
+@pytest.mark.slow
 def test_smollm2_tp3_pp2_writes_a_tp1_reader_reads_on_mooncake(mooncake_store, smollm2_cold) -> None:
     """The same grid on a Mooncake Store: six ranks write one object each per page into the
     store service's memory, a one-rank engine in a new process reads every page back."""
