@@ -113,9 +113,10 @@ GGUF_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 K_QUANT_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # their float16 d / dmin, bytes into a block
 
 
-def _gguf_raw(name: str) -> Callable[[torch.Tensor], GGUFBlockWeight]:
+def _gguf_raw(name: str, int8_activations: bool = False) -> Callable[[torch.Tensor], GGUFBlockWeight]:
     """Makes w's blocks in GGUF type ``name``: gguf.quants.quantize's where it writes the type, else
-    random bytes with finite scales (it writes no K-quants; the GEMV's speed does not depend on values)."""
+    random bytes with finite scales (it writes no K-quants; the GEMV's speed does not depend on values);
+    ``int8_activations``: multiplied with 8-bit inputs (``--decode-activations int8``)."""
     import gguf
 
     qtype = gguf.GGMLQuantizationType[name]
@@ -124,12 +125,13 @@ def _gguf_raw(name: str) -> Callable[[torch.Tensor], GGUFBlockWeight]:
         if cpu_kernels() is None:
             raise RuntimeError(f"no native kernels ({unavailable_reason()})")
         if name not in K_QUANT_SCALES:
-            return GGUFBlockWeight(int(qtype), torch.from_numpy(gguf.quants.quantize(w.numpy(), qtype)), w.shape[1])
-        _, size, nbytes = GGUF_BLOCK_TYPES[int(qtype)]
-        data = torch.randint(0, 256, (w.shape[0], w.shape[1] // size, nbytes), dtype=torch.uint8)
-        for offset in K_QUANT_SCALES[name]:
-            data[..., offset:offset + 2] = torch.tensor([0x00, 0x20], dtype=torch.uint8)  # float16 2**-7
-        return GGUFBlockWeight(int(qtype), data.view(w.shape[0], -1), w.shape[1])
+            data = torch.from_numpy(gguf.quants.quantize(w.numpy(), qtype))
+        else:
+            _, size, nbytes = GGUF_BLOCK_TYPES[int(qtype)]
+            data = torch.randint(0, 256, (w.shape[0], w.shape[1] // size, nbytes), dtype=torch.uint8)
+            for offset in K_QUANT_SCALES[name]:
+                data[..., offset:offset + 2] = torch.tensor([0x00, 0x20], dtype=torch.uint8)  # float16 2**-7
+        return GGUFBlockWeight(int(qtype), data.view(w.shape[0], -1), w.shape[1], int8_activations)
 
     return make
 
@@ -143,8 +145,8 @@ def bench_gguf_blocks(repeats: int, bandwidth: float, count: int = 48, size: int
     formats: dict[str, tuple[Callable, Callable, float]] = {
         "float32 (exact)": (lambda w: w, lambda a, w: F.linear(a, w), 4),
         "bfloat16 (lossy)": (lambda w: w.bfloat16(), lambda a, w: F.linear(a.bfloat16(), w), 2),
-        **{f"GGUF {name} (as stored)": (_gguf_raw(name), lambda a, w: w.linear(a, cpu_kernels()), 0.0)
-           for name in GGUF_TYPES},
+        **{f"GGUF {name}{inputs}": (_gguf_raw(name, int8), lambda a, w: w.linear(a, cpu_kernels()), 0.0)
+           for name in GGUF_TYPES for int8, inputs in ((False, " (as stored)"), (True, " x int8 inputs"))},
     }
     print(f"\n== GGUF blocks as stored, batch 1: {count} matrices {size}x{size}, {count * size * size / 1e6:.0f} M "
           f"weights, kernels: {loaded_isa() or 'off'} ==")
