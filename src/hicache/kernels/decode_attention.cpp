@@ -50,46 +50,74 @@ inline __m256 hsum8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// The query's dot products with `count` (<= 8) keys, lane i for key i (lanes past count: 0).
 template <int D8>
-inline __m256 dot_keys(const float* qh, const float* const* key, int count) {
+struct QueryRegs {  // a query's vectors, loaded once for all the keys it meets
+  __m256 v[D8];
+  explicit QueryRegs(const float* q) {
+    for (int d = 0; d < D8; ++d) v[d] = _mm256_loadu_ps(q + 8 * d);
+  }
+};
+template <int D8>
+inline __m256 load_q(const QueryRegs<D8>& q, int d) { return q.v[d]; }
+inline __m256 load_q(const float* q, int d) { return _mm256_loadu_ps(q + 8 * d); }
+
+// The query's dot products with `count` (<= 8) keys, lane i for key i (lanes past count: 0). The
+// query's D8 vectors come in registers (Q: an array, or a pointer when they would not fit).
+template <int D8, class Q>
+inline __m256 dot_keys(const Q& qv, const float* const* key, int count) {
   __m256 a[8];
   for (int k = 0; k < 8; ++k) {
     if (k >= count) { a[k] = _mm256_setzero_ps(); continue; }
-    __m256 s = _mm256_mul_ps(_mm256_loadu_ps(qh), _mm256_loadu_ps(key[k]));
-    for (int d = 1; d < D8; ++d) s = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * d), _mm256_loadu_ps(key[k] + 8 * d), s);
+    __m256 s = _mm256_mul_ps(load_q(qv, 0), _mm256_loadu_ps(key[k]));
+    for (int d = 1; d < D8; ++d) s = _mm256_fmadd_ps(load_q(qv, d), _mm256_loadu_ps(key[k] + 8 * d), s);
     a[k] = s;
   }
   return hsum8(a);
 }
 
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
 // Scores of every member's H queries against keys [k0, k1): scores[(j * H + hq) * n + i], and
-// each query's maximum. Eight keys at a time: their rows (a key's KV heads are adjacent in the
-// buffer, [S, KvH, D], so the lines stream in order) stay in L1 while every query reads them,
-// and each query's eight sums finish together (one horizontal reduction, not eight).
+// each query's maximum. One query at a time against all the chunk's keys, eight at a time: its
+// vectors stay in registers (up to D = 64: eight), each key vector is one load for one FMA, and
+// the eight sums finish in one horizontal reduction. The chunk's rows (a key's KV heads are
+// adjacent in the buffer, [S, KvH, D]) stay in L1 and L2 while every query reads them.
 template <int D8>
 void chunk_scores(const Shape& sh, const float* const* q, int64_t members, const float* kb, const float* vb,
                   const int64_t* slots, int64_t k0, int64_t n, float* scores, float* m) {
   const int64_t D = D8 * 8, row = sh.KvH * D, H = sh.H;
-  for (int64_t i = 0; i < n; i += 8) {
-    const int count = static_cast<int>(std::min<int64_t>(8, n - i));
-    for (int64_t a = i + kPrefetch; a < std::min(n, i + kPrefetch + 8); ++a) {  // value rows too, for later
-      prefetch(kb + slots[k0 + a] * row, row);
-      prefetch(vb + slots[k0 + a] * row, row);
-    }
-    for (int64_t h = 0; h < sh.KvH; ++h) {
-      const float* key[8];
-      for (int k = 0; k < count; ++k) key[k] = kb + slots[k0 + i + k] * row + h * D;
-      for (int64_t j = 0; j < members; ++j) {
-        for (int64_t hq = h * sh.G; hq < (h + 1) * sh.G; ++hq) {
-          alignas(32) float out[8];
-          _mm256_store_ps(out, dot_keys<D8>(q[j] + hq * D, key, count));
-          float* dst = scores + (j * H + hq) * n + i;
-          for (int k = 0; k < count; ++k) {
-            dst[k] = out[k];
-            m[j * H + hq] = std::max(m[j * H + hq], out[k]);
-          }
+  for (int64_t a = 0; a < std::min<int64_t>(n, 2 * kPrefetch); ++a) {  // the first rows, keys and values
+    prefetch(kb + slots[k0 + a] * row, row);
+    prefetch(vb + slots[k0 + a] * row, row);
+  }
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t h = 0; h < sh.KvH; ++h) {
+    for (int64_t j = 0; j < members; ++j) {
+      for (int64_t hq = h * sh.G; hq < (h + 1) * sh.G; ++hq) {
+        const float* qh = q[j] + hq * D;
+        std::conditional_t<(D8 <= 8), QueryRegs<D8>, const float*> qv(qh);
+        float* dst = scores + (j * H + hq) * n;
+        __m256 mx = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+        for (int64_t i = 0; i < n; i += 8) {
+          const int count = static_cast<int>(std::min<int64_t>(8, n - i));
+          if (h == 0 && j == 0 && hq == 0)  // the first pass brings the rows in; later ones find them
+            for (int64_t a = i + 2 * kPrefetch; a < std::min(n, i + 2 * kPrefetch + 8); ++a) {
+              prefetch(kb + slots[k0 + a] * row, row);
+              prefetch(vb + slots[k0 + a] * row, row);
+            }
+          const float* key[8];
+          for (int k = 0; k < count; ++k) key[k] = kb + slots[k0 + i + k] * row + h * D;
+          const __m256 s = dot_keys<D8>(qv, key, count);
+          const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(count), lane));
+          mx = _mm256_max_ps(mx, _mm256_blendv_ps(mx, s, valid));
+          if (count == 8) _mm256_storeu_ps(dst + i, s);
+          else _mm256_maskstore_ps(dst + i, _mm256_castps_si256(valid), s);
         }
+        m[j * H + hq] = hmax(mx);
       }
     }
   }
@@ -210,6 +238,23 @@ std::vector<Task> plan_tasks(const Shape& sh, const int64_t* slots, const int64_
   return tasks;
 }
 
+// Task boundaries for `workers` contiguous runs of about equal work (keys x queries): a shared
+// chunk costs its members' count of a private one, and parallel_for would split by task count.
+std::vector<int64_t> balanced_split(const std::vector<Task>& tasks, int64_t workers) {
+  int64_t total = 0;
+  for (const Task& t : tasks) total += (t.k1 - t.k0) * static_cast<int64_t>(t.members.size());
+  std::vector<int64_t> split{0};
+  int64_t done = 0;
+  for (size_t t = 0; t < tasks.size(); ++t) {
+    done += (tasks[t].k1 - tasks[t].k0) * static_cast<int64_t>(tasks[t].members.size());
+    // a run ends once it holds its share; the last one takes whatever is left
+    if (static_cast<int64_t>(split.size()) < workers && done * workers >= total * static_cast<int64_t>(split.size()))
+      split.push_back(static_cast<int64_t>(t) + 1);
+  }
+  if (split.back() != static_cast<int64_t>(tasks.size())) split.push_back(static_cast<int64_t>(tasks.size()));
+  return split;
+}
+
 // out[b] = each sequence's chunks merged in order by their maxima (the flash-attention rule).
 void merge_parts(const Shape& sh, const std::vector<Task>& tasks, const std::vector<float>& m,
                  const std::vector<float>& l, const std::vector<float>& acc, float* out) {
@@ -252,9 +297,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_buf, 
   const float* qp = qs.data_ptr<float>();
   const float* kb = k_buf.data_ptr<float>(); const float* vb = v_buf.data_ptr<float>();
   const ChunkFn attend = chunk_fn(D);
-  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
+  const std::vector<int64_t> split = balanced_split(tasks, at::get_num_threads());
+  at::parallel_for(0, static_cast<int64_t>(split.size()) - 1, 1, [&](int64_t w0, int64_t w1) {
     std::vector<const float*> queries;
-    for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t t = split[w0]; t < split[w1]; ++t) {
       const Task& task = tasks[t];
       queries.clear();
       for (int64_t b : task.members) queries.push_back(qp + b * H * D);
