@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, get_args, get_origin, get_type_hints
 
 from .errors import HicacheError
+from .ports import split_host_port
 
 CP_STRATEGIES = ("zigzag", "interleave")  # how prefill tokens are split over context-parallel ranks
 SPEC_ALGORITHMS = ("STANDALONE",)  # speculative decoding with a separate draft model
@@ -55,12 +56,10 @@ class EngineConfig:
         ("auto", "same", "bfloat16"),
     )
     decode_activations: str = _opt(
-        "auto",
-        "What decode steps multiply a GGUF file's quantized blocks with. 'int8': the inputs quantized per 32 "
-        "values, as llama.cpp does (lossy: its KV has its own cache keys; faster GEMVs); 'float32': exact. "
-        "'auto': int8 where --dtype auto chose float32 on a CPU with the native kernels, else float32.",
-        ("auto", "float32", "int8"),
-    )
+        "auto", "What decode steps multiply a GGUF file's quantized blocks with. 'int8': the inputs quantized per 32 "
+        "values, as llama.cpp does (lossy: its KV has its own cache keys; faster GEMVs); 'float32': exact. 'auto': "
+        "int8 where --dtype auto chose float32 on a CPU with the native kernels, else float32.",
+        ("auto", "float32", "int8"))
     device: str = _opt("auto", "'auto' (cuda when present, else cpu), 'cpu' or 'cuda[:N]'.")
     context_length: Optional[int] = _opt(None, "Maximum tokens per request (prompt + output); default: the model's.")
     random_seed: int = _opt(0, "Seed for random-model weights.")
@@ -322,8 +321,7 @@ class EngineConfig:
         return not self.disable_radix_cache and (self.disaggregation_mode != "decode"
                                                  or self.disaggregation_decode_enable_radix_cache)
 
-    def precision_options(self) -> dict[str, str]:
-        """What ``load_model`` takes of the precision flags (resolved: :func:`hicache.device.choose_precision`)."""
+    def precision_options(self) -> dict[str, str]:  # resolved by hicache.device.choose_precision
         return dict(decode_weights=self.decode_weight_dtype, prefill_weights=self.prefill_weight_dtype,
                     decode_activations=self.decode_activations)
 
@@ -400,13 +398,3 @@ class EngineConfig:
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
-
-def split_host_port(addr: Optional[str]) -> Optional[tuple[str, int]]:
-    """``("host", port)`` from ``"host:port"`` (``"[::1]:port"`` for IPv6), or None if malformed."""
-    if not addr or ":" not in addr:
-        return None
-    host, _, port = addr.rpartition(":")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        return None
-    return host, int(port)

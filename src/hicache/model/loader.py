@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,7 +79,8 @@ def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.dev
         raise ModelSpecError(f"model dtype {dtype} is not supported; use torch.float32, torch.bfloat16 or torch.float16.")
     if dtype == torch.float16 and torch.device(device).type != "cuda":
         raise ModelSpecError("float16 runs ~100x slower than float32 on a CPU; use --dtype auto or float32 there.")
-    dtype_name = str(dtype).removeprefix("torch.")
+    if decode_activations not in DECODE_ACTIVATIONS:
+        raise ModelSpecError(f"decode activations {decode_activations!r}: expected one of {', '.join(DECODE_ACTIVATIONS)}.")
     start = time.perf_counter()
     base, variant = split_variant(name)
     if variant is not None:
@@ -86,6 +88,21 @@ def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.dev
             bits, group = parse_variant(variant)
         except ValueError as e:
             raise ModelNotFoundError(f"unknown model {name!r}: {e}.") from None
+    model, tokenizer, spec, identity = _load_base(name, base, dtype, device, weights, seed)
+    if variant is not None:  # a requantized copy (e.g. the speculative draft): other weights, other KV
+        if model is not None:
+            requantize_(model, bits, group)
+        identity += f":requant-{variant}"
+    file_blocks = identity.startswith("gguf:") and variant is None  # decode may read the file's blocks
+    identity += _weight_copies(model, dtype, decode_weights, prefill_weights, to_be_sharded,
+                               decode_activations if file_blocks else None)
+    return LoadedModel(model, tokenizer, spec, name, identity, time.perf_counter() - start)
+
+
+def _load_base(name: str, base: str, dtype: torch.dtype, device: torch.device | str, weights: bool,
+               seed: int) -> tuple[LlamaForCausalLM | None, Any, Any, str]:
+    """``(model or None, tokenizer, spec, identity)`` of ``base`` (``name`` without its variant)."""
+    dtype_name = str(dtype).removeprefix("torch.")
     if base == "smollm2" or base.endswith(".gguf"):
         path = find_smollm2_gguf() if base == "smollm2" else Path(base).expanduser()
         if not path.is_file():
@@ -111,25 +128,19 @@ def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.dev
             f"unknown model {name!r}: expected 'smollm2', a GGUF file, a local Hugging Face directory or "
             "'random:<preset or JSON>', optionally followed by ':int4-g64' (a requantized copy)."
         )
-    if variant is not None:  # a requantized copy (e.g. the speculative draft): other weights, other KV
-        if model is not None:
-            requantize_(model, bits, group)
-        identity += f":requant-{variant}"
-    if decode_activations not in DECODE_ACTIVATIONS:
-        raise ModelSpecError(f"decode activations {decode_activations!r}: expected one of {', '.join(DECODE_ACTIVATIONS)}.")
-    if decode_activations == "int8" and identity.startswith("gguf:") and variant is None and decode_weights == "auto":
-        identity += ":decode-int8"
-    if model is not None:
-        model.set_decode_activations(decode_activations, prepare=False)
-    identity += _weight_copies(model, dtype, decode_weights, prefill_weights, to_be_sharded)
-    return LoadedModel(model, tokenizer, spec, name, identity, time.perf_counter() - start)
+    return model, tokenizer, spec, identity
 
 
 def _weight_copies(model: LlamaForCausalLM | None, dtype: torch.dtype, decode_weights: str, prefill_weights: str,
-                   to_be_sharded: bool) -> str:
+                   to_be_sharded: bool, decode_activations: str | None) -> str:
     """Set what decode and prefill passes read; returns the identity suffix naming the lossy
-    copies (a dtype copy changes the KV its passes write; exact blocks do not)."""
+    copies (a dtype copy changes the KV its passes write; exact blocks do not) and 8-bit decode
+    inputs (``decode_activations``; None: the model has no file blocks for them to meet)."""
     suffix = ""
+    if decode_activations == "int8" and decode_weights == "auto":
+        suffix += ":decode-int8"
+    if model is not None and decode_activations is not None:
+        model.set_decode_activations(decode_activations, prepare=False)
     for phase, mode, allowed, lossless in (("decode", decode_weights, DECODE_WEIGHTS, ("auto", "same")),
                                            ("prefill", prefill_weights, PREFILL_WEIGHTS, ("same",))):
         if mode not in allowed:

@@ -29,10 +29,10 @@ from typing import Any, Iterator
 
 import torch.multiprocessing
 
-from ..config import ConfigError, EngineConfig, split_host_port
+from ..config import ConfigError, EngineConfig
 from ..consensus_record import Entry, enabled as checker_enabled
 from ..errors import EngineDeadError, HicacheError
-from ..ports import free_port
+from ..ports import free_port, split_host_port
 from .channels import WRITERS_GONE, exit_text, queued_now, reader_only
 from .consensus import ConsensusMonitor, Divergence
 from .groups import rank_label
