@@ -90,24 +90,12 @@ def build_core(
     layers = len(shard.layers) if shard else spec.num_layers
     kv_heads = len(shard.kv_heads) if shard else spec.num_kv_heads
     draft_kv = plan_draft_kv(cfg, draft, (kv_heads, spec.head_dim), draft_row)
-    elem = torch.empty((), dtype=dtype).element_size()
-    bytes_per_page = 2 * layers * kv_heads * spec.head_dim * elem * cfg.page_size
-    if draft_kv is not None:
-        bytes_per_page += draft_kv.bytes_per_page(elem, cfg.page_size)
+    bytes_per_page = _bytes_per_page(cfg.page_size, layers, kv_heads, spec.head_dim, dtype, draft_kv)
     cp = _context_parallel(cfg, cp_group, split_tokens, kv_heads, spec.head_dim, spec.max_position_embeddings,
                            dtype, device)
     if cp is not None and cp.gather is not None:
         staging_bytes += cp.gather.nbytes
-    device_pages = _device_pool_pages(cfg, device, bytes_per_page, memory_share, staging_bytes)
-    host_pages = _host_pool_pages(cfg, device_pages, bytes_per_page) if cfg.enable_hierarchical_cache else 0
-    storage = _storage_backend(cfg)
-    device_pages, host_pages, storage_everywhere = agree(
-        [device_pages, host_pages, int(storage is not None or not cfg.hicache_storage_backend)])
-    if storage is not None and not storage_everywhere:
-        logger.warning("storage backend %s is unavailable on another rank; serving without the storage tier",
-                       cfg.hicache_storage_backend)
-        storage.close()
-        storage = None
+    device_pages, host_pages, storage = _agreed_tiers(cfg, device, bytes_per_page, memory_share, staging_bytes, agree)
     packed = draft_kv.layers if draft_kv is not None and draft_kv.packed else 0
     pool = DeviceKVPool(layers + packed, kv_heads, spec.head_dim, device_pages, cfg.page_size, dtype, device)
     unified = _unified_plan(cfg, spec, shard, cp_group, split_tokens, draft)
@@ -126,6 +114,31 @@ def build_core(
     speculator = _speculator(cfg, draft, cache, layers, packed, device)
     pd = _pd_role(cfg, cache, pd_ranks or TPRanks.alone(kv_heads), spec.vocab_size)  # (a prefill TP group gathers its route here)
     return EngineCore(pool, host_pool, cache, runner, _scheduler(cfg, cache, runner, loaded, speculator, pd))
+
+
+def _bytes_per_page(page_size: int, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                    draft_kv: Any) -> int:
+    """Bytes of one page's K and V over this rank's layers and heads, its draft's share included."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    draft = draft_kv.bytes_per_page(elem, page_size) if draft_kv is not None else 0
+    return 2 * layers * kv_heads * head_dim * elem * page_size + draft
+
+
+def _agreed_tiers(cfg: EngineConfig, device: torch.device, bytes_per_page: int, memory_share: int, staging_bytes: int,
+                  agree: Callable[[list[int]], list[int]]) -> tuple[int, int, Any]:
+    """``(device pages, host pages, storage backend or None)``, the same on every rank: each
+    count MIN-agreed, and the storage tier dropped everywhere if one rank cannot reach it."""
+    device_pages = _device_pool_pages(cfg, device, bytes_per_page, memory_share, staging_bytes)
+    host_pages = _host_pool_pages(cfg, device_pages, bytes_per_page) if cfg.enable_hierarchical_cache else 0
+    storage = _storage_backend(cfg)
+    device_pages, host_pages, storage_everywhere = agree(
+        [device_pages, host_pages, int(storage is not None or not cfg.hicache_storage_backend)])
+    if storage is not None and not storage_everywhere:
+        logger.warning("storage backend %s is unavailable on another rank; serving without the storage tier",
+                       cfg.hicache_storage_backend)
+        storage.close()
+        storage = None
+    return device_pages, host_pages, storage
 
 
 def _speculator(cfg: EngineConfig, draft: LoadedModel | None, cache: KVCacheManager, layers: int, packed: int,
