@@ -117,7 +117,7 @@ def build_core(
 
 
 def _bytes_per_page(page_size: int, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                    draft_kv: Any) -> int:
+                    draft_kv: DraftKV | None) -> int:
     """Bytes of one page's K and V over this rank's layers and heads, its draft's share included."""
     elem = torch.empty((), dtype=dtype).element_size()
     draft = draft_kv.bytes_per_page(elem, page_size) if draft_kv is not None else 0
