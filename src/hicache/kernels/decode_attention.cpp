@@ -53,6 +53,7 @@ inline __m256 hsum8(const __m256* a) {
 template <int D8>
 struct QueryRegs {  // a query's vectors, loaded once for all the keys it meets
   __m256 v[D8];
+  QueryRegs() = default;
   explicit QueryRegs(const float* q) {
     for (int d = 0; d < D8; ++d) v[d] = _mm256_loadu_ps(q + 8 * d);
   }
@@ -61,19 +62,17 @@ template <int D8>
 inline __m256 load_q(const QueryRegs<D8>& q, int d) { return q.v[d]; }
 inline __m256 load_q(const float* q, int d) { return _mm256_loadu_ps(q + 8 * d); }
 
-// The query's dot products with `count` (<= 8) keys, lane i for key i (lanes past count: 0). The
-// query's D8 vectors come in registers (Q: an array, or a pointer when they would not fit).
+// One query's dot product with one key, lane-wise (hsum8 finishes eight of them at once). The
+// query's D8 vectors come in registers (QueryRegs) or, when they would not fit, from memory.
 template <int D8, class Q>
-inline __m256 dot_keys(const Q& qv, const float* const* key, int count) {
-  __m256 a[8];
-  for (int k = 0; k < 8; ++k) {
-    if (k >= count) { a[k] = _mm256_setzero_ps(); continue; }
-    __m256 s = _mm256_mul_ps(load_q(qv, 0), _mm256_loadu_ps(key[k]));
-    for (int d = 1; d < D8; ++d) s = _mm256_fmadd_ps(load_q(qv, d), _mm256_loadu_ps(key[k] + 8 * d), s);
-    a[k] = s;
-  }
-  return hsum8(a);
+inline __m256 dot_one(const Q& qv, const float* key) {
+  __m256 s = _mm256_mul_ps(load_q(qv, 0), _mm256_loadu_ps(key));
+  for (int d = 1; d < D8; ++d) s = _mm256_fmadd_ps(load_q(qv, d), _mm256_loadu_ps(key + 8 * d), s);
+  return s;
 }
+
+template <int D8>
+using QueryOf = std::conditional_t<(D8 <= 8), QueryRegs<D8>, const float*>;
 
 inline float hmax(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -81,43 +80,76 @@ inline float hmax(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
+// R queries of one KV head (their vectors in registers where they fit) against keys [k0, k0 + n):
+// each key's vectors are loaded once for all R, and every query's sums are the same chain of FMAs
+// whatever R is (so its scores do not depend on the batch). dst[r]: query r's n scores; m[r]: their max.
+template <int D8, int R>
+void score_queries(const float* const* qh, float* const* dst, float* const* m, const float* kb, const int64_t* slots,
+                   int64_t k0, int64_t n, int64_t row, int64_t head_offset) {
+  QueryOf<D8> qv[R] = {};
+  for (int r = 0; r < R; ++r) qv[r] = QueryOf<D8>(qh[r]);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 mx[R];
+  for (auto& v : mx) v = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < n; i += 8) {
+    const int count = static_cast<int>(std::min<int64_t>(8, n - i));
+    __m256 part[R][8];
+    for (int k = 0; k < 8; ++k) {
+      if (k >= count) {
+        for (int r = 0; r < R; ++r) part[r][k] = _mm256_setzero_ps();
+        continue;
+      }
+      const float* key = kb + slots[k0 + i + k] * row + head_offset;
+      for (int r = 0; r < R; ++r) part[r][k] = dot_one<D8>(qv[r], key);
+    }
+    const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(count), lane));
+    for (int r = 0; r < R; ++r) {
+      const __m256 s = hsum8(part[r]);
+      mx[r] = _mm256_max_ps(mx[r], _mm256_blendv_ps(mx[r], s, valid));
+      if (count == 8) _mm256_storeu_ps(dst[r] + i, s);
+      else _mm256_maskstore_ps(dst[r] + i, _mm256_castps_si256(valid), s);
+    }
+  }
+  for (int r = 0; r < R; ++r) *m[r] = hmax(mx[r]);
+}
+
+// Queries that read one KV head, several at a time: 3 where the AVX-512 build's 32 vector registers
+// hold their vectors (D <= 64), else one.
+#ifdef HICACHE_AVX512
+template <int D8>
+constexpr int kQueriesAtOnce = D8 <= 8 ? 3 : 1;
+#else
+template <int D8>
+constexpr int kQueriesAtOnce = 1;
+#endif
+
 // Scores of every member's H queries against keys [k0, k1): scores[(j * H + hq) * n + i], and
-// each query's maximum. One query at a time against all the chunk's keys, eight at a time: its
-// vectors stay in registers (up to D = 64: eight), each key vector is one load for one FMA, and
-// the eight sums finish in one horizontal reduction. The chunk's rows (a key's KV heads are
-// adjacent in the buffer, [S, KvH, D]) stay in L1 and L2 while every query reads them.
+// each query's maximum. Keys eight at a time (their rows -- a key's KV heads are adjacent in the
+// buffer, [S, KvH, D] -- stay in L1 and L2 while the chunk's queries read them), each query's eight
+// sums finished in one horizontal reduction.
 template <int D8>
 void chunk_scores(const Shape& sh, const float* const* q, int64_t members, const float* kb, const float* vb,
                   const int64_t* slots, int64_t k0, int64_t n, float* scores, float* m) {
   const int64_t D = D8 * 8, row = sh.KvH * D, H = sh.H;
-  for (int64_t a = 0; a < std::min<int64_t>(n, 2 * kPrefetch); ++a) {  // the first rows, keys and values
+  for (int64_t a = 0; a < n; ++a) {  // rows come by slot: the hardware prefetcher cannot see them
     prefetch(kb + slots[k0 + a] * row, row);
     prefetch(vb + slots[k0 + a] * row, row);
   }
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  constexpr int R = kQueriesAtOnce<D8>;
+  const float* qh[R];
+  float* dst[R];
+  float* mr[R];
   for (int64_t h = 0; h < sh.KvH; ++h) {
     for (int64_t j = 0; j < members; ++j) {
-      for (int64_t hq = h * sh.G; hq < (h + 1) * sh.G; ++hq) {
-        const float* qh = q[j] + hq * D;
-        std::conditional_t<(D8 <= 8), QueryRegs<D8>, const float*> qv(qh);
-        float* dst = scores + (j * H + hq) * n;
-        __m256 mx = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-        for (int64_t i = 0; i < n; i += 8) {
-          const int count = static_cast<int>(std::min<int64_t>(8, n - i));
-          if (h == 0 && j == 0 && hq == 0)  // the first pass brings the rows in; later ones find them
-            for (int64_t a = i + 2 * kPrefetch; a < std::min(n, i + 2 * kPrefetch + 8); ++a) {
-              prefetch(kb + slots[k0 + a] * row, row);
-              prefetch(vb + slots[k0 + a] * row, row);
-            }
-          const float* key[8];
-          for (int k = 0; k < count; ++k) key[k] = kb + slots[k0 + i + k] * row + h * D;
-          const __m256 s = dot_keys<D8>(qv, key, count);
-          const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(count), lane));
-          mx = _mm256_max_ps(mx, _mm256_blendv_ps(mx, s, valid));
-          if (count == 8) _mm256_storeu_ps(dst + i, s);
-          else _mm256_maskstore_ps(dst + i, _mm256_castps_si256(valid), s);
-        }
-        m[j * H + hq] = hmax(mx);
+      int64_t hq = h * sh.G;
+      for (; hq + R <= (h + 1) * sh.G; hq += R) {
+        for (int r = 0; r < R; ++r)
+          qh[r] = q[j] + (hq + r) * D, dst[r] = scores + (j * H + hq + r) * n, mr[r] = m + j * H + hq + r;
+        score_queries<D8, R>(qh, dst, mr, kb, slots, k0, n, row, h * D);
+      }
+      for (; hq < (h + 1) * sh.G; ++hq) {
+        qh[0] = q[j] + hq * D, dst[0] = scores + (j * H + hq) * n, mr[0] = m + j * H + hq;
+        score_queries<D8, 1>(qh, dst, mr, kb, slots, k0, n, row, h * D);
       }
     }
   }
