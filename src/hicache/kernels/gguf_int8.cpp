@@ -147,14 +147,20 @@ struct Decoders {  // gguf_int8.h's, by type
   using Q6_K = Int8Q6_K;
 };
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_int8_rows(const at::Tensor& x) {
-  check_inputs(x, x.dim() == 2 ? x.size(1) : -1);
-  TORCH_CHECK(x.size(1) % kChunk == 0, "K must be a multiple of ", kChunk, ", got ", x.size(1));
+// x's rows quantized; x is a contiguous float32 [M, K] with K a multiple of 32 (checked by the caller).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
   at::Tensor d = at::empty({M, K / kChunk}, x.options()), sums = at::empty({M, 3 * K / kChunk}, x.options());
   quantize_rows(x.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(), sums.data_ptr<float>());
   return {q, d, sums};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_int8_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2, "x must be a contiguous float32 CPU matrix [M, K], got ", x.sizes());
+  check_inputs(x, x.size(1));
+  TORCH_CHECK(x.size(1) % kChunk == 0, "K must be a multiple of ", kChunk, ", got ", x.size(1));
+  return quantize(x);
 }
 
 at::Tensor gguf_linear_int8(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int64_t in_features) {
@@ -163,7 +169,7 @@ at::Tensor gguf_linear_int8(const at::Tensor& x, const at::Tensor& blocks, int64
     using F = decltype(format);
     check_blocks<F>(blocks, in_features, name);
     check_inputs(x, in_features);
-    const auto [q, d, sums] = quantize_int8_rows(x);
+    const auto [q, d, sums] = quantize(x);  // K: a multiple of the block size, so of 32
     out = at::empty({x.size(0), blocks.size(0)}, x.options());
     const Gemv g{{q.data_ptr<int8_t>(), d.data_ptr<float>(), sums.data_ptr<float>(), in_features},
                  blocks.data_ptr<uint8_t>(), out.data_ptr<float>(), x.size(0), blocks.size(0), blocks.size(1)};

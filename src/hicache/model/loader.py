@@ -93,9 +93,9 @@ def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.dev
         if model is not None:
             requantize_(model, bits, group)
         identity += f":requant-{variant}"
-    file_blocks = identity.startswith("gguf:") and variant is None  # decode may read the file's blocks
+    reads_file_blocks = identity.startswith("gguf:") and variant is None  # decode may multiply the file's blocks
     identity += _weight_copies(model, dtype, decode_weights, prefill_weights, to_be_sharded,
-                               decode_activations if file_blocks else None)
+                               decode_activations if reads_file_blocks else None)
     return LoadedModel(model, tokenizer, spec, name, identity, time.perf_counter() - start)
 
 
