@@ -73,7 +73,7 @@ demo: setup
 	$(VENV)/bin/hicache demo $(DEMO_UNIFIED) --turns 2 --max-new-tokens 16
 	@echo
 	@echo "== prefill/decode disaggregation behind SGLang's router: the decode server keeps its history and receives only each turn's new KV =="
-	$(PY) -m hicache.disagg.demo --turns 3 --max-new-tokens 16
+	$(PY) -m hicache.launch.pd_demo --turns 3 --max-new-tokens 16
 	@echo
 	@echo "== sizing a deployment: the first 3,000 requests of the Mooncake trace on 4 simulated engines (70B-class KV), memory only, then with a shared store =="
 	$(VENV)/bin/hicache simulate --max-requests 3000 --engines 4 --device-tokens 1.2e6 --host-tokens 3e6
@@ -81,7 +81,7 @@ demo: setup
 
 # The P/D scenario alone: prefill + decode `hicache serve` and sglang-router on 127.0.0.1.
 pd-demo: setup
-	$(PY) -m hicache.disagg.demo
+	$(PY) -m hicache.launch.pd_demo
 
 # Starts `hicache serve` (SmolLM2) on a free local port, runs a short multi-turn benchmark
 # against it, prints the report (and writes out/serve-demo.{json,png}), then stops the server.

@@ -60,8 +60,8 @@ def micro_rank(rank: int, tp: int, pp: int, init: str, repeats: int, out) -> Non
     import torch.distributed as dist
 
     from hicache.parallel.groups import ParallelGroups, RankInfo
-    from hicache.engine.events import StepEvents
     from hicache.parallel.messages import StageMessage, StepInputs
+    from hicache.runtime.events import StepEvents
 
     torch.set_num_threads(1)
     info = RankInfo(rank, tp, pp)

@@ -7,7 +7,7 @@ benchmark at this machine's scale).
                                   [--prefill-tp 1] [--decode-tp 1]
 
 Each arm starts a prefill and a decode ``hicache serve`` and SGLang's router in PD mode
-(``hicache.disagg.launch``), flushes both caches, and runs ``hicache bench`` through the router
+(``hicache.launch.servers``), flushes both caches, and runs ``hicache bench`` through the router
 on a generated-shared-prefix multi-turn workload (groups share a system prompt; every turn adds
 a question and the previous answer). The prefill server is the same in both arms; the decode
 server either keeps no tree (every turn receives its whole prompt's KV) or keeps its device and
@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import httpx  # noqa: E402
 
-from hicache.disagg.launch import pd_servers  # noqa: E402
+from hicache.launch.servers import pd_servers  # noqa: E402
 
 ARMS = {
     "decode reuse off": "",

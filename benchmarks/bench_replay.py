@@ -29,9 +29,14 @@ import httpx  # noqa: E402
 
 from hicache.bench.client import scrape_metrics  # noqa: E402
 from hicache.bench.report import server_hit_rates  # noqa: E402
-from hicache.disagg.launch import dp_servers  # noqa: E402
+from hicache.launch.servers import dp_servers  # noqa: E402
 from hicache.sim.run import Capacities, SimConfig, simulate  # noqa: E402
-from hicache.sim.trace import BLOCK_TOKENS, SHIPPED_TRACE, largest_conversations, load_trace  # noqa: E402
+from hicache.sim.trace import (  # noqa: E402
+    BLOCK_TOKENS,
+    SHIPPED_TRACE,
+    largest_conversations,
+    load_trace,
+)
 
 POLICIES = {"round_robin": "round-robin", "cache_aware": "cache-aware"}  # sglang-router's name -> simulate's
 

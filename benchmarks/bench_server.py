@@ -122,8 +122,8 @@ def client_capacity(args: argparse.Namespace) -> None:
 
 DECODE_NEW, DECODE_OUT = 64, 32  # part 3: new prompt ids per request, greedy output tokens
 DECODE_REQUESTS = {1: 4, 4: 8}  # part 3: concurrency -> streamed requests
-# Part 3's "before": the server as it was before release_omp_pool (hicache/openmp.py, called by engine/loop.py).
-KEEP_POOL = "import hicache.engine.loop as L; L.release_omp_pool = lambda: False\n"
+# Part 3's "before": the server as it was before release_omp_pool (hicache/openmp.py, called by frontend/loop.py).
+KEEP_POOL = "import hicache.frontend.loop as L; L.release_omp_pool = lambda: False\n"
 
 
 def decode_in_process(model: str, prefix: list[int], rng: np.random.Generator) -> dict[int, float]:

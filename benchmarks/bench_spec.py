@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 from hicache import Engine, SamplingParams  # noqa: E402
-from hicache.demo import SYSTEM, TASK, _tool_output  # noqa: E402
+from hicache.frontend.demo import SYSTEM, TASK, _tool_output  # noqa: E402
 
 
 @dataclass

@@ -14,17 +14,17 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from rank_workloads import BASE, MODEL, multi_turn
 
 from hicache import Engine, SamplingParams
 from hicache.config import ConfigError, EngineConfig
-from hicache.engine import core
-from hicache.engine.core import build_core
-from hicache.model import load_model
-from hicache.parallel.groups import CPGroup
 from hicache.errors import HicacheError
+from hicache.runtime import core
+from hicache.model import load_model
 from hicache.model.context_parallel import split_new_tokens
 from hicache.parallel.faults import ENV_VAR as FAULTS_ENV
-from rank_workloads import BASE, MODEL, multi_turn
+from hicache.parallel.groups import CPGroup
+from hicache.runtime.core import build_core
 
 # The workload's single-rank cache-off reference (multi_turn_reference) and the checker switch
 # (checker) are conftest.py fixtures.

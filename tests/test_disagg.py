@@ -124,7 +124,7 @@ def test_sglang_router_serves_a_multi_turn_chat_through_a_pd_pair() -> None:
     server answers, as the one-engine server would, and later turns cross only their suffix."""
     import httpx
 
-    from hicache.disagg.launch import pd_servers
+    from hicache.launch.servers import pd_servers
 
     engine = Engine(MODEL, **OPTS)
     common = f"--model {MODEL} --dtype float32 --page-size 16 --max-total-tokens 2048"
@@ -269,7 +269,7 @@ def test_a_client_that_leaves_the_router_cancels_the_decode_side() -> None:
 
     import httpx
 
-    from hicache.disagg.launch import pd_servers
+    from hicache.launch.servers import pd_servers
 
     common = f"--model {MODEL} --dtype float32 --page-size 16 --disaggregation-transfer-timeout 5"
     with pd_servers(common, decode_args="--disaggregation-decode-enable-radix-cache") as pd:

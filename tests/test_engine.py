@@ -242,7 +242,7 @@ def test_device_pool_budget_is_shared_and_counts_staging_buffers(monkeypatch: py
     """Sized from a budget (no --max-total-tokens): ranks on one device split it, and a rank's
     staging buffers (e.g. the shared-memory all-reduce) come out of its share (DESIGN inv. 6)."""
     from hicache.config import EngineConfig
-    from hicache.engine import core
+    from hicache.runtime import core
 
     mib = 2**20
     monkeypatch.setattr(core, "device_memory_budget", lambda device, fraction: 64 * mib)

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from storage_engines import GREEDY, PROMPT, storage_engine, write_history
 
 from hicache import Engine
 from hicache.cache.storage import controller as storage_controller
 from hicache.cache.storage.faulty import FaultyBackend
 from hicache.cache.storage.keys import page_hashes
-from storage_engines import GREEDY, PROMPT, storage_engine, write_history
 
 pytestmark = pytest.mark.storage
 
@@ -247,7 +247,7 @@ def test_default_policy_serves_a_sequential_client_from_storage(tmp_path: Path) 
 
 
 def test_adaptive_rule_deadlines() -> None:
-    from hicache.engine.prefetch_policy import PROBE_EVERY, PrefetchPolicy
+    from hicache.runtime.prefetch_policy import PROBE_EVERY, PrefetchPolicy
 
     policy = PrefetchPolicy("adaptive", timeout=lambda tokens: 1.0 + tokens / 1000)
     assert policy.deadline(1, 24, 384, None, now=10.0) == pytest.approx(11.384)  # nothing measured: timeout

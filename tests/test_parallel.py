@@ -11,14 +11,14 @@ from collections import deque
 from pathlib import Path
 
 import pytest
+from rank_workloads import BASE, MODEL, multi_turn
 
 from hicache import Engine, SamplingParams, consensus_record
-from hicache.engine.events import StepEvents
 from hicache.errors import HicacheError
 from hicache.parallel.faults import ENV_VAR as FAULTS_ENV
 from hicache.parallel.stage_step import DISABLE_PP_SYNC_ENV
 from hicache.parallel.worker import ALTER_MATCH_ENV
-from rank_workloads import BASE, MODEL, multi_turn
+from hicache.runtime.events import StepEvents
 
 pytestmark = [pytest.mark.parallel, pytest.mark.multirank]
 

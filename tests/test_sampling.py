@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hicache import Engine, SamplingParams
-from hicache.engine.sampling import probabilities, sample, top_token
+from hicache.runtime.sampling import probabilities, sample, top_token
 
 pytestmark = pytest.mark.engine
 

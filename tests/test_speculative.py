@@ -18,8 +18,8 @@ import torch
 
 from hicache import Engine, SamplingParams
 from hicache.config import ConfigError, EngineConfig
-from hicache.engine.sampling import probabilities
-from hicache.engine.speculative import greedy_accept, rejection_accept
+from hicache.runtime.sampling import probabilities
+from hicache.runtime.speculative import greedy_accept, rejection_accept
 
 pytestmark = pytest.mark.spec
 

@@ -18,14 +18,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from storage_engines import GREEDY, PROMPT, storage_engine, write_history
 
 from hicache import Engine
 from hicache.cache.storage.base import BackendStats, StorageBackend, StorageError
 from hicache.cache.storage.faulty import FaultyBackend
-from hicache.cache.storage.guard import BreakerOpen, GuardedBackend, StorageTimeout, failure_reason
+from hicache.cache.storage.guard import (
+    BreakerOpen,
+    GuardedBackend,
+    StorageTimeout,
+    failure_reason,
+)
 from hicache.cache.storage.keys import page_hashes
-from hicache.engine.loop import EngineLoop
-from storage_engines import GREEDY, PROMPT, storage_engine, write_history
+from hicache.frontend.loop import EngineLoop
 
 pytestmark = pytest.mark.storage
 

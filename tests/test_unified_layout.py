@@ -292,7 +292,7 @@ def test_holders_per_stage_follow_the_kv_placement() -> None:
     """Who plans together: every TP rank when each holds every page; one CP rank's attention-TP
     ranks with page-sharded KV (each page's owner writes it); one holder for an MLA latent
     sharded over TP ranks."""
-    from hicache.engine.storage_layout import plan_index, stage_holders
+    from hicache.runtime.storage_layout import plan_index, stage_holders
 
     def cfg(**kw) -> EngineConfig:
         return EngineConfig(enable_hierarchical_cache=True, hicache_storage_backend="file",

@@ -14,7 +14,7 @@ _LAZY = {"Engine", "GenerateResult", "SamplingParams"}
 def __getattr__(name: str) -> Any:
     # The engine (and torch) load on first use, so torch-free tools (`hicache bench`) start fast.
     if name in _LAZY:
-        from . import engine
+        from . import frontend
 
-        return getattr(engine, name)
+        return getattr(frontend, name)
     raise AttributeError(f"module 'hicache' has no attribute {name!r}")

@@ -29,14 +29,14 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int = 128, te
 
 
 def _sampling(args: argparse.Namespace):
-    from .engine import SamplingParams
+    from .frontend import SamplingParams
 
     return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, seed=args.seed, stop=args.stop)
 
 
 def _engine(args: argparse.Namespace):
-    from .engine import Engine
+    from .frontend import Engine
 
     cfg = EngineConfig.from_cli_args(args)
     if cfg.disaggregation_bootstrap_host is None and getattr(args, "host", None):  # serve: next to the HTTP API
@@ -101,7 +101,7 @@ def _chat_loop(engine, args: argparse.Namespace) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from .frontend.demo import run_demo
 
     with _engine(args) as engine:
         return run_demo(engine, turns=args.turns, max_new_tokens=args.max_new_tokens, agents=args.agents)

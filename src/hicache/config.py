@@ -14,7 +14,7 @@ from .ports import split_host_port
 
 CP_STRATEGIES = ("zigzag", "interleave")  # how prefill tokens are split over context-parallel ranks
 SPEC_ALGORITHMS = ("STANDALONE",)  # speculative decoding with a separate draft model
-SPEC_KV_LAYOUTS = ("auto", "packed", "sidecar")  # where a draft model's KV lives (engine/speculative.py)
+SPEC_KV_LAYOUTS = ("auto", "packed", "sidecar")  # where a draft model's KV lives (runtime/speculative.py)
 DISAGG_MODES = ("null", "prefill", "decode")  # prefill/decode disaggregation (hicache.disagg)
 DISAGG_BACKENDS = ("zmq", "mooncake")
 DEFAULT_SPEC_STEPS = 3

@@ -81,7 +81,7 @@ class TransferController:
         # Test hook (fault injection): seconds to sleep before copying each layer of an op.
         self.delay_fn: Callable[[TransferOp, int], float] | None = None
         # Test hook: a load copies only its first ``load_layers`` layers (None: all), e.g. to show
-        # what a prefix hit is worth without the speculative draft's layers (engine/speculative.py).
+        # what a prefix hit is worth without the speculative draft's layers (runtime/speculative.py).
         self.load_layers: int | None = None
         self._staging_bufs: dict[tuple[str, int], torch.Tensor] = {}
         self._views = [[self._page_views(pair, layer, kv) for kv in (0, 1)] for pair, layer in self._layers]

@@ -8,9 +8,9 @@ from typing import Any, Optional
 import torch
 
 from ..disagg.bootstrap import Bootstrap
-from ..engine.events import StepEvents
-from ..engine.request import Request, Status
-from ..engine.sampling import SamplingParams
+from ..runtime.events import StepEvents
+from ..runtime.request import Request, Status
+from ..runtime.sampling import SamplingParams
 
 
 @dataclass

@@ -31,8 +31,8 @@ from ..errors import HicacheError
 from ..model import load_model
 from ..model.parallel import check_parallel
 from .channels import WRITERS_GONE, exit_text, queued_now, reader_only
-from .frontend import STARTUP_TIMEOUT_S, _peer_failure, _user_main_hidden, init_method
 from .groups import rank_label
+from .rank_group import STARTUP_TIMEOUT_S, _peer_failure, _user_main_hidden, init_method
 from .worker import rank_main
 
 logger = logging.getLogger(__name__)

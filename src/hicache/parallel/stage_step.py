@@ -1,4 +1,4 @@
-"""What a rank of a TP / PP group plugs into the one step driver (engine/step.py).
+"""What a rank of a TP / PP group plugs into the one step driver (runtime/step.py).
 
 - :class:`StageAgreement`: stage 0 MIN-reduces its ranks' event vectors over the stage's TP
   group; a later stage applies exactly the vector stage 0 sent with the step (pp_sync: no
@@ -21,11 +21,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..engine.events import StepEvents
-from ..engine.request import Request
-from ..engine.scheduler import Batch, Scheduler
-from ..engine.step import Inbound, SampleAndApply, sample_batch
 from ..errors import HicacheError
+from ..runtime.events import StepEvents
+from ..runtime.request import Request
+from ..runtime.scheduler import Batch, Scheduler
+from ..runtime.step import Inbound, SampleAndApply, sample_batch
 from .groups import ParallelGroups, RankInfo
 from .messages import StageMessage, StepInputs, batch_key
 

@@ -36,14 +36,14 @@ from ..config import EngineConfig
 from ..consensus_record import install_recorder, make_queue_sink
 from ..device import DTYPES, choose_precision, resolve_device
 from ..disagg.heads import TPRanks
-from ..engine.core import EngineCore, build_core, core_stats
-from ..engine.events import StepEvents
-from ..engine.step import Inbound, StepDriver, apply_intake, take_intake
-from ..engine.request import Request
-from ..engine.scheduler import Batch
 from ..errors import HicacheError
 from ..model import load_model
 from ..model.parallel import model_shard, shard_model
+from ..runtime.core import EngineCore, build_core, core_stats
+from ..runtime.events import StepEvents
+from ..runtime.request import Request
+from ..runtime.scheduler import Batch
+from ..runtime.step import Inbound, StepDriver, apply_intake, take_intake
 from .channels import WRITERS_GONE, reader_only, writer_only
 from .faults import FaultPlan
 from .groups import ParallelGroups, RankInfo
@@ -249,7 +249,7 @@ def _rank_device(cfg: EngineConfig, info: RankInfo) -> tuple[EngineConfig, torch
 
 def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox: Any, outbox: Any,
               consensus_queue: Any, log_level: int) -> None:
-    """Entry point of a rank process (spawned by :class:`hicache.parallel.frontend.RankGroup`,
+    """Entry point of a rank process (spawned by :class:`hicache.parallel.rank_group.RankGroup`,
     or on a node other than 0 by :func:`hicache.parallel.node.run_node`, with no frontend queues)."""
     # Ctrl-C, and SIGTERM sent to a whole process group (systemd, `kill -- -pgid`), reach the
     # ranks too; the frontend decides how they stop (in order, or by SIGKILL).

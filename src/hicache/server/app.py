@@ -28,15 +28,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine.loop import EngineLoop, RequestHandle
-from ..engine.request import GenerateResult
-from ..engine.sampling import SamplingParams
 from ..errors import ContextLengthError, EngineDeadError, HicacheError
+from ..frontend.loop import EngineLoop, RequestHandle
 from ..model.tokenizer import Tokenizer
+from ..runtime.request import GenerateResult
+from ..runtime.sampling import SamplingParams
 from .detok import IncrementalText
 from .metrics import ServerMetrics
-from .operations import add_operation_routes
 from .middleware import CatchAllErrors, RequireApiKey
+from .operations import add_operation_routes
 from .parsing import DEFAULT_MAX_REQUEST_BYTES, parse_body, read_body
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, _Sampling
 

@@ -10,8 +10,8 @@ from typing import Any, Callable
 
 import uvicorn
 
-from ..engine.engine import Engine
-from ..engine.loop import EngineLoop
+from ..frontend.engine import Engine
+from ..frontend.loop import EngineLoop
 from .app import ServerOptions, create_app
 from .metrics import ServerMetrics
 

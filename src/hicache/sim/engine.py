@@ -2,7 +2,7 @@
 tier, with a forward pass that computes nothing.
 
 The cache decisions (what hits where, what is evicted, backed up, prefetched) are the engine's:
-the same :class:`~hicache.engine.scheduler.Scheduler` admits each request against the same
+the same :class:`~hicache.runtime.scheduler.Scheduler` admits each request against the same
 :class:`~hicache.cache.manager.KVCacheManager`. Only the bytes are gone: the pools hold one
 float per token (one layer, one head of width 1), the storage tier writes to the ``memory``
 backend, copies and storage calls run on the scheduler thread (``run_inline``), and the
@@ -29,9 +29,9 @@ from ..cache.host_pool import HostKVPool
 from ..cache.manager import KVCacheManager
 from ..cache.pools import DeviceKVPool
 from ..cache.storage.memory import MemoryBackend
-from ..engine.request import Request, Status
-from ..engine.sampling import SamplingParams
-from ..engine.scheduler import Scheduler
+from ..runtime.request import Request, Status
+from ..runtime.sampling import SamplingParams
+from ..runtime.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 

@@ -18,12 +18,12 @@ The step, in order (DESIGN invariant 3: cache state changes only at fixed points
     cache.submit_transfers()                # load-backs in flight before the forward reads them
     out = forward(batch, inbound.hidden)    # logits, or hidden states mid-pipeline; speculative:
                                             # the draft proposes before a verify pass and
-                                            # follows a prefill chunk (engine/speculative.py)
+                                            # follows a prefill chunk (runtime/speculative.py)
     finished += output.hand_on(batch, out)  # sample + apply | send down | sample + send back
     cache.submit_transfers()                # backups of what finished
 
 Command intake (add / abort, then one command) is :func:`apply_intake`, shared by the
-single-rank :class:`~hicache.engine.loop.EngineLoop` and the multi-rank leader.
+single-rank :class:`~hicache.frontend.loop.EngineLoop` and the multi-rank leader.
 """
 
 from __future__ import annotations

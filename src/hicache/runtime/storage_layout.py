@@ -9,7 +9,13 @@ from typing import Any
 import torch
 
 from ..cache.storage.page_objects import DRAFT_PREFIX, NAMESPACE_KEY_HEX
-from ..cache.storage.unified import DraftPlan, RankShard, StorageGrid, UnifiedPlan, plan_rank
+from ..cache.storage.unified import (
+    DraftPlan,
+    RankShard,
+    StorageGrid,
+    UnifiedPlan,
+    plan_rank,
+)
 from ..config import EngineConfig
 from ..model.parallel import model_shard
 from ..model.spec import ModelSpec

@@ -1,5 +1,5 @@
 """The scheduler's phases: events, admission, continuous batching with chunked prefill,
-sampling, finish handling. The order they run in, for every rank layout, is engine/step.py.
+sampling, finish handling. The order they run in, for every rank layout, is runtime/step.py.
 
 Every cache decision (match, lock, evict, insert) happens here, on the scheduler thread, as
 a function of the request stream alone (DESIGN invariant 3): ranks that feed the same requests
@@ -25,7 +25,7 @@ from .sampling import sample
 from .step import ForwardFn, StepDriver
 
 if TYPE_CHECKING:
-    from ..disagg.role import PDRole
+    from .pd_role import PDRole
     from .speculative import Proposal, Speculator
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ class Scheduler:
         pd: Optional["PDRole"] = None,
     ) -> None:
         """``speculator``: speculative decoding is on; decode steps become verify passes.
-        ``pd``: this server's role in prefill/decode disaggregation (hicache.disagg.role)."""
+        ``pd``: this server's role in prefill/decode disaggregation (hicache.runtime.pd_role)."""
         self.cache = cache
         self.decode_text = decode_text
         self.eos_token_ids = eos_token_ids
@@ -106,7 +106,7 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """One step (agree -> schedule -> forward -> sample -> apply: see engine/step.py);
+        """One step (agree -> schedule -> forward -> sample -> apply: see runtime/step.py);
         returns the requests that finished in it."""
         batch, finished = self.driver.step()
         if batch is None and ((not self.running and self.waiting) or (self.pd is not None and self.pd.busy)):
@@ -261,7 +261,7 @@ class Scheduler:
 
     def _apply_verified(self, req: Request, tokens: Sequence[int], finished: list[Request]) -> None:
         """A verify pass gave ``tokens`` (j accepted drafts + the target's own): the target's KV
-        now covers the j drafts, the draft's all but the last of them (engine/speculative.py).
+        now covers the j drafts, the draft's all but the last of them (runtime/speculative.py).
         Set before appending: a token that finishes the request releases what has KV
         (``tokens_with_kv`` cuts at the tokens it has); the tokens after it are dropped."""
         j, n = len(tokens) - 1, len(req.all_ids)
@@ -319,7 +319,7 @@ class Scheduler:
         )
 
 
-    # ---- disaggregation (hicache.disagg.role calls these when transfers end) ---------------
+    # ---- disaggregation (hicache.runtime.pd_role calls these when transfers end) ---------------
     def release_kv(self, req: Request) -> None:
         """Cache the pages of ``req`` that have KV, free the rest, drop its lock."""
         self.cache.release(req.namespace, req.tokens_with_kv(), req.kv)

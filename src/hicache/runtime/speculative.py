@@ -1,7 +1,7 @@
 """Speculative decoding, STANDALONE: a separate draft model proposes ``k`` tokens per sequence,
 the target checks them in one forward pass of ``k + 1`` tokens (seed section 3).
 
-Per request (see :class:`~hicache.engine.request.Request`): the target's KV is valid for the
+Per request (see :class:`~hicache.runtime.request.Request`): the target's KV is valid for the
 first ``computed`` tokens of ``all_ids``, the draft's for the first ``draft_computed`` (never
 more). Only tokens both have KV for are cached (``tokens_with_kv``): a prefix hit in any tier
 then brings back the draft's history with the target's, so the draft never proposes from a hole.

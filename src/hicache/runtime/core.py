@@ -17,20 +17,20 @@ from ..cache.placement import PagePlacement
 from ..cache.pools import DeviceKVPool
 from ..cache.storage.base import StorageError
 from ..cache.storage.controller import Agree
-from ..cache.storage.unified import StorageGrid, UnifiedPlan
 from ..cache.storage.registry import create_backend
+from ..cache.storage.unified import StorageGrid, UnifiedPlan
 from ..config import ConfigError, EngineConfig
-from ..disagg.heads import TPRanks
-from ..disagg.role import DecodeRole, PDRole, PrefillRole
 from ..device import device_memory_budget
+from ..disagg.heads import TPRanks
 from ..model.context_parallel import CPGroup, PrefixGather
 from ..model.loader import LoadedModel
 from ..model.parallel import ModelShard
 from ..model.spec import ModelSpec
+from .pd_role import DecodeRole, PDRole, PrefillRole
 from .runner import ContextParallel, ModelRunner
 from .scheduler import Scheduler
-from .storage_layout import plan_index, unified_plans
 from .speculative import DraftKV, LayerWindow, Speculator, plan_draft_kv
+from .storage_layout import plan_index, unified_plans
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ what collectives, pipeline messages and the rank consensus checker carry:
      ready_0, ok_0,  ready_1, ok_1, ...]
 
 one pair per open prefetch, in the waiting queue's order, then one pair per open P/D KV
-transfer (hicache.disagg.role), in the role's order: both orders are the same on every rank,
+transfer (hicache.runtime.pd_role), in the role's order: both orders are the same on every rank,
 since they are functions of the request stream. MIN makes a transfer ready once it is ready on
 every rank, and not ok once it failed on any.
 """

@@ -29,18 +29,18 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
-from ..engine.events import TransferEvent
-from ..engine.request import Status
-from .heads import RankEndpoint, TPRanks
-from .receiver import KVReceiver
-from .sender import KVSender
-from .transfer import Receive, Send
+from ..disagg.heads import RankEndpoint, TPRanks
+from ..disagg.receiver import KVReceiver
+from ..disagg.sender import KVSender
+from ..disagg.transfer import Receive, Send
+from .events import TransferEvent
+from .request import Status
 
 if TYPE_CHECKING:
     from ..cache.manager import KVCacheManager
-    from ..engine.request import Request
-    from ..engine.scheduler import Scheduler
-    from .mooncake_writes import MooncakeWrites
+    from ..disagg.mooncake_writes import MooncakeWrites
+    from .request import Request
+    from .scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def _writes(backend: str, cache: "KVCacheManager", host: str) -> "MooncakeWrites
     (rows travel in the ZeroMQ messages)."""
     if backend != "mooncake":
         return None
-    from .mooncake_writes import MooncakeWrites
+    from ..disagg.mooncake_writes import MooncakeWrites
 
     return MooncakeWrites(cache.pool, host)
 

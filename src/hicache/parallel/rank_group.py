@@ -30,14 +30,15 @@ from typing import Any, Iterator
 import torch.multiprocessing
 
 from ..config import ConfigError, EngineConfig
-from ..consensus_record import Entry, enabled as checker_enabled
+from ..consensus_record import Entry
+from ..consensus_record import enabled as checker_enabled
 from ..errors import EngineDeadError, HicacheError
 from ..ports import free_port, split_host_port
 from .channels import WRITERS_GONE, exit_text, queued_now, reader_only
 from .consensus import ConsensusMonitor, Divergence
 from .groups import rank_label
 from .messages import RequestUpdate
-from .remote_scheduler import RemoteScheduler
+from .scheduler_proxy import RemoteScheduler
 from .worker import rank_main
 
 logger = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ def _user_main_hidden() -> Iterator[None]:
 
 
 class RankGroup:
-    """The rank processes of one engine, as the Engine's backend (``engine/backend.py``)."""
+    """The rank processes of one engine, as the Engine's backend (``frontend/backend.py``)."""
 
     core = None  # the ranks hold the model, pools and cache; this process only forwards
 

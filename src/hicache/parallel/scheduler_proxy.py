@@ -10,11 +10,11 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from ..engine.request import Request, Status
+from ..runtime.request import Request, Status
 from .messages import RequestSpec
 
 if TYPE_CHECKING:
-    from .frontend import RankGroup
+    from .rank_group import RankGroup
 
 POLL_S = 0.05  # how long a step waits for the leader's next updates
 

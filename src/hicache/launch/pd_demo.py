@@ -3,7 +3,7 @@ that reuses its own device and host tiers, and SGLang's router in front, all on 
 demo's coding agent talks to the router, and each turn shows how much of its prompt the decode
 server already held (``decode_prefix_len``) and how much KV crossed from prefill.
 
-    python -m hicache.disagg.demo [--model smollm2] [--turns 4] [--max-new-tokens 24]
+    python -m hicache.launch.pd_demo [--model smollm2] [--turns 4] [--max-new-tokens 24]
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import random
 import sys
 import textwrap
 
-from ..demo import SYSTEM, TASK, tool_output
-from .launch import pd_servers
+from ..frontend.demo import SYSTEM, TASK, tool_output
+from .servers import pd_servers
 
 DECODE_REUSE = "--disaggregation-decode-enable-radix-cache --enable-hierarchical-cache"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 import textwrap
 
-from .engine import Engine, SamplingParams
+from . import Engine, SamplingParams
 
 SYSTEM = """You are RepoBot, a careful coding agent working in a Python repository. You can call
 tools by writing one line `CALL tool(args)`. Tools: list_files(path), read_file(path),

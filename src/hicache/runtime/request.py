@@ -14,7 +14,6 @@ from ..cache.manager import KVState
 from ..disagg.bootstrap import Bootstrap
 from .sampling import SamplingParams
 
-
 DRAFT_SEED_OFFSET = 0x9E3779B97F4A7C15  # the draft stream's seed = seed + this (mod 2**64)
 
 

@@ -1,12 +1,9 @@
 """Where the Engine's scheduler runs: one backend object, one interface, whatever the layout.
 
-Invariant: :class:`~hicache.engine.engine.Engine` talks to exactly one :class:`Backend` and
+Invariant: :class:`~hicache.frontend.engine.Engine` talks to exactly one :class:`Backend` and
 never asks which kind it holds. :class:`LocalBackend` keeps the model, pools, cache and
-scheduler in this process (one rank); ``hicache.parallel.frontend.RankGroup`` keeps them in the
+scheduler in this process (one rank); ``hicache.parallel.rank_group.RankGroup`` keeps them in the
 rank processes (``--tp-size`` / ``--pp-size`` > 1) and forwards to its leader.
-
-Imports point down: ``hicache.parallel`` builds on ``engine.core``, so the multi-rank backend
-is imported only inside :func:`make_backend`, when it is asked for, and never at module level.
 """
 
 from __future__ import annotations
@@ -20,11 +17,12 @@ from ..config import ConfigError, EngineConfig
 from ..errors import HicacheError
 from ..model.loader import LoadedModel
 from ..model.parallel import check_parallel
-from .core import EngineCore, build_core, core_stats
-from .request import Request
+from ..parallel.rank_group import RankGroup
+from ..runtime.core import EngineCore, build_core, core_stats
+from ..runtime.request import Request
 
 if TYPE_CHECKING:
-    from .scheduler import Scheduler
+    from ..runtime.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -132,9 +130,6 @@ def make_backend(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, d
     ``draft``: the speculative draft model (one rank only, for now)."""
     if cfg.tp_size * cfg.pp_size == 1:
         return LocalBackend(build_core(cfg, loaded, device, dtype, draft=draft), cfg.page_size)
-    # Lazy: hicache.parallel imports engine.core, so importing it at load time would point up.
-    from ..parallel.frontend import RankGroup
-
     check_parallel(loaded.spec, cfg.tp_size // cfg.attn_cp_size, cfg.pp_size)
     if draft is not None:  # the draft runs on the first stage, tensor-parallel like the target
         check_parallel(draft.spec, cfg.tp_size // cfg.attn_cp_size, 1)

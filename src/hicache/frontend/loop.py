@@ -21,10 +21,10 @@ from typing import Any, Callable, Optional, Sequence, Union
 from ..disagg.bootstrap import Bootstrap
 from ..errors import EngineDeadError, HicacheError
 from ..openmp import release_omp_pool
+from ..runtime.request import GenerateResult, Request, Status
+from ..runtime.sampling import SamplingParams
+from ..runtime.step import apply_intake, take_intake
 from .engine import Engine
-from .request import GenerateResult, Request, Status
-from .sampling import SamplingParams
-from .step import apply_intake, take_intake
 
 logger = logging.getLogger(__name__)
 
@@ -267,7 +267,7 @@ class EngineLoop:
 
     def _drain(self, block: bool) -> bool:
         """Apply queued commands (waiting up to IDLE_POLL_S for one when ``block``): adds and
-        aborts through the same intake as a rank group's leader (engine/step.py), then each
+        aborts through the same intake as a rank group's leader (runtime/step.py), then each
         ``call`` on this thread. False on stop."""
         get = (lambda: self._cmds.get(timeout=IDLE_POLL_S)) if block else self._cmds.get_nowait
         while True:

@@ -10,7 +10,12 @@ import torch
 
 from ..cache.placement import GatherPlan, PagePlacement
 from ..model.batch import KVView, make_forward_batch
-from ..model.context_parallel import CPGroup, PrefixGather, ShardedContext, make_cp_batch
+from ..model.context_parallel import (
+    CPGroup,
+    PrefixGather,
+    ShardedContext,
+    make_cp_batch,
+)
 
 
 @dataclass

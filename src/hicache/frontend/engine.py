@@ -12,23 +12,23 @@ import torch
 
 from ..cache.storage.keys import tree_namespace
 from ..config import ConfigError, EngineConfig
-from ..disagg.bootstrap import Bootstrap
 from ..device import DTYPES, choose_precision, resolve_device
+from ..disagg.bootstrap import Bootstrap
 from ..errors import ContextLengthError, HicacheError, InvalidRequestError
 from ..model import load_model
 from ..model.loader import LoadedModel
+from ..runtime.request import GenerateResult, Request
+from ..runtime.sampling import SamplingParams
+from ..runtime.speculative import check_draft
+from ..runtime.storage_layout import layout_report
 from .backend import Backend, LocalBackend, SchedulerView, make_backend
-from .request import GenerateResult, Request
-from .sampling import SamplingParams
-from .speculative import check_draft
-from .storage_layout import layout_report
 
 if TYPE_CHECKING:
     from ..cache.host_pool import HostKVPool
     from ..cache.manager import KVCacheManager
     from ..cache.pools import DeviceKVPool
-    from ..parallel.frontend import RankGroup
-    from .runner import ModelRunner
+    from ..parallel.rank_group import RankGroup
+    from ..runtime.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class Engine:
 
     Options are :class:`EngineConfig` fields, the CLI flags with underscores
     (``--max-total-tokens`` <-> ``max_total_tokens``). Where the scheduler runs (this process,
-    or rank processes) is the :class:`~hicache.engine.backend.Backend`'s business.
+    or rank processes) is the :class:`~hicache.frontend.backend.Backend`'s business.
     """
 
     def __init__(self, model: str = "smollm2", **options: Any) -> None:
@@ -80,7 +80,7 @@ class Engine:
         # The bound method holds the backend, never the engine (or it would never be collected).
         self._finalizer = weakref.finalize(self, self.backend.shutdown)
         self._rids = itertools.count()
-        # Set by EngineLoop (engine/loop.py) while its thread drives the scheduler; then only that
+        # Set by EngineLoop (frontend/loop.py) while its thread drives the scheduler; then only that
         # thread may call generate / flush_cache (DESIGN invariant 3).
         self._driver_thread: int | None = None
         model = self.loaded.model  # None with several ranks: each holds its own shards
