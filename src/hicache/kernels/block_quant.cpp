@@ -12,7 +12,8 @@
 // Results equal x @ W.T up to float32 rounding order.
 #include <immintrin.h>
 #include <ATen/Parallel.h>
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include "simd.h"

@@ -9,7 +9,9 @@
 // prompt) attend each shared chunk in one task: its keys are read once for all their queries. As
 // the chunks do not depend on the batch, a sequence's output is the same whatever else is in it.
 #include <immintrin.h>
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -10,7 +10,10 @@
 //   gguf:  blocks [N, row bytes], with its ggml type in `qtypes`    gguf_int8: the same, 8-bit inputs
 // Projections in the order qkv, o, gate_up, down; `parts` says how many parts each has; `kinds`
 // and `qtypes` are per part, `weights` every part's tensors in turn.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/linear.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 

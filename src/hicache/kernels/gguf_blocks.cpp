@@ -6,7 +6,8 @@
 //
 //   gguf_linear(x [M, K] float32, blocks [N, row_bytes] uint8, qtype, K) -> x @ W.T [M, N] float32
 //   gguf_dequantize(blocks, qtype, K) -> W [N, K] float32, equal to gguf.quants.dequantize bit for bit
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>

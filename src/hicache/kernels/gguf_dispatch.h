@@ -1,7 +1,7 @@
 // What the GGUF matmuls (gguf_blocks.cpp: float32 inputs, gguf_int8.cpp: 8-bit inputs) share: the
 // dispatch from a ggml type code and a row count to compile-time decoders, and the operand checks.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
 #include "gguf_blocks.h"

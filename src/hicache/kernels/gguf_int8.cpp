@@ -10,7 +10,8 @@
 //
 // The result is the same bits on every instruction set: the integer dots are exact, and the float
 // arithmetic after them is the same AVX2 code in the same order (explicit FMAs) on every build.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

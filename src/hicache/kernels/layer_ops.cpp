@@ -2,7 +2,9 @@
 // (rms_norm ~6, RoPE ~7, SiLU-and-multiply 3), which a decode step pays ~15 times per layer --
 // more in dispatch than in arithmetic. Rows are split over torch's intra-op pool.
 #include <immintrin.h>
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
