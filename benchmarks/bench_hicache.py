@@ -26,8 +26,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 from hicache import Engine, SamplingParams  # noqa: E402
-from hicache.cache.controller import BACKUP, LOAD, TransferController  # noqa: E402
 from hicache.cache.host_pool import HostKVPool  # noqa: E402
+from hicache.cache.host_transfer import BACKUP, LOAD, TransferController  # noqa: E402
 from hicache.cache.pools import DeviceKVPool  # noqa: E402
 
 

@@ -65,7 +65,7 @@ def agent_prompts(engine: Engine, turns: int, max_new: int) -> list[list[int]]:
 def run(engine: Engine, prompts: list[list[int]], max_new: int) -> dict:
     target = Timer(engine.scheduler.driver.forward, pass_kind)
     engine.scheduler.driver.forward = target
-    spec = engine.scheduler.speculator
+    spec = next((m for m in engine.scheduler.runtime.modes if m.name == "speculative"), None)
     propose = None
     if spec is not None:  # the k draft passes of each round, timed as one
         propose = spec.propose = Timer(spec.propose)

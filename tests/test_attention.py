@@ -9,7 +9,7 @@ import torch
 
 from hicache.model import DenseKV, load_model, make_forward_batch
 from hicache.model.attention import _flash_cpu, _math, decode_attention, sequence_attention
-from hicache.model.batch import MAX_VIEW_RUNS, slot_runs
+from hicache.model.paged import MAX_VIEW_RUNS, slot_runs
 from hicache.model.standalone import prefill_logits
 
 pytestmark = pytest.mark.model
@@ -103,7 +103,7 @@ def test_cached_prefix_layouts_give_cold_logits(lm, layout):
     lm.model(make_forward_batch([ids[:32]], [0], [slots[:32]]), kv)
     batch = make_forward_batch([ids[32:]], [32], [slots], logits="all")
     runs = len(slot_runs(slots[:32]))
-    assert (batch.spans[0].full_slots is None) == (runs <= MAX_VIEW_RUNS)
+    assert (batch.attn.spans[0].full_slots is None) == (runs <= MAX_VIEW_RUNS)
     torch.testing.assert_close(lm.model(batch, kv), ref[32:], atol=1e-5, rtol=0)
 
 
@@ -116,7 +116,7 @@ def test_batched_decode_gives_each_sequence_its_own_logits(lm):
         offset += len(ids)
         lm.model(make_forward_batch([ids[:-1]], [0], [slots[-1][:-1]]), kv)
     batch = make_forward_batch([[ids[-1]] for ids in prompts], [len(ids) - 1 for ids in prompts], slots)
-    assert batch.decode is not None
+    assert batch.attn.decode is not None
     got = lm.model(batch, kv)
     for row, ids in zip(got, prompts):
         torch.testing.assert_close(row, prefill_logits(lm.model, ids)[-1], atol=1e-5, rtol=0)

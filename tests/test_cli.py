@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -42,8 +43,9 @@ def test_user_errors_are_one_line_without_traceback(tmp_path: Path) -> None:
         ("generate", "--model", "random:tiny", "--prompt-file", str(tmp_path / "missing.txt")),
         ("generate", "--model", str(tmp_path), "--prompt", "x"),
     ]
-    for args in cases:
-        out = hicache(*args)
+    with ThreadPoolExecutor(len(cases)) as pool:  # at once: each process is mostly its imports, one core each
+        outs = list(pool.map(lambda args: hicache(*args), cases))
+    for args, out in zip(cases, outs):
         assert out.returncode == 2, (args, out.stderr)
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: "), (args, out.stderr)

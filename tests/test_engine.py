@@ -148,7 +148,7 @@ def test_stop_conditions() -> None:
     res = engine.generate([p], SamplingParams(max_new_tokens=10, temperature=0.0, stop_token_ids=[stop_tok]))[0]
     assert res.finish_reason == "stop" and res.output_ids == free.output_ids[: first + 1]
     # EOS stops unless ignore_eos.
-    engine.scheduler.eos_token_ids = {stop_tok}
+    engine.scheduler.runtime.eos_token_ids = {stop_tok}
     assert engine.generate([p], SamplingParams(max_new_tokens=10, temperature=0.0))[0].output_ids == res.output_ids
     ignored = engine.generate([p], SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True))[0]
     assert ignored.output_ids == free.output_ids

@@ -13,9 +13,9 @@ import torch
 
 from hicache import Engine, SamplingParams
 from hicache.cache.acks import AckCounts
-from hicache.cache.controller import BACKUP, LOAD
 from hicache.cache.host_pool import HostKVPool
-from hicache.cache.manager import KVCacheManager
+from hicache.cache.host_transfer import BACKUP, LOAD
+from hicache.cache.manager import CachePolicy, KVCacheManager
 from hicache.cache.pools import DeviceKVPool
 from hicache.config import ConfigError
 
@@ -154,7 +154,7 @@ def test_layerwise_load_back_overlaps_compute() -> None:
 
 def _manager(page_size: int = 2, layers: int = 2) -> KVCacheManager:
     pool = DeviceKVPool(layers, 1, 4, num_pages=16, page_size=page_size, dtype=torch.float32, device="cpu")
-    return KVCacheManager(pool, host_pool=HostKVPool(pool, num_pages=32), write_policy="write_through")
+    return KVCacheManager(pool, HostKVPool(pool, num_pages=32), policy=CachePolicy(write_policy="write_through"))
 
 
 def _fill(mgr: KVCacheManager, pages: np.ndarray, tokens: np.ndarray) -> None:

@@ -17,7 +17,7 @@ import pytest
 from storage_engines import GREEDY, PROMPT, storage_engine, write_history
 
 from hicache import Engine
-from hicache.cache.storage import controller as storage_controller
+from hicache.cache.storage import prefetch_backup
 from hicache.cache.storage.faulty import FaultyBackend
 from hicache.cache.storage.keys import page_hashes
 
@@ -150,11 +150,11 @@ def test_prefetch_policies_on_a_slow_backend(tmp_path: Path, reference: list[int
     engine = storage_engine(tmp_path, hicache_storage_prefetch_policy=policy,
                             hicache_storage_prefetch_timeout_base=0.35, hicache_storage_prefetch_timeout_per_1k_tokens=0.0)
     engine.cache.storage.read_delay_fn = lambda op: 0.25  # before each batch
-    old_batch, storage_controller.BATCH_PAGES = storage_controller.BATCH_PAGES, 8  # 24 pages: 3 slow batches
+    old_batch, prefetch_backup.BATCH_PAGES = prefetch_backup.BATCH_PAGES, 8  # 24 pages: 3 slow batches
     try:
         res = engine.generate([PROMPT], GREEDY)[0]
     finally:
-        storage_controller.BATCH_PAGES = old_batch
+        prefetch_backup.BATCH_PAGES = old_batch
     got = res.cached_tokens_details["storage"]
     assert res.output_ids == reference
     if expect == "none":
@@ -266,13 +266,15 @@ def test_adaptive_rule_deadlines() -> None:
 
 def add_and_run(engine: Engine, prompt: list[int]):
     """Queue ``prompt`` through the scheduler by hand and step until it finishes; returns the
-    request and its arrival time (perf_counter)."""
+    request, its arrival time (perf_counter) and when the scheduler meant to stop waiting for
+    its prefetch (None: no prefetch)."""
     req = engine._make_request(prompt, GREEDY, None)
     arrival = time.perf_counter()
     engine.scheduler.add(req)
+    deadline = req.prefetch.deadline if req.prefetch is not None else None
     while engine.scheduler.has_work():
         engine.scheduler.step()
-    return req, arrival
+    return req, arrival, deadline
 
 
 @pytest.mark.parametrize("load", ["costlier", "cheaper"])
@@ -281,21 +283,21 @@ def test_adaptive_policy_waits_only_when_loading_is_cheaper(tmp_path: Path, refe
     engine = default_policy_engine(tmp_path)
     # Injected measurements: recomputing the 384-token tail takes 20 s (19.2 tokens/s); reading
     # takes 10 s per page ("costlier": 240 s in all) or 0.1 ms ("cheaper": 2.4 ms in all).
-    engine.scheduler.prefetch_rule.prefill.observe(192, 10.0)
+    engine.scheduler.runtime.prefetch_rule.prefill.observe(192, 10.0)
     engine.cache.storage.read_page_s = 10.0 if load == "costlier" else 1e-4
     engine.cache.storage.read_delay_fn = lambda op: 0.25  # before each batch
-    old_batch, storage_controller.BATCH_PAGES = storage_controller.BATCH_PAGES, 8  # 24 pages: 3 slow batches
+    old_batch, prefetch_backup.BATCH_PAGES = prefetch_backup.BATCH_PAGES, 8  # 24 pages: 3 slow batches
     try:
-        req, arrival = add_and_run(engine, PROMPT)
+        req, arrival, deadline = add_and_run(engine, PROMPT)
     finally:
-        storage_controller.BATCH_PAGES = old_batch
+        prefetch_backup.BATCH_PAGES = old_batch
     assert req.output_ids == reference
     st = engine.stats()["storage"]
     if load == "costlier":  # scheduled at once: the deadline is its arrival
-        assert req.prefetch_deadline <= arrival + 0.1
+        assert deadline <= arrival + 0.1
         assert req.cached["storage"] == 0 and (st["prefetch_waited"], st["prefetch_skipped"]) == (0, 1)
     else:  # waits up to one recompute time, and the final ack comes well before
-        assert req.prefetch_deadline == pytest.approx(arrival + 20.0, abs=0.5)
+        assert deadline == pytest.approx(arrival + 20.0, abs=0.5)
         assert req.cached["storage"] == 384 and (st["prefetch_waited"], st["prefetch_skipped"]) == (1, 0)
     engine.shutdown()
 
@@ -303,7 +305,7 @@ def test_adaptive_policy_waits_only_when_loading_is_cheaper(tmp_path: Path, refe
 def test_adaptive_policy_gives_up_on_a_hung_backend(tmp_path: Path, reference: list[int]) -> None:
     write_history(tmp_path)
     engine = default_policy_engine(tmp_path)
-    engine.scheduler.prefetch_rule.prefill.observe(384, 0.3)  # the tail recomputes in 0.3 s
+    engine.scheduler.runtime.prefetch_rule.prefill.observe(384, 0.3)  # the tail recomputes in 0.3 s
     engine.cache.storage.read_page_s = 1e-4  # and loads in 2.4 ms, were the store not hung
     hung = FaultyBackend(engine.cache.storage.backend, hang_s=60.0)
     engine.cache.storage.backend = hung
@@ -349,13 +351,13 @@ def test_prefetch_chain_continues_inside_a_node(tmp_path: Path) -> None:
     import torch
 
     from hicache.cache.host_pool import HostKVPool
-    from hicache.cache.manager import KVCacheManager
+    from hicache.cache.manager import CachePolicy, KVCacheManager
     from hicache.cache.pools import DeviceKVPool
     from hicache.cache.storage import create_backend
 
     pool = DeviceKVPool(2, 1, 4, 64, 4, torch.float32, "cpu")
-    cache = KVCacheManager(pool, host_pool=HostKVPool(pool, num_pages=64), prefetch_threshold=4,
-                           storage=create_backend("file", {"path": str(tmp_path)}))
+    cache = KVCacheManager(pool, HostKVPool(pool, num_pages=64), create_backend("file", {"path": str(tmp_path)}),
+                           CachePolicy(prefetch_threshold=4))
     try:
         cached = np.arange(1, 13, dtype=np.int32)  # one node of 3 pages
         cache.tree.insert("ns", cached, cache.allocator.alloc(3))

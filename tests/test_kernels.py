@@ -76,7 +76,7 @@ def test_rms_norm_matches_torch(ops):
 
 
 def test_rope_and_silu_mul_match_the_torch_ops_they_replace(ops):
-    from hicache.model.spec import rotate_half
+    from hicache.model.layers import rotate_half
 
     torch.manual_seed(0)
     t, heads, dim = 5, 12, 64

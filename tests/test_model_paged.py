@@ -52,7 +52,7 @@ def test_cold_prefill_writes_kv_that_later_chunks_read(lm):
     kv = DenseKV(lm.spec, 64, torch.float32)
     slots = _scattered_slots(len(ids), 64, seed=4)
     batch = make_forward_batch([ids[:20]], [0], [slots[:20]], logits="all")
-    assert batch.single
+    assert batch.attn.single
     torch.testing.assert_close(lm.model(batch, kv), ref[:20], atol=ATOL, rtol=0)
     torch.testing.assert_close(_fill_prefix(lm.model, kv, ids, slots, 20), ref[20:], atol=ATOL, rtol=0)
 
@@ -74,7 +74,7 @@ def test_batch_of_three_with_different_cached_prefixes(lm):
     batch = make_forward_batch(
         [ids[p:] for ids, p in zip(prompts, prefix_lens)], prefix_lens, slots, logits="all"
     )
-    assert not batch.single
+    assert not batch.attn.single
     out = lm.model(batch, kv)
     rows = torch.split(out, [len(ids) - p for ids, p in zip(prompts, prefix_lens)])
     for ref, row, p in zip(refs, rows, prefix_lens):

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from hicache.cache import page_copy
-from hicache.cache.controller import BACKUP, LOAD, TransferController
 from hicache.cache.host_pool import HostKVPool, device_page_view
+from hicache.cache.host_transfer import BACKUP, LOAD, TransferController
 from hicache.cache.page_copy import PagePlan, copy_pages, page_items
 from hicache.cache.pools import DeviceKVPool
 

@@ -95,13 +95,14 @@ def waves_seed3() -> list[list[int]]:
         plain.shutdown()
 
 
-@pytest.mark.parametrize("reduce", ["shm", "gloo"])
-def test_tp_partial_sums_through_shared_memory_or_gloo(reduce: str, waves_seed3: list[list[int]],
+@pytest.mark.parametrize("reduce,tp", [("shm", 4), ("gloo", 2)])
+def test_tp_partial_sums_through_shared_memory_or_gloo(reduce: str, tp: int, waves_seed3: list[list[int]],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Both ways of summing TP partial outputs (shared memory, the CPU default; gloo, the
-    fallback) give one rank's greedy tokens, prefill chunks and decode batches alike."""
+    """Both ways of summing TP partial outputs (shared memory, the CPU default, over four ranks;
+    gloo, the fallback, over two) give one rank's greedy tokens, prefill chunks and decode
+    batches alike."""
     monkeypatch.setenv("HICACHE_TP_ALLREDUCE", reduce)
-    engine = Engine(MODEL, tp_size=4, max_total_tokens=1024, chunked_prefill_size=16, **BASE)
+    engine = Engine(MODEL, tp_size=tp, max_total_tokens=1024, chunked_prefill_size=16, **BASE)
     try:
         assert random_waves(engine, seed=3) == waves_seed3
     finally:

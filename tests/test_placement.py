@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from hicache.cache.manager import KVCacheManager
+from hicache.cache.manager import KVCacheManager, RankLayout
 from hicache.cache.placement import GatherPlan, PagePlacement, ShardedPageAllocator
 from hicache.cache.pools import DeviceKVPool
 from hicache.cache.radix import RadixCache
@@ -94,7 +94,7 @@ def sharded_manager(pages_per_shard: int) -> KVCacheManager:
     """A cache manager as one rank of a 2-way shard group sees it: its pool holds its own local
     pages, every page id the tree and requests use is logical."""
     pool = DeviceKVPool(1, 1, 4, pages_per_shard, PAGE, torch.float32, "cpu")
-    return KVCacheManager(pool, placement=PagePlacement(num_shards=2, page_size=PAGE))
+    return KVCacheManager(pool, layout=RankLayout(placement=PagePlacement(num_shards=2, page_size=PAGE)))
 
 
 def test_admissions_follow_the_rotation_and_extensions_continue_it():

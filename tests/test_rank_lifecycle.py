@@ -142,10 +142,13 @@ def test_a_leader_killed_mid_message_is_an_error_not_a_hang() -> None:
         sampling = SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True)
         for i in range(256):  # queued to the leader; nobody reads its updates meanwhile
             engine.scheduler.add(engine._make_request([5 + i % 200, 7, 9, 11], sampling, None))
-        deadline = time.monotonic() + 30
-        while _unread_bytes(group.outbox) < 60_000 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(0.5)  # the leader's writer is now blocked inside a message
+        # The pipe is full once its unread bytes stop growing (where exactly depends on the
+        # messages' sizes): a step's updates for 256 requests are a message of several pipe
+        # pages, so the leader's writer is now blocked inside one.
+        deadline, seen = time.monotonic() + 30, -1
+        while time.monotonic() < deadline and not (seen == _unread_bytes(group.outbox) and seen > 32_000):
+            seen = _unread_bytes(group.outbox)
+            time.sleep(0.5)
         os.kill(group.procs[0].pid, signal.SIGKILL)
         raised: list[BaseException] = []
 

@@ -126,7 +126,7 @@ def test_prefix_property(n, extra, page_size, seed):
 # ---- pinned bytes: objects written by earlier versions must still be found ----------------
 # Literal values computed once with the formulas before storage.keys owned the namespace
 # (engine.py's sha256 of "identity|dtype|page=N", KVCacheManager.ns_digest's field list,
-# h.hex() in storage.controller). If one of these changes, every stored object is orphaned.
+# h.hex() in storage.prefetch_backup). If one of these changes, every stored object is orphaned.
 PIN_IDENTITY, PIN_DTYPE, PIN_PAGE = "pin-model:v1:float32", "float32", 4
 PIN_TOKENS = np.arange(100, 114, dtype=np.int32)  # 3 whole pages of 4 and a partial one
 PIN_NS = "90fb23443a0e1fdd"
@@ -181,10 +181,10 @@ def test_builder_digest_and_keys_are_pinned(shard, ns):
 def test_cache_manager_digest_and_chain_are_pinned(shard, ns):
     """The manager feeds the builder its pool's fields, and continues chains along tree nodes
     (a path cut into two nodes by a second insert) to the same keys."""
-    from hicache.cache.manager import KVCacheManager
+    from hicache.cache.manager import KVCacheManager, RankLayout
 
     digest_hex, keys = PIN[(shard, ns)]
-    cache = KVCacheManager(_pin_pool(), shard=shard)
+    cache = KVCacheManager(_pin_pool(), layout=RankLayout(shard=shard))
     assert cache.ns_digest(ns).hex() == digest_hex
     tree = cache.tree
     tree.insert(ns, PIN_TOKENS[:12], cache.allocator.alloc(3))

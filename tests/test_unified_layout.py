@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from hicache import Engine, SamplingParams
-from hicache.cache.controller import BACKUP, TransferController
 from hicache.cache.host_pool import HostKVPool
+from hicache.cache.host_transfer import BACKUP, TransferController
 from hicache.cache.pools import DeviceKVPool
 from hicache.cache.storage.page_objects import GridCell
 from hicache.cache.storage.unified import Cell, RankShard, StorageGrid, plan_rank
@@ -306,6 +306,32 @@ def test_holders_per_stage_follow_the_kv_placement() -> None:
     assert [plan_index(latent, 0, t) for t in range(2)] == [0, 0]
 
 
+# SmolLM2's attention geometry (9 heads over 3 KV heads of 64) on a two-layer random model: the
+# SmolLM2 grid's shape (2 layer ranges x 3 single heads) at one layer per range. Its greedy tokens
+# depend on every layer's KV (unlike a deep random model's, which repeat one token).
+SMOLLM2_HEADS = 'random:{"num_heads": 9, "num_kv_heads": 3, "head_dim": 64}'
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_tp3_pp2_writes_a_tp1_reader_reads_on_mooncake(mooncake_store) -> None:
+    """SmolLM2's grid shape (2 layer ranges x 3 single KV heads) on a Mooncake Store: six ranks
+    (TP3 x PP2) write one object each per page into the store service's memory, a one-rank engine
+    in a new process reads every page back. (SmolLM2's own tokens across these layouts:
+    test_smollm2_tp1_and_tp3_pp2_continue_each_others_sessions.)"""
+    cold = Engine(SMOLLM2_HEADS, dtype="float32", max_total_tokens=2048).generate([PROMPT], GREEDY)[0].output_ids
+    opts = unified(Path("/unused"), hicache_storage_backend="mooncake", hicache_storage_layer_partition=1,
+                   hicache_storage_head_partition=1,
+                   hicache_storage_backend_extra_config=json.dumps(dict(mooncake_store, prefix="smollm2-tp-pp:")))
+    wide = Engine(SMOLLM2_HEADS, tp_size=3, pp_size=2, **opts)
+    res = wide.generate([PROMPT], GREEDY)[0]
+    assert res.output_ids == cold and res.cached_tokens_details["storage"] == 0
+    wide.shutdown()
+    got = read_in_new_process(SMOLLM2_HEADS, opts, PROMPT)
+    assert got["ids"] == cold
+    assert got["details"]["storage"] == (res.prompt_tokens - 1) // 16 * 16 == 384
+
+
 # ---- SmolLM2 across TP / PP layouts (issue 15's "Show") ---------------------------------------
 SMOLLM2_GRID = dict(hicache_storage_layer_partition=15, hicache_storage_head_partition=1)
 HISTORY = ("A user and an assistant plan a three-day trip to Lisbon. Day one: the Alfama district, the "
@@ -352,19 +378,3 @@ def test_smollm2_tp1_and_tp3_pp2_continue_each_others_sessions(valkey_server, sm
     got = read_in_new_process("smollm2", opts, TURN2)
     assert got["ids"] == cold2
     assert got["details"]["storage"] == (res2.prompt_tokens - 1) // 16 * 16  # pages only the 6 ranks wrote too
-
-
-@pytest.mark.multirank
-@pytest.mark.slow
-def test_smollm2_tp3_pp2_writes_a_tp1_reader_reads_on_mooncake(mooncake_store, smollm2_cold) -> None:
-    """The same grid on a Mooncake Store: six ranks write one object each per page into the
-    store service's memory, a one-rank engine in a new process reads every page back."""
-    opts = unified(Path("/unused"), hicache_storage_backend="mooncake", **SMOLLM2_GRID,
-                   hicache_storage_backend_extra_config=json.dumps(dict(mooncake_store, prefix="smollm2-tp-pp:")))
-    wide = Engine("smollm2", tp_size=3, pp_size=2, **opts)
-    res = wide.generate(TURN1, GREEDY)[0]
-    assert res.output_ids == smollm2_cold[0] and res.cached_tokens_details["storage"] == 0
-    wide.shutdown()
-    got = read_in_new_process("smollm2", opts, TURN1)
-    assert got["ids"] == smollm2_cold[0]
-    assert got["details"]["storage"] == (res.prompt_tokens - 1) // 16 * 16

@@ -19,8 +19,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .acks import AckCounts
-from .controller import BACKUP, LOAD, TransferController, TransferOp
 from .host_pool import HostKVPool
+from .host_transfer import BACKUP, LOAD, TransferController, TransferOp
 from .placement import ShardedPageAllocator, ShardView, alloc_evicting
 from .pools import DeviceKVPool, PageAllocator
 from .radix import RadixCache

@@ -14,26 +14,79 @@ Units: ``tokens`` are token-id sequences; lengths are tokens unless named ``*_pa
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
+from ..config import EngineConfig
 from ..consensus_record import consensus_check
 from .acks import AckCounts
-from .controller import TransferController
 from .device_tier import DeviceTier, KVState
 from .host_pool import HostKVPool
 from .host_tier import WRITE_POLICIES, HostTier
+from .host_transfer import TransferController
 from .placement import PagePlacement, ShardedPageAllocator, ShardView
 from .pools import DeviceKVPool, PageAllocator
 from .storage.base import StorageBackend
-from .storage.controller import Agree, PrefetchOp
 from .storage.keys import KeyNamespace
 from .storage.page_objects import DRAFT_PREFIX, GridCell
+from .storage.prefetch_backup import Agree, PrefetchOp
 from .storage.unified import UnifiedPlan
 from .storage_tier import StorageTier, consume_prefetch_acks, node_hashes
 from .tiers import CacheStats, Tier
 from .tree_node import TreeNode
 
-__all__ = ["KVCacheManager", "KVState", "CacheStats", "WRITE_POLICIES"]
+__all__ = ["CachePolicy", "KVCacheManager", "KVState", "CacheStats", "RankLayout", "WRITE_POLICIES"]
+
+
+@dataclass(frozen=True)
+class CachePolicy:
+    """How the tiers behave: device eviction order and reuse, the host write policy, when
+    storage is asked and how much of the host it may fill, the deadline (seconds) of each
+    storage backend call (a breaker skips a backend that keeps failing; None: no deadline)."""
+
+    eviction_policy: str = "lru"
+    enable_prefix_cache: bool = True
+    write_policy: str = "write_through"
+    write_through_threshold: int = 2
+    prefetch_threshold: int = 256
+    prefetch_max_host_fraction: float = 0.5
+    storage_op_timeout: float | None = 10.0
+
+    def __post_init__(self) -> None:
+        if self.write_policy not in WRITE_POLICIES:
+            raise ValueError(f"unknown write policy {self.write_policy!r}")
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig) -> CachePolicy:
+        """The policy the engine's flags ask for."""
+        return cls(eviction_policy=cfg.radix_eviction_policy, enable_prefix_cache=cfg.decode_reuses_prefix,
+                   write_policy=cfg.hicache_write_policy, write_through_threshold=cfg.hicache_write_through_threshold,
+                   prefetch_threshold=cfg.hicache_storage_prefetch_threshold,
+                   storage_op_timeout=cfg.hicache_storage_op_timeout)
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """This rank's share of the deployment's KV (defaults: one rank alone).
+
+    ``shard`` names its slice (layers, heads) so ranks never share storage objects;
+    ``storage_agree``: MIN-reduce functions for the prefetch and backup threads when several
+    ranks share the deployment; ``placement``: device and host pages are page-sharded over a
+    shard group of which this rank is ``shard_rank`` (the pools hold its local pages; page ids
+    everywhere else are logical; copies and storage objects move its own pages only);
+    ``sidecar``: device (and host) pools of more KV on the same page ids with rows of their own
+    (a speculative draft's): every copy and storage object of a page carries its share, and the
+    model reads it through :attr:`KVCacheManager.sidecar_view`; ``unified``: storage objects
+    follow the unified grid (``--hicache-storage-key-scheme unified``): this rank's read and
+    write cells, under a namespace every compatible deployment shares."""
+
+    shard: str = ""
+    storage_agree: tuple[Agree, Agree] | None = None
+    placement: PagePlacement | None = None
+    shard_rank: int = 0
+    sidecar: tuple[DeviceKVPool, HostKVPool | None] | None = None
+    unified: UnifiedPlan | None = None
 
 
 class _KVView:
@@ -83,66 +136,41 @@ class KVCacheManager:
     allocator, the radix tree (None when reuse is off) and, with a host tier, the host pool,
     its allocator and the transfer controller; with storage, its controller (``storage``)."""
 
-    def __init__(
-        self,
-        pool: DeviceKVPool,
-        eviction_policy: str = "lru",
-        enable_prefix_cache: bool = True,
-        host_pool: HostKVPool | None = None,
-        write_policy: str = "write_through",
-        write_through_threshold: int = 2,
-        storage: StorageBackend | None = None,
-        prefetch_threshold: int = 256,
-        prefetch_max_host_fraction: float = 0.5,
-        storage_agree: tuple[Agree, Agree] | None = None,
-        shard: str = "",
-        storage_op_timeout: float | None = 10.0,
-        placement: PagePlacement | None = None,
-        shard_rank: int = 0,
-        sidecar: tuple[DeviceKVPool, HostKVPool | None] | None = None,
-        unified: UnifiedPlan | None = None,
-    ) -> None:
-        """``storage_agree``: MIN-reduce functions for the prefetch and backup threads when
-        several ranks share the deployment; ``shard``: names this rank's slice of the KV
-        (layers, heads) so ranks never share storage objects; ``storage_op_timeout``: deadline
-        in seconds of each storage backend call (a breaker skips a backend that keeps failing);
-        ``placement``: device and host pages are page-sharded over a shard group of which this
-        rank is ``shard_rank`` (``pool`` and ``host_pool`` hold its local pages; page ids
-        everywhere else are logical; copies and storage objects move its own pages only);
-        ``sidecar``: device (and host) pools of more KV on the same page ids with rows of their
-        own (a speculative draft's): every copy and storage object of a page carries its share,
-        and the model reads it through :attr:`sidecar_view`; ``unified``: storage objects follow
-        the unified grid (``--hicache-storage-key-scheme unified``): this rank's read and write
-        cells, under a namespace every compatible deployment shares."""
-        if write_policy not in WRITE_POLICIES:
-            raise ValueError(f"unknown write policy {write_policy!r}")
-        sharded = placement is not None and placement.num_shards > 1
-        shard_view = ShardView(placement, shard_rank) if sharded else None
+    def __init__(self, pool: DeviceKVPool, host_pool: HostKVPool | None = None, storage: StorageBackend | None = None,
+                 policy: CachePolicy | None = None, layout: RankLayout | None = None) -> None:
+        """``pool``: the device tier's pages; ``host_pool``: the host tier's (None: no host
+        tier); ``storage``: the storage tier's backend (needs a host pool); ``policy`` and
+        ``layout`` default to :class:`CachePolicy` and :class:`RankLayout` as they come."""
+        policy, layout = policy or CachePolicy(), layout or RankLayout()
         if storage is not None and host_pool is None:
             raise ValueError("a storage tier needs a host pool (its prefetches land in host pages)")
-        self.pool, self.page_size, self.host_pool, self.write_policy = pool, pool.page_size, host_pool, write_policy
+        placement, sidecar, unified = layout.placement, layout.sidecar, layout.unified
+        sharded = placement is not None and placement.num_shards > 1
+        shard_view = ShardView(placement, layout.shard_rank) if sharded else None
+        self.pool, self.page_size, self.host_pool, self.write_policy = pool, pool.page_size, host_pool, policy.write_policy
         self.stats = CacheStats()
         self.host_allocator: PageAllocator | ShardedPageAllocator | None = None
         if host_pool is not None:
             self.host_allocator = ShardedPageAllocator(placement, host_pool.num_pages) if sharded \
                 else PageAllocator(host_pool.num_pages)
-        self.device = DeviceTier(pool, eviction_policy, enable_prefix_cache, self.host_allocator, self.stats,
-                                 placement)
+        self.device = DeviceTier(pool, policy.eviction_policy, policy.enable_prefix_cache, self.host_allocator,
+                                 self.stats, placement)
         self.allocator, self.tree = self.device.allocator, self.device.tree
-        self.keys = _key_namespace(pool, shard, unified)
+        self.keys = _key_namespace(pool, layout.shard, unified)
         self.host: HostTier | None = None
         self.storage_tier: StorageTier | None = None
         self.tiers: list[Tier] = []  # the lower tiers, top down
         if host_pool is not None:
-            self.host = HostTier(pool, host_pool, self.host_allocator, self.tree, write_policy,
-                                 write_through_threshold, self.stats, shard_view, [sidecar] if sidecar else [])
+            self.host = HostTier(pool, host_pool, self.host_allocator, self.tree, policy.write_policy,
+                                 policy.write_through_threshold, self.stats, shard_view, [sidecar] if sidecar else [])
             self.device.lower = self.host
             self.tiers.append(self.host)
         if storage is not None:
             objects = _grid_objects(host_pool, unified, sidecar[1] if sidecar else None, len(pool.k_buffers)) \
                 if unified else None
-            self.storage_tier = StorageTier(storage, self.host, self.keys, storage_agree, storage_op_timeout,
-                                            prefetch_threshold, prefetch_max_host_fraction, shard_view, objects)
+            self.storage_tier = StorageTier(storage, self.host, self.keys, layout.storage_agree,
+                                            policy.storage_op_timeout, policy.prefetch_threshold,
+                                            policy.prefetch_max_host_fraction, shard_view, objects)
             self.host.lower = self.storage_tier
             self.tiers.append(self.storage_tier)
         self.controller = self.host.controller if self.host is not None else None

@@ -15,27 +15,26 @@ Invariants (checked by :meth:`RadixCache.check_invariants`):
 
 Keys carry a namespace (model identity, ``cache_salt``, ...): each namespace has its own root,
 so different namespaces never share nodes.
+
+The tree's shape (split, walk, namespaces) is :class:`~.page_tree.PageTree`; device eviction is
+:class:`~.leaf_eviction.LeafEviction`. This module is the contract on top: match / insert, lock
+and host refs, and the page counters they keep.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
-import logging
 from typing import Callable
 
 import numpy as np
 
 from ..consensus_record import consensus_check
+from .leaf_eviction import LeafEviction
+from .page_tree import EMPTY_PAGES, PageTree
 from .pools import PageAllocator
 from .tree_node import MatchResult, PeekResult, TreeNode, check_nodes
 
-logger = logging.getLogger(__name__)
 
-_EMPTY_PAGES = np.zeros(0, dtype=np.int64)
-
-
-class RadixCache:
+class RadixCache(PageTree, LeafEviction):
     """The prefix index of every tier: match / insert / lock / evict over logical token pages.
     It keeps each node's tier state consistent; when to copy between tiers is the tiers' policy."""
 
@@ -48,7 +47,7 @@ class RadixCache:
     ) -> None:
         if eviction_policy not in ("lru", "lfu"):
             raise ValueError(f"unknown eviction policy {eviction_policy!r}")
-        self.page_size = page_size
+        super().__init__(page_size)
         self.allocator = allocator
         self.host_allocator = host_allocator  # L2 pages; None without a host tier
         self.eviction_policy = eviction_policy
@@ -56,74 +55,9 @@ class RadixCache:
         # (write_back). Without it such a victim is dropped.
         self.backup_on_evict: Callable[[TreeNode], bool] | None = None
         self.host_pages_held = 0
-        self._ids = itertools.count()
-        self._tick = 0
-        self._roots: dict[str, TreeNode] = {}
         self.evictable_pages = 0
         self.protected_pages = 0
         self.evicted_pages_total = 0
-
-    # ---- helpers -------------------------------------------------------------------------
-    def _root(self, namespace: str) -> TreeNode:
-        root = self._roots.get(namespace)
-        if root is None:
-            root = TreeNode(next(self._ids), namespace, np.zeros(0, dtype=np.int32), None)
-            root.device_pages = _EMPTY_PAGES
-            root.lock_ref = 1  # roots are never evicted
-            self._roots[namespace] = root
-        return root
-
-    def _page_key(self, tokens: np.ndarray, start: int) -> bytes:
-        return tokens[start : start + self.page_size].tobytes()
-
-    def _common_pages(self, key: np.ndarray, tokens: np.ndarray, start: int) -> int:
-        """Whole pages of ``key`` that equal ``tokens[start:]``, in tokens."""
-        n = min(len(key), len(tokens) - start)
-        diff = np.flatnonzero(key[:n] != tokens[start : start + n])
-        same = int(diff[0]) if len(diff) else n
-        return same - same % self.page_size
-
-    def _touch(self, node: TreeNode) -> None:
-        self._tick += 1
-        node.last_access = self._tick
-        node.hit_count += 1
-
-    def _split(self, node: TreeNode, at: int) -> TreeNode:
-        """Cut ``node`` after ``at`` tokens (whole pages); return the new upper part."""
-        pages_at = at // self.page_size
-        upper = TreeNode(next(self._ids), node.namespace, node.key[:at], node.parent)
-        upper.lock_ref, upper.host_ref, upper.stored = node.lock_ref, node.host_ref, node.stored
-        upper.last_access, upper.hit_count = node.last_access, node.hit_count
-        if node.device_pages is not None:
-            upper.device_pages, node.device_pages = node.device_pages[:pages_at], node.device_pages[pages_at:]
-        if node.host_pages is not None:
-            upper.host_pages, node.host_pages = node.host_pages[:pages_at], node.host_pages[pages_at:]
-        if node.hash_values is not None:
-            upper.hash_values, node.hash_values = node.hash_values[:pages_at], node.hash_values[pages_at:]
-        node.parent.children[self._page_key(upper.key, 0)] = upper
-        node.key = node.key[at:]
-        node.parent = upper
-        upper.children[self._page_key(node.key, 0)] = node
-        return upper
-
-    def _child(self, node: TreeNode, tokens: np.ndarray, pos: int) -> TreeNode | None:
-        """The child of ``node`` that ``tokens[pos:]`` enters, cut to their common pages; None
-        when no child shares the first page."""
-        child = node.children.get(self._page_key(tokens, pos))
-        if child is not None and (n := self._common_pages(child.key, tokens, pos)) < len(child.key):
-            child = self._split(child, n)
-        return child
-
-    def _leaf(self, parent: TreeNode, key: np.ndarray) -> TreeNode:
-        """A new (touched) leaf below ``parent``; the caller gives it its tier's pages."""
-        leaf = TreeNode(next(self._ids), parent.namespace, key.copy(), parent)
-        self._touch(leaf)
-        parent.children[self._page_key(leaf.key, 0)] = leaf
-        return leaf
-
-    def _as_tokens(self, tokens) -> np.ndarray:
-        arr = np.asarray(tokens, dtype=np.int32)
-        return arr[: len(arr) - len(arr) % self.page_size]
 
     # ---- the contract --------------------------------------------------------------------
     def _walk(self, namespace: str, tokens: np.ndarray) -> tuple[list[TreeNode], int, int, int]:
@@ -169,7 +103,7 @@ class RadixCache:
         k = 0  # the device hit is the leading run of nodes with device pages
         while k < len(path) and path[k].device_pages is not None:
             k += 1
-        pages = np.concatenate([m.device_pages for m in path[:k]]) if k else _EMPTY_PAGES
+        pages = np.concatenate([m.device_pages for m in path[:k]]) if k else EMPTY_PAGES
         last_device = path[k - 1] if k else root
         return MatchResult(pages, len(pages) * self.page_size, last_device, host_tokens, path[-1] if path else root)
 
@@ -211,19 +145,31 @@ class RadixCache:
             node, pos = child, pos + n
         return pos if on_device is None else on_device
 
-    def node_at(self, namespace: str, tokens) -> TreeNode | None:
-        """The node whose path ends exactly after ``tokens`` (whole pages), or None. Read-only:
-        no split, no recency update."""
+    def insert_host(self, namespace: str, tokens, host_pages: np.ndarray, start_page: int,
+                    hashes: list[bytes] | None = None) -> int:
+        """Insert host-only pages fetched from storage: ``host_pages[i]`` holds page
+        ``start_page + i`` of ``tokens`` (whole pages). Pages the tree already has, in any tier,
+        are not taken. Returns the index into ``host_pages`` from which the tree took ownership
+        (``len(host_pages)`` when it took none: the caller frees ``host_pages[:returned]``)."""
         tokens = self._as_tokens(tokens)
-        node = self._roots.get(namespace)
-        pos = 0
-        while node is not None and pos < len(tokens):
-            node = node.children.get(self._page_key(tokens, pos))
-            if node is None or self._common_pages(node.key, tokens, pos) != len(node.key):
-                return None
-            pos += len(node.key)
-        return node
+        node, pos = self._root(namespace), 0
+        while pos < len(tokens):
+            child = self._child(node, tokens, pos)
+            if child is None:
+                first = pos // self.page_size - start_page
+                if first < 0:  # the prefix before the fetched pages is gone: nothing to hang them on
+                    return len(host_pages)
+                leaf = self._leaf(node, tokens[pos:])
+                leaf.host_pages = np.asarray(host_pages[first:], dtype=np.int64).copy()
+                if hashes is not None:
+                    leaf.hash_values = list(hashes[first:])
+                leaf.stored = True  # it came from storage
+                self.host_pages_held += len(leaf.host_pages)
+                return first
+            node, pos = child, pos + len(child.key)
+        return len(host_pages)
 
+    # ---- refs and page accounting ------------------------------------------------------
     def _count(self, node: TreeNode, sign: int) -> None:
         if node.lock_ref > 0:
             self.protected_pages += sign * node.num_pages
@@ -261,97 +207,6 @@ class RadixCache:
             node.host_ref -= 1
             node = node.parent
 
-    def insert_host(self, namespace: str, tokens, host_pages: np.ndarray, start_page: int,
-                    hashes: list[bytes] | None = None) -> int:
-        """Insert host-only pages fetched from storage: ``host_pages[i]`` holds page
-        ``start_page + i`` of ``tokens`` (whole pages). Pages the tree already has, in any tier,
-        are not taken. Returns the index into ``host_pages`` from which the tree took ownership
-        (``len(host_pages)`` when it took none: the caller frees ``host_pages[:returned]``)."""
-        tokens = self._as_tokens(tokens)
-        node, pos = self._root(namespace), 0
-        while pos < len(tokens):
-            child = self._child(node, tokens, pos)
-            if child is None:
-                first = pos // self.page_size - start_page
-                if first < 0:  # the prefix before the fetched pages is gone: nothing to hang them on
-                    return len(host_pages)
-                leaf = self._leaf(node, tokens[pos:])
-                leaf.host_pages = np.asarray(host_pages[first:], dtype=np.int64).copy()
-                if hashes is not None:
-                    leaf.hash_values = list(hashes[first:])
-                leaf.stored = True  # it came from storage
-                self.host_pages_held += len(leaf.host_pages)
-                return first
-            node, pos = child, pos + len(child.key)
-        return len(host_pages)
-
-    def _eviction_key(self, node: TreeNode) -> tuple:
-        if self.eviction_policy == "lfu":
-            return (node.hit_count, node.last_access, node.id)
-        return (node.last_access, node.id)
-
-    def _evictable_leaf(self, node: TreeNode) -> bool:
-        return (
-            not node.is_root and node.lock_ref == 0 and node.device_pages is not None
-            and not any(c.device_pages is not None for c in node.children.values())
-            # dropping a node without a host copy drops its subtree: not while storage reads it
-            and (node.host_pages is not None or node.host_ref == 0)
-        )
-
-    def evict_leaves(self, num_pages: int, evictable: Callable[[TreeNode], bool],
-                     take: Callable[[TreeNode], int]) -> int:
-        """Apply ``take`` (returns the pages it freed) to ``evictable`` leaves in policy order,
-        a parent joining once its last child goes, until ``num_pages`` are freed or none is left."""
-        heap = [(self._eviction_key(n), n) for n in self._all_nodes() if evictable(n)]
-        heapq.heapify(heap)
-        freed = 0
-        while freed < num_pages and heap:
-            _, node = heapq.heappop(heap)
-            parent = node.parent
-            freed += take(node)
-            if evictable(parent):
-                heapq.heappush(heap, (self._eviction_key(parent), parent))
-        return freed
-
-    @consensus_check("tree.evict", args=lambda self, num_pages, wanted=None: num_pages, result=lambda freed: freed)
-    def evict(self, num_pages: int, wanted: Callable[[np.ndarray], bool] | None = None) -> int:
-        """Free at least ``num_pages`` device pages from unlocked leaves, least valuable first
-        (policy order); ``wanted(pages)``: only leaves whose device pages it accepts (sharded KV:
-        those holding a page on an owner that is short). A victim with a host copy stays in the
-        tree as host-only; one without is dropped (with any host-only nodes below it). Returns
-        the pages freed (fewer when too little is evictable)."""
-        evictable = self._evictable_leaf if wanted is None else \
-            (lambda n: self._evictable_leaf(n) and wanted(n.device_pages))
-        freed = self.evict_leaves(num_pages, evictable, self._evict_device)
-        self.evicted_pages_total += freed
-        if freed:
-            logger.debug("evicted %d device pages", freed)
-        return freed
-
-    def _evict_device(self, node: TreeNode) -> int:
-        if node.host_pages is None and self.backup_on_evict is not None:
-            self.backup_on_evict(node)
-        freed = node.num_pages
-        self.evictable_pages -= freed
-        self.allocator.free(node.device_pages)
-        node.device_pages = None
-        if node.host_pages is None:
-            self.delete_subtree(node)
-        return freed
-
-    def delete_subtree(self, node: TreeNode) -> None:
-        """Unlink ``node``; free the host pages of it and everything below (none is on device)."""
-        del node.parent.children[self._page_key(node.key, 0)]
-        stack = [node]
-        while stack:
-            n = stack.pop()
-            assert n.device_pages is None and n.lock_ref == 0 and n.host_ref == 0, f"{n}: deleting live data"
-            if n.host_pages is not None:
-                self.host_allocator.free(n.host_pages)
-                self.host_pages_held -= len(n.host_pages)
-                n.host_pages = None
-            stack.extend(n.children.values())
-
     def attach_host_pages(self, node: TreeNode, host_pages: np.ndarray) -> None:
         """Record ``node``'s L2 copy (its backup is in flight while the node stays locked)."""
         assert node.host_pages is None and len(host_pages) * self.page_size == len(node.key)
@@ -381,16 +236,6 @@ class RadixCache:
     @property
     def cached_pages(self) -> int:
         return self.evictable_pages + self.protected_pages
-
-    def _all_nodes(self):
-        stack = list(self._roots.values())
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.children.values())
-
-    def num_nodes(self) -> int:
-        return sum(1 for n in self._all_nodes() if not n.is_root)
 
     def check_invariants(self) -> None:
         """Recompute every counter from the nodes and compare; raise AssertionError on drift."""

@@ -25,13 +25,13 @@ from typing import Sequence
 import numpy as np
 
 from .acks import AckCounts
-from .controller import leading_done
 from .host_tier import HostTier
+from .host_transfer import leading_done
 from .placement import ShardView, path_anchor
 from .storage.base import StorageBackend
-from .storage.controller import Agree, PrefetchOp, StorageController
-from .storage.page_objects import PageObject, WholePage
 from .storage.keys import KeyNamespace, continue_chain, page_hashes
+from .storage.page_objects import PageObject, WholePage
+from .storage.prefetch_backup import Agree, PrefetchOp, StorageController
 from .tree_node import TreeNode
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,6 @@ import itertools
 import json
 import logging
 import queue
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass

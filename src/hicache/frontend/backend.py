@@ -9,7 +9,8 @@ rank processes (``--tp-size`` / ``--pp-size`` > 1) and forwards to its leader.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+import time
+from typing import Any, Protocol, Sequence
 
 import torch
 
@@ -20,9 +21,8 @@ from ..model.parallel import check_parallel
 from ..parallel.rank_group import RankGroup
 from ..runtime.core import EngineCore, build_core, core_stats
 from ..runtime.request import Request
-
-if TYPE_CHECKING:
-    from ..runtime.scheduler import Scheduler
+from ..runtime.scheduler import Scheduler
+from ..runtime.step import ForwardFn, StepDriver
 
 logger = logging.getLogger(__name__)
 
@@ -79,11 +79,47 @@ class Backend(Protocol):
         ...
 
 
+class LocalScheduler:
+    """One in-process rank's scheduler as the Engine and the EngineLoop see it: the runtime's
+    :class:`Scheduler`, stepped by the one :class:`StepDriver` this process's loop owns."""
+
+    IDLE_PAUSE_S = 0.001  # no batch, only background work to wait for: do not spin
+
+    def __init__(self, scheduler: Scheduler, forward: ForwardFn) -> None:
+        self.runtime = scheduler
+        self.driver = StepDriver(scheduler, forward)
+
+    @property
+    def running(self) -> Sequence[Request]:
+        return self.runtime.running
+
+    @property
+    def waiting(self) -> Sequence[Request]:
+        return self.runtime.waiting
+
+    def add(self, req: Request) -> None:
+        self.runtime.add(req)
+
+    def abort(self, rid: int) -> bool:
+        return self.runtime.abort(rid)
+
+    def has_work(self) -> bool:
+        return self.runtime.has_work()
+
+    def step(self) -> list[Request]:
+        """One step (runtime/step.py); returns the requests that finished in it."""
+        batch, finished = self.driver.step()
+        if batch is None and self.runtime.only_waiting():
+            time.sleep(self.IDLE_PAUSE_S)
+        return finished
+
+
 class LocalBackend:
-    """One rank in this process: the :class:`EngineCore` itself."""
+    """One rank in this process: the :class:`EngineCore` itself, and the driver that steps it."""
 
     def __init__(self, core: EngineCore, page_size: int) -> None:
         self.core: EngineCore | None = core
+        self._scheduler = LocalScheduler(core.scheduler, core.runner.forward)
         self.capacity_pages = core.cache.capacity_pages
         self._page_size = page_size
 
@@ -93,8 +129,9 @@ class LocalBackend:
         return self.core
 
     @property
-    def scheduler(self) -> Scheduler:
-        return self._live().scheduler
+    def scheduler(self) -> LocalScheduler:
+        self._live()
+        return self._scheduler
 
     def stats(self) -> dict[str, Any]:
         return core_stats(self._live(), self._page_size)

@@ -17,7 +17,7 @@ from ..disagg.bootstrap import Bootstrap
 from ..errors import ContextLengthError, HicacheError, InvalidRequestError
 from ..model import load_model
 from ..model.loader import LoadedModel
-from ..runtime.request import GenerateResult, Request
+from ..runtime.request import GenerateResult, PDState, Request
 from ..runtime.sampling import SamplingParams
 from ..runtime.speculative import check_draft
 from ..runtime.storage_layout import layout_report
@@ -161,7 +161,7 @@ class Engine:
             )
         namespace = tree_namespace(self.cache_identity, self.config.dtype, self.config.page_size, cache_salt)
         return Request(rid=next(self._rids), prompt_ids=ids, sampling=sampling, namespace=namespace,
-                       max_new_tokens=max_new, bootstrap=bootstrap)
+                       max_new_tokens=max_new, pd=PDState(bootstrap) if bootstrap is not None else None)
 
     def generate(
         self,

@@ -29,6 +29,15 @@ from hicache.kernels import cpu_kernels
 KVBlock = tuple[torch.Tensor, torch.Tensor]  # K and V, each [L, KvH, D]
 
 
+def attended(k: torch.Tensor, v: torch.Tensor, latent: bool) -> KVBlock:
+    """Stored K/V rows ``[L, KvH, D]`` as attention's keys and values: as they are, or, for an
+    MLA latent stored in two halves (``latent``), the latent ``[L, 1, 2D]`` as key and value at once."""
+    if not latent:
+        return k, v
+    joined = torch.cat((k, v), dim=-1)
+    return joined, joined
+
+
 def _expand_heads(x: torch.Tensor, num_heads: int, kv_map: Optional[torch.Tensor]) -> torch.Tensor:
     """``[L, KvH, D]`` -> ``[L, H, D]``: the KV head each query head reads."""
     if kv_map is not None:

@@ -19,45 +19,25 @@ CP), attends to the keys it owns, and the partial outputs are merged across the 
 log-sum-exp -- a [B, H, D+1] all-gather per layer instead of gathering every context. With
 replicated KV a decode batch is a plain batch: every rank holds every key.
 
-The model knows nothing of the radix tree or the placement: the engine's runner translates
-logical slots into (owner, local row) at the pool's copy boundary and hands over
-:class:`ShardedContext` per sequence.
+All of it runs behind the attention backend protocol (:class:`CPBackend`, chosen once per
+engine). The model knows nothing of the radix tree or the placement: the engine's runner
+translates logical slots into (owner, local row) at the pool's copy boundary
+(:meth:`CPSetup.contexts`) and the backend gets :class:`ShardedContext` per sequence.
 """
 
 from __future__ import annotations
 
-import logging
-import time
-from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol, Sequence
+from dataclasses import dataclass
+from typing import Optional, Protocol, Sequence
 
 import torch
 
-from hicache.model.attention import keys_attention, merge_partials, sequence_attention
-
-logger = logging.getLogger(__name__)
+from hicache.model.attention import attended, keys_attention, merge_partials, sequence_attention
+from hicache.model.batch import AttentionLayer, ForwardBatch, KVView
+from hicache.model.paged import PagedBackend
+from hicache.model.prefix_gather import CPGroup, PrefixGather
 
 CP_STRATEGIES = ("zigzag", "interleave")
-
-
-class CPGroup(Protocol):
-    """The ranks one KV is sharded over and/or tokens split over: the CP ranks that hold this
-    rank's heads (same heads, other tokens), or an MLA latent's attention-TP ranks (other
-    heads, the same tokens and latent)."""
-
-    rank: int
-    size: int
-
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        """``[size, *x.shape]``: every rank's ``x``, in rank order."""
-        ...
-
-    def all_gather_start(self, x: torch.Tensor, out: torch.Tensor) -> Callable[[], float]:
-        """Start gathering every rank's ``x`` into ``out`` ``[size, *x.shape]``; returns the wait,
-        which returns when the gather completed (``time.perf_counter()``)."""
-        ...
-
-    def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 def split_new_tokens(first_position: int, n: int, size: int, strategy: str, page_size: int) -> list[list[tuple[int, int]]]:
@@ -120,7 +100,7 @@ class CPSequence:
 
 @dataclass
 class CPLayout:
-    """What every layer of one forward needs for context parallelism (see the module docstring)."""
+    """The CP backend's metadata: what every layer of one forward needs (see the module docstring)."""
 
     group: CPGroup
     seqs: list[CPSequence]  # prefill
@@ -134,12 +114,16 @@ class CPLayout:
     num_logits: int
     page_size: int
     decode_rows: Optional[list[torch.Tensor]] = None  # sharded decode: each context's keys on this rank
-    gather: Optional["PrefixGather"] = None
-    _jobs: dict[tuple[int, int], int] = field(default_factory=dict)
+    gather: Optional[PrefixGather] = None
 
     @property
     def prefill(self) -> bool:
         return self.decode_rows is None
+
+    @property
+    def decode(self) -> None:
+        """Never a decode over this rank's pool alone: the fused native decode layer never serves it."""
+        return None
 
     def final_rows(self, h: torch.Tensor) -> torch.Tensor:
         """The wanted logits rows ``[num_logits, hidden]`` on every rank: each row's holder puts
@@ -166,47 +150,94 @@ def _pieces_rows(pieces_per_seq: list[list[tuple[int, int]]], new_starts: list[i
     return local, order
 
 
-def make_cp_batch(input_ids: Sequence[Sequence[int]], prefix_lens: Sequence[int],
-                  contexts: Sequence[torch.Tensor | ShardedContext], group: CPGroup, strategy: str,
-                  page_size: int, gather: Optional["PrefixGather"], device: torch.device, split_tokens: bool = True):
-    """This CP rank's :class:`~hicache.model.batch.ForwardBatch` for a batch of B sequences.
+class CPSetup(Protocol):
+    """An engine's place in a CP group, as the runtime builds it (``runtime/runner.py``)."""
 
-    ``contexts[b]``: the context's slots in this rank's pool (replicated KV: a long tensor, the
-    same on every rank), or its :class:`ShardedContext` (page-sharded KV). ``split_tokens``
-    False: the group's ranks are attention-TP ranks over one MLA latent (different heads, the
-    same tokens): every rank computes every token and only the KV is sharded, so decode reads
-    its context through the prefix gather too (a rank cannot merge partials of heads it lacks)."""
-    from hicache.model.batch import ForwardBatch, make_forward_batch
+    group: CPGroup
+    strategy: str  # one of CP_STRATEGIES
+    page_size: int
+    gather: Optional[PrefixGather]  # sharded KV: the prefix-gather scratch; None: replicated
+    split_tokens: bool  # False: the group's ranks hold other heads of the same tokens (MLA attention-TP)
 
-    lens = [len(ids) for ids in input_ids]
-    sharded = isinstance(contexts[0], ShardedContext)
-    for b, (context, prefix_len) in enumerate(zip(contexts, prefix_lens)):
-        size = len(context.rows) if sharded else len(context)
-        if size != prefix_len + lens[b]:
-            raise ValueError(f"sequence {b}: {size} context slots for {prefix_len + lens[b]} tokens")
-    if max(lens) == 1 and not sharded:  # every rank holds every key: a plain decode batch
-        return make_forward_batch(input_ids, prefix_lens, contexts, device=device)
-    starts = torch.tensor([0] + lens).cumsum(0).tolist()
-    total = starts[-1]
-    rows = [c.rows if sharded else torch.as_tensor(c).long() for c in contexts]
-    new_rows = torch.cat([r[p:] for r, p in zip(rows, prefix_lens)])
-    if sharded:
-        mine = torch.cat([c.owners[p:] for c, p in zip(contexts, prefix_lens)]) == group.rank
-        write_index = mine.nonzero().flatten()
-    else:
-        write_index = torch.arange(total)
-    write_rows = new_rows[write_index]
-    flat_ids = torch.tensor([t for ids in input_ids for t in ids], dtype=torch.long)
-    positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix_lens, lens)])
-    ends = torch.tensor(starts[1:]) - 1
-    if max(lens) == 1 and split_tokens:  # sharded decode: every rank computes every token over its own keys
+    def contexts(self, prefix_lens: list[int], context_slots: list[torch.Tensor],
+                 gathered: bool) -> list[torch.Tensor | ShardedContext]:
+        """Each context as this rank reads it: local slots (replicated KV) or its
+        :class:`ShardedContext` (with the prefix gather's pages when ``gathered``)."""
+        ...
+
+
+class CPBackend:
+    """Attention over a context spread over a CP group (see the module docstring).
+    ``num_layers``: KV layers of this rank's pool (the prefix gathers are planned over them)."""
+
+    def __init__(self, setup: CPSetup, device: torch.device, num_layers: int) -> None:
+        self.setup = setup
+        self.device = device
+        self.num_layers = num_layers
+        self.paged = PagedBackend(device)  # replicated KV: a decode batch is a plain batch
+
+    def prepare(self, input_ids: Sequence[Sequence[int]], prefix_lens: Sequence[int],
+                context_slots: Sequence[torch.Tensor], logits: str = "last") -> ForwardBatch:
+        """This CP rank's batch of B sequences (its share of the new tokens). ``split_tokens``
+        False: the group's ranks are attention-TP ranks over one MLA latent (different heads, the
+        same tokens): every rank computes every token and only the KV is sharded, so decode reads
+        its context through the prefix gather too (a rank cannot merge partials of heads it lacks)."""
+        assert logits == "last", "context parallelism returns each sequence's last logits only"
+        setup, device = self.setup, self.device
+        lens = [len(ids) for ids in input_ids]
+        # A decode batch split over CP ranks merges partial attention: no prefix gather.
+        contexts = setup.contexts(list(prefix_lens), list(context_slots), not (setup.split_tokens and max(lens) == 1))
+        sharded = isinstance(contexts[0], ShardedContext)
+        for b, (context, prefix_len) in enumerate(zip(contexts, prefix_lens)):
+            size = len(context.rows) if sharded else len(context)
+            if size != prefix_len + lens[b]:
+                raise ValueError(f"sequence {b}: {size} context slots for {prefix_len + lens[b]} tokens")
+        if max(lens) == 1 and not sharded:  # every rank holds every key: a plain decode batch
+            return self.paged.prepare(input_ids, prefix_lens, contexts)
+        starts = torch.tensor([0] + lens).cumsum(0).tolist()
+        if max(lens) == 1 and setup.split_tokens:  # sharded decode: every rank computes every token over its own keys
+            layout, local = self._sharded_decode(prefix_lens, contexts), torch.arange(starts[-1])
+        else:
+            layout, local = self._prefill(lens, prefix_lens, contexts, starts, sharded)
+        if setup.gather is not None:
+            setup.gather.begin(layout.seqs, self.num_layers, setup.page_size)
+        flat_ids = torch.tensor([t for ids in input_ids for t in ids], dtype=torch.long)
+        positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix_lens, lens)])
+        return ForwardBatch(input_ids=flat_ids[local].to(device), positions=positions[local].to(device),
+                            attn=layout, backend=self)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
+                batch: ForwardBatch, kv: KVView) -> torch.Tensor:
+        """See :meth:`~hicache.model.batch.AttentionBackend.forward` (``T``: this rank's tokens)."""
+        kv.wait_layer(layer.layer)
+        return cp_attention(q, k, v, batch.attn, layer, kv)  # type: ignore[arg-type]  # this backend prepared it
+
+    def _writes(self, prefix_lens: Sequence[int], contexts: list, sharded: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The global new tokens whose K/V this rank stores, and the rows of its pool they go to."""
+        rows = [c.rows if sharded else torch.as_tensor(c).long() for c in contexts]
+        new_rows = torch.cat([r[p:] for r, p in zip(rows, prefix_lens)])
+        if sharded:
+            mine = torch.cat([c.owners[p:] for c, p in zip(contexts, prefix_lens)]) == self.setup.group.rank
+            write_index = mine.nonzero().flatten()
+        else:
+            write_index = torch.arange(len(new_rows))
+        return write_index.to(self.device), new_rows[write_index].to(self.device)
+
+    def _sharded_decode(self, prefix_lens: Sequence[int], contexts: list[ShardedContext]) -> CPLayout:
+        group, device, bsz = self.setup.group, self.device, len(contexts)
         decode_rows = [c.rows[c.owners == group.rank].to(device) for c in contexts]
-        cp = CPLayout(group, [], None, total, write_index.to(device), write_rows.to(device), ends.to(device),
-                      torch.arange(len(lens), device=device), len(lens), page_size, decode_rows=decode_rows)
-        local = torch.arange(total)
-    else:
-        split = [split_new_tokens(p, n, group.size, strategy, page_size) if split_tokens else [[(0, n)]] * group.size
-                 for p, n in zip(prefix_lens, lens)]
+        ends = torch.arange(bsz)  # one new token per sequence
+        return CPLayout(group, [], None, bsz, *self._writes(prefix_lens, contexts, True), ends.to(device),
+                        torch.arange(bsz, device=device), bsz, self.setup.page_size, decode_rows=decode_rows)
+
+    def _prefill(self, lens: list[int], prefix_lens: Sequence[int], contexts: list, starts: list[int],
+                 sharded: bool) -> tuple[CPLayout, torch.Tensor]:
+        """The layout of a prefill (or an MLA attention-TP decode), and the global new tokens this
+        rank computes, in its row order."""
+        setup, device, total = self.setup, self.device, starts[-1]
+        group, page_size = setup.group, setup.page_size
+        split = [split_new_tokens(p, n, group.size, setup.strategy, page_size) if setup.split_tokens
+                 else [[(0, n)]] * group.size for p, n in zip(prefix_lens, lens)]
         every = [_pieces_rows([s[r] for s in split], starts[:-1]) for r in range(group.size)]
         max_local = max(max(len(order) for _, order in every), 1)
         chunk_k_rows = torch.empty(total, dtype=torch.long)
@@ -214,21 +245,20 @@ def make_cp_batch(input_ids: Sequence[Sequence[int]], prefix_lens: Sequence[int]
             chunk_k_rows[torch.tensor(order, dtype=torch.long)] = 2 * r * max_local + torch.arange(len(order))
         pieces, order = every[group.rank]
         local = torch.tensor(order, dtype=torch.long)
-        seqs = [_cp_sequence(pieces[b], starts[b], lens[b], prefix_lens[b], contexts[b], sharded, group.size,
-                             page_size, device) for b in range(len(lens))]
+        seqs = [_cp_sequence(pieces[b], starts[b], lens[b], prefix_lens[b], contexts[b], sharded, page_size, device)
+                for b in range(len(lens))]
+        ends = torch.tensor(starts[1:]) - 1
         held = torch.isin(ends, local)
         slot_of = {int(g): i for i, g in enumerate(order)}
         logits_rows = torch.tensor([slot_of[int(e)] for e in ends[held]], dtype=torch.long)
-        cp = CPLayout(group, seqs, chunk_k_rows.to(device) if split_tokens else None, max_local,
-                      write_index.to(device), write_rows.to(device),
-                      logits_rows.to(device), held.nonzero().flatten().to(device), len(lens), page_size, gather=gather)
-    return ForwardBatch(input_ids=flat_ids[local].to(device), positions=positions[local].to(device),
-                        out_slots=torch.empty(0, dtype=torch.long, device=device), spans=[], decode=None,
-                        logits_index=torch.empty(0, dtype=torch.long, device=device), single=False, cp=cp)
+        layout = CPLayout(group, seqs, chunk_k_rows.to(device) if setup.split_tokens else None, max_local,
+                          *self._writes(prefix_lens, contexts, sharded), logits_rows.to(device),
+                          held.nonzero().flatten().to(device), len(lens), page_size, gather=setup.gather)
+        return layout, local
 
 
 def _cp_sequence(pieces: tuple, new_start: int, new_len: int, prefix_len: int, context, sharded: bool,
-                 size: int, page_size: int, device: torch.device) -> CPSequence:
+                 page_size: int, device: torch.device) -> CPSequence:
     if prefix_len == 0:
         return CPSequence(pieces, new_start, new_len, None, None)
     if not sharded:
@@ -243,108 +273,22 @@ def _cp_sequence(pieces: tuple, new_start: int, new_len: int, prefix_len: int, c
     return CPSequence(pieces, new_start, new_len, k_rows.to(device), context.gather_pages.to(device))
 
 
-class PrefixGather:
-    """The per-layer all-gather of sharded prefixes into two alternating scratch buffers.
-
-    A forward's gathers run in a fixed order -- layer by layer, each sequence with a cached
-    prefix in batch order -- the same on every rank. Waiting for gather i starts gather i + 1
-    into the other buffer, so it travels while gather i's attention computes. ``capacity``:
-    elements of one buffer, counted in the rank's memory budget before the pool is sized."""
-
-    def __init__(self, group: CPGroup, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.group = group
-        self.buffers = [torch.empty(capacity, dtype=dtype, device=device) for _ in range(2)]
-        self.gathers = 0
-        self.gathered_bytes = 0
-        self.wait_s = 0.0  # time layers waited for a gather (what the overlap did not hide)
-        self.busy_s = 0.0  # each gather's launch to completion, summed
-        self._plan: list[tuple[int, int]] = []
-        self._pending: dict[int, tuple[Callable[[], float], torch.Tensor, float]] = {}
-        self._grown = False
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers)
-
-    @staticmethod
-    def scratch_elems(size: int, context_tokens: int, page_size: int, kv_heads: int, head_dim: int) -> int:
-        """One buffer's elements for a prefix of up to ``context_tokens``: every rank sends
-        ceil(pages / size) pages of K and V."""
-        pages = -(-context_tokens // page_size)
-        return size * -(-pages // size) * page_size * 2 * kv_heads * head_dim
-
-    def begin(self, layout: CPLayout, num_layers: int) -> None:
-        """Plan this forward's gathers (called once, before the first layer)."""
-        self._plan = [(layer, b) for layer in range(num_layers)
-                      for b, seq in enumerate(layout.seqs) if seq.gather_pages is not None]
-        layout._jobs = {job: i for i, job in enumerate(self._plan)}
-        self._pending.clear()
-
-    def prefix(self, layout: CPLayout, layer: int, b: int, kv) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sequence b's cached prefix K and V ``[prefix_len, KvH, D]`` for ``layer``, in logical order."""
-        i = layout._jobs[(layer, b)]
-        if i not in self._pending:
-            self._start(layout, i, kv)
-        wait, out, started = self._pending.pop(i)
-        t0 = time.perf_counter()
-        completed = wait()
-        self.wait_s += time.perf_counter() - t0
-        self.busy_s += completed - started
-        nxt = i + 1
-        if nxt < len(self._plan) and (self._plan[nxt][0] == layer or kv.layer_ready(self._plan[nxt][0])):
-            # The next gather travels during this attention -- unless its layer is still being
-            # restored from host memory: then its own prefix() call starts it (never wait for a
-            # later layer's restore here). Every rank still starts the gathers in plan order.
-            self._start(layout, nxt, kv)
-        seq = layout.seqs[b]
-        heads, dim = kv.k_buffers[layer].shape[1:]
-        rows = out.view(-1, heads, dim)
-        page_rows = out.shape[1] // 2  # W pages of K, then W of V, per rank
-        return rows.index_select(0, seq.prefix_rows), rows.index_select(0, seq.prefix_rows + page_rows)
-
-    def _start(self, layout: CPLayout, i: int, kv) -> None:
-        layer, b = self._plan[i]
-        seq = layout.seqs[b]
-        kv.wait_layer(layer)  # restore local pages -> gather -> attention
-        k_buf, v_buf = kv.k_buffers[layer], kv.v_buffers[layer]
-        rows = _page_rows(seq.gather_pages, layout.page_size)
-        mine = torch.cat([k_buf.index_select(0, rows), v_buf.index_select(0, rows)])  # [2 * W * p, KvH, D]
-        need = self.group.size * mine.numel()
-        buf = self.buffers[i % 2]
-        if need > buf.numel():  # longer than budgeted (it should not be): grow once, say so
-            if not self._grown:
-                logger.warning("prefix gather needs %d elements, scratch holds %d: growing it", need, buf.numel())
-                self._grown = True
-            buf = self.buffers[i % 2] = torch.empty(need, dtype=buf.dtype, device=buf.device)
-        out = buf[:need].view(self.group.size, *mine.shape)
-        self._pending[i] = (self.group.all_gather_start(mine, out), out, time.perf_counter())
-        self.gathers += 1
-        self.gathered_bytes += need * buf.element_size()
-
-
-def _page_rows(pages: torch.Tensor, page_size: int) -> torch.Tensor:
-    return (pages.view(-1, 1) * page_size + torch.arange(page_size, device=pages.device).view(1, -1)).view(-1)
-
-
-def _as_stored(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return k, v
-
-
-def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CPLayout, layer: int, kv,
-                 kv_map: Optional[torch.Tensor], read: Callable = _as_stored) -> torch.Tensor:
+def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CPLayout, layer: AttentionLayer,
+                 kv: KVView) -> torch.Tensor:
     """This rank's attention output ``[T_local, H, D]`` for its new tokens ``q``/``k``/``v``
     (see the module docstring); stores the new K/V this rank owns. ``k``/``v`` are as the pool
-    stores them; ``read(k, v)`` turns stored rows into attention's keys and values (MLA: the
-    latent's two halves into the latent, as key and value)."""
-    k_buf, v_buf = kv.k_buffers[layer], kv.v_buffers[layer]
+    stores them; :func:`~hicache.model.attention.attended` turns stored rows into attention's keys
+    and values (MLA: the latent's two halves into the latent, as key and value)."""
+    k_buf, v_buf = kv.k_buffers[layer.layer], kv.v_buffers[layer.layer]
+    kv_map, latent = layer.kv_map, layer.latent
     if not layout.prefill:  # sharded decode: every token here, keys split, partials merged
         k_buf.index_copy_(0, layout.write_rows, k[layout.write_index].to(k_buf.dtype))
         v_buf.index_copy_(0, layout.write_rows, v[layout.write_index].to(v_buf.dtype))
         # Partials in float32 (whatever the pool dtype), rounded once after the merge, as one rank would.
         q32 = q.float()
-        outs, lses = zip(*(keys_attention(q32[b:b + 1], *(x.float() for x in read(k_buf.index_select(0, rows),
-                                                                                  v_buf.index_select(0, rows))),
-                                          kv_map) for b, rows in enumerate(layout.decode_rows)))
+        outs, lses = zip(*(keys_attention(q32[b:b + 1], *(x.float() for x in attended(
+            k_buf.index_select(0, rows), v_buf.index_select(0, rows), latent)), kv_map)
+                           for b, rows in enumerate(layout.decode_rows)))
         mine = torch.cat([torch.cat(outs), torch.cat(lses)[..., None]], dim=-1)  # [B, H, D + 1]
         every = layout.group.all_gather(mine)
         return merge_partials([(part[..., :-1], part[..., -1]) for part in every]).to(q.dtype)
@@ -363,11 +307,11 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CPLa
     for b, seq in enumerate(layout.seqs):
         prefix: list = []
         if seq.gather_pages is not None:  # even with no pieces here: every rank joins every gather, in order
-            prefix = [read(*layout.gather.prefix(layout, layer, b, kv))]
+            prefix = [attended(*layout.gather.prefix(layer.layer, b, kv), latent)]
         elif seq.prefix_rows is not None:
-            prefix = [read(k_buf.index_select(0, seq.prefix_rows), v_buf.index_select(0, seq.prefix_rows))]
-        k_new, v_new = read(k_all[seq.new_start:seq.new_start + seq.new_len],
-                            v_all[seq.new_start:seq.new_start + seq.new_len])
+            prefix = [attended(k_buf.index_select(0, seq.prefix_rows), v_buf.index_select(0, seq.prefix_rows), latent)]
+        k_new, v_new = attended(k_all[seq.new_start:seq.new_start + seq.new_len],
+                                v_all[seq.new_start:seq.new_start + seq.new_len], latent)
         for row, off, n in seq.pieces:
             full = prefix + ([(k_new[:off], v_new[:off])] if off else [])
             out[row:row + n] = sequence_attention(q[row:row + n], full, (k_new[off:off + n], v_new[off:off + n]), kv_map)

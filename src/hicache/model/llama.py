@@ -1,8 +1,11 @@
-"""Llama-family decoder (Llama, Qwen2, Mistral, SmolLM2) over a paged KV cache.
+"""Llama-family decoder (Llama, Qwen2, Mistral, SmolLM2; MLA layers for DeepSeek-V2/V3) over a
+paged KV cache.
 
 Parameter names follow Hugging Face (``model.layers.0.self_attn.q_proj.weight``...) so a
 safetensors checkpoint loads by name. RoPE uses the HF rotate-half convention: within a head,
 dimension ``i`` pairs with ``i + head_dim / 2``; loaders of other layouts (GGUF) convert on load.
+Attention runs through the batch's backend (:class:`~hicache.model.batch.AttentionBackend`): a
+layer computes q/k/v and hands them over; it never branches on the kind of batch.
 """
 
 from __future__ import annotations
@@ -13,48 +16,20 @@ from collections import Counter
 from typing import Callable, Iterator, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from hicache.kernels import cpu_kernels
-from hicache.model.attention import (NATIVE_HEAD_DIMS, decode_attention, native_decode_attention,
-                                     sequence_attention)
-from hicache.model.batch import ForwardBatch, KVView, SeqSpan
-from hicache.model.context_parallel import cp_attention
+from hicache.model.attention import NATIVE_HEAD_DIMS
+from hicache.model.batch import ForwardBatch, KVView
+from hicache.model.layers import MLP, RMSNorm, RotaryEmbedding, native_ops, rotate_half
 from hicache.model.mla import MLAAttention
 from hicache.model.projection import DECODE_ACTIVATIONS, DECODE_ROWS, DECODE_WEIGHTS, PREFILL_WEIGHTS, Projection
-from hicache.model.spec import ModelSpec, rope_inv_freq, rotate_half
-
-
-class RMSNorm(nn.Module):
-    """``x / rms(x) * weight``, the statistics taken in float32 (as the reference models do)."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused kernel; the same arithmetic as below
-            ops = native_ops(x)
-            if ops is not None:  # torch's CPU rms_norm is several small ops: a decode step pays 60 of them
-                return ops.rms_norm(x, self.weight, self.eps)
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)  # rounded before the weight, as the reference models do
-
-
-def native_ops(x: torch.Tensor):
-    """The native CPU kernels when they serve ``x`` (a contiguous float32 CPU tensor), else None:
-    the torch ops beside each call are the same arithmetic for every other device and dtype."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous():
-        return None
-    return cpu_kernels()
+from hicache.model.spec import ModelSpec
 
 
 class Attention(nn.Module):
-    """GQA self-attention that writes new K/V into the paged buffers, then reads context by slot."""
+    """GQA self-attention: q/k/v and RoPE here, the K/V store and the attention in the batch's backend."""
+
+    latent = False  # the pool holds this layer's keys and values as they are
 
     def __init__(self, spec: ModelSpec, layer: int) -> None:
         super().__init__()
@@ -90,69 +65,11 @@ class Attention(nn.Module):
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, qk_heads * self.head_dim:].view(t, self.num_kv_heads, self.head_dim)
 
-        kv.wait_layer(self.layer)
-        if batch.cp is not None:  # this rank's share of the tokens; K/V spread over the CP group
-            return self._out(cp_attention(q, k, v, batch.cp, self.layer, kv, self.kv_map).flatten(1))
-        k_buf, v_buf = kv.k_buffers[self.layer], kv.v_buffers[self.layer]
-        k_buf.index_copy_(0, batch.out_slots, k.to(k_buf.dtype))
-        v_buf.index_copy_(0, batch.out_slots, v.to(v_buf.dtype))
-
-        layout = batch.decode
-        if layout is not None:
-            out = native_decode_attention(q, k_buf, v_buf, layout.kv_slots, layout.lengths, self.kv_map)
-            if out is not None:
-                return self._out(out.reshape(t, -1))
-        if layout is not None and layout.key_bias is not None:
-            # B > 1 sequences, one token each: one padded gather of every context, one SDPA call.
-            bsz, ctx = layout.kv_slots.shape
-            flat = layout.kv_slots.view(-1)
-            kb = k_buf.index_select(0, flat).view(bsz, ctx, self.num_kv_heads, self.head_dim)
-            vb = v_buf.index_select(0, flat).view(bsz, ctx, self.num_kv_heads, self.head_dim)
-            return self._out(decode_attention(q, kb, vb, layout.key_bias, self.kv_map).reshape(t, -1))
-        if len(batch.spans) == 1:
-            return self._out(self._sequence(batch.spans[0], q, k, v, k_buf, v_buf).reshape(t, -1))
-        out = torch.empty_like(q)
-        for span in batch.spans:
-            rows = slice(span.start, span.start + span.length)
-            out[rows] = self._sequence(span, q[rows], k[rows], v[rows], k_buf, v_buf)
-        return self._out(out.reshape(t, -1))
-
-    def _sequence(self, span: SeqSpan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  k_buf: torch.Tensor, v_buf: torch.Tensor) -> torch.Tensor:
-        """One sequence's attention ``[n, H, D]``: the keys all its new tokens see read as views
-        of the buffers (or gathered when scattered), its new tokens' own K/V as computed."""
-        if span.full_slots is not None:
-            full = [(k_buf.index_select(0, span.full_slots), v_buf.index_select(0, span.full_slots))]
-        else:
-            full = [(k_buf[s:s + n], v_buf[s:s + n]) for s, n in span.full_runs]
-        return sequence_attention(q, full, (k, v) if span.causal else None, self.kv_map)
+        out = batch.backend.forward(q, k, v, self, batch, kv)  # [T, H, D]; T may be 0 on a CP rank
+        return self._out(out.flatten(1))
 
     def _out(self, x: torch.Tensor) -> torch.Tensor:
         out = self.out(x)
-        return out if self.tp_reduce is None else self.tp_reduce(out)
-
-
-class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
-
-    def __init__(self, spec: ModelSpec) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
-        self.gate_up = Projection(self.gate_proj, self.up_proj)
-        self.down = Projection(self.down_proj)
-        self.tp_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # sum over TP ranks
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up.whole(x)
-        ops = native_ops(gate_up)
-        if ops is not None and gate_up.shape[-1] % 16 == 0:
-            hidden = ops.silu_mul(gate_up)
-        else:
-            gate, up = gate_up.chunk(2, dim=-1)
-            hidden = F.silu(gate) * up
-        out = self.down(hidden)
         return out if self.tp_reduce is None else self.tp_reduce(out)
 
 
@@ -184,7 +101,7 @@ class DecoderLayer(nn.Module):
         """The native kernels when this pass is one the fused layer serves: a decode batch of at
         most DECODE_ROWS tokens on one rank, float32 on the CPU, the heads as the kernels take them."""
         attn = self.self_attn
-        if (batch.decode is None or batch.cp is not None or not 0 < x.shape[0] <= DECODE_ROWS
+        if (batch.attn.decode is None or not 0 < x.shape[0] <= DECODE_ROWS
                 or not isinstance(attn, Attention) or attn.tp_reduce is not None or self.mlp.tp_reduce is not None
                 or attn.kv_map is not None or attn.head_dim not in NATIVE_HEAD_DIMS
                 or kv.k_buffers[attn.layer].dtype != torch.float32 or self.mlp.gate_proj.out_features % 8):
@@ -210,12 +127,12 @@ class DecoderLayer(nn.Module):
 
     def _fused_decode(self, ops, operands: tuple, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       batch: ForwardBatch, kv: KVView) -> torch.Tensor:
-        attn, layout = self.self_attn, batch.decode
+        attn, layout = self.self_attn, batch.attn.decode
         kv.wait_layer(attn.layer)
         return ops.decode_layer(x, self.input_layernorm.weight, self.post_attention_layernorm.weight,
                                 self.input_layernorm.eps, *operands, cos, sin,
                                 attn.num_heads, attn.num_kv_heads, kv.k_buffers[attn.layer],
-                                kv.v_buffers[attn.layer], batch.out_slots, layout.kv_slots, layout.lengths)
+                                kv.v_buffers[attn.layer], layout.out_slots, layout.kv_slots, layout.lengths)
 
 
 _INIT_LOCK = threading.Lock()
@@ -250,7 +167,7 @@ class LlamaForCausalLM(nn.Module):
     """The decoder plus LM head. Parameters are allocated uninitialized; a loader fills them.
 
     ``forward`` writes the batch's new K/V into ``kv`` and returns float32 logits
-    ``[len(batch.logits_index), vocab_size]``.
+    ``[R, vocab_size]``, one row per wanted row (``batch.attn.final_rows``).
     """
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str) -> None:
@@ -264,8 +181,7 @@ class LlamaForCausalLM(nn.Module):
         self.to(dtype=dtype, device=self.device)
         self.requires_grad_(False)
         self.eval()
-        # Plain attribute, not a buffer: it must stay float32 whatever the weight dtype.
-        self.inv_freq = rope_inv_freq(spec).to(self.device)
+        self.rope = RotaryEmbedding(spec, self.device)
         # A pipeline stage (model/parallel.py) holds some layers: the first embeds, the last
         # returns logits, the others take and return hidden states.
         self.first_stage = self.last_stage = True
@@ -318,12 +234,6 @@ class LlamaForCausalLM(nn.Module):
         for projection in self.projections():
             projection.prepare()
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin ``[T, 1, head_dim]`` for absolute ``positions`` (angles in float32, then cast)."""
-        angles = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]
-        angles = torch.cat((angles, angles), dim=-1)[:, None, :]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
-
     def forward(self, batch: ForwardBatch, kv: KVView, hidden: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits on the last stage; elsewhere the hidden states ``[T, hidden]`` for the next
         stage. ``hidden``: the previous stage's output (not on the first stage)."""
@@ -334,5 +244,5 @@ class LlamaForCausalLM(nn.Module):
         if not self.last_stage:
             return h
         # Only the requested rows go through the final norm and the (vocab-wide) head.
-        h = self.model.norm(h[batch.logits_index] if batch.cp is None else batch.cp.final_rows(h))
+        h = self.model.norm(batch.attn.final_rows(h))
         return self.head(h).float()

@@ -24,30 +24,23 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from hicache.model.attention import decode_attention, sequence_attention
-from hicache.model.batch import ForwardBatch, KVView, SeqSpan
-from hicache.model.context_parallel import cp_attention
+from hicache.model.batch import ForwardBatch, KVView
+from hicache.model.layers import RMSNorm, rotate_half
 from hicache.model.projection import Projection
-from hicache.model.spec import ModelSpec, rotate_half
+from hicache.model.spec import ModelSpec
 
 # transformers builds the two small MLA norms with their default eps, whatever rms_norm_eps says.
 MLA_NORM_EPS = 1e-6
 
 
-def _latent_kv(k_half: torch.Tensor, v_half: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stored rows (the latent's two halves) as attention's key and value: the latent, twice."""
-    latent = torch.cat((k_half, v_half), dim=-1)
-    return latent, latent
-
-
 class MLAAttention(nn.Module):
-    """MLA self-attention: writes each new token's latent into the pool, reads context latents
-    by slot. ``num_heads`` are this rank's heads (TP splits heads; the latent is the same on
-    every rank)."""
+    """MLA self-attention: each new token's latent and absorbed query here; the batch's backend
+    stores the latent in the pool and attends over the context latents. ``num_heads`` are this
+    rank's heads (TP splits heads; the latent is the same on every rank)."""
+
+    latent = True  # the pool's K and V buffers hold the two halves of one latent per token
 
     def __init__(self, spec: ModelSpec, layer: int) -> None:
-        from hicache.model.llama import RMSNorm  # (llama imports this module)
-
         super().__init__()
         self.layer = layer
         self.num_heads = spec.num_heads
@@ -97,45 +90,9 @@ class MLAAttention(nn.Module):
         q_full = torch.cat((q_latent, self._rotate(q_pe, cos, sin)), dim=-1) * self.q_scale
         latent = latent.view(t, 1, -1)
 
-        kv.wait_layer(self.layer)
-        k_buf, v_buf = kv.k_buffers[self.layer], kv.v_buffers[self.layer]
-        half = k_buf.shape[-1]
-        if batch.cp is not None:  # the latent sharded over a group (context parallel, or attention-TP)
-            out = cp_attention(q_full, latent[..., :half], latent[..., half:], batch.cp, self.layer, kv, None,
-                               read=_latent_kv)
-        else:
-            k_buf.index_copy_(0, batch.out_slots, latent[..., :half].to(k_buf.dtype))
-            v_buf.index_copy_(0, batch.out_slots, latent[..., half:].to(v_buf.dtype))
-            out = self._attend(q_full, latent, batch, k_buf, v_buf)
+        half = kv.k_buffers[self.layer].shape[-1]  # the latent's first half goes to the K buffer
+        out = batch.backend.forward(q_full, latent[..., :half], latent[..., half:], self, batch, kv)
         out = out[..., : self.rank]  # softmax . c
         values = torch.einsum("thr,hvr->thv", out, w[:, self.nope:])
         out = self.out(values.reshape(t, heads * self.v_dim))
         return out if self.tp_reduce is None else self.tp_reduce(out)
-
-    @staticmethod
-    def _latents(k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        return torch.cat((k_buf.index_select(0, slots), v_buf.index_select(0, slots)), dim=-1)
-
-    def _attend(self, q: torch.Tensor, latent: torch.Tensor, batch: ForwardBatch, k_buf: torch.Tensor,
-                v_buf: torch.Tensor) -> torch.Tensor:
-        """Multi-query attention of ``q`` ``[T, H, rank + rope]`` over the context latents (key
-        and value at once); ``latent`` ``[T, 1, rank + rope]``: the new tokens'."""
-        layout = batch.decode
-        if layout is not None:
-            bsz, ctx = layout.kv_slots.shape
-            lat = self._latents(k_buf, v_buf, layout.kv_slots.view(-1)).view(bsz, ctx, 1, -1).to(q.dtype)
-            return decode_attention(q, lat, lat, layout.key_bias, None)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        for span in batch.spans:
-            rows = slice(span.start, span.start + span.length)
-            out[rows] = self._sequence(span, q[rows], latent[rows], k_buf, v_buf)
-        return out
-
-    def _sequence(self, span: SeqSpan, q: torch.Tensor, new: torch.Tensor, k_buf: torch.Tensor,
-                  v_buf: torch.Tensor) -> torch.Tensor:
-        if span.full_slots is not None:
-            full = [self._latents(k_buf, v_buf, span.full_slots)]
-        else:
-            full = [torch.cat((k_buf[s:s + n], v_buf[s:s + n]), dim=-1) for s, n in span.full_runs]
-        full = [lat.to(q.dtype) for lat in full]
-        return sequence_attention(q, [(lat, lat) for lat in full], (new, new) if span.causal else None, None)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,34 +124,3 @@ def rope_scaling_type(rope_scaling: dict | None) -> str:
     if not rope_scaling:
         return "default"
     return str(rope_scaling.get("rope_type", rope_scaling.get("type", "default")))
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """RoPE's partner of each dimension (HF rotate-half convention): ``[-x2, x1]``."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
-    """Per-pair rotary frequencies ``[rope_dim // 2]`` float32 (radians per position), scaling applied."""
-    dim = spec.rope_dim
-    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    kind = rope_scaling_type(spec.rope_scaling)
-    scaling = spec.rope_scaling or {}
-    if kind == "linear":
-        inv_freq = inv_freq / float(scaling["factor"])
-    elif kind == "llama3":
-        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the band between
-        # is blended linearly in (context / wavelength).
-        factor = float(scaling["factor"])
-        low = float(scaling.get("low_freq_factor", 1.0))
-        high = float(scaling.get("high_freq_factor", 4.0))
-        old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
-        wavelen = 2 * math.pi / inv_freq
-        low_freq_wavelen, high_freq_wavelen = old_ctx / low, old_ctx / high
-        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        blended = (1 - smooth) * scaled / factor + smooth * scaled
-        in_band = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-        inv_freq = torch.where(in_band, blended, scaled)
-    return inv_freq.to(torch.float32)

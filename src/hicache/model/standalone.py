@@ -6,9 +6,9 @@ from typing import Collection
 
 import torch
 
-from hicache.model.batch import make_forward_batch
 from hicache.model.dense_kv import DenseKV
 from hicache.model.llama import LlamaForCausalLM
+from hicache.model.paged import make_forward_batch
 
 
 def prefill_logits(model: LlamaForCausalLM, ids: list[int], num_slots: int | None = None) -> torch.Tensor:

@@ -113,7 +113,7 @@ class RankInfo:
 
 
 class CPGroup:
-    """One rank's CP group (:class:`hicache.model.context_parallel.CPGroup`): blocking
+    """One rank's CP group (:class:`hicache.model.prefix_gather.CPGroup`): blocking
     collectives on one gloo/torch group, the background prefix gathers on another, so that
     each group sees its collectives in the same order on every rank."""
 

@@ -9,7 +9,7 @@ import torch
 
 from ..disagg.bootstrap import Bootstrap
 from ..runtime.events import StepEvents
-from ..runtime.request import Request, Status
+from ..runtime.request import PDState, Request, SpecState, Status
 from ..runtime.sampling import SamplingParams
 
 
@@ -28,11 +28,12 @@ class RequestSpec:
     @classmethod
     def of(cls, req: Request) -> "RequestSpec":
         return cls(req.rid, req.prompt_ids, req.sampling, req.namespace, req.max_new_tokens, req.arrival_time,
-                   req.bootstrap)
+                   req.pd.bootstrap if req.pd is not None else None)
 
     def request(self) -> Request:
         return Request(rid=self.rid, prompt_ids=list(self.prompt_ids), sampling=self.sampling, namespace=self.namespace,
-                       max_new_tokens=self.max_new_tokens, arrival_time=self.arrival_time, bootstrap=self.bootstrap)
+                       max_new_tokens=self.max_new_tokens, arrival_time=self.arrival_time,
+                       pd=PDState(self.bootstrap) if self.bootstrap is not None else None)
 
 
 @dataclass
@@ -59,7 +60,7 @@ class StageMessage:
     batch: BatchKey  # what stage 0 scheduled, so a later stage can check it scheduled the same
     hidden: Optional[torch.Tensor]  # the previous stage's output for that batch
     sent_at: float = 0.0  # perf_counter just before the send (CLOCK_MONOTONIC: one clock per machine)
-    proposal: Any = None  # speculative decoding: stage 0's drafts for that (verify) batch
+    proposal: Any = None  # what stage 0's modes attached to that batch (a verify batch's drafts)
 
 
 @dataclass
@@ -84,16 +85,20 @@ class RequestUpdate:
         done = req.status is Status.FINISHED
         return cls(req.rid, req.output_ids[sent:], done, req.finish_reason, req.text if done else "", req.cached,
                    req.admitted_time, req.first_token_time, req.finish_time,
-                   (req.spec_verify_steps, req.spec_accepted_tokens), req.error,
-                   (req.decode_prefix_len, req.transferred_tokens, req.transferred_bytes))
+                   (req.spec.verify_steps, req.spec.accepted_tokens) if req.spec else (0, 0), req.error,
+                   (req.pd.decode_prefix_len, req.pd.transferred_tokens, req.pd.transferred_bytes) if req.pd
+                   else (0, 0, 0))
 
     def apply(self, req: Request) -> None:
         req.output_ids.extend(self.token_ids)
         req.cached = self.cached
         req.error = self.error
-        req.decode_prefix_len, req.transferred_tokens, req.transferred_bytes = self.transfer
+        if req.pd is not None:
+            req.pd.decode_prefix_len, req.pd.transferred_tokens, req.pd.transferred_bytes = self.transfer
         req.admitted_time, req.first_token_time = self.admitted_time, self.first_token_time
-        req.spec_verify_steps, req.spec_accepted_tokens = self.spec
+        if self.spec[0]:  # the frontend's copy: the figures the leader's request holds
+            req.spec = req.spec or SpecState()
+            req.spec.verify_steps, req.spec.accepted_tokens = self.spec
         if self.cached is not None and req.status is Status.WAITING:
             req.status = Status.PREFILL
         if self.first_token_time and req.status is not Status.FINISHED:

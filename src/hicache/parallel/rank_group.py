@@ -38,7 +38,7 @@ from .channels import WRITERS_GONE, exit_text, queued_now, reader_only
 from .consensus import ConsensusMonitor, Divergence
 from .groups import rank_label
 from .messages import RequestUpdate
-from .scheduler_proxy import RemoteScheduler
+from .scheduler_proxy import SchedulerProxy
 from .worker import rank_main
 
 logger = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ class RankGroup:
         except BaseException:
             self._release()
             raise
-        self.scheduler = RemoteScheduler(self)
+        self.scheduler = SchedulerProxy(self.send, self.updates)
         self._watchdog = threading.Thread(target=self._watch, name="hicache-rank-watchdog", daemon=True)
         self._watchdog.start()
 

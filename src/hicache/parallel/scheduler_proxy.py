@@ -8,23 +8,22 @@ objects, the leader's updates fill them in, and a step is "read what the leader 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Callable
 
 from ..runtime.request import Request, Status
-from .messages import RequestSpec
-
-if TYPE_CHECKING:
-    from .rank_group import RankGroup
+from .messages import RequestSpec, RequestUpdate
 
 POLL_S = 0.05  # how long a step waits for the leader's next updates
 
 
-class RemoteScheduler:
+class SchedulerProxy:
     """The frontend's view of the ranks' scheduler: the same calls the Engine and EngineLoop
-    make on a local one. Requests stay this process's objects; the leader's updates fill them."""
+    make on a local one; it schedules nothing. Requests stay this process's objects; the
+    leader's updates fill them. ``send``: a command to the leader; ``updates(timeout)``: the
+    leader's request updates received within ``timeout`` seconds."""
 
-    def __init__(self, group: "RankGroup") -> None:
-        self.group = group
+    def __init__(self, send: Callable[[tuple], None], updates: Callable[[float], list[RequestUpdate]]) -> None:
+        self.send, self.updates = send, updates
         self.requests: dict[int, Request] = {}
 
     @property
@@ -40,7 +39,7 @@ class RemoteScheduler:
 
     def add(self, req: Request) -> None:
         self.requests[req.rid] = req
-        self.group.send(("add", RequestSpec.of(req)))
+        self.send(("add", RequestSpec.of(req)))
 
     def abort(self, rid: int) -> bool:
         """Finishes the request here at once; the ranks drop it at their next step."""
@@ -48,14 +47,14 @@ class RemoteScheduler:
         if req is None:
             return False
         req.status, req.finish_reason, req.finish_time = Status.FINISHED, "abort", time.perf_counter()
-        self.group.send(("abort", rid))
+        self.send(("abort", rid))
         if req.on_update is not None:
             req.on_update(req)
         return True
 
     def step(self) -> list[Request]:
         finished = []
-        for upd in self.group.updates(POLL_S):
+        for upd in self.updates(POLL_S):
             req = self.requests.get(upd.rid)
             if req is None:  # aborted here already
                 continue

@@ -22,9 +22,10 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..errors import HicacheError
+from ..runtime.batch import Batch
 from ..runtime.events import StepEvents
 from ..runtime.request import Request
-from ..runtime.scheduler import Batch, Scheduler
+from ..runtime.scheduler import Scheduler
 from ..runtime.step import Inbound, SampleAndApply, sample_batch
 from .groups import ParallelGroups, RankInfo
 from .messages import StageMessage, StepInputs, batch_key

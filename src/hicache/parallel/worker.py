@@ -39,10 +39,10 @@ from ..disagg.heads import TPRanks
 from ..errors import HicacheError
 from ..model import load_model
 from ..model.parallel import model_shard, shard_model
+from ..runtime.batch import Batch
 from ..runtime.core import EngineCore, build_core, core_stats
 from ..runtime.events import StepEvents
 from ..runtime.request import Request
-from ..runtime.scheduler import Batch
 from ..runtime.step import Inbound, StepDriver, apply_intake, take_intake
 from .channels import WRITERS_GONE, reader_only, writer_only
 from .faults import FaultPlan
@@ -285,9 +285,8 @@ def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox:
                           staging_bytes=groups.staging_bytes(), cp_group=groups.cp,
                           split_tokens=info.cp_size > 1, draft=draft,
                           draft_row=(len(draft_shard.kv_heads), draft.spec.head_dim) if draft else None,
-                          pd_ranks=_pd_ranks(info, shard, groups))
-        if core.scheduler.speculator is not None and info.tp_size > 1:  # one rank's draft draws for the stage
-            core.scheduler.speculator.share_draws = groups.tp_broadcast
+                          pd_ranks=_pd_ranks(info, shard, groups),
+                          share_draws=groups.tp_broadcast if info.tp_size > 1 else None)  # one rank's draws a stage
         plan = FaultPlan.from_env()
         if plan is not None:
             plan.install(core.cache, info.label, rank)

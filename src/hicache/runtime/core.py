@@ -12,24 +12,25 @@ from typing import Any, Callable
 import torch
 
 from ..cache.host_pool import HostKVPool
-from ..cache.manager import KVCacheManager
+from ..cache.manager import CachePolicy, KVCacheManager, RankLayout
 from ..cache.placement import PagePlacement
 from ..cache.pools import DeviceKVPool
 from ..cache.storage.base import StorageError
-from ..cache.storage.controller import Agree
+from ..cache.storage.prefetch_backup import Agree
 from ..cache.storage.registry import create_backend
 from ..cache.storage.unified import StorageGrid, UnifiedPlan
 from ..config import ConfigError, EngineConfig
 from ..device import device_memory_budget
 from ..disagg.heads import TPRanks
-from ..model.context_parallel import CPGroup, PrefixGather
 from ..model.loader import LoadedModel
 from ..model.parallel import ModelShard
+from ..model.prefix_gather import CPGroup, PrefixGather
 from ..model.spec import ModelSpec
-from .pd_role import DecodeRole, PDRole, PrefillRole
+from .mode_registry import build_modes
+from .modes import Mode, ModeContext
 from .runner import ContextParallel, ModelRunner
 from .scheduler import Scheduler
-from .speculative import DraftKV, LayerWindow, Speculator, plan_draft_kv
+from .speculative import DraftKV, plan_draft_kv
 from .storage_layout import plan_index, unified_plans
 
 logger = logging.getLogger(__name__)
@@ -44,14 +45,14 @@ class EngineCore:
     scheduler: Scheduler
 
     def check_alive(self) -> None:
-        """Raises EngineDeadError once a thread this rank serves with has died."""
-        if self.scheduler.pd is not None:
-            self.scheduler.pd.check_alive()
+        """Raises EngineDeadError once a thread this rank serves with has died (a mode's)."""
+        for mode in self.scheduler.modes:
+            mode.check_alive()
 
     def shutdown(self) -> None:
-        """Stop the P/D transfer threads, then the cache's (pending writes finish)."""
-        if self.scheduler.pd is not None:
-            self.scheduler.pd.close()
+        """Stop the modes' threads (P/D transfers), then the cache's (pending writes finish)."""
+        for mode in self.scheduler.modes:
+            mode.close()
         self.cache.shutdown()
 
 
@@ -70,6 +71,7 @@ def build_core(
     draft: LoadedModel | None = None,
     draft_row: tuple[int, int] | None = None,
     pd_ranks: TPRanks | None = None,
+    share_draws: Callable[[Any], Any] | None = None,
 ) -> EngineCore:
     """Pools sized from the config, then the cache and the scheduler over ``loaded.model``
     (already cut to ``shard`` when given).
@@ -79,13 +81,14 @@ def build_core(
     decision, are the same; ``memory_share`` ranks size their pools from one memory budget,
     of which ``staging_bytes`` (this rank's buffers outside the pools) are already spent.
     ``cp_group``: this rank's context-parallel group (``--attn-cp-size``; ``split_tokens``
-    False: the attention-TP ranks an MLA latent is sharded over, see ``make_cp_batch``); with
+    False: the attention-TP ranks an MLA latent is sharded over, see ``CPBackend.prepare``); with
     ``--enable-kv-cache-sharding`` the pool holds this rank's share of the logical pages and the
     prefix-gather scratch is taken from the budget first (DESIGN invariant 6). ``draft``: the
     speculative draft model; its KV is on the target's pages in every tier and counted in
     every budget (packed: extra layers of the target's pools; sidecar: pools of its own);
     ``draft_row``: its local KV row (kv heads, head dim) when tensor-parallel. With speculation
-    on and no ``draft`` (a later pipeline stage) the scheduler still plans verify passes."""
+    on and no ``draft`` (a later pipeline stage) the scheduler still plans verify passes.
+    ``pd_ranks``, ``share_draws``: what the modes need of a rank group (runtime/mode_registry.py)."""
     spec = loaded.spec
     layers = len(shard.layers) if shard else spec.num_layers
     kv_heads = len(shard.kv_heads) if shard else spec.num_kv_heads
@@ -102,18 +105,14 @@ def build_core(
     host_pool = _host_pool(cfg, pool, host_pages, unified.grid if unified else None)
     sidecar = _sidecar_pools(cfg, draft_kv, device_pages, host_pages, dtype, device,
                              unified.draft.grid if unified and unified.draft else None)
-    cache = KVCacheManager(
-        pool=pool, eviction_policy=cfg.radix_eviction_policy, enable_prefix_cache=cfg.decode_reuses_prefix,
-        host_pool=host_pool, write_policy=cfg.hicache_write_policy,
-        write_through_threshold=cfg.hicache_write_through_threshold, storage=storage,
-        prefetch_threshold=cfg.hicache_storage_prefetch_threshold, storage_agree=storage_agree,
-        shard=shard.describe() if shard else "", storage_op_timeout=cfg.hicache_storage_op_timeout,
-        placement=cp.placement if cp is not None else None, shard_rank=cp_group.rank if cp_group else 0,
-        sidecar=sidecar, unified=unified)
+    layout = RankLayout(shard=shard.describe() if shard else "", storage_agree=storage_agree,
+                        placement=cp.placement if cp is not None else None, shard_rank=cp_group.rank if cp_group else 0,
+                        sidecar=sidecar, unified=unified)
+    cache = KVCacheManager(pool, host_pool, storage, CachePolicy.from_config(cfg), layout)
     runner = ModelRunner(loaded.model, cache.kv_view, device, cp)
-    speculator = _speculator(cfg, draft, cache, layers, packed, device)
-    pd = _pd_role(cfg, cache, pd_ranks or TPRanks.alone(kv_heads), spec.vocab_size)  # (a prefill TP group gathers its route here)
-    return EngineCore(pool, host_pool, cache, runner, _scheduler(cfg, cache, runner, loaded, speculator, pd))
+    modes = build_modes(ModeContext(cfg, cache, device, layers, spec.vocab_size, pd_ranks or TPRanks.alone(kv_heads),
+                                    draft, packed, share_draws))
+    return EngineCore(pool, host_pool, cache, runner, _scheduler(cfg, cache, loaded, modes))
 
 
 def _bytes_per_page(page_size: int, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -139,17 +138,6 @@ def _agreed_tiers(cfg: EngineConfig, device: torch.device, bytes_per_page: int, 
         storage.close()
         storage = None
     return device_pages, host_pages, storage
-
-
-def _speculator(cfg: EngineConfig, draft: LoadedModel | None, cache: KVCacheManager, layers: int, packed: int,
-                device: torch.device) -> Speculator | None:
-    """The draft's runner over its KV (packed: the layers after the target's ``layers``; else
-    the sidecar); with speculation on and no draft here (a later pipeline stage) one that only
-    verifies what the first stage proposed."""
-    if draft is not None:
-        view = LayerWindow(cache.kv_view, layers, packed) if packed else cache.sidecar_view
-        return Speculator(ModelRunner(draft.model, view, device), cfg.speculative_steps)
-    return Speculator(None, cfg.speculative_steps) if cfg.speculative_algorithm else None
 
 
 def _unified_plan(cfg: EngineConfig, spec: ModelSpec, shard: ModelShard | None, cp_group: CPGroup | None,
@@ -189,11 +177,9 @@ def _sidecar_pools(cfg: EngineConfig, draft_kv: DraftKV | None, device_pages: in
     return pool, _host_pool(cfg, pool, host_pages, grid)
 
 
-def _scheduler(cfg: EngineConfig, cache: KVCacheManager, runner: ModelRunner, loaded: LoadedModel,
-               speculator: Speculator | None = None, pd: PDRole | None = None) -> Scheduler:
+def _scheduler(cfg: EngineConfig, cache: KVCacheManager, loaded: LoadedModel, modes: list[Mode]) -> Scheduler:
     return Scheduler(
         cache=cache,
-        forward=runner.forward,
         decode_text=loaded.tokenizer.decode,
         eos_token_ids=set(loaded.tokenizer.eos_token_ids),
         chunked_prefill_size=cfg.chunked_prefill_size,
@@ -201,21 +187,8 @@ def _scheduler(cfg: EngineConfig, cache: KVCacheManager, runner: ModelRunner, lo
         prefetch_policy=cfg.hicache_storage_prefetch_policy,
         prefetch_timeout=lambda tokens: cfg.hicache_storage_prefetch_timeout_base
         + cfg.hicache_storage_prefetch_timeout_per_1k_tokens * tokens / 1000,
-        speculator=speculator,
-        pd=pd,
+        modes=modes,
     )
-
-
-def _pd_role(cfg: EngineConfig, cache: KVCacheManager, ranks: TPRanks, vocab_size: int) -> PDRole | None:
-    """This rank's part in prefill/decode disaggregation (hicache.disagg), if any."""
-    host = cfg.disaggregation_bootstrap_host or "127.0.0.1"
-    if cfg.disaggregation_mode == "prefill":
-        return PrefillRole(cache, cfg.disaggregation_bootstrap_port, ranks, host, cfg.disaggregation_transfer_timeout,
-                           cfg.disaggregation_transfer_backend)
-    if cfg.disaggregation_mode == "decode":
-        return DecodeRole(cache, ranks, vocab_size, cfg.disaggregation_transfer_timeout,
-                          cfg.disaggregation_transfer_backend, host)
-    return None
 
 
 def _context_parallel(cfg: EngineConfig, group: CPGroup | None, split_tokens: bool, kv_heads: int, head_dim: int,
@@ -310,16 +283,10 @@ def core_stats(core: EngineCore, page_size: int) -> dict[str, Any]:
         }
     if core.runner.cp is not None:
         out["kv_sharding"] = kv_sharding_stats(core)
-    if sched.speculator is not None:
-        out["speculative"] = {
-            # verify passes counted once per request in each (a pass of 4 requests counts 4)
-            "num_steps": sched.spec_steps, "request_verify_steps": sched.spec_request_verify_steps,
-            "accepted_tokens": sched.spec_accepted_tokens,
-            # mean tokens a verify pass gives a request, its own token included (SGLang's accept length)
-            "accept_length": sched.spec_accepted_tokens / max(sched.spec_request_verify_steps, 1),
-        }
-    if sched.pd is not None:
-        out["disaggregation"] = sched.pd.snapshot()
+    for mode in sched.modes:  # "speculative", "disaggregation": what each mode shows
+        figures = mode.stats()
+        if figures:
+            out[mode.name] = figures
     host = cache.host_usage()
     if host is not None:
         out["host_pool"] = host

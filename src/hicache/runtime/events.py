@@ -8,10 +8,11 @@ what collectives, pipeline messages and the rank consensus checker carry:
     [backup, load, storage_backup, prefetch_reap,  n_prefetches,  acks_0, expired_0, ...,
      ready_0, ok_0,  ready_1, ok_1, ...]
 
-one pair per open prefetch, in the waiting queue's order, then one pair per open P/D KV
-transfer (hicache.runtime.pd_role), in the role's order: both orders are the same on every rank,
-since they are functions of the request stream. MIN makes a transfer ready once it is ready on
-every rank, and not ok once it failed on any.
+one pair per open prefetch, in the waiting queue's order, then one pair per item of the modes'
+open background work (e.g. a P/D KV transfer, hicache.runtime.pd_role), mode after mode in the
+engine's mode order: every order is the same on every rank, since each is a function of the
+request stream. MIN makes an item ready once it is ready on every rank, and not ok once it
+failed on any.
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ class PrefetchEvent:
 
 
 @dataclass(frozen=True)
-class TransferEvent:
-    """One open P/D KV transfer, as seen by one rank (or as agreed)."""
+class WorkEvent:
+    """One item of a mode's open background work (a P/D KV transfer), as seen by one rank (or
+    as agreed)."""
 
-    ready: bool  # over on this rank (rows stored or sent, or failed) and, decode side, the local restore done
+    ready: bool  # over on this rank (e.g. rows stored or sent, or failed; the local restore done)
     ok: bool  # not failed
 
 
@@ -42,13 +44,13 @@ class TransferEvent:
 class StepEvents:
     acks: AckCounts = field(default_factory=AckCounts)
     prefetches: tuple[PrefetchEvent, ...] = ()
-    transfers: tuple[TransferEvent, ...] = ()
+    work: tuple[WorkEvent, ...] = ()  # the modes' items, mode after mode
 
     def to_list(self) -> list[int]:
         out = self.acks.to_list() + [len(self.prefetches)]
         for p in self.prefetches:
             out += [p.acks, int(p.expired)]
-        for t in self.transfers:
+        for t in self.work:
             out += [int(t.ready), int(t.ok)]
         return out
 
@@ -56,9 +58,9 @@ class StepEvents:
     def from_list(cls, values: Sequence[int]) -> "StepEvents":
         n = AckCounts.LENGTH
         if len(values) <= n or (len(values) - n - 1) % 2 or len(values) < n + 1 + 2 * values[n]:
-            raise ValueError(f"a step's event vector has {n} + 1 + 2 per prefetch and per transfer values, "
+            raise ValueError(f"a step's event vector has {n} + 1 + 2 per prefetch and per work item values, "
                              f"got {len(values)}")
         pairs = [(int(values[i]), int(values[i + 1])) for i in range(n + 1, len(values), 2)]
-        prefetches, transfers = pairs[: values[n]], pairs[values[n]:]
+        prefetches, work = pairs[: values[n]], pairs[values[n]:]
         return cls(AckCounts.from_list(values[:n]), tuple(PrefetchEvent(a, bool(e)) for a, e in prefetches),
-                   tuple(TransferEvent(bool(r), bool(o)) for r, o in transfers))
+                   tuple(WorkEvent(bool(r), bool(o)) for r, o in work))

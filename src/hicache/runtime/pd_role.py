@@ -1,5 +1,6 @@
-"""A server's part in prefill/decode disaggregation (``--disaggregation-mode``), as hooks the
-scheduler calls at fixed points: when a request is admitted, when it finishes, and once per step.
+"""A server's part in prefill/decode disaggregation (``--disaggregation-mode``): a mode
+(:class:`~hicache.runtime.modes.Mode`) whose hooks run when a request is admitted, when it
+finishes, and once per step on the agreed events of its open transfers.
 
 * :class:`PrefillRole`: a request with a bootstrap computes its prompt and first token as usual;
   at finish its KV stays held (not released to the tree) until the sender has streamed the
@@ -16,9 +17,9 @@ Requests without a bootstrap run as on any engine (handy for tests and warm-up).
 With tensor parallelism every rank runs its own role over its own pool (its KV heads; see
 :mod:`hicache.disagg.heads`), and *when* a transfer ended is agreed like any background work:
 each rank reports per open transfer whether it is over here and whether it failed
-(:meth:`PDRole.local_events`), the ranks MIN-reduce the step's event vector, and every rank acts
-on the agreed events at the same point of the same step (:meth:`PDRole.apply`): the tree and the
-request states stay identical across ranks.
+(``local_events``), the ranks MIN-reduce the step's event vector, and every rank acts on the
+agreed events at the same point of the same step (``apply_events``): the tree and the request
+states stay identical across ranks.
 """
 
 from __future__ import annotations
@@ -27,20 +28,19 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..disagg.heads import RankEndpoint, TPRanks
 from ..disagg.receiver import KVReceiver
 from ..disagg.sender import KVSender
 from ..disagg.transfer import Receive, Send
-from .events import TransferEvent
-from .request import Status
+from .events import WorkEvent
+from .modes import Action, Fail, Mode, ModeContext, Release, StartDecode
+from .request import Request, Status
 
 if TYPE_CHECKING:
     from ..cache.manager import KVCacheManager
     from ..disagg.mooncake_writes import MooncakeWrites
-    from .request import Request
-    from .scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -69,50 +69,16 @@ def _writes(backend: str, cache: "KVCacheManager", host: str) -> "MooncakeWrites
     return MooncakeWrites(cache.pool, host)
 
 
-class PDRole(Protocol):
-    """The scheduler's hooks (each called on the scheduler thread, at the same point on every rank)."""
-
-    def on_admit(self, req: "Request") -> bool:
-        """``req`` was just admitted; True: it waits for remote KV instead of computing its prompt."""
-        ...
-
-    def on_finish(self, req: "Request") -> bool:
-        """``req`` finished; True: a transfer still uses its KV, :meth:`apply` releases it later."""
-        ...
-
-    def local_events(self) -> tuple[TransferEvent, ...]:
-        """Per open transfer (in the order they opened), whether it is over on this rank.
-        Raises EngineDeadError once the transfer thread has died."""
-        ...
-
-    def check_alive(self) -> None:
-        """Raises EngineDeadError once the transfer thread has died (checked while idle too)."""
-        ...
-
-    def apply(self, sched: "Scheduler", events: Sequence[TransferEvent], finished: list["Request"]) -> None:
-        """Act on the agreed ``events`` (requests that finish go to ``finished``)."""
-        ...
-
-    @property
-    def busy(self) -> bool:
-        """Transfers are open (the scheduler must keep stepping to finish them)."""
-        ...
-
-    def snapshot(self) -> dict:
-        """``Engine.stats()["disaggregation"]``: the mode, open transfers and this rank's counters."""
-        ...
-
-    def close(self) -> None: ...
-
-
-def _split(events: Sequence[TransferEvent], items: list) -> tuple[list, list[tuple[object, TransferEvent]]]:
+def _split(events: Sequence[WorkEvent], items: list) -> tuple[list, list[tuple[Any, WorkEvent]]]:
     """``items`` (paired with ``events`` in order) as (still open, over with its agreed event)."""
     pairs = list(zip(items, events, strict=True))
     return [item for item, e in pairs if not e.ready], [(item, e) for item, e in pairs if e.ready]
 
 
-class PrefillRole:
+class PrefillRole(Mode):
     """``timeout_s``: how long a finished prefill waits for the decode ranks to ask."""
+
+    name = "disaggregation"
 
     def __init__(self, cache: "KVCacheManager", port: int, ranks: TPRanks, host: str = "127.0.0.1",
                  timeout_s: float = 60.0, backend: str = "zmq") -> None:
@@ -124,83 +90,83 @@ class PrefillRole:
         self.port = self.sender.port
         mine = RankEndpoint(host, self.port, ranks.heads).to_wire()
         self.sender.start([RankEndpoint.from_wire(item, host) for item in ranks.gather(mine)])
-        self.sending: list[tuple["Request", Send, Callable | None]] = []  # with its deferred finish report
-        self.stats = TransferStats()
+        self.sending: list[tuple[Request, Send, Callable | None]] = []  # with its deferred finish report
+        self.counters = TransferStats()
 
-    def on_admit(self, req: "Request") -> bool:
-        return False
-
-    def on_finish(self, req: "Request") -> bool:
+    def on_finish(self, req: Request) -> bool:
         """Start the send of ``req``'s prompt KV (held until the ranks agree it was sent). Its
         finish is reported then too, with what crossed."""
-        if req.bootstrap is None:
+        if req.pd is None:
             return False
         if not req.output_ids:  # aborted (or failed) before its first token: nothing to send
-            self.sender.refuse(req.bootstrap.room, f"the prefill request ended ({req.finish_reason}) before its "
+            self.sender.refuse(req.pd.bootstrap.room, f"the prefill request ended ({req.finish_reason}) before its "
                                "first token", time.perf_counter() + self.timeout_s)
             return False
-        job = Send(req.bootstrap.room, req.kv.slots[: len(req.prompt_ids)], req.output_ids[0],
+        job = Send(req.pd.bootstrap.room, req.kv.slots[: len(req.prompt_ids)], req.output_ids[0],
                    time.perf_counter() + self.timeout_s)
         self.sender.submit(job)
         self.sending.append((req, job, req.on_update))
         req.on_update = None
         return True
 
-    def local_events(self) -> tuple[TransferEvent, ...]:
-        self.check_alive()
-        return tuple(TransferEvent(job.done.is_set(), not job.error) for _, job, _ in self.sending)
+    def open_work(self) -> int:
+        return len(self.sending)
 
-    def apply(self, sched: "Scheduler", events: Sequence[TransferEvent], finished: list["Request"]) -> None:
-        """Release the KV of every request whose send has ended on every rank."""
+    def local_events(self) -> tuple[WorkEvent, ...]:
+        self.check_alive()
+        return tuple(WorkEvent(job.done.is_set(), not job.error) for _, job, _ in self.sending)
+
+    def apply_events(self, events: Sequence[WorkEvent]) -> list[Action]:
+        """Release the KV of every request whose send has ended on every rank, and report it."""
         self.sending, over = _split(events, self.sending)
         if not over:
-            return
+            return []
         moved = self.ranks.total([job.sent_bytes for (_, job, _), _ in over])
+        actions: list[Action] = []
         for ((req, job, report), e), total_bytes in zip(over, moved):
-            req.transferred_tokens, req.transferred_bytes = job.sent_tokens, total_bytes
-            sched.release_kv(req)
-            if report is not None:
-                req.on_update = report
-                report(req)
-            s = self.stats
+            req.pd.transferred_tokens, req.pd.transferred_bytes = job.sent_tokens, total_bytes
+            req.on_update = report
+            actions.append(Release(req, report=report is not None))
+            s = self.counters
             s.requests += 1
             s.failed += not e.ok
             s.tokens += job.sent_tokens
             s.bytes += job.sent_bytes
+        return actions
 
     def check_alive(self) -> None:
         self.sender.check_alive()
 
-    @property
-    def busy(self) -> bool:
-        return bool(self.sending)
-
-    def snapshot(self) -> dict:
+    def stats(self) -> dict:
+        """``Engine.stats()["disaggregation"]``: the mode, open transfers and this rank's counters."""
         return {"mode": "prefill", "bootstrap_port": self.port, "open": len(self.sending),
-                **dataclasses.asdict(self.stats)}
+                **dataclasses.asdict(self.counters)}
 
     def close(self) -> None:
         self.sender.close()
 
 
-class DecodeRole:
+class DecodeRole(Mode):
     """``timeout_s``: how long a request waits for its KV before it fails."""
+
+    name = "disaggregation"
 
     def __init__(self, cache: "KVCacheManager", ranks: TPRanks, vocab_size: int, timeout_s: float = 60.0,
                  backend: str = "zmq", host: str = "127.0.0.1") -> None:
         self.cache, self.timeout_s, self.ranks = cache, timeout_s, ranks
         self.receiver = KVReceiver(cache.pool, ranks.heads, vocab_size, ranks.size, _writes(backend, cache, host))
-        self.receiving: list[tuple["Request", Receive]] = []
-        self.stats = TransferStats()
+        self.receiving: list[tuple[Request, Receive]] = []
+        self.counters = TransferStats()
 
-    def on_admit(self, req: "Request") -> bool:
+    def on_admit(self, req: Request) -> bool:
         """``req`` was admitted with ``req.computed`` prompt tokens from local tiers: ask the
         prefill server for the rest."""
-        if req.bootstrap is None:
+        if req.pd is None:
             return False
-        job = Receive(req.bootstrap.room, req.bootstrap.address, req.computed, req.kv.slots[: len(req.prompt_ids)],
+        boot = req.pd.bootstrap
+        job = Receive(boot.room, boot.address, req.computed, req.kv.slots[: len(req.prompt_ids)],
                       time.perf_counter() + self.timeout_s)
-        req.decode_prefix_len = req.computed
+        req.pd.decode_prefix_len = req.computed
         self.receiver.submit(job)
         self.receiving.append((req, job))
         if self.ranks.rank == 0:
@@ -208,53 +174,68 @@ class DecodeRole:
                         req.rid, job.room, req.computed, len(req.prompt_ids), job.address)
         return True
 
-    def on_finish(self, req: "Request") -> bool:
+    def on_finish(self, req: Request) -> bool:
         """An aborted request still receiving: its pages stay held until the transfer ends."""
         return any(r is req for r, _ in self.receiving)
 
-    def local_events(self) -> tuple[TransferEvent, ...]:
+    def open_work(self) -> int:
+        return len(self.receiving)
+
+    def local_events(self) -> tuple[WorkEvent, ...]:
         """Over: the KV arrived (or the transfer failed) and the local restore of the host
         part is done (decoding must not read a page still being restored)."""
         self.check_alive()
         restored = self.cache.kv_view.layer_ready(len(self.cache.pool.k_buffers) - 1)
-        return tuple(TransferEvent(job.done.is_set() and (bool(job.error) or restored), not job.error)
+        return tuple(WorkEvent(job.done.is_set() and (bool(job.error) or restored), not job.error)
                      for _, job in self.receiving)
 
-    def apply(self, sched: "Scheduler", events: Sequence[TransferEvent], finished: list["Request"]) -> None:
+    def apply_events(self, events: Sequence[WorkEvent]) -> list[Action]:
         """Start decoding every request whose KV arrived on every rank; fail those whose
         transfer failed on any; release what aborted requests held."""
         self.receiving, over = _split(events, self.receiving)
         if not over:
-            return
+            return []
         moved = self.ranks.total([job.received_bytes for (_, job), _ in over])
+        actions: list[Action] = []
         for ((req, job), e), total_bytes in zip(over, moved):
             if req.status is Status.FINISHED:  # aborted meanwhile
-                sched.release_kv(req)
+                actions.append(Release(req))
                 continue
-            s = self.stats
+            s = self.counters
             s.requests += 1
             if not e.ok:
                 s.failed += 1
                 error = job.error or "the KV transfer failed on another rank of this server"
                 logger.warning("P/D decode rid=%d room=%d failed: %s", req.rid, job.room, error)
-                sched.fail(req, error, finished)
+                actions.append(Fail(req, error))
                 continue
             s.tokens += job.received_tokens
             s.bytes += job.received_bytes
             s.seconds += job.seconds
             s.decode_prefix_tokens += job.decode_prefix_len
-            req.transferred_tokens, req.transferred_bytes = job.received_tokens, total_bytes
-            sched.start_decode(req, job.first_token, finished)
+            req.pd.transferred_tokens, req.pd.transferred_bytes = job.received_tokens, total_bytes
+            actions.append(StartDecode(req, job.first_token))
+        return actions
 
     def check_alive(self) -> None:
         self.receiver.check_alive()
 
-    @property
-    def busy(self) -> bool:
-        return bool(self.receiving)
-
-    def snapshot(self) -> dict:
-        return {"mode": "decode", "open": len(self.receiving), **dataclasses.asdict(self.stats)}
+    def stats(self) -> dict:
+        """``Engine.stats()["disaggregation"]``: the mode, open transfers and this rank's counters."""
+        return {"mode": "decode", "open": len(self.receiving), **dataclasses.asdict(self.counters)}
 
     def close(self) -> None:
         self.receiver.close()
+
+
+def build(ctx: ModeContext) -> Mode | None:
+    """This rank's part in prefill/decode disaggregation (``--disaggregation-mode``), if any."""
+    cfg = ctx.cfg
+    host = cfg.disaggregation_bootstrap_host or "127.0.0.1"
+    if cfg.disaggregation_mode == "prefill":  # (a prefill TP group gathers its route here)
+        return PrefillRole(ctx.cache, cfg.disaggregation_bootstrap_port, ctx.pd_ranks, host,
+                           cfg.disaggregation_transfer_timeout, cfg.disaggregation_transfer_backend)
+    if cfg.disaggregation_mode == "decode":
+        return DecodeRole(ctx.cache, ctx.pd_ranks, ctx.vocab_size, cfg.disaggregation_transfer_timeout,
+                          cfg.disaggregation_transfer_backend, host)
+    return None

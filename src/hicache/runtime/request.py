@@ -10,7 +10,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from ..cache.manager import KVState
+from ..cache.manager import KVState, PrefetchOp
 from ..disagg.bootstrap import Bootstrap
 from .sampling import SamplingParams
 
@@ -23,6 +23,52 @@ class Status(enum.Enum):
     RECEIVING = "receiving"  # P/D decode side: admitted, its prompt's KV arriving from prefill
     DECODE = "decode"  # first token sampled; one token per step
     FINISHED = "finished"
+
+
+@dataclass
+class PrefetchWait:
+    """A storage prefetch the request waits for: the cache's operation, when the scheduler
+    stops waiting (perf_counter), and whether every rank agreed that time has come."""
+
+    op: PrefetchOp
+    deadline: float
+    expired: bool = False
+
+
+@dataclass
+class SpecState:
+    """Speculative decoding: the draft has KV for the first ``draft_computed`` tokens (never
+    more than the target's ``computed``); the verify passes the request took part in and the
+    tokens they gave it (accepted drafts + the target's own). ``generator``: a seeded request's
+    draft draws, a stream of its own so that the target's draws follow the same sequence on
+    one rank or across pipeline stages."""
+
+    draft_computed: int = 0
+    verify_steps: int = 0
+    accepted_tokens: int = 0
+    generator: Optional[torch.Generator] = None
+
+    @classmethod
+    def admitted(cls, req: "Request") -> "SpecState":
+        seed = req.sampling.seed
+        gen = None if seed is None else torch.Generator().manual_seed((seed + DRAFT_SEED_OFFSET) % 2**64)
+        return cls(draft_computed=req.computed, generator=gen)
+
+    @property
+    def accept_length(self) -> float:
+        """Mean tokens per verify pass, the target's own token included."""
+        return self.accepted_tokens / self.verify_steps if self.verify_steps else 0.0
+
+
+@dataclass
+class PDState:
+    """Prefill/decode disaggregation: where the request's other half runs; on the decode side
+    the prompt tokens its own tiers supplied (whole pages); the KV that crossed for it."""
+
+    bootstrap: Bootstrap
+    decode_prefix_len: int = 0
+    transferred_tokens: int = 0
+    transferred_bytes: int = 0
 
 
 @dataclass
@@ -41,7 +87,6 @@ class Request:
     computed: int = 0
     kv: Optional[KVState] = None
     generator: Optional[torch.Generator] = None
-    draft_generator: Optional[torch.Generator] = None  # a seeded request's draft draws (speculative)
     admitted_time: float = 0.0
     first_token_time: float = 0.0
     finish_time: float = 0.0
@@ -51,19 +96,13 @@ class Request:
     # Called on the scheduler thread after each new token and once more when finished
     # (status FINISHED); a server uses it to stream. Must be cheap and must not raise.
     on_update: Optional[Callable[["Request"], None]] = field(default=None, repr=False)
-    prefetch: Optional[object] = field(default=None, repr=False)  # storage PrefetchOp in flight
-    prefetch_deadline: float = 0.0  # when the scheduler stops waiting for it (perf_counter)
+    # Each mode's state lives in an object of its own (None: the mode is off for the request).
+    prefetch: Optional["PrefetchWait"] = field(default=None, repr=False)  # storage prefetch in flight
     storage_tokens: int = 0  # prompt tokens its prefetch brought into the host tier
-    prefetch_expired: bool = False  # every rank agreed its wait deadline has passed
     in_flight: bool = False  # in a batch whose results have not been applied yet (pipeline)
     cached: Optional[dict[str, int]] = None  # prompt tokens hit per tier (device/host/storage), set at admission
-    draft_computed: Optional[int] = None  # speculative decoding: tokens the draft has KV for (else None)
-    spec_verify_steps: int = 0  # verify passes this request took part in
-    spec_accepted_tokens: int = 0  # tokens those passes gave it (accepted drafts + the target's own)
-    bootstrap: Optional["Bootstrap"] = None  # P/D: where the request's other half runs
-    decode_prefix_len: int = 0  # P/D decode side: prompt tokens its own tiers supplied (whole pages)
-    transferred_tokens: int = 0  # P/D: KV tokens that crossed the wire for it
-    transferred_bytes: int = 0
+    spec: Optional["SpecState"] = None  # speculative decoding (set at admission)
+    pd: Optional["PDState"] = None  # prefill/decode disaggregation (set with a bootstrap)
     tokens_np: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -71,23 +110,15 @@ class Request:
         self.tokens_np = np.asarray(self.prompt_ids, dtype=np.int32)
         if self.sampling.seed is not None:
             self.generator = torch.Generator().manual_seed(self.sampling.seed)
-            # Speculative drafts draw from a stream of their own: the target's draws (accept or
-            # reject, bonus) then follow the same sequence on one rank or across pipeline stages.
-            self.draft_generator = torch.Generator().manual_seed((self.sampling.seed + DRAFT_SEED_OFFSET) % 2**64)
 
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
-    @property
-    def spec_accept_length(self) -> float:
-        """Mean tokens per verify pass, the target's own token included (0 without speculation)."""
-        return self.spec_accepted_tokens / self.spec_verify_steps if self.spec_verify_steps else 0.0
-
     def tokens_with_kv(self) -> np.ndarray:
         """Token ids whose KV has been computed (the last sampled token has none yet) -- by the
         draft too, with speculative decoding: only those may be cached."""
-        n = self.computed if self.draft_computed is None else min(self.computed, self.draft_computed)
+        n = self.computed if self.spec is None else min(self.computed, self.spec.draft_computed)
         if not self.output_ids:
             return self.tokens_np[:n]
         return np.asarray(self.all_ids[:n], dtype=np.int32)
@@ -137,11 +168,11 @@ class GenerateResult:
             forward_time_s=req.first_token_time - req.admitted_time if started else 0.0,
             e2e_s=req.finish_time - req.arrival_time if req.finish_time else 0.0,
             error=req.error,
-            spec_accept_length=req.spec_accept_length,
-            spec_verify_steps=req.spec_verify_steps,
-            disaggregated=req.bootstrap is not None,
-            decode_prefix_len=req.decode_prefix_len,
-            kv_transfer_error=req.bootstrap is not None and bool(req.error),
-            kv_transferred_tokens=req.transferred_tokens,
-            kv_transferred_bytes=req.transferred_bytes,
+            spec_accept_length=req.spec.accept_length if req.spec else 0.0,
+            spec_verify_steps=req.spec.verify_steps if req.spec else 0,
+            disaggregated=req.pd is not None,
+            decode_prefix_len=req.pd.decode_prefix_len if req.pd else 0,
+            kv_transfer_error=req.pd is not None and bool(req.error),
+            kv_transferred_tokens=req.pd.transferred_tokens if req.pd else 0,
+            kv_transferred_bytes=req.pd.transferred_bytes if req.pd else 0,
         )

@@ -1,4 +1,5 @@
-"""Turns a scheduled batch into one forward pass of the model over the device KV pool."""
+"""Turns a scheduled batch into one forward pass of the model over the device KV pool, through
+the attention backend chosen once when the runner is built (paged, or context parallel)."""
 
 from __future__ import annotations
 
@@ -9,19 +10,17 @@ import numpy as np
 import torch
 
 from ..cache.placement import GatherPlan, PagePlacement
-from ..model.batch import KVView, make_forward_batch
-from ..model.context_parallel import (
-    CPGroup,
-    PrefixGather,
-    ShardedContext,
-    make_cp_batch,
-)
+from ..model.batch import AttentionBackend, KVView
+from ..model.context_parallel import CPBackend, ShardedContext
+from ..model.paged import PagedBackend
+from ..model.prefix_gather import CPGroup, PrefixGather
 
 
 @dataclass
 class ContextParallel:
-    """This rank's place in a CP group. ``placement``: the KV is page-sharded over the group
-    (None: replicated, every rank stores every token); ``gather``: its prefix-gather scratch."""
+    """This rank's place in a CP group (a :class:`~hicache.model.context_parallel.CPSetup`).
+    ``placement``: the KV is page-sharded over the group (None: replicated, every rank stores
+    every token); ``gather``: its prefix-gather scratch."""
 
     group: CPGroup
     strategy: str
@@ -57,22 +56,15 @@ class ModelRunner:
         self.kv = kv
         self.device = device
         self.cp = cp
+        # Chosen once: every forward of this engine runs its attention through this backend.
+        self.backend: AttentionBackend = (PagedBackend(device) if cp is None
+                                          else CPBackend(cp, device, len(kv.k_buffers)))
 
     @torch.inference_mode()
     def forward(self, input_ids: list[list[int]], prefix_lens: list[int], context_slots: list[torch.Tensor],
                 hidden: torch.Tensor | None = None, logits: str = "last") -> torch.Tensor:
         """Logits ``[B, vocab]`` (float32) at each sequence's last new token (``logits="all"``:
-        ``[T, vocab]``, at every new token); on a pipeline stage before the last, the hidden
-        states of all new tokens (``hidden``: the previous stage's)."""
-        cp = self.cp
-        if cp is None:
-            batch = make_forward_batch(input_ids, prefix_lens, context_slots, logits=logits, device=self.device)
-        else:
-            assert logits == "last", "context parallelism returns each sequence's last logits only"
-            # A decode batch split over CP ranks merges partial attention: no prefix gather.
-            gathered = not (cp.split_tokens and max(len(ids) for ids in input_ids) == 1)
-            batch = make_cp_batch(input_ids, prefix_lens, cp.contexts(prefix_lens, context_slots, gathered), cp.group,
-                                  cp.strategy, cp.page_size, cp.gather, self.device, cp.split_tokens)
-            if batch.cp is not None and cp.gather is not None:
-                cp.gather.begin(batch.cp, len(self.kv.k_buffers))
+        ``[T, vocab]``, at every new token; not under context parallelism); on a pipeline stage
+        before the last, the hidden states of all new tokens (``hidden``: the previous stage's)."""
+        batch = self.backend.prepare(input_ids, prefix_lens, context_slots, logits)
         return self.model(batch, self.kv, hidden)

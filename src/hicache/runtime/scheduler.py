@@ -1,9 +1,12 @@
 """The scheduler's phases: events, admission, continuous batching with chunked prefill,
-sampling, finish handling. The order they run in, for every rank layout, is runtime/step.py.
+sampling, finish handling. The order they run in, for every rank layout, is runtime/step.py,
+driven by whoever runs the loop; the scheduler never steps itself.
 
 Every cache decision (match, lock, evict, insert) happens here, on the scheduler thread, as
 a function of the request stream alone (DESIGN invariant 3): ranks that feed the same requests
-to the same scheduler make the same decisions.
+to the same scheduler make the same decisions. Modes (speculative decoding, the P/D roles)
+take part through the hooks of :class:`~hicache.runtime.modes.Mode` at fixed points of these
+phases; the scheduler applies what they return and knows none of them by name.
 """
 
 from __future__ import annotations
@@ -11,41 +14,36 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from ..cache.manager import KVCacheManager
 from ..consensus_record import consensus_check
+from .batch import Batch
 from .events import PrefetchEvent, StepEvents
+from .modes import Action, Fail, Mode, Release, StartDecode
 from .prefetch_policy import PrefetchPolicy
-from .request import Request, Status
+from .request import PrefetchWait, Request, Status
 from .sampling import sample
-from .step import ForwardFn, StepDriver
-
-if TYPE_CHECKING:
-    from .pd_role import PDRole
-    from .speculative import Proposal, Speculator
 
 logger = logging.getLogger(__name__)
+
 
 class Scheduler:
     def __init__(
         self,
         cache: KVCacheManager,
-        forward: ForwardFn,
         decode_text: Callable[[Sequence[int]], str],
         eos_token_ids: set[int],
         chunked_prefill_size: int,
         max_running_requests: int,
         prefetch_policy: str = "adaptive",
         prefetch_timeout: Callable[[int], float] = lambda tokens: 1.0,
-        speculator: Optional["Speculator"] = None,
-        pd: Optional["PDRole"] = None,
+        modes: Sequence[Mode] = (),
     ) -> None:
-        """``speculator``: speculative decoding is on; decode steps become verify passes.
-        ``pd``: this server's role in prefill/decode disaggregation (hicache.runtime.pd_role)."""
+        """``modes``: what plugs into the phases (hicache.runtime.mode_registry), in the order
+        their hooks run and their events sit in the event vector."""
         self.cache = cache
         self.decode_text = decode_text
         self.eos_token_ids = eos_token_ids
@@ -56,23 +54,17 @@ class Scheduler:
         self.prefetch_rule = PrefetchPolicy(prefetch_policy, prefetch_timeout)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.speculator = speculator
-        # k extra slots per request: a verify pass writes KV for drafts past the last token
-        self.spec_steps = speculator.num_steps if speculator is not None else 0
-        self.spec_request_verify_steps = 0  # verify passes, counted once per request in each
-        self.spec_accepted_tokens = 0
-        self.pd = pd
-        # The phases of a step on this rank alone; a rank of a group replaces it with one that
-        # agrees with its peers and hands its output on (hicache.parallel.worker).
-        self.driver = StepDriver(self, forward)
+        self.modes = list(modes)
+        # slots a request reserves past its tokens (a mode's passes may write KV there)
+        self.reserve_slots = sum(m.reserve_slots() for m in self.modes)
 
     # ---- queue ---------------------------------------------------------------------------
     def add(self, req: Request) -> None:
-        req.prefetch = self.cache.start_prefetch(req.namespace, req.tokens_np)
-        if req.prefetch is not None:
-            pages = len(req.prefetch.hashes)
-            req.prefetch_deadline = self.prefetch_rule.deadline(
-                req.rid, pages, pages * self.cache.page_size, self.cache.storage.read_page_s, time.perf_counter())
+        op = self.cache.start_prefetch(req.namespace, req.tokens_np)
+        if op is not None:
+            pages = len(op.hashes)
+            req.prefetch = PrefetchWait(op, self.prefetch_rule.deadline(
+                req.rid, pages, pages * self.cache.page_size, self.cache.storage.read_page_s, time.perf_counter()))
         self.waiting.append(req)
 
     def observe_forward(self, batch: "Batch", seconds: float) -> None:
@@ -84,7 +76,15 @@ class Scheduler:
             self.prefetch_rule.prefill.observe(sum(batch.new_tokens), seconds)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or (self.pd is not None and self.pd.busy))
+        return bool(self.waiting or self.running or self._open_work())
+
+    def only_waiting(self) -> bool:
+        """Nothing can run until background work lands (prefetches, the modes' open items): a
+        loop that found no batch should pause rather than spin."""
+        return (not self.running and bool(self.waiting)) or self._open_work()
+
+    def _open_work(self) -> bool:
+        return any(m.open_work() for m in self.modes)
 
     def abort(self, rid: int) -> bool:
         """Drop a request wherever it is, freeing what it holds. True if it was found."""
@@ -92,7 +92,7 @@ class Scheduler:
             if req.rid == rid:
                 self.waiting.remove(req)
                 if req.prefetch is not None:
-                    self.cache.finish_prefetch(req.prefetch, req.tokens_np)
+                    self.cache.finish_prefetch(req.prefetch.op, req.tokens_np)
                     req.prefetch = None
                 req.status, req.finish_reason = Status.FINISHED, "abort"
                 if req.on_update is not None:
@@ -104,15 +104,6 @@ class Scheduler:
                 return True
         return False
 
-    # ---- one step ------------------------------------------------------------------------
-    def step(self) -> list[Request]:
-        """One step (agree -> schedule -> forward -> sample -> apply: see runtime/step.py);
-        returns the requests that finished in it."""
-        batch, finished = self.driver.step()
-        if batch is None and ((not self.running and self.waiting) or (self.pd is not None and self.pd.busy)):
-            time.sleep(0.001)  # only prefetches or KV transfers to wait for: do not spin
-        return finished
-
     # ---- events: what background work finished, applied only as agreed ----------------
     def pending_prefetches(self) -> list[Request]:
         """Waiting requests whose storage prefetch is still open, in queue order (the order
@@ -122,25 +113,43 @@ class Scheduler:
     def ready_events(self) -> StepEvents:
         """This rank's view of finished background work (ranks MIN-reduce its list form):
         ready leading acks per cache queue, then per open prefetch its published progress
-        acks and whether its wait deadline has come."""
+        acks and whether its wait deadline has come, then the modes' open items."""
         now = time.perf_counter()
         return StepEvents(self.cache.ack_counts(), tuple(
-            PrefetchEvent(self.cache.prefetch_ack_count(r.prefetch), now >= r.prefetch_deadline)
-            for r in self.pending_prefetches()), self.pd.local_events() if self.pd is not None else ())
+            PrefetchEvent(self.cache.prefetch_ack_count(r.prefetch.op), now >= r.prefetch.deadline)
+            for r in self.pending_prefetches()), tuple(e for m in self.modes for e in m.local_events()))
 
     @consensus_check("scheduler.consume_events", args=lambda self, events: events.to_list())
     def consume_events(self, events: StepEvents) -> list[Request]:
         """Apply exactly the agreed ``events``. Transfer acks change lock state only here, at a
-        fixed point of the step; so do P/D transfers that ended. Returns the requests that
-        finished here (a failed transfer)."""
+        fixed point of the step; so do the modes' work items that ended. Returns the requests
+        that finished here (a mode failed them)."""
         self.cache.consume_acks(events.acks)
         for req, p in zip(self.pending_prefetches(), events.prefetches, strict=True):
-            self.cache.consume_prefetch_acks(req.prefetch, p.acks)
-            req.prefetch_expired = p.expired
+            self.cache.consume_prefetch_acks(req.prefetch.op, p.acks)
+            req.prefetch.expired = p.expired
         finished: list[Request] = []
-        if self.pd is not None:
-            self.pd.apply(self, events.transfers, finished)
+        start = 0
+        for mode in self.modes:
+            n = mode.open_work()
+            self._apply_actions(mode.apply_events(events.work[start:start + n]), finished)
+            start += n
+        if start != len(events.work):
+            raise RuntimeError(f"the agreed events name {len(events.work)} open work items, the modes {start}")
         return finished
+
+    def _apply_actions(self, actions: Sequence[Action], finished: list[Request]) -> None:
+        for a in actions:
+            if isinstance(a, StartDecode):
+                self._start_decode(a.req, a.first_token, finished)
+            elif isinstance(a, Fail):
+                a.req.error = a.error
+                self._finish(a.req, "error")
+                finished.append(a.req)
+            elif isinstance(a, Release):
+                self.release_kv(a.req)
+                if a.report and a.req.on_update is not None:
+                    a.req.on_update(a.req)
 
     # ---- scheduling ------------------------------------------------------------------------
     @consensus_check("scheduler.schedule", result=lambda b: None if b is None else (b.kind, b.rids(), b.new_tokens))
@@ -154,10 +163,8 @@ class Scheduler:
             decode = [r for r in self.running if r.status is Status.DECODE and not r.in_flight]
             if not decode:
                 return None
-            if self.speculator is not None:  # k drafts + the last token, all checked in one pass
-                batch = Batch("verify", decode, [self.spec_steps + 1] * len(decode))
-            else:
-                batch = Batch("decode", decode, [1] * len(decode))
+            kind, rows = next((shape for m in self.modes if (shape := m.decode_batch()) is not None), ("decode", 1))
+            batch = Batch(kind, decode, [rows] * len(decode))
         for req in batch.reqs:
             req.in_flight = True
         return batch
@@ -180,8 +187,8 @@ class Scheduler:
                 break  # first-come first-served for memory: later requests wait behind it
             self.waiting.remove(req)
             self.running.append(req)
-            if self.pd is not None and self.pd.on_admit(req):
-                req.status = Status.RECEIVING  # its prompt's KV comes from the prefill server
+            if any([m.on_admit(req) for m in self.modes]):  # every mode hears of it
+                req.status = Status.RECEIVING  # its prompt's KV comes from elsewhere
                 continue
             n = min(len(req.prompt_ids) - req.computed, budget)
             batch.append((req, n))
@@ -191,25 +198,23 @@ class Scheduler:
     def _prefetch_settled(self, req: Request) -> bool:
         """True once the policy stops waiting for the request's prefetch, after inserting
         what arrived (the agreed acks) into the cache."""
-        op = req.prefetch
-        if op is None:
+        wait = req.prefetch
+        if wait is None:
             return True
-        if not (op.final_applied or self.prefetch_policy == "best_effort" or req.prefetch_expired):
+        if not (wait.op.final_applied or self.prefetch_policy == "best_effort" or wait.expired):
             return False
-        req.storage_tokens = self.cache.finish_prefetch(op, req.tokens_np)
+        req.storage_tokens = self.cache.finish_prefetch(wait.op, req.tokens_np)
         req.prefetch = None
         return True
 
     def _admit(self, req: Request) -> bool:
-        kv = self.cache.admit(req.namespace, req.tokens_np, len(req.prompt_ids) + req.max_new_tokens + self.spec_steps,
+        kv = self.cache.admit(req.namespace, req.tokens_np, len(req.prompt_ids) + req.max_new_tokens + self.reserve_slots,
                               req.storage_tokens)
         if kv is None:
             return False
         req.kv = kv
         req.cached = {"device": kv.device_hit_tokens, "host": kv.host_hit_tokens, "storage": kv.storage_hit_tokens}
         req.computed = kv.device_hit_tokens + kv.host_hit_tokens + kv.storage_hit_tokens
-        if self.speculator is not None:  # a cached page holds the draft's KV too
-            req.draft_computed = req.computed
         req.status = Status.PREFILL
         req.admitted_time = time.perf_counter()
         logger.info(
@@ -222,10 +227,12 @@ class Scheduler:
     # ---- results ---------------------------------------------------------------------------
     def sample(self, batch: "Batch", logits: torch.Tensor) -> list:
         """One entry per request of ``batch``: its next token, or -1 when the batch only
-        computed a chunk of its prompt. ``logits``: ``[len(batch.reqs), vocab]``. A verify
-        batch: each request's accepted tokens (a list), from ``logits`` at every verify row."""
-        if batch.kind == "verify":
-            return self.speculator.verify(batch, logits)
+        computed a chunk of its prompt. ``logits``: ``[len(batch.reqs), vocab]``. A batch a
+        mode composed: what the mode samples (each request's accepted tokens)."""
+        for mode in self.modes:
+            tokens = mode.sample(batch, logits)
+            if tokens is not None:
+                return tokens
         rows = batch.result_rows()
         out = [-1] * len(batch.reqs)
         if rows:
@@ -244,12 +251,12 @@ class Scheduler:
             req.in_flight = False
             if req.status is Status.FINISHED:  # aborted while its batch was in flight
                 continue
-            if batch.kind == "verify":
-                self._apply_verified(req, tok, finished)
+            if isinstance(tok, (list, tuple)):  # a pass a mode composed: the accepted tokens
+                self._apply_accepted(req, tok, finished)
                 continue
             req.computed += n
-            if req.draft_computed is not None:  # the draft ran over the same chunk
-                req.draft_computed = req.computed
+            for mode in self.modes:
+                mode.on_computed(req)
             if req.status is Status.PREFILL:
                 if req.computed < len(req.prompt_ids):  # chunk boundary: share the pages now
                     self.cache.cache_prefix(req.namespace, req.tokens_with_kv(), req.kv)
@@ -259,23 +266,27 @@ class Scheduler:
             self._append_token(req, tok, finished)
         return finished
 
-    def _apply_verified(self, req: Request, tokens: Sequence[int], finished: list[Request]) -> None:
-        """A verify pass gave ``tokens`` (j accepted drafts + the target's own): the target's KV
-        now covers the j drafts, the draft's all but the last of them (runtime/speculative.py).
-        Set before appending: a token that finishes the request releases what has KV
-        (``tokens_with_kv`` cuts at the tokens it has); the tokens after it are dropped."""
-        j, n = len(tokens) - 1, len(req.all_ids)
-        req.computed = n + j
-        req.draft_computed = n + min(j, self.spec_steps - 1)
-        req.spec_verify_steps += 1  # counted before appending: finishing reports them
-        self.spec_request_verify_steps += 1
+    def _apply_accepted(self, req: Request, tokens: Sequence[int], finished: list[Request]) -> None:
+        """A pass a mode composed gave ``tokens`` (j accepted proposals + the model's own): the
+        KV now covers the j proposals. They are appended until one stops the request (the rest
+        are dropped); the modes hear what was taken before the request finishes, since
+        finishing caches what has KV and a mode may limit that (``Request.tokens_with_kv``)."""
+        req.computed = len(req.all_ids) + len(tokens) - 1
+        taken, reason = 0, ""
         for tok in tokens:
-            req.spec_accepted_tokens += 1
-            self.spec_accepted_tokens += 1
-            self._append_token(req, tok, finished)
-            if req.status is Status.FINISHED:
+            req.output_ids.append(tok)
+            taken += 1
+            reason = self._stop_reason(req)
+            if reason:
                 break
+            if req.on_update is not None:
+                req.on_update(req)
         req.computed = min(req.computed, len(req.all_ids))  # an early stop: only what was appended
+        for mode in self.modes:
+            mode.on_accepted(req, len(tokens) - 1, taken)
+        if reason:
+            self._finish(req, reason)
+            finished.append(req)
 
     # ---- finishing -----------------------------------------------------------------------
     def _stop_reason(self, req: Request) -> str:
@@ -299,7 +310,7 @@ class Scheduler:
             req.on_update(req)
 
     def _finish(self, req: Request, reason: str) -> None:
-        if self.pd is None or not self.pd.on_finish(req):  # else a transfer still reads or writes its KV
+        if not any([m.on_finish(req) for m in self.modes]):  # else a mode still uses its KV
             self.release_kv(req)
         self.running.remove(req)
         req.status = Status.FINISHED
@@ -319,62 +330,19 @@ class Scheduler:
         )
 
 
-    # ---- disaggregation (hicache.runtime.pd_role calls these when transfers end) ---------------
     def release_kv(self, req: Request) -> None:
         """Cache the pages of ``req`` that have KV, free the rest, drop its lock."""
         self.cache.release(req.namespace, req.tokens_with_kv(), req.kv)
 
-    def start_decode(self, req: Request, first_token: int, finished: list[Request]) -> None:
-        """``req``'s whole prompt has KV (local tiers + received suffix): decode from the
-        prefill server's first token."""
+    def _start_decode(self, req: Request, first_token: int, finished: list[Request]) -> None:
+        """``req``'s whole prompt has KV (local tiers + what a mode received): decode from
+        ``first_token``, which was sampled elsewhere."""
         req.computed = len(req.prompt_ids)
+        for mode in self.modes:
+            mode.on_computed(req)
         req.first_token_time = time.perf_counter()
         req.status = Status.DECODE
         self._append_token(req, first_token, finished)
-
-    def fail(self, req: Request, error: str, finished: list[Request]) -> None:
-        req.error = error
-        self._finish(req, "error")
-        finished.append(req)
-
-
-@dataclass
-class Batch:
-    """One forward pass as scheduled: ``reqs[i]`` computes ``new_tokens[i]`` tokens (a prompt
-    chunk, 1 in decode, the last token + k drafts in verify). Built once; every pipeline stage
-    schedules an equal one."""
-
-    kind: str  # "prefill" | "decode" | "verify" (speculative: the last token + k drafts each)
-    reqs: list[Request]
-    new_tokens: list[int]
-    proposal: Optional["Proposal"] = None  # verify: the drafts, set in the step's forward phase
-
-    @property
-    def logits(self) -> str:
-        """Which rows' logits the pass returns: every row for a verify pass, else each last."""
-        return "all" if self.kind == "verify" else "last"
-
-    def rids(self) -> list[int]:
-        return [r.rid for r in self.reqs]
-
-    def input_ids(self) -> list[list[int]]:
-        if self.kind == "decode":
-            return [[r.output_ids[-1]] for r in self.reqs]
-        if self.kind == "verify":
-            return [[r.output_ids[-1]] + drafts for r, drafts in zip(self.reqs, self.proposal.tokens)]
-        return [r.prompt_ids[r.computed : r.computed + n] for r, n in zip(self.reqs, self.new_tokens)]
-
-    def prefix_lens(self) -> list[int]:
-        return [r.computed for r in self.reqs]
-
-    def context_slots(self) -> list[torch.Tensor]:
-        return [r.kv.slots[: r.computed + n] for r, n in zip(self.reqs, self.new_tokens)]
-
-    def result_rows(self) -> list[int]:
-        """Rows whose logits give a token: decode rows, and prefill rows that end their prompt."""
-        if self.kind != "prefill":
-            return list(range(len(self.reqs)))
-        return [i for i, (r, n) in enumerate(zip(self.reqs, self.new_tokens)) if r.computed + n == len(r.prompt_ids)]
 
 
 def _stop_index(text: str, stops: list[str]) -> int:

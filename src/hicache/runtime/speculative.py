@@ -1,9 +1,9 @@
 """Speculative decoding, STANDALONE: a separate draft model proposes ``k`` tokens per sequence,
 the target checks them in one forward pass of ``k + 1`` tokens (seed section 3).
 
-Per request (see :class:`~hicache.runtime.request.Request`): the target's KV is valid for the
-first ``computed`` tokens of ``all_ids``, the draft's for the first ``draft_computed`` (never
-more). Only tokens both have KV for are cached (``tokens_with_kv``): a prefix hit in any tier
+Per request (see :class:`~hicache.runtime.request.SpecState`): the target's KV is valid for the
+first ``computed`` tokens of ``all_ids``, the draft's for the first ``req.spec.draft_computed``
+(never more). Only tokens both have KV for are cached (``tokens_with_kv``): a prefix hit in any tier
 then brings back the draft's history with the target's, so the draft never proposes from a hole.
 
 One verify round for a sequence of ``n`` tokens (the last one has no KV yet)::
@@ -23,18 +23,18 @@ after which the target's KV is valid up to ``n + j`` and the draft's up to ``n +
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from ..config import ConfigError, EngineConfig
 from ..model.batch import KVView
 from ..model.loader import LoadedModel
+from .batch import Batch
+from .modes import Mode, ModeContext
+from .request import Request, SpecState
+from .runner import ModelRunner
 from .sampling import probabilities, top_token
-
-if TYPE_CHECKING:
-    from .runner import ModelRunner
-    from .scheduler import Batch
 
 
 class LayerWindow:
@@ -113,12 +113,15 @@ class Proposal:
     probs: list[Optional[torch.Tensor]]
 
 
-class Speculator:
-    """Runs the draft model over the same slots as the target and turns a verify pass's logits
-    into the accepted tokens. ``runner``: the draft's :class:`ModelRunner` (its own weights, its
-    KV on the target's slots)."""
+class Speculator(Mode):
+    """The mode: runs the draft model over the same slots as the target and turns a verify
+    pass's logits into the accepted tokens. ``runner``: the draft's :class:`ModelRunner` (its
+    own weights, its KV on the target's slots)."""
 
-    def __init__(self, runner: Optional["ModelRunner"], num_steps: int,
+    name = "speculative"
+
+
+    def __init__(self, runner: Optional[ModelRunner], num_steps: int,
                  share_draws: Optional[Callable[[Any], Any]] = None) -> None:
         """``runner`` None: a later pipeline stage, which verifies (the last) or passes on what
         the first stage's draft proposed. ``share_draws``: with several TP ranks, one rank's
@@ -126,13 +129,62 @@ class Speculator:
         self.runner = runner
         self.num_steps = num_steps
         self.share_draws = share_draws
+        self.request_verify_steps = 0  # verify passes, counted once per request in each
+        self.accepted_tokens = 0
 
-    def extend(self, batch: "Batch") -> None:
+    # ---- the mode's hooks ----------------------------------------------------------------
+    def reserve_slots(self) -> int:
+        return self.num_steps  # a verify pass writes KV for k drafts past the last token
+
+    def on_admit(self, req: Request) -> bool:
+        req.spec = SpecState.admitted(req)  # a cached page holds the draft's KV too
+        return False
+
+    def decode_batch(self) -> tuple[str, int]:
+        return "verify", self.num_steps + 1  # k drafts + the last token, all checked in one pass
+
+    def before_forward(self, batch: Batch, handed: Any = None) -> None:
+        """A verify batch's drafts: those stage 0 proposed (``handed``), else proposed here."""
+        if batch.kind == "verify":
+            batch.proposal = handed if handed is not None else self.propose(batch)
+
+    def after_forward(self, batch: Batch) -> None:
+        if batch.kind == "prefill" and self.runner is not None:
+            self.extend(batch)  # after the target: a load-back copies the draft's layers last
+
+    def sample(self, batch: Batch, logits: torch.Tensor) -> Optional[list]:
+        return self.verify(batch, logits) if batch.kind == "verify" else None
+
+    def on_computed(self, req: Request) -> None:
+        req.spec.draft_computed = req.computed  # the draft ran over the same chunk
+
+    def on_accepted(self, req: Request, drafts: int, taken: int) -> None:
+        """The draft's KV now covers all but the last of the ``drafts`` accepted (it never saw
+        d_k); ``taken`` tokens were appended (fewer when one stopped the request)."""
+        before = len(req.all_ids) - taken
+        req.spec.draft_computed = before + min(drafts, self.num_steps - 1)
+        req.spec.verify_steps += 1
+        req.spec.accepted_tokens += taken
+        self.request_verify_steps += 1
+        self.accepted_tokens += taken
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            # verify passes counted once per request in each (a pass of 4 requests counts 4)
+            "num_steps": self.num_steps, "request_verify_steps": self.request_verify_steps,
+            "accepted_tokens": self.accepted_tokens,
+            # mean tokens a verify pass gives a request, its own token included (SGLang's accept length)
+            "accept_length": self.accepted_tokens / max(self.request_verify_steps, 1),
+        }
+
+    # ---- the draft ------------------------------------------------------------------------
+
+    def extend(self, batch: Batch) -> None:
         """A prefill chunk: the draft computes its KV for the same tokens (called after the
         target's pass, so a layer-wise load-back's draft layers, copied last, have arrived)."""
         self.runner.forward(batch.input_ids(), batch.prefix_lens(), batch.context_slots())
 
-    def propose(self, batch: "Batch") -> Proposal:
+    def propose(self, batch: Batch) -> Proposal:
         """``k`` draft passes over the whole verify batch; the first also feeds every token the
         draft has not seen yet (1, or 2 after a round that took every draft)."""
         if self.runner is None:
@@ -141,8 +193,8 @@ class Speculator:
         seqs = [r.all_ids for r in reqs]
         tokens: list[list[int]] = [[] for _ in reqs]
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
-        inputs = [s[r.draft_computed:] for r, s in zip(reqs, seqs)]
-        starts = [r.draft_computed for r in reqs]
+        inputs = [s[r.spec.draft_computed:] for r, s in zip(reqs, seqs)]
+        starts = [r.spec.draft_computed for r in reqs]
         for _ in range(self.num_steps):
             ends = [p + len(ids) for p, ids in zip(starts, inputs)]
             logits = self.runner.forward(inputs, starts, [r.kv.slots[:e] for r, e in zip(reqs, ends)])
@@ -157,7 +209,7 @@ class Speculator:
             inputs, starts = [[t[-1]] for t in tokens], ends
         return Proposal(tokens, [torch.stack(p) if p else None for p in probs])
 
-    def verify(self, batch: "Batch", logits: torch.Tensor) -> list[list[int]]:
+    def verify(self, batch: Batch, logits: torch.Tensor) -> list[list[int]]:
         """The accepted tokens of each request (1 to k + 1): ``logits`` ``[B * (k + 1), vocab]``,
         the target's at each verify row, sequence after sequence."""
         k1 = self.num_steps + 1
@@ -183,7 +235,7 @@ def _draw(logits: torch.Tensor, req) -> tuple[int, Optional[torch.Tensor]]:
         dist = torch.zeros_like(logits)
         dist[tok] = 1.0
         return tok, dist
-    return int(torch.multinomial(dist, 1, generator=req.draft_generator)), dist
+    return int(torch.multinomial(dist, 1, generator=req.spec.generator)), dist
 
 
 def _distribution(logits: torch.Tensor, req) -> Optional[torch.Tensor]:
@@ -224,3 +276,16 @@ def rejection_accept(drafts: Sequence[int], draft_probs: torch.Tensor, logits: t
     p = _distribution(logits[len(drafts)], req)
     bonus = int(top_token(logits[len(drafts)])) if p is None else int(torch.multinomial(p, 1, generator=gen))
     return out + [bonus]
+
+
+def build(ctx: ModeContext) -> Optional[Mode]:
+    """The speculative mode (``--speculative-algorithm``): the draft's runner over its KV (packed:
+    the layers after the target's; else the sidecar); with speculation on and no draft here (a
+    later pipeline stage) one that only verifies what the first stage proposed."""
+    if ctx.draft is not None:
+        cache = ctx.cache
+        view = LayerWindow(cache.kv_view, ctx.layers, ctx.draft_packed) if ctx.draft_packed else cache.sidecar_view
+        return Speculator(ModelRunner(ctx.draft.model, view, ctx.device), ctx.cfg.speculative_steps, ctx.share_draws)
+    if ctx.cfg.speculative_algorithm:
+        return Speculator(None, ctx.cfg.speculative_steps, ctx.share_draws)
+    return None

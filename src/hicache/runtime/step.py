@@ -1,7 +1,10 @@
 """One step, for every rank layout: agree -> schedule -> forward -> hand on -> apply.
 
-This is the only place the phases are written down. A single-rank engine and every rank of a
-TP / PP group run :meth:`StepDriver.step`; what differs between layouts is plugged in:
+This is the only place the phases are written down. Whoever runs the loop builds the one
+:class:`StepDriver` over its scheduler (the single-rank backend, hicache.frontend.backend; each
+rank of a TP / PP group, hicache.parallel.worker) and calls :meth:`StepDriver.step`; the
+scheduler exposes the phases and never calls its driver. What differs between layouts is
+plugged in:
 
 - an :class:`Agreement` turns this rank's :class:`StepEvents` into the agreed ones: nothing to
   agree on one rank (:data:`ALONE`), ``all_reduce(MIN)`` over the stage's TP group on stage 0,
@@ -16,9 +19,9 @@ The step, in order (DESIGN invariant 3: cache state changes only at fixed points
     finished = scheduler.consume_events(events)  # storage acks, P/D transfers: as agreed
     batch = scheduler.schedule()            # the same batch on every rank
     cache.submit_transfers()                # load-backs in flight before the forward reads them
-    out = forward(batch, inbound.hidden)    # logits, or hidden states mid-pipeline; speculative:
-                                            # the draft proposes before a verify pass and
-                                            # follows a prefill chunk (runtime/speculative.py)
+    mode.before_forward(batch, handed)      # every mode (runtime/modes.py): e.g. the drafts
+    out = forward(batch, inbound.hidden)    # logits, or hidden states mid-pipeline
+    mode.after_forward(batch)               # e.g. the draft follows a prefill chunk
     finished += output.hand_on(batch, out)  # sample + apply | send down | sample + send back
     cache.submit_transfers()                # backups of what finished
 
@@ -30,15 +33,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
+from .batch import Batch
 from .events import StepEvents
 from .request import Request
-
-if TYPE_CHECKING:
-    from .scheduler import Batch, Scheduler
+from .scheduler import Scheduler
 
 # forward(input_ids per seq, cached prefix len per seq, context slots per seq, hidden in,
 #         logits="last" | "all") -> output
@@ -52,7 +54,7 @@ class Inbound:
     events: Optional[StepEvents] = None  # later pipeline stages: the events stage 0 agreed
     hidden: Optional[torch.Tensor] = None  # later pipeline stages: the previous stage's output
     context: Any = None  # the layout's own data (e.g. what the step message carries on)
-    proposal: Any = None  # later pipeline stages: stage 0's drafts for a verify batch
+    proposal: Any = None  # later pipeline stages: what stage 0's modes attached (a verify batch's drafts)
 
 
 class Agreement(Protocol):
@@ -60,7 +62,7 @@ class Agreement(Protocol):
         """The events every rank of the group applies this step."""
         ...
 
-    def confirm(self, batch: Optional["Batch"], inbound: Optional[Inbound]) -> None:
+    def confirm(self, batch: Optional[Batch], inbound: Optional[Inbound]) -> None:
         """Raise if this rank scheduled something other than its group (before the forward)."""
         ...
 
@@ -71,7 +73,7 @@ class _Alone:
     def agree(self, local: StepEvents, inbound: Optional[Inbound]) -> StepEvents:
         return local
 
-    def confirm(self, batch: Optional["Batch"], inbound: Optional[Inbound]) -> None:
+    def confirm(self, batch: Optional[Batch], inbound: Optional[Inbound]) -> None:
         pass
 
 
@@ -79,7 +81,7 @@ ALONE: Agreement = _Alone()
 
 
 class Output(Protocol):
-    def hand_on(self, batch: Optional["Batch"], out: Optional[torch.Tensor], events: StepEvents,
+    def hand_on(self, batch: Optional[Batch], out: Optional[torch.Tensor], events: StepEvents,
                 inbound: Optional[Inbound]) -> list[Request]:
         """Do this stage's part with the forward's output (``batch`` None: nothing ran, but a
         pipeline stage still passes the step on). Returns the requests that finished."""
@@ -91,17 +93,17 @@ class SampleAndApply:
     """The only stage: sample the batch's next tokens and apply them at once.
     ``share_draws``: with several TP ranks, one rank's random draws for the whole stage."""
 
-    scheduler: "Scheduler"
+    scheduler: Scheduler
     share_draws: Optional[Callable[[Any], Any]] = None
 
-    def hand_on(self, batch: Optional["Batch"], out: Optional[torch.Tensor], events: StepEvents,
+    def hand_on(self, batch: Optional[Batch], out: Optional[torch.Tensor], events: StepEvents,
                 inbound: Optional[Inbound]) -> list[Request]:
         if batch is None:
             return []
         return self.scheduler.apply_results(batch, sample_batch(self.scheduler, batch, out, self.share_draws))
 
 
-def sample_batch(sched: "Scheduler", batch: "Batch", logits: torch.Tensor,
+def sample_batch(sched: Scheduler, batch: Batch, logits: torch.Tensor,
                  share_draws: Optional[Callable[[Any], Any]]) -> list:
     """The batch's tokens (a verify batch: each request's accepted tokens); random draws come
     from one rank when ``share_draws`` is given, so every rank of a stage gets the same tokens
@@ -115,14 +117,14 @@ def sample_batch(sched: "Scheduler", batch: "Batch", logits: torch.Tensor,
 class StepDriver:
     """Runs the phases of a step on one rank (see the module docstring)."""
 
-    def __init__(self, scheduler: "Scheduler", forward: ForwardFn, agreement: Agreement = ALONE,
+    def __init__(self, scheduler: Scheduler, forward: ForwardFn, agreement: Agreement = ALONE,
                  output: Optional[Output] = None) -> None:
         self.scheduler = scheduler
         self.forward = forward
         self.agreement = agreement
         self.output = output if output is not None else SampleAndApply(scheduler)
 
-    def step(self, inbound: Optional[Inbound] = None) -> tuple[Optional["Batch"], list[Request]]:
+    def step(self, inbound: Optional[Inbound] = None) -> tuple[Optional[Batch], list[Request]]:
         """One step; returns the batch it ran (None if nothing was ready) and the requests that
         finished in it."""
         sched, cache = self.scheduler, self.scheduler.cache
@@ -134,14 +136,14 @@ class StepDriver:
         out = None
         t0 = time.perf_counter()
         if batch is not None:
-            spec = sched.speculator
-            if spec is not None and batch.kind == "verify":  # the drafts are the verify pass's input
-                handed = inbound.proposal if inbound is not None else None
-                batch.proposal = handed if handed is not None else spec.propose(batch)
+            handed = inbound.proposal if inbound is not None else None
+            for mode in sched.modes:
+                mode.before_forward(batch, handed)
             out = self.forward(batch.input_ids(), batch.prefix_lens(), batch.context_slots(),
-                               inbound.hidden if inbound is not None else None, logits=batch.logits)
-            if spec is not None and batch.kind == "prefill" and spec.runner is not None:
-                spec.extend(batch)  # after the target: a load-back copies the draft's layers last
+                               inbound.hidden if inbound is not None else None,
+                               logits="all" if batch.all_logits else "last")
+            for mode in sched.modes:
+                mode.after_forward(batch)
         finished += self.output.hand_on(batch, out, events, inbound)
         if batch is not None:  # its output has been sampled or sent on: the forward is done
             sched.observe_forward(batch, time.perf_counter() - t0)
@@ -184,7 +186,7 @@ def take_intake(get: Callable[[], tuple], get_nowait: Callable[[], tuple], empty
             return intake
 
 
-def apply_intake(sched: "Scheduler", adds: Sequence[Request], aborts: Sequence[int],
+def apply_intake(sched: Scheduler, adds: Sequence[Request], aborts: Sequence[int],
                  on_abort: Callable[[Request], None] | None = None) -> None:
     """Add, then abort, in this order on every rank. ``on_abort(req)``: a request that was
     found and dropped (e.g. to count it as finished)."""

@@ -7,7 +7,8 @@ OpenAI-shaped JSON. A request carrying ``bootstrap_host`` / ``bootstrap_port`` /
 ``bootstrap_room`` (what sglang-router adds in PD mode) runs as one half of a P/D pair.
 
 The event loop only moves bytes: parsing a body, rendering the chat template and tokenizing
-run on a small worker pool (:func:`_prepare_chat`, :func:`_prepare_completion`), so one huge
+run on a small worker pool (:class:`~.state.ServerState`; :func:`_prepare_chat`,
+:func:`_prepare_completion`), so one huge
 request never stalls ``/health`` or the streams of others. If the engine fails, requests in
 flight end with 503 ``engine_dead`` (an ``error`` event when streaming) and so do new ones.
 """
@@ -19,7 +20,6 @@ import json
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional
 
@@ -37,24 +37,14 @@ from .detok import IncrementalText
 from .metrics import ServerMetrics
 from .middleware import CatchAllErrors, RequireApiKey
 from .operations import add_operation_routes
-from .parsing import DEFAULT_MAX_REQUEST_BYTES, parse_body, read_body
+from .parsing import parse_body, read_body
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, _Sampling
+from .state import ServerOptions, ServerState
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CHAT_MAX_TOKENS = 128  # when a chat request gives neither max_tokens nor max_completion_tokens
 DISCONNECT_POLL_S = 0.2  # how often a non-streaming request checks whether its client left
-PREPARE_WORKERS = 2  # threads that parse and tokenize request bodies
-
-
-@dataclass
-class ServerOptions:
-    """How the HTTP layer treats clients (``hicache serve`` flags)."""
-
-    served_model_name: str
-    max_queued_requests: int = 512
-    api_key: Optional[str] = None  # None: no authentication
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
 
 @dataclass
@@ -65,36 +55,6 @@ class Prepared:
     ids: list[int]
     sampling: SamplingParams
     param: str  # the field that holds the prompt, for errors about it
-
-
-class ServerState:
-    """What the handlers share: the loop, metrics, options and the worker pool."""
-
-    def __init__(self, loop: EngineLoop, metrics: ServerMetrics, opts: ServerOptions) -> None:
-        self.loop = loop
-        self.engine = loop.engine
-        self.metrics = metrics
-        self.opts = opts
-        self.max_inflight = loop.engine.config.max_running_requests + opts.max_queued_requests
-        self.created = int(time.time())
-        self.workers = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="hicache-http-prepare")
-
-    async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.workers, fn, *args)
-
-    def check_model(self, name: str) -> None:
-        if name not in (self.opts.served_model_name, self.engine.config.model):
-            raise APIError(404, f"the model '{name}' does not exist; this server serves "
-                                f"'{self.opts.served_model_name}'.", param="model", code="model_not_found")
-
-    def check_capacity(self) -> None:
-        n = self.loop.num_inflight
-        if n >= self.max_inflight:
-            raise APIError(503, f"the server is overloaded ({n} requests in flight); retry later.",
-                           type="server_error", code="server_overloaded")
-
-    def close(self) -> None:
-        self.workers.shutdown(wait=False, cancel_futures=True)
 
 
 def engine_dead(e: BaseException | str) -> APIError:

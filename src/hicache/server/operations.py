@@ -6,21 +6,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from .parsing import parse_body, read_body
 from .protocol import APIError, TokenizeRequest
-
-if TYPE_CHECKING:
-    from .app import ServerState
+from .state import ServerState
 
 logger = logging.getLogger("hicache.server.app")
 
 
-def _tokenize(raw: bytes, st: "ServerState") -> dict[str, Any]:
+def _tokenize(raw: bytes, st: ServerState) -> dict[str, Any]:
     body = parse_body(raw, TokenizeRequest)
     texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
     ids = [st.engine.tokenizer.encode(t) for t in texts]
@@ -30,7 +28,7 @@ def _tokenize(raw: bytes, st: "ServerState") -> dict[str, Any]:
     return out
 
 
-def add_operation_routes(app: FastAPI, st: "ServerState") -> None:
+def add_operation_routes(app: FastAPI, st: ServerState) -> None:
     """Health, cache control, metrics and introspection endpoints."""
     @app.get("/health")
     async def health() -> Response:

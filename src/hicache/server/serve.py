@@ -12,8 +12,9 @@ import uvicorn
 
 from ..frontend.engine import Engine
 from ..frontend.loop import EngineLoop
-from .app import ServerOptions, create_app
+from .app import create_app
 from .metrics import ServerMetrics
+from .state import ServerOptions
 
 logger = logging.getLogger(__name__)
 

@@ -26,12 +26,13 @@ import numpy as np
 import torch
 
 from ..cache.host_pool import HostKVPool
-from ..cache.manager import KVCacheManager
+from ..cache.manager import CachePolicy, KVCacheManager
 from ..cache.pools import DeviceKVPool
 from ..cache.storage.memory import MemoryBackend
 from ..runtime.request import Request, Status
 from ..runtime.sampling import SamplingParams
 from ..runtime.scheduler import Scheduler
+from ..runtime.step import StepDriver
 
 logger = logging.getLogger(__name__)
 
@@ -70,15 +71,17 @@ class SimEngine:
         self.spec = spec
         pool = DeviceKVPool(1, 1, 1, spec.device_pages + 1, spec.page_size, torch.float32, "cpu")
         host = HostKVPool(pool, spec.host_pages, "page_first", pin_memory=False) if spec.host_pages else None
-        self.cache = KVCacheManager(pool, spec.eviction_policy, host_pool=host, write_policy=spec.write_policy,
-                                    write_through_threshold=spec.write_through_threshold, storage=storage,
-                                    prefetch_threshold=spec.page_size, storage_op_timeout=None)
+        policy = CachePolicy(eviction_policy=spec.eviction_policy, write_policy=spec.write_policy,
+                             write_through_threshold=spec.write_through_threshold, prefetch_threshold=spec.page_size,
+                             storage_op_timeout=None)
+        self.cache = KVCacheManager(pool, host, storage, policy)
         for controller in (self.cache.controller, self.cache.storage):  # nothing to overlap copies with
             if controller is not None:
                 controller.run_inline()
-        self.scheduler = Scheduler(self.cache, _no_forward, decode_text=lambda ids: "", eos_token_ids=set(),
+        self.scheduler = Scheduler(self.cache, decode_text=lambda ids: "", eos_token_ids=set(),
                                    chunked_prefill_size=prompt_tokens + spec.page_size, max_running_requests=1,
                                    prefetch_policy="wait_complete")
+        self.driver = StepDriver(self.scheduler, _no_forward)
         self._rid = 0
 
     def serve(self, tokens: list[int]) -> dict[str, int]:
@@ -94,7 +97,7 @@ class SimEngine:
         sched = self.scheduler
         sched.add(req)
         while req.status is not Status.FINISHED:
-            sched.step()
+            self.driver.step()
         self.cache.drain()
         return req.cached
 

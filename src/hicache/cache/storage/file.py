@@ -8,8 +8,9 @@ partial object under its key. Names starting with ``.`` are never objects; at st
 files whose writer process is gone are deleted.
 
 The size cap counts object bytes (header + payload), not filesystem blocks. The LRU index
-lives in memory; it is rebuilt at start by scanning the directory (recency from mtime,
-which reads refresh), so the cap and the eviction order survive restarts.
+(:mod:`.file_index`) lives in memory; it is rebuilt at start by scanning the directory
+(recency from mtime, which reads refresh), so the cap and the eviction order survive restarts.
+This module does the file I/O; the index only keeps the books.
 
 Sharing one directory between processes is safe for correctness (atomic renames, readers
 treat a vanished file as a miss), but each process enforces ``max_bytes`` over its own
@@ -27,11 +28,10 @@ import secrets
 import stat
 import threading
 import time
-from collections import OrderedDict
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from .base import BackendStats, StorageBackend, StorageError
+from .file_index import LruIndex
 
 log = logging.getLogger(__name__)
 
@@ -60,23 +60,6 @@ def _pid_alive(pid: int) -> bool:
     except (OverflowError, ValueError):  # not a pid at all
         return False
     return True
-
-
-@dataclass
-class _Index:
-    """key -> object size in bytes, least recently used first; ``total`` = sum of sizes."""
-
-    sizes: OrderedDict[str, int] = field(default_factory=OrderedDict)
-    total: int = 0
-
-    def put(self, key: str, size: int) -> None:
-        self.total += size - self.sizes.pop(key, 0)
-        self.sizes[key] = size
-
-    def pop(self, key: str) -> int:
-        size = self.sizes.pop(key, 0)
-        self.total -= size
-        return size
 
 
 class FileBackend(StorageBackend):
@@ -114,7 +97,7 @@ class FileBackend(StorageBackend):
         self.touch_on_read = bool(touch_on_read)
         self.touch_interval_s = float(touch_interval_s)
         self._lock = threading.Lock()
-        self._index = _Index()
+        self._index = LruIndex()
         self._stats = BackendStats()
         try:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -159,9 +142,7 @@ class FileBackend(StorageBackend):
                 except OSError:
                     continue
                 found.append((st.st_mtime, name, st.st_size))
-        found.sort()
-        for _, name, size in found:
-            self._index.put(name, size)
+        self._index.load(found)
         return stray
 
     @staticmethod
@@ -175,29 +156,19 @@ class FileBackend(StorageBackend):
 
     # -- eviction -------------------------------------------------------------------------
     def _evict_to_fit(self, incoming: int, keep: str | None = None) -> tuple[int, int]:
-        """Drop LRU objects until ``total + incoming <= max_bytes``. Caller holds the lock
+        """Delete LRU objects until ``total + incoming <= max_bytes``. Caller holds the lock
         (or is the constructor). Returns (objects, bytes) evicted."""
         assert self.max_bytes is not None
-        n = nbytes = 0
-        sizes = self._index.sizes
-        while sizes and self._index.total + incoming > self.max_bytes:
-            key = next(iter(sizes))
-            if key == keep:  # the object being replaced is accounted by the caller
-                sizes.move_to_end(key)
-                if len(sizes) == 1:
-                    break
-                key = next(iter(sizes))
-            size = self._index.pop(key)
+        dropped = self._index.evict_to_fit(incoming, self.max_bytes, keep)
+        for key, _ in dropped:
             try:
                 os.unlink(self.root / key[:2] / key)
             except FileNotFoundError:
                 pass
             except OSError as e:
                 log.warning("file storage: could not evict %s: %s", key, e)
-            n += 1
-            nbytes += size
-        self._stats.evictions += n
-        return n, nbytes
+        self._stats.evictions += len(dropped)
+        return len(dropped), sum(size for _, size in dropped)
 
     # -- StorageBackend -------------------------------------------------------------------
     def exists_prefix(self, keys: list[str]) -> int:
@@ -237,10 +208,7 @@ class FileBackend(StorageBackend):
             hits += 1
             nread += len(data)
             with self._lock:
-                if key in self._index.sizes:
-                    self._index.sizes.move_to_end(key)
-                else:  # written by another process sharing the directory
-                    self._index.put(key, len(data))
+                self._index.touch(key, len(data))
         with self._lock:
             s = self._stats
             s.gets += len(keys)
@@ -343,7 +311,7 @@ class FileBackend(StorageBackend):
                         continue  # a live writer's temp file; it publishes or cleans itself
                     if name.startswith(TMP_PREFIX) or _KEY_RE.match(name):
                         _unlink_quiet(Path(ent.path))
-            self._index = _Index()
+            self._index = LruIndex()
         log.info("file storage at %s cleared (%d indexed objects)", self.root, n)
 
     def stats(self) -> BackendStats:

@@ -34,7 +34,7 @@ import numpy as np
 
 DIGEST_SIZE = 32  # bytes of every namespace digest and page hash
 _NS_TAG = b"hicache-kv-namespace-v1\n"  # versioned so a format change never reuses old keys
-# Axes of a page object (see storage.controller): one page of every layer's K and V.
+# Axes of a page object (see storage.prefetch_backup): one page of every layer's K and V.
 OBJECT_LAYOUT_V1 = "layer,kv,token,head,dim/v1"
 
 

@@ -29,8 +29,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ...openmp import run_torch_alone
-from ..controller import leading_done
 from ..host_pool import HostKVPool
+from ..host_transfer import leading_done
 from .base import StorageBackend
 from .guard import GuardedBackend, failure_reason
 from .page_objects import PageObject, WholePage

@@ -1,0 +1,117 @@
+"""The shape of the prefix tree: token-id keys cut into whole pages, one root per namespace.
+
+Units: keys and positions are in tokens, always a whole number of pages; a child is found by
+its first page's bytes. Recency is a logical tick and node ids come from one counter, so the
+tree's shape and order depend only on the operation sequence (DESIGN invariant 3). Which tier
+holds a node's pages is :class:`~.radix.RadixCache`'s business; here a split only cuts every
+tier's page list at the same place.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Iterator
+
+import numpy as np
+
+from .tree_node import TreeNode
+
+EMPTY_PAGES = np.zeros(0, dtype=np.int64)
+
+
+class PageTree:
+    """Namespaced roots and the structural steps of a page-granular radix tree: find a child,
+    split a node at a page boundary, hang a new leaf, walk all nodes."""
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self._ids = itertools.count()
+        self._tick = 0
+        self._roots: dict[str, TreeNode] = {}
+
+    def _root(self, namespace: str) -> TreeNode:
+        """``namespace``'s root, created on first use (locked: roots are never evicted)."""
+        root = self._roots.get(namespace)
+        if root is None:
+            root = TreeNode(next(self._ids), namespace, np.zeros(0, dtype=np.int32), None)
+            root.device_pages = EMPTY_PAGES
+            root.lock_ref = 1  # roots are never evicted
+            self._roots[namespace] = root
+        return root
+
+    def _page_key(self, tokens: np.ndarray, start: int) -> bytes:
+        return tokens[start : start + self.page_size].tobytes()
+
+    def _common_pages(self, key: np.ndarray, tokens: np.ndarray, start: int) -> int:
+        """Whole pages of ``key`` that equal ``tokens[start:]``, in tokens."""
+        n = min(len(key), len(tokens) - start)
+        diff = np.flatnonzero(key[:n] != tokens[start : start + n])
+        same = int(diff[0]) if len(diff) else n
+        return same - same % self.page_size
+
+    def _touch(self, node: TreeNode) -> None:
+        self._tick += 1
+        node.last_access = self._tick
+        node.hit_count += 1
+
+    def _split(self, node: TreeNode, at: int) -> TreeNode:
+        """Cut ``node`` after ``at`` tokens (whole pages); return the new upper part."""
+        pages_at = at // self.page_size
+        upper = TreeNode(next(self._ids), node.namespace, node.key[:at], node.parent)
+        upper.lock_ref, upper.host_ref, upper.stored = node.lock_ref, node.host_ref, node.stored
+        upper.last_access, upper.hit_count = node.last_access, node.hit_count
+        if node.device_pages is not None:
+            upper.device_pages, node.device_pages = node.device_pages[:pages_at], node.device_pages[pages_at:]
+        if node.host_pages is not None:
+            upper.host_pages, node.host_pages = node.host_pages[:pages_at], node.host_pages[pages_at:]
+        if node.hash_values is not None:
+            upper.hash_values, node.hash_values = node.hash_values[:pages_at], node.hash_values[pages_at:]
+        node.parent.children[self._page_key(upper.key, 0)] = upper
+        node.key = node.key[at:]
+        node.parent = upper
+        upper.children[self._page_key(node.key, 0)] = node
+        return upper
+
+    def _child(self, node: TreeNode, tokens: np.ndarray, pos: int) -> TreeNode | None:
+        """The child of ``node`` that ``tokens[pos:]`` enters, cut to their common pages; None
+        when no child shares the first page."""
+        child = node.children.get(self._page_key(tokens, pos))
+        if child is not None and (n := self._common_pages(child.key, tokens, pos)) < len(child.key):
+            child = self._split(child, n)
+        return child
+
+    def _leaf(self, parent: TreeNode, key: np.ndarray) -> TreeNode:
+        """A new (touched) leaf below ``parent``; the caller gives it its tier's pages."""
+        leaf = TreeNode(next(self._ids), parent.namespace, key.copy(), parent)
+        self._touch(leaf)
+        parent.children[self._page_key(leaf.key, 0)] = leaf
+        return leaf
+
+    def _as_tokens(self, tokens) -> np.ndarray:
+        """``tokens`` as int32, cut to whole pages."""
+        arr = np.asarray(tokens, dtype=np.int32)
+        return arr[: len(arr) - len(arr) % self.page_size]
+
+    def node_at(self, namespace: str, tokens) -> TreeNode | None:
+        """The node whose path ends exactly after ``tokens`` (whole pages), or None. Read-only:
+        no split, no recency update."""
+        tokens = self._as_tokens(tokens)
+        node = self._roots.get(namespace)
+        pos = 0
+        while node is not None and pos < len(tokens):
+            node = node.children.get(self._page_key(tokens, pos))
+            if node is None or self._common_pages(node.key, tokens, pos) != len(node.key):
+                return None
+            pos += len(node.key)
+        return node
+
+    def _all_nodes(self) -> Iterator[TreeNode]:
+        """Every node of every namespace, roots included."""
+        stack = list(self._roots.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def num_nodes(self) -> int:
+        return sum(1 for n in self._all_nodes() if not n.is_root)

@@ -1,0 +1,116 @@
+"""Layers every decoder shares, whatever its attention: RMSNorm, the SwiGLU MLP, rotary
+embedding, and the native CPU kernels beside each.
+
+Each native kernel is the same arithmetic as the torch ops beside it, bit for bit (float32):
+they only save Python dispatches and intermediate tensors. RoPE follows the HF rotate-half
+convention: within a head, dimension ``i`` pairs with ``i + rope_dim / 2``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hicache.kernels import cpu_kernels
+from hicache.model.projection import Projection
+from hicache.model.spec import ModelSpec, rope_scaling_type
+
+
+def native_ops(x: torch.Tensor):
+    """The native CPU kernels when they serve ``x`` (a contiguous float32 CPU tensor), else None:
+    the torch ops beside each call are the same arithmetic for every other device and dtype."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous():
+        return None
+    return cpu_kernels()
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * weight``, the statistics taken in float32 (as the reference models do)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused kernel; the same arithmetic as below
+            ops = native_ops(x)
+            if ops is not None:  # torch's CPU rms_norm is several small ops: a decode step pays 60 of them
+                return ops.rms_norm(x, self.weight, self.eps)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)  # rounded before the weight, as the reference models do
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.gate_up = Projection(self.gate_proj, self.up_proj)
+        self.down = Projection(self.down_proj)
+        self.tp_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # sum over TP ranks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up.whole(x)
+        ops = native_ops(gate_up)
+        if ops is not None and gate_up.shape[-1] % 16 == 0:
+            hidden = ops.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            hidden = F.silu(gate) * up
+        out = self.down(hidden)
+        return out if self.tp_reduce is None else self.tp_reduce(out)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """RoPE's partner of each dimension (HF rotate-half convention): ``[-x2, x1]``."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
+    """Per-pair rotary frequencies ``[rope_dim // 2]`` float32 (radians per position), scaling applied."""
+    dim = spec.rope_dim
+    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    kind = rope_scaling_type(spec.rope_scaling)
+    scaling = spec.rope_scaling or {}
+    if kind == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "llama3":
+        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the band between
+        # is blended linearly in (context / wavelength).
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv_freq
+        low_freq_wavelen, high_freq_wavelen = old_ctx / low, old_ctx / high
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        in_band = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        inv_freq = torch.where(in_band, blended, scaled)
+    return inv_freq.to(torch.float32)
+
+
+class RotaryEmbedding:
+    """cos/sin of each absolute position, computed once per forward and shared by every layer."""
+
+    def __init__(self, spec: ModelSpec, device: torch.device) -> None:
+        # Plain tensor, not a module buffer: it must stay float32 whatever the weight dtype.
+        self.inv_freq = rope_inv_freq(spec).to(device)
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[T, 1, rope_dim]`` for ``positions`` ``[T]`` (angles in float32, then cast)."""
+        angles = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]
+        angles = torch.cat((angles, angles), dim=-1)[:, None, :]
+        return angles.cos().to(dtype), angles.sin().to(dtype)

@@ -1,0 +1,179 @@
+"""The paged attention backend: every key of every context in this rank's own KV pool.
+
+Per forward it lays the batch out once (:class:`PagedMetadata`); per layer it writes the new K/V
+at their slots, then takes one of three paths, all exact:
+
+- the native paged decode kernel: a decode batch (one new token per sequence) on a CPU with the
+  kernels, float32, reads every key by its slot (no gather, no padding mask);
+- the SDPA fallback for decode: B > 1 sequences (or an MLA latent, which is gathered anyway)
+  gather every context to ``[B, K]`` slots, one SDPA call with a per-key padding bias;
+- spans: each sequence's new tokens attend to its cached prefix (read as views of the buffers
+  when it lies in a few runs of slots, else gathered) and causally to each other, the blocks
+  merged by log-sum-exp (:func:`~hicache.model.attention.sequence_attention`).
+
+Units: rows of ``q`` are the batch's new tokens, sequence after sequence; slots as in
+:mod:`hicache.model.batch`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from hicache.model.attention import (KVBlock, attended, decode_attention, native_decode_attention,
+                                     sequence_attention)
+from hicache.model.batch import AttentionLayer, DecodeLayout, ForwardBatch, KVView
+
+# Keys stored in at most this many runs of consecutive slots are read as views of the KV
+# buffers; more scattered ones are gathered once per layer (one copy beats many small kernels).
+MAX_VIEW_RUNS = 8
+
+
+@dataclass(frozen=True)
+class SeqSpan:
+    """One sequence of a batch. Its new tokens are rows ``[start, start + length)`` of T.
+
+    The keys every new token sees -- the cached prefix, plus the token itself when it is a lone
+    decode token (its K/V is written before attention) -- are either ``full_runs``
+    (``(first slot, count)`` runs of consecutive slots) or, when too scattered, ``full_slots`` to
+    gather. ``causal``: the new tokens attend to each other causally (more than one new token)."""
+
+    start: int
+    length: int
+    full_runs: tuple[tuple[int, int], ...]
+    full_slots: Optional[torch.Tensor]
+    causal: bool
+
+
+@dataclass(frozen=True)
+class PagedMetadata:
+    """One forward over this rank's pool. T = total new tokens, B = sequences."""
+
+    out_slots: torch.Tensor  # [T] long: slot where each new token's K/V is written
+    spans: list[SeqSpan]  # [B]: where each sequence's rows and cached prefix are (not for B>1 decode)
+    decode: Optional[DecodeLayout]  # set when every sequence has one new token
+    logits_index: torch.Tensor  # [R] long: rows of T whose logits the caller wants
+    single: bool  # one sequence with no cached prefix: plain causal attention on its tokens
+
+    def final_rows(self, h: torch.Tensor) -> torch.Tensor:
+        return h[self.logits_index]
+
+
+def slot_runs(slots: torch.Tensor) -> list[tuple[int, int]]:
+    """``(first slot, count)`` of each run of consecutive slots in ``slots`` (CPU, in order)."""
+    if slots.numel() == 0:
+        return []
+    starts = [0] + ((slots[1:] - slots[:-1]) != 1).nonzero().flatten().add(1).tolist() + [int(slots.numel())]
+    return [(int(slots[a]), b - a) for a, b in zip(starts[:-1], starts[1:])]
+
+
+def _span(start: int, length: int, context: torch.Tensor, device: torch.device) -> SeqSpan:
+    causal = length > 1
+    full = context[: context.numel() - length] if causal else context
+    runs = slot_runs(full)
+    if len(runs) <= MAX_VIEW_RUNS:
+        return SeqSpan(start, length, tuple(runs), None, causal)
+    return SeqSpan(start, length, (), full.to(device), causal)
+
+
+def _decode_layout(out_slots: torch.Tensor, context_slots: Sequence[torch.Tensor],
+                   device: torch.device) -> DecodeLayout:
+    lens = torch.tensor([int(c.numel()) for c in context_slots])
+    if len(context_slots) == 1:
+        return DecodeLayout(out_slots, context_slots[0].view(1, -1).to(device), lens, None)
+    kv_slots = torch.zeros(len(lens), int(lens.max()), dtype=torch.long)
+    for b, slots in enumerate(context_slots):
+        kv_slots[b, : slots.numel()] = slots
+    padding = torch.arange(kv_slots.shape[1]).view(1, -1) >= lens.view(-1, 1)
+    key_bias = torch.zeros(padding.shape).masked_fill_(padding, float("-inf"))
+    return DecodeLayout(out_slots, kv_slots.to(device), lens, key_bias[:, None, None, :].to(device))
+
+
+class PagedBackend:
+    """Attention over this rank's own pool (see the module docstring); ``device``: where the
+    batch's tensors go."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+
+    def prepare(self, input_ids: Sequence[Sequence[int]], prefix_lens: Sequence[int],
+                context_slots: Sequence[torch.Tensor], logits: str = "last") -> ForwardBatch:
+        """See :meth:`~hicache.model.batch.AttentionBackend.prepare`."""
+        lens = [len(ids) for ids in input_ids]
+        if not lens or min(lens) <= 0:
+            raise ValueError("every sequence in a forward batch needs at least one new token")
+        bsz = len(lens)
+        context_slots = [torch.as_tensor(c).long().cpu() for c in context_slots]
+        for b in range(bsz):
+            if int(context_slots[b].numel()) != prefix_lens[b] + lens[b]:
+                raise ValueError(f"sequence {b}: {context_slots[b].numel()} context slots for "
+                                 f"{prefix_lens[b] + lens[b]} tokens")
+        dev = self.device
+        flat_ids = torch.tensor([t for ids in input_ids for t in ids], dtype=torch.long)
+        positions = torch.cat([torch.arange(p, p + n, dtype=torch.long) for p, n in zip(prefix_lens, lens)])
+        out_slots = torch.cat([context_slots[b][prefix_lens[b]:] for b in range(bsz)]).to(dev)
+        ends = torch.tensor(lens).cumsum(0)
+        starts = (ends - torch.tensor(lens)).tolist()
+        decode = _decode_layout(out_slots, context_slots, dev) if max(lens) == 1 else None
+        # A lone sequence keeps its span too: without the native kernel it reads its keys as views.
+        spans = [] if decode is not None and bsz > 1 else [
+            _span(starts[b], lens[b], context_slots[b], dev) for b in range(bsz)]
+        logits_index = ends - 1 if logits == "last" else torch.arange(int(ends[-1]))
+        meta = PagedMetadata(out_slots=out_slots, spans=spans, decode=decode, logits_index=logits_index.to(dev),
+                             single=bsz == 1 and prefix_lens[0] == 0)
+        return ForwardBatch(input_ids=flat_ids.to(dev), positions=positions.to(dev), attn=meta, backend=self)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
+                batch: ForwardBatch, kv: KVView) -> torch.Tensor:
+        """See :meth:`~hicache.model.batch.AttentionBackend.forward`."""
+        meta: PagedMetadata = batch.attn  # type: ignore[assignment]  # this backend prepared it
+        kv.wait_layer(layer.layer)
+        k_buf, v_buf = kv.k_buffers[layer.layer], kv.v_buffers[layer.layer]
+        k_buf.index_copy_(0, meta.out_slots, k.to(k_buf.dtype))
+        v_buf.index_copy_(0, meta.out_slots, v.to(v_buf.dtype))
+        decode = meta.decode
+        if decode is not None and not layer.latent:
+            out = native_decode_attention(q, k_buf, v_buf, decode.kv_slots, decode.lengths, layer.kv_map)
+            if out is not None:
+                return out
+        # A latent is gathered (its halves joined) whatever B: one MLA sequence takes this path too.
+        if decode is not None and (decode.key_bias is not None or layer.latent):
+            return _padded_decode(q, layer, decode, k_buf, v_buf)
+        return _spans(q, attended(k, v, layer.latent), layer, meta.spans, k_buf, v_buf)
+
+
+def make_forward_batch(input_ids: Sequence[Sequence[int]], prefix_lens: Sequence[int],
+                       context_slots: Sequence[torch.Tensor], logits: str = "last",
+                       device: torch.device | str = "cpu") -> ForwardBatch:
+    """A paged batch on ``device`` (:meth:`PagedBackend.prepare`): forwards without an engine."""
+    return PagedBackend(device).prepare(input_ids, prefix_lens, context_slots, logits)
+
+
+def _padded_decode(q: torch.Tensor, layer: AttentionLayer, decode: DecodeLayout, k_buf: torch.Tensor,
+                   v_buf: torch.Tensor) -> torch.Tensor:
+    """B decode tokens ``q`` ``[B, H, D]``: one padded gather of every context, one SDPA call."""
+    bsz, ctx = decode.kv_slots.shape
+    flat = decode.kv_slots.view(-1)
+    k, v = attended(k_buf.index_select(0, flat), v_buf.index_select(0, flat), layer.latent)
+    shape = (bsz, ctx, *k.shape[1:])
+    return decode_attention(q, k.view(shape), v.view(shape), decode.key_bias, layer.kv_map)
+
+
+def _spans(q: torch.Tensor, new: KVBlock, layer: AttentionLayer, spans: list[SeqSpan], k_buf: torch.Tensor,
+           v_buf: torch.Tensor) -> torch.Tensor:
+    """Each sequence's attention ``[n, H, D]`` into its rows: the keys all its new tokens see read
+    as views of the buffers (or gathered when scattered), ``new`` (its new tokens' K/V, as
+    attended) causally."""
+    out = torch.empty_like(q)
+    for span in spans:
+        rows = slice(span.start, span.start + span.length)
+        if span.full_slots is not None:
+            full = [attended(k_buf.index_select(0, span.full_slots), v_buf.index_select(0, span.full_slots),
+                             layer.latent)]
+        else:
+            full = [attended(k_buf[s:s + n], v_buf[s:s + n], layer.latent) for s, n in span.full_runs]
+        own = (new[0][rows], new[1][rows]) if span.causal else None
+        out[rows] = sequence_attention(q[rows], full, own, layer.kv_map)
+    return out

@@ -1,0 +1,49 @@
+"""One scheduled forward pass: which requests, how many new tokens each, and what it reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .request import Request
+
+
+@dataclass
+class Batch:
+    """One forward pass as scheduled: ``reqs[i]`` computes ``new_tokens[i]`` tokens (a prompt
+    chunk, 1 in decode, the last token + k drafts in verify). Built once; every pipeline stage
+    schedules an equal one."""
+
+    kind: str  # "prefill" | "decode" | "verify" (speculative: the last token + k drafts each)
+    reqs: list[Request]
+    new_tokens: list[int]
+    proposal: Any = None  # verify: the drafts (runtime.speculative.Proposal), set before the forward
+
+    @property
+    def all_logits(self) -> bool:
+        """The pass returns logits at every row (a verify pass), not only at each sequence's last."""
+        return self.kind == "verify"
+
+    def rids(self) -> list[int]:
+        return [r.rid for r in self.reqs]
+
+    def input_ids(self) -> list[list[int]]:
+        if self.kind == "decode":
+            return [[r.output_ids[-1]] for r in self.reqs]
+        if self.kind == "verify":
+            return [[r.output_ids[-1]] + drafts for r, drafts in zip(self.reqs, self.proposal.tokens)]
+        return [r.prompt_ids[r.computed : r.computed + n] for r, n in zip(self.reqs, self.new_tokens)]
+
+    def prefix_lens(self) -> list[int]:
+        return [r.computed for r in self.reqs]
+
+    def context_slots(self) -> list[torch.Tensor]:
+        return [r.kv.slots[: r.computed + n] for r, n in zip(self.reqs, self.new_tokens)]
+
+    def result_rows(self) -> list[int]:
+        """Rows whose logits give a token: decode rows, and prefill rows that end their prompt."""
+        if self.kind != "prefill":
+            return list(range(len(self.reqs)))
+        return [i for i, (r, n) in enumerate(zip(self.reqs, self.new_tokens)) if r.computed + n == len(r.prompt_ids)]

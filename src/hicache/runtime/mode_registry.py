@@ -1,0 +1,23 @@
+"""The modes an engine can run, one builder per line; each returns its mode or None (off).
+
+Their order is the order of their hooks in every phase and of their items in the step's event
+vector, the same on every rank. A new mode: a module with a ``Mode`` subclass and a builder
+(see runtime/modes.py), and a line here.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from . import pd_role, speculative
+from .modes import Mode, ModeContext
+
+MODES: tuple[Callable[[ModeContext], Optional[Mode]], ...] = (
+    speculative.build,  # --speculative-algorithm: verify passes check a draft's proposals
+    pd_role.build,  # --disaggregation-mode prefill | decode
+)
+
+
+def build_modes(ctx: ModeContext) -> list[Mode]:
+    """The modes ``ctx.cfg`` turns on, in registry order."""
+    return [mode for build in MODES if (mode := build(ctx)) is not None]

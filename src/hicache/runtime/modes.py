@@ -1,0 +1,154 @@
+"""Modes that plug into a step: speculative decoding, the P/D roles, and whatever comes next.
+
+A mode is a :class:`Mode`: hooks that the scheduler (and the step driver, around the forward)
+calls at fixed points of every step, on the scheduler thread, in the same order on every rank.
+A hook says what should happen -- by its return value, or by changing only the mode's own
+state (its object on the request, e.g. ``req.spec``) -- and the scheduler applies it; no mode
+calls back into the scheduler. The fixed points, in step order::
+
+    admission       reserve_slots()            KV slots a request needs past its own tokens
+                    on_admit(req)              True: its prompt's KV comes from elsewhere
+    events          local_events()             this rank's view of the mode's open work items
+                    apply_events(events)       -> [StartDecode | Fail | Release]
+    batch           decode_batch()             the kind and rows of a decode batch ("verify", k + 1)
+    forward         before_forward(b, handed)  e.g. propose the drafts a verify pass checks
+                    after_forward(b)           e.g. the draft's KV for a prefill chunk
+    output          sample(b, logits)          a verify batch's accepted tokens
+                    on_computed(req)           the target's KV grew (prefill chunk, first token)
+                    on_accepted(req, tokens)   a verify pass accepted ``tokens`` for ``req``
+    finish          on_finish(req)             True: the mode still uses its KV (released later)
+
+Which modes an engine runs: :data:`hicache.runtime.mode_registry.MODES`, one builder per mode
+(``build(ctx: ModeContext) -> Mode | None``, in the mode's own module). Adding a mode is a module
+with a :class:`Mode` subclass and its builder, and one line in that registry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+
+from ..cache.manager import KVCacheManager
+from ..config import EngineConfig
+from ..disagg.heads import TPRanks
+from ..model.loader import LoadedModel
+from .batch import Batch
+from .events import WorkEvent
+from .request import Request
+
+
+@dataclass(frozen=True)
+class ModeContext:
+    """What a mode's builder may use: the engine's config and this rank's parts. ``layers``:
+    the target's layers on this rank; ``draft_packed``: the draft's layers when they follow
+    the target's in its pools (0: a sidecar or no draft); ``share_draws``: with several TP
+    ranks, one rank's random draws for the whole stage."""
+
+    cfg: EngineConfig
+    cache: KVCacheManager
+    device: Any
+    layers: int
+    vocab_size: int
+    pd_ranks: TPRanks
+    draft: Optional[LoadedModel] = None
+    draft_packed: int = 0
+    share_draws: Optional[Callable[[Any], Any]] = None
+
+
+@dataclass(frozen=True)
+class StartDecode:
+    """``req``'s whole prompt has KV now (received): decode from ``first_token``."""
+
+    req: Request
+    first_token: int
+
+
+@dataclass(frozen=True)
+class Fail:
+    """End ``req`` with ``error`` (finish reason "error"), releasing what it holds."""
+
+    req: Request
+    error: str
+
+
+@dataclass(frozen=True)
+class Release:
+    """The mode no longer uses ``req``'s KV: cache what has KV, free the rest; ``report``: the
+    request's finish was held back until now (its ``on_update`` is called once more)."""
+
+    req: Request
+    report: bool = False
+
+
+Action = Union[StartDecode, Fail, Release]
+
+
+class Mode:
+    """The hooks with their neutral answers: a mode overrides what it takes part in."""
+
+    name = "mode"
+
+    # ---- admission -----------------------------------------------------------------------
+    def reserve_slots(self) -> int:
+        """KV slots a request reserves past its prompt and output (e.g. a verify pass's drafts)."""
+        return 0
+
+    def on_admit(self, req: Request) -> bool:
+        """``req`` was just admitted (``req.computed`` prompt tokens hit); True: it waits for its
+        prompt's KV from elsewhere instead of computing it (status RECEIVING)."""
+        return False
+
+    # ---- events ---------------------------------------------------------------------------
+    def open_work(self) -> int:
+        """Items of background work open (the same on every rank: opened at agreed points)."""
+        return 0
+
+    def local_events(self) -> tuple[WorkEvent, ...]:
+        """This rank's view of each open item, in the order they opened (ranks MIN-reduce it).
+        May raise EngineDeadError."""
+        return ()
+
+    def apply_events(self, events: Sequence[WorkEvent]) -> list[Action]:
+        """Act on the agreed ``events``, one per open item."""
+        return []
+
+    # ---- batch composition --------------------------------------------------------------
+    def decode_batch(self) -> Optional[tuple[str, int]]:
+        """``(kind, rows per request)`` for a batch of decoding requests, or None (one row each)."""
+        return None
+
+    # ---- around the forward ---------------------------------------------------------------
+    def before_forward(self, batch: Batch, handed: Any = None) -> None:
+        """Before ``batch``'s forward; ``handed``: what stage 0 attached to it (later pipeline stages)."""
+
+    def after_forward(self, batch: Batch) -> None:
+        """After ``batch``'s forward on this rank (before its output is used)."""
+
+    # ---- output ---------------------------------------------------------------------------
+    def sample(self, batch: Batch, logits: torch.Tensor) -> Optional[list]:
+        """The tokens of a batch this mode composed (one list per request), or None."""
+        return None
+
+    def on_computed(self, req: Request) -> None:
+        """The target's KV of ``req`` now covers ``req.computed`` tokens."""
+
+    def on_accepted(self, req: Request, tokens: Sequence[int]) -> None:
+        """A verify pass gave ``req`` these ``tokens`` (``req.computed`` already counts the
+        accepted drafts)."""
+
+    # ---- finish and life ----------------------------------------------------------------
+    def on_finish(self, req: Request) -> bool:
+        """``req`` finished; True: the mode still uses its KV and releases it by an action later."""
+        return False
+
+    def check_alive(self) -> None:
+        """Raise EngineDeadError once a thread the mode serves with has died."""
+
+    def stats(self) -> dict[str, Any]:
+        """``Engine.stats()[name]``; empty: nothing to show."""
+        return {}
+
+    def close(self) -> None:
+        """Stop the mode's threads."""

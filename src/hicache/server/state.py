@@ -1,0 +1,62 @@
+"""What every HTTP handler shares: the engine loop, metrics, the server's options and the
+worker pool that parses and tokenizes request bodies off the event loop. Both the OpenAI
+routes (:mod:`.app`) and the operational ones (:mod:`.operations`) take a :class:`ServerState`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from ..frontend.loop import EngineLoop
+from .metrics import ServerMetrics
+from .parsing import DEFAULT_MAX_REQUEST_BYTES
+from .protocol import APIError
+
+PREPARE_WORKERS = 2  # threads that parse and tokenize request bodies
+
+
+@dataclass
+class ServerOptions:
+    """How the HTTP layer treats clients (``hicache serve`` flags)."""
+
+    served_model_name: str
+    max_queued_requests: int = 512
+    api_key: Optional[str] = None  # None: no authentication
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+
+
+class ServerState:
+    """What the handlers share: the loop, metrics, options and the worker pool."""
+
+    def __init__(self, loop: EngineLoop, metrics: ServerMetrics, opts: ServerOptions) -> None:
+        self.loop = loop
+        self.engine = loop.engine
+        self.metrics = metrics
+        self.opts = opts
+        self.max_inflight = loop.engine.config.max_running_requests + opts.max_queued_requests
+        self.created = int(time.time())
+        self.workers = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="hicache-http-prepare")
+
+    async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` on the worker pool."""
+        return await asyncio.get_running_loop().run_in_executor(self.workers, fn, *args)
+
+    def check_model(self, name: str) -> None:
+        """404 unless ``name`` is the served model (or the model path)."""
+        if name not in (self.opts.served_model_name, self.engine.config.model):
+            raise APIError(404, f"the model '{name}' does not exist; this server serves "
+                                f"'{self.opts.served_model_name}'.", param="model", code="model_not_found")
+
+    def check_capacity(self) -> None:
+        """503 when the requests in flight fill the running and queued slots."""
+        n = self.loop.num_inflight
+        if n >= self.max_inflight:
+            raise APIError(503, f"the server is overloaded ({n} requests in flight); retry later.",
+                           type="server_error", code="server_overloaded")
+
+    def close(self) -> None:
+        self.workers.shutdown(wait=False, cancel_futures=True)
