@@ -278,7 +278,11 @@ def test_usage_metrics_and_bench_report_the_accept_length(tmp_path: Path, capsys
     srv = ServerThread(engine, served_model_name="tiny")
     base_url = srv.start()
     try:
-        body = {"model": "tiny", "messages": [{"role": "user", "content": "hello " * 20}], "max_tokens": 12}
+        # Sampled (OpenAI's default temperature) from a seed, never stopped by EOS: at least one
+        # verify pass whatever the process's global random state (an unseeded draw once sampled
+        # EOS as the first token, which ends a request before any verify pass).
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hello " * 20}], "max_tokens": 12,
+                "seed": 7, "ignore_eos": True}
         usage = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=60).json()["usage"]
         assert usage["spec_verify_steps"] >= 1 and 1.0 <= usage["spec_accept_length"] <= 4.0
         out = tmp_path / "report.json"

@@ -59,10 +59,10 @@ class TransferStats:
     decode_prefix_tokens: int = 0
 
 
-def _writes(backend: str, cache: "KVCacheManager", host: str) -> "MooncakeWrites | None":
+def _writes(transport: str, cache: "KVCacheManager", host: str) -> "MooncakeWrites | None":
     """The Mooncake transfer engine for ``--disaggregation-transfer-backend mooncake``, else None
     (rows travel in the ZeroMQ messages)."""
-    if backend != "mooncake":
+    if transport != "mooncake":
         return None
     from ..disagg.mooncake_writes import MooncakeWrites
 
@@ -81,12 +81,12 @@ class PrefillRole(Mode):
     name = "disaggregation"
 
     def __init__(self, cache: "KVCacheManager", port: int, ranks: TPRanks, host: str = "127.0.0.1",
-                 timeout_s: float = 60.0, backend: str = "zmq") -> None:
+                 timeout_s: float = 60.0, transport: str = "zmq") -> None:
         """Rank 0 binds ``port`` (the bootstrap port; 0: any free one), the other ranks any free
         port; every rank learns all of them (a collective: every rank builds its role)."""
         self.timeout_s, self.ranks = timeout_s, ranks
         self.sender = KVSender(cache.pool, port if ranks.rank == 0 else 0, host, ranks.heads, timeout_s,
-                               _writes(backend, cache, host))
+                               _writes(transport, cache, host))
         self.port = self.sender.port
         mine = RankEndpoint(host, self.port, ranks.heads).to_wire()
         self.sender.start([RankEndpoint.from_wire(item, host) for item in ranks.gather(mine)])
@@ -152,9 +152,9 @@ class DecodeRole(Mode):
     name = "disaggregation"
 
     def __init__(self, cache: "KVCacheManager", ranks: TPRanks, vocab_size: int, timeout_s: float = 60.0,
-                 backend: str = "zmq", host: str = "127.0.0.1") -> None:
+                 transport: str = "zmq", host: str = "127.0.0.1") -> None:
         self.cache, self.timeout_s, self.ranks = cache, timeout_s, ranks
-        self.receiver = KVReceiver(cache.pool, ranks.heads, vocab_size, ranks.size, _writes(backend, cache, host))
+        self.receiver = KVReceiver(cache.pool, ranks.heads, vocab_size, ranks.size, _writes(transport, cache, host))
         self.receiving: list[tuple[Request, Receive]] = []
         self.counters = TransferStats()
 
