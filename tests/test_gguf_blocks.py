@@ -208,6 +208,7 @@ print(json.dumps({"isa": loaded_isa(), "out": out}))
 """
 
 
+@pytest.mark.slow  # two subprocesses, one per kernel build (~8 s)
 def test_int8_products_are_the_same_bits_on_every_instruction_set():
     """The integer dots are exact and the float code after them is the same on every build, so a
     cache namespace need not name the ISA (docs/precision.md)."""

@@ -70,6 +70,7 @@ def test_smollm2_chat_template(smol):
     assert no_prompt == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
 
 
+@pytest.mark.slow  # builds transformers' tokenizer from the GGUF file (~6 s)
 def test_smollm2_matches_transformers_gguf_tokenizer(smol):
     transformers = pytest.importorskip("transformers")
     path = find_smollm2_gguf()
