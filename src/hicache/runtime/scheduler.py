@@ -129,13 +129,15 @@ class Scheduler:
             self.cache.consume_prefetch_acks(req.prefetch.op, p.acks)
             req.prefetch.expired = p.expired
         finished: list[Request] = []
+        # Counted before any action runs: an action (a finish) may open work in another mode,
+        # which the next step's events cover.
+        counts = [m.open_work() for m in self.modes]
+        if sum(counts) != len(events.work):
+            raise RuntimeError(f"the agreed events name {len(events.work)} open work items, the modes {sum(counts)}")
         start = 0
-        for mode in self.modes:
-            n = mode.open_work()
+        for mode, n in zip(self.modes, counts):
             self._apply_actions(mode.apply_events(events.work[start:start + n]), finished)
             start += n
-        if start != len(events.work):
-            raise RuntimeError(f"the agreed events name {len(events.work)} open work items, the modes {start}")
         return finished
 
     def _apply_actions(self, actions: Sequence[Action], finished: list[Request]) -> None:
