@@ -98,13 +98,13 @@ serve-demo: setup
 # slowest tests, to keep it there. Markers pick areas: `$(PY) -m pytest -m pd` (pyproject.toml).
 # The layering (.importlinter, docs/architecture.md) is checked first: a second, not a test run.
 test: setup
-	$(VENV)/bin/lint-imports --no-cache
+	$(VENV)/bin/lint-imports --no-cache --no-logo
 	$(PY) -m pytest -q --durations=20 tests
 
 # The inner loop: everything but the tests that start rank processes or are slow (SmolLM2,
 # fixed-length campaigns, a second kernel build); under 3 minutes on a 2-core machine.
 test-quick: setup
-	$(VENV)/bin/lint-imports --no-cache
+	$(VENV)/bin/lint-imports --no-cache --no-logo
 	$(PY) -m pytest -q --durations=10 -m "not multirank and not slow" tests
 
 bench: setup
