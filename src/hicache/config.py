@@ -6,30 +6,29 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, get_args, get_origin, get_type_hints
 
-from .errors import HicacheError
+from .errors import ConfigError
+from .options import opt as _opt
 from .ports import split_host_port
+from .speculative_options import (
+    DEFAULT_SPEC_STEPS,
+    SPEC_ALGORITHMS,
+    SPEC_KV_LAYOUTS,
+    SpeculativeOptions,
+)
 
 CP_STRATEGIES = ("zigzag", "interleave")  # how prefill tokens are split over context-parallel ranks
-SPEC_ALGORITHMS = ("STANDALONE",)  # speculative decoding with a separate draft model
-SPEC_KV_LAYOUTS = ("auto", "packed", "sidecar")  # where a draft model's KV lives (runtime/speculative.py)
 DISAGG_MODES = ("null", "prefill", "decode")  # prefill/decode disaggregation (hicache.disagg)
 DISAGG_BACKENDS = ("zmq", "mooncake")
-DEFAULT_SPEC_STEPS = 3
-
-
-class ConfigError(HicacheError):
-    """A bad option or option combination; the message is one sentence for the user."""
-
-
-def _opt(default: Any, help: str, choices: tuple | None = None) -> Any:
-    return field(default=default, metadata={"help": help, "choices": choices})
+__all__ = ["ConfigError", "EngineConfig", "DEFAULT_SPEC_STEPS", "SPEC_ALGORITHMS", "SPEC_KV_LAYOUTS"]
 
 
 @dataclass
-class EngineConfig:
+class EngineConfig(SpeculativeOptions):
+    """The speculative-decoding options come from :class:`SpeculativeOptions` (its module)."""
+
     # Model
     model: str = _opt(
         "smollm2",
@@ -150,27 +149,6 @@ class EngineConfig:
     dist_init_addr: Optional[str] = _opt(
         None, "HOST:PORT where node 0's rank 0 listens for the other ranks to join (required when nnodes > 1)."
     )
-    # Speculative decoding
-    speculative_algorithm: Optional[str] = _opt(
-        None, "Speculative decoding: STANDALONE (a separate draft model proposes tokens, the target verifies "
-        "them in one pass); off when unset."
-    )
-    speculative_draft_model_path: Optional[str] = _opt(
-        None, "The draft model: any name --model takes ('smollm2:int4-g64', a GGUF file, a Hugging Face "
-        "directory, 'random:...'); it must share the target's tokenizer."
-    )
-    speculative_num_steps: Optional[int] = _opt(
-        None, "Draft tokens proposed per sequence before each verify pass (default 3, or num_draft_tokens - 1)."
-    )
-    speculative_num_draft_tokens: Optional[int] = _opt(
-        None, "Tokens per sequence in a verify pass: the last token plus the drafts, so num_steps + 1 for the "
-        "chain drafts built here (the default)."
-    )
-    speculative_draft_kv_layout: str = _opt(
-        "auto", "Where the draft's KV lives in every tier: 'packed' (extra layers of the target's pages: needs the "
-        "same KV row shape and dtype), 'sidecar' (its own pools and storage objects on the target's pages), or "
-        "'auto' (packed when it fits).", SPEC_KV_LAYOUTS
-    )
     # Prefill/decode disaggregation
     disaggregation_mode: str = _opt(
         "null", "This server's role: 'null' (both phases), 'prefill' (computes prompts, sends their KV), or "
@@ -220,7 +198,7 @@ class EngineConfig:
             raise ConfigError("--tp-size and --pp-size must be at least 1.")
         self._validate_nodes()
         self._validate_context_parallel()
-        self._validate_speculative()
+        self._validate_speculative(cp=self.attn_cp_size > 1 or self.enable_kv_cache_sharding)
         self._validate_disaggregation()
         if self.max_running_requests < 1:
             raise ConfigError("--max-running-requests must be at least 1.")
@@ -247,7 +225,7 @@ class EngineConfig:
             raise ConfigError("--hicache-write-through-threshold must be at least 1.")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
-            if choices and getattr(self, f.name) not in choices:
+            if choices and getattr(self, f.name) not in choices and f.default is not None:  # None: unset
                 raise ConfigError(f"--{f.name.replace('_', '-')} must be one of {', '.join(choices)}.")
 
     def _validate_context_parallel(self) -> None:
@@ -270,39 +248,15 @@ class EngineConfig:
             raise ConfigError("--hicache-storage-head-partition and --hicache-storage-layer-partition must be at "
                               "least 1.")
 
-    def _validate_speculative(self) -> None:
-        """Chain drafts from a separate model, on one rank for now; one sentence for the rest."""
-        algo = self.speculative_algorithm
-        if algo is None:
-            if self.speculative_draft_model_path:
-                raise ConfigError("--speculative-draft-model-path needs --speculative-algorithm STANDALONE.")
-            return
-        if algo not in SPEC_ALGORITHMS:
-            raise ConfigError(f"--speculative-algorithm must be one of {', '.join(SPEC_ALGORITHMS)}, got {algo!r}.")
-        if not self.speculative_draft_model_path:
-            raise ConfigError(f"--speculative-algorithm {algo} needs --speculative-draft-model-path (the draft model).")
-        steps, tokens = self.speculative_num_steps, self.speculative_num_draft_tokens
-        if tokens is not None and tokens < 1:
-            raise ConfigError(f"--speculative-num-draft-tokens must be at least 1, got {tokens}.")
-        if steps is not None and steps < 1:
-            raise ConfigError(f"--speculative-num-steps must be at least 1, got {steps}.")
-        if tokens is not None and steps is not None and tokens != steps + 1:
-            raise ConfigError(f"--speculative-num-draft-tokens {tokens} must be --speculative-num-steps + 1 "
-                              f"({steps + 1}): drafts are chains (tree drafts are not built).")
-        if tokens == 1:
-            raise ConfigError("--speculative-num-draft-tokens 1 verifies no draft token; use 2 or more.")
-        if self.attn_cp_size > 1 or self.enable_kv_cache_sharding:
-            raise ConfigError("--speculative-algorithm with --attn-cp-size > 1 or --enable-kv-cache-sharding is "
-                              "not supported yet.")
-
     def _validate_disaggregation(self) -> None:
         if self.disaggregation_mode == "null":
             return
         if self.pp_size > 1 or self.attn_cp_size > 1 or self.enable_kv_cache_sharding or self.nnodes > 1:
             raise ConfigError(f"--disaggregation-mode {self.disaggregation_mode} runs with --tp-size on one machine "
                               "for now; drop --pp-size / --attn-cp-size / --enable-kv-cache-sharding / --nnodes.")
-        if self.speculative_algorithm:
-            raise ConfigError("--disaggregation-mode with --speculative-algorithm is not supported yet.")
+        if self.speculative_algorithm == "STANDALONE":
+            raise ConfigError("--disaggregation-mode with --speculative-algorithm STANDALONE is not supported yet "
+                              "(NGRAM is: it needs no draft KV).")
         if self.disaggregation_mode == "decode" and self.enable_hierarchical_cache and \
                 not self.disaggregation_decode_enable_radix_cache:
             raise ConfigError("a decode server reuses its host tier through its radix tree: add "
@@ -324,17 +278,6 @@ class EngineConfig:
     def precision_options(self) -> dict[str, str]:  # resolved by hicache.device.choose_precision
         return dict(decode_weights=self.decode_weight_dtype, prefill_weights=self.prefill_weight_dtype,
                     decode_activations=self.decode_activations)
-
-    @property
-    def speculative_steps(self) -> int:
-        """Draft tokens per sequence per verify pass (0: speculation off)."""
-        if self.speculative_algorithm is None:
-            return 0
-        if self.speculative_num_steps is not None:
-            return self.speculative_num_steps
-        if self.speculative_num_draft_tokens is not None:
-            return self.speculative_num_draft_tokens - 1
-        return DEFAULT_SPEC_STEPS
 
     def _validate_nodes(self) -> None:
         """Ranks across machines: every node runs the same number of ranks, node 0 included."""

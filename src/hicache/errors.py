@@ -6,6 +6,10 @@ class HicacheError(ValueError):
     """Base of the errors hicache raises with a one-sentence message for the user."""
 
 
+class ConfigError(HicacheError):
+    """A bad option or option combination; the message is one sentence for the user."""
+
+
 class InvalidRequestError(HicacheError):
     """A request the engine cannot serve (bad sampling values, prompt too long, ...)."""
 

@@ -14,6 +14,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ..consensus_record import consensus_check
+from .page_tree import TreeObserver
 from .pools import PageAllocator
 from .tree_node import TreeNode
 
@@ -34,6 +35,7 @@ class LeafEviction:
     evicted_pages_total: int
     _all_nodes: Callable[[], Iterator[TreeNode]]
     _page_key: Callable[[np.ndarray, int], bytes]
+    observer: "TreeObserver | None"
 
     def _eviction_key(self, node: TreeNode) -> tuple:
         if self.eviction_policy == "lfu":
@@ -96,6 +98,8 @@ class LeafEviction:
         while stack:
             n = stack.pop()
             assert n.device_pages is None and n.lock_ref == 0 and n.host_ref == 0, f"{n}: deleting live data"
+            if self.observer is not None:
+                self.observer.on_delete(n)
             if n.host_pages is not None:
                 self.host_allocator.free(n.host_pages)
                 self.host_pages_held -= len(n.host_pages)

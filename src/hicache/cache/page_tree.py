@@ -10,13 +10,26 @@ tier's page list at the same place.
 from __future__ import annotations
 
 import itertools
-from typing import Iterator
+from typing import Iterator, Optional, Protocol
 
 import numpy as np
 
 from .tree_node import TreeNode
 
 EMPTY_PAGES = np.zeros(0, dtype=np.int64)
+
+
+class TreeObserver(Protocol):
+    """Told of every change of the tree's shape, as it happens (e.g. the token index behind
+    NGRAM drafts, :mod:`.tree_tokens`)."""
+
+    def on_leaf(self, node: TreeNode) -> None: ...  # a new leaf with its key
+
+    def on_split(self, upper: TreeNode, node: TreeNode, at: int) -> None: ...  # node's first ``at`` tokens -> upper
+
+    def on_delete(self, node: TreeNode) -> None: ...  # node left the tree (each node of a subtree is told)
+
+    def on_reset(self) -> None: ...  # every node left the tree
 
 
 class PageTree:
@@ -28,6 +41,7 @@ class PageTree:
         self._ids = itertools.count()
         self._tick = 0
         self._roots: dict[str, TreeNode] = {}
+        self.observer: Optional[TreeObserver] = None
 
     def _root(self, namespace: str) -> TreeNode:
         """``namespace``'s root, created on first use (locked: roots are never evicted)."""
@@ -70,6 +84,8 @@ class PageTree:
         node.key = node.key[at:]
         node.parent = upper
         upper.children[self._page_key(node.key, 0)] = node
+        if self.observer is not None:
+            self.observer.on_split(upper, node, at)
         return upper
 
     def _child(self, node: TreeNode, tokens: np.ndarray, pos: int) -> TreeNode | None:
@@ -85,6 +101,8 @@ class PageTree:
         leaf = TreeNode(next(self._ids), parent.namespace, key.copy(), parent)
         self._touch(leaf)
         parent.children[self._page_key(leaf.key, 0)] = leaf
+        if self.observer is not None:
+            self.observer.on_leaf(leaf)
         return leaf
 
     def _as_tokens(self, tokens) -> np.ndarray:

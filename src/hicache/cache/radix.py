@@ -229,6 +229,8 @@ class RadixCache(PageTree, LeafEviction):
             if not node.is_root and node.host_pages is not None:
                 self.host_allocator.free(node.host_pages)
         self._roots.clear()
+        if self.observer is not None:
+            self.observer.on_reset()
         self.evictable_pages = 0
         self.host_pages_held = 0
 

@@ -63,7 +63,7 @@ class Engine:
                 f"--context-length {self.context_length} exceeds the model's {spec.max_position_embeddings} positions."
             )
         self.draft: LoadedModel | None = None  # the speculative draft model
-        if cfg.speculative_algorithm:
+        if cfg.uses_draft_model:
             self.draft = load_model(cfg.speculative_draft_model_path, dtype=self.dtype, device=self.device,
                                     seed=cfg.random_seed, weights=ranks == 1,
                                     **cfg.precision_options())

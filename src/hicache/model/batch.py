@@ -36,13 +36,15 @@ class KVView(Protocol):
 
 @dataclass(frozen=True)
 class DecodeLayout:
-    """A decode batch (B sequences, one new token each) on this rank's pool: every context's
-    slots in one block -- what the native decode kernels read by slot."""
+    """A pass read row by row on this rank's pool (a decode batch, one new token per sequence; a
+    verify pass, the last token + drafts): T rows, each new token over its own context (its
+    sequence's keys up to and including its own), every row's slots in one block -- what the
+    native decode kernels read by slot."""
 
-    out_slots: torch.Tensor  # [B] long: where each new token's K/V is written
-    kv_slots: torch.Tensor  # [B, K] long: each context's slots in position order, 0-padded
-    lengths: torch.Tensor  # [B] long (CPU): each context's length, the new token included
-    key_bias: Optional[torch.Tensor]  # [B, 1, 1, K] float32: 0 real key, -inf padding; None if B == 1
+    out_slots: torch.Tensor  # [T] long: where each new token's K/V is written
+    kv_slots: torch.Tensor  # [T, K] long: each row's context slots in position order, 0-padded
+    lengths: torch.Tensor  # [T] long (CPU): each row's context length, its own token included
+    key_bias: Optional[torch.Tensor]  # [T, 1, 1, K] float32: 0 real key, -inf padding; None if T == 1
 
 
 class AttentionMetadata(Protocol):

@@ -3,10 +3,14 @@
 Per forward it lays the batch out once (:class:`PagedMetadata`); per layer it writes the new K/V
 at their slots, then takes one of three paths, all exact:
 
-- the native paged decode kernel: a decode batch (one new token per sequence) on a CPU with the
-  kernels, float32, reads every key by its slot (no gather, no padding mask);
-- the SDPA fallback for decode: B > 1 sequences (or an MLA latent, which is gathered anyway)
-  gather every context to ``[B, K]`` slots, one SDPA call with a per-key padding bias;
+- the native paged decode kernel: a pass where every sequence has at most ``ROWWISE_MAX_NEW``
+  new tokens (a decode batch; a verify pass of the last token + drafts), on a CPU with the
+  kernels, float32: each new token is a row attending to its own context -- the sequence's
+  prefix and its new tokens up to itself, so the rows of one sequence are causal among
+  themselves -- read by slot (no gather, no padding mask); a row's output is the one a decode
+  step at its position gives;
+- the SDPA fallback for such passes: several rows (or an MLA latent, which is gathered anyway)
+  gather every row's context to ``[T, K]`` slots, one SDPA call with a per-key padding bias;
 - spans: each sequence's new tokens attend to its cached prefix (read as views of the buffers
   when it lies in a few runs of slots, else gathered) and causally to each other, the blocks
   merged by log-sum-exp (:func:`~hicache.model.attention.sequence_attention`).
@@ -29,6 +33,10 @@ from hicache.model.batch import AttentionLayer, DecodeLayout, ForwardBatch, KVVi
 # Keys stored in at most this many runs of consecutive slots are read as views of the KV
 # buffers; more scattered ones are gathered once per layer (one copy beats many small kernels).
 MAX_VIEW_RUNS = 8
+# A pass whose sequences all have at most this many new tokens attends row by row (the decode
+# layout): a verify pass of the last token + drafts reads the KV like a decode step. Longer runs
+# of new tokens (prompt chunks) attend as spans: one causal block beats a row per token there.
+ROWWISE_MAX_NEW = 16
 
 
 @dataclass(frozen=True)
@@ -53,7 +61,7 @@ class PagedMetadata:
 
     out_slots: torch.Tensor  # [T] long: slot where each new token's K/V is written
     spans: list[SeqSpan]  # [B]: where each sequence's rows and cached prefix are (not for B>1 decode)
-    decode: Optional[DecodeLayout]  # set when every sequence has one new token
+    decode: Optional[DecodeLayout]  # set when every sequence has few new tokens (row by row)
     logits_index: torch.Tensor  # [R] long: rows of T whose logits the caller wants
     single: bool  # one sequence with no cached prefix: plain causal attention on its tokens
 
@@ -78,17 +86,20 @@ def _span(start: int, length: int, context: torch.Tensor, device: torch.device) 
     return SeqSpan(start, length, (), full.to(device), causal)
 
 
-def _decode_layout(out_slots: torch.Tensor, context_slots: Sequence[torch.Tensor],
+def _decode_layout(out_slots: torch.Tensor, context_slots: Sequence[torch.Tensor], lens: Sequence[int],
                    device: torch.device) -> DecodeLayout:
-    lens = torch.tensor([int(c.numel()) for c in context_slots])
-    if len(context_slots) == 1:
-        return DecodeLayout(out_slots, context_slots[0].view(1, -1).to(device), lens, None)
-    kv_slots = torch.zeros(len(lens), int(lens.max()), dtype=torch.long)
-    for b, slots in enumerate(context_slots):
+    """Every new token as a row over its own context: the sequence's slots up to and including
+    its own (the new tokens' K/V are written before attention, so row i sees rows 0..i)."""
+    rows = [c[: c.numel() - n + i + 1] for c, n in zip(context_slots, lens) for i in range(n)]
+    row_lens = torch.tensor([int(r.numel()) for r in rows])
+    if len(rows) == 1:
+        return DecodeLayout(out_slots, rows[0].view(1, -1).to(device), row_lens, None)
+    kv_slots = torch.zeros(len(rows), int(row_lens.max()), dtype=torch.long)
+    for b, slots in enumerate(rows):
         kv_slots[b, : slots.numel()] = slots
-    padding = torch.arange(kv_slots.shape[1]).view(1, -1) >= lens.view(-1, 1)
+    padding = torch.arange(kv_slots.shape[1]).view(1, -1) >= row_lens.view(-1, 1)
     key_bias = torch.zeros(padding.shape).masked_fill_(padding, float("-inf"))
-    return DecodeLayout(out_slots, kv_slots.to(device), lens, key_bias[:, None, None, :].to(device))
+    return DecodeLayout(out_slots, kv_slots.to(device), row_lens, key_bias[:, None, None, :].to(device))
 
 
 class PagedBackend:
@@ -116,7 +127,7 @@ class PagedBackend:
         out_slots = torch.cat([context_slots[b][prefix_lens[b]:] for b in range(bsz)]).to(dev)
         ends = torch.tensor(lens).cumsum(0)
         starts = (ends - torch.tensor(lens)).tolist()
-        decode = _decode_layout(out_slots, context_slots, dev) if max(lens) == 1 else None
+        decode = _decode_layout(out_slots, context_slots, lens, dev) if max(lens) <= ROWWISE_MAX_NEW else None
         # A lone sequence keeps its span too: without the native kernel it reads its keys as views.
         spans = [] if decode is not None and bsz > 1 else [
             _span(starts[b], lens[b], context_slots[b], dev) for b in range(bsz)]

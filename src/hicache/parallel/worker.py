@@ -221,7 +221,7 @@ def _load_draft(cfg: EngineConfig, info: RankInfo, groups: ParallelGroups, dtype
                 device: torch.device) -> tuple[Any, Any]:
     """The speculative draft on a first-stage rank (it proposes before the verify batch enters
     the pipeline), tensor-parallel like the target so its KV rows pack with the target's."""
-    if not cfg.speculative_algorithm or info.pp_rank > 0:
+    if not cfg.uses_draft_model or info.pp_rank > 0:
         return None, None
     draft = load_model(cfg.speculative_draft_model_path, dtype=dtype, device=device, seed=cfg.random_seed,
                        **cfg.precision_options(),

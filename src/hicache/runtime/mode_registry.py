@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from . import pd_role, speculative
+from . import ngram, pd_role, speculative
 from .modes import Mode, ModeContext
 
 MODES: tuple[Callable[[ModeContext], Optional[Mode]], ...] = (
-    speculative.build,  # --speculative-algorithm: verify passes check a draft's proposals
+    speculative.build,  # --speculative-algorithm STANDALONE: verify passes check a draft model's proposals
+    ngram.build,  # --speculative-algorithm NGRAM: verify passes check text copied from what was seen
     pd_role.build,  # --disaggregation-mode prefill | decode
 )
 

@@ -10,12 +10,12 @@ calls back into the scheduler. The fixed points, in step order::
                     on_admit(req)              True: its prompt's KV comes from elsewhere
     events          local_events()             this rank's view of the mode's open work items
                     apply_events(events)       -> [StartDecode | Fail | Release]
-    batch           decode_batch()             the kind and rows of a decode batch ("verify", k + 1)
+    batch           decode_batch(reqs)         a decode batch's kind, rows per request, drafts known now
     forward         before_forward(b, handed)  e.g. propose the drafts a verify pass checks
                     after_forward(b)           e.g. the draft's KV for a prefill chunk
     output          sample(b, logits)          a verify batch's accepted tokens
                     on_computed(req)           the target's KV grew (prefill chunk, first token)
-                    on_accepted(req, tokens)   a verify pass accepted ``tokens`` for ``req``
+                    on_accepted(req, j, taken) a verify pass accepted j drafts; ``taken`` tokens appended
     finish          on_finish(req)             True: the mode still uses its KV (released later)
 
 Which modes an engine runs: :data:`hicache.runtime.mode_registry.MODES`, one builder per mode
@@ -85,6 +85,17 @@ class Release:
 Action = Union[StartDecode, Fail, Release]
 
 
+@dataclass(frozen=True)
+class DecodePlan:
+    """How a mode composes a batch of decoding requests: its ``kind``, the rows (new tokens)
+    of each request, and the proposal when the mode knows it while scheduling (NGRAM drafts:
+    they decide the rows; a draft model proposes before the forward instead)."""
+
+    kind: str
+    rows: list[int]
+    proposal: Any = None
+
+
 class Mode:
     """The hooks with their neutral answers: a mode overrides what it takes part in."""
 
@@ -115,8 +126,9 @@ class Mode:
         return []
 
     # ---- batch composition --------------------------------------------------------------
-    def decode_batch(self) -> Optional[tuple[str, int]]:
-        """``(kind, rows per request)`` for a batch of decoding requests, or None (one row each)."""
+    def decode_batch(self, reqs: Sequence[Request]) -> Optional[DecodePlan]:
+        """How to run these decoding requests this step, or None (a plain decode batch, one row
+        each). Called once per decode batch, on every rank with the same requests."""
         return None
 
     # ---- around the forward ---------------------------------------------------------------
@@ -134,9 +146,9 @@ class Mode:
     def on_computed(self, req: Request) -> None:
         """The target's KV of ``req`` now covers ``req.computed`` tokens."""
 
-    def on_accepted(self, req: Request, tokens: Sequence[int]) -> None:
-        """A verify pass gave ``req`` these ``tokens`` (``req.computed`` already counts the
-        accepted drafts)."""
+    def on_accepted(self, req: Request, drafts: int, taken: int) -> None:
+        """A verify pass accepted ``drafts`` proposals for ``req`` and appended ``taken`` tokens
+        (fewer than drafts + 1 when one stopped the request; ``req.computed`` counts them)."""
 
     # ---- finish and life ----------------------------------------------------------------
     def on_finish(self, req: Request) -> bool:

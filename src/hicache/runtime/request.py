@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -37,22 +37,24 @@ class PrefetchWait:
 
 @dataclass
 class SpecState:
-    """Speculative decoding: the draft has KV for the first ``draft_computed`` tokens (never
-    more than the target's ``computed``); the verify passes the request took part in and the
-    tokens they gave it (accepted drafts + the target's own). ``generator``: a seeded request's
-    draft draws, a stream of its own so that the target's draws follow the same sequence on
-    one rank or across pipeline stages."""
+    """Speculative decoding: a draft model has KV for the first ``draft_computed`` tokens (never
+    more than the target's ``computed``; None: drafts without KV, NGRAM); the verify passes the
+    request took part in and the tokens they gave it (accepted drafts + the target's own).
+    ``generator``: a seeded request's draft draws, a stream of its own so that the target's draws
+    follow the same sequence on one rank or across pipeline stages. ``drafting``: the algorithm's
+    own per-request state (NGRAM: its text index and draft length)."""
 
-    draft_computed: int = 0
+    draft_computed: Optional[int] = 0
     verify_steps: int = 0
     accepted_tokens: int = 0
     generator: Optional[torch.Generator] = None
+    drafting: Any = None
 
     @classmethod
-    def admitted(cls, req: "Request") -> "SpecState":
+    def admitted(cls, req: "Request", draft_kv: bool = True) -> "SpecState":
         seed = req.sampling.seed
         gen = None if seed is None else torch.Generator().manual_seed((seed + DRAFT_SEED_OFFSET) % 2**64)
-        return cls(draft_computed=req.computed, generator=gen)
+        return cls(draft_computed=req.computed if draft_kv else None, generator=gen)
 
     @property
     def accept_length(self) -> float:
@@ -118,7 +120,8 @@ class Request:
     def tokens_with_kv(self) -> np.ndarray:
         """Token ids whose KV has been computed (the last sampled token has none yet) -- by the
         draft too, with speculative decoding: only those may be cached."""
-        n = self.computed if self.spec is None else min(self.computed, self.spec.draft_computed)
+        draft = None if self.spec is None else self.spec.draft_computed
+        n = self.computed if draft is None else min(self.computed, draft)
         if not self.output_ids:
             return self.tokens_np[:n]
         return np.asarray(self.all_ids[:n], dtype=np.int32)

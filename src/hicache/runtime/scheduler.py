@@ -165,8 +165,10 @@ class Scheduler:
             decode = [r for r in self.running if r.status is Status.DECODE and not r.in_flight]
             if not decode:
                 return None
-            kind, rows = next((shape for m in self.modes if (shape := m.decode_batch()) is not None), ("decode", 1))
-            batch = Batch(kind, decode, [rows] * len(decode))
+            plans = [m.decode_batch(decode) for m in self.modes]  # every mode hears of the batch
+            plan = next((p for p in plans if p is not None), None)
+            batch = Batch("decode", decode, [1] * len(decode)) if plan is None else \
+                Batch(plan.kind, decode, plan.rows, plan.proposal)
         for req in batch.reqs:
             req.in_flight = True
         return batch

@@ -1,5 +1,7 @@
-"""Speculative decoding, STANDALONE: a separate draft model proposes ``k`` tokens per sequence,
-the target checks them in one forward pass of ``k + 1`` tokens (seed section 3).
+"""Speculative decoding: what every algorithm shares (:class:`SpeculativeMode`: verify rows,
+acceptance, counts), and STANDALONE: a separate draft model proposes ``k`` tokens per sequence,
+the target checks them in one forward pass of ``k + 1`` tokens (seed section 3). NGRAM, drafts
+copied from text already seen: :mod:`.ngram`.
 
 Per request (see :class:`~hicache.runtime.request.SpecState`): the target's KV is valid for the
 first ``computed`` tokens of ``all_ids``, the draft's for the first ``req.spec.draft_computed``
@@ -31,7 +33,7 @@ from ..config import ConfigError, EngineConfig
 from ..model.batch import KVView
 from ..model.loader import LoadedModel
 from .batch import Batch
-from .modes import Mode, ModeContext
+from .modes import DecodePlan, Mode, ModeContext
 from .request import Request, SpecState
 from .runner import ModelRunner
 from .sampling import probabilities, top_token
@@ -107,62 +109,38 @@ def plan_draft_kv(cfg: EngineConfig, draft: Optional[LoadedModel], target_row: t
 @dataclass
 class Proposal:
     """What the draft proposed for a verify batch: ``tokens[b]`` (k each) and, for sampled
-    requests, the draft's distribution at each of them ``probs[b]`` ``[k, vocab]`` (None: greedy)."""
+    requests, the draft's distribution at each of them ``probs[b]`` ``[k, vocab]`` (None: a greedy
+    request, or drafts that are certain: copied text)."""
 
     tokens: list[list[int]]
     probs: list[Optional[torch.Tensor]]
 
 
-class Speculator(Mode):
-    """The mode: runs the draft model over the same slots as the target and turns a verify
-    pass's logits into the accepted tokens. ``runner``: the draft's :class:`ModelRunner` (its
-    own weights, its KV on the target's slots)."""
+class SpeculativeMode(Mode):
+    """What every speculative algorithm shares: slots for the drafts, per-request counts, and
+    turning a verify pass's logits into the accepted tokens (greedy: the drafts equal to the
+    target's argmax; sampling: the rejection rule). Each request's rows in a verify pass are its
+    last token + its drafts (their number may differ between requests, and be 0)."""
 
     name = "speculative"
+    draft_kv = True  # whether the algorithm's drafts have KV of their own (a draft model's)
 
-
-    def __init__(self, runner: Optional[ModelRunner], num_steps: int,
-                 share_draws: Optional[Callable[[Any], Any]] = None) -> None:
-        """``runner`` None: a later pipeline stage, which verifies (the last) or passes on what
-        the first stage's draft proposed. ``share_draws``: with several TP ranks, one rank's
-        random draft draws for the whole stage."""
-        self.runner = runner
-        self.num_steps = num_steps
-        self.share_draws = share_draws
+    def __init__(self, num_steps: int) -> None:
+        self.num_steps = num_steps  # the most drafts a request verifies in one pass
         self.request_verify_steps = 0  # verify passes, counted once per request in each
         self.accepted_tokens = 0
 
-    # ---- the mode's hooks ----------------------------------------------------------------
     def reserve_slots(self) -> int:
-        return self.num_steps  # a verify pass writes KV for k drafts past the last token
+        return self.num_steps  # a verify pass writes KV for its drafts past the last token
 
     def on_admit(self, req: Request) -> bool:
-        req.spec = SpecState.admitted(req)  # a cached page holds the draft's KV too
+        req.spec = SpecState.admitted(req, self.draft_kv)
         return False
-
-    def decode_batch(self) -> tuple[str, int]:
-        return "verify", self.num_steps + 1  # k drafts + the last token, all checked in one pass
-
-    def before_forward(self, batch: Batch, handed: Any = None) -> None:
-        """A verify batch's drafts: those stage 0 proposed (``handed``), else proposed here."""
-        if batch.kind == "verify":
-            batch.proposal = handed if handed is not None else self.propose(batch)
-
-    def after_forward(self, batch: Batch) -> None:
-        if batch.kind == "prefill" and self.runner is not None:
-            self.extend(batch)  # after the target: a load-back copies the draft's layers last
 
     def sample(self, batch: Batch, logits: torch.Tensor) -> Optional[list]:
         return self.verify(batch, logits) if batch.kind == "verify" else None
 
-    def on_computed(self, req: Request) -> None:
-        req.spec.draft_computed = req.computed  # the draft ran over the same chunk
-
     def on_accepted(self, req: Request, drafts: int, taken: int) -> None:
-        """The draft's KV now covers all but the last of the ``drafts`` accepted (it never saw
-        d_k); ``taken`` tokens were appended (fewer when one stopped the request)."""
-        before = len(req.all_ids) - taken
-        req.spec.draft_computed = before + min(drafts, self.num_steps - 1)
         req.spec.verify_steps += 1
         req.spec.accepted_tokens += taken
         self.request_verify_steps += 1
@@ -176,6 +154,57 @@ class Speculator(Mode):
             # mean tokens a verify pass gives a request, its own token included (SGLang's accept length)
             "accept_length": self.accepted_tokens / max(self.request_verify_steps, 1),
         }
+
+    def verify(self, batch: Batch, logits: torch.Tensor) -> list[list[int]]:
+        """The accepted tokens of each request (1 to its drafts + 1): ``logits`` ``[T, vocab]``,
+        the target's at each verify row, sequence after sequence (``batch.new_tokens`` rows each)."""
+        out, start = [], 0
+        for b, (r, n) in enumerate(zip(batch.reqs, batch.new_tokens)):
+            rows = logits[start:start + n]
+            start += n
+            drafts, q = batch.proposal.tokens[b], batch.proposal.probs[b]
+            if r.sampling.greedy:
+                out.append(greedy_accept(drafts, rows))
+            else:
+                out.append(rejection_accept(drafts, q, rows, r))
+        return out
+
+
+class Speculator(SpeculativeMode):
+    """STANDALONE: runs the draft model over the same slots as the target. ``runner``: the
+    draft's :class:`ModelRunner` (its own weights, its KV on the target's slots)."""
+
+    def __init__(self, runner: Optional[ModelRunner], num_steps: int,
+                 share_draws: Optional[Callable[[Any], Any]] = None) -> None:
+        """``runner`` None: a later pipeline stage, which verifies (the last) or passes on what
+        the first stage's draft proposed. ``share_draws``: with several TP ranks, one rank's
+        random draft draws for the whole stage."""
+        super().__init__(num_steps)
+        self.runner = runner
+        self.share_draws = share_draws
+
+    # ---- the mode's hooks ----------------------------------------------------------------
+    def decode_batch(self, reqs: Sequence[Request]) -> DecodePlan:
+        return DecodePlan("verify", [self.num_steps + 1] * len(reqs))  # k drafts + the last token each
+
+    def before_forward(self, batch: Batch, handed: Any = None) -> None:
+        """A verify batch's drafts: those stage 0 proposed (``handed``), else proposed here."""
+        if batch.kind == "verify":
+            batch.proposal = handed if handed is not None else self.propose(batch)
+
+    def after_forward(self, batch: Batch) -> None:
+        if batch.kind == "prefill" and self.runner is not None:
+            self.extend(batch)  # after the target: a load-back copies the draft's layers last
+
+    def on_computed(self, req: Request) -> None:
+        req.spec.draft_computed = req.computed  # the draft ran over the same chunk
+
+    def on_accepted(self, req: Request, drafts: int, taken: int) -> None:
+        """The draft's KV now covers all but the last of the ``drafts`` accepted (it never saw
+        d_k); ``taken`` tokens were appended (fewer when one stopped the request)."""
+        before = len(req.all_ids) - taken
+        req.spec.draft_computed = before + min(drafts, self.num_steps - 1)
+        super().on_accepted(req, drafts, taken)
 
     # ---- the draft ------------------------------------------------------------------------
 
@@ -209,20 +238,6 @@ class Speculator(Mode):
             inputs, starts = [[t[-1]] for t in tokens], ends
         return Proposal(tokens, [torch.stack(p) if p else None for p in probs])
 
-    def verify(self, batch: Batch, logits: torch.Tensor) -> list[list[int]]:
-        """The accepted tokens of each request (1 to k + 1): ``logits`` ``[B * (k + 1), vocab]``,
-        the target's at each verify row, sequence after sequence."""
-        k1 = self.num_steps + 1
-        out = []
-        for b, r in enumerate(batch.reqs):
-            rows = logits[b * k1:(b + 1) * k1]
-            drafts, q = batch.proposal.tokens[b], batch.proposal.probs[b]
-            if q is None:
-                out.append(greedy_accept(drafts, rows))
-            else:
-                out.append(rejection_accept(drafts, q, rows, r))
-        return out
-
 
 def _draw(logits: torch.Tensor, req) -> tuple[int, Optional[torch.Tensor]]:
     """The draft's token for one row, and its distribution when the request samples (drawn
@@ -254,23 +269,30 @@ def greedy_accept(drafts: Sequence[int], logits: torch.Tensor) -> list[int]:
     return list(drafts[:j]) + [target[j]]
 
 
-def rejection_accept(drafts: Sequence[int], draft_probs: torch.Tensor, logits: torch.Tensor, req) -> list[int]:
+def rejection_accept(drafts: Sequence[int], draft_probs: Optional[torch.Tensor], logits: torch.Tensor,
+                     req) -> list[int]:
     """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023): draft ``i`` is kept with
     probability ``min(1, p_i(d) / q_i(d))``; the first rejected one is replaced by a draw from
     ``max(p_i - q_i, 0)`` (normalised), and when every draft is kept one more token is drawn from
-    ``p_k``. The tokens are distributed exactly as the target would sample them one by one."""
+    ``p_k``. The tokens are distributed exactly as the target would sample them one by one.
+    ``draft_probs`` None: deterministic drafts (copied text, q_i = 1 at d), kept with probability
+    p_i(d), a rejection drawing from p_i without d."""
     gen = req.generator
     out: list[int] = []
     for i, d in enumerate(drafts):
         p = _distribution(logits[i], req)
         if p is None:  # the target has no valid distribution here: take its argmax and stop
             return out + [int(top_token(logits[i]))]
-        q = draft_probs[i]
         u = float(torch.rand((), generator=gen))
-        if u * float(q[d]) < float(p[d]):  # u < p/q without dividing by a zero q
+        q_d = 1.0 if draft_probs is None else float(draft_probs[i][d])
+        if u * q_d < float(p[d]):  # u < p/q without dividing by a zero q
             out.append(d)
             continue
-        residual = (p - q).clamp_(min=0)
+        if draft_probs is None:
+            residual = p.clone()
+            residual[d] = 0.0
+        else:
+            residual = (p - draft_probs[i]).clamp_(min=0)
         dist = residual if float(residual.sum()) > 0 else p
         return out + [int(torch.multinomial(dist, 1, generator=gen))]
     p = _distribution(logits[len(drafts)], req)
@@ -286,6 +308,6 @@ def build(ctx: ModeContext) -> Optional[Mode]:
         cache = ctx.cache
         view = LayerWindow(cache.kv_view, ctx.layers, ctx.draft_packed) if ctx.draft_packed else cache.sidecar_view
         return Speculator(ModelRunner(ctx.draft.model, view, ctx.device), ctx.cfg.speculative_steps, ctx.share_draws)
-    if ctx.cfg.speculative_algorithm:
+    if ctx.cfg.uses_draft_model:
         return Speculator(None, ctx.cfg.speculative_steps, ctx.share_draws)
     return None
