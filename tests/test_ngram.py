@@ -241,3 +241,88 @@ def test_a_later_request_drafts_from_an_earlier_ones_answer() -> None:
         assert engine.stats()["speculative"]["indexed_tokens"] >= len(prompt)
     finally:
         engine.shutdown()
+
+
+# ---- ranks, the server ---------------------------------------------------------------------------
+RANKS_OPTS = dict(dtype="float32", page_size=4, max_total_tokens=1024, enable_hierarchical_cache=True, **NGRAM)
+
+
+def _session(engine: Engine) -> list[tuple[list[int], float]]:
+    """Two agents, two turns (histories resent), then a seeded sampled request."""
+    history = _looping_prompts(2)
+    out = []
+    for turn in range(2):
+        prompts = [h + [(turn * 11 + i) % 200 + 20 for i in range(8)] for h in history]
+        results = engine.generate(prompts, SamplingParams(max_new_tokens=16, temperature=0.0))
+        out += [(r.output_ids, r.spec_accept_length) for r in results]
+        history = [p + r.output_ids for p, r in zip(prompts, results)]
+    sampled = engine.generate([history[0]], SamplingParams(max_new_tokens=12, temperature=0.8, seed=3))[0]
+    return out + [(sampled.output_ids, sampled.spec_accept_length)]
+
+
+@pytest.mark.multirank
+@pytest.mark.parallel
+def test_tp_and_pp_ranks_draft_and_answer_like_one_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank proposes the same drafts (the consensus checker compares them each step) and
+    the answers and acceptance equal one rank's."""
+    from hicache import consensus_record
+
+    one = Engine("random:small", **RANKS_OPTS)
+    try:
+        reference = _session(one)
+    finally:
+        one.shutdown()
+    assert any(a > 1.0 for _, a in reference)
+    monkeypatch.setenv(consensus_record.ENV_VAR, "1")
+    for tp, pp in ((2, 1), (1, 2)):
+        ranks = Engine("random:small", tp_size=tp, pp_size=pp, **RANKS_OPTS)
+        try:
+            assert _session(ranks) == reference, (tp, pp)
+        finally:
+            ranks.shutdown()
+
+
+@pytest.mark.server
+def test_sglang_bench_reads_the_accept_length_from_server_info() -> None:
+    import httpx
+
+    from hicache.server.serve import ServerThread
+
+    engine = Engine("random:tiny", **BASE, **NGRAM)
+    srv = ServerThread(engine, served_model_name="tiny")
+    base_url = srv.start()
+    try:
+        body = {"model": "tiny", "prompt": _looping_prompts(1)[0], "max_tokens": 24, "temperature": 0}
+        usage = httpx.post(base_url + "/v1/completions", json=body, timeout=60).json()["usage"]
+        assert usage["spec_verify_steps"] >= 1
+        info = httpx.get(base_url + "/get_server_info", timeout=10).json()
+        assert info["speculative_algorithm"] == "NGRAM"
+        assert info["internal_states"][0]["avg_spec_accept_length"] == pytest.approx(usage["spec_accept_length"])
+        metrics = httpx.get(base_url + "/metrics", timeout=10).text
+        assert "hicache_spec_accept_length_count 1.0" in metrics
+    finally:
+        srv.stop()
+
+
+@pytest.mark.pd
+def test_a_pd_decode_server_drafts_and_answers_like_the_plain_engine(plain_outputs: list[list[int]]) -> None:
+    """NGRAM needs no draft KV: the decode server speculates over the KV the prefill server sent."""
+    import threading
+
+    from hicache.disagg.bootstrap import Bootstrap
+
+    prefill = Engine("random:tiny", disaggregation_mode="prefill", disaggregation_bootstrap_port=0, **BASE)
+    decode = Engine("random:tiny", disaggregation_mode="decode", **BASE, **NGRAM)
+    try:
+        port = prefill.stats()["disaggregation"]["bootstrap_port"]
+        for room, prompt in enumerate(_looping_prompts(2)):
+            boot = Bootstrap("127.0.0.1", port, room + 1)
+            side = threading.Thread(target=lambda: prefill.generate(prompt, GREEDY, bootstrap=boot))
+            side.start()
+            got = decode.generate(prompt, GREEDY, bootstrap=boot)[0]
+            side.join(timeout=60)
+            assert got.output_ids == plain_outputs[room] and got.disaggregated
+        assert decode.stats()["speculative"]["request_verify_steps"] > 0
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
