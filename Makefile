@@ -69,6 +69,9 @@ demo: setup
 	$(VENV)/bin/hicache demo --agents 3 --turns 3 --max-total-tokens 1024 --enable-hierarchical-cache \
 		--speculative-algorithm STANDALONE --speculative-draft-model-path smollm2:int4-g64 --speculative-num-steps 3
 	@echo
+	@echo "== NGRAM speculative decoding: drafts copied from the conversation and the radix tree, no draft model =="
+	$(VENV)/bin/hicache demo --turns 4 --max-new-tokens 48 --speculative-algorithm NGRAM
+	@echo
 	@echo "== unified storage layout: a two-rank (TP2) engine stores a session; a one-rank engine in a new process continues it from L3 =="
 	rm -rf out/demo-unified
 	$(VENV)/bin/hicache demo $(DEMO_UNIFIED) --tp-size 2 --turns 2 --max-new-tokens 16

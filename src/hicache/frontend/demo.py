@@ -40,6 +40,18 @@ def tool_output(turn: int, rng: random.Random) -> str:
     return kinds[turn % len(kinds)]()
 
 
+def copy_turn(engine: Engine, messages: list[dict], max_new_tokens: int) -> None:
+    """A copy-heavy turn: the agent repeats code it has seen with a fix, which NGRAM drafts from
+    the conversation and the cache (its accept length and decode rate next to the session's)."""
+    ask = messages + [{"role": "user", "content": "Show the PageAllocator class from the tool output again, "
+                                                  "with the page 0 fix applied, as one code block."}]
+    res = engine.chat(ask, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0))
+    rate = (res.completion_tokens - 1) / max(res.e2e_s - res.ttft_s, 1e-9)
+    print(f"\ncopy-heavy turn (NGRAM): {res.completion_tokens} tokens at {rate:.1f} tok/s after the first, accept "
+          f"length {res.spec_accept_length:.2f} over {res.spec_verify_steps} verify passes: "
+          f"{textwrap.shorten(res.text.replace(chr(10), ' '), 90, placeholder='...')}")
+
+
 def run_demo(engine: Engine, turns: int = 8, max_new_tokens: int = 40, agents: int = 1) -> int:
     """``agents`` sessions take turns round-robin; with a small device pool and the host tier
     on, each agent's history leaves the device between its turns and comes back from L2."""
@@ -82,6 +94,8 @@ def run_demo(engine: Engine, turns: int = 8, max_new_tokens: int = 40, agents: i
           f"{sum(r.ttft_s for r in later) / max(len(later), 1) * 1000:.0f} ms; last turn ({warm.prompt_tokens} "
           f"tokens) warm {warm.ttft_s * 1000:.0f} ms vs cold {cold.ttft_s * 1000:.0f} ms "
           f"({cold.ttft_s / warm.ttft_s:.1f}x faster with the cache)")
+    if engine.config.speculative_algorithm == "NGRAM":
+        copy_turn(engine, sessions[-1], max(max_new_tokens, 96))
     if spec:
         s = engine.stats()["speculative"]
         print(f"speculative decoding: {s['num_steps']} draft tokens per verify pass, accept length "
