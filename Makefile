@@ -133,6 +133,7 @@ bench-peers: setup peers-setup
 	mkdir -p out
 	$(PY) benchmarks/bench_peers.py --peers-python $(PEERS_VENV)/bin/python \
 		--json out/bench-peers.json $(BENCH_PEERS_ARGS)
+	$(PY) benchmarks/bench_peers_lookup.py --peers-python $(PEERS_VENV)/bin/python
 
 peers-setup: $(PEERS_VENV)/.installed
 

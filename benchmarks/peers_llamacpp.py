@@ -10,17 +10,21 @@ Job (every part optional)::
                "conversations": [{"group": 0, "turns": [[ids], ...]}, ...],
                "order": [[conv, turn], ...], "output_len": 32},
      "cold": [[ids], ...],
-     "decode": {"prompt": [ids], "tokens": 64}}
+     "decode": {"prompt": [ids], "tokens": 64},
+     "lookup": {"prompts": [[ids], ...], "tokens": 160, "num_pred_tokens": 10}}
 
 ``ban``: token ids never sampled (logit bias -inf: the EOS tokens, so every request produces
 exactly its max_tokens, as hicache's ``ignore_eos``). ``agent``: each request's prompt is the
 conversation so far (system prompt, then per turn the user ids and the previous replies);
 prompts are served with a ``LlamaRAMCache`` on the ``Llama`` object (plus llama.cpp's own reuse
 of the KV it holds). ``cold``: each prompt with the cache off and the context reset, 1 output
-token. ``decode``: tokens/s after the first token.
+token. ``decode``: tokens/s after the first token. ``lookup``: each prompt decoded greedily twice, plainly
+and with prompt-lookup decoding (``LlamaPromptLookupDecoding``: drafts copied from the prompt and the
+output so far); tokens/s after the first token and the output ids of each.
 
 Result: {"version", "ggml", "system_info", "n_threads", "agent": [{"conv", "turn", "prompt_tokens",
-"ttft_s", "output_ids"}], "cold": [{"prompt_tokens", "ttft_s"}], "decode": {"tokens", "tok_s"}}.
+"ttft_s", "output_ids"}], "cold": [{"prompt_tokens", "ttft_s"}], "decode": {"tokens", "tok_s"},
+"lookup": [{"plain": {"tok_s", "output_ids"}, "lookup": {...}}]}.
 """
 
 from __future__ import annotations
@@ -50,6 +54,40 @@ def ggml_version(pkg_file: str) -> str:
 
     names = glob.glob(os.path.join(os.path.dirname(pkg_file), "lib", "libggml.so.*.*"))
     return names[0].rsplit("libggml.so.", 1)[1] if names else "?"
+
+
+def decode_timed(llm, ids: list[int], max_tokens: int) -> dict:
+    """Greedy decode of ``ids`` (EOS allowed: the copy ends where the model ends it); tokens/s
+    after the first token, and the output ids."""
+    t0 = time.perf_counter()
+    first, out = None, []
+    for chunk in llm.create_completion(prompt=ids, max_tokens=max_tokens, temperature=0.0, stream=True):
+        if first is None:
+            first = time.perf_counter() - t0
+        out.append(chunk["choices"][0]["text"])
+    end = time.perf_counter() - t0
+    output_ids = llm.tokenize("".join(out).encode(), add_bos=False, special=True)
+    return {"tok_s": (len(output_ids) - 1) / max(end - first, 1e-9), "output_ids": output_ids}
+
+
+def run_lookup(llm, job: dict, ban: list[int]) -> list[dict]:
+    import llama_cpp
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    lk = job["lookup"]
+    n_threads = int(job["n_threads"])
+    spec = llama_cpp.Llama(model_path=job["model"], n_ctx=int(job.get("n_ctx", 8192)), n_threads=n_threads,
+                           n_threads_batch=n_threads, seed=0, verbose=False,
+                           draft_model=LlamaPromptLookupDecoding(num_pred_tokens=int(lk.get("num_pred_tokens", 10))))
+    records = []
+    for ids in lk["prompts"]:
+        row = {}
+        for name, model in (("plain", llm), ("lookup", spec)):
+            model.set_cache(None)
+            model.reset()
+            row[name] = decode_timed(model, ids, int(lk["tokens"]))
+        records.append(row)
+    return records
 
 
 def main() -> None:
@@ -101,6 +139,9 @@ def main() -> None:
         n = int(d["tokens"])
         ttft, end = stream_timed(llm, d["prompt"], n, ban)
         out["decode"] = {"tokens": n, "tok_s": (n - 1) / (end - ttft)}
+
+    if job.get("lookup"):
+        out["lookup"] = run_lookup(llm, job, ban)
 
     json.dump(out, sys.stdout)
     sys.stdout.write("\n")
