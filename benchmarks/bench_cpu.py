@@ -22,12 +22,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
-from hicache.device import cpu_description  # noqa: E402
+from hicache.device import cpu_description, resolve_decode_activations  # noqa: E402
 from hicache.kernels import cpu_kernels, loaded_isa, unavailable_reason  # noqa: E402
-from hicache.model import DenseKV, load_model, make_forward_batch  # noqa: E402
+from hicache.model import DenseKV, load_model, make_forward_batch, paged  # noqa: E402
 from hicache.model.block_quant import BlockQuantWeight, pack_exact  # noqa: E402
 from hicache.model.gguf_blocks import GGUF_BLOCK_TYPES, GGUFBlockWeight  # noqa: E402
-from hicache.model.projection import DECODE_WEIGHTS, Projection  # noqa: E402
+from hicache.model.projection import DECODE_ACTIVATIONS, DECODE_WEIGHTS, Projection  # noqa: E402
 
 
 def median_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -198,6 +198,36 @@ def bench_steps(loaded, context: int, suffix: int, repeats: int) -> None:
           f"the rest (norms, RoPE, attention, dispatch) {max(0.0, total - matmul_ms[0]):.1f} ms")
 
 
+def bench_verify(loaded, context: int, repeats: int, rows: tuple[int, ...] = (2, 4, 8)) -> None:
+    """A verify pass (the last token + drafts, logits at every row) vs a decode step at ``context``:
+    row by row through the decode path (every row a decode row over its own causal context), and as
+    the causal span a prompt chunk takes (what verify passes ran before)."""
+    model, spec = loaded.model, loaded.spec
+    kv = DenseKV(spec, context + 16, model.dtype)
+    slots = torch.arange(1, context + 16)
+    ids = torch.randint(1000, 30000, (context + 16,), generator=torch.Generator().manual_seed(1)).tolist()
+
+    def forward(n):
+        with torch.inference_mode():
+            return model(make_forward_batch([ids[context:context + n]], [context], [slots[: context + n]],
+                                            logits="all"), kv)
+
+    forward(1)
+    with torch.inference_mode():
+        model(make_forward_batch([ids[:context]], [0], [slots[:context]]), kv)
+    decode = median_ms(lambda: forward(1), repeats)
+    print(f"\n== verify pass vs decode step, batch 1, context {context}: decode step {decode:.1f} ms ==")
+    for n in rows:
+        rowwise = median_ms(lambda: forward(n), repeats)
+        saved, paged.ROWWISE_MAX_NEW = paged.ROWWISE_MAX_NEW, 0
+        try:
+            spans = median_ms(lambda: forward(n), repeats)
+        finally:
+            paged.ROWWISE_MAX_NEW = saved
+        print(f"  {n} tokens: row by row {rowwise:.1f} ms ({rowwise / decode:.2f}x a decode step), "
+              f"as a causal span {spans:.1f} ms ({spans / decode:.2f}x)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
@@ -206,17 +236,29 @@ def main() -> None:
     ap.add_argument("--suffix", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--verify-context", type=int, default=1024, help="context of the verify-pass part")
+    ap.add_argument("--only", choices=("formats", "steps", "verify"), default=None, help="run one part")
     ap.add_argument("--decode-weights", default="auto", choices=DECODE_WEIGHTS,
                     help="what the decode-step part reads (the engine's --decode-weight-dtype)")
+    ap.add_argument("--decode-activations", default="auto", choices=("auto", *DECODE_ACTIVATIONS),
+                    help="what GGUF blocks meet in decode and verify passes (the engine's --decode-activations; "
+                         "auto: what the engine picks here for float32 weights)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(cpu_description(), f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    loaded = load_model(args.model, dtype=getattr(torch, args.dtype), decode_weights=args.decode_weights)
-    bandwidth = read_bandwidth(args.repeats)
-    print(f"read bandwidth (sum over 256 MiB): {bandwidth:.1f} GB/s")
-    bench_formats(loaded.model, args.repeats, bandwidth)
-    bench_steps(loaded, args.context, args.suffix, args.repeats)
+    activations, why = resolve_decode_activations(args.decode_activations, "auto", args.dtype, torch.device("cpu"))
+    print(cpu_description(), f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"decode activations {activations} ({why})")
+    loaded = load_model(args.model, dtype=getattr(torch, args.dtype), decode_weights=args.decode_weights,
+                        decode_activations=activations)
+    if args.only in (None, "formats"):
+        bandwidth = read_bandwidth(args.repeats)
+        print(f"read bandwidth (sum over 256 MiB): {bandwidth:.1f} GB/s")
+        bench_formats(loaded.model, args.repeats, bandwidth)
+    if args.only in (None, "steps"):
+        bench_steps(loaded, args.context, args.suffix, args.repeats)
+    if args.only in (None, "verify"):
+        bench_verify(loaded, args.verify_context, args.repeats)
 
 
 if __name__ == "__main__":

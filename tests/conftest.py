@@ -16,6 +16,11 @@ no memory of its own (add a ``prefix``, e.g. a uuid, to stay isolated). Binaries
 import (the ``mooncake-transfer-engine-non-cuda`` wheel, test extra, plus libibverbs1) or a
 binary is missing.
 
+``smollm2_reference``: one cache-off SmolLM2 engine (float32, 16-token pages) for the whole
+session: the single-rank reference the SmolLM2 tests compare to (every request computed from
+scratch, whatever ran before), and, as ``.loaded``, the model for standalone forwards. Each
+SmolLM2 engine built is seconds of loading and preparing the weights.
+
 ``multi_turn_reference``: the multi-rank tests' workload (``rank_workloads.multi_turn``, seed 7,
 with its storage round) on one rank without a cache, computed once per session for
 test_parallel and test_context_parallel. ``checker``: the rank consensus checker on for ranks
@@ -49,6 +54,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if unmarked:
         raise pytest.UsageError("tests without an area marker (one of " + ", ".join(AREAS) + "):\n  "
                                 + "\n  ".join(unmarked))
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference():
+    engine = Engine("smollm2", dtype="float32", max_total_tokens=4096, disable_radix_cache=True)
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
 
 
 @pytest.fixture(scope="session")

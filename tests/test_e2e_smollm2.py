@@ -13,9 +13,12 @@ GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def engines():
-    opts = dict(dtype="float32", max_total_tokens=4096, page_size=16)
-    return Engine("smollm2", **opts), Engine("smollm2", disable_radix_cache=True, **opts)
+def engines(smollm2_reference: Engine):
+    """The cached engine, and the session's cache-off one (conftest.py: float32, 16-token pages,
+    4096 tokens, as this one)."""
+    cached = Engine("smollm2", dtype="float32", max_total_tokens=4096, page_size=16)
+    yield cached, smollm2_reference
+    cached.shutdown()
 
 
 def test_multi_turn_chat_equals_cache_off(engines) -> None:

@@ -225,12 +225,12 @@ def test_an_instruction_set_the_cpu_lacks_is_refused_with_the_reason(monkeypatch
 
 
 @pytest.mark.slow
-def test_smollm2_decodes_from_its_own_4_bit_blocks_with_the_same_greedy_output():
+def test_smollm2_decodes_from_its_own_4_bit_blocks_with_the_same_greedy_output(smollm2_reference):
     """SmolLM2's GGUF is Q4_1 with a Q8_0 embedding: every projection decodes from the file's own
     blocks, the cache namespace is unchanged (same weights), and greedy output equals torch's
     float32 path."""
     greedy = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
-    blocks = Engine("smollm2", dtype="float32", max_total_tokens=2048)
+    blocks = smollm2_reference  # the session's float32 engine (decode weights "auto"; cache off)
     plain = Engine("smollm2", dtype="float32", max_total_tokens=2048, decode_weight_dtype="same")
     try:
         model = blocks.loaded.model
@@ -242,7 +242,6 @@ def test_smollm2_decodes_from_its_own_4_bit_blocks_with_the_same_greedy_output()
         b = plain.generate(prompts, greedy)
         assert [r.output_ids for r in a] == [r.output_ids for r in b]
     finally:
-        blocks.shutdown()
         plain.shutdown()
 
 

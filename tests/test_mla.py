@@ -102,13 +102,9 @@ def _turns(engine: Engine) -> list[list[int]]:
 
 @pytest.mark.multirank
 @pytest.mark.parallel
-def test_engine_cache_decode_and_tp2_equal_a_plain_run() -> None:
+def test_engine_cache_decode_and_tp2_equal_a_plain_run(plain_turns: list[list[int]]) -> None:
     base = dict(dtype="float32", page_size=4)
-    plain = Engine("random:mla-tiny", max_total_tokens=1024, disable_radix_cache=True, **base)
-    try:
-        want = _turns(plain)
-    finally:
-        plain.shutdown()
+    want = plain_turns  # the cache-off engine's (fixture below)
     for layout in (dict(max_total_tokens=1024), dict(max_total_tokens=1024, tp_size=2)):
         engine = Engine("random:mla-tiny", **layout, **base)
         try:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache.model import load_model
 from hicache.model.gguf_loader import find_smollm2_gguf
 from hicache.model.standalone import greedy_paged, prefill_logits
 
@@ -14,8 +13,9 @@ pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def smol():
-    return load_model("smollm2", dtype=torch.float32)
+def smol(smollm2_reference):
+    """``load_model("smollm2", dtype=torch.float32)``: the session's reference engine's copy."""
+    return smollm2_reference.loaded
 
 
 @pytest.fixture(scope="module")

@@ -151,8 +151,13 @@ def test_seed_example_tp4_pp2_writer_tp2_reader(tmp_path: Path, monkeypatch: pyt
     stored = objects(tmp_path)
     pages = stored["L0-30_H0"]
     assert pages >= 24 and stored == collections.Counter({c: pages for c in stored}) and len(stored) == 8
-    got = read_in_new_process(SEED_MODEL, dict(unified(tmp_path, **SEED_GRID), tp_size=2), PROMPT)
-    assert got["details"]["storage"] == 384 and got["ids"] == cold
+    # The reader's two ranks are new processes, sharing nothing with the writer's eight but the store.
+    reader = Engine(SEED_MODEL, tp_size=2, **unified(tmp_path, **SEED_GRID))
+    try:
+        res = reader.generate([PROMPT], GREEDY)[0]
+    finally:
+        reader.shutdown()
+    assert res.cached_tokens_details["storage"] == 384 and res.output_ids == cold
 
 
 def test_other_salt_dtype_page_size_or_grid_never_hit(tmp_path: Path) -> None:
@@ -346,13 +351,9 @@ TURN2 = HISTORY + "Summarise day one. Now day two, in one sentence, and its cost
 
 
 @pytest.fixture(scope="module")
-def smollm2_cold() -> tuple[list[int], list[int]]:
+def smollm2_cold(smollm2_reference: Engine) -> tuple[list[int], list[int]]:
     """The cache-off engine's greedy outputs for the two turns."""
-    plain = Engine("smollm2", dtype="float32", max_total_tokens=2048, disable_radix_cache=True)
-    try:
-        return tuple(r.output_ids for r in plain.generate([TURN1, TURN2], GREEDY))
-    finally:
-        plain.shutdown()
+    return tuple(r.output_ids for r in smollm2_reference.generate([TURN1, TURN2], GREEDY))
 
 
 @pytest.mark.multirank

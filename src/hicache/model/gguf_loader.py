@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hicache.kernels import cpu_kernels
 from hicache.model.errors import ModelFormatError, ModelNotFoundError
 from hicache.model.gguf_blocks import GGUF_BLOCK_TYPES, GGUFBlockWeight
 from hicache.model.gguf_file import GGUFFile, GGUFTensor
@@ -143,6 +144,7 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
     model = LlamaForCausalLM(spec, dtype, device)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    ops = cpu_kernels()  # None where the native kernels are off: gguf.quants dequantizes then
     with torch.no_grad():
         for t in reader.tensors:
             name = hf_name(t.name)
@@ -150,20 +152,29 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
                 continue
             if name not in params:
                 raise ModelFormatError(f"GGUF tensor {t.name} has no place in the model.")
-            array = np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type))
-            if not array.flags.writeable:  # F32 tensors come back as views of the read-only mmap
-                array = array.copy()
-            values = torch.from_numpy(array)
-            if ".q_proj." in name:
-                values = unpermute_rope_rows(values, spec.num_heads)
-            elif ".k_proj." in name:
-                values = unpermute_rope_rows(values, spec.num_kv_heads)
+            blocks = _row_blocks(t, name, spec) if ops is not None or dtype == torch.float32 else None
+            if blocks is not None and ops is not None:
+                # The same float32 bits as gguf.quants (tests/test_gguf_blocks.py), ~2x faster, and the
+                # rows come out in the model's order (the blocks are un-permuted already).
+                values = blocks.dequantize(ops)
+            else:
+                array = np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type))
+                if not array.flags.writeable:  # F32 tensors come back as views of the read-only mmap
+                    array = array.copy()
+                values = torch.from_numpy(array)
+                if ".q_proj." in name:
+                    values = unpermute_rope_rows(values, spec.num_heads)
+                elif ".k_proj." in name:
+                    values = unpermute_rope_rows(values, spec.num_kv_heads)
             target = params[name]
             if tuple(values.shape) != tuple(target.shape):
                 raise ModelFormatError(f"GGUF tensor {t.name} has shape {tuple(values.shape)}, expected {tuple(target.shape)}.")
-            target.copy_(values)
-            blocks = _file_blocks(t, name, spec) if dtype == torch.float32 else None
-            if blocks is not None:  # decode steps read these (model/decode_blocks.py)
+            if values.dtype == target.dtype and values.device == target.device and values.is_contiguous():
+                target.data = values  # a tensor of our own already: no second copy (the empty one is freed)
+            else:
+                target.copy_(values)
+            if blocks is not None and dtype == torch.float32 and _keeps_blocks(name, spec):
+                # decode steps read these (model/decode_blocks.py)
                 model.get_submodule(name.removesuffix(".weight")).gguf_blocks = blocks
             loaded.add(name)
     missing = sorted(set(params) - loaded)
@@ -172,19 +183,23 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
     return model, tokenizer, spec
 
 
-def _file_blocks(t: GGUFTensor, name: str, spec: ModelSpec) -> GGUFBlockWeight | None:
-    """The matrix's own quantized blocks from the file (rows in the model's order), or None for
-    plain types, types the kernels do not read, vectors, and an embedding that is not also the
-    LM head (lookups read its float32 rows; no matmul would read the blocks)."""
+def _row_blocks(t: GGUFTensor, name: str, spec: ModelSpec) -> GGUFBlockWeight | None:
+    """The matrix's own quantized blocks from the file, rows in the model's order (attn_q /
+    attn_k un-permuted: whole rows move, blocks untouched), or None for plain types, types the
+    kernels do not read, and vectors."""
     if int(t.tensor_type) not in GGUF_BLOCK_TYPES or not name.endswith(".weight") or len(t.shape) != 2:
         return None
-    if name == "model.embed_tokens.weight" and not spec.tie_word_embeddings:
-        return None
-    blocks = GGUFBlockWeight(int(t.tensor_type), torch.from_numpy(np.array(t.data)), int(t.shape[0]))
     heads = spec.num_heads if ".q_proj." in name else spec.num_kv_heads if ".k_proj." in name else None
-    if heads is None:
-        return blocks
-    return blocks.permute_rows(unpermute_rope_rows(torch.arange(blocks.out_features), heads))
+    rows = t.data.shape[0]
+    # A copy out of the read-only map either way; numpy's row gather is ~100x torch's on uint8 rows.
+    data = np.array(t.data) if heads is None else t.data[unpermute_rope_rows(torch.arange(rows), heads).numpy()]
+    return GGUFBlockWeight(int(t.tensor_type), torch.from_numpy(data), int(t.shape[0]))
+
+
+def _keeps_blocks(name: str, spec: ModelSpec) -> bool:
+    """Whether a matrix's module keeps its file blocks: all but an embedding that is not also the
+    LM head (lookups read its float32 rows; no matmul would read the blocks)."""
+    return name != "model.embed_tokens.weight" or spec.tie_word_embeddings
 
 
 def load_gguf_tokenizer(path: Path) -> Tokenizer:
