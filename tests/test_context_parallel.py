@@ -158,13 +158,17 @@ def test_a_cp_rank_killed_mid_gather_stops_the_group_with_its_name() -> None:
 @pytest.mark.multirank
 @pytest.mark.slow
 @pytest.mark.storage
-def test_smollm2_multi_turn_cp2_sharded_equals_single_rank(tmp_path: Path, checker: None) -> None:
+def test_smollm2_multi_turn_cp2_sharded_equals_single_rank(tmp_path: Path, checker: None,
+                                                          smollm2_reference: Engine) -> None:
     """A chat whose history is pushed out of the device pool by other traffic between turns
-    (so it comes back from host memory), then asked again after a flush (from storage)."""
+    (so it comes back from host memory), then asked again after a flush (from storage): every
+    reply is the one-rank cache-off engine's (conftest.py's smollm2_reference, 16-token pages)."""
     greedy = SamplingParams(max_new_tokens=24, temperature=0.0)
     questions = ["What is the capital of France?", "And of Italy?", "Which of the two is larger?"]
 
-    def session(engine: Engine) -> list[list[int]]:
+    def session(engine: Engine, traffic: bool) -> list[list[int]]:
+        """The replies; with ``traffic``, other requests between the turns and a flush before the
+        last turn is asked again (a cache-off engine computes every reply whole either way)."""
         messages = [{"role": "system", "content": "You are a concise assistant."}]
         outputs = []
         for turn, question in enumerate(questions):
@@ -172,27 +176,24 @@ def test_smollm2_multi_turn_cp2_sharded_equals_single_rank(tmp_path: Path, check
             res = engine.chat(messages, greedy)
             outputs.append(res.output_ids)
             messages.append({"role": "assistant", "content": res.text})
-            # ~230 tokens: more than the device pool has left, so the chat goes to host memory and the
-            # next turn's prefix comes back from there
-            filler = [{"role": "user", "content": f"{turn}: " + "Describe the sea. " * 50}]
-            engine.chat(filler, SamplingParams(max_new_tokens=1, temperature=0.0))
-        assert engine.flush_cache()
+            if traffic:
+                # ~230 tokens: more than the device pool has left, so the chat goes to host memory
+                # and the next turn's prefix comes back from there
+                filler = [{"role": "user", "content": f"{turn}: " + "Describe the sea. " * 50}]
+                engine.chat(filler, SamplingParams(max_new_tokens=1, temperature=0.0))
+        if traffic:
+            assert engine.flush_cache()
         outputs.append(engine.chat(messages[:-1], greedy).output_ids)  # the last turn again
         return outputs
 
-    opts = dict(dtype="float32", page_size=16, enable_hierarchical_cache=True, hicache_ratio=4,
-                hicache_storage_backend="file", hicache_storage_prefetch_threshold=32,
-                hicache_storage_prefetch_policy="wait_complete")
-    single = Engine("smollm2", max_total_tokens=256, **opts, hicache_storage_backend_extra_config=json.dumps(
-        {"path": str(tmp_path / "single")}))
-    try:
-        want = session(single)
-    finally:
-        single.shutdown()
+    want = session(smollm2_reference, traffic=False)
     engine = Engine("smollm2", tp_size=2, attn_cp_size=2, enable_kv_cache_sharding=True, max_total_tokens=128,
-                    **opts, hicache_storage_backend_extra_config=json.dumps({"path": str(tmp_path / "cp")}))
+                    dtype="float32", page_size=16, enable_hierarchical_cache=True, hicache_ratio=4,
+                    hicache_storage_backend="file", hicache_storage_prefetch_threshold=32,
+                    hicache_storage_prefetch_policy="wait_complete",
+                    hicache_storage_backend_extra_config=json.dumps({"path": str(tmp_path)}))
     try:
-        assert session(engine) == want
+        assert session(engine, traffic=True) == want
         hits = engine.stats()["hit_tokens"]
         assert all(hits[tier] > 0 for tier in ("device", "host", "storage")), hits
         assert engine.group.monitor.divergence is None

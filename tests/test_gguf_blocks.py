@@ -139,10 +139,7 @@ def test_each_instruction_set_decodes_every_type_exactly(isa):
     rounding. The AVX-512 build runs only where the CPU has it."""
     if isa == "avx512" and torch.backends.cpu.get_cpu_capability() != "AVX512":
         pytest.skip(f"this CPU lacks AVX-512 F/BW/VL/DQ (torch sees {torch.backends.cpu.get_cpu_capability()})")
-    root = os.path.dirname(os.path.dirname(__file__))
-    got = subprocess.run([sys.executable, "-c", EACH_TYPE], env={**os.environ, "HICACHE_KERNEL_ISA": isa}, cwd=root,
-                         capture_output=True, text=True, check=True).stdout
-    run = json.loads(got.splitlines()[-1])
+    run = isa_run(isa)[0]
     assert run["isa"] == isa
     for qtype, (exact, error) in run["out"].items():
         name = GGUF_BLOCK_TYPES[int(qtype)].name
@@ -208,17 +205,25 @@ print(json.dumps({"isa": loaded_isa(), "out": out}))
 """
 
 
-@pytest.mark.slow  # two subprocesses, one per kernel build (~8 s)
+@pytest.mark.slow  # a process per kernel build (shared with test_each_instruction_set_decodes_every_type_exactly)
 def test_int8_products_are_the_same_bits_on_every_instruction_set():
     """The integer dots are exact and the float code after them is the same on every build, so a
     cache namespace need not name the ISA (docs/precision.md)."""
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         pytest.skip("one instruction set here (no AVX-512 F/BW/VL/DQ): nothing to compare")
-    root = os.path.dirname(os.path.dirname(__file__))
     runs = {}
     for isa in ("avx2", "avx512"):
-        got = subprocess.run([sys.executable, "-c", INT8_BITS], env={**os.environ, "HICACHE_KERNEL_ISA": isa},
-                             cwd=root, capture_output=True, text=True, check=True).stdout
-        runs[isa] = json.loads(got.splitlines()[-1])
+        runs[isa] = isa_run(isa)[1]
         assert runs[isa]["isa"] == isa
     assert runs["avx2"]["out"] == runs["avx512"]["out"]
+
+
+@functools.lru_cache(maxsize=None)
+def isa_run(isa: str) -> tuple[dict, dict]:
+    """What EACH_TYPE and INT8_BITS print, both run by one process whose kernels are ``isa``'s build
+    (each process start is seconds of imports)."""
+    root = os.path.dirname(os.path.dirname(__file__))
+    got = subprocess.run([sys.executable, "-c", EACH_TYPE + INT8_BITS], env={**os.environ, "HICACHE_KERNEL_ISA": isa},
+                         cwd=root, capture_output=True, text=True, check=True).stdout
+    each_type, int8 = (json.loads(line) for line in got.splitlines()[-2:])
+    return each_type, int8

@@ -3,6 +3,8 @@ checks dequantization and the undoing of llama.cpp's q/k row permutation), and s
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -23,8 +25,18 @@ def hf_smol():
     transformers = pytest.importorskip("transformers")
     # transformers refuses GGUF checkpoints without accelerate installed.
     pytest.importorskip("accelerate")
+    import gguf
+
     path = find_smollm2_gguf()
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    # transformers parses the file's header twice (the config, then the weights) and rebuilds gguf's
+    # tensor-name table for every module of the model: ~12 s of its ~21 s of CPU. Both are pure (a
+    # read-only parse of one file; constant tables), so they are memoized while it loads; it still
+    # dequantizes and un-permutes every tensor its own way.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", functools.lru_cache(maxsize=None)(gguf.GGUFReader))
+        patch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                  dtype=torch.float32)
     return model.eval()
 
 

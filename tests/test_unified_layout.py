@@ -343,7 +343,7 @@ HISTORY = ("A user and an assistant plan a three-day trip to Lisbon. Day one: th
            "cathedral, the castle of Saint George and a fado dinner. Day two: Belem, its tower, the monastery "
            "and the custard tarts; then the riverside walk to the bridge. Day three: Sintra by train, the "
            "palaces and the gardens, back for sunset at a viewpoint. The user asks for a budget, a packing list "
-           "and the opening hours of each site, and the assistant answers point by point. ") * 2
+           "and the opening hours of each site, and the assistant answers point by point. ")
 
 
 TURN1 = HISTORY + "Summarise day one."
