@@ -175,19 +175,6 @@ def _unread_bytes(q) -> int:
     return struct.unpack("i", buf)[0]
 
 
-@pytest.mark.multirank
-def test_an_engine_dropped_without_shutdown_stops_its_ranks() -> None:
-    def start() -> list[int]:
-        engine = Engine(MODEL, tp_size=2, max_total_tokens=512, **BASE)
-        engine.generate([[5] * 12], SamplingParams(max_new_tokens=2, temperature=0.0))
-        return [p.pid for p in engine.group.procs]
-
-    ranks = start()  # the engine is garbage now
-    gc.collect()
-    assert _wait_gone(ranks) == []
-    assert multiprocessing.active_children() == []
-
-
 def _listening(pids: list[int]) -> list[tuple[int, str, int]]:
     """``(pid, address, port)`` of every TCP socket these processes listen on."""
     return [(pid, c.laddr.ip, c.laddr.port) for pid in pids
@@ -195,15 +182,21 @@ def _listening(pids: list[int]) -> list[tuple[int, str, int]]:
 
 
 @pytest.mark.multirank
-def test_ranks_listen_on_loopback_only() -> None:
+def test_ranks_listen_on_loopback_only_and_an_engine_dropped_without_shutdown_stops_them() -> None:
     """One machine: rank 0's rendezvous store and every rank's gloo sockets listen on
-    127.0.0.1, nothing on a wildcard (torch's own tcp:// rendezvous listens on ``*:port``)."""
-    engine = Engine("random:tiny", tp_size=2, max_total_tokens=512, **BASE)
-    try:
-        listening = _listening([p.pid for p in engine.group.procs])
-        assert len(listening) >= 2 and {ip for _, ip, _ in listening} == {"127.0.0.1"}, listening
-    finally:
-        engine.shutdown()
+    127.0.0.1, nothing on a wildcard (torch's own tcp:// rendezvous listens on ``*:port``).
+    Then the engine is dropped without a shutdown: its ranks stop all the same."""
+    def start() -> tuple[list[int], list[tuple[int, str, int]]]:
+        engine = Engine(MODEL, tp_size=2, max_total_tokens=512, **BASE)
+        engine.generate([[5] * 12], SamplingParams(max_new_tokens=2, temperature=0.0))
+        ranks = [p.pid for p in engine.group.procs]
+        return ranks, _listening(ranks)
+
+    ranks, listening = start()  # the engine is garbage now
+    gc.collect()
+    assert _wait_gone(ranks) == []
+    assert multiprocessing.active_children() == []
+    assert len(listening) >= 2 and {ip for _, ip, _ in listening} == {"127.0.0.1"}, listening
 
 
 def test_bad_parallel_layout_is_one_clear_error() -> None:
