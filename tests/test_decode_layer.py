@@ -76,6 +76,33 @@ def test_fused_decode_layer_with_int8_inputs_equals_the_python_layer(qtype, monk
     assert all(torch.equal(a, b) for a, b in zip(fused, python))
 
 
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K_M"])
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+def test_a_verify_pass_gives_each_row_the_logits_of_its_decode_step(qtype, activations, monkeypatch):
+    """A speculative verify pass runs the last token and the drafts as rows of the fused decode layer
+    (each over its own causal context): every row's logits are bit for bit those the decode step at
+    its position gives -- the block GEMVs, the LM head and attention give a row the same bits
+    whatever else is in the pass."""
+    path = Path(__file__).parent / "data" / "gguf" / f"tiny-llama-{qtype}.gguf"
+    loaded = load_model(str(path), dtype=torch.float32, decode_activations=activations)
+    model, spec = loaded.model, loaded.spec
+    calls = []
+    fused_decode = DecoderLayer._fused_decode
+    monkeypatch.setattr(DecoderLayer, "_fused_decode", lambda self, *a: calls.append(1) or fused_decode(self, *a))
+    kv = DenseKV(spec, 512, torch.float32)
+    slots = torch.randperm(500, generator=torch.Generator().manual_seed(0))[:300] + 1
+    ids = [(7 * i + 3) % spec.vocab_size for i in range(300)]
+    with torch.inference_mode():
+        model(make_forward_batch([ids[:270]], [0], [slots[:270]]), kv)  # two full chunks of 128 and a part
+        for n in (2, 5, 8):
+            calls.clear()
+            verify = model(make_forward_batch([ids[270:270 + n]], [270], [slots[:270 + n]], logits="all"), kv)
+            assert len(calls) == spec.num_layers, "the verify pass runs the fused decode layer"
+            steps = [model(make_forward_batch([ids[270 + i:271 + i]], [270 + i], [slots[:271 + i]]), kv)
+                     for i in range(n)]
+            assert torch.equal(verify, torch.cat(steps)), f"{n} rows"
+
 def test_passes_the_fused_layer_does_not_serve_keep_the_python_layer(monkeypatch):
     """Prefill passes and a bf16 KV cache (no native decode attention) never take it."""
     loaded = load_model("random:small", dtype=torch.float32, seed=3)

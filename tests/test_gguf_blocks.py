@@ -124,27 +124,34 @@ from hicache.model.gguf_blocks import GGUF_BLOCK_TYPES, GGUFBlockWeight
 from tests.quant_blocks import linear_error, random_blocks, reference
 ops, out = cpu_kernels(), {}
 for qtype in GGUF_BLOCK_TYPES:
-    blocks = random_blocks(qtype, 64, 1536, seed=qtype)  # K = 1536: 8 rows take it in two segments
+    blocks = random_blocks(qtype, 64, 1536, seed=qtype)
     weight, w = GGUFBlockWeight(qtype, torch.from_numpy(blocks), 1536), reference(blocks, qtype)
     x = torch.randn(13, 1536, generator=torch.Generator().manual_seed(qtype))
     exact = torch.equal(weight.dequantize(ops).view(torch.int32), w.view(torch.int32))
-    out[qtype] = [exact, max(linear_error(weight.linear(x[:m].contiguous(), ops), x[:m], w) for m in (1, 3, 8, 13))]
+    # every row the same bits alone or in a pass of 13, float32 and 8-bit inputs
+    int8 = GGUFBlockWeight(qtype, weight.data, 1536, int8_activations=True)
+    alone = all(torch.equal(b.linear(x, ops), torch.cat([b.linear(x[i:i + 1], ops) for i in range(13)]))
+                for b in (weight, int8))
+    out[qtype] = [exact, max(linear_error(weight.linear(x[:m].contiguous(), ops), x[:m], w) for m in (1, 3, 8, 13)),
+                  alone]
 print(json.dumps({"isa": loaded_isa(), "out": out}))
 """
 
 
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
 def test_each_instruction_set_decodes_every_type_exactly(isa):
-    """``HICACHE_KERNEL_ISA`` picks the build; both dequantize bit for bit and multiply within float32
-    rounding. The AVX-512 build runs only where the CPU has it."""
+    """``HICACHE_KERNEL_ISA`` picks the build; both dequantize bit for bit, multiply within float32
+    rounding, and give each row the same bits alone or beside others. The AVX-512 build runs only
+    where the CPU has it."""
     if isa == "avx512" and torch.backends.cpu.get_cpu_capability() != "AVX512":
         pytest.skip(f"this CPU lacks AVX-512 F/BW/VL/DQ (torch sees {torch.backends.cpu.get_cpu_capability()})")
     run = isa_run(isa)[0]
     assert run["isa"] == isa
-    for qtype, (exact, error) in run["out"].items():
+    for qtype, (exact, error, alone) in run["out"].items():
         name = GGUF_BLOCK_TYPES[int(qtype)].name
         assert exact, f"{isa} {name}: dequantized weights differ from gguf's"
         assert error < TOLERANCE, f"{isa} {name}: relative error {error:.1e}"
+        assert alone, f"{isa} {name}: a row's result depends on the rows beside it"
 
 
 # 8-bit activations (kernels/gguf_int8.cpp): lossy by design, so checked against what they compute --
@@ -189,6 +196,21 @@ def test_int8_linear_is_the_quantized_inputs_times_the_exact_weights(ops, qtype)
             # and what 8-bit inputs cost against the exact product: ~1e-3 of sum |x_k w_k|
             assert 1e-5 < linear_error(got, x, w) < 1e-2
 
+
+
+@pytest.mark.parametrize("qtype", list(GGUF_BLOCK_TYPES))
+def test_each_row_is_the_same_bits_alone_or_beside_others(ops, qtype):
+    """A decode step multiplies one row, a speculative verify pass several (the last token and the
+    drafts, each a decode row): every row's result is the same bits either way -- float32 and 8-bit
+    inputs alike, in passes of any size (chains, K segments and tiles never depend on the rows)."""
+    for what, weight, _ in cases(qtype):
+        x = torch.randn(13, weight.in_features, generator=torch.Generator().manual_seed(qtype))
+        for int8 in (False, True):
+            w = GGUFBlockWeight(qtype, weight.data, weight.in_features, int8_activations=int8)
+            alone = torch.cat([w.linear(x[i:i + 1], ops) for i in range(13)])
+            for m in (2, 3, 4, 5, 8, 9, 13):
+                got = w.linear(x[:m].contiguous(), ops)
+                assert torch.equal(got.view(torch.int32), alone[:m].view(torch.int32)), f"{what}, int8 {int8}, {m} rows"
 
 INT8_BITS = """
 import hashlib, json, torch

@@ -59,6 +59,17 @@ def test_block_matmuls_match_float32_linear(ops, rows):
         assert error < 2e-6, f"relative error {error:.1e}"
 
 
+
+def test_block_matmuls_give_each_row_the_bits_it_gets_alone(ops):
+    """A decode step multiplies one row, a verify pass several: each row's result is the same bits
+    either way (every row takes the one-row arithmetic; a pass only shares the unpacking)."""
+    x = torch.randn(20, 544, generator=torch.Generator().manual_seed(3))  # 17 groups: an odd one out
+    for w in (q4_1_matrix(70, 544), q8_0_matrix(40, 544)):
+        packed = pack_exact(w)
+        alone = torch.cat([packed.linear(x[i:i + 1], ops) for i in range(20)])
+        for rows in (2, 3, 4, 5, 8, 9, 20):
+            assert torch.equal(packed.linear(x[:rows].contiguous(), ops), alone[:rows]), f"{packed.kind}, {rows} rows"
+
 def test_block_matmuls_refuse_what_they_cannot_do(ops):
     packed = pack_exact(q4_1_matrix(16, 64))
     assert packed.linear(torch.randn(0, 64), ops).shape == (0, 16)
@@ -131,6 +142,27 @@ def test_decode_attention_shares_prefix_chunks_and_each_sequence_gets_its_own_an
         assert torch.equal(together[b:b + 1], alone)
 
 
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 6, 96)])
+def test_decode_attention_gives_each_row_of_a_verify_pass_its_decode_step(ops, heads, kv_heads, dim):
+    """A verify pass attends the last token and the drafts of one sequence as rows over their own
+    causal contexts; they share every full chunk (one task scores and sums them for all rows), and
+    each row's output is bit for bit the decode step's at its position."""
+    g = torch.Generator().manual_seed(2)
+    k_buf, v_buf = torch.randn(2000, kv_heads, dim, generator=g), torch.randn(2000, kv_heads, dim, generator=g)
+    slots = torch.randperm(1999, generator=g)[:1100] + 1
+    for context, n in ((1020, 8), (1024, 5), (250, 3), (3, 2)):  # rows ending mid-chunk, on a chunk's edge, short
+        lengths = torch.arange(context + 1, context + n + 1)
+        kv_slots = torch.zeros(n, context + n, dtype=torch.long)
+        for b, length in enumerate(lengths.tolist()):
+            kv_slots[b, :length] = slots[:length]
+        q = torch.randn(n, heads, dim, generator=g)
+        together = ops.paged_decode_attention(q, k_buf, v_buf, kv_slots, lengths)
+        for b, length in enumerate(lengths.tolist()):
+            alone = ops.paged_decode_attention(q[b:b + 1].contiguous(), k_buf, v_buf, slots[None, :length].contiguous(),
+                                               lengths[b:b + 1])
+            assert torch.equal(together[b:b + 1], alone), f"context {context}, row {b}"
+
 def test_a_corrupt_key_poisons_decode_attention_instead_of_vanishing(ops):
     """A NaN in the KV (a bad load) must show, as it does in SDPA, not get a zero weight."""
     k_buf, v_buf = torch.randn(300, 1, 32), torch.randn(300, 1, 32)
@@ -186,7 +218,9 @@ out = {}
 for rows in (1, 3, 8):
     for name, w in (("q4", q4_1_matrix(200, 576)), ("q8", q8_0_matrix(130, 576))):
         out[f"{name}x{rows}"] = pack_exact(w).linear(x[:rows].contiguous(), cpu_kernels()).tolist()
-print(json.dumps({"isa": loaded_isa(), "out": out}))
+alone = all(torch.equal(p.linear(x, cpu_kernels()), torch.cat([p.linear(x[i:i + 1], cpu_kernels()) for i in range(8)]))
+            for p in (pack_exact(q4_1_matrix(200, 576)), pack_exact(q8_0_matrix(130, 576))))
+print(json.dumps({"isa": loaded_isa(), "out": out, "alone": alone}))
 """
 
 
@@ -195,7 +229,8 @@ print(json.dumps({"isa": loaded_isa(), "out": out}))
 @pytest.mark.parametrize("isa", [pytest.param("avx2", marks=pytest.mark.slow), "avx512"])
 def test_each_instruction_set_builds_its_own_kernels_and_they_agree(isa):
     """``HICACHE_KERNEL_ISA`` picks the build (each in its own cache folder); both give the
-    float32 results up to summation order. The AVX-512 build runs only where the CPU has it."""
+    float32 results up to summation order, each row the same bits alone or beside others. The
+    AVX-512 build runs only where the CPU has it."""
     if isa == "avx512" and torch.backends.cpu.get_cpu_capability() != "AVX512":
         pytest.skip(f"this CPU lacks AVX-512 F/BW/VL/DQ (torch sees {torch.backends.cpu.get_cpu_capability()})")
     from hicache.kernels import build_dir
@@ -206,6 +241,7 @@ def test_each_instruction_set_builds_its_own_kernels_and_they_agree(isa):
                          capture_output=True, text=True, check=True).stdout
     run = json.loads(got.splitlines()[-1])
     assert run["isa"] == isa
+    assert run["alone"], f"{isa}: a row's result depends on the rows beside it"
     x = torch.randn(8, 576, generator=torch.Generator().manual_seed(0))
     for rows in (1, 3, 8):
         for name, w in (("q4", q4_1_matrix(200, 576)), ("q8", q8_0_matrix(130, 576))):

@@ -34,17 +34,28 @@ struct Shape {
   int64_t B, H, KvH, G, D, K, S;
 };
 
-// Rows are read by slot, so the hardware prefetcher cannot see ahead: ask for the row this many
-// keys on while the current one is computed.
-constexpr int64_t kPrefetch = 8;
-
+template <_mm_hint Hint = _MM_HINT_T0>
 inline void prefetch(const float* row, int64_t floats) {
-  for (int64_t f = 0; f < floats; f += 16) _mm_prefetch(reinterpret_cast<const char*>(row + f), _MM_HINT_T0);
+  for (int64_t f = 0; f < floats; f += 16) _mm_prefetch(reinterpret_cast<const char*>(row + f), Hint);
 }
 
-// Scores of all H queries against keys [k0, k1): scores[hq * n + i], and each query's maximum.
-// A key's heads are adjacent in the buffer ([S, KvH, D]), so one task reads whole rows: the
-// lines stream in order (a task per KV head would read a third of each row and waste the rest).
+// Rows are read by slot, so the hardware prefetcher cannot see ahead: a task asks for the next
+// task's key and value rows while it computes (its first key blocks' scores issue them, 8 keys a
+// block, into L2: L1 holds the rows being read), so that memory and arithmetic overlap; a thread's
+// first task asks for its own first.
+struct Ahead {
+  const int64_t* slots = nullptr;  // the next task's keys: slots[0 .. n)
+  int64_t n = 0;
+};
+
+template <_mm_hint Hint = _MM_HINT_T1>
+inline void prefetch_rows(const float* kb, const float* vb, int64_t row, const int64_t* slots, int64_t a0, int64_t a1) {
+  for (int64_t a = a0; a < a1; ++a) {
+    prefetch<Hint>(kb + slots[a] * row, row);
+    prefetch<Hint>(vb + slots[a] * row, row);
+  }
+}
+
 // Lane i = the sum of a[i]'s lanes: eight dot products finished in one vector.
 inline __m256 hsum8(const __m256* a) {
   const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
@@ -52,128 +63,166 @@ inline __m256 hsum8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-template <int D8>
-struct QueryRegs {  // a query's vectors, loaded once for all the keys it meets
-  __m256 v[D8];
-  QueryRegs() = default;
-  explicit QueryRegs(const float* q) {
-    for (int d = 0; d < D8; ++d) v[d] = _mm256_loadu_ps(q + 8 * d);
-  }
-};
-template <int D8>
-inline __m256 load_q(const QueryRegs<D8>& q, int d) { return q.v[d]; }
-inline __m256 load_q(const float* q, int d) { return _mm256_loadu_ps(q + 8 * d); }
-
-// One query's dot product with one key, lane-wise (hsum8 finishes eight of them at once). The
-// query's D8 vectors come in registers (QueryRegs) or, when they would not fit, from memory.
-template <int D8, class Q>
-inline __m256 dot_one(const Q& qv, const float* key) {
-  __m256 s = _mm256_mul_ps(load_q(qv, 0), _mm256_loadu_ps(key));
-  for (int d = 1; d < D8; ++d) s = _mm256_fmadd_ps(load_q(qv, d), _mm256_loadu_ps(key + 8 * d), s);
-  return s;
-}
-
-template <int D8>
-using QueryOf = std::conditional_t<(D8 <= 8), QueryRegs<D8>, const float*>;
-
 inline float hmax(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
-// R queries of one KV head (their vectors in registers where they fit) against keys [k0, k0 + n):
-// each key's vectors are loaded once for all R, and every query's sums are the same chain of FMAs
-// whatever R is (so its scores do not depend on the batch). dst[r]: query r's n scores; m[r]: their max.
-template <int D8, int R>
-void score_queries(const float* const* qh, float* const* dst, float* const* m, const float* kb, const int64_t* slots,
-                   int64_t k0, int64_t n, int64_t row, int64_t head_offset) {
-  QueryOf<D8> qv[R] = {};
-  for (int r = 0; r < R; ++r) qv[r] = QueryOf<D8>(qh[r]);
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  __m256 mx[R];
-  for (auto& v : mx) v = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t i = 0; i < n; i += 8) {
-    const int count = static_cast<int>(std::min<int64_t>(8, n - i));
-    __m256 part[R][8];
-    for (int k = 0; k < 8; ++k) {
-      if (k >= count) {
-        for (int r = 0; r < R; ++r) part[r][k] = _mm256_setzero_ps();
-        continue;
-      }
-      const float* key = kb + slots[k0 + i + k] * row + head_offset;
-      for (int r = 0; r < R; ++r) part[r][k] = dot_one<D8>(qv[r], key);
-    }
-    const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(count), lane));
-    for (int r = 0; r < R; ++r) {
-      const __m256 s = hsum8(part[r]);
-      mx[r] = _mm256_max_ps(mx[r], _mm256_blendv_ps(mx[r], s, valid));
-      if (count == 8) _mm256_storeu_ps(dst[r] + i, s);
-      else _mm256_maskstore_ps(dst[r] + i, _mm256_castps_si256(valid), s);
-    }
-  }
-  for (int r = 0; r < R; ++r) *m[r] = hmax(mx[r]);
-}
-
-// Queries that read one KV head, several at a time: 3 where the AVX-512 build's 32 vector registers
-// hold their vectors (D <= 64), else one.
+// Queries scored together against each key block: their partial sums (T x 8 vectors) stay in
+// registers -- 3 in the AVX-512 build's 32, one in AVX2's 16.
 #ifdef HICACHE_AVX512
-template <int D8>
-constexpr int kQueriesAtOnce = D8 <= 8 ? 3 : 1;
+constexpr int kScoreTile = 3;
 #else
-template <int D8>
-constexpr int kQueriesAtOnce = 1;
+constexpr int kScoreTile = 1;
 #endif
 
-// Scores of every member's H queries against keys [k0, k1): scores[(j * H + hq) * n + i], and
-// each query's maximum. Keys eight at a time (their rows -- a key's KV heads are adjacent in the
-// buffer, [S, KvH, D] -- stay in L1 and L2 while the chunk's queries read them), each query's eight
-// sums finished in one horizontal reduction.
-template <int D8>
-void chunk_scores(const Shape& sh, const float* const* q, int64_t members, const float* kb, const float* vb,
-                  const int64_t* slots, int64_t k0, int64_t n, float* scores, float* m) {
-  const int64_t D = D8 * 8, row = sh.KvH * D, H = sh.H;
-  for (int64_t a = 0; a < n; ++a) {  // rows come by slot: the hardware prefetcher cannot see them
-    prefetch(kb + slots[k0 + a] * row, row);
-    prefetch(vb + slots[k0 + a] * row, row);
-  }
-  constexpr int R = kQueriesAtOnce<D8>;
-  const float* qh[R];
-  float* dst[R];
-  float* mr[R];
-  for (int64_t h = 0; h < sh.KvH; ++h) {
-    for (int64_t j = 0; j < members; ++j) {
-      int64_t hq = h * sh.G;
-      for (; hq + R <= (h + 1) * sh.G; hq += R) {
-        for (int r = 0; r < R; ++r)
-          qh[r] = q[j] + (hq + r) * D, dst[r] = scores + (j * H + hq + r) * n, mr[r] = m + j * H + hq + r;
-        score_queries<D8, R>(qh, dst, mr, kb, slots, k0, n, row, h * D);
+// T queries (qs[t]: its D8 vectors) against the `count` <= 8 keys at kp[0..count): part[t][k] = the
+// lane-wise products summed over the key's vectors, mul then fma in order of d -- whatever T or count
+// is -- and zero for k >= count; then s = hsum8 (lane k: query t's score against key k).
+template <int D8, int T, bool kFull>
+inline void score_tile(const float* const* qs, const float* const* kp, int count, __m256* s) {
+  __m256 part[T][8];
+  {
+    __m256 qv[T];
+    for (int t = 0; t < T; ++t) qv[t] = _mm256_loadu_ps(qs[t]);
+    for (int k = 0; k < 8; ++k) {
+      if (!kFull && k >= count) {
+        for (int t = 0; t < T; ++t) part[t][k] = _mm256_setzero_ps();
+        continue;
       }
-      for (; hq < (h + 1) * sh.G; ++hq) {
-        qh[0] = q[j] + hq * D, dst[0] = scores + (j * H + hq) * n, mr[0] = m + j * H + hq;
-        score_queries<D8, 1>(qh, dst, mr, kb, slots, k0, n, row, h * D);
-      }
+      const __m256 kv = _mm256_loadu_ps(kp[k]);
+      for (int t = 0; t < T; ++t) part[t][k] = _mm256_mul_ps(qv[t], kv);
     }
   }
+  for (int d = 1; d < D8; ++d) {
+    __m256 qv[T];
+    for (int t = 0; t < T; ++t) qv[t] = _mm256_loadu_ps(qs[t] + 8 * d);
+    for (int k = 0; k < 8; ++k) {
+      if (!kFull && k >= count) continue;
+      const __m256 kv = _mm256_loadu_ps(kp[k] + 8 * d);
+      for (int t = 0; t < T; ++t) part[t][k] = _mm256_fmadd_ps(qv[t], kv, part[t][k]);
+    }
+  }
+  for (int t = 0; t < T; ++t) s[t] = hsum8(part[t]);
 }
 
-// acc[q] = sum_i p[q, i] * v_i (its KV head's row part) for each of the `queries` = members * H
-// rows of p, the accumulator held in registers.
+// Scores of every member's H queries against keys [k0, k0 + n): scores[(j * H + hq) * n + i], and
+// each query's maximum (m). A key's heads are adjacent in the buffer ([S, KvH, D]), so one task reads
+// whole rows: the lines stream in order (a task per KV head would read a third of each row and waste
+// the rest). Key blocks of 8 are the outer loop, so that a block (its KV head's part, 8 x D floats)
+// is read from memory once and then from L1 by every member's queries of that head.
+// Each query's score and running maximum are the same sequence of operations whatever the members
+// and tiles are: a sequence's result does not depend on what else is in the batch.
 template <int D8>
-void chunk_values(const Shape& sh, int64_t queries, const float* vb, const int64_t* slots, int64_t k0, int64_t n,
-                  const float* p, float* acc) {
-  const int64_t D = D8 * 8, row = sh.KvH * D;
-  for (int64_t r = 0; r < queries; ++r) {
-    const float* vh = vb + ((r % sh.H) / sh.G) * D;
-    __m256 a[D8];
-    for (int d = 0; d < D8; ++d) a[d] = _mm256_setzero_ps();
-    const float* ph = p + r * n;
-    for (int64_t i = 0; i < n; ++i) {
-      const float* val = vh + slots[k0 + i] * row;
-      const __m256 w = _mm256_set1_ps(ph[i]);
-      for (int d = 0; d < D8; ++d) a[d] = _mm256_fmadd_ps(w, _mm256_loadu_ps(val + 8 * d), a[d]);
+void chunk_scores(const Shape& sh, const float* const* q, int64_t members, const float* kb, const float* vb,
+                  const int64_t* slots, int64_t k0, int64_t n, const Ahead& ahead, float* scores, float* m) {
+  const int64_t D = D8 * 8, row = sh.KvH * D, H = sh.H, G = sh.G, queries = members * H;
+  std::vector<float> mx(8 * queries, -std::numeric_limits<float>::infinity());  // each query's running max
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const int64_t per_head = members * G;  // queries reading one KV head: member j's heads hq in [h G, h G + G)
+  std::vector<const float*> qs(per_head);  // head h's queries: their vectors, their index in m and scores
+  std::vector<int64_t> rs(per_head);
+  for (int64_t h = 0; h < sh.KvH; ++h) {
+    for (int64_t x = 0; x < per_head; ++x) {
+      rs[x] = (x / G) * H + h * G + x % G;
+      qs[x] = q[x / G] + (h * G + x % G) * D;
     }
-    for (int d = 0; d < D8; ++d) _mm256_storeu_ps(acc + r * D + 8 * d, a[d]);
+    for (int64_t i = 0; i < n; i += 8) {
+      if (h == 0) prefetch_rows(kb, vb, row, ahead.slots, std::min(i, ahead.n), std::min(i + 8, ahead.n));
+      const int count = static_cast<int>(std::min<int64_t>(8, n - i));
+      const float* kp[8];
+      for (int k = 0; k < 8; ++k) kp[k] = kb + slots[k0 + i + std::min(k, count - 1)] * row + h * D;
+      const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(count), lane));
+      auto finish = [&](int64_t r, __m256 s) {  // query r's scores of this block
+        const __m256 top = _mm256_loadu_ps(mx.data() + 8 * r);
+        _mm256_storeu_ps(mx.data() + 8 * r, _mm256_max_ps(top, _mm256_blendv_ps(top, s, valid)));
+        if (count == 8) _mm256_storeu_ps(scores + r * n + i, s);
+        else _mm256_maskstore_ps(scores + r * n + i, _mm256_castps_si256(valid), s);
+      };
+      int64_t x = 0;
+      for (; x + kScoreTile <= per_head; x += kScoreTile) {
+        __m256 s[kScoreTile];
+        if (count == 8) score_tile<D8, kScoreTile, true>(qs.data() + x, kp, count, s);
+        else score_tile<D8, kScoreTile, false>(qs.data() + x, kp, count, s);
+        for (int t = 0; t < kScoreTile; ++t) finish(rs[x + t], s[t]);
+      }
+      for (; x < per_head; ++x) {
+        __m256 s[1];
+        if (count == 8) score_tile<D8, 1, true>(qs.data() + x, kp, count, s);
+        else score_tile<D8, 1, false>(qs.data() + x, kp, count, s);
+        finish(rs[x], s[0]);
+      }
+    }
+  }
+  prefetch_rows(kb, vb, row, ahead.slots, std::min((n + 7) / 8 * 8, ahead.n), ahead.n);
+  for (int64_t r = 0; r < queries; ++r) m[r] = hmax(_mm256_loadu_ps(mx.data() + 8 * r));
+}
+
+// acc[r] = sum_i p[r, i] * v_i (its KV head's part of the row) for each of the `queries` = members
+// * H rows of p: per query and lane, fma(p[r, i], v_i, acc) in order of i. Keys outermost, so that
+// each value row is read once for several queries of its KV head (their sums in registers: the
+// AVX-512 build holds two 8-lane vectors of a query in one 16-lane register -- lane-wise the same
+// FMAs).
+#ifdef HICACHE_AVX512
+using VVec = __m512;
+constexpr int kVLanes = 16;
+inline VVec v_load(const float* p) { return _mm512_loadu_ps(p); }
+inline VVec v_set1(float x) { return _mm512_set1_ps(x); }
+inline VVec v_fma(VVec a, VVec b, VVec c) { return _mm512_fmadd_ps(a, b, c); }
+inline VVec v_zero() { return _mm512_setzero_ps(); }
+inline void v_store(float* p, VVec v) { _mm512_storeu_ps(p, v); }
+constexpr int kValueRegs = 24;  // of 32
+#else
+using VVec = __m256;
+constexpr int kVLanes = 8;
+inline VVec v_load(const float* p) { return _mm256_loadu_ps(p); }
+inline VVec v_set1(float x) { return _mm256_set1_ps(x); }
+inline VVec v_fma(VVec a, VVec b, VVec c) { return _mm256_fmadd_ps(a, b, c); }
+inline VVec v_zero() { return _mm256_setzero_ps(); }
+inline void v_store(float* p, VVec v) { _mm256_storeu_ps(p, v); }
+constexpr int kValueRegs = 12;  // of 16
+#endif
+
+template <int D8, int Q>
+inline void value_tile(const int64_t* r, const float* vh, int64_t row, const int64_t* slots, int64_t k0, int64_t n,
+                       const float* p, float* acc) {
+  constexpr int E = D8 * 8 / kVLanes;  // vectors per query
+  VVec a[Q][E];
+  for (int t = 0; t < Q; ++t)
+    for (int e = 0; e < E; ++e) a[t][e] = v_zero();
+  const float* ph[Q];
+  for (int t = 0; t < Q; ++t) ph[t] = p + r[t] * n;
+  for (int64_t i = 0; i < n; ++i) {
+    const float* val = vh + slots[k0 + i] * row;
+    VVec v[E];
+    for (int e = 0; e < E; ++e) v[e] = v_load(val + kVLanes * e);
+    for (int t = 0; t < Q; ++t) {
+      const VVec w = v_set1(ph[t][i]);
+      for (int e = 0; e < E; ++e) a[t][e] = v_fma(w, v[e], a[t][e]);
+    }
+  }
+  for (int t = 0; t < Q; ++t)
+    for (int e = 0; e < E; ++e) v_store(acc + r[t] * D8 * 8 + kVLanes * e, a[t][e]);
+}
+
+template <int D8>
+void chunk_values(const Shape& sh, int64_t members, const float* vb, const int64_t* slots, int64_t k0, int64_t n,
+                  const float* p, float* acc) {
+  constexpr int E = D8 * 8 / kVLanes, Q = std::max(1, kValueRegs / E - 1);  // queries at once
+  const int64_t D = D8 * 8, row = sh.KvH * D, H = sh.H, G = sh.G, per_head = members * G;
+  for (int64_t h = 0; h < sh.KvH; ++h) {
+    const float* vh = vb + h * D;
+    int64_t r[Q];
+    int64_t x = 0;
+    for (; x + Q <= per_head; x += Q) {
+      for (int t = 0; t < Q; ++t) r[t] = ((x + t) / G) * H + h * G + (x + t) % G;
+      value_tile<D8, Q>(r, vh, row, slots, k0, n, p, acc);
+    }
+    for (; x < per_head; ++x) {
+      r[0] = (x / G) * H + h * G + x % G;
+      value_tile<D8, 1>(r, vh, row, slots, k0, n, p, acc);
+    }
   }
 }
 
@@ -181,11 +230,10 @@ void chunk_values(const Shape& sh, int64_t queries, const float* vb, const int64
 // m, l [members * H] and acc [members * H, D].
 template <int D8>
 void attend_chunk(const Shape& sh, const float* const* q, int64_t members, const float* kb, const float* vb,
-                  const int64_t* slots, int64_t k0, int64_t k1, float* m, float* l, float* acc) {
+                  const int64_t* slots, int64_t k0, int64_t k1, const Ahead& ahead, float* m, float* l, float* acc) {
   const int64_t queries = members * sh.H, n = k1 - k0;
   std::vector<float> scores(queries * n);
-  std::fill(m, m + queries, -std::numeric_limits<float>::infinity());
-  chunk_scores<D8>(sh, q, members, kb, vb, slots, k0, n, scores.data(), m);
+  chunk_scores<D8>(sh, q, members, kb, vb, slots, k0, n, ahead, scores.data(), m);
   for (int64_t r = 0; r < queries; ++r) {  // p = exp(score - m), l = sum p
     float* p = scores.data() + r * n;
     const __m256 mx = _mm256_set1_ps(m[r]);
@@ -199,11 +247,11 @@ void attend_chunk(const Shape& sh, const float* const* q, int64_t members, const
     l[r] = hsum(sum);
     for (; i < n; ++i) { p[i] = std::exp(p[i] - m[r]); l[r] += p[i]; }
   }
-  chunk_values<D8>(sh, queries, vb, slots, k0, n, scores.data(), acc);
+  chunk_values<D8>(sh, members, vb, slots, k0, n, scores.data(), acc);
 }
 
 using ChunkFn = void (*)(const Shape&, const float* const*, int64_t, const float*, const float*, const int64_t*,
-                         int64_t, int64_t, float*, float*, float*);
+                         int64_t, int64_t, const Ahead&, float*, float*, float*);
 
 ChunkFn chunk_fn(int64_t D) {
   switch (D) {  // head sizes of the models people run; others are refused (the caller falls back)
@@ -334,13 +382,20 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_buf, 
   const std::vector<int64_t> split = balanced_split(tasks, at::get_num_threads());
   at::parallel_for(0, static_cast<int64_t>(split.size()) - 1, 1, [&](int64_t w0, int64_t w1) {
     std::vector<const float*> queries;
+    // Slots are read from a task's first member's row: the others hold the same ones there.
+    auto task_slots = [&](const Task& task) { return sp + task.members[0] * sh.K + task.k0; };
+    if (split[w0] < split[w1]) {
+      const Task& first = tasks[split[w0]];
+      prefetch_rows<_MM_HINT_T0>(kb, vb, sh.KvH * D, task_slots(first), 0, first.k1 - first.k0);
+    }
     for (int64_t t = split[w0]; t < split[w1]; ++t) {
       const Task& task = tasks[t];
       queries.clear();
       for (int64_t b : task.members) queries.push_back(qp + b * H * D);
-      // Slots are read from the first member's row: the others hold the same ones here.
-      attend(sh, queries.data(), static_cast<int64_t>(queries.size()), kb, vb, sp + task.members[0] * sh.K,
-             task.k0, task.k1, m.data() + task.part * H, l.data() + task.part * H, acc.data() + task.part * H * D);
+      Ahead ahead;
+      if (t + 1 < split[w1]) ahead = Ahead{task_slots(tasks[t + 1]), tasks[t + 1].k1 - tasks[t + 1].k0};
+      attend(sh, queries.data(), static_cast<int64_t>(queries.size()), kb, vb, sp + task.members[0] * sh.K, task.k0,
+             task.k1, ahead, m.data() + task.part * H, l.data() + task.part * H, acc.data() + task.part * H * D);
     }
   });
   at::Tensor out = at::empty_like(q);

@@ -1,8 +1,9 @@
 // Matmuls and dequantization straight from a GGUF file's quantized blocks (Q4_0, Q4_1, Q5_0, Q5_1,
 // Q8_0, Q4_K, Q5_K, Q6_K; layouts in gguf_blocks.h): a decode step reads the 0.56-1.06 bytes per weight
 // the file holds, where float32 weights take 4. Activations stay float32; each block is decoded to its
-// exact float32 weights in registers (gguf_decode.h) and shared by up to 8 input rows. Output rows (N)
-// split over torch's intra-op pool.
+// exact float32 weights in registers (gguf_decode.h) and shared by up to 4 input rows (2 on AVX2), each
+// row summed exactly as it is alone: a row's result does not depend on the others. Output rows (N) split
+// over torch's intra-op pool.
 //
 //   gguf_linear(x [M, K] float32, blocks [N, row_bytes] uint8, qtype, K) -> x @ W.T [M, N] float32
 //   gguf_dequantize(blocks, qtype, K) -> W [N, K] float32, equal to gguf.quants.dequantize bit for bit
@@ -21,24 +22,26 @@ namespace {
 
 using namespace hicache_gguf;
 
-constexpr int64_t kMaxRows = 8;        // input rows sharing one decode of a block (F::kMaxRows if less)
 constexpr int64_t kTile = 16;          // weight rows per pass over the row chunks: they stay in cache between
-constexpr int64_t kInputBytes = 24576;  // a K segment's inputs, all rows of a chunk: 3/4 of a 32 KiB L1D
+constexpr int64_t kInputBytes = 24576;  // a K segment's inputs, one row: 3/4 of a 32 KiB L1D
 
-// Independent FMA chains per input row: one chain per row would wait on the FMA latency (4 cycles, two
-// FMAs a cycle). 4 in all for 1-2 rows (decoding each vector takes longer than that), 6-8 for 3-4.
-template <int R>
-constexpr int kChains = R <= 2 ? 4 / R : std::max(1, 8 / R);
+// Independent FMA chains per input row: one chain would wait on the FMA latency (4 cycles, two FMAs
+// a cycle); decoding each vector takes longer than a quarter of that. Every row keeps the same
+// chains, the same vectors on each and the same K segments whatever the pass's row count, so that
+// a row's result is the same bits alone (a decode step) or beside others (a verify pass).
+constexpr int kChains = 4;
 
+// Input rows sharing one decode of a block: as many as keep their chains in registers (4 x 4 of the
+// AVX-512 build's 32, 2 x 4 of AVX2's 16).
+#ifdef HICACHE_AVX512
+constexpr int64_t kMaxRows = 4;
+#else
+constexpr int64_t kMaxRows = 2;
+#endif
+
+// Blocks per K segment: one row of K = 6144 (24 KiB) would stream x from L2 at each block.
 template <class F>
-constexpr int64_t kChunkRows = [] {
-  if constexpr (requires { F::kMaxRows; }) return F::kMaxRows;
-  else return kMaxRows;
-}();
-
-// Blocks per K segment for R rows: 8 rows of K = 1536 (48 KiB) would stream x from L2 at each block.
-template <class F, int R>
-constexpr int64_t kSegmentBlocks = std::max<int64_t>(1, kInputBytes / (4 * R * F::kBlock));
+constexpr int64_t kSegmentBlocks = std::max<int64_t>(1, kInputBytes / (4 * F::kBlock));
 
 struct Gemv {  // out [M, N] = x [M, K] @ W.T, W's rows row_bytes of blocks each
   const float* x;
@@ -52,7 +55,7 @@ struct Gemv {  // out [M, N] = x [M, K] @ W.T, W's rows row_bytes of blocks each
 // the block before it is decoded.
 template <class F, int R>
 void dot_rows(const Gemv& g, int64_t m0, int64_t n0, int64_t n1, int64_t b0, int64_t b1) {
-  constexpr int V = F::kBlock / kLanes, A = kChains<R>, U = A > V ? A / V : 1;  // U blocks per step
+  constexpr int V = F::kBlock / kLanes, A = kChains, U = A > V ? A / V : 1;  // U blocks per step
   float buf[2][kScaleFloats];
   int slot = 0;
   auto scales = F::scales(g.w + n0 * g.row_bytes + b0 * F::kBytes, buf[slot]);
@@ -94,17 +97,19 @@ void dot_rows(const Gemv& g, int64_t m0, int64_t n0, int64_t n1, int64_t b0, int
 }
 
 // All M rows of x against weight rows [n0, n1): tiles of kTile weight rows, each read from memory once
-// and decoded once per chunk of up to kMaxRows input rows, a K segment at a time.
+// and decoded once per pass of up to kMaxRows input rows, a K segment at a time.
 template <class F>
 void linear_range(const Gemv& g, int64_t n0, int64_t n1) {
   const int64_t blocks = g.K / F::kBlock;
+  constexpr int64_t seg = kSegmentBlocks<F>;
   for (int64_t t0 = n0; t0 < n1; t0 += kTile) {
     const int64_t t1 = std::min(n1, t0 + kTile);
-    for (int64_t m0 = 0; m0 < g.M; m0 += kChunkRows<F>) {
-      with_rows(std::min(kChunkRows<F>, g.M - m0), [&](auto rows) {
-        constexpr int64_t seg = kSegmentBlocks<F, decltype(rows)::value>;
-        for (int64_t b0 = 0; b0 < blocks; b0 += seg)
-          dot_rows<F, decltype(rows)::value>(g, m0, t0, t1, b0, std::min(blocks, b0 + seg));
+    for (int64_t m0 = 0; m0 < g.M; m0 += kMaxRows) {
+      with_rows(std::min(kMaxRows, g.M - m0), [&](auto rows) {
+        constexpr int R = decltype(rows)::value;
+        if constexpr (R <= kMaxRows) {
+          for (int64_t b0 = 0; b0 < blocks; b0 += seg) dot_rows<F, R>(g, m0, t0, t1, b0, std::min(blocks, b0 + seg));
+        }
       });
     }
   }

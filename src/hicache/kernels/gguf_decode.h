@@ -233,9 +233,6 @@ struct Q4_K : Q4_KLayout {  // sub-block S is vectors 4S .. 4S + 3
 };
 
 struct Q5_K : Q5_KLayout {  // sub-block S is vectors 4S .. 4S + 3
-  // Its temporaries and 8 rows' accumulators outgrow AVX2's 16 registers (the compiler then stores
-  // each accumulator at every FMA): two chunks of 4 rows are faster.
-  static constexpr int64_t kMaxRows = 4;
   using Scales = const float*;
   static Scales scales(const uint8_t* b, float* buf) { return k_scales(b, buf); }
   template <class Sink>

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <tuple>
+#include <vector>
 
 #include "gguf_dispatch.h"
 #include "gguf_int8.h"
@@ -28,15 +29,8 @@ namespace {
 using namespace hicache_gguf;
 
 constexpr int64_t kChunk = 32;    // inputs per activation scale
-constexpr int64_t kMaxRows = 8;   // input rows sharing one read of a weight chunk
+constexpr int64_t kMaxRows = 8;   // input rows sharing one read of a weight chunk (offsets: one vector)
 constexpr int64_t kTile = 16;     // weight rows per pass over the row chunks
-
-struct Int8Rows {  // M rows of K inputs, quantized (pointers into tensors owned by the caller)
-  const int8_t* q;   // [M, K]
-  const float* d;    // [M, K / 32]
-  const float* sums;  // [M, 3 K / 32]: per chunk d * the sum of its q, then of its halves' q
-  int64_t K;
-};
 
 // The 32 inputs at x as int8 (to q), their scale (returned) and the scaled sums of all and each half.
 float quantize_chunk(const float* x, int8_t* q, float* sums) {
@@ -71,29 +65,56 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* d, fl
   for (int64_t c = 0; c < M * K / kChunk; ++c) d[c] = quantize_chunk(x + kChunk * c, q + kChunk * c, sums + 3 * c);
 }
 
-struct Gemv {
-  Int8Rows a;
-  const uint8_t* w;
-  float* out;
-  int64_t M, N, row_bytes;
+// M rows of K inputs quantized for the GEMV, chunk-major: what one weight chunk meets is adjacent for
+// all rows, at fixed offsets from one pointer (8 rows' pointers apiece would not fit the registers).
+//   q[(k * M + m) * 32 + j]     byte j of row m's chunk k
+//   d[k * M + m]                its scale
+//   sums[(3 k + i) * Mpad + m]  d * the sum of its q (i = 0), of its first half's (1), second half's (2);
+//                               Mpad = M rounded up to 8 (zeros past M): 8 rows' offsets in one vector
+struct Int8Rows {
+  std::vector<int8_t> q;
+  std::vector<float> d, sums;
+  int64_t M, K, Mpad;
 };
 
-// out[m, n] = x[m] . W[n] for the R rows m0.. and n in [n0, n1).
+void quantize_for_gemv(const float* x, int64_t M, int64_t K, Int8Rows& a) {
+  const int64_t chunks = K / kChunk;
+  a.M = M, a.K = K, a.Mpad = (M + 7) / 8 * 8;
+  a.q.resize(M * K);
+  a.d.resize(chunks * M);
+  a.sums.assign(3 * chunks * a.Mpad, 0.0f);
+  float s[3];
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t k = 0; k < chunks; ++k) {
+      a.d[k * M + m] = quantize_chunk(x + m * K + kChunk * k, a.q.data() + (k * M + m) * kChunk, s);
+      for (int i = 0; i < 3; ++i) a.sums[(3 * k + i) * a.Mpad + m] = s[i];
+    }
+  }
+}
+
+struct Gemv {
+  const Int8Rows* a;
+  const uint8_t* w;
+  float* out;
+  int64_t N, row_bytes;
+};
+
+// out[m, n] = x[m] . W[n] for the R rows m0.. and n in [n0, n1). Every row's arithmetic is the same
+// whatever R is and on every ISA: per chunk k, acc (8 lanes) = fma(cvt(idot) * scale, d[k], acc), its
+// offset a chain of fmas (8 rows' chains side by side in one vector, lane-wise the same);
+// out = hsum(acc) + offset. A row's result alone (a decode step) is its result beside others.
 template <class F, int R>
 void dot_rows(const Gemv& g, int64_t m0, int64_t n0, int64_t n1) {
-  const int64_t K = g.a.K, blocks = K / F::kBlock, chunks = K / kChunk;
-  const int8_t* q[R];
-  const float *d[R], *sums[R];
-  for (int r = 0; r < R; ++r) {
-    q[r] = g.a.q + (m0 + r) * K;
-    d[r] = g.a.d + (m0 + r) * chunks;
-    sums[r] = g.a.sums + (m0 + r) * 3 * chunks;
-  }
+  const Int8Rows& a = *g.a;
+  const int64_t blocks = a.K / F::kBlock, M = a.M, Mpad = a.Mpad;
+  const int8_t* q0 = a.q.data() + m0 * kChunk;
+  const float* d0 = a.d.data() + m0;
+  const float* sums0 = a.sums.data() + m0;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = g.w + n * g.row_bytes;
     __m256 acc[R];
-    float offset[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), offset[r] = 0.0f;
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    __m256 offset = _mm256_setzero_ps();  // lane r: row m0 + r's
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* wb = row + b * F::kBytes;
       ChunkScales s;
@@ -101,39 +122,40 @@ void dot_rows(const Gemv& g, int64_t m0, int64_t n0, int64_t n1) {
       unroll<F::kChunks>([&](auto chunk) {
         constexpr int C = chunk;
         const int64_t k = b * F::kChunks + C;  // the chunk's index in the row
+        const int8_t* qk = q0 + k * M * kChunk;
         const __m256i u = F::template bytes<C>(wb);
         const __m256i magnitude = F::kSigned ? _mm256_sign_epi8(u, u) : u;
         const __m256 scale = F::kHalves ? _mm256_set_m128(_mm_set1_ps(s.scale[2 * C + 1]), _mm_set1_ps(s.scale[2 * C]))
                                         : _mm256_set1_ps(s.scale[C]);
         unroll<R>([&](auto r) {
-          __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[r] + kChunk * k));
-          if constexpr (F::kSigned) a = _mm256_sign_epi8(a, u);  // u * a = |u| * (a with u's sign)
-          const __m256 dot = _mm256_cvtepi32_ps(idot(magnitude, a));
-          acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dot, scale), _mm256_set1_ps(d[r][k]), acc[r]);
-          const float* sum = sums[r] + 3 * k;
-          if constexpr (F::kSigned) {
-          } else if constexpr (F::kHalves) {
-            offset[r] = std::fma(s.offset[2 * C + 1], sum[2], std::fma(s.offset[2 * C], sum[1], offset[r]));
-          } else {
-            offset[r] = std::fma(s.offset[C], sum[0], offset[r]);
-          }
+          __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qk + kChunk * r));
+          if constexpr (F::kSigned) x = _mm256_sign_epi8(x, u);  // u * x = |u| * (x with u's sign)
+          const __m256 dot = _mm256_cvtepi32_ps(idot(magnitude, x));
+          acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dot, scale), _mm256_set1_ps(d0[k * M + r]), acc[r]);
         });
+        const float* sum = sums0 + 3 * k * Mpad;  // sum[i * Mpad + r]: row m0 + r's sum i
+        if constexpr (F::kSigned) {
+        } else if constexpr (F::kHalves) {
+          offset = _mm256_fmadd_ps(_mm256_set1_ps(s.offset[2 * C]), _mm256_loadu_ps(sum + Mpad), offset);
+          offset = _mm256_fmadd_ps(_mm256_set1_ps(s.offset[2 * C + 1]), _mm256_loadu_ps(sum + 2 * Mpad), offset);
+        } else {
+          offset = _mm256_fmadd_ps(_mm256_set1_ps(s.offset[C]), _mm256_loadu_ps(sum), offset);
+        }
       });
     }
-    for (int r = 0; r < R; ++r) g.out[(m0 + r) * g.N + n] = hicache_simd::hsum(acc[r]) + offset[r];
+    alignas(32) float off[8];
+    _mm256_store_ps(off, offset);
+    for (int r = 0; r < R; ++r) g.out[(m0 + r) * g.N + n] = hicache_simd::hsum(acc[r]) + off[r];
   }
 }
 
-// A block of 8 chunks, unrolled, with 8 rows' accumulators outgrows the registers: 4 rows at a time.
-template <class F>
-constexpr int64_t kRows = F::kChunks > 1 ? 4 : kMaxRows;
-
 template <class F>
 void linear_range(const Gemv& g, int64_t n0, int64_t n1) {
+  const int64_t M = g.a->M;
   for (int64_t t0 = n0; t0 < n1; t0 += kTile) {
     const int64_t t1 = std::min(n1, t0 + kTile);
-    for (int64_t m0 = 0; m0 < g.M; m0 += kRows<F>)
-      with_rows(std::min(kRows<F>, g.M - m0), [&](auto rows) { dot_rows<F, decltype(rows)::value>(g, m0, t0, t1); });
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows)
+      with_rows(std::min(kMaxRows, M - m0), [&](auto rows) { dot_rows<F, decltype(rows)::value>(g, m0, t0, t1); });
   }
 }
 
@@ -170,10 +192,10 @@ at::Tensor gguf_linear_int8(const at::Tensor& x, const at::Tensor& blocks, int64
     using F = decltype(format);
     check_blocks<F>(blocks, in_features, name);
     check_inputs(x, in_features);
-    const auto [q, d, sums] = quantize(x);  // K: a multiple of the block size, so of 32
+    Int8Rows a;
+    quantize_for_gemv(x.data_ptr<float>(), x.size(0), in_features, a);  // K: a multiple of the block size, so of 32
     out = at::empty({x.size(0), blocks.size(0)}, x.options());
-    const Gemv g{{q.data_ptr<int8_t>(), d.data_ptr<float>(), sums.data_ptr<float>(), in_features},
-                 blocks.data_ptr<uint8_t>(), out.data_ptr<float>(), x.size(0), blocks.size(0), blocks.size(1)};
+    const Gemv g{&a, blocks.data_ptr<uint8_t>(), out.data_ptr<float>(), blocks.size(0), blocks.size(1)};
     at::parallel_for(0, g.N, kTile, [&](int64_t n0, int64_t n1) { linear_range<F>(g, n0, n1); });
   });
   return out;
