@@ -86,8 +86,6 @@ def test_extreme_sampling_values_sample_instead_of_killing_the_engine(http, para
     (completion(stream="yes"), "stream", "invalid_value"),
     (completion(cache_salt=""), "cache_salt", "invalid_value"),
     (completion(max_tokens=10**6), "prompt", "context_length_exceeded"),
-    (completion(tools=[{"type": "function", "function": {"name": "f"}}]), "tools", "unsupported_parameter"),
-    (completion(response_format={"type": "json_object"}), "response_format", "unsupported_parameter"),
     (completion(temperature=True), "temperature", "invalid_value"),
 ])
 def test_bad_values_are_one_clear_400(http, body, param, code) -> None:

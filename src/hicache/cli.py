@@ -16,6 +16,7 @@ from typing import Sequence
 
 from .config import EngineConfig
 from .errors import HicacheError
+from .server.tools import TOOL_CALL_PARSERS
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int = 128, temperature: float = 0.0) -> None:
@@ -113,7 +114,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(_engine(args), host=args.host, port=args.port, served_model_name=args.served_model_name,
                       max_queued_requests=args.max_queued_requests, log_level=args.log_level,
                       api_key=args.api_key or os.environ.get("HICACHE_API_KEY") or None,
-                      max_request_bytes=args.max_request_bytes)
+                      max_request_bytes=args.max_request_bytes, tool_call_parser=args.tool_call_parser)
 
 
 def cmd_node(args: argparse.Namespace) -> int:
@@ -178,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-bytes", type=int, default=8 * 2**20,
                    help="Largest request body accepted (default 8 MiB); larger ones get 413 before they are "
                         "read in full.")
+    p.add_argument("--tool-call-parser", default="qwen25", choices=TOOL_CALL_PARSERS,
+                   help="The format tool calls are written and parsed in: <tool_call>{\"name\", \"arguments\"}"
+                        "</tool_call> (qwen25, also called hermes; docs/structured_output.md).")
     EngineConfig.add_cli_args(p)
     p.set_defaults(func=cmd_serve)
 

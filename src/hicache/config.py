@@ -177,6 +177,9 @@ class EngineConfig(SpeculativeOptions):
     # Scheduling
     chunked_prefill_size: int = _opt(2048, "Most prompt tokens computed in one prefill step (a long prompt is chunked).")
     max_running_requests: int = _opt(32, "Most requests decoding at once.")
+    grammar_backend: str = _opt(
+        "llguidance", "Structured output (response_format, forced tool calls, json_schema / regex / ebnf): the grammar "
+        "engine that masks each step's tokens; 'none' refuses such requests.", ("llguidance", "none"))
 
     def __post_init__(self) -> None:
         self.validate()

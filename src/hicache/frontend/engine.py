@@ -17,8 +17,9 @@ from ..disagg.bootstrap import Bootstrap
 from ..errors import ContextLengthError, HicacheError, InvalidRequestError
 from ..model import load_model
 from ..model.loader import LoadedModel
+from ..runtime.grammar import GrammarCompiler
 from ..runtime.request import GenerateResult, PDState, Request
-from ..runtime.sampling import SamplingParams
+from ..runtime.sampling import GrammarSpec, SamplingParams
 from ..runtime.speculative import check_draft
 from ..runtime.storage_layout import layout_report
 from .backend import Backend, LocalBackend, SchedulerView, make_backend
@@ -80,6 +81,7 @@ class Engine:
         # The bound method holds the backend, never the engine (or it would never be collected).
         self._finalizer = weakref.finalize(self, self.backend.shutdown)
         self._rids = itertools.count()
+        self._grammars: GrammarCompiler | None = None  # built on the first grammar request
         # Set by EngineLoop (frontend/loop.py) while its thread drives the scheduler; then only that
         # thread may call generate / flush_cache (DESIGN invariant 3).
         self._driver_thread: int | None = None
@@ -135,9 +137,22 @@ class Engine:
         return None if isinstance(self.backend, LocalBackend) else cast("RankGroup", self.backend)
 
     # ---- requests ------------------------------------------------------------------------
+    def check_grammar(self, spec: GrammarSpec | None) -> None:
+        """Raise InvalidRequestError (one sentence) for a grammar the engine cannot use: one that
+        does not compile, that no token can start, or any with ``--grammar-backend none``.
+        Compiled grammars are cached, so a server may check on its worker threads first."""
+        if spec is None:
+            return
+        if self.config.grammar_backend == "none":
+            raise InvalidRequestError("structured output is off on this server (--grammar-backend none).")
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.loaded.spec.vocab_size)
+        self._grammars.check(spec)
+
     def _make_request(self, prompt: Prompt, sampling: SamplingParams, cache_salt: str | None,
                       bootstrap: Bootstrap | None = None) -> Request:
         sampling.validate()
+        self.check_grammar(sampling.grammar)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
             raise InvalidRequestError("the prompt is empty.")

@@ -75,8 +75,15 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render ``messages`` (``{"role", "content"}`` dicts) with the model's Jinja template."""
+    @property
+    def renders_tools(self) -> bool:
+        """The chat template writes a ``tools`` list itself (else the server describes them)."""
+        return "tools" in self.chat_template
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """Render ``messages`` (``{"role", "content"}`` dicts) with the model's Jinja template;
+        ``tools`` goes to a template that takes them (:attr:`renders_tools`)."""
         bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
         eos_id = min(self.eos_token_ids) if self.eos_token_ids else None
         eos = self.id_to_token(eos_id) if eos_id is not None else ""
@@ -85,6 +92,7 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             bos_token=bos or "",
             eos_token=eos or "",
+            **({"tools": tools} if tools else {}),
         )
 
 

@@ -111,7 +111,7 @@ def build_core(
     cache = KVCacheManager(pool, host_pool, storage, CachePolicy.from_config(cfg), layout)
     runner = ModelRunner(loaded.model, cache.kv_view, device, cp)
     modes = build_modes(ModeContext(cfg, cache, device, layers, spec.vocab_size, pd_ranks or TPRanks.alone(kv_heads),
-                                    draft, packed, share_draws))
+                                    draft, packed, share_draws, tokenizer=loaded.tokenizer, samples=shard is None or shard.last_stage))
     return EngineCore(pool, host_pool, cache, runner, _scheduler(cfg, cache, loaded, modes))
 
 

@@ -13,7 +13,8 @@ calls back into the scheduler. The fixed points, in step order::
     batch           decode_batch(reqs)         a decode batch's kind, rows per request, drafts known now
     forward         before_forward(b, handed)  e.g. propose the drafts a verify pass checks
                     after_forward(b)           e.g. the draft's KV for a prefill chunk
-    output          sample(b, logits)          a verify batch's accepted tokens
+    output          constrain(b, logits)       restrict what each row may sample (in place; grammars)
+                    sample(b, logits)          a verify batch's accepted tokens
                     on_computed(req)           the target's KV grew (prefill chunk, first token)
                     on_accepted(req, j, taken) a verify pass accepted j drafts; ``taken`` tokens appended
     finish          on_finish(req)             True: the mode still uses its KV (released later)
@@ -34,6 +35,7 @@ from ..cache.manager import KVCacheManager
 from ..config import EngineConfig
 from ..disagg.heads import TPRanks
 from ..model.loader import LoadedModel
+from ..model.tokenizer import Tokenizer
 from .batch import Batch
 from .events import WorkEvent
 from .request import Request
@@ -44,7 +46,8 @@ class ModeContext:
     """What a mode's builder may use: the engine's config and this rank's parts. ``layers``:
     the target's layers on this rank; ``draft_packed``: the draft's layers when they follow
     the target's in its pools (0: a sidecar or no draft); ``share_draws``: with several TP
-    ranks, one rank's random draws for the whole stage."""
+    ranks, one rank's random draws for the whole stage; ``samples``: this rank samples tokens
+    (one rank, or a rank of the last pipeline stage)."""
 
     cfg: EngineConfig
     cache: KVCacheManager
@@ -55,6 +58,8 @@ class ModeContext:
     draft: Optional[LoadedModel] = None
     draft_packed: int = 0
     share_draws: Optional[Callable[[Any], Any]] = None
+    tokenizer: Optional[Tokenizer] = None
+    samples: bool = True
 
 
 @dataclass(frozen=True)
@@ -139,6 +144,9 @@ class Mode:
         """After ``batch``'s forward on this rank (before its output is used)."""
 
     # ---- output ---------------------------------------------------------------------------
+    def constrain(self, batch: Batch, logits: torch.Tensor) -> None:
+        """Set to -inf, in ``logits`` (the rows the batch samples from), what a row may not sample."""
+
     def sample(self, batch: Batch, logits: torch.Tensor) -> Optional[list]:
         """The tokens of a batch this mode composed (one list per request), or None."""
         return None

@@ -105,6 +105,7 @@ class Request:
     cached: Optional[dict[str, int]] = None  # prompt tokens hit per tier (device/host/storage), set at admission
     spec: Optional["SpecState"] = None  # speculative decoding (set at admission)
     pd: Optional["PDState"] = None  # prefill/decode disaggregation (set with a bootstrap)
+    grammar: Any = None  # structured output: runtime.grammar.GrammarState (set at admission)
     tokens_np: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

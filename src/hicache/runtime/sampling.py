@@ -27,6 +27,27 @@ logger = logging.getLogger(__name__)
 # number only overflows, it cannot change which token is most likely.
 GREEDY_TEMPERATURE = 1e-5
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "lark")
+MAX_GRAMMAR_CHARS = 256 * 1024  # a JSON schema of a few hundred tools; more is refused, not compiled
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request's output must match (runtime/grammar.py compiles it): ``kind`` is
+    ``json_schema`` (``source``: the schema as JSON text; ``{"type": "object"}`` is OpenAI's
+    json_object mode), ``regex``, ``ebnf`` (GBNF, as SGLang's ``ebnf``) or ``lark``."""
+
+    kind: str
+    source: str
+
+    def validate(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise InvalidRequestError(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.kind!r}.")
+        if not isinstance(self.source, str) or not self.source:
+            raise InvalidRequestError(f"the {self.kind} grammar must be a non-empty string.")
+        if len(self.source) > MAX_GRAMMAR_CHARS:
+            raise InvalidRequestError(f"the {self.kind} grammar has {len(self.source)} characters; at most "
+                                      f"{MAX_GRAMMAR_CHARS} are accepted.")
 
 
 @dataclass
@@ -45,6 +66,7 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = field(default_factory=tuple)
     ignore_eos: bool = False
     seed: Optional[int] = None
+    grammar: Optional[GrammarSpec] = None  # structured output: every output token keeps it matchable
 
     def validate(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -59,6 +81,11 @@ class SamplingParams:
             raise InvalidRequestError(f"seed must be an integer in [-2^63, 2^64), got {self.seed!r}.")
         if any(not _is_int(t) for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be integers.")
+        if self.grammar is not None:
+            self.grammar.validate()
+            if self.ignore_eos:
+                raise InvalidRequestError("ignore_eos cannot be combined with a grammar: the grammar decides where "
+                                          "the output ends.")
 
     @property
     def stop_strings(self) -> list[str]:

@@ -234,6 +234,8 @@ class Scheduler:
         computed a chunk of its prompt. ``logits``: ``[len(batch.reqs), vocab]``. A batch a
         mode composed: what the mode samples (each request's accepted tokens)."""
         for mode in self.modes:
+            mode.constrain(batch, logits)
+        for mode in self.modes:
             tokens = mode.sample(batch, logits)
             if tokens is not None:
                 return tokens

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API over an :class:`EngineLoop`.
 
 Endpoints: ``/v1/chat/completions``, ``/v1/completions`` (streaming as server-sent events or
-not), ``/v1/models``; the operational ones (health, cache flush, metrics, stats, tokenize, L3
+not), ``/v1/models`` and ``/v1/models/{id}``; SGLang's native ``/generate`` is in :mod:`.native`,
+what the generating endpoints share in :mod:`.submit`; the operational ones (health, cache flush, metrics, stats, tokenize, L3
 layout, what sglang-router asks at start) are in :mod:`.operations`. Every error is
 OpenAI-shaped JSON. A request carrying ``bootstrap_host`` / ``bootstrap_port`` /
 ``bootstrap_room`` (what sglang-router adds in PD mode) runs as one half of a P/D pair.
@@ -15,148 +16,107 @@ flight end with 503 ``engine_dead`` (an ``error`` event when streaming) and so d
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import AsyncIterator, Callable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import ContextLengthError, EngineDeadError, HicacheError
+from ..errors import EngineDeadError, HicacheError
 from ..frontend.loop import EngineLoop, RequestHandle
 from ..model.tokenizer import Tokenizer
 from ..runtime.request import GenerateResult
-from ..runtime.sampling import SamplingParams
+from ..runtime.sampling import GrammarSpec, SamplingParams
 from .detok import IncrementalText
 from .metrics import ServerMetrics
 from .middleware import CatchAllErrors, RequireApiKey
+from .native import add_native_routes
 from .operations import add_operation_routes
 from .parsing import parse_body, read_body
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, _Sampling
 from .state import ServerOptions, ServerState
+from .submit import (
+    Prepared,
+    _check_fits,
+    _collect,
+    _sse,
+    _submit,
+    _timing,
+    _usage,
+    engine_dead,
+    engine_dead_during,
+)
+from .tools import ChatChunks, chat_message, chat_prompt
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CHAT_MAX_TOKENS = 128  # when a chat request gives neither max_tokens nor max_completion_tokens
-DISCONNECT_POLL_S = 0.2  # how often a non-streaming request checks whether its client left
 
 
-@dataclass
-class Prepared:
-    """A validated request, tokenized, ready to submit."""
-
-    body: _Sampling
-    ids: list[int]
-    sampling: SamplingParams
-    param: str  # the field that holds the prompt, for errors about it
+_UNKNOWN_LOGGED: set[str] = set()  # request fields already logged as ignored (once each)
 
 
-def engine_dead(e: BaseException | str) -> APIError:
-    return APIError(503, str(e), type="server_error", code="engine_dead")
-
-
-def engine_dead_during(res: GenerateResult) -> APIError:
-    """A request the engine failed while it ran (finish_reason "error"). A P/D request whose
-    KV transfer failed is that request's failure, not the engine's."""
-    if res.kv_transfer_error:
-        return APIError(503, f"the KV transfer for this request failed: {res.error}", type="server_error",
-                        code="kv_transfer_failed")
-    return engine_dead(f"the engine failed during this request: {res.error}")
-
-
-def _usage(res: GenerateResult) -> dict[str, Any]:
-    return {
-        "prompt_tokens": res.prompt_tokens,
-        "completion_tokens": res.completion_tokens,
-        "total_tokens": res.prompt_tokens + res.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": res.cached_tokens,
-                                  "cached_tokens_details": dict(res.cached_tokens_details)},
-        **_spec(res),
-        **_disagg(res),
-    }
-
-
-def _disagg(res: GenerateResult) -> dict[str, Any]:
-    """P/D per-request figures (extension; absent for a request without a bootstrap)."""
-    if not res.disaggregated:
-        return {}
-    return {"decode_prefix_len": res.decode_prefix_len, "kv_transferred_tokens": res.kv_transferred_tokens,
-            "kv_transferred_bytes": res.kv_transferred_bytes}
-
-
-def _spec(res: GenerateResult) -> dict[str, Any]:
-    """Speculative decoding's per-request figures (extension; absent when it is off)."""
-    if not res.spec_verify_steps:
-        return {}
-    return {"spec_accept_length": res.spec_accept_length, "spec_verify_steps": res.spec_verify_steps}
-
-
-def _timing(res: GenerateResult) -> dict[str, float]:
-    """Server-side timing of one request (extension), seconds."""
-    return {"ttft_s": res.ttft_s, "queue_time_s": res.queue_time_s, "forward_time_s": res.forward_time_s,
-            "e2e_s": res.e2e_s}
-
-
-def _sampling(body: _Sampling, max_new: Optional[int], default_max: int) -> SamplingParams:
+def _sampling(st: ServerState, body: _Sampling, max_new: Optional[int], default_max: int,
+              grammar: Optional[GrammarSpec] = None) -> SamplingParams:
+    """The request's sampling parameters; ``grammar`` (a forced tool call) or the body's own
+    structured-output fields, checked by the engine's grammar compiler (400 if unusable)."""
     bad = body.unsupported()
     if bad:
         raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
+    for name in set(body.unknown_fields()) - _UNKNOWN_LOGGED:
+        _UNKNOWN_LOGGED.add(name)
+        logger.info("ignoring the request field %r (not an OpenAI, SGLang or vLLM field this server uses)", name)
     if max_new is not None and max_new < 1:
         raise APIError(400, f"max_tokens must be at least 1, got {max_new}.", param="max_tokens", code="invalid_value")
+    own = body.grammar_spec()
+    if grammar is not None and own is not None:
+        raise APIError(400, "a forced tool call cannot be combined with response_format, regex or ebnf.",
+                       param="tool_choice", code="invalid_value")
     sp = SamplingParams(
         max_new_tokens=max_new if max_new is not None else default_max,
         temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, stop=body.stop,
         stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos, seed=body.seed,
+        grammar=grammar or own,
     )
     try:
         sp.validate()
+        st.engine.check_grammar(sp.grammar)  # compiled here, off the event loop (then cached)
     except HicacheError as e:
-        raise APIError(400, str(e), code="invalid_value") from None
+        given = [f for f in ("response_format", "regex", "ebnf") if getattr(body, f) is not None]
+        param = "tools" if grammar is not None else (given[0] if given and sp.grammar is not None else None)
+        raise APIError(400, str(e), param=param, code="invalid_value") from None
     return sp
-
-
-def _check_fits(ids: list[int], max_new: Optional[int], context_length: int, param: str) -> None:
-    """An explicit max_tokens that cannot fit is an error (a default one is shortened)."""
-    if max_new is not None and len(ids) + max_new > context_length:
-        raise APIError(400, f"the prompt has {len(ids)} tokens and max_tokens is {max_new}, but the context length "
-                            f"is {context_length}; lower max_tokens or shorten the prompt.",
-                       param=param, code="context_length_exceeded")
 
 
 def _prepare_chat(raw: bytes, st: ServerState) -> Prepared:
     body = parse_body(raw, ChatCompletionRequest)
     st.check_model(body.model)
-    sp = _sampling(body, body.max_new_tokens(), DEFAULT_CHAT_MAX_TOKENS)
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
     tok: Tokenizer = st.engine.tokenizer
+    chat = chat_prompt(body.messages, body.tools, body.tool_choice, body.parallel_tool_calls, tok.renders_tools)
+    forced = GrammarSpec("lark", chat.forced_grammar) if chat.forced_grammar else None
+    sp = _sampling(st, body, body.max_new_tokens(), DEFAULT_CHAT_MAX_TOKENS, forced)
     try:
-        text = tok.apply_chat_template(messages, add_generation_prompt=True)
+        text = tok.apply_chat_template(chat.messages, add_generation_prompt=True, tools=chat.template_tools)
     except Exception as e:  # the model's Jinja template refused these messages
         raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
     ids = tok.encode(text)
     _check_fits(ids, body.max_new_tokens(), st.engine.context_length, "messages")
-    return Prepared(body, ids, sp, "messages")
+    return Prepared(body, ids, sp, "messages", chat.call_names)
 
 
 def _prepare_completion(raw: bytes, st: ServerState) -> Prepared:
     body = parse_body(raw, CompletionRequest)
     st.check_model(body.model)
-    sp = _sampling(body, body.max_new_tokens(), 16)
+    sp = _sampling(st, body, body.max_new_tokens(), 16)
     prompt = body.single_prompt()
     ids = st.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     _check_fits(ids, body.max_tokens if "max_tokens" in body.model_fields_set else None,
                 st.engine.context_length, "prompt")
     return Prepared(body, ids, sp, "prompt")
-
-
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 def create_app(loop: EngineLoop, metrics: ServerMetrics, opts: ServerOptions) -> FastAPI:
@@ -170,6 +130,7 @@ def create_app(loop: EngineLoop, metrics: ServerMetrics, opts: ServerOptions) ->
         app.add_middleware(RequireApiKey, api_key=opts.api_key,
                            on_reject=lambda: metrics.rejected.labels(reason="invalid_api_key").inc())
     _add_openai_routes(app, st)
+    add_native_routes(app, st)
     add_operation_routes(app, st)
     return app
 
@@ -199,37 +160,6 @@ def _add_error_handlers(app: FastAPI, st: ServerState) -> None:
         param = str(err["loc"][-1]) if err.get("loc") else None
         return answer(APIError(400, f"{param}: {err['msg'].rstrip('.')}.", param=param, code="invalid_value"))
 
-
-def _submit(st: ServerState, p: Prepared) -> RequestHandle:
-    """Queue a prepared request; engine-side refusals become OpenAI errors."""
-    st.check_capacity()
-    try:
-        return st.loop.submit(p.ids, p.sampling, p.body.cache_salt, bootstrap=p.body.bootstrap())
-    except ContextLengthError as e:
-        raise APIError(400, str(e), param=p.param, code="context_length_exceeded") from None
-    except EngineDeadError as e:
-        raise engine_dead(e) from None
-    except HicacheError as e:
-        raise APIError(400, str(e), code="invalid_value") from None
-
-async def _collect(st: ServerState, request: Request, handle: RequestHandle) -> GenerateResult:
-    """Wait for the result; abort the request if the client goes away meanwhile."""
-    task = asyncio.ensure_future(handle.wait())
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                res = task.result()
-                if res.finish_reason == "error":
-                    raise engine_dead_during(res)
-                return res
-            if await request.is_disconnected():
-                logger.info("client disconnected rid=%d; aborting", handle.rid)
-                raise APIError(499, "the client closed the connection.", code="client_closed")
-    finally:
-        if not task.done():
-            task.cancel()
-            st.loop.abort(handle.rid)
 
 async def _stream(st: ServerState, handle: RequestHandle, stops: list[str],
                   make_chunk: Callable[[str, Optional[str], bool], dict], base: dict,
@@ -279,15 +209,11 @@ def _add_openai_routes(app: FastAPI, st: ServerState) -> None:
         base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": p.body.model,
                 "object": "chat.completion.chunk" if p.body.stream else "chat.completion"}
 
-        def chunk(text: str, finish: Optional[str], first: bool) -> dict:
-            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text or not finish else {})
-            return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
-
         def result(res: GenerateResult) -> dict:
-            return {"choices": [{"index": 0, "message": {"role": "assistant", "content": res.text}, "logprobs": None,
-                                 "finish_reason": res.finish_reason}]}
+            message, finish = chat_message(res.text, res.finish_reason, p.call_names)
+            return {"choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}]}
 
-        return await _answer(st, request, p, base, chunk, result)
+        return await _answer(st, request, p, base, ChatChunks(base, p.call_names), result)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -303,9 +229,15 @@ def _add_openai_routes(app: FastAPI, st: ServerState) -> None:
 
         return await _answer(st, request, p, base, chunk, result)
 
+    def model_card() -> dict:
+        return {"id": st.opts.served_model_name, "object": "model", "created": st.created, "owned_by": "hicache",
+                "root": st.engine.config.model, "max_model_len": st.engine.context_length}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{
-            "id": st.opts.served_model_name, "object": "model", "created": st.created, "owned_by": "hicache",
-            "root": st.engine.config.model, "max_model_len": st.engine.context_length,
-        }]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        st.check_model(model_id)  # 404 model_not_found for another id
+        return model_card()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -26,6 +27,12 @@ def _tokenize(raw: bytes, st: ServerState) -> dict[str, Any]:
     if body.return_ids:
         out["tokens"] = ids
     return out
+
+
+def _tokenizer_dir(model: str) -> str | None:
+    """The model's Hugging Face directory when it holds a tokenizer.json, else None."""
+    folder = Path(model)
+    return str(folder.resolve()) if (folder / "tokenizer.json").is_file() else None
 
 
 def add_operation_routes(app: FastAPI, st: ServerState) -> None:
@@ -67,9 +74,13 @@ def add_operation_routes(app: FastAPI, st: ServerState) -> None:
     @app.get("/model_info")
     @app.get("/get_model_info")
     async def model_info() -> dict:
-        """What sglang-router asks every worker at start (SGLang's fields)."""
-        return {"model_path": st.engine.config.model, "tokenizer_path": st.engine.config.model,
-                "served_model_name": st.opts.served_model_name, "is_generation": True}
+        """What sglang-router asks every worker at start (SGLang's fields). ``tokenizer_path`` is a
+        directory a client can load (bench_serving does when given no --tokenizer), else null:
+        the embedded and GGUF models carry their tokenizer inside the weights file."""
+        return {"model_path": st.engine.config.model, "tokenizer_path": _tokenizer_dir(st.engine.config.model),
+                "served_model_name": st.opts.served_model_name, "is_generation": True,
+                "preferred_sampling_params": None, "weight_version": "default",
+                "has_image_understanding": False, "has_audio_understanding": False}
 
     @app.get("/server_info")
     @app.get("/get_server_info")

@@ -1,19 +1,23 @@
 """OpenAI-compatible request bodies (pydantic) and the error shape the server returns.
 
-Unknown fields are ignored, as OpenAI-compatible servers do; fields that would change the
-answer in ways this engine does not support (n > 1, logprobs, penalties, tools, structured
-output, ...) are refused with one clear sentence. Types are strict: ``"max_tokens": "3"`` or
-``"stream": "yes"`` is an error, not a guess; numbers must be finite.
+``null`` for any optional field means its default, as in the OpenAI API. Unknown fields are
+ignored (the server logs each name once); fields that would change the answer in ways this
+engine does not support (n > 1, logprobs, penalties, ...) are refused with one clear sentence.
+Types are strict: ``"max_tokens": "3"`` or ``"stream": "yes"`` is an error, not a guess; numbers
+must be finite. Structured output: ``response_format`` (``json_object``, ``json_schema``) and
+SGLang's ``regex`` / ``ebnf`` become one :class:`GrammarSpec` (:meth:`_Sampling.grammar_spec`).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..disagg.bootstrap import Bootstrap
 from ..disagg.wire import MAX_ROOM
+from ..runtime.sampling import GrammarSpec
 
 # Strict types (no "3" -> 3, no "yes" -> True) and no inf/NaN in any float field.
 STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
@@ -31,17 +35,32 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-class StreamOptions(BaseModel):
+class _Body(BaseModel):
+    """A request body: ``null`` is the field's default (OpenAI's rule for optional fields)."""
+
     model_config = STRICT
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+    def unknown_fields(self) -> list[str]:
+        """Fields of the body this server does not know (ignored)."""
+        return sorted(set(self.model_extra or {}))
+
+
+class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class _Sampling(_Body):
     """Fields shared by both endpoints (OpenAI names; ``top_k``, ``ignore_eos``,
-    ``stop_token_ids`` and ``cache_salt`` are extensions)."""
+    ``stop_token_ids``, ``cache_salt``, ``regex`` and ``ebnf`` are extensions)."""
 
-    model_config = STRICT
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     model: str
     temperature: float = Field(1.0, ge=0.0)
@@ -60,8 +79,8 @@ class _Sampling(BaseModel):
     logprobs: Optional[Union[bool, int]] = None
     user: Optional[str] = None
     response_format: Optional[dict[str, Any]] = None
-    tools: Optional[list[Any]] = None
-    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    regex: Optional[str] = None  # SGLang: the output matches this regular expression
+    ebnf: Optional[str] = None  # SGLang: the output matches this grammar (GBNF)
     # Prefill/decode disaggregation: what sglang-router adds to a request it sends to both
     # servers (SGLang's other extras it adds, e.g. no_stop_trim, are ignored as unknown fields).
     bootstrap_host: Optional[str] = Field(None, min_length=1, max_length=253)
@@ -88,14 +107,23 @@ class _Sampling(BaseModel):
             raise ValueError("must be a non-empty string when given")
         return v
 
+    def grammar_spec(self) -> Optional[GrammarSpec]:
+        """What the output must match (response_format, regex or ebnf; at most one), or None."""
+        given = [f for f in ("regex", "ebnf") if getattr(self, f) is not None]
+        spec = _response_format_grammar(self.response_format)
+        if spec is not None:
+            given.insert(0, "response_format")
+        if len(given) > 1:
+            raise APIError(400, f"give one of response_format, regex and ebnf, not {' and '.join(given)}.",
+                           param=given[1], code="invalid_value")
+        if self.regex is not None:
+            return GrammarSpec("regex", self.regex)
+        if self.ebnf is not None:
+            return GrammarSpec("ebnf", self.ebnf)
+        return spec
+
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for the first option this engine cannot honour, else None."""
-        if self.tools:
-            return "tools", "tools (function calling) are not supported."
-        if self.tool_choice not in (None, "none", "auto"):
-            return "tool_choice", "tool_choice is not supported (no tools)."
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            return "response_format", "only response_format {\"type\": \"text\"} is supported (no JSON or schema mode)."
         if self.n != 1:
             return "n", "only n=1 is supported."
         if self.logprobs:
@@ -109,6 +137,25 @@ class _Sampling(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+def _response_format_grammar(fmt: Optional[dict[str, Any]]) -> Optional[GrammarSpec]:
+    """OpenAI's response_format as a grammar: text -> None, json_object -> any JSON object,
+    json_schema -> its ``schema`` (``strict`` or not: the schema is always enforced)."""
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    kind = fmt.get("type")
+    if kind == "json_object":
+        return GrammarSpec("json_schema", '{"type": "object"}')
+    if kind == "json_schema":
+        inner = fmt.get("json_schema")
+        schema = inner.get("schema", inner.get("schema_")) if isinstance(inner, dict) else None
+        if not isinstance(schema, dict):
+            raise APIError(400, "response_format json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": "
+                                "{...}}}.", param="response_format", code="invalid_value")
+        return GrammarSpec("json_schema", json.dumps(schema))
+    raise APIError(400, f"response_format type must be text, json_object or json_schema, got {kind!r}.",
+                   param="response_format", code="invalid_value")
+
+
 class TextPart(BaseModel):
     model_config = STRICT
 
@@ -116,11 +163,12 @@ class TextPart(BaseModel):
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = STRICT
-
+class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[TextPart]]] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant's calls (server/tools.py renders them)
+    tool_call_id: Optional[str] = None  # a tool result: the call it answers
+    name: Optional[str] = None
 
     def text(self) -> str:
         if self.content is None:
@@ -135,6 +183,9 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
     top_logprobs: Optional[int] = None
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: bool = True
 
     def max_new_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -169,10 +220,8 @@ class CompletionRequest(_Sampling):
         return self.max_tokens
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Body):
     """``/tokenize`` (extension): token counts with the served model's tokenizer."""
-
-    model_config = STRICT
 
     prompt: Union[str, list[str]]
     return_ids: bool = False

@@ -27,6 +27,7 @@ class ServerOptions:
     max_queued_requests: int = 512
     api_key: Optional[str] = None  # None: no authentication
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    tool_call_parser: str = "qwen25"  # the one tool-call format (server/tools.py); "hermes" names it too
 
 
 class ServerState:

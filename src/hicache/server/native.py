@@ -1,0 +1,246 @@
+"""SGLang's native API: ``POST /generate``, as SGLang answers it.
+
+Units are tokens. One request is one prompt (``text`` or ``input_ids``); a batch of prompts is
+refused with a 400. ``sampling_params`` carries SGLang's names and defaults (``max_new_tokens``
+128, ``sampling_seed`` is the seed); a parameter hicache cannot honour is refused unless it is
+at its neutral value (``n`` 1, penalties 0, ``repetition_penalty`` 1...), so an answer never
+silently differs from what was asked. ``null`` means the default for every field; unknown
+fields are ignored, as SGLang's extras such as ``lora_path: null`` or ``logprob_start_len``.
+
+The answer is ``{"text", "output_ids", "meta_info"}``; ``meta_info`` holds ``id`` (the ``rid``),
+``prompt_tokens``, ``completion_tokens``, ``cached_tokens`` and SGLang's
+``cached_tokens_details`` (device / host / storage), ``finish_reason`` as
+``{"type": "stop" | "length" | "abort", "matched" | "length" | "message": ...}``,
+``e2e_latency`` (seconds), and hicache's extensions (``timing``, speculative and P/D figures).
+Streamed, every ``data:`` chunk carries the CUMULATIVE text and output ids so far (SGLang's
+default, what its ``bench_serving`` and ``bench_multiturn.py`` read); the last chunk is the
+whole answer, then ``data: [DONE]``. ``bootstrap_host`` / ``bootstrap_port`` /
+``bootstrap_room`` make the request one half of a P/D pair, as on ``/v1/completions``.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any, AsyncIterator, Optional, Union
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, Field
+
+from ..errors import HicacheError
+from ..frontend.loop import RequestHandle
+from ..runtime.request import GenerateResult
+from ..runtime.sampling import SamplingParams
+from .detok import IncrementalText
+from .parsing import parse_body, read_body
+from .protocol import STRICT, APIError, _Sampling
+from .state import ServerState
+from .submit import Prepared, _check_fits, _collect, _disagg, _spec, _sse, _submit, _timing, engine_dead_during
+
+logger = logging.getLogger("hicache.server.app")
+
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
+
+# sampling_params hicache does not implement, with the values that leave the answer unchanged.
+NEUTRAL: dict[str, tuple] = {
+    "n": (1,), "min_new_tokens": (0,), "min_p": (0.0,), "frequency_penalty": (0.0,),
+    "presence_penalty": (0.0,), "repetition_penalty": (1.0,), "logit_bias": ({},), "no_stop_trim": (False,),
+    "skip_special_tokens": (True,), "stop_regex": ("", []), "beam_width": (1,), "custom_params": ({},),
+}
+# Top-level fields refused unless null / false: each would change or add to the answer.
+UNSUPPORTED_FIELDS: dict[str, str] = {
+    "return_logprob": "logprobs are not supported.",
+    "lora_path": "LoRA adapters are not supported.",
+    "image_data": "image inputs are not supported.",
+    "audio_data": "audio inputs are not supported.",
+    "video_data": "video inputs are not supported.",
+    "return_hidden_states": "hidden states are not returned.",
+    "custom_logit_processor": "custom logit processors are not supported.",
+    "session_params": "sessions are not supported.",
+}
+
+
+class NativeSamplingParams(BaseModel):
+    """``sampling_params`` of ``/generate`` (SGLang's names)."""
+
+    model_config = STRICT
+
+    max_new_tokens: Optional[int] = None
+    temperature: Optional[float] = Field(None, ge=0.0)
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    top_k: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: Optional[bool] = None
+    sampling_seed: Optional[int] = None
+    stream_interval: Optional[int] = None  # how often SGLang streams: no effect on the answer
+    spaces_between_special_tokens: Optional[bool] = None  # special tokens are skipped: no effect
+    # Accepted only at their NEUTRAL values.
+    n: Optional[int] = None
+    min_new_tokens: Optional[int] = None
+    min_p: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
+    no_stop_trim: Optional[bool] = None
+    skip_special_tokens: Optional[bool] = None
+    stop_regex: Optional[Union[str, list[str]]] = None
+    beam_width: Optional[int] = None
+    custom_params: Optional[dict[str, Any]] = None
+    # Structured output (see refuse_structured_output).
+    json_schema: Optional[str] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
+    structural_tag: Optional[str] = None
+
+
+class GenerateRequest(_Sampling):
+    """The body of ``/generate``. It shares ``_Sampling``'s ``cache_salt`` and bootstrap fields
+    (SGLang's names too); that class's OpenAI sampling fields are not read here: SGLang keeps
+    them in ``sampling_params``."""
+
+    model: str = ""  # /generate names no model
+    text: Optional[Union[str, list[str]]] = None
+    input_ids: Optional[Union[list[int], list[list[int]]]] = None
+    sampling_params: Optional[NativeSamplingParams] = None  # one prompt: one object, not a list
+    stream: Optional[bool] = None  # type: ignore[assignment]
+    rid: Optional[str] = Field(None, min_length=1, max_length=256)
+    return_logprob: Optional[bool] = None
+    return_hidden_states: Optional[bool] = None
+    lora_path: Optional[Any] = None
+    image_data: Optional[Any] = None
+    audio_data: Optional[Any] = None
+    video_data: Optional[Any] = None
+    custom_logit_processor: Optional[Any] = None
+    session_params: Optional[Any] = None
+
+
+def _refuse(field: str, message: str) -> APIError:
+    return APIError(400, message, param=field, code="unsupported_parameter")
+
+
+def refuse_structured_output(sp: NativeSamplingParams) -> None:
+    """Structured output: refused until the engine has a grammar backend (replace this)."""
+    for name in ("json_schema", "regex", "ebnf", "structural_tag"):
+        if getattr(sp, name) is not None:
+            raise _refuse(f"sampling_params.{name}", f"sampling_params.{name} is not supported (no structured output).")
+
+
+def _check_supported(body: GenerateRequest, sp: NativeSamplingParams) -> None:
+    for name, message in UNSUPPORTED_FIELDS.items():
+        if getattr(body, name) not in (None, False):
+            raise _refuse(name, f"{name}: {message}")
+    for name, neutral in NEUTRAL.items():
+        value = getattr(sp, name)
+        if value is not None and value not in neutral:
+            raise _refuse(f"sampling_params.{name}", f"sampling_params.{name} is not supported; leave it at "
+                                                     f"{neutral[0]!r}, got {value!r}.")
+    refuse_structured_output(sp)
+
+
+def _sampling(sp: NativeSamplingParams) -> SamplingParams:
+    """hicache's SamplingParams; a null or absent field takes SGLang's default."""
+    out = SamplingParams(
+        max_new_tokens=sp.max_new_tokens if sp.max_new_tokens is not None else DEFAULT_MAX_NEW_TOKENS,
+        temperature=1.0 if sp.temperature is None else sp.temperature,
+        top_p=1.0 if sp.top_p is None else sp.top_p,
+        top_k=-1 if sp.top_k is None else sp.top_k,
+        stop=sp.stop, stop_token_ids=tuple(sp.stop_token_ids or ()), ignore_eos=bool(sp.ignore_eos),
+        seed=sp.sampling_seed,
+    )
+    try:
+        out.validate()
+    except HicacheError as e:
+        raise APIError(400, f"sampling_params: {e}", param="sampling_params", code="invalid_value") from None
+    return out
+
+
+def _prompt(body: GenerateRequest, st: ServerState) -> tuple[list[int], str]:
+    """The one prompt's token ids and the field that held it."""
+    if (body.text is None) == (body.input_ids is None):
+        raise APIError(400, "give exactly one of text and input_ids.", param="text")
+    if body.text is not None:
+        if not isinstance(body.text, str):
+            raise APIError(400, "one prompt per request is supported; send text as a string.", param="text")
+        return st.engine.tokenizer.encode(body.text), "text"
+    if body.input_ids and isinstance(body.input_ids[0], list):
+        raise APIError(400, "one prompt per request is supported; send input_ids as a list of ints.",
+                       param="input_ids")
+    return list(body.input_ids), "input_ids"  # type: ignore[arg-type]
+
+
+def _prepare_generate(raw: bytes, st: ServerState) -> Prepared:
+    body = parse_body(raw, GenerateRequest)
+    sp = body.sampling_params or NativeSamplingParams()
+    _check_supported(body, sp)
+    ids, param = _prompt(body, st)
+    sampling = _sampling(sp)
+    _check_fits(ids, sp.max_new_tokens, st.engine.context_length, param)
+    return Prepared(body, ids, sampling, param)
+
+
+def _finish_reason(res: GenerateResult, p: Prepared, st: ServerState) -> Optional[dict[str, Any]]:
+    """SGLang's finish reason: what stopped the request (a token id or stop string), the length."""
+    if res.finish_reason == "length":
+        return {"type": "length", "length": res.completion_tokens}
+    if res.finish_reason == "abort":
+        return {"type": "abort", "message": "the request was aborted."}
+    out: dict[str, Any] = {"type": "stop", "matched": None}
+    last = res.output_ids[-1] if res.output_ids else None
+    eos = st.engine.tokenizer.eos_token_ids if not p.sampling.ignore_eos else set()
+    if last is not None and (last in eos or last in p.sampling.stop_token_ids):
+        out["matched"] = last
+    elif p.sampling.stop_strings:
+        rest = st.engine.tokenizer.decode(res.output_ids)[len(res.text):]
+        out["matched"] = next((s for s in p.sampling.stop_strings if rest.startswith(s)), None)
+    return out
+
+
+def _answer_of(rid: str, res: GenerateResult, p: Prepared, st: ServerState) -> dict[str, Any]:
+    """The whole answer: non-streaming body, and the last streamed chunk."""
+    return {"text": res.text, "output_ids": list(res.output_ids), "meta_info": {
+        "id": rid, "finish_reason": _finish_reason(res, p, st), "prompt_tokens": res.prompt_tokens,
+        "completion_tokens": res.completion_tokens, "cached_tokens": res.cached_tokens,
+        "cached_tokens_details": dict(res.cached_tokens_details), "e2e_latency": res.e2e_s,
+        "timing": _timing(res), **_spec(res), **_disagg(res),
+    }}
+
+
+async def _stream(st: ServerState, handle: RequestHandle, rid: str, p: Prepared) -> AsyncIterator[str]:
+    """A chunk per update with the cumulative text and ids; the last chunk is the whole answer."""
+    detok = IncrementalText(st.engine.tokenizer.decode, p.sampling.stop_strings)
+    text, ids = "", []
+    try:
+        async for upd in handle:
+            if upd.finished:
+                res = upd.result
+                yield _sse(engine_dead_during(res).body() if res.finish_reason == "error" else
+                           _answer_of(rid, res, p, st))
+                yield "data: [DONE]\n\n"
+                return
+            text += detok.add(upd.token_ids)
+            ids.extend(upd.token_ids)
+            yield _sse({"text": text, "output_ids": ids, "meta_info": {
+                "id": rid, "finish_reason": None, "prompt_tokens": handle.prompt_tokens,
+                "completion_tokens": upd.num_output_tokens}})
+    finally:
+        if not handle.finished:  # the client went away (or the server is stopping)
+            logger.info("stream closed early rid=%d; aborting", handle.rid)
+            st.loop.abort(handle.rid)
+
+
+def add_native_routes(app: FastAPI, st: ServerState) -> None:
+    """SGLang's ``POST /generate``."""
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        p: Prepared = await st.off_loop(_prepare_generate, await read_body(request, st.opts.max_request_bytes), st)
+        rid = p.body.rid or uuid.uuid4().hex  # type: ignore[attr-defined]
+        handle = _submit(st, p)
+        logger.info("generate rid=%d id=%s prompt=%d max_new=%d stream=%s", handle.rid, rid, handle.prompt_tokens,
+                    handle.max_new_tokens, p.body.stream)
+        if p.body.stream:
+            return StreamingResponse(_stream(st, handle, rid, p), media_type="text/event-stream")
+        res = await _collect(st, request, handle)
+        return JSONResponse(_answer_of(rid, res, p, st))

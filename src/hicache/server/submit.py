@@ -1,0 +1,128 @@
+"""What every generating endpoint shares (the OpenAI routes in :mod:`.app`, SGLang's native
+``/generate`` in :mod:`.native`): a prepared request, submitting it, waiting for its result
+while watching the client, the per-request figures of the answer, and server-sent events.
+Counts are tokens; times are seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from fastapi import Request
+
+from ..errors import ContextLengthError, EngineDeadError, HicacheError
+from ..frontend.loop import RequestHandle
+from ..runtime.request import GenerateResult
+from ..runtime.sampling import SamplingParams
+from .protocol import APIError, _Sampling
+from .state import ServerState
+
+logger = logging.getLogger("hicache.server.app")
+
+DISCONNECT_POLL_S = 0.2  # how often a non-streaming request checks whether its client left
+
+
+@dataclass
+class Prepared:
+    """A validated request, tokenized, ready to submit."""
+
+    body: _Sampling
+    ids: list[int]
+    sampling: SamplingParams
+    param: str  # the field that holds the prompt, for errors about it
+    call_names: frozenset[str] = frozenset()  # chat with tools: functions whose calls are parsed
+
+
+def engine_dead(e: BaseException | str) -> APIError:
+    return APIError(503, str(e), type="server_error", code="engine_dead")
+
+
+def engine_dead_during(res: GenerateResult) -> APIError:
+    """A request the engine failed while it ran (finish_reason "error"). A P/D request whose
+    KV transfer failed is that request's failure, not the engine's."""
+    if res.kv_transfer_error:
+        return APIError(503, f"the KV transfer for this request failed: {res.error}", type="server_error",
+                        code="kv_transfer_failed")
+    return engine_dead(f"the engine failed during this request: {res.error}")
+
+
+def _usage(res: GenerateResult) -> dict[str, Any]:
+    return {
+        "prompt_tokens": res.prompt_tokens,
+        "completion_tokens": res.completion_tokens,
+        "total_tokens": res.prompt_tokens + res.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": res.cached_tokens,
+                                  "cached_tokens_details": dict(res.cached_tokens_details)},
+        **_spec(res),
+        **_disagg(res),
+    }
+
+
+def _disagg(res: GenerateResult) -> dict[str, Any]:
+    """P/D per-request figures (extension; absent for a request without a bootstrap)."""
+    if not res.disaggregated:
+        return {}
+    return {"decode_prefix_len": res.decode_prefix_len, "kv_transferred_tokens": res.kv_transferred_tokens,
+            "kv_transferred_bytes": res.kv_transferred_bytes}
+
+
+def _spec(res: GenerateResult) -> dict[str, Any]:
+    """Speculative decoding's per-request figures (extension; absent when it is off)."""
+    if not res.spec_verify_steps:
+        return {}
+    return {"spec_accept_length": res.spec_accept_length, "spec_verify_steps": res.spec_verify_steps}
+
+
+def _timing(res: GenerateResult) -> dict[str, float]:
+    """Server-side timing of one request (extension), seconds."""
+    return {"ttft_s": res.ttft_s, "queue_time_s": res.queue_time_s, "forward_time_s": res.forward_time_s,
+            "e2e_s": res.e2e_s}
+
+
+def _check_fits(ids: list[int], max_new: Optional[int], context_length: int, param: str) -> None:
+    """An explicit max_tokens that cannot fit is an error (a default one is shortened)."""
+    if max_new is not None and len(ids) + max_new > context_length:
+        raise APIError(400, f"the prompt has {len(ids)} tokens and max_tokens is {max_new}, but the context length "
+                            f"is {context_length}; lower max_tokens or shorten the prompt.",
+                       param=param, code="context_length_exceeded")
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _submit(st: ServerState, p: Prepared) -> RequestHandle:
+    """Queue a prepared request; engine-side refusals become OpenAI errors."""
+    st.check_capacity()
+    try:
+        return st.loop.submit(p.ids, p.sampling, p.body.cache_salt, bootstrap=p.body.bootstrap())
+    except ContextLengthError as e:
+        raise APIError(400, str(e), param=p.param, code="context_length_exceeded") from None
+    except EngineDeadError as e:
+        raise engine_dead(e) from None
+    except HicacheError as e:
+        raise APIError(400, str(e), code="invalid_value") from None
+
+async def _collect(st: ServerState, request: Request, handle: RequestHandle) -> GenerateResult:
+    """Wait for the result; abort the request if the client goes away meanwhile."""
+    task = asyncio.ensure_future(handle.wait())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                res = task.result()
+                if res.finish_reason == "error":
+                    raise engine_dead_during(res)
+                return res
+            if await request.is_disconnected():
+                logger.info("client disconnected rid=%d; aborting", handle.rid)
+                raise APIError(499, "the client closed the connection.", code="client_closed")
+    finally:
+        if not task.done():
+            task.cancel()
+            st.loop.abort(handle.rid)
+

@@ -1,0 +1,181 @@
+"""Structured output and tools: grammars (JSON schema, regex, EBNF, Lark) mask every sampled token,
+forced tool calls always parse and satisfy their schema, the reply's calls come back as
+``tool_calls`` (streamed too), and what cannot compile is one clear 400 with the server healthy.
+Through the `openai` SDK against a live server; the grammar engine also under speculative
+decoding, the prefix cache and TP2."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import openai
+import pytest
+
+from hicache import Engine
+from hicache.runtime.sampling import GrammarSpec, SamplingParams
+from hicache.server.serve import ServerThread
+
+pytestmark = [pytest.mark.server, pytest.mark.engine]
+
+MODEL = "tiny"
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+          "required": ["name", "age"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "a + b",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
+                                                    "b": {"type": "integer", "minimum": 0, "maximum": 999}},
+                   "required": ["a", "b"], "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = Engine("random:tiny", dtype="float32", max_total_tokens=16384)
+    srv = ServerThread(engine, served_model_name=MODEL)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def check_person(text: str) -> dict:
+    obj = json.loads(text)
+    assert set(obj) == {"name", "age"} and isinstance(obj["name"], str) and len(obj["name"]) <= 12
+    assert isinstance(obj["age"], int) and 0 <= obj["age"] <= 150
+    return obj
+
+
+def test_json_schema_output_parses_and_follows_the_schema_even_sampled(client) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    for seed in range(4):
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A person?"}],
+                                           response_format=fmt, temperature=1.0, seed=seed, max_tokens=64)
+        assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+        check_person(r.choices[0].message.content)
+
+
+def test_json_object_regex_and_ebnf(client, server) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "JSON please"}],
+                                       response_format={"type": "json_object"}, temperature=0.8, seed=1,
+                                       max_tokens=200)
+    if r.choices[0].finish_reason == "stop":  # a random model may write a long object: cut by max_tokens
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:
+        assert r.choices[0].message.content.startswith("{")
+    regex = r"(yes|no), [0-9]{3}"
+    text = client.completions.create(model=MODEL, prompt="Answer:", max_tokens=20, temperature=1.0, seed=5,
+                                     extra_body={"regex": regex}).choices[0].text
+    assert re.fullmatch(regex, text), text
+    ebnf = 'root ::= "The answer is " digit digit "."\ndigit ::= [0-9]'
+    text = client.completions.create(model=MODEL, prompt="Q:", max_tokens=20, temperature=1.0, seed=2,
+                                     extra_body={"ebnf": ebnf}).choices[0].text
+    assert re.fullmatch(r"The answer is [0-9]{2}\.", text), text
+
+
+@pytest.mark.parametrize("body, param, says", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format", "cannot be compiled"),
+    ({"extra": {"regex": "a[b"}}, "regex", "cannot be compiled"),
+    ({"extra": {"regex": "[^\\x00-\\x{10FFFF}]"}}, "regex", "matches nothing"),
+    ({"extra": {"ebnf": 'root ::= "x" | ('}}, "ebnf", "cannot be compiled"),
+    ({"extra": {"regex": "x", "ebnf": 'root ::= "x"'}}, "ebnf", "one of response_format, regex and ebnf"),
+    ({"extra": {"regex": "x", "ignore_eos": True}}, "regex", "ignore_eos cannot be combined"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools", "letters, digits"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "not in tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"type": "wat"}}}}}], "tool_choice": "required"}, "tools", "cannot be compiled"),
+])
+def test_what_cannot_compile_is_one_clear_400_and_the_server_stays_healthy(server, body, param, says) -> None:
+    payload = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+               **{k: v for k, v in body.items() if k != "extra"}, **body.get("extra", {})}
+    r = httpx.post(server.base_url + "/v1/chat/completions", json=payload, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and says in err["message"], err
+    assert err["message"].count(". ") == 0 and err["message"].endswith("."), err["message"]  # one sentence
+    assert httpx.get(server.base_url + "/health").status_code == 200
+
+
+def test_forced_tool_calls_parse_and_satisfy_their_schema(client) -> None:
+    messages = [{"role": "user", "content": "Weather in Paris, and 2 + 3?"}]
+    for seed in range(3):
+        # one call a reply: a random model given "\n<tool_call>" or EOS after each call may go on for long
+        r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, ADD], temperature=1.0,
+                                           tool_choice="required", parallel_tool_calls=seed == 0, seed=seed,
+                                           max_tokens=150 if seed else 1000)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+        for call in choice.message.tool_calls:
+            args = json.loads(call.function.arguments)
+            assert call.type == "function" and call.id.startswith("call_")
+            if call.function.name == "get_weather":
+                assert set(args) == {"city", "unit"} and args["unit"] in ("celsius", "fahrenheit")
+            else:
+                assert call.function.name == "add" and isinstance(args["a"], int) and isinstance(args["b"], int)
+    named = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, ADD], temperature=1.0,
+                                           tool_choice={"type": "function", "function": {"name": "add"}},
+                                           parallel_tool_calls=False, seed=9, max_tokens=120)
+    calls = named.choices[0].message.tool_calls
+    assert [c.function.name for c in calls] == ["add"]
+
+
+def test_a_tool_round_trip_with_a_local_function_streamed_and_not(client) -> None:
+    """Call forced, run the function here, send the result back as a `tool` message; the same
+    calls arrive whole through a stream (the SDK's accumulation of deltas)."""
+    messages = [{"role": "user", "content": "What is 2 + 3? Use the tool."}]
+    kw = dict(model=MODEL, tools=[ADD], tool_choice={"type": "function", "function": {"name": "add"}},
+              parallel_tool_calls=False, temperature=0, max_tokens=100)
+    r = client.chat.completions.create(messages=messages, **kw)
+    call = r.choices[0].message.tool_calls[0]
+    chunks = list(client.chat.completions.create(messages=messages, stream=True, **kw))
+    streamed = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(t.function.name, t.function.arguments) for t in streamed] == [("add", call.function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    args = json.loads(call.function.arguments)
+    messages += [r.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": str(args["a"] + args["b"])}]
+    final = client.chat.completions.create(model=MODEL, messages=messages, tools=[ADD], max_tokens=8, temperature=0)
+    assert final.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert final.usage.prompt_tokens_details.cached_tokens > 0  # the history before the tool result hits
+
+
+def test_nulls_mean_defaults(server) -> None:
+    payload = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": None,
+               "top_p": None, "n": None, "stream": None, "presence_penalty": None, "tools": None,
+               "response_format": None, "return_token_ids": True}
+    r = httpx.post(server.base_url + "/v1/chat/completions", json=payload, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+def test_grammar_under_speculation_and_with_a_cached_prompt() -> None:
+    """NGRAM drafts that the grammar refuses are rejected; greedy output equals plain decoding
+    under the same grammar, and a second request hits its prompt in the cache."""
+    prompt = "List: " + "alpha beta gamma delta " * 8
+    spec = GrammarSpec("regex", "(alpha|beta|gamma|delta)( (alpha|beta|gamma|delta)){5,12}")
+    greedy = SamplingParams(max_new_tokens=120, temperature=0.0, grammar=spec)
+    plain = Engine("random:tiny", dtype="float32", max_total_tokens=4096)
+    try:
+        want = plain.generate([prompt], greedy)[0]
+        again = plain.generate([prompt], greedy)[0]
+    finally:
+        plain.shutdown()
+    assert re.fullmatch(spec.source, want.text) and want.finish_reason == "stop", want.text
+    assert again.output_ids == want.output_ids and again.cached_tokens > 0
+    ngram = Engine("random:tiny", dtype="float32", max_total_tokens=4096, speculative_algorithm="NGRAM")
+    try:
+        got = ngram.generate([prompt], greedy)[0]
+    finally:
+        ngram.shutdown()
+    assert got.output_ids == want.output_ids and got.spec_verify_steps > 0
