@@ -39,11 +39,13 @@ import importlib
 import multiprocessing
 import threading
 
+import openai
 import pytest
+from rank_workloads import BASE, MODEL, multi_turn
 
 from hicache import Engine, consensus_record
 from hicache.cache.storage.valkey_server import find_valkey_server, start_valkey_server
-from rank_workloads import BASE, MODEL, multi_turn
+from hicache.server.serve import ServerThread
 
 MOONCAKE_SEGMENT_BYTES = 256 << 20
 AREAS = ("model", "cache", "engine", "parallel", "server", "storage", "spec", "pd", "cp")
@@ -54,6 +56,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if unmarked:
         raise pytest.UsageError("tests without an area marker (one of " + ", ".join(AREAS) + "):\n  "
                                 + "\n  ".join(unmarked))
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A live server (uvicorn in a thread) on the tiny random model, served as "tiny"; one per module."""
+    engine = Engine("random:tiny", dtype="float32", max_total_tokens=16384)
+    srv = ServerThread(engine, served_model_name="tiny")
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    """The `openai` SDK pointed at ``server``."""
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="session")
@@ -113,7 +131,10 @@ def mooncake_skip_reason() -> str | None:
 
 @pytest.fixture(scope="session")
 def mooncake_store():
-    from hicache.cache.storage.mooncake_master import start_mooncake_master, start_store_service
+    from hicache.cache.storage.mooncake_master import (
+        start_mooncake_master,
+        start_store_service,
+    )
 
     reason = mooncake_skip_reason()
     if reason:

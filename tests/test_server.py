@@ -11,27 +11,12 @@ import httpx
 import openai
 import pytest
 
-from hicache import Engine, HicacheError
-from hicache.server.serve import ServerThread
+from hicache import HicacheError
 
 pytestmark = pytest.mark.server
 
 MODEL = "tiny"
 SYSTEM = "You are a terse assistant who answers in one line. " * 4
-
-
-@pytest.fixture(scope="module")
-def server():
-    engine = Engine("random:tiny", dtype="float32", max_total_tokens=16384)
-    srv = ServerThread(engine, served_model_name=MODEL)
-    srv.start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
 
 
 def stats(server) -> dict:

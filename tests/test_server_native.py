@@ -9,22 +9,10 @@ import json
 import httpx
 import pytest
 
-from hicache import Engine
-from hicache.server.serve import ServerThread
-
 pytestmark = pytest.mark.server
 
 MODEL = "tiny"
 PROMPT = "Native generate: the prefix cache keeps pages of earlier prompts. " * 3
-
-
-@pytest.fixture(scope="module")
-def server():
-    engine = Engine("random:tiny", dtype="float32", max_total_tokens=16384)
-    srv = ServerThread(engine, served_model_name=MODEL)
-    srv.start()
-    yield srv
-    srv.stop()
 
 
 def generate(server, **body) -> httpx.Response:

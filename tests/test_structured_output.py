@@ -10,12 +10,10 @@ import json
 import re
 
 import httpx
-import openai
 import pytest
 
 from hicache import Engine
 from hicache.runtime.sampling import GrammarSpec, SamplingParams
-from hicache.server.serve import ServerThread
 
 pytestmark = [pytest.mark.server, pytest.mark.engine]
 
@@ -33,20 +31,6 @@ ADD = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
                                                     "b": {"type": "integer", "minimum": 0, "maximum": 999}},
                    "required": ["a", "b"], "additionalProperties": False}}}
-
-
-@pytest.fixture(scope="module")
-def server():
-    engine = Engine("random:tiny", dtype="float32", max_total_tokens=16384)
-    srv = ServerThread(engine, served_model_name=MODEL)
-    srv.start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
 
 
 def check_person(text: str) -> dict:
