@@ -132,3 +132,30 @@ def test_model_and_server_info_have_what_bench_serving_reads(server) -> None:
     assert info["is_generation"] is True and info["tokenizer_path"] is None  # no HF directory to load
     server_info = httpx.get(server.base_url + "/get_server_info").json()
     assert isinstance(server_info["internal_states"], list) and server_info["internal_states"]
+
+
+@pytest.mark.pd
+@pytest.mark.slow
+def test_sglang_router_serves_generate_through_a_pd_pair() -> None:
+    """sglang-router's /generate route in PD mode adds the bootstrap fields and sends the body to
+    both servers; the answer is the decode server's, as one engine would give it."""
+    from hicache import Engine
+    from hicache.launch.servers import pd_servers
+    from hicache.runtime.sampling import SamplingParams
+
+    model = "random:small"
+    engine = Engine(model, dtype="float32", page_size=16)
+    sampling = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    want = engine.generate("Trips: Lisbon, Porto and Faro. " * 6, sampling)[0].output_ids
+    engine.shutdown()
+    common = f"--model {model} --dtype float32 --page-size 16 --max-total-tokens 2048"
+    with pd_servers(common) as pd:
+        body = {"text": "Trips: Lisbon, Porto and Faro. " * 6, "sampling_params": GREEDY | {"max_new_tokens": 8}}
+        out = httpx.post(f"{pd.url}/generate", json=body, timeout=60).json()
+        assert out["output_ids"] == want, out
+        meta = out["meta_info"]
+        assert meta["kv_transferred_tokens"] + meta["decode_prefix_len"] == meta["prompt_tokens"]
+        streamed = [json.loads(ln[6:]) for ln in httpx.post(f"{pd.url}/generate", json={**body, "stream": True},
+                                                              timeout=60).text.splitlines()
+                    if ln.startswith("data: {")]
+        assert streamed[-1]["text"] == out["text"]

@@ -163,3 +163,24 @@ def test_grammar_under_speculation_and_with_a_cached_prompt() -> None:
     finally:
         ngram.shutdown()
     assert got.output_ids == want.output_ids and got.spec_verify_steps > 0
+
+
+@pytest.mark.multirank
+@pytest.mark.parallel
+def test_tp2_ranks_apply_the_same_masks(checker) -> None:
+    """Every TP rank keeps its own matcher: greedy and seeded outputs equal one rank's, the
+    consensus checker on (PP2 was checked by hand the same way: docs/structured_output.md)."""
+    spec = GrammarSpec("regex", "(alpha|beta|gamma|delta)( (alpha|beta|gamma|delta)){5,12}")
+    prompt = "List: " + "alpha beta gamma delta " * 8
+    sampling = [SamplingParams(max_new_tokens=120, temperature=0.0, grammar=spec),
+                SamplingParams(max_new_tokens=120, temperature=1.0, seed=4, grammar=spec)]
+    outputs = []
+    for tp in (1, 2):
+        engine = Engine("random:tiny", dtype="float32", max_total_tokens=4096, tp_size=tp)
+        try:
+            outputs.append([r.output_ids for r in engine.generate([prompt, prompt], sampling)])
+            if tp == 2:
+                assert engine.group.monitor.divergence is None
+        finally:
+            engine.shutdown()
+    assert outputs[0] == outputs[1]
