@@ -90,6 +90,9 @@ def test_nulls_and_sglang_extras_take_defaults(server) -> None:
                                                       "ignore_eos": True, "n": 1, "min_new_tokens": 0},
                  stream=False, lora_path=None, return_logprob=False, logprob_start_len=-1)
     assert r.status_code == 200, r.text
+    r = generate(server, text="hi", sampling_params={"max_new_tokens": 3, "ignore_eos": True},
+                 lora_path="", return_logprob=False)  # what bench_multiturn.py sends
+    assert r.status_code == 200, r.text
     assert r.json()["meta_info"]["completion_tokens"] == 3
     assert generate(server, text="hi").json()["meta_info"]["completion_tokens"] <= 128  # SGLang's default
 

@@ -2,9 +2,9 @@
 
 Endpoints: ``/v1/chat/completions``, ``/v1/completions`` (streaming as server-sent events or
 not), ``/v1/models`` and ``/v1/models/{id}``; SGLang's native ``/generate`` is in :mod:`.native`,
-what the generating endpoints share in :mod:`.submit`; the operational ones (health, cache flush, metrics, stats, tokenize, L3
-layout, what sglang-router asks at start) are in :mod:`.operations`. Every error is
-OpenAI-shaped JSON. A request carrying ``bootstrap_host`` / ``bootstrap_port`` /
+what the generating endpoints share in :mod:`.submit`; the operational ones (health, cache
+flush, metrics, stats, tokenize, L3 layout, what sglang-router asks at start) are in
+:mod:`.operations`. Every error is OpenAI-shaped JSON. A request carrying ``bootstrap_host`` / ``bootstrap_port`` /
 ``bootstrap_room`` (what sglang-router adds in PD mode) runs as one half of a P/D pair.
 
 The event loop only moves bytes: parsing a body, rendering the chat template and tokenizing

@@ -48,7 +48,7 @@ NEUTRAL: dict[str, tuple] = {
     "presence_penalty": (0.0,), "repetition_penalty": (1.0,), "logit_bias": ({},), "no_stop_trim": (False,),
     "skip_special_tokens": (True,), "stop_regex": ("", []), "beam_width": (1,), "custom_params": ({},),
 }
-# Top-level fields refused unless null / false: each would change or add to the answer.
+# Top-level fields refused unless null, false or empty: each would change or add to the answer.
 UNSUPPORTED_FIELDS: dict[str, str] = {
     "return_logprob": "logprobs are not supported.",
     "lora_path": "LoRA adapters are not supported.",
@@ -130,7 +130,7 @@ def refuse_structured_output(sp: NativeSamplingParams) -> None:
 
 def _check_supported(body: GenerateRequest, sp: NativeSamplingParams) -> None:
     for name, message in UNSUPPORTED_FIELDS.items():
-        if getattr(body, name) not in (None, False):
+        if getattr(body, name):  # null, false and empty ("lora_path": "", as bench_multiturn.py sends) pass
             raise _refuse(name, f"{name}: {message}")
     for name, neutral in NEUTRAL.items():
         value = getattr(sp, name)
