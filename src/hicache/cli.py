@@ -16,7 +16,6 @@ from typing import Sequence
 
 from .config import EngineConfig
 from .errors import HicacheError
-from .server.tools import TOOL_CALL_PARSERS
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int = 128, temperature: float = 0.0) -> None:
@@ -179,7 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-bytes", type=int, default=8 * 2**20,
                    help="Largest request body accepted (default 8 MiB); larger ones get 413 before they are "
                         "read in full.")
-    p.add_argument("--tool-call-parser", default="qwen25", choices=TOOL_CALL_PARSERS,
+    # one format, two names (SGLang's and vLLM's); server/tools.py writes and parses it
+    p.add_argument("--tool-call-parser", default="qwen25", choices=("qwen25", "hermes"),
                    help="The format tool calls are written and parsed in: <tool_call>{\"name\", \"arguments\"}"
                         "</tool_call> (qwen25, also called hermes; docs/structured_output.md).")
     EngineConfig.add_cli_args(p)

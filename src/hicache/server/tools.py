@@ -24,7 +24,6 @@ from typing import Any, Optional
 
 from .protocol import APIError
 
-TOOL_CALL_PARSERS = ("qwen25", "hermes")  # one format, both names (SGLang's and vLLM's)
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 
