@@ -139,6 +139,25 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return run_simulate(args)
 
 
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    """``hicache serve``'s own flags (the HTTP layer's; the engine's come from EngineConfig)."""
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--served-model-name", default=None, help="Model name clients use (default: --model).")
+    p.add_argument("--max-queued-requests", type=int, default=512,
+                   help="Requests allowed to wait beyond --max-running-requests; more are refused with 503.")
+    p.add_argument("--api-key", default=None,
+                   help="Require 'Authorization: Bearer <key>' on every endpoint but /health and /metrics "
+                        "(default: $HICACHE_API_KEY, else no key).")
+    p.add_argument("--max-request-bytes", type=int, default=8 * 2**20,
+                   help="Largest request body accepted (default 8 MiB); larger ones get 413 before they are "
+                        "read in full.")
+    # one format, two names (SGLang's and vLLM's); server/tools.py writes and parses it
+    p.add_argument("--tool-call-parser", default="qwen25", choices=("qwen25", "hermes"),
+                   help="The format tool calls are written and parsed in: <tool_call>{\"name\", \"arguments\"}"
+                        "</tool_call> (qwen25, also called hermes; docs/structured_output.md).")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hicache", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
@@ -167,21 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /metrics, ...).")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--served-model-name", default=None, help="Model name clients use (default: --model).")
-    p.add_argument("--max-queued-requests", type=int, default=512,
-                   help="Requests allowed to wait beyond --max-running-requests; more are refused with 503.")
-    p.add_argument("--api-key", default=None,
-                   help="Require 'Authorization: Bearer <key>' on every endpoint but /health and /metrics "
-                        "(default: $HICACHE_API_KEY, else no key).")
-    p.add_argument("--max-request-bytes", type=int, default=8 * 2**20,
-                   help="Largest request body accepted (default 8 MiB); larger ones get 413 before they are "
-                        "read in full.")
-    # one format, two names (SGLang's and vLLM's); server/tools.py writes and parses it
-    p.add_argument("--tool-call-parser", default="qwen25", choices=("qwen25", "hermes"),
-                   help="The format tool calls are written and parsed in: <tool_call>{\"name\", \"arguments\"}"
-                        "</tool_call> (qwen25, also called hermes; docs/structured_output.md).")
+    _add_serve_args(p)
     EngineConfig.add_cli_args(p)
     p.set_defaults(func=cmd_serve)
 

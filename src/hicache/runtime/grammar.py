@@ -60,12 +60,12 @@ class GrammarCompiler:
 
     def _grammar(self, spec: GrammarSpec) -> str:
         """llguidance's grammar for ``spec``; InvalidRequestError if it cannot be built."""
-        fmt = {"json_schema": "json_schema", "regex": "regex", "ebnf": "gbnf", "lark": "lark"}[spec.kind]
         try:
             if spec.kind == "json_schema":  # fixed separators, no free whitespace (a schema's x-guidance may differ)
                 grammar = self._lg.LLMatcher.grammar_from_json_schema(spec.source, defaults=JSON_OPTIONS)
             else:
-                grammar = self._lg.grammar_from(fmt, spec.source)
+                grammar = self._lg.grammar_from({"regex": "regex", "ebnf": "gbnf", "lark": "lark"}[spec.kind],
+                                                spec.source)
         except ValueError as e:
             raise InvalidRequestError(f"the {spec.kind} grammar cannot be compiled: {_first_line(e)}") from None
         is_error, messages = self._lg.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)

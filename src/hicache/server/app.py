@@ -72,7 +72,7 @@ def _sampling(st: ServerState, body: _Sampling, max_new: Optional[int], default_
         logger.info("ignoring the request field %r (not an OpenAI, SGLang or vLLM field this server uses)", name)
     if max_new is not None and max_new < 1:
         raise APIError(400, f"max_tokens must be at least 1, got {max_new}.", param="max_tokens", code="invalid_value")
-    own = body.grammar_spec()
+    param, own = body.grammar_spec() or (None, None)
     if grammar is not None and own is not None:
         raise APIError(400, "a forced tool call cannot be combined with response_format, regex or ebnf.",
                        param="tool_choice", code="invalid_value")
@@ -86,9 +86,7 @@ def _sampling(st: ServerState, body: _Sampling, max_new: Optional[int], default_
         sp.validate()
         st.engine.check_grammar(sp.grammar)  # compiled here, off the event loop (then cached)
     except HicacheError as e:
-        given = [f for f in ("response_format", "regex", "ebnf") if getattr(body, f) is not None]
-        param = "tools" if grammar is not None else (given[0] if given and sp.grammar is not None else None)
-        raise APIError(400, str(e), param=param, code="invalid_value") from None
+        raise APIError(400, str(e), param="tools" if grammar is not None else param, code="invalid_value") from None
     return sp
 
 

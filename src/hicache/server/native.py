@@ -26,7 +26,7 @@ from typing import Any, AsyncIterator, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from ..errors import HicacheError
 from ..frontend.loop import RequestHandle
@@ -34,11 +34,11 @@ from ..runtime.request import GenerateResult
 from ..runtime.sampling import SamplingParams
 from .detok import IncrementalText
 from .parsing import parse_body, read_body
-from .protocol import STRICT, APIError, _Sampling
+from .protocol import APIError, _Body, _Sampling
 from .state import ServerState
 from .submit import Prepared, _check_fits, _collect, _disagg, _spec, _sse, _submit, _timing, engine_dead_during
 
-logger = logging.getLogger("hicache.server.app")
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 
@@ -61,18 +61,16 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
 }
 
 
-class NativeSamplingParams(BaseModel):
-    """``sampling_params`` of ``/generate`` (SGLang's names)."""
+class NativeSamplingParams(_Body):
+    """``sampling_params`` of ``/generate`` (SGLang's names and defaults; null = the default)."""
 
-    model_config = STRICT
-
-    max_new_tokens: Optional[int] = None
-    temperature: Optional[float] = Field(None, ge=0.0)
-    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
-    top_k: Optional[int] = None
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = -1
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[int]] = None
-    ignore_eos: Optional[bool] = None
+    ignore_eos: bool = False
     sampling_seed: Optional[int] = None
     stream_interval: Optional[int] = None  # how often SGLang streams: no effect on the answer
     spaces_between_special_tokens: Optional[bool] = None  # special tokens are skipped: no effect
@@ -141,15 +139,10 @@ def _check_supported(body: GenerateRequest, sp: NativeSamplingParams) -> None:
 
 
 def _sampling(sp: NativeSamplingParams) -> SamplingParams:
-    """hicache's SamplingParams; a null or absent field takes SGLang's default."""
-    out = SamplingParams(
-        max_new_tokens=sp.max_new_tokens if sp.max_new_tokens is not None else DEFAULT_MAX_NEW_TOKENS,
-        temperature=1.0 if sp.temperature is None else sp.temperature,
-        top_p=1.0 if sp.top_p is None else sp.top_p,
-        top_k=-1 if sp.top_k is None else sp.top_k,
-        stop=sp.stop, stop_token_ids=tuple(sp.stop_token_ids or ()), ignore_eos=bool(sp.ignore_eos),
-        seed=sp.sampling_seed,
-    )
+    """hicache's SamplingParams (an invalid combination is a 400)."""
+    out = SamplingParams(max_new_tokens=sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
+                         stop=sp.stop, stop_token_ids=tuple(sp.stop_token_ids or ()), ignore_eos=sp.ignore_eos,
+                         seed=sp.sampling_seed)
     try:
         out.validate()
     except HicacheError as e:
@@ -177,7 +170,8 @@ def _prepare_generate(raw: bytes, st: ServerState) -> Prepared:
     _check_supported(body, sp)
     ids, param = _prompt(body, st)
     sampling = _sampling(sp)
-    _check_fits(ids, sp.max_new_tokens, st.engine.context_length, param)
+    explicit = sp.max_new_tokens if "max_new_tokens" in sp.model_fields_set else None  # a default one is shortened
+    _check_fits(ids, explicit, st.engine.context_length, param)
     return Prepared(body, ids, sampling, param)
 
 

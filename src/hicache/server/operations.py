@@ -71,6 +71,19 @@ def add_operation_routes(app: FastAPI, st: ServerState) -> None:
         """How L3 objects are cut and named (unified key scheme: grid, namespace, rank cells)."""
         return st.engine.storage_layout()
 
+    _add_info_routes(app, st)
+
+    @app.get("/stats")
+    async def stats() -> dict:
+        return {**(await st.loop.stats()), "inflight_requests": st.loop.num_inflight}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        return await st.off_loop(_tokenize, await read_body(request, st.opts.max_request_bytes), st)
+
+
+def _add_info_routes(app: FastAPI, st: ServerState) -> None:
+    """What SGLang's router and bench_serving ask a worker: the model, the server's settings and state."""
     @app.get("/model_info")
     @app.get("/get_model_info")
     async def model_info() -> dict:
@@ -95,11 +108,3 @@ def add_operation_routes(app: FastAPI, st: ServerState) -> None:
         return {**{k: v for k, v in dataclasses.asdict(cfg).items() if isinstance(v, (str, int, float, bool, type(None)))},
                 "served_model_name": st.opts.served_model_name, "context_length": st.engine.context_length,
                 "internal_states": [state]}
-
-    @app.get("/stats")
-    async def stats() -> dict:
-        return {**(await st.loop.stats()), "inflight_requests": st.loop.num_inflight}
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> dict:
-        return await st.off_loop(_tokenize, await read_body(request, st.opts.max_request_bytes), st)

@@ -107,20 +107,16 @@ class _Sampling(_Body):
             raise ValueError("must be a non-empty string when given")
         return v
 
-    def grammar_spec(self) -> Optional[GrammarSpec]:
-        """What the output must match (response_format, regex or ebnf; at most one), or None."""
-        given = [f for f in ("regex", "ebnf") if getattr(self, f) is not None]
-        spec = _response_format_grammar(self.response_format)
-        if spec is not None:
-            given.insert(0, "response_format")
+    def grammar_spec(self) -> Optional[tuple[str, GrammarSpec]]:
+        """``(field, spec)``: what the output must match and the field that said so (response_format,
+        regex or ebnf; at most one), or None."""
+        given = [(f, spec) for f, spec in (("response_format", _response_format_grammar(self.response_format)),
+                                           ("regex", self.regex and GrammarSpec("regex", self.regex)),
+                                           ("ebnf", self.ebnf and GrammarSpec("ebnf", self.ebnf))) if spec is not None]
         if len(given) > 1:
-            raise APIError(400, f"give one of response_format, regex and ebnf, not {' and '.join(given)}.",
-                           param=given[1], code="invalid_value")
-        if self.regex is not None:
-            return GrammarSpec("regex", self.regex)
-        if self.ebnf is not None:
-            return GrammarSpec("ebnf", self.ebnf)
-        return spec
+            raise APIError(400, f"give one of response_format, regex and ebnf, not {' and '.join(f for f, _ in given)}.",
+                           param=given[1][0], code="invalid_value")
+        return given[0] if given else None
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for the first option this engine cannot honour, else None."""

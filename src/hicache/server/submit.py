@@ -21,7 +21,7 @@ from ..runtime.sampling import SamplingParams
 from .protocol import APIError, _Sampling
 from .state import ServerState
 
-logger = logging.getLogger("hicache.server.app")
+logger = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.2  # how often a non-streaming request checks whether its client left
 
