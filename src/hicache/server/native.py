@@ -36,7 +36,17 @@ from .detok import IncrementalText
 from .parsing import parse_body, read_body
 from .protocol import APIError, _Body, _Sampling
 from .state import ServerState
-from .submit import Prepared, _check_fits, _collect, _disagg, _spec, _sse, _submit, _timing, engine_dead_during
+from .submit import (
+    Prepared,
+    _check_fits,
+    _collect,
+    _disagg,
+    _spec,
+    _sse,
+    _submit,
+    _timing,
+    engine_dead_during,
+)
 
 logger = logging.getLogger(__name__)
 
