@@ -95,8 +95,12 @@ class GrammarCompiler:
 
 
 def _first_line(error: object) -> str:
-    text = str(error).strip().splitlines()
-    return (text[0] if text else "unknown error").rstrip(".") + "."
+    """llguidance's error as one sentence: its first line, and the parser's ``error:`` line
+    where it names the cause on a later one (under a caret drawing)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    head = lines[0].rstrip(":.") if lines else "unknown error"
+    cause = next((line.removeprefix("error:").strip() for line in lines[1:] if line.startswith("error:")), "")
+    return (f"{head}: {cause}" if cause else head).rstrip(".") + "."
 
 
 @dataclass
