@@ -72,6 +72,9 @@ demo: setup
 	@echo "== NGRAM speculative decoding: drafts copied from the conversation and the radix tree, no draft model =="
 	$(VENV)/bin/hicache demo --turns 4 --max-new-tokens 48 --speculative-algorithm NGRAM
 	@echo
+	@echo "== a tool-using agent through the openai SDK: read a file, calculate, answer (grammar-constrained calls; exits 1 if the answer is wrong) =="
+	$(VENV)/bin/hicache agent-demo
+	@echo
 	@echo "== unified storage layout: a two-rank (TP2) engine stores a session; a one-rank engine in a new process continues it from L3 =="
 	rm -rf out/demo-unified
 	$(VENV)/bin/hicache demo $(DEMO_UNIFIED) --tp-size 2 --turns 2 --max-new-tokens 16

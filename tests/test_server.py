@@ -90,8 +90,8 @@ def test_errors_are_openai_shaped_and_server_keeps_serving(server, client) -> No
     assert status == 404 and err["code"] == "model_not_found" and "gpt-9" in err["message"] and err["param"] == "model"
     status, err = post("/v1/completions", json={"model": MODEL, "prompt": "x", "temperature": -1})
     assert status == 400 and err["param"] == "temperature" and err["type"] == "invalid_request_error"
-    status, err = post("/v1/completions", json={"model": MODEL, "prompt": "x", "n": 2})
-    assert status == 400 and err["message"] == "only n=1 is supported."
+    status, err = post("/v1/completions", json={"model": MODEL, "prompt": "x", "n": 0})
+    assert status == 400 and err["message"] == "n must be at least 1, got 0." and err["param"] == "n"
     status, err = post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 0})
     assert status == 400 and err["param"] == "max_tokens"
     status, err = post("/v1/completions", json={"model": MODEL, "prompt": "y" * 5000})

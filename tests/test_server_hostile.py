@@ -213,7 +213,7 @@ def test_rejections_are_counted_by_reason(http) -> None:
         return 0.0
 
     before = count("unsupported_parameter"), count("request_too_large")
-    http.post("/v1/completions", json=completion(n=3))
+    http.post("/v1/completions", json=completion(echo=True))
     http.post("/v1/completions", content=b"x" * (MAX_BODY + 1))
     assert (count("unsupported_parameter"), count("request_too_large")) == (before[0] + 1, before[1] + 1)
 

@@ -113,6 +113,11 @@ def test_forced_tool_calls_parse_and_satisfy_their_schema(client) -> None:
                                            parallel_tool_calls=False, seed=9, max_tokens=120)
     calls = named.choices[0].message.tool_calls
     assert [c.function.name for c in calls] == ["add"]
+    cut = client.chat.completions.create(model=MODEL, messages=messages, tools=[ADD], max_tokens=6,
+                                         tool_choice={"type": "function", "function": {"name": "add"}})
+    choice = cut.choices[0]  # max_tokens ends it inside the call: "length", and the open call is no content
+    assert choice.finish_reason == "length" and not choice.message.tool_calls
+    assert "<tool_call>" not in (choice.message.content or "")
 
 
 def test_a_tool_round_trip_with_a_local_function_streamed_and_not(client) -> None:
@@ -174,13 +179,21 @@ def test_tp2_ranks_apply_the_same_masks(checker) -> None:
     prompt = "List: " + "alpha beta gamma delta " * 8
     sampling = [SamplingParams(max_new_tokens=120, temperature=0.0, grammar=spec),
                 SamplingParams(max_new_tokens=120, temperature=1.0, seed=4, grammar=spec)]
-    outputs = []
+    # and penalties, logprobs and n = 2 sharing the prompt (the sibling waits across ranks)
+    penalized = SamplingParams(max_new_tokens=30, temperature=0.7, seed=9, frequency_penalty=1.0,
+                               presence_penalty=0.5, logprobs=2)
+    outputs, logprobs = [], []
     for tp in (1, 2):
         engine = Engine("random:tiny", dtype="float32", max_total_tokens=4096, tp_size=tp)
         try:
             outputs.append([r.output_ids for r in engine.generate([prompt, prompt], sampling)])
+            choices = engine.generate([prompt], penalized, n=2)
+            outputs[-1] += [r.output_ids for r in choices]
+            logprobs.append([e.logprob for r in choices for e in r.logprobs])
+            assert [len(r.logprobs) for r in choices] == [len(r.output_ids) for r in choices]
             if tp == 2:
                 assert engine.group.monitor.divergence is None
         finally:
             engine.shutdown()
     assert outputs[0] == outputs[1]
+    assert logprobs[0] == pytest.approx(logprobs[1], abs=1e-4)

@@ -1,4 +1,4 @@
-"""The ``hicache`` command: generate | chat | demo | serve | node | bench.
+"""The ``hicache`` command: generate | chat | demo | agent-demo | serve | node | bench.
 
 Engine flags are the :class:`EngineConfig` fields (SGLang names); a user error prints one
 sentence and exits with status 2, never a traceback.
@@ -107,6 +107,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return run_demo(engine, turns=args.turns, max_new_tokens=args.max_new_tokens, agents=args.agents)
 
 
+def cmd_agent_demo(args: argparse.Namespace) -> int:
+    from .frontend.agent_demo import run_agent_demo
+
+    return run_agent_demo(model=args.model, server_args=args.server_args)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from .server.serve import run_server
 
@@ -184,6 +190,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=40)
     EngineConfig.add_cli_args(p)
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("agent-demo", help="A three-step tool-using agent on SmolLM2 through the openai SDK and "
+                                          "`hicache serve`; exits 1 when its final answer is wrong.")
+    p.add_argument("--model", default="smollm2", help="The model `hicache serve` loads (the answer is checked on "
+                                                      "SmolLM2).")
+    p.add_argument("--server-args", default="", help="More `hicache serve` flags, shell-quoted, e.g. "
+                                                     "--server-args='--enable-hierarchical-cache'.")
+    p.set_defaults(func=cmd_agent_demo)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /metrics, ...).")
     _add_serve_args(p)

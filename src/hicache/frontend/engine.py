@@ -159,6 +159,8 @@ class Engine:
         vocab = self.loaded.spec.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab}).")
+        if sampling.logit_bias and max(sampling.logit_bias) >= vocab:
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab}).")
         if len(ids) >= self.context_length:
             raise ContextLengthError(
                 f"the prompt has {len(ids)} tokens but the context length is {self.context_length}; "
@@ -184,11 +186,13 @@ class Engine:
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
         cache_salt: str | None = None,
         bootstrap: Bootstrap | Sequence[Bootstrap | None] | None = None,
+        n: int = 1,
     ) -> list[GenerateResult]:
-        """Generate for one prompt or a list (text or token ids). Returns one result per prompt,
-        in order. An invalid request raises :class:`InvalidRequestError` before anything runs.
-        ``bootstrap`` (P/D, per prompt): where the request's other half runs; a prefill server
-        returns once each prompt's KV was handed over (or given up on)."""
+        """Generate for one prompt or a list (text or token ids). Returns ``n`` results per prompt,
+        prompt after prompt. An invalid request raises :class:`InvalidRequestError` before anything
+        runs. ``n`` > 1: the choices share the prompt's pages (computed once; choice i is seeded
+        ``seed + i``, :meth:`SamplingParams.for_choice`). ``bootstrap`` (P/D, per prompt): where the
+        request's other half runs; a prefill server returns once each prompt's KV was handed over."""
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling is None or isinstance(sampling, SamplingParams):
@@ -198,9 +202,17 @@ class Engine:
         if len(sampling) != len(prompts) or len(bootstrap) != len(prompts):
             raise InvalidRequestError(f"got {len(sampling)} sampling params and {len(bootstrap)} bootstraps for "
                                       f"{len(prompts)} prompts.")
+        if n < 1 or (n > 1 and any(b is not None for b in bootstrap)):
+            raise InvalidRequestError("n must be >= 1, and 1 for a disaggregated request.")
         self._check_driver("generate")
         sched = self._live_scheduler()
-        reqs = [self._make_request(p, s, cache_salt, b) for p, s, b in zip(prompts, sampling, bootstrap)]
+        reqs = []
+        for p, s, b in zip(prompts, sampling, bootstrap):
+            first = self._make_request(p, s, cache_salt, b)
+            reqs.append(first)
+            for i in range(1, n):
+                reqs.append(self._make_request(first.prompt_ids, s.for_choice(i), cache_salt))
+                reqs[-1].waits_for = first.rid
         for req in reqs:
             sched.add(req)
         pending = {r.rid for r in reqs}

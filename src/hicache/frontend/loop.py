@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
 from ..disagg.bootstrap import Bootstrap
@@ -41,6 +41,7 @@ class Update:
     num_output_tokens: int  # output tokens so far
     finished: bool
     result: Optional[GenerateResult] = None  # set on the final update
+    logprobs: list = field(default_factory=list)  # the new tokens' TokenLogprob entries (when asked)
 
 
 class RequestHandle:
@@ -60,7 +61,8 @@ class RequestHandle:
         """``Request.on_update``: runs on the loop thread, cheap, never raises."""
         n = len(req.output_ids)
         done = req.status is Status.FINISHED
-        upd = Update(req.output_ids[self._sent : n], n, done, GenerateResult.from_request(req) if done else None)
+        upd = Update(req.output_ids[self._sent : n], n, done, GenerateResult.from_request(req) if done else None,
+                     req.logprobs[self._sent : n])
         self._sent = n
         try:
             self._aio_loop.call_soon_threadsafe(self._queue.put_nowait, upd)
@@ -161,12 +163,15 @@ class EngineLoop:
         cache_salt: str | None = None,
         aio_loop: asyncio.AbstractEventLoop | None = None,
         bootstrap: Bootstrap | None = None,
+        waits_for: int | None = None,
     ) -> RequestHandle:
         """Validate on the caller's thread (raises InvalidRequestError) and queue the request.
         Call from a coroutine, or pass the event loop that will consume the handle.
-        ``bootstrap``: P/D, where the request's other half runs."""
+        ``bootstrap``: P/D, where the request's other half runs. ``waits_for``: the rid of a sibling
+        with the same prompt (n > 1): admitted once that prompt is cached, it computes only its tail."""
         self.check_alive()
         req = self.engine._make_request(prompt, sampling, cache_salt, bootstrap)
+        req.waits_for = waits_for
         handle = RequestHandle(req, aio_loop or asyncio.get_running_loop())
         req.on_update = handle._push
         with self._lock:

@@ -8,6 +8,7 @@ from typing import Any, Optional
 import torch
 
 from ..disagg.bootstrap import Bootstrap
+from ..runtime.batch import Sampled
 from ..runtime.events import StepEvents
 from ..runtime.request import PDState, Request, SpecState, Status
 from ..runtime.sampling import SamplingParams
@@ -24,16 +25,17 @@ class RequestSpec:
     max_new_tokens: int
     arrival_time: float  # perf_counter of the frontend (CLOCK_MONOTONIC: one clock per machine)
     bootstrap: Optional[Bootstrap] = None  # P/D: where its other half runs
+    waits_for: Optional[int] = None  # n > 1: the sibling whose prompt it shares
 
     @classmethod
     def of(cls, req: Request) -> "RequestSpec":
         return cls(req.rid, req.prompt_ids, req.sampling, req.namespace, req.max_new_tokens, req.arrival_time,
-                   req.pd.bootstrap if req.pd is not None else None)
+                   req.pd.bootstrap if req.pd is not None else None, req.waits_for)
 
     def request(self) -> Request:
         return Request(rid=self.rid, prompt_ids=list(self.prompt_ids), sampling=self.sampling, namespace=self.namespace,
                        max_new_tokens=self.max_new_tokens, arrival_time=self.arrival_time,
-                       pd=PDState(self.bootstrap) if self.bootstrap is not None else None)
+                       pd=PDState(self.bootstrap) if self.bootstrap is not None else None, waits_for=self.waits_for)
 
 
 @dataclass
@@ -55,7 +57,7 @@ class StageMessage:
     """One step, from stage p to stage p+1 (rank to rank of the same TP position)."""
 
     inputs: StepInputs
-    results: list[list[int]]  # tokens of the in-flight batches that returned at this step, oldest first
+    results: list[Sampled]  # tokens (and logprobs) of the in-flight batches that returned at this step, oldest first
     events: StepEvents  # the agreed events (pp_sync): later stages consume exactly these
     batch: BatchKey  # what stage 0 scheduled, so a later stage can check it scheduled the same
     hidden: Optional[torch.Tensor]  # the previous stage's output for that batch
@@ -79,6 +81,7 @@ class RequestUpdate:
     spec: tuple[int, int] = (0, 0)  # speculative decoding: (verify steps, accepted tokens) so far
     error: str = ""  # finish_reason "error": why
     transfer: tuple[int, int, int] = (0, 0, 0)  # P/D: (decode_prefix_len, KV tokens, KV bytes) moved
+    logprobs: list = field(default_factory=list)  # the new tokens' TokenLogprob entries (when asked)
 
     @classmethod
     def of(cls, req: Request, sent: int) -> "RequestUpdate":
@@ -87,10 +90,11 @@ class RequestUpdate:
                    req.admitted_time, req.first_token_time, req.finish_time,
                    (req.spec.verify_steps, req.spec.accepted_tokens) if req.spec else (0, 0), req.error,
                    (req.pd.decode_prefix_len, req.pd.transferred_tokens, req.pd.transferred_bytes) if req.pd
-                   else (0, 0, 0))
+                   else (0, 0, 0), req.logprobs[sent:])
 
     def apply(self, req: Request) -> None:
         req.output_ids.extend(self.token_ids)
+        req.logprobs.extend(self.logprobs)
         req.cached = self.cached
         req.error = self.error
         if req.pd is not None:

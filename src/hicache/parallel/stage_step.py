@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..errors import HicacheError
-from ..runtime.batch import Batch
+from ..runtime.batch import Batch, Sampled
 from ..runtime.events import StepEvents
 from ..runtime.request import Request
 from ..runtime.scheduler import Scheduler
@@ -44,7 +44,7 @@ class StageStep:
     """The step's data a stage passes on (``Inbound.context``)."""
 
     inputs: StepInputs
-    results: list[list[int]]  # tokens of the in-flight batches that returned at this step
+    results: list[Sampled]  # tokens (and logprobs) of the in-flight batches that returned at this step
     batch: object = None  # later stages: what stage 0 scheduled (its batch key)
 
 

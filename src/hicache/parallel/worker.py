@@ -39,7 +39,7 @@ from ..disagg.heads import TPRanks
 from ..errors import HicacheError
 from ..model import load_model
 from ..model.parallel import model_shard, shard_model
-from ..runtime.batch import Batch
+from ..runtime.batch import Batch, Sampled
 from ..runtime.core import EngineCore, build_core, core_stats
 from ..runtime.events import StepEvents
 from ..runtime.request import Request
@@ -119,7 +119,7 @@ class StageLoop:
     def _sent_down(self, batch: Batch) -> None:
         self.inflight.append((self.step, batch))
 
-    def _returned_tokens(self, drain: bool) -> list[list[int]]:
+    def _returned_tokens(self, drain: bool) -> list[Sampled]:
         """Stage 0 of a pipeline: the tokens of the oldest in-flight batch once ``pp_size``
         steps have passed (blocking), or with ``drain`` (flush, stop) of every in-flight batch,
         so that no stage keeps a batch the others dropped."""
@@ -131,7 +131,7 @@ class StageLoop:
             return []
         return [self.groups.recv(self.tail)]
 
-    def _apply(self, inputs: StepInputs, results: list[list[int]]) -> None:
+    def _apply(self, inputs: StepInputs, results: list[Sampled]) -> None:
         """The step's inputs, in the same order on every rank. Adds before aborts: a client
         may abort a request in the same step it arrived."""
         for tokens in results:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,3 +47,13 @@ class Batch:
         if self.kind != "prefill":
             return list(range(len(self.reqs)))
         return [i for i, (r, n) in enumerate(zip(self.reqs, self.new_tokens)) if r.computed + n == len(r.prompt_ids)]
+
+
+@dataclass
+class Sampled:
+    """What sampling a batch gave: ``tokens[i]`` for ``reqs[i]`` (its next token, -1 after a prompt
+    chunk, or a verify pass's accepted tokens) and, for requests that asked, ``logprobs[i]``: one
+    ``runtime.logprobs.TokenLogprob`` per token. Sent as is from a pipeline's last stage to stage 0."""
+
+    tokens: list
+    logprobs: dict[int, list] = field(default_factory=dict)

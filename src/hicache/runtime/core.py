@@ -258,6 +258,7 @@ def core_stats(core: EngineCore, page_size: int) -> dict[str, Any]:
     hits = {"device": s.device_hit_tokens, "host": s.host_hit_tokens, "storage": s.storage_hit_tokens}
     out = {
         "prompt_tokens": s.prompt_tokens,
+        "prefill_computed_tokens": sched.prefill_computed_tokens,  # prompt tokens the forward computed
         "hit_tokens": hits,
         "hit_rate": (sum(hits.values()) / s.prompt_tokens) if s.prompt_tokens else 0.0,
         "evicted_device_pages": s.evicted_device_pages,

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from . import grammar, ngram, pd_role, speculative
+from . import grammar, ngram, pd_role, penalties, speculative
 from .modes import Mode, ModeContext
 
 MODES: tuple[Callable[[ModeContext], Optional[Mode]], ...] = (
     speculative.build,  # --speculative-algorithm STANDALONE: verify passes check a draft model's proposals
     ngram.build,  # --speculative-algorithm NGRAM: verify passes check text copied from what was seen
     pd_role.build,  # --disaggregation-mode prefill | decode
+    penalties.build,  # penalties, logit_bias, min_tokens: each row's logits adjusted before sampling
     grammar.build,  # structured output: grammar masks on the logits (after the drafts are known)
 )
 

@@ -106,6 +106,12 @@ class Request:
     spec: Optional["SpecState"] = None  # speculative decoding (set at admission)
     pd: Optional["PDState"] = None  # prefill/decode disaggregation (set with a bootstrap)
     grammar: Any = None  # structured output: runtime.grammar.GrammarState (set at admission)
+    penalty: Any = None  # penalties / logit_bias / min_tokens: runtime.penalties.PenaltyState (at admission)
+    # sampling.logprobs: one runtime.logprobs.TokenLogprob per output token, on the rank that reports
+    logprobs: list = field(default_factory=list, repr=False)
+    # n > 1: a sibling waits to be admitted until this request's prompt is computed and cached, so
+    # the prompt is computed once (its pages are shared) and each sibling only decodes
+    waits_for: Optional[int] = None
     tokens_np: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -152,6 +158,7 @@ class GenerateResult:
     kv_transferred_tokens: int = 0  # P/D: prompt tokens whose KV crossed between the servers
     kv_transferred_bytes: int = 0
     kv_transfer_error: bool = False  # P/D: finish_reason "error" because the transfer failed
+    logprobs: list = field(default_factory=list)  # sampling.logprobs: a TokenLogprob per output token
 
     @classmethod
     def from_request(cls, req: Request) -> "GenerateResult":
@@ -179,4 +186,5 @@ class GenerateResult:
             kv_transfer_error=req.pd is not None and bool(req.error),
             kv_transferred_tokens=req.pd.transferred_tokens if req.pd else 0,
             kv_transferred_bytes=req.pd.transferred_bytes if req.pd else 0,
+            logprobs=list(req.logprobs),
         )

@@ -1,4 +1,8 @@
-"""Sampling parameters and the sampler (greedy, temperature, top-p, top-k, seeded).
+"""Sampling parameters and the sampler (greedy, temperature, top-p, top-k, min-p, seeded).
+
+Penalties, ``logit_bias`` and ``min_tokens`` change a request's logits before any sampler sees
+them (runtime/penalties.py), as grammars do (runtime/grammar.py); what is left here turns the
+adjusted logits into a token.
 
 No parameter value that passes :meth:`SamplingParams.validate` can make the sampler produce a
 NaN or fail: temperatures below :data:`GREEDY_TEMPERATURE` decode greedily, logits are shifted
@@ -12,6 +16,7 @@ One tie rule everywhere: the most likely token is the lowest id among the maxima
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
@@ -29,6 +34,8 @@ GREEDY_TEMPERATURE = 1e-5
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "lark")
 MAX_GRAMMAR_CHARS = 256 * 1024  # a JSON schema of a few hundred tools; more is refused, not compiled
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+MAX_LOGIT_BIAS = 100.0  # OpenAI: each bias is in [-100, 100]
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,15 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: Optional[int] = None
     grammar: Optional[GrammarSpec] = None  # structured output: every output token keeps it matchable
+    # OpenAI's penalties, over the output so far: presence once per token seen, frequency per occurrence
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # over the prompt and the output (CTRL; vLLM, SGLang): positive logits divided by it, negative multiplied
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0  # tokens less likely than min_p x the most likely one are dropped
+    logit_bias: Optional[dict[int, float]] = None  # token id -> added to its logit
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many output tokens
+    logprobs: Optional[int] = None  # None: off; k: each output token's log-probability and the k most likely
 
     def validate(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -81,11 +97,46 @@ class SamplingParams:
             raise InvalidRequestError(f"seed must be an integer in [-2^63, 2^64), got {self.seed!r}.")
         if any(not _is_int(t) for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be integers.")
+        self._validate_adjustments()
         if self.grammar is not None:
             self.grammar.validate()
-            if self.ignore_eos:
-                raise InvalidRequestError("ignore_eos cannot be combined with a grammar: the grammar decides where "
-                                          "the output ends.")
+            for name, given in (("ignore_eos", self.ignore_eos), ("min_tokens", self.min_tokens > 0)):
+                if given:
+                    raise InvalidRequestError(f"{name} cannot be combined with a grammar: the grammar decides where "
+                                              "the output ends.")
+
+    def _validate_adjustments(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v) or not -2.0 <= v <= 2.0:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {v!r}.")
+        if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 2.0:
+            raise InvalidRequestError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}.")
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}.")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise InvalidRequestError(f"min_tokens must be an integer in [0, max_new_tokens], got {self.min_tokens!r}.")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise InvalidRequestError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}.")
+        for tok, bias in (self.logit_bias or {}).items():
+            if not _is_int(tok) or tok < 0:
+                raise InvalidRequestError(f"logit_bias keys must be token ids (integers >= 0), got {tok!r}.")
+            if not _is_real(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise InvalidRequestError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {tok}.")
+
+    def for_choice(self, index: int) -> "SamplingParams":
+        """The parameters of choice ``index`` of ``n``: the same, with seed ``seed + index`` (wrapping
+        past 2^64) so that seeded choices differ from each other and each is reproducible alone."""
+        if self.seed is None or index == 0:
+            return self
+        seed = self.seed + index
+        return dataclasses.replace(self, seed=seed - 2**64 if seed >= SEED_RANGE[1] else seed)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """The request's logits change before sampling (runtime/penalties.py)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
 
     @property
     def stop_strings(self) -> list[str]:
@@ -127,7 +178,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
 
 
 def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor | None:
-    """The row's sampling distribution after temperature, top-k and top-p; None if it has none."""
+    """The row's sampling distribution after temperature, top-k, min-p and top-p; None if it has none."""
     # Shift by the max first: the best token scales to exactly 0, the rest to <= 0 (or -inf),
     # so no temperature can overflow to inf - inf.
     row = (logits - logits.max()) / p.temperature
@@ -148,6 +199,8 @@ def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor | Non
         drop[0] = False
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    if p.min_p > 0.0:  # last, as in SGLang: relative to the most likely token, which every step keeps
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
     if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
         return None
     return probs

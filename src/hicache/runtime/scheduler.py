@@ -20,8 +20,9 @@ import torch
 
 from ..cache.manager import KVCacheManager
 from ..consensus_record import consensus_check
-from .batch import Batch
+from .batch import Batch, Sampled
 from .events import PrefetchEvent, StepEvents
+from .logprobs import batch_logprobs
 from .modes import Action, Fail, Mode, Release, StartDecode
 from .prefetch_policy import PrefetchPolicy
 from .request import PrefetchWait, Request, Status
@@ -57,6 +58,7 @@ class Scheduler:
         self.modes = list(modes)
         # slots a request reserves past its tokens (a mode's passes may write KV there)
         self.reserve_slots = sum(m.reserve_slots() for m in self.modes)
+        self.prefill_computed_tokens = 0  # prompt tokens the forward computed (cache hits excluded)
 
     # ---- queue ---------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -187,6 +189,8 @@ class Scheduler:
                 break
             if not self._prefetch_settled(req):
                 continue  # its storage read is still arriving; later requests may go first
+            if req.waits_for is not None and self._prompt_pending(req.waits_for):
+                continue  # n > 1: admitted once its sibling's prompt is cached, to share its pages
             if not self._admit(req):
                 break  # first-come first-served for memory: later requests wait behind it
             self.waiting.remove(req)
@@ -198,6 +202,11 @@ class Scheduler:
             batch.append((req, n))
             budget -= n
         return batch
+
+    def _prompt_pending(self, rid: int) -> bool:
+        """Request ``rid`` is queued or still computing its prompt."""
+        return any(r.rid == rid for r in self.waiting) or any(
+            r.rid == rid and r.status is not Status.DECODE for r in self.running)
 
     def _prefetch_settled(self, req: Request) -> bool:
         """True once the policy stops waiting for the request's prefetch, after inserting
@@ -229,12 +238,18 @@ class Scheduler:
         return True
 
     # ---- results ---------------------------------------------------------------------------
-    def sample(self, batch: "Batch", logits: torch.Tensor) -> list:
-        """One entry per request of ``batch``: its next token, or -1 when the batch only
+    def sample(self, batch: "Batch", logits: torch.Tensor) -> Sampled:
+        """One token entry per request of ``batch``: its next token, or -1 when the batch only
         computed a chunk of its prompt. ``logits``: ``[len(batch.reqs), vocab]``. A batch a
-        mode composed: what the mode samples (each request's accepted tokens)."""
+        mode composed: what the mode samples (each request's accepted tokens). The modes
+        constrain the logits first (grammar masks, penalties); logprobs are of those logits."""
         for mode in self.modes:
             mode.constrain(batch, logits)
+        tokens = self._tokens(batch, logits)
+        wanted = any(r.sampling.logprobs is not None for r in batch.reqs)
+        return Sampled(tokens, batch_logprobs(batch, logits, tokens) if wanted else {})
+
+    def _tokens(self, batch: "Batch", logits: torch.Tensor) -> list:
         for mode in self.modes:
             tokens = mode.sample(batch, logits)
             if tokens is not None:
@@ -247,40 +262,46 @@ class Scheduler:
                 out[i] = tok
         return out
 
-    @consensus_check("scheduler.apply_results", args=lambda self, batch, tokens: (batch.rids(), list(tokens)))
-    def apply_results(self, batch: "Batch", tokens: Sequence[int]) -> list[Request]:
-        """``batch`` has returned with ``tokens`` (see :meth:`sample`): advance its requests,
-        append their tokens, finish what stopped. Returns the finished requests."""
+    @consensus_check("scheduler.apply_results", args=lambda self, batch, sampled: (batch.rids(), list(sampled.tokens)))
+    def apply_results(self, batch: "Batch", sampled: Sampled) -> list[Request]:
+        """``batch`` has returned with ``sampled`` (see :meth:`sample`): advance its requests,
+        append their tokens (and logprobs), finish what stopped. Returns the finished requests."""
         finished: list[Request] = []
         now = time.perf_counter()
-        for req, n, tok in zip(batch.reqs, batch.new_tokens, tokens):
+        for i, (req, n, tok) in enumerate(zip(batch.reqs, batch.new_tokens, sampled.tokens)):
             req.in_flight = False
             if req.status is Status.FINISHED:  # aborted while its batch was in flight
                 continue
+            logprobs = sampled.logprobs.get(i, ())
             if isinstance(tok, (list, tuple)):  # a pass a mode composed: the accepted tokens
-                self._apply_accepted(req, tok, finished)
+                self._apply_accepted(req, tok, logprobs, finished)
                 continue
             req.computed += n
+            self.prefill_computed_tokens += n if req.status is Status.PREFILL else 0
             for mode in self.modes:
                 mode.on_computed(req)
             if req.status is Status.PREFILL:
                 if req.computed < len(req.prompt_ids):  # chunk boundary: share the pages now
                     self.cache.cache_prefix(req.namespace, req.tokens_with_kv(), req.kv)
                     continue
+                if any(w.waits_for == req.rid for w in self.waiting):  # n > 1: siblings share the prompt
+                    self.cache.cache_prefix(req.namespace, req.tokens_with_kv(), req.kv)
                 req.first_token_time = now
                 req.status = Status.DECODE
+            req.logprobs.extend(logprobs)
             self._append_token(req, tok, finished)
         return finished
 
-    def _apply_accepted(self, req: Request, tokens: Sequence[int], finished: list[Request]) -> None:
+    def _apply_accepted(self, req: Request, tokens: Sequence[int], logprobs: Sequence, finished: list[Request]) -> None:
         """A pass a mode composed gave ``tokens`` (j accepted proposals + the model's own): the
         KV now covers the j proposals. They are appended until one stops the request (the rest
         are dropped); the modes hear what was taken before the request finishes, since
         finishing caches what has KV and a mode may limit that (``Request.tokens_with_kv``)."""
         req.computed = len(req.all_ids) + len(tokens) - 1
         taken, reason = 0, ""
-        for tok in tokens:
+        for j, tok in enumerate(tokens):
             req.output_ids.append(tok)
+            req.logprobs.extend(logprobs[j:j + 1])
             taken += 1
             reason = self._stop_reason(req)
             if reason:

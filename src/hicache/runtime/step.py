@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
-from .batch import Batch
+from .batch import Batch, Sampled
 from .events import StepEvents
 from .request import Request
 from .scheduler import Scheduler
@@ -104,14 +104,14 @@ class SampleAndApply:
 
 
 def sample_batch(sched: Scheduler, batch: Batch, logits: torch.Tensor,
-                 share_draws: Optional[Callable[[Any], Any]]) -> list:
-    """The batch's tokens (a verify batch: each request's accepted tokens); random draws come
-    from one rank when ``share_draws`` is given, so every rank of a stage gets the same tokens
-    whatever its own RNG state."""
-    tokens = sched.sample(batch, logits)
+                 share_draws: Optional[Callable[[Any], Any]]) -> Sampled:
+    """The batch's tokens (a verify batch: each request's accepted tokens) and logprobs; random
+    draws come from one rank when ``share_draws`` is given, so every rank of a stage gets the same
+    tokens whatever its own RNG state."""
+    sampled = sched.sample(batch, logits)
     if share_draws is not None and any(not r.sampling.greedy for r in batch.reqs):
-        tokens = share_draws(tokens)
-    return tokens
+        sampled = share_draws(sampled)
+    return sampled
 
 
 class StepDriver:

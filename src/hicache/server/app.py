@@ -31,6 +31,15 @@ from ..frontend.loop import EngineLoop, RequestHandle
 from ..model.tokenizer import Tokenizer
 from ..runtime.request import GenerateResult
 from ..runtime.sampling import GrammarSpec, SamplingParams
+from .choices import (
+    chat_logprobs,
+    check_choices,
+    collect_choices,
+    completion_logprobs,
+    merged_updates,
+    submit_choices,
+    usage_of,
+)
 from .detok import IncrementalText
 from .metrics import ServerMetrics
 from .middleware import CatchAllErrors, RequireApiKey
@@ -42,15 +51,12 @@ from .state import ServerOptions, ServerState
 from .submit import (
     Prepared,
     _check_fits,
-    _collect,
     _sse,
-    _submit,
     _timing,
-    _usage,
     engine_dead,
     engine_dead_during,
 )
-from .tools import ChatChunks, chat_message, chat_prompt
+from .tools import ChatChunks, ChunkFn, chat_message, chat_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +86,7 @@ def _sampling(st: ServerState, body: _Sampling, max_new: Optional[int], default_
         max_new_tokens=max_new if max_new is not None else default_max,
         temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, stop=body.stop,
         stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos, seed=body.seed,
-        grammar=grammar or own,
+        grammar=grammar or own, **body.adjustments(),
     )
     try:
         sp.validate()
@@ -103,18 +109,23 @@ def _prepare_chat(raw: bytes, st: ServerState) -> Prepared:
         raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
     ids = tok.encode(text)
     _check_fits(ids, body.max_new_tokens(), st.engine.context_length, "messages")
-    return Prepared(body, ids, sp, "messages", chat.call_names)
+    return _checked(Prepared(body, [ids], sp, "messages", chat.call_names, body.n))
 
 
 def _prepare_completion(raw: bytes, st: ServerState) -> Prepared:
     body = parse_body(raw, CompletionRequest)
     st.check_model(body.model)
     sp = _sampling(st, body, body.max_new_tokens(), 16)
-    prompt = body.single_prompt()
-    ids = st.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    _check_fits(ids, body.max_tokens if "max_tokens" in body.model_fields_set else None,
-                st.engine.context_length, "prompt")
-    return Prepared(body, ids, sp, "prompt")
+    prompts = [st.engine.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in body.prompt_list()]
+    for ids in prompts:
+        _check_fits(ids, body.max_tokens if "max_tokens" in body.model_fields_set else None,
+                    st.engine.context_length, "prompt")
+    return _checked(Prepared(body, prompts, sp, "prompt", n=body.n))
+
+
+def _checked(p: Prepared) -> Prepared:
+    check_choices(p)
+    return p
 
 
 def create_app(loop: EngineLoop, metrics: ServerMetrics, opts: ServerOptions) -> FastAPI:
@@ -159,73 +170,93 @@ def _add_error_handlers(app: FastAPI, st: ServerState) -> None:
         return answer(APIError(400, f"{param}: {err['msg'].rstrip('.')}.", param=param, code="invalid_value"))
 
 
-async def _stream(st: ServerState, handle: RequestHandle, stops: list[str],
-                  make_chunk: Callable[[str, Optional[str], bool], dict], base: dict,
+async def _stream(st: ServerState, handles: list[RequestHandle], p: Prepared, chunks: list[ChunkFn], base: dict,
                   include_usage: bool) -> AsyncIterator[str]:
-    detok = IncrementalText(st.engine.tokenizer.decode, stops)
-    first = True
+    """The choices' chunks as their tokens arrive (``chunks[i]`` writes choice i's), each choice's
+    finish chunk, then the usage of all (when asked) and ``[DONE]``."""
+    detoks = [IncrementalText(st.engine.tokenizer.decode, p.sampling.stop_strings) for _ in handles]
+    first = [True] * len(handles)
+    results: list[GenerateResult] = []
     try:
-        async for upd in handle:
-            if upd.finished:
-                res = upd.result
-                if res.finish_reason == "error":  # OpenAI's way to fail a stream that has begun
-                    yield _sse(engine_dead_during(res).body())
-                    yield "data: [DONE]\n\n"
-                    return
-                text = detok.finish(res.text)
-                if text or first:
-                    yield _sse(make_chunk(text, None, first))
-                yield _sse(make_chunk("", res.finish_reason, False))
-                if include_usage:
-                    yield _sse({**base, "choices": [], "usage": _usage(res), "timing": _timing(res)})
+        async for i, upd in merged_updates(handles):
+            if not upd.finished:
+                yield _sse(chunks[i](detoks[i].add(upd.token_ids), None, first[i], upd.logprobs))
+                first[i] = False
+                continue
+            res = upd.result
+            if res.finish_reason == "error":  # OpenAI's way to fail a stream that has begun
+                yield _sse(engine_dead_during(res).body())
                 yield "data: [DONE]\n\n"
                 return
-            yield _sse(make_chunk(detok.add(upd.token_ids), None, first))
-            first = False
+            text = detoks[i].finish(res.text)
+            if text or first[i] or upd.logprobs:
+                yield _sse(chunks[i](text, None, first[i], upd.logprobs))
+            yield _sse(chunks[i]("", res.finish_reason, False, []))
+            results.append(res)
+        if include_usage:
+            results.sort(key=lambda r: r.rid)  # choice order: submitted in order, rids increase
+            yield _sse({**base, "choices": [], "usage": usage_of(results, p.n), "timing": _timing(results[0])})
+        yield "data: [DONE]\n\n"
     finally:
-        if not handle.finished:  # the client went away (or the server is stopping)
-            logger.info("stream closed early rid=%d; aborting", handle.rid)
-            st.loop.abort(handle.rid)
+        for h in handles:
+            if not h.finished:  # the client went away (or the server is stopping)
+                logger.info("stream closed early rid=%d; aborting", h.rid)
+                st.loop.abort(h.rid)
 
-async def _answer(st: ServerState, request: Request, p: Prepared, base: dict, make_chunk: Callable,
-                  result: Callable) -> Response:
-    """Submit ``p``; stream its chunks (``make_chunk``) or return the whole ``result``."""
-    handle = _submit(st, p)
-    logger.info("%s rid=%d prompt=%d max_new=%d stream=%s", base["object"], handle.rid, handle.prompt_tokens,
-                handle.max_new_tokens, p.body.stream)
+
+async def _answer(st: ServerState, request: Request, p: Prepared, base: dict, chunk: Callable[[int], ChunkFn],
+                  choice: Callable[[int, GenerateResult], dict]) -> Response:
+    """Submit ``p``'s choices; stream their chunks (``chunk(i)`` writes choice i's) or return every
+    ``choice(i, result)`` at once."""
+    handles = submit_choices(st, p)
+    logger.info("%s rid=%s prompt=%s max_new=%d stream=%s", base["object"], ",".join(str(h.rid) for h in handles),
+                ",".join(str(len(ids)) for ids in p.prompts), handles[0].max_new_tokens, p.body.stream)
     if p.body.stream:
-        return StreamingResponse(_stream(st, handle, p.sampling.stop_strings, make_chunk, base, p.body.include_usage),
-                                 media_type="text/event-stream")
-    res = await _collect(st, request, handle)
-    return JSONResponse({**base, **result(res), "usage": _usage(res), "timing": _timing(res)})
+        return StreamingResponse(_stream(st, handles, p, [chunk(i) for i in range(len(handles))], base,
+                                         p.body.include_usage), media_type="text/event-stream")
+    results = await collect_choices(st, request, handles)
+    return JSONResponse({**base, "choices": [choice(i, r) for i, r in enumerate(results)],
+                         "usage": usage_of(results, p.n), "timing": _timing(results[0])})
 
 
 def _add_openai_routes(app: FastAPI, st: ServerState) -> None:
+    decode = st.engine.tokenizer.decode
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         p: Prepared = await st.off_loop(_prepare_chat, await read_body(request, st.opts.max_request_bytes), st)
         base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": p.body.model,
                 "object": "chat.completion.chunk" if p.body.stream else "chat.completion"}
+        logprobs = (lambda entries: chat_logprobs(entries, decode)) if p.sampling.logprobs is not None else None
 
-        def result(res: GenerateResult) -> dict:
+        def choice(i: int, res: GenerateResult) -> dict:
             message, finish = chat_message(res.text, res.finish_reason, p.call_names)
-            return {"choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}]}
+            return {"index": i, "message": message, "logprobs": logprobs and logprobs(res.logprobs),
+                    "finish_reason": finish}
 
-        return await _answer(st, request, p, base, ChatChunks(base, p.call_names), result)
+        return await _answer(st, request, p, base, lambda i: ChatChunks(base, p.call_names, i, logprobs), choice)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         p: Prepared = await st.off_loop(_prepare_completion, await read_body(request, st.opts.max_request_bytes), st)
         base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": p.body.model}
+        asked = p.sampling.logprobs is not None
 
-        def chunk(text: str, finish: Optional[str], first: bool) -> dict:
-            return {**base, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+        def chunk(i: int) -> ChunkFn:
+            sent = [0]  # characters of the choice's text streamed so far (text_offset)
 
-        def result(res: GenerateResult) -> dict:
-            return {"choices": [{"index": 0, "text": res.text, "logprobs": None, "finish_reason": res.finish_reason}]}
+            def write(text: str, finish: Optional[str], first: bool, entries: list) -> dict:
+                lp = completion_logprobs(entries, decode, sent[0]) if asked and finish is None else None
+                sent[0] += len(text)
+                return {**base, "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}]}
+            return write
 
-        return await _answer(st, request, p, base, chunk, result)
+        def choice(i: int, res: GenerateResult) -> dict:
+            return {"index": i, "text": res.text, "logprobs": completion_logprobs(res.logprobs, decode) if asked else None,
+                    "finish_reason": res.finish_reason}
+
+        return await _answer(st, request, p, base, chunk, choice)
 
     def model_card() -> dict:
         return {"id": st.opts.served_model_name, "object": "model", "created": st.created, "owned_by": "hicache",

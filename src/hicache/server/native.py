@@ -2,10 +2,14 @@
 
 Units are tokens. One request is one prompt (``text`` or ``input_ids``); a batch of prompts is
 refused with a 400. ``sampling_params`` carries SGLang's names and defaults (``max_new_tokens``
-128, ``sampling_seed`` is the seed); a parameter hicache cannot honour is refused unless it is
-at its neutral value (``n`` 1, penalties 0, ``repetition_penalty`` 1...), so an answer never
+128, ``sampling_seed`` is the seed, ``min_new_tokens``, penalties, ``min_p``, ``logit_bias``,
+structured output as ``json_schema`` / ``regex`` / ``ebnf``); a parameter hicache cannot honour
+is refused unless it is at its neutral value (``n`` 1, ``beam_width`` 1...), so an answer never
 silently differs from what was asked. ``null`` means the default for every field; unknown
 fields are ignored, as SGLang's extras such as ``lora_path: null`` or ``logprob_start_len``.
+``return_logprob`` (with ``top_logprobs_num``) adds SGLang's ``output_token_logprobs`` and
+``output_top_logprobs`` (``[logprob, token id, text]`` each; runtime/logprobs.py says which
+distribution) to ``meta_info``; prompt logprobs are not computed (``input_token_logprobs`` is empty).
 
 The answer is ``{"text", "output_ids", "meta_info"}``; ``meta_info`` holds ``id`` (the ``rid``),
 ``prompt_tokens``, ``completion_tokens``, ``cached_tokens`` and SGLang's
@@ -31,7 +35,7 @@ from pydantic import Field
 from ..errors import HicacheError
 from ..frontend.loop import RequestHandle
 from ..runtime.request import GenerateResult
-from ..runtime.sampling import SamplingParams
+from ..runtime.sampling import GrammarSpec, SamplingParams
 from .detok import IncrementalText
 from .parsing import parse_body, read_body
 from .protocol import APIError, _Body, _Sampling
@@ -54,13 +58,11 @@ DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 
 # sampling_params hicache does not implement, with the values that leave the answer unchanged.
 NEUTRAL: dict[str, tuple] = {
-    "n": (1,), "min_new_tokens": (0,), "min_p": (0.0,), "frequency_penalty": (0.0,),
-    "presence_penalty": (0.0,), "repetition_penalty": (1.0,), "logit_bias": ({},), "no_stop_trim": (False,),
-    "skip_special_tokens": (True,), "stop_regex": ("", []), "beam_width": (1,), "custom_params": ({},),
+    "n": (1,), "no_stop_trim": (False,), "skip_special_tokens": (True,), "stop_regex": ("", []), "beam_width": (1,),
+    "custom_params": ({},), "structural_tag": ("",),
 }
 # Top-level fields refused unless null, false or empty: each would change or add to the answer.
 UNSUPPORTED_FIELDS: dict[str, str] = {
-    "return_logprob": "logprobs are not supported.",
     "lora_path": "LoRA adapters are not supported.",
     "image_data": "image inputs are not supported.",
     "audio_data": "audio inputs are not supported.",
@@ -84,24 +86,38 @@ class NativeSamplingParams(_Body):
     sampling_seed: Optional[int] = None
     stream_interval: Optional[int] = None  # how often SGLang streams: no effect on the answer
     spaces_between_special_tokens: Optional[bool] = None  # special tokens are skipped: no effect
+    min_new_tokens: int = 0
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Optional[dict[str, float]] = None  # token id (a string) -> bias
+    json_schema: Optional[str] = None  # structured output: at most one of these three
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
     # Accepted only at their NEUTRAL values.
     n: Optional[int] = None
-    min_new_tokens: Optional[int] = None
-    min_p: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    presence_penalty: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    logit_bias: Optional[dict[str, float]] = None
     no_stop_trim: Optional[bool] = None
     skip_special_tokens: Optional[bool] = None
     stop_regex: Optional[Union[str, list[str]]] = None
     beam_width: Optional[int] = None
     custom_params: Optional[dict[str, Any]] = None
-    # Structured output (see refuse_structured_output).
-    json_schema: Optional[str] = None
-    regex: Optional[str] = None
-    ebnf: Optional[str] = None
     structural_tag: Optional[str] = None
+
+    def grammar(self) -> Optional[GrammarSpec]:
+        given = [GrammarSpec(k, v) for k, v in (("json_schema", self.json_schema), ("regex", self.regex),
+                                                 ("ebnf", self.ebnf)) if v is not None]
+        if len(given) > 1:
+            raise APIError(400, "give one of sampling_params.json_schema, regex and ebnf.",
+                           param="sampling_params", code="invalid_value")
+        return given[0] if given else None
+
+    def logit_bias_ids(self) -> Optional[dict[int, float]]:
+        try:
+            return {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
+        except ValueError:
+            raise APIError(400, "sampling_params.logit_bias keys must be token ids.", param="sampling_params.logit_bias",
+                           code="invalid_value") from None
 
 
 class GenerateRequest(_Sampling):
@@ -116,6 +132,7 @@ class GenerateRequest(_Sampling):
     stream: Optional[bool] = None  # type: ignore[assignment]
     rid: Optional[str] = Field(None, min_length=1, max_length=256)
     return_logprob: Optional[bool] = None
+    top_logprobs_num: int = Field(0, ge=0)
     return_hidden_states: Optional[bool] = None
     lora_path: Optional[Any] = None
     image_data: Optional[Any] = None
@@ -129,13 +146,6 @@ def _refuse(field: str, message: str) -> APIError:
     return APIError(400, message, param=field, code="unsupported_parameter")
 
 
-def refuse_structured_output(sp: NativeSamplingParams) -> None:
-    """Structured output: refused until the engine has a grammar backend (replace this)."""
-    for name in ("json_schema", "regex", "ebnf", "structural_tag"):
-        if getattr(sp, name) is not None:
-            raise _refuse(f"sampling_params.{name}", f"sampling_params.{name} is not supported (no structured output).")
-
-
 def _check_supported(body: GenerateRequest, sp: NativeSamplingParams) -> None:
     for name, message in UNSUPPORTED_FIELDS.items():
         if getattr(body, name):  # null, false and empty ("lora_path": "", as bench_multiturn.py sends) pass
@@ -145,16 +155,21 @@ def _check_supported(body: GenerateRequest, sp: NativeSamplingParams) -> None:
         if value is not None and value not in neutral:
             raise _refuse(f"sampling_params.{name}", f"sampling_params.{name} is not supported; leave it at "
                                                      f"{neutral[0]!r}, got {value!r}.")
-    refuse_structured_output(sp)
+    if body.return_logprob and body.bootstrap_room is not None:
+        raise _refuse("return_logprob", "return_logprob is not supported for a disaggregated (P/D) request.")
 
 
-def _sampling(sp: NativeSamplingParams) -> SamplingParams:
-    """hicache's SamplingParams (an invalid combination is a 400)."""
+def _sampling(st: ServerState, body: GenerateRequest, sp: NativeSamplingParams) -> SamplingParams:
+    """hicache's SamplingParams (an invalid combination or an unusable grammar is a 400)."""
     out = SamplingParams(max_new_tokens=sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
                          stop=sp.stop, stop_token_ids=tuple(sp.stop_token_ids or ()), ignore_eos=sp.ignore_eos,
-                         seed=sp.sampling_seed)
+                         seed=sp.sampling_seed, grammar=sp.grammar(), presence_penalty=sp.presence_penalty,
+                         frequency_penalty=sp.frequency_penalty, repetition_penalty=sp.repetition_penalty,
+                         min_p=sp.min_p, logit_bias=sp.logit_bias_ids(), min_tokens=sp.min_new_tokens,
+                         logprobs=body.top_logprobs_num if body.return_logprob else None)
     try:
         out.validate()
+        st.engine.check_grammar(out.grammar)
     except HicacheError as e:
         raise APIError(400, f"sampling_params: {e}", param="sampling_params", code="invalid_value") from None
     return out
@@ -179,10 +194,10 @@ def _prepare_generate(raw: bytes, st: ServerState) -> Prepared:
     sp = body.sampling_params or NativeSamplingParams()
     _check_supported(body, sp)
     ids, param = _prompt(body, st)
-    sampling = _sampling(sp)
+    sampling = _sampling(st, body, sp)
     explicit = sp.max_new_tokens if "max_new_tokens" in sp.model_fields_set else None  # a default one is shortened
     _check_fits(ids, explicit, st.engine.context_length, param)
-    return Prepared(body, ids, sampling, param)
+    return Prepared(body, [ids], sampling, param)
 
 
 def _finish_reason(res: GenerateResult, p: Prepared, st: ServerState) -> Optional[dict[str, Any]]:
@@ -208,8 +223,18 @@ def _answer_of(rid: str, res: GenerateResult, p: Prepared, st: ServerState) -> d
         "id": rid, "finish_reason": _finish_reason(res, p, st), "prompt_tokens": res.prompt_tokens,
         "completion_tokens": res.completion_tokens, "cached_tokens": res.cached_tokens,
         "cached_tokens_details": dict(res.cached_tokens_details), "e2e_latency": res.e2e_s,
-        "timing": _timing(res), **_spec(res), **_disagg(res),
+        "timing": _timing(res), **_spec(res), **_disagg(res), **_logprobs(res, p, st),
     }}
+
+
+def _logprobs(res: GenerateResult, p: Prepared, st: ServerState) -> dict[str, Any]:
+    """SGLang's logprob fields of ``meta_info`` (absent unless ``return_logprob``)."""
+    if p.sampling.logprobs is None:
+        return {}
+    decode = st.engine.tokenizer.decode
+    return {"input_token_logprobs": [], "input_top_logprobs": [],
+            "output_token_logprobs": [[e.logprob, e.token, decode([e.token])] for e in res.logprobs],
+            "output_top_logprobs": [[[lp, t, decode([t])] for t, lp in e.top] for e in res.logprobs]}
 
 
 async def _stream(st: ServerState, handle: RequestHandle, rid: str, p: Prepared) -> AsyncIterator[str]:

@@ -2,7 +2,7 @@
 
 ``null`` for any optional field means its default, as in the OpenAI API. Unknown fields are
 ignored (the server logs each name once); fields that would change the answer in ways this
-engine does not support (n > 1, logprobs, penalties, ...) are refused with one clear sentence.
+engine does not support (``echo``, ``suffix``, ``best_of`` > 1) are refused with one clear sentence.
 Types are strict: ``"max_tokens": "3"`` or ``"stream": "yes"`` is an error, not a guess; numbers
 must be finite. Structured output: ``response_format`` (``json_object``, ``json_schema``) and
 SGLang's ``regex`` / ``ebnf`` become one :class:`GrammarSpec` (:meth:`_Sampling.grammar_spec`).
@@ -76,7 +76,10 @@ class _Sampling(_Body):
     cache_salt: Optional[str] = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logprobs: Optional[Union[bool, int]] = None
+    repetition_penalty: float = 1.0  # vLLM / SGLang extension
+    min_p: float = 0.0  # vLLM / SGLang extension
+    min_tokens: int = 0  # vLLM extension (SGLang's min_new_tokens)
+    logit_bias: Optional[dict[str, float]] = None  # token id (as a string, OpenAI's form) -> bias
     user: Optional[str] = None
     response_format: Optional[dict[str, Any]] = None
     regex: Optional[str] = None  # SGLang: the output matches this regular expression
@@ -120,13 +123,27 @@ class _Sampling(_Body):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for the first option this engine cannot honour, else None."""
-        if self.n != 1:
-            return "n", "only n=1 is supported."
-        if self.logprobs:
-            return "logprobs", "logprobs are not supported."
-        if self.presence_penalty or self.frequency_penalty:
-            return "presence_penalty", "presence_penalty and frequency_penalty are not supported; leave them at 0."
+        if self.bootstrap_room is not None and (self.n != 1 or self.top_logprobs_k() is not None):
+            return ("n" if self.n != 1 else "logprobs",
+                    "n > 1 and logprobs are not supported for a disaggregated (P/D) request.")
         return None
+
+    def top_logprobs_k(self) -> Optional[int]:
+        """None: no logprobs; k: each token's log-probability and its k most likely alternatives."""
+        raise NotImplementedError
+
+    def adjustments(self) -> dict[str, Any]:
+        """SamplingParams' penalties, min_p, logit_bias and min_tokens from this body."""
+        bias = None
+        if self.logit_bias:
+            try:
+                bias = {int(k): v for k, v in self.logit_bias.items()}
+            except ValueError:
+                raise APIError(400, "logit_bias keys must be token ids, e.g. {\"50256\": -100}.",
+                               param="logit_bias", code="invalid_value") from None
+        return {"presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                "repetition_penalty": self.repetition_penalty, "min_p": self.min_p, "min_tokens": self.min_tokens,
+                "logit_bias": bias, "logprobs": self.top_logprobs_k()}
 
     @property
     def include_usage(self) -> bool:
@@ -178,6 +195,7 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
     top_logprobs: Optional[int] = None
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
@@ -186,10 +204,16 @@ class ChatCompletionRequest(_Sampling):
     def max_new_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def top_logprobs_k(self) -> Optional[int]:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true.", param="top_logprobs", code="invalid_value")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     max_tokens: Optional[int] = 16
+    logprobs: Optional[int] = None  # the k most likely tokens at each position (0: the sampled one's only)
     echo: bool = False
     suffix: Optional[str] = None
     best_of: Optional[int] = None
@@ -203,14 +227,15 @@ class CompletionRequest(_Sampling):
             return "best_of", "only best_of=1 is supported."
         return super().unsupported()
 
-    def single_prompt(self) -> Union[str, list[int]]:
-        """The one prompt of this request (a batch of one is unwrapped)."""
+    def top_logprobs_k(self) -> Optional[int]:
+        return self.logprobs
+
+    def prompt_list(self) -> list[Union[str, list[int]]]:
+        """The request's prompts: one, or each of a batch (strings or token id lists)."""
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise APIError(400, f"one prompt per request is supported, got {len(p)}.", param="prompt")
-            return p[0]
-        return p
+            return list(p)
+        return [p]
 
     def max_new_tokens(self) -> Optional[int]:
         return self.max_tokens

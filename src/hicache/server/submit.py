@@ -28,13 +28,19 @@ DISCONNECT_POLL_S = 0.2  # how often a non-streaming request checks whether its 
 
 @dataclass
 class Prepared:
-    """A validated request, tokenized, ready to submit."""
+    """A validated request, tokenized, ready to submit: ``n`` choices for each of ``prompts``."""
 
     body: _Sampling
-    ids: list[int]
+    prompts: list[list[int]]
     sampling: SamplingParams
     param: str  # the field that holds the prompt, for errors about it
     call_names: frozenset[str] = frozenset()  # chat with tools: functions whose calls are parsed
+    n: int = 1
+
+    @property
+    def ids(self) -> list[int]:
+        """The (first) prompt's token ids."""
+        return self.prompts[0]
 
 
 def engine_dead(e: BaseException | str) -> APIError:
@@ -95,11 +101,14 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def _submit(st: ServerState, p: Prepared) -> RequestHandle:
-    """Queue a prepared request; engine-side refusals become OpenAI errors."""
+def _submit(st: ServerState, p: Prepared, ids: Optional[list[int]] = None, sampling: Optional[SamplingParams] = None,
+            waits_for: Optional[int] = None) -> RequestHandle:
+    """Queue a prepared request (or one of its choices: ``ids``, ``sampling``, ``waits_for``);
+    engine-side refusals become OpenAI errors."""
     st.check_capacity()
     try:
-        return st.loop.submit(p.ids, p.sampling, p.body.cache_salt, bootstrap=p.body.bootstrap())
+        return st.loop.submit(p.ids if ids is None else ids, sampling or p.sampling, p.body.cache_salt,
+                              bootstrap=p.body.bootstrap(), waits_for=waits_for)
     except ContextLengthError as e:
         raise APIError(400, str(e), param=p.param, code="context_length_exceeded") from None
     except EngineDeadError as e:

@@ -20,7 +20,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from .protocol import APIError
 
@@ -118,9 +118,10 @@ def tool_response(content: str) -> str:
     return f"<tool_response>\n{content}\n</tool_response>"
 
 
-def parse_calls(text: str, names: set[str]) -> tuple[Optional[str], list[ToolCall]]:
+def parse_calls(text: str, names: set[str], truncated: bool = False) -> tuple[Optional[str], list[ToolCall]]:
     """``(content, calls)`` of a reply: each well-formed ``<tool_call>`` of a known function
-    becomes a call; the rest of the text is the content (None when nothing is left)."""
+    becomes a call; the rest of the text is the content (None when nothing is left). ``truncated``
+    (cut by max_tokens): a call left open at the end is dropped, not returned as content."""
     calls, kept, last = [], [], 0
     for m in _CALL.finditer(text):
         try:
@@ -132,7 +133,8 @@ def parse_calls(text: str, names: set[str]) -> tuple[Optional[str], list[ToolCal
         calls.append(ToolCall(obj["name"], json.dumps(obj.get("arguments", {}), ensure_ascii=False)))
         kept.append(text[last:m.start()])
         last = m.end()
-    kept.append(text[last:])
+    tail = text[last:]
+    kept.append(tail[:tail.find(CALL_OPEN)] if truncated and CALL_OPEN in tail else tail)
     content = "".join(kept).strip()
     return (content or None), calls
 
@@ -188,16 +190,22 @@ def chat_prompt(messages: list[Any], tools: Optional[list[Any]], tool_choice: An
                       frozenset(names) if mode != "none" else frozenset(), grammar)
 
 
-class ChatChunks:
-    """Streamed chat deltas: text is sent as it comes, except what may begin a tool call, which
-    is held until the reply is whole and parsed into ``tool_calls`` deltas (one per call, with
-    its whole arguments, as the OpenAI SDK's stream accumulators expect)."""
+# A choice's streamed chunk: (new text, finish reason or None, first chunk?, the new tokens' logprobs)
+ChunkFn = Callable[[str, Optional[str], bool, list], dict[str, Any]]
 
-    def __init__(self, base: dict[str, Any], call_names: frozenset[str]) -> None:
-        self.base, self.call_names = base, call_names
+
+class ChatChunks:
+    """Streamed chat deltas of choice ``index``: text is sent as it comes, except what may begin a
+    tool call, which is held until the reply is whole and parsed into ``tool_calls`` deltas (one per
+    call, with its whole arguments, as the OpenAI SDK's stream accumulators expect). ``logprobs``
+    writes the chunk's tokens' logprobs (None: not asked)."""
+
+    def __init__(self, base: dict[str, Any], call_names: frozenset[str], index: int = 0,
+                 logprobs: Optional[Callable[[list], dict[str, Any]]] = None) -> None:
+        self.base, self.call_names, self.index, self.logprobs = base, call_names, index, logprobs
         self.text, self.sent = "", 0
 
-    def __call__(self, text: str, finish: Optional[str], first: bool) -> dict[str, Any]:
+    def __call__(self, text: str, finish: Optional[str], first: bool, entries: list) -> dict[str, Any]:
         self.text += text
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if finish is None:
@@ -207,20 +215,28 @@ class ChatChunks:
                 delta["content"] = piece
         else:
             rest = self.text[self.sent:]
-            content, calls = parse_calls(rest, set(self.call_names)) if self.call_names else (rest or None, [])
+            content, calls = parse_calls(rest, set(self.call_names), finish == "length") if self.call_names \
+                else (rest or None, [])
             if content:
                 delta["content"] = content
             if calls:
                 delta["tool_calls"] = [c.openai(index=i) for i, c in enumerate(calls)]
-                finish = "tool_calls"
-        return {**self.base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+                finish = _finish(finish, calls)
+        lp = self.logprobs(entries) if self.logprobs is not None and finish is None else None
+        return {**self.base, "choices": [{"index": self.index, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
 
 
 def chat_message(text: str, finish_reason: str, call_names: frozenset[str]) -> tuple[dict[str, Any], str]:
     """A whole reply as the OpenAI ``message`` and its finish reason ("tool_calls" when it calls)."""
     if not call_names:
         return {"role": "assistant", "content": text}, finish_reason
-    content, calls = parse_calls(text, set(call_names))
+    content, calls = parse_calls(text, set(call_names), finish_reason == "length")
     if not calls:
-        return {"role": "assistant", "content": text}, finish_reason
-    return {"role": "assistant", "content": content, "tool_calls": [c.openai() for c in calls]}, "tool_calls"
+        return {"role": "assistant", "content": content if finish_reason == "length" else text}, finish_reason
+    return ({"role": "assistant", "content": content, "tool_calls": [c.openai() for c in calls]},
+            _finish(finish_reason, calls))
+
+
+def _finish(finish_reason: str, calls: list[ToolCall]) -> str:
+    """"tool_calls" for a reply that calls, unless max_tokens cut it ("length": a call may be missing)."""
+    return "tool_calls" if calls and finish_reason != "length" else finish_reason

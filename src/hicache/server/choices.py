@@ -1,0 +1,132 @@
+"""Several choices in one answer: ``n`` per prompt, several prompts per ``/v1/completions``.
+
+Choice ``index = prompt * n + j`` (OpenAI's order) runs as a request of its own, seeded
+``seed + index`` (:meth:`SamplingParams.for_choice`): seeded choices differ, and each is what a
+single request with that seed answers. A prompt's choices after the first wait for its prompt to
+be computed and cached, then compute only the last partial page: one prefill, ``n`` decodes
+(``/v1/stats`` ``prefill_computed_tokens``). Usage counts each prompt once (OpenAI's rule), with
+the cache hits of its first choice; ``timing`` is the first choice's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import Request
+
+from ..frontend.loop import RequestHandle, Update
+from ..runtime.logprobs import TokenLogprob
+from ..runtime.request import GenerateResult
+from .protocol import APIError
+from .state import ServerState
+from .submit import Prepared, _collect, _submit, _usage
+
+logger = logging.getLogger(__name__)
+
+MAX_CHOICES = 128  # n x prompts in one request
+
+
+def submit_choices(st: ServerState, p: Prepared) -> list[RequestHandle]:
+    """Queue every choice of ``p`` (``p.prompts`` x ``p.n``); if one is refused, abort the rest."""
+    handles: list[RequestHandle] = []
+    try:
+        for k, ids in enumerate(p.prompts):
+            first = None
+            for j in range(p.n):
+                h = _submit(st, p, ids, p.sampling.for_choice(k * p.n + j), None if first is None else first.rid)
+                first = first or h
+                handles.append(h)
+    except BaseException:
+        for h in handles:
+            st.loop.abort(h.rid)
+        raise
+    return handles
+
+
+async def collect_choices(st: ServerState, request: Request, handles: list[RequestHandle]) -> list[GenerateResult]:
+    """Every choice's result; if one fails (or the client leaves), the others are aborted."""
+    try:
+        return list(await asyncio.gather(*(_collect(st, request, h) for h in handles)))
+    except BaseException:
+        for h in handles:
+            if not h.finished:
+                st.loop.abort(h.rid)
+        raise
+
+
+async def merged_updates(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, Update]]:
+    """``(choice index, update)`` as the choices' updates arrive, until every choice finished."""
+    if len(handles) == 1:
+        async for upd in handles[0]:
+            yield 0, upd
+        return
+    queue: asyncio.Queue[tuple[int, Update]] = asyncio.Queue()
+
+    async def pump(i: int, h: RequestHandle) -> None:
+        async for upd in h:
+            await queue.put((i, upd))
+
+    tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        left = len(handles)
+        while left:
+            i, upd = await queue.get()
+            left -= upd.finished
+            yield i, upd
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def usage_of(results: list[GenerateResult], n: int) -> dict[str, Any]:
+    """One usage for all choices: each prompt once (its first choice's hits), every completion."""
+    firsts = results[::n]
+    out = _usage(firsts[0])
+    if len(results) == 1:
+        return out
+    out["prompt_tokens"] = sum(r.prompt_tokens for r in firsts)
+    out["completion_tokens"] = sum(r.completion_tokens for r in results)
+    out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
+    out["prompt_tokens_details"] = {
+        "cached_tokens": sum(r.cached_tokens for r in firsts),
+        "cached_tokens_details": {t: sum(r.cached_tokens_details[t] for r in firsts) for t in ("device", "host", "storage")}}
+    return out
+
+
+def check_choices(p: Prepared) -> None:
+    if p.n < 1:
+        raise APIError(400, f"n must be at least 1, got {p.n}.", param="n", code="invalid_value")
+    if p.n * len(p.prompts) > MAX_CHOICES:
+        raise APIError(400, f"n x prompts is {p.n * len(p.prompts)}; at most {MAX_CHOICES} choices per request.",
+                       param="n", code="invalid_value")
+
+
+# ---- logprobs as OpenAI writes them ---------------------------------------------------------------
+def _logprob(x: float) -> float:
+    return max(x, -9999.0)  # OpenAI's floor; JSON has no -inf
+
+
+def chat_logprobs(entries: list[TokenLogprob], decode: Callable[[list[int]], str]) -> dict[str, Any]:
+    """Chat's ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    def item(tok: int, lp: float) -> dict[str, Any]:
+        text = decode([tok])
+        return {"token": text, "logprob": _logprob(lp), "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                        for e in entries]}
+
+
+def completion_logprobs(entries: list[TokenLogprob], decode: Callable[[list[int]], str],
+                        offset: int = 0) -> dict[str, Any]:
+    """Completions' ``logprobs``: parallel lists; ``text_offset`` counts characters of the choice's
+    text from ``offset`` (where a streamed chunk starts)."""
+    tokens = [decode([e.token]) for e in entries]
+    offsets, at = [], offset
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": tokens, "token_logprobs": [_logprob(e.logprob) for e in entries],
+            "top_logprobs": [{decode([t]): _logprob(lp) for t, lp in e.top} for e in entries],
+            "text_offset": offsets}

@@ -1,0 +1,96 @@
+"""An agent framework as a user runs it against ``hicache serve``: LangChain's ``ChatOpenAI``
+(langchain-openai, test extra) binds a local Python function as a tool, forces a call of it,
+runs it and sends the result back (one tool loop end to end), and asks for a Pydantic model
+through ``with_structured_output(method="json_schema")``. Loopback only: a fixture refuses
+any other address, so nothing in the framework (tiktoken's encodings, LangSmith) goes online."""
+
+from __future__ import annotations
+
+import json
+import socket
+from typing import Literal
+
+import pytest
+from pydantic import BaseModel, Field
+
+langchain_openai = pytest.importorskip("langchain_openai")
+from langchain_core.messages import AIMessage, HumanMessage, ToolMessage  # noqa: E402
+from langchain_core.tools import tool  # noqa: E402
+
+pytestmark = [pytest.mark.server, pytest.mark.engine]
+
+LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+
+
+@tool
+def get_weather(city: Literal["Paris", "Tokyo", "Lima"], unit: Literal["celsius", "fahrenheit"]) -> str:
+    """The weather in a city."""
+    return json.dumps({"city": city, "temperature": 21 if unit == "celsius" else 70, "unit": unit})
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=12)
+    age: int = Field(ge=0, le=150)
+
+
+@pytest.fixture
+def loopback_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any name lookup or connection to an address off this machine raises (the test fails)."""
+    getaddrinfo, connect = socket.getaddrinfo, socket.socket.connect
+
+    def local_getaddrinfo(host, *args, **kw):
+        host = host.decode() if isinstance(host, bytes) else host
+        assert host in LOOPBACK, f"name lookup of {host!r}: the test must stay on loopback"
+        return getaddrinfo(host, *args, **kw)
+
+    def local_connect(self, address):
+        assert not isinstance(address, tuple) or address[0] in LOOPBACK, f"connect to {address}: not loopback"
+        return connect(self, address)
+
+    monkeypatch.setattr(socket, "getaddrinfo", local_getaddrinfo)
+    monkeypatch.setattr(socket.socket, "connect", local_connect)
+    for var in ("LANGSMITH_TRACING", "LANGCHAIN_TRACING_V2", "LANGCHAIN_TRACING"):  # no trace uploads
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture
+def llm(server, loopback_only):
+    """``ChatOpenAI`` on the ``server`` fixture's tiny model: greedy, a dummy key, no retries,
+    Chat Completions (not the Responses API, which hicache does not serve)."""
+    return langchain_openai.ChatOpenAI(model="tiny", base_url=server.base_url + "/v1", api_key="unused",
+                                       temperature=0, max_tokens=150, max_retries=0, timeout=60,
+                                       use_responses_api=False)
+
+
+def test_a_forced_tool_call_runs_locally_and_its_result_goes_back(llm) -> None:
+    # strict: the schema gets additionalProperties false (a random model would add keys otherwise)
+    forced = llm.bind_tools([get_weather], tool_choice="get_weather", strict=True, parallel_tool_calls=False)
+    history = [HumanMessage("What is the weather in Paris? Answer in celsius.")]
+    ai = forced.invoke(history)
+    assert isinstance(ai, AIMessage) and ai.response_metadata["finish_reason"] == "tool_calls"
+    assert not ai.invalid_tool_calls, ai.invalid_tool_calls
+    [call] = ai.tool_calls  # parsed by LangChain from the server's tool_calls
+    assert call["name"] == "get_weather" and call["id"].startswith("call_")
+    assert set(call["args"]) == {"city", "unit"}  # the schema's required keys, nothing else
+    get_weather.args_schema.model_validate(call["args"])  # the Literal values: the schema's enums
+
+    result = get_weather.invoke(call)  # a ToolCall in -> a ToolMessage out, as agents do
+    assert isinstance(result, ToolMessage) and result.tool_call_id == call["id"]
+    assert json.loads(result.content)["city"] == call["args"]["city"]
+    history += [ai, result]
+    reply = llm.bind_tools([get_weather]).invoke(history, max_tokens=8)  # tool_choice auto: may answer
+    assert isinstance(reply, AIMessage) and reply.response_metadata["finish_reason"] in ("stop", "length",
+                                                                                        "tool_calls")
+    # the second request resent the first one's prompt and call: the server had them cached
+    assert reply.usage_metadata["input_tokens"] > ai.usage_metadata["input_tokens"]
+    assert reply.usage_metadata["input_token_details"]["cache_read"] > 0
+
+
+def test_structured_output_returns_a_valid_pydantic_instance(llm) -> None:
+    structured = llm.with_structured_output(Person, method="json_schema", include_raw=True)
+    out = structured.invoke("Make up a person.", max_tokens=64)
+    assert out["parsing_error"] is None, out["raw"].content
+    person = out["parsed"]
+    assert isinstance(person, Person)
+    assert len(person.name) <= 12 and 0 <= person.age <= 150
+    assert json.loads(out["raw"].content) == person.model_dump()  # the reply is exactly that object
