@@ -3,8 +3,9 @@ JSON schema with its masks computed during the forward (overlap, the default), a
 
     .venv/bin/python benchmarks/bench_grammar.py [--model smollm2] [--tokens 64] [--repeats 3]
 
-Prints ms per output token (median of the repeats) and the ratio to plain; also checks that the
-schema request's output parses.
+Prints ms per output token (median of the repeats) and the ratio to plain, and each arm's TTFT with
+its prompt cached (every run after the warm-up hits it); also checks that the schema request's
+output parses.
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ SCHEMA = {"type": "object", "properties": {
     "required": ["city", "country", "population", "landmarks"], "additionalProperties": False}
 
 
-def per_token_ms(engine: Engine, prompt: str, sampling: SamplingParams) -> tuple[float, str]:
-    """Decode time per output token after the first (the prompt is cached after the first run)."""
+def per_token_ms(engine: Engine, prompt: str, sampling: SamplingParams) -> tuple[float, str, float]:
+    """Decode ms per output token after the first, the text, and TTFT ms (the prompt is cached
+    after the first run)."""
     res = engine.chat([{"role": "user", "content": prompt}], sampling)
     decode = res.e2e_s - res.ttft_s
-    return 1000 * decode / max(1, res.completion_tokens - 1), res.text
+    return 1000 * decode / max(1, res.completion_tokens - 1), res.text, 1000 * res.ttft_s
 
 
 def main() -> None:
@@ -45,25 +47,28 @@ def main() -> None:
     schema = SamplingParams(max_new_tokens=args.tokens, temperature=0.0,
                             grammar=GrammarSpec("json_schema", json.dumps(SCHEMA)))
     runs: dict[str, list[float]] = {"plain": [], "schema, overlapped": [], "schema, after the forward": []}
+    ttft: dict[str, list[float]] = {name: [] for name in runs}
     text = ""
     per_token_ms(engine, prompt, plain)  # warm-up: caches the prompt, compiles nothing yet
     t = time.perf_counter()
     per_token_ms(engine, prompt, schema)
     compile_s = time.perf_counter() - t
     for _ in range(args.repeats):
-        runs["plain"].append(per_token_ms(engine, prompt, plain)[0])
-        mode.overlap = True
-        ms, text = per_token_ms(engine, prompt, schema)
-        runs["schema, overlapped"].append(ms)
-        mode.overlap = False
-        runs["schema, after the forward"].append(per_token_ms(engine, prompt, schema)[0])
+        for name, sampling, overlap in (("plain", plain, True), ("schema, overlapped", schema, True),
+                                        ("schema, after the forward", schema, False)):
+            mode.overlap = overlap
+            ms, out, first = per_token_ms(engine, prompt, sampling)
+            runs[name].append(ms)
+            ttft[name].append(first)
+            text = out if sampling is schema else text
     engine.shutdown()
     base = statistics.median(runs["plain"])
     print(f"model {args.model}, {args.tokens} tokens, median of {args.repeats}; first schema request "
           f"(compile + run) {compile_s:.2f} s")
     for name, values in runs.items():
         ms = statistics.median(values)
-        print(f"  {name:28s} {ms:6.2f} ms/token  {ms / base:.2f}x plain")
+        print(f"  {name:28s} {ms:6.2f} ms/token  {ms / base:.2f}x plain   TTFT (prompt cached) "
+              f"{statistics.median(ttft[name]):6.1f} ms")
     try:
         json.loads(text)
         print(f"  schema output parses: {text[:100]}")

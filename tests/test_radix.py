@@ -600,7 +600,7 @@ def run_workload(data, policy):
     assert w.tree.cached_pages == 0 and w.tree.num_nodes() == 0
 
 
-_PROP = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+_PROP = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @_PROP

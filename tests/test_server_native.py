@@ -5,6 +5,7 @@ input_ids, streamed with cumulative text and not, meta_info, cached tokens, refu
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
@@ -143,12 +144,17 @@ def test_sglang_router_serves_generate_through_a_pd_pair() -> None:
     both servers; the answer is the decode server's, as one engine would give it."""
     from hicache import Engine
     from hicache.launch.servers import pd_servers
-    from hicache.runtime.sampling import SamplingParams
+    from hicache.runtime.sampling import GrammarSpec, SamplingParams
 
     model = "random:small"
     engine = Engine(model, dtype="float32", page_size=16)
     sampling = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
     want = engine.generate("Trips: Lisbon, Porto and Faro. " * 6, sampling)[0].output_ids
+    # a grammar and a penalty act on both servers: the first token is sampled on the prefill one
+    cities = "(Lisbon|Porto|Faro)(, (Lisbon|Porto|Faro)){2,6}"
+    constrained = SamplingParams(max_new_tokens=48, temperature=0, grammar=GrammarSpec("regex", cities),
+                                 frequency_penalty=0.5)
+    want_constrained = engine.generate("Trips: Lisbon, Porto and Faro. " * 6, constrained)[0]
     engine.shutdown()
     common = f"--model {model} --dtype float32 --page-size 16 --max-total-tokens 2048"
     with pd_servers(common) as pd:
@@ -161,3 +167,6 @@ def test_sglang_router_serves_generate_through_a_pd_pair() -> None:
                                                               timeout=60).text.splitlines()
                     if ln.startswith("data: {")]
         assert streamed[-1]["text"] == out["text"]
+        body["sampling_params"] = {"max_new_tokens": 48, "temperature": 0, "regex": cities, "frequency_penalty": 0.5}
+        out = httpx.post(f"{pd.url}/generate", json=body, timeout=60).json()
+        assert out["output_ids"] == want_constrained.output_ids and re.fullmatch(cities, out["text"]), out

@@ -138,6 +138,11 @@ def test_a_tool_round_trip_with_a_local_function_streamed_and_not(client) -> Non
     final = client.chat.completions.create(model=MODEL, messages=messages, tools=[ADD], max_tokens=8, temperature=0)
     assert final.choices[0].finish_reason in ("stop", "length", "tool_calls")
     assert final.usage.prompt_tokens_details.cached_tokens > 0  # the history before the tool result hits
+    # "none": no call is parsed, and the tools stay in the prompt, so the same prefix hits
+    nocall = client.chat.completions.create(model=MODEL, messages=messages, tools=[ADD], tool_choice="none",
+                                            max_tokens=8, temperature=0)
+    assert not nocall.choices[0].message.tool_calls and nocall.usage.prompt_tokens == final.usage.prompt_tokens
+    assert nocall.usage.prompt_tokens_details.cached_tokens >= final.usage.prompt_tokens - 16  # all but a part page
 
 
 def test_nulls_mean_defaults(server) -> None:

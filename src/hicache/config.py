@@ -180,6 +180,10 @@ class EngineConfig(SpeculativeOptions):
     grammar_backend: str = _opt(
         "llguidance", "Structured output (response_format, forced tool calls, json_schema / regex / ebnf): the grammar "
         "engine that masks each step's tokens; 'none' refuses such requests.", ("llguidance", "none"))
+    enable_deterministic_inference: bool = _opt(
+        False, "Bit-identical output for a greedy or seeded request whatever shares its batch, how its prompt was "
+        "chunked, which tier its prefix came from, and with or without speculative decoding (docs/deterministic.md); "
+        "prefill is slower.")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -213,6 +217,7 @@ class EngineConfig(SpeculativeOptions):
             raise ConfigError("--hicache-ratio must be > 0 and --hicache-size >= 0.")
         if self.hicache_storage_key_scheme == "unified":
             self._validate_unified()
+        self._validate_deterministic()
         if self.hicache_storage_backend and not self.enable_hierarchical_cache:
             raise ConfigError("--hicache-storage-backend needs --enable-hierarchical-cache (storage moves through host memory).")
         if self.hicache_storage_backend_extra_config:
@@ -280,7 +285,22 @@ class EngineConfig(SpeculativeOptions):
 
     def precision_options(self) -> dict[str, str]:  # resolved by hicache.device.choose_precision
         return dict(decode_weights=self.decode_weight_dtype, prefill_weights=self.prefill_weight_dtype,
-                    decode_activations=self.decode_activations)
+                    decode_activations=self.decode_activations, deterministic=self.enable_deterministic_inference)
+
+    def _validate_deterministic(self) -> None:
+        """What deterministic inference does not cover is refused in one sentence each."""
+        if not self.enable_deterministic_inference:
+            return
+        refused = (
+            (self.attn_cp_size > 1 or self.enable_kv_cache_sharding,
+             "context parallelism splits a prefix's attention over ranks and merges the parts"),
+            (self.disaggregation_mode != "null", "prefill/decode disaggregation is not covered yet"),
+            (self.tp_size > 2, "TP groups of more than 2 ranks may sum their partial results in another order "
+                               "(two partials sum alike in any order)"),
+        )
+        for given, why in refused:
+            if given:
+                raise ConfigError(f"--enable-deterministic-inference: {why}.")
 
     def _validate_nodes(self) -> None:
         """Ranks across machines: every node runs the same number of ranks, node 0 included."""

@@ -127,6 +127,8 @@ def choose_precision(cfg: EngineConfig, device: torch.device) -> EngineConfig:
     one log line when any was ``auto``."""
     chosen, why = resolve_dtype(cfg.dtype, device)
     prefill, prefill_why = resolve_prefill_weights(cfg.prefill_weight_dtype, cfg.dtype, chosen, device)
+    if cfg.enable_deterministic_inference and cfg.prefill_weight_dtype == "auto":
+        prefill, prefill_why = "same", "deterministic inference: one path for every pass"
     activations, act_why = resolve_decode_activations(cfg.decode_activations, cfg.dtype, chosen, device)
     if "auto" in (cfg.dtype, cfg.prefill_weight_dtype, cfg.decode_activations):
         logger.info("precision: dtype %s -> %s (%s); prefill weights %s -> %s (%s); decode activations %s -> %s (%s)",

@@ -11,6 +11,7 @@ layer computes q/k/v and hands them over; it never branches on the kind of batch
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from collections import Counter
 from typing import Callable, Iterator, Optional
@@ -101,7 +102,8 @@ class DecoderLayer(nn.Module):
         """The native kernels when this pass is one the fused layer serves: a decode batch of at
         most DECODE_ROWS tokens on one rank, float32 on the CPU, the heads as the kernels take them."""
         attn = self.self_attn
-        if (batch.attn.decode is None or not 0 < x.shape[0] <= DECODE_ROWS
+        rows = sys.maxsize if attn.qkv.row_invariant else DECODE_ROWS  # deterministic: every pass
+        if (batch.attn.decode is None or not 0 < x.shape[0] <= rows
                 or not isinstance(attn, Attention) or attn.tp_reduce is not None or self.mlp.tp_reduce is not None
                 or attn.kv_map is not None or attn.head_dim not in NATIVE_HEAD_DIMS
                 or kv.k_buffers[attn.layer].dtype != torch.float32 or self.mlp.gate_proj.out_features % 8):
@@ -185,6 +187,7 @@ class LlamaForCausalLM(nn.Module):
         # A pipeline stage (model/parallel.py) holds some layers: the first embeds, the last
         # returns logits, the others take and return hidden states.
         self.first_stage = self.last_stage = True
+        self.deterministic = False  # set_deterministic
         self.head: Optional[Projection] = Projection(self.model.embed_tokens if self.lm_head is None else self.lm_head)
 
     def projections(self) -> Iterator[Projection]:
@@ -209,6 +212,15 @@ class LlamaForCausalLM(nn.Module):
         :data:`~hicache.model.projection.PREFILL_WEIGHTS`): the loaded weights ("same") or a
         dtype copy (lossy unless the dtype holds every weight)."""
         self._set_weights("prefill_weights", mode, PREFILL_WEIGHTS, prepare)
+
+    def set_deterministic(self, on: bool = True) -> None:
+        """Deterministic inference: every pass computes a token's row on one path whatever its row
+        count -- the decode weights (blocks, or dense GEMMs padded to 16 rows) and row-wise
+        attention (``PagedBackend(rowwise=True)``, chosen by whoever builds the runner)."""
+        self.deterministic = on
+        for projection in self.projections():
+            projection.row_invariant = on
+        self.prepare_projections()
 
     def _set_weights(self, phase: str, mode: str, allowed: tuple[str, ...], prepare: bool) -> None:
         if mode not in allowed:

@@ -58,7 +58,8 @@ def split_variant(name: str) -> tuple[str, str | None]:
 
 def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu", seed: int = 0,
                weights: bool = True, decode_weights: str = "auto", to_be_sharded: bool = False,
-               prefill_weights: str = "same", decode_activations: str = "float32") -> LoadedModel:
+               prefill_weights: str = "same", decode_activations: str = "float32",
+               deterministic: bool = False) -> LoadedModel:
     """Load ``name``: ``"smollm2"`` (the embedded GGUF), a GGUF file, a local HF directory, or
     ``"random:<preset|JSON>"``; any of them followed by ``:int<bits>-g<group>`` (e.g.
     ``"smollm2:int4-g64"``) is a requantized copy (:mod:`~hicache.model.requantize`).
@@ -73,7 +74,8 @@ def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.dev
     GGUF model whose decode weights are "auto", on every parallel layout alike, so that engines
     that share KV by configuration keep sharing it). ``to_be_sharded``: :func:`~hicache.model.parallel.shard_model`
     follows, which fuses and packs the rank's slices; nothing is packed here for the whole model.
-    Raises :class:`ModelNotFoundError` (a ConfigError) for names that resolve to nothing.
+    ``deterministic``: every pass on one row-invariant path (:meth:`LlamaForCausalLM.set_deterministic`;
+    other KV bits than the default paths, so named in the identity). Raises :class:`ModelNotFoundError` (a ConfigError) for names that resolve to nothing.
     """
     if dtype not in SUPPORTED_DTYPES:
         raise ModelSpecError(f"model dtype {dtype} is not supported; use torch.float32, torch.bfloat16 or torch.float16.")
@@ -96,6 +98,11 @@ def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.dev
     reads_file_blocks = identity.startswith("gguf:") and variant is None  # decode may multiply the file's blocks
     identity += _weight_copies(model, dtype, decode_weights, prefill_weights, to_be_sharded,
                                decode_activations if reads_file_blocks else None)
+    if deterministic:
+        _check_deterministic(spec, dtype, device, prefill_weights, decode_weights)
+        if model is not None:
+            model.set_deterministic(True)
+        identity += ":deterministic"
     return LoadedModel(model, tokenizer, spec, name, identity, time.perf_counter() - start)
 
 
@@ -129,6 +136,28 @@ def _load_base(name: str, base: str, dtype: torch.dtype, device: torch.device | 
             "'random:<preset or JSON>', optionally followed by ':int4-g64' (a requantized copy)."
         )
     return model, tokenizer, spec, identity
+
+
+def _check_deterministic(spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, prefill_weights: str,
+                         decode_weights: str) -> None:
+    """Refuse (one sentence each) what deterministic inference does not cover."""
+    from hicache.kernels import unavailable_reason
+    from hicache.model.attention import NATIVE_HEAD_DIMS
+    from hicache.model.projection import dense_rows_invariant
+
+    why = None
+    if torch.device(device).type != "cpu" or dtype != torch.float32:
+        why = "it runs on a CPU in float32 only (--dtype float32 or auto)"
+    elif unavailable_reason() is not None:
+        why = f"it needs the native CPU kernels ({unavailable_reason()})"
+    elif spec.is_mla or spec.head_dim not in NATIVE_HEAD_DIMS:
+        why = f"the native decode attention takes GQA heads of {sorted(NATIVE_HEAD_DIMS)} dimensions"
+    elif prefill_weights != "same" or decode_weights not in ("auto", "same"):
+        why = "every pass reads one copy of the weights (--prefill-weight-dtype same, --decode-weight-dtype auto)"
+    elif not dense_rows_invariant():
+        why = "this CPU's BLAS gives a row other bits depending on how many rows share the GEMM"
+    if why:
+        raise ModelSpecError(f"--enable-deterministic-inference: {why}.")
 
 
 def _weight_copies(model: LlamaForCausalLM | None, dtype: torch.dtype, decode_weights: str, prefill_weights: str,

@@ -89,14 +89,16 @@ def _span(start: int, length: int, context: torch.Tensor, device: torch.device) 
 def _decode_layout(out_slots: torch.Tensor, context_slots: Sequence[torch.Tensor], lens: Sequence[int],
                    device: torch.device) -> DecodeLayout:
     """Every new token as a row over its own context: the sequence's slots up to and including
-    its own (the new tokens' K/V are written before attention, so row i sees rows 0..i)."""
-    rows = [c[: c.numel() - n + i + 1] for c, n in zip(context_slots, lens) for i in range(n)]
-    row_lens = torch.tensor([int(r.numel()) for r in rows])
-    if len(rows) == 1:
-        return DecodeLayout(out_slots, rows[0].view(1, -1).to(device), row_lens, None)
-    kv_slots = torch.zeros(len(rows), int(row_lens.max()), dtype=torch.long)
-    for b, slots in enumerate(rows):
-        kv_slots[b, : slots.numel()] = slots
+    its own (the new tokens' K/V are written before attention, so row i sees rows 0..i). A row's
+    slots past its length are its sequence's later ones (read by nothing: masked by ``key_bias``)."""
+    row_lens = torch.cat([torch.arange(c.numel() - n + 1, c.numel() + 1) for c, n in zip(context_slots, lens)])
+    if len(row_lens) == 1:
+        return DecodeLayout(out_slots, context_slots[0].view(1, -1).to(device), row_lens, None)
+    kv_slots = torch.zeros(len(row_lens), max(int(c.numel()) for c in context_slots), dtype=torch.long)
+    row = 0
+    for c, n in zip(context_slots, lens):
+        kv_slots[row:row + n, :c.numel()] = c  # each of the sequence's rows: its whole context
+        row += n
     padding = torch.arange(kv_slots.shape[1]).view(1, -1) >= row_lens.view(-1, 1)
     key_bias = torch.zeros(padding.shape).masked_fill_(padding, float("-inf"))
     return DecodeLayout(out_slots, kv_slots.to(device), row_lens, key_bias[:, None, None, :].to(device))
@@ -104,10 +106,13 @@ def _decode_layout(out_slots: torch.Tensor, context_slots: Sequence[torch.Tensor
 
 class PagedBackend:
     """Attention over this rank's own pool (see the module docstring); ``device``: where the
-    batch's tensors go."""
+    batch's tensors go. ``rowwise`` (deterministic inference): every pass reads its keys row by
+    row through the decode kernel, so a token's attention is the same whatever shares its pass
+    and wherever its prompt was split (cached prefix, chunks)."""
 
-    def __init__(self, device: torch.device | str) -> None:
+    def __init__(self, device: torch.device | str, rowwise: bool = False) -> None:
         self.device = torch.device(device)
+        self.rowwise = rowwise
 
     def prepare(self, input_ids: Sequence[Sequence[int]], prefix_lens: Sequence[int],
                 context_slots: Sequence[torch.Tensor], logits: str = "last") -> ForwardBatch:
@@ -127,7 +132,8 @@ class PagedBackend:
         out_slots = torch.cat([context_slots[b][prefix_lens[b]:] for b in range(bsz)]).to(dev)
         ends = torch.tensor(lens).cumsum(0)
         starts = (ends - torch.tensor(lens)).tolist()
-        decode = _decode_layout(out_slots, context_slots, lens, dev) if max(lens) <= ROWWISE_MAX_NEW else None
+        rowwise = self.rowwise or max(lens) <= ROWWISE_MAX_NEW
+        decode = _decode_layout(out_slots, context_slots, lens, dev) if rowwise else None
         # A lone sequence keeps its span too: without the native kernel it reads its keys as views.
         spans = [] if decode is not None and bsz > 1 else [
             _span(starts[b], lens[b], context_slots[b], dev) for b in range(bsz)]

@@ -3,6 +3,8 @@ second copy of the weights for decode steps where one reads fewer bytes."""
 
 from __future__ import annotations
 
+import functools
+import sys
 from typing import Optional, Union
 
 import torch
@@ -33,6 +35,12 @@ DECODE_ACTIVATIONS = ("float32", "int8")
 # resolved by :func:`hicache.device.resolve_prefill_weights`): the loaded weights, or a (lossy)
 # bf16 copy where the CPU multiplies bf16 natively and the model is float32.
 PREFILL_WEIGHTS = ("same", "bfloat16")
+# Deterministic inference: a dense float32 pass of fewer rows runs as a GEMM of this many (zero
+# rows added). BLAS picks its kernel by the number of rows -- one row is a matrix-vector product,
+# a few rows another kernel -- but from 16 rows on, every row of MKL's sgemm gets the same bits
+# whatever the row count and its place in the batch (:func:`dense_rows_invariant` checks this
+# CPU's BLAS at start-up).
+INVARIANT_MIN_ROWS = 16
 
 
 class Projection:
@@ -55,6 +63,9 @@ class Projection:
     def __init__(self, *parts: Union[nn.Linear, nn.Embedding]) -> None:
         self.parts = parts
         self.decode_weights = "same"
+        # deterministic inference: every pass, whatever its rows, reads one path whose per-row
+        # result does not depend on the row count (blocks, or dense GEMMs of >= 16 rows)
+        self.row_invariant = False
         self.decode_activations = "float32"  # or "int8": GGUF blocks multiply 8-bit inputs
         self.prefill_weights = "same"
         self._weight: Optional[torch.Tensor] = None
@@ -81,6 +92,8 @@ class Projection:
                 return _linear_in(self._decode_weight, x, self._bias)
         elif self._prefill_weight is not None:
             return _linear_in(self._prefill_weight, x, self._bias)
+        if self.row_invariant:
+            return invariant_linear(x, self._weight, self._bias)
         return F.linear(x, self._weight, self._bias)
 
     @property
@@ -90,6 +103,8 @@ class Projection:
         return self._decode_rows()
 
     def _decode_rows(self) -> int:  # once prepared: every pass asks, so no second freshness check
+        if self.row_invariant:
+            return sys.maxsize  # one path for a row whatever shares its pass
         return DECODE_ROWS if self._prefill_weight is not None else VERIFY_ROWS
 
     def native_decode(self) -> Optional[list[tuple[int, int, tuple[torch.Tensor, ...]]]]:
@@ -100,7 +115,8 @@ class Projection:
         self.prepare()
         if self._blocks:
             return [native_operands(b) for b in self._blocks]
-        if self._decode_weight is None and self._weight.dtype == torch.float32 and self._weight.device.type == "cpu":
+        if (self._decode_weight is None and self._weight.dtype == torch.float32 and self._weight.device.type == "cpu"
+                and not self.row_invariant):  # the fused layer's GEMM is not padded (invariant_linear)
             return [(KIND_DENSE, 0, (self._weight,))]
         return None
 
@@ -148,7 +164,7 @@ class Projection:
     def _current_key(self) -> tuple:
         # Every pass asks (a decode step: 121 projections): read the parameters straight from the
         # modules' tables, not through nn.Module.__getattr__ (half of this check's cost).
-        return (self.decode_weights, self.decode_activations, self.prefill_weights,
+        return (self.decode_weights, self.decode_activations, self.prefill_weights, self.row_invariant,
                 *(p._parameters["weight"].data_ptr() for p in self.parts))
 
     def _fuse(self) -> None:
@@ -185,3 +201,26 @@ def _linear_in(weight: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tenso
     """``x @ weight.T (+ bias)`` in ``weight``'s dtype, returned in ``x``'s."""
     dtype = weight.dtype
     return F.linear(x.to(dtype), weight, None if bias is None else bias.to(dtype)).to(x.dtype)
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``F.linear`` whose every row has the same bits whatever the number of rows: fewer than
+    :data:`INVARIANT_MIN_ROWS` rows are padded with zero rows to that many."""
+    rows = x.shape[0]
+    if rows >= INVARIANT_MIN_ROWS:
+        return F.linear(x, weight, bias)
+    padded = x.new_zeros((INVARIANT_MIN_ROWS, x.shape[1]))
+    padded[:rows] = x
+    return F.linear(padded, weight, bias)[:rows]
+
+
+@functools.lru_cache(maxsize=1)
+def dense_rows_invariant() -> bool:
+    """Whether this CPU's BLAS gives :func:`invariant_linear` the same bits for a row at any row
+    count and place (the premise of deterministic inference on dense float32 weights)."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 320, generator=gen)
+    x = torch.randn(80, 320, generator=gen)
+    reference = invariant_linear(x, weight, None)
+    return all(torch.equal(invariant_linear(x[start:start + rows], weight, None), reference[start:start + rows])
+               for start, rows in ((0, 1), (3, 1), (5, 7), (0, 16), (9, 17), (2, 63)))

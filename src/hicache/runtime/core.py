@@ -188,6 +188,7 @@ def _scheduler(cfg: EngineConfig, cache: KVCacheManager, loaded: LoadedModel, mo
         prefetch_timeout=lambda tokens: cfg.hicache_storage_prefetch_timeout_base
         + cfg.hicache_storage_prefetch_timeout_per_1k_tokens * tokens / 1000,
         modes=modes,
+        deterministic=cfg.enable_deterministic_inference,
     )
 
 

@@ -147,8 +147,9 @@ class NgramSpeculator(SpeculativeMode):
 
     draft_kv = False
 
-    def __init__(self, settings: NgramSettings, index: Optional[TreeTokenIndex], row_budget: int = DECODE_ROWS) -> None:
-        super().__init__(settings.max_drafts)
+    def __init__(self, settings: NgramSettings, index: Optional[TreeTokenIndex], row_budget: int = DECODE_ROWS,
+                 deterministic: bool = False) -> None:
+        super().__init__(settings.max_drafts, deterministic)
         self.settings = settings
         self.index = index
         self.row_budget = row_budget
@@ -232,4 +233,4 @@ def build(ctx: ModeContext) -> Optional[Mode]:
             raise RuntimeError("the radix tree already has an observer")
         index = TreeTokenIndex(settings.levels, PER_KEY, ctx.cfg.speculative_ngram_capacity)
         tree.observer = index
-    return NgramSpeculator(settings, index)
+    return NgramSpeculator(settings, index, deterministic=ctx.cfg.enable_deterministic_inference)

@@ -57,7 +57,8 @@ class ModelRunner:
         self.device = device
         self.cp = cp
         # Chosen once: every forward of this engine runs its attention through this backend.
-        self.backend: AttentionBackend = (PagedBackend(device) if cp is None
+        rowwise = getattr(model, "deterministic", False)  # deterministic inference: every pass row by row
+        self.backend: AttentionBackend = (PagedBackend(device, rowwise) if cp is None
                                           else CPBackend(cp, device, len(kv.k_buffers)))
 
     @torch.inference_mode()

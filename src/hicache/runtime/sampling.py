@@ -12,6 +12,13 @@ has no valid distribution (non-finite logits from the model) falls back to its a
 One tie rule everywhere: the most likely token is the lowest id among the maximal logits
 (:func:`top_token`). Greedy, top-p's always-kept token and the argmax fallbacks all pick it, so
 ``temperature=0`` and ``top_p`` -> 0 give the same text even where low-precision logits tie.
+
+Keyed sampling (``--enable-deterministic-inference``): a seeded request's token at absolute
+sequence position ``n`` (the index in ``all_ids`` it will take) is a function of ``(seed, n,
+logits row)`` alone -- Gumbel-max over the request's distribution with noise from a generator
+seeded by :func:`sample_key` -- not of how many draws the request made before. Plain decoding,
+chunked prefill and a speculative verify pass (whose row ``j`` stands for position ``n + j``)
+then pick the same token from the same logits.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ logger = logging.getLogger(__name__)
 # number only overflows, it cannot change which token is most likely.
 GREEDY_TEMPERATURE = 1e-5
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
+MASK64 = 2**64 - 1
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "lark")
 MAX_GRAMMAR_CHARS = 256 * 1024  # a JSON schema of a few hundred tools; more is refused, not compiled
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
@@ -163,8 +171,11 @@ def top_token(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]) -> list[int]:
-    """One token per row of ``logits`` ``[B, vocab]`` (float32)."""
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
+           positions: Optional[Sequence[int]] = None) -> list[int]:
+    """One token per row of ``logits`` ``[B, vocab]`` (float32). ``positions`` (deterministic
+    inference): each row's absolute position; seeded sampled rows then take their keyed sample
+    (:func:`keyed_sample`) instead of drawing from their generator."""
     out = top_token(logits).tolist()
     for i, p in enumerate(params):
         if p.greedy:
@@ -173,8 +184,53 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
         if probs is None:
             logger.warning("no valid distribution for row %d (non-finite logits); taking its argmax", i)
             continue
-        out[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
+        if positions is not None and p.seed is not None:
+            out[i] = keyed_choice(probs, p.seed, positions[i])
+        else:
+            out[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
     return out
+
+
+def splitmix64(x: int) -> int:
+    """SplitMix64 (Steele, Lea, Flood 2014): the output for state ``x``; a bijection of [0, 2^64)."""
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def sample_key(seed: int, position: int) -> int:
+    """The noise key of a seeded request's token at absolute ``position`` (>= 0), in [0, 2^64)
+    (what ``torch.Generator.manual_seed`` takes): ``splitmix64(splitmix64(seed mod 2^64) XOR
+    position)``. Hashing the seed before mixing in the position keeps the keys of neighbouring
+    seeds (choice ``i`` of ``n`` has seed ``seed + i``) apart at every position."""
+    return splitmix64(splitmix64(seed & MASK64) ^ position)
+
+
+def keyed_choice(probs: torch.Tensor, seed: int, position: int) -> int:
+    """The keyed token for a distribution ``probs`` ``[vocab]`` (>= 0, any positive sum): the
+    exponential race ``argmax_i log probs_i - log E_i``, ``E_i ~ Exp(1)`` i.i.d. from the key's
+    generator -- Gumbel-max, so token ``i`` wins with probability ``probs_i / sum(probs)``; a
+    token of probability 0 never wins. The noise is drawn in float64 on the CPU, so the choice
+    depends on ``(seed, position, probs)`` only, not on the device or on earlier draws."""
+    gen = torch.Generator().manual_seed(sample_key(seed, position))
+    # -log1p(-u), u in [0, 1): Exp(1) in [0, inf); its log is -inf only for u == 0 (p = 2^-53)
+    log_e = torch.log(-torch.log1p(-torch.rand(probs.numel(), generator=gen, dtype=torch.float64)))
+    p = probs.detach().to("cpu", torch.float64)
+    score = torch.where(p > 0, p.log() - log_e, float("-inf"))
+    return int(score.argmax())
+
+
+def keyed_sample(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
+    """The token of a request at absolute ``position`` from its row of (already constrained)
+    ``logits`` ``[vocab]``: greedy (or without a valid distribution) its argmax, else the keyed
+    choice over :func:`probabilities` with the request's seed (0 when it has none)."""
+    if params.greedy:
+        return int(top_token(logits))
+    probs = probabilities(logits, params)
+    if probs is None:
+        return int(top_token(logits))
+    return keyed_choice(probs, params.seed or 0, position)
 
 
 def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor | None:

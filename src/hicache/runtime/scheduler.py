@@ -42,9 +42,12 @@ class Scheduler:
         prefetch_policy: str = "adaptive",
         prefetch_timeout: Callable[[int], float] = lambda tokens: 1.0,
         modes: Sequence[Mode] = (),
+        deterministic: bool = False,
     ) -> None:
         """``modes``: what plugs into the phases (hicache.runtime.mode_registry), in the order
-        their hooks run and their events sit in the event vector."""
+        their hooks run and their events sit in the event vector. ``deterministic``
+        (``--enable-deterministic-inference``): seeded requests sample keyed by position
+        (runtime/sampling.py), not from their generator in draw order."""
         self.cache = cache
         self.decode_text = decode_text
         self.eos_token_ids = eos_token_ids
@@ -56,6 +59,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.modes = list(modes)
+        self.deterministic = deterministic
         # slots a request reserves past its tokens (a mode's passes may write KV there)
         self.reserve_slots = sum(m.reserve_slots() for m in self.modes)
         self.prefill_computed_tokens = 0  # prompt tokens the forward computed (cache hits excluded)
@@ -258,7 +262,10 @@ class Scheduler:
         out = [-1] * len(batch.reqs)
         if rows:
             reqs = [batch.reqs[i] for i in rows]
-            for i, tok in zip(rows, sample(logits[rows], [r.sampling for r in reqs], [r.generator for r in reqs])):
+            # the new token's index in all_ids: what a keyed sample is keyed by
+            positions = [len(r.all_ids) for r in reqs] if self.deterministic else None
+            for i, tok in zip(rows, sample(logits[rows], [r.sampling for r in reqs], [r.generator for r in reqs],
+                                           positions)):
                 out[i] = tok
         return out
 

@@ -15,7 +15,8 @@ One verify round for a sequence of ``n`` tokens (the last one has no KV yet)::
     verify         input [all_ids[-1], d_1 .. d_k]  at positions n-1 .. n-1+k, logits at every row
     accept         j drafts + one token of the target's own: greedy keeps the drafts that equal
                    the target's argmax; sampling uses the rejection rule (the output distribution
-                   is the target's)
+                   is the target's); deterministic inference, seeded: the drafts that equal the
+                   target's keyed sample at their position (:func:`keyed_accept`)
 
 after which the target's KV is valid up to ``n + j`` and the draft's up to ``n + min(j, k - 1)``
 (the draft never saw ``d_k``). KV written for rejected positions sits in reserved slots past
@@ -36,7 +37,7 @@ from .batch import Batch
 from .modes import DecodePlan, Mode, ModeContext
 from .request import Request, SpecState
 from .runner import ModelRunner
-from .sampling import probabilities, top_token
+from .sampling import keyed_sample, probabilities, top_token
 
 
 class LayerWindow:
@@ -110,7 +111,8 @@ def plan_draft_kv(cfg: EngineConfig, draft: Optional[LoadedModel], target_row: t
 class Proposal:
     """What the draft proposed for a verify batch: ``tokens[b]`` (k each) and, for sampled
     requests, the draft's distribution at each of them ``probs[b]`` ``[k, vocab]`` (None: a greedy
-    request, or drafts that are certain: copied text)."""
+    request, drafts that are certain: copied text, or keyed drafts, which the keyed acceptance
+    does not weigh)."""
 
     tokens: list[list[int]]
     probs: list[Optional[torch.Tensor]]
@@ -119,14 +121,18 @@ class Proposal:
 class SpeculativeMode(Mode):
     """What every speculative algorithm shares: slots for the drafts, per-request counts, and
     turning a verify pass's logits into the accepted tokens (greedy: the drafts equal to the
-    target's argmax; sampling: the rejection rule). Each request's rows in a verify pass are its
+    target's argmax; sampling: the rejection rule; seeded under deterministic inference: the
+    drafts equal to the target's keyed samples). Each request's rows in a verify pass are its
     last token + its drafts (their number may differ between requests, and be 0)."""
 
     name = "speculative"
     draft_kv = True  # whether the algorithm's drafts have KV of their own (a draft model's)
 
-    def __init__(self, num_steps: int) -> None:
+    def __init__(self, num_steps: int, deterministic: bool = False) -> None:
+        """``deterministic`` (``--enable-deterministic-inference``): seeded requests accept by
+        their keyed samples, so their output is the one plain decoding gives."""
         self.num_steps = num_steps  # the most drafts a request verifies in one pass
+        self.deterministic = deterministic
         self.request_verify_steps = 0  # verify passes, counted once per request in each
         self.accepted_tokens = 0
 
@@ -165,9 +171,15 @@ class SpeculativeMode(Mode):
             drafts, q = batch.proposal.tokens[b], batch.proposal.probs[b]
             if r.sampling.greedy:
                 out.append(greedy_accept(drafts, rows))
+            elif self.keyed(r):
+                out.append(keyed_accept(drafts, rows, r))
             else:
                 out.append(rejection_accept(drafts, q, rows, r))
         return out
+
+    def keyed(self, req: Request) -> bool:
+        """``req`` samples keyed by position (deterministic inference, a seeded sampled request)."""
+        return self.deterministic and req.sampling.seed is not None and not req.sampling.greedy
 
 
 class Speculator(SpeculativeMode):
@@ -175,11 +187,12 @@ class Speculator(SpeculativeMode):
     draft's :class:`ModelRunner` (its own weights, its KV on the target's slots)."""
 
     def __init__(self, runner: Optional[ModelRunner], num_steps: int,
-                 share_draws: Optional[Callable[[Any], Any]] = None) -> None:
+                 share_draws: Optional[Callable[[Any], Any]] = None, deterministic: bool = False) -> None:
         """``runner`` None: a later pipeline stage, which verifies (the last) or passes on what
         the first stage's draft proposed. ``share_draws``: with several TP ranks, one rank's
-        random draft draws for the whole stage."""
-        super().__init__(num_steps)
+        random draft draws for the whole stage. ``deterministic``: see :class:`SpeculativeMode`;
+        the draft then proposes its keyed samples too."""
+        super().__init__(num_steps, deterministic)
         self.runner = runner
         self.share_draws = share_draws
 
@@ -224,10 +237,12 @@ class Speculator(SpeculativeMode):
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
         inputs = [s[r.spec.draft_computed:] for r, s in zip(reqs, seqs)]
         starts = [r.spec.draft_computed for r in reqs]
-        for _ in range(self.num_steps):
+        for step in range(self.num_steps):
             ends = [p + len(ids) for p, ids in zip(starts, inputs)]
             logits = self.runner.forward(inputs, starts, [r.kv.slots[:e] for r, e in zip(reqs, ends)])
-            drawn = [_draw(logits[b], r) for b, r in enumerate(reqs)]
+            # draft ``step`` takes position len(all_ids) + step: the target's verify row ``step``
+            drawn = [(keyed_sample(logits[b], r.sampling, len(s) + step), None) if self.keyed(r)
+                     else _draw(logits[b], r) for b, (r, s) in enumerate(zip(reqs, seqs))]
             step_tokens = [tok for tok, _ in drawn]
             if self.share_draws is not None and any(not r.sampling.greedy for r in reqs):
                 step_tokens = self.share_draws(step_tokens)
@@ -263,10 +278,30 @@ def _distribution(logits: torch.Tensor, req) -> Optional[torch.Tensor]:
 def greedy_accept(drafts: Sequence[int], logits: torch.Tensor) -> list[int]:
     """The drafts that equal the target's argmax, then the target's token after them."""
     target = top_token(logits).tolist()
-    j = 0
-    while j < len(drafts) and drafts[j] == target[j]:
-        j += 1
-    return list(drafts[:j]) + [target[j]]
+    return accept_matching(drafts, target.__getitem__)
+
+
+def keyed_accept(drafts: Sequence[int], logits: torch.Tensor, req) -> list[int]:
+    """Deterministic inference, a seeded sampled request: verify row ``j`` stands for position
+    ``len(req.all_ids) + j``, and the target's token there is its keyed sample. The drafts that
+    equal those tokens, then the target's token after them -- exactly what plain decoding in
+    this mode samples, draft by draft, from the same logits (so the output is distributed as the
+    target's keyed samples whatever the drafts)."""
+    base = len(req.all_ids)
+    return accept_matching(drafts, lambda j: keyed_sample(logits[j], req.sampling, base + j))
+
+
+def accept_matching(drafts: Sequence[int], target: Callable[[int], int]) -> list[int]:
+    """The drafts while each equals ``target(j)`` (the target's token at verify row ``j``), then
+    the target's token at the first mismatch, or at the bonus row ``len(drafts)``. ``target`` is
+    asked only for rows up to that one."""
+    out: list[int] = []
+    for j, d in enumerate(drafts):
+        tok = target(j)
+        if tok != d:
+            return out + [tok]
+        out.append(d)
+    return out + [target(len(drafts))]
 
 
 def rejection_accept(drafts: Sequence[int], draft_probs: Optional[torch.Tensor], logits: torch.Tensor,
@@ -307,7 +342,8 @@ def build(ctx: ModeContext) -> Optional[Mode]:
     if ctx.draft is not None:
         cache = ctx.cache
         view = LayerWindow(cache.kv_view, ctx.layers, ctx.draft_packed) if ctx.draft_packed else cache.sidecar_view
-        return Speculator(ModelRunner(ctx.draft.model, view, ctx.device), ctx.cfg.speculative_steps, ctx.share_draws)
+        return Speculator(ModelRunner(ctx.draft.model, view, ctx.device), ctx.cfg.speculative_steps, ctx.share_draws,
+                          ctx.cfg.enable_deterministic_inference)
     if ctx.cfg.uses_draft_model:
-        return Speculator(None, ctx.cfg.speculative_steps, ctx.share_draws)
+        return Speculator(None, ctx.cfg.speculative_steps, ctx.share_draws, ctx.cfg.enable_deterministic_inference)
     return None

@@ -179,14 +179,16 @@ def chat_prompt(messages: list[Any], tools: Optional[list[Any]], tool_choice: An
         if role == "tool" and not renders_tools:
             msg = {"role": "user", "content": tool_response(content)}
         out.append(msg)
-    if mode != "none" and not renders_tools:
-        text = tools_system_text(tools or [])
+    # The tools stay in the prompt under tool_choice "none" too (vLLM's default): the conversation's
+    # prefix, cached on earlier turns, stays the same; only calls are not parsed.
+    if tools and not renders_tools:
+        text = tools_system_text(tools)
         if out and out[0]["role"] == "system":
             out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{text}"}
         else:
             out.insert(0, {"role": "system", "content": text})
     grammar = call_grammar(schemas, names, parallel) if mode == "forced" else None
-    return ChatPrompt(out, tools if mode != "none" and renders_tools else None,
+    return ChatPrompt(out, tools if tools and renders_tools else None,
                       frozenset(names) if mode != "none" else frozenset(), grammar)
 
 
