@@ -102,10 +102,11 @@ class DecoderLayer(nn.Module):
         """The native kernels when this pass is one the fused layer serves: a decode batch of at
         most DECODE_ROWS tokens on one rank, float32 on the CPU, the heads as the kernels take them."""
         attn = self.self_attn
+        if not isinstance(attn, Attention):
+            return None
         rows = sys.maxsize if attn.qkv.row_invariant else DECODE_ROWS  # deterministic: every pass
         if (batch.attn.decode is None or not 0 < x.shape[0] <= rows
-                or not isinstance(attn, Attention) or attn.tp_reduce is not None or self.mlp.tp_reduce is not None
-                or attn.kv_map is not None or attn.head_dim not in NATIVE_HEAD_DIMS
+                or attn.tp_reduce is not None or self.mlp.tp_reduce is not None or attn.kv_map is not None or attn.head_dim not in NATIVE_HEAD_DIMS
                 or kv.k_buffers[attn.layer].dtype != torch.float32 or self.mlp.gate_proj.out_features % 8):
             return None
         return native_ops(x)
