@@ -106,7 +106,8 @@ class DecoderLayer(nn.Module):
             return None
         rows = sys.maxsize if attn.qkv.row_invariant else DECODE_ROWS  # deterministic: every pass
         if (batch.attn.decode is None or not 0 < x.shape[0] <= rows
-                or attn.tp_reduce is not None or self.mlp.tp_reduce is not None or attn.kv_map is not None or attn.head_dim not in NATIVE_HEAD_DIMS
+                or attn.tp_reduce is not None or self.mlp.tp_reduce is not None or attn.kv_map is not None
+                or attn.head_dim not in NATIVE_HEAD_DIMS
                 or kv.k_buffers[attn.layer].dtype != torch.float32 or self.mlp.gate_proj.out_features % 8):
             return None
         return native_ops(x)
