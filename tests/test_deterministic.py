@@ -4,7 +4,12 @@ batched, in random mixes, chunked, from L1, L2 and L3, under speculation, on TP2
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +20,7 @@ from hicache.runtime.sampling import GrammarSpec, SamplingParams
 
 pytestmark = pytest.mark.engine
 
+SRC = str(Path(__file__).resolve().parents[1] / "src")
 MODEL = "random:small"  # head size 32: the native decode attention takes it (random:tiny's 16 it does not)
 BASE = dict(dtype="float32", page_size=16, max_total_tokens=8192, enable_deterministic_inference=True)
 PROMPTS = [("System: answer briefly. " * (i % 4 + 1)) + f"Question {i}: " + "abc " * (3 + 7 * i % 40)
@@ -76,12 +82,21 @@ def test_prefixes_from_host_and_storage_equal_the_cold_run(cold, tmp_path) -> No
         writer.drain_idle()
     finally:
         writer.shutdown()
-    reader = Engine(MODEL, **tiers)  # a new engine: prefixes come back from L3
-    try:
-        assert one_at_a_time(reader) == cold
-        assert reader.stats()["hit_tokens"]["storage"] > 0
-    finally:
-        reader.shutdown()
+    # a new process: its prefixes come back from L3 only
+    code = f"""
+import json
+from hicache import Engine, SamplingParams
+e = Engine({MODEL!r}, **{tiers!r})
+rs = [e.generate(p, {GREEDY!r})[0] for p in {PROMPTS!r}]
+print(json.dumps({{"out": [[r.output_ids, [x.logprob for x in r.logprobs]] for r in rs],
+                  "storage": e.stats()["hit_tokens"]["storage"]}}))
+e.shutdown()
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=SRC))
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert [(tuple(ids), tuple(lps)) for ids, lps in got["out"]] == cold and got["storage"] > 0
 
 
 # NGRAM drafts only where the text repeats: the grammar makes the random model copy "abc "
