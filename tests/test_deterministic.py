@@ -139,7 +139,7 @@ def test_seeded_sampling_is_the_same_alone_or_batched() -> None:
 
 def test_what_is_not_covered_is_refused_in_one_sentence() -> None:
     for options, says in ((dict(attn_cp_size=2, tp_size=2), "context parallelism"),
-                          (dict(tp_size=4), "more than 2 ranks"),
+                          (dict(tp_size=4, nnodes=2, dist_init_addr="127.0.0.1:29500"), "across machines"),
                           (dict(disaggregation_mode="prefill"), "disaggregation")):
         with pytest.raises(ConfigError, match=says):
             Engine(MODEL, **BASE, **options)
@@ -151,12 +151,15 @@ def test_what_is_not_covered_is_refused_in_one_sentence() -> None:
 
 @pytest.mark.multirank
 @pytest.mark.parallel
-def test_tp2_pp2_with_the_consensus_checker(cold, checker) -> None:
-    engine = Engine(MODEL, tp_size=2, pp_size=2, **BASE)
+@pytest.mark.parametrize("layout", [dict(tp_size=2, pp_size=2), dict(tp_size=4)], ids=["tp2xpp2", "tp4"])
+def test_ranks_with_the_consensus_checker(cold, checker, layout) -> None:
+    """TP2 sums two partials (the same in any order), TP4 four through the shared-memory
+    all-reduce in rank order; PP passes rows on."""
+    engine = Engine(MODEL, **layout, **BASE)
     try:
         batched = outputs(engine.generate(PROMPTS, GREEDY))
         alone = one_at_a_time(engine, PROMPTS[:4])
         assert engine.group.monitor.divergence is None
     finally:
         engine.shutdown()
-    assert alone == batched[:4]  # TP2 sums two partials: the same in any order; PP passes rows on
+    assert alone == batched[:4]

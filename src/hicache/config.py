@@ -295,8 +295,8 @@ class EngineConfig(SpeculativeOptions):
             (self.attn_cp_size > 1 or self.enable_kv_cache_sharding,
              "context parallelism splits a prefix's attention over ranks and merges the parts"),
             (self.disaggregation_mode != "null", "prefill/decode disaggregation is not covered yet"),
-            (self.tp_size > 2, "TP groups of more than 2 ranks may sum their partial results in another order "
-                               "(two partials sum alike in any order)"),
+            (self.tp_size > 2 and self.nnodes > 1, "a TP group of more than 2 ranks across machines sums its "
+                                                  "partials through gloo, in an order that depends on the size"),
         )
         for given, why in refused:
             if given:

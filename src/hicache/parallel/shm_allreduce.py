@@ -112,10 +112,14 @@ class ShmAllReduce:
             self.shm.unlink()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
-        """``x`` summed over the group (a new tensor), or None when ``x`` does not fit."""
+        """``x`` summed over the group in rank order (a new tensor); larger than the segment, in
+        pieces (every element's sum is the same); None for a dtype other than float32."""
         n = x.numel()
-        if n > self.max_elems or x.dtype != torch.float32:
+        if x.dtype != torch.float32:
             return None
+        if n > self.max_elems:
+            flat = x.reshape(-1)
+            return torch.cat([self(flat[i:i + self.max_elems]) for i in range(0, n, self.max_elems)]).view_as(x)
         self.calls += 1
         slots = self.data[self.calls % 2]
         slots[self.rank, :n].copy_(x.reshape(-1))

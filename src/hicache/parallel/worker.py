@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ..config import EngineConfig
+from ..config import ConfigError, EngineConfig
 from ..consensus_record import install_recorder, make_queue_sink
 from ..device import DTYPES, choose_precision, resolve_device
 from ..disagg.heads import TPRanks
@@ -277,7 +277,12 @@ def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox:
         draft, draft_shard = _load_draft(cfg, info, groups, dtype, device)
         if device.type == "cpu":  # the largest partial sum: a prefill chunk, a decode or verify batch
             rows = max(cfg.chunked_prefill_size, cfg.max_running_requests * (cfg.speculative_steps + 1))
-            groups.use_shared_memory_reduce(rows * max(loaded.spec.hidden_size, draft.spec.hidden_size if draft else 0))
+            shm = groups.use_shared_memory_reduce(rows * max(loaded.spec.hidden_size,
+                                                             draft.spec.hidden_size if draft else 0))
+            if cfg.enable_deterministic_inference and info.attn_tp_size > 2 and not shm:  # every TP rank alike
+                raise ConfigError("--enable-deterministic-inference with more than 2 TP ranks needs the shared-memory "
+                                  "all-reduce (one machine, x86, room in /dev/shm): it sums the partials in rank "
+                                  "order, gloo in an order that depends on the size.")
         local = info.ranks_per_node
         ranks_per_device = local if device.type == "cpu" else -(-local // torch.cuda.device_count())
         core = build_core(cfg, loaded, device, dtype, shard, agree=groups.world_min,
