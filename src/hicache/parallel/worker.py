@@ -231,6 +231,17 @@ def _load_draft(cfg: EngineConfig, info: RankInfo, groups: ParallelGroups, dtype
     return draft, draft_shard
 
 
+def _open_shared_reduce(cfg: EngineConfig, info: RankInfo, groups: ParallelGroups, loaded: Any, draft: Any) -> None:
+    """The shared-memory all-reduce, sized for the largest partial sum (a prefill chunk, a decode or
+    verify batch); deterministic inference with more than 2 TP ranks needs it (every TP rank alike)."""
+    rows = max(cfg.chunked_prefill_size, cfg.max_running_requests * (cfg.speculative_steps + 1))
+    shm = groups.use_shared_memory_reduce(rows * max(loaded.spec.hidden_size, draft.spec.hidden_size if draft else 0))
+    if cfg.enable_deterministic_inference and info.attn_tp_size > 2 and not shm:
+        raise ConfigError("--enable-deterministic-inference with more than 2 TP ranks needs the shared-memory "
+                          "all-reduce (one machine, x86, room in /dev/shm): it sums the partials in rank "
+                          "order, gloo in an order that depends on the size.")
+
+
 def _pd_ranks(info: RankInfo, shard: Any, groups: ParallelGroups) -> TPRanks:
     """This rank's KV heads and its TP group's collectives, for a P/D role."""
     return TPRanks(info.tp_rank, info.tp_size, shard.kv_heads, groups.tp_gather_object, groups.tp_sum)
@@ -275,14 +286,8 @@ def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox:
         shard = model_shard(loaded.spec, info.attn_tp_rank, info.attn_tp_size, info.pp_rank, info.pp_size)
         shard_model(loaded.model, shard, groups.tp_reduce if info.attn_tp_size > 1 else None)
         draft, draft_shard = _load_draft(cfg, info, groups, dtype, device)
-        if device.type == "cpu":  # the largest partial sum: a prefill chunk, a decode or verify batch
-            rows = max(cfg.chunked_prefill_size, cfg.max_running_requests * (cfg.speculative_steps + 1))
-            shm = groups.use_shared_memory_reduce(rows * max(loaded.spec.hidden_size,
-                                                             draft.spec.hidden_size if draft else 0))
-            if cfg.enable_deterministic_inference and info.attn_tp_size > 2 and not shm:  # every TP rank alike
-                raise ConfigError("--enable-deterministic-inference with more than 2 TP ranks needs the shared-memory "
-                                  "all-reduce (one machine, x86, room in /dev/shm): it sums the partials in rank "
-                                  "order, gloo in an order that depends on the size.")
+        if device.type == "cpu":
+            _open_shared_reduce(cfg, info, groups, loaded, draft)
         local = info.ranks_per_node
         ranks_per_device = local if device.type == "cpu" else -(-local // torch.cuda.device_count())
         core = build_core(cfg, loaded, device, dtype, shard, agree=groups.world_min,

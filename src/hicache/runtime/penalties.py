@@ -58,7 +58,7 @@ class PenaltyState:
 def adjust_row(row: torch.Tensor, sp: SamplingParams, state: PenaltyState, outputs: int,
                stop_ids: torch.Tensor) -> None:
     """Adjust one logits row in place; ``state.counts`` holds the row's ``outputs`` tokens."""
-    seen = state.counts > 0
+    seen = state.counts > 0 if sp.repetition_penalty != 1.0 or sp.presence_penalty else None
     if sp.repetition_penalty != 1.0:
         hit = seen | state.in_prompt
         r = sp.repetition_penalty

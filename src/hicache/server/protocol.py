@@ -129,8 +129,9 @@ class _Sampling(_Body):
         return None
 
     def top_logprobs_k(self) -> Optional[int]:
-        """None: no logprobs; k: each token's log-probability and its k most likely alternatives."""
-        raise NotImplementedError
+        """None: no logprobs; k: each token's log-probability and its k most likely alternatives
+        (each endpoint names them its own way)."""
+        return None
 
     def adjustments(self) -> dict[str, Any]:
         """SamplingParams' penalties, min_p, logit_bias and min_tokens from this body."""
