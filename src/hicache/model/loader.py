@@ -151,7 +151,8 @@ def _check_deterministic(spec: ModelSpec, dtype: torch.dtype, device: torch.devi
     elif unavailable_reason() is not None:
         why = f"it needs the native CPU kernels ({unavailable_reason()})"
     elif spec.is_mla or spec.head_dim not in NATIVE_HEAD_DIMS:
-        why = f"the native decode attention takes GQA heads of {sorted(NATIVE_HEAD_DIMS)} dimensions"
+        why = (f"the native decode attention takes GQA heads of {', '.join(map(str, NATIVE_HEAD_DIMS))} dimensions; "
+               f"this model's {'are MLA latents' if spec.is_mla else f'are {spec.head_dim}'}")
     elif prefill_weights != "same" or decode_weights not in ("auto", "same"):
         why = "every pass reads one copy of the weights (--prefill-weight-dtype same, --decode-weight-dtype auto)"
     elif not dense_rows_invariant():
