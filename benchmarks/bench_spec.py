@@ -1,6 +1,6 @@
 """Speculative decoding on vs off, side by side in one run, on three workloads (SmolLM2, greedy).
 
-    python benchmarks/bench_spec.py [--repeats 5] [--workloads copy,reuse,chat] [--standalone-steps 3]
+    python benchmarks/bench_spec.py [--repeats 5] [--workloads copy,reuse,chat,prose] [--standalone-steps 3]
                                     [--max-new-tokens 160] [--model smollm2] [--dtype auto]
 
 Workloads, each run plain, with NGRAM and (for reference) with the STANDALONE 4-bit draft:
@@ -12,7 +12,9 @@ Workloads, each run plain, with NGRAM and (for reference) with the STANDALONE 4-
   own (another system prompt: no prefix shared), asks for the same thing: B's drafts can only come
   from A's answer in the radix tree, not from B's own text;
 - ``chat``: the demo's coding agent (``hicache demo``: tool output every turn), plain chat whose
-  replies copy little: the no-regression case.
+  replies copy little (SmolLM2 repeats its own earlier replies there, so NGRAM still gains);
+- ``prose``: open questions answered in free text, each in a conversation of its own: little to
+  copy from anywhere, the no-regression case.
 
 Every repeat flushes the cache and runs every configuration on the same prompts, alternating, so
 machine drift hits all alike; figures are medians over repeats. Printed per workload and
@@ -70,6 +72,11 @@ COPY_TASKS = [
     "Output only the code.",
 ]
 REUSE_TASK = "Write a Python function that checks whether a string is a palindrome, ignoring case and spaces."
+PROSE_QUESTIONS = [
+    "Why do leaves change colour in autumn?",
+    "What should I pack for a week of hiking in the mountains?",
+    "Explain how a bicycle stays upright while moving.",
+]
 
 
 @dataclass
@@ -124,6 +131,8 @@ def workloads(engine: Engine, names: list[str], max_new: int) -> dict[str, list[
             messages += [{"role": "assistant", "content": res.text},
                          {"role": "user", "content": f"Tool output:\n{tool_output(turn, rng)}\nWhat next?"}]
         out["chat"] = [prompts]
+    if "prose" in names:
+        out["prose"] = [[chat_ids(engine, [{"role": "user", "content": q}])] for q in PROSE_QUESTIONS]
     engine.flush_cache()
     return out
 
@@ -195,7 +204,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--draft", default="smollm2:int4-g64")
     ap.add_argument("--standalone-steps", type=int, default=3, help="0: leave STANDALONE out")
-    ap.add_argument("--workloads", default="copy,reuse,chat")
+    ap.add_argument("--workloads", default="copy,reuse,chat,prose")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--max-new-tokens", type=int, default=160)
     ap.add_argument("--dtype", default="auto")

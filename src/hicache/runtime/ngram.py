@@ -14,9 +14,12 @@ decode step (model/paged.py), so it costs about one.
 
 Drafting never costs much more than plain decoding: a request drafts only after a match, at most
 ``2 x (match length)`` tokens, and its draft length follows its recent acceptance (halved to
-what was accepted after a miss; a request whose drafts keep failing pauses drafting for 1, 3,
-7, 15 steps); a batch holds at most ``DECODE_ROWS`` rows while any request drafts (one pass of
-the block kernels), and requests without a match ride along as plain rows.
+what was accepted after a miss). A request whose drafts keep failing asks for more evidence
+instead of pausing: each pass that accepted nothing raises the match length it needs by one
+(at most ``max_window``), each pass that accepted something lowers it again -- a long match
+is rarely wrong, so text copied after a stretch of new words is still caught the step it
+starts. A batch holds at most ``DECODE_ROWS`` rows while any request drafts (one pass of the
+block kernels), and requests without a match ride along as plain rows.
 
 Every rank proposes the same drafts: the lookups read only the request's tokens and the tree,
 which every rank changes at the same points (DESIGN invariant 3).
@@ -39,7 +42,6 @@ from .request import Request
 from .speculative import Proposal, SpeculativeMode
 
 PER_KEY = 8  # places kept per n-gram: the most recent ones
-MAX_PAUSE_LEVEL = 4  # a request whose drafts keep failing pauses 2**level - 1 steps, at most 15
 
 
 @dataclass(frozen=True)
@@ -93,12 +95,12 @@ class OwnText:
 
 @dataclass
 class Drafting:
-    """A request's NGRAM state: its text index, the most drafts it may take now, and its pause."""
+    """A request's NGRAM state: its text index, the most drafts it may take now, and the match
+    length (tokens) a lookup needs before it drafts."""
 
     own: OwnText
     cap: int
-    misses: int = 0  # verify passes in a row that accepted no draft
-    pause: int = 0  # decode steps left without drafting
+    need: int
     proposed: int = 0  # drafts in the pass in flight
 
 
@@ -158,7 +160,8 @@ class NgramSpeculator(SpeculativeMode):
 
     def on_admit(self, req: Request) -> bool:
         super().on_admit(req)
-        req.spec.drafting = Drafting(OwnText(self.settings.levels), self.settings.max_drafts)
+        req.spec.drafting = Drafting(OwnText(self.settings.levels), self.settings.max_drafts,
+                                     self.settings.min_window)
         return False
 
     @consensus_check("ngram.decode_batch", args=lambda self, reqs: [r.rid for r in reqs],
@@ -181,9 +184,6 @@ class NgramSpeculator(SpeculativeMode):
 
     def _draft(self, req: Request) -> tuple[list[int], int]:
         state: Drafting = req.spec.drafting
-        if state.pause > 0:
-            state.pause -= 1
-            return [], 0
         want = min(state.cap, req.max_new_tokens - len(req.output_ids) - 1)
         if want <= 0:
             return [], 0
@@ -193,12 +193,15 @@ class NgramSpeculator(SpeculativeMode):
             sources.append(lambda n, key: self.index.occurrences(req.namespace, n, key))
         self.lookups += 1
         draft, matched = pick_draft(state.own.tokens, sources, self.settings, want)
+        if matched < state.need:
+            return [], 0
         return draft[:max(1, 2 * matched)], matched
 
     def on_accepted(self, req: Request, drafts: int, taken: int) -> None:
         """Adapt the request's draft length to what its pass accepted (``drafts`` of the
         ``state.proposed``): grow after a pass that took them all, shrink to what was accepted
-        otherwise, pause after passes that took none. A pass it rode along in without drafts
+        otherwise; a pass that took none raises the match length needed, one that took some lowers
+        it. A pass it rode along in without drafts
         (a plain row) counts nowhere: accept lengths are per pass that verified drafts."""
         state: Drafting = req.spec.drafting
         proposed, state.proposed = state.proposed, 0
@@ -206,11 +209,10 @@ class NgramSpeculator(SpeculativeMode):
             return
         super().on_accepted(req, drafts, taken)
         if drafts == 0:
-            state.misses += 1
-            state.pause = 2 ** min(state.misses, MAX_PAUSE_LEVEL) - 1
+            state.need = min(state.need + 1, self.settings.max_window)
             state.cap = max(1, state.cap // 2)
             return
-        state.misses = 0
+        state.need = max(state.need - 1, self.settings.min_window)
         state.cap = min(self.settings.max_drafts, state.cap + 2 if drafts == proposed else drafts + 1)
 
     def stats(self) -> dict:
