@@ -177,6 +177,9 @@ class EngineConfig(SpeculativeOptions):
     # Scheduling
     chunked_prefill_size: int = _opt(2048, "Most prompt tokens computed in one prefill step (a long prompt is chunked).")
     max_running_requests: int = _opt(32, "Most requests decoding at once.")
+    disable_shared_prefill_wait: bool = _opt(
+        False, "Admit a request at once even when a request still computing its prompt holds 64+ more of its "
+        "first tokens (by default it waits for those pages and hits them instead of computing them again).")
     grammar_backend: str = _opt(
         "llguidance", "Structured output (response_format, forced tool calls, json_schema / regex / ebnf): the grammar "
         "engine that masks each step's tokens; 'none' refuses such requests.", ("llguidance", "none"))

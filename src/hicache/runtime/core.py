@@ -189,6 +189,7 @@ def _scheduler(cfg: EngineConfig, cache: KVCacheManager, loaded: LoadedModel, mo
         + cfg.hicache_storage_prefetch_timeout_per_1k_tokens * tokens / 1000,
         modes=modes,
         deterministic=cfg.enable_deterministic_inference,
+        shared_prefill_wait=cfg.decode_reuses_prefix and not cfg.disable_shared_prefill_wait,
     )
 
 

@@ -27,6 +27,7 @@ from .modes import Action, Fail, Mode, Release, StartDecode
 from .prefetch_policy import PrefetchPolicy
 from .request import PrefetchWait, Request, Status
 from .sampling import sample
+from .shared_prefill import computing_prefix_of
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +44,14 @@ class Scheduler:
         prefetch_timeout: Callable[[int], float] = lambda tokens: 1.0,
         modes: Sequence[Mode] = (),
         deterministic: bool = False,
+        shared_prefill_wait: bool = False,
     ) -> None:
         """``modes``: what plugs into the phases (hicache.runtime.mode_registry), in the order
         their hooks run and their events sit in the event vector. ``deterministic``
         (``--enable-deterministic-inference``): seeded requests sample keyed by position
-        (runtime/sampling.py), not from their generator in draw order."""
+        (runtime/sampling.py), not from their generator in draw order. ``shared_prefill_wait``: a
+        request whose first tokens another request is still computing waits for them
+        (runtime/shared_prefill.py)."""
         self.cache = cache
         self.decode_text = decode_text
         self.eos_token_ids = eos_token_ids
@@ -60,6 +64,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.modes = list(modes)
         self.deterministic = deterministic
+        self.shared_prefill_wait = shared_prefill_wait
         # slots a request reserves past its tokens (a mode's passes may write KV there)
         self.reserve_slots = sum(m.reserve_slots() for m in self.modes)
         self.prefill_computed_tokens = 0  # prompt tokens the forward computed (cache hits excluded)
@@ -193,8 +198,10 @@ class Scheduler:
                 break
             if not self._prefetch_settled(req):
                 continue  # its storage read is still arriving; later requests may go first
+            if req.waits_for is None and self.shared_prefill_wait:
+                req.waits_for = computing_prefix_of(req, self.running)
             if req.waits_for is not None and self._prompt_pending(req.waits_for):
-                continue  # n > 1: admitted once its sibling's prompt is cached, to share its pages
+                continue  # admitted once the other's prompt is cached, to share its pages
             if not self._admit(req):
                 break  # first-come first-served for memory: later requests wait behind it
             self.waiting.remove(req)
@@ -291,7 +298,7 @@ class Scheduler:
                 if req.computed < len(req.prompt_ids):  # chunk boundary: share the pages now
                     self.cache.cache_prefix(req.namespace, req.tokens_with_kv(), req.kv)
                     continue
-                if any(w.waits_for == req.rid for w in self.waiting):  # n > 1: siblings share the prompt
+                if any(w.waits_for == req.rid for w in self.waiting):  # others wait to share the prompt
                     self.cache.cache_prefix(req.namespace, req.tokens_with_kv(), req.kv)
                 req.first_token_time = now
                 req.status = Status.DECODE

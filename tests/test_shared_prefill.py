@@ -1,0 +1,71 @@
+"""Requests that arrive together with the same first tokens compute them once
+(runtime/shared_prefill.py): the later ones wait for the first one's prompt, then hit its pages."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hicache import Engine, SamplingParams
+from hicache.runtime.request import Request, Status
+from hicache.runtime.shared_prefill import computing_prefix_of
+
+pytestmark = pytest.mark.engine
+
+GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
+
+
+def fanned_out(agents: int, system: int, question: int, seed: int = 0) -> list[list[int]]:
+    """``agents`` prompts on one ``system``-token prompt, each with its own question."""
+    rng = random.Random(seed)
+    head = [rng.randrange(5, 250) for _ in range(system)]
+    return [head + [rng.randrange(5, 250) for _ in range(question)] for _ in range(agents)]
+
+
+def engine(**kw) -> Engine:
+    return Engine("random:tiny", dtype="float32", page_size=4, max_total_tokens=8192, chunked_prefill_size=2048, **kw)
+
+
+def run_together(eng: Engine, ids: list[list[int]]) -> tuple[list, int]:
+    before = eng.stats()["prefill_computed_tokens"]
+    results = eng.generate(ids, GREEDY)
+    return results, eng.stats()["prefill_computed_tokens"] - before
+
+
+def test_agents_on_one_system_prompt_compute_it_once() -> None:
+    ids = fanned_out(agents=3, system=300, question=20)
+    shared, apart = engine(), engine(disable_shared_prefill_wait=True)
+    try:
+        together, computed = run_together(shared, ids)
+        assert together[0].cached_tokens == 0
+        assert [r.cached_tokens for r in together[1:]] == [300, 300]  # the system prompt's whole pages
+        assert computed == 320 + 20 + 20
+        alone, computed_apart = run_together(apart, ids)  # the old behaviour: each computes it
+        assert [r.cached_tokens for r in alone] == [0, 0, 0] and computed_apart == 3 * 320
+        assert [r.output_ids for r in together] == [r.output_ids for r in alone]  # float32: same greedy tokens
+    finally:
+        shared.shutdown()
+        apart.shutdown()
+
+
+def test_a_short_shared_head_is_computed_again_rather_than_waited_for() -> None:
+    eng = engine()
+    try:
+        results, computed = run_together(eng, fanned_out(agents=2, system=40, question=60, seed=1))
+        assert computed == 2 * 100 and [r.cached_tokens for r in results] == [0, 0]  # 40 < 64 tokens
+    finally:
+        eng.shutdown()
+
+
+def test_a_request_waits_only_for_tokens_the_other_has_not_computed() -> None:
+    head = list(range(10, 210))
+    other = Request(1, head + [7] * 50, GREEDY, "ns", 8)
+    req = Request(2, head + [8] * 50, GREEDY, "ns", 8)
+    other.status = Status.PREFILL
+    assert computing_prefix_of(req, [other]) == 1  # 200 shared, none computed
+    assert computing_prefix_of(Request(3, req.prompt_ids, GREEDY, "salted", 8), [other]) is None  # another namespace
+    other.computed = 150
+    assert computing_prefix_of(req, [other]) is None  # 50 left to share: computing them again is cheaper
+    other.computed, other.status = 0, Status.DECODE
+    assert computing_prefix_of(req, [other]) is None  # its prompt is done (cached at prefill end)
