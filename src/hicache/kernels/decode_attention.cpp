@@ -108,12 +108,12 @@ inline void score_tile(const float* const* qs, const float* const* kp, int count
 }
 
 // Scores of every member's H queries against keys [k0, k0 + n): scores[(j * H + hq) * n + i], and
-// each query's maximum (m). Key blocks of 8 are the outer loop and a block's KV heads the inner one:
-// a block's 8 rows (every head: [S, KvH, D] keeps a key's heads adjacent) are read from memory once,
-// in order, and then from L1 by every member's queries of each head -- a stream the prefetchers
-// follow (heads outermost read a third of each row per pass, strided, and ran at half the read rate).
-// Each query's score and running maximum are the same sequence of operations whatever the members,
-// tiles and loop order are: a sequence's result does not depend on what else is in the batch.
+// each query's maximum (m). A key's heads are adjacent in the buffer ([S, KvH, D]), so one task reads
+// whole rows: the lines stream in order (a task per KV head would read a third of each row and waste
+// the rest). Key blocks of 8 are the outer loop, so that a block (its KV head's part, 8 x D floats)
+// is read from memory once and then from L1 by every member's queries of that head.
+// Each query's score and running maximum are the same sequence of operations whatever the members
+// and tiles are: a sequence's result does not depend on what else is in the batch.
 template <int D8>
 void chunk_scores(const Shape& sh, const float* const* q, int64_t members, const float* kb, const float* vb,
                   const int64_t* slots, int64_t k0, int64_t n, const Ahead& ahead, float* scores, float* m) {
@@ -121,41 +121,37 @@ void chunk_scores(const Shape& sh, const float* const* q, int64_t members, const
   std::vector<float> mx(8 * queries, -std::numeric_limits<float>::infinity());  // each query's running max
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const int64_t per_head = members * G;  // queries reading one KV head: member j's heads hq in [h G, h G + G)
-  std::vector<const float*> qs(sh.KvH * per_head);  // head h's queries at [h * per_head, ...): their vectors
-  std::vector<int64_t> rs(sh.KvH * per_head);       // and their index in m and scores
+  std::vector<const float*> qs(per_head);  // head h's queries: their vectors, their index in m and scores
+  std::vector<int64_t> rs(per_head);
   for (int64_t h = 0; h < sh.KvH; ++h) {
     for (int64_t x = 0; x < per_head; ++x) {
-      rs[h * per_head + x] = (x / G) * H + h * G + x % G;
-      qs[h * per_head + x] = q[x / G] + (h * G + x % G) * D;
+      rs[x] = (x / G) * H + h * G + x % G;
+      qs[x] = q[x / G] + (h * G + x % G) * D;
     }
-  }
-  for (int64_t i = 0; i < n; i += 8) {
-    prefetch_rows(kb, vb, row, ahead.slots, std::min(i, ahead.n), std::min(i + 8, ahead.n));
-    const int count = static_cast<int>(std::min<int64_t>(8, n - i));
-    const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(count), lane));
-    auto finish = [&](int64_t r, __m256 s) {  // query r's scores of this block
-      const __m256 top = _mm256_loadu_ps(mx.data() + 8 * r);
-      _mm256_storeu_ps(mx.data() + 8 * r, _mm256_max_ps(top, _mm256_blendv_ps(top, s, valid)));
-      if (count == 8) _mm256_storeu_ps(scores + r * n + i, s);
-      else _mm256_maskstore_ps(scores + r * n + i, _mm256_castps_si256(valid), s);
-    };
-    for (int64_t h = 0; h < sh.KvH; ++h) {
+    for (int64_t i = 0; i < n; i += 8) {
+      if (h == 0) prefetch_rows(kb, vb, row, ahead.slots, std::min(i, ahead.n), std::min(i + 8, ahead.n));
+      const int count = static_cast<int>(std::min<int64_t>(8, n - i));
       const float* kp[8];
       for (int k = 0; k < 8; ++k) kp[k] = kb + slots[k0 + i + std::min(k, count - 1)] * row + h * D;
-      const float* const* hq = qs.data() + h * per_head;
-      const int64_t* hr = rs.data() + h * per_head;
+      const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(count), lane));
+      auto finish = [&](int64_t r, __m256 s) {  // query r's scores of this block
+        const __m256 top = _mm256_loadu_ps(mx.data() + 8 * r);
+        _mm256_storeu_ps(mx.data() + 8 * r, _mm256_max_ps(top, _mm256_blendv_ps(top, s, valid)));
+        if (count == 8) _mm256_storeu_ps(scores + r * n + i, s);
+        else _mm256_maskstore_ps(scores + r * n + i, _mm256_castps_si256(valid), s);
+      };
       int64_t x = 0;
       for (; x + kScoreTile <= per_head; x += kScoreTile) {
         __m256 s[kScoreTile];
-        if (count == 8) score_tile<D8, kScoreTile, true>(hq + x, kp, count, s);
-        else score_tile<D8, kScoreTile, false>(hq + x, kp, count, s);
-        for (int t = 0; t < kScoreTile; ++t) finish(hr[x + t], s[t]);
+        if (count == 8) score_tile<D8, kScoreTile, true>(qs.data() + x, kp, count, s);
+        else score_tile<D8, kScoreTile, false>(qs.data() + x, kp, count, s);
+        for (int t = 0; t < kScoreTile; ++t) finish(rs[x + t], s[t]);
       }
       for (; x < per_head; ++x) {
         __m256 s[1];
-        if (count == 8) score_tile<D8, 1, true>(hq + x, kp, count, s);
-        else score_tile<D8, 1, false>(hq + x, kp, count, s);
-        finish(hr[x], s[0]);
+        if (count == 8) score_tile<D8, 1, true>(qs.data() + x, kp, count, s);
+        else score_tile<D8, 1, false>(qs.data() + x, kp, count, s);
+        finish(rs[x], s[0]);
       }
     }
   }
@@ -164,12 +160,10 @@ void chunk_scores(const Shape& sh, const float* const* q, int64_t members, const
 }
 
 // acc[r] = sum_i p[r, i] * v_i (its KV head's part of the row) for each of the `queries` = members
-// * H rows of p: per query and lane, fma(p[r, i], v_i, acc) in order of i, starting from zero.
-// Keys go in sub-blocks of kValueKeys, outermost: a sub-block's value rows (every head) are read
-// from memory once and stay in L1 while each head's queries take them, several queries per load
-// (their sums in registers: the AVX-512 build holds two 8-lane vectors of a query in one 16-lane
-// register -- lane-wise the same FMAs). A query's sums go to acc between sub-blocks and come back
-// for the next: the same FMAs in the same order as one pass over all keys.
+// * H rows of p: per query and lane, fma(p[r, i], v_i, acc) in order of i. Keys outermost, so that
+// each value row is read once for several queries of its KV head (their sums in registers: the
+// AVX-512 build holds two 8-lane vectors of a query in one 16-lane register -- lane-wise the same
+// FMAs).
 #ifdef HICACHE_AVX512
 using VVec = __m512;
 constexpr int kVLanes = 16;
@@ -189,20 +183,18 @@ inline VVec v_zero() { return _mm256_setzero_ps(); }
 inline void v_store(float* p, VVec v) { _mm256_storeu_ps(p, v); }
 constexpr int kValueRegs = 12;  // of 16
 #endif
-constexpr int64_t kValueKeys = 16;  // keys per sub-block: 16 value rows of SmolLM2 (3 x 64) are 12 KiB of L1
 
-// Queries r[0..Q) over keys [i0, i1) of the chunk: acc += p * v (acc from zero when `first`).
 template <int D8, int Q>
-inline void value_tile(const int64_t* r, const float* vh, int64_t row, const int64_t* slots, int64_t i0, int64_t i1,
-                       const float* p, int64_t n, float* acc, bool first) {
+inline void value_tile(const int64_t* r, const float* vh, int64_t row, const int64_t* slots, int64_t k0, int64_t n,
+                       const float* p, float* acc) {
   constexpr int E = D8 * 8 / kVLanes;  // vectors per query
   VVec a[Q][E];
   for (int t = 0; t < Q; ++t)
-    for (int e = 0; e < E; ++e) a[t][e] = first ? v_zero() : v_load(acc + r[t] * D8 * 8 + kVLanes * e);
+    for (int e = 0; e < E; ++e) a[t][e] = v_zero();
   const float* ph[Q];
   for (int t = 0; t < Q; ++t) ph[t] = p + r[t] * n;
-  for (int64_t i = i0; i < i1; ++i) {
-    const float* val = vh + slots[i] * row;
+  for (int64_t i = 0; i < n; ++i) {
+    const float* val = vh + slots[k0 + i] * row;
     VVec v[E];
     for (int e = 0; e < E; ++e) v[e] = v_load(val + kVLanes * e);
     for (int t = 0; t < Q; ++t) {
@@ -219,21 +211,17 @@ void chunk_values(const Shape& sh, int64_t members, const float* vb, const int64
                   const float* p, float* acc) {
   constexpr int E = D8 * 8 / kVLanes, Q = std::max(1, kValueRegs / E - 1);  // queries at once
   const int64_t D = D8 * 8, row = sh.KvH * D, H = sh.H, G = sh.G, per_head = members * G;
-  const int64_t* ks = slots + k0;
-  for (int64_t i0 = 0; i0 < n; i0 += kValueKeys) {
-    const int64_t i1 = std::min(n, i0 + kValueKeys);
-    for (int64_t h = 0; h < sh.KvH; ++h) {
-      const float* vh = vb + h * D;
-      int64_t r[Q];
-      int64_t x = 0;
-      for (; x + Q <= per_head; x += Q) {
-        for (int t = 0; t < Q; ++t) r[t] = ((x + t) / G) * H + h * G + (x + t) % G;
-        value_tile<D8, Q>(r, vh, row, ks, i0, i1, p, n, acc, i0 == 0);
-      }
-      for (; x < per_head; ++x) {
-        r[0] = (x / G) * H + h * G + x % G;
-        value_tile<D8, 1>(r, vh, row, ks, i0, i1, p, n, acc, i0 == 0);
-      }
+  for (int64_t h = 0; h < sh.KvH; ++h) {
+    const float* vh = vb + h * D;
+    int64_t r[Q];
+    int64_t x = 0;
+    for (; x + Q <= per_head; x += Q) {
+      for (int t = 0; t < Q; ++t) r[t] = ((x + t) / G) * H + h * G + (x + t) % G;
+      value_tile<D8, Q>(r, vh, row, slots, k0, n, p, acc);
+    }
+    for (; x < per_head; ++x) {
+      r[0] = (x / G) * H + h * G + x % G;
+      value_tile<D8, 1>(r, vh, row, slots, k0, n, p, acc);
     }
   }
 }
