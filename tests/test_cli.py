@@ -77,6 +77,7 @@ def test_chat_reads_turns_from_stdin() -> None:
     assert "cached" in out.stderr
 
 
+@pytest.mark.slow
 def test_demo_with_agents_and_host_tier_shows_host_hits() -> None:
     out = hicache("demo", "--model", "random:tiny", "--dtype", "float32", "--max-total-tokens", "2048",
                   "--agents", "3", "--turns", "3", "--max-new-tokens", "8", "--enable-hierarchical-cache")

@@ -70,6 +70,7 @@ def test_batched_mixed_cached_and_chunked_runs_equal_the_cold_one(cold) -> None:
         chunked.shutdown()
 
 
+@pytest.mark.slow
 def test_prefixes_from_host_and_storage_equal_the_cold_run(cold, tmp_path) -> None:
     tiers = dict(BASE, max_total_tokens=1024, enable_hierarchical_cache=True, hicache_storage_backend="file",
                  hicache_storage_backend_extra_config=f'{{"path": "{tmp_path}"}}',

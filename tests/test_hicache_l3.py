@@ -181,6 +181,7 @@ def test_valkey_backend_end_to_end(valkey_server, reference: list[int]) -> None:
     reader.shutdown()
 
 
+@pytest.mark.slow
 def test_mooncake_backend_serves_a_new_process(mooncake_store, tmp_path: Path,
                                                reference: list[int]) -> None:
     """Mooncake Store as L3: an engine stores its history and exits; an engine in a new process

@@ -195,6 +195,7 @@ print(json.dumps({"kernels": cpu_kernels() is not None, "logits": torch.cat([fir
 """
 
 
+@pytest.mark.slow
 def test_model_without_kernels_runs_and_agrees_with_them():
     """``HICACHE_KERNELS=0`` (or a machine where they cannot build): torch's kernels throughout,
     the same logits up to rounding order."""

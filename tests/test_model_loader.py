@@ -102,6 +102,7 @@ def test_loading_without_weights_keeps_shape_tokenizer_and_identity(name):
     assert meta.tokenizer.encode("Hello, cache!") == full.tokenizer.encode("Hello, cache!")
 
 
+@pytest.mark.slow
 def test_gguf_header_reads_as_the_gguf_package_reads_it():
     """The fast header reader (hicache.model.gguf_file) gives the gguf package's own reader's
     metadata values and tensor data for the embedded model's file, byte for byte."""

@@ -682,6 +682,7 @@ def _fresh_pages(tree: RadixCache, alloc: PageAllocator, n: int) -> np.ndarray |
     return alloc.alloc(n)
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_peek_equals_match_and_changes_nothing(data):

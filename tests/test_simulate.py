@@ -47,6 +47,7 @@ def test_unlimited_capacity_hits_exactly_what_the_trace_allows(trace) -> None:
     assert got["requests"] == SLICE
 
 
+@pytest.mark.slow
 def test_storage_recovers_what_small_device_and_host_tiers_lose(trace) -> None:
     """The seed's production note in kind: without external storage the hit ratio drops with the
     memory budget; with an unlimited store behind it, every reusable block hits again."""
