@@ -24,7 +24,8 @@ def fanned_out(agents: int, system: int, question: int, seed: int = 0) -> list[l
 
 
 def engine(**kw) -> Engine:
-    return Engine("random:tiny", dtype="float32", page_size=4, max_total_tokens=8192, chunked_prefill_size=2048, **kw)
+    opts = dict(dtype="float32", page_size=4, max_total_tokens=8192, chunked_prefill_size=2048)
+    return Engine("random:tiny", **{**opts, **kw})
 
 
 def run_together(eng: Engine, ids: list[list[int]]) -> tuple[list, int]:
@@ -47,6 +48,23 @@ def test_agents_on_one_system_prompt_compute_it_once() -> None:
     finally:
         shared.shutdown()
         apart.shutdown()
+
+
+def test_a_request_waits_for_the_shared_tokens_only_not_the_others_whole_prompt() -> None:
+    """A long prompt chunked over many steps shares its first 200 tokens with a short one. The
+    long one takes each step's whole token budget until its last chunk; the short one, whose
+    shared tokens were cached at the first chunk boundary, joins that last step (it does not
+    wait for the long prompt's end) and gets its first token in the same step."""
+    rng = random.Random(3)
+    head = [rng.randrange(5, 250) for _ in range(200)]
+    long, short = head + [rng.randrange(5, 250) for _ in range(1800)], head + [rng.randrange(5, 250) for _ in range(20)]
+    eng = engine(chunked_prefill_size=256)
+    try:
+        a, b = eng.generate([long, short], GREEDY)
+        assert b.cached_tokens == 200 and a.cached_tokens == 0
+        assert b.ttft_s <= a.ttft_s  # the same step's end; b arrived after a
+    finally:
+        eng.shutdown()
 
 
 def test_a_short_shared_head_is_computed_again_rather_than_waited_for() -> None:

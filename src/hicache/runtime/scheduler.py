@@ -198,10 +198,10 @@ class Scheduler:
                 break
             if not self._prefetch_settled(req):
                 continue  # its storage read is still arriving; later requests may go first
-            if req.waits_for is None and self.shared_prefill_wait:
-                req.waits_for = computing_prefix_of(req, self.running)
             if req.waits_for is not None and self._prompt_pending(req.waits_for):
-                continue  # admitted once the other's prompt is cached, to share its pages
+                continue  # n > 1: admitted once its sibling's prompt is cached, to share its pages
+            if self.shared_prefill_wait and computing_prefix_of(req, self.running) is not None:
+                continue  # another request is computing its first tokens: it hits them once cached
             if not self._admit(req):
                 break  # first-come first-served for memory: later requests wait behind it
             self.waiting.remove(req)
@@ -298,8 +298,8 @@ class Scheduler:
                 if req.computed < len(req.prompt_ids):  # chunk boundary: share the pages now
                     self.cache.cache_prefix(req.namespace, req.tokens_with_kv(), req.kv)
                     continue
-                if any(w.waits_for == req.rid for w in self.waiting):  # others wait to share the prompt
-                    self.cache.cache_prefix(req.namespace, req.tokens_with_kv(), req.kv)
+                if self.waiting and (self.shared_prefill_wait or any(w.waits_for == req.rid for w in self.waiting)):
+                    self.cache.cache_prefix(req.namespace, req.tokens_with_kv(), req.kv)  # for those who wait
                 req.first_token_time = now
                 req.status = Status.DECODE
             req.logprobs.extend(logprobs)

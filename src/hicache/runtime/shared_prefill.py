@@ -3,8 +3,9 @@
 Agents fanned out on one system prompt (or several users of one agent) send requests that start
 with the same tokens at the same moment. Admitted together, each computes those tokens: the
 radix tree can only share what a finished chunk has put there. So a request whose first tokens
-another running request is still computing waits (``Request.waits_for``) until that request's
-prompt is cached, then hits those pages and computes only what follows them. On a CPU a step's
+another running request has still to compute waits, step by step, until they are cached (at the
+other's next chunk boundary or its prefill end), then hits those pages and computes only what
+follows them. On a CPU a step's
 time grows with its tokens, so the wait costs the request no more than computing them beside
 the other would have. A function of the requests' tokens and states alone: every rank decides
 the same (DESIGN invariant 3).
