@@ -27,7 +27,7 @@ from .modes import Action, Fail, Mode, Release, StartDecode
 from .prefetch_policy import PrefetchPolicy
 from .request import PrefetchWait, Request, Status
 from .sampling import sample
-from .shared_prefill import computing_prefix_of
+from .shared_prefill import awaited, computing_prefix_of
 
 logger = logging.getLogger(__name__)
 
@@ -298,7 +298,8 @@ class Scheduler:
                 if req.computed < len(req.prompt_ids):  # chunk boundary: share the pages now
                     self.cache.cache_prefix(req.namespace, req.tokens_with_kv(), req.kv)
                     continue
-                if self.waiting and (self.shared_prefill_wait or any(w.waits_for == req.rid for w in self.waiting)):
+                if any(w.waits_for == req.rid for w in self.waiting) or (
+                        self.shared_prefill_wait and awaited(req, self.waiting, self.cache.page_size)):
                     self.cache.cache_prefix(req.namespace, req.tokens_with_kv(), req.kv)  # for those who wait
                 req.first_token_time = now
                 req.status = Status.DECODE

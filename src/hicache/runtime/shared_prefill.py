@@ -24,15 +24,28 @@ from .request import Request, Status
 SHARED_PREFILL_MIN = 64
 
 
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many first tokens ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
+
+
 def computing_prefix_of(req: Request, running: Sequence[Request], min_tokens: int = SHARED_PREFILL_MIN) -> Optional[int]:
     """The rid of the first request in ``running`` computing a prompt that starts with at least
     ``min_tokens`` of ``req``'s tokens it has not computed yet; None if there is none."""
     for other in running:
         if other.status is not Status.PREFILL or other.namespace != req.namespace:
             continue
-        n = min(len(other.tokens_np), len(req.tokens_np))
-        differ = np.flatnonzero(other.tokens_np[:n] != req.tokens_np[:n])
-        shared = int(differ[0]) if len(differ) else n
-        if shared - other.computed >= min_tokens:
+        if common_prefix(other.tokens_np, req.tokens_np) - other.computed >= min_tokens:
             return other.rid
     return None
+
+
+def awaited(req: Request, waiting: Sequence[Request], page_size: int, min_tokens: int = SHARED_PREFILL_MIN) -> bool:
+    """Whether a request in ``waiting`` shares at least ``min_tokens`` of ``req``'s prompt past the
+    pages the tree already holds for it: ``req`` has just computed its prompt, which is then
+    cached at once (instead of at its finish) for them to hit."""
+    cached = req.kv.cached_pages * page_size
+    return any(w.namespace == req.namespace and common_prefix(w.tokens_np, req.tokens_np) - cached >= min_tokens
+               for w in waiting)
