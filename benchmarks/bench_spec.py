@@ -1,4 +1,4 @@
-"""Speculative decoding on vs off, side by side in one run, on three workloads (SmolLM2, greedy).
+"""Speculative decoding on vs off, side by side in one run, on four workloads (SmolLM2, greedy).
 
     python benchmarks/bench_spec.py [--repeats 5] [--workloads copy,reuse,chat,prose] [--standalone-steps 3]
                                     [--max-new-tokens 160] [--model smollm2] [--dtype auto]

@@ -19,6 +19,12 @@ from .tree_node import TreeNode
 EMPTY_PAGES = np.zeros(0, dtype=np.int64)
 
 
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many first tokens ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
+
 class TreeObserver(Protocol):
     """Told of every change of the tree's shape, as it happens (e.g. the token index behind
     NGRAM drafts, :mod:`.tree_tokens`)."""
@@ -58,9 +64,7 @@ class PageTree:
 
     def _common_pages(self, key: np.ndarray, tokens: np.ndarray, start: int) -> int:
         """Whole pages of ``key`` that equal ``tokens[start:]``, in tokens."""
-        n = min(len(key), len(tokens) - start)
-        diff = np.flatnonzero(key[:n] != tokens[start : start + n])
-        same = int(diff[0]) if len(diff) else n
+        same = common_prefix(key, tokens[start:])
         return same - same % self.page_size
 
     def _touch(self, node: TreeNode) -> None:

@@ -201,8 +201,8 @@ class NgramSpeculator(SpeculativeMode):
         """Adapt the request's draft length to what its pass accepted (``drafts`` of the
         ``state.proposed``): grow after a pass that took them all, shrink to what was accepted
         otherwise; a pass that took none raises the match length needed, one that took some lowers
-        it. A pass it rode along in without drafts
-        (a plain row) counts nowhere: accept lengths are per pass that verified drafts."""
+        it. A pass it rode along in without drafts (a plain row) counts nowhere: accept lengths are
+        per pass that verified drafts."""
         state: Drafting = req.spec.drafting
         proposed, state.proposed = state.proposed, 0
         if proposed == 0:

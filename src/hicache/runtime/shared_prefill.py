@@ -5,9 +5,8 @@ with the same tokens at the same moment. Admitted together, each computes those 
 radix tree can only share what a finished chunk has put there. So a request whose first tokens
 another running request has still to compute waits, step by step, until they are cached (at the
 other's next chunk boundary or its prefill end), then hits those pages and computes only what
-follows them. On a CPU a step's
-time grows with its tokens, so the wait costs the request no more than computing them beside
-the other would have. A function of the requests' tokens and states alone: every rank decides
+follows them. On a CPU a step's time grows with its tokens, so the wait costs the request no
+more than computing them beside the other would have. A function of the requests' tokens and states alone: every rank decides
 the same (DESIGN invariant 3).
 """
 
@@ -15,20 +14,12 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-import numpy as np
-
+from ..cache.page_tree import common_prefix
 from .request import Request, Status
 
 # A request waits only to save at least this many tokens: fewer cost little to compute again,
 # and waiting delays it by the rest of the other's prompt.
 SHARED_PREFILL_MIN = 64
-
-
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    """How many first tokens ``a`` and ``b`` share."""
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(a[:n] != b[:n])
-    return int(differ[0]) if len(differ) else n
 
 
 def computing_prefix_of(req: Request, running: Sequence[Request], min_tokens: int = SHARED_PREFILL_MIN) -> Optional[int]:
