@@ -87,3 +87,21 @@ def test_a_request_waits_only_for_tokens_the_other_has_not_computed() -> None:
     assert computing_prefix_of(req, [other]) is None  # 50 left to share: computing them again is cheaper
     other.computed, other.status = 0, Status.DECODE
     assert computing_prefix_of(req, [other]) is None  # its prompt is done (cached at prefill end)
+
+
+@pytest.mark.multirank
+def test_tp2_ranks_wait_alike_and_answer_as_one_rank(checker: None) -> None:
+    """The rule decides on every rank from the requests alone (DESIGN invariant 3): a TP2 engine
+    with the consensus checker on waits, hits and answers as one rank does."""
+    ids = fanned_out(agents=3, system=300, question=20, seed=4)
+    one, two = Engine("random:small", dtype="float32", page_size=4, max_total_tokens=8192), \
+        Engine("random:small", dtype="float32", page_size=4, max_total_tokens=8192, tp_size=2)
+    try:
+        single, computed = run_together(one, ids)
+        ranks, computed_tp = run_together(two, ids)
+        assert [r.cached_tokens for r in ranks] == [r.cached_tokens for r in single] == [0, 300, 300]
+        assert computed_tp == computed == 360
+        assert [r.output_ids for r in ranks] == [r.output_ids for r in single]
+    finally:
+        one.shutdown()
+        two.shutdown()
