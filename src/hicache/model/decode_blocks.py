@@ -53,9 +53,11 @@ def file_blocks(parts: Sequence[nn.Module], weight: torch.Tensor, ops) -> list[G
     for _, members in groupby(zip(parts, blocks), key=lambda pb: pb[1].qtype):
         members = list(members)
         runs.append((GGUFBlockWeight.cat([b for _, b in members]), [p for p, _ in members]))
-    rebuilt = torch.cat([run.dequantize(ops) for run, _ in runs])
-    if not torch.equal(rebuilt, weight):
-        return _drop_stale(parts)
+    first = 0
+    for run, _ in runs:  # run by run against its rows: no second float32 copy of the whole matrix
+        if not torch.equal(run.dequantize(ops), weight[first:first + run.out_features]):
+            return _drop_stale(parts)
+        first += run.out_features
     for run, members in runs:
         if len(members) > 1:
             rows = run.data.split([p.gguf_blocks.out_features for p in members])
