@@ -91,9 +91,12 @@ def test_batch_of_three_with_different_cached_prefixes(lm):
 def test_wait_layer_called_before_each_layer(lm):
     calls: list[int] = []
 
-    class RecordingKV(DenseKV):
+    class RecordingKV(DenseKV):  # a load-back in flight: every layer waits before it reads
         def wait_layer(self, layer: int) -> None:
             calls.append(layer)
+
+        def layer_ready(self, layer: int) -> bool:
+            return False
 
     kv = RecordingKV(lm.spec, 16, torch.float32)
     lm.model(make_forward_batch([[1, 2, 3]], [0], [torch.arange(1, 4)]), kv)

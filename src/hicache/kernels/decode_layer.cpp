@@ -1,5 +1,5 @@
-// One decoder layer of a decode step in one call: B sequences, one new token each, float32, one
-// rank. The Python layer (hicache/model/llama.py) runs ~25 torch ops a layer for a decode token,
+// One decoder layer of a decode step in one call (decode_layer), or the whole stack of them
+// (decode_layers): B sequences, one new token each, float32, one rank. The Python layer (hicache/model/llama.py) runs ~25 torch ops a layer for a decode token,
 // and at batch 1 their Python dispatch costs as much as their arithmetic; this runs the same
 // kernels in the same order from C++ (the hicache ops through the dispatcher, torch's for the
 // rest), so its output equals the Python path's bit for bit.
@@ -86,34 +86,33 @@ T project(const T& x, const std::vector<Part>& parts, const c10::optional<T>& bi
 
 using Layer = std::vector<std::vector<Part>>;  // qkv, o, gate_up, down
 
-Layer unpack(at::IntArrayRef parts, at::IntArrayRef kinds, at::IntArrayRef qtypes, at::TensorList weights) {
-  TORCH_CHECK(parts.size() == 4, "a layer has 4 projections (qkv, o, gate_up, down)");
+// Parts of one layer: parts[0..4) projections' part counts; kinds, qtypes and weights from the
+// given offsets on, which advance past what this layer takes (the whole stack's come one layer after another).
+Layer unpack(at::IntArrayRef parts, at::IntArrayRef kinds, at::IntArrayRef qtypes, at::TensorList weights,
+             size_t& part, size_t& at) {
+  TORCH_CHECK(parts.size() >= 4, "a layer has 4 projections (qkv, o, gate_up, down)");
   TORCH_CHECK(kinds.size() == qtypes.size(), "one ggml type per part");
   Layer layer(4);
-  size_t part = 0, at = 0;
   for (size_t i = 0; i < 4; ++i) {
     TORCH_CHECK(parts[i] >= 1, "a projection has at least one part");
     for (int64_t j = 0; j < parts[i]; ++j, ++part) {
       TORCH_CHECK(part < kinds.size(), "more parts than kinds");
+      TORCH_CHECK(at + operand_count(kinds[part]) <= weights.size(), "fewer weight tensors than the parts take");
       layer[i].push_back(Part{kinds[part], qtypes[part], weights.data() + at});
       at += operand_count(kinds[part]);
     }
   }
-  TORCH_CHECK(part == kinds.size() && at == weights.size(), "expected ", part, " kinds and ", at,
-              " weight tensors, got ", kinds.size(), " and ", weights.size());
   return layer;
 }
 
-T decode_layer(const T& x, const T& attn_norm, const T& ffn_norm, double eps, at::IntArrayRef parts,
-               at::IntArrayRef kinds, at::IntArrayRef qtypes, at::TensorList weights, const c10::optional<T>& qkv_bias,
-               const T& cos, const T& sin, int64_t num_heads, int64_t num_kv_heads, T& k_buf, T& v_buf,
-               const T& out_slots, const T& kv_slots, const T& lengths) {
+T run_layer(const T& x, const T& attn_norm, const T& ffn_norm, double eps, const Layer& layer,
+            const c10::optional<T>& qkv_bias, const T& cos, const T& sin, int64_t num_heads, int64_t num_kv_heads,
+            const T& k_buf, const T& v_buf, const T& out_slots, const T& kv_slots, const T& lengths) {
   static auto rms_norm = hicache_op<T(const T&, const T&, double)>("hicache::rms_norm");
   static auto rope = hicache_op<void(T&, const T&, const T&, int64_t, int64_t)>("hicache::rope_");
   static auto silu_mul = hicache_op<T(const T&)>("hicache::silu_mul");
   static auto attention =
       hicache_op<T(const T&, const T&, const T&, const T&, const T&)>("hicache::paged_decode_attention");
-  const Layer layer = unpack(parts, kinds, qtypes, weights);
   const int64_t t = x.size(0), D = k_buf.size(2), qk_heads = num_heads + num_kv_heads;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [T, hidden]");
   TORCH_CHECK(k_buf.scalar_type() == at::kFloat && v_buf.scalar_type() == at::kFloat, "KV buffers must be float32");
@@ -132,13 +131,54 @@ T decode_layer(const T& x, const T& attn_norm, const T& ffn_norm, double eps, at
   return h + project(silu_mul.call(gate_up), layer[3], c10::nullopt);
 }
 
+T decode_layer(const T& x, const T& attn_norm, const T& ffn_norm, double eps, at::IntArrayRef parts,
+               at::IntArrayRef kinds, at::IntArrayRef qtypes, at::TensorList weights, const c10::optional<T>& qkv_bias,
+               const T& cos, const T& sin, int64_t num_heads, int64_t num_kv_heads, T& k_buf, T& v_buf,
+               const T& out_slots, const T& kv_slots, const T& lengths) {
+  size_t part = 0, at = 0;
+  const Layer layer = unpack(parts, kinds, qtypes, weights, part, at);
+  TORCH_CHECK(parts.size() == 4 && part == kinds.size() && at == weights.size(), "expected 4 projections, ",
+              part, " kinds and ", at, " weight tensors, got ", parts.size(), ", ", kinds.size(), " and ", weights.size());
+  return run_layer(x, attn_norm, ffn_norm, eps, layer, qkv_bias, cos, sin, num_heads, num_kv_heads, k_buf, v_buf,
+                   out_slots, kv_slots, lengths);
+}
+
+// Every layer of a stack in turn, as decode_layer layer by layer: one dispatch a step instead of one a
+// layer (at batch 1 the per-layer Python around decode_layer was ~8% of a step). Per layer l:
+// attn_norms[l], ffn_norms[l], parts[4l .. 4l + 4), its kinds / qtypes / weights after layer l - 1's,
+// qkv_biases[l] when given (empty list: no layer has one), k_bufs[l], v_bufs[l].
+T decode_layers(const T& x, at::TensorList attn_norms, at::TensorList ffn_norms, double eps, at::IntArrayRef parts,
+                at::IntArrayRef kinds, at::IntArrayRef qtypes, at::TensorList weights, at::TensorList qkv_biases,
+                const T& cos, const T& sin, int64_t num_heads, int64_t num_kv_heads, at::TensorList k_bufs,
+                at::TensorList v_bufs, const T& out_slots, const T& kv_slots, const T& lengths) {
+  const size_t layers = attn_norms.size();
+  TORCH_CHECK(ffn_norms.size() == layers && k_bufs.size() == layers && v_bufs.size() == layers &&
+              parts.size() == 4 * layers && (qkv_biases.empty() || qkv_biases.size() == layers),
+              "one norm pair, 4 part counts, one KV buffer pair (and one qkv bias, if any) per layer");
+  size_t part = 0, at = 0;
+  T h = x;
+  for (size_t l = 0; l < layers; ++l) {
+    const Layer layer = unpack(parts.slice(4 * l, 4), kinds, qtypes, weights, part, at);
+    const c10::optional<T> bias = qkv_biases.empty() ? c10::nullopt : c10::optional<T>(qkv_biases[l]);
+    h = run_layer(h, attn_norms[l], ffn_norms[l], eps, layer, bias, cos, sin, num_heads, num_kv_heads, k_bufs[l],
+                  v_bufs[l], out_slots, kv_slots, lengths);
+  }
+  TORCH_CHECK(part == kinds.size() && at == weights.size(), "the layers took ", part, " kinds and ", at,
+              " weight tensors of ", kinds.size(), " and ", weights.size());
+  return h;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hicache, m) {
   m.def("decode_layer(Tensor x, Tensor attn_norm, Tensor ffn_norm, float eps, int[] parts, int[] kinds, int[] qtypes, "
         "Tensor[] weights, Tensor? qkv_bias, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, "
         "Tensor(a!) k_buf, Tensor(b!) v_buf, Tensor out_slots, Tensor kv_slots, Tensor lengths) -> Tensor");
+  m.def("decode_layers(Tensor x, Tensor[] attn_norms, Tensor[] ffn_norms, float eps, int[] parts, int[] kinds, "
+        "int[] qtypes, Tensor[] weights, Tensor[] qkv_biases, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, "
+        "Tensor(a!)[] k_bufs, Tensor(b!)[] v_bufs, Tensor out_slots, Tensor kv_slots, Tensor lengths) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(hicache, CPU, m) {
   m.impl("decode_layer", &decode_layer);
+  m.impl("decode_layers", &decode_layers);
 }

@@ -21,6 +21,7 @@ from torch import nn
 
 from hicache.model.attention import NATIVE_HEAD_DIMS
 from hicache.model.batch import ForwardBatch, KVView
+from hicache.model.decode_stack import DecodeStack
 from hicache.model.layers import MLP, RMSNorm, RotaryEmbedding, native_ops, rotate_half
 from hicache.model.mla import MLAAttention
 from hicache.model.projection import DECODE_ACTIVATIONS, DECODE_ROWS, DECODE_WEIGHTS, PREFILL_WEIGHTS, Projection
@@ -191,6 +192,7 @@ class LlamaForCausalLM(nn.Module):
         self.first_stage = self.last_stage = True
         self.deterministic = False  # set_deterministic
         self.head: Optional[Projection] = Projection(self.model.embed_tokens if self.lm_head is None else self.lm_head)
+        self.decode_stack = DecodeStack(self.model)
 
     def projections(self) -> Iterator[Projection]:
         for module in self.modules():
@@ -253,8 +255,12 @@ class LlamaForCausalLM(nn.Module):
         stage. ``hidden``: the previous stage's output (not on the first stage)."""
         h = self.model.embed_tokens(batch.input_ids) if self.first_stage else hidden
         cos, sin = self.rope(batch.positions, h.dtype)
-        for layer in self.model.layers:
-            h = layer(h, cos, sin, batch, kv)
+        stacked = self.decode_stack.forward(h, cos, sin, batch, kv)
+        if stacked is not None:
+            h = stacked
+        else:
+            for layer in self.model.layers:
+                h = layer(h, cos, sin, batch, kv)
         if not self.last_stage:
             return h
         # Only the requested rows go through the final norm and the (vocab-wide) head.

@@ -1,0 +1,91 @@
+"""A decode step's whole layer stack in one native call (``decode_layers``, kernels/decode_layer.cpp).
+
+Each layer can run a decode pass as one native call of its own (``DecoderLayer._fused_decode``);
+at batch 1 the Python around those 30 calls -- module calls, the checks that a layer still
+qualifies, each projection's "are my weights still the fused ones" key -- was ~2 ms of a ~20 ms
+step. Here the checks run once a step for the stack: a fingerprint of every projection's settings
+and every part's weight storage (what each projection's own key is made of, read in one pass),
+and the operands of all layers are rebuilt only when it changes. The output is the per-layer
+path's, bit for bit: the same kernels in the same order (tests/test_decode_layer.py).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from hicache.model.batch import ForwardBatch, KVView
+
+
+class DecodeStack:
+    """The layers of one model (or pipeline stage: ``decoder.layers``, whatever they are now) as
+    one ``decode_layers`` call, when every layer would take its fused decode path for this pass."""
+
+    def __init__(self, decoder: nn.Module) -> None:
+        self.decoder = decoder
+        self._layers: Optional[nn.ModuleList] = None  # decoder.layers when the operands were built
+        self._projections: list = []
+        self._params: list = []
+        self._fingerprint: Optional[tuple] = None
+        self._operands: Optional[tuple] = None
+
+    def _current_fingerprint(self) -> tuple:
+        """What every projection's own key is made of (its settings, its parts' weight storage) and
+        the norms' weights, read in one pass: it changes whenever some layer's operands would."""
+        return (tuple([(p.decode_weights, p.decode_activations, p.prefill_weights, p.row_invariant)
+                       for p in self._projections]),
+                tuple([d["weight"].data_ptr() for d in self._params]))
+
+    def operands(self) -> Optional[tuple]:
+        """``decode_layers``' weight arguments (norms, part counts, kinds, qtypes, weights, qkv
+        biases), or None when some layer has no native decode form."""
+        if self._layers is not self.decoder.layers or self._current_fingerprint() != self._fingerprint:
+            self._rebuild()
+        return self._operands
+
+    def _rebuild(self) -> None:
+        layers = self.decoder.layers
+        per_layer = [layer._decode_operands() for layer in layers]  # prepares (re-fuses) as needed
+        native = bool(per_layer) and all(one is not None for one in per_layer)
+        biases = [one[4] for one in per_layer] if native else []
+        self._operands = None
+        if native and (all(b is None for b in biases) or all(b is not None for b in biases)):
+            self._operands = (
+                [layer.input_layernorm.weight for layer in layers],
+                [layer.post_attention_layernorm.weight for layer in layers],
+                [n for one in per_layer for n in one[0]], [k for one in per_layer for k in one[1]],
+                [q for one in per_layer for q in one[2]], [w for one in per_layer for w in one[3]],
+                [] if biases[0] is None else biases,
+            )
+        # Read after preparing: fusing moves the parts' weights into the fused matrix.
+        self._projections = [p for layer in layers for p in (layer.self_attn.qkv, layer.self_attn.out,
+                                                             layer.mlp.gate_up, layer.mlp.down)]
+        self._params = [part._parameters for p in self._projections for part in p.parts] + [
+            norm._parameters for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
+        self._layers, self._fingerprint = layers, self._current_fingerprint()
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
+                kv: KVView) -> Optional[torch.Tensor]:
+        """The stack's output for this pass, or None when not every layer would run it as a fused
+        decode call (the caller then runs the layers one by one)."""
+        layers = self.decoder.layers
+        if not layers:
+            return None
+        ops = layers[0]._fused_decode_ops(x, batch, kv)
+        # What qualifies a layer is the pass (shared by all) and the layer's shape and TP role (the
+        # same for every layer of a model); the KV buffers' dtype is checked at both ends.
+        if ops is None or layers[-1]._fused_decode_ops(x, batch, kv) is None:
+            return None
+        # Loads run layer after layer: when the last layer is in, all are (nothing left to overlap).
+        if not kv.layer_ready(layers[-1].self_attn.layer):
+            return None
+        operands = self.operands()
+        if operands is None:
+            return None
+        attn, layout = layers[0].self_attn, batch.attn.decode
+        indices = [layer.self_attn.layer for layer in layers]
+        return ops.decode_layers(x, operands[0], operands[1], layers[0].input_layernorm.eps, *operands[2:], cos, sin,
+                                 attn.num_heads, attn.num_kv_heads, [kv.k_buffers[i] for i in indices],
+                                 [kv.v_buffers[i] for i in indices], layout.out_slots, layout.kv_slots, layout.lengths)
