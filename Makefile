@@ -13,10 +13,6 @@ PEERS_VENV := .venv-peers
 LLAMA_CPP_PIN ?= llama-cpp-python[server]==0.3.36
 # The third peer, transformers (with gguf), comes into .venv with setup's [test] extra.
 
-DEMO_L3 := --enable-hierarchical-cache --hicache-storage-backend file \
-	--hicache-storage-backend-extra-config '{"path": "out/demo-kv"}' \
-	--hicache-storage-prefetch-threshold 64 --hicache-storage-prefetch-policy wait_complete
-
 # The unified layout: objects on one grid of 15-layer ranges x single KV heads, readable by any
 # TP / PP layout of SmolLM2 whose shards fall on that grid.
 DEMO_UNIFIED := --enable-hierarchical-cache --hicache-storage-backend file \
@@ -48,40 +44,35 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 demo: setup
-	$(VENV)/bin/hicache demo
+	$(VENV)/bin/hicache demo --turns 6
 	@echo
 	@echo "== three agents, a device pool too small for all of them, the host tier (L2) carrying the hits =="
-	$(VENV)/bin/hicache demo --agents 3 --turns 4 --max-total-tokens 2048 --enable-hierarchical-cache
+	$(VENV)/bin/hicache demo --agents 3 --turns 4 --max-new-tokens 24 --max-total-tokens 2048 --enable-hierarchical-cache --no-cold-rerun
 	@echo
-	@echo "== the storage tier (L3): a second engine process starts with the first one's history on disk =="
-	rm -rf out/demo-kv
-	$(VENV)/bin/hicache demo $(DEMO_L3) --turns 2
-	$(VENV)/bin/hicache demo $(DEMO_L3) --turns 2
+	@echo "== the storage tier (L3), unified layout: a two-rank (TP2) engine stores a session; a one-rank engine in a new process continues it from L3 =="
+	rm -rf out/demo-unified
+	$(VENV)/bin/hicache demo $(DEMO_UNIFIED) --tp-size 2 --turns 2 --max-new-tokens 16 --no-cold-rerun
+	$(VENV)/bin/hicache demo $(DEMO_UNIFIED) --turns 2 --max-new-tokens 16
 	@echo
 	@echo "== two-way tensor x two-way pipeline parallel: 4 rank processes, the rank consensus checker on =="
-	HICACHE_RANK_CONSENSUS_CHECKER=1 $(VENV)/bin/hicache demo --tp-size 2 --pp-size 2 --turns 2 --max-new-tokens 16
+	HICACHE_RANK_CONSENSUS_CHECKER=1 $(VENV)/bin/hicache demo --tp-size 2 --pp-size 2 --turns 2 --max-new-tokens 16 --no-cold-rerun
 	@echo
 	@echo "== two-way context parallel, KV pages sharded over the two ranks (each holds every other page) =="
 	HICACHE_RANK_CONSENSUS_CHECKER=1 $(VENV)/bin/hicache demo --tp-size 2 --attn-cp-size 2 --enable-kv-cache-sharding \
-		--agents 2 --turns 2 --max-new-tokens 8 --max-total-tokens 1024 --enable-hierarchical-cache
+		--agents 2 --turns 2 --max-new-tokens 8 --max-total-tokens 1024 --enable-hierarchical-cache --no-cold-rerun
 	@echo
 	@echo "== speculative decoding: a 4-bit draft proposes, SmolLM2 verifies; the draft's KV comes back from L2 with the history =="
-	$(VENV)/bin/hicache demo --agents 3 --turns 3 --max-total-tokens 1024 --enable-hierarchical-cache \
-		--speculative-algorithm STANDALONE --speculative-draft-model-path smollm2:int4-g64 --speculative-num-steps 3
+	$(VENV)/bin/hicache demo --agents 2 --turns 3 --max-new-tokens 24 --max-total-tokens 768 --enable-hierarchical-cache \
+		--speculative-algorithm STANDALONE --speculative-draft-model-path smollm2:int4-g64 --speculative-num-steps 3 --no-cold-rerun
 	@echo
 	@echo "== NGRAM speculative decoding: drafts copied from the conversation and the radix tree, no draft model =="
-	$(VENV)/bin/hicache demo --turns 4 --max-new-tokens 48 --speculative-algorithm NGRAM
+	$(VENV)/bin/hicache demo --turns 3 --max-new-tokens 48 --speculative-algorithm NGRAM --no-cold-rerun
 	@echo
 	@echo "== a tool-using agent through the openai SDK: read a file, calculate, answer (grammar-constrained calls; exits 1 if the answer is wrong) =="
 	$(VENV)/bin/hicache agent-demo
 	@echo
-	@echo "== unified storage layout: a two-rank (TP2) engine stores a session; a one-rank engine in a new process continues it from L3 =="
-	rm -rf out/demo-unified
-	$(VENV)/bin/hicache demo $(DEMO_UNIFIED) --tp-size 2 --turns 2 --max-new-tokens 16
-	$(VENV)/bin/hicache demo $(DEMO_UNIFIED) --turns 2 --max-new-tokens 16
-	@echo
 	@echo "== prefill/decode disaggregation behind SGLang's router: the decode server keeps its history and receives only each turn's new KV =="
-	$(PY) -m hicache.launch.pd_demo --turns 3 --max-new-tokens 16
+	$(PY) -m hicache.launch.pd_demo --turns 2 --max-new-tokens 16
 	@echo
 	@echo "== sizing a deployment: the first 3,000 requests of the Mooncake trace on 4 simulated engines (70B-class KV), memory only, then with a shared store =="
 	$(VENV)/bin/hicache simulate --max-requests 3000 --engines 4 --device-tokens 1.2e6 --host-tokens 3e6

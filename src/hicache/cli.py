@@ -104,7 +104,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .frontend.demo import run_demo
 
     with _engine(args) as engine:
-        return run_demo(engine, turns=args.turns, max_new_tokens=args.max_new_tokens, agents=args.agents)
+        return run_demo(engine, turns=args.turns, max_new_tokens=args.max_new_tokens, agents=args.agents,
+                        cold_rerun=not args.no_cold_rerun)
 
 
 def cmd_agent_demo(args: argparse.Namespace) -> int:
@@ -188,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--agents", type=int, default=1, help="Sessions taking turns round-robin.")
     p.add_argument("--max-new-tokens", type=int, default=40)
+    p.add_argument("--no-cold-rerun", action="store_true",
+                   help="Skip the summary's rerun of the last prompt without the cache (the warm vs. cold TTFT).")
     EngineConfig.add_cli_args(p)
     p.set_defaults(func=cmd_demo)
 

@@ -73,21 +73,33 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
 def launch_server(server_args: str, timeout: float) -> tuple[subprocess.Popen, str]:
     """Start ``hicache serve`` in a subprocess; returns (process, base URL) once /health answers."""
-    import httpx
+    proc, url = start_server(server_args)
+    wait_server(proc, url, timeout)
+    return proc, url
 
+
+def start_server(server_args: str) -> tuple[subprocess.Popen, str]:
+    """Start ``hicache serve`` in a subprocess on a free local port; returns (process, base URL)
+    at once: servers started together load their models side by side (see :func:`wait_server`)."""
     port = free_port()
     cmd = [sys.executable, "-m", "hicache.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            *shlex.split(server_args)]
     print(f"launching: {' '.join(shlex.quote(c) for c in cmd)}", file=sys.stderr)
-    proc = subprocess.Popen(cmd)
-    url = f"http://127.0.0.1:{port}"
+    return subprocess.Popen(cmd), f"http://127.0.0.1:{port}"
+
+
+def wait_server(proc: subprocess.Popen, url: str, timeout: float) -> None:
+    """Return once the server at ``url`` answers /health; stop it and raise if it exits first or
+    is not ready within ``timeout`` seconds."""
+    import httpx
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise HicacheError(f"the launched server exited with status {proc.returncode} before it was ready.")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)

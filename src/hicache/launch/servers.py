@@ -90,15 +90,18 @@ def pd_servers(common_args: str, prefill_args: str = "", decode_args: str = "",
                timeout: float = 120.0) -> Iterator[PDServers]:
     """A prefill server, a decode server (both ``hicache serve`` with ``common_args``) and the
     router; stopped (SIGTERM, then killed) on exit."""
-    from ..bench.main import launch_server
+    from ..bench.main import start_server, wait_server
 
     bootstrap = free_port()
     with _stopped_on_exit() as procs:
-        prefill, prefill_url = launch_server(f"{common_args} --disaggregation-mode prefill "
-                                             f"--disaggregation-bootstrap-port {bootstrap} {prefill_args}", timeout)
+        # Started together: their start-ups (imports, model loads: one core each) overlap.
+        prefill, prefill_url = start_server(f"{common_args} --disaggregation-mode prefill "
+                                            f"--disaggregation-bootstrap-port {bootstrap} {prefill_args}")
         procs.append(prefill)
-        decode, decode_url = launch_server(f"{common_args} --disaggregation-mode decode {decode_args}", timeout)
+        decode, decode_url = start_server(f"{common_args} --disaggregation-mode decode {decode_args}")
         procs.append(decode)
+        wait_server(prefill, prefill_url, timeout)
+        wait_server(decode, decode_url, timeout)
         router, url = launch_router(["--pd-disaggregation", "--prefill", prefill_url, str(bootstrap),
                                      "--decode", decode_url], 2, timeout)
         procs.append(router)
@@ -109,14 +112,16 @@ def pd_servers(common_args: str, prefill_args: str = "", decode_args: str = "",
 def dp_servers(server_args: str, engines: int, policy: str, timeout: float = 120.0) -> Iterator[DPServers]:
     """``engines`` ``hicache serve`` processes (each with ``server_args``) behind the router with
     ``--policy`` ``policy`` (``round_robin``, ``cache_aware``, ...); stopped on exit."""
-    from ..bench.main import launch_server
+    from ..bench.main import start_server, wait_server
 
     with _stopped_on_exit() as procs:
         urls = []
-        for _ in range(engines):
-            proc, url = launch_server(server_args, timeout)
+        for _ in range(engines):  # started together: their start-ups overlap
+            proc, url = start_server(server_args)
             procs.append(proc)
             urls.append(url)
+        for proc, url in zip(procs, urls):
+            wait_server(proc, url, timeout)
         router, url = launch_router(["--worker-urls", *urls, "--policy", policy], engines, timeout)
         procs.append(router)
         yield DPServers(url, urls)
