@@ -2,8 +2,8 @@
 
 Each layer can run a decode pass as one native call of its own (``DecoderLayer._fused_decode``);
 at batch 1 the Python around those 30 calls -- module calls, the checks that a layer still
-qualifies, each projection's "are my weights still the fused ones" key -- was ~2 ms of a ~20 ms
-step. Here the checks run once a step for the stack: a fingerprint of every projection's settings
+qualifies, each projection's "are my weights still the fused ones" key -- was ~4 ms of a ~22 ms
+step (2-core AVX2 VM: 22.0 -> 17.8 ms a token with the stack, same tokens). Here the checks run once a step for the stack: a fingerprint of every projection's settings
 and every part's weight storage (what each projection's own key is made of, read in one pass),
 and the operands of all layers are rebuilt only when it changes. The output is the per-layer
 path's, bit for bit: the same kernels in the same order (tests/test_decode_layer.py).
