@@ -25,6 +25,7 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     differ = np.flatnonzero(a[:n] != b[:n])
     return int(differ[0]) if len(differ) else n
 
+
 class TreeObserver(Protocol):
     """Told of every change of the tree's shape, as it happens (e.g. the token index behind
     NGRAM drafts, :mod:`.tree_tokens`)."""

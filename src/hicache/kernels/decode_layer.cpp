@@ -1,6 +1,6 @@
 // One decoder layer of a decode step in one call (decode_layer), or the whole stack of them
-// (decode_layers): B sequences, one new token each, float32, one rank. The Python layer (hicache/model/llama.py) runs ~25 torch ops a layer for a decode token,
-// and at batch 1 their Python dispatch costs as much as their arithmetic; this runs the same
+// (decode_layers): B sequences, one new token each, float32, one rank. The Python layer
+// (hicache/model/llama.py) runs ~25 torch ops a layer for a decode token, and at batch 1 their Python dispatch costs as much as their arithmetic; this runs the same
 // kernels in the same order from C++ (the hicache ops through the dispatcher, torch's for the
 // rest), so its output equals the Python path's bit for bit.
 //
@@ -87,7 +87,7 @@ T project(const T& x, const std::vector<Part>& parts, const c10::optional<T>& bi
 using Layer = std::vector<std::vector<Part>>;  // qkv, o, gate_up, down
 
 // Parts of one layer: parts[0..4) projections' part counts; kinds, qtypes and weights from the
-// given offsets on, which advance past what this layer takes (the whole stack's come one layer after another).
+// given offsets on, which advance past what this layer takes (a stack's come layer after layer).
 Layer unpack(at::IntArrayRef parts, at::IntArrayRef kinds, at::IntArrayRef qtypes, at::TensorList weights,
              size_t& part, size_t& at) {
   TORCH_CHECK(parts.size() >= 4, "a layer has 4 projections (qkv, o, gate_up, down)");
@@ -143,9 +143,9 @@ T decode_layer(const T& x, const T& attn_norm, const T& ffn_norm, double eps, at
                    out_slots, kv_slots, lengths);
 }
 
-// Every layer of a stack in turn, as decode_layer layer by layer: one dispatch a step instead of one a
-// layer (at batch 1 the Python around 30 decode_layer calls was ~4 ms of a ~22 ms step; model/decode_stack.py). Per layer l:
-// attn_norms[l], ffn_norms[l], parts[4l .. 4l + 4), its kinds / qtypes / weights after layer l - 1's,
+// Every layer of a stack in turn, as decode_layer layer by layer: one dispatch a step instead of one
+// a layer (at batch 1 the Python around 30 decode_layer calls was ~4 ms of a ~22 ms step;
+// model/decode_stack.py). Per layer l: attn_norms[l], ffn_norms[l], parts[4l .. 4l + 4), its kinds / qtypes / weights after layer l - 1's,
 // qkv_biases[l] when given (empty list: no layer has one), k_bufs[l], v_bufs[l].
 T decode_layers(const T& x, at::TensorList attn_norms, at::TensorList ffn_norms, double eps, at::IntArrayRef parts,
                 at::IntArrayRef kinds, at::IntArrayRef qtypes, at::TensorList weights, at::TensorList qkv_biases,

@@ -3,9 +3,10 @@
 Each layer can run a decode pass as one native call of its own (``DecoderLayer._fused_decode``);
 at batch 1 the Python around those 30 calls -- module calls, the checks that a layer still
 qualifies, each projection's "are my weights still the fused ones" key -- was ~4 ms of a ~22 ms
-step (2-core AVX2 VM: 22.0 -> 17.8 ms a token with the stack, same tokens). Here the checks run once a step for the stack: a fingerprint of every projection's settings
-and every part's weight storage (what each projection's own key is made of, read in one pass),
-and the operands of all layers are rebuilt only when it changes. The output is the per-layer
+step (2-core AVX2 VM: 22.0 -> 17.8 ms a token with the stack, same tokens). Here the checks run
+once a step for the stack: a fingerprint of every projection's settings and every part's weight
+storage (what each projection's own key is made of, read in one pass), and the operands of all
+layers are rebuilt only when it changes. The output is the per-layer
 path's, bit for bit: the same kernels in the same order (tests/test_decode_layer.py).
 """
 
@@ -28,14 +29,14 @@ class DecodeStack:
         self._layers: Optional[nn.ModuleList] = None  # decoder.layers when the operands were built
         self._projections: list = []
         self._params: list = []
+        self._kv_layers: list[int] = []  # each layer's index into the KV buffers
         self._fingerprint: Optional[tuple] = None
         self._operands: Optional[tuple] = None
 
     def _current_fingerprint(self) -> tuple:
         """What every projection's own key is made of (its settings, its parts' weight storage) and
         the norms' weights, read in one pass: it changes whenever some layer's operands would."""
-        return (tuple([(p.decode_weights, p.decode_activations, p.prefill_weights, p.row_invariant)
-                       for p in self._projections]),
+        return (tuple([p.settings() for p in self._projections]),
                 tuple([d["weight"].data_ptr() for d in self._params]))
 
     def operands(self) -> Optional[tuple]:
@@ -64,6 +65,7 @@ class DecodeStack:
                                                              layer.mlp.gate_up, layer.mlp.down)]
         self._params = [part._parameters for p in self._projections for part in p.parts] + [
             norm._parameters for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
+        self._kv_layers = [layer.self_attn.layer for layer in layers]
         self._layers, self._fingerprint = layers, self._current_fingerprint()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
@@ -84,8 +86,7 @@ class DecodeStack:
         operands = self.operands()
         if operands is None:
             return None
-        attn, layout = layers[0].self_attn, batch.attn.decode
-        indices = [layer.self_attn.layer for layer in layers]
+        attn, layout, indices = layers[0].self_attn, batch.attn.decode, self._kv_layers
         return ops.decode_layers(x, operands[0], operands[1], layers[0].input_layernorm.eps, *operands[2:], cos, sin,
                                  attn.num_heads, attn.num_kv_heads, [kv.k_buffers[i] for i in indices],
                                  [kv.v_buffers[i] for i in indices], layout.out_slots, layout.kv_slots, layout.lengths)

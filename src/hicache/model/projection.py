@@ -161,11 +161,14 @@ class Projection:
             self._fuse()
         return self._key
 
+    def settings(self) -> tuple:
+        """What decides the decode and prefill copies besides the weights (part of the fused key)."""
+        return self.decode_weights, self.decode_activations, self.prefill_weights, self.row_invariant
+
     def _current_key(self) -> tuple:
         # Every pass asks (a decode step: 121 projections): read the parameters straight from the
         # modules' tables, not through nn.Module.__getattr__ (half of this check's cost).
-        return (self.decode_weights, self.decode_activations, self.prefill_weights, self.row_invariant,
-                *(p._parameters["weight"].data_ptr() for p in self.parts))
+        return (*self.settings(), *(p._parameters["weight"].data_ptr() for p in self.parts))
 
     def _fuse(self) -> None:
         with torch.inference_mode(False), torch.no_grad():  # real tensors: a later load may write them

@@ -6,8 +6,8 @@ radix tree can only share what a finished chunk has put there. So a request whos
 another running request has still to compute waits, step by step, until they are cached (at the
 other's next chunk boundary or its prefill end), then hits those pages and computes only what
 follows them. On a CPU a step's time grows with its tokens, so the wait costs the request no
-more than computing them beside the other would have. A function of the requests' tokens and states alone: every rank decides
-the same (DESIGN invariant 3).
+more than computing them beside the other would have. A function of the requests' tokens and
+states alone: every rank decides the same (DESIGN invariant 3).
 """
 
 from __future__ import annotations
