@@ -191,8 +191,8 @@ def bench_steps(loaded, context: int, suffix: int, repeats: int) -> None:
     attention = share * self_us.get("hicache::paged_decode_attention", 0.0)
     formats = ", ".join(f"{fmt} x{n}" for fmt, n in sorted(model.decode_formats().items()))
     print(f"\n== decode step, batch 1, context {context} (decode weights: {formats}) ==")
-    print(f"  {decode:.1f} ms/token ({1e3 / decode:.1f} tok/s), split by the profiler's shares: weight matmuls {matmul:.1f} ms, "
-          f"decode attention {attention:.1f} ms, the rest (norms, RoPE, KV writes, dispatch) "
+    print(f"  {decode:.1f} ms/token ({1e3 / decode:.1f} tok/s), split by the profiler's shares: "
+          f"weight matmuls {matmul:.1f} ms, decode attention {attention:.1f} ms, the rest (norms, RoPE, KV writes, dispatch) "
           f"{max(0.0, decode - matmul - attention):.1f} ms")
 
 
