@@ -88,6 +88,7 @@ def bench_formats(model, repeats: int, bandwidth: float) -> None:
     print(f"\n== decode GEMVs, batch 1: {len(mats)} matrices, {params / 1e6:.0f} M weights ==")
     _format_table(formats, mats, repeats, bandwidth)
     bench_gguf_blocks(repeats, bandwidth)
+    bench_int8_layouts(repeats)
 
 
 def _format_table(formats: dict[str, tuple[Callable, Callable, float]], mats: list[torch.Tensor], repeats: int,
@@ -153,8 +154,36 @@ def bench_gguf_blocks(repeats: int, bandwidth: float, count: int = 48, size: int
     _format_table(formats, mats, repeats, bandwidth)
 
 
-MATMUL_OPS = {"hicache::gguf_linear", "hicache::gguf_linear_int8", "hicache::q4_linear", "hicache::q8_linear",
-              "hicache::quantize_int8_rows", "aten::mm", "aten::addmm", "aten::bmm"}
+def bench_int8_layouts(repeats: int, count: int = 64, shape: tuple[int, int] = (576, 1536)) -> None:
+    """8-bit-input GEMVs of the types packed 16 rows at a time (``kernels/gguf_x16.cpp``) against the
+    row-by-row kernel (``gguf_int8.cpp``) on the same blocks, at the row counts of a decode step, a batch
+    of 4 and a verify pass; ``count`` SmolLM2-sized matrices, so the blocks come from memory."""
+    import gguf
+
+    ops = cpu_kernels()
+    if ops is None:
+        print(f"\n== 8-bit GEMV layouts: no native kernels ({unavailable_reason()}) ==")
+        return
+    n, k = shape
+    print(f"\n== 8-bit-input GEMVs, {count} matrices {n}x{k}, kernels: {loaded_isa()}: row by row vs 16 rows packed ==")
+    print(f"{'type':>6} {'rows':>4} {'row by row ms':>14} {'GB/s':>6} {'packed ms':>10} {'GB/s':>6} {'speed-up':>8}")
+    rng = torch.Generator().manual_seed(0)
+    for name in ("Q4_0", "Q4_1", "Q8_0"):
+        qtype = gguf.GGMLQuantizationType[name]
+        mats = [torch.from_numpy(gguf.quants.quantize((torch.randn(n, k, generator=rng) * 0.02).numpy(), qtype))
+                for _ in range(count)]
+        packs = [ops.gguf_pack_x16(m, int(qtype), k) for m in mats]
+        gb = sum(m.numel() for m in mats) / 1e9
+        for rows in (1, 4, 8):
+            x = torch.randn(rows, k, generator=rng)
+            old = median_ms(lambda: [ops.gguf_linear_int8(x, m, int(qtype), k) for m in mats], repeats)
+            new = median_ms(lambda: [ops.gguf_linear_x16(x, p, int(qtype), k) for p in packs], repeats)
+            print(f"{name:>6} {rows:>4} {old:>14.2f} {gb / old * 1e3:>6.1f} {new:>10.2f} {gb / new * 1e3:>6.1f} "
+                  f"{old / new:>7.2f}x")
+
+
+MATMUL_OPS = {"hicache::gguf_linear", "hicache::gguf_linear_int8", "hicache::gguf_linear_x16", "hicache::q4_linear",
+              "hicache::q8_linear", "hicache::quantize_int8_rows", "aten::mm", "aten::addmm", "aten::bmm"}
 
 
 def bench_steps(loaded, context: int, suffix: int, repeats: int) -> None:

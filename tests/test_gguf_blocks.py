@@ -10,11 +10,12 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
 from hicache.kernels import cpu_kernels, unavailable_reason
-from hicache.model.gguf_blocks import GGUF_BLOCK_TYPES, GGUFBlockWeight
+from hicache.model.gguf_blocks import GGUF_BLOCK_TYPES, X16_TYPES, GGUFBlockWeight
 from quant_blocks import linear_error, quantized_blocks, random_blocks, reference
 
 pytestmark = [pytest.mark.model,
@@ -212,16 +213,72 @@ def test_each_row_is_the_same_bits_alone_or_beside_others(ops, qtype):
                 got = w.linear(x[:m].contiguous(), ops)
                 assert torch.equal(got.view(torch.int32), alone[:m].view(torch.int32)), f"{what}, int8 {int8}, {m} rows"
 
+def block_integers(blocks: np.ndarray, qtype: int, k: int) -> tuple[torch.Tensor, ...]:
+    """A Q4_0 / Q4_1 / Q8_0 matrix's integer weights [N, K / 32, 32], scales d [N, K / 32] and (Q4_1)
+    offsets m, read from the bytes: Q4_0's w = d * (u - 8), Q4_1's d * u + m, Q8_0's d * q."""
+    b = blocks.reshape(blocks.shape[0], k // 32, -1)
+    d = torch.from_numpy(b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    m = torch.from_numpy(b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+    if qtype == 8:
+        return torch.from_numpy(b[..., 2:].view(np.int8).astype(np.int64)), d, None
+    qs = b[..., 4:] if qtype == 3 else b[..., 2:]
+    u = torch.from_numpy(np.concatenate([qs & 15, qs >> 4], -1).astype(np.int64))
+    return (u, d, m) if qtype == 3 else (u - 8, d, None)
+
+
+def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """float32 a * b + c rounded once (a float64 product of float32s is exact; the float64 sum rounds to
+    float32 differently from one rounding only when it lands on a float32 midpoint: ~2^-29 a time)."""
+    return (a.double() * b.double() + c.double()).float()
+
+
+@pytest.mark.parametrize("qtype", sorted(X16_TYPES))
+def test_packed_int8_gemv_is_its_documented_arithmetic_bit_for_bit(ops, qtype):
+    """kernels/gguf_x16.cpp: per chunk of 32 an exact integer dot s, then acc = fma(float(s) * d_x, d_w, acc)
+    and, for Q4_1, off = fma(m_w, d_x * sum q, off); out = acc + off. Pinned because the cache namespace
+    (``:decode-int8v2``) promises these bits."""
+    n, k = 48, 512
+    blocks = random_blocks(qtype, n, k, seed=7 + qtype)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(qtype)) * 2
+    got = ops.gguf_linear_x16(x, ops.gguf_pack_x16(torch.from_numpy(blocks), qtype, k), qtype, k)
+    q, d_x, sums = ops.quantize_int8_rows(x)
+    w, d_w, m_w = block_integers(blocks, qtype, k)
+    q = q.view(5, k // 32, 32).long()
+    acc = off = torch.zeros(5, n)
+    for c in range(k // 32):
+        s = (q[:, c] @ w[:, c].T).float()  # exact: |s| < 2^24
+        acc = fma32(s * d_x[:, c:c + 1], d_w[None, :, c], acc)
+        if m_w is not None:
+            off = fma32(m_w[None, :, c], sums[:, 3 * c:3 * c + 1], off)
+    want = acc + off if m_w is not None else acc
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def test_packing_refuses_what_it_cannot_pack(ops):
+    blocks = torch.from_numpy(random_blocks(3, 24, 64))
+    with pytest.raises(RuntimeError, match="N a multiple of 16"):
+        ops.gguf_pack_x16(blocks, 3, 64)
+    with pytest.raises(RuntimeError, match="types 2 \\(Q4_0\\), 3 \\(Q4_1\\) and 8"):
+        ops.gguf_pack_x16(blocks, 6, 64)
+    odd = GGUFBlockWeight(3, blocks, 64, int8_activations=True).pack(ops)  # 24 rows: row by row instead
+    assert odd.packed is None and odd.resident_nbytes == odd.nbytes
+    even = GGUFBlockWeight(3, blocks[:16].contiguous(), 64, int8_activations=True).pack(ops)
+    assert even.packed is not None and even.resident_nbytes == 2 * even.nbytes
+
+
 INT8_BITS = """
 import hashlib, json, torch
 from hicache.kernels import cpu_kernels, loaded_isa
-from hicache.model.gguf_blocks import GGUF_BLOCK_TYPES
+from hicache.model.gguf_blocks import GGUF_BLOCK_TYPES, X16_TYPES
 from tests.quant_blocks import random_blocks
 ops, out = cpu_kernels(), {}
 for qtype in GGUF_BLOCK_TYPES:
     blocks = torch.from_numpy(random_blocks(qtype, 64, 1536, seed=qtype))
     x = torch.randn(13, 1536, generator=torch.Generator().manual_seed(qtype))
     got = [ops.gguf_linear_int8(x[:m].contiguous(), blocks, qtype, 1536) for m in (1, 3, 8, 13)]
+    if qtype in X16_TYPES:  # kernels/gguf_x16.cpp: 16 lanes with VNNI, two halves of 8 without
+        packed = ops.gguf_pack_x16(blocks, qtype, 1536)
+        got += [ops.gguf_linear_x16(x[:m].contiguous(), packed, qtype, 1536) for m in (1, 3, 5, 13)]
     out[qtype] = hashlib.sha256(b"".join(t.numpy().tobytes() for t in got)).hexdigest()
 print(json.dumps({"isa": loaded_isa(), "out": out}))
 """

@@ -84,7 +84,7 @@ def test_int8_inputs_keep_decode_logits_within_the_stated_tolerance(qtype, refer
     path = str(DATA / f"tiny-llama-{qtype}.gguf")
     loaded = load_model(path, dtype=torch.float32, decode_activations="int8")
     assert set(loaded.model.decode_formats()) == {f"{kind}@int8" for kind in KINDS[qtype]}
-    assert loaded.identity.endswith(":decode-int8")
+    assert loaded.identity.endswith(":decode-int8v2")
     assert ":decode-int8" not in load_model(path, dtype=torch.float32, weights=False).identity
     ids = reference["token_ids"].tolist()
     whole, stepped = _prefill_and_decode(loaded.model, loaded.spec, ids, 4)

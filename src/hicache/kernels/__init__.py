@@ -31,7 +31,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("block_quant.cpp", "layer_ops.cpp", "decode_attention.cpp",
-                                                          "decode_layer.cpp", "gguf_blocks.cpp", "gguf_int8.cpp")]
+                                                          "decode_layer.cpp", "gguf_blocks.cpp", "gguf_int8.cpp",
+                                                          "gguf_x16.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "gguf_blocks.h", "gguf_decode.h", "gguf_int8.h",
                                                          "gguf_dispatch.h")]
 # Compiler flags per instruction set; the avx512 build also compiles the blocks' 16-lane paths.

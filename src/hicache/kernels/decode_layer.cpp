@@ -8,6 +8,7 @@
 // (Projection.native_decode; hicache/model/decode_blocks.py), each a kind and its tensors:
 //   dense: weight [N, K] (F.linear)      q4: qs, scale, minv      q8: qs, scale
 //   gguf:  blocks [N, row bytes], with its ggml type in `qtypes`    gguf_int8: the same, 8-bit inputs
+//   gguf_x16: 8-bit inputs, rows packed 16 at a time [N / 16, 16 * row bytes] (gguf_x16.cpp)
 // Projections in the order qkv, o, gate_up, down; `parts` says how many parts each has; `kinds`
 // and `qtypes` are per part, `weights` every part's tensors in turn.
 #include <ATen/core/Tensor.h>
@@ -21,7 +22,7 @@
 
 namespace {
 
-enum Kind : int64_t { kDense = 0, kQ4 = 1, kQ8 = 2, kGGUF = 3, kGGUFInt8 = 4 };
+enum Kind : int64_t { kDense = 0, kQ4 = 1, kQ8 = 2, kGGUF = 3, kGGUFInt8 = 4, kGGUFX16 = 5 };
 
 int64_t operand_count(int64_t kind) {
   switch (kind) {
@@ -30,6 +31,7 @@ int64_t operand_count(int64_t kind) {
     case kQ8: return 2;
     case kGGUF: return 1;
     case kGGUFInt8: return 1;
+    case kGGUFX16: return 1;
     default: TORCH_CHECK(false, "unknown projection kind ", kind);
   }
 }
@@ -63,8 +65,12 @@ T part_linear(const T& x, const Part& p) {
       static auto op = hicache_op<T(const T&, const T&, int64_t, int64_t)>("hicache::gguf_linear");
       return op.call(x, p.w[0], p.qtype, x.size(1));
     }
-    default: {
+    case kGGUFInt8: {
       static auto op = hicache_op<T(const T&, const T&, int64_t, int64_t)>("hicache::gguf_linear_int8");
+      return op.call(x, p.w[0], p.qtype, x.size(1));
+    }
+    default: {
+      static auto op = hicache_op<T(const T&, const T&, int64_t, int64_t)>("hicache::gguf_linear_x16");
       return op.call(x, p.w[0], p.qtype, x.size(1));
     }
   }

@@ -113,4 +113,37 @@ struct Int8Q6_K : Q6_KLayout {  // chunk C = 4H + R is q6k_group<H, R>: its halv
   static __m256i bytes(const uint8_t* b) { return q6k_group<C / 4, C % 4>(b); }
 };
 
+constexpr int64_t kChunk = 32;  // inputs per activation scale
+
+// The 32 inputs at x as int8 (to q), their scale (returned) and the scaled sums of all and each half;
+// `total`, if given, gets the sum of the 32 int8 values.
+inline float quantize_chunk(const float* x, int8_t* q, float* sums, int* total = nullptr) {
+  __m256 v[4], amax = _mm256_setzero_ps();
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  const float top = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+  const float d = top / 127.0f;
+  const __m256 inv = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+  __m256i i32[4];
+  for (int i = 0; i < 4; ++i) i32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  // to nearest even
+  // packs interleave 128-bit halves: 32-bit lanes 0 4 1 5 2 6 3 7 hold bytes 0-3, 4-7, ... in order.
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]), _mm256_packs_epi32(i32[2], i32[3]));
+  const __m256i bytes = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), bytes);
+  const __m256i lanes = idot(_mm256_set1_epi8(1), bytes);  // lanes 0-3: bytes 0-15, 4-7: bytes 16-31
+  const __m128i lo = _mm256_castsi256_si128(lanes), hi = _mm256_extracti128_si256(lanes, 1);
+  const __m128i pair = _mm_hadd_epi32(_mm_hadd_epi32(lo, hi), _mm_setzero_si128());  // lo's sum, hi's sum
+  const int lo_sum = _mm_cvtsi128_si32(pair), hi_sum = _mm_extract_epi32(pair, 1);
+  sums[0] = d * static_cast<float>(lo_sum + hi_sum);
+  sums[1] = d * static_cast<float>(lo_sum);
+  sums[2] = d * static_cast<float>(hi_sum);
+  if (total) *total = lo_sum + hi_sum;
+  return d;
+}
+
 }  // namespace hicache_gguf

@@ -38,6 +38,11 @@ class BlockQuantWeight:
         parts = (self.qs, self.scale) if self.minv is None else (self.qs, self.scale, self.minv)
         return sum(t.numel() * t.element_size() for t in parts)
 
+    @property
+    def resident_nbytes(self) -> int:
+        """Bytes held (the same as :attr:`nbytes`: no copy beside the blocks)."""
+        return self.nbytes
+
     def linear(self, x: torch.Tensor, ops) -> torch.Tensor:
         """``x @ W.T`` for a contiguous float32 ``x`` (any rows: passes of 8), through the native kernels."""
         if self.kind == "q4":

@@ -25,7 +25,7 @@ from hicache.model.gguf_blocks import GGUFBlockWeight
 Block = Union[BlockQuantWeight, GGUFBlockWeight]
 
 # How kernels/decode_layer.cpp names a projection part's operands.
-KIND_DENSE, KIND_Q4, KIND_Q8, KIND_GGUF, KIND_GGUF_INT8 = 0, 1, 2, 3, 4
+KIND_DENSE, KIND_Q4, KIND_Q8, KIND_GGUF, KIND_GGUF_INT8, KIND_GGUF_X16 = 0, 1, 2, 3, 4, 5
 
 
 def decode_blocks(parts: Sequence[nn.Module], weight: torch.Tensor, ops, int8_activations: bool = False) -> list[Block]:
@@ -34,7 +34,7 @@ def decode_blocks(parts: Sequence[nn.Module], weight: torch.Tensor, ops, int8_ac
     blocks multiply 8-bit inputs (``--decode-activations int8``)."""
     found = file_blocks(parts, weight, ops)
     if found:
-        return [dataclasses.replace(b, int8_activations=int8_activations) for b in found]
+        return [dataclasses.replace(b, int8_activations=int8_activations).pack(ops) for b in found]
     packed = pack_exact(weight)
     return [packed] if packed is not None else []
 
@@ -84,6 +84,8 @@ def blocks_linear(blocks: Sequence[Block], x: torch.Tensor, ops) -> torch.Tensor
 def native_operands(block: Block) -> tuple[int, int, tuple[torch.Tensor, ...]]:
     """``(kind, ggml type, tensors)`` of one block matrix for ``kernels/decode_layer.cpp``."""
     if isinstance(block, GGUFBlockWeight):
+        if block.packed is not None:
+            return KIND_GGUF_X16, block.qtype, (block.packed,)
         return (KIND_GGUF_INT8 if block.int8_activations else KIND_GGUF), block.qtype, (block.data,)
     if block.kind == "q4":
         return KIND_Q4, 0, (block.qs, block.scale, block.minv)

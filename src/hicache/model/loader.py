@@ -168,7 +168,7 @@ def _weight_copies(model: LlamaForCausalLM | None, dtype: torch.dtype, decode_we
     inputs (``decode_activations``; None: the model has no file blocks for them to meet)."""
     suffix = ""
     if decode_activations == "int8" and decode_weights == "auto":
-        suffix += ":decode-int8"
+        suffix += ":decode-int8v2"  # v2: Q4_0/Q4_1/Q8_0 rows packed 16 at a time (kernels/gguf_x16.cpp)
     if model is not None and decode_activations is not None:
         model.set_decode_activations(decode_activations, prepare=False)
     for phase, mode, allowed, lossless in (("decode", decode_weights, DECODE_WEIGHTS, ("auto", "same")),
