@@ -214,16 +214,22 @@ def test_each_row_is_the_same_bits_alone_or_beside_others(ops, qtype):
                 assert torch.equal(got.view(torch.int32), alone[:m].view(torch.int32)), f"{what}, int8 {int8}, {m} rows"
 
 def block_integers(blocks: np.ndarray, qtype: int, k: int) -> tuple[torch.Tensor, ...]:
-    """A Q4_0 / Q4_1 / Q8_0 matrix's integer weights [N, K / 32, 32], scales d [N, K / 32] and (Q4_1)
-    offsets m, read from the bytes: Q4_0's w = d * (u - 8), Q4_1's d * u + m, Q8_0's d * q."""
+    """A Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 matrix's integer weights [N, K / 32, 32], scales d [N, K / 32]
+    and (Q4_1, Q5_1) offsets m, read from the bytes: Q4_0's w = d * (u - 8), Q5_0's d * (u - 16), Q4_1's and
+    Q5_1's d * u + m, Q8_0's d * q."""
     b = blocks.reshape(blocks.shape[0], k // 32, -1)
     d = torch.from_numpy(b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
     m = torch.from_numpy(b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
     if qtype == 8:
         return torch.from_numpy(b[..., 2:].view(np.int8).astype(np.int64)), d, None
-    qs = b[..., 4:] if qtype == 3 else b[..., 2:]
+    minimum, fifth = qtype in (3, 7), qtype in (6, 7)
+    qh_at = 4 if minimum else 2
+    qs = b[..., qh_at + 4 * fifth:]
     u = torch.from_numpy(np.concatenate([qs & 15, qs >> 4], -1).astype(np.int64))
-    return (u, d, m) if qtype == 3 else (u - 8, d, None)
+    if fifth:
+        qh = torch.from_numpy(b[..., qh_at:qh_at + 4].copy().view(np.uint32)[..., 0].astype(np.int64))
+        u = u | ((qh[..., None] >> torch.arange(32)) & 1) << 4
+    return (u, d, m) if minimum else (u - (16 if fifth else 8), d, None)
 
 
 def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -235,7 +241,7 @@ def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("qtype", sorted(X16_TYPES))
 def test_packed_int8_gemv_is_its_documented_arithmetic_bit_for_bit(ops, qtype):
     """kernels/gguf_x16.cpp: per chunk of 32 an exact integer dot s, then acc = fma(float(s) * d_x, d_w, acc)
-    and, for Q4_1, off = fma(m_w, d_x * sum q, off); out = acc + off. Pinned because the cache namespace
+    and, for Q4_1 / Q5_1, off = fma(m_w, d_x * sum q, off); out = acc + off. Pinned because the cache namespace
     (``:decode-int8v2``) promises these bits."""
     n, k = 48, 512
     blocks = random_blocks(qtype, n, k, seed=7 + qtype)
@@ -258,8 +264,8 @@ def test_packing_refuses_what_it_cannot_pack(ops):
     blocks = torch.from_numpy(random_blocks(3, 24, 64))
     with pytest.raises(RuntimeError, match="N a multiple of 16"):
         ops.gguf_pack_x16(blocks, 3, 64)
-    with pytest.raises(RuntimeError, match="types 2 \\(Q4_0\\), 3 \\(Q4_1\\) and 8"):
-        ops.gguf_pack_x16(blocks, 6, 64)
+    with pytest.raises(RuntimeError, match="16-row packing takes ggml types 2 \\(Q4_0\\)"):
+        ops.gguf_pack_x16(torch.from_numpy(random_blocks(12, 16, 256)), 12, 256)
     odd = GGUFBlockWeight(3, blocks, 64, int8_activations=True).pack(ops)  # 24 rows: row by row instead
     assert odd.packed is None and odd.resident_nbytes == odd.nbytes
     even = GGUFBlockWeight(3, blocks[:16].contiguous(), 64, int8_activations=True).pack(ops)

@@ -1,4 +1,4 @@
-// Q4_0, Q4_1 and Q8_0 matmuls with 8-bit activations over weights repacked 16 rows at a time, as
+// Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 matmuls with 8-bit activations over weights repacked 16 rows at a time, as
 // llama.cpp's CPU "repack" buffers do: one 64-byte vector holds 4 consecutive weights of each of 16
 // rows, so one integer dot instruction with 4 activation bytes broadcast adds 4 products into every
 // row's lane. A chunk of 32 weights is 8 such steps and its dot product is exact in int32; after it,
@@ -10,16 +10,18 @@
 //   gguf_linear_x16(x [M, K] float32, packed, qtype, K) -> ~ x @ W.T [M, N] float32
 //
 // A packed group (16 rows) is its chunks in order, each 16 * block_bytes bytes (the same memory as
-// the blocks): the 16 rows' float16 d, then (Q4_1) their 16 m, then the weights in 64-byte steps,
-// bytes [4r, 4r + 4) of a step being row r's 4 weights. 4-bit: step vector p (0..3) holds weights
-// 4p..4p+3 in its low nibbles and 16+4p..16+4p+3 in its high ones; Q8_0: step s holds weights 4s..4s+3
-// as the file's int8.
+// the blocks): the 16 rows' float16 d, then (Q4_1, Q5_1) their 16 m, then (Q5_x) each step's 5th bits,
+// then the weights in 64-byte steps, bytes [4r, 4r + 4) of a step being row r's 4 weights. Step s
+// holds weights 4s..4s+3. 4- and 5-bit: vector p (0..3) holds step p in its low nibbles and step p + 4
+// in its high ones, and step s's 5th bits are a 64-bit mask (bit 4r + i: row r's weight 4s + i);
+// Q8_0: vector s is step s, the file's int8.
 //
 // Per row and chunk k, in this order on every instruction set (so a row's bits are the same alone, in
 // a pass of any size and on every build; the integer part is exact):
-//   s = sum_j w_j * q_j                   (int32; Q4_0's w_j = u_j - 8, Q4_1's u_j, Q8_0's the int8)
+//   s = sum_j w_j * q_j                   (int32; Q4_0's w_j = u_j - 8, Q5_0's u_j - 16, Q4_1's and
+//                                          Q5_1's u_j, Q8_0's the int8)
 //   acc = fma(float(s) * d_x, d_w, acc)   (d_x: the input chunk's scale, d_w: the weights')
-//   off = fma(m_w, d_x * sum_j q_j, off)  (Q4_1 only; out = acc + off, else out = acc)
+//   off = fma(m_w, d_x * sum_j q_j, off)  (Q4_1, Q5_1; out = acc + off, else out = acc)
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
@@ -52,9 +54,15 @@ inline VI vi_add(VI a, VI b) { return _mm512_add_epi32(a, b); }
 inline VI low_nibbles(VI v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
 inline VI high_nibbles(VI v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
 inline VI dot4(VI acc, VI u, VI a) { return _mm512_dpbusd_epi32(acc, u, a); }
-// 4-bit weights: int32 dots throughout.
-inline VI q4_step(VI acc, VI u, VI a) { return dot4(acc, u, a); }
-inline VI q4_total(VI even, VI odd) { return vi_add(even, odd); }
+// 4- and 5-bit weights: int32 dots throughout.
+inline VI small_step(VI acc, VI u, VI a) { return dot4(acc, u, a); }
+template <int Bits>
+inline VI small_total(VI even, VI odd) { return vi_add(even, odd); }
+inline VI with_fifth(VI u, const uint8_t* bits) {  // + 16 in the bytes whose bit is set
+  uint64_t mask;
+  std::memcpy(&mask, bits, sizeof mask);
+  return _mm512_mask_add_epi8(u, mask, u, _mm512_set1_epi8(16));
+}
 struct Q8Step {
   VI u;
   explicit Q8Step(VI w) : u(_mm512_xor_si512(w, _mm512_set1_epi8(-128))) {}
@@ -81,10 +89,20 @@ inline VI vi_add(VI a, VI b) { return _mm256_add_epi32(a, b); }
 inline VI low_nibbles(VI v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
 inline VI high_nibbles(VI v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
 inline VI dot4(VI acc, VI u, VI a) { return _mm256_add_epi32(acc, idot(u, a)); }
-// 4-bit weights: a chunk's 8 pair sums per lane stay within int16 (8 * 2 * 15 * 127 = 30480), so they add
-// up as int16 and widen once a chunk.
-inline VI q4_step(VI acc, VI u, VI a) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, a)); }
-inline VI q4_total(VI even, VI odd) { return _mm256_madd_epi16(_mm256_add_epi16(even, odd), _mm256_set1_epi16(1)); }
+// 4- and 5-bit weights: pair sums add up as int16 and widen once a chunk: 8 steps of 4-bit weights stay
+// within 8 * 2 * 15 * 127 = 30480, 4 steps of 5-bit ones (a chain) within 4 * 2 * 31 * 127 = 31496.
+inline VI small_step(VI acc, VI u, VI a) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, a)); }
+template <int Bits>
+inline VI small_total(VI even, VI odd) {
+  const VI one = _mm256_set1_epi16(1);
+  if constexpr (Bits == 4) return _mm256_madd_epi16(_mm256_add_epi16(even, odd), one);
+  return _mm256_add_epi32(_mm256_madd_epi16(even, one), _mm256_madd_epi16(odd, one));
+}
+inline VI with_fifth(VI u, const uint8_t* bits) {  // + 16 in the bytes whose bit is set (8 rows' 32 bits)
+  uint32_t mask;
+  std::memcpy(&mask, bits, sizeof mask);
+  return _mm256_or_si256(u, bits_to_bytes(mask, 16));
+}
 struct Q8Step {
   VI u, w;
   explicit Q8Step(VI w_) : u(_mm256_abs_epi8(w_)), w(w_) {}
@@ -106,16 +124,20 @@ inline VI bcast4(const int8_t* p) {  // 4 input bytes into every 32-bit lane
   return vi_set1(v);
 }
 
-// Where a packed chunk keeps what, by ggml type (2: Q4_0, 3: Q4_1, 8: Q8_0).
+// Where a file block and a packed chunk keep what, by ggml type (2: Q4_0, 3: Q4_1, 6: Q5_0, 7: Q5_1,
+// 8: Q8_0; file layouts in gguf_blocks.h).
 template <int Q>
 struct X16 {
-  static constexpr bool kFourBit = Q != Q8_0Layout::kType, kMin = Q == Q4_1Layout::kType;
-  static constexpr int64_t kBlockBytes = Q == Q4_0Layout::kType ? 18 : Q == Q4_1Layout::kType ? 20 : 34;
+  static constexpr int kBits = Q == 8 ? 8 : Q == 6 || Q == 7 ? 5 : 4;
+  static constexpr bool kMin = Q == 3 || Q == 7;
+  static constexpr int64_t kBlockBytes = Q == 2 ? 18 : Q == 3 ? 20 : Q == 6 ? 22 : Q == 7 ? 24 : 34;
+  static constexpr int64_t kQsIn = Q == 3 ? 4 : Q == 6 ? 6 : Q == 7 ? 8 : 2, kQhIn = kMin ? 4 : 2;
   static constexpr int64_t kChunkBytes = kGroup * kBlockBytes;
-  static constexpr int64_t kQs = kMin ? 64 : 32;  // after d (and m): 16 float16 each
-  static constexpr int64_t kQsIn = kMin ? 4 : 2;  // the weights' offset in a file block
-  // The integer offset making s the dot with the true weights: Q4_0's -8 (and Q8_0's bias) times sum q.
-  static constexpr int kShift = Q == Q4_0Layout::kType ? -8 : Q == Q8_0Layout::kType ? -kQ8Bias : 0;
+  static constexpr int64_t kQh = kMin ? 64 : 32;             // after d (and m): 16 float16 each
+  static constexpr int64_t kQs = kQh + (kBits == 5 ? 64 : 0);  // after the 8 steps' 5th-bit masks
+  // The integer offset making s the dot with the true weights: Q4_0's -8, Q5_0's -16 (and Q8_0's bias)
+  // times sum q.
+  static constexpr int kShift = Q == 2 ? -8 : Q == 6 ? -16 : Q == 8 ? -kQ8Bias : 0;
 };
 
 template <int Q>
@@ -123,20 +145,27 @@ void pack_group(const uint8_t* rows, int64_t row_bytes, int64_t chunks, uint8_t*
   using P = X16<Q>;
   for (int64_t k = 0; k < chunks; ++k) {
     uint8_t* c = out + k * P::kChunkBytes;
+    uint64_t fifth[8] = {};  // step s's 5th bits
     for (int64_t r = 0; r < kGroup; ++r) {
       const uint8_t* b = rows + r * row_bytes + k * P::kBlockBytes;
       std::memcpy(c + 2 * r, b, 2);
       if (P::kMin) std::memcpy(c + 32 + 2 * r, b + 2, 2);
+      uint32_t qh = 0;
+      if (P::kBits == 5) std::memcpy(&qh, b + P::kQhIn, sizeof qh);
       uint8_t w[32];
-      for (int j = 0; j < 32; ++j)
-        w[j] = P::kFourBit ? (j < 16 ? b[P::kQsIn + j] & 15 : b[P::kQsIn + j - 16] >> 4) : b[P::kQsIn + j];
-      for (int i = 0; i < 4; ++i) {
-        for (int p = 0; p < 4; ++p) {
-          if (P::kFourBit) c[P::kQs + 64 * p + 4 * r + i] = static_cast<uint8_t>(w[4 * p + i] | w[16 + 4 * p + i] << 4);
-          else c[P::kQs + 64 * p + 4 * r + i] = w[4 * p + i], c[P::kQs + 64 * (p + 4) + 4 * r + i] = w[16 + 4 * p + i];
+      for (int j = 0; j < 32; ++j) {
+        w[j] = P::kBits == 8 ? b[P::kQsIn + j] : j < 16 ? b[P::kQsIn + j] & 15 : b[P::kQsIn + j - 16] >> 4;
+        if (qh >> j & 1) fifth[j / 4] |= uint64_t{1} << (4 * r + j % 4);
+      }
+      for (int p = 0; p < 4; ++p) {
+        for (int i = 0; i < 4; ++i) {
+          uint8_t* step = c + P::kQs + 64 * p + 4 * r + i;
+          if (P::kBits == 8) step[0] = w[4 * p + i], step[64 * 4] = w[16 + 4 * p + i];
+          else step[0] = static_cast<uint8_t>(w[4 * p + i] | w[16 + 4 * p + i] << 4);
         }
       }
     }
+    if (P::kBits == 5) std::memcpy(c + P::kQh, fifth, sizeof fifth);
   }
 }
 
@@ -174,16 +203,20 @@ void group_rows(const Inputs& a, const uint8_t* group, float* out, int64_t N, in
       for (int r = 0; r < R; ++r) {
         const int64_t at = (m0 + r) * a.chunks + k;
         q[r] = a.q.data() + kChunk * at;
-        even[r] = vi_set1(P::kFourBit ? 0 : a.shift[at]), odd[r] = vi_set1(0);
+        even[r] = vi_set1(P::kBits == 8 ? a.shift[at] : 0), odd[r] = vi_set1(0);
       }
       const uint8_t* steps = c + P::kQs + 4 * kLanes * half;
       for (int p = 0; p < 4; ++p) {
         const VI v = vi_load(steps + 64 * p);
-        if constexpr (P::kFourBit) {
-          const VI lo = low_nibbles(v), hi = high_nibbles(v);
+        if constexpr (P::kBits < 8) {
+          VI lo = low_nibbles(v), hi = high_nibbles(v);
+          if constexpr (P::kBits == 5) {
+            lo = with_fifth(lo, c + P::kQh + 8 * p + 4 * half);
+            hi = with_fifth(hi, c + P::kQh + 8 * (p + 4) + 4 * half);
+          }
           for (int r = 0; r < R; ++r) {
-            even[r] = q4_step(even[r], lo, bcast4(q[r] + 4 * p));
-            odd[r] = q4_step(odd[r], hi, bcast4(q[r] + 16 + 4 * p));
+            even[r] = small_step(even[r], lo, bcast4(q[r] + 4 * p));
+            odd[r] = small_step(odd[r], hi, bcast4(q[r] + 16 + 4 * p));
           }
         } else {
           const Q8Step lo(v), hi(vi_load(steps + 64 * (p + 4)));
@@ -196,7 +229,8 @@ void group_rows(const Inputs& a, const uint8_t* group, float* out, int64_t N, in
       const VF dw = vf_half(c + 2 * kLanes * half);
       for (int r = 0; r < R; ++r) {
         const int64_t at = (m0 + r) * a.chunks + k;
-        const VI dot = P::kFourBit ? vi_add(q4_total(even[r], odd[r]), vi_set1(a.shift[at])) : vi_add(even[r], odd[r]);
+        const VI dot = P::kBits == 8 ? vi_add(even[r], odd[r])
+                                     : vi_add(small_total<P::kBits>(even[r], odd[r]), vi_set1(a.shift[at]));
         acc[r] = vf_fma(vf_mul(vf_cvt(dot), vf_set1(a.d[at])), dw, acc[r]);
         if constexpr (P::kMin) off[r] = vf_fma(vf_half(c + 32 + 2 * kLanes * half), vf_set1(a.sa[at]), off[r]);
       }
@@ -211,8 +245,10 @@ void with_x16_type(int64_t qtype, Fn&& f) {
   switch (qtype) {
     case Q4_0Layout::kType: return f(Idx<Q4_0Layout::kType>{});
     case Q4_1Layout::kType: return f(Idx<Q4_1Layout::kType>{});
+    case Q5_0Layout::kType: return f(Idx<Q5_0Layout::kType>{});
+    case Q5_1Layout::kType: return f(Idx<Q5_1Layout::kType>{});
     case Q8_0Layout::kType: return f(Idx<Q8_0Layout::kType>{});
-    default: TORCH_CHECK(false, "16-row packing takes ggml types 2 (Q4_0), 3 (Q4_1) and 8 (Q8_0), got ", qtype);
+    default: TORCH_CHECK(false, "16-row packing takes ggml types 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1) and 8 (Q8_0), got ", qtype);
   }
 }
 

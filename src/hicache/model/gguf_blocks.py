@@ -39,8 +39,9 @@ GGUF_BLOCK_TYPES: dict[int, BlockType] = {
     14: BlockType("Q6_K", 256, 210),
 }
 
-# Types whose 8-bit-input GEMV reads rows packed 16 at a time (``kernels/gguf_x16.cpp``): Q4_0, Q4_1, Q8_0.
-X16_TYPES = frozenset({2, 3, 8})
+# Types whose 8-bit-input GEMV reads rows packed 16 at a time (``kernels/gguf_x16.cpp``): Q4_0, Q4_1, Q5_0,
+# Q5_1, Q8_0.
+X16_TYPES = frozenset({2, 3, 6, 7, 8})
 
 
 @dataclass
@@ -96,7 +97,7 @@ class GGUFBlockWeight:
         return self.nbytes + (self.packed.numel() if self.packed is not None else 0)
 
     def pack(self, ops) -> GGUFBlockWeight:
-        """With 8-bit inputs, a Q4_0 / Q4_1 / Q8_0 matrix of N % 16 == 0 rows gets the 16-row copy its
+        """With 8-bit inputs, a Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 matrix of N % 16 == 0 rows gets the 16-row copy its
         GEMV reads (``kernels/gguf_x16.cpp``: integer dots of whole chunks, 1.3-2.5x faster than row by
         row; other products than ``gguf_linear_int8``'s, equally exact); a no-op otherwise. Returns self."""
         if (self.packed is None and self.int8_activations and self.qtype in X16_TYPES
