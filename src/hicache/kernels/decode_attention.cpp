@@ -279,12 +279,12 @@ void check(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf
   // A plain loop (a few us): a bad slot would read outside the buffers.
   const int64_t* len = lengths.data_ptr<int64_t>();
   const int64_t* slot = kv_slots.data_ptr<int64_t>();
+  const int64_t K = kv_slots.size(1), S = k_buf.size(0);  // out of the loop: each size() is a call
   for (int64_t b = 0; b < q.size(0); ++b) {
-    TORCH_CHECK(len[b] >= 1 && len[b] <= kv_slots.size(1), "lengths must lie in [1, K]");
-    for (int64_t i = 0; i < len[b]; ++i) {
-      const int64_t v = slot[b * kv_slots.size(1) + i];
-      TORCH_CHECK(v >= 0 && v < k_buf.size(0), "kv_slots out of the buffers' range");
-    }
+    TORCH_CHECK(len[b] >= 1 && len[b] <= K, "lengths must lie in [1, K]");
+    bool inside = true;
+    for (int64_t i = 0; i < len[b]; ++i) inside &= slot[b * K + i] >= 0 && slot[b * K + i] < S;
+    TORCH_CHECK(inside, "kv_slots out of the buffers' range");
   }
 }
 
