@@ -206,6 +206,17 @@ inline void value_tile(const int64_t* r, const float* vh, int64_t row, const int
     for (int e = 0; e < E; ++e) v_store(acc + r[t] * D8 * 8 + kVLanes * e, a[t][e]);
 }
 
+// The last `rest` (< N) queries of a KV head in one tile of their own: a query's sums are the same FMAs in the
+// same order in a tile of any size, and a decode step's 3 queries of a head (GQA) run as 3 chains at once.
+template <int D8, int N>
+inline void value_rest(int rest, const int64_t* r, const float* vh, int64_t row, const int64_t* slots, int64_t k0,
+                       int64_t n, const float* p, float* acc) {
+  if constexpr (N > 0) {
+    if (rest == N) value_tile<D8, N>(r, vh, row, slots, k0, n, p, acc);
+    else value_rest<D8, N - 1>(rest, r, vh, row, slots, k0, n, p, acc);
+  }
+}
+
 template <int D8>
 void chunk_values(const Shape& sh, int64_t members, const float* vb, const int64_t* slots, int64_t k0, int64_t n,
                   const float* p, float* acc) {
@@ -219,10 +230,9 @@ void chunk_values(const Shape& sh, int64_t members, const float* vb, const int64
       for (int t = 0; t < Q; ++t) r[t] = ((x + t) / G) * H + h * G + (x + t) % G;
       value_tile<D8, Q>(r, vh, row, slots, k0, n, p, acc);
     }
-    for (; x < per_head; ++x) {
-      r[0] = (x / G) * H + h * G + x % G;
-      value_tile<D8, 1>(r, vh, row, slots, k0, n, p, acc);
-    }
+    const int rest = static_cast<int>(per_head - x);
+    for (int t = 0; t < rest; ++t) r[t] = ((x + t) / G) * H + h * G + (x + t) % G;
+    value_rest<D8, Q - 1>(rest, r, vh, row, slots, k0, n, p, acc);
   }
 }
 
