@@ -86,6 +86,11 @@ def test_int8_inputs_keep_decode_logits_within_the_stated_tolerance(qtype, refer
     assert set(loaded.model.decode_formats()) == {f"{kind}@int8" for kind in KINDS[qtype]}
     assert loaded.identity.endswith(":decode-int8v2")
     assert ":decode-int8" not in load_model(path, dtype=torch.float32, weights=False).identity
+    blocks = [b for p in loaded.model.projections() for b in p._blocks]
+    if qtype in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):  # packed 16 rows at a time, the copy counted (invariant 6)
+        assert any(b.packed is not None for b in blocks)
+    params = sum(p.numel() * 4 for p in loaded.model.parameters())
+    assert loaded.model.weight_bytes() >= params + sum(b.resident_nbytes for b in blocks)
     ids = reference["token_ids"].tolist()
     whole, stepped = _prefill_and_decode(loaded.model, loaded.spec, ids, 4)
     error, spread = (stepped - whole)[4:].abs(), whole.std()
