@@ -161,7 +161,7 @@ def engine_options(flags: str) -> dict:
 
 def run_hicache(wl: dict, parts: set[str], flags: str, gguf: str) -> dict:
     engine = Engine(gguf, **engine_options(flags))
-    res: dict = {"dtype": engine.config.dtype}
+    res: dict = {"dtype": f"{engine.config.dtype}, KV {engine.config.kv_cache_dtype}"}
 
     def gen(ids: list[int], n: int):
         return engine.generate([ids], SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))[0]
@@ -563,9 +563,11 @@ def _resolved_dtype() -> str:
     """What Engine(dtype="auto") picks on this machine's CPU (when part a-c did not run)."""
     import torch
 
-    from hicache.device import resolve_dtype
+    from hicache.device import resolve_dtype, resolve_kv_cache_dtype
 
-    return resolve_dtype("auto", torch.device("cpu"))[0]
+    cpu = torch.device("cpu")
+    dtype = resolve_dtype("auto", cpu)[0]
+    return f"{dtype}, KV {resolve_kv_cache_dtype('auto', 'auto', dtype, cpu)[0]}"
 
 
 if __name__ == "__main__":

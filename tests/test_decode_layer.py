@@ -1,7 +1,7 @@
 """A decode step's layers as one native call (``decode_layers``, model/decode_stack.py) or one call
 each (``decode_layer``, kernels/decode_layer.cpp) give the logits the Python layer gives, bit for
 bit: float32 weights (with and without a q/k/v bias), exact 4-bit blocks, one sequence and a batch
-of three; passes they do not serve (prefill, bf16 KV) keep the Python layer; weights changed after
+of three, float32 or float16 KV; passes they do not serve (prefill, bf16 KV) keep the Python layer; weights changed after
 a step are the ones the next step reads."""
 
 from __future__ import annotations
@@ -67,14 +67,17 @@ def _run(model, spec, batch_size, path: str, monkeypatch, kv_dtype=torch.float32
         return _decode(model, spec, batch_size, steps=5, kv_dtype=kv_dtype), len(calls)
 
 
-@pytest.mark.parametrize("name", ["random:small", BIASED, "random:small:int4-g32"])
+@pytest.mark.parametrize("name,kv_dtype", [("random:small", torch.float32), (BIASED, torch.float32),
+                                           ("random:small:int4-g32", torch.float32), ("random:small", torch.float16)])
 @pytest.mark.parametrize("batch_size", [1, 3])
-def test_fused_decode_layer_equals_the_python_layer(name, batch_size, monkeypatch):
+def test_fused_decode_layer_equals_the_python_layer(name, kv_dtype, batch_size, monkeypatch):
+    """float16 KV too (``--kv-cache-dtype``): the native layer rounds the new K/V as the Python
+    layer's buffer write does, and the kernel reads them back exactly."""
     loaded = load_model(name, dtype=torch.float32, seed=3)
     model, spec = loaded.model, loaded.spec
-    stack, stack_calls = _run(model, spec, batch_size, "stack", monkeypatch)
-    fused, calls = _run(model, spec, batch_size, "layer", monkeypatch)
-    python, _ = _run(model, spec, batch_size, "python", monkeypatch)
+    stack, stack_calls = _run(model, spec, batch_size, "stack", monkeypatch, kv_dtype)
+    fused, calls = _run(model, spec, batch_size, "layer", monkeypatch, kv_dtype)
+    python, _ = _run(model, spec, batch_size, "python", monkeypatch, kv_dtype)
     assert stack_calls == 5, "every decode step runs its layers in one native call"
     assert calls == 5 * spec.num_layers, "every layer of every decode step runs fused"
     assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(stack, fused, python))

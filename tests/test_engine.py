@@ -291,16 +291,21 @@ def test_dtype_auto_picks_what_the_hardware_runs_natively_per_phase(monkeypatch:
     assert device_mod.resolve_decode_activations("auto", "auto", chosen, dev)[0] == ("int8" if int8 else "float32")
     assert device_mod.resolve_decode_activations("auto", "float32", "float32", dev)[0] == "float32"
     assert device_mod.resolve_decode_activations("int8", "float32", "float32", dev) == ("int8", "requested")
+    # KV: float16 where the native decode attention reads it, else the model's dtype; flags override
+    assert device_mod.resolve_kv_cache_dtype("auto", "auto", chosen, dev)[0] == ("float16" if int8 else chosen)
+    assert device_mod.resolve_kv_cache_dtype("auto", "float32", "float32", dev)[0] == "float32"
+    assert device_mod.resolve_kv_cache_dtype("bfloat16", "auto", chosen, dev) == ("bfloat16", "requested")
 
 
 def test_engine_resolves_dtype_auto_once_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
     want, _ = device_mod.resolve_dtype("auto", torch.device("cpu"))
     with caplog.at_level(logging.INFO, logger="hicache.device"):
         auto = Engine("random:tiny", max_total_tokens=512)
-    assert auto.config.dtype == want and auto.pool.k_buffers[0].dtype == device_mod.DTYPES[want]
+    kv = auto.config.kv_cache_dtype
+    assert auto.config.dtype == want and auto.pool.k_buffers[0].dtype == device_mod.DTYPES[kv] and kv != "auto"
     assert f"dtype auto -> {want}" in caplog.text and "prefill weights auto -> " in caplog.text
-    assert "decode activations auto -> " in caplog.text
-    explicit = Engine("random:tiny", max_total_tokens=512, dtype=want,
+    assert "decode activations auto -> " in caplog.text and f"KV cache auto -> {kv}" in caplog.text
+    explicit = Engine("random:tiny", max_total_tokens=512, dtype=want, kv_cache_dtype=kv,
                       prefill_weight_dtype=auto.config.prefill_weight_dtype)
     # Cache namespaces (and so storage keys) name the dtype that runs, not "auto".
     assert auto.model_namespace == explicit.model_namespace
@@ -309,3 +314,31 @@ def test_engine_resolves_dtype_auto_once_and_says_why(caplog: pytest.LogCaptureF
     auto.shutdown()
     explicit.shutdown()
 
+
+
+def test_float16_kv_cache_keeps_hits_equal_to_cold_and_has_its_own_namespace(plain: Engine) -> None:
+    """``--kv-cache-dtype float16`` (the CPU default under ``--dtype auto``): half the bytes in
+    every tier. A prompt's tokens attend to each other with the rounded K/V a later hit reads, so
+    hits, partial hits and chunked prompts keep the cold output (invariant 1); the KV bits differ
+    from a float32 cache's, so the cache namespace and the storage keys' dtype say so."""
+    engine = make_engine(kv_cache_dtype="float16", enable_hierarchical_cache=True)
+    f32 = make_engine()
+    assert engine.pool.k_buffers[0].dtype == torch.float16 and engine.host_pool.dtype == torch.float16
+    assert engine.pool.bytes_per_page * 2 == f32.pool.bytes_per_page
+    assert engine.model_namespace != f32.model_namespace
+    p = prompts(1, 150, 150, seed=4)[0]  # longer than a prefill chunk (64): chunks read the cached ones
+    logits = record_logits(engine)
+    cold = engine.generate([p], GREEDY)[0]
+    first_cold = logits[len(logits) - len(cold.output_ids)][0]
+    full = engine.generate([p], GREEDY)[0]
+    # ~1e-7 apart (two kernels); unrounded new K/V in the cold pass would put them ~6e-6 apart
+    torch.testing.assert_close(logits[len(logits) - len(full.output_ids)][0], first_cold, atol=1e-6, rtol=0)
+    partial = engine.generate([p[:90] + [7, 8, 9]], GREEDY)[0]
+    assert cold.output_ids == full.output_ids and full.cached_tokens == 148
+    assert partial.cached_tokens == 88
+    fresh = make_engine(kv_cache_dtype="float16", disable_radix_cache=True)
+    assert partial.output_ids == fresh.generate([p[:90] + [7, 8, 9]], GREEDY)[0].output_ids
+    assert fresh.generate([p], GREEDY)[0].output_ids == cold.output_ids
+    assert_balanced(engine)
+    for e in (engine, f32, fresh):
+        e.shutdown()

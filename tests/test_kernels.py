@@ -163,6 +163,30 @@ def test_decode_attention_gives_each_row_of_a_verify_pass_its_decode_step(ops, h
                                                lengths[b:b + 1])
             assert torch.equal(together[b:b + 1], alone), f"context {context}, row {b}"
 
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 6, 96)])
+def test_float16_kv_attends_as_its_float32_widening(ops, heads, kv_heads, dim):
+    """A float16 KV cache (``--kv-cache-dtype float16``): the kernel widens each value exactly as it
+    loads it, so its output is bit for bit the kernel's on the same values in float32 buffers, in a
+    batch or alone, shared chunks and tails alike; mixed buffer dtypes are refused."""
+    g = torch.Generator().manual_seed(3)
+    k16, v16 = (torch.randn(3000, kv_heads, dim, generator=g).half() for _ in range(2))
+    slots = torch.randperm(2999, generator=g) + 1
+    rows = [slots[:1], torch.cat([slots[:700], slots[1000:1070]]), torch.cat([slots[:700], slots[1100:1111]]),
+            slots[1500:2900]]
+    lengths = torch.tensor([len(r) for r in rows])
+    kv_slots = torch.zeros(len(rows), int(lengths.max()), dtype=torch.long)
+    for b, r in enumerate(rows):
+        kv_slots[b, :len(r)] = r
+    q = torch.randn(len(rows), heads, dim, generator=g)
+    got = ops.paged_decode_attention(q, k16, v16, kv_slots, lengths)
+    assert torch.equal(got, ops.paged_decode_attention(q, k16.float(), v16.float(), kv_slots, lengths))
+    for b, r in enumerate(rows):
+        alone = ops.paged_decode_attention(q[b:b + 1].contiguous(), k16, v16, r[None].contiguous(), lengths[b:b + 1])
+        assert torch.equal(got[b:b + 1], alone)
+    with pytest.raises(RuntimeError, match="both be float32 or both float16"):
+        ops.paged_decode_attention(q, k16, v16.float(), kv_slots, lengths)
+
+
 def test_a_corrupt_key_poisons_decode_attention_instead_of_vanishing(ops):
     """A NaN in the KV (a bad load) must show, as it does in SDPA, not get a zero weight."""
     k_buf, v_buf = torch.randn(300, 1, 32), torch.randn(300, 1, 32)

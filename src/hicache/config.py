@@ -40,6 +40,13 @@ class EngineConfig(SpeculativeOptions):
         "Weight and KV dtype. 'auto': bfloat16 on CUDA (float16 without bf16), float32 on a CPU.",
         ("auto", "bfloat16", "float16", "float32"),
     )
+    kv_cache_dtype: str = _opt(
+        "auto",
+        "What the KV cache stores, in every tier. 'auto': float16 where --dtype auto chose float32 on a CPU with the "
+        "native kernels (decode attention reads half the bytes; llama.cpp's KV is f16 too; lossy: its KV has its own "
+        "cache keys), else --dtype. Attention computes in --dtype either way.",
+        ("auto", "float32", "bfloat16", "float16"),
+    )
     prefill_weight_dtype: str = _opt(
         "auto",
         "Weights for passes of more than 8 tokens (prefill). 'auto': a bfloat16 copy where --dtype auto chose "
@@ -285,6 +292,14 @@ class EngineConfig(SpeculativeOptions):
         --disaggregation-decode-enable-radix-cache (as SGLang)."""
         return not self.disable_radix_cache and (self.disaggregation_mode != "decode"
                                                  or self.disaggregation_decode_enable_radix_cache)
+
+    @property
+    def cache_dtypes(self) -> str:
+        """The dtypes a cache namespace names (:func:`~hicache.cache.storage.keys.tree_namespace`):
+        ``--dtype``, and the KV's where it differs (a float16 KV cache changes every later token's
+        KV; namespaces of a KV in the model's dtype keep their old names)."""
+        kv = self.kv_cache_dtype
+        return self.dtype if kv in ("auto", self.dtype) else f"{self.dtype}+kv-{kv}"
 
     def precision_options(self) -> dict[str, str]:  # resolved by hicache.device.choose_precision
         return dict(decode_weights=self.decode_weight_dtype, prefill_weights=self.prefill_weight_dtype,

@@ -121,17 +121,37 @@ def resolve_decode_activations(name: str, dtype_requested: str, dtype: str, devi
     return "float32", "exact" if dtype_requested != "auto" else f"{dtype} weights"
 
 
+def resolve_kv_cache_dtype(name: str, dtype_requested: str, dtype: str, device: torch.device) -> tuple[str, str]:
+    """``(what the KV cache stores, why)`` for ``--kv-cache-dtype``: ``auto`` is float16 when
+    ``--dtype auto`` chose float32 on a CPU with the native kernels (decode attention, bound by
+    reading KV, reads float16 rows and widens them exactly: ``kernels/decode_attention.cpp``), else
+    the model's dtype. Attention computes in the model's dtype either way."""
+    if name != "auto":
+        return name, "requested"
+    if dtype_requested == "auto" and dtype == "float32" and device.type == "cpu":
+        from .kernels import unavailable_reason  # no build: a reason, or None
+
+        reason = unavailable_reason()
+        if reason is None:
+            return "float16", "native decode attention reads float16 KV (half the bytes)"
+        return "float32", f"no native kernels: {reason}"
+    return dtype, "the model's dtype"
+
+
 def choose_precision(cfg: EngineConfig, device: torch.device) -> EngineConfig:
-    """``cfg`` with ``--dtype``, ``--prefill-weight-dtype`` and ``--decode-activations`` resolved
-    (:func:`resolve_dtype`, :func:`resolve_prefill_weights`, :func:`resolve_decode_activations`);
-    one log line when any was ``auto``."""
+    """``cfg`` with ``--dtype``, ``--kv-cache-dtype``, ``--prefill-weight-dtype`` and
+    ``--decode-activations`` resolved (:func:`resolve_dtype`, :func:`resolve_kv_cache_dtype`,
+    :func:`resolve_prefill_weights`, :func:`resolve_decode_activations`); one log line when any
+    was ``auto``."""
     chosen, why = resolve_dtype(cfg.dtype, device)
+    kv, kv_why = resolve_kv_cache_dtype(cfg.kv_cache_dtype, cfg.dtype, chosen, device)
     prefill, prefill_why = resolve_prefill_weights(cfg.prefill_weight_dtype, cfg.dtype, chosen, device)
     if cfg.enable_deterministic_inference and cfg.prefill_weight_dtype == "auto":
         prefill, prefill_why = "same", "deterministic inference: one path for every pass"
     activations, act_why = resolve_decode_activations(cfg.decode_activations, cfg.dtype, chosen, device)
-    if "auto" in (cfg.dtype, cfg.prefill_weight_dtype, cfg.decode_activations):
-        logger.info("precision: dtype %s -> %s (%s); prefill weights %s -> %s (%s); decode activations %s -> %s (%s)",
-                    cfg.dtype, chosen, why, cfg.prefill_weight_dtype, prefill, prefill_why,
-                    cfg.decode_activations, activations, act_why)
-    return dataclasses.replace(cfg, dtype=chosen, prefill_weight_dtype=prefill, decode_activations=activations)
+    if "auto" in (cfg.dtype, cfg.kv_cache_dtype, cfg.prefill_weight_dtype, cfg.decode_activations):
+        logger.info("precision: dtype %s -> %s (%s); KV cache %s -> %s (%s); prefill weights %s -> %s (%s); "
+                    "decode activations %s -> %s (%s)", cfg.dtype, chosen, why, cfg.kv_cache_dtype, kv, kv_why,
+                    cfg.prefill_weight_dtype, prefill, prefill_why, cfg.decode_activations, activations, act_why)
+    return dataclasses.replace(cfg, dtype=chosen, kv_cache_dtype=kv, prefill_weight_dtype=prefill,
+                               decode_activations=activations)

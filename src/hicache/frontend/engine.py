@@ -52,6 +52,7 @@ class Engine:
         # Resolved once, here: rank processes, cache namespaces and storage keys see the real dtype.
         self.config = cfg = choose_precision(cfg, self.device)
         self.dtype = DTYPES[cfg.dtype]
+        self.kv_dtype = DTYPES[cfg.kv_cache_dtype]  # what every KV pool and tier holds
         ranks = cfg.tp_size * cfg.pp_size
         # With several ranks this process only tokenizes: each rank loads its own slice.
         self.loaded = load_model(cfg.model, dtype=self.dtype, device=self.device, seed=cfg.random_seed,
@@ -73,7 +74,7 @@ class Engine:
         # them); with a draft, cached pages hold its KV too, so its identity is part of the name.
         self.cache_identity = self.loaded.identity if self.draft is None else \
             f"{self.loaded.identity}+draft:{self.draft.identity}"
-        self.model_namespace = tree_namespace(self.cache_identity, cfg.dtype, cfg.page_size)
+        self.model_namespace = tree_namespace(self.cache_identity, cfg.cache_dtypes, cfg.page_size)
         self.backend: Backend = make_backend(cfg, self.loaded, self.device, self.dtype, self.draft)
         self._closed = False
         # Stops the ranks or the cache's threads (pending writes finish) on shutdown(), when the
@@ -90,9 +91,9 @@ class Engine:
             f"{fmt}x{n}" for fmt, n in sorted(model.decode_formats().items()))
         resident = "" if model is None else f" weights={model.weight_bytes() / 2**20:.0f}MiB"
         logger.info(
-            "engine ready: model=%s device=%s dtype=%s prefill-weights=%s decode-weights=%s%s pool=%d tokens "
+            "engine ready: model=%s device=%s dtype=%s kv=%s prefill-weights=%s decode-weights=%s%s pool=%d tokens "
             "context=%d ranks=tp%dxpp%d%s",
-            cfg.model, self.device, cfg.dtype, cfg.prefill_weight_dtype, decode, resident,
+            cfg.model, self.device, cfg.dtype, cfg.kv_cache_dtype, cfg.prefill_weight_dtype, decode, resident,
             self.capacity_pages * cfg.page_size, self.context_length,
             cfg.tp_size, cfg.pp_size, f" cp{cfg.attn_cp_size}" + (" kv-sharded" if cfg.enable_kv_cache_sharding else "")
             if cfg.attn_cp_size > 1 else "",
@@ -176,7 +177,7 @@ class Engine:
                 f"the request needs {need} KV pages (prompt {len(ids)} + max_new_tokens {max_new} tokens) but the "
                 f"device pool holds {self.capacity_pages}; raise --max-total-tokens or lower max_new_tokens."
             )
-        namespace = tree_namespace(self.cache_identity, self.config.dtype, self.config.page_size, cache_salt)
+        namespace = tree_namespace(self.cache_identity, self.config.cache_dtypes, self.config.page_size, cache_salt)
         return Request(rid=next(self._rids), prompt_ids=ids, sampling=sampling, namespace=namespace,
                        max_new_tokens=max_new, pd=PDState(bootstrap) if bootstrap is not None else None)
 
@@ -274,7 +275,7 @@ class Engine:
         """The L3 object layout for external routers: with the unified key scheme the namespace
         digest, key pattern, grid and every rank's read / write cells (``GET
         /get_hicache_l3_cache_layout``)."""
-        return layout_report(self.config, self.loaded.spec, self.dtype, self.model_namespace,
+        return layout_report(self.config, self.loaded.spec, self.kv_dtype, self.model_namespace,
                              self.draft.spec if self.draft is not None else None)
 
     def shutdown(self) -> None:

@@ -1,5 +1,7 @@
 // Decode attention straight from the paged KV buffers: B sequences, one new token each, every key
-// read by its slot (no gather into a padded copy, no mask), float32, AVX2 + FMA.
+// read by its slot (no gather into a padded copy, no mask), AVX2 + FMA. Queries and arithmetic are
+// float32; the KV buffers float32 or float16 (--kv-cache-dtype: half the bytes to read, each value
+// widened exactly by F16C as it is loaded, so the FMAs and their order are the same either way).
 //
 // Keys are cut into chunks at fixed positions (every kChunk keys); a chunk computes its scores for
 // every query head, softmax statistics (max m, sum l) and the unnormalised output, and each
@@ -15,6 +17,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "decode_attention_plan.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -25,18 +28,26 @@
 
 namespace {
 
-constexpr int64_t kChunk = 128;  // keys per chunk: fewer and the merge costs more than it saves
-
+using hicache_attention::balanced_split;
+using hicache_attention::kChunk;
+using hicache_attention::merge_parts;
+using hicache_attention::plan_tasks;
+using hicache_attention::Shape;
+using hicache_attention::Task;
 using hicache_simd::exp_ps;
 using hicache_simd::hsum;
 
-struct Shape {
-  int64_t B, H, KvH, G, D, K, S;
-};
 
-template <_mm_hint Hint = _MM_HINT_T0>
-inline void prefetch(const float* row, int64_t floats) {
-  for (int64_t f = 0; f < floats; f += 16) _mm_prefetch(reinterpret_cast<const char*>(row + f), Hint);
+using Half = uint16_t;  // a float16's bits, as the KV buffers hold them
+
+// 8 KV values as float32 (exact for float16).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+template <_mm_hint Hint = _MM_HINT_T0, typename KV>
+inline void prefetch(const KV* row, int64_t values) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < values * static_cast<int64_t>(sizeof(KV)); b += 64) _mm_prefetch(bytes + b, Hint);
 }
 
 // Rows are read by slot, so the hardware prefetcher cannot see ahead: a task asks for the next
@@ -48,8 +59,8 @@ struct Ahead {
   int64_t n = 0;
 };
 
-template <_mm_hint Hint = _MM_HINT_T1>
-inline void prefetch_rows(const float* kb, const float* vb, int64_t row, const int64_t* slots, int64_t a0, int64_t a1) {
+template <_mm_hint Hint = _MM_HINT_T1, typename KV>
+inline void prefetch_rows(const KV* kb, const KV* vb, int64_t row, const int64_t* slots, int64_t a0, int64_t a1) {
   for (int64_t a = a0; a < a1; ++a) {
     prefetch<Hint>(kb + slots[a] * row, row);
     prefetch<Hint>(vb + slots[a] * row, row);
@@ -80,8 +91,8 @@ constexpr int kScoreTile = 1;
 // T queries (qs[t]: its D8 vectors) against the `count` <= 8 keys at kp[0..count): part[t][k] = the
 // lane-wise products summed over the key's vectors, mul then fma in order of d -- whatever T or count
 // is -- and zero for k >= count; then s = hsum8 (lane k: query t's score against key k).
-template <int D8, int T, bool kFull>
-inline void score_tile(const float* const* qs, const float* const* kp, int count, __m256* s) {
+template <int D8, int T, bool kFull, typename KV>
+inline void score_tile(const float* const* qs, const KV* const* kp, int count, __m256* s) {
   __m256 part[T][8];
   {
     __m256 qv[T];
@@ -91,7 +102,7 @@ inline void score_tile(const float* const* qs, const float* const* kp, int count
         for (int t = 0; t < T; ++t) part[t][k] = _mm256_setzero_ps();
         continue;
       }
-      const __m256 kv = _mm256_loadu_ps(kp[k]);
+      const __m256 kv = load8(kp[k]);
       for (int t = 0; t < T; ++t) part[t][k] = _mm256_mul_ps(qv[t], kv);
     }
   }
@@ -100,7 +111,7 @@ inline void score_tile(const float* const* qs, const float* const* kp, int count
     for (int t = 0; t < T; ++t) qv[t] = _mm256_loadu_ps(qs[t] + 8 * d);
     for (int k = 0; k < 8; ++k) {
       if (!kFull && k >= count) continue;
-      const __m256 kv = _mm256_loadu_ps(kp[k] + 8 * d);
+      const __m256 kv = load8(kp[k] + 8 * d);
       for (int t = 0; t < T; ++t) part[t][k] = _mm256_fmadd_ps(qv[t], kv, part[t][k]);
     }
   }
@@ -114,8 +125,8 @@ inline void score_tile(const float* const* qs, const float* const* kp, int count
 // is read from memory once and then from L1 by every member's queries of that head.
 // Each query's score and running maximum are the same sequence of operations whatever the members
 // and tiles are: a sequence's result does not depend on what else is in the batch.
-template <int D8>
-void chunk_scores(const Shape& sh, const float* const* q, int64_t members, const float* kb, const float* vb,
+template <int D8, typename KV>
+void chunk_scores(const Shape& sh, const float* const* q, int64_t members, const KV* kb, const KV* vb,
                   const int64_t* slots, int64_t k0, int64_t n, const Ahead& ahead, float* scores, float* m) {
   const int64_t D = D8 * 8, row = sh.KvH * D, H = sh.H, G = sh.G, queries = members * H;
   std::vector<float> mx(8 * queries, -std::numeric_limits<float>::infinity());  // each query's running max
@@ -131,7 +142,7 @@ void chunk_scores(const Shape& sh, const float* const* q, int64_t members, const
     for (int64_t i = 0; i < n; i += 8) {
       if (h == 0) prefetch_rows(kb, vb, row, ahead.slots, std::min(i, ahead.n), std::min(i + 8, ahead.n));
       const int count = static_cast<int>(std::min<int64_t>(8, n - i));
-      const float* kp[8];
+      const KV* kp[8];
       for (int k = 0; k < 8; ++k) kp[k] = kb + slots[k0 + i + std::min(k, count - 1)] * row + h * D;
       const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(count), lane));
       auto finish = [&](int64_t r, __m256 s) {  // query r's scores of this block
@@ -143,14 +154,14 @@ void chunk_scores(const Shape& sh, const float* const* q, int64_t members, const
       int64_t x = 0;
       for (; x + kScoreTile <= per_head; x += kScoreTile) {
         __m256 s[kScoreTile];
-        if (count == 8) score_tile<D8, kScoreTile, true>(qs.data() + x, kp, count, s);
-        else score_tile<D8, kScoreTile, false>(qs.data() + x, kp, count, s);
+        if (count == 8) score_tile<D8, kScoreTile, true, KV>(qs.data() + x, kp, count, s);
+        else score_tile<D8, kScoreTile, false, KV>(qs.data() + x, kp, count, s);
         for (int t = 0; t < kScoreTile; ++t) finish(rs[x + t], s[t]);
       }
       for (; x < per_head; ++x) {
         __m256 s[1];
-        if (count == 8) score_tile<D8, 1, true>(qs.data() + x, kp, count, s);
-        else score_tile<D8, 1, false>(qs.data() + x, kp, count, s);
+        if (count == 8) score_tile<D8, 1, true, KV>(qs.data() + x, kp, count, s);
+        else score_tile<D8, 1, false, KV>(qs.data() + x, kp, count, s);
         finish(rs[x], s[0]);
       }
     }
@@ -168,6 +179,7 @@ void chunk_scores(const Shape& sh, const float* const* q, int64_t members, const
 using VVec = __m512;
 constexpr int kVLanes = 16;
 inline VVec v_load(const float* p) { return _mm512_loadu_ps(p); }
+inline VVec v_load(const Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline VVec v_set1(float x) { return _mm512_set1_ps(x); }
 inline VVec v_fma(VVec a, VVec b, VVec c) { return _mm512_fmadd_ps(a, b, c); }
 inline VVec v_zero() { return _mm512_setzero_ps(); }
@@ -177,6 +189,7 @@ constexpr int kValueRegs = 24;  // of 32
 using VVec = __m256;
 constexpr int kVLanes = 8;
 inline VVec v_load(const float* p) { return _mm256_loadu_ps(p); }
+inline VVec v_load(const Half* p) { return load8(p); }
 inline VVec v_set1(float x) { return _mm256_set1_ps(x); }
 inline VVec v_fma(VVec a, VVec b, VVec c) { return _mm256_fmadd_ps(a, b, c); }
 inline VVec v_zero() { return _mm256_setzero_ps(); }
@@ -184,8 +197,8 @@ inline void v_store(float* p, VVec v) { _mm256_storeu_ps(p, v); }
 constexpr int kValueRegs = 12;  // of 16
 #endif
 
-template <int D8, int Q>
-inline void value_tile(const int64_t* r, const float* vh, int64_t row, const int64_t* slots, int64_t k0, int64_t n,
+template <int D8, int Q, typename KV>
+inline void value_tile(const int64_t* r, const KV* vh, int64_t row, const int64_t* slots, int64_t k0, int64_t n,
                        const float* p, float* acc) {
   constexpr int E = D8 * 8 / kVLanes;  // vectors per query
   VVec a[Q][E];
@@ -194,7 +207,7 @@ inline void value_tile(const int64_t* r, const float* vh, int64_t row, const int
   const float* ph[Q];
   for (int t = 0; t < Q; ++t) ph[t] = p + r[t] * n;
   for (int64_t i = 0; i < n; ++i) {
-    const float* val = vh + slots[k0 + i] * row;
+    const KV* val = vh + slots[k0 + i] * row;
     VVec v[E];
     for (int e = 0; e < E; ++e) v[e] = v_load(val + kVLanes * e);
     for (int t = 0; t < Q; ++t) {
@@ -208,42 +221,42 @@ inline void value_tile(const int64_t* r, const float* vh, int64_t row, const int
 
 // The last `rest` (< N) queries of a KV head in one tile of their own: a query's sums are the same FMAs in the
 // same order in a tile of any size, and a decode step's 3 queries of a head (GQA) run as 3 chains at once.
-template <int D8, int N>
-inline void value_rest(int rest, const int64_t* r, const float* vh, int64_t row, const int64_t* slots, int64_t k0,
+template <int D8, int N, typename KV>
+inline void value_rest(int rest, const int64_t* r, const KV* vh, int64_t row, const int64_t* slots, int64_t k0,
                        int64_t n, const float* p, float* acc) {
   if constexpr (N > 0) {
-    if (rest == N) value_tile<D8, N>(r, vh, row, slots, k0, n, p, acc);
-    else value_rest<D8, N - 1>(rest, r, vh, row, slots, k0, n, p, acc);
+    if (rest == N) value_tile<D8, N, KV>(r, vh, row, slots, k0, n, p, acc);
+    else value_rest<D8, N - 1, KV>(rest, r, vh, row, slots, k0, n, p, acc);
   }
 }
 
-template <int D8>
-void chunk_values(const Shape& sh, int64_t members, const float* vb, const int64_t* slots, int64_t k0, int64_t n,
+template <int D8, typename KV>
+void chunk_values(const Shape& sh, int64_t members, const KV* vb, const int64_t* slots, int64_t k0, int64_t n,
                   const float* p, float* acc) {
   constexpr int E = D8 * 8 / kVLanes, Q = std::max(1, kValueRegs / E - 1);  // queries at once
   const int64_t D = D8 * 8, row = sh.KvH * D, H = sh.H, G = sh.G, per_head = members * G;
   for (int64_t h = 0; h < sh.KvH; ++h) {
-    const float* vh = vb + h * D;
+    const KV* vh = vb + h * D;
     int64_t r[Q];
     int64_t x = 0;
     for (; x + Q <= per_head; x += Q) {
       for (int t = 0; t < Q; ++t) r[t] = ((x + t) / G) * H + h * G + (x + t) % G;
-      value_tile<D8, Q>(r, vh, row, slots, k0, n, p, acc);
+      value_tile<D8, Q, KV>(r, vh, row, slots, k0, n, p, acc);
     }
     const int rest = static_cast<int>(per_head - x);
     for (int t = 0; t < rest; ++t) r[t] = ((x + t) / G) * H + h * G + (x + t) % G;
-    value_rest<D8, Q - 1>(rest, r, vh, row, slots, k0, n, p, acc);
+    value_rest<D8, Q - 1, KV>(rest, r, vh, row, slots, k0, n, p, acc);
   }
 }
 
 // One chunk [k0, k1) of keys held alike by `members` sequences (queries q[j]), every head: writes
 // m, l [members * H] and acc [members * H, D].
-template <int D8>
-void attend_chunk(const Shape& sh, const float* const* q, int64_t members, const float* kb, const float* vb,
+template <int D8, typename KV>
+void attend_chunk(const Shape& sh, const float* const* q, int64_t members, const KV* kb, const KV* vb,
                   const int64_t* slots, int64_t k0, int64_t k1, const Ahead& ahead, float* m, float* l, float* acc) {
   const int64_t queries = members * sh.H, n = k1 - k0;
   std::vector<float> scores(queries * n);
-  chunk_scores<D8>(sh, q, members, kb, vb, slots, k0, n, ahead, scores.data(), m);
+  chunk_scores<D8, KV>(sh, q, members, kb, vb, slots, k0, n, ahead, scores.data(), m);
   for (int64_t r = 0; r < queries; ++r) {  // p = exp(score - m), l = sum p
     float* p = scores.data() + r * n;
     const __m256 mx = _mm256_set1_ps(m[r]);
@@ -257,18 +270,20 @@ void attend_chunk(const Shape& sh, const float* const* q, int64_t members, const
     l[r] = hsum(sum);
     for (; i < n; ++i) { p[i] = std::exp(p[i] - m[r]); l[r] += p[i]; }
   }
-  chunk_values<D8>(sh, members, vb, slots, k0, n, scores.data(), acc);
+  chunk_values<D8, KV>(sh, members, vb, slots, k0, n, scores.data(), acc);
 }
 
-using ChunkFn = void (*)(const Shape&, const float* const*, int64_t, const float*, const float*, const int64_t*,
+template <typename KV>
+using ChunkFn = void (*)(const Shape&, const float* const*, int64_t, const KV*, const KV*, const int64_t*,
                          int64_t, int64_t, const Ahead&, float*, float*, float*);
 
-ChunkFn chunk_fn(int64_t D) {
+template <typename KV>
+ChunkFn<KV> chunk_fn(int64_t D) {
   switch (D) {  // head sizes of the models people run; others are refused (the caller falls back)
-    case 32: return attend_chunk<4>;
-    case 64: return attend_chunk<8>;
-    case 96: return attend_chunk<12>;
-    case 128: return attend_chunk<16>;
+    case 32: return attend_chunk<4, KV>;
+    case 64: return attend_chunk<8, KV>;
+    case 96: return attend_chunk<12, KV>;
+    case 128: return attend_chunk<16, KV>;
     default: return nullptr;
   }
 }
@@ -276,11 +291,14 @@ ChunkFn chunk_fn(int64_t D) {
 void check(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& kv_slots,
            const at::Tensor& lengths) {
   for (const at::Tensor* t : {&q, &k_buf, &v_buf})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->device().is_cpu() && t->dim() == 3,
-                "q, k_buf and v_buf must be contiguous 3-D float32 CPU tensors");
+    TORCH_CHECK(t->is_contiguous() && t->device().is_cpu() && t->dim() == 3,
+                "q, k_buf and v_buf must be contiguous 3-D CPU tensors");
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "q must be float32");
+  TORCH_CHECK((k_buf.scalar_type() == at::kFloat || k_buf.scalar_type() == at::kHalf) &&
+              v_buf.scalar_type() == k_buf.scalar_type(), "k_buf and v_buf must both be float32 or both float16");
   TORCH_CHECK(k_buf.sizes() == v_buf.sizes(), "k_buf and v_buf differ in shape");
   const int64_t H = q.size(1), KvH = k_buf.size(1), D = q.size(2);
-  TORCH_CHECK(k_buf.size(2) == D && chunk_fn(D) != nullptr && KvH > 0 && H % KvH == 0,
+  TORCH_CHECK(k_buf.size(2) == D && chunk_fn<float>(D) != nullptr && KvH > 0 && H % KvH == 0,
               "head_dim must match and be 32, 64, 96 or 128; query heads a multiple of KV heads");
   TORCH_CHECK(kv_slots.scalar_type() == at::kLong && kv_slots.is_contiguous() && kv_slots.dim() == 2 &&
               kv_slots.size(0) == q.size(0), "kv_slots must be contiguous int64 [B, K]");
@@ -298,98 +316,12 @@ void check(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf
   }
 }
 
-// Keys [k0, k1) that `members` hold in the same slots (one member unless the chunk is shared).
-struct Task {
-  int64_t k0, k1;
-  std::vector<int64_t> members;
-  int64_t part = 0;  // where its first member's m / l / acc go; member j's at part + j
-};
-
-// Chunks at fixed positions, in order; a full chunk that several sequences hold in the same slots
-// is one task for all of them (the radix cache hands shared prefixes out as the same pages).
-std::vector<Task> plan_tasks(const Shape& sh, const int64_t* slots, const int64_t* len) {
-  std::vector<Task> tasks;
-  const int64_t longest = *std::max_element(len, len + sh.B);
-  for (int64_t k0 = 0; k0 < longest; k0 += kChunk) {
-    const size_t first = tasks.size();
-    for (int64_t b = 0; b < sh.B; ++b) {
-      if (len[b] <= k0) continue;
-      const int64_t k1 = std::min(len[b], k0 + kChunk);
-      const int64_t* mine = slots + b * sh.K + k0;
-      auto same = [&](const Task& t) {
-        return t.k1 - t.k0 == kChunk && k1 - k0 == kChunk &&
-               std::memcmp(slots + t.members[0] * sh.K + k0, mine, kChunk * sizeof(int64_t)) == 0;
-      };
-      auto shared = std::find_if(tasks.begin() + first, tasks.end(), same);
-      if (shared != tasks.end()) shared->members.push_back(b);
-      else tasks.push_back(Task{k0, k1, {b}});
-    }
-  }
-  int64_t parts = 0;
-  for (Task& t : tasks) { t.part = parts; parts += static_cast<int64_t>(t.members.size()); }
-  return tasks;
-}
-
-// Task boundaries for `workers` contiguous runs of about equal work (keys x queries): a shared
-// chunk costs its members' count of a private one, and parallel_for would split by task count.
-std::vector<int64_t> balanced_split(const std::vector<Task>& tasks, int64_t workers) {
-  int64_t total = 0;
-  for (const Task& t : tasks) total += (t.k1 - t.k0) * static_cast<int64_t>(t.members.size());
-  std::vector<int64_t> split{0};
-  int64_t done = 0;
-  for (size_t t = 0; t < tasks.size(); ++t) {
-    done += (tasks[t].k1 - tasks[t].k0) * static_cast<int64_t>(tasks[t].members.size());
-    // a run ends once it holds its share; the last one takes whatever is left
-    if (static_cast<int64_t>(split.size()) < workers && done * workers >= total * static_cast<int64_t>(split.size()))
-      split.push_back(static_cast<int64_t>(t) + 1);
-  }
-  if (split.back() != static_cast<int64_t>(tasks.size())) split.push_back(static_cast<int64_t>(tasks.size()));
-  return split;
-}
-
-// out[b] = each sequence's chunks merged in order by their maxima (the flash-attention rule).
-void merge_parts(const Shape& sh, const std::vector<Task>& tasks, const std::vector<float>& m,
-                 const std::vector<float>& l, const std::vector<float>& acc, float* out) {
+// Every task's m, l and acc, the threads each taking a run of tasks (`split`); kb / vb: the KV buffers.
+template <typename KV>
+void attend_tasks(const Shape& sh, const std::vector<Task>& tasks, const std::vector<int64_t>& split, const float* qp,
+                  const KV* kb, const KV* vb, const int64_t* sp, float* m, float* l, float* acc) {
   const int64_t H = sh.H, D = sh.D;
-  std::vector<std::vector<int64_t>> parts(sh.B);  // each sequence's parts, in chunk order
-  for (const Task& t : tasks)
-    for (size_t j = 0; j < t.members.size(); ++j) parts[t.members[j]].push_back(t.part + static_cast<int64_t>(j));
-  for (int64_t b = 0; b < sh.B; ++b) {
-    for (int64_t hq = 0; hq < H; ++hq) {
-      float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t p : parts[b]) mx = std::max(mx, m[p * H + hq]);
-      float total = 0.0f;
-      float* dst = out + (b * H + hq) * D;
-      std::fill(dst, dst + D, 0.0f);
-      for (int64_t p : parts[b]) {
-        const int64_t i = p * H + hq;
-        const float w = std::exp(m[i] - mx);
-        total += w * l[i];
-        const float* a = acc.data() + i * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] += w * a[d];
-      }
-      for (int64_t d = 0; d < D; ++d) dst[d] /= total;
-    }
-  }
-}
-
-// q [B, H, D]; k_buf/v_buf [S, KvH, D]; kv_slots [B, K] (sequence b's keys are its first
-// lengths[b] slots, the new token's own included). Returns softmax(q k^T / sqrt(D)) v, [B, H, D].
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
-                                  const at::Tensor& kv_slots, const at::Tensor& lengths) {
-  check(q, k_buf, v_buf, kv_slots, lengths);
-  if (q.size(0) == 0) return at::empty_like(q);
-  Shape sh{q.size(0), q.size(1), k_buf.size(1), q.size(1) / k_buf.size(1), q.size(2), kv_slots.size(1), k_buf.size(0)};
-  const int64_t H = sh.H, D = sh.D;
-  const int64_t* sp = kv_slots.data_ptr<int64_t>();
-  const std::vector<Task> tasks = plan_tasks(sh, sp, lengths.data_ptr<int64_t>());
-  const int64_t parts = tasks.back().part + static_cast<int64_t>(tasks.back().members.size());
-  std::vector<float> m(parts * H), l(parts * H), acc(parts * H * D);
-  at::Tensor qs = q * (1.0 / std::sqrt(static_cast<double>(D)));  // queries pre-scaled by 1/sqrt(D)
-  const float* qp = qs.data_ptr<float>();
-  const float* kb = k_buf.data_ptr<float>(); const float* vb = v_buf.data_ptr<float>();
-  const ChunkFn attend = chunk_fn(D);
-  const std::vector<int64_t> split = balanced_split(tasks, at::get_num_threads());
+  const ChunkFn<KV> attend = chunk_fn<KV>(D);
   at::parallel_for(0, static_cast<int64_t>(split.size()) - 1, 1, [&](int64_t w0, int64_t w1) {
     std::vector<const float*> queries;
     // Slots are read from a task's first member's row: the others hold the same ones there.
@@ -405,9 +337,31 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_buf, 
       Ahead ahead;
       if (t + 1 < split[w1]) ahead = Ahead{task_slots(tasks[t + 1]), tasks[t + 1].k1 - tasks[t + 1].k0};
       attend(sh, queries.data(), static_cast<int64_t>(queries.size()), kb, vb, sp + task.members[0] * sh.K, task.k0,
-             task.k1, ahead, m.data() + task.part * H, l.data() + task.part * H, acc.data() + task.part * H * D);
+             task.k1, ahead, m + task.part * H, l + task.part * H, acc + task.part * H * D);
     }
   });
+}
+
+// q [B, H, D]; k_buf/v_buf [S, KvH, D] (float32 or float16); kv_slots [B, K] (sequence b's keys are its first
+// lengths[b] slots, the new token's own included). Returns softmax(q k^T / sqrt(D)) v, [B, H, D].
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                                  const at::Tensor& kv_slots, const at::Tensor& lengths) {
+  check(q, k_buf, v_buf, kv_slots, lengths);
+  if (q.size(0) == 0) return at::empty_like(q);
+  Shape sh{q.size(0), q.size(1), k_buf.size(1), q.size(1) / k_buf.size(1), q.size(2), kv_slots.size(1), k_buf.size(0)};
+  const int64_t H = sh.H, D = sh.D;
+  const int64_t* sp = kv_slots.data_ptr<int64_t>();
+  const std::vector<Task> tasks = plan_tasks(sh, sp, lengths.data_ptr<int64_t>());
+  const int64_t parts = tasks.back().part + static_cast<int64_t>(tasks.back().members.size());
+  std::vector<float> m(parts * H), l(parts * H), acc(parts * H * D);
+  at::Tensor qs = q * (1.0 / std::sqrt(static_cast<double>(D)));  // queries pre-scaled by 1/sqrt(D)
+  const std::vector<int64_t> split = balanced_split(tasks, at::get_num_threads());
+  if (k_buf.scalar_type() == at::kHalf)
+    attend_tasks(sh, tasks, split, qs.data_ptr<float>(), reinterpret_cast<const Half*>(k_buf.data_ptr<at::Half>()),
+                 reinterpret_cast<const Half*>(v_buf.data_ptr<at::Half>()), sp, m.data(), l.data(), acc.data());
+  else
+    attend_tasks(sh, tasks, split, qs.data_ptr<float>(), k_buf.data_ptr<float>(), v_buf.data_ptr<float>(), sp,
+                 m.data(), l.data(), acc.data());
   at::Tensor out = at::empty_like(q);
   merge_parts(sh, tasks, m, l, acc, out.data_ptr<float>());
   return out;

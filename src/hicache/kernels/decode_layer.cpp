@@ -1,5 +1,5 @@
 // One decoder layer of a decode step in one call (decode_layer), or the whole stack of them
-// (decode_layers): B sequences, one new token each, float32, one rank. The Python layer
+// (decode_layers): B sequences, one new token each, float32 (the KV float32 or float16), one rank. The Python layer
 // (hicache/model/llama.py) runs ~25 torch ops a layer for a decode token, and at batch 1 their Python dispatch costs as much as their arithmetic; this runs the same
 // kernels in the same order from C++ (the hicache ops through the dispatcher, torch's for the
 // rest), so its output equals the Python path's bit for bit.
@@ -121,15 +121,16 @@ T run_layer(const T& x, const T& attn_norm, const T& ffn_norm, double eps, const
       hicache_op<T(const T&, const T&, const T&, const T&, const T&)>("hicache::paged_decode_attention");
   const int64_t t = x.size(0), D = k_buf.size(2), qk_heads = num_heads + num_kv_heads;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [T, hidden]");
-  TORCH_CHECK(k_buf.scalar_type() == at::kFloat && v_buf.scalar_type() == at::kFloat, "KV buffers must be float32");
+  TORCH_CHECK((k_buf.scalar_type() == at::kFloat || k_buf.scalar_type() == at::kHalf) &&
+              v_buf.scalar_type() == k_buf.scalar_type(), "KV buffers must both be float32 or both float16");
 
   T qkv = project(rms_norm.call(x, attn_norm, eps), layer[0], qkv_bias);
   rope.call(qkv, cos.flatten(1), sin.flatten(1), qk_heads, D);
   T q = qkv.narrow(1, 0, num_heads * D).view({t, num_heads, D});
   T k = qkv.narrow(1, num_heads * D, num_kv_heads * D).view({t, num_kv_heads, D});
   T v = qkv.narrow(1, qk_heads * D, num_kv_heads * D).view({t, num_kv_heads, D});
-  k_buf.index_copy_(0, out_slots, k);
-  v_buf.index_copy_(0, out_slots, v);
+  k_buf.index_copy_(0, out_slots, k.to(k_buf.scalar_type()));  // rounded to float16 where the KV is
+  v_buf.index_copy_(0, out_slots, v.to(v_buf.scalar_type()));
   T attended = attention.call(q.contiguous(), k_buf, v_buf, kv_slots, lengths).reshape({t, -1});
   T h = x + project(attended.contiguous(), layer[1], c10::nullopt);
 

@@ -8,8 +8,8 @@ prefix stored in a few runs of consecutive slots is read as views of the KV buff
 a scattered one is gathered once per layer.
 
 A lone decode token needs no causal block: its context (itself included) is one set of keys.
-On a CPU with the native kernels (float32), decode batches read every key by its slot straight
-from the buffers (:func:`native_decode_attention`). Elsewhere a decode batch of several
+On a CPU with the native kernels (float32, the KV float32 or float16), decode batches read every
+key by its slot straight from the buffers (:func:`native_decode_attention`). Elsewhere a decode batch of several
 sequences takes one padded path: every context gathered to ``[B, K]`` slots, one SDPA call with
 a per-key bias ``[B, 1, 1, K]`` for the padding.
 
@@ -36,6 +36,13 @@ def attended(k: torch.Tensor, v: torch.Tensor, latent: bool) -> KVBlock:
         return k, v
     joined = torch.cat((k, v), dim=-1)
     return joined, joined
+
+
+def as_stored(x: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    """New K or V rows ``x`` as the KV buffer ``buf`` holds them, back in ``x``'s dtype: a prompt's
+    tokens attend to each other with the bits a later cache hit (or chunk) reads from the buffer,
+    so a float16 KV cache rounds them here too and outputs do not depend on where keys came from."""
+    return x if x.dtype == buf.dtype else x.to(buf.dtype).to(x.dtype)
 
 
 def _expand_heads(x: torch.Tensor, num_heads: int, kv_map: Optional[torch.Tensor]) -> torch.Tensor:
@@ -151,16 +158,18 @@ def decode_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, 
 
 
 NATIVE_HEAD_DIMS = (32, 64, 96, 128)
+NATIVE_KV_DTYPES = (torch.float32, torch.float16)  # what the native decode kernel reads
 
 
 def native_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_slots: torch.Tensor,
                             lengths: torch.Tensor, kv_map: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """B decode tokens ``q`` ``[B, H, D]`` over keys read by slot from the ``[S, KvH, D]``
     buffers (``kv_slots`` ``[B, K]``, the first ``lengths[b]`` of row b real), through the native
-    CPU kernel: no gather, no padding mask. None where it does not apply (not float32 on a CPU
-    with the kernels, an uneven TP head map, an unusual head size): use :func:`decode_attention`."""
-    if (q.device.type != "cpu" or q.dtype != torch.float32 or k_buf.dtype != torch.float32 or kv_map is not None
-            or q.shape[-1] not in NATIVE_HEAD_DIMS):
+    CPU kernel: no gather, no padding mask. None where it does not apply (not float32 queries
+    over float32 or float16 KV on a CPU with the kernels, an uneven TP head map, an unusual head
+    size): use :func:`decode_attention`."""
+    if (q.device.type != "cpu" or q.dtype != torch.float32 or k_buf.dtype not in NATIVE_KV_DTYPES
+            or kv_map is not None or q.shape[-1] not in NATIVE_HEAD_DIMS):
         return None
     ops = cpu_kernels()
     if ops is None:

@@ -19,7 +19,7 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch import nn
 
-from hicache.model.attention import NATIVE_HEAD_DIMS
+from hicache.model.attention import NATIVE_HEAD_DIMS, NATIVE_KV_DTYPES
 from hicache.model.batch import ForwardBatch, KVView
 from hicache.model.decode_stack import DecodeStack
 from hicache.model.layers import MLP, RMSNorm, RotaryEmbedding, native_ops, rotate_half
@@ -109,7 +109,7 @@ class DecoderLayer(nn.Module):
         if (batch.attn.decode is None or not 0 < x.shape[0] <= rows
                 or attn.tp_reduce is not None or self.mlp.tp_reduce is not None or attn.kv_map is not None
                 or attn.head_dim not in NATIVE_HEAD_DIMS
-                or kv.k_buffers[attn.layer].dtype != torch.float32 or self.mlp.gate_proj.out_features % 8):
+                or kv.k_buffers[attn.layer].dtype not in NATIVE_KV_DTYPES or self.mlp.gate_proj.out_features % 8):
             return None
         return native_ops(x)
 

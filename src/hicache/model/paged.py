@@ -5,7 +5,7 @@ at their slots, then takes one of three paths, all exact:
 
 - the native paged decode kernel: a pass where every sequence has at most ``ROWWISE_MAX_NEW``
   new tokens (a decode batch; a verify pass of the last token + drafts), on a CPU with the
-  kernels, float32: each new token is a row attending to its own context -- the sequence's
+  kernels, float32 (the KV float32 or float16): each new token is a row attending to its own context -- the sequence's
   prefix and its new tokens up to itself, so the rows of one sequence are causal among
   themselves -- read by slot (no gather, no padding mask); a row's output is the one a decode
   step at its position gives;
@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from hicache.model.attention import (KVBlock, attended, decode_attention, native_decode_attention,
+from hicache.model.attention import (KVBlock, as_stored, attended, decode_attention, native_decode_attention,
                                      sequence_attention)
 from hicache.model.batch import AttentionLayer, DecodeLayout, ForwardBatch, KVView
 
@@ -158,7 +158,8 @@ class PagedBackend:
         # A latent is gathered (its halves joined) whatever B: one MLA sequence takes this path too.
         if decode is not None and (decode.key_bias is not None or layer.latent):
             return _padded_decode(q, layer, decode, k_buf, v_buf)
-        return _spans(q, attended(k, v, layer.latent), layer, meta.spans, k_buf, v_buf)
+        return _spans(q, attended(as_stored(k, k_buf), as_stored(v, v_buf), layer.latent), layer, meta.spans, k_buf,
+                      v_buf)
 
 
 def make_forward_batch(input_ids: Sequence[Sequence[int]], prefix_lens: Sequence[int],

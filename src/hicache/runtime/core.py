@@ -20,7 +20,7 @@ from ..cache.storage.prefetch_backup import Agree
 from ..cache.storage.registry import create_backend
 from ..cache.storage.unified import StorageGrid, UnifiedPlan
 from ..config import ConfigError, EngineConfig
-from ..device import device_memory_budget
+from ..device import DTYPES, device_memory_budget
 from ..disagg.heads import TPRanks
 from ..model.loader import LoadedModel
 from ..model.parallel import ModelShard
@@ -74,7 +74,8 @@ def build_core(
     share_draws: Callable[[Any], Any] | None = None,
 ) -> EngineCore:
     """Pools sized from the config, then the cache and the scheduler over ``loaded.model``
-    (already cut to ``shard`` when given).
+    (already cut to ``shard`` when given). ``dtype``: the model's; the pools hold
+    ``cfg.kv_cache_dtype`` once resolved (:func:`hicache.device.choose_precision`).
 
     Several ranks: ``agree`` MIN-reduces the device and host page counts and whether the
     storage backend is reachable, so every rank's allocators and tiers, hence every cache
@@ -90,6 +91,8 @@ def build_core(
     on and no ``draft`` (a later pipeline stage) the scheduler still plans verify passes.
     ``pd_ranks``, ``share_draws``: what the modes need of a rank group (runtime/mode_registry.py)."""
     spec = loaded.spec
+    # Every KV pool, tier and scratch holds --kv-cache-dtype (the model's dtype while unresolved).
+    dtype = dtype if cfg.kv_cache_dtype == "auto" else DTYPES[cfg.kv_cache_dtype]
     layers = len(shard.layers) if shard else spec.num_layers
     kv_heads = len(shard.kv_heads) if shard else spec.num_kv_heads
     draft_kv = plan_draft_kv(cfg, draft, (kv_heads, spec.head_dim), draft_row)
