@@ -37,7 +37,8 @@ class EngineConfig(SpeculativeOptions):
     )
     dtype: str = _opt(
         "auto",
-        "Weight and KV dtype. 'auto': bfloat16 on CUDA (float16 without bf16), float32 on a CPU.",
+        "Weight and activation dtype (the KV cache's: --kv-cache-dtype). 'auto': bfloat16 on CUDA (float16 without "
+        "bf16), float32 on a CPU.",
         ("auto", "bfloat16", "float16", "float32"),
     )
     kv_cache_dtype: str = _opt(

@@ -104,6 +104,17 @@ def resolve_prefill_weights(name: str, dtype_requested: str, dtype: str, device:
     return ("same" if name == dtype else name), "requested"
 
 
+def _native_kernels_missing(dtype_requested: str, dtype: str, device: torch.device) -> str | None:
+    """None when ``--dtype auto`` chose float32 on a CPU where the native kernels run (the
+    ``auto`` choices that need them apply), else why not."""
+    if not (dtype_requested == "auto" and dtype == "float32" and device.type == "cpu"):
+        return "exact" if dtype_requested != "auto" else f"{dtype} weights"
+    from .kernels import unavailable_reason  # no build: a reason, or None
+
+    reason = unavailable_reason()
+    return None if reason is None else f"no native kernels: {reason}"
+
+
 def resolve_decode_activations(name: str, dtype_requested: str, dtype: str, device: torch.device) -> tuple[str, str]:
     """``(what decode passes multiply GGUF blocks with, why)`` for ``--decode-activations``:
     ``auto`` is int8 (the inputs quantized per 32, as llama.cpp does: lossy, and 1.1-1.9x faster
@@ -111,14 +122,10 @@ def resolve_decode_activations(name: str, dtype_requested: str, dtype: str, devi
     float32 on a CPU with the native kernels, else float32 (exact)."""
     if name != "auto":
         return name, "requested"
-    if dtype_requested == "auto" and dtype == "float32" and device.type == "cpu":
-        from .kernels import unavailable_reason  # no build: a reason, or None
-
-        reason = unavailable_reason()
-        if reason is None:
-            return "int8", "native kernels (GGUF blocks x 8-bit inputs, as llama.cpp)"
-        return "float32", f"no native kernels: {reason}"
-    return "float32", "exact" if dtype_requested != "auto" else f"{dtype} weights"
+    why_not = _native_kernels_missing(dtype_requested, dtype, device)
+    if why_not is None:
+        return "int8", "native kernels (GGUF blocks x 8-bit inputs, as llama.cpp)"
+    return "float32", why_not
 
 
 def resolve_kv_cache_dtype(name: str, dtype_requested: str, dtype: str, device: torch.device) -> tuple[str, str]:
@@ -128,14 +135,10 @@ def resolve_kv_cache_dtype(name: str, dtype_requested: str, dtype: str, device: 
     the model's dtype. Attention computes in the model's dtype either way."""
     if name != "auto":
         return name, "requested"
-    if dtype_requested == "auto" and dtype == "float32" and device.type == "cpu":
-        from .kernels import unavailable_reason  # no build: a reason, or None
-
-        reason = unavailable_reason()
-        if reason is None:
-            return "float16", "native decode attention reads float16 KV (half the bytes)"
-        return "float32", f"no native kernels: {reason}"
-    return dtype, "the model's dtype"
+    why_not = _native_kernels_missing(dtype_requested, dtype, device)
+    if why_not is None:
+        return "float16", "native decode attention reads float16 KV (half the bytes)"
+    return dtype, f"the model's dtype ({why_not})"
 
 
 def choose_precision(cfg: EngineConfig, device: torch.device) -> EngineConfig:

@@ -62,7 +62,8 @@ def run_demo(engine: Engine, turns: int = 8, max_new_tokens: int = 40, agents: i
                  {"role": "user", "content": f"{TASK} (workspace {a + 1})"}] for a in range(agents)]
     host = "on" if engine.config.enable_hierarchical_cache else "off"
     print(f"hicache demo: {agents} agent(s) x {turns} turns on {engine.config.model} "
-          f"({engine.device}, {engine.config.dtype}, page {engine.config.page_size}, "
+          f"({engine.device}, {engine.config.dtype}, KV {engine.config.kv_cache_dtype}, "
+          f"page {engine.config.page_size}, "
           f"device pool {engine.capacity_pages * engine.config.page_size} tokens, host tier {host})\n")
     spec = engine.config.speculative_steps > 0  # then each turn's acceptance length too
     print(f"{'agent':>5} {'turn':>4} {'input':>6} {'cached':>6} {'device':>6} {'host':>5} {'storage':>7} "
