@@ -38,13 +38,6 @@ def attended(k: torch.Tensor, v: torch.Tensor, latent: bool) -> KVBlock:
     return joined, joined
 
 
-def as_stored(x: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
-    """New K or V rows ``x`` as the KV buffer ``buf`` holds them, back in ``x``'s dtype: a prompt's
-    tokens attend to each other with the bits a later cache hit (or chunk) reads from the buffer,
-    so a float16 KV cache rounds them here too and outputs do not depend on where keys came from."""
-    return x if x.dtype == buf.dtype else x.to(buf.dtype).to(x.dtype)
-
-
 def _expand_heads(x: torch.Tensor, num_heads: int, kv_map: Optional[torch.Tensor]) -> torch.Tensor:
     """``[L, KvH, D]`` -> ``[L, H, D]``: the KV head each query head reads."""
     if kv_map is not None:

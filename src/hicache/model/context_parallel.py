@@ -32,7 +32,7 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 
-from hicache.model.attention import as_stored, attended, keys_attention, merge_partials, sequence_attention
+from hicache.model.attention import attended, keys_attention, merge_partials, sequence_attention
 from hicache.model.batch import AttentionLayer, ForwardBatch, KVView
 from hicache.model.paged import PagedBackend
 from hicache.model.prefix_gather import CPGroup, PrefixGather
@@ -301,9 +301,10 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CPLa
         rows = layout.group.all_gather(mine).view(-1, *k.shape[1:])
         k_all = rows.index_select(0, layout.chunk_k_rows)
         v_all = rows.index_select(0, layout.chunk_k_rows + layout.max_local)
-    k_all, v_all = as_stored(k_all, k_buf), as_stored(v_all, v_buf)  # as a later hit reads them
-    k_buf.index_copy_(0, layout.write_rows, k_all[layout.write_index].to(k_buf.dtype))
-    v_buf.index_copy_(0, layout.write_rows, v_all[layout.write_index].to(v_buf.dtype))
+    k_stored, v_stored = k_all.to(k_buf.dtype), v_all.to(v_buf.dtype)  # rounded once (float16 KV)
+    k_buf.index_copy_(0, layout.write_rows, k_stored[layout.write_index])
+    v_buf.index_copy_(0, layout.write_rows, v_stored[layout.write_index])
+    k_all, v_all = k_stored.to(k.dtype), v_stored.to(v.dtype)  # attended as a later hit reads them
     out = torch.empty_like(q)
     for b, seq in enumerate(layout.seqs):
         prefix: list = []

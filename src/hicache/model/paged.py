@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from hicache.model.attention import (KVBlock, as_stored, attended, decode_attention, native_decode_attention,
+from hicache.model.attention import (KVBlock, attended, decode_attention, native_decode_attention,
                                      sequence_attention)
 from hicache.model.batch import AttentionLayer, DecodeLayout, ForwardBatch, KVView
 
@@ -148,8 +148,9 @@ class PagedBackend:
         meta: PagedMetadata = batch.attn  # type: ignore[assignment]  # this backend prepared it
         kv.wait_layer(layer.layer)
         k_buf, v_buf = kv.k_buffers[layer.layer], kv.v_buffers[layer.layer]
-        k_buf.index_copy_(0, meta.out_slots, k.to(k_buf.dtype))
-        v_buf.index_copy_(0, meta.out_slots, v.to(v_buf.dtype))
+        k_stored, v_stored = k.to(k_buf.dtype), v.to(v_buf.dtype)  # rounded once (float16 KV): written, read below
+        k_buf.index_copy_(0, meta.out_slots, k_stored)
+        v_buf.index_copy_(0, meta.out_slots, v_stored)
         decode = meta.decode
         if decode is not None and not layer.latent:
             out = native_decode_attention(q, k_buf, v_buf, decode.kv_slots, decode.lengths, layer.kv_map)
@@ -158,8 +159,9 @@ class PagedBackend:
         # A latent is gathered (its halves joined) whatever B: one MLA sequence takes this path too.
         if decode is not None and (decode.key_bias is not None or layer.latent):
             return _padded_decode(q, layer, decode, k_buf, v_buf)
-        return _spans(q, attended(as_stored(k, k_buf), as_stored(v, v_buf), layer.latent), layer, meta.spans, k_buf,
-                      v_buf)
+        # A prompt's tokens attend to each other with the bits a later hit (or chunk) reads from the buffers.
+        new = attended(k_stored.to(k.dtype), v_stored.to(v.dtype), layer.latent)
+        return _spans(q, new, layer, meta.spans, k_buf, v_buf)
 
 
 def make_forward_batch(input_ids: Sequence[Sequence[int]], prefix_lens: Sequence[int],
