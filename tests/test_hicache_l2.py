@@ -48,6 +48,27 @@ def conversations(n: int, seed: int) -> list[list[int]]:
     return [shared + [rng.randrange(5, 250) for _ in range(32)] for _ in range(n)]
 
 
+def test_host_hits_of_a_float16_kv_cache_keep_greedy_output() -> None:
+    """``--kv-cache-dtype float16``: the host tier holds the same float16 rows, and a page loaded
+    back from it gives the output of a run without any cache (invariant 1)."""
+    plain = Engine("random:tiny", dtype="float32", kv_cache_dtype="float16", page_size=4, max_total_tokens=4096,
+                   disable_radix_cache=True)
+    engine = small_device_engine(kv_cache_dtype="float16")
+    assert engine.host_pool.dtype == torch.float16
+    convs = conversations(6, seed=5)
+    host_hits = 0
+    for turn in range(3):
+        for i, conv in enumerate(convs):
+            res = engine.generate([conv], GREEDY)[0]
+            assert res.output_ids == plain.generate([conv], GREEDY)[0].output_ids, (turn, i)
+            host_hits += res.cached_tokens_details["host"]
+            convs[i] = conv + res.output_ids + [20 + turn, 21, 22]
+    assert host_hits > 0
+    assert_balanced(engine)
+    for e in (engine, plain):
+        e.shutdown()
+
+
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 @pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
 def test_host_hits_keep_greedy_output(plain: Engine, policy: str, layout: str) -> None:
