@@ -88,21 +88,40 @@ constexpr int kScoreTile = 3;
 constexpr int kScoreTile = 1;
 #endif
 
-// T queries (qs[t]: its D8 vectors) against the `count` <= 8 keys at kp[0..count): part[t][k] = the
-// lane-wise products summed over the key's vectors, mul then fma in order of d -- whatever T or count
-// is -- and zero for k >= count; then s = hsum8 (lane k: query t's score against key k).
-template <int D8, int T, bool kFull, typename KV>
-inline void score_tile(const float* const* qs, const KV* const* kp, int count, __m256* s) {
+// A block's 8 keys (one KV head's part of each row), as score_tile reads them: key k's vector d.
+// Rows: straight from the buffers by slot (widened as loaded) -- when one tile of queries reads the
+// block; Gathered: copied once as float32 into a contiguous buffer in L1, for blocks that several tiles
+// read (float16 widened once, not once a tile; one base address instead of 8 row pointers).
+template <typename KV>
+struct Rows {
+  const KV* const* kp;
+  __m256 operator()(int k, int d) const { return load8(kp[k] + 8 * d); }
+};
+template <int D8>
+struct Gathered {
+  const float* blk;
+  __m256 operator()(int k, int d) const { return _mm256_load_ps(blk + 8 * D8 * k + 8 * d); }
+};
+
+template <int D8, typename KV>
+inline Gathered<D8> gather_block(const KV* const* kp, float* blk) {
+  for (int k = 0; k < 8; ++k)
+    for (int d = 0; d < D8; ++d) _mm256_store_ps(blk + 8 * D8 * k + 8 * d, load8(kp[k] + 8 * d));
+  return Gathered<D8>{blk};
+}
+
+// T queries (qs[t]: its D8 vectors) against a block of 8 keys: part[t][k] = the lane-wise products summed
+// over the key's vectors, mul then fma in order of d, whatever T is; then s = hsum8 (lane k: query t's
+// score against key k). Each lane sums one key only, so a short block's last rows (copies of its last key)
+// change no other lane.
+template <int D8, int T, typename Keys>
+inline void score_tile(const float* const* qs, const Keys& key, __m256* s) {
   __m256 part[T][8];
   {
     __m256 qv[T];
     for (int t = 0; t < T; ++t) qv[t] = _mm256_loadu_ps(qs[t]);
     for (int k = 0; k < 8; ++k) {
-      if (!kFull && k >= count) {
-        for (int t = 0; t < T; ++t) part[t][k] = _mm256_setzero_ps();
-        continue;
-      }
-      const __m256 kv = load8(kp[k]);
+      const __m256 kv = key(k, 0);
       for (int t = 0; t < T; ++t) part[t][k] = _mm256_mul_ps(qv[t], kv);
     }
   }
@@ -110,12 +129,28 @@ inline void score_tile(const float* const* qs, const KV* const* kp, int count, _
     __m256 qv[T];
     for (int t = 0; t < T; ++t) qv[t] = _mm256_loadu_ps(qs[t] + 8 * d);
     for (int k = 0; k < 8; ++k) {
-      if (!kFull && k >= count) continue;
-      const __m256 kv = load8(kp[k] + 8 * d);
+      const __m256 kv = key(k, d);
       for (int t = 0; t < T; ++t) part[t][k] = _mm256_fmadd_ps(qv[t], kv, part[t][k]);
     }
   }
   for (int t = 0; t < T; ++t) s[t] = hsum8(part[t]);
+}
+
+// Queries qs[0 .. queries) against one block, kScoreTile at a time, then one by one; finish(x, s) takes
+// query x's 8 scores.
+template <int D8, typename Keys, typename Finish>
+inline void score_block(const float* const* qs, int64_t queries, const Keys& keys, Finish&& finish) {
+  int64_t x = 0;
+  for (; x + kScoreTile <= queries; x += kScoreTile) {
+    __m256 s[kScoreTile];
+    score_tile<D8, kScoreTile>(qs + x, keys, s);
+    for (int t = 0; t < kScoreTile; ++t) finish(x + t, s[t]);
+  }
+  for (; x < queries; ++x) {
+    __m256 s[1];
+    score_tile<D8, 1>(qs + x, keys, s);
+    finish(x, s[0]);
+  }
 }
 
 // Scores of every member's H queries against keys [k0, k0 + n): scores[(j * H + hq) * n + i], and
@@ -134,6 +169,7 @@ void chunk_scores(const Shape& sh, const float* const* q, int64_t members, const
   const int64_t per_head = members * G;  // queries reading one KV head: member j's heads hq in [h G, h G + G)
   std::vector<const float*> qs(per_head);  // head h's queries: their vectors, their index in m and scores
   std::vector<int64_t> rs(per_head);
+  alignas(32) float blk[8 * D8 * 8];
   for (int64_t h = 0; h < sh.KvH; ++h) {
     for (int64_t x = 0; x < per_head; ++x) {
       rs[x] = (x / G) * H + h * G + x % G;
@@ -145,25 +181,15 @@ void chunk_scores(const Shape& sh, const float* const* q, int64_t members, const
       const KV* kp[8];
       for (int k = 0; k < 8; ++k) kp[k] = kb + slots[k0 + i + std::min(k, count - 1)] * row + h * D;
       const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(count), lane));
-      auto finish = [&](int64_t r, __m256 s) {  // query r's scores of this block
+      auto finish = [&](int64_t x, __m256 s) {  // head h's query x: its scores of this block
+        const int64_t r = rs[x];
         const __m256 top = _mm256_loadu_ps(mx.data() + 8 * r);
         _mm256_storeu_ps(mx.data() + 8 * r, _mm256_max_ps(top, _mm256_blendv_ps(top, s, valid)));
         if (count == 8) _mm256_storeu_ps(scores + r * n + i, s);
         else _mm256_maskstore_ps(scores + r * n + i, _mm256_castps_si256(valid), s);
       };
-      int64_t x = 0;
-      for (; x + kScoreTile <= per_head; x += kScoreTile) {
-        __m256 s[kScoreTile];
-        if (count == 8) score_tile<D8, kScoreTile, true, KV>(qs.data() + x, kp, count, s);
-        else score_tile<D8, kScoreTile, false, KV>(qs.data() + x, kp, count, s);
-        for (int t = 0; t < kScoreTile; ++t) finish(rs[x + t], s[t]);
-      }
-      for (; x < per_head; ++x) {
-        __m256 s[1];
-        if (count == 8) score_tile<D8, 1, true, KV>(qs.data() + x, kp, count, s);
-        else score_tile<D8, 1, false, KV>(qs.data() + x, kp, count, s);
-        finish(rs[x], s[0]);
-      }
+      if (per_head > kScoreTile) score_block<D8>(qs.data(), per_head, gather_block<D8>(kp, blk), finish);
+      else score_block<D8>(qs.data(), per_head, Rows<KV>{kp}, finish);
     }
   }
   prefetch_rows(kb, vb, row, ahead.slots, std::min((n + 7) / 8 * 8, ahead.n), ahead.n);
@@ -184,7 +210,8 @@ inline VVec v_set1(float x) { return _mm512_set1_ps(x); }
 inline VVec v_fma(VVec a, VVec b, VVec c) { return _mm512_fmadd_ps(a, b, c); }
 inline VVec v_zero() { return _mm512_setzero_ps(); }
 inline void v_store(float* p, VVec v) { _mm512_storeu_ps(p, v); }
-constexpr int kValueRegs = 24;  // of 32
+constexpr int kPassVectors(int E) { return E; }  // a query's whole row in one pass
+constexpr int kValueQueries(int P) { return std::max(1, 24 / P - 1); }  // 24 of 32 registers hold sums
 #else
 using VVec = __m256;
 constexpr int kVLanes = 8;
@@ -194,29 +221,36 @@ inline VVec v_set1(float x) { return _mm256_set1_ps(x); }
 inline VVec v_fma(VVec a, VVec b, VVec c) { return _mm256_fmadd_ps(a, b, c); }
 inline VVec v_zero() { return _mm256_setzero_ps(); }
 inline void v_store(float* p, VVec v) { _mm256_storeu_ps(p, v); }
-constexpr int kValueRegs = 12;  // of 16
+// Half a 64-wide row a pass: a KV head's 3 GQA queries then share each loaded (and widened) vector.
+constexpr int kPassVectors(int E) { return E % 4 == 0 ? 4 : E; }
+constexpr int kValueQueries(int P) { return std::max(1, 12 / P); }  // 12 of 16 registers hold sums
 #endif
 
+// Q queries' sums over their vectors [e0, e0 + P) for each e0 in steps of P (P = kPassVectors(E)): the
+// keys are walked E / P times, each value vector loaded once a pass for all Q queries. Each lane is the
+// same FMAs in the same order of i whatever Q and P are.
 template <int D8, int Q, typename KV>
 inline void value_tile(const int64_t* r, const KV* vh, int64_t row, const int64_t* slots, int64_t k0, int64_t n,
                        const float* p, float* acc) {
-  constexpr int E = D8 * 8 / kVLanes;  // vectors per query
-  VVec a[Q][E];
-  for (int t = 0; t < Q; ++t)
-    for (int e = 0; e < E; ++e) a[t][e] = v_zero();
+  constexpr int E = D8 * 8 / kVLanes, P = kPassVectors(E);  // vectors per query, per pass
   const float* ph[Q];
   for (int t = 0; t < Q; ++t) ph[t] = p + r[t] * n;
-  for (int64_t i = 0; i < n; ++i) {
-    const KV* val = vh + slots[k0 + i] * row;
-    VVec v[E];
-    for (int e = 0; e < E; ++e) v[e] = v_load(val + kVLanes * e);
-    for (int t = 0; t < Q; ++t) {
-      const VVec w = v_set1(ph[t][i]);
-      for (int e = 0; e < E; ++e) a[t][e] = v_fma(w, v[e], a[t][e]);
+  for (int e0 = 0; e0 < E; e0 += P) {
+    VVec a[Q][P];
+    for (int t = 0; t < Q; ++t)
+      for (int e = 0; e < P; ++e) a[t][e] = v_zero();
+    for (int64_t i = 0; i < n; ++i) {
+      const KV* val = vh + slots[k0 + i] * row + kVLanes * e0;
+      VVec w[Q];
+      for (int t = 0; t < Q; ++t) w[t] = v_set1(ph[t][i]);
+      for (int e = 0; e < P; ++e) {
+        const VVec v = v_load(val + kVLanes * e);
+        for (int t = 0; t < Q; ++t) a[t][e] = v_fma(w[t], v, a[t][e]);
+      }
     }
+    for (int t = 0; t < Q; ++t)
+      for (int e = 0; e < P; ++e) v_store(acc + r[t] * D8 * 8 + kVLanes * (e0 + e), a[t][e]);
   }
-  for (int t = 0; t < Q; ++t)
-    for (int e = 0; e < E; ++e) v_store(acc + r[t] * D8 * 8 + kVLanes * e, a[t][e]);
 }
 
 // The last `rest` (< N) queries of a KV head in one tile of their own: a query's sums are the same FMAs in the
@@ -233,7 +267,7 @@ inline void value_rest(int rest, const int64_t* r, const KV* vh, int64_t row, co
 template <int D8, typename KV>
 void chunk_values(const Shape& sh, int64_t members, const KV* vb, const int64_t* slots, int64_t k0, int64_t n,
                   const float* p, float* acc) {
-  constexpr int E = D8 * 8 / kVLanes, Q = std::max(1, kValueRegs / E - 1);  // queries at once
+  constexpr int Q = kValueQueries(kPassVectors(D8 * 8 / kVLanes));  // queries at once
   const int64_t D = D8 * 8, row = sh.KvH * D, H = sh.H, G = sh.G, per_head = members * G;
   for (int64_t h = 0; h < sh.KvH; ++h) {
     const KV* vh = vb + h * D;
