@@ -11,6 +11,7 @@
 //   gguf_x16: 8-bit inputs, rows packed 16 at a time [N / 16, 16 * row bytes] (gguf_x16.cpp)
 // Projections in the order qkv, o, gate_up, down; `parts` says how many parts each has; `kinds`
 // and `qtypes` are per part, `weights` every part's tensors in turn.
+#include <immintrin.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/cat.h>
@@ -90,6 +91,52 @@ T project(const T& x, const std::vector<Part>& parts, const c10::optional<T>& bi
   return bias.has_value() ? out + *bias : out;
 }
 
+// The new tokens' K and V (qkv's columns after the query heads) into rows out_slots of the KV buffers, as
+// index_copy_ of k.to(dtype) would (float16: round to nearest even, F16C's rule and torch's), in one pass
+// with no temporaries: at a decode step the two index_copy_ calls and their conversions were ~50 us a layer.
+template <typename KV>
+inline void store8(KV* dst, __m256 v);
+template <>
+inline void store8<float>(float* dst, __m256 v) { _mm256_storeu_ps(dst, v); }
+template <>
+inline void store8<at::Half>(at::Half* dst, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+template <typename KV>
+void write_kv_rows(const float* qkv, int64_t t, int64_t stride, int64_t k_col, int64_t width, KV* k_buf, KV* v_buf,
+                   const int64_t* slots) {
+  for (int64_t i = 0; i < t; ++i) {
+    const float* k = qkv + i * stride + k_col;
+    const float* v = k + width;
+    KV* kd = k_buf + slots[i] * width;
+    KV* vd = v_buf + slots[i] * width;
+    for (int64_t c = 0; c < width; c += 8) {
+      store8(kd + c, _mm256_loadu_ps(k + c));
+      store8(vd + c, _mm256_loadu_ps(v + c));
+    }
+  }
+}
+
+void write_kv(const T& qkv, int64_t num_heads, int64_t num_kv_heads, const T& k_buf, const T& v_buf,
+              const T& out_slots) {
+  const int64_t t = qkv.size(0), D = k_buf.size(2), width = num_kv_heads * D, S = k_buf.size(0);
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.dim() == 2 && qkv.stride(1) == 1 &&
+              qkv.size(1) == (num_heads + 2 * num_kv_heads) * D, "qkv must be float32 [T, (H + 2 KV heads) D] rows");
+  TORCH_CHECK(k_buf.is_contiguous() && v_buf.is_contiguous() && k_buf.size(1) == num_kv_heads && width % 8 == 0,
+              "KV buffers must be contiguous [S, KV heads, D] with KV heads x D a multiple of 8");
+  TORCH_CHECK(out_slots.scalar_type() == at::kLong && out_slots.is_contiguous() && out_slots.numel() == t,
+              "out_slots must be contiguous int64, one per token");
+  const int64_t* slots = out_slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i) TORCH_CHECK(slots[i] >= 0 && slots[i] < S, "out_slots out of the buffers' range");
+  if (k_buf.scalar_type() == at::kHalf)
+    write_kv_rows(qkv.data_ptr<float>(), t, qkv.stride(0), num_heads * D, width, k_buf.data_ptr<at::Half>(),
+                  v_buf.data_ptr<at::Half>(), slots);
+  else
+    write_kv_rows(qkv.data_ptr<float>(), t, qkv.stride(0), num_heads * D, width, k_buf.data_ptr<float>(),
+                  v_buf.data_ptr<float>(), slots);
+}
+
 using Layer = std::vector<std::vector<Part>>;  // qkv, o, gate_up, down
 
 // Parts of one layer: parts[0..4) projections' part counts; kinds, qtypes and weights from the
@@ -111,6 +158,7 @@ Layer unpack(at::IntArrayRef parts, at::IntArrayRef kinds, at::IntArrayRef qtype
   return layer;
 }
 
+// cos / sin: the rotary tables as rows [T, D] (flattened once a step).
 T run_layer(const T& x, const T& attn_norm, const T& ffn_norm, double eps, const Layer& layer,
             const c10::optional<T>& qkv_bias, const T& cos, const T& sin, int64_t num_heads, int64_t num_kv_heads,
             const T& k_buf, const T& v_buf, const T& out_slots, const T& kv_slots, const T& lengths) {
@@ -125,12 +173,9 @@ T run_layer(const T& x, const T& attn_norm, const T& ffn_norm, double eps, const
               v_buf.scalar_type() == k_buf.scalar_type(), "KV buffers must both be float32 or both float16");
 
   T qkv = project(rms_norm.call(x, attn_norm, eps), layer[0], qkv_bias);
-  rope.call(qkv, cos.flatten(1), sin.flatten(1), qk_heads, D);
+  rope.call(qkv, cos, sin, qk_heads, D);
   T q = qkv.narrow(1, 0, num_heads * D).view({t, num_heads, D});
-  T k = qkv.narrow(1, num_heads * D, num_kv_heads * D).view({t, num_kv_heads, D});
-  T v = qkv.narrow(1, qk_heads * D, num_kv_heads * D).view({t, num_kv_heads, D});
-  k_buf.index_copy_(0, out_slots, k.to(k_buf.scalar_type()));  // rounded to float16 where the KV is
-  v_buf.index_copy_(0, out_slots, v.to(v_buf.scalar_type()));
+  write_kv(qkv, num_heads, num_kv_heads, k_buf, v_buf, out_slots);  // rounded to float16 where the KV is
   T attended = attention.call(q.contiguous(), k_buf, v_buf, kv_slots, lengths).reshape({t, -1});
   T h = x + project(attended.contiguous(), layer[1], c10::nullopt);
 
@@ -146,8 +191,8 @@ T decode_layer(const T& x, const T& attn_norm, const T& ffn_norm, double eps, at
   const Layer layer = unpack(parts, kinds, qtypes, weights, part, at);
   TORCH_CHECK(parts.size() == 4 && part == kinds.size() && at == weights.size(), "expected 4 projections, ",
               part, " kinds and ", at, " weight tensors, got ", parts.size(), ", ", kinds.size(), " and ", weights.size());
-  return run_layer(x, attn_norm, ffn_norm, eps, layer, qkv_bias, cos, sin, num_heads, num_kv_heads, k_buf, v_buf,
-                   out_slots, kv_slots, lengths);
+  return run_layer(x, attn_norm, ffn_norm, eps, layer, qkv_bias, cos.flatten(1), sin.flatten(1), num_heads,
+                   num_kv_heads, k_buf, v_buf, out_slots, kv_slots, lengths);
 }
 
 // Every layer of a stack in turn, as decode_layer layer by layer: one dispatch a step instead of one
@@ -163,11 +208,12 @@ T decode_layers(const T& x, at::TensorList attn_norms, at::TensorList ffn_norms,
               parts.size() == 4 * layers && (qkv_biases.empty() || qkv_biases.size() == layers),
               "one norm pair, 4 part counts, one KV buffer pair (and one qkv bias, if any) per layer");
   size_t part = 0, at = 0;
+  const T cos_rows = cos.flatten(1), sin_rows = sin.flatten(1);
   T h = x;
   for (size_t l = 0; l < layers; ++l) {
     const Layer layer = unpack(parts.slice(4 * l, 4), kinds, qtypes, weights, part, at);
     const c10::optional<T> bias = qkv_biases.empty() ? c10::nullopt : c10::optional<T>(qkv_biases[l]);
-    h = run_layer(h, attn_norms[l], ffn_norms[l], eps, layer, bias, cos, sin, num_heads, num_kv_heads, k_bufs[l],
+    h = run_layer(h, attn_norms[l], ffn_norms[l], eps, layer, bias, cos_rows, sin_rows, num_heads, num_kv_heads, k_bufs[l],
                   v_bufs[l], out_slots, kv_slots, lengths);
   }
   TORCH_CHECK(part == kinds.size() && at == weights.size(), "the layers took ", part, " kinds and ", at,
