@@ -271,7 +271,9 @@ class Scheduler:
             reqs = [batch.reqs[i] for i in rows]
             # the new token's index in all_ids: what a keyed sample is keyed by
             positions = [len(r.all_ids) for r in reqs] if self.deterministic else None
-            for i, tok in zip(rows, sample(logits[rows], [r.sampling for r in reqs], [r.generator for r in reqs],
+            # Every row (a decode batch): no copy of the [rows, vocab] logits (~0.3 ms for 4 rows).
+            picked = logits if len(rows) == logits.shape[0] else logits[rows]
+            for i, tok in zip(rows, sample(picked, [r.sampling for r in reqs], [r.generator for r in reqs],
                                            positions)):
                 out[i] = tok
         return out
