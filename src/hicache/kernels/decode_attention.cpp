@@ -35,14 +35,11 @@ using hicache_attention::plan_tasks;
 using hicache_attention::Shape;
 using hicache_attention::Task;
 using hicache_simd::exp_ps;
+using hicache_simd::Half;
+using hicache_simd::hmax;
 using hicache_simd::hsum;
-
-
-using Half = uint16_t;  // a float16's bits, as the KV buffers hold them
-
-// 8 KV values as float32 (exact for float16).
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+using hicache_simd::hsum8;
+using hicache_simd::load8;
 
 template <_mm_hint Hint = _MM_HINT_T0, typename KV>
 inline void prefetch(const KV* row, int64_t values) {
@@ -65,19 +62,6 @@ inline void prefetch_rows(const KV* kb, const KV* vb, int64_t row, const int64_t
     prefetch<Hint>(kb + slots[a] * row, row);
     prefetch<Hint>(vb + slots[a] * row, row);
   }
-}
-
-// Lane i = the sum of a[i]'s lanes: eight dot products finished in one vector.
-inline __m256 hsum8(const __m256* a) {
-  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
-inline float hmax(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
 // Queries scored together against each key block: their partial sums (T x 8 vectors) stay in
