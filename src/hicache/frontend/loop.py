@@ -2,8 +2,9 @@
 
 The loop thread is the only thread that touches the scheduler and the cache (DESIGN invariant
 3). Callers post commands to it through a thread-safe queue (add, abort, call) and receive
-token updates through ``Request.on_update``, forwarded into an asyncio queue of the caller's
-event loop with ``call_soon_threadsafe``. ``Engine.generate`` stays the in-process way to drive
+token updates through ``Request.on_update``, collected in an :class:`Outbox` and forwarded into
+asyncio queues of the callers' event loops once a loop iteration (one ``call_soon_threadsafe`` per
+event loop, not one per request and token). ``Engine.generate`` stays the in-process way to drive
 an engine; it refuses to run while a loop drives the same engine.
 """
 
@@ -44,16 +45,50 @@ class Update:
     logprobs: list = field(default_factory=list)  # the new tokens' TokenLogprob entries (when asked)
 
 
+class Outbox:
+    """Updates the loop thread made since it last sent them; :meth:`send` hands them to their event
+    loops with one ``call_soon_threadsafe`` each. Each call wakes the asyncio thread, which then
+    holds the GIL for its ~0.3 ms of Python per streamed chunk while the loop thread waits for it:
+    one wake-up a step instead of one per request (a batch-4 step applied its tokens in 1.24 ms
+    served vs 0.05 ms in process, forced-AVX2 build). Touched by the loop thread only."""
+
+    def __init__(self) -> None:
+        self._items: list[tuple["RequestHandle", "Update"]] = []
+
+    def put(self, handle: "RequestHandle", upd: "Update") -> None:
+        self._items.append((handle, upd))
+
+    def send(self) -> None:
+        if not self._items:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for handle, upd in self._items:
+            by_loop.setdefault(handle._aio_loop, []).append((handle, upd))
+        self._items = []
+        for aio_loop, items in by_loop.items():
+            try:
+                aio_loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the caller's event loop is closed: nobody listens any more
+                pass
+
+
+def _deliver(items: list[tuple["RequestHandle", "Update"]]) -> None:
+    """On the handles' event loop: each update into its handle's queue, in the order made."""
+    for handle, upd in items:
+        handle._queue.put_nowait(upd)
+
+
 class RequestHandle:
     """A submitted request as seen from an asyncio event loop: ``async for update in handle``."""
 
-    def __init__(self, req: Request, aio_loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, req: Request, aio_loop: asyncio.AbstractEventLoop, outbox: Outbox) -> None:
         self.rid = req.rid
         self.prompt_tokens = len(req.prompt_ids)
         self.max_new_tokens = req.max_new_tokens
         self.finished = False
         self.result: Optional[GenerateResult] = None
         self._aio_loop = aio_loop
+        self._outbox = outbox
         self._queue: asyncio.Queue[Update] = asyncio.Queue()
         self._sent = 0  # output tokens already forwarded; touched by the loop thread only
 
@@ -64,10 +99,7 @@ class RequestHandle:
         upd = Update(req.output_ids[self._sent : n], n, done, GenerateResult.from_request(req) if done else None,
                      req.logprobs[self._sent : n])
         self._sent = n
-        try:
-            self._aio_loop.call_soon_threadsafe(self._queue.put_nowait, upd)
-        except RuntimeError:  # the caller's event loop is closed: nobody listens any more
-            pass
+        self._outbox.put(self, upd)
 
     def __aiter__(self) -> "RequestHandle":
         return self
@@ -108,6 +140,7 @@ class EngineLoop:
         self._cmds: queue.Queue[tuple] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._outbox = Outbox()
         self._inflight = 0  # submitted and not yet finished
         self._stopped = False
         self.error: BaseException | None = None  # set if the loop thread died
@@ -172,7 +205,7 @@ class EngineLoop:
         self.check_alive()
         req = self.engine._make_request(prompt, sampling, cache_salt, bootstrap)
         req.waits_for = waits_for
-        handle = RequestHandle(req, aio_loop or asyncio.get_running_loop())
+        handle = RequestHandle(req, aio_loop or asyncio.get_running_loop(), self._outbox)
         req.on_update = handle._push
         with self._lock:
             self._inflight += 1
@@ -221,6 +254,7 @@ class EngineLoop:
         sched = eng.scheduler
         try:
             while True:
+                self._outbox.send()  # what the last step (or abort) made, before anything may block
                 eng.drain_idle()
                 if not self._drain(block=not sched.has_work()):
                     break
@@ -235,6 +269,7 @@ class EngineLoop:
                 self._abort_all()
             else:
                 self._fail_all(_describe(self.error))
+            self._outbox.send()
             eng._driver_thread = None
         if self.error is not None and self.on_death is not None:
             self.on_death(self.error)
