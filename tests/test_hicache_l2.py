@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import threading
+from typing import Callable, Optional
 
 import numpy as np
 import pytest
@@ -48,6 +49,23 @@ def conversations(n: int, seed: int) -> list[list[int]]:
     return [shared + [rng.randrange(5, 250) for _ in range(32)] for _ in range(n)]
 
 
+def three_turns_equal_to_plain(engine: Engine, plain: Engine, convs: list[list[int]],
+                               after_each: Optional[Callable[[Engine], None]] = None) -> int:
+    """Three greedy turns over ``convs`` (each extended in place with its reply and a new user
+    turn), every reply equal to ``plain``'s; ``after_each(engine)`` after each request. Returns
+    the host-tier hit tokens."""
+    host_hits = 0
+    for turn in range(3):
+        for i, conv in enumerate(convs):
+            res = engine.generate([conv], GREEDY)[0]
+            assert res.output_ids == plain.generate([conv], GREEDY)[0].output_ids, (turn, i)
+            host_hits += res.cached_tokens_details["host"]
+            convs[i] = conv + res.output_ids + [20 + turn, 21, 22]
+            if after_each is not None:
+                after_each(engine)
+    return host_hits
+
+
 def test_host_hits_of_a_float16_kv_cache_keep_greedy_output() -> None:
     """``--kv-cache-dtype float16``: the host tier holds the same float16 rows, and a page loaded
     back from it gives the output of a run without any cache (invariant 1)."""
@@ -56,13 +74,7 @@ def test_host_hits_of_a_float16_kv_cache_keep_greedy_output() -> None:
     engine = small_device_engine(kv_cache_dtype="float16")
     assert engine.host_pool.dtype == torch.float16
     convs = conversations(6, seed=5)
-    host_hits = 0
-    for turn in range(3):
-        for i, conv in enumerate(convs):
-            res = engine.generate([conv], GREEDY)[0]
-            assert res.output_ids == plain.generate([conv], GREEDY)[0].output_ids, (turn, i)
-            host_hits += res.cached_tokens_details["host"]
-            convs[i] = conv + res.output_ids + [20 + turn, 21, 22]
+    host_hits = three_turns_equal_to_plain(engine, plain, convs)
     assert host_hits > 0
     assert_balanced(engine)
     for e in (engine, plain):
@@ -74,14 +86,7 @@ def test_host_hits_of_a_float16_kv_cache_keep_greedy_output() -> None:
 def test_host_hits_keep_greedy_output(plain: Engine, policy: str, layout: str) -> None:
     engine = small_device_engine(hicache_write_policy=policy, hicache_mem_layout=layout)
     convs = conversations(6, seed=5)
-    host_hits = 0
-    for turn in range(3):
-        for i, conv in enumerate(convs):
-            res = engine.generate([conv], GREEDY)[0]
-            assert res.output_ids == plain.generate([conv], GREEDY)[0].output_ids, (turn, i)
-            host_hits += res.cached_tokens_details["host"]
-            convs[i] = conv + res.output_ids + [20 + turn, 21, 22]
-            assert_balanced(engine)
+    host_hits = three_turns_equal_to_plain(engine, plain, convs, after_each=assert_balanced)
     stats = engine.stats()
     assert host_hits > 0 and stats["hit_tokens"]["host"] == host_hits
     # A host hit skips compute: re-asking the last conversation computes only its uncached tail.
