@@ -81,7 +81,7 @@ def test_extreme_sampling_values_sample_instead_of_killing_the_engine(http, para
 
 
 @pytest.mark.parametrize("body, param, code", [
-    (completion(seed=2**70), None, "invalid_value"),
+    (completion(seed=2**70), "seed", "invalid_value"),
     (completion(max_tokens="3"), "max_tokens", "invalid_value"),
     (completion(stream="yes"), "stream", "invalid_value"),
     (completion(cache_salt=""), "cache_salt", "invalid_value"),

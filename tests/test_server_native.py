@@ -99,18 +99,23 @@ def test_nulls_and_sglang_extras_take_defaults(server) -> None:
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"text": "x", "sampling_params": {"json_schema": "{not json"}}, "sampling_params"),
+    ({"text": "x", "sampling_params": {"json_schema": "{not json"}}, "sampling_params.json_schema"),
     ({"text": "x", "sampling_params": {"regex": "a+", "ebnf": "root ::= \"a\""}}, "sampling_params"),
     ({"text": "x", "sampling_params": {"n": 2}}, "sampling_params.n"),
     ({"text": "x", "sampling_params": {"beam_width": 2}}, "sampling_params.beam_width"),
-    ({"text": "x", "sampling_params": {"frequency_penalty": 2.5}}, "sampling_params"),
+    ({"text": "x", "sampling_params": {"frequency_penalty": 2.5}}, "sampling_params.frequency_penalty"),
+    ({"text": "x", "sampling_params": {"stop_token_ids": [49152], "min_new_tokens": 2}},
+     "sampling_params.stop_token_ids"),
+    ({"text": "x", "sampling_params": {"logit_bias": {"-1": 1}}}, "sampling_params.logit_bias"),
+    ({"input_ids": [1, -1]}, "input_ids"),
+    ({"input_ids": [1, 2**70]}, "input_ids"),
     ({"text": "x", "sampling_params": {"logit_bias": {"a": 1}}}, "sampling_params.logit_bias"),
     ({"text": ["a", "b"]}, "text"),
     ({"input_ids": [[1, 2], [3]]}, "input_ids"),
     ({"text": "x", "sampling_params": [{}, {}]}, "sampling_params"),
     ({"text": "x", "input_ids": [1]}, "text"),
     ({}, "text"),
-    ({"text": "x", "sampling_params": {"max_new_tokens": 0}}, "sampling_params"),
+    ({"text": "x", "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_new_tokens"),
     ({"text": "x", "sampling_params": {"temperature": "hot"}}, "sampling_params.temperature"),
     ({"text": "x", "bootstrap_host": "127.0.0.1"}, "bootstrap_room"),
 ])

@@ -74,7 +74,7 @@ def test_json_object_regex_and_ebnf(client, server) -> None:
     ({"extra": {"regex": "[^\\x00-\\x{10FFFF}]"}}, "regex", "matches nothing"),
     ({"extra": {"ebnf": 'root ::= "x" | ('}}, "ebnf", "cannot be compiled"),
     ({"extra": {"regex": "x", "ebnf": 'root ::= "x"'}}, "ebnf", "one of response_format, regex and ebnf"),
-    ({"extra": {"regex": "x", "ignore_eos": True}}, "regex", "ignore_eos cannot be combined"),
+    ({"extra": {"regex": "x", "ignore_eos": True}}, "ignore_eos", "ignore_eos cannot be combined"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools", "letters, digits"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
      "not in tools"),

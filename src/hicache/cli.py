@@ -15,7 +15,7 @@ import sys
 from typing import Sequence
 
 from .config import EngineConfig
-from .errors import HicacheError
+from .errors import ConfigError, HicacheError
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int = 128, temperature: float = 0.0) -> None:
@@ -117,10 +117,24 @@ def cmd_agent_demo(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from .server.serve import run_server
 
+    api_key = _api_key(args.api_key, os.environ.get("HICACHE_API_KEY"))  # refused before the model loads
+    limits = {} if args.max_logprob_tokens is None else {"max_logprob_tokens": args.max_logprob_tokens}
+    if limits and args.max_logprob_tokens < 1:
+        raise ConfigError(f"--max-logprob-tokens must be at least 1, got {args.max_logprob_tokens}.")
     return run_server(_engine(args), host=args.host, port=args.port, served_model_name=args.served_model_name,
-                      max_queued_requests=args.max_queued_requests, log_level=args.log_level,
-                      api_key=args.api_key or os.environ.get("HICACHE_API_KEY") or None,
-                      max_request_bytes=args.max_request_bytes, tool_call_parser=args.tool_call_parser)
+                      max_queued_requests=args.max_queued_requests, log_level=args.log_level, api_key=api_key,
+                      max_request_bytes=args.max_request_bytes, tool_call_parser=args.tool_call_parser,
+                      **limits)
+
+
+def _api_key(flag: str | None, env: str | None) -> str | None:
+    """The key every request must send, or None. An empty key (``--api-key "$UNSET"``) would
+    serve without authentication while the operator believes it on: refused."""
+    key, source = (flag, "--api-key") if flag is not None else (env, "$HICACHE_API_KEY")
+    if key is not None and not key.strip():
+        raise ConfigError(f"{source} is empty (an unset variable?); give a key, or leave it out to serve without "
+                          "authentication.")
+    return key
 
 
 def cmd_node(args: argparse.Namespace) -> int:
@@ -159,6 +173,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-bytes", type=int, default=8 * 2**20,
                    help="Largest request body accepted (default 8 MiB); larger ones get 413 before they are "
                         "read in full.")
+    p.add_argument("--max-logprob-tokens", type=int, default=None,
+                   help="Most n x prompts x max_tokens a non-streamed answer with logprobs may ask for (each token "
+                        "carries its top_logprobs alternatives; default 16384, ~25 MB of JSON); larger ones get 400 "
+                        "and should stream.")
     # one format, two names (SGLang's and vLLM's); server/tools.py writes and parses it
     p.add_argument("--tool-call-parser", default="qwen25", choices=("qwen25", "hermes"),
                    help="The format tool calls are written and parsed in: <tool_call>{\"name\", \"arguments\"}"

@@ -188,6 +188,9 @@ class EngineConfig(SpeculativeOptions):
     disable_shared_prefill_wait: bool = _opt(
         False, "Admit a request at once even when a request still computing its prompt holds 64+ more of its "
         "first tokens (by default it waits for those pages and hits them instead of computing them again).")
+    max_logprobs: int = _opt(
+        20, "Most alternatives a request may ask for per token (top_logprobs, /generate's "
+        "top_logprobs_num; vLLM's flag): each is an entry in the answer, so this bounds its size.")
     grammar_backend: str = _opt(
         "llguidance", "Structured output (response_format, forced tool calls, json_schema / regex / ebnf): the grammar "
         "engine that masks each step's tokens; 'none' refuses such requests.", ("llguidance", "none"))
@@ -220,6 +223,8 @@ class EngineConfig(SpeculativeOptions):
         self._validate_disaggregation()
         if self.max_running_requests < 1:
             raise ConfigError("--max-running-requests must be at least 1.")
+        if self.max_logprobs < 0:
+            raise ConfigError(f"--max-logprobs must be >= 0, got {self.max_logprobs}.")
         if self.context_length is not None and self.context_length < 2:
             raise ConfigError("--context-length must be at least 2.")
         if self.enable_hierarchical_cache and self.disable_radix_cache:

@@ -1,6 +1,8 @@
 """Errors a user can cause. Each message is one clear sentence; the CLI and server print it
 instead of a traceback, and the engine keeps serving other requests."""
 
+from __future__ import annotations
+
 
 class HicacheError(ValueError):
     """Base of the errors hicache raises with a one-sentence message for the user."""
@@ -11,7 +13,14 @@ class ConfigError(HicacheError):
 
 
 class InvalidRequestError(HicacheError):
-    """A request the engine cannot serve (bad sampling values, prompt too long, ...)."""
+    """A request the engine cannot serve (bad sampling values, prompt too long, ...).
+    ``param``: the request field at fault, by its :class:`~hicache.runtime.sampling.SamplingParams`
+    name (``stop_token_ids``, ``logit_bias``...) or ``prompt``; a server maps it to its own field
+    names (OpenAI errors carry it as ``param``)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ContextLengthError(InvalidRequestError):

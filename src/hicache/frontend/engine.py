@@ -19,7 +19,7 @@ from ..model import load_model
 from ..model.loader import LoadedModel
 from ..runtime.grammar import GrammarCompiler
 from ..runtime.request import GenerateResult, PDState, Request
-from ..runtime.sampling import GrammarSpec, SamplingParams
+from ..runtime.sampling import GrammarSpec, SamplingParams, check_token_ids
 from ..runtime.speculative import check_draft
 from ..runtime.storage_layout import layout_report
 from .backend import Backend, LocalBackend, SchedulerView, make_backend
@@ -145,23 +145,34 @@ class Engine:
         if spec is None:
             return
         if self.config.grammar_backend == "none":
-            raise InvalidRequestError("structured output is off on this server (--grammar-backend none).")
+            raise InvalidRequestError("structured output is off on this server (--grammar-backend none).", param="grammar")
         if self._grammars is None:
             self._grammars = GrammarCompiler(self.tokenizer, self.loaded.spec.vocab_size)
         self._grammars.check(spec)
 
+    @property
+    def vocab_size(self) -> int:
+        return self.loaded.spec.vocab_size
+
+    def check_sampling(self, sampling: SamplingParams) -> None:
+        """InvalidRequestError (naming the field) for parameters this engine cannot honour: any
+        :meth:`SamplingParams.validate` refuses, token ids outside the vocabulary, more
+        ``logprobs`` alternatives than ``--max-logprobs``. The grammar is :meth:`check_grammar`'s."""
+        sampling.validate()
+        sampling.check_token_ids(self.vocab_size)
+        limit = self.config.max_logprobs
+        if sampling.logprobs is not None and sampling.logprobs > limit:
+            raise InvalidRequestError(f"top_logprobs must be at most {limit} on this server (--max-logprobs), got "
+                                      f"{sampling.logprobs}.", param="logprobs")
+
     def _make_request(self, prompt: Prompt, sampling: SamplingParams, cache_salt: str | None,
                       bootstrap: Bootstrap | None = None) -> Request:
-        sampling.validate()
+        self.check_sampling(sampling)
         self.check_grammar(sampling.grammar)
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
-            raise InvalidRequestError("the prompt is empty.")
-        vocab = self.loaded.spec.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab}).")
-        if sampling.logit_bias and max(sampling.logit_bias) >= vocab:
-            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab}).")
+            raise InvalidRequestError("the prompt is empty.", param="prompt")
+        check_token_ids("prompt", ids, self.vocab_size)
         if len(ids) >= self.context_length:
             raise ContextLengthError(
                 f"the prompt has {len(ids)} tokens but the context length is {self.context_length}; "

@@ -67,17 +67,17 @@ class GrammarCompiler:
                 grammar = self._lg.grammar_from({"regex": "regex", "ebnf": "gbnf", "lark": "lark"}[spec.kind],
                                                 spec.source)
         except ValueError as e:
-            raise InvalidRequestError(f"the {spec.kind} grammar cannot be compiled: {_first_line(e)}") from None
+            raise InvalidRequestError(f"the {spec.kind} grammar cannot be compiled: {_first_line(e)}", param="grammar") from None
         is_error, messages = self._lg.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if is_error:
-            raise InvalidRequestError(f"the {spec.kind} grammar cannot be compiled: {_first_line(messages[0])}")
+            raise InvalidRequestError(f"the {spec.kind} grammar cannot be compiled: {_first_line(messages[0])}", param="grammar")
         return grammar
 
     def matcher(self, spec: GrammarSpec) -> Any:
         """A fresh matcher at the grammar's start; InvalidRequestError if the grammar is unusable."""
         matcher = self._lg.LLMatcher(self.tokenizer, self.grammar(spec), log_level=0)
         if matcher.is_error():
-            raise InvalidRequestError(f"the {spec.kind} grammar cannot be compiled: {_first_line(matcher.get_error())}")
+            raise InvalidRequestError(f"the {spec.kind} grammar cannot be compiled: {_first_line(matcher.get_error())}", param="grammar")
         return matcher
 
     def _check(self, spec: GrammarSpec) -> None:
@@ -86,7 +86,7 @@ class GrammarCompiler:
         matcher = self.matcher(spec)
         mask = self.allowed(matcher)
         if matcher.is_error() or not bool(mask.any()):
-            raise InvalidRequestError(f"the {spec.kind} grammar matches nothing this model's vocabulary can spell.")
+            raise InvalidRequestError(f"the {spec.kind} grammar matches nothing this model's vocabulary can spell.", param="grammar")
 
     def allowed(self, matcher: Any) -> torch.Tensor:
         """The tokens ``matcher`` allows next: a bool tensor ``[vocab_size]``."""

@@ -27,7 +27,7 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -43,7 +43,6 @@ SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 MASK64 = 2**64 - 1
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "lark")
 MAX_GRAMMAR_CHARS = 256 * 1024  # a JSON schema of a few hundred tools; more is refused, not compiled
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 MAX_LOGIT_BIAS = 100.0  # OpenAI: each bias is in [-100, 100]
 
 
@@ -94,44 +93,57 @@ class SamplingParams:
     logprobs: Optional[int] = None  # None: off; k: each output token's log-probability and the k most likely
 
     def validate(self) -> None:
+        """Types and ranges that hold for any model (the vocabulary's: :meth:`check_token_ids`);
+        InvalidRequestError naming the field otherwise."""
+        def refuse(param: str, message: str) -> None:
+            raise InvalidRequestError(message, param=param)
+
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise InvalidRequestError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}.")
+            refuse("max_new_tokens", f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}.")
         if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}.")
+            refuse("temperature", f"temperature must be a finite number >= 0, got {self.temperature!r}.")
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}.")
+            refuse("top_p", f"top_p must be in (0, 1], got {self.top_p!r}.")
         if not _is_int(self.top_k) or (self.top_k != -1 and self.top_k < 1):
-            raise InvalidRequestError(f"top_k must be -1 (off) or >= 1, got {self.top_k!r}.")
+            refuse("top_k", f"top_k must be -1 (off) or >= 1, got {self.top_k!r}.")
         if self.seed is not None and (not _is_int(self.seed) or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
-            raise InvalidRequestError(f"seed must be an integer in [-2^63, 2^64), got {self.seed!r}.")
+            refuse("seed", f"seed must be an integer in [-2^63, 2^64), got {self.seed!r}.")
         if any(not _is_int(t) for t in self.stop_token_ids):
-            raise InvalidRequestError("stop_token_ids must be integers.")
-        self._validate_adjustments()
+            refuse("stop_token_ids", "stop_token_ids must be integers.")
+        self._validate_adjustments(refuse)
         if self.grammar is not None:
-            self.grammar.validate()
+            try:
+                self.grammar.validate()
+            except InvalidRequestError as e:
+                refuse("grammar", str(e))
             for name, given in (("ignore_eos", self.ignore_eos), ("min_tokens", self.min_tokens > 0)):
                 if given:
-                    raise InvalidRequestError(f"{name} cannot be combined with a grammar: the grammar decides where "
-                                              "the output ends.")
+                    refuse(name, f"{name} cannot be combined with a grammar: the grammar decides where the output ends.")
 
-    def _validate_adjustments(self) -> None:
+    def _validate_adjustments(self, refuse: Callable[[str, str], None]) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not _is_real(v) or not -2.0 <= v <= 2.0:
-                raise InvalidRequestError(f"{name} must be in [-2, 2], got {v!r}.")
+                refuse(name, f"{name} must be in [-2, 2], got {v!r}.")
         if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 2.0:
-            raise InvalidRequestError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}.")
+            refuse("repetition_penalty", f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}.")
         if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}.")
+            refuse("min_p", f"min_p must be in [0, 1], got {self.min_p!r}.")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
-            raise InvalidRequestError(f"min_tokens must be an integer in [0, max_new_tokens], got {self.min_tokens!r}.")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
-            raise InvalidRequestError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}.")
+            refuse("min_tokens", f"min_tokens must be an integer in [0, max_new_tokens], got {self.min_tokens!r}.")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            refuse("logprobs", f"top_logprobs must be an integer >= 0, got {self.logprobs!r}.")
         for tok, bias in (self.logit_bias or {}).items():
-            if not _is_int(tok) or tok < 0:
-                raise InvalidRequestError(f"logit_bias keys must be token ids (integers >= 0), got {tok!r}.")
+            if not _is_int(tok):
+                refuse("logit_bias", f"logit_bias keys must be token ids (integers), got {tok!r}.")
             if not _is_real(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-                raise InvalidRequestError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {tok}.")
+                refuse("logit_bias", f"logit_bias values must be in [-100, 100], got {bias!r} for token {tok}.")
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Every token id the request names (``stop_token_ids``, ``logit_bias`` keys) is one of the
+        model's; the prompt's are checked by the engine with the same :func:`check_token_ids`."""
+        check_token_ids("stop_token_ids", self.stop_token_ids, vocab_size)
+        check_token_ids("logit_bias", list(self.logit_bias or ()), vocab_size)
 
     def for_choice(self, index: int) -> "SamplingParams":
         """The parameters of choice ``index`` of ``n``: the same, with seed ``seed + index`` (wrapping
@@ -156,6 +168,17 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+
+def check_token_ids(param: str, ids: Sequence[int], vocab_size: int) -> None:
+    """The one range check of token ids a client sends (prompt ids, ``stop_token_ids``,
+    ``logit_bias`` keys): InvalidRequestError naming ``param`` unless each is an integer in
+    ``[0, vocab_size)``. An id out of range would index past a logits row (an IndexError on the
+    scheduler thread kills the engine) or, negative, silently name the last ids."""
+    for t in ids:
+        if not _is_int(t) or not 0 <= t < vocab_size:
+            raise InvalidRequestError(f"{param} must be token ids in [0, {vocab_size}) (this model's vocabulary), "
+                                      f"got {t!r}.", param=param)
 
 
 def _is_int(x: object) -> bool:

@@ -26,7 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import EngineDeadError, HicacheError
+from ..errors import EngineDeadError, InvalidRequestError
 from ..frontend.loop import EngineLoop, RequestHandle
 from ..model.tokenizer import Tokenizer
 from ..runtime.request import GenerateResult
@@ -89,10 +89,11 @@ def _sampling(st: ServerState, body: _Sampling, max_new: Optional[int], default_
         grammar=grammar or own, **body.adjustments(),
     )
     try:
-        sp.validate()
+        st.engine.check_sampling(sp)
         st.engine.check_grammar(sp.grammar)  # compiled here, off the event loop (then cached)
-    except HicacheError as e:
-        raise APIError(400, str(e), param="tools" if grammar is not None else param, code="invalid_value") from None
+    except InvalidRequestError as e:
+        field = "tools" if grammar is not None and e.param == "grammar" else body.field_of(e.param)
+        raise APIError(400, str(e), param=field or param, code="invalid_value") from None
     return sp
 
 
@@ -103,29 +104,27 @@ def _prepare_chat(raw: bytes, st: ServerState) -> Prepared:
     chat = chat_prompt(body.messages, body.tools, body.tool_choice, body.parallel_tool_calls, tok.renders_tools)
     forced = GrammarSpec("lark", chat.forced_grammar) if chat.forced_grammar else None
     sp = _sampling(st, body, body.max_new_tokens(), DEFAULT_CHAT_MAX_TOKENS, forced)
+    check_choices(body.n, 1, sp, body.stream, st.opts.max_logprob_tokens)
     try:
         text = tok.apply_chat_template(chat.messages, add_generation_prompt=True, tools=chat.template_tools)
     except Exception as e:  # the model's Jinja template refused these messages
         raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
     ids = tok.encode(text)
     _check_fits(ids, body.max_new_tokens(), st.engine.context_length, "messages")
-    return _checked(Prepared(body, [ids], sp, "messages", chat.call_names, body.n))
+    return Prepared(body, [ids], sp, "messages", chat.call_names, body.n)
 
 
 def _prepare_completion(raw: bytes, st: ServerState) -> Prepared:
     body = parse_body(raw, CompletionRequest)
     st.check_model(body.model)
     sp = _sampling(st, body, body.max_new_tokens(), 16)
-    prompts = [st.engine.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in body.prompt_list()]
+    texts = body.prompt_list()
+    check_choices(body.n, len(texts), sp, body.stream, st.opts.max_logprob_tokens)  # before tokenizing them
+    prompts = [st.engine.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in texts]
     for ids in prompts:
         _check_fits(ids, body.max_tokens if "max_tokens" in body.model_fields_set else None,
                     st.engine.context_length, "prompt")
-    return _checked(Prepared(body, prompts, sp, "prompt", n=body.n))
-
-
-def _checked(p: Prepared) -> Prepared:
-    check_choices(p)
-    return p
+    return Prepared(body, prompts, sp, "prompt", n=body.n)
 
 
 def create_app(loop: EngineLoop, metrics: ServerMetrics, opts: ServerOptions) -> FastAPI:

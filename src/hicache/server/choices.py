@@ -19,6 +19,7 @@ from fastapi import Request
 from ..frontend.loop import RequestHandle, Update
 from ..runtime.logprobs import TokenLogprob
 from ..runtime.request import GenerateResult
+from ..runtime.sampling import SamplingParams
 from .protocol import APIError
 from .state import ServerState
 from .submit import Prepared, _collect, _submit, _usage
@@ -95,12 +96,22 @@ def usage_of(results: list[GenerateResult], n: int) -> dict[str, Any]:
     return out
 
 
-def check_choices(p: Prepared) -> None:
-    if p.n < 1:
-        raise APIError(400, f"n must be at least 1, got {p.n}.", param="n", code="invalid_value")
-    if p.n * len(p.prompts) > MAX_CHOICES:
-        raise APIError(400, f"n x prompts is {p.n * len(p.prompts)}; at most {MAX_CHOICES} choices per request.",
+def check_choices(n: int, prompts: int, sampling: SamplingParams, stream: bool, max_logprob_tokens: int,
+                  max_param: str = "max_tokens") -> None:
+    """400 for more choices than one answer may hold, before anything is tokenized: ``n`` x
+    ``prompts`` over :data:`MAX_CHOICES`, or a non-streamed answer with logprobs whose
+    ``n x prompts x max_tokens`` exceeds ``max_logprob_tokens`` (``--max-logprob-tokens``: each
+    token's entry carries its ``top_logprobs`` alternatives, ~70 bytes each in JSON)."""
+    if n < 1:
+        raise APIError(400, f"n must be at least 1, got {n}.", param="n", code="invalid_value")
+    if n * prompts > MAX_CHOICES:
+        raise APIError(400, f"n x prompts is {n * prompts}; at most {MAX_CHOICES} choices per request.",
                        param="n", code="invalid_value")
+    tokens = n * prompts * sampling.max_new_tokens
+    if sampling.logprobs is not None and not stream and tokens > max_logprob_tokens:
+        raise APIError(400, f"a response with logprobs for n x prompts x max_tokens = {tokens} tokens is more than "
+                            f"this server answers at once ({max_logprob_tokens}, --max-logprob-tokens); lower n or "
+                            "max_tokens, or stream it.", param=max_param, code="invalid_value")
 
 
 # ---- logprobs as OpenAI writes them ---------------------------------------------------------------

@@ -32,13 +32,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field
 
-from ..errors import HicacheError
+from ..errors import InvalidRequestError
 from ..frontend.loop import RequestHandle
 from ..runtime.request import GenerateResult
 from ..runtime.sampling import GrammarSpec, SamplingParams
+from .choices import check_choices
 from .detok import IncrementalText
 from .parsing import parse_body, read_body
-from .protocol import APIError, _Body, _Sampling
+from .protocol import APIError, _Body, _Sampling, token_id_keys
 from .state import ServerState
 from .submit import (
     Prepared,
@@ -113,11 +114,7 @@ class NativeSamplingParams(_Body):
         return given[0] if given else None
 
     def logit_bias_ids(self) -> Optional[dict[int, float]]:
-        try:
-            return {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
-        except ValueError:
-            raise APIError(400, "sampling_params.logit_bias keys must be token ids.", param="sampling_params.logit_bias",
-                           code="invalid_value") from None
+        return token_id_keys(self.logit_bias, "sampling_params.logit_bias")
 
 
 class GenerateRequest(_Sampling):
@@ -140,6 +137,18 @@ class GenerateRequest(_Sampling):
     video_data: Optional[Any] = None
     custom_logit_processor: Optional[Any] = None
     session_params: Optional[Any] = None
+
+
+# SamplingParams' names (InvalidRequestError.param) -> /generate's fields, where they differ
+NATIVE_FIELDS = {"seed": "sampling_params.sampling_seed", "min_tokens": "sampling_params.min_new_tokens",
+                 "logprobs": "top_logprobs_num"}
+
+
+def _native_field(param: Optional[str], sp: NativeSamplingParams) -> Optional[str]:
+    if param == "grammar":
+        return next((f"sampling_params.{k}" for k in ("json_schema", "regex", "ebnf") if getattr(sp, k) is not None),
+                    "sampling_params")
+    return NATIVE_FIELDS.get(param, f"sampling_params.{param}") if param else None
 
 
 def _refuse(field: str, message: str) -> APIError:
@@ -168,10 +177,11 @@ def _sampling(st: ServerState, body: GenerateRequest, sp: NativeSamplingParams) 
                          min_p=sp.min_p, logit_bias=sp.logit_bias_ids(), min_tokens=sp.min_new_tokens,
                          logprobs=body.top_logprobs_num if body.return_logprob else None)
     try:
-        out.validate()
+        st.engine.check_sampling(out)
         st.engine.check_grammar(out.grammar)
-    except HicacheError as e:
-        raise APIError(400, f"sampling_params: {e}", param="sampling_params", code="invalid_value") from None
+    except InvalidRequestError as e:
+        raise APIError(400, f"sampling_params: {e}", param=_native_field(e.param, sp) or "sampling_params",
+                       code="invalid_value") from None
     return out
 
 
@@ -193,8 +203,9 @@ def _prepare_generate(raw: bytes, st: ServerState) -> Prepared:
     body = parse_body(raw, GenerateRequest)
     sp = body.sampling_params or NativeSamplingParams()
     _check_supported(body, sp)
-    ids, param = _prompt(body, st)
     sampling = _sampling(st, body, sp)
+    check_choices(1, 1, sampling, bool(body.stream), st.opts.max_logprob_tokens, "sampling_params.max_new_tokens")
+    ids, param = _prompt(body, st)
     explicit = sp.max_new_tokens if "max_new_tokens" in sp.model_fields_set else None  # a default one is shortened
     _check_fits(ids, explicit, st.engine.context_length, param)
     return Prepared(body, [ids], sampling, param)

@@ -11,7 +11,7 @@ SGLang's ``regex`` / ``ebnf`` become one :class:`GrammarSpec` (:meth:`_Sampling.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -29,6 +29,8 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
+        if code is None and status == 400:  # every refusal of a request's values says so in code too
+            code = "invalid_value"
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
     def body(self) -> dict[str, Any]:
@@ -114,8 +116,9 @@ class _Sampling(_Body):
         """``(field, spec)``: what the output must match and the field that said so (response_format,
         regex or ebnf; at most one), or None."""
         given = [(f, spec) for f, spec in (("response_format", _response_format_grammar(self.response_format)),
-                                           ("regex", self.regex and GrammarSpec("regex", self.regex)),
-                                           ("ebnf", self.ebnf and GrammarSpec("ebnf", self.ebnf))) if spec is not None]
+                                           ("regex", None if self.regex is None else GrammarSpec("regex", self.regex)),
+                                           ("ebnf", None if self.ebnf is None else GrammarSpec("ebnf", self.ebnf)))
+                 if spec is not None]
         if len(given) > 1:
             raise APIError(400, f"give one of response_format, regex and ebnf, not {' and '.join(f for f, _ in given)}.",
                            param=given[1][0], code="invalid_value")
@@ -133,15 +136,18 @@ class _Sampling(_Body):
         (each endpoint names them its own way)."""
         return None
 
+    # SamplingParams' names (InvalidRequestError.param) -> this body's fields, where they differ
+    FIELDS: ClassVar[dict[str, str]] = {"max_new_tokens": "max_tokens", "logprobs": "logprobs", "grammar": "response_format"}
+
+    def field_of(self, param: Optional[str]) -> Optional[str]:
+        """The body's field for an engine error's ``param`` (a SamplingParams name)."""
+        if param == "grammar":
+            return (self.grammar_spec() or ("response_format", None))[0]
+        return self.FIELDS.get(param, param) if param else None
+
     def adjustments(self) -> dict[str, Any]:
         """SamplingParams' penalties, min_p, logit_bias and min_tokens from this body."""
-        bias = None
-        if self.logit_bias:
-            try:
-                bias = {int(k): v for k, v in self.logit_bias.items()}
-            except ValueError:
-                raise APIError(400, "logit_bias keys must be token ids, e.g. {\"50256\": -100}.",
-                               param="logit_bias", code="invalid_value") from None
+        bias = token_id_keys(self.logit_bias, "logit_bias")
         return {"presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                 "repetition_penalty": self.repetition_penalty, "min_p": self.min_p, "min_tokens": self.min_tokens,
                 "logit_bias": bias, "logprobs": self.top_logprobs_k()}
@@ -149,6 +155,18 @@ class _Sampling(_Body):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def token_id_keys(bias: Optional[dict[str, float]], param: str) -> Optional[dict[int, float]]:
+    """``logit_bias`` with its keys as token ids. A key must be written in plain decimal digits
+    (OpenAI's form, ``"50256"``): ``int()`` would also take ``" 5_0 "`` as 50."""
+    if not bias:
+        return None
+    bad = next((k for k in bias if not (k.isascii() and k.isdigit())), None)
+    if bad is not None:
+        raise APIError(400, f"{param} keys must be token ids in decimal digits, e.g. {{\"50256\": -100}}; got {bad!r}.",
+                       param=param, code="invalid_value")
+    return {int(k): v for k, v in bias.items()}
 
 
 def _response_format_grammar(fmt: Optional[dict[str, Any]]) -> Optional[GrammarSpec]:
@@ -201,6 +219,8 @@ class ChatCompletionRequest(_Sampling):
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: bool = True
+
+    FIELDS: ClassVar[dict[str, str]] = {**_Sampling.FIELDS, "logprobs": "top_logprobs"}
 
     def max_new_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

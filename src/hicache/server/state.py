@@ -17,6 +17,8 @@ from .parsing import DEFAULT_MAX_REQUEST_BYTES
 from .protocol import APIError
 
 PREPARE_WORKERS = 2  # threads that parse and tokenize request bodies
+# --max-logprob-tokens: a non-streamed answer with logprobs for 16Ki tokens x 21 entries is ~25 MB of JSON
+DEFAULT_MAX_LOGPROB_TOKENS = 16384
 
 
 @dataclass
@@ -28,6 +30,7 @@ class ServerOptions:
     api_key: Optional[str] = None  # None: no authentication
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     tool_call_parser: str = "qwen25"  # the one tool-call format (server/tools.py); "hermes" names it too
+    max_logprob_tokens: int = DEFAULT_MAX_LOGPROB_TOKENS  # n x prompts x max_tokens of a non-streamed answer with logprobs
 
 
 class ServerState:

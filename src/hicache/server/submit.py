@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from fastapi import Request
 
-from ..errors import ContextLengthError, EngineDeadError, HicacheError
+from ..errors import ContextLengthError, EngineDeadError, HicacheError, InvalidRequestError
 from ..frontend.loop import RequestHandle
 from ..runtime.request import GenerateResult
 from ..runtime.sampling import SamplingParams
@@ -113,6 +113,9 @@ def _submit(st: ServerState, p: Prepared, ids: Optional[list[int]] = None, sampl
         raise APIError(400, str(e), param=p.param, code="context_length_exceeded") from None
     except EngineDeadError as e:
         raise engine_dead(e) from None
+    except InvalidRequestError as e:
+        field = p.param if e.param == "prompt" else p.body.field_of(e.param)
+        raise APIError(400, str(e), param=field, code="invalid_value") from None
     except HicacheError as e:
         raise APIError(400, str(e), code="invalid_value") from None
 
