@@ -6,9 +6,11 @@ thread makes the server unhealthy. Ends with a seeded fuzz campaign against a li
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -20,9 +22,12 @@ import httpx
 import pytest
 import zmq
 
-from hicache import Engine
+from hicache import Engine, SamplingParams
+from hicache.config import ConfigError
 from hicache.disagg import sender as sender_module
 from hicache.disagg.bootstrap import Bootstrap
+from hicache.errors import InvalidRequestError
+from hicache.runtime.sampling import GrammarSpec
 from hicache.server.serve import ServerThread
 
 pytestmark = [pytest.mark.pd, pytest.mark.server]
@@ -390,6 +395,86 @@ def test_bootstrap_fields_that_cannot_work_are_a_400(pair, field_, value) -> Non
     assert r.status_code == 400 and r.json()["error"]["param"] == field_, r.text
     with pytest.raises(ValueError, match=field_):
         Bootstrap(**{"host": "127.0.0.1", "port": 5, "room": 1, field_.removeprefix("bootstrap_"): value})
+
+
+# ---- round 3 (issue 46): a decode server's admission, handshake and allow-list --------------------
+def test_a_silent_prefill_fails_at_the_handshake_and_holds_at_most_half_the_slots() -> None:
+    """Before: requests naming a socket that reads the ask and never answers held every running
+    slot for the 60 s transfer timeout (a plain request waited 55 s). Now each fails when the
+    handshake timeout passes without a route, at most half of --max-running-requests wait for
+    KV at once (the rest queue unadmitted), and a plain request passes them by."""
+    decode = Engine(MODEL, disaggregation_mode="decode", disaggregation_transfer_timeout=30,
+                    disaggregation_handshake_timeout=1.0, max_running_requests=4, **OPTS)
+    fake = FakePrefill(route=lambda: None)  # reads every message, answers none
+    free = decode.cache.allocator.available
+    try:
+        assert decode.stats()["disaggregation"]["max_receiving"] == 2
+        prompts = [[5 + i] * 40 for i in range(5)]
+        boots = [Bootstrap("127.0.0.1", fake.port, 100 + i) for i in range(4)] + [None]
+        t0 = time.monotonic()
+        results = decode.generate(prompts, SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True),
+                                  bootstrap=boots)
+        elapsed = time.monotonic() - t0
+        held, plain = results[:4], results[4]
+        for r in held:
+            assert r.finish_reason == "error" and r.error_code == "kv_transfer_failed" and "handshake" in r.error, r
+        assert plain.finish_reason == "length" and plain.e2e_s < 1.0  # not queued behind the silent peer
+        queued = sorted(r.queue_time_s for r in held)
+        assert queued[1] < 0.5 <= 0.9 < queued[2]  # two waited for KV; two waited their turn (1 s handshake)
+        assert elapsed < 5  # two handshake rounds, not the 30 s transfer timeout
+        assert decode.cache.allocator.available == free
+    finally:
+        fake.close()
+        decode.shutdown()
+
+
+def test_a_decode_server_takes_kv_only_from_allowed_prefill_servers() -> None:
+    with pytest.raises(ConfigError, match="host:port"):
+        Engine(MODEL, disaggregation_mode="decode", disaggregation_prefill_allowlist="127.0.0.1", **OPTS)
+    decode = Engine(MODEL, disaggregation_mode="decode", disaggregation_prefill_allowlist="127.0.0.1:1, [::1]:2",
+                    **OPTS)
+    with pytest.raises(InvalidRequestError, match="--disaggregation-prefill-allowlist") as e:
+        decode.generate([5] * 40, SamplingParams(max_new_tokens=2), bootstrap=Bootstrap("127.0.0.1", 9, 1))
+    assert e.value.param == "bootstrap_host"
+    srv = ServerThread(decode, served_model_name="m")
+    url = srv.start()
+    try:
+        r = httpx.post(f"{url}/v1/completions", json=body(3, 9), timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "bootstrap_host", r.text
+        r = httpx.post(f"{url}/v1/completions", json=body(4, 1), timeout=10)  # allowed (nobody listens there)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "kv_transfer_failed", r.text
+    finally:
+        srv.stop()
+        decode.shutdown()
+
+
+def test_the_decode_side_checks_the_prefill_servers_first_token_against_its_grammar() -> None:
+    """The router sends both servers the same request: the prefill server samples the first token
+    under the grammar and the answer keeps it. A prefill server that did not (here: sent the
+    request without its grammar) gives a first token the decode side refuses: the request ends
+    with grammar_failed and the broken token is never part of the answer."""
+    prefill = Engine(MODEL, disaggregation_mode="prefill", disaggregation_bootstrap_port=0, **OPTS)
+    decode = Engine(MODEL, disaggregation_mode="decode", **OPTS)
+    plain = SamplingParams(max_new_tokens=6, temperature=0)
+    try:
+        prompt = [7] * 40
+        unconstrained = prefill.generate(prompt, plain)[0].text[:1]  # (no bootstrap: an ordinary request)
+        regex = ("y" if unconstrained == "z" else "z") + "[a-z]{1,4}"
+        constrained = dataclasses.replace(plain, grammar=GrammarSpec("regex", regex))
+        for room, prefill_sampling in ((1, constrained), (2, plain)):
+            boot = Bootstrap("127.0.0.1", prefill.stats()["disaggregation"]["bootstrap_port"], room)
+            side = threading.Thread(target=prefill.generate, args=(prompt, prefill_sampling), kwargs={"bootstrap": boot})
+            side.start()
+            got = decode.generate(prompt, constrained, bootstrap=boot)[0]
+            side.join(timeout=30)
+            if room == 1:
+                assert re.fullmatch(regex, got.text) and got.finish_reason == "stop", got
+            else:
+                assert got.finish_reason == "error" and got.error_code == "grammar_failed", got
+                assert "first token" in got.error and got.output_ids == []
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
 
 
 # ---- a dead transfer thread is an engine failure ---------------------------------------------------

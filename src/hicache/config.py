@@ -178,6 +178,16 @@ class EngineConfig(SpeculativeOptions):
         60.0, "Seconds a request's KV transfer may take: a decode request gets an error (and frees its pages) "
         "when no KV arrived by then; a finished prefill frees its KV when no decode server asked by then."
     )
+    disaggregation_handshake_timeout: float = _opt(
+        5.0, "Decode side: seconds the prefill server a request names has to answer its first message (the "
+        "route of its ranks); one that does not is taken for dead or hostile and the request fails at once.")
+    disaggregation_decode_max_receiving: Optional[int] = _opt(
+        None, "Decode side: most requests waiting for KV from a prefill server at once (each holds a running slot "
+        "and its pages); more wait in the queue, unadmitted, so clients naming slow or hostile prefill servers "
+        "cannot take every slot. Default: half of --max-running-requests.")
+    disaggregation_prefill_allowlist: Optional[str] = _opt(
+        None, "Decode side: the prefill bootstrap addresses requests may name, 'host:port,host:port' as the router "
+        "sends them (default: any). Set it on a decode server that untrusted clients can reach.")
     disaggregation_decode_enable_radix_cache: bool = _opt(
         False, "Decode side: keep a radix tree (and with --enable-hierarchical-cache the host and storage tiers) "
         "so a request asks prefill only for the KV after what it already holds."
@@ -194,6 +204,15 @@ class EngineConfig(SpeculativeOptions):
     grammar_backend: str = _opt(
         "llguidance", "Structured output (response_format, forced tool calls, json_schema / regex / ebnf): the grammar "
         "engine that masks each step's tokens; 'none' refuses such requests.", ("llguidance", "none"))
+    grammar_compile_timeout: float = _opt(
+        5.0, "Seconds a new grammar may take to compile and walk in the contained grammar checker "
+        "(docs/structured_output.md); a slower one is refused with 400.")
+    grammar_memory_budget_mb: int = _opt(
+        1024, "MiB of grammar matchers the engine holds: one per grammar plus each request's copy, as the grammar "
+        "checker measured them. A grammar needing more alone is refused; past it, grammar requests wait.")
+    grammar_mask_budget_ms: float = _opt(
+        20.0, "Milliseconds of token masks one step may compute for its grammar requests (each grammar's slowest "
+        "mask as measured when it was checked): a grammar slower alone is refused; past it, grammar requests wait.")
     enable_deterministic_inference: bool = _opt(
         False, "Bit-identical output for a greedy or seeded request whatever shares its batch, how its prompt was "
         "chunked, which tier its prefix came from, and with or without speculative decoding (docs/deterministic.md); "
@@ -225,6 +244,9 @@ class EngineConfig(SpeculativeOptions):
             raise ConfigError("--max-running-requests must be at least 1.")
         if self.max_logprobs < 0:
             raise ConfigError(f"--max-logprobs must be >= 0, got {self.max_logprobs}.")
+        if not (self.grammar_compile_timeout > 0 and self.grammar_memory_budget_mb > 0 and self.grammar_mask_budget_ms > 0):
+            raise ConfigError("--grammar-compile-timeout, --grammar-memory-budget-mb and --grammar-mask-budget-ms "
+                              "must be > 0.")
         if self.context_length is not None and self.context_length < 2:
             raise ConfigError("--context-length must be at least 2.")
         if self.enable_hierarchical_cache and self.disable_radix_cache:
@@ -288,9 +310,30 @@ class EngineConfig(SpeculativeOptions):
         if not self.disaggregation_transfer_timeout > 0:
             raise ConfigError(f"--disaggregation-transfer-timeout must be > 0 seconds, got "
                               f"{self.disaggregation_transfer_timeout}.")
+        if not self.disaggregation_handshake_timeout > 0:
+            raise ConfigError(f"--disaggregation-handshake-timeout must be > 0 seconds, got "
+                              f"{self.disaggregation_handshake_timeout}.")
+        if self.disaggregation_decode_max_receiving is not None and self.disaggregation_decode_max_receiving < 1:
+            raise ConfigError("--disaggregation-decode-max-receiving must be at least 1.")
+        if self.disaggregation_prefill_allowlist is not None and self.prefill_allowlist is None:
+            raise ConfigError(f"--disaggregation-prefill-allowlist must be 'host:port' entries separated by commas, "
+                              f"got {self.disaggregation_prefill_allowlist!r}.")
         if not 0 <= self.disaggregation_bootstrap_port < 65536:
             raise ConfigError(f"--disaggregation-bootstrap-port must be in [0, 65535], got "
                               f"{self.disaggregation_bootstrap_port}.")
+
+    @property
+    def max_receiving(self) -> int:
+        """Decode side: most requests waiting for a prefill server's KV at once."""
+        return self.disaggregation_decode_max_receiving or max(1, self.max_running_requests // 2)
+
+    @property
+    def prefill_allowlist(self) -> Optional[frozenset[tuple[str, int]]]:
+        """The (host, port) pairs a request's bootstrap may name; None: any (or a malformed list)."""
+        if self.disaggregation_prefill_allowlist is None:
+            return None
+        pairs = [split_host_port(a.strip()) for a in self.disaggregation_prefill_allowlist.split(",")]
+        return None if not pairs or None in pairs else frozenset(pairs)
 
     @property
     def decode_reuses_prefix(self) -> bool:

@@ -30,3 +30,7 @@ class ContextLengthError(InvalidRequestError):
 class EngineDeadError(HicacheError):
     """The engine can no longer serve (its loop crashed, a rank died): not the caller's fault.
     A server answers 503 and exits so that its supervisor restarts it."""
+
+
+class OverloadedError(HicacheError):
+    """The engine is too busy to take this request now (a server answers 503): retry later."""

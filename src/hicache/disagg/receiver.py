@@ -336,9 +336,20 @@ class KVReceiver(IOThread):
         job.done.set()
 
     def _expire(self, now: float) -> None:
+        """End the jobs past their deadline, and those whose prefill server has not answered
+        the route by the handshake deadline (a dead or hostile peer, named by a client)."""
         for job in [j for j in self._open.values() if now > j.deadline]:
-            for address, waiting in list(self._routing.items()):
-                waiting[:] = [j for j in waiting if j is not job]
-                if not waiting:  # nobody waits for that route any more: the next job asks anew
-                    del self._routing[address]
+            self._unroute(job)
             self._end(job, f"no KV from the prefill server at {job.address} in time")
+        for address, waiting in list(self._routing.items()):
+            for job in [j for j in waiting if now > j.handshake_deadline]:
+                self._unroute(job)
+                self._end(job, f"the prefill server at {address} did not answer within the handshake timeout "
+                               "(--disaggregation-handshake-timeout)")
+
+    def _unroute(self, job: Receive) -> None:
+        """``job`` no longer waits for a route; nobody waiting: the next job asks anew."""
+        for address, waiting in list(self._routing.items()):
+            waiting[:] = [j for j in waiting if j is not job]
+            if not waiting:
+                del self._routing[address]

@@ -108,6 +108,7 @@ class Receive:
     decode_prefix_len: int
     slots: torch.Tensor
     deadline: float
+    handshake_deadline: float = float("inf")  # the prefill server's route must come by then
     done: threading.Event = field(default_factory=threading.Event)
     first_token: int = -1
     error: str = ""

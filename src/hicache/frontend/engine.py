@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
 import weakref
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Sequence, Union, cast
 
 import torch
@@ -17,7 +19,7 @@ from ..disagg.bootstrap import Bootstrap
 from ..errors import ContextLengthError, HicacheError, InvalidRequestError
 from ..model import load_model
 from ..model.loader import LoadedModel
-from ..runtime.grammar import GrammarCompiler
+from ..runtime.grammar_vet import GrammarVetter, VetLimits
 from ..runtime.request import GenerateResult, PDState, Request
 from ..runtime.sampling import GrammarSpec, SamplingParams, check_token_ids
 from ..runtime.speculative import check_draft
@@ -82,7 +84,8 @@ class Engine:
         # The bound method holds the backend, never the engine (or it would never be collected).
         self._finalizer = weakref.finalize(self, self.backend.shutdown)
         self._rids = itertools.count()
-        self._grammars: GrammarCompiler | None = None  # built on the first grammar request
+        self._vetter: GrammarVetter | None = None  # started on the first grammar request
+        self._vetter_lock = threading.Lock()
         # Set by EngineLoop (frontend/loop.py) while its thread drives the scheduler; then only that
         # thread may call generate / flush_cache (DESIGN invariant 3).
         self._driver_thread: int | None = None
@@ -138,17 +141,27 @@ class Engine:
         return None if isinstance(self.backend, LocalBackend) else cast("RankGroup", self.backend)
 
     # ---- requests ------------------------------------------------------------------------
-    def check_grammar(self, spec: GrammarSpec | None) -> None:
-        """Raise InvalidRequestError (one sentence) for a grammar the engine cannot use: one that
-        does not compile, that no token can start, or any with ``--grammar-backend none``.
-        Compiled grammars are cached, so a server may check on its worker threads first."""
-        if spec is None:
-            return
+    def vet_grammar(self, spec: GrammarSpec) -> Future:
+        """A future of ``spec`` vetted (runtime/grammar_vet.py: compiled in a contained process,
+        its cost attached), raising InvalidRequestError (one sentence, ``param="grammar"``) for a
+        grammar the engine will not run. Raises OverloadedError now when too many wait. Any thread."""
         if self.config.grammar_backend == "none":
-            raise InvalidRequestError("structured output is off on this server (--grammar-backend none).", param="grammar")
-        if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.loaded.spec.vocab_size)
-        self._grammars.check(spec)
+            raise InvalidRequestError("structured output is off on this server (--grammar-backend none).",
+                                      param="grammar")
+        with self._vetter_lock:
+            if self._vetter is None:
+                cfg = self.config
+                self._vetter = GrammarVetter(self.tokenizer, self.vocab_size, VetLimits(
+                    cfg.grammar_compile_timeout, cfg.grammar_memory_budget_mb << 20,
+                    int(cfg.grammar_mask_budget_ms * 1000)))
+        return self._vetter.vet(spec)
+
+    def check_grammar(self, sampling: SamplingParams) -> SamplingParams:
+        """``sampling`` with its grammar vetted (waits for the verdict; see :meth:`vet_grammar`)."""
+        spec = sampling.grammar
+        if spec is None or spec.cost is not None:
+            return sampling
+        return dataclasses.replace(sampling, grammar=self.vet_grammar(spec).result())
 
     @property
     def vocab_size(self) -> int:
@@ -168,7 +181,7 @@ class Engine:
     def _make_request(self, prompt: Prompt, sampling: SamplingParams, cache_salt: str | None,
                       bootstrap: Bootstrap | None = None) -> Request:
         self.check_sampling(sampling)
-        self.check_grammar(sampling.grammar)
+        sampling = self.check_grammar(sampling)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise InvalidRequestError("the prompt is empty.", param="prompt")
@@ -178,6 +191,10 @@ class Engine:
                 f"the prompt has {len(ids)} tokens but the context length is {self.context_length}; "
                 "shorten it so at least one output token fits."
             )
+        allowed = self.config.prefill_allowlist
+        if bootstrap is not None and allowed is not None and (bootstrap.host, bootstrap.port) not in allowed:
+            raise InvalidRequestError(f"the prefill server {bootstrap.host}:{bootstrap.port} is not one this server "
+                                      "takes KV from (--disaggregation-prefill-allowlist).", param="bootstrap_host")
         max_new = min(sampling.max_new_tokens, self.context_length - len(ids))
         if bootstrap is not None and self.config.disaggregation_mode == "prefill":
             max_new = 1  # the first token; the decode server generates the rest
@@ -297,6 +314,8 @@ class Engine:
         for req in list(sched.running) + list(sched.waiting):
             sched.abort(req.rid)
         self._closed = True
+        if self._vetter is not None:
+            self._vetter.close()
         self._finalizer()  # the backend drops its model and pools
         self.loaded = None  # type: ignore[assignment]
 

@@ -53,7 +53,9 @@ class Batch:
 class Sampled:
     """What sampling a batch gave: ``tokens[i]`` for ``reqs[i]`` (its next token, -1 after a prompt
     chunk, or a verify pass's accepted tokens) and, for requests that asked, ``logprobs[i]``: one
-    ``runtime.logprobs.TokenLogprob`` per token. Sent as is from a pipeline's last stage to stage 0."""
+    ``runtime.logprobs.TokenLogprob`` per token; ``failed[i]``: ``reqs[i]`` cannot go on (a mode's
+    error code and why; its token is -1). Sent as is from a pipeline's last stage to stage 0."""
 
     tokens: list
     logprobs: dict[int, list] = field(default_factory=dict)
+    failed: dict[int, tuple[str, str]] = field(default_factory=dict)  # i -> (code, error): ends reqs[i]

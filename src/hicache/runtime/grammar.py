@@ -1,229 +1,400 @@
 """Structured output: a grammar decides which tokens may come next (JSON schema, regex, EBNF, Lark).
 
 A request whose ``SamplingParams.grammar`` is set (the server sets it from ``response_format``,
-forced tool calls, SGLang's ``json_schema`` / ``regex`` / ``ebnf``) gets a matcher of the grammar
-engine (llguidance, ``--grammar-backend``). Before any sampler sees a batch's logits -- plain
-sampling, speculative acceptance -- :meth:`GrammarMode.constrain` sets every token the grammar
-does not allow at that row to -inf. So:
+forced tool calls, SGLang's ``json_schema`` / ``regex`` / ``ebnf``) arrives vetted
+(runtime/grammar_vet.py: compiled in a contained process, its :class:`GrammarCost` measured).
+Here, on every rank that samples, :class:`GrammarMode`:
 
-- a grammar request's output is always a prefix of a string the grammar accepts; EOS is allowed
-  only where the grammar accepts (a reply cut by ``max_tokens`` ends with finish reason "length");
-- a verify pass's rows are masked at the position each stands for (row j after the last token and
-  drafts 1..j), so a draft the grammar refuses has probability 0 and is rejected: drafts are
-  checked against the grammar, and the accepted tokens are the ones plain decoding could give;
-- every rank that samples keeps its own matcher per request and advances it by the same appended
-  tokens in the same order, so TP ranks and PP's last stage agree without sending masks.
+- builds one matcher per grammar (a *template*) on a thread of its own, never on the scheduler
+  thread; each request gets a copy of it (llguidance's ``deep_copy``: copies share the template's
+  lexer, so a request adds little memory), made on the mask thread at its first mask;
+- admits a grammar request only once its template is built on every rank of the group (an open
+  work item, agreed like any background work: runtime/events.py) and only while the grammars'
+  memory (templates held + copies of the admitted requests, as vetting measured them) stays
+  within ``--grammar-memory-budget-mb`` and the admitted requests' mask times within
+  ``--grammar-mask-budget-ms``; otherwise it waits, holding nothing. Idle templates are evicted
+  (least recently used) to make room. The counts come with the requests, so every rank -- those
+  that do not sample too -- makes the same decisions;
+- before any sampler sees a batch's logits (:meth:`GrammarMode.constrain`) sets every token the
+  grammar does not allow at a row to -inf. So a grammar request's output is always a prefix of a
+  string the grammar accepts; EOS is allowed only where the grammar accepts (a reply cut by
+  ``max_tokens`` ends with "length");
+- never drops a grammar: a matcher that fails mid-request (it hit one of llguidance's limits, or
+  refused a token sampled elsewhere -- a P/D prefill server's first token) ends that request
+  with finish reason "error" and error code ``grammar_failed`` (:meth:`GrammarMode.failures`);
+  its output so far is what the grammar allowed;
+- verify passes (speculative decoding): row j is masked after the last token and drafts 1..j,
+  so a draft the grammar refuses has probability 0 and is rejected.
 
-Masks of a batch are computed on a worker thread while its forward runs (llguidance releases the
-GIL); compiled grammars are cached by their spec, so a repeated schema compiles once.
+Masks of a batch are computed on the mask thread while its forward runs (llguidance releases the
+GIL). Both threads have stacks of :data:`~.grammar_vet.ENGINE_STACK_BYTES`, several times the
+vetting thread's, so a grammar that passed vetting cannot overflow them. Under pipeline
+parallelism stage 0 (which holds no matchers) agrees the builds; the last stage waits for its own
+template at its first mask if it is slower.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
+import queue
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
 
-from ..errors import InvalidRequestError
 from ..model.tokenizer import Tokenizer
 from .batch import Batch
-from .modes import Mode, ModeContext
-from .request import Request
+from .events import WorkEvent
+from .grammar_vet import ENGINE_STACK_BYTES, PARSER_LIMITS, tokenizer_config
+from .grammar_worker import first_line
+from .modes import Action, Fail, Mode, ModeContext
+from .request import Request, Status
 from .sampling import GrammarSpec
 
 logger = logging.getLogger(__name__)
 
 GRAMMAR_BACKENDS = ("llguidance", "none")
-COMPILED_CACHE = 256  # compiled grammars kept (by spec)
-# JSON as json.dumps writes it: a small model given free whitespace between tokens can spend its
-# whole budget on it; vLLM and SGLang constrain it likewise by default.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+GRAMMAR_FAILED = "grammar_failed"  # the error code of a request whose grammar could not be kept
+_STACK_LOCK = threading.Lock()  # threading.stack_size is process-wide: set, start, restore
 
 
-class GrammarCompiler:
-    """Grammars compiled against one tokenizer (llguidance); built on the first grammar request."""
+class StackedWorker:
+    """One daemon thread with a stack of ``stack_bytes`` that runs submitted calls in order."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
-        import llguidance
+    def __init__(self, name: str, stack_bytes: int = ENGINE_STACK_BYTES) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        with _STACK_LOCK:
+            before = threading.stack_size(stack_bytes)
+            try:
+                self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+                self._thread.start()
+            finally:
+                threading.stack_size(before)
 
-        self._lg = llguidance
-        self.vocab_size = vocab_size
-        self.tokenizer = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size,
-                                                eos_token=sorted(tokenizer.eos_token_ids))
-        self.grammar = functools.lru_cache(maxsize=COMPILED_CACHE)(self._grammar)
-        self.check = functools.lru_cache(maxsize=COMPILED_CACHE)(self._check)  # only what passed is kept
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        future: Future = Future()
+        self._jobs.put((future, fn, args))
+        return future
 
-    def _grammar(self, spec: GrammarSpec) -> str:
-        """llguidance's grammar for ``spec``; InvalidRequestError if it cannot be built."""
-        try:
-            if spec.kind == "json_schema":  # fixed separators, no free whitespace (a schema's x-guidance may differ)
-                grammar = self._lg.LLMatcher.grammar_from_json_schema(spec.source, defaults=JSON_OPTIONS)
-            else:
-                grammar = self._lg.grammar_from({"regex": "regex", "ebnf": "gbnf", "lark": "lark"}[spec.kind],
-                                                spec.source)
-        except ValueError as e:
-            raise InvalidRequestError(f"the {spec.kind} grammar cannot be compiled: {_first_line(e)}", param="grammar") from None
-        is_error, messages = self._lg.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
-        if is_error:
-            raise InvalidRequestError(f"the {spec.kind} grammar cannot be compiled: {_first_line(messages[0])}", param="grammar")
-        return grammar
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn, args = job
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # the caller's future carries it
+                future.set_exception(e)
 
-    def matcher(self, spec: GrammarSpec) -> Any:
-        """A fresh matcher at the grammar's start; InvalidRequestError if the grammar is unusable."""
-        matcher = self._lg.LLMatcher(self.tokenizer, self.grammar(spec), log_level=0)
-        if matcher.is_error():
-            raise InvalidRequestError(f"the {spec.kind} grammar cannot be compiled: {_first_line(matcher.get_error())}", param="grammar")
-        return matcher
-
-    def _check(self, spec: GrammarSpec) -> None:
-        """Refuse a grammar that does not compile or that no token can start (e.g. a regex whose
-        language is empty): a request with it could only fail later."""
-        matcher = self.matcher(spec)
-        mask = self.allowed(matcher)
-        if matcher.is_error() or not bool(mask.any()):
-            raise InvalidRequestError(f"the {spec.kind} grammar matches nothing this model's vocabulary can spell.", param="grammar")
-
-    def allowed(self, matcher: Any) -> torch.Tensor:
-        """The tokens ``matcher`` allows next: a bool tensor ``[vocab_size]``."""
-        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
-        return torch.from_numpy(bits[: self.vocab_size].astype(np.bool_))
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=10)
 
 
-def _first_line(error: object) -> str:
-    """llguidance's error as one sentence: its first line, and the parser's ``error:`` line
-    where it names the cause on a later one (under a caret drawing)."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    head = lines[0].rstrip(":.") if lines else "unknown error"
-    cause = next((line.removeprefix("error:").strip() for line in lines[1:] if line.startswith("error:")), "")
-    return (f"{head}: {cause}" if cause else head).rstrip(".") + "."
+@dataclass(eq=False)
+class Template:
+    """One grammar's matcher on this rank, built once (``build``: None on a rank that does not
+    sample) and copied for each request. ``agreed``: built on every rank of the group."""
+
+    spec: GrammarSpec
+    build: Optional[Future]
+    agreed: bool = False
+    users: int = 0  # admitted requests of this grammar
+    waiting: list[Request] = field(default_factory=list)  # requests seen waiting for the build
+
+    @property
+    def bytes(self) -> int:
+        return self.spec.cost.template_bytes
+
+    def local_event(self) -> WorkEvent:
+        if self.build is None:
+            return WorkEvent(True, True)
+        return WorkEvent(self.build.done(), not self.build.done() or self.build.exception() is None)
 
 
-@dataclass
+@dataclass(eq=False)
 class GrammarState:
-    """One request's matcher; ``consumed``: how many of its output tokens the matcher has taken
-    (it catches up lazily, before each mask). ``broken``: the matcher refused a token (a P/D
-    first token sampled without the grammar) -- the request then runs unconstrained."""
+    """One request's grammar: its template, its own matcher (copied at its first mask, on the mask
+    thread) and how many output tokens the matcher has taken (it catches up before each mask)."""
 
-    matcher: Any
+    template: Template
+    matcher: Any = None
     consumed: int = 0
-    broken: str = ""
 
-    def catch_up(self, req: Request) -> bool:
-        """Feed the matcher the output tokens it has not seen; False once it is broken."""
-        if self.broken:
-            return False
+    def catch_up(self, req: Request) -> str:
+        """Feed the matcher the output tokens it has not seen: "" or why the grammar cannot be kept."""
+        if self.matcher is None:
+            self.matcher = self.template.build.result().deep_copy()
         new = req.output_ids[self.consumed:]
         if new and not self.matcher.consume_tokens(new):
-            self.broken = self.matcher.get_error() or "a token the grammar does not allow"
-            logger.warning("grammar rid=%d no longer constrains the request: %s", req.rid, self.broken)
-            return False
+            return f"its matcher failed on output token {len(req.output_ids)} ({first_line(self.matcher.get_error())})"
         self.consumed = len(req.output_ids)
-        return True
+        return ""
 
 
 @dataclass
 class RowMasks:
-    """Allowed tokens per logits row: ``rows[i]`` is masked by ``masks[i]``."""
+    """Allowed tokens per logits row (``rows[i]`` is masked by ``masks[i]``); ``failed``: requests
+    (index in the batch) whose grammar cannot be kept, with why."""
 
     rows: list[int] = field(default_factory=list)
     masks: list[torch.Tensor] = field(default_factory=list)
+    failed: dict[int, str] = field(default_factory=dict)
 
 
 class GrammarMode(Mode):
-    """Applies each grammar request's token mask to its logits rows (see the module docstring)."""
+    """Templates, budgets and masks of grammar requests (see the module docstring)."""
 
     name = "grammar"
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, samples: bool = True, overlap: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, memory_bytes: int, mask_us: int,
+                 samples: bool = True, overlap: bool = True) -> None:
         self._tokenizer, self._vocab_size = tokenizer, vocab_size
+        self.memory_bytes, self.mask_us = memory_bytes, mask_us  # the budgets
         self.samples = samples  # this rank samples (not an earlier pipeline stage): it keeps matchers
         self.overlap = overlap  # masks computed during the forward (False: after it, for measuring)
-        self._compiler: Optional[GrammarCompiler] = None
-        self._pool: Optional[ThreadPoolExecutor] = None
+        self._templates: OrderedDict[GrammarSpec, Template] = OrderedDict()  # least recently used first
+        self._building: list[Template] = []  # open work items, in the order their builds started
+        self.held_bytes = 0  # templates held + copies of the admitted requests
+        self.admitted_mask_us = 0
+        self.admitted = 0
+        self._lg: Any = None  # llguidance and its tokenizer, made on the builder thread
+        self._builder: Optional[StackedWorker] = None
+        self._masker: Optional[StackedWorker] = None
         self._pending: dict[int, Future] = {}
+        self._failed: dict[int, dict[int, str]] = {}
         self.masked_rows = 0
+        self.failed_requests = 0
+        self.evicted = 0
 
-    @property
-    def compiler(self) -> GrammarCompiler:
-        if self._compiler is None:
-            self._compiler = GrammarCompiler(self._tokenizer, self._vocab_size)
-        return self._compiler
+    # ---- admission ---------------------------------------------------------------------
+    def admissible(self, req: Request) -> bool:
+        spec = req.sampling.grammar
+        if spec is None:
+            return True
+        if spec.cost is None:
+            raise RuntimeError(f"rid={req.rid}: a grammar reached the scheduler without being vetted")
+        template = self._templates.get(spec)
+        if template is None:
+            if not self._make_room(spec.cost.template_bytes, None):
+                return False
+            template = self._start(spec)
+        self._templates.move_to_end(spec)
+        if not template.agreed:
+            if not any(r is req for r in template.waiting):
+                template.waiting.append(req)
+            return False
+        if self.admitted and self.admitted_mask_us + spec.cost.mask_us > self.mask_us:
+            return False  # its masks would stall every step: it waits for others to finish
+        return self._make_room(spec.cost.request_bytes, template)
+
+    def _make_room(self, need: int, keep: Optional[Template]) -> bool:
+        """Evict idle templates (least recently used first) until ``need`` more bytes fit."""
+        for spec, t in list(self._templates.items()):
+            if self.held_bytes + need <= self.memory_bytes:
+                break
+            if t is not keep and t.agreed and not t.users:
+                del self._templates[spec]
+                self.held_bytes -= t.bytes
+                self.evicted += 1
+        return self.held_bytes + need <= self.memory_bytes
+
+    def _start(self, spec: GrammarSpec) -> Template:
+        if self.samples and self._builder is None:
+            self._builder = StackedWorker("hicache-grammar-build")
+        template = Template(spec, self._builder.submit(self._build, spec) if self.samples else None)
+        self._templates[spec] = template
+        self._building.append(template)
+        self.held_bytes += template.bytes
+        return template
+
+    def _build(self, spec: GrammarSpec) -> Any:
+        """The template matcher of ``spec`` (builder thread), its first mask computed so that
+        copies share a warm lexer."""
+        if self._lg is None:
+            import llguidance
+
+            cfg = tokenizer_config(self._tokenizer, self._vocab_size)
+            self._lg = (llguidance, llguidance.LLTokenizer(cfg["tokenizer"], n_vocab=cfg["vocab_size"],
+                                                           eos_token=cfg["eos"]))
+        lg, lltok = self._lg
+        matcher = lg.LLMatcher(lltok, spec.cost.grammar, log_level=0, limits=lg.LLParserLimits(**PARSER_LIMITS))
+        matcher.compute_bitmask()
+        if matcher.is_error():
+            raise ValueError(first_line(matcher.get_error()))
+        return matcher
 
     def on_admit(self, req: Request) -> bool:
         spec = req.sampling.grammar
-        if spec is not None and self.samples:
-            req.grammar = GrammarState(self.compiler.matcher(spec))
+        if spec is not None:
+            template = self._templates[spec]
+            template.waiting = [r for r in template.waiting if r is not req]
+            template.users += 1
+            self.held_bytes += spec.cost.request_bytes
+            self.admitted_mask_us += spec.cost.mask_us
+            self.admitted += 1
+            req.grammar = GrammarState(template)
         return False
 
+    def on_finish(self, req: Request) -> bool:
+        state: Optional[GrammarState] = req.grammar
+        if state is not None:
+            cost = req.sampling.grammar.cost
+            state.template.users -= 1
+            self.held_bytes -= cost.request_bytes
+            self.admitted_mask_us -= cost.mask_us
+            self.admitted -= 1
+            req.grammar = None  # the matcher's memory goes with it
+        return False
+
+    def refuses(self, req: Request, token: int) -> Optional[tuple[str, str]]:
+        """A P/D decode request's first token, sampled by the prefill server under the same grammar
+        (the router sends it the same request): one that breaks the grammar ends the request."""
+        state: Optional[GrammarState] = req.grammar
+        if state is None or not self.samples:
+            return None
+        if state.matcher is None:  # (not in any batch yet: the mask thread does not hold it)
+            state.matcher = state.template.build.result().deep_copy()
+        if state.matcher.validate_tokens([token]) == 1:
+            return None
+        self.failed_requests += 1
+        return GRAMMAR_FAILED, self._failure(req, f"the prefill server's first token ({token}) breaks it")
+
+    # ---- events: template builds -----------------------------------------------------------
+    def open_work(self) -> int:
+        return len(self._building)
+
+    def local_events(self) -> tuple[WorkEvent, ...]:
+        return tuple(t.local_event() for t in self._building)
+
+    def apply_events(self, events: Sequence[WorkEvent]) -> list[Action]:
+        """Builds that ended on every rank: their requests may be admitted; a failed one fails
+        the requests that waited for it (and is forgotten: a later request builds it anew)."""
+        actions: list[Action] = []
+        still = []
+        for template, e in zip(self._building, events, strict=True):
+            if not e.ready:
+                still.append(template)
+                continue
+            if e.ok:
+                template.agreed = True
+                continue
+            del self._templates[template.spec]
+            self.held_bytes -= template.bytes
+            local = template.build.exception() if template.build is not None else None
+            why = first_line(local) if local is not None else "it failed on another rank"
+            logger.warning("grammar: building a %s matcher failed: %s", template.spec.kind, why)
+            actions += [Fail(r, f"the {template.spec.kind} grammar could not be built: {why}", GRAMMAR_FAILED)
+                        for r in template.waiting if r.status is Status.WAITING]
+        self._building = still
+        return actions
+
+    # ---- masks -----------------------------------------------------------------------------
     def before_forward(self, batch: Batch, handed: Any = None) -> None:
-        if self.overlap and any(r.grammar is not None for r in batch.reqs):
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
-            self._pending[id(batch)] = self._pool.submit(self._row_masks, batch)
+        if self.overlap and self._grammar_rows(batch):
+            self._pending[id(batch)] = self._mask_thread().submit(self._row_masks, batch)
 
     def constrain(self, batch: Batch, logits: torch.Tensor) -> None:
         future = self._pending.pop(id(batch), None)
-        if future is None and not any(r.grammar is not None for r in batch.reqs):
-            return
-        masks = future.result() if future is not None else self._row_masks(batch)
+        if future is None:
+            if not self._grammar_rows(batch):
+                return
+            future = self._mask_thread().submit(self._row_masks, batch)
+        masks: RowMasks = future.result()
         with torch.inference_mode():  # the forward's logits are inference tensors
             for row, mask in zip(masks.rows, masks.masks):
                 logits[row].masked_fill_(~mask, float("-inf"))
         self.masked_rows += len(masks.rows)
+        if masks.failed:
+            self._failed[id(batch)] = masks.failed
+
+    def failures(self, batch: Batch) -> dict[int, tuple[str, str]]:
+        failed = self._failed.pop(id(batch), {})
+        self.failed_requests += len(failed)
+        return {i: (GRAMMAR_FAILED, why) for i, why in failed.items()}
+
+    def _grammar_rows(self, batch: Batch) -> bool:
+        return self.samples and any(r.grammar is not None for r in batch.reqs)
+
+    def _mask_thread(self) -> StackedWorker:
+        if self._masker is None:
+            self._masker = StackedWorker("hicache-grammar-mask")
+        return self._masker
 
     def _row_masks(self, batch: Batch) -> RowMasks:
-        """The mask of every logits row a grammar request samples from in ``batch``."""
+        """The mask of every logits row a grammar request samples from in ``batch`` (mask thread)."""
         out = RowMasks()
         if batch.kind == "verify":
             row = 0
-            for req, n, drafts in zip(batch.reqs, batch.new_tokens, batch.proposal.tokens):
-                if req.grammar is not None and req.grammar.catch_up(req):
-                    self._verify_masks(req.grammar.matcher, row, drafts, out)
+            for i, (req, n, drafts) in enumerate(zip(batch.reqs, batch.new_tokens, batch.proposal.tokens)):
+                if req.grammar is not None:
+                    self._verify_masks(i, req, row, drafts, out)
                 row += n
             return out
         for i in batch.result_rows():
             req = batch.reqs[i]
-            if req.grammar is not None and req.grammar.catch_up(req):
-                self._add(out, i, req.grammar.matcher)
+            if req.grammar is not None:
+                why = req.grammar.catch_up(req) or self._add(out, i, req.grammar.matcher)
+                if why:
+                    out.failed[i] = self._failure(req, why)
         return out
 
-    def _verify_masks(self, matcher: Any, row: int, drafts: Sequence[int], out: RowMasks) -> None:
+    def _verify_masks(self, i: int, req: Request, row: int, drafts: Sequence[int], out: RowMasks) -> None:
         """Rows ``row + j``: the mask after drafts[:j]. Past a draft the grammar refuses no row is
         masked: that draft has probability 0 at its row, so nothing after it is accepted."""
-        taken = 0
-        for j in range(len(drafts) + 1):
-            self._add(out, row + j, matcher)
-            if j == len(drafts) or matcher.try_consume_tokens([drafts[j]]) != 1:
+        state: GrammarState = req.grammar
+        why = state.catch_up(req) or self._add(out, row, state.matcher)
+        if why:
+            out.failed[i] = self._failure(req, why)
+            return
+        matcher, taken = state.matcher, 0
+        for j in range(1, len(drafts) + 1):
+            if matcher.try_consume_tokens([drafts[j - 1]]) != 1:
                 break
             taken += 1
+            if self._add(out, row + j, matcher):
+                break  # (the matcher failed at a draft: plain decoding will meet it there)
         if taken:
             matcher.rollback(taken)
 
-    def _add(self, out: RowMasks, row: int, matcher: Any) -> None:
-        mask = self.compiler.allowed(matcher)
-        if bool(mask.any()):  # never leave a row with no token at all
-            out.rows.append(row)
-            out.masks.append(mask)
+    def _add(self, out: RowMasks, row: int, matcher: Any) -> str:
+        """Mask ``row`` by what ``matcher`` allows: "" or why it allows nothing."""
+        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        if matcher.is_error():
+            return f"its matcher failed ({first_line(matcher.get_error())})"
+        mask = torch.from_numpy(bits[: self._vocab_size].astype(np.bool_))
+        if not bool(mask.any()):
+            return "it allows no token here"
+        out.rows.append(row)
+        out.masks.append(mask)
+        return ""
 
-    def on_finish(self, req: Request) -> bool:
-        req.grammar = None  # the matcher's memory goes with it
-        return False
+    def _failure(self, req: Request, why: str) -> str:
+        spec = req.sampling.grammar
+        logger.warning("grammar rid=%d failed after %d output tokens: %s", req.rid, len(req.output_ids), why)
+        return (f"the {spec.kind} grammar could not be enforced after {len(req.output_ids)} output tokens: {why}; "
+                "nothing after them was generated")
 
     def stats(self) -> dict[str, Any]:
-        return {"masked_rows": self.masked_rows} if self.masked_rows else {}
+        if not self._templates and not self.masked_rows and not self.failed_requests:
+            return {}
+        return {"masked_rows": self.masked_rows, "failed_requests": self.failed_requests,
+                "templates": len(self._templates), "evicted_templates": self.evicted, "admitted": self.admitted,
+                "held_bytes": self.held_bytes, "budget_bytes": self.memory_bytes,
+                "admitted_mask_us": self.admitted_mask_us, "mask_budget_us": self.mask_us}
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        for worker in (self._builder, self._masker):
+            if worker is not None:
+                worker.close()
 
 
 def build(ctx: ModeContext) -> Optional[Mode]:
     """Grammar masks unless ``--grammar-backend none`` (then grammar requests are refused upstream)."""
-    if ctx.cfg.grammar_backend == "none" or ctx.tokenizer is None:
+    cfg = ctx.cfg
+    if cfg.grammar_backend == "none" or ctx.tokenizer is None:
         return None
-    return GrammarMode(ctx.tokenizer, ctx.vocab_size, samples=ctx.samples)
+    return GrammarMode(ctx.tokenizer, ctx.vocab_size, cfg.grammar_memory_budget_mb << 20,
+                       int(cfg.grammar_mask_budget_ms * 1000), samples=ctx.samples)

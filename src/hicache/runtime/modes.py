@@ -7,6 +7,7 @@ state (its object on the request, e.g. ``req.spec``) -- and the scheduler applie
 calls back into the scheduler. The fixed points, in step order::
 
     admission       reserve_slots()            KV slots a request needs past its own tokens
+                    admissible(req)            False: it waits (e.g. its grammar's matcher is not built)
                     on_admit(req)              True: its prompt's KV comes from elsewhere
     events          local_events()             this rank's view of the mode's open work items
                     apply_events(events)       -> [StartDecode | Fail | Release]
@@ -14,8 +15,10 @@ calls back into the scheduler. The fixed points, in step order::
     forward         before_forward(b, handed)  e.g. propose the drafts a verify pass checks
                     after_forward(b)           e.g. the draft's KV for a prefill chunk
     output          constrain(b, logits)       restrict what each row may sample (in place; grammars)
+                    failures(b)                requests that cannot go on (a grammar that failed) -> (code, error)
                     sample(b, logits)          a verify batch's accepted tokens
                     on_computed(req)           the target's KV grew (prefill chunk, first token)
+                    refuses(req, token)        a token sampled elsewhere (P/D's first) cannot be its next
                     on_accepted(req, j, taken) a verify pass accepted j drafts; ``taken`` tokens appended
     finish          on_finish(req)             True: the mode still uses its KV (released later)
 
@@ -72,10 +75,12 @@ class StartDecode:
 
 @dataclass(frozen=True)
 class Fail:
-    """End ``req`` with ``error`` (finish reason "error"), releasing what it holds."""
+    """End ``req`` with ``error`` (finish reason "error"; ``code``: what failed, for the client),
+    releasing what it holds; a request still waiting holds nothing."""
 
     req: Request
     error: str
+    code: str = ""
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,11 @@ class Mode:
     def reserve_slots(self) -> int:
         """KV slots a request reserves past its prompt and output (e.g. a verify pass's drafts)."""
         return 0
+
+    def admissible(self, req: Request) -> bool:
+        """Whether waiting ``req`` may be admitted now: a function of agreed state only (the same
+        answer on every rank); False leaves it waiting (later requests may go first)."""
+        return True
 
     def on_admit(self, req: Request) -> bool:
         """``req`` was just admitted (``req.computed`` prompt tokens hit); True: it waits for its
@@ -147,12 +157,23 @@ class Mode:
     def constrain(self, batch: Batch, logits: torch.Tensor) -> None:
         """Set to -inf, in ``logits`` (the rows the batch samples from), what a row may not sample."""
 
+    def failures(self, batch: Batch) -> dict[int, tuple[str, str]]:
+        """Requests of ``batch`` (their index) that cannot go on, each with an error code and why:
+        they end with finish reason "error" instead of a token. Called after :meth:`constrain`,
+        on ranks that sample."""
+        return {}
+
     def sample(self, batch: Batch, logits: torch.Tensor) -> Optional[list]:
         """The tokens of a batch this mode composed (one list per request), or None."""
         return None
 
     def on_computed(self, req: Request) -> None:
         """The target's KV of ``req`` now covers ``req.computed`` tokens."""
+
+    def refuses(self, req: Request, token: int) -> Optional[tuple[str, str]]:
+        """(error code, why) if ``token``, sampled elsewhere (a P/D prefill server's first token),
+        cannot be ``req``'s next output token: the request ends with an error instead; else None."""
+        return None
 
     def on_accepted(self, req: Request, drafts: int, taken: int) -> None:
         """A verify pass accepted ``drafts`` proposals for ``req`` and appended ``taken`` tokens

@@ -44,6 +44,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+KV_TRANSFER_FAILED = "kv_transfer_failed"  # the error code of a request whose KV never arrived
+
 
 @dataclass
 class TransferStats:
@@ -147,16 +149,25 @@ class PrefillRole(Mode):
 
 
 class DecodeRole(Mode):
-    """``timeout_s``: how long a request waits for its KV before it fails."""
+    """``timeout_s``: how long a request waits for its KV before it fails; ``handshake_s``: how long
+    its prefill server has to answer the first message; ``max_receiving``: most requests waiting
+    for KV at once (the others wait unadmitted, holding no slot or page)."""
 
     name = "disaggregation"
 
     def __init__(self, cache: "KVCacheManager", ranks: TPRanks, vocab_size: int, timeout_s: float = 60.0,
-                 transport: str = "zmq", host: str = "127.0.0.1") -> None:
+                 transport: str = "zmq", host: str = "127.0.0.1", handshake_s: float = 5.0,
+                 max_receiving: int = 16) -> None:
         self.cache, self.timeout_s, self.ranks = cache, timeout_s, ranks
+        self.handshake_s, self.max_receiving = handshake_s, max_receiving
         self.receiver = KVReceiver(cache.pool, ranks.heads, vocab_size, ranks.size, _writes(transport, cache, host))
         self.receiving: list[tuple[Request, Receive]] = []
         self.counters = TransferStats()
+
+    def admissible(self, req: Request) -> bool:
+        """A request with a bootstrap waits while ``max_receiving`` others wait for their KV: the
+        running slots a client's prefill server can hold are bounded (the count is agreed state)."""
+        return req.pd is None or len(self.receiving) < self.max_receiving
 
     def on_admit(self, req: Request) -> bool:
         """``req`` was admitted with ``req.computed`` prompt tokens from local tiers: ask the
@@ -164,8 +175,9 @@ class DecodeRole(Mode):
         if req.pd is None:
             return False
         boot = req.pd.bootstrap
+        now = time.perf_counter()
         job = Receive(boot.room, boot.address, req.computed, req.kv.slots[: len(req.prompt_ids)],
-                      time.perf_counter() + self.timeout_s)
+                      now + self.timeout_s, handshake_deadline=now + self.handshake_s)
         req.pd.decode_prefix_len = req.computed
         self.receiver.submit(job)
         self.receiving.append((req, job))
@@ -207,7 +219,7 @@ class DecodeRole(Mode):
                 s.failed += 1
                 error = job.error or "the KV transfer failed on another rank of this server"
                 logger.warning("P/D decode rid=%d room=%d failed: %s", req.rid, job.room, error)
-                actions.append(Fail(req, error))
+                actions.append(Fail(req, error, KV_TRANSFER_FAILED))
                 continue
             s.tokens += job.received_tokens
             s.bytes += job.received_bytes
@@ -222,7 +234,8 @@ class DecodeRole(Mode):
 
     def stats(self) -> dict:
         """``Engine.stats()["disaggregation"]``: the mode, open transfers and this rank's counters."""
-        return {"mode": "decode", "open": len(self.receiving), **dataclasses.asdict(self.counters)}
+        return {"mode": "decode", "open": len(self.receiving), "max_receiving": self.max_receiving,
+                **dataclasses.asdict(self.counters)}
 
     def close(self) -> None:
         self.receiver.close()
@@ -237,5 +250,6 @@ def build(ctx: ModeContext) -> Mode | None:
                            cfg.disaggregation_transfer_timeout, cfg.disaggregation_transfer_backend)
     if cfg.disaggregation_mode == "decode":
         return DecodeRole(ctx.cache, ctx.pd_ranks, ctx.vocab_size, cfg.disaggregation_transfer_timeout,
-                          cfg.disaggregation_transfer_backend, host)
+                          cfg.disaggregation_transfer_backend, host, cfg.disaggregation_handshake_timeout,
+                          cfg.max_receiving)
     return None

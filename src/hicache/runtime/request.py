@@ -94,6 +94,7 @@ class Request:
     finish_time: float = 0.0
     finish_reason: str = ""
     error: str = ""  # why the engine failed it (finish_reason "error")
+    error_code: str = ""  # what failed: "" the engine, or a mode's code (kv_transfer_failed, grammar_failed)
     text: str = ""
     # Called on the scheduler thread after each new token and once more when finished
     # (status FINISHED); a server uses it to stream. Must be cheap and must not raise.
@@ -150,14 +151,14 @@ class GenerateResult:
     queue_time_s: float  # arrival -> admitted
     forward_time_s: float  # admitted -> first token
     e2e_s: float
-    error: str = ""  # with finish_reason "error": what failed in the engine
+    error: str = ""  # with finish_reason "error": what failed
+    error_code: str = ""  # "" (the engine failed), "kv_transfer_failed" (P/D), "grammar_failed"
     spec_accept_length: float = 0.0  # speculative decoding: mean tokens per verify pass (0: off)
     spec_verify_steps: int = 0
     disaggregated: bool = False  # P/D: the request had a bootstrap
     decode_prefix_len: int = 0  # P/D decode side: prompt tokens its own tiers supplied
     kv_transferred_tokens: int = 0  # P/D: prompt tokens whose KV crossed between the servers
     kv_transferred_bytes: int = 0
-    kv_transfer_error: bool = False  # P/D: finish_reason "error" because the transfer failed
     logprobs: list = field(default_factory=list)  # sampling.logprobs: a TokenLogprob per output token
 
     @classmethod
@@ -183,7 +184,7 @@ class GenerateResult:
             spec_verify_steps=req.spec.verify_steps if req.spec else 0,
             disaggregated=req.pd is not None,
             decode_prefix_len=req.pd.decode_prefix_len if req.pd else 0,
-            kv_transfer_error=req.pd is not None and bool(req.error),
+            error_code=req.error_code,
             kv_transferred_tokens=req.pd.transferred_tokens if req.pd else 0,
             kv_transferred_bytes=req.pd.transferred_bytes if req.pd else 0,
             logprobs=list(req.logprobs),

@@ -47,13 +47,28 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI: each bias is in [-100, 100]
 
 
 @dataclass(frozen=True)
+class GrammarCost:
+    """What vetting a grammar found (runtime/grammar_vet.py), carried with every request of it so
+    that every rank budgets it alike: llguidance's compiled ``grammar`` text, the bytes of the
+    matcher a rank builds once per grammar (``template_bytes``) and of each request's copy
+    (``request_bytes``), and the slowest token mask measured (``mask_us``, microseconds)."""
+
+    grammar: str
+    template_bytes: int
+    request_bytes: int
+    mask_us: int
+
+
+@dataclass(frozen=True)
 class GrammarSpec:
     """What a request's output must match (runtime/grammar.py compiles it): ``kind`` is
     ``json_schema`` (``source``: the schema as JSON text; ``{"type": "object"}`` is OpenAI's
-    json_object mode), ``regex``, ``ebnf`` (GBNF, as SGLang's ``ebnf``) or ``lark``."""
+    json_object mode), ``regex``, ``ebnf`` (GBNF, as SGLang's ``ebnf``) or ``lark``. ``cost``:
+    set once the grammar was vetted (equal specs are the same grammar, vetted or not)."""
 
     kind: str
     source: str
+    cost: Optional[GrammarCost] = field(default=None, compare=False, repr=False)
 
     def validate(self) -> None:
         if self.kind not in GRAMMAR_KINDS:

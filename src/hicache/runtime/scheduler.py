@@ -156,8 +156,7 @@ class Scheduler:
             if isinstance(a, StartDecode):
                 self._start_decode(a.req, a.first_token, finished)
             elif isinstance(a, Fail):
-                a.req.error = a.error
-                self._finish(a.req, "error")
+                self._fail(a.req, a.code, a.error)
                 finished.append(a.req)
             elif isinstance(a, Release):
                 self.release_kv(a.req)
@@ -202,6 +201,8 @@ class Scheduler:
                 continue  # n > 1: admitted once its sibling's prompt is cached, to share its pages
             if self.shared_prefill_wait and computing_prefix_of(req, self.running) is not None:
                 continue  # another request is computing its first tokens: it hits them once cached
+            if not all([m.admissible(req) for m in self.modes]):  # every mode hears of it
+                continue  # e.g. its grammar's matcher is being built, or a budget is full
             if not self._admit(req):
                 break  # first-come first-served for memory: later requests wait behind it
             self.waiting.remove(req)
@@ -256,9 +257,12 @@ class Scheduler:
         constrain the logits first (grammar masks, penalties); logprobs are of those logits."""
         for mode in self.modes:
             mode.constrain(batch, logits)
+        failed = {i: code_why for m in self.modes for i, code_why in m.failures(batch).items()}
         tokens = self._tokens(batch, logits)
+        for i in failed:
+            tokens[i] = -1
         wanted = any(r.sampling.logprobs is not None for r in batch.reqs)
-        return Sampled(tokens, batch_logprobs(batch, logits, tokens) if wanted else {})
+        return Sampled(tokens, batch_logprobs(batch, logits, tokens) if wanted else {}, failed)
 
     def _tokens(self, batch: "Batch", logits: torch.Tensor) -> list:
         for mode in self.modes:
@@ -287,6 +291,10 @@ class Scheduler:
         for i, (req, n, tok) in enumerate(zip(batch.reqs, batch.new_tokens, sampled.tokens)):
             req.in_flight = False
             if req.status is Status.FINISHED:  # aborted while its batch was in flight
+                continue
+            if i in sampled.failed:  # a mode could not go on with it (its grammar failed): no token
+                self._fail(req, *sampled.failed[i])
+                finished.append(req)
                 continue
             logprobs = sampled.logprobs.get(i, ())
             if isinstance(tok, (list, tuple)):  # a pass a mode composed: the accepted tokens
@@ -378,12 +386,32 @@ class Scheduler:
         """Cache the pages of ``req`` that have KV, free the rest, drop its lock."""
         self.cache.release(req.namespace, req.tokens_with_kv(), req.kv)
 
+    def _fail(self, req: Request, code: str, error: str) -> None:
+        """End ``req`` with finish reason "error" (a mode's ``code``), running or still waiting."""
+        req.error, req.error_code = error, code
+        if req.status is not Status.WAITING:
+            self._finish(req, "error")
+            return
+        self.waiting.remove(req)
+        if req.prefetch is not None:
+            self.cache.finish_prefetch(req.prefetch.op, req.tokens_np)
+            req.prefetch = None
+        req.status, req.finish_reason, req.finish_time = Status.FINISHED, "error", time.perf_counter()
+        if req.on_update is not None:
+            req.on_update(req)
+        logger.info("finish rid=%d reason=error (%s) while waiting", req.rid, code)
+
     def _start_decode(self, req: Request, first_token: int, finished: list[Request]) -> None:
         """``req``'s whole prompt has KV (local tiers + what a mode received): decode from
         ``first_token``, which was sampled elsewhere."""
         req.computed = len(req.prompt_ids)
         for mode in self.modes:
             mode.on_computed(req)
+        refusal = next((r for m in self.modes if (r := m.refuses(req, first_token)) is not None), None)
+        if refusal is not None:  # e.g. it breaks the request's grammar: never shown to the client
+            self._fail(req, *refusal)
+            finished.append(req)
+            return
         req.first_token_time = time.perf_counter()
         req.status = Status.DECODE
         self._append_token(req, first_token, finished)

@@ -55,6 +55,7 @@ from .submit import (
     _timing,
     engine_dead,
     engine_dead_during,
+    vet_grammar,
 )
 from .tools import ChatChunks, ChunkFn, chat_message, chat_prompt
 
@@ -89,8 +90,7 @@ def _sampling(st: ServerState, body: _Sampling, max_new: Optional[int], default_
         grammar=grammar or own, **body.adjustments(),
     )
     try:
-        st.engine.check_sampling(sp)
-        st.engine.check_grammar(sp.grammar)  # compiled here, off the event loop (then cached)
+        st.engine.check_sampling(sp)  # (the grammar is vetted next, without holding this thread: vet_grammar)
     except InvalidRequestError as e:
         field = "tools" if grammar is not None and e.param == "grammar" else body.field_of(e.param)
         raise APIError(400, str(e), param=field or param, code="invalid_value") from None
@@ -111,7 +111,8 @@ def _prepare_chat(raw: bytes, st: ServerState) -> Prepared:
         raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
     ids = tok.encode(text)
     _check_fits(ids, body.max_new_tokens(), st.engine.context_length, "messages")
-    return Prepared(body, [ids], sp, "messages", chat.call_names, body.n)
+    return Prepared(body, [ids], sp, "messages", chat.call_names, body.n,
+                    "tools" if forced is not None else body.field_of("grammar"))
 
 
 def _prepare_completion(raw: bytes, st: ServerState) -> Prepared:
@@ -124,7 +125,7 @@ def _prepare_completion(raw: bytes, st: ServerState) -> Prepared:
     for ids in prompts:
         _check_fits(ids, body.max_tokens if "max_tokens" in body.model_fields_set else None,
                     st.engine.context_length, "prompt")
-    return Prepared(body, prompts, sp, "prompt", n=body.n)
+    return Prepared(body, prompts, sp, "prompt", n=body.n, grammar_param=body.field_of("grammar"))
 
 
 def create_app(loop: EngineLoop, metrics: ServerMetrics, opts: ServerOptions) -> FastAPI:
@@ -224,6 +225,7 @@ def _add_openai_routes(app: FastAPI, st: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         p: Prepared = await st.off_loop(_prepare_chat, await read_body(request, st.opts.max_request_bytes), st)
+        await vet_grammar(st, p)
         base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": p.body.model,
                 "object": "chat.completion.chunk" if p.body.stream else "chat.completion"}
         logprobs = (lambda entries: chat_logprobs(entries, decode)) if p.sampling.logprobs is not None else None
@@ -238,6 +240,7 @@ def _add_openai_routes(app: FastAPI, st: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         p: Prepared = await st.off_loop(_prepare_completion, await read_body(request, st.opts.max_request_bytes), st)
+        await vet_grammar(st, p)
         base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": p.body.model}
         asked = p.sampling.logprobs is not None

@@ -51,6 +51,7 @@ from .submit import (
     _submit,
     _timing,
     engine_dead_during,
+    vet_grammar,
 )
 
 logger = logging.getLogger(__name__)
@@ -177,8 +178,7 @@ def _sampling(st: ServerState, body: GenerateRequest, sp: NativeSamplingParams) 
                          min_p=sp.min_p, logit_bias=sp.logit_bias_ids(), min_tokens=sp.min_new_tokens,
                          logprobs=body.top_logprobs_num if body.return_logprob else None)
     try:
-        st.engine.check_sampling(out)
-        st.engine.check_grammar(out.grammar)
+        st.engine.check_sampling(out)  # (the grammar is vetted next, without holding this thread: vet_grammar)
     except InvalidRequestError as e:
         raise APIError(400, f"sampling_params: {e}", param=_native_field(e.param, sp) or "sampling_params",
                        code="invalid_value") from None
@@ -208,7 +208,7 @@ def _prepare_generate(raw: bytes, st: ServerState) -> Prepared:
     ids, param = _prompt(body, st)
     explicit = sp.max_new_tokens if "max_new_tokens" in sp.model_fields_set else None  # a default one is shortened
     _check_fits(ids, explicit, st.engine.context_length, param)
-    return Prepared(body, [ids], sampling, param)
+    return Prepared(body, [ids], sampling, param, grammar_param=_native_field("grammar", sp))
 
 
 def _finish_reason(res: GenerateResult, p: Prepared, st: ServerState) -> Optional[dict[str, Any]]:
@@ -276,6 +276,7 @@ def add_native_routes(app: FastAPI, st: ServerState) -> None:
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         p: Prepared = await st.off_loop(_prepare_generate, await read_body(request, st.opts.max_request_bytes), st)
+        await vet_grammar(st, p)
         rid = p.body.rid or uuid.uuid4().hex  # type: ignore[attr-defined]
         handle = _submit(st, p)
         logger.info("generate rid=%d id=%s prompt=%d max_new=%d stream=%s", handle.rid, rid, handle.prompt_tokens,

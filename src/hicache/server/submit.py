@@ -7,6 +7,7 @@ Counts are tokens; times are seconds.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from typing import Any, Optional
 
 from fastapi import Request
 
-from ..errors import ContextLengthError, EngineDeadError, HicacheError, InvalidRequestError
+from ..errors import ContextLengthError, EngineDeadError, HicacheError, InvalidRequestError, OverloadedError
 from ..frontend.loop import RequestHandle
 from ..runtime.request import GenerateResult
 from ..runtime.sampling import SamplingParams
@@ -36,6 +37,7 @@ class Prepared:
     param: str  # the field that holds the prompt, for errors about it
     call_names: frozenset[str] = frozenset()  # chat with tools: functions whose calls are parsed
     n: int = 1
+    grammar_param: Optional[str] = None  # the field that holds the grammar, for errors about it
 
     @property
     def ids(self) -> list[int]:
@@ -48,11 +50,15 @@ def engine_dead(e: BaseException | str) -> APIError:
 
 
 def engine_dead_during(res: GenerateResult) -> APIError:
-    """A request the engine failed while it ran (finish_reason "error"). A P/D request whose
-    KV transfer failed is that request's failure, not the engine's."""
-    if res.kv_transfer_error:
+    """A request the engine ended with finish_reason "error". A P/D request whose KV transfer
+    failed (503 ``kv_transfer_failed``) or whose grammar could not be kept (422 ``grammar_failed``:
+    the same request would fail again, so not a status clients retry) failed alone; anything
+    else is the engine's failure (503 ``engine_dead``)."""
+    if res.error_code == "kv_transfer_failed":
         return APIError(503, f"the KV transfer for this request failed: {res.error}", type="server_error",
-                        code="kv_transfer_failed")
+                        code=res.error_code)
+    if res.error_code == "grammar_failed":
+        return APIError(422, f"{res.error}.", type="invalid_request_error", code=res.error_code)
     return engine_dead(f"the engine failed during this request: {res.error}")
 
 
@@ -95,6 +101,22 @@ def _check_fits(ids: list[int], max_new: Optional[int], context_length: int, par
         raise APIError(400, f"the prompt has {len(ids)} tokens and max_tokens is {max_new}, but the context length "
                             f"is {context_length}; lower max_tokens or shorten the prompt.",
                        param=param, code="context_length_exceeded")
+
+
+async def vet_grammar(st: ServerState, p: Prepared) -> None:
+    """Wait for the verdict on ``p``'s grammar (compiled in the engine's contained grammar checker,
+    runtime/grammar_vet.py) without holding any thread; attach its cost to ``p.sampling``. A grammar
+    the engine refuses is a 400 naming its field; too many grammars waiting, a 503."""
+    spec = p.sampling.grammar
+    if spec is None or spec.cost is not None:
+        return
+    try:
+        vetted = await asyncio.wrap_future(st.engine.vet_grammar(spec))
+    except InvalidRequestError as e:
+        raise APIError(400, str(e), param=p.grammar_param, code="invalid_value") from None
+    except OverloadedError as e:
+        raise APIError(503, str(e), type="server_error", code="server_overloaded") from None
+    p.sampling = dataclasses.replace(p.sampling, grammar=vetted)
 
 
 def _sse(obj: Any) -> str:

@@ -1,0 +1,216 @@
+"""The grammar vetting worker: a process of its own that compiles untrusted grammars.
+
+Run as a script (``python -I grammar_worker.py``) by :class:`hicache.runtime.grammar_vet.GrammarVetter`,
+never imported by the engine: it imports only the standard library, numpy and llguidance, so it
+starts in a fraction of a second and a native crash, a runaway compile or its memory stays here.
+
+Protocol on stdin/stdout: messages of a 4-byte big-endian length and UTF-8 JSON. The first one in
+is the configuration (the tokenizer's JSON, its vocabulary and EOS ids, the limits); the worker
+answers ``{"ready": true}``. Then each job ``{"kind", "source"}`` gets one verdict:
+
+- ``{"ok": false, "error": one sentence}``; or
+- ``{"ok": true, "grammar": llguidance's grammar text, "template_bytes", "request_bytes",
+  "mask_us", "compile_ms", "steps"}``: the grammar compiled, its first mask allows a token, and a
+  walk of up to ``walk_steps`` tokens it allows kept it usable. ``template_bytes``: bytes malloc
+  holds more after the matcher was built and computed its first mask (glibc ``mallinfo2``; RSS
+  where that is missing); ``request_bytes``: more again after a copy of it walked (what each
+  request's own matcher adds: clones share the template's lexer); ``mask_us``: the slowest mask
+  of the walk (the cost one step pays for one request of this grammar).
+
+Limits set here, before any job: ``RLIMIT_AS`` (address space now + the memory limit), no core
+files, a lower priority (``nice``) than the engine; each job runs on a thread whose stack is
+``stack_bytes`` (the engine's grammar threads have several times more, so what passes here cannot
+overflow there). The wall-clock limit is the parent's: it kills this process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import os
+import random
+import resource
+import struct
+import sys
+import threading
+import time
+from typing import Any, BinaryIO, Optional
+
+SENTENCE_CHARS = 300  # an error sentence is cut here (llguidance's can quote the whole grammar)
+
+
+def read_message(stream: BinaryIO) -> Optional[dict]:
+    header = stream.read(4)
+    if len(header) < 4:
+        return None
+    (size,) = struct.unpack(">I", header)
+    return json.loads(stream.read(size).decode())
+
+
+def write_message(stream: BinaryIO, message: dict) -> None:
+    body = json.dumps(message).encode()
+    stream.write(struct.pack(">I", len(body)) + body)
+    stream.flush()
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def _heap_meter():
+    """A function giving the bytes the process's allocator holds in use (glibc's ``mallinfo2``:
+    small and mapped blocks), or its resident set size where that is not available."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+
+        def in_use() -> int:
+            info = libc.mallinfo2()
+            return info.uordblks + info.hblkhd
+
+        in_use()
+        return in_use, getattr(libc, "malloc_trim", None)
+    except (OSError, AttributeError):
+        page = os.sysconf("SC_PAGE_SIZE")
+        return (lambda: int(open("/proc/self/statm").read().split()[1]) * page), None
+
+
+def first_line(error: object) -> str:
+    """llguidance's error as one sentence: its first line, and the parser's ``error:`` line where it
+    names the cause on a later one (under a caret drawing)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    head = lines[0].rstrip(":.") if lines else "unknown error"
+    cause = next((line.removeprefix("error:").strip() for line in lines[1:] if line.startswith("error:")), "")
+    text = (f"{head}: {cause}" if cause else head).rstrip(".")
+    return (text[:SENTENCE_CHARS] + "...") if len(text) > SENTENCE_CHARS else text + "."
+
+
+class Vetter:
+    def __init__(self, config: dict) -> None:
+        import llguidance
+        import numpy as np
+
+        self.lg, self.np, self.config = llguidance, np, config
+        self.tokenizer = llguidance.LLTokenizer(config["tokenizer"], n_vocab=config["vocab_size"],
+                                                eos_token=config["eos"])
+        self.limits = llguidance.LLParserLimits(**config["parser_limits"])
+        self.eos = set(config["eos"])
+        self.in_use, self.trim = _heap_meter()
+
+    def compile(self, kind: str, source: str) -> str:
+        """llguidance's grammar text for a request's ``kind`` and ``source``; ValueError if it has none."""
+        lg = self.lg
+        if kind == "json_schema":
+            grammar = lg.LLMatcher.grammar_from_json_schema(source, defaults=self.config["json_options"])
+        else:
+            grammar = lg.grammar_from({"regex": "regex", "ebnf": "gbnf", "lark": "lark"}[kind], source)
+        is_error, messages = lg.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer, limits=self.limits)
+        if is_error:
+            raise ValueError(messages[0] if messages else "the grammar is not valid")
+        return grammar
+
+    def allowed(self, matcher: Any) -> Any:
+        bits = self.np.unpackbits(self.np.frombuffer(matcher.compute_bitmask(), dtype=self.np.uint8),
+                                  bitorder="little")
+        return self.np.flatnonzero(bits[: self.config["vocab_size"]])
+
+    def vet(self, kind: str, source: str) -> dict:
+        what = f"the {kind} grammar"
+        t0 = time.perf_counter()
+        try:
+            grammar = self.compile(kind, source)
+        except ValueError as e:
+            return {"ok": False, "error": f"{what} cannot be compiled: {first_line(e)}"}
+        gc.collect()
+        before = self.in_use()
+        template = self.lg.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)
+        first = self.allowed(template)
+        error = template.get_error() if template.is_error() else ""
+        if not len(first) or error.startswith("NoExtensionBias"):  # (llguidance: no token can start it)
+            return {"ok": False, "error": f"{what} matches nothing this model's vocabulary can spell."}
+        if error:
+            return {"ok": False, "error": f"{what} cannot be compiled: {first_line(error)}"}
+        compile_ms = (time.perf_counter() - t0) * 1e3
+        built = self.in_use()
+        walk = self.walk(template.deep_copy())
+        if isinstance(walk, str):
+            return {"ok": False, "error": f"{what} cannot be enforced: {walk}"}
+        steps, mask_us = walk
+        template_bytes, request_bytes = max(built - before, 0), max(self.in_use() - built, 0)
+        return {"ok": True, "grammar": grammar, "template_bytes": template_bytes, "request_bytes": request_bytes,
+                "mask_us": mask_us, "compile_ms": compile_ms, "steps": steps}
+
+    def walk(self, matcher: Any) -> tuple[int, int] | str:
+        """Up to ``walk_steps`` tokens the grammar allows (a seeded choice, EOS last), each mask
+        timed: (steps, slowest mask in microseconds), or why the matcher failed on the way."""
+        pick = random.Random(0)
+        slowest, taken = 0, 0
+        for _ in range(self.config["walk_steps"]):
+            t0 = time.perf_counter()
+            allowed = self.allowed(matcher)
+            slowest = max(slowest, int((time.perf_counter() - t0) * 1e6))
+            if matcher.is_error():
+                return f"after {taken} token(s) its matcher fails ({first_line(matcher.get_error())})"
+            choices = [int(t) for t in allowed[:4096] if int(t) not in self.eos]
+            if not choices:
+                break  # only EOS (or nothing but the end) is left: a complete output
+            if not matcher.consume_token(pick.choice(choices)) or matcher.is_error():
+                return f"after {taken + 1} token(s) its matcher fails ({first_line(matcher.get_error())})"
+            taken += 1
+        return taken, slowest
+
+
+def _apply_limits(config: dict) -> None:
+    try:  # die with the engine (Linux): a compile in progress must not outlive it
+        ctypes.CDLL("libc.so.6").prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != config["parent"]:
+        sys.exit(0)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    try:
+        os.nice(config["nice"])
+    except OSError:
+        pass
+    page = os.sysconf("SC_PAGE_SIZE")
+    address_space = int(open("/proc/self/statm").read().split()[0]) * page
+    limit = address_space + config["stack_bytes"] + config["memory_bytes"]
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+def main() -> int:
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    config = read_message(stdin)
+    if config is None:
+        return 1
+    vetter = Vetter(config)
+    _apply_limits(config)
+    threading.stack_size(config["stack_bytes"])
+    write_message(stdout, {"ready": True})
+    while (job := read_message(stdin)) is not None:
+        out: list[dict] = []
+
+        def run(job: dict = job) -> None:
+            try:
+                out.append(vetter.vet(job["kind"], job["source"]))
+            except MemoryError:
+                out.append({"ok": False, "error": f"the {job['kind']} grammar needs more than its memory limit to "
+                                                  "compile."})
+            except Exception as e:  # llguidance raising for a grammar: its message, not a traceback
+                out.append({"ok": False, "error": f"the {job['kind']} grammar cannot be compiled: {first_line(e)}"})
+
+        thread = threading.Thread(target=run, name="vet")
+        thread.start()
+        thread.join()
+        write_message(stdout, out[0])
+        gc.collect()
+        if vetter.trim is not None:
+            vetter.trim(0)  # give the job's memory back, so the next job's figures start low
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
