@@ -101,6 +101,7 @@ class Template:
     spec: GrammarSpec
     build: Optional[Future]
     agreed: bool = False
+    retired: bool = False  # a request's matcher failed: its copies may share a spent lexer, new requests get a new one
     users: int = 0  # admitted requests of this grammar
     waiting: list[Request] = field(default_factory=list)  # requests seen waiting for the build
 
@@ -129,7 +130,7 @@ class GrammarState:
             self.matcher = self.template.build.result().deep_copy()
         new = req.output_ids[self.consumed:]
         if new and not self.matcher.consume_tokens(new):
-            return f"its matcher failed on output token {len(req.output_ids)} ({first_line(self.matcher.get_error())})"
+            return f"its matcher failed on output token {len(req.output_ids)}: {first_line(self.matcher.get_error())}"
         self.consumed = len(req.output_ids)
         return ""
 
@@ -158,6 +159,7 @@ class GrammarMode(Mode):
         self._templates: OrderedDict[GrammarSpec, Template] = OrderedDict()  # least recently used first
         self._building: list[Template] = []  # open work items, in the order their builds started
         self.held_bytes = 0  # templates held + copies of the admitted requests
+        self.peak_held_bytes = 0
         self.admitted_mask_us = 0
         self.admitted = 0
         self._lg: Any = None  # llguidance and its tokenizer, made on the builder thread
@@ -207,8 +209,12 @@ class GrammarMode(Mode):
         template = Template(spec, self._builder.submit(self._build, spec) if self.samples else None)
         self._templates[spec] = template
         self._building.append(template)
-        self.held_bytes += template.bytes
+        self._hold(template.bytes)
         return template
+
+    def _hold(self, n: int) -> None:
+        self.held_bytes += n
+        self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
 
     def _build(self, spec: GrammarSpec) -> Any:
         """The template matcher of ``spec`` (builder thread), its first mask computed so that
@@ -232,21 +238,29 @@ class GrammarMode(Mode):
             template = self._templates[spec]
             template.waiting = [r for r in template.waiting if r is not req]
             template.users += 1
-            self.held_bytes += spec.cost.request_bytes
+            self._hold(spec.cost.request_bytes)
             self.admitted_mask_us += spec.cost.mask_us
             self.admitted += 1
             req.grammar = GrammarState(template)
         return False
 
     def on_finish(self, req: Request) -> bool:
+        """Release what ``req`` held. A request whose grammar failed retires its template: llguidance's
+        limits count the lexer the copies share, so a spent one would fail every later copy; the next
+        request of the grammar builds a fresh template (every rank hears of the failure alike)."""
         state: Optional[GrammarState] = req.grammar
         if state is not None:
-            cost = req.sampling.grammar.cost
-            state.template.users -= 1
+            cost, template = req.sampling.grammar.cost, state.template
+            template.users -= 1
             self.held_bytes -= cost.request_bytes
             self.admitted_mask_us -= cost.mask_us
             self.admitted -= 1
             req.grammar = None  # the matcher's memory goes with it
+            if req.error_code == GRAMMAR_FAILED and not template.retired:
+                template.retired = True
+                del self._templates[template.spec]
+            if template.retired and not template.users:
+                self.held_bytes -= template.bytes
         return False
 
     def refuses(self, req: Request, token: int) -> Optional[tuple[str, str]]:
@@ -363,7 +377,7 @@ class GrammarMode(Mode):
         """Mask ``row`` by what ``matcher`` allows: "" or why it allows nothing."""
         bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
         if matcher.is_error():
-            return f"its matcher failed ({first_line(matcher.get_error())})"
+            return f"its matcher failed: {first_line(matcher.get_error())}"
         mask = torch.from_numpy(bits[: self._vocab_size].astype(np.bool_))
         if not bool(mask.any()):
             return "it allows no token here"
@@ -374,15 +388,16 @@ class GrammarMode(Mode):
     def _failure(self, req: Request, why: str) -> str:
         spec = req.sampling.grammar
         logger.warning("grammar rid=%d failed after %d output tokens: %s", req.rid, len(req.output_ids), why)
-        return (f"the {spec.kind} grammar could not be enforced after {len(req.output_ids)} output tokens: {why}; "
-                "nothing after them was generated")
+        return (f"the {spec.kind} grammar could not be enforced after {len(req.output_ids)} output tokens (nothing "
+                f"after them was generated): {why}").rstrip(".")
 
     def stats(self) -> dict[str, Any]:
         if not self._templates and not self.masked_rows and not self.failed_requests:
             return {}
         return {"masked_rows": self.masked_rows, "failed_requests": self.failed_requests,
                 "templates": len(self._templates), "evicted_templates": self.evicted, "admitted": self.admitted,
-                "held_bytes": self.held_bytes, "budget_bytes": self.memory_bytes,
+                "held_bytes": self.held_bytes, "peak_held_bytes": self.peak_held_bytes,
+                "budget_bytes": self.memory_bytes,
                 "admitted_mask_us": self.admitted_mask_us, "mask_budget_us": self.mask_us}
 
     def close(self) -> None:

@@ -58,6 +58,9 @@ CACHE_ENTRIES = 256
 CACHE_CHARS = 32 << 20  # grammar text the verdict cache holds
 MIN_TEMPLATE_BYTES = 64 << 10  # floors: a matcher is never counted as free
 MIN_REQUEST_BYTES = 16 << 10
+# The worker may hold this much more than the budget, so that a grammar a little over it is
+# measured and refused with its figure rather than killed by the address-space limit.
+WORKER_HEADROOM_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,7 @@ class GrammarVetter:
         self.limits = limits
         self._config = {**tokenizer_config(tokenizer, vocab_size), "parser_limits": PARSER_LIMITS,
                         "json_options": JSON_OPTIONS, "stack_bytes": VET_STACK_BYTES, "walk_steps": WALK_STEPS,
-                        "memory_bytes": limits.memory_bytes, "nice": 10, "parent": os.getpid()}
+                        "memory_bytes": limits.memory_bytes + WORKER_HEADROOM_BYTES, "nice": 10, "parent": os.getpid()}
         self._lock = threading.Lock()
         self._verdicts: OrderedDict[GrammarSpec, Future] = OrderedDict()
         self._chars = 0
@@ -201,7 +204,7 @@ class GrammarVetter:
         logger.warning("grammar check: the worker died (status %d) on a %s grammar of %d chars; %s", code,
                        spec.kind, len(spec.source), said.strip().splitlines()[-1] if said.strip() else "no message")
         if "memory allocation" in said or code in (-signal.SIGKILL, -signal.SIGABRT) and "alloc" in said:
-            return f"it needs more than {self.limits.memory_bytes / 2**20:.0f} MiB to compile"
+            return f"it needs more than {(self.limits.memory_bytes + WORKER_HEADROOM_BYTES) / 2**20:.0f} MiB to compile"
         if code == -signal.SIGSEGV:
             return "it crashed the grammar compiler (nested or chained too deeply)"
         return f"it stopped the grammar compiler ({_status(code)})"

@@ -137,7 +137,7 @@ class Vetter:
         built = self.in_use()
         walk = self.walk(template.deep_copy())
         if isinstance(walk, str):
-            return {"ok": False, "error": f"{what} cannot be enforced: {walk}"}
+            return {"ok": False, "error": f"{what} cannot be enforced: {walk}"}  # (walk ends with a period)
         steps, mask_us = walk
         template_bytes, request_bytes = max(built - before, 0), max(self.in_use() - built, 0)
         return {"ok": True, "grammar": grammar, "template_bytes": template_bytes, "request_bytes": request_bytes,
@@ -153,12 +153,12 @@ class Vetter:
             allowed = self.allowed(matcher)
             slowest = max(slowest, int((time.perf_counter() - t0) * 1e6))
             if matcher.is_error():
-                return f"after {taken} token(s) its matcher fails ({first_line(matcher.get_error())})"
+                return f"after {taken} token(s) its matcher fails: {first_line(matcher.get_error())}"
             choices = [int(t) for t in allowed[:4096] if int(t) not in self.eos]
             if not choices:
                 break  # only EOS (or nothing but the end) is left: a complete output
             if not matcher.consume_token(pick.choice(choices)) or matcher.is_error():
-                return f"after {taken + 1} token(s) its matcher fails ({first_line(matcher.get_error())})"
+                return f"after {taken + 1} token(s) its matcher fails: {first_line(matcher.get_error())}"
             taken += 1
         return taken, slowest
 

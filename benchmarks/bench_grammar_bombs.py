@@ -1,0 +1,136 @@
+"""Grammar bombs against a live ``hicache serve``: what a plain client feels while they run.
+
+    python benchmarks/bench_grammar_bombs.py [--model smollm2] [--seconds 30] [--bombs NAME,NAME]
+                                             [--n 32] [--src PATH]
+
+A probe client sends a plain 8-token chat (short prompt) every 0.2 s, first alone (``--seconds``
+/ 3: the baseline), then while two hostile clients send every grammar bomb of
+``hicache.bench.hostile.BOMBS`` (each a new variant every time, half of them with ``n`` choices)
+for ``--seconds``. Prints the probe's latency (median, p99, worst) in both phases side by side,
+each bomb's answers, and the resident memory of the server process and of its grammar checker
+before and after. ``--src`` serves another checkout's ``src`` (e.g. the commit before the
+contained grammar checker; give it ``--bombs "counted repetition"``: the others kill that server).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import threading
+import time
+
+import httpx
+import psutil
+
+SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src")
+sys.path.insert(0, SRC)
+
+from hicache.bench.hostile import BOMBS  # noqa: E402
+from hicache.bench.main import launch_server  # noqa: E402
+
+
+def rss_mib(proc: psutil.Process) -> dict[str, float]:
+    """The server's RSS and its children's (the grammar checker), MiB."""
+    out = {"server": proc.memory_info().rss / 2**20}
+    for child in proc.children(recursive=True):
+        try:
+            out[f"child {child.pid}"] = child.memory_info().rss / 2**20
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def probe(url: str, stop: threading.Event, out: list[float], failures: list[str]) -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 8, "ignore_eos": True}
+    with httpx.Client(base_url=url, timeout=300) as c:
+        while not stop.is_set():
+            t0 = time.monotonic()
+            try:
+                r = c.post("/v1/chat/completions", json=body)
+                if r.status_code != 200:
+                    failures.append(f"{r.status_code} {r.text[:200]}")
+            except httpx.HTTPError as e:
+                failures.append(f"{type(e).__name__}: {e}")
+            out.append(time.monotonic() - t0)
+            stop.wait(max(0.0, 0.2 - out[-1]))
+
+
+def hostile(url: str, names: list[str], stop: threading.Event, first: int, n: int,
+            answers: dict[str, dict[str, int]]) -> None:
+    k = first
+    with httpx.Client(base_url=url, timeout=300) as c:
+        while not stop.is_set():
+            name = names[k % len(names)]
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64,
+                    **BOMBS[name](k), **({"n": n} if k % 2 else {})}
+            k += 2
+            try:
+                r = c.post("/v1/chat/completions", json=body)
+                status = str(r.status_code)
+            except httpx.HTTPError as e:
+                status = type(e).__name__
+            per = answers.setdefault(name, {})
+            per[status] = per.get(status, 0) + 1
+
+
+def summary(xs: list[float]) -> str:
+    xs = sorted(xs)
+    p99 = xs[min(len(xs) - 1, int(0.99 * len(xs)))]
+    return f"n={len(xs):3d}  median {statistics.median(xs) * 1e3:6.0f} ms  p99 {p99 * 1e3:6.0f} ms  worst {xs[-1] * 1e3:6.0f} ms"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument("--bombs", default=",".join(BOMBS), help="comma-separated names from hicache.bench.hostile.BOMBS")
+    ap.add_argument("--n", type=int, default=32, help="choices of every other bomb request")
+    ap.add_argument("--src", default=None, help="serve this checkout's src instead of this one's")
+    ap.add_argument("--server-args", default="")
+    args = ap.parse_args()
+    names = [b.strip() for b in args.bombs.split(",") if b.strip()]
+    if args.src:
+        os.environ["PYTHONPATH"] = os.path.abspath(args.src)
+    server, url = launch_server(f"--model {args.model} --served-model-name m {args.server_args}", 300)
+    proc = psutil.Process(server.pid)
+    try:
+        rss_before = rss_mib(proc)
+        quiet, failures = [], []
+        stop = threading.Event()
+        t = threading.Thread(target=probe, args=(url, stop, quiet, failures))
+        t.start()
+        time.sleep(args.seconds / 3)
+        stop.set()
+        t.join()
+        loud: list[float] = []
+        answers: dict[str, dict[str, int]] = {}
+        stop = threading.Event()
+        threads = [threading.Thread(target=probe, args=(url, stop, loud, failures))] + [
+            threading.Thread(target=hostile, args=(url, names, stop, i, args.n, answers)) for i in range(2)]
+        for t in threads:
+            t.start()
+        time.sleep(args.seconds)
+        stop.set()
+        for t in threads:
+            t.join(600)
+        alive = server.poll() is None
+        rss_after = rss_mib(proc) if alive else {}
+        print(f"\nplain 8-token chat every 0.2 s, {args.model}, server {'alive' if alive else 'DEAD'}")
+        print(f"  alone:          {summary(quiet)}")
+        if loud:
+            print(f"  under bombs:    {summary(loud)}   worst {max(loud) / max(quiet):.1f}x alone's")
+        print(f"  probe failures: {len(failures)} {failures[:3]}")
+        for name in names:
+            print(f"  bomb {name!r}: {answers.get(name, {})}")
+        print(f"  RSS MiB before: {({k: round(v) for k, v in rss_before.items()})}")
+        print(f"  RSS MiB after:  {({k: round(v) for k, v in rss_after.items()})}")
+    finally:
+        if server.poll() is None:
+            server.terminate()
+            server.wait(60)
+
+
+if __name__ == "__main__":
+    main()
