@@ -6,7 +6,7 @@
 A probe client sends a plain 8-token chat (short prompt) every 0.2 s, first alone (``--seconds``
 / 3: the baseline), then while two hostile clients send every grammar bomb of
 ``hicache.bench.hostile.BOMBS`` (each a new variant every time, half of them with ``n`` choices)
-for ``--seconds``. Prints the probe's latency (median, p99, worst) in both phases side by side,
+for ``--seconds`` (back to back, or ``--pace`` seconds apart). Prints the probe's latency (median, p99, worst) in both phases side by side,
 each bomb's answers, and the resident memory of the server process and of its grammar checker
 before and after. ``--src`` serves another checkout's ``src`` (e.g. the commit before the
 contained grammar checker; give it ``--bombs "counted repetition"``: the others kill that server).
@@ -42,11 +42,14 @@ def rss_mib(proc: psutil.Process) -> dict[str, float]:
     return out
 
 
-def probe(url: str, stop: threading.Event, out: list[float], failures: list[str]) -> None:
+def probe(url: str, stop: threading.Event, out: list[float], failures: list[str],
+          started: list[float] | None = None) -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 8, "ignore_eos": True}
     with httpx.Client(base_url=url, timeout=300) as c:
         while not stop.is_set():
             t0 = time.monotonic()
+            if started is not None:
+                started.append(t0)
             try:
                 r = c.post("/v1/chat/completions", json=body)
                 if r.status_code != 200:
@@ -58,7 +61,7 @@ def probe(url: str, stop: threading.Event, out: list[float], failures: list[str]
 
 
 def hostile(url: str, names: list[str], stop: threading.Event, first: int, n: int,
-            answers: dict[str, dict[str, int]]) -> None:
+            answers: dict[str, dict[str, int]], pace: float) -> None:
     k = first
     with httpx.Client(base_url=url, timeout=300) as c:
         while not stop.is_set():
@@ -73,6 +76,7 @@ def hostile(url: str, names: list[str], stop: threading.Event, first: int, n: in
                 status = type(e).__name__
             per = answers.setdefault(name, {})
             per[status] = per.get(status, 0) + 1
+            stop.wait(pace)
 
 
 def summary(xs: list[float]) -> str:
@@ -87,14 +91,22 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--bombs", default=",".join(BOMBS), help="comma-separated names from hicache.bench.hostile.BOMBS")
     ap.add_argument("--n", type=int, default=32, help="choices of every other bomb request")
+    ap.add_argument("--pace", type=float, default=0.0,
+                    help="seconds each hostile client waits after an answer (0: back to back, a flood of 400s)")
     ap.add_argument("--src", default=None, help="serve this checkout's src instead of this one's")
     ap.add_argument("--server-args", default="")
+    ap.add_argument("--url", default=None, help="a server already running (its model named 'm'), instead of launching one")
     args = ap.parse_args()
     names = [b.strip() for b in args.bombs.split(",") if b.strip()]
     if args.src:
         os.environ["PYTHONPATH"] = os.path.abspath(args.src)
-    server, url = launch_server(f"--model {args.model} --served-model-name m {args.server_args}", 300)
-    proc = psutil.Process(server.pid)
+    if args.url:
+        server, url = None, args.url
+        proc = next(p for p in psutil.process_iter(["cmdline"]) if "serve" in (p.info["cmdline"] or []) and
+                    args.url.rsplit(":", 1)[1] in (p.info["cmdline"] or []))
+    else:
+        server, url = launch_server(f"--model {args.model} --served-model-name m {args.server_args}", 300)
+        proc = psutil.Process(server.pid)
     try:
         rss_before = rss_mib(proc)
         quiet, failures = [], []
@@ -105,29 +117,33 @@ def main() -> None:
         stop.set()
         t.join()
         loud: list[float] = []
+        loud_at: list[float] = []
         answers: dict[str, dict[str, int]] = {}
         stop = threading.Event()
-        threads = [threading.Thread(target=probe, args=(url, stop, loud, failures))] + [
-            threading.Thread(target=hostile, args=(url, names, stop, i, args.n, answers)) for i in range(2)]
+        t_loud = time.monotonic()
+        threads = [threading.Thread(target=probe, args=(url, stop, loud, failures, loud_at))] + [
+            threading.Thread(target=hostile, args=(url, names, stop, i, args.n, answers, args.pace)) for i in range(2)]
         for t in threads:
             t.start()
         time.sleep(args.seconds)
         stop.set()
         for t in threads:
             t.join(600)
-        alive = server.poll() is None
+        alive = proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
         rss_after = rss_mib(proc) if alive else {}
         print(f"\nplain 8-token chat every 0.2 s, {args.model}, server {'alive' if alive else 'DEAD'}")
         print(f"  alone:          {summary(quiet)}")
         if loud:
             print(f"  under bombs:    {summary(loud)}   worst {max(loud) / max(quiet):.1f}x alone's")
+            worst = sorted(zip(loud, loud_at), reverse=True)[:3]
+            print("  slowest probes: " + ", ".join(f"{d * 1e3:.0f} ms at +{at - t_loud:.1f} s" for d, at in worst))
         print(f"  probe failures: {len(failures)} {failures[:3]}")
         for name in names:
             print(f"  bomb {name!r}: {answers.get(name, {})}")
         print(f"  RSS MiB before: {({k: round(v) for k, v in rss_before.items()})}")
         print(f"  RSS MiB after:  {({k: round(v) for k, v in rss_after.items()})}")
     finally:
-        if server.poll() is None:
+        if server is not None and server.poll() is None:
             server.terminate()
             server.wait(60)
 

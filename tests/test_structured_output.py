@@ -177,28 +177,34 @@ def test_grammar_under_speculation_and_with_a_cached_prompt() -> None:
 
 @pytest.mark.multirank
 @pytest.mark.parallel
-def test_tp2_ranks_apply_the_same_masks(checker) -> None:
-    """Every TP rank keeps its own matcher: greedy and seeded outputs equal one rank's, the
-    consensus checker on (PP2 was checked by hand the same way: docs/structured_output.md)."""
+def test_tp2_and_pp2_ranks_apply_the_same_masks(checker) -> None:
+    """Every sampling rank keeps its own matcher: greedy and seeded outputs equal one rank's at TP2
+    and at PP2 (where stage 0 holds no matcher, agrees the template builds, and the last stage's
+    failures come back with the tokens), the consensus checker on; a grammar that fails
+    mid-request ends it with grammar_failed on every layout."""
     spec = GrammarSpec("regex", "(alpha|beta|gamma|delta)( (alpha|beta|gamma|delta)){5,12}")
     prompt = "List: " + "alpha beta gamma delta " * 8
     sampling = [SamplingParams(max_new_tokens=120, temperature=0.0, grammar=spec),
-                SamplingParams(max_new_tokens=120, temperature=1.0, seed=4, grammar=spec)]
+                SamplingParams(max_new_tokens=120, temperature=1.0, seed=4, grammar=spec),
+                SamplingParams(max_new_tokens=100, temperature=0.0,  # its lexer runs out at output token 65
+                               grammar=GrammarSpec("regex", "[a-z]{64}(b{1000}){1000}"))]
     # and penalties, logprobs and n = 2 sharing the prompt (the sibling waits across ranks)
     penalized = SamplingParams(max_new_tokens=30, temperature=0.7, seed=9, frequency_penalty=1.0,
                                presence_penalty=0.5, logprobs=2)
     outputs, logprobs = [], []
-    for tp in (1, 2):
-        engine = Engine("random:tiny", dtype="float32", max_total_tokens=4096, tp_size=tp)
+    for tp, pp in ((1, 1), (2, 1), (1, 2)):
+        engine = Engine("random:tiny", dtype="float32", max_total_tokens=4096, tp_size=tp, pp_size=pp)
         try:
-            outputs.append([r.output_ids for r in engine.generate([prompt, prompt], sampling)])
+            results = engine.generate([prompt, prompt, prompt], sampling)
+            assert [(r.finish_reason, r.error_code) for r in results][2] == ("error", "grammar_failed")
+            outputs.append([r.output_ids for r in results])
             choices = engine.generate([prompt], penalized, n=2)
             outputs[-1] += [r.output_ids for r in choices]
             logprobs.append([e.logprob for r in choices for e in r.logprobs])
             assert [len(r.logprobs) for r in choices] == [len(r.output_ids) for r in choices]
-            if tp == 2:
+            if tp * pp > 1:
                 assert engine.group.monitor.divergence is None
         finally:
             engine.shutdown()
-    assert outputs[0] == outputs[1]
-    assert logprobs[0] == pytest.approx(logprobs[1], abs=1e-4)
+    assert outputs[0] == outputs[1] == outputs[2]
+    assert logprobs[0] == pytest.approx(logprobs[1], abs=1e-4) == logprobs[2]

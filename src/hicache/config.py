@@ -205,8 +205,8 @@ class EngineConfig(SpeculativeOptions):
         "llguidance", "Structured output (response_format, forced tool calls, json_schema / regex / ebnf): the grammar "
         "engine that masks each step's tokens; 'none' refuses such requests.", ("llguidance", "none"))
     grammar_compile_timeout: float = _opt(
-        5.0, "Seconds a new grammar may take to compile and walk in the contained grammar checker "
-        "(docs/structured_output.md); a slower one is refused with 400.")
+        5.0, "CPU seconds a new grammar may take to compile and walk in the contained grammar checker, which runs "
+        "at the lowest priority (wall-clock: 4x that); a slower one is refused with 400 (docs/structured_output.md).")
     grammar_memory_budget_mb: int = _opt(
         1024, "MiB of grammar matchers the engine holds: one per grammar plus each request's copy, as the grammar "
         "checker measured them. A grammar needing more alone is refused; past it, grammar requests wait.")

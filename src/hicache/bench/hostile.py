@@ -38,13 +38,13 @@ def _nested(depth: int) -> dict:
 BOMBS: dict[str, Bomb] = {
     # ~1 s to the first mask, then the lexer runs out of expressions (before: 0.7 s and ~160 MB per
     # request on the scheduler thread, and output that broke the grammar)
-    "counted repetition": lambda n: {"regex": f"({'abcdefgh'[n % 8]}{{1000}}){{1000}}"},
-    "ref chain": lambda n: _schema(ref_chain(2500 + n % 100)),
+    "counted repetition": lambda n: {"regex": f"({'abcdefgh'[n % 8]}{{1000}}){{{1000 + n}}}"},
+    "ref chain": lambda n: _schema(ref_chain(2500 + n)),
     "deep nesting": lambda n: _schema(_nested(40 + n % 20)),
     "huge enum": lambda n: _schema({"enum": [f"v{n}-{i}" for i in range(5000)]}),
     "wide anyOf": lambda n: _schema({"anyOf": [{"const": f"c{n}-{i}"} for i in range(800)]}),
     "long alternation": lambda n: {"regex": "(" + "|".join(f"w{n}x{i}" for i in range(4000)) + ")+"},
-    "fails later": lambda n: {"regex": f"[a-z]{{{48 + n % 16}}}(b{{1000}}){{1000}}"},
+    "fails later": lambda n: {"regex": f"[a-z]{{{48 + n % 16}}}(b{{1000}}){{{1000 + n}}}"},
     "forced tool chain": lambda n: {"tools": [{"type": "function", "function": {
         "name": "f", "parameters": ref_chain(150 + n % 50, at="#/properties/arguments")}}], "tool_choice": "required"},
     "empty regex": lambda n: {"regex": ""},

@@ -82,6 +82,7 @@ class RequestUpdate:
     error: str = ""  # finish_reason "error": why
     transfer: tuple[int, int, int] = (0, 0, 0)  # P/D: (decode_prefix_len, KV tokens, KV bytes) moved
     logprobs: list = field(default_factory=list)  # the new tokens' TokenLogprob entries (when asked)
+    error_code: str = ""  # finish_reason "error": what failed (runtime.request.Request.error_code)
 
     @classmethod
     def of(cls, req: Request, sent: int) -> "RequestUpdate":
@@ -90,13 +91,13 @@ class RequestUpdate:
                    req.admitted_time, req.first_token_time, req.finish_time,
                    (req.spec.verify_steps, req.spec.accepted_tokens) if req.spec else (0, 0), req.error,
                    (req.pd.decode_prefix_len, req.pd.transferred_tokens, req.pd.transferred_bytes) if req.pd
-                   else (0, 0, 0), req.logprobs[sent:])
+                   else (0, 0, 0), req.logprobs[sent:], req.error_code)
 
     def apply(self, req: Request) -> None:
         req.output_ids.extend(self.token_ids)
         req.logprobs.extend(self.logprobs)
         req.cached = self.cached
-        req.error = self.error
+        req.error, req.error_code = self.error, self.error_code
         if req.pd is not None:
             req.pd.decode_prefix_len, req.pd.transferred_tokens, req.pd.transferred_bytes = self.transfer
         req.admitted_time, req.first_token_time = self.admitted_time, self.first_token_time

@@ -34,7 +34,7 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from ..errors import InvalidRequestError, OverloadedError
 from ..model.tokenizer import Tokenizer
@@ -53,6 +53,9 @@ VET_STACK_BYTES = 8 << 20  # the vetting thread's stack
 ENGINE_STACK_BYTES = 4 * VET_STACK_BYTES  # threads that build and use matchers in the engine
 WALK_STEPS = 16  # tokens walked through a grammar to time its masks
 STARTUP_TIMEOUT_S = 60.0
+WALL_FACTOR = 4.0  # a compile's wall-clock backstop: this many times its CPU-time limit
+POLL_S = 0.05  # how often a wait checks the worker's CPU time
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 MAX_WAITING = 64  # distinct grammars queued for vetting; more: 503
 CACHE_ENTRIES = 256
 CACHE_CHARS = 32 << 20  # grammar text the verdict cache holds
@@ -65,7 +68,7 @@ WORKER_HEADROOM_BYTES = 256 << 20
 
 @dataclass(frozen=True)
 class VetLimits:
-    """``timeout_s``: wall-clock seconds a grammar may take to compile and walk; ``memory_bytes``:
+    """``timeout_s``: CPU seconds a grammar may take to compile and walk (wall-clock: 4x); ``memory_bytes``:
     what one grammar's matchers may hold (template + one request's copy); ``mask_us``: its
     slowest token mask."""
 
@@ -88,7 +91,7 @@ class GrammarVetter:
         self.limits = limits
         self._config = {**tokenizer_config(tokenizer, vocab_size), "parser_limits": PARSER_LIMITS,
                         "json_options": JSON_OPTIONS, "stack_bytes": VET_STACK_BYTES, "walk_steps": WALK_STEPS,
-                        "memory_bytes": limits.memory_bytes + WORKER_HEADROOM_BYTES, "nice": 10, "parent": os.getpid()}
+                        "memory_bytes": limits.memory_bytes + WORKER_HEADROOM_BYTES, "nice": 19, "parent": os.getpid()}
         self._lock = threading.Lock()
         self._verdicts: OrderedDict[GrammarSpec, Future] = OrderedDict()
         self._chars = 0
@@ -158,14 +161,15 @@ class GrammarVetter:
         what = f"the {spec.kind} grammar"
         if self._proc is None or self._proc.poll() is not None:
             self._start_worker()
-        t0 = time.monotonic()
+        budget = _CpuBudget(self._proc.pid, self.limits.timeout_s)
         try:
             _write(self._proc, {"kind": spec.kind, "source": spec.source})
-            reply = _read(self._proc, t0 + self.limits.timeout_s)
+            reply = _read(self._proc, budget.spent)
         except TimeoutError:
             self.counts["timed_out"] += 1
-            logger.warning("grammar check: a %s grammar (%d chars) took over %.1f s; worker pid=%d killed",
-                           spec.kind, len(spec.source), self.limits.timeout_s, self._proc.pid)
+            logger.warning("grammar check: a %s grammar (%d chars) took over %.1f CPU-s (%.1f s); worker pid=%d killed",
+                           spec.kind, len(spec.source), self.limits.timeout_s, time.monotonic() - budget.t0,
+                           self._proc.pid)
             self._stop_worker()
             raise InvalidRequestError(f"{what} takes longer than {self.limits.timeout_s:g} s to compile "
                                       "(--grammar-compile-timeout).", param="grammar") from None
@@ -215,7 +219,8 @@ class GrammarVetter:
                                       stdout=subprocess.PIPE, stderr=self._stderr, env=env)
         try:
             _write(self._proc, self._config)
-            ready = _read(self._proc, time.monotonic() + STARTUP_TIMEOUT_S)
+            start = time.monotonic()
+            ready = _read(self._proc, lambda: time.monotonic() - start > STARTUP_TIMEOUT_S)
         except TimeoutError:
             ready = None
         if not ready:
@@ -264,21 +269,44 @@ def _write(proc: subprocess.Popen, message: dict) -> None:
         pass  # it died: reading says so
 
 
-def _read(proc: subprocess.Popen, deadline: float) -> Optional[dict]:
-    """The worker's next message; None if it exited; TimeoutError past ``deadline``."""
-    header = _read_exact(proc.stdout.fileno(), 4, deadline)
+class _CpuBudget:
+    """A compile's limit in CPU seconds of the worker (so a verdict does not depend on how busy the
+    engine keeps the CPUs: the worker runs at the lowest priority), with a wall-clock backstop of
+    :data:`WALL_FACTOR` times it for a worker that cannot run at all."""
+
+    def __init__(self, pid: int, seconds: float) -> None:
+        self.pid, self.seconds, self.t0 = pid, seconds, time.monotonic()
+        self.cpu0 = self.cpu()
+
+    def cpu(self) -> float:
+        try:
+            with open(f"/proc/{self.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime + stime
+        except (OSError, IndexError, ValueError):  # not Linux, or gone: wall-clock alone
+            return time.monotonic() - self.t0
+
+    def spent(self) -> bool:
+        return (self.cpu() - self.cpu0 > self.seconds
+                or time.monotonic() - self.t0 > WALL_FACTOR * self.seconds)
+
+
+def _read(proc: subprocess.Popen, expired: Callable[[], bool]) -> Optional[dict]:
+    """The worker's next message; None if it exited; TimeoutError once ``expired()``."""
+    header = _read_exact(proc.stdout.fileno(), 4, expired)
     if header is None:
         return None
-    body = _read_exact(proc.stdout.fileno(), struct.unpack(">I", header)[0], deadline)
+    body = _read_exact(proc.stdout.fileno(), struct.unpack(">I", header)[0], expired)
     return None if body is None else json.loads(body.decode())
 
 
-def _read_exact(fd: int, n: int, deadline: float) -> Optional[bytes]:
+def _read_exact(fd: int, n: int, expired: Callable[[], bool]) -> Optional[bytes]:
     buf = bytearray()
     while len(buf) < n:
-        left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
-            raise TimeoutError
+        if not select.select([fd], [], [], POLL_S)[0]:
+            if expired():
+                raise TimeoutError
+            continue
         chunk = os.read(fd, n - len(buf))
         if not chunk:
             return None
