@@ -293,7 +293,7 @@ class GrammarMode(Mode):
                 still.append(template)
                 continue
             if e.ok:
-                template.agreed = True
+                template.agreed, template.waiting = True, []
                 continue
             del self._templates[template.spec]
             self.held_bytes -= template.bytes

@@ -142,6 +142,12 @@ class GrammarVetter:
             spec, future = job
             try:
                 vetted = self._judge(spec, self._run(spec))
+            except _CheckerDown as e:  # the server's trouble, not the grammar's: not remembered
+                with self._lock:
+                    self._verdicts.pop(spec, None)
+                    self._chars -= len(spec.source)
+                future.set_exception(InvalidRequestError(str(e), param="grammar"))
+                continue
             except InvalidRequestError as e:
                 self.counts["refused"] += 1
                 future.set_exception(e)
@@ -225,8 +231,7 @@ class GrammarVetter:
             ready = None
         if not ready:
             self._stop_worker()
-            raise InvalidRequestError("the grammar could not be checked: the grammar checker did not start.",
-                                      param="grammar")
+            raise _CheckerDown("the grammar could not be checked: the grammar checker did not start.")
         logger.info("grammar check: worker pid=%d ready", self._proc.pid)
 
     def _stop_worker(self) -> None:
@@ -234,6 +239,10 @@ class GrammarVetter:
             self._proc.kill()
             self._proc.wait()
         self._proc = None
+
+
+class _CheckerDown(Exception):
+    """The worker process could not be started (a verdict on the server, not on the grammar)."""
 
 
 def _pass_on(done: Future, to: Future) -> None:
