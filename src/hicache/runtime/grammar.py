@@ -36,12 +36,10 @@ template at its first mask if it is slower.
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -54,43 +52,12 @@ from .grammar_worker import first_line
 from .modes import Action, Fail, Mode, ModeContext
 from .request import Request, Status
 from .sampling import GrammarSpec
+from .stacked_worker import StackedWorker
 
 logger = logging.getLogger(__name__)
 
 GRAMMAR_BACKENDS = ("llguidance", "none")
 GRAMMAR_FAILED = "grammar_failed"  # the error code of a request whose grammar could not be kept
-_STACK_LOCK = threading.Lock()  # threading.stack_size is process-wide: set, start, restore
-
-
-class StackedWorker:
-    """One daemon thread with a stack of ``stack_bytes`` that runs submitted calls in order."""
-
-    def __init__(self, name: str, stack_bytes: int = ENGINE_STACK_BYTES) -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        with _STACK_LOCK:
-            before = threading.stack_size(stack_bytes)
-            try:
-                self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-                self._thread.start()
-            finally:
-                threading.stack_size(before)
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        future: Future = Future()
-        self._jobs.put((future, fn, args))
-        return future
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            future, fn, args = job
-            try:
-                future.set_result(fn(*args))
-            except BaseException as e:  # the caller's future carries it
-                future.set_exception(e)
-
-    def close(self) -> None:
-        self._jobs.put(None)
-        self._thread.join(timeout=10)
 
 
 @dataclass(eq=False)
@@ -205,7 +172,7 @@ class GrammarMode(Mode):
 
     def _start(self, spec: GrammarSpec) -> Template:
         if self.samples and self._builder is None:
-            self._builder = StackedWorker("hicache-grammar-build")
+            self._builder = StackedWorker("hicache-grammar-build", ENGINE_STACK_BYTES)
         template = Template(spec, self._builder.submit(self._build, spec) if self.samples else None)
         self._templates[spec] = template
         self._building.append(template)
@@ -334,7 +301,7 @@ class GrammarMode(Mode):
 
     def _mask_thread(self) -> StackedWorker:
         if self._masker is None:
-            self._masker = StackedWorker("hicache-grammar-mask")
+            self._masker = StackedWorker("hicache-grammar-mask", ENGINE_STACK_BYTES)
         return self._masker
 
     def _row_masks(self, batch: Batch) -> RowMasks:

@@ -28,6 +28,7 @@ from .prefetch_policy import PrefetchPolicy
 from .request import PrefetchWait, Request, Status
 from .sampling import sample
 from .shared_prefill import awaited, computing_prefix_of
+from .stopping import stop_index, stop_reason
 
 logger = logging.getLogger(__name__)
 
@@ -99,21 +100,23 @@ class Scheduler:
 
     def abort(self, rid: int) -> bool:
         """Drop a request wherever it is, freeing what it holds. True if it was found."""
-        for req in self.waiting:
-            if req.rid == rid:
-                self.waiting.remove(req)
-                if req.prefetch is not None:
-                    self.cache.finish_prefetch(req.prefetch.op, req.tokens_np)
-                    req.prefetch = None
-                req.status, req.finish_reason = Status.FINISHED, "abort"
-                if req.on_update is not None:
-                    req.on_update(req)
-                return True
-        for req in self.running:
-            if req.rid == rid:
-                self._finish(req, "abort")
-                return True
-        return False
+        req = next((r for r in (*self.waiting, *self.running) if r.rid == rid), None)
+        if req is not None:
+            self._end(req, "abort")
+        return req is not None
+
+    def _end(self, req: Request, reason: str) -> None:
+        """Finish ``req`` with ``reason``, running or still waiting (then it holds only its prefetch)."""
+        if req.status is not Status.WAITING:
+            self._finish(req, reason)
+            return
+        self.waiting.remove(req)
+        if req.prefetch is not None:
+            self.cache.finish_prefetch(req.prefetch.op, req.tokens_np)
+            req.prefetch = None
+        req.status, req.finish_reason, req.finish_time = Status.FINISHED, reason, time.perf_counter()
+        if req.on_update is not None:
+            req.on_update(req)
 
     # ---- events: what background work finished, applied only as agreed ----------------
     def pending_prefetches(self) -> list[Request]:
@@ -328,7 +331,7 @@ class Scheduler:
             req.output_ids.append(tok)
             req.logprobs.extend(logprobs[j:j + 1])
             taken += 1
-            reason = self._stop_reason(req)
+            reason = stop_reason(req, self.eos_token_ids, self.decode_text)
             if reason:
                 break
             if req.on_update is not None:
@@ -341,20 +344,9 @@ class Scheduler:
             finished.append(req)
 
     # ---- finishing -----------------------------------------------------------------------
-    def _stop_reason(self, req: Request) -> str:
-        """Why ``req`` stops after its last output token ("stop", "length"), or ""."""
-        tok, sp = req.output_ids[-1], req.sampling
-        if (tok in self.eos_token_ids and not sp.ignore_eos) or tok in sp.stop_token_ids:
-            return "stop"
-        if sp.stop_strings and _stop_index(self.decode_text(req.output_ids), sp.stop_strings) >= 0:
-            return "stop"
-        if len(req.output_ids) >= req.max_new_tokens:
-            return "length"
-        return ""
-
     def _append_token(self, req: Request, tok: int, finished: list[Request]) -> None:
         req.output_ids.append(tok)
-        reason = self._stop_reason(req)
+        reason = stop_reason(req, self.eos_token_ids, self.decode_text)
         if reason:
             self._finish(req, reason)
             finished.append(req)
@@ -369,7 +361,7 @@ class Scheduler:
         req.finish_reason = reason
         req.finish_time = time.perf_counter()
         req.text = self.decode_text(req.output_ids)
-        cut = _stop_index(req.text, req.sampling.stop_strings)
+        cut = stop_index(req.text, req.sampling.stop_strings)
         if cut >= 0:  # the stop string itself is not part of the answer
             req.text = req.text[:cut]
         if req.on_update is not None:
@@ -389,17 +381,7 @@ class Scheduler:
     def _fail(self, req: Request, code: str, error: str) -> None:
         """End ``req`` with finish reason "error" (a mode's ``code``), running or still waiting."""
         req.error, req.error_code = error, code
-        if req.status is not Status.WAITING:
-            self._finish(req, "error")
-            return
-        self.waiting.remove(req)
-        if req.prefetch is not None:
-            self.cache.finish_prefetch(req.prefetch.op, req.tokens_np)
-            req.prefetch = None
-        req.status, req.finish_reason, req.finish_time = Status.FINISHED, "error", time.perf_counter()
-        if req.on_update is not None:
-            req.on_update(req)
-        logger.info("finish rid=%d reason=error (%s) while waiting", req.rid, code)
+        self._end(req, "error")
 
     def _start_decode(self, req: Request, first_token: int, finished: list[Request]) -> None:
         """``req``'s whole prompt has KV (local tiers + what a mode received): decode from
@@ -415,9 +397,3 @@ class Scheduler:
         req.first_token_time = time.perf_counter()
         req.status = Status.DECODE
         self._append_token(req, first_token, finished)
-
-
-def _stop_index(text: str, stops: list[str]) -> int:
-    """Where the earliest stop string starts in ``text``, or -1."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else -1
