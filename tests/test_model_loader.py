@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+import re
 
+import numpy as np
 import pytest
 import torch
+from gguf_edit import TINY, rewrite_gguf
 
 from hicache.config import ConfigError
 from hicache.model import ModelNotFoundError, ModelSpec, load_model
+from hicache.model.errors import ModelFormatError
+from hicache.model.hf_loader import spec_from_hf_config
 from hicache.model.spec import ModelSpecError
 from hicache.model.standalone import prefill_logits
 
@@ -131,3 +136,64 @@ def test_a_broken_gguf_file_is_one_clear_sentence(tmp_path):
         (tmp_path / name).write_bytes(data)
         with pytest.raises(ConfigError, match=f"cannot read GGUF file .*{name}: "):
             load_model(str(tmp_path / name))
+
+
+# ---- fail closed (issue 47): what would run wrongly is refused, naming it ------------------------
+@pytest.mark.parametrize("change, says", [
+    (dict(tensors={"rope_freqs.weight": np.ones(32, np.float32)}), "rope_freqs.weight (Llama 3.1+ rope scaling"),
+    (dict(tensors={"blk.0.attn_q_norm.weight": np.ones(64, np.float32)}), "blk.0.attn_q_norm.weight (QK-norm)"),
+    (dict(tensors={"blk.1.post_ffw_norm.weight": np.ones(256, np.float32)}), "(a norm after the MLP)"),
+    (dict(kv={"llama.attention.sliding_window": 128}), "llama.attention.sliding_window = 128"),
+    (dict(kv={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}), "rope.scaling.type = 'linear'"),
+    (dict(kv={"llama.attention.key_length": 128}), "llama.attention.key_length = 128"),
+    (dict(kv={"llama.expert_count": 8}), "llama.expert_count = 8"),
+    # the architecture is checked before the tokenizer (Gemma 3's is SentencePiece: 'llama')
+    (dict(arch="gemma3", kv={"tokenizer.ggml.model": "llama"}), "GGUF architecture 'gemma3' is not supported"),
+])
+def test_a_gguf_file_that_would_run_wrongly_is_refused_naming_what(tmp_path, change, says):
+    """Before: these loaded with the tensor or key skipped (logits identical to a file without
+    them), or the refusal named the tokenizer instead of the architecture."""
+    path = rewrite_gguf(tmp_path / "m.gguf", **change)
+    for weights in (False, True):
+        with pytest.raises(ModelFormatError, match=re.escape(says)) as e:
+            load_model(str(path), dtype=torch.float32, weights=weights)
+        assert str(e.value).endswith(".") and "\n" not in str(e.value)
+
+
+def test_neutral_metadata_and_a_gguf_file_of_any_name_load_as_the_plain_file(tmp_path):
+    """Keys at the value a plain Llama has change nothing; a GGUF file is known by its magic
+    bytes, not its name (before: 'model.bin' was taken for a missing HF directory)."""
+    path = rewrite_gguf(tmp_path / "model.bin", kv={"llama.rope.scaling.type": "none", "llama.attention.key_length": 64,
+                                                    "llama.expert_count": 0})
+    ids = [5, 17, 99, 200, 3, 41]
+    plain, edited = (load_model(str(p), dtype=torch.float32) for p in (TINY, path))
+    assert torch.equal(prefill_logits(plain.model, ids), prefill_logits(edited.model, ids))
+
+
+HF_BASE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+           "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 256}
+
+
+@pytest.mark.parametrize("extra, says", [
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": 64}, "sliding_window 64"),
+    ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64},
+     "sliding_window 64"),
+    ({"mlp_bias": True}, "mlp_bias = True"),
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping = 30.0"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor = 0.5"),
+])
+def test_an_hf_config_that_would_run_wrongly_is_refused_naming_the_key(extra, says):
+    """Before: Mistral's sliding_window, Qwen2's use_sliding_window and hidden_act were ignored."""
+    with pytest.raises(ModelFormatError, match=re.escape(says)):
+        spec_from_hf_config({**HF_BASE, **extra})
+
+
+@pytest.mark.parametrize("extra", [
+    {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False, "sliding_window": 64},
+    {"architectures": ["MistralForCausalLM"], "sliding_window": None},
+    {"architectures": ["MistralForCausalLM"], "sliding_window": 256},  # as long as the context: no effect
+    {"hidden_act": "silu", "mlp_bias": False, "partial_rotary_factor": 1.0},
+])
+def test_inactive_settings_load(extra):
+    assert spec_from_hf_config({**HF_BASE, **extra}).num_layers == 2

@@ -1,4 +1,9 @@
-"""Load a llama-architecture GGUF file (the embedded SmolLM2) into :class:`LlamaForCausalLM`."""
+"""Load a llama-architecture GGUF file (the embedded SmolLM2) into :class:`LlamaForCausalLM`.
+
+Fail closed: whatever in a file would change the math and is not implemented -- another
+architecture, an unknown key of the architecture's metadata, a tensor with no place in the model
+(e.g. Llama 3.1's ``rope_freqs``, QK-norm, Gemma's extra norms) -- is refused with one sentence
+naming it, never skipped (:func:`_check_model`)."""
 
 from __future__ import annotations
 
@@ -34,6 +39,17 @@ _LAYER_NAMES = {
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+ARCHITECTURE = "llama"  # the one GGUF architecture this loader reads today
+# The architecture's metadata this loader reads ("llama.<key>"). Fail closed: any other key of the
+# architecture changes the math in a way the model does not implement, unless it holds the value a
+# plain Llama has (:func:`_neutral`): the file is refused, naming it, rather than run wrongly.
+_READ_KEYS = frozenset({"block_count", "context_length", "embedding_length", "feed_forward_length",
+                        "attention.head_count", "attention.head_count_kv", "rope.freq_base",
+                        "attention.layer_norm_rms_epsilon", "vocab_size", "rope.dimension_count"})
+# What the tensors a llama file may carry beyond the mapped ones do (for the refusal's sentence).
+_UNHANDLED_TENSORS = {"rope_freqs": "Llama 3.1+ rope scaling factors", "attn_q_norm": "QK-norm",
+                      "attn_k_norm": "QK-norm", "post_attention_norm": "a norm after attention",
+                      "post_ffw_norm": "a norm after the MLP", "ffn_gate_inp": "mixture-of-experts routing"}
 
 
 def find_smollm2_gguf() -> Path:
@@ -77,11 +93,48 @@ def _field(reader: GGUFFile, key: str, default=None):
     return reader.fields.get(key, default)
 
 
-def _spec_from_gguf(reader: GGUFFile, tensor_names: set[str]) -> ModelSpec:
+def _check_model(reader: GGUFFile) -> None:
+    """Refuse, naming it, what this loader would otherwise skip and run wrongly: another
+    architecture (checked before the tokenizer, so the sentence names the real problem), a
+    metadata key of the architecture that changes the math, a tensor with no place in the model."""
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ModelFormatError(f"GGUF architecture {arch!r} is not supported; only 'llama' is.")
-    p = "llama."
+    if arch != ARCHITECTURE:
+        raise ModelFormatError(f"GGUF architecture {arch!r} is not supported; only {ARCHITECTURE!r} is.")
+    prefix = f"{ARCHITECTURE}."
+    for key, value in reader.fields.items():
+        short = key.removeprefix(prefix)
+        if key.startswith(prefix) and short not in _READ_KEYS and not _neutral(short, value, reader):
+            raise ModelFormatError(f"GGUF metadata {key} = {_shown(value)} changes the math in a way this engine does "
+                                   "not implement yet; the file is refused rather than run wrongly.")
+    for t in reader.tensors:
+        if hf_name(t.name) is None:
+            m = _LAYER_RE.match(t.name)
+            part = m.group(2) if m else t.name.rpartition(".")[0]
+            what = f" ({_UNHANDLED_TENSORS[part]})" if part in _UNHANDLED_TENSORS else ""
+            raise ModelFormatError(f"GGUF tensor {t.name}{what} has no place in this engine's {ARCHITECTURE} model; "
+                                   "the file is refused rather than run without it.")
+
+
+def _neutral(key: str, value, reader: GGUFFile) -> bool:
+    """Whether metadata ``key`` (of the architecture) holds the value that leaves a Llama unchanged."""
+    heads = _field(reader, f"{ARCHITECTURE}.attention.head_count")
+    head_dim = _field(reader, f"{ARCHITECTURE}.rope.dimension_count") or (
+        int(_field(reader, f"{ARCHITECTURE}.embedding_length")) // int(heads) if heads else None)
+    neutral = {"rope.scaling.type": ("none",), "rope.scaling.factor": (0.0, 1.0), "expert_count": (0,),
+               "expert_used_count": (0,), "attention.key_length": (head_dim,), "attention.value_length": (head_dim,),
+               "rope.scaling.original_context_length": (value,) if _field(
+                   reader, f"{ARCHITECTURE}.rope.scaling.type", "none") == "none" else ()}
+    return key in neutral and value in neutral[key]
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _spec_from_gguf(reader: GGUFFile, tensor_names: set[str]) -> ModelSpec:
+    _check_model(reader)
+    p = f"{ARCHITECTURE}."
     hidden = int(_field(reader, p + "embedding_length"))
     heads = int(_field(reader, p + "attention.head_count"))
     vocab = int(_field(reader, p + "vocab_size", len(reader.fields["tokenizer.ggml.tokens"])))
@@ -223,4 +276,14 @@ def _read(path: Path) -> tuple[GGUFFile, Tokenizer]:
 @functools.lru_cache(maxsize=4)
 def _parse(path: str, size: int, mtime_ns: int) -> tuple[GGUFFile, Tokenizer]:
     reader = GGUFFile(path)  # read-only: the cached reader and tokenizer are shared
+    _check_model(reader)  # before the tokenizer: a file of another family is refused for what it is
     return reader, _tokenizer_from_gguf(reader)
+
+
+def is_gguf_file(path: Path) -> bool:
+    """Whether ``path`` is a GGUF file by its magic bytes, whatever its name ends with."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False

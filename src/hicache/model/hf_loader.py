@@ -18,19 +18,30 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
 MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
 # Qwen2 always has q/k/v biases; its config has no attention_bias key to say so.
 _BIAS_BY_DEFAULT = {"qwen2"}
+ACTIVATIONS = ("silu", "swish")  # what the MLP computes (SiLU-and-multiply)
+# config.json keys that change the math when set, with the values that leave a Llama unchanged.
+# Fail closed: another value is refused, naming the key, rather than ignored.
+_NEUTRAL_KEYS: dict[str, tuple] = {
+    "mlp_bias": (False, None), "attn_logit_softcapping": (None,), "final_logit_softcapping": (None,),
+    "query_pre_attn_scalar": (None,), "partial_rotary_factor": (None, 1.0), "use_qk_norm": (False, None),
+    "qk_layernorm": (False, None), "embedding_multiplier": (None, 1.0), "logits_scaling": (None, 1.0),
+    "residual_multiplier": (None, 1.0), "attention_multiplier": (None,),
+}
 
 
 def spec_from_hf_config(config: dict) -> ModelSpec:
     """A :class:`ModelSpec` from an HF ``config.json`` dict (Llama / Qwen2 / Mistral).
 
     RoPE: ``rope_theta`` + ``rope_scaling`` (transformers 4) or ``rope_parameters`` (transformers 5).
-    Sliding-window attention, where a config declares it, is not applied (full attention).
+    Fail closed: a key that changes the math and is not implemented -- an active sliding window,
+    an activation other than SiLU, MLP biases, soft-capping... -- is refused, naming it.
     """
     archs = config.get("architectures") or []
     if archs and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
         raise ModelFormatError(
             f"model architecture {archs[0]} is not supported; expected one of {', '.join(SUPPORTED_ARCHITECTURES)}."
         )
+    _check_config(config)
     try:
         hidden = int(config["hidden_size"])
         heads = int(config["num_attention_heads"])
@@ -59,6 +70,23 @@ def spec_from_hf_config(config: dict) -> ModelSpec:
         )
     except KeyError as e:
         raise ModelFormatError(f"config.json lacks the field {e.args[0]!r}.") from None
+
+
+def _check_config(config: dict) -> None:
+    """Refuse, naming the key, what a Llama-family model here would otherwise compute wrongly."""
+    act = config.get("hidden_act", config.get("hidden_activation", "silu"))
+    if act not in ACTIVATIONS:
+        raise ModelFormatError(f"config.json hidden_act {act!r} is not implemented (the MLP computes SiLU); the model "
+                               "is refused rather than run wrongly.")
+    window = config.get("sliding_window")
+    if window is not None and config.get("use_sliding_window", True) and \
+            int(window) < int(config.get("max_position_embeddings", 2048)):
+        raise ModelFormatError(f"config.json sliding_window {window} (attention over the last {window} tokens) is not "
+                               "implemented yet; the model is refused rather than run wrongly past that length.")
+    for key, neutral in _NEUTRAL_KEYS.items():
+        if key in config and config[key] not in neutral:
+            raise ModelFormatError(f"config.json {key} = {config[key]!r} changes the math in a way this engine does "
+                                   "not implement; the model is refused rather than run wrongly.")
 
 
 def _mla_fields(config: dict) -> dict:

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from hicache.model.errors import ModelNotFoundError
-from hicache.model.gguf_loader import find_smollm2_gguf, load_gguf
+from hicache.model.gguf_loader import find_smollm2_gguf, is_gguf_file, load_gguf
 from hicache.model.hf_loader import load_hf_dir
 from hicache.model.llama import LlamaForCausalLM
 from hicache.model.projection import DECODE_ACTIVATIONS, DECODE_WEIGHTS, PREFILL_WEIGHTS
@@ -110,7 +110,7 @@ def _load_base(name: str, base: str, dtype: torch.dtype, device: torch.device | 
                seed: int) -> tuple[LlamaForCausalLM | None, Any, Any, str]:
     """``(model or None, tokenizer, spec, identity)`` of ``base`` (``name`` without its variant)."""
     dtype_name = str(dtype).removeprefix("torch.")
-    if base == "smollm2" or base.endswith(".gguf"):
+    if base == "smollm2" or base.endswith(".gguf") or is_gguf_file(Path(base).expanduser()):
         path = find_smollm2_gguf() if base == "smollm2" else Path(base).expanduser()
         if not path.is_file():
             raise ModelNotFoundError(f"unknown model {name!r}: no GGUF file at {path}.")
