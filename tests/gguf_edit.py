@@ -15,8 +15,8 @@ TINY = Path(__file__).resolve().parent / "data" / "gguf" / "tiny-llama-Q8_0.gguf
 def rewrite_gguf(dst: Path, src: Path = TINY, kv: dict[str, Any] | None = None,
                  tensors: dict[str, np.ndarray] | None = None, arch: str | None = None) -> Path:
     """``src`` copied to ``dst`` with ``kv`` set (an existing key keeps its type, a new one is typed
-    from its Python value), ``tensors`` (float32 arrays) added, and ``general.architecture``
-    = ``arch``; keys of the old architecture are renamed to the new one."""
+    from its Python value; None drops the key), ``tensors`` (float32 arrays) added, and
+    ``general.architecture`` = ``arch``; keys of the old architecture are renamed to the new one."""
     import gguf
 
     kv, tensors = dict(kv or {}), dict(tensors or {})
@@ -29,13 +29,17 @@ def rewrite_gguf(dst: Path, src: Path = TINY, kv: dict[str, Any] | None = None,
             continue
         name = field.name.replace(f"{old}.", f"{arch}.", 1) if field.name.startswith(f"{old}.") else field.name
         value = kv.pop(name) if name in kv else field.contents()
+        if value is None:
+            continue
         sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(name, value, field.types[0], sub_type=sub_type)
     for name, value in kv.items():
-        kind = (gguf.GGUFValueType.STRING if isinstance(value, str) else gguf.GGUFValueType.BOOL
-                if isinstance(value, bool) else gguf.GGUFValueType.UINT32 if isinstance(value, int)
-                else gguf.GGUFValueType.FLOAT32)
-        writer.add_key_value(name, value, kind)
+        if value is None:
+            continue
+        if isinstance(value, list):
+            writer.add_key_value(name, value, gguf.GGUFValueType.ARRAY, sub_type=_kind(value[0]))
+        else:
+            writer.add_key_value(name, value, _kind(value))
     for t in reader.tensors:
         writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
     for name, array in tensors.items():
@@ -49,3 +53,11 @@ def rewrite_gguf(dst: Path, src: Path = TINY, kv: dict[str, Any] | None = None,
         writer.write_tensor_data(array)
     writer.close()
     return dst
+
+
+def _kind(value: Any):
+    import gguf
+
+    return (gguf.GGUFValueType.STRING if isinstance(value, str) else gguf.GGUFValueType.BOOL
+            if isinstance(value, bool) else gguf.GGUFValueType.INT32 if isinstance(value, int)
+            else gguf.GGUFValueType.FLOAT32)

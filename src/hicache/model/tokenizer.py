@@ -1,7 +1,7 @@
 """Text <-> token ids and chat prompts, over a ``tokenizers.Tokenizer``.
 
-Builders here make byte-level BPE tokenizers from a GGUF vocabulary and a tiny one for random
-test models; an HF ``tokenizer.json`` is loaded as-is by :func:`load_hf_tokenizer`.
+Builders here make byte-level BPE tokenizers (a GGUF file's: model/gguf_tokenizer.py) and a tiny
+one for random test models; an HF ``tokenizer.json`` is loaded as-is by :func:`load_hf_tokenizer`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any, Iterable, Sequence
 
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
 # Used when a model ships no chat template (random test models, bare HF directories).
 CHATML_TEMPLATE = (
@@ -114,49 +114,19 @@ def bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-def _byte_level_bpe(vocab: dict[str, int], merges: list[tuple[str, str]], split_digits: bool) -> HFTokenizer:
-    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if split_digits:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+def byte_level_bpe(vocab: dict[str, int], merges: Sequence[tuple[str, str]], split: str | None = None) -> HFTokenizer:
+    """A byte-level BPE tokenizer (vocabulary in :func:`bytes_to_unicode`'s alphabet). ``split``:
+    None, GPT-2's regex; ``"digits"``, each digit alone and then GPT-2's; else the regex the merges
+    were learned over (llama.cpp's pre-tokenizer names: model/gguf_tokenizer.py)."""
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=list(merges), fuse_unk=False, byte_fallback=False))
+    if split is None or split == "digits":
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tok.pre_tokenizer = byte_level if split is None else pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level])
     else:
-        tok.pre_tokenizer = byte_level
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
-    return tok
-
-
-# GGUF ``tokenizer.ggml.pre`` names whose pre-tokenization is "each digit alone, then GPT-2 split".
-_DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact"}
-_GPT2_PRE = {"gpt-2", "gpt2", "default"}
-# GGUF token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
-_SPECIAL_TOKEN_TYPES = {3, 4}
-
-
-def tokenizer_from_gguf_vocab(
-    tokens: Sequence[str],
-    token_types: Sequence[int],
-    merges: Sequence[str],
-    pre: str,
-) -> HFTokenizer:
-    """A byte-level BPE tokenizer from GGUF ``tokenizer.ggml.*`` arrays (model ``gpt2``).
-
-    Raises ``ValueError`` for a pre-tokenizer this builder does not know.
-    """
-    if pre in _DIGIT_SPLIT_PRE:
-        split_digits = True
-    elif pre in _GPT2_PRE:
-        split_digits = False
-    else:
-        raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}")
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
-    tok = _byte_level_bpe(vocab, pairs, split_digits)  # type: ignore[arg-type]
-    specials = [
-        AddedToken(t, special=True, normalized=False)
-        for t, ty in zip(tokens, token_types)
-        if int(ty) in _SPECIAL_TOKEN_TYPES
-    ]
-    tok.add_special_tokens(specials)
     return tok
 
 
@@ -169,7 +139,7 @@ def byte_tokenizer() -> Tokenizer:
     vocab = {alphabet[b]: b for b in range(256)}
     for i, special in enumerate(RANDOM_SPECIAL_TOKENS):
         vocab[special] = 256 + i
-    tok = _byte_level_bpe(vocab, [], split_digits=False)
+    tok = byte_level_bpe(vocab, [])
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in RANDOM_SPECIAL_TOKENS])
     return Tokenizer(tok, bos_token_id=256, eos_token_ids={257, 259}, add_bos=False, chat_template=CHATML_TEMPLATE)
 
