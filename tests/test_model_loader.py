@@ -160,6 +160,16 @@ def test_a_gguf_file_that_would_run_wrongly_is_refused_naming_what(tmp_path, cha
         assert str(e.value).endswith(".") and "\n" not in str(e.value)
 
 
+def test_a_tokenizer_larger_than_the_embedding_is_refused(tmp_path):
+    import gguf
+
+    tokens = gguf.GGUFReader(TINY).fields["tokenizer.ggml.tokens"].contents()
+    path = rewrite_gguf(tmp_path / "m.gguf", kv={"tokenizer.ggml.tokens": tokens + [f"<x{i}>" for i in range(8)],
+                                                 "tokenizer.ggml.token_type": [1] * (len(tokens) + 8)})
+    with pytest.raises(ModelFormatError, match=f"tokenizer has {len(tokens) + 8} tokens but its model only {len(tokens)}"):
+        load_model(str(path), weights=False)
+
+
 def test_neutral_metadata_and_a_gguf_file_of_any_name_load_as_the_plain_file(tmp_path):
     """Keys at the value a plain Llama has change nothing; a GGUF file is known by its magic
     bytes, not its name (before: 'model.bin' was taken for a missing HF directory)."""

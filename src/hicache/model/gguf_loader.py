@@ -166,6 +166,9 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
     reader, tokenizer = _read(path)
     names = {t.name for t in reader.tensors}
     spec = _spec_from_gguf(reader, names)
+    if tokenizer.vocab_size > spec.vocab_size:
+        raise ModelFormatError(f"the GGUF file's tokenizer has {tokenizer.vocab_size} tokens but its model only "
+                               f"{spec.vocab_size} embedding rows.")
     if not weights:
         return None, tokenizer, spec
     model = LlamaForCausalLM(spec, dtype, device)
