@@ -140,7 +140,7 @@ def test_a_broken_gguf_file_is_one_clear_sentence(tmp_path):
 
 # ---- fail closed (issue 47): what would run wrongly is refused, naming it ------------------------
 @pytest.mark.parametrize("change, says", [
-    (dict(tensors={"rope_freqs.weight": np.ones(32, np.float32)}), "rope_freqs.weight (Llama 3.1+ rope scaling"),
+    (dict(tensors={"rope_freqs.weight": np.ones(31, np.float32)}), "rope frequency factors: expected 32"),
     (dict(tensors={"blk.0.attn_q_norm.weight": np.ones(64, np.float32)}), "blk.0.attn_q_norm.weight (QK-norm)"),
     (dict(tensors={"blk.1.post_ffw_norm.weight": np.ones(256, np.float32)}), "(a norm after the MLP)"),
     (dict(kv={"llama.attention.sliding_window": 128}), "llama.attention.sliding_window = 128"),
@@ -155,9 +155,34 @@ def test_a_gguf_file_that_would_run_wrongly_is_refused_naming_what(tmp_path, cha
     them), or the refusal named the tokenizer instead of the architecture."""
     path = rewrite_gguf(tmp_path / "m.gguf", **change)
     for weights in (False, True):
-        with pytest.raises(ModelFormatError, match=re.escape(says)) as e:
+        with pytest.raises(ConfigError, match=re.escape(says)) as e:  # ModelFormatError or ModelSpecError
             load_model(str(path), dtype=torch.float32, weights=weights)
         assert str(e.value).endswith(".") and "\n" not in str(e.value)
+
+
+def test_llama31_rope_factors_are_applied(tmp_path):
+    """Llama 3.1+ files carry ``rope_freqs``, one frequency factor per rotary pair (llama.cpp's
+    converter computes them from the llama3 rope parameters). Before: skipped, logits equal to a
+    file without them. Now: the same frequencies as the llama3 rope of an HF config, and logits
+    equal to the plain file's model with those frequencies."""
+    import dataclasses
+
+    from hicache.model.layers import rope_inv_freq
+
+    plain = load_model(str(TINY), dtype=torch.float32)
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 64}
+    want = rope_inv_freq(dataclasses.replace(plain.spec, rope_scaling=llama3))
+    factors = (rope_inv_freq(plain.spec).double() / want.double()).float().numpy()
+    assert factors.min() == pytest.approx(1.0) and factors.max() == pytest.approx(8.0)
+    got = load_model(str(rewrite_gguf(tmp_path / "m.gguf", tensors={"rope_freqs.weight": factors})), dtype=torch.float32)
+    assert got.spec.rope_scaling["rope_type"] == "freq_factors"
+    assert torch.allclose(rope_inv_freq(got.spec), want, rtol=1e-6, atol=0)
+    ids = [(i * 37) % 300 + 5 for i in range(40)]
+    before = prefill_logits(plain.model, ids)
+    plain.model.rope.inv_freq = want
+    assert torch.allclose(prefill_logits(got.model, ids), prefill_logits(plain.model, ids), rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(prefill_logits(got.model, ids), before, rtol=1e-3, atol=1e-3)
 
 
 def test_a_tokenizer_larger_than_the_embedding_is_refused(tmp_path):

@@ -48,7 +48,8 @@ _READ_KEYS = frozenset({"block_count", "context_length", "embedding_length", "fe
                         "attention.head_count", "attention.head_count_kv", "rope.freq_base",
                         "attention.layer_norm_rms_epsilon", "vocab_size", "rope.dimension_count"})
 # What the tensors a llama file may carry beyond the mapped ones do (for the refusal's sentence).
-_UNHANDLED_TENSORS = {"rope_freqs": "Llama 3.1+ rope scaling factors", "attn_q_norm": "QK-norm",
+ROPE_FACTORS = "rope_freqs.weight"  # Llama 3.1+: a frequency factor per rotary pair (spec "freq_factors")
+_UNHANDLED_TENSORS = {"attn_q_norm": "QK-norm",
                       "attn_k_norm": "QK-norm", "post_attention_norm": "a norm after attention",
                       "post_ffw_norm": "a norm after the MLP", "ffn_gate_inp": "mixture-of-experts routing"}
 
@@ -108,7 +109,7 @@ def _check_model(reader: GGUFFile) -> None:
             raise ModelFormatError(f"GGUF metadata {key} = {_shown(value)} changes the math in a way this engine does "
                                    "not implement yet; the file is refused rather than run wrongly.")
     for t in reader.tensors:
-        if hf_name(t.name) is None:
+        if hf_name(t.name) is None and t.name != ROPE_FACTORS:
             m = _LAYER_RE.match(t.name)
             part = m.group(2) if m else t.name.rpartition(".")[0]
             what = f" ({_UNHANDLED_TENSORS[part]})" if part in _UNHANDLED_TENSORS else ""
@@ -152,7 +153,18 @@ def _spec_from_gguf(reader: GGUFFile, tensor_names: set[str]) -> ModelSpec:
         tie_word_embeddings="output.weight" not in tensor_names,
         max_position_embeddings=int(_field(reader, p + "context_length", 2048)),
         attention_bias="blk.0.attn_q.bias" in tensor_names,
+        rope_scaling=_rope_factors(reader),
     )
+
+
+def _rope_factors(reader: GGUFFile) -> dict | None:
+    """Llama 3.1+'s ``rope_freqs`` tensor as a ``freq_factors`` rope scaling, or None."""
+    tensor = next((t for t in reader.tensors if t.name == ROPE_FACTORS), None)
+    if tensor is None:
+        return None
+    if int(tensor.tensor_type) != 0:  # GGML_TYPE_F32, as llama.cpp's converter writes it
+        raise ModelFormatError(f"GGUF tensor {ROPE_FACTORS} must be F32, got type {int(tensor.tensor_type)}.")
+    return {"rope_type": "freq_factors", "factors": [float(x) for x in np.asarray(tensor.data).reshape(-1)]}
 
 
 def load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,

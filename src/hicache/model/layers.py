@@ -85,6 +85,8 @@ def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
     scaling = spec.rope_scaling or {}
     if kind == "linear":
         inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "freq_factors":
+        inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=torch.float64)
     elif kind == "llama3":
         # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the band between
         # is blended linearly in (context / wavelength).

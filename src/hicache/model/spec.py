@@ -15,8 +15,11 @@ class ModelSpecError(ConfigError):
     """A model shape that cannot be built (inconsistent sizes, unsupported RoPE scaling)."""
 
 
-# RoPE scaling kinds the model implements; "default" means none.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# RoPE scaling kinds the model implements; "default" means none. "freq_factors": each rotary pair's
+# frequency divided by its own factor (``rope_scaling["factors"]``, rope_dim / 2 of them): what a GGUF
+# file's ``rope_freqs`` tensor holds for Llama 3.1+ (llama.cpp's converter computes them from the
+# llama3 parameters).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
 
 @dataclass
@@ -91,6 +94,9 @@ class ModelSpec:
             raise ModelSpecError(
                 f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}."
             )
+        if rope_type == "freq_factors" and len(self.rope_scaling.get("factors", ())) != self.rope_dim // 2:
+            raise ModelSpecError(f"rope frequency factors: expected {self.rope_dim // 2} (one per rotary pair), got "
+                                 f"{len(self.rope_scaling.get('factors', ()))}.")
 
     def _validate_mla(self) -> None:
         for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
