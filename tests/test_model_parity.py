@@ -139,3 +139,23 @@ def test_spec_from_transformers4_style_config():
     )
     assert spec.rope_theta == 500000.0 and spec.rope_scaling["type"] == "llama3"
     assert spec.head_dim == 16 and not spec.attention_bias and not spec.tie_word_embeddings
+
+
+# ---- the same checkpoints as GGUF files (issue 47): the GGUF loader against transformers ----------------
+GGUF_CASES = {"llama": "llama", "llama_tied": "llama", "qwen2_bias": "qwen2", "qwen2_bias_tied": "qwen2"}
+
+
+@pytest.mark.parametrize("case", sorted(GGUF_CASES))
+def test_gguf_files_of_each_family_match_transformers(case, tmp_path):
+    """Written as llama.cpp's converter writes the family (Llama's q/k rows interleaved, Qwen2's
+    kept in HF order with their biases), loaded by hicache's GGUF loader: float32 logits equal
+    transformers' on the same weights."""
+    from hf_to_gguf import hf_to_gguf
+
+    kind, extra = CASES[case]
+    hf = _hf_model(kind, extra)
+    path = hf_to_gguf(hf, tmp_path / f"{case}.gguf", GGUF_CASES[case], pre="qwen2" if kind == "qwen2" else "gpt-2")
+    ours = load_model(str(path), dtype=torch.float32)
+    assert ours.spec.attention_bias == (kind == "qwen2") and ours.spec.tie_word_embeddings == ("tied" in case)
+    ids = list(range(5, 60, 3))
+    torch.testing.assert_close(prefill_logits(ours.model, ids), _hf_logits(hf, ids), atol=1e-4, rtol=1e-4)

@@ -1,4 +1,5 @@
-"""Load a llama-architecture GGUF file (the embedded SmolLM2) into :class:`LlamaForCausalLM`.
+"""Load a GGUF file of a supported family (model/families.py: llama -- the embedded SmolLM2 --,
+qwen2) into :class:`LlamaForCausalLM`.
 
 Fail closed: whatever in a file would change the math and is not implemented -- another
 architecture, an unknown key of the architecture's metadata, a tensor with no place in the model
@@ -17,6 +18,7 @@ import torch
 
 from hicache.kernels import cpu_kernels
 from hicache.model.errors import ModelFormatError, ModelNotFoundError
+from hicache.model.families import Family, gguf_family
 from hicache.model.gguf_blocks import GGUF_BLOCK_TYPES, GGUFBlockWeight
 from hicache.model.gguf_file import GGUFFile, GGUFTensor
 from hicache.model.llama import LlamaForCausalLM
@@ -40,9 +42,8 @@ _LAYER_NAMES = {
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
-ARCHITECTURE = "llama"  # the one GGUF architecture this loader reads today
-# The architecture's metadata this loader reads ("llama.<key>"). Fail closed: any other key of the
-# architecture changes the math in a way the model does not implement, unless it holds the value a
+# The architecture's metadata this loader reads ("<architecture>.<key>"). Fail closed: any other key of
+# the architecture changes the math in a way the model does not implement, unless it holds the value a
 # plain Llama has (:func:`_neutral`): the file is refused, naming it, rather than run wrongly.
 _READ_KEYS = frozenset({"block_count", "context_length", "embedding_length", "feed_forward_length",
                         "attention.head_count", "attention.head_count_kv", "rope.freq_base",
@@ -95,17 +96,16 @@ def _field(reader: GGUFFile, key: str, default=None):
     return reader.fields.get(key, default)
 
 
-def _check_model(reader: GGUFFile) -> None:
-    """Refuse, naming it, what this loader would otherwise skip and run wrongly: another
-    architecture (checked before the tokenizer, so the sentence names the real problem), a
-    metadata key of the architecture that changes the math, a tensor with no place in the model."""
-    arch = _field(reader, "general.architecture")
-    if arch != ARCHITECTURE:
-        raise ModelFormatError(f"GGUF architecture {arch!r} is not supported; only {ARCHITECTURE!r} is.")
-    prefix = f"{ARCHITECTURE}."
+def _check_model(reader: GGUFFile) -> Family:
+    """The file's family (model/families.py), after refusing, naming it, what this loader would
+    otherwise skip and run wrongly: another architecture (checked before the tokenizer, so the
+    sentence names the real problem), a metadata key of the architecture that changes the math, a
+    tensor with no place in the model."""
+    family = gguf_family(_field(reader, "general.architecture"))
+    prefix = f"{family.gguf_architecture}."
     for key, value in reader.fields.items():
         short = key.removeprefix(prefix)
-        if key.startswith(prefix) and short not in _READ_KEYS and not _neutral(short, value, reader):
+        if key.startswith(prefix) and short not in _READ_KEYS and not _neutral(short, value, reader, prefix):
             raise ModelFormatError(f"GGUF metadata {key} = {_shown(value)} changes the math in a way this engine does "
                                    "not implement yet; the file is refused rather than run wrongly.")
     for t in reader.tensors:
@@ -113,19 +113,20 @@ def _check_model(reader: GGUFFile) -> None:
             m = _LAYER_RE.match(t.name)
             part = m.group(2) if m else t.name.rpartition(".")[0]
             what = f" ({_UNHANDLED_TENSORS[part]})" if part in _UNHANDLED_TENSORS else ""
-            raise ModelFormatError(f"GGUF tensor {t.name}{what} has no place in this engine's {ARCHITECTURE} model; "
+            raise ModelFormatError(f"GGUF tensor {t.name}{what} has no place in this engine's {family.name} model; "
                                    "the file is refused rather than run without it.")
+    return family
 
 
-def _neutral(key: str, value, reader: GGUFFile) -> bool:
+def _neutral(key: str, value, reader: GGUFFile, prefix: str) -> bool:
     """Whether metadata ``key`` (of the architecture) holds the value that leaves a Llama unchanged."""
-    heads = _field(reader, f"{ARCHITECTURE}.attention.head_count")
-    head_dim = _field(reader, f"{ARCHITECTURE}.rope.dimension_count") or (
-        int(_field(reader, f"{ARCHITECTURE}.embedding_length")) // int(heads) if heads else None)
+    heads = _field(reader, f"{prefix}attention.head_count")
+    head_dim = _field(reader, f"{prefix}rope.dimension_count") or (
+        int(_field(reader, f"{prefix}embedding_length")) // int(heads) if heads else None)
     neutral = {"rope.scaling.type": ("none",), "rope.scaling.factor": (0.0, 1.0), "expert_count": (0,),
                "expert_used_count": (0,), "attention.key_length": (head_dim,), "attention.value_length": (head_dim,),
                "rope.scaling.original_context_length": (value,) if _field(
-                   reader, f"{ARCHITECTURE}.rope.scaling.type", "none") == "none" else ()}
+                   reader, f"{prefix}rope.scaling.type", "none") == "none" else ()}
     return key in neutral and value in neutral[key]
 
 
@@ -135,8 +136,7 @@ def _shown(value) -> str:
 
 
 def _spec_from_gguf(reader: GGUFFile, tensor_names: set[str]) -> ModelSpec:
-    _check_model(reader)
-    p = f"{ARCHITECTURE}."
+    p = f"{_check_model(reader).gguf_architecture}."
     hidden = int(_field(reader, p + "embedding_length"))
     heads = int(_field(reader, p + "attention.head_count"))
     vocab = int(_field(reader, p + "vocab_size", len(reader.fields["tokenizer.ggml.tokens"])))
@@ -178,6 +178,7 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
     reader, tokenizer = _read(path)
     names = {t.name for t in reader.tensors}
     spec = _spec_from_gguf(reader, names)
+    family = gguf_family(_field(reader, "general.architecture"))
     if tokenizer.vocab_size > spec.vocab_size:
         raise ModelFormatError(f"the GGUF file's tokenizer has {tokenizer.vocab_size} tokens but its model only "
                                f"{spec.vocab_size} embedding rows.")
@@ -194,7 +195,8 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
                 continue
             if name not in params:
                 raise ModelFormatError(f"GGUF tensor {t.name} has no place in the model.")
-            blocks = _row_blocks(t, name, spec) if ops is not None or dtype == torch.float32 else None
+            heads = _interleaved_heads(name, spec, family)
+            blocks = _row_blocks(t, name, heads) if ops is not None or dtype == torch.float32 else None
             if blocks is not None and ops is not None:
                 # The same float32 bits as gguf.quants (tests/test_gguf_blocks.py), ~2x faster, and the
                 # rows come out in the model's order (the blocks are un-permuted already).
@@ -204,10 +206,8 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
                 if not array.flags.writeable:  # F32 tensors come back as views of the read-only mmap
                     array = array.copy()
                 values = torch.from_numpy(array)
-                if ".q_proj." in name:
-                    values = unpermute_rope_rows(values, spec.num_heads)
-                elif ".k_proj." in name:
-                    values = unpermute_rope_rows(values, spec.num_kv_heads)
+                if heads is not None:
+                    values = unpermute_rope_rows(values, heads)
             target = params[name]
             if tuple(values.shape) != tuple(target.shape):
                 raise ModelFormatError(f"GGUF tensor {t.name} has shape {tuple(values.shape)}, expected {tuple(target.shape)}.")
@@ -225,13 +225,20 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
     return model, tokenizer, spec
 
 
-def _row_blocks(t: GGUFTensor, name: str, spec: ModelSpec) -> GGUFBlockWeight | None:
-    """The matrix's own quantized blocks from the file, rows in the model's order (attn_q /
-    attn_k un-permuted: whole rows move, blocks untouched), or None for plain types, types the
-    kernels do not read, and vectors."""
+def _interleaved_heads(name: str, spec: ModelSpec, family: Family) -> int | None:
+    """The heads whose rows llama.cpp's converter interleaved in tensor ``name`` (q_proj / k_proj of a
+    family it converts so), or None: rows in the model's order already."""
+    if not family.gguf_qk_interleaved:
+        return None
+    return spec.num_heads if ".q_proj." in name else spec.num_kv_heads if ".k_proj." in name else None
+
+
+def _row_blocks(t: GGUFTensor, name: str, heads: int | None) -> GGUFBlockWeight | None:
+    """The matrix's own quantized blocks from the file, rows in the model's order (``heads``: un-permute
+    an interleaved attn_q / attn_k: whole rows move, blocks untouched), or None for plain types, types
+    the kernels do not read, and vectors."""
     if int(t.tensor_type) not in GGUF_BLOCK_TYPES or not name.endswith(".weight") or len(t.shape) != 2:
         return None
-    heads = spec.num_heads if ".q_proj." in name else spec.num_kv_heads if ".k_proj." in name else None
     rows = t.data.shape[0]
     # A copy out of the read-only map either way; numpy's row gather is ~100x torch's on uint8 rows.
     data = np.array(t.data) if heads is None else t.data[unpermute_rope_rows(torch.arange(rows), heads).numpy()]
@@ -265,8 +272,8 @@ def _read(path: Path) -> tuple[GGUFFile, Tokenizer]:
 @functools.lru_cache(maxsize=4)
 def _parse(path: str, size: int, mtime_ns: int) -> tuple[GGUFFile, Tokenizer]:
     reader = GGUFFile(path)  # read-only: the cached reader and tokenizer are shared
-    _check_model(reader)  # before the tokenizer: a file of another family is refused for what it is
-    return reader, tokenizer_from_gguf(reader.fields, ARCHITECTURE)
+    family = _check_model(reader)  # before the tokenizer: a file of another family is refused for what it is
+    return reader, tokenizer_from_gguf(reader.fields, family.gguf_architecture)
 
 
 def is_gguf_file(path: Path) -> bool:

@@ -9,15 +9,11 @@ import torch
 from safetensors import safe_open
 
 from hicache.model.errors import ModelFormatError, ModelNotFoundError
+from hicache.model.families import DEEPSEEK, hf_family
 from hicache.model.llama import LlamaForCausalLM
 from hicache.model.spec import ModelSpec
 from hicache.model.tokenizer import Tokenizer, load_hf_tokenizer
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "DeepseekV3ForCausalLM",
-                           "DeepseekV2ForCausalLM")
-MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
-# Qwen2 always has q/k/v biases; its config has no attention_bias key to say so.
-_BIAS_BY_DEFAULT = {"qwen2"}
 ACTIVATIONS = ("silu", "swish")  # what the MLP computes (SiLU-and-multiply)
 # config.json keys that change the math when set, with the values that leave a Llama unchanged.
 # Fail closed: another value is refused, naming the key, rather than ignored.
@@ -37,10 +33,7 @@ def spec_from_hf_config(config: dict) -> ModelSpec:
     an activation other than SiLU, MLP biases, soft-capping... -- is refused, naming it.
     """
     archs = config.get("architectures") or []
-    if archs and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-        raise ModelFormatError(
-            f"model architecture {archs[0]} is not supported; expected one of {', '.join(SUPPORTED_ARCHITECTURES)}."
-        )
+    family = hf_family(archs, config.get("model_type", "llama"))
     _check_config(config)
     try:
         hidden = int(config["hidden_size"])
@@ -51,7 +44,6 @@ def spec_from_hf_config(config: dict) -> ModelSpec:
         if scaling is None and rope:
             rope.pop("rope_theta", None)
             scaling = rope if rope.get("rope_type", "default") != "default" else None
-        model_type = config.get("model_type", "llama")
         return ModelSpec(
             num_layers=int(config["num_hidden_layers"]),
             hidden_size=hidden,
@@ -64,9 +56,9 @@ def spec_from_hf_config(config: dict) -> ModelSpec:
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-            attention_bias=bool(config.get("attention_bias", model_type in _BIAS_BY_DEFAULT)),
+            attention_bias=bool(config.get("attention_bias", family.attention_bias)),
             rope_scaling=scaling,
-            **(_mla_fields(config) if any(a in MLA_ARCHITECTURES for a in archs) else {}),
+            **(_mla_fields(config) if family is DEEPSEEK else {}),
         )
     except KeyError as e:
         raise ModelFormatError(f"config.json lacks the field {e.args[0]!r}.") from None
