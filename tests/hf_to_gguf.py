@@ -14,7 +14,8 @@ from gguf_edit import TINY
 # HF parameter (after "model.layers.{i}.") -> GGUF tensor (after "blk.{i}.")
 LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
          "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-         "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+         "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+         "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 
 
 def interleave(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -23,7 +24,7 @@ def interleave(rows: np.ndarray, heads: int) -> np.ndarray:
 
 
 def hf_to_gguf(model, path: Path, arch: str, pre: str = "gpt-2") -> Path:
-    """Write ``model`` (a transformers Llama or Qwen2 causal LM) to ``path`` as GGUF ``arch``."""
+    """Write ``model`` (a transformers Llama, Qwen2 or Qwen3 causal LM) to ``path`` as GGUF ``arch``."""
     import gguf
 
     cfg = model.config
@@ -39,8 +40,11 @@ def hf_to_gguf(model, path: Path, arch: str, pre: str = "gpt-2") -> Path:
     writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"] if hasattr(cfg, "rope_parameters") and
                                     cfg.rope_parameters else cfg.rope_theta))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    if head_dim != cfg.hidden_size // heads or arch == "llama":
+    if arch == "llama":
         writer.add_rope_dimension_count(head_dim)
+    elif head_dim != cfg.hidden_size // heads:  # Qwen3: heads narrower or wider than hidden / heads
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     reader = gguf.GGUFReader(TINY)
     for field in reader.fields.values():
         if field.name.startswith("tokenizer."):

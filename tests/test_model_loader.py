@@ -145,7 +145,7 @@ def test_a_broken_gguf_file_is_one_clear_sentence(tmp_path):
     (dict(tensors={"blk.1.post_ffw_norm.weight": np.ones(256, np.float32)}), "(a norm after the MLP)"),
     (dict(kv={"llama.attention.sliding_window": 128}), "llama.attention.sliding_window = 128"),
     (dict(kv={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}), "rope.scaling.type = 'linear'"),
-    (dict(kv={"llama.attention.key_length": 128}), "llama.attention.key_length = 128"),
+    (dict(kv={"llama.attention.key_length": 128}), "llama.rope.dimension_count = 64 differs from the head width 128"),
     (dict(kv={"llama.expert_count": 8}), "llama.expert_count = 8"),
     # the architecture is checked before the tokenizer (Gemma 3's is SentencePiece: 'llama')
     (dict(arch="gemma3", kv={"tokenizer.ggml.model": "llama"}), "GGUF architecture 'gemma3' is not supported"),

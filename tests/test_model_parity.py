@@ -54,16 +54,16 @@ CASES = {
     "llama3_rope_scaling": ("llama", dict(rope_theta=500000.0, rope_scaling=LLAMA3_SCALING)),
     "qwen2_bias": ("qwen2", dict(rope_theta=1000000.0)),
     "qwen2_bias_tied": ("qwen2", dict(rope_theta=1000000.0, tie_word_embeddings=True)),
+    # QK-norm, and heads wider than hidden / heads (q width 128 with hidden 64), as Qwen3's
+    "qwen3_qk_norm": ("qwen3", dict(rope_theta=1000000.0, head_dim=32, tie_word_embeddings=True)),
 }
 
 
 def _hf_model(kind: str, extra: dict, seed: int = 1234):
-    if kind == "llama":
-        config = transformers.LlamaConfig(**TINY, **extra)
-        model = transformers.LlamaForCausalLM(config)
-    else:
-        config = transformers.Qwen2Config(**TINY, **extra)
-        model = transformers.Qwen2ForCausalLM(config)
+    config_class, model_class = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                                 "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+                                 "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[kind]
+    model = model_class(config_class(**{**TINY, **extra}))
     # transformers zero-inits biases and one-inits norms; randomize everything so a loader
     # that drops or misplaces any tensor shows up as a mismatch.
     gen = torch.Generator().manual_seed(seed)
@@ -142,7 +142,8 @@ def test_spec_from_transformers4_style_config():
 
 
 # ---- the same checkpoints as GGUF files (issue 47): the GGUF loader against transformers ----------------
-GGUF_CASES = {"llama": "llama", "llama_tied": "llama", "qwen2_bias": "qwen2", "qwen2_bias_tied": "qwen2"}
+GGUF_CASES = {"llama": "llama", "llama_tied": "llama", "qwen2_bias": "qwen2", "qwen2_bias_tied": "qwen2",
+              "qwen3_qk_norm": "qwen3"}
 
 
 @pytest.mark.parametrize("case", sorted(GGUF_CASES))
@@ -154,8 +155,30 @@ def test_gguf_files_of_each_family_match_transformers(case, tmp_path):
 
     kind, extra = CASES[case]
     hf = _hf_model(kind, extra)
-    path = hf_to_gguf(hf, tmp_path / f"{case}.gguf", GGUF_CASES[case], pre="qwen2" if kind == "qwen2" else "gpt-2")
+    path = hf_to_gguf(hf, tmp_path / f"{case}.gguf", GGUF_CASES[case], pre="qwen2" if kind != "llama" else "gpt-2")
     ours = load_model(str(path), dtype=torch.float32)
-    assert ours.spec.attention_bias == (kind == "qwen2") and ours.spec.tie_word_embeddings == ("tied" in case)
+    assert ours.spec.attention_bias == (kind == "qwen2") and ours.spec.qk_norm == (kind == "qwen3")
+    assert ours.spec.tie_word_embeddings == ("tied" in case or kind == "qwen3")
     ids = list(range(5, 60, 3))
     torch.testing.assert_close(prefill_logits(ours.model, ids), _hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.multirank
+@pytest.mark.parallel
+def test_qwen3_gguf_runs_alike_on_tp2_and_pp2(tmp_path, checker):
+    """QK-norm weights are per head width, so every TP rank keeps them whole; a pipeline stage keeps
+    its layers'. Greedy outputs of one rank, TP2 and PP2 are the same, the consensus checker on."""
+    from hf_to_gguf import hf_to_gguf
+
+    from hicache import Engine, SamplingParams
+
+    path = hf_to_gguf(_hf_model("qwen3", CASES["qwen3_qk_norm"][1]), tmp_path / "q3.gguf", "qwen3", pre="qwen2")
+    outputs = []
+    for tp, pp in ((1, 1), (2, 1), (1, 2)):
+        engine = Engine(str(path), dtype="float32", max_total_tokens=2048, tp_size=tp, pp_size=pp)
+        try:
+            outputs.append([r.output_ids for r in engine.generate(
+                [[5, 6, 7, 8, 9] * 4, [11, 12, 13] * 7], SamplingParams(max_new_tokens=12, temperature=0))])
+        finally:
+            engine.shutdown()
+    assert outputs[0] == outputs[1] == outputs[2]

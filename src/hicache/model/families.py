@@ -2,8 +2,8 @@
 loaders (GGUF and HF) look that up; nothing outside ``model/`` names a family.
 
 Today every family is a Llama-shaped decoder (RMSNorm before attention and MLP, SiLU-and-multiply,
-rotate-half RoPE); a family says where it departs from that: q/k/v biases, how llama.cpp's
-converter wrote its q/k rows. Gemma 3, Qwen3 and Phi-3 join as the model learns their layers
+rotate-half RoPE); a family says where it departs from that: q/k/v biases, QK-norm, how llama.cpp's
+converter wrote its q/k rows. Gemma 3 and Phi-3 join as the model learns their layers
 (docs/progress.md, issue 47).
 """
 
@@ -20,20 +20,22 @@ class Family:
     ``hf_architectures``: ``architectures`` in its config.json; ``gguf_qk_interleaved``: llama.cpp's
     converter reorders q/k rows so rotary pairs are adjacent (Llama; families whose llama.cpp rope is
     NEOX-style keep HF's rotate-half order); ``attention_bias``: q/k/v biases where a config does not
-    say (Qwen2 always has them)."""
+    say (Qwen2 always has them); ``qk_norm``: q and k RMS-normalized per head before RoPE (Qwen3)."""
 
     name: str
     gguf_architecture: str | None
     hf_architectures: tuple[str, ...]
     gguf_qk_interleaved: bool = True
     attention_bias: bool = False
+    qk_norm: bool = False
 
 
 LLAMA = Family("llama", "llama", ("LlamaForCausalLM",))
 MISTRAL = Family("mistral", None, ("MistralForCausalLM",))  # its GGUF files say "llama"
 QWEN2 = Family("qwen2", "qwen2", ("Qwen2ForCausalLM",), gguf_qk_interleaved=False, attention_bias=True)
+QWEN3 = Family("qwen3", "qwen3", ("Qwen3ForCausalLM",), gguf_qk_interleaved=False, qk_norm=True)
 DEEPSEEK = Family("deepseek", None, ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"))  # MLA, dense layers only
-FAMILIES = (LLAMA, MISTRAL, QWEN2, DEEPSEEK)
+FAMILIES = (LLAMA, MISTRAL, QWEN2, QWEN3, DEEPSEEK)
 
 
 def gguf_family(architecture: object) -> Family:

@@ -1,5 +1,5 @@
 """Load a GGUF file of a supported family (model/families.py: llama -- the embedded SmolLM2 --,
-qwen2) into :class:`LlamaForCausalLM`.
+qwen2, qwen3) into :class:`LlamaForCausalLM`.
 
 Fail closed: whatever in a file would change the math and is not implemented -- another
 architecture, an unknown key of the architecture's metadata, a tensor with no place in the model
@@ -39,7 +39,10 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # QK-norm: only in families that have it (_FAMILY_TENSORS)
+    "attn_k_norm": "self_attn.k_norm",
 }
+_FAMILY_TENSORS = {"attn_q_norm": "qk_norm", "attn_k_norm": "qk_norm"}  # tensor -> the Family field it needs
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 # The architecture's metadata this loader reads ("<architecture>.<key>"). Fail closed: any other key of
@@ -47,7 +50,8 @@ _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 # plain Llama has (:func:`_neutral`): the file is refused, naming it, rather than run wrongly.
 _READ_KEYS = frozenset({"block_count", "context_length", "embedding_length", "feed_forward_length",
                         "attention.head_count", "attention.head_count_kv", "rope.freq_base",
-                        "attention.layer_norm_rms_epsilon", "vocab_size", "rope.dimension_count"})
+                        "attention.layer_norm_rms_epsilon", "vocab_size", "rope.dimension_count",
+                        "attention.key_length", "attention.value_length"})
 # What the tensors a llama file may carry beyond the mapped ones do (for the refusal's sentence).
 ROPE_FACTORS = "rope_freqs.weight"  # Llama 3.1+: a frequency factor per rotary pair (spec "freq_factors")
 _UNHANDLED_TENSORS = {"attn_q_norm": "QK-norm",
@@ -109,9 +113,10 @@ def _check_model(reader: GGUFFile) -> Family:
             raise ModelFormatError(f"GGUF metadata {key} = {_shown(value)} changes the math in a way this engine does "
                                    "not implement yet; the file is refused rather than run wrongly.")
     for t in reader.tensors:
-        if hf_name(t.name) is None and t.name != ROPE_FACTORS:
-            m = _LAYER_RE.match(t.name)
-            part = m.group(2) if m else t.name.rpartition(".")[0]
+        m = _LAYER_RE.match(t.name)
+        part = m.group(2) if m else t.name.rpartition(".")[0]
+        needs = _FAMILY_TENSORS.get(part)
+        if (hf_name(t.name) is None and t.name != ROPE_FACTORS) or (needs and not getattr(family, needs)):
             what = f" ({_UNHANDLED_TENSORS[part]})" if part in _UNHANDLED_TENSORS else ""
             raise ModelFormatError(f"GGUF tensor {t.name}{what} has no place in this engine's {family.name} model; "
                                    "the file is refused rather than run without it.")
@@ -120,12 +125,8 @@ def _check_model(reader: GGUFFile) -> Family:
 
 def _neutral(key: str, value, reader: GGUFFile, prefix: str) -> bool:
     """Whether metadata ``key`` (of the architecture) holds the value that leaves a Llama unchanged."""
-    heads = _field(reader, f"{prefix}attention.head_count")
-    head_dim = _field(reader, f"{prefix}rope.dimension_count") or (
-        int(_field(reader, f"{prefix}embedding_length")) // int(heads) if heads else None)
     neutral = {"rope.scaling.type": ("none",), "rope.scaling.factor": (0.0, 1.0), "expert_count": (0,),
-               "expert_used_count": (0,), "attention.key_length": (head_dim,), "attention.value_length": (head_dim,),
-               "rope.scaling.original_context_length": (value,) if _field(
+               "expert_used_count": (0,), "rope.scaling.original_context_length": (value,) if _field(
                    reader, f"{prefix}rope.scaling.type", "none") == "none" else ()}
     return key in neutral and value in neutral[key]
 
@@ -135,8 +136,22 @@ def _shown(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _head_dim(reader: GGUFFile, p: str, hidden: int, heads: int) -> int:
+    """A head's width: ``attention.key_length`` where the file says (Qwen3: not hidden / heads), else
+    the rotary dimensions, else hidden / heads. Values as wide as keys and rotary over the whole head
+    are what the model implements: anything else is refused."""
+    head_dim = int(_field(reader, p + "attention.key_length", _field(reader, p + "rope.dimension_count",
+                                                                         hidden // heads)))
+    for key in ("attention.value_length", "rope.dimension_count"):
+        if int(_field(reader, p + key, head_dim)) != head_dim:
+            raise ModelFormatError(f"GGUF metadata {p}{key} = {_field(reader, p + key)} differs from the head width "
+                                   f"{head_dim}, which this engine does not implement; the file is refused.")
+    return head_dim
+
+
 def _spec_from_gguf(reader: GGUFFile, tensor_names: set[str]) -> ModelSpec:
-    p = f"{_check_model(reader).gguf_architecture}."
+    family = _check_model(reader)
+    p = f"{family.gguf_architecture}."
     hidden = int(_field(reader, p + "embedding_length"))
     heads = int(_field(reader, p + "attention.head_count"))
     vocab = int(_field(reader, p + "vocab_size", len(reader.fields["tokenizer.ggml.tokens"])))
@@ -145,7 +160,7 @@ def _spec_from_gguf(reader: GGUFFile, tensor_names: set[str]) -> ModelSpec:
         hidden_size=hidden,
         num_heads=heads,
         num_kv_heads=int(_field(reader, p + "attention.head_count_kv", heads)),
-        head_dim=int(_field(reader, p + "rope.dimension_count", hidden // heads)),
+        head_dim=_head_dim(reader, p, hidden, heads),
         intermediate_size=int(_field(reader, p + "feed_forward_length")),
         vocab_size=vocab,
         rope_theta=float(_field(reader, p + "rope.freq_base", 10000.0)),
@@ -154,6 +169,7 @@ def _spec_from_gguf(reader: GGUFFile, tensor_names: set[str]) -> ModelSpec:
         max_position_embeddings=int(_field(reader, p + "context_length", 2048)),
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         rope_scaling=_rope_factors(reader),
+        qk_norm=family.qk_norm,
     )
 
 

@@ -57,6 +57,7 @@ def spec_from_hf_config(config: dict) -> ModelSpec:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
             attention_bias=bool(config.get("attention_bias", family.attention_bias)),
+            qk_norm=family.qk_norm,
             rope_scaling=scaling,
             **(_mla_fields(config) if family is DEEPSEEK else {}),
         )
@@ -75,6 +76,10 @@ def _check_config(config: dict) -> None:
             int(window) < int(config.get("max_position_embeddings", 2048)):
         raise ModelFormatError(f"config.json sliding_window {window} (attention over the last {window} tokens) is not "
                                "implemented yet; the model is refused rather than run wrongly past that length.")
+    kinds = set(config.get("layer_types") or ()) - {"full_attention"}
+    if kinds:
+        raise ModelFormatError(f"config.json layer_types {sorted(kinds)} are not implemented yet (only full attention); "
+                               "the model is refused rather than run wrongly.")
     for key, neutral in _NEUTRAL_KEYS.items():
         if key in config and config[key] not in neutral:
             raise ModelFormatError(f"config.json {key} = {config[key]!r} changes the math in a way this engine does "

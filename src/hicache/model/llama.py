@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama, Qwen2, Mistral, SmolLM2; MLA layers for DeepSeek-V2/V3) over a
-paged KV cache.
+"""Llama-family decoder (Llama, Qwen2, Qwen3's QK-norm, Mistral, SmolLM2; MLA layers for
+DeepSeek-V2/V3) over a paged KV cache.
 
 Parameter names follow Hugging Face (``model.layers.0.self_attn.q_proj.weight``...) so a
 safetensors checkpoint loads by name. RoPE uses the HF rotate-half convention: within a head,
@@ -45,6 +45,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_width, spec.hidden_size, bias=False)
         self.qkv = Projection(self.q_proj, self.k_proj, self.v_proj)
         self.out = Projection(self.o_proj)
+        # Qwen3: each q and k head RMS-normalized before RoPE (HF names self_attn.q_norm / k_norm)
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.tp_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # sum over TP ranks (model/parallel.py)
         # Uneven TP split: the local KV head of each local query head (None: equal groups).
         self.kv_map: Optional[torch.Tensor] = None
@@ -58,6 +61,10 @@ class Attention(nn.Module):
         qkv = self.qkv.whole(x)
         # q and k sit side by side in the fused output: rotate both heads' sets in one pass.
         qk_heads = self.num_heads + self.num_kv_heads
+        if self.q_norm is not None:  # per head, before RoPE; in place: the fused output is ours
+            q_width, k_end = self.num_heads * self.head_dim, qk_heads * self.head_dim
+            qkv[:, :q_width] = self.q_norm(qkv[:, :q_width].reshape(-1, self.head_dim)).view(t, q_width)
+            qkv[:, q_width:k_end] = self.k_norm(qkv[:, q_width:k_end].reshape(-1, self.head_dim)).view(t, -1)
         qk = qkv[:, : qk_heads * self.head_dim].view(t, qk_heads, self.head_dim)
         ops = native_ops(qkv)
         if ops is not None and self.head_dim % 16 == 0:
@@ -106,7 +113,7 @@ class DecoderLayer(nn.Module):
         if not isinstance(attn, Attention):
             return None
         rows = sys.maxsize if attn.qkv.row_invariant else DECODE_ROWS  # deterministic: every pass
-        if (batch.attn.decode is None or not 0 < x.shape[0] <= rows
+        if (batch.attn.decode is None or not 0 < x.shape[0] <= rows or attn.q_norm is not None
                 or attn.tp_reduce is not None or self.mlp.tp_reduce is not None or attn.kv_map is not None
                 or attn.head_dim not in NATIVE_HEAD_DIMS
                 or kv.k_buffers[attn.layer].dtype not in NATIVE_KV_DTYPES or self.mlp.gate_proj.out_features % 8):

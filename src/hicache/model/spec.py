@@ -30,6 +30,9 @@ class ModelSpec:
     ``num_heads * head_dim`` wide). ``num_heads`` must be a multiple of ``num_kv_heads`` (GQA).
     ``rope_scaling``: ``None`` or an HF-style dict with ``rope_type`` in :data:`SUPPORTED_ROPE_TYPES`.
 
+    ``qk_norm``: q and k are RMS-normalized per head (weights ``[head_dim]``, shared by the heads)
+    after their projection and before RoPE (Qwen3).
+
     MLA (DeepSeek-V2/V3 attention, ``kv_lora_rank > 0``): each token keeps one latent per layer,
     ``kv_lora_rank`` compressed KV + ``qk_rope_head_dim`` rotary key, stored in the KV pools as
     one "KV head" whose two halves sit in the K and V buffers (``num_kv_heads`` 1, ``head_dim`` =
@@ -57,6 +60,7 @@ class ModelSpec:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False
+    qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3), one weight per head dim
 
     def __post_init__(self) -> None:
         if self.kv_lora_rank:
@@ -117,7 +121,7 @@ class ModelSpec:
         h, q, kvw = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attn = h * q + 2 * h * kvw + q * h + (q + 2 * kvw if self.attention_bias else 0)
         mlp = 3 * h * self.intermediate_size
-        per_layer = attn + mlp + 2 * h
+        per_layer = attn + mlp + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + self.num_layers * per_layer + h + head
 
