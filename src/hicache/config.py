@@ -166,6 +166,9 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
     max_logprobs: int = _opt(
         20, "Most alternatives a request may ask for per token (top_logprobs, /generate's "
         "top_logprobs_num; vLLM's flag): each is an entry in the answer, so this bounds its size.")
+    chat_template: Optional[str] = _opt(
+        None, "The chat template: a Jinja file, or a built-in name (chatml, gemma, llama3), instead of the model's; "
+        "a model without one (a base model) refuses chats unless it is given.")
     grammar_backend: str = _opt(
         "llguidance", "Structured output (response_format, forced tool calls, json_schema / regex / ebnf): the grammar "
         "engine that masks each step's tokens; 'none' refuses such requests.", ("llguidance", "none"))

@@ -18,6 +18,7 @@ from ..device import DTYPES, choose_precision, resolve_device
 from ..disagg.bootstrap import Bootstrap
 from ..errors import ContextLengthError, HicacheError, InvalidRequestError
 from ..model import load_model
+from ..model.chat_templates import resolve_chat_template
 from ..model.loader import LoadedModel
 from ..runtime.grammar_vet import GrammarVetter, VetLimits
 from ..runtime.request import GenerateResult, PDState, Request
@@ -60,6 +61,8 @@ class Engine:
         self.loaded = load_model(cfg.model, dtype=self.dtype, device=self.device, seed=cfg.random_seed,
                                  weights=ranks == 1, **cfg.precision_options())
         self.tokenizer = self.loaded.tokenizer
+        if cfg.chat_template is not None:  # a wrapper of its own: loaded tokenizers are shared in the process
+            self.tokenizer = self.tokenizer.with_chat_template(resolve_chat_template(cfg.chat_template))
         spec = self.loaded.spec
         self.context_length = cfg.context_length or spec.max_position_embeddings
         if self.context_length > spec.max_position_embeddings:

@@ -7,6 +7,7 @@ one for random test models; an HF ``tokenizer.json`` is loaded as-is by :func:`l
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -14,16 +15,24 @@ from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
-# Used when a model ships no chat template (random test models, bare HF directories).
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+from hicache.errors import InvalidRequestError
+from hicache.model.chat_templates import BUILTIN, CHATML
+
+CHATML_TEMPLATE = CHATML  # random test models render chats in it
+
 
 def _raise_template_error(message: str) -> None:
     raise TemplateError(message)
+
+
+def _compile(template: str):
+    """A chat template as transformers renders it: Jinja in a sandbox, trimmed blocks, loop controls,
+    ``raise_exception``, ``strftime_now`` and a ``tojson`` that keeps non-ASCII text."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.globals["raise_exception"] = _raise_template_error
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+    return env.from_string(template)
 
 
 class Tokenizer:
@@ -46,12 +55,14 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
         self.eos_token_ids: set[int] = {int(i) for i in eos_token_ids}
         self.add_bos = add_bos and bos_token_id is not None
-        self.chat_template = chat_template or CHATML_TEMPLATE
+        self.chat_template = chat_template  # None: the model has none (a base model): chats are refused
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-        env.globals["raise_exception"] = _raise_template_error
-        env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
-        self._template = env.from_string(self.chat_template)
+        self._template = None if chat_template is None else _compile(chat_template)
+
+    def with_chat_template(self, template: str) -> "Tokenizer":
+        """This tokenizer (sharing its backend) rendering chats with ``template`` instead."""
+        return Tokenizer(self._tok, bos_token_id=self.bos_token_id, eos_token_ids=self.eos_token_ids,
+                         add_bos=self.add_bos, chat_template=template)
 
     @property
     def backend(self) -> HFTokenizer:
@@ -78,12 +89,16 @@ class Tokenizer:
     @property
     def renders_tools(self) -> bool:
         """The chat template writes a ``tools`` list itself (else the server describes them)."""
-        return "tools" in self.chat_template
+        return "tools" in (self.chat_template or "")
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None) -> str:
         """Render ``messages`` (``{"role", "content"}`` dicts) with the model's Jinja template;
-        ``tools`` goes to a template that takes them (:attr:`renders_tools`)."""
+        ``tools`` goes to a template that takes them (:attr:`renders_tools`). InvalidRequestError
+        when the model has no template."""
+        if self._template is None:
+            raise InvalidRequestError("this model has no chat template (a base model?): send a completion, or start "
+                                      f"it with --chat-template FILE or one of {', '.join(BUILTIN)}.", param="messages")
         bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
         eos_id = min(self.eos_token_ids) if self.eos_token_ids else None
         eos = self.id_to_token(eos_id) if eos_id is not None else ""
