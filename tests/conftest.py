@@ -41,11 +41,11 @@ import threading
 
 import openai
 import pytest
+from live_server import serving
 from rank_workloads import BASE, MODEL, multi_turn
 
 from hicache import Engine, consensus_record
 from hicache.cache.storage.valkey_server import find_valkey_server, start_valkey_server
-from hicache.server.serve import ServerThread
 
 MOONCAKE_SEGMENT_BYTES = 256 << 20
 AREAS = ("model", "cache", "engine", "parallel", "server", "storage", "spec", "pd", "cp")
@@ -61,11 +61,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="module")
 def server():
     """A live server (uvicorn in a thread) on the tiny random model, served as "tiny"; one per module."""
-    engine = Engine("random:tiny", dtype="float32", max_total_tokens=16384)
-    srv = ServerThread(engine, served_model_name="tiny")
-    srv.start()
-    yield srv
-    srv.stop()
+    with serving(max_total_tokens=16384) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -12,11 +12,11 @@ import re
 import httpx
 import psutil
 import pytest
+from live_server import serving
 
 from hicache import Engine, SamplingParams
 from hicache.errors import InvalidRequestError
 from hicache.runtime.sampling import GrammarSpec
-from hicache.server.serve import ServerThread
 from hicache.server.tools import call_grammar
 
 pytestmark = pytest.mark.server
@@ -38,12 +38,8 @@ def ref_chain(n: int = 2500, at: str = "#") -> dict:
 
 @pytest.fixture(scope="module")
 def server():
-    engine = Engine("random:tiny", dtype="float32", max_total_tokens=8192, grammar_compile_timeout=3.0)
-    srv = ServerThread(engine, served_model_name=MODEL)
-    srv.start()
-    yield srv
-    srv.stop()
-    engine.shutdown()
+    with serving(max_total_tokens=8192, grammar_compile_timeout=3.0) as srv:
+        yield srv
 
 
 @pytest.fixture()

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from live_server import serving
 
-from hicache import Engine
-from hicache.server.serve import ServerThread
 
 pytestmark = pytest.mark.server
 
@@ -25,12 +24,8 @@ MAX_LOGPROB_TOKENS = 64
 
 @pytest.fixture(scope="module")
 def server():
-    engine = Engine("random:tiny", dtype="float32", max_total_tokens=8192, max_logprobs=MAX_LOGPROBS)
-    srv = ServerThread(engine, served_model_name=MODEL, max_logprob_tokens=MAX_LOGPROB_TOKENS)
-    srv.start()
-    yield srv
-    srv.stop()
-    engine.shutdown()
+    with serving(max_total_tokens=8192, max_logprobs=MAX_LOGPROBS, server={"max_logprob_tokens": MAX_LOGPROB_TOKENS}) as srv:
+        yield srv
 
 
 @pytest.fixture()

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from live_server import serving
 
 from hicache import Engine
 from hicache.server import operations as server_operations
@@ -34,12 +35,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def server():
-    engine = Engine("random:tiny", dtype="float32", max_total_tokens=8192)
-    srv = ServerThread(engine, served_model_name=MODEL, api_key=KEY, max_request_bytes=MAX_BODY)
-    srv.start()
-    yield srv
-    srv.stop()
-    engine.shutdown()
+    with serving(max_total_tokens=8192, server={"api_key": KEY, "max_request_bytes": MAX_BODY}) as srv:
+        yield srv
 
 
 @pytest.fixture()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import operator
 import logging
 import threading
 import weakref
@@ -185,7 +186,10 @@ class Engine:
                       bootstrap: Bootstrap | None = None) -> Request:
         self.check_sampling(sampling)
         sampling = self.check_grammar(sampling)
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        try:  # (numpy integers are integers; floats are not)
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [operator.index(t) for t in prompt]
+        except TypeError:
+            raise InvalidRequestError("prompt token ids must be integers.", param="prompt") from None
         if not ids:
             raise InvalidRequestError("the prompt is empty.", param="prompt")
         check_token_ids("prompt", ids, self.vocab_size)

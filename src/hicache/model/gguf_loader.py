@@ -149,8 +149,7 @@ def _head_dim(reader: GGUFFile, p: str, hidden: int, heads: int) -> int:
     return head_dim
 
 
-def _spec_from_gguf(reader: GGUFFile, tensor_names: set[str]) -> ModelSpec:
-    family = _check_model(reader)
+def _spec_from_gguf(reader: GGUFFile, tensor_names: set[str], family: Family) -> ModelSpec:
     p = f"{family.gguf_architecture}."
     hidden = int(_field(reader, p + "embedding_length"))
     heads = int(_field(reader, p + "attention.head_count"))
@@ -191,10 +190,9 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
     tokenizer (the model is None)."""
     import gguf  # local import: only this loader needs it, and it is slow-ish to import
 
-    reader, tokenizer = _read(path)
+    reader, tokenizer, family = _read(path)
     names = {t.name for t in reader.tensors}
-    spec = _spec_from_gguf(reader, names)
-    family = gguf_family(_field(reader, "general.architecture"))
+    spec = _spec_from_gguf(reader, names, family)
     if tokenizer.vocab_size > spec.vocab_size:
         raise ModelFormatError(f"the GGUF file's tokenizer has {tokenizer.vocab_size} tokens but its model only "
                                f"{spec.vocab_size} embedding rows.")
@@ -272,8 +270,8 @@ def load_gguf_tokenizer(path: Path) -> Tokenizer:
     return _read(path)[1]
 
 
-def _read(path: Path) -> tuple[GGUFFile, Tokenizer]:
-    """The file's header (metadata parsed, tensors memory-mapped) and tokenizer, parsed once
+def _read(path: Path) -> tuple[GGUFFile, Tokenizer, Family]:
+    """The file's header (metadata parsed, tensors memory-mapped), tokenizer and family, parsed once
     per process and file version: building a 49K-token tokenizer takes a while, and a process
     (a test run, a benchmark comparing engines) often loads the same file several times."""
     try:
@@ -286,10 +284,10 @@ def _read(path: Path) -> tuple[GGUFFile, Tokenizer]:
 
 
 @functools.lru_cache(maxsize=4)
-def _parse(path: str, size: int, mtime_ns: int) -> tuple[GGUFFile, Tokenizer]:
+def _parse(path: str, size: int, mtime_ns: int) -> tuple[GGUFFile, Tokenizer, Family]:
     reader = GGUFFile(path)  # read-only: the cached reader and tokenizer are shared
     family = _check_model(reader)  # before the tokenizer: a file of another family is refused for what it is
-    return reader, tokenizer_from_gguf(reader.fields, family.gguf_architecture)
+    return reader, tokenizer_from_gguf(reader.fields, family.gguf_architecture), family
 
 
 def is_gguf_file(path: Path) -> bool:

@@ -18,8 +18,6 @@ from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, mo
 from hicache.errors import InvalidRequestError
 from hicache.model.chat_templates import BUILTIN, CHATML
 
-CHATML_TEMPLATE = CHATML  # random test models render chats in it
-
 
 def _raise_template_error(message: str) -> None:
     raise TemplateError(message)
@@ -156,7 +154,7 @@ def byte_tokenizer() -> Tokenizer:
         vocab[special] = 256 + i
     tok = byte_level_bpe(vocab, [])
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in RANDOM_SPECIAL_TOKENS])
-    return Tokenizer(tok, bos_token_id=256, eos_token_ids={257, 259}, add_bos=False, chat_template=CHATML_TEMPLATE)
+    return Tokenizer(tok, bos_token_id=256, eos_token_ids={257, 259}, add_bos=False, chat_template=CHATML)
 
 
 def _token_content(value: Any) -> str | None:

@@ -187,13 +187,14 @@ class SamplingParams:
 
 def check_token_ids(param: str, ids: Sequence[int], vocab_size: int) -> None:
     """The one range check of token ids a client sends (prompt ids, ``stop_token_ids``,
-    ``logit_bias`` keys): InvalidRequestError naming ``param`` unless each is an integer in
-    ``[0, vocab_size)``. An id out of range would index past a logits row (an IndexError on the
-    scheduler thread kills the engine) or, negative, silently name the last ids."""
-    for t in ids:
-        if not _is_int(t) or not 0 <= t < vocab_size:
-            raise InvalidRequestError(f"{param} must be token ids in [0, {vocab_size}) (this model's vocabulary), "
-                                      f"got {t!r}.", param=param)
+    ``logit_bias`` keys; integers, as the callers made sure): InvalidRequestError naming ``param``
+    unless each is in ``[0, vocab_size)``. An id out of range would index past a logits row (an
+    IndexError on the scheduler thread kills the engine) or, negative, silently name the last ids.
+    A long prompt is checked by its minimum and maximum (C loops); the offender is found only then."""
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        bad = next(t for t in ids if not 0 <= t < vocab_size)
+        raise InvalidRequestError(f"{param} must be token ids in [0, {vocab_size}) (this model's vocabulary), "
+                                  f"got {bad!r}.", param=param)
 
 
 def _is_int(x: object) -> bool:

@@ -106,8 +106,8 @@ class Scheduler:
         return req is not None
 
     def _end(self, req: Request, reason: str) -> None:
-        """Finish ``req`` with ``reason``, running or still waiting (then it holds only its prefetch)."""
-        if req.status is not Status.WAITING:
+        """Finish ``req`` with ``reason``, running or still in the queue (then it holds only its prefetch)."""
+        if not any(r is req for r in self.waiting):
             self._finish(req, reason)
             return
         self.waiting.remove(req)
