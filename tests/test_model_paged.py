@@ -45,14 +45,14 @@ def test_single_prefill_equals_chunked_scattered(lm):
 
 
 def test_cold_prefill_writes_kv_that_later_chunks_read(lm):
-    """The single=True fast path must still fill the buffers: a suffix computed against that
-    prefix matches the one-pass result."""
+    """The cold-prefill fast path (no cached keys: one causal block) must still fill the buffers: a
+    suffix computed against that prefix matches the one-pass result."""
     ids = _prompt(30, seed=3)
     ref = prefill_logits(lm.model, ids)
     kv = DenseKV(lm.spec, 64, torch.float32)
     slots = _scattered_slots(len(ids), 64, seed=4)
     batch = make_forward_batch([ids[:20]], [0], [slots[:20]], logits="all")
-    assert batch.attn.single
+    assert batch.attn.spans[0].full_runs == () and batch.attn.spans[0].full_slots is None
     torch.testing.assert_close(lm.model(batch, kv), ref[:20], atol=ATOL, rtol=0)
     torch.testing.assert_close(_fill_prefix(lm.model, kv, ids, slots, 20), ref[20:], atol=ATOL, rtol=0)
 
@@ -74,7 +74,6 @@ def test_batch_of_three_with_different_cached_prefixes(lm):
     batch = make_forward_batch(
         [ids[p:] for ids, p in zip(prompts, prefix_lens)], prefix_lens, slots, logits="all"
     )
-    assert not batch.attn.single
     out = lm.model(batch, kv)
     rows = torch.split(out, [len(ids) - p for ids, p in zip(prompts, prefix_lens)])
     for ref, row, p in zip(refs, rows, prefix_lens):

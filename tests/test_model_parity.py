@@ -56,13 +56,23 @@ CASES = {
     "qwen2_bias_tied": ("qwen2", dict(rope_theta=1000000.0, tie_word_embeddings=True)),
     # QK-norm, and heads wider than hidden / heads (q width 128 with hidden 64), as Qwen3's
     "qwen3_qk_norm": ("qwen3", dict(rope_theta=1000000.0, head_dim=32, tie_word_embeddings=True)),
+    # Gemma 3: four norms a layer, GeGLU, QK-norm, scaled embeddings; 5 sliding layers (window 8, shorter than
+    # the prompts) to 1 full, one KV head; the GGUF case keeps query_pre_attn_scalar = head_dim (llama.cpp's rule)
+    "gemma3": ("gemma3", dict(num_hidden_layers=7, num_key_value_heads=1, head_dim=32, sliding_window=8,
+                              query_pre_attn_scalar=32, pad_token_id=0)),
+    "gemma3_attn_scalar": ("gemma3", dict(num_hidden_layers=6, head_dim=24, sliding_window=5,
+                                          query_pre_attn_scalar=40, pad_token_id=0)),
+    # Mistral's window over every layer
+    "mistral_sliding_window": ("mistral", dict(rope_theta=10000.0, sliding_window=6)),
 }
 
 
 def _hf_model(kind: str, extra: dict, seed: int = 1234):
     config_class, model_class = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                                  "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-                                 "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[kind]
+                                 "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+                                 "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+                                 "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[kind]
     model = model_class(config_class(**{**TINY, **extra}))
     # transformers zero-inits biases and one-inits norms; randomize everything so a loader
     # that drops or misplaces any tensor shows up as a mismatch.
@@ -143,7 +153,7 @@ def test_spec_from_transformers4_style_config():
 
 # ---- the same checkpoints as GGUF files (issue 47): the GGUF loader against transformers ----------------
 GGUF_CASES = {"llama": "llama", "llama_tied": "llama", "qwen2_bias": "qwen2", "qwen2_bias_tied": "qwen2",
-              "qwen3_qk_norm": "qwen3"}
+              "qwen3_qk_norm": "qwen3", "gemma3": "gemma3", "mistral_sliding_window": "llama"}
 
 
 @pytest.mark.parametrize("case", sorted(GGUF_CASES))
@@ -157,22 +167,24 @@ def test_gguf_files_of_each_family_match_transformers(case, tmp_path):
     hf = _hf_model(kind, extra)
     path = hf_to_gguf(hf, tmp_path / f"{case}.gguf", GGUF_CASES[case], pre="qwen2" if kind != "llama" else "gpt-2")
     ours = load_model(str(path), dtype=torch.float32)
-    assert ours.spec.attention_bias == (kind == "qwen2") and ours.spec.qk_norm == (kind == "qwen3")
-    assert ours.spec.tie_word_embeddings == ("tied" in case or kind == "qwen3")
+    assert ours.spec.attention_bias == (kind == "qwen2") and ours.spec.qk_norm == (kind in ("qwen3", "gemma3"))
+    assert ours.spec.tie_word_embeddings == ("tied" in case or kind in ("qwen3", "gemma3"))
+    assert ours.spec.sliding_window == (getattr(hf.config, "sliding_window", None) or 0)
     ids = list(range(5, 60, 3))
     torch.testing.assert_close(prefill_logits(ours.model, ids), _hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.multirank
 @pytest.mark.parallel
-def test_qwen3_gguf_runs_alike_on_tp2_and_pp2(tmp_path, checker):
-    """QK-norm weights are per head width, so every TP rank keeps them whole; a pipeline stage keeps
-    its layers'. Greedy outputs of one rank, TP2 and PP2 are the same, the consensus checker on."""
+def test_gemma3_gguf_runs_alike_on_tp2_and_pp2(tmp_path, checker):
+    """Gemma 3 (QK-norm weights per head width, whole on every TP rank; its one KV head held by both
+    TP ranks; four norms a layer after the TP sums; sliding layers and their own RoPE on every
+    pipeline stage). Greedy outputs of one rank, TP2 and PP2 are the same, the consensus checker on."""
     from hf_to_gguf import hf_to_gguf
 
     from hicache import Engine, SamplingParams
 
-    path = hf_to_gguf(_hf_model("qwen3", CASES["qwen3_qk_norm"][1]), tmp_path / "q3.gguf", "qwen3", pre="qwen2")
+    path = hf_to_gguf(_hf_model("gemma3", CASES["gemma3"][1]), tmp_path / "g3.gguf", "gemma3", pre="qwen2")
     outputs = []
     for tp, pp in ((1, 1), (2, 1), (1, 2)):
         engine = Engine(str(path), dtype="float32", max_total_tokens=2048, tp_size=tp, pp_size=pp)

@@ -170,6 +170,9 @@ def make_backend(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, d
     check_parallel(loaded.spec, cfg.tp_size // cfg.attn_cp_size, cfg.pp_size)
     if draft is not None:  # the draft runs on the first stage, tensor-parallel like the target
         check_parallel(draft.spec, cfg.tp_size // cfg.attn_cp_size, 1)
+    if (cfg.attn_cp_size > 1 or cfg.enable_kv_cache_sharding) and loaded.spec.has_sliding_layers:
+        raise ConfigError(f"{cfg.model} has sliding-window layers, which context parallelism and KV sharding do not "
+                          "implement yet; run it without --attn-cp-size / --enable-kv-cache-sharding.")
     if cfg.enable_kv_cache_sharding and cfg.attn_cp_size == 1 and not loaded.spec.is_mla:
         raise ConfigError(f"--enable-kv-cache-sharding without --attn-cp-size shards an MLA latent over the TP ranks, "
                           f"and {cfg.model} is not an MLA model; set --attn-cp-size to shard over context-parallel ranks.")

@@ -302,6 +302,7 @@ ChunkFn<KV> chunk_fn(int64_t D) {
     case 64: return attend_chunk<8, KV>;
     case 96: return attend_chunk<12, KV>;
     case 128: return attend_chunk<16, KV>;
+    case 256: return attend_chunk<32, KV>;  // Gemma 3
     default: return nullptr;
   }
 }
@@ -317,7 +318,7 @@ void check(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf
   TORCH_CHECK(k_buf.sizes() == v_buf.sizes(), "k_buf and v_buf differ in shape");
   const int64_t H = q.size(1), KvH = k_buf.size(1), D = q.size(2);
   TORCH_CHECK(k_buf.size(2) == D && chunk_fn<float>(D) != nullptr && KvH > 0 && H % KvH == 0,
-              "head_dim must match and be 32, 64, 96 or 128; query heads a multiple of KV heads");
+              "head_dim must match and be 32, 64, 96, 128 or 256; query heads a multiple of KV heads");
   TORCH_CHECK(kv_slots.scalar_type() == at::kLong && kv_slots.is_contiguous() && kv_slots.dim() == 2 &&
               kv_slots.size(0) == q.size(0), "kv_slots must be contiguous int64 [B, K]");
   TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.is_contiguous() && lengths.numel() == q.size(0),

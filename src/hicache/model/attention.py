@@ -150,7 +150,7 @@ def decode_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, 
     return out.reshape(bsz, heads, dim)
 
 
-NATIVE_HEAD_DIMS = (32, 64, 96, 128)
+NATIVE_HEAD_DIMS = (32, 64, 96, 128, 256)
 NATIVE_KV_DTYPES = (torch.float32, torch.float16)  # what the native decode kernel reads
 
 

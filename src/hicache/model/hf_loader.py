@@ -9,28 +9,29 @@ import torch
 from safetensors import safe_open
 
 from hicache.model.errors import ModelFormatError, ModelNotFoundError
-from hicache.model.families import DEEPSEEK, hf_family
+from hicache.model.families import DEEPSEEK, hf_family, hf_layer_fields
 from hicache.model.llama import LlamaForCausalLM
 from hicache.model.spec import ModelSpec
 from hicache.model.tokenizer import Tokenizer, load_hf_tokenizer
 
-ACTIVATIONS = ("silu", "swish")  # what the MLP computes (SiLU-and-multiply)
 # config.json keys that change the math when set, with the values that leave a Llama unchanged.
 # Fail closed: another value is refused, naming the key, rather than ignored.
 _NEUTRAL_KEYS: dict[str, tuple] = {
     "mlp_bias": (False, None), "attn_logit_softcapping": (None,), "final_logit_softcapping": (None,),
-    "query_pre_attn_scalar": (None,), "partial_rotary_factor": (None, 1.0), "use_qk_norm": (False, None),
+    "partial_rotary_factor": (None, 1.0), "use_qk_norm": (False, None),
     "qk_layernorm": (False, None), "embedding_multiplier": (None, 1.0), "logits_scaling": (None, 1.0),
     "residual_multiplier": (None, 1.0), "attention_multiplier": (None,),
 }
 
 
 def spec_from_hf_config(config: dict) -> ModelSpec:
-    """A :class:`ModelSpec` from an HF ``config.json`` dict (Llama / Qwen2 / Mistral).
+    """A :class:`ModelSpec` from an HF ``config.json`` dict (a family of model/families/).
 
-    RoPE: ``rope_theta`` + ``rope_scaling`` (transformers 4) or ``rope_parameters`` (transformers 5).
-    Fail closed: a key that changes the math and is not implemented -- an active sliding window,
-    an activation other than SiLU, MLP biases, soft-capping... -- is refused, naming it.
+    RoPE: ``rope_theta`` + ``rope_scaling`` (transformers 4) or ``rope_parameters`` (transformers 5,
+    per layer kind where the layers differ: the full layers' here, the sliding ones' in
+    ``hf_layer_fields``). Fail closed: a key that changes the math and is not implemented --
+    an activation the family's layer does not compute, MLP biases, soft-capping... -- is refused,
+    naming it.
     """
     archs = config.get("architectures") or []
     family = hf_family(archs, config.get("model_type", "llama"))
@@ -39,6 +40,7 @@ def spec_from_hf_config(config: dict) -> ModelSpec:
         hidden = int(config["hidden_size"])
         heads = int(config["num_attention_heads"])
         rope = dict(config.get("rope_parameters") or {})
+        rope = dict(rope.get("full_attention", rope))  # per layer kind (Gemma 3): the full layers' here
         scaling = config.get("rope_scaling") or None
         theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
         if scaling is None and rope:
@@ -57,8 +59,8 @@ def spec_from_hf_config(config: dict) -> ModelSpec:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
             attention_bias=bool(config.get("attention_bias", family.attention_bias)),
-            qk_norm=family.qk_norm,
             rope_scaling=scaling,
+            **hf_layer_fields(family, config),
             **(_mla_fields(config) if family is DEEPSEEK else {}),
         )
     except KeyError as e:
@@ -66,20 +68,8 @@ def spec_from_hf_config(config: dict) -> ModelSpec:
 
 
 def _check_config(config: dict) -> None:
-    """Refuse, naming the key, what a Llama-family model here would otherwise compute wrongly."""
-    act = config.get("hidden_act", config.get("hidden_activation", "silu"))
-    if act not in ACTIVATIONS:
-        raise ModelFormatError(f"config.json hidden_act {act!r} is not implemented (the MLP computes SiLU); the model "
-                               "is refused rather than run wrongly.")
-    window = config.get("sliding_window")
-    if window is not None and config.get("use_sliding_window", True) and \
-            int(window) < int(config.get("max_position_embeddings", 2048)):
-        raise ModelFormatError(f"config.json sliding_window {window} (attention over the last {window} tokens) is not "
-                               "implemented yet; the model is refused rather than run wrongly past that length.")
-    kinds = set(config.get("layer_types") or ()) - {"full_attention"}
-    if kinds:
-        raise ModelFormatError(f"config.json layer_types {sorted(kinds)} are not implemented yet (only full attention); "
-                               "the model is refused rather than run wrongly.")
+    """Refuse, naming the key, what a model here would otherwise compute wrongly (the layer's own
+    keys -- activation, windows -- are the family mapping's: ``hf_layer_fields``)."""
     for key, neutral in _NEUTRAL_KEYS.items():
         if key in config and config[key] not in neutral:
             raise ModelFormatError(f"config.json {key} = {config[key]!r} changes the math in a way this engine does "
@@ -147,4 +137,15 @@ def load_hf_dir(folder: Path, dtype: torch.dtype, device: torch.device | str,
     missing = sorted(set(params) - loaded)
     if missing:
         raise ModelFormatError(f"checkpoint in {folder} lacks {', '.join(missing[:3])}{'...' if len(missing) > 3 else ''}.")
+    if hf_family(config.get("architectures") or [], config.get("model_type", "llama")).hf_norm_offset:
+        _fold_norm_offset(model)
     return model, tokenizer, spec
+
+
+def _fold_norm_offset(model: LlamaForCausalLM) -> None:
+    """Gemma's checkpoints store each RMSNorm weight as ``w`` and compute ``1 + w``: add the 1 once
+    (as llama.cpp's converter does), so every norm is a plain ``x / rms(x) * weight``."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(1.0)

@@ -48,10 +48,12 @@ class RMSNorm(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``; GeGLU (``hidden_act`` "gelu_tanh", Gemma): GELU's
+    tanh form in place of SiLU."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
+        self.gelu = spec.hidden_act == "gelu_tanh"
         self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
@@ -62,11 +64,11 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up.whole(x)
         ops = native_ops(gate_up)
-        if ops is not None and gate_up.shape[-1] % 16 == 0:
+        if ops is not None and gate_up.shape[-1] % 16 == 0 and not self.gelu:
             hidden = ops.silu_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
-            hidden = F.silu(gate) * up
+            hidden = (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up
         out = self.down(hidden)
         return out if self.tp_reduce is None else self.tp_reduce(out)
 
@@ -77,11 +79,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
-    """Per-pair rotary frequencies ``[rope_dim // 2]`` float32 (radians per position), scaling applied."""
+def rope_inv_freq(spec: ModelSpec, local: bool = False) -> torch.Tensor:
+    """Per-pair rotary frequencies ``[rope_dim // 2]`` float32 (radians per position), scaling applied.
+    ``local``: those of sliding-window layers (``spec.local_rope_theta``, no scaling)."""
     dim = spec.rope_dim
-    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    kind = rope_scaling_type(spec.rope_scaling)
+    theta = spec.local_rope_theta if local else spec.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    kind = "default" if local else rope_scaling_type(spec.rope_scaling)
     scaling = spec.rope_scaling or {}
     if kind == "linear":
         inv_freq = inv_freq / float(scaling["factor"])
@@ -107,9 +111,9 @@ def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
 class RotaryEmbedding:
     """cos/sin of each absolute position, computed once per forward and shared by every layer."""
 
-    def __init__(self, spec: ModelSpec, device: torch.device) -> None:
+    def __init__(self, spec: ModelSpec, device: torch.device, local: bool = False) -> None:
         # Plain tensor, not a module buffer: it must stay float32 whatever the weight dtype.
-        self.inv_freq = rope_inv_freq(spec).to(device)
+        self.inv_freq = rope_inv_freq(spec, local).to(device)
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin ``[T, 1, rope_dim]`` for ``positions`` ``[T]`` (angles in float32, then cast)."""

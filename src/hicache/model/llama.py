@@ -1,5 +1,6 @@
-"""Llama-family decoder (Llama, Qwen2, Qwen3's QK-norm, Mistral, SmolLM2; MLA layers for
-DeepSeek-V2/V3) over a paged KV cache.
+"""Llama-family decoder (Llama, Qwen2, Qwen3's QK-norm, Mistral, SmolLM2; Gemma 3's four norms a
+layer, GeGLU, scaled embeddings and sliding-window layers; MLA layers for DeepSeek-V2/V3) over a
+paged KV cache.
 
 Parameter names follow Hugging Face (``model.layers.0.self_attn.q_proj.weight``...) so a
 safetensors checkpoint loads by name. RoPE uses the HF rotate-half convention: within a head,
@@ -36,7 +37,12 @@ class Attention(nn.Module):
     def __init__(self, spec: ModelSpec, layer: int) -> None:
         super().__init__()
         self.layer = layer
+        self.window = spec.layer_window(layer)  # 0: a full layer
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        # The backends scale q.k by head_dim ** -0.5; another scale (Gemma's query_pre_attn_scalar) is
+        # folded into q. None: the default.
+        scale = spec.attention_scale
+        self.q_scale = None if scale is None or scale == spec.head_dim ** -0.5 else scale * spec.head_dim ** 0.5
         q_width, kv_width = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         bias = spec.attention_bias
         self.q_proj = nn.Linear(spec.hidden_size, q_width, bias=bias)
@@ -72,6 +78,8 @@ class Attention(nn.Module):
         else:
             qk = qk * cos + rotate_half(qk) * sin
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+        if self.q_scale is not None:
+            q = q * self.q_scale
         v = qkv[:, qk_heads * self.head_dim:].view(t, self.num_kv_heads, self.head_dim)
 
         out = batch.backend.forward(q, k, v, self, batch, kv)  # [T, H, D]; T may be 0 on a CP rank
@@ -83,12 +91,26 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``, the second norm named
+    ``post_attention_layernorm`` (HF's name). With ``sandwich_norms`` (Gemma, HF names too): the
+    attention's output goes through ``post_attention_layernorm`` before its residual add, and the
+    MLP has ``pre_feedforward_layernorm`` and ``post_feedforward_layernorm`` around it."""
+
     def __init__(self, spec: ModelSpec, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = MLAAttention(spec, layer) if spec.is_mla else Attention(spec, layer)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.sandwich = spec.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
+        # RoPE of a sliding-window layer with a base of its own (Gemma 3's local layers)
+        self.local_rope = spec.local_rope_theta is not None and spec.layer_window(layer) > 0
+        # What the fused native decode layer computes: a Llama layer (kernels/decode_layer.cpp)
+        self.fusable = not (self.sandwich or self.mlp.gelu or spec.layer_window(layer) or spec.qk_norm
+                            or getattr(self.self_attn, "q_scale", None) is not None)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv: KVView
@@ -98,6 +120,9 @@ class DecoderLayer(nn.Module):
             operands = self._decode_operands()
             if operands is not None:
                 return self._fused_decode(ops, operands, x, cos, sin, batch, kv)
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, batch, kv))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -113,7 +138,7 @@ class DecoderLayer(nn.Module):
         if not isinstance(attn, Attention):
             return None
         rows = sys.maxsize if attn.qkv.row_invariant else DECODE_ROWS  # deterministic: every pass
-        if (batch.attn.decode is None or not 0 < x.shape[0] <= rows or attn.q_norm is not None
+        if (not self.fusable or batch.attn.decode is None or not 0 < x.shape[0] <= rows
                 or attn.tp_reduce is not None or self.mlp.tp_reduce is not None or attn.kv_map is not None
                 or attn.head_dim not in NATIVE_HEAD_DIMS
                 or kv.k_buffers[attn.layer].dtype not in NATIVE_KV_DTYPES or self.mlp.gate_proj.out_features % 8):
@@ -194,12 +219,22 @@ class LlamaForCausalLM(nn.Module):
         self.requires_grad_(False)
         self.eval()
         self.rope = RotaryEmbedding(spec, self.device)
+        self.local_rope = RotaryEmbedding(spec, self.device, local=True) if spec.local_rope_theta is not None else None
         # A pipeline stage (model/parallel.py) holds some layers: the first embeds, the last
         # returns logits, the others take and return hidden states.
         self.first_stage = self.last_stage = True
         self.deterministic = False  # set_deterministic
         self.head: Optional[Projection] = Projection(self.model.embed_tokens if self.lm_head is None else self.lm_head)
         self.decode_stack = DecodeStack(self.model)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Input embeddings ``[T, hidden]``, times ``spec.embedding_scale`` (rounded to the weight
+        dtype first, as the reference model does) where it is not 1."""
+        h = self.model.embed_tokens(input_ids)
+        scale = self.spec.embedding_scale
+        if scale != 1.0:
+            h = h * torch.tensor(scale, dtype=torch.float32).to(h.dtype)
+        return h
 
     def projections(self) -> Iterator[Projection]:
         for module in self.modules():
@@ -260,14 +295,15 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv: KVView, hidden: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits on the last stage; elsewhere the hidden states ``[T, hidden]`` for the next
         stage. ``hidden``: the previous stage's output (not on the first stage)."""
-        h = self.model.embed_tokens(batch.input_ids) if self.first_stage else hidden
+        h = self.embed(batch.input_ids) if self.first_stage else hidden
         cos, sin = self.rope(batch.positions, h.dtype)
         stacked = self.decode_stack.forward(h, cos, sin, batch, kv)
         if stacked is not None:
             h = stacked
         else:
+            local = self.local_rope(batch.positions, h.dtype) if self.local_rope is not None else None
             for layer in self.model.layers:
-                h = layer(h, cos, sin, batch, kv)
+                h = layer(h, *(local if layer.local_rope else (cos, sin)), batch, kv)
         if not self.last_stage:
             return h
         # Only the requested rows go through the final norm and the (vocab-wide) head.

@@ -12,9 +12,10 @@ from pathlib import Path
 import torch
 
 from hicache.model.errors import ModelNotFoundError
-from hicache.model.gguf_loader import find_smollm2_gguf, is_gguf_file, load_gguf
+from hicache.model.gguf_loader import is_gguf_file, load_gguf
 from hicache.model.hf_loader import load_hf_dir
 from hicache.model.llama import LlamaForCausalLM
+from hicache.model.packaged import PACKAGED, packaged_model_path
 from hicache.model.projection import DECODE_ACTIVATIONS, DECODE_WEIGHTS, PREFILL_WEIGHTS
 from hicache.model.random_model import init_random_weights, parse_random_spec
 from hicache.model.requantize import VARIANT, parse_variant, requantize_
@@ -60,7 +61,8 @@ def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.dev
                weights: bool = True, decode_weights: str = "auto", to_be_sharded: bool = False,
                prefill_weights: str = "same", decode_activations: str = "float32",
                deterministic: bool = False) -> LoadedModel:
-    """Load ``name``: ``"smollm2"`` (the embedded GGUF), a GGUF file, a local HF directory, or
+    """Load ``name``: ``"smollm2"`` (the embedded GGUF) or ``"gemma3-270m"`` (packaged: model/packaged.py),
+    a GGUF file, a local HF directory, or
     ``"random:<preset|JSON>"``; any of them followed by ``:int<bits>-g<group>`` (e.g.
     ``"smollm2:int4-g64"``) is a requantized copy (:mod:`~hicache.model.requantize`).
 
@@ -110,8 +112,8 @@ def _load_base(name: str, base: str, dtype: torch.dtype, device: torch.device | 
                seed: int) -> tuple[LlamaForCausalLM | None, Any, Any, str]:
     """``(model or None, tokenizer, spec, identity)`` of ``base`` (``name`` without its variant)."""
     dtype_name = str(dtype).removeprefix("torch.")
-    if base == "smollm2" or base.endswith(".gguf") or is_gguf_file(Path(base).expanduser()):
-        path = find_smollm2_gguf() if base == "smollm2" else Path(base).expanduser()
+    if base in PACKAGED or base.endswith(".gguf") or is_gguf_file(Path(base).expanduser()):
+        path = packaged_model_path(base) if base in PACKAGED else Path(base).expanduser()
         if not path.is_file():
             raise ModelNotFoundError(f"unknown model {name!r}: no GGUF file at {path}.")
         model, tokenizer, spec = load_gguf(path, dtype, device, weights)
@@ -132,7 +134,8 @@ def _load_base(name: str, base: str, dtype: torch.dtype, device: torch.device | 
         identity = f"hf:{folder.resolve().name}:{_file_fingerprint(files)}:{dtype_name}"
     else:
         raise ModelNotFoundError(
-            f"unknown model {name!r}: expected 'smollm2', a GGUF file, a local Hugging Face directory or "
+            f"unknown model {name!r}: expected {' or '.join(map(repr, PACKAGED))} (packaged), a GGUF file, a local "
+            "Hugging Face directory or "
             "'random:<preset or JSON>', optionally followed by ':int4-g64' (a requantized copy)."
         )
     return model, tokenizer, spec, identity

@@ -39,6 +39,7 @@ class MLAAttention(nn.Module):
     rank's heads (TP splits heads; the latent is the same on every rank)."""
 
     latent = True  # the pool's K and V buffers hold the two halves of one latent per token
+    window = 0  # MLA layers attend every earlier position
 
     def __init__(self, spec: ModelSpec, layer: int) -> None:
         super().__init__()

@@ -15,18 +15,25 @@ at their slots, then takes one of three paths, all exact:
   when it lies in a few runs of slots, else gathered) and causally to each other, the blocks
   merged by log-sum-exp (:func:`~hicache.model.attention.sequence_attention`).
 
+A sliding-window layer (``layer.window`` > 0: a query at position p sees keys p - window + 1 .. p)
+reads the same pool through a windowed copy of the metadata, made once per forward and window
+(:meth:`PagedMetadata.windowed`): decode rows read only their window's slots (the same kernels),
+and a span longer than the window attends its keys with a mask (:func:`_windowed_span`). Every
+layer keeps all its KV; the window only chooses what is read.
+
 Units: rows of ``q`` are the batch's new tokens, sequence after sequence; slots as in
 :mod:`hicache.model.batch`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 
-from hicache.model.attention import (KVBlock, attended, decode_attention, native_decode_attention,
+from hicache.model.attention import (KVBlock, _expand_heads, attended, decode_attention, native_decode_attention,
                                      sequence_attention)
 from hicache.model.batch import AttentionLayer, DecodeLayout, ForwardBatch, KVView
 
@@ -46,13 +53,18 @@ class SeqSpan:
     The keys every new token sees -- the cached prefix, plus the token itself when it is a lone
     decode token (its K/V is written before attention) -- are either ``full_runs``
     (``(first slot, count)`` runs of consecutive slots) or, when too scattered, ``full_slots`` to
-    gather. ``causal``: the new tokens attend to each other causally (more than one new token)."""
+    gather. ``causal``: the new tokens attend to each other causally (more than one new token).
+    ``window``: set (> 0) on a span of a sliding-window layer whose new tokens do not all see the
+    same keys: then ``full_slots`` are every key some new token sees (positions
+    ``first_position ..``, the new tokens' own last) and each row is masked to its window."""
 
     start: int
     length: int
     full_runs: tuple[tuple[int, int], ...]
     full_slots: Optional[torch.Tensor]
     causal: bool
+    window: int = 0
+    first_position: int = 0
 
 
 @dataclass(frozen=True)
@@ -63,10 +75,28 @@ class PagedMetadata:
     spans: list[SeqSpan]  # [B]: where each sequence's rows and cached prefix are (not for B>1 decode)
     decode: Optional[DecodeLayout]  # set when every sequence has few new tokens (row by row)
     logits_index: torch.Tensor  # [R] long: rows of T whose logits the caller wants
-    single: bool  # one sequence with no cached prefix: plain causal attention on its tokens
+    contexts: list[torch.Tensor]  # [B] each sequence's context slots (CPU), for windowed copies
+    lens: list[int]  # [B] new tokens of each sequence
+    _windows: dict = field(default_factory=dict, compare=False, repr=False)  # window -> its PagedMetadata
 
     def final_rows(self, h: torch.Tensor) -> torch.Tensor:
         return h[self.logits_index]
+
+    def windowed(self, window: int) -> "PagedMetadata":
+        """This forward as a sliding-window layer of ``window`` positions reads it (made once per
+        window; itself where no new token's context is longer than the window)."""
+        if window <= 0 or all(c.numel() <= window for c in self.contexts):
+            return self
+        if window not in self._windows:
+            device = self.out_slots.device
+            decode = None if self.decode is None else _decode_layout(
+                self.out_slots, self.contexts, self.lens, device, window)
+            starts = (torch.tensor(self.lens).cumsum(0) - torch.tensor(self.lens)).tolist()
+            spans = [] if not self.spans else [_span(s, n, c, device, window)
+                                               for s, n, c in zip(starts, self.lens, self.contexts)]
+            self._windows[window] = PagedMetadata(self.out_slots, spans, decode, self.logits_index, self.contexts,
+                                                  self.lens)
+        return self._windows[window]
 
 
 def slot_runs(slots: torch.Tensor) -> list[tuple[int, int]]:
@@ -77,8 +107,14 @@ def slot_runs(slots: torch.Tensor) -> list[tuple[int, int]]:
     return [(int(slots[a]), b - a) for a, b in zip(starts[:-1], starts[1:])]
 
 
-def _span(start: int, length: int, context: torch.Tensor, device: torch.device) -> SeqSpan:
+def _span(start: int, length: int, context: torch.Tensor, device: torch.device, window: int = 0) -> SeqSpan:
     causal = length > 1
+    if window and context.numel() > window:
+        if not causal:  # a lone token sees exactly the last `window` keys: a plain span over them
+            context = context[-window:]
+        else:  # the keys the first new token sees onwards, the new tokens' own included, masked per row
+            first = max(0, context.numel() - length - window + 1)
+            return SeqSpan(start, length, (), context[first:].to(device), True, window, first)
     full = context[: context.numel() - length] if causal else context
     runs = slot_runs(full)
     if len(runs) <= MAX_VIEW_RUNS:
@@ -87,18 +123,25 @@ def _span(start: int, length: int, context: torch.Tensor, device: torch.device) 
 
 
 def _decode_layout(out_slots: torch.Tensor, context_slots: Sequence[torch.Tensor], lens: Sequence[int],
-                   device: torch.device) -> DecodeLayout:
+                   device: torch.device, window: int = 0) -> DecodeLayout:
     """Every new token as a row over its own context: the sequence's slots up to and including
     its own (the new tokens' K/V are written before attention, so row i sees rows 0..i). A row's
-    slots past its length are its sequence's later ones (read by nothing: masked by ``key_bias``)."""
-    row_lens = torch.cat([torch.arange(c.numel() - n + 1, c.numel() + 1) for c, n in zip(context_slots, lens)])
+    slots past its length are its sequence's later ones (read by nothing: masked by ``key_bias``).
+    ``window`` > 0: a row's context is only its last ``window`` slots (its slots start there)."""
+    ends = torch.cat([torch.arange(c.numel() - n + 1, c.numel() + 1) for c, n in zip(context_slots, lens)])
+    firsts = (ends - window).clamp_(min=0) if window else torch.zeros_like(ends)
+    row_lens = ends - firsts
     if len(row_lens) == 1:
-        return DecodeLayout(out_slots, context_slots[0].view(1, -1).to(device), row_lens, None)
+        return DecodeLayout(out_slots, context_slots[0][int(firsts[0]):].reshape(1, -1).to(device), row_lens, None)
     kv_slots = torch.zeros(len(row_lens), max(int(c.numel()) for c in context_slots), dtype=torch.long)
     row = 0
     for c, n in zip(context_slots, lens):
-        kv_slots[row:row + n, :c.numel()] = c  # each of the sequence's rows: its whole context
+        if not window:
+            kv_slots[row:row + n, :c.numel()] = c  # each of the sequence's rows: its whole context
+        for r in range(row, row + n) if window else ():  # each row: its window of the context onwards
+            kv_slots[r, :c.numel() - int(firsts[r])] = c[int(firsts[r]):]
         row += n
+    kv_slots = kv_slots[:, :int(row_lens.max())].contiguous() if window else kv_slots
     padding = torch.arange(kv_slots.shape[1]).view(1, -1) >= row_lens.view(-1, 1)
     key_bias = torch.zeros(padding.shape).masked_fill_(padding, float("-inf"))
     return DecodeLayout(out_slots, kv_slots.to(device), row_lens, key_bias[:, None, None, :].to(device))
@@ -139,13 +182,13 @@ class PagedBackend:
             _span(starts[b], lens[b], context_slots[b], dev) for b in range(bsz)]
         logits_index = ends - 1 if logits == "last" else torch.arange(int(ends[-1]))
         meta = PagedMetadata(out_slots=out_slots, spans=spans, decode=decode, logits_index=logits_index.to(dev),
-                             single=bsz == 1 and prefix_lens[0] == 0)
+                             contexts=context_slots, lens=lens)
         return ForwardBatch(input_ids=flat_ids.to(dev), positions=positions.to(dev), attn=meta, backend=self)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
                 batch: ForwardBatch, kv: KVView) -> torch.Tensor:
         """See :meth:`~hicache.model.batch.AttentionBackend.forward`."""
-        meta: PagedMetadata = batch.attn  # type: ignore[assignment]  # this backend prepared it
+        meta: PagedMetadata = batch.attn.windowed(layer.window)  # type: ignore[attr-defined]  # this backend's
         kv.wait_layer(layer.layer)
         k_buf, v_buf = kv.k_buffers[layer.layer], kv.v_buffers[layer.layer]
         k_stored, v_stored = k.to(k_buf.dtype), v.to(v_buf.dtype)  # rounded once (float16 KV): written, read below
@@ -194,6 +237,22 @@ def _spans(q: torch.Tensor, new: KVBlock, layer: AttentionLayer, spans: list[Seq
                              layer.latent)]
         else:
             full = [attended(k_buf[s:s + n], v_buf[s:s + n], layer.latent) for s, n in span.full_runs]
+        if span.window:
+            out[rows] = _windowed_span(q[rows], full[0], span, layer.kv_map)
+            continue
         own = (new[0][rows], new[1][rows]) if span.causal else None
         out[rows] = sequence_attention(q[rows], full, own, layer.kv_map)
     return out
+
+
+def _windowed_span(q: torch.Tensor, keys: KVBlock, span: SeqSpan, kv_map: Optional[torch.Tensor]) -> torch.Tensor:
+    """A span's new tokens ``q`` ``[n, H, D]`` over ``keys`` ``[L, KvH, D]`` (positions
+    ``span.first_position`` onwards, the new tokens' own last), each row masked to the keys of its
+    window: position p sees p - window + 1 .. p."""
+    n, heads, _ = q.shape
+    k, v = (_expand_heads(x.to(q.dtype), heads, kv_map).transpose(0, 1) for x in keys)
+    key_pos = torch.arange(k.shape[1], device=q.device) + span.first_position
+    query_pos = torch.arange(n, device=q.device) + span.first_position + k.shape[1] - n
+    delta = query_pos[:, None] - key_pos[None, :]
+    mask = (delta >= 0) & (delta < span.window)
+    return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask)[0].transpose(0, 1)

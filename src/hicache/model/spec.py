@@ -20,6 +20,8 @@ class ModelSpecError(ConfigError):
 # file's ``rope_freqs`` tensor holds for Llama 3.1+ (llama.cpp's converter computes them from the
 # llama3 parameters).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate activation (SwiGLU; GeGLU with GELU's tanh form)
+LAYER_KINDS = ("full", "sliding")  # a layer attends every earlier position, or the last `sliding_window`
 
 
 @dataclass
@@ -31,7 +33,19 @@ class ModelSpec:
     ``rope_scaling``: ``None`` or an HF-style dict with ``rope_type`` in :data:`SUPPORTED_ROPE_TYPES`.
 
     ``qk_norm``: q and k are RMS-normalized per head (weights ``[head_dim]``, shared by the heads)
-    after their projection and before RoPE (Qwen3).
+    after their projection and before RoPE (Qwen3, Gemma 3).
+
+    Gemma-style layers: ``hidden_act`` "gelu_tanh" (GeGLU); ``sandwich_norms``: four norms a layer,
+    the attention's and the MLP's outputs normalized too before their residual add;
+    ``embedding_scale``: embeddings multiplied by it (Gemma: sqrt(hidden), rounded to the weight
+    dtype); ``attention_scale``: q.k multiplied by it instead of ``head_dim ** -0.5`` (Gemma:
+    ``query_pre_attn_scalar ** -0.5``).
+
+    Sliding-window attention: ``layer_kinds[i]`` "sliding" layers attend only the last
+    ``sliding_window`` positions, their own included (query position p sees keys p - window + 1 .. p);
+    every layer keeps all its KV in the pages (the window is a mask). ``local_rope_theta``: those
+    layers' RoPE base, without scaling (Gemma 3: 10K); None: the model's own. ``layer_kinds`` empty:
+    every layer full.
 
     MLA (DeepSeek-V2/V3 attention, ``kv_lora_rank > 0``): each token keeps one latent per layer,
     ``kv_lora_rank`` compressed KV + ``qk_rope_head_dim`` rotary key, stored in the KV pools as
@@ -61,8 +75,16 @@ class ModelSpec:
     v_head_dim: int = 0
     rope_interleave: bool = False
     qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3), one weight per head dim
+    hidden_act: str = "silu"
+    sandwich_norms: bool = False
+    embedding_scale: float = 1.0
+    attention_scale: float | None = None
+    sliding_window: int = 0
+    layer_kinds: tuple[str, ...] = ()
+    local_rope_theta: float | None = None
 
     def __post_init__(self) -> None:
+        self.layer_kinds = tuple(self.layer_kinds)  # a JSON round trip (to_dict) gives a list
         if self.kv_lora_rank:
             self.num_kv_heads = 1
             self.head_dim = (self.kv_lora_rank + self.qk_rope_head_dim) // 2
@@ -71,6 +93,14 @@ class ModelSpec:
     @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank > 0
+
+    def layer_window(self, layer: int) -> int:
+        """Positions layer ``layer`` attends, its own included; 0: all of them (a full layer)."""
+        return self.sliding_window if self.layer_kinds and self.layer_kinds[layer] == "sliding" else 0
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        return "sliding" in self.layer_kinds
 
     @property
     def rope_dim(self) -> int:
@@ -93,6 +123,7 @@ class ModelSpec:
             raise ModelSpecError("rope_theta and rms_norm_eps must be positive.")
         if self.is_mla:
             self._validate_mla()
+        self._validate_layers()
         rope_type = rope_scaling_type(self.rope_scaling)
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ModelSpecError(
@@ -101,6 +132,19 @@ class ModelSpec:
         if rope_type == "freq_factors" and len(self.rope_scaling.get("factors", ())) != self.rope_dim // 2:
             raise ModelSpecError(f"rope frequency factors: expected {self.rope_dim // 2} (one per rotary pair), got "
                                  f"{len(self.rope_scaling.get('factors', ()))}.")
+
+    def _validate_layers(self) -> None:
+        if self.hidden_act not in ACTIVATIONS:
+            raise ModelSpecError(f"hidden_act {self.hidden_act!r}: expected one of {', '.join(ACTIVATIONS)}.")
+        if self.layer_kinds and (len(self.layer_kinds) != self.num_layers or set(self.layer_kinds) - set(LAYER_KINDS)):
+            raise ModelSpecError(f"layer_kinds must give one of {', '.join(LAYER_KINDS)} for each of the "
+                                 f"{self.num_layers} layers, got {list(self.layer_kinds)}.")
+        if self.has_sliding_layers and not (isinstance(self.sliding_window, int) and self.sliding_window >= 1):
+            raise ModelSpecError(f"sliding layers need a positive sliding_window, got {self.sliding_window!r}.")
+        if not (self.embedding_scale > 0 and (self.attention_scale is None or self.attention_scale > 0)):
+            raise ModelSpecError("embedding_scale and attention_scale must be positive.")
+        if self.is_mla and (self.has_sliding_layers or self.sandwich_norms or self.qk_norm):
+            raise ModelSpecError("MLA layers with sliding windows, sandwich norms or QK-norm are not supported.")
 
     def _validate_mla(self) -> None:
         for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
@@ -121,7 +165,8 @@ class ModelSpec:
         h, q, kvw = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attn = h * q + 2 * h * kvw + q * h + (q + 2 * kvw if self.attention_bias else 0)
         mlp = 3 * h * self.intermediate_size
-        per_layer = attn + mlp + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        norms = (4 if self.sandwich_norms else 2) * h + (2 * self.head_dim if self.qk_norm else 0)
+        per_layer = attn + mlp + norms
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + self.num_layers * per_layer + h + head
 

@@ -1,0 +1,37 @@
+"""The model families this engine runs, and what differs between them -- the one place the loaders
+(GGUF and HF) look that up; nothing outside ``model/`` names a family. One module per family
+states its data (:class:`~hicache.model.families.base.Family`); ``base`` maps files onto
+ModelSpec fields. Phi-3 (fused qkv and gate_up) is refused for now (docs/progress.md, issue 47)."""
+
+from __future__ import annotations
+
+from hicache.model.errors import ModelFormatError
+from hicache.model.families.base import Family, gguf_layer_fields, hf_layer_fields
+from hicache.model.families.deepseek import DEEPSEEK
+from hicache.model.families.gemma3 import GEMMA3
+from hicache.model.families.llama import LLAMA, MISTRAL
+from hicache.model.families.qwen import QWEN2, QWEN3
+
+FAMILIES = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3, DEEPSEEK)
+__all__ = ["Family", "FAMILIES", "LLAMA", "MISTRAL", "QWEN2", "QWEN3", "GEMMA3", "DEEPSEEK", "gguf_family",
+           "hf_family", "gguf_layer_fields", "hf_layer_fields"]
+
+
+def gguf_family(architecture: object) -> Family:
+    """The family of a GGUF file's ``general.architecture``; ModelFormatError naming the ones supported."""
+    family = next((f for f in FAMILIES if f.gguf_architecture == architecture), None)
+    if family is None:
+        known = ", ".join(repr(f.gguf_architecture) for f in FAMILIES if f.gguf_architecture)
+        raise ModelFormatError(f"GGUF architecture {architecture!r} is not supported; supported: {known}.")
+    return family
+
+
+def hf_family(architectures: list[str], model_type: str) -> Family:
+    """The family of a config.json (``architectures``, else ``model_type``); ModelFormatError otherwise."""
+    family = next((f for f in FAMILIES for a in architectures if a in f.hf_architectures), None)
+    if family is None and not architectures:
+        family = next((f for f in FAMILIES if f.name == model_type.removesuffix("_text")), LLAMA)
+    if family is None:
+        known = ", ".join(a for f in FAMILIES for a in f.hf_architectures)
+        raise ModelFormatError(f"model architecture {architectures[0]} is not supported; expected one of {known}.")
+    return family

@@ -1,0 +1,143 @@
+"""What a model family is: where its decoder departs from a plain Llama layer, and how its GGUF
+metadata and HF ``config.json`` name those departures. The one place both loaders map a file onto
+:class:`~hicache.model.spec.ModelSpec` fields (:func:`gguf_layer_fields`, :func:`hf_layer_fields`);
+each family's own module (``llama.py``, ``qwen.py``, ``gemma3.py``, ``deepseek.py``) only states
+data."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from hicache.model.errors import ModelFormatError
+
+# GGUF tensor of a layer (after "blk.{i}.") -> HF parameter (after "model.layers.{i}."), as llama.cpp
+# names a Llama layer. A family whose converter maps a name elsewhere says so (Family.gguf_tensors).
+LLAMA_LAYER_TENSORS: Mapping[str, str] = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+}
+# config.json names of the activations the MLP computes, by ModelSpec.hidden_act
+HF_ACTIVATIONS = {"silu": ("silu", "swish"), "gelu_tanh": ("gelu_pytorch_tanh", "gelu_tanh")}
+
+
+@dataclass(frozen=True)
+class Family:
+    """A decoder family. Beyond its names (``gguf_architecture``: ``general.architecture`` of its
+    GGUF files, None when they say another's; ``hf_architectures``: ``architectures`` in its
+    config.json), each field says where its layer departs from Llama's:
+
+    ``gguf_qk_interleaved``: llama.cpp's converter reorders q/k rows so rotary pairs are adjacent
+    (Llama; families whose llama.cpp rope is NEOX-style keep HF's rotate-half order).
+    ``attention_bias``: q/k/v biases where a config does not say. ``qk_norm``: q and k
+    RMS-normalized per head before RoPE. ``hidden_act``: the MLP's gate activation.
+    ``sandwich_norms``: four norms a layer (Gemma). ``scaled_embeddings``: embeddings times
+    sqrt(hidden). ``hf_norm_offset``: its HF checkpoints store each RMSNorm weight as ``w`` and
+    compute ``1 + w`` (the GGUF converter folds the 1 in). ``sliding_pattern``: every
+    ``sliding_pattern``-th layer is full, the others sliding-window (0: none). ``local_rope_theta``:
+    the sliding layers' RoPE base. ``gguf_tensors``: GGUF layer tensors its converter maps
+    elsewhere than Llama's (:data:`LLAMA_LAYER_TENSORS`). ``gguf_keys``: architecture metadata keys
+    beyond the common ones the loader reads for it. ``gguf_attention_scale``: the score scale from
+    the GGUF file's sizes where the file does not carry it (``(fields, prefix) -> scale``).
+    """
+
+    name: str
+    gguf_architecture: str | None
+    hf_architectures: tuple[str, ...]
+    gguf_qk_interleaved: bool = True
+    attention_bias: bool = False
+    qk_norm: bool = False
+    hidden_act: str = "silu"
+    sandwich_norms: bool = False
+    scaled_embeddings: bool = False
+    hf_norm_offset: bool = False
+    sliding_pattern: int = 0
+    local_rope_theta: float | None = None
+    gguf_tensors: Mapping[str, str] = field(default_factory=dict)
+    gguf_keys: frozenset[str] = frozenset()
+    gguf_attention_scale: Callable[[Mapping[str, Any], str], float] | None = None
+
+    def layer_tensors(self) -> Mapping[str, str]:
+        """GGUF layer tensor -> HF parameter for this family (QK-norm and extra norms only where it has them)."""
+        names = {**LLAMA_LAYER_TENSORS, **self.gguf_tensors}
+        if not self.qk_norm:
+            names.pop("attn_q_norm"), names.pop("attn_k_norm")
+        return names
+
+
+def _layer_kinds(family: Family, num_layers: int, window: int) -> tuple[str, ...]:
+    """Each layer "full" or "sliding": the family's pattern, or every layer sliding where a family
+    without one has a window (Mistral)."""
+    if not window:
+        return ()
+    if family.sliding_pattern:
+        return tuple("full" if (i + 1) % family.sliding_pattern == 0 else "sliding" for i in range(num_layers))
+    return ("sliding",) * num_layers
+
+
+def _common_fields(family: Family, hidden: int, num_layers: int, window: int) -> dict[str, Any]:
+    kinds = _layer_kinds(family, num_layers, window)
+    return dict(
+        qk_norm=family.qk_norm, hidden_act=family.hidden_act, sandwich_norms=family.sandwich_norms,
+        embedding_scale=math.sqrt(hidden) if family.scaled_embeddings else 1.0,
+        sliding_window=window if kinds else 0, layer_kinds=kinds,
+        local_rope_theta=family.local_rope_theta if kinds and family.local_rope_theta else None,
+    )
+
+
+def gguf_layer_fields(family: Family, fields: Mapping[str, Any], hidden: int, num_layers: int) -> dict[str, Any]:
+    """The ModelSpec fields of a family's layer from its GGUF metadata ``fields``."""
+    prefix = f"{family.gguf_architecture}."
+    window = int(fields.get(prefix + "attention.sliding_window", 0) or 0)
+    out = _common_fields(family, hidden, num_layers, window)
+    if family.gguf_attention_scale is not None:
+        out["attention_scale"] = family.gguf_attention_scale(fields, prefix)
+    return out
+
+
+def hf_layer_fields(family: Family, config: Mapping[str, Any]) -> dict[str, Any]:
+    """The ModelSpec fields of a family's layer from its ``config.json``; a key that changes the math
+    in a way the family's layer does not is refused, naming it."""
+    act = config.get("hidden_act", config.get("hidden_activation")) or HF_ACTIVATIONS[family.hidden_act][0]
+    hidden_act = next((ours for ours, names in HF_ACTIVATIONS.items() if act in names), None)
+    if hidden_act != family.hidden_act:
+        raise ModelFormatError(f"config.json hidden_act {act!r} is not what this engine's {family.name} layer computes "
+                               f"({family.hidden_act}); the model is refused rather than run wrongly.")
+    num_layers, hidden = int(config["num_hidden_layers"]), int(config["hidden_size"])
+    kinds = _hf_layer_kinds(family, config, num_layers)
+    window = int(config.get("sliding_window") or 0) if "sliding" in kinds else 0
+    out = _common_fields(family, hidden, num_layers, window)
+    out["layer_kinds"] = kinds if window else ()
+    scalar = config.get("query_pre_attn_scalar")
+    if scalar is not None:
+        out["attention_scale"] = float(scalar) ** -0.5
+    if out["local_rope_theta"] is not None:
+        local = (config.get("rope_parameters") or {}).get("sliding_attention") or {}
+        out["local_rope_theta"] = float(local.get("rope_theta", config.get("rope_local_base_freq",
+                                                                            family.local_rope_theta)))
+    return out
+
+
+def _hf_layer_kinds(family: Family, config: Mapping[str, Any], num_layers: int) -> tuple[str, ...]:
+    """ "full" / "sliding" per layer: ``layer_types`` where the config has them, else the family's
+    pattern (older Gemma 3 configs: ``sliding_window_pattern``), else a window over every layer
+    (Mistral; Qwen2's ``use_sliding_window`` from ``max_window_layers`` on)."""
+    types = config.get("layer_types")
+    if types:
+        unknown = set(types) - {"full_attention", "sliding_attention"}
+        if unknown or len(types) != num_layers:
+            raise ModelFormatError(f"config.json layer_types {sorted(unknown) or types} are not implemented (full and "
+                                   "sliding attention are); the model is refused rather than run wrongly.")
+        return tuple("sliding" if t == "sliding_attention" else "full" for t in types)
+    window = config.get("sliding_window")
+    if not window or not config.get("use_sliding_window", True) or \
+            int(window) >= int(config.get("max_position_embeddings", 2048)):
+        return ()
+    pattern = int(config.get("sliding_window_pattern", family.sliding_pattern) or 0)
+    if pattern:
+        return tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(num_layers))
+    first = int(config.get("max_window_layers", 0)) if "use_sliding_window" in config else 0
+    return tuple("sliding" if i >= first else "full" for i in range(num_layers))

