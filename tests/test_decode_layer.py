@@ -1,7 +1,7 @@
 """A decode step's layers as one native call (``decode_layers``, model/decode_stack.py) or one call
 each (``decode_layer``, kernels/decode_layer.cpp) give the logits the Python layer gives, bit for
 bit: float32 weights (with and without a q/k/v bias), exact 4-bit blocks, one sequence and a batch
-of three, float32 or float16 KV; passes they do not serve (prefill, bf16 KV) keep the Python layer; weights changed after
+of three, float32 or float16 KV, Llama's layer and Gemma 3's; passes they do not serve (prefill, bf16 KV) keep the Python layer; weights changed after
 a step are the ones the next step reads."""
 
 from __future__ import annotations
@@ -68,11 +68,13 @@ def _run(model, spec, batch_size, path: str, monkeypatch, kv_dtype=torch.float32
 
 
 @pytest.mark.parametrize("name,kv_dtype", [("random:small", torch.float32), (BIASED, torch.float32),
-                                           ("random:small:int4-g32", torch.float32), ("random:small", torch.float16)])
+                                           ("random:small:int4-g32", torch.float32), ("random:small", torch.float16),
+                                           ("random:gemma-small", torch.float32), ("random:gemma-small", torch.float16)])
 @pytest.mark.parametrize("batch_size", [1, 3])
 def test_fused_decode_layer_equals_the_python_layer(name, kv_dtype, batch_size, monkeypatch):
     """float16 KV too (``--kv-cache-dtype``): the native layer rounds the new K/V as the Python
-    layer's buffer write does, and the kernel reads them back exactly."""
+    layer's buffer write does, and the kernel reads them back exactly. Gemma's layer too: QK-norm,
+    post norms, GeGLU, its attention scale, windowed layers (their slots and RoPE) beside a full one."""
     loaded = load_model(name, dtype=torch.float32, seed=3)
     model, spec = loaded.model, loaded.spec
     stack, stack_calls = _run(model, spec, batch_size, "stack", monkeypatch, kv_dtype)

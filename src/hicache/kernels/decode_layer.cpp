@@ -15,6 +15,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/gelu.h>
 #include <ATen/ops/linear.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -158,10 +159,29 @@ Layer unpack(at::IntArrayRef parts, at::IntArrayRef kinds, at::IntArrayRef qtype
   return layer;
 }
 
-// cos / sin: the rotary tables as rows [T, D] (flattened once a step).
+// What a layer's attention reads: the rotary tables as rows [T, D] (flattened once a step) and the
+// rows' context slots -- a full layer's, or a sliding-window layer's (model/paged.py: each row's
+// slots from its window's start; its own RoPE base).
+struct View {
+  T cos, sin, kv_slots, lengths;
+};
+
+// Where a layer departs from Llama's (model/llama.py DecoderLayer; Gemma 3 has all of these): QK-norm
+// (q_norm, k_norm: each head's q and k normalized before RoPE), sandwich norms (post_attn, post_ffn:
+// the attention's and the MLP's outputs normalized before their residual add; ffn_norm is then the
+// pre-feedforward norm), GeGLU (gelu: GELU's tanh form for SiLU), q scaled by q_scale (1: not).
+struct Style {
+  const T* q_norm = nullptr;
+  const T* k_norm = nullptr;
+  const T* post_attn = nullptr;
+  const T* post_ffn = nullptr;
+  bool gelu = false;
+  double q_scale = 1.0;
+};
+
 T run_layer(const T& x, const T& attn_norm, const T& ffn_norm, double eps, const Layer& layer,
-            const c10::optional<T>& qkv_bias, const T& cos, const T& sin, int64_t num_heads, int64_t num_kv_heads,
-            const T& k_buf, const T& v_buf, const T& out_slots, const T& kv_slots, const T& lengths) {
+            const c10::optional<T>& qkv_bias, const View& view, int64_t num_heads, int64_t num_kv_heads,
+            const T& k_buf, const T& v_buf, const T& out_slots, const Style& style) {
   static auto rms_norm = hicache_op<T(const T&, const T&, double)>("hicache::rms_norm");
   static auto rope = hicache_op<void(T&, const T&, const T&, int64_t, int64_t)>("hicache::rope_");
   static auto silu_mul = hicache_op<T(const T&)>("hicache::silu_mul");
@@ -173,48 +193,94 @@ T run_layer(const T& x, const T& attn_norm, const T& ffn_norm, double eps, const
               v_buf.scalar_type() == k_buf.scalar_type(), "KV buffers must both be float32 or both float16");
 
   T qkv = project(rms_norm.call(x, attn_norm, eps), layer[0], qkv_bias);
-  rope.call(qkv, cos, sin, qk_heads, D);
+  if (style.q_norm != nullptr) {  // as the Python layer: each head's rows normalized, written back in place
+    const int64_t qw = num_heads * D, kw = num_kv_heads * D;
+    const T qn = rms_norm.call(qkv.narrow(1, 0, qw).reshape({-1, D}).contiguous(), *style.q_norm, eps);
+    const T kn = rms_norm.call(qkv.narrow(1, qw, kw).reshape({-1, D}).contiguous(), *style.k_norm, eps);
+    qkv.narrow(1, 0, qw).copy_(qn.view({t, qw}));
+    qkv.narrow(1, qw, kw).copy_(kn.view({t, kw}));
+  }
+  rope.call(qkv, view.cos, view.sin, qk_heads, D);
   T q = qkv.narrow(1, 0, num_heads * D).view({t, num_heads, D});
+  if (style.q_scale != 1.0) q = q * style.q_scale;
   write_kv(qkv, num_heads, num_kv_heads, k_buf, v_buf, out_slots);  // rounded to float16 where the KV is
-  T attended = attention.call(q.contiguous(), k_buf, v_buf, kv_slots, lengths).reshape({t, -1});
-  T h = x + project(attended.contiguous(), layer[1], c10::nullopt);
+  T attended = attention.call(q.contiguous(), k_buf, v_buf, view.kv_slots, view.lengths).reshape({t, -1});
+  T attn_out = project(attended.contiguous(), layer[1], c10::nullopt);
+  T h = x + (style.post_attn != nullptr ? rms_norm.call(attn_out, *style.post_attn, eps) : attn_out);
 
   T gate_up = project(rms_norm.call(h, ffn_norm, eps), layer[2], c10::nullopt);
-  return h + project(silu_mul.call(gate_up), layer[3], c10::nullopt);
+  T hidden;
+  if (style.gelu) {
+    const int64_t units = gate_up.size(1) / 2;
+    hidden = at::gelu(gate_up.narrow(1, 0, units), "tanh") * gate_up.narrow(1, units, units);
+  } else {
+    hidden = silu_mul.call(gate_up);
+  }
+  T mlp_out = project(hidden, layer[3], c10::nullopt);
+  return h + (style.post_ffn != nullptr ? rms_norm.call(mlp_out, *style.post_ffn, eps) : mlp_out);
+}
+
+// Layer l's style: its QK-norm pair (qk_norms[2l], qk_norms[2l + 1]) and post norms (post_norms[2l],
+// post_norms[2l + 1]) where the lists are not empty.
+Style layer_style(at::TensorList qk_norms, at::TensorList post_norms, bool gelu, double q_scale, size_t l) {
+  Style style;
+  if (!qk_norms.empty()) style.q_norm = &qk_norms[2 * l], style.k_norm = &qk_norms[2 * l + 1];
+  if (!post_norms.empty()) style.post_attn = &post_norms[2 * l], style.post_ffn = &post_norms[2 * l + 1];
+  style.gelu = gelu;
+  style.q_scale = q_scale;
+  return style;
 }
 
 T decode_layer(const T& x, const T& attn_norm, const T& ffn_norm, double eps, at::IntArrayRef parts,
                at::IntArrayRef kinds, at::IntArrayRef qtypes, at::TensorList weights, const c10::optional<T>& qkv_bias,
                const T& cos, const T& sin, int64_t num_heads, int64_t num_kv_heads, T& k_buf, T& v_buf,
-               const T& out_slots, const T& kv_slots, const T& lengths) {
+               const T& out_slots, const T& kv_slots, const T& lengths, at::TensorList qk_norms,
+               at::TensorList post_norms, bool gelu, double q_scale) {
   size_t part = 0, at = 0;
   const Layer layer = unpack(parts, kinds, qtypes, weights, part, at);
   TORCH_CHECK(parts.size() == 4 && part == kinds.size() && at == weights.size(), "expected 4 projections, ",
               part, " kinds and ", at, " weight tensors, got ", parts.size(), ", ", kinds.size(), " and ", weights.size());
-  return run_layer(x, attn_norm, ffn_norm, eps, layer, qkv_bias, cos.flatten(1), sin.flatten(1), num_heads,
-                   num_kv_heads, k_buf, v_buf, out_slots, kv_slots, lengths);
+  TORCH_CHECK((qk_norms.empty() || qk_norms.size() == 2) && (post_norms.empty() || post_norms.size() == 2),
+              "a layer takes no or two QK norms and no or two post norms");
+  return run_layer(x, attn_norm, ffn_norm, eps, layer, qkv_bias, View{cos.flatten(1), sin.flatten(1), kv_slots, lengths},
+                   num_heads, num_kv_heads, k_buf, v_buf, out_slots, layer_style(qk_norms, post_norms, gelu, q_scale, 0));
 }
 
 // Every layer of a stack in turn, as decode_layer layer by layer: one dispatch a step instead of one
 // a layer (at batch 1 the Python around 30 decode_layer calls was ~4 ms of a ~22 ms step;
 // model/decode_stack.py). Per layer l: attn_norms[l], ffn_norms[l], parts[4l .. 4l + 4), its kinds / qtypes / weights after layer l - 1's,
-// qkv_biases[l] when given (empty list: no layer has one), k_bufs[l], v_bufs[l].
+// qkv_biases[l] when given (empty list: no layer has one), k_bufs[l], v_bufs[l], its style (layer_style);
+// the layers listed in `local` read the local view (local_cos ... local_lengths), the others the full one.
 T decode_layers(const T& x, at::TensorList attn_norms, at::TensorList ffn_norms, double eps, at::IntArrayRef parts,
                 at::IntArrayRef kinds, at::IntArrayRef qtypes, at::TensorList weights, at::TensorList qkv_biases,
                 const T& cos, const T& sin, int64_t num_heads, int64_t num_kv_heads, at::TensorList k_bufs,
-                at::TensorList v_bufs, const T& out_slots, const T& kv_slots, const T& lengths) {
+                at::TensorList v_bufs, const T& out_slots, const T& kv_slots, const T& lengths, at::TensorList qk_norms,
+                at::TensorList post_norms, bool gelu, double q_scale, at::IntArrayRef local,
+                const c10::optional<T>& local_cos, const c10::optional<T>& local_sin,
+                const c10::optional<T>& local_kv_slots, const c10::optional<T>& local_lengths) {
   const size_t layers = attn_norms.size();
   TORCH_CHECK(ffn_norms.size() == layers && k_bufs.size() == layers && v_bufs.size() == layers &&
-              parts.size() == 4 * layers && (qkv_biases.empty() || qkv_biases.size() == layers),
-              "one norm pair, 4 part counts, one KV buffer pair (and one qkv bias, if any) per layer");
+              parts.size() == 4 * layers && (qkv_biases.empty() || qkv_biases.size() == layers) &&
+              (qk_norms.empty() || qk_norms.size() == 2 * layers) && (post_norms.empty() || post_norms.size() == 2 * layers),
+              "one norm pair, 4 part counts, one KV buffer pair (and one qkv bias, two QK norms, two post norms, if "
+              "any) per layer");
+  TORCH_CHECK(local.empty() || (local_cos.has_value() && local_sin.has_value() && local_kv_slots.has_value() &&
+                                local_lengths.has_value()), "local layers need the local view");
+  std::vector<bool> is_local(layers, false);
+  for (int64_t l : local) {
+    TORCH_CHECK(l >= 0 && static_cast<size_t>(l) < layers, "local layer index out of range");
+    is_local[l] = true;
+  }
   size_t part = 0, at = 0;
-  const T cos_rows = cos.flatten(1), sin_rows = sin.flatten(1);
+  const View full{cos.flatten(1), sin.flatten(1), kv_slots, lengths};
+  const View windowed = local.empty() ? full : View{local_cos->flatten(1), local_sin->flatten(1), *local_kv_slots,
+                                                    *local_lengths};
   T h = x;
   for (size_t l = 0; l < layers; ++l) {
     const Layer layer = unpack(parts.slice(4 * l, 4), kinds, qtypes, weights, part, at);
     const c10::optional<T> bias = qkv_biases.empty() ? c10::nullopt : c10::optional<T>(qkv_biases[l]);
-    h = run_layer(h, attn_norms[l], ffn_norms[l], eps, layer, bias, cos_rows, sin_rows, num_heads, num_kv_heads, k_bufs[l],
-                  v_bufs[l], out_slots, kv_slots, lengths);
+    h = run_layer(h, attn_norms[l], ffn_norms[l], eps, layer, bias, is_local[l] ? windowed : full, num_heads,
+                  num_kv_heads, k_bufs[l], v_bufs[l], out_slots, layer_style(qk_norms, post_norms, gelu, q_scale, l));
   }
   TORCH_CHECK(part == kinds.size() && at == weights.size(), "the layers took ", part, " kinds and ", at,
               " weight tensors of ", kinds.size(), " and ", weights.size());
@@ -226,10 +292,13 @@ T decode_layers(const T& x, at::TensorList attn_norms, at::TensorList ffn_norms,
 TORCH_LIBRARY_FRAGMENT(hicache, m) {
   m.def("decode_layer(Tensor x, Tensor attn_norm, Tensor ffn_norm, float eps, int[] parts, int[] kinds, int[] qtypes, "
         "Tensor[] weights, Tensor? qkv_bias, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, "
-        "Tensor(a!) k_buf, Tensor(b!) v_buf, Tensor out_slots, Tensor kv_slots, Tensor lengths) -> Tensor");
+        "Tensor(a!) k_buf, Tensor(b!) v_buf, Tensor out_slots, Tensor kv_slots, Tensor lengths, Tensor[] qk_norms, "
+        "Tensor[] post_norms, bool gelu, float q_scale) -> Tensor");
   m.def("decode_layers(Tensor x, Tensor[] attn_norms, Tensor[] ffn_norms, float eps, int[] parts, int[] kinds, "
         "int[] qtypes, Tensor[] weights, Tensor[] qkv_biases, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, "
-        "Tensor(a!)[] k_bufs, Tensor(b!)[] v_bufs, Tensor out_slots, Tensor kv_slots, Tensor lengths) -> Tensor");
+        "Tensor(a!)[] k_bufs, Tensor(b!)[] v_bufs, Tensor out_slots, Tensor kv_slots, Tensor lengths, "
+        "Tensor[] qk_norms, Tensor[] post_norms, bool gelu, float q_scale, int[] local, Tensor? local_cos, "
+        "Tensor? local_sin, Tensor? local_kv_slots, Tensor? local_lengths) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(hicache, CPU, m) {
   m.impl("decode_layer", &decode_layer);

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from hicache.model.batch import ForwardBatch, KVView
+from hicache.model.layers import RMSNorm
 
 
 class DecodeStack:
@@ -32,6 +33,8 @@ class DecodeStack:
         self._kv_layers: list[int] = []  # each layer's index into the KV buffers
         self._fingerprint: Optional[tuple] = None
         self._operands: Optional[tuple] = None
+        self._local: list[int] = []  # stack positions of the sliding-window layers
+        self._window = 0
 
     def _current_fingerprint(self) -> tuple:
         """What every projection's own key is made of (its settings, its parts' weight storage) and
@@ -41,7 +44,7 @@ class DecodeStack:
 
     def operands(self) -> Optional[tuple]:
         """``decode_layers``' weight arguments (norms, part counts, kinds, qtypes, weights, qkv
-        biases), or None when some layer has no native decode form."""
+        biases, QK norms, post norms), or None when some layer has no native decode form."""
         if self._layers is not self.decoder.layers or self._current_fingerprint() != self._fingerprint:
             self._rebuild()
         return self._operands
@@ -52,26 +55,33 @@ class DecodeStack:
         native = bool(per_layer) and all(one is not None for one in per_layer)
         biases = [one[4] for one in per_layer] if native else []
         self._operands = None
-        if native and (all(b is None for b in biases) or all(b is not None for b in biases)):
+        styles = [layer.style() for layer in layers]
+        alike = len({(len(qk), len(post)) for qk, post in styles}) == 1  # every layer has them, or none
+        if native and alike and (all(b is None for b in biases) or all(b is not None for b in biases)):
             self._operands = (
                 [layer.input_layernorm.weight for layer in layers],
-                [layer.post_attention_layernorm.weight for layer in layers],
+                [layer.pre_mlp_norm().weight for layer in layers],
                 [n for one in per_layer for n in one[0]], [k for one in per_layer for k in one[1]],
                 [q for one in per_layer for q in one[2]], [w for one in per_layer for w in one[3]],
                 [] if biases[0] is None else biases,
+                [w for qk, _ in styles for w in qk], [w for _, post in styles for w in post],
             )
+        # Sliding-window layers read their own view (windowed slots, their own RoPE where they have one).
+        self._local = [i for i, layer in enumerate(layers) if layer.self_attn.window]
+        self._window = max((layer.self_attn.window for layer in layers), default=0)  # a model has one window
         # Read after preparing: fusing moves the parts' weights into the fused matrix.
         self._projections = [p for layer in layers for p in (layer.self_attn.qkv, layer.self_attn.out,
                                                              layer.mlp.gate_up, layer.mlp.down)]
         self._params = [part._parameters for p in self._projections for part in p.parts] + [
-            norm._parameters for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
+            norm._parameters for layer in layers for norm in layer.modules() if isinstance(norm, RMSNorm)]
         self._kv_layers = [layer.self_attn.layer for layer in layers]
         self._layers, self._fingerprint = layers, self._current_fingerprint()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
-                kv: KVView) -> Optional[torch.Tensor]:
+                kv: KVView, local: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> Optional[torch.Tensor]:
         """The stack's output for this pass, or None when not every layer would run it as a fused
-        decode call (the caller then runs the layers one by one)."""
+        decode call (the caller then runs the layers one by one). ``local``: the cos / sin of layers
+        with a RoPE of their own (sliding-window layers), where the model has them."""
         layers = self.decoder.layers
         if not layers:
             return None
@@ -87,6 +97,11 @@ class DecodeStack:
         if operands is None:
             return None
         attn, layout, indices = layers[0].self_attn, batch.attn.decode, self._kv_layers
-        return ops.decode_layers(x, operands[0], operands[1], layers[0].input_layernorm.eps, *operands[2:], cos, sin,
+        windowed = batch.attn.windowed(self._window).decode if self._local else None  # type: ignore[attr-defined]
+        local_cos, local_sin = local if local is not None and self._local else (cos, sin)
+        return ops.decode_layers(x, operands[0], operands[1], layers[0].input_layernorm.eps, *operands[2:7], cos, sin,
                                  attn.num_heads, attn.num_kv_heads, [kv.k_buffers[i] for i in indices],
-                                 [kv.v_buffers[i] for i in indices], layout.out_slots, layout.kv_slots, layout.lengths)
+                                 [kv.v_buffers[i] for i in indices], layout.out_slots, layout.kv_slots, layout.lengths,
+                                 *operands[7:], layers[0].mlp.gelu, attn.q_scale or 1.0, self._local,
+                                 *((local_cos, local_sin, windowed.kv_slots, windowed.lengths) if windowed is not None
+                                   else (None, None, None, None)))

@@ -69,8 +69,9 @@ class Attention(nn.Module):
         qk_heads = self.num_heads + self.num_kv_heads
         if self.q_norm is not None:  # per head, before RoPE; in place: the fused output is ours
             q_width, k_end = self.num_heads * self.head_dim, qk_heads * self.head_dim
-            qkv[:, :q_width] = self.q_norm(qkv[:, :q_width].reshape(-1, self.head_dim)).view(t, q_width)
-            qkv[:, q_width:k_end] = self.k_norm(qkv[:, q_width:k_end].reshape(-1, self.head_dim)).view(t, -1)
+            # (contiguous: the native norm then serves every pass, as it does in the fused decode layer)
+            qkv[:, :q_width] = self.q_norm(qkv[:, :q_width].reshape(-1, self.head_dim).contiguous()).view(t, q_width)
+            qkv[:, q_width:k_end] = self.k_norm(qkv[:, q_width:k_end].reshape(-1, self.head_dim).contiguous()).view(t, -1)
         qk = qkv[:, : qk_heads * self.head_dim].view(t, qk_heads, self.head_dim)
         ops = native_ops(qkv)
         if ops is not None and self.head_dim % 16 == 0:
@@ -108,9 +109,6 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(spec)
         # RoPE of a sliding-window layer with a base of its own (Gemma 3's local layers)
         self.local_rope = spec.local_rope_theta is not None and spec.layer_window(layer) > 0
-        # What the fused native decode layer computes: a Llama layer (kernels/decode_layer.cpp)
-        self.fusable = not (self.sandwich or self.mlp.gelu or spec.layer_window(layer) or spec.qk_norm
-                            or getattr(self.self_attn, "q_scale", None) is not None)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv: KVView
@@ -138,7 +136,7 @@ class DecoderLayer(nn.Module):
         if not isinstance(attn, Attention):
             return None
         rows = sys.maxsize if attn.qkv.row_invariant else DECODE_ROWS  # deterministic: every pass
-        if (not self.fusable or batch.attn.decode is None or not 0 < x.shape[0] <= rows
+        if (batch.attn.decode is None or not 0 < x.shape[0] <= rows
                 or attn.tp_reduce is not None or self.mlp.tp_reduce is not None or attn.kv_map is not None
                 or attn.head_dim not in NATIVE_HEAD_DIMS
                 or kv.k_buffers[attn.layer].dtype not in NATIVE_KV_DTYPES or self.mlp.gate_proj.out_features % 8):
@@ -162,14 +160,28 @@ class DecoderLayer(nn.Module):
             self._decode_key = key
         return self._decode_args
 
+    def pre_mlp_norm(self) -> RMSNorm:
+        """The norm before the MLP (Llama names it post_attention_layernorm)."""
+        return self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
+
+    def style(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Where this layer departs from Llama's, as the fused layer takes it: its QK-norm weights and
+        its post norms' (each an empty list where it has none)."""
+        attn = self.self_attn
+        qk = [attn.q_norm.weight, attn.k_norm.weight] if attn.q_norm is not None else []
+        post = [self.post_attention_layernorm.weight, self.post_feedforward_layernorm.weight] if self.sandwich else []
+        return qk, post
+
     def _fused_decode(self, ops, operands: tuple, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       batch: ForwardBatch, kv: KVView) -> torch.Tensor:
-        attn, layout = self.self_attn, batch.attn.decode
+        attn = self.self_attn
+        layout = batch.attn.windowed(attn.window).decode  # type: ignore[attr-defined]  # a paged pass: see above
         kv.wait_layer(attn.layer)
-        return ops.decode_layer(x, self.input_layernorm.weight, self.post_attention_layernorm.weight,
+        return ops.decode_layer(x, self.input_layernorm.weight, self.pre_mlp_norm().weight,
                                 self.input_layernorm.eps, *operands, cos, sin,
                                 attn.num_heads, attn.num_kv_heads, kv.k_buffers[attn.layer],
-                                kv.v_buffers[attn.layer], layout.out_slots, layout.kv_slots, layout.lengths)
+                                kv.v_buffers[attn.layer], layout.out_slots, layout.kv_slots, layout.lengths,
+                                *self.style(), self.mlp.gelu, attn.q_scale or 1.0)
 
 
 _INIT_LOCK = threading.Lock()
@@ -297,11 +309,11 @@ class LlamaForCausalLM(nn.Module):
         stage. ``hidden``: the previous stage's output (not on the first stage)."""
         h = self.embed(batch.input_ids) if self.first_stage else hidden
         cos, sin = self.rope(batch.positions, h.dtype)
-        stacked = self.decode_stack.forward(h, cos, sin, batch, kv)
+        local = self.local_rope(batch.positions, h.dtype) if self.local_rope is not None else None
+        stacked = self.decode_stack.forward(h, cos, sin, batch, kv, local)
         if stacked is not None:
             h = stacked
         else:
-            local = self.local_rope(batch.positions, h.dtype) if self.local_rope is not None else None
             for layer in self.model.layers:
                 h = layer(h, *(local if layer.local_rope else (cos, sin)), batch, kv)
         if not self.last_stage:

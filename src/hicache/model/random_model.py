@@ -31,6 +31,12 @@ PRESETS: dict[str, dict] = {
                      kv_lora_rank=32, q_lora_rank=32, qk_nope_head_dim=24, qk_rope_head_dim=16, v_head_dim=20,
                      rope_interleave=True, **_COMMON),
     "small": dict(num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=256, **_COMMON),
+    # Gemma 3's layer: four norms, GeGLU, QK-norm, scaled embeddings, its own attention scale, one KV head,
+    # 5 layers attending an 8-token window (their own RoPE base) to 1 full layer, a tied head.
+    "gemma-small": dict(num_layers=6, hidden_size=128, num_heads=4, num_kv_heads=1, head_dim=32, intermediate_size=256,
+                        qk_norm=True, sandwich_norms=True, hidden_act="gelu_tanh", embedding_scale=128 ** 0.5,
+                        attention_scale=24 ** -0.5, sliding_window=8, local_rope_theta=10000.0,
+                        layer_kinds=("sliding",) * 5 + ("full",), **{**_COMMON, "tie_word_embeddings": True}),
 }
 
 # Weight scale: small enough that activations stay tame, large enough that logits differ per token.
