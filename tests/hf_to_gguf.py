@@ -16,7 +16,8 @@ from gguf_edit import TINY
 LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
          "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-         "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+         "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+         "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # the last two: Phi-3's fused ones
 GEMMA_LAYER = {**LAYER, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                "post_feedforward_layernorm": "post_ffw_norm"}
 
@@ -26,9 +27,9 @@ def interleave(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def hf_to_gguf(model, path: Path, arch: str, pre: str = "gpt-2") -> Path:
-    """Write ``model`` (a transformers Llama, Mistral, Qwen2, Qwen3 or Gemma 3 causal LM) to ``path`` as GGUF
-    ``arch``."""
+def hf_to_gguf(model, path: Path, arch: str, pre: str = "gpt-2", q8_0: bool = False) -> Path:
+    """Write ``model`` (a transformers Llama, Mistral, Qwen2, Qwen3, Gemma 3 or Phi-3 causal LM) to ``path`` as GGUF
+    ``arch``. ``q8_0``: the layers' matrices as Q8_0 blocks (the gguf package's quantizer), the rest F32."""
     import gguf
 
     cfg = model.config
@@ -47,7 +48,7 @@ def hf_to_gguf(model, path: Path, arch: str, pre: str = "gpt-2") -> Path:
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if getattr(cfg, "sliding_window", None):  # Gemma 3; Mistral (llama.cpp keeps it in a llama file)
         writer.add_sliding_window(cfg.sliding_window)
-    if arch == "llama":
+    if arch in ("llama", "phi3"):
         writer.add_rope_dimension_count(head_dim)
     elif head_dim != cfg.hidden_size // heads or arch == "gemma3":  # Qwen3: heads narrower or wider than hidden / heads
         writer.add_key_length(head_dim)
@@ -77,6 +78,10 @@ def hf_to_gguf(model, path: Path, arch: str, pre: str = "gpt-2") -> Path:
             gguf_name = f"blk.{layer}.{layer_names[module]}.{kind}"
             if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
                 value = interleave(value, heads if "q_proj" in module else kv_heads)
+        if q8_0 and gguf_name.startswith("blk.") and value.ndim == 2:
+            kind = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(gguf_name, gguf.quants.quantize(np.ascontiguousarray(value), kind), raw_dtype=kind)
+            continue
         writer.add_tensor(gguf_name, np.ascontiguousarray(value))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -171,8 +171,8 @@ def test_a_broken_gguf_file_is_one_clear_sentence(tmp_path):
     (dict(kv={"llama.attn_logit_softcapping": 50.0}), "llama.attn_logit_softcapping = 50.0"),
     (dict(kv={"llama.attention.key_length": 128}), "llama.rope.dimension_count = 64 differs from the head width 128"),
     (dict(kv={"llama.expert_count": 8}), "llama.expert_count = 8"),
-    # the architecture is checked before the tokenizer (Phi-3's is SentencePiece: 'llama')
-    (dict(arch="phi3", kv={"tokenizer.ggml.model": "llama"}), "GGUF architecture 'phi3' is not supported"),
+    # the architecture is checked before the tokenizer (Phi-2's is byte-level BPE, here made SentencePiece)
+    (dict(arch="phi2", kv={"tokenizer.ggml.model": "llama"}), "GGUF architecture 'phi2' is not supported"),
     (dict(tensors={"blk.0.attn_qkv.weight": np.ones((192, 64), np.float32)}), "(a fused q/k/v projection)"),
 ])
 def test_a_gguf_file_that_would_run_wrongly_is_refused_naming_what(tmp_path, change, says):
@@ -241,6 +241,9 @@ HF_BASE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden
     ({"mlp_bias": True}, "mlp_bias = True"),
     ({"final_logit_softcapping": 30.0}, "final_logit_softcapping = 30.0"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor = 0.5"),
+    # transformers 5 writes it inside rope_parameters (Phi-3.5 / Phi-4-mini: 0.75)
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}},
+     "partial_rotary_factor = 0.75"),
 ])
 def test_an_hf_config_that_would_run_wrongly_is_refused_naming_the_key(extra, says):
     """Before: Mistral's sliding_window, Qwen2's use_sliding_window and hidden_act were ignored."""

@@ -64,6 +64,8 @@ CASES = {
                                           query_pre_attn_scalar=40, pad_token_id=0)),
     # Mistral's window over every layer
     "mistral_sliding_window": ("mistral", dict(rope_theta=10000.0, sliding_window=6)),
+    # Phi-3: q/k/v and gate/up stored fused; its window over every layer (mini 4K: 2047)
+    "phi3_fused": ("phi3", dict(rope_theta=10000.0, sliding_window=7, pad_token_id=0)),
 }
 
 
@@ -72,7 +74,8 @@ def _hf_model(kind: str, extra: dict, seed: int = 1234):
                                  "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
                                  "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
                                  "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
-                                 "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[kind]
+                                 "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+                                 "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM)}[kind]
     model = model_class(config_class(**{**TINY, **extra}))
     # transformers zero-inits biases and one-inits norms; randomize everything so a loader
     # that drops or misplaces any tensor shows up as a mismatch.
@@ -153,7 +156,7 @@ def test_spec_from_transformers4_style_config():
 
 # ---- the same checkpoints as GGUF files (issue 47): the GGUF loader against transformers ----------------
 GGUF_CASES = {"llama": "llama", "llama_tied": "llama", "qwen2_bias": "qwen2", "qwen2_bias_tied": "qwen2",
-              "qwen3_qk_norm": "qwen3", "gemma3": "gemma3", "mistral_sliding_window": "llama"}
+              "qwen3_qk_norm": "qwen3", "gemma3": "gemma3", "mistral_sliding_window": "llama", "phi3_fused": "phi3"}
 
 
 @pytest.mark.parametrize("case", sorted(GGUF_CASES))
@@ -172,6 +175,24 @@ def test_gguf_files_of_each_family_match_transformers(case, tmp_path):
     assert ours.spec.sliding_window == (getattr(hf.config, "sliding_window", None) or 0)
     ids = list(range(5, 60, 3))
     torch.testing.assert_close(prefill_logits(ours.model, ids), _hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_fused_phi3_tensors_split_into_their_parts_blocks_and_all(tmp_path):
+    """A Q8_0 Phi-3 file: attn_qkv's and ffn_up's block rows are split into q/k/v and gate/up (blocks are
+    per row); decode steps read those blocks and give the logits the dequantized weights give."""
+    from hf_to_gguf import hf_to_gguf
+
+    from hicache.model.standalone import greedy_paged
+
+    path = hf_to_gguf(_hf_model("phi3", CASES["phi3_fused"][1]), tmp_path / "phi3.gguf", "phi3", q8_0=True)
+    ours = load_model(str(path), dtype=torch.float32, decode_activations="float32")
+    assert ours.model.decode_formats() == {"q8_0": 4 * ours.spec.num_layers, "same": 1}  # the F32 head: as loaded
+    attn = ours.model.model.layers[0].self_attn
+    assert [attn.q_proj.gguf_blocks.out_features, attn.v_proj.gguf_blocks.out_features] == [64, 32]
+    ids = list(range(5, 40, 3))
+    steps = greedy_paged(ours.model, ids, steps=6)
+    full = prefill_logits(ours.model, ids + steps).argmax(-1)[len(ids) - 1:-1].tolist()
+    assert steps == full
 
 
 @pytest.mark.multirank

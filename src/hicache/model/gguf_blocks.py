@@ -96,6 +96,12 @@ class GGUFBlockWeight:
         """Bytes held: the blocks and the packed copy beside them (DESIGN invariant 6)."""
         return self.nbytes + (self.packed.numel() if self.packed is not None else 0)
 
+    def rows(self, first: int, count: int) -> GGUFBlockWeight:
+        """Rows ``[first, first + count)`` as a matrix of their own (a part of a fused tensor: blocks are
+        per row, so a row range is exact)."""
+        return GGUFBlockWeight(self.qtype, self.data[first:first + count].contiguous(), self.in_features,
+                               self.int8_activations)
+
     def pack(self, ops) -> GGUFBlockWeight:
         """With 8-bit inputs, a Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 matrix of N % 16 == 0 rows gets the 16-row copy its
         GEMV reads (``kernels/gguf_x16.cpp``: integer dots of whole chunks, 1.3-2.5x faster than row by

@@ -195,7 +195,8 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
             name = hf_name(t.name, family)
             if name is None:
                 continue
-            if name not in params:
+            parts = family.parts_of(name) or (name,)  # a fused tensor (Phi-3's attn_qkv) fills its parts row by row
+            if any(p not in params for p in parts):
                 raise ModelFormatError(f"GGUF tensor {t.name} has no place in the model.")
             heads = _interleaved_heads(name, spec, family)
             blocks = _row_blocks(t, name, heads) if ops is not None or dtype == torch.float32 else None
@@ -210,21 +211,33 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
                 values = torch.from_numpy(array)
                 if heads is not None:
                     values = unpermute_rope_rows(values, heads)
-            target = params[name]
-            if tuple(values.shape) != tuple(target.shape):
-                raise ModelFormatError(f"GGUF tensor {t.name} has shape {tuple(values.shape)}, expected {tuple(target.shape)}.")
-            if values.dtype == target.dtype and values.device == target.device and values.is_contiguous():
-                target.data = values  # a tensor of our own already: no second copy (the empty one is freed)
-            else:
-                target.copy_(values)
-            if blocks is not None and dtype == torch.float32 and _keeps_blocks(name, spec):
-                # decode steps read these (model/decode_blocks.py)
-                model.get_submodule(name.removesuffix(".weight")).gguf_blocks = blocks
-            loaded.add(name)
+            rows = [params[p].shape[0] for p in parts]
+            if len(parts) > 1 and values.shape[0] != sum(rows):
+                raise ModelFormatError(f"GGUF tensor {t.name} has {values.shape[0]} rows, expected {sum(rows)} "
+                                       f"({' + '.join(map(str, rows))}).")
+            first = 0
+            for part, n in zip(parts, rows):
+                piece = values if len(parts) == 1 else values[first:first + n]
+                _assign(params[part], piece, t.name)
+                if blocks is not None and dtype == torch.float32 and _keeps_blocks(part, spec):
+                    # decode steps read these (model/decode_blocks.py)
+                    model.get_submodule(part.removesuffix(".weight")).gguf_blocks = (
+                        blocks if len(parts) == 1 else blocks.rows(first, n))
+                loaded.add(part)
+                first += n
     missing = sorted(set(params) - loaded)
     if missing:
         raise ModelFormatError(f"GGUF file lacks tensors for {', '.join(missing[:3])}{'...' if len(missing) > 3 else ''}.")
     return model, tokenizer, spec
+
+
+def _assign(target: torch.Tensor, values: torch.Tensor, gguf_name: str) -> None:
+    if tuple(values.shape) != tuple(target.shape):
+        raise ModelFormatError(f"GGUF tensor {gguf_name} has shape {tuple(values.shape)}, expected {tuple(target.shape)}.")
+    if values.dtype == target.dtype and values.device == target.device and values.is_contiguous():
+        target.data = values  # a tensor of our own already: no second copy (the empty one is freed)
+    else:
+        target.copy_(values)
 
 
 def _interleaved_heads(name: str, spec: ModelSpec, family: Family) -> int | None:

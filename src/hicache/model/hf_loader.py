@@ -41,6 +41,10 @@ def spec_from_hf_config(config: dict) -> ModelSpec:
         heads = int(config["num_attention_heads"])
         rope = dict(config.get("rope_parameters") or {})
         rope = dict(rope.get("full_attention", rope))  # per layer kind (Gemma 3): the full layers' here
+        partial = rope.pop("partial_rotary_factor", 1.0)  # transformers 5 keeps it here
+        if partial not in (None, 1.0):
+            raise ModelFormatError(f"config.json partial_rotary_factor = {partial!r} changes the math in a way this "
+                                   "engine does not implement; the model is refused rather than run wrongly.")
         scaling = config.get("rope_scaling") or None
         theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
         if scaling is None and rope:
@@ -112,6 +116,7 @@ def load_hf_dir(folder: Path, dtype: torch.dtype, device: torch.device | str,
     with open(folder / "config.json", encoding="utf-8") as f:
         config = json.load(f)
     spec = spec_from_hf_config(config)
+    family = hf_family(config.get("architectures") or [], config.get("model_type", "llama"))
     tokenizer = load_hf_tokenizer(folder, config)
     if not weights:
         return None, tokenizer, spec
@@ -122,22 +127,23 @@ def load_hf_dir(folder: Path, dtype: torch.dtype, device: torch.device | str,
         for file in weight_files:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    if name not in params:
+                    parts = family.parts_of(name) or (name,)  # a fused tensor (Phi-3's qkv_proj) fills its parts
+                    if any(p not in params for p in parts):
                         # Tied checkpoints may still store lm_head; rotary caches are recomputed.
                         if name == "lm_head.weight" or name.endswith("rotary_emb.inv_freq"):
                             continue
                         raise ModelFormatError(f"checkpoint tensor {name} in {file.name} has no place in the model.")
                     values = f.get_tensor(name)
-                    if tuple(values.shape) != tuple(params[name].shape):
-                        raise ModelFormatError(
-                            f"checkpoint tensor {name} has shape {tuple(values.shape)}, expected {tuple(params[name].shape)}."
-                        )
-                    params[name].copy_(values)
-                    loaded.add(name)
+                    want = (sum(params[p].shape[0] for p in parts), *params[parts[0]].shape[1:])
+                    if tuple(values.shape) != want:
+                        raise ModelFormatError(f"checkpoint tensor {name} has shape {tuple(values.shape)}, expected {want}.")
+                    for part, piece in zip(parts, values.split([params[p].shape[0] for p in parts])):
+                        params[part].copy_(piece)
+                        loaded.add(part)
     missing = sorted(set(params) - loaded)
     if missing:
         raise ModelFormatError(f"checkpoint in {folder} lacks {', '.join(missing[:3])}{'...' if len(missing) > 3 else ''}.")
-    if hf_family(config.get("architectures") or [], config.get("model_type", "llama")).hf_norm_offset:
+    if family.hf_norm_offset:
         _fold_norm_offset(model)
     return model, tokenizer, spec
 

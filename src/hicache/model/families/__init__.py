@@ -1,7 +1,7 @@
 """The model families this engine runs, and what differs between them -- the one place the loaders
 (GGUF and HF) look that up; nothing outside ``model/`` names a family. One module per family
 states its data (:class:`~hicache.model.families.base.Family`); ``base`` maps files onto
-ModelSpec fields. Phi-3 (fused qkv and gate_up) is refused for now (docs/progress.md, issue 47)."""
+ModelSpec fields."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ from hicache.model.families.base import Family, gguf_layer_fields, hf_layer_fiel
 from hicache.model.families.deepseek import DEEPSEEK
 from hicache.model.families.gemma3 import GEMMA3
 from hicache.model.families.llama import LLAMA, MISTRAL
+from hicache.model.families.phi3 import PHI3
 from hicache.model.families.qwen import QWEN2, QWEN3
 
-FAMILIES = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3, DEEPSEEK)
-__all__ = ["Family", "FAMILIES", "LLAMA", "MISTRAL", "QWEN2", "QWEN3", "GEMMA3", "DEEPSEEK", "gguf_family",
+FAMILIES = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3, PHI3, DEEPSEEK)
+__all__ = ["Family", "FAMILIES", "LLAMA", "MISTRAL", "QWEN2", "QWEN3", "GEMMA3", "PHI3", "DEEPSEEK", "gguf_family",
            "hf_family", "gguf_layer_fields", "hf_layer_fields"]
 
 

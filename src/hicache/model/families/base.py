@@ -42,6 +42,8 @@ class Family:
     elsewhere than Llama's (:data:`LLAMA_LAYER_TENSORS`). ``gguf_keys``: architecture metadata keys
     beyond the common ones the loader reads for it. ``gguf_attention_scale``: the score scale from
     the GGUF file's sizes where the file does not carry it (``(fields, prefix) -> scale``).
+    ``fused``: a stored projection (HF name after "model.layers.{i}.") -> the model's parts it holds
+    row after row (Phi-3's qkv_proj: q, k, v), split by the loaders.
     """
 
     name: str
@@ -59,6 +61,16 @@ class Family:
     gguf_tensors: Mapping[str, str] = field(default_factory=dict)
     gguf_keys: frozenset[str] = frozenset()
     gguf_attention_scale: Callable[[Mapping[str, Any], str], float] | None = None
+    fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def parts_of(self, name: str) -> tuple[str, ...] | None:
+        """The model parameters a stored fused tensor ``name`` ("model.layers.3.self_attn.qkv_proj.weight")
+        holds row after row, or None when it is not fused."""
+        head, _, rest = name.partition(".layers.")
+        layer, _, tail = rest.partition(".")
+        module, _, kind = tail.rpartition(".")
+        parts = self.fused.get(module)
+        return None if parts is None else tuple(f"{head}.layers.{layer}.{p}.{kind}" for p in parts)
 
     def layer_tensors(self) -> Mapping[str, str]:
         """GGUF layer tensor -> HF parameter for this family (QK-norm and extra norms only where it has them)."""
