@@ -2,17 +2,19 @@
 norms, GeGLU, QK-norm, its own attention scale, one KV head, 5 layers attending an 8-token window with
 their own RoPE to 1 full layer) gives the cold one-at-a-time greedy tokens whatever serves the prompt:
 cached prefixes and chunks cut across the window, the host tier, NGRAM drafts, deterministic batches,
-a TP2 writer's unified-layout objects read by one rank. Context parallelism refuses it in one sentence."""
+a TP2 writer's unified-layout objects read by one rank, a P/D pair. Context parallelism refuses it in one sentence."""
 
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
 
 from hicache import Engine
 from hicache.config import ConfigError
+from hicache.disagg.bootstrap import Bootstrap
 from hicache.runtime.sampling import SamplingParams
 
 pytestmark = pytest.mark.engine
@@ -109,3 +111,25 @@ def test_a_tp2_writers_unified_objects_serve_one_rank(cold, tmp_path: Path) -> N
         assert out[0].cached_tokens_details["storage"] > 0
     finally:
         reader.shutdown()
+
+
+@pytest.mark.pd
+def test_a_pd_pair_gives_the_cold_tokens_sending_only_the_missing_suffix(cold) -> None:
+    """Prefill and decode engines (zmq): the decode side reuses its cached head (three windows long),
+    only the rest of each prompt's KV crosses, and the answer is the cold one."""
+    prefill = Engine(MODEL, disaggregation_mode="prefill", disaggregation_bootstrap_port=0, **BASE)
+    decode = Engine(MODEL, disaggregation_mode="decode", disaggregation_decode_enable_radix_cache=True, **BASE)
+    try:
+        port = prefill.stats()["disaggregation"]["bootstrap_port"]
+        for room, (prompt, want) in enumerate(zip(PROMPTS[:3], cold[:3]), start=1):
+            boot = Bootstrap("127.0.0.1", port, room)
+            side = threading.Thread(target=lambda: prefill.generate([prompt], GREEDY, bootstrap=boot))
+            side.start()
+            got = decode.generate([prompt], GREEDY, bootstrap=boot)[0]
+            side.join(timeout=60)
+            assert got.output_ids == want
+            if room > 1:  # the shared head is the decode side's already
+                assert got.decode_prefix_len >= 24 and got.kv_transferred_tokens == len(prompt) - got.decode_prefix_len
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
