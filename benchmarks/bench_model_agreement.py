@@ -30,18 +30,11 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
 
+from hicache.bench.corpus import TOKENIZER_CORPUS  # noqa: E402
 from hicache.model import load_model  # noqa: E402
 from hicache.model.packaged import PACKAGED, packaged_model_path  # noqa: E402
 from hicache.model.standalone import prefill_logits  # noqa: E402
 
-CORPUS = [
-    "Hello world", "  leading spaces and trailing  ", "a   b    c\t\td", "naïve café — “quotes” ½ ∑ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 😀🚀",
-    "日本語のテキストと中文混合 text 한국어", "Numbers: 3.14159, 1,234,567 and 2026-12-04T22:29:36Z; 0x1F 1e-6",
-    "def f(x):\n    return x ** 2  # square\n\n\nclass A:\n\tpass\n",
-    "<start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n4<end_of_turn>\n",
-    "<|im_start|>system\nYou are helpful.<|im_end|>\n", "line one\n\n\n\nline five\r\nwindows",
-    "   \n   \n", "URL: https://example.com/a?b=c&d=e#frag", "emoji family 👨‍👩‍👧‍👦 flags 🇫🇷🇯🇵",
-]
 
 
 def doc_paragraphs(n: int, min_chars: int = 300) -> list[str]:
@@ -80,7 +73,7 @@ def main() -> int:
 
     t0 = time.perf_counter()
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    encoded = CORPUS + texts
+    encoded = list(TOKENIZER_CORPUS) + texts
     same = [tok.encode(t) == hf_tok(t).input_ids for t in encoded]
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                            dtype=torch.float32).eval()
