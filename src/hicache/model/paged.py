@@ -18,7 +18,8 @@ at their slots, then takes one of three paths, all exact:
 A sliding-window layer (``layer.window`` > 0: a query at position p sees keys p - window + 1 .. p)
 reads the same pool through a windowed copy of the metadata, made once per forward and window
 (:meth:`PagedMetadata.windowed`): decode rows read only their window's slots (the same kernels),
-and a span longer than the window attends its keys with a mask (:func:`_windowed_span`). Every
+and a span longer than the window attends its keys with a mask made once per forward
+(:func:`_windowed_span`). Every
 layer keeps all its KV; the window only chooses what is read.
 
 Units: rows of ``q`` are the batch's new tokens, sequence after sequence; slots as in
@@ -54,17 +55,29 @@ class SeqSpan:
     decode token (its K/V is written before attention) -- are either ``full_runs``
     (``(first slot, count)`` runs of consecutive slots) or, when too scattered, ``full_slots`` to
     gather. ``causal``: the new tokens attend to each other causally (more than one new token).
-    ``window``: set (> 0) on a span of a sliding-window layer whose new tokens do not all see the
-    same keys: then ``full_slots`` are every key some new token sees (positions
-    ``first_position ..``, the new tokens' own last) and each row is masked to its window."""
+    ``window_mask``: set on a span of a sliding-window layer whose new tokens do not all see the
+    same keys: the full runs / slots are then the cached keys some new token sees (positions
+    ``first_position`` .. the prefix's end), the new tokens' own follow them, and row i sees key j
+    where ``window_mask[i, j]`` (its window, causal)."""
 
     start: int
     length: int
     full_runs: tuple[tuple[int, int], ...]
     full_slots: Optional[torch.Tensor]
     causal: bool
-    window: int = 0
+    window_mask: Optional[torch.Tensor] = None  # [length, keys] bool
     first_position: int = 0
+    # (groups, dtype) -> the mask as an additive bias for a KV head's stacked queries (made once per forward)
+    biases: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def window_bias(self, groups: int, dtype: torch.dtype) -> torch.Tensor:
+        """``window_mask`` as 0 / -inf ``[groups * length, keys]``: each of a KV head's ``groups``
+        query heads' rows stacked one head after the other, as :func:`_windowed_span` lays them."""
+        key = (groups, dtype)
+        if key not in self.biases:
+            bias = torch.zeros(self.window_mask.shape, dtype=dtype, device=self.window_mask.device)
+            self.biases[key] = bias.masked_fill_(~self.window_mask, float("-inf")).repeat(groups, 1)
+        return self.biases[key]
 
 
 @dataclass(frozen=True)
@@ -109,17 +122,21 @@ def slot_runs(slots: torch.Tensor) -> list[tuple[int, int]]:
 
 def _span(start: int, length: int, context: torch.Tensor, device: torch.device, window: int = 0) -> SeqSpan:
     causal = length > 1
+    first = 0
+    mask = None
     if window and context.numel() > window:
         if not causal:  # a lone token sees exactly the last `window` keys: a plain span over them
             context = context[-window:]
-        else:  # the keys the first new token sees onwards, the new tokens' own included, masked per row
+        else:  # from the first key the first new token sees; each row masked to its window, once per forward
             first = max(0, context.numel() - length - window + 1)
-            return SeqSpan(start, length, (), context[first:].to(device), True, window, first)
-    full = context[: context.numel() - length] if causal else context
+            keys = torch.arange(first, context.numel(), device=device)
+            delta = torch.arange(context.numel() - length, context.numel(), device=device)[:, None] - keys[None, :]
+            mask = (delta >= 0) & (delta < window)
+    full = context[first: context.numel() - length] if causal else context
     runs = slot_runs(full)
     if len(runs) <= MAX_VIEW_RUNS:
-        return SeqSpan(start, length, tuple(runs), None, causal)
-    return SeqSpan(start, length, (), full.to(device), causal)
+        return SeqSpan(start, length, tuple(runs), None, causal, mask, first)
+    return SeqSpan(start, length, (), full.to(device), causal, mask, first)
 
 
 def _decode_layout(out_slots: torch.Tensor, context_slots: Sequence[torch.Tensor], lens: Sequence[int],
@@ -237,22 +254,27 @@ def _spans(q: torch.Tensor, new: KVBlock, layer: AttentionLayer, spans: list[Seq
                              layer.latent)]
         else:
             full = [attended(k_buf[s:s + n], v_buf[s:s + n], layer.latent) for s, n in span.full_runs]
-        if span.window:
-            out[rows] = _windowed_span(q[rows], full[0], span, layer.kv_map)
-            continue
         own = (new[0][rows], new[1][rows]) if span.causal else None
+        if span.window_mask is not None:
+            out[rows] = _windowed_span(q[rows], full, own, span, layer.kv_map)
+            continue
         out[rows] = sequence_attention(q[rows], full, own, layer.kv_map)
     return out
 
 
-def _windowed_span(q: torch.Tensor, keys: KVBlock, span: SeqSpan, kv_map: Optional[torch.Tensor]) -> torch.Tensor:
-    """A span's new tokens ``q`` ``[n, H, D]`` over ``keys`` ``[L, KvH, D]`` (positions
-    ``span.first_position`` onwards, the new tokens' own last), each row masked to the keys of its
-    window: position p sees p - window + 1 .. p."""
-    n, heads, _ = q.shape
-    k, v = (_expand_heads(x.to(q.dtype), heads, kv_map).transpose(0, 1) for x in keys)
-    key_pos = torch.arange(k.shape[1], device=q.device) + span.first_position
-    query_pos = torch.arange(n, device=q.device) + span.first_position + k.shape[1] - n
-    delta = query_pos[:, None] - key_pos[None, :]
-    mask = (delta >= 0) & (delta < span.window)
-    return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask)[0].transpose(0, 1)
+def _windowed_span(q: torch.Tensor, cached: list[KVBlock], own: KVBlock, span: SeqSpan,
+                   kv_map: Optional[torch.Tensor]) -> torch.Tensor:
+    """A span's new tokens ``q`` ``[n, H, D]`` over the cached keys some of them see (``cached``
+    blocks, in position order) and their own (``own``), each row masked to its window
+    (``span.window_mask``). A cold prompt's keys are its own: nothing is gathered; each KV head's
+    query heads ride along the query axis (``[KvH, G*n, D]``), so no key is copied per query head."""
+    n, heads, dim = q.shape
+    k, v = own if not cached else (torch.cat([b[i].to(q.dtype) for b in cached] + [own[i]]) for i in (0, 1))
+    if kv_map is not None:  # an uneven TP split: each query head's KV head, expanded
+        k, v = (_expand_heads(x, heads, kv_map) for x in (k, v))
+    kv_heads = k.shape[1]
+    groups = heads // kv_heads
+    stacked = q.transpose(0, 1).reshape(kv_heads, groups * n, dim)
+    out = F.scaled_dot_product_attention(stacked[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                         attn_mask=span.window_bias(groups, q.dtype))[0]
+    return out.reshape(heads, n, dim).transpose(0, 1)
