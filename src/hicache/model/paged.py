@@ -45,6 +45,9 @@ MAX_VIEW_RUNS = 8
 # layout): a verify pass of the last token + drafts reads the KV like a decode step. Longer runs
 # of new tokens (prompt chunks) attend as spans: one causal block beats a row per token there.
 ROWWISE_MAX_NEW = 16
+# A windowed span attends in blocks of this many rows, each over the keys its rows see (a 1K prompt
+# with a 512-token window: 0.64 of the square's scores instead of all of them).
+WINDOW_QUERY_BLOCK = 128
 
 
 @dataclass(frozen=True)
@@ -67,16 +70,26 @@ class SeqSpan:
     causal: bool
     window_mask: Optional[torch.Tensor] = None  # [length, keys] bool
     first_position: int = 0
-    # (groups, dtype) -> the mask as an additive bias for a KV head's stacked queries (made once per forward)
+    # (groups, dtype) -> the mask as additive biases per query block (made once per forward)
     biases: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def window_bias(self, groups: int, dtype: torch.dtype) -> torch.Tensor:
-        """``window_mask`` as 0 / -inf ``[groups * length, keys]``: each of a KV head's ``groups``
-        query heads' rows stacked one head after the other, as :func:`_windowed_span` lays them."""
+    def window_blocks(self, groups: int, dtype: torch.dtype) -> list[tuple[int, int, int, int, torch.Tensor]]:
+        """The span's rows in blocks of ``WINDOW_QUERY_BLOCK``, each ``(first row, end row, first key,
+        end key, bias)``: the keys some row of the block sees, and ``window_mask`` over them as 0 / -inf
+        ``[groups * rows, keys]`` (each of a KV head's ``groups`` query heads' rows stacked one head
+        after the other, as :func:`_windowed_span` lays them). Blocks skip the keys no row of theirs
+        sees: the work is the band's, not the whole square's."""
         key = (groups, dtype)
         if key not in self.biases:
-            bias = torch.zeros(self.window_mask.shape, dtype=dtype, device=self.window_mask.device)
-            self.biases[key] = bias.masked_fill_(~self.window_mask, float("-inf")).repeat(groups, 1)
+            mask, blocks = self.window_mask, []
+            for r0 in range(0, mask.shape[0], WINDOW_QUERY_BLOCK):
+                rows = mask[r0:r0 + WINDOW_QUERY_BLOCK]
+                seen = rows.any(0).nonzero()
+                k0, k1 = int(seen[0]), int(seen[-1]) + 1
+                bias = torch.zeros((rows.shape[0], k1 - k0), dtype=dtype, device=mask.device)
+                bias.masked_fill_(~rows[:, k0:k1], float("-inf"))
+                blocks.append((r0, r0 + rows.shape[0], k0, k1, bias.repeat(groups, 1)))
+            self.biases[key] = blocks
         return self.biases[key]
 
 
@@ -266,15 +279,19 @@ def _windowed_span(q: torch.Tensor, cached: list[KVBlock], own: KVBlock, span: S
                    kv_map: Optional[torch.Tensor]) -> torch.Tensor:
     """A span's new tokens ``q`` ``[n, H, D]`` over the cached keys some of them see (``cached``
     blocks, in position order) and their own (``own``), each row masked to its window
-    (``span.window_mask``). A cold prompt's keys are its own: nothing is gathered; each KV head's
-    query heads ride along the query axis (``[KvH, G*n, D]``), so no key is copied per query head."""
+    (``span.window_mask``), a block of rows at a time over the keys it sees. A cold prompt's keys
+    are its own: nothing is gathered; each KV head's query heads ride along the query axis
+    (``[KvH, G*rows, D]``), so no key is copied per query head."""
     n, heads, dim = q.shape
     k, v = own if not cached else (torch.cat([b[i].to(q.dtype) for b in cached] + [own[i]]) for i in (0, 1))
     if kv_map is not None:  # an uneven TP split: each query head's KV head, expanded
         k, v = (_expand_heads(x, heads, kv_map) for x in (k, v))
     kv_heads = k.shape[1]
     groups = heads // kv_heads
-    stacked = q.transpose(0, 1).reshape(kv_heads, groups * n, dim)
-    out = F.scaled_dot_product_attention(stacked[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                         attn_mask=span.window_bias(groups, q.dtype))[0]
-    return out.reshape(heads, n, dim).transpose(0, 1)
+    k, v = k.transpose(0, 1), v.transpose(0, 1)  # [KvH, L, D]
+    out = torch.empty_like(q)
+    for r0, r1, k0, k1, bias in span.window_blocks(groups, q.dtype):
+        stacked = q[r0:r1].transpose(0, 1).reshape(kv_heads, groups * (r1 - r0), dim)
+        part = F.scaled_dot_product_attention(stacked[None], k[None, :, k0:k1], v[None, :, k0:k1], attn_mask=bias)[0]
+        out[r0:r1] = part.reshape(heads, r1 - r0, dim).transpose(0, 1)
+    return out
