@@ -56,12 +56,17 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=256, help="Tokens of each prompt (teacher-forced).")
     ap.add_argument("--peers-python", default=str(ROOT / ".venv-peers" / "bin" / "python"))
     ap.add_argument("--json", default=None, help="Write the figures here.")
+    ap.add_argument("--int8", action="store_true",
+                    help="hicache multiplies the file's blocks with 8-bit inputs at every position (its decode "
+                         "arithmetic, as llama.cpp's; deterministic inference puts every row on that path), "
+                         "instead of float32 weights.")
     args = ap.parse_args()
     path = packaged_model_path(args.model) if args.model in PACKAGED else Path(args.model)
     texts = doc_paragraphs(args.prompts)
 
     t0 = time.perf_counter()
-    ours = load_model(str(path), dtype=torch.float32)
+    ours = load_model(str(path), dtype=torch.float32, decode_activations="int8" if args.int8 else "float32",
+                      deterministic=args.int8)
     tok = ours.tokenizer
     prompts = [tok.encode(t)[: args.max_tokens] for t in texts]
     mine = [prefill_logits(ours.model, ids).argmax(-1).tolist() for ids in prompts]
