@@ -46,6 +46,10 @@ def hf_to_gguf(model, path: Path, arch: str, pre: str = "gpt-2", q8_0: bool = Fa
     writer.add_rope_freq_base(float(rope.get("full_attention", rope)["rope_theta"]))  # Gemma 3: the full layers'
 
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if rope.get("rope_type") == "yarn":  # as llama.cpp's converter writes Qwen2's
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if getattr(cfg, "sliding_window", None):  # Gemma 3; Mistral (llama.cpp keeps it in a llama file)
         writer.add_sliding_window(cfg.sliding_window)
     if arch in ("llama", "phi3"):

@@ -54,6 +54,9 @@ CASES = {
     "llama3_rope_scaling": ("llama", dict(rope_theta=500000.0, rope_scaling=LLAMA3_SCALING)),
     "qwen2_bias": ("qwen2", dict(rope_theta=1000000.0)),
     "qwen2_bias_tied": ("qwen2", dict(rope_theta=1000000.0, tie_word_embeddings=True)),
+    # YaRN (Qwen2.5 / Qwen3 long context); a small original context puts pairs on both sides of the blend
+    "qwen2_yarn": ("qwen2", dict(rope_theta=10000.0, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                                    "original_max_position_embeddings": 64})),
     # QK-norm, and heads wider than hidden / heads (q width 128 with hidden 64), as Qwen3's
     "qwen3_qk_norm": ("qwen3", dict(rope_theta=1000000.0, head_dim=32, tie_word_embeddings=True)),
     # Gemma 3: four norms a layer, GeGLU, QK-norm, scaled embeddings; 5 sliding layers (window 8, shorter than
@@ -156,6 +159,7 @@ def test_spec_from_transformers4_style_config():
 
 # ---- the same checkpoints as GGUF files (issue 47): the GGUF loader against transformers ----------------
 GGUF_CASES = {"llama": "llama", "llama_tied": "llama", "qwen2_bias": "qwen2", "qwen2_bias_tied": "qwen2",
+              "qwen2_yarn": "qwen2",
               "qwen3_qk_norm": "qwen3", "gemma3": "gemma3", "mistral_sliding_window": "llama", "phi3_fused": "phi3"}
 
 

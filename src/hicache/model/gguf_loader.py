@@ -36,8 +36,8 @@ _READ_KEYS = frozenset({"block_count", "context_length", "embedding_length", "fe
                         "attention.head_count", "attention.head_count_kv", "rope.freq_base",
                         "attention.layer_norm_rms_epsilon", "vocab_size", "rope.dimension_count",
                         "attention.key_length", "attention.value_length", "rope.scaling.type",
-                        "rope.scaling.factor"})
-ROPE_SCALING_TYPES = ("none", "linear")  # rope.scaling.type values this loader reads
+                        "rope.scaling.factor", "rope.scaling.original_context_length"})
+ROPE_SCALING_TYPES = ("none", "linear", "yarn")  # rope.scaling.type values this loader reads
 # What the tensors a llama file may carry beyond the mapped ones do (for the refusal's sentence).
 ROPE_FACTORS = "rope_freqs.weight"  # Llama 3.1+: a frequency factor per rotary pair (spec "freq_factors")
 _UNHANDLED_TENSORS = {"attn_q_norm": "QK-norm",
@@ -109,9 +109,7 @@ def _check_model(reader: GGUFFile) -> Family:
 
 def _neutral(key: str, value, reader: GGUFFile, prefix: str) -> bool:
     """Whether metadata ``key`` (of the architecture) holds the value that leaves a Llama unchanged."""
-    neutral = {"expert_count": (0,),
-               "expert_used_count": (0,), "rope.scaling.original_context_length": (value,) if _field(
-                   reader, f"{prefix}rope.scaling.type", "none") == "none" else ()}
+    neutral = {"expert_count": (0,), "expert_used_count": (0,)}
     return key in neutral and value in neutral[key]
 
 
@@ -158,13 +156,20 @@ def _spec_from_gguf(reader: GGUFFile, tensor_names: set[str], family: Family) ->
 
 
 def _rope_scaling(reader: GGUFFile, p: str) -> dict | None:
-    """Llama 3.1+'s ``rope_freqs`` tensor as a ``freq_factors`` rope scaling; else a linear scaling
-    from the metadata (``rope.scaling.type`` linear, Gemma 3 4B+); else None."""
+    """Llama 3.1+'s ``rope_freqs`` tensor as a ``freq_factors`` rope scaling; else the metadata's
+    (``rope.scaling.type`` linear -- Gemma 3 4B+ -- or yarn -- Qwen2.5 / Qwen3 long context, with
+    llama.cpp's defaults for what the file does not say); else None."""
     tensor = next((t for t in reader.tensors if t.name == ROPE_FACTORS), None)
     if tensor is None:
         factor = float(_field(reader, p + "rope.scaling.factor", 1.0) or 1.0)
-        linear = _field(reader, p + "rope.scaling.type", "none") == "linear" and factor != 1.0
-        return {"rope_type": "linear", "factor": factor} if linear else None
+        kind = _field(reader, p + "rope.scaling.type", "none")
+        if kind == "none" or factor == 1.0:
+            return None
+        scaling = {"rope_type": kind, "factor": factor}
+        if kind == "yarn":
+            scaling["original_max_position_embeddings"] = int(_field(
+                reader, p + "rope.scaling.original_context_length", _field(reader, p + "context_length", 2048)))
+        return scaling
     if int(tensor.tensor_type) != 0:  # GGML_TYPE_F32, as llama.cpp's converter writes it
         raise ModelFormatError(f"GGUF tensor {ROPE_FACTORS} must be F32, got type {int(tensor.tensor_type)}.")
     return {"rope_type": "freq_factors", "factors": [float(x) for x in np.asarray(tensor.data).reshape(-1)]}

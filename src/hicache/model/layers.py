@@ -105,7 +105,47 @@ def rope_inv_freq(spec: ModelSpec, local: bool = False) -> torch.Tensor:
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         in_band = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
         inv_freq = torch.where(in_band, blended, scaled)
+    elif kind == "yarn":
+        inv_freq = _yarn(inv_freq, spec, scaling)
     return inv_freq.to(torch.float32)
+
+
+def _yarn_bounds(spec: ModelSpec, scaling: dict) -> tuple[float, float]:
+    """The rotary pairs between which YaRN blends (floor / ceil of the dims that turn ``beta_fast`` and
+    ``beta_slow`` times over the original context): below the first kept, past the second divided."""
+    dim, base = spec.rope_dim, spec.rope_theta
+    context = float(scaling.get("original_max_position_embeddings") or spec.max_position_embeddings)
+
+    def dim_turning(turns: float) -> float:
+        return dim * math.log(context / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_turning(float(scaling.get("beta_fast") or 32)), dim_turning(float(scaling.get("beta_slow") or 1))
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    return max(low, 0), min(high, dim - 1)
+
+
+def _yarn(inv_freq: torch.Tensor, spec: ModelSpec, scaling: dict) -> torch.Tensor:
+    low, high = _yarn_bounds(spec, scaling)
+    ramp = ((torch.arange(inv_freq.numel(), dtype=torch.float64) - low) / max(high - low, 0.001)).clamp(0, 1)
+    return inv_freq / float(scaling["factor"]) * ramp + inv_freq * (1 - ramp)
+
+
+def rope_attention_factor(spec: ModelSpec) -> float:
+    """What YaRN multiplies cos and sin by (``attention_factor``, else from ``factor`` and ``mscale`` /
+    ``mscale_all_dim``: ``0.1 * m * ln(factor) + 1``); 1 for other scalings."""
+    scaling = spec.rope_scaling or {}
+    if rope_scaling_type(scaling) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return mscale(float(m)) / mscale(float(m_all)) if m and m_all else mscale(1.0)
 
 
 class RotaryEmbedding:
@@ -114,9 +154,12 @@ class RotaryEmbedding:
     def __init__(self, spec: ModelSpec, device: torch.device, local: bool = False) -> None:
         # Plain tensor, not a module buffer: it must stay float32 whatever the weight dtype.
         self.inv_freq = rope_inv_freq(spec, local).to(device)
+        self.scale = 1.0 if local else rope_attention_factor(spec)  # YaRN's; 1 otherwise
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin ``[T, 1, rope_dim]`` for ``positions`` ``[T]`` (angles in float32, then cast)."""
         angles = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]
         angles = torch.cat((angles, angles), dim=-1)[:, None, :]
+        if self.scale != 1.0:
+            return (angles.cos() * self.scale).to(dtype), (angles.sin() * self.scale).to(dtype)
         return angles.cos().to(dtype), angles.sin().to(dtype)

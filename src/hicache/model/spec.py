@@ -19,7 +19,9 @@ class ModelSpecError(ConfigError):
 # frequency divided by its own factor (``rope_scaling["factors"]``, rope_dim / 2 of them): what a GGUF
 # file's ``rope_freqs`` tensor holds for Llama 3.1+ (llama.cpp's converter computes them from the
 # llama3 parameters).
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+# "yarn": YaRN (Qwen2.5 / Qwen3 long context): each pair's frequency blended between kept and divided by
+# ``factor`` by its wavelength against ``original_max_position_embeddings``, cos/sin scaled by an attention factor.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "yarn")
 ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate activation (SwiGLU; GeGLU with GELU's tanh form)
 LAYER_KINDS = ("full", "sliding")  # a layer attends every earlier position, or the last `sliding_window`
 
