@@ -159,11 +159,12 @@ Layer unpack(at::IntArrayRef parts, at::IntArrayRef kinds, at::IntArrayRef qtype
   return layer;
 }
 
-// What a layer's attention reads: the rotary tables as rows [T, D] (flattened once a step) and the
-// rows' context slots -- a full layer's, or a sliding-window layer's (model/paged.py: each row's
-// slots from its window's start; its own RoPE base).
+// What a layer's attention reads and writes: the rotary tables as rows [T, D] (flattened once a step),
+// the new tokens' slots and the rows' context slots -- a full layer's, or a sliding-window layer's
+// (model/paged.py: each row's slots from its window's start, its own RoPE base, and, where those
+// layers' buffers have a slot space of their own, their own slots).
 struct View {
-  T cos, sin, kv_slots, lengths;
+  T cos, sin, out_slots, kv_slots, lengths;
 };
 
 // Where a layer departs from Llama's (model/llama.py DecoderLayer; Gemma 3 has all of these): QK-norm
@@ -181,7 +182,7 @@ struct Style {
 
 T run_layer(const T& x, const T& attn_norm, const T& ffn_norm, double eps, const Layer& layer,
             const c10::optional<T>& qkv_bias, const View& view, int64_t num_heads, int64_t num_kv_heads,
-            const T& k_buf, const T& v_buf, const T& out_slots, const Style& style) {
+            const T& k_buf, const T& v_buf, const Style& style) {
   static auto rms_norm = hicache_op<T(const T&, const T&, double)>("hicache::rms_norm");
   static auto rope = hicache_op<void(T&, const T&, const T&, int64_t, int64_t)>("hicache::rope_");
   static auto silu_mul = hicache_op<T(const T&)>("hicache::silu_mul");
@@ -203,7 +204,7 @@ T run_layer(const T& x, const T& attn_norm, const T& ffn_norm, double eps, const
   rope.call(qkv, view.cos, view.sin, qk_heads, D);
   T q = qkv.narrow(1, 0, num_heads * D).view({t, num_heads, D});
   if (style.q_scale != 1.0) q = q * style.q_scale;
-  write_kv(qkv, num_heads, num_kv_heads, k_buf, v_buf, out_slots);  // rounded to float16 where the KV is
+  write_kv(qkv, num_heads, num_kv_heads, k_buf, v_buf, view.out_slots);  // rounded to float16 where the KV is
   T attended = attention.call(q.contiguous(), k_buf, v_buf, view.kv_slots, view.lengths).reshape({t, -1});
   T attn_out = project(attended.contiguous(), layer[1], c10::nullopt);
   T h = x + (style.post_attn != nullptr ? rms_norm.call(attn_out, *style.post_attn, eps) : attn_out);
@@ -242,45 +243,48 @@ T decode_layer(const T& x, const T& attn_norm, const T& ffn_norm, double eps, at
               part, " kinds and ", at, " weight tensors, got ", parts.size(), ", ", kinds.size(), " and ", weights.size());
   TORCH_CHECK((qk_norms.empty() || qk_norms.size() == 2) && (post_norms.empty() || post_norms.size() == 2),
               "a layer takes no or two QK norms and no or two post norms");
-  return run_layer(x, attn_norm, ffn_norm, eps, layer, qkv_bias, View{cos.flatten(1), sin.flatten(1), kv_slots, lengths},
-                   num_heads, num_kv_heads, k_buf, v_buf, out_slots, layer_style(qk_norms, post_norms, gelu, q_scale, 0));
+  return run_layer(x, attn_norm, ffn_norm, eps, layer, qkv_bias,
+                   View{cos.flatten(1), sin.flatten(1), out_slots, kv_slots, lengths}, num_heads, num_kv_heads, k_buf,
+                   v_buf, layer_style(qk_norms, post_norms, gelu, q_scale, 0));
 }
 
 // Every layer of a stack in turn, as decode_layer layer by layer: one dispatch a step instead of one
 // a layer (at batch 1 the Python around 30 decode_layer calls was ~4 ms of a ~22 ms step;
 // model/decode_stack.py). Per layer l: attn_norms[l], ffn_norms[l], parts[4l .. 4l + 4), its kinds / qtypes / weights after layer l - 1's,
 // qkv_biases[l] when given (empty list: no layer has one), k_bufs[l], v_bufs[l], its style (layer_style);
-// the layers listed in `local` read the local view (local_cos ... local_lengths), the others the full one.
+// the layers listed in `local` read and write the local view (local_cos ... local_lengths), the others the full one.
 T decode_layers(const T& x, at::TensorList attn_norms, at::TensorList ffn_norms, double eps, at::IntArrayRef parts,
                 at::IntArrayRef kinds, at::IntArrayRef qtypes, at::TensorList weights, at::TensorList qkv_biases,
                 const T& cos, const T& sin, int64_t num_heads, int64_t num_kv_heads, at::TensorList k_bufs,
                 at::TensorList v_bufs, const T& out_slots, const T& kv_slots, const T& lengths, at::TensorList qk_norms,
                 at::TensorList post_norms, bool gelu, double q_scale, at::IntArrayRef local,
                 const c10::optional<T>& local_cos, const c10::optional<T>& local_sin,
-                const c10::optional<T>& local_kv_slots, const c10::optional<T>& local_lengths) {
+                const c10::optional<T>& local_out_slots, const c10::optional<T>& local_kv_slots,
+                const c10::optional<T>& local_lengths) {
   const size_t layers = attn_norms.size();
   TORCH_CHECK(ffn_norms.size() == layers && k_bufs.size() == layers && v_bufs.size() == layers &&
               parts.size() == 4 * layers && (qkv_biases.empty() || qkv_biases.size() == layers) &&
               (qk_norms.empty() || qk_norms.size() == 2 * layers) && (post_norms.empty() || post_norms.size() == 2 * layers),
               "one norm pair, 4 part counts, one KV buffer pair (and one qkv bias, two QK norms, two post norms, if "
               "any) per layer");
-  TORCH_CHECK(local.empty() || (local_cos.has_value() && local_sin.has_value() && local_kv_slots.has_value() &&
-                                local_lengths.has_value()), "local layers need the local view");
+  TORCH_CHECK(local.empty() || (local_cos.has_value() && local_sin.has_value() && local_out_slots.has_value() &&
+                                local_kv_slots.has_value() && local_lengths.has_value()),
+              "local layers need the local view");
   std::vector<bool> is_local(layers, false);
   for (int64_t l : local) {
     TORCH_CHECK(l >= 0 && static_cast<size_t>(l) < layers, "local layer index out of range");
     is_local[l] = true;
   }
   size_t part = 0, at = 0;
-  const View full{cos.flatten(1), sin.flatten(1), kv_slots, lengths};
-  const View windowed = local.empty() ? full : View{local_cos->flatten(1), local_sin->flatten(1), *local_kv_slots,
-                                                    *local_lengths};
+  const View full{cos.flatten(1), sin.flatten(1), out_slots, kv_slots, lengths};
+  const View windowed = local.empty() ? full : View{local_cos->flatten(1), local_sin->flatten(1), *local_out_slots,
+                                                    *local_kv_slots, *local_lengths};
   T h = x;
   for (size_t l = 0; l < layers; ++l) {
     const Layer layer = unpack(parts.slice(4 * l, 4), kinds, qtypes, weights, part, at);
     const c10::optional<T> bias = qkv_biases.empty() ? c10::nullopt : c10::optional<T>(qkv_biases[l]);
     h = run_layer(h, attn_norms[l], ffn_norms[l], eps, layer, bias, is_local[l] ? windowed : full, num_heads,
-                  num_kv_heads, k_bufs[l], v_bufs[l], out_slots, layer_style(qk_norms, post_norms, gelu, q_scale, l));
+                  num_kv_heads, k_bufs[l], v_bufs[l], layer_style(qk_norms, post_norms, gelu, q_scale, l));
   }
   TORCH_CHECK(part == kinds.size() && at == weights.size(), "the layers took ", part, " kinds and ", at,
               " weight tensors of ", kinds.size(), " and ", weights.size());
@@ -298,7 +302,7 @@ TORCH_LIBRARY_FRAGMENT(hicache, m) {
         "int[] qtypes, Tensor[] weights, Tensor[] qkv_biases, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, "
         "Tensor(a!)[] k_bufs, Tensor(b!)[] v_bufs, Tensor out_slots, Tensor kv_slots, Tensor lengths, "
         "Tensor[] qk_norms, Tensor[] post_norms, bool gelu, float q_scale, int[] local, Tensor? local_cos, "
-        "Tensor? local_sin, Tensor? local_kv_slots, Tensor? local_lengths) -> Tensor");
+        "Tensor? local_sin, Tensor? local_out_slots, Tensor? local_kv_slots, Tensor? local_lengths) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(hicache, CPU, m) {
   m.impl("decode_layer", &decode_layer);

@@ -76,12 +76,15 @@ class AttentionBackend(Protocol):
     a CP group (:class:`~hicache.model.context_parallel.CPBackend`)."""
 
     def prepare(self, input_ids: Sequence[Sequence[int]], prefix_lens: Sequence[int],
-                context_slots: Sequence[torch.Tensor], logits: str = "last") -> ForwardBatch:
+                context_slots: Sequence[torch.Tensor], logits: str = "last",
+                window_slots: Optional[Sequence[torch.Tensor]] = None) -> ForwardBatch:
         """The batch of B sequences for one forward, with this backend's metadata (once per
         forward). ``input_ids[b]``: sequence b's new tokens; ``prefix_lens[b]``: tokens of
         context already cached before them; ``context_slots[b]``: the slots of its whole
         context in position order (the new tokens' are its tail). ``logits``: ``"last"`` (one
-        row per sequence) or ``"all"`` (every new token)."""
+        row per sequence) or ``"all"`` (every new token). ``window_slots[b]`` (sliding-window
+        layers with buffers of their own): the same positions' slots in those buffers; only the
+        positions some new token's window reaches are read (the others may be anything)."""
         ...
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,

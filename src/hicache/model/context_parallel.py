@@ -177,12 +177,14 @@ class CPBackend:
         self.paged = PagedBackend(device)  # replicated KV: a decode batch is a plain batch
 
     def prepare(self, input_ids: Sequence[Sequence[int]], prefix_lens: Sequence[int],
-                context_slots: Sequence[torch.Tensor], logits: str = "last") -> ForwardBatch:
+                context_slots: Sequence[torch.Tensor], logits: str = "last",
+                window_slots: Optional[Sequence[torch.Tensor]] = None) -> ForwardBatch:
         """This CP rank's batch of B sequences (its share of the new tokens). ``split_tokens``
         False: the group's ranks are attention-TP ranks over one MLA latent (different heads, the
         same tokens): every rank computes every token and only the KV is sharded, so decode reads
         its context through the prefix gather too (a rank cannot merge partials of heads it lacks)."""
         assert logits == "last", "context parallelism returns each sequence's last logits only"
+        assert window_slots is None, "context parallelism runs no sliding-window layers (the engine refuses them)"
         setup, device = self.setup, self.device
         lens = [len(ids) for ids in input_ids]
         # A decode batch split over CP ranks merges partial attention: no prefix gather.

@@ -103,5 +103,5 @@ class DecodeStack:
                                  attn.num_heads, attn.num_kv_heads, [kv.k_buffers[i] for i in indices],
                                  [kv.v_buffers[i] for i in indices], layout.out_slots, layout.kv_slots, layout.lengths,
                                  *operands[7:], layers[0].mlp.gelu, attn.q_scale or 1.0, self._local,
-                                 *((local_cos, local_sin, windowed.kv_slots, windowed.lengths) if windowed is not None
-                                   else (None, None, None, None)))
+                                 *((local_cos, local_sin, windowed.out_slots, windowed.kv_slots, windowed.lengths)
+                                   if windowed is not None else (None,) * 5))

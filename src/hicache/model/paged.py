@@ -16,7 +16,8 @@ at their slots, then takes one of three paths, all exact:
   merged by log-sum-exp (:func:`~hicache.model.attention.sequence_attention`).
 
 A sliding-window layer (``layer.window`` > 0: a query at position p sees keys p - window + 1 .. p)
-reads the same pool through a windowed copy of the metadata, made once per forward and window
+reads the same pool -- or buffers with a slot space of their own (``window_slots``: a window-sized
+component, issue 48) -- through a windowed copy of the metadata, made once per forward and window
 (:meth:`PagedMetadata.windowed`): decode rows read only their window's slots (the same kernels),
 and a span longer than the window attends its keys with a mask made once per forward
 (:func:`_windowed_span`). Every
@@ -103,25 +104,30 @@ class PagedMetadata:
     logits_index: torch.Tensor  # [R] long: rows of T whose logits the caller wants
     contexts: list[torch.Tensor]  # [B] each sequence's context slots (CPU), for windowed copies
     lens: list[int]  # [B] new tokens of each sequence
+    # [B] the context's slots in the sliding-window layers' own buffers (a slot space of their own; only the
+    # positions some new token's window reaches are read), or None: those layers' buffers share `contexts`.
+    window_contexts: Optional[list[torch.Tensor]] = None
     _windows: dict = field(default_factory=dict, compare=False, repr=False)  # window -> its PagedMetadata
 
     def final_rows(self, h: torch.Tensor) -> torch.Tensor:
         return h[self.logits_index]
 
     def windowed(self, window: int) -> "PagedMetadata":
-        """This forward as a sliding-window layer of ``window`` positions reads it (made once per
-        window; itself where no new token's context is longer than the window)."""
-        if window <= 0 or all(c.numel() <= window for c in self.contexts):
+        """This forward as a sliding-window layer of ``window`` positions reads and writes it (made once
+        per window; itself where those layers share the slots and no new token's context is longer
+        than the window)."""
+        own_space = self.window_contexts is not None
+        if window <= 0 or (not own_space and all(c.numel() <= window for c in self.contexts)):
             return self
         if window not in self._windows:
-            device = self.out_slots.device
-            decode = None if self.decode is None else _decode_layout(
-                self.out_slots, self.contexts, self.lens, device, window)
+            device, contexts = self.out_slots.device, self.window_contexts if own_space else self.contexts
+            out_slots = torch.cat([c[c.numel() - n:] for c, n in zip(contexts, self.lens)]).to(device) \
+                if own_space else self.out_slots
+            decode = None if self.decode is None else _decode_layout(out_slots, contexts, self.lens, device, window)
             starts = (torch.tensor(self.lens).cumsum(0) - torch.tensor(self.lens)).tolist()
             spans = [] if not self.spans else [_span(s, n, c, device, window)
-                                               for s, n, c in zip(starts, self.lens, self.contexts)]
-            self._windows[window] = PagedMetadata(self.out_slots, spans, decode, self.logits_index, self.contexts,
-                                                  self.lens)
+                                               for s, n, c in zip(starts, self.lens, contexts)]
+            self._windows[window] = PagedMetadata(out_slots, spans, decode, self.logits_index, contexts, self.lens)
         return self._windows[window]
 
 
@@ -188,17 +194,20 @@ class PagedBackend:
         self.rowwise = rowwise
 
     def prepare(self, input_ids: Sequence[Sequence[int]], prefix_lens: Sequence[int],
-                context_slots: Sequence[torch.Tensor], logits: str = "last") -> ForwardBatch:
+                context_slots: Sequence[torch.Tensor], logits: str = "last",
+                window_slots: Optional[Sequence[torch.Tensor]] = None) -> ForwardBatch:
         """See :meth:`~hicache.model.batch.AttentionBackend.prepare`."""
         lens = [len(ids) for ids in input_ids]
         if not lens or min(lens) <= 0:
             raise ValueError("every sequence in a forward batch needs at least one new token")
         bsz = len(lens)
         context_slots = [torch.as_tensor(c).long().cpu() for c in context_slots]
+        window_contexts = None if window_slots is None else [torch.as_tensor(c).long().cpu() for c in window_slots]
         for b in range(bsz):
-            if int(context_slots[b].numel()) != prefix_lens[b] + lens[b]:
-                raise ValueError(f"sequence {b}: {context_slots[b].numel()} context slots for "
-                                 f"{prefix_lens[b] + lens[b]} tokens")
+            for slots in (context_slots, window_contexts or context_slots):
+                if int(slots[b].numel()) != prefix_lens[b] + lens[b]:
+                    raise ValueError(f"sequence {b}: {slots[b].numel()} context slots for "
+                                     f"{prefix_lens[b] + lens[b]} tokens")
         dev = self.device
         flat_ids = torch.tensor([t for ids in input_ids for t in ids], dtype=torch.long)
         positions = torch.cat([torch.arange(p, p + n, dtype=torch.long) for p, n in zip(prefix_lens, lens)])
@@ -212,7 +221,7 @@ class PagedBackend:
             _span(starts[b], lens[b], context_slots[b], dev) for b in range(bsz)]
         logits_index = ends - 1 if logits == "last" else torch.arange(int(ends[-1]))
         meta = PagedMetadata(out_slots=out_slots, spans=spans, decode=decode, logits_index=logits_index.to(dev),
-                             contexts=context_slots, lens=lens)
+                             contexts=context_slots, lens=lens, window_contexts=window_contexts)
         return ForwardBatch(input_ids=flat_ids.to(dev), positions=positions.to(dev), attn=meta, backend=self)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
@@ -239,9 +248,10 @@ class PagedBackend:
 
 def make_forward_batch(input_ids: Sequence[Sequence[int]], prefix_lens: Sequence[int],
                        context_slots: Sequence[torch.Tensor], logits: str = "last",
-                       device: torch.device | str = "cpu") -> ForwardBatch:
+                       device: torch.device | str = "cpu",
+                       window_slots: Optional[Sequence[torch.Tensor]] = None) -> ForwardBatch:
     """A paged batch on ``device`` (:meth:`PagedBackend.prepare`): forwards without an engine."""
-    return PagedBackend(device).prepare(input_ids, prefix_lens, context_slots, logits)
+    return PagedBackend(device).prepare(input_ids, prefix_lens, context_slots, logits, window_slots)
 
 
 def _padded_decode(q: torch.Tensor, layer: AttentionLayer, decode: DecodeLayout, k_buf: torch.Tensor,
