@@ -86,3 +86,15 @@ def test_demo_with_agents_and_host_tier_shows_host_hits() -> None:
     assert len(rows) == 9
     assert sum(int(r[5]) for r in rows) > 0, out.stdout  # host-tier hits
     assert "host tier on" in out.stdout
+
+
+@pytest.mark.parametrize("argv, level", [
+    (["serve", "--log-level", "info"], "info"),  # before: "unrecognized arguments" (only `hicache --log-level info serve`)
+    (["--log-level", "debug", "serve"], "debug"),
+    (["--log-level", "debug", "generate", "--log-level", "error"], "error"),  # the subcommand's wins
+    (["bench"], "warning"),
+])
+def test_log_level_is_taken_before_or_after_the_subcommand(argv: list[str], level: str) -> None:
+    from hicache.cli import build_parser
+
+    assert build_parser().parse_args(argv).log_level == level

@@ -183,12 +183,22 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "</tool_call> (qwen25, also called hermes; docs/structured_output.md).")
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hicache", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-level", default="warning", choices=LOG_LEVELS)
+    # Every subcommand takes it too (`hicache serve --log-level info`); given there, it wins.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS,
+                        help="Log level (also accepted before the subcommand).")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("generate", help="Generate text for one or more prompts.")
+    def command(name: str, **kw) -> argparse.ArgumentParser:
+        return sub.add_parser(name, parents=[common], **kw)
+
+    p = command("generate", help="Generate text for one or more prompts.")
     p.add_argument("--prompt", action="append", help="Prompt text (repeatable).")
     p.add_argument("--prompt-file", action="append", help="File whose whole content is one prompt (repeatable).")
     p.add_argument("--chat", action="store_true", help="Wrap each prompt as a user message in the chat template.")
@@ -197,13 +207,13 @@ def build_parser() -> argparse.ArgumentParser:
     EngineConfig.add_cli_args(p)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("chat", help="Interactive multi-turn chat.")
+    p = command("chat", help="Interactive multi-turn chat.")
     p.add_argument("--system", default=None, help="System prompt.")
     _add_sampling_args(p, max_new_tokens=256)
     EngineConfig.add_cli_args(p)
     p.set_defaults(func=cmd_chat)
 
-    p = sub.add_parser("demo", help="A scripted multi-turn agent session showing cache hits and TTFT.")
+    p = command("demo", help="A scripted multi-turn agent session showing cache hits and TTFT.")
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--agents", type=int, default=1, help="Sessions taking turns round-robin.")
     p.add_argument("--max-new-tokens", type=int, default=40)
@@ -212,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     EngineConfig.add_cli_args(p)
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("agent-demo", help="A three-step tool-using agent on SmolLM2 through the openai SDK and "
+    p = command("agent-demo", help="A three-step tool-using agent on SmolLM2 through the openai SDK and "
                                           "`hicache serve`; exits 1 when its final answer is wrong.")
     p.add_argument("--model", default="smollm2", help="The model `hicache serve` loads (the answer is checked on "
                                                       "SmolLM2).")
@@ -220,24 +230,24 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "--server-args='--enable-hierarchical-cache'.")
     p.set_defaults(func=cmd_agent_demo)
 
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /metrics, ...).")
+    p = command("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /metrics, ...).")
     _add_serve_args(p)
     EngineConfig.add_cli_args(p)
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("node", help="Run the ranks of node --node-rank R > 0 of an engine served by node 0 "
+    p = command("node", help="Run the ranks of node --node-rank R > 0 of an engine served by node 0 "
                                     "(--nnodes, --dist-init-addr and the same engine flags as node 0).")
     EngineConfig.add_cli_args(p)
     p.set_defaults(func=cmd_node)
 
-    p = sub.add_parser("simulate", help="Replay a Mooncake-format trace through the cache code (no model) on a "
+    p = command("simulate", help="Replay a Mooncake-format trace through the cache code (no model) on a "
                                         "virtual clock: hit ratio per tier, TTFT estimates.")
     from .sim.cli import add_simulate_args
 
     add_simulate_args(p)
     p.set_defaults(func=cmd_simulate)
 
-    p = sub.add_parser("bench", help="Benchmark an OpenAI-compatible server (multi-turn shared prefix, trace replay).")
+    p = command("bench", help="Benchmark an OpenAI-compatible server (multi-turn shared prefix, trace replay).")
     from .bench.main import add_bench_args
 
     add_bench_args(p)
