@@ -54,6 +54,7 @@ def test_chat_usage_reports_cached_tokens(client) -> None:
     assert 0 < cached < u.prompt_tokens
     details = u.prompt_tokens_details.model_extra["cached_tokens_details"]
     assert set(details) >= {"device", "host", "storage"} and sum(details.values()) == cached
+    assert u.model_extra["hicache_cached_tokens"] == details  # the name proxies (litellm) keep
 
 
 def test_streaming_matches_non_streaming(client) -> None:

@@ -90,9 +90,10 @@ def usage_of(results: list[GenerateResult], n: int) -> dict[str, Any]:
     out["prompt_tokens"] = sum(r.prompt_tokens for r in firsts)
     out["completion_tokens"] = sum(r.completion_tokens for r in results)
     out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
-    out["prompt_tokens_details"] = {
-        "cached_tokens": sum(r.cached_tokens for r in firsts),
-        "cached_tokens_details": {t: sum(r.cached_tokens_details[t] for r in firsts) for t in ("device", "host", "storage")}}
+    tiers = {t: sum(r.cached_tokens_details[t] for r in firsts) for t in ("device", "host", "storage")}
+    out["prompt_tokens_details"] = {"cached_tokens": sum(r.cached_tokens for r in firsts),
+                                    "cached_tokens_details": tiers}
+    out["hicache_cached_tokens"] = dict(tiers)
     return out
 
 

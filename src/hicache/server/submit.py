@@ -69,6 +69,9 @@ def _usage(res: GenerateResult) -> dict[str, Any]:
         "total_tokens": res.prompt_tokens + res.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": res.cached_tokens,
                                   "cached_tokens_details": dict(res.cached_tokens_details)},
+        # The same per-tier counts under a name of hicache's own: proxies (litellm) drop the field above,
+        # whose name another shape of theirs takes.
+        "hicache_cached_tokens": dict(res.cached_tokens_details),
         **_spec(res),
         **_disagg(res),
     }
