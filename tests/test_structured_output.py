@@ -120,6 +120,37 @@ def test_forced_tool_calls_parse_and_satisfy_their_schema(client) -> None:
     assert "<tool_call>" not in (choice.message.content or "")
 
 
+def test_calls_finished_before_max_tokens_are_returned_and_a_named_function_is_called_once(client) -> None:
+    """Before: a named tool_choice produced the same call twice unless parallel_tool_calls=false, and a cut
+    reply could lose its finished calls or return the start of the next tag as content."""
+    messages = [{"role": "user", "content": "Weather in Paris, and 2 + 3?"}]
+    kw = dict(model=MODEL, messages=messages, tools=[WEATHER, ADD], temperature=0.0)
+    named = client.chat.completions.create(**kw, tool_choice={"type": "function", "function": {"name": "add"}},
+                                           max_tokens=400)  # parallel_tool_calls defaults to true
+    assert named.choices[0].finish_reason == "tool_calls"
+    assert [c.function.name for c in named.choices[0].message.tool_calls] == ["add"]
+    full = client.chat.completions.create(**kw, tool_choice="required", max_tokens=400)
+    want = [(c.function.name, c.function.arguments) for c in full.choices[0].message.tool_calls]
+    cut_with_calls = 0
+    for max_tokens in range(8, full.usage.completion_tokens, 7):
+        for stream in (False, True):
+            if stream:
+                chunks = list(client.chat.completions.create(**kw, tool_choice="required", max_tokens=max_tokens,
+                                                             stream=True))
+                deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+                content = "".join(d.content or "" for d in deltas) or None
+                calls = [(c.function.name, c.function.arguments) for d in deltas for c in (d.tool_calls or [])]
+                finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1]
+            else:
+                r = client.chat.completions.create(**kw, tool_choice="required", max_tokens=max_tokens)
+                content, finish = r.choices[0].message.content, r.choices[0].finish_reason
+                calls = [(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls or []]
+            assert finish == "length" and calls == want[:len(calls)], (max_tokens, stream, calls)
+            assert content is None or "<" not in content, (max_tokens, stream, content)  # no tag start as text
+            cut_with_calls += bool(calls)
+    assert cut_with_calls >= 2  # cuts after the first call was finished, streamed and not
+
+
 def test_a_tool_round_trip_with_a_local_function_streamed_and_not(client) -> None:
     """Call forced, run the function here, send the result back as a `tool` message; the same
     calls arrive whole through a stream (the SDK's accumulation of deltas)."""

@@ -10,8 +10,10 @@ written back in the same tags and ``tool`` results go in as user turns inside
 
 ``tool_choice``: ``none`` -- the tools are not shown, nothing is parsed; ``auto`` -- the model may
 call (its reply is parsed; a malformed call stays text); ``required`` or a named function -- the
-reply is one or more calls (one with ``parallel_tool_calls: false``) under a Lark grammar whose
-arguments follow each function's JSON schema, so they always parse and validate.
+reply is one or more calls (one with ``parallel_tool_calls: false``, exactly one for a named
+function) under a Lark grammar whose arguments follow each function's JSON schema, so they always
+parse and validate. A reply cut by ``max_tokens`` keeps every call finished before the cut (its
+finish reason stays ``length``); the unfinished one is dropped, never returned as text.
 """
 
 from __future__ import annotations
@@ -121,7 +123,8 @@ def tool_response(content: str) -> str:
 def parse_calls(text: str, names: set[str], truncated: bool = False) -> tuple[Optional[str], list[ToolCall]]:
     """``(content, calls)`` of a reply: each well-formed ``<tool_call>`` of a known function
     becomes a call; the rest of the text is the content (None when nothing is left). ``truncated``
-    (cut by max_tokens): a call left open at the end is dropped, not returned as content."""
+    (cut by max_tokens): a call left open at the end -- or the start of its tag -- is dropped, not
+    returned as content."""
     calls, kept, last = [], [], 0
     for m in _CALL.finditer(text):
         try:
@@ -134,7 +137,7 @@ def parse_calls(text: str, names: set[str], truncated: bool = False) -> tuple[Op
         kept.append(text[last:m.start()])
         last = m.end()
     tail = text[last:]
-    kept.append(tail[:tail.find(CALL_OPEN)] if truncated and CALL_OPEN in tail else tail)
+    kept.append(tail[:len(tail) - held_back(tail)] if truncated else tail)
     content = "".join(kept).strip()
     return (content or None), calls
 
@@ -187,7 +190,9 @@ def chat_prompt(messages: list[Any], tools: Optional[list[Any]], tool_choice: An
             out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{text}"}
         else:
             out.insert(0, {"role": "system", "content": text})
-    grammar = call_grammar(schemas, names, parallel) if mode == "forced" else None
+    # A named function is called exactly once (as vLLM and SGLang force it); "required" follows parallel_tool_calls.
+    named = mode == "forced" and isinstance(tool_choice, dict)
+    grammar = call_grammar(schemas, names, parallel and not named) if mode == "forced" else None
     return ChatPrompt(out, tools if tools and renders_tools else None,
                       frozenset(names) if mode != "none" else frozenset(), grammar)
 
