@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API over an :class:`EngineLoop`.
 
 Endpoints: ``/v1/chat/completions``, ``/v1/completions`` (streaming as server-sent events or
-not), ``/v1/models`` and ``/v1/models/{id}``; SGLang's native ``/generate`` is in :mod:`.native`,
+not), ``/v1/models`` and ``/v1/models/{id}``; Anthropic's ``/v1/messages`` is in :mod:`.anthropic`,
+SGLang's native ``/generate`` in :mod:`.native`,
 what the generating endpoints share in :mod:`.submit`; the operational ones (health, cache
 flush, metrics, stats, tokenize, L3 layout, what sglang-router asks at start) are in
 :mod:`.operations`. Every error is OpenAI-shaped JSON. A request carrying ``bootstrap_host`` / ``bootstrap_port`` /
@@ -40,6 +41,7 @@ from .choices import (
     submit_choices,
     usage_of,
 )
+from .anthropic import add_anthropic_routes
 from .detok import IncrementalText
 from .metrics import ServerMetrics
 from .middleware import CatchAllErrors, RequireApiKey
@@ -98,7 +100,12 @@ def _sampling(st: ServerState, body: _Sampling, max_new: Optional[int], default_
 
 
 def _prepare_chat(raw: bytes, st: ServerState) -> Prepared:
-    body = parse_body(raw, ChatCompletionRequest)
+    return prepare_chat_body(parse_body(raw, ChatCompletionRequest), st)
+
+
+def prepare_chat_body(body: ChatCompletionRequest, st: ServerState) -> Prepared:
+    """A chat request made ready to submit: the template rendered with its tools, tokenized, sampling
+    checked (also what the Messages API's requests become: server/anthropic.py)."""
     st.check_model(body.model)
     tok: Tokenizer = st.engine.tokenizer
     chat = chat_prompt(body.messages, body.tools, body.tool_choice, body.parallel_tool_calls, tok.renders_tools)
@@ -139,6 +146,7 @@ def create_app(loop: EngineLoop, metrics: ServerMetrics, opts: ServerOptions) ->
         app.add_middleware(RequireApiKey, api_key=opts.api_key,
                            on_reject=lambda: metrics.rejected.labels(reason="invalid_api_key").inc())
     _add_openai_routes(app, st)
+    add_anthropic_routes(app, st, prepare_chat_body)
     add_native_routes(app, st)
     add_operation_routes(app, st)
     return app

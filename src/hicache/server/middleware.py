@@ -63,7 +63,8 @@ class CatchAllErrors:
 
 
 class RequireApiKey:
-    """``Authorization: Bearer <key>`` on every path but :data:`OPEN_PATHS`; a missing or
+    """``Authorization: Bearer <key>`` (or ``x-api-key: <key>``, as the anthropic SDK sends it) on
+    every path but :data:`OPEN_PATHS`; a missing or
     wrong key is 401 ``invalid_api_key``. The scheme is case-insensitive (RFC 7235: ``bearer``
     and ``BEARER`` too) and may be followed by several spaces; the key is compared in constant
     time."""
@@ -83,6 +84,10 @@ class RequireApiKey:
             await self.app(scope, receive, send)
             return
         given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        # The anthropic SDK sends its key as x-api-key (the Messages API's header): taken as a bearer key.
+        x_key = next((v for k, v in scope["headers"] if k == b"x-api-key"), None)
+        if x_key is not None and not given:
+            given = b"Bearer " + x_key
         if self._accepts(given):
             await self.app(scope, receive, send)
             return

@@ -51,6 +51,7 @@ from .submit import (
     _submit,
     _timing,
     engine_dead_during,
+    stop_string_matched,
     vet_grammar,
 )
 
@@ -222,9 +223,8 @@ def _finish_reason(res: GenerateResult, p: Prepared, st: ServerState) -> Optiona
     eos = st.engine.tokenizer.eos_token_ids if not p.sampling.ignore_eos else set()
     if last is not None and (last in eos or last in p.sampling.stop_token_ids):
         out["matched"] = last
-    elif p.sampling.stop_strings:
-        rest = st.engine.tokenizer.decode(res.output_ids)[len(res.text):]
-        out["matched"] = next((s for s in p.sampling.stop_strings if rest.startswith(s)), None)
+    else:
+        out["matched"] = stop_string_matched(res, p.sampling.stop_strings, st.engine.tokenizer.decode)
     return out
 
 

@@ -11,7 +11,7 @@ import dataclasses
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from fastapi import Request
 
@@ -43,6 +43,14 @@ class Prepared:
     def ids(self) -> list[int]:
         """The (first) prompt's token ids."""
         return self.prompts[0]
+
+
+def stop_string_matched(res: GenerateResult, stop_strings: Sequence[str], decode: Callable[[list[int]], str]) -> Optional[str]:
+    """The stop string that ended ``res`` (cut from its text), or None (EOS, a stop token, the length)."""
+    if res.finish_reason != "stop" or not stop_strings:
+        return None
+    rest = decode(res.output_ids)[len(res.text):]
+    return next((s for s in stop_strings if rest.startswith(s)), None)
 
 
 def engine_dead(e: BaseException | str) -> APIError:

@@ -1,0 +1,254 @@
+"""Anthropic's Messages API over the chat machinery: ``POST /v1/messages`` (streamed as its typed
+events or not) and ``POST /v1/messages/count_tokens``.
+
+A request becomes the chat request it means (:func:`as_chat`): ``system`` a system message, text
+blocks the turn's text, an assistant's ``tool_use`` blocks its tool calls, a user's ``tool_result``
+blocks tool messages; ``tools`` (``input_schema``) function tools; ``tool_choice`` auto / any / tool
+/ none the chat API's auto / required / named / none (``disable_parallel_tool_use``:
+``parallel_tool_calls: false``); ``stop_sequences`` stop strings. It is then prepared, vetted and
+run exactly as a chat completion (the template, forced-call grammars, the prefix cache), and the
+reply written back as content blocks: text, then one ``tool_use`` block per call (parsed from the
+reply as :mod:`.tools` parses it; a call cut by ``max_tokens`` is dropped).
+
+``stop_reason``: ``tool_use``, ``max_tokens``, ``stop_sequence`` (with the one that matched) or
+``end_turn``. Usage: ``input_tokens`` the prompt tokens computed, ``cache_read_input_tokens`` those
+the prefix cache served (every tier), ``cache_creation_input_tokens`` 0 (the cache is written
+without breakpoints or surcharge), plus ``hicache_cached_tokens`` per tier. ``anthropic-version``
+and ``cache_control`` are accepted and ignored; ``x-api-key`` is taken as the key (middleware).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from typing import Any, AsyncIterator, Callable, Literal, Optional, Union
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import Field
+
+from ..runtime.request import GenerateResult
+from .choices import collect_choices, merged_updates, submit_choices
+from .detok import IncrementalText
+from .parsing import parse_body, read_body
+from .protocol import APIError, ChatCompletionRequest, _Body
+from .state import ServerState
+from .submit import Prepared, engine_dead_during, stop_string_matched, vet_grammar
+from .tools import ChatChunks, parse_calls
+
+logger = logging.getLogger(__name__)
+
+
+class TextBlock(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ToolUseBlock(_Body):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(_Body):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: Union[str, list[TextBlock]] = ""
+    is_error: bool = False
+
+    def text(self) -> str:
+        text = self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
+        return f"Error: {text}" if self.is_error else text
+
+
+Block = Union[TextBlock, ToolUseBlock, ToolResultBlock]
+
+
+class AnthropicMessage(_Body):
+    role: Literal["user", "assistant"]
+    content: Union[str, list[Block]]
+
+
+class AnthropicTool(_Body):
+    name: str
+    description: str = ""
+    input_schema: dict[str, Any]
+
+
+class MessagesRequest(_Body):
+    model: str
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    max_tokens: int = Field(1024, ge=1)  # required by Anthropic; count_tokens has none
+    system: Optional[Union[str, list[TextBlock]]] = None
+    stop_sequences: Optional[list[str]] = None
+    temperature: float = Field(1.0, ge=0.0, le=1.0)
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    top_k: Optional[int] = None
+    stream: bool = False
+    tools: Optional[list[AnthropicTool]] = None
+    tool_choice: Optional[dict[str, Any]] = None
+
+
+def as_chat(body: MessagesRequest) -> ChatCompletionRequest:
+    """The chat completion request ``body`` means (module docstring)."""
+    messages: list[dict[str, Any]] = []
+    if body.system:
+        system = body.system if isinstance(body.system, str) else "".join(b.text for b in body.system)
+        messages.append({"role": "system", "content": system})
+    for m in body.messages:
+        blocks = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
+        text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
+        if m.role == "assistant":
+            calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
+                     for b in blocks if isinstance(b, ToolUseBlock)]
+            messages.append({"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})})
+            continue
+        messages += [{"role": "tool", "content": b.text(), "tool_call_id": b.tool_use_id}
+                     for b in blocks if isinstance(b, ToolResultBlock)]
+        if text or not any(isinstance(b, ToolResultBlock) for b in blocks):
+            messages.append({"role": "user", "content": text})
+    chat: dict[str, Any] = {"model": body.model, "messages": messages, "max_tokens": body.max_tokens,
+                            "temperature": body.temperature, "stream": body.stream}
+    if body.top_p is not None:
+        chat["top_p"] = body.top_p
+    if body.top_k is not None:
+        chat["top_k"] = body.top_k
+    if body.stop_sequences:
+        chat["stop"] = body.stop_sequences
+    if body.tools:
+        chat["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                           "parameters": t.input_schema}} for t in body.tools]
+    if body.tool_choice is not None:
+        chat["tool_choice"], chat["parallel_tool_calls"] = _tool_choice(body.tool_choice)
+    try:
+        return ChatCompletionRequest.model_validate(chat)
+    except ValueError as e:  # what the chat API refuses of the translated request
+        raise APIError(400, f"the request cannot be served: {str(e).splitlines()[0]}.") from None
+
+
+def _tool_choice(choice: dict[str, Any]) -> tuple[Any, bool]:
+    kind, parallel = choice.get("type"), not choice.get("disable_parallel_tool_use", False)
+    if kind == "tool":
+        if not isinstance(choice.get("name"), str):
+            raise APIError(400, "tool_choice of type 'tool' needs the tool's name.", param="tool_choice")
+        return {"type": "function", "function": {"name": choice["name"]}}, parallel
+    modes = {"auto": "auto", "any": "required", "none": "none"}
+    if kind not in modes:
+        raise APIError(400, "tool_choice type must be 'auto', 'any', 'tool' or 'none'.", param="tool_choice")
+    return modes[kind], parallel
+
+
+def _usage(res: GenerateResult) -> dict[str, Any]:
+    return {"input_tokens": res.prompt_tokens - res.cached_tokens, "output_tokens": res.completion_tokens,
+            "cache_read_input_tokens": res.cached_tokens, "cache_creation_input_tokens": 0,
+            "hicache_cached_tokens": dict(res.cached_tokens_details)}
+
+
+def _stop(res: GenerateResult, p: Prepared, called: bool, decode: Callable[[list[int]], str]) -> tuple[str, Optional[str]]:
+    """``(stop_reason, stop_sequence)`` of a finished reply."""
+    if res.finish_reason == "length":
+        return "max_tokens", None
+    if called:
+        return "tool_use", None
+    matched = stop_string_matched(res, p.sampling.stop_strings, decode)
+    return ("stop_sequence", matched) if matched is not None else ("end_turn", None)
+
+
+def _tool_use(call) -> dict[str, Any]:
+    return {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": call.name,
+            "input": json.loads(call.arguments)}
+
+
+def add_anthropic_routes(app: FastAPI, st: ServerState, prepare_chat: Callable[[ChatCompletionRequest, ServerState],
+                                                                                   Prepared]) -> None:
+    """``prepare_chat``: the chat endpoint's preparation of a parsed body (template, tools, sampling)."""
+    decode = st.engine.tokenizer.decode
+
+    def prepare(raw: bytes) -> Prepared:
+        return prepare_chat(as_chat(parse_body(raw, MessagesRequest)), st)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        p: Prepared = await st.off_loop(prepare, await read_body(request, st.opts.max_request_bytes))
+        await vet_grammar(st, p)
+        msg_id = f"msg_{uuid.uuid4().hex[:24]}"
+        handles = submit_choices(st, p)
+        logger.info("messages rid=%d prompt=%d max_new=%d stream=%s", handles[0].rid, len(p.ids),
+                    handles[0].max_new_tokens, p.body.stream)
+        base = {"id": msg_id, "type": "message", "role": "assistant", "model": p.body.model}
+        if p.body.stream:
+            return StreamingResponse(_events(st, handles, p, base, decode), media_type="text/event-stream")
+        res = (await collect_choices(st, request, handles))[0]
+        content, calls = parse_calls(res.text, set(p.call_names), res.finish_reason == "length") \
+            if p.call_names else (res.text or None, [])
+        blocks = ([{"type": "text", "text": content}] if content else []) + [_tool_use(c) for c in calls]
+        stop_reason, stop_sequence = _stop(res, p, bool(calls), decode)
+        return JSONResponse({**base, "content": blocks, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
+                             "usage": _usage(res)})
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> dict:
+        p: Prepared = await st.off_loop(prepare, await read_body(request, st.opts.max_request_bytes))
+        return {"input_tokens": len(p.ids)}
+
+
+def _event(kind: str, data: dict[str, Any]) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
+
+
+async def _events(st: ServerState, handles: list, p: Prepared, base: dict[str, Any],
+                  decode: Callable[[list[int]], str]) -> AsyncIterator[str]:
+    """The Messages stream: ``message_start``, a text block's ``content_block_start`` / ``_delta`` /
+    ``_stop`` as text comes (what may begin a tool call is held, as in chat streams), one
+    ``tool_use`` block per call at the end (its input as one ``input_json_delta``), ``message_delta``
+    with the stop reason and usage, ``message_stop``."""
+    chunks = ChatChunks({}, p.call_names)
+    detok = IncrementalText(decode, p.sampling.stop_strings)
+    usage0 = {"input_tokens": len(p.ids), "output_tokens": 0}
+    yield _event("message_start", {"message": {**base, "content": [], "stop_reason": None, "stop_sequence": None,
+                                               "usage": usage0}})
+    index, text_open = 0, False
+    try:
+        async for _, upd in merged_updates(handles):
+            res = upd.result if upd.finished else None
+            if res is not None and res.finish_reason == "error":
+                err = engine_dead_during(res)
+                yield _event("error", {"error": {"type": "api_error", "message": err.message}})
+                return
+            text = detok.finish(res.text) if res is not None else detok.add(upd.token_ids)
+            deltas = [chunks(text, None, False, [])["choices"][0]["delta"]]
+            if res is not None:
+                deltas.append(chunks("", res.finish_reason, False, [])["choices"][0]["delta"])
+            for delta in deltas:
+                if delta.get("content"):
+                    if not text_open:
+                        yield _event("content_block_start", {"index": index, "content_block": {"type": "text",
+                                                                                              "text": ""}})
+                        text_open = True
+                    yield _event("content_block_delta", {"index": index, "delta": {"type": "text_delta",
+                                                                                   "text": delta["content"]}})
+            if res is None:
+                continue
+            if text_open:
+                yield _event("content_block_stop", {"index": index})
+                index += 1
+            calls = deltas[-1].get("tool_calls") or []
+            for call in calls:
+                fn = call["function"]
+                block = {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": fn["name"], "input": {}}
+                yield _event("content_block_start", {"index": index, "content_block": block})
+                yield _event("content_block_delta", {"index": index, "delta": {"type": "input_json_delta",
+                                                                               "partial_json": fn["arguments"]}})
+                yield _event("content_block_stop", {"index": index})
+                index += 1
+            stop_reason, stop_sequence = _stop(res, p, bool(calls), decode)
+            yield _event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                                           "usage": _usage(res)})
+            yield _event("message_stop", {})
+    finally:
+        for h in handles:
+            if not h.finished:  # the client went away (or the server is stopping)
+                logger.info("stream closed early rid=%d; aborting", h.rid)
+                st.loop.abort(h.rid)

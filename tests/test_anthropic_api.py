@@ -1,0 +1,102 @@
+"""Anthropic's Messages API (``/v1/messages``) through the official anthropic SDK: text, the system
+prompt, usage with the prefix cache's reads, forced and named tool calls as ``tool_use`` blocks, a
+tool round trip with ``tool_result``, stop sequences, ``max_tokens``, streaming (the SDK's event
+accumulator), ``count_tokens``, the key as ``x-api-key``."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from live_server import serving
+
+anthropic = pytest.importorskip("anthropic")
+
+pytestmark = pytest.mark.server
+
+MODEL = "tiny"
+GREEDY = {"temperature": 0.0}  # (the SDK no longer sends temperature itself)
+WEATHER = {"name": "get_weather", "description": "The weather of a city.",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                            "required": ["city"], "additionalProperties": False}}  # (a random model is short)
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with serving("random:tiny", name=MODEL, server={"api_key": "secret"}) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return anthropic.Anthropic(base_url=server.base_url, api_key="secret")
+
+
+def test_text_usage_and_the_cache(client) -> None:
+    kw = dict(model=MODEL, max_tokens=12, system="Answer briefly. " * 20, messages=ASK, extra_body=GREEDY)
+    first, second = client.messages.create(**kw), client.messages.create(**kw)
+    assert first.type == "message" and first.role == "assistant" and first.content[0].type == "text"
+    assert second.content[0].text == first.content[0].text and first.stop_reason in ("end_turn", "max_tokens")
+    u1, u2 = first.usage, second.usage
+    assert u1.cache_read_input_tokens == 0 and u2.cache_read_input_tokens > 0 and u2.cache_creation_input_tokens == 0
+    assert u2.input_tokens + u2.cache_read_input_tokens == u1.input_tokens  # the same prompt, partly from the cache
+    assert u2.model_extra["hicache_cached_tokens"]["device"] == u2.cache_read_input_tokens
+    assert client.messages.count_tokens(model=MODEL, system=kw["system"], messages=ASK).input_tokens == u1.input_tokens
+
+
+def test_forced_and_named_tool_calls_and_a_round_trip(client) -> None:
+    forced = client.messages.create(model=MODEL, max_tokens=200, messages=ASK, tools=[WEATHER],
+                                    tool_choice={"type": "any", "disable_parallel_tool_use": True}, extra_body=GREEDY)
+    assert forced.stop_reason == "tool_use" and [b.type for b in forced.content] == ["tool_use"]
+    call = forced.content[0]
+    assert call.name == "get_weather" and set(call.input) == {"city"} and call.id.startswith("toolu_")
+    named = client.messages.create(model=MODEL, max_tokens=200, messages=ASK, tools=[WEATHER],
+                                   tool_choice={"type": "tool", "name": "get_weather"}, extra_body=GREEDY)
+    assert [b.type for b in named.content] == ["tool_use"]  # a named tool: exactly one call
+    after = client.messages.create(model=MODEL, max_tokens=8, tools=[WEATHER], extra_body=GREEDY, messages=[
+        *ASK, {"role": "assistant", "content": forced.content},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "18 C, sunny"}]}])
+    assert after.usage.cache_read_input_tokens > 0  # the conversation so far, from the cache
+    cut = client.messages.create(model=MODEL, max_tokens=3, messages=ASK, tools=[WEATHER],
+                                 tool_choice={"type": "any"}, extra_body=GREEDY)
+    assert cut.stop_reason == "max_tokens" and cut.content == []  # the unfinished call is dropped, not text
+
+
+def test_stop_sequences_and_max_tokens(client) -> None:
+    plain = client.messages.create(model=MODEL, max_tokens=16, messages=ASK, extra_body=GREEDY)
+    assert plain.stop_reason == "max_tokens" and plain.usage.output_tokens == 16
+    text = plain.content[0].text
+    stop = text[len(text) // 2:][:3]
+    cut = client.messages.create(model=MODEL, max_tokens=16, messages=ASK, stop_sequences=[stop], extra_body=GREEDY)
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+    assert cut.content[0].text == text[:text.index(stop)]
+
+
+def test_streams_accumulate_to_the_same_message(client) -> None:
+    kw = dict(model=MODEL, max_tokens=20, messages=ASK, extra_body=GREEDY)
+    whole = client.messages.create(**kw)
+    with client.messages.stream(**kw) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == whole.content[0].text == final.content[0].text and final.stop_reason == whole.stop_reason
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    with client.messages.stream(model=MODEL, max_tokens=200, messages=ASK, tools=[WEATHER], extra_body=GREEDY,
+                                tool_choice={"type": "tool", "name": "get_weather"}) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use" and [b.type for b in final.content] == ["tool_use"]
+    assert set(final.content[0].input) == {"city"}
+
+
+def test_the_key_and_bad_requests(server) -> None:
+    url = server.base_url + "/v1/messages"
+    body = {"model": MODEL, "max_tokens": 4, "messages": ASK}
+    assert httpx.post(url, json=body).status_code == 401
+    assert httpx.post(url, json=body, headers={"x-api-key": "wrong"}).status_code == 401
+    ok = httpx.post(url, json=body, headers={"x-api-key": "secret", "anthropic-version": "2023-06-01"})
+    assert ok.status_code == 200 and ok.json()["type"] == "message"
+    bad = httpx.post(url, json={**body, "tool_choice": {"type": "sometimes"}}, headers={"x-api-key": "secret"})
+    assert bad.status_code == 400 and "tool_choice" in bad.json()["error"]["message"]
+    image = {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": "x"}}]}
+    assert httpx.post(url, json={**body, "messages": [image]}, headers={"x-api-key": "secret"}).status_code == 400
+    assert ok.json()["usage"]["output_tokens"] <= 4
