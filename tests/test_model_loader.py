@@ -43,8 +43,12 @@ def test_a_split_packaged_model_is_joined_once_and_hash_checked(tmp_path, monkey
     assert path == tmp_path / "models" / meta.MODEL_NAME and path.stat().st_size > 200 << 20
     stamp = path.stat().st_mtime_ns
     assert packaged_model_path("gemma3-270m").stat().st_mtime_ns == stamp  # joined once
-    assert list(path.parent.iterdir()) == [path]  # nothing half-written left beside it
+    checked = path.with_name(path.name + ".sha256")  # the hash it was checked against
+    assert sorted(path.parent.iterdir()) == [path, checked] and checked.read_text() == meta.EXPECTED_SHA256
+    checked.write_text("0" * 64)  # a new release of the parts (another hash): joined again
+    assert packaged_model_path("gemma3-270m").stat().st_mtime_ns != stamp
     path.unlink()
+    checked.unlink()
     bad = tmp_path / "bad.part"
     bad.write_bytes(b"x" * 1000)
     parts = meta.chunk_paths()

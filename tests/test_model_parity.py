@@ -181,6 +181,21 @@ def test_gguf_files_of_each_family_match_transformers(case, tmp_path):
     torch.testing.assert_close(prefill_logits(ours.model, ids), _hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
 
 
+def test_a_gemma3_config_without_tie_word_embeddings_is_tied(tmp_path):
+    """Gemma 3's published config.json files leave tie_word_embeddings out (transformers' default for the
+    family is True) and their checkpoints hold no lm_head: the family's default applies."""
+    hf = _hf_model("gemma3", CASES["gemma3"][1])
+    hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("tie_word_embeddings", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    byte_tokenizer().backend.save(str(tmp_path / "tokenizer.json"))
+    ours = load_model(str(tmp_path), dtype=torch.float32)
+    assert ours.spec.tie_word_embeddings
+    ids = list(range(5, 60, 3))
+    torch.testing.assert_close(prefill_logits(ours.model, ids), _hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
+
+
 def test_fused_phi3_tensors_split_into_their_parts_blocks_and_all(tmp_path):
     """A Q8_0 Phi-3 file: attn_qkv's and ffn_up's block rows are split into q/k/v and gate/up (blocks are
     per row); decode steps read those blocks and give the logits the dequantized weights give."""

@@ -60,7 +60,7 @@ def spec_from_hf_config(config: dict) -> ModelSpec:
             vocab_size=int(config["vocab_size"]),
             rope_theta=float(theta),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", family.tie_embeddings)),
             max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
             attention_bias=bool(config.get("attention_bias", family.attention_bias)),
             rope_scaling=scaling,
@@ -137,21 +137,14 @@ def load_hf_dir(folder: Path, dtype: torch.dtype, device: torch.device | str,
                     want = (sum(params[p].shape[0] for p in parts), *params[parts[0]].shape[1:])
                     if tuple(values.shape) != want:
                         raise ModelFormatError(f"checkpoint tensor {name} has shape {tuple(values.shape)}, expected {want}.")
+                    if family.hf_norm_offset and name.endswith("norm.weight"):
+                        # Gemma stores w and computes 1 + w: add the 1 in float32, then round once to the
+                        # model's dtype (as llama.cpp's converter folds it), so every norm is x / rms(x) * weight
+                        values = values.float() + 1.0
                     for part, piece in zip(parts, values.split([params[p].shape[0] for p in parts])):
                         params[part].copy_(piece)
                         loaded.add(part)
     missing = sorted(set(params) - loaded)
     if missing:
         raise ModelFormatError(f"checkpoint in {folder} lacks {', '.join(missing[:3])}{'...' if len(missing) > 3 else ''}.")
-    if family.hf_norm_offset:
-        _fold_norm_offset(model)
     return model, tokenizer, spec
-
-
-def _fold_norm_offset(model: LlamaForCausalLM) -> None:
-    """Gemma's checkpoints store each RMSNorm weight as ``w`` and compute ``1 + w``: add the 1 once
-    (as llama.cpp's converter does), so every norm is a plain ``x / rms(x) * weight``."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.add_(1.0)

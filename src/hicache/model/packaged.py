@@ -12,6 +12,7 @@ import hashlib
 import importlib
 import importlib.util
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,9 +63,10 @@ def packaged_model_path(name: str) -> Path:
 
 
 def _joined(model: PackagedModel) -> Path:
-    """The parts joined into the cache folder: once (written beside, hash checked, then renamed into
-    place, so a reader never sees half a file); afterwards the file is taken when its size is the
-    parts' total."""
+    """The parts joined into the cache folder: once (written to a file of its own beside the target,
+    hash checked, then renamed into place, so a reader never sees half a file and two joiners never
+    share one); afterwards the file is taken when the hash it was checked against, written beside it,
+    is the meta package's (a new release of the parts is joined again)."""
     meta = importlib.import_module(model.package)  # a few lines of path helpers, no dependencies
     try:
         parts = [Path(p) for p in meta.chunk_paths()]
@@ -76,14 +78,16 @@ def _joined(model: PackagedModel) -> Path:
         raise ModelNotFoundError(f"the packaged model {model.name!r} lacks {missing[0]}: reinstall it "
                                  f"(`{model.install}`).")
     target = model_cache_dir() / meta.MODEL_NAME
+    checked = target.with_name(target.name + ".sha256")  # the hash the file was checked against
     total = sum(p.stat().st_size for p in parts)
-    if target.is_file() and target.stat().st_size == total:
+    if target.is_file() and target.stat().st_size == total and _read(checked) == meta.EXPECTED_SHA256:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(f"{target.name}.{os.getpid()}.part")
+    fd, name = tempfile.mkstemp(dir=target.parent, prefix=target.name + ".", suffix=".part")
+    partial = Path(name)
     digest = hashlib.sha256()
     try:
-        with open(partial, "wb") as out:
+        with os.fdopen(fd, "wb") as out:
             for part in parts:
                 with open(part, "rb") as f:
                     while block := f.read(1 << 22):
@@ -94,7 +98,14 @@ def _joined(model: PackagedModel) -> Path:
                                    f"{digest.hexdigest()}, not {meta.EXPECTED_SHA256}: reinstall them "
                                    f"(`{model.install}`).")
         os.replace(partial, target)
+        checked.write_text(meta.EXPECTED_SHA256)
     finally:
         partial.unlink(missing_ok=True)
     return target
 
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None

@@ -59,37 +59,42 @@ class SeqSpan:
     decode token (its K/V is written before attention) -- are either ``full_runs``
     (``(first slot, count)`` runs of consecutive slots) or, when too scattered, ``full_slots`` to
     gather. ``causal``: the new tokens attend to each other causally (more than one new token).
-    ``window_mask``: set on a span of a sliding-window layer whose new tokens do not all see the
+    ``window``: set (> 0) on a span of a sliding-window layer whose new tokens do not all see the
     same keys: the full runs / slots are then the cached keys some new token sees (positions
-    ``first_position`` .. the prefix's end), the new tokens' own follow them, and row i sees key j
-    where ``window_mask[i, j]`` (its window, causal)."""
+    ``first_position`` .. the prefix's end), the new tokens' own follow them (from position
+    ``query_position``), and row i sees the keys of its window (causal)."""
 
     start: int
     length: int
     full_runs: tuple[tuple[int, int], ...]
     full_slots: Optional[torch.Tensor]
     causal: bool
-    window_mask: Optional[torch.Tensor] = None  # [length, keys] bool
+    window: int = 0
     first_position: int = 0
-    # (groups, dtype) -> the mask as additive biases per query block (made once per forward)
+    query_position: int = 0
+    # (groups, dtype, device) -> the blocks' additive biases (made once per forward)
     biases: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def window_blocks(self, groups: int, dtype: torch.dtype) -> list[tuple[int, int, int, int, torch.Tensor]]:
+    def window_blocks(self, groups: int, dtype: torch.dtype,
+                      device: torch.device) -> list[tuple[int, int, int, int, torch.Tensor]]:
         """The span's rows in blocks of ``WINDOW_QUERY_BLOCK``, each ``(first row, end row, first key,
-        end key, bias)``: the keys some row of the block sees, and ``window_mask`` over them as 0 / -inf
+        end key, bias)``: the keys some row of the block sees, and which each row sees as 0 / -inf
         ``[groups * rows, keys]`` (each of a KV head's ``groups`` query heads' rows stacked one head
         after the other, as :func:`_windowed_span` lays them). Blocks skip the keys no row of theirs
-        sees: the work is the band's, not the whole square's."""
-        key = (groups, dtype)
+        sees: the work and the memory are the band's, not the whole square's."""
+        key = (groups, dtype, device)
         if key not in self.biases:
-            mask, blocks = self.window_mask, []
-            for r0 in range(0, mask.shape[0], WINDOW_QUERY_BLOCK):
-                rows = mask[r0:r0 + WINDOW_QUERY_BLOCK]
-                seen = rows.any(0).nonzero()
-                k0, k1 = int(seen[0]), int(seen[-1]) + 1
-                bias = torch.zeros((rows.shape[0], k1 - k0), dtype=dtype, device=mask.device)
-                bias.masked_fill_(~rows[:, k0:k1], float("-inf"))
-                blocks.append((r0, r0 + rows.shape[0], k0, k1, bias.repeat(groups, 1)))
+            blocks = []
+            for r0 in range(0, self.length, WINDOW_QUERY_BLOCK):
+                r1 = min(self.length, r0 + WINDOW_QUERY_BLOCK)
+                # key index j is position first_position + j; row i is position query_position + i
+                k0 = max(0, self.query_position + r0 - self.window + 1 - self.first_position)
+                k1 = self.query_position + r1 - self.first_position
+                delta = (torch.arange(r0, r1, device=device)[:, None] + self.query_position
+                         - torch.arange(k0, k1, device=device)[None, :] - self.first_position)
+                bias = torch.zeros(delta.shape, dtype=dtype, device=device)
+                bias.masked_fill_((delta < 0) | (delta >= self.window), float("-inf"))
+                blocks.append((r0, r1, k0, k1, bias.repeat(groups, 1)))
             self.biases[key] = blocks
         return self.biases[key]
 
@@ -141,21 +146,18 @@ def slot_runs(slots: torch.Tensor) -> list[tuple[int, int]]:
 
 def _span(start: int, length: int, context: torch.Tensor, device: torch.device, window: int = 0) -> SeqSpan:
     causal = length > 1
-    first = 0
-    mask = None
+    first, masked = 0, 0
     if window and context.numel() > window:
         if not causal:  # a lone token sees exactly the last `window` keys: a plain span over them
             context = context[-window:]
-        else:  # from the first key the first new token sees; each row masked to its window, once per forward
-            first = max(0, context.numel() - length - window + 1)
-            keys = torch.arange(first, context.numel(), device=device)
-            delta = torch.arange(context.numel() - length, context.numel(), device=device)[:, None] - keys[None, :]
-            mask = (delta >= 0) & (delta < window)
+        else:  # from the first key the first new token sees; each row masked to its window (window_blocks)
+            first, masked = max(0, context.numel() - length - window + 1), window
     full = context[first: context.numel() - length] if causal else context
     runs = slot_runs(full)
+    where = dict(window=masked, first_position=first, query_position=context.numel() - length)
     if len(runs) <= MAX_VIEW_RUNS:
-        return SeqSpan(start, length, tuple(runs), None, causal, mask, first)
-    return SeqSpan(start, length, (), full.to(device), causal, mask, first)
+        return SeqSpan(start, length, tuple(runs), None, causal, **where)
+    return SeqSpan(start, length, (), full.to(device), causal, **where)
 
 
 def _decode_layout(out_slots: torch.Tensor, context_slots: Sequence[torch.Tensor], lens: Sequence[int],
@@ -278,7 +280,7 @@ def _spans(q: torch.Tensor, new: KVBlock, layer: AttentionLayer, spans: list[Seq
         else:
             full = [attended(k_buf[s:s + n], v_buf[s:s + n], layer.latent) for s, n in span.full_runs]
         own = (new[0][rows], new[1][rows]) if span.causal else None
-        if span.window_mask is not None:
+        if span.window:
             out[rows] = _windowed_span(q[rows], full, own, span, layer.kv_map)
             continue
         out[rows] = sequence_attention(q[rows], full, own, layer.kv_map)
@@ -289,7 +291,7 @@ def _windowed_span(q: torch.Tensor, cached: list[KVBlock], own: KVBlock, span: S
                    kv_map: Optional[torch.Tensor]) -> torch.Tensor:
     """A span's new tokens ``q`` ``[n, H, D]`` over the cached keys some of them see (``cached``
     blocks, in position order) and their own (``own``), each row masked to its window
-    (``span.window_mask``), a block of rows at a time over the keys it sees. A cold prompt's keys
+    (``span.window``), a block of rows at a time over the keys it sees. A cold prompt's keys
     are its own: nothing is gathered; each KV head's query heads ride along the query axis
     (``[KvH, G*rows, D]``), so no key is copied per query head."""
     n, heads, dim = q.shape
@@ -300,7 +302,7 @@ def _windowed_span(q: torch.Tensor, cached: list[KVBlock], own: KVBlock, span: S
     groups = heads // kv_heads
     k, v = k.transpose(0, 1), v.transpose(0, 1)  # [KvH, L, D]
     out = torch.empty_like(q)
-    for r0, r1, k0, k1, bias in span.window_blocks(groups, q.dtype):
+    for r0, r1, k0, k1, bias in span.window_blocks(groups, q.dtype, q.device):
         stacked = q[r0:r1].transpose(0, 1).reshape(kv_heads, groups * (r1 - r0), dim)
         part = F.scaled_dot_product_attention(stacked[None], k[None, :, k0:k1], v[None, :, k0:k1], attn_mask=bias)[0]
         out[r0:r1] = part.reshape(heads, r1 - r0, dim).transpose(0, 1)

@@ -42,6 +42,8 @@ class Family:
     elsewhere than Llama's (:data:`LLAMA_LAYER_TENSORS`). ``gguf_keys``: architecture metadata keys
     beyond the common ones the loader reads for it. ``gguf_attention_scale``: the score scale from
     the GGUF file's sizes where the file does not carry it (``(fields, prefix) -> scale``).
+    ``tie_embeddings``: the head is the embedding where a config.json does not say (transformers'
+    default for the family: Gemma 3's published configs leave the key out).
     ``fused``: a stored projection (HF name after "model.layers.{i}.") -> the model's parts it holds
     row after row (Phi-3's qkv_proj: q, k, v), split by the loaders.
     """
@@ -62,6 +64,7 @@ class Family:
     gguf_keys: frozenset[str] = frozenset()
     gguf_attention_scale: Callable[[Mapping[str, Any], str], float] | None = None
     fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    tie_embeddings: bool = False
 
     def parts_of(self, name: str) -> tuple[str, ...] | None:
         """The model parameters a stored fused tensor ``name`` ("model.layers.3.self_attn.qkv_proj.weight")

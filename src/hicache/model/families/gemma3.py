@@ -29,4 +29,5 @@ GEMMA3 = Family(
     gguf_tensors={"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                   "post_ffw_norm": "post_feedforward_layernorm"},
     gguf_keys=frozenset({"attention.sliding_window"}), gguf_attention_scale=_gguf_attention_scale,
+    tie_embeddings=True,
 )
