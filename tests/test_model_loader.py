@@ -122,7 +122,10 @@ def test_float16_rejected():
 def test_spec_validation():
     base = json.loads(json.dumps(load_model("random:tiny").spec.to_dict()))
     with pytest.raises(ModelSpecError, match="rope"):
-        ModelSpec(**{**base, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+        ModelSpec(**{**base, "rope_scaling": {"rope_type": "longrope", "factor": 2.0}})
+    with pytest.raises(ModelSpecError, match="rope scaling 'yarn' needs a positive factor"):
+        ModelSpec(**{**base, "rope_scaling": {"rope_type": "yarn"}})
+    assert ModelSpec(**{**base, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}).rope_scaling["factor"] == 2.0
 
 
 @pytest.mark.parametrize("name", ["random:tiny", "smollm2"])

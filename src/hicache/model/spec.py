@@ -131,6 +131,9 @@ class ModelSpec:
             raise ModelSpecError(
                 f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}."
             )
+        factor = (self.rope_scaling or {}).get("factor")
+        if rope_type in ("linear", "llama3", "yarn") and not (isinstance(factor, (int, float)) and factor > 0):
+            raise ModelSpecError(f"rope scaling {rope_type!r} needs a positive factor, got {factor!r}.")
         if rope_type == "freq_factors" and len(self.rope_scaling.get("factors", ())) != self.rope_dim // 2:
             raise ModelSpecError(f"rope frequency factors: expected {self.rope_dim // 2} (one per rotary pair), got "
                                  f"{len(self.rope_scaling.get('factors', ()))}.")
