@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API over an :class:`EngineLoop`.
 
 Endpoints: ``/v1/chat/completions``, ``/v1/completions`` (streaming as server-sent events or
-not), ``/v1/models`` and ``/v1/models/{id}``; Anthropic's ``/v1/messages`` is in :mod:`.anthropic`,
+not), ``/v1/models`` and ``/v1/models/{id}``; the Responses API is in :mod:`.responses`, Anthropic's
+``/v1/messages`` in :mod:`.anthropic`,
 SGLang's native ``/generate`` in :mod:`.native`,
 what the generating endpoints share in :mod:`.submit`; the operational ones (health, cache
 flush, metrics, stats, tokenize, L3 layout, what sglang-router asks at start) are in
@@ -48,6 +49,7 @@ from .middleware import CatchAllErrors, RequireApiKey
 from .native import add_native_routes
 from .operations import add_operation_routes
 from .parsing import parse_body, read_body
+from .responses import ResponseStore, add_responses_routes
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, _Sampling
 from .state import ServerOptions, ServerState
 from .submit import (
@@ -147,6 +149,7 @@ def create_app(loop: EngineLoop, metrics: ServerMetrics, opts: ServerOptions) ->
                            on_reject=lambda: metrics.rejected.labels(reason="invalid_api_key").inc())
     _add_openai_routes(app, st)
     add_anthropic_routes(app, st, prepare_chat_body)
+    add_responses_routes(app, st, prepare_chat_body, ResponseStore(opts.responses_store_size))
     add_native_routes(app, st)
     add_operation_routes(app, st)
     return app

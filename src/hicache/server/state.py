@@ -31,6 +31,7 @@ class ServerOptions:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     tool_call_parser: str = "qwen25"  # the one tool-call format (server/tools.py); "hermes" names it too
     max_logprob_tokens: int = DEFAULT_MAX_LOGPROB_TOKENS  # n x prompts x max_tokens of a non-streamed answer with logprobs
+    responses_store_size: int = 1024  # responses kept for previous_response_id (server/responses.py)
 
 
 class ServerState:
