@@ -1,7 +1,8 @@
-"""An agent framework as a user runs it against ``hicache serve``: LangChain's ``ChatOpenAI``
+"""Agent frameworks as a user runs them against ``hicache serve``: LangChain's ``ChatOpenAI``
 (langchain-openai, test extra) binds a local Python function as a tool, forces a call of it,
 runs it and sends the result back (one tool loop end to end), and asks for a Pydantic model
-through ``with_structured_output(method="json_schema")``. Loopback only: a fixture refuses
+through ``with_structured_output(method="json_schema")``; the OpenAI Agents SDK runs a tool agent
+on its default model path (the Responses API). Loopback only: a fixture refuses
 any other address, so nothing in the framework (tiktoken's encodings, LangSmith) goes online."""
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def loopback_only(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def llm(server, loopback_only):
     """``ChatOpenAI`` on the ``server`` fixture's tiny model: greedy, a dummy key, no retries,
-    Chat Completions (not the Responses API, which hicache does not serve)."""
+    Chat Completions (the Responses path is the openai-agents test's, below)."""
     return langchain_openai.ChatOpenAI(model="tiny", base_url=server.base_url + "/v1", api_key="unused",
                                        temperature=0, max_tokens=150, max_retries=0, timeout=60,
                                        use_responses_api=False)
@@ -94,3 +95,34 @@ def test_structured_output_returns_a_valid_pydantic_instance(llm) -> None:
     assert isinstance(person, Person)
     assert len(person.name) <= 12 and 0 <= person.age <= 150
     assert json.loads(out["raw"].content) == person.model_dump()  # the reply is exactly that object
+
+
+def test_the_openai_agents_sdk_runs_a_tool_agent_on_its_default_responses_path(loopback_only) -> None:
+    """openai-agents (test extra) with its default model path, the Responses API: the agent calls a
+    local function, gets its result back, and finishes with a message (SmolLM2, greedy)."""
+    agents = pytest.importorskip("agents")
+    import asyncio
+
+    from openai import AsyncOpenAI
+
+    from live_server import serving
+
+    calls: list[str] = []
+
+    @agents.function_tool
+    def city_weather(city: Literal["Paris", "Tokyo", "Lima"]) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return f"18 C and sunny in {city}"
+
+    agents.set_tracing_disabled(True)
+    with serving("smollm2", name="smollm2") as srv:
+        client = AsyncOpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0)
+        model = agents.OpenAIResponsesModel(model="smollm2", openai_client=client)
+        agent = agents.Agent(name="weather", instructions="Answer with the weather.", model=model,
+                             tools=[city_weather],
+                             model_settings=agents.ModelSettings(tool_choice="required", max_tokens=80, temperature=0))
+        result = asyncio.run(agents.Runner.run(agent, "What is the weather in Paris?", max_turns=4))
+    kinds = [type(item).__name__ for item in result.new_items]
+    assert "Paris" in calls and "ToolCallOutputItem" in kinds  # (it may ask for other cities too)
+    assert kinds[-1] == "MessageOutputItem" and isinstance(result.final_output, str)
