@@ -97,6 +97,7 @@ def test_the_key_and_bad_requests(server) -> None:
     assert ok.status_code == 200 and ok.json()["type"] == "message"
     bad = httpx.post(url, json={**body, "tool_choice": {"type": "sometimes"}}, headers={"x-api-key": "secret"})
     assert bad.status_code == 400 and "tool_choice" in bad.json()["error"]["message"]
+    assert bad.json()["type"] == "error" and bad.json()["error"]["type"] == "invalid_request_error"  # Anthropic's shape
     image = {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": "x"}}]}
     assert httpx.post(url, json={**body, "messages": [image]}, headers={"x-api-key": "secret"}).status_code == 400
     assert ok.json()["usage"]["output_tokens"] <= 4

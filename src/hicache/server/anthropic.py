@@ -15,14 +15,16 @@ reply as :mod:`.tools` parses it; a call cut by ``max_tokens`` is dropped).
 the prefix cache served (every tier), ``cache_creation_input_tokens`` 0 (the cache is written
 without breakpoints or surcharge), plus ``hicache_cached_tokens`` per tier. ``anthropic-version``
 and ``cache_control`` are accepted and ignored; ``x-api-key`` is taken as the key (middleware).
+Refusals are in Anthropic's error shape (``{"type": "error", "error": {"type", "message"}}``).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import uuid
-from typing import Any, AsyncIterator, Callable, Literal, Optional, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Literal, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -161,6 +163,23 @@ def _tool_use(call) -> dict[str, Any]:
             "input": json.loads(call.arguments)}
 
 
+# Anthropic's error types by HTTP status (its error bodies: {"type": "error", "error": {"type", "message"}})
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def anthropic_errors(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """``handler`` answering its refusals in Anthropic's error shape (the OpenAI one elsewhere)."""
+    @functools.wraps(handler)
+    async def wrapped(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await handler(*args, **kwargs)
+        except APIError as e:
+            body = {"type": "error", "error": {"type": ERROR_TYPES.get(e.status, "api_error"), "message": e.message}}
+            return JSONResponse(body, status_code=e.status)
+    return wrapped
+
+
 def add_anthropic_routes(app: FastAPI, st: ServerState, prepare_chat: Callable[[ChatCompletionRequest, ServerState],
                                                                                    Prepared]) -> None:
     """``prepare_chat``: the chat endpoint's preparation of a parsed body (template, tools, sampling)."""
@@ -170,6 +189,7 @@ def add_anthropic_routes(app: FastAPI, st: ServerState, prepare_chat: Callable[[
         return prepare_chat(as_chat(parse_body(raw, MessagesRequest)), st)
 
     @app.post("/v1/messages")
+    @anthropic_errors
     async def messages(request: Request) -> Response:
         p: Prepared = await st.off_loop(prepare, await read_body(request, st.opts.max_request_bytes))
         await vet_grammar(st, p)
@@ -189,6 +209,7 @@ def add_anthropic_routes(app: FastAPI, st: ServerState, prepare_chat: Callable[[
                              "usage": _usage(res)})
 
     @app.post("/v1/messages/count_tokens")
+    @anthropic_errors
     async def count_tokens(request: Request) -> dict:
         p: Prepared = await st.off_loop(prepare, await read_body(request, st.opts.max_request_bytes))
         return {"input_tokens": len(p.ids)}
