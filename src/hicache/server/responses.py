@@ -9,11 +9,13 @@ assistant's tool calls, ``function_call_output`` items as tool messages); functi
 forced-call grammars, the prefix cache), and the reply written back as output items: a ``message``
 with one ``output_text`` part, then one ``function_call`` item per call.
 
-``store`` (default true, as OpenAI's) keeps each response's conversation -- its input messages and
-its reply -- in a bounded LRU (:class:`ResponseStore`, ``--responses-store-size`` responses); a
-request with ``previous_response_id`` continues that conversation with only its new items (the
-previous ``instructions`` are not carried over, as OpenAI's), and the radix cache already holds the
-history's KV, so the continued turn computes little more than its new tokens. Built-in tools
+``store`` (default true, as OpenAI's) keeps each response's conversation -- its messages, its reply,
+and the token ids the model saw and wrote -- in a bounded LRU (:class:`ResponseStore`,
+``--responses-store-size`` responses); a request with ``previous_response_id`` continues that
+conversation with only its new items (the previous ``instructions`` are not carried over, as
+OpenAI's): its prompt is the stored ids plus the new turn as the template renders it
+(:func:`continued_ids`: no re-rendering drift), whose KV the radix cache already holds, so the
+continued turn computes little more than its new tokens. Built-in tools
 (web search, file search, ...) and reasoning items are refused in one sentence; fields a pinned SDK
 sends at neutral values (``include``, ``truncation``, ``metadata``, ``reasoning``, ``user``, ...) are
 accepted. A grammar failure ends the response as ``failed``.
@@ -27,6 +29,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from fastapi import FastAPI, Request
@@ -39,7 +42,7 @@ from .detok import IncrementalText
 from .parsing import parse_body, read_body
 from .protocol import APIError, ChatCompletionRequest, _Body
 from .state import ServerState
-from .submit import Prepared, vet_grammar
+from .submit import Prepared, _check_fits, vet_grammar
 from .tools import ChatChunks, parse_calls
 
 logger = logging.getLogger(__name__)
@@ -64,22 +67,32 @@ class ResponsesRequest(_Body):
     metadata: Optional[dict[str, Any]] = None
 
 
+@dataclass(frozen=True)
+class Stored:
+    """A stored response: its conversation as chat messages (reply included), the token ids the model
+    saw and wrote (prompt + output: what a continuation starts from, as cached), the response object."""
+
+    messages: list[dict[str, Any]]
+    ids: list[int]
+    response: dict[str, Any]
+
+
 class ResponseStore:
-    """Stored responses: ``id -> (the conversation as chat messages, reply included; the response
-    object)``, at most ``size`` of them, the least recently used dropped first."""
+    """Stored responses by id (:class:`Stored`), at most ``size`` of them, the least recently used
+    dropped first."""
 
     def __init__(self, size: int = DEFAULT_STORE_SIZE) -> None:
         self.size = size
-        self._items: OrderedDict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = OrderedDict()
+        self._items: OrderedDict[str, Stored] = OrderedDict()
         self._lock = threading.Lock()  # preparation runs on worker threads
 
-    def put(self, rid: str, messages: list[dict[str, Any]], response: dict[str, Any]) -> None:
+    def put(self, rid: str, stored: Stored) -> None:
         with self._lock:
-            self._items[rid] = (messages, response)
+            self._items[rid] = stored
             while len(self._items) > self.size:
                 self._items.popitem(last=False)
 
-    def get(self, rid: str) -> Optional[tuple[list[dict[str, Any]], dict[str, Any]]]:
+    def get(self, rid: str) -> Optional[Stored]:
         with self._lock:
             item = self._items.get(rid)
             if item is not None:
@@ -234,8 +247,23 @@ class _Turn:
         items, reply = self.output(res)
         response = self.response("incomplete" if res.finish_reason == "length" else "completed", items, res)
         if self.body.store:
-            store.put(self.id, [*self.messages, reply], response)
+            store.put(self.id, Stored([*self.messages, reply], [*self.p.ids, *res.output_ids], response))
         return response
+
+
+def continued_ids(tokenizer: Any, history: list[int], rendered: list[int]) -> list[int]:
+    """A continuation's prompt: the ids the model saw and wrote (``history``, as the cache holds them)
+    and the rest of the conversation as the template renders it, tokenized on its own -- no
+    re-rendering drift in the history. ``rendered``: the whole conversation rendered and tokenized,
+    used as it is where the history is not its prefix as text (a template that renders a past reply
+    otherwise than the model wrote it)."""
+    said = tokenizer.decode(history, skip_special_tokens=False)
+    text = tokenizer.decode(rendered, skip_special_tokens=False)
+    if not text.startswith(said):
+        logger.info("continuation re-rendered: the template writes the stored history otherwise (%d ids)",
+                    len(history))
+        return rendered
+    return [*history, *tokenizer.backend.encode(text[len(said):], add_special_tokens=False).ids]
 
 
 def _message_item(text: str, status: str) -> dict[str, Any]:
@@ -256,16 +284,21 @@ def add_responses_routes(app: FastAPI, st: ServerState,
     def prepare(raw: bytes) -> _Turn:
         body = parse_body(raw, ResponsesRequest)
         history: list[dict[str, Any]] = []
+        stored: Optional[Stored] = None
         if body.previous_response_id is not None:
             stored = store.get(body.previous_response_id)
             if stored is None:
                 raise APIError(404, f"no stored response {body.previous_response_id!r} (never stored, deleted, or "
                                     "dropped from the --responses-store-size oldest first).",
                                param="previous_response_id", code="response_not_found")
-            history = stored[0]
+            history = stored.messages
         messages = chat_messages(body, history)
         stored_messages = messages[1:] if body.instructions else messages  # instructions are not carried over
-        return _Turn(body, stored_messages, prepare_chat(as_chat(body, messages), st))
+        prepared = prepare_chat(as_chat(body, messages), st)
+        if stored is not None and not body.instructions:
+            prepared.prompts[0] = continued_ids(st.engine.tokenizer, stored.ids, prepared.ids)
+            _check_fits(prepared.ids, body.max_output_tokens, st.engine.context_length, "input")
+        return _Turn(body, stored_messages, prepared)
 
     @app.post("/v1/responses")
     async def create(request: Request) -> Response:
@@ -284,7 +317,7 @@ def add_responses_routes(app: FastAPI, st: ServerState,
         stored = store.get(response_id)
         if stored is None:
             raise APIError(404, f"no stored response {response_id!r}.", code="response_not_found")
-        return stored[1]
+        return stored.response
 
     @app.delete("/v1/responses/{response_id}")
     async def delete(response_id: str) -> dict:
