@@ -34,7 +34,7 @@ def client(server):
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none")
 
 
-def test_text_store_continue_retrieve_delete(client) -> None:
+def test_text_store_continue_retrieve_delete(client, server) -> None:
     first = client.responses.create(model=MODEL, input="Tell me about caches. " * 8, max_output_tokens=12,
                                     temperature=0)
     assert first.object == "response" and first.status == "incomplete"  # max_output_tokens reached
@@ -48,6 +48,8 @@ def test_text_store_continue_retrieve_delete(client) -> None:
     assert second.usage.input_tokens > history
     assert second.usage.input_tokens_details.cached_tokens > history - PAGE
     assert second.previous_response_id == first.id
+    held = httpx.get(server.base_url + "/stats").json()["responses"]  # what continued turns computed
+    assert held["continued"] >= 1 and held["continued_computed_tokens"] < held["continued_prompt_tokens"]
     assert client.responses.retrieve(first.id).output_text == first.output_text
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):

@@ -149,7 +149,8 @@ def create_app(loop: EngineLoop, metrics: ServerMetrics, opts: ServerOptions) ->
                            on_reject=lambda: metrics.rejected.labels(reason="invalid_api_key").inc())
     _add_openai_routes(app, st)
     add_anthropic_routes(app, st, prepare_chat_body)
-    add_responses_routes(app, st, prepare_chat_body, ResponseStore(opts.responses_store_size))
+    st.responses = ResponseStore(opts.responses_store_size)  # /stats reports it
+    add_responses_routes(app, st, prepare_chat_body, st.responses)
     add_native_routes(app, st)
     add_operation_routes(app, st)
     return app

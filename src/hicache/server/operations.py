@@ -75,7 +75,8 @@ def add_operation_routes(app: FastAPI, st: ServerState) -> None:
 
     @app.get("/stats")
     async def stats() -> dict:
-        return {**(await st.loop.stats()), "inflight_requests": st.loop.num_inflight}
+        responses = {"responses": st.responses.stats()} if st.responses is not None else {}
+        return {**(await st.loop.stats()), "inflight_requests": st.loop.num_inflight, **responses}
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:

@@ -85,6 +85,21 @@ class ResponseStore:
         self.size = size
         self._items: OrderedDict[str, Stored] = OrderedDict()
         self._lock = threading.Lock()  # preparation runs on worker threads
+        # continued turns (previous_response_id): their prompt tokens, and those the prefix cache served
+        self.continued = self.continued_prompt_tokens = self.continued_cached_tokens = 0
+
+    def count_continued(self, res: GenerateResult) -> None:
+        with self._lock:
+            self.continued += 1
+            self.continued_prompt_tokens += res.prompt_tokens
+            self.continued_cached_tokens += res.cached_tokens
+
+    def stats(self) -> dict[str, int]:
+        """For /stats: how many responses are held, and what continued turns computed."""
+        with self._lock:
+            return {"stored": len(self._items), "store_size": self.size, "continued": self.continued,
+                    "continued_prompt_tokens": self.continued_prompt_tokens,
+                    "continued_computed_tokens": self.continued_prompt_tokens - self.continued_cached_tokens}
 
     def put(self, rid: str, stored: Stored) -> None:
         with self._lock:
@@ -246,6 +261,8 @@ class _Turn:
             return self.response("failed", [], res, {"code": res.error_code or "server_error", "message": res.error})
         items, reply = self.output(res)
         response = self.response("incomplete" if res.finish_reason == "length" else "completed", items, res)
+        if self.body.previous_response_id is not None:
+            store.count_continued(res)
         if self.body.store:
             store.put(self.id, Stored([*self.messages, reply], [*self.p.ids, *res.output_ids], response))
         return response

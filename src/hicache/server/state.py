@@ -45,6 +45,7 @@ class ServerState:
         self.max_inflight = loop.engine.config.max_running_requests + opts.max_queued_requests
         self.created = int(time.time())
         self.workers = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="hicache-http-prepare")
+        self.responses: Any = None  # the Responses API's store (server/responses.py), set by create_app
 
     async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` on the worker pool."""
