@@ -110,3 +110,21 @@ def test_what_is_not_served_is_one_sentence(server) -> None:
     ok = httpx.post(url, json={"model": MODEL, "input": "hi", "max_output_tokens": 2, "include": [],
                                "truncation": "disabled", "metadata": {"k": "v"}, "reasoning": {}, "user": "u"})
     assert ok.status_code == 200 and ok.json()["metadata"] == {"k": "v"}
+
+
+def test_the_store_is_bounded_by_count_and_bytes() -> None:
+    from hicache.server.responses import ResponseStore, Stored
+
+    def stored(n: int) -> Stored:
+        return Stored([{"role": "user", "content": "x" * n}], list(range(n)), {"id": "r"})
+
+    by_count = ResponseStore(size=2)
+    for rid in "abc":
+        by_count.put(rid, stored(10))
+    assert by_count.get("a") is None and by_count.get("b") is not None and by_count.stats()["stored"] == 2
+    by_bytes = ResponseStore(size=100, max_bytes=stored(1000).nbytes() * 2)
+    for rid in "abc":
+        by_bytes.put(rid, stored(1000))
+    assert by_bytes.get("a") is None and by_bytes.stats()["stored_bytes"] <= by_bytes.max_bytes
+    by_bytes.put("huge", stored(100_000))  # larger than the bound alone: not kept, and the others stay
+    assert by_bytes.get("huge") is None and by_bytes.get("b") is not None and by_bytes.get("c") is not None

@@ -121,12 +121,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     limits = {} if args.max_logprob_tokens is None else {"max_logprob_tokens": args.max_logprob_tokens}
     if limits and args.max_logprob_tokens < 1:
         raise ConfigError(f"--max-logprob-tokens must be at least 1, got {args.max_logprob_tokens}.")
-    if args.responses_store_size < 0:
-        raise ConfigError(f"--responses-store-size must be at least 0, got {args.responses_store_size}.")
+    if args.responses_store_size < 0 or args.responses_store_mb < 0:
+        raise ConfigError("--responses-store-size and --responses-store-mb must be at least 0.")
     return run_server(_engine(args), host=args.host, port=args.port, served_model_name=args.served_model_name,
                       max_queued_requests=args.max_queued_requests, log_level=args.log_level, api_key=api_key,
                       max_request_bytes=args.max_request_bytes, tool_call_parser=args.tool_call_parser,
-                      responses_store_size=args.responses_store_size, **limits)
+                      responses_store_size=args.responses_store_size, responses_store_mb=args.responses_store_mb,
+                      **limits)
 
 
 def _api_key(flag: str | None, env: str | None) -> str | None:
@@ -178,6 +179,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--responses-store-size", type=int, default=1024,
                    help="Responses (/v1/responses with store) kept for previous_response_id, the least recently "
                         "used dropped first (0: none kept).")
+    p.add_argument("--responses-store-mb", type=int, default=256,
+                   help="Memory those stored responses may hold together (MiB, roughly); the least recently used "
+                        "are dropped first.")
     p.add_argument("--max-logprob-tokens", type=int, default=None,
                    help="Most n x prompts x max_tokens a non-streamed answer with logprobs may ask for (each token "
                         "carries its top_logprobs alternatives; default 16384, ~25 MB of JSON); larger ones get 400 "

@@ -149,7 +149,7 @@ def create_app(loop: EngineLoop, metrics: ServerMetrics, opts: ServerOptions) ->
                            on_reject=lambda: metrics.rejected.labels(reason="invalid_api_key").inc())
     _add_openai_routes(app, st)
     add_anthropic_routes(app, st, prepare_chat_body)
-    st.responses = ResponseStore(opts.responses_store_size)  # /stats reports it
+    st.responses = ResponseStore(opts.responses_store_size, opts.responses_store_mb << 20)  # /stats reports it
     add_responses_routes(app, st, prepare_chat_body, st.responses)
     add_native_routes(app, st)
     add_operation_routes(app, st)

@@ -11,7 +11,7 @@ with one ``output_text`` part, then one ``function_call`` item per call.
 
 ``store`` (default true, as OpenAI's) keeps each response's conversation -- its messages, its reply,
 and the token ids the model saw and wrote -- in a bounded LRU (:class:`ResponseStore`,
-``--responses-store-size`` responses); a request with ``previous_response_id`` continues that
+``--responses-store-size`` responses, ``--responses-store-mb`` together); a request with ``previous_response_id`` continues that
 conversation with only its new items (the previous ``instructions`` are not carried over, as
 OpenAI's): its prompt is the stored ids plus the new turn as the template renders it
 (:func:`continued_ids`: no re-rendering drift), whose KV the radix cache already holds, so the
@@ -48,6 +48,7 @@ from .tools import ChatChunks, parse_calls
 logger = logging.getLogger(__name__)
 
 DEFAULT_STORE_SIZE = 1024  # responses kept for previous_response_id (LRU)
+DEFAULT_STORE_MB = 256  # and the bytes they may hold together
 
 
 class ResponsesRequest(_Body):
@@ -76,14 +77,19 @@ class Stored:
     ids: list[int]
     response: dict[str, Any]
 
+    def nbytes(self) -> int:
+        """What it holds, roughly: its ids as Python ints in a list, its messages and response as JSON."""
+        return 36 * len(self.ids) + len(json.dumps(self.messages)) + len(json.dumps(self.response))
+
 
 class ResponseStore:
-    """Stored responses by id (:class:`Stored`), at most ``size`` of them, the least recently used
-    dropped first."""
+    """Stored responses by id (:class:`Stored`), at most ``size`` of them holding at most ``max_bytes``
+    together, the least recently used dropped first (one larger than ``max_bytes`` alone is not kept)."""
 
-    def __init__(self, size: int = DEFAULT_STORE_SIZE) -> None:
-        self.size = size
+    def __init__(self, size: int = DEFAULT_STORE_SIZE, max_bytes: int = DEFAULT_STORE_MB << 20) -> None:
+        self.size, self.max_bytes = size, max_bytes
         self._items: OrderedDict[str, Stored] = OrderedDict()
+        self._bytes: dict[str, int] = {}
         self._lock = threading.Lock()  # preparation runs on worker threads
         # continued turns (previous_response_id): their prompt tokens, and those the prefix cache served
         self.continued = self.continued_prompt_tokens = self.continued_cached_tokens = 0
@@ -97,15 +103,21 @@ class ResponseStore:
     def stats(self) -> dict[str, int]:
         """For /stats: how many responses are held, and what continued turns computed."""
         with self._lock:
-            return {"stored": len(self._items), "store_size": self.size, "continued": self.continued,
+            return {"stored": len(self._items), "store_size": self.size, "stored_bytes": sum(self._bytes.values()),
+                    "store_max_bytes": self.max_bytes, "continued": self.continued,
                     "continued_prompt_tokens": self.continued_prompt_tokens,
                     "continued_computed_tokens": self.continued_prompt_tokens - self.continued_cached_tokens}
 
     def put(self, rid: str, stored: Stored) -> None:
+        size = stored.nbytes()
+        if size > self.max_bytes:
+            logger.info("response %s not stored: %d bytes, over --responses-store-mb", rid, size)
+            return
         with self._lock:
-            self._items[rid] = stored
-            while len(self._items) > self.size:
-                self._items.popitem(last=False)
+            self._items[rid], self._bytes[rid] = stored, size
+            while self._items and (len(self._items) > self.size or sum(self._bytes.values()) > self.max_bytes):
+                old, _ = self._items.popitem(last=False)
+                del self._bytes[old]
 
     def get(self, rid: str) -> Optional[Stored]:
         with self._lock:
@@ -116,6 +128,7 @@ class ResponseStore:
 
     def delete(self, rid: str) -> bool:
         with self._lock:
+            self._bytes.pop(rid, None)
             return self._items.pop(rid, None) is not None
 
 

@@ -32,6 +32,7 @@ class ServerOptions:
     tool_call_parser: str = "qwen25"  # the one tool-call format (server/tools.py); "hermes" names it too
     max_logprob_tokens: int = DEFAULT_MAX_LOGPROB_TOKENS  # n x prompts x max_tokens of a non-streamed answer with logprobs
     responses_store_size: int = 1024  # responses kept for previous_response_id (server/responses.py)
+    responses_store_mb: int = 256  # the bytes they may hold together
 
 
 class ServerState:
