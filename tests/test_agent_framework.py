@@ -126,3 +126,21 @@ def test_the_openai_agents_sdk_runs_a_tool_agent_on_its_default_responses_path(l
     kinds = [type(item).__name__ for item in result.new_items]
     assert "Paris" in calls and "ToolCallOutputItem" in kinds  # (it may ask for other cities too)
     assert kinds[-1] == "MessageOutputItem" and isinstance(result.final_output, str)
+
+
+def test_bind_tools_at_max_tokens_32_returns_the_call_finished_before_the_cut(loopback_only) -> None:
+    """Before: LangChain's bind_tools at max_tokens=32 got no call at all (SmolLM2 starts a second call after the
+    first and max_tokens cuts it). Now the finished call comes back, with finish_reason "length"."""
+    from live_server import serving
+
+    @tool
+    def city_weather(city: str) -> str:
+        """The weather in a city."""
+        return "18 C"
+
+    with serving("smollm2", name="smollm2") as srv:
+        llm = langchain_openai.ChatOpenAI(model="smollm2", base_url=srv.base_url + "/v1", api_key="unused",
+                                          temperature=0, max_tokens=32, max_retries=0, use_responses_api=False)
+        ai = llm.bind_tools([city_weather], tool_choice="required").invoke("What is the weather in Paris?")
+    assert ai.response_metadata["finish_reason"] == "length" and ai.usage_metadata["output_tokens"] == 32
+    assert [(c["name"], c["args"]) for c in ai.tool_calls] == [("city_weather", {"city": "Paris"})]
