@@ -59,7 +59,12 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "n", "seed", "prese
                    "ignore_eos", "logprobs", "top_logprobs", "stream", "cache_salt", "user", "response_format",
                    "regex", "ebnf", "tools", "tool_choice", "parallel_tool_calls", "stream_options",
                    "max_completion_tokens", "bootstrap_room")
-KINDS = ("grammar bomb", "field", "token ids", "drop", "sizes", "types", "native")
+KINDS = ("grammar bomb", "field", "token ids", "drop", "sizes", "types", "native", "agent APIs")
+# Fields of the Messages and Responses APIs set to extremes by the "agent APIs" kind
+AGENT_FIELDS = {"/v1/messages": ("max_tokens", "temperature", "top_p", "top_k", "system", "stop_sequences", "tools",
+                                 "tool_choice", "messages", "stream"),
+                "/v1/responses": ("max_output_tokens", "temperature", "top_p", "instructions", "input", "tools",
+                                  "tool_choice", "text", "previous_response_id", "store", "stream")}
 
 
 class RequestFuzzer:
@@ -76,13 +81,18 @@ class RequestFuzzer:
             return {"model": self.model, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 8}
         if route == "/v1/completions":
             return {"model": self.model, "prompt": "hello there", "max_tokens": 8}
+        if route == "/v1/messages":
+            return {"model": self.model, "max_tokens": 8, "messages": [{"role": "user", "content": "hello there"}]}
+        if route == "/v1/responses":
+            return {"model": self.model, "input": "hello there", "max_output_tokens": 8}
         return {"text": "hello there", "sampling_params": {"max_new_tokens": 8}}
 
     def next(self) -> tuple[str, str, dict[str, Any]]:
         rng = self.rng
         self._n += 1
         kind = rng.choice(KINDS)
-        route = "/generate" if kind == "native" else rng.choice(("/v1/chat/completions", "/v1/completions"))
+        route = ("/generate" if kind == "native" else rng.choice(("/v1/messages", "/v1/responses"))
+                 if kind == "agent APIs" else rng.choice(("/v1/chat/completions", "/v1/completions")))
         body = self.valid(route)
         if kind == "grammar bomb":
             name = rng.choice(sorted(BOMBS))
@@ -119,8 +129,37 @@ class RequestFuzzer:
             else:
                 sp[rng.choice(("stop_token_ids", "min_new_tokens", "top_k", "logit_bias", "json_schema", "ebnf",
                                "max_new_tokens", "sampling_seed", "n"))] = rng.choice(EXTREMES)
+        elif kind == "agent APIs":
+            self._agent_api(route, body)
         self.tried[kind] = self.tried.get(kind, 0) + 1
         return kind, route, body
+
+    def _agent_api(self, route: str, body: dict[str, Any]) -> None:
+        """The Messages / Responses bodies: an extreme field, malformed blocks or items, forced calls of a
+        bomb schema, unknown or guessed previous responses."""
+        rng = self.rng
+        choice = rng.random()
+        if choice < 0.4:
+            for name in rng.sample(AGENT_FIELDS[route], rng.randint(1, 3)):
+                body[name] = rng.choice(EXTREMES + [[{"type": "image"}], [{"role": "tool"}], {"type": "any"}])
+        elif choice < 0.6:  # a forced call of a pathological schema
+            schema = BOMBS["forced tool chain"](self._n)["tools"][0]["function"]["parameters"]
+            if route == "/v1/messages":
+                body.update(tools=[{"name": "f", "input_schema": schema}], tool_choice={"type": "any"})
+            else:
+                body.update(tools=[{"type": "function", "name": "f", "parameters": schema}], tool_choice="required")
+        elif choice < 0.8:  # blocks / items of every kind, some malformed
+            blocks = [{"type": "tool_result", "tool_use_id": "x", "content": [{"type": "text", "text": "r"}] * 3},
+                      {"type": "tool_use", "id": "t", "name": "f", "input": rng.choice(EXTREMES)},
+                      {"type": "function_call_output", "call_id": "c", "output": rng.choice(EXTREMES)},
+                      {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]
+            key = "messages" if route == "/v1/messages" else "input"
+            body[key] = [{"role": rng.choice(("user", "assistant", "system")), "content": rng.sample(blocks, 2)}] \
+                if route == "/v1/messages" else rng.sample(blocks, 3)
+        elif route == "/v1/responses":
+            body["previous_response_id"] = rng.choice(("resp_" + "0" * 32, "", "../etc", "x" * 10_000))
+        else:
+            body["max_tokens"] = rng.choice((0, -1, 10**6))
 
     def _token_ids(self, route: str, body: dict[str, Any]) -> None:
         rng, bad = self.rng, [self.vocab, self.vocab + 1, *TOKEN_IDS]
