@@ -113,7 +113,7 @@ def test_what_is_not_served_is_one_sentence(server) -> None:
 
 
 def test_the_store_is_bounded_by_count_and_bytes() -> None:
-    from hicache.server.responses import ResponseStore, Stored
+    from hicache.server.response_store import ResponseStore, Stored
 
     def stored(n: int) -> Stored:
         return Stored([{"role": "user", "content": "x" * n}], list(range(n)), {"id": "r"})

@@ -12,7 +12,7 @@ import json
 import logging
 import os
 import sys
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .config import EngineConfig
 from .errors import ConfigError, HicacheError
@@ -207,6 +207,13 @@ def build_parser() -> argparse.ArgumentParser:
     def command(name: str, **kw) -> argparse.ArgumentParser:
         return sub.add_parser(name, parents=[common], **kw)
 
+    _add_local_commands(command)
+    _add_service_commands(command)
+    return parser
+
+
+def _add_local_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
+    """Commands that run an engine in this process: generate, chat, demo, agent-demo."""
     p = command("generate", help="Generate text for one or more prompts.")
     p.add_argument("--prompt", action="append", help="Prompt text (repeatable).")
     p.add_argument("--prompt-file", action="append", help="File whose whole content is one prompt (repeatable).")
@@ -239,6 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "--server-args='--enable-hierarchical-cache'.")
     p.set_defaults(func=cmd_agent_demo)
 
+
+def _add_service_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
+    """Commands that serve, join or measure: serve, node, simulate, bench."""
     p = command("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /metrics, ...).")
     _add_serve_args(p)
     EngineConfig.add_cli_args(p)
@@ -261,7 +271,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_args(p)
     p.set_defaults(func=cmd_bench)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

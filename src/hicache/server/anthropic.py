@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field
 
 from ..runtime.request import GenerateResult
-from .choices import collect_choices, merged_updates, submit_choices
+from .choices import abort_unfinished, collect_choices, merged_updates, submit_choices
 from .detok import IncrementalText
 from .parsing import parse_body, read_body
 from .protocol import APIError, ChatCompletionRequest, _Body
@@ -269,7 +269,4 @@ async def _events(st: ServerState, handles: list, p: Prepared, base: dict[str, A
                                            "usage": _usage(res)})
             yield _event("message_stop", {})
     finally:
-        for h in handles:
-            if not h.finished:  # the client went away (or the server is stopping)
-                logger.info("stream closed early rid=%d; aborting", h.rid)
-                st.loop.abort(h.rid)
+        abort_unfinished(st, handles, "stream closed early")  # the client went away (or the server is stopping)

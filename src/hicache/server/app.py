@@ -34,6 +34,7 @@ from ..model.tokenizer import Tokenizer
 from ..runtime.request import GenerateResult
 from ..runtime.sampling import GrammarSpec, SamplingParams
 from .choices import (
+    abort_unfinished,
     chat_logprobs,
     check_choices,
     collect_choices,
@@ -49,7 +50,8 @@ from .middleware import CatchAllErrors, RequireApiKey
 from .native import add_native_routes
 from .operations import add_operation_routes
 from .parsing import parse_body, read_body
-from .responses import ResponseStore, add_responses_routes
+from .response_store import ResponseStore
+from .responses import add_responses_routes
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, _Sampling
 from .state import ServerOptions, ServerState
 from .submit import (
@@ -210,10 +212,7 @@ async def _stream(st: ServerState, handles: list[RequestHandle], p: Prepared, ch
             yield _sse({**base, "choices": [], "usage": usage_of(results, p.n), "timing": _timing(results[0])})
         yield "data: [DONE]\n\n"
     finally:
-        for h in handles:
-            if not h.finished:  # the client went away (or the server is stopping)
-                logger.info("stream closed early rid=%d; aborting", h.rid)
-                st.loop.abort(h.rid)
+        abort_unfinished(st, handles, "stream closed early")  # the client went away (or the server is stopping)
 
 
 async def _answer(st: ServerState, request: Request, p: Prepared, base: dict, chunk: Callable[[int], ChunkFn],

@@ -46,14 +46,22 @@ def submit_choices(st: ServerState, p: Prepared) -> list[RequestHandle]:
     return handles
 
 
+def abort_unfinished(st: ServerState, handles: list[RequestHandle], why: str = "") -> None:
+    """Abort every request of ``handles`` still running (a stream closed early: the client went away
+    or the server is stopping; ``why`` says so in the log line), so its pages are freed."""
+    for h in handles:
+        if not h.finished:
+            if why:
+                logger.info("%s rid=%d; aborting", why, h.rid)
+            st.loop.abort(h.rid)
+
+
 async def collect_choices(st: ServerState, request: Request, handles: list[RequestHandle]) -> list[GenerateResult]:
     """Every choice's result; if one fails (or the client leaves), the others are aborted."""
     try:
         return list(await asyncio.gather(*(_collect(st, request, h) for h in handles)))
     except BaseException:
-        for h in handles:
-            if not h.finished:
-                st.loop.abort(h.rid)
+        abort_unfinished(st, handles)
         raise
 
 

@@ -36,7 +36,7 @@ from ..errors import InvalidRequestError
 from ..frontend.loop import RequestHandle
 from ..runtime.request import GenerateResult
 from ..runtime.sampling import GrammarSpec, SamplingParams
-from .choices import check_choices
+from .choices import abort_unfinished, check_choices
 from .detok import IncrementalText
 from .parsing import parse_body, read_body
 from .protocol import APIError, _Body, _Sampling, token_id_keys
@@ -266,9 +266,7 @@ async def _stream(st: ServerState, handle: RequestHandle, rid: str, p: Prepared)
                 "id": rid, "finish_reason": None, "prompt_tokens": handle.prompt_tokens,
                 "completion_tokens": upd.num_output_tokens}})
     finally:
-        if not handle.finished:  # the client went away (or the server is stopping)
-            logger.info("stream closed early rid=%d; aborting", handle.rid)
-            st.loop.abort(handle.rid)
+        abort_unfinished(st, [handle], "stream closed early")  # the client went away (or the server is stopping)
 
 
 def add_native_routes(app: FastAPI, st: ServerState) -> None:

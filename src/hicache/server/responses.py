@@ -25,30 +25,26 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 import uuid
-from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Optional, Union
+from typing import Any, AsyncIterator, Callable, Iterator, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field
 
 from ..runtime.request import GenerateResult
-from .choices import collect_choices, merged_updates, submit_choices
+from .choices import abort_unfinished, collect_choices, merged_updates, submit_choices
 from .detok import IncrementalText
 from .parsing import parse_body, read_body
 from .protocol import APIError, ChatCompletionRequest, _Body
+from .response_store import ResponseStore, Stored
 from .state import ServerState
 from .submit import Prepared, _check_fits, vet_grammar
 from .tools import ChatChunks, parse_calls
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_STORE_SIZE = 1024  # responses kept for previous_response_id (LRU)
-DEFAULT_STORE_MB = 256  # and the bytes they may hold together
 
 
 class ResponsesRequest(_Body):
@@ -66,70 +62,6 @@ class ResponsesRequest(_Body):
     store: bool = True
     previous_response_id: Optional[str] = None
     metadata: Optional[dict[str, Any]] = None
-
-
-@dataclass(frozen=True)
-class Stored:
-    """A stored response: its conversation as chat messages (reply included), the token ids the model
-    saw and wrote (prompt + output: what a continuation starts from, as cached), the response object."""
-
-    messages: list[dict[str, Any]]
-    ids: list[int]
-    response: dict[str, Any]
-
-    def nbytes(self) -> int:
-        """What it holds, roughly: its ids as Python ints in a list, its messages and response as JSON."""
-        return 36 * len(self.ids) + len(json.dumps(self.messages)) + len(json.dumps(self.response))
-
-
-class ResponseStore:
-    """Stored responses by id (:class:`Stored`), at most ``size`` of them holding at most ``max_bytes``
-    together, the least recently used dropped first (one larger than ``max_bytes`` alone is not kept)."""
-
-    def __init__(self, size: int = DEFAULT_STORE_SIZE, max_bytes: int = DEFAULT_STORE_MB << 20) -> None:
-        self.size, self.max_bytes = size, max_bytes
-        self._items: OrderedDict[str, Stored] = OrderedDict()
-        self._bytes: dict[str, int] = {}
-        self._lock = threading.Lock()  # preparation runs on worker threads
-        # continued turns (previous_response_id): their prompt tokens, and those the prefix cache served
-        self.continued = self.continued_prompt_tokens = self.continued_cached_tokens = 0
-
-    def count_continued(self, res: GenerateResult) -> None:
-        with self._lock:
-            self.continued += 1
-            self.continued_prompt_tokens += res.prompt_tokens
-            self.continued_cached_tokens += res.cached_tokens
-
-    def stats(self) -> dict[str, int]:
-        """For /stats: how many responses are held, and what continued turns computed."""
-        with self._lock:
-            return {"stored": len(self._items), "store_size": self.size, "stored_bytes": sum(self._bytes.values()),
-                    "store_max_bytes": self.max_bytes, "continued": self.continued,
-                    "continued_prompt_tokens": self.continued_prompt_tokens,
-                    "continued_computed_tokens": self.continued_prompt_tokens - self.continued_cached_tokens}
-
-    def put(self, rid: str, stored: Stored) -> None:
-        size = stored.nbytes()
-        if size > self.max_bytes:
-            logger.info("response %s not stored: %d bytes, over --responses-store-mb", rid, size)
-            return
-        with self._lock:
-            self._items[rid], self._bytes[rid] = stored, size
-            while self._items and (len(self._items) > self.size or sum(self._bytes.values()) > self.max_bytes):
-                old, _ = self._items.popitem(last=False)
-                del self._bytes[old]
-
-    def get(self, rid: str) -> Optional[Stored]:
-        with self._lock:
-            item = self._items.get(rid)
-            if item is not None:
-                self._items.move_to_end(rid)
-            return item
-
-    def delete(self, rid: str) -> bool:
-        with self._lock:
-            self._bytes.pop(rid, None)
-            return self._items.pop(rid, None) is not None
 
 
 def _text_of(content: Any) -> str:
@@ -394,31 +326,36 @@ async def _events(st: ServerState, turn: _Turn, handles: list, store: ResponseSt
             if res is None:
                 continue
             response = turn.finish(res, store)
-            if response["status"] == "failed":
-                yield event("response.failed", response=response)
-                return
-            index = 0
-            for item in response["output"]:
-                if item["type"] == "message":
-                    item["id"] = message["id"] if message is not None else item["id"]
-                    part = item["content"][0]
-                    yield event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                                text=part["text"])
-                    yield event("response.content_part.done", item_id=item["id"], output_index=index,
-                                content_index=0, part=part)
-                else:
-                    yield event("response.output_item.added", output_index=index,
-                                item={**item, "arguments": "", "status": "in_progress"})
-                    yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                                delta=item["arguments"])
-                    yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                arguments=item["arguments"])
-                yield event("response.output_item.done", output_index=index, item=item)
-                index += 1
-            kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
-            yield event(kind, response=response)
+            for line in _finish_events(event, response, message):
+                yield line
+            return
     finally:
-        for h in handles:
-            if not h.finished:  # the client went away (or the server is stopping)
-                logger.info("stream closed early rid=%d; aborting", h.rid)
-                st.loop.abort(h.rid)
+        abort_unfinished(st, handles, "stream closed early")  # the client went away (or the server is stopping)
+
+
+def _finish_events(event: Callable[..., str], response: dict[str, Any],
+                   message: Optional[dict[str, Any]]) -> Iterator[str]:
+    """The end of a stream: the message item's done events (``message``: the item streamed so far,
+    whose id the output keeps), one function_call item per call (its arguments as one delta), then
+    ``response.completed`` / ``incomplete`` / ``failed`` with the whole response."""
+    if response["status"] == "failed":
+        yield event("response.failed", response=response)
+        return
+    for index, item in enumerate(response["output"]):
+        if item["type"] == "message":
+            item["id"] = message["id"] if message is not None else item["id"]
+            part = item["content"][0]
+            yield event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                        text=part["text"])
+            yield event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                        part=part)
+        else:
+            yield event("response.output_item.added", output_index=index,
+                        item={**item, "arguments": "", "status": "in_progress"})
+            yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                        delta=item["arguments"])
+            yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                        arguments=item["arguments"])
+        yield event("response.output_item.done", output_index=index, item=item)
+    kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+    yield event(kind, response=response)
