@@ -250,8 +250,8 @@ def add_responses_routes(app: FastAPI, st: ServerState,
         if body.previous_response_id is not None:
             stored = store.get(body.previous_response_id)
             if stored is None:
-                raise APIError(404, f"no stored response {body.previous_response_id!r} (never stored, deleted, or "
-                                    "dropped from the --responses-store-size oldest first).",
+                raise APIError(404, f"no stored response {body.previous_response_id!r} (never stored, deleted, "
+                                    "or dropped to keep within --responses-store-size / --responses-store-mb).",
                                param="previous_response_id", code="response_not_found")
             history = stored.messages
         messages = chat_messages(body, history)
