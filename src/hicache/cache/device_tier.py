@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .device_window import DeviceWindows
 from .placement import PagePlacement, ShardedPageAllocator, alloc_evicting, path_anchor
 from .pools import DeviceKVPool, PageAllocator, pages_to_slots
 from .radix import RadixCache
@@ -34,7 +35,10 @@ class KVState:
     """One request's hold on the device pool.
 
     ``pages[:cached_pages]`` belong to the tree and are locked through ``node``; the rest were
-    allocated for this request and are its own until inserted or freed.
+    allocated for this request and are its own until inserted or freed. A hybrid pool's window
+    component (:mod:`.device_window`): ``window_pages[i]`` is page i's window page (0: not held
+    for this request), the tree's below ``cached_pages`` (locked from ``window_lock``'s first page
+    to its end page through ``node``), its own above.
     """
 
     pages: np.ndarray
@@ -44,6 +48,11 @@ class KVState:
     host_hit_tokens: int = 0
     storage_hit_tokens: int = 0
     slots: torch.Tensor = field(default=None)  # slots of every page, in order (cached)
+    window_pages: np.ndarray | None = None
+    window_slots: torch.Tensor | None = None  # slots of window_pages, in order (cached)
+    window_budget: int = 0  # window pages reserved for this request
+    window_lock: tuple[int, int] | None = None  # (end page, first page) of the tree span window-locked
+    window_keep: tuple[int, int] | None = None  # page range of its own window pages kept to the end (a checkpoint)
 
     def refresh_slots(self, page_size: int) -> None:
         self.slots = pages_to_slots(self.pages, page_size)
@@ -66,21 +75,31 @@ class DeviceTier:
         self.placement = placement if placement is not None and placement.num_shards > 1 else None
         self.allocator: PageAllocator | ShardedPageAllocator = (
             ShardedPageAllocator(self.placement, pool.num_pages) if self.placement else PageAllocator(pool.num_pages))
-        self.tree = RadixCache(self.page_size, self.allocator, eviction_policy, host_allocator) \
-            if enable_prefix_cache else None
+        if pool.hybrid and self.placement is not None:
+            raise ValueError("a hybrid pool's window component is not page-sharded")
+        window = pool.window
+        window_allocator = PageAllocator(pool.window_pages) if pool.hybrid else None
+        self.tree = RadixCache(self.page_size, self.allocator, eviction_policy, host_allocator,
+                               window if pool.hybrid else 0, window_allocator) if enable_prefix_cache else None
         self.stats = stats
+        self.windows = DeviceWindows(window_allocator, window, self.page_size, self.tree, stats) \
+            if pool.hybrid else None
         self.lower: Tier | None = None
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
     def admit(self, namespace: str, tokens: np.ndarray, reserve_tokens: int,
-              storage_tokens: int) -> tuple[KVState, list[TreeNode]] | None:
+              storage_tokens: int, forward_tokens: int = 0) -> tuple[KVState, list[TreeNode]] | None:
         """Match, lock and reserve (see :meth:`.manager.KVCacheManager.admit`). Returns the
         state and the host-hit nodes, in path order, that just got device pages (the first new
-        pages) and need a load-back; None, with nothing changed, when the pool is too full."""
+        pages) and need a load-back; None, with nothing changed, when the pool is too full.
+        ``forward_tokens``: the most tokens one of its forwards adds (a hybrid pool's window
+        budget)."""
+        if self.windows is not None and not self.windows.fits(forward_tokens):
+            return None
         hit_pages = np.zeros(0, dtype=np.int64)
-        node = None
+        node, match = None, None
         host_nodes: list[TreeNode] = []
         if self.tree is not None:
             match = self.tree.match_prefix(namespace, tokens[: len(tokens) - 1])
@@ -108,6 +127,8 @@ class DeviceTier:
         state.storage_hit_tokens = min(storage_tokens, state.host_hit_tokens)
         state.host_hit_tokens -= state.storage_hit_tokens
         state.refresh_slots(self.page_size)
+        if self.windows is not None:
+            self.windows.admit(state, match.window_pages if match is not None else None, forward_tokens, len(tokens))
         self.stats.prompt_tokens += len(tokens)
         self.stats.device_hit_tokens += state.device_hit_tokens
         self.stats.host_hit_tokens += state.host_hit_tokens
@@ -139,7 +160,11 @@ class DeviceTier:
         if self.tree is None:
             return
         n_pages = len(tokens) // self.page_size
-        if n_pages <= state.cached_pages or not self._insert(namespace, tokens[: n_pages * self.page_size], state):
+        if n_pages <= state.cached_pages:
+            return
+        if self.windows is not None:
+            self.windows.before_insert(state)  # placed again over the new boundary below
+        if not self._insert(namespace, tokens[: n_pages * self.page_size], state):
             return
         match = self.tree.match_prefix(namespace, tokens[: n_pages * self.page_size])
         assert len(match.device_pages) == n_pages, "inserted prefix must match in full"
@@ -150,16 +175,29 @@ class DeviceTier:
         self.tree.dec_lock_ref(state.node)
         state.node = match.last_device_node
         state.cached_pages = n_pages
+        if self.windows is not None:
+            self.windows.after_insert(state, match.window_pages)
+
+    def window_step(self, state: KVState, computed: int, new_tokens: int, later_tokens: int) -> None:
+        """Hybrid pool: hold the window pages of a forward adding ``new_tokens`` after ``computed``
+        (see :meth:`.device_window.DeviceWindows.step`); nothing otherwise."""
+        if self.windows is not None:
+            self.windows.step(state, computed, new_tokens, later_tokens)
 
     def release(self, namespace: str, tokens: np.ndarray, state: KVState) -> None:
         """The request is done: cache the whole pages of ``tokens`` (those whose KV is
         computed), free every other page the request held, drop its lock."""
         keep = 0
+        if self.windows is not None:
+            self.windows.trim_for_release(state, len(tokens))  # the tree gets the checkpoint's window only
+            self.windows.before_insert(state)
         if self.tree is not None:
             keep = len(tokens) // self.page_size
             if keep <= state.cached_pages or not self._insert(namespace, tokens[: keep * self.page_size], state):
                 keep = state.cached_pages
         self.allocator.free(state.pages[keep:])
+        if self.windows is not None:
+            self.windows.release(state)
         if state.node is not None:
             self.tree.dec_lock_ref(state.node)
         state.pages = state.pages[:0]
@@ -179,7 +217,8 @@ class DeviceTier:
                 logger.debug("not caching %d pages of %s: the cached path starts on rank %d, these on rank %d",
                              n_pages, namespace, existing, self.placement.anchor_of(state.pages))
                 return False
-        already = self.tree.insert(namespace, tokens, state.pages[:n_pages]) // self.page_size
+        window = self.windows.offered(state, n_pages) if self.windows is not None else None
+        already = self.tree.insert(namespace, tokens, state.pages[:n_pages], window) // self.page_size
         # Pages we computed for a span another request cached first are duplicates: free them.
         if already > state.cached_pages:
             self.allocator.free(state.pages[state.cached_pages : already])
@@ -209,4 +248,14 @@ class DeviceTier:
             "locked_pages": tree.protected_pages if tree else 0,
             "request_pages": capacity - self.allocator.available - (tree.cached_pages if tree else 0),
             "device_pool_bytes": self.pool.total_bytes,
+            **({"window": self._window_usage()} if self.windows is not None else {}),
         }
+
+    def _window_usage(self) -> dict:
+        """The window component's pages and bytes (the full component's are the fields above)."""
+        pool, out = self.pool, self.windows.usage()
+        out.update(evicted_pages=self.stats.evicted_window_pages, window_tokens=self.windows.window,
+                   page_bytes=pool.window_bytes_per_page,
+                   pool_bytes=pool.window_bytes_per_page * pool.window_pages,
+                   full_pool_bytes=pool.bytes_per_page * pool.num_pages)
+        return out

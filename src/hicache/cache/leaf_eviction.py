@@ -33,6 +33,8 @@ class LeafEviction:
     evictable_pages: int
     host_pages_held: int
     evicted_pages_total: int
+    window: int
+    _drop_window: Callable[[TreeNode], int]
     _all_nodes: Callable[[], Iterator[TreeNode]]
     _page_key: Callable[[np.ndarray, int], bytes]
     observer: "TreeObserver | None"
@@ -51,10 +53,12 @@ class LeafEviction:
         )
 
     def evict_leaves(self, num_pages: int, evictable: Callable[[TreeNode], bool],
-                     take: Callable[[TreeNode], int]) -> int:
-        """Apply ``take`` (returns the pages it freed) to ``evictable`` leaves in policy order,
-        a parent joining once its last child goes, until ``num_pages`` are freed or none is left."""
-        heap = [(self._eviction_key(n), n) for n in self._all_nodes() if evictable(n)]
+                     take: Callable[[TreeNode], int], key: Callable[[TreeNode], tuple] | None = None) -> int:
+        """Apply ``take`` (returns the pages it freed) to ``evictable`` leaves in ``key`` order
+        (default: the policy's), a parent joining once its last child goes, until ``num_pages``
+        are freed or none is left."""
+        key = key or self._eviction_key
+        heap = [(key(n), n) for n in self._all_nodes() if evictable(n)]
         heapq.heapify(heap)
         freed = 0
         while freed < num_pages and heap:
@@ -62,8 +66,13 @@ class LeafEviction:
             parent = node.parent
             freed += take(node)
             if evictable(parent):
-                heapq.heappush(heap, (self._eviction_key(parent), parent))
+                heapq.heappush(heap, (key(parent), parent))
         return freed
+
+    def _device_victim_key(self, node: TreeNode) -> tuple:
+        """Hybrid: leaves whose window KV is all tombstoned first (no match can end in them), then
+        the policy's order."""
+        return (node.held_window_pages > 0, *self._eviction_key(node))
 
     @consensus_check("tree.evict", args=lambda self, num_pages, wanted=None: num_pages, result=lambda freed: freed)
     def evict(self, num_pages: int, wanted: Callable[[np.ndarray], bool] | None = None) -> int:
@@ -74,7 +83,8 @@ class LeafEviction:
         the pages freed (fewer when too little is evictable)."""
         evictable = self._evictable_leaf if wanted is None else \
             (lambda n: self._evictable_leaf(n) and wanted(n.device_pages))
-        freed = self.evict_leaves(num_pages, evictable, self._evict_device)
+        freed = self.evict_leaves(num_pages, evictable, self._evict_device,
+                                  self._device_victim_key if self.window else None)
         self.evicted_pages_total += freed
         if freed:
             logger.debug("evicted %d device pages", freed)
@@ -86,7 +96,8 @@ class LeafEviction:
         freed = node.num_pages
         self.evictable_pages -= freed
         self.allocator.free(node.device_pages)
-        node.device_pages = None
+        self._drop_window(node)
+        node.device_pages = node.window_pages = None
         if node.host_pages is None:
             self.delete_subtree(node)
         return freed

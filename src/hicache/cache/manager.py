@@ -183,6 +183,11 @@ class KVCacheManager:
         return self.allocator.capacity
 
     @property
+    def window_capacity_pages(self) -> int:
+        """Usable pages of a hybrid pool's window component (0: none)."""
+        return self.device.windows.allocator.capacity if self.device.windows is not None else 0
+
+    @property
     def prefetch_held_pages(self) -> int:
         """Host pages reserved by prefetches not yet reaped."""
         return self.storage_tier.prefetch_held_pages if self.storage_tier is not None else 0
@@ -191,10 +196,12 @@ class KVCacheManager:
         return self.device.pages_for(num_tokens)
 
     # ---- requests ------------------------------------------------------------------------
-    @consensus_check("cache.admit", args=lambda self, ns, tokens, reserve, storage=0: (ns, len(tokens), reserve, storage),
+    @consensus_check("cache.admit", args=lambda self, ns, tokens, reserve, storage=0, forward=0:
+                     (ns, len(tokens), reserve, storage, forward),
                      result=lambda s: None if s is None else (s.device_hit_tokens, s.host_hit_tokens,
                                                               s.storage_hit_tokens, len(s.pages)))
-    def admit(self, namespace: str, tokens: np.ndarray, reserve_tokens: int, storage_tokens: int = 0) -> KVState | None:
+    def admit(self, namespace: str, tokens: np.ndarray, reserve_tokens: int, storage_tokens: int = 0,
+              forward_tokens: int = 0) -> KVState | None:
         """Match ``tokens`` (the prompt), lock the hit and reserve pages up to ``reserve_tokens``
         (prompt + most output). A host hit gets device pages and a load-back (submitted with
         :meth:`submit_transfers`). Returns None, with nothing changed, when the pool cannot hold
@@ -202,8 +209,10 @@ class KVCacheManager:
         from a prefetch: they are counted as storage hits.
 
         At least one prompt token is always left uncomputed so the prompt yields logits.
+        ``forward_tokens``: the most tokens one of the request's forwards adds (a hybrid pool
+        reserves its window pages for that).
         """
-        admitted = self.device.admit(namespace, tokens, reserve_tokens, storage_tokens)
+        admitted = self.device.admit(namespace, tokens, reserve_tokens, storage_tokens, forward_tokens)
         if admitted is None:
             return None
         state, host_nodes = admitted
@@ -217,6 +226,13 @@ class KVCacheManager:
         """Insert the whole pages of ``tokens`` (whose KV is computed) into the tree and move
         the request's lock to the new boundary, so concurrent requests can share it."""
         self.device.cache_prefix(namespace, tokens, state)
+
+    @consensus_check("cache.window_step", args=lambda self, state, computed, new, later: (computed, new, later))
+    def window_step(self, state: KVState, computed: int, new_tokens: int, later_tokens: int) -> None:
+        """Before a forward that adds ``new_tokens`` after ``computed``: a hybrid pool holds their
+        window pages and frees the request's own that fell behind its window; ``later_tokens``: the
+        most a later forward of the request adds (its reservation shrinks to that)."""
+        self.device.window_step(state, computed, new_tokens, later_tokens)
 
     def release(self, namespace: str, tokens: np.ndarray, state: KVState) -> None:
         """The request is done: cache the whole pages of ``tokens`` (those whose KV is

@@ -79,10 +79,14 @@ class PageTree:
         upper = TreeNode(next(self._ids), node.namespace, node.key[:at], node.parent)
         upper.lock_ref, upper.host_ref, upper.stored = node.lock_ref, node.host_ref, node.stored
         upper.last_access, upper.hit_count = node.last_access, node.hit_count
+        # a window lock covers whole nodes from its first page on, so both parts of a locked node stay locked
+        upper.window_lock_ref = node.window_lock_ref
         if node.device_pages is not None:
             upper.device_pages, node.device_pages = node.device_pages[:pages_at], node.device_pages[pages_at:]
         if node.host_pages is not None:
             upper.host_pages, node.host_pages = node.host_pages[:pages_at], node.host_pages[pages_at:]
+        if node.window_pages is not None:
+            upper.window_pages, node.window_pages = node.window_pages[:pages_at], node.window_pages[pages_at:]
         if node.hash_values is not None:
             upper.hash_values, node.hash_values = node.hash_values[:pages_at], node.hash_values[pages_at:]
         node.parent.children[self._page_key(upper.key, 0)] = upper

@@ -78,9 +78,13 @@ def zeroed_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
 
 
 class DeviceKVPool:
-    """Per-layer K and V buffers ``[num_pages * page_size, num_kv_heads, head_dim]`` (L1).
+    """Per-layer K and V buffers ``[slots, num_kv_heads, head_dim]`` (L1), in one or two components.
 
-    Satisfies the model's ``KVView``: the model writes and reads these buffers by slot.
+    Full-attention layers hold ``num_pages * page_size`` slots: every page's. A hybrid pool
+    (``window_layers`` of ``window`` tokens, ``window_pages`` > 0) gives its sliding-window layers an allocation of
+    their own, ``window_pages * page_size`` slots, addressed by window page ids from a second
+    allocator: only pages inside some window still needed live there (issue 48). Satisfies the
+    model's ``KVView``: ``k_buffers[i]`` is layer i's buffer in whichever component it belongs to.
     """
 
     def __init__(
@@ -92,22 +96,44 @@ class DeviceKVPool:
         page_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        window_layers: frozenset[int] = frozenset(),
+        window_pages: int = 0,
+        window: int = 0,
     ) -> None:
         self.page_size = page_size
         self.num_pages = num_pages
         self.num_slots = num_pages * page_size
-        shape = (self.num_slots, num_kv_heads, head_dim)
-        self.k_buffers = [zeroed_buffer(shape, dtype, device) for _ in range(num_layers)]
-        self.v_buffers = [zeroed_buffer(shape, dtype, device) for _ in range(num_layers)]
-        self.bytes_per_page = 2 * num_layers * page_size * num_kv_heads * head_dim * dtype.itemsize
-        logger.info(
-            "device KV pool: %d pages x %d tokens, %.1f MiB", num_pages - 1, page_size,
-            self.bytes_per_page * num_pages / 2**20,
-        )
+        # Window pages are a deployment-wide decision: a pipeline stage without window layers keeps the
+        # count (its allocator and tree decide as every other rank's) and holds no bytes for it.
+        self.window_pages = window_pages
+        self.window = window if window_pages else 0  # tokens a window layer's token reads, its own included
+        if window_pages and window < 1:
+            raise ValueError("a window component needs its window size")
+        self.window_layers = frozenset(window_layers) if window_pages else frozenset()
+        row = (num_kv_heads, head_dim)
+        slots = [self.window_pages * page_size if i in self.window_layers else self.num_slots for i in range(num_layers)]
+        self.k_buffers = [zeroed_buffer((n, *row), dtype, device) for n in slots]
+        self.v_buffers = [zeroed_buffer((n, *row), dtype, device) for n in slots]
+        layer_page = 2 * page_size * num_kv_heads * head_dim * dtype.itemsize  # one layer's K + V of one page
+        self.bytes_per_page = layer_page * (num_layers - len(self.window_layers))  # the full component's
+        self.window_bytes_per_page = layer_page * len(self.window_layers)
+        if self.hybrid:
+            logger.info("device KV pool: full layers %d pages x %d tokens (%d layers, %.1f MiB), window layers %d "
+                        "pages (%d layers, %.1f MiB)", num_pages - 1, page_size, num_layers - len(self.window_layers),
+                        self.bytes_per_page * num_pages / 2**20, self.window_pages - 1, len(self.window_layers),
+                        self.window_bytes_per_page * self.window_pages / 2**20)
+        else:
+            logger.info("device KV pool: %d pages x %d tokens, %.1f MiB", num_pages - 1, page_size,
+                        self.bytes_per_page * num_pages / 2**20)
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether the sliding-window layers have a component of their own."""
+        return self.window_pages > 0
 
     @property
     def total_bytes(self) -> int:
-        return self.bytes_per_page * self.num_pages
+        return self.bytes_per_page * self.num_pages + self.window_bytes_per_page * self.window_pages
 
     def wait_layer(self, layer: int) -> None:
         """Nothing is ever in flight into the device pool by itself; loads wrap this view."""

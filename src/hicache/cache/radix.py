@@ -32,9 +32,10 @@ from .leaf_eviction import LeafEviction
 from .page_tree import EMPTY_PAGES, PageTree
 from .pools import PageAllocator
 from .tree_node import MatchResult, PeekResult, TreeNode, check_nodes
+from .window_tree import WindowTombstones
 
 
-class RadixCache(PageTree, LeafEviction):
+class RadixCache(PageTree, LeafEviction, WindowTombstones):
     """The prefix index of every tier: match / insert / lock / evict over logical token pages.
     It keeps each node's tier state consistent; when to copy between tiers is the tiers' policy."""
 
@@ -44,7 +45,11 @@ class RadixCache(PageTree, LeafEviction):
         allocator: PageAllocator,
         eviction_policy: str = "lru",
         host_allocator: PageAllocator | None = None,
+        window: int = 0,
+        window_allocator: PageAllocator | None = None,
     ) -> None:
+        """``window`` (tokens) and ``window_allocator``: a hybrid pool's sliding-window component
+        (:mod:`.window_tree`); 0 / None without one."""
         if eviction_policy not in ("lru", "lfu"):
             raise ValueError(f"unknown eviction policy {eviction_policy!r}")
         super().__init__(page_size)
@@ -58,6 +63,7 @@ class RadixCache(PageTree, LeafEviction):
         self.evictable_pages = 0
         self.protected_pages = 0
         self.evicted_pages_total = 0
+        self._init_window(window, window_allocator)
 
     # ---- the contract --------------------------------------------------------------------
     def _walk(self, namespace: str, tokens: np.ndarray) -> tuple[list[TreeNode], int, int, int]:
@@ -81,7 +87,23 @@ class RadixCache(PageTree, LeafEviction):
             node, pos, n = child, pos + k, k
             if k < len(child.key):  # the match ends inside this node
                 break
+        if self.window:
+            usable = self._cut_to_window(path, device)
+            if usable < device or host:  # lower tiers hold no window KV yet: a hybrid hit is the device's
+                path, n = self._path_to(path, usable)
+                device, host = usable, 0
         return path, device, host, n
+
+    def _path_to(self, path: list[TreeNode], tokens: int) -> tuple[list[TreeNode], int]:
+        """``path`` cut after its first ``tokens`` tokens: the nodes reached, and the tokens
+        matched in the last of them."""
+        out, pos = [], 0
+        for node in path:
+            if pos >= tokens:
+                break
+            out.append(node)
+            pos += len(node.key)
+        return out, (len(out[-1].key) - (pos - tokens)) if out else 0
 
     @consensus_check("tree.match_prefix", args=lambda self, ns, tokens: (ns, len(tokens)),
                      result=lambda m: (m.device_hit_tokens, m.host_hit_tokens))
@@ -105,7 +127,11 @@ class RadixCache(PageTree, LeafEviction):
             k += 1
         pages = np.concatenate([m.device_pages for m in path[:k]]) if k else EMPTY_PAGES
         last_device = path[k - 1] if k else root
-        return MatchResult(pages, len(pages) * self.page_size, last_device, host_tokens, path[-1] if path else root)
+        window = None
+        if self.window:
+            window = np.concatenate([m.window_pages for m in path[:k]]) if k else EMPTY_PAGES
+        return MatchResult(pages, len(pages) * self.page_size, last_device, host_tokens, path[-1] if path else root,
+                           window)
 
     def peek_prefix(self, namespace: str, tokens) -> PeekResult:
         """:meth:`match_prefix`'s lengths without changing any state: no split, no hit count,
@@ -113,35 +139,45 @@ class RadixCache(PageTree, LeafEviction):
         path, device, host, n = self._walk(namespace, self._as_tokens(tokens))
         return PeekResult(device, host, path[-1] if path else None, n // self.page_size if path else 0)
 
-    def insert(self, namespace: str, tokens, pages: np.ndarray) -> int:
-        """Insert ``tokens`` (whole pages) whose KV lives in device ``pages``.
+    def insert(self, namespace: str, tokens, pages: np.ndarray, window_pages: np.ndarray | None = None) -> int:
+        """Insert ``tokens`` (whole pages) whose KV lives in device ``pages`` (and, hybrid, whose
+        window-layer KV lives in ``window_pages``, 0 where the caller holds none).
 
         Returns how many leading tokens were already cached on the device: the caller still
         owns ``pages`` for that span beyond what it had matched itself and must free those
-        duplicates. The tree owns every page of the new suffix from now on.
+        duplicates. The tree owns every page of the new suffix from now on, and every window
+        page given: it keeps each where it holds none, and frees the duplicates.
         """
         tokens = self._as_tokens(tokens)
         pages = np.asarray(pages, dtype=np.int64)
         if len(pages) != len(tokens) // self.page_size:
             raise ValueError(f"insert of {len(tokens)} tokens needs {len(tokens) // self.page_size} pages, got {len(pages)}")
+        if self.window and (window_pages is None or len(window_pages) != len(pages)):
+            raise ValueError("a hybrid tree's insert needs a window page (or 0) per page")
         node, pos = self._root(namespace), 0
         on_device: int | None = None  # where the device-resident prefix ends
         while pos < len(tokens):
             child = self._child(node, tokens, pos)
+            first = pos // self.page_size
             if child is None:
                 leaf = self._leaf(node, tokens[pos:])
-                leaf.device_pages = pages[pos // self.page_size :].copy()
+                leaf.device_pages = pages[first:].copy()
+                self._adopt_window(leaf, window_pages[first:] if self.window else None, fresh=True)
                 self.evictable_pages += leaf.num_pages
                 return pos if on_device is None else on_device
             n = len(child.key)
             self._touch(child)  # after the split (see match_prefix)
+            offered = window_pages[first : (pos + n) // self.page_size] if self.window else None
             if child.device_pages is None:
                 # A node whose device copy was evicted adopts the caller's pages. Eviction is
                 # leaf-first, so everything below it is device-less too: the device prefix ends here.
-                child.device_pages = pages[pos // self.page_size : (pos + n) // self.page_size].copy()
+                child.device_pages = pages[first : (pos + n) // self.page_size].copy()
+                self._adopt_window(child, offered, fresh=True)
                 self._count(child, +1)
                 if on_device is None:
                     on_device = pos
+            else:
+                self._adopt_window(child, offered, fresh=False)  # fills the node's tombstones
             node, pos = child, pos + n
         return pos if on_device is None else on_device
 
@@ -226,6 +262,7 @@ class RadixCache(PageTree, LeafEviction):
         for node in self._all_nodes():
             if not node.is_root and node.device_pages is not None:
                 self.allocator.free(node.device_pages)
+                self._drop_window(node)
             if not node.is_root and node.host_pages is not None:
                 self.host_allocator.free(node.host_pages)
         self._roots.clear()
@@ -233,6 +270,7 @@ class RadixCache(PageTree, LeafEviction):
             self.observer.on_reset()
         self.evictable_pages = 0
         self.host_pages_held = 0
+        self.window_pages_held = 0
 
     # ---- introspection -------------------------------------------------------------------
     @property
@@ -241,7 +279,8 @@ class RadixCache(PageTree, LeafEviction):
 
     def check_invariants(self) -> None:
         """Recompute every counter from the nodes and compare; raise AssertionError on drift."""
-        evictable, protected, host = check_nodes(self._all_nodes(), self.page_size)
+        evictable, protected, host, window = check_nodes(self._all_nodes(), self.page_size)
+        assert window == self.window_pages_held, (window, self.window_pages_held)
         assert evictable == self.evictable_pages, (evictable, self.evictable_pages)
         assert protected == self.protected_pages, (protected, self.protected_pages)
         assert host == self.host_pages_held, (host, self.host_pages_held)

@@ -56,6 +56,7 @@ class CacheStats:
     host_hit_tokens: int = 0
     storage_hit_tokens: int = 0
     evicted_device_pages: int = 0
+    evicted_window_pages: int = 0  # hybrid: window pages tombstoned to make room in the window component
     evicted_host_pages: int = 0
     backup_tokens: int = 0
     backup_bytes: int = 0

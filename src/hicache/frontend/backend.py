@@ -47,13 +47,17 @@ class SchedulerView(Protocol):
 
 class Backend(Protocol):
     """The Engine's one backend. ``capacity_pages``: usable device pages (on every rank the
-    same); ``core``: the in-process parts when this process holds them, else None."""
+    same; ``window_capacity_pages``: those of a hybrid pool's window component, else 0);
+    ``core``: the in-process parts when this process holds them, else None."""
 
     @property
     def scheduler(self) -> SchedulerView: ...
 
     @property
     def capacity_pages(self) -> int: ...
+
+    @property
+    def window_capacity_pages(self) -> int: ...
 
     @property
     def core(self) -> EngineCore | None: ...
@@ -121,6 +125,7 @@ class LocalBackend:
         self.core: EngineCore | None = core
         self._scheduler = LocalScheduler(core.scheduler, core.runner.forward)
         self.capacity_pages = core.cache.capacity_pages
+        self.window_capacity_pages = core.cache.window_capacity_pages
         self._page_size = page_size
 
     def _live(self) -> EngineCore:

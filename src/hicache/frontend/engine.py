@@ -98,13 +98,26 @@ class Engine:
             f"{fmt}x{n}" for fmt, n in sorted(model.decode_formats().items()))
         resident = "" if model is None else f" weights={model.weight_bytes() / 2**20:.0f}MiB"
         logger.info(
-            "engine ready: model=%s device=%s dtype=%s kv=%s prefill-weights=%s decode-weights=%s%s pool=%d tokens "
+            "engine ready: model=%s device=%s dtype=%s kv=%s prefill-weights=%s decode-weights=%s%s pool=%s "
             "context=%d ranks=tp%dxpp%d%s",
             cfg.model, self.device, cfg.dtype, cfg.kv_cache_dtype, cfg.prefill_weight_dtype, decode, resident,
-            self.capacity_pages * cfg.page_size, self.context_length,
+            self._pool_summary(), self.context_length,
             cfg.tp_size, cfg.pp_size, f" cp{cfg.attn_cp_size}" + (" kv-sharded" if cfg.enable_kv_cache_sharding else "")
             if cfg.attn_cp_size > 1 else "",
         )
+
+    def _pool_summary(self) -> str:
+        """The device pool in tokens (and, hybrid, each component's tokens and bytes, whole model)."""
+        cfg, spec = self.config, self.loaded.spec
+        full = self.capacity_pages * cfg.page_size
+        window = self.backend.window_capacity_pages * cfg.page_size
+        if not window:
+            return f"{full} tokens"
+        row = 2 * spec.num_kv_heads * spec.head_dim * self.kv_dtype.itemsize  # K + V of one token, one layer
+        sliding = sum(1 for i in range(spec.num_layers) if spec.layer_window(i))
+        return (f"full {full} tokens ({full * row * (spec.num_layers - sliding) / 2**20:.1f} MiB, "
+                f"{spec.num_layers - sliding} layers) + window {window} tokens ({window * row * sliding / 2**20:.1f} MiB, "
+                f"{sliding} layers of {spec.sliding_window})")
 
     # ---- the backend's parts (tests, benchmarks, the demo) -------------------------------
     @property

@@ -114,7 +114,7 @@ class RankGroup:
         self._watchdog: threading.Thread | None = None
         try:  # whatever fails or is interrupted from here on, nothing is left running
             self._start(cfg, ctx)
-            self.capacity_pages = self._wait_ready()
+            self.capacity_pages, self.window_capacity_pages = self._wait_ready()
         except BaseException:
             self._release()
             raise
@@ -150,10 +150,10 @@ class RankGroup:
             logger.info("node 0 of %d: ranks %s here, %d on other nodes joining at %s", self.nnodes,
                         ", ".join(local_labels), self.world - self.local_world, init)
 
-    def _wait_ready(self) -> int:
-        """This node's ranks' capacities (the pools were MIN-agreed over every node's ranks
-        before any rank reports ready, so the leader's capacity is the world's)."""
-        ready: dict[int, int] = {}
+    def _wait_ready(self) -> tuple[int, int]:
+        """This node's ranks' capacities, full and window pages (the pools were MIN-agreed over
+        every node's ranks before any rank reports ready, so the leader's capacity is the world's)."""
+        ready: dict[int, tuple[int, int]] = {}
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while len(ready) < self.local_world:
             try:

@@ -26,6 +26,7 @@ from ..model.loader import LoadedModel
 from ..model.parallel import ModelShard
 from ..model.prefix_gather import CPGroup, PrefixGather
 from ..model.spec import ModelSpec
+from .hybrid_pool import HybridPlan, plan_hybrid
 from .mode_registry import build_modes
 from .modes import Mode, ModeContext
 from .runner import ContextParallel, ModelRunner
@@ -101,9 +102,22 @@ def build_core(
                            dtype, device)
     if cp is not None and cp.gather is not None:
         staging_bytes += cp.gather.nbytes
-    device_pages, host_pages, storage = _agreed_tiers(cfg, device, bytes_per_page, memory_share, staging_bytes, agree)
+    hybrid = plan_hybrid(cfg, spec, shard.layers if shard else range(spec.num_layers))
+    # the window layers' share of a page: K and V of each, this rank's heads
+    window_page = _bytes_per_page(cfg.page_size, len(hybrid.window_layers), kv_heads, spec.head_dim, dtype, None) \
+        if hybrid else 0
+    page_cost = hybrid.page_cost(bytes_per_page - window_page, window_page) if hybrid else bytes_per_page
+    device_pages, host_pages, storage = _agreed_tiers(cfg, device, -(-page_cost // 1), memory_share, staging_bytes,
+                                                      agree)
+    window_pages = hybrid.window_pages(device_pages) if hybrid else 0
+    if hybrid and not hybrid.saves_memory(device_pages, window_pages):
+        logger.info("sliding-window layers keep every cached token's KV: a window pool of %d pages (one request's "
+                    "window) would not be smaller than the %d-page pool", window_pages - 1, device_pages - 1)
+        hybrid, window_pages = None, 0
+        device_pages = agree([_device_pool_pages(cfg, device, bytes_per_page, memory_share, staging_bytes)])[0]
     packed = draft_kv.layers if draft_kv is not None and draft_kv.packed else 0
-    pool = DeviceKVPool(layers + packed, kv_heads, spec.head_dim, device_pages, cfg.page_size, dtype, device)
+    pool = DeviceKVPool(layers + packed, kv_heads, spec.head_dim, device_pages, cfg.page_size, dtype, device,
+                        hybrid.window_layers if hybrid else frozenset(), window_pages, hybrid.window if hybrid else 0)
     unified = _unified_plan(cfg, spec, shard, cp_group, split_tokens, draft)
     host_pool = _host_pool(cfg, pool, host_pages, unified.grid if unified else None)
     sidecar = _sidecar_pools(cfg, draft_kv, device_pages, host_pages, dtype, device,
@@ -115,7 +129,18 @@ def build_core(
     runner = ModelRunner(loaded.model, cache.kv_view, device, cp)
     modes = build_modes(ModeContext(cfg, cache, device, layers, spec.vocab_size, pd_ranks or TPRanks.alone(kv_heads),
                                     draft, packed, share_draws, tokenizer=loaded.tokenizer, samples=shard is None or shard.last_stage))
-    return EngineCore(pool, host_pool, cache, runner, _scheduler(cfg, cache, loaded, modes))
+    return EngineCore(pool, host_pool, cache, runner, _scheduler(cfg, cache, loaded, modes,
+                                                                 _prefill_chunk(cfg, hybrid, window_pages)))
+
+
+def _prefill_chunk(cfg: EngineConfig, hybrid: HybridPlan | None, window_pages: int) -> int:
+    """--chunked-prefill-size, cut (and said once) where a chunk's window pages would not fit in
+    a hybrid pool's window component."""
+    chunk = hybrid.prefill_chunk(window_pages, cfg.chunked_prefill_size) if hybrid else cfg.chunked_prefill_size
+    if chunk < cfg.chunked_prefill_size:
+        logger.info("prefill chunks of %d tokens (--chunked-prefill-size %d): the window pool holds %d pages", chunk,
+                    cfg.chunked_prefill_size, window_pages - 1)
+    return chunk
 
 
 def _bytes_per_page(page_size: int, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -180,12 +205,13 @@ def _sidecar_pools(cfg: EngineConfig, draft_kv: DraftKV | None, device_pages: in
     return pool, _host_pool(cfg, pool, host_pages, grid)
 
 
-def _scheduler(cfg: EngineConfig, cache: KVCacheManager, loaded: LoadedModel, modes: list[Mode]) -> Scheduler:
+def _scheduler(cfg: EngineConfig, cache: KVCacheManager, loaded: LoadedModel, modes: list[Mode],
+               prefill_chunk: int) -> Scheduler:
     return Scheduler(
         cache=cache,
         decode_text=loaded.tokenizer.decode,
         eos_token_ids=set(loaded.tokenizer.eos_token_ids),
-        chunked_prefill_size=cfg.chunked_prefill_size,
+        chunked_prefill_size=prefill_chunk,
         max_running_requests=cfg.max_running_requests,
         prefetch_policy=cfg.hicache_storage_prefetch_policy,
         prefetch_timeout=lambda tokens: cfg.hicache_storage_prefetch_timeout_base

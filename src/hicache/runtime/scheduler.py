@@ -182,9 +182,16 @@ class Scheduler:
             plan = next((p for p in plans if p is not None), None)
             batch = Batch("decode", decode, [1] * len(decode)) if plan is None else \
                 Batch(plan.kind, decode, plan.rows, plan.proposal)
-        for req in batch.reqs:
+        for req, n in zip(batch.reqs, batch.new_tokens):
             req.in_flight = True
+            self.cache.window_step(req.kv, req.computed, n, self._later_tokens(req, n))
         return batch
+
+    def _later_tokens(self, req: Request, n: int) -> int:
+        """The most tokens a forward of ``req`` adds after this one of ``n``: another prompt chunk,
+        else a decode (or verify) pass."""
+        left = len(req.prompt_ids) - req.computed - n if req.status is Status.PREFILL else 0
+        return max(min(left, self.chunked_prefill_size), 1 + self.reserve_slots)
 
     def _schedule_prefill(self) -> list[tuple[Request, int]]:
         """(request, new tokens this step) within the chunked-prefill token budget."""
@@ -237,7 +244,7 @@ class Scheduler:
 
     def _admit(self, req: Request) -> bool:
         kv = self.cache.admit(req.namespace, req.tokens_np, len(req.prompt_ids) + req.max_new_tokens + self.reserve_slots,
-                              req.storage_tokens)
+                              req.storage_tokens, self._later_tokens(req, 0))
         if kv is None:
             return False
         req.kv = kv

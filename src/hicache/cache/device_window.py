@@ -1,0 +1,183 @@
+"""The device tier's sliding-window component (a hybrid pool, issue 48): each running request's
+window pages, and the budget that admission reserves for them.
+
+A request holds window pages only for the positions its next forward reads or writes: from the
+first page of the window of its last page boundary (:func:`~.window_tree.window_first_page`; kept
+so that boundary is a usable hit when the request finishes: the turn's checkpoint) through its new
+tokens, and the window of its prompt's last boundary (the prompt's checkpoint: the same prompt
+again, a regenerated answer, hit it). Pages it owns fall behind and are freed as it advances;
+pages in the tree (a hit, a chunk it cached) are locked through the tree only while its window
+reaches them, then stay as evictable cache.
+
+The budget: a request never holds more than ``footprint(n)`` window pages while its forwards add
+at most ``n`` tokens each, so admission reserves that many (all running requests' reservations fit
+in the component) and every later allocation succeeds after evicting unlocked window pages.
+
+Units: pages unless named tokens; page indices count from the sequence's start.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .placement import alloc_evicting
+from .pools import PageAllocator, pages_to_slots
+from .radix import RadixCache
+from .tiers import CacheStats
+from .window_tree import window_first_page
+
+
+def window_footprint(window: int, page_size: int, forward_tokens: int) -> int:
+    """Most window pages a request holds while each forward adds <= ``forward_tokens``: the tree
+    span it locks (at most a window, from its last cached boundary), its prompt's checkpoint and
+    its own pages from its checkpoint's window (a window and a page behind its next token) through
+    the new tokens; each range may straddle one page more."""
+    ps = page_size
+    span = -(-(window - 1) // ps) + 1  # one window's pages
+    return 2 * span + -(-(window - 1 + ps + forward_tokens) // ps) + 1  # + the prompt's checkpoint
+
+
+def largest_forward(window: int, page_size: int, pages: int) -> int:
+    """The most tokens (whole pages, >= 0) one forward may add for a request's footprint to fit in
+    ``pages`` window pages."""
+    n = (pages - window_footprint(window, page_size, 0)) * page_size
+    while n > 0 and window_footprint(window, page_size, n) > pages:
+        n -= page_size
+    return max(n, 0)
+
+
+class DeviceWindows:
+    """Window pages of running requests over ``allocator`` (the component's page ids), with the
+    tree (None: prefix reuse off) holding those of cached pages."""
+
+    def __init__(self, allocator: PageAllocator, window: int, page_size: int, tree: RadixCache | None,
+                 stats: CacheStats) -> None:
+        self.allocator, self.window, self.page_size, self.tree, self.stats = allocator, window, page_size, tree, stats
+        self.reserved = 0  # window pages reserved by running requests (the sum of their budgets)
+
+    def first_page(self, boundary_tokens: int) -> int:
+        return window_first_page(boundary_tokens, self.window, self.page_size)
+
+    def footprint(self, forward_tokens: int) -> int:
+        return window_footprint(self.window, self.page_size, forward_tokens)
+
+    @property
+    def min_pages(self) -> int:
+        """Pages a component needs to admit any request: one decode request's footprint."""
+        return self.footprint(1)
+
+    # ---- a request's life ------------------------------------------------------------------
+    def fits(self, forward_tokens: int) -> bool:
+        """Whether a request whose forwards add <= ``forward_tokens`` fits beside the reservations
+        of the running ones."""
+        return self.reserved + self.footprint(forward_tokens) <= self.allocator.capacity
+
+    def admit(self, state, hit_window: np.ndarray | None, forward_tokens: int, prompt_tokens: int) -> None:
+        """Reserve ``state``'s budget (see :meth:`fits`) and take the hit's window (``hit_window``:
+        the device hit's window pages, in the tree) under a lock."""
+        budget = self.footprint(forward_tokens)
+        self.reserved += budget
+        state.window_budget = budget
+        state.window_pages = np.zeros(len(state.pages), dtype=np.int64)
+        hit = state.device_hit_tokens // self.page_size
+        prompt_end = (prompt_tokens - 1) // self.page_size  # the last boundary a match of the prompt reaches
+        state.window_keep = (self.first_page(prompt_end * self.page_size), prompt_end)
+        if hit:
+            state.window_pages[:hit] = hit_window
+            self._lock(state, hit)
+        state.window_slots = pages_to_slots(state.window_pages, self.page_size)
+
+    def step(self, state, computed: int, new_tokens: int, later_tokens: int) -> None:
+        """Before a forward that adds ``new_tokens`` after ``computed``: free the request's own
+        pages behind its checkpoint's window, hold pages for the new tokens, and shrink the budget
+        to what forwards of <= ``later_tokens`` need from now on."""
+        keep = self.first_page(computed - computed % self.page_size)
+        self._free_own(state, keep)
+        wp = state.window_pages
+        wp[:min(keep, state.cached_pages)] = 0  # the tree's, unread from now on (evictable once unlocked)
+        span = slice(computed // self.page_size, -(-(computed + new_tokens) // self.page_size))
+        missing = np.flatnonzero(wp[span] == 0) + span.start
+        if len(missing):
+            if missing[0] < state.cached_pages:
+                raise AssertionError("a request's window reaches a cached page whose window KV is not held")
+            pages, evicted = alloc_evicting(self.allocator, len(missing), 0,
+                                            self.tree.evict_windows if self.tree is not None else None)
+            if pages is None:
+                raise AssertionError(f"the window component cannot hold {len(missing)} pages within the "
+                                     "reserved budgets")
+            self.stats.evicted_window_pages += evicted
+            wp[missing] = pages
+        state.window_slots = pages_to_slots(wp, self.page_size)
+        budget = self.footprint(max(new_tokens, later_tokens))
+        if budget < state.window_budget:
+            self.reserved -= state.window_budget - budget
+            state.window_budget = budget
+
+    def before_insert(self, state) -> None:
+        """The request's pages are about to join the tree: its window lock comes off (it is placed
+        again over the new boundary by :meth:`after_insert`)."""
+        if state.window_lock is not None:
+            self.tree.unlock_window(state.node, *state.window_lock)
+            state.window_lock = None
+
+    def offered(self, state, n_pages: int) -> np.ndarray:
+        """The window pages an insert of the first ``n_pages`` gives the tree: the request's own
+        (from its cached boundary on), 0 for the pages the tree has (it keeps its own)."""
+        offer = state.window_pages[:n_pages].copy()
+        offer[:state.cached_pages] = 0
+        state.window_pages[state.cached_pages:n_pages] = 0  # handed over: the tree keeps or frees each
+        return offer
+
+    def after_insert(self, state, hit_window: np.ndarray) -> None:
+        """``state`` now holds the tree's first ``cached_pages`` (their window: ``hit_window``):
+        lock the window of its new boundary."""
+        n = state.cached_pages
+        first = self.first_page(n * self.page_size)
+        state.window_pages[first:n] = hit_window[first:n]
+        self._lock(state, n)
+        state.window_slots = pages_to_slots(state.window_pages, self.page_size)
+
+    def release(self, state) -> None:
+        """The request is done: every window page it still owns goes back, its reservation too."""
+        self.before_insert(state)
+        state.window_keep = None
+        self._free_own(state, len(state.window_pages))
+        self.reserved -= state.window_budget
+        state.window_budget = 0
+
+    def trim_for_release(self, state, computed: int) -> None:
+        """Before the final insert: free own pages behind the window of the last boundary of the
+        ``computed`` tokens, so the tree receives just that boundary's window (the checkpoint)."""
+        self._free_own(state, self.first_page(computed - computed % self.page_size))
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _lock(self, state, end_page: int) -> None:
+        if self.tree is None or end_page == 0:
+            return
+        state.window_lock = (end_page, self.first_page(end_page * self.page_size))
+        self.tree.lock_window(state.node, *state.window_lock)
+
+    def _free_own(self, state, before: int) -> None:
+        """Free the request's own window pages (those past its cached pages) before page ``before``,
+        but its prompt's checkpoint (``window_keep``) while the request lasts."""
+        own = np.zeros(len(state.window_pages), dtype=bool)
+        own[state.cached_pages:before] = True
+        if state.window_keep is not None and before < len(state.window_pages):
+            own[slice(*state.window_keep)] = False
+        drop = own & (state.window_pages != 0)
+        if drop.any():
+            self.allocator.free(state.window_pages[drop])
+            state.window_pages[drop] = 0
+
+    def usage(self) -> dict:
+        a = self.allocator
+        out = {"capacity_pages": a.capacity, "free_pages": a.available, "reserved_pages": self.reserved}
+        if self.tree is not None:
+            out.update(self.tree.window_usage())
+        return out
+
+
+def window_slots_of(state, computed_to: int) -> torch.Tensor | None:
+    """The window component's slot of each of the first ``computed_to`` positions (None: no component)."""
+    return None if state.window_slots is None else state.window_slots[:computed_to]

@@ -1,0 +1,165 @@
+"""The prefix tree's sliding-window component (a hybrid pool, issue 48): which cached pages still
+hold their window-layer KV, and the rules that keep those useful.
+
+A boundary of ``m`` pages is a usable prefix hit only if the window its next token reads is held:
+the pages of positions ``m * page - window + 1 .. m * page - 1`` (:func:`window_first_page`). A
+match is cut back to the last such boundary: recomputing a window is not an option (each sliding
+layer's window depends on the layer below's, so it reaches back a window per layer). Window pages
+of other cached pages are tombstones (id 0) once evicted; full-layer pages stay.
+
+Running requests lock the window pages their next tokens read (``window_lock_ref``, whole nodes,
+split at the first page), never more; everything else the tree holds is evictable: nodes inside a
+path first (a conversation's earlier boundaries), leaves last (the checkpoint a finished turn
+leaves for the next), each group least recently used first. Order is a deterministic key, so ranks
+evicting from the same tree agree (DESIGN invariant 3).
+
+Units: pages unless named tokens; page indices count from the namespace's root.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from typing import Callable, Iterator
+
+import numpy as np
+
+from ..consensus_record import consensus_check
+from .pools import PageAllocator
+from .tree_node import TreeNode
+
+logger = logging.getLogger(__name__)
+
+
+def window_first_page(boundary_tokens: int, window: int, page_size: int) -> int:
+    """First page whose window-layer KV a token at position ``boundary_tokens`` reads."""
+    return max(0, boundary_tokens - window + 1) // page_size
+
+
+def usable_boundary(held: np.ndarray, window: int, page_size: int) -> int:
+    """The largest ``m <= len(held)`` (pages) whose window pages are all held (``held``: per page
+    of a path from the root, whether its window page is held); 0 always qualifies."""
+    n = len(held)
+    if n == 0 or held.all():
+        return n
+    # last[m]: index of the last tombstone before page m (-1: none)
+    last = np.full(n + 1, -1, dtype=np.int64)
+    last[1:] = np.maximum.accumulate(np.where(held, -1, np.arange(n)))
+    m = np.arange(n + 1)
+    first = np.maximum(0, m * page_size - window + 1) // page_size
+    return int(np.flatnonzero(last < first)[-1])
+
+
+class WindowTombstones:
+    """The window component of :class:`~.radix.RadixCache` (mixed in; inactive when ``window`` is
+    0): window pages per node, the locks of running requests, tombstoning eviction."""
+
+    # Provided by RadixCache / PageTree.
+    page_size: int
+    eviction_policy: str
+    _all_nodes: Callable[[], Iterator[TreeNode]]
+    _split: Callable[[TreeNode, int], TreeNode]
+    _eviction_key: Callable[[TreeNode], tuple]
+
+    def _init_window(self, window: int, window_allocator: PageAllocator | None) -> None:
+        if window and window_allocator is None:
+            raise ValueError("a sliding-window component needs its own page allocator")
+        self.window = window  # tokens; 0: no window component
+        self.window_allocator = window_allocator
+        self.window_pages_held = 0
+        self.evicted_window_pages_total = 0
+
+    def window_first_page(self, boundary_tokens: int) -> int:
+        return window_first_page(boundary_tokens, self.window, self.page_size)
+
+    # ---- matching ------------------------------------------------------------------------
+    def _cut_to_window(self, path: list[TreeNode], device_tokens: int) -> int:
+        """Device tokens of the path's leading device run that a request may use: the run cut
+        back to its last boundary whose window is held."""
+        if not self.window or device_tokens == 0:
+            return device_tokens
+        held, need = [], device_tokens // self.page_size
+        for node in path:
+            if need <= 0:
+                break
+            pages = node.window_pages if node.window_pages is not None else np.zeros(node.num_pages, dtype=np.int64)
+            held.append(pages[:need] != 0)
+            need -= node.num_pages
+        return usable_boundary(np.concatenate(held), self.window, self.page_size) * self.page_size
+
+    # ---- locks ---------------------------------------------------------------------------
+    def lock_window(self, node: TreeNode, end_page: int, first_page: int) -> None:
+        """Protect the window pages of the nodes on ``node``'s path from ``first_page`` to
+        ``end_page`` (where ``node`` ends); the node holding ``first_page`` is split there so the
+        lock covers no page before it."""
+        pos = end_page
+        while not node.is_root and pos > first_page:
+            start = pos - node.num_pages
+            if start < first_page:
+                self._split(node, (first_page - start) * self.page_size)  # node keeps the lower part
+                start = first_page
+            node.window_lock_ref += 1
+            node, pos = node.parent, start
+
+    def unlock_window(self, node: TreeNode, end_page: int, first_page: int) -> None:
+        """Undo :meth:`lock_window` with the same arguments (later splits keep node boundaries
+        inside the span, and give both parts the lock)."""
+        pos = end_page
+        while not node.is_root and pos > first_page:
+            if node.window_lock_ref <= 0:
+                raise RuntimeError(f"window unlock of a node not window-locked {node}")
+            node.window_lock_ref -= 1
+            node, pos = node.parent, pos - node.num_pages
+
+    # ---- giving and taking pages ---------------------------------------------------------
+    def _adopt_window(self, node: TreeNode, offered: np.ndarray | None, fresh: bool) -> None:
+        """``node`` takes ``offered`` (a request's window pages for its key pages; 0: none) where it
+        holds none; a page it already holds makes the offered one a duplicate, freed."""
+        if not self.window or offered is None:
+            return
+        if fresh or node.window_pages is None:
+            node.window_pages = np.asarray(offered, dtype=np.int64).copy()
+            self.window_pages_held += node.held_window_pages
+            return
+        take = (node.window_pages == 0) & (offered != 0)
+        node.window_pages[take] = offered[take]
+        self.window_pages_held += int(np.count_nonzero(take))
+        self.window_allocator.free(offered[(offered != 0) & ~take])
+
+    def _drop_window(self, node: TreeNode) -> int:
+        """Free every window page ``node`` holds (tombstones). Returns how many."""
+        if node.window_pages is None:
+            return 0
+        held = node.window_pages[node.window_pages != 0]
+        self.window_allocator.free(held)
+        self.window_pages_held -= len(held)
+        node.window_pages = np.zeros_like(node.window_pages)
+        return len(held)
+
+    # ---- eviction ------------------------------------------------------------------------
+    def _window_victim_key(self, node: TreeNode) -> tuple:
+        """Inner nodes before leaves (a leaf's window is the checkpoint its path's next turn
+        needs), then the tree's eviction order."""
+        leaf = not any(c.device_pages is not None for c in node.children.values())
+        return (leaf, *self._eviction_key(node))
+
+    @consensus_check("tree.evict_windows", args=lambda self, num_pages: num_pages, result=lambda freed: freed)
+    def evict_windows(self, num_pages: int) -> int:
+        """Tombstone the window pages of unlocked nodes, least valuable first, until at least
+        ``num_pages`` are free or none is evictable. Full-layer pages stay. Returns the pages freed."""
+        heap = [(self._window_victim_key(n), n) for n in self._all_nodes()
+                if not n.is_root and n.window_lock_ref == 0 and n.held_window_pages]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_pages and heap:
+            freed += self._drop_window(heapq.heappop(heap)[1])
+        self.evicted_window_pages_total += freed
+        if freed:
+            logger.debug("tombstoned %d window pages", freed)
+        return freed
+
+    def window_usage(self) -> dict:
+        """Window pages the tree holds, and those running requests lock."""
+        locked = sum(n.held_window_pages for n in self._all_nodes() if n.window_lock_ref > 0)
+        return {"cached_pages": self.window_pages_held, "locked_pages": locked,
+                "evictable_pages": self.window_pages_held - locked}

@@ -1,0 +1,249 @@
+"""A hybrid model's sliding-window layers in a KV pool of their own (issue 48): only pages inside
+some window still needed hold window-layer KV; the tree knows which (tombstones for the rest), a
+match ends where the window is held, eviction tombstones windows before it drops full-layer KV.
+
+The tree's rules on small hand-made trees; then the engine on ``random:gemma-small`` (5 layers
+attending an 8-token window, 1 full layer; pages of 4 tokens): the window layers' buffers are a
+fraction of the full layers', and multi-turn conversations, shared prefixes, a window pool so small
+that windows are evicted while requests run, NGRAM drafts and deterministic batches give the tokens
+of the pool that keeps every layer's KV."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hicache import Engine
+from hicache.cache.pools import PageAllocator
+from hicache.cache.radix import RadixCache
+from hicache.cache.window_tree import usable_boundary
+from hicache.runtime.sampling import SamplingParams
+
+pytestmark = pytest.mark.cache
+
+PS, WINDOW = 4, 8  # a window spans two pages and reaches one more from a page boundary
+
+
+def tree(pages: int = 64, window_pages: int = 64) -> RadixCache:
+    return RadixCache(PS, PageAllocator(pages), window=WINDOW, window_allocator=PageAllocator(window_pages))
+
+
+def tokens(n_pages: int, base: int = 0) -> np.ndarray:
+    return np.arange(base, base + n_pages * PS, dtype=np.int32)
+
+
+def insert(t: RadixCache, toks: np.ndarray, held: list[bool]) -> tuple[np.ndarray, np.ndarray]:
+    """Insert ``toks`` with fresh device pages and a window page where ``held``."""
+    pages = t.allocator.alloc(len(held))
+    window = np.zeros(len(held), dtype=np.int64)
+    window[np.array(held)] = t.window_allocator.alloc(sum(held))
+    t.insert("ns", toks, pages, window)
+    return pages, window
+
+
+@pytest.mark.parametrize("held, usable", [
+    ([True] * 4, 4),
+    ([False, True, True, True], 4),  # page 0 lies outside boundary 4's window (positions 9..15)
+    ([True, True, False, True], 2),  # boundaries 3 and 4 read page 2
+    ([False, False, False], 0),
+    ([], 0),
+])
+def test_a_boundary_is_usable_when_its_window_pages_are_held(held, usable) -> None:
+    assert usable_boundary(np.array(held, dtype=bool), WINDOW, PS) == usable
+
+
+def test_a_match_is_cut_back_to_the_last_boundary_whose_window_is_held() -> None:
+    t = tree()
+    toks = tokens(6)
+    pages, window = insert(t, toks, [True] * 5 + [False])
+    m = t.match_prefix("ns", np.append(toks, 99))
+    assert m.device_hit_tokens == 5 * PS  # boundary 6 reads page 5: tombstoned
+    assert np.array_equal(m.device_pages, pages[:5]) and np.array_equal(m.window_pages, window[:5])
+    assert len(m.last_node.key) == 5 * PS  # split there, so a request can lock that boundary
+    assert t.peek_prefix("ns", toks).device_hit_tokens == 5 * PS
+    t.check_invariants()
+
+
+def test_an_insert_fills_tombstones_and_frees_duplicate_window_pages() -> None:
+    t = tree()
+    toks = tokens(4)
+    insert(t, toks, [True, False, False, True])
+    free_before = t.window_allocator.available
+    pages = t.allocator.alloc(4)
+    mine = t.window_allocator.alloc(4)
+    t.insert("ns", toks, pages, mine)  # the same tokens again, every window page held this time
+    node = t.node_at("ns", toks)
+    assert np.array_equal(node.window_pages != 0, [True] * 4)
+    assert np.array_equal(node.window_pages[1:3], mine[1:3])  # taken where the tree had tombstones
+    assert t.window_allocator.available == free_before - 2  # the two duplicates came back
+    assert t.window_pages_held == 4
+    t.check_invariants()
+
+
+def test_a_window_lock_covers_just_its_span_and_eviction_spares_it() -> None:
+    t = tree()
+    toks = tokens(8)
+    insert(t, toks, [True] * 8)
+    node = t.node_at("ns", toks)
+    t.inc_lock_ref(node)
+    t.lock_window(node, 8, 6)  # a running request reads pages 6 and 7: the node is split at page 6
+    assert len(node.key) == 2 * PS and node.window_lock_ref == 1 and node.parent.window_lock_ref == 0
+    assert t.evict_windows(100) == 6  # the upper part's; the locked span keeps its two
+    assert node.held_window_pages == 2 and node.parent.held_window_pages == 0
+    assert t.match_prefix("ns", toks).device_hit_tokens == 8 * PS  # boundary 8 still has its window
+    t.unlock_window(node, 8, 6)
+    t.dec_lock_ref(node)
+    assert t.evict_windows(100) == 2
+    assert t.match_prefix("ns", np.append(toks, 1)).device_hit_tokens == 0  # no window held: no usable boundary
+    assert t.cached_pages == 8  # full-layer pages stay
+    t.check_invariants()
+
+
+def test_window_eviction_takes_inner_nodes_before_leaves() -> None:
+    """A leaf's window is the checkpoint its conversation's next turn needs: inner nodes go first,
+    even more recently used ones."""
+    t = tree()
+    insert(t, tokens(3, base=1000), [True] * 3)  # an old conversation's checkpoint (a leaf)
+    head = tokens(4)
+    insert(t, head, [True] * 4)
+    insert(t, np.concatenate([head, tokens(2, base=500)]), [True] * 6)  # head becomes an inner node
+    inner = t.node_at("ns", head)
+    assert inner.children and inner.held_window_pages == 4
+    assert t.evict_windows(1) == 4
+    assert inner.held_window_pages == 0
+    assert t.node_at("ns", tokens(3, base=1000)).held_window_pages == 3
+    t.check_invariants()
+
+
+def test_device_eviction_frees_window_pages_and_takes_windowless_leaves_first() -> None:
+    t = tree()
+    insert(t, tokens(2, base=100), [True, True])  # older, its window held
+    insert(t, tokens(2, base=200), [False, False])  # newer, but no match can end in it
+    assert t.evict(2) == 2
+    assert t.node_at("ns", tokens(2, base=200)) is None and t.node_at("ns", tokens(2, base=100)) is not None
+    held = t.window_allocator.available
+    assert t.evict(2) == 2
+    assert t.window_allocator.available == held + 2 and t.window_pages_held == 0
+    t.check_invariants()
+
+
+# ---- the engine ---------------------------------------------------------------------------------
+MODEL = "random:gemma-small"
+BASE = dict(dtype="float32", kv_cache_dtype="float32", page_size=PS, chunked_prefill_size=12, max_total_tokens=4096)
+GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+SYSTEM = [(7 * i + 3) % 200 + 20 for i in range(37)]  # a shared head, several windows long
+
+
+def conversations(engine: Engine, agents: int = 3, turns: int = 3, together: bool = False,
+                  keep: bool = False) -> tuple[list, list]:
+    """``agents`` conversations of ``turns`` turns over SYSTEM, each turn its history + answer +
+    a new message; returns every turn's output and cached tokens, in order. The engine is shut
+    down after, unless ``keep``."""
+    histories = [SYSTEM + [(11 * a + i) % 200 + 20 for i in range(5 + 3 * a)] for a in range(agents)]
+    outputs, cached = [], []
+    for turn in range(turns):
+        results = engine.generate(histories, GREEDY) if together else \
+            [engine.generate([h], GREEDY)[0] for h in histories]
+        for a, r in enumerate(results):
+            outputs.append(r.output_ids)
+            cached.append(r.cached_tokens)
+            histories[a] = histories[a] + r.output_ids + [(13 * turn + a + i) % 200 + 20 for i in range(4 + turn)]
+    if not keep:
+        engine.shutdown()
+    return outputs, cached
+
+
+@pytest.fixture(scope="module")
+def every_layer() -> tuple[list, list]:
+    return conversations(Engine(MODEL, disable_hybrid_swa_memory=True, **BASE))
+
+
+@pytest.mark.engine
+def test_window_layers_hold_their_kv_in_a_smaller_allocation() -> None:
+    hybrid = Engine(MODEL, swa_full_tokens_ratio=0.25, **BASE)
+    full = Engine(MODEL, disable_hybrid_swa_memory=True, **BASE)
+    try:
+        pool, spec = hybrid.backend.core.pool, hybrid.loaded.spec
+        stats = hybrid.stats()["device_pool"]["window"]
+        assert pool.window_pages - 1 == stats["capacity_pages"] == 1024 // 4  # a quarter of the 1,024 full pages
+        for i in range(spec.num_layers):
+            rows = pool.k_buffers[i].shape[0]
+            assert rows == (pool.window_pages * PS if spec.layer_window(i) else pool.num_slots)
+            assert pool.v_buffers[i].shape == pool.k_buffers[i].shape
+        assert stats["pool_bytes"] + stats["full_pool_bytes"] == pool.total_bytes == hybrid.stats()["device_pool"][
+            "device_pool_bytes"]
+        # the same full-layer tokens in 5/6 x 1/4 + 1/6 of the bytes
+        assert pool.total_bytes < 0.4 * full.backend.core.pool.total_bytes
+        assert full.backend.core.pool.window_pages == 0
+    finally:
+        hybrid.shutdown()
+        full.shutdown()
+
+
+@pytest.mark.engine
+def test_multi_turn_conversations_hit_their_checkpoints_and_give_the_same_tokens(every_layer) -> None:
+    engine = Engine(MODEL, **BASE)
+    assert engine.backend.core.pool.hybrid  # the default for a hybrid model
+    outputs, cached = conversations(engine)
+    assert outputs == every_layer[0]
+    assert cached == every_layer[1]  # every turn after the first hits its whole history, as with every layer
+    assert all(c > len(SYSTEM) for c in cached[3:])
+
+
+@pytest.mark.engine
+def test_a_window_pool_too_small_for_every_window_evicts_them_and_stays_exact(every_layer) -> None:
+    """Three conversations side by side in a window pool of 30 pages (3 requests' footprints): windows of
+    cached pages are tombstoned while requests run; hits shrink to boundaries whose window survived, never
+    to a wrong one, and the window pool's pages all come back."""
+    engine = Engine(MODEL, swa_full_tokens_ratio=0.03, **BASE)
+    core = engine.backend.core
+    cache = core.cache
+    checked = []
+    step = core.scheduler.schedule
+
+    def schedule_and_check():
+        batch = step()
+        cache.tree.check_invariants()
+        held = sum(np.count_nonzero(r.kv.window_pages[r.kv.cached_pages:]) for r in core.scheduler.running)
+        checked.append(held + cache.tree.window_usage()["locked_pages"] <= cache.device.windows.reserved)
+        return batch
+
+    core.scheduler.schedule = schedule_and_check
+    try:
+        assert cache.window_capacity_pages == 30
+        outputs, cached = conversations(engine, together=True, keep=True)
+        stats = engine.stats()["device_pool"]["window"]
+    finally:
+        engine.shutdown()
+    assert outputs == every_layer[0]
+    assert all(checked) and len(checked) > 20
+    assert stats["evicted_pages"] > 0 and stats["reserved_pages"] == 0
+    assert stats["free_pages"] + stats["cached_pages"] == stats["capacity_pages"]
+    assert sum(cached) <= sum(every_layer[1])
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("options", [dict(speculative_algorithm="NGRAM"),
+                                     dict(enable_deterministic_inference=True)], ids=["ngram", "deterministic"])
+def test_ngram_drafts_and_deterministic_batches_give_the_same_tokens(every_layer, options) -> None:
+    engine = Engine(MODEL, **options, **BASE)
+    assert engine.backend.core.pool.hybrid
+    outputs, cached = conversations(engine, together=True)
+    assert outputs == every_layer[0]
+    assert cached[3:] == every_layer[1][3:]
+
+
+@pytest.mark.multirank
+@pytest.mark.parallel
+def test_tp2_and_pp2_keep_the_same_tombstones_as_one_rank(every_layer, checker) -> None:
+    """The tight window pool again on two tensor-parallel ranks and on two pipeline stages (each with
+    window layers), the consensus checker on: every rank's window steps, evictions and matches agree,
+    and outputs and later turns' hits are one rank's."""
+    tight = dict(swa_full_tokens_ratio=0.03, **BASE)
+    one = conversations(Engine(MODEL, **tight), together=True)
+    assert one[0] == every_layer[0]
+    for tp, pp in ((2, 1), (1, 2)):
+        outputs, cached = conversations(Engine(MODEL, tp_size=tp, pp_size=pp, **tight), together=True)
+        # the first turn's requests arrive at the ranks' loop as they come: which step admits each
+        # (before or after the first cached the shared head) is timing; later turns hit their own histories
+        assert outputs == one[0] and cached[3:] == one[1][3:]
