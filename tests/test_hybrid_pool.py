@@ -236,14 +236,46 @@ def test_ngram_drafts_and_deterministic_batches_give_the_same_tokens(every_layer
 @pytest.mark.multirank
 @pytest.mark.parallel
 def test_tp2_and_pp2_keep_the_same_tombstones_as_one_rank(every_layer, checker) -> None:
-    """The tight window pool again on two tensor-parallel ranks and on two pipeline stages (each with
-    window layers), the consensus checker on: every rank's window steps, evictions and matches agree,
-    and outputs and later turns' hits are one rank's."""
+    """The tight window pool, and the small device pool over a host tier, again on two tensor-parallel
+    ranks and on two pipeline stages (each with window layers), the consensus checker on: every rank's
+    window steps, evictions, backups, load-backs and matches agree, and outputs and later turns' hits are
+    one rank's."""
     tight = dict(swa_full_tokens_ratio=0.03, **BASE)
-    one = conversations(Engine(MODEL, **tight), together=True)
-    assert one[0] == every_layer[0]
-    for tp, pp in ((2, 1), (1, 2)):
-        outputs, cached = conversations(Engine(MODEL, tp_size=tp, pp_size=pp, **tight), together=True)
-        # the first turn's requests arrive at the ranks' loop as they come: which step admits each
-        # (before or after the first cached the shared head) is timing; later turns hit their own histories
-        assert outputs == one[0] and cached[3:] == one[1][3:]
+    host = dict(BASE, max_total_tokens=160, enable_hierarchical_cache=True, hicache_ratio=4.0)
+    for options in (tight, host):
+        one = conversations(Engine(MODEL, **options), together=True)
+        assert one[0] == every_layer[0]
+        for tp, pp in ((2, 1), (1, 2)):
+            outputs, cached = conversations(Engine(MODEL, tp_size=tp, pp_size=pp, **options), together=True)
+            # the first turn's requests arrive at the ranks' loop as they come: which step admits each
+            # (before or after the first cached the shared head) is timing; later turns hit their own histories
+            assert outputs == one[0] and cached[3:] == one[1][3:]
+
+
+@pytest.mark.engine
+def test_host_tier_keeps_full_layers_of_every_page_and_windows_of_checkpoints(every_layer) -> None:
+    """A device pool of 160 tokens: conversations move through host memory. The host's full-layer pool holds
+    no window-layer bytes; its window pool holds only the window of a backed-up node's end; load-backs
+    bring both, and the tokens are the every-layer pool's."""
+    engine = Engine(MODEL, **dict(BASE, max_total_tokens=160), enable_hierarchical_cache=True, hicache_ratio=4.0)
+    core = engine.backend.core
+    try:
+        host, pool, tree = core.host_pool, core.pool, core.cache.tree
+        assert host.layers == (5,) and host.window_pool.layers == (0, 1, 2, 3, 4)  # 1 full layer, 5 sliding
+        assert host.bytes_per_page == pool.bytes_per_page and host.window_pool.bytes_per_page == 5 * host.bytes_per_page
+        outputs, cached = conversations(engine, together=True, keep=True)
+        stats = engine.stats()
+        spans = []
+        for node in tree._all_nodes():
+            if node.host_pages is not None and node.host_window_pages is not None:
+                held = np.flatnonzero(node.host_window_pages)
+                end, first = tree.checkpoint_span(node)
+                spans.append(len(held) == 0 or held.min() >= first - (end - node.num_pages))
+        tree.check_invariants()
+    finally:
+        engine.shutdown()
+    assert outputs == every_layer[0] and cached == every_layer[1]
+    assert stats["hit_tokens"]["host"] > 0  # some turns came back from host memory
+    assert spans and all(spans)  # host windows only inside each node's end window
+    window = stats["host_pool"]["window"]
+    assert 0 < window["cached_pages"] < stats["host_pool"]["cached_pages"]

@@ -99,12 +99,15 @@ class DeviceTier:
         if self.windows is not None and not self.windows.fits(forward_tokens):
             return None
         hit_pages = np.zeros(0, dtype=np.int64)
-        node, match = None, None
+        node, match, window_lock = None, None, None
         host_nodes: list[TreeNode] = []
         if self.tree is not None:
             match = self.tree.match_prefix(namespace, tokens[: len(tokens) - 1])
             hit_pages, node = match.device_pages, match.last_node
             self.tree.inc_lock_ref(node)  # also protects the host-hit nodes from L2 eviction
+            if self.windows is not None:  # may split a host-hit node: before they are listed
+                window_lock = self.windows.lock_hit(node, (match.device_hit_tokens + match.host_hit_tokens)
+                                                    // self.page_size)
             n = match.last_node
             while n is not match.last_device_node:
                 host_nodes.append(n)
@@ -114,6 +117,8 @@ class DeviceTier:
                                 self._anchor(hit_pages, host_nodes))
         if new_pages is None:
             if node is not None:
+                if window_lock is not None:
+                    self.tree.unlock_window(node, *window_lock)
                 self.tree.dec_lock_ref(node)
             return None
         loaded = 0
@@ -128,7 +133,8 @@ class DeviceTier:
         state.host_hit_tokens -= state.storage_hit_tokens
         state.refresh_slots(self.page_size)
         if self.windows is not None:
-            self.windows.admit(state, match.window_pages if match is not None else None, forward_tokens, len(tokens))
+            self.windows.admit(state, window_lock, match.window_pages if match is not None else None, host_nodes,
+                               forward_tokens, len(tokens))
         self.stats.prompt_tokens += len(tokens)
         self.stats.device_hit_tokens += state.device_hit_tokens
         self.stats.host_hit_tokens += state.host_hit_tokens
@@ -189,6 +195,10 @@ class DeviceTier:
         computed), free every other page the request held, drop its lock."""
         keep = 0
         if self.windows is not None:
+            prompt_end = state.window_keep[1] if state.window_keep is not None else 0
+            if self.tree is not None and state.cached_pages < prompt_end < len(tokens) // self.page_size:
+                # the prompt's checkpoint ends a node of its own: a host copy keeps each node end's window
+                self.cache_prefix(namespace, tokens[: prompt_end * self.page_size], state)
             self.windows.trim_for_release(state, len(tokens))  # the tree gets the checkpoint's window only
             self.windows.before_insert(state)
         if self.tree is not None:

@@ -5,7 +5,8 @@ A request holds window pages only for the positions its next forward reads or wr
 first page of the window of its last page boundary (:func:`~.window_tree.window_first_page`; kept
 so that boundary is a usable hit when the request finishes: the turn's checkpoint) through its new
 tokens, and the window of its prompt's last boundary (the prompt's checkpoint: the same prompt
-again, a regenerated answer, hit it). Pages it owns fall behind and are freed as it advances;
+again, a regenerated answer, hit it; at release it ends a node of the tree, so each checkpoint is
+a node's end, which is what a host copy keeps of the window layers). Pages it owns fall behind and are freed as it advances;
 pages in the tree (a hit, a chunk it cached) are locked through the tree only while its window
 reaches them, then stay as evictable cache.
 
@@ -73,19 +74,41 @@ class DeviceWindows:
         of the running ones."""
         return self.reserved + self.footprint(forward_tokens) <= self.allocator.capacity
 
-    def admit(self, state, hit_window: np.ndarray | None, forward_tokens: int, prompt_tokens: int) -> None:
-        """Reserve ``state``'s budget (see :meth:`fits`) and take the hit's window (``hit_window``:
-        the device hit's window pages, in the tree) under a lock."""
+    def lock_hit(self, node, end_page: int) -> tuple[int, int] | None:
+        """Window-lock the span a hit of ``end_page`` pages ending at ``node`` reads (splitting the
+        node that holds its first page: done before the hit's host nodes are listed); the lock."""
+        if self.tree is None or end_page == 0:
+            return None
+        lock = (end_page, self.first_page(end_page * self.page_size))
+        self.tree.lock_window(node, *lock)
+        return lock
+
+    def admit(self, state, lock: tuple[int, int] | None, device_window: np.ndarray | None, host_nodes: list,
+              forward_tokens: int, prompt_tokens: int) -> None:
+        """Reserve ``state``'s budget (see :meth:`fits`) and take the hit's window under ``lock``
+        (:meth:`lock_hit`): ``device_window``, the device hit's window pages in the tree, then, for
+        ``host_nodes`` (the host hit, given device pages and loaded back), device window pages for
+        the host windows inside the hit's window (the host tier loads them with the rest)."""
         budget = self.footprint(forward_tokens)
         self.reserved += budget
         state.window_budget = budget
         state.window_pages = np.zeros(len(state.pages), dtype=np.int64)
-        hit = state.device_hit_tokens // self.page_size
+        device_hit, hit = len(device_window) if device_window is not None else 0, state.cached_pages
         prompt_end = (prompt_tokens - 1) // self.page_size  # the last boundary a match of the prompt reaches
         state.window_keep = (self.first_page(prompt_end * self.page_size), prompt_end)
-        if hit:
-            state.window_pages[:hit] = hit_window
-            self._lock(state, hit)
+        if device_hit:
+            state.window_pages[:device_hit] = device_window
+        state.window_lock = lock  # taken before allocating: tombstoning spares the hit's window
+        pos, first = device_hit, self.first_page(hit * self.page_size)
+        for node in host_nodes:
+            n = node.num_pages
+            idx = np.arange(max(first - pos, 0), n)
+            if node.host_window_pages is not None and len(idx):
+                idx = idx[node.host_window_pages[idx] != 0]
+                node.window_pages[idx] = self._alloc(len(idx))
+                self.tree.window_pages_held += len(idx)
+                state.window_pages[pos + idx] = node.window_pages[idx]
+            pos += n
         state.window_slots = pages_to_slots(state.window_pages, self.page_size)
 
     def step(self, state, computed: int, new_tokens: int, later_tokens: int) -> None:
@@ -101,13 +124,7 @@ class DeviceWindows:
         if len(missing):
             if missing[0] < state.cached_pages:
                 raise AssertionError("a request's window reaches a cached page whose window KV is not held")
-            pages, evicted = alloc_evicting(self.allocator, len(missing), 0,
-                                            self.tree.evict_windows if self.tree is not None else None)
-            if pages is None:
-                raise AssertionError(f"the window component cannot hold {len(missing)} pages within the "
-                                     "reserved budgets")
-            self.stats.evicted_window_pages += evicted
-            wp[missing] = pages
+            wp[missing] = self._alloc(len(missing))
         state.window_slots = pages_to_slots(wp, self.page_size)
         budget = self.footprint(max(new_tokens, later_tokens))
         if budget < state.window_budget:
@@ -152,6 +169,15 @@ class DeviceWindows:
         self._free_own(state, self.first_page(computed - computed % self.page_size))
 
     # ---- helpers ---------------------------------------------------------------------------
+    def _alloc(self, n: int) -> np.ndarray:
+        """``n`` window pages, tombstoning unlocked windows while they do not fit (the running
+        requests' budgets guarantee they do then)."""
+        pages, evicted = alloc_evicting(self.allocator, n, 0, self.tree.evict_windows if self.tree is not None else None)
+        if pages is None:
+            raise AssertionError(f"the window component cannot hold {n} pages within the reserved budgets")
+        self.stats.evicted_window_pages += evicted
+        return pages
+
     def _lock(self, state, end_page: int) -> None:
         if self.tree is None or end_page == 0:
             return

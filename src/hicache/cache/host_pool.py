@@ -33,17 +33,24 @@ LAYOUTS = ("layer_first", "page_first", "page_unified")
 
 class HostKVPool:
     def __init__(self, device_pool: DeviceKVPool, num_pages: int, layout: str = "layer_first",
-                 pin_memory: bool | None = None, cell_heads: int | None = None) -> None:
-        """``cell_heads``: page_unified only -- KV heads per storage object (0: an MLA latent)."""
+                 pin_memory: bool | None = None, cell_heads: int | None = None,
+                 layers: tuple[int, ...] | None = None) -> None:
+        """``cell_heads``: page_unified only -- KV heads per storage object (0: an MLA latent).
+        ``layers``: the device pool's layers this pool holds, in order (default: all); a hybrid
+        pool's full layers and its window layers each have a host pool of their own."""
         if layout not in LAYOUTS:
             raise ConfigError(f"--hicache-mem-layout must be one of {', '.join(LAYOUTS)}.")
         k0 = device_pool.k_buffers[0]
         self.layout = layout
         self.page_size = device_pool.page_size
-        self.num_layers = len(device_pool.k_buffers)
+        self.layers = tuple(range(len(device_pool.k_buffers))) if layers is None else tuple(layers)
+        self.num_layers = len(self.layers)
         self.num_pages = num_pages
         self.dtype = k0.dtype
-        self.bytes_per_page = device_pool.bytes_per_page
+        self.bytes_per_page = 2 * self.num_layers * self.page_size * k0[0].numel() * k0.element_size()
+        # A hybrid device pool's host pools: this one holds the full layers of every host page, this
+        # attribute the window layers' pool (its own page ids: checkpoints only). None otherwise.
+        self.window_pool: HostKVPool | None = None
         needed = self.bytes_per_page * num_pages
         available = available_host_memory()
         if needed > 0.9 * available:

@@ -9,6 +9,11 @@ node now has a host copy. Host eviction deletes unlocked, unprotected host-only 
 Units: page ids and counts are logical pages of the host pool unless named ``dev``; a host
 page mirrors one device page (same page size). Invariant: transfers are queued during a step
 and submitted once per step, one op per direction, in queue order.
+
+A hybrid pool (:mod:`.device_window`) has two host pools: its full layers' for every host page,
+its window layers' (``window_host``, pages from an allocator of their own) for the window of a
+backed-up node's end boundary only, the checkpoint a next turn needs; a load-back brings the
+window pages the hit's window reads with the rest.
 """
 
 from __future__ import annotations
@@ -31,8 +36,11 @@ logger = logging.getLogger(__name__)
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
-# One queued copy: device pages, host pages, and the node to unlock when its ack is consumed.
-_Item = tuple[np.ndarray, np.ndarray, TreeNode | None]
+EMPTY = np.zeros(0, dtype=np.int64)
+
+# One queued copy: device pages, host pages, device and host window pages (a hybrid pool's), and the
+# node to unlock when its ack is consumed.
+_Item = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, TreeNode | None]
 
 
 class HostTier:
@@ -48,8 +56,13 @@ class HostTier:
         copied with every page (see :class:`TransferController`)."""
         self.pool, self.host_pool, self.allocator, self.tree, self.stats = pool, host_pool, allocator, tree, stats
         self.shard = shard
-        self.controller = TransferController(pool, host_pool, shard, sidecars)
-        self.bytes_per_page = pool.bytes_per_page + sum(dev.bytes_per_page for dev, _ in sidecars)
+        window_host = host_pool.window_pool
+        self.controller = TransferController(pool, host_pool, shard, sidecars, window_host)
+        self.bytes_per_page = host_pool.bytes_per_page + sum(dev.bytes_per_page for dev, _ in sidecars)
+        self.window_host = window_host
+        self.window_allocator = PageAllocator(window_host.num_pages) if window_host is not None else None
+        if tree is not None and window_host is not None:
+            tree.host_window_allocator = self.window_allocator
         # Hits a node needs before it is backed up (write_back: only at eviction).
         self.backup_threshold = {"write_through": 1, "write_through_selective": write_through_threshold,
                                  "write_back": None}[write_policy]
@@ -57,6 +70,9 @@ class HostTier:
             tree.backup_on_evict = self.on_evict
         self.lower: Tier | None = None
         self._pending: dict[str, list[_Item]] = {BACKUP: [], LOAD: []}
+        # hybrid: the window span each in-flight backup window-locks (its device window pages must not be
+        # tombstoned and reused before the copy reads them), by node
+        self._backup_spans: dict[TreeNode, tuple[int, int]] = {}
 
     # ---- write policy --------------------------------------------------------------------
     def on_insert(self, node: TreeNode | None) -> None:
@@ -76,7 +92,12 @@ class HostTier:
                 continue
             self.tree.attach_host_pages(n, host)
             self.tree.inc_lock_ref(n)
-            self._pending[BACKUP].append((n.device_pages, host, n))
+            window = self._backup_windows(n)
+            if len(window[0]):  # the whole node: a lock from inside it would split it under this backup
+                end = self.tree.checkpoint_span(n)[0]
+                span = self._backup_spans[n] = (end, end - n.num_pages)
+                self.tree.lock_window(n, *span)
+            self._pending[BACKUP].append((n.device_pages, host, *window, n))
 
     def on_evict(self, node: TreeNode) -> bool:
         """write_back: copy an L1 victim to host before its device pages are freed."""
@@ -85,15 +106,45 @@ class HostTier:
             self.stats.backup_skipped_pages += node.num_pages
             return False
         self.tree.attach_host_pages(node, host)
-        op = self.controller.submit(BACKUP, node.device_pages, host, [])
+        op = self.controller.submit(BACKUP, node.device_pages, host, [], self._backup_windows(node))
         op.done.wait()
         return True
+
+    def _backup_windows(self, node: TreeNode) -> tuple[np.ndarray, np.ndarray]:
+        """Hybrid: host window pages for ``node``'s checkpoint (the window of its end boundary,
+        where the device holds it); the (device, host) window pages to copy. Without room (after
+        evicting host leaves) the host copy keeps tombstones there."""
+        if self.window_host is None:
+            return EMPTY, EMPTY
+        idx = self.tree.checkpoint_pages(node)
+        node.host_window_pages = np.zeros(node.num_pages, dtype=np.int64)
+        host, _ = alloc_evicting(self.window_allocator, len(idx), 0, self._evict_for_windows) if len(idx) \
+            else (EMPTY, 0)
+        if host is None:
+            self.stats.backup_skipped_window_pages += len(idx)
+            return EMPTY, EMPTY
+        node.host_window_pages[idx] = host
+        return node.window_pages[idx], host
+
+    def _evict_for_windows(self, num_pages: int) -> int:
+        """Delete host-only leaves holding window pages until ``num_pages`` of those are free."""
+        def take(node: TreeNode) -> int:
+            freed = int(np.count_nonzero(node.host_window_pages))
+            self.stats.evicted_host_pages += self._drop(node)
+            return freed
+        return self.tree.evict_leaves(num_pages, lambda n: _host_evictable_leaf(n) and n.host_window_pages is not None
+                                      and bool(np.count_nonzero(n.host_window_pages)), take)
 
     def load_back(self, nodes: list[TreeNode]) -> None:
         """Queue host->device copies into the device pages ``nodes`` (a path, in order) were
         just given; the deepest stays locked until the load's ack is consumed (its payload)."""
         for n in nodes:
-            self._pending[LOAD].append((n.device_pages, n.host_pages, n if n is nodes[-1] else None))
+            if n.window_pages is not None:  # hybrid: the windows DeviceWindows gave device pages to
+                idx = np.flatnonzero(n.window_pages)
+                window = (n.window_pages[idx], n.host_window_pages[idx])
+            else:
+                window = (EMPTY, EMPTY)
+            self._pending[LOAD].append((n.device_pages, n.host_pages, *window, n if n is nodes[-1] else None))
         self.tree.inc_lock_ref(nodes[-1])
 
     # ---- host pages ----------------------------------------------------------------------
@@ -126,9 +177,8 @@ class HostTier:
         """Submit this step's queued loads and backups, merged into one op per direction."""
         for kind, items in self._pending.items():
             if items:
-                dev = np.concatenate([d for d, _, _ in items])
-                host = np.concatenate([h for _, h, _ in items])
-                self.controller.submit(kind, dev, host, [n for _, _, n in items if n is not None])
+                dev, host, wdev, whost = (np.concatenate([item[i] for item in items]) for i in range(4))
+                self.controller.submit(kind, dev, host, [n for *_, n in items if n is not None], (wdev, whost))
                 items.clear()
 
     def ready_acks(self) -> AckCounts:
@@ -143,6 +193,8 @@ class HostTier:
         for kind, n in ((BACKUP, acks.backup), (LOAD, acks.load)):
             for op in self.controller.pop(kind, n):
                 for node in op.payload:
+                    if kind == BACKUP and node in self._backup_spans:
+                        self.tree.unlock_window(node, *self._backup_spans.pop(node))
                     self.tree.dec_lock_ref(node)
                     if kind == BACKUP and self.lower is not None:
                         self.lower.on_insert(node)
@@ -150,6 +202,8 @@ class HostTier:
 
     def _account(self, op: TransferOp) -> None:
         tokens, nbytes = op.num_pages * self.pool.page_size, op.num_pages * self.bytes_per_page
+        if self.window_host is not None:
+            nbytes += len(op.window_device_pages) * self.window_host.bytes_per_page
         if op.kind == BACKUP:
             self.stats.backup_tokens += tokens
             self.stats.backup_bytes += nbytes
@@ -166,13 +220,20 @@ class HostTier:
         self.controller.shutdown()
 
     def usage(self) -> dict:
-        return {
+        out = {
             "capacity_pages": self.allocator.capacity,
             "free_pages": self.allocator.available,
             "cached_pages": self.tree.host_pages_held,
             "layout": self.host_pool.layout,
             "host_pool_bytes": self.host_pool.total_bytes + sum(h.total_bytes for _, h in self.controller.pairs[1:]),
         }
+        if self.window_host is not None:
+            a = self.window_allocator
+            out["window"] = {"capacity_pages": a.capacity, "free_pages": a.available,
+                             "cached_pages": a.capacity - a.available, "page_bytes": self.window_host.bytes_per_page,
+                             "pool_bytes": self.window_host.total_bytes,
+                             "full_pool_bytes": self.host_pool.total_bytes}
+        return out
 
 
 def _host_evictable_leaf(node: TreeNode) -> bool:

@@ -53,6 +53,9 @@ class TransferOp:
     finish_time: float = 0.0
     error: Optional[BaseException] = None
     after_compute: Optional[object] = None  # CUDA event: the data's producer on the compute stream
+    # a hybrid pool's window layers: their device and host window pages (a subset of the pages: checkpoints)
+    window_device_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    window_host_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     @property
     def num_pages(self) -> int:
@@ -61,18 +64,28 @@ class TransferOp:
 
 class TransferController:
     def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool, shard: ShardView | None = None,
-                 sidecars: Sequence[tuple[DeviceKVPool, HostKVPool]] = ()) -> None:
+                 sidecars: Sequence[tuple[DeviceKVPool, HostKVPool]] = (),
+                 window_host: HostKVPool | None = None) -> None:
         """``shard``: page ids are logical and sharded; this rank copies the pages it holds
         (every rank runs every op, so acks and their order stay the same on all).
         ``sidecars``: more (device, host) pool pairs on the same page ids with rows of their own
         (a speculative draft's KV): an op copies their pages too, as layers after the target's,
-        with their own ready events (``wait_layer(num_target_layers + i)``)."""
+        with their own ready events (``wait_layer(num_target_layers + i)``). ``window_host``: a
+        hybrid pool's window layers' host pool (``host_pool`` then holds its full layers); those
+        layers copy an op's window pages."""
         self.device_pool = device_pool
         self.host_pool = host_pool
         self.shard = shard
         self.pairs = [(device_pool, host_pool), *sidecars]
-        # Global layer index -> (pool pair, its layer): the target's layers, then each sidecar's.
-        self._layers = [(i, layer) for i, (dev, _) in enumerate(self.pairs) for layer in range(len(dev.k_buffers))]
+        # Global layer index -> (pool pair, device layer, host layer): the target's layers (a hybrid
+        # pool's window layers on the window pair, the last), then each sidecar's.
+        self.window_pair = len(self.pairs) if window_host is not None else None
+        if window_host is not None:
+            self.pairs.append((device_pool, window_host))
+        target = [(0, i, host_pool.layers.index(i)) if i in host_pool.layers else
+                  (self.window_pair, i, window_host.layers.index(i)) for i in range(len(device_pool.k_buffers))]
+        self._layers = target + [(p, i, i) for p, (dev, _) in enumerate(self.pairs[1:len(sidecars) + 1], 1)
+                                 for i in range(len(dev.k_buffers))]
         self.num_layers = len(self._layers)
         self.cuda = device_pool.k_buffers[0].is_cuda
         self._ids = itertools.count()
@@ -84,7 +97,8 @@ class TransferController:
         # what a prefix hit is worth without the speculative draft's layers (runtime/speculative.py).
         self.load_layers: int | None = None
         self._staging_bufs: dict[tuple[str, int], torch.Tensor] = {}
-        self._views = [[self._page_views(pair, layer, kv) for kv in (0, 1)] for pair, layer in self._layers]
+        self._views = [[self._page_views(pair, layer, host_layer, kv) for kv in (0, 1)]
+                       for pair, layer, host_layer in self._layers]
         self._queues = {kind: queue.Queue() for kind in (BACKUP, LOAD)}
         self._inline = False  # see run_inline
         self._workers = [
@@ -96,11 +110,21 @@ class TransferController:
         # Workers must be joined before the interpreter tears torch down under them.
         atexit.register(self.shutdown)
 
+    @property
+    def sidecar_pairs(self) -> list[tuple[DeviceKVPool, HostKVPool]]:
+        """The (device, host) pools of the sidecars, in order (the window pair is not one)."""
+        return [p for i, p in enumerate(self.pairs) if 0 < i != self.window_pair]
+
     # ---- scheduler-thread API ------------------------------------------------------------
-    def submit(self, kind: str, device_pages: np.ndarray, host_pages: np.ndarray, payload: list) -> TransferOp:
+    def submit(self, kind: str, device_pages: np.ndarray, host_pages: np.ndarray, payload: list,
+               window: tuple[np.ndarray, np.ndarray] | None = None) -> TransferOp:
+        """``window``: a hybrid pool's (device, host) window pages the op copies too."""
         assert len(device_pages) == len(host_pages) > 0
         op = TransferOp(next(self._ids), kind, np.asarray(device_pages), np.asarray(host_pages), payload,
                         [threading.Event() for _ in range(self.num_layers)], submit_time=time.perf_counter())
+        if window is not None and len(window[0]):
+            assert self.window_pair is not None and len(window[0]) == len(window[1])
+            op.window_device_pages, op.window_host_pages = np.asarray(window[0]), np.asarray(window[1])
         if self.cuda:
             op.after_compute = torch.cuda.Event()
             op.after_compute.record(torch.cuda.current_stream(device_pool_device(self.device_pool)))
@@ -193,13 +217,17 @@ class TransferController:
             if not np.array_equal(mine, self.shard.owned(host_pages)):
                 raise RuntimeError(f"{op.kind} {op.op_id}: a device page and its host page have different owners")
             dev_pages, host_pages = self.shard.local(dev_pages[mine]), self.shard.local(host_pages[mine])
-        plan = PagePlan(dev_pages, host_pages) if backup else PagePlan(host_pages, dev_pages)
-        for layer, (pair, _) in enumerate(self._layers):
+        full_plan = PagePlan(dev_pages, host_pages) if backup else PagePlan(host_pages, dev_pages)
+        window = (op.window_device_pages, op.window_host_pages)[::1 if backup else -1]
+        window_plan = PagePlan(*window) if len(op.window_device_pages) else None
+        for layer, (pair, _, _) in enumerate(self._layers):
             if self.delay_fn is not None:
                 time.sleep(self.delay_fn(op, layer))
-            if not backup and self.load_layers is not None and layer >= self.load_layers:
+            if (not backup and self.load_layers is not None and layer >= self.load_layers) or (
+                    pair == self.window_pair and window_plan is None):
                 op.layer_done[layer].set()
                 continue
+            plan = window_plan if pair == self.window_pair else full_plan
             # On CUDA the gather (pages outside consecutive runs) lands in a buffer this worker
             # reuses, on the source side of the copy; CPU copies need none.
             staging = self._staging(op.kind, pair, len(plan.src_rest), backup) if self.cuda and len(plan.src_rest) \
@@ -211,12 +239,13 @@ class TransferController:
                 stream.synchronize()
             op.layer_done[layer].set()
 
-    def _page_views(self, pair: int, layer: int, kv: int) -> tuple[PageBuf, PageBuf]:
-        """Pool pair ``pair``'s layer ``layer``, K (0) or V (1) pages on device and host, made
-        once (the buffers never move); as numpy page items on CPU, where copies run through numpy."""
+    def _page_views(self, pair: int, layer: int, host_layer: int, kv: int) -> tuple[PageBuf, PageBuf]:
+        """Pool pair ``pair``'s device ``layer`` (its host pool's ``host_layer``), K (0) or V (1)
+        pages on device and host, made once (the buffers never move); as numpy page items on
+        CPU, where copies run through numpy."""
         device_pool, host_pool = self.pairs[pair]
         bufs = device_pool.k_buffers if kv == 0 else device_pool.v_buffers
-        host = host_pool.page_view(layer, kv)
+        host = host_pool.page_view(host_layer, kv)
         dev = device_page_view(bufs[layer], device_pool.page_size)
         dev = dev.view(dev.shape[0], *host.shape[1:])  # head groups split out as the host has them
         return (dev, host) if self.cuda else cpu_page_arrays(dev, host)
@@ -229,7 +258,7 @@ class TransferController:
         if buf is None or buf.shape[0] < num_pages:
             device_pool, host_pool = self.pairs[pair]
             like = device_pool.k_buffers[0] if backup else host_pool.buffer
-            first_layer = next(i for i, (p, _) in enumerate(self._layers) if p == pair)
+            first_layer = next(i for i, (p, _, _) in enumerate(self._layers) if p == pair)
             row = self._views[first_layer][0][0].shape[1:]
             buf = torch.empty((num_pages, *row), dtype=like.dtype, device=like.device)
             self._staging_bufs[(kind, pair)] = buf

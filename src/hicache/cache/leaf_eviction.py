@@ -35,6 +35,7 @@ class LeafEviction:
     evicted_pages_total: int
     window: int
     _drop_window: Callable[[TreeNode], int]
+    _drop_host_window: Callable[[TreeNode], None]
     _all_nodes: Callable[[], Iterator[TreeNode]]
     _page_key: Callable[[np.ndarray, int], bytes]
     observer: "TreeObserver | None"
@@ -115,4 +116,5 @@ class LeafEviction:
                 self.host_allocator.free(n.host_pages)
                 self.host_pages_held -= len(n.host_pages)
                 n.host_pages = None
+                self._drop_host_window(n)
             stack.extend(n.children.values())

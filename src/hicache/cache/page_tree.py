@@ -87,6 +87,9 @@ class PageTree:
             upper.host_pages, node.host_pages = node.host_pages[:pages_at], node.host_pages[pages_at:]
         if node.window_pages is not None:
             upper.window_pages, node.window_pages = node.window_pages[:pages_at], node.window_pages[pages_at:]
+        if node.host_window_pages is not None:
+            upper.host_window_pages = node.host_window_pages[:pages_at]
+            node.host_window_pages = node.host_window_pages[pages_at:]
         if node.hash_values is not None:
             upper.hash_values, node.hash_values = node.hash_values[:pages_at], node.hash_values[pages_at:]
         node.parent.children[self._page_key(upper.key, 0)] = upper

@@ -88,10 +88,10 @@ class RadixCache(PageTree, LeafEviction, WindowTombstones):
             if k < len(child.key):  # the match ends inside this node
                 break
         if self.window:
-            usable = self._cut_to_window(path, device)
-            if usable < device or host:  # lower tiers hold no window KV yet: a hybrid hit is the device's
+            usable = self._cut_to_window(path, device, host)
+            if usable < device + host:
                 path, n = self._path_to(path, usable)
-                device, host = usable, 0
+                device, host = min(device, usable), max(0, usable - device)
         return path, device, host, n
 
     def _path_to(self, path: list[TreeNode], tokens: int) -> tuple[list[TreeNode], int]:
@@ -253,6 +253,8 @@ class RadixCache(PageTree, LeafEviction, WindowTombstones):
         """Give a host-only node device pages (a load-back into them is in flight)."""
         assert node.device_pages is None and len(device_pages) * self.page_size == len(node.key)
         node.device_pages = device_pages
+        if self.window:  # its window pages come with the load, where it brings them (DeviceWindows)
+            node.window_pages = np.zeros(len(device_pages), dtype=np.int64)
         self._count(node, +1)
 
     def reset(self) -> None:
@@ -265,6 +267,7 @@ class RadixCache(PageTree, LeafEviction, WindowTombstones):
                 self._drop_window(node)
             if not node.is_root and node.host_pages is not None:
                 self.host_allocator.free(node.host_pages)
+                self._drop_host_window(node)
         self._roots.clear()
         if self.observer is not None:
             self.observer.on_reset()

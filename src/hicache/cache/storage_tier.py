@@ -78,7 +78,7 @@ class StorageTier:
         self.page_size = keys.page_size
         if objects is None:  # one object per page; sidecar KV (a speculative draft's): "<key>-sidecar1", ...
             objects = [WholePage(host.host_pool)] + [
-                WholePage(h, f"-sidecar{i}") for i, (_, h) in enumerate(host.controller.pairs[1:], start=1)]
+                WholePage(h, f"-sidecar{i}") for i, (_, h) in enumerate(host.controller.sidecar_pairs, start=1)]
             objects = (objects, objects)
         self.controller = StorageController(backend, host.host_pool, *(agree or ()), op_timeout=op_timeout,
                                             reads=objects[0], writes=objects[1])

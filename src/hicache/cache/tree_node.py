@@ -22,7 +22,7 @@ class TreeNode:
     __slots__ = (
         "id", "namespace", "key", "parent", "children", "device_pages", "host_pages",
         "hash_values", "stored", "lock_ref", "host_ref", "last_access", "hit_count", "window_pages",
-        "window_lock_ref",
+        "window_lock_ref", "host_window_pages",
     )
 
     def __init__(self, node_id: int, namespace: str, key: np.ndarray, parent: "TreeNode | None") -> None:
@@ -44,6 +44,8 @@ class TreeNode:
         # running requests whose window reaches into this node: its window pages are not evicted. Unlike
         # lock_ref it is not path-wide: a request locks just the nodes its window covers (whole nodes).
         self.window_lock_ref = 0
+        # hybrid host tier: host window page per host page (0: none; the host keeps checkpoints' only)
+        self.host_window_pages: np.ndarray | None = None
 
     @property
     def held_window_pages(self) -> int:
@@ -94,10 +96,17 @@ def check_nodes(nodes: Iterable[TreeNode], page_size: int) -> tuple[int, int, in
     seen_pages: set[int] = set()
     seen_host: set[int] = set()
     seen_window: set[int] = set()
+    seen_host_window: set[int] = set()
     for node in nodes:
         if node.is_root:
             continue
         _check_window(node, seen_window)
+        if node.host_window_pages is not None:
+            assert node.host_pages is not None and len(node.host_window_pages) == len(node.host_pages), \
+                f"{node}: host window pages without host pages"
+            for p in node.host_window_pages[node.host_window_pages != 0].tolist():
+                assert p not in seen_host_window, f"{node}: host window page {p} shared"
+                seen_host_window.add(p)
         assert len(node.key) > 0 and len(node.key) % page_size == 0, f"{node}: key not whole pages"
         if node.device_pages is not None:
             _check_pages(node, node.device_pages, seen_pages, page_size, "device")

@@ -68,24 +68,50 @@ class WindowTombstones:
         self.window_allocator = window_allocator
         self.window_pages_held = 0
         self.evicted_window_pages_total = 0
+        self.host_window_allocator: PageAllocator | None = None  # set by a hybrid host tier
+
+    def _drop_host_window(self, node: TreeNode) -> None:
+        """Free ``node``'s host window pages (its host copy is gone)."""
+        if node.host_window_pages is not None:
+            self.host_window_allocator.free(node.host_window_pages[node.host_window_pages != 0])
+            node.host_window_pages = None
 
     def window_first_page(self, boundary_tokens: int) -> int:
         return window_first_page(boundary_tokens, self.window, self.page_size)
 
     # ---- matching ------------------------------------------------------------------------
-    def _cut_to_window(self, path: list[TreeNode], device_tokens: int) -> int:
-        """Device tokens of the path's leading device run that a request may use: the run cut
-        back to its last boundary whose window is held."""
-        if not self.window or device_tokens == 0:
-            return device_tokens
-        held, need = [], device_tokens // self.page_size
+    def _cut_to_window(self, path: list[TreeNode], device_tokens: int, host_tokens: int) -> int:
+        """Tokens of the path's match (its leading device run, then host-only tokens) that a
+        request may use: cut back to the last boundary whose window is held (on the device in the
+        device run, on the host after it)."""
+        total = (device_tokens + host_tokens) // self.page_size
+        if total == 0:
+            return 0
+        held, pos, device = [], 0, device_tokens // self.page_size
         for node in path:
-            if need <= 0:
+            if pos >= total:
                 break
-            pages = node.window_pages if node.window_pages is not None else np.zeros(node.num_pages, dtype=np.int64)
-            held.append(pages[:need] != 0)
-            need -= node.num_pages
+            pages = node.window_pages if pos < device else node.host_window_pages
+            n = min(len(node.key) // self.page_size, total - pos)
+            held.append(pages[:n] != 0 if pages is not None else np.zeros(n, dtype=bool))
+            pos += n
         return usable_boundary(np.concatenate(held), self.window, self.page_size) * self.page_size
+
+    def checkpoint_span(self, node: TreeNode) -> tuple[int, int]:
+        """(end page, first page) of the window of ``node``'s end boundary, cut to the node."""
+        end, n = 0, node
+        while not n.is_root:
+            end += len(n.key) // self.page_size
+            n = n.parent
+        return end, max(self.window_first_page(end * self.page_size), end - len(node.key) // self.page_size)
+
+    def checkpoint_pages(self, node: TreeNode) -> np.ndarray:
+        """Indices of ``node``'s pages inside the window of its end boundary whose window KV the
+        device holds: what a host copy of the node keeps of the window layers."""
+        end, first = self.checkpoint_span(node)
+        start = end - len(node.key) // self.page_size
+        idx = np.arange(first, end) - start
+        return idx[node.window_pages[idx] != 0] if node.window_pages is not None else idx[:0]
 
     # ---- locks ---------------------------------------------------------------------------
     def lock_window(self, node: TreeNode, end_page: int, first_page: int) -> None:

@@ -188,6 +188,13 @@ def _host_pool(cfg: EngineConfig, pool: DeviceKVPool, host_pages: int, grid: Sto
     page_unified, whatever --hicache-mem-layout says, so each object is a slice of a page."""
     if not cfg.enable_hierarchical_cache:
         return None
+    if pool.hybrid:  # full layers for every host page, window layers for checkpoints (pages of their own)
+        window_layers = sorted(pool.window_layers)
+        host = HostKVPool(pool, host_pages, cfg.hicache_mem_layout,
+                          layers=tuple(i for i in range(len(pool.k_buffers)) if i not in pool.window_layers))
+        window_pages = max(int(cfg.swa_full_tokens_ratio * (host_pages - 1)), 1) + 1
+        host.window_pool = HostKVPool(pool, window_pages, cfg.hicache_mem_layout, layers=tuple(window_layers))
+        return host
     if grid is None:
         return HostKVPool(pool, host_pages, cfg.hicache_mem_layout)
     logger.info("host KV pool layout page_unified (--hicache-mem-layout %s set aside): the unified key scheme "

@@ -1,0 +1,198 @@
+"""A hybrid model's window-aware KV pool against keeping every layer's KV, at the same pool bytes, side
+by side in one run (issue 48). Gemma 3 270M's geometry: 18 layers (15 attend a 512-token window), one
+KV head of 256, float16 KV, pages of 16 tokens.
+
+    python benchmarks/bench_hybrid.py [--pool-mib 256] [--ttft] [--agents 4 --turns 5]
+
+1. **Memory**: cached tokens held per GiB of device pool with 4K- and 8K-token contexts. Distinct
+   contexts are served (prefill + one token) until the pool has overflowed twice; then each is probed
+   (``peek_prefix``: what a next turn would hit, window cut-back included). The window-aware pool gets
+   the ratio such contexts need (a checkpoint window per context).
+2. **Hit ratio vs pool use**: agents whose conversations grow past 4K tokens, turn by turn, round
+   robin, in a pool that cannot hold them all: the hit ratio of each slice of requests beside how full
+   the pool's full-layer pages are (the shape of vLLM #48435: does it collapse as the pool fills?).
+Both run the engine's real cache manager and scheduler (the model's forward replaced by a no-op:
+capacity and hits do not depend on the numbers it computes).
+3. ``--ttft``: the same conversations on the real Gemma 3 270M (a smaller pool), mean TTFT and hit
+   ratio per layout, and whether the outputs are token-equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from hicache.cache.device_window import window_footprint  # noqa: E402
+from hicache.cache.manager import KVCacheManager  # noqa: E402
+from hicache.cache.pools import DeviceKVPool  # noqa: E402
+from hicache.runtime.hybrid_pool import HybridPlan  # noqa: E402
+from hicache.runtime.request import Request, Status  # noqa: E402
+from hicache.runtime.sampling import SamplingParams  # noqa: E402
+from hicache.runtime.scheduler import Scheduler  # noqa: E402
+from hicache.runtime.step import StepDriver  # noqa: E402
+
+LAYERS, WINDOW_LAYERS, ROW, PAGE, WINDOW = 18, frozenset(i for i in range(18) if i % 6 != 5), 2 * 256 * 2, 16, 512
+CHUNK = 2048
+ONE = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+
+
+def no_forward(input_ids, prefix_lens, context_slots, hidden=None, logits="last", window_slots=None):
+    return torch.zeros(len(input_ids), 1)
+
+
+class CacheOnly:
+    """The cache manager and scheduler of an engine over Gemma 3 270M's pool geometry; ``ratio`` None
+    keeps every layer's KV. Pools are sized for ``pool_bytes``."""
+
+    def __init__(self, pool_bytes: int, ratio: float | None) -> None:
+        full_page, window_page = ROW * PAGE * (LAYERS - len(WINDOW_LAYERS)), ROW * PAGE * len(WINDOW_LAYERS)
+        if ratio is None:
+            pages, window_pages, chunk, layers = int(pool_bytes // (full_page + window_page)) + 1, 0, CHUNK, frozenset()
+        else:
+            plan = HybridPlan(WINDOW, WINDOW_LAYERS, ratio, PAGE)
+            pages = int(pool_bytes // plan.page_cost(full_page, window_page)) + 1
+            window_pages = plan.window_pages(pages)
+            chunk, layers = plan.prefill_chunk(window_pages, CHUNK), WINDOW_LAYERS
+        self.pool = DeviceKVPool(LAYERS, 1, 256, pages, PAGE, torch.float16, "cpu", layers, window_pages,
+                                 WINDOW if window_pages else 0)
+        self.cache = KVCacheManager(self.pool)
+        self.scheduler = Scheduler(self.cache, lambda ids: "", set(), chunk, max_running_requests=1)
+        self.driver = StepDriver(self.scheduler, no_forward)
+        self.rid = 0
+
+    def serve(self, tokens: list[int]) -> int:
+        """Serve one prompt to its first token; its hit tokens."""
+        self.rid += 1
+        req = Request(self.rid, list(tokens), ONE, "bench", max_new_tokens=1)
+        self.scheduler.add(req)
+        while req.status is not Status.FINISHED:
+            self.driver.step()
+        return req.cached["device"]
+
+    def held(self, tokens: list[int]) -> int:
+        """Tokens of ``tokens`` a next request would hit (whole pages, window cut-back included)."""
+        return self.cache.tree.peek_prefix("bench", np.asarray(tokens, dtype=np.int32)).device_hit_tokens
+
+    def full_use(self) -> float:
+        a = self.cache.allocator
+        return 1 - a.available / a.capacity
+
+
+def memory(pool_mib: int, contexts: tuple[int, ...]) -> None:
+    print(f"1. cached tokens held per GiB of device pool ({pool_mib} MiB pools, Gemma 3 270M geometry)")
+    print(f"   {'context':>8} {'every layer':>12} {'window-aware':>13} {'ratio':>6} {'swa/full':>9} "
+          f"{'checkpoints only':>17}")
+    rng = np.random.default_rng(0)
+    full, window = ROW * (LAYERS - len(WINDOW_LAYERS)), ROW * len(WINDOW_LAYERS)
+    checkpoint = (-(-(WINDOW - 1) // PAGE) + 2) * PAGE  # the window pages a finished context keeps
+    for length in contexts:
+        # window tokens per full token: a checkpoint per context, and one running request's working set
+        # (its prefill chunk's window pages) on top
+        full_tokens = pool_mib * 2**20 / (full + window * checkpoint / length)
+        working = window_footprint(WINDOW, PAGE, CHUNK) * PAGE
+        ratio = checkpoint / length + working / full_tokens
+        per_gib = []
+        for r in (None, ratio):
+            engine = CacheOnly(pool_mib * 2**20, r)
+            capacity_tokens = (engine.pool.num_pages - 1) * PAGE
+            served = [rng.integers(10, 50_000, size=length).tolist()
+                      for _ in range(2 * capacity_tokens // length + 2)]
+            for tokens in served:
+                engine.serve(tokens)
+            held = sum(engine.held(t) for t in served)
+            per_gib.append(held / (engine.pool.total_bytes / 2**30))
+        expected = (full + window) / (full + window * checkpoint / length)
+        print(f"   {length:>8} {per_gib[0]:>12,.0f} {per_gib[1]:>13,.0f} {per_gib[1] / per_gib[0]:>5.2f}x "
+              f"{ratio:>9.3f} {expected:>16.2f}x")
+
+
+def agent_prompts(agents: int, turns: int, start: int, growth: int, seed: int = 1) -> list[tuple[int, list[int]]]:
+    """Round robin over ``agents`` conversations: each turn the history + an answer + a new message
+    (``growth`` tokens in all), from ``start`` tokens. Returns (agent, prompt) in arrival order."""
+    rng = np.random.default_rng(seed)
+    histories = [rng.integers(10, 50_000, size=start).tolist() for _ in range(agents)]
+    out = []
+    for _ in range(turns):
+        for a in range(agents):
+            out.append((a, list(histories[a])))
+            histories[a] = histories[a] + rng.integers(10, 50_000, size=growth).tolist()
+    return out
+
+
+def hit_vs_use(pool_mib: int, agents: int, turns: int, ratio: float) -> None:
+    prompts = agent_prompts(agents, turns, start=2048, growth=512)
+    print(f"\n2. hit ratio vs pool use: {agents} agents x {turns} turns (2K -> {2048 + 512 * (turns - 1)} tokens), "
+          f"{pool_mib} MiB pools, window-aware at --swa-full-tokens-ratio {ratio}")
+    rows = {}
+    for name, r in (("every layer", None), ("window-aware", ratio)):
+        engine = CacheOnly(pool_mib * 2**20, r)
+        rows[name] = []
+        for _, tokens in prompts:
+            use = engine.full_use()
+            rows[name].append((use, engine.serve(tokens), len(tokens)))
+    size = max(1, len(prompts) // 8)
+    print(f"   {'requests':>9} | {'every layer: pool use, hits':>28} | {'window-aware: pool use, hits':>29}")
+    for i in range(0, len(prompts), size):
+        cells = []
+        for name in rows:
+            part = rows[name][i:i + size]
+            cells.append(f"{statistics.mean(u for u, _, _ in part):>6.0%} {sum(h for _, h, _ in part) / sum(n for _, _, n in part):>6.0%}")
+        print(f"   {i + 1:>4}-{min(i + size, len(prompts)):<4} | {cells[0]:>28} | {cells[1]:>29}")
+    for name, data in rows.items():
+        print(f"   {name}: hit ratio {sum(h for _, h, _ in data) / sum(n for _, _, n in data):.1%}")
+
+
+def ttft(agents: int, turns: int, pool_mib: int, ratio: float) -> None:
+    from hicache import Engine
+
+    prompts = agent_prompts(agents, turns, start=1536, growth=512, seed=2)
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    every_tokens = pool_mib * 2**20 // (ROW * LAYERS)
+    print(f"\n3. TTFT on Gemma 3 270M: {agents} agents x {turns} turns (1.5K -> {1536 + 512 * (turns - 1)} tokens), "
+          f"{pool_mib} MiB pools ({every_tokens} tokens keeping every layer)")
+    results = {}
+    for name, opts in (("every layer", dict(disable_hybrid_swa_memory=True, max_total_tokens=every_tokens)),
+                       ("window-aware", dict(swa_full_tokens_ratio=ratio, max_total_tokens=int(
+                           pool_mib * 2**20 // (ROW * (LAYERS - len(WINDOW_LAYERS)) + ratio * ROW * len(WINDOW_LAYERS))
+                       )))):
+        engine = Engine("gemma3-270m", **opts)
+        results[name] = [engine.generate([tokens], greedy)[0] for _, tokens in prompts]
+        pool = engine.stats()["device_pool"]
+        engine.shutdown()
+        rs = results[name]
+        print(f"   {name:>12}: pool {pool['device_pool_bytes'] / 2**20:.0f} MiB, hit ratio "
+              f"{sum(r.cached_tokens for r in rs) / sum(r.prompt_tokens for r in rs):.1%}, mean TTFT "
+              f"{statistics.mean(r.ttft_s for r in rs):.3f} s, median {statistics.median(r.ttft_s for r in rs):.3f} s")
+    same = [a.output_ids for a in results["every layer"]] == [b.output_ids for b in results["window-aware"]]
+    print(f"   outputs token-equal: {same}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pool-mib", type=int, default=1024)
+    ap.add_argument("--agent-pool-mib", type=int, default=256)
+    ap.add_argument("--agents", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--ratio", type=float, default=0.25, help="--swa-full-tokens-ratio of parts 2 and 3")
+    ap.add_argument("--ttft", action="store_true", help="also part 3 (the real model; minutes on a CPU)")
+    ap.add_argument("--ttft-pool-mib", type=int, default=128)
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    memory(args.pool_mib, (4096, 8192))
+    hit_vs_use(args.agent_pool_mib, args.agents, args.turns, args.ratio)
+    if args.ttft:
+        ttft(4, 5, args.ttft_pool_mib, args.ratio)
+    print(f"\n({time.perf_counter() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
