@@ -10,6 +10,9 @@ of the pool that keeps every layer's KV."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -279,3 +282,46 @@ def test_host_tier_keeps_full_layers_of_every_page_and_windows_of_checkpoints(ev
     assert spans and all(spans)  # host windows only inside each node's end window
     window = stats["host_pool"]["window"]
     assert 0 < window["cached_pages"] < stats["host_pool"]["cached_pages"]
+
+
+def stored(path, **options) -> dict:
+    """A small device pool over a host tier over a file store at ``path``."""
+    return dict(BASE, max_total_tokens=160, enable_hierarchical_cache=True, hicache_ratio=1.0,
+                hicache_storage_backend="file", hicache_storage_backend_extra_config=json.dumps({"path": str(path)}),
+                hicache_storage_prefetch_threshold=PS, **options)
+
+
+def object_files(path) -> tuple[list[Path], list[Path]]:
+    files = [f for f in Path(path).rglob("*") if f.is_file()]
+    return [f for f in files if not f.name.endswith("-window")], [f for f in files if f.name.endswith("-window")]
+
+
+@pytest.mark.storage
+def test_storage_holds_full_objects_and_checkpoint_windows_a_new_process_reads_exactly(tmp_path, every_layer) -> None:
+    """Conversations written through to a file store; a fresh engine (nothing in L1 / L2) serves them from it
+    with the every-layer pool's tokens. Full objects hold the full layer only, window objects (5 sliding
+    layers) exist for checkpoint pages only, and every-layer objects and these never read each other."""
+    conversations(Engine(MODEL, **stored(tmp_path / "hybrid")))
+    fresh = Engine(MODEL, **stored(tmp_path / "hybrid"))
+    outputs, _ = conversations(fresh, keep=True)
+    storage_hits = fresh.stats()["hit_tokens"]["storage"]
+    fresh.shutdown()
+    assert outputs == every_layer[0] and storage_hits > 0
+    full, window = object_files(tmp_path / "hybrid")
+    # windows of checkpoint pages only: fewer, each beside its page's full object (8-token windows of 4-token
+    # pages make a checkpoint 2-3 pages of these ~70-token conversations)
+    assert 0 < len(window) < len(full)
+    assert {f.name.removesuffix("-window") for f in window} <= {f.name for f in full}
+    conversations(Engine(MODEL, disable_hybrid_swa_memory=True, **stored(tmp_path / "every")))
+    every, none = object_files(tmp_path / "every")
+    assert not none
+    # the same header, then the payload: 6 layers (every layer), 1 (full), 5 (window)
+    e, f, w = every[0].stat().st_size, full[0].stat().st_size, window[0].stat().st_size
+    assert (e - f) * 4 == (w - f) * 5 and w > f
+    # an every-layer reader of the hybrid store (and the other way round) finds nothing it could misread
+    other = Engine(MODEL, disable_hybrid_swa_memory=True, **stored(tmp_path / "hybrid"))
+    assert conversations(other, keep=True)[0] == every_layer[0] and other.stats()["hit_tokens"]["storage"] == 0
+    other.shutdown()
+    other = Engine(MODEL, **stored(tmp_path / "every"))
+    assert conversations(other, keep=True)[0] == every_layer[0] and other.stats()["hit_tokens"]["storage"] == 0
+    other.shutdown()

@@ -276,7 +276,7 @@ def test_wait_complete_stops_waiting_once_the_breaker_opens(tmp_path: Path, refe
     engine.cache.storage.backend = fb
     ops = []
     prefetch = engine.cache.storage.prefetch
-    engine.cache.storage.prefetch = lambda *a: ops.append(prefetch(*a)) or ops[-1]
+    engine.cache.storage.prefetch = lambda *a, **k: ops.append(prefetch(*a, **k)) or ops[-1]
     try:
         for p in OTHERS[:3]:  # the hung calls time out (0.2 s each) until the breaker opens
             assert engine.generate([p], GREEDY)[0].output_ids == reference[tuple(p)]

@@ -28,7 +28,7 @@ from .host_transfer import TransferController
 from .placement import PagePlacement, ShardedPageAllocator, ShardView
 from .pools import DeviceKVPool, PageAllocator
 from .storage.base import StorageBackend
-from .storage.keys import KeyNamespace
+from .storage.keys import OBJECT_LAYOUT_V1, KeyNamespace
 from .storage.page_objects import DRAFT_PREFIX, GridCell
 from .storage.prefetch_backup import Agree, PrefetchOp
 from .storage.unified import UnifiedPlan
@@ -108,6 +108,11 @@ def _key_namespace(pool: DeviceKVPool, shard: str, unified: UnifiedPlan | None) 
     """What names this rank's page objects: its own layers and KV heads (rank-suffix), or the
     whole model's grid (unified: the same on every rank of every compatible deployment)."""
     k = pool.k_buffers[0]
+    if unified is None and pool.hybrid:
+        # a hybrid pool's objects: full layers (the page object), window layers (checkpoints' "-window"
+        # objects): a namespace of their own, so every-layer objects are never read as these
+        return KeyNamespace(pool.page_size, str(k.dtype), tuple(k.shape[1:]), len(pool.k_buffers) - len(
+            pool.window_layers), shard, f"{OBJECT_LAYOUT_V1};window={pool.window}x{len(pool.window_layers)}")
     if unified is None:
         return KeyNamespace(pool.page_size, str(k.dtype), tuple(k.shape[1:]), len(pool.k_buffers), shard)
     return unified.key_namespace(pool.page_size, str(k.dtype), k.shape[2])

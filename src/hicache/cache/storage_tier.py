@@ -27,7 +27,7 @@ import numpy as np
 from .acks import AckCounts
 from .host_tier import HostTier
 from .host_transfer import leading_done
-from .placement import ShardView, path_anchor
+from .placement import ShardView, alloc_evicting, path_anchor
 from .storage.base import StorageBackend
 from .storage.keys import KeyNamespace, continue_chain, page_hashes
 from .storage.page_objects import PageObject, WholePage
@@ -80,14 +80,18 @@ class StorageTier:
             objects = [WholePage(host.host_pool)] + [
                 WholePage(h, f"-sidecar{i}") for i, (_, h) in enumerate(host.controller.sidecar_pairs, start=1)]
             objects = (objects, objects)
+        # hybrid: a checkpoint page's window layers in an object of their own, "<key>-window"
+        window = WholePage(host.window_host, "-window") if host.window_host is not None else None
         self.controller = StorageController(backend, host.host_pool, *(agree or ()), op_timeout=op_timeout,
-                                            reads=objects[0], writes=objects[1])
+                                            reads=objects[0], writes=objects[1], window=window,
+                                            window_pages=self._window_span if window is not None else None)
         self.prefetch_threshold = prefetch_threshold
         # At most this many host pages may be held by prefetches at once.
         self.prefetch_page_limit = int(prefetch_max_host_fraction * host.allocator.capacity)
         self.prefetch_held_pages = 0
         # Stopped prefetches whose reader may still write their unused host pages.
         self._stopped: deque[tuple[PrefetchOp, np.ndarray]] = deque()
+        self._stopped_windows: dict[int, np.ndarray] = {}  # hybrid: their reserved window pages, by op id
 
     # ---- prefetch ------------------------------------------------------------------------
     def start_prefetch(self, namespace: str, tokens: np.ndarray) -> PrefetchOp | None:
@@ -105,15 +109,27 @@ class StorageTier:
         if host is None:
             return None
         hashes = page_hashes(tokens[start * self.page_size : (start + tail) * self.page_size], self.page_size, prev)
+        window = self._reserve_window(start + tail)
         if self.shard is None:
-            op = self.controller.prefetch(namespace, digest, hashes, host)
+            op = self.controller.prefetch(namespace, digest, hashes, host, start_page=start, window_host_pages=window)
         else:
             op = self.controller.prefetch(namespace, digest, hashes, host, self.shard.owned_indices(host),
-                                          self.shard.local(host))
-        op.start_page = start
+                                          self.shard.local(host), start)
         self.prefetch_held_pages += tail
         logger.debug("prefetch op=%d pages=%d from page %d", op.op_id, tail, start)
         return op
+
+    def _window_span(self, end_page: int) -> int:
+        """Pages before a boundary of ``end_page`` pages that its window reads."""
+        return end_page - self.tree.window_first_page(end_page * self.page_size)
+
+    def _reserve_window(self, end_page: int) -> np.ndarray | None:
+        """Hybrid: host window pages for the window of the prefetch's end (None: none, or no room)."""
+        if self.host.window_host is None:
+            return None
+        pages, _ = alloc_evicting(self.host.window_allocator, self._window_span(end_page), 0,
+                                  self.host._evict_for_windows)
+        return pages
 
     def _anchor(self, node: TreeNode | None) -> int:
         """Sharded: the first-page owner of the path ending at ``node`` (prefetched pages continue
@@ -133,6 +149,8 @@ class StorageTier:
             taken_from = self.tree.insert_host(op.namespace, tokens[: (op.start_page + done) * ps],
                                                op.host_pages[:done], op.start_page, op.hashes[:done])
         self.host.allocator.free(op.host_pages[:taken_from])
+        if op.window_host_pages is not None:
+            self._place_window(op, tokens, taken_from)
         self.prefetch_held_pages -= done
         self.controller.stats.prefetched_pages += done
         self.controller.stats.prefetch_bytes += done * self.host.bytes_per_page
@@ -140,6 +158,23 @@ class StorageTier:
         # reader knows whether the store answered.
         self._stopped.append((op, op.host_pages[done:]))
         return (done - taken_from) * ps if taken_from < done else 0
+
+    def _place_window(self, op: PrefetchOp, tokens: np.ndarray, taken_from: int) -> None:
+        """Hybrid: the window pages a finished read brought go to the new host-only leaf (for its
+        pages the tree took); the rest are freed, once the reader is surely done with them."""
+        pages = op.window_host_pages
+        if not (op.final_applied and op.window_from >= 0):  # the reader may still write them: freed when reaped
+            self._stopped_windows[op.op_id] = pages
+            return
+        keep = np.zeros(len(pages), dtype=bool)
+        done = op.completed
+        if taken_from < done:
+            leaf = self.tree.node_at(op.namespace, tokens[: (op.start_page + done) * self.page_size])
+            leaf.host_window_pages = np.zeros(len(leaf.host_pages), dtype=np.int64)  # a new host-only leaf
+            rel = np.arange(op.window_from, done)  # op-relative pages the window objects were read for
+            keep[: len(rel)] = rel >= taken_from
+            leaf.host_window_pages[rel[keep[: len(rel)]] - taken_from] = pages[keep]
+        self.host.window_allocator.free(pages[~keep])
 
     def _joins_rotation(self, op: PrefetchOp, tokens: np.ndarray) -> bool:
         """Sharded: whether the prefetched pages continue the rotation of the path the tree holds
@@ -161,6 +196,9 @@ class StorageTier:
                 self.controller.stats.fail(op.failure)
             self.host.allocator.free(unused)
             self.prefetch_held_pages -= len(unused)
+            window = self._stopped_windows.pop(op.op_id, None)
+            if window is not None:
+                self.host.window_allocator.free(window)
 
     # ---- backups -------------------------------------------------------------------------
     def on_insert(self, node: TreeNode | None) -> None:
@@ -176,7 +214,11 @@ class StorageTier:
             self.tree.inc_host_ref(n)
             hashes = list(node_hashes(n, self.keys))
             if self.shard is None:
-                self.controller.backup(self.keys.digest(n.namespace), hashes, n.host_pages.copy(), [n])
+                window = None
+                if n.host_window_pages is not None:  # hybrid: the checkpoint pages' window objects too
+                    idx = np.flatnonzero(n.host_window_pages)
+                    window = (idx, n.host_window_pages[idx].copy())
+                self.controller.backup(self.keys.digest(n.namespace), hashes, n.host_pages.copy(), [n], window=window)
             else:
                 owned = self.shard.owned_indices(n.host_pages)
                 self.controller.backup(self.keys.digest(n.namespace), hashes, self.shard.local(n.host_pages), [n],

@@ -52,8 +52,10 @@ def plan_hybrid(cfg: EngineConfig, spec: ModelSpec, layers: range) -> HybridPlan
     window component does not cover yet, said in one line)."""
     if not spec.has_sliding_layers or cfg.disable_hybrid_swa_memory:
         return None
-    uncovered = [flag for flag, on in (("--hicache-storage-backend", bool(cfg.hicache_storage_backend)),
-                                       ("--disaggregation-mode", cfg.disaggregation_mode != "null")) if on]
+    uncovered = [flag for flag, on in (
+        ("--hicache-storage-key-scheme unified", bool(cfg.hicache_storage_backend)
+         and cfg.hicache_storage_key_scheme == "unified"),
+        ("--disaggregation-mode", cfg.disaggregation_mode != "null")) if on]
     if uncovered:
         logger.info("sliding-window layers keep every cached token's KV: the window pool does not cover %s yet",
                     " / ".join(uncovered))

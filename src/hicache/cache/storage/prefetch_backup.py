@@ -64,6 +64,11 @@ class PrefetchOp:
     failure: str = ""  # why reading stopped early (missing, checksum, short, backend_error, ...)
     consumed: int = 0  # progress acks the scheduler has applied
     completed: int = 0  # pages the scheduler accepted (value of the last consumed ack)
+    # hybrid: host window pages reserved for the window of the range's end (its checkpoint), and from
+    # which page of the op they hold it once read (-1: not read)
+    window_host_pages: np.ndarray | None = None
+    window_from: int = -1
+    start_page: int = 0  # the page of the prompt its first key names
 
     @property
     def final_applied(self) -> bool:
@@ -79,6 +84,9 @@ class BackupOp:
     host_pages: np.ndarray  # this rank's host pool pages, one per key
     payload: list  # what the cache attaches (nodes whose host data must stay)
     owned: np.ndarray | None = None  # sharded KV: the keys this rank writes (indices; None: all)
+    # hybrid: the pages (indices) whose window object is written too, and their host window pages
+    window_index: np.ndarray | None = None
+    window_host_pages: np.ndarray | None = None
     done: threading.Event = field(default_factory=threading.Event)
     written: int = 0  # leading pages of ``owned`` written
     failure: str = ""
@@ -128,17 +136,22 @@ def _log_failure(reason: str, msg: str, *args: object) -> None:
 class StorageController:
     def __init__(self, backend: StorageBackend, host_pool: HostKVPool,
                  agree_prefetch: Agree = _alone, agree_backup: Agree = _alone, op_timeout: float = 10.0,
-                 reads: Sequence[PageObject] = (), writes: Sequence[PageObject] | None = None) -> None:
+                 reads: Sequence[PageObject] = (), writes: Sequence[PageObject] | None = None,
+                 window: PageObject | None = None, window_pages: Callable[[int], int] | None = None) -> None:
         """``op_timeout``: deadline in seconds of each backend call (see :mod:`.guard`).
         ``reads`` / ``writes``: the objects each host page is read from and written to
         (:mod:`.page_objects`; default: one :class:`WholePage` of ``host_pool`` for both). A page
-        is present only when all of its read objects are; they are read, and written, together."""
+        is present only when all of its read objects are; they are read, and written, together.
+        ``window``: a hybrid pool's window-layer object of a checkpoint page (of its own host
+        window page); ``window_pages(end)``: how many pages before a boundary of ``end`` pages its
+        window reads."""
         self.guard = backend if isinstance(backend, GuardedBackend) else GuardedBackend(backend, timeout_s=op_timeout)
         self._agree_prefetch = agree_prefetch
         self._agree_backup = agree_backup
         self.host_pool = host_pool
         self.reads: list[PageObject] = list(reads) or [WholePage(host_pool)]
         self.writes: list[PageObject] = self.reads if writes is None else list(writes)
+        self.window, self.window_pages = window, window_pages
         self.stats = StorageStats()
         # Seconds to read and verify one page (exponentially weighted over batch reads; None
         # before the first). Written by the prefetch thread, read by the scheduler's prefetch
@@ -175,11 +188,14 @@ class StorageController:
 
     # ---- scheduler-thread API ------------------------------------------------------------
     def prefetch(self, namespace: str, ns_digest: bytes, hashes: list[bytes], host_pages: np.ndarray,
-                 owned: np.ndarray | None = None, local_pages: np.ndarray | None = None) -> PrefetchOp:
-        """Read the objects of ``hashes`` into ``host_pages``. Sharded KV: this rank reads the
-        ``owned`` ones, into ``local_pages`` (its pool's ids); hit and completed counts are agreed
-        over every rank in logical pages, so a page counts once its owner has it."""
-        op = PrefetchOp(next(self._ids), namespace, ns_digest, hashes, host_pages, owned, local_pages)
+                 owned: np.ndarray | None = None, local_pages: np.ndarray | None = None, start_page: int = 0,
+                 window_host_pages: np.ndarray | None = None) -> PrefetchOp:
+        """Read the objects of ``hashes`` (pages from ``start_page`` on) into ``host_pages``.
+        Sharded KV: this rank reads the ``owned`` ones, into ``local_pages`` (its pool's ids); hit
+        and completed counts are agreed over every rank in logical pages, so a page counts once its
+        owner has it. ``window_host_pages``: hybrid, where the window of the range's end goes."""
+        op = PrefetchOp(next(self._ids), namespace, ns_digest, hashes, host_pages, owned, local_pages,
+                        window_host_pages=window_host_pages, start_page=start_page)
         self.stats.prefetch_ops += 1
         if self._inline:
             self._prefetch(op)
@@ -188,8 +204,11 @@ class StorageController:
         return op
 
     def backup(self, ns_digest: bytes, hashes: list[bytes], host_pages: np.ndarray, payload: list,
-               owned: np.ndarray | None = None) -> BackupOp:
+               owned: np.ndarray | None = None, window: tuple[np.ndarray, np.ndarray] | None = None) -> BackupOp:
+        """``window``: (page indices, their host window pages) whose window objects are written too."""
         op = BackupOp(next(self._ids), ns_digest, hashes, host_pages, payload, owned)
+        if window is not None and len(window[0]):
+            op.window_index, op.window_host_pages = window
         self._backups.append(op)
         if self._inline:
             self._backup(op)
@@ -242,8 +261,34 @@ class StorageController:
             op.failure = op.failure or failure_reason(e)
             logger.warning("prefetch op=%d failed: %s", op.op_id, e)
         finally:
+            if self.window is not None:  # before the final ack: a consumed final ack covers the window
+                self._read_window(op)
             op.progress.append((op.progress[-1][0] if op.progress else 0, True))  # the final ack
             op.done.set()
+
+    def _read_window(self, op: PrefetchOp) -> None:
+        """Hybrid: read the window objects of the pages the end of the read range's window covers
+        (a checkpoint where the writer's request ended) into the op's host window pages. Every rank
+        agrees, all or nothing."""
+        done = op.progress[-1][0] if op.progress else 0
+        first = done - min(self.window_pages(op.start_page + done), done)
+        ok = 0
+        if done and op.window_host_pages is not None and done == op.hit_pages and not op.stop.is_set() \
+                and done - first <= len(op.window_host_pages):
+            try:
+                keys = [self.window.key(op.hashes[i], op.ns_digest) for i in range(first, done)]
+                blobs = self.guard.batch_get(keys)
+                for j, blob in enumerate(blobs):
+                    payload, _ = (None, None) if blob is None else decode_checked(blob, op.ns_digest, op.hashes[first + j])
+                    if payload is None:
+                        break
+                    self.window.load(int(op.window_host_pages[j]), payload)
+                else:
+                    ok = 1
+            except Exception as e:  # the full pages stand; the tree cuts the hit back without the window
+                logger.warning("prefetch op=%d: reading its window failed: %s", op.op_id, e)
+        if self._agree_prefetch([ok])[0]:
+            op.window_from = first
 
     def _read(self, op: PrefetchOp) -> None:
         keys = [self._keys(self.reads, op, i) for i in range(len(op.hashes))]  # per page: its objects
@@ -324,6 +369,15 @@ class StorageController:
         last = self.read_page_s
         self.read_page_s = per_page if last is None else last + READ_EWMA_ALPHA * (per_page - last)
 
+    def _write_window(self, op: BackupOp) -> None:
+        """Hybrid: the window objects of the op's checkpoint pages (best effort: a reader that
+        misses one cuts its hit back to a boundary whose window it has)."""
+        keys = [self.window.key(op.hashes[i], op.ns_digest) for i in op.window_index]
+        blobs = [encode(op.ns_digest, op.hashes[i], self.window.page_bytes(int(h)))
+                 for i, h in zip(op.window_index, op.window_host_pages)]
+        stored = self.guard.batch_set(keys, blobs)
+        self.stats.backup_bytes += sum(len(b) for b in blobs[:stored])
+
     def _backup_worker(self) -> None:
         run_torch_alone()  # its copies on this thread: an OpenMP pool of its own would slow every step
         while (op := self._queues["backup"].get()) is not None:
@@ -348,6 +402,8 @@ class StorageController:
                     op.failure = "short_write"
                     break
             self.stats.backup_bytes += sum(len(b) for b in blobs[: op.written * n])
+            if op.window_index is not None and op.written == len(mine):
+                self._write_window(op)
         except Exception as e:
             op.failure = failure_reason(e)
             _log_failure(op.failure, "storage backup op=%d (%d pages) failed: %s", op.op_id, len(mine), e)
