@@ -102,19 +102,40 @@ def test_a_window_lock_covers_just_its_span_and_eviction_spares_it() -> None:
     t.check_invariants()
 
 
-def test_window_eviction_takes_inner_nodes_before_leaves() -> None:
-    """A leaf's window is the checkpoint its conversation's next turn needs: inner nodes go first,
-    even more recently used ones."""
+def test_window_eviction_takes_pages_no_checkpoint_needs_before_any_checkpoint() -> None:
+    """A leaf's end window is the checkpoint its conversation's next turn needs: every other window page
+    goes first (least recently used first), even the more recently used ones of an inner node."""
     t = tree()
-    insert(t, tokens(3, base=1000), [True] * 3)  # an old conversation's checkpoint (a leaf)
+    old = tokens(3, base=1000)
+    insert(t, old, [True] * 3)  # an old conversation: a 3-page leaf, its last 2 pages its checkpoint
     head = tokens(4)
     insert(t, head, [True] * 4)
     insert(t, np.concatenate([head, tokens(2, base=500)]), [True] * 6)  # head becomes an inner node
     inner = t.node_at("ns", head)
     assert inner.children and inner.held_window_pages == 4
-    assert t.evict_windows(1) == 4
-    assert inner.held_window_pages == 0
-    assert t.node_at("ns", tokens(3, base=1000)).held_window_pages == 3
+    assert t.evict_windows(5) == 5  # the old leaf's first page, then the inner node's 4
+    assert inner.held_window_pages == 0 and t.node_at("ns", old).held_window_pages == 2
+    assert t.peek_prefix("ns", np.append(old, 1)).device_hit_tokens == 3 * PS  # its checkpoint usable (a peek: no touch)
+    assert t.evict_windows(1) == 2  # then the least recently used checkpoint, whole
+    assert t.node_at("ns", old).held_window_pages == 0
+    t.check_invariants()
+
+
+def test_a_short_leafs_checkpoint_keeps_the_window_it_needs_in_its_parent() -> None:
+    """A turn shorter than a window: its checkpoint reaches into the parent node, whose other window pages go
+    first; the checkpoint goes whole, and its share of the parent only after it."""
+    t = tree()
+    head = tokens(6)
+    insert(t, head, [True] * 6)
+    path = np.concatenate([head, tokens(1, base=500)])
+    insert(t, path, [True] * 7)  # a one-page leaf: boundary 7 reads pages 5 and 6
+    parent = t.node_at("ns", head)
+    assert t.evict_windows(1) == 5  # the parent's pages 0-4: no checkpoint needs them
+    assert np.array_equal(parent.window_pages != 0, [False] * 5 + [True])
+    assert t.match_prefix("ns", np.append(path, 1)).device_hit_tokens == 7 * PS
+    assert t.evict_windows(1) == 1  # then the leaf's checkpoint itself
+    assert t.evict_windows(1) == 1  # and what it held in its parent, now that no checkpoint needs it
+    assert t.window_pages_held == 0
     t.check_invariants()
 
 

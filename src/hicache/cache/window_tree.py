@@ -8,10 +8,12 @@ layer's window depends on the layer below's, so it reaches back a window per lay
 of other cached pages are tombstones (id 0) once evicted; full-layer pages stay.
 
 Running requests lock the window pages their next tokens read (``window_lock_ref``, whole nodes,
-split at the first page), never more; everything else the tree holds is evictable: nodes inside a
-path first (a conversation's earlier boundaries), leaves last (the checkpoint a finished turn
-leaves for the next), each group least recently used first. Order is a deterministic key, so ranks
-evicting from the same tree agree (DESIGN invariant 3).
+split at the first page), never more; everything else the tree holds is evictable, in two rounds:
+first every window page no leaf's checkpoint needs (a leaf's checkpoint is the window of its end
+boundary, which reaches into its ancestors when the leaf is shorter than a window), least recently
+used node first; then whole checkpoints, least recently used leaf first (what they held in their
+ancestors goes in a later first round). Order is a deterministic key, so ranks evicting from the
+same tree agree (DESIGN invariant 3).
 
 Units: pages unless named tokens; page indices count from the namespace's root.
 """
@@ -152,33 +154,64 @@ class WindowTombstones:
         self.window_pages_held += int(np.count_nonzero(take))
         self.window_allocator.free(offered[(offered != 0) & ~take])
 
-    def _drop_window(self, node: TreeNode) -> int:
-        """Free every window page ``node`` holds (tombstones). Returns how many."""
+    def _drop_window(self, node: TreeNode, pages: int | None = None) -> int:
+        """Free the window pages ``node`` holds among its first ``pages`` (default: all), leaving
+        tombstones. Returns how many."""
         if node.window_pages is None:
             return 0
-        held = node.window_pages[node.window_pages != 0]
+        part = node.window_pages[:pages]
+        held = part[part != 0]
         self.window_allocator.free(held)
         self.window_pages_held -= len(held)
-        node.window_pages = np.zeros_like(node.window_pages)
+        part[:] = 0
         return len(held)
 
     # ---- eviction ------------------------------------------------------------------------
-    def _window_victim_key(self, node: TreeNode) -> tuple:
-        """Inner nodes before leaves (a leaf's window is the checkpoint its path's next turn
-        needs), then the tree's eviction order."""
-        leaf = not any(c.device_pages is not None for c in node.children.values())
-        return (leaf, *self._eviction_key(node))
+    def _checkpoint_tails(self) -> dict[TreeNode, int]:
+        """Per node, how many of its last pages the checkpoint of some leaf below (or of itself, a
+        leaf) needs: the leaf's window reaches back ``end - window_first_page(end)`` pages. Only
+        leaves holding window pages count (a tombstoned checkpoint protects nothing)."""
+        order, stack = [], [(root, 0) for root in self._roots.values()]
+        while stack:  # depth-first, each node with its end page
+            node, start = stack.pop()
+            end = start + len(node.key) // self.page_size
+            order.append((node, end))
+            stack.extend((c, end) for c in node.children.values() if c.device_pages is not None)
+        reach: dict[TreeNode, int] = {}  # pages back from the node's end its subtree's checkpoints need
+        tails: dict[TreeNode, int] = {}
+        for node, end in reversed(order):  # children before parents
+            below = [reach[c] - c.num_pages for c in node.children.values() if c in reach]
+            if below:
+                need = max(below)
+            else:  # a leaf: its own checkpoint, if it holds one
+                need = end - self.window_first_page(end * self.page_size) if node.held_window_pages else 0
+            reach[node] = max(need, 0)
+            tails[node] = min(node.num_pages, reach[node])
+        return tails
 
     @consensus_check("tree.evict_windows", args=lambda self, num_pages: num_pages, result=lambda freed: freed)
     def evict_windows(self, num_pages: int) -> int:
-        """Tombstone the window pages of unlocked nodes, least valuable first, until at least
-        ``num_pages`` are free or none is evictable. Full-layer pages stay. Returns the pages freed."""
-        heap = [(self._window_victim_key(n), n) for n in self._all_nodes()
-                if not n.is_root and n.window_lock_ref == 0 and n.held_window_pages]
-        heapq.heapify(heap)
+        """Tombstone the window pages of nodes no running request window-locks until at least
+        ``num_pages`` are free or none is evictable: pages no leaf's checkpoint needs first (least
+        recently used node first), then whole checkpoints (least recently used leaf first).
+        Full-layer pages stay. Returns the pages freed."""
         freed = 0
-        while freed < num_pages and heap:
-            freed += self._drop_window(heapq.heappop(heap)[1])
+        while freed < num_pages:
+            tails = self._checkpoint_tails()
+            unlocked = [n for n in tails if not n.is_root and n.window_lock_ref == 0]
+            spare = [(self._eviction_key(n), n) for n in unlocked
+                     if np.count_nonzero(n.window_pages[: n.num_pages - tails[n]])]
+            heapq.heapify(spare)
+            while freed < num_pages and spare:
+                node = heapq.heappop(spare)[1]
+                freed += self._drop_window(node, node.num_pages - tails[node])
+            if freed >= num_pages:
+                break
+            leaves = [(self._eviction_key(n), n) for n in unlocked if tails[n] and n.held_window_pages
+                      and not any(c.device_pages is not None for c in n.children.values())]
+            if not leaves:
+                break
+            freed += self._drop_window(min(leaves, key=lambda kn: kn[0])[1])  # then its ancestors' share, above
         self.evicted_window_pages_total += freed
         if freed:
             logger.debug("tombstoned %d window pages", freed)
