@@ -11,12 +11,14 @@ of the pool that keeps every layer's KV."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from hicache import Engine
+from hicache.disagg.bootstrap import Bootstrap
 from hicache.cache.pools import PageAllocator
 from hicache.cache.radix import RadixCache
 from hicache.cache.window_tree import usable_boundary
@@ -349,3 +351,40 @@ def test_storage_holds_full_objects_and_checkpoint_windows_a_new_process_reads_e
     other = Engine(MODEL, **stored(tmp_path / "every"))
     assert conversations(other, keep=True)[0] == every_layer[0] and other.stats()["hit_tokens"]["storage"] == 0
     other.shutdown()
+
+
+@pytest.mark.pd
+def test_pd_decode_reuses_a_full_layer_prefix_without_its_window_and_receives_a_fresh_tail(every_layer) -> None:
+    """The decode server's cached head lost its window KV (tombstoned): it still reports the head as
+    ``decode_prefix_len`` (its full layers hold it); the prefill server sends the full layers' rows after it
+    and the window layers' rows of the prompt's last window only (the fresh SWA tail), and the answer is the
+    every-layer pool's."""
+    prefill = Engine(MODEL, disaggregation_mode="prefill", disaggregation_bootstrap_port=0, **BASE)
+    decode = Engine(MODEL, disaggregation_mode="decode", disaggregation_decode_enable_radix_cache=True, **BASE)
+    reference = Engine(MODEL, disable_hybrid_swa_memory=True, disable_radix_cache=True, **BASE)
+    # each prompt's new part shorter than a window: its tail reaches into the shared head
+    prompts = [SYSTEM + [(11 * a + i) % 200 + 20 for i in range(2 + 2 * a)] for a in range(3)]
+    try:
+        port = prefill.stats()["disaggregation"]["bootstrap_port"]
+        tree = decode.backend.core.cache.tree
+        spec = decode.loaded.spec
+        row = 2 * spec.num_kv_heads * spec.head_dim * 4  # K + V of one token, one layer, float32
+        sliding = sum(1 for i in range(spec.num_layers) if spec.layer_window(i))
+        for room, prompt in enumerate(prompts, start=1):
+            tree.evict_windows(10**6)  # every cached window gone; full layers stay
+            assert tree.window_pages_held == 0
+            boot = Bootstrap("127.0.0.1", port, room)
+            side = threading.Thread(target=lambda: prefill.generate([prompt], GREEDY, bootstrap=boot))
+            side.start()
+            got = decode.generate([prompt], GREEDY, bootstrap=boot)[0]
+            side.join(timeout=60)
+            assert got.output_ids == reference.generate([prompt], GREEDY)[0].output_ids
+            start, tail = got.decode_prefix_len, decode.backend.core.cache.window_tail(len(prompt))
+            if room > 1:  # the shared head (36 tokens) is the decode side's, full layers only
+                assert start == len(SYSTEM) // PS * PS and tail < start  # windows of the head come fresh
+            assert got.kv_transferred_tokens == len(prompt) - start
+            full_rows, window_rows = len(prompt) - start, len(prompt) - tail
+            assert got.kv_transferred_bytes == row * ((spec.num_layers - sliding) * full_rows + sliding * window_rows)
+    finally:
+        for e in (prefill, decode, reference):
+            e.shutdown()

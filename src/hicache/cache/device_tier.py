@@ -53,6 +53,8 @@ class KVState:
     window_budget: int = 0  # window pages reserved for this request
     window_lock: tuple[int, int] | None = None  # (end page, first page) of the tree span window-locked
     window_keep: tuple[int, int] | None = None  # page range of its own window pages kept to the end (a checkpoint)
+    # P/D decode: (first token, slot per token) where the prompt's window tail arrives
+    window_arrival: tuple[int, torch.Tensor] | None = None
 
     def refresh_slots(self, page_size: int) -> None:
         self.slots = pages_to_slots(self.pages, page_size)
@@ -89,8 +91,8 @@ class DeviceTier:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def admit(self, namespace: str, tokens: np.ndarray, reserve_tokens: int,
-              storage_tokens: int, forward_tokens: int = 0) -> tuple[KVState, list[TreeNode]] | None:
+    def admit(self, namespace: str, tokens: np.ndarray, reserve_tokens: int, storage_tokens: int,
+              forward_tokens: int = 0, window_arrives: bool = False) -> tuple[KVState, list[TreeNode]] | None:
         """Match, lock and reserve (see :meth:`.manager.KVCacheManager.admit`). Returns the
         state and the host-hit nodes, in path order, that just got device pages (the first new
         pages) and need a load-back; None, with nothing changed, when the pool is too full.
@@ -102,12 +104,12 @@ class DeviceTier:
         node, match, window_lock = None, None, None
         host_nodes: list[TreeNode] = []
         if self.tree is not None:
-            match = self.tree.match_prefix(namespace, tokens[: len(tokens) - 1])
+            match = self.tree.match_prefix(namespace, tokens[: len(tokens) - 1], cut=not window_arrives)
             hit_pages, node = match.device_pages, match.last_node
             self.tree.inc_lock_ref(node)  # also protects the host-hit nodes from L2 eviction
             if self.windows is not None:  # may split a host-hit node: before they are listed
                 window_lock = self.windows.lock_hit(node, (match.device_hit_tokens + match.host_hit_tokens)
-                                                    // self.page_size)
+                                                    // self.page_size, len(tokens) if window_arrives else None)
             n = match.last_node
             while n is not match.last_device_node:
                 host_nodes.append(n)
@@ -134,7 +136,7 @@ class DeviceTier:
         state.refresh_slots(self.page_size)
         if self.windows is not None:
             self.windows.admit(state, window_lock, match.window_pages if match is not None else None, host_nodes,
-                               forward_tokens, len(tokens))
+                               forward_tokens, len(tokens), window_arrives)
         self.stats.prompt_tokens += len(tokens)
         self.stats.device_hit_tokens += state.device_hit_tokens
         self.stats.host_hit_tokens += state.host_hit_tokens

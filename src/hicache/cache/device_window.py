@@ -74,17 +74,27 @@ class DeviceWindows:
         of the running ones."""
         return self.reserved + self.footprint(forward_tokens) <= self.allocator.capacity
 
-    def lock_hit(self, node, end_page: int) -> tuple[int, int] | None:
+    def tail_page(self, prompt_tokens: int) -> int:
+        """First page of a prompt's fresh SWA tail: the window of its last boundary (its checkpoint),
+        which also covers what its first decode step reads."""
+        return self.first_page((prompt_tokens - 1) // self.page_size * self.page_size)
+
+    def lock_hit(self, node, end_page: int, arriving: int | None = None) -> tuple[int, int] | None:
         """Window-lock the span a hit of ``end_page`` pages ending at ``node`` reads (splitting the
-        node that holds its first page: done before the hit's host nodes are listed); the lock."""
+        node that holds its first page: done before the hit's host nodes are listed); the lock.
+        ``arriving``: the prompt's length when its window arrives from elsewhere (P/D): the span
+        locked is the part of its tail the hit covers."""
         if self.tree is None or end_page == 0:
             return None
-        lock = (end_page, self.first_page(end_page * self.page_size))
+        first = self.first_page(end_page * self.page_size) if arriving is None else self.tail_page(arriving)
+        if first >= end_page:
+            return None
+        lock = (end_page, first)
         self.tree.lock_window(node, *lock)
         return lock
 
     def admit(self, state, lock: tuple[int, int] | None, device_window: np.ndarray | None, host_nodes: list,
-              forward_tokens: int, prompt_tokens: int) -> None:
+              forward_tokens: int, prompt_tokens: int, arriving: bool = False) -> None:
         """Reserve ``state``'s budget (see :meth:`fits`) and take the hit's window under ``lock``
         (:meth:`lock_hit`): ``device_window``, the device hit's window pages in the tree, then, for
         ``host_nodes`` (the host hit, given device pages and loaded back), device window pages for
@@ -99,6 +109,9 @@ class DeviceWindows:
         if device_hit:
             state.window_pages[:device_hit] = device_window
         state.window_lock = lock  # taken before allocating: tombstoning spares the hit's window
+        if arriving:
+            self._hold_tail(state, prompt_tokens)
+            return
         pos, first = device_hit, self.first_page(hit * self.page_size)
         for node in host_nodes:
             n = node.num_pages
@@ -110,6 +123,29 @@ class DeviceWindows:
                 state.window_pages[pos + idx] = node.window_pages[idx]
             pos += n
         state.window_slots = pages_to_slots(state.window_pages, self.page_size)
+
+    def _hold_tail(self, state, prompt_tokens: int) -> None:
+        """P/D decode: window pages for the prompt's fresh SWA tail (``state.window_arrival``: its
+        first token, and the slot of each token's arriving row). Cached pages of the tail whose
+        window the tree holds keep it (their rows land in the padding page); tombstoned ones get a
+        page, given to their node; the request's own get theirs."""
+        ps, wp = self.page_size, state.window_pages
+        tail, hit = self.tail_page(prompt_tokens), state.cached_pages
+        arriving = np.zeros(len(wp), dtype=np.int64)
+        node, pos = state.node, hit
+        while node is not None and not node.is_root and pos > tail:  # the hit's part (split at the tail)
+            start = pos - node.num_pages
+            idx = np.arange(max(tail - start, 0), node.num_pages)
+            fresh = idx[node.window_pages[idx] == 0]
+            node.window_pages[fresh] = self._alloc(len(fresh))
+            self.tree.window_pages_held += len(fresh)
+            wp[start + idx] = node.window_pages[idx]
+            arriving[start + fresh] = node.window_pages[fresh]
+            node, pos = node.parent, start
+        own = np.arange(max(tail, hit), -(-prompt_tokens // ps))
+        wp[own] = arriving[own] = self._alloc(len(own))
+        state.window_arrival = (tail * ps, pages_to_slots(arriving, ps))
+        state.window_slots = pages_to_slots(wp, ps)
 
     def step(self, state, computed: int, new_tokens: int, later_tokens: int) -> None:
         """Before a forward that adds ``new_tokens`` after ``computed``: free the request's own

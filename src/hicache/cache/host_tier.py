@@ -135,11 +135,12 @@ class HostTier:
         return self.tree.evict_leaves(num_pages, lambda n: _host_evictable_leaf(n) and n.host_window_pages is not None
                                       and bool(np.count_nonzero(n.host_window_pages)), take)
 
-    def load_back(self, nodes: list[TreeNode]) -> None:
+    def load_back(self, nodes: list[TreeNode], windows: bool = True) -> None:
         """Queue host->device copies into the device pages ``nodes`` (a path, in order) were
-        just given; the deepest stays locked until the load's ack is consumed (its payload)."""
+        just given; the deepest stays locked until the load's ack is consumed (its payload).
+        ``windows`` False: a hybrid hit's window pages arrive otherwise (P/D), full layers only."""
         for n in nodes:
-            if n.window_pages is not None:  # hybrid: the windows DeviceWindows gave device pages to
+            if n.window_pages is not None and windows:  # hybrid: the windows DeviceWindows gave device pages to
                 idx = np.flatnonzero(n.window_pages)
                 window = (n.window_pages[idx], n.host_window_pages[idx])
             else:

@@ -187,6 +187,12 @@ class KVCacheManager:
     def capacity_pages(self) -> int:
         return self.allocator.capacity
 
+    def window_tail(self, prompt_tokens: int) -> int | None:
+        """A hybrid pool: the first token of a prompt's fresh SWA tail (the window its checkpoint and
+        first decode step read), which P/D moves for the window layers; None without a window pool."""
+        windows = self.device.windows
+        return None if windows is None else windows.tail_page(prompt_tokens) * self.page_size
+
     @property
     def window_capacity_pages(self) -> int:
         """Usable pages of a hybrid pool's window component (0: none)."""
@@ -201,12 +207,12 @@ class KVCacheManager:
         return self.device.pages_for(num_tokens)
 
     # ---- requests ------------------------------------------------------------------------
-    @consensus_check("cache.admit", args=lambda self, ns, tokens, reserve, storage=0, forward=0:
-                     (ns, len(tokens), reserve, storage, forward),
+    @consensus_check("cache.admit", args=lambda self, ns, tokens, reserve, storage=0, forward=0, window_arrives=False:
+                     (ns, len(tokens), reserve, storage, forward, window_arrives),
                      result=lambda s: None if s is None else (s.device_hit_tokens, s.host_hit_tokens,
                                                               s.storage_hit_tokens, len(s.pages)))
     def admit(self, namespace: str, tokens: np.ndarray, reserve_tokens: int, storage_tokens: int = 0,
-              forward_tokens: int = 0) -> KVState | None:
+              forward_tokens: int = 0, window_arrives: bool = False) -> KVState | None:
         """Match ``tokens`` (the prompt), lock the hit and reserve pages up to ``reserve_tokens``
         (prompt + most output). A host hit gets device pages and a load-back (submitted with
         :meth:`submit_transfers`). Returns None, with nothing changed, when the pool cannot hold
@@ -215,14 +221,16 @@ class KVCacheManager:
 
         At least one prompt token is always left uncomputed so the prompt yields logits.
         ``forward_tokens``: the most tokens one of the request's forwards adds (a hybrid pool
-        reserves its window pages for that).
+        reserves its window pages for that). ``window_arrives``: the prompt's KV arrives from
+        elsewhere (P/D decode): a hybrid pool hits full layers whatever its windows and holds
+        pages for the window of the prompt's end, to receive (``KVState.window_arrival``).
         """
-        admitted = self.device.admit(namespace, tokens, reserve_tokens, storage_tokens, forward_tokens)
+        admitted = self.device.admit(namespace, tokens, reserve_tokens, storage_tokens, forward_tokens, window_arrives)
         if admitted is None:
             return None
         state, host_nodes = admitted
         if host_nodes:
-            self.host.load_back(host_nodes)
+            self.host.load_back(host_nodes, windows=not window_arrives)
         if state.node is not None and self.host is not None:
             self.host.on_insert(state.node)  # a hit may reach write_through_selective's threshold
         return state

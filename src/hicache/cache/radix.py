@@ -66,10 +66,11 @@ class RadixCache(PageTree, LeafEviction, WindowTombstones):
         self._init_window(window, window_allocator)
 
     # ---- the contract --------------------------------------------------------------------
-    def _walk(self, namespace: str, tokens: np.ndarray) -> tuple[list[TreeNode], int, int, int]:
+    def _walk(self, namespace: str, tokens: np.ndarray, cut: bool = True) -> tuple[list[TreeNode], int, int, int]:
         """Read-only walk along the longest cached prefix of ``tokens``: the nodes passed (the
         last may match only in part), the tokens of the leading device run, the host-only tokens
-        after it, and the tokens matched in the last node."""
+        after it, and the tokens matched in the last node. A hybrid tree cuts it back to the last
+        boundary whose window is held, unless ``cut`` is False (the window comes from elsewhere)."""
         node, path = self._roots.get(namespace), []
         device = host = pos = n = 0
         while node is not None and pos < len(tokens):
@@ -87,7 +88,7 @@ class RadixCache(PageTree, LeafEviction, WindowTombstones):
             node, pos, n = child, pos + k, k
             if k < len(child.key):  # the match ends inside this node
                 break
-        if self.window:
+        if self.window and cut:
             usable = self._cut_to_window(path, device, host)
             if usable < device + host:
                 path, n = self._path_to(path, usable)
@@ -105,17 +106,18 @@ class RadixCache(PageTree, LeafEviction, WindowTombstones):
             pos += len(node.key)
         return out, (len(out[-1].key) - (pos - tokens)) if out else 0
 
-    @consensus_check("tree.match_prefix", args=lambda self, ns, tokens: (ns, len(tokens)),
+    @consensus_check("tree.match_prefix", args=lambda self, ns, tokens, cut=True: (ns, len(tokens), cut),
                      result=lambda m: (m.device_hit_tokens, m.host_hit_tokens))
-    def match_prefix(self, namespace: str, tokens) -> MatchResult:
-        """Longest cached prefix of ``tokens`` (whole pages) in ``namespace``.
+    def match_prefix(self, namespace: str, tokens, cut: bool = True) -> MatchResult:
+        """Longest cached prefix of ``tokens`` (whole pages) in ``namespace`` (hybrid: whose window
+        is held, unless ``cut`` is False).
 
         Splits a node when the match ends inside it, so the returned node is an exact
         boundary that a request can lock. Updates recency and hit counts.
         """
         tokens = self._as_tokens(tokens)
         root = self._root(namespace)
-        path, _, host_tokens, n = self._walk(namespace, tokens)
+        path, _, host_tokens, n = self._walk(namespace, tokens, cut)
         if path and n < len(path[-1].key):
             path[-1] = self._split(path[-1], n)
         # Touch after the split, so only the matched part gets the new recency / hit (touching

@@ -220,7 +220,8 @@ class KVReceiver(IOThread):
         for rank, heads in zip(route, parts):
             local = range(heads.start - self.heads.start, heads.stop - self.heads.start)
             target = self.writes.describe(job.slots, start, end, local) if self.writes is not None else None
-            ask = Ask(job.room, start, end, heads, self.askers, expires_in, target)
+            ask = Ask(job.room, start, end, heads, self.askers, expires_in, target, job.window_start,
+                      tuple(sorted(self.pool.window_layers)) if job.window_start is not None else ())
             try:
                 self._send(rank.address, ask.to_wire())
             except Exception as e:  # (ranks asked before this one may be writing: _failed waits for them)
@@ -289,25 +290,36 @@ class KVReceiver(IOThread):
         start, end, layers = answer.start, answer.end, answer.layers
         want_frames = 0 if answer.written is not None or not heads else 2 * layers
         if start != job.decode_prefix_len or end != len(job.slots) or layers != len(self.pool.k_buffers) \
-                or answer.heads != heads or len(frames) != want_frames:
+                or answer.heads != heads or len(frames) != want_frames or answer.window_start != job.window_start:
             raise WireError(f"tokens {start}-{end} of {layers} layers in {len(frames)} frames, not what was asked")
         if (answer.written is not None) != (self.writes is not None):  # rows in frames xor written by Mooncake
             raise WireError("a Mooncake answer on a zmq transfer (or the reverse)")
-        frame_bytes = (end - start) * len(heads) * head_bytes(self.pool)
-        if any(len(f.buffer) != frame_bytes for f in frames):
-            raise WireError(f"row frames of other than {frame_bytes} bytes")
+        rows = self._rows(job)
+        row_bytes = len(heads) * head_bytes(self.pool)
+        if any(len(f.buffer) != len(rows[i // 2]) * row_bytes for i, f in enumerate(frames)):
+            raise WireError("row frames of other sizes than asked")
         if job.first_token not in (-1, answer.first_token):
             raise WireError("the prefill ranks sent different first tokens")
         if answer.written is not None:  # Mooncake: the rows were written into the reserved pages
             job.received_bytes += answer.written
         elif heads:
             local = slice(heads.start - self.heads.start, heads.stop - self.heads.start)
-            job.received_bytes += self._copy_frames(job.slots[start:end], frames, local)
+            job.received_bytes += self._copy_frames(rows, frames, local)
         job.first_token = answer.first_token
         job.received_tokens = end - start
 
-    def _copy_frames(self, idx: torch.Tensor, frames: list, heads: slice) -> int:
+    def _rows(self, job: Receive) -> list[torch.Tensor]:
+        """Per layer, the slots the answer's rows go to: the prompt's from ``decode_prefix_len``, or
+        a hybrid pool's window layers' from ``window_start``."""
+        start, end = job.decode_prefix_len, len(job.slots)
+        window = self.pool.window_layers if job.window_start is not None else frozenset()
+        return [job.window_slots[job.window_start:end] if i in window else job.slots[start:end]
+                for i in range(len(self.pool.k_buffers))]
+
+    def _copy_frames(self, slots: list[torch.Tensor], frames: list, heads: slice) -> int:
+        """Each layer's K and V frames into its ``slots`` (one per row), for ``heads``."""
         for i, (k, v) in enumerate(zip(self.pool.k_buffers, self.pool.v_buffers)):
+            idx = slots[i]
             for buf, frame in ((k, frames[2 * i]), (v, frames[2 * i + 1])):
                 with warnings.catch_warnings():  # a read-only frame: only read from
                     warnings.simplefilter("ignore", UserWarning)

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+import torch
+
 from ..cache.pools import DeviceKVPool
 from .heads import RankEndpoint
 from .transfer import POLL_MS, IOThread, Send, head_bytes, raw
@@ -215,6 +217,29 @@ class KVSender(IOThread):
             self._close(pending)
             self._send_error(pending.peer, room, "no request for this room reached this prefill server in time")
 
+    def _rows(self, ask: Ask, job: Send) -> list[torch.Tensor]:
+        """Per layer, the slots of the rows the ask wants: tokens ``[decode_prefix_len, end)``, or
+        ``[window_start, end)`` of its window layers (from this pool's window component for its own
+        window layers). Raises ValueError for rows this pool no longer holds."""
+        start, end, pool = ask.decode_prefix_len, len(job.slots), self.pool
+        asked = set(ask.window_layers) if ask.window_start is not None else set()
+        if pool.hybrid and not pool.window_layers <= asked:
+            raise ValueError("this prefill server keeps its sliding-window layers' KV for the last window only; the "
+                             "decode server must ask for them as a window (run both with the same "
+                             "--disable-hybrid-swa-memory setting)")
+        if asked and pool.hybrid and ask.window_start < job.window_held_from:
+            raise ValueError(f"the decode server asked for window rows from token {ask.window_start}; this prefill "
+                             f"server holds them from {job.window_held_from}")
+        rows = []
+        for i in range(len(pool.k_buffers)):
+            if i not in asked:
+                rows.append(job.slots[start:end])
+            elif i in pool.window_layers:
+                rows.append(job.window_slots[ask.window_start:end])
+            else:
+                rows.append(job.slots[ask.window_start:end])
+        return rows
+
     def _send_error(self, peer: bytes, room: int, error: str) -> None:
         self._sock.send_multipart([peer, json.dumps({"room": room, "error": error}).encode()])
 
@@ -236,12 +261,14 @@ class KVSender(IOThread):
             header = {"room": job.room, "first_token": job.first_token, "start": start, "end": end,
                       "layers": len(self.pool.k_buffers), "heads": [heads.start, heads.stop],
                       "head_bytes": head_bytes(self.pool)}
+            rows = self._rows(ask, job)
+            if ask.window_start is not None:
+                header["window_start"] = ask.window_start
             frames = []
             if self.writes is not None:  # the rows are in the decode pool already when this returns
                 header["written"] = sent = self.writes.write(ask.mooncake, job.slots, start, end, local)
             elif heads:
-                idx = job.slots[start:end]
-                for k, v in zip(self.pool.k_buffers, self.pool.v_buffers):
+                for (k, v), idx in zip(zip(self.pool.k_buffers, self.pool.v_buffers), rows):
                     frames += [raw(k.index_select(0, idx)[:, local.start:local.stop]),
                                raw(v.index_select(0, idx)[:, local.start:local.stop])]
                 sent = sum(f.nbytes for f in frames)

@@ -11,12 +11,16 @@ Protocol (one request = one *room*, the ``bootstrap_room`` the router gave both 
    pages for what it lacks; each of its ranks sends every prefill rank
    ``{"room", "decode_prefix_len", "prompt_len", "heads": [a, b], "askers"}``: the heads that
    rank supplies to it (:func:`~hicache.disagg.heads.heads_from`; often none) and how many
-   decode ranks ask (its TP size), from a DEALER of its own.
+   decode ranks ask (its TP size), from a DEALER of its own. A hybrid decode pool adds
+   ``"window_start", "window_layers"``: those layers' rows are asked from ``window_start`` on
+   (the fresh SWA tail: the window its first decode step and its prompt's checkpoint read),
+   whatever ``decode_prefix_len`` is (its full layers may hold more prefix than its windows).
 3. **Answer.** A prefill rank, once the request's prompt is computed (its own cache decides
    how much) and its first token sampled, answers each ask with one multipart message: a JSON
    header ``{"room", "first_token", "start", "end", "layers", "heads", "head_bytes"}`` then, per
-   layer, the K rows and the V rows of tokens ``[start, end)`` (``start = decode_prefix_len``)
-   restricted to the asked heads: raw bytes, no pickling. ``{"room", "error"}`` when it cannot.
+   layer, the K rows and the V rows of tokens ``[start, end)`` (``start = decode_prefix_len``;
+   ``[window_start, end)`` for the asked window layers, echoed in the header) restricted to the
+   asked heads: raw bytes, no pickling. ``{"room", "error"}`` when it cannot.
    Its KV stays held until every asker was answered (or the timeout).
 4. **Store.** The decode rank copies the rows into its reserved slots (its own head positions);
    its job is done when every prefill rank answered.
@@ -90,6 +94,9 @@ class Send:
     slots: torch.Tensor  # the prompt's device slots, one per token
     first_token: int
     deadline: float  # give up waiting for the decode ranks' asks then (perf_counter)
+    # a hybrid pool: the prompt's window-layer slots, held from token ``window_held_from`` on
+    window_slots: torch.Tensor | None = None
+    window_held_from: int = 0
     done: threading.Event = field(default_factory=threading.Event)
     error: str = ""
     askers: int = 0  # decode ranks that ask (their TP size; 0: none heard from yet)
@@ -108,6 +115,9 @@ class Receive:
     decode_prefix_len: int
     slots: torch.Tensor
     deadline: float
+    # a hybrid pool: the window layers' rows from ``window_start`` on go to ``window_slots`` (per token)
+    window_start: int | None = None
+    window_slots: torch.Tensor | None = None
     handshake_deadline: float = float("inf")  # the prefill server's route must come by then
     done: threading.Event = field(default_factory=threading.Event)
     first_token: int = -1

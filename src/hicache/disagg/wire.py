@@ -185,12 +185,18 @@ class Ask:
     askers: int
     expires_in: float
     mooncake: Optional[MooncakeTarget] = None
+    # a hybrid decode pool: its sliding-window layers' rows are asked from ``window_start`` on (the
+    # fresh SWA tail), whatever ``decode_prefix_len`` is; None: every layer from decode_prefix_len
+    window_start: Optional[int] = None
+    window_layers: tuple[int, ...] = ()
 
     def to_wire(self) -> dict:
         msg = {"room": self.room, "decode_prefix_len": self.decode_prefix_len, "prompt_len": self.prompt_len,
                "heads": [self.heads.start, self.heads.stop], "askers": self.askers, "expires_in": self.expires_in}
         if self.mooncake is not None:
             msg["mooncake"] = self.mooncake.to_wire()
+        if self.window_start is not None:
+            msg["window_start"], msg["window_layers"] = self.window_start, list(self.window_layers)
         return msg
 
     @classmethod
@@ -199,8 +205,18 @@ class Ask:
         prompt_len = integer(msg, "prompt_len", 0, MAX_TOKENS)
         start = integer(msg, "decode_prefix_len", 0, prompt_len)
         mooncake = MooncakeTarget.parse(msg["mooncake"], layers, prompt_len - start) if "mooncake" in msg else None
+        window_start, window_layers = None, ()
+        if "window_start" in msg:
+            window_start = integer(msg, "window_start", 0, prompt_len)
+            window_layers = msg.get("window_layers")
+            if not isinstance(window_layers, list) or len(window_layers) > layers or not all(
+                    type(i) is int and 0 <= i < layers for i in window_layers) or len(set(window_layers)) != len(
+                    window_layers):
+                raise WireError(f"'window_layers' must list distinct layers below {layers}")
+            window_layers = tuple(window_layers)
         return cls(integer(msg, "room", 0, MAX_ROOM), start, prompt_len, head_range(msg, "heads"),
-                   integer(msg, "askers", 1, MAX_ASKERS), number(msg, "expires_in", 0.0, math.inf), mooncake)
+                   integer(msg, "askers", 1, MAX_ASKERS), number(msg, "expires_in", 0.0, math.inf), mooncake,
+                   window_start, window_layers)
 
 
 @dataclass(frozen=True)
@@ -244,6 +260,7 @@ class Answer:
     layers: int = 0
     heads: range = range(0)
     written: Optional[int] = None
+    window_start: Optional[int] = None  # the ask's, echoed: its window layers' rows start there
 
     @classmethod
     def parse(cls, msg: dict, vocab_size: int) -> "Answer":
@@ -254,4 +271,5 @@ class Answer:
         end = integer(msg, "end", 0, MAX_TOKENS)
         written = integer(msg, "written", 0, 1 << 62) if "written" in msg else None
         return cls(room, "", integer(msg, "first_token", 0, vocab_size - 1), integer(msg, "start", 0, end), end,
-                   integer(msg, "layers", 1, MAX_LAYERS), head_range(msg, "heads"), written)
+                   integer(msg, "layers", 1, MAX_LAYERS), head_range(msg, "heads"), written,
+                   integer(msg, "window_start", 0, end) if "window_start" in msg else None)

@@ -55,7 +55,8 @@ def plan_hybrid(cfg: EngineConfig, spec: ModelSpec, layers: range) -> HybridPlan
     uncovered = [flag for flag, on in (
         ("--hicache-storage-key-scheme unified", bool(cfg.hicache_storage_backend)
          and cfg.hicache_storage_key_scheme == "unified"),
-        ("--disaggregation-mode", cfg.disaggregation_mode != "null")) if on]
+        ("--disaggregation-transfer-backend mooncake", cfg.disaggregation_mode != "null"
+         and cfg.disaggregation_transfer_backend == "mooncake")) if on]
     if uncovered:
         logger.info("sliding-window layers keep every cached token's KV: the window pool does not cover %s yet",
                     " / ".join(uncovered))

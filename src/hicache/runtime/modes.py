@@ -121,6 +121,12 @@ class Mode:
         answer on every rank); False leaves it waiting (later requests may go first)."""
         return True
 
+    def kv_arrives(self, req: Request) -> bool:
+        """Whether ``req``'s prompt KV will arrive from elsewhere (a P/D decode server's): then a
+        hybrid pool may hit a full-layer prefix whose window it does not hold, the window of the
+        prompt's end arriving with the rest (the fresh SWA tail)."""
+        return False
+
     def on_admit(self, req: Request) -> bool:
         """``req`` was just admitted (``req.computed`` prompt tokens hit); True: it waits for its
         prompt's KV from elsewhere instead of computing it (status RECEIVING)."""

@@ -87,6 +87,7 @@ class PrefillRole(Mode):
         """Rank 0 binds ``port`` (the bootstrap port; 0: any free one), the other ranks any free
         port; every rank learns all of them (a collective: every rank builds its role)."""
         self.timeout_s, self.ranks = timeout_s, ranks
+        self.cache = cache
         self.sender = KVSender(cache.pool, port if ranks.rank == 0 else 0, host, ranks.heads, timeout_s,
                                _writes(transport, cache, host))
         self.port = self.sender.port
@@ -104,8 +105,10 @@ class PrefillRole(Mode):
             self.sender.refuse(req.pd.bootstrap.room, f"the prefill request ended ({req.finish_reason}) before its "
                                "first token", time.perf_counter() + self.timeout_s)
             return False
-        job = Send(req.pd.bootstrap.room, req.kv.slots[: len(req.prompt_ids)], req.output_ids[0],
-                   time.perf_counter() + self.timeout_s)
+        n = len(req.prompt_ids)
+        job = Send(req.pd.bootstrap.room, req.kv.slots[:n], req.output_ids[0], time.perf_counter() + self.timeout_s)
+        if req.kv.window_slots is not None:  # a hybrid pool holds the window layers' rows of the tail only
+            job.window_slots, job.window_held_from = req.kv.window_slots[:n], self.cache.window_tail(n)
         self.sender.submit(job)
         self.sending.append((req, job, req.on_update))
         req.on_update = None
@@ -169,15 +172,22 @@ class DecodeRole(Mode):
         running slots a client's prefill server can hold are bounded (the count is agreed state)."""
         return req.pd is None or len(self.receiving) < self.max_receiving
 
+    def kv_arrives(self, req: Request) -> bool:
+        return req.pd is not None
+
     def on_admit(self, req: Request) -> bool:
-        """``req`` was admitted with ``req.computed`` prompt tokens from local tiers: ask the
-        prefill server for the rest."""
+        """``req`` was admitted with ``req.computed`` prompt tokens from local tiers (a hybrid pool:
+        its full layers', the window of the prompt's end to receive): ask the prefill server for the
+        rest."""
         if req.pd is None:
             return False
         boot = req.pd.bootstrap
         now = time.perf_counter()
-        job = Receive(boot.room, boot.address, req.computed, req.kv.slots[: len(req.prompt_ids)],
-                      now + self.timeout_s, handshake_deadline=now + self.handshake_s)
+        n = len(req.prompt_ids)
+        job = Receive(boot.room, boot.address, req.computed, req.kv.slots[:n], now + self.timeout_s,
+                      handshake_deadline=now + self.handshake_s)
+        if req.kv.window_arrival is not None:
+            job.window_start, job.window_slots = req.kv.window_arrival[0], req.kv.window_arrival[1][:n]
         req.pd.decode_prefix_len = req.computed
         self.receiver.submit(job)
         self.receiving.append((req, job))

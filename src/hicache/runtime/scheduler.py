@@ -244,7 +244,8 @@ class Scheduler:
 
     def _admit(self, req: Request) -> bool:
         kv = self.cache.admit(req.namespace, req.tokens_np, len(req.prompt_ids) + req.max_new_tokens + self.reserve_slots,
-                              req.storage_tokens, self._later_tokens(req, 0))
+                              req.storage_tokens, self._later_tokens(req, 0),
+                              window_arrives=any([m.kv_arrives(req) for m in self.modes]))
         if kv is None:
             return False
         req.kv = kv
