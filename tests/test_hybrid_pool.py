@@ -388,3 +388,19 @@ def test_pd_decode_reuses_a_full_layer_prefix_without_its_window_and_receives_a_
     finally:
         for e in (prefill, decode, reference):
             e.shutdown()
+
+
+@pytest.mark.parametrize("ratio", [0.001, 0.05, 0.8])
+def test_the_smallest_window_pool_still_computes_prompts_a_window_at_a_time(ratio) -> None:
+    """Gemma 3 270M's geometry (window 512, pages of 16) with pools of every size: the window pool never
+    drops below what a prompt chunk of a window needs, and the chunk the engine uses fits in it (a window
+    pool that fit only decode steps once left prompts computing 0 tokens a step, forever)."""
+    from hicache.cache.device_window import window_footprint
+    from hicache.runtime.hybrid_pool import HybridPlan
+
+    plan = HybridPlan(512, frozenset(range(15)), ratio, 16)
+    for full_pages in (81, 188, 4097, 65537):
+        pages = plan.window_pages(full_pages)
+        chunk = plan.prefill_chunk(pages, 2048)
+        assert 512 <= chunk <= 2048 and chunk % 16 == 0
+        assert window_footprint(512, 16, chunk) <= pages - 1

@@ -33,12 +33,14 @@ class HybridPlan:
 
     def window_pages(self, full_pages: int) -> int:
         """Window pages (+ the reserved page 0) beside ``full_pages`` (+ page 0): the ratio's, at
-        least one decode request's footprint."""
-        return max(int(self.ratio * (full_pages - 1)), window_footprint(self.window, self.page_size, 1)) + 1
+        least the footprint of one request computing its prompt a window (or a page) at a time."""
+        least = window_footprint(self.window, self.page_size, max(self.window, self.page_size))
+        return max(int(self.ratio * (full_pages - 1)), least) + 1
 
     def prefill_chunk(self, window_pages: int, chunk: int) -> int:
-        """The prefill chunk (tokens), at most ``chunk``, whose footprint fits in the component."""
-        return min(chunk, largest_forward(self.window, self.page_size, window_pages - 1))
+        """The prefill chunk (tokens), at most ``chunk``, whose footprint fits in the component (at
+        least a page: :meth:`window_pages` leaves room for a window's)."""
+        return max(min(chunk, largest_forward(self.window, self.page_size, window_pages - 1)), self.page_size)
 
     def saves_memory(self, full_pages: int, window_pages: int) -> bool:
         """Whether the component holds fewer pages than the full layers (else keeping every layer's
