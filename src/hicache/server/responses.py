@@ -19,7 +19,9 @@ continued turn computes little more than its new tokens. Built-in tools
 (web search, file search, ...), reasoning items and image / file / audio parts (the models served
 are text-only) are refused in one sentence; fields a pinned SDK sends at neutral values
 (``include``, ``truncation``, ``metadata``, ``reasoning``, ``user``, ...) are accepted. A grammar
-failure ends the response as ``failed``.
+failure ends the response as ``failed``. Beside the standard usage, hicache's extensions:
+``usage.hicache_cached_tokens`` (cached tokens per tier) and ``timing`` (seconds: TTFT, queue,
+forward), as on chat completions.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from .parsing import parse_body, read_body
 from .protocol import MEDIA_TYPES, APIError, ChatCompletionRequest, _Body, media_refusal
 from .response_store import ResponseStore, Stored
 from .state import ServerState
-from .submit import Prepared, _check_fits, vet_grammar
+from .submit import Prepared, _check_fits, _timing, vet_grammar
 from .tools import ChatChunks, parse_calls
 
 logger = logging.getLogger(__name__)
@@ -185,6 +187,7 @@ class _Turn:
                             "input_tokens_details": {"cached_tokens": res.cached_tokens},
                             "output_tokens_details": {"reasoning_tokens": 0},
                             "hicache_cached_tokens": dict(res.cached_tokens_details)}
+            out["timing"] = _timing(res)  # hicache's extension, as on chat completions
             if res.finish_reason == "length":
                 out["incomplete_details"] = {"reason": "max_output_tokens"}
         return out
