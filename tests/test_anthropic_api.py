@@ -1,7 +1,8 @@
 """Anthropic's Messages API (``/v1/messages``) through the official anthropic SDK: text, the system
 prompt, usage with the prefix cache's reads, forced and named tool calls as ``tool_use`` blocks, a
 tool round trip with ``tool_result``, stop sequences, ``max_tokens``, streaming (the SDK's event
-accumulator), ``count_tokens``, the key as ``x-api-key``."""
+accumulator), ``count_tokens``, the key as ``x-api-key``, image and document blocks refused in a
+sentence of their own."""
 
 from __future__ import annotations
 
@@ -98,6 +99,27 @@ def test_the_key_and_bad_requests(server) -> None:
     bad = httpx.post(url, json={**body, "tool_choice": {"type": "sometimes"}}, headers={"x-api-key": "secret"})
     assert bad.status_code == 400 and "tool_choice" in bad.json()["error"]["message"]
     assert bad.json()["type"] == "error" and bad.json()["error"]["type"] == "invalid_request_error"  # Anthropic's shape
-    image = {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": "x"}}]}
-    assert httpx.post(url, json={**body, "messages": [image]}, headers={"x-api-key": "secret"}).status_code == 400
     assert ok.json()["usage"]["output_tokens"] <= 4
+
+
+PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
+IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}}
+DOCUMENT = {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "An invoice."}}
+
+
+@pytest.mark.parametrize("content, says", [
+    ([{"type": "text", "text": "What is in this picture?"}, IMAGE], "image input is not supported"),
+    ([DOCUMENT, {"type": "text", "text": "Summarise it."}], "document input is not supported"),
+    ([{"type": "tool_result", "tool_use_id": "toolu_1", "content": [IMAGE]}], "image input is not supported"),
+])
+def test_images_and_documents_are_refused_in_a_sentence(client, content, says) -> None:
+    messages = [{"role": "user", "content": content}]
+    for call in (lambda: client.messages.create(model=MODEL, max_tokens=4, messages=messages),
+                 lambda: client.messages.count_tokens(model=MODEL, messages=messages)):
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            call()
+        assert refused.value.status_code == 400
+        error = refused.value.body["error"]  # Anthropic's shape: {"type": "error", "error": {"type", "message"}}
+        assert error["type"] == "invalid_request_error"
+        assert error["message"].startswith(says + ": this server runs text-only models")
+        assert error["message"].count(".") == 1 and error["message"].endswith(".")  # one sentence

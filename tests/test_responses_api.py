@@ -1,7 +1,7 @@
 """OpenAI's Responses API (``/v1/responses``) through the official openai SDK: text, usage, stored
 responses continued with ``previous_response_id`` (the history's KV from the prefix cache), a function
 tool round trip, ``text.format`` json_schema, streaming (the SDK's typed events and its accumulator),
-retrieve / delete, one-sentence refusals."""
+retrieve / delete, one-sentence refusals (image, file and audio parts among them)."""
 
 from __future__ import annotations
 
@@ -128,3 +128,25 @@ def test_the_store_is_bounded_by_count_and_bytes() -> None:
     assert by_bytes.get("a") is None and by_bytes.stats()["stored_bytes"] <= by_bytes.max_bytes
     by_bytes.put("huge", stored(100_000))  # larger than the bound alone: not kept, and the others stay
     assert by_bytes.get("huge") is None and by_bytes.get("b") is not None and by_bytes.get("c") is not None
+
+
+PNG = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
+
+
+@pytest.mark.parametrize("part, says", [
+    ({"type": "input_image", "image_url": PNG, "detail": "auto"}, "image input is not supported"),
+    ({"type": "input_file", "filename": "a.pdf", "file_data": "data:application/pdf;base64,JVBERi0="},
+     "file input is not supported"),
+    ({"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}, "audio input is not supported"),
+])
+def test_image_file_and_audio_parts_are_refused_in_a_sentence(client, part, says) -> None:
+    inputs = ([{"role": "user", "content": [{"type": "input_text", "text": "What is this?"}, part]}],
+              [{"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"},
+               {"type": "function_call_output", "call_id": "call_1", "output": [part]}])  # a tool's output too
+    for input in inputs:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(model=MODEL, input=input, max_output_tokens=4)
+        error = refused.value.body  # the SDK's body: OpenAI's error object
+        assert refused.value.status_code == 400 and error["type"] == "invalid_request_error"
+        assert error["message"].startswith(says + ": this server runs text-only models")
+        assert error["message"].count(".") == 1 and error["message"].endswith(".")  # one sentence

@@ -111,7 +111,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_agent_demo(args: argparse.Namespace) -> int:
     from .frontend.agent_demo import run_agent_demo
 
-    return run_agent_demo(model=args.model, server_args=args.server_args)
+    return run_agent_demo(model=args.model, server_args=args.server_args, api=args.api)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -239,7 +239,11 @@ def _add_local_commands(command: Callable[..., argparse.ArgumentParser]) -> None
     p.set_defaults(func=cmd_demo)
 
     p = command("agent-demo", help="A three-step tool-using agent on SmolLM2 through the openai SDK and "
-                                          "`hicache serve`; exits 1 when its final answer is wrong.")
+                                          "`hicache serve` (Chat Completions, then the Responses API); exits 1 when "
+                                          "a final answer is wrong.")
+    p.add_argument("--api", default="both", choices=("chat", "responses", "both"),
+                   help="Which API drives the agent: chat.completions, responses (previous_response_id), or both, "
+                        "one after the other on a flushed cache.")
     p.add_argument("--model", default="smollm2", help="The model `hicache serve` loads (the answer is checked on "
                                                       "SmolLM2).")
     p.add_argument("--server-args", default="", help="More `hicache serve` flags, shell-quoted, e.g. "

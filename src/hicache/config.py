@@ -71,6 +71,9 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
     context_length: Optional[int] = _opt(None, "Maximum tokens per request (prompt + output); default: the model's.")
     random_seed: int = _opt(0, "Seed for random-model weights.")
     num_threads: Optional[int] = _opt(None, "CPU threads for torch (default: torch's choice).")
+    skip_server_warmup: bool = _opt(
+        False, "Start without the warm-up pass (a 4-token prefill and a decode step on the padding slot, before "
+        "the first request; one-rank engines only, counted nowhere).")
     # KV cache
     page_size: int = _opt(16, "Tokens per KV page; the radix tree matches whole pages.")
     max_total_tokens: Optional[int] = _opt(None, "Device KV pool size in tokens (overrides --mem-fraction-static); "

@@ -1,16 +1,22 @@
 """``hicache agent-demo``: a three-step tool-using agent on SmolLM2, driven only through the
-official ``openai`` SDK against ``hicache serve`` (a subprocess on 127.0.0.1, a free port).
+official ``openai`` SDK against ``hicache serve`` (a subprocess on 127.0.0.1, a free port), once
+through each API: Chat Completions (``chat.completions.create``, the client resends the growing
+history) and the Responses API (``responses.create``: the server keeps the conversation, each
+turn sends only its new items with ``previous_response_id``).
 
 The task has a known answer: read ``invoice.txt`` (one of three in-memory files), multiply its
 quantity by its unit price with ``calculate``, then answer ``{"total": <number>}``. Each call step
 names its function in ``tool_choice`` (a grammar-constrained call: the path is one of the files
 that exist, the expression whole numbers and operators) and the answer step uses a
-``json_schema`` ``response_format``; the model still picks the file, writes the expression and
-the total itself, and the tools compute from what it wrote. Greedy decoding, so a run is reproducible on
-one machine. Exit status: 0 when the answer equals the invoice's total, 1 when not.
+``json_schema`` ``response_format`` (Responses: ``text.format``); the model still picks the file,
+writes the expression and the total itself, and the tools compute from what it wrote. Greedy
+decoding, so a run is reproducible on one machine. The prefix cache is flushed between the two
+runs, so each shows its own reuse. Exit status: 0 when every run's answer equals the invoice's
+total, 1 when not.
 Per turn: the call and its result, prompt tokens, cached tokens per tier (device / host /
-storage, from ``usage.prompt_tokens_details.cached_tokens_details``) and TTFT (the response's
-``timing.ttft_s`` extension), both hicache extensions the SDK keeps as extra fields.
+storage: ``usage.prompt_tokens_details.cached_tokens_details``, Responses
+``usage.hicache_cached_tokens``) and TTFT (the response's ``timing.ttft_s``), hicache extensions
+the SDK keeps as extra fields.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import IO, Any, Iterator
+from typing import IO, Any, Iterator, NamedTuple, Optional, Union
 
 from ..errors import HicacheError
 from ..ports import free_port
@@ -58,6 +64,8 @@ ANSWER = {"type": "json_schema", "json_schema": {"name": "answer", "strict": Tru
     "type": "object", "properties": {"total": {"type": "number"}}, "required": ["total"],
     "additionalProperties": False}}}
 STEPS = ("read_file", "calculate", None)  # the function each turn must call; None: the final answer
+SYSTEM = "You are a careful assistant. Use the tools."
+MAX_TOKENS = 64  # per turn: a call or the answer ends well within it on SmolLM2
 
 
 def read_file(path: str) -> str:
@@ -134,35 +142,100 @@ def wait_ready(proc: subprocess.Popen, url: str, log: IO[str], timeout: float) -
     raise HicacheError(f"hicache serve exited with status {proc.returncode}: {last}")
 
 
-def turn_row(turn: int, resp: Any, step: str) -> str:
+class Turn(NamedTuple):
+    """What one request did, as a table row shows it (token counts are prompt tokens)."""
+
+    prompt: int
+    cached: int  # of ``prompt``, served by the prefix cache (every tier)
+    tiers: dict[str, int]  # cached tokens per tier: device / host / storage
+    ttft_ms: float  # server-side time to first token (nan when the response has none)
+    summary: str  # the calls and their results, or the answer
+    content: Optional[str]  # the reply's text (the answer turn: its JSON)
+
+
+def _ttft_ms(resp: Any) -> float:
+    return (resp.model_extra or {}).get("timing", {}).get("ttft_s", float("nan")) * 1000
+
+
+def _run_calls(calls: list[tuple[str, str]]) -> tuple[list[str], str]:
+    """Each call ``(name, arguments)`` run: (its results, one summary of calls and results)."""
+    results = [run_tool(name, arguments) for name, arguments in calls]
+    return results, "; ".join(f"{n}({a}) -> {r.strip()!r}" for (n, a), r in zip(calls, results))
+
+
+class ChatAgent:
+    """The task through ``chat.completions.create``: the client holds the history and resends it."""
+
+    api, how = "chat.completions", "the client resends the history"
+
+    def __init__(self, client: Any, model: str, max_tokens: int = MAX_TOKENS) -> None:
+        self.client, self.model, self.max_tokens = client, model, max_tokens
+        self.messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}]
+
+    def turn(self, function: Optional[str]) -> Turn:
+        """A forced call of ``function`` (run here, its result appended as a ``tool`` message) or, for
+        None, the final answer under the JSON schema."""
+        # tools stay listed on the answer turn too ("auto"): the prompt then extends the last one,
+        # so its prefix comes from the cache; the schema keeps the reply to one JSON object
+        choice = {"type": "function", "function": {"name": function}} if function else "auto"
+        extra = {"parallel_tool_calls": False} if function else {"response_format": ANSWER}
+        resp = self.client.chat.completions.create(model=self.model, messages=self.messages, tools=TOOLS,
+                                                   tool_choice=choice, temperature=0, max_tokens=self.max_tokens,
+                                                   **extra)
+        message = resp.choices[0].message
+        self.messages.append(message.model_dump(exclude_none=True))
+        calls = message.tool_calls or []
+        results, summary = _run_calls([(c.function.name, c.function.arguments) for c in calls])
+        self.messages += [{"role": "tool", "tool_call_id": c.id, "content": r} for c, r in zip(calls, results)]
+        usage = resp.usage
+        tiers = (usage.prompt_tokens_details.model_extra or {}).get("cached_tokens_details", {})
+        if function is None:
+            summary = f"answer: {message.content}"
+        return Turn(usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens, tiers, _ttft_ms(resp),
+                    summary or f"no call: {message.content!r}", message.content)
+
+
+class ResponsesAgent:
+    """The task through ``responses.create``: the server stores each response (``store``, its
+    default), so a turn sends only its new items -- the call results -- with
+    ``previous_response_id``. The system prompt is the first input message, not ``instructions``:
+    instructions are not carried over to the next turn (OpenAI's rule), an input message is."""
+
+    api, how = "responses", "the server holds the conversation: previous_response_id"
+    TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses API's flat shape
+    FORMAT = {"type": "json_schema", **ANSWER["json_schema"]}  # text.format: name, strict, schema
+
+    def __init__(self, client: Any, model: str, max_tokens: int = MAX_TOKENS) -> None:
+        self.client, self.model, self.max_tokens = client, model, max_tokens
+        self.previous: Optional[str] = None  # the last response's id
+        self.input: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}]
+
+    def turn(self, function: Optional[str]) -> Turn:
+        """As :meth:`ChatAgent.turn`, continuing the stored conversation."""
+        extra = ({"tool_choice": {"type": "function", "name": function}, "parallel_tool_calls": False} if function
+                 else {"tool_choice": "auto", "text": {"format": self.FORMAT}})
+        resp = self.client.responses.create(model=self.model, input=self.input, tools=self.TOOLS, temperature=0,
+                                            max_output_tokens=self.max_tokens, previous_response_id=self.previous,
+                                            **extra)
+        self.previous = resp.id
+        calls = [o for o in resp.output if o.type == "function_call"]
+        results, summary = _run_calls([(c.name, c.arguments) for c in calls])
+        self.input = [{"type": "function_call_output", "call_id": c.call_id, "output": r}
+                      for c, r in zip(calls, results)]
+        usage = resp.usage
+        text = resp.output_text
+        if function is None:
+            summary = f"answer: {text}"
+        return Turn(usage.input_tokens, usage.input_tokens_details.cached_tokens,
+                    (usage.model_extra or {}).get("hicache_cached_tokens", {}), _ttft_ms(resp),
+                    summary or f"no call: {text!r}", text)
+
+
+def turn_row(number: int, turn: Turn) -> str:
     """One table row: prompt tokens, cached tokens per tier, TTFT (ms), then what the turn did."""
-    usage = resp.usage
-    tiers = (usage.prompt_tokens_details.model_extra or {}).get("cached_tokens_details", {})
-    ttft_ms = (resp.model_extra or {}).get("timing", {}).get("ttft_s", float("nan")) * 1000
-    return (f"{turn:>4} {usage.prompt_tokens:>6} {usage.prompt_tokens_details.cached_tokens:>6} "
-            f"{tiers.get('device', 0):>6} {tiers.get('host', 0):>5} {tiers.get('storage', 0):>7} "
-            f"{ttft_ms:>8.1f}  {step}")
-
-
-def agent_turn(client: Any, model: str, messages: list[dict[str, Any]], function: str | None) -> tuple[Any, str]:
-    """One request: a forced call of ``function`` (run here, its result appended as a ``tool``
-    message) or, for None, the final answer under the JSON schema. Returns (response, summary)."""
-    # tools stay listed on the answer turn too ("auto"): the prompt then extends the last one,
-    # so its prefix comes from the cache; the schema keeps the reply to one JSON object
-    choice = {"type": "function", "function": {"name": function}} if function else "auto"
-    extra = {"parallel_tool_calls": False} if function else {"response_format": ANSWER}
-    resp = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, tool_choice=choice,
-                                          temperature=0, max_tokens=64, **extra)
-    message = resp.choices[0].message
-    messages.append(message.model_dump(exclude_none=True))
-    if function is None:
-        return resp, f"answer: {message.content}"
-    lines = []
-    for call in message.tool_calls or []:
-        result = run_tool(call.function.name, call.function.arguments)
-        messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
-        lines.append(f"{call.function.name}({call.function.arguments}) -> {result.strip()!r}")
-    return resp, "; ".join(lines) or f"no call: {message.content!r}"
+    tiers = turn.tiers
+    return (f"{number:>4} {turn.prompt:>6} {turn.cached:>6} {tiers.get('device', 0):>6} {tiers.get('host', 0):>5} "
+            f"{tiers.get('storage', 0):>7} {turn.ttft_ms:>8.1f}  {turn.summary}")
 
 
 def final_total(content: str | None) -> float | None:
@@ -174,35 +247,60 @@ def final_total(content: str | None) -> float | None:
     return total if isinstance(total, (int, float)) else None
 
 
-def run_agent_demo(model: str = "smollm2", server_args: str = "") -> int:
-    """Start the server (``server_args``: more ``hicache serve`` flags, shell-quoted), run the
-    three turns, check the answer; 0 when right, 1 when wrong."""
+Agent = Union[ChatAgent, ResponsesAgent]
+AGENTS: dict[str, tuple[type[Agent], ...]] = {"chat": (ChatAgent,), "responses": (ResponsesAgent,),
+                                              "both": (ChatAgent, ResponsesAgent)}  # --api
+
+
+def run_task(agent: Agent) -> Optional[float]:
+    """The three turns through ``agent``, a table row each and a summary; returns the answer's total."""
+    import openai
+
+    print(f"{'turn':>4} {'input':>6} {'cached':>6} {'device':>6} {'host':>5} {'storage':>7} {'TTFT ms':>8}  "
+          "call -> result")
+    t0, prompt, cached, turn = time.monotonic(), 0, 0, None
+    for number, function in enumerate(STEPS, start=1):
+        try:
+            turn = agent.turn(function)
+        except openai.APIError as e:  # one line, not a traceback (status 2, as user errors)
+            raise HicacheError(f"{agent.api}: turn {number} failed: {e}") from None
+        prompt, cached = prompt + turn.prompt, cached + turn.cached
+        print(turn_row(number, turn))
+    print(f"{len(STEPS)} turns in {time.monotonic() - t0:.1f} s; {cached} of {prompt} prompt tokens came from the "
+          f"cache ({cached / max(prompt, 1):.0%})")
+    return final_total(turn.content if turn is not None else None)
+
+
+def flush_cache(url: str) -> None:
+    """Empty the server's prefix cache (``url``: the API's base, ``.../v1``), so the next run starts cold."""
+    import httpx
+
+    httpx.post(url.removesuffix("/v1") + "/flush_cache", params={"timeout": 10}, timeout=30.0).raise_for_status()
+
+
+def run_agent_demo(model: str = "smollm2", server_args: str = "", api: str = "both") -> int:
+    """Start the server (``server_args``: more ``hicache serve`` flags, shell-quoted), run the task
+    through ``api`` ("chat", "responses" or "both", one after the other on a flushed cache), check
+    each answer; 0 when every one is right, 1 when one is wrong."""
     import openai
 
     t0 = time.monotonic()
+    expected, wrong = QUANTITY * UNIT_PRICE, []
     with serving(model, shlex.split(server_args)) as url:
         print(f"hicache agent-demo: {model} behind `hicache serve` at {url} (ready in {time.monotonic() - t0:.1f} s), "
-              "driven through the openai SDK, greedy\ntask: " + TASK + "\n")
+              "driven through the openai SDK, greedy\ntask: " + TASK)
         client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120.0)
-        messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a careful assistant. Use the tools."},
-                                          {"role": "user", "content": TASK}]
-        print(f"{'turn':>4} {'input':>6} {'cached':>6} {'device':>6} {'host':>5} {'storage':>7} {'TTFT ms':>8}  "
-              "call -> result")
-        t1, prompt, cached = time.monotonic(), 0, 0
-        for turn, function in enumerate(STEPS, start=1):
-            try:
-                resp, summary = agent_turn(client, model, messages, function)
-            except openai.APIError as e:  # one line, not a traceback (status 2, as user errors)
-                raise HicacheError(f"turn {turn} failed: {e}") from None
-            prompt += resp.usage.prompt_tokens
-            cached += resp.usage.prompt_tokens_details.cached_tokens
-            print(turn_row(turn, resp, summary))
-        answer = final_total(messages[-1].get("content"))
-    expected = QUANTITY * UNIT_PRICE
-    print(f"\n{len(STEPS)} turns in {time.monotonic() - t1:.1f} s; {cached} of {prompt} prompt tokens came from the "
-          f"cache ({cached / max(prompt, 1):.0%})")
-    if answer != expected:
-        print(f"agent-demo FAILED: the final answer is {answer}, the invoice's total is {expected}", file=sys.stderr)
+        for i, agent_class in enumerate(AGENTS[api]):
+            if i:
+                flush_cache(url)
+            agent = agent_class(client, model)
+            print(f"\n{agent.api} ({agent.how})")
+            answer = run_task(agent)
+            if answer != expected:
+                wrong.append(f"{agent.api}: the final answer is {answer}")
+    if wrong:
+        print(f"agent-demo FAILED: {'; '.join(wrong)}; the invoice's total is {expected}", file=sys.stderr)
         return 1
-    print(f"agent-demo OK: the final answer {answer:g} is the invoice's total ({QUANTITY} x {UNIT_PRICE})")
+    print(f"\nagent-demo OK: the final answer {expected} is the invoice's total ({QUANTITY} x {UNIT_PRICE}) "
+          f"through {' and '.join(a.api for a in AGENTS[api])}")
     return 0

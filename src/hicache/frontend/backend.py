@@ -23,6 +23,7 @@ from ..runtime.core import EngineCore, build_core, core_stats
 from ..runtime.request import Request
 from ..runtime.scheduler import Scheduler
 from ..runtime.step import ForwardFn, StepDriver
+from ..runtime.warmup import warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -167,11 +168,15 @@ class LocalBackend:
 
 def make_backend(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, dtype: torch.dtype,
                  draft: LoadedModel | None = None) -> Backend:
-    """The backend for ``cfg``'s layout: in this process for one rank, rank processes else
-    (each loads its own slice of the model; ``loaded`` then holds the spec and tokenizer).
+    """The backend for ``cfg``'s layout: in this process for one rank (warmed up unless
+    ``--skip-server-warmup``), rank processes else (each loads its own slice of the model;
+    ``loaded`` then holds the spec and tokenizer; not warmed up: runtime/warmup.py says why).
     ``draft``: the speculative draft model (one rank only, for now)."""
     if cfg.tp_size * cfg.pp_size == 1:
-        return LocalBackend(build_core(cfg, loaded, device, dtype, draft=draft), cfg.page_size)
+        core = build_core(cfg, loaded, device, dtype, draft=draft)
+        if not cfg.skip_server_warmup:  # before any request, so before /health answers (runtime/warmup.py)
+            warm_up(core.runner)
+        return LocalBackend(core, cfg.page_size)
     check_parallel(loaded.spec, cfg.tp_size // cfg.attn_cp_size, cfg.pp_size)
     if draft is not None:  # the draft runs on the first stage, tensor-parallel like the target
         check_parallel(draft.spec, cfg.tp_size // cfg.attn_cp_size, 1)

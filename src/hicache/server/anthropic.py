@@ -10,6 +10,9 @@ run exactly as a chat completion (the template, forced-call grammars, the prefix
 reply written back as content blocks: text, then one ``tool_use`` block per call (parsed from the
 reply as :mod:`.tools` parses it; a call cut by ``max_tokens`` is dropped).
 
+Image and document blocks (in a message or a tool result) are refused in a sentence of their own:
+the models served are text-only.
+
 ``stop_reason``: ``tool_use``, ``max_tokens``, ``stop_sequence`` (with the one that matched) or
 ``end_turn``. Usage: ``input_tokens`` the prompt tokens computed, ``cache_read_input_tokens`` those
 the prefix cache served (every tier), ``cache_creation_input_tokens`` 0 (the cache is written
@@ -34,7 +37,7 @@ from ..runtime.request import GenerateResult
 from .choices import abort_unfinished, collect_choices, merged_updates, submit_choices
 from .detok import IncrementalText
 from .parsing import parse_body, read_body
-from .protocol import APIError, ChatCompletionRequest, _Body
+from .protocol import APIError, ChatCompletionRequest, _Body, media_refusal
 from .state import ServerState
 from .submit import Prepared, engine_dead_during, stop_string_matched, vet_grammar
 from .tools import ChatChunks, parse_calls
@@ -54,18 +57,32 @@ class ToolUseBlock(_Body):
     input: dict[str, Any]
 
 
+class MediaBlock(_Body):
+    """An image or document block: parsed only to be refused in a sentence of its own (:func:`as_chat`)."""
+
+    type: Literal["image", "document"]
+
+
 class ToolResultBlock(_Body):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: Union[str, list[TextBlock]] = ""
+    content: Union[str, list[Union[TextBlock, MediaBlock]]] = ""
     is_error: bool = False
 
     def text(self) -> str:
-        text = self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
+        text = self.content if isinstance(self.content, str) else "".join(b.text for b in _text_blocks(self.content))
         return f"Error: {text}" if self.is_error else text
 
 
-Block = Union[TextBlock, ToolUseBlock, ToolResultBlock]
+Block = Union[TextBlock, ToolUseBlock, ToolResultBlock, MediaBlock]
+
+
+def _text_blocks(blocks: list[Any]) -> list[TextBlock]:
+    """``blocks``' text blocks; APIError(400) at the first image or document (text-only models)."""
+    for b in blocks:
+        if isinstance(b, MediaBlock):
+            raise media_refusal(b.type, "messages")
+    return [b for b in blocks if isinstance(b, TextBlock)]
 
 
 class AnthropicMessage(_Body):
@@ -101,7 +118,7 @@ def as_chat(body: MessagesRequest) -> ChatCompletionRequest:
         messages.append({"role": "system", "content": system})
     for m in body.messages:
         blocks = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
-        text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
+        text = "".join(b.text for b in _text_blocks(blocks))
         if m.role == "assistant":
             calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
                      for b in blocks if isinstance(b, ToolUseBlock)]

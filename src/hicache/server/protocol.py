@@ -37,6 +37,19 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+# Content that is not text, by the names the APIs give it (Messages: image / document blocks;
+# Responses: input_image / input_file / input_audio parts): refused in a sentence of its own, since
+# the models served are text-only, rather than as a validation error naming a branch of a union.
+MEDIA_TYPES = {"image": "image", "input_image": "image", "document": "document", "input_file": "file",
+               "input_audio": "audio"}
+
+
+def media_refusal(kind: str, param: str) -> APIError:
+    """The 400 for content of type ``kind`` (a key of :data:`MEDIA_TYPES`)."""
+    return APIError(400, f"{MEDIA_TYPES[kind]} input is not supported: this server runs text-only models "
+                         f"(content of type {kind!r}).", param=param)
+
+
 class _Body(BaseModel):
     """A request body: ``null`` is the field's default (OpenAI's rule for optional fields)."""
 

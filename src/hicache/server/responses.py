@@ -16,9 +16,12 @@ conversation with only its new items (the previous ``instructions`` are not carr
 OpenAI's): its prompt is the stored ids plus the new turn as the template renders it
 (:func:`continued_ids`: no re-rendering drift), whose KV the radix cache already holds, so the
 continued turn computes little more than its new tokens. Built-in tools
-(web search, file search, ...) and reasoning items are refused in one sentence; fields a pinned SDK
-sends at neutral values (``include``, ``truncation``, ``metadata``, ``reasoning``, ``user``, ...) are
-accepted. A grammar failure ends the response as ``failed``.
+(web search, file search, ...), reasoning items and image / file / audio parts (the models served
+are text-only) are refused in one sentence; fields a pinned SDK sends at neutral values
+(``include``, ``truncation``, ``metadata``, ``reasoning``, ``user``, ...) are accepted. A grammar
+failure ends the response as ``failed``. Beside the standard usage, hicache's extensions:
+``usage.hicache_cached_tokens`` (cached tokens per tier) and ``timing`` (seconds: TTFT, queue,
+forward), as on chat completions.
 """
 
 from __future__ import annotations
@@ -37,10 +40,10 @@ from ..runtime.request import GenerateResult
 from .choices import abort_unfinished, collect_choices, merged_updates, submit_choices
 from .detok import IncrementalText
 from .parsing import parse_body, read_body
-from .protocol import APIError, ChatCompletionRequest, _Body
+from .protocol import MEDIA_TYPES, APIError, ChatCompletionRequest, _Body, media_refusal
 from .response_store import ResponseStore, Stored
 from .state import ServerState
-from .submit import Prepared, _check_fits, vet_grammar
+from .submit import Prepared, _check_fits, _timing, vet_grammar
 from .tools import ChatChunks, parse_calls
 
 logger = logging.getLogger(__name__)
@@ -73,6 +76,8 @@ def _text_of(content: Any) -> str:
     for part in content:
         if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind in MEDIA_TYPES:
+                raise media_refusal(kind, "input")
             raise APIError(400, f"input content of type {kind!r} is not supported (text only).", param="input")
         parts.append(str(part.get("text", "")))
     return "".join(parts)
@@ -182,6 +187,7 @@ class _Turn:
                             "input_tokens_details": {"cached_tokens": res.cached_tokens},
                             "output_tokens_details": {"reasoning_tokens": 0},
                             "hicache_cached_tokens": dict(res.cached_tokens_details)}
+            out["timing"] = _timing(res)  # hicache's extension, as on chat completions
             if res.finish_reason == "length":
                 out["incomplete_details"] = {"reason": "max_output_tokens"}
         return out
