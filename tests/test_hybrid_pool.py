@@ -404,3 +404,27 @@ def test_the_smallest_window_pool_still_computes_prompts_a_window_at_a_time(rati
         chunk = plan.prefill_chunk(pages, 2048)
         assert 512 <= chunk <= 2048 and chunk % 16 == 0
         assert window_footprint(512, 16, chunk) <= pages - 1
+
+
+@pytest.mark.multirank
+@pytest.mark.storage
+def test_unified_grid_holds_full_and_window_cells_another_layout_reads(tmp_path, every_layer) -> None:
+    """The unified key scheme on a grid of 3-layer ranges: a cell's full layers and its window layers are
+    separate objects (``_swa``, checkpoint pages only; the range of three window layers has no full object).
+    One rank writes; two pipeline stages, another layout, read them and answer as the every-layer pool."""
+    grid = dict(hicache_storage_key_scheme="unified", hicache_storage_layer_partition=3)
+    conversations(Engine(MODEL, **stored(tmp_path, **grid)))
+    full, _ = object_files(tmp_path)
+    window = [f for f in full if f.name.endswith("_swa")]
+    full = [f for f in full if not f.name.endswith("_swa")]
+    assert {f.name.rsplit("_", 1)[-1] for f in full} == {"H0"} and all("_L3-6_" in f.name for f in full)
+    assert {f.name.split("_")[-3] for f in window} == {"L0-3", "L3-6"}  # {hash}_{digest}_L{a}-{b}_H0_swa
+    # one full layer (5) in L3-6's object; window layers 3-4 in its _swa object, 0-2 in L0-3's
+    sizes = {f.name.split("_")[-3]: f.stat().st_size for f in window}
+    f1 = full[0].stat().st_size
+    assert (sizes["L0-3"] - f1) * 1 == (sizes["L3-6"] - f1) * 2  # the same header; 3 vs 2 layers beyond 1
+    reader = Engine(MODEL, pp_size=2, **stored(tmp_path, **grid))
+    outputs, _ = conversations(reader, keep=True)
+    hits = reader.stats()["hit_tokens"]["storage"]
+    reader.shutdown()
+    assert outputs == every_layer[0] and hits > 0

@@ -14,6 +14,7 @@ Units: ``tokens`` are token-id sequences; lengths are tokens unless named ``*_pa
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,7 +30,7 @@ from .placement import PagePlacement, ShardedPageAllocator, ShardView
 from .pools import DeviceKVPool, PageAllocator
 from .storage.base import StorageBackend
 from .storage.keys import OBJECT_LAYOUT_V1, KeyNamespace
-from .storage.page_objects import DRAFT_PREFIX, GridCell
+from .storage.page_objects import DRAFT_PREFIX, WINDOW_SUFFIX, GridCell
 from .storage.prefetch_backup import Agree, PrefetchOp
 from .storage.unified import UnifiedPlan
 from .storage_tier import StorageTier, consume_prefetch_acks, node_hashes
@@ -115,11 +116,35 @@ def _key_namespace(pool: DeviceKVPool, shard: str, unified: UnifiedPlan | None) 
             pool.window_layers), shard, f"{OBJECT_LAYOUT_V1};window={pool.window}x{len(pool.window_layers)}")
     if unified is None:
         return KeyNamespace(pool.page_size, str(k.dtype), tuple(k.shape[1:]), len(pool.k_buffers), shard)
-    return unified.key_namespace(pool.page_size, str(k.dtype), k.shape[2])
+    return unified.key_namespace(pool.page_size, str(k.dtype), k.shape[2], pool.window)
+
+
+Objects = tuple[list[GridCell], list[GridCell]]
+
+
+def _hybrid_grid_objects(host_pool: HostKVPool, plan: UnifiedPlan) -> tuple[Objects, Objects]:
+    """A hybrid pool's cells: each cell's full layers from the full host pool, its window layers
+    (checkpoint pages only, key suffix ``_swa``) from the window host pool; an empty part is no
+    object. (reads, writes) of each component."""
+    s, grid = plan.shard, plan.grid
+
+    def part(host: HostKVPool, cell, suffix: str = "") -> GridCell | None:
+        local = [i + s.layers.start for i in host.layers]  # the host pool's layers, model-global
+        rows = slice(bisect.bisect_left(local, cell.layer_start), bisect.bisect_left(local, cell.layer_end))
+        if rows.start == rows.stop:
+            return None
+        return GridCell(host, cell, 0, s.kv_heads.start, grid.heads_of(cell), grid.mla, layers=rows, suffix=suffix)
+
+    def cut(cells, host, suffix=""):
+        return [obj for c in cells if (obj := part(host, c, suffix)) is not None]
+
+    o, window = plan.objects, host_pool.window_pool
+    return ((cut(o.reads, host_pool), cut(o.writes, host_pool)),
+            (cut(o.reads, window, WINDOW_SUFFIX), cut(o.writes, window, WINDOW_SUFFIX)))
 
 
 def _grid_objects(host_pool: HostKVPool, plan: UnifiedPlan, sidecar_host: HostKVPool | None,
-                  pool_layers: int) -> tuple[list[GridCell], list[GridCell]]:
+                  pool_layers: int) -> Objects:
     """This rank's read and write cells as objects cut from its host pages, then its draft's:
     in the sidecar's host pool, or (packed) in the layers after the target's."""
     def cut(cell, grid, shard, host, first_layer, prefix=""):
@@ -171,11 +196,16 @@ class KVCacheManager:
             self.device.lower = self.host
             self.tiers.append(self.host)
         if storage is not None:
-            objects = _grid_objects(host_pool, unified, sidecar[1] if sidecar else None, len(pool.k_buffers)) \
-                if unified else None
+            objects = window_objects = None
+            if unified and pool.hybrid:
+                if sidecar is not None or (unified.draft is not None):
+                    raise ValueError("a speculative draft's cells on a hybrid pool's unified grid are not planned")
+                objects, window_objects = _hybrid_grid_objects(host_pool, unified)
+            elif unified:
+                objects = _grid_objects(host_pool, unified, sidecar[1] if sidecar else None, len(pool.k_buffers))
             self.storage_tier = StorageTier(storage, self.host, self.keys, layout.storage_agree,
                                             policy.storage_op_timeout, policy.prefetch_threshold,
-                                            policy.prefetch_max_host_fraction, shard_view, objects)
+                                            policy.prefetch_max_host_fraction, shard_view, objects, window_objects)
             self.host.lower = self.storage_tier
             self.tiers.append(self.storage_tier)
         self.controller = self.host.controller if self.host is not None else None

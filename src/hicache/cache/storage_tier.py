@@ -68,7 +68,8 @@ class StorageTier:
     def __init__(self, backend: StorageBackend, host: HostTier, keys: KeyNamespace, agree: tuple[Agree, Agree] | None,
                  op_timeout: float, prefetch_threshold: int, prefetch_max_host_fraction: float,
                  shard: ShardView | None = None,
-                 objects: tuple[Sequence[PageObject], Sequence[PageObject]] | None = None) -> None:
+                 objects: tuple[Sequence[PageObject], Sequence[PageObject]] | None = None,
+                 window_objects: tuple[Sequence[PageObject], Sequence[PageObject]] | None = None) -> None:
         """``shard``: sharded KV; this rank reads and writes the objects of the pages it owns
         (its keys name its shard, see ``keys``). ``objects``: (reads, writes), the objects a
         host page is read from and written to (the unified grid's cells); default: one object
@@ -80,11 +81,13 @@ class StorageTier:
             objects = [WholePage(host.host_pool)] + [
                 WholePage(h, f"-sidecar{i}") for i, (_, h) in enumerate(host.controller.sidecar_pairs, start=1)]
             objects = (objects, objects)
-        # hybrid: a checkpoint page's window layers in an object of their own, "<key>-window"
-        window = WholePage(host.window_host, "-window") if host.window_host is not None else None
+        # hybrid: a checkpoint page's window layers in objects of their own ("<key>-window"; the grid's
+        # cells with the suffix "_swa" on the unified layout)
+        if window_objects is None and host.window_host is not None:
+            window_objects = ([WholePage(host.window_host, "-window")],) * 2
         self.controller = StorageController(backend, host.host_pool, *(agree or ()), op_timeout=op_timeout,
-                                            reads=objects[0], writes=objects[1], window=window,
-                                            window_pages=self._window_span if window is not None else None)
+                                            reads=objects[0], writes=objects[1], windows=window_objects,
+                                            window_pages=self._window_span if window_objects is not None else None)
         self.prefetch_threshold = prefetch_threshold
         # At most this many host pages may be held by prefetches at once.
         self.prefetch_page_limit = int(prefetch_max_host_fraction * host.allocator.capacity)

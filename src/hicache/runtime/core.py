@@ -189,11 +189,12 @@ def _host_pool(cfg: EngineConfig, pool: DeviceKVPool, host_pages: int, grid: Sto
     if not cfg.enable_hierarchical_cache:
         return None
     if pool.hybrid:  # full layers for every host page, window layers for checkpoints (pages of their own)
-        window_layers = sorted(pool.window_layers)
-        host = HostKVPool(pool, host_pages, cfg.hicache_mem_layout,
+        layout, cells = (cfg.hicache_mem_layout, None) if grid is None else \
+            ("page_unified", 0 if grid.mla else grid.head_partition)  # each object a slice of a page, as below
+        host = HostKVPool(pool, host_pages, layout, cell_heads=cells,
                           layers=tuple(i for i in range(len(pool.k_buffers)) if i not in pool.window_layers))
         window_pages = max(int(cfg.swa_full_tokens_ratio * (host_pages - 1)), 1) + 1
-        host.window_pool = HostKVPool(pool, window_pages, cfg.hicache_mem_layout, layers=tuple(window_layers))
+        host.window_pool = HostKVPool(pool, window_pages, layout, cell_heads=cells, layers=tuple(sorted(pool.window_layers)))
         return host
     if grid is None:
         return HostKVPool(pool, host_pages, cfg.hicache_mem_layout)

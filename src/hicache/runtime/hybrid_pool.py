@@ -55,10 +55,11 @@ def plan_hybrid(cfg: EngineConfig, spec: ModelSpec, layers: range) -> HybridPlan
     if not spec.has_sliding_layers or cfg.disable_hybrid_swa_memory:
         return None
     uncovered = [flag for flag, on in (
-        ("--hicache-storage-key-scheme unified", bool(cfg.hicache_storage_backend)
-         and cfg.hicache_storage_key_scheme == "unified"),
         ("--disaggregation-transfer-backend mooncake", cfg.disaggregation_mode != "null"
-         and cfg.disaggregation_transfer_backend == "mooncake")) if on]
+         and cfg.disaggregation_transfer_backend == "mooncake"),
+        ("a speculative draft on the unified key scheme", cfg.hicache_storage_key_scheme == "unified"
+         and bool(cfg.hicache_storage_backend) and bool(cfg.speculative_algorithm)
+         and cfg.speculative_algorithm != "NGRAM")) if on]
     if uncovered:
         logger.info("sliding-window layers keep every cached token's KV: the window pool does not cover %s yet",
                     " / ".join(uncovered))

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..cache.storage.page_objects import DRAFT_PREFIX, NAMESPACE_KEY_HEX
+from ..cache.storage.page_objects import DRAFT_PREFIX, NAMESPACE_KEY_HEX, WINDOW_SUFFIX
 from ..cache.storage.unified import (
     DraftPlan,
     RankShard,
@@ -19,6 +19,7 @@ from ..cache.storage.unified import (
 from ..config import EngineConfig
 from ..model.parallel import model_shard
 from ..model.spec import ModelSpec
+from .hybrid_pool import plan_hybrid
 
 KEY_PATTERN = "{page_hash}_{namespace_digest}_L{start_layer}-{end_layer}[_H{head_group}]"
 
@@ -78,7 +79,11 @@ def layout_report(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, tree_n
     if not plans:
         return {"key_scheme": cfg.hicache_storage_key_scheme, "storage_backend": cfg.hicache_storage_backend}
     grid = plans[0].grid
-    digest = plans[0].key_namespace(cfg.page_size, str(dtype), spec.head_dim).digest(tree_namespace)
+    # a hybrid pool's objects (full and "_swa" window cells) have a namespace of their own (the engine may
+    # still keep every layer where a window pool would not be smaller: docs/hybrid_kv.md)
+    window = spec.sliding_window if plan_hybrid(cfg, spec, range(spec.num_layers)) is not None else 0
+    keys = plans[0].key_namespace(cfg.page_size, str(dtype), spec.head_dim, window)
+    digest = keys.digest(tree_namespace)
     return {
         "key_scheme": "unified",
         "storage_backend": cfg.hicache_storage_backend,
@@ -87,7 +92,8 @@ def layout_report(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, tree_n
         "key_pattern": KEY_PATTERN,
         "key_namespace_digest_chars": NAMESPACE_KEY_HEX,
         "page_size": cfg.page_size,
-        "object_layout": plans[0].object_layout,
+        "object_layout": keys.object_layout,
+        "window_cells": f"{KEY_PATTERN}{WINDOW_SUFFIX} (checkpoint pages only)" if window else None,
         "grid": {"layer_ranges": grid.layer_ranges, "head_groups": len(grid.groups), "mla": grid.mla,
                  "layer_partition": grid.layer_partition, "head_partition": None if grid.mla else grid.head_partition,
                  "objects_per_page": len(grid.cells())},

@@ -25,6 +25,7 @@ from .unified import Cell
 
 NAMESPACE_KEY_HEX = 16  # hex chars of the namespace digest in a unified key
 DRAFT_PREFIX = "draft_"  # a speculative draft's cells: {page_hash}_{digest}_draft_L{a}-{b}[_H{g}]
+WINDOW_SUFFIX = "_swa"  # a hybrid page's window layers of a cell: {page_hash}_{digest}_L{a}-{b}[_H{g}]_swa
 
 
 class PageObject(Protocol):
@@ -82,9 +83,12 @@ class GridCell:
     ``first_layer``'s offset may then follow the target's: a negative ``first_layer``)."""
 
     def __init__(self, host: HostKVPool, cell: Cell, first_layer: int, first_head: int, heads: range,
-                 mla: bool, prefix: str = "") -> None:
-        self.host, self.cell, self.mla, self.prefix = host, cell, mla, prefix
-        self.layers = slice(cell.layer_start - first_layer, cell.layer_end - first_layer)
+                 mla: bool, prefix: str = "", layers: slice | None = None, suffix: str = "") -> None:
+        """``layers``: the cell's rows in ``host`` when not a plain offset (a hybrid pool's full or
+        window layers, each a host pool of its own); ``suffix``: after the cell's (a hybrid page's
+        window component: :data:`WINDOW_SUFFIX`)."""
+        self.host, self.cell, self.mla, self.prefix, self.suffix = host, cell, mla, prefix, suffix
+        self.layers = layers if layers is not None else slice(cell.layer_start - first_layer, cell.layer_end - first_layer)
         self.heads = slice(heads.start - first_head, heads.stop - first_head)
         self.group: int | None = None  # the cell's head group in a page_unified host page
         if host.layout == "page_unified" and not mla:
@@ -93,7 +97,7 @@ class GridCell:
             self.group = self.heads.start // host.cell_heads
 
     def key(self, page_hash: bytes, ns_digest: bytes) -> str:
-        return f"{object_key(page_hash)}_{ns_digest.hex()[:NAMESPACE_KEY_HEX]}_{self.prefix}{self.cell.suffix}"
+        return f"{object_key(page_hash)}_{ns_digest.hex()[:NAMESPACE_KEY_HEX]}_{self.prefix}{self.cell.suffix}{self.suffix}"
 
     def _view(self, host_page: int) -> torch.Tensor:
         """The cell's part of the page, ``[layer, K/V, token, head, dim]`` (strided)."""

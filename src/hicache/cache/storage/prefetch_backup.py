@@ -136,22 +136,26 @@ def _log_failure(reason: str, msg: str, *args: object) -> None:
 class StorageController:
     def __init__(self, backend: StorageBackend, host_pool: HostKVPool,
                  agree_prefetch: Agree = _alone, agree_backup: Agree = _alone, op_timeout: float = 10.0,
-                 reads: Sequence[PageObject] = (), writes: Sequence[PageObject] | None = None,
-                 window: PageObject | None = None, window_pages: Callable[[int], int] | None = None) -> None:
+                 reads: Sequence[PageObject] | None = None, writes: Sequence[PageObject] | None = None,
+                 windows: tuple[Sequence[PageObject], Sequence[PageObject]] | None = None,
+                 window_pages: Callable[[int], int] | None = None) -> None:
         """``op_timeout``: deadline in seconds of each backend call (see :mod:`.guard`).
         ``reads`` / ``writes``: the objects each host page is read from and written to
         (:mod:`.page_objects`; default: one :class:`WholePage` of ``host_pool`` for both). A page
         is present only when all of its read objects are; they are read, and written, together.
-        ``window``: a hybrid pool's window-layer object of a checkpoint page (of its own host
-        window page); ``window_pages(end)``: how many pages before a boundary of ``end`` pages its
-        window reads."""
+        A rank with none (a pipeline stage of a hybrid model's window layers only: its full layers'
+        cells are empty) counts every page present: the other ranks' objects decide.
+        ``windows``: a hybrid pool's window-layer objects of a checkpoint page (of its own host
+        window page), read and written; ``window_pages(end)``: how many pages before a boundary of
+        ``end`` pages its window reads."""
         self.guard = backend if isinstance(backend, GuardedBackend) else GuardedBackend(backend, timeout_s=op_timeout)
         self._agree_prefetch = agree_prefetch
         self._agree_backup = agree_backup
         self.host_pool = host_pool
-        self.reads: list[PageObject] = list(reads) or [WholePage(host_pool)]
+        self.reads: list[PageObject] = [WholePage(host_pool)] if reads is None else list(reads)
         self.writes: list[PageObject] = self.reads if writes is None else list(writes)
-        self.window, self.window_pages = window, window_pages
+        self.window_reads, self.window_writes = windows if windows is not None else (None, None)
+        self.window_pages = window_pages
         self.stats = StorageStats()
         # Seconds to read and verify one page (exponentially weighted over batch reads; None
         # before the first). Written by the prefetch thread, read by the scheduler's prefetch
@@ -261,7 +265,7 @@ class StorageController:
             op.failure = op.failure or failure_reason(e)
             logger.warning("prefetch op=%d failed: %s", op.op_id, e)
         finally:
-            if self.window is not None:  # before the final ack: a consumed final ack covers the window
+            if self.window_reads is not None:  # before the final ack: a consumed final ack covers the window
                 self._read_window(op)
             op.progress.append((op.progress[-1][0] if op.progress else 0, True))  # the final ack
             op.done.set()
@@ -273,16 +277,18 @@ class StorageController:
         done = op.progress[-1][0] if op.progress else 0
         first = done - min(self.window_pages(op.start_page + done), done)
         ok = 0
+        objects = self.window_reads
         if done and op.window_host_pages is not None and done == op.hit_pages and not op.stop.is_set() \
                 and done - first <= len(op.window_host_pages):
             try:
-                keys = [self.window.key(op.hashes[i], op.ns_digest) for i in range(first, done)]
+                keys = [obj.key(op.hashes[i], op.ns_digest) for i in range(first, done) for obj in objects]
                 blobs = self.guard.batch_get(keys)
                 for j, blob in enumerate(blobs):
-                    payload, _ = (None, None) if blob is None else decode_checked(blob, op.ns_digest, op.hashes[first + j])
+                    page = first + j // len(objects) if objects else first
+                    payload, _ = (None, None) if blob is None else decode_checked(blob, op.ns_digest, op.hashes[page])
                     if payload is None:
                         break
-                    self.window.load(int(op.window_host_pages[j]), payload)
+                    objects[j % len(objects)].load(int(op.window_host_pages[page - first]), payload)
                 else:
                     ok = 1
             except Exception as e:  # the full pages stand; the tree cuts the hit back without the window
@@ -295,7 +301,10 @@ class StorageController:
         mine = _mine(op.owned, len(keys))
         n = len(self.reads)
         try:
-            present = self.guard.exists_prefix([k for i in mine for k in keys[i]]) // n if len(mine) else 0
+            if not n:  # no object of this rank's: every page is the others' to count
+                present = len(mine)
+            else:
+                present = self.guard.exists_prefix([k for i in mine for k in keys[i]]) // n if len(mine) else 0
             hit = _logical(mine, present, len(keys))
         except Exception as e:
             hit, op.failure = 0, failure_reason(e)
@@ -332,7 +341,7 @@ class StorageController:
         if self.read_delay_fn is not None:
             time.sleep(self.read_delay_fn(op))
         mine = [int(i) for i in _mine(op.owned, len(keys)) if start <= i < end]
-        if not mine:  # every page of this batch is another rank's
+        if not mine or not self.reads:  # every page (or object) of this batch is another rank's
             return end - start
         pages = op.local_pages if op.local_pages is not None else op.host_pages
         t0 = time.perf_counter()
@@ -372,9 +381,9 @@ class StorageController:
     def _write_window(self, op: BackupOp) -> None:
         """Hybrid: the window objects of the op's checkpoint pages (best effort: a reader that
         misses one cuts its hit back to a boundary whose window it has)."""
-        keys = [self.window.key(op.hashes[i], op.ns_digest) for i in op.window_index]
-        blobs = [encode(op.ns_digest, op.hashes[i], self.window.page_bytes(int(h)))
-                 for i, h in zip(op.window_index, op.window_host_pages)]
+        pages = list(zip(op.window_index, op.window_host_pages))
+        keys = [obj.key(op.hashes[i], op.ns_digest) for i, _ in pages for obj in self.window_writes]
+        blobs = [encode(op.ns_digest, op.hashes[i], obj.page_bytes(int(h))) for i, h in pages for obj in self.window_writes]
         stored = self.guard.batch_set(keys, blobs)
         self.stats.backup_bytes += sum(len(b) for b in blobs[:stored])
 

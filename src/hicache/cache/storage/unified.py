@@ -134,11 +134,13 @@ class UnifiedPlan:
         MHA head groups or a replicated MLA latent)."""
         return f"{UNIFIED_LAYOUT_V1}:{self.grid.describe()}"
 
-    def key_namespace(self, page_size: int, kv_dtype: str, head_dim: int) -> KeyNamespace:
+    def key_namespace(self, page_size: int, kv_dtype: str, head_dim: int, window: int = 0) -> KeyNamespace:
         """The key namespace of unified objects: the whole model's grid and no rank, so every
-        compatible deployment computes the same chain head for the same tree namespace."""
-        grid = self.grid
-        return KeyNamespace(page_size, kv_dtype, (grid.num_kv_heads, head_dim), grid.num_layers, "", self.object_layout)
+        compatible deployment computes the same chain head for the same tree namespace.
+        ``window``: a hybrid pool's (its cells split into full and window objects, checkpoints'
+        only for the latter): a namespace of its own, never read as every-layer objects."""
+        grid, layout = self.grid, self.object_layout + (f";window={window}" if window else "")
+        return KeyNamespace(page_size, kv_dtype, (grid.num_kv_heads, head_dim), grid.num_layers, "", layout)
 
 
 def plan_rank(grid: StorageGrid, shards: Sequence[RankShard], rank: int) -> RankObjects:
