@@ -209,10 +209,10 @@ def _alter_matches(cache: Any) -> None:
     tree = cache.tree
     original = tree.match_prefix
 
-    def shorter(namespace: str, tokens: Any) -> Any:
-        match = original(namespace, tokens)
+    def shorter(namespace: str, tokens: Any, cut: bool = True) -> Any:
+        match = original(namespace, tokens, cut)
         pages = match.device_hit_tokens // tree.page_size
-        return original(namespace, tokens[: (pages - 1) * tree.page_size]) if pages >= 2 else match
+        return original(namespace, tokens[: (pages - 1) * tree.page_size], cut) if pages >= 2 else match
 
     tree.match_prefix = shorter
 
