@@ -354,13 +354,20 @@ def test_storage_holds_full_objects_and_checkpoint_windows_a_new_process_reads_e
 
 
 @pytest.mark.pd
-def test_pd_decode_reuses_a_full_layer_prefix_without_its_window_and_receives_a_fresh_tail(every_layer) -> None:
+@pytest.mark.parametrize("transport", ["zmq", "mooncake"])
+def test_pd_decode_reuses_a_full_layer_prefix_without_its_window_and_receives_a_fresh_tail(transport) -> None:
     """The decode server's cached head lost its window KV (tombstoned): it still reports the head as
-    ``decode_prefix_len`` (its full layers hold it); the prefill server sends the full layers' rows after it
-    and the window layers' rows of the prompt's last window only (the fresh SWA tail), and the answer is the
-    every-layer pool's."""
-    prefill = Engine(MODEL, disaggregation_mode="prefill", disaggregation_bootstrap_port=0, **BASE)
-    decode = Engine(MODEL, disaggregation_mode="decode", disaggregation_decode_enable_radix_cache=True, **BASE)
+    ``decode_prefix_len`` (its full layers hold it); the prefill server sends (or Mooncake writes) the full
+    layers' rows after it and the window layers' rows of the prompt's last window only (the fresh SWA tail),
+    and the answer is the every-layer pool's."""
+    if transport == "mooncake":
+        from test_disagg import mooncake_transfer_engine_missing
+
+        if (why := mooncake_transfer_engine_missing()) is not None:
+            pytest.skip(why)
+    pd = dict(disaggregation_transfer_backend=transport, **BASE)
+    prefill = Engine(MODEL, disaggregation_mode="prefill", disaggregation_bootstrap_port=0, **pd)
+    decode = Engine(MODEL, disaggregation_mode="decode", disaggregation_decode_enable_radix_cache=True, **pd)
     reference = Engine(MODEL, disable_hybrid_swa_memory=True, disable_radix_cache=True, **BASE)
     # each prompt's new part shorter than a window: its tail reaches into the shared head
     prompts = [SYSTEM + [(11 * a + i) % 200 + 20 for i in range(2 + 2 * a)] for a in range(3)]

@@ -47,20 +47,25 @@ class MooncakeWrites:
         logger.info("P/D: Mooncake transfer engine at %s, %d KV buffers registered", self.session,
                     2 * len(pool.k_buffers))
 
-    def describe(self, slots: torch.Tensor, start: int, end: int, heads: range) -> MooncakeTarget:
+    def describe(self, slots: torch.Tensor, start: int, end: int, heads: range,
+                 window: tuple[int, torch.Tensor] | None = None) -> MooncakeTarget:
         """Decode side: where the prefill rank should write tokens ``[start, end)`` of the
         pool-local ``heads`` (``slots``: the prompt's slots in this pool; ``start`` is a page
-        boundary)."""
+        boundary); ``window``: a hybrid pool's (window start, window slots) for its window layers."""
         ps, k = self.pool.page_size, self.pool.k_buffers[0]
+        window_pages = None if window is None else [int(window[1][t]) // ps for t in range(window[0], end, ps)]
         return MooncakeTarget(self.session, ps, k.shape[1], heads.start, [b.data_ptr() for b in self.pool.k_buffers],
                               [b.data_ptr() for b in self.pool.v_buffers],
-                              [int(slots[t]) // ps for t in range(start, end, ps)])
+                              [int(slots[t]) // ps for t in range(start, end, ps)], window_pages)
 
-    def write(self, target: MooncakeTarget, slots: torch.Tensor, start: int, end: int, heads: range) -> int:
+    def write(self, target: MooncakeTarget, slots: torch.Tensor, start: int, end: int, heads: range,
+              window: tuple[int, torch.Tensor, frozenset[int]] | None = None) -> int:
         """Prefill side: write tokens ``[start, end)`` (at ``slots`` in this pool) of the
         pool-local ``heads`` into ``target``'s pages; returns the bytes written. Whole rows on
         both sides go a run of pages per span; a slice of a row (TP sizes differ) a token per
-        span. Raises ValueError on a layout mismatch, RuntimeError when the engine fails."""
+        span. ``window``: (start, this pool's slots, layers) of the window layers' tail, written
+        into ``target.window_pages``. Raises ValueError on a layout mismatch, RuntimeError when
+        the engine fails."""
         pool, ps = self.pool, self.pool.page_size
         k = pool.k_buffers[0]
         hb = k.shape[-1] * k.element_size()
@@ -70,20 +75,31 @@ class MooncakeWrites:
                              f"tokens, this one {len(pool.k_buffers)} of {ps} (suffix from token {start})")
         if target.first_head + len(heads) > target.row_heads:
             raise ValueError(f"the decode rows hold {target.row_heads} heads, not {target.first_head + len(heads)}")
+        if (window is None) != (target.window_pages is None) or (window is not None and window[0] % ps):
+            raise ValueError("the decode pool's window pages and the ask's window tail do not match")
         if not heads:
             return 0
         whole = width == src_row == dst_row
-        spans = []  # (source offset, destination offset, bytes) within one buffer
-        for src_slot, dst_slot, n in _runs(slots, target.pages, start, end, ps):
-            if whole:
-                spans.append((src_slot * src_row, dst_slot * dst_row, n * src_row))
-            else:
-                spans += [((src_slot + t) * src_row + heads.start * hb,
-                           (dst_slot + t) * dst_row + target.first_head * hb, width) for t in range(n)]
+
+        def spans_of(src_slots: torch.Tensor, pages: list[int], first: int) -> list[tuple[int, int, int]]:
+            """(source offset, destination offset, bytes) within one buffer, for tokens ``[first, end)``."""
+            out = []
+            for src_slot, dst_slot, n in _runs(src_slots, pages, first, end, ps):
+                if whole:
+                    out.append((src_slot * src_row, dst_slot * dst_row, n * src_row))
+                else:
+                    out += [((src_slot + t) * src_row + heads.start * hb,
+                             (dst_slot + t) * dst_row + target.first_head * hb, width) for t in range(n)]
+            return out
+
+        spans = spans_of(slots, target.pages, start)
+        window_spans = spans_of(window[1], target.window_pages, window[0]) if window is not None else []
+        layer_spans = [window_spans if window is not None and i in window[2] else spans
+                       for i in range(len(pool.k_buffers))]
         src, dst, lengths = [], [], []
         for bufs, peer in ((pool.k_buffers, target.k), (pool.v_buffers, target.v)):
-            for buf, peer_base in zip(bufs, peer):
-                for s_off, d_off, n_bytes in spans:
+            for buf, peer_base, layer in zip(bufs, peer, layer_spans):
+                for s_off, d_off, n_bytes in layer:
                     src.append(buf.data_ptr() + s_off)
                     dst.append(peer_base + d_off)
                     lengths.append(n_bytes)

@@ -219,7 +219,8 @@ class KVReceiver(IOThread):
         expires_in = max(left - (min(WRITE_GRACE_S, left / 4) if self.writes is not None else 0.0), 0.0)
         for rank, heads in zip(route, parts):
             local = range(heads.start - self.heads.start, heads.stop - self.heads.start)
-            target = self.writes.describe(job.slots, start, end, local) if self.writes is not None else None
+            window = None if job.window_start is None else (job.window_start, job.window_slots)
+            target = self.writes.describe(job.slots, start, end, local, window) if self.writes is not None else None
             ask = Ask(job.room, start, end, heads, self.askers, expires_in, target, job.window_start,
                       tuple(sorted(self.pool.window_layers)) if job.window_start is not None else ())
             try:

@@ -262,11 +262,14 @@ class KVSender(IOThread):
                       "layers": len(self.pool.k_buffers), "heads": [heads.start, heads.stop],
                       "head_bytes": head_bytes(self.pool)}
             rows = self._rows(ask, job)
+            window = None
             if ask.window_start is not None:
                 header["window_start"] = ask.window_start
+                own = job.window_slots if self.pool.hybrid else job.slots  # where this pool holds the tail
+                window = (ask.window_start, own, frozenset(ask.window_layers))
             frames = []
             if self.writes is not None:  # the rows are in the decode pool already when this returns
-                header["written"] = sent = self.writes.write(ask.mooncake, job.slots, start, end, local)
+                header["written"] = sent = self.writes.write(ask.mooncake, job.slots, start, end, local, window)
             elif heads:
                 for (k, v), idx in zip(zip(self.pool.k_buffers, self.pool.v_buffers), rows):
                     frames += [raw(k.index_select(0, idx)[:, local.start:local.stop]),

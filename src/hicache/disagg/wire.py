@@ -152,13 +152,17 @@ class MooncakeTarget:
     k: list[int]
     v: list[int]
     pages: list[int]
+    window_pages: Optional[list[int]] = None  # a hybrid decode pool: its window pages of the asked tail
 
     def to_wire(self) -> dict:
-        return {"session": self.session, "page_size": self.page_size, "row_heads": self.row_heads,
-                "first_head": self.first_head, "k": self.k, "v": self.v, "pages": self.pages}
+        msg = {"session": self.session, "page_size": self.page_size, "row_heads": self.row_heads,
+               "first_head": self.first_head, "k": self.k, "v": self.v, "pages": self.pages}
+        if self.window_pages is not None:
+            msg["window_pages"] = self.window_pages
+        return msg
 
     @classmethod
-    def parse(cls, msg: Any, layers: int, suffix_tokens: int) -> "MooncakeTarget":
+    def parse(cls, msg: Any, layers: int, suffix_tokens: int, window_tokens: Optional[int] = None) -> "MooncakeTarget":
         if not isinstance(msg, dict):
             raise WireError("'mooncake' must be an object")
         session = msg.get("session")
@@ -167,9 +171,11 @@ class MooncakeTarget:
         host(session.rpartition(":")[0].strip("[]"), "the Mooncake session's host")
         page_size = integer(msg, "page_size", 1, 1 << 20)
         pages = -(-suffix_tokens // page_size)
+        window = None if window_tokens is None else int_list(msg, "window_pages", -(-window_tokens // page_size), 0,
+                                                             MAX_TOKENS)
         return cls(session, page_size, integer(msg, "row_heads", 1, MAX_HEADS), integer(msg, "first_head", 0, MAX_HEADS),
                    int_list(msg, "k", layers, 0, MAX_ADDRESS), int_list(msg, "v", layers, 0, MAX_ADDRESS),
-                   int_list(msg, "pages", pages, 0, MAX_TOKENS))
+                   int_list(msg, "pages", pages, 0, MAX_TOKENS), window)
 
 
 @dataclass(frozen=True)
@@ -204,7 +210,6 @@ class Ask:
         """``layers``: the prefill pool's (a Mooncake target lists one address per layer)."""
         prompt_len = integer(msg, "prompt_len", 0, MAX_TOKENS)
         start = integer(msg, "decode_prefix_len", 0, prompt_len)
-        mooncake = MooncakeTarget.parse(msg["mooncake"], layers, prompt_len - start) if "mooncake" in msg else None
         window_start, window_layers = None, ()
         if "window_start" in msg:
             window_start = integer(msg, "window_start", 0, prompt_len)
@@ -214,6 +219,8 @@ class Ask:
                     window_layers):
                 raise WireError(f"'window_layers' must list distinct layers below {layers}")
             window_layers = tuple(window_layers)
+        mooncake = MooncakeTarget.parse(msg["mooncake"], layers, prompt_len - start, None if window_start is None
+                                        else prompt_len - window_start) if "mooncake" in msg else None
         return cls(integer(msg, "room", 0, MAX_ROOM), start, prompt_len, head_range(msg, "heads"),
                    integer(msg, "askers", 1, MAX_ASKERS), number(msg, "expires_in", 0.0, math.inf), mooncake,
                    window_start, window_layers)

@@ -54,15 +54,10 @@ def plan_hybrid(cfg: EngineConfig, spec: ModelSpec, layers: range) -> HybridPlan
     window component does not cover yet, said in one line)."""
     if not spec.has_sliding_layers or cfg.disable_hybrid_swa_memory:
         return None
-    uncovered = [flag for flag, on in (
-        ("--disaggregation-transfer-backend mooncake", cfg.disaggregation_mode != "null"
-         and cfg.disaggregation_transfer_backend == "mooncake"),
-        ("a speculative draft on the unified key scheme", cfg.hicache_storage_key_scheme == "unified"
-         and bool(cfg.hicache_storage_backend) and bool(cfg.speculative_algorithm)
-         and cfg.speculative_algorithm != "NGRAM")) if on]
-    if uncovered:
-        logger.info("sliding-window layers keep every cached token's KV: the window pool does not cover %s yet",
-                    " / ".join(uncovered))
+    if cfg.hicache_storage_key_scheme == "unified" and cfg.hicache_storage_backend and cfg.speculative_algorithm \
+            and cfg.speculative_algorithm != "NGRAM":
+        logger.info("sliding-window layers keep every cached token's KV: the window pool does not cover a speculative "
+                    "draft model's cells on the unified key scheme yet")
         return None
     local = frozenset(i for i, layer in enumerate(layers) if spec.layer_window(layer))
     return HybridPlan(spec.sliding_window, local, cfg.swa_full_tokens_ratio, cfg.page_size)
