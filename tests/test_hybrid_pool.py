@@ -327,12 +327,17 @@ def test_storage_holds_full_objects_and_checkpoint_windows_a_new_process_reads_e
     """Conversations written through to a file store; a fresh engine (nothing in L1 / L2) serves them from it
     with the every-layer pool's tokens. Full objects hold the full layer only, window objects (5 sliding
     layers) exist for checkpoint pages only, and every-layer objects and these never read each other."""
-    conversations(Engine(MODEL, **stored(tmp_path / "hybrid")))
+    writer = Engine(MODEL, **stored(tmp_path / "hybrid"))
+    conversations(writer, keep=True)
+    written = writer.stats()["storage"]["window"]
+    writer.shutdown()
     fresh = Engine(MODEL, **stored(tmp_path / "hybrid"))
     outputs, _ = conversations(fresh, keep=True)
-    storage_hits = fresh.stats()["hit_tokens"]["storage"]
+    stats = fresh.stats()
     fresh.shutdown()
-    assert outputs == every_layer[0] and storage_hits > 0
+    assert outputs == every_layer[0] and stats["hit_tokens"]["storage"] > 0
+    assert written["backup_tokens"] > 0 and written["backup_bytes"] > 0  # /stats: each component's figures
+    assert stats["storage"]["window"]["prefetched_tokens"] > 0
     full, window = object_files(tmp_path / "hybrid")
     # windows of checkpoint pages only: fewer, each beside its page's full object (8-token windows of 4-token
     # pages make a checkpoint 2-3 pages of these ~70-token conversations)

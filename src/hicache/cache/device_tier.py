@@ -267,6 +267,8 @@ class DeviceTier:
         """The window component's pages and bytes (the full component's are the fields above)."""
         pool, out = self.pool, self.windows.usage()
         out.update(evicted_pages=self.stats.evicted_window_pages, window_tokens=self.windows.window,
+                   capacity_tokens=out["capacity_pages"] * self.page_size,
+                   cached_tokens=out.get("cached_pages", 0) * self.page_size,
                    page_bytes=pool.window_bytes_per_page,
                    pool_bytes=pool.window_bytes_per_page * pool.window_pages,
                    full_pool_bytes=pool.bytes_per_page * pool.num_pages)

@@ -231,7 +231,9 @@ class HostTier:
         if self.window_host is not None:
             a = self.window_allocator
             out["window"] = {"capacity_pages": a.capacity, "free_pages": a.available,
-                             "cached_pages": a.capacity - a.available, "page_bytes": self.window_host.bytes_per_page,
+                             "cached_pages": a.capacity - a.available,
+                             "cached_tokens": (a.capacity - a.available) * self.pool.page_size,
+                             "page_bytes": self.window_host.bytes_per_page,
                              "pool_bytes": self.window_host.total_bytes,
                              "full_pool_bytes": self.host_pool.total_bytes}
         return out

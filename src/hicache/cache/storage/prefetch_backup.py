@@ -101,6 +101,11 @@ class StorageStats:
     backup_pages: int = 0
     backup_bytes: int = 0
     backup_time_s: float = 0.0
+    # hybrid: checkpoint pages whose window objects were written / read (their bytes are in the totals above)
+    window_backup_pages: int = 0
+    window_backup_bytes: int = 0
+    window_prefetched_pages: int = 0
+    window_prefetch_bytes: int = 0
     failures: dict = field(default_factory=dict)  # reason -> count
 
     def fail(self, reason: str) -> None:
@@ -284,13 +289,15 @@ class StorageController:
                 keys = [obj.key(op.hashes[i], op.ns_digest) for i in range(first, done) for obj in objects]
                 blobs = self.guard.batch_get(keys)
                 for j, blob in enumerate(blobs):
-                    page = first + j // len(objects) if objects else first
+                    page = first + j // len(objects)
                     payload, _ = (None, None) if blob is None else decode_checked(blob, op.ns_digest, op.hashes[page])
                     if payload is None:
                         break
                     objects[j % len(objects)].load(int(op.window_host_pages[page - first]), payload)
                 else:
                     ok = 1
+                    self.stats.window_prefetched_pages += done - first
+                    self.stats.window_prefetch_bytes += sum(len(b) for b in blobs)
             except Exception as e:  # the full pages stand; the tree cuts the hit back without the window
                 logger.warning("prefetch op=%d: reading its window failed: %s", op.op_id, e)
         if self._agree_prefetch([ok])[0]:
@@ -385,7 +392,10 @@ class StorageController:
         keys = [obj.key(op.hashes[i], op.ns_digest) for i, _ in pages for obj in self.window_writes]
         blobs = [encode(op.ns_digest, op.hashes[i], obj.page_bytes(int(h))) for i, h in pages for obj in self.window_writes]
         stored = self.guard.batch_set(keys, blobs)
-        self.stats.backup_bytes += sum(len(b) for b in blobs[:stored])
+        written = sum(len(b) for b in blobs[:stored])
+        self.stats.backup_bytes += written
+        self.stats.window_backup_bytes += written
+        self.stats.window_backup_pages += stored // max(len(self.window_writes), 1)
 
     def _backup_worker(self) -> None:
         run_torch_alone()  # its copies on this thread: an OpenMP pool of its own would slow every step
