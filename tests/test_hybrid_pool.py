@@ -440,3 +440,12 @@ def test_unified_grid_holds_full_and_window_cells_another_layout_reads(tmp_path,
     hits = reader.stats()["hit_tokens"]["storage"]
     reader.shutdown()
     assert outputs == every_layer[0] and hits > 0
+
+
+@pytest.mark.engine
+def test_a_draft_model_on_a_hybrid_unified_grid_is_refused_in_one_sentence(tmp_path) -> None:
+    from hicache.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--disable-hybrid-swa-memory"):
+        Engine(MODEL, speculative_algorithm="STANDALONE", speculative_draft_model_path="random:tiny",
+               **stored(tmp_path, hicache_storage_key_scheme="unified"))

@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass
 
 from ..cache.device_window import largest_forward, window_footprint
-from ..config import EngineConfig
+from ..config import ConfigError, EngineConfig
 from ..model.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -50,14 +50,14 @@ class HybridPlan:
 
 def plan_hybrid(cfg: EngineConfig, spec: ModelSpec, layers: range) -> HybridPlan | None:
     """The window component of a model with sliding-window layers (``layers``: this rank's, global
-    indices); None when every layer keeps its KV (a full-attention model, the flag, or a mode the
-    window component does not cover yet, said in one line)."""
+    indices); None when every layer keeps its KV (a full-attention model, or the flag). A mode the
+    window component does not cover is refused in one sentence."""
     if not spec.has_sliding_layers or cfg.disable_hybrid_swa_memory:
         return None
     if cfg.hicache_storage_key_scheme == "unified" and cfg.hicache_storage_backend and cfg.speculative_algorithm \
             and cfg.speculative_algorithm != "NGRAM":
-        logger.info("sliding-window layers keep every cached token's KV: the window pool does not cover a speculative "
-                    "draft model's cells on the unified key scheme yet")
-        return None
+        raise ConfigError(f"{cfg.model} has sliding-window layers, and a speculative draft model's cells on the unified "
+                          "storage grid are not planned beside a window pool yet; use --hicache-storage-key-scheme "
+                          "rank-suffix, or --disable-hybrid-swa-memory to keep every layer's KV.")
     local = frozenset(i for i, layer in enumerate(layers) if spec.layer_window(layer))
     return HybridPlan(spec.sliding_window, local, cfg.swa_full_tokens_ratio, cfg.page_size)
