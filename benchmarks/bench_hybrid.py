@@ -154,10 +154,10 @@ def hit_vs_use(pool_mib: int, agents: int, turns: int, ratio: float) -> None:
 def ttft(agents: int, turns: int, pool_mib: int, ratio: float) -> None:
     from hicache import Engine
 
-    prompts = agent_prompts(agents, turns, start=1536, growth=512, seed=2)
+    prompts = agent_prompts(agents, turns, start=2560, growth=512, seed=2)
     greedy = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
     every_tokens = pool_mib * 2**20 // (ROW * LAYERS)
-    print(f"\n3. TTFT on Gemma 3 270M: {agents} agents x {turns} turns (1.5K -> {1536 + 512 * (turns - 1)} tokens), "
+    print(f"\n3. TTFT on Gemma 3 270M: {agents} agents x {turns} turns (2.5K -> {2560 + 512 * (turns - 1)} tokens), "
           f"{pool_mib} MiB pools ({every_tokens} tokens keeping every layer)")
     results = {}
     for name, opts in (("every layer", dict(disable_hybrid_swa_memory=True, max_total_tokens=every_tokens)),
@@ -208,7 +208,7 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--ratio", type=float, default=0.25, help="--swa-full-tokens-ratio of parts 2 and 3")
     ap.add_argument("--ttft", action="store_true", help="also part 3 (the real model; minutes on a CPU)")
-    ap.add_argument("--ttft-pool-mib", type=int, default=128)
+    ap.add_argument("--ttft-pool-mib", type=int, default=160)
     args = ap.parse_args()
     t0 = time.perf_counter()
     memory(args.pool_mib, (4096, 8192))
