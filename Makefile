@@ -67,9 +67,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 demo: setup
 	$(VENV)/bin/hicache demo --turns 6
 	@echo
-	@echo "== Gemma 3 270M (packaged GGUF; 15 of its 18 layers attend a 512-token window): two sessions past the window, a device pool too small for both, per-tier hits =="
-	$(VENV)/bin/hicache demo --model gemma3-270m --chat-template gemma --agents 2 --turns 4 --max-new-tokens 24 \
-		--max-total-tokens 1280 --enable-hierarchical-cache
+	@echo "== Gemma 3 270M (packaged GGUF; 15 of its 18 layers attend a 512-token window, their KV in a window pool): three sessions past the window, per-tier hits =="
+	$(VENV)/bin/hicache demo --model gemma3-270m --chat-template gemma --agents 3 --turns 4 --max-new-tokens 24 \
+		--max-total-tokens 2560 --swa-full-tokens-ratio 0.5 --enable-hierarchical-cache
 	@echo
 	@echo "== three agents, a device pool too small for all of them, the host tier (L2) carrying the hits =="
 	$(VENV)/bin/hicache demo --agents 3 --turns 4 --max-new-tokens 24 --max-total-tokens 2048 --enable-hierarchical-cache --no-cold-rerun
