@@ -449,3 +449,16 @@ def test_a_draft_model_on_a_hybrid_unified_grid_is_refused_in_one_sentence(tmp_p
     with pytest.raises(ConfigError, match="--disable-hybrid-swa-memory"):
         Engine(MODEL, speculative_algorithm="STANDALONE", speculative_draft_model_path="random:tiny",
                **stored(tmp_path, hicache_storage_key_scheme="unified"))
+
+
+@pytest.mark.engine
+def test_the_demo_names_the_window_pool_and_what_it_holds(capsys) -> None:
+    from hicache.frontend.demo import run_demo
+
+    engine = Engine(MODEL, chat_template="chatml", **dict(BASE, max_total_tokens=4096))
+    try:
+        run_demo(engine, turns=2, max_new_tokens=6, agents=2, cold_rerun=False)
+    finally:
+        engine.shutdown()
+    out = capsys.readouterr().out
+    assert "a window pool of" in out and "window pool:" in out and "hold cached windows" in out
