@@ -161,7 +161,11 @@ class DeviceWindows:
             if missing[0] < state.cached_pages:
                 raise AssertionError("a request's window reaches a cached page whose window KV is not held")
             wp[missing] = self._alloc(len(missing))
-        state.window_slots = pages_to_slots(wp, self.page_size)
+            # only the new pages' slots change (freed pages' slots are never read again): no O(context) rebuild
+            offsets = np.arange(self.page_size)
+            rows = (missing[:, None] * self.page_size + offsets).reshape(-1)
+            state.window_slots[torch.from_numpy(rows)] = torch.from_numpy(
+                (wp[missing][:, None] * self.page_size + offsets).reshape(-1))
         budget = self.footprint(max(new_tokens, later_tokens))
         if budget < state.window_budget:
             self.reserved -= state.window_budget - budget
