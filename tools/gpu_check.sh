@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Issue 50's prepared run on a device machine (one H200): install the carried wheels over the image's
+# torch, a fail-fast smoke stage, then the `cuda` tests; every stage's result is appended to
+# $OUT/gpu_check.json as it ends, so a cut run still reports. Idempotent: run it again as is.
+#
+#   here:    tools/gpu_wheels.sh                    # .gpu-wheels/ (ignored by git, ~9 MiB)
+#   device:  run(command="bash tools/gpu_check.sh", carry=[".gpu-wheels"], timeout_s=420)
+#
+# Stages and their limits (seconds): install 60, smoke 90, tests 240. Exit status: the first failing stage's.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+REPORT="$OUT/gpu_check.json"
+PY=${PY:-python3}
+export PYTHONUNBUFFERED=1 HICACHE_MODEL_CACHE=${HICACHE_MODEL_CACHE:-/tmp/hicache-models}
+
+record() {  # record STAGE STATUS SECONDS [JSON-EXTRA]: one line per stage (JSON lines)
+  printf '{"stage": "%s", "status": %s, "seconds": %s%s}\n' "$1" "$2" "$3" "${4:+, $4}" >>"$REPORT"
+}
+
+stage() {  # stage NAME LIMIT COMMAND...: run it, record it, stop the run at the first failure
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  record "$name" "$rc" "$((SECONDS - t0))"
+  tail -n 20 "$OUT/$name.log"
+  if [ "$rc" -ne 0 ]; then echo "gpu_check: stage $name failed ($rc)"; exit "$rc"; fi
+}
+
+: >"$REPORT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$OUT/gpu.txt" 2>&1 || true
+record "machine" 0 0 "\"gpu\": \"$(head -n 1 "$OUT/gpu.txt")\", \"torch\": \"$($PY -c 'import torch; print(torch.__version__)')\""
+
+stage install 60 "$PY" -m pip install -q --no-deps --no-index .gpu-wheels/*.whl
+stage smoke 90 "$PY" - <<'PYEOF'
+import json, time, torch
+from hicache import Engine, SamplingParams
+assert torch.cuda.is_available(), "no CUDA device"
+for dtype in ("bfloat16", "float32"):
+    t0 = time.perf_counter()
+    e = Engine("random:small", device="cuda", dtype=dtype, max_total_tokens=4096, enable_hierarchical_cache=True)
+    g = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    a = e.generate([list(range(3, 200))], g)[0]
+    b = e.generate([list(range(3, 200))], g)[0]
+    pool = e.stats()["device_pool"]
+    e.shutdown()
+    assert a.output_ids == b.output_ids or dtype == "bfloat16", (a.output_ids, b.output_ids)
+    print(json.dumps({"dtype": dtype, "seconds": round(time.perf_counter() - t0, 2), "cached": b.cached_tokens,
+                      "device_pool_bytes": pool["device_pool_bytes"]}))
+PYEOF
+stage tests 240 "$PY" -m pytest -q -x -m cuda -p no:cacheprovider tests/test_cuda.py
+echo "gpu_check: all stages passed; report in $REPORT"
