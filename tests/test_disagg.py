@@ -3,7 +3,6 @@ tiers, reports ``decode_prefix_len`` and receives only the suffix's KV."""
 
 from __future__ import annotations
 
-import importlib
 import threading
 
 import pytest
@@ -11,6 +10,7 @@ import pytest
 from hicache import Engine, SamplingParams
 from hicache.config import ConfigError
 from hicache.disagg.bootstrap import Bootstrap
+from transfer_engines import mooncake_transfer_engine_missing
 
 pytestmark = pytest.mark.pd
 
@@ -19,14 +19,6 @@ GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
 OPTS = dict(dtype="float32", page_size=16, max_total_tokens=1024)
 SPAN = 64  # tokens: four pages
 A, B, C = ([(i * 31 + 7 * k) % 250 + 3 for i in range(SPAN)] for k in (1, 2, 3))
-
-
-def mooncake_transfer_engine_missing() -> str | None:
-    try:
-        importlib.import_module("mooncake.engine")
-    except ImportError as e:
-        return f"mooncake.engine does not import ({e}): pip install mooncake-transfer-engine-non-cuda and libibverbs1"
-    return None
 
 
 @pytest.fixture(params=["zmq", "mooncake"])

@@ -23,6 +23,7 @@ from hicache.cache.pools import PageAllocator
 from hicache.cache.radix import RadixCache
 from hicache.cache.window_tree import usable_boundary
 from hicache.runtime.sampling import SamplingParams
+from transfer_engines import mooncake_transfer_engine_missing
 
 pytestmark = pytest.mark.cache
 
@@ -365,11 +366,8 @@ def test_pd_decode_reuses_a_full_layer_prefix_without_its_window_and_receives_a_
     ``decode_prefix_len`` (its full layers hold it); the prefill server sends (or Mooncake writes) the full
     layers' rows after it and the window layers' rows of the prompt's last window only (the fresh SWA tail),
     and the answer is the every-layer pool's."""
-    if transport == "mooncake":
-        from test_disagg import mooncake_transfer_engine_missing
-
-        if (why := mooncake_transfer_engine_missing()) is not None:
-            pytest.skip(why)
+    if transport == "mooncake" and (why := mooncake_transfer_engine_missing()) is not None:
+        pytest.skip(why)
     pd = dict(disaggregation_transfer_backend=transport, **BASE)
     prefill = Engine(MODEL, disaggregation_mode="prefill", disaggregation_bootstrap_port=0, **pd)
     decode = Engine(MODEL, disaggregation_mode="decode", disaggregation_decode_enable_radix_cache=True, **pd)
