@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Issue 50's prepared run on a device machine (one H200): install the carried wheels over the image's
-# torch, a fail-fast smoke stage, then the `cuda` tests; every stage's result is appended to
-# $OUT/gpu_check.json as it ends, so a cut run still reports. Idempotent: run it again as is.
+# torch, a fail-fast smoke stage, the `cuda` tests, then benchmarks/bench_gpu.py; every stage's result is
+# appended to $OUT/gpu_check.json as it ends (the bench's figures to $OUT/gpu_bench.jsonl as measured), so a
+# cut run still reports. Idempotent: run it again as is.
 #
 #   here:    tools/gpu_wheels.sh                    # .gpu-wheels/ (ignored by git, ~9 MiB)
-#   device:  run(command="bash tools/gpu_check.sh", carry=[".gpu-wheels"], timeout_s=420)
+#   device:  run(command="OUT=$OUT bash tools/gpu_check.sh", carry=[".gpu-wheels"], timeout_s=500)
 #
-# Stages and their limits (seconds): install 60, smoke 90, tests 240. Exit status: the first failing stage's.
+# Stages and their limits (seconds): install 60, smoke 90, tests 120, bench 180. Exit status: the first failing
+# stage's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}
@@ -50,5 +52,7 @@ for dtype in ("bfloat16", "float32"):
     print(json.dumps({"dtype": dtype, "seconds": round(time.perf_counter() - t0, 2), "cached": b.cached_tokens,
                       "device_pool_bytes": pool["device_pool_bytes"]}))
 PYEOF
-stage tests 240 "$PY" -m pytest -q -x -m cuda -p no:cacheprovider tests/test_cuda.py
-echo "gpu_check: all stages passed; report in $REPORT"
+stage tests 120 "$PY" -m pytest -q -x -m cuda -p no:cacheprovider tests/test_cuda.py
+# the figures, one JSON line each as measured (benchmarks/bench_gpu.py), beside the stage lines
+stage bench 180 "$PY" benchmarks/bench_gpu.py --device cuda --json "$OUT/gpu_bench.jsonl"
+echo "gpu_check: all stages passed; report in $REPORT, figures in $OUT/gpu_bench.jsonl"
