@@ -118,7 +118,7 @@ class HostTier:
             return EMPTY, EMPTY
         idx = self.tree.checkpoint_pages(node)
         node.host_window_pages = np.zeros(node.num_pages, dtype=np.int64)
-        host, _ = alloc_evicting(self.window_allocator, len(idx), 0, self._evict_for_windows) if len(idx) \
+        host, _ = alloc_evicting(self.window_allocator, len(idx), 0, self.evict_for_windows) if len(idx) \
             else (EMPTY, 0)
         if host is None:
             self.stats.backup_skipped_window_pages += len(idx)
@@ -126,7 +126,7 @@ class HostTier:
         node.host_window_pages[idx] = host
         return node.window_pages[idx], host
 
-    def _evict_for_windows(self, num_pages: int) -> int:
+    def evict_for_windows(self, num_pages: int) -> int:
         """Delete host-only leaves holding window pages until ``num_pages`` of those are free."""
         def take(node: TreeNode) -> int:
             freed = int(np.count_nonzero(node.host_window_pages))

@@ -131,7 +131,7 @@ class StorageTier:
         if self.host.window_host is None:
             return None
         pages, _ = alloc_evicting(self.host.window_allocator, self._window_span(end_page), 0,
-                                  self.host._evict_for_windows)
+                                  self.host.evict_for_windows)
         return pages
 
     def _anchor(self, node: TreeNode | None) -> int:

@@ -52,6 +52,15 @@ def copy_turn(engine: Engine, messages: list[dict], max_new_tokens: int) -> None
           f"{textwrap.shorten(res.text.replace(chr(10), ' '), 90, placeholder='...')}")
 
 
+def print_window_pool(engine: Engine) -> None:
+    """A hybrid model: what its window pool holds after the run (docs/hybrid_kv.md); nothing otherwise."""
+    pool = engine.stats()["device_pool"].get("window")
+    if pool is not None:
+        print(f"window pool: {pool['cached_tokens']} of {pool['capacity_tokens']} tokens hold cached windows "
+              f"(checkpoints at turn ends), {pool['evicted_pages'] * engine.config.page_size} tokens' windows "
+              f"tombstoned; the full layers keep every cached page")
+
+
 def run_demo(engine: Engine, turns: int = 8, max_new_tokens: int = 40, agents: int = 1, cold_rerun: bool = True) -> int:
     """``agents`` sessions take turns round-robin; with a small device pool and the host tier
     on, each agent's history leaves the device between its turns and comes back from L2.
@@ -62,11 +71,10 @@ def run_demo(engine: Engine, turns: int = 8, max_new_tokens: int = 40, agents: i
                  {"role": "user", "content": f"{TASK} (workspace {a + 1})"}] for a in range(agents)]
     host = "on" if engine.config.enable_hierarchical_cache else "off"
     window = engine.backend.window_capacity_pages * engine.config.page_size
-    windows = f" + a window pool of {window} tokens for the sliding-window layers" if window else ""
     print(f"hicache demo: {agents} agent(s) x {turns} turns on {engine.config.model} "
           f"({engine.device}, {engine.config.dtype}, KV {engine.config.kv_cache_dtype}, "
-          f"page {engine.config.page_size}, "
-          f"device pool {engine.capacity_pages * engine.config.page_size} tokens{windows}, host tier {host})\n")
+          f"page {engine.config.page_size}, device pool {engine.capacity_pages * engine.config.page_size} tokens"
+          f"{f' + a window pool of {window} tokens for the sliding-window layers' if window else ''}, host tier {host})\n")
     spec = engine.config.speculative_steps > 0  # then each turn's acceptance length too
     print(f"{'agent':>5} {'turn':>4} {'input':>6} {'cached':>6} {'device':>6} {'host':>5} {'storage':>7} "
           f"{'TTFT ms':>8}{'  accept' if spec else ''}  reply")
@@ -99,11 +107,7 @@ def run_demo(engine: Engine, turns: int = 8, max_new_tokens: int = 40, agents: i
           f"storage {tiers['storage'] / prompt:.1%}); TTFT first turn(s) (cold) "
           f"{sum(r.ttft_s for r in results[:agents]) / agents * 1000:.0f} ms, later turns mean "
           f"{sum(r.ttft_s for r in later) / max(len(later), 1) * 1000:.0f} ms{versus}")
-    pool = engine.stats()["device_pool"].get("window")
-    if pool is not None:  # a hybrid model: what its window layers hold (docs/hybrid_kv.md)
-        print(f"window pool: {pool['cached_tokens']} of {pool['capacity_tokens']} tokens hold cached windows "
-              f"(checkpoints at turn ends), {pool['evicted_pages'] * engine.config.page_size} tokens' windows "
-              f"tombstoned; the full layers keep every cached page")
+    print_window_pool(engine)
     if engine.config.speculative_algorithm == "NGRAM":
         copy_turn(engine, sessions[-1], max(max_new_tokens, 96))
     if spec:

@@ -103,18 +103,10 @@ def build_core(
     if cp is not None and cp.gather is not None:
         staging_bytes += cp.gather.nbytes
     hybrid = plan_hybrid(cfg, spec, shard.layers if shard else range(spec.num_layers))
-    # the window layers' share of a page: K and V of each, this rank's heads
-    window_page = _bytes_per_page(cfg.page_size, len(hybrid.window_layers), kv_heads, spec.head_dim, dtype, None) \
-        if hybrid else 0
-    page_cost = hybrid.page_cost(bytes_per_page - window_page, window_page) if hybrid else bytes_per_page
-    device_pages, host_pages, storage = _agreed_tiers(cfg, device, -(-page_cost // 1), memory_share, staging_bytes,
-                                                      agree)
-    window_pages = hybrid.window_pages(device_pages) if hybrid else 0
-    if hybrid and not hybrid.saves_memory(device_pages, window_pages):
-        logger.info("sliding-window layers keep every cached token's KV: a window pool of %d pages (one request's "
-                    "window) would not be smaller than the %d-page pool", window_pages - 1, device_pages - 1)
-        hybrid, window_pages = None, 0
-        device_pages = agree([_device_pool_pages(cfg, device, bytes_per_page, memory_share, staging_bytes)])[0]
+    device_pages, host_pages, storage, hybrid, window_pages = _sized_tiers(
+        cfg, device, hybrid, bytes_per_page, _bytes_per_page(cfg.page_size, len(hybrid.window_layers), kv_heads,
+                                                             spec.head_dim, dtype, None) if hybrid else 0,
+        memory_share, staging_bytes, agree)
     packed = draft_kv.layers if draft_kv is not None and draft_kv.packed else 0
     pool = DeviceKVPool(layers + packed, kv_heads, spec.head_dim, device_pages, cfg.page_size, dtype, device,
                         hybrid.window_layers if hybrid else frozenset(), window_pages, hybrid.window if hybrid else 0)
@@ -131,6 +123,27 @@ def build_core(
                                     draft, packed, share_draws, tokenizer=loaded.tokenizer, samples=shard is None or shard.last_stage))
     return EngineCore(pool, host_pool, cache, runner, _scheduler(cfg, cache, loaded, modes,
                                                                  _prefill_chunk(cfg, hybrid, window_pages)))
+
+
+def _sized_tiers(cfg: EngineConfig, device: torch.device, hybrid: HybridPlan | None, bytes_per_page: int,
+                 window_page: int, memory_share: int, staging_bytes: int, agree: Callable[[list[int]], list[int]]
+                 ) -> tuple[int, int, Any, HybridPlan | None, int]:
+    """``(device pages, host pages, storage backend, hybrid plan, window pages)``, agreed by every rank. A
+    hybrid pool's pages cost their full layers' bytes and the ratio's share of ``window_page`` (the
+    window layers' bytes of a page); where its window pool could not be smaller than the full one,
+    every layer keeps its KV (said in one line) and the pools are sized as such."""
+    page_cost = hybrid.page_cost(bytes_per_page - window_page, window_page) if hybrid else bytes_per_page
+    device_pages, host_pages, storage = _agreed_tiers(cfg, device, -(-page_cost // 1), memory_share, staging_bytes,
+                                                      agree)
+    window_pages = hybrid.window_pages(device_pages) if hybrid else 0
+    if hybrid and not hybrid.saves_memory(device_pages, window_pages):
+        logger.info("sliding-window layers keep every cached token's KV: a window pool of %d pages (one request's "
+                    "window) would not be smaller than the %d-page pool", window_pages - 1, device_pages - 1)
+        device_pages = _device_pool_pages(cfg, device, bytes_per_page, memory_share, staging_bytes)
+        host_pages = _host_pool_pages(cfg, device_pages, bytes_per_page) if cfg.enable_hierarchical_cache else 0
+        device_pages, host_pages = agree([device_pages, host_pages])
+        return device_pages, host_pages, storage, None, 0
+    return device_pages, host_pages, storage, hybrid, window_pages
 
 
 def _prefill_chunk(cfg: EngineConfig, hybrid: HybridPlan | None, window_pages: int) -> int:

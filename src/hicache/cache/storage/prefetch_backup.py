@@ -23,7 +23,6 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
@@ -34,82 +33,14 @@ from ..host_transfer import leading_done
 from .base import StorageBackend
 from .guard import GuardedBackend, failure_reason
 from .page_objects import PageObject, WholePage
+from .storage_ops import BackupOp, PrefetchOp, StorageStats
+from .window_objects import read_window, write_window
 from .objects import decode_checked, encode
 
 logger = logging.getLogger(__name__)
 
 BATCH_PAGES = 128
 READ_EWMA_ALPHA = 0.25  # weight of the newest batch read in the per-page read estimate
-
-
-@dataclass
-class PrefetchOp:
-    """Read ``keys`` (a prefix's next pages) into ``host_pages`` until one is missing or bad."""
-
-    op_id: int
-    namespace: str
-    ns_digest: bytes
-    hashes: list[bytes]
-    host_pages: np.ndarray  # reserved by the scheduler, one per key
-    # Sharded KV: the keys this rank reads (indices; None: all) into its pool's pages ``local_pages``.
-    owned: np.ndarray | None = None
-    local_pages: np.ndarray | None = None
-    issue_time: float = field(default_factory=time.perf_counter)
-    # acks: (pages completed so far (monotonic), is the final ack), appended as one item so a
-    # count of consumed acks says whether the final one is among them.
-    progress: list[tuple[int, bool]] = field(default_factory=list)
-    done: threading.Event = field(default_factory=threading.Event)  # the thread is finished with it
-    stop: threading.Event = field(default_factory=threading.Event)  # the scheduler stopped waiting
-    hit_pages: int = -1  # how many keys exist (known after the first query)
-    failure: str = ""  # why reading stopped early (missing, checksum, short, backend_error, ...)
-    consumed: int = 0  # progress acks the scheduler has applied
-    completed: int = 0  # pages the scheduler accepted (value of the last consumed ack)
-    # hybrid: host window pages reserved for the window of the range's end (its checkpoint), and from
-    # which page of the op they hold it once read (-1: not read)
-    window_host_pages: np.ndarray | None = None
-    window_from: int = -1
-    start_page: int = 0  # the page of the prompt its first key names
-
-    @property
-    def final_applied(self) -> bool:
-        """The scheduler has applied the final progress ack: nothing more will arrive."""
-        return self.consumed > 0 and self.progress[self.consumed - 1][1]
-
-
-@dataclass
-class BackupOp:
-    op_id: int
-    ns_digest: bytes
-    hashes: list[bytes]
-    host_pages: np.ndarray  # this rank's host pool pages, one per key
-    payload: list  # what the cache attaches (nodes whose host data must stay)
-    owned: np.ndarray | None = None  # sharded KV: the keys this rank writes (indices; None: all)
-    # hybrid: the pages (indices) whose window object is written too, and their host window pages
-    window_index: np.ndarray | None = None
-    window_host_pages: np.ndarray | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-    written: int = 0  # leading pages of ``owned`` written
-    failure: str = ""
-
-
-@dataclass
-class StorageStats:
-    prefetch_ops: int = 0
-    prefetched_pages: int = 0
-    prefetch_bytes: int = 0
-    prefetch_time_s: float = 0.0
-    backup_pages: int = 0
-    backup_bytes: int = 0
-    backup_time_s: float = 0.0
-    # hybrid: checkpoint pages whose window objects were written / read (their bytes are in the totals above)
-    window_backup_pages: int = 0
-    window_backup_bytes: int = 0
-    window_prefetched_pages: int = 0
-    window_prefetch_bytes: int = 0
-    failures: dict = field(default_factory=dict)  # reason -> count
-
-    def fail(self, reason: str) -> None:
-        self.failures[reason] = self.failures.get(reason, 0) + 1
 
 
 def _alone(values: list[int]) -> list[int]:
@@ -282,22 +213,17 @@ class StorageController:
         done = op.progress[-1][0] if op.progress else 0
         first = done - min(self.window_pages(op.start_page + done), done)
         ok = 0
-        objects = self.window_reads
         if done and op.window_host_pages is not None and done == op.hit_pages and not op.stop.is_set() \
                 and done - first <= len(op.window_host_pages):
             try:
-                keys = [obj.key(op.hashes[i], op.ns_digest) for i in range(first, done) for obj in objects]
-                blobs = self.guard.batch_get(keys)
-                for j, blob in enumerate(blobs):
-                    page = first + j // len(objects)
-                    payload, _ = (None, None) if blob is None else decode_checked(blob, op.ns_digest, op.hashes[page])
-                    if payload is None:
-                        break
-                    objects[j % len(objects)].load(int(op.window_host_pages[page - first]), payload)
+                nbytes, failure = read_window(self.guard, self.window_reads, op.ns_digest, op.hashes, first, done,
+                                              op.window_host_pages)
+                if failure:
+                    self.stats.fail(failure)
                 else:
                     ok = 1
                     self.stats.window_prefetched_pages += done - first
-                    self.stats.window_prefetch_bytes += sum(len(b) for b in blobs)
+                    self.stats.window_prefetch_bytes += nbytes
             except Exception as e:  # the full pages stand; the tree cuts the hit back without the window
                 logger.warning("prefetch op=%d: reading its window failed: %s", op.op_id, e)
         if self._agree_prefetch([ok])[0]:
@@ -386,16 +312,12 @@ class StorageController:
         self.read_page_s = per_page if last is None else last + READ_EWMA_ALPHA * (per_page - last)
 
     def _write_window(self, op: BackupOp) -> None:
-        """Hybrid: the window objects of the op's checkpoint pages (best effort: a reader that
-        misses one cuts its hit back to a boundary whose window it has)."""
-        pages = list(zip(op.window_index, op.window_host_pages))
-        keys = [obj.key(op.hashes[i], op.ns_digest) for i, _ in pages for obj in self.window_writes]
-        blobs = [encode(op.ns_digest, op.hashes[i], obj.page_bytes(int(h))) for i, h in pages for obj in self.window_writes]
-        stored = self.guard.batch_set(keys, blobs)
-        written = sum(len(b) for b in blobs[:stored])
-        self.stats.backup_bytes += written
-        self.stats.window_backup_bytes += written
-        self.stats.window_backup_pages += stored // max(len(self.window_writes), 1)
+        """Hybrid: the window objects of the op's checkpoint pages (:mod:`.window_objects`)."""
+        pages, nbytes = write_window(self.guard, self.window_writes, op.ns_digest, op.hashes, op.window_index,
+                                     op.window_host_pages)
+        self.stats.backup_bytes += nbytes
+        self.stats.window_backup_bytes += nbytes
+        self.stats.window_backup_pages += pages
 
     def _backup_worker(self) -> None:
         run_torch_alone()  # its copies on this thread: an OpenMP pool of its own would slow every step
