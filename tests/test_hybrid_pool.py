@@ -460,3 +460,46 @@ def test_the_demo_names_the_window_pool_and_what_it_holds(capsys) -> None:
         engine.shutdown()
     out = capsys.readouterr().out
     assert "a window pool of" in out and "window pool:" in out and "hold cached windows" in out
+
+
+@pytest.mark.storage
+def test_corrupt_window_objects_are_reported_and_cut_the_hit_back(tmp_path, every_layer) -> None:
+    """DESIGN invariant 5 for the window component: every window object in the store damaged; a fresh
+    engine counts the checksum failures, uses no window it cannot trust (its hits shrink) and answers
+    as the every-layer pool."""
+    conversations(Engine(MODEL, **stored(tmp_path)))
+    clean = Engine(MODEL, **stored(tmp_path))
+    conversations(clean, keep=True)
+    clean_hits = clean.stats()["hit_tokens"]["storage"]
+    clean.shutdown()
+    for f in object_files(tmp_path)[1]:
+        data = bytearray(f.read_bytes())
+        data[-8] ^= 0xFF
+        f.write_bytes(bytes(data))
+    damaged = Engine(MODEL, **stored(tmp_path))
+    outputs, _ = conversations(damaged, keep=True)
+    stats = damaged.stats()
+    damaged.shutdown()
+    assert outputs == every_layer[0]
+    assert stats["storage"]["failures"].get("checksum", 0) > 0
+    assert stats["hit_tokens"]["storage"] < clean_hits
+
+
+@pytest.mark.engine
+def test_the_kv_budget_counts_both_components(monkeypatch) -> None:
+    """DESIGN invariant 6: sized from a memory budget (--mem-fraction-static's, fixed here at 8 MiB), the full
+    and the window component together stay within it -- but for their reserved page 0, as every pool -- and
+    use most of it."""
+    import hicache.runtime.core as core
+
+    budget = 8 * 2**20
+    monkeypatch.setattr(core, "device_memory_budget", lambda device, fraction: budget)
+    engine = Engine(MODEL, dtype="float32", kv_cache_dtype="float32", page_size=PS, mem_fraction_static=0.5,
+                    swa_full_tokens_ratio=0.25)
+    try:
+        pool = engine.backend.core.pool
+        reserved = pool.bytes_per_page + pool.window_bytes_per_page  # page 0 of each component
+        assert pool.hybrid and 0.95 * budget <= pool.total_bytes - reserved <= budget
+        assert pool.window_pages - 1 == int(0.25 * (pool.num_pages - 1))
+    finally:
+        engine.shutdown()
