@@ -39,7 +39,6 @@ import importlib
 import multiprocessing
 import threading
 
-import openai
 import pytest
 from live_server import serving
 from rank_workloads import BASE, MODEL, multi_turn
@@ -66,8 +65,10 @@ def server():
 
 
 @pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
+def client(server) -> "openai.OpenAI":  # noqa: F821 (imported here: a run of other tests needs no SDK)
     """The `openai` SDK pointed at ``server``."""
+    import openai
+
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
 
 

@@ -1,6 +1,7 @@
 """The mask-free attention kernels equal plain masked attention: a prefix split into runs and
 merged by log-sum-exp, a gathered prefix, the batched decode path, GQA and uneven head maps,
-and the any-device math kernel (the CUDA path) against the CPU flash kernel."""
+the GPU's joined path (one SDPA call over the concatenated blocks, causal to the lower right) run
+here on the CPU, and the any-device math kernel against the CPU flash kernel."""
 
 from __future__ import annotations
 
@@ -31,26 +32,29 @@ def _rand(*shape, seed):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
+@pytest.mark.parametrize("joined", [False, True])
 @pytest.mark.parametrize("cuts", [[], [40], [5, 17, 33]])
 @pytest.mark.parametrize("kv_map", [None, torch.tensor([0, 0, 1, 1, 1, 0])])
-def test_prefix_blocks_merge_to_masked_attention(cuts, kv_map):
+def test_prefix_blocks_merge_to_masked_attention(cuts, kv_map, joined):
     n, prefix = 7, 48
     q, k, v = _rand(n, H, D, seed=1), _rand(prefix + n, KVH, D, seed=2), _rand(prefix + n, KVH, D, seed=3)
     edges = [0, *cuts, prefix]
     blocks = [(k[a:b], v[a:b]) for a, b in zip(edges, edges[1:])] if prefix else []
-    got = sequence_attention(q, blocks, (k[prefix:], v[prefix:]), kv_map)
+    got = sequence_attention(q, blocks, (k[prefix:], v[prefix:]), kv_map, joined=joined)
     torch.testing.assert_close(got, _reference(q, k, v, kv_map))
 
 
+@pytest.mark.parametrize("joined", [False, True])
 @pytest.mark.parametrize("cuts", [[], [9], [3, 30]])
 @pytest.mark.parametrize("kv_map", [None, torch.tensor([0, 0, 1, 1, 1, 0])])
-def test_decode_token_over_runs_equals_attention_to_its_context(cuts, kv_map):
+def test_decode_token_over_runs_equals_attention_to_its_context(cuts, kv_map, joined):
     """A lone decode token sees its whole context, itself included, with no causal block."""
     length = 41
     q, k, v = _rand(1, H, D, seed=11), _rand(length, KVH, D, seed=12), _rand(length, KVH, D, seed=13)
     edges = [0, *cuts, length]
     blocks = [(k[a:b], v[a:b]) for a, b in zip(edges, edges[1:])]
-    torch.testing.assert_close(sequence_attention(q, blocks, None, kv_map), _reference(q, k, v, kv_map))
+    torch.testing.assert_close(sequence_attention(q, blocks, None, kv_map, joined=joined),
+                               _reference(q, k, v, kv_map))
 
 
 def test_math_kernel_equals_cpu_flash_kernel():

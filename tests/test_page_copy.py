@@ -1,6 +1,6 @@
 """Page copies between device and host page views: bit-exact against a per-page reference for
 scattered, consecutive, mixed and empty page lists, every host layout, both directions; the plan's
-cut into runs; the CUDA-side logic run on CPU tensors; a whole transfer through the controller."""
+cut into runs; the GPU paths' logic run on CPU tensors; a whole transfer through the controller."""
 
 from __future__ import annotations
 
@@ -98,12 +98,12 @@ def test_copy_matches_per_page_reference(pattern: str, layout: str, direction: s
         assert same_bits(src, before)
 
 
-@pytest.mark.parametrize("cpu_side", ["none", "dst"])
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-def test_torch_path_matches_reference(monkeypatch: pytest.MonkeyPatch, cpu_side: str, layout: str) -> None:
-    """The path taken when a CUDA device is involved (slice copy_, index_select into the staging
-    buffer, then index_copy_ or a numpy scatter on a host destination), run here on CPU tensors."""
-    monkeypatch.setattr(page_copy, "_on_cpu", lambda buf: cpu_side == "dst" and buf is dst)
+def test_gpu_paths_match_reference(monkeypatch: pytest.MonkeyPatch, layout: str) -> None:
+    """The paths taken when a CUDA device is involved, run here on CPU tensors: between two views
+    on one device (slice copy_, index_select into the staging buffer, index_copy_), and between a
+    device and host memory (:func:`page_copy.copy_staged`: the device side gathered or scattered
+    through the staging buffer, the host side copied in runs of consecutive host pages)."""
     device = device_page_view(random_bits((PAGES * PAGE, HEADS, DIM)), PAGE)
     for direction in (BACKUP, LOAD):
         host = host_view(layout, PAGES + 17)
@@ -111,10 +111,25 @@ def test_torch_path_matches_reference(monkeypatch: pytest.MonkeyPatch, cpu_side:
         for pattern in PATTERNS:
             sp, dp = page_lists(pattern, 25, src.shape[0], dst.shape[0], seed=7)
             plan = PagePlan(sp, dp)
-            expected = reference(src, sp, dst, dp)
-            staging = random_bits((len(plan.src_rest), PAGE, HEADS, DIM)) if pattern != "mixed" else None
-            copy_pages(src, dst, plan, staging, non_blocking=True)
+            expected, before = reference(src, sp, dst, dp), dst.clone()
+            with monkeypatch.context() as m:  # one device, not the CPU's numpy path
+                m.setattr(page_copy, "_on_cpu", lambda buf: False)
+                staging = random_bits((len(plan.src_rest), PAGE, HEADS, DIM)) if pattern != "mixed" else None
+                copy_pages(src, dst, plan, staging, non_blocking=True)
             assert same_bits(dst, expected), (direction, pattern)
+            for staging in (None, random_bits((len(sp) + 5, PAGE, HEADS, DIM))):
+                dst.copy_(before)
+                page_copy.copy_staged(src, dst, plan, to_host=direction == BACKUP, staging=staging)
+                assert same_bits(dst, expected), (direction, pattern, staging is None)
+
+
+def test_staged_copies_move_host_pages_in_runs() -> None:
+    """Host memory is touched in whole runs of consecutive host pages, whatever order the device
+    pages are in: one slice per run."""
+    plan = PagePlan(np.array([9, 3, 4, 30, 2, 7]), np.array([5, 6, 7, 8, 20, 21]))
+    assert plan.side_runs(True) == [(0, 5, 4), (4, 20, 2)]
+    assert plan.side_runs(False) == [(0, 9, 1), (1, 3, 2), (3, 30, 1), (4, 2, 1), (5, 7, 1)]
+    assert PagePlan(np.zeros(0, np.int64), np.zeros(0, np.int64)).side_runs(True) == []
 
 
 @pytest.mark.parametrize("pattern", PATTERNS)

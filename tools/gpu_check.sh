@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 50's prepared run on a device machine (one H200): install the carried wheels over the image's
-# torch, a fail-fast smoke stage, the `cuda` tests, then benchmarks/bench_gpu.py; every stage's result is
+# Issue 50's prepared run on a device machine (one H200): install the carried wheels beside the image's
+# torch (into $SITE; hicache itself runs from src/), a fail-fast smoke stage, the `cuda` tests, then benchmarks/bench_gpu.py; every stage's result is
 # appended to $OUT/gpu_check.json as it ends (the bench's figures to $OUT/gpu_bench.jsonl as measured), so a
 # cut run still reports. Idempotent: run it again as is.
 #
@@ -15,7 +15,9 @@ OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 REPORT="$OUT/gpu_check.json"
 PY=${PY:-python3}
+SITE=${SITE:-/tmp/hicache-site}
 export PYTHONUNBUFFERED=1 HICACHE_MODEL_CACHE=${HICACHE_MODEL_CACHE:-/tmp/hicache-models}
+export PYTHONPATH="$PWD/src:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
 record() {  # record STAGE STATUS SECONDS [JSON-EXTRA]: one line per stage (JSON lines)
   printf '{"stage": "%s", "status": %s, "seconds": %s%s}\n' "$1" "$2" "$3" "${4:+, $4}" >>"$REPORT"
@@ -35,7 +37,8 @@ stage() {  # stage NAME LIMIT COMMAND...: run it, record it, stop the run at the
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$OUT/gpu.txt" 2>&1 || true
 record "machine" 0 0 "\"gpu\": \"$(head -n 1 "$OUT/gpu.txt")\", \"torch\": \"$($PY -c 'import torch; print(torch.__version__)')\""
 
-stage install 60 "$PY" -m pip install -q --no-deps --no-index .gpu-wheels/*.whl
+stage install 60 "$PY" -m pip install -q --no-deps --no-index --no-compile --no-cache-dir --upgrade \
+  --target "$SITE" .gpu-wheels/*.whl
 stage smoke 90 "$PY" - <<'PYEOF'
 import json, time, torch
 from hicache import Engine, SamplingParams

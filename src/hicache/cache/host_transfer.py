@@ -1,10 +1,15 @@
 """Device <-> host transfers: queued, executed asynchronously, acknowledged in order.
 
 Each submitted operation executes on a worker thread (one per direction, FIFO), layer by
-layer, setting one ready event per layer and a done event at the end. On CUDA the worker runs
-its copies on its own stream, ordered after the compute that produced the data, and
-synchronizes that stream before setting each event; on CPU the copies are plain torch ops that
-release the GIL while they run.
+layer, setting one ready event per layer and a done event at the end. On CPU the copies are
+numpy copies that release the GIL while they run, and a layer's ready event is set when its
+copy has ended. On CUDA the worker enqueues its copies on a stream of its own, ordered after the
+compute that produced the data (``after_compute``), and records one CUDA event per layer behind
+them; a layer's ready event then means "enqueued", and :meth:`wait_layer` makes the compute
+stream wait on that layer's CUDA event -- on the GPU, without blocking the thread that launches
+the forward -- so layer i's attention waits for layer i's copy only. The worker synchronizes the
+op's ``finish_event`` before setting ``done``, and the tree's bookkeeping only ever follows
+``done`` (through :meth:`pop`).
 
 The scheduler thread never looks at events to change cache state. It asks how many leading
 acks are ready (:meth:`ready_count`), decides how many to consume (today: that count; with
@@ -53,6 +58,8 @@ class TransferOp:
     finish_time: float = 0.0
     error: Optional[BaseException] = None
     after_compute: Optional[object] = None  # CUDA event: the data's producer on the compute stream
+    layer_events: list = field(default_factory=list)  # CUDA: each layer's copies done on the copy stream
+    finish_event: Optional[object] = None  # CUDA: every copy of the op done (synchronized before ``done``)
     # a hybrid pool's window layers: their device and host window pages (a subset of the pages: checkpoints)
     window_device_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     window_host_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
@@ -121,7 +128,8 @@ class TransferController:
         """``window``: a hybrid pool's (device, host) window pages the op copies too."""
         assert len(device_pages) == len(host_pages) > 0
         op = TransferOp(next(self._ids), kind, np.asarray(device_pages), np.asarray(host_pages), payload,
-                        [threading.Event() for _ in range(self.num_layers)], submit_time=time.perf_counter())
+                        [threading.Event() for _ in range(self.num_layers)], submit_time=time.perf_counter(),
+                        layer_events=[None] * self.num_layers)
         if window is not None and len(window[0]):
             assert self.window_pair is not None and len(window[0]) == len(window[1])
             op.window_device_pages, op.window_host_pages = np.asarray(window[0]), np.asarray(window[1])
@@ -168,10 +176,16 @@ class TransferController:
         return op is None or op.done.is_set() or op.layer_done[layer].is_set()
 
     def wait_layer(self, layer: int) -> None:
-        """Block until every load submitted so far has finished ``layer`` (loads run FIFO)."""
+        """Order what comes next after every load submitted so far has finished ``layer`` (loads
+        run FIFO): on CPU, block until it has; on CUDA, block until its copies are enqueued and
+        make the current stream wait for them on the GPU."""
         op = self._last_load
-        if op is not None and not op.done.is_set():
-            op.layer_done[layer].wait()
+        if op is None or op.done.is_set():
+            return
+        op.layer_done[layer].wait()
+        event = op.layer_events[layer]
+        if event is not None:
+            torch.cuda.current_stream(device_pool_device(self.device_pool)).wait_event(event)
 
     def shutdown(self) -> None:
         """Stop the workers after the ops already queued (idempotent)."""
@@ -186,7 +200,10 @@ class TransferController:
     # ---- worker threads ------------------------------------------------------------------
     def _work(self, kind: str) -> None:
         run_torch_alone()  # its copies on this thread: an OpenMP pool of its own would slow every step
-        stream = torch.cuda.Stream(device_pool_device(self.device_pool)) if self.cuda else None
+        stream = None
+        if self.cuda:
+            torch.cuda.set_device(device_pool_device(self.device_pool))  # a thread starts on GPU 0
+            stream = torch.cuda.Stream(device_pool_device(self.device_pool))
         while (op := self._queues[kind].get()) is not None:
             self._execute(op, stream)
 
@@ -228,16 +245,21 @@ class TransferController:
                 op.layer_done[layer].set()
                 continue
             plan = window_plan if pair == self.window_pair else full_plan
-            # On CUDA the gather (pages outside consecutive runs) lands in a buffer this worker
-            # reuses, on the source side of the copy; CPU copies need none.
-            staging = self._staging(op.kind, pair, len(plan.src_rest), backup) if self.cuda and len(plan.src_rest) \
-                else None
+            # On CUDA the device side of the copy is staged in a buffer this worker reuses (stream
+            # order keeps a layer's gather behind the previous layer's copies); CPU copies need none.
+            staging = self._staging(op.kind, pair, plan.num_pages) if self.cuda else None
             for dev, host in self._views[layer]:
                 src, dst = (dev, host) if backup else (host, dev)
                 copy_pages(src, dst, plan, staging, self.cuda and self.pairs[pair][1].pinned)
             if stream is not None:
-                stream.synchronize()
+                event = torch.cuda.Event()
+                event.record(stream)
+                op.layer_events[layer] = event
             op.layer_done[layer].set()
+        if stream is not None:  # the seed's finish_event.synchronize(): the bookkeeping follows ``done``
+            op.finish_event = torch.cuda.Event()
+            op.finish_event.record(stream)
+            op.finish_event.synchronize()
 
     def _page_views(self, pair: int, layer: int, host_layer: int, kv: int) -> tuple[PageBuf, PageBuf]:
         """Pool pair ``pair``'s device ``layer`` (its host pool's ``host_layer``), K (0) or V (1)
@@ -250,14 +272,13 @@ class TransferController:
         dev = dev.view(dev.shape[0], *host.shape[1:])  # head groups split out as the host has them
         return (dev, host) if self.cuda else cpu_page_arrays(dev, host)
 
-    def _staging(self, kind: str, pair: int, num_pages: int, backup: bool) -> torch.Tensor:
-        """A ``[>= num_pages, *row]`` buffer of pool pair ``pair``'s page rows (as its page views
-        shape them) on the copy's source side, owned by ``kind``'s worker, grown on demand and
-        counted in :attr:`staging_bytes`."""
+    def _staging(self, kind: str, pair: int, num_pages: int) -> torch.Tensor:
+        """A ``[>= num_pages, *row]`` device buffer of pool pair ``pair``'s page rows (as its page
+        views shape them), owned by ``kind``'s worker, grown on demand and counted in
+        :attr:`staging_bytes`."""
         buf = self._staging_bufs.get((kind, pair))
         if buf is None or buf.shape[0] < num_pages:
-            device_pool, host_pool = self.pairs[pair]
-            like = device_pool.k_buffers[0] if backup else host_pool.buffer
+            like = self.pairs[pair][0].k_buffers[0]
             first_layer = next(i for i, (p, _, _) in enumerate(self._layers) if p == pair)
             row = self._views[first_layer][0][0].shape[1:]
             buf = torch.empty((num_pages, *row), dtype=like.dtype, device=like.device)

@@ -10,12 +10,16 @@ Invariant: after ``copy_pages(src, dst, plan)``, ``dst[plan.dst_pages[i]]`` equa
 
 How: a :class:`PagePlan` (cut once per transfer, reused for every layer) splits the page lists
 into runs that are consecutive on both sides, each copied as one slice, and the rest, moved by
-one gather into a contiguous buffer and one scatter from it (with one transfer between them
-when the devices differ). On CPU the slices, gather and scatter are numpy copies of opaque
-page-sized items: one ``memmove`` per page on one thread, GIL released (torch's CPU
-``index_copy_`` moves one element at a time and ran at ~0.2x memcpy; its multi-threaded copies
-stall when the cores are busy). On CUDA they are ``copy_`` / ``index_select`` / ``index_copy_``
-on the caller's current stream, and the host-side scatter of a device -> host gather is numpy.
+one gather into a contiguous buffer and one scatter from it. On CPU the slices, gather and
+scatter are numpy copies of opaque page-sized items: one ``memmove`` per page on one thread, GIL
+released (torch's CPU ``index_copy_`` moves one element at a time and ran at ~0.2x memcpy; its
+multi-threaded copies stall when the cores are busy). Between a GPU and host memory the device
+side is always staged: a backup gathers its pages into a device staging buffer (one
+``index_select``, at HBM speed) and copies it to the host in one DMA per run of consecutive host
+pages; a load copies each host run into the staging buffer and scatters it with one
+``index_copy_``. Host memory is read and written only in whole runs (pinned: asynchronous, at
+the link's speed), whatever order the device pages are in. All of it is on the caller's current
+stream.
 """
 
 from __future__ import annotations
@@ -57,14 +61,35 @@ class PagePlan:
         self.runs = [(int(src[a]), int(dst[a]), int(n)) for a, n in zip(starts[long], lengths[long])]
         rest = np.repeat(~long, lengths)
         self.src_rest, self.dst_rest = src[rest], dst[rest]
-        self._indices: dict[tuple[bool, torch.device], torch.Tensor] = {}
+        self.src_pages, self.dst_pages = src, dst
+        self._indices: dict[tuple[str, torch.device], torch.Tensor] = {}
 
     def rest_index(self, dst_side: bool, device: torch.device) -> torch.Tensor:
         """``dst_rest`` (or ``src_rest``) as an int64 tensor on ``device``, made once."""
-        key = (dst_side, device)
+        return self._index("dst_rest" if dst_side else "src_rest", device)
+
+    def page_index(self, dst_side: bool, device: torch.device) -> torch.Tensor:
+        """Every ``dst_pages`` (or ``src_pages``) entry as an int64 tensor on ``device``, made once."""
+        return self._index("dst_pages" if dst_side else "src_pages", device)
+
+    def _index(self, name: str, device: torch.device) -> torch.Tensor:
+        key = (name, device)
         if key not in self._indices:
-            self._indices[key] = torch.as_tensor(self.dst_rest if dst_side else self.src_rest).to(device)
+            index = torch.as_tensor(getattr(self, name))
+            if device.type == "cuda":  # from pinned memory the copy is queued, not a sync of the copy stream
+                index = index.pin_memory()
+            self._indices[key] = index.to(device, non_blocking=device.type == "cuda")
         return self._indices[key]
+
+    def side_runs(self, dst_side: bool) -> list[tuple[int, int, int]]:
+        """The pages cut into runs consecutive on one side only: ``(position, first page, length)``,
+        covering every position in order (a run may be one page)."""
+        pages = self.dst_pages if dst_side else self.src_pages
+        if not len(pages):
+            return []
+        starts = np.concatenate([[0], np.flatnonzero(np.diff(pages) != 1) + 1])
+        lengths = np.diff(np.concatenate([starts, [len(pages)]]))
+        return [(int(a), int(pages[a]), int(n)) for a, n in zip(starts, lengths)]
 
 
 def copy_pages(src: PageBuf, dst: PageBuf, plan: PagePlan, staging: torch.Tensor | None = None,
@@ -73,8 +98,9 @@ def copy_pages(src: PageBuf, dst: PageBuf, plan: PagePlan, staging: torch.Tensor
 
     CPU views may be given as their :func:`page_items` instead, made once by a caller that copies
     between the same buffers often (it saves ~10 us a call). ``staging``: an optional reusable
-    ``[>= len(plan.src_rest), *row]`` buffer on ``src``'s device for the gather when a CUDA device
-    is involved (fresh memory when None). ``non_blocking``: CUDA slice copies may return early
+    buffer of page rows for the gather when a GPU is involved: ``[>= num_pages, *row]`` on the
+    device between a device and host memory, ``[>= len(plan.src_rest), *row]`` between two views
+    on one device (fresh memory when None). ``non_blocking``: CUDA slice copies may return early
     (the host side is pinned); the caller synchronizes its stream before anyone reads ``dst``.
     """
     if plan.num_pages == 0:
@@ -94,6 +120,9 @@ def copy_pages(src: PageBuf, dst: PageBuf, plan: PagePlan, staging: torch.Tensor
             d[plan.dst_rest] = s[plan.src_rest]  # gather into a temporary, scatter from it
         return
     assert isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor)
+    if src.device != dst.device:
+        copy_staged(src, dst, plan, to_host=_on_cpu(dst), staging=staging, non_blocking=non_blocking)
+        return
     for a, b, k in plan.runs:
         dst[b : b + k].copy_(src[a : a + k], non_blocking=non_blocking)
     n = len(plan.src_rest)
@@ -101,11 +130,25 @@ def copy_pages(src: PageBuf, dst: PageBuf, plan: PagePlan, staging: torch.Tensor
         return
     out = staging[:n] if staging is not None else None
     rows = torch.index_select(src, 0, plan.rest_index(False, src.device), out=out)
-    rows = rows.to(dst.device)  # one blocking transfer between the gather and the scatter
-    if _on_cpu(dst):
-        page_items(dst)[plan.dst_rest] = page_items(rows)
+    dst.index_copy_(0, plan.rest_index(True, dst.device), rows)
+
+
+def copy_staged(src: torch.Tensor, dst: torch.Tensor, plan: PagePlan, to_host: bool,
+                staging: torch.Tensor | None = None, non_blocking: bool = False) -> None:
+    """Between a device and host memory (``to_host``: ``dst`` is the host side): the device side
+    gathered into (or scattered from) ``staging`` in plan order, the host side moved in runs of
+    consecutive host pages. Any two page-shaped views work (the tests run it CPU to CPU)."""
+    device = src.device if to_host else dst.device
+    n = plan.num_pages
+    rows = staging[:n] if staging is not None else torch.empty((n, *src.shape[1:]), dtype=src.dtype, device=device)
+    if to_host:
+        torch.index_select(src, 0, plan.page_index(False, device), out=rows)
+        for at, page, k in plan.side_runs(True):
+            dst[page : page + k].copy_(rows[at : at + k], non_blocking=non_blocking)
     else:
-        dst.index_copy_(0, plan.rest_index(True, dst.device), rows)
+        for at, page, k in plan.side_runs(False):
+            rows[at : at + k].copy_(src[page : page + k], non_blocking=non_blocking)
+        dst.index_copy_(0, plan.page_index(True, device), rows)
 
 
 def cpu_page_arrays(a: torch.Tensor, b: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:

@@ -7,6 +7,13 @@ merged by their log-sum-exp -- exact, the same rule flash attention uses between
 prefix stored in a few runs of consecutive slots is read as views of the KV buffers (no gather);
 a scattered one is gathered once per layer.
 
+On a GPU the blocks are joined instead: the cached blocks and the new tokens concatenated into
+one key set, attended by one SDPA call whose causal mask is aligned to the lower right
+(``torch.nn.attention.bias.causal_lower_right``: query i sees every cached key and new keys up
+to its own), so torch runs its flash kernel (bf16/fp16) or its memory-efficient one (float32)
+and no score matrix is materialised; the concatenation is one copy of the keys per layer, at
+HBM speed.
+
 A lone decode token needs no causal block: its context (itself included) is one set of keys.
 On a CPU with the native kernels (float32, the KV float32 or float16), decode batches read every
 key by its slot straight from the buffers (:func:`native_decode_attention`). Elsewhere a decode batch of several
@@ -23,6 +30,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from hicache.kernels import cpu_kernels
 
@@ -107,10 +115,13 @@ def keys_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def sequence_attention(q: torch.Tensor, full: list[KVBlock], new: Optional[KVBlock],
-                       kv_map: Optional[torch.Tensor]) -> torch.Tensor:
+                       kv_map: Optional[torch.Tensor], joined: Optional[bool] = None) -> torch.Tensor:
     """One sequence: ``q`` ``[n, H, D]`` for its new tokens; ``full`` key blocks every new token
     sees (its cached prefix, in any order); ``new`` its new tokens' K/V, attended causally (None
-    when the new token is a lone decode token already included in ``full``). Returns ``[n, H, D]``."""
+    when the new token is a lone decode token already included in ``full``). Returns ``[n, H, D]``.
+    ``joined``: one SDPA call over the concatenated blocks (default: off the CPU; see the module doc)."""
+    if full and (q.device.type != "cpu" if joined is None else joined):
+        return joined_attention(q, full, new, kv_map)
     heads = q.shape[1]
     qh = q.transpose(0, 1)  # [H, n, D]
     if not full:  # a cold prefill: one causal block, no log-sum-exp needed
@@ -129,6 +140,23 @@ def sequence_attention(q: torch.Tensor, full: list[KVBlock], new: Optional[KVBlo
     if new is not None:
         parts.append(_partial(qh, new[0], new[1], True, kv_map))
     return merge_partials(parts).transpose(0, 1)
+
+
+def joined_attention(q: torch.Tensor, full: list[KVBlock], new: Optional[KVBlock],
+                     kv_map: Optional[torch.Tensor]) -> torch.Tensor:
+    """:func:`sequence_attention` as one SDPA call: the blocks concatenated, the new tokens last,
+    causal to the lower right when there are new tokens. KV heads are expanded to the query heads
+    (an SDPA mask object and grouped heads do not combine on every torch version)."""
+    blocks = [(k.to(q.dtype), v.to(q.dtype)) for k, v in full] + ([new] if new is not None else [])
+    k = torch.cat([b[0] for b in blocks]) if len(blocks) > 1 else blocks[0][0]
+    v = torch.cat([b[1] for b in blocks]) if len(blocks) > 1 else blocks[0][1]
+    heads = q.shape[1]
+    if k.shape[1] != heads or kv_map is not None:
+        k, v = _expand_heads(k, heads, kv_map), _expand_heads(v, heads, kv_map)
+    mask = causal_lower_right(q.shape[0], k.shape[0]) if new is not None else None
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                         attn_mask=mask)
+    return out[0].transpose(0, 1)
 
 
 def decode_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, key_bias: Optional[torch.Tensor],

@@ -127,6 +127,9 @@ def _load_base(name: str, base: str, dtype: torch.dtype, device: torch.device | 
         tokenizer = byte_tokenizer()
         spec_json = json.dumps(spec.to_dict(), sort_keys=True)
         identity = f"random:{_digest(spec_json)}:seed={seed}:{dtype_name}"
+        drawn_on = torch.device(device).type
+        if drawn_on != "cpu":  # drawn there: other values than the CPU's (init_random_weights)
+            identity += f":drawn-on-{drawn_on}"
     elif Path(base).expanduser().exists() or "/" in base or base.startswith("."):
         folder = Path(base).expanduser()
         model, tokenizer, spec = load_hf_dir(folder, dtype, device, weights)
