@@ -319,3 +319,21 @@ def test_a_build_lock_left_by_a_killed_build_is_cleared_and_a_live_one_kept(tmp_
     os.utime(lock, (old, old))
     _clear_stale_lock(lock)
     assert not lock.exists()  # nobody holds it: waiting on it would hang start-up forever
+
+
+@pytest.mark.slow
+def test_a_process_whose_model_is_on_a_gpu_builds_no_native_kernels(tmp_path) -> None:
+    """``turn_off`` (the loader calls it for a model off the CPU): nothing is built or loaded, even
+    for a GGUF file, and one log line says why."""
+    code = ("import logging; logging.basicConfig(level=logging.INFO)\n"
+            "from hicache.kernels import turn_off, cpu_kernels, unavailable_reason\n"
+            "turn_off('the model runs on cuda')\n"
+            "assert cpu_kernels() is None and unavailable_reason() == 'the model runs on cuda'\n"
+            "from hicache.model.loader import load_model\n"
+            "load_model('smollm2', dtype=__import__('torch').float32)\n")
+    env = {**os.environ, "HICACHE_KERNEL_CACHE": str(tmp_path)}  # an empty cache: a build would show here
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    said = [line for line in out.stderr.splitlines() if "native CPU kernels" in line]
+    assert said == ["INFO:hicache.kernels:native CPU kernels off (the model runs on cuda): nothing built"], said
+    assert not any(tmp_path.iterdir())

@@ -40,22 +40,37 @@ record "machine" 0 0 "\"gpu\": \"$(head -n 1 "$OUT/gpu.txt")\", \"torch\": \"$($
 stage install 60 "$PY" -m pip install -q --no-deps --no-index --no-compile --no-cache-dir --upgrade \
   --target "$SITE" .gpu-wheels/*.whl
 stage smoke 90 "$PY" - <<'PYEOF'
-import json, time, torch
+# random:small on the GPU in bf16 and float32 with the host tier: a prompt, the same prompt again (a device hit),
+# a third prompt pushing the first to host memory, the first again (a host hit, loaded on the copy stream)
+import json, logging, time, torch
 from hicache import Engine, SamplingParams
+from hicache.kernels import cpu_kernels
+logging.basicConfig(level=logging.INFO)
 assert torch.cuda.is_available(), "no CUDA device"
+g = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
 for dtype in ("bfloat16", "float32"):
     t0 = time.perf_counter()
-    e = Engine("random:small", device="cuda", dtype=dtype, max_total_tokens=4096, enable_hierarchical_cache=True)
-    g = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
-    a = e.generate([list(range(3, 200))], g)[0]
-    b = e.generate([list(range(3, 200))], g)[0]
-    pool = e.stats()["device_pool"]
+    e = Engine("random:small", device="cuda", dtype=dtype, max_total_tokens=512, enable_hierarchical_cache=True,
+               hicache_ratio=4.0)
+    first, other = list(range(3, 300)), list(range(303, 600))
+    a, b = (e.generate([first], g)[0] for _ in range(2))
+    e.generate([other], g)
+    c = e.generate([first], g)[0]
+    host = e.cache.host
+    ops = host.controller
+    assert host.host_pool.pinned, "the host pool is not pinned"
+    assert next(e.loaded.model.parameters()).is_cuda and e.cache.pool.k_buffers[0].is_cuda
+    assert c.cached_tokens_details["host"] > 0, c.cached_tokens_details
+    stats = e.stats()
     e.shutdown()
-    assert a.output_ids == b.output_ids or dtype == "bfloat16", (a.output_ids, b.output_ids)
-    print(json.dumps({"dtype": dtype, "seconds": round(time.perf_counter() - t0, 2), "cached": b.cached_tokens,
-                      "device_pool_bytes": pool["device_pool_bytes"]}))
+    if dtype == "float32":
+        assert a.output_ids == b.output_ids == c.output_ids, (a.output_ids, b.output_ids, c.output_ids)
+    print(json.dumps({"dtype": dtype, "seconds": round(time.perf_counter() - t0, 2), "hit": b.cached_tokens_details,
+                      "host_hit": c.cached_tokens_details, "same_tokens": a.output_ids == b.output_ids == c.output_ids,
+                      "staging_bytes": ops.staging_bytes, "transfers": stats["transfers"],
+                      "native_cpu_kernels": cpu_kernels() is not None}))
 PYEOF
-stage tests 120 "$PY" -m pytest -q -x -m cuda -p no:cacheprovider tests/test_cuda.py
+stage tests 120 "$PY" -m pytest -q -x -s -m cuda -p no:cacheprovider tests/test_cuda.py
 # the figures, one JSON line each as measured (benchmarks/bench_gpu.py), beside the stage lines
 stage bench 180 "$PY" benchmarks/bench_gpu.py --device cuda --json "$OUT/gpu_bench.jsonl"
 echo "gpu_check: all stages passed; report in $REPORT, figures in $OUT/gpu_bench.jsonl"

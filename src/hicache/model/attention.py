@@ -145,11 +145,15 @@ def sequence_attention(q: torch.Tensor, full: list[KVBlock], new: Optional[KVBlo
 def joined_attention(q: torch.Tensor, full: list[KVBlock], new: Optional[KVBlock],
                      kv_map: Optional[torch.Tensor]) -> torch.Tensor:
     """:func:`sequence_attention` as one SDPA call: the blocks concatenated, the new tokens last,
-    causal to the lower right when there are new tokens. KV heads are expanded to the query heads
-    (an SDPA mask object and grouped heads do not combine on every torch version)."""
+    causal to the lower right when there are new tokens. KV heads are expanded to the query heads (an SDPA mask object and
+    grouped heads do not combine on every torch version). A lone decode token (no new block) takes
+    :func:`decode_attention` over the joined keys: grouped, no expansion, and the same call however
+    many runs its context is stored in."""
     blocks = [(k.to(q.dtype), v.to(q.dtype)) for k, v in full] + ([new] if new is not None else [])
     k = torch.cat([b[0] for b in blocks]) if len(blocks) > 1 else blocks[0][0]
     v = torch.cat([b[1] for b in blocks]) if len(blocks) > 1 else blocks[0][1]
+    if new is None and q.shape[0] == 1:
+        return decode_attention(q, k[None], v[None], None, kv_map)
     heads = q.shape[1]
     if k.shape[1] != heads or kv_map is not None:
         k, v = _expand_heads(k, heads, kv_map), _expand_heads(v, heads, kv_map)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from hicache.kernels import turn_off
 from hicache.model.errors import ModelNotFoundError
 from hicache.model.gguf_loader import is_gguf_file, load_gguf
 from hicache.model.hf_loader import load_hf_dir
@@ -85,6 +86,8 @@ def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.dev
         raise ModelSpecError("float16 runs ~100x slower than float32 on a CPU; use --dtype auto or float32 there.")
     if decode_activations not in DECODE_ACTIVATIONS:
         raise ModelSpecError(f"decode activations {decode_activations!r}: expected one of {', '.join(DECODE_ACTIVATIONS)}.")
+    if torch.device(device).type != "cpu" and weights:
+        turn_off(f"the model runs on {torch.device(device).type}")  # before a GGUF load would build them
     start = time.perf_counter()
     base, variant = split_variant(name)
     if variant is not None:
