@@ -68,3 +68,20 @@ def test_greedy_and_tiny_top_p_say_the_same_in_bfloat16() -> None:
     tiny_p = engine.generate(ps, SamplingParams(max_new_tokens=32, temperature=1.0, top_p=1e-46, seed=3,
                                                 ignore_eos=True))
     assert [r.output_ids for r in tiny_p] == [r.output_ids for r in greedy]
+
+
+def test_a_cpu_generator_draws_on_another_devices_probabilities_by_inverse_cdf() -> None:
+    """A seeded request keeps its CPU generator; with probabilities on a GPU, whose multinomial
+    refuses a CPU generator, the draw is one CPU uniform and the cumulative distribution inverted
+    (run here on CPU probabilities): the right frequencies, never a zero-probability index, one
+    seed one stream."""
+    from hicache.runtime.sampling import inverse_cdf
+
+    probs = torch.tensor([0.1, 0.0, 0.6, 0.3, 0.0])
+    gen = torch.Generator().manual_seed(3)
+    draws = [inverse_cdf(probs * 7.0, gen) for _ in range(20000)]  # any sum
+    freq = torch.bincount(torch.tensor(draws), minlength=5).float() / len(draws)
+    assert freq[1] == 0 and freq[4] == 0
+    torch.testing.assert_close(freq, probs, atol=0.015, rtol=0)
+    again = torch.Generator().manual_seed(3)
+    assert [inverse_cdf(probs, again) for _ in range(50)] == draws[:50]

@@ -3,6 +3,7 @@ elsewhere stays device-agnostic (CUDA when present, CPU otherwise)."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import platform
@@ -43,6 +44,10 @@ def device_memory_budget(device: torch.device, fraction: float | None) -> int:
     """Bytes the KV pool may take: on CUDA, ``fraction`` of the card minus what is already in
     use (weights); on CPU, ``fraction`` of available host memory (weights already loaded)."""
     if device.type == "cuda":
+        # Memory torch's caching allocator holds but no tensor uses (the load's temporaries, an
+        # earlier engine's pool) counts as used in mem_get_info: hand it back first.
+        gc.collect()
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         return int(total * (fraction or 0.85) - (total - free))
     return int(available_host_memory() * (fraction or 0.10))

@@ -19,6 +19,7 @@ Layouts (``--hicache-mem-layout``):
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 
@@ -62,7 +63,7 @@ class HostKVPool:
         shape = self._shape(layout, num_pages, self.num_layers, self.page_size, *k0.shape[1:])
         # Pinned memory makes CUDA copies asynchronous; the CPU build of torch cannot pin.
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self.buffer = torch.empty(shape, dtype=self.dtype, pin_memory=pin)
+        self.buffer = pinned_empty(shape, self.dtype) if pin else torch.empty(shape, dtype=self.dtype)
         self.pinned = pin
         logger.info("host KV pool: %d pages x %d tokens, %s, %.1f MiB%s", num_pages - 1, self.page_size, layout,
                     needed / 2**20, " pinned" if pin else "")
@@ -109,3 +110,23 @@ class HostKVPool:
 def device_page_view(buf: torch.Tensor, page_size: int) -> torch.Tensor:
     """A device layer buffer ``[slots, heads, dim]`` seen as ``[pages, page_size, heads, dim]``."""
     return buf.view(-1, page_size, *buf.shape[1:])
+
+
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Page-locked host memory of exactly ``shape``: ordinary memory registered with the CUDA
+    driver (as SGLang's host pool does) and unregistered when the tensor is collected. torch's own
+    pinned allocator rounds a request up to a power of two (a 40 GiB pool would pin 64 GiB); it
+    is the fallback where registering fails."""
+    buf = torch.empty(shape, dtype=dtype)
+    try:
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(), 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister returned {err}")
+    except Exception as e:  # noqa: BLE001 - any failure: torch's allocator still pins
+        logger.warning("host KV pool: registering %.1f MiB with CUDA failed (%s); pinning through torch's "
+                       "allocator (rounded up to a power of two)", buf.numel() * buf.element_size() / 2**20, e)
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    unregister = weakref.finalize(buf, cudart.cudaHostUnregister, buf.data_ptr())
+    unregister.atexit = False  # at exit the process's memory and CUDA context go anyway
+    return buf

@@ -325,7 +325,7 @@ class KVReceiver(IOThread):
                 with warnings.catch_warnings():  # a read-only frame: only read from
                     warnings.simplefilter("ignore", UserWarning)
                     rows = torch.frombuffer(frame.buffer, dtype=buf.dtype).view(len(idx), -1, buf.shape[-1])
-                buf[:, heads].index_copy_(0, idx, rows.to(buf.device))
+                buf[:, heads].index_copy_(0, idx.to(buf.device), rows.to(buf.device))
         if self.pool.k_buffers[0].is_cuda:  # landed before the scheduler sees the job done
             torch.cuda.current_stream(self.pool.k_buffers[0].device).synchronize()
         return sum(len(f.buffer) for f in frames)

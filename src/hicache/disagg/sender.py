@@ -272,6 +272,7 @@ class KVSender(IOThread):
                 header["written"] = sent = self.writes.write(ask.mooncake, job.slots, start, end, local, window)
             elif heads:
                 for (k, v), idx in zip(zip(self.pool.k_buffers, self.pool.v_buffers), rows):
+                    idx = idx.to(k.device)  # the slots are CPU tensors; the pool may be on a GPU
                     frames += [raw(k.index_select(0, idx)[:, local.start:local.stop]),
                                raw(v.index_select(0, idx)[:, local.start:local.stop])]
                 sent = sum(f.nbytes for f in frames)

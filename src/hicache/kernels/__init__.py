@@ -87,22 +87,8 @@ def build_dir(isa: Optional[str] = None) -> Path:
     return root / key.hexdigest()[:16]
 
 
-_turned_off: Optional[str] = None  # why this process runs without them (turn_off)
-
-
-def turn_off(reason: str) -> None:
-    """This process runs without the native kernels (its model is on a GPU): nothing is built or
-    loaded; said once in the log."""
-    global _turned_off
-    if _turned_off is None:
-        _turned_off = reason
-        logger.info("native CPU kernels off (%s): nothing built", reason)
-
-
 def unavailable_reason() -> Optional[str]:
     """Why these kernels cannot run here (None: they can)."""
-    if _turned_off is not None:
-        return _turned_off
     if os.environ.get("HICACHE_KERNELS", "1") == "0":
         return "HICACHE_KERNELS=0"
     if platform.machine().lower() not in ("x86_64", "amd64"):
@@ -127,8 +113,7 @@ def cpu_kernels() -> Optional[object]:
             return _load()
         except Exception as exc:  # a missing compiler or ninja: the torch path still works
             reason = f"build failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__}"
-    if reason != _turned_off:  # turn_off said it already
-        logger.info("native CPU kernels off (%s): decode matmuls use torch's kernels", reason)
+    logger.info("native CPU kernels off (%s): decode matmuls use torch's kernels", reason)
     return None
 
 

@@ -194,7 +194,7 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
     model = LlamaForCausalLM(spec, dtype, device)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    ops = cpu_kernels()  # None where the native kernels are off: gguf.quants dequantizes then
+    ops = cpu_kernels() if torch.device(device).type == "cpu" else None  # None: gguf.quants dequantizes then
     with torch.no_grad():
         for t in reader.tensors:
             name = hf_name(t.name, family)

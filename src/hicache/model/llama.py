@@ -188,6 +188,18 @@ _INIT_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
+def _made_on(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
+    """New tensors on ``device``, floating ones in ``dtype`` (torch's defaults restored after)."""
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            yield
+    finally:
+        torch.set_default_dtype(saved)
+
+
+@contextlib.contextmanager
 def _no_default_init() -> Iterator[None]:
     """Build modules with their parameters allocated but not initialised: the default init of
     a 135M-parameter model costs ~1.2 s, and the meta-device route that also skips it costs
@@ -224,7 +236,10 @@ class LlamaForCausalLM(nn.Module):
         self.spec = spec
         self.dtype = dtype
         self.device = torch.device(device)
-        with _no_default_init():  # the loader overwrites every parameter
+        # Off the CPU the modules are made where they run, in their dtype: made on the CPU in float32
+        # first, an 8B model would take 32 GB of host memory and a conversion pass.
+        placed = contextlib.nullcontext() if self.device.type == "cpu" else _made_on(self.device, dtype)
+        with _no_default_init(), placed:  # the loader overwrites every parameter
             self.model = LlamaModel(spec)
             self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.to(dtype=dtype, device=self.device)

@@ -216,7 +216,9 @@ class PagedBackend:
         out_slots = torch.cat([context_slots[b][prefix_lens[b]:] for b in range(bsz)]).to(dev)
         ends = torch.tensor(lens).cumsum(0)
         starts = (ends - torch.tensor(lens)).tolist()
-        rowwise = self.rowwise or max(lens) <= ROWWISE_MAX_NEW
+        # Off the CPU no kernel reads keys by slot: rows gather their whole context each, so only a
+        # decode pass (one new token a sequence) takes the row layout there.
+        rowwise = self.rowwise or max(lens) <= (ROWWISE_MAX_NEW if dev.type == "cpu" else 1)
         decode = _decode_layout(out_slots, context_slots, lens, dev) if rowwise else None
         # A lone sequence keeps its span too: without the native kernel it reads its keys as views.
         spans = [] if decode is not None and bsz > 1 else [

@@ -285,8 +285,8 @@ class GrammarMode(Mode):
             future = self._mask_thread().submit(self._row_masks, batch)
         masks: RowMasks = future.result()
         with torch.inference_mode():  # the forward's logits are inference tensors
-            for row, mask in zip(masks.rows, masks.masks):
-                logits[row].masked_fill_(~mask, float("-inf"))
+            for row, mask in zip(masks.rows, masks.masks):  # the masks are made on the CPU
+                logits[row].masked_fill_(~mask.to(logits.device), float("-inf"))
         self.masked_rows += len(masks.rows)
         if masks.failed:
             self._failed[id(batch)] = masks.failed

@@ -57,23 +57,26 @@ class PenaltyState:
 
 def adjust_row(row: torch.Tensor, sp: SamplingParams, state: PenaltyState, outputs: int,
                stop_ids: torch.Tensor) -> None:
-    """Adjust one logits row in place; ``state.counts`` holds the row's ``outputs`` tokens."""
-    seen = state.counts > 0 if sp.repetition_penalty != 1.0 or sp.presence_penalty else None
+    """Adjust one logits row in place; ``state.counts`` holds the row's ``outputs`` tokens. The
+    state lives on the CPU; what meets the row goes to the row's device (a no-op on a CPU)."""
+    dev = row.device
+    counts = state.counts.to(dev)
+    seen = counts > 0 if sp.repetition_penalty != 1.0 or sp.presence_penalty else None
     if sp.repetition_penalty != 1.0:
-        hit = seen | state.in_prompt
+        hit = seen | state.in_prompt.to(dev)
         r = sp.repetition_penalty
         row[hit] = torch.where(row[hit] > 0, row[hit] / r, row[hit] * r)
     if sp.frequency_penalty:
-        row.sub_(state.counts * sp.frequency_penalty)
+        row.sub_(counts * sp.frequency_penalty)
     if sp.presence_penalty:
         row.sub_(seen.to(row.dtype) * sp.presence_penalty)
     if sp.logit_bias:
-        ids = torch.as_tensor(list(sp.logit_bias), dtype=torch.long)
-        row.index_add_(0, ids, torch.as_tensor(list(sp.logit_bias.values()), dtype=row.dtype))
+        ids = torch.as_tensor(list(sp.logit_bias), dtype=torch.long, device=dev)
+        row.index_add_(0, ids, torch.as_tensor(list(sp.logit_bias.values()), dtype=row.dtype, device=dev))
     if outputs < sp.min_tokens:
-        row[stop_ids] = float("-inf")
+        row[stop_ids.to(dev)] = float("-inf")
         if sp.stop_token_ids:
-            row[torch.as_tensor(list(sp.stop_token_ids), dtype=torch.long)] = float("-inf")
+            row[torch.as_tensor(list(sp.stop_token_ids), dtype=torch.long, device=dev)] = float("-inf")
 
 
 class PenaltyMode(Mode):

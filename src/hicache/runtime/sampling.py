@@ -230,8 +230,27 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
         if positions is not None and p.seed is not None:
             out[i] = keyed_choice(probs, p.seed, positions[i])
         else:
-            out[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
+            out[i] = draw(probs, generators[i])
     return out
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One index drawn from ``probs`` (non-negative, any sum) with ``generator``: torch's
+    multinomial where the generator lives on the probabilities' device; a request's CPU generator
+    with probabilities on a GPU takes :func:`inverse_cdf` (the GPU's multinomial refuses it)."""
+    if generator is None or generator.device == probs.device:
+        return int(torch.multinomial(probs, 1, generator=generator).item())
+    return inverse_cdf(probs, generator)
+
+
+def inverse_cdf(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One uniform from ``generator`` (on the CPU: a seed gives the same stream on every device),
+    the cumulative distribution inverted on ``probs``' device; a zero-probability index is never
+    chosen (``right=True``: the first index whose cumulative mass exceeds the draw)."""
+    u = torch.rand((), generator=generator, dtype=torch.float64)
+    cdf = probs.double().cumsum(0)
+    index = torch.searchsorted(cdf, (u.to(cdf.device) * cdf[-1]).reshape(1), right=True)
+    return int(index.clamp_(max=probs.numel() - 1))
 
 
 def splitmix64(x: int) -> int:

@@ -37,7 +37,7 @@ from .batch import Batch
 from .modes import DecodePlan, Mode, ModeContext
 from .request import Request, SpecState
 from .runner import ModelRunner
-from .sampling import keyed_sample, probabilities, top_token
+from .sampling import draw, keyed_sample, probabilities, top_token
 
 
 class LayerWindow:
@@ -265,7 +265,7 @@ def _draw(logits: torch.Tensor, req) -> tuple[int, Optional[torch.Tensor]]:
         dist = torch.zeros_like(logits)
         dist[tok] = 1.0
         return tok, dist
-    return int(torch.multinomial(dist, 1, generator=req.spec.generator)), dist
+    return draw(dist, req.spec.generator), dist
 
 
 def _distribution(logits: torch.Tensor, req) -> Optional[torch.Tensor]:
@@ -329,9 +329,9 @@ def rejection_accept(drafts: Sequence[int], draft_probs: Optional[torch.Tensor],
         else:
             residual = (p - draft_probs[i]).clamp_(min=0)
         dist = residual if float(residual.sum()) > 0 else p
-        return out + [int(torch.multinomial(dist, 1, generator=gen))]
+        return out + [draw(dist, gen)]
     p = _distribution(logits[len(drafts)], req)
-    bonus = int(top_token(logits[len(drafts)])) if p is None else int(torch.multinomial(p, 1, generator=gen))
+    bonus = int(top_token(logits[len(drafts)])) if p is None else draw(p, gen)
     return out + [bonus]
 
 

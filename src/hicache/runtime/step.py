@@ -146,6 +146,8 @@ class StepDriver:
                 mode.after_forward(batch)
         finished += self.output.hand_on(batch, out, events, inbound)
         if batch is not None:  # its output has been sampled or sent on: the forward is done
+            if batch.kind == "prefill":  # a chunk that samples nothing leaves its kernels queued on a GPU
+                wait_for_device(cache.pool.k_buffers[0].device)
             sched.observe_forward(batch, time.perf_counter() - t0)
         cache.submit_transfers()  # backups of what finished in this step
         return batch, finished
@@ -199,3 +201,9 @@ def apply_intake(sched: Scheduler, adds: Sequence[Request], aborts: Sequence[int
         req = next((r for r in list(sched.waiting) + list(sched.running) if r.rid == rid), None)
         if req is not None and sched.abort(rid):
             on_abort(req)
+
+
+def wait_for_device(device: torch.device) -> None:
+    """Block until the work queued on ``device``'s current stream has run (nothing to wait for on a CPU)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
