@@ -68,12 +68,11 @@ class MLAAttention(nn.Module):
         self.kv_map = None  # (GQA's uneven-TP map: MLA has one latent for every head)
         # SDPA scales by 1/sqrt(rank + rope), the latent's width; the model wants 1/sqrt(nope + rope).
         self.q_scale = math.sqrt((self.rank + self.rope) / qk)
-        perm = list(range(0, self.rope, 2)) + list(range(1, self.rope, 2))
-        self.rope_perm = perm if spec.rope_interleave else None
+        self.rope_interleave = spec.rope_interleave
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if self.rope_perm is not None:
-            x = x[..., self.rope_perm]
+        if self.rope_interleave:  # pairs (0, 1), (2, 3)... to halves: even dims, then odd (slices: no index tensor)
+            x = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
         return x * cos + rotate_half(x) * sin
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
