@@ -190,7 +190,8 @@ def gpu_busy(engine: Engine, prompts: list[list[int]], sampling: SamplingParams)
             engine.generate(prompts, sampling)
             wall = time.perf_counter() - t0
         events = prof.key_averages()
-        kernel_s = sum(e.self_device_time_total for e in events) / 1e6
+        # kernels only: a launching CPU op carries its kernels' time too (counted twice otherwise)
+        kernel_s = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6
         top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:5]
         return {"gpu_busy_fraction": round(kernel_s / wall, 3), "profiled_wall_s": round(wall, 3),
                 "top_host_ops": [(e.key, round(e.self_cpu_time_total / 1e3, 1)) for e in top]}

@@ -54,10 +54,13 @@ def turns(e: Engine, keep: bool = False) -> tuple[list, list]:
 
 
 def assert_balanced(e: Engine) -> None:
-    """Page ownership: every device page is free, in the tree or a request's; every host page free
-    or in the tree; the tree's counters match its nodes."""
+    """Page ownership once every request has finished and every transfer is acknowledged: no request
+    or transfer holds a page or a lock; every device and host page is free or in the tree; the
+    tree's counters match its nodes."""
+    e.cache.drain()  # backups still in flight lock their nodes until acknowledged
     u = e.cache.usage()
-    assert u["free_pages"] + u["cached_pages"] + u["request_pages"] == u["capacity_pages"], u
+    assert u["request_pages"] == 0 and u["locked_pages"] == 0, u  # every request has finished
+    assert u["free_pages"] + u["cached_pages"] == u["capacity_pages"], u
     if e.cache.host is not None:
         h = e.cache.host_usage()
         assert h["free_pages"] + h["cached_pages"] == h["capacity_pages"], h
@@ -118,14 +121,29 @@ def test_bfloat16_hits_from_each_tier_agree(device, tmp_path, monkeypatch) -> No
 
 def test_the_gpu_attention_path_gives_the_cpu_paths_tokens(monkeypatch) -> None:
     """Off the CPU a prefill over cached blocks is one SDPA call over the joined blocks, causal to
-    the lower right (model/attention.py); forced here on the CPU, chunked prefills and hits give the
-    merged-partials path's greedy tokens in float32."""
+    the lower right (model/attention.py); forced here on the CPU, prompt chunks of 32 over cached
+    chunks and turns extending a cached history by 24-40 tokens (wider than the row layout's 16)
+    give the merged-partials path's greedy tokens in float32."""
+    from hicache.model import attention
+
+    history = [(17 * i + 3) % 280 + 20 for i in range(70)]
+    turns_ = [history[:40], history[:40] + history[40:64], history, history + HEAD[:40]]
+
     def run() -> list:
-        return turns(engine("cpu", "float32", chunked_prefill_size=16))[0]
+        e = engine("cpu", "float32", chunked_prefill_size=32, max_total_tokens=4096)
+        try:
+            return [e.generate([p], GREEDY)[0].output_ids for p in turns_]
+        finally:
+            e.shutdown()
 
     merged = run()
+    joined_calls = []
+    real = attention.joined_attention
+    monkeypatch.setattr(attention, "joined_attention",
+                        lambda q, full, new, kv_map: joined_calls.append(len(q)) or real(q, full, new, kv_map))
     force_joined_attention(monkeypatch)
     assert run() == merged
+    assert max(joined_calls) > 16  # prompt chunks and turns over cached blocks took the joined path
 
 
 def force_joined_attention(monkeypatch) -> None:

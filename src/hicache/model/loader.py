@@ -132,9 +132,8 @@ def _load_base(name: str, base: str, dtype: torch.dtype, device: torch.device | 
         tokenizer = byte_tokenizer()
         spec_json = json.dumps(spec.to_dict(), sort_keys=True)
         identity = f"random:{_digest(spec_json)}:seed={seed}:{dtype_name}"
-        drawn_on = torch.device(device).type
-        if drawn_on != "cpu":  # drawn there: other values than the CPU's (init_random_weights)
-            identity += f":drawn-on-{drawn_on}"
+        if torch.device(device).type != "cpu":  # drawn there: other values than the CPU's (init_random_weights)
+            identity += f":drawn-on-{_generator_grid(torch.device(device))}"
     elif Path(base).expanduser().exists() or "/" in base or base.startswith("."):
         folder = Path(base).expanduser()
         model, tokenizer, spec = load_hf_dir(folder, dtype, device, weights)
@@ -147,6 +146,15 @@ def _load_base(name: str, base: str, dtype: torch.dtype, device: torch.device | 
             "'random:<preset or JSON>', optionally followed by ':int4-g64' (a requantized copy)."
         )
     return model, tokenizer, spec, identity
+
+
+def _generator_grid(device: torch.device) -> str:
+    """What a device's random draws depend on besides the seed: a GPU's ``randn`` spreads a tensor
+    over a grid sized by its multiprocessors (other GPUs, other values)."""
+    if device.type != "cuda":
+        return device.type
+    props = torch.cuda.get_device_properties(device)
+    return f"cuda-sm{props.multi_processor_count}x{getattr(props, 'max_threads_per_multi_processor', 0)}"
 
 
 def _check_deterministic(spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, prefill_weights: str,

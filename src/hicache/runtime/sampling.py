@@ -244,9 +244,10 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 
 
 def inverse_cdf(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One uniform from ``generator`` (on the CPU: a seed gives the same stream on every device),
-    the cumulative distribution inverted on ``probs``' device; a zero-probability index is never
-    chosen (``right=True``: the first index whose cumulative mass exceeds the draw)."""
+    """One uniform from ``generator`` (a CPU one: a seed gives one stream per device type -- the
+    CPU draws by multinomial, a GPU this way, so their tokens differ), the cumulative distribution
+    inverted on ``probs``' device; a zero-probability index is not chosen (``right=True``: the first
+    index whose cumulative mass exceeds the draw)."""
     u = torch.rand((), generator=generator, dtype=torch.float64)
     cdf = probs.double().cumsum(0)
     index = torch.searchsorted(cdf, (u.to(cdf.device) * cdf[-1]).reshape(1), right=True)
