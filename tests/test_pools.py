@@ -195,3 +195,20 @@ def test_slots_index_into_pool_buffers():
     assert pool.k_buffers[0][:3].sum() == 0  # page 0 (padding) untouched
     assert pool.k_buffers[0][3:9].sum() == 12
     assert pool.k_buffers[0][9:].sum() == 0
+
+
+def test_the_host_pool_is_refused_beyond_the_host_memory_an_operator_names(monkeypatch) -> None:
+    """``HICACHE_HOST_MEMORY`` stands for MemAvailable (a VM whose memory grows as it is used reports
+    less at start): a host pool over 90% of it is refused with the figures, one under it is made."""
+    from hicache.cache.host_pool import HostKVPool
+    from hicache.config import ConfigError
+
+    pool = DeviceKVPool(2, 2, 16, 9, 4, torch.float32, "cpu")  # 1 KiB a page
+    monkeypatch.setenv("HICACHE_HOST_MEMORY", "64K")
+    with pytest.raises(ConfigError, match=r"needs 0\.00 GiB but only 0\.00 GiB"):
+        HostKVPool(pool, 64, "layer_first", pin_memory=False)
+    monkeypatch.setenv("HICACHE_HOST_MEMORY", "1G")
+    assert HostKVPool(pool, 64, "layer_first", pin_memory=False).buffer.numel() == 64 * 2 * 2 * 4 * 2 * 16
+    monkeypatch.setenv("HICACHE_HOST_MEMORY", "lots")
+    with pytest.raises(ConfigError, match="HICACHE_HOST_MEMORY='lots'"):
+        HostKVPool(pool, 64, "layer_first", pin_memory=False)

@@ -20,6 +20,9 @@ SITE=${SITE:-/tmp/hicache-site}
 DEVICE=${DEVICE:-cuda}  # DEVICE=cpu: a dry run of the script here (the cpu variants, the bench's --quick)
 export PYTHONUNBUFFERED=1 HICACHE_MODEL_CACHE=${HICACHE_MODEL_CACHE:-/tmp/hicache-models}
 export PYTHONPATH="$PWD/src:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+# The device machine's memory starts small and grows as it is used (device tool, H200.md): MemAvailable at start
+# would refuse the bench's host pools (3 x the device pool); the machine has 128 GiB
+export HICACHE_HOST_MEMORY=${HICACHE_HOST_MEMORY:-110G}
 
 record() {  # record STAGE STATUS SECONDS [JSON-EXTRA]: one line per stage (JSON lines)
   printf '{"stage": "%s", "status": %s, "seconds": %s%s}\n' "$1" "$2" "$3" "${4:+, $4}" >>"$REPORT"

@@ -28,8 +28,22 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
+HOST_MEMORY_ENV = "HICACHE_HOST_MEMORY"
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
 def available_host_memory() -> int:
-    """Bytes of host memory the kernel reports as available (MemAvailable)."""
+    """Bytes of host memory the kernel reports as available (MemAvailable), or ``$HICACHE_HOST_MEMORY``
+    (bytes, or with a K/M/G/T suffix: ``120G``) where MemAvailable understates what the machine will
+    have (a VM whose memory balloon grows as it is used)."""
+    override = os.environ.get(HOST_MEMORY_ENV, "").strip().upper().removesuffix("B")
+    if override:
+        unit = override[-1] if override[-1] in _UNITS else ""
+        try:
+            return int(float(override[: len(override) - len(unit)]) * _UNITS[unit])
+        except ValueError:
+            raise ConfigError(f"{HOST_MEMORY_ENV}={os.environ[HOST_MEMORY_ENV]!r}: expected bytes, or a number "
+                              "with K, M, G or T (e.g. 120G).") from None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
