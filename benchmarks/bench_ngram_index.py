@@ -25,16 +25,12 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 from hicache.cache.pools import PageAllocator  # noqa: E402
+from hicache.device import resident_bytes  # noqa: E402
 from hicache.cache.radix import RadixCache  # noqa: E402
 from hicache.cache.tree_tokens import TreeTokenIndex  # noqa: E402
 from hicache.runtime.ngram import NgramSettings, pick_draft  # noqa: E402
 
 VOCAB = 49152
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def main() -> None:
@@ -51,7 +47,7 @@ def main() -> None:
     index = TreeTokenIndex(settings.levels, per_key=8)
     tree.observer = index
     seqs: list[np.ndarray] = []
-    rss0 = _rss()
+    rss0 = resident_bytes()
     t0 = time.perf_counter()
     inserted = 0
     while inserted < args.tokens:
@@ -67,7 +63,7 @@ def main() -> None:
         tree.allocator.free(pages_now[: done // args.page_size])  # pages the tree had already
         inserted += args.seq_len - done
     build = time.perf_counter() - t0
-    current = _rss() - rss0
+    current = resident_bytes() - rss0
     print(f"tree: {index.tokens_held:,} tokens indexed in {len(seqs)} sequences, {tree.num_nodes()} nodes; "
           f"insert {build / index.tokens_held * 1e6:.2f} us/token (tree + index); resident memory +{current / 2**20:.0f} MiB "
           f"({current / index.tokens_held:.0f} B/token, tree keys included)")

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from hicache import Engine
+from hicache.device import resident_bytes
 from hicache.runtime.sampling import SamplingParams
 
 pytestmark = pytest.mark.cache
@@ -168,12 +169,6 @@ def test_load_back_hides_behind_compute_on_a_large_model() -> None:
     print(json.dumps(r))
     assert r["host_hit_tokens"] >= 8192 - 16
     assert r["hidden_fraction"] >= 0.5, r
-
-
-def resident_bytes() -> int:
-    """This process's resident memory (Linux)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
 
 
 @pytest.mark.parametrize("device", DEVICES)

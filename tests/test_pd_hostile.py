@@ -24,6 +24,7 @@ import zmq
 
 from hicache import Engine, SamplingParams
 from hicache.config import ConfigError
+from hicache.device import resident_bytes
 from hicache.disagg import sender as sender_module
 from hicache.disagg.bootstrap import Bootstrap
 from hicache.errors import InvalidRequestError
@@ -119,11 +120,6 @@ def route_answered(port: int, timeout_s: float) -> bool:
         sock.close()
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-
-
 # ---- the prefill side: a hostile asker ------------------------------------------------------------
 def test_no_frame_stops_the_senders_thread(pair) -> None:
     """The issue's frames (a room of Infinity, an expiry of 10**400) and others in their spirit:
@@ -153,13 +149,13 @@ def test_no_frame_stops_the_senders_thread(pair) -> None:
 def test_a_frame_over_the_limit_is_refused_before_it_is_buffered(pair) -> None:
     """ZeroMQ's MAXMSGSIZE disconnects a peer whose frame is larger than an ask can be, before
     its bytes are kept: a 600 MB frame from another process does not grow this one."""
-    before = rss_bytes()
+    before = resident_bytes()
     code = ("import sys, time, zmq\n"
             "s = zmq.Context.instance().socket(zmq.DEALER); s.setsockopt(zmq.LINGER, 5000)\n"
             f"s.connect('tcp://127.0.0.1:{pair.port}'); s.send(bytearray(600 << 20), copy=False)\n"
             "time.sleep(2); s.close()\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
-    assert rss_bytes() - before < 100 << 20
+    assert resident_bytes() - before < 100 << 20
     assert route_answered(pair.port, 5)
     assert_pair_works(pair, room=1002)
 

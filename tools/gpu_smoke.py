@@ -21,6 +21,7 @@ import time
 import torch
 
 from hicache import Engine, SamplingParams
+from hicache.device import resident_bytes
 from hicache.runtime.sampling import GrammarSpec
 
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
@@ -97,16 +98,11 @@ def resident_growth(device: str) -> None:
     from hicache.cache.pools import DeviceKVPool
 
     pool = DeviceKVPool(8, 8, 128, 2, 16, torch.bfloat16, device)  # 512 KiB a page of 8 layers
-    before = resident()
+    before = resident_bytes()
     host = HostKVPool(pool, 2049, "layer_first")  # 1 GiB
-    grown = resident() - before
+    grown = resident_bytes() - before
     say("host pool of 1 GiB", resident_growth_mib=round(grown / 2**20), pinned=host.pinned)
     assert not host.pinned or grown < 1.5 * 2**30, grown
-
-
-def resident() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
 
 
 def main() -> None:

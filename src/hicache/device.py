@@ -28,6 +28,12 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
+def resident_bytes() -> int:
+    """This process's resident memory in bytes (Linux ``/proc/self/statm``)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 HOST_MEMORY_ENV = "HICACHE_HOST_MEMORY"
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 

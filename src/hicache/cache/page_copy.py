@@ -63,6 +63,7 @@ class PagePlan:
         self.src_rest, self.dst_rest = src[rest], dst[rest]
         self.src_pages, self.dst_pages = src, dst
         self._indices: dict[tuple[str, torch.device], torch.Tensor] = {}
+        self._side_runs: dict[bool, list[tuple[int, int, int]]] = {}
 
     def rest_index(self, dst_side: bool, device: torch.device) -> torch.Tensor:
         """``dst_rest`` (or ``src_rest``) as an int64 tensor on ``device``, made once."""
@@ -83,13 +84,13 @@ class PagePlan:
 
     def side_runs(self, dst_side: bool) -> list[tuple[int, int, int]]:
         """The pages cut into runs consecutive on one side only: ``(position, first page, length)``,
-        covering every position in order (a run may be one page)."""
-        pages = self.dst_pages if dst_side else self.src_pages
-        if not len(pages):
-            return []
-        starts = np.concatenate([[0], np.flatnonzero(np.diff(pages) != 1) + 1])
-        lengths = np.diff(np.concatenate([starts, [len(pages)]]))
-        return [(int(a), int(pages[a]), int(n)) for a, n in zip(starts, lengths)]
+        covering every position in order (a run may be one page); cut once, reused by every layer."""
+        if dst_side not in self._side_runs:
+            pages = self.dst_pages if dst_side else self.src_pages
+            starts = np.flatnonzero(np.diff(pages, prepend=pages[:1] - 2) != 1)  # a run starts where +1 breaks
+            lengths = np.diff(np.append(starts, len(pages)))
+            self._side_runs[dst_side] = [(int(a), int(pages[a]), int(n)) for a, n in zip(starts, lengths)]
+        return self._side_runs[dst_side]
 
 
 def copy_pages(src: PageBuf, dst: PageBuf, plan: PagePlan, staging: torch.Tensor | None = None,
