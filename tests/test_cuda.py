@@ -203,3 +203,19 @@ def test_a_thousand_backup_and_load_cycles_hold_no_more_memory(device) -> None:
             assert torch.cuda.memory_allocated() == allocated
     finally:
         ctrl.shutdown()
+
+
+def test_the_gpu_copy_staging_is_budgeted() -> None:
+    """On a GPU the host tier's copy workers stage through fixed buffers (a longer op goes through in
+    chunks), whose bytes the KV budget sets aside first (DESIGN invariant 6): for Llama-3-8B's rows
+    of 16 tokens in bf16, two buffers of 256 pages of 32 KiB; a hybrid pool's window rows double
+    it; a CPU, or no host tier, none."""
+    from hicache.config import EngineConfig
+    from hicache.runtime.core import _transfer_staging
+
+    cfg = EngineConfig(model="random:small", enable_hierarchical_cache=True)
+    cuda, row = torch.device("cuda"), (8, 128)
+    assert _transfer_staging(cfg, cuda, *row, torch.bfloat16, False, None) == 2 * 256 * 16 * 8 * 128 * 2
+    assert _transfer_staging(cfg, cuda, *row, torch.bfloat16, True, None) == 2 * 2 * 256 * 16 * 8 * 128 * 2
+    assert _transfer_staging(cfg, torch.device("cpu"), *row, torch.bfloat16, False, None) == 0
+    assert _transfer_staging(EngineConfig(model="random:small"), cuda, *row, torch.bfloat16, False, None) == 0

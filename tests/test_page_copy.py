@@ -103,7 +103,8 @@ def test_gpu_paths_match_reference(monkeypatch: pytest.MonkeyPatch, layout: str)
     """The paths taken when a CUDA device is involved, run here on CPU tensors: between two views
     on one device (slice copy_, index_select into the staging buffer, index_copy_), and between a
     device and host memory (:func:`page_copy.copy_staged`: the device side gathered or scattered
-    through the staging buffer, the host side copied in runs of consecutive host pages)."""
+    through the staging buffer -- one larger than the op, or of 3 pages: the op in chunks --, the
+    host side copied in runs of consecutive host pages)."""
     device = device_page_view(random_bits((PAGES * PAGE, HEADS, DIM)), PAGE)
     for direction in (BACKUP, LOAD):
         host = host_view(layout, PAGES + 17)
@@ -117,7 +118,7 @@ def test_gpu_paths_match_reference(monkeypatch: pytest.MonkeyPatch, layout: str)
                 staging = random_bits((len(plan.src_rest), PAGE, HEADS, DIM)) if pattern != "mixed" else None
                 copy_pages(src, dst, plan, staging, non_blocking=True)
             assert same_bits(dst, expected), (direction, pattern)
-            for staging in (None, random_bits((len(sp) + 5, PAGE, HEADS, DIM))):
+            for staging in (None, random_bits((len(sp) + 5, PAGE, HEADS, DIM)), random_bits((3, PAGE, HEADS, DIM))):
                 dst.copy_(before)
                 page_copy.copy_staged(src, dst, plan, to_host=direction == BACKUP, staging=staging)
                 assert same_bits(dst, expected), (direction, pattern, staging is None)
@@ -125,10 +126,11 @@ def test_gpu_paths_match_reference(monkeypatch: pytest.MonkeyPatch, layout: str)
 
 def test_staged_copies_move_host_pages_in_runs() -> None:
     """Host memory is touched in whole runs of consecutive host pages, whatever order the device
-    pages are in: one slice per run."""
+    pages are in: one slice per run (cut too where a staging buffer's chunk ends)."""
     plan = PagePlan(np.array([9, 3, 4, 30, 2, 7]), np.array([5, 6, 7, 8, 20, 21]))
     assert plan.side_runs(True) == [(0, 5, 4), (4, 20, 2)]
     assert plan.side_runs(False) == [(0, 9, 1), (1, 3, 2), (3, 30, 1), (4, 2, 1), (5, 7, 1)]
+    assert plan.side_runs(True, chunk=3) == [(0, 5, 3), (3, 8, 1), (4, 20, 2)]  # cut where a 3-page buffer fills
     assert PagePlan(np.zeros(0, np.int64), np.zeros(0, np.int64)).side_runs(True) == []
 
 

@@ -41,6 +41,15 @@ from .pools import DeviceKVPool
 logger = logging.getLogger(__name__)
 
 BACKUP, LOAD = "backup", "load"
+# A copy worker's staging buffer on a GPU, in pages of one layer's K or V (8 MiB for Llama-3-8B's rows of
+# 16 tokens): a longer op goes through it in chunks, so its size is fixed and budgeted (staging_budget).
+STAGING_PAGES = 256
+
+
+def staging_budget(row_bytes: Sequence[int]) -> int:
+    """Device bytes the transfer workers' staging buffers take on a GPU: one buffer per direction
+    per pool pair (``row_bytes``: each pair's page of one layer's K or V, in bytes)."""
+    return 2 * STAGING_PAGES * sum(row_bytes)
 
 
 @dataclass
@@ -247,7 +256,7 @@ class TransferController:
             plan = window_plan if pair == self.window_pair else full_plan
             # On CUDA the device side of the copy is staged in a buffer this worker reuses (stream
             # order keeps a layer's gather behind the previous layer's copies); CPU copies need none.
-            staging = self._staging(op.kind, pair, plan.num_pages) if self.cuda else None
+            staging = self._staging(op.kind, pair) if self.cuda else None
             for dev, host in self._views[layer]:
                 src, dst = (dev, host) if backup else (host, dev)
                 copy_pages(src, dst, plan, staging, self.cuda and self.pairs[pair][1].pinned)
@@ -272,16 +281,16 @@ class TransferController:
         dev = dev.view(dev.shape[0], *host.shape[1:])  # head groups split out as the host has them
         return (dev, host) if self.cuda else cpu_page_arrays(dev, host)
 
-    def _staging(self, kind: str, pair: int, num_pages: int) -> torch.Tensor:
-        """A ``[>= num_pages, *row]`` device buffer of pool pair ``pair``'s page rows (as its page
-        views shape them), owned by ``kind``'s worker, grown on demand and counted in
-        :attr:`staging_bytes`."""
+    def _staging(self, kind: str, pair: int) -> torch.Tensor:
+        """A ``[STAGING_PAGES, *row]`` device buffer of pool pair ``pair``'s page rows (as its page
+        views shape them), owned by ``kind``'s worker, made at its first op (its bytes are in the
+        budget: :func:`staging_budget`; :attr:`staging_bytes` counts what was made)."""
         buf = self._staging_bufs.get((kind, pair))
-        if buf is None or buf.shape[0] < num_pages:
+        if buf is None:
             like = self.pairs[pair][0].k_buffers[0]
             first_layer = next(i for i, (p, _, _) in enumerate(self._layers) if p == pair)
             row = self._views[first_layer][0][0].shape[1:]
-            buf = torch.empty((num_pages, *row), dtype=like.dtype, device=like.device)
+            buf = torch.empty((STAGING_PAGES, *row), dtype=like.dtype, device=like.device)
             self._staging_bufs[(kind, pair)] = buf
         return buf
 

@@ -63,7 +63,7 @@ class PagePlan:
         self.src_rest, self.dst_rest = src[rest], dst[rest]
         self.src_pages, self.dst_pages = src, dst
         self._indices: dict[tuple[str, torch.device], torch.Tensor] = {}
-        self._side_runs: dict[bool, list[tuple[int, int, int]]] = {}
+        self._side_runs: dict[tuple[bool, int | None], list[tuple[int, int, int]]] = {}
 
     def rest_index(self, dst_side: bool, device: torch.device) -> torch.Tensor:
         """``dst_rest`` (or ``src_rest``) as an int64 tensor on ``device``, made once."""
@@ -82,15 +82,20 @@ class PagePlan:
             self._indices[key] = index.to(device, non_blocking=device.type == "cuda")
         return self._indices[key]
 
-    def side_runs(self, dst_side: bool) -> list[tuple[int, int, int]]:
+    def side_runs(self, dst_side: bool, chunk: int | None = None) -> list[tuple[int, int, int]]:
         """The pages cut into runs consecutive on one side only: ``(position, first page, length)``,
-        covering every position in order (a run may be one page); cut once, reused by every layer."""
-        if dst_side not in self._side_runs:
+        covering every position in order (a run may be one page), also cut where a ``chunk`` of
+        positions ends (a staging buffer of ``chunk`` pages); cut once, reused by every layer."""
+        key = (dst_side, chunk)
+        if key not in self._side_runs:
             pages = self.dst_pages if dst_side else self.src_pages
-            starts = np.flatnonzero(np.diff(pages, prepend=pages[:1] - 2) != 1)  # a run starts where +1 breaks
+            breaks = np.diff(pages, prepend=pages[:1] - 2) != 1  # a run starts where +1 breaks
+            if chunk:
+                breaks[::chunk] = True
+            starts = np.flatnonzero(breaks)
             lengths = np.diff(np.append(starts, len(pages)))
-            self._side_runs[dst_side] = [(int(a), int(pages[a]), int(n)) for a, n in zip(starts, lengths)]
-        return self._side_runs[dst_side]
+            self._side_runs[key] = [(int(a), int(pages[a]), int(n)) for a, n in zip(starts, lengths)]
+        return self._side_runs[key]
 
 
 def copy_pages(src: PageBuf, dst: PageBuf, plan: PagePlan, staging: torch.Tensor | None = None,
@@ -99,9 +104,9 @@ def copy_pages(src: PageBuf, dst: PageBuf, plan: PagePlan, staging: torch.Tensor
 
     CPU views may be given as their :func:`page_items` instead, made once by a caller that copies
     between the same buffers often (it saves ~10 us a call). ``staging``: an optional reusable
-    buffer of page rows for the gather when a GPU is involved: ``[>= num_pages, *row]`` on the
-    device between a device and host memory, ``[>= len(plan.src_rest), *row]`` between two views
-    on one device (fresh memory when None). ``non_blocking``: CUDA slice copies may return early
+    buffer of page rows for the gather when a GPU is involved: ``[k, *row]`` on the device between
+    a device and host memory (any k: the op goes through k pages at a time), ``[>= len(plan.src_rest),
+    *row]`` between two views on one device (fresh memory when None). ``non_blocking``: CUDA slice copies may return early
     (the host side is pinned); the caller synchronizes its stream before anyone reads ``dst``.
     """
     if plan.num_pages == 0:
@@ -137,19 +142,38 @@ def copy_pages(src: PageBuf, dst: PageBuf, plan: PagePlan, staging: torch.Tensor
 def copy_staged(src: torch.Tensor, dst: torch.Tensor, plan: PagePlan, to_host: bool,
                 staging: torch.Tensor | None = None, non_blocking: bool = False) -> None:
     """Between a device and host memory (``to_host``: ``dst`` is the host side): the device side
-    gathered into (or scattered from) ``staging`` in plan order, the host side moved in runs of
-    consecutive host pages. Any two page-shaped views work (the tests run it CPU to CPU)."""
+    gathered into (or scattered from) ``staging`` in plan order, a buffer's worth of pages at a
+    time, the host side moved in runs of consecutive host pages. Any two page-shaped views work
+    (the tests run it CPU to CPU). Stream order keeps a chunk's gather behind the copies of the
+    chunk before it in the same buffer."""
     device = src.device if to_host else dst.device
     n = plan.num_pages
-    rows = staging[:n] if staging is not None else torch.empty((n, *src.shape[1:]), dtype=src.dtype, device=device)
-    if to_host:
-        torch.index_select(src, 0, plan.page_index(False, device), out=rows)
-        for at, page, k in plan.side_runs(True):
-            dst[page : page + k].copy_(rows[at : at + k], non_blocking=non_blocking)
-    else:
-        for at, page, k in plan.side_runs(False):
-            rows[at : at + k].copy_(src[page : page + k], non_blocking=non_blocking)
-        dst.index_copy_(0, plan.page_index(True, device), rows)
+    if n == 0:
+        return
+    if staging is None:
+        staging = torch.empty((n, *src.shape[1:]), dtype=src.dtype, device=device)
+    chunk = staging.shape[0]
+    device_pages = plan.page_index(not to_host, device)
+    runs = iter(plan.side_runs(to_host, chunk))
+    for first in range(0, n, chunk):
+        rows, index = staging[: min(chunk, n - first)], device_pages[first : first + chunk]
+        if to_host:
+            torch.index_select(src, 0, index, out=rows)
+        for at, page, k in _runs_upto(runs, first + len(rows)):
+            if to_host:
+                dst[page : page + k].copy_(rows[at - first : at - first + k], non_blocking=non_blocking)
+            else:
+                rows[at - first : at - first + k].copy_(src[page : page + k], non_blocking=non_blocking)
+        if not to_host:
+            dst.index_copy_(0, index, rows)
+
+
+def _runs_upto(runs, end: int):
+    """The runs from ``runs`` (an iterator, cut at chunk ends) that start before position ``end``."""
+    for run in runs:
+        yield run
+        if run[0] + run[2] >= end:
+            return
 
 
 def cpu_page_arrays(a: torch.Tensor, b: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:

@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 
 from ..cache.host_pool import HostKVPool
+from ..cache.host_transfer import staging_budget
 from ..cache.manager import CachePolicy, KVCacheManager, RankLayout
 from ..cache.placement import PagePlacement
 from ..cache.pools import DeviceKVPool
@@ -103,6 +104,7 @@ def build_core(
     if cp is not None and cp.gather is not None:
         staging_bytes += cp.gather.nbytes
     hybrid = plan_hybrid(cfg, spec, shard.layers if shard else range(spec.num_layers))
+    staging_bytes += _transfer_staging(cfg, device, kv_heads, spec.head_dim, dtype, hybrid is not None, draft_kv)
     device_pages, host_pages, storage, hybrid, window_pages = _sized_tiers(
         cfg, device, hybrid, bytes_per_page, _bytes_per_page(cfg.page_size, len(hybrid.window_layers), kv_heads,
                                                              spec.head_dim, dtype, None) if hybrid else 0,
@@ -162,6 +164,19 @@ def _bytes_per_page(page_size: int, layers: int, kv_heads: int, head_dim: int, d
     elem = torch.empty((), dtype=dtype).element_size()
     draft = draft_kv.bytes_per_page(elem, page_size) if draft_kv is not None else 0
     return 2 * layers * kv_heads * head_dim * elem * page_size + draft
+
+
+def _transfer_staging(cfg: EngineConfig, device: torch.device, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                      hybrid: bool, draft_kv: DraftKV | None) -> int:
+    """Device bytes of the host tier's copy staging on a GPU (none on a CPU): a buffer per direction
+    for the pools' rows, the window pools' (hybrid) and a sidecar draft's."""
+    if device.type != "cuda" or not cfg.enable_hierarchical_cache:
+        return 0
+    row = _bytes_per_page(cfg.page_size, 1, kv_heads, head_dim, dtype, None) // 2  # one layer's K
+    rows = [row] * (2 if hybrid else 1)
+    if draft_kv is not None and not draft_kv.packed:
+        rows.append(_bytes_per_page(cfg.page_size, 1, *draft_kv.row, dtype, None) // 2)
+    return staging_budget(rows)
 
 
 def _agreed_tiers(cfg: EngineConfig, device: torch.device, bytes_per_page: int, memory_share: int, staging_bytes: int,
