@@ -219,6 +219,9 @@ def main() -> None:
         ttft_from_l2(report, device, "random:small", [(384, 128)], "float32", reps=1)
         decode_rate(report, device, "random:small", [1, 4], "float32")
         return
+    if device.type != "cuda":  # the full sizes are an 8B model at 32K tokens: hours on a CPU, and meaningless
+        sys.exit(f"bench_gpu.py measures a GPU ({args.device} here): run it on one, or add --quick to check its "
+                 "logic on this device in seconds.")
     copy_bandwidth(report, device, pages=2048, layers=32, page_size=16)  # 2048 x 32 x 8 x 128 x 2 x 2 B x 16 = 4 GiB
     ttft_from_l2(report, device, "random:" + json.dumps(LLAMA3_8B), [(8192, 1024), (32768, 2048)], "bfloat16", reps=3)
     decode_rate(report, device, args.model, [1, 32], "bfloat16")
