@@ -42,7 +42,8 @@ stage() {  # stage NAME LIMIT COMMAND...: run it, record it, stop the run at the
 }
 
 : >"$REPORT"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$OUT/gpu.txt" 2>&1 || true
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$OUT/gpu.txt" 2>/dev/null \
+  || echo "none (no nvidia-smi)" >"$OUT/gpu.txt"
 record "machine" 0 0 "\"gpu\": \"$(head -n 1 "$OUT/gpu.txt")\", \"torch\": \"$($PY -c 'import torch; print(torch.__version__)')\""
 
 [ "$DEVICE" = cpu ] || stage install 60 "$PY" -m pip install -q --no-deps --no-index --no-compile --no-cache-dir --upgrade \
