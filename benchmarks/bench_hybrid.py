@@ -29,62 +29,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
 
+from hicache.bench.cache_only import GEMMA3_270M, CacheOnly  # noqa: E402
 from hicache.cache.device_window import window_footprint  # noqa: E402
-from hicache.cache.manager import KVCacheManager  # noqa: E402
-from hicache.cache.pools import DeviceKVPool  # noqa: E402
-from hicache.runtime.hybrid_pool import HybridPlan  # noqa: E402
-from hicache.runtime.request import Request, Status  # noqa: E402
 from hicache.runtime.sampling import SamplingParams  # noqa: E402
-from hicache.runtime.scheduler import Scheduler  # noqa: E402
-from hicache.runtime.step import StepDriver  # noqa: E402
 
-LAYERS, WINDOW_LAYERS, ROW, PAGE, WINDOW = 18, frozenset(i for i in range(18) if i % 6 != 5), 2 * 256 * 2, 16, 512
+G = GEMMA3_270M
+LAYERS, WINDOW_LAYERS, PAGE, WINDOW = G.layers, G.window_layers, G.page, G.window
+ROW = G.row_bytes
 CHUNK = 2048
-ONE = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
-
-
-def no_forward(input_ids, prefix_lens, context_slots, hidden=None, logits="last", window_slots=None):
-    return torch.zeros(len(input_ids), 1)
-
-
-class CacheOnly:
-    """The cache manager and scheduler of an engine over Gemma 3 270M's pool geometry; ``ratio`` None
-    keeps every layer's KV. Pools are sized for ``pool_bytes``."""
-
-    def __init__(self, pool_bytes: int, ratio: float | None) -> None:
-        full_page, window_page = ROW * PAGE * (LAYERS - len(WINDOW_LAYERS)), ROW * PAGE * len(WINDOW_LAYERS)
-        if ratio is None:
-            pages, window_pages, chunk, layers = int(pool_bytes // (full_page + window_page)) + 1, 0, CHUNK, frozenset()
-        else:
-            plan = HybridPlan(WINDOW, WINDOW_LAYERS, ratio, PAGE)
-            pages = int(pool_bytes // plan.page_cost(full_page, window_page)) + 1
-            window_pages = plan.window_pages(pages)
-            chunk, layers = plan.prefill_chunk(window_pages, CHUNK), WINDOW_LAYERS
-        self.pool = DeviceKVPool(LAYERS, 1, 256, pages, PAGE, torch.float16, "cpu", layers, window_pages,
-                                 WINDOW if window_pages else 0)
-        self.cache = KVCacheManager(self.pool)
-        self.scheduler = Scheduler(self.cache, lambda ids: "", set(), chunk, max_running_requests=1)
-        self.driver = StepDriver(self.scheduler, no_forward)
-        self.rid = 0
-
-    def serve(self, tokens: list[int]) -> int:
-        """Serve one prompt to its first token; its hit tokens."""
-        self.rid += 1
-        req = Request(self.rid, list(tokens), ONE, "bench", max_new_tokens=1)
-        self.scheduler.add(req)
-        while req.status is not Status.FINISHED:
-            self.driver.step()
-        return req.cached["device"]
-
-    def held(self, tokens: list[int]) -> int:
-        """Tokens of ``tokens`` a next request would hit (whole pages, window cut-back included)."""
-        return self.cache.tree.peek_prefix("bench", np.asarray(tokens, dtype=np.int32)).device_hit_tokens
-
-    def full_use(self) -> float:
-        a = self.cache.allocator
-        return 1 - a.available / a.capacity
 
 
 def memory(pool_mib: int, contexts: tuple[int, ...]) -> None:

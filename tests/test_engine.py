@@ -342,3 +342,26 @@ def test_float16_kv_cache_keeps_hits_equal_to_cold_and_has_its_own_namespace(pla
     assert_balanced(engine)
     for e in (engine, f32, fresh):
         e.shutdown()
+
+
+def test_a_step_that_raises_fails_later_calls_at_once_instead_of_hanging() -> None:
+    """Issue 56 H1: after a step raised (there: a pool assertion), the next ``generate`` spun forever on
+    the broken request. Now the error reaches the caller once and every later call is refused."""
+    from hicache.errors import EngineDeadError
+
+    engine = Engine("random:tiny", dtype="float32", max_total_tokens=512)
+    try:
+        sched = engine.backend.core.scheduler
+
+        def broken():
+            raise AssertionError("a pool invariant broke")
+
+        sched.schedule = broken
+        with pytest.raises(AssertionError, match="invariant"):
+            engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))
+        with pytest.raises(EngineDeadError, match="failed in an earlier step .*invariant"):
+            engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))
+        with pytest.raises(EngineDeadError):
+            engine.check_alive()
+    finally:
+        engine.shutdown()

@@ -98,7 +98,7 @@ class DeviceTier:
         pages) and need a load-back; None, with nothing changed, when the pool is too full.
         ``forward_tokens``: the most tokens one of its forwards adds (a hybrid pool's window
         budget)."""
-        if self.windows is not None and not self.windows.fits(forward_tokens):
+        if self.windows is not None and not self.windows.fits(forward_tokens, self.pages_for(reserve_tokens)):
             return None
         hit_pages = np.zeros(0, dtype=np.int64)
         node, match, window_lock = None, None, None

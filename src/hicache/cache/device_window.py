@@ -11,8 +11,10 @@ pages in the tree (a hit, a chunk it cached) are locked through the tree only wh
 reaches them, then stay as evictable cache.
 
 The budget: a request never holds more than ``footprint(n)`` window pages while its forwards add
-at most ``n`` tokens each, so admission reserves that many (all running requests' reservations fit
-in the component) and every later allocation succeeds after evicting unlocked window pages.
+at most ``n`` tokens each, nor more than one per page of its sequence (prompt and most output), so
+admission reserves the smaller (:meth:`DeviceWindows.budget`; all running requests' reservations fit
+in the component) and every later allocation succeeds after evicting unlocked window pages. A
+waiting request's next forward is its first prompt chunk, not a decode step: the scheduler says so.
 
 Units: pages unless named tokens; page indices count from the sequence's start.
 """
@@ -63,16 +65,17 @@ class DeviceWindows:
     def footprint(self, forward_tokens: int) -> int:
         return window_footprint(self.window, self.page_size, forward_tokens)
 
-    @property
-    def min_pages(self) -> int:
-        """Pages a component needs to admit any request: one decode request's footprint."""
-        return self.footprint(1)
+    def budget(self, forward_tokens: int, sequence_pages: int) -> int:
+        """Window pages a request reserves: its footprint while forwards add <= ``forward_tokens``,
+        at most one per page of its sequence (``sequence_pages``: prompt and most output), since
+        every window page it holds or locks is the window KV of one of its positions."""
+        return min(self.footprint(forward_tokens), sequence_pages)
 
     # ---- a request's life ------------------------------------------------------------------
-    def fits(self, forward_tokens: int) -> bool:
+    def fits(self, forward_tokens: int, sequence_pages: int) -> bool:
         """Whether a request whose forwards add <= ``forward_tokens`` fits beside the reservations
         of the running ones."""
-        return self.reserved + self.footprint(forward_tokens) <= self.allocator.capacity
+        return self.reserved + self.budget(forward_tokens, sequence_pages) <= self.allocator.capacity
 
     def tail_page(self, prompt_tokens: int) -> int:
         """First page of a prompt's fresh SWA tail: the window of its last boundary (its checkpoint),
@@ -99,7 +102,7 @@ class DeviceWindows:
         (:meth:`lock_hit`): ``device_window``, the device hit's window pages in the tree, then, for
         ``host_nodes`` (the host hit, given device pages and loaded back), device window pages for
         the host windows inside the hit's window (the host tier loads them with the rest)."""
-        budget = self.footprint(forward_tokens)
+        budget = self.budget(forward_tokens, len(state.pages))
         self.reserved += budget
         state.window_budget = budget
         state.window_pages = np.zeros(len(state.pages), dtype=np.int64)
@@ -166,7 +169,7 @@ class DeviceWindows:
             rows = (missing[:, None] * self.page_size + offsets).reshape(-1)
             state.window_slots[torch.from_numpy(rows)] = torch.from_numpy(
                 (wp[missing][:, None] * self.page_size + offsets).reshape(-1))
-        budget = self.footprint(max(new_tokens, later_tokens))
+        budget = self.budget(max(new_tokens, later_tokens), len(wp))
         if budget < state.window_budget:
             self.reserved -= state.window_budget - budget
             state.window_budget = budget

@@ -17,7 +17,7 @@ from ..cache.storage.keys import tree_namespace
 from ..config import ConfigError, EngineConfig
 from ..device import DTYPES, choose_precision, resolve_device
 from ..disagg.bootstrap import Bootstrap
-from ..errors import ContextLengthError, HicacheError, InvalidRequestError
+from ..errors import ContextLengthError, EngineDeadError, HicacheError, InvalidRequestError
 from ..model import load_model
 from ..model.chat_templates import resolve_chat_template
 from ..model.loader import LoadedModel
@@ -83,6 +83,7 @@ class Engine:
         self.model_namespace = tree_namespace(self.cache_identity, cfg.cache_dtypes, cfg.page_size)
         self.backend: Backend = make_backend(cfg, self.loaded, self.device, self.dtype, self.draft)
         self._closed = False
+        self._failed: str | None = None  # why a step raised: the engine's state is no longer known good
         # Stops the ranks or the cache's threads (pending writes finish) on shutdown(), when the
         # engine is garbage-collected without it, or at interpreter exit, whichever comes first.
         # The bound method holds the backend, never the engine (or it would never be collected).
@@ -265,9 +266,13 @@ class Engine:
         for req in reqs:
             sched.add(req)
         pending = {r.rid for r in reqs}
-        while pending or sched.has_work():
-            for req in sched.step():
-                pending.discard(req.rid)
+        try:
+            while pending or sched.has_work():
+                for req in sched.step():
+                    pending.discard(req.rid)
+        except BaseException as e:  # a bug or a dead rank: later calls fail at once rather than spin on its requests
+            self._failed = f"{type(e).__name__}: {e}"
+            raise
         return [GenerateResult.from_request(r) for r in reqs]
 
     def chat(
@@ -297,7 +302,9 @@ class Engine:
         self.backend.drain_idle()
 
     def check_alive(self) -> None:
-        """Raises :class:`EngineDeadError` if the engine can no longer serve (a rank died)."""
+        """Raises :class:`EngineDeadError` if the engine can no longer serve (a rank died, a step raised)."""
+        if self._failed is not None:
+            raise EngineDeadError(f"the engine failed in an earlier step ({self._failed[:200]}); start a new one.")
         self.backend.check_alive()
 
     def _check_driver(self, what: str) -> None:
@@ -310,6 +317,8 @@ class Engine:
         # After shutdown() a remote scheduler would wait for ranks that are gone: refuse at once.
         if self._closed:
             raise HicacheError("the engine was shut down.")
+        if self._failed is not None:
+            self.check_alive()
         return self.backend.scheduler
 
     def stats(self) -> dict[str, Any]:

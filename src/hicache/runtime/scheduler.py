@@ -186,8 +186,9 @@ class Scheduler(Results):
 
     def _later_tokens(self, req: Request, n: int) -> int:
         """The most tokens a forward of ``req`` adds after this one of ``n``: another prompt chunk,
-        else a decode (or verify) pass."""
-        left = len(req.prompt_ids) - req.computed - n if req.status is Status.PREFILL else 0
+        else a decode (or verify) pass. A waiting request's first forward is a prompt chunk (its hit
+        is not known yet: the whole prompt is counted)."""
+        left = len(req.prompt_ids) - req.computed - n if req.status in (Status.WAITING, Status.PREFILL) else 0
         return max(min(left, self.chunked_prefill_size), 1 + self.reserve_slots)
 
     def _schedule_prefill(self) -> list[tuple[Request, int]]:
@@ -240,9 +241,10 @@ class Scheduler(Results):
         return True
 
     def _admit(self, req: Request) -> bool:
+        arrives = any([m.kv_arrives(req) for m in self.modes])  # its prompt is not computed here: decode only
         kv = self.cache.admit(req.namespace, req.tokens_np, len(req.prompt_ids) + req.max_new_tokens + self.reserve_slots,
-                              req.storage_tokens, self._later_tokens(req, 0),
-                              window_arrives=any([m.kv_arrives(req) for m in self.modes]))
+                              req.storage_tokens, 1 + self.reserve_slots if arrives else self._later_tokens(req, 0),
+                              window_arrives=arrives)
         if kv is None:
             return False
         req.kv = kv

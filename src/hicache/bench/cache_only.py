@@ -1,0 +1,107 @@
+"""An engine's cache manager and scheduler over a model's pool geometry, its forward a no-op:
+capacity, admission, eviction and hits do not depend on the numbers a forward computes, so the
+hybrid pool's claims (issue 48, issue 56) are measured and tested at real sizes in seconds.
+
+Gemma 3 270M's geometry by default: 18 layers, 15 of them attending a 512-token window, one KV
+head, pages of 16 tokens. Units: tokens unless named pages or bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..cache.manager import KVCacheManager
+from ..cache.pools import DeviceKVPool
+from ..runtime.hybrid_pool import HybridPlan
+from ..runtime.request import Request, Status
+from ..runtime.sampling import SamplingParams
+from ..runtime.scheduler import Scheduler
+from ..runtime.step import StepDriver
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """A model's KV pool shape: ``layers``, which of them attend a ``window`` of tokens, one KV head
+    of ``head_dim`` in ``dtype``, pages of ``page`` tokens."""
+
+    layers: int = 18
+    window_layers: frozenset[int] = frozenset(i for i in range(18) if i % 6 != 5)
+    window: int = 512
+    head_dim: int = 256
+    dtype: torch.dtype = torch.float16
+    page: int = 16
+
+    @property
+    def row_bytes(self) -> int:
+        """K and V of one token in one layer."""
+        return 2 * self.head_dim * torch.finfo(self.dtype).bits // 8
+
+    @property
+    def full_page_bytes(self) -> int:
+        return self.row_bytes * self.page * (self.layers - len(self.window_layers))
+
+    @property
+    def window_page_bytes(self) -> int:
+        return self.row_bytes * self.page * len(self.window_layers)
+
+
+GEMMA3_270M = Geometry()
+
+
+def no_forward(input_ids, prefix_lens, context_slots, hidden=None, logits="last", window_slots=None):
+    return torch.zeros(len(input_ids), 1)
+
+
+class CacheOnly:
+    """The cache manager and scheduler of an engine over ``geometry``, pools sized for ``pool_bytes``;
+    ``ratio`` None keeps every layer's KV, else window pages per full page (``--swa-full-tokens-ratio``)."""
+
+    def __init__(self, pool_bytes: int, ratio: float | None, geometry: Geometry = GEMMA3_270M, chunk: int = 2048,
+                 max_running_requests: int = 1) -> None:
+        g = geometry
+        if ratio is None:
+            pages, window_pages, layers = int(pool_bytes // (g.full_page_bytes + g.window_page_bytes)) + 1, 0, frozenset()
+        else:
+            plan = HybridPlan(g.window, g.window_layers, ratio, g.page)
+            pages = int(pool_bytes // plan.page_cost(g.full_page_bytes, g.window_page_bytes)) + 1
+            window_pages = plan.window_pages(pages)
+            chunk, layers = plan.prefill_chunk(window_pages, chunk), g.window_layers
+        self.geometry = g
+        self.pool = DeviceKVPool(g.layers, 1, g.head_dim, pages, g.page, g.dtype, "cpu", layers, window_pages,
+                                 g.window if window_pages else 0)
+        self.cache = KVCacheManager(self.pool)
+        self.scheduler = Scheduler(self.cache, lambda ids: "", set(), chunk, max_running_requests=max_running_requests)
+        self.driver = StepDriver(self.scheduler, no_forward)
+        self.rid = 0
+
+    def add(self, tokens: list[int], max_new_tokens: int = 1) -> Request:
+        self.rid += 1
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+        req = Request(self.rid, list(tokens), params, "bench", max_new_tokens=max_new_tokens)
+        self.scheduler.add(req)
+        return req
+
+    def run(self, reqs: list[Request], max_steps: int = 100_000) -> int:
+        """Step until every request of ``reqs`` finished; the steps taken."""
+        for steps in range(1, max_steps + 1):
+            self.driver.step()
+            if all(r.status is Status.FINISHED for r in reqs):
+                return steps
+        raise RuntimeError(f"requests still running after {max_steps} steps")
+
+    def serve(self, tokens: list[int]) -> int:
+        """Serve one prompt to its first token; its device hit tokens."""
+        req = self.add(tokens)
+        self.run([req])
+        return req.cached["device"]
+
+    def held(self, tokens: list[int]) -> int:
+        """Tokens of ``tokens`` a next request would hit (whole pages, window cut-back included)."""
+        return self.cache.tree.peek_prefix("bench", np.asarray(tokens, dtype=np.int32)).device_hit_tokens
+
+    def full_use(self) -> float:
+        a = self.cache.allocator
+        return 1 - a.available / a.capacity
