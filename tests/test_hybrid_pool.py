@@ -503,3 +503,30 @@ def test_the_kv_budget_counts_both_components(monkeypatch) -> None:
         assert pool.window_pages - 1 == int(0.25 * (pool.num_pages - 1))
     finally:
         engine.shutdown()
+
+
+@pytest.mark.engine
+def test_device_tombstones_whose_checkpoint_the_host_holds_still_hit(every_layer) -> None:
+    """Issue 56 H5: the device keeps a conversation's full-layer pages but its windows were tombstoned,
+    while its host copy holds the checkpoint: the next turn hits the whole history (the window comes
+    back from the host with the hit), not 0 tokens, and gives the every-layer pool's tokens."""
+    engine = Engine(MODEL, **BASE, enable_hierarchical_cache=True, hicache_ratio=2.0)
+    core = engine.backend.core
+    history = SYSTEM + [(11 * i) % 200 + 20 for i in range(5)]
+    reference = Engine(MODEL, disable_hybrid_swa_memory=True, **BASE)
+    try:
+        first = engine.generate([history], GREEDY)[0]
+        turn = history + first.output_ids + [33, 34, 35, 36]
+        core.cache.drain()  # the backups (full pages + the checkpoint's window) have landed
+        tree = core.cache.tree
+        assert tree.evict_windows(10**6) > 0 and tree.window_pages_held == 0
+        second = engine.generate([turn], GREEDY)[0]
+        core.cache.drain()
+        tree.check_invariants()
+        expected = [r for r in (reference.generate([history], GREEDY)[0], reference.generate([turn], GREEDY)[0])]
+    finally:
+        engine.shutdown()
+        reference.shutdown()
+    assert second.cached_tokens == expected[1].cached_tokens >= len(history) // PS * PS
+    assert second.cached_tokens_details["device"] == second.cached_tokens  # full pages on the device, windows loaded
+    assert [first.output_ids, second.output_ids] == [r.output_ids for r in expected]

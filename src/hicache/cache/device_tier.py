@@ -92,10 +92,12 @@ class DeviceTier:
         return -(-num_tokens // self.page_size)
 
     def admit(self, namespace: str, tokens: np.ndarray, reserve_tokens: int, storage_tokens: int,
-              forward_tokens: int = 0, window_arrives: bool = False) -> tuple[KVState, list[TreeNode]] | None:
+              forward_tokens: int = 0, window_arrives: bool = False) -> tuple[KVState, list[TreeNode], list] | None:
         """Match, lock and reserve (see :meth:`.manager.KVCacheManager.admit`). Returns the
-        state and the host-hit nodes, in path order, that just got device pages (the first new
-        pages) and need a load-back; None, with nothing changed, when the pool is too full.
+        state, the host-hit nodes, in path order, that just got device pages (the first new
+        pages) and need a load-back, and (hybrid) the (device, host) window pages of device-hit
+        pages whose window comes back from their host copy; None, with nothing changed, when the
+        pool is too full.
         ``forward_tokens``: the most tokens one of its forwards adds (a hybrid pool's window
         budget)."""
         if self.windows is not None and not self.windows.fits(forward_tokens, self.pages_for(reserve_tokens)):
@@ -134,14 +136,15 @@ class DeviceTier:
         state.storage_hit_tokens = min(storage_tokens, state.host_hit_tokens)
         state.host_hit_tokens -= state.storage_hit_tokens
         state.refresh_slots(self.page_size)
+        restored = []
         if self.windows is not None:
-            self.windows.admit(state, window_lock, match.window_pages if match is not None else None, host_nodes,
-                               forward_tokens, len(tokens), window_arrives)
+            restored = self.windows.admit(state, window_lock, match.window_pages if match is not None else None,
+                                          host_nodes, forward_tokens, len(tokens), window_arrives)
         self.stats.prompt_tokens += len(tokens)
         self.stats.device_hit_tokens += state.device_hit_tokens
         self.stats.host_hit_tokens += state.host_hit_tokens
         self.stats.storage_hit_tokens += state.storage_hit_tokens
-        return state, host_nodes
+        return state, host_nodes, restored
 
     def _anchor(self, hit_pages: np.ndarray, host_nodes: list[TreeNode]) -> int:
         """Sharded: the rank of the sequence's first page -- its cached path's (device hit, else

@@ -97,11 +97,13 @@ class DeviceWindows:
         return lock
 
     def admit(self, state, lock: tuple[int, int] | None, device_window: np.ndarray | None, host_nodes: list,
-              forward_tokens: int, prompt_tokens: int, arriving: bool = False) -> None:
+              forward_tokens: int, prompt_tokens: int, arriving: bool = False) -> list[tuple[np.ndarray, np.ndarray]]:
         """Reserve ``state``'s budget (see :meth:`fits`) and take the hit's window under ``lock``
-        (:meth:`lock_hit`): ``device_window``, the device hit's window pages in the tree, then, for
-        ``host_nodes`` (the host hit, given device pages and loaded back), device window pages for
-        the host windows inside the hit's window (the host tier loads them with the rest)."""
+        (:meth:`lock_hit`): ``device_window``, the device hit's window pages in the tree, where the
+        device holds a tombstone a device window page for its host copy; then, for ``host_nodes``
+        (the host hit, given device pages and loaded back), device window pages for the host
+        windows inside the hit's window (the host tier loads them with the rest). Returns the
+        (device, host) window pages of the device hit to load from the host."""
         budget = self.budget(forward_tokens, len(state.pages))
         self.reserved += budget
         state.window_budget = budget
@@ -114,8 +116,10 @@ class DeviceWindows:
         state.window_lock = lock  # taken before allocating: tombstoning spares the hit's window
         if arriving:
             self._hold_tail(state, prompt_tokens)
-            return
-        pos, first = device_hit, self.first_page(hit * self.page_size)
+            return []
+        first = self.first_page(hit * self.page_size)
+        restored = self._restore_from_host(state, first, device_hit, host_nodes)
+        pos = device_hit
         for node in host_nodes:
             n = node.num_pages
             idx = np.arange(max(first - pos, 0), n)
@@ -126,6 +130,28 @@ class DeviceWindows:
                 state.window_pages[pos + idx] = node.window_pages[idx]
             pos += n
         state.window_slots = pages_to_slots(state.window_pages, self.page_size)
+        return restored
+
+    def _restore_from_host(self, state, first: int, device_hit: int, host_nodes: list) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Device window pages for the tombstones of the device hit's pages ``first ..`` whose host
+        copy holds their window (the match counted those as held), given to their nodes; the
+        (device, host) pairs to load."""
+        if first >= device_hit or self.tree is None:
+            return []
+        node = host_nodes[0].parent if host_nodes else state.node
+        loads, pos = [], device_hit
+        while pos > first and not node.is_root:
+            start = pos - node.num_pages
+            idx = np.arange(max(first - start, 0), node.num_pages)
+            if node.host_window_pages is not None:
+                idx = idx[(node.window_pages[idx] == 0) & (node.host_window_pages[idx] != 0)]
+                if len(idx):
+                    node.window_pages[idx] = self._alloc(len(idx))
+                    self.tree.window_pages_held += len(idx)
+                    state.window_pages[start + idx] = node.window_pages[idx]
+                    loads.append((node.window_pages[idx], node.host_window_pages[idx]))
+            node, pos = node.parent, start
+        return loads
 
     def _hold_tail(self, state, prompt_tokens: int) -> None:
         """P/D decode: window pages for the prompt's fresh SWA tail (``state.window_arrival``: its

@@ -135,10 +135,15 @@ class HostTier:
         return self.tree.evict_leaves(num_pages, lambda n: _host_evictable_leaf(n) and n.host_window_pages is not None
                                       and bool(np.count_nonzero(n.host_window_pages)), take)
 
-    def load_back(self, nodes: list[TreeNode], windows: bool = True) -> None:
+    def load_back(self, nodes: list[TreeNode], windows: bool = True,
+                  device_hit_windows: list[tuple[np.ndarray, np.ndarray]] = ()) -> None:
         """Queue host->device copies into the device pages ``nodes`` (a path, in order) were
         just given; the deepest stays locked until the load's ack is consumed (its payload).
-        ``windows`` False: a hybrid hit's window pages arrive otherwise (P/D), full layers only."""
+        ``windows`` False: a hybrid hit's window pages arrive otherwise (P/D), full layers only.
+        ``device_hit_windows``: (device, host) window pages of the device hit's tombstones whose
+        host copy holds them (the request's window lock keeps them)."""
+        for device_window, host_window in device_hit_windows:
+            self._pending[LOAD].append((EMPTY, EMPTY, device_window, host_window, None))
         for n in nodes:
             if n.window_pages is not None and windows:  # hybrid: the windows DeviceWindows gave device pages to
                 idx = np.flatnonzero(n.window_pages)
@@ -146,7 +151,8 @@ class HostTier:
             else:
                 window = (EMPTY, EMPTY)
             self._pending[LOAD].append((n.device_pages, n.host_pages, *window, n if n is nodes[-1] else None))
-        self.tree.inc_lock_ref(nodes[-1])
+        if nodes:
+            self.tree.inc_lock_ref(nodes[-1])
 
     # ---- host pages ----------------------------------------------------------------------
     def _anchor_like(self, device_pages: np.ndarray) -> int:

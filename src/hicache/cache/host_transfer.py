@@ -135,7 +135,8 @@ class TransferController:
     def submit(self, kind: str, device_pages: np.ndarray, host_pages: np.ndarray, payload: list,
                window: tuple[np.ndarray, np.ndarray] | None = None) -> TransferOp:
         """``window``: a hybrid pool's (device, host) window pages the op copies too."""
-        assert len(device_pages) == len(host_pages) > 0
+        # a hybrid load may carry window pages alone (a device hit's tombstones held on the host)
+        assert len(device_pages) == len(host_pages) and (len(device_pages) or (window is not None and len(window[0])))
         op = TransferOp(next(self._ids), kind, np.asarray(device_pages), np.asarray(host_pages), payload,
                         [threading.Event() for _ in range(self.num_layers)], submit_time=time.perf_counter(),
                         layer_events=[None] * self.num_layers)
@@ -243,17 +244,17 @@ class TransferController:
             if not np.array_equal(mine, self.shard.owned(host_pages)):
                 raise RuntimeError(f"{op.kind} {op.op_id}: a device page and its host page have different owners")
             dev_pages, host_pages = self.shard.local(dev_pages[mine]), self.shard.local(host_pages[mine])
-        full_plan = PagePlan(dev_pages, host_pages) if backup else PagePlan(host_pages, dev_pages)
+        full_plan = None if not len(op.device_pages) else \
+            PagePlan(dev_pages, host_pages) if backup else PagePlan(host_pages, dev_pages)
         window = (op.window_device_pages, op.window_host_pages)[::1 if backup else -1]
         window_plan = PagePlan(*window) if len(op.window_device_pages) else None
         for layer, (pair, _, _) in enumerate(self._layers):
             if self.delay_fn is not None:
                 time.sleep(self.delay_fn(op, layer))
-            if (not backup and self.load_layers is not None and layer >= self.load_layers) or (
-                    pair == self.window_pair and window_plan is None):
+            plan = window_plan if pair == self.window_pair else full_plan
+            if (not backup and self.load_layers is not None and layer >= self.load_layers) or plan is None:
                 op.layer_done[layer].set()
                 continue
-            plan = window_plan if pair == self.window_pair else full_plan
             # On CUDA the device side of the copy is staged in a buffer this worker reuses (stream
             # order keeps a layer's gather behind the previous layer's copies); CPU copies need none.
             staging = self._staging(op.kind, pair) if self.cuda else None

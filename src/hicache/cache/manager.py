@@ -258,9 +258,9 @@ class KVCacheManager:
         admitted = self.device.admit(namespace, tokens, reserve_tokens, storage_tokens, forward_tokens, window_arrives)
         if admitted is None:
             return None
-        state, host_nodes = admitted
-        if host_nodes:
-            self.host.load_back(host_nodes, windows=not window_arrives)
+        state, host_nodes, restored = admitted
+        if host_nodes or restored:
+            self.host.load_back(host_nodes, windows=not window_arrives, device_hit_windows=restored)
         if state.node is not None and self.host is not None:
             self.host.on_insert(state.node)  # a hit may reach write_through_selective's threshold
         return state

@@ -84,8 +84,9 @@ class WindowTombstones:
     # ---- matching ------------------------------------------------------------------------
     def _cut_to_window(self, path: list[TreeNode], device_tokens: int, host_tokens: int) -> int:
         """Tokens of the path's match (its leading device run, then host-only tokens) that a
-        request may use: cut back to the last boundary whose window is held (on the device in the
-        device run, on the host after it)."""
+        request may use: cut back to the last boundary whose window is held (on the device or in a
+        host copy in the device run -- a tombstone the host holds is loaded back with the hit --,
+        on the host after it)."""
         total = (device_tokens + host_tokens) // self.page_size
         if total == 0:
             return 0
@@ -93,9 +94,9 @@ class WindowTombstones:
         for node in path:
             if pos >= total:
                 break
-            pages = node.window_pages if pos < device else node.host_window_pages
             n = min(len(node.key) // self.page_size, total - pos)
-            held.append(pages[:n] != 0 if pages is not None else np.zeros(n, dtype=bool))
+            host = node.host_window_pages[:n] != 0 if node.host_window_pages is not None else np.zeros(n, dtype=bool)
+            held.append(host | (node.window_pages[:n] != 0) if pos < device and node.window_pages is not None else host)
             pos += n
         return usable_boundary(np.concatenate(held), self.window, self.page_size) * self.page_size
 
