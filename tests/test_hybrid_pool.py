@@ -530,3 +530,21 @@ def test_device_tombstones_whose_checkpoint_the_host_holds_still_hit(every_layer
     assert second.cached_tokens == expected[1].cached_tokens >= len(history) // PS * PS
     assert second.cached_tokens_details["device"] == second.cached_tokens  # full pages on the device, windows loaded
     assert [first.output_ids, second.output_ids] == [r.output_ids for r in expected]
+
+
+@pytest.mark.storage
+@pytest.mark.parametrize("max_total_tokens, hybrid", [(4096, True), (16, False)])
+def test_the_advertised_storage_layout_is_the_one_objects_go_under(tmp_path, max_total_tokens, hybrid) -> None:
+    """Issue 56 H6: a pool too small for a window component keeps every layer (one log line), and its
+    objects go under the every-layer namespace; the layout routers read (/get_hicache_l3_cache_layout)
+    advertised the hybrid one regardless."""
+    grid = dict(hicache_storage_key_scheme="unified", hicache_storage_layer_partition=3)
+    engine = Engine(MODEL, **dict(stored(tmp_path, **grid), max_total_tokens=max_total_tokens))
+    try:
+        assert engine.backend.core.pool.hybrid is hybrid
+        layout = engine.storage_layout()
+        used = engine.backend.core.cache.keys.digest(engine.model_namespace)
+        assert layout["namespace_digest"] == used.hex()
+        assert (layout["window_cells"] is not None) is hybrid
+    finally:
+        engine.shutdown()

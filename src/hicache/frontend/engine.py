@@ -333,7 +333,8 @@ class Engine:
         digest, key pattern, grid and every rank's read / write cells (``GET
         /get_hicache_l3_cache_layout``)."""
         return layout_report(self.config, self.loaded.spec, self.kv_dtype, self.model_namespace,
-                             self.draft.spec if self.draft is not None else None)
+                             self.draft.spec if self.draft is not None else None,
+                             hybrid=self.backend.window_capacity_pages > 0)
 
     def shutdown(self) -> None:
         """Drop requests and free the model and pools (stop the rank processes)."""

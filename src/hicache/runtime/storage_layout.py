@@ -19,7 +19,6 @@ from ..cache.storage.unified import (
 from ..config import EngineConfig
 from ..model.parallel import model_shard
 from ..model.spec import ModelSpec
-from .hybrid_pool import plan_hybrid
 
 KEY_PATTERN = "{page_hash}_{namespace_digest}_L{start_layer}-{end_layer}[_H{head_group}]"
 
@@ -71,17 +70,17 @@ def _grid_and_shards(cfg: EngineConfig, spec: ModelSpec, pp_size: int) -> tuple[
 
 
 def layout_report(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, tree_namespace: str,
-                  draft: ModelSpec | None = None) -> dict[str, Any]:
+                  draft: ModelSpec | None = None, hybrid: bool = False) -> dict[str, Any]:
     """The storage layout as JSON for routers: namespace digest (of requests without a
     cache_salt; a salt changes it), key pattern, grid, and each rank's read and write sets
-    (draft cells prefixed ``draft_``)."""
+    (draft cells prefixed ``draft_``). ``hybrid``: the pools were built with a window component
+    (a sliding-window model may still keep every layer: the objects are then every-layer ones)."""
     plans = unified_plans(cfg, spec, draft)
     if not plans:
         return {"key_scheme": cfg.hicache_storage_key_scheme, "storage_backend": cfg.hicache_storage_backend}
     grid = plans[0].grid
-    # a hybrid pool's objects (full and "_swa" window cells) have a namespace of their own (the engine may
-    # still keep every layer where a window pool would not be smaller: docs/hybrid_kv.md)
-    window = spec.sliding_window if plan_hybrid(cfg, spec, range(spec.num_layers)) is not None else 0
+    # a hybrid pool's objects (full and "_swa" window cells) have a namespace of their own
+    window = spec.sliding_window if hybrid else 0
     keys = plans[0].key_namespace(cfg.page_size, str(dtype), spec.head_dim, window)
     digest = keys.digest(tree_namespace)
     return {
