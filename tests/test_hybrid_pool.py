@@ -162,10 +162,10 @@ SYSTEM = [(7 * i + 3) % 200 + 20 for i in range(37)]  # a shared head, several w
 
 
 def conversations(engine: Engine, agents: int = 3, turns: int = 3, together: bool = False,
-                  keep: bool = False) -> tuple[list, list]:
+                  keep: bool = False, final: list | None = None) -> tuple[list, list]:
     """``agents`` conversations of ``turns`` turns over SYSTEM, each turn its history + answer +
-    a new message; returns every turn's output and cached tokens, in order. The engine is shut
-    down after, unless ``keep``."""
+    a new message; returns every turn's output and cached tokens, in order (``final``, if given,
+    receives each conversation's next prompt). The engine is shut down after, unless ``keep``."""
     histories = [SYSTEM + [(11 * a + i) % 200 + 20 for i in range(5 + 3 * a)] for a in range(agents)]
     outputs, cached = [], []
     for turn in range(turns):
@@ -175,6 +175,8 @@ def conversations(engine: Engine, agents: int = 3, turns: int = 3, together: boo
             outputs.append(r.output_ids)
             cached.append(r.cached_tokens)
             histories[a] = histories[a] + r.output_ids + [(13 * turn + a + i) % 200 + 20 for i in range(4 + turn)]
+    if final is not None:
+        final.extend(histories)
     if not keep:
         engine.shutdown()
     return outputs, cached
@@ -309,6 +311,10 @@ def test_host_tier_keeps_full_layers_of_every_page_and_windows_of_checkpoints(ev
     assert spans and all(spans)  # host windows only inside each node's end window
     window = stats["host_pool"]["window"]
     assert 0 < window["cached_pages"] < stats["host_pool"]["cached_pages"]
+    # issue 56 H4: a turn's checkpoint frees the host windows of the one it extends (but what its window
+    # reaches): the host keeps about the last checkpoints of each conversation (3 pages each, two a turn)
+    assert window["superseded_pages"] > 0
+    assert window["cached_pages"] <= 3 * 2 * 3 + 3
 
 
 def stored(path, **options) -> dict:
@@ -325,24 +331,30 @@ def object_files(path) -> tuple[list[Path], list[Path]]:
 
 @pytest.mark.storage
 def test_storage_holds_full_objects_and_checkpoint_windows_a_new_process_reads_exactly(tmp_path, every_layer) -> None:
-    """Conversations written through to a file store; a fresh engine (nothing in L1 / L2) serves them from it
-    with the every-layer pool's tokens. Full objects hold the full layer only, window objects (5 sliding
-    layers) exist for checkpoint pages only, and every-layer objects and these never read each other."""
+    """Conversations written through to a file store; a fresh engine (nothing in L1 / L2) continues them from
+    it with a cold engine's tokens, each next turn hitting its whole history. Full objects hold the full layer
+    only, window objects (5 sliding layers) exist for the pages of each conversation's last checkpoint only
+    (issue 56 H4: an earlier turn's checkpoint goes once the turn that extends it is stored), and every-layer
+    objects and these never read each other."""
     writer = Engine(MODEL, **stored(tmp_path / "hybrid"))
-    conversations(writer, keep=True)
+    nexts: list = []
+    conversations(writer, keep=True, final=nexts)
     written = writer.stats()["storage"]["window"]
     writer.shutdown()
-    fresh = Engine(MODEL, **stored(tmp_path / "hybrid"))
-    outputs, _ = conversations(fresh, keep=True)
-    stats = fresh.stats()
-    fresh.shutdown()
-    assert outputs == every_layer[0] and stats["hit_tokens"]["storage"] > 0
+    continued, stats = continue_from(tmp_path / "hybrid", nexts)
+    assert continued == cold_outputs(nexts)
+    # each next turn reads its whole history (what its last turn computed, in whole pages: ~80 tokens a
+    # conversation) from storage, but the shared head a previous continuation computed
+    assert stats["hit_tokens"]["storage"] + stats["hit_tokens"]["device"] >= sum((len(p) - 10) // PS * PS for p in nexts)
+    assert stats["hit_tokens"]["storage"] >= sum((len(p) - 10) // PS * PS for p in nexts) - 2 * len(SYSTEM)
     assert written["backup_tokens"] > 0 and written["backup_bytes"] > 0  # /stats: each component's figures
+    assert written["deleted_tokens"] > 0
     assert stats["storage"]["window"]["prefetched_tokens"] > 0
     full, window = object_files(tmp_path / "hybrid")
-    # windows of checkpoint pages only: fewer, each beside its page's full object (8-token windows of 4-token
-    # pages make a checkpoint 2-3 pages of these ~70-token conversations)
-    assert 0 < len(window) < len(full)
+    # windows of the last checkpoint of each conversation only (an 8-token window of 4-token pages reads 3
+    # pages; the prompt's and the answer's checkpoints of the last turn: at most 5 pages each), each beside
+    # its page's full object; the ~70-token conversations have ~50 pages in all
+    assert 0 < len(window) <= 3 * 5 < len(full)
     assert {f.name.removesuffix("-window") for f in window} <= {f.name for f in full}
     conversations(Engine(MODEL, disable_hybrid_swa_memory=True, **stored(tmp_path / "every")))
     every, none = object_files(tmp_path / "every")
@@ -423,7 +435,8 @@ def test_unified_grid_holds_full_and_window_cells_another_layout_reads(tmp_path,
     separate objects (``_swa``, checkpoint pages only; the range of three window layers has no full object).
     One rank writes; two pipeline stages, another layout, read them and answer as the every-layer pool."""
     grid = dict(hicache_storage_key_scheme="unified", hicache_storage_layer_partition=3)
-    conversations(Engine(MODEL, **stored(tmp_path, **grid)))
+    nexts: list = []
+    conversations(Engine(MODEL, **stored(tmp_path, **grid)), final=nexts)
     full, _ = object_files(tmp_path)
     window = [f for f in full if f.name.endswith("_swa")]
     full = [f for f in full if not f.name.endswith("_swa")]
@@ -433,11 +446,14 @@ def test_unified_grid_holds_full_and_window_cells_another_layout_reads(tmp_path,
     sizes = {f.name.split("_")[-3]: f.stat().st_size for f in window}
     f1 = full[0].stat().st_size
     assert (sizes["L0-3"] - f1) * 1 == (sizes["L3-6"] - f1) * 2  # the same header; 3 vs 2 layers beyond 1
-    reader = Engine(MODEL, pp_size=2, **stored(tmp_path, **grid))
-    outputs, _ = conversations(reader, keep=True)
-    hits = reader.stats()["hit_tokens"]["storage"]
-    reader.shutdown()
-    assert outputs == every_layer[0] and hits > 0
+    reader = Engine(MODEL, pp_size=2, **dict(stored(tmp_path, hicache_storage_prefetch_policy="wait_complete", **grid),
+                                             hicache_ratio=4.0))
+    try:
+        outputs = [reader.generate([p], GREEDY)[0].output_ids for p in nexts]  # each conversation's next turn
+        hits = reader.stats()["hit_tokens"]["storage"]
+    finally:
+        reader.shutdown()
+    assert outputs == cold_outputs(nexts) and hits >= sum(len(p) - 10 for p in nexts) - 2 * len(SYSTEM) - 3 * PS
 
 
 @pytest.mark.engine
@@ -463,26 +479,43 @@ def test_the_demo_names_the_window_pool_and_what_it_holds(capsys) -> None:
 
 
 @pytest.mark.storage
-def test_corrupt_window_objects_are_reported_and_cut_the_hit_back(tmp_path, every_layer) -> None:
+def test_corrupt_window_objects_are_reported_and_cut_the_hit_back(tmp_path) -> None:
     """DESIGN invariant 5 for the window component: every window object in the store damaged; a fresh
-    engine counts the checksum failures, uses no window it cannot trust (its hits shrink) and answers
-    as the every-layer pool."""
-    conversations(Engine(MODEL, **stored(tmp_path)))
-    clean = Engine(MODEL, **stored(tmp_path))
-    conversations(clean, keep=True)
-    clean_hits = clean.stats()["hit_tokens"]["storage"]
-    clean.shutdown()
-    for f in object_files(tmp_path)[1]:
+    engine continuing the stored conversations counts the checksum failures, uses no window it cannot
+    trust (its hits shrink) and answers as a cold engine."""
+    import shutil
+
+    nexts: list = []
+    conversations(Engine(MODEL, **stored(tmp_path / "store")), final=nexts)
+    shutil.copytree(tmp_path / "store", tmp_path / "copy")  # a reader writes too: its next turn supersedes
+    clean, clean_stats = continue_from(tmp_path / "copy", nexts)
+    for f in object_files(tmp_path / "store")[1]:
         data = bytearray(f.read_bytes())
         data[-8] ^= 0xFF
         f.write_bytes(bytes(data))
-    damaged = Engine(MODEL, **stored(tmp_path))
-    outputs, _ = conversations(damaged, keep=True)
-    stats = damaged.stats()
-    damaged.shutdown()
-    assert outputs == every_layer[0]
+    damaged, stats = continue_from(tmp_path / "store", nexts)
+    assert damaged == clean == cold_outputs(nexts)
     assert stats["storage"]["failures"].get("checksum", 0) > 0
-    assert stats["hit_tokens"]["storage"] < clean_hits
+    assert stats["hit_tokens"]["storage"] < clean_stats["hit_tokens"]["storage"]
+
+
+def continue_from(path, prompts: list) -> tuple[list, dict]:
+    """A fresh engine over the store at ``path`` (room to prefetch a whole history, waiting for it) answers
+    each of ``prompts``; the outputs and its stats."""
+    engine = Engine(MODEL, **dict(stored(path, hicache_storage_prefetch_policy="wait_complete"), hicache_ratio=4.0))
+    try:
+        results = [engine.generate([p], GREEDY)[0] for p in prompts]
+        return [r.output_ids for r in results], engine.stats()
+    finally:
+        engine.shutdown()
+
+
+def cold_outputs(prompts: list) -> list:
+    engine = Engine(MODEL, disable_radix_cache=True, **BASE)
+    try:
+        return [engine.generate([p], GREEDY)[0].output_ids for p in prompts]
+    finally:
+        engine.shutdown()
 
 
 @pytest.mark.engine

@@ -73,6 +73,8 @@ class HostTier:
         # hybrid: the window span each in-flight backup window-locks (its device window pages must not be
         # tombstoned and reused before the copy reads them), by node
         self._backup_spans: dict[TreeNode, tuple[int, int]] = {}
+        # hybrid: backed-up nodes whose checkpoint supersedes their ancestors' host windows (_drop_superseded)
+        self._superseding: list[TreeNode] = []
 
     # ---- write policy --------------------------------------------------------------------
     def on_insert(self, node: TreeNode | None) -> None:
@@ -125,6 +127,27 @@ class HostTier:
             return EMPTY, EMPTY
         node.host_window_pages[idx] = host
         return node.window_pages[idx], host
+
+    def _drop_superseded(self) -> None:
+        """Nodes whose checkpoint window reached the host: free the host window pages of the
+        ancestors' checkpoints each supersedes (their conversation went on; no hit starts there),
+        once no load may be reading them and storage is not writing them (else at a later ack)."""
+        if self.controller.pending(LOAD) or self._pending[LOAD]:
+            return
+        later = []
+        for node in self._superseding:
+            pairs = self.tree.superseded_windows(node) if node.host_window_pages is not None else []
+            if any(anc.host_ref for anc, _ in pairs):
+                later.append(node)
+                continue
+            for anc, idx in pairs:
+                held = anc.host_window_pages[idx] if anc.host_window_pages is not None else EMPTY
+                held = held[held != 0]
+                if len(held):
+                    self.window_allocator.free(held)
+                    anc.host_window_pages[idx] = 0
+                    self.stats.superseded_host_window_pages += len(held)
+        self._superseding = later
 
     def evict_for_windows(self, num_pages: int) -> int:
         """Delete host-only leaves holding window pages until ``num_pages`` of those are free."""
@@ -202,10 +225,12 @@ class HostTier:
                 for node in op.payload:
                     if kind == BACKUP and node in self._backup_spans:
                         self.tree.unlock_window(node, *self._backup_spans.pop(node))
+                        self._superseding.append(node)
                     self.tree.dec_lock_ref(node)
                     if kind == BACKUP and self.lower is not None:
                         self.lower.on_insert(node)
                 self._account(op)
+        self._drop_superseded()
 
     def _account(self, op: TransferOp) -> None:
         tokens, nbytes = op.num_pages * self.pool.page_size, op.num_pages * self.bytes_per_page
@@ -239,6 +264,7 @@ class HostTier:
             out["window"] = {"capacity_pages": a.capacity, "free_pages": a.available,
                              "cached_pages": a.capacity - a.available,
                              "cached_tokens": (a.capacity - a.available) * self.pool.page_size,
+                             "superseded_pages": self.stats.superseded_host_window_pages,
                              "page_bytes": self.window_host.bytes_per_page,
                              "pool_bytes": self.window_host.total_bytes,
                              "full_pool_bytes": self.host_pool.total_bytes}

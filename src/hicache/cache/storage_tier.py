@@ -217,15 +217,32 @@ class StorageTier:
             self.tree.inc_host_ref(n)
             hashes = list(node_hashes(n, self.keys))
             if self.shard is None:
-                window = None
+                window, superseded = None, []
                 if n.host_window_pages is not None:  # hybrid: the checkpoint pages' window objects too
                     idx = np.flatnonzero(n.host_window_pages)
                     window = (idx, n.host_window_pages[idx].copy())
-                self.controller.backup(self.keys.digest(n.namespace), hashes, n.host_pages.copy(), [n], window=window)
+                    superseded = self._superseded_hashes(n) if len(idx) else []
+                self.controller.backup(self.keys.digest(n.namespace), hashes, n.host_pages.copy(), [n], window=window,
+                                       superseded=superseded)
             else:
                 owned = self.shard.owned_indices(n.host_pages)
                 self.controller.backup(self.keys.digest(n.namespace), hashes, self.shard.local(n.host_pages), [n],
                                        owned)
+
+    def _superseded_hashes(self, node: TreeNode) -> list[bytes]:
+        """Page hashes of stored ancestors' checkpoint pages that ``node``'s checkpoint supersedes
+        (:meth:`~.window_tree.WindowTombstones.superseded_windows`): their window objects go once
+        ``node``'s are written. Only pages inside an ancestor's own end window ever had one."""
+        out = []
+        for anc, idx in self.tree.superseded_windows(node):
+            if not anc.stored:
+                continue
+            end, first = self.tree.checkpoint_span(anc)
+            idx = idx[idx >= first - (end - anc.num_pages)]
+            if len(idx):
+                hashes = list(node_hashes(anc, self.keys))
+                out.extend(hashes[i] for i in idx)
+        return out
 
     # ---- queues --------------------------------------------------------------------------
     def ready_acks(self) -> AckCounts:

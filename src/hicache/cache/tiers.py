@@ -58,6 +58,7 @@ class CacheStats:
     evicted_device_pages: int = 0
     evicted_window_pages: int = 0  # hybrid: window pages tombstoned to make room in the window component
     backup_skipped_window_pages: int = 0  # hybrid: checkpoint window pages a backup found no host room for
+    superseded_host_window_pages: int = 0  # hybrid: host window pages freed once a later checkpoint extends theirs
     evicted_host_pages: int = 0
     backup_tokens: int = 0
     backup_bytes: int = 0

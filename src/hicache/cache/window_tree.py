@@ -116,6 +116,26 @@ class WindowTombstones:
         idx = np.arange(first, end) - start
         return idx[node.window_pages[idx] != 0] if node.window_pages is not None else idx[:0]
 
+    def superseded_windows(self, node: TreeNode) -> list[tuple[TreeNode, np.ndarray]]:
+        """Pages of ``node``'s ancestors whose window no hit will start from once ``node``'s end
+        window (its checkpoint) is stored: walking up while each ancestor's only child continues
+        the path (a conversation that went on; a branch point, where other conversations' hits
+        start, ends the walk), its pages before the first page ``node``'s end window reads.
+        (ancestor, page indices) pairs, nearest first."""
+        end, n = 0, node
+        while not n.is_root:
+            end += n.num_pages
+            n = n.parent
+        first = self.window_first_page(end * self.page_size)
+        out, pos, anc = [], end - node.num_pages, node.parent
+        while not anc.is_root and len(anc.children) == 1:
+            start = pos - anc.num_pages
+            idx = np.arange(0, min(anc.num_pages, max(first - start, 0)))
+            if len(idx):
+                out.append((anc, idx))
+            anc, pos = anc.parent, start
+        return out
+
     # ---- locks ---------------------------------------------------------------------------
     def lock_window(self, node: TreeNode, end_page: int, first_page: int) -> None:
         """Protect the window pages of the nodes on ``node``'s path from ``first_page`` to

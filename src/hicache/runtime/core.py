@@ -347,7 +347,8 @@ def core_stats(core: EngineCore, page_size: int) -> dict[str, Any]:
             "backup_tokens": st.backup_pages * page_size, "backup_bytes": st.backup_bytes,
             **({"window": {"backup_tokens": st.window_backup_pages * page_size, "backup_bytes": st.window_backup_bytes,
                            "prefetched_tokens": st.window_prefetched_pages * page_size,
-                           "prefetch_bytes": st.window_prefetch_bytes}} if cache.pool.hybrid else {}),
+                           "prefetch_bytes": st.window_prefetch_bytes,
+                           "deleted_tokens": st.window_deleted_pages * page_size}} if cache.pool.hybrid else {}),
             "backup_time_s": st.backup_time_s, "failures": dict(st.failures),
             # state (closed/open/half_open), opens, short_circuited, timeouts, ... (storage.guard)
             "breaker": cache.storage.guard.snapshot(),

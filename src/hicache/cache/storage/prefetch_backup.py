@@ -144,11 +144,14 @@ class StorageController:
         return op
 
     def backup(self, ns_digest: bytes, hashes: list[bytes], host_pages: np.ndarray, payload: list,
-               owned: np.ndarray | None = None, window: tuple[np.ndarray, np.ndarray] | None = None) -> BackupOp:
-        """``window``: (page indices, their host window pages) whose window objects are written too."""
+               owned: np.ndarray | None = None, window: tuple[np.ndarray, np.ndarray] | None = None,
+               superseded: list[bytes] = ()) -> BackupOp:
+        """``window``: (page indices, their host window pages) whose window objects are written too;
+        ``superseded``: hashes of earlier pages whose window objects are deleted once those are."""
         op = BackupOp(next(self._ids), ns_digest, hashes, host_pages, payload, owned)
         if window is not None and len(window[0]):
             op.window_index, op.window_host_pages = window
+            op.superseded_hashes = list(superseded)
         self._backups.append(op)
         if self._inline:
             self._backup(op)
@@ -318,6 +321,9 @@ class StorageController:
         self.stats.backup_bytes += nbytes
         self.stats.window_backup_bytes += nbytes
         self.stats.window_backup_pages += pages
+        if pages == len(op.window_index) and op.superseded_hashes:  # the new checkpoint is stored whole
+            self.guard.delete([obj.key(h, op.ns_digest) for h in op.superseded_hashes for obj in self.window_writes])
+            self.stats.window_deleted_pages += len(op.superseded_hashes)
 
     def _backup_worker(self) -> None:
         run_torch_alone()  # its copies on this thread: an OpenMP pool of its own would slow every step

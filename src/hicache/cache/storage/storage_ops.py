@@ -59,6 +59,8 @@ class BackupOp:
     # hybrid: the pages (indices) whose window object is written too, and their host window pages
     window_index: np.ndarray | None = None
     window_host_pages: np.ndarray | None = None
+    # hybrid: hashes of earlier checkpoint pages whose window objects are deleted once these are written
+    superseded_hashes: list[bytes] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
     written: int = 0  # leading pages of ``owned`` written
     failure: str = ""
@@ -78,6 +80,7 @@ class StorageStats:
     window_backup_bytes: int = 0
     window_prefetched_pages: int = 0
     window_prefetch_bytes: int = 0
+    window_deleted_pages: int = 0  # superseded checkpoints' window objects deleted
     failures: dict = field(default_factory=dict)  # reason -> count
 
     def fail(self, reason: str) -> None:
