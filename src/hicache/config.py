@@ -184,13 +184,15 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
         "engine that masks each step's tokens; 'none' refuses such requests.", ("llguidance", "none"))
     grammar_compile_timeout: float = _opt(
         5.0, "CPU seconds a new grammar may take to compile and walk in the contained grammar checker, which runs "
-        "at the lowest priority (wall-clock: 4x that); a slower one is refused with 400 (docs/structured_output.md).")
+        "at the lowest priority; a slower one is refused with 400, measured again if sent again (a checker that got "
+        "no CPU for 4x that in wall-clock time: 503) (docs/structured_output.md).")
     grammar_memory_budget_mb: int = _opt(
         1024, "MiB of grammar matchers the engine holds: one per grammar plus each request's copy, as the grammar "
         "checker measured them. A grammar needing more alone is refused; past it, grammar requests wait.")
     grammar_mask_budget_ms: float = _opt(
         20.0, "Milliseconds of token masks one step may compute for its grammar requests (each grammar's slowest "
-        "mask as measured when it was checked): a grammar slower alone is refused; past it, grammar requests wait.")
+        "mask in CPU time, as measured when it was checked): a grammar slower alone is refused (measured again if "
+        "sent again); past it, grammar requests wait.")
     enable_deterministic_inference: bool = _opt(
         False, "Bit-identical output for a greedy or seeded request whatever shares its batch, how its prompt was "
         "chunked, which tier its prefix came from, and with or without speculative decoding (docs/deterministic.md); "

@@ -9,7 +9,7 @@ import logging
 import threading
 import weakref
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Sequence, Union, cast
+from typing import TYPE_CHECKING, Any, Hashable, Sequence, Union, cast
 
 import torch
 
@@ -159,10 +159,12 @@ class Engine:
         return None if isinstance(self.backend, LocalBackend) else cast("RankGroup", self.backend)
 
     # ---- requests ------------------------------------------------------------------------
-    def vet_grammar(self, spec: GrammarSpec) -> Future:
+    def vet_grammar(self, spec: GrammarSpec, client: Hashable = None) -> Future:
         """A future of ``spec`` vetted (runtime/grammar_vet.py: compiled in a contained process,
         its cost attached), raising InvalidRequestError (one sentence, ``param="grammar"``) for a
-        grammar the engine will not run. Raises OverloadedError now when too many wait. Any thread."""
+        grammar the engine will not run, OverloadedError when it could not be checked (retry).
+        Raises OverloadedError now when too many wait. ``client``: whose request it is (grammars
+        are checked fairly between clients); cancelling the future gives up waiting. Any thread."""
         if self.config.grammar_backend == "none":
             raise InvalidRequestError("structured output is off on this server (--grammar-backend none).",
                                       param="grammar")
@@ -172,7 +174,7 @@ class Engine:
                 self._vetter = GrammarVetter(self.tokenizer, self.vocab_size, VetLimits(
                     cfg.grammar_compile_timeout, cfg.grammar_memory_budget_mb << 20,
                     int(cfg.grammar_mask_budget_ms * 1000)))
-        return self._vetter.vet(spec)
+        return self._vetter.vet(spec, client)
 
     def check_grammar(self, sampling: SamplingParams) -> SamplingParams:
         """``sampling`` with its grammar vetted (waits for the verdict; see :meth:`vet_grammar`)."""

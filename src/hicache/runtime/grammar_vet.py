@@ -1,48 +1,54 @@
 """Vetting untrusted grammars before the engine builds any matcher for them.
 
 A grammar a client sends (a JSON schema, a regex, GBNF, a forced tool call's Lark) is compiled
-first in a worker process of its own (:mod:`.grammar_worker`), under a stack, memory and time
+first in a worker process of its own (:mod:`.grammar_worker`), under a stack, memory and CPU-time
 limit, one grammar at a time at a lower priority than the engine: a native crash (a schema of
 thousands of chained ``$ref`` overflows the compiler's stack), a compile that runs away or its
 memory stays there, and the request gets a one-sentence 400. What crosses back is the verdict:
 llguidance's compiled grammar text and what the grammar costs (:class:`GrammarCost`: the matcher
 memory a rank builds once per grammar and per request, the slowest token mask of a walk through
-it). A grammar costing more than the engine's budgets (``--grammar-memory-budget-mb``,
-``--grammar-mask-budget-ms``) is refused here too; the ranks count what they admit against the
-same budgets (runtime/grammar.py).
+it, in CPU microseconds). A grammar costing more than the engine's budgets
+(``--grammar-memory-budget-mb``, ``--grammar-mask-budget-ms``) is refused here too; the ranks
+count what they admit against the same budgets (runtime/grammar.py).
 
-Verdicts, good or bad, are cached by grammar (a repeated schema is vetted once; a repeated bomb
-is refused at once). A worker that crashed or was killed at the deadline is replaced for the next
-grammar; the one that killed it gets the error.
+Budgets are measured where load cannot fake them: a compile's limit (``--grammar-compile-timeout``)
+and a mask's cost are CPU time of the worker, never wall-clock time, so a busy machine (the
+worker runs at nice 19) neither refuses a trivial schema nor lets a heavy one through. The
+wall-clock backstop (:data:`.grammar_process.WALL_FACTOR` times the CPU limit) only catches a
+worker that got no CPU at all: the server's trouble, not the grammar's.
+
+Answers: :class:`InvalidRequestError` (HTTP 400) is about the grammar; :class:`OverloadedError`
+(503) is about the server -- the queue is full for this client, the worker could not start, was
+killed from outside (SIGKILL, SIGTERM...) or got no CPU time. Verdicts are cached by grammar only
+when load cannot change them: every accepted grammar, and refusals for a compile error, an empty
+language, a matcher that fails within the walk, a memory figure, a crash of the compiler. A
+refusal by time (the CPU limit, the mask budget) is measured again next time, and a 503 leaves
+nothing behind. A worker that died or was stopped is replaced for the next grammar.
+
+Waiting is fair between clients (:mod:`.vet_queue`), and a caller that gives up (cancels its
+future: the HTTP handler of a client that went away) leaves its job: a job nobody waits for is
+taken out of the queue, or, while the worker runs it, stopped (the worker is killed and replaced).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import queue
-import select
 import signal
-import struct
-import subprocess
-import sys
-import tempfile
 import threading
-import time
 from collections import OrderedDict
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Callable, Optional
+from typing import Hashable, NamedTuple, Optional, Union
 
-from ..errors import InvalidRequestError, OverloadedError
+from ..errors import HicacheError, InvalidRequestError, OverloadedError
 from ..model.tokenizer import Tokenizer
+from .grammar_process import CheckerDown, CpuBudget, WorkerProcess, status
 from .sampling import GrammarCost, GrammarSpec
+from .vet_queue import FairQueue, QueueFull, VetJob
 
 logger = logging.getLogger(__name__)
 
-WORKER = Path(__file__).with_name("grammar_worker.py")
 # JSON as json.dumps writes it: a small model given free whitespace between tokens can spend its
 # whole budget on it; vLLM and SGLang constrain it likewise by default.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -52,11 +58,7 @@ PARSER_LIMITS = {"verbose_errors": False}
 VET_STACK_BYTES = 8 << 20  # the vetting thread's stack
 ENGINE_STACK_BYTES = 4 * VET_STACK_BYTES  # threads that build and use matchers in the engine
 WALK_STEPS = 16  # tokens walked through a grammar to time its masks
-STARTUP_TIMEOUT_S = 60.0
-WALL_FACTOR = 4.0  # a compile's wall-clock backstop: this many times its CPU-time limit
-POLL_S = 0.05  # how often a wait checks the worker's CPU time
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-MAX_WAITING = 64  # distinct grammars queued for vetting; more: 503
+MAX_WAITING = 64  # distinct grammars queued for vetting (vet_queue.FairQueue: fair between clients); more: 503
 CACHE_ENTRIES = 256
 CACHE_CHARS = 32 << 20  # grammar text the verdict cache holds
 MIN_TEMPLATE_BYTES = 64 << 10  # floors: a matcher is never counted as free
@@ -68,9 +70,9 @@ WORKER_HEADROOM_BYTES = 256 << 20
 
 @dataclass(frozen=True)
 class VetLimits:
-    """``timeout_s``: CPU seconds a grammar may take to compile and walk (wall-clock: 4x); ``memory_bytes``:
-    what one grammar's matchers may hold (template + one request's copy); ``mask_us``: its
-    slowest token mask."""
+    """``timeout_s``: CPU seconds of the worker a grammar may take to compile and walk (wall-clock
+    backstop: 4x); ``memory_bytes``: what one grammar's matchers may hold (template + one request's
+    copy); ``mask_us``: its slowest token mask, in CPU microseconds of the worker."""
 
     timeout_s: float
     memory_bytes: int
@@ -83,9 +85,22 @@ def tokenizer_config(tokenizer: Tokenizer, vocab_size: int) -> dict:
             "eos": sorted(tokenizer.eos_token_ids)}
 
 
+# Signals that come from outside the worker (an operator, the OOM killer, a supervisor), not from
+# what the grammar did to it: the check did not happen (503), nothing is remembered.
+EXTERNAL_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
+
+
+class _Verdict(NamedTuple):
+    """What a check found: the vetted spec, or the error its callers get (None: nobody waits any
+    more); ``keep``: it cannot change with load, so it is cached."""
+
+    outcome: Union[GrammarSpec, HicacheError, None]
+    keep: bool
+
+
 class GrammarVetter:
-    """Vets grammars in a worker process, one at a time, caching the verdicts (see the module
-    docstring). ``vet`` may be called from any thread."""
+    """Vets grammars in a worker process, one at a time, fairly between clients, caching the
+    verdicts load cannot change (see the module docstring). ``vet`` may be called from any thread."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, limits: VetLimits) -> None:
         self.limits = limits
@@ -93,231 +108,216 @@ class GrammarVetter:
                         "json_options": JSON_OPTIONS, "stack_bytes": VET_STACK_BYTES, "walk_steps": WALK_STEPS,
                         "memory_bytes": limits.memory_bytes + WORKER_HEADROOM_BYTES, "nice": 19, "parent": os.getpid()}
         self._lock = threading.Lock()
-        self._verdicts: OrderedDict[GrammarSpec, Future] = OrderedDict()
+        self._ready = threading.Condition(self._lock)
+        self._verdicts: OrderedDict[GrammarSpec, tuple[Future, int]] = OrderedDict()  # kept: (verdict, chars)
         self._chars = 0
-        self._jobs: queue.Queue[Optional[tuple[GrammarSpec, Future]]] = queue.Queue()
-        self._proc: Optional[subprocess.Popen] = None
-        self._stderr = tempfile.TemporaryFile()
-        self.counts = {"vetted": 0, "refused": 0, "crashed": 0, "timed_out": 0}
+        self._open: dict[GrammarSpec, VetJob] = {}  # queued or running, and someone waits for it
+        self._queue = FairQueue(MAX_WAITING)
+        self._closed = False
+        self._worker = WorkerProcess(self._config)
+        self.counts = {"vetted": 0, "refused": 0, "crashed": 0, "timed_out": 0, "unavailable": 0, "abandoned": 0,
+                       "displaced": 0}
         self._thread = threading.Thread(target=self._serve, name="hicache-grammar-vet", daemon=True)
         self._thread.start()
 
-    def vet(self, spec: GrammarSpec) -> Future:
+    def vet(self, spec: GrammarSpec, client: Hashable = None) -> Future:
         """A future of ``spec`` with its :class:`GrammarCost`; it raises InvalidRequestError
-        (``param="grammar"``) for a grammar the engine will not run. OverloadedError (now) when
-        :data:`MAX_WAITING` grammars already wait. Each caller gets a future of its own (one that
-        gives up, e.g. cancels, leaves the verdict to the others and to the cache)."""
-        with self._lock:
-            shared = self._verdicts.get(spec)
-            if shared is not None:
-                self._verdicts.move_to_end(spec)
-            else:
-                if self._jobs.qsize() >= MAX_WAITING:
-                    raise OverloadedError(f"{MAX_WAITING} grammars are waiting to be checked; retry later.")
-                shared = self._verdicts[spec] = Future()
-                self._chars += len(spec.source)
-                self._trim()
-                self._jobs.put((spec, shared))
+        (``param="grammar"``) for a grammar the engine will not run, OverloadedError when the
+        server could not check it (retry). OverloadedError now when the queue is full and
+        ``client`` (the server passes the peer's address) already has as many grammars waiting as
+        any other. Each caller gets a future of its own: cancelling it gives up waiting (the job
+        goes when nobody else waits for it)."""
         mine: Future = Future()
-        shared.add_done_callback(lambda done: _pass_on(done, mine))
+        displaced: Optional[VetJob] = None
+        with self._lock:
+            kept = self._verdicts.get(spec)
+            if kept is not None:
+                self._verdicts.move_to_end(spec)
+                source = kept[0]
+            else:
+                job, displaced = self._enqueue(spec, client)
+                mine.add_done_callback(lambda f: f.cancelled() and self._give_up(job, client))
+                source = job.verdict
+        if displaced is not None:
+            _settle_future(displaced.verdict, OverloadedError(
+                f"{MAX_WAITING} grammars are waiting to be checked, this one for a client with more of them than "
+                "any other; retry later."))
+        source.add_done_callback(lambda done: _pass_on(done, mine))
         return mine
 
-    def _trim(self) -> None:
-        while len(self._verdicts) > CACHE_ENTRIES or self._chars > CACHE_CHARS:
-            done = next((s for s, f in self._verdicts.items() if f.done()), None)
-            if done is None:
+    def _enqueue(self, spec: GrammarSpec, client: Hashable) -> tuple[VetJob, Optional[VetJob]]:
+        """(Lock held.) The job ``spec``'s caller waits for, and the one it displaced, if any."""
+        job = self._open.get(spec)
+        if job is not None:
+            self._queue.join(job, client)
+            return job, None
+        try:
+            job, displaced = self._queue.add(spec, client)
+        except QueueFull:
+            raise OverloadedError(f"{MAX_WAITING} grammars are waiting to be checked; retry later.") from None
+        self._open[spec] = job
+        if displaced is not None:
+            del self._open[displaced.spec]
+            self.counts["displaced"] += 1
+        self._ready.notify()
+        return job, displaced
+
+    def _give_up(self, job: VetJob, client: Hashable) -> None:
+        """A caller of ``client`` stopped waiting for ``job`` (its future was cancelled)."""
+        with self._lock:
+            if job.verdict.done() or not self._queue.leave(job, client):
                 return
-            future = self._verdicts.pop(done)
-            self._chars -= len(done.source) + _grammar_chars(future)
+            if self._open.get(job.spec) is job:  # a caller from now on gets a new job
+                del self._open[job.spec]
+            self.counts["abandoned"] += 1
+            if job.running:
+                job.abandoned = True  # the dispatcher stops the worker at its next poll
+                return
+        job.verdict.cancel()
+
+    def _keep(self, spec: GrammarSpec, verdict: Future, outcome: Union[GrammarSpec, HicacheError]) -> None:
+        """(Lock held.) Cache a verdict load cannot change, least recently used out first."""
+        chars = len(spec.source) + (len(outcome.cost.grammar) if isinstance(outcome, GrammarSpec) else 0)
+        self._verdicts[spec] = (verdict, chars)
+        self._chars += chars
+        while len(self._verdicts) > CACHE_ENTRIES or self._chars > CACHE_CHARS:
+            self._chars -= self._verdicts.popitem(last=False)[1][1]
 
     def close(self) -> None:
-        self._jobs.put(None)
+        with self._lock:
+            self._closed = True
+            self._ready.notify_all()
         self._thread.join(timeout=10)
-        self._stop_worker()
-        self._stderr.close()
+        self._worker.close()
+        with self._lock:
+            left, self._open = list(self._open.values()), {}
+        for job in left:
+            _settle_future(job.verdict, OverloadedError("the engine is shutting down."))
 
     # ---- the dispatcher thread -------------------------------------------------------
     def _serve(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            spec, future = job
+        while (job := self._next()) is not None:
             try:
-                vetted = self._judge(spec, self._run(spec))
-            except _CheckerDown as e:  # the server's trouble, not the grammar's: not remembered
-                with self._lock:
-                    self._verdicts.pop(spec, None)
-                    self._chars -= len(spec.source)
-                future.set_exception(InvalidRequestError(str(e), param="grammar"))
-                continue
-            except InvalidRequestError as e:
-                self.counts["refused"] += 1
-                future.set_exception(e)
-                continue
+                verdict = self._check(job)
             except Exception as e:  # a bug here must not leave the request waiting forever
                 logger.exception("grammar vetting failed")
-                future.set_exception(InvalidRequestError(f"the {spec.kind} grammar could not be checked "
-                                                         f"({type(e).__name__}).", param="grammar"))
-                continue
-            self.counts["vetted"] += 1
+                verdict = _Verdict(OverloadedError(f"the {job.spec.kind} grammar could not be checked "
+                                                   f"({type(e).__name__}); retry later."), keep=False)
             with self._lock:
-                self._chars += len(vetted.cost.grammar)
-            future.set_result(vetted)
+                if self._open.get(job.spec) is job:
+                    del self._open[job.spec]
+                if verdict.keep and verdict.outcome is not None:
+                    self._keep(job.spec, job.verdict, verdict.outcome)
+                self._count(verdict.outcome)
+            _settle_future(job.verdict, verdict.outcome)
 
-    def _run(self, spec: GrammarSpec) -> dict:
-        """The worker's verdict on ``spec`` (a fresh worker if the last one is gone)."""
-        what = f"the {spec.kind} grammar"
-        if self._proc is None or self._proc.poll() is not None:
-            self._start_worker()
-        budget = _CpuBudget(self._proc.pid, self.limits.timeout_s)
+    def _next(self) -> Optional[VetJob]:
+        """The next job, once one waits; None once closed."""
+        with self._lock:
+            while not self._closed and not len(self._queue):
+                self._ready.wait()
+            return None if self._closed else self._queue.take()
+
+    def _count(self, outcome: Union[GrammarSpec, HicacheError, None]) -> None:
+        if isinstance(outcome, GrammarSpec):
+            self.counts["vetted"] += 1
+        elif isinstance(outcome, InvalidRequestError):
+            self.counts["refused"] += 1
+        elif outcome is not None:
+            self.counts["unavailable"] += 1
+
+    def _check(self, job: VetJob) -> _Verdict:
+        """The worker's verdict on ``job``'s grammar (a fresh worker if the last one is gone)."""
+        spec = job.spec
         try:
-            _write(self._proc, {"kind": spec.kind, "source": spec.source})
-            reply = _read(self._proc, budget.spent)
+            if not self._worker.alive():
+                self._worker.start()
+            budget = CpuBudget(self._worker.pid, self.limits.timeout_s)
+            reply = self._worker.ask({"kind": spec.kind, "source": spec.source},
+                                     lambda: job.abandoned or budget.spent())
+        except CheckerDown as e:  # the server's trouble, not the grammar's
+            return _Verdict(OverloadedError(str(e)), keep=False)
         except TimeoutError:
-            self.counts["timed_out"] += 1
-            logger.warning("grammar check: a %s grammar (%d chars) took over %.1f CPU-s (%.1f s); worker pid=%d killed",
-                           spec.kind, len(spec.source), self.limits.timeout_s, time.monotonic() - budget.t0,
-                           self._proc.pid)
-            self._stop_worker()
-            raise InvalidRequestError(f"{what} takes longer than {self.limits.timeout_s:g} s to compile "
-                                      "(--grammar-compile-timeout).", param="grammar") from None
+            return self._stopped(job, budget)
         if reply is None:
-            raise InvalidRequestError(f"{what} cannot be compiled: {self._died(spec)}.", param="grammar")
-        return reply
+            return self._died(spec)
+        return self._judge(spec, reply)
 
-    def _judge(self, spec: GrammarSpec, reply: dict) -> GrammarSpec:
+    def _stopped(self, job: VetJob, budget: CpuBudget) -> _Verdict:
+        """Kill the worker at a deadline or for a job nobody waits for; what that means."""
+        spec, pid, cpu_s, wall_s = job.spec, self._worker.pid, budget.cpu_s(), budget.wall_s()
+        self._worker.stop()
+        if job.abandoned:
+            logger.info("grammar check: nobody waits for a %s grammar any more; worker pid=%d stopped", spec.kind, pid)
+            return _Verdict(None, keep=False)
+        self.counts["timed_out"] += 1
+        logger.warning("grammar check: a %s grammar (%d chars) ran %.1f CPU-s (%.1f s; limit %.1f CPU-s); worker "
+                       "pid=%d killed", spec.kind, len(spec.source), cpu_s, wall_s, self.limits.timeout_s, pid)
+        if cpu_s > self.limits.timeout_s:  # CPU time: the grammar's own cost, but near the limit it varies
+            return _Verdict(InvalidRequestError(
+                f"the {spec.kind} grammar takes longer than {self.limits.timeout_s:g} s to compile "
+                "(--grammar-compile-timeout).", param="grammar"), keep=False)
+        return _Verdict(OverloadedError(f"the grammar checker got too little CPU time to check the {spec.kind} "
+                                        f"grammar in {wall_s:.0f} s; retry later."), keep=False)
+
+    def _judge(self, spec: GrammarSpec, reply: dict) -> _Verdict:
         what = f"the {spec.kind} grammar"
-        if not reply["ok"]:
-            raise InvalidRequestError(reply["error"], param="grammar")
+        if not reply["ok"]:  # a compile error, an empty language, a matcher that fails in the walk
+            return _Verdict(InvalidRequestError(reply["error"], param="grammar"), keep=True)
         cost = GrammarCost(reply["grammar"], max(reply["template_bytes"], MIN_TEMPLATE_BYTES),
                            max(reply["request_bytes"], MIN_REQUEST_BYTES), reply["mask_us"])
         need, budget = cost.template_bytes + cost.request_bytes, self.limits.memory_bytes
         if need > budget:
-            raise InvalidRequestError(f"{what} needs {need / 2**20:.0f} MiB of matcher memory; this server allows "
-                                      f"{budget / 2**20:.0f} MiB (--grammar-memory-budget-mb).", param="grammar")
-        if cost.mask_us > self.limits.mask_us:
-            raise InvalidRequestError(f"{what} takes {cost.mask_us / 1e3:.1f} ms a token to enforce; this server "
-                                      f"allows {self.limits.mask_us / 1e3:g} ms (--grammar-mask-budget-ms).",
-                                      param="grammar")
-        logger.info("grammar vetted: %s, %d chars, compile %.0f ms, matcher %d + %d KiB, mask %d us over %d tokens",
-                    spec.kind, len(spec.source), reply["compile_ms"], cost.template_bytes >> 10,
+            return _Verdict(InvalidRequestError(
+                f"{what} needs {need / 2**20:.0f} MiB of matcher memory; this server allows {budget / 2**20:.0f} "
+                "MiB (--grammar-memory-budget-mb).", param="grammar"), keep=True)
+        if cost.mask_us > self.limits.mask_us:  # CPU time again: measured anew next time
+            return _Verdict(InvalidRequestError(
+                f"{what} takes {cost.mask_us / 1e3:.1f} ms a token to enforce; this server allows "
+                f"{self.limits.mask_us / 1e3:g} ms (--grammar-mask-budget-ms).", param="grammar"), keep=False)
+        logger.info("grammar vetted: %s, %d chars, compile %.0f CPU-ms, matcher %d + %d KiB, mask %d CPU-us over "
+                    "%d tokens", spec.kind, len(spec.source), reply["compile_ms"], cost.template_bytes >> 10,
                     cost.request_bytes >> 10, cost.mask_us, reply["steps"])
-        return replace(spec, cost=cost)
+        return _Verdict(replace(spec, cost=cost), keep=True)
 
-    def _died(self, spec: GrammarSpec) -> str:
+    def _died(self, spec: GrammarSpec) -> _Verdict:
         """Why the worker stopped while compiling ``spec`` (it is replaced for the next grammar)."""
         self.counts["crashed"] += 1
-        code = self._proc.wait()
-        self._stderr.seek(0)
-        said = self._stderr.read()[-2000:].decode(errors="replace")
-        self._stderr.seek(0)
-        self._stderr.truncate()
-        self._proc = None
+        code, said = self._worker.reap(), self._worker.said()
         logger.warning("grammar check: the worker died (status %d) on a %s grammar of %d chars; %s", code,
                        spec.kind, len(spec.source), said.strip().splitlines()[-1] if said.strip() else "no message")
+        what = f"the {spec.kind} grammar cannot be compiled"
         if "memory allocation" in said or code in (-signal.SIGKILL, -signal.SIGABRT) and "alloc" in said:
-            return f"it needs more than {(self.limits.memory_bytes + WORKER_HEADROOM_BYTES) / 2**20:.0f} MiB to compile"
+            limit = (self.limits.memory_bytes + WORKER_HEADROOM_BYTES) / 2**20
+            return _Verdict(InvalidRequestError(f"{what}: it needs more than {limit:.0f} MiB to compile.",
+                                                param="grammar"), keep=True)
+        if code < 0 and -code in EXTERNAL_SIGNALS:
+            return _Verdict(OverloadedError(f"the grammar checker was stopped ({status(code)}) while it checked the "
+                                            f"{spec.kind} grammar; retry."), keep=False)
         if code == -signal.SIGSEGV:
-            return "it crashed the grammar compiler (nested or chained too deeply)"
-        return f"it stopped the grammar compiler ({_status(code)})"
-
-    def _start_worker(self) -> None:
-        env = {**os.environ, "MALLOC_ARENA_MAX": "2", "PYTHONHASHSEED": "0"}
-        self._proc = subprocess.Popen([sys.executable, "-I", str(WORKER)], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, stderr=self._stderr, env=env)
-        try:
-            _write(self._proc, self._config)
-            start = time.monotonic()
-            ready = _read(self._proc, lambda: time.monotonic() - start > STARTUP_TIMEOUT_S)
-        except TimeoutError:
-            ready = None
-        if not ready:
-            self._stop_worker()
-            raise _CheckerDown("the grammar could not be checked: the grammar checker did not start.")
-        logger.info("grammar check: worker pid=%d ready", self._proc.pid)
-
-    def _stop_worker(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait()
-        self._proc = None
-
-
-class _CheckerDown(Exception):
-    """The worker process could not be started (a verdict on the server, not on the grammar)."""
+            return _Verdict(InvalidRequestError(f"{what}: it crashed the grammar compiler (nested or chained too "
+                                                "deeply).", param="grammar"), keep=True)
+        return _Verdict(InvalidRequestError(f"{what}: it stopped the grammar compiler ({status(code)}).",
+                                            param="grammar"), keep=True)
 
 
 def _pass_on(done: Future, to: Future) -> None:
-    if to.cancelled():
-        return
-    if done.exception() is not None:
-        to.set_exception(done.exception())
+    """Copy a job's verdict to one caller's future (a caller that gave up is left alone)."""
+    if done.cancelled():
+        to.cancel()
     else:
-        to.set_result(done.result())
+        error = done.exception()
+        _settle_future(to, error if error is not None else done.result())
 
 
-def _grammar_chars(future: Future) -> int:
-    if future.done() and future.exception() is None:
-        return len(future.result().cost.grammar)
-    return 0
-
-
-def _status(code: int) -> str:
-    if code < 0:
-        try:
-            return signal.Signals(-code).name
-        except ValueError:
-            return f"signal {-code}"
-    return f"exit status {code}"
-
-
-def _write(proc: subprocess.Popen, message: dict) -> None:
-    body = json.dumps(message).encode()
+def _settle_future(future: Future, outcome: Union[GrammarSpec, BaseException, None]) -> None:
+    """Set ``future`` to ``outcome`` (an exception: raised; None: cancelled) unless it is done."""
     try:
-        proc.stdin.write(struct.pack(">I", len(body)) + body)
-        proc.stdin.flush()
-    except BrokenPipeError:
-        pass  # it died: reading says so
-
-
-class _CpuBudget:
-    """A compile's limit in CPU seconds of the worker (so a verdict does not depend on how busy the
-    engine keeps the CPUs: the worker runs at the lowest priority), with a wall-clock backstop of
-    :data:`WALL_FACTOR` times it for a worker that cannot run at all."""
-
-    def __init__(self, pid: int, seconds: float) -> None:
-        self.pid, self.seconds, self.t0 = pid, seconds, time.monotonic()
-        self.cpu0 = self.cpu()
-
-    def cpu(self) -> float:
-        try:
-            with open(f"/proc/{self.pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime + stime
-        except (OSError, IndexError, ValueError):  # not Linux, or gone: wall-clock alone
-            return time.monotonic() - self.t0
-
-    def spent(self) -> bool:
-        return (self.cpu() - self.cpu0 > self.seconds
-                or time.monotonic() - self.t0 > WALL_FACTOR * self.seconds)
-
-
-def _read(proc: subprocess.Popen, expired: Callable[[], bool]) -> Optional[dict]:
-    """The worker's next message; None if it exited; TimeoutError once ``expired()``."""
-    header = _read_exact(proc.stdout.fileno(), 4, expired)
-    if header is None:
-        return None
-    body = _read_exact(proc.stdout.fileno(), struct.unpack(">I", header)[0], expired)
-    return None if body is None else json.loads(body.decode())
-
-
-def _read_exact(fd: int, n: int, expired: Callable[[], bool]) -> Optional[bytes]:
-    buf = bytearray()
-    while len(buf) < n:
-        if not select.select([fd], [], [], POLL_S)[0]:
-            if expired():
-                raise TimeoutError
-            continue
-        chunk = os.read(fd, n - len(buf))
-        if not chunk:
-            return None
-        buf += chunk
-    return bytes(buf)
+        if outcome is None:
+            future.cancel()
+        elif isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+    except InvalidStateError:
+        pass  # cancelled meanwhile: its caller gave up

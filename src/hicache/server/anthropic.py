@@ -209,7 +209,7 @@ def add_anthropic_routes(app: FastAPI, st: ServerState, prepare_chat: Callable[[
     @anthropic_errors
     async def messages(request: Request) -> Response:
         p: Prepared = await st.off_loop(prepare, await read_body(request, st.opts.max_request_bytes))
-        await vet_grammar(st, p)
+        await vet_grammar(st, p, request)
         msg_id = f"msg_{uuid.uuid4().hex[:24]}"
         handles = submit_choices(st, p)
         logger.info("messages rid=%d prompt=%d max_new=%d stream=%s", handles[0].rid, len(p.ids),

@@ -236,7 +236,7 @@ def _add_openai_routes(app: FastAPI, st: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         p: Prepared = await st.off_loop(_prepare_chat, await read_body(request, st.opts.max_request_bytes), st)
-        await vet_grammar(st, p)
+        await vet_grammar(st, p, request)
         base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": p.body.model,
                 "object": "chat.completion.chunk" if p.body.stream else "chat.completion"}
         logprobs = (lambda entries: chat_logprobs(entries, decode)) if p.sampling.logprobs is not None else None
@@ -251,7 +251,7 @@ def _add_openai_routes(app: FastAPI, st: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         p: Prepared = await st.off_loop(_prepare_completion, await read_body(request, st.opts.max_request_bytes), st)
-        await vet_grammar(st, p)
+        await vet_grammar(st, p, request)
         base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": p.body.model}
         asked = p.sampling.logprobs is not None

@@ -274,7 +274,7 @@ def add_native_routes(app: FastAPI, st: ServerState) -> None:
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         p: Prepared = await st.off_loop(_prepare_generate, await read_body(request, st.opts.max_request_bytes), st)
-        await vet_grammar(st, p)
+        await vet_grammar(st, p, request)
         rid = p.body.rid or uuid.uuid4().hex  # type: ignore[attr-defined]
         handle = _submit(st, p)
         logger.info("generate rid=%d id=%s prompt=%d max_new=%d stream=%s", handle.rid, rid, handle.prompt_tokens,

@@ -271,7 +271,7 @@ def add_responses_routes(app: FastAPI, st: ServerState,
     @app.post("/v1/responses")
     async def create(request: Request) -> Response:
         turn: _Turn = await st.off_loop(prepare, await read_body(request, st.opts.max_request_bytes))
-        await vet_grammar(st, turn.p)
+        await vet_grammar(st, turn.p, request)
         handles = submit_choices(st, turn.p)
         logger.info("response %s rid=%d prompt=%d stream=%s previous=%s", turn.id, handles[0].rid, len(turn.p.ids),
                     turn.body.stream, turn.body.previous_response_id)

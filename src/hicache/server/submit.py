@@ -114,20 +114,40 @@ def _check_fits(ids: list[int], max_new: Optional[int], context_length: int, par
                        param=param, code="context_length_exceeded")
 
 
-async def vet_grammar(st: ServerState, p: Prepared) -> None:
+async def vet_grammar(st: ServerState, p: Prepared, request: Request) -> None:
     """Wait for the verdict on ``p``'s grammar (compiled in the engine's contained grammar checker,
     runtime/grammar_vet.py) without holding any thread; attach its cost to ``p.sampling``. A grammar
-    the engine refuses is a 400 naming its field; too many grammars waiting, a 503."""
+    the engine refuses is a 400 naming its field; one it could not check (too many waiting, the
+    checker down), a 503. Grammars are checked fairly between clients (the peer's address); a
+    client that goes away meanwhile gives up its place (its job leaves the checker's queue, or is
+    stopped there if nobody else waits for it) and gets 499."""
     spec = p.sampling.grammar
     if spec is None or spec.cost is not None:
         return
+    waiting: Optional[asyncio.Future] = None
     try:
-        vetted = await asyncio.wrap_future(st.engine.vet_grammar(spec))
+        waiting = asyncio.wrap_future(st.engine.vet_grammar(spec, request.client.host if request.client else None))
+        vetted = await _unless_gone(request, waiting)
     except InvalidRequestError as e:
         raise APIError(400, str(e), param=p.grammar_param, code="invalid_value") from None
     except OverloadedError as e:
         raise APIError(503, str(e), type="server_error", code="server_overloaded") from None
+    finally:
+        if waiting is not None and not waiting.done():
+            waiting.cancel()  # (cancels the engine's future too: the checker drops the job)
     p.sampling = dataclasses.replace(p.sampling, grammar=vetted)
+
+
+async def _unless_gone(request: Request, waiting: asyncio.Future) -> Any:
+    """``waiting``'s result; APIError 499 once the client has closed the connection (checked every
+    :data:`DISCONNECT_POLL_S` seconds; the caller cancels what it waited for)."""
+    while True:
+        done, _ = await asyncio.wait({waiting}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return waiting.result()
+        if await request.is_disconnected():
+            logger.info("client disconnected while its grammar waited to be checked")
+            raise APIError(499, "the client closed the connection.", code="client_closed")
 
 
 def _sse(obj: Any) -> str:
