@@ -102,6 +102,22 @@ def test_the_key_and_bad_requests(server) -> None:
     assert ok.json()["usage"]["output_tokens"] <= 4
 
 
+def test_count_tokens_counts_a_prompt_that_leaves_no_room_for_the_default_max_tokens(server) -> None:
+    """Before: count_tokens added the default max_tokens (1024) and refused a prompt of 7,431 tokens."""
+    headers = {"x-api-key": "secret"}
+    length = server.loop.engine.context_length
+    counted = httpx.post(server.base_url + "/v1/messages/count_tokens", headers=headers, timeout=60,
+                         json={"model": MODEL, "messages": [{"role": "user", "content": "a" * (length - 600)}]})
+    assert counted.status_code == 200, counted.text
+    assert length - 1024 < counted.json()["input_tokens"] < length
+    schema = {"name": "f", "input_schema": {"type": "string"}}  # a forced call could only be raw text
+    refused = httpx.post(server.base_url + "/v1/messages", headers=headers, timeout=60,
+                         json={"model": MODEL, "max_tokens": 40, "messages": ASK, "tools": [schema],
+                               "tool_choice": {"type": "any"}})
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["message"].startswith("tools[0].input_schema must describe an object")
+
+
 PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
 IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}}
 DOCUMENT = {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "An invoice."}}

@@ -13,6 +13,8 @@ import httpx
 import pytest
 from live_server import serving
 
+from hicache.runtime.sampling import MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS
+
 
 pytestmark = pytest.mark.server
 
@@ -72,6 +74,20 @@ def test_stop_token_ids_out_of_the_vocabulary_are_400s_on_every_endpoint(http, v
     assert f"got {tok}" in refused(http, chat(min_tokens=2, stop_token_ids=[5, tok]), "stop_token_ids")
     refused(http, completion(min_tokens=2, stop_token_ids=[tok]), "stop_token_ids")
     refused(http, generate({"min_new_tokens": 2, "stop_token_ids": [tok]}), "sampling_params.stop_token_ids")
+
+
+def test_stop_strings_are_bounded_in_count_and_bytes_on_every_endpoint(http) -> None:
+    """Before: unbounded, and each token searched the text once per stop string (500,000 of them: 1.7 s
+    of scheduler time a token, and six such requests slowed every client 5x). Issue 56, S2."""
+    many, long = [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)], "é" * (MAX_STOP_STRING_BYTES // 2 + 1)
+    assert f"at most {MAX_STOP_STRINGS} stop strings" in refused(http, chat(stop=many), "stop")
+    assert f"at most {MAX_STOP_STRING_BYTES} bytes" in refused(http, completion(stop=long), "stop")
+    refused(http, generate({"stop": many}), "sampling_params.stop")
+    r = http.post("/v1/messages", json={"model": MODEL, "max_tokens": 3, "stop_sequences": many,
+                                        "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("at most"), r.text
+    at_limit = ["é" * (MAX_STOP_STRING_BYTES // 2 - 1) + f"{i:02x}" for i in range(MAX_STOP_STRINGS)]
+    assert http.post("/v1/chat/completions", json=chat(stop=at_limit)[1]).status_code == 200
 
 
 def test_prompt_and_logit_bias_ids_use_the_same_check(http, vocab) -> None:

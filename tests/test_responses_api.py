@@ -1,11 +1,14 @@
 """OpenAI's Responses API (``/v1/responses``) through the official openai SDK: text, usage, stored
 responses continued with ``previous_response_id`` (the history's KV from the prefix cache), a function
 tool round trip, ``text.format`` json_schema, streaming (the SDK's typed events and its accumulator),
-retrieve / delete, one-sentence refusals (image, file and audio parts among them)."""
+retrieve / delete, one-sentence refusals (image, file and audio parts among them) naming this API's
+fields; the store's budget in the bytes it holds, and its put in constant time (issue 56, S1)."""
 
 from __future__ import annotations
 
 import json
+import time
+import tracemalloc
 
 import httpx
 import pytest
@@ -128,6 +131,73 @@ def test_the_store_is_bounded_by_count_and_bytes() -> None:
     assert by_bytes.get("a") is None and by_bytes.stats()["stored_bytes"] <= by_bytes.max_bytes
     by_bytes.put("huge", stored(100_000))  # larger than the bound alone: not kept, and the others stay
     assert by_bytes.get("huge") is None and by_bytes.get("b") is not None and by_bytes.get("c") is not None
+
+
+def test_refusals_are_400s_naming_the_responses_fields(server) -> None:
+    """Before: ``text.format`` as a string was a 500, and errors named the chat fields (messages, max_tokens)."""
+    url = server.base_url + "/v1/responses"
+    too_long = server.loop.engine.context_length
+    for body, param, says in (
+            ({"text": {"format": "json"}}, "text.format", "text.format must be an object"),
+            ({"text": {"format": {"type": "json_schema", "name": "x", "schema": "{}"}}}, "text.format",
+             "text.format.schema"),
+            ({"max_output_tokens": too_long}, "input", f"max_output_tokens is {too_long}"),
+            ({"input": []}, "input", "input must hold"),
+            ({"tools": [{"type": "function", "name": "bad name!"}]}, "tools", "tools[0].name must be"),
+            ({"tools": [{**WEATHER, "parameters": {"type": "string"}}]}, "tools", "tools[0].parameters must describe"),
+            ({"metadata": {"k": [{}] * 1000}}, "metadata", "at most 16 pairs"),
+            ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "at most 16 pairs")):
+        r = httpx.post(url, json={"model": MODEL, "input": "hi", "max_output_tokens": 2, **body}, timeout=30)
+        assert r.status_code == 400, (body, r.text)
+        error = r.json()["error"]
+        assert error["param"] == param and says in error["message"], (body, error)
+        assert not {"max_tokens", "messages", "response_format", "function"} & set(error["message"].replace(
+            ".", " ").split()), error["message"]
+        assert error["message"].endswith(".") and "\n" not in error["message"]
+
+
+def test_the_store_counts_the_memory_it_holds() -> None:
+    """Before: the budget counted JSON characters, and a response holding 200,000 empty objects in a
+    stored field (0.6 MB of JSON) held 14 MB as Python objects: RSS ran ~20x past the budget."""
+    from hicache.server.response_store import ResponseStore, Stored
+
+    store = ResponseStore(size=100, max_bytes=64 << 20)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(4):
+            response = {"id": f"r{i}", "text": {"format": {"type": "text"}, "k": [{} for _ in range(200_000)]}}
+            store.put(f"r{i}", Stored([{"role": "user", "content": "hi é"}], list(range(1000)), response))
+            del response
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    counted = store.stats()["stored_bytes"]
+    assert 0.8 * counted <= held <= 1.2 * counted, (held, counted)
+    stored = store.get("r3")
+    assert stored is not None and len(stored.response["text"]["k"]) == 200_000 and stored.ids == list(range(1000))
+    assert stored.messages == [{"role": "user", "content": "hi é"}]
+
+
+def test_put_takes_constant_time() -> None:
+    """Before: each put summed every entry's size (2.3 ms at 100,000 entries)."""
+    from hicache.server.response_store import ResponseStore, Stored
+
+    store = ResponseStore(size=10**6, max_bytes=1 << 40)
+    item = Stored([{"role": "user", "content": "hi"}], [1, 2, 3], {"id": "r"})
+
+    def put_s(first: int, count: int = 2000) -> float:
+        t0 = time.perf_counter()
+        for i in range(first, first + count):
+            store.put(f"r{i}", item)
+        return (time.perf_counter() - t0) / count
+
+    small = min(put_s(0), put_s(2000))
+    for i in range(4000, 100_000):
+        store.put(f"r{i}", item)
+    large = min(put_s(100_000), put_s(102_000))
+    assert large < 3 * small + 10e-6, (small, large)
+    assert store.delete("r5") and not store.delete("r5") and store.stats()["stored"] == 103_999
 
 
 PNG = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="

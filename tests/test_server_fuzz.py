@@ -1,9 +1,14 @@
-"""The HTTP fuzz campaign (issue 46, item 6): for a stated number of seconds, from a stated seed,
-and on until each grammar bomb was sent (at most 60 s), hostile clients send grammar bombs and mutations of every request field of chat, completions and
-``/generate`` (schemas, regexes, tools, sampling fields, token ids, sizes, types) while a probe
-client sends a plain 8-token chat every 0.2 s. Every answer is an answer (no 500, no dead engine),
-the probe is never stalled, and afterwards the server is healthy, holds no request, page or
-grammar, and its RSS grew by less than a stated bound. Prints what it tried.
+"""The HTTP fuzz campaign (issue 46, item 6; issue 56): for a stated number of seconds, from a
+stated seed, and on until each grammar bomb was sent and each agent API route tried (at most
+60 s), hostile clients send grammar bombs and mutations of every request field of chat,
+completions and ``/generate`` (schemas, regexes, tools, sampling fields, token ids, sizes, types)
+while a probe client sends a plain 8-token chat every 0.2 s. The agent APIs take part: the
+Messages API (and its ``count_tokens``) and the Responses API get extreme fields, nested fields of
+every shape (``text.format``, ``metadata``, stop sequences, function schemas forced or not),
+malformed blocks and items, forced calls of a bomb schema and guessed previous responses. Every
+answer is an answer (no 500, no dead engine), the probe is never stalled, and afterwards the
+server is healthy, holds no request, page or grammar, and its RSS grew by less than a stated
+bound. Prints what it tried, by kind and by route.
 
 ``HICACHE_HTTP_FUZZ_SECONDS`` (default 8, at most 60) and ``HICACHE_HTTP_FUZZ_SEED`` replay it.
 Later API routes join it (their own bodies in hicache.bench.hostile)."""
@@ -20,7 +25,7 @@ import psutil
 import pytest
 
 from hicache import Engine
-from hicache.bench.hostile import BOMBS, RequestFuzzer
+from hicache.bench.hostile import AGENT_ROUTES, BOMBS, RequestFuzzer
 from hicache.server.serve import ServerThread
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
@@ -31,7 +36,26 @@ MODEL = "tiny"
 CLIENTS = 3
 ANSWERS = {200, 400, 404, 413, 422, 503}  # 503: only server_overloaded (never engine_dead)
 RSS_GROWTH_BOUND = 512 << 20  # the server's process; the grammar checker's memory is its own
+AGENT_REQUESTS = 100  # per client, in the agent APIs' campaign of their own
 PROBE_STALL_BOUND_S = 10.0  # a stall detector (the issue's bombs stalled every client 27 s), not a benchmark
+
+
+def send(c: httpx.Client, kind: str, route: str, body: dict, outcomes: dict[str, int], routes: dict[str, int],
+         unexpected: list[str]) -> None:
+    """Send one hostile request; count its route and its answer (status and error code), and note
+    any answer that is not one (:data:`ANSWERS`; a 503 only for being overloaded)."""
+    routes[route] = routes.get(route, 0) + 1
+    try:
+        r = c.post(route, json=body)
+    except httpx.HTTPError as e:
+        unexpected.append(f"{kind} {route}: {type(e).__name__} {e}")
+        return
+    error = r.json().get("error", {}) if r.status_code != 200 else {}
+    code = error.get("code") or error.get("type", "")  # (the Messages API's errors: Anthropic's shape)
+    answer = f"{r.status_code}{' ' + code if code else ''}"
+    outcomes[answer] = outcomes.get(answer, 0) + 1
+    if r.status_code not in ANSWERS or (r.status_code == 503 and code not in ("server_overloaded", "overloaded_error")):
+        unexpected.append(f"{kind} {route} -> {r.status_code} {r.text[:300]}")
 
 
 def test_the_server_survives_a_seeded_http_fuzz_campaign() -> None:
@@ -43,25 +67,14 @@ def test_the_server_survives_a_seeded_http_fuzz_campaign() -> None:
     stop = threading.Event()
     fuzzers = [RequestFuzzer(FUZZ_SEED + i, engine.vocab_size, MODEL) for i in range(CLIENTS)]
     outcomes: dict[str, int] = {}
+    routes: dict[str, int] = {}
     unexpected: list[str] = []
     probe_s: list[float] = []
 
     def hostile(fuzzer: RequestFuzzer) -> None:
         with httpx.Client(base_url=url, timeout=120) as c:
             while not stop.is_set():
-                kind, route, body = fuzzer.next()
-                try:
-                    r = c.post(route, json=body)
-                except httpx.HTTPError as e:
-                    unexpected.append(f"{kind} {route}: {type(e).__name__} {e}")
-                    continue
-                error = r.json().get("error", {}) if r.status_code != 200 else {}
-                code = error.get("code") or error.get("type", "")  # (the Messages API's errors: Anthropic's shape)
-                outcomes[f"{r.status_code}{' ' + code if code else ''}"] = \
-                    outcomes.get(f"{r.status_code}{' ' + code if code else ''}", 0) + 1
-                if r.status_code not in ANSWERS or (r.status_code == 503 and code not in ("server_overloaded",
-                                                                                            "overloaded_error")):
-                    unexpected.append(f"{kind} {route} -> {r.status_code} {r.text[:300]}")
+                send(c, *fuzzer.next(), outcomes, routes, unexpected)
 
     def probe() -> None:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 8,
@@ -80,8 +93,9 @@ def test_the_server_survives_a_seeded_http_fuzz_campaign() -> None:
     try:
         for t in threads:
             t.start()
-        def every_bomb_sent() -> bool:
-            return all(any(f.tried.get(f"bomb: {name}") for f in fuzzers) for name in BOMBS)
+        def every_bomb_sent() -> bool:  # (and every agent API route)
+            return all(any(f.tried.get(f"bomb: {name}") for f in fuzzers) for name in BOMBS) and \
+                all(routes.get(r) for r in AGENT_ROUTES)
 
         while (time.monotonic() < t_start + FUZZ_SECONDS or not every_bomb_sent()) and time.monotonic() < t_start + 60:
             stop.wait(0.2)
@@ -93,12 +107,13 @@ def test_the_server_survives_a_seeded_http_fuzz_campaign() -> None:
             for k, v in f.tried.items():
                 tried[k] = tried.get(k, 0) + v
         print(f"\nHTTP fuzz: {time.monotonic() - t_start:.0f} s, seed {FUZZ_SEED}, {CLIENTS} clients: tried "
-              f"{dict(sorted(tried.items()))}; answers {dict(sorted(outcomes.items()))}; probe {len(probe_s)} requests, "
+              f"{dict(sorted(tried.items()))}; routes {dict(sorted(routes.items()))}; answers "
+              f"{dict(sorted(outcomes.items()))}; probe {len(probe_s)} requests, "
               f"median {statistics.median(probe_s):.3f} s, worst {max(probe_s):.3f} s; grammar checker "
               f"{engine._vetter.counts if engine._vetter else {}}; RSS {rss_before >> 20} -> "
               f"{proc.memory_info().rss >> 20} MiB")
         assert not unexpected, unexpected[:5]
-        assert sum(tried.values()) > 20 and every_bomb_sent() and tried.get("agent APIs", 0) > 0, tried
+        assert sum(tried.values()) > 20 and every_bomb_sent(), (tried, routes)
         assert max(probe_s) < PROBE_STALL_BOUND_S
         # Nothing is left behind: no request, no page held for one, no grammar request admitted.
         deadline = time.monotonic() + 30
@@ -117,6 +132,45 @@ def test_the_server_survives_a_seeded_http_fuzz_campaign() -> None:
         assert r.status_code == 200 and len(r.json()["choices"][0]["message"]["content"]) == 4
     finally:
         stop.set()
+        srv.stop()
+        engine.shutdown()
+
+
+def test_the_agent_apis_survive_a_campaign_of_their_own() -> None:
+    """The Messages (and count_tokens) and Responses surfaces alone (issue 56): AGENT_REQUESTS hostile
+    bodies per client, each answered 200 or a 4xx, never a 5xx; then the server is healthy, holds no
+    request, and its Responses store keeps within its budget."""
+    engine = Engine("random:tiny", dtype="float32", max_total_tokens=16384)
+    srv = ServerThread(engine, served_model_name=MODEL)
+    url = srv.start()
+    fuzzers = [RequestFuzzer(FUZZ_SEED + i, engine.vocab_size, MODEL, kinds=("agent APIs",)) for i in range(CLIENTS)]
+    outcomes: dict[str, int] = {}
+    routes: dict[str, int] = {}
+    unexpected: list[str] = []
+
+    def hostile(fuzzer: RequestFuzzer) -> None:
+        with httpx.Client(base_url=url, timeout=120) as c:
+            for _ in range(AGENT_REQUESTS):
+                send(c, *fuzzer.next(), outcomes, routes, unexpected)
+
+    threads = [threading.Thread(target=hostile, args=(f,)) for f in fuzzers]
+    t_start = time.monotonic()
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(600)
+        store = httpx.get(url + "/stats", timeout=10).json()["responses"]
+        print(f"\nagent API fuzz: {time.monotonic() - t_start:.0f} s, seed {FUZZ_SEED}, {CLIENTS} clients x "
+              f"{AGENT_REQUESTS}: routes {dict(sorted(routes.items()))}; answers {dict(sorted(outcomes.items()))}; "
+              f"store {store['stored']} responses, {store['stored_bytes']} bytes")
+        assert not unexpected, unexpected[:5]
+        assert all(routes.get(r) for r in AGENT_ROUTES), routes
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        stats = httpx.get(url + "/stats", timeout=10).json()
+        assert stats["running_requests"] == stats["waiting_requests"] == 0
+        assert store["stored_bytes"] <= store["store_max_bytes"]
+    finally:
         srv.stop()
         engine.shutdown()
 

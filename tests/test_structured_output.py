@@ -80,6 +80,9 @@ def test_json_object_regex_and_ebnf(client, server) -> None:
      "not in tools"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "x": {"type": "wat"}}}}}], "tool_choice": "required"}, "tools", "cannot be compiled"),
+    # before: a forced call of a string schema was returned as raw <tool_call> text (issue 56)
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+      "tool_choice": "required"}, "tools", "must describe an object"),
 ])
 def test_what_cannot_compile_is_one_clear_400_and_the_server_stays_healthy(server, body, param, says) -> None:
     payload = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
@@ -118,6 +121,20 @@ def test_forced_tool_calls_parse_and_satisfy_their_schema(client) -> None:
     choice = cut.choices[0]  # max_tokens ends it inside the call: "length", and the open call is no content
     assert choice.finish_reason == "length" and not choice.message.tool_calls
     assert "<tool_call>" not in (choice.message.content or "")
+
+
+def test_a_forced_call_of_a_schema_without_a_type_has_object_arguments(client) -> None:
+    """A schema that names no type could take a string, which no call parses: the grammar holds it to an object."""
+    either = {"anyOf": [{"type": "string", "maxLength": 3}, {"type": "object", "properties": {},
+                                                             "additionalProperties": False}]}
+    tool = {"type": "function", "function": {"name": "f", "parameters": either}}
+    for seed in range(3):
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "go"}], tools=[tool],
+                                           tool_choice="required", parallel_tool_calls=False, seed=seed,
+                                           max_tokens=60)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and "<tool_call>" not in (choice.message.content or "")
+        assert [json.loads(c.function.arguments) for c in choice.message.tool_calls] == [{}]
 
 
 def test_calls_finished_before_max_tokens_are_returned_and_a_named_function_is_called_once(client) -> None:

@@ -14,7 +14,7 @@ PYVER=${GPU_PYTHON_VERSION:-3.12}
 # device tool's KINDS.md lists them). Found by importing what the cuda tests, the bench and the server import and
 # subtracting that list.
 MISSING="fastapi starlette pydantic pydantic-core annotated-types typing-inspection opentelemetry-api python-multipart
-uvicorn gguf llguidance pyzmq valkey"
+uvicorn gguf llguidance pyzmq valkey pyahocorasick"
 rm -rf "$OUT" && mkdir -p "$OUT"
 pins=()
 for name in $MISSING; do

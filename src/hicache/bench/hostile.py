@@ -1,5 +1,5 @@
-"""Hostile requests for the OpenAI and SGLang routes: grammar bombs and seeded mutations of valid
-bodies. What the HTTP fuzz campaign (tests/test_server_fuzz.py) and the grammar-bomb benchmark
+"""Hostile requests for the OpenAI, Anthropic and SGLang routes: grammar bombs and seeded mutations
+of valid bodies. What the HTTP fuzz campaign (tests/test_server_fuzz.py) and the grammar-bomb benchmark
 (benchmarks/bench_grammar_bombs.py) send; each names what it tried, so a failure can be replayed
 from its seed.
 """
@@ -63,16 +63,29 @@ KINDS = ("grammar bomb", "field", "token ids", "drop", "sizes", "types", "native
 # Fields of the Messages and Responses APIs set to extremes by the "agent APIs" kind
 AGENT_FIELDS = {"/v1/messages": ("max_tokens", "temperature", "top_p", "top_k", "system", "stop_sequences", "tools",
                                  "tool_choice", "messages", "stream"),
+                "/v1/messages/count_tokens": ("system", "tools", "tool_choice", "messages", "max_tokens"),
                 "/v1/responses": ("max_output_tokens", "temperature", "top_p", "instructions", "input", "tools",
-                                  "tool_choice", "text", "previous_response_id", "store", "stream")}
+                                  "tool_choice", "text", "previous_response_id", "store", "stream", "metadata",
+                                  "parallel_tool_calls")}
+AGENT_ROUTES = tuple(AGENT_FIELDS)
+# What the agent APIs' nested fields are set to: text.format, metadata, a function's schema, stop sequences
+TEXT_FORMATS: list[Any] = ["json", ["json_schema"], 3, {"type": "json_schema", "schema": "{}"},
+                           {"type": "json_schema", "name": "x", "schema": {"type": "wat"}}, {"type": "json_object"},
+                           {"type": "grammar"}, {"type": "text", "junk": [{}] * 1000}, {"type": None}]
+METADATA: list[Any] = [{"k": [{}] * 10_000}, {f"k{i}": "v" for i in range(17)}, {"k" * 65: "v"}, {"k": "v" * 513},
+                       {"k": 5}, {"k": "v"}]
+SCHEMAS: list[Any] = [{"type": "string"}, {"type": ["object", "null"]}, {"anyOf": [{"type": "string"}]}, {},
+                      {"properties": {"a": {"type": "integer"}}}, {"type": "object", "properties": []}, "object"]
+STOPS: list[Any] = [["x"] * 5000, ["x" * 300], [""], ["\u00e9" * 200], [None], "x", [["x"]]]
 
 
 class RequestFuzzer:
-    """Seeded hostile requests: ``next()`` gives (kind, route, body); ``tried`` counts kinds."""
+    """Seeded hostile requests: ``next()`` gives (kind, route, body); ``tried`` counts kinds.
+    ``kinds``: what it draws from (all of :data:`KINDS` by default)."""
 
-    def __init__(self, seed: int, vocab_size: int, model: str) -> None:
+    def __init__(self, seed: int, vocab_size: int, model: str, kinds: tuple[str, ...] = KINDS) -> None:
         self.rng = random.Random(seed)
-        self.vocab, self.model = vocab_size, model
+        self.vocab, self.model, self.kinds = vocab_size, model, kinds
         self.tried: dict[str, int] = {}
         self._n = 0
 
@@ -83,6 +96,8 @@ class RequestFuzzer:
             return {"model": self.model, "prompt": "hello there", "max_tokens": 8}
         if route == "/v1/messages":
             return {"model": self.model, "max_tokens": 8, "messages": [{"role": "user", "content": "hello there"}]}
+        if route == "/v1/messages/count_tokens":
+            return {"model": self.model, "messages": [{"role": "user", "content": "hello there"}]}
         if route == "/v1/responses":
             return {"model": self.model, "input": "hello there", "max_output_tokens": 8}
         return {"text": "hello there", "sampling_params": {"max_new_tokens": 8}}
@@ -90,8 +105,8 @@ class RequestFuzzer:
     def next(self) -> tuple[str, str, dict[str, Any]]:
         rng = self.rng
         self._n += 1
-        kind = rng.choice(KINDS)
-        route = ("/generate" if kind == "native" else rng.choice(("/v1/messages", "/v1/responses"))
+        kind = rng.choice(self.kinds)
+        route = ("/generate" if kind == "native" else rng.choice(AGENT_ROUTES)
                  if kind == "agent APIs" else rng.choice(("/v1/chat/completions", "/v1/completions")))
         body = self.valid(route)
         if kind == "grammar bomb":
@@ -135,31 +150,60 @@ class RequestFuzzer:
         return kind, route, body
 
     def _agent_api(self, route: str, body: dict[str, Any]) -> None:
-        """The Messages / Responses bodies: an extreme field, malformed blocks or items, forced calls of a
-        bomb schema, unknown or guessed previous responses."""
-        rng = self.rng
+        """The Messages / Responses bodies: an extreme field, nested fields of every shape (text.format,
+        metadata, stop sequences, a function's schema, forced or not), malformed blocks or items, forced
+        calls of a bomb schema, unknown or guessed previous responses, counts of long prompts."""
+        rng, messages = self.rng, route.startswith("/v1/messages")
         choice = rng.random()
-        if choice < 0.4:
+        if choice < 0.3:
             for name in rng.sample(AGENT_FIELDS[route], rng.randint(1, 3)):
                 body[name] = rng.choice(EXTREMES + [[{"type": "image"}], [{"role": "tool"}], {"type": "any"}])
-        elif choice < 0.6:  # a forced call of a pathological schema
+        elif choice < 0.5:
+            self._agent_shapes(route, body)
+        elif choice < 0.65:  # a forced call of a pathological schema
             schema = BOMBS["forced tool chain"](self._n)["tools"][0]["function"]["parameters"]
-            if route == "/v1/messages":
-                body.update(tools=[{"name": "f", "input_schema": schema}], tool_choice={"type": "any"})
-            else:
-                body.update(tools=[{"type": "function", "name": "f", "parameters": schema}], tool_choice="required")
+            self._agent_tool(route, body, schema, forced=True)
         elif choice < 0.8:  # blocks / items of every kind, some malformed
             blocks = [{"type": "tool_result", "tool_use_id": "x", "content": [{"type": "text", "text": "r"}] * 3},
                       {"type": "tool_use", "id": "t", "name": "f", "input": rng.choice(EXTREMES)},
                       {"type": "function_call_output", "call_id": "c", "output": rng.choice(EXTREMES)},
                       {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]
-            key = "messages" if route == "/v1/messages" else "input"
+            key = "messages" if messages else "input"
             body[key] = [{"role": rng.choice(("user", "assistant", "system")), "content": rng.sample(blocks, 2)}] \
-                if route == "/v1/messages" else rng.sample(blocks, 3)
+                if messages else rng.sample(blocks, 3)
         elif route == "/v1/responses":
             body["previous_response_id"] = rng.choice(("resp_" + "0" * 32, "", "../etc", "x" * 10_000))
-        else:
+        elif route == "/v1/messages":
             body["max_tokens"] = rng.choice((0, -1, 10**6))
+        else:
+            body["messages"] = [{"role": "user", "content": "word " * rng.choice((10, 3000, 20_000))}]
+
+    def _agent_shapes(self, route: str, body: dict[str, Any]) -> None:
+        """A nested field of the route's in one of its hostile shapes."""
+        rng = self.rng
+        if route == "/v1/responses":
+            field = rng.choice(("text", "metadata", "tool"))
+            if field == "text":
+                body["text"] = {"format": rng.choice(TEXT_FORMATS)}
+            elif field == "metadata":
+                body["metadata"] = rng.choice(METADATA)
+            else:
+                self._agent_tool(route, body, rng.choice(SCHEMAS), forced=rng.random() < 0.7)
+        elif route == "/v1/messages" and rng.random() < 0.5:
+            body["stop_sequences"] = rng.choice(STOPS)
+        else:
+            self._agent_tool(route, body, rng.choice(SCHEMAS), forced=rng.random() < 0.7)
+
+    def _agent_tool(self, route: str, body: dict[str, Any], schema: Any, forced: bool) -> None:
+        """One function tool of ``schema``, its call forced or left to the model."""
+        if route == "/v1/responses":
+            body.update(tools=[{"type": "function", "name": "f", "parameters": schema}],
+                        tool_choice="required" if forced else "auto", max_output_tokens=40)
+        else:
+            body.update(tools=[{"name": "f", "input_schema": schema}],
+                        tool_choice={"type": "any" if forced else "auto"})
+            if route == "/v1/messages":
+                body["max_tokens"] = 40
 
     def _token_ids(self, route: str, body: dict[str, Any]) -> None:
         rng, bad = self.rng, [self.vocab, self.vocab + 1, *TOKEN_IDS]

@@ -108,6 +108,7 @@ class Request:
     pd: Optional["PDState"] = None  # prefill/decode disaggregation (set with a bootstrap)
     grammar: Any = None  # structured output: runtime.grammar.GrammarState (set at admission)
     penalty: Any = None  # penalties / logit_bias / min_tokens: runtime.penalties.PenaltyState (at admission)
+    stop_scan: Any = None  # stop strings: runtime.stopping.StopScan, how far its text was searched (first check)
     # sampling.logprobs: one runtime.logprobs.TokenLogprob per output token, on the rank that reports
     logprobs: list = field(default_factory=list, repr=False)
     # n > 1: a sibling waits to be admitted until this request's prompt is computed and cached, so

@@ -44,6 +44,11 @@ MASK64 = 2**64 - 1
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "lark")
 MAX_GRAMMAR_CHARS = 256 * 1024  # a JSON schema of a few hundred tools; more is refused, not compiled
 MAX_LOGIT_BIAS = 100.0  # OpenAI: each bias is in [-100, 100]
+# Stop strings: each token is checked against all of them (runtime/stopping.py, one automaton, so
+# in time independent of their count), and a stream holds back the longest one's length - 1
+# characters. OpenAI takes 4; these leave room for agent frameworks' lists and bound the rest.
+MAX_STOP_STRINGS = 128
+MAX_STOP_STRING_BYTES = 256  # each one, UTF-8 encoded
 
 
 @dataclass(frozen=True)
@@ -125,6 +130,7 @@ class SamplingParams:
             refuse("seed", f"seed must be an integer in [-2^63, 2^64), got {self.seed!r}.")
         if any(not _is_int(t) for t in self.stop_token_ids):
             refuse("stop_token_ids", "stop_token_ids must be integers.")
+        self._validate_stop(refuse)
         self._validate_adjustments(refuse)
         if self.grammar is not None:
             try:
@@ -134,6 +140,20 @@ class SamplingParams:
             for name, given in (("ignore_eos", self.ignore_eos), ("min_tokens", self.min_tokens > 0)):
                 if given:
                     refuse(name, f"{name} cannot be combined with a grammar: the grammar decides where the output ends.")
+
+    def _validate_stop(self, refuse: Callable[[str, str], None]) -> None:
+        """At most MAX_STOP_STRINGS stop strings, each at most MAX_STOP_STRING_BYTES UTF-8 bytes."""
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        if stops is None:
+            return
+        if not isinstance(stops, (list, tuple)) or any(not isinstance(s, str) for s in stops):
+            refuse("stop", "stop must be a string or a list of strings.")
+        if len(stops) > MAX_STOP_STRINGS:
+            refuse("stop", f"at most {MAX_STOP_STRINGS} stop strings are accepted, got {len(stops)}.")
+        longest = max((len(s.encode("utf-8", "surrogatepass")) for s in stops), default=0)
+        if longest > MAX_STOP_STRING_BYTES:
+            refuse("stop", f"a stop string may have at most {MAX_STOP_STRING_BYTES} bytes (UTF-8), got one of "
+                           f"{longest}.")
 
     def _validate_adjustments(self, refuse: Callable[[str, str], None]) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

@@ -110,8 +110,9 @@ class MessagesRequest(_Body):
     tool_choice: Optional[dict[str, Any]] = None
 
 
-def as_chat(body: MessagesRequest) -> ChatCompletionRequest:
-    """The chat completion request ``body`` means (module docstring)."""
+def as_chat(body: MessagesRequest, counting: bool = False) -> ChatCompletionRequest:
+    """The chat completion request ``body`` means (module docstring); ``counting`` (count_tokens):
+    without ``max_tokens``, which has no say in what the prompt counts (nor, there, in whether it fits)."""
     messages: list[dict[str, Any]] = []
     if body.system:
         system = body.system if isinstance(body.system, str) else "".join(b.text for b in body.system)
@@ -128,8 +129,10 @@ def as_chat(body: MessagesRequest) -> ChatCompletionRequest:
                      for b in blocks if isinstance(b, ToolResultBlock)]
         if text or not any(isinstance(b, ToolResultBlock) for b in blocks):
             messages.append({"role": "user", "content": text})
-    chat: dict[str, Any] = {"model": body.model, "messages": messages, "max_tokens": body.max_tokens,
-                            "temperature": body.temperature, "stream": body.stream}
+    chat: dict[str, Any] = {"model": body.model, "messages": messages, "temperature": body.temperature,
+                            "stream": body.stream}
+    if not counting:
+        chat["max_tokens"] = body.max_tokens
     if body.top_p is not None:
         chat["top_p"] = body.top_p
     if body.top_k is not None:
@@ -186,13 +189,15 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 
 
 def anthropic_errors(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-    """``handler`` answering its refusals in Anthropic's error shape (the OpenAI one elsewhere)."""
+    """``handler`` answering its refusals in Anthropic's error shape (the OpenAI one elsewhere), a tool's
+    parts named as this API names them (the chat machinery's ``tools[i].function.parameters``)."""
     @functools.wraps(handler)
     async def wrapped(*args: Any, **kwargs: Any) -> Any:
         try:
             return await handler(*args, **kwargs)
         except APIError as e:
-            body = {"type": "error", "error": {"type": ERROR_TYPES.get(e.status, "api_error"), "message": e.message}}
+            message = e.message.replace("].function.parameters", "].input_schema").replace("].function.", "].")
+            body = {"type": "error", "error": {"type": ERROR_TYPES.get(e.status, "api_error"), "message": message}}
             return JSONResponse(body, status_code=e.status)
     return wrapped
 
@@ -202,8 +207,8 @@ def add_anthropic_routes(app: FastAPI, st: ServerState, prepare_chat: Callable[[
     """``prepare_chat``: the chat endpoint's preparation of a parsed body (template, tools, sampling)."""
     decode = st.engine.tokenizer.decode
 
-    def prepare(raw: bytes) -> Prepared:
-        return prepare_chat(as_chat(parse_body(raw, MessagesRequest)), st)
+    def prepare(raw: bytes, counting: bool = False) -> Prepared:
+        return prepare_chat(as_chat(parse_body(raw, MessagesRequest), counting), st)
 
     @app.post("/v1/messages")
     @anthropic_errors
@@ -228,7 +233,7 @@ def add_anthropic_routes(app: FastAPI, st: ServerState, prepare_chat: Callable[[
     @app.post("/v1/messages/count_tokens")
     @anthropic_errors
     async def count_tokens(request: Request) -> dict:
-        p: Prepared = await st.off_loop(prepare, await read_body(request, st.opts.max_request_bytes))
+        p: Prepared = await st.off_loop(prepare, await read_body(request, st.opts.max_request_bytes), True)
         return {"input_tokens": len(p.ids)}
 
 

@@ -1,13 +1,11 @@
 """OpenAI's Responses API: ``POST /v1/responses`` (streamed as its typed events or not),
 ``GET`` / ``DELETE /v1/responses/{id}``, with server-held conversations.
 
-A request becomes the chat request it means (:func:`chat_messages`): ``instructions`` a system
-message, ``input`` text or items (messages with text parts, ``function_call`` items as the
-assistant's tool calls, ``function_call_output`` items as tool messages); function ``tools`` and
-``tool_choice`` the chat API's; ``text.format`` (json_schema / json_object) its ``response_format``;
-``max_output_tokens`` its ``max_tokens``. It is prepared and run as a chat completion (the template,
-forced-call grammars, the prefix cache), and the reply written back as output items: a ``message``
-with one ``output_text`` part, then one ``function_call`` item per call.
+A request becomes the chat request it means (server/responses_request.py: ``instructions``,
+``input`` items, ``tools``, ``text.format``, ``max_output_tokens``; its refusals name this API's
+fields). It is prepared and run as a chat completion (the template, forced-call grammars, the
+prefix cache), and the reply written back as output items: a ``message`` with one ``output_text``
+part, then one ``function_call`` item per call.
 
 ``store`` (default true, as OpenAI's) keeps each response's conversation -- its messages, its reply,
 and the token ids the model saw and wrote -- in a bounded LRU (:class:`ResponseStore`,
@@ -18,7 +16,8 @@ OpenAI's): its prompt is the stored ids plus the new turn as the template render
 continued turn computes little more than its new tokens. Built-in tools
 (web search, file search, ...), reasoning items and image / file / audio parts (the models served
 are text-only) are refused in one sentence; fields a pinned SDK sends at neutral values
-(``include``, ``truncation``, ``metadata``, ``reasoning``, ``user``, ...) are accepted. A grammar
+(``include``, ``truncation``, ``metadata`` within OpenAI's bounds, ``reasoning``, ``user``, ...) are
+accepted. A grammar
 failure ends the response as ``failed``. Beside the standard usage, hicache's extensions:
 ``usage.hicache_cached_tokens`` (cached tokens per tier) and ``timing`` (seconds: TTFT, queue,
 forward), as on chat completions.
@@ -30,137 +29,23 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable, Iterator, Optional, Union
+from typing import Any, AsyncIterator, Callable, Iterator, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import Field
 
 from ..runtime.request import GenerateResult
 from .choices import abort_unfinished, collect_choices, merged_updates, submit_choices
 from .detok import IncrementalText
 from .parsing import parse_body, read_body
-from .protocol import MEDIA_TYPES, APIError, ChatCompletionRequest, _Body, media_refusal
+from .protocol import APIError, ChatCompletionRequest
 from .response_store import ResponseStore, Stored
+from .responses_request import ResponsesRequest, as_chat, chat_messages, responses_errors
 from .state import ServerState
 from .submit import Prepared, _check_fits, _timing, vet_grammar
 from .tools import ChatChunks, parse_calls
 
 logger = logging.getLogger(__name__)
-
-
-
-class ResponsesRequest(_Body):
-    model: str
-    input: Union[str, list[dict[str, Any]]]
-    instructions: Optional[str] = None
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Optional[Union[str, dict[str, Any]]] = None
-    parallel_tool_calls: bool = True
-    text: Optional[dict[str, Any]] = None
-    max_output_tokens: Optional[int] = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    stream: bool = False
-    store: bool = True
-    previous_response_id: Optional[str] = None
-    metadata: Optional[dict[str, Any]] = None
-
-
-def _text_of(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise APIError(400, "a message's content must be text or a list of text parts.", param="input")
-    parts = []
-    for part in content:
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            if kind in MEDIA_TYPES:
-                raise media_refusal(kind, "input")
-            raise APIError(400, f"input content of type {kind!r} is not supported (text only).", param="input")
-        parts.append(str(part.get("text", "")))
-    return "".join(parts)
-
-
-def chat_messages(body: ResponsesRequest, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The conversation ``history`` (a stored response's) plus this request's instructions and input
-    items, as chat messages."""
-    out = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + list(history)
-    items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
-    for item in items:
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = {"developer": "system"}.get(item.get("role"), item.get("role"))
-            if role not in ("system", "user", "assistant"):
-                raise APIError(400, f"input message role {item.get('role')!r} is not supported.", param="input")
-            out.append({"role": role, "content": _text_of(item.get("content", ""))})
-        elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
-            if out and out[-1]["role"] == "assistant":
-                out[-1] = {**out[-1], "tool_calls": [*out[-1].get("tool_calls", []), call]}
-            else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
-            output = item.get("output", "")
-            out.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                        "content": output if isinstance(output, str) else _text_of(output)})
-        else:
-            raise APIError(400, f"input items of type {kind!r} are not supported (messages, function_call and "
-                                "function_call_output are).", param="input")
-    return out
-
-
-def _chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    out = []
-    for t in tools:
-        if t.get("type") != "function":
-            raise APIError(400, f"tools of type {t.get('type')!r} (built-in tools) are not supported; function tools "
-                                "are.", param="tools")
-        out.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}})
-    return out
-
-
-def _chat_tool_choice(choice: Union[str, dict[str, Any]]) -> Any:
-    if isinstance(choice, dict):
-        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-            raise APIError(400, "tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", "
-                                "\"name\": ...}.", param="tool_choice")
-        return {"type": "function", "function": {"name": choice["name"]}}
-    return choice
-
-
-def _response_format(text: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
-    fmt = (text or {}).get("format") or {"type": "text"}
-    kind = fmt.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"type": "json_object"}
-    if kind == "json_schema":
-        return {"type": "json_schema", "json_schema": {"name": fmt.get("name", "output"), "schema": fmt.get("schema"),
-                                                       "strict": fmt.get("strict", False)}}
-    raise APIError(400, f"text.format type {kind!r} is not supported (text, json_object, json_schema are).",
-                   param="text.format")
-
-
-def as_chat(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
-    chat: dict[str, Any] = {"model": body.model, "messages": messages, "temperature": body.temperature,
-                            "top_p": body.top_p, "stream": body.stream, "parallel_tool_calls": body.parallel_tool_calls}
-    if body.max_output_tokens is not None:
-        chat["max_tokens"] = body.max_output_tokens
-    if body.tools:
-        chat["tools"] = _chat_tools(body.tools)
-    if body.tool_choice is not None:
-        chat["tool_choice"] = _chat_tool_choice(body.tool_choice)
-    fmt = _response_format(body.text)
-    if fmt is not None:
-        chat["response_format"] = fmt
-    try:
-        return ChatCompletionRequest.model_validate(chat)
-    except ValueError as e:
-        raise APIError(400, f"the request cannot be served: {str(e).splitlines()[0]}.") from None
 
 
 class _Turn:
@@ -269,6 +154,7 @@ def add_responses_routes(app: FastAPI, st: ServerState,
         return _Turn(body, stored_messages, prepared)
 
     @app.post("/v1/responses")
+    @responses_errors
     async def create(request: Request) -> Response:
         turn: _Turn = await st.off_loop(prepare, await read_body(request, st.opts.max_request_bytes))
         await vet_grammar(st, turn.p, request)

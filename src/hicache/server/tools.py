@@ -54,6 +54,9 @@ def check_tools(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                            param="tools")
         if not isinstance(params, dict):
             raise APIError(400, f"tools[{i}].function.parameters must be a JSON Schema object.", param="tools")
+        if params.get("type", "object") != "object":  # as OpenAI and Anthropic refuse it
+            raise APIError(400, f"tools[{i}].function.parameters must describe an object (\"type\": \"object\"): a "
+                                f"call's arguments are a JSON object, not {params.get('type')!r}.", param="tools")
         out[name] = params
     return out
 
@@ -78,10 +81,12 @@ def chosen(tools: dict[str, dict[str, Any]], tool_choice: Any) -> tuple[str, lis
 
 
 def call_grammar(tools: dict[str, dict[str, Any]], names: list[str], parallel: bool) -> str:
-    """A Lark grammar (llguidance's, with inline ``%json``) for one or more calls of ``names``."""
+    """A Lark grammar (llguidance's, with inline ``%json``) for one or more calls of ``names``, whose
+    arguments are always a JSON object (what :func:`parse_calls` takes as a call)."""
     rules = []
     for i, name in enumerate(names):
-        schema = {"type": "object", "properties": {"name": {"const": name}, "arguments": tools[name]},
+        arguments = {**tools[name], "type": "object"}  # a schema without a type could take any JSON value
+        schema = {"type": "object", "properties": {"name": {"const": name}, "arguments": arguments},
                   "required": ["name", "arguments"], "additionalProperties": False,
                   "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
         rules.append(f"fn{i}: %json {json.dumps(schema)}")

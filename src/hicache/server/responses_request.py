@@ -1,0 +1,180 @@
+"""What a Responses API request means as a chat request (server/responses.py runs it as one).
+
+``instructions`` a system message, ``input`` text or items (messages with text parts,
+``function_call`` items as the assistant's tool calls, ``function_call_output`` items as tool
+messages); function ``tools`` and ``tool_choice`` the chat API's; ``text.format`` (json_schema /
+json_object) its ``response_format``; ``max_output_tokens`` its ``max_tokens``. The chat
+machinery's refusals are answered naming this API's fields (:func:`responses_errors`).
+``metadata`` is held to OpenAI's bounds (it is stored and returned with the response).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any, Awaitable, Callable, Optional, Union
+
+from pydantic import Field, ValidationError, field_validator
+
+from .protocol import MEDIA_TYPES, APIError, ChatCompletionRequest, _Body, media_refusal
+
+# OpenAI's bounds on ``metadata``: at most 16 pairs, keys of at most 64 characters, string values of at most 512
+METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
+
+
+class ResponsesRequest(_Body):
+    model: str
+    input: Union[str, list[dict[str, Any]]]
+    instructions: Optional[str] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: bool = True
+    text: Optional[dict[str, Any]] = None
+    max_output_tokens: Optional[int] = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stream: bool = False
+    store: bool = True
+    previous_response_id: Optional[str] = None
+    metadata: Optional[dict[str, Any]] = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _bounded_metadata(cls, v: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        if v is not None and (len(v) > METADATA_PAIRS or any(len(k) > METADATA_KEY_CHARS for k in v)
+                              or any(not isinstance(x, str) or len(x) > METADATA_VALUE_CHARS for x in v.values())):
+            raise ValueError(f"at most {METADATA_PAIRS} pairs, keys of at most {METADATA_KEY_CHARS} characters and "
+                             f"string values of at most {METADATA_VALUE_CHARS}")
+        return v
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, "a message's content must be text or a list of text parts.", param="input")
+    parts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind in MEDIA_TYPES:
+                raise media_refusal(kind, "input")
+            raise APIError(400, f"input content of type {kind!r} is not supported (text only).", param="input")
+        parts.append(str(part.get("text", "")))
+    return "".join(parts)
+
+
+def chat_messages(body: ResponsesRequest, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation ``history`` (a stored response's) plus this request's instructions and input
+    items, as chat messages."""
+    out = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + list(history)
+    items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
+    for item in items:
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = {"developer": "system"}.get(item.get("role"), item.get("role"))
+            if role not in ("system", "user", "assistant"):
+                raise APIError(400, f"input message role {item.get('role')!r} is not supported.", param="input")
+            out.append({"role": role, "content": _text_of(item.get("content", ""))})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
+            if out and out[-1]["role"] == "assistant":
+                out[-1] = {**out[-1], "tool_calls": [*out[-1].get("tool_calls", []), call]}
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output", "")
+            out.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                        "content": output if isinstance(output, str) else _text_of(output)})
+        else:
+            raise APIError(400, f"input items of type {kind!r} are not supported (messages, function_call and "
+                                "function_call_output are).", param="input")
+    return out
+
+
+def _chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for t in tools:
+        if t.get("type") != "function":
+            raise APIError(400, f"tools of type {t.get('type')!r} (built-in tools) are not supported; function tools "
+                                "are.", param="tools")
+        out.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}})
+    return out
+
+
+def _chat_tool_choice(choice: Union[str, dict[str, Any]]) -> Any:
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise APIError(400, "tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", "
+                                "\"name\": ...}.", param="tool_choice")
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return choice
+
+
+def _response_format(text: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """``text.format`` as the chat API's ``response_format`` (None: plain text)."""
+    fmt = (text or {}).get("format") or {"type": "text"}
+    if not isinstance(fmt, dict):
+        raise APIError(400, "text.format must be an object such as {\"type\": \"json_schema\", \"name\": ..., "
+                            "\"schema\": {...}}.", param="text.format")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise APIError(400, "text.format of type json_schema needs its JSON Schema as an object in "
+                                "text.format.schema.", param="text.format")
+        return {"type": "json_schema", "json_schema": {"name": fmt.get("name", "output"), "schema": fmt["schema"],
+                                                       "strict": fmt.get("strict", False)}}
+    raise APIError(400, f"text.format type {kind!r} is not supported (text, json_object, json_schema are).",
+                   param="text.format")
+
+
+def as_chat(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
+    chat: dict[str, Any] = {"model": body.model, "messages": messages, "temperature": body.temperature,
+                            "top_p": body.top_p, "stream": body.stream, "parallel_tool_calls": body.parallel_tool_calls}
+    if body.max_output_tokens is not None:
+        chat["max_tokens"] = body.max_output_tokens
+    if body.tools:
+        chat["tools"] = _chat_tools(body.tools)
+    if body.tool_choice is not None:
+        chat["tool_choice"] = _chat_tool_choice(body.tool_choice)
+    fmt = _response_format(body.text)
+    if fmt is not None:
+        chat["response_format"] = fmt
+    if not messages:
+        raise APIError(400, "input must hold at least one message or item.", param="input")
+    try:
+        return ChatCompletionRequest.model_validate(chat)
+    except ValidationError as e:  # what the chat API refuses of the translated request
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        raise APIError(400, f"the request cannot be served: {where}: {err['msg'].rstrip('.')}.") from None
+
+
+# A Responses request is prepared and run as a chat request: what its errors call the chat fields
+# they name, and the request fields they are here (a message or a tool that the chat API nests
+# under ``function`` is flat here).
+CHAT_FIELDS = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
+               "response_format": "text.format", "messages": "input"}
+_CHAT_WORD = re.compile(r"\b(max_completion_tokens|max_tokens|response_format)\b|(\]\.function\.)")
+
+
+def own_fields(e: APIError) -> APIError:
+    """``e`` naming this API's fields where the chat machinery named its own."""
+    message = _CHAT_WORD.sub(lambda m: "]." if m.group(2) else CHAT_FIELDS[m.group(1)], e.message)
+    return APIError(e.status, message, e.type, CHAT_FIELDS.get(e.param or "", e.param), e.code)
+
+
+def responses_errors(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """``handler`` whose refusals name the Responses API's fields (:func:`own_fields`)."""
+    @functools.wraps(handler)
+    async def wrapped(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await handler(*args, **kwargs)
+        except APIError as e:
+            raise own_fields(e) from None
+    return wrapped
