@@ -21,6 +21,7 @@ from ..cache.manager import KVCacheManager
 from ..consensus_record import consensus_check
 from .batch import Batch
 from .events import PrefetchEvent, StepEvents
+from .fair_share import GroupShares, newcomer_budget
 from .modes import Action, Fail, Mode, Release, StartDecode
 from .prefetch_policy import PrefetchPolicy
 from .request import PrefetchWait, Request, Status
@@ -192,14 +193,29 @@ class Scheduler(Results):
         return max(min(left, self.chunked_prefill_size), 1 + self.reserve_slots)
 
     def _schedule_prefill(self) -> list[tuple[Request, int]]:
-        """(request, new tokens this step) within the chunked-prefill token budget."""
+        """(request, new tokens this step) within the chunked-prefill token budget: queued requests
+        first with the share running prompts leave them (runtime/fair_share.py), then running prompts
+        with the rest."""
         budget = self.chunked_prefill_size
+        prefilling = [r for r in self.running if r.status is Status.PREFILL and not r.in_flight]
+        reserved = newcomer_budget(budget, bool(self.waiting), self.cache.page_size) if prefilling else budget
+        admitted = self._admit_waiting(reserved)
+        budget -= sum(n for _, n in admitted)
         batch: list[tuple[Request, int]] = []
-        for req in self.running:
-            if req.status is Status.PREFILL and not req.in_flight and budget > 0:
-                n = min(len(req.prompt_ids) - req.computed, budget)
-                batch.append((req, n))
-                budget -= n
+        for req in prefilling:
+            if budget <= 0:
+                break
+            n = min(len(req.prompt_ids) - req.computed, budget)
+            batch.append((req, n))
+            budget -= n
+        return batch + admitted
+
+    def _admit_waiting(self, budget: int) -> list[tuple[Request, int]]:
+        """Admit queued requests in arrival order while ``budget`` tokens and the running slots last;
+        a request whose group has its fair share (or whose storage read,
+        sibling, shared prefix or mode is not ready) lets later ones go first."""
+        batch: list[tuple[Request, int]] = []
+        shares = GroupShares(self.running, self.max_running_requests, self.cache.capacity_pages)
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_running_requests:
                 break
@@ -209,10 +225,13 @@ class Scheduler(Results):
                 continue  # n > 1: admitted once its sibling's prompt is cached, to share its pages
             if self.shared_prefill_wait and computing_prefix_of(req, self.running) is not None:
                 continue  # another request is computing its first tokens: it hits them once cached
+            if shares.over(req, self.cache.pages_for(self._reserve_tokens(req))):
+                continue  # its group has its share: others first
             if not all([m.admissible(req) for m in self.modes]):  # every mode hears of it
                 continue  # e.g. its grammar's matcher is being built, or a budget is full
             if not self._admit(req):
                 break  # first-come first-served for memory: later requests wait behind it
+            shares.admitted(req)
             self.waiting.remove(req)
             self.running.append(req)
             if any([m.on_admit(req) for m in self.modes]):  # every mode hears of it
@@ -222,6 +241,10 @@ class Scheduler(Results):
             batch.append((req, n))
             budget -= n
         return batch
+
+    def _reserve_tokens(self, req: Request) -> int:
+        """Tokens of KV a request reserves at admission: its prompt, its most output, a mode's slots."""
+        return len(req.prompt_ids) + req.max_new_tokens + self.reserve_slots
 
     def _prompt_pending(self, rid: int) -> bool:
         """Request ``rid`` is queued or still computing its prompt."""
@@ -242,7 +265,7 @@ class Scheduler(Results):
 
     def _admit(self, req: Request) -> bool:
         arrives = any([m.kv_arrives(req) for m in self.modes])  # its prompt is not computed here: decode only
-        kv = self.cache.admit(req.namespace, req.tokens_np, len(req.prompt_ids) + req.max_new_tokens + self.reserve_slots,
+        kv = self.cache.admit(req.namespace, req.tokens_np, self._reserve_tokens(req),
                               req.storage_tokens, 1 + self.reserve_slots if arrives else self._later_tokens(req, 0),
                               window_arrives=arrives)
         if kv is None:
