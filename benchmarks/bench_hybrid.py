@@ -153,6 +153,78 @@ def exact(agents: int = 2, turns: int = 3) -> None:
           f"window-aware {outputs['window-aware'] == outputs['cold']}")
 
 
+# Gemma 3 270M's KV geometry (18 layers, 15 of them a 512-token window, one KV head of 256, float16 KV) on a
+# random model of small hidden width: what each tier holds does not depend on the numbers computed.
+GEMMA_KV = ('random:{"preset": "gemma-small", "num_layers": 18, "hidden_size": 64, "num_heads": 1, "head_dim": 256, '
+            '"intermediate_size": 64, "vocab_size": 50000, "sliding_window": 512, "max_position_embeddings": 16384, "layer_kinds": '
+            '["sliding", "sliding", "sliding", "sliding", "sliding", "full", "sliding", "sliding", "sliding", "sliding", '
+            '"sliding", "full", "sliding", "sliding", "sliding", "sliding", "sliding", "full"]}')
+
+
+def tier_bytes(contexts: tuple[int, ...], agents: int, turns: int, growth: int, ratio: float | None) -> None:
+    """5. Bytes each tier spends per cached token, window-aware vs every layer, with the tiers the
+    default settings give (a storage backend written through), agents whose conversations end near
+    each context length."""
+    import json
+    import tempfile
+
+    from hicache import Engine
+
+    label = "default settings" if ratio is None else f"--swa-full-tokens-ratio {ratio}"
+    print(f"\n5. bytes per cached token in each tier, {agents} agents x {turns} turns of +{growth} tokens, {label} "
+          "(Gemma 3 270M's KV geometry on a random model; device pool: two conversations' full-layer tokens)")
+    print(f"   {'context':>8} {'layout':>13} {'pool':>9} {'device':>9} {'host':>9} {'storage':>9} {'hit ratio':>10}"
+          "   (pool: device pool bytes per full-layer token it can hold; the others: bytes held per cached token)")
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    row = 2 * 256 * 2  # K and V of one token in one layer, float16
+    for length in contexts:
+        prompts = agent_prompts(agents, turns, start=length - (turns - 1) * growth, growth=growth, seed=5)
+        device_tokens = 2 * (length + 512)
+        figures, pool_bytes = {}, 0
+        for name in ("window-aware", "every layer"):
+            with tempfile.TemporaryDirectory() as store:
+                opts = dict(kv_cache_dtype="float16", dtype="float32", max_total_tokens=device_tokens,
+                            enable_hierarchical_cache=True, hicache_ratio=3.0, hicache_storage_backend="file",
+                            hicache_storage_backend_extra_config=json.dumps({"path": store}))
+                if name == "every layer":  # the window-aware pool's bytes, every layer's KV in them
+                    opts.update(disable_hybrid_swa_memory=True, max_total_tokens=pool_bytes // (18 * row))
+                elif ratio is not None:
+                    opts.update(swa_full_tokens_ratio=ratio)
+                engine = Engine(GEMMA_KV, **opts)
+                results = [engine.generate([tokens], greedy)[0] for _, tokens in prompts]
+                engine.backend.core.cache.drain()
+                pool = engine.stats()["device_pool"]
+                pool_bytes = pool["device_pool_bytes"]
+                figures[name] = (pool_bytes / (pool["capacity_pages"] * engine.config.page_size),
+                                 *_held_bytes(engine, row),
+                                 sum(r.cached_tokens for r in results) / sum(r.prompt_tokens for r in results))
+                engine.shutdown()
+        for name in ("every layer", "window-aware"):
+            pool, dev, host, storage, hits = figures[name]
+            print(f"   {length:>8} {name:>13} {pool:>9,.0f} {dev:>9,.0f} {host:>9,.0f} {storage:>9,.0f} {hits:>10.1%}")
+        every, aware = figures["every layer"], figures["window-aware"]
+        print(f"   {length:>8} {'saves':>13} " + " ".join(f"{e / a:>8.2f}x" if a else f"{'-':>9}" for e, a in
+                                                      zip(every[:4], aware[:4])))
+
+
+def _held_bytes(engine, row: int) -> tuple[float, float, float]:
+    """Bytes per cached token the device, host and storage tiers hold (page ids counted, objects sized)."""
+    import json
+
+    core = engine.backend.core
+    tree, pool, ps = core.cache.tree, core.pool, core.pool.page_size
+    window_layers = len(pool.window_layers)
+    full_page, window_page = row * ps * (len(pool.k_buffers) - window_layers), row * ps * window_layers
+    device = tree.cached_pages * full_page + (tree.window_pages_held * window_page if pool.hybrid else 0)
+    host_stats = engine.stats()["host_pool"]
+    host = tree.host_pages_held * full_page + host_stats.get("window", {}).get("cached_pages", 0) * window_page
+    store = Path(json.loads(engine.config.hicache_storage_backend_extra_config)["path"])
+    files = [f for f in store.rglob("*") if f.is_file()]
+    pages = sum(1 for f in files if not f.name.endswith("-window"))
+    return (device / max(tree.cached_pages * ps, 1), host / max(tree.host_pages_held * ps, 1),
+            sum(f.stat().st_size for f in files) / max(pages * ps, 1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pool-mib", type=int, default=1024)
@@ -162,8 +234,13 @@ def main() -> None:
     ap.add_argument("--ratio", type=float, default=0.25, help="--swa-full-tokens-ratio of parts 2 and 3")
     ap.add_argument("--ttft", action="store_true", help="also part 3 (the real model; minutes on a CPU)")
     ap.add_argument("--ttft-pool-mib", type=int, default=160)
+    ap.add_argument("--tiers", action="store_true", help="only part 5: bytes per cached token in every tier")
     args = ap.parse_args()
     t0 = time.perf_counter()
+    if args.tiers:
+        tier_bytes((1024, 4096, 8192), agents=4, turns=4, growth=256, ratio=None)
+        print(f"\n({time.perf_counter() - t0:.0f} s)")
+        return
     memory(args.pool_mib, (4096, 8192))
     hit_vs_use(args.agent_pool_mib, args.agents, args.turns, args.ratio)
     if args.ttft:
