@@ -19,6 +19,7 @@ from ..device import DTYPES, choose_precision, resolve_device
 from ..disagg.bootstrap import Bootstrap
 from ..errors import ContextLengthError, EngineDeadError, HicacheError, InvalidRequestError
 from ..model import load_model
+from ..model.chat_render import render_limit_chars
 from ..model.chat_templates import resolve_chat_template
 from ..model.loader import LoadedModel
 from ..runtime.grammar_vet import GrammarVetter, VetLimits
@@ -70,6 +71,8 @@ class Engine:
             raise ConfigError(
                 f"--context-length {self.context_length} exceeds the model's {spec.max_position_embeddings} positions."
             )
+        # chats render within a limit that leaves room for any prompt the context holds (model/chat_render.py)
+        self.tokenizer = self.tokenizer.with_render_limit(render_limit_chars(self.context_length))
         self.draft: LoadedModel | None = None  # the speculative draft model
         if cfg.uses_draft_model:
             self.draft = load_model(cfg.speculative_draft_model_path, dtype=self.dtype, device=self.device,

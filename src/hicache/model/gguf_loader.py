@@ -4,7 +4,12 @@ qwen2, qwen3, gemma3) into :class:`LlamaForCausalLM`.
 Fail closed: whatever in a file would change the math and is not implemented -- another
 architecture, an unknown key of the architecture's metadata, a tensor with no place in the model
 (e.g. Llama 3.1's ``rope_freqs``, QK-norm, Gemma's extra norms) -- is refused with one sentence
-naming it, never skipped (:func:`_check_model`)."""
+naming it, never skipped (:func:`_check_model`).
+
+Checked before anything is allocated (issue 56; model/file_checks.py): the header within bounds
+(model/gguf_file.py), ``block_count`` against the layers the tensor table holds, every size a
+positive integer and every float finite, each tensor's shape against the spec's; a tokenizer the
+``tokenizers`` library refuses is one sentence too."""
 
 from __future__ import annotations
 
@@ -16,8 +21,9 @@ import numpy as np
 import torch
 
 from hicache.kernels import cpu_kernels
-from hicache.model.errors import ModelFormatError, ModelNotFoundError
+from hicache.model.errors import ModelFormatError, ModelNotFoundError, as_float, as_int, cut, quoted
 from hicache.model.families import Family, gguf_family, gguf_layer_fields
+from hicache.model.file_checks import GGUF_LAYER, check_finite, check_layer_count, check_shapes, check_token_ids
 from hicache.model.gguf_blocks import GGUF_BLOCK_TYPES, GGUFBlockWeight
 from hicache.model.gguf_file import GGUFFile, GGUFTensor
 from hicache.model.llama import LlamaForCausalLM
@@ -91,18 +97,18 @@ def _check_model(reader: GGUFFile) -> Family:
         short = key.removeprefix(prefix)
         read = short in _READ_KEYS or short in family.gguf_keys
         if key.startswith(prefix) and not read and not _neutral(short, value, reader, prefix):
-            raise ModelFormatError(f"GGUF metadata {key} = {_shown(value)} changes the math in a way this engine does "
+            raise ModelFormatError(f"GGUF metadata {cut(key)} = {quoted(value)} changes the math in a way this engine does "
                                    "not implement yet; the file is refused rather than run wrongly.")
     scaling = _field(reader, prefix + "rope.scaling.type", "none")
     if scaling not in ROPE_SCALING_TYPES:
-        raise ModelFormatError(f"GGUF metadata {prefix}rope.scaling.type = {scaling!r} is not implemented (only "
+        raise ModelFormatError(f"GGUF metadata {prefix}rope.scaling.type = {quoted(scaling)} is not implemented (only "
                                f"{', '.join(ROPE_SCALING_TYPES)}); the file is refused rather than run wrongly.")
     for t in reader.tensors:
         m = _LAYER_RE.match(t.name)
         part = m.group(2) if m else t.name.rpartition(".")[0]
         if hf_name(t.name, family) is None and t.name != ROPE_FACTORS:
             what = f" ({_UNHANDLED_TENSORS[part]})" if part in _UNHANDLED_TENSORS else ""
-            raise ModelFormatError(f"GGUF tensor {t.name}{what} has no place in this engine's {family.name} model; "
+            raise ModelFormatError(f"GGUF tensor {cut(t.name)}{what} has no place in this engine's {family.name} model; "
                                    "the file is refused rather than run without it.")
     return family
 
@@ -113,42 +119,48 @@ def _neutral(key: str, value, reader: GGUFFile, prefix: str) -> bool:
     return key in neutral and value in neutral[key]
 
 
-def _shown(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def _head_dim(reader: GGUFFile, p: str, hidden: int, heads: int) -> int:
     """A head's width: ``attention.key_length`` where the file says (Qwen3: not hidden / heads), else
     the rotary dimensions, else hidden / heads. Values as wide as keys and rotary over the whole head
     are what the model implements: anything else is refused."""
-    head_dim = int(_field(reader, p + "attention.key_length", _field(reader, p + "rope.dimension_count",
-                                                                         hidden // heads)))
+    head_dim = _int(reader, p + "attention.key_length", _field(reader, p + "rope.dimension_count", hidden // heads))
     for key in ("attention.value_length", "rope.dimension_count"):
-        if int(_field(reader, p + key, head_dim)) != head_dim:
+        if _int(reader, p + key, head_dim) != head_dim:
             raise ModelFormatError(f"GGUF metadata {p}{key} = {_field(reader, p + key)} differs from the head width "
                                    f"{head_dim}, which this engine does not implement; the file is refused.")
     return head_dim
 
 
+def _int(reader: GGUFFile, key: str, default=None) -> int:
+    """Metadata ``key`` (else ``default``) as a positive integer; one sentence naming it otherwise."""
+    return as_int(_field(reader, key, default), f"GGUF metadata {key}")
+
+
+def _float(reader: GGUFFile, key: str, default: float) -> float:
+    """Metadata ``key`` (else ``default``) as a finite positive float; one sentence naming it otherwise."""
+    return as_float(_field(reader, key, default), f"GGUF metadata {key}")
+
+
 def _spec_from_gguf(reader: GGUFFile, tensor_names: set[str], family: Family) -> ModelSpec:
     p = f"{family.gguf_architecture}."
-    hidden = int(_field(reader, p + "embedding_length"))
-    heads = int(_field(reader, p + "attention.head_count"))
-    vocab = int(_field(reader, p + "vocab_size", len(reader.fields["tokenizer.ggml.tokens"])))
-    layers = int(_field(reader, p + "block_count"))
+    # first: the spec makes a tuple per layer, and the model a module per layer
+    layers = check_layer_count(_field(reader, p + "block_count"), tensor_names, GGUF_LAYER,
+                               f"GGUF metadata {p}block_count", "its tensor table")
+    hidden = _int(reader, p + "embedding_length")
+    heads = _int(reader, p + "attention.head_count")
+    vocab = _int(reader, p + "vocab_size", len(reader.fields.get("tokenizer.ggml.tokens") or ()))
     return ModelSpec(
         num_layers=layers,
         hidden_size=hidden,
         num_heads=heads,
-        num_kv_heads=int(_field(reader, p + "attention.head_count_kv", heads)),
+        num_kv_heads=_int(reader, p + "attention.head_count_kv", heads),
         head_dim=_head_dim(reader, p, hidden, heads),
-        intermediate_size=int(_field(reader, p + "feed_forward_length")),
+        intermediate_size=_int(reader, p + "feed_forward_length"),
         vocab_size=vocab,
-        rope_theta=float(_field(reader, p + "rope.freq_base", 10000.0)),
-        rms_norm_eps=float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=_float(reader, p + "rope.freq_base", 10000.0),
+        rms_norm_eps=_float(reader, p + "attention.layer_norm_rms_epsilon", 1e-5),
         tie_word_embeddings="output.weight" not in tensor_names,
-        max_position_embeddings=int(_field(reader, p + "context_length", 2048)),
+        max_position_embeddings=_int(reader, p + "context_length", 2048),
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         rope_scaling=_rope_scaling(reader, p),
         **gguf_layer_fields(family, reader.fields, hidden, layers),
@@ -161,14 +173,14 @@ def _rope_scaling(reader: GGUFFile, p: str) -> dict | None:
     llama.cpp's defaults for what the file does not say); else None."""
     tensor = next((t for t in reader.tensors if t.name == ROPE_FACTORS), None)
     if tensor is None:
-        factor = float(_field(reader, p + "rope.scaling.factor", 1.0) or 1.0)
+        factor = as_float(_field(reader, p + "rope.scaling.factor") or 1.0, f"GGUF metadata {p}rope.scaling.factor")
         kind = _field(reader, p + "rope.scaling.type", "none")
         if kind == "none" or factor == 1.0:
             return None
         scaling = {"rope_type": kind, "factor": factor}
         if kind == "yarn":
-            scaling["original_max_position_embeddings"] = int(_field(
-                reader, p + "rope.scaling.original_context_length", _field(reader, p + "context_length", 2048)))
+            scaling["original_max_position_embeddings"] = _int(
+                reader, p + "rope.scaling.original_context_length", _field(reader, p + "context_length", 2048))
         return scaling
     if int(tensor.tensor_type) != 0:  # GGML_TYPE_F32, as llama.cpp's converter writes it
         raise ModelFormatError(f"GGUF tensor {ROPE_FACTORS} must be F32, got type {int(tensor.tensor_type)}.")
@@ -186,9 +198,9 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
     reader, tokenizer, family = _read(path)
     names = {t.name for t in reader.tensors}
     spec = _spec_from_gguf(reader, names, family)
-    if tokenizer.vocab_size > spec.vocab_size:
-        raise ModelFormatError(f"the GGUF file's tokenizer has {tokenizer.vocab_size} tokens but its model only "
-                               f"{spec.vocab_size} embedding rows.")
+    check_shapes([(t.name, hf_name(t.name, family), tuple(reversed(t.shape))) for t in reader.tensors
+                  if t.name != ROPE_FACTORS], spec, "GGUF", "the GGUF file", family.parts_of)
+    check_token_ids(tokenizer, spec, "the GGUF file")
     if not weights:
         return None, tokenizer, spec
     model = LlamaForCausalLM(spec, dtype, device)
@@ -210,7 +222,8 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
                 # rows come out in the model's order (the blocks are un-permuted already).
                 values = blocks.dequantize(ops)
             else:
-                array = np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type))
+                with np.errstate(over="ignore", invalid="ignore"):  # (a hostile file's infinities: refused below)
+                    array = np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type))
                 if not array.flags.writeable:  # F32 tensors come back as views of the read-only mmap
                     array = array.copy()
                 values = torch.from_numpy(array)
@@ -239,6 +252,7 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
 def _assign(target: torch.Tensor, values: torch.Tensor, gguf_name: str) -> None:
     if tuple(values.shape) != tuple(target.shape):
         raise ModelFormatError(f"GGUF tensor {gguf_name} has shape {tuple(values.shape)}, expected {tuple(target.shape)}.")
+    check_finite(values, f"GGUF tensor {cut(gguf_name)}")
     if values.dtype == target.dtype and values.device == target.device and values.is_contiguous():
         target.data = values  # a tensor of our own already: no second copy (the empty one is freed)
     else:
@@ -293,7 +307,13 @@ def _read(path: Path) -> tuple[GGUFFile, Tokenizer, Family]:
 def _parse(path: str, size: int, mtime_ns: int) -> tuple[GGUFFile, Tokenizer, Family]:
     reader = GGUFFile(path)  # read-only: the cached reader and tokenizer are shared
     family = _check_model(reader)  # before the tokenizer: a file of another family is refused for what it is
-    return reader, tokenizer_from_gguf(reader.fields, family.gguf_architecture), family
+    try:
+        tokenizer = tokenizer_from_gguf(reader.fields, family.gguf_architecture)
+    except ModelFormatError:
+        raise
+    except Exception as e:  # the tokenizers library's own refusals (plain Exception) and ill-typed arrays
+        raise ModelFormatError(f"the GGUF file's tokenizer cannot be built: {quoted(str(e))}.") from None
+    return reader, tokenizer, family
 
 
 def is_gguf_file(path: Path) -> bool:

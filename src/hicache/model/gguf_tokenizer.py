@@ -24,7 +24,7 @@ from typing import Any, Mapping, Sequence
 
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, normalizers
 
-from hicache.model.errors import ModelFormatError
+from hicache.model.errors import ModelFormatError, quoted
 from hicache.model.tokenizer import Tokenizer, byte_level_bpe, bytes_to_unicode
 
 # The splits BPE vocabularies were learned over, by their ``tokenizer.ggml.pre`` name. None: GPT-2's
@@ -44,6 +44,9 @@ TOKENIZER_MODELS = ("gpt2", "llama")
 CONTROL, USER_DEFINED = 3, 4
 SPACE = "\u2581"  # SentencePiece's space
 MERGE_ORDER_BY_POSITION = {"gemma", "gemma2", "gemma3"}  # SentencePiece files whose scores are not the merge order
+# Work recovering merges is the sum of the tokens' squared lengths (every cut of every token): Gemma 3's
+# 262K tokens make 10.8M; a hostile vocabulary of long tokens is refused rather than worked through for hours.
+MAX_MERGE_WORK = 1 << 27
 
 
 def tokenizer_from_gguf(fields: Mapping[str, Any], architecture: str) -> Tokenizer:
@@ -60,7 +63,7 @@ def tokenizer_from_gguf(fields: Mapping[str, Any], architecture: str) -> Tokeniz
         backend = _sentencepiece(tokens, types, fields, architecture)
         add_bos_default = True  # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
     else:
-        raise ModelFormatError(f"GGUF tokenizer model {kind!r} is not supported; supported: {', '.join(TOKENIZER_MODELS)}.")
+        raise ModelFormatError(f"GGUF tokenizer model {quoted(kind)} is not supported; supported: {', '.join(TOKENIZER_MODELS)}.")
     _add_special_tokens(backend, tokens, types, byte_level=kind == "gpt2")
     bos = fields.get("tokenizer.ggml.bos_token_id")
     eos = {int(fields["tokenizer.ggml.eos_token_id"])} if "tokenizer.ggml.eos_token_id" in fields else set()
@@ -74,7 +77,7 @@ def tokenizer_from_gguf(fields: Mapping[str, Any], architecture: str) -> Tokeniz
 
 def _byte_level(tokens: Sequence[str], merges: Sequence[str], pre: str) -> HFTokenizer:
     if pre not in PRE_TOKENIZERS:
-        raise ModelFormatError(f"GGUF pre-tokenizer {pre!r} is not supported; supported: "
+        raise ModelFormatError(f"GGUF pre-tokenizer {quoted(pre)} is not supported; supported: "
                                f"{', '.join(sorted(PRE_TOKENIZERS))}.")
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     return byte_level_bpe({tok: i for i, tok in enumerate(tokens)}, pairs, PRE_TOKENIZERS[pre])  # type: ignore[arg-type]
@@ -111,6 +114,10 @@ def _sentencepiece(tokens: Sequence[str], types: Sequence[int], fields: Mapping[
 def recover_merges(vocab: Mapping[str, int], rank: Mapping[str, float]) -> list[tuple[str, str]]:
     """The merges a SentencePiece vocabulary implies: every cut of a token into two tokens of the
     vocabulary, the best-ranked merged token first, then by the pieces' ids (a stable order)."""
+    work = sum(len(token) ** 2 for token in vocab)
+    if work > MAX_MERGE_WORK:
+        raise ModelFormatError(f"the GGUF vocabulary's tokens are too long to recover merges from (the sum of their "
+                               f"squared lengths is {work}, more than {MAX_MERGE_WORK}).")
     found: list[tuple[float, int, int, str, str]] = []
     for token in vocab:
         for cut in range(1, len(token)):

@@ -1,15 +1,25 @@
-"""Load a local Hugging Face model directory (config.json + *.safetensors + tokenizer.json)."""
+"""Load a local Hugging Face model directory (config.json + *.safetensors + tokenizer.json).
+
+Checked before anything is allocated (issue 56; model/file_checks.py): config.json of at most
+:data:`MAX_CONFIG_BYTES`, a JSON object whose sizes are positive integers and whose floats the math
+uses are finite (values the engine does not read may be anything JSON holds, ``Infinity`` included,
+as transformers writes a Mamba ``time_step_limit``); the safetensors headers (read by the
+``safetensors`` library, which checks their offsets) hold exactly ``num_hidden_layers`` layers and
+each tensor has its parameter's shape."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any, Iterable
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-from hicache.model.errors import ModelFormatError, ModelNotFoundError
+from hicache.config import ConfigError
+from hicache.model.errors import ModelFormatError, ModelNotFoundError, as_float, as_int, cut, quoted
 from hicache.model.families import DEEPSEEK, hf_family, hf_layer_fields
+from hicache.model.file_checks import HF_LAYER, check_finite, check_layer_count, check_shapes, check_token_ids
 from hicache.model.llama import LlamaForCausalLM
 from hicache.model.spec import ModelSpec
 from hicache.model.tokenizer import Tokenizer, load_hf_tokenizer
@@ -24,51 +34,83 @@ _NEUTRAL_KEYS: dict[str, tuple] = {
 }
 
 
-def spec_from_hf_config(config: dict) -> ModelSpec:
+MAX_CONFIG_BYTES = 16 << 20  # config.json (a real one: a few KB)
+MAX_TOKENIZER_BYTES = 1 << 30  # each tokenizer file (Gemma 3's tokenizer.json: 33 MB)
+
+
+def spec_from_hf_config(config: dict, tensor_names: Iterable[str] | None = None) -> ModelSpec:
     """A :class:`ModelSpec` from an HF ``config.json`` dict (a family of model/families/).
 
     RoPE: ``rope_theta`` + ``rope_scaling`` (transformers 4) or ``rope_parameters`` (transformers 5,
     per layer kind where the layers differ: the full layers' here, the sliding ones' in
     ``hf_layer_fields``). Fail closed: a key that changes the math and is not implemented --
     an activation the family's layer does not compute, MLP biases, soft-capping... -- is refused,
-    naming it.
+    naming it. ``tensor_names``: the checkpoint's, against which ``num_hidden_layers`` is checked
+    first (a spec makes a tuple per layer). Every refusal is one sentence (ModelFormatError).
     """
-    archs = config.get("architectures") or []
-    family = hf_family(archs, config.get("model_type", "llama"))
-    _check_config(config)
+    if not isinstance(config, dict):
+        raise ModelFormatError(f"config.json holds {type(config).__name__}, not a JSON object.")
     try:
-        hidden = int(config["hidden_size"])
-        heads = int(config["num_attention_heads"])
-        rope = dict(config.get("rope_parameters") or {})
-        rope = dict(rope.get("full_attention", rope))  # per layer kind (Gemma 3): the full layers' here
-        partial = rope.pop("partial_rotary_factor", 1.0)  # transformers 5 keeps it here
-        if partial not in (None, 1.0):
-            raise ModelFormatError(f"config.json partial_rotary_factor = {partial!r} changes the math in a way this "
-                                   "engine does not implement; the model is refused rather than run wrongly.")
-        scaling = config.get("rope_scaling") or None
-        theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
-        if scaling is None and rope:
-            rope.pop("rope_theta", None)
-            scaling = rope if rope.get("rope_type", "default") != "default" else None
-        return ModelSpec(
-            num_layers=int(config["num_hidden_layers"]),
-            hidden_size=hidden,
-            num_heads=heads,
-            num_kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or hidden // heads),
-            intermediate_size=int(config["intermediate_size"]),
-            vocab_size=int(config["vocab_size"]),
-            rope_theta=float(theta),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", family.tie_embeddings)),
-            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-            attention_bias=bool(config.get("attention_bias", family.attention_bias)),
-            rope_scaling=scaling,
-            **hf_layer_fields(family, config),
-            **(_mla_fields(config) if family is DEEPSEEK else {}),
-        )
+        return _spec(config, tensor_names)
     except KeyError as e:
-        raise ModelFormatError(f"config.json lacks the field {e.args[0]!r}.") from None
+        raise ModelFormatError(f"config.json lacks the field {quoted(e.args[0])}.") from None
+    except ConfigError:
+        raise
+    except (TypeError, ValueError, AttributeError, OverflowError, ZeroDivisionError) as e:  # a value of another type
+        raise ModelFormatError(f"config.json holds a value this engine cannot read ({quoted(str(e))}).") from None
+
+
+def _spec(config: dict, tensor_names: Iterable[str] | None) -> ModelSpec:
+    archs = config.get("architectures") or []
+    model_type = config.get("model_type", "llama")
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs) or not isinstance(model_type, str):
+        raise ModelFormatError(f"config.json architectures = {quoted(archs)} and model_type = {quoted(model_type)} "
+                               "must be a list of names and a name.")
+    family = hf_family(archs, model_type)
+    _check_config(config)
+    if tensor_names is not None:
+        check_layer_count(config["num_hidden_layers"], tensor_names, HF_LAYER, "config.json num_hidden_layers",
+                          "the checkpoint")
+    hidden = _int(config, "hidden_size")
+    heads = _int(config, "num_attention_heads")
+    rope = dict(config.get("rope_parameters") or {})
+    rope = dict(rope.get("full_attention", rope))  # per layer kind (Gemma 3): the full layers' here
+    partial = rope.pop("partial_rotary_factor", 1.0)  # transformers 5 keeps it here
+    if partial not in (None, 1.0):
+        raise ModelFormatError(f"config.json partial_rotary_factor = {quoted(partial)} changes the math in a way this "
+                               "engine does not implement; the model is refused rather than run wrongly.")
+    scaling = config.get("rope_scaling") or None
+    theta = config.get("rope_theta")
+    theta = rope.get("rope_theta", 10000.0) if theta is None else theta
+    if scaling is None and rope:
+        rope.pop("rope_theta", None)
+        scaling = rope if rope.get("rope_type", "default") != "default" else None
+    return ModelSpec(
+        num_layers=_int(config, "num_hidden_layers"),
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=as_int(config.get("num_key_value_heads") or heads, "config.json num_key_value_heads"),
+        head_dim=as_int(config.get("head_dim") or hidden // heads, "config.json head_dim"),
+        intermediate_size=_int(config, "intermediate_size"),
+        vocab_size=_int(config, "vocab_size"),
+        rope_theta=as_float(theta, "config.json rope_theta"),
+        rms_norm_eps=as_float(config.get("rms_norm_eps", 1e-6), "config.json rms_norm_eps"),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", family.tie_embeddings)),
+        max_position_embeddings=_int(config, "max_position_embeddings", 2048),
+        attention_bias=bool(config.get("attention_bias", family.attention_bias)),
+        rope_scaling=scaling,
+        **hf_layer_fields(family, config),
+        **(_mla_fields(config) if family is DEEPSEEK else {}),
+    )
+
+
+def _int(config: dict, key: str, default: Any = None) -> int:
+    """``config[key]`` (absent or None: ``default``; no default: KeyError) as a positive integer."""
+    value = config.get(key)
+    value = default if value is None else value
+    if value is None:
+        raise KeyError(key)
+    return as_int(value, f"config.json {key}")
 
 
 def _check_config(config: dict) -> None:
@@ -76,7 +118,7 @@ def _check_config(config: dict) -> None:
     keys -- activation, windows -- are the family mapping's: ``hf_layer_fields``)."""
     for key, neutral in _NEUTRAL_KEYS.items():
         if key in config and config[key] not in neutral:
-            raise ModelFormatError(f"config.json {key} = {config[key]!r} changes the math in a way this engine does "
+            raise ModelFormatError(f"config.json {key} = {quoted(config[key])} changes the math in a way this engine does "
                                    "not implement; the model is refused rather than run wrongly.")
 
 
@@ -111,40 +153,85 @@ def _check_folder(folder: Path) -> list[Path]:
 
 def load_hf_dir(folder: Path, dtype: torch.dtype, device: torch.device | str,
                 weights: bool = True) -> tuple[LlamaForCausalLM | None, Tokenizer, ModelSpec]:
-    """``weights=False``: only the shape and the tokenizer (the model is None)."""
+    """``weights=False``: only the shape and the tokenizer (the model is None). Every file is checked
+    before the model is allocated (the module's docstring)."""
     weight_files = _check_folder(folder)
-    with open(folder / "config.json", encoding="utf-8") as f:
-        config = json.load(f)
-    spec = spec_from_hf_config(config)
+    config = _read_config(folder / "config.json")
+    headers = _read_headers(weight_files)
+    spec = spec_from_hf_config(config, headers)
     family = hf_family(config.get("architectures") or [], config.get("model_type", "llama"))
-    tokenizer = load_hf_tokenizer(folder, config)
+    # Tied checkpoints may still store lm_head; rotary caches are recomputed.
+    stored = {name: where for name, where in headers.items()
+              if not (name == "lm_head.weight" and spec.tie_word_embeddings or name.endswith("rotary_emb.inv_freq"))}
+    check_shapes([(name, name, shape) for name, (_, shape) in stored.items()], spec, "checkpoint",
+                 f"the checkpoint in {folder.name}", family.parts_of)
+    tokenizer = _tokenizer(folder, config)
+    check_token_ids(tokenizer, spec, f"the model directory {folder.name}")
     if not weights:
         return None, tokenizer, spec
     model = LlamaForCausalLM(spec, dtype, device)
     params = dict(model.named_parameters())
-    loaded: set[str] = set()
     with torch.no_grad():
         for file in weight_files:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
+                    if name not in stored:
+                        continue
                     parts = family.parts_of(name) or (name,)  # a fused tensor (Phi-3's qkv_proj) fills its parts
-                    if any(p not in params for p in parts):
-                        # Tied checkpoints may still store lm_head; rotary caches are recomputed.
-                        if name == "lm_head.weight" or name.endswith("rotary_emb.inv_freq"):
-                            continue
-                        raise ModelFormatError(f"checkpoint tensor {name} in {file.name} has no place in the model.")
                     values = f.get_tensor(name)
-                    want = (sum(params[p].shape[0] for p in parts), *params[parts[0]].shape[1:])
-                    if tuple(values.shape) != want:
-                        raise ModelFormatError(f"checkpoint tensor {name} has shape {tuple(values.shape)}, expected {want}.")
+                    check_finite(values, f"checkpoint tensor {cut(name)}")
                     if family.hf_norm_offset and name.endswith("norm.weight"):
                         # Gemma stores w and computes 1 + w: add the 1 in float32, then round once to the
                         # model's dtype (as llama.cpp's converter folds it), so every norm is x / rms(x) * weight
                         values = values.float() + 1.0
                     for part, piece in zip(parts, values.split([params[p].shape[0] for p in parts])):
                         params[part].copy_(piece)
-                        loaded.add(part)
-    missing = sorted(set(params) - loaded)
-    if missing:
-        raise ModelFormatError(f"checkpoint in {folder} lacks {', '.join(missing[:3])}{'...' if len(missing) > 3 else ''}.")
     return model, tokenizer, spec
+
+
+def _read_config(path: Path) -> dict:
+    """config.json: at most :data:`MAX_CONFIG_BYTES`, JSON (``Infinity`` and ``NaN`` as transformers
+    writes them), an object."""
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise ModelFormatError(f"{path} is {path.stat().st_size} bytes, more than a config.json may be "
+                               f"({MAX_CONFIG_BYTES}).")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (ValueError, RecursionError) as e:  # (JSONDecodeError and UnicodeDecodeError are ValueErrors)
+        raise ModelFormatError(f"{path} is not JSON ({quoted(str(e))}).") from None
+    if not isinstance(config, dict):
+        raise ModelFormatError(f"{path} holds {type(config).__name__}, not a JSON object.")
+    return config
+
+
+def _read_headers(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """Every tensor of the checkpoint by name: its file and shape, from the safetensors headers only
+    (the library checks each header's size and offsets against its file)."""
+    found: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    if name in found:
+                        raise ModelFormatError(f"checkpoint tensor {cut(name)} is in both {found[name][0].name} and "
+                                               f"{file.name}.")
+                    found[name] = (file, tuple(f.get_slice(name).get_shape()))
+        except (SafetensorError, OSError) as e:
+            raise ModelFormatError(f"cannot read checkpoint {file.name}: {quoted(str(e))}.") from None
+    return found
+
+
+def _tokenizer(folder: Path, config: dict) -> Tokenizer:
+    """The directory's tokenizer; its files within :data:`MAX_TOKENIZER_BYTES`, and a refusal of the
+    ``tokenizers`` library (a plain Exception) or an ill-typed tokenizer config one sentence."""
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
+        path = folder / name
+        if path.is_file() and path.stat().st_size > MAX_TOKENIZER_BYTES:
+            raise ModelFormatError(f"{path} is {path.stat().st_size} bytes, more than {MAX_TOKENIZER_BYTES}.")
+    try:
+        return load_hf_tokenizer(folder, config)
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ModelFormatError(f"the tokenizer in {folder} cannot be loaded: {quoted(str(e))}.") from None

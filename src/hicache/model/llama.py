@@ -224,6 +224,27 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
+def parameter_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Every parameter of ``LlamaForCausalLM(spec)`` by name, with its shape, allocating none of
+    them: one layer built on the meta device (~1 ms; the layers of a spec share their shapes), its
+    names repeated for every layer. What the loaders check a file's tensor table against before
+    they allocate the model (model/file_checks.py)."""
+    import dataclasses
+
+    one = dataclasses.replace(spec, num_layers=1, layer_kinds=spec.layer_kinds[:1])
+    with _no_default_init(), _made_on(torch.device("meta"), torch.float32):
+        model = LlamaModel(one)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, p in model.named_parameters():
+        if name.startswith("layers.0."):
+            shapes.update({f"model.layers.{i}.{name[9:]}": tuple(p.shape) for i in range(spec.num_layers)})
+        else:
+            shapes[f"model.{name}"] = tuple(p.shape)
+    if not spec.tie_word_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, spec.hidden_size)
+    return shapes
+
+
 class LlamaForCausalLM(nn.Module):
     """The decoder plus LM head. Parameters are allocated uninitialized; a loader fills them.
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from hicache.config import ConfigError
+from hicache.model.errors import quoted
 
 
 class ModelSpecError(ConfigError):
@@ -121,6 +123,7 @@ class ModelSpec:
             )
         if self.head_dim % 2:
             raise ModelSpecError(f"head_dim must be even for rotary embeddings, got {self.head_dim}.")
+        self._validate_finite()
         if not (self.rope_theta > 0 and self.rms_norm_eps > 0):
             raise ModelSpecError("rope_theta and rms_norm_eps must be positive.")
         if self.is_mla:
@@ -137,6 +140,23 @@ class ModelSpec:
         if rope_type == "freq_factors" and len(self.rope_scaling.get("factors", ())) != self.rope_dim // 2:
             raise ModelSpecError(f"rope frequency factors: expected {self.rope_dim // 2} (one per rotary pair), got "
                                  f"{len(self.rope_scaling.get('factors', ()))}.")
+
+    def _validate_finite(self) -> None:
+        """The floats the math divides by, raises to a power or multiplies with are finite (issue 56: an
+        infinite eps made every norm 0 and the model printed NULs); the rope scaling's numbers too."""
+        floats = [("rope_theta", self.rope_theta), ("rms_norm_eps", self.rms_norm_eps),
+                  ("embedding_scale", self.embedding_scale), ("attention_scale", self.attention_scale),
+                  ("local_rope_theta", self.local_rope_theta)]
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
+            raise ModelSpecError(f"rope scaling must be a dict of parameters, got {type(self.rope_scaling).__name__}.")
+        for key, value in (self.rope_scaling or {}).items():
+            values = value if key == "factors" and isinstance(value, (list, tuple)) else [value]
+            floats += [(f"rope scaling {key}", v) for v in values if key == "factors" or isinstance(v, (int, float))]
+        for name, value in floats:
+            if value is not None and not (isinstance(value, (int, float)) and abs(value) <= sys.float_info.max):
+                raise ModelSpecError(f"model spec field {name} must be a finite number, got {quoted(value, 40)}.")
+        if self.rope_scaling and any(not f > 0 for f in self.rope_scaling.get("factors") or ()):
+            raise ModelSpecError("rope frequency factors must be positive.")
 
     def _validate_layers(self) -> None:
         if self.hidden_act not in ACTIVATIONS:

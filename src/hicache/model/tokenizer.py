@@ -6,31 +6,17 @@ one for random test models; an HF ``tokenizer.json`` is loaded as-is by :func:`l
 
 from __future__ import annotations
 
+import copy
 import json
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from jinja2.exceptions import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
-from hicache.errors import InvalidRequestError
+from hicache.errors import ConfigError, InvalidRequestError
+from hicache.model.chat_render import MIN_RENDER_CHARS, ChatTemplateError, compile_chat_template, render
 from hicache.model.chat_templates import BUILTIN, CHATML
-
-
-def _raise_template_error(message: str) -> None:
-    raise TemplateError(message)
-
-
-def _compile(template: str):
-    """A chat template as transformers renders it: Jinja in a sandbox, trimmed blocks, loop controls,
-    ``raise_exception``, ``strftime_now`` and a ``tojson`` that keeps non-ASCII text."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.globals["raise_exception"] = _raise_template_error
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
-    return env.from_string(template)
+from hicache.model.errors import cut
 
 
 class Tokenizer:
@@ -38,6 +24,10 @@ class Tokenizer:
 
     ``encode`` adds no special tokens, except a leading BOS when ``add_bos`` (the model was trained
     with one) and the text does not already start with it (chat templates often write it).
+
+    Chats render within limits (model/chat_render.py): ``render_chars`` characters of output
+    (:meth:`with_render_limit`; the engine's: per token of its context). A template that does not
+    compile leaves completions working; chats are refused, naming why.
     """
 
     def __init__(
@@ -55,12 +45,27 @@ class Tokenizer:
         self.add_bos = add_bos and bos_token_id is not None
         self.chat_template = chat_template  # None: the model has none (a base model): chats are refused
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
-        self._template = None if chat_template is None else _compile(chat_template)
+        self.render_chars = MIN_RENDER_CHARS
+        self._template, self._template_error = None, None
+        try:
+            self._template = None if chat_template is None else compile_chat_template(chat_template)
+        except Exception as e:  # a syntax error, a source too long, nesting past the parser's recursion
+            self._template_error = cut(str(e) or type(e).__name__).rstrip(".")
 
     def with_chat_template(self, template: str) -> "Tokenizer":
-        """This tokenizer (sharing its backend) rendering chats with ``template`` instead."""
-        return Tokenizer(self._tok, bos_token_id=self.bos_token_id, eos_token_ids=self.eos_token_ids,
-                         add_bos=self.add_bos, chat_template=template)
+        """This tokenizer (sharing its backend) rendering chats with ``template`` instead; ConfigError
+        when it does not compile."""
+        other = Tokenizer(self._tok, bos_token_id=self.bos_token_id, eos_token_ids=self.eos_token_ids,
+                          add_bos=self.add_bos, chat_template=template).with_render_limit(self.render_chars)
+        if other._template_error:
+            raise ConfigError(f"the chat template does not compile: {other._template_error}.")
+        return other
+
+    def with_render_limit(self, max_chars: int) -> "Tokenizer":
+        """This tokenizer (sharing its backend and compiled template) rendering chats of at most ``max_chars``."""
+        other = copy.copy(self)
+        other.render_chars = max_chars
+        return other
 
     @property
     def backend(self) -> HFTokenizer:
@@ -93,14 +98,19 @@ class Tokenizer:
                             tools: list[dict] | None = None) -> str:
         """Render ``messages`` (``{"role", "content"}`` dicts) with the model's Jinja template;
         ``tools`` goes to a template that takes them (:attr:`renders_tools`). InvalidRequestError
-        when the model has no template."""
+        when the model has no template; ChatTemplateError (one) when it does not compile, raises, or
+        runs past a limit."""
+        if self._template_error:
+            raise ChatTemplateError(f"this model's chat template does not compile ({self._template_error}): start it "
+                                    f"with --chat-template FILE or one of {', '.join(BUILTIN)}.")
         if self._template is None:
             raise InvalidRequestError("this model has no chat template (a base model?): send a completion, or start "
                                       f"it with --chat-template FILE or one of {', '.join(BUILTIN)}.", param="messages")
         bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
         eos_id = min(self.eos_token_ids) if self.eos_token_ids else None
         eos = self.id_to_token(eos_id) if eos_id is not None else ""
-        return self._template.render(
+        return render(
+            self._template, self.render_chars,
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=bos or "",

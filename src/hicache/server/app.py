@@ -118,6 +118,8 @@ def prepare_chat_body(body: ChatCompletionRequest, st: ServerState) -> Prepared:
     check_choices(body.n, 1, sp, body.stream, st.opts.max_logprob_tokens)
     try:
         text = tok.apply_chat_template(chat.messages, add_generation_prompt=True, tools=chat.template_tools)
+    except InvalidRequestError as e:  # no template, or it raised or ran past a limit (model/chat_render.py)
+        raise APIError(400, str(e), param="messages") from None
     except Exception as e:  # the model's Jinja template refused these messages
         raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
     ids = tok.encode(text)

@@ -5,7 +5,7 @@ ModelSpec fields."""
 
 from __future__ import annotations
 
-from hicache.model.errors import ModelFormatError
+from hicache.model.errors import ModelFormatError, quoted
 from hicache.model.families.base import Family, gguf_layer_fields, hf_layer_fields
 from hicache.model.families.deepseek import DEEPSEEK
 from hicache.model.families.gemma3 import GEMMA3
@@ -23,7 +23,7 @@ def gguf_family(architecture: object) -> Family:
     family = next((f for f in FAMILIES if f.gguf_architecture == architecture), None)
     if family is None:
         known = ", ".join(repr(f.gguf_architecture) for f in FAMILIES if f.gguf_architecture)
-        raise ModelFormatError(f"GGUF architecture {architecture!r} is not supported; supported: {known}.")
+        raise ModelFormatError(f"GGUF architecture {quoted(architecture)} is not supported; supported: {known}.")
     return family
 
 
@@ -34,5 +34,5 @@ def hf_family(architectures: list[str], model_type: str) -> Family:
         family = next((f for f in FAMILIES if f.name == model_type.removesuffix("_text")), LLAMA)
     if family is None:
         known = ", ".join(a for f in FAMILIES for a in f.hf_architectures)
-        raise ModelFormatError(f"model architecture {architectures[0]} is not supported; expected one of {known}.")
+        raise ModelFormatError(f"model architecture {quoted(architectures[0])} is not supported; expected one of {known}.")
     return family

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from hicache.model.errors import ModelFormatError
+from hicache.model.errors import ModelFormatError, as_float, as_int, quoted
 
 # GGUF tensor of a layer (after "blk.{i}.") -> HF parameter (after "model.layers.{i}."), as llama.cpp
 # names a Llama layer. A family whose converter maps a name elsewhere says so (Family.gguf_tensors).
@@ -106,7 +106,8 @@ def _common_fields(family: Family, hidden: int, num_layers: int, window: int) ->
 def gguf_layer_fields(family: Family, fields: Mapping[str, Any], hidden: int, num_layers: int) -> dict[str, Any]:
     """The ModelSpec fields of a family's layer from its GGUF metadata ``fields``."""
     prefix = f"{family.gguf_architecture}."
-    window = int(fields.get(prefix + "attention.sliding_window", 0) or 0)
+    key = prefix + "attention.sliding_window"
+    window = as_int(fields.get(key, 0) or 0, f"GGUF metadata {key}", 0)
     out = _common_fields(family, hidden, num_layers, window)
     if family.gguf_attention_scale is not None:
         out["attention_scale"] = family.gguf_attention_scale(fields, prefix)
@@ -119,20 +120,20 @@ def hf_layer_fields(family: Family, config: Mapping[str, Any]) -> dict[str, Any]
     act = config.get("hidden_act", config.get("hidden_activation")) or HF_ACTIVATIONS[family.hidden_act][0]
     hidden_act = next((ours for ours, names in HF_ACTIVATIONS.items() if act in names), None)
     if hidden_act != family.hidden_act:
-        raise ModelFormatError(f"config.json hidden_act {act!r} is not what this engine's {family.name} layer computes "
-                               f"({family.hidden_act}); the model is refused rather than run wrongly.")
-    num_layers, hidden = int(config["num_hidden_layers"]), int(config["hidden_size"])
+        raise ModelFormatError(f"config.json hidden_act {quoted(act)} is not what this engine's {family.name} layer "
+                               f"computes ({family.hidden_act}); the model is refused rather than run wrongly.")
+    num_layers, hidden = int(config["num_hidden_layers"]), int(config["hidden_size"])  # (checked by the caller)
     kinds = _hf_layer_kinds(family, config, num_layers)
-    window = int(config.get("sliding_window") or 0) if "sliding" in kinds else 0
+    window = _int(config, "sliding_window", 0, least=0) if "sliding" in kinds else 0
     out = _common_fields(family, hidden, num_layers, window)
     out["layer_kinds"] = kinds if window else ()
     scalar = config.get("query_pre_attn_scalar")
     if scalar is not None:
-        out["attention_scale"] = float(scalar) ** -0.5
+        out["attention_scale"] = as_float(scalar, "config.json query_pre_attn_scalar") ** -0.5
     if out["local_rope_theta"] is not None:
         local = (config.get("rope_parameters") or {}).get("sliding_attention") or {}
-        out["local_rope_theta"] = float(local.get("rope_theta", config.get("rope_local_base_freq",
-                                                                            family.local_rope_theta)))
+        theta = local.get("rope_theta", config.get("rope_local_base_freq", family.local_rope_theta))
+        out["local_rope_theta"] = as_float(theta, "config.json rope_local_base_freq")
     return out
 
 
@@ -144,15 +145,21 @@ def _hf_layer_kinds(family: Family, config: Mapping[str, Any], num_layers: int) 
     if types:
         unknown = set(types) - {"full_attention", "sliding_attention"}
         if unknown or len(types) != num_layers:
-            raise ModelFormatError(f"config.json layer_types {sorted(unknown) or types} are not implemented (full and "
-                                   "sliding attention are); the model is refused rather than run wrongly.")
+            raise ModelFormatError(f"config.json layer_types {quoted(sorted(unknown) or types)} are not implemented "
+                                   "(full and sliding attention are); the model is refused rather than run wrongly.")
         return tuple("sliding" if t == "sliding_attention" else "full" for t in types)
-    window = config.get("sliding_window")
+    window = _int(config, "sliding_window", 0, least=0)
     if not window or not config.get("use_sliding_window", True) or \
-            int(window) >= int(config.get("max_position_embeddings", 2048)):
+            window >= _int(config, "max_position_embeddings", 2048):
         return ()
-    pattern = int(config.get("sliding_window_pattern", family.sliding_pattern) or 0)
+    pattern = _int(config, "sliding_window_pattern", family.sliding_pattern, least=0)
     if pattern:
         return tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(num_layers))
-    first = int(config.get("max_window_layers", 0)) if "use_sliding_window" in config else 0
+    first = _int(config, "max_window_layers", 0, least=0) if "use_sliding_window" in config else 0
     return tuple("sliding" if i >= first else "full" for i in range(num_layers))
+
+
+def _int(config: Mapping[str, Any], key: str, default: int, least: int = 1) -> int:
+    """``config[key]`` as an integer (None or absent: ``default``); one sentence naming the key otherwise."""
+    value = config.get(key)
+    return as_int(default if value is None else value, f"config.json {key}", least)
