@@ -3,7 +3,8 @@
 overwritten, tensor entries bent, files cut short, hostile chat templates, config.json values of
 every JSON type (``Infinity`` and ``NaN`` included), checkpoints with other shapes or broken headers
 -- each loaded in this process as ``hicache`` would load it. Every load must end, within
-:data:`CASE_SECONDS`, either in a model that renders a chat and computes finite logits, or in one
+:data:`CASE_SECONDS`, either in a model that renders a chat and computes finite logits (or has
+weights past :data:`ABSURD_WEIGHT`: finite, so loaded, and free to overflow), or in one
 :class:`~hicache.errors.HicacheError` of one sentence (the CLI's single ``error:`` line); never
 another exception (a traceback). :func:`run_campaign` prints what it tried and what came of it.
 """
@@ -23,6 +24,9 @@ from hicache.bench.hostile_models import (ARRAY, BOOL, CHATML, DOUBLING, F32, F6
                                           STRING, U8, U32, U64, GGUFDoc, Raw, hf_tensors, tiny_gguf, write_hf_dir)
 
 CASE_SECONDS = 10.0  # one load, chat render and forward pass (the tiny model takes ~0.1 s)
+# A weight beyond this may overflow float32 activations however the file is read (1e18 * 1e18 in a
+# norm): such a file loads (its values are finite) and its logits need not be.
+ABSURD_WEIGHT = 1e4
 KINDS = ("gguf field", "gguf header bytes", "gguf tensor", "gguf cut", "chat template", "hf config", "hf tensors")
 GGUF_KEYS = ("general.alignment", "general.architecture", "llama.block_count", "llama.embedding_length",
              "llama.attention.head_count", "llama.attention.head_count_kv", "llama.feed_forward_length",
@@ -210,8 +214,11 @@ def try_load(path: Path) -> str:
     except HicacheError as e:
         assert one_sentence(str(e)), f"a refusal of more than one sentence: {str(e)[:300]!r}"
         return "refused"
-    assert bool(torch.isfinite(logits).all()), "loaded, and its logits are not finite"
-    return "loaded"
+    if bool(torch.isfinite(logits).all()):
+        return "loaded"
+    largest = max(float(p.abs().max()) for p in loaded.model.parameters())
+    assert largest > ABSURD_WEIGHT, f"loaded, and its logits are not finite (largest weight {largest:g})"
+    return "loaded, absurd weights"  # finite, but past what float32 activations hold (a type read wrongly)
 
 
 def run_campaign(seconds: float, seed: int, folder: Path, log: Callable[[str], None] = print) -> Campaign:
