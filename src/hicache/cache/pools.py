@@ -139,7 +139,7 @@ class DeviceKVPool:
         window_pages: int = 0,
         window: int = 0,
         shared: "dict[int, tuple[int, int]] | None" = None,
-        tensors: int = 0,
+        groups: int = 0,
     ) -> None:
         self.page_size = page_size
         self.num_pages = num_pages
@@ -160,7 +160,8 @@ class DeviceKVPool:
         # layer of a group. Full layers are group 0 over full page ids (= block ids); sliding group k
         # reads window page w at block ``window_blocks[w, k - 1]`` (see :class:`SharedWindowAllocator`).
         self.shared = dict(shared) if shared and window_pages else None
-        self.groups = max(g for _, g in self.shared.values()) if self.shared else 1  # sliding groups
+        # sliding groups: the model's (``groups``: a pipeline stage sees only its layers), else its layers'
+        self.groups = (groups or max(g for _, g in self.shared.values())) if self.shared else 1
         self.window_blocks = np.zeros((window_pages, self.groups), dtype=np.int64) if self.shared else None
         if self.shared:
             used = sorted({t for t, _ in self.shared.values()})

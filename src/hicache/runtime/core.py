@@ -112,7 +112,8 @@ def build_core(
     packed = draft_kv.layers if draft_kv is not None and draft_kv.packed else 0
     pool = DeviceKVPool(layers + packed, kv_heads, spec.head_dim, device_pages, cfg.page_size, dtype, device,
                         hybrid.window_layers if hybrid else frozenset(), window_pages, hybrid.window if hybrid else 0,
-                        dict(enumerate(hybrid.layout)) if hybrid and hybrid.shared else None)
+                        dict(enumerate(hybrid.layout)) if hybrid and hybrid.shared else None,
+                        hybrid.groups if hybrid else 0)
     unified = _unified_plan(cfg, spec, shard, cp_group, split_tokens, draft)
     host_pool = _host_pool(cfg, pool, host_pages, unified.grid if unified else None)
     sidecar = _sidecar_pools(cfg, draft_kv, device_pages, host_pages, dtype, device,
@@ -144,7 +145,6 @@ def _sized_tiers(cfg: EngineConfig, device: torch.device, hybrid: HybridPlan | N
             blocks = hybrid.blocks_for_tokens(blocks)
         if hybrid.shared_fits(blocks):
             return blocks, host_pages, storage, hybrid, hybrid.window_ids(blocks)
-        page_cost, hybrid = bytes_per_page, None  # keeps every layer's KV: said below
         logger.info("sliding-window layers keep every cached token's KV: %d blocks hold no request's windows "
                     "beside its pages", blocks - 1)
         device_pages = _device_pool_pages(cfg, device, bytes_per_page, memory_share, staging_bytes)
