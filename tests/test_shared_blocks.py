@@ -160,3 +160,26 @@ def test_short_requests_run_together_in_a_shared_pool() -> None:
     assert sum(r.status is not Status.WAITING for r in reqs) == 16
     engine.run(reqs)
     check_blocks(engine)
+
+
+@pytest.mark.engine
+def test_a_shared_pool_over_a_host_tier_loads_windows_back_per_group() -> None:
+    """A shared pool of a few blocks over host memory: conversations move through the host tier, their
+    checkpoints' windows come back into each sliding group's blocks, and the tokens are every layer's."""
+    options = dict(BASE, max_total_tokens=100, enable_hierarchical_cache=True, hicache_ratio=8.0)
+    every = conversations(Engine(MODEL, disable_hybrid_swa_memory=True, **dict(options, max_total_tokens=4096)),
+                          agents=6, together=True)
+    engine = Engine(MODEL, **options)
+    stats = {}
+    generate = engine.generate
+
+    def keep_stats(*a, **kw):
+        out = generate(*a, **kw)
+        stats.update(engine.stats())
+        return out
+
+    engine.generate = keep_stats
+    assert engine.backend.core.pool.shared
+    outputs, _ = conversations(engine, agents=6, together=True)
+    assert outputs == every[0]
+    assert stats["hit_tokens"]["host"] > 0
