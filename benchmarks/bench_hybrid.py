@@ -7,7 +7,8 @@ KV head of 256, float16 KV, pages of 16 tokens.
 1. **Memory**: cached tokens held per GiB of device pool with 4K- and 8K-token contexts. Distinct
    contexts are served (prefill + one token) until the pool has overflowed twice; then each is probed
    (``peek_prefix``: what a next turn would hit, window cut-back included). The window-aware pool gets
-   the ratio such contexts need (a checkpoint window per context).
+   the ratio such contexts need (a checkpoint window per context); the automatic pool (the default:
+   full and window pages share one pool of blocks, issue 56) no ratio at all.
 2. **Hit ratio vs pool use**: agents whose conversations grow past 4K tokens, turn by turn, round
    robin, in a pool that cannot hold them all: the hit ratio of each slice of requests beside how full
    the pool's full-layer pages are (the shape of vLLM #48435: does it collapse as the pool fills?).
@@ -30,7 +31,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import numpy as np  # noqa: E402
 
-from hicache.bench.cache_only import GEMMA3_270M, CacheOnly  # noqa: E402
+from hicache.bench.cache_only import AUTO, GEMMA3_270M, CacheOnly  # noqa: E402
 from hicache.cache.device_window import window_footprint  # noqa: E402
 from hicache.runtime.sampling import SamplingParams  # noqa: E402
 
@@ -42,8 +43,8 @@ CHUNK = 2048
 
 def memory(pool_mib: int, contexts: tuple[int, ...]) -> None:
     print(f"1. cached tokens held per GiB of device pool ({pool_mib} MiB pools, Gemma 3 270M geometry)")
-    print(f"   {'context':>8} {'every layer':>12} {'window-aware':>13} {'ratio':>6} {'swa/full':>9} "
-          f"{'checkpoints only':>17}")
+    print(f"   {'context':>8} {'every layer':>12} {'tuned ratio':>12} {'ratio':>6} {'swa/full':>9} "
+          f"{'automatic':>10} {'ratio':>6} {'checkpoints only':>17}")
     rng = np.random.default_rng(0)
     full, window = ROW * (LAYERS - len(WINDOW_LAYERS)), ROW * len(WINDOW_LAYERS)
     checkpoint = (-(-(WINDOW - 1) // PAGE) + 2) * PAGE  # the window pages a finished context keeps
@@ -54,7 +55,7 @@ def memory(pool_mib: int, contexts: tuple[int, ...]) -> None:
         working = window_footprint(WINDOW, PAGE, CHUNK) * PAGE
         ratio = checkpoint / length + working / full_tokens
         per_gib = []
-        for r in (None, ratio):
+        for r in (None, ratio, AUTO):  # AUTO: the default, no ratio (shared blocks, issue 56)
             engine = CacheOnly(pool_mib * 2**20, r)
             capacity_tokens = (engine.pool.num_pages - 1) * PAGE
             served = [rng.integers(10, 50_000, size=length).tolist()
@@ -64,8 +65,8 @@ def memory(pool_mib: int, contexts: tuple[int, ...]) -> None:
             held = sum(engine.held(t) for t in served)
             per_gib.append(held / (engine.pool.total_bytes / 2**30))
         expected = (full + window) / (full + window * checkpoint / length)
-        print(f"   {length:>8} {per_gib[0]:>12,.0f} {per_gib[1]:>13,.0f} {per_gib[1] / per_gib[0]:>5.2f}x "
-              f"{ratio:>9.3f} {expected:>16.2f}x")
+        print(f"   {length:>8} {per_gib[0]:>12,.0f} {per_gib[1]:>12,.0f} {per_gib[1] / per_gib[0]:>5.2f}x "
+              f"{ratio:>9.3f} {per_gib[2]:>10,.0f} {per_gib[2] / per_gib[0]:>5.2f}x {expected:>16.2f}x")
 
 
 def agent_prompts(agents: int, turns: int, start: int, growth: int, seed: int = 1) -> list[tuple[int, list[int]]]:
@@ -86,20 +87,21 @@ def hit_vs_use(pool_mib: int, agents: int, turns: int, ratio: float) -> None:
     print(f"\n2. hit ratio vs pool use: {agents} agents x {turns} turns (2K -> {2048 + 512 * (turns - 1)} tokens), "
           f"{pool_mib} MiB pools, window-aware at --swa-full-tokens-ratio {ratio}")
     rows = {}
-    for name, r in (("every layer", None), ("window-aware", ratio)):
+    for name, r in (("every layer", None), ("window-aware", ratio), ("automatic", AUTO)):
         engine = CacheOnly(pool_mib * 2**20, r)
         rows[name] = []
         for _, tokens in prompts:
             use = engine.full_use()
             rows[name].append((use, engine.serve(tokens), len(tokens)))
     size = max(1, len(prompts) // 8)
-    print(f"   {'requests':>9} | {'every layer: pool use, hits':>28} | {'window-aware: pool use, hits':>29}")
+    print(f"   {'requests':>9} | {'every layer: pool use, hits':>28} | {'window-aware: pool use, hits':>29} | "
+          f"{'automatic: pool use, hits':>26}")
     for i in range(0, len(prompts), size):
         cells = []
         for name in rows:
             part = rows[name][i:i + size]
             cells.append(f"{statistics.mean(u for u, _, _ in part):>6.0%} {sum(h for _, h, _ in part) / sum(n for _, _, n in part):>6.0%}")
-        print(f"   {i + 1:>4}-{min(i + size, len(prompts)):<4} | {cells[0]:>28} | {cells[1]:>29}")
+        print(f"   {i + 1:>4}-{min(i + size, len(prompts)):<4} | {cells[0]:>28} | {cells[1]:>29} | {cells[2]:>26}")
     for name, data in rows.items():
         print(f"   {name}: hit ratio {sum(h for _, h, _ in data) / sum(n for _, _, n in data):.1%}")
 
@@ -225,6 +227,23 @@ def _held_bytes(engine, row: int) -> tuple[float, float, float]:
             sum(f.stat().st_size for f in files) / max(pages * ps, 1))
 
 
+def short_agents(pool_mib: int = 512, agents: int = 32, turns: int = 4) -> None:
+    """Agents of 0.5-1K tokens (+50 a turn), round robin: a ratio tuned for long contexts (0.15)
+    collapses here; the automatic pool needs none."""
+    print(f"\n2b. hit ratio of {agents} agents with 0.5-1K-token contexts, {turns} turns, {pool_mib} MiB pools")
+    for name, r in (("every layer", None), ("ratio 0.15", 0.15), ("ratio 0.8", 0.8), ("automatic", AUTO)):
+        engine = CacheOnly(pool_mib * 2**20, r)
+        rng = np.random.default_rng(0)
+        convs = [rng.integers(1, 30_000, size=int(rng.integers(500, 1000))).tolist() for _ in range(agents)]
+        hit = total = 0
+        for _ in range(turns):
+            for conv in convs:
+                conv += rng.integers(1, 30_000, size=50).tolist()
+                hit += engine.serve(conv)
+                total += len(conv)
+        print(f"   {name:>12}: hit ratio {hit / total:.1%}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pool-mib", type=int, default=1024)
@@ -241,8 +260,9 @@ def main() -> None:
         tier_bytes((1024, 4096, 8192), agents=4, turns=4, growth=256, ratio=None)
         print(f"\n({time.perf_counter() - t0:.0f} s)")
         return
-    memory(args.pool_mib, (4096, 8192))
+    memory(args.pool_mib, (1024, 4096, 8192))
     hit_vs_use(args.agent_pool_mib, args.agents, args.turns, args.ratio)
+    short_agents()
     if args.ttft:
         ttft(4, 5, args.ttft_pool_mib, args.ratio)
         exact()

@@ -289,7 +289,9 @@ def test_host_tier_keeps_full_layers_of_every_page_and_windows_of_checkpoints(ev
     """A device pool of 160 tokens: conversations move through host memory. The host's full-layer pool holds
     no window-layer bytes; its window pool holds only the window of a backed-up node's end; load-backs
     bring both, and the tokens are the every-layer pool's."""
-    engine = Engine(MODEL, **dict(BASE, max_total_tokens=160), enable_hierarchical_cache=True, hicache_ratio=4.0)
+    # the fixed split (a window pool of its own: the sizes below); the shared pool's host tier: test_shared_blocks.py
+    engine = Engine(MODEL, **dict(BASE, max_total_tokens=160), enable_hierarchical_cache=True, hicache_ratio=4.0,
+                    swa_full_tokens_ratio=0.8)
     core = engine.backend.core
     try:
         host, pool, tree = core.host_pool, core.pool, core.cache.tree
@@ -336,7 +338,7 @@ def test_storage_holds_full_objects_and_checkpoint_windows_a_new_process_reads_e
     only, window objects (5 sliding layers) exist for the pages of each conversation's last checkpoint only
     (issue 56 H4: an earlier turn's checkpoint goes once the turn that extends it is stored), and every-layer
     objects and these never read each other."""
-    writer = Engine(MODEL, **stored(tmp_path / "hybrid"))
+    writer = Engine(MODEL, **stored(tmp_path / "hybrid", swa_full_tokens_ratio=0.8))  # the fixed split's sizes
     nexts: list = []
     conversations(writer, keep=True, final=nexts)
     written = writer.stats()["storage"]["window"]

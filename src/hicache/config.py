@@ -78,10 +78,11 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
     page_size: int = _opt(16, "Tokens per KV page; the radix tree matches whole pages.")
     max_total_tokens: Optional[int] = _opt(None, "Device KV pool size in tokens (overrides --mem-fraction-static); "
                                            "of a hybrid model (sliding-window layers), its full-attention layers'.")
-    swa_full_tokens_ratio: float = _opt(
-        0.8, "A hybrid model's window layers hold their KV in a pool of their own, this many tokens per token of the "
-        "full-attention layers' pool (SGLang's flag): only pages inside some window still needed live there. Lower "
-        "it for long contexts (a 4K-token conversation needs a window, 512 tokens on Gemma 3, of its 4K).")
+    swa_full_tokens_ratio: Optional[float] = _opt(
+        None, "A hybrid model's window layers hold only pages inside some window still needed. By default full pages "
+        "and window pages draw from one pool of blocks, so the split follows demand; a value fixes it: the window "
+        "layers get a pool of their own, this many tokens per token of the full-attention layers' pool (SGLang's "
+        "flag; 0.8 was the default).")
     disable_hybrid_swa_memory: bool = _opt(
         False, "Keep every layer's KV for every cached token of a hybrid model (no window pool; SGLang's flag).")
     mem_fraction_static: Optional[float] = _opt(
@@ -208,7 +209,7 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
             raise ConfigError(
                 f"--max-total-tokens {self.max_total_tokens} is smaller than one page ({self.page_size} tokens)."
             )
-        if not 0.0 < self.swa_full_tokens_ratio <= 64.0:
+        if self.swa_full_tokens_ratio is not None and not 0.0 < self.swa_full_tokens_ratio <= 64.0:
             raise ConfigError(f"--swa-full-tokens-ratio must be in (0, 64], got {self.swa_full_tokens_ratio}.")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ConfigError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}.")

@@ -55,15 +55,35 @@ def no_forward(input_ids, prefix_lens, context_slots, hidden=None, logits="last"
     return torch.zeros(len(input_ids), 1)
 
 
+AUTO = "auto"  # the default: full and window pages share one pool of blocks (issue 56)
+
+
+def shared_plan(g: Geometry) -> HybridPlan:
+    """The shared pool of ``g`` as ``plan_hybrid`` makes it (:mod:`hicache.runtime.hybrid_pool`)."""
+    full = [i for i in range(g.layers) if i not in g.window_layers]
+    sliding = sorted(g.window_layers)
+    n = len(full)
+    layout = tuple((full.index(i), 0) if i in full else (sliding.index(i) % n, 1 + sliding.index(i) // n)
+                   for i in range(g.layers))
+    return HybridPlan(g.window, g.window_layers, None, g.page, layout, n, -(-len(sliding) // n))
+
+
 class CacheOnly:
     """The cache manager and scheduler of an engine over ``geometry``, pools sized for ``pool_bytes``;
-    ``ratio`` None keeps every layer's KV, else window pages per full page (``--swa-full-tokens-ratio``)."""
+    ``ratio`` None keeps every layer's KV, :data:`AUTO` shares blocks between full and window pages
+    (the engine's default), else window pages per full page (``--swa-full-tokens-ratio``)."""
 
-    def __init__(self, pool_bytes: int, ratio: float | None, geometry: Geometry = GEMMA3_270M, chunk: int = 2048,
-                 max_running_requests: int = 1) -> None:
+    def __init__(self, pool_bytes: int, ratio: float | str | None, geometry: Geometry = GEMMA3_270M,
+                 chunk: int = 2048, max_running_requests: int = 1) -> None:
         g = geometry
+        shared = None
         if ratio is None:
             pages, window_pages, layers = int(pool_bytes // (g.full_page_bytes + g.window_page_bytes)) + 1, 0, frozenset()
+        elif ratio == AUTO:
+            plan = shared_plan(g)
+            pages = int(pool_bytes // (g.row_bytes * g.page * plan.tensors)) + 1  # blocks
+            window_pages, layers = plan.window_ids(pages), g.window_layers
+            chunk, shared = plan.shared_chunk(pages, chunk), dict(enumerate(plan.layout))
         else:
             plan = HybridPlan(g.window, g.window_layers, ratio, g.page)
             pages = int(pool_bytes // plan.page_cost(g.full_page_bytes, g.window_page_bytes)) + 1
@@ -71,7 +91,7 @@ class CacheOnly:
             chunk, layers = plan.prefill_chunk(window_pages, chunk), g.window_layers
         self.geometry = g
         self.pool = DeviceKVPool(g.layers, 1, g.head_dim, pages, g.page, g.dtype, "cpu", layers, window_pages,
-                                 g.window if window_pages else 0)
+                                 g.window if window_pages else 0, shared)
         self.cache = KVCacheManager(self.pool)
         self.scheduler = Scheduler(self.cache, lambda ids: "", set(), chunk, max_running_requests=max_running_requests)
         self.driver = StepDriver(self.scheduler, no_forward)

@@ -21,7 +21,7 @@ import torch
 
 from .device_window import DeviceWindows
 from .placement import PagePlacement, ShardedPageAllocator, alloc_evicting, path_anchor
-from .pools import DeviceKVPool, PageAllocator, pages_to_slots
+from .pools import DeviceKVPool, PageAllocator, SharedWindowAllocator, pages_to_slots
 from .radix import RadixCache
 from .tiers import CacheStats, Tier
 from .tree_node import TreeNode
@@ -49,8 +49,9 @@ class KVState:
     storage_hit_tokens: int = 0
     slots: torch.Tensor = field(default=None)  # slots of every page, in order (cached)
     window_pages: np.ndarray | None = None
-    window_slots: torch.Tensor | None = None  # slots of window_pages, in order (cached)
+    window_slots: torch.Tensor | None = None  # slots of window_pages, in order ([groups, tokens] shared; cached)
     window_budget: int = 0  # window pages reserved for this request
+    window_held: int = 0  # a shared pool: its pages counted in DeviceWindows.held_pages
     window_lock: tuple[int, int] | None = None  # (end page, first page) of the tree span window-locked
     window_keep: tuple[int, int] | None = None  # page range of its own window pages kept to the end (a checkpoint)
     # P/D decode: (first token, slot per token) where the prompt's window tail arrives
@@ -80,11 +81,13 @@ class DeviceTier:
         if pool.hybrid and self.placement is not None:
             raise ValueError("a hybrid pool's window component is not page-sharded")
         window = pool.window
-        window_allocator = PageAllocator(pool.window_pages) if pool.hybrid else None
+        # a shared pool's window pages take blocks of the full pages' allocator (issue 56)
+        window_allocator = None if not pool.hybrid else SharedWindowAllocator(self.allocator, pool.window_blocks) \
+            if pool.shared else PageAllocator(pool.window_pages)
         self.tree = RadixCache(self.page_size, self.allocator, eviction_policy, host_allocator,
                                window if pool.hybrid else 0, window_allocator) if enable_prefix_cache else None
         self.stats = stats
-        self.windows = DeviceWindows(window_allocator, window, self.page_size, self.tree, stats) \
+        self.windows = DeviceWindows(window_allocator, window, self.page_size, self.tree, stats, pool) \
             if pool.hybrid else None
         self.lower: Tier | None = None
 
@@ -160,6 +163,8 @@ class DeviceTier:
     def _alloc(self, n: int, first_position: int, anchor: int) -> np.ndarray | None:
         """``n`` pages for positions ``first_position ..`` of a sequence, evicting unlocked cache
         while they do not fit."""
+        if self.windows is not None and self.windows.shared:  # blocks: windows and whole nodes make room
+            return alloc_evicting(self.allocator, n, first_position, self.windows.make_room)[0]
         pages, evicted = alloc_evicting(self.allocator, n, first_position,
                                         self.tree.evict if self.tree is not None else None, anchor)
         self.stats.evicted_device_pages += evicted
@@ -267,8 +272,16 @@ class DeviceTier:
         }
 
     def _window_usage(self) -> dict:
-        """The window component's pages and bytes (the full component's are the fields above)."""
+        """The window component's pages and bytes (the full component's are the fields above). A shared
+        pool: capacity_pages are the window pages the blocks could hold, pool_bytes the whole pool's."""
         pool, out = self.pool, self.windows.usage()
+        if pool.shared:
+            out.update(evicted_pages=self.stats.evicted_window_pages, window_tokens=self.windows.window,
+                       capacity_tokens=out["capacity_pages"] * self.page_size,
+                       cached_tokens=out.get("cached_pages", 0) * self.page_size,
+                       page_bytes=pool.window_bytes_per_page, pool_bytes=pool.total_bytes,
+                       full_pool_bytes=pool.total_bytes, shared_blocks=True, groups=pool.groups)
+            return out
         out.update(evicted_pages=self.stats.evicted_window_pages, window_tokens=self.windows.window,
                    capacity_tokens=out["capacity_pages"] * self.page_size,
                    cached_tokens=out.get("cached_pages", 0) * self.page_size,

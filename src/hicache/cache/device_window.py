@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from .placement import alloc_evicting
-from .pools import PageAllocator, pages_to_slots
+from .pools import DeviceKVPool, PageAllocator, SharedWindowAllocator, pages_to_slots
 from .radix import RadixCache
 from .tiers import CacheStats
 from .window_tree import window_first_page
@@ -54,10 +54,20 @@ class DeviceWindows:
     """Window pages of running requests over ``allocator`` (the component's page ids), with the
     tree (None: prefix reuse off) holding those of cached pages."""
 
-    def __init__(self, allocator: PageAllocator, window: int, page_size: int, tree: RadixCache | None,
-                 stats: CacheStats) -> None:
+    def __init__(self, allocator: PageAllocator | SharedWindowAllocator, window: int, page_size: int,
+                 tree: RadixCache | None, stats: CacheStats, pool: DeviceKVPool | None = None) -> None:
         self.allocator, self.window, self.page_size, self.tree, self.stats = allocator, window, page_size, tree, stats
         self.reserved = 0  # window pages reserved by running requests (the sum of their budgets)
+        self.pool = pool
+        # A shared pool (issue 56): window pages take ``groups`` blocks each from the full pages' allocator;
+        # admission keeps room for the running requests' pages and their budgets' blocks (see :meth:`fits`).
+        self.shared = isinstance(allocator, SharedWindowAllocator)
+        self.held_pages = 0  # shared: full pages of running requests (hits included; shared hits counted twice)
+
+    def slots(self, window_pages: np.ndarray) -> torch.Tensor:
+        """Slots of ``window_pages`` (one row per sliding group of a shared pool)."""
+        return self.pool.window_slots(window_pages) if self.pool is not None else \
+            pages_to_slots(window_pages, self.page_size)
 
     def first_page(self, boundary_tokens: int) -> int:
         return window_first_page(boundary_tokens, self.window, self.page_size)
@@ -74,8 +84,13 @@ class DeviceWindows:
     # ---- a request's life ------------------------------------------------------------------
     def fits(self, forward_tokens: int, sequence_pages: int) -> bool:
         """Whether a request whose forwards add <= ``forward_tokens`` fits beside the reservations
-        of the running ones."""
-        return self.reserved + self.budget(forward_tokens, sequence_pages) <= self.allocator.capacity
+        of the running ones. Shared: its ``sequence_pages`` and every budget's blocks fit beside the
+        running requests' pages (all else -- tree pages and windows no one locks -- can be evicted)."""
+        need = self.reserved + self.budget(forward_tokens, sequence_pages)
+        if self.shared:
+            a = self.allocator
+            return self.held_pages + sequence_pages + need * a.groups <= a.blocks.capacity
+        return need <= self.allocator.capacity
 
     def tail_page(self, prompt_tokens: int) -> int:
         """First page of a prompt's fresh SWA tail: the window of its last boundary (its checkpoint),
@@ -106,6 +121,8 @@ class DeviceWindows:
         (device, host) window pages of the device hit to load from the host."""
         budget = self.budget(forward_tokens, len(state.pages))
         self.reserved += budget
+        self.held_pages += len(state.pages)
+        state.window_held = len(state.pages)
         state.window_budget = budget
         state.window_pages = np.zeros(len(state.pages), dtype=np.int64)
         device_hit, hit = len(device_window) if device_window is not None else 0, state.cached_pages
@@ -129,7 +146,7 @@ class DeviceWindows:
                 self.tree.window_pages_held += len(idx)
                 state.window_pages[pos + idx] = node.window_pages[idx]
             pos += n
-        state.window_slots = pages_to_slots(state.window_pages, self.page_size)
+        state.window_slots = self.slots(state.window_pages)
         return restored
 
     def _restore_from_host(self, state, first: int, device_hit: int, host_nodes: list) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -173,8 +190,8 @@ class DeviceWindows:
             node, pos = node.parent, start
         own = np.arange(max(tail, hit), -(-prompt_tokens // ps))
         wp[own] = arriving[own] = self._alloc(len(own))
-        state.window_arrival = (tail * ps, pages_to_slots(arriving, ps))
-        state.window_slots = pages_to_slots(wp, ps)
+        state.window_arrival = (tail * ps, self.slots(arriving))
+        state.window_slots = self.slots(wp)
 
     def step(self, state, computed: int, new_tokens: int, later_tokens: int) -> None:
         """Before a forward that adds ``new_tokens`` after ``computed``: free the request's own
@@ -192,9 +209,13 @@ class DeviceWindows:
             wp[missing] = self._alloc(len(missing))
             # only the new pages' slots change (freed pages' slots are never read again): no O(context) rebuild
             offsets = np.arange(self.page_size)
-            rows = (missing[:, None] * self.page_size + offsets).reshape(-1)
-            state.window_slots[torch.from_numpy(rows)] = torch.from_numpy(
-                (wp[missing][:, None] * self.page_size + offsets).reshape(-1))
+            rows = torch.from_numpy((missing[:, None] * self.page_size + offsets).reshape(-1))
+            if self.shared:
+                for k in range(self.allocator.groups):
+                    state.window_slots[k, rows] = torch.from_numpy(
+                        (self.allocator.table[wp[missing], k][:, None] * self.page_size + offsets).reshape(-1))
+            else:
+                state.window_slots[rows] = torch.from_numpy((wp[missing][:, None] * self.page_size + offsets).reshape(-1))
         budget = self.budget(max(new_tokens, later_tokens), len(wp))
         if budget < state.window_budget:
             self.reserved -= state.window_budget - budget
@@ -222,7 +243,7 @@ class DeviceWindows:
         first = self.first_page(n * self.page_size)
         state.window_pages[first:n] = hit_window[first:n]
         self._lock(state, n)
-        state.window_slots = pages_to_slots(state.window_pages, self.page_size)
+        state.window_slots = self.slots(state.window_pages)
 
     def release(self, state) -> None:
         """The request is done: every window page it still owns goes back, its reservation too."""
@@ -231,6 +252,8 @@ class DeviceWindows:
         self._free_own(state, len(state.window_pages))
         self.reserved -= state.window_budget
         state.window_budget = 0
+        self.held_pages -= state.window_held
+        state.window_held = 0
 
     def trim_for_release(self, state, computed: int) -> None:
         """Before the final insert: free own pages behind the window of the last boundary of the
@@ -241,11 +264,34 @@ class DeviceWindows:
     def _alloc(self, n: int) -> np.ndarray:
         """``n`` window pages, tombstoning unlocked windows while they do not fit (the running
         requests' budgets guarantee they do then)."""
-        pages, evicted = alloc_evicting(self.allocator, n, 0, self.tree.evict_windows if self.tree is not None else None)
+        if self.shared:
+            groups = self.allocator.groups
+            pages, evicted = alloc_evicting(self.allocator, n, 0, lambda short: self.make_room(short * groups))[0], 0
+        else:
+            pages, evicted = alloc_evicting(self.allocator, n, 0,
+                                            self.tree.evict_windows if self.tree is not None else None)
         if pages is None:
             raise AssertionError(f"the window component cannot hold {n} pages within the reserved budgets")
         self.stats.evicted_window_pages += evicted
         return pages
+
+    def make_room(self, blocks: int) -> int:
+        """Shared pool: free at least ``blocks`` blocks if the tree can: window pages no checkpoint needs
+        first, then whole nodes (tombstoned leaves first, then least recently used), then checkpoints
+        of nodes a running request holds but whose window no one locks. Returns the blocks freed."""
+        a = self.allocator.blocks
+        if self.tree is None:
+            return 0
+        start, g = a.available, self.allocator.groups
+        for step in ("spare", "nodes", "checkpoints"):
+            short = blocks - (a.available - start)
+            if short <= 0:
+                break
+            if step == "nodes":
+                self.stats.evicted_device_pages += self.tree.evict(short)
+            else:
+                self.stats.evicted_window_pages += self.tree.evict_windows(-(-short // g), spare_only=step == "spare")
+        return a.available - start
 
     def _lock(self, state, end_page: int) -> None:
         if self.tree is None or end_page == 0:
@@ -275,4 +321,4 @@ class DeviceWindows:
 
 def window_slots_of(state, computed_to: int) -> torch.Tensor | None:
     """The window component's slot of each of the first ``computed_to`` positions (None: no component)."""
-    return None if state.window_slots is None else state.window_slots[:computed_to]
+    return None if state.window_slots is None else state.window_slots[..., :computed_to]

@@ -72,6 +72,7 @@ class TransferOp:
     # a hybrid pool's window layers: their device and host window pages (a subset of the pages: checkpoints)
     window_device_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     window_host_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    window_device_rows: np.ndarray = field(default_factory=lambda: np.zeros((1, 0), dtype=np.int64))  # [group, page]
 
     @property
     def num_pages(self) -> int:
@@ -143,6 +144,9 @@ class TransferController:
         if window is not None and len(window[0]):
             assert self.window_pair is not None and len(window[0]) == len(window[1])
             op.window_device_pages, op.window_host_pages = np.asarray(window[0]), np.asarray(window[1])
+            # each sliding group's rows, read now: a shared pool's window pages map to blocks (issue 56)
+            op.window_device_rows = np.stack([self.device_pool.window_rows(op.window_device_pages, k)
+                                              for k in range(self.device_pool.groups)])
         if self.cuda:
             op.after_compute = torch.cuda.Event()
             op.after_compute.record(torch.cuda.current_stream(device_pool_device(self.device_pool)))
@@ -246,12 +250,13 @@ class TransferController:
             dev_pages, host_pages = self.shard.local(dev_pages[mine]), self.shard.local(host_pages[mine])
         full_plan = None if not len(op.device_pages) else \
             PagePlan(dev_pages, host_pages) if backup else PagePlan(host_pages, dev_pages)
-        window = (op.window_device_pages, op.window_host_pages)[::1 if backup else -1]
-        window_plan = PagePlan(*window) if len(op.window_device_pages) else None
-        for layer, (pair, _, _) in enumerate(self._layers):
+        window_plans = [PagePlan(*(rows, op.window_host_pages)[::1 if backup else -1])
+                        for rows in op.window_device_rows] if len(op.window_device_pages) else None
+        for layer, (pair, dev_layer, _) in enumerate(self._layers):
             if self.delay_fn is not None:
                 time.sleep(self.delay_fn(op, layer))
-            plan = window_plan if pair == self.window_pair else full_plan
+            plan = full_plan if pair != self.window_pair else \
+                window_plans[self.device_pool.window_group(dev_layer)] if window_plans else None
             if (not backup and self.load_layers is not None and layer >= self.load_layers) or plan is None:
                 op.layer_done[layer].set()
                 continue

@@ -96,6 +96,8 @@ class _KVView:
 
     def __init__(self, pool: DeviceKVPool, controller: TransferController | None, offset: int = 0) -> None:
         self.k_buffers, self.v_buffers = pool.k_buffers, pool.v_buffers
+        if pool.shared:
+            self.window_group = pool.window_group  # each sliding group reads slots of its own (issue 56)
         if controller is None:
             self.wait_layer, self.layer_ready = pool.wait_layer, pool.layer_ready
         elif offset == 0:

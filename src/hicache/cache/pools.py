@@ -59,6 +59,45 @@ class PageAllocator:
         self._free = np.arange(1, self.num_pages, dtype=np.int64)
 
 
+class SharedWindowAllocator:
+    """Window page ids of a shared pool (issue 56): each id stands for one block of the block
+    ``allocator`` (the full pages' own) per sliding group, through ``table[w, k]`` (row 0: the
+    padding block 0). Has :class:`PageAllocator`'s interface: ``available`` is the window pages
+    the free blocks (and ids) could hold. Order is a pure function of the alloc/free sequence."""
+
+    def __init__(self, blocks: PageAllocator, table: np.ndarray) -> None:
+        self.blocks, self.table, self.groups = blocks, table, table.shape[1]
+        self.ids = PageAllocator(table.shape[0])
+
+    @property
+    def capacity(self) -> int:
+        return self.ids.capacity
+
+    @property
+    def available(self) -> int:
+        return min(self.ids.available, self.blocks.available // self.groups)
+
+    def alloc(self, n: int, first_position: int = 0, anchor: int = 0) -> np.ndarray | None:
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} pages")
+        if n > self.available:
+            return None
+        ids = self.ids.alloc(n)
+        self.table[ids] = self.blocks.alloc(n * self.groups).reshape(n, self.groups)
+        return ids
+
+    def free(self, pages: np.ndarray) -> None:
+        if len(pages):
+            pages = np.asarray(pages, dtype=np.int64)
+            self.blocks.free(self.table[pages].reshape(-1))
+            self.table[pages] = 0
+            self.ids.free(pages)
+
+    def reset(self) -> None:
+        self.ids.reset()
+        self.table[:] = 0
+
+
 def pages_to_slots(pages: np.ndarray, page_size: int, num_tokens: int | None = None) -> torch.Tensor:
     """Slots of the first ``num_tokens`` tokens stored in ``pages`` (all of them by default)."""
     pages_t = torch.as_tensor(np.asarray(pages, dtype=np.int64))
@@ -99,6 +138,8 @@ class DeviceKVPool:
         window_layers: frozenset[int] = frozenset(),
         window_pages: int = 0,
         window: int = 0,
+        shared: "dict[int, tuple[int, int]] | None" = None,
+        groups: int = 0,
     ) -> None:
         self.page_size = page_size
         self.num_pages = num_pages
@@ -111,12 +152,31 @@ class DeviceKVPool:
             raise ValueError("a window component needs its window size")
         self.window_layers = frozenset(window_layers) if window_pages else frozenset()
         row = (num_kv_heads, head_dim)
-        slots = [self.window_pages * page_size if i in self.window_layers else self.num_slots for i in range(num_layers)]
-        self.k_buffers = [zeroed_buffer((n, *row), dtype, device) for n in slots]
-        self.v_buffers = [zeroed_buffer((n, *row), dtype, device) for n in slots]
         layer_page = 2 * page_size * num_kv_heads * head_dim * dtype.itemsize  # one layer's K + V of one page
         self.bytes_per_page = layer_page * (num_layers - len(self.window_layers))  # the full component's
         self.window_bytes_per_page = layer_page * len(self.window_layers)
+        # A shared pool (issue 56): ``shared[i] = (tensor, group)`` of each layer; ``tensors`` (the model's
+        # full-layer count) tensors of ``num_pages`` blocks each; a block is one page of one tensor per
+        # layer of a group. Full layers are group 0 over full page ids (= block ids); sliding group k
+        # reads window page w at block ``window_blocks[w, k - 1]`` (see :class:`SharedWindowAllocator`).
+        self.shared = dict(shared) if shared and window_pages else None
+        # sliding groups: the model's (``groups``: a pipeline stage sees only its layers), else its layers'
+        self.groups = (groups or max(g for _, g in self.shared.values())) if self.shared else 1
+        self.window_blocks = np.zeros((window_pages, self.groups), dtype=np.int64) if self.shared else None
+        if self.shared:
+            used = sorted({t for t, _ in self.shared.values()})
+            k = {t: zeroed_buffer((self.num_slots, *row), dtype, device) for t in used}
+            v = {t: zeroed_buffer((self.num_slots, *row), dtype, device) for t in used}
+            self.k_buffers = [k[self.shared[i][0]] for i in range(num_layers)]
+            self.v_buffers = [v[self.shared[i][0]] for i in range(num_layers)]
+            self.block_bytes = layer_page * len(used)
+            logger.info("device KV pool: %d blocks x %d tokens shared by full pages and window pages (%d tensors, "
+                        "%d sliding groups, %.1f MiB)", num_pages - 1, page_size, len(used), self.groups,
+                        self.block_bytes * num_pages / 2**20)
+            return
+        slots = [self.window_pages * page_size if i in self.window_layers else self.num_slots for i in range(num_layers)]
+        self.k_buffers = [zeroed_buffer((n, *row), dtype, device) for n in slots]
+        self.v_buffers = [zeroed_buffer((n, *row), dtype, device) for n in slots]
         if self.hybrid:
             logger.info("device KV pool: full layers %d pages x %d tokens (%d layers, %.1f MiB), window layers %d "
                         "pages (%d layers, %.1f MiB)", num_pages - 1, page_size, num_layers - len(self.window_layers),
@@ -133,7 +193,25 @@ class DeviceKVPool:
 
     @property
     def total_bytes(self) -> int:
+        if self.shared:
+            return self.block_bytes * self.num_pages
         return self.bytes_per_page * self.num_pages + self.window_bytes_per_page * self.window_pages
+
+    def window_group(self, layer: int) -> int:
+        """The sliding group whose slots ``layer`` (a window layer) reads: 0 but in a shared pool."""
+        return self.shared[layer][1] - 1 if self.shared and layer in self.window_layers else 0
+
+    def window_rows(self, window_pages: np.ndarray, group: int) -> np.ndarray:
+        """The pages of ``layer``'s buffer that hold ``window_pages`` for sliding ``group``."""
+        pages = np.asarray(window_pages, dtype=np.int64)
+        return self.window_blocks[pages, group] if self.shared else pages
+
+    def window_slots(self, window_pages: np.ndarray) -> torch.Tensor:
+        """The slots of ``window_pages`` (0: not held): ``[tokens]``, or ``[groups, tokens]`` shared."""
+        if not self.shared:
+            return pages_to_slots(window_pages, self.page_size)
+        return torch.stack([pages_to_slots(self.window_rows(window_pages, k), self.page_size)
+                            for k in range(self.groups)])
 
     def wait_layer(self, layer: int) -> None:
         """Nothing is ever in flight into the device pool by itself; loads wrap this view."""

@@ -210,12 +210,13 @@ class WindowTombstones:
             tails[node] = min(node.num_pages, reach[node])
         return tails
 
-    @consensus_check("tree.evict_windows", args=lambda self, num_pages: num_pages, result=lambda freed: freed)
-    def evict_windows(self, num_pages: int) -> int:
+    @consensus_check("tree.evict_windows", args=lambda self, num_pages, spare_only=False: (num_pages, "spare") if spare_only else num_pages,
+                     result=lambda freed: freed)
+    def evict_windows(self, num_pages: int, spare_only: bool = False) -> int:
         """Tombstone the window pages of nodes no running request window-locks until at least
         ``num_pages`` are free or none is evictable: pages no leaf's checkpoint needs first (least
         recently used node first), then whole checkpoints (least recently used leaf first).
-        Full-layer pages stay. Returns the pages freed."""
+        Full-layer pages stay. ``spare_only``: no checkpoint. Returns the pages freed."""
         freed = 0
         while freed < num_pages:
             tails = self._checkpoint_tails()
@@ -226,7 +227,7 @@ class WindowTombstones:
             while freed < num_pages and spare:
                 node = heapq.heappop(spare)[1]
                 freed += self._drop_window(node, node.num_pages - tails[node])
-            if freed >= num_pages:
+            if freed >= num_pages or spare_only:
                 break
             leaves = [(self._eviction_key(n), n) for n in unlocked if tails[n] and n.held_window_pages
                       and not any(c.device_pages is not None for c in n.children.values())]

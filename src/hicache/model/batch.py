@@ -34,6 +34,13 @@ class KVView(Protocol):
         ...
 
 
+def window_group(kv: KVView, layer: int) -> int:
+    """The sliding group whose window slots ``layer`` reads: 0, but in a shared pool (issue 56) whose
+    view says (``kv.window_group(layer)``)."""
+    group = getattr(kv, "window_group", None)
+    return group(layer) if group is not None else 0
+
+
 @dataclass(frozen=True)
 class DecodeLayout:
     """A pass read row by row on this rank's pool (a decode batch, one new token per sequence; a

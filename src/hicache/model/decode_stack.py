@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from hicache.model.batch import ForwardBatch, KVView
+from hicache.model.batch import ForwardBatch, KVView, window_group
 from hicache.model.layers import RMSNorm
 
 
@@ -97,6 +97,8 @@ class DecodeStack:
         if operands is None:
             return None
         attn, layout, indices = layers[0].self_attn, batch.attn.decode, self._kv_layers
+        if any(window_group(kv, indices[i]) for i in self._local):
+            return None  # sliding groups with slots of their own (a shared pool): layer by layer
         windowed = batch.attn.windowed(self._window).decode if self._local else None  # type: ignore[attr-defined]
         local_cos, local_sin = local if local is not None and self._local else (cos, sin)
         return ops.decode_layers(x, operands[0], operands[1], layers[0].input_layernorm.eps, *operands[2:7], cos, sin,

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from hicache.model.attention import NATIVE_HEAD_DIMS, NATIVE_KV_DTYPES
-from hicache.model.batch import ForwardBatch, KVView
+from hicache.model.batch import ForwardBatch, KVView, window_group
 from hicache.model.decode_stack import DecodeStack
 from hicache.model.layers import MLP, RMSNorm, RotaryEmbedding, native_ops, rotate_half
 from hicache.model.mla import MLAAttention
@@ -175,7 +175,7 @@ class DecoderLayer(nn.Module):
     def _fused_decode(self, ops, operands: tuple, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       batch: ForwardBatch, kv: KVView) -> torch.Tensor:
         attn = self.self_attn
-        layout = batch.attn.windowed(attn.window).decode  # type: ignore[attr-defined]  # a paged pass: see above
+        layout = batch.attn.windowed(attn.window, window_group(kv, attn.layer)).decode  # type: ignore[attr-defined]
         kv.wait_layer(attn.layer)
         return ops.decode_layer(x, self.input_layernorm.weight, self.pre_mlp_norm().weight,
                                 self.input_layernorm.eps, *operands, cos, sin,

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from hicache.model.attention import (KVBlock, _expand_heads, attended, decode_attention, native_decode_attention,
                                      sequence_attention)
-from hicache.model.batch import AttentionLayer, DecodeLayout, ForwardBatch, KVView
+from hicache.model.batch import AttentionLayer, DecodeLayout, ForwardBatch, KVView, window_group
 
 # Keys stored in at most this many runs of consecutive slots are read as views of the KV
 # buffers; more scattered ones are gathered once per layer (one copy beats many small kernels).
@@ -111,29 +111,32 @@ class PagedMetadata:
     lens: list[int]  # [B] new tokens of each sequence
     # [B] the context's slots in the sliding-window layers' own buffers (a slot space of their own; only the
     # positions some new token's window reaches are read), or None: those layers' buffers share `contexts`.
+    # Each is [tokens], or [groups, tokens] where each sliding group of layers has slots of its own (a shared
+    # pool, issue 56: the layer's KVView says its group).
     window_contexts: Optional[list[torch.Tensor]] = None
     _windows: dict = field(default_factory=dict, compare=False, repr=False)  # window -> its PagedMetadata
 
     def final_rows(self, h: torch.Tensor) -> torch.Tensor:
         return h[self.logits_index]
 
-    def windowed(self, window: int) -> "PagedMetadata":
-        """This forward as a sliding-window layer of ``window`` positions reads and writes it (made once
-        per window; itself where those layers share the slots and no new token's context is longer
-        than the window)."""
+    def windowed(self, window: int, group: int = 0) -> "PagedMetadata":
+        """This forward as a sliding-window layer of ``window`` positions (of sliding ``group``) reads
+        and writes it (made once per window and group; itself where those layers share the slots and
+        no new token's context is longer than the window)."""
         own_space = self.window_contexts is not None
         if window <= 0 or (not own_space and all(c.numel() <= window for c in self.contexts)):
             return self
-        if window not in self._windows:
-            device, contexts = self.out_slots.device, self.window_contexts if own_space else self.contexts
+        if (window, group) not in self._windows:
+            device = self.out_slots.device
+            contexts = [c[group] if c.dim() == 2 else c for c in self.window_contexts] if own_space else self.contexts
             out_slots = torch.cat([c[c.numel() - n:] for c, n in zip(contexts, self.lens)]).to(device) \
                 if own_space else self.out_slots
             decode = None if self.decode is None else _decode_layout(out_slots, contexts, self.lens, device, window)
             starts = (torch.tensor(self.lens).cumsum(0) - torch.tensor(self.lens)).tolist()
             spans = [] if not self.spans else [_span(s, n, c, device, window)
                                                for s, n, c in zip(starts, self.lens, contexts)]
-            self._windows[window] = PagedMetadata(out_slots, spans, decode, self.logits_index, contexts, self.lens)
-        return self._windows[window]
+            self._windows[window, group] = PagedMetadata(out_slots, spans, decode, self.logits_index, contexts, self.lens)
+        return self._windows[window, group]
 
 
 def slot_runs(slots: torch.Tensor) -> list[tuple[int, int]]:
@@ -207,8 +210,8 @@ class PagedBackend:
         window_contexts = None if window_slots is None else [torch.as_tensor(c).long().cpu() for c in window_slots]
         for b in range(bsz):
             for slots in (context_slots, window_contexts or context_slots):
-                if int(slots[b].numel()) != prefix_lens[b] + lens[b]:
-                    raise ValueError(f"sequence {b}: {slots[b].numel()} context slots for "
+                if int(slots[b].shape[-1]) != prefix_lens[b] + lens[b]:
+                    raise ValueError(f"sequence {b}: {slots[b].shape[-1]} context slots for "
                                      f"{prefix_lens[b] + lens[b]} tokens")
         dev = self.device
         flat_ids = torch.tensor([t for ids in input_ids for t in ids], dtype=torch.long)
@@ -231,7 +234,7 @@ class PagedBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
                 batch: ForwardBatch, kv: KVView) -> torch.Tensor:
         """See :meth:`~hicache.model.batch.AttentionBackend.forward`."""
-        meta: PagedMetadata = batch.attn.windowed(layer.window)  # type: ignore[attr-defined]  # this backend's
+        meta: PagedMetadata = batch.attn.windowed(layer.window, window_group(kv, layer.layer))  # type: ignore[attr-defined]
         kv.wait_layer(layer.layer)
         k_buf, v_buf = kv.k_buffers[layer.layer], kv.v_buffers[layer.layer]
         k_stored, v_stored = k.to(k_buf.dtype), v.to(v_buf.dtype)  # rounded once (float16 KV): written, read below

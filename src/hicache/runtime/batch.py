@@ -46,7 +46,7 @@ class Batch:
         """Each context's slots in a hybrid pool's window component (None: the pool has none)."""
         if not self.reqs or self.reqs[0].kv.window_slots is None:
             return None
-        return [r.kv.window_slots[: r.computed + n] for r, n in zip(self.reqs, self.new_tokens)]
+        return [r.kv.window_slots[..., : r.computed + n] for r, n in zip(self.reqs, self.new_tokens)]
 
     def result_rows(self) -> list[int]:
         """Rows whose logits give a token: decode rows, and prefill rows that end their prompt."""

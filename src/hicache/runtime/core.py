@@ -105,13 +105,15 @@ def build_core(
         staging_bytes += cp.gather.nbytes
     hybrid = plan_hybrid(cfg, spec, shard.layers if shard else range(spec.num_layers))
     staging_bytes += _transfer_staging(cfg, device, kv_heads, spec.head_dim, dtype, hybrid is not None, draft_kv)
+    layer_page = _bytes_per_page(cfg.page_size, 1, kv_heads, spec.head_dim, dtype, None)
     device_pages, host_pages, storage, hybrid, window_pages = _sized_tiers(
-        cfg, device, hybrid, bytes_per_page, _bytes_per_page(cfg.page_size, len(hybrid.window_layers), kv_heads,
-                                                             spec.head_dim, dtype, None) if hybrid else 0,
-        memory_share, staging_bytes, agree)
+        cfg, device, hybrid, bytes_per_page, layer_page * len(hybrid.window_layers) if hybrid else 0,
+        memory_share, staging_bytes, agree, layer_page)
     packed = draft_kv.layers if draft_kv is not None and draft_kv.packed else 0
     pool = DeviceKVPool(layers + packed, kv_heads, spec.head_dim, device_pages, cfg.page_size, dtype, device,
-                        hybrid.window_layers if hybrid else frozenset(), window_pages, hybrid.window if hybrid else 0)
+                        hybrid.window_layers if hybrid else frozenset(), window_pages, hybrid.window if hybrid else 0,
+                        dict(enumerate(hybrid.layout)) if hybrid and hybrid.shared else None,
+                        hybrid.groups if hybrid else 0)
     unified = _unified_plan(cfg, spec, shard, cp_group, split_tokens, draft)
     host_pool = _host_pool(cfg, pool, host_pages, unified.grid if unified else None)
     sidecar = _sidecar_pools(cfg, draft_kv, device_pages, host_pages, dtype, device,
@@ -128,12 +130,27 @@ def build_core(
 
 
 def _sized_tiers(cfg: EngineConfig, device: torch.device, hybrid: HybridPlan | None, bytes_per_page: int,
-                 window_page: int, memory_share: int, staging_bytes: int, agree: Callable[[list[int]], list[int]]
-                 ) -> tuple[int, int, Any, HybridPlan | None, int]:
+                 window_page: int, memory_share: int, staging_bytes: int, agree: Callable[[list[int]], list[int]],
+                 layer_page: int = 0) -> tuple[int, int, Any, HybridPlan | None, int]:
     """``(device pages, host pages, storage backend, hybrid plan, window pages)``, agreed by every rank. A
     hybrid pool's pages cost their full layers' bytes and the ratio's share of ``window_page`` (the
     window layers' bytes of a page); where its window pool could not be smaller than the full one,
-    every layer keeps its KV (said in one line) and the pools are sized as such."""
+    every layer keeps its KV (said in one line) and the pools are sized as such. A shared pool
+    (automatic split): device pages are blocks of ``layer_page`` x G bytes (with --max-total-tokens,
+    :meth:`HybridPlan.blocks_for_tokens`), window pages the ids they could hold."""
+    if hybrid and hybrid.shared:
+        block = layer_page * len({t for t, _ in hybrid.layout})
+        blocks, host_pages, storage = _agreed_tiers(cfg, device, block, memory_share, staging_bytes, agree)
+        if cfg.max_total_tokens is not None:
+            blocks = hybrid.blocks_for_tokens(blocks)
+        if hybrid.shared_fits(blocks):
+            return blocks, host_pages, storage, hybrid, hybrid.window_ids(blocks)
+        logger.info("sliding-window layers keep every cached token's KV: %d blocks hold no request's windows "
+                    "beside its pages", blocks - 1)
+        device_pages = _device_pool_pages(cfg, device, bytes_per_page, memory_share, staging_bytes)
+        host_pages = _host_pool_pages(cfg, device_pages, bytes_per_page) if cfg.enable_hierarchical_cache else 0
+        device_pages, host_pages = agree([device_pages, host_pages])
+        return device_pages, host_pages, storage, None, 0
     page_cost = hybrid.page_cost(bytes_per_page - window_page, window_page) if hybrid else bytes_per_page
     device_pages, host_pages, storage = _agreed_tiers(cfg, device, -(-page_cost // 1), memory_share, staging_bytes,
                                                       agree)
@@ -151,7 +168,8 @@ def _sized_tiers(cfg: EngineConfig, device: torch.device, hybrid: HybridPlan | N
 def _prefill_chunk(cfg: EngineConfig, hybrid: HybridPlan | None, window_pages: int) -> int:
     """--chunked-prefill-size, cut (and said once) where a chunk's window pages would not fit in
     a hybrid pool's window component."""
-    chunk = hybrid.prefill_chunk(window_pages, cfg.chunked_prefill_size) if hybrid else cfg.chunked_prefill_size
+    chunk = cfg.chunked_prefill_size if not hybrid else hybrid.shared_chunk((window_pages - 1) * hybrid.groups + 1, cfg.chunked_prefill_size) \
+        if hybrid.shared else hybrid.prefill_chunk(window_pages, cfg.chunked_prefill_size)
     if chunk < cfg.chunked_prefill_size:
         logger.info("prefill chunks of %d tokens (--chunked-prefill-size %d): the window pool holds %d pages", chunk,
                     cfg.chunked_prefill_size, window_pages - 1)
@@ -221,7 +239,8 @@ def _host_pool(cfg: EngineConfig, pool: DeviceKVPool, host_pages: int, grid: Sto
             ("page_unified", 0 if grid.mla else grid.head_partition)  # each object a slice of a page, as below
         host = HostKVPool(pool, host_pages, layout, cell_heads=cells,
                           layers=tuple(i for i in range(len(pool.k_buffers)) if i not in pool.window_layers))
-        window_pages = max(int(cfg.swa_full_tokens_ratio * (host_pages - 1)), 1) + 1
+        ratio = cfg.swa_full_tokens_ratio or HybridPlan.DEFAULT_RATIO  # checkpoints only: the default's rule when shared
+        window_pages = max(int(ratio * (host_pages - 1)), 1) + 1
         host.window_pool = HostKVPool(pool, window_pages, layout, cell_heads=cells, layers=tuple(sorted(pool.window_layers)))
         return host
     if grid is None:

@@ -1,6 +1,11 @@
 """How a hybrid model's device pool is split (issue 48): its full-attention layers keep every
 cached page, its sliding-window layers a component of their own sized by
-``--swa-full-tokens-ratio`` (see :mod:`hicache.cache.device_window`).
+``--swa-full-tokens-ratio`` (see :mod:`hicache.cache.device_window`) -- or, by default, the split
+follows demand (issue 56): one pool of blocks both draw from (:class:`~hicache.cache.pools.
+SharedWindowAllocator`). G = the model's full-attention layer count (global, so every rank agrees);
+a block is one page of G layers. The full layers are group 0 (layer of full index j in tensor j, a
+full page is one block); the sliding layers groups 1.. of G (sliding index s: group 1 + s // G,
+tensor s % G; the last group may be short), and a window page is one block of each.
 
 Units: pages (of ``--page-size`` tokens) unless named tokens; layer indices are this rank's.
 """
@@ -8,6 +13,7 @@ Units: pages (of ``--page-size`` tokens) unless named tokens; layer indices are 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 from ..cache.device_window import largest_forward, window_footprint
@@ -24,8 +30,36 @@ class HybridPlan:
 
     window: int
     window_layers: frozenset[int]
-    ratio: float
+    ratio: float | None  # None: shared blocks (the split follows demand)
     page_size: int
+    layout: tuple[tuple[int, int], ...] = ()  # shared: (tensor, group) of each of this rank's layers
+    tensors: int = 0  # shared: G
+    groups: int = 0  # shared: sliding groups of the model (blocks per window page)
+
+    # With --max-total-tokens N (its full layers' tokens) a shared pool holds N's pages and as many
+    # window pages as the default ratio gives (the bytes a fixed split at the default would take).
+    DEFAULT_RATIO = 0.8
+
+    @property
+    def shared(self) -> bool:
+        return self.ratio is None
+
+    def blocks_for_tokens(self, full_pages: int) -> int:
+        """Blocks (+ page 0) of a shared pool sized by --max-total-tokens (``full_pages`` + page 0)."""
+        return full_pages + math.ceil(self.groups * self.DEFAULT_RATIO * (full_pages - 1))
+
+    def window_ids(self, blocks: int) -> int:
+        """Window page ids (+ page 0) of a shared pool of ``blocks`` (+ page 0): as many as the blocks hold."""
+        return (blocks - 1) // self.groups + 1
+
+    def shared_chunk(self, blocks: int, chunk: int) -> int:
+        """The prefill chunk of a shared pool: a lone request's window footprint takes at most half the blocks."""
+        return self.prefill_chunk((blocks - 1) // (2 * self.groups) + 1, chunk)
+
+    def shared_fits(self, blocks: int) -> bool:
+        """Whether half a shared pool holds one request's windows a window at a time (else keep every layer)."""
+        least = window_footprint(self.window, self.page_size, max(self.window, self.page_size))
+        return (blocks - 1) // (2 * self.groups) >= least
 
     def page_cost(self, full_page_bytes: int, window_page_bytes: int) -> float:
         """Bytes the pool spends per full-layer page, its share of window pages included."""
@@ -60,4 +94,18 @@ def plan_hybrid(cfg: EngineConfig, spec: ModelSpec, layers: range) -> HybridPlan
                           "storage grid are not planned beside a window pool yet; use --hicache-storage-key-scheme "
                           "rank-suffix, or --disable-hybrid-swa-memory to keep every layer's KV.")
     local = frozenset(i for i, layer in enumerate(layers) if spec.layer_window(layer))
-    return HybridPlan(spec.sliding_window, local, cfg.swa_full_tokens_ratio, cfg.page_size)
+    full = [layer for layer in range(spec.num_layers) if not spec.layer_window(layer)]
+    ratio = cfg.swa_full_tokens_ratio
+    if ratio is None and (not full or cfg.disaggregation_mode != "null" or cfg.speculative_algorithm not in (None, "NGRAM")):
+        # not covered by shared blocks yet: P/D moves window rows by window page, a packed draft has layers of its own
+        ratio = HybridPlan.DEFAULT_RATIO
+        logger.info("the window pool is sized by the default --swa-full-tokens-ratio %.1f (shared blocks do not cover "
+                    "%s yet)", ratio, "a model without full-attention layers" if not full else
+                    "P/D" if cfg.disaggregation_mode != "null" else "a speculative draft model")
+    if ratio is not None:
+        return HybridPlan(spec.sliding_window, local, ratio, cfg.page_size)
+    sliding = [layer for layer in range(spec.num_layers) if spec.layer_window(layer)]
+    g = len(full)
+    layout = tuple((full.index(layer), 0) if layer in full else (sliding.index(layer) % g, 1 + sliding.index(layer) // g)
+                   for layer in layers)
+    return HybridPlan(spec.sliding_window, local, None, cfg.page_size, layout, g, -(-len(sliding) // g))
