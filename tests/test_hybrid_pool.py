@@ -308,7 +308,10 @@ def test_host_tier_keeps_full_layers_of_every_page_and_windows_of_checkpoints(ev
         tree.check_invariants()
     finally:
         engine.shutdown()
-    assert outputs == every_layer[0] and cached == every_layer[1]
+    # the first turn's three requests arrive together: a request admitted beside one still computing their
+    # shared head (37 tokens: under the 64 a request waits for, runtime/shared_prefill.py) takes a share of the
+    # step (runtime/fair_share.py) and computes the rest itself; later turns hit their own histories
+    assert outputs == every_layer[0] and cached[3:] == every_layer[1][3:]
     assert stats["hit_tokens"]["host"] > 0  # some turns came back from host memory
     assert spans and all(spans)  # host windows only inside each node's end window
     window = stats["host_pool"]["window"]

@@ -252,7 +252,9 @@ T decode_layer(const T& x, const T& attn_norm, const T& ffn_norm, double eps, at
 // a layer (at batch 1 the Python around 30 decode_layer calls was ~4 ms of a ~22 ms step;
 // model/decode_stack.py). Per layer l: attn_norms[l], ffn_norms[l], parts[4l .. 4l + 4), its kinds / qtypes / weights after layer l - 1's,
 // qkv_biases[l] when given (empty list: no layer has one), k_bufs[l], v_bufs[l], its style (layer_style);
-// the layers listed in `local` read and write the local view (local_cos ... local_lengths), the others the full one.
+// the layers listed in `local` read and write the local view (local_cos ... local_lengths), the others the full one;
+// with `local_groups` (one per local layer; a shared hybrid pool's sliding groups, issue 56) local_out_slots and
+// local_kv_slots hold one row per group, and a local layer reads its group's row.
 T decode_layers(const T& x, at::TensorList attn_norms, at::TensorList ffn_norms, double eps, at::IntArrayRef parts,
                 at::IntArrayRef kinds, at::IntArrayRef qtypes, at::TensorList weights, at::TensorList qkv_biases,
                 const T& cos, const T& sin, int64_t num_heads, int64_t num_kv_heads, at::TensorList k_bufs,
@@ -260,7 +262,7 @@ T decode_layers(const T& x, at::TensorList attn_norms, at::TensorList ffn_norms,
                 at::TensorList post_norms, bool gelu, double q_scale, at::IntArrayRef local,
                 const c10::optional<T>& local_cos, const c10::optional<T>& local_sin,
                 const c10::optional<T>& local_out_slots, const c10::optional<T>& local_kv_slots,
-                const c10::optional<T>& local_lengths) {
+                const c10::optional<T>& local_lengths, at::IntArrayRef local_groups) {
   const size_t layers = attn_norms.size();
   TORCH_CHECK(ffn_norms.size() == layers && k_bufs.size() == layers && v_bufs.size() == layers &&
               parts.size() == 4 * layers && (qkv_biases.empty() || qkv_biases.size() == layers) &&
@@ -270,21 +272,33 @@ T decode_layers(const T& x, at::TensorList attn_norms, at::TensorList ffn_norms,
   TORCH_CHECK(local.empty() || (local_cos.has_value() && local_sin.has_value() && local_out_slots.has_value() &&
                                 local_kv_slots.has_value() && local_lengths.has_value()),
               "local layers need the local view");
-  std::vector<bool> is_local(layers, false);
-  for (int64_t l : local) {
+  TORCH_CHECK(local_groups.empty() || local_groups.size() == local.size(), "one group per local layer, or none");
+  std::vector<int64_t> group_of(layers, -1);  // -1: the full view
+  for (size_t i = 0; i < local.size(); ++i) {
+    const int64_t l = local[i];
     TORCH_CHECK(l >= 0 && static_cast<size_t>(l) < layers, "local layer index out of range");
-    is_local[l] = true;
+    group_of[l] = local_groups.empty() ? 0 : local_groups[i];
   }
   size_t part = 0, at = 0;
   const View full{cos.flatten(1), sin.flatten(1), out_slots, kv_slots, lengths};
-  const View windowed = local.empty() ? full : View{local_cos->flatten(1), local_sin->flatten(1), *local_out_slots,
-                                                    *local_kv_slots, *local_lengths};
+  std::vector<View> windowed;  // one per sliding group
+  if (!local.empty()) {
+    const int64_t groups = local_groups.empty() ? 1 : local_out_slots->size(0);
+    TORCH_CHECK(local_groups.empty() || (local_out_slots->dim() == 2 && local_kv_slots->size(0) == groups),
+                "one slot row (out and kv slots) per group");
+    for (int64_t g = 0; g < groups; ++g) {
+      windowed.push_back(View{local_cos->flatten(1), local_sin->flatten(1),
+                              local_groups.empty() ? *local_out_slots : local_out_slots->select(0, g),
+                              local_groups.empty() ? *local_kv_slots : local_kv_slots->select(0, g), *local_lengths});
+    }
+    for (int64_t g : group_of) TORCH_CHECK(g < groups, "a local layer's group has no slot row");
+  }
   T h = x;
   for (size_t l = 0; l < layers; ++l) {
     const Layer layer = unpack(parts.slice(4 * l, 4), kinds, qtypes, weights, part, at);
     const c10::optional<T> bias = qkv_biases.empty() ? c10::nullopt : c10::optional<T>(qkv_biases[l]);
-    h = run_layer(h, attn_norms[l], ffn_norms[l], eps, layer, bias, is_local[l] ? windowed : full, num_heads,
-                  num_kv_heads, k_bufs[l], v_bufs[l], layer_style(qk_norms, post_norms, gelu, q_scale, l));
+    h = run_layer(h, attn_norms[l], ffn_norms[l], eps, layer, bias, group_of[l] >= 0 ? windowed[group_of[l]] : full,
+                  num_heads, num_kv_heads, k_bufs[l], v_bufs[l], layer_style(qk_norms, post_norms, gelu, q_scale, l));
   }
   TORCH_CHECK(part == kinds.size() && at == weights.size(), "the layers took ", part, " kinds and ", at,
               " weight tensors of ", kinds.size(), " and ", weights.size());
@@ -302,7 +316,8 @@ TORCH_LIBRARY_FRAGMENT(hicache, m) {
         "int[] qtypes, Tensor[] weights, Tensor[] qkv_biases, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, "
         "Tensor(a!)[] k_bufs, Tensor(b!)[] v_bufs, Tensor out_slots, Tensor kv_slots, Tensor lengths, "
         "Tensor[] qk_norms, Tensor[] post_norms, bool gelu, float q_scale, int[] local, Tensor? local_cos, "
-        "Tensor? local_sin, Tensor? local_out_slots, Tensor? local_kv_slots, Tensor? local_lengths) -> Tensor");
+        "Tensor? local_sin, Tensor? local_out_slots, Tensor? local_kv_slots, Tensor? local_lengths, "
+        "int[] local_groups=[]) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(hicache, CPU, m) {
   m.impl("decode_layer", &decode_layer);
