@@ -53,7 +53,10 @@ def test_cached_prefixes_chunks_and_batches_give_the_cold_tokens(cold) -> None:
 
 
 def test_host_tier_hits_give_the_cold_tokens(cold) -> None:
-    engine = Engine(MODEL, **dict(BASE, max_total_tokens=160), enable_hierarchical_cache=True, hicache_ratio=4.0)
+    # the fixed split keeps the device pool at 160 full-layer tokens (shared blocks would lend full pages the
+    # window share: everything would stay on the device)
+    engine = Engine(MODEL, **dict(BASE, max_total_tokens=160), enable_hierarchical_cache=True, hicache_ratio=4.0,
+                    swa_full_tokens_ratio=0.8)
     try:
         for p in PROMPTS:  # each evicts the others from the small device pool: they wait in host memory
             engine.generate([p], GREEDY)

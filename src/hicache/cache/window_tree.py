@@ -120,14 +120,16 @@ class WindowTombstones:
         """Pages of ``node``'s ancestors whose window no hit will start from once ``node``'s end
         window (its checkpoint) is stored: walking up while each ancestor's only child continues
         the path (a conversation that went on; a branch point, where other conversations' hits
-        start, ends the walk), its pages before the first page ``node``'s end window reads.
-        (ancestor, page indices) pairs, nearest first."""
-        end, n = 0, node
+        start, ends the walk), its pages before the first page the window of ``node``'s start
+        reads. The checkpoint just before ``node`` keeps its window (the same prompt again -- a
+        retry, a regenerated answer -- hits it); those before it go. (ancestor, page indices)
+        pairs, nearest first."""
+        start, n = 0, node.parent
         while not n.is_root:
-            end += n.num_pages
+            start += n.num_pages
             n = n.parent
-        first = self.window_first_page(end * self.page_size)
-        out, pos, anc = [], end - node.num_pages, node.parent
+        first = self.window_first_page(start * self.page_size)
+        out, pos, anc = [], start, node.parent
         while not anc.is_root and len(anc.children) == 1:
             start = pos - anc.num_pages
             idx = np.arange(0, min(anc.num_pages, max(first - start, 0)))
