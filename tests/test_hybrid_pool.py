@@ -22,7 +22,7 @@ from hicache.disagg.bootstrap import Bootstrap
 from hicache.cache.pools import PageAllocator
 from hicache.cache.radix import RadixCache
 from hicache.cache.window_tree import usable_boundary
-from hicache.runtime.sampling import SamplingParams
+from hybrid_conversations import GREEDY, MODEL, SYSTEM, conversations
 from transfer_engines import mooncake_transfer_engine_missing
 
 pytestmark = pytest.mark.cache
@@ -155,31 +155,7 @@ def test_device_eviction_frees_window_pages_and_takes_windowless_leaves_first() 
 
 
 # ---- the engine ---------------------------------------------------------------------------------
-MODEL = "random:gemma-small"
 BASE = dict(dtype="float32", kv_cache_dtype="float32", page_size=PS, chunked_prefill_size=12, max_total_tokens=4096)
-GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
-SYSTEM = [(7 * i + 3) % 200 + 20 for i in range(37)]  # a shared head, several windows long
-
-
-def conversations(engine: Engine, agents: int = 3, turns: int = 3, together: bool = False,
-                  keep: bool = False, final: list | None = None) -> tuple[list, list]:
-    """``agents`` conversations of ``turns`` turns over SYSTEM, each turn its history + answer +
-    a new message; returns every turn's output and cached tokens, in order (``final``, if given,
-    receives each conversation's next prompt). The engine is shut down after, unless ``keep``."""
-    histories = [SYSTEM + [(11 * a + i) % 200 + 20 for i in range(5 + 3 * a)] for a in range(agents)]
-    outputs, cached = [], []
-    for turn in range(turns):
-        results = engine.generate(histories, GREEDY) if together else \
-            [engine.generate([h], GREEDY)[0] for h in histories]
-        for a, r in enumerate(results):
-            outputs.append(r.output_ids)
-            cached.append(r.cached_tokens)
-            histories[a] = histories[a] + r.output_ids + [(13 * turn + a + i) % 200 + 20 for i in range(4 + turn)]
-    if final is not None:
-        final.extend(histories)
-    if not keep:
-        engine.shutdown()
-    return outputs, cached
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import pytest
 from hicache import Engine
 from hicache.bench.cache_only import AUTO, CacheOnly, Geometry
 from hicache.runtime.request import Status
-from hicache.runtime.sampling import SamplingParams
+from hybrid_conversations import MODEL, conversations
 
 pytestmark = pytest.mark.cache
 
@@ -72,27 +72,8 @@ def test_a_shared_pool_maps_each_window_page_to_one_block_per_group() -> None:
     assert stats["shared_blocks"] and stats["cached_pages"] == held
 
 
-MODEL = "random:gemma-small"
 PS = 4
 BASE = dict(dtype="float32", kv_cache_dtype="float32", page_size=PS, chunked_prefill_size=12)
-GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
-SYSTEM = [(7 * i + 3) % 200 + 20 for i in range(37)]
-
-
-def conversations(engine: Engine, agents: int = 3, turns: int = 3, together: bool = False) -> tuple[list, list]:
-    histories = [SYSTEM + [(11 * a + i) % 200 + 20 for i in range(5 + 3 * a)] for a in range(agents)]
-    outputs, cached = [], []
-    try:
-        for turn in range(turns):
-            results = engine.generate(histories, GREEDY) if together else \
-                [engine.generate([h], GREEDY)[0] for h in histories]
-            for a, r in enumerate(results):
-                outputs.append(r.output_ids)
-                cached.append(r.cached_tokens)
-                histories[a] = histories[a] + r.output_ids + [(13 * turn + a + i) % 200 + 20 for i in range(4 + turn)]
-    finally:
-        engine.shutdown()
-    return outputs, cached
 
 
 @pytest.mark.engine

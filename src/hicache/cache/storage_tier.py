@@ -232,13 +232,13 @@ class StorageTier:
     def _superseded_hashes(self, node: TreeNode) -> list[bytes]:
         """Page hashes of stored ancestors' checkpoint pages that ``node``'s checkpoint supersedes
         (:meth:`~.window_tree.WindowTombstones.superseded_windows`): their window objects go once
-        ``node``'s are written. Only pages inside an ancestor's own end window ever had one."""
+        ``node``'s are written. Only pages whose host copy still holds a window have one left (the
+        host gives up its windows right after this, the objects of earlier ones went with them)."""
         out = []
         for anc, idx in self.tree.superseded_windows(node):
-            if not anc.stored:
+            if not anc.stored or anc.host_window_pages is None:
                 continue
-            end, first = self.tree.checkpoint_span(anc)
-            idx = idx[idx >= first - (end - anc.num_pages)]
+            idx = idx[anc.host_window_pages[idx] != 0]
             if len(idx):
                 hashes = list(node_hashes(anc, self.keys))
                 out.extend(hashes[i] for i in idx)

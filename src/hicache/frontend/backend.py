@@ -19,7 +19,8 @@ from ..errors import HicacheError
 from ..model.loader import LoadedModel
 from ..model.parallel import check_parallel
 from ..parallel.rank_group import RankGroup
-from ..runtime.core import EngineCore, build_core, core_stats
+from ..runtime.core import EngineCore, build_core
+from ..runtime.core_stats import core_stats
 from ..runtime.request import Request
 from ..runtime.scheduler import Scheduler
 from ..runtime.step import ForwardFn, StepDriver

@@ -40,7 +40,8 @@ from ..errors import HicacheError
 from ..model import load_model
 from ..model.parallel import model_shard, shard_model
 from ..runtime.batch import Batch, Sampled
-from ..runtime.core import EngineCore, build_core, core_stats
+from ..runtime.core import EngineCore, build_core
+from ..runtime.core_stats import core_stats
 from ..runtime.events import StepEvents
 from ..runtime.request import Request
 from ..runtime.step import Inbound, StepDriver, apply_intake, take_intake
