@@ -164,3 +164,13 @@ def test_a_shared_pool_over_a_host_tier_loads_windows_back_per_group() -> None:
     outputs, _ = conversations(engine, agents=6, together=True)
     assert outputs == every[0]
     assert stats["hit_tokens"]["host"] > 0
+
+
+@pytest.mark.engine
+def test_the_engine_ready_line_names_one_shared_pool(caplog) -> None:
+    """The two components' bytes are one pool's: the line says so instead of adding them up."""
+    with caplog.at_level("INFO", logger="hicache.frontend.engine"):
+        engine = Engine(MODEL, max_total_tokens=1024, **BASE)
+        engine.shutdown()
+    line = next(r.getMessage() for r in caplog.records if "engine ready" in r.getMessage())
+    assert "of window pages, shared" in line and "+ window" not in line

@@ -119,6 +119,10 @@ class Engine:
             return f"{full} tokens"
         row = 2 * spec.num_kv_heads * spec.head_dim * self.kv_dtype.itemsize  # K + V of one token, one layer
         sliding = sum(1 for i in range(spec.num_layers) if spec.layer_window(i))
+        if self.backend.stats()["device_pool"]["window"].get("shared_blocks"):  # one pool both draw from
+            return (f"{full} tokens of full-layer pages or {window} of window pages, shared "
+                    f"({full * row * (spec.num_layers - sliding) / 2**20:.1f} MiB; {spec.num_layers - sliding} full "
+                    f"layers, {sliding} layers of {spec.sliding_window})")
         return (f"full {full} tokens ({full * row * (spec.num_layers - sliding) / 2**20:.1f} MiB, "
                 f"{spec.num_layers - sliding} layers) + window {window} tokens ({window * row * sliding / 2**20:.1f} MiB, "
                 f"{sliding} layers of {spec.sliding_window})")
