@@ -25,7 +25,7 @@ def test_unknown_name_is_one_clear_sentence():
         load_model("foo")
     assert isinstance(e.value, ConfigError)
     assert str(e.value) == (
-        "unknown model 'foo': expected 'smollm2' or 'gemma3-270m' (packaged), a GGUF file, a local Hugging Face "
+        "unknown model 'foo': expected 'smollm2' or 'gemma3-270m' or 'qwen2.5-coder-0.5b' (packaged), a GGUF file, a local Hugging Face "
         "directory or 'random:<preset or JSON>', optionally followed by ':int4-g64' (a requantized copy)."
     )
 
