@@ -101,6 +101,9 @@ demo: setup
 	@echo "== a tool-using agent through the openai SDK: read a file, calculate, answer (grammar-constrained calls; exits 1 if the answer is wrong) =="
 	$(VENV)/bin/hicache agent-demo
 	@echo
+	@echo "== the same agent on Qwen2.5 Coder 0.5B (packaged, 32K context; its template's own <tool_call> format, detected), through the Responses API =="
+	$(VENV)/bin/hicache agent-demo --model qwen2.5-coder-0.5b --api responses
+	@echo
 	@echo "== prefill/decode disaggregation behind SGLang's router: the decode server keeps its history and receives only each turn's new KV =="
 	$(PY) -m hicache.launch.pd_demo --turns 2 --max-new-tokens 16
 	@echo

@@ -249,7 +249,7 @@ def _add_local_commands(command: Callable[..., argparse.ArgumentParser]) -> None
                    help="Which API drives the agent: chat.completions, responses (previous_response_id), or both, "
                         "one after the other on a flushed cache.")
     p.add_argument("--model", default="smollm2", help="The model `hicache serve` loads (the answer is checked on "
-                                                      "SmolLM2).")
+                                                      "smollm2 and qwen2.5-coder-0.5b, the `make demo` runs).")
     p.add_argument("--server-args", default="", help="More `hicache serve` flags, shell-quoted, e.g. "
                                                      "--server-args='--enable-hierarchical-cache'.")
     p.set_defaults(func=cmd_agent_demo)
