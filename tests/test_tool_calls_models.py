@@ -3,7 +3,7 @@
 ``gemma`` template given; tools described in a system message) and SmolLM2. A forced call
 (``required`` / Anthropic ``any``) is grammar-constrained and parses on every API, streamed or not;
 an automatic one is parsed from what the model writes. And the packaged Qwen2.5 file is the one
-pinned: its header, its size and its SHA-256, and a plain chat turn answers sensibly."""
+pinned (its header, its size and its SHA-256) and a plain chat turn on it answers sensibly."""
 
 from __future__ import annotations
 
@@ -43,26 +43,29 @@ def model(request):
         yield name, srv
 
 
-@pytest.mark.parametrize("api", list(TURNS))
-def test_forced_calls_parse_on_every_api_streamed_or_not(model, api):
-    name, srv = model
-    for stream in (False, True):
-        _, calls = TURNS[api](srv.base_url, name, ASK, [WEATHER], "required", stream)
-        assert calls and all(fn == "get_weather" and set(args) == {"city"} for fn, args in calls), (stream, calls)
+STREAMED = {"chat": True, "responses": False, "messages": True}  # forced; automatic calls the other way
 
 
 @pytest.mark.parametrize("api", list(TURNS))
-def test_automatic_calls_are_parsed_from_what_the_model_writes(model, api):
-    """Greedy, the model picks the tool itself; whatever shape it writes it in (Qwen2.5's tags or
-    the bare object), the call comes back as a call and nothing of it as text."""
+def test_forced_and_automatic_calls_on_every_api(model, api):
+    """Forced: a call that parses and follows the schema. Automatic (greedy: the model picks the tool
+    itself): whatever shape it writes the call in (Qwen2.5's tags or the bare object), it comes back
+    as a call and nothing of it as text; Qwen2.5 calls, the 135M and 270M models may answer instead.
+    Each API streamed once and not once (streamed calls read back from their deltas)."""
     name, srv = model
-    text, calls = TURNS[api](srv.base_url, name, ASK, [WEATHER], "auto", api == "chat")
+    _, calls = TURNS[api](srv.base_url, name, ASK, [WEATHER], "required", STREAMED[api])
+    assert calls and all(fn == "get_weather" and set(args) == {"city"} for fn, args in calls), calls
+    text, calls = TURNS[api](srv.base_url, name, ASK, [WEATHER], "auto", not STREAMED[api])
     if name == "qwen2.5-coder-0.5b":
         assert [fn for fn, _ in calls] == ["get_weather"] and calls[0][1]["city"].lower() == "paris", (text, calls)
     assert "<tool_call>" not in text and not (text.strip().startswith("{") and '"get_weather"' in text), text
+    if name == "qwen2.5-coder-0.5b" and api == "chat":  # and a plain chat turn answers sensibly
+        text, calls = TURNS[api](srv.base_url, name, "What is 17 + 25? Answer with the number only.", [],
+                                 "auto", False, max_tokens=16)
+        assert "42" in text and not calls
 
 
-def test_the_packaged_qwen_file_is_the_pinned_one_and_chats():
+def test_the_packaged_qwen_file_is_the_pinned_one():
     try:
         path = packaged_model_path("qwen2.5-coder-0.5b")
     except ModelNotFoundError as e:
@@ -77,7 +80,3 @@ def test_the_packaged_qwen_file_is_the_pinned_one_and_chats():
         while block := f.read(1 << 24):
             digest.update(block)
     assert digest.hexdigest() == QWEN_CODER_PARTS.sha256
-    with serving("qwen2.5-coder-0.5b", name="qwen", dtype="auto", max_total_tokens=4096) as srv:
-        text, calls = TURNS["chat"](srv.base_url, "qwen", "What is 17 + 25? Answer with the number only.", [],
-                                    "auto", False, max_tokens=16)
-        assert "42" in text and not calls
