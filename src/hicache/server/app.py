@@ -112,7 +112,8 @@ def prepare_chat_body(body: ChatCompletionRequest, st: ServerState) -> Prepared:
     checked (also what the Messages API's requests become: server/anthropic.py)."""
     st.check_model(body.model)
     tok: Tokenizer = st.engine.tokenizer
-    chat = chat_prompt(body.messages, body.tools, body.tool_choice, body.parallel_tool_calls, tok.renders_tools)
+    chat = chat_prompt(body.messages, body.tools, body.tool_choice, body.parallel_tool_calls, tok.renders_tools,
+                       st.call_format, tok.special_token_id)
     forced = GrammarSpec("lark", chat.forced_grammar) if chat.forced_grammar else None
     sp = _sampling(st, body, body.max_new_tokens(), DEFAULT_CHAT_MAX_TOKENS, forced)
     check_choices(body.n, 1, sp, body.stream, st.opts.max_logprob_tokens)
@@ -125,7 +126,7 @@ def prepare_chat_body(body: ChatCompletionRequest, st: ServerState) -> Prepared:
     ids = tok.encode(text)
     _check_fits(ids, body.max_new_tokens(), st.engine.context_length, "messages")
     return Prepared(body, [ids], sp, "messages", chat.call_names, body.n,
-                    "tools" if forced is not None else body.field_of("grammar"))
+                    "tools" if forced is not None else body.field_of("grammar"), st.call_format)
 
 
 def _prepare_completion(raw: bytes, st: ServerState) -> Prepared:
@@ -244,11 +245,12 @@ def _add_openai_routes(app: FastAPI, st: ServerState) -> None:
         logprobs = (lambda entries: chat_logprobs(entries, decode)) if p.sampling.logprobs is not None else None
 
         def choice(i: int, res: GenerateResult) -> dict:
-            message, finish = chat_message(res.text, res.finish_reason, p.call_names)
+            message, finish = chat_message(res.text, res.finish_reason, p.call_names, p.call_format)
             return {"index": i, "message": message, "logprobs": logprobs and logprobs(res.logprobs),
                     "finish_reason": finish}
 
-        return await _answer(st, request, p, base, lambda i: ChatChunks(base, p.call_names, i, logprobs), choice)
+        return await _answer(st, request, p, base, lambda i: ChatChunks(base, p.call_names, i, logprobs, p.call_format),
+                             choice)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
