@@ -96,12 +96,11 @@ def plan_hybrid(cfg: EngineConfig, spec: ModelSpec, layers: range) -> HybridPlan
     local = frozenset(i for i, layer in enumerate(layers) if spec.layer_window(layer))
     full = [layer for layer in range(spec.num_layers) if not spec.layer_window(layer)]
     ratio = cfg.swa_full_tokens_ratio
-    if ratio is None and (not full or cfg.disaggregation_mode != "null" or cfg.speculative_algorithm not in (None, "NGRAM")):
-        # not covered by shared blocks yet: P/D moves window rows by window page, a packed draft has layers of its own
+    if ratio is None and (not full or cfg.speculative_algorithm not in (None, "NGRAM")):
+        # not covered by shared blocks yet: a packed draft has layers of its own
         ratio = HybridPlan.DEFAULT_RATIO
         logger.info("the window pool is sized by the default --swa-full-tokens-ratio %.1f (shared blocks do not cover "
-                    "%s yet)", ratio, "a model without full-attention layers" if not full else
-                    "P/D" if cfg.disaggregation_mode != "null" else "a speculative draft model")
+                    "%s yet)", ratio, "a model without full-attention layers" if not full else "a speculative draft model")
     if ratio is not None:
         return HybridPlan(spec.sliding_window, local, ratio, cfg.page_size)
     sliding = [layer for layer in range(spec.num_layers) if spec.layer_window(layer)]
