@@ -353,18 +353,29 @@ def test_storage_holds_full_objects_and_checkpoint_windows_a_new_process_reads_e
 
 
 @pytest.mark.pd
-@pytest.mark.parametrize("transport", ["zmq", "mooncake"])
-def test_pd_decode_reuses_a_full_layer_prefix_without_its_window_and_receives_a_fresh_tail(transport) -> None:
+@pytest.mark.parametrize("transport, prefill_ratio, decode_ratio", [
+    ("zmq", None, None),  # shared blocks on both sides (the default)
+    ("zmq", None, 0.8),  # a shared prefill pool, a decode server with two pools (an explicit ratio)
+    ("mooncake", None, 0.8),
+    ("mooncake", 0.8, None),  # two pools -> shared blocks: Mooncake writes into each sliding group's blocks
+])
+def test_pd_decode_reuses_a_full_layer_prefix_without_its_window_and_receives_a_fresh_tail(
+        transport, prefill_ratio, decode_ratio) -> None:
     """The decode server's cached head lost its window KV (tombstoned): it still reports the head as
     ``decode_prefix_len`` (its full layers hold it); the prefill server sends (or Mooncake writes) the full
     layers' rows after it and the window layers' rows of the prompt's last window only (the fresh SWA tail),
-    and the answer is the every-layer pool's."""
+    and the answer is the every-layer pool's. Either side's pool is shared blocks (each window layer's rows
+    at its sliding group's blocks) or two pools, whatever the other's."""
     if transport == "mooncake" and (why := mooncake_transfer_engine_missing()) is not None:
         pytest.skip(why)
     pd = dict(disaggregation_transfer_backend=transport, **BASE)
-    prefill = Engine(MODEL, disaggregation_mode="prefill", disaggregation_bootstrap_port=0, **pd)
-    decode = Engine(MODEL, disaggregation_mode="decode", disaggregation_decode_enable_radix_cache=True, **pd)
+    prefill = Engine(MODEL, disaggregation_mode="prefill", disaggregation_bootstrap_port=0,
+                     swa_full_tokens_ratio=prefill_ratio, **pd)
+    decode = Engine(MODEL, disaggregation_mode="decode", disaggregation_decode_enable_radix_cache=True,
+                    swa_full_tokens_ratio=decode_ratio, **pd)
     reference = Engine(MODEL, disable_hybrid_swa_memory=True, disable_radix_cache=True, **BASE)
+    for engine, ratio in ((prefill, prefill_ratio), (decode, decode_ratio)):
+        assert engine.stats()["device_pool"]["window"].get("shared_blocks", False) == (ratio is None)
     # each prompt's new part shorter than a window: its tail reaches into the shared head
     prompts = [SYSTEM + [(11 * a + i) % 200 + 20 for i in range(2 + 2 * a)] for a in range(3)]
     try:

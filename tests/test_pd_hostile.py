@@ -121,6 +121,24 @@ def route_answered(port: int, timeout_s: float) -> bool:
 
 
 # ---- the prefill side: a hostile asker ------------------------------------------------------------
+def test_a_mooncake_window_tail_lists_pages_per_sliding_group_and_a_known_group_per_layer() -> None:
+    """A hybrid decode pool on shared blocks asks for the tail (tokens 8-18: 3 pages of 4) into each sliding
+    group's pages, naming each window layer's group: lists of the tail's length, groups that exist."""
+    from hicache.disagg.wire import Ask, WireError
+
+    target = {"session": "127.0.0.1:1234", "page_size": 4, "row_heads": 1, "first_head": 0, "k": [1, 2, 3],
+              "v": [4, 5, 6], "pages": [7, 8, 9], "window_pages": [[1, 2, 3], [4, 5, 6]], "window_groups": [1, 0]}
+    ask = {"room": 1, "decode_prefix_len": 8, "prompt_len": 18, "heads": [0, 1], "askers": 1, "expires_in": 5,
+           "window_start": 8, "window_layers": [0, 2], "mooncake": target}
+    parsed = Ask.parse(ask, 3)
+    assert parsed.mooncake.window_pages == [[1, 2, 3], [4, 5, 6]] and parsed.mooncake.window_groups == [1, 0]
+    assert Ask.parse(json.loads(json.dumps(parsed.to_wire())), 3) == parsed
+    for bad in ({"window_groups": [2, 0]}, {"window_groups": [0]}, {"window_pages": [[1, 2], [4, 5, 6]]},
+                {"window_pages": [[1, 2, 3]] * 3}, {"window_pages": []}, {"window_pages": [1, 2, 3]}):
+        with pytest.raises(WireError):
+            Ask.parse({**ask, "mooncake": {**target, **bad}}, 3)
+
+
 def test_no_frame_stops_the_senders_thread(pair) -> None:
     """The issue's frames (a room of Infinity, an expiry of 10**400) and others in their spirit:
     each is dropped with a log line; the next transfer works."""

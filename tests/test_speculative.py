@@ -20,6 +20,7 @@ from hicache import Engine, SamplingParams
 from hicache.config import ConfigError, EngineConfig
 from hicache.runtime.sampling import probabilities
 from hicache.runtime.speculative import greedy_accept, rejection_accept
+from hybrid_conversations import conversations
 
 pytestmark = pytest.mark.spec
 
@@ -385,3 +386,42 @@ def test_a_missing_sidecar_object_ends_the_hit_at_the_page_before(tmp_path: Path
     res = reader.generate([prompt], GREEDY)[0]
     assert res.cached_tokens_details["storage"] == 5 * 16 and res.output_ids == output
     reader.shutdown()
+
+
+# ---- a hybrid target (sliding-window layers) on shared blocks ------------------------------------
+HYBRID = "random:gemma-small"  # 5 layers attending an 8-token window, 1 full layer
+# two layers of the same rows (one KV head of 32): packed, its layers join the full group
+HYBRID_DRAFT = 'random:{"preset": "gemma-small", "num_layers": 2, "layer_kinds": ["sliding", "full"]}'
+HYBRID_BASE = dict(dtype="float32", kv_cache_dtype="float32", page_size=4, chunked_prefill_size=12)
+
+
+@pytest.mark.cache
+@pytest.mark.slow
+def test_a_packed_draft_of_a_hybrid_target_shares_the_blocks_and_answers_as_the_plain_engine() -> None:
+    """The draft's two layers keep every page, like the target's full layer: G = 3 tensors, the five sliding
+    layers in two groups of them. Four two-turn conversations through a pool of a few blocks over host memory
+    (histories come back from L2, the draft's layers with the full ones) give the plain engine's tokens."""
+    options = dict(HYBRID_BASE, max_total_tokens=100, enable_hierarchical_cache=True, hicache_ratio=8.0)
+    plain = conversations(Engine(HYBRID, **dict(options, max_total_tokens=4096)), agents=4, turns=2, together=True)
+    engine = Engine(HYBRID, **options, speculative_algorithm="STANDALONE", speculative_draft_model_path=HYBRID_DRAFT,
+                    speculative_num_steps=3)
+    pool = engine.backend.core.pool
+    assert pool.shared and pool.groups == 2 and len({b.data_ptr() for b in pool.k_buffers}) == 3
+    assert len(pool.k_buffers) == 6 + 2 and not pool.window_layers & {6, 7}  # the draft's layers follow, full
+    outputs, _ = conversations(engine, agents=4, turns=2, together=True, keep=True)
+    stats = engine.stats()
+    engine.shutdown()
+    assert outputs == plain[0]
+    assert stats["hit_tokens"]["host"] > 0 and stats["speculative"]["request_verify_steps"] > 0
+
+
+def test_a_sidecar_draft_of_a_hybrid_target_keeps_the_fixed_split(caplog) -> None:
+    """A sidecar pool is indexed by page id: on shared blocks it would need a row per block, so the
+    target takes the default ratio's two pools (one log line); an explicit ratio gives two pools too."""
+    sidecar = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=DRAFT, speculative_num_steps=3)
+    with caplog.at_level("INFO", logger="hicache.runtime.hybrid_pool"):
+        engine = Engine(HYBRID, **HYBRID_BASE, max_total_tokens=1024, **sidecar)
+    assert engine.cache.sidecar_view is not None and not engine.backend.core.pool.shared
+    assert engine.backend.core.pool.hybrid
+    assert any("a sidecar draft model" in r.getMessage() for r in caplog.records)
+    engine.shutdown()

@@ -206,6 +206,11 @@ class DeviceKVPool:
         pages = np.asarray(window_pages, dtype=np.int64)
         return self.window_blocks[pages, group] if self.shared else pages
 
+    def layer_window_slots(self, window_slots: torch.Tensor, layer: int) -> torch.Tensor:
+        """Window layer ``layer``'s slots out of ``window_slots`` (:meth:`window_slots`' shape:
+        ``[tokens]``, or ``[groups, tokens]`` shared: its sliding group's row)."""
+        return window_slots[self.window_group(layer)] if window_slots.dim() == 2 else window_slots
+
     def window_slots(self, window_pages: np.ndarray) -> torch.Tensor:
         """The slots of ``window_pages`` (0: not held): ``[tokens]``, or ``[groups, tokens]`` shared."""
         if not self.shared:

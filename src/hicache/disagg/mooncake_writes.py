@@ -40,32 +40,40 @@ class MooncakeWrites:
         self.engine = TransferEngine()
         if self.engine.initialize(hostname, "P2PHANDSHAKE", "tcp", "") != 0:
             raise ConfigError(f"Mooncake's transfer engine could not start on {hostname}.")
-        for buf in pool.k_buffers + pool.v_buffers:
+        # (a pool of shared blocks lists each of its tensors once per layer that reads it: registered once)
+        buffers = {buf.data_ptr(): buf for buf in pool.k_buffers + pool.v_buffers}
+        for buf in buffers.values():
             if self.engine.register_memory(buf.data_ptr(), buf.numel() * buf.element_size()) != 0:
                 raise ConfigError("Mooncake's transfer engine could not register the KV pool's memory.")
         self.session = f"{hostname}:{self.engine.get_rpc_port()}"
-        logger.info("P/D: Mooncake transfer engine at %s, %d KV buffers registered", self.session,
-                    2 * len(pool.k_buffers))
+        logger.info("P/D: Mooncake transfer engine at %s, %d KV buffers registered", self.session, len(buffers))
 
     def describe(self, slots: torch.Tensor, start: int, end: int, heads: range,
                  window: tuple[int, torch.Tensor] | None = None) -> MooncakeTarget:
         """Decode side: where the prefill rank should write tokens ``[start, end)`` of the
         pool-local ``heads`` (``slots``: the prompt's slots in this pool; ``start`` is a page
-        boundary); ``window``: a hybrid pool's (window start, window slots) for its window layers."""
-        ps, k = self.pool.page_size, self.pool.k_buffers[0]
-        window_pages = None if window is None else [int(window[1][t]) // ps for t in range(window[0], end, ps)]
-        return MooncakeTarget(self.session, ps, k.shape[1], heads.start, [b.data_ptr() for b in self.pool.k_buffers],
-                              [b.data_ptr() for b in self.pool.v_buffers],
-                              [int(slots[t]) // ps for t in range(start, end, ps)], window_pages)
+        boundary); ``window``: a hybrid pool's (window start, window slots) for its window layers (the
+        slots ``[groups, tokens]`` on shared blocks: each sliding group's pages, and each layer's group)."""
+        pool, ps, k = self.pool, self.pool.page_size, self.pool.k_buffers[0]
+        window_pages, groups = None, []
+        if window is not None:
+            first, rows = window[0], window[1].view(-1, window[1].shape[-1])
+            window_pages = [[int(row[t]) // ps for t in range(first, end, ps)] for row in rows]
+            groups = [pool.window_group(i) for i in sorted(pool.window_layers)]  # (the ask lists them in this order)
+        return MooncakeTarget(self.session, ps, k.shape[1], heads.start, [b.data_ptr() for b in pool.k_buffers],
+                              [b.data_ptr() for b in pool.v_buffers],
+                              [int(slots[t]) // ps for t in range(start, end, ps)], window_pages, groups)
 
     def write(self, target: MooncakeTarget, slots: torch.Tensor, start: int, end: int, heads: range,
-              window: tuple[int, torch.Tensor, frozenset[int]] | None = None) -> int:
+              window: tuple[int, torch.Tensor, tuple[int, ...]] | None = None) -> int:
         """Prefill side: write tokens ``[start, end)`` (at ``slots`` in this pool) of the
         pool-local ``heads`` into ``target``'s pages; returns the bytes written. Whole rows on
         both sides go a run of pages per span; a slice of a row (TP sizes differ) a token per
-        span. ``window``: (start, this pool's slots, layers) of the window layers' tail, written
-        into ``target.window_pages``. Raises ValueError on a layout mismatch, RuntimeError when
-        the engine fails."""
+        span. ``window``: (start, this pool's window slots, the ask's window layers) of the window
+        layers' tail, each layer written from its slots here (its sliding group's row on shared
+        blocks; the prompt's ``slots`` where this pool keeps it with every page) into its group's
+        ``target.window_pages``. Raises ValueError on a layout mismatch, RuntimeError
+        when the engine fails."""
         pool, ps = self.pool, self.pool.page_size
         k = pool.k_buffers[0]
         hb = k.shape[-1] * k.element_size()
@@ -93,9 +101,16 @@ class MooncakeWrites:
             return out
 
         spans = spans_of(slots, target.pages, start)
-        window_spans = spans_of(window[1], target.window_pages, window[0]) if window is not None else []
-        layer_spans = [window_spans if window is not None and i in window[2] else spans
-                       for i in range(len(pool.k_buffers))]
+        layer_spans = [spans] * len(pool.k_buffers)
+        if window is not None:
+            first, own, layers = window
+            memo: dict[tuple[int, int], list[tuple[int, int, int]]] = {}  # (source group, destination group) -> spans
+            for layer, dst in zip(layers, target.window_groups):
+                src = pool.window_group(layer) if layer in pool.window_layers else -1  # -1: the prompt's own slots
+                if (src, dst) not in memo:
+                    rows = pool.layer_window_slots(own, layer) if src >= 0 else slots
+                    memo[src, dst] = spans_of(rows, target.window_pages[dst], first)
+                layer_spans[layer] = memo[src, dst]
         src, dst, lengths = [], [], []
         for bufs, peer in ((pool.k_buffers, target.k), (pool.v_buffers, target.v)):
             for buf, peer_base, layer in zip(bufs, peer, layer_spans):

@@ -311,11 +311,11 @@ class KVReceiver(IOThread):
 
     def _rows(self, job: Receive) -> list[torch.Tensor]:
         """Per layer, the slots the answer's rows go to: the prompt's from ``decode_prefix_len``, or
-        a hybrid pool's window layers' from ``window_start``."""
+        a hybrid pool's window layers' from ``window_start`` (a shared pool: each layer's group's)."""
         start, end = job.decode_prefix_len, len(job.slots)
         window = self.pool.window_layers if job.window_start is not None else frozenset()
-        return [job.window_slots[job.window_start:end] if i in window else job.slots[start:end]
-                for i in range(len(self.pool.k_buffers))]
+        return [self.pool.layer_window_slots(job.window_slots, i)[job.window_start:end] if i in window
+                else job.slots[start:end] for i in range(len(self.pool.k_buffers))]
 
     def _copy_frames(self, slots: list[torch.Tensor], frames: list, heads: slice) -> int:
         """Each layer's K and V frames into its ``slots`` (one per row), for ``heads``."""

@@ -23,8 +23,6 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-import torch
-
 from ..cache.pools import DeviceKVPool
 from .heads import RankEndpoint
 from .transfer import POLL_MS, IOThread, Send, head_bytes, raw
@@ -70,10 +68,13 @@ class KVSender(IOThread):
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        # A Mooncake ask lists a buffer address per layer and the suffix's pages: bound it by the pool's.
+        # A Mooncake ask lists a buffer address per layer, the suffix's pages and (a hybrid decode pool) its
+        # tail's pages per sliding group, a group per window layer: bound it by the pool's pages, and the
+        # tail by a window (+ the pages it may straddle) where this pool knows the window.
         layers, pages = len(pool.k_buffers), pool.k_buffers[0].shape[0] // pool.page_size
-        limit_socket(self._sock, JSON_FRAME_BYTES + 24 * (2 * layers + pages))
-        self._max_ask_bytes = JSON_FRAME_BYTES + 24 * (2 * layers + pages)
+        tail = min(-(-pool.window // pool.page_size) + 3, pages) if pool.window else pages
+        self._max_ask_bytes = JSON_FRAME_BYTES + 24 * (3 * layers + pages + layers * tail)
+        limit_socket(self._sock, self._max_ask_bytes)
         self.port = self._sock.bind_to_random_port(f"tcp://{host}") if port == 0 else port
         if port:
             self._sock.bind(f"tcp://{host}:{port}")
@@ -234,8 +235,8 @@ class KVSender(IOThread):
         for i in range(len(pool.k_buffers)):
             if i not in asked:
                 rows.append(job.slots[start:end])
-            elif i in pool.window_layers:
-                rows.append(job.window_slots[ask.window_start:end])
+            elif i in pool.window_layers:  # (a shared pool: the row of the layer's sliding group)
+                rows.append(pool.layer_window_slots(job.window_slots, i)[ask.window_start:end])
             else:
                 rows.append(job.slots[ask.window_start:end])
         return rows
@@ -266,7 +267,7 @@ class KVSender(IOThread):
             if ask.window_start is not None:
                 header["window_start"] = ask.window_start
                 own = job.window_slots if self.pool.hybrid else job.slots  # where this pool holds the tail
-                window = (ask.window_start, own, frozenset(ask.window_layers))
+                window = (ask.window_start, own, ask.window_layers)
             frames = []
             if self.writes is not None:  # the rows are in the decode pool already when this returns
                 header["written"] = sent = self.writes.write(ask.mooncake, job.slots, start, end, local, window)

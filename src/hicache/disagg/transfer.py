@@ -94,7 +94,8 @@ class Send:
     slots: torch.Tensor  # the prompt's device slots, one per token
     first_token: int
     deadline: float  # give up waiting for the decode ranks' asks then (perf_counter)
-    # a hybrid pool: the prompt's window-layer slots, held from token ``window_held_from`` on
+    # a hybrid pool: the prompt's window-layer slots (``[groups, tokens]`` on shared blocks: one row per
+    # sliding group), held from token ``window_held_from`` on
     window_slots: torch.Tensor | None = None
     window_held_from: int = 0
     done: threading.Event = field(default_factory=threading.Event)
@@ -115,7 +116,8 @@ class Receive:
     decode_prefix_len: int
     slots: torch.Tensor
     deadline: float
-    # a hybrid pool: the window layers' rows from ``window_start`` on go to ``window_slots`` (per token)
+    # a hybrid pool: the window layers' rows from ``window_start`` on go to ``window_slots`` (per token;
+    # ``[groups, tokens]`` on shared blocks: a layer's rows go to its sliding group's)
     window_start: int | None = None
     window_slots: torch.Tensor | None = None
     handshake_deadline: float = float("inf")  # the prefill server's route must come by then

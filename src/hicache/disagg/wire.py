@@ -20,7 +20,7 @@ import logging
 import math
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 MAX_ROOM = 2**63 - 1  # rooms are non-negative signed 64-bit integers, as SGLang draws them
@@ -152,17 +152,23 @@ class MooncakeTarget:
     k: list[int]
     v: list[int]
     pages: list[int]
-    window_pages: Optional[list[int]] = None  # a hybrid decode pool: its window pages of the asked tail
+    # a hybrid decode pool: the pages of its buffers that take the asked tail, one list per sliding group
+    # (one list with two pools; shared blocks: a group's blocks), and each asked window layer's group
+    window_pages: Optional[list[list[int]]] = None
+    window_groups: list[int] = field(default_factory=list)
 
     def to_wire(self) -> dict:
         msg = {"session": self.session, "page_size": self.page_size, "row_heads": self.row_heads,
                "first_head": self.first_head, "k": self.k, "v": self.v, "pages": self.pages}
         if self.window_pages is not None:
-            msg["window_pages"] = self.window_pages
+            msg["window_pages"], msg["window_groups"] = self.window_pages, self.window_groups
         return msg
 
     @classmethod
-    def parse(cls, msg: Any, layers: int, suffix_tokens: int, window_tokens: Optional[int] = None) -> "MooncakeTarget":
+    def parse(cls, msg: Any, layers: int, suffix_tokens: int, window_tokens: Optional[int] = None,
+              window_layers: int = 0) -> "MooncakeTarget":
+        """``window_tokens``: the asked tail's tokens (None: no tail); ``window_layers``: how many
+        layers the ask asks as a tail."""
         if not isinstance(msg, dict):
             raise WireError("'mooncake' must be an object")
         session = msg.get("session")
@@ -171,11 +177,17 @@ class MooncakeTarget:
         host(session.rpartition(":")[0].strip("[]"), "the Mooncake session's host")
         page_size = integer(msg, "page_size", 1, 1 << 20)
         pages = -(-suffix_tokens // page_size)
-        window = None if window_tokens is None else int_list(msg, "window_pages", -(-window_tokens // page_size), 0,
-                                                             MAX_TOKENS)
+        window, groups = None, []
+        if window_tokens is not None:
+            lists = msg.get("window_pages")
+            if not isinstance(lists, list) or not 1 <= len(lists) <= max(window_layers, 1):
+                raise WireError(f"'window_pages' must list 1 to {max(window_layers, 1)} lists of pages")
+            tail = -(-window_tokens // page_size)
+            window = [int_list({"window_pages": p}, "window_pages", tail, 0, MAX_TOKENS) for p in lists]
+            groups = int_list(msg, "window_groups", window_layers, 0, len(window) - 1)
         return cls(session, page_size, integer(msg, "row_heads", 1, MAX_HEADS), integer(msg, "first_head", 0, MAX_HEADS),
                    int_list(msg, "k", layers, 0, MAX_ADDRESS), int_list(msg, "v", layers, 0, MAX_ADDRESS),
-                   int_list(msg, "pages", pages, 0, MAX_TOKENS), window)
+                   int_list(msg, "pages", pages, 0, MAX_TOKENS), window, groups)
 
 
 @dataclass(frozen=True)
@@ -220,7 +232,7 @@ class Ask:
                 raise WireError(f"'window_layers' must list distinct layers below {layers}")
             window_layers = tuple(window_layers)
         mooncake = MooncakeTarget.parse(msg["mooncake"], layers, prompt_len - start, None if window_start is None
-                                        else prompt_len - window_start) if "mooncake" in msg else None
+                                        else prompt_len - window_start, len(window_layers)) if "mooncake" in msg else None
         return cls(integer(msg, "room", 0, MAX_ROOM), start, prompt_len, head_range(msg, "heads"),
                    integer(msg, "askers", 1, MAX_ASKERS), number(msg, "expires_in", 0.0, math.inf), mooncake,
                    window_start, window_layers)

@@ -103,7 +103,7 @@ def build_core(
                            dtype, device)
     if cp is not None and cp.gather is not None:
         staging_bytes += cp.gather.nbytes
-    hybrid = plan_hybrid(cfg, spec, shard.layers if shard else range(spec.num_layers))
+    hybrid = plan_hybrid(cfg, spec, shard.layers if shard else range(spec.num_layers), draft_kv)
     staging_bytes += _transfer_staging(cfg, device, kv_heads, spec.head_dim, dtype, hybrid is not None, draft_kv)
     layer_page = _bytes_per_page(cfg.page_size, 1, kv_heads, spec.head_dim, dtype, None)
     device_pages, host_pages, storage, hybrid, window_pages = _sized_tiers(

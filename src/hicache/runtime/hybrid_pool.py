@@ -2,10 +2,12 @@
 cached page, its sliding-window layers a component of their own sized by
 ``--swa-full-tokens-ratio`` (see :mod:`hicache.cache.device_window`) -- or, by default, the split
 follows demand (issue 56): one pool of blocks both draw from (:class:`~hicache.cache.pools.
-SharedWindowAllocator`). G = the model's full-attention layer count (global, so every rank agrees);
-a block is one page of G layers. The full layers are group 0 (layer of full index j in tensor j, a
-full page is one block); the sliding layers groups 1.. of G (sliding index s: group 1 + s // G,
-tensor s % G; the last group may be short), and a window page is one block of each.
+SharedWindowAllocator`). G = the model's full-attention layer count (global, so every rank agrees),
+plus a packed speculative draft's layers (they keep every page, as full layers do); a block is one
+page of G layers. The full layers are group 0 (layer of full index j in tensor j, then the draft's
+layer d in tensor F + d: a full page is one block); the sliding layers groups 1.. of G (sliding
+index s: group 1 + s // G, tensor s % G; the last group may be short), and a window page is one
+block of each.
 
 Units: pages (of ``--page-size`` tokens) unless named tokens; layer indices are this rank's.
 """
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from ..cache.device_window import largest_forward, window_footprint
 from ..config import ConfigError, EngineConfig
 from ..model.spec import ModelSpec
+from .speculative import DraftKV
 
 logger = logging.getLogger(__name__)
 
@@ -82,10 +85,11 @@ class HybridPlan:
         return window_pages < full_pages
 
 
-def plan_hybrid(cfg: EngineConfig, spec: ModelSpec, layers: range) -> HybridPlan | None:
+def plan_hybrid(cfg: EngineConfig, spec: ModelSpec, layers: range, draft_kv: DraftKV | None = None) -> HybridPlan | None:
     """The window component of a model with sliding-window layers (``layers``: this rank's, global
-    indices); None when every layer keeps its KV (a full-attention model, or the flag). A mode the
-    window component does not cover is refused in one sentence."""
+    indices; ``draft_kv``: a speculative draft's KV on this rank, whose packed layers follow them);
+    None when every layer keeps its KV (a full-attention model, or the flag). A mode the window
+    component does not cover is refused in one sentence."""
     if not spec.has_sliding_layers or cfg.disable_hybrid_swa_memory:
         return None
     if cfg.hicache_storage_key_scheme == "unified" and cfg.hicache_storage_backend and cfg.speculative_algorithm \
@@ -96,16 +100,27 @@ def plan_hybrid(cfg: EngineConfig, spec: ModelSpec, layers: range) -> HybridPlan
     local = frozenset(i for i, layer in enumerate(layers) if spec.layer_window(layer))
     full = [layer for layer in range(spec.num_layers) if not spec.layer_window(layer)]
     ratio = cfg.swa_full_tokens_ratio
-    if ratio is None and (not full or cfg.disaggregation_mode != "null" or cfg.speculative_algorithm not in (None, "NGRAM")):
-        # not covered by shared blocks yet: P/D moves window rows by window page, a packed draft has layers of its own
+    uncovered = _not_shared(cfg, bool(full), draft_kv)
+    if ratio is None and uncovered:
         ratio = HybridPlan.DEFAULT_RATIO
         logger.info("the window pool is sized by the default --swa-full-tokens-ratio %.1f (shared blocks do not cover "
-                    "%s yet)", ratio, "a model without full-attention layers" if not full else
-                    "P/D" if cfg.disaggregation_mode != "null" else "a speculative draft model")
+                    "%s yet)", ratio, uncovered)
     if ratio is not None:
         return HybridPlan(spec.sliding_window, local, ratio, cfg.page_size)
     sliding = [layer for layer in range(spec.num_layers) if spec.layer_window(layer)]
-    g = len(full)
+    draft = draft_kv.layers if draft_kv is not None else 0  # packed here (a sidecar took the fixed split)
+    g = len(full) + draft
     layout = tuple((full.index(layer), 0) if layer in full else (sliding.index(layer) % g, 1 + sliding.index(layer) // g)
-                   for layer in layers)
+                   for layer in layers) + tuple((len(full) + d, 0) for d in range(draft))
     return HybridPlan(spec.sliding_window, local, None, cfg.page_size, layout, g, -(-len(sliding) // g))
+
+
+def _not_shared(cfg: EngineConfig, has_full: bool, draft_kv: DraftKV | None) -> str:
+    """What keeps a default pool off shared blocks, for the log line ("": nothing)."""
+    if not has_full:
+        return "a model without full-attention layers"
+    if draft_kv is not None and not draft_kv.packed:
+        return "a sidecar draft model (its pool is indexed by page id: it would need a row per block)"
+    if cfg.uses_draft_model and cfg.pp_size > 1:
+        return "a draft model across pipeline stages (later stages do not load it: their G would differ)"
+    return ""
