@@ -3,8 +3,8 @@ events or not) and ``POST /v1/messages/count_tokens``.
 
 A request becomes the chat request it means (:func:`as_chat`): ``system`` a system message (a
 ``system`` role message mid-conversation one too, placed where the template can take it:
-server/system_turns.py), text blocks the turn's text, an assistant's ``tool_use`` blocks its tool calls, a user's ``tool_result``
-blocks tool messages; ``tools`` (``input_schema``) function tools; ``tool_choice`` auto / any / tool
+server/system_turns.py), text blocks the turn's text, an assistant's ``tool_use`` blocks its tool
+calls, a user's ``tool_result`` blocks tool messages; ``tools`` (``input_schema``) function tools; ``tool_choice`` auto / any / tool
 / none the chat API's auto / required / named / none (``disable_parallel_tool_use``:
 ``parallel_tool_calls: false``); ``stop_sequences`` stop strings. It is then prepared, vetted and
 run exactly as a chat completion (the template, forced-call grammars, the prefix cache), and the
