@@ -1,11 +1,14 @@
 """Keep-alives on streams while nothing else is sent: a long prompt prefilling (a 19K-token
 coding-agent prompt takes minutes on a CPU), a queue, a grammar being compiled.
 
-Coding agents drop a stream that stays silent for a while (Claude Code and Codex after 300 s,
-then retry from scratch, so the prompt never finishes). Every streaming endpoint therefore
-writes a keep-alive whenever :data:`KEEPALIVE_INTERVAL_S` seconds pass without an event: an SSE
-comment line (``: keep-alive``) on OpenAI's streams, which every SSE parser skips, and Anthropic's
-own ``ping`` event on the Messages stream. Times are seconds.
+Coding agents drop a stream that stays silent for a while (Claude Code and Codex after 300 s)
+and retry it. Every streaming endpoint therefore writes a keep-alive whenever
+:data:`KEEPALIVE_INTERVAL_S` seconds pass without an event: Anthropic's own ``ping`` event on the
+Messages stream; on the Responses stream ``response.in_progress`` again (an event of the API that
+changes nothing: Codex's watchdog counts events, and an SSE parser skips comments before it sees
+them -- with comments Codex dropped an 8.8K-token prefill at 300 s); an SSE comment line
+(``: keep-alive``) on chat, completions and ``/generate`` streams, whose chunks have no such
+neutral event. Times are seconds.
 """
 
 from __future__ import annotations

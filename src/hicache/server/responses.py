@@ -20,7 +20,7 @@ are text-only) are refused in one sentence; fields a client sends that cannot ch
 (``include``, ``truncation``, ``metadata`` within OpenAI's bounds, ``reasoning``, ``user``,
 ``prompt_cache_key``, ``client_metadata``, ...) are accepted. Without ``max_output_tokens`` a reply may
 take the rest of the context (``--default-max-tokens`` caps it). A stream writes keep-alives while
-the prompt prefills (server/keepalive.py). A grammar
+the prompt prefills (server/keepalive.py): ``response.in_progress`` again. A grammar
 failure ends the response as ``failed``. Beside the standard usage, hicache's extensions:
 ``usage.hicache_cached_tokens`` (cached tokens per tier) and ``timing`` (seconds: TTFT, queue,
 forward), as on chat completions.
@@ -42,7 +42,7 @@ from ..runtime.request import GenerateResult
 from .choices import abort_unfinished, collect_choices, merged_updates, submit_choices
 from .builtin_tools import dropped_header, note_dropped, split_responses_tools
 from .detok import IncrementalText
-from .keepalive import SSE_KEEPALIVE, with_keepalives
+from .keepalive import with_keepalives
 from .parsing import parse_body, read_body
 from .protocol import APIError, ChatCompletionRequest
 from .response_store import ResponseStore, Stored
@@ -211,8 +211,8 @@ async def _events(st: ServerState, turn: _Turn, handles: list, store: ResponseSt
     streamed = ""
     try:
         async for item in with_keepalives(merged_updates(handles)):
-            if item is None:  # a prompt still prefilling, or a queue
-                yield SSE_KEEPALIVE
+            if item is None:  # a prompt still prefilling, or a queue: an event, since Codex's watchdog skips comments
+                yield event("response.in_progress", response=turn.response("in_progress", []))
                 continue
             _, upd = item
             res = upd.result if upd.finished else None
