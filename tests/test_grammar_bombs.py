@@ -17,7 +17,7 @@ from live_server import serving
 from hicache import Engine, SamplingParams
 from hicache.errors import InvalidRequestError
 from hicache.runtime.sampling import GrammarSpec
-from hicache.server.tools import call_grammar
+from hicache.server.tool_formats import HERMES
 
 pytestmark = pytest.mark.server
 
@@ -73,8 +73,8 @@ def test_a_schema_that_crashes_the_compiler_is_a_400(server, http) -> None:
     refused(r, "sampling_params.json_schema", "crashed the grammar compiler")
     # A forced call of a tool with these parameters (over HTTP its description alone outgrows the
     # context, which is refused first): its Lark grammar embeds the schema.
-    tool = ref_chain(at="#/properties/arguments")  # (call_grammar puts the parameters there)
-    forced = GrammarSpec("lark", call_grammar({"f": tool}, ["f"], parallel=False))
+    tool = ref_chain(at="#/properties/arguments")  # (the Hermes grammar puts the parameters there)
+    forced = GrammarSpec("lark", HERMES.grammar({"f": tool}, ["f"], parallel=False, special_id=lambda _: None))
     with pytest.raises(InvalidRequestError, match="crashed the grammar compiler"):
         server.loop.engine.vet_grammar(forced).result()
     assert server.loop.engine._vetter.counts["crashed"] >= 2

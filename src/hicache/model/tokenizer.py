@@ -45,6 +45,7 @@ class Tokenizer:
         self.add_bos = add_bos and bos_token_id is not None
         self.chat_template = chat_template  # None: the model has none (a base model): chats are refused
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+        self._special_ids = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
         self.render_chars = MIN_RENDER_CHARS
         self._template, self._template_error = None, None
         try:
@@ -77,6 +78,11 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
+
+    def special_token_id(self, text: str) -> int | None:
+        """The id of special token ``text`` (text never encodes to it unless it is written whole), or None."""
+        token_id = self._tok.token_to_id(text)
+        return token_id if token_id in self._special_ids else None
 
     def encode(self, text: str) -> list[int]:
         # encode_batch gives the same ids as encode but releases the GIL while it works, so a

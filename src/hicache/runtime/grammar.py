@@ -47,7 +47,7 @@ import torch
 from ..model.tokenizer import Tokenizer
 from .batch import Batch
 from .events import WorkEvent
-from .grammar_vet import ENGINE_STACK_BYTES, PARSER_LIMITS, tokenizer_config
+from .grammar_vet import ENGINE_STACK_BYTES, PARSER_LIMITS, ll_tokenizer, tokenizer_config
 from .grammar_worker import first_line
 from .modes import Action, Fail, Mode, ModeContext
 from .request import Request, Status
@@ -189,9 +189,9 @@ class GrammarMode(Mode):
         if self._lg is None:
             import llguidance
 
-            cfg = tokenizer_config(self._tokenizer, self._vocab_size)
-            self._lg = (llguidance, llguidance.LLTokenizer(cfg["tokenizer"], n_vocab=cfg["vocab_size"],
-                                                           eos_token=cfg["eos"]))
+            backend = self._tokenizer.backend
+            self._lg = (llguidance, ll_tokenizer(llguidance, tokenizer_config(self._tokenizer, self._vocab_size),
+                                                 lambda text: backend.encode(text, add_special_tokens=False).ids))
         lg, lltok = self._lg
         matcher = lg.LLMatcher(lltok, spec.cost.grammar, log_level=0, limits=lg.LLParserLimits(**PARSER_LIMITS))
         matcher.compute_bitmask()

@@ -39,9 +39,10 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, replace
-from typing import Hashable, NamedTuple, Optional, Union
+from typing import Any, Callable, Hashable, NamedTuple, Optional, Union
 
 from ..errors import HicacheError, InvalidRequestError, OverloadedError
+from ..model.token_bytes import token_table
 from ..model.tokenizer import Tokenizer
 from .grammar_process import CheckerDown, CpuBudget, WorkerProcess, status
 from .sampling import GrammarCost, GrammarSpec
@@ -80,9 +81,35 @@ class VetLimits:
 
 
 def tokenizer_config(tokenizer: Tokenizer, vocab_size: int) -> dict:
-    """What an llguidance tokenizer is built from, in a worker or on a rank."""
-    return {"tokenizer": tokenizer.backend.to_str(), "vocab_size": vocab_size,
-            "eos": sorted(tokenizer.eos_token_ids)}
+    """What an llguidance tokenizer is built from, in a worker or on a rank (JSON): our token table
+    (model/token_bytes.py: each id's bytes as Latin-1 text, the special ids), the tokenizer's JSON
+    (it encodes text for llguidance) and the EOS ids."""
+    table = token_table(tokenizer.backend, vocab_size)
+    return {"tokenizer": tokenizer.backend.to_str(), "vocab_size": vocab_size, "eos": sorted(tokenizer.eos_token_ids),
+            "tokens": [t.decode("latin-1") for t in table.tokens], "special": table.special}
+
+
+class Vocabulary:
+    """What ``llguidance.TokenizerWrapper`` reads: the token table of ``config``
+    (:func:`tokenizer_config`) and ``encode`` (text -> ids, no special tokens added). The worker
+    (grammar_worker.py, which imports no hicache module) builds the same from the same config."""
+
+    def __init__(self, config: dict, encode: Callable[[str], list[int]]) -> None:
+        self.tokens = [t.encode("latin-1") for t in config["tokens"]]
+        self.special_token_ids = config["special"]
+        self.eos_token_id, self.bos_token_id = config["eos"][0], None
+        self._encode = encode
+
+    def __call__(self, text: str) -> list[int]:
+        if not isinstance(text, str):  # (TokenizerWrapper probes bytes first: it then passes text)
+            raise TypeError("text only")
+        return self._encode(text)
+
+
+def ll_tokenizer(llguidance: Any, config: dict, encode: Callable[[str], list[int]]) -> Any:
+    """llguidance's tokenizer over our token table (see :class:`Vocabulary`)."""
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(Vocabulary(config, encode)),
+                                  n_vocab=config["vocab_size"], eos_token=config["eos"])
 
 
 # Signals that come from outside the worker (an operator, the OOM killer, a supervisor), not from

@@ -1,11 +1,13 @@
 """The grammar vetting worker: a process of its own that compiles untrusted grammars.
 
 Run as a script (``python -I grammar_worker.py``) by :class:`hicache.runtime.grammar_vet.GrammarVetter`,
-never imported by the engine: it imports only the standard library, numpy and llguidance, so it
-starts in a fraction of a second and a native crash, a runaway compile or its memory stays here.
+never imported by the engine: it imports only the standard library, numpy, ``tokenizers`` and
+llguidance, so it starts in a fraction of a second and a native crash, a runaway compile or its
+memory stays here.
 
 Protocol on stdin/stdout: messages of a 4-byte big-endian length and UTF-8 JSON. The first one in
-is the configuration (the tokenizer's JSON, its vocabulary and EOS ids, the limits); the worker
+is the configuration (the token table, the tokenizer's JSON, its vocabulary and EOS ids, the
+limits: ``grammar_vet.tokenizer_config``); the worker
 answers ``{"ready": true}``. Then each job ``{"kind", "source"}`` gets one verdict:
 
 - ``{"ok": false, "error": one sentence}``; or
@@ -95,14 +97,32 @@ def first_line(error: object) -> str:
     return (text[:SENTENCE_CHARS] + "...") if len(text) > SENTENCE_CHARS else text + "."
 
 
+class _Vocabulary:
+    """grammar_vet.Vocabulary's twin (this script imports no hicache module): the engine's token
+    table, text encoded by the engine's tokenizer (its JSON)."""
+
+    def __init__(self, config: dict) -> None:
+        from tokenizers import Tokenizer
+
+        self.tokens = [t.encode("latin-1") for t in config["tokens"]]
+        self.special_token_ids = config["special"]
+        self.eos_token_id, self.bos_token_id = config["eos"][0], None
+        self._backend = Tokenizer.from_str(config["tokenizer"])
+
+    def __call__(self, text: str) -> list[int]:
+        if not isinstance(text, str):  # (TokenizerWrapper probes bytes first: it then passes text)
+            raise TypeError("text only")
+        return self._backend.encode(text, add_special_tokens=False).ids
+
+
 class Vetter:
     def __init__(self, config: dict) -> None:
         import llguidance
         import numpy as np
 
         self.lg, self.np, self.config = llguidance, np, config
-        self.tokenizer = llguidance.LLTokenizer(config["tokenizer"], n_vocab=config["vocab_size"],
-                                                eos_token=config["eos"])
+        self.tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocabulary(config)),
+                                                n_vocab=config["vocab_size"], eos_token=config["eos"])
         self.limits = llguidance.LLParserLimits(**config["parser_limits"])
         self.eos = set(config["eos"])
         self.in_use, self.trim = _heap_meter()

@@ -52,7 +52,7 @@ from .parsing import parse_body, read_body
 from .protocol import APIError, ChatCompletionRequest, _Body, media_refusal
 from .state import ServerState
 from .submit import Prepared, engine_dead_during, reply_room, stop_string_matched, vet_grammar
-from .tools import ChatChunks, parse_calls
+from .tools import ChatChunks
 
 logger = logging.getLogger(__name__)
 
@@ -262,7 +262,7 @@ def add_anthropic_routes(app: FastAPI, st: ServerState, prepare_chat: Callable[[
             return StreamingResponse(_events(st, handles, p, base, decode), media_type="text/event-stream",
                                      headers=headers)
         res = (await collect_choices(st, request, handles))[0]
-        content, calls = parse_calls(res.text, set(p.call_names), res.finish_reason == "length") \
+        content, calls = p.call_format.parse(res.text, set(p.call_names), res.finish_reason == "length") \
             if p.call_names else (res.text or None, [])
         blocks = ([{"type": "text", "text": content}] if content else []) + [_tool_use(c) for c in calls]
         stop_reason, stop_sequence = _stop(res, p, bool(calls), decode)
@@ -286,7 +286,7 @@ async def _events(st: ServerState, handles: list, p: Prepared, base: dict[str, A
     ``_stop`` as text comes (what may begin a tool call is held, as in chat streams), one
     ``tool_use`` block per call at the end (its input as one ``input_json_delta``), ``message_delta``
     with the stop reason and usage, ``message_stop``."""
-    chunks = ChatChunks({}, p.call_names)
+    chunks = ChatChunks({}, p.call_names, fmt=p.call_format)
     detok = IncrementalText(decode, p.sampling.stop_strings)
     index, text_open, started = 0, False, False
     try:

@@ -115,7 +115,8 @@ def prepare_chat_body(body: ChatCompletionRequest, st: ServerState) -> Prepared:
     st.check_model(body.model)
     tok: Tokenizer = st.engine.tokenizer
     tools, dropped = split_chat_tools(body.tools or [])
-    chat = chat_prompt(body.messages, tools or None, body.tool_choice, body.parallel_tool_calls, tok.renders_tools)
+    chat = chat_prompt(body.messages, tools or None, body.tool_choice, body.parallel_tool_calls, tok.renders_tools,
+                       st.call_format, tok.special_token_id)
     forced = GrammarSpec("lark", chat.forced_grammar) if chat.forced_grammar else None
     # (without a max, the rest of the context once the prompt is tokenized: reply_room below)
     sp = _sampling(st, body, body.max_new_tokens(), st.engine.context_length, forced)
@@ -132,7 +133,7 @@ def prepare_chat_body(body: ChatCompletionRequest, st: ServerState) -> Prepared:
     if body.max_new_tokens() is None:
         sp = dataclasses.replace(sp, max_new_tokens=reply_room(st, len(ids), st.opts.default_max_tokens))
     return Prepared(body, [ids], sp, "messages", chat.call_names, body.n,
-                    "tools" if forced is not None else body.field_of("grammar"), note_dropped(dropped))
+                    "tools" if forced is not None else body.field_of("grammar"), st.call_format, note_dropped(dropped))
 
 
 def _prepare_completion(raw: bytes, st: ServerState) -> Prepared:
@@ -257,11 +258,12 @@ def _add_openai_routes(app: FastAPI, st: ServerState) -> None:
         logprobs = (lambda entries: chat_logprobs(entries, decode)) if p.sampling.logprobs is not None else None
 
         def choice(i: int, res: GenerateResult) -> dict:
-            message, finish = chat_message(res.text, res.finish_reason, p.call_names)
+            message, finish = chat_message(res.text, res.finish_reason, p.call_names, p.call_format)
             return {"index": i, "message": message, "logprobs": logprobs and logprobs(res.logprobs),
                     "finish_reason": finish}
 
-        return await _answer(st, request, p, base, lambda i: ChatChunks(base, p.call_names, i, logprobs), choice)
+        return await _answer(st, request, p, base, lambda i: ChatChunks(base, p.call_names, i, logprobs, p.call_format),
+                             choice)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

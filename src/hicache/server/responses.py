@@ -49,7 +49,7 @@ from .response_store import ResponseStore, Stored
 from .responses_request import ResponsesRequest, as_chat, chat_messages, responses_errors
 from .state import ServerState
 from .submit import Prepared, _check_fits, _timing, reply_room, vet_grammar
-from .tools import ChatChunks, parse_calls
+from .tools import ChatChunks
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,8 @@ class _Turn:
     def output(self, res: GenerateResult) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """The output items of a finished reply and the reply as a chat message (for the store)."""
         names = set(self.p.call_names)
-        content, calls = parse_calls(res.text, names, res.finish_reason == "length") if names else (res.text, [])
+        content, calls = self.p.call_format.parse(res.text, names, res.finish_reason == "length") if names \
+            else (res.text, [])
         items: list[dict[str, Any]] = []
         if content:
             items.append(_message_item(content, "completed"))
@@ -203,7 +204,7 @@ async def _events(st: ServerState, turn: _Turn, handles: list, store: ResponseSt
         seq[0] += 1
         return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq[0] - 1, **data})}\n\n"
 
-    chunks = ChatChunks({}, turn.p.call_names)
+    chunks = ChatChunks({}, turn.p.call_names, fmt=turn.p.call_format)
     detok = IncrementalText(st.engine.tokenizer.decode, turn.p.sampling.stop_strings)
     yield event("response.created", response=turn.response("in_progress", []))
     yield event("response.in_progress", response=turn.response("in_progress", []))

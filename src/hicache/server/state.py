@@ -6,6 +6,7 @@ routes (:mod:`.app`) and the operational ones (:mod:`.operations`) take a :class
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -15,6 +16,9 @@ from ..frontend.loop import EngineLoop
 from .metrics import ServerMetrics
 from .parsing import DEFAULT_MAX_REQUEST_BYTES
 from .protocol import APIError
+from .tool_formats import choose_format
+
+logger = logging.getLogger(__name__)
 
 PREPARE_WORKERS = 2  # threads that parse and tokenize request bodies
 # --max-logprob-tokens: a non-streamed answer with logprobs for 16Ki tokens x 21 entries is ~25 MB of JSON
@@ -29,7 +33,7 @@ class ServerOptions:
     max_queued_requests: int = 512
     api_key: Optional[str] = None  # None: no authentication
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    tool_call_parser: str = "qwen25"  # the one tool-call format (server/tools.py); "hermes" names it too
+    tool_call_parser: str = "auto"  # the tool-call format (server/tool_formats.py); auto: the chat template's
     max_logprob_tokens: int = DEFAULT_MAX_LOGPROB_TOKENS  # n x prompts x max_tokens of a non-streamed answer with logprobs
     responses_store_size: int = 1024  # responses kept for previous_response_id (server/responses.py)
     responses_store_mb: int = 256  # the bytes they may hold together
@@ -50,6 +54,9 @@ class ServerState:
         self.created = int(time.time())
         self.workers = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="hicache-http-prepare")
         self.responses: Any = None  # the Responses API's store (server/responses.py), set by create_app
+        template = self.engine.tokenizer.chat_template if self.engine.tokenizer is not None else None
+        self.call_format, source = choose_format(opts.tool_call_parser, template)
+        logger.info("tool calls: %s format (from %s)", self.call_format.name, source)
 
     async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` on the worker pool."""

@@ -21,6 +21,7 @@ from ..runtime.request import GenerateResult
 from ..runtime.sampling import SamplingParams
 from .protocol import APIError, _Sampling
 from .state import ServerState
+from .tool_formats import HERMES, CallFormat
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class Prepared:
     call_names: frozenset[str] = frozenset()  # chat with tools: functions whose calls are parsed
     n: int = 1
     grammar_param: Optional[str] = None  # the field that holds the grammar, for errors about it
+    call_format: CallFormat = HERMES  # how the model writes its calls (server/tool_formats.py)
     dropped_tools: tuple[str, ...] = ()  # tools listed that the server cannot run (server/builtin_tools.py)
 
     @property

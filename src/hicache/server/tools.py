@@ -1,12 +1,12 @@
 """Function calling over the OpenAI chat API: the tool list in the prompt, forced calls through a
 grammar, the model's reply parsed into ``message.tool_calls``.
 
-One tool-call format (``--tool-call-parser qwen25``, also called ``hermes``): the model writes each
-call as ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``. A chat template that
-takes ``tools`` renders the list itself; otherwise (SmolLM2's) the list and the format are
-described in a system message (:func:`tools_system_text`), assistant calls in the history are
-written back in the same tags and ``tool`` results go in as user turns inside
-``<tool_response>`` tags.
+The format calls are written in is the model family's (:mod:`.tool_formats`: Hermes/Qwen2.5
+``<tool_call>`` tags, Llama 3.x JSON, Mistral ``[TOOL_CALLS]``), chosen from the chat template
+(``--tool-call-parser auto``) or named. A chat template that takes ``tools`` renders the list
+itself; otherwise (SmolLM2's) the list and the format are described in a system message, assistant
+calls in the history are written back in the format and ``tool`` results go in as user turns
+inside ``<tool_response>`` tags.
 
 ``tool_choice``: ``none`` -- the tools are not shown, nothing is parsed; ``auto`` -- the model may
 call (its reply is parsed; a malformed call stays text); ``required`` or a named function -- the
@@ -18,27 +18,12 @@ finish reason stays ``length``); the unfinished one is dropped, never returned a
 
 from __future__ import annotations
 
-import json
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from .protocol import APIError
-
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: str  # a JSON object, as text
-
-    def openai(self, index: Optional[int] = None) -> dict[str, Any]:
-        call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
-        return call if index is None else {"index": index, **call}
+from .tool_formats import HERMES, CallFormat, SpecialId, ToolCall
 
 
 def check_tools(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -80,83 +65,8 @@ def chosen(tools: dict[str, dict[str, Any]], tool_choice: Any) -> tuple[str, lis
     return "forced", [name]
 
 
-def call_grammar(tools: dict[str, dict[str, Any]], names: list[str], parallel: bool) -> str:
-    """A Lark grammar (llguidance's, with inline ``%json``) for one or more calls of ``names``, whose
-    arguments are always a JSON object (what :func:`parse_calls` takes as a call)."""
-    rules = []
-    for i, name in enumerate(names):
-        arguments = {**tools[name], "type": "object"}  # a schema without a type could take any JSON value
-        schema = {"type": "object", "properties": {"name": {"const": name}, "arguments": arguments},
-                  "required": ["name", "arguments"], "additionalProperties": False,
-                  "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
-        rules.append(f"fn{i}: %json {json.dumps(schema)}")
-    alternatives = " | ".join(f"fn{i}" for i in range(len(names)))
-    start = 'start: call ("\\n" call)*' if parallel else "start: call"
-    call = f'call: "{CALL_OPEN}\\n" ({alternatives}) "\\n{CALL_CLOSE}"'
-    return "\n".join([start, call, *rules])
-
-
-def tools_system_text(tools: list[dict[str, Any]]) -> str:
-    """The tool list and the call format, for a chat template that does not render tools."""
-    listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    return ("You can call functions to help with the user's request. Their signatures, one JSON object a line, "
-            f"are inside <tools></tools>:\n<tools>\n{listing}\n</tools>\n\n"
-            "To call a function, answer with one JSON object per call, each inside "
-            f"{CALL_OPEN}{CALL_CLOSE} tags:\n{CALL_OPEN}\n"
-            '{"name": "<function name>", "arguments": {<arguments as a JSON object>}}\n'
-            f"{CALL_CLOSE}")
-
-
-def render_calls(calls: list[dict[str, Any]]) -> str:
-    """Assistant ``tool_calls`` from the history, written back the way the model writes them."""
-    parts = []
-    for call in calls:
-        fn = call.get("function", {}) if isinstance(call, dict) else {}
-        args = fn.get("arguments", "{}")
-        try:
-            args_obj = json.loads(args) if isinstance(args, str) else args
-        except json.JSONDecodeError:
-            args_obj = args
-        parts.append(f"{CALL_OPEN}\n{json.dumps({'name': fn.get('name'), 'arguments': args_obj})}\n{CALL_CLOSE}")
-    return "\n".join(parts)
-
-
 def tool_response(content: str) -> str:
     return f"<tool_response>\n{content}\n</tool_response>"
-
-
-def parse_calls(text: str, names: set[str], truncated: bool = False) -> tuple[Optional[str], list[ToolCall]]:
-    """``(content, calls)`` of a reply: each well-formed ``<tool_call>`` of a known function
-    becomes a call; the rest of the text is the content (None when nothing is left). ``truncated``
-    (cut by max_tokens): a call left open at the end -- or the start of its tag -- is dropped, not
-    returned as content."""
-    calls, kept, last = [], [], 0
-    for m in _CALL.finditer(text):
-        try:
-            obj = json.loads(m.group(1))
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(obj, dict) or obj.get("name") not in names or not isinstance(obj.get("arguments", {}), dict):
-            continue
-        calls.append(ToolCall(obj["name"], json.dumps(obj.get("arguments", {}), ensure_ascii=False)))
-        kept.append(text[last:m.start()])
-        last = m.end()
-    tail = text[last:]
-    kept.append(tail[:len(tail) - held_back(tail)] if truncated else tail)
-    content = "".join(kept).strip()
-    return (content or None), calls
-
-
-def held_back(text: str) -> int:
-    """How many characters at the end of streamed ``text`` may begin a tool call: from the first
-    ``<tool_call>``, or a tail that is a prefix of it (they are sent once the reply is parsed)."""
-    start = text.find(CALL_OPEN)
-    if start >= 0:
-        return len(text) - start
-    for k in range(min(len(CALL_OPEN) - 1, len(text)), 0, -1):
-        if text.endswith(CALL_OPEN[:k]):
-            return k
-    return 0
 
 
 @dataclass
@@ -172,8 +82,9 @@ class ChatPrompt:
 
 
 def chat_prompt(messages: list[Any], tools: Optional[list[Any]], tool_choice: Any, parallel: bool,
-                renders_tools: bool) -> ChatPrompt:
-    """``messages`` (protocol ChatMessage) with the tools and past calls written in (module docstring)."""
+                renders_tools: bool, fmt: CallFormat = HERMES, special_id: SpecialId = lambda _: None) -> ChatPrompt:
+    """``messages`` (protocol ChatMessage) with the tools and past calls written in (module docstring),
+    in ``fmt``; ``special_id``: a marker's id where the vocabulary has it as a special token."""
     schemas = check_tools(tools or [])
     mode, names = chosen(schemas, tool_choice)
     out: list[dict[str, Any]] = []
@@ -183,21 +94,21 @@ def chat_prompt(messages: list[Any], tools: Optional[list[Any]], tool_choice: An
         if m.tool_calls and renders_tools:
             msg["tool_calls"] = m.tool_calls
         elif m.tool_calls:
-            msg["content"] = f"{content}\n{render_calls(m.tool_calls)}" if content else render_calls(m.tool_calls)
+            msg["content"] = f"{content}\n{fmt.render(m.tool_calls)}" if content else fmt.render(m.tool_calls)
         if role == "tool" and not renders_tools:
             msg = {"role": "user", "content": tool_response(content)}
         out.append(msg)
     # The tools stay in the prompt under tool_choice "none" too (vLLM's default): the conversation's
     # prefix, cached on earlier turns, stays the same; only calls are not parsed.
     if tools and not renders_tools:
-        text = tools_system_text(tools)
+        text = fmt.system_text(tools)
         if out and out[0]["role"] == "system":
             out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{text}"}
         else:
             out.insert(0, {"role": "system", "content": text})
     # A named function is called exactly once (as vLLM and SGLang force it); "required" follows parallel_tool_calls.
     named = mode == "forced" and isinstance(tool_choice, dict)
-    grammar = call_grammar(schemas, names, parallel and not named) if mode == "forced" else None
+    grammar = fmt.grammar(schemas, names, parallel and not named, special_id) if mode == "forced" else None
     return ChatPrompt(out, tools if tools and renders_tools else None,
                       frozenset(names) if mode != "none" else frozenset(), grammar)
 
@@ -213,21 +124,21 @@ class ChatChunks:
     writes the chunk's tokens' logprobs (None: not asked)."""
 
     def __init__(self, base: dict[str, Any], call_names: frozenset[str], index: int = 0,
-                 logprobs: Optional[Callable[[list], dict[str, Any]]] = None) -> None:
-        self.base, self.call_names, self.index, self.logprobs = base, call_names, index, logprobs
+                 logprobs: Optional[Callable[[list], dict[str, Any]]] = None, fmt: CallFormat = HERMES) -> None:
+        self.base, self.call_names, self.index, self.logprobs, self.fmt = base, call_names, index, logprobs, fmt
         self.text, self.sent = "", 0
 
     def __call__(self, text: str, finish: Optional[str], first: bool, entries: list) -> dict[str, Any]:
         self.text += text
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if finish is None:
-            end = len(self.text) - held_back(self.text) if self.call_names else len(self.text)
+            end = len(self.text) - self.fmt.held_back(self.text) if self.call_names else len(self.text)
             piece, self.sent = self.text[self.sent:max(end, self.sent)], max(end, self.sent)
             if piece or first:
                 delta["content"] = piece
         else:
             rest = self.text[self.sent:]
-            content, calls = parse_calls(rest, set(self.call_names), finish == "length") if self.call_names \
+            content, calls = self.fmt.parse(rest, set(self.call_names), finish == "length") if self.call_names \
                 else (rest or None, [])
             if content:
                 delta["content"] = content
@@ -238,11 +149,12 @@ class ChatChunks:
         return {**self.base, "choices": [{"index": self.index, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
 
 
-def chat_message(text: str, finish_reason: str, call_names: frozenset[str]) -> tuple[dict[str, Any], str]:
+def chat_message(text: str, finish_reason: str, call_names: frozenset[str],
+                 fmt: CallFormat = HERMES) -> tuple[dict[str, Any], str]:
     """A whole reply as the OpenAI ``message`` and its finish reason ("tool_calls" when it calls)."""
     if not call_names:
         return {"role": "assistant", "content": text}, finish_reason
-    content, calls = parse_calls(text, set(call_names), finish_reason == "length")
+    content, calls = fmt.parse(text, set(call_names), finish_reason == "length")
     if not calls:
         return {"role": "assistant", "content": content if finish_reason == "length" else text}, finish_reason
     return ({"role": "assistant", "content": content, "tool_calls": [c.openai() for c in calls]},

@@ -1,0 +1,126 @@
+"""Tool-call formats per family on text (issue 57, item 3): each parses the shapes its models write,
+holds back what may begin a call while streaming, and its forced-call grammar accepts exactly the
+calls it parses; the format is chosen from the chat template unless named."""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+import pytest
+
+from hicache.model.tokenizer import byte_tokenizer
+from hicache.runtime.grammar_vet import ll_tokenizer, tokenizer_config
+from hicache.server.tool_formats import FORMATS, HERMES, choose_format, detect_format
+from hicache.server.tools import ChatChunks
+
+pytestmark = pytest.mark.server
+NAMES = {"get_weather", "add"}
+CALL = ("get_weather", '{"city": "Paris"}')
+
+
+def calls(fmt, text, truncated=False):
+    content, parsed = FORMATS[fmt].parse(text, NAMES, truncated)
+    return content, [(c.name, c.arguments) for c in parsed]
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    '{"name": "get_weather", "arguments": {"city": "Paris"}}',  # the bare object small models write
+    '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```',  # ... or fenced
+    '  [{"name": "get_weather", "arguments": {"city": "Paris"}}]\n',
+])
+def test_hermes_takes_tags_bare_and_fenced_objects(text):
+    assert calls("hermes", text) == (None, [CALL])
+
+
+def test_hermes_keeps_text_around_tags_and_json_that_is_not_a_call():
+    text = 'Let me check.\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    assert calls("qwen25", text) == ("Let me check.", [("add", '{"a": 1}')])
+    for plain in ['{"city": "Paris"}', '{"name": "unknown", "arguments": {}}', 'Use {"name": "add"} like this',
+                  '```json\n{"name": "add", "arguments": 3}\n```']:
+        assert calls("hermes", plain) == (plain, [])
+
+
+def test_llama3_json_with_parameters_python_tag_and_several_calls():
+    assert calls("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"}}') == (None, [CALL])
+    assert calls("llama3", '<|python_tag|>{"name": "get_weather", "arguments": {"city": "Paris"}}') == (None, [CALL])
+    two = '{"name": "add", "parameters": {"a": 1}}; {"name": "get_weather", "parameters": {"city": "Paris"}}'
+    assert calls("llama3", two) == (None, [("add", '{"a": 1}'), CALL])
+    assert calls("llama3", "It is sunny.") == ("It is sunny.", [])
+
+
+def test_mistral_v3_list_and_v11_args():
+    assert calls("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]') == (None, [CALL])
+    # the control token left out of the decoded text: the list alone
+    assert calls("mistral", '[{"name": "get_weather", "arguments": {"city": "Paris"}}]') == (None, [CALL])
+    assert calls("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}') == (None, [CALL])
+    assert calls("mistral", "[1, 2, 3]") == ("[1, 2, 3]", [])
+
+
+@pytest.mark.parametrize("fmt,text", [
+    ("hermes", 'Sure.\n<tool_call>\n{"name": "add", "argu'),
+    ("hermes", '{"name": "add", "argu'),
+    ("llama3", '{"name": "add", "param'),
+    ("mistral", '[TOOL_CALLS][{"name": "add"'),
+])
+def test_a_call_cut_by_max_tokens_is_dropped_not_returned_as_text(fmt, text):
+    content, parsed = calls(fmt, text, truncated=True)
+    assert parsed == [] and content in (None, "Sure.")
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3", "mistral"])
+def test_streamed_calls_are_held_then_sent_as_deltas(fmt):
+    """Streaming: text that may begin a call is held back, then the parsed calls go out as
+    ``tool_calls`` deltas; the same reply whole gives the same calls."""
+    reply = {"hermes": '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+             "llama3": '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+             "mistral": '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'}[fmt]
+    chunks = ChatChunks({}, frozenset(NAMES), fmt=FORMATS[fmt])
+    sent = [chunks(piece, None, i == 0, [])["choices"][0]["delta"].get("content", "")
+            for i, piece in enumerate(reply[k:k + 7] for k in range(0, len(reply), 7))]
+    assert "".join(sent) == ""
+    last = chunks("", "stop", False, [])["choices"][0]
+    assert last["finish_reason"] == "tool_calls"
+    (call,) = last["delta"]["tool_calls"]
+    assert (call["function"]["name"], call["function"]["arguments"]) == CALL
+
+
+def test_plain_text_streams_as_it_comes():
+    chunks = ChatChunks({}, frozenset(NAMES), fmt=HERMES)
+    assert chunks("It is ", None, True, [])["choices"][0]["delta"]["content"] == "It is "
+    assert chunks("sunny.", None, False, [])["choices"][0]["delta"]["content"] == "sunny."
+    assert chunks("```python\nx = 1", None, False, [])["choices"][0]["delta"]["content"] == "```python\nx = 1"
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3", "mistral"])
+def test_the_forced_grammar_accepts_what_the_parser_takes(fmt):
+    """Random model's byte tokenizer: each format's grammar accepts its own rendering of two calls and
+    refuses a call of a function not forced; the parser reads the rendering back."""
+    tokenizer = byte_tokenizer()
+    config = tokenizer_config(tokenizer, tokenizer.vocab_size)
+    lltok = ll_tokenizer(llguidance, config, lambda t: tokenizer.backend.encode(t, add_special_tokens=False).ids)
+    schemas = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}}},
+               "add": {"type": "object", "properties": {"a": {"type": "integer"}}}}
+    history = [{"function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+               {"function": {"name": "add", "arguments": '{"a": 1}'}}]
+    fmt_ = FORMATS[fmt]
+    written = fmt_.render(history)
+    assert [(c.name, json.loads(c.arguments)) for c in fmt_.parse(written, NAMES)[1]] == [
+        ("get_weather", {"city": "Paris"}), ("add", {"a": 1})]
+    grammar = fmt_.grammar(schemas, ["get_weather", "add"], True, tokenizer.special_token_id)
+    matcher = llguidance.LLMatcher(lltok, llguidance.grammar_from("lark", grammar), log_level=0)
+    assert matcher.consume_tokens(tokenizer.encode(written)) and matcher.is_accepting(), matcher.get_error()
+    only = fmt_.grammar(schemas, ["add"], False, tokenizer.special_token_id)
+    matcher = llguidance.LLMatcher(lltok, llguidance.grammar_from("lark", only), log_level=0)
+    assert not matcher.consume_tokens(tokenizer.encode(written))
+
+
+def test_the_format_comes_from_the_template_unless_named():
+    assert detect_format("{% if tools %}<tool_call>{{ tools }}</tool_call>{% endif %}").name == "hermes"
+    assert detect_format("[AVAILABLE_TOOLS]{{ tools }}[/AVAILABLE_TOOLS]{{ '[TOOL_CALLS]' }}").name == "mistral"
+    llama = '<|start_header_id|>ipython<|end_header_id|>{"name": ..., "parameters": ...}<|python_tag|>'
+    assert detect_format(llama).name == "llama3"
+    assert detect_format(None).name == "hermes" and detect_format("{{ messages }}").name == "hermes"
+    assert choose_format("auto", llama) == (FORMATS["llama3"], "the chat template")
+    assert choose_format("hermes", llama) == (HERMES, "--tool-call-parser")
