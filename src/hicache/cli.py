@@ -123,11 +123,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-logprob-tokens must be at least 1, got {args.max_logprob_tokens}.")
     if args.responses_store_size < 0 or args.responses_store_mb < 0:
         raise ConfigError("--responses-store-size and --responses-store-mb must be at least 0.")
+    if args.default_max_tokens is not None and args.default_max_tokens < 1:
+        raise ConfigError(f"--default-max-tokens must be at least 1, got {args.default_max_tokens}.")
     return run_server(_engine(args), host=args.host, port=args.port, served_model_name=args.served_model_name,
                       max_queued_requests=args.max_queued_requests, log_level=args.log_level, api_key=api_key,
                       max_request_bytes=args.max_request_bytes, tool_call_parser=args.tool_call_parser,
                       responses_store_size=args.responses_store_size, responses_store_mb=args.responses_store_mb,
-                      **limits)
+                      default_max_tokens=args.default_max_tokens, **limits)
 
 
 def _api_key(flag: str | None, env: str | None) -> str | None:
@@ -184,6 +186,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--responses-store-mb", type=int, default=256,
                    help="Memory those stored responses may hold together (MiB, roughly); the least recently used "
                         "are dropped first.")
+    p.add_argument("--default-max-tokens", type=int, default=None,
+                   help="Most output tokens of a Chat Completions or Responses request that sets no max (default: "
+                        "the rest of the context, as OpenAI's; such a request reserves KV up to the context length, "
+                        "so this also lets more run at once). Completions keep 16, /generate 128, Messages its "
+                        "max_tokens.")
     p.add_argument("--max-logprob-tokens", type=int, default=None,
                    help="Most n x prompts x max_tokens a non-streamed answer with logprobs may ask for (each token "
                         "carries its top_logprobs alternatives; default 16384, ~25 MB of JSON); larger ones get 400 "

@@ -43,6 +43,9 @@ class Update:
     finished: bool
     result: Optional[GenerateResult] = None  # set on the final update
     logprobs: list = field(default_factory=list)  # the new tokens' TokenLogprob entries (when asked)
+    # On a request's first update only: its prompt tokens the cache served, per tier (device / host /
+    # storage), so a stream can report them before the reply ends (Anthropic's message_start)
+    cached: Optional[dict[str, int]] = None
 
 
 class Outbox:
@@ -91,14 +94,16 @@ class RequestHandle:
         self._outbox = outbox
         self._queue: asyncio.Queue[Update] = asyncio.Queue()
         self._sent = 0  # output tokens already forwarded; touched by the loop thread only
+        self._first_sent = False  # the update carrying the cache hits went out (loop thread only)
 
     def _push(self, req: Request) -> None:
         """``Request.on_update``: runs on the loop thread, cheap, never raises."""
         n = len(req.output_ids)
         done = req.status is Status.FINISHED
+        first = not self._first_sent and req.cached is not None
         upd = Update(req.output_ids[self._sent : n], n, done, GenerateResult.from_request(req) if done else None,
-                     req.logprobs[self._sent : n])
-        self._sent = n
+                     req.logprobs[self._sent : n], dict(req.cached) if first else None)
+        self._sent, self._first_sent = n, self._first_sent or first
         self._outbox.put(self, upd)
 
     def __aiter__(self) -> "RequestHandle":

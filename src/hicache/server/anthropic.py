@@ -1,9 +1,10 @@
 """Anthropic's Messages API over the chat machinery: ``POST /v1/messages`` (streamed as its typed
 events or not) and ``POST /v1/messages/count_tokens``.
 
-A request becomes the chat request it means (:func:`as_chat`): ``system`` a system message, text
-blocks the turn's text, an assistant's ``tool_use`` blocks its tool calls, a user's ``tool_result``
-blocks tool messages; ``tools`` (``input_schema``) function tools; ``tool_choice`` auto / any / tool
+A request becomes the chat request it means (:func:`as_chat`): ``system`` a system message (a
+``system`` role message mid-conversation one too, placed where the template can take it:
+server/system_turns.py), text blocks the turn's text, an assistant's ``tool_use`` blocks its tool
+calls, a user's ``tool_result`` blocks tool messages; ``tools`` (``input_schema``) function tools; ``tool_choice`` auto / any / tool
 / none the chat API's auto / required / named / none (``disable_parallel_tool_use``:
 ``parallel_tool_calls: false``); ``stop_sequences`` stop strings. It is then prepared, vetted and
 run exactly as a chat completion (the template, forced-call grammars, the prefix cache), and the
@@ -13,16 +14,25 @@ reply as :mod:`.tools` parses it; a call cut by ``max_tokens`` is dropped).
 Image and document blocks (in a message or a tool result) are refused in a sentence of their own:
 the models served are text-only.
 
+Server tools (a ``type`` other than ``custom``: ``web_search_20250305``, ...) are dropped and named
+(server/builtin_tools.py). ``max_tokens`` is a cap, served within the context's rest (Claude Code
+asks 32K-64K of a model that may hold less). A stream sends ``message_start`` once the prompt is
+admitted (its usage splits cached and computed input) and ``ping`` events while it waits or prefills
+(server/keepalive.py).
+
 ``stop_reason``: ``tool_use``, ``max_tokens``, ``stop_sequence`` (with the one that matched) or
 ``end_turn``. Usage: ``input_tokens`` the prompt tokens computed, ``cache_read_input_tokens`` those
 the prefix cache served (every tier), ``cache_creation_input_tokens`` 0 (the cache is written
-without breakpoints or surcharge), plus ``hicache_cached_tokens`` per tier. ``anthropic-version``
-and ``cache_control`` are accepted and ignored; ``x-api-key`` is taken as the key (middleware).
+without breakpoints or surcharge), plus ``hicache_cached_tokens`` per tier. ``anthropic-version``,
+``anthropic-beta``, ``cache_control``, ``thinking``, ``metadata``, ``context_management`` and
+``output_config`` are accepted and ignored (none changes the output: no thinking blocks are written);
+``x-api-key`` is taken as the key (middleware).
 Refusals are in Anthropic's error shape (``{"type": "error", "error": {"type", "message"}}``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -35,11 +45,13 @@ from pydantic import Field
 
 from ..runtime.request import GenerateResult
 from .choices import abort_unfinished, collect_choices, merged_updates, submit_choices
+from .builtin_tools import dropped_header, note_dropped
 from .detok import IncrementalText
+from .keepalive import ANTHROPIC_PING, with_keepalives
 from .parsing import parse_body, read_body
 from .protocol import APIError, ChatCompletionRequest, _Body, media_refusal
 from .state import ServerState
-from .submit import Prepared, engine_dead_during, stop_string_matched, vet_grammar
+from .submit import Prepared, engine_dead_during, reply_room, stop_string_matched, vet_grammar
 from .tools import ChatChunks
 
 logger = logging.getLogger(__name__)
@@ -86,14 +98,22 @@ def _text_blocks(blocks: list[Any]) -> list[TextBlock]:
 
 
 class AnthropicMessage(_Body):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # system: mid-conversation system text (server/system_turns.py)
     content: Union[str, list[Block]]
 
 
 class AnthropicTool(_Body):
+    """A client tool (no ``type``, or ``custom``), or a server tool (``web_search_20250305``, ...),
+    which is dropped (server/builtin_tools.py)."""
+
+    type: Optional[str] = None
     name: str
     description: str = ""
-    input_schema: dict[str, Any]
+    input_schema: Optional[dict[str, Any]] = None
+
+    @property
+    def server_tool(self) -> bool:
+        return self.type not in (None, "custom")
 
 
 class MessagesRequest(_Body):
@@ -110,9 +130,9 @@ class MessagesRequest(_Body):
     tool_choice: Optional[dict[str, Any]] = None
 
 
-def as_chat(body: MessagesRequest, counting: bool = False) -> ChatCompletionRequest:
-    """The chat completion request ``body`` means (module docstring); ``counting`` (count_tokens):
-    without ``max_tokens``, which has no say in what the prompt counts (nor, there, in whether it fits)."""
+def as_chat(body: MessagesRequest) -> ChatCompletionRequest:
+    """The chat completion request ``body`` means (module docstring), without ``max_tokens``: the
+    caller clips it to the context's rest once the prompt is tokenized (:func:`add_anthropic_routes`)."""
     messages: list[dict[str, Any]] = []
     if body.system:
         system = body.system if isinstance(body.system, str) else "".join(b.text for b in body.system)
@@ -120,6 +140,9 @@ def as_chat(body: MessagesRequest, counting: bool = False) -> ChatCompletionRequ
     for m in body.messages:
         blocks = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
         text = "".join(b.text for b in _text_blocks(blocks))
+        if m.role == "system":
+            messages.append({"role": "system", "content": text})
+            continue
         if m.role == "assistant":
             calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
                      for b in blocks if isinstance(b, ToolUseBlock)]
@@ -131,17 +154,19 @@ def as_chat(body: MessagesRequest, counting: bool = False) -> ChatCompletionRequ
             messages.append({"role": "user", "content": text})
     chat: dict[str, Any] = {"model": body.model, "messages": messages, "temperature": body.temperature,
                             "stream": body.stream}
-    if not counting:
-        chat["max_tokens"] = body.max_tokens
     if body.top_p is not None:
         chat["top_p"] = body.top_p
     if body.top_k is not None:
         chat["top_k"] = body.top_k
     if body.stop_sequences:
         chat["stop"] = body.stop_sequences
-    if body.tools:
+    tools = [t for t in body.tools or [] if not t.server_tool]
+    for i, t in enumerate(tools):
+        if t.input_schema is None:
+            raise APIError(400, f"tools[{i}].input_schema: Field required.", param="tools")
+    if tools:
         chat["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
-                                                           "parameters": t.input_schema}} for t in body.tools]
+                                                           "parameters": t.input_schema}} for t in tools]
     if body.tool_choice is not None:
         chat["tool_choice"], chat["parallel_tool_calls"] = _tool_choice(body.tool_choice)
     try:
@@ -163,9 +188,15 @@ def _tool_choice(choice: dict[str, Any]) -> tuple[Any, bool]:
 
 
 def _usage(res: GenerateResult) -> dict[str, Any]:
-    return {"input_tokens": res.prompt_tokens - res.cached_tokens, "output_tokens": res.completion_tokens,
-            "cache_read_input_tokens": res.cached_tokens, "cache_creation_input_tokens": 0,
-            "hicache_cached_tokens": dict(res.cached_tokens_details)}
+    return _input_usage(res.prompt_tokens, res.cached_tokens_details, res.completion_tokens)
+
+
+def _input_usage(prompt_tokens: int, cached: dict[str, int], output_tokens: int) -> dict[str, Any]:
+    """Anthropic's usage: ``input_tokens`` the prompt tokens computed, ``cache_read_input_tokens`` those the
+    prefix cache served (every tier; ``hicache_cached_tokens`` per tier), ``cache_creation_input_tokens`` 0."""
+    hit = sum(cached.values())
+    return {"input_tokens": prompt_tokens - hit, "output_tokens": output_tokens, "cache_read_input_tokens": hit,
+            "cache_creation_input_tokens": 0, "hicache_cached_tokens": dict(cached)}
 
 
 def _stop(res: GenerateResult, p: Prepared, called: bool, decode: Callable[[list[int]], str]) -> tuple[str, Optional[str]]:
@@ -208,7 +239,13 @@ def add_anthropic_routes(app: FastAPI, st: ServerState, prepare_chat: Callable[[
     decode = st.engine.tokenizer.decode
 
     def prepare(raw: bytes, counting: bool = False) -> Prepared:
-        return prepare_chat(as_chat(parse_body(raw, MessagesRequest), counting), st)
+        """``counting`` (count_tokens): ``max_tokens`` has no say in what the prompt counts."""
+        body = parse_body(raw, MessagesRequest)
+        p = prepare_chat(as_chat(body), st)
+        p.dropped_tools = note_dropped([f"{t.name} ({t.type})" for t in body.tools or [] if t.server_tool])
+        if not counting:  # Anthropic's required max_tokens, within the context's rest (Claude Code asks 32K-64K)
+            p.sampling = dataclasses.replace(p.sampling, max_new_tokens=reply_room(st, len(p.ids), body.max_tokens))
+        return p
 
     @app.post("/v1/messages")
     @anthropic_errors
@@ -220,15 +257,17 @@ def add_anthropic_routes(app: FastAPI, st: ServerState, prepare_chat: Callable[[
         logger.info("messages rid=%d prompt=%d max_new=%d stream=%s", handles[0].rid, len(p.ids),
                     handles[0].max_new_tokens, p.body.stream)
         base = {"id": msg_id, "type": "message", "role": "assistant", "model": p.body.model}
+        headers = dropped_header(p.dropped_tools)
         if p.body.stream:
-            return StreamingResponse(_events(st, handles, p, base, decode), media_type="text/event-stream")
+            return StreamingResponse(_events(st, handles, p, base, decode), media_type="text/event-stream",
+                                     headers=headers)
         res = (await collect_choices(st, request, handles))[0]
         content, calls = p.call_format.parse(res.text, set(p.call_names), res.finish_reason == "length") \
             if p.call_names else (res.text or None, [])
         blocks = ([{"type": "text", "text": content}] if content else []) + [_tool_use(c) for c in calls]
         stop_reason, stop_sequence = _stop(res, p, bool(calls), decode)
         return JSONResponse({**base, "content": blocks, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-                             "usage": _usage(res)})
+                             "usage": _usage(res)}, headers=headers)
 
     @app.post("/v1/messages/count_tokens")
     @anthropic_errors
@@ -249,12 +288,19 @@ async def _events(st: ServerState, handles: list, p: Prepared, base: dict[str, A
     with the stop reason and usage, ``message_stop``."""
     chunks = ChatChunks({}, p.call_names, fmt=p.call_format)
     detok = IncrementalText(decode, p.sampling.stop_strings)
-    usage0 = {"input_tokens": len(p.ids), "output_tokens": 0}
-    yield _event("message_start", {"message": {**base, "content": [], "stop_reason": None, "stop_sequence": None,
-                                               "usage": usage0}})
-    index, text_open = 0, False
+    index, text_open, started = 0, False, False
     try:
-        async for _, upd in merged_updates(handles):
+        async for item in with_keepalives(merged_updates(handles)):
+            if item is None:  # the prompt still prefilling, or queued: Anthropic's ping (SDKs skip it)
+                yield ANTHROPIC_PING
+                continue
+            _, upd = item
+            if not started:  # message_start once the prompt is admitted: its usage splits cached and computed
+                started = True
+                cached = upd.cached or (upd.result.cached_tokens_details if upd.result is not None else {})
+                yield _event("message_start", {"message": {
+                    **base, "content": [], "stop_reason": None, "stop_sequence": None,
+                    "usage": _input_usage(len(p.ids), cached, 0)}})
             res = upd.result if upd.finished else None
             if res is not None and res.finish_reason == "error":
                 err = engine_dead_during(res)

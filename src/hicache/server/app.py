@@ -18,6 +18,7 @@ flight end with 503 ``engine_dead`` (an ``error`` event when streaming) and so d
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -44,7 +45,9 @@ from .choices import (
     usage_of,
 )
 from .anthropic import add_anthropic_routes
+from .builtin_tools import dropped_header, note_dropped, split_chat_tools
 from .detok import IncrementalText
+from .keepalive import SSE_KEEPALIVE, with_keepalives
 from .metrics import ServerMetrics
 from .middleware import CatchAllErrors, RequireApiKey
 from .native import add_native_routes
@@ -54,6 +57,7 @@ from .response_store import ResponseStore
 from .responses import add_responses_routes
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, _Sampling
 from .state import ServerOptions, ServerState
+from .system_turns import place_system_messages
 from .submit import (
     Prepared,
     _check_fits,
@@ -61,14 +65,12 @@ from .submit import (
     _timing,
     engine_dead,
     engine_dead_during,
+    reply_room,
     vet_grammar,
 )
 from .tools import ChatChunks, ChunkFn, chat_message, chat_prompt
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_CHAT_MAX_TOKENS = 128  # when a chat request gives neither max_tokens nor max_completion_tokens
-
 
 _UNKNOWN_LOGGED: set[str] = set()  # request fields already logged as ignored (once each)
 
@@ -112,21 +114,26 @@ def prepare_chat_body(body: ChatCompletionRequest, st: ServerState) -> Prepared:
     checked (also what the Messages API's requests become: server/anthropic.py)."""
     st.check_model(body.model)
     tok: Tokenizer = st.engine.tokenizer
-    chat = chat_prompt(body.messages, body.tools, body.tool_choice, body.parallel_tool_calls, tok.renders_tools,
+    tools, dropped = split_chat_tools(body.tools or [])
+    chat = chat_prompt(body.messages, tools or None, body.tool_choice, body.parallel_tool_calls, tok.renders_tools,
                        st.call_format, tok.special_token_id)
     forced = GrammarSpec("lark", chat.forced_grammar) if chat.forced_grammar else None
-    sp = _sampling(st, body, body.max_new_tokens(), DEFAULT_CHAT_MAX_TOKENS, forced)
+    # (without a max, the rest of the context once the prompt is tokenized: reply_room below)
+    sp = _sampling(st, body, body.max_new_tokens(), st.engine.context_length, forced)
     check_choices(body.n, 1, sp, body.stream, st.opts.max_logprob_tokens)
     try:
-        text = tok.apply_chat_template(chat.messages, add_generation_prompt=True, tools=chat.template_tools)
+        text = tok.apply_chat_template(place_system_messages(chat.messages, tok), add_generation_prompt=True,
+                                       tools=chat.template_tools)
     except InvalidRequestError as e:  # no template, or it raised or ran past a limit (model/chat_render.py)
         raise APIError(400, str(e), param="messages") from None
     except Exception as e:  # the model's Jinja template refused these messages
         raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
     ids = tok.encode(text)
     _check_fits(ids, body.max_new_tokens(), st.engine.context_length, "messages")
+    if body.max_new_tokens() is None:
+        sp = dataclasses.replace(sp, max_new_tokens=reply_room(st, len(ids), st.opts.default_max_tokens))
     return Prepared(body, [ids], sp, "messages", chat.call_names, body.n,
-                    "tools" if forced is not None else body.field_of("grammar"), st.call_format)
+                    "tools" if forced is not None else body.field_of("grammar"), st.call_format, note_dropped(dropped))
 
 
 def _prepare_completion(raw: bytes, st: ServerState) -> Prepared:
@@ -195,7 +202,11 @@ async def _stream(st: ServerState, handles: list[RequestHandle], p: Prepared, ch
     first = [True] * len(handles)
     results: list[GenerateResult] = []
     try:
-        async for i, upd in merged_updates(handles):
+        async for item in with_keepalives(merged_updates(handles)):
+            if item is None:  # a prompt still prefilling, or a queue
+                yield SSE_KEEPALIVE
+                continue
+            i, upd = item
             if not upd.finished:
                 yield _sse(chunks[i](detoks[i].add(upd.token_ids), None, first[i], upd.logprobs))
                 first[i] = False
@@ -227,10 +238,12 @@ async def _answer(st: ServerState, request: Request, p: Prepared, base: dict, ch
                 ",".join(str(len(ids)) for ids in p.prompts), handles[0].max_new_tokens, p.body.stream)
     if p.body.stream:
         return StreamingResponse(_stream(st, handles, p, [chunk(i) for i in range(len(handles))], base,
-                                         p.body.include_usage), media_type="text/event-stream")
+                                         p.body.include_usage), media_type="text/event-stream",
+                                 headers=dropped_header(p.dropped_tools))
     results = await collect_choices(st, request, handles)
     return JSONResponse({**base, "choices": [choice(i, r) for i, r in enumerate(results)],
-                         "usage": usage_of(results, p.n), "timing": _timing(results[0])})
+                         "usage": usage_of(results, p.n), "timing": _timing(results[0])},
+                        headers=dropped_header(p.dropped_tools))
 
 
 def _add_openai_routes(app: FastAPI, st: ServerState) -> None:

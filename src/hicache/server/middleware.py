@@ -22,7 +22,9 @@ Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers need no key (as in vLLM)
+# probes and scrapers need no key (as in vLLM); ``/`` is the connectivity check clients make
+# without one (Claude Code's HEAD /)
+OPEN_PATHS = frozenset({"/", "/health", "/metrics"})
 
 
 async def send_error(send: Send, e: APIError, headers: list[tuple[bytes, bytes]] = ()) -> None:

@@ -38,6 +38,7 @@ from ..runtime.request import GenerateResult
 from ..runtime.sampling import GrammarSpec, SamplingParams
 from .choices import abort_unfinished, check_choices
 from .detok import IncrementalText
+from .keepalive import SSE_KEEPALIVE, with_keepalives
 from .parsing import parse_body, read_body
 from .protocol import APIError, _Body, _Sampling, token_id_keys
 from .state import ServerState
@@ -253,7 +254,10 @@ async def _stream(st: ServerState, handle: RequestHandle, rid: str, p: Prepared)
     detok = IncrementalText(st.engine.tokenizer.decode, p.sampling.stop_strings)
     text, ids = "", []
     try:
-        async for upd in handle:
+        async for upd in with_keepalives(handle):
+            if upd is None:
+                yield SSE_KEEPALIVE
+                continue
             if upd.finished:
                 res = upd.result
                 yield _sse(engine_dead_during(res).body() if res.finish_reason == "error" else

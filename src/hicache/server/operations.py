@@ -1,4 +1,5 @@
-"""The server's operational endpoints: ``/health``, ``/flush_cache``, ``/metrics``, ``/stats``,
+"""The server's operational endpoints: ``/`` (GET or HEAD: the connectivity check Claude Code makes
+before its first request), ``/health``, ``/flush_cache``, ``/metrics``, ``/stats``,
 ``/tokenize``, ``/get_hicache_l3_cache_layout``, and what sglang-router asks every worker at
 start (``/model_info``, ``/server_info``, also under their ``/get_*`` names)."""
 
@@ -37,6 +38,10 @@ def _tokenizer_dir(model: str) -> str | None:
 
 def add_operation_routes(app: FastAPI, st: ServerState) -> None:
     """Health, cache control, metrics and introspection endpoints."""
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def root() -> Response:
+        return JSONResponse({"status": "ok", "model": st.opts.served_model_name})
+
     @app.get("/health")
     async def health() -> Response:
         st.loop.check_alive()  # EngineDeadError -> 503 engine_dead, saying why

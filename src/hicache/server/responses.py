@@ -14,10 +14,13 @@ conversation with only its new items (the previous ``instructions`` are not carr
 OpenAI's): its prompt is the stored ids plus the new turn as the template renders it
 (:func:`continued_ids`: no re-rendering drift), whose KV the radix cache already holds, so the
 continued turn computes little more than its new tokens. Built-in tools
-(web search, file search, ...), reasoning items and image / file / audio parts (the models served
-are text-only) are refused in one sentence; fields a pinned SDK sends at neutral values
-(``include``, ``truncation``, ``metadata`` within OpenAI's bounds, ``reasoning``, ``user``, ...) are
-accepted. A grammar
+(web search, file search, ...) are dropped and named (server/builtin_tools.py), a ``namespace``'s
+function tools flattened in; reasoning items and image / file / audio parts (the models served
+are text-only) are refused in one sentence; fields a client sends that cannot change the output
+(``include``, ``truncation``, ``metadata`` within OpenAI's bounds, ``reasoning``, ``user``,
+``prompt_cache_key``, ``client_metadata``, ...) are accepted. Without ``max_output_tokens`` a reply may
+take the rest of the context (``--default-max-tokens`` caps it). A stream writes keep-alives while
+the prompt prefills (server/keepalive.py): ``response.in_progress`` again. A grammar
 failure ends the response as ``failed``. Beside the standard usage, hicache's extensions:
 ``usage.hicache_cached_tokens`` (cached tokens per tier) and ``timing`` (seconds: TTFT, queue,
 forward), as on chat completions.
@@ -25,6 +28,7 @@ forward), as on chat completions.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -36,13 +40,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..runtime.request import GenerateResult
 from .choices import abort_unfinished, collect_choices, merged_updates, submit_choices
+from .builtin_tools import dropped_header, note_dropped, split_responses_tools
 from .detok import IncrementalText
+from .keepalive import with_keepalives
 from .parsing import parse_body, read_body
 from .protocol import APIError, ChatCompletionRequest
 from .response_store import ResponseStore, Stored
 from .responses_request import ResponsesRequest, as_chat, chat_messages, responses_errors
 from .state import ServerState
-from .submit import Prepared, _check_fits, _timing, vet_grammar
+from .submit import Prepared, _check_fits, _timing, reply_room, vet_grammar
 from .tools import ChatChunks
 
 logger = logging.getLogger(__name__)
@@ -148,10 +154,15 @@ def add_responses_routes(app: FastAPI, st: ServerState,
             history = stored.messages
         messages = chat_messages(body, history)
         stored_messages = messages[1:] if body.instructions else messages  # instructions are not carried over
-        prepared = prepare_chat(as_chat(body, messages), st)
+        tools, dropped = split_responses_tools(body.tools or [])
+        prepared = prepare_chat(as_chat(body, messages, tools), st)
+        prepared.dropped_tools = note_dropped([*dropped, *prepared.dropped_tools])
         if stored is not None and not body.instructions:
             prepared.prompts[0] = continued_ids(st.engine.tokenizer, stored.ids, prepared.ids)
             _check_fits(prepared.ids, body.max_output_tokens, st.engine.context_length, "input")
+            if body.max_output_tokens is None:  # the rest of the context, counted on the prompt as sent
+                room = reply_room(st, len(prepared.ids), st.opts.default_max_tokens)
+                prepared.sampling = dataclasses.replace(prepared.sampling, max_new_tokens=room)
         return _Turn(body, stored_messages, prepared)
 
     @app.post("/v1/responses")
@@ -162,10 +173,11 @@ def add_responses_routes(app: FastAPI, st: ServerState,
         handles = submit_choices(st, turn.p)
         logger.info("response %s rid=%d prompt=%d stream=%s previous=%s", turn.id, handles[0].rid, len(turn.p.ids),
                     turn.body.stream, turn.body.previous_response_id)
+        headers = dropped_header(turn.p.dropped_tools)
         if turn.body.stream:
-            return StreamingResponse(_events(st, turn, handles, store), media_type="text/event-stream")
+            return StreamingResponse(_events(st, turn, handles, store), media_type="text/event-stream", headers=headers)
         res = (await collect_choices(st, request, handles))[0]
-        return JSONResponse(turn.finish(res, store))
+        return JSONResponse(turn.finish(res, store), headers=headers)
 
     @app.get("/v1/responses/{response_id}")
     async def get(response_id: str) -> dict:
@@ -199,7 +211,11 @@ async def _events(st: ServerState, turn: _Turn, handles: list, store: ResponseSt
     message: Optional[dict[str, Any]] = None
     streamed = ""
     try:
-        async for _, upd in merged_updates(handles):
+        async for item in with_keepalives(merged_updates(handles)):
+            if item is None:  # a prompt still prefilling, or a queue: an event, since Codex's watchdog skips comments
+                yield event("response.in_progress", response=turn.response("in_progress", []))
+                continue
+            _, upd = item
             res = upd.result if upd.finished else None
             text = detok.finish(res.text) if res is not None else detok.add(upd.token_ids)
             piece = chunks(text, None, False, [])["choices"][0]["delta"].get("content")

@@ -93,12 +93,13 @@ def chat_messages(body: ResponsesRequest, history: list[dict[str, Any]]) -> list
     return out
 
 
-def _chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _chat_tools(tools: list[Any]) -> list[dict[str, Any]]:
+    """Function tools (the built-in ones already dropped: server/builtin_tools.py) in the chat API's shape."""
     out = []
     for t in tools:
-        if t.get("type") != "function":
-            raise APIError(400, f"tools of type {t.get('type')!r} (built-in tools) are not supported; function tools "
-                                "are.", param="tools")
+        if not isinstance(t, dict) or t.get("type") != "function":
+            raise APIError(400, "tools must be objects such as {\"type\": \"function\", \"name\": ..., "
+                                "\"parameters\": {...}}.", param="tools")
         out.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}})
     return out
 
@@ -133,13 +134,15 @@ def _response_format(text: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]
                    param="text.format")
 
 
-def as_chat(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
+def as_chat(body: ResponsesRequest, messages: list[dict[str, Any]], tools: list[Any]) -> ChatCompletionRequest:
+    """The chat request ``body`` means, with ``messages`` (:func:`chat_messages`) and its function
+    ``tools`` (what server/builtin_tools.py kept of ``body.tools``)."""
     chat: dict[str, Any] = {"model": body.model, "messages": messages, "temperature": body.temperature,
                             "top_p": body.top_p, "stream": body.stream, "parallel_tool_calls": body.parallel_tool_calls}
     if body.max_output_tokens is not None:
         chat["max_tokens"] = body.max_output_tokens
-    if body.tools:
-        chat["tools"] = _chat_tools(body.tools)
+    if tools:
+        chat["tools"] = _chat_tools(tools)
     if body.tool_choice is not None:
         chat["tool_choice"] = _chat_tool_choice(body.tool_choice)
     fmt = _response_format(body.text)

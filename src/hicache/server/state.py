@@ -37,6 +37,9 @@ class ServerOptions:
     max_logprob_tokens: int = DEFAULT_MAX_LOGPROB_TOKENS  # n x prompts x max_tokens of a non-streamed answer with logprobs
     responses_store_size: int = 1024  # responses kept for previous_response_id (server/responses.py)
     responses_store_mb: int = 256  # the bytes they may hold together
+    # Chat Completions / Responses requests without a max: at most this many output tokens (None: the
+    # rest of the context, OpenAI's default; server/submit.py reply_room)
+    default_max_tokens: Optional[int] = None
 
 
 class ServerState:

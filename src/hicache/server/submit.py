@@ -40,6 +40,7 @@ class Prepared:
     n: int = 1
     grammar_param: Optional[str] = None  # the field that holds the grammar, for errors about it
     call_format: CallFormat = HERMES  # how the model writes its calls (server/tool_formats.py)
+    dropped_tools: tuple[str, ...] = ()  # tools listed that the server cannot run (server/builtin_tools.py)
 
     @property
     def ids(self) -> list[int]:
@@ -106,6 +107,17 @@ def _timing(res: GenerateResult) -> dict[str, float]:
     """Server-side timing of one request (extension), seconds."""
     return {"ttft_s": res.ttft_s, "queue_time_s": res.queue_time_s, "forward_time_s": res.forward_time_s,
             "e2e_s": res.e2e_s}
+
+
+def reply_room(st: ServerState, prompt_tokens: int, cap: Optional[int]) -> int:
+    """Output tokens a request may take: the rest of the context (OpenAI's default for a chat or
+    Responses request that sets no max), within what the device pool can reserve for one request
+    (admission reserves the prompt plus its most output), at most ``cap`` (``--default-max-tokens``, or
+    a Messages request's ``max_tokens``; None: no cap)."""
+    eng = st.engine
+    pool = eng.capacity_pages * eng.config.page_size - eng.config.speculative_steps
+    room = min(eng.context_length, pool) - prompt_tokens
+    return max(1, min(room, cap) if cap is not None else room)  # (a prompt that fills it is refused later)
 
 
 def _check_fits(ids: list[int], max_new: Optional[int], context_length: int, param: str) -> None:
