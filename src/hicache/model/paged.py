@@ -3,8 +3,9 @@
 Per forward it lays the batch out once (:class:`PagedMetadata`); per layer it writes the new K/V
 at their slots, then takes one of three paths, all exact:
 
-- the native paged decode kernel: a pass where every sequence has at most ``ROWWISE_MAX_NEW``
-  new tokens (a decode batch; a verify pass of the last token + drafts), on a CPU with the
+- the native paged decode kernel: a pass of generated tokens (``ForwardBatch.generated``) where
+  every sequence has at most ``ROWWISE_MAX_NEW`` new tokens (a decode batch; a verify pass of the
+  last token + drafts), on a CPU with the
   kernels, float32 (the KV float32 or float16): each new token is a row attending to its own context -- the sequence's
   prefix and its new tokens up to itself, so the rows of one sequence are causal among
   themselves -- read by slot (no gather, no padding mask); a row's output is the one a decode
@@ -13,7 +14,9 @@ at their slots, then takes one of three paths, all exact:
   gather every row's context to ``[T, K]`` slots, one SDPA call with a per-key padding bias;
 - spans: each sequence's new tokens attend to its cached prefix (read as views of the buffers
   when it lies in a few runs of slots, else gathered) and causally to each other, the blocks
-  merged by log-sum-exp (:func:`~hicache.model.attention.sequence_attention`).
+  merged by log-sum-exp (:func:`~hicache.model.attention.sequence_attention`). Every prompt pass
+  takes them, however few its new tokens (a hit that leaves one token to compute attends as the
+  cold prompt's chunk did: issue 57), unless the backend is ``rowwise``.
 
 A sliding-window layer (``layer.window`` > 0: a query at position p sees keys p - window + 1 .. p)
 reads the same pool -- or buffers with a slot space of their own (``window_slots``: a window-sized
@@ -200,7 +203,7 @@ class PagedBackend:
 
     def prepare(self, input_ids: Sequence[Sequence[int]], prefix_lens: Sequence[int],
                 context_slots: Sequence[torch.Tensor], logits: str = "last",
-                window_slots: Optional[Sequence[torch.Tensor]] = None) -> ForwardBatch:
+                window_slots: Optional[Sequence[torch.Tensor]] = None, generated: bool = False) -> ForwardBatch:
         """See :meth:`~hicache.model.batch.AttentionBackend.prepare`."""
         lens = [len(ids) for ids in input_ids]
         if not lens or min(lens) <= 0:
@@ -220,8 +223,8 @@ class PagedBackend:
         ends = torch.tensor(lens).cumsum(0)
         starts = (ends - torch.tensor(lens)).tolist()
         # Off the CPU no kernel reads keys by slot: rows gather their whole context each, so only a
-        # decode pass (one new token a sequence) takes the row layout there.
-        rowwise = self.rowwise or max(lens) <= (ROWWISE_MAX_NEW if dev.type == "cpu" else 1)
+        # decode pass (one new token a sequence) takes the row layout there. Prompt tokens never do.
+        rowwise = self.rowwise or (generated and max(lens) <= (ROWWISE_MAX_NEW if dev.type == "cpu" else 1))
         decode = _decode_layout(out_slots, context_slots, lens, dev) if rowwise else None
         # A lone sequence keeps its span too: without the native kernel it reads its keys as views.
         spans = [] if decode is not None and bsz > 1 else [
@@ -229,7 +232,8 @@ class PagedBackend:
         logits_index = ends - 1 if logits == "last" else torch.arange(int(ends[-1]))
         meta = PagedMetadata(out_slots=out_slots, spans=spans, decode=decode, logits_index=logits_index.to(dev),
                              contexts=context_slots, lens=lens, window_contexts=window_contexts)
-        return ForwardBatch(input_ids=flat_ids.to(dev), positions=positions.to(dev), attn=meta, backend=self)
+        return ForwardBatch(input_ids=flat_ids.to(dev), positions=positions.to(dev), attn=meta, backend=self,
+                            generated=generated)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
                 batch: ForwardBatch, kv: KVView) -> torch.Tensor:
@@ -256,9 +260,10 @@ class PagedBackend:
 def make_forward_batch(input_ids: Sequence[Sequence[int]], prefix_lens: Sequence[int],
                        context_slots: Sequence[torch.Tensor], logits: str = "last",
                        device: torch.device | str = "cpu",
-                       window_slots: Optional[Sequence[torch.Tensor]] = None) -> ForwardBatch:
-    """A paged batch on ``device`` (:meth:`PagedBackend.prepare`): forwards without an engine."""
-    return PagedBackend(device).prepare(input_ids, prefix_lens, context_slots, logits, window_slots)
+                       window_slots: Optional[Sequence[torch.Tensor]] = None, generated: bool = False) -> ForwardBatch:
+    """A paged batch on ``device`` (:meth:`PagedBackend.prepare`): forwards without an engine.
+    ``generated``: decode (or verify) rows, not prompt tokens."""
+    return PagedBackend(device).prepare(input_ids, prefix_lens, context_slots, logits, window_slots, generated)
 
 
 def _padded_decode(q: torch.Tensor, layer: AttentionLayer, decode: DecodeLayout, k_buf: torch.Tensor,
