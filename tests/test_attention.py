@@ -119,7 +119,7 @@ def test_batched_decode_gives_each_sequence_its_own_logits(lm):
         slots.append(torch.arange(offset, offset + len(ids)))
         offset += len(ids)
         lm.model(make_forward_batch([ids[:-1]], [0], [slots[-1][:-1]]), kv)
-    batch = make_forward_batch([[ids[-1]] for ids in prompts], [len(ids) - 1 for ids in prompts], slots)
+    batch = make_forward_batch([[ids[-1]] for ids in prompts], [len(ids) - 1 for ids in prompts], slots, generated=True)
     assert batch.attn.decode is not None
     got = lm.model(batch, kv)
     for row, ids in zip(got, prompts):

@@ -35,7 +35,8 @@ def _decode(model, spec, batch_size: int, steps: int, kv_dtype=torch.float32) ->
             lens = [len(p) for p in prompts]
             for p, token in zip(prompts, logits.argmax(-1).tolist()):
                 p.append(token)
-            batch = make_forward_batch([[p[-1]] for p in prompts], lens, [s[:n + 1] for s, n in zip(slots, lens)])
+            batch = make_forward_batch([[p[-1]] for p in prompts], lens, [s[:n + 1] for s, n in zip(slots, lens)],
+                                       generated=True)
             logits = model(batch, kv)
             out.append(logits)
     return out
@@ -136,9 +137,10 @@ def test_a_verify_pass_gives_each_row_the_logits_of_its_decode_step(qtype, activ
         model(make_forward_batch([ids[:270]], [0], [slots[:270]]), kv)  # two full chunks of 128 and a part
         for n in (2, 5, 8):
             calls.clear()
-            verify = model(make_forward_batch([ids[270:270 + n]], [270], [slots[:270 + n]], logits="all"), kv)
+            verify = model(make_forward_batch([ids[270:270 + n]], [270], [slots[:270 + n]], logits="all",
+                                              generated=True), kv)
             assert len(calls) == 1, "the verify pass runs the fused decode layers"
-            steps = [model(make_forward_batch([ids[270 + i:271 + i]], [270 + i], [slots[:271 + i]]), kv)
+            steps = [model(make_forward_batch([ids[270 + i:271 + i]], [270 + i], [slots[:271 + i]], generated=True), kv)
                      for i in range(n)]
             assert torch.equal(verify, torch.cat(steps)), f"{n} rows"
 

@@ -37,7 +37,7 @@ def _prefill_and_decode(model, spec, ids: list[int], split: int) -> tuple[torch.
         kv = DenseKV(spec, 64, torch.float32)
         steps = [model(make_forward_batch([ids[:split]], [0], [slots[:split]], logits="all"), kv)]
         for n in range(split, len(ids)):
-            steps.append(model(make_forward_batch([[ids[n]]], [n], [slots[:n + 1]]), kv))
+            steps.append(model(make_forward_batch([[ids[n]]], [n], [slots[:n + 1]], generated=True), kv))
     return whole, torch.cat(steps)
 
 
@@ -78,9 +78,11 @@ def test_decode_steps_read_the_files_own_blocks(qtype, reference):
 @pytest.mark.parametrize("qtype", TYPES)
 def test_int8_inputs_keep_decode_logits_within_the_stated_tolerance(qtype, reference):
     """``--decode-activations int8`` (docs/precision.md): every matrix of a decode step multiplies
-    its blocks with 8-bit inputs; the logits stay within 5% (max) and 0.5% (mean) of their spread
-    of the float32 prefill's -- measured: 3.0% / 0.13% at most over these files, and on SmolLM2
-    12% / 1.7%, the distance of llama.cpp's logits from the float32 path. The identity names it."""
+    its blocks with 8-bit inputs; the logits stay within 12% (max) and 2% (mean) of their spread
+    of the float32 prefill's -- measured: 9.1% / 1.25% at most over these files (until issue 57 the
+    24-token "prefill" here took the decode path too, which measured 3.0% / 0.13%), and on SmolLM2
+    12% / 1.7%, the distance of llama.cpp's logits from the float32 path -- and the top token agrees
+    on 18 of 20 rows or more (random weights: near-ties). The identity names it."""
     path = str(DATA / f"tiny-llama-{qtype}.gguf")
     loaded = load_model(path, dtype=torch.float32, decode_activations="int8")
     assert set(loaded.model.decode_formats()) == {f"{kind}@int8" for kind in KINDS[qtype]}
@@ -94,8 +96,8 @@ def test_int8_inputs_keep_decode_logits_within_the_stated_tolerance(qtype, refer
     ids = reference["token_ids"].tolist()
     whole, stepped = _prefill_and_decode(loaded.model, loaded.spec, ids, 4)
     error, spread = (stepped - whole)[4:].abs(), whole.std()
-    assert error.max() <= 0.05 * spread and error.mean() <= 0.005 * spread
-    assert torch.equal(stepped[4:].argmax(-1), whole[4:].argmax(-1))
+    assert error.max() <= 0.12 * spread and error.mean() <= 0.02 * spread
+    assert (stepped[4:].argmax(-1) == whole[4:].argmax(-1)).sum() >= 18
 
 
 @needs_kernels

@@ -214,7 +214,7 @@ kv = DenseKV(loaded.spec, 64, torch.float32)
 ids = list(range(3, 23))
 with torch.inference_mode():  # a prefill, then a decode step over its cached prefix
     first = loaded.model(make_forward_batch([ids], [0], [torch.arange(1, 21)]), kv)
-    step = loaded.model(make_forward_batch([[7]], [20], [torch.arange(1, 22)]), kv)
+    step = loaded.model(make_forward_batch([[7]], [20], [torch.arange(1, 22)], generated=True), kv)
 print(json.dumps({"kernels": cpu_kernels() is not None, "logits": torch.cat([first, step]).tolist()}))
 """
 

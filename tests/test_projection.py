@@ -26,15 +26,15 @@ def test_fused_output_equals_each_part_and_parts_become_views():
     parts = _linears(8, 4, 4)
     x = torch.randn(5, 16)
     want = [p(x) for p in parts]
-    got = Projection(*parts)(x)
+    got = Projection(*parts)(x, generated=False)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
     fused = Projection(*parts)
-    fused(x)
+    fused(x, generated=False)
     with torch.no_grad():  # an in-place load into a part reaches the fused matrix
         parts[1].weight.fill_(0.5)
         parts[1].bias.zero_()
-    torch.testing.assert_close(fused(x)[1], x.sum(1, keepdim=True).expand(5, 4) * 0.5)
+    torch.testing.assert_close(fused(x, generated=False)[1], x.sum(1, keepdim=True).expand(5, 4) * 0.5)
 
 
 def test_replaced_weight_is_fused_again():
@@ -42,24 +42,26 @@ def test_replaced_weight_is_fused_again():
     parts = _linears(8, 4, bias=False)
     proj = Projection(*parts)
     x = torch.randn(2, 16)
-    proj(x)
+    proj(x, generated=False)
     parts[0].weight = nn.Parameter(parts[0].weight[:3].clone(), requires_grad=False)
-    a, b = proj(x)
+    a, b = proj(x, generated=False)
     assert a.shape == (2, 3) and b.shape == (2, 4)
     torch.testing.assert_close(a, x @ parts[0].weight.T)
 
 
-def test_decode_copy_serves_only_decode_sized_passes():
+def test_decode_copy_serves_only_decode_sized_passes_of_generated_tokens():
     (part,) = _linears(32, bias=False)
     proj = Projection(part)
     proj.decode_weights = "bfloat16"
     decode_x, prefill_x = torch.randn(proj.decode_rows, 16), torch.randn(proj.decode_rows + 1, 16)
     exact = lambda x: x @ part.weight.T  # noqa: E731
     rounded = lambda x: (x.bfloat16() @ part.weight.bfloat16().T).float()  # noqa: E731
-    torch.testing.assert_close(proj(prefill_x), exact(prefill_x))
-    torch.testing.assert_close(proj(decode_x), rounded(decode_x))
-    assert proj(decode_x).dtype == torch.float32
-    assert not torch.equal(proj(decode_x), exact(decode_x))  # lossy: the flag must say so
+    torch.testing.assert_close(proj(prefill_x, generated=True), exact(prefill_x))
+    torch.testing.assert_close(proj(decode_x, generated=True), rounded(decode_x))
+    assert proj(decode_x, generated=True).dtype == torch.float32
+    assert not torch.equal(proj(decode_x, generated=True), exact(decode_x))  # lossy: the flag must say so
+    # Prompt tokens never read it, however few (a hit leaving one token to compute: issue 57).
+    assert torch.equal(proj(decode_x[:1], generated=False), F.linear(decode_x[:1], part.weight))
     assert proj.decode_rows == VERIFY_ROWS  # no prefill copy: a verify batch reads the decode weights
 
 
@@ -106,17 +108,20 @@ def test_weights_are_fused_and_decode_copies_made_before_the_kv_pool_is_sized():
 
 
 def test_prefill_copy_serves_only_prefill_sized_passes():
-    """Precision per phase: passes of more than DECODE_ROWS rows read the bf16 copy (inputs cast
-    to bf16, outputs back to float32); decode-sized passes keep the exact float32 path."""
+    """Precision per phase: prompt passes and passes of more than DECODE_ROWS rows read the bf16
+    copy (inputs cast to bf16, outputs back to float32); decode-sized passes of generated tokens
+    keep the exact float32 path."""
     (part,) = _linears(32, bias=True)
     proj = Projection(part)
     proj.prefill_weights = "bfloat16"
     decode_x, prefill_x = torch.randn(proj.decode_rows, 16), torch.randn(proj.decode_rows + 1, 16)
     exact = lambda x: x @ part.weight.T + part.bias  # noqa: E731
     rounded = lambda x: F.linear(x.bfloat16(), part.weight.bfloat16(), part.bias.bfloat16()).float()  # noqa: E731
-    torch.testing.assert_close(proj(decode_x), exact(decode_x))
-    torch.testing.assert_close(proj(prefill_x), rounded(prefill_x))
-    assert proj(prefill_x).dtype == torch.float32 and proj.prefill_format == "bfloat16"
+    torch.testing.assert_close(proj(decode_x, generated=True), exact(decode_x))
+    torch.testing.assert_close(proj(prefill_x, generated=False), rounded(prefill_x))
+    assert proj(prefill_x, generated=False).dtype == torch.float32 and proj.prefill_format == "bfloat16"
+    # A prompt pass of a few rows (a short suffix after a hit) reads the prefill's copy too.
+    torch.testing.assert_close(proj(decode_x[:1], generated=False), rounded(decode_x[:1]))
     assert proj.decode_rows == DECODE_ROWS  # the bf16 GEMM beats the decode path beyond a decode batch
     assert proj.copies_nbytes() == part.weight.numel() * 2  # counted against the memory budget
 

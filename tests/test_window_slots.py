@@ -60,7 +60,7 @@ def run(model, prompts: list[list[int]], steps: int, ring: int | None) -> list[t
                 s.append(t)
             batch = make_forward_batch([[s[-1]] for s in seqs], lens, [slots[b][:n + 1] for b, n in enumerate(lens)],
                                        window_slots=[window_slots(b, n + 1) for b, n in enumerate(lens)]
-                                       if ring else None)
+                                       if ring else None, generated=True)
             out.append(model(batch, kv))
             nxt = out[-1].argmax(-1).tolist()
     return out

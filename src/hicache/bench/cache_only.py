@@ -51,7 +51,7 @@ class Geometry:
 GEMMA3_270M = Geometry()
 
 
-def no_forward(input_ids, prefix_lens, context_slots, hidden=None, logits="last", window_slots=None):
+def no_forward(input_ids, prefix_lens, context_slots, hidden=None, logits="last", window_slots=None, generated=False):
     return torch.zeros(len(input_ids), 1)
 
 

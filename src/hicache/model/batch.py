@@ -84,14 +84,15 @@ class AttentionBackend(Protocol):
 
     def prepare(self, input_ids: Sequence[Sequence[int]], prefix_lens: Sequence[int],
                 context_slots: Sequence[torch.Tensor], logits: str = "last",
-                window_slots: Optional[Sequence[torch.Tensor]] = None) -> ForwardBatch:
+                window_slots: Optional[Sequence[torch.Tensor]] = None, generated: bool = False) -> ForwardBatch:
         """The batch of B sequences for one forward, with this backend's metadata (once per
         forward). ``input_ids[b]``: sequence b's new tokens; ``prefix_lens[b]``: tokens of
         context already cached before them; ``context_slots[b]``: the slots of its whole
         context in position order (the new tokens' are its tail). ``logits``: ``"last"`` (one
         row per sequence) or ``"all"`` (every new token). ``window_slots[b]`` (sliding-window
         layers with buffers of their own): the same positions' slots in those buffers; only the
-        positions some new token's window reaches are read (the others may be anything)."""
+        positions some new token's window reaches are read (the others may be anything).
+        ``generated``: the new tokens are generated ones (see :attr:`ForwardBatch.generated`)."""
         ...
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
@@ -113,3 +114,10 @@ class ForwardBatch:
     positions: torch.Tensor  # [T] long: absolute position of each new token in its sequence
     attn: AttentionMetadata  # the backend's metadata for this forward
     backend: AttentionBackend  # the backend that prepared it and runs every layer's attention
+    # What the rows are (issue 57). True: generated tokens -- a decode step, a speculative verify pass
+    # (the last token + drafts), a draft model's proposals -- which may take the decode arithmetic
+    # (GGUF blocks with 8-bit inputs, the row-by-row attention, the fused native decode layer).
+    # False: prompt tokens (a prefill chunk, however short: a hit may leave one token to compute),
+    # which always take the prefill's, so a hit's KV and first logits differ from a cold run's only
+    # as chunking does. A pass is one or the other: the scheduler never mixes them.
+    generated: bool = False

@@ -178,11 +178,14 @@ class CPBackend:
 
     def prepare(self, input_ids: Sequence[Sequence[int]], prefix_lens: Sequence[int],
                 context_slots: Sequence[torch.Tensor], logits: str = "last",
-                window_slots: Optional[Sequence[torch.Tensor]] = None) -> ForwardBatch:
+                window_slots: Optional[Sequence[torch.Tensor]] = None, generated: bool = False) -> ForwardBatch:
         """This CP rank's batch of B sequences (its share of the new tokens). ``split_tokens``
         False: the group's ranks are attention-TP ranks over one MLA latent (different heads, the
         same tokens): every rank computes every token and only the KV is sharded, so decode reads
-        its context through the prefix gather too (a rank cannot merge partials of heads it lacks)."""
+        its context through the prefix gather too (a rank cannot merge partials of heads it lacks).
+        ``generated`` chooses the projections' arithmetic (:attr:`ForwardBatch.generated`); the
+        attention's layout here follows the new tokens' count alone (one a sequence: partials
+        merged as a decode step's, float32 either way)."""
         assert logits == "last", "context parallelism returns each sequence's last logits only"
         assert window_slots is None, "context parallelism runs no sliding-window layers (the engine refuses them)"
         setup, device = self.setup, self.device
@@ -195,7 +198,7 @@ class CPBackend:
             if size != prefix_len + lens[b]:
                 raise ValueError(f"sequence {b}: {size} context slots for {prefix_len + lens[b]} tokens")
         if max(lens) == 1 and not sharded:  # every rank holds every key: a plain decode batch
-            return self.paged.prepare(input_ids, prefix_lens, contexts)
+            return self.paged.prepare(input_ids, prefix_lens, contexts, generated=generated)
         starts = torch.tensor([0] + lens).cumsum(0).tolist()
         if max(lens) == 1 and setup.split_tokens:  # sharded decode: every rank computes every token over its own keys
             layout, local = self._sharded_decode(prefix_lens, contexts), torch.arange(starts[-1])
@@ -206,7 +209,7 @@ class CPBackend:
         flat_ids = torch.tensor([t for ids in input_ids for t in ids], dtype=torch.long)
         positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix_lens, lens)])
         return ForwardBatch(input_ids=flat_ids[local].to(device), positions=positions[local].to(device),
-                            attn=layout, backend=self)
+                            attn=layout, backend=self, generated=generated)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
                 batch: ForwardBatch, kv: KVView) -> torch.Tensor:

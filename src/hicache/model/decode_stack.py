@@ -100,14 +100,11 @@ class DecodeStack:
         groups = [window_group(kv, indices[i]) for i in self._local]  # a shared hybrid pool's sliding groups
         local_cos, local_sin = local if local is not None and self._local else (cos, sin)
         view: tuple = (None,) * 5
-        if self._local:
-            views = [batch.attn.windowed(self._window, g).decode for g in range(max(groups) + 1)]  # type: ignore[attr-defined]
-            out_slots, kv_slots = views[0].out_slots, views[0].kv_slots
-            if len(views) > 1:  # one slot row per group (the same keys per row, in each group's blocks)
-                out_slots, kv_slots = torch.stack([v.out_slots for v in views]), torch.stack([v.kv_slots for v in views])
-            view = (local_cos, local_sin, out_slots, kv_slots, views[0].lengths)
+        if self._local:  # one layout for every sliding group: a row of slots per group in a shared pool
+            local_layout = batch.attn.window_decode(self._window)  # type: ignore[attr-defined]
+            view = (local_cos, local_sin, local_layout.out_slots, local_layout.kv_slots, local_layout.lengths)
         return ops.decode_layers(x, operands[0], operands[1], layers[0].input_layernorm.eps, *operands[2:7], cos, sin,
                                  attn.num_heads, attn.num_kv_heads, [kv.k_buffers[i] for i in indices],
                                  [kv.v_buffers[i] for i in indices], layout.out_slots, layout.kv_slots, layout.lengths,
                                  *operands[7:], layers[0].mlp.gelu, attn.q_scale or 1.0, self._local, *view,
-                                 groups if max(groups, default=0) > 0 else [])
+                                 groups if self._local and view[2].dim() == 2 else [])

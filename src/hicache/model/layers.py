@@ -61,15 +61,16 @@ class MLP(nn.Module):
         self.down = Projection(self.down_proj)
         self.tp_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # sum over TP ranks
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up.whole(x)
+    def forward(self, x: torch.Tensor, generated: bool) -> torch.Tensor:
+        """``x``: ``[T, hidden]``; ``generated``: the rows are generated tokens (``ForwardBatch.generated``)."""
+        gate_up = self.gate_up.whole(x, generated)
         ops = native_ops(gate_up)
         if ops is not None and gate_up.shape[-1] % 16 == 0 and not self.gelu:
             hidden = ops.silu_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             hidden = (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up
-        out = self.down(hidden)
+        out = self.down(hidden, generated)
         return out if self.tp_reduce is None else self.tp_reduce(out)
 
 

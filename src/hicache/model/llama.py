@@ -64,7 +64,7 @@ class Attention(nn.Module):
         """``x``: ``[T, hidden]``; ``cos``/``sin``: ``[T, 1, head_dim]`` in x's dtype. Returns
         ``[T, hidden]``."""
         t = x.shape[0]
-        qkv = self.qkv.whole(x)
+        qkv = self.qkv.whole(x, batch.generated)
         # q and k sit side by side in the fused output: rotate both heads' sets in one pass.
         qk_heads = self.num_heads + self.num_kv_heads
         if self.q_norm is not None:  # per head, before RoPE; in place: the fused output is ours
@@ -84,10 +84,10 @@ class Attention(nn.Module):
         v = qkv[:, qk_heads * self.head_dim:].view(t, self.num_kv_heads, self.head_dim)
 
         out = batch.backend.forward(q, k, v, self, batch, kv)  # [T, H, D]; T may be 0 on a CP rank
-        return self._out(out.flatten(1))
+        return self._out(out.flatten(1), batch.generated)
 
-    def _out(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.out(x)
+    def _out(self, x: torch.Tensor, generated: bool) -> torch.Tensor:
+        out = self.out(x, generated)
         return out if self.tp_reduce is None else self.tp_reduce(out)
 
 
@@ -120,9 +120,9 @@ class DecoderLayer(nn.Module):
                 return self._fused_decode(ops, operands, x, cos, sin, batch, kv)
         if self.sandwich:
             x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, batch, kv))
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), batch.generated))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), batch.generated)
 
     # A decode step's layer as one native call (kernels/decode_layer.cpp): the same kernels in the
     # same order as the modules above, bit for bit, without ~25 Python dispatches a layer.
@@ -131,12 +131,14 @@ class DecoderLayer(nn.Module):
 
     def _fused_decode_ops(self, x: torch.Tensor, batch: ForwardBatch, kv: KVView):
         """The native kernels when this pass is one the fused layer serves: a decode batch of at
-        most DECODE_ROWS tokens on one rank, float32 on the CPU, the heads as the kernels take them."""
+        most DECODE_ROWS generated tokens on one rank (never prompt tokens: issue 57), float32 on
+        the CPU, the heads as the kernels take them. Deterministic inference: every pass."""
         attn = self.self_attn
         if not isinstance(attn, Attention):
             return None
-        rows = sys.maxsize if attn.qkv.row_invariant else DECODE_ROWS  # deterministic: every pass
-        if (batch.attn.decode is None or not 0 < x.shape[0] <= rows
+        invariant = attn.qkv.row_invariant
+        rows = sys.maxsize if invariant else DECODE_ROWS
+        if (not (batch.generated or invariant) or batch.attn.decode is None or not 0 < x.shape[0] <= rows
                 or attn.tp_reduce is not None or self.mlp.tp_reduce is not None or attn.kv_map is not None
                 or attn.head_dim not in NATIVE_HEAD_DIMS
                 or kv.k_buffers[attn.layer].dtype not in NATIVE_KV_DTYPES or self.mlp.gate_proj.out_features % 8):
@@ -356,4 +358,4 @@ class LlamaForCausalLM(nn.Module):
             return h
         # Only the requested rows go through the final norm and the (vocab-wide) head.
         h = self.model.norm(batch.attn.final_rows(h))
-        return self.head(h).float()
+        return self.head(h, batch.generated).float()

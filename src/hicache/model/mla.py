@@ -79,9 +79,9 @@ class MLAAttention(nn.Module):
                 kv: KVView) -> torch.Tensor:
         """``x``: ``[T, hidden]``; ``cos``/``sin``: ``[T, 1, qk_rope_head_dim]``. Returns ``[T, hidden]``."""
         t, heads = x.shape[0], self.num_heads
-        q, ckv = self.inputs(x)
+        q, ckv = self.inputs(x, batch.generated)
         if self.q_lora:
-            q = self.q_up(self.q_a_layernorm(q.contiguous()))
+            q = self.q_up(self.q_a_layernorm(q.contiguous()), batch.generated)
         q_nope, q_pe = q.view(t, heads, self.nope + self.rope).split((self.nope, self.rope), dim=-1)
         c, k_pe = ckv.split((self.rank, self.rope), dim=-1)
         latent = torch.cat((self.kv_a_layernorm(c.contiguous()), self._rotate(k_pe, cos[:, 0], sin[:, 0])), dim=-1)
@@ -94,5 +94,5 @@ class MLAAttention(nn.Module):
         out = batch.backend.forward(q_full, latent[..., :half], latent[..., half:], self, batch, kv)
         out = out[..., : self.rank]  # softmax . c
         values = torch.einsum("thr,hvr->thv", out, w[:, self.nope:])
-        out = self.out(values.reshape(t, heads * self.v_dim))
+        out = self.out(values.reshape(t, heads * self.v_dim), batch.generated)
         return out if self.tp_reduce is None else self.tp_reduce(out)

@@ -3,8 +3,9 @@
 Per forward it lays the batch out once (:class:`PagedMetadata`); per layer it writes the new K/V
 at their slots, then takes one of three paths, all exact:
 
-- the native paged decode kernel: a pass where every sequence has at most ``ROWWISE_MAX_NEW``
-  new tokens (a decode batch; a verify pass of the last token + drafts), on a CPU with the
+- the native paged decode kernel: a pass of generated tokens (``ForwardBatch.generated``) where
+  every sequence has at most ``ROWWISE_MAX_NEW`` new tokens (a decode batch; a verify pass of the
+  last token + drafts), on a CPU with the
   kernels, float32 (the KV float32 or float16): each new token is a row attending to its own context -- the sequence's
   prefix and its new tokens up to itself, so the rows of one sequence are causal among
   themselves -- read by slot (no gather, no padding mask); a row's output is the one a decode
@@ -13,7 +14,9 @@ at their slots, then takes one of three paths, all exact:
   gather every row's context to ``[T, K]`` slots, one SDPA call with a per-key padding bias;
 - spans: each sequence's new tokens attend to its cached prefix (read as views of the buffers
   when it lies in a few runs of slots, else gathered) and causally to each other, the blocks
-  merged by log-sum-exp (:func:`~hicache.model.attention.sequence_attention`).
+  merged by log-sum-exp (:func:`~hicache.model.attention.sequence_attention`). Every prompt pass
+  takes them, however few its new tokens (a hit that leaves one token to compute attends as the
+  cold prompt's chunk did: issue 57), unless the backend is ``rowwise``.
 
 A sliding-window layer (``layer.window`` > 0: a query at position p sees keys p - window + 1 .. p)
 reads the same pool -- or buffers with a slot space of their own (``window_slots``: a window-sized
@@ -114,29 +117,58 @@ class PagedMetadata:
     # Each is [tokens], or [groups, tokens] where each sliding group of layers has slots of its own (a shared
     # pool, issue 56: the layer's KVView says its group).
     window_contexts: Optional[list[torch.Tensor]] = None
-    _windows: dict = field(default_factory=dict, compare=False, repr=False)  # window -> its PagedMetadata
+    _windows: dict = field(default_factory=dict, compare=False, repr=False)  # (window, group) -> its PagedMetadata
+    _group_layouts: dict = field(default_factory=dict, compare=False, repr=False)  # window -> every group's layout
 
     def final_rows(self, h: torch.Tensor) -> torch.Tensor:
         return h[self.logits_index]
 
+    @property
+    def grouped(self) -> bool:
+        """Whether each sliding group of layers has slots of its own (a shared pool: ``[groups, tokens]``)."""
+        return self.window_contexts is not None and self.window_contexts[0].dim() == 2
+
     def windowed(self, window: int, group: int = 0) -> "PagedMetadata":
         """This forward as a sliding-window layer of ``window`` positions (of sliding ``group``) reads
         and writes it (made once per window and group; itself where those layers share the slots and
-        no new token's context is longer than the window)."""
+        no new token's context is longer than the window). A group's decode rows are its row of
+        :meth:`window_decode`'s layout."""
         own_space = self.window_contexts is not None
         if window <= 0 or (not own_space and all(c.numel() <= window for c in self.contexts)):
             return self
         if (window, group) not in self._windows:
             device = self.out_slots.device
             contexts = [c[group] if c.dim() == 2 else c for c in self.window_contexts] if own_space else self.contexts
-            out_slots = torch.cat([c[c.numel() - n:] for c, n in zip(contexts, self.lens)]).to(device) \
-                if own_space else self.out_slots
-            decode = None if self.decode is None else _decode_layout(out_slots, contexts, self.lens, device, window)
+            every = self.window_decode(window) if self.grouped else None  # every group's rows, laid out once
+            if every is not None:
+                out_slots = every.out_slots[group]
+                decode = DecodeLayout(out_slots, every.kv_slots[group], every.lengths, every.key_bias)
+            else:
+                out_slots = torch.cat([c[c.numel() - n:] for c, n in zip(contexts, self.lens)]).to(device) \
+                    if own_space else self.out_slots
+                decode = None if self.decode is None else _decode_layout(out_slots, contexts, self.lens, device, window)
             starts = (torch.tensor(self.lens).cumsum(0) - torch.tensor(self.lens)).tolist()
             spans = [] if not self.spans else [_span(s, n, c, device, window)
                                                for s, n, c in zip(starts, self.lens, contexts)]
             self._windows[window, group] = PagedMetadata(out_slots, spans, decode, self.logits_index, contexts, self.lens)
         return self._windows[window, group]
+
+    def window_decode(self, window: int) -> Optional[DecodeLayout]:
+        """The decode layout of this forward's sliding-window layers (None: not a row-by-row pass);
+        in a shared pool every sliding group's at once -- ``out_slots`` ``[groups, T]``, ``kv_slots``
+        ``[groups, T, K]``, group k's slots of the same positions (the rows' lengths and padding are
+        the groups' alike) -- laid out once per forward and window, not once per group (issue 56:
+        five groups' layouts were ~2 ms of a Gemma 3 270M decode step)."""
+        if not self.grouped:
+            return self.windowed(window).decode
+        if self.decode is None:
+            return None
+        if window not in self._group_layouts:
+            out_slots = torch.cat([c[:, c.shape[-1] - n:] for c, n in zip(self.window_contexts, self.lens)], dim=1)
+            out_slots = out_slots.to(self.out_slots.device)
+            self._group_layouts[window] = _decode_layout(out_slots, self.window_contexts, self.lens,
+                                                         self.out_slots.device, window)
+        return self._group_layouts[window]
 
 
 def slot_runs(slots: torch.Tensor) -> list[tuple[int, int]]:
@@ -168,22 +200,26 @@ def _decode_layout(out_slots: torch.Tensor, context_slots: Sequence[torch.Tensor
     """Every new token as a row over its own context: the sequence's slots up to and including
     its own (the new tokens' K/V are written before attention, so row i sees rows 0..i). A row's
     slots past its length are its sequence's later ones (read by nothing: masked by ``key_bias``).
-    ``window`` > 0: a row's context is only its last ``window`` slots (its slots start there)."""
-    ends = torch.cat([torch.arange(c.numel() - n + 1, c.numel() + 1) for c, n in zip(context_slots, lens)])
+    ``window`` > 0: a row's context is only its last ``window`` slots (its slots start there).
+    Contexts ``[groups, tokens]`` (a shared pool's sliding groups: the same positions in each
+    group's slots) give ``kv_slots`` ``[groups, T, K]``, each group's rows over the same positions."""
+    sizes = [int(c.shape[-1]) for c in context_slots]
+    ends = torch.cat([torch.arange(size - n + 1, size + 1) for size, n in zip(sizes, lens)])
     firsts = (ends - window).clamp_(min=0) if window else torch.zeros_like(ends)
     row_lens = ends - firsts
     if len(row_lens) == 1:
-        return DecodeLayout(out_slots, context_slots[0][int(firsts[0]):].reshape(1, -1).to(device), row_lens, None)
-    kv_slots = torch.zeros(len(row_lens), max(int(c.numel()) for c in context_slots), dtype=torch.long)
+        return DecodeLayout(out_slots, context_slots[0][..., int(firsts[0]):].unsqueeze(-2).to(device), row_lens, None)
+    lead = tuple(context_slots[0].shape[:-1])  # (groups,) or ()
+    kv_slots = torch.zeros(*lead, len(row_lens), max(sizes), dtype=torch.long)
     row = 0
-    for c, n in zip(context_slots, lens):
+    for c, size, n in zip(context_slots, sizes, lens):
         if not window:
-            kv_slots[row:row + n, :c.numel()] = c  # each of the sequence's rows: its whole context
+            kv_slots[..., row:row + n, :size] = c.unsqueeze(-2)  # each of the sequence's rows: its whole context
         for r in range(row, row + n) if window else ():  # each row: its window of the context onwards
-            kv_slots[r, :c.numel() - int(firsts[r])] = c[int(firsts[r]):]
+            kv_slots[..., r, :size - int(firsts[r])] = c[..., int(firsts[r]):]
         row += n
-    kv_slots = kv_slots[:, :int(row_lens.max())].contiguous() if window else kv_slots
-    padding = torch.arange(kv_slots.shape[1]).view(1, -1) >= row_lens.view(-1, 1)
+    kv_slots = kv_slots[..., :int(row_lens.max())].contiguous() if window else kv_slots
+    padding = torch.arange(kv_slots.shape[-1]).view(1, -1) >= row_lens.view(-1, 1)
     key_bias = torch.zeros(padding.shape).masked_fill_(padding, float("-inf"))
     return DecodeLayout(out_slots, kv_slots.to(device), row_lens, key_bias[:, None, None, :].to(device))
 
@@ -200,7 +236,7 @@ class PagedBackend:
 
     def prepare(self, input_ids: Sequence[Sequence[int]], prefix_lens: Sequence[int],
                 context_slots: Sequence[torch.Tensor], logits: str = "last",
-                window_slots: Optional[Sequence[torch.Tensor]] = None) -> ForwardBatch:
+                window_slots: Optional[Sequence[torch.Tensor]] = None, generated: bool = False) -> ForwardBatch:
         """See :meth:`~hicache.model.batch.AttentionBackend.prepare`."""
         lens = [len(ids) for ids in input_ids]
         if not lens or min(lens) <= 0:
@@ -220,8 +256,8 @@ class PagedBackend:
         ends = torch.tensor(lens).cumsum(0)
         starts = (ends - torch.tensor(lens)).tolist()
         # Off the CPU no kernel reads keys by slot: rows gather their whole context each, so only a
-        # decode pass (one new token a sequence) takes the row layout there.
-        rowwise = self.rowwise or max(lens) <= (ROWWISE_MAX_NEW if dev.type == "cpu" else 1)
+        # decode pass (one new token a sequence) takes the row layout there. Prompt tokens never do.
+        rowwise = self.rowwise or (generated and max(lens) <= (ROWWISE_MAX_NEW if dev.type == "cpu" else 1))
         decode = _decode_layout(out_slots, context_slots, lens, dev) if rowwise else None
         # A lone sequence keeps its span too: without the native kernel it reads its keys as views.
         spans = [] if decode is not None and bsz > 1 else [
@@ -229,7 +265,8 @@ class PagedBackend:
         logits_index = ends - 1 if logits == "last" else torch.arange(int(ends[-1]))
         meta = PagedMetadata(out_slots=out_slots, spans=spans, decode=decode, logits_index=logits_index.to(dev),
                              contexts=context_slots, lens=lens, window_contexts=window_contexts)
-        return ForwardBatch(input_ids=flat_ids.to(dev), positions=positions.to(dev), attn=meta, backend=self)
+        return ForwardBatch(input_ids=flat_ids.to(dev), positions=positions.to(dev), attn=meta, backend=self,
+                            generated=generated)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
                 batch: ForwardBatch, kv: KVView) -> torch.Tensor:
@@ -256,9 +293,10 @@ class PagedBackend:
 def make_forward_batch(input_ids: Sequence[Sequence[int]], prefix_lens: Sequence[int],
                        context_slots: Sequence[torch.Tensor], logits: str = "last",
                        device: torch.device | str = "cpu",
-                       window_slots: Optional[Sequence[torch.Tensor]] = None) -> ForwardBatch:
-    """A paged batch on ``device`` (:meth:`PagedBackend.prepare`): forwards without an engine."""
-    return PagedBackend(device).prepare(input_ids, prefix_lens, context_slots, logits, window_slots)
+                       window_slots: Optional[Sequence[torch.Tensor]] = None, generated: bool = False) -> ForwardBatch:
+    """A paged batch on ``device`` (:meth:`PagedBackend.prepare`): forwards without an engine.
+    ``generated``: decode (or verify) rows, not prompt tokens."""
+    return PagedBackend(device).prepare(input_ids, prefix_lens, context_slots, logits, window_slots, generated)
 
 
 def _padded_decode(q: torch.Tensor, layer: AttentionLayer, decode: DecodeLayout, k_buf: torch.Tensor,

@@ -14,8 +14,9 @@ from torch import nn
 from hicache.kernels import cpu_kernels
 from hicache.model.decode_blocks import KIND_DENSE, Block, blocks_linear, decode_blocks, native_operands
 
-# A pass with at most this many token rows is a decode step: its matmuls are matrix-vector
-# products bound by how many weight bytes they read.
+# A pass of generated tokens with at most this many rows is a decode step: its matmuls are
+# matrix-vector products bound by how many weight bytes they read. (Prompt tokens never take the
+# decode path, however few: see Projection.)
 DECODE_ROWS = 8
 # Without a prefill copy, passes up to this many rows read the decode weights too: a speculative
 # verify batch (4 sequences x 5 tokens = 20 rows) or a short chunk reads the blocks in passes of
@@ -54,10 +55,13 @@ class Projection:
     doubled, and an in-place load reaches both.
 
     ``decode_weights`` (one of :data:`DECODE_WEIGHTS`, set by
-    :meth:`LlamaForCausalLM.set_decode_weights`): passes of at most :attr:`decode_rows` rows read
-    exact blocks or a dtype copy when there is one. ``prefill_weights`` (one of
-    :data:`PREFILL_WEIGHTS`): larger passes (prefill) read the fused originals, or a dtype copy
-    (inputs cast to it, outputs back to the input's dtype).
+    :meth:`LlamaForCausalLM.set_decode_weights`): passes of generated tokens (decode, verify) of
+    at most :attr:`decode_rows` rows read exact blocks or a dtype copy when there is one.
+    ``prefill_weights`` (one of :data:`PREFILL_WEIGHTS`): every other pass -- prompt tokens
+    whatever their count, larger decode batches -- reads the fused originals, or a dtype copy
+    (inputs cast to it, outputs back to the input's dtype). A prompt row never meets the decode
+    arithmetic (issue 57: a hit leaving a few tokens to compute must compute them as the cold
+    prompt did), except under ``row_invariant``, where every row takes the one decode path.
     """
 
     def __init__(self, *parts: Union[nn.Linear, nn.Embedding]) -> None:
@@ -76,15 +80,17 @@ class Projection:
         self._sizes: list[int] = []
         self._key: tuple = ()
 
-    def __call__(self, x: torch.Tensor) -> Union[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """``x @ W.T (+ b)``; split per part when there are several."""
-        out = self.whole(x)
+    def __call__(self, x: torch.Tensor, generated: bool) -> Union[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """``x @ W.T (+ b)``; split per part when there are several. ``generated``: the rows are
+        generated tokens (``ForwardBatch.generated``), which may read the decode weights."""
+        out = self.whole(x, generated)
         return out if len(self.parts) == 1 else out.split(self._sizes, dim=-1)
 
-    def whole(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T (+ b)`` with the parts' outputs side by side (not split)."""
+    def whole(self, x: torch.Tensor, generated: bool) -> torch.Tensor:
+        """``x @ W.T (+ b)`` with the parts' outputs side by side (not split); ``generated`` as in
+        :meth:`__call__`."""
         self.prepare()
-        if 0 < x.shape[0] <= self._decode_rows():
+        if (generated or self.row_invariant) and 0 < x.shape[0] <= self._decode_rows():
             if self._blocks:
                 out = blocks_linear(self._blocks, x.contiguous(), cpu_kernels())
                 return out if self._bias is None else out + self._bias
@@ -98,7 +104,8 @@ class Projection:
 
     @property
     def decode_rows(self) -> int:
-        """Passes of at most this many rows read the decode weights (see :data:`VERIFY_ROWS`)."""
+        """Passes of generated tokens of at most this many rows read the decode weights (see
+        :data:`VERIFY_ROWS`)."""
         self.prepare()
         return self._decode_rows()
 

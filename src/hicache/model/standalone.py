@@ -33,6 +33,6 @@ def greedy_paged(
         if next_id in stop_ids:
             break
         n = len(ids) + len(out)
-        batch = make_forward_batch([[next_id]], [n - 1], [slots[:n]], device=model.device)
+        batch = make_forward_batch([[next_id]], [n - 1], [slots[:n]], device=model.device, generated=True)
         next_id = int(model(batch, kv)[-1].argmax())
     return out

@@ -22,6 +22,12 @@ class Batch:
     proposal: Any = None  # verify: the drafts (runtime.speculative.Proposal), set before the forward
 
     @property
+    def generated(self) -> bool:
+        """The pass's new tokens are generated ones (a decode step, a verify pass's last token and
+        drafts), not prompt tokens: only such passes may take the decode arithmetic (issue 57)."""
+        return self.kind != "prefill"
+
+    @property
     def all_logits(self) -> bool:
         """The pass returns logits at every row (a verify pass), not only at each sequence's last."""
         return self.kind == "verify"

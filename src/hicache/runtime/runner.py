@@ -64,10 +64,12 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, input_ids: list[list[int]], prefix_lens: list[int], context_slots: list[torch.Tensor],
                 hidden: torch.Tensor | None = None, logits: str = "last",
-                window_slots: list[torch.Tensor] | None = None) -> torch.Tensor:
+                window_slots: list[torch.Tensor] | None = None, generated: bool = False) -> torch.Tensor:
         """Logits ``[B, vocab]`` (float32) at each sequence's last new token (``logits="all"``:
         ``[T, vocab]``, at every new token; not under context parallelism); on a pipeline stage
         before the last, the hidden states of all new tokens (``hidden``: the previous stage's).
-        ``window_slots``: each context's slots in a hybrid pool's window component (None: none)."""
-        batch = self.backend.prepare(input_ids, prefix_lens, context_slots, logits, window_slots)
+        ``window_slots``: each context's slots in a hybrid pool's window component (None: none).
+        ``generated``: the new tokens are generated ones (decode, verify, draft passes), which may
+        take the decode arithmetic; prompt tokens never do (``ForwardBatch.generated``)."""
+        batch = self.backend.prepare(input_ids, prefix_lens, context_slots, logits, window_slots, generated)
         return self.model(batch, self.kv, hidden)

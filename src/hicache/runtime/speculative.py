@@ -239,7 +239,7 @@ class Speculator(SpeculativeMode):
         starts = [r.spec.draft_computed for r in reqs]
         for step in range(self.num_steps):
             ends = [p + len(ids) for p, ids in zip(starts, inputs)]
-            logits = self.runner.forward(inputs, starts, [r.kv.slots[:e] for r, e in zip(reqs, ends)])
+            logits = self.runner.forward(inputs, starts, [r.kv.slots[:e] for r, e in zip(reqs, ends)], generated=True)
             # draft ``step`` takes position len(all_ids) + step: the target's verify row ``step``
             drawn = [(keyed_sample(logits[b], r.sampling, len(s) + step), None) if self.keyed(r)
                      else _draw(logits[b], r) for b, (r, s) in enumerate(zip(reqs, seqs))]

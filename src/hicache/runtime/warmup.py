@@ -26,9 +26,9 @@ from .runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 PADDING_SLOT = 0  # cache/pools.py: page 0 is reserved, its slot 0 is what batches pad with
-# The prompt's length: a pass of at most DECODE_ROWS (8) rows, as a short prompt or a chunk after a
-# cache hit takes; longer ones (the bf16 prefill copy) showed no first-call cost worth its time
-# (SmolLM2, AVX-512 CPU: a 17-token prompt costs ~40 ms, this one ~8 ms).
+# The prompt's length: a short prompt pass, as a short prompt or a chunk after a cache hit takes
+# (the prefill's arithmetic, whatever its length: issue 57); longer ones showed no first-call cost
+# worth its time (SmolLM2, AVX-512 CPU: a 17-token prompt costs ~40 ms).
 PROMPT_TOKENS = 4
 
 
@@ -38,7 +38,7 @@ def warm_up(runner: ModelRunner, token_id: int = 0) -> float:
     t0 = time.perf_counter()
     n = PROMPT_TOKENS
     runner.forward([[token_id] * n], [0], [torch.full((n,), PADDING_SLOT)])
-    runner.forward([[token_id]], [n], [torch.full((n + 1,), PADDING_SLOT)])
+    runner.forward([[token_id]], [n], [torch.full((n + 1,), PADDING_SLOT)], generated=True)
     with torch.inference_mode():
         for buffer in (*runner.kv.k_buffers, *runner.kv.v_buffers):
             buffer[PADDING_SLOT].zero_()

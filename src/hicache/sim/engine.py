@@ -54,7 +54,8 @@ class EngineSpec:
     write_through_threshold: int = 2
 
 
-def _no_forward(input_ids, prefix_lens, context_slots, hidden=None, logits="last", window_slots=None) -> torch.Tensor:
+def _no_forward(input_ids, prefix_lens, context_slots, hidden=None, logits="last", window_slots=None,
+                generated=False) -> torch.Tensor:
     """One row of (zero) logits per sequence over a one-token vocabulary."""
     return torch.zeros(len(input_ids), 1)
 
