@@ -24,7 +24,7 @@ from ..config import ConfigError, EngineConfig
 from ..device import DTYPES, device_memory_budget
 from ..disagg.heads import TPRanks
 from ..model.loader import LoadedModel
-from ..model.parallel import ModelShard
+from ..model.parallel import ModelShard, stage_layers
 from ..model.prefix_gather import CPGroup, PrefixGather
 from ..model.spec import ModelSpec
 from .hybrid_pool import HybridPlan, plan_hybrid
@@ -107,7 +107,7 @@ def build_core(
     staging_bytes += _transfer_staging(cfg, device, kv_heads, spec.head_dim, dtype, hybrid is not None, draft_kv)
     layer_page = _bytes_per_page(cfg.page_size, 1, kv_heads, spec.head_dim, dtype, None)
     unified = _unified_plan(cfg, spec, shard, cp_group, split_tokens, draft)
-    apart = _host_pools_apart(cfg, hybrid, unified.grid if unified else None)
+    apart = _host_pools_apart(cfg, spec, hybrid, unified.grid if unified else None)
     device_pages, host_pages, storage, hybrid, window_pages = _sized_tiers(
         cfg, device, hybrid, bytes_per_page, layer_page * len(hybrid.window_layers) if hybrid else 0,
         memory_share, staging_bytes, agree, layer_page, host_blocks=apart is None)
@@ -241,16 +241,24 @@ def _unified_plan(cfg: EngineConfig, spec: ModelSpec, shard: ModelShard | None, 
     return plan
 
 
-def _host_pools_apart(cfg: EngineConfig, hybrid: HybridPlan | None, grid: StorageGrid | None) -> str | None:
+def _host_pools_apart(cfg: EngineConfig, spec: ModelSpec, hybrid: HybridPlan | None,
+                      grid: StorageGrid | None) -> str | None:
     """Why the host tier of a shared device pool keeps two pools (full layers; window layers sized by
-    the default ratio) rather than one of blocks like the device's; None where it takes blocks."""
+    the default ratio) rather than one of blocks like the device's; None where it takes blocks. A
+    deployment-wide decision (every pipeline stage's layers weighed), so every rank's host tier decides
+    alike."""
     if hybrid is None or not hybrid.shared or not cfg.enable_hierarchical_cache:
         return None
     if grid is not None:
         return ("the unified key scheme reads and writes each storage object in place as a slice of a page_unified "
                 "host page, and a window page's layers lie in one block per sliding group")
-    if {t for t, group in hybrid.layout if group == 0} != {t for t, _ in hybrid.layout}:
-        return "this pipeline stage's sliding layers use block tensors none of its full layers has"
+    full = [layer for layer in range(spec.num_layers) if not spec.layer_window(layer)]
+    sliding = [layer for layer in range(spec.num_layers) if spec.layer_window(layer)]
+    for rank in range(cfg.pp_size):  # a block's rows are a stage's tensors; its full page's object, its full layers
+        layers = stage_layers(spec.num_layers, rank, cfg.pp_size)
+        if {sliding.index(i) % hybrid.tensors for i in layers if i in sliding} - {full.index(i) for i in layers
+                                                                                  if i in full}:
+            return f"pipeline stage {rank}'s sliding layers use block tensors none of its full layers has"
     return None
 
 
