@@ -100,3 +100,25 @@ def test_a_file_store_written_through_host_blocks_is_read_back_exactly_by_either
         assert outputs == cold
         assert stats["storage"]["window"]["prefetched_tokens"] > 0
         assert stats["hit_tokens"]["storage"] >= sum((len(p) - 10) // PS * PS for p in nexts) - 2 * len(SYSTEM)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("pp_size", [1, 2, 3])
+def test_every_pipeline_stage_takes_the_same_host_layout(pp_size) -> None:
+    """Host blocks or two host pools is one decision for the deployment: a stage whose sliding layers use a
+    block tensor none of its full layers has (gemma-small's first stages: no full layer) makes every stage
+    keep two pools, so all ranks' host allocators take the same decisions."""
+    import torch
+
+    from hicache.config import EngineConfig
+    from hicache.model.loader import load_model
+    from hicache.model.parallel import stage_layers
+    from hicache.runtime.core import _host_pools_apart
+    from hicache.runtime.hybrid_pool import plan_hybrid
+
+    spec = load_model(MODEL, torch.float32).spec
+    cfg = EngineConfig(model=MODEL, pp_size=pp_size, enable_hierarchical_cache=True)
+    decisions = {_host_pools_apart(cfg, spec, plan_hybrid(cfg, spec, stage_layers(spec.num_layers, r, pp_size)), None)
+                 for r in range(pp_size)}
+    assert decisions == ({None} if pp_size == 1 else {"pipeline stage 0's sliding layers use block tensors none of "
+                                                      "its full layers has"})
