@@ -175,8 +175,9 @@ def tier_bytes(contexts: tuple[int, ...], agents: int, turns: int, growth: int, 
     label = "default settings" if ratio is None else f"--swa-full-tokens-ratio {ratio}"
     print(f"\n5. bytes per cached token in each tier, {agents} agents x {turns} turns of +{growth} tokens, {label} "
           "(Gemma 3 270M's KV geometry on a random model; device pool: two conversations' full-layer tokens)")
-    print(f"   {'context':>8} {'layout':>13} {'pool':>9} {'device':>9} {'host':>9} {'storage':>9} {'hit ratio':>10}"
-          "   (pool: device pool bytes per full-layer token it can hold; the others: bytes held per cached token)")
+    print(f"   {'context':>8} {'layout':>13} {'pool':>9} {'device':>9} {'host pool':>9} {'host':>9} {'storage':>9} "
+          f"{'hit ratio':>10}   (pool, host pool: the device and host pools' bytes per full-layer token they can hold; "
+          "the others: bytes held per cached token)")
     greedy = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
     row = 2 * 256 * 2  # K and V of one token in one layer, float16
     for length in contexts:
@@ -195,18 +196,22 @@ def tier_bytes(contexts: tuple[int, ...], agents: int, turns: int, growth: int, 
                 engine = Engine(GEMMA_KV, **opts)
                 results = [engine.generate([tokens], greedy)[0] for _, tokens in prompts]
                 engine.backend.core.cache.drain()
-                pool = engine.stats()["device_pool"]
+                stats = engine.stats()
+                pool, host_pool = stats["device_pool"], stats["host_pool"]
                 pool_bytes = pool["device_pool_bytes"]
-                figures[name] = (pool_bytes / (pool["capacity_pages"] * engine.config.page_size),
-                                 *_held_bytes(engine, row),
+                device, host, storage = _held_bytes(engine, row)
+                figures[name] = (pool_bytes / (pool["capacity_pages"] * engine.config.page_size), device,
+                                 host_pool["host_pool_bytes"] / (host_pool["capacity_pages"] * engine.config.page_size),
+                                 host, storage,
                                  sum(r.cached_tokens for r in results) / sum(r.prompt_tokens for r in results))
                 engine.shutdown()
         for name in ("every layer", "window-aware"):
-            pool, dev, host, storage, hits = figures[name]
-            print(f"   {length:>8} {name:>13} {pool:>9,.0f} {dev:>9,.0f} {host:>9,.0f} {storage:>9,.0f} {hits:>10.1%}")
+            pool, dev, host_pool, host, storage, hits = figures[name]
+            print(f"   {length:>8} {name:>13} {pool:>9,.0f} {dev:>9,.0f} {host_pool:>9,.0f} {host:>9,.0f} {storage:>9,.0f} "
+                  f"{hits:>10.1%}")
         every, aware = figures["every layer"], figures["window-aware"]
         print(f"   {length:>8} {'saves':>13} " + " ".join(f"{e / a:>8.2f}x" if a else f"{'-':>9}" for e, a in
-                                                      zip(every[:4], aware[:4])))
+                                                      zip(every[:5], aware[:5])))
 
 
 def _held_bytes(engine, row: int) -> tuple[float, float, float]:

@@ -10,7 +10,6 @@ of the pool that keeps every layer's KV."""
 
 from __future__ import annotations
 
-import json
 import threading
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from hicache.disagg.bootstrap import Bootstrap
 from hicache.cache.pools import PageAllocator
 from hicache.cache.radix import RadixCache
 from hicache.cache.window_tree import usable_boundary
-from hybrid_conversations import GREEDY, MODEL, SYSTEM, conversations
+from hybrid_conversations import EXACT, GREEDY, MODEL, SYSTEM, cold_outputs, continue_from, conversations, stored
 from transfer_engines import mooncake_transfer_engine_missing
 
 pytestmark = pytest.mark.cache
@@ -155,7 +154,7 @@ def test_device_eviction_frees_window_pages_and_takes_windowless_leaves_first() 
 
 
 # ---- the engine ---------------------------------------------------------------------------------
-BASE = dict(dtype="float32", kv_cache_dtype="float32", page_size=PS, chunked_prefill_size=12, max_total_tokens=4096)
+BASE = EXACT
 
 
 @pytest.fixture(scope="module")
@@ -296,13 +295,6 @@ def test_host_tier_keeps_full_layers_of_every_page_and_windows_of_checkpoints(ev
     # reaches): the host keeps about the last checkpoints of each conversation (3 pages each, two a turn)
     assert window["superseded_pages"] > 0
     assert window["cached_pages"] <= 3 * 2 * 3 + 3
-
-
-def stored(path, **options) -> dict:
-    """A small device pool over a host tier over a file store at ``path``."""
-    return dict(BASE, max_total_tokens=160, enable_hierarchical_cache=True, hicache_ratio=1.0,
-                hicache_storage_backend="file", hicache_storage_backend_extra_config=json.dumps({"path": str(path)}),
-                hicache_storage_prefetch_threshold=PS, **options)
 
 
 def object_files(path) -> tuple[list[Path], list[Path]]:
@@ -489,25 +481,6 @@ def test_corrupt_window_objects_are_reported_and_cut_the_hit_back(tmp_path) -> N
     assert damaged == clean == cold_outputs(nexts)
     assert stats["storage"]["failures"].get("checksum", 0) > 0
     assert stats["hit_tokens"]["storage"] < clean_stats["hit_tokens"]["storage"]
-
-
-def continue_from(path, prompts: list) -> tuple[list, dict]:
-    """A fresh engine over the store at ``path`` (room to prefetch a whole history, waiting for it) answers
-    each of ``prompts``; the outputs and its stats."""
-    engine = Engine(MODEL, **dict(stored(path, hicache_storage_prefetch_policy="wait_complete"), hicache_ratio=4.0))
-    try:
-        results = [engine.generate([p], GREEDY)[0] for p in prompts]
-        return [r.output_ids for r in results], engine.stats()
-    finally:
-        engine.shutdown()
-
-
-def cold_outputs(prompts: list) -> list:
-    engine = Engine(MODEL, disable_radix_cache=True, **BASE)
-    try:
-        return [engine.generate([p], GREEDY)[0].output_ids for p in prompts]
-    finally:
-        engine.shutdown()
 
 
 @pytest.mark.engine

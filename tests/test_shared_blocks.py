@@ -15,7 +15,7 @@ import pytest
 from hicache import Engine
 from hicache.bench.cache_only import AUTO, CacheOnly, Geometry
 from hicache.runtime.request import Status
-from hybrid_conversations import MODEL, conversations
+from hybrid_conversations import MODEL, check_host_blocks, conversations
 
 pytestmark = pytest.mark.cache
 
@@ -145,17 +145,22 @@ def test_short_requests_run_together_in_a_shared_pool() -> None:
 
 @pytest.mark.engine
 def test_a_shared_pool_over_a_host_tier_loads_windows_back_per_group() -> None:
-    """A shared pool of a few blocks over host memory: conversations move through the host tier, their
-    checkpoints' windows come back into each sliding group's blocks, and the tokens are every layer's."""
+    """A shared pool of a few blocks over host memory: conversations move through the host tier (one pool of
+    blocks too: full pages and each sliding group's window blocks), their checkpoints' windows come back
+    into each sliding group's device blocks, and the tokens are every layer's."""
     options = dict(BASE, max_total_tokens=100, enable_hierarchical_cache=True, hicache_ratio=8.0)
     every = conversations(Engine(MODEL, disable_hybrid_swa_memory=True, **dict(options, max_total_tokens=4096)),
                           agents=6, together=True)
     engine = Engine(MODEL, **options)
+    host = engine.backend.core.host_pool
+    assert host.shared and host.window_pool is host and host.window_blocks.shape == ((host.num_pages - 1) // 5 + 1, 5)
     stats = {}
     generate = engine.generate
 
     def keep_stats(*a, **kw):
         out = generate(*a, **kw)
+        engine.backend.core.cache.drain()
+        check_host_blocks(engine)
         stats.update(engine.stats())
         return out
 
@@ -164,6 +169,8 @@ def test_a_shared_pool_over_a_host_tier_loads_windows_back_per_group() -> None:
     outputs, _ = conversations(engine, agents=6, together=True)
     assert outputs == every[0]
     assert stats["hit_tokens"]["host"] > 0
+    window = stats["host_pool"]["window"]
+    assert window["shared_blocks"] and window["cached_pages"] > 0 and window["pool_bytes"] == window["full_pool_bytes"]
 
 
 @pytest.mark.engine

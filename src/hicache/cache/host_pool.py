@@ -14,6 +14,13 @@ Layouts (``--hicache-mem-layout``):
   MHA ``[page, head_group, layer, K/V, token_in_page, head_in_group, head_dim]`` (``cell_heads``
   heads per group); MLA (``cell_heads=0``) ``[page, layer, token_in_page, K/V, 1, head_dim]``,
   the latent's two halves side by side per token. A layer's K or V page is then strided.
+
+A hybrid device pool's host tier (issue 48, docs/hybrid_kv.md) is either two pools (the full
+layers' for every host page, ``window_pool`` the window layers' for checkpoints, each with page ids
+of its own) or, over a shared device pool (issue 56), one pool of *blocks* like the device's: a
+block is one page of the device pool's G tensors; a host full page is one block, a host window page
+one block per sliding group (``window_blocks[w, k]``), both drawn from one allocator
+(:class:`~.pools.SharedWindowAllocator`), so the host byte budget goes where demand is.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import logging
 import weakref
 
+import numpy as np
 import torch
 
 from ..config import ConfigError
@@ -35,23 +43,44 @@ LAYOUTS = ("layer_first", "page_first", "page_unified")
 class HostKVPool:
     def __init__(self, device_pool: DeviceKVPool, num_pages: int, layout: str = "layer_first",
                  pin_memory: bool | None = None, cell_heads: int | None = None,
-                 layers: tuple[int, ...] | None = None) -> None:
+                 layers: tuple[int, ...] | None = None, window_ids: int = 0) -> None:
         """``cell_heads``: page_unified only -- KV heads per storage object (0: an MLA latent).
         ``layers``: the device pool's layers this pool holds, in order (default: all); a hybrid
-        pool's full layers and its window layers each have a host pool of their own."""
+        pool's full layers and its window layers each have a host pool of their own.
+        ``window_ids``: a shared device pool's host pool of ``num_pages`` blocks (+ block 0) with
+        this many window page ids (+ id 0); it holds every layer (``layers``: the full ones)."""
         if layout not in LAYOUTS:
             raise ConfigError(f"--hicache-mem-layout must be one of {', '.join(LAYOUTS)}.")
         k0 = device_pool.k_buffers[0]
         self.layout = layout
         self.page_size = device_pool.page_size
         self.layers = tuple(range(len(device_pool.k_buffers))) if layers is None else tuple(layers)
-        self.num_layers = len(self.layers)
         self.num_pages = num_pages
         self.dtype = k0.dtype
-        self.bytes_per_page = 2 * self.num_layers * self.page_size * k0[0].numel() * k0.element_size()
-        # A hybrid device pool's host pools: this one holds the full layers of every host page, this
-        # attribute the window layers' pool (its own page ids: checkpoints only). None otherwise.
-        self.window_pool: HostKVPool | None = None
+        layer_page = 2 * self.page_size * k0[0].numel() * k0.element_size()  # one layer's K + V of a page
+        # The host layer (row) of each device layer held; a shared pool's rows are the device pool's tensors.
+        self.window_blocks: np.ndarray | None = None
+        if window_ids:
+            if not device_pool.shared:
+                raise ValueError("a host pool of blocks needs a device pool of shared blocks")
+            tensors = sorted({t for t, _ in device_pool.shared.values()})
+            self.rows = {i: tensors.index(t) for i, (t, _) in device_pool.shared.items()}
+            self.groups = device_pool.groups
+            self.window_blocks = np.zeros((window_ids, self.groups), dtype=np.int64)
+            self.num_layers = len(tensors)
+            self.window_page_bytes = layer_page * len(device_pool.window_layers)  # what a window page's blocks hold
+            # (row, sliding group) of each window layer, in layer order: where a window page's layers are
+            self.window_layout = tuple((self.rows[i], device_pool.window_group(i)) for i in sorted(device_pool.window_layers))
+        else:
+            self.rows = {i: j for j, i in enumerate(self.layers)}
+            self.window_layout = ()
+            self.groups = 1
+            self.num_layers = len(self.layers)
+            self.window_page_bytes = layer_page * self.num_layers
+        self.bytes_per_page = layer_page * self.num_layers  # a shared pool's: a block's
+        # A hybrid device pool's host pool of its window layers (checkpoints only): another pool of its
+        # own page ids (two pools), this one (shared blocks), None (no window layers).
+        self.window_pool: HostKVPool | None = self if window_ids else None
         needed = self.bytes_per_page * num_pages
         available = available_host_memory()
         if needed > 0.9 * available:
@@ -65,12 +94,28 @@ class HostKVPool:
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.buffer = pinned_empty(shape, self.dtype) if pin else torch.empty(shape, dtype=self.dtype)
         self.pinned = pin
-        logger.info("host KV pool: %d pages x %d tokens, %s, %.1f MiB%s", num_pages - 1, self.page_size, layout,
-                    needed / 2**20, " pinned" if pin else "")
+        if window_ids:
+            logger.info("host KV pool: %d blocks x %d tokens shared by full pages and window pages (%d tensors, %d "
+                        "sliding groups), %s, %.1f MiB%s", num_pages - 1, self.page_size, self.num_layers, self.groups,
+                        layout, needed / 2**20, " pinned" if pin else "")
+        else:
+            logger.info("host KV pool: %d pages x %d tokens, %s, %.1f MiB%s", num_pages - 1, self.page_size, layout,
+                        needed / 2**20, " pinned" if pin else "")
 
     @property
     def total_bytes(self) -> int:
         return self.bytes_per_page * self.num_pages
+
+    @property
+    def shared(self) -> bool:
+        """Whether full pages and window pages are blocks of this one pool."""
+        return self.window_blocks is not None
+
+    def window_rows(self, window_pages: np.ndarray, group: int) -> np.ndarray:
+        """The pages of this pool that hold window pages ``window_pages`` for sliding ``group`` (0 but
+        in a shared pool, whose group k reads block ``window_blocks[w, k]``)."""
+        pages = np.asarray(window_pages, dtype=np.int64)
+        return self.window_blocks[pages, group] if self.shared else pages
 
     def _shape(self, layout: str, pages: int, layers: int, tokens: int, heads: int, dim: int) -> tuple[int, ...]:
         if layout == "layer_first":

@@ -10,10 +10,12 @@ Units: page ids and counts are logical pages of the host pool unless named ``dev
 page mirrors one device page (same page size). Invariant: transfers are queued during a step
 and submitted once per step, one op per direction, in queue order.
 
-A hybrid pool (:mod:`.device_window`) has two host pools: its full layers' for every host page,
-its window layers' (``window_host``, pages from an allocator of their own) for the window of a
-backed-up node's end boundary only, the checkpoint a next turn needs; a load-back brings the
-window pages the hit's window reads with the rest.
+A hybrid pool (:mod:`.device_window`) keeps host window pages for the window of a backed-up node's
+end boundary only, the checkpoint a next turn needs; a load-back brings the window pages the hit's
+window reads with the rest. Over a fixed split they are a second host pool (``window_host``, page
+ids of its own); over shared device blocks (issue 56) one block per sliding group of the same host
+pool the full pages take theirs from, so eviction makes room for either kind from one budget
+(:meth:`HostTier.make_room`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from .acks import AckCounts
 from .host_pool import HostKVPool
 from .host_transfer import BACKUP, LOAD, TransferController, TransferOp
 from .placement import ShardedPageAllocator, ShardView, alloc_evicting
-from .pools import DeviceKVPool, PageAllocator
+from .pools import DeviceKVPool, PageAllocator, SharedWindowAllocator
 from .radix import RadixCache
 from .tiers import CacheStats, Tier
 from .tree_node import TreeNode
@@ -60,7 +62,11 @@ class HostTier:
         self.controller = TransferController(pool, host_pool, shard, sidecars, window_host)
         self.bytes_per_page = host_pool.bytes_per_page + sum(dev.bytes_per_page for dev, _ in sidecars)
         self.window_host = window_host
-        self.window_allocator = PageAllocator(window_host.num_pages) if window_host is not None else None
+        # shared blocks: full pages and window pages (one block per sliding group each) from one allocator
+        self.shared = host_pool.shared
+        self.window_allocator: PageAllocator | SharedWindowAllocator | None = \
+            SharedWindowAllocator(allocator, host_pool.window_blocks) if self.shared else \
+            PageAllocator(window_host.num_pages) if window_host is not None else None
         if tree is not None and window_host is not None:
             tree.host_window_allocator = self.window_allocator
         # Hits a node needs before it is backed up (write_back: only at eviction).
@@ -150,13 +156,34 @@ class HostTier:
         self._superseding = later
 
     def evict_for_windows(self, num_pages: int) -> int:
-        """Delete host-only leaves holding window pages until ``num_pages`` of those are free."""
+        """Delete host-only leaves holding window pages until ``num_pages`` of those are free (shared
+        blocks: until the blocks of ``num_pages`` window pages are, see :meth:`make_room`)."""
+        if self.shared:
+            return self.make_room(num_pages * self.window_allocator.groups) // self.window_allocator.groups
         def take(node: TreeNode) -> int:
             freed = int(np.count_nonzero(node.host_window_pages))
             self.stats.evicted_host_pages += self._drop(node)
             return freed
         return self.tree.evict_leaves(num_pages, lambda n: _host_evictable_leaf(n) and n.host_window_pages is not None
                                       and bool(np.count_nonzero(n.host_window_pages)), take)
+
+    def make_room(self, blocks: int) -> int:
+        """Shared blocks: free at least ``blocks`` blocks if the tree can: the window pages of superseded
+        checkpoints first (:meth:`_drop_superseded`, once no load may read them), then host-only
+        leaves in policy order, each with its full pages and window pages. Returns the blocks freed."""
+        start = self.allocator.available
+        self._drop_superseded()
+        short = blocks - (self.allocator.available - start)
+        if short > 0:
+            self.tree.evict_leaves(short, _host_evictable_leaf, self._drop_blocks)
+        return self.allocator.available - start
+
+    def _drop_blocks(self, node: TreeNode) -> int:
+        """Delete a host-only leaf of a shared pool; the blocks its full and window pages held."""
+        windows = int(np.count_nonzero(node.host_window_pages)) if node.host_window_pages is not None else 0
+        pages = self._drop(node)
+        self.stats.evicted_host_pages += pages
+        return pages + windows * self.window_allocator.groups
 
     def load_back(self, nodes: list[TreeNode], windows: bool = True,
                   device_hit_windows: list[tuple[np.ndarray, np.ndarray]] = ()) -> None:
@@ -186,6 +213,8 @@ class HostTier:
     def alloc(self, n: int, anchor: int, first_position: int = 0) -> np.ndarray | None:
         """``n`` host pages for positions ``first_position ..`` of a sequence anchored on rank
         ``anchor`` (unsharded: any), evicting host-only leaves first when too few are free."""
+        if self.shared:  # make_room counts the evicted pages
+            return alloc_evicting(self.allocator, n, first_position, self.make_room, anchor)[0]
         pages, evicted = alloc_evicting(self.allocator, n, first_position, self.evict, anchor)
         self.stats.evicted_host_pages += evicted
         return pages
@@ -235,7 +264,7 @@ class HostTier:
     def _account(self, op: TransferOp) -> None:
         tokens, nbytes = op.num_pages * self.pool.page_size, op.num_pages * self.bytes_per_page
         if self.window_host is not None:
-            nbytes += len(op.window_device_pages) * self.window_host.bytes_per_page
+            nbytes += len(op.window_device_pages) * self.window_host.window_page_bytes
         if op.kind == BACKUP:
             self.stats.backup_tokens += tokens
             self.stats.backup_bytes += nbytes
@@ -257,17 +286,20 @@ class HostTier:
             "free_pages": self.allocator.available,
             "cached_pages": self.tree.host_pages_held,
             "layout": self.host_pool.layout,
-            "host_pool_bytes": self.host_pool.total_bytes + sum(h.total_bytes for _, h in self.controller.pairs[1:]),
+            # each host pool once (a shared pool is also the window pair's)
+            "host_pool_bytes": sum(h.total_bytes for h in {id(h): h for _, h in self.controller.pairs}.values()),
         }
         if self.window_host is not None:
             a = self.window_allocator
+            held = a.capacity - a.ids.available if self.shared else a.capacity - a.available
             out["window"] = {"capacity_pages": a.capacity, "free_pages": a.available,
-                             "cached_pages": a.capacity - a.available,
-                             "cached_tokens": (a.capacity - a.available) * self.pool.page_size,
+                             "cached_pages": held, "cached_tokens": held * self.pool.page_size,
                              "superseded_pages": self.stats.superseded_host_window_pages,
-                             "page_bytes": self.window_host.bytes_per_page,
+                             "page_bytes": self.window_host.window_page_bytes,
                              "pool_bytes": self.window_host.total_bytes,
                              "full_pool_bytes": self.host_pool.total_bytes}
+            if self.shared:  # one pool of blocks: capacity_pages are the window pages its blocks could hold
+                out["window"].update(shared_blocks=True, groups=a.groups)
         return out
 
 

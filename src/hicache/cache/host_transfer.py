@@ -73,6 +73,7 @@ class TransferOp:
     window_device_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     window_host_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     window_device_rows: np.ndarray = field(default_factory=lambda: np.zeros((1, 0), dtype=np.int64))  # [group, page]
+    window_host_rows: np.ndarray = field(default_factory=lambda: np.zeros((1, 0), dtype=np.int64))  # [group, page]
 
     @property
     def num_pages(self) -> int:
@@ -88,19 +89,20 @@ class TransferController:
         ``sidecars``: more (device, host) pool pairs on the same page ids with rows of their own
         (a speculative draft's KV): an op copies their pages too, as layers after the target's,
         with their own ready events (``wait_layer(num_target_layers + i)``). ``window_host``: a
-        hybrid pool's window layers' host pool (``host_pool`` then holds its full layers); those
-        layers copy an op's window pages."""
+        hybrid pool's window layers' host pool (``host_pool`` then holds its full layers; or
+        ``host_pool`` itself, a pool of shared blocks); those layers copy an op's window pages."""
         self.device_pool = device_pool
         self.host_pool = host_pool
         self.shard = shard
         self.pairs = [(device_pool, host_pool), *sidecars]
         # Global layer index -> (pool pair, device layer, host layer): the target's layers (a hybrid
         # pool's window layers on the window pair, the last), then each sidecar's.
+        self.window_host = window_host
         self.window_pair = len(self.pairs) if window_host is not None else None
         if window_host is not None:
             self.pairs.append((device_pool, window_host))
-        target = [(0, i, host_pool.layers.index(i)) if i in host_pool.layers else
-                  (self.window_pair, i, window_host.layers.index(i)) for i in range(len(device_pool.k_buffers))]
+        target = [(0, i, host_pool.rows[i]) if i in host_pool.layers else
+                  (self.window_pair, i, window_host.rows[i]) for i in range(len(device_pool.k_buffers))]
         self._layers = target + [(p, i, i) for p, (dev, _) in enumerate(self.pairs[1:len(sidecars) + 1], 1)
                                  for i in range(len(dev.k_buffers))]
         self.num_layers = len(self._layers)
@@ -144,9 +146,11 @@ class TransferController:
         if window is not None and len(window[0]):
             assert self.window_pair is not None and len(window[0]) == len(window[1])
             op.window_device_pages, op.window_host_pages = np.asarray(window[0]), np.asarray(window[1])
-            # each sliding group's rows, read now: a shared pool's window pages map to blocks (issue 56)
+            # each sliding group's rows on both sides, read now: a shared pool's window pages map to blocks (issue 56)
             op.window_device_rows = np.stack([self.device_pool.window_rows(op.window_device_pages, k)
                                               for k in range(self.device_pool.groups)])
+            op.window_host_rows = np.stack([self.window_host.window_rows(op.window_host_pages, k)
+                                            for k in range(self.device_pool.groups)])
         if self.cuda:
             op.after_compute = torch.cuda.Event()
             op.after_compute.record(torch.cuda.current_stream(device_pool_device(self.device_pool)))
@@ -250,8 +254,9 @@ class TransferController:
             dev_pages, host_pages = self.shard.local(dev_pages[mine]), self.shard.local(host_pages[mine])
         full_plan = None if not len(op.device_pages) else \
             PagePlan(dev_pages, host_pages) if backup else PagePlan(host_pages, dev_pages)
-        window_plans = [PagePlan(*(rows, op.window_host_pages)[::1 if backup else -1])
-                        for rows in op.window_device_rows] if len(op.window_device_pages) else None
+        window_plans = [PagePlan(*(dev, host)[::1 if backup else -1])
+                        for dev, host in zip(op.window_device_rows, op.window_host_rows)] \
+            if len(op.window_device_pages) else None
         for layer, (pair, dev_layer, _) in enumerate(self._layers):
             if self.delay_fn is not None:
                 time.sleep(self.delay_fn(op, layer))

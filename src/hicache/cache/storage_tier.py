@@ -30,7 +30,7 @@ from .host_transfer import leading_done
 from .placement import ShardView, alloc_evicting, path_anchor
 from .storage.base import StorageBackend
 from .storage.keys import KeyNamespace, continue_chain, page_hashes
-from .storage.page_objects import PageObject, WholePage
+from .storage.page_objects import PageObject, WholePage, window_object
 from .storage.prefetch_backup import Agree, PrefetchOp, StorageController
 from .tree_node import TreeNode
 
@@ -84,7 +84,7 @@ class StorageTier:
         # hybrid: a checkpoint page's window layers in objects of their own ("<key>-window"; the grid's
         # cells with the suffix "_swa" on the unified layout)
         if window_objects is None and host.window_host is not None:
-            window_objects = ([WholePage(host.window_host, "-window")],) * 2
+            window_objects = ([window_object(host.window_host, "-window")],) * 2
         self.controller = StorageController(backend, host.host_pool, *(agree or ()), op_timeout=op_timeout,
                                             reads=objects[0], writes=objects[1], windows=window_objects,
                                             window_pages=self._window_span if window_objects is not None else None)

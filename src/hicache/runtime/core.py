@@ -24,7 +24,7 @@ from ..config import ConfigError, EngineConfig
 from ..device import DTYPES, device_memory_budget
 from ..disagg.heads import TPRanks
 from ..model.loader import LoadedModel
-from ..model.parallel import ModelShard
+from ..model.parallel import ModelShard, stage_layers
 from ..model.prefix_gather import CPGroup, PrefixGather
 from ..model.spec import ModelSpec
 from .hybrid_pool import HybridPlan, plan_hybrid
@@ -106,14 +106,15 @@ def build_core(
     hybrid = plan_hybrid(cfg, spec, shard.layers if shard else range(spec.num_layers), draft_kv)
     staging_bytes += _transfer_staging(cfg, device, kv_heads, spec.head_dim, dtype, hybrid is not None, draft_kv)
     layer_page = _bytes_per_page(cfg.page_size, 1, kv_heads, spec.head_dim, dtype, None)
+    unified = _unified_plan(cfg, spec, shard, cp_group, split_tokens, draft)
+    apart = _host_pools_apart(cfg, spec, hybrid, unified.grid if unified else None)
     device_pages, host_pages, storage, hybrid, window_pages = _sized_tiers(
         cfg, device, hybrid, bytes_per_page, layer_page * len(hybrid.window_layers) if hybrid else 0,
-        memory_share, staging_bytes, agree, layer_page)
+        memory_share, staging_bytes, agree, layer_page, host_blocks=apart is None)
     packed = draft_kv.layers if draft_kv is not None and draft_kv.packed else 0
     pool = _device_pool(cfg, layers + packed, (kv_heads, spec.head_dim), device_pages, dtype, device, hybrid,
                         window_pages)
-    unified = _unified_plan(cfg, spec, shard, cp_group, split_tokens, draft)
-    host_pool = _host_pool(cfg, pool, host_pages, unified.grid if unified else None)
+    host_pool = _host_pool(cfg, pool, host_pages, unified.grid if unified else None, apart)
     sidecar = _sidecar_pools(cfg, draft_kv, device_pages, host_pages, dtype, device,
                              unified.draft.grid if unified and unified.draft else None)
     layout = RankLayout(shard=shard.describe() if shard else "", storage_agree=storage_agree,
@@ -139,18 +140,21 @@ def _device_pool(cfg: EngineConfig, layers: int, row: tuple[int, int], pages: in
 
 def _sized_tiers(cfg: EngineConfig, device: torch.device, hybrid: HybridPlan | None, bytes_per_page: int,
                  window_page: int, memory_share: int, staging_bytes: int, agree: Callable[[list[int]], list[int]],
-                 layer_page: int = 0) -> tuple[int, int, Any, HybridPlan | None, int]:
+                 layer_page: int = 0, host_blocks: bool = False) -> tuple[int, int, Any, HybridPlan | None, int]:
     """``(device pages, host pages, storage backend, hybrid plan, window pages)``, agreed by every rank. A
     hybrid pool's pages cost their full layers' bytes and the ratio's share of ``window_page`` (the
     window layers' bytes of a page); where its window pool could not be smaller than the full one,
     every layer keeps its KV (said in one line) and the pools are sized as such. A shared pool
     (automatic split): device pages are blocks of ``layer_page`` x G bytes (with --max-total-tokens,
-    :meth:`HybridPlan.blocks_for_tokens`), window pages the ids they could hold."""
+    :meth:`HybridPlan.blocks_for_tokens`), window pages the ids they could hold; ``host_blocks``: its
+    host pool is one of blocks too (:func:`_host_pools_apart`), whose --hicache-ratio is of the blocks."""
     if hybrid and hybrid.shared:
         block = layer_page * len({t for t, _ in hybrid.layout})
         blocks, host_pages, storage = _agreed_tiers(cfg, device, block, memory_share, staging_bytes, agree)
         if cfg.max_total_tokens is not None:
             blocks = hybrid.blocks_for_tokens(blocks)
+            if host_blocks and host_pages and cfg.hicache_size <= 0:  # agreed figures in, the same on every rank
+                host_pages = _host_pool_pages(cfg, blocks, block)
         if hybrid.shared_fits(blocks):
             return blocks, host_pages, storage, hybrid, hybrid.window_ids(blocks)
         logger.info("sliding-window layers keep every cached token's KV: %d blocks hold no request's windows "
@@ -237,17 +241,46 @@ def _unified_plan(cfg: EngineConfig, spec: ModelSpec, shard: ModelShard | None, 
     return plan
 
 
-def _host_pool(cfg: EngineConfig, pool: DeviceKVPool, host_pages: int, grid: StorageGrid | None) -> HostKVPool | None:
+def _host_pools_apart(cfg: EngineConfig, spec: ModelSpec, hybrid: HybridPlan | None,
+                      grid: StorageGrid | None) -> str | None:
+    """Why the host tier of a shared device pool keeps two pools (full layers; window layers sized by
+    the default ratio) rather than one of blocks like the device's; None where it takes blocks. A
+    deployment-wide decision (every pipeline stage's layers weighed), so every rank's host tier decides
+    alike."""
+    if hybrid is None or not hybrid.shared or not cfg.enable_hierarchical_cache:
+        return None
+    if grid is not None:
+        return ("the unified key scheme reads and writes each storage object in place as a slice of a page_unified "
+                "host page, and a window page's layers lie in one block per sliding group")
+    full = [layer for layer in range(spec.num_layers) if not spec.layer_window(layer)]
+    sliding = [layer for layer in range(spec.num_layers) if spec.layer_window(layer)]
+    for rank in range(cfg.pp_size):  # a block's rows are a stage's tensors; its full page's object, its full layers
+        layers = stage_layers(spec.num_layers, rank, cfg.pp_size)
+        if {sliding.index(i) % hybrid.tensors for i in layers if i in sliding} - {full.index(i) for i in layers
+                                                                                  if i in full}:
+            return f"pipeline stage {rank}'s sliding layers use block tensors none of its full layers has"
+    return None
+
+
+def _host_pool(cfg: EngineConfig, pool: DeviceKVPool, host_pages: int, grid: StorageGrid | None,
+               apart: str | None = None) -> HostKVPool | None:
     """The host pool of ``pool`` (None without the host tier); on a unified ``grid`` laid out
-    page_unified, whatever --hicache-mem-layout says, so each object is a slice of a page."""
+    page_unified, whatever --hicache-mem-layout says, so each object is a slice of a page. A shared
+    device pool's is one of ``host_pages`` blocks (issue 56) unless ``apart`` says why not."""
     if not cfg.enable_hierarchical_cache:
         return None
+    full = tuple(i for i in range(len(pool.k_buffers)) if i not in pool.window_layers)
+    if pool.shared and apart is None:  # full pages and window pages (a block per sliding group) from one budget
+        return HostKVPool(pool, host_pages, cfg.hicache_mem_layout, layers=full,
+                          window_ids=(host_pages - 1) // pool.groups + 1)
+    if pool.shared:
+        logger.info("host KV pool: two pools (full layers; window layers at --swa-full-tokens-ratio %.1f's size), not "
+                    "shared blocks: %s", HybridPlan.DEFAULT_RATIO, apart)
     if pool.hybrid:  # full layers for every host page, window layers for checkpoints (pages of their own)
         layout, cells = (cfg.hicache_mem_layout, None) if grid is None else \
             ("page_unified", 0 if grid.mla else grid.head_partition)  # each object a slice of a page, as below
-        host = HostKVPool(pool, host_pages, layout, cell_heads=cells,
-                          layers=tuple(i for i in range(len(pool.k_buffers)) if i not in pool.window_layers))
-        ratio = cfg.swa_full_tokens_ratio or HybridPlan.DEFAULT_RATIO  # checkpoints only: the default's rule when shared
+        host = HostKVPool(pool, host_pages, layout, cell_heads=cells, layers=full)
+        ratio = cfg.swa_full_tokens_ratio or HybridPlan.DEFAULT_RATIO  # checkpoints only: the default's rule when apart
         window_pages = max(int(ratio * (host_pages - 1)), 1) + 1
         host.window_pool = HostKVPool(pool, window_pages, layout, cell_heads=cells, layers=tuple(sorted(pool.window_layers)))
         return host

@@ -75,6 +75,40 @@ class WholePage:
         page.copy_(_as_tensor(payload, self.host.dtype).view(page.shape))
 
 
+class WindowBlocks:
+    """A hybrid page's window layers from a host pool of shared blocks (issue 56), ``<page hash
+    hex><suffix>``: each window layer's K and V from its sliding group's block of the host window
+    page, laid out as :class:`WholePage` lays out a page of a window host pool of its own (the same
+    bytes under the same key, whichever host pool wrote them)."""
+
+    def __init__(self, host: HostKVPool, suffix: str) -> None:
+        if not host.shared:
+            raise ValueError("window blocks need a host pool of shared blocks")
+        self.host, self.suffix = host, suffix
+
+    def key(self, page_hash: bytes, ns_digest: bytes) -> str:
+        return object_key(page_hash) + self.suffix
+
+    def _layers(self, window_page: int) -> list[torch.Tensor]:
+        """Each window layer's ``[K/V, token, kv_heads, head_dim]`` of ``window_page`` (views)."""
+        blocks = self.host.window_blocks[window_page]
+        return [_page(self.host, int(blocks[group]))[row] for row, group in self.host.window_layout]
+
+    def page_bytes(self, host_page: int) -> memoryview:
+        return _bytes_of(torch.stack(self._layers(host_page)))
+
+    def load(self, host_page: int, payload: memoryview) -> None:
+        layers = self._layers(host_page)
+        src = _as_tensor(payload, self.host.dtype).view(len(layers), *layers[0].shape)
+        for dst, rows in zip(layers, src):
+            dst.copy_(rows)
+
+
+def window_object(host: HostKVPool, suffix: str) -> PageObject:
+    """The object of a checkpoint page's window layers in ``host`` (a hybrid pool's window host pool)."""
+    return WindowBlocks(host, suffix) if host.shared else WholePage(host, suffix)
+
+
 class GridCell:
     """One unified-grid cell of this rank's host pages. ``first_layer`` / ``first_head``: the
     model-global indices of the pool's first layer and KV head; ``heads``: the cell's global

@@ -1,0 +1,124 @@
+"""The host tier of a shared device pool is one pool of blocks too (issue 56): the host byte budget
+(--hicache-ratio / --hicache-size) buys blocks of the device pool's G tensors, host full pages take
+one block, host window pages (checkpoints only) one block per sliding group, and host eviction makes
+room for either kind from the same budget. On ``random:gemma-small`` (1 full layer, 5 sliding: a
+block is one layer's page, a window page five blocks), greedy, float32. (Host hits through blocks
+give every layer's tokens: ``test_shared_blocks.py::test_a_shared_pool_over_a_host_tier...``.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hicache import Engine
+from hicache.runtime.sampling import SamplingParams
+from hybrid_conversations import EXACT, MODEL, PS, SYSTEM, check_host_blocks, cold_outputs, continue_from, conversations, stored
+
+pytestmark = pytest.mark.cache
+
+HOST = dict(EXACT, max_total_tokens=100, enable_hierarchical_cache=True, chunked_prefill_size=48)
+ONE = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("explicit_ratio", [None, 0.8])
+def test_the_host_budget_is_the_host_pools_bytes(explicit_ratio) -> None:
+    """--hicache-size buys that many bytes of host pool, and --hicache-ratio that multiple of the device
+    pool's bytes, whether the host holds blocks (the default) or two pools (an explicit split). Before
+    issue 56's host blocks the default's window pool came on top: 5x the budget on this model."""
+    ratio = {} if explicit_ratio is None else dict(swa_full_tokens_ratio=explicit_ratio)
+    for sizing in (dict(hicache_size=0.0005), dict(hicache_ratio=3.0)):
+        engine = Engine(MODEL, **dict(HOST, **ratio, **sizing))
+        try:
+            core = engine.backend.core
+            host, device = core.host_pool, core.pool
+            assert host.shared == (explicit_ratio is None)
+            held = engine.stats()["host_pool"]["host_pool_bytes"]
+            assert held == host.total_bytes + (host.window_pool.total_bytes if not host.shared else 0)
+            budget = sizing["hicache_size"] * 1e9 if "hicache_size" in sizing else 3.0 * device.total_bytes
+            # within a few pages (pools count their reserved page 0, sizes round, a device window pool has a floor)
+            assert abs(held - budget) <= 0.05 * budget
+        finally:
+            engine.shutdown()
+
+
+def serve_twice(engine: Engine, prompts: list[list[int]]) -> int:
+    """Serve each prompt, then each again in the same order (a cycle longer than the device pool holds:
+    every second visit misses the device); the tokens the second round hit in host memory."""
+    for p in prompts:
+        engine.generate([p], ONE)
+    before = engine.stats()["hit_tokens"]["host"]
+    for p in prompts:
+        engine.generate([p], ONE)
+    return engine.stats()["hit_tokens"]["host"] - before
+
+
+# (fixed split, prompts, tokens each): long prompts need more full pages than the fixed split's full-layer host
+# pool holds; short ones more window pages than a low ratio's window pool holds
+WORKLOADS = [(0.8, 6, 48), (0.1, 10, 16)]
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("ratio, count, length", WORKLOADS)
+def test_at_the_same_host_bytes_blocks_hold_what_the_fixed_split_evicts(ratio, count, length) -> None:
+    """The same --hicache-size: the fixed split's host pools (full pages, window pages) run out of one kind
+    while the other has room, and a cycle of prompts then thrashes; one pool of blocks holds every prompt
+    with its checkpoint, so each second visit hits the whole prompt in host memory (but what the device kept)."""
+    rng = np.random.default_rng(length)
+    prompts = [rng.integers(20, 200, size=length).tolist() for _ in range(count)]
+    size = dict(hicache_size=200 * 1024 / 1e9)  # 200 blocks of the shared pool; the same bytes split
+    fixed = Engine(MODEL, **dict(HOST, swa_full_tokens_ratio=ratio, **size))
+    blocks = Engine(MODEL, **dict(HOST, **size))
+    try:
+        assert blocks.backend.core.host_pool.shared and not fixed.backend.core.host_pool.shared
+        fixed_hits, block_hits = serve_twice(fixed, prompts), serve_twice(blocks, prompts)
+        stats = blocks.stats()
+        assert stats["evicted_host_pages"] == 0 and blocks.backend.core.cache.stats.backup_skipped_window_pages == 0
+        assert block_hits + stats["hit_tokens"]["device"] >= count * ((length - 1) // PS * PS)
+        assert block_hits > fixed_hits
+        check_host_blocks(blocks)
+    finally:
+        fixed.shutdown()
+        blocks.shutdown()
+
+
+@pytest.mark.storage
+def test_a_file_store_written_through_host_blocks_is_read_back_exactly_by_either_host_layout(tmp_path) -> None:
+    """Conversations written to a file store from host blocks: a new engine continues them from storage with
+    a cold engine's tokens, through host blocks and through the fixed split's two host pools alike (a
+    checkpoint page's window object has the same bytes whichever host pool wrote it)."""
+    writer = Engine(MODEL, **stored(tmp_path))
+    assert writer.backend.core.host_pool.shared
+    nexts: list = []
+    conversations(writer, keep=True, final=nexts)
+    written = writer.stats()["storage"]["window"]
+    writer.shutdown()
+    assert written["backup_tokens"] > 0
+    cold = cold_outputs(nexts)
+    for options in ({}, dict(swa_full_tokens_ratio=0.8)):
+        outputs, stats = continue_from(tmp_path, nexts, **options)
+        assert outputs == cold
+        assert stats["storage"]["window"]["prefetched_tokens"] > 0
+        assert stats["hit_tokens"]["storage"] >= sum((len(p) - 10) // PS * PS for p in nexts) - 2 * len(SYSTEM)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("pp_size", [1, 2, 3])
+def test_every_pipeline_stage_takes_the_same_host_layout(pp_size) -> None:
+    """Host blocks or two host pools is one decision for the deployment: a stage whose sliding layers use a
+    block tensor none of its full layers has (gemma-small's first stages: no full layer) makes every stage
+    keep two pools, so all ranks' host allocators take the same decisions."""
+    import torch
+
+    from hicache.config import EngineConfig
+    from hicache.model.loader import load_model
+    from hicache.model.parallel import stage_layers
+    from hicache.runtime.core import _host_pools_apart
+    from hicache.runtime.hybrid_pool import plan_hybrid
+
+    spec = load_model(MODEL, torch.float32).spec
+    cfg = EngineConfig(model=MODEL, pp_size=pp_size, enable_hierarchical_cache=True)
+    decisions = {_host_pools_apart(cfg, spec, plan_hybrid(cfg, spec, stage_layers(spec.num_layers, r, pp_size)), None)
+                 for r in range(pp_size)}
+    assert decisions == ({None} if pp_size == 1 else {"pipeline stage 0's sliding layers use block tensors none of "
+                                                      "its full layers has"})
