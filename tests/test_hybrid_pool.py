@@ -303,6 +303,23 @@ def object_files(path) -> tuple[list[Path], list[Path]]:
 
 
 @pytest.mark.storage
+def test_no_window_lock_outlives_its_request_when_hits_come_back_from_the_host() -> None:
+    """Six conversations through a 100-token device pool: hits load back from the host. A hit's window
+    lock is taken before its host pages land on the device; it must still cover just its span (it used
+    to walk past host-only nodes, counted as 0 pages, and lock ancestors its unlock never reached:
+    windows that could never be evicted again)."""
+    engine = Engine(MODEL, **dict(BASE, max_total_tokens=100), enable_hierarchical_cache=True, hicache_ratio=8.0)
+    try:
+        conversations(engine, agents=6, turns=2, together=True, keep=True)
+        cache = engine.backend.core.cache
+        cache.drain()
+        assert engine.stats()["hit_tokens"]["host"] > 0
+        assert [n.id for n in cache.tree._all_nodes() if n.window_lock_ref] == []
+        cache.tree.check_invariants()
+    finally:
+        engine.shutdown()
+
+
 def test_storage_holds_full_objects_and_checkpoint_windows_a_new_process_reads_exactly(tmp_path, every_layer) -> None:
     """Conversations written through to a file store; a fresh engine (nothing in L1 / L2) continues them from
     it with a cold engine's tokens, each next turn hitting its whole history. Full objects hold the full layer

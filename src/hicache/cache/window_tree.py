@@ -126,17 +126,22 @@ class WindowTombstones:
         pairs, nearest first."""
         start, n = 0, node.parent
         while not n.is_root:
-            start += n.num_pages
+            start += self._key_pages(n)
             n = n.parent
         first = self.window_first_page(start * self.page_size)
         out, pos, anc = [], start, node.parent
         while not anc.is_root and len(anc.children) == 1:
-            start = pos - anc.num_pages
-            idx = np.arange(0, min(anc.num_pages, max(first - start, 0)))
+            start = pos - self._key_pages(anc)
+            idx = np.arange(0, min(self._key_pages(anc), max(first - start, 0)))
             if len(idx):
                 out.append((anc, idx))
             anc, pos = anc.parent, start
         return out
+
+    def _key_pages(self, node: TreeNode) -> int:
+        """``node``'s length in pages, whichever tiers hold it (``num_pages`` counts device pages: 0 for a
+        host-only node, which a hit's window lock walks before its pages are loaded)."""
+        return len(node.key) // self.page_size
 
     # ---- locks ---------------------------------------------------------------------------
     def lock_window(self, node: TreeNode, end_page: int, first_page: int) -> None:
@@ -145,7 +150,7 @@ class WindowTombstones:
         lock covers no page before it."""
         pos = end_page
         while not node.is_root and pos > first_page:
-            start = pos - node.num_pages
+            start = pos - self._key_pages(node)
             if start < first_page:
                 self._split(node, (first_page - start) * self.page_size)  # node keeps the lower part
                 start = first_page
@@ -160,7 +165,7 @@ class WindowTombstones:
             if node.window_lock_ref <= 0:
                 raise RuntimeError(f"window unlock of a node not window-locked {node}")
             node.window_lock_ref -= 1
-            node, pos = node.parent, pos - node.num_pages
+            node, pos = node.parent, pos - self._key_pages(node)
 
     # ---- giving and taking pages ---------------------------------------------------------
     def _adopt_window(self, node: TreeNode, offered: np.ndarray | None, fresh: bool) -> None:
