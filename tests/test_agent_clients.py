@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from hicache.server import keepalive
+from hicache.server.builtin_tools import dropped_header, note_dropped, split_responses_tools
 from hicache.server.system_turns import place_system_messages, takes_system_turns
 from live_server import serving
 
@@ -244,3 +245,13 @@ def test_streams_keep_alive_while_a_prompt_prefills(small, monkeypatch, path, bo
     if path == "/v1/responses":
         seq = [d["sequence_number"] for k, d in events if isinstance(d, dict) and "sequence_number" in d]
         assert seq == list(range(len(seq)))
+
+
+def test_a_hostile_tool_type_is_named_cut_and_a_namespace_flattened() -> None:
+    """A client may send any string as a tool's type: the header names it cut to 64 characters."""
+    tools = [{"type": "namespace", "tools": [{"type": "function", "name": "shell"}, {"type": "web_search"}]},
+             {"type": "x" * 10_000}]
+    kept, dropped = split_responses_tools(tools)
+    assert [t["name"] for t in kept] == ["shell"]
+    header = dropped_header(note_dropped(dropped))
+    assert header == {"X-Hicache-Dropped-Tools": "web_search, " + "x" * 64}

@@ -21,6 +21,8 @@ logger = logging.getLogger(__name__)
 DROPPED_TOOLS_HEADER = "X-Hicache-Dropped-Tools"
 
 _LOGGED: set[str] = set()  # tool names already logged as dropped (once each per process)
+_NAME_MAX = 64  # a tool type as logged and in the header (a client may send any string)
+_LOGGED_MAX = 256  # names come from clients: past this many, new ones are still dropped and named, not remembered
 
 
 def split_responses_tools(tools: list[Any]) -> tuple[list[Any], list[str]]:
@@ -51,10 +53,11 @@ def split_chat_tools(tools: list[Any]) -> tuple[list[Any], list[str]]:
 
 def note_dropped(names: list[str]) -> tuple[str, ...]:
     """``names`` once each, in order; logs those not logged before by this process."""
-    unique = tuple(dict.fromkeys(names))
+    unique = tuple(dict.fromkeys(n[:_NAME_MAX] for n in names))
     new = [n for n in unique if n not in _LOGGED]
     if new:
-        _LOGGED.update(new)
+        if len(_LOGGED) < _LOGGED_MAX:
+            _LOGGED.update(new)
         logger.info("dropping tools this server cannot run (built-in / server tools): %s", ", ".join(new))
     return unique
 
