@@ -126,20 +126,16 @@ def test_batched_decode_gives_each_sequence_its_own_logits(lm):
         torch.testing.assert_close(row, prefill_logits(lm.model, ids)[-1], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("cached", [1, 16, 20, 33, 47, 62, 63])
-def test_a_cached_prefix_gives_the_cold_prompts_last_logits(lm, cached):
+@pytest.mark.parametrize("cached", [1, 2, 16, 20, 33, 47, 62, 63])
+def test_a_cached_prefix_gives_the_cold_prompts_last_logits_bit_for_bit(lm, cached):
     """Issue 57: a prompt computed over a cached prefix (its first ``cached`` tokens, stored in other
-    slots) gives the cold one-pass prompt's last-row logits: each query row attends the one key axis
-    the cold pass does, so they are bit for bit equal in float32 where both passes have at least 16
-    rows. A pass of fewer rows multiplies its projections by another GEMM kernel (torch's CPU BLAS
-    picks it for few rows), which rounds differently: there the logits agree to 1e-6, same argmax."""
+    slots, leaving 1 to 63 tokens) gives the cold one-pass prompt's last-row logits bit for bit in
+    float32: each query row attends the one key axis the cold pass does, and a prompt pass of a
+    few rows multiplies its projections as a longer one does."""
     ids = torch.randint(0, 256, (64,), generator=torch.Generator().manual_seed(12)).tolist()
     kv = DenseKV(lm.spec, 256, torch.float32)
     cold = lm.model(make_forward_batch([ids], [0], [torch.arange(1, 65)]), kv)
     slots = torch.cat([torch.arange(100, 100 + cached), torch.arange(180, 180 + 64 - cached)])
     lm.model(make_forward_batch([ids[:cached]], [0], [slots[:cached]]), kv)
     hit = lm.model(make_forward_batch([ids[cached:]], [cached], [slots]), kv)
-    if min(cached, 64 - cached) >= 16:
-        assert torch.equal(hit, cold), f"max |diff| {float((hit - cold).abs().max()):.2e}"
-    assert torch.equal(hit.argmax(-1), cold.argmax(-1))
-    torch.testing.assert_close(hit, cold, atol=1e-6, rtol=0)
+    assert torch.equal(hit, cold), f"max |diff| {float((hit - cold).abs().max()):.2e}"
