@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hicache.model import DenseKV, load_model, make_forward_batch
-from hicache.model.attention import _flash_cpu, _math, decode_attention, sequence_attention
+from hicache.model.attention import MASKED_QUERY_BLOCK, _flash_cpu, _math, decode_attention, sequence_attention
 from hicache.model.paged import MAX_VIEW_RUNS, slot_runs
 from hicache.model.standalone import prefill_logits
 
@@ -139,3 +139,17 @@ def test_a_cached_prefix_gives_the_cold_prompts_last_logits_bit_for_bit(lm, cach
     lm.model(make_forward_batch([ids[:cached]], [0], [slots[:cached]]), kv)
     hit = lm.model(make_forward_batch([ids[cached:]], [cached], [slots]), kv)
     assert torch.equal(hit, cold), f"max |diff| {float((hit - cold).abs().max()):.2e}"
+
+
+@pytest.mark.parametrize("cached", [1, 5, 300, 700, 1098])
+def test_a_span_over_cached_keys_gives_the_cold_rows_bit_for_bit(cached):
+    """Float32 on the CPU: the rows of a span over a cached prefix (any split of an 1100-token
+    prompt, spans longer than a masked block of rows included) equal the cold one-call rows."""
+    length = 1100
+    assert length - 1 > MASKED_QUERY_BLOCK  # the longest spans take several blocks of rows
+    q = _rand(length, 9, 64, seed=31).float()
+    k, v = _rand(length, 3, 64, seed=32).float(), _rand(length, 3, 64, seed=33).float()
+    cold = sequence_attention(q, [], (k, v), None)
+    runs = [(k[a:b], v[a:b]) for a, b in ((0, cached // 2), (cached // 2, cached))]  # the prefix in two runs
+    hit = sequence_attention(q[cached:], runs, (k[cached:], v[cached:]), None)
+    assert torch.equal(hit, cold[cached:])

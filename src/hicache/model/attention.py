@@ -10,10 +10,11 @@ greedy hits keep the cold reply). Attending each block on its own and merging th
 results by log-sum-exp is exact too, but rounds differently per split. The concatenation is one
 copy of the context's keys and values per layer in a prefill.
 
-On a CPU the call is torch's flash kernel with a materialised mask (``[n, L]``; torch makes it
-float32), the KV heads grouped (``enable_gqa``); the query rows are padded so that no row is
-computed in a short query block (:func:`cpu_query_rows`), the keys so that no row's key block is
-ragged (:func:`cpu_key_count`). On a GPU the mask is ``causal_lower_right`` and the KV
+On a CPU the call is torch's flash kernel with a materialised mask (float32, a block of up to
+``MASKED_QUERY_BLOCK`` rows at a time over the keys up to its last row), the KV heads grouped
+(``enable_gqa``); the query rows are padded so that no row is computed in a short query block
+(:func:`cpu_query_rows`), the keys so that no row's key block is ragged (:func:`cpu_key_count`).
+On a GPU the mask is ``causal_lower_right`` and the KV
 heads are expanded, so torch runs its flash kernel (bf16/fp16) or its memory-efficient one
 (float32) and no score matrix is materialised. (Partial attentions merged by log-sum-exp remain
 for context-parallel ranks, each of which holds only some of the keys: :func:`keys_attention`.)
@@ -117,6 +118,11 @@ def keys_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.transpose(0, 1), lse.transpose(0, 1).float()
 
 
+# A span over cached keys attends this many query rows per call (a multiple of every query block
+# of torch's CPU flash kernel below 768 rows), each block over the keys up to its last row.
+MASKED_QUERY_BLOCK = 512
+
+
 def cpu_query_rows(n: int, head_dim: int) -> int:
     """How many query rows to hand torch's CPU flash kernel for ``n`` real ones (float32 keys of
     ``head_dim``), so that every real row takes the arithmetic of a row in a full query block.
@@ -174,18 +180,28 @@ def sequence_attention(q: torch.Tensor, full: list[KVBlock], new: Optional[KVBlo
     length = k.shape[0]
     cpu = q.device.type == "cpu"
     rows = cpu_query_rows(n, dim) if cpu else n
-    keys = cpu_key_count(length) if cpu else length
-    qh = _padded_rows(q, rows).transpose(0, 1)[None]  # [1, H, rows, D]: 4-D, so the CPU flash kernel takes it
-    kh, vh = (_padded_rows(x, keys, 0.0).transpose(0, 1)[None] for x in (k, v))
+    kh, vh = (_padded_rows(x, cpu_key_count(length) if cpu else length, 0.0).transpose(0, 1)[None] for x in (k, v))
     # A cold prompt of 192-767 rows attends with the mask: the kernel's causal call would stop each
     # block of 64 rows at its last key, leaving a block of 320-448 keys (see cpu_key_count).
     if not full and not (cpu and 192 <= rows < 768):  # one causal call: padding keys meet padding rows only
+        qh = _padded_rows(q, rows).transpose(0, 1)[None]  # [1, H, rows, D]: 4-D, so the CPU flash kernel takes it
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=kv_map is None)
-    else:  # the query rows are the context's last n positions (padding rows: the last one's)
-        positions = torch.arange(length - n, length - n + rows, device=q.device).clamp_(max=length - 1)
+        return out[0, :, :n].transpose(0, 1)
+    # The query rows are the context's last n positions, attended a block of rows at a time over the
+    # keys up to the block's last (padding rows: the last one's): the masked keys a block reads, and
+    # its mask, stay under a block's worth of rows.
+    out = torch.empty_like(q)
+    for r0 in range(0, n, MASKED_QUERY_BLOCK):
+        r1 = min(n, r0 + MASKED_QUERY_BLOCK)
+        block_rows = cpu_query_rows(r1 - r0, dim) if cpu else r1 - r0
+        keys = min(kh.shape[2], cpu_key_count(length - n + r1)) if cpu else length - n + r1
+        positions = torch.arange(length - n + r0, length - n + r0 + block_rows, device=q.device).clamp_(max=length - 1)
         mask = positions[:, None] >= torch.arange(keys, device=q.device)[None, :]
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=kv_map is None)
-    return out[0, :, :n].transpose(0, 1)
+        qh = _padded_rows(q[r0:r1], block_rows).transpose(0, 1)[None]
+        part = F.scaled_dot_product_attention(qh, kh[:, :, :keys], vh[:, :, :keys], attn_mask=mask,
+                                              enable_gqa=kv_map is None)
+        out[r0:r1] = part[0, :, :r1 - r0].transpose(0, 1)
+    return out
 
 
 def joined_attention(q: torch.Tensor, full: list[KVBlock], new: Optional[KVBlock],

@@ -37,8 +37,8 @@ DECODE_ACTIVATIONS = ("float32", "int8")
 # bf16 copy where the CPU multiplies bf16 natively and the model is float32.
 PREFILL_WEIGHTS = ("same", "bfloat16")
 # A prompt pass (and, under deterministic inference, any dense float32 pass) of fewer rows runs as
-# a GEMM of this many (zero rows added). BLAS picks its kernel by the number of rows -- one row is a matrix-vector product,
-# a few rows another kernel -- but from 16 rows on, every row of MKL's sgemm gets the same bits
+# a GEMM of this many (zero rows added). BLAS picks its kernel by the number of rows -- one row is
+# a matrix-vector product, a few rows another kernel -- but from 16 rows on, every row of MKL's sgemm gets the same bits
 # whatever the row count and its place in the batch (:func:`dense_rows_invariant` checks this
 # CPU's BLAS at start-up).
 INVARIANT_MIN_ROWS = 16
