@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hicache.model import DenseKV, load_model, make_forward_batch
-from hicache.model.attention import _flash_cpu, _math, decode_attention, sequence_attention
+from hicache.model.attention import MASKED_QUERY_BLOCK, _flash_cpu, _math, decode_attention, sequence_attention
 from hicache.model.paged import MAX_VIEW_RUNS, slot_runs
 from hicache.model.standalone import prefill_logits
 
@@ -124,3 +124,32 @@ def test_batched_decode_gives_each_sequence_its_own_logits(lm):
     got = lm.model(batch, kv)
     for row, ids in zip(got, prompts):
         torch.testing.assert_close(row, prefill_logits(lm.model, ids)[-1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("cached", [1, 2, 16, 20, 33, 47, 62, 63])
+def test_a_cached_prefix_gives_the_cold_prompts_last_logits_bit_for_bit(lm, cached):
+    """Issue 57: a prompt computed over a cached prefix (its first ``cached`` tokens, stored in other
+    slots, leaving 1 to 63 tokens) gives the cold one-pass prompt's last-row logits bit for bit in
+    float32: each query row attends the one key axis the cold pass does, and a prompt pass of a
+    few rows multiplies its projections as a longer one does."""
+    ids = torch.randint(0, 256, (64,), generator=torch.Generator().manual_seed(12)).tolist()
+    kv = DenseKV(lm.spec, 256, torch.float32)
+    cold = lm.model(make_forward_batch([ids], [0], [torch.arange(1, 65)]), kv)
+    slots = torch.cat([torch.arange(100, 100 + cached), torch.arange(180, 180 + 64 - cached)])
+    lm.model(make_forward_batch([ids[:cached]], [0], [slots[:cached]]), kv)
+    hit = lm.model(make_forward_batch([ids[cached:]], [cached], [slots]), kv)
+    assert torch.equal(hit, cold), f"max |diff| {float((hit - cold).abs().max()):.2e}"
+
+
+@pytest.mark.parametrize("cached", [1, 5, 300, 700, 1098])
+def test_a_span_over_cached_keys_gives_the_cold_rows_bit_for_bit(cached):
+    """Float32 on the CPU: the rows of a span over a cached prefix (any split of an 1100-token
+    prompt, spans longer than a masked block of rows included) equal the cold one-call rows."""
+    length = 1100
+    assert length - 1 > MASKED_QUERY_BLOCK  # the longest spans take several blocks of rows
+    q = _rand(length, 9, 64, seed=31).float()
+    k, v = _rand(length, 3, 64, seed=32).float(), _rand(length, 3, 64, seed=33).float()
+    cold = sequence_attention(q, [], (k, v), None)
+    runs = [(k[a:b], v[a:b]) for a, b in ((0, cached // 2), (cached // 2, cached))]  # the prefix in two runs
+    hit = sequence_attention(q[cached:], runs, (k[cached:], v[cached:]), None)
+    assert torch.equal(hit, cold[cached:])

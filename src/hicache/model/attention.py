@@ -1,18 +1,23 @@
-"""Attention kernels over a paged KV cache, with no materialised mask.
+"""Attention kernels over a paged KV cache.
 
 A sequence's new tokens attend to two kinds of key block: its cached prefix (every key visible
-to every new token) and its own new tokens (causal; the block is square, so upper-left and
-lower-right causal coincide). Each block is attended on its own and the partial results are
-merged by their log-sum-exp -- exact, the same rule flash attention uses between key tiles. A
-prefix stored in a few runs of consecutive slots is read as views of the KV buffers (no gather);
-a scattered one is gathered once per layer.
+to every new token) and its own new tokens (causal). The blocks are joined: concatenated in
+position order into one key axis and attended by one SDPA call whose causal mask is aligned to
+the lower right (query i sees every cached key and new keys up to its own). A query row's
+arithmetic then does not depend on where its prompt was split (a cached prefix, a prefill
+chunk): it is the row a cold prompt's one causal call computes, bit for bit on a CPU (issue 57:
+greedy hits keep the cold reply). Attending each block on its own and merging the partial
+results by log-sum-exp is exact too, but rounds differently per split. The concatenation is one
+copy of the context's keys and values per layer in a prefill.
 
-On a GPU the blocks are joined instead: the cached blocks and the new tokens concatenated into
-one key set, attended by one SDPA call whose causal mask is aligned to the lower right
-(``torch.nn.attention.bias.causal_lower_right``: query i sees every cached key and new keys up
-to its own), so torch runs its flash kernel (bf16/fp16) or its memory-efficient one (float32)
-and no score matrix is materialised; the concatenation is one copy of the keys per layer, at
-HBM speed.
+On a CPU the call is torch's flash kernel with a materialised mask (float32, a block of up to
+``MASKED_QUERY_BLOCK`` rows at a time over the keys up to its last row), the KV heads grouped
+(``enable_gqa``); the query rows are padded so that no row is computed in a short query block
+(:func:`cpu_query_rows`), the keys so that no row's key block is ragged (:func:`cpu_key_count`).
+On a GPU the mask is ``causal_lower_right`` and the KV
+heads are expanded, so torch runs its flash kernel (bf16/fp16) or its memory-efficient one
+(float32) and no score matrix is materialised. (Partial attentions merged by log-sum-exp remain
+for context-parallel ranks, each of which holds only some of the keys: :func:`keys_attention`.)
 
 A lone decode token needs no causal block: its context (itself included) is one set of keys.
 On a CPU with the native kernels (float32, the KV float32 or float16), decode batches read every
@@ -72,19 +77,18 @@ def _math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tu
     return out.to(q.dtype), lse
 
 
-def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              kv_map: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of ``q`` ``[H, n, D]`` to one block ``k``/``v`` ``[L, KvH, D]``: output
-    ``[H, n, D]`` and log-sum-exp ``[H, n]``.
+    """Attention of ``q`` ``[H, n, D]`` to every key of one block ``k``/``v`` ``[L, KvH, D]``:
+    output ``[H, n, D]`` and log-sum-exp ``[H, n]``.
 
-    A full (non-causal) block with equal head groups stacks each group's queries along the query
-    axis (``[KvH, G*n, D]``), so keys are never copied per query head; a causal block is the new
-    tokens only (small), so its heads are simply expanded."""
+    With equal head groups each group's queries are stacked along the query axis
+    (``[KvH, G*n, D]``), so keys are never copied per query head."""
     kernel = _flash_cpu if q.device.type == "cpu" else _math
     heads, n, dim = q.shape
-    if causal or kv_map is not None:
+    if kv_map is not None:
         return kernel(q, _expand_heads(k, heads, kv_map).transpose(0, 1),
-                      _expand_heads(v, heads, kv_map).transpose(0, 1), causal)
+                      _expand_heads(v, heads, kv_map).transpose(0, 1), False)
     kv_heads = k.shape[1]
     stacked = q.reshape(kv_heads, (heads // kv_heads) * n, dim)
     out, lse = kernel(stacked, k.transpose(0, 1), v.transpose(0, 1), False)
@@ -110,36 +114,94 @@ def keys_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if k.shape[0] == 0:
         n, heads, _ = q.shape
         return torch.zeros_like(q), torch.full((n, heads), float("-inf"), device=q.device)
-    out, lse = _partial(q.transpose(0, 1), k.to(q.dtype), v.to(q.dtype), False, kv_map)
+    out, lse = _partial(q.transpose(0, 1), k.to(q.dtype), v.to(q.dtype), kv_map)
     return out.transpose(0, 1), lse.transpose(0, 1).float()
+
+
+# A span over cached keys attends this many query rows per call (a multiple of every query block
+# of torch's CPU flash kernel below 768 rows), each block over the keys up to its last row.
+MASKED_QUERY_BLOCK = 512
+
+
+def cpu_query_rows(n: int, head_dim: int) -> int:
+    """How many query rows to hand torch's CPU flash kernel for ``n`` real ones (float32 keys of
+    ``head_dim``), so that every real row takes the arithmetic of a row in a full query block.
+
+    The kernel splits the query axis into blocks (256 rows from 768 queries, 64 from 192, else
+    32) and multiplies each block by the keys with one GEMM; a block of at most about
+    ``head_dim / 24`` rows takes a different GEMM kernel and rounds differently (measured with
+    torch 2.13 on AVX-512: head size 64 from 3 rows on, 128 from 6, 256 from 11 agree with a
+    full block). So a short last block is padded -- with copies of the last row, dropped after --
+    to ``head_dim // 16 + 1`` rows (a full block where that is less). The padding rows attend
+    like the last one, so they cost that row's attention each and change no real row."""
+    split = 256 if n >= 768 else 64 if n >= 192 else 32
+    tail = n % split
+    least = min(split, head_dim // 16 + 1)
+    return n if tail == 0 or tail >= least else n - tail + least
+
+
+def cpu_key_count(length: int) -> int:
+    """How many keys to hand torch's CPU flash kernel for ``length`` real ones (zero keys, masked,
+    after them), so that a row's bits do not depend on how many keys the call has.
+
+    The kernel reads keys in blocks of 512; a row's scores are reduced in vector lanes (a ragged
+    tail of the block is summed apart) and its weighted values by a GEMM over the block's keys,
+    which splits a reduction of 320-448 keys unlike one of 512 (measured with torch 2.13 on
+    AVX-512). So the last block is made a multiple of 64 keys, and 512 where it would be over 256."""
+    keys = -(-length // 64) * 64
+    return -(-keys // 512) * 512 if keys % 512 > 256 else keys
+
+
+def _padded_rows(x: torch.Tensor, rows: int, fill: Optional[float] = None) -> torch.Tensor:
+    """``x`` ``[n, ...]`` padded to ``rows`` rows: ``fill`` rows, or copies of its last row."""
+    n = x.shape[0]
+    if rows == n:
+        return x
+    pad = x[-1:].expand(rows - n, *x.shape[1:]) if fill is None else x.new_full((rows - n, *x.shape[1:]), fill)
+    return torch.cat((x, pad))
 
 
 def sequence_attention(q: torch.Tensor, full: list[KVBlock], new: Optional[KVBlock],
                        kv_map: Optional[torch.Tensor], joined: Optional[bool] = None) -> torch.Tensor:
-    """One sequence: ``q`` ``[n, H, D]`` for its new tokens; ``full`` key blocks every new token
-    sees (its cached prefix, in any order); ``new`` its new tokens' K/V, attended causally (None
-    when the new token is a lone decode token already included in ``full``). Returns ``[n, H, D]``.
-    ``joined``: one SDPA call over the concatenated blocks (default: off the CPU; see the module doc)."""
+    """One sequence: ``q`` ``[n, H, D]`` for its new tokens, the last n positions of its context;
+    ``full`` key blocks every new token sees (its cached prefix, in position order); ``new`` its
+    new tokens' K/V, attended causally (None when the new token is a lone token already included
+    in ``full``). Returns ``[n, H, D]``. A row's result is the one a cold prompt's causal call
+    gives it (bit for bit on a CPU, see :func:`cpu_query_rows`), wherever the prompt was split.
+    ``joined``: the GPU's form of the call (default: off the CPU; see the module doc)."""
     if full and (q.device.type != "cpu" if joined is None else joined):
         return joined_attention(q, full, new, kv_map)
-    heads = q.shape[1]
-    qh = q.transpose(0, 1)  # [H, n, D]
-    if not full:  # a cold prefill: one causal block, no log-sum-exp needed
-        assert new is not None
-        k_new, v_new = new
-        if kv_map is not None:
-            k_new, v_new = _expand_heads(k_new, heads, kv_map), _expand_heads(v_new, heads, kv_map)
-        # 4-D inputs: torch's CPU flash kernel takes them; 3-D ones fall back to the math path.
-        out = F.scaled_dot_product_attention(qh[None], k_new.transpose(0, 1)[None], v_new.transpose(0, 1)[None],
-                                             is_causal=True, enable_gqa=kv_map is None)[0]
-        return out.transpose(0, 1)
-    if new is None and len(full) == 1:  # a decode token over one run: no statistics to merge
-        k, v = full[0]
-        return decode_attention(q, k[None], v[None], None, kv_map)[0][None]
-    parts = [_partial(qh, k.to(q.dtype), v.to(q.dtype), False, kv_map) for k, v in full]
-    if new is not None:
-        parts.append(_partial(qh, new[0], new[1], True, kv_map))
-    return merge_partials(parts).transpose(0, 1)
+    n, heads, dim = q.shape
+    blocks = [(k.to(q.dtype), v.to(q.dtype)) for k, v in full] + ([new] if new is not None else [])
+    k = torch.cat([b[0] for b in blocks]) if len(blocks) > 1 else blocks[0][0]
+    v = torch.cat([b[1] for b in blocks]) if len(blocks) > 1 else blocks[0][1]
+    if kv_map is not None:
+        k, v = _expand_heads(k, heads, kv_map), _expand_heads(v, heads, kv_map)
+    length = k.shape[0]
+    cpu = q.device.type == "cpu"
+    rows = cpu_query_rows(n, dim) if cpu else n
+    kh, vh = (_padded_rows(x, cpu_key_count(length) if cpu else length, 0.0).transpose(0, 1)[None] for x in (k, v))
+    # A cold prompt of 192-767 rows attends with the mask: the kernel's causal call would stop each
+    # block of 64 rows at its last key, leaving a block of 320-448 keys (see cpu_key_count).
+    if not full and not (cpu and 192 <= rows < 768):  # one causal call: padding keys meet padding rows only
+        qh = _padded_rows(q, rows).transpose(0, 1)[None]  # [1, H, rows, D]: 4-D, so the CPU flash kernel takes it
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=kv_map is None)
+        return out[0, :, :n].transpose(0, 1)
+    # The query rows are the context's last n positions, attended a block of rows at a time over the
+    # keys up to the block's last (padding rows: the last one's): the masked keys a block reads, and
+    # its mask, stay under a block's worth of rows.
+    out = torch.empty_like(q)
+    for r0 in range(0, n, MASKED_QUERY_BLOCK):
+        r1 = min(n, r0 + MASKED_QUERY_BLOCK)
+        block_rows = cpu_query_rows(r1 - r0, dim) if cpu else r1 - r0
+        keys = min(kh.shape[2], cpu_key_count(length - n + r1)) if cpu else length - n + r1
+        positions = torch.arange(length - n + r0, length - n + r0 + block_rows, device=q.device).clamp_(max=length - 1)
+        mask = positions[:, None] >= torch.arange(keys, device=q.device)[None, :]
+        qh = _padded_rows(q[r0:r1], block_rows).transpose(0, 1)[None]
+        part = F.scaled_dot_product_attention(qh, kh[:, :, :keys], vh[:, :, :keys], attn_mask=mask,
+                                              enable_gqa=kv_map is None)
+        out[r0:r1] = part[0, :, :r1 - r0].transpose(0, 1)
+    return out
 
 
 def joined_attention(q: torch.Tensor, full: list[KVBlock], new: Optional[KVBlock],

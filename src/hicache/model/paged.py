@@ -13,8 +13,9 @@ at their slots, then takes one of three paths, all exact:
 - the SDPA fallback for such passes: several rows (or an MLA latent, which is gathered anyway)
   gather every row's context to ``[T, K]`` slots, one SDPA call with a per-key padding bias;
 - spans: each sequence's new tokens attend to its cached prefix (read as views of the buffers
-  when it lies in a few runs of slots, else gathered) and causally to each other, the blocks
-  merged by log-sum-exp (:func:`~hicache.model.attention.sequence_attention`). Every prompt pass
+  when it lies in a few runs of slots, else gathered) and causally to each other, over one
+  concatenated key axis, so a row computes as in the cold prompt's one causal call
+  (:func:`~hicache.model.attention.sequence_attention`). Every prompt pass
   takes them, however few its new tokens (a hit that leaves one token to compute attends as the
   cold prompt's chunk did: issue 57), unless the backend is ``rowwise``.
 

@@ -36,9 +36,9 @@ DECODE_ACTIVATIONS = ("float32", "int8")
 # resolved by :func:`hicache.device.resolve_prefill_weights`): the loaded weights, or a (lossy)
 # bf16 copy where the CPU multiplies bf16 natively and the model is float32.
 PREFILL_WEIGHTS = ("same", "bfloat16")
-# Deterministic inference: a dense float32 pass of fewer rows runs as a GEMM of this many (zero
-# rows added). BLAS picks its kernel by the number of rows -- one row is a matrix-vector product,
-# a few rows another kernel -- but from 16 rows on, every row of MKL's sgemm gets the same bits
+# A prompt pass (and, under deterministic inference, any dense float32 pass) of fewer rows runs as
+# a GEMM of this many (zero rows added). BLAS picks its kernel by the number of rows -- one row is
+# a matrix-vector product, a few rows another kernel -- but from 16 rows on, every row of MKL's sgemm gets the same bits
 # whatever the row count and its place in the batch (:func:`dense_rows_invariant` checks this
 # CPU's BLAS at start-up).
 INVARIANT_MIN_ROWS = 16
@@ -98,7 +98,9 @@ class Projection:
                 return _linear_in(self._decode_weight, x, self._bias)
         elif self._prefill_weight is not None:
             return _linear_in(self._prefill_weight, x, self._bias)
-        if self.row_invariant:
+        if self.row_invariant or not generated:
+            # A prompt pass of a few rows (a hit leaving a few tokens) gets the bits the cold
+            # prompt's longer pass gave those rows (issue 57); a large decode batch needs no padding.
             return invariant_linear(x, self._weight, self._bias)
         return F.linear(x, self._weight, self._bias)
 
