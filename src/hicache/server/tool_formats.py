@@ -133,6 +133,7 @@ class CallFormat:
 
     name = ""
     example = ""  # one call, as the model should write it (described to templates without tools)
+    _STARTS: tuple[str, ...] = ()  # how a reply that is nothing but calls may begin
 
     def parse(self, text: str, names: set[str], truncated: bool = False) -> tuple[Optional[str], list[ToolCall]]:
         """``(content, calls)`` of a reply; ``truncated`` (cut by max_tokens): a call left open at
@@ -140,8 +141,9 @@ class CallFormat:
         raise NotImplementedError
 
     def held_back(self, text: str) -> int:
-        """How many characters at the end of streamed ``text`` may begin a call."""
-        raise NotImplementedError
+        """How many characters at the end of streamed ``text`` may begin a call (a whole-reply format:
+        all of it while it may still be one, see ``_STARTS``)."""
+        return _whole_reply_held(text, self._STARTS)
 
     def grammar(self, tools: dict[str, dict[str, Any]], names: list[str], parallel: bool,
                 special_id: SpecialId) -> str:
@@ -225,9 +227,6 @@ class Llama3Format(CallFormat):
         body = text.strip().removeprefix(self.TAG)
         return self._whole(text, names, truncated, whole_reply_calls(body, names, ("parameters", "arguments"), ";"))
 
-    def held_back(self, text: str) -> int:
-        return _whole_reply_held(text, self._STARTS)
-
     def grammar(self, tools: dict[str, dict[str, Any]], names: list[str], parallel: bool,
                 special_id: SpecialId) -> str:
         alternatives = " | ".join(f"fn{i}" for i in range(len(names)))
@@ -268,9 +267,6 @@ class MistralFormat(CallFormat):
                 return None
             calls.append(call)
         return calls or None
-
-    def held_back(self, text: str) -> int:
-        return _whole_reply_held(text, self._STARTS)
 
     def grammar(self, tools: dict[str, dict[str, Any]], names: list[str], parallel: bool,
                 special_id: SpecialId) -> str:
