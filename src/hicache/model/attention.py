@@ -35,7 +35,6 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from hicache.kernels import cpu_kernels
 
@@ -219,7 +218,11 @@ def joined_attention(q: torch.Tensor, full: list[KVBlock], new: Optional[KVBlock
     heads = q.shape[1]
     if k.shape[1] != heads or kv_map is not None:
         k, v = _expand_heads(k, heads, kv_map), _expand_heads(v, heads, kv_map)
-    mask = causal_lower_right(q.shape[0], k.shape[0]) if new is not None else None
+    mask = None
+    if new is not None:
+        # Imported here: torch.nn.attention.bias pulls in torch._dynamo (1.4 s of every process's start).
+        from torch.nn.attention.bias import causal_lower_right
+        mask = causal_lower_right(q.shape[0], k.shape[0])
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                          attn_mask=mask)
     return out[0].transpose(0, 1)
