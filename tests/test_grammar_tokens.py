@@ -25,7 +25,7 @@ SHIPPED = ["smollm2", pytest.param("gemma3-270m", marks=pytest.mark.slow),
            pytest.param("qwen2.5-coder-0.5b", marks=pytest.mark.slow)]
 
 
-@lru_cache(maxsize=1)
+@lru_cache(maxsize=None)  # (each model's tables once: the tests take them in turns)
 def shipped(name: str) -> tuple[Tokenizer, dict, object]:
     """(our tokenizer, its llguidance config, llguidance's tokenizer over our table)."""
     try:
