@@ -258,18 +258,26 @@ def test_engine_failure_is_503_for_requests_in_flight_and_new_ones() -> None:
         engine.shutdown()
 
 
-def _rank_pids(parent: int) -> list[int]:
-    """Pids of the rank processes a server spawned (children running multiprocessing's spawn_main)."""
-    pids = []
+def _rank_pids(server: int) -> list[int]:
+    """Pids of a server's rank processes: its descendants named ``hicache PPx/TPy`` (the ranks
+    fork from a fork server the server started)."""
+    parents, names = {}, {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
-            cmdline = (stat.parent / "cmdline").read_bytes()
+            names[int(stat.parent.name)] = (stat.parent / "comm").read_text().strip()
         except OSError:
             continue
-        if int(fields[1]) == parent and b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
-            pids.append(int(stat.parent.name))
-    return sorted(pids)
+        parents[int(stat.parent.name)] = int(fields[1])
+
+    def descends(pid: int) -> bool:
+        while pid > 1:
+            pid = parents.get(pid, 0)
+            if pid == server:
+                return True
+        return False
+
+    return sorted(pid for pid, name in names.items() if name.startswith("hicache PP") and descends(pid))
 
 
 @pytest.mark.multirank

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import queue
 import signal
 import time
 from typing import Any, Callable
-
-import torch.multiprocessing
 
 from ..config import ConfigError, EngineConfig
 from ..errors import HicacheError
@@ -33,7 +32,7 @@ from ..model.parallel import check_parallel
 from .channels import WRITERS_GONE, exit_text, queued_now, reader_only
 from .groups import rank_label
 from .rank_group import STARTUP_TIMEOUT_S, _peer_failure, _user_main_hidden, init_method
-from .worker import rank_main
+from .worker import rank_context, start_rank
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +77,7 @@ class _Node:
         self.cfg = cfg
         self.ranks = list(cfg.local_ranks)
         self.labels = [rank_label(r, cfg.tp_size) for r in self.ranks]
-        self.ctx = torch.multiprocessing.get_context("spawn")
+        self.ctx = rank_context()
         self.status = self.ctx.Queue()
         self.procs: list[Any] = []
         self.capacity = 0
@@ -88,8 +87,8 @@ class _Node:
         init, level = init_method(self.cfg), logging.getLogger().getEffectiveLevel()
         with _user_main_hidden():  # the ranks never re-run the launching script
             for r, label in zip(self.ranks, self.labels):
-                p = self.ctx.Process(target=rank_main, name=f"hicache-rank-{label}", daemon=True,
-                                     args=(r, fields, init, self.status, None, None, None, level))
+                p = self.ctx.Process(target=start_rank, name=f"hicache-rank-{label}", daemon=True,
+                                     args=(dict(os.environ), r, fields, init, self.status, None, None, None, level))
                 p.start()
                 self.procs.append(p)
         reader_only(self.status)  # only the ranks write it: a killed rank reads as end-of-file

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import os
 import queue
 import sys
 import threading
@@ -26,8 +27,6 @@ import time
 import types
 from collections import deque
 from typing import Any, Iterator
-
-import torch.multiprocessing
 
 from ..config import ConfigError, EngineConfig
 from ..consensus_record import Entry
@@ -39,7 +38,7 @@ from .consensus import ConsensusMonitor, Divergence
 from .groups import rank_label
 from .messages import RequestUpdate
 from .scheduler_proxy import SchedulerProxy
-from .worker import rank_main
+from .worker import rank_context, start_rank
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +93,7 @@ class RankGroup:
         self.nnodes = cfg.nnodes
         self.local_world = cfg.ranks_per_node  # this node's ranks are 0 .. local_world - 1
         self.labels = [rank_label(r, cfg.tp_size) for r in range(self.world)]
-        ctx = torch.multiprocessing.get_context("spawn")
+        ctx = rank_context()
         self.inbox, self.outbox, self.status = ctx.Queue(), ctx.Queue(), ctx.Queue()
         # What the leader never read is moot once it is gone: never hold up this process's exit
         # to flush it into a pipe nobody reads.
@@ -137,8 +136,8 @@ class RankGroup:
         with _user_main_hidden():
             for r in range(self.local_world):
                 p = ctx.Process(
-                    target=rank_main, name=f"hicache-rank-{self.labels[r]}", daemon=True,
-                    args=(r, fields, init, self.status, self.inbox if r == 0 else None,
+                    target=start_rank, name=f"hicache-rank-{self.labels[r]}", daemon=True,
+                    args=(dict(os.environ), r, fields, init, self.status, self.inbox if r == 0 else None,
                           self.outbox if r == 0 else None, monitor_queue, level),
                 )
                 p.start()
