@@ -19,7 +19,7 @@ from rank_workloads import BASE, MODEL, multi_turn
 from hicache import Engine, SamplingParams
 from hicache.config import ConfigError, EngineConfig
 from hicache.errors import HicacheError
-from hicache.runtime import core
+from hicache.runtime import rank_plan
 from hicache.model import load_model
 from hicache.model.context_parallel import split_new_tokens
 from hicache.parallel.faults import ENV_VAR as FAULTS_ENV
@@ -204,7 +204,7 @@ def test_smollm2_multi_turn_cp2_sharded_equals_single_rank(tmp_path: Path, check
 def test_gather_scratch_is_taken_from_the_budget_before_the_pool(monkeypatch: pytest.MonkeyPatch) -> None:
     """DESIGN invariant 6: with sharded KV the prefix-gather scratch comes out of the same
     memory budget as the pool (a one-rank group here: no collective runs while building)."""
-    monkeypatch.setattr(core, "device_memory_budget", lambda device, fraction: 64 << 20)  # a fixed budget
+    monkeypatch.setattr(rank_plan, "device_memory_budget", lambda device, fraction: 64 << 20)  # a fixed budget
     loaded = load_model(MODEL, dtype=torch.float32)
     cpu = torch.device("cpu")
     plain = build_core(EngineConfig(model=MODEL, context_length=4096, **BASE), loaded, cpu, torch.float32)
@@ -212,7 +212,7 @@ def test_gather_scratch_is_taken_from_the_budget_before_the_pool(monkeypatch: py
     group = dist.ProcessGroupGloo(store, 0, 1)
     cfg = EngineConfig(model=MODEL, tp_size=2, attn_cp_size=2, enable_kv_cache_sharding=True, context_length=4096,
                        **BASE)
-    sharded = build_core(cfg, loaded, cpu, torch.float32, cp_group=CPGroup(group, group, 0, 1))
+    sharded = build_core(cfg, loaded, cpu, torch.float32, rank_plan.RankContext(cp_group=CPGroup(group, group, 0, 1)))
     scratch = sharded.runner.cp.gather.nbytes
     assert scratch > 0
     page = sharded.pool.bytes_per_page

@@ -211,11 +211,11 @@ def test_the_gpu_copy_staging_is_budgeted() -> None:
     of 16 tokens in bf16, two buffers of 256 pages of 32 KiB; a hybrid pool's window rows double
     it; a CPU, or no host tier, none."""
     from hicache.config import EngineConfig
-    from hicache.runtime.core import _transfer_staging
+    from hicache.runtime.rank_plan import _transfer_staging
 
     cfg = EngineConfig(model="random:small", enable_hierarchical_cache=True)
-    cuda, row = torch.device("cuda"), (8, 128)
-    assert _transfer_staging(cfg, cuda, *row, torch.bfloat16, False, None) == 2 * 256 * 16 * 8 * 128 * 2
-    assert _transfer_staging(cfg, cuda, *row, torch.bfloat16, True, None) == 2 * 2 * 256 * 16 * 8 * 128 * 2
-    assert _transfer_staging(cfg, torch.device("cpu"), *row, torch.bfloat16, False, None) == 0
-    assert _transfer_staging(EngineConfig(model="random:small"), cuda, *row, torch.bfloat16, False, None) == 0
+    cuda, layer_page = torch.device("cuda"), 2 * 16 * 8 * 128 * 2  # K and V of one layer's page, bf16
+    assert _transfer_staging(cfg, cuda, layer_page, 2, False, None) == 2 * 256 * 16 * 8 * 128 * 2
+    assert _transfer_staging(cfg, cuda, layer_page, 2, True, None) == 2 * 2 * 256 * 16 * 8 * 128 * 2
+    assert _transfer_staging(cfg, torch.device("cpu"), layer_page, 2, False, None) == 0
+    assert _transfer_staging(EngineConfig(model="random:small"), cuda, layer_page, 2, False, None) == 0

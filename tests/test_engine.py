@@ -242,16 +242,23 @@ def test_device_pool_budget_is_shared_and_counts_staging_buffers(monkeypatch: py
     """Sized from a budget (no --max-total-tokens): ranks on one device split it, and a rank's
     staging buffers (e.g. the shared-memory all-reduce) come out of its share (DESIGN inv. 6)."""
     from hicache.config import EngineConfig
-    from hicache.runtime import core
+    from hicache.model.loader import load_model
+    from hicache.runtime import rank_plan
 
-    mib = 2**20
-    monkeypatch.setattr(core, "device_memory_budget", lambda device, fraction: 64 * mib)
     cfg, cpu = EngineConfig(model="random:tiny"), torch.device("cpu")
-    assert core._device_pool_pages(cfg, cpu, mib) == 64 + 1  # + the reserved page 0
-    assert core._device_pool_pages(cfg, cpu, mib, share=2) == 32 + 1
-    assert core._device_pool_pages(cfg, cpu, mib, share=2, staging_bytes=8 * mib) == 24 + 1
-    with pytest.raises(ConfigError, match="after 32 MiB of staging buffers"):
-        core._device_pool_pages(cfg, cpu, mib, share=2, staging_bytes=32 * mib)
+    spec = load_model("random:tiny", torch.float32, weights=False).spec
+    page = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4 * cfg.page_size  # float32 K and V
+    monkeypatch.setattr(rank_plan, "device_memory_budget", lambda device, fraction: 64 * page)
+
+    def device_pages(**place) -> int:
+        return rank_plan.plan_rank(cfg, spec, rank_plan.RankContext(**place), None, cpu, torch.float32,
+                                   True).device_pages
+
+    assert device_pages() == 64 + 1  # + the reserved page 0
+    assert device_pages(memory_share=2) == 32 + 1
+    assert device_pages(memory_share=2, staging_bytes=8 * page) == 24 + 1
+    with pytest.raises(ConfigError, match="of staging buffers"):
+        device_pages(memory_share=2, staging_bytes=32 * page)
 
 
 def test_flush_and_stats() -> None:

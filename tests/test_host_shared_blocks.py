@@ -113,7 +113,7 @@ def test_every_pipeline_stage_takes_the_same_host_layout(pp_size) -> None:
     from hicache.config import EngineConfig
     from hicache.model.loader import load_model
     from hicache.model.parallel import stage_layers
-    from hicache.runtime.core import _host_pools_apart
+    from hicache.runtime.rank_plan import _host_pools_apart
     from hicache.runtime.hybrid_pool import plan_hybrid
 
     spec = load_model(MODEL, torch.float32).spec

@@ -505,10 +505,10 @@ def test_the_kv_budget_counts_both_components(monkeypatch) -> None:
     """DESIGN invariant 6: sized from a memory budget (--mem-fraction-static's, fixed here at 8 MiB), the full
     and the window component together stay within it -- but for their reserved page 0, as every pool -- and
     use most of it."""
-    import hicache.runtime.core as core
+    import hicache.runtime.rank_plan as rank_plan
 
     budget = 8 * 2**20
-    monkeypatch.setattr(core, "device_memory_budget", lambda device, fraction: budget)
+    monkeypatch.setattr(rank_plan, "device_memory_budget", lambda device, fraction: budget)
     engine = Engine(MODEL, dtype="float32", kv_cache_dtype="float32", page_size=PS, mem_fraction_static=0.5,
                     swa_full_tokens_ratio=0.25)
     try:

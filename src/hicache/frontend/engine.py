@@ -103,9 +103,10 @@ class Engine:
         resident = "" if model is None else f" weights={model.weight_bytes() / 2**20:.0f}MiB"
         logger.info(
             "engine ready: model=%s device=%s dtype=%s kv=%s prefill-weights=%s decode-weights=%s%s pool=%s "
-            "context=%d ranks=tp%dxpp%d%s",
+            "components=%s context=%d ranks=tp%dxpp%d%s",
             cfg.model, self.device, cfg.dtype, cfg.kv_cache_dtype, cfg.prefill_weight_dtype, decode, resident,
-            self._pool_summary(), self.context_length,
+            self._pool_summary(), ",".join(f"{c['name']}:{c['layers']}" for c in self.backend.stats()["components"]),
+            self.context_length,
             cfg.tp_size, cfg.pp_size, f" cp{cfg.attn_cp_size}" + (" kv-sharded" if cfg.enable_kv_cache_sharding else "")
             if cfg.attn_cp_size > 1 else "",
         )

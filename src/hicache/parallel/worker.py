@@ -42,6 +42,7 @@ from ..model.parallel import model_shard, shard_model
 from ..runtime.batch import Batch, Sampled
 from ..runtime.core import EngineCore, build_core
 from ..runtime.core_stats import core_stats
+from ..runtime.rank_plan import RankContext
 from ..runtime.events import StepEvents
 from ..runtime.request import Request
 from ..runtime.step import Inbound, StepDriver, apply_intake, take_intake
@@ -320,13 +321,13 @@ def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox:
             _open_shared_reduce(cfg, info, groups, loaded, draft)
         local = info.ranks_per_node
         ranks_per_device = local if device.type == "cpu" else -(-local // torch.cuda.device_count())
-        core = build_core(cfg, loaded, device, dtype, shard, agree=groups.world_min,
-                          storage_agree=groups.storage_agree(), memory_share=ranks_per_device,
-                          staging_bytes=groups.staging_bytes(), cp_group=groups.cp,
-                          split_tokens=info.cp_size > 1, draft=draft,
-                          draft_row=(len(draft_shard.kv_heads), draft.spec.head_dim) if draft else None,
-                          pd_ranks=_pd_ranks(info, shard, groups),
-                          share_draws=groups.tp_broadcast if info.tp_size > 1 else None)  # one rank's draws a stage
+        place = RankContext(shard, agree=groups.world_min, storage_agree=groups.storage_agree(),
+                            memory_share=ranks_per_device, staging_bytes=groups.staging_bytes(), cp_group=groups.cp,
+                            split_tokens=info.cp_size > 1,
+                            draft_row=(len(draft_shard.kv_heads), draft.spec.head_dim) if draft else None,
+                            pd_ranks=_pd_ranks(info, shard, groups),
+                            share_draws=groups.tp_broadcast if info.tp_size > 1 else None)  # one rank's draws a stage
+        core = build_core(cfg, loaded, device, dtype, place, draft)
         plan = FaultPlan.from_env()
         if plan is not None:
             plan.install(core.cache, info.label, rank)

@@ -33,6 +33,7 @@ import torch
 from ..config import ConfigError, EngineConfig
 from ..model.batch import KVView
 from ..model.loader import LoadedModel
+from ..model.spec import ModelSpec
 from .batch import Batch
 from .modes import DecodePlan, Mode, ModeContext
 from .request import Request, SpecState
@@ -90,21 +91,21 @@ class DraftKV:
         return 2 * self.layers * self.row[0] * self.row[1] * elem * page_size
 
 
-def plan_draft_kv(cfg: EngineConfig, draft: Optional[LoadedModel], target_row: tuple[int, int],
+def plan_draft_kv(cfg: EngineConfig, draft: Optional[ModelSpec], target_row: tuple[int, int],
                   draft_row: Optional[tuple[int, int]] = None) -> Optional[DraftKV]:
     """The draft's KV layout for ``--speculative-draft-kv-layout`` (auto: packed when the rows
     match); None without a draft. ``draft_row``: its local row when sharded (default: the
     whole model's). (The dtype is the engine's, shared by both models.)"""
     if draft is None:
         return None
-    row = draft_row or (draft.spec.num_kv_heads, draft.spec.head_dim)
+    row = draft_row or (draft.num_kv_heads, draft.head_dim)
     layout = cfg.speculative_draft_kv_layout
     if layout == "packed" and row != target_row:
         raise ConfigError(f"--speculative-draft-kv-layout packed needs the draft's KV rows to match the target's "
                           f"({target_row[0]} KV heads x {target_row[1]}); {cfg.speculative_draft_model_path!r} has "
                           f"{row[0]} x {row[1]}.")
     packed = layout == "packed" or (layout == "auto" and row == target_row)
-    return DraftKV(packed, draft.spec.num_layers, row)
+    return DraftKV(packed, draft.num_layers, row)
 
 
 @dataclass
