@@ -40,42 +40,42 @@ import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable, Literal, Optional, Union
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
 from ..runtime.request import GenerateResult
-from .choices import abort_unfinished, collect_choices, merged_updates, submit_choices
 from .builtin_tools import dropped_header, note_dropped
-from .detok import IncrementalText
+from .choices import collect_choices, event_stream, merged_updates, submit_choices
 from .keepalive import ANTHROPIC_PING, with_keepalives
 from .parsing import parse_body, read_body
-from .protocol import APIError, ChatCompletionRequest, _Body, media_refusal
+from .prepare import prepare_chat
+from .protocol import APIError, ChatCompletionRequest, RequestBody, media_refusal
 from .state import ServerState
-from .submit import Prepared, engine_dead_during, reply_room, stop_string_matched, vet_grammar
-from .tools import ChatChunks
+from .tools import parse_reply
+from .submit import Prepared, ReplyDeltas, engine_dead_during, reply_room, stop_string_matched, vet_grammar
 
 logger = logging.getLogger(__name__)
 
 
-class TextBlock(_Body):
+class TextBlock(RequestBody):
     type: Literal["text"]
     text: str
 
 
-class ToolUseBlock(_Body):
+class ToolUseBlock(RequestBody):
     type: Literal["tool_use"]
     id: str
     name: str
     input: dict[str, Any]
 
 
-class MediaBlock(_Body):
+class MediaBlock(RequestBody):
     """An image or document block: parsed only to be refused in a sentence of its own (:func:`as_chat`)."""
 
     type: Literal["image", "document"]
 
 
-class ToolResultBlock(_Body):
+class ToolResultBlock(RequestBody):
     type: Literal["tool_result"]
     tool_use_id: str
     content: Union[str, list[Union[TextBlock, MediaBlock]]] = ""
@@ -97,12 +97,12 @@ def _text_blocks(blocks: list[Any]) -> list[TextBlock]:
     return [b for b in blocks if isinstance(b, TextBlock)]
 
 
-class AnthropicMessage(_Body):
+class AnthropicMessage(RequestBody):
     role: Literal["user", "assistant", "system"]  # system: mid-conversation system text (server/system_turns.py)
     content: Union[str, list[Block]]
 
 
-class AnthropicTool(_Body):
+class AnthropicTool(RequestBody):
     """A client tool (no ``type``, or ``custom``), or a server tool (``web_search_20250305``, ...),
     which is dropped (server/builtin_tools.py)."""
 
@@ -116,7 +116,7 @@ class AnthropicTool(_Body):
         return self.type not in (None, "custom")
 
 
-class MessagesRequest(_Body):
+class MessagesRequest(RequestBody):
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
     max_tokens: int = Field(1024, ge=1)  # required by Anthropic; count_tokens has none
@@ -233,9 +233,8 @@ def anthropic_errors(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Aw
     return wrapped
 
 
-def add_anthropic_routes(app: FastAPI, st: ServerState, prepare_chat: Callable[[ChatCompletionRequest, ServerState],
-                                                                                   Prepared]) -> None:
-    """``prepare_chat``: the chat endpoint's preparation of a parsed body (template, tools, sampling)."""
+def add_anthropic_routes(app: FastAPI, st: ServerState) -> None:
+    """``/v1/messages`` and ``/v1/messages/count_tokens``, prepared as chat requests (:func:`prepare_chat`)."""
     decode = st.engine.tokenizer.decode
 
     def prepare(raw: bytes, counting: bool = False) -> Prepared:
@@ -259,11 +258,9 @@ def add_anthropic_routes(app: FastAPI, st: ServerState, prepare_chat: Callable[[
         base = {"id": msg_id, "type": "message", "role": "assistant", "model": p.body.model}
         headers = dropped_header(p.dropped_tools)
         if p.body.stream:
-            return StreamingResponse(_events(st, handles, p, base, decode), media_type="text/event-stream",
-                                     headers=headers)
+            return event_stream(st, handles, _events(p, handles, base, decode), headers)
         res = (await collect_choices(st, request, handles))[0]
-        content, calls = p.call_format.parse(res.text, set(p.call_names), res.finish_reason == "length") \
-            if p.call_names else (res.text or None, [])
+        content, calls = parse_reply(res.text, res.finish_reason, p.call_names, p.call_format)
         blocks = ([{"type": "text", "text": content}] if content else []) + [_tool_use(c) for c in calls]
         stop_reason, stop_sequence = _stop(res, p, bool(calls), decode)
         return JSONResponse({**base, "content": blocks, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
@@ -280,61 +277,54 @@ def _event(kind: str, data: dict[str, Any]) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
 
 
-async def _events(st: ServerState, handles: list, p: Prepared, base: dict[str, Any],
+async def _events(p: Prepared, handles: list, base: dict[str, Any],
                   decode: Callable[[list[int]], str]) -> AsyncIterator[str]:
     """The Messages stream: ``message_start``, a text block's ``content_block_start`` / ``_delta`` /
     ``_stop`` as text comes (what may begin a tool call is held, as in chat streams), one
     ``tool_use`` block per call at the end (its input as one ``input_json_delta``), ``message_delta``
     with the stop reason and usage, ``message_stop``."""
-    chunks = ChatChunks({}, p.call_names, fmt=p.call_format)
-    detok = IncrementalText(decode, p.sampling.stop_strings)
+    reply_deltas = ReplyDeltas(p, decode)
     index, text_open, started = 0, False, False
-    try:
-        async for item in with_keepalives(merged_updates(handles)):
-            if item is None:  # the prompt still prefilling, or queued: Anthropic's ping (SDKs skip it)
-                yield ANTHROPIC_PING
-                continue
-            _, upd = item
-            if not started:  # message_start once the prompt is admitted: its usage splits cached and computed
-                started = True
-                cached = upd.cached or (upd.result.cached_tokens_details if upd.result is not None else {})
-                yield _event("message_start", {"message": {
-                    **base, "content": [], "stop_reason": None, "stop_sequence": None,
-                    "usage": _input_usage(len(p.ids), cached, 0)}})
-            res = upd.result if upd.finished else None
-            if res is not None and res.finish_reason == "error":
-                err = engine_dead_during(res)
-                yield _event("error", {"error": {"type": "api_error", "message": err.message}})
-                return
-            text = detok.finish(res.text) if res is not None else detok.add(upd.token_ids)
-            deltas = [chunks(text, None, False, [])["choices"][0]["delta"]]
-            if res is not None:
-                deltas.append(chunks("", res.finish_reason, False, [])["choices"][0]["delta"])
-            for delta in deltas:
-                if delta.get("content"):
-                    if not text_open:
-                        yield _event("content_block_start", {"index": index, "content_block": {"type": "text",
-                                                                                              "text": ""}})
-                        text_open = True
-                    yield _event("content_block_delta", {"index": index, "delta": {"type": "text_delta",
-                                                                                   "text": delta["content"]}})
-            if res is None:
-                continue
-            if text_open:
-                yield _event("content_block_stop", {"index": index})
-                index += 1
-            calls = deltas[-1].get("tool_calls") or []
-            for call in calls:
-                fn = call["function"]
-                block = {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": fn["name"], "input": {}}
-                yield _event("content_block_start", {"index": index, "content_block": block})
-                yield _event("content_block_delta", {"index": index, "delta": {"type": "input_json_delta",
-                                                                               "partial_json": fn["arguments"]}})
-                yield _event("content_block_stop", {"index": index})
-                index += 1
-            stop_reason, stop_sequence = _stop(res, p, bool(calls), decode)
-            yield _event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                                           "usage": _usage(res)})
-            yield _event("message_stop", {})
-    finally:
-        abort_unfinished(st, handles, "stream closed early")  # the client went away (or the server is stopping)
+    async for item in with_keepalives(merged_updates(handles)):
+        if item is None:  # the prompt still prefilling, or queued: Anthropic's ping (SDKs skip it)
+            yield ANTHROPIC_PING
+            continue
+        _, upd = item
+        if not started:  # message_start once the prompt is admitted: its usage splits cached and computed
+            started = True
+            cached = upd.cached or (upd.result.cached_tokens_details if upd.result is not None else {})
+            yield _event("message_start", {"message": {
+                **base, "content": [], "stop_reason": None, "stop_sequence": None,
+                "usage": _input_usage(len(p.ids), cached, 0)}})
+        res = upd.result if upd.finished else None
+        if res is not None and res.finish_reason == "error":
+            err = engine_dead_during(res)
+            yield _event("error", {"error": {"type": "api_error", "message": err.message}})
+            return
+        deltas = reply_deltas(upd)
+        for delta in deltas:
+            if delta.get("content"):
+                if not text_open:
+                    yield _event("content_block_start", {"index": index, "content_block": {"type": "text",
+                                                                                          "text": ""}})
+                    text_open = True
+                yield _event("content_block_delta", {"index": index, "delta": {"type": "text_delta",
+                                                                               "text": delta["content"]}})
+        if res is None:
+            continue
+        if text_open:
+            yield _event("content_block_stop", {"index": index})
+            index += 1
+        calls = deltas[-1].get("tool_calls") or []
+        for call in calls:
+            fn = call["function"]
+            block = {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": fn["name"], "input": {}}
+            yield _event("content_block_start", {"index": index, "content_block": block})
+            yield _event("content_block_delta", {"index": index, "delta": {"type": "input_json_delta",
+                                                                           "partial_json": fn["arguments"]}})
+            yield _event("content_block_stop", {"index": index})
+            index += 1
+        stop_reason, stop_sequence = _stop(res, p, bool(calls), decode)
+        yield _event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                                       "usage": _usage(res)})
+        yield _event("message_stop", {})

@@ -1,13 +1,14 @@
 """The OpenAI-compatible HTTP API over an :class:`EngineLoop`.
 
 Endpoints: ``/v1/chat/completions``, ``/v1/completions`` (streaming as server-sent events or
-not), ``/v1/models`` and ``/v1/models/{id}``; the Responses API is in :mod:`.responses`, Anthropic's
-``/v1/messages`` in :mod:`.anthropic`,
-SGLang's native ``/generate`` in :mod:`.native`,
-what the generating endpoints share in :mod:`.submit`; the operational ones (health, cache
-flush, metrics, stats, tokenize, L3 layout, what sglang-router asks at start) are in
-:mod:`.operations`. Every error is OpenAI-shaped JSON. A request carrying ``bootstrap_host`` / ``bootstrap_port`` /
-``bootstrap_room`` (what sglang-router adds in PD mode) runs as one half of a P/D pair.
+not), ``/v1/models`` and ``/v1/models/{id}``; the Responses API is in :mod:`.responses`,
+Anthropic's ``/v1/messages`` in :mod:`.anthropic`, SGLang's native ``/generate`` in :mod:`.native`.
+What they share lies below them all: a request made ready in :mod:`.prepare`, submitted and
+collected in :mod:`.submit`, its choices in :mod:`.choices`. The operational endpoints (health,
+cache flush, metrics, stats, tokenize, L3 layout, what sglang-router asks at start) are in
+:mod:`.operations`. Every error is OpenAI-shaped JSON. A request carrying ``bootstrap_host`` /
+``bootstrap_port`` / ``bootstrap_room`` (what sglang-router adds in PD mode) runs as one half of a
+P/D pair.
 
 The event loop only moves bytes: parsing a body, rendering the chat template and tokenizing
 run on a small worker pool (:class:`~.state.ServerState`; :func:`_prepare_chat`,
@@ -18,7 +19,6 @@ flight end with 503 ``engine_dead`` (an ``error`` event when streaming) and so d
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 import uuid
@@ -26,26 +26,16 @@ from typing import AsyncIterator, Callable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import EngineDeadError, InvalidRequestError
+from ..errors import EngineDeadError
 from ..frontend.loop import EngineLoop, RequestHandle
-from ..model.tokenizer import Tokenizer
 from ..runtime.request import GenerateResult
-from ..runtime.sampling import GrammarSpec, SamplingParams
-from .choices import (
-    abort_unfinished,
-    chat_logprobs,
-    check_choices,
-    collect_choices,
-    completion_logprobs,
-    merged_updates,
-    submit_choices,
-    usage_of,
-)
 from .anthropic import add_anthropic_routes
-from .builtin_tools import dropped_header, note_dropped, split_chat_tools
+from .builtin_tools import dropped_header
+from .choices import (chat_logprobs, check_choices, collect_choices, completion_logprobs, event_stream, merged_updates,
+                      submit_choices, usage_of)
 from .detok import IncrementalText
 from .keepalive import SSE_KEEPALIVE, with_keepalives
 from .metrics import ServerMetrics
@@ -53,99 +43,31 @@ from .middleware import CatchAllErrors, RequireApiKey
 from .native import add_native_routes
 from .operations import add_operation_routes
 from .parsing import parse_body, read_body
+from .prepare import prepare_chat, sampling_params
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest
 from .response_store import ResponseStore
 from .responses import add_responses_routes
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, _Sampling
 from .state import ServerOptions, ServerState
-from .system_turns import place_system_messages
-from .submit import (
-    Prepared,
-    _check_fits,
-    _sse,
-    _timing,
-    engine_dead,
-    engine_dead_during,
-    reply_room,
-    vet_grammar,
-)
-from .tools import ChatChunks, ChunkFn, chat_message, chat_prompt
+from .submit import Prepared, check_fits, engine_dead, engine_dead_during, sse_data, timing, vet_grammar
+from .tools import ChatChunks, ChunkFn, chat_message
 
 logger = logging.getLogger(__name__)
 
-_UNKNOWN_LOGGED: set[str] = set()  # request fields already logged as ignored (once each)
-
-
-def _sampling(st: ServerState, body: _Sampling, max_new: Optional[int], default_max: int,
-              grammar: Optional[GrammarSpec] = None) -> SamplingParams:
-    """The request's sampling parameters; ``grammar`` (a forced tool call) or the body's own
-    structured-output fields, checked by the engine's grammar compiler (400 if unusable)."""
-    bad = body.unsupported()
-    if bad:
-        raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
-    for name in set(body.unknown_fields()) - _UNKNOWN_LOGGED:
-        _UNKNOWN_LOGGED.add(name)
-        logger.info("ignoring the request field %r (not an OpenAI, SGLang or vLLM field this server uses)", name)
-    if max_new is not None and max_new < 1:
-        raise APIError(400, f"max_tokens must be at least 1, got {max_new}.", param="max_tokens", code="invalid_value")
-    param, own = body.grammar_spec() or (None, None)
-    if grammar is not None and own is not None:
-        raise APIError(400, "a forced tool call cannot be combined with response_format, regex or ebnf.",
-                       param="tool_choice", code="invalid_value")
-    sp = SamplingParams(
-        max_new_tokens=max_new if max_new is not None else default_max,
-        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, stop=body.stop,
-        stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos, seed=body.seed,
-        grammar=grammar or own, **body.adjustments(),
-    )
-    try:
-        st.engine.check_sampling(sp)  # (the grammar is vetted next, without holding this thread: vet_grammar)
-    except InvalidRequestError as e:
-        field = "tools" if grammar is not None and e.param == "grammar" else body.field_of(e.param)
-        raise APIError(400, str(e), param=field or param, code="invalid_value") from None
-    return sp
-
 
 def _prepare_chat(raw: bytes, st: ServerState) -> Prepared:
-    return prepare_chat_body(parse_body(raw, ChatCompletionRequest), st)
-
-
-def prepare_chat_body(body: ChatCompletionRequest, st: ServerState) -> Prepared:
-    """A chat request made ready to submit: the template rendered with its tools, tokenized, sampling
-    checked (also what the Messages API's requests become: server/anthropic.py)."""
-    st.check_model(body.model)
-    tok: Tokenizer = st.engine.tokenizer
-    tools, dropped = split_chat_tools(body.tools or [])
-    chat = chat_prompt(body.messages, tools or None, body.tool_choice, body.parallel_tool_calls, tok.renders_tools,
-                       st.call_format, tok.special_token_id)
-    forced = GrammarSpec("lark", chat.forced_grammar) if chat.forced_grammar else None
-    # (without a max, the rest of the context once the prompt is tokenized: reply_room below)
-    sp = _sampling(st, body, body.max_new_tokens(), st.engine.context_length, forced)
-    check_choices(body.n, 1, sp, body.stream, st.opts.max_logprob_tokens)
-    try:
-        text = tok.apply_chat_template(place_system_messages(chat.messages, tok), add_generation_prompt=True,
-                                       tools=chat.template_tools)
-    except InvalidRequestError as e:  # no template, or it raised or ran past a limit (model/chat_render.py)
-        raise APIError(400, str(e), param="messages") from None
-    except Exception as e:  # the model's Jinja template refused these messages
-        raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
-    ids = tok.encode(text)
-    _check_fits(ids, body.max_new_tokens(), st.engine.context_length, "messages")
-    if body.max_new_tokens() is None:
-        sp = dataclasses.replace(sp, max_new_tokens=reply_room(st, len(ids), st.opts.default_max_tokens))
-    return Prepared(body, [ids], sp, "messages", chat.call_names, body.n,
-                    "tools" if forced is not None else body.field_of("grammar"), st.call_format, note_dropped(dropped))
+    return prepare_chat(parse_body(raw, ChatCompletionRequest), st)
 
 
 def _prepare_completion(raw: bytes, st: ServerState) -> Prepared:
     body = parse_body(raw, CompletionRequest)
     st.check_model(body.model)
-    sp = _sampling(st, body, body.max_new_tokens(), 16)
+    sp = sampling_params(st, body, body.max_new_tokens(), 16)
     texts = body.prompt_list()
     check_choices(body.n, len(texts), sp, body.stream, st.opts.max_logprob_tokens)  # before tokenizing them
     prompts = [st.engine.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in texts]
     for ids in prompts:
-        _check_fits(ids, body.max_tokens if "max_tokens" in body.model_fields_set else None,
-                    st.engine.context_length, "prompt")
+        check_fits(ids, body.max_tokens if "max_tokens" in body.model_fields_set else None,
+                   st.engine.context_length, "prompt")
     return Prepared(body, prompts, sp, "prompt", n=body.n, grammar_param=body.field_of("grammar"))
 
 
@@ -160,9 +82,9 @@ def create_app(loop: EngineLoop, metrics: ServerMetrics, opts: ServerOptions) ->
         app.add_middleware(RequireApiKey, api_key=opts.api_key,
                            on_reject=lambda: metrics.rejected.labels(reason="invalid_api_key").inc())
     _add_openai_routes(app, st)
-    add_anthropic_routes(app, st, prepare_chat_body)
+    add_anthropic_routes(app, st)
     st.responses = ResponseStore(opts.responses_store_size, opts.responses_store_mb << 20)  # /stats reports it
-    add_responses_routes(app, st, prepare_chat_body, st.responses)
+    add_responses_routes(app, st, st.responses)
     add_native_routes(app, st)
     add_operation_routes(app, st)
     return app
@@ -201,32 +123,29 @@ async def _stream(st: ServerState, handles: list[RequestHandle], p: Prepared, ch
     detoks = [IncrementalText(st.engine.tokenizer.decode, p.sampling.stop_strings) for _ in handles]
     first = [True] * len(handles)
     results: list[GenerateResult] = []
-    try:
-        async for item in with_keepalives(merged_updates(handles)):
-            if item is None:  # a prompt still prefilling, or a queue
-                yield SSE_KEEPALIVE
-                continue
-            i, upd = item
-            if not upd.finished:
-                yield _sse(chunks[i](detoks[i].add(upd.token_ids), None, first[i], upd.logprobs))
-                first[i] = False
-                continue
-            res = upd.result
-            if res.finish_reason == "error":  # OpenAI's way to fail a stream that has begun
-                yield _sse(engine_dead_during(res).body())
-                yield "data: [DONE]\n\n"
-                return
-            text = detoks[i].finish(res.text)
-            if text or first[i] or upd.logprobs:
-                yield _sse(chunks[i](text, None, first[i], upd.logprobs))
-            yield _sse(chunks[i]("", res.finish_reason, False, []))
-            results.append(res)
-        if include_usage:
-            results.sort(key=lambda r: r.rid)  # choice order: submitted in order, rids increase
-            yield _sse({**base, "choices": [], "usage": usage_of(results, p.n), "timing": _timing(results[0])})
-        yield "data: [DONE]\n\n"
-    finally:
-        abort_unfinished(st, handles, "stream closed early")  # the client went away (or the server is stopping)
+    async for item in with_keepalives(merged_updates(handles)):
+        if item is None:  # a prompt still prefilling, or a queue
+            yield SSE_KEEPALIVE
+            continue
+        i, upd = item
+        if not upd.finished:
+            yield sse_data(chunks[i](detoks[i].add(upd.token_ids), None, first[i], upd.logprobs))
+            first[i] = False
+            continue
+        res = upd.result
+        if res.finish_reason == "error":  # OpenAI's way to fail a stream that has begun
+            yield sse_data(engine_dead_during(res).body())
+            yield "data: [DONE]\n\n"
+            return
+        text = detoks[i].finish(res.text)
+        if text or first[i] or upd.logprobs:
+            yield sse_data(chunks[i](text, None, first[i], upd.logprobs))
+        yield sse_data(chunks[i]("", res.finish_reason, False, []))
+        results.append(res)
+    if include_usage:
+        results.sort(key=lambda r: r.rid)  # choice order: submitted in order, rids increase
+        yield sse_data({**base, "choices": [], "usage": usage_of(results, p.n), "timing": timing(results[0])})
+    yield "data: [DONE]\n\n"
 
 
 async def _answer(st: ServerState, request: Request, p: Prepared, base: dict, chunk: Callable[[int], ChunkFn],
@@ -237,12 +156,11 @@ async def _answer(st: ServerState, request: Request, p: Prepared, base: dict, ch
     logger.info("%s rid=%s prompt=%s max_new=%d stream=%s", base["object"], ",".join(str(h.rid) for h in handles),
                 ",".join(str(len(ids)) for ids in p.prompts), handles[0].max_new_tokens, p.body.stream)
     if p.body.stream:
-        return StreamingResponse(_stream(st, handles, p, [chunk(i) for i in range(len(handles))], base,
-                                         p.body.include_usage), media_type="text/event-stream",
-                                 headers=dropped_header(p.dropped_tools))
+        return event_stream(st, handles, _stream(st, handles, p, [chunk(i) for i in range(len(handles))], base,
+                                                 p.body.include_usage), dropped_header(p.dropped_tools))
     results = await collect_choices(st, request, handles)
     return JSONResponse({**base, "choices": [choice(i, r) for i, r in enumerate(results)],
-                         "usage": usage_of(results, p.n), "timing": _timing(results[0])},
+                         "usage": usage_of(results, p.n), "timing": timing(results[0])},
                         headers=dropped_header(p.dropped_tools))
 
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from ..frontend.loop import RequestHandle, Update
 from ..runtime.logprobs import TokenLogprob
@@ -22,7 +23,7 @@ from ..runtime.request import GenerateResult
 from ..runtime.sampling import SamplingParams
 from .protocol import APIError
 from .state import ServerState
-from .submit import Prepared, _collect, _submit, _usage
+from .submit import Prepared, collect_result, openai_usage, submit_request
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ def submit_choices(st: ServerState, p: Prepared) -> list[RequestHandle]:
         for k, ids in enumerate(p.prompts):
             first = None
             for j in range(p.n):
-                h = _submit(st, p, ids, p.sampling.for_choice(k * p.n + j), None if first is None else first.rid)
+                h = submit_request(st, p, ids, p.sampling.for_choice(k * p.n + j), None if first is None else first.rid)
                 first = first or h
                 handles.append(h)
     except BaseException:
@@ -56,10 +57,23 @@ def abort_unfinished(st: ServerState, handles: list[RequestHandle], why: str = "
             st.loop.abort(h.rid)
 
 
+def event_stream(st: ServerState, handles: list[RequestHandle], events: AsyncIterator[str],
+                 headers: Optional[dict[str, str]] = None) -> StreamingResponse:
+    """``events`` as a server-sent event stream; whatever of ``handles`` still runs when it ends (the
+    client went away, or the server is stopping) is aborted, so its pages are freed."""
+    async def guarded() -> AsyncIterator[str]:
+        try:
+            async for line in events:
+                yield line
+        finally:
+            abort_unfinished(st, handles, "stream closed early")
+    return StreamingResponse(guarded(), media_type="text/event-stream", headers=headers)
+
+
 async def collect_choices(st: ServerState, request: Request, handles: list[RequestHandle]) -> list[GenerateResult]:
     """Every choice's result; if one fails (or the client leaves), the others are aborted."""
     try:
-        return list(await asyncio.gather(*(_collect(st, request, h) for h in handles)))
+        return list(await asyncio.gather(*(collect_result(st, request, h) for h in handles)))
     except BaseException:
         abort_unfinished(st, handles)
         raise
@@ -92,7 +106,7 @@ async def merged_updates(handles: list[RequestHandle]) -> AsyncIterator[tuple[in
 def usage_of(results: list[GenerateResult], n: int) -> dict[str, Any]:
     """One usage for all choices: each prompt once (its first choice's hits), every completion."""
     firsts = results[::n]
-    out = _usage(firsts[0])
+    out = openai_usage(firsts[0])
     if len(results) == 1:
         return out
     out["prompt_tokens"] = sum(r.prompt_tokens for r in firsts)

@@ -29,32 +29,21 @@ import uuid
 from typing import Any, AsyncIterator, Optional, Union
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
 from ..errors import InvalidRequestError
 from ..frontend.loop import RequestHandle
 from ..runtime.request import GenerateResult
 from ..runtime.sampling import GrammarSpec, SamplingParams
-from .choices import abort_unfinished, check_choices
+from .choices import check_choices, event_stream
 from .detok import IncrementalText
 from .keepalive import SSE_KEEPALIVE, with_keepalives
 from .parsing import parse_body, read_body
-from .protocol import APIError, _Body, _Sampling, token_id_keys
+from .protocol import APIError, RequestBody, SamplingBody, token_id_keys
 from .state import ServerState
-from .submit import (
-    Prepared,
-    _check_fits,
-    _collect,
-    _disagg,
-    _spec,
-    _sse,
-    _submit,
-    _timing,
-    engine_dead_during,
-    stop_string_matched,
-    vet_grammar,
-)
+from .submit import (Prepared, check_fits, collect_result, disagg_figures, engine_dead_during, spec_figures, sse_data,
+                     stop_string_matched, submit_request, timing, vet_grammar)
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +66,7 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
 }
 
 
-class NativeSamplingParams(_Body):
+class NativeSamplingParams(RequestBody):
     """``sampling_params`` of ``/generate`` (SGLang's names and defaults; null = the default)."""
 
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
@@ -120,8 +109,8 @@ class NativeSamplingParams(_Body):
         return token_id_keys(self.logit_bias, "sampling_params.logit_bias")
 
 
-class GenerateRequest(_Sampling):
-    """The body of ``/generate``. It shares ``_Sampling``'s ``cache_salt`` and bootstrap fields
+class GenerateRequest(SamplingBody):
+    """The body of ``/generate``. It shares ``SamplingBody``'s ``cache_salt`` and bootstrap fields
     (SGLang's names too); that class's OpenAI sampling fields are not read here: SGLang keeps
     them in ``sampling_params``."""
 
@@ -209,7 +198,7 @@ def _prepare_generate(raw: bytes, st: ServerState) -> Prepared:
     check_choices(1, 1, sampling, bool(body.stream), st.opts.max_logprob_tokens, "sampling_params.max_new_tokens")
     ids, param = _prompt(body, st)
     explicit = sp.max_new_tokens if "max_new_tokens" in sp.model_fields_set else None  # a default one is shortened
-    _check_fits(ids, explicit, st.engine.context_length, param)
+    check_fits(ids, explicit, st.engine.context_length, param)
     return Prepared(body, [ids], sampling, param, grammar_param=_native_field("grammar", sp))
 
 
@@ -235,7 +224,7 @@ def _answer_of(rid: str, res: GenerateResult, p: Prepared, st: ServerState) -> d
         "id": rid, "finish_reason": _finish_reason(res, p, st), "prompt_tokens": res.prompt_tokens,
         "completion_tokens": res.completion_tokens, "cached_tokens": res.cached_tokens,
         "cached_tokens_details": dict(res.cached_tokens_details), "e2e_latency": res.e2e_s,
-        "timing": _timing(res), **_spec(res), **_disagg(res), **_logprobs(res, p, st),
+        "timing": timing(res), **spec_figures(res), **disagg_figures(res), **_logprobs(res, p, st),
     }}
 
 
@@ -253,24 +242,21 @@ async def _stream(st: ServerState, handle: RequestHandle, rid: str, p: Prepared)
     """A chunk per update with the cumulative text and ids; the last chunk is the whole answer."""
     detok = IncrementalText(st.engine.tokenizer.decode, p.sampling.stop_strings)
     text, ids = "", []
-    try:
-        async for upd in with_keepalives(handle):
-            if upd is None:
-                yield SSE_KEEPALIVE
-                continue
-            if upd.finished:
-                res = upd.result
-                yield _sse(engine_dead_during(res).body() if res.finish_reason == "error" else
+    async for upd in with_keepalives(handle):
+        if upd is None:
+            yield SSE_KEEPALIVE
+            continue
+        if upd.finished:
+            res = upd.result
+            yield sse_data(engine_dead_during(res).body() if res.finish_reason == "error" else
                            _answer_of(rid, res, p, st))
-                yield "data: [DONE]\n\n"
-                return
-            text += detok.add(upd.token_ids)
-            ids.extend(upd.token_ids)
-            yield _sse({"text": text, "output_ids": ids, "meta_info": {
-                "id": rid, "finish_reason": None, "prompt_tokens": handle.prompt_tokens,
-                "completion_tokens": upd.num_output_tokens}})
-    finally:
-        abort_unfinished(st, [handle], "stream closed early")  # the client went away (or the server is stopping)
+            yield "data: [DONE]\n\n"
+            return
+        text += detok.add(upd.token_ids)
+        ids.extend(upd.token_ids)
+        yield sse_data({"text": text, "output_ids": ids, "meta_info": {
+            "id": rid, "finish_reason": None, "prompt_tokens": handle.prompt_tokens,
+            "completion_tokens": upd.num_output_tokens}})
 
 
 def add_native_routes(app: FastAPI, st: ServerState) -> None:
@@ -280,10 +266,10 @@ def add_native_routes(app: FastAPI, st: ServerState) -> None:
         p: Prepared = await st.off_loop(_prepare_generate, await read_body(request, st.opts.max_request_bytes), st)
         await vet_grammar(st, p, request)
         rid = p.body.rid or uuid.uuid4().hex  # type: ignore[attr-defined]
-        handle = _submit(st, p)
+        handle = submit_request(st, p)
         logger.info("generate rid=%d id=%s prompt=%d max_new=%d stream=%s", handle.rid, rid, handle.prompt_tokens,
                     handle.max_new_tokens, p.body.stream)
         if p.body.stream:
-            return StreamingResponse(_stream(st, handle, rid, p), media_type="text/event-stream")
-        res = await _collect(st, request, handle)
+            return event_stream(st, [handle], _stream(st, handle, rid, p))
+        res = await collect_result(st, request, handle)
         return JSONResponse(_answer_of(rid, res, p, st))

@@ -5,7 +5,7 @@ ignored (the server logs each name once); fields that would change the answer in
 engine does not support (``echo``, ``suffix``, ``best_of`` > 1) are refused with one clear sentence.
 Types are strict: ``"max_tokens": "3"`` or ``"stream": "yes"`` is an error, not a guess; numbers
 must be finite. Structured output: ``response_format`` (``json_object``, ``json_schema``) and
-SGLang's ``regex`` / ``ebnf`` become one :class:`GrammarSpec` (:meth:`_Sampling.grammar_spec`).
+SGLang's ``regex`` / ``ebnf`` become one :class:`GrammarSpec` (:meth:`SamplingBody.grammar_spec`).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def media_refusal(kind: str, param: str) -> APIError:
                          f"(content of type {kind!r}).", param=param)
 
 
-class _Body(BaseModel):
+class RequestBody(BaseModel):
     """A request body: ``null`` is the field's default (OpenAI's rule for optional fields)."""
 
     model_config = STRICT
@@ -67,11 +67,11 @@ class _Body(BaseModel):
         return sorted(set(self.model_extra or {}))
 
 
-class StreamOptions(_Body):
+class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
-class _Sampling(_Body):
+class SamplingBody(RequestBody):
     """Fields shared by both endpoints (OpenAI names; ``top_k``, ``ignore_eos``,
     ``stop_token_ids``, ``cache_salt``, ``regex`` and ``ebnf`` are extensions)."""
 
@@ -208,7 +208,7 @@ class TextPart(BaseModel):
     text: str
 
 
-class ChatMessage(_Body):
+class ChatMessage(RequestBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[TextPart]]] = None
     tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant's calls (server/tools.py renders them)
@@ -223,7 +223,7 @@ class ChatMessage(_Body):
         return "".join(p.text for p in self.content)
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
@@ -233,7 +233,7 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: bool = True
 
-    FIELDS: ClassVar[dict[str, str]] = {**_Sampling.FIELDS, "logprobs": "top_logprobs"}
+    FIELDS: ClassVar[dict[str, str]] = {**SamplingBody.FIELDS, "logprobs": "top_logprobs"}
 
     def max_new_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -244,7 +244,7 @@ class ChatCompletionRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingBody):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     max_tokens: Optional[int] = 16
     logprobs: Optional[int] = None  # the k most likely tokens at each position (0: the sampled one's only)
@@ -275,7 +275,7 @@ class CompletionRequest(_Sampling):
         return self.max_tokens
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(RequestBody):
     """``/tokenize`` (extension): token counts with the served model's tokenizer."""
 
     prompt: Union[str, list[str]]

@@ -36,20 +36,20 @@ import uuid
 from typing import Any, AsyncIterator, Callable, Iterator, Optional
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from ..runtime.request import GenerateResult
-from .choices import abort_unfinished, collect_choices, merged_updates, submit_choices
 from .builtin_tools import dropped_header, note_dropped, split_responses_tools
-from .detok import IncrementalText
+from .choices import collect_choices, event_stream, merged_updates, submit_choices
 from .keepalive import with_keepalives
 from .parsing import parse_body, read_body
-from .protocol import APIError, ChatCompletionRequest
+from .prepare import prepare_chat
+from .protocol import APIError
 from .response_store import ResponseStore, Stored
 from .responses_request import ResponsesRequest, as_chat, chat_messages, responses_errors
 from .state import ServerState
-from .submit import Prepared, _check_fits, _timing, reply_room, vet_grammar
-from .tools import ChatChunks
+from .tools import parse_reply
+from .submit import Prepared, ReplyDeltas, check_fits, reply_room, timing, vet_grammar
 
 logger = logging.getLogger(__name__)
 
@@ -78,16 +78,14 @@ class _Turn:
                             "input_tokens_details": {"cached_tokens": res.cached_tokens},
                             "output_tokens_details": {"reasoning_tokens": 0},
                             "hicache_cached_tokens": dict(res.cached_tokens_details)}
-            out["timing"] = _timing(res)  # hicache's extension, as on chat completions
+            out["timing"] = timing(res)  # hicache's extension, as on chat completions
             if res.finish_reason == "length":
                 out["incomplete_details"] = {"reason": "max_output_tokens"}
         return out
 
     def output(self, res: GenerateResult) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """The output items of a finished reply and the reply as a chat message (for the store)."""
-        names = set(self.p.call_names)
-        content, calls = self.p.call_format.parse(res.text, names, res.finish_reason == "length") if names \
-            else (res.text, [])
+        content, calls = parse_reply(res.text, res.finish_reason, self.p.call_names, self.p.call_format)
         items: list[dict[str, Any]] = []
         if content:
             items.append(_message_item(content, "completed"))
@@ -136,10 +134,9 @@ def _call_item(name: str, arguments: str) -> dict[str, Any]:
             "name": name, "arguments": arguments, "status": "completed"}
 
 
-def add_responses_routes(app: FastAPI, st: ServerState,
-                         prepare_chat: Callable[[ChatCompletionRequest, ServerState], Prepared],
-                         store: ResponseStore) -> None:
-    """``prepare_chat``: the chat endpoint's preparation of a parsed body (template, tools, sampling)."""
+def add_responses_routes(app: FastAPI, st: ServerState, store: ResponseStore) -> None:
+    """``/v1/responses`` and a stored response's ``GET`` / ``DELETE``, prepared as chat requests
+    (:func:`prepare_chat`), stored in ``store``."""
 
     def prepare(raw: bytes) -> _Turn:
         body = parse_body(raw, ResponsesRequest)
@@ -159,7 +156,7 @@ def add_responses_routes(app: FastAPI, st: ServerState,
         prepared.dropped_tools = note_dropped([*dropped, *prepared.dropped_tools])
         if stored is not None and not body.instructions:
             prepared.prompts[0] = continued_ids(st.engine.tokenizer, stored.ids, prepared.ids)
-            _check_fits(prepared.ids, body.max_output_tokens, st.engine.context_length, "input")
+            check_fits(prepared.ids, body.max_output_tokens, st.engine.context_length, "input")
             if body.max_output_tokens is None:  # the rest of the context, counted on the prompt as sent
                 room = reply_room(st, len(prepared.ids), st.opts.default_max_tokens)
                 prepared.sampling = dataclasses.replace(prepared.sampling, max_new_tokens=room)
@@ -175,7 +172,7 @@ def add_responses_routes(app: FastAPI, st: ServerState,
                     turn.body.stream, turn.body.previous_response_id)
         headers = dropped_header(turn.p.dropped_tools)
         if turn.body.stream:
-            return StreamingResponse(_events(st, turn, handles, store), media_type="text/event-stream", headers=headers)
+            return event_stream(st, handles, _events(st, turn, handles, store), headers)
         res = (await collect_choices(st, request, handles))[0]
         return JSONResponse(turn.finish(res, store), headers=headers)
 
@@ -204,42 +201,29 @@ async def _events(st: ServerState, turn: _Turn, handles: list, store: ResponseSt
         seq[0] += 1
         return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq[0] - 1, **data})}\n\n"
 
-    chunks = ChatChunks({}, turn.p.call_names, fmt=turn.p.call_format)
-    detok = IncrementalText(st.engine.tokenizer.decode, turn.p.sampling.stop_strings)
+    reply_deltas = ReplyDeltas(turn.p, st.engine.tokenizer.decode)
     yield event("response.created", response=turn.response("in_progress", []))
     yield event("response.in_progress", response=turn.response("in_progress", []))
     message: Optional[dict[str, Any]] = None
-    streamed = ""
-    try:
-        async for item in with_keepalives(merged_updates(handles)):
-            if item is None:  # a prompt still prefilling, or a queue: an event, since Codex's watchdog skips comments
-                yield event("response.in_progress", response=turn.response("in_progress", []))
-                continue
-            _, upd = item
-            res = upd.result if upd.finished else None
-            text = detok.finish(res.text) if res is not None else detok.add(upd.token_ids)
-            piece = chunks(text, None, False, [])["choices"][0]["delta"].get("content")
-            if res is not None and res.finish_reason != "error":
-                piece = (piece or "") + (chunks("", res.finish_reason, False, [])["choices"][0]["delta"].get("content")
-                                         or "")
-            if piece:
-                if message is None:
-                    message = _message_item("", "in_progress")
-                    message["content"] = []
-                    yield event("response.output_item.added", output_index=0, item=message)
-                    yield event("response.content_part.added", item_id=message["id"], output_index=0,
-                                content_index=0, part={"type": "output_text", "text": "", "annotations": []})
-                streamed += piece
-                yield event("response.output_text.delta", item_id=message["id"], output_index=0, content_index=0,
-                            delta=piece)
-            if res is None:
-                continue
-            response = turn.finish(res, store)
-            for line in _finish_events(event, response, message):
+    async for item in with_keepalives(merged_updates(handles)):
+        if item is None:  # a prompt still prefilling, or a queue: an event, since Codex's watchdog skips comments
+            yield event("response.in_progress", response=turn.response("in_progress", []))
+            continue
+        _, upd = item
+        piece = "".join(d.get("content") or "" for d in reply_deltas(upd))
+        if piece:
+            if message is None:
+                message = _message_item("", "in_progress")
+                message["content"] = []
+                yield event("response.output_item.added", output_index=0, item=message)
+                yield event("response.content_part.added", item_id=message["id"], output_index=0,
+                            content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+            yield event("response.output_text.delta", item_id=message["id"], output_index=0, content_index=0,
+                        delta=piece)
+        if upd.finished:
+            for line in _finish_events(event, turn.finish(upd.result, store), message):
                 yield line
             return
-    finally:
-        abort_unfinished(st, handles, "stream closed early")  # the client went away (or the server is stopping)
 
 
 def _finish_events(event: Callable[..., str], response: dict[str, Any],

@@ -16,13 +16,13 @@ from typing import Any, Awaitable, Callable, Optional, Union
 
 from pydantic import Field, ValidationError, field_validator
 
-from .protocol import MEDIA_TYPES, APIError, ChatCompletionRequest, _Body, media_refusal
+from .protocol import MEDIA_TYPES, APIError, ChatCompletionRequest, RequestBody, media_refusal
 
 # OpenAI's bounds on ``metadata``: at most 16 pairs, keys of at most 64 characters, string values of at most 512
 METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
 
 
-class ResponsesRequest(_Body):
+class ResponsesRequest(RequestBody):
     model: str
     input: Union[str, list[dict[str, Any]]]
     instructions: Optional[str] = None

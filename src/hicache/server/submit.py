@@ -1,7 +1,7 @@
-"""What every generating endpoint shares (the OpenAI routes in :mod:`.app`, SGLang's native
-``/generate`` in :mod:`.native`): a prepared request, submitting it, waiting for its result
-while watching the client, the per-request figures of the answer, and server-sent events.
-Counts are tokens; times are seconds.
+"""What every generating endpoint shares (the OpenAI routes in :mod:`.app`, the Messages and Responses
+APIs, SGLang's native ``/generate`` in :mod:`.native`): a prepared request, submitting it, waiting
+for its result while watching the client, the per-request figures of the answer, and server-sent
+events. Counts are tokens; times are seconds.
 """
 
 from __future__ import annotations
@@ -16,12 +16,14 @@ from typing import Any, Callable, Optional, Sequence
 from fastapi import Request
 
 from ..errors import ContextLengthError, EngineDeadError, HicacheError, InvalidRequestError, OverloadedError
-from ..frontend.loop import RequestHandle
+from ..frontend.loop import RequestHandle, Update
 from ..runtime.request import GenerateResult
 from ..runtime.sampling import SamplingParams
-from .protocol import APIError, _Sampling
+from .protocol import APIError, SamplingBody
+from .detok import IncrementalText
 from .state import ServerState
 from .tool_formats import HERMES, CallFormat
+from .tools import ChatChunks
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +34,7 @@ DISCONNECT_POLL_S = 0.2  # how often a non-streaming request checks whether its 
 class Prepared:
     """A validated request, tokenized, ready to submit: ``n`` choices for each of ``prompts``."""
 
-    body: _Sampling
+    body: SamplingBody
     prompts: list[list[int]]
     sampling: SamplingParams
     param: str  # the field that holds the prompt, for errors about it
@@ -73,7 +75,8 @@ def engine_dead_during(res: GenerateResult) -> APIError:
     return engine_dead(f"the engine failed during this request: {res.error}")
 
 
-def _usage(res: GenerateResult) -> dict[str, Any]:
+def openai_usage(res: GenerateResult) -> dict[str, Any]:
+    """OpenAI's usage of one request, with hicache's extensions (per-tier cache hits, speculative and P/D figures)."""
     return {
         "prompt_tokens": res.prompt_tokens,
         "completion_tokens": res.completion_tokens,
@@ -83,12 +86,12 @@ def _usage(res: GenerateResult) -> dict[str, Any]:
         # The same per-tier counts under a name of hicache's own: proxies (litellm) drop the field above,
         # whose name another shape of theirs takes.
         "hicache_cached_tokens": dict(res.cached_tokens_details),
-        **_spec(res),
-        **_disagg(res),
+        **spec_figures(res),
+        **disagg_figures(res),
     }
 
 
-def _disagg(res: GenerateResult) -> dict[str, Any]:
+def disagg_figures(res: GenerateResult) -> dict[str, Any]:
     """P/D per-request figures (extension; absent for a request without a bootstrap)."""
     if not res.disaggregated:
         return {}
@@ -96,14 +99,14 @@ def _disagg(res: GenerateResult) -> dict[str, Any]:
             "kv_transferred_bytes": res.kv_transferred_bytes}
 
 
-def _spec(res: GenerateResult) -> dict[str, Any]:
+def spec_figures(res: GenerateResult) -> dict[str, Any]:
     """Speculative decoding's per-request figures (extension; absent when it is off)."""
     if not res.spec_verify_steps:
         return {}
     return {"spec_accept_length": res.spec_accept_length, "spec_verify_steps": res.spec_verify_steps}
 
 
-def _timing(res: GenerateResult) -> dict[str, float]:
+def timing(res: GenerateResult) -> dict[str, float]:
     """Server-side timing of one request (extension), seconds."""
     return {"ttft_s": res.ttft_s, "queue_time_s": res.queue_time_s, "forward_time_s": res.forward_time_s,
             "e2e_s": res.e2e_s}
@@ -120,7 +123,7 @@ def reply_room(st: ServerState, prompt_tokens: int, cap: Optional[int]) -> int:
     return max(1, min(room, cap) if cap is not None else room)  # (a prompt that fills it is refused later)
 
 
-def _check_fits(ids: list[int], max_new: Optional[int], context_length: int, param: str) -> None:
+def check_fits(ids: list[int], max_new: Optional[int], context_length: int, param: str) -> None:
     """An explicit max_tokens that cannot fit is an error (a default one is shortened)."""
     if max_new is not None and len(ids) + max_new > context_length:
         raise APIError(400, f"the prompt has {len(ids)} tokens and max_tokens is {max_new}, but the context length "
@@ -164,12 +167,31 @@ async def _unless_gone(request: Request, waiting: asyncio.Future) -> Any:
             raise APIError(499, "the client closed the connection.", code="client_closed")
 
 
-def _sse(obj: Any) -> str:
+class ReplyDeltas:
+    """A single-choice chat reply as the chat stream's deltas, update by update (what the Messages and
+    Responses streams write as events of their own): text as it comes, what may begin a tool call
+    held back, and at the end the rest with the calls parsed."""
+
+    def __init__(self, p: Prepared, decode: Callable[[list[int]], str]) -> None:
+        self.chunks = ChatChunks({}, p.call_names, fmt=p.call_format)
+        self.detok = IncrementalText(decode, p.sampling.stop_strings)
+
+    def __call__(self, upd: Update) -> list[dict[str, Any]]:
+        """The update's delta; once the reply finished (but for an engine failure), the finish delta too."""
+        res = upd.result if upd.finished else None
+        text = self.detok.finish(res.text) if res is not None else self.detok.add(upd.token_ids)
+        deltas = [self.chunks(text, None, False, [])["choices"][0]["delta"]]
+        if res is not None and res.finish_reason != "error":
+            deltas.append(self.chunks("", res.finish_reason, False, [])["choices"][0]["delta"])
+        return deltas
+
+
+def sse_data(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def _submit(st: ServerState, p: Prepared, ids: Optional[list[int]] = None, sampling: Optional[SamplingParams] = None,
-            waits_for: Optional[int] = None) -> RequestHandle:
+def submit_request(st: ServerState, p: Prepared, ids: Optional[list[int]] = None,
+                   sampling: Optional[SamplingParams] = None, waits_for: Optional[int] = None) -> RequestHandle:
     """Queue a prepared request (or one of its choices: ``ids``, ``sampling``, ``waits_for``);
     engine-side refusals become OpenAI errors."""
     st.check_capacity()
@@ -186,7 +208,8 @@ def _submit(st: ServerState, p: Prepared, ids: Optional[list[int]] = None, sampl
     except HicacheError as e:
         raise APIError(400, str(e), code="invalid_value") from None
 
-async def _collect(st: ServerState, request: Request, handle: RequestHandle) -> GenerateResult:
+
+async def collect_result(st: ServerState, request: Request, handle: RequestHandle) -> GenerateResult:
     """Wait for the result; abort the request if the client goes away meanwhile."""
     task = asyncio.ensure_future(handle.wait())
     try:

@@ -149,12 +149,17 @@ class ChatChunks:
         return {**self.base, "choices": [{"index": self.index, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
 
 
+def parse_reply(text: str, finish_reason: str, call_names: frozenset[str],
+                fmt: CallFormat = HERMES) -> tuple[Optional[str], list[ToolCall]]:
+    """A whole reply's ``(content, calls)``: calls to ``call_names`` only (none without tools); a call
+    that max_tokens cut is dropped, not returned as content."""
+    return fmt.parse(text, set(call_names), finish_reason == "length") if call_names else (text, [])
+
+
 def chat_message(text: str, finish_reason: str, call_names: frozenset[str],
                  fmt: CallFormat = HERMES) -> tuple[dict[str, Any], str]:
     """A whole reply as the OpenAI ``message`` and its finish reason ("tool_calls" when it calls)."""
-    if not call_names:
-        return {"role": "assistant", "content": text}, finish_reason
-    content, calls = fmt.parse(text, set(call_names), finish_reason == "length")
+    content, calls = parse_reply(text, finish_reason, call_names, fmt)
     if not calls:
         return {"role": "assistant", "content": content if finish_reason == "length" else text}, finish_reason
     return ({"role": "assistant", "content": content, "tool_calls": [c.openai() for c in calls]},

@@ -1,0 +1,84 @@
+"""Requests made ready to submit (on the worker pool: :meth:`ServerState.off_loop`): an OpenAI-shaped
+body's sampling parameters (chat and text completions), and a chat request's prompt -- the template
+rendered with its tools, tokenized, fitted to the context. What the OpenAI chat route (:mod:`.app`),
+the Messages API (:mod:`.anthropic`) and the Responses API (:mod:`.responses`) share; they import it,
+it imports none of them. Counts are tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Optional
+
+from ..errors import InvalidRequestError
+from ..runtime.sampling import GrammarSpec, SamplingParams
+from .builtin_tools import note_dropped, split_chat_tools
+from .choices import check_choices
+from .protocol import APIError, ChatCompletionRequest, SamplingBody
+from .state import ServerState
+from .submit import Prepared, check_fits, reply_room
+from .system_turns import place_system_messages
+from .tools import chat_prompt
+
+logger = logging.getLogger(__name__)
+
+_UNKNOWN_LOGGED: set[str] = set()  # request fields already logged as ignored (once each)
+
+
+def sampling_params(st: ServerState, body: SamplingBody, max_new: Optional[int], default_max: int,
+                    grammar: Optional[GrammarSpec] = None) -> SamplingParams:
+    """The request's sampling parameters; ``grammar`` (a forced tool call) or the body's own
+    structured-output fields, checked by the engine's grammar compiler (400 if unusable)."""
+    bad = body.unsupported()
+    if bad:
+        raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
+    for name in set(body.unknown_fields()) - _UNKNOWN_LOGGED:
+        _UNKNOWN_LOGGED.add(name)
+        logger.info("ignoring the request field %r (not an OpenAI, SGLang or vLLM field this server uses)", name)
+    if max_new is not None and max_new < 1:
+        raise APIError(400, f"max_tokens must be at least 1, got {max_new}.", param="max_tokens", code="invalid_value")
+    param, own = body.grammar_spec() or (None, None)
+    if grammar is not None and own is not None:
+        raise APIError(400, "a forced tool call cannot be combined with response_format, regex or ebnf.",
+                       param="tool_choice", code="invalid_value")
+    sp = SamplingParams(
+        max_new_tokens=max_new if max_new is not None else default_max,
+        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, stop=body.stop,
+        stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos, seed=body.seed,
+        grammar=grammar or own, **body.adjustments(),
+    )
+    try:
+        st.engine.check_sampling(sp)  # (the grammar is vetted next, without holding this thread: vet_grammar)
+    except InvalidRequestError as e:
+        field = "tools" if grammar is not None and e.param == "grammar" else body.field_of(e.param)
+        raise APIError(400, str(e), param=field or param, code="invalid_value") from None
+    return sp
+
+
+def prepare_chat(body: ChatCompletionRequest, st: ServerState) -> Prepared:
+    """A chat request made ready to submit: the template rendered with its tools, tokenized, sampling
+    checked. The Messages and Responses APIs' requests are prepared here too, as the chat requests
+    they mean (server/anthropic.py, server/responses_request.py)."""
+    st.check_model(body.model)
+    tok = st.engine.tokenizer
+    tools, dropped = split_chat_tools(body.tools or [])
+    chat = chat_prompt(body.messages, tools or None, body.tool_choice, body.parallel_tool_calls, tok.renders_tools,
+                       st.call_format, tok.special_token_id)
+    forced = GrammarSpec("lark", chat.forced_grammar) if chat.forced_grammar else None
+    # (without a max, the rest of the context once the prompt is tokenized: reply_room below)
+    sp = sampling_params(st, body, body.max_new_tokens(), st.engine.context_length, forced)
+    check_choices(body.n, 1, sp, body.stream, st.opts.max_logprob_tokens)
+    try:
+        text = tok.apply_chat_template(place_system_messages(chat.messages, tok), add_generation_prompt=True,
+                                       tools=chat.template_tools)
+    except InvalidRequestError as e:  # no template, or it raised or ran past a limit (model/chat_render.py)
+        raise APIError(400, str(e), param="messages") from None
+    except Exception as e:  # the model's Jinja template refused these messages
+        raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
+    ids = tok.encode(text)
+    check_fits(ids, body.max_new_tokens(), st.engine.context_length, "messages")
+    if body.max_new_tokens() is None:
+        sp = dataclasses.replace(sp, max_new_tokens=reply_room(st, len(ids), st.opts.default_max_tokens))
+    return Prepared(body, [ids], sp, "messages", chat.call_names, body.n,
+                    "tools" if forced is not None else body.field_of("grammar"), st.call_format, note_dropped(dropped))
