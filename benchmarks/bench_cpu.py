@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
+from hicache.config import PassPrecision  # noqa: E402
 from hicache.device import cpu_description, resolve_decode_activations  # noqa: E402
 from hicache.kernels import cpu_kernels, loaded_isa, unavailable_reason  # noqa: E402
 from hicache.model import DenseKV, load_model, make_forward_batch, paged  # noqa: E402
@@ -276,8 +277,8 @@ def main() -> None:
     activations, why = resolve_decode_activations(args.decode_activations, "auto", args.dtype, torch.device("cpu"))
     print(cpu_description(), f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"decode activations {activations} ({why})")
-    loaded = load_model(args.model, dtype=getattr(torch, args.dtype), decode_weights=args.decode_weights,
-                        decode_activations=activations)
+    loaded = load_model(args.model, dtype=getattr(torch, args.dtype),
+                        precision=PassPrecision(decode_weights=args.decode_weights, decode_activations=activations))
     if args.only in (None, "formats"):
         bandwidth = read_bandwidth(args.repeats)
         print(f"read bandwidth (sum over 256 MiB): {bandwidth:.1f} GB/s")

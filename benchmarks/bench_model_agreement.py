@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT / "src"))
 import torch  # noqa: E402
 
 from hicache.bench.corpus import TOKENIZER_CORPUS  # noqa: E402
+from hicache.config import PassPrecision  # noqa: E402
 from hicache.model import load_model  # noqa: E402
 from hicache.model.packaged import PACKAGED, packaged_model_path  # noqa: E402
 from hicache.model.standalone import prefill_logits  # noqa: E402
@@ -65,8 +66,8 @@ def main() -> int:
     texts = doc_paragraphs(args.prompts)
 
     t0 = time.perf_counter()
-    ours = load_model(str(path), dtype=torch.float32, decode_activations="int8" if args.int8 else "float32",
-                      deterministic=args.int8)
+    ours = load_model(str(path), dtype=torch.float32,
+                      precision=PassPrecision(decode_activations="int8" if args.int8 else "float32", deterministic=args.int8))
     tok = ours.tokenizer
     prompts = [tok.encode(t)[: args.max_tokens] for t in texts]
     mine = [prefill_logits(ours.model, ids).argmax(-1).tolist() for ids in prompts]

@@ -149,15 +149,16 @@ async def _stream_requests(url: str, model: str, prefix: list[int], conc: int, n
 
     import httpx
 
-    from hicache.bench.client import RequestRecord, stream_request
+    from hicache.bench.client import Endpoint, RequestOptions, RequestRecord, stream_request
 
     async with httpx.AsyncClient(timeout=300) as client:
-        await stream_request(client, url, model, RequestRecord(0), prompt=prefix + [1], max_tokens=2)  # caches it
+        endpoint, options = Endpoint(client, url, model), RequestOptions()
+        await stream_request(endpoint, RequestRecord(0), options, prompt=prefix + [1], max_tokens=2)  # caches it
         gate = asyncio.Semaphore(conc)
 
         async def one() -> RequestRecord:
             async with gate:
-                return await stream_request(client, url, model, RequestRecord(0), max_tokens=DECODE_OUT,
+                return await stream_request(endpoint, RequestRecord(0), options, max_tokens=DECODE_OUT,
                                             prompt=prefix + rng.integers(100, 40000, DECODE_NEW).tolist())
 
         recs = await asyncio.gather(*[one() for _ in range(n)])

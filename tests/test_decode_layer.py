@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hicache.config import PassPrecision
 from hicache.kernels import unavailable_reason
 from hicache.model import DenseKV, load_model, make_forward_batch
 from hicache.model.decode_stack import DecodeStack
@@ -92,7 +93,7 @@ def test_fused_decode_layer_equals_the_python_layer(name, kv_dtype, batch_size, 
 def test_fused_decode_layer_with_int8_inputs_equals_the_python_layer(qtype, monkeypatch):
     """GGUF blocks times 8-bit inputs (``--decode-activations int8``): the same kernel either way."""
     path = Path(__file__).parent / "data" / "gguf" / f"tiny-llama-{qtype}.gguf"
-    loaded = load_model(str(path), dtype=torch.float32, decode_activations="int8")
+    loaded = load_model(str(path), dtype=torch.float32, precision=PassPrecision(decode_activations="int8"))
     model, spec = loaded.model, loaded.spec
     assert all(kind.endswith("@int8") for kind in model.decode_formats())
     stack, stack_calls = _run(model, spec, 3, "stack", monkeypatch)
@@ -106,7 +107,7 @@ def test_the_stack_reads_weights_changed_after_a_step(monkeypatch):
     """The stack's operands are rebuilt when a projection's setting or a weight changes: a new norm
     weight, new decode activations -- the next step reads them, as the Python layer would."""
     path = Path(__file__).parent / "data" / "gguf" / "tiny-llama-Q4_1.gguf"
-    loaded = load_model(str(path), dtype=torch.float32, decode_activations="int8")
+    loaded = load_model(str(path), dtype=torch.float32, precision=PassPrecision(decode_activations="int8"))
     model, spec = loaded.model, loaded.spec
     before, _ = _run(model, spec, 2, "stack", monkeypatch)
     norm = model.model.layers[1].post_attention_layernorm
@@ -126,7 +127,7 @@ def test_a_verify_pass_gives_each_row_the_logits_of_its_decode_step(qtype, activ
     step at its position gives -- the block GEMVs, the LM head and attention give a row the same
     bits whatever else is in the pass."""
     path = Path(__file__).parent / "data" / "gguf" / f"tiny-llama-{qtype}.gguf"
-    loaded = load_model(str(path), dtype=torch.float32, decode_activations=activations)
+    loaded = load_model(str(path), dtype=torch.float32, precision=PassPrecision(decode_activations=activations))
     model, spec = loaded.model, loaded.spec
     calls = []
     monkeypatch.setattr(DecodeStack, "forward", _counting(DecodeStack.forward, calls))

@@ -143,14 +143,14 @@ class Campaign:
     def storage(self, c: httpx.Client, rng: random.Random) -> None:
         with self.lock:  # every mode comes up: the modes take turns
             mode = STORAGE_MODES[self.tried["storage"] % len(STORAGE_MODES)]
-        f = self.faulty
+        f = self.faulty.faults
         f.fail_get = f.fail_set = mode == "errors"
         f.corrupt_get = mode == "corrupt"
         f.down = mode == "down"
         if mode == "stall":
-            f.arm_hang(1.0)
+            self.faulty.arm_hang(1.0)
         else:
-            f.release()
+            self.faulty.release()
         self.note("storage", mode)
 
     def observe(self, c: httpx.Client, rng: random.Random) -> None:
@@ -202,7 +202,7 @@ def test_fault_campaign(tmp_path: Path, capsys) -> None:
         for t in threads:
             t.join(300)
         assert not any(t.is_alive() for t in threads), "a client is stuck"
-        faulty.fail_get = faulty.fail_set = faulty.corrupt_get = faulty.down = False
+        faulty.faults.fail_get = faulty.faults.fail_set = faulty.faults.corrupt_get = faulty.faults.down = False
         faulty.release()
 
         # Healthy, idle and balanced once the last writes have landed.

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from hicache.config import PassPrecision
 from hicache.kernels import unavailable_reason
 from hicache.model import DenseKV, load_model, make_forward_batch
 
@@ -84,7 +85,7 @@ def test_int8_inputs_keep_decode_logits_within_the_stated_tolerance(qtype, refer
     12% / 1.7%, the distance of llama.cpp's logits from the float32 path -- and the top token agrees
     on 18 of 20 rows or more (random weights: near-ties). The identity names it."""
     path = str(DATA / f"tiny-llama-{qtype}.gguf")
-    loaded = load_model(path, dtype=torch.float32, decode_activations="int8")
+    loaded = load_model(path, dtype=torch.float32, precision=PassPrecision(decode_activations="int8"))
     assert set(loaded.model.decode_formats()) == {f"{kind}@int8" for kind in KINDS[qtype]}
     assert loaded.identity.endswith(":decode-int8v2")
     assert ":decode-int8" not in load_model(path, dtype=torch.float32, weights=False).identity

@@ -18,7 +18,7 @@ from storage_engines import GREEDY, PROMPT, storage_engine, write_history
 
 from hicache import Engine
 from hicache.cache.storage import prefetch_backup
-from hicache.cache.storage.faulty import FaultyBackend
+from hicache.cache.storage.faulty import FaultyBackend, Faults
 from hicache.cache.storage.keys import page_hashes
 
 pytestmark = pytest.mark.storage
@@ -107,7 +107,7 @@ def test_hanging_backend_ends_with_timeout_policy(tmp_path: Path, reference: lis
     write_history(tmp_path)
     engine = storage_engine(tmp_path, hicache_storage_prefetch_policy="timeout",
                             hicache_storage_prefetch_timeout_base=0.2, hicache_storage_prefetch_timeout_per_1k_tokens=0.0)
-    engine.cache.storage.backend = FaultyBackend(engine.cache.storage.backend, hang_s=3.0)
+    engine.cache.storage.backend = FaultyBackend(engine.cache.storage.backend, Faults(hang_s=3.0))
     t = time.perf_counter()
     res = engine.generate([PROMPT], GREEDY)[0]
     assert time.perf_counter() - t < 2.5
@@ -118,7 +118,7 @@ def test_hanging_backend_ends_with_timeout_policy(tmp_path: Path, reference: lis
 def test_erroring_backend_degrades_to_recompute(tmp_path: Path, reference: list[int]) -> None:
     write_history(tmp_path)
     engine = storage_engine(tmp_path)
-    engine.cache.storage.backend = FaultyBackend(engine.cache.storage.backend, fail_get=True)
+    engine.cache.storage.backend = FaultyBackend(engine.cache.storage.backend, Faults(fail_get=True))
     res = engine.generate([PROMPT], GREEDY)[0]
     assert res.output_ids == reference and res.cached_tokens_details["storage"] == 0
     assert engine.stats()["storage"]["failures"].get("backend_error", 0) >= 1
@@ -308,7 +308,7 @@ def test_adaptive_policy_gives_up_on_a_hung_backend(tmp_path: Path, reference: l
     engine = default_policy_engine(tmp_path)
     engine.scheduler.runtime.prefetch_rule.prefill.observe(384, 0.3)  # the tail recomputes in 0.3 s
     engine.cache.storage.read_page_s = 1e-4  # and loads in 2.4 ms, were the store not hung
-    hung = FaultyBackend(engine.cache.storage.backend, hang_s=60.0)
+    hung = FaultyBackend(engine.cache.storage.backend, Faults(hang_s=60.0))
     engine.cache.storage.backend = hung
     try:
         res = engine.generate([PROMPT], GREEDY)[0]

@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 
+from hicache.config import PassPrecision
 from hicache.model import load_model
 from hicache.model.hf_loader import spec_from_hf_config
 from hicache.model.standalone import greedy_paged, prefill_logits
@@ -204,7 +205,7 @@ def test_fused_phi3_tensors_split_into_their_parts_blocks_and_all(tmp_path):
     from hicache.model.standalone import greedy_paged
 
     path = hf_to_gguf(_hf_model("phi3", CASES["phi3_fused"][1]), tmp_path / "phi3.gguf", "phi3", q8_0=True)
-    ours = load_model(str(path), dtype=torch.float32, decode_activations="float32")
+    ours = load_model(str(path), dtype=torch.float32, precision=PassPrecision(decode_activations="float32"))
     assert ours.model.decode_formats() == {"q8_0": 4 * ours.spec.num_layers, "same": 1}  # the F32 head: as loaded
     attn = ours.model.model.layers[0].self_attn
     assert [attn.q_proj.gguf_blocks.out_features, attn.v_proj.gguf_blocks.out_features] == [64, 32]

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hicache import Engine, SamplingParams
+from hicache.config import PassPrecision
 from hicache.model import load_model
 from hicache.model.projection import DECODE_ROWS, VERIFY_ROWS, Projection
 
@@ -70,9 +71,9 @@ def test_decode_copy_serves_only_decode_sized_passes_of_generated_tokens():
 
 def test_decode_weight_dtype_is_part_of_the_identity():
     same = load_model("random:tiny", dtype=torch.float32, weights=False)
-    bf16 = load_model("random:tiny", dtype=torch.float32, weights=False, decode_weights="bfloat16")
-    exact = load_model("random:tiny", dtype=torch.float32, weights=False, decode_weights="same")
-    noop = load_model("random:tiny", dtype=torch.bfloat16, weights=False, decode_weights="bfloat16")
+    bf16 = load_model("random:tiny", dtype=torch.float32, weights=False, precision=PassPrecision(decode_weights="bfloat16"))
+    exact = load_model("random:tiny", dtype=torch.float32, weights=False, precision=PassPrecision(decode_weights="same"))
+    noop = load_model("random:tiny", dtype=torch.bfloat16, weights=False, precision=PassPrecision(decode_weights="bfloat16"))
     assert same.identity == exact.identity != bf16.identity
     assert noop.identity.endswith(":bfloat16")  # a bf16 model's bf16 decode copy is no copy
 
@@ -97,14 +98,14 @@ def test_weights_are_fused_and_decode_copies_made_before_the_kv_pool_is_sized():
     pool budget, taken after the weights are in memory, sees it (DESIGN invariant 6)."""
     from hicache.model.parallel import model_shard, shard_model
 
-    loaded = load_model("random:small", dtype=torch.float32, decode_weights="bfloat16")
+    loaded = load_model("random:small", dtype=torch.float32, precision=PassPrecision(decode_weights="bfloat16"))
     projections = list(loaded.model.projections())
     assert projections and all(p.prepared for p in projections)
     shard_model(loaded.model, model_shard(loaded.spec, 0, 2, 0, 2), None)  # TP half, first of 2 stages
     assert loaded.model.head is None  # a first stage holds no LM head
     assert all(p.prepared for p in loaded.model.projections())
     # A rank loading to shard skips the whole model's copies: shard_model makes its slices' own.
-    rank = load_model("random:small", dtype=torch.float32, decode_weights="bfloat16", to_be_sharded=True)
+    rank = load_model("random:small", dtype=torch.float32, precision=PassPrecision(decode_weights="bfloat16"), to_be_sharded=True)
     assert not any(p.prepared for p in rank.model.projections())
     shard_model(rank.model, model_shard(rank.spec, 1, 2, 1, 2), None)
     assert all(p.prepared and p.decode_format == "bfloat16" for p in rank.model.projections())
@@ -131,8 +132,8 @@ def test_prefill_copy_serves_only_prefill_sized_passes():
 
 def test_prefill_weight_dtype_is_part_of_the_identity_and_the_resident_size():
     same = load_model("random:small", dtype=torch.float32)
-    bf16 = load_model("random:small", dtype=torch.float32, prefill_weights="bfloat16")
-    noop = load_model("random:small", dtype=torch.bfloat16, prefill_weights="bfloat16", weights=False)
+    bf16 = load_model("random:small", dtype=torch.float32, precision=PassPrecision(prefill_weights="bfloat16"))
+    noop = load_model("random:small", dtype=torch.bfloat16, precision=PassPrecision(prefill_weights="bfloat16"), weights=False)
     assert ":prefill-bfloat16" in bf16.identity and ":prefill" not in same.identity
     assert noop.identity.endswith(":bfloat16")  # a bf16 model's bf16 prefill copy is no copy
     params = sum(p.numel() for p in same.model.parameters())  # (tied embedding and head: one storage)

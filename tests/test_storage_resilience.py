@@ -22,7 +22,7 @@ from storage_engines import GREEDY, PROMPT, storage_engine, write_history
 
 from hicache import Engine
 from hicache.cache.storage.base import BackendStats, StorageBackend, StorageError
-from hicache.cache.storage.faulty import FaultyBackend
+from hicache.cache.storage.faulty import FaultyBackend, Faults
 from hicache.cache.storage.guard import (
     BreakerOpen,
     GuardedBackend,
@@ -226,7 +226,7 @@ async def served_while_stuck(loop: EngineLoop, engine: Engine, reference: dict) 
 def test_hung_backend_never_holds_the_loop(tmp_path: Path, reference: dict) -> None:
     engine = storage_engine(tmp_path, hicache_storage_prefetch_policy="best_effort",
                             hicache_storage_op_timeout=HANG_S / 10)  # the deadline stays out of reach
-    fb = FaultyBackend(engine.cache.storage.backend, hang_s=HANG_S)
+    fb = FaultyBackend(engine.cache.storage.backend, Faults(hang_s=HANG_S))
     engine.cache.storage.backend = fb
     loop = EngineLoop(engine).start()
     try:
@@ -244,7 +244,7 @@ def test_breaker_skips_a_failing_backend_then_recovers(tmp_path: Path, reference
     engine = storage_engine(tmp_path)
     guard, clock = engine.cache.storage.guard, FakeClock()
     guard.clock = clock
-    fb = FaultyBackend(engine.cache.storage.backend, down=True)
+    fb = FaultyBackend(engine.cache.storage.backend, Faults(down=True))
     engine.cache.storage.backend = fb
     try:
         for p in OTHERS[:3]:  # each: a failed prefetch query and failed backups
@@ -259,7 +259,7 @@ def test_breaker_skips_a_failing_backend_then_recovers(tmp_path: Path, reference
         storage = engine.stats()["storage"]
         assert backend_calls(fb) == calls  # skipped, not called
         assert storage["breaker"]["short_circuited"] >= 2 and storage["failures"]["breaker_open"] >= 2
-        fb.down = False
+        fb.faults.down = False
         clock.advance(guard.cooldown_s)  # the next call is the probe
         res = engine.generate([PROMPT], GREEDY)[0]
         assert res.output_ids == reference[tuple(PROMPT)]
@@ -272,7 +272,7 @@ def test_breaker_skips_a_failing_backend_then_recovers(tmp_path: Path, reference
 def test_wait_complete_stops_waiting_once_the_breaker_opens(tmp_path: Path, reference: dict) -> None:
     engine = storage_engine(tmp_path, hicache_storage_op_timeout=0.2)
     engine.cache.storage.guard.clock = FakeClock()  # no cooldown ends during the test: no probe
-    fb = FaultyBackend(engine.cache.storage.backend, hang_s=HANG_S)
+    fb = FaultyBackend(engine.cache.storage.backend, Faults(hang_s=HANG_S))
     engine.cache.storage.backend = fb
     ops = []
     prefetch = engine.cache.storage.prefetch

@@ -72,7 +72,7 @@ def test_an_object_has_the_same_bytes_from_every_host_layout(mla: bool) -> None:
         ctl.submit(BACKUP, pages, pages, [])
         ctl.pop(BACKUP, 1)
         ctl.shutdown()
-    cells = [[GridCell(h, c, 0, 0, grid.heads_of(c), mla) for c in grid.cells()] for h in hosts]
+    cells = [[GridCell(h, c, grid, 0, 0) for c in grid.cells()] for h in hosts]
     assert [c.cell.suffix for c in cells[0]] == (["L0-4", "L4-6"] if mla else ["L0-4_H0", "L0-4_H1", "L4-6_H0", "L4-6_H1"])
     for unified, *others in zip(*cells):
         payload = unified.page_bytes(5)

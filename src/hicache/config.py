@@ -21,7 +21,18 @@ from .speculative_options import (
 )
 
 CP_STRATEGIES = ("zigzag", "interleave")  # how prefill tokens are split over context-parallel ranks
-__all__ = ["ConfigError", "EngineConfig", "DEFAULT_SPEC_STEPS", "SPEC_ALGORITHMS", "SPEC_KV_LAYOUTS"]
+__all__ = ["ConfigError", "EngineConfig", "PassPrecision", "DEFAULT_SPEC_STEPS", "SPEC_ALGORITHMS", "SPEC_KV_LAYOUTS"]
+
+
+@dataclass(frozen=True)
+class PassPrecision:
+    """What a model's passes read and compute with besides its weights' dtype (``load_model``): the
+    decode and prefill weight copies, 8-bit decode inputs, one row-invariant path for every pass."""
+
+    decode_weights: str = "auto"
+    prefill_weights: str = "same"
+    decode_activations: str = "float32"
+    deterministic: bool = False
 
 
 @dataclass
@@ -292,9 +303,9 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
         kv = self.kv_cache_dtype
         return self.dtype if kv in ("auto", self.dtype) else f"{self.dtype}+kv-{kv}"
 
-    def precision_options(self) -> dict[str, str]:  # resolved by hicache.device.choose_precision
-        return dict(decode_weights=self.decode_weight_dtype, prefill_weights=self.prefill_weight_dtype,
-                    decode_activations=self.decode_activations, deterministic=self.enable_deterministic_inference)
+    def precision_options(self) -> PassPrecision:  # resolved by hicache.device.choose_precision
+        return PassPrecision(self.decode_weight_dtype, self.prefill_weight_dtype, self.decode_activations,
+                             self.enable_deterministic_inference)
 
     def _validate_deterministic(self) -> None:
         """What deterministic inference does not cover is refused in one sentence each."""

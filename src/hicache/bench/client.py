@@ -50,26 +50,44 @@ def _read_usage(rec: RequestRecord, u: dict[str, Any]) -> None:
     rec.cached_tokens_details = dict(details.get("cached_tokens_details") or {})
 
 
-async def stream_request(client: httpx.AsyncClient, base_url: str, model: str, rec: RequestRecord, *,
-                         messages: Optional[list[dict]] = None, prompt: Optional[Union[str, list[int]]] = None, max_tokens: int,
-                         temperature: float = 0.0, ignore_eos: bool = True, extra: dict | None = None) -> RequestRecord:
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a run's requests go: one HTTP client, the server's base URL, the served model's name."""
+
+    client: httpx.AsyncClient
+    base_url: str
+    model: str
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """What every request of a run asks for besides its input and length: the sampling
+    temperature, and whether to generate past EOS (so the workload's output lengths hold)."""
+
+    temperature: float = 0.0
+    ignore_eos: bool = True
+
+
+async def stream_request(endpoint: Endpoint, rec: RequestRecord, options: RequestOptions, *, max_tokens: int,
+                         messages: Optional[list[dict]] = None,
+                         prompt: Optional[Union[str, list[int]]] = None) -> RequestRecord:
     """Send one streaming chat (``messages``) or completion (``prompt``) request, filling ``rec``."""
     chat = messages is not None
-    payload: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
-                               "stream_options": {"include_usage": True}, **(extra or {})}
-    if ignore_eos:
+    payload: dict[str, Any] = {"model": endpoint.model, "max_tokens": max_tokens, "temperature": options.temperature,
+                               "stream": True, "stream_options": {"include_usage": True}}
+    if options.ignore_eos:
         payload["ignore_eos"] = True
     if chat:
         payload["messages"] = messages
     else:
         payload["prompt"] = prompt
-    url = f"{base_url}/v1/chat/completions" if chat else f"{base_url}/v1/completions"
+    url = f"{endpoint.base_url}/v1/chat/completions" if chat else f"{endpoint.base_url}/v1/completions"
     parts: list[str] = []
     chunks = 0
     start = rec.start_s = time.perf_counter()
     last = start
     try:
-        async with client.stream("POST", url, json=payload) as resp:
+        async with endpoint.client.stream("POST", url, json=payload) as resp:
             if resp.status_code != 200:
                 rec.error = _error_message(await resp.aread(), resp.status_code)
                 return rec

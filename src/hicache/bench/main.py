@@ -187,7 +187,7 @@ async def _run(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
     import httpx
     from tqdm import tqdm
 
-    from .client import flush_cache, scrape_metrics, server_info
+    from .client import Endpoint, RequestOptions, flush_cache, scrape_metrics, server_info
     from .report import summarize
     from .runner import run_conversations, run_trace
 
@@ -208,13 +208,15 @@ async def _run(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
         before = await scrape_metrics(client, base_url) if info["hicache"] else {}
         bar = tqdm(total=total, desc="bench", unit="req", disable=args.disable_tqdm, file=sys.stderr)
         cpu0, t0 = time.process_time(), time.perf_counter()
-        common = dict(max_concurrency=args.max_concurrency, temperature=args.temperature,
-                      ignore_eos=not args.disable_ignore_eos, on_done=bar.update)
+        endpoint = Endpoint(client, base_url, model)
+        options = RequestOptions(args.temperature, ignore_eos=not args.disable_ignore_eos)
         if args.dataset_name in ("trace", "mooncake"):
-            records = await run_trace(client, base_url, model, reqs, speed=args.trace_speed, **common)
+            records = await run_trace(endpoint, reqs, options, speed=args.trace_speed,
+                                      max_concurrency=args.max_concurrency, on_done=bar.update)
         else:
-            records = await run_conversations(client, base_url, model, convs, output_len=args.gsp_output_len,
-                                              request_rate=args.request_rate, seed=args.seed, **common)
+            records = await run_conversations(endpoint, convs, options, output_len=args.gsp_output_len,
+                                              max_concurrency=args.max_concurrency, request_rate=args.request_rate,
+                                              seed=args.seed, on_done=bar.update)
         duration, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         bar.close()
         after = await scrape_metrics(client, base_url) if info["hicache"] else {}

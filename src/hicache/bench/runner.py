@@ -6,9 +6,7 @@ import asyncio
 import random
 from typing import Any, Callable
 
-import httpx
-
-from .client import RequestRecord, stream_request
+from .client import Endpoint, RequestOptions, RequestRecord, stream_request
 from .workload import Conversation, TraceRequest
 
 
@@ -23,9 +21,9 @@ def _arrivals(n: int, rate: float, seed: int) -> list[float]:
     return out
 
 
-async def run_conversations(client: httpx.AsyncClient, base_url: str, model: str, convs: list[Conversation], *,
-                            output_len: int, max_concurrency: int | None, request_rate: float, seed: int,
-                            temperature: float, ignore_eos: bool, on_done: Callable[[], Any]) -> list[RequestRecord]:
+async def run_conversations(endpoint: Endpoint, convs: list[Conversation], options: RequestOptions, *, output_len: int,
+                            max_concurrency: int | None, request_rate: float, seed: int,
+                            on_done: Callable[[], Any]) -> list[RequestRecord]:
     """Each conversation starts at its arrival time (``request_rate`` conversations/s) and sends its
     turns one after another, each resending the history (system, questions, previous answers).
     At most ``max_concurrency`` requests are in flight."""
@@ -39,8 +37,7 @@ async def run_conversations(client: httpx.AsyncClient, base_url: str, model: str
             messages.append({"role": "user", "content": question})
             rec = RequestRecord(turn=turn, conversation=conv.cid)
             async with sem:
-                await stream_request(client, base_url, model, rec, messages=list(messages), max_tokens=output_len,
-                                     temperature=temperature, ignore_eos=ignore_eos)
+                await stream_request(endpoint, rec, options, messages=list(messages), max_tokens=output_len)
             records.append(rec)
             on_done()
             if not rec.ok:  # the rest of this conversation cannot be built
@@ -55,9 +52,8 @@ async def run_conversations(client: httpx.AsyncClient, base_url: str, model: str
     return records
 
 
-async def run_trace(client: httpx.AsyncClient, base_url: str, model: str, reqs: list[TraceRequest], *,
-                    speed: float, max_concurrency: int | None, temperature: float, ignore_eos: bool,
-                    on_done: Callable[[], Any]) -> list[RequestRecord]:
+async def run_trace(endpoint: Endpoint, reqs: list[TraceRequest], options: RequestOptions, *, speed: float,
+                    max_concurrency: int | None, on_done: Callable[[], Any]) -> list[RequestRecord]:
     """Send each trace request at its timestamp (relative to the first, divided by ``speed``)."""
     sem = asyncio.Semaphore(max_concurrency or 1 << 30)
     t0 = reqs[0].timestamp if reqs else 0.0
@@ -66,8 +62,7 @@ async def run_trace(client: httpx.AsyncClient, base_url: str, model: str, reqs: 
         await asyncio.sleep((r.timestamp - t0) / speed)
         rec = RequestRecord(turn=r.turn)
         async with sem:
-            await stream_request(client, base_url, model, rec, messages=r.messages, prompt=r.prompt,
-                                 max_tokens=r.max_tokens, temperature=temperature, ignore_eos=ignore_eos)
+            await stream_request(endpoint, rec, options, messages=r.messages, prompt=r.prompt, max_tokens=r.max_tokens)
         on_done()
         return rec
 

@@ -135,7 +135,7 @@ def _hybrid_grid_objects(host_pool: HostKVPool, plan: UnifiedPlan) -> tuple[Obje
         rows = slice(bisect.bisect_left(local, cell.layer_start), bisect.bisect_left(local, cell.layer_end))
         if rows.start == rows.stop:
             return None
-        return GridCell(host, cell, 0, s.kv_heads.start, grid.heads_of(cell), grid.mla, layers=rows, suffix=suffix)
+        return GridCell(host, cell, grid, 0, s.kv_heads.start, layers=rows, suffix=suffix)
 
     def cut(cells, host, suffix=""):
         return [obj for c in cells if (obj := part(host, c, suffix)) is not None]
@@ -150,7 +150,7 @@ def _grid_objects(host_pool: HostKVPool, plan: UnifiedPlan, sidecar_host: HostKV
     """This rank's read and write cells as objects cut from its host pages, then its draft's:
     in the sidecar's host pool, or (packed) in the layers after the target's."""
     def cut(cell, grid, shard, host, first_layer, prefix=""):
-        return GridCell(host, cell, first_layer, shard.kv_heads.start, grid.heads_of(cell), grid.mla, prefix)
+        return GridCell(host, cell, grid, first_layer, shard.kv_heads.start, prefix)
 
     s = plan.shard
     reads = [cut(c, plan.grid, s, host_pool, s.layers.start) for c in plan.objects.reads]

@@ -85,7 +85,7 @@ class StorageTier:
         # cells with the suffix "_swa" on the unified layout)
         if window_objects is None and host.window_host is not None:
             window_objects = ([window_object(host.window_host, "-window")],) * 2
-        self.controller = StorageController(backend, host.host_pool, *(agree or ()), op_timeout=op_timeout,
+        self.controller = StorageController(backend, host.host_pool, agree, op_timeout=op_timeout,
                                             reads=objects[0], writes=objects[1], windows=window_objects,
                                             window_pages=self._window_span if window_objects is not None else None)
         self.prefetch_threshold = prefetch_threshold

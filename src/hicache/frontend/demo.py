@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 import textwrap
 
-from . import Engine, SamplingParams
+from . import Engine, GenerateResult, SamplingParams
 
 SYSTEM = """You are RepoBot, a careful coding agent working in a Python repository. You can call
 tools by writing one line `CALL tool(args)`. Tools: list_files(path), read_file(path),
@@ -61,6 +61,45 @@ def print_window_pool(engine: Engine) -> None:
               f"tombstoned; the full layers keep every cached page")
 
 
+def print_header(engine: Engine, agents: int, turns: int, spec: bool) -> None:
+    """The run's setup in one line, then the per-turn table's column names."""
+    host = "on" if engine.config.enable_hierarchical_cache else "off"
+    window = engine.backend.window_capacity_pages * engine.config.page_size
+    print(f"hicache demo: {agents} agent(s) x {turns} turns on {engine.config.model} "
+          f"({engine.device}, {engine.config.dtype}, KV {engine.config.kv_cache_dtype}, "
+          f"page {engine.config.page_size}, device pool {engine.capacity_pages * engine.config.page_size} tokens"
+          f"{f' + a window pool of {window} tokens for the sliding-window layers' if window else ''}, host tier {host})\n")
+    print(f"{'agent':>5} {'turn':>4} {'input':>6} {'cached':>6} {'device':>6} {'host':>5} {'storage':>7} "
+          f"{'TTFT ms':>8}{'  accept' if spec else ''}  reply")
+
+
+def print_summary(results: list[GenerateResult], agents: int, versus: str) -> None:
+    """Hit rate per tier over every turn, and the cold first turns' TTFT against the later ones'."""
+    prompt = sum(r.prompt_tokens for r in results)
+    tiers = {t: sum(r.cached_tokens_details[t] for r in results) for t in ("device", "host", "storage")}
+    later = results[agents:]
+    print(f"\nsummary: hit rate {sum(tiers.values()) / prompt:.1%} of {prompt} prompt tokens "
+          f"(device {tiers['device'] / prompt:.1%}, host {tiers['host'] / prompt:.1%}, "
+          f"storage {tiers['storage'] / prompt:.1%}); TTFT first turn(s) (cold) "
+          f"{sum(r.ttft_s for r in results[:agents]) / agents * 1000:.0f} ms, later turns mean "
+          f"{sum(r.ttft_s for r in later) / max(len(later), 1) * 1000:.0f} ms{versus}")
+
+
+def print_mode_stats(engine: Engine) -> None:
+    """Speculative decoding's accept length and context parallelism's gathers, where they ran."""
+    if engine.config.speculative_steps > 0:
+        s = engine.stats()["speculative"]
+        print(f"speculative decoding: {s['num_steps']} draft tokens per verify pass, accept length "
+              f"{s['accept_length']:.2f} tokens per request per pass ({s['request_verify_steps']} request-passes)")
+    sharding = engine.stats().get("kv_sharding")
+    if sharding is not None:
+        gathers = sharding["per_rank"][0]
+        how = f"page-sharded over {sharding['shards']} ranks" if sharding["shards"] > 1 else "replicated on every rank"
+        print(f"context parallel KV: {how}; pages held per CP rank {sharding['owned_pages']}; "
+              f"rank 0 ran {gathers['gathers']} prefix gathers ({gathers['gathered_bytes'] / 2**20:.1f} MiB, "
+              f"{gathers['gather_time_s'] * 1e3:.0f} ms, {gathers['gather_wait_s'] * 1e3:.0f} ms of it waited for)")
+
+
 def run_demo(engine: Engine, turns: int = 8, max_new_tokens: int = 40, agents: int = 1, cold_rerun: bool = True) -> int:
     """``agents`` sessions take turns round-robin; with a small device pool and the host tier
     on, each agent's history leaves the device between its turns and comes back from L2.
@@ -69,15 +108,8 @@ def run_demo(engine: Engine, turns: int = 8, max_new_tokens: int = 40, agents: i
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     sessions = [[{"role": "system", "content": SYSTEM},
                  {"role": "user", "content": f"{TASK} (workspace {a + 1})"}] for a in range(agents)]
-    host = "on" if engine.config.enable_hierarchical_cache else "off"
-    window = engine.backend.window_capacity_pages * engine.config.page_size
-    print(f"hicache demo: {agents} agent(s) x {turns} turns on {engine.config.model} "
-          f"({engine.device}, {engine.config.dtype}, KV {engine.config.kv_cache_dtype}, "
-          f"page {engine.config.page_size}, device pool {engine.capacity_pages * engine.config.page_size} tokens"
-          f"{f' + a window pool of {window} tokens for the sliding-window layers' if window else ''}, host tier {host})\n")
     spec = engine.config.speculative_steps > 0  # then each turn's acceptance length too
-    print(f"{'agent':>5} {'turn':>4} {'input':>6} {'cached':>6} {'device':>6} {'host':>5} {'storage':>7} "
-          f"{'TTFT ms':>8}{'  accept' if spec else ''}  reply")
+    print_header(engine, agents, turns, spec)
     results = []
     for turn in range(turns):
         for a, messages in enumerate(sessions):
@@ -99,26 +131,9 @@ def run_demo(engine: Engine, turns: int = 8, max_new_tokens: int = 40, agents: i
         cold = engine.chat(sessions[-1][:-2], sampling, cache_salt=f"demo-cold-{random.random()}")
         versus = (f"; last turn ({warm.prompt_tokens} tokens) warm {warm.ttft_s * 1000:.0f} ms vs cold "
                   f"{cold.ttft_s * 1000:.0f} ms ({cold.ttft_s / warm.ttft_s:.1f}x faster with the cache)")
-    prompt = sum(r.prompt_tokens for r in results)
-    tiers = {t: sum(r.cached_tokens_details[t] for r in results) for t in ("device", "host", "storage")}
-    later = results[agents:]
-    print(f"\nsummary: hit rate {sum(tiers.values()) / prompt:.1%} of {prompt} prompt tokens "
-          f"(device {tiers['device'] / prompt:.1%}, host {tiers['host'] / prompt:.1%}, "
-          f"storage {tiers['storage'] / prompt:.1%}); TTFT first turn(s) (cold) "
-          f"{sum(r.ttft_s for r in results[:agents]) / agents * 1000:.0f} ms, later turns mean "
-          f"{sum(r.ttft_s for r in later) / max(len(later), 1) * 1000:.0f} ms{versus}")
+    print_summary(results, agents, versus)
     print_window_pool(engine)
     if engine.config.speculative_algorithm == "NGRAM":
         copy_turn(engine, sessions[-1], max(max_new_tokens, 96))
-    if spec:
-        s = engine.stats()["speculative"]
-        print(f"speculative decoding: {s['num_steps']} draft tokens per verify pass, accept length "
-              f"{s['accept_length']:.2f} tokens per request per pass ({s['request_verify_steps']} request-passes)")
-    sharding = engine.stats().get("kv_sharding")
-    if sharding is not None:
-        gathers = sharding["per_rank"][0]
-        how = f"page-sharded over {sharding['shards']} ranks" if sharding["shards"] > 1 else "replicated on every rank"
-        print(f"context parallel KV: {how}; pages held per CP rank {sharding['owned_pages']}; "
-              f"rank 0 ran {gathers['gathers']} prefix gathers ({gathers['gathered_bytes'] / 2**20:.1f} MiB, "
-              f"{gathers['gather_time_s'] * 1e3:.0f} ms, {gathers['gather_wait_s'] * 1e3:.0f} ms of it waited for)")
+    print_mode_stats(engine)
     return 0

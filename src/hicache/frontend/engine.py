@@ -61,7 +61,7 @@ class Engine:
         ranks = cfg.tp_size * cfg.pp_size
         # With several ranks this process only tokenizes: each rank loads its own slice.
         self.loaded = load_model(cfg.model, dtype=self.dtype, device=self.device, seed=cfg.random_seed,
-                                 weights=ranks == 1, **cfg.precision_options())
+                                 weights=ranks == 1, precision=cfg.precision_options())
         self.tokenizer = self.loaded.tokenizer
         if cfg.chat_template is not None:  # a wrapper of its own: loaded tokenizers are shared in the process
             self.tokenizer = self.tokenizer.with_chat_template(resolve_chat_template(cfg.chat_template))
@@ -76,8 +76,7 @@ class Engine:
         self.draft: LoadedModel | None = None  # the speculative draft model
         if cfg.uses_draft_model:
             self.draft = load_model(cfg.speculative_draft_model_path, dtype=self.dtype, device=self.device,
-                                    seed=cfg.random_seed, weights=ranks == 1,
-                                    **cfg.precision_options())
+                                    seed=cfg.random_seed, weights=ranks == 1, precision=cfg.precision_options())
             check_draft(self.loaded, self.draft, cfg.speculative_draft_model_path, self.context_length)
         # Cache keys of different models, dtypes or page sizes must never meet (storage.keys owns
         # them); with a draft, cached pages hold its KV too, so its identity is part of the name.

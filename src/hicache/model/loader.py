@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from hicache.config import PassPrecision
 from hicache.model.errors import ModelNotFoundError
 from hicache.model.gguf_loader import is_gguf_file, load_gguf
 from hicache.model.hf_loader import load_hf_dir
@@ -61,9 +62,8 @@ def split_variant(name: str) -> tuple[str, str | None]:
 
 
 def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu", seed: int = 0,
-               weights: bool = True, decode_weights: str = "auto", to_be_sharded: bool = False,
-               prefill_weights: str = "same", decode_activations: str = "float32",
-               deterministic: bool = False) -> LoadedModel:
+               weights: bool = True, precision: PassPrecision = PassPrecision(),
+               to_be_sharded: bool = False) -> LoadedModel:
     """Load ``name``: ``"smollm2"`` (the embedded GGUF) or ``"gemma3-270m"`` (packaged: model/packaged.py),
     a GGUF file, a local HF directory, or
     ``"random:<preset|JSON>"``; any of them followed by ``:int<bits>-g<group>`` (e.g.
@@ -71,7 +71,7 @@ def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.dev
 
     ``seed`` only matters for random models. ``weights=False`` reads only the shape, the
     tokenizer and the identity (``model`` is None): what a process that only tokenizes needs.
-    ``decode_weights``: what decode steps read (see :meth:`LlamaForCausalLM.set_decode_weights`);
+    ``precision`` (:class:`~hicache.config.PassPrecision`): ``decode_weights``, what decode steps read (see :meth:`LlamaForCausalLM.set_decode_weights`);
     a lossy dtype copy changes the KV they write, so it is part of the identity (exact blocks
     are the same weights and are not). ``prefill_weights``: what larger passes read ("same", or a
     dtype copy: lossy, so named in the identity too). ``decode_activations``: "int8" has decode
@@ -86,8 +86,9 @@ def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.dev
         raise ModelSpecError(f"model dtype {dtype} is not supported; use torch.float32, torch.bfloat16 or torch.float16.")
     if dtype == torch.float16 and torch.device(device).type != "cuda":
         raise ModelSpecError("float16 runs ~100x slower than float32 on a CPU; use --dtype auto or float32 there.")
-    if decode_activations not in DECODE_ACTIVATIONS:
-        raise ModelSpecError(f"decode activations {decode_activations!r}: expected one of {', '.join(DECODE_ACTIVATIONS)}.")
+    if precision.decode_activations not in DECODE_ACTIVATIONS:
+        raise ModelSpecError(f"decode activations {precision.decode_activations!r}: "
+                             f"expected one of {', '.join(DECODE_ACTIVATIONS)}.")
     if torch.device(device).type != "cpu" and weights:  # every native kernel call is gated on a CPU tensor
         logger.info("native CPU kernels off (the model runs on %s): nothing built", torch.device(device).type)
     start = time.perf_counter()
@@ -103,10 +104,9 @@ def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.dev
             requantize_(model, bits, group)
         identity += f":requant-{variant}"
     reads_file_blocks = identity.startswith("gguf:") and variant is None  # decode may multiply the file's blocks
-    identity += _weight_copies(model, dtype, decode_weights, prefill_weights, to_be_sharded,
-                               decode_activations if reads_file_blocks else None)
-    if deterministic:
-        _check_deterministic(spec, dtype, device, prefill_weights, decode_weights)
+    identity += _weight_copies(model, dtype, precision, to_be_sharded, reads_file_blocks)
+    if precision.deterministic:
+        _check_deterministic(spec, dtype, device, precision)
         if model is not None:
             model.set_deterministic(True)
         identity += ":deterministic"
@@ -157,8 +157,8 @@ def _generator_grid(device: torch.device) -> str:
     return f"cuda-sm{props.multi_processor_count}x{getattr(props, 'max_threads_per_multi_processor', 0)}"
 
 
-def _check_deterministic(spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, prefill_weights: str,
-                         decode_weights: str) -> None:
+def _check_deterministic(spec: ModelSpec, dtype: torch.dtype, device: torch.device | str,
+                         precision: PassPrecision) -> None:
     """Refuse (one sentence each) what deterministic inference does not cover."""
     from hicache.kernels import unavailable_reason
     from hicache.model.attention import NATIVE_HEAD_DIMS
@@ -172,7 +172,7 @@ def _check_deterministic(spec: ModelSpec, dtype: torch.dtype, device: torch.devi
     elif spec.is_mla or spec.head_dim not in NATIVE_HEAD_DIMS:
         why = (f"the native decode attention takes GQA heads of {', '.join(map(str, NATIVE_HEAD_DIMS))} dimensions; "
                f"this model's {'are MLA latents' if spec.is_mla else f'are {spec.head_dim}'}")
-    elif prefill_weights != "same" or decode_weights not in ("auto", "same"):
+    elif precision.prefill_weights != "same" or precision.decode_weights not in ("auto", "same"):
         why = "every pass reads one copy of the weights (--prefill-weight-dtype same, --decode-weight-dtype auto)"
     elif not dense_rows_invariant():
         why = "this CPU's BLAS gives a row other bits depending on how many rows share the GEMM"
@@ -180,24 +180,26 @@ def _check_deterministic(spec: ModelSpec, dtype: torch.dtype, device: torch.devi
         raise ModelSpecError(f"--enable-deterministic-inference: {why}.")
 
 
-def _weight_copies(model: LlamaForCausalLM | None, dtype: torch.dtype, decode_weights: str, prefill_weights: str,
-                   to_be_sharded: bool, decode_activations: str | None) -> str:
+def _weight_copies(model: LlamaForCausalLM | None, dtype: torch.dtype, precision: PassPrecision, to_be_sharded: bool,
+                   file_blocks: bool) -> str:
     """Set what decode and prefill passes read; returns the identity suffix naming the lossy
     copies (a dtype copy changes the KV its passes write; exact blocks do not) and 8-bit decode
-    inputs (``decode_activations``; None: the model has no file blocks for them to meet)."""
+    inputs (``decode_activations``; only where ``file_blocks``: the model has a file's blocks for
+    them to meet)."""
+    decode_activations = precision.decode_activations if file_blocks else None
     suffix = ""
-    if decode_activations == "int8" and decode_weights == "auto":
+    if decode_activations == "int8" and precision.decode_weights == "auto":
         suffix += ":decode-int8v2"  # v2: Q4_0/Q4_1/Q8_0 rows packed 16 at a time (kernels/gguf_x16.cpp)
     if model is not None and decode_activations is not None:
         model.set_decode_activations(decode_activations, prepare=False)
-    for phase, mode, allowed, lossless in (("decode", decode_weights, DECODE_WEIGHTS, ("auto", "same")),
-                                           ("prefill", prefill_weights, PREFILL_WEIGHTS, ("same",))):
+    for phase, mode, allowed, lossless in (("decode", precision.decode_weights, DECODE_WEIGHTS, ("auto", "same")),
+                                           ("prefill", precision.prefill_weights, PREFILL_WEIGHTS, ("same",))):
         if mode not in allowed:
             raise ModelSpecError(f"{phase} weights {mode!r}: expected one of {', '.join(allowed)}.")
         if mode not in lossless and getattr(torch, mode) != dtype:
             suffix += f":{phase}-{mode}"
     if model is not None:
         # Fuses and packs now (before the pool is sized), or in shard_model for a rank's slices.
-        model.set_prefill_weights(prefill_weights, prepare=False)
-        model.set_decode_weights(decode_weights, prepare=not to_be_sharded)
+        model.set_prefill_weights(precision.prefill_weights, prepare=False)
+        model.set_decode_weights(precision.decode_weights, prepare=not to_be_sharded)
     return suffix

@@ -226,8 +226,7 @@ def _load_draft(cfg: EngineConfig, info: RankInfo, groups: ParallelGroups, dtype
     if not cfg.uses_draft_model or info.pp_rank > 0:
         return None, None
     draft = load_model(cfg.speculative_draft_model_path, dtype=dtype, device=device, seed=cfg.random_seed,
-                       **cfg.precision_options(),
-                       to_be_sharded=True)
+                       precision=cfg.precision_options(), to_be_sharded=True)
     draft_shard = model_shard(draft.spec, info.attn_tp_rank, info.attn_tp_size, 0, 1)
     shard_model(draft.model, draft_shard, groups.tp_reduce if info.attn_tp_size > 1 else None)
     return draft, draft_shard
@@ -311,8 +310,7 @@ def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox:
         groups = ParallelGroups(info, init_method, device,
                                 latent_sharding=cfg.enable_kv_cache_sharding and cfg.attn_cp_size == 1)
         loaded = load_model(cfg.model, dtype=dtype, device=device, seed=cfg.random_seed,
-                            **cfg.precision_options(),
-                            to_be_sharded=True)
+                            precision=cfg.precision_options(), to_be_sharded=True)
         # Weights are replicated across CP ranks and tensor-parallel within one.
         shard = model_shard(loaded.spec, info.attn_tp_rank, info.attn_tp_size, info.pp_rank, info.pp_size)
         shard_model(loaded.model, shard, groups.tp_reduce if info.attn_tp_size > 1 else None)

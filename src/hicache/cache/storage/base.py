@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 
 class StorageError(RuntimeError):
@@ -36,11 +37,37 @@ class BackendStats:
         self.bytes_read += sum(len(v) for v in hits)
 
 
+@dataclass(frozen=True, kw_only=True)
+class RemoteStoreOptions:
+    """What every backend of a store server is told besides where the server is (the names of
+    ``--hicache-storage-backend-extra-config``'s keys).
+
+    ``prefix``: before every key (so deployments can share a server). ``batch_size``: most keys per
+    round trip. ``connect_timeout_s``: seconds to wait for a connection. ``check_at_open``: connect
+    in the constructor and raise StorageError if the store does not answer (so a misconfigured or
+    down store is reported once, at start); with False each call raises StorageError while it is down.
+    """
+
+    prefix: str = "hicache:"
+    batch_size: int = 64
+    connect_timeout_s: float = 1.0
+    check_at_open: bool = True
+
+    def __post_init__(self) -> None:
+        if int(self.batch_size) <= 0:
+            raise ValueError(f"batch_size must be positive, got {self.batch_size}")
+
+
 class StorageBackend(abc.ABC):
     """Implementations must be safe to call from one background thread at a time per method
-    kind (the prefetch thread reads, the backup thread writes, concurrently)."""
+    kind (the prefetch thread reads, the backup thread writes, concurrently).
+
+    ``options_type``: a backend built from one options value (a :class:`RemoteStoreOptions`) names
+    its type here, and the registry builds it from the extra-config JSON; None: the JSON's keys are
+    the constructor's keyword arguments."""
 
     name: str = "base"
+    options_type: ClassVar[type | None] = None
 
     @abc.abstractmethod
     def exists_prefix(self, keys: list[str]) -> int:

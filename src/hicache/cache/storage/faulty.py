@@ -1,8 +1,8 @@
 """A fault-injecting wrapper around a real backend, for tests of the cache's L3 paths.
 
-``FaultyBackend(inner, **knobs)`` forwards every call to ``inner`` after applying the
-knobs below. Knobs are plain attributes: a test may flip them between (or during) calls,
-e.g. ``fb.down = True`` to take the store away mid-run.
+``FaultyBackend(inner, Faults(...))`` forwards every call to ``inner`` after applying the
+knobs below. Knobs are plain fields of ``fb.faults``: a test may flip them between (or during)
+calls, e.g. ``fb.faults.down = True`` to take the store away mid-run.
 
 Knobs (all off by default):
   ``delay_s``     float  sleep this many seconds at the start of every call (a slow store).
@@ -32,8 +32,24 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
 
 from .base import BackendStats, StorageBackend, StorageError
+
+
+@dataclass
+class Faults:
+    """The knobs (see the module docstring), all off by default. Not frozen: flipping them while
+    the cache runs is what they are for."""
+
+    delay_s: float = 0.0
+    fail_get: bool = False
+    fail_set: bool = False
+    fail_after: int | None = None
+    raise_mid_batch: bool = False
+    hang_s: float | None = None
+    down: bool = False
+    corrupt_get: bool = False
 
 
 class FaultyBackend(StorageBackend):
@@ -41,27 +57,9 @@ class FaultyBackend(StorageBackend):
 
     name = "faulty"
 
-    def __init__(
-        self,
-        inner: StorageBackend,
-        delay_s: float = 0.0,
-        fail_get: bool = False,
-        fail_set: bool = False,
-        fail_after: int | None = None,
-        raise_mid_batch: bool = False,
-        hang_s: float | None = None,
-        down: bool = False,
-        corrupt_get: bool = False,
-    ) -> None:
+    def __init__(self, inner: StorageBackend, faults: Faults | None = None) -> None:
         self.inner = inner
-        self.delay_s = delay_s
-        self.fail_get = fail_get
-        self.fail_set = fail_set
-        self.fail_after = fail_after
-        self.raise_mid_batch = raise_mid_batch
-        self.hang_s = hang_s
-        self.down = down
-        self.corrupt_get = corrupt_get
+        self.faults = Faults() if faults is None else faults
         self.calls: Counter[str] = Counter()
         self.objects_got = 0
         self.objects_set = 0
@@ -76,7 +74,7 @@ class FaultyBackend(StorageBackend):
     def arm_hang(self, hang_s: float) -> None:
         """Hang every following call for ``hang_s`` seconds (until ``release()``)."""
         self._released.clear()
-        self.hang_s = hang_s
+        self.faults.hang_s = hang_s
 
     def reset_counts(self) -> None:
         with self._lock:
@@ -86,47 +84,47 @@ class FaultyBackend(StorageBackend):
     def _enter(self, op: str) -> None:
         with self._lock:
             self.calls[op] += 1
-        if self.delay_s:
-            time.sleep(self.delay_s)
-        if self.hang_s and not self._released.is_set():
-            self._released.wait(self.hang_s)
-        if self.down:
+        if self.faults.delay_s:
+            time.sleep(self.faults.delay_s)
+        if self.faults.hang_s and not self._released.is_set():
+            self._released.wait(self.faults.hang_s)
+        if self.faults.down:
             raise StorageError(f"faulty storage: backend is down ({op})")
 
     def _budget(self, n: int, counter: str) -> int:
         """How many of the next ``n`` objects fit under ``fail_after``; advances the count."""
         with self._lock:
             done = getattr(self, counter)
-            allowed = n if self.fail_after is None else max(0, min(n, self.fail_after - done))
+            allowed = n if self.faults.fail_after is None else max(0, min(n, self.faults.fail_after - done))
             setattr(self, counter, done + n)
         return allowed
 
     # -- StorageBackend -------------------------------------------------------------------
     def exists_prefix(self, keys: list[str]) -> int:
         self._enter("exists_prefix")
-        if self.fail_get:
+        if self.faults.fail_get:
             raise StorageError("faulty storage: exists_prefix failed")
         return self.inner.exists_prefix(keys)
 
     def batch_get(self, keys: list[str]) -> list[bytes | None]:
         self._enter("batch_get")
-        if self.fail_get:
+        if self.faults.fail_get:
             raise StorageError("faulty storage: batch_get failed")
         allowed = self._budget(len(keys), "objects_got")
-        if allowed < len(keys) and self.raise_mid_batch:
+        if allowed < len(keys) and self.faults.raise_mid_batch:
             raise StorageError(f"faulty storage: batch_get failed after {allowed} objects")
         out = self.inner.batch_get(keys[:allowed]) + [None] * (len(keys) - allowed)
-        if self.corrupt_get:
+        if self.faults.corrupt_get:
             out = [None if v is None else _flip_last(v) for v in out]
         return out
 
     def batch_set(self, keys: list[str], values: list[bytes]) -> int:
         self._enter("batch_set")
-        if self.fail_set:
+        if self.faults.fail_set:
             raise StorageError("faulty storage: batch_set failed")
         allowed = self._budget(len(keys), "objects_set")
         stored = self.inner.batch_set(keys[:allowed], values[:allowed]) if allowed else 0
-        if allowed < len(keys) and self.raise_mid_batch:
+        if allowed < len(keys) and self.faults.raise_mid_batch:
             raise StorageError(f"faulty storage: batch_set failed after {stored} objects")
         return stored
 

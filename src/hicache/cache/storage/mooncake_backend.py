@@ -44,7 +44,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from .base import BackendStats, StorageBackend, StorageError
+from .base import BackendStats, RemoteStoreOptions, StorageBackend, StorageError
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +122,9 @@ class _Buffer:
             self.arr = None
 
 
-class MooncakeBackend(StorageBackend):
-    """Page objects in a Mooncake Store under ``prefix``.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MooncakeOptions(RemoteStoreOptions):
+    """A Mooncake Store client's setup (SGLang's names).
 
     ``master_server_address``: the master's ``HOST:PORT`` (its RPC port).
     ``metadata_server``: ``P2PHANDSHAKE`` (peers exchange transfer metadata directly) or the
@@ -140,31 +141,34 @@ class MooncakeBackend(StorageBackend):
     with False the constructor does not connect, each call connects until it succeeds.
     """
 
-    name = "mooncake"
+    master_server_address: str = "127.0.0.1:50051"
+    metadata_server: str = "P2PHANDSHAKE"
+    local_hostname: str = "127.0.0.1"
+    protocol: str = "tcp"
+    device_name: str = ""
+    global_segment_size: int = 4 << 30
+    local_buffer_size: int = 0
+    batch_size: int = 128
+    connect_timeout_s: float = 2.0
 
-    def __init__(
-        self,
-        master_server_address: str = "127.0.0.1:50051",
-        metadata_server: str = "P2PHANDSHAKE",
-        local_hostname: str = "127.0.0.1",
-        protocol: str = "tcp",
-        device_name: str = "",
-        global_segment_size: int = 4 << 30,
-        local_buffer_size: int = 0,
-        prefix: str = "hicache:",
-        batch_size: int = 128,
-        connect_timeout_s: float = 2.0,
-        check_at_open: bool = True,
-    ) -> None:
-        if batch_size <= 0 or int(global_segment_size) < 0 or int(local_buffer_size) < 0:
-            raise ValueError("batch_size must be positive and buffer sizes not negative")
-        self.master = master_server_address
-        self._master_hp = _host_port(master_server_address)
-        self.metadata_server = metadata_server
-        self._setup_args = (local_hostname, metadata_server, int(global_segment_size),
-                            int(local_buffer_size), protocol, device_name, master_server_address)
-        self.prefix, self.batch_size = prefix, int(batch_size)
-        self.connect_timeout_s = float(connect_timeout_s)
+
+class MooncakeBackend(StorageBackend):
+    """Page objects in a Mooncake Store (:class:`MooncakeOptions`) under its ``prefix``."""
+
+    name = "mooncake"
+    options_type = MooncakeOptions
+
+    def __init__(self, options: MooncakeOptions = MooncakeOptions()) -> None:
+        o = options
+        if int(o.global_segment_size) < 0 or int(o.local_buffer_size) < 0:
+            raise ValueError("buffer sizes must not be negative")
+        self.master = o.master_server_address
+        self._master_hp = _host_port(o.master_server_address)
+        self.metadata_server = o.metadata_server
+        self._setup_args = (o.local_hostname, o.metadata_server, int(o.global_segment_size),
+                            int(o.local_buffer_size), o.protocol, o.device_name, o.master_server_address)
+        self.prefix, self.batch_size = o.prefix, int(o.batch_size)
+        self.connect_timeout_s = float(o.connect_timeout_s)
         self._client = _import_store()()
         self._ready = False
         self._open_lock = threading.Lock()
@@ -172,10 +176,10 @@ class MooncakeBackend(StorageBackend):
         self._slot = 0  # read slot per key: the largest object seen, rounded up
         self._c = BackendStats()
         self._lock = threading.Lock()  # counters only
-        if check_at_open:
+        if o.check_at_open:
             self._connect()
         log.info("mooncake storage at master %s (metadata %s) prefix %r segment %d bytes: %s",
-                 self.master, metadata_server, prefix, int(global_segment_size),
+                 self.master, o.metadata_server, o.prefix, int(o.global_segment_size),
                  "connected" if self._ready else "not checked")
 
     # -- helpers --------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import torch
 
 from ..host_pool import HostKVPool
 from .keys import object_key
-from .unified import Cell
+from .unified import Cell, StorageGrid
 
 NAMESPACE_KEY_HEX = 16  # hex chars of the namespace digest in a unified key
 DRAFT_PREFIX = "draft_"  # a speculative draft's cells: {page_hash}_{digest}_draft_L{a}-{b}[_H{g}]
@@ -110,22 +110,23 @@ def window_object(host: HostKVPool, suffix: str) -> PageObject:
 
 
 class GridCell:
-    """One unified-grid cell of this rank's host pages. ``first_layer`` / ``first_head``: the
-    model-global indices of the pool's first layer and KV head; ``heads``: the cell's global
-    KV heads; ``mla``: the pool's one "head" is an MLA latent split over the K and V buffers;
+    """One cell of ``grid`` (the unified grid) of this rank's host pages. ``first_layer`` /
+    ``first_head``: the model-global indices of the pool's first layer and KV head; with
+    ``grid.mla`` the pool's one "head" is an MLA latent split over the K and V buffers;
     ``prefix``: :data:`DRAFT_PREFIX` for a speculative draft's cells (the pool's layers at
     ``first_layer``'s offset may then follow the target's: a negative ``first_layer``)."""
 
-    def __init__(self, host: HostKVPool, cell: Cell, first_layer: int, first_head: int, heads: range,
-                 mla: bool, prefix: str = "", layers: slice | None = None, suffix: str = "") -> None:
+    def __init__(self, host: HostKVPool, cell: Cell, grid: StorageGrid, first_layer: int, first_head: int,
+                 prefix: str = "", layers: slice | None = None, suffix: str = "") -> None:
         """``layers``: the cell's rows in ``host`` when not a plain offset (a hybrid pool's full or
         window layers, each a host pool of its own); ``suffix``: after the cell's (a hybrid page's
         window component: :data:`WINDOW_SUFFIX`)."""
-        self.host, self.cell, self.mla, self.prefix, self.suffix = host, cell, mla, prefix, suffix
+        heads = grid.heads_of(cell)
+        self.host, self.cell, self.mla, self.prefix, self.suffix = host, cell, grid.mla, prefix, suffix
         self.layers = layers if layers is not None else slice(cell.layer_start - first_layer, cell.layer_end - first_layer)
         self.heads = slice(heads.start - first_head, heads.stop - first_head)
         self.group: int | None = None  # the cell's head group in a page_unified host page
-        if host.layout == "page_unified" and not mla:
+        if host.layout == "page_unified" and not self.mla:
             if self.heads.start % host.cell_heads or len(heads) != host.cell_heads:
                 raise ValueError(f"cell {cell.suffix} is not one of the host pool's groups of {host.cell_heads} heads")
             self.group = self.heads.start // host.cell_heads

@@ -70,12 +70,13 @@ def _log_failure(reason: str, msg: str, *args: object) -> None:
 
 
 class StorageController:
-    def __init__(self, backend: StorageBackend, host_pool: HostKVPool,
-                 agree_prefetch: Agree = _alone, agree_backup: Agree = _alone, op_timeout: float = 10.0,
-                 reads: Sequence[PageObject] | None = None, writes: Sequence[PageObject] | None = None,
+    def __init__(self, backend: StorageBackend, host_pool: HostKVPool, agree: tuple[Agree, Agree] | None = None,
+                 op_timeout: float = 10.0, reads: Sequence[PageObject] | None = None,
+                 writes: Sequence[PageObject] | None = None,
                  windows: tuple[Sequence[PageObject], Sequence[PageObject]] | None = None,
                  window_pages: Callable[[int], int] | None = None) -> None:
-        """``op_timeout``: deadline in seconds of each backend call (see :mod:`.guard`).
+        """``agree``: the prefetch and the backup thread's MIN-reduce over every rank (None: one
+        rank, its own values). ``op_timeout``: deadline in seconds of each backend call (see :mod:`.guard`).
         ``reads`` / ``writes``: the objects each host page is read from and written to
         (:mod:`.page_objects`; default: one :class:`WholePage` of ``host_pool`` for both). A page
         is present only when all of its read objects are; they are read, and written, together.
@@ -85,8 +86,7 @@ class StorageController:
         window page), read and written; ``window_pages(end)``: how many pages before a boundary of
         ``end`` pages its window reads."""
         self.guard = backend if isinstance(backend, GuardedBackend) else GuardedBackend(backend, timeout_s=op_timeout)
-        self._agree_prefetch = agree_prefetch
-        self._agree_backup = agree_backup
+        self._agree_prefetch, self._agree_backup = agree or (_alone, _alone)
         self.host_pool = host_pool
         self.reads: list[PageObject] = [WholePage(host_pool)] if reads is None else list(reads)
         self.writes: list[PageObject] = self.reads if writes is None else list(writes)

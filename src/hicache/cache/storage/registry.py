@@ -2,12 +2,14 @@
 
 Built in: ``file`` (default), ``valkey``, ``mooncake`` (Mooncake Store) and ``memory`` (this
 process's memory: the simulator, tests). Anything of the
-form ``package.module:Class`` is imported and constructed as ``Class(**extra_config)``; it
-must subclass :class:`~.base.StorageBackend`.
+form ``package.module:Class`` is imported and constructed as ``Class(**extra_config)`` (or, when
+it names an ``options_type``, as ``Class(options_type(**extra_config))``, as valkey and mooncake
+are); it must subclass :class:`~.base.StorageBackend`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 
@@ -26,15 +28,19 @@ BUILTIN: dict[str, type[StorageBackend]] = {
 CHOICES = "file, valkey, mooncake, memory, or package.module:Class"
 
 
-def _check_options(name: str, cls: type, config: dict) -> None:
-    """Refuse unknown options with one sentence instead of a TypeError traceback."""
-    try:
-        params = inspect.signature(cls.__init__).parameters
-    except (TypeError, ValueError):
-        return
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return
-    accepted = [n for n, p in params.items() if n != "self" and p.kind is not p.VAR_POSITIONAL]
+def _check_options(name: str, cls: type[StorageBackend], config: dict) -> None:
+    """Refuse unknown options with one sentence instead of a TypeError traceback. The options
+    are the fields of ``cls.options_type``, else the constructor's keyword arguments."""
+    if cls.options_type is not None:
+        accepted = [f.name for f in dataclasses.fields(cls.options_type)]
+    else:
+        try:
+            params = inspect.signature(cls.__init__).parameters
+        except (TypeError, ValueError):
+            return
+        if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            return
+        accepted = [n for n, p in params.items() if n != "self" and p.kind is not p.VAR_POSITIONAL]
     unknown = sorted(set(config) - set(accepted))
     if unknown:
         raise ConfigError(
@@ -43,7 +49,11 @@ def _check_options(name: str, cls: type, config: dict) -> None:
         )
 
 
-def _load_class(spec: str) -> type:
+def _construct(cls: type[StorageBackend], config: dict) -> StorageBackend:
+    return cls(cls.options_type(**config)) if cls.options_type is not None else cls(**config)
+
+
+def _load_class(spec: str) -> type[StorageBackend]:
     module_name, _, class_name = spec.partition(":")
     if not module_name or not class_name:
         raise ConfigError(f"unknown storage backend {spec!r}; choose {CHOICES}.")
@@ -65,7 +75,7 @@ def _load_class(spec: str) -> type:
 
 def create_backend(name: str, extra_config: dict | None = None) -> StorageBackend:
     """A backend instance for ``name`` (``file``, ``valkey``, ``mooncake``, ``memory`` or ``module:Class``)
-    built with ``extra_config`` as keyword arguments. Raises ConfigError for an unknown name, an
+    built from ``extra_config``'s options. Raises ConfigError for an unknown name, an
     unimportable class or an unknown option; backend errors (StorageError) pass through."""
     config = dict(extra_config or {})
     if not isinstance(name, str) or not name:
@@ -73,11 +83,11 @@ def create_backend(name: str, extra_config: dict | None = None) -> StorageBacken
     if name in BUILTIN:
         _check_options(name, BUILTIN[name], config)
         try:
-            return BUILTIN[name](**config)
+            return _construct(BUILTIN[name], config)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"storage backend {name!r}: bad option value ({e}).") from e
     if ":" not in name:
         raise ConfigError(f"unknown storage backend {name!r}; choose {CHOICES}.")
     cls = _load_class(name)
     _check_options(name, cls, config)
-    return cls(**config)
+    return _construct(cls, config)

@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import threading
 
-from .base import BackendStats, StorageBackend, StorageError
+from .base import BackendStats, RemoteStoreOptions, StorageBackend, StorageError
 
 log = logging.getLogger(__name__)
 
@@ -32,53 +32,52 @@ def _import_valkey():
     return valkey
 
 
-class ValkeyBackend(StorageBackend):
-    """Page objects in a Valkey server at ``host:port`` / ``db`` under ``prefix``.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ValkeyOptions(RemoteStoreOptions):
+    """A Valkey server at ``host:port`` / ``db`` (``password``: AUTH, None for none).
 
     ``ttl_s``: expire objects this many seconds after their last write (None = never).
     ``connect_timeout_s`` / ``timeout_s``: socket timeouts in seconds for connecting and for
     each command (a 128-page batch of 368 KB objects is ~47 MB: allow for it).
-    ``batch_size``: most keys per MGET / MSET / pipeline round trip.
-    ``check_at_open``: PING the server in the constructor and raise StorageError if it does
-    not answer (so a misconfigured or down store is reported once, at start). With False
-    the constructor never connects and each call raises StorageError while it is down.
+    ``batch_size``: most keys per MGET / MSET / pipeline round trip. ``check_at_open``: PING the
+    server in the constructor (with False the constructor never connects).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 6379
+    db: int = 0
+    ttl_s: float | None = None
+    password: str | None = None
+    timeout_s: float = 10.0
+
+
+class ValkeyBackend(StorageBackend):
+    """Page objects in a Valkey server (:class:`ValkeyOptions`) under its ``prefix``.
 
     Thread safety: the client's connection pool hands each thread its own connection.
     """
 
     name = "valkey"
+    options_type = ValkeyOptions
 
-    def __init__(
-        self,
-        host: str = "127.0.0.1",
-        port: int = 6379,
-        db: int = 0,
-        prefix: str = "hicache:",
-        ttl_s: float | None = None,
-        password: str | None = None,
-        connect_timeout_s: float = 1.0,
-        timeout_s: float = 10.0,
-        batch_size: int = 64,
-        check_at_open: bool = True,
-    ) -> None:
+    def __init__(self, options: ValkeyOptions = ValkeyOptions()) -> None:
         valkey = _import_valkey()
         from valkey.backoff import NoBackoff
         from valkey.retry import Retry
 
-        if batch_size <= 0:
-            raise ValueError(f"batch_size must be positive, got {batch_size}")
-        self.host, self.port, self.db, self.prefix = host, int(port), int(db), prefix
-        self.ttl_ms = None if ttl_s is None else max(1, int(float(ttl_s) * 1000))
-        self.batch_size = int(batch_size)
+        o = options
+        self.host, self.port, self.db, self.prefix = o.host, int(o.port), int(o.db), o.prefix
+        self.ttl_ms = None if o.ttl_s is None else max(1, int(float(o.ttl_s) * 1000))
+        self.batch_size = int(o.batch_size)
         self._errors_cls = (valkey.exceptions.ConnectionError, valkey.exceptions.TimeoutError)
         self._valkey_error = valkey.exceptions.ValkeyError
         self._client = valkey.Valkey(
-            host=host,
+            host=o.host,
             port=self.port,
             db=self.db,
-            password=password,
-            socket_connect_timeout=connect_timeout_s,
-            socket_timeout=timeout_s,
+            password=o.password,
+            socket_connect_timeout=o.connect_timeout_s,
+            socket_timeout=o.timeout_s,
             retry=Retry(NoBackoff(), 0),  # fail fast: the cache degrades to recompute
             retry_on_timeout=False,
             health_check_interval=0,
@@ -86,17 +85,17 @@ class ValkeyBackend(StorageBackend):
         self._c = BackendStats()
         self._lock = threading.Lock()  # counters only; reader and writer threads share them
         state = "not checked"
-        if check_at_open:
+        if o.check_at_open:
             try:
                 self._client.ping()
                 state = "reachable"
             except self._valkey_error as e:
                 self._client.close()
-                raise StorageError(f"valkey server at {host}:{self.port} is unreachable: {e}") from e
+                raise StorageError(f"valkey server at {o.host}:{self.port} is unreachable: {e}") from e
         log.info(
             "valkey storage opened at %s:%d db %d prefix %r ttl %s: %s",
-            host, self.port, self.db, prefix,
-            "none" if ttl_s is None else f"{ttl_s}s", state,
+            o.host, self.port, self.db, o.prefix,
+            "none" if o.ttl_s is None else f"{o.ttl_s}s", state,
         )
 
     # -- helpers --------------------------------------------------------------------------
