@@ -14,11 +14,11 @@ import numpy as np
 import torch
 
 from ..cache.manager import KVCacheManager
-from ..cache.pools import DeviceKVPool
+from ..cache.pools import DeviceKVPool, WindowLayout
 from ..runtime.hybrid_pool import HybridPlan
 from ..runtime.request import Request, Status
 from ..runtime.sampling import SamplingParams
-from ..runtime.scheduler import Scheduler
+from ..runtime.scheduler import SchedulePolicy, Scheduler
 from ..runtime.step import StepDriver
 
 
@@ -90,10 +90,10 @@ class CacheOnly:
             window_pages = plan.window_pages(pages)
             chunk, layers = plan.prefill_chunk(window_pages, chunk), g.window_layers
         self.geometry = g
-        self.pool = DeviceKVPool(g.layers, 1, g.head_dim, pages, g.page, g.dtype, "cpu", layers, window_pages,
-                                 g.window if window_pages else 0, shared)
+        self.pool = DeviceKVPool(g.layers, 1, g.head_dim, pages, g.page, g.dtype, "cpu",
+                                 WindowLayout(layers, window_pages, g.window if window_pages else 0, shared))
         self.cache = KVCacheManager(self.pool)
-        self.scheduler = Scheduler(self.cache, lambda ids: "", set(), chunk, max_running_requests=max_running_requests)
+        self.scheduler = Scheduler(self.cache, lambda ids: "", set(), SchedulePolicy(chunk, max_running_requests))
         self.driver = StepDriver(self.scheduler, no_forward)
         self.rid = 0
 

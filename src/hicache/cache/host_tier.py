@@ -31,12 +31,10 @@ from .host_transfer import BACKUP, LOAD, TransferController, TransferOp
 from .placement import ShardedPageAllocator, ShardView, alloc_evicting
 from .pools import DeviceKVPool, PageAllocator, SharedWindowAllocator
 from .radix import RadixCache
-from .tiers import CacheStats, Tier
+from .tiers import CachePolicy, CacheStats, Tier
 from .tree_node import TreeNode
 
 logger = logging.getLogger(__name__)
-
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -49,10 +47,9 @@ class HostTier:
     """Implements :class:`~.tiers.Tier` below the device; ``lower`` is the storage tier."""
 
     def __init__(self, pool: DeviceKVPool, host_pool: HostKVPool, allocator: PageAllocator | ShardedPageAllocator,
-                 tree: RadixCache | None, write_policy: str, write_through_threshold: int,
-                 stats: CacheStats, shard: ShardView | None = None,
+                 tree: RadixCache | None, policy: CachePolicy, stats: CacheStats, shard: ShardView | None = None,
                  sidecars: Sequence[tuple[DeviceKVPool, HostKVPool]] = ()) -> None:
-        """``shard``: device and host pages are sharded (this rank's view); host pages follow the
+        """``policy``: its write policy and threshold. ``shard``: device and host pages are sharded (this rank's view); host pages follow the
         owner rotation of their positions like device pages, so each rank copies its own.
         ``sidecars``: (device, host) pools of KV on the same page ids (a speculative draft's),
         copied with every page (see :class:`TransferController`)."""
@@ -70,9 +67,9 @@ class HostTier:
         if tree is not None and window_host is not None:
             tree.host_window_allocator = self.window_allocator
         # Hits a node needs before it is backed up (write_back: only at eviction).
-        self.backup_threshold = {"write_through": 1, "write_through_selective": write_through_threshold,
-                                 "write_back": None}[write_policy]
-        if tree is not None and write_policy == "write_back":
+        self.backup_threshold = {"write_through": 1, "write_through_selective": policy.write_through_threshold,
+                                 "write_back": None}[policy.write_policy]
+        if tree is not None and policy.write_policy == "write_back":
             tree.backup_on_evict = self.on_evict
         self.lower: Tier | None = None
         self._pending: dict[str, list[_Item]] = {BACKUP: [], LOAD: []}

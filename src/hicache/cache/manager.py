@@ -19,12 +19,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..config import EngineConfig
 from ..consensus_record import consensus_check
 from .acks import AckCounts
 from .device_tier import DeviceTier, KVState
 from .host_pool import HostKVPool
-from .host_tier import WRITE_POLICIES, HostTier
+from .host_tier import HostTier
 from .host_transfer import TransferController
 from .placement import PagePlacement, ShardedPageAllocator, ShardView
 from .pools import DeviceKVPool, PageAllocator
@@ -34,37 +33,10 @@ from .storage.page_objects import DRAFT_PREFIX, WINDOW_SUFFIX, GridCell
 from .storage.prefetch_backup import Agree, PrefetchOp
 from .storage.unified import UnifiedPlan
 from .storage_tier import StorageTier, consume_prefetch_acks, node_hashes
-from .tiers import CacheStats, Tier
+from .tiers import WRITE_POLICIES, CachePolicy, CacheStats, Tier
 from .tree_node import TreeNode
 
 __all__ = ["CachePolicy", "KVCacheManager", "KVState", "CacheStats", "RankLayout", "WRITE_POLICIES"]
-
-
-@dataclass(frozen=True)
-class CachePolicy:
-    """How the tiers behave: device eviction order and reuse, the host write policy, when
-    storage is asked and how much of the host it may fill, the deadline (seconds) of each
-    storage backend call (a breaker skips a backend that keeps failing; None: no deadline)."""
-
-    eviction_policy: str = "lru"
-    enable_prefix_cache: bool = True
-    write_policy: str = "write_through"
-    write_through_threshold: int = 2
-    prefetch_threshold: int = 256
-    prefetch_max_host_fraction: float = 0.5
-    storage_op_timeout: float | None = 10.0
-
-    def __post_init__(self) -> None:
-        if self.write_policy not in WRITE_POLICIES:
-            raise ValueError(f"unknown write policy {self.write_policy!r}")
-
-    @classmethod
-    def from_config(cls, cfg: EngineConfig) -> CachePolicy:
-        """The policy the engine's flags ask for."""
-        return cls(eviction_policy=cfg.radix_eviction_policy, enable_prefix_cache=cfg.decode_reuses_prefix,
-                   write_policy=cfg.hicache_write_policy, write_through_threshold=cfg.hicache_write_through_threshold,
-                   prefetch_threshold=cfg.hicache_storage_prefetch_threshold,
-                   storage_op_timeout=cfg.hicache_storage_op_timeout)
 
 
 @dataclass(frozen=True)
@@ -193,8 +165,8 @@ class KVCacheManager:
         self.storage_tier: StorageTier | None = None
         self.tiers: list[Tier] = []  # the lower tiers, top down
         if host_pool is not None:
-            self.host = HostTier(pool, host_pool, self.host_allocator, self.tree, policy.write_policy,
-                                 policy.write_through_threshold, self.stats, shard_view, [sidecar] if sidecar else [])
+            self.host = HostTier(pool, host_pool, self.host_allocator, self.tree, policy, self.stats, shard_view,
+                                 [sidecar] if sidecar else [])
             self.device.lower = self.host
             self.tiers.append(self.host)
         if storage is not None:
@@ -205,9 +177,8 @@ class KVCacheManager:
                 objects, window_objects = _hybrid_grid_objects(host_pool, unified)
             elif unified:
                 objects = _grid_objects(host_pool, unified, sidecar[1] if sidecar else None, len(pool.k_buffers))
-            self.storage_tier = StorageTier(storage, self.host, self.keys, layout.storage_agree,
-                                            policy.storage_op_timeout, policy.prefetch_threshold,
-                                            policy.prefetch_max_host_fraction, shard_view, objects, window_objects)
+            self.storage_tier = StorageTier(storage, self.host, self.keys, layout.storage_agree, policy, shard_view,
+                                            objects, window_objects)
             self.host.lower = self.storage_tier
             self.tiers.append(self.storage_tier)
         self.controller = self.host.controller if self.host is not None else None

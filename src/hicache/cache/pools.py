@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import mmap
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -116,6 +117,20 @@ def zeroed_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
     return torch.frombuffer(mapping, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
 
 
+@dataclass(frozen=True)
+class WindowLayout:
+    """A hybrid pool's sliding-window component: ``layers`` (this rank's indices) of ``window`` tokens
+    in ``pages`` window pages (+ the reserved page 0). ``shared``: ``(tensor, group)`` of each layer
+    when window pages are blocks of the full pages' tensors (issue 56); ``groups``: the model's
+    sliding groups (a pipeline stage sees only its own layers)."""
+
+    layers: frozenset[int]
+    pages: int
+    window: int
+    shared: dict[int, tuple[int, int]] | None = None
+    groups: int = 0
+
+
 class DeviceKVPool:
     """Per-layer K and V buffers ``[slots, num_kv_heads, head_dim]`` (L1), in one or two components.
 
@@ -126,31 +141,20 @@ class DeviceKVPool:
     model's ``KVView``: ``k_buffers[i]`` is layer i's buffer in whichever component it belongs to.
     """
 
-    def __init__(
-        self,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        num_pages: int,
-        page_size: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        window_layers: frozenset[int] = frozenset(),
-        window_pages: int = 0,
-        window: int = 0,
-        shared: "dict[int, tuple[int, int]] | None" = None,
-        groups: int = 0,
-    ) -> None:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int, page_size: int,
+                 dtype: torch.dtype, device: torch.device | str, windows: WindowLayout | None = None) -> None:
         self.page_size = page_size
         self.num_pages = num_pages
         self.num_slots = num_pages * page_size
         # Window pages are a deployment-wide decision: a pipeline stage without window layers keeps the
         # count (its allocator and tree decide as every other rank's) and holds no bytes for it.
+        windows = windows or WindowLayout(frozenset(), 0, 0)
+        window_pages, window, shared = windows.pages, windows.window, windows.shared
         self.window_pages = window_pages
         self.window = window if window_pages else 0  # tokens a window layer's token reads, its own included
         if window_pages and window < 1:
             raise ValueError("a window component needs its window size")
-        self.window_layers = frozenset(window_layers) if window_pages else frozenset()
+        self.window_layers = frozenset(windows.layers) if window_pages else frozenset()
         row = (num_kv_heads, head_dim)
         layer_page = 2 * page_size * num_kv_heads * head_dim * dtype.itemsize  # one layer's K + V of one page
         self.bytes_per_page = layer_page * (num_layers - len(self.window_layers))  # the full component's
@@ -161,7 +165,7 @@ class DeviceKVPool:
         # reads window page w at block ``window_blocks[w, k - 1]`` (see :class:`SharedWindowAllocator`).
         self.shared = dict(shared) if shared and window_pages else None
         # sliding groups: the model's (``groups``: a pipeline stage sees only its layers), else its layers'
-        self.groups = (groups or max(g for _, g in self.shared.values())) if self.shared else 1
+        self.groups = (windows.groups or max(g for _, g in self.shared.values())) if self.shared else 1
         self.window_blocks = np.zeros((window_pages, self.groups), dtype=np.int64) if self.shared else None
         if self.shared:
             used = sorted({t for t, _ in self.shared.values()})

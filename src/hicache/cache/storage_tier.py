@@ -32,6 +32,7 @@ from .storage.base import StorageBackend
 from .storage.keys import KeyNamespace, continue_chain, page_hashes
 from .storage.page_objects import PageObject, WholePage, window_object
 from .storage.prefetch_backup import Agree, PrefetchOp, StorageController
+from .tiers import CachePolicy
 from .tree_node import TreeNode
 
 logger = logging.getLogger(__name__)
@@ -66,11 +67,11 @@ class StorageTier:
     """Implements :class:`~.tiers.Tier` below the host tier, whose pages it borrows."""
 
     def __init__(self, backend: StorageBackend, host: HostTier, keys: KeyNamespace, agree: tuple[Agree, Agree] | None,
-                 op_timeout: float, prefetch_threshold: int, prefetch_max_host_fraction: float,
-                 shard: ShardView | None = None,
+                 policy: CachePolicy, shard: ShardView | None = None,
                  objects: tuple[Sequence[PageObject], Sequence[PageObject]] | None = None,
                  window_objects: tuple[Sequence[PageObject], Sequence[PageObject]] | None = None) -> None:
-        """``shard``: sharded KV; this rank reads and writes the objects of the pages it owns
+        """``policy``: the backend calls' deadline, when a prompt is worth a prefetch and how much of the
+        host prefetches may hold. ``shard``: sharded KV; this rank reads and writes the objects of the pages it owns
         (its keys name its shard, see ``keys``). ``objects``: (reads, writes), the objects a
         host page is read from and written to (the unified grid's cells); default: one object
         per page of this rank's KV, and one per sidecar pool."""
@@ -85,12 +86,12 @@ class StorageTier:
         # cells with the suffix "_swa" on the unified layout)
         if window_objects is None and host.window_host is not None:
             window_objects = ([window_object(host.window_host, "-window")],) * 2
-        self.controller = StorageController(backend, host.host_pool, agree, op_timeout=op_timeout,
+        self.controller = StorageController(backend, host.host_pool, agree, op_timeout=policy.storage_op_timeout,
                                             reads=objects[0], writes=objects[1], windows=window_objects,
                                             window_pages=self._window_span if window_objects is not None else None)
-        self.prefetch_threshold = prefetch_threshold
+        self.prefetch_threshold = policy.prefetch_threshold
         # At most this many host pages may be held by prefetches at once.
-        self.prefetch_page_limit = int(prefetch_max_host_fraction * host.allocator.capacity)
+        self.prefetch_page_limit = int(policy.prefetch_max_host_fraction * host.allocator.capacity)
         self.prefetch_held_pages = 0
         # Stopped prefetches whose reader may still write their unused host pages.
         self._stopped: deque[tuple[PrefetchOp, np.ndarray]] = deque()

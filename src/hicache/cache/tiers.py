@@ -21,8 +21,40 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from ..config import EngineConfig
 from .acks import AckCounts
 from .tree_node import TreeNode
+
+
+# Host tier write policies (host_tier.py): when a device page gets its host copy.
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+
+
+@dataclass(frozen=True)
+class CachePolicy:
+    """How the tiers behave: device eviction order and reuse, the host write policy, when
+    storage is asked and how much of the host it may fill, the deadline (seconds) of each
+    storage backend call (a breaker skips a backend that keeps failing; None: no deadline)."""
+
+    eviction_policy: str = "lru"
+    enable_prefix_cache: bool = True
+    write_policy: str = "write_through"
+    write_through_threshold: int = 2
+    prefetch_threshold: int = 256
+    prefetch_max_host_fraction: float = 0.5
+    storage_op_timeout: float | None = 10.0
+
+    def __post_init__(self) -> None:
+        if self.write_policy not in WRITE_POLICIES:
+            raise ValueError(f"unknown write policy {self.write_policy!r}")
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig) -> CachePolicy:
+        """The policy the engine's flags ask for."""
+        return cls(eviction_policy=cfg.radix_eviction_policy, enable_prefix_cache=cfg.decode_reuses_prefix,
+                   write_policy=cfg.hicache_write_policy, write_through_threshold=cfg.hicache_write_through_threshold,
+                   prefetch_threshold=cfg.hicache_storage_prefetch_threshold,
+                   storage_op_timeout=cfg.hicache_storage_op_timeout)
 
 
 class Tier(Protocol):

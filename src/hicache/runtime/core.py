@@ -13,7 +13,7 @@ import torch
 from ..cache.host_pool import HostKVPool
 from ..cache.manager import CachePolicy, KVCacheManager, RankLayout
 from ..cache.placement import PagePlacement
-from ..cache.pools import DeviceKVPool
+from ..cache.pools import DeviceKVPool, WindowLayout
 from ..cache.storage.base import StorageError
 from ..cache.storage.registry import create_backend
 from ..cache.storage.unified import StorageGrid
@@ -26,7 +26,7 @@ from .mode_registry import build_modes
 from .modes import Mode, ModeContext
 from .rank_plan import RankContext, RankPlan, plan_rank
 from .runner import ContextParallel, ModelRunner
-from .scheduler import Scheduler
+from .scheduler import SchedulePolicy, Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -94,8 +94,8 @@ def _device_pool(cfg: EngineConfig, plan: RankPlan, device: torch.device) -> Dev
     pool = (layers, *plan.row, plan.device_pages, cfg.page_size, plan.kv_dtype, device)
     if hybrid is None:
         return DeviceKVPool(*pool)
-    return DeviceKVPool(*pool, hybrid.window_layers, plan.window_pages, hybrid.window,
-                        dict(enumerate(hybrid.layout)) if hybrid.shared else None, hybrid.groups)
+    return DeviceKVPool(*pool, WindowLayout(hybrid.window_layers, plan.window_pages, hybrid.window,
+                                            dict(enumerate(hybrid.layout)) if hybrid.shared else None, hybrid.groups))
 
 
 def _host_pool(cfg: EngineConfig, pool: DeviceKVPool, host_pages: int, grid: StorageGrid | None,
@@ -139,19 +139,11 @@ def _sidecar_pools(cfg: EngineConfig, plan: RankPlan, device: torch.device,
 
 def _scheduler(cfg: EngineConfig, cache: KVCacheManager, loaded: LoadedModel, modes: list[Mode],
                prefill_chunk: int) -> Scheduler:
-    return Scheduler(
-        cache=cache,
-        decode_text=loaded.tokenizer.decode,
-        eos_token_ids=set(loaded.tokenizer.eos_token_ids),
-        chunked_prefill_size=prefill_chunk,
-        max_running_requests=cfg.max_running_requests,
-        prefetch_policy=cfg.hicache_storage_prefetch_policy,
-        prefetch_timeout=lambda tokens: cfg.hicache_storage_prefetch_timeout_base
+    return Scheduler(cache, loaded.tokenizer.decode, set(loaded.tokenizer.eos_token_ids), SchedulePolicy(
+        prefill_chunk, cfg.max_running_requests, cfg.hicache_storage_prefetch_policy,
+        lambda tokens: cfg.hicache_storage_prefetch_timeout_base
         + cfg.hicache_storage_prefetch_timeout_per_1k_tokens * tokens / 1000,
-        modes=modes,
-        deterministic=cfg.enable_deterministic_inference,
-        shared_prefill_wait=cfg.decode_reuses_prefix and not cfg.disable_shared_prefill_wait,
-    )
+        cfg.enable_deterministic_inference, cfg.decode_reuses_prefix and not cfg.disable_shared_prefill_wait), modes)
 
 
 def _context_parallel(cfg: EngineConfig, rank: RankContext, plan: RankPlan,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from ..cache.manager import KVCacheManager
@@ -31,39 +32,40 @@ from .shared_prefill import computing_prefix_of
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class SchedulePolicy:
+    """How the scheduler admits and chunks: ``chunked_prefill_size`` tokens a prefill pass at most,
+    ``max_running_requests`` at once; the storage prefetch policy and its timeout (seconds the
+    ``timeout`` policy allows N tokens); ``deterministic`` (``--enable-deterministic-inference``):
+    seeded requests sample keyed by position (runtime/sampling.py), not from their generator in draw
+    order; ``shared_prefill_wait``: a request whose first tokens another request is still computing
+    waits for them (runtime/shared_prefill.py)."""
+
+    chunked_prefill_size: int
+    max_running_requests: int
+    prefetch_policy: str = "adaptive"
+    prefetch_timeout: Callable[[int], float] = lambda tokens: 1.0
+    deterministic: bool = False
+    shared_prefill_wait: bool = False
+
+
 class Scheduler(Results):
-    def __init__(
-        self,
-        cache: KVCacheManager,
-        decode_text: Callable[[Sequence[int]], str],
-        eos_token_ids: set[int],
-        chunked_prefill_size: int,
-        max_running_requests: int,
-        prefetch_policy: str = "adaptive",
-        prefetch_timeout: Callable[[int], float] = lambda tokens: 1.0,
-        modes: Sequence[Mode] = (),
-        deterministic: bool = False,
-        shared_prefill_wait: bool = False,
-    ) -> None:
+    def __init__(self, cache: KVCacheManager, decode_text: Callable[[Sequence[int]], str], eos_token_ids: set[int],
+                 policy: SchedulePolicy, modes: Sequence[Mode] = ()) -> None:
         """``modes``: what plugs into the phases (hicache.runtime.mode_registry), in the order
-        their hooks run and their events sit in the event vector. ``deterministic``
-        (``--enable-deterministic-inference``): seeded requests sample keyed by position
-        (runtime/sampling.py), not from their generator in draw order. ``shared_prefill_wait``: a
-        request whose first tokens another request is still computing waits for them
-        (runtime/shared_prefill.py)."""
+        their hooks run and their events sit in the event vector."""
         self.cache = cache
         self.decode_text = decode_text
         self.eos_token_ids = eos_token_ids
-        self.chunked_prefill_size = chunked_prefill_size
-        self.max_running_requests = max_running_requests
-        self.prefetch_policy = prefetch_policy
-        # Wait deadlines per prefetch; prefetch_timeout: seconds the timeout policy allows N tokens.
-        self.prefetch_rule = PrefetchPolicy(prefetch_policy, prefetch_timeout)
+        self.chunked_prefill_size = policy.chunked_prefill_size
+        self.max_running_requests = policy.max_running_requests
+        self.prefetch_policy = policy.prefetch_policy
+        self.prefetch_rule = PrefetchPolicy(policy.prefetch_policy, policy.prefetch_timeout)  # wait deadlines
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.modes = list(modes)
-        self.deterministic = deterministic
-        self.shared_prefill_wait = shared_prefill_wait
+        self.deterministic = policy.deterministic
+        self.shared_prefill_wait = policy.shared_prefill_wait
         # slots a request reserves past its tokens (a mode's passes may write KV there)
         self.reserve_slots = sum(m.reserve_slots() for m in self.modes)
         self.prefill_computed_tokens = 0  # prompt tokens the forward computed (cache hits excluded)

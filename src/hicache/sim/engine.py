@@ -31,7 +31,7 @@ from ..cache.pools import DeviceKVPool
 from ..cache.storage.memory import MemoryBackend
 from ..runtime.request import Request, Status
 from ..runtime.sampling import SamplingParams
-from ..runtime.scheduler import Scheduler
+from ..runtime.scheduler import SchedulePolicy, Scheduler
 from ..runtime.step import StepDriver
 
 logger = logging.getLogger(__name__)
@@ -79,9 +79,8 @@ class SimEngine:
         for controller in (self.cache.controller, self.cache.storage):  # nothing to overlap copies with
             if controller is not None:
                 controller.run_inline()
-        self.scheduler = Scheduler(self.cache, decode_text=lambda ids: "", eos_token_ids=set(),
-                                   chunked_prefill_size=prompt_tokens + spec.page_size, max_running_requests=1,
-                                   prefetch_policy="wait_complete")
+        self.scheduler = Scheduler(self.cache, lambda ids: "", set(), SchedulePolicy(
+            prompt_tokens + spec.page_size, max_running_requests=1, prefetch_policy="wait_complete"))
         self.driver = StepDriver(self.scheduler, _no_forward)
         self._rid = 0
 
