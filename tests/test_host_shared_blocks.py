@@ -12,7 +12,7 @@ import pytest
 
 from hicache import Engine
 from hicache.runtime.sampling import SamplingParams
-from hybrid_conversations import EXACT, MODEL, PS, SYSTEM, check_host_blocks, cold_outputs, continue_from, conversations, stored
+from hybrid_conversations import EXACT, GREEDY, MODEL, PS, SYSTEM, check_host_blocks, cold_outputs, continue_from, conversations, stored
 
 pytestmark = pytest.mark.cache
 
@@ -40,6 +40,27 @@ def test_the_host_budget_is_the_host_pools_bytes(explicit_ratio) -> None:
             assert abs(held - budget) <= 0.05 * budget
         finally:
             engine.shutdown()
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("ratio", [None, 0.8])
+def test_backups_still_reading_their_checkpoints_do_not_starve_the_window_pages(ratio) -> None:
+    """A host backup window-locks its node's checkpoint until its copy has read it, which no request's
+    budget counts: with copies slower than the steps (here 20 ms a layer), a request's step found every
+    window page locked and the pool asserted ("cannot hold 10 pages within the reserved budgets"; one
+    run in two with no delay at all). Now it waits for those copies, and the answers are the cold ones."""
+    from hicache.cache.host_transfer import BACKUP
+
+    rng = np.random.default_rng(48)
+    prompts = [rng.integers(20, 200, size=48).tolist() for _ in range(6)]
+    engine = Engine(MODEL, **dict(HOST, hicache_size=200 * 1024 / 1e9,
+                                  **({} if ratio is None else dict(swa_full_tokens_ratio=ratio))))
+    try:
+        engine.backend.core.cache.controller.delay_fn = lambda op, layer: 0.02 if op.kind == BACKUP else 0.0
+        answers = [engine.generate([p], GREEDY)[0].output_ids for p in prompts + prompts]
+    finally:
+        engine.shutdown()
+    assert answers == cold_outputs(prompts) * 2
 
 
 def serve_twice(engine: Engine, prompts: list[list[int]]) -> int:

@@ -24,7 +24,7 @@ def prompts(n: int, low: int, high: int, seed: int = 0) -> list[list[int]]:
 def check_reservations(engine: CacheOnly) -> None:
     """What running requests hold or lock of the window component never exceeds what they reserved."""
     windows = engine.cache.device.windows
-    held = sum(np.count_nonzero(r.kv.window_pages[r.kv.cached_pages:]) for r in engine.scheduler.running)
+    held = sum(np.count_nonzero(r.kv.window.pages[r.kv.cached_pages:]) for r in engine.scheduler.running)
     assert held + engine.cache.tree.window_usage()["locked_pages"] <= windows.reserved <= windows.allocator.capacity
 
 

@@ -208,7 +208,7 @@ def test_a_window_pool_too_small_for_every_window_evicts_them_and_stays_exact(ev
     def schedule_and_check():
         batch = step()
         cache.tree.check_invariants()
-        held = sum(np.count_nonzero(r.kv.window_pages[r.kv.cached_pages:]) for r in core.scheduler.running)
+        held = sum(np.count_nonzero(r.kv.window.pages[r.kv.cached_pages:]) for r in core.scheduler.running)
         checked.append(held + cache.tree.window_usage()["locked_pages"] <= cache.device.windows.reserved)
         return batch
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .device_window import DeviceWindows
+from .device_window import DeviceWindows, WindowHold
 from .placement import PagePlacement, ShardedPageAllocator, alloc_evicting, path_anchor
 from .pools import DeviceKVPool, PageAllocator, SharedWindowAllocator, pages_to_slots
 from .radix import RadixCache
@@ -35,10 +35,8 @@ class KVState:
     """One request's hold on the device pool.
 
     ``pages[:cached_pages]`` belong to the tree and are locked through ``node``; the rest were
-    allocated for this request and are its own until inserted or freed. A hybrid pool's window
-    component (:mod:`.device_window`): ``window_pages[i]`` is page i's window page (0: not held
-    for this request), the tree's below ``cached_pages`` (locked from ``window_lock``'s first page
-    to its end page through ``node``), its own above.
+    allocated for this request and are its own until inserted or freed. ``window``: its hold on a
+    hybrid pool's window component (:class:`.device_window.WindowHold`; None without one).
     """
 
     pages: np.ndarray
@@ -48,14 +46,7 @@ class KVState:
     host_hit_tokens: int = 0
     storage_hit_tokens: int = 0
     slots: torch.Tensor = field(default=None)  # slots of every page, in order (cached)
-    window_pages: np.ndarray | None = None
-    window_slots: torch.Tensor | None = None  # slots of window_pages, in order ([groups, tokens] shared; cached)
-    window_budget: int = 0  # window pages reserved for this request
-    window_held: int = 0  # a shared pool: its pages counted in DeviceWindows.held_pages
-    window_lock: tuple[int, int] | None = None  # (end page, first page) of the tree span window-locked
-    window_keep: tuple[int, int] | None = None  # page range of its own window pages kept to the end (a checkpoint)
-    # P/D decode: (first token, slot per token) where the prompt's window tail arrives
-    window_arrival: tuple[int, torch.Tensor] | None = None
+    window: WindowHold | None = None
 
     def refresh_slots(self, page_size: int) -> None:
         self.slots = pages_to_slots(self.pages, page_size)
@@ -205,7 +196,7 @@ class DeviceTier:
         computed), free every other page the request held, drop its lock."""
         keep = 0
         if self.windows is not None:
-            prompt_end = state.window_keep[1] if state.window_keep is not None else 0
+            prompt_end = state.window.keep[1] if state.window is not None and state.window.keep is not None else 0
             if self.tree is not None and state.cached_pages < prompt_end < len(tokens) // self.page_size:
                 # the prompt's checkpoint ends a node of its own: a host copy keeps each node end's window
                 self.cache_prefix(namespace, tokens[: prompt_end * self.page_size], state)

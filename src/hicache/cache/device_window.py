@@ -21,6 +21,9 @@ Units: pages unless named tokens; page indices count from the sequence's start.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import numpy as np
 import torch
 
@@ -50,6 +53,25 @@ def largest_forward(window: int, page_size: int, pages: int) -> int:
     return max(n, 0)
 
 
+@dataclass
+class WindowHold:
+    """One request's hold on the window component (``KVState.window``). ``pages[i]``: page i's window
+    page (0: not held for this request), the tree's below the state's ``cached_pages`` (locked from
+    ``lock``'s first page to its end page through the state's node), its own above; ``slots``: their
+    slots in order (``[groups, tokens]`` on shared blocks); ``budget``: window pages reserved;
+    ``held``: a shared pool's pages counted in ``DeviceWindows.held_pages``; ``keep``: the page range
+    of its own window pages kept to the end (its prompt's checkpoint); ``arrival`` (P/D decode):
+    (first token, slot per token) where the prompt's window tail arrives."""
+
+    pages: np.ndarray
+    slots: torch.Tensor | None = None
+    budget: int = 0
+    held: int = 0
+    lock: tuple[int, int] | None = None  # (end page, first page) of the tree span window-locked
+    keep: tuple[int, int] | None = None
+    arrival: tuple[int, torch.Tensor] | None = None
+
+
 class DeviceWindows:
     """Window pages of running requests over ``allocator`` (the component's page ids), with the
     tree (None: prefix reuse off) holding those of cached pages."""
@@ -63,6 +85,9 @@ class DeviceWindows:
         # admission keeps room for the running requests' pages and their budgets' blocks (see :meth:`fits`).
         self.shared = isinstance(allocator, SharedWindowAllocator)
         self.held_pages = 0  # shared: full pages of running requests (hits included; shared hits counted twice)
+        # Waits for the host backups in flight and applies their acks (set by the cache with a host tier): a
+        # backup window-locks its node's checkpoint until its copy has read it, which no budget counts.
+        self.settle_backups: Callable[[], None] | None = None
 
     def slots(self, window_pages: np.ndarray) -> torch.Tensor:
         """Slots of ``window_pages`` (one row per sliding group of a shared pool)."""
@@ -122,15 +147,13 @@ class DeviceWindows:
         budget = self.budget(forward_tokens, len(state.pages))
         self.reserved += budget
         self.held_pages += len(state.pages)
-        state.window_held = len(state.pages)
-        state.window_budget = budget
-        state.window_pages = np.zeros(len(state.pages), dtype=np.int64)
         device_hit, hit = len(device_window) if device_window is not None else 0, state.cached_pages
         prompt_end = (prompt_tokens - 1) // self.page_size  # the last boundary a match of the prompt reaches
-        state.window_keep = (self.first_page(prompt_end * self.page_size), prompt_end)
+        # the lock was taken before allocating: tombstoning spares the hit's window
+        state.window = WindowHold(np.zeros(len(state.pages), dtype=np.int64), budget=budget, held=len(state.pages),
+                                  lock=lock, keep=(self.first_page(prompt_end * self.page_size), prompt_end))
         if device_hit:
-            state.window_pages[:device_hit] = device_window
-        state.window_lock = lock  # taken before allocating: tombstoning spares the hit's window
+            state.window.pages[:device_hit] = device_window
         if arriving:
             self._hold_tail(state, prompt_tokens)
             return []
@@ -144,9 +167,9 @@ class DeviceWindows:
                 idx = idx[node.host_window_pages[idx] != 0]
                 node.window_pages[idx] = self._alloc(len(idx))
                 self.tree.window_pages_held += len(idx)
-                state.window_pages[pos + idx] = node.window_pages[idx]
+                state.window.pages[pos + idx] = node.window_pages[idx]
             pos += n
-        state.window_slots = self.slots(state.window_pages)
+        state.window.slots = self.slots(state.window.pages)
         return restored
 
     def _restore_from_host(self, state, first: int, device_hit: int, host_nodes: list) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -165,17 +188,17 @@ class DeviceWindows:
                 if len(idx):
                     node.window_pages[idx] = self._alloc(len(idx))
                     self.tree.window_pages_held += len(idx)
-                    state.window_pages[start + idx] = node.window_pages[idx]
+                    state.window.pages[start + idx] = node.window_pages[idx]
                     loads.append((node.window_pages[idx], node.host_window_pages[idx]))
             node, pos = node.parent, start
         return loads
 
     def _hold_tail(self, state, prompt_tokens: int) -> None:
-        """P/D decode: window pages for the prompt's fresh SWA tail (``state.window_arrival``: its
+        """P/D decode: window pages for the prompt's fresh SWA tail (``state.window.arrival``: its
         first token, and the slot of each token's arriving row). Cached pages of the tail whose
         window the tree holds keep it (their rows land in the padding page); tombstoned ones get a
         page, given to their node; the request's own get theirs."""
-        ps, wp = self.page_size, state.window_pages
+        ps, wp = self.page_size, state.window.pages
         tail, hit = self.tail_page(prompt_tokens), state.cached_pages
         arriving = np.zeros(len(wp), dtype=np.int64)
         node, pos = state.node, hit
@@ -190,8 +213,8 @@ class DeviceWindows:
             node, pos = node.parent, start
         own = np.arange(max(tail, hit), -(-prompt_tokens // ps))
         wp[own] = arriving[own] = self._alloc(len(own))
-        state.window_arrival = (tail * ps, self.slots(arriving))
-        state.window_slots = self.slots(wp)
+        state.window.arrival = (tail * ps, self.slots(arriving))
+        state.window.slots = self.slots(wp)
 
     def step(self, state, computed: int, new_tokens: int, later_tokens: int) -> None:
         """Before a forward that adds ``new_tokens`` after ``computed``: free the request's own
@@ -199,7 +222,7 @@ class DeviceWindows:
         to what forwards of <= ``later_tokens`` need from now on."""
         keep = self.first_page(computed - computed % self.page_size)
         self._free_own(state, keep)
-        wp = state.window_pages
+        wp = state.window.pages
         wp[:min(keep, state.cached_pages)] = 0  # the tree's, unread from now on (evictable once unlocked)
         span = slice(computed // self.page_size, -(-(computed + new_tokens) // self.page_size))
         missing = np.flatnonzero(wp[span] == 0) + span.start
@@ -212,28 +235,28 @@ class DeviceWindows:
             rows = torch.from_numpy((missing[:, None] * self.page_size + offsets).reshape(-1))
             if self.shared:
                 for k in range(self.allocator.groups):
-                    state.window_slots[k, rows] = torch.from_numpy(
+                    state.window.slots[k, rows] = torch.from_numpy(
                         (self.allocator.table[wp[missing], k][:, None] * self.page_size + offsets).reshape(-1))
             else:
-                state.window_slots[rows] = torch.from_numpy((wp[missing][:, None] * self.page_size + offsets).reshape(-1))
+                state.window.slots[rows] = torch.from_numpy((wp[missing][:, None] * self.page_size + offsets).reshape(-1))
         budget = self.budget(max(new_tokens, later_tokens), len(wp))
-        if budget < state.window_budget:
-            self.reserved -= state.window_budget - budget
-            state.window_budget = budget
+        if budget < state.window.budget:
+            self.reserved -= state.window.budget - budget
+            state.window.budget = budget
 
     def before_insert(self, state) -> None:
         """The request's pages are about to join the tree: its window lock comes off (it is placed
         again over the new boundary by :meth:`after_insert`)."""
-        if state.window_lock is not None:
-            self.tree.unlock_window(state.node, *state.window_lock)
-            state.window_lock = None
+        if state.window.lock is not None:
+            self.tree.unlock_window(state.node, *state.window.lock)
+            state.window.lock = None
 
     def offered(self, state, n_pages: int) -> np.ndarray:
         """The window pages an insert of the first ``n_pages`` gives the tree: the request's own
         (from its cached boundary on), 0 for the pages the tree has (it keeps its own)."""
-        offer = state.window_pages[:n_pages].copy()
+        offer = state.window.pages[:n_pages].copy()
         offer[:state.cached_pages] = 0
-        state.window_pages[state.cached_pages:n_pages] = 0  # handed over: the tree keeps or frees each
+        state.window.pages[state.cached_pages:n_pages] = 0  # handed over: the tree keeps or frees each
         return offer
 
     def after_insert(self, state, hit_window: np.ndarray) -> None:
@@ -241,19 +264,19 @@ class DeviceWindows:
         lock the window of its new boundary."""
         n = state.cached_pages
         first = self.first_page(n * self.page_size)
-        state.window_pages[first:n] = hit_window[first:n]
+        state.window.pages[first:n] = hit_window[first:n]
         self._lock(state, n)
-        state.window_slots = self.slots(state.window_pages)
+        state.window.slots = self.slots(state.window.pages)
 
     def release(self, state) -> None:
         """The request is done: every window page it still owns goes back, its reservation too."""
         self.before_insert(state)
-        state.window_keep = None
-        self._free_own(state, len(state.window_pages))
-        self.reserved -= state.window_budget
-        state.window_budget = 0
-        self.held_pages -= state.window_held
-        state.window_held = 0
+        state.window.keep = None
+        self._free_own(state, len(state.window.pages))
+        self.reserved -= state.window.budget
+        state.window.budget = 0
+        self.held_pages -= state.window.held
+        state.window.held = 0
 
     def trim_for_release(self, state, computed: int) -> None:
         """Before the final insert: free own pages behind the window of the last boundary of the
@@ -264,16 +287,20 @@ class DeviceWindows:
     def _alloc(self, n: int) -> np.ndarray:
         """``n`` window pages, tombstoning unlocked windows while they do not fit (the running
         requests' budgets guarantee they do then)."""
-        if self.shared:
-            groups = self.allocator.groups
-            pages, evicted = alloc_evicting(self.allocator, n, 0, lambda short: self.make_room(short * groups))[0], 0
-        else:
-            pages, evicted = alloc_evicting(self.allocator, n, 0,
-                                            self.tree.evict_windows if self.tree is not None else None)
+        pages, evicted = self._alloc_evicting(n)
+        if pages is None and self.settle_backups is not None:  # the rest is locked by copies still reading it
+            self.settle_backups()
+            pages, evicted = self._alloc_evicting(n)
         if pages is None:
             raise AssertionError(f"the window component cannot hold {n} pages within the reserved budgets")
         self.stats.evicted_window_pages += evicted
         return pages
+
+    def _alloc_evicting(self, n: int) -> tuple[np.ndarray | None, int]:
+        if self.shared:
+            groups = self.allocator.groups
+            return alloc_evicting(self.allocator, n, 0, lambda short: self.make_room(short * groups))[0], 0
+        return alloc_evicting(self.allocator, n, 0, self.tree.evict_windows if self.tree is not None else None)
 
     def make_room(self, blocks: int) -> int:
         """Shared pool: free at least ``blocks`` blocks if the tree can: window pages no checkpoint needs
@@ -296,20 +323,20 @@ class DeviceWindows:
     def _lock(self, state, end_page: int) -> None:
         if self.tree is None or end_page == 0:
             return
-        state.window_lock = (end_page, self.first_page(end_page * self.page_size))
-        self.tree.lock_window(state.node, *state.window_lock)
+        state.window.lock = (end_page, self.first_page(end_page * self.page_size))
+        self.tree.lock_window(state.node, *state.window.lock)
 
     def _free_own(self, state, before: int) -> None:
         """Free the request's own window pages (those past its cached pages) before page ``before``,
-        but its prompt's checkpoint (``window_keep``) while the request lasts."""
-        own = np.zeros(len(state.window_pages), dtype=bool)
+        but its prompt's checkpoint (``keep``) while the request lasts."""
+        own = np.zeros(len(state.window.pages), dtype=bool)
         own[state.cached_pages:before] = True
-        if state.window_keep is not None and before < len(state.window_pages):
-            own[slice(*state.window_keep)] = False
-        drop = own & (state.window_pages != 0)
+        if state.window.keep is not None and before < len(state.window.pages):
+            own[slice(*state.window.keep)] = False
+        drop = own & (state.window.pages != 0)
         if drop.any():
-            self.allocator.free(state.window_pages[drop])
-            state.window_pages[drop] = 0
+            self.allocator.free(state.window.pages[drop])
+            state.window.pages[drop] = 0
 
     def usage(self) -> dict:
         a = self.allocator
@@ -321,4 +348,4 @@ class DeviceWindows:
 
 def window_slots_of(state, computed_to: int) -> torch.Tensor | None:
     """The window component's slot of each of the first ``computed_to`` positions (None: no component)."""
-    return None if state.window_slots is None else state.window_slots[..., :computed_to]
+    return None if state.window is None or state.window.slots is None else state.window.slots[..., :computed_to]

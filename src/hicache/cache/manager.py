@@ -181,6 +181,8 @@ class KVCacheManager:
                                             objects, window_objects)
             self.host.lower = self.storage_tier
             self.tiers.append(self.storage_tier)
+        if self.host is not None and self.device.windows is not None:
+            self.device.windows.settle_backups = self._settle_host
         self.controller = self.host.controller if self.host is not None else None
         self.storage = self.storage_tier.controller if self.storage_tier is not None else None
         self.kv_view = _KVView(pool, self.controller)
@@ -226,7 +228,7 @@ class KVCacheManager:
         ``forward_tokens``: the most tokens one of the request's forwards adds (a hybrid pool
         reserves its window pages for that). ``window_arrives``: the prompt's KV arrives from
         elsewhere (P/D decode): a hybrid pool hits full layers whatever its windows and holds
-        pages for the window of the prompt's end, to receive (``KVState.window_arrival``).
+        pages for the window of the prompt's end, to receive (``KVState.window.arrival``).
         """
         admitted = self.device.admit(namespace, tokens, reserve_tokens, storage_tokens, forward_tokens, window_arrives)
         if admitted is None:
@@ -292,6 +294,13 @@ class KVCacheManager:
         self.submit_transfers()
         for tier in self.tiers:
             self.consume_acks(tier.pending_acks())
+
+    def _settle_host(self) -> None:
+        """Wait for every host copy in flight and apply its ack (each rank has the same ones queued:
+        the same decision everywhere). A hybrid pool's window allocation runs short of pages while
+        backups still hold their checkpoints' window locks."""
+        self.submit_transfers()
+        self.consume_acks(self.host.pending_acks())
 
     # ---- storage tier (L3) ---------------------------------------------------------------
     def ns_digest(self, namespace: str) -> bytes:

@@ -50,9 +50,9 @@ class Batch:
 
     def window_slots(self) -> list[torch.Tensor] | None:
         """Each context's slots in a hybrid pool's window component (None: the pool has none)."""
-        if not self.reqs or self.reqs[0].kv.window_slots is None:
+        if not self.reqs or self.reqs[0].kv.window is None:
             return None
-        return [r.kv.window_slots[..., : r.computed + n] for r, n in zip(self.reqs, self.new_tokens)]
+        return [r.kv.window.slots[..., : r.computed + n] for r, n in zip(self.reqs, self.new_tokens)]
 
     def result_rows(self) -> list[int]:
         """Rows whose logits give a token: decode rows, and prefill rows that end their prompt."""

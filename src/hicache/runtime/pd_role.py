@@ -107,8 +107,8 @@ class PrefillRole(Mode):
             return False
         n = len(req.prompt_ids)
         job = Send(req.pd.bootstrap.room, req.kv.slots[:n], req.output_ids[0], time.perf_counter() + self.timeout_s)
-        if req.kv.window_slots is not None:  # a hybrid pool holds the window layers' rows of the tail only
-            job.window_slots, job.window_held_from = req.kv.window_slots[..., :n], self.cache.window_tail(n)
+        if req.kv.window is not None:  # a hybrid pool holds the window layers' rows of the tail only
+            job.window_slots, job.window_held_from = req.kv.window.slots[..., :n], self.cache.window_tail(n)
         self.sender.submit(job)
         self.sending.append((req, job, req.on_update))
         req.on_update = None
@@ -186,8 +186,9 @@ class DecodeRole(Mode):
         n = len(req.prompt_ids)
         job = Receive(boot.room, boot.address, req.computed, req.kv.slots[:n], now + self.timeout_s,
                       handshake_deadline=now + self.handshake_s)
-        if req.kv.window_arrival is not None:
-            job.window_start, job.window_slots = req.kv.window_arrival[0], req.kv.window_arrival[1][..., :n]
+        arrival = req.kv.window.arrival if req.kv.window is not None else None
+        if arrival is not None:
+            job.window_start, job.window_slots = arrival[0], arrival[1][..., :n]
         req.pd.decode_prefix_len = req.computed
         self.receiver.submit(job)
         self.receiving.append((req, job))
