@@ -194,16 +194,6 @@ class ModelSpec:
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
-    def num_parameters(self) -> int:
-        """Parameter count (tied embeddings counted once)."""
-        h, q, kvw = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        attn = h * q + 2 * h * kvw + q * h + (q + 2 * kvw if self.attention_bias else 0)
-        mlp = 3 * h * self.intermediate_size
-        norms = (4 if self.sandwich_norms else 2) * h + (2 * self.head_dim if self.qk_norm else 0)
-        per_layer = attn + mlp + norms
-        head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return self.vocab_size * h + self.num_layers * per_layer + h + head
-
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

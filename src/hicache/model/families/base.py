@@ -87,11 +87,13 @@ class Family:
 def _layer_kinds(family: Family, num_layers: int, window: int) -> tuple[LayerKind, ...]:
     """Each layer full or sliding: the family's pattern, or every layer sliding where a family
     without one has a window (Mistral)."""
-    if not window:
-        return ()
-    if family.sliding_pattern:
-        return tuple(LayerKind.FULL if (i + 1) % family.sliding_pattern == 0 else LayerKind.SLIDING for i in range(num_layers))
-    return (LayerKind.SLIDING,) * num_layers
+    return _patterned(family.sliding_pattern, 0, num_layers) if window else ()
+
+
+def _patterned(period: int, first: int, num_layers: int) -> tuple[LayerKind, ...]:
+    """Every ``period``-th layer full, the others sliding; without a period, the layers from ``first`` on sliding."""
+    full = (lambda i: (i + 1) % period == 0) if period else (lambda i: i < first)
+    return tuple(LayerKind.FULL if full(i) else LayerKind.SLIDING for i in range(num_layers))
 
 
 def _common_fields(family: Family, hidden: int, num_layers: int, window: int) -> dict[str, Any]:
@@ -154,10 +156,8 @@ def _hf_layer_kinds(family: Family, config: Mapping[str, Any], num_layers: int) 
             window >= _int(config, "max_position_embeddings", 2048):
         return ()
     pattern = _int(config, "sliding_window_pattern", family.sliding_pattern, least=0)
-    if pattern:
-        return tuple(LayerKind.FULL if (i + 1) % pattern == 0 else LayerKind.SLIDING for i in range(num_layers))
-    first = _int(config, "max_window_layers", 0, least=0) if "use_sliding_window" in config else 0
-    return tuple(LayerKind.SLIDING if i >= first else LayerKind.FULL for i in range(num_layers))
+    first = _int(config, "max_window_layers", 0, least=0) if "use_sliding_window" in config and not pattern else 0
+    return _patterned(pattern, first, num_layers)
 
 
 def _int(config: Mapping[str, Any], key: str, default: int, least: int = 1) -> int:
