@@ -200,7 +200,7 @@ def test_an_aborted_decode_request_keeps_its_pages_until_its_transfer_ends() -> 
     decode = Engine(MODEL, disaggregation_mode="decode", disaggregation_transfer_timeout=1.0, **OPTS)
     try:
         sched, free = decode.scheduler, decode.cache.allocator.available
-        req = decode._make_request(A, GREEDY, None, Bootstrap("127.0.0.1", 9, 12))
+        req = decode.make_request(A, GREEDY, None, Bootstrap("127.0.0.1", 9, 12))
         sched.add(req)
         while req.status.value != "receiving":
             sched.step()

@@ -116,7 +116,7 @@ def test_random_interleavings_with_transfer_delays_keep_invariants(plain: Engine
     checked = 0
     for round_ in range(4):
         prompts = [rng.choice(heads) + [rng.randrange(5, 250) for _ in range(rng.randrange(1, 14))] for _ in range(6)]
-        reqs = [engine._make_request(p, GREEDY, None) for p in prompts]
+        reqs = [engine.make_request(p, GREEDY, None) for p in prompts]
         for r in reqs:
             engine.scheduler.add(r)
         while engine.scheduler.has_work():

@@ -269,7 +269,7 @@ def add_and_run(engine: Engine, prompt: list[int]):
     """Queue ``prompt`` through the scheduler by hand and step until it finishes; returns the
     request, its arrival time (perf_counter) and when the scheduler meant to stop waiting for
     its prefetch (None: no prefetch)."""
-    req = engine._make_request(prompt, GREEDY, None)
+    req = engine.make_request(prompt, GREEDY, None)
     arrival = time.perf_counter()
     engine.scheduler.add(req)
     deadline = req.prefetch.deadline if req.prefetch is not None else None

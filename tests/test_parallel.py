@@ -260,7 +260,7 @@ def test_abort_and_flush_keep_the_stages_in_step() -> None:
     try:
         want = engine.generate([prompt], greedy)[0].output_ids
         for round_ in range(4):
-            req = engine._make_request(prompt, greedy, cache_salt=f"r{round_}")
+            req = engine.make_request(prompt, greedy, cache_salt=f"r{round_}")
             engine.scheduler.add(req)
             if round_ % 2:  # abort while it decodes, so its batch may be returning at the flush
                 while len(req.output_ids) < 3:

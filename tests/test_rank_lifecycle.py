@@ -141,7 +141,7 @@ def test_a_leader_killed_mid_message_is_an_error_not_a_hang() -> None:
     try:
         sampling = SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True)
         for i in range(256):  # queued to the leader; nobody reads its updates meanwhile
-            engine.scheduler.add(engine._make_request([5 + i % 200, 7, 9, 11], sampling, None))
+            engine.scheduler.add(engine.make_request([5 + i % 200, 7, 9, 11], sampling, None))
         # The pipe is full once its unread bytes stop growing (where exactly depends on the
         # messages' sizes): a step's updates for 256 requests are a message of several pipe
         # pages, so the leader's writer is now blocked inside one.

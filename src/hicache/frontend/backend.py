@@ -42,7 +42,7 @@ class SchedulerView(Protocol):
 
     def step(self) -> list[Request]: ...
 
-    def abort(self, rid: int) -> bool: ...
+    def abort(self, rid: int) -> Request | None: ...
 
     def has_work(self) -> bool: ...
 
@@ -106,7 +106,7 @@ class LocalScheduler:
     def add(self, req: Request) -> None:
         self.runtime.add(req)
 
-    def abort(self, rid: int) -> bool:
+    def abort(self, rid: int) -> Request | None:
         return self.runtime.abort(rid)
 
     def has_work(self) -> bool:

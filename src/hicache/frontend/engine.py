@@ -93,9 +93,7 @@ class Engine:
         self._rids = itertools.count()
         self._vetter: GrammarVetter | None = None  # started on the first grammar request
         self._vetter_lock = threading.Lock()
-        # Set by EngineLoop (frontend/loop.py) while its thread drives the scheduler; then only that
-        # thread may call generate / flush_cache (DESIGN invariant 3).
-        self._driver_thread: int | None = None
+        self._driver: threading.Thread | None = None  # an EngineLoop's thread while it drives (drive)
         model = self.loaded.model  # None with several ranks: each holds its own shards
         decode = cfg.decode_weight_dtype if model is None else ",".join(
             f"{fmt}x{n}" for fmt, n in sorted(model.decode_formats().items()))
@@ -205,9 +203,10 @@ class Engine:
             raise InvalidRequestError(f"top_logprobs must be at most {limit} on this server (--max-logprobs), got "
                                       f"{sampling.logprobs}.", param="logprobs")
 
-    def _make_request(self, prompt: Prompt, sampling: SamplingParams, cache_salt: str | None,
-                      bootstrap: Bootstrap | None = None) -> Request:
-        self.check_sampling(sampling)
+    def make_request(self, prompt: Prompt, sampling: SamplingParams, cache_salt: str | None,
+                     bootstrap: Bootstrap | None = None) -> Request:
+        """A request for the scheduler, the prompt checked (InvalidRequestError, ContextLengthError).
+        ``sampling`` passed :meth:`check_sampling`, its one check (:meth:`generate`, the server)."""
         sampling = self.check_grammar(sampling)
         try:  # (numpy integers are integers; floats are not)
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [operator.index(t) for t in prompt]
@@ -267,10 +266,11 @@ class Engine:
         sched = self._live_scheduler()
         reqs = []
         for p, s, b in zip(prompts, sampling, bootstrap):
-            first = self._make_request(p, s, cache_salt, b)
+            self.check_sampling(s)  # (the one check: make_request trusts it)
+            first = self.make_request(p, s, cache_salt, b)
             reqs.append(first)
-            for i in range(1, n):
-                reqs.append(self._make_request(first.prompt_ids, s.for_choice(i), cache_salt))
+            for i in range(1, n):  # (a choice differs in its seed only, kept in range: checked with s)
+                reqs.append(self.make_request(first.prompt_ids, s.for_choice(i), cache_salt))
                 reqs[-1].waits_for = first.rid
         for req in reqs:
             sched.add(req)
@@ -316,8 +316,15 @@ class Engine:
             raise EngineDeadError(f"the engine failed in an earlier step ({self._failed[:200]}); start a new one.")
         self.backend.check_alive()
 
+    def drive(self, thread: threading.Thread | None) -> None:
+        """Hand the scheduler to ``thread`` (an EngineLoop's; None: back to in-process use). While it
+        drives, only that thread may call generate / flush_cache (DESIGN invariant 3)."""
+        if thread is not None and self._driver is not None:
+            raise HicacheError("another EngineLoop already drives this engine.")
+        self._driver = thread
+
     def _check_driver(self, what: str) -> None:
-        if self._driver_thread is not None and threading.get_ident() != self._driver_thread:
+        if self._driver is not None and threading.current_thread() is not self._driver:
             raise HicacheError(
                 f"Engine.{what} cannot be called while an EngineLoop drives this engine; go through the loop."
             )

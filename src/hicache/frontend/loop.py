@@ -22,9 +22,10 @@ from typing import Any, Callable, Optional, Sequence, Union
 from ..disagg.bootstrap import Bootstrap
 from ..errors import EngineDeadError, HicacheError
 from ..openmp import release_omp_pool
+from ..parallel.channels import queued_now
 from ..runtime.request import GenerateResult, Request, Status
 from ..runtime.sampling import SamplingParams
-from ..runtime.step import apply_intake, take_intake
+from ..runtime.step import Abort, Add, apply_intake, take_intake
 from .engine import Engine
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,19 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_S = 0.5  # while idle the loop wakes this often to apply finished transfers and check ranks
 
 Prompt = Union[str, Sequence[int]]
+
+
+@dataclass(frozen=True)
+class Call:
+    """Run ``fn()`` on the loop thread between two steps; its result (or error) goes to ``future``."""
+
+    fn: Callable[[], Any]
+    future: concurrent.futures.Future
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Abort what is left and end the loop thread."""
 
 
 @dataclass
@@ -139,15 +153,12 @@ class EngineLoop:
 
     def __init__(self, engine: Engine, on_finish: Callable[[GenerateResult], None] | None = None,
                  on_death: Callable[[BaseException], None] | None = None) -> None:
-        self.engine = engine
-        self.on_finish = on_finish
-        self.on_death = on_death
-        self._cmds: queue.Queue[tuple] = queue.Queue()
+        self.engine, self.on_finish, self.on_death = engine, on_finish, on_death
+        self._cmds: queue.Queue[Add | Abort | Call | Stop] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._outbox = Outbox()
         self._inflight = 0  # submitted and not yet finished
-        self._stopped = False
         self.error: BaseException | None = None  # set if the loop thread died
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -157,13 +168,11 @@ class EngineLoop:
         own keep spinning at their barriers; another thread that ran torch keeps its workers."""
         if self._thread is not None:
             raise HicacheError("the engine loop is already running.")
-        if self.engine._driver_thread is not None:
-            raise HicacheError("another EngineLoop already drives this engine.")
+        thread = threading.Thread(target=self._run, name="hicache-engine-loop", daemon=True)
+        self.engine.drive(thread)  # (raises if another loop drives it); from here on generate() refuses
         release_omp_pool()  # this thread's OpenMP workers would slow every step of the loop's own
-        ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(ready,), name="hicache-engine-loop", daemon=True)
-        self._thread.start()
-        ready.wait()
+        self._thread = thread
+        thread.start()
         logger.info("engine loop started")
         return self
 
@@ -171,10 +180,9 @@ class EngineLoop:
         """Abort what is left, stop the thread and hand the engine back to in-process use."""
         if self._thread is None:
             return
-        self._cmds.put(("stop",))
+        self._cmds.put(Stop())
         self._thread.join(timeout)
         self._thread = None
-        self._stopped = True
         logger.info("engine loop stopped")
 
     @property
@@ -203,23 +211,24 @@ class EngineLoop:
         bootstrap: Bootstrap | None = None,
         waits_for: int | None = None,
     ) -> RequestHandle:
-        """Validate on the caller's thread (raises InvalidRequestError) and queue the request.
-        Call from a coroutine, or pass the event loop that will consume the handle.
+        """Queue a request: ``sampling`` passed :meth:`Engine.check_sampling` (the server's prepare
+        step checks it once); the prompt is checked here, on the caller's thread (raises
+        InvalidRequestError). Call from a coroutine, or pass the event loop that will consume the handle.
         ``bootstrap``: P/D, where the request's other half runs. ``waits_for``: the rid of a sibling
         with the same prompt (n > 1): admitted once that prompt is cached, it computes only its tail."""
         self.check_alive()
-        req = self.engine._make_request(prompt, sampling, cache_salt, bootstrap)
+        req = self.engine.make_request(prompt, sampling, cache_salt, bootstrap)
         req.waits_for = waits_for
         handle = RequestHandle(req, aio_loop or asyncio.get_running_loop(), self._outbox)
         req.on_update = handle._push
         with self._lock:
             self._inflight += 1
-        self._cmds.put(("add", req))
+        self._cmds.put(Add(req))
         return handle
 
     def abort(self, rid: int) -> None:
         """Drop a request wherever it is; frees what it holds. No-op once it has finished."""
-        self._cmds.put(("abort", rid))
+        self._cmds.put(Abort(rid))
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run ``fn()`` on the loop thread between two steps; its result comes back in the future."""
@@ -229,7 +238,7 @@ class EngineLoop:
         except EngineDeadError as e:
             fut.set_exception(e)
             return fut
-        self._cmds.put(("call", fn, fut))
+        self._cmds.put(Call(fn, fut))
         return fut
 
     async def acall(self, fn: Callable[[], Any]) -> Any:
@@ -252,11 +261,8 @@ class EngineLoop:
         return await self.acall(self.engine.stats)
 
     # ---- the loop thread -----------------------------------------------------------------
-    def _run(self, ready: threading.Event) -> None:
-        eng = self.engine
-        eng._driver_thread = threading.get_ident()
-        ready.set()
-        sched = eng.scheduler
+    def _run(self) -> None:
+        eng, sched = self.engine, self.engine.scheduler
         try:
             while True:
                 self._outbox.send()  # what the last step (or abort) made, before anything may block
@@ -275,7 +281,7 @@ class EngineLoop:
             else:
                 self._fail_all(_describe(self.error))
             self._outbox.send()
-            eng._driver_thread = None
+            eng.drive(None)
         if self.error is not None and self.on_death is not None:
             self.on_death(self.error)
 
@@ -292,15 +298,11 @@ class EngineLoop:
         """The engine is broken: finish every request with the error, touching no engine state."""
         sched = self.engine.scheduler
         reqs = list(sched.running) + list(sched.waiting)
-        while True:  # and those still queued as commands
-            try:
-                cmd = self._cmds.get_nowait()
-            except queue.Empty:
-                break
-            if cmd[0] == "add":
-                reqs.append(cmd[1])
-            elif cmd[0] == "call" and cmd[2].set_running_or_notify_cancel():
-                cmd[2].set_exception(EngineDeadError(f"the engine failed: {why}"))
+        for cmd in queued_now(self._cmds):  # and those still queued as commands
+            if isinstance(cmd, Add):
+                reqs.append(cmd.request)
+            elif isinstance(cmd, Call) and cmd.future.set_running_or_notify_cancel():
+                cmd.future.set_exception(EngineDeadError(f"the engine failed: {why}"))
         for req in reqs:
             if req.status is Status.FINISHED:
                 continue
@@ -316,21 +318,20 @@ class EngineLoop:
         ``call`` on this thread. False on stop."""
         get = (lambda: self._cmds.get(timeout=IDLE_POLL_S)) if block else self._cmds.get_nowait
         while True:
-            intake = take_intake(get, self._cmds.get_nowait, (queue.Empty,), lambda c: c[0] in ("call", "stop"))
+            intake = take_intake(get, self._cmds.get_nowait, (queue.Empty,))
             apply_intake(self.engine.scheduler, intake.adds, intake.aborts, on_abort=self._aborted)
             cmd = intake.command
             if cmd is None:
                 if block and not (intake.adds or intake.aborts):
                     self.engine.check_alive()  # idle: a rank that died is found now, not at the next request
                 return True
-            if cmd[0] == "stop":
+            if isinstance(cmd, Stop):
                 return False
-            fut: concurrent.futures.Future = cmd[2]
-            if fut.set_running_or_notify_cancel():
+            if cmd.future.set_running_or_notify_cancel():
                 try:
-                    fut.set_result(cmd[1]())
+                    cmd.future.set_result(cmd.fn())
                 except BaseException as e:
-                    fut.set_exception(e)
+                    cmd.future.set_exception(e)
             get = self._cmds.get_nowait  # and whatever else is queued
 
     def _aborted(self, req: Request) -> None:

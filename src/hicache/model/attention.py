@@ -50,7 +50,7 @@ def attended(k: torch.Tensor, v: torch.Tensor, latent: bool) -> KVBlock:
     return joined, joined
 
 
-def _expand_heads(x: torch.Tensor, num_heads: int, kv_map: Optional[torch.Tensor]) -> torch.Tensor:
+def expand_heads(x: torch.Tensor, num_heads: int, kv_map: Optional[torch.Tensor]) -> torch.Tensor:
     """``[L, KvH, D]`` -> ``[L, H, D]``: the KV head each query head reads."""
     if kv_map is not None:
         return x.index_select(1, kv_map)
@@ -86,8 +86,8 @@ def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kernel = _flash_cpu if q.device.type == "cpu" else _math
     heads, n, dim = q.shape
     if kv_map is not None:
-        return kernel(q, _expand_heads(k, heads, kv_map).transpose(0, 1),
-                      _expand_heads(v, heads, kv_map).transpose(0, 1), False)
+        return kernel(q, expand_heads(k, heads, kv_map).transpose(0, 1),
+                      expand_heads(v, heads, kv_map).transpose(0, 1), False)
     kv_heads = k.shape[1]
     stacked = q.reshape(kv_heads, (heads // kv_heads) * n, dim)
     out, lse = kernel(stacked, k.transpose(0, 1), v.transpose(0, 1), False)
@@ -175,7 +175,7 @@ def sequence_attention(q: torch.Tensor, full: list[KVBlock], new: Optional[KVBlo
     k = torch.cat([b[0] for b in blocks]) if len(blocks) > 1 else blocks[0][0]
     v = torch.cat([b[1] for b in blocks]) if len(blocks) > 1 else blocks[0][1]
     if kv_map is not None:
-        k, v = _expand_heads(k, heads, kv_map), _expand_heads(v, heads, kv_map)
+        k, v = expand_heads(k, heads, kv_map), expand_heads(v, heads, kv_map)
     length = k.shape[0]
     cpu = q.device.type == "cpu"
     rows = cpu_query_rows(n, dim) if cpu else n
@@ -217,7 +217,7 @@ def joined_attention(q: torch.Tensor, full: list[KVBlock], new: Optional[KVBlock
         return decode_attention(q, k[None], v[None], None, kv_map)
     heads = q.shape[1]
     if k.shape[1] != heads or kv_map is not None:
-        k, v = _expand_heads(k, heads, kv_map), _expand_heads(v, heads, kv_map)
+        k, v = expand_heads(k, heads, kv_map), expand_heads(v, heads, kv_map)
     mask = None
     if new is not None:
         # Imported here: torch.nn.attention.bias pulls in torch._dynamo (1.4 s of every process's start).

@@ -39,7 +39,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from hicache.model.attention import (KVBlock, _expand_heads, attended, decode_attention, native_decode_attention,
+from hicache.model.attention import (KVBlock, attended, decode_attention, expand_heads, native_decode_attention,
                                      sequence_attention)
 from hicache.model.batch import AttentionLayer, DecodeLayout, ForwardBatch, KVView, window_group
 
@@ -341,7 +341,7 @@ def _windowed_span(q: torch.Tensor, cached: list[KVBlock], own: KVBlock, span: S
     n, heads, dim = q.shape
     k, v = own if not cached else (torch.cat([b[i].to(q.dtype) for b in cached] + [own[i]]) for i in (0, 1))
     if kv_map is not None:  # an uneven TP split: each query head's KV head, expanded
-        k, v = (_expand_heads(x, heads, kv_map) for x in (k, v))
+        k, v = (expand_heads(x, heads, kv_map) for x in (k, v))
     kv_heads = k.shape[1]
     groups = heads // kv_heads
     k, v = k.transpose(0, 1), v.transpose(0, 1)  # [KvH, L, D]

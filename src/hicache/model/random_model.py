@@ -9,7 +9,7 @@ import torch
 
 from hicache.model.errors import ModelNotFoundError
 from hicache.model.llama import LlamaForCausalLM
-from hicache.model.spec import ModelSpec, ModelSpecError
+from hicache.model.spec import LayerKind, ModelSpec, ModelSpecError
 from hicache.model.tokenizer import RANDOM_SPECIAL_TOKENS
 
 # Tokenizer ids: 256 bytes + the specials; the vocab may be larger (unused rows), never smaller.
@@ -36,7 +36,7 @@ PRESETS: dict[str, dict] = {
     "gemma-small": dict(num_layers=6, hidden_size=128, num_heads=4, num_kv_heads=1, head_dim=32, intermediate_size=256,
                         qk_norm=True, sandwich_norms=True, hidden_act="gelu_tanh", embedding_scale=128 ** 0.5,
                         attention_scale=24 ** -0.5, sliding_window=8, local_rope_theta=10000.0,
-                        layer_kinds=("sliding",) * 5 + ("full",), **{**_COMMON, "tie_word_embeddings": True}),
+                        layer_kinds=(LayerKind.SLIDING,) * 5 + (LayerKind.FULL,), **{**_COMMON, "tie_word_embeddings": True}),
 }
 
 # Weight scale: small enough that activations stay tame, large enough that logits differ per token.

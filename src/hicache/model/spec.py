@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import torch
@@ -25,7 +26,15 @@ class ModelSpecError(ConfigError):
 # ``factor`` by its wavelength against ``original_max_position_embeddings``, cos/sin scaled by an attention factor.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "yarn")
 ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate activation (SwiGLU; GeGLU with GELU's tanh form)
-LAYER_KINDS = ("full", "sliding")  # a layer attends every earlier position, or the last `sliding_window`
+
+
+class LayerKind(str, Enum):
+    """A layer attends every earlier position, or the last ``sliding_window``. A ``str``: equal to its
+    value, printed and JSON-encoded as it (a spec's JSON and the random models' identities stay)."""
+
+    FULL = "full"
+    SLIDING = "sliding"
+    __str__ = str.__str__
 
 
 @dataclass
@@ -84,15 +93,15 @@ class ModelSpec:
     embedding_scale: float = 1.0
     attention_scale: float | None = None
     sliding_window: int = 0
-    layer_kinds: tuple[str, ...] = ()
+    layer_kinds: tuple[LayerKind, ...] = ()
     local_rope_theta: float | None = None
 
     def __post_init__(self) -> None:
-        self.layer_kinds = tuple(self.layer_kinds)  # a JSON round trip (to_dict) gives a list
         if self.kv_lora_rank:
             self.num_kv_heads = 1
             self.head_dim = (self.kv_lora_rank + self.qk_rope_head_dim) // 2
         self.validate()
+        self.layer_kinds = tuple(map(LayerKind, self.layer_kinds))  # (valid; a JSON round trip gives strings)
 
     @property
     def is_mla(self) -> bool:
@@ -100,11 +109,11 @@ class ModelSpec:
 
     def layer_window(self, layer: int) -> int:
         """Positions layer ``layer`` attends, its own included; 0: all of them (a full layer)."""
-        return self.sliding_window if self.layer_kinds and self.layer_kinds[layer] == "sliding" else 0
+        return self.sliding_window if self.layer_kinds and self.layer_kinds[layer] == LayerKind.SLIDING else 0
 
     @property
     def has_sliding_layers(self) -> bool:
-        return "sliding" in self.layer_kinds
+        return LayerKind.SLIDING in self.layer_kinds
 
     @property
     def rope_dim(self) -> int:
@@ -161,8 +170,8 @@ class ModelSpec:
     def _validate_layers(self) -> None:
         if self.hidden_act not in ACTIVATIONS:
             raise ModelSpecError(f"hidden_act {self.hidden_act!r}: expected one of {', '.join(ACTIVATIONS)}.")
-        if self.layer_kinds and (len(self.layer_kinds) != self.num_layers or set(self.layer_kinds) - set(LAYER_KINDS)):
-            raise ModelSpecError(f"layer_kinds must give one of {', '.join(LAYER_KINDS)} for each of the "
+        if self.layer_kinds and (len(self.layer_kinds) != self.num_layers or set(self.layer_kinds) - set(LayerKind)):
+            raise ModelSpecError(f"layer_kinds must give one of {', '.join(LayerKind)} for each of the "
                                  f"{self.num_layers} layers, got {list(self.layer_kinds)}.")
         if self.has_sliding_layers and not (isinstance(self.sliding_window, int) and self.sliding_window >= 1):
             raise ModelSpecError(f"sliding layers need a positive sliding_window, got {self.sliding_window!r}.")
@@ -184,16 +193,6 @@ class ModelSpec:
         """Bytes one token's K and V take over all layers at ``dtype``."""
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
-
-    def num_parameters(self) -> int:
-        """Parameter count (tied embeddings counted once)."""
-        h, q, kvw = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        attn = h * q + 2 * h * kvw + q * h + (q + 2 * kvw if self.attention_bias else 0)
-        mlp = 3 * h * self.intermediate_size
-        norms = (4 if self.sandwich_norms else 2) * h + (2 * self.head_dim if self.qk_norm else 0)
-        per_layer = attn + mlp + norms
-        head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return self.vocab_size * h + self.num_layers * per_layer + h + head
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

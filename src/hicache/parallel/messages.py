@@ -38,6 +38,15 @@ class RequestSpec:
                        pd=PDState(self.bootstrap) if self.bootstrap is not None else None, waits_for=self.waits_for)
 
 
+@dataclass(frozen=True)
+class RankCall:
+    """The frontend's command to the leader: ``command`` ("flush", "stats", "stop") runs at one step
+    on every rank; the leader's reply carries ``call_id``."""
+
+    call_id: int
+    command: str
+
+
 @dataclass
 class StepInputs:
     """What the leader (PP0/TP0) took from the frontend for one step. Every rank applies it
@@ -114,4 +123,4 @@ class RequestUpdate:
 
 
 def batch_key(batch: Any) -> BatchKey:
-    return None if batch is None else (batch.kind, batch.rids(), list(batch.new_tokens))
+    return None if batch is None else (str(batch.kind), batch.rids(), list(batch.new_tokens))

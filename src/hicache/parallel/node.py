@@ -31,7 +31,7 @@ from ..model import load_model
 from ..model.parallel import check_parallel
 from .channels import WRITERS_GONE, exit_text, queued_now, reader_only
 from .groups import rank_label
-from .rank_group import STARTUP_TIMEOUT_S, _peer_failure, _user_main_hidden, init_method
+from .rank_group import STARTUP_TIMEOUT_S, init_method, peer_failure, user_main_hidden
 from .worker import rank_context, start_rank
 
 logger = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class _Node:
     def start(self) -> None:
         fields = {f.name: getattr(self.cfg, f.name) for f in dataclasses.fields(self.cfg)}
         init, level = init_method(self.cfg), logging.getLogger().getEffectiveLevel()
-        with _user_main_hidden():  # the ranks never re-run the launching script
+        with user_main_hidden():  # the ranks never re-run the launching script
             for r, label in zip(self.ranks, self.labels):
                 p = self.ctx.Process(target=start_rank, name=f"hicache-rank-{label}", daemon=True,
                                      args=(dict(os.environ), r, fields, init, self.status, None, None, None, level))
@@ -149,7 +149,7 @@ class _Node:
         logger.error("rank %s traceback:\n%s", label, tb)
         if starting and "ConfigError" in tb:  # a bad option shows the same on every rank
             raise ConfigError(message)
-        hint = " (a rank on another node failed or its node is gone)" if _peer_failure(message) else ""
+        hint = " (a rank on another node failed or its node is gone)" if peer_failure(message) else ""
         raise NodeFailed(f"rank {label} failed{hint}: {message}")
 
     def kill(self) -> None:

@@ -36,7 +36,7 @@ from ..ports import free_port, split_host_port
 from .channels import WRITERS_GONE, exit_text, queued_now, reader_only
 from .consensus import ConsensusMonitor, Divergence
 from .groups import rank_label
-from .messages import RequestUpdate
+from .messages import RankCall, RequestUpdate
 from .scheduler_proxy import SchedulerProxy
 from .worker import rank_context, start_rank
 
@@ -58,7 +58,7 @@ def init_method(cfg: EngineConfig) -> str:
 
 
 @contextlib.contextmanager
-def _user_main_hidden() -> Iterator[None]:
+def user_main_hidden() -> Iterator[None]:
     """Start processes with the user's ``__main__`` out of sight, so the ranks never re-run it.
 
     Spawn tells a child how to rebuild the parent's ``__main__`` (Python 3.11,
@@ -133,7 +133,7 @@ class RankGroup:
         fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
         level = logging.getLogger().getEffectiveLevel()
         monitor_queue = self.monitor.queue if self.monitor else None
-        with _user_main_hidden():
+        with user_main_hidden():
             for r in range(self.local_world):
                 p = ctx.Process(
                     target=start_rank, name=f"hicache-rank-{self.labels[r]}", daemon=True,
@@ -185,7 +185,7 @@ class RankGroup:
         try:
             if self.failure is None:
                 self._stopping = True  # from here on an exiting rank is not a failure
-                self.inbox.put(("call", next(self._calls), "stop"))
+                self.inbox.put(RankCall(next(self._calls), "stop"))
                 deadline = time.monotonic() + 30
                 while any(p.is_alive() for p in self.procs) and time.monotonic() < deadline:
                     try:  # keep reading: the leader's last updates must flow for it to exit
@@ -272,7 +272,7 @@ class RankGroup:
             r, p = silent[0]
             return f"rank {self.labels[r]} (pid {p.pid}) {exit_text(p)}"
         if reported:
-            primary = [r for r, m in reported.items() if not _peer_failure(m)]
+            primary = [r for r, m in reported.items() if not peer_failure(m)]
             if not primary and self.nnodes > 1:  # the cause is on a machine this process cannot see
                 r = next(iter(reported))
                 return (f"rank {self.labels[r]} lost a peer on another node (see that node's `hicache node` log): "
@@ -285,7 +285,7 @@ class RankGroup:
         return f"rank {self.labels[0]} closed its connection to the frontend"
 
     # ---- talking to the leader -----------------------------------------------------------
-    def send(self, item: tuple) -> None:
+    def send(self, item: Any) -> None:
         if self.failure is not None or self._stopping:
             return
         self.inbox.put(item)
@@ -322,7 +322,7 @@ class RankGroup:
     def call(self, command: str) -> Any:
         """Run ``command`` ("flush", "stats") on every rank at one step; the leader's answer."""
         call_id = next(self._calls)
-        self.send(("call", call_id, command))
+        self.send(RankCall(call_id, command))
         while call_id not in self._replies:
             self.check_alive()
             self._pump(POLL_S)
@@ -341,6 +341,6 @@ class RankGroup:
         """Nothing to do here: the ranks apply their acks themselves, in agreed steps."""
 
 
-def _peer_failure(message: str) -> bool:
+def peer_failure(message: str) -> bool:
     """An error that only says a peer went away (gloo's words for it)."""
     return any(w in message for w in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"))

@@ -11,6 +11,7 @@ import time
 from typing import Callable
 
 from ..runtime.request import Request, Status
+from ..runtime.step import Abort, Add
 from .messages import RequestSpec, RequestUpdate
 
 POLL_S = 0.05  # how long a step waits for the leader's next updates
@@ -22,7 +23,7 @@ class SchedulerProxy:
     leader's updates fill them. ``send``: a command to the leader; ``updates(timeout)``: the
     leader's request updates received within ``timeout`` seconds."""
 
-    def __init__(self, send: Callable[[tuple], None], updates: Callable[[float], list[RequestUpdate]]) -> None:
+    def __init__(self, send: Callable[[Add | Abort], None], updates: Callable[[float], list[RequestUpdate]]) -> None:
         self.send, self.updates = send, updates
         self.requests: dict[int, Request] = {}
 
@@ -39,18 +40,18 @@ class SchedulerProxy:
 
     def add(self, req: Request) -> None:
         self.requests[req.rid] = req
-        self.send(("add", RequestSpec.of(req)))
+        self.send(Add(RequestSpec.of(req)))
 
-    def abort(self, rid: int) -> bool:
-        """Finishes the request here at once; the ranks drop it at their next step."""
+    def abort(self, rid: int) -> Request | None:
+        """Finishes the request here at once (returned; None: not found); the ranks drop it at their next step."""
         req = self.requests.pop(rid, None)
         if req is None:
-            return False
+            return None
         req.status, req.finish_reason, req.finish_time = Status.FINISHED, "abort", time.perf_counter()
-        self.send(("abort", rid))
+        self.send(Abort(rid))
         if req.on_update is not None:
             req.on_update(req)
-        return True
+        return req
 
     def step(self) -> list[Request]:
         finished = []

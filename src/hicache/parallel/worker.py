@@ -49,7 +49,7 @@ from ..runtime.step import Inbound, StepDriver, apply_intake, take_intake
 from .channels import WRITERS_GONE, reader_only, writer_only
 from .faults import FaultPlan
 from .groups import ParallelGroups, RankInfo
-from .messages import RequestUpdate, StageMessage, StepInputs
+from .messages import RankCall, RequestUpdate, StageMessage, StepInputs
 from .stage_step import StageAgreement, StageStep, stage_output
 
 logger = logging.getLogger(__name__)
@@ -175,19 +175,19 @@ class StageLoop:
         ends the step's intake: it applies after the adds and aborts."""
         idle = not self.sched.has_work() and not self.inflight
 
-        def first() -> tuple:
+        def first() -> Any:
             try:
                 return self.inbox.get(timeout=IDLE_POLL_S) if idle else self.inbox.get_nowait()
             except WRITERS_GONE:  # the frontend exited without stopping us (killed, or never shut down)
                 if not self.frontend_gone:
                     logger.warning("the frontend process is gone: stopping")
                 self.frontend_gone = True
-                return ("call", -1, "stop")
+                return RankCall(-1, "stop")
 
         # (A frontend gone after the first item is noticed at the next step.)
-        intake = take_intake(first, self.inbox.get_nowait, (queue.Empty, *WRITERS_GONE), lambda i: i[0] == "call")
+        intake = take_intake(first, self.inbox.get_nowait, (queue.Empty, *WRITERS_GONE))
         cmd = intake.command
-        return StepInputs(intake.adds, intake.aborts, cmd[2] if cmd else None, cmd[1] if cmd else -1)
+        return StepInputs(intake.adds, intake.aborts, cmd.command if cmd else None, cmd.call_id if cmd else -1)
 
     def _on_update(self, req: Request) -> None:
         upd = RequestUpdate.of(req, self._sent.get(req.rid, 0))

@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import torch
 
 from .request import Request
+
+
+class BatchKind(str, Enum):
+    """What a batch computes: prompt chunks, one generated token each, or a verify pass (speculative:
+    the last token + k drafts each). A ``str``: equal to its value, printed and JSON-encoded as it."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    VERIFY = "verify"
+    __str__ = str.__str__
 
 
 @dataclass
@@ -16,7 +27,7 @@ class Batch:
     chunk, 1 in decode, the last token + k drafts in verify). Built once; every pipeline stage
     schedules an equal one."""
 
-    kind: str  # "prefill" | "decode" | "verify" (speculative: the last token + k drafts each)
+    kind: BatchKind
     reqs: list[Request]
     new_tokens: list[int]
     proposal: Any = None  # verify: the drafts (runtime.speculative.Proposal), set before the forward
@@ -25,20 +36,20 @@ class Batch:
     def generated(self) -> bool:
         """The pass's new tokens are generated ones (a decode step, a verify pass's last token and
         drafts), not prompt tokens: only such passes may take the decode arithmetic (issue 57)."""
-        return self.kind != "prefill"
+        return self.kind != BatchKind.PREFILL
 
     @property
     def all_logits(self) -> bool:
         """The pass returns logits at every row (a verify pass), not only at each sequence's last."""
-        return self.kind == "verify"
+        return self.kind == BatchKind.VERIFY
 
     def rids(self) -> list[int]:
         return [r.rid for r in self.reqs]
 
     def input_ids(self) -> list[list[int]]:
-        if self.kind == "decode":
+        if self.kind == BatchKind.DECODE:
             return [[r.output_ids[-1]] for r in self.reqs]
-        if self.kind == "verify":
+        if self.kind == BatchKind.VERIFY:
             return [[r.output_ids[-1]] + drafts for r, drafts in zip(self.reqs, self.proposal.tokens)]
         return [r.prompt_ids[r.computed : r.computed + n] for r, n in zip(self.reqs, self.new_tokens)]
 
@@ -56,7 +67,7 @@ class Batch:
 
     def result_rows(self) -> list[int]:
         """Rows whose logits give a token: decode rows, and prefill rows that end their prompt."""
-        if self.kind != "prefill":
+        if self.kind != BatchKind.PREFILL:
             return list(range(len(self.reqs)))
         return [i for i, (r, n) in enumerate(zip(self.reqs, self.new_tokens)) if r.computed + n == len(r.prompt_ids)]
 

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from ..model.tokenizer import Tokenizer
-from .batch import Batch
+from .batch import Batch, BatchKind
 from .events import WorkEvent
 from .grammar_vet import ENGINE_STACK_BYTES, PARSER_LIMITS, ll_tokenizer, tokenizer_config
 from .grammar_worker import first_line
@@ -307,7 +307,7 @@ class GrammarMode(Mode):
     def _row_masks(self, batch: Batch) -> RowMasks:
         """The mask of every logits row a grammar request samples from in ``batch`` (mask thread)."""
         out = RowMasks()
-        if batch.kind == "verify":
+        if batch.kind == BatchKind.VERIFY:
             row = 0
             for i, (req, n, drafts) in enumerate(zip(batch.reqs, batch.new_tokens, batch.proposal.tokens)):
                 if req.grammar is not None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch import Batch
+from .batch import Batch, BatchKind
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ def batch_logprobs(batch: Batch, logits: torch.Tensor, tokens: list) -> dict[int
     out: dict[int, list[TokenLogprob]] = {}
     row = 0
     for i, (req, n, tok) in enumerate(zip(batch.reqs, batch.new_tokens, tokens)):
-        start = row if batch.kind == "verify" else i  # a verify pass has n rows per request
+        start = row if batch.kind == BatchKind.VERIFY else i  # a verify pass has n rows per request
         row += n
         k = req.sampling.logprobs
         many = isinstance(tok, (list, tuple))

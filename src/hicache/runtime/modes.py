@@ -39,7 +39,7 @@ from ..config import EngineConfig
 from ..disagg.heads import TPRanks
 from ..model.loader import LoadedModel
 from ..model.tokenizer import Tokenizer
-from .batch import Batch
+from .batch import Batch, BatchKind
 from .events import WorkEvent
 from .request import Request
 
@@ -101,7 +101,7 @@ class DecodePlan:
     of each request, and the proposal when the mode knows it while scheduling (NGRAM drafts:
     they decide the rows; a draft model proposes before the forward instead)."""
 
-    kind: str
+    kind: BatchKind
     rows: list[int]
     proposal: Any = None
 

@@ -37,6 +37,7 @@ from ..cache.ngram_table import NgramTable, ngram_keys, tail_key
 from ..cache.tree_tokens import Occurrence, TreeTokenIndex
 from ..consensus_record import consensus_check
 from ..model.projection import DECODE_ROWS
+from .batch import BatchKind
 from .modes import DecodePlan, Mode, ModeContext
 from .request import Request
 from .speculative import Proposal, SpeculativeMode
@@ -180,7 +181,7 @@ class NgramSpeculator(SpeculativeMode):
         if not any(drafts):
             return None
         self.drafted_tokens += sum(map(len, drafts))
-        return DecodePlan("verify", [1 + len(d) for d in drafts], Proposal(drafts, [None] * len(reqs)))
+        return DecodePlan(BatchKind.VERIFY, [1 + len(d) for d in drafts], Proposal(drafts, [None] * len(reqs)))
 
     def _draft(self, req: Request) -> tuple[list[int], int]:
         state: Drafting = req.spec.drafting

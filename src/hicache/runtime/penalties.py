@@ -22,7 +22,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .batch import Batch
+from .batch import Batch, BatchKind
 from .modes import Mode, ModeContext
 from .request import Request
 from .sampling import SamplingParams
@@ -99,7 +99,7 @@ class PenaltyMode(Mode):
         if not any(r.penalty is not None for r in batch.reqs):
             return
         with torch.inference_mode():  # the forward's logits are inference tensors
-            if batch.kind != "verify":
+            if batch.kind != BatchKind.VERIFY:
                 for i in batch.result_rows():
                     self._adjust(batch.reqs[i], logits[i], ())
                 return

@@ -156,14 +156,11 @@ class SamplingParams:
                            f"{longest}.")
 
     def _validate_adjustments(self, refuse: Callable[[str, str], None]) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if not _is_real(v) or not -2.0 <= v <= 2.0:
-                refuse(name, f"{name} must be in [-2, 2], got {v!r}.")
-        if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 2.0:
-            refuse("repetition_penalty", f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}.")
-        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            refuse("min_p", f"min_p must be in [0, 1], got {self.min_p!r}.")
+        for name, low, high, shown in (("presence_penalty", -2.0, 2.0, "[-2, 2]"), ("frequency_penalty", -2.0, 2.0,
+                                       "[-2, 2]"), ("repetition_penalty", 0.0, 2.0, "(0, 2]"), ("min_p", 0.0, 1.0, "[0, 1]")):
+            v = getattr(self, name)  # (an interval shown open, "(", excludes its low end)
+            if not _is_real(v) or not low <= v <= high or (shown[0] == "(" and v == low):
+                refuse(name, f"{name} must be in {shown}, got {v!r}.")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
             refuse("min_tokens", f"min_tokens must be an integer in [0, max_new_tokens], got {self.min_tokens!r}.")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):

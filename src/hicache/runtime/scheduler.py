@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 
 from ..cache.manager import KVCacheManager
 from ..consensus_record import consensus_check
-from .batch import Batch
+from .batch import Batch, BatchKind
 from .events import PrefetchEvent, StepEvents
 from .fair_share import GroupShares, newcomer_budget
 from .modes import Action, Fail, Mode, Release, StartDecode
@@ -84,7 +84,7 @@ class Scheduler(Results):
         used, so that an asynchronous device has finished it). Prefill passes feed the
         throughput estimate of the adaptive prefetch policy; decode passes say nothing about
         the cost of recomputing a prompt."""
-        if batch.kind == "prefill":
+        if batch.kind == BatchKind.PREFILL:
             self.prefetch_rule.prefill.observe(sum(batch.new_tokens), seconds)
 
     def has_work(self) -> bool:
@@ -98,12 +98,12 @@ class Scheduler(Results):
     def _open_work(self) -> bool:
         return any(m.open_work() for m in self.modes)
 
-    def abort(self, rid: int) -> bool:
-        """Drop a request wherever it is, freeing what it holds. True if it was found."""
+    def abort(self, rid: int) -> Request | None:
+        """Drop a request wherever it is, freeing what it holds. The request, if it was found."""
         req = next((r for r in (*self.waiting, *self.running) if r.rid == rid), None)
         if req is not None:
             self._end(req, "abort")
-        return req is not None
+        return req
 
     def _end(self, req: Request, reason: str) -> None:
         """Finish ``req`` with ``reason``, running or still in the queue (then it holds only its prefetch)."""
@@ -167,20 +167,20 @@ class Scheduler(Results):
                     a.req.on_update(a.req)
 
     # ---- scheduling ------------------------------------------------------------------------
-    @consensus_check("scheduler.schedule", result=lambda b: None if b is None else (b.kind, b.rids(), b.new_tokens))
+    @consensus_check("scheduler.schedule", result=lambda b: None if b is None else (str(b.kind), b.rids(), b.new_tokens))
     def schedule(self) -> "Batch | None":
         """One prefill batch if any prompt work is ready, else one decode batch, else None.
         Requests whose previous batch has not returned yet (``in_flight``) sit this one out."""
         prefill = self._schedule_prefill()
         if prefill:
-            batch = Batch("prefill", [r for r, _ in prefill], [n for _, n in prefill])
+            batch = Batch(BatchKind.PREFILL, [r for r, _ in prefill], [n for _, n in prefill])
         else:
             decode = [r for r in self.running if r.status is Status.DECODE and not r.in_flight]
             if not decode:
                 return None
             plans = [m.decode_batch(decode) for m in self.modes]  # every mode hears of the batch
             plan = next((p for p in plans if p is not None), None)
-            batch = Batch("decode", decode, [1] * len(decode)) if plan is None else \
+            batch = Batch(BatchKind.DECODE, decode, [1] * len(decode)) if plan is None else \
                 Batch(plan.kind, decode, plan.rows, plan.proposal)
         for req, n in zip(batch.reqs, batch.new_tokens):
             req.in_flight = True

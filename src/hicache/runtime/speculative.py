@@ -34,7 +34,7 @@ from ..config import ConfigError, EngineConfig
 from ..model.batch import KVView
 from ..model.loader import LoadedModel
 from ..model.spec import ModelSpec
-from .batch import Batch
+from .batch import Batch, BatchKind
 from .modes import DecodePlan, Mode, ModeContext
 from .request import Request, SpecState
 from .runner import ModelRunner
@@ -145,7 +145,7 @@ class SpeculativeMode(Mode):
         return False
 
     def sample(self, batch: Batch, logits: torch.Tensor) -> Optional[list]:
-        return self.verify(batch, logits) if batch.kind == "verify" else None
+        return self.verify(batch, logits) if batch.kind == BatchKind.VERIFY else None
 
     def on_accepted(self, req: Request, drafts: int, taken: int) -> None:
         req.spec.verify_steps += 1
@@ -199,15 +199,15 @@ class Speculator(SpeculativeMode):
 
     # ---- the mode's hooks ----------------------------------------------------------------
     def decode_batch(self, reqs: Sequence[Request]) -> DecodePlan:
-        return DecodePlan("verify", [self.num_steps + 1] * len(reqs))  # k drafts + the last token each
+        return DecodePlan(BatchKind.VERIFY, [self.num_steps + 1] * len(reqs))  # k drafts + the last token each
 
     def before_forward(self, batch: Batch, handed: Any = None) -> None:
         """A verify batch's drafts: those stage 0 proposed (``handed``), else proposed here."""
-        if batch.kind == "verify":
+        if batch.kind == BatchKind.VERIFY:
             batch.proposal = handed if handed is not None else self.propose(batch)
 
     def after_forward(self, batch: Batch) -> None:
-        if batch.kind == "prefill" and self.runner is not None:
+        if batch.kind == BatchKind.PREFILL and self.runner is not None:
             self.extend(batch)  # after the target: a load-back copies the draft's layers last
 
     def on_computed(self, req: Request) -> None:

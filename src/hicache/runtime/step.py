@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
-from .batch import Batch, Sampled
+from .batch import Batch, BatchKind, Sampled
 from .events import StepEvents
 from .request import Request
 from .scheduler import Scheduler
@@ -119,9 +119,7 @@ class StepDriver:
 
     def __init__(self, scheduler: Scheduler, forward: ForwardFn, agreement: Agreement = ALONE,
                  output: Optional[Output] = None) -> None:
-        self.scheduler = scheduler
-        self.forward = forward
-        self.agreement = agreement
+        self.scheduler, self.forward, self.agreement = scheduler, forward, agreement
         self.output = output if output is not None else SampleAndApply(scheduler)
 
     def step(self, inbound: Optional[Inbound] = None) -> tuple[Optional[Batch], list[Request]]:
@@ -147,7 +145,7 @@ class StepDriver:
                 mode.after_forward(batch)
         finished += self.output.hand_on(batch, out, events, inbound)
         if batch is not None:  # its output has been sampled or sent on: the forward is done
-            if batch.kind == "prefill":  # a chunk that samples nothing leaves its kernels queued on a GPU
+            if batch.kind == BatchKind.PREFILL:  # a chunk that samples nothing leaves its kernels queued on a GPU
                 wait_for_device(cache.pool.k_buffers[0].device)
             sched.observe_forward(batch, time.perf_counter() - t0)
         cache.submit_transfers()  # backups of what finished in this step
@@ -155,6 +153,20 @@ class StepDriver:
 
 
 # ---- command intake ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Add:
+    """Queue ``request`` (a Request on one rank; its RequestSpec on the way to a rank group)."""
+
+    request: Any
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Drop request ``rid`` wherever it is."""
+
+    rid: int
+
+
 @dataclass
 class Intake:
     """Commands taken from a queue for one step: adds and aborts (adds first: a client may
@@ -165,27 +177,23 @@ class Intake:
     command: Any = None
 
 
-def take_intake(get: Callable[[], tuple], get_nowait: Callable[[], tuple], empty: tuple[type, ...],
-                is_command: Callable[[tuple], bool]) -> Intake:
+def take_intake(get: Callable[[], Any], get_nowait: Callable[[], Any], empty: tuple[type, ...]) -> Intake:
     """Everything queued now: ``get()`` for the first item (it may wait), then ``get_nowait()``
-    until the queue raises one of ``empty``. Items are ``("add", x)``, ``("abort", rid)`` or a
-    command (``is_command``), which ends the intake."""
-    intake = Intake()
-    try:
-        item = get()
-    except empty:
-        return intake
+    until the queue raises one of ``empty``. Items are :class:`Add`, :class:`Abort` or the
+    queue's own command type, which ends the intake."""
+    intake, take = Intake(), get
     while True:
-        if item[0] == "add":
-            intake.adds.append(item[1])
-        elif item[0] == "abort":
-            intake.aborts.append(item[1])
-        elif is_command(item):
-            intake.command = item
-            return intake
         try:
-            item = get_nowait()
+            item = take()
         except empty:
+            return intake
+        take = get_nowait
+        if isinstance(item, Add):
+            intake.adds.append(item.request)
+        elif isinstance(item, Abort):
+            intake.aborts.append(item.rid)
+        else:
+            intake.command = item
             return intake
 
 
@@ -196,11 +204,8 @@ def apply_intake(sched: Scheduler, adds: Sequence[Request], aborts: Sequence[int
     for req in adds:
         sched.add(req)
     for rid in aborts:
-        if on_abort is None:
-            sched.abort(rid)
-            continue
-        req = next((r for r in list(sched.waiting) + list(sched.running) if r.rid == rid), None)
-        if req is not None and sched.abort(rid):
+        req = sched.abort(rid)
+        if req is not None and on_abort is not None:
             on_abort(req)
 
 

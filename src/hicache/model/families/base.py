@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from hicache.model.errors import ModelFormatError, as_float, as_int, quoted
+from hicache.model.spec import LayerKind
 
 # GGUF tensor of a layer (after "blk.{i}.") -> HF parameter (after "model.layers.{i}."), as llama.cpp
 # names a Llama layer. A family whose converter maps a name elsewhere says so (Family.gguf_tensors).
@@ -83,14 +84,16 @@ class Family:
         return names
 
 
-def _layer_kinds(family: Family, num_layers: int, window: int) -> tuple[str, ...]:
-    """Each layer "full" or "sliding": the family's pattern, or every layer sliding where a family
+def _layer_kinds(family: Family, num_layers: int, window: int) -> tuple[LayerKind, ...]:
+    """Each layer full or sliding: the family's pattern, or every layer sliding where a family
     without one has a window (Mistral)."""
-    if not window:
-        return ()
-    if family.sliding_pattern:
-        return tuple("full" if (i + 1) % family.sliding_pattern == 0 else "sliding" for i in range(num_layers))
-    return ("sliding",) * num_layers
+    return _patterned(family.sliding_pattern, 0, num_layers) if window else ()
+
+
+def _patterned(period: int, first: int, num_layers: int) -> tuple[LayerKind, ...]:
+    """Every ``period``-th layer full, the others sliding; without a period, the layers from ``first`` on sliding."""
+    full = (lambda i: (i + 1) % period == 0) if period else (lambda i: i < first)
+    return tuple(LayerKind.FULL if full(i) else LayerKind.SLIDING for i in range(num_layers))
 
 
 def _common_fields(family: Family, hidden: int, num_layers: int, window: int) -> dict[str, Any]:
@@ -124,7 +127,7 @@ def hf_layer_fields(family: Family, config: Mapping[str, Any]) -> dict[str, Any]
                                f"computes ({family.hidden_act}); the model is refused rather than run wrongly.")
     num_layers, hidden = int(config["num_hidden_layers"]), int(config["hidden_size"])  # (checked by the caller)
     kinds = _hf_layer_kinds(family, config, num_layers)
-    window = _int(config, "sliding_window", 0, least=0) if "sliding" in kinds else 0
+    window = _int(config, "sliding_window", 0, least=0) if LayerKind.SLIDING in kinds else 0
     out = _common_fields(family, hidden, num_layers, window)
     out["layer_kinds"] = kinds if window else ()
     scalar = config.get("query_pre_attn_scalar")
@@ -137,8 +140,8 @@ def hf_layer_fields(family: Family, config: Mapping[str, Any]) -> dict[str, Any]
     return out
 
 
-def _hf_layer_kinds(family: Family, config: Mapping[str, Any], num_layers: int) -> tuple[str, ...]:
-    """ "full" / "sliding" per layer: ``layer_types`` where the config has them, else the family's
+def _hf_layer_kinds(family: Family, config: Mapping[str, Any], num_layers: int) -> tuple[LayerKind, ...]:
+    """Full or sliding, per layer: ``layer_types`` where the config has them, else the family's
     pattern (older Gemma 3 configs: ``sliding_window_pattern``), else a window over every layer
     (Mistral; Qwen2's ``use_sliding_window`` from ``max_window_layers`` on)."""
     types = config.get("layer_types")
@@ -147,16 +150,14 @@ def _hf_layer_kinds(family: Family, config: Mapping[str, Any], num_layers: int) 
         if unknown or len(types) != num_layers:
             raise ModelFormatError(f"config.json layer_types {quoted(sorted(unknown) or types)} are not implemented "
                                    "(full and sliding attention are); the model is refused rather than run wrongly.")
-        return tuple("sliding" if t == "sliding_attention" else "full" for t in types)
+        return tuple(LayerKind.SLIDING if t == "sliding_attention" else LayerKind.FULL for t in types)
     window = _int(config, "sliding_window", 0, least=0)
     if not window or not config.get("use_sliding_window", True) or \
             window >= _int(config, "max_position_embeddings", 2048):
         return ()
     pattern = _int(config, "sliding_window_pattern", family.sliding_pattern, least=0)
-    if pattern:
-        return tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(num_layers))
-    first = _int(config, "max_window_layers", 0, least=0) if "use_sliding_window" in config else 0
-    return tuple("sliding" if i >= first else "full" for i in range(num_layers))
+    first = _int(config, "max_window_layers", 0, least=0) if "use_sliding_window" in config and not pattern else 0
+    return _patterned(pattern, first, num_layers)
 
 
 def _int(config: Mapping[str, Any], key: str, default: int, least: int = 1) -> int:
