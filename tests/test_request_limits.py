@@ -66,6 +66,16 @@ def refused(http: httpx.Client, route: tuple[str, dict], param: str) -> str:
     return err["message"]
 
 
+def test_a_min_tokens_past_the_room_a_default_max_leaves_is_a_400(server, http) -> None:
+    """Without max_tokens a chat reply may take the rest of the context after its prompt: a min_tokens
+    beyond that room (but within the context) is refused as it is beyond an explicit max_tokens, not
+    run to the room's end."""
+    route = chat(min_tokens=server.loop.engine.context_length - 1)  # the templated prompt is longer than 1
+    del route[1]["max_tokens"]
+    assert "min_tokens" in refused(http, route, "min_tokens")
+    assert "min_tokens" in refused(http, chat(min_tokens=4), "min_tokens")  # past an explicit max_tokens 3
+
+
 @pytest.mark.parametrize("bad", ["vocab", 2**70, -1])
 def test_stop_token_ids_out_of_the_vocabulary_are_400s_on_every_endpoint(http, vocab, bad) -> None:
     """Before: min_tokens + stop_token_ids [1000000] raised IndexError on the scheduler thread (engine

@@ -32,7 +32,6 @@ Refusals are in Anthropic's error shape (``{"type": "error", "error": {"type", "
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import logging
@@ -52,7 +51,7 @@ from .prepare import prepare_chat
 from .protocol import APIError, ChatCompletionRequest, RequestBody, media_refusal
 from .state import ServerState
 from .tools import parse_reply
-from .submit import Prepared, ReplyDeltas, engine_dead_during, reply_room, stop_string_matched, vet_grammar
+from .submit import Prepared, ReplyDeltas, engine_dead_during, stop_string_matched, vet_grammar, with_reply_room
 
 logger = logging.getLogger(__name__)
 
@@ -243,7 +242,7 @@ def add_anthropic_routes(app: FastAPI, st: ServerState) -> None:
         p = prepare_chat(as_chat(body), st)
         p.dropped_tools = note_dropped([f"{t.name} ({t.type})" for t in body.tools or [] if t.server_tool])
         if not counting:  # Anthropic's required max_tokens, within the context's rest (Claude Code asks 32K-64K)
-            p.sampling = dataclasses.replace(p.sampling, max_new_tokens=reply_room(st, len(p.ids), body.max_tokens))
+            p.sampling = with_reply_room(st, p.sampling, len(p.ids), body.max_tokens)
         return p
 
     @app.post("/v1/messages")

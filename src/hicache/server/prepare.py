@@ -7,7 +7,6 @@ it imports none of them. Counts are tokens.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Optional
 
@@ -17,7 +16,7 @@ from .builtin_tools import note_dropped, split_chat_tools
 from .choices import check_choices
 from .protocol import APIError, ChatCompletionRequest, SamplingBody
 from .state import ServerState
-from .submit import Prepared, check_fits, reply_room
+from .submit import Prepared, check_fits, with_reply_room
 from .system_turns import place_system_messages
 from .tools import chat_prompt
 
@@ -79,6 +78,6 @@ def prepare_chat(body: ChatCompletionRequest, st: ServerState) -> Prepared:
     ids = tok.encode(text)
     check_fits(ids, body.max_new_tokens(), st.engine.context_length, "messages")
     if body.max_new_tokens() is None:
-        sp = dataclasses.replace(sp, max_new_tokens=reply_room(st, len(ids), st.opts.default_max_tokens))
+        sp = with_reply_room(st, sp, len(ids), st.opts.default_max_tokens)
     return Prepared(body, [ids], sp, "messages", chat.call_names, body.n,
                     "tools" if forced is not None else body.field_of("grammar"), st.call_format, note_dropped(dropped))

@@ -28,7 +28,6 @@ forward), as on chat completions.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
@@ -49,7 +48,7 @@ from .response_store import ResponseStore, Stored
 from .responses_request import ResponsesRequest, as_chat, chat_messages, responses_errors
 from .state import ServerState
 from .tools import parse_reply
-from .submit import Prepared, ReplyDeltas, check_fits, reply_room, timing, vet_grammar
+from .submit import Prepared, ReplyDeltas, check_fits, timing, vet_grammar, with_reply_room
 
 logger = logging.getLogger(__name__)
 
@@ -158,8 +157,7 @@ def add_responses_routes(app: FastAPI, st: ServerState, store: ResponseStore) ->
             prepared.prompts[0] = continued_ids(st.engine.tokenizer, stored.ids, prepared.ids)
             check_fits(prepared.ids, body.max_output_tokens, st.engine.context_length, "input")
             if body.max_output_tokens is None:  # the rest of the context, counted on the prompt as sent
-                room = reply_room(st, len(prepared.ids), st.opts.default_max_tokens)
-                prepared.sampling = dataclasses.replace(prepared.sampling, max_new_tokens=room)
+                prepared.sampling = with_reply_room(st, prepared.sampling, len(prepared.ids), st.opts.default_max_tokens)
         return _Turn(body, stored_messages, prepared)
 
     @app.post("/v1/responses")

@@ -123,6 +123,18 @@ def reply_room(st: ServerState, prompt_tokens: int, cap: Optional[int]) -> int:
     return max(1, min(room, cap) if cap is not None else room)  # (a prompt that fills it is refused later)
 
 
+def with_reply_room(st: ServerState, sampling: SamplingParams, prompt_tokens: int,
+                    cap: Optional[int]) -> SamplingParams:
+    """``sampling`` with ``max_new_tokens`` set to :func:`reply_room`, checked again: a ``min_tokens``
+    past the room is refused (400) as it is past an explicit max."""
+    sampling = dataclasses.replace(sampling, max_new_tokens=reply_room(st, prompt_tokens, cap))
+    try:
+        sampling.validate()
+    except InvalidRequestError as e:
+        raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+    return sampling
+
+
 def check_fits(ids: list[int], max_new: Optional[int], context_length: int, param: str) -> None:
     """An explicit max_tokens that cannot fit is an error (a default one is shortened)."""
     if max_new is not None and len(ids) + max_new > context_length:
