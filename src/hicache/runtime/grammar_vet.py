@@ -36,6 +36,7 @@ import logging
 import os
 import signal
 import threading
+import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, replace
@@ -80,13 +81,22 @@ class VetLimits:
     mask_us: int
 
 
+_CONFIGS: "weakref.WeakKeyDictionary[Tokenizer, dict[int, dict]]" = weakref.WeakKeyDictionary()  # (tokenizer_config)
+
+
 def tokenizer_config(tokenizer: Tokenizer, vocab_size: int) -> dict:
     """What an llguidance tokenizer is built from, in a worker or on a rank (JSON): our token table
     (model/token_bytes.py: each id's bytes as Latin-1 text, the special ids), the tokenizer's JSON
-    (it encodes text for llguidance) and the EOS ids."""
-    table = token_table(tokenizer.backend, vocab_size)
-    return {"tokenizer": tokenizer.backend.to_str(), "vocab_size": vocab_size, "eos": sorted(tokenizer.eos_token_ids),
-            "tokens": [t.decode("latin-1") for t in table.tokens], "special": table.special}
+    (it encodes text for llguidance) and the EOS ids. Built once per tokenizer and size (~1 s on a
+    262K vocabulary; the vetter and the masks both ask): callers must not change it."""
+    configs = _CONFIGS.setdefault(tokenizer, {})
+    if vocab_size not in configs:
+        table = token_table(tokenizer.backend, vocab_size)
+        configs[vocab_size] = {"tokenizer": tokenizer.backend.to_str(), "vocab_size": vocab_size,
+                               "eos": sorted(tokenizer.eos_token_ids),
+                               "tokens": [t.decode("latin-1") for t in table.tokens], "special": table.special}
+    return configs[vocab_size]
+
 
 
 class Vocabulary:
