@@ -69,6 +69,8 @@ def build_core(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, dty
                        cfg.hicache_storage_backend)
         storage.close()
         storage = None
+    logger.info("rank plan: %s; device pages %d, host pages %d, window pages %d", plan.describe(),
+                plan.device_pages - 1, max(plan.host_pages - 1, 0), max(plan.window_pages - 1, 0))
     cp = _context_parallel(cfg, rank, plan, device)
     pool = _device_pool(cfg, plan, device)
     unified = plan.unified

@@ -125,8 +125,8 @@ def plan_rank(cfg: EngineConfig, spec: ModelSpec, rank: RankContext, draft: Mode
                                                                          hybrid is not None, draft_kv)
     unified = _unified_plan(cfg, spec, rank, draft)
     apart = _host_pools_apart(cfg, spec, hybrid, unified.grid if unified else None)
-    draft_bytes = draft_kv.bytes_per_page(elem, cfg.page_size) if draft_kv is not None else 0
-    costs = _PageBytes(layer_page * layers + draft_bytes, layer_page,
+    every_layer = rank_components(spec, rank.layers(spec), row, None, draft_kv)  # before a window split
+    costs = _PageBytes(sum(c.bytes_per_page(cfg.page_size, elem) for c in every_layer), layer_page,
                        layer_page * len(hybrid.window_layers) if hybrid else 0)
     device_pages, host_pages, hybrid, window_pages, storage = _sized_tiers(
         cfg, _Budget(device, rank, staging), hybrid, costs, storage_reachable, apart is None)
