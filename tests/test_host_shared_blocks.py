@@ -7,6 +7,8 @@ give every layer's tokens: ``test_shared_blocks.py::test_a_shared_pool_over_a_ho
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -57,6 +59,25 @@ def test_backups_still_reading_their_checkpoints_do_not_starve_the_window_pages(
                                   **({} if ratio is None else dict(swa_full_tokens_ratio=ratio))))
     try:
         engine.backend.core.cache.controller.delay_fn = lambda op, layer: 0.02 if op.kind == BACKUP else 0.0
+        answers = [engine.generate([p], GREEDY)[0].output_ids for p in prompts + prompts]
+    finally:
+        engine.shutdown()
+    assert answers == cold_outputs(prompts) * 2
+
+
+@pytest.mark.multirank
+@pytest.mark.parallel
+def test_two_ranks_wait_for_their_slow_backups_alike(checker, monkeypatch) -> None:
+    """The same starved window pool on two tensor-parallel ranks whose backups finish late by different
+    random amounts (fault injection), the consensus checker on: each rank waits for its own copies
+    and applies the same acks, so every cache decision agrees and the answers are the cold ones."""
+    from hicache.parallel.faults import ENV_VAR
+
+    monkeypatch.setenv(ENV_VAR, json.dumps({"seed": 5, "max_delay_s": 0.3}))
+    rng = np.random.default_rng(48)
+    prompts = [rng.integers(20, 200, size=48).tolist() for _ in range(6)]
+    engine = Engine(MODEL, tp_size=2, **dict(HOST, hicache_size=200 * 1024 / 1e9))
+    try:
         answers = [engine.generate([p], GREEDY)[0].output_ids for p in prompts + prompts]
     finally:
         engine.shutdown()
