@@ -222,7 +222,7 @@ def _held_bytes(engine, row: int) -> tuple[float, float, float]:
     tree, pool, ps = core.cache.tree, core.pool, core.pool.page_size
     window_layers = len(pool.window_layers)
     full_page, window_page = row * ps * (len(pool.k_buffers) - window_layers), row * ps * window_layers
-    device = tree.cached_pages * full_page + (tree.window_pages_held * window_page if pool.hybrid else 0)
+    device = tree.cached_pages * full_page + (tree.windows.held_pages * window_page if pool.hybrid else 0)
     host_stats = engine.stats()["host_pool"]
     host = tree.host_pages_held * full_page + host_stats.get("window", {}).get("cached_pages", 0) * window_page
     store = Path(json.loads(engine.config.hicache_storage_backend_extra_config)["path"])

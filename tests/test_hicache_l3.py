@@ -321,7 +321,7 @@ def test_adaptive_policy_gives_up_on_a_hung_backend(tmp_path: Path, reference: l
 
 def _tree_state(engine: Engine) -> list[tuple[int, int, bool]]:
     """(tokens, hit count, has a host copy) of every node, in a fixed order."""
-    nodes = [n for n in engine.cache.tree._all_nodes() if not n.is_root]
+    nodes = [n for n in engine.cache.tree.all_nodes() if not n.is_root]
     return sorted((len(n.key), n.hit_count, n.host_pages is not None) for n in nodes)
 
 
@@ -363,9 +363,9 @@ def test_prefetch_chain_continues_inside_a_node(tmp_path: Path) -> None:
         cached = np.arange(1, 13, dtype=np.int32)  # one node of 3 pages
         cache.tree.insert("ns", cached, cache.allocator.alloc(3))
         prompt = np.concatenate([cached[:8], np.arange(50, 71)]).astype(np.int32)  # shares 2 of its pages
-        before = [(n.id, n.hit_count, n.last_access) for n in cache.tree._all_nodes()]
+        before = [(n.id, n.hit_count, n.last_access) for n in cache.tree.all_nodes()]
         op = cache.start_prefetch("ns", prompt)
-        assert [(n.id, n.hit_count, n.last_access) for n in cache.tree._all_nodes()] == before
+        assert [(n.id, n.hit_count, n.last_access) for n in cache.tree.all_nodes()] == before
         assert op is not None and op.start_page == 2
         whole = page_hashes(prompt, 4, cache.ns_digest("ns"))
         assert op.hashes == whole[2 : (len(prompt) - 1) // 4]

@@ -25,7 +25,7 @@ def check_reservations(engine: CacheOnly) -> None:
     """What running requests hold or lock of the window component never exceeds what they reserved."""
     windows = engine.cache.device.windows
     held = sum(np.count_nonzero(r.kv.window.pages[r.kv.cached_pages:]) for r in engine.scheduler.running)
-    assert held + engine.cache.tree.window_usage()["locked_pages"] <= windows.reserved <= windows.allocator.capacity
+    assert held + engine.cache.tree.windows.usage()["locked_pages"] <= windows.reserved <= windows.allocator.capacity
 
 
 @pytest.mark.parametrize("window_pages", [200, 400, 800])

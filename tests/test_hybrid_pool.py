@@ -41,8 +41,8 @@ def insert(t: RadixCache, toks: np.ndarray, held: list[bool]) -> tuple[np.ndarra
     """Insert ``toks`` with fresh device pages and a window page where ``held``."""
     pages = t.allocator.alloc(len(held))
     window = np.zeros(len(held), dtype=np.int64)
-    window[np.array(held)] = t.window_allocator.alloc(sum(held))
-    t.insert("ns", toks, pages, window)
+    window[np.array(held)] = t.windows.allocator.alloc(sum(held))
+    t.insert("ns", toks, pages, {"window": window})
     return pages, window
 
 
@@ -63,7 +63,7 @@ def test_a_match_is_cut_back_to_the_last_boundary_whose_window_is_held() -> None
     pages, window = insert(t, toks, [True] * 5 + [False])
     m = t.match_prefix("ns", np.append(toks, 99))
     assert m.device_hit_tokens == 5 * PS  # boundary 6 reads page 5: tombstoned
-    assert np.array_equal(m.device_pages, pages[:5]) and np.array_equal(m.window_pages, window[:5])
+    assert np.array_equal(m.device_pages, pages[:5]) and np.array_equal(m.parts["window"], window[:5])
     assert len(m.last_node.key) == 5 * PS  # split there, so a request can lock that boundary
     assert t.peek_prefix("ns", toks).device_hit_tokens == 5 * PS
     t.check_invariants()
@@ -73,15 +73,15 @@ def test_an_insert_fills_tombstones_and_frees_duplicate_window_pages() -> None:
     t = tree()
     toks = tokens(4)
     insert(t, toks, [True, False, False, True])
-    free_before = t.window_allocator.available
+    free_before = t.windows.allocator.available
     pages = t.allocator.alloc(4)
-    mine = t.window_allocator.alloc(4)
-    t.insert("ns", toks, pages, mine)  # the same tokens again, every window page held this time
+    mine = t.windows.allocator.alloc(4)
+    t.insert("ns", toks, pages, {"window": mine})  # the same tokens again, every window page held this time
     node = t.node_at("ns", toks)
-    assert np.array_equal(node.window_pages != 0, [True] * 4)
-    assert np.array_equal(node.window_pages[1:3], mine[1:3])  # taken where the tree had tombstones
-    assert t.window_allocator.available == free_before - 2  # the two duplicates came back
-    assert t.window_pages_held == 4
+    assert np.array_equal(t.windows.of(node).device != 0, [True] * 4)
+    assert np.array_equal(t.windows.of(node).device[1:3], mine[1:3])  # taken where the tree had tombstones
+    assert t.windows.allocator.available == free_before - 2  # the two duplicates came back
+    assert t.windows.held_pages == 4
     t.check_invariants()
 
 
@@ -91,14 +91,14 @@ def test_a_window_lock_covers_just_its_span_and_eviction_spares_it() -> None:
     insert(t, toks, [True] * 8)
     node = t.node_at("ns", toks)
     t.inc_lock_ref(node)
-    t.lock_window(node, 8, 6)  # a running request reads pages 6 and 7: the node is split at page 6
-    assert len(node.key) == 2 * PS and node.window_lock_ref == 1 and node.parent.window_lock_ref == 0
-    assert t.evict_windows(100) == 6  # the upper part's; the locked span keeps its two
-    assert node.held_window_pages == 2 and node.parent.held_window_pages == 0
+    t.windows.lock(node, 8, 6)  # a running request reads pages 6 and 7: the node is split at page 6
+    assert len(node.key) == 2 * PS and t.windows.of(node).lock_ref == 1 and t.windows.of(node.parent).lock_ref == 0
+    assert t.windows.evict(100) == 6  # the upper part's; the locked span keeps its two
+    assert t.windows.of(node).held == 2 and t.windows.of(node.parent).held == 0
     assert t.match_prefix("ns", toks).device_hit_tokens == 8 * PS  # boundary 8 still has its window
-    t.unlock_window(node, 8, 6)
+    t.windows.unlock(node, 8, 6)
     t.dec_lock_ref(node)
-    assert t.evict_windows(100) == 2
+    assert t.windows.evict(100) == 2
     assert t.match_prefix("ns", np.append(toks, 1)).device_hit_tokens == 0  # no window held: no usable boundary
     assert t.cached_pages == 8  # full-layer pages stay
     t.check_invariants()
@@ -114,12 +114,12 @@ def test_window_eviction_takes_pages_no_checkpoint_needs_before_any_checkpoint()
     insert(t, head, [True] * 4)
     insert(t, np.concatenate([head, tokens(2, base=500)]), [True] * 6)  # head becomes an inner node
     inner = t.node_at("ns", head)
-    assert inner.children and inner.held_window_pages == 4
-    assert t.evict_windows(5) == 5  # the old leaf's first page, then the inner node's 4
-    assert inner.held_window_pages == 0 and t.node_at("ns", old).held_window_pages == 2
+    assert inner.children and t.windows.of(inner).held == 4
+    assert t.windows.evict(5) == 5  # the old leaf's first page, then the inner node's 4
+    assert t.windows.of(inner).held == 0 and t.windows.of(t.node_at("ns", old)).held == 2
     assert t.peek_prefix("ns", np.append(old, 1)).device_hit_tokens == 3 * PS  # its checkpoint usable (a peek: no touch)
-    assert t.evict_windows(1) == 2  # then the least recently used checkpoint, whole
-    assert t.node_at("ns", old).held_window_pages == 0
+    assert t.windows.evict(1) == 2  # then the least recently used checkpoint, whole
+    assert t.windows.of(t.node_at("ns", old)).held == 0
     t.check_invariants()
 
 
@@ -132,12 +132,12 @@ def test_a_short_leafs_checkpoint_keeps_the_window_it_needs_in_its_parent() -> N
     path = np.concatenate([head, tokens(1, base=500)])
     insert(t, path, [True] * 7)  # a one-page leaf: boundary 7 reads pages 5 and 6
     parent = t.node_at("ns", head)
-    assert t.evict_windows(1) == 5  # the parent's pages 0-4: no checkpoint needs them
-    assert np.array_equal(parent.window_pages != 0, [False] * 5 + [True])
+    assert t.windows.evict(1) == 5  # the parent's pages 0-4: no checkpoint needs them
+    assert np.array_equal(t.windows.of(parent).device != 0, [False] * 5 + [True])
     assert t.match_prefix("ns", np.append(path, 1)).device_hit_tokens == 7 * PS
-    assert t.evict_windows(1) == 1  # then the leaf's checkpoint itself
-    assert t.evict_windows(1) == 1  # and what it held in its parent, now that no checkpoint needs it
-    assert t.window_pages_held == 0
+    assert t.windows.evict(1) == 1  # then the leaf's checkpoint itself
+    assert t.windows.evict(1) == 1  # and what it held in its parent, now that no checkpoint needs it
+    assert t.windows.held_pages == 0
     t.check_invariants()
 
 
@@ -147,9 +147,9 @@ def test_device_eviction_frees_window_pages_and_takes_windowless_leaves_first() 
     insert(t, tokens(2, base=200), [False, False])  # newer, but no match can end in it
     assert t.evict(2) == 2
     assert t.node_at("ns", tokens(2, base=200)) is None and t.node_at("ns", tokens(2, base=100)) is not None
-    held = t.window_allocator.available
+    held = t.windows.allocator.available
     assert t.evict(2) == 2
-    assert t.window_allocator.available == held + 2 and t.window_pages_held == 0
+    assert t.windows.allocator.available == held + 2 and t.windows.held_pages == 0
     t.check_invariants()
 
 
@@ -209,7 +209,7 @@ def test_a_window_pool_too_small_for_every_window_evicts_them_and_stays_exact(ev
         batch = step()
         cache.tree.check_invariants()
         held = sum(np.count_nonzero(r.kv.window.pages[r.kv.cached_pages:]) for r in core.scheduler.running)
-        checked.append(held + cache.tree.window_usage()["locked_pages"] <= cache.device.windows.reserved)
+        checked.append(held + cache.tree.windows.usage()["locked_pages"] <= cache.device.windows.reserved)
         return batch
 
     core.scheduler.schedule = schedule_and_check
@@ -275,10 +275,10 @@ def test_host_tier_keeps_full_layers_of_every_page_and_windows_of_checkpoints(ev
         outputs, cached = conversations(engine, together=True, keep=True)
         stats = engine.stats()
         spans = []
-        for node in tree._all_nodes():
-            if node.host_pages is not None and node.host_window_pages is not None:
-                held = np.flatnonzero(node.host_window_pages)
-                end, first = tree.checkpoint_span(node)
+        for node in tree.all_nodes():
+            if node.host_pages is not None and tree.windows.of(node).host is not None:
+                held = np.flatnonzero(tree.windows.of(node).host)
+                end, first = tree.windows.checkpoint_span(node)
                 spans.append(len(held) == 0 or held.min() >= first - (end - node.num_pages))
         tree.check_invariants()
     finally:
@@ -314,7 +314,7 @@ def test_no_window_lock_outlives_its_request_when_hits_come_back_from_the_host()
         cache = engine.backend.core.cache
         cache.drain()
         assert engine.stats()["hit_tokens"]["host"] > 0
-        assert [n.id for n in cache.tree._all_nodes() if n.window_lock_ref] == []
+        assert [n.id for n in cache.tree.all_nodes() if not n.is_root and cache.tree.windows.of(n).lock_ref] == []
         cache.tree.check_invariants()
     finally:
         engine.shutdown()
@@ -394,8 +394,8 @@ def test_pd_decode_reuses_a_full_layer_prefix_without_its_window_and_receives_a_
         row = 2 * spec.num_kv_heads * spec.head_dim * 4  # K + V of one token, one layer, float32
         sliding = sum(1 for i in range(spec.num_layers) if spec.layer_window(i))
         for room, prompt in enumerate(prompts, start=1):
-            tree.evict_windows(10**6)  # every cached window gone; full layers stay
-            assert tree.window_pages_held == 0
+            tree.windows.evict(10**6)  # every cached window gone; full layers stay
+            assert tree.windows.held_pages == 0
             boot = Bootstrap("127.0.0.1", port, room)
             side = threading.Thread(target=lambda: prefill.generate([prompt], GREEDY, bootstrap=boot))
             side.start()
@@ -534,7 +534,7 @@ def test_device_tombstones_whose_checkpoint_the_host_holds_still_hit(every_layer
         turn = history + first.output_ids + [33, 34, 35, 36]
         core.cache.drain()  # the backups (full pages + the checkpoint's window) have landed
         tree = core.cache.tree
-        assert tree.evict_windows(10**6) > 0 and tree.window_pages_held == 0
+        assert tree.windows.evict(10**6) > 0 and tree.windows.held_pages == 0
         second = engine.generate([turn], GREEDY)[0]
         core.cache.drain()
         tree.check_invariants()

@@ -105,7 +105,7 @@ def test_the_tree_index_follows_inserts_splits_and_evictions() -> None:
     # evicting the first sequence's tail (no host tier: the nodes leave the tree) removes its tokens
     tree.evict(2)
     index.check()
-    remaining = {tuple(n.key.tolist()) for n in tree._all_nodes() if not n.is_root}
+    remaining = {tuple(n.key.tolist()) for n in tree.all_nodes() if not n.is_root}
     assert (16, 17) not in remaining and (14, 15, 16, 17) not in remaining
     assert _draft_from_tree(index, [12, 13]) in ([14, 15], [])  # never the evicted 16 17
     tree.evict(100)
@@ -116,11 +116,11 @@ def test_the_tree_index_follows_inserts_splits_and_evictions() -> None:
 def test_tokens_whose_kv_went_to_host_memory_still_give_drafts() -> None:
     tree, index = _tree(host_pages=64)
     _insert(tree, [1, 2, 3, 4, 5, 6])
-    for node in list(tree._all_nodes()):  # give every node a host copy, then evict the device copies
+    for node in list(tree.all_nodes()):  # give every node a host copy, then evict the device copies
         if not node.is_root and node.host_pages is None:
             tree.attach_host_pages(node, tree.host_allocator.alloc(node.num_pages))
     tree.evict(100)
-    assert all(n.device_pages is None for n in tree._all_nodes() if not n.is_root)
+    assert all(n.device_pages is None for n in tree.all_nodes() if not n.is_root)
     assert _draft_from_tree(index, [2, 3]) == [4, 5, 6]
     tree.reset()
     assert index.tokens_held == 0 and _draft_from_tree(index, [2, 3]) == []

@@ -648,7 +648,7 @@ def snapshot(tree: RadixCache) -> tuple:
          None if n.device_pages is None else n.device_pages.tolist(),
          None if n.host_pages is None else n.host_pages.tolist(),
          n.lock_ref, n.host_ref, n.last_access, n.hit_count, n.stored)
-        for n in tree._all_nodes()
+        for n in tree.all_nodes()
     )
     return (nodes, sorted(tree._roots), tree._tick, repr(tree._ids), tree.evictable_pages,
             tree.protected_pages, tree.host_pages_held)
@@ -704,7 +704,7 @@ def test_peek_equals_match_and_changes_nothing(data):
         if kind == "insert" and (pages := _fresh_pages(tree, alloc, n)) is not None:
             alloc.free(pages[: tree.insert(ns, t, pages) // ps])
         elif kind == "backup":
-            nodes = [x for x in tree._all_nodes() if not x.is_root and x.host_pages is None]
+            nodes = [x for x in tree.all_nodes() if not x.is_root and x.host_pages is None]
             node = data.draw(st.sampled_from(nodes)) if nodes else None
             if node is not None and (hp := host.alloc(len(node.key) // ps)) is not None:
                 tree.attach_host_pages(node, hp)

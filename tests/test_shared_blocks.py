@@ -64,7 +64,7 @@ def test_a_shared_pool_maps_each_window_page_to_one_block_per_group() -> None:
     assert len({t.data_ptr() for t in pool.k_buffers}) == 3
     assert pool.window_pages - 1 == (pool.num_pages - 1) // 5
     engine.serve(list(range(1, 2000)))
-    held = engine.cache.device.tree.window_pages_held
+    held = engine.cache.device.tree.windows.held_pages
     a = engine.cache.allocator
     # every block is free, a full page, or one of a held window page's five
     assert a.capacity - a.available == engine.cache.device.tree.cached_pages + 5 * held

@@ -116,7 +116,7 @@ class DeviceTier:
         if new_pages is None:
             if node is not None:
                 if window_lock is not None:
-                    self.tree.unlock_window(node, *window_lock)
+                    self.tree.windows.unlock(node, *window_lock)
                 self.tree.dec_lock_ref(node)
             return None
         loaded = 0
@@ -132,7 +132,7 @@ class DeviceTier:
         state.refresh_slots(self.page_size)
         restored = []
         if self.windows is not None:
-            restored = self.windows.admit(state, window_lock, match.window_pages if match is not None else None,
+            restored = self.windows.admit(state, window_lock, match.parts["window"] if match is not None else None,
                                           host_nodes, forward_tokens, len(tokens), window_arrives)
         self.stats.prompt_tokens += len(tokens)
         self.stats.device_hit_tokens += state.device_hit_tokens
@@ -183,7 +183,7 @@ class DeviceTier:
         state.node = match.last_device_node
         state.cached_pages = n_pages
         if self.windows is not None:
-            self.windows.after_insert(state, match.window_pages)
+            self.windows.after_insert(state, match.parts["window"])
 
     def window_step(self, state: KVState, computed: int, new_tokens: int, later_tokens: int) -> None:
         """Hybrid pool: hold the window pages of a forward adding ``new_tokens`` after ``computed``
@@ -228,8 +228,8 @@ class DeviceTier:
                 logger.debug("not caching %d pages of %s: the cached path starts on rank %d, these on rank %d",
                              n_pages, namespace, existing, self.placement.anchor_of(state.pages))
                 return False
-        window = self.windows.offered(state, n_pages) if self.windows is not None else None
-        already = self.tree.insert(namespace, tokens, state.pages[:n_pages], window) // self.page_size
+        parts = {"window": self.windows.offered(state, n_pages)} if self.windows is not None else None
+        already = self.tree.insert(namespace, tokens, state.pages[:n_pages], parts) // self.page_size
         # Pages we computed for a span another request cached first are duplicates: free them.
         if already > state.cached_pages:
             self.allocator.free(state.pages[state.cached_pages : already])

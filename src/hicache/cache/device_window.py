@@ -79,6 +79,7 @@ class DeviceWindows:
     def __init__(self, allocator: PageAllocator | SharedWindowAllocator, window: int, page_size: int,
                  tree: RadixCache | None, stats: CacheStats, pool: DeviceKVPool | None = None) -> None:
         self.allocator, self.window, self.page_size, self.tree, self.stats = allocator, window, page_size, tree, stats
+        self.cached = tree.windows if tree is not None else None  # the window pages of cached pages (TreeWindows)
         self.reserved = 0  # window pages reserved by running requests (the sum of their budgets)
         self.pool = pool
         # A shared pool (issue 56): window pages take ``groups`` blocks each from the full pages' allocator;
@@ -133,7 +134,7 @@ class DeviceWindows:
         if first >= end_page:
             return None
         lock = (end_page, first)
-        self.tree.lock_window(node, *lock)
+        self.cached.lock(node, *lock)
         return lock
 
     def admit(self, state, lock: tuple[int, int] | None, device_window: np.ndarray | None, host_nodes: list,
@@ -163,11 +164,11 @@ class DeviceWindows:
         for node in host_nodes:
             n = node.num_pages
             idx = np.arange(max(first - pos, 0), n)
-            if node.host_window_pages is not None and len(idx):
-                idx = idx[node.host_window_pages[idx] != 0]
-                node.window_pages[idx] = self._alloc(len(idx))
-                self.tree.window_pages_held += len(idx)
-                state.window.pages[pos + idx] = node.window_pages[idx]
+            part = self.cached.of(node)  # host nodes: a tree
+            if part.host is not None and len(idx):
+                idx = idx[part.host[idx] != 0]
+                self.cached.give(node, idx, self._alloc(len(idx)))
+                state.window.pages[pos + idx] = part.device[idx]
             pos += n
         state.window.slots = self.slots(state.window.pages)
         return restored
@@ -183,13 +184,13 @@ class DeviceWindows:
         while pos > first and not node.is_root:
             start = pos - node.num_pages
             idx = np.arange(max(first - start, 0), node.num_pages)
-            if node.host_window_pages is not None:
-                idx = idx[(node.window_pages[idx] == 0) & (node.host_window_pages[idx] != 0)]
+            part = self.cached.of(node)
+            if part.host is not None:
+                idx = idx[(part.device[idx] == 0) & (part.host[idx] != 0)]
                 if len(idx):
-                    node.window_pages[idx] = self._alloc(len(idx))
-                    self.tree.window_pages_held += len(idx)
-                    state.window.pages[start + idx] = node.window_pages[idx]
-                    loads.append((node.window_pages[idx], node.host_window_pages[idx]))
+                    self.cached.give(node, idx, self._alloc(len(idx)))
+                    state.window.pages[start + idx] = part.device[idx]
+                    loads.append((part.device[idx], part.host[idx]))
             node, pos = node.parent, start
         return loads
 
@@ -205,11 +206,11 @@ class DeviceWindows:
         while node is not None and not node.is_root and pos > tail:  # the hit's part (split at the tail)
             start = pos - node.num_pages
             idx = np.arange(max(tail - start, 0), node.num_pages)
-            fresh = idx[node.window_pages[idx] == 0]
-            node.window_pages[fresh] = self._alloc(len(fresh))
-            self.tree.window_pages_held += len(fresh)
-            wp[start + idx] = node.window_pages[idx]
-            arriving[start + fresh] = node.window_pages[fresh]
+            held = self.cached.of(node).device
+            fresh = idx[held[idx] == 0]
+            self.cached.give(node, fresh, self._alloc(len(fresh)))
+            wp[start + idx] = held[idx]
+            arriving[start + fresh] = held[fresh]
             node, pos = node.parent, start
         own = np.arange(max(tail, hit), -(-prompt_tokens // ps))
         wp[own] = arriving[own] = self._alloc(len(own))
@@ -248,7 +249,7 @@ class DeviceWindows:
         """The request's pages are about to join the tree: its window lock comes off (it is placed
         again over the new boundary by :meth:`after_insert`)."""
         if state.window.lock is not None:
-            self.tree.unlock_window(state.node, *state.window.lock)
+            self.cached.unlock(state.node, *state.window.lock)
             state.window.lock = None
 
     def offered(self, state, n_pages: int) -> np.ndarray:
@@ -300,7 +301,7 @@ class DeviceWindows:
         if self.shared:
             groups = self.allocator.groups
             return alloc_evicting(self.allocator, n, 0, lambda short: self.make_room(short * groups))[0], 0
-        return alloc_evicting(self.allocator, n, 0, self.tree.evict_windows if self.tree is not None else None)
+        return alloc_evicting(self.allocator, n, 0, self.cached.evict if self.cached is not None else None)
 
     def make_room(self, blocks: int) -> int:
         """Shared pool: free at least ``blocks`` blocks if the tree can: window pages no checkpoint needs
@@ -317,14 +318,14 @@ class DeviceWindows:
             if step == "nodes":
                 self.stats.evicted_device_pages += self.tree.evict(short)
             else:
-                self.stats.evicted_window_pages += self.tree.evict_windows(-(-short // g), spare_only=step == "spare")
+                self.stats.evicted_window_pages += self.cached.evict(-(-short // g), spare_only=step == "spare")
         return a.available - start
 
     def _lock(self, state, end_page: int) -> None:
         if self.tree is None or end_page == 0:
             return
         state.window.lock = (end_page, self.first_page(end_page * self.page_size))
-        self.tree.lock_window(state.node, *state.window.lock)
+        self.cached.lock(state.node, *state.window.lock)
 
     def _free_own(self, state, before: int) -> None:
         """Free the request's own window pages (those past its cached pages) before page ``before``,
@@ -342,7 +343,7 @@ class DeviceWindows:
         a = self.allocator
         out = {"capacity_pages": a.capacity, "free_pages": a.available, "reserved_pages": self.reserved}
         if self.tree is not None:
-            out.update(self.tree.window_usage())
+            out.update(self.cached.usage())
         return out
 
 

@@ -64,8 +64,9 @@ class HostTier:
         self.window_allocator: PageAllocator | SharedWindowAllocator | None = \
             SharedWindowAllocator(allocator, host_pool.window_blocks) if self.shared else \
             PageAllocator(window_host.num_pages) if window_host is not None else None
-        if tree is not None and window_host is not None:
-            tree.host_window_allocator = self.window_allocator
+        self.cached = tree.windows if tree is not None and window_host is not None else None  # TreeWindows
+        if self.cached is not None:
+            self.cached.attach_host_allocator(self.window_allocator)
         # Hits a node needs before it is backed up (write_back: only at eviction).
         self.backup_threshold = {"write_through": 1, "write_through_selective": policy.write_through_threshold,
                                  "write_back": None}[policy.write_policy]
@@ -99,9 +100,9 @@ class HostTier:
             self.tree.inc_lock_ref(n)
             window = self._backup_windows(n)
             if len(window[0]):  # the whole node: a lock from inside it would split it under this backup
-                end = self.tree.checkpoint_span(n)[0]
+                end = self.cached.checkpoint_span(n)[0]
                 span = self._backup_spans[n] = (end, end - n.num_pages)
-                self.tree.lock_window(n, *span)
+                self.cached.lock(n, *span)
             self._pending[BACKUP].append((n.device_pages, host, *window, n))
 
     def on_evict(self, node: TreeNode) -> bool:
@@ -121,15 +122,14 @@ class HostTier:
         evicting host leaves) the host copy keeps tombstones there."""
         if self.window_host is None:
             return EMPTY, EMPTY
-        idx = self.tree.checkpoint_pages(node)
-        node.host_window_pages = np.zeros(node.num_pages, dtype=np.int64)
+        idx = self.cached.checkpoint_pages(node)
         host, _ = alloc_evicting(self.window_allocator, len(idx), 0, self.evict_for_windows) if len(idx) \
             else (EMPTY, 0)
         if host is None:
             self.stats.backup_skipped_window_pages += len(idx)
-            return EMPTY, EMPTY
-        node.host_window_pages[idx] = host
-        return node.window_pages[idx], host
+            idx, host = EMPTY, EMPTY
+        self.cached.attach_host(node, idx, host)
+        return self.cached.of(node).device[idx], host
 
     def _drop_superseded(self) -> None:
         """Nodes whose checkpoint window reached the host: free the host window pages of the
@@ -139,17 +139,12 @@ class HostTier:
             return
         later = []
         for node in self._superseding:
-            pairs = self.tree.superseded_windows(node) if node.host_window_pages is not None else []
+            pairs = self.cached.superseded(node) if self.cached.of(node).host is not None else []
             if any(anc.host_ref for anc, _ in pairs):
                 later.append(node)
                 continue
             for anc, idx in pairs:
-                held = anc.host_window_pages[idx] if anc.host_window_pages is not None else EMPTY
-                held = held[held != 0]
-                if len(held):
-                    self.window_allocator.free(held)
-                    anc.host_window_pages[idx] = 0
-                    self.stats.superseded_host_window_pages += len(held)
+                self.stats.superseded_host_window_pages += self.cached.free_host(anc, idx)
         self._superseding = later
 
     def evict_for_windows(self, num_pages: int) -> int:
@@ -158,11 +153,11 @@ class HostTier:
         if self.shared:
             return self.make_room(num_pages * self.window_allocator.groups) // self.window_allocator.groups
         def take(node: TreeNode) -> int:
-            freed = int(np.count_nonzero(node.host_window_pages))
+            freed = self.cached.of(node).host_held
             self.stats.evicted_host_pages += self._drop(node)
             return freed
-        return self.tree.evict_leaves(num_pages, lambda n: _host_evictable_leaf(n) and n.host_window_pages is not None
-                                      and bool(np.count_nonzero(n.host_window_pages)), take)
+        return self.tree.evict_leaves(num_pages, lambda n: _host_evictable_leaf(n) and self.cached.of(n).host_held > 0,
+                                      take)
 
     def make_room(self, blocks: int) -> int:
         """Shared blocks: free at least ``blocks`` blocks if the tree can: the window pages of superseded
@@ -177,7 +172,7 @@ class HostTier:
 
     def _drop_blocks(self, node: TreeNode) -> int:
         """Delete a host-only leaf of a shared pool; the blocks its full and window pages held."""
-        windows = int(np.count_nonzero(node.host_window_pages)) if node.host_window_pages is not None else 0
+        windows = self.cached.of(node).host_held
         pages = self._drop(node)
         self.stats.evicted_host_pages += pages
         return pages + windows * self.window_allocator.groups
@@ -192,9 +187,10 @@ class HostTier:
         for device_window, host_window in device_hit_windows:
             self._pending[LOAD].append((EMPTY, EMPTY, device_window, host_window, None))
         for n in nodes:
-            if n.window_pages is not None and windows:  # hybrid: the windows DeviceWindows gave device pages to
-                idx = np.flatnonzero(n.window_pages)
-                window = (n.window_pages[idx], n.host_window_pages[idx])
+            part = self.cached.of(n) if self.cached is not None else None
+            if part is not None and part.device is not None and windows:  # the windows DeviceWindows gave pages to
+                idx = np.flatnonzero(part.device)
+                window = (part.device[idx], part.host[idx])
             else:
                 window = (EMPTY, EMPTY)
             self._pending[LOAD].append((n.device_pages, n.host_pages, *window, n if n is nodes[-1] else None))
@@ -250,7 +246,7 @@ class HostTier:
             for op in self.controller.pop(kind, n):
                 for node in op.payload:
                     if kind == BACKUP and node in self._backup_spans:
-                        self.tree.unlock_window(node, *self._backup_spans.pop(node))
+                        self.cached.unlock(node, *self._backup_spans.pop(node))
                         self._superseding.append(node)
                     self.tree.dec_lock_ref(node)
                     if kind == BACKUP and self.lower is not None:

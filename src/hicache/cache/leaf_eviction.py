@@ -9,38 +9,39 @@ from __future__ import annotations
 
 import heapq
 import logging
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 
 from ..consensus_record import consensus_check
-from .page_tree import TreeObserver
+from .page_tree import PageTree
 from .pools import PageAllocator
 from .tree_node import TreeNode
 
 logger = logging.getLogger(__name__)
 
 
-class LeafEviction:
-    """Eviction for :class:`~.radix.RadixCache` (mixed in): it frees the tree's device pages
-    and keeps the tree's page counters right while doing so."""
+class LeafEviction(PageTree):
+    """A page tree with its device and host pages counted, and device eviction: it frees the
+    tree's device pages (and its components') and keeps the page counters right while doing so."""
 
-    # Provided by RadixCache / PageTree.
-    allocator: PageAllocator
-    host_allocator: PageAllocator | None
-    eviction_policy: str
-    backup_on_evict: Callable[[TreeNode], bool] | None
-    evictable_pages: int
-    host_pages_held: int
-    evicted_pages_total: int
-    window: int
-    _drop_window: Callable[[TreeNode], int]
-    _drop_host_window: Callable[[TreeNode], None]
-    _all_nodes: Callable[[], Iterator[TreeNode]]
-    _page_key: Callable[[np.ndarray, int], bytes]
-    observer: "TreeObserver | None"
+    def __init__(self, page_size: int, allocator: PageAllocator, host_allocator: PageAllocator | None,
+                 eviction_policy: str) -> None:
+        if eviction_policy not in ("lru", "lfu"):
+            raise ValueError(f"unknown eviction policy {eviction_policy!r}")
+        super().__init__(page_size)
+        self.allocator = allocator
+        self.host_allocator = host_allocator  # L2 pages; None without a host tier
+        self.eviction_policy = eviction_policy
+        # Called for an L1 victim that has no host copy yet; returns True once it has one
+        # (write_back). Without it such a victim is dropped.
+        self.backup_on_evict: Callable[[TreeNode], bool] | None = None
+        self.host_pages_held = 0
+        self.evictable_pages = 0
+        self.protected_pages = 0
+        self.evicted_pages_total = 0
 
-    def _eviction_key(self, node: TreeNode) -> tuple:
+    def eviction_key(self, node: TreeNode) -> tuple:
         if self.eviction_policy == "lfu":
             return (node.hit_count, node.last_access, node.id)
         return (node.last_access, node.id)
@@ -58,8 +59,8 @@ class LeafEviction:
         """Apply ``take`` (returns the pages it freed) to ``evictable`` leaves in ``key`` order
         (default: the policy's), a parent joining once its last child goes, until ``num_pages``
         are freed or none is left."""
-        key = key or self._eviction_key
-        heap = [(key(n), n) for n in self._all_nodes() if evictable(n)]
+        key = key or self.eviction_key
+        heap = [(key(n), n) for n in self.all_nodes() if evictable(n)]
         heapq.heapify(heap)
         freed = 0
         while freed < num_pages and heap:
@@ -71,9 +72,9 @@ class LeafEviction:
         return freed
 
     def _device_victim_key(self, node: TreeNode) -> tuple:
-        """Hybrid: leaves whose window KV is all tombstoned first (no match can end in them), then
-        the policy's order."""
-        return (node.held_window_pages > 0, *self._eviction_key(node))
+        """The components' order first (a hybrid tree: leaves whose window KV is all tombstoned),
+        then the policy's."""
+        return (*(r for c in self.components for r in c.victim_rank(node)), *self.eviction_key(node))
 
     @consensus_check("tree.evict", args=lambda self, num_pages, wanted=None: num_pages, result=lambda freed: freed)
     def evict(self, num_pages: int, wanted: Callable[[np.ndarray], bool] | None = None) -> int:
@@ -85,7 +86,7 @@ class LeafEviction:
         evictable = self._evictable_leaf if wanted is None else \
             (lambda n: self._evictable_leaf(n) and wanted(n.device_pages))
         freed = self.evict_leaves(num_pages, evictable, self._evict_device,
-                                  self._device_victim_key if self.window else None)
+                                  self._device_victim_key if self.components else None)
         self.evicted_pages_total += freed
         if freed:
             logger.debug("evicted %d device pages", freed)
@@ -97,8 +98,9 @@ class LeafEviction:
         freed = node.num_pages
         self.evictable_pages -= freed
         self.allocator.free(node.device_pages)
-        self._drop_window(node)
-        node.device_pages = node.window_pages = None
+        for component in self.components:
+            component.drop_device(node)
+        node.device_pages = None
         if node.host_pages is None:
             self.delete_subtree(node)
         return freed
@@ -116,5 +118,6 @@ class LeafEviction:
                 self.host_allocator.free(n.host_pages)
                 self.host_pages_held -= len(n.host_pages)
                 n.host_pages = None
-                self._drop_host_window(n)
+                for component in self.components:
+                    component.drop_host(n)
             stack.extend(n.children.values())

@@ -4,7 +4,7 @@ Units: keys and positions are in tokens, always a whole number of pages; a child
 its first page's bytes. Recency is a logical tick and node ids come from one counter, so the
 tree's shape and order depend only on the operation sequence (DESIGN invariant 3). Which tier
 holds a node's pages is :class:`~.radix.RadixCache`'s business; here a split only cuts every
-tier's page list at the same place.
+tier's page list, and every component's handle, at the same place.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Iterator, Optional, Protocol
 
 import numpy as np
 
-from .tree_node import TreeNode
+from .tree_node import TreeComponent, TreeNode
 
 EMPTY_PAGES = np.zeros(0, dtype=np.int64)
 
@@ -49,12 +49,16 @@ class PageTree:
         self._tick = 0
         self._roots: dict[str, TreeNode] = {}
         self.observer: Optional[TreeObserver] = None
+        self.components: list[TreeComponent] = []  # each node holds one handle per component, in this order
+
+    def _node(self, namespace: str, key: np.ndarray, parent: TreeNode | None) -> TreeNode:
+        return TreeNode(next(self._ids), namespace, key, parent, tuple(c.new_part() for c in self.components))
 
     def _root(self, namespace: str) -> TreeNode:
         """``namespace``'s root, created on first use (locked: roots are never evicted)."""
         root = self._roots.get(namespace)
         if root is None:
-            root = TreeNode(next(self._ids), namespace, np.zeros(0, dtype=np.int32), None)
+            root = self._node(namespace, np.zeros(0, dtype=np.int32), None)
             root.device_pages = EMPTY_PAGES
             root.lock_ref = 1  # roots are never evicted
             self._roots[namespace] = root
@@ -73,23 +77,18 @@ class PageTree:
         node.last_access = self._tick
         node.hit_count += 1
 
-    def _split(self, node: TreeNode, at: int) -> TreeNode:
+    def split(self, node: TreeNode, at: int) -> TreeNode:
         """Cut ``node`` after ``at`` tokens (whole pages); return the new upper part."""
         pages_at = at // self.page_size
-        upper = TreeNode(next(self._ids), node.namespace, node.key[:at], node.parent)
+        upper = self._node(node.namespace, node.key[:at], node.parent)
         upper.lock_ref, upper.host_ref, upper.stored = node.lock_ref, node.host_ref, node.stored
         upper.last_access, upper.hit_count = node.last_access, node.hit_count
-        # a window lock covers whole nodes from its first page on, so both parts of a locked node stay locked
-        upper.window_lock_ref = node.window_lock_ref
+        for component in self.components:
+            component.split(upper, node, pages_at)
         if node.device_pages is not None:
             upper.device_pages, node.device_pages = node.device_pages[:pages_at], node.device_pages[pages_at:]
         if node.host_pages is not None:
             upper.host_pages, node.host_pages = node.host_pages[:pages_at], node.host_pages[pages_at:]
-        if node.window_pages is not None:
-            upper.window_pages, node.window_pages = node.window_pages[:pages_at], node.window_pages[pages_at:]
-        if node.host_window_pages is not None:
-            upper.host_window_pages = node.host_window_pages[:pages_at]
-            node.host_window_pages = node.host_window_pages[pages_at:]
         if node.hash_values is not None:
             upper.hash_values, node.hash_values = node.hash_values[:pages_at], node.hash_values[pages_at:]
         node.parent.children[self._page_key(upper.key, 0)] = upper
@@ -105,12 +104,12 @@ class PageTree:
         when no child shares the first page."""
         child = node.children.get(self._page_key(tokens, pos))
         if child is not None and (n := self._common_pages(child.key, tokens, pos)) < len(child.key):
-            child = self._split(child, n)
+            child = self.split(child, n)
         return child
 
     def _leaf(self, parent: TreeNode, key: np.ndarray) -> TreeNode:
         """A new (touched) leaf below ``parent``; the caller gives it its tier's pages."""
-        leaf = TreeNode(next(self._ids), parent.namespace, key.copy(), parent)
+        leaf = self._node(parent.namespace, key.copy(), parent)
         self._touch(leaf)
         parent.children[self._page_key(leaf.key, 0)] = leaf
         if self.observer is not None:
@@ -135,7 +134,14 @@ class PageTree:
             pos += len(node.key)
         return node
 
-    def _all_nodes(self) -> Iterator[TreeNode]:
+    def key_pages(self, node: TreeNode) -> int:
+        """``node``'s length in pages, whichever tiers hold it (``num_pages`` counts device pages)."""
+        return len(node.key) // self.page_size
+
+    def roots(self) -> list[TreeNode]:
+        return list(self._roots.values())
+
+    def all_nodes(self) -> Iterator[TreeNode]:
         """Every node of every namespace, roots included."""
         stack = list(self._roots.values())
         while stack:
@@ -144,4 +150,4 @@ class PageTree:
             stack.extend(node.children.values())
 
     def num_nodes(self) -> int:
-        return sum(1 for n in self._all_nodes() if not n.is_root)
+        return sum(1 for n in self.all_nodes() if not n.is_root)

@@ -18,24 +18,24 @@ so different namespaces never share nodes.
 
 The tree's shape (split, walk, namespaces) is :class:`~.page_tree.PageTree`; device eviction is
 :class:`~.leaf_eviction.LeafEviction`. This module is the contract on top: match / insert, lock
-and host refs, and the page counters they keep.
+and host refs, and the page counters they keep. Components with page ids of their own (a hybrid
+pool's window, :class:`~.window_tree.TreeWindows`) keep a handle per node and are told of every
+change (:class:`~.tree_node.TreeComponent`): a match ends where every component can serve it.
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 import numpy as np
 
 from ..consensus_record import consensus_check
 from .leaf_eviction import LeafEviction
-from .page_tree import EMPTY_PAGES, PageTree
+from .page_tree import EMPTY_PAGES
 from .pools import PageAllocator
 from .tree_node import MatchResult, PeekResult, TreeNode, check_nodes
-from .window_tree import WindowTombstones
+from .window_tree import TreeWindows
 
 
-class RadixCache(PageTree, LeafEviction, WindowTombstones):
+class RadixCache(LeafEviction):
     """The prefix index of every tier: match / insert / lock / evict over logical token pages.
     It keeps each node's tier state consistent; when to copy between tiers is the tiers' policy."""
 
@@ -49,28 +49,22 @@ class RadixCache(PageTree, LeafEviction, WindowTombstones):
         window_allocator: PageAllocator | None = None,
     ) -> None:
         """``window`` (tokens) and ``window_allocator``: a hybrid pool's sliding-window component
-        (:mod:`.window_tree`); 0 / None without one."""
-        if eviction_policy not in ("lru", "lfu"):
-            raise ValueError(f"unknown eviction policy {eviction_policy!r}")
-        super().__init__(page_size)
-        self.allocator = allocator
-        self.host_allocator = host_allocator  # L2 pages; None without a host tier
-        self.eviction_policy = eviction_policy
-        # Called for an L1 victim that has no host copy yet; returns True once it has one
-        # (write_back). Without it such a victim is dropped.
-        self.backup_on_evict: Callable[[TreeNode], bool] | None = None
-        self.host_pages_held = 0
-        self.evictable_pages = 0
-        self.protected_pages = 0
-        self.evicted_pages_total = 0
-        self._init_window(window, window_allocator)
+        (``self.windows``, :mod:`.window_tree`); 0 / None without one."""
+        super().__init__(page_size, allocator, host_allocator, eviction_policy)
+        self.windows: TreeWindows | None = None
+        if window:
+            if window_allocator is None:
+                raise ValueError("a sliding-window component needs its own page allocator")
+            self.windows = TreeWindows(self, window, window_allocator)
+            self.components.append(self.windows)
 
     # ---- the contract --------------------------------------------------------------------
     def _walk(self, namespace: str, tokens: np.ndarray, cut: bool = True) -> tuple[list[TreeNode], int, int, int]:
         """Read-only walk along the longest cached prefix of ``tokens``: the nodes passed (the
         last may match only in part), the tokens of the leading device run, the host-only tokens
-        after it, and the tokens matched in the last node. A hybrid tree cuts it back to the last
-        boundary whose window is held, unless ``cut`` is False (the window comes from elsewhere)."""
+        after it, and the tokens matched in the last node. Cut back to the last boundary every
+        component can serve (a hybrid tree: whose window is held), unless ``cut`` is False (the
+        components' state comes from elsewhere, e.g. a P/D transfer's window tail)."""
         node, path = self._roots.get(namespace), []
         device = host = pos = n = 0
         while node is not None and pos < len(tokens):
@@ -88,8 +82,8 @@ class RadixCache(PageTree, LeafEviction, WindowTombstones):
             node, pos, n = child, pos + k, k
             if k < len(child.key):  # the match ends inside this node
                 break
-        if self.window and cut:
-            usable = self._cut_to_window(path, device, host)
+        if cut and self.components:
+            usable = min(c.usable(path, device, host) for c in self.components)
             if usable < device + host:
                 path, n = self._path_to(path, usable)
                 device, host = min(device, usable), max(0, usable - device)
@@ -109,8 +103,8 @@ class RadixCache(PageTree, LeafEviction, WindowTombstones):
     @consensus_check("tree.match_prefix", args=lambda self, ns, tokens, cut=True: (ns, len(tokens), cut),
                      result=lambda m: (m.device_hit_tokens, m.host_hit_tokens))
     def match_prefix(self, namespace: str, tokens, cut: bool = True) -> MatchResult:
-        """Longest cached prefix of ``tokens`` (whole pages) in ``namespace`` (hybrid: whose window
-        is held, unless ``cut`` is False).
+        """Longest cached prefix of ``tokens`` (whole pages) in ``namespace`` that every component
+        can serve (see :meth:`_walk`; ``cut`` False: as far as the full KV goes).
 
         Splits a node when the match ends inside it, so the returned node is an exact
         boundary that a request can lock. Updates recency and hit counts.
@@ -119,7 +113,7 @@ class RadixCache(PageTree, LeafEviction, WindowTombstones):
         root = self._root(namespace)
         path, _, host_tokens, n = self._walk(namespace, tokens, cut)
         if path and n < len(path[-1].key):
-            path[-1] = self._split(path[-1], n)
+            path[-1] = self.split(path[-1], n)
         # Touch after the split, so only the matched part gets the new recency / hit (touching
         # first also refreshed the unmatched lower half, skewing LRU and LFU).
         for node in path:
@@ -129,11 +123,8 @@ class RadixCache(PageTree, LeafEviction, WindowTombstones):
             k += 1
         pages = np.concatenate([m.device_pages for m in path[:k]]) if k else EMPTY_PAGES
         last_device = path[k - 1] if k else root
-        window = None
-        if self.window:
-            window = np.concatenate([m.window_pages for m in path[:k]]) if k else EMPTY_PAGES
         return MatchResult(pages, len(pages) * self.page_size, last_device, host_tokens, path[-1] if path else root,
-                           window)
+                           {c.name: c.hit_pages(path[:k]) for c in self.components})
 
     def peek_prefix(self, namespace: str, tokens) -> PeekResult:
         """:meth:`match_prefix`'s lengths without changing any state: no split, no hit count,
@@ -141,21 +132,23 @@ class RadixCache(PageTree, LeafEviction, WindowTombstones):
         path, device, host, n = self._walk(namespace, self._as_tokens(tokens))
         return PeekResult(device, host, path[-1] if path else None, n // self.page_size if path else 0)
 
-    def insert(self, namespace: str, tokens, pages: np.ndarray, window_pages: np.ndarray | None = None) -> int:
-        """Insert ``tokens`` (whole pages) whose KV lives in device ``pages`` (and, hybrid, whose
-        window-layer KV lives in ``window_pages``, 0 where the caller holds none).
+    def insert(self, namespace: str, tokens, pages: np.ndarray, parts: dict[str, np.ndarray] | None = None) -> int:
+        """Insert ``tokens`` (whole pages) whose KV lives in device ``pages`` (and, per component
+        of the tree, its pages in ``parts[name]``: a hybrid tree's window pages, 0 where the caller
+        holds none).
 
         Returns how many leading tokens were already cached on the device: the caller still
         owns ``pages`` for that span beyond what it had matched itself and must free those
-        duplicates. The tree owns every page of the new suffix from now on, and every window
+        duplicates. The tree owns every page of the new suffix from now on, and every component
         page given: it keeps each where it holds none, and frees the duplicates.
         """
         tokens = self._as_tokens(tokens)
         pages = np.asarray(pages, dtype=np.int64)
         if len(pages) != len(tokens) // self.page_size:
             raise ValueError(f"insert of {len(tokens)} tokens needs {len(tokens) // self.page_size} pages, got {len(pages)}")
-        if self.window and (window_pages is None or len(window_pages) != len(pages)):
-            raise ValueError("a hybrid tree's insert needs a window page (or 0) per page")
+        parts = parts or {}
+        if any(len(parts.get(c.name, ())) != len(pages) for c in self.components):
+            raise ValueError(f"an insert needs a page (or 0) per page of each of {[c.name for c in self.components]}")
         node, pos = self._root(namespace), 0
         on_device: int | None = None  # where the device-resident prefix ends
         while pos < len(tokens):
@@ -164,24 +157,28 @@ class RadixCache(PageTree, LeafEviction, WindowTombstones):
             if child is None:
                 leaf = self._leaf(node, tokens[pos:])
                 leaf.device_pages = pages[first:].copy()
-                self._adopt_window(leaf, window_pages[first:] if self.window else None, fresh=True)
+                self._adopt(leaf, parts, first, None, fresh=True)
                 self.evictable_pages += leaf.num_pages
                 return pos if on_device is None else on_device
             n = len(child.key)
             self._touch(child)  # after the split (see match_prefix)
-            offered = window_pages[first : (pos + n) // self.page_size] if self.window else None
+            end = (pos + n) // self.page_size
             if child.device_pages is None:
                 # A node whose device copy was evicted adopts the caller's pages. Eviction is
                 # leaf-first, so everything below it is device-less too: the device prefix ends here.
-                child.device_pages = pages[first : (pos + n) // self.page_size].copy()
-                self._adopt_window(child, offered, fresh=True)
+                child.device_pages = pages[first:end].copy()
+                self._adopt(child, parts, first, end, fresh=True)
                 self._count(child, +1)
                 if on_device is None:
                     on_device = pos
             else:
-                self._adopt_window(child, offered, fresh=False)  # fills the node's tombstones
+                self._adopt(child, parts, first, end, fresh=False)  # fills the node's tombstones
             node, pos = child, pos + n
         return pos if on_device is None else on_device
+
+    def _adopt(self, node: TreeNode, parts: dict[str, np.ndarray], first: int, end: int | None, fresh: bool) -> None:
+        for c in self.components:
+            c.adopt(node, parts[c.name][first:end], fresh)
 
     def insert_host(self, namespace: str, tokens, host_pages: np.ndarray, start_page: int,
                     hashes: list[bytes] | None = None) -> int:
@@ -255,27 +252,30 @@ class RadixCache(PageTree, LeafEviction, WindowTombstones):
         """Give a host-only node device pages (a load-back into them is in flight)."""
         assert node.device_pages is None and len(device_pages) * self.page_size == len(node.key)
         node.device_pages = device_pages
-        if self.window:  # its window pages come with the load, where it brings them (DeviceWindows)
-            node.window_pages = np.zeros(len(device_pages), dtype=np.int64)
+        for c in self.components:
+            c.device_attached(node)
         self._count(node, +1)
 
     def reset(self) -> None:
         """Drop every node and return its device pages. Only valid when nothing is locked."""
         if self.protected_pages:
             raise RuntimeError(f"cannot reset the cache while {self.protected_pages} pages are locked")
-        for node in self._all_nodes():
+        for node in self.all_nodes():
             if not node.is_root and node.device_pages is not None:
                 self.allocator.free(node.device_pages)
-                self._drop_window(node)
+                for c in self.components:
+                    c.drop_device(node)
             if not node.is_root and node.host_pages is not None:
                 self.host_allocator.free(node.host_pages)
-                self._drop_host_window(node)
+                for c in self.components:
+                    c.drop_host(node)
         self._roots.clear()
         if self.observer is not None:
             self.observer.on_reset()
         self.evictable_pages = 0
         self.host_pages_held = 0
-        self.window_pages_held = 0
+        for c in self.components:
+            c.reset()
 
     # ---- introspection -------------------------------------------------------------------
     @property
@@ -284,8 +284,9 @@ class RadixCache(PageTree, LeafEviction, WindowTombstones):
 
     def check_invariants(self) -> None:
         """Recompute every counter from the nodes and compare; raise AssertionError on drift."""
-        evictable, protected, host, window = check_nodes(self._all_nodes(), self.page_size)
-        assert window == self.window_pages_held, (window, self.window_pages_held)
+        evictable, protected, host = check_nodes(self.all_nodes(), self.page_size)
+        for c in self.components:
+            c.check([n for n in self.all_nodes() if not n.is_root])
         assert evictable == self.evictable_pages, (evictable, self.evictable_pages)
         assert protected == self.protected_pages, (protected, self.protected_pages)
         assert host == self.host_pages_held, (host, self.host_pages_held)

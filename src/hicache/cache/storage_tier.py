@@ -125,7 +125,7 @@ class StorageTier:
 
     def _window_span(self, end_page: int) -> int:
         """Pages before a boundary of ``end_page`` pages that its window reads."""
-        return end_page - self.tree.window_first_page(end_page * self.page_size)
+        return end_page - self.tree.windows.first_page(end_page * self.page_size)
 
     def _reserve_window(self, end_page: int) -> np.ndarray | None:
         """Hybrid: host window pages for the window of the prefetch's end (None: none, or no room)."""
@@ -174,10 +174,9 @@ class StorageTier:
         done = op.completed
         if taken_from < done:
             leaf = self.tree.node_at(op.namespace, tokens[: (op.start_page + done) * self.page_size])
-            leaf.host_window_pages = np.zeros(len(leaf.host_pages), dtype=np.int64)  # a new host-only leaf
             rel = np.arange(op.window_from, done)  # op-relative pages the window objects were read for
             keep[: len(rel)] = rel >= taken_from
-            leaf.host_window_pages[rel[keep[: len(rel)]] - taken_from] = pages[keep]
+            self.tree.windows.attach_host(leaf, rel[keep[: len(rel)]] - taken_from, pages[keep])  # a new host-only leaf
         self.host.window_allocator.free(pages[~keep])
 
     def _joins_rotation(self, op: PrefetchOp, tokens: np.ndarray) -> bool:
@@ -219,9 +218,10 @@ class StorageTier:
             hashes = list(node_hashes(n, self.keys))
             if self.shard is None:
                 window, superseded = None, []
-                if n.host_window_pages is not None:  # hybrid: the checkpoint pages' window objects too
-                    idx = np.flatnonzero(n.host_window_pages)
-                    window = (idx, n.host_window_pages[idx].copy())
+                host_window = self.tree.windows.of(n).host if self.tree.windows is not None else None
+                if host_window is not None:  # hybrid: the checkpoint pages' window objects too
+                    idx = np.flatnonzero(host_window)
+                    window = (idx, host_window[idx].copy())
                     superseded = self._superseded_hashes(n) if len(idx) else []
                 self.controller.backup(self.keys.digest(n.namespace), hashes, n.host_pages.copy(), [n], window=window,
                                        superseded=superseded)
@@ -232,14 +232,15 @@ class StorageTier:
 
     def _superseded_hashes(self, node: TreeNode) -> list[bytes]:
         """Page hashes of stored ancestors' checkpoint pages that ``node``'s checkpoint supersedes
-        (:meth:`~.window_tree.WindowTombstones.superseded_windows`): their window objects go once
+        (:meth:`~.window_tree.TreeWindows.superseded`): their window objects go once
         ``node``'s are written. Only pages whose host copy still holds a window have one left (the
         host gives up its windows right after this, the objects of earlier ones went with them)."""
         out = []
-        for anc, idx in self.tree.superseded_windows(node):
-            if not anc.stored or anc.host_window_pages is None:
+        for anc, idx in self.tree.windows.superseded(node):
+            host_window = self.tree.windows.of(anc).host
+            if not anc.stored or host_window is None:
                 continue
-            idx = idx[anc.host_window_pages[idx] != 0]
+            idx = idx[host_window[idx] != 0]
             if len(idx):
                 hashes = list(node_hashes(anc, self.keys))
                 out.extend(hashes[i] for i in idx)

@@ -1,17 +1,18 @@
 """The radix tree's node and the results of its walks: per-node state of every tier.
 
 Units: ``key`` is token ids, always whole pages; ``device_pages`` / ``host_pages`` are logical
-page ids of the L1 / L2 pool, one per key page; ``hash_values`` one chained hash per key page;
-``window_pages`` (a hybrid pool's sliding-window component) one window page id per key page, 0
-where that page's window-layer KV is not held (a tombstone).
+page ids of the L1 / L2 pool, one per key page (the full KV, and every component that shares its
+page ids); ``hash_values`` one chained hash per key page. A component with page ids of its own (a
+hybrid pool's sliding window, :mod:`.window_tree`) keeps its state on a node in ``parts``, one
+handle per :class:`TreeComponent` of the tree.
 The tree (:mod:`.radix`) keeps the invariants between these fields; tiers only read them and
-change them through the tree.
+change them through the tree and its components.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Iterable, Protocol
 
 import numpy as np
 
@@ -21,11 +22,11 @@ class TreeNode:
 
     __slots__ = (
         "id", "namespace", "key", "parent", "children", "device_pages", "host_pages",
-        "hash_values", "stored", "lock_ref", "host_ref", "last_access", "hit_count", "window_pages",
-        "window_lock_ref", "host_window_pages",
+        "hash_values", "stored", "lock_ref", "host_ref", "last_access", "hit_count", "parts",
     )
 
-    def __init__(self, node_id: int, namespace: str, key: np.ndarray, parent: "TreeNode | None") -> None:
+    def __init__(self, node_id: int, namespace: str, key: np.ndarray, parent: "TreeNode | None",
+                 parts: tuple = ()) -> None:
         self.id = node_id
         self.namespace = namespace
         self.key = key  # int32 token ids, len = num_pages * page_size
@@ -39,18 +40,7 @@ class TreeNode:
         self.host_ref = 0  # in-flight reads of the host copy (storage backups); like lock_ref, path-wide
         self.last_access = 0
         self.hit_count = 0
-        # hybrid pool: window page per device page (0: tombstone); None without device pages or a window component
-        self.window_pages: np.ndarray | None = None
-        # running requests whose window reaches into this node: its window pages are not evicted. Unlike
-        # lock_ref it is not path-wide: a request locks just the nodes its window covers (whole nodes).
-        self.window_lock_ref = 0
-        # hybrid host tier: host window page per host page (0: none; the host keeps checkpoints' only)
-        self.host_window_pages: np.ndarray | None = None
-
-    @property
-    def held_window_pages(self) -> int:
-        """Window pages this node holds (not tombstoned)."""
-        return int(np.count_nonzero(self.window_pages)) if self.window_pages is not None else 0
+        self.parts = parts  # one handle per component of the tree (TreeComponent.index)
 
     @property
     def num_pages(self) -> int:
@@ -73,7 +63,7 @@ class MatchResult:
     last_device_node: TreeNode  # deepest node of the device hit (lock this one)
     host_hit_tokens: int  # tokens past the device hit found only in lower tiers
     last_node: TreeNode  # deepest matched node of any tier
-    window_pages: np.ndarray | None = None  # hybrid: the device hit's window pages (0: tombstone)
+    parts: dict[str, np.ndarray] | None = None  # per component of the tree, its pages of the device hit
 
 
 @dataclass(frozen=True)
@@ -89,24 +79,15 @@ class PeekResult:
     node_pages: int
 
 
-def check_nodes(nodes: Iterable[TreeNode], page_size: int) -> tuple[int, int, int, int]:
-    """Assert every per-node invariant over ``nodes`` (a whole tree, roots included) and
-    return the recounted (evictable device pages, locked device pages, host pages, window pages)."""
+def check_nodes(nodes: Iterable[TreeNode], page_size: int) -> tuple[int, int, int]:
+    """Assert every per-node invariant of the full KV over ``nodes`` (a whole tree, roots included)
+    and return the recounted (evictable device pages, locked device pages, host pages)."""
     evictable = protected = 0
     seen_pages: set[int] = set()
     seen_host: set[int] = set()
-    seen_window: set[int] = set()
-    seen_host_window: set[int] = set()
     for node in nodes:
         if node.is_root:
             continue
-        _check_window(node, seen_window)
-        if node.host_window_pages is not None:
-            assert node.host_pages is not None and len(node.host_window_pages) == len(node.host_pages), \
-                f"{node}: host window pages without host pages"
-            for p in node.host_window_pages[node.host_window_pages != 0].tolist():
-                assert p not in seen_host_window, f"{node}: host window page {p} shared"
-                seen_host_window.add(p)
         assert len(node.key) > 0 and len(node.key) % page_size == 0, f"{node}: key not whole pages"
         if node.device_pages is not None:
             _check_pages(node, node.device_pages, seen_pages, page_size, "device")
@@ -124,21 +105,7 @@ def check_nodes(nodes: Iterable[TreeNode], page_size: int) -> tuple[int, int, in
         if node.hash_values is not None:
             assert len(node.hash_values) * page_size == len(node.key), f"{node}: hashes do not cover key"
         assert node.parent.children.get(node.key[:page_size].tobytes()) is node, f"{node}: parent link broken"
-    return evictable, protected, len(seen_host), len(seen_window)
-
-
-def _check_window(node: TreeNode, seen: set[int]) -> None:
-    """Window pages only beside device pages, one per page, none shared; a window lock only on a
-    locked node (a request locks its whole path)."""
-    assert node.window_lock_ref >= 0, f"{node}: negative window lock"
-    assert node.window_lock_ref <= node.lock_ref, f"{node}: window locked by more requests than lock it"
-    if node.window_pages is None:
-        return
-    assert node.device_pages is not None and len(node.window_pages) == len(node.device_pages), \
-        f"{node}: window pages without device pages"
-    for p in node.window_pages[node.window_pages != 0].tolist():
-        assert p not in seen, f"{node}: window page {p} shared"
-        seen.add(p)
+    return evictable, protected, len(seen_host)
 
 
 def _check_pages(node: TreeNode, pages: np.ndarray, seen: set[int], page_size: int, tier: str) -> None:
@@ -147,3 +114,34 @@ def _check_pages(node: TreeNode, pages: np.ndarray, seen: set[int], page_size: i
     for p in pages.tolist():
         assert p != 0 and p not in seen, f"{node}: {tier} page {p} reserved or shared"
         seen.add(p)
+
+
+class TreeComponent(Protocol):
+    """A component with page ids of its own on the tree's nodes (``node.parts[index]``: its handle
+    there). The tree calls these hooks as it changes, so matching, splitting, eviction and checks
+    are written once for any component; tiers change a component's handles through its methods."""
+
+    name: str
+    index: int  # its handle's place in ``TreeNode.parts``
+
+    def new_part(self) -> Any: ...  # a node's empty handle
+
+    def split(self, upper: TreeNode, node: TreeNode, pages: int) -> None: ...  # node's first pages -> upper
+
+    def usable(self, path: list[TreeNode], device_tokens: int, host_tokens: int) -> int: ...  # a match's usable tokens
+
+    def adopt(self, node: TreeNode, offered: np.ndarray | None, fresh: bool) -> None: ...  # an insert's pages
+
+    def hit_pages(self, nodes: list[TreeNode]) -> np.ndarray: ...  # its pages of a device hit along ``nodes``
+
+    def device_attached(self, node: TreeNode) -> None: ...  # a host-only node got device pages
+
+    def drop_device(self, node: TreeNode) -> None: ...  # the node's device copy goes
+
+    def drop_host(self, node: TreeNode) -> None: ...  # the node's host copy goes
+
+    def victim_rank(self, node: TreeNode) -> tuple: ...  # device eviction: order before the policy's key
+
+    def reset(self) -> None: ...  # every node went
+
+    def check(self, nodes: list[TreeNode]) -> None: ...  # assert its per-node invariants and counters

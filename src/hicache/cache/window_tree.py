@@ -7,7 +7,7 @@ match is cut back to the last such boundary: recomputing a window is not an opti
 layer's window depends on the layer below's, so it reaches back a window per layer). Window pages
 of other cached pages are tombstones (id 0) once evicted; full-layer pages stay.
 
-Running requests lock the window pages their next tokens read (``window_lock_ref``, whole nodes,
+Running requests lock the window pages their next tokens read (``WindowPart.lock_ref``, whole nodes,
 split at the first page), never more; everything else the tree holds is evictable, in two rounds:
 first every window page no leaf's checkpoint needs (a leaf's checkpoint is the window of its end
 boundary, which reaches into its ancestors when the leaf is shorter than a window), least recently
@@ -22,13 +22,17 @@ from __future__ import annotations
 
 import heapq
 import logging
-from typing import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..consensus_record import consensus_check
 from .pools import PageAllocator
 from .tree_node import TreeNode
+
+if TYPE_CHECKING:
+    from .leaf_eviction import LeafEviction
 
 logger = logging.getLogger(__name__)
 
@@ -52,37 +56,65 @@ def usable_boundary(held: np.ndarray, window: int, page_size: int) -> int:
     return int(np.flatnonzero(last < first)[-1])
 
 
-class WindowTombstones:
-    """The window component of :class:`~.radix.RadixCache` (mixed in; inactive when ``window`` is
-    0): window pages per node, the locks of running requests, tombstoning eviction."""
+@dataclass(slots=True)
+class WindowPart:
+    """A node's handle on the window component (``node.parts[TreeWindows.index]``)."""
 
-    # Provided by RadixCache / PageTree.
-    page_size: int
-    eviction_policy: str
-    _all_nodes: Callable[[], Iterator[TreeNode]]
-    _split: Callable[[TreeNode, int], TreeNode]
-    _eviction_key: Callable[[TreeNode], tuple]
+    # window page per device page (0: tombstone); None without device pages
+    device: np.ndarray | None = None
+    # host window page per host page (0: none; the host keeps checkpoints' only); None without a host copy
+    host: np.ndarray | None = None
+    # running requests whose window reaches into the node: its window pages are not evicted. Unlike the
+    # node's lock_ref it is not path-wide: a request locks just the nodes its window covers (whole nodes).
+    lock_ref: int = 0
 
-    def _init_window(self, window: int, window_allocator: PageAllocator | None) -> None:
-        if window and window_allocator is None:
-            raise ValueError("a sliding-window component needs its own page allocator")
-        self.window = window  # tokens; 0: no window component
-        self.window_allocator = window_allocator
-        self.window_pages_held = 0
-        self.evicted_window_pages_total = 0
-        self.host_window_allocator: PageAllocator | None = None  # set by a hybrid host tier
+    @property
+    def held(self) -> int:
+        """Window pages the node holds on the device (not tombstoned)."""
+        return int(np.count_nonzero(self.device)) if self.device is not None else 0
 
-    def _drop_host_window(self, node: TreeNode) -> None:
-        """Free ``node``'s host window pages (its host copy is gone)."""
-        if node.host_window_pages is not None:
-            self.host_window_allocator.free(node.host_window_pages[node.host_window_pages != 0])
-            node.host_window_pages = None
+    @property
+    def host_held(self) -> int:
+        """Window pages the node's host copy holds."""
+        return int(np.count_nonzero(self.host)) if self.host is not None else 0
 
-    def window_first_page(self, boundary_tokens: int) -> int:
+
+class TreeWindows:
+    """The window component of a :class:`~.radix.RadixCache` (``tree.windows``; a
+    :class:`~.tree_node.TreeComponent`): window pages per node, the locks of running requests,
+    tombstoning eviction. Tiers change nodes' window pages only through its methods."""
+
+    name = "window"
+
+    def __init__(self, tree: "LeafEviction", window: int, allocator: PageAllocator) -> None:
+        self.tree, self.page_size = tree, tree.page_size
+        self.index = len(tree.components)
+        self.window = window  # tokens
+        self.allocator = allocator
+        self.host_allocator: PageAllocator | None = None  # set by a hybrid host tier (attach_host_allocator)
+        self.held_pages = 0  # window pages the tree holds on the device
+        self.evicted_pages_total = 0
+
+    def of(self, node: TreeNode) -> WindowPart:
+        return node.parts[self.index]
+
+    def new_part(self) -> WindowPart:
+        return WindowPart()
+
+    def first_page(self, boundary_tokens: int) -> int:
         return window_first_page(boundary_tokens, self.window, self.page_size)
 
-    # ---- matching ------------------------------------------------------------------------
-    def _cut_to_window(self, path: list[TreeNode], device_tokens: int, host_tokens: int) -> int:
+    # ---- the tree's hooks ----------------------------------------------------------------
+    def split(self, upper: TreeNode, node: TreeNode, pages: int) -> None:
+        up, low = self.of(upper), self.of(node)
+        # a window lock covers whole nodes from its first page on, so both parts of a locked node stay locked
+        up.lock_ref = low.lock_ref
+        if low.device is not None:
+            up.device, low.device = low.device[:pages], low.device[pages:]
+        if low.host is not None:
+            up.host, low.host = low.host[:pages], low.host[pages:]
+
+    def usable(self, path: list[TreeNode], device_tokens: int, host_tokens: int) -> int:
         """Tokens of the path's match (its leading device run, then host-only tokens) that a
         request may use: cut back to the last boundary whose window is held (on the device or in a
         host copy in the device run -- a tombstone the host holds is loaded back with the hit --,
@@ -94,29 +126,127 @@ class WindowTombstones:
         for node in path:
             if pos >= total:
                 break
-            n = min(len(node.key) // self.page_size, total - pos)
-            host = node.host_window_pages[:n] != 0 if node.host_window_pages is not None else np.zeros(n, dtype=bool)
-            held.append(host | (node.window_pages[:n] != 0) if pos < device and node.window_pages is not None else host)
+            part, n = self.of(node), min(self.tree.key_pages(node), total - pos)
+            host = part.host[:n] != 0 if part.host is not None else np.zeros(n, dtype=bool)
+            held.append(host | (part.device[:n] != 0) if pos < device and part.device is not None else host)
             pos += n
         return usable_boundary(np.concatenate(held), self.window, self.page_size) * self.page_size
 
+    def adopt(self, node: TreeNode, offered: np.ndarray | None, fresh: bool) -> None:
+        """``node`` takes ``offered`` (a request's window pages for its key pages; 0: none) where it
+        holds none; a page it already holds makes the offered one a duplicate, freed."""
+        if offered is None:
+            raise ValueError("a hybrid tree's insert needs a window page (or 0) per page")
+        part = self.of(node)
+        if fresh or part.device is None:
+            part.device = np.asarray(offered, dtype=np.int64).copy()
+            self.held_pages += part.held
+            return
+        take = (part.device == 0) & (offered != 0)
+        part.device[take] = offered[take]
+        self.held_pages += int(np.count_nonzero(take))
+        self.allocator.free(offered[(offered != 0) & ~take])
+
+    def hit_pages(self, nodes: list[TreeNode]) -> np.ndarray:
+        return np.concatenate([self.of(m).device for m in nodes]) if nodes else np.zeros(0, dtype=np.int64)
+
+    def device_attached(self, node: TreeNode) -> None:
+        """Its window pages come with the load, where it brings them (``DeviceWindows``)."""
+        self.of(node).device = np.zeros(node.num_pages, dtype=np.int64)
+
+    def drop_device(self, node: TreeNode) -> None:
+        """The node's device copy goes: its window pages with it."""
+        self.tombstone(node)
+        self.of(node).device = None
+
+    def tombstone(self, node: TreeNode, pages: int | None = None) -> int:
+        """Free the window pages ``node`` holds among its first ``pages`` (default: all), leaving
+        tombstones. Returns how many."""
+        device = self.of(node).device
+        if device is None:
+            return 0
+        part = device[:pages]
+        held = part[part != 0]
+        self.allocator.free(held)
+        self.held_pages -= len(held)
+        part[:] = 0
+        return len(held)
+
+    def drop_host(self, node: TreeNode) -> None:
+        """Free ``node``'s host window pages (its host copy is gone)."""
+        part = self.of(node)
+        if part.host is not None:
+            self.host_allocator.free(part.host[part.host != 0])
+            part.host = None
+
+    def victim_rank(self, node: TreeNode) -> tuple:
+        """Device eviction takes leaves whose window KV is all tombstoned first (no match can end in them)."""
+        return (self.of(node).held > 0,)
+
+    def reset(self) -> None:
+        self.held_pages = 0
+
+    def check(self, nodes: list[TreeNode]) -> None:
+        """Window pages only beside device pages (host ones beside host pages), one per page, none
+        shared; a window lock only on a locked node (a request locks its whole path)."""
+        seen: set[int] = set()
+        seen_host: set[int] = set()
+        for node in nodes:
+            part = self.of(node)
+            assert 0 <= part.lock_ref <= max(node.lock_ref, 0), f"{node}: window locked by more requests than lock it"
+            if part.device is not None:
+                assert node.device_pages is not None and len(part.device) == len(node.device_pages), \
+                    f"{node}: window pages without device pages"
+                _unshared(node, part.device, seen, "window")
+            if part.host is not None:
+                assert node.host_pages is not None and len(part.host) == len(node.host_pages), \
+                    f"{node}: host window pages without host pages"
+                _unshared(node, part.host, seen_host, "host window")
+        assert len(seen) == self.held_pages, (len(seen), self.held_pages)
+
+    # ---- what tiers do to nodes ----------------------------------------------------------
+    def give(self, node: TreeNode, idx: np.ndarray, pages: np.ndarray) -> None:
+        """``node``'s pages ``idx`` (tombstones) now hold their window KV in device ``pages``."""
+        self.of(node).device[idx] = pages
+        self.held_pages += len(idx)
+
+    def attach_host_allocator(self, allocator: PageAllocator) -> None:
+        self.host_allocator = allocator
+
+    def attach_host(self, node: TreeNode, idx: np.ndarray, pages: np.ndarray) -> None:
+        """``node``'s new host copy keeps the window of its pages ``idx`` in host window ``pages``."""
+        part = self.of(node)
+        part.host = np.zeros(len(node.host_pages), dtype=np.int64)
+        part.host[idx] = pages
+
+    def free_host(self, node: TreeNode, idx: np.ndarray) -> int:
+        """Free the host window pages of ``node``'s pages ``idx`` (its copy keeps the full KV). Returns how many."""
+        part = self.of(node)
+        held = part.host[idx] if part.host is not None else np.zeros(0, dtype=np.int64)
+        held = held[held != 0]
+        if len(held):
+            self.host_allocator.free(held)
+            part.host[idx] = 0
+        return len(held)
+
+    # ---- checkpoints ---------------------------------------------------------------------
     def checkpoint_span(self, node: TreeNode) -> tuple[int, int]:
         """(end page, first page) of the window of ``node``'s end boundary, cut to the node."""
         end, n = 0, node
         while not n.is_root:
-            end += len(n.key) // self.page_size
+            end += self.tree.key_pages(n)
             n = n.parent
-        return end, max(self.window_first_page(end * self.page_size), end - len(node.key) // self.page_size)
+        return end, max(self.first_page(end * self.page_size), end - self.tree.key_pages(node))
 
     def checkpoint_pages(self, node: TreeNode) -> np.ndarray:
         """Indices of ``node``'s pages inside the window of its end boundary whose window KV the
         device holds: what a host copy of the node keeps of the window layers."""
         end, first = self.checkpoint_span(node)
-        start = end - len(node.key) // self.page_size
-        idx = np.arange(first, end) - start
-        return idx[node.window_pages[idx] != 0] if node.window_pages is not None else idx[:0]
+        start = end - self.tree.key_pages(node)
+        idx, device = np.arange(first, end) - start, self.of(node).device
+        return idx[device[idx] != 0] if device is not None else idx[:0]
 
-    def superseded_windows(self, node: TreeNode) -> list[tuple[TreeNode, np.ndarray]]:
+    def superseded(self, node: TreeNode) -> list[tuple[TreeNode, np.ndarray]]:
         """Pages of ``node``'s ancestors whose window no hit will start from once ``node``'s end
         window (its checkpoint) is stored: walking up while each ancestor's only child continues
         the path (a conversation that went on; a branch point, where other conversations' hits
@@ -126,83 +256,52 @@ class WindowTombstones:
         pairs, nearest first."""
         start, n = 0, node.parent
         while not n.is_root:
-            start += self._key_pages(n)
+            start += self.tree.key_pages(n)
             n = n.parent
-        first = self.window_first_page(start * self.page_size)
+        first = self.first_page(start * self.page_size)
         out, pos, anc = [], start, node.parent
         while not anc.is_root and len(anc.children) == 1:
-            start = pos - self._key_pages(anc)
-            idx = np.arange(0, min(self._key_pages(anc), max(first - start, 0)))
+            start = pos - self.tree.key_pages(anc)
+            idx = np.arange(0, min(self.tree.key_pages(anc), max(first - start, 0)))
             if len(idx):
                 out.append((anc, idx))
             anc, pos = anc.parent, start
         return out
 
-    def _key_pages(self, node: TreeNode) -> int:
-        """``node``'s length in pages, whichever tiers hold it (``num_pages`` counts device pages: 0 for a
-        host-only node, which a hit's window lock walks before its pages are loaded)."""
-        return len(node.key) // self.page_size
-
     # ---- locks ---------------------------------------------------------------------------
-    def lock_window(self, node: TreeNode, end_page: int, first_page: int) -> None:
+    def lock(self, node: TreeNode, end_page: int, first_page: int) -> None:
         """Protect the window pages of the nodes on ``node``'s path from ``first_page`` to
         ``end_page`` (where ``node`` ends); the node holding ``first_page`` is split there so the
         lock covers no page before it."""
         pos = end_page
         while not node.is_root and pos > first_page:
-            start = pos - self._key_pages(node)
+            start = pos - self.tree.key_pages(node)
             if start < first_page:
-                self._split(node, (first_page - start) * self.page_size)  # node keeps the lower part
+                self.tree.split(node, (first_page - start) * self.page_size)  # node keeps the lower part
                 start = first_page
-            node.window_lock_ref += 1
+            self.of(node).lock_ref += 1
             node, pos = node.parent, start
 
-    def unlock_window(self, node: TreeNode, end_page: int, first_page: int) -> None:
-        """Undo :meth:`lock_window` with the same arguments (later splits keep node boundaries
-        inside the span, and give both parts the lock)."""
+    def unlock(self, node: TreeNode, end_page: int, first_page: int) -> None:
+        """Undo :meth:`lock` with the same arguments (later splits keep node boundaries inside the
+        span, and give both parts the lock)."""
         pos = end_page
         while not node.is_root and pos > first_page:
-            if node.window_lock_ref <= 0:
+            part = self.of(node)
+            if part.lock_ref <= 0:
                 raise RuntimeError(f"window unlock of a node not window-locked {node}")
-            node.window_lock_ref -= 1
-            node, pos = node.parent, pos - self._key_pages(node)
-
-    # ---- giving and taking pages ---------------------------------------------------------
-    def _adopt_window(self, node: TreeNode, offered: np.ndarray | None, fresh: bool) -> None:
-        """``node`` takes ``offered`` (a request's window pages for its key pages; 0: none) where it
-        holds none; a page it already holds makes the offered one a duplicate, freed."""
-        if not self.window or offered is None:
-            return
-        if fresh or node.window_pages is None:
-            node.window_pages = np.asarray(offered, dtype=np.int64).copy()
-            self.window_pages_held += node.held_window_pages
-            return
-        take = (node.window_pages == 0) & (offered != 0)
-        node.window_pages[take] = offered[take]
-        self.window_pages_held += int(np.count_nonzero(take))
-        self.window_allocator.free(offered[(offered != 0) & ~take])
-
-    def _drop_window(self, node: TreeNode, pages: int | None = None) -> int:
-        """Free the window pages ``node`` holds among its first ``pages`` (default: all), leaving
-        tombstones. Returns how many."""
-        if node.window_pages is None:
-            return 0
-        part = node.window_pages[:pages]
-        held = part[part != 0]
-        self.window_allocator.free(held)
-        self.window_pages_held -= len(held)
-        part[:] = 0
-        return len(held)
+            part.lock_ref -= 1
+            node, pos = node.parent, pos - self.tree.key_pages(node)
 
     # ---- eviction ------------------------------------------------------------------------
     def _checkpoint_tails(self) -> dict[TreeNode, int]:
         """Per node, how many of its last pages the checkpoint of some leaf below (or of itself, a
         leaf) needs: the leaf's window reaches back ``end - window_first_page(end)`` pages. Only
         leaves holding window pages count (a tombstoned checkpoint protects nothing)."""
-        order, stack = [], [(root, 0) for root in self._roots.values()]
+        order, stack = [], [(root, 0) for root in self.tree.roots()]
         while stack:  # depth-first, each node with its end page
             node, start = stack.pop()
-            end = start + len(node.key) // self.page_size
+            end = start + self.tree.key_pages(node)
             order.append((node, end))
             stack.extend((c, end) for c in node.children.values() if c.device_pages is not None)
         reach: dict[TreeNode, int] = {}  # pages back from the node's end its subtree's checkpoints need
@@ -212,42 +311,47 @@ class WindowTombstones:
             if below:
                 need = max(below)
             else:  # a leaf: its own checkpoint, if it holds one
-                need = end - self.window_first_page(end * self.page_size) if node.held_window_pages else 0
+                need = end - self.first_page(end * self.page_size) if self.of(node).held else 0
             reach[node] = max(need, 0)
             tails[node] = min(node.num_pages, reach[node])
         return tails
 
     @consensus_check("tree.evict_windows", args=lambda self, num_pages, spare_only=False: (num_pages, "spare") if spare_only else num_pages,
                      result=lambda freed: freed)
-    def evict_windows(self, num_pages: int, spare_only: bool = False) -> int:
+    def evict(self, num_pages: int, spare_only: bool = False) -> int:
         """Tombstone the window pages of nodes no running request window-locks until at least
         ``num_pages`` are free or none is evictable: pages no leaf's checkpoint needs first (least
         recently used node first), then whole checkpoints (least recently used leaf first).
         Full-layer pages stay. ``spare_only``: no checkpoint. Returns the pages freed."""
-        freed = 0
+        freed, key = 0, self.tree.eviction_key
         while freed < num_pages:
             tails = self._checkpoint_tails()
-            unlocked = [n for n in tails if not n.is_root and n.window_lock_ref == 0]
-            spare = [(self._eviction_key(n), n) for n in unlocked
-                     if np.count_nonzero(n.window_pages[: n.num_pages - tails[n]])]
+            unlocked = [n for n in tails if not n.is_root and self.of(n).lock_ref == 0]
+            spare = [(key(n), n) for n in unlocked if np.count_nonzero(self.of(n).device[: n.num_pages - tails[n]])]
             heapq.heapify(spare)
             while freed < num_pages and spare:
                 node = heapq.heappop(spare)[1]
-                freed += self._drop_window(node, node.num_pages - tails[node])
+                freed += self.tombstone(node, node.num_pages - tails[node])
             if freed >= num_pages or spare_only:
                 break
-            leaves = [(self._eviction_key(n), n) for n in unlocked if tails[n] and n.held_window_pages
+            leaves = [(key(n), n) for n in unlocked if tails[n] and self.of(n).held
                       and not any(c.device_pages is not None for c in n.children.values())]
             if not leaves:
                 break
-            freed += self._drop_window(min(leaves, key=lambda kn: kn[0])[1])  # then its ancestors' share, above
-        self.evicted_window_pages_total += freed
+            freed += self.tombstone(min(leaves, key=lambda kn: kn[0])[1])  # then its ancestors' share, above
+        self.evicted_pages_total += freed
         if freed:
             logger.debug("tombstoned %d window pages", freed)
         return freed
 
-    def window_usage(self) -> dict:
+    def usage(self) -> dict:
         """Window pages the tree holds, and those running requests lock."""
-        locked = sum(n.held_window_pages for n in self._all_nodes() if n.window_lock_ref > 0)
-        return {"cached_pages": self.window_pages_held, "locked_pages": locked,
-                "evictable_pages": self.window_pages_held - locked}
+        locked = sum(self.of(n).held for n in self.tree.all_nodes() if not n.is_root and self.of(n).lock_ref > 0)
+        return {"cached_pages": self.held_pages, "locked_pages": locked,
+                "evictable_pages": self.held_pages - locked}
+
+
+def _unshared(node: TreeNode, pages: np.ndarray, seen: set[int], what: str) -> None:
+    for p in pages[pages != 0].tolist():
+        assert p not in seen, f"{node}: {what} page {p} shared"
+        seen.add(p)
