@@ -71,6 +71,6 @@ def check_host_blocks(engine: Engine) -> None:
     """A host pool of shared blocks: every block is free, a host full page, or one of a held host window
     page's (one per sliding group)."""
     cache = engine.backend.core.cache
-    a, windows = cache.host_allocator, cache.host.window_allocator
+    a, windows = cache.host_allocator, cache.host.windows.allocator
     held_windows = windows.ids.capacity - windows.ids.available
     assert a.capacity - a.available == cache.tree.host_pages_held + windows.groups * held_windows

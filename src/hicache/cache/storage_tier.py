@@ -84,18 +84,17 @@ class StorageTier:
             objects = (objects, objects)
         # hybrid: a checkpoint page's window layers in objects of their own ("<key>-window"; the grid's
         # cells with the suffix "_swa" on the unified layout)
-        if window_objects is None and host.window_host is not None:
-            window_objects = ([window_object(host.window_host, "-window")],) * 2
+        if window_objects is None and host.windows is not None:
+            window_objects = ([window_object(host.windows.window_host, "-window")],) * 2
         self.controller = StorageController(backend, host.host_pool, agree, op_timeout=policy.storage_op_timeout,
                                             reads=objects[0], writes=objects[1], windows=window_objects,
-                                            window_pages=self._window_span if window_objects is not None else None)
+                                            window_pages=self.host.windows.span if window_objects is not None else None)
         self.prefetch_threshold = policy.prefetch_threshold
         # At most this many host pages may be held by prefetches at once.
         self.prefetch_page_limit = int(policy.prefetch_max_host_fraction * host.allocator.capacity)
         self.prefetch_held_pages = 0
         # Stopped prefetches whose reader may still write their unused host pages.
         self._stopped: deque[tuple[PrefetchOp, np.ndarray]] = deque()
-        self._stopped_windows: dict[int, np.ndarray] = {}  # hybrid: their reserved window pages, by op id
 
     # ---- prefetch ------------------------------------------------------------------------
     def start_prefetch(self, namespace: str, tokens: np.ndarray) -> PrefetchOp | None:
@@ -113,7 +112,7 @@ class StorageTier:
         if host is None:
             return None
         hashes = page_hashes(tokens[start * self.page_size : (start + tail) * self.page_size], self.page_size, prev)
-        window = self._reserve_window(start + tail)
+        window = self.host.windows.reserve_prefetch(start + tail) if self.host.windows is not None else None
         if self.shard is None:
             op = self.controller.prefetch(namespace, digest, hashes, host, start_page=start, window_host_pages=window)
         else:
@@ -122,18 +121,6 @@ class StorageTier:
         self.prefetch_held_pages += tail
         logger.debug("prefetch op=%d pages=%d from page %d", op.op_id, tail, start)
         return op
-
-    def _window_span(self, end_page: int) -> int:
-        """Pages before a boundary of ``end_page`` pages that its window reads."""
-        return end_page - self.tree.windows.first_page(end_page * self.page_size)
-
-    def _reserve_window(self, end_page: int) -> np.ndarray | None:
-        """Hybrid: host window pages for the window of the prefetch's end (None: none, or no room)."""
-        if self.host.window_host is None:
-            return None
-        pages, _ = alloc_evicting(self.host.window_allocator, self._window_span(end_page), 0,
-                                  self.host.evict_for_windows)
-        return pages
 
     def _anchor(self, node: TreeNode | None) -> int:
         """Sharded: the first-page owner of the path ending at ``node`` (prefetched pages continue
@@ -154,7 +141,8 @@ class StorageTier:
                                                op.host_pages[:done], op.start_page, op.hashes[:done])
         self.host.allocator.free(op.host_pages[:taken_from])
         if op.window_host_pages is not None:
-            self._place_window(op, tokens, taken_from)
+            leaf = self.tree.node_at(op.namespace, tokens[: (op.start_page + done) * ps]) if taken_from < done else None
+            self.host.windows.place_prefetch(op, leaf, taken_from)
         self.prefetch_held_pages -= done
         self.controller.stats.prefetched_pages += done
         self.controller.stats.prefetch_bytes += done * self.host.bytes_per_page
@@ -162,22 +150,6 @@ class StorageTier:
         # reader knows whether the store answered.
         self._stopped.append((op, op.host_pages[done:]))
         return (done - taken_from) * ps if taken_from < done else 0
-
-    def _place_window(self, op: PrefetchOp, tokens: np.ndarray, taken_from: int) -> None:
-        """Hybrid: the window pages a finished read brought go to the new host-only leaf (for its
-        pages the tree took); the rest are freed, once the reader is surely done with them."""
-        pages = op.window_host_pages
-        if not (op.final_applied and op.window_from >= 0):  # the reader may still write them: freed when reaped
-            self._stopped_windows[op.op_id] = pages
-            return
-        keep = np.zeros(len(pages), dtype=bool)
-        done = op.completed
-        if taken_from < done:
-            leaf = self.tree.node_at(op.namespace, tokens[: (op.start_page + done) * self.page_size])
-            rel = np.arange(op.window_from, done)  # op-relative pages the window objects were read for
-            keep[: len(rel)] = rel >= taken_from
-            self.tree.windows.attach_host(leaf, rel[keep[: len(rel)]] - taken_from, pages[keep])  # a new host-only leaf
-        self.host.window_allocator.free(pages[~keep])
 
     def _joins_rotation(self, op: PrefetchOp, tokens: np.ndarray) -> bool:
         """Sharded: whether the prefetched pages continue the rotation of the path the tree holds
@@ -199,9 +171,8 @@ class StorageTier:
                 self.controller.stats.fail(op.failure)
             self.host.allocator.free(unused)
             self.prefetch_held_pages -= len(unused)
-            window = self._stopped_windows.pop(op.op_id, None)
-            if window is not None:
-                self.host.window_allocator.free(window)
+            if self.host.windows is not None:
+                self.host.windows.reaped(op)
 
     # ---- backups -------------------------------------------------------------------------
     def on_insert(self, node: TreeNode | None) -> None:
@@ -217,12 +188,8 @@ class StorageTier:
             self.tree.inc_host_ref(n)
             hashes = list(node_hashes(n, self.keys))
             if self.shard is None:
-                window, superseded = None, []
-                host_window = self.tree.windows.of(n).host if self.tree.windows is not None else None
-                if host_window is not None:  # hybrid: the checkpoint pages' window objects too
-                    idx = np.flatnonzero(host_window)
-                    window = (idx, host_window[idx].copy())
-                    superseded = self._superseded_hashes(n) if len(idx) else []
+                window = self.host.windows.stored(n) if self.host.windows is not None else None
+                superseded = self._superseded_hashes(n) if window is not None and len(window[0]) else []
                 self.controller.backup(self.keys.digest(n.namespace), hashes, n.host_pages.copy(), [n], window=window,
                                        superseded=superseded)
             else:
@@ -232,18 +199,12 @@ class StorageTier:
 
     def _superseded_hashes(self, node: TreeNode) -> list[bytes]:
         """Page hashes of stored ancestors' checkpoint pages that ``node``'s checkpoint supersedes
-        (:meth:`~.window_tree.TreeWindows.superseded`): their window objects go once
-        ``node``'s are written. Only pages whose host copy still holds a window have one left (the
-        host gives up its windows right after this, the objects of earlier ones went with them)."""
+        (:meth:`~.host_window.HostWindows.superseded_stored`): their window objects go once
+        ``node``'s are written."""
         out = []
-        for anc, idx in self.tree.windows.superseded(node):
-            host_window = self.tree.windows.of(anc).host
-            if not anc.stored or host_window is None:
-                continue
-            idx = idx[host_window[idx] != 0]
-            if len(idx):
-                hashes = list(node_hashes(anc, self.keys))
-                out.extend(hashes[i] for i in idx)
+        for anc, idx in self.host.windows.superseded_stored(node):
+            hashes = list(node_hashes(anc, self.keys))
+            out.extend(hashes[i] for i in idx)
         return out
 
     # ---- queues --------------------------------------------------------------------------
