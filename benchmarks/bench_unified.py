@@ -106,7 +106,7 @@ def run(args: argparse.Namespace, server: tuple[str, int] | None) -> None:
     rows = {"rank-suffix (page_first)": measure(hosts["page_first"], [WholePage(hosts["page_first"])], args.pages,
                                                 args.repeats, args.backend, server)}
     for layout, how in (("page_unified", "in place"), ("page_first", "cut out")):
-        cells = [GridCell(hosts[layout], c, 0, 0, grid.heads_of(c), False) for c in grid.cells()]
+        cells = [GridCell(hosts[layout], c, grid, 0, 0) for c in grid.cells()]
         rows[f"unified, {how}"] = measure(hosts[layout], cells, args.pages, args.repeats, args.backend, server)
     print(f"unified grid {grid.describe()}: 'in place' = the page_unified host layout the scheme selects, "
           "'cut out' = the same cells copied out of page_first pages")

@@ -11,7 +11,7 @@ import torch
 
 from hicache import Engine, InvalidRequestError, SamplingParams
 from hicache import device as device_mod
-from hicache.config import ConfigError
+from hicache.config import REFUSED, ConfigError
 from hicache.kernels import unavailable_reason
 
 pytestmark = pytest.mark.engine
@@ -236,6 +236,23 @@ def test_bad_options() -> None:
         Engine("random:tiny", page_size=0)
     with pytest.raises(ConfigError, match="radix-eviction-policy"):
         Engine("random:tiny", radix_eviction_policy="fifo")
+
+
+# a deployment holding each pair REFUSED lists: a model with the component, the flags of the mode
+HOLDING = {("window", "cp"): ("random:gemma-small", dict(tp_size=2, attn_cp_size=2)),
+           ("full", "latent-tp"): ("random:tiny", dict(tp_size=2, enable_kv_cache_sharding=True)),
+           ("draft", "pd"): ("random:tiny", dict(speculative_algorithm="STANDALONE", disaggregation_mode="decode",
+                                                 speculative_draft_model_path="random:tiny"))}
+
+
+@pytest.mark.parametrize("component, mode", list(REFUSED))
+def test_a_component_a_mode_cannot_run_with_stops_the_engine_in_one_sentence_naming_both(component: str,
+                                                                                        mode: str) -> None:
+    model, flags = HOLDING[component, mode]
+    with pytest.raises(ConfigError) as refused:
+        Engine(model, dtype="float32", **flags)  # before any pool or rank process (nothing_left_running checks)
+    assert str(refused.value) == REFUSED[component, mode].format(model=model)
+    assert f"{component} component" in str(refused.value)
 
 
 def test_device_pool_budget_is_shared_and_counts_staging_buffers(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -457,13 +457,45 @@ def test_unified_grid_holds_full_and_window_cells_another_layout_reads(tmp_path,
     assert outputs == cold_outputs(nexts) and hits >= sum(len(p) - 10 for p in nexts) - 2 * len(SYSTEM) - 3 * PS
 
 
-@pytest.mark.engine
-def test_a_draft_model_on_a_hybrid_unified_grid_is_refused_in_one_sentence(tmp_path) -> None:
-    from hicache.config import ConfigError
+# two layers of the target's rows (one KV head of 32): packed, they follow the target's full layer
+DRAFTED = dict(speculative_algorithm="STANDALONE", speculative_num_steps=3,
+               speculative_draft_model_path='random:{"preset": "gemma-small", "num_layers": 2, '
+                                            '"layer_kinds": ["sliding", "full"]}')
 
-    with pytest.raises(ConfigError, match="--disable-hybrid-swa-memory"):
-        Engine(MODEL, speculative_algorithm="STANDALONE", speculative_draft_model_path="random:tiny",
-               **stored(tmp_path, hicache_storage_key_scheme="unified"))
+
+@pytest.mark.storage
+@pytest.mark.spec
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["packed", "sidecar"])
+def test_a_draft_beside_a_hybrid_model_on_the_unified_grid_round_trips_through_storage(tmp_path, every_layer,
+                                                                                       layout) -> None:
+    """A speculative draft (packed after the target's full layer, or in a sidecar pool) beside the window
+    component on the unified grid: the conversations give the plain engine's tokens (greedy speculation is
+    lossless); the store holds each page's full cell with the draft's ``draft_`` cell beside it and the
+    checkpoints' ``_swa`` cells; a fresh engine continues from it with storage hits, a cold engine's tokens
+    and its drafts' acceptance (the draft's KV came back as it was computed)."""
+    drafted = dict(DRAFTED, speculative_draft_kv_layout=layout)
+    grid = dict(drafted, hicache_storage_key_scheme="unified", hicache_storage_layer_partition=3)
+    nexts: list = []
+    writer = Engine(MODEL, **stored(tmp_path, **grid))
+    assert writer.backend.core.pool.hybrid and (writer.cache.sidecar_view is None) == (layout == "packed")
+    outputs, _ = conversations(writer, final=nexts)
+    assert outputs == every_layer[0]
+    names = [f.name for f in tmp_path.rglob("*") if f.is_file()]
+    # {hash}_{digest}_{cell}: layers 0-4 slide, 5 is full (no full cell L0-3); the draft's two layers
+    assert {name.split("_", 2)[-1] for name in names} == {"L3-6_H0", "draft_L0-2_H0", "L0-3_H0_swa", "L3-6_H0_swa"}
+    assert len([n for n in names if n.endswith("_L3-6_H0")]) == len([n for n in names if n.endswith("_draft_L0-2_H0")])
+    continued, stats = continue_from(tmp_path, nexts, **grid)
+    cold = Engine(MODEL, disable_radix_cache=True, **EXACT, **drafted)
+    try:
+        assert continued == [cold.generate([p], GREEDY)[0].output_ids for p in nexts]
+        assert stats["speculative"]["accept_length"] == cold.stats()["speculative"]["accept_length"]
+    finally:
+        cold.shutdown()
+    # each next turn's history, in whole pages, but for a cut back to a boundary whose window was kept
+    assert stats["hit_tokens"]["storage"] + stats["hit_tokens"]["device"] >= \
+        sum((len(p) - 10) // PS * PS for p in nexts) - len(nexts) * PS
+    assert stats["hit_tokens"]["storage"] > stats["hit_tokens"]["device"]
 
 
 @pytest.mark.engine

@@ -58,9 +58,6 @@ class DisaggregationOptions:
         if self.pp_size > 1 or self.attn_cp_size > 1 or self.enable_kv_cache_sharding or self.nnodes > 1:
             raise ConfigError(f"--disaggregation-mode {self.disaggregation_mode} runs with --tp-size on one machine "
                               "for now; drop --pp-size / --attn-cp-size / --enable-kv-cache-sharding / --nnodes.")
-        if self.speculative_algorithm == "STANDALONE":
-            raise ConfigError("--disaggregation-mode with --speculative-algorithm STANDALONE is not supported yet "
-                              "(NGRAM is: it needs no draft KV).")
         if self.disaggregation_mode == "decode" and self.enable_hierarchical_cache and \
                 not self.disaggregation_decode_enable_radix_cache:
             raise ConfigError("a decode server reuses its host tier through its radix tree: add "

@@ -31,7 +31,7 @@ from .storage.base import StorageBackend
 from .storage.keys import OBJECT_LAYOUT_V1, KeyNamespace
 from .storage.page_objects import DRAFT_PREFIX, WINDOW_SUFFIX, GridCell
 from .storage.prefetch_backup import Agree, PrefetchOp
-from .storage.unified import UnifiedPlan
+from .storage.unified import Cell, RankObjects, RankShard, StorageGrid, UnifiedPlan
 from .storage_tier import StorageTier, consume_prefetch_acks, node_hashes
 from .tiers import WRITE_POLICIES, CachePolicy, CacheStats, Tier
 from .tree_node import TreeNode
@@ -96,43 +96,35 @@ def _key_namespace(pool: DeviceKVPool, shard: str, unified: UnifiedPlan | None) 
 Objects = tuple[list[GridCell], list[GridCell]]
 
 
-def _hybrid_grid_objects(host_pool: HostKVPool, plan: UnifiedPlan) -> tuple[Objects, Objects]:
-    """A hybrid pool's cells: each cell's full layers from the full host pool, its window layers
-    (checkpoint pages only, key suffix ``_swa``) from the window host pool; an empty part is no
-    object. (reads, writes) of each component."""
-    s, grid = plan.shard, plan.grid
+def _cut(host: HostKVPool, base: int, grid: StorageGrid, shard: RankShard, objects: RankObjects, prefix: str = "",
+         suffix: str = "") -> Objects:
+    """(reads, writes) of one component's ``grid`` cut from ``host``: a cell's rows are where ``host``
+    keeps its layers (``shard``'s model-global layer g is the device pool's ``base + g - shard's
+    first``); a cell none of whose layers ``host`` keeps is no object (writes are among the reads)."""
+    first = base - shard.layers.start
+    rows = {c: slice(bisect.bisect_left(host.layers, first + c.layer_start),
+                     bisect.bisect_left(host.layers, first + c.layer_end)) for c in objects.reads}
 
-    def part(host: HostKVPool, cell, suffix: str = "") -> GridCell | None:
-        local = [i + s.layers.start for i in host.layers]  # the host pool's layers, model-global
-        rows = slice(bisect.bisect_left(local, cell.layer_start), bisect.bisect_left(local, cell.layer_end))
-        if rows.start == rows.stop:
-            return None
-        return GridCell(host, cell, grid, 0, s.kv_heads.start, layers=rows, suffix=suffix)
-
-    def cut(cells, host, suffix=""):
-        return [obj for c in cells if (obj := part(host, c, suffix)) is not None]
-
-    o, window = plan.objects, host_pool.window_pool
-    return ((cut(o.reads, host_pool), cut(o.writes, host_pool)),
-            (cut(o.reads, window, WINDOW_SUFFIX), cut(o.writes, window, WINDOW_SUFFIX)))
+    def cells(of: tuple[Cell, ...]) -> list[GridCell]:
+        return [GridCell(host, c, grid, 0, shard.kv_heads.start, prefix, rows[c], suffix) for c in of
+                if rows[c].start < rows[c].stop]
+    return cells(objects.reads), cells(objects.writes)
 
 
 def _grid_objects(host_pool: HostKVPool, plan: UnifiedPlan, sidecar_host: HostKVPool | None,
-                  pool_layers: int) -> Objects:
-    """This rank's read and write cells as objects cut from its host pages, then its draft's:
-    in the sidecar's host pool, or (packed) in the layers after the target's."""
-    def cut(cell, grid, shard, host, first_layer, prefix=""):
-        return GridCell(host, cell, grid, first_layer, shard.kv_heads.start, prefix)
-
-    s = plan.shard
-    reads = [cut(c, plan.grid, s, host_pool, s.layers.start) for c in plan.objects.reads]
-    writes = [cut(c, plan.grid, s, host_pool, s.layers.start) for c in plan.objects.writes]
-    if plan.draft is not None:
-        d = plan.draft
-        host, first = (sidecar_host, 0) if sidecar_host is not None else (host_pool, -(pool_layers - d.grid.num_layers))
-        reads += [cut(c, d.grid, d.shard, host, first, DRAFT_PREFIX) for c in d.objects.reads]
-        writes += [cut(c, d.grid, d.shard, host, first, DRAFT_PREFIX) for c in d.objects.writes]
-    return reads, writes
+                  pool_layers: int) -> tuple[Objects, Objects | None]:
+    """This rank's objects cut from its host pages, component by component: of every page, the target's
+    layers (a hybrid pool's full ones) and a draft's beside them (packed: the last of the device pool's
+    ``pool_layers``, or in the sidecar's host pool; keys ``..._draft_L{a}-{b}``); then, None without a
+    window component, its window layers of checkpoint pages from the window host pool (``..._swa``)."""
+    s, d = plan.shard, plan.draft
+    reads, writes = _cut(host_pool, 0, plan.grid, s, plan.objects)
+    if d is not None:
+        base = 0 if sidecar_host is not None else pool_layers - d.grid.num_layers
+        draft_reads, draft_writes = _cut(sidecar_host or host_pool, base, d.grid, d.shard, d.objects, DRAFT_PREFIX)
+        reads, writes = reads + draft_reads, writes + draft_writes
+    window = host_pool.window_pool
+    return (reads, writes), None if window is None else _cut(window, 0, plan.grid, s, plan.objects, suffix=WINDOW_SUFFIX)
 
 
 class KVCacheManager:
@@ -170,13 +162,8 @@ class KVCacheManager:
             self.device.lower = self.host
             self.tiers.append(self.host)
         if storage is not None:
-            objects = window_objects = None
-            if unified and pool.hybrid:
-                if sidecar is not None or (unified.draft is not None):
-                    raise ValueError("a speculative draft's cells on a hybrid pool's unified grid are not planned")
-                objects, window_objects = _hybrid_grid_objects(host_pool, unified)
-            elif unified:
-                objects = _grid_objects(host_pool, unified, sidecar[1] if sidecar else None, len(pool.k_buffers))
+            objects, window_objects = _grid_objects(host_pool, unified, sidecar[1] if sidecar else None,
+                                                    len(pool.k_buffers)) if unified else (None, None)
             self.storage_tier = StorageTier(storage, self.host, self.keys, layout.storage_agree, policy, shard_view,
                                             objects, window_objects)
             self.host.lower = self.storage_tier

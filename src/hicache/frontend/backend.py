@@ -14,13 +14,14 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
-from ..config import ConfigError, EngineConfig
+from ..config import EngineConfig
 from ..errors import HicacheError
 from ..model.loader import LoadedModel
 from ..model.parallel import check_parallel
 from ..parallel.rank_group import RankGroup
 from ..runtime.core import EngineCore, build_core
 from ..runtime.core_stats import core_stats
+from ..runtime.rank_plan import model_components
 from ..runtime.request import Request
 from ..runtime.scheduler import Scheduler
 from ..runtime.step import ForwardFn, StepDriver
@@ -172,7 +173,9 @@ def make_backend(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, d
     """The backend for ``cfg``'s layout: in this process for one rank (warmed up unless
     ``--skip-server-warmup``), rank processes else (each loads its own slice of the model;
     ``loaded`` then holds the spec and tokenizer; not warmed up: runtime/warmup.py says why).
-    ``draft``: the speculative draft model (one rank only, for now)."""
+    ``draft``: the speculative draft model (one rank only, for now). A component the model declares
+    that a mode cannot run with is refused first (``EngineConfig.refuse_combinations``)."""
+    cfg.refuse_combinations(model_components(loaded.spec))
     if cfg.tp_size * cfg.pp_size == 1:
         core = build_core(cfg, loaded, device, dtype, draft=draft)
         if not cfg.skip_server_warmup:  # before any request, so before /health answers (runtime/warmup.py)
@@ -181,10 +184,4 @@ def make_backend(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, d
     check_parallel(loaded.spec, cfg.tp_size // cfg.attn_cp_size, cfg.pp_size)
     if draft is not None:  # the draft runs on the first stage, tensor-parallel like the target
         check_parallel(draft.spec, cfg.tp_size // cfg.attn_cp_size, 1)
-    if (cfg.attn_cp_size > 1 or cfg.enable_kv_cache_sharding) and loaded.spec.has_sliding_layers:
-        raise ConfigError(f"{cfg.model} has sliding-window layers, which context parallelism and KV sharding do not "
-                          "implement yet; run it without --attn-cp-size / --enable-kv-cache-sharding.")
-    if cfg.enable_kv_cache_sharding and cfg.attn_cp_size == 1 and not loaded.spec.is_mla:
-        raise ConfigError(f"--enable-kv-cache-sharding without --attn-cp-size shards an MLA latent over the TP ranks, "
-                          f"and {cfg.model} is not an MLA model; set --attn-cp-size to shard over context-parallel ranks.")
     return RankGroup(cfg)

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 
 from ..cache.device_window import largest_forward, window_footprint
-from ..config import ConfigError, EngineConfig
+from ..config import EngineConfig
 from ..model.spec import ModelSpec
 from .speculative import DraftKV
 
@@ -88,15 +88,9 @@ class HybridPlan:
 def plan_hybrid(cfg: EngineConfig, spec: ModelSpec, layers: range, draft_kv: DraftKV | None = None) -> HybridPlan | None:
     """The window component of a model with sliding-window layers (``layers``: this rank's, global
     indices; ``draft_kv``: a speculative draft's KV on this rank, whose packed layers follow them);
-    None when every layer keeps its KV (a full-attention model, or the flag). A mode the window
-    component does not cover is refused in one sentence."""
+    None when every layer keeps its KV (a full-attention model, or the flag)."""
     if not spec.has_sliding_layers or cfg.disable_hybrid_swa_memory:
         return None
-    if cfg.hicache_storage_key_scheme == "unified" and cfg.hicache_storage_backend and cfg.speculative_algorithm \
-            and cfg.speculative_algorithm != "NGRAM":
-        raise ConfigError(f"{cfg.model} has sliding-window layers, and a speculative draft model's cells on the unified "
-                          "storage grid are not planned beside a window pool yet; use --hicache-storage-key-scheme "
-                          "rank-suffix, or --disable-hybrid-swa-memory to keep every layer's KV.")
     local = frozenset(i for i, layer in enumerate(layers) if spec.layer_window(layer))
     full = [layer for layer in range(spec.num_layers) if not spec.layer_window(layer)]
     ratio = cfg.swa_full_tokens_ratio

@@ -155,6 +155,12 @@ def rank_components(spec: ModelSpec, layers: range | list[int], row: tuple[int, 
     return tuple(out)
 
 
+def model_components(spec: ModelSpec) -> set[str]:
+    """The names of the components the model's layers declare, before a plan sizes them (a sliding-window
+    model declares its window component even where every layer keeps its KV: its attention still slides)."""
+    return {"latent" if spec.is_mla else "full"} | ({"window"} if spec.has_sliding_layers else set())
+
+
 @dataclass(frozen=True)
 class _Budget:
     """Where the device pages' bytes come from: the device's free memory, shared by
