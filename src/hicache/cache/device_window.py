@@ -206,11 +206,11 @@ class DeviceWindows:
         while node is not None and not node.is_root and pos > tail:  # the hit's part (split at the tail)
             start = pos - node.num_pages
             idx = np.arange(max(tail - start, 0), node.num_pages)
-            held = self.cached.of(node).device
-            fresh = idx[held[idx] == 0]
+            node_window = self.cached.of(node).device  # filled in place by give()
+            fresh = idx[node_window[idx] == 0]
             self.cached.give(node, fresh, self._alloc(len(fresh)))
-            wp[start + idx] = held[idx]
-            arriving[start + fresh] = held[fresh]
+            wp[start + idx] = node_window[idx]
+            arriving[start + fresh] = node_window[fresh]
             node, pos = node.parent, start
         own = np.arange(max(tail, hit), -(-prompt_tokens // ps))
         wp[own] = arriving[own] = self._alloc(len(own))

@@ -71,7 +71,7 @@ class HostWindows:
         leaves) the host copy keeps tombstones there. ``lock``: window-lock the node until
         :meth:`backed_up` (an asynchronous copy)."""
         idx = self.cached.checkpoint_pages(node)
-        host, _ = alloc_evicting(self.allocator, len(idx), 0, self.evict) if len(idx) else (EMPTY, 0)
+        host, _ = alloc_evicting(self.allocator, len(idx), 0, self.evict_for_room) if len(idx) else (EMPTY, 0)
         if host is None:
             self.tier.stats.backup_skipped_window_pages += len(idx)
             idx, host = EMPTY, EMPTY
@@ -121,18 +121,19 @@ class HostWindows:
 
     def reserve_prefetch(self, end_page: int) -> np.ndarray | None:
         """Host window pages for the window of a prefetch's end (None: no room)."""
-        return alloc_evicting(self.allocator, self.span(end_page), 0, self.evict)[0]
+        return alloc_evicting(self.allocator, self.span(end_page), 0, self.evict_for_room)[0]
 
     def place_prefetch(self, op: PrefetchOp, leaf: TreeNode | None, taken_from: int) -> None:
-        """The window pages a finished read brought go to ``leaf``, the new host-only leaf of its
-        pages the tree took from ``taken_from`` on (None: it took none); the rest are freed, once
-        the reader is surely done with them (:meth:`reaped`)."""
+        """The window pages a finished read brought go to ``leaf``, the new host-only leaf of the
+        pages the tree took (from ``taken_from`` on; None when it took none); the rest are freed,
+        once the reader is surely done with them (:meth:`reaped`)."""
         pages = op.window_host_pages
         if not (op.final_applied and op.window_from >= 0):  # the reader may still write them
             self._stopped[op.op_id] = pages
             return
         keep = np.zeros(len(pages), dtype=bool)
-        if leaf is not None:
+        if op.completed > taken_from:  # the tree took some: they hang from one new host-only leaf
+            assert leaf is not None, f"prefetch op={op.op_id}: the pages the tree took have no leaf"
             rel = np.arange(op.window_from, op.completed)  # op-relative pages the window objects were read for
             keep[: len(rel)] = rel >= taken_from
             self.cached.attach_host(leaf, rel[keep[: len(rel)]] - taken_from, pages[keep])
@@ -164,7 +165,7 @@ class HostWindows:
         return out
 
     # ---- room ----------------------------------------------------------------------------
-    def evict(self, num_pages: int) -> int:
+    def evict_for_room(self, num_pages: int) -> int:
         """Delete host-only leaves holding window pages until ``num_pages`` of those are free (shared
         blocks: until the blocks of ``num_pages`` window pages are, see :meth:`make_room`)."""
         if self.shared:
@@ -182,13 +183,13 @@ class HostWindows:
         """Shared blocks: free at least ``blocks`` blocks if the tree can: the window pages of superseded
         checkpoints first (:meth:`drop_superseded`, once no load may read them), then host-only
         leaves in policy order, each with its full pages and window pages. Returns the blocks freed."""
-        blocks_left = self.tier.allocator
-        start = blocks_left.available
+        shared = self.tier.allocator  # the blocks both kinds take
+        start = shared.available
         self.drop_superseded()
-        short = blocks - (blocks_left.available - start)
+        short = blocks - (shared.available - start)
         if short > 0:
             self.tier.tree.evict_leaves(short, self.tier.evictable, self._drop_blocks)
-        return blocks_left.available - start
+        return shared.available - start
 
     def _drop_blocks(self, node: TreeNode) -> int:
         """Delete a host-only leaf of a shared pool; the blocks its full and window pages held."""

@@ -51,6 +51,12 @@ class PageTree:
         self.observer: Optional[TreeObserver] = None
         self.components: list[TreeComponent] = []  # each node holds one handle per component, in this order
 
+    def add_component(self, component: TreeComponent) -> None:
+        """Register ``component`` (before any node exists): every node gets its handle."""
+        assert not self._roots, "components are registered before the tree has nodes"
+        component.index = len(self.components)
+        self.components.append(component)
+
     def _node(self, namespace: str, key: np.ndarray, parent: TreeNode | None) -> TreeNode:
         return TreeNode(next(self._ids), namespace, key, parent, tuple(c.new_part() for c in self.components))
 

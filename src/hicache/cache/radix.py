@@ -56,7 +56,7 @@ class RadixCache(LeafEviction):
             if window_allocator is None:
                 raise ValueError("a sliding-window component needs its own page allocator")
             self.windows = TreeWindows(self, window, window_allocator)
-            self.components.append(self.windows)
+            self.add_component(self.windows)
 
     # ---- the contract --------------------------------------------------------------------
     def _walk(self, namespace: str, tokens: np.ndarray, cut: bool = True) -> tuple[list[TreeNode], int, int, int]:
@@ -147,8 +147,9 @@ class RadixCache(LeafEviction):
         if len(pages) != len(tokens) // self.page_size:
             raise ValueError(f"insert of {len(tokens)} tokens needs {len(tokens) // self.page_size} pages, got {len(pages)}")
         parts = parts or {}
-        if any(len(parts.get(c.name, ())) != len(pages) for c in self.components):
-            raise ValueError(f"an insert needs a page (or 0) per page of each of {[c.name for c in self.components]}")
+        for c in self.components:
+            if parts.get(c.name) is None or len(parts[c.name]) != len(pages):
+                raise ValueError(f"an insert into a tree with a {c.name} component needs a {c.name} page (or 0) per page")
         node, pos = self._root(namespace), 0
         on_device: int | None = None  # where the device-resident prefix ends
         while pos < len(tokens):

@@ -27,7 +27,7 @@ import numpy as np
 from .acks import AckCounts
 from .host_tier import HostTier
 from .host_transfer import leading_done
-from .placement import ShardView, alloc_evicting, path_anchor
+from .placement import ShardView, path_anchor
 from .storage.base import StorageBackend
 from .storage.keys import KeyNamespace, continue_chain, page_hashes
 from .storage.page_objects import PageObject, WholePage, window_object
@@ -88,7 +88,7 @@ class StorageTier:
             window_objects = ([window_object(host.windows.window_host, "-window")],) * 2
         self.controller = StorageController(backend, host.host_pool, agree, op_timeout=policy.storage_op_timeout,
                                             reads=objects[0], writes=objects[1], windows=window_objects,
-                                            window_pages=self.host.windows.span if window_objects is not None else None)
+                                            window_pages=self.host.windows.span if self.host.windows is not None else None)
         self.prefetch_threshold = policy.prefetch_threshold
         # At most this many host pages may be held by prefetches at once.
         self.prefetch_page_limit = int(policy.prefetch_max_host_fraction * host.allocator.capacity)

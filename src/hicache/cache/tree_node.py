@@ -88,6 +88,7 @@ def check_nodes(nodes: Iterable[TreeNode], page_size: int) -> tuple[int, int, in
     for node in nodes:
         if node.is_root:
             continue
+        assert node.lock_ref >= 0 and node.host_ref >= 0, f"{node}: negative ref"
         assert len(node.key) > 0 and len(node.key) % page_size == 0, f"{node}: key not whole pages"
         if node.device_pages is not None:
             _check_pages(node, node.device_pages, seen_pages, page_size, "device")
@@ -130,7 +131,7 @@ class TreeComponent(Protocol):
 
     def usable(self, path: list[TreeNode], device_tokens: int, host_tokens: int) -> int: ...  # a match's usable tokens
 
-    def adopt(self, node: TreeNode, offered: np.ndarray | None, fresh: bool) -> None: ...  # an insert's pages
+    def adopt(self, node: TreeNode, offered: np.ndarray, fresh: bool) -> None: ...  # an insert's pages
 
     def hit_pages(self, nodes: list[TreeNode]) -> np.ndarray: ...  # its pages of a device hit along ``nodes``
 

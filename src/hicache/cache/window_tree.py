@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..consensus_record import consensus_check
-from .pools import PageAllocator
+from .pools import PageAllocator, SharedWindowAllocator
 from .tree_node import TreeNode
 
 if TYPE_CHECKING:
@@ -88,10 +88,11 @@ class TreeWindows:
 
     def __init__(self, tree: "LeafEviction", window: int, allocator: PageAllocator) -> None:
         self.tree, self.page_size = tree, tree.page_size
-        self.index = len(tree.components)
+        self.index = -1  # set when the tree registers it (PageTree.add_component)
         self.window = window  # tokens
         self.allocator = allocator
-        self.host_allocator: PageAllocator | None = None  # set by a hybrid host tier (attach_host_allocator)
+        # set by a hybrid host tier (attach_host_allocator): window pages of a fixed split, or shared blocks
+        self.host_allocator: PageAllocator | SharedWindowAllocator | None = None
         self.held_pages = 0  # window pages the tree holds on the device
         self.evicted_pages_total = 0
 
@@ -132,11 +133,9 @@ class TreeWindows:
             pos += n
         return usable_boundary(np.concatenate(held), self.window, self.page_size) * self.page_size
 
-    def adopt(self, node: TreeNode, offered: np.ndarray | None, fresh: bool) -> None:
+    def adopt(self, node: TreeNode, offered: np.ndarray, fresh: bool) -> None:
         """``node`` takes ``offered`` (a request's window pages for its key pages; 0: none) where it
         holds none; a page it already holds makes the offered one a duplicate, freed."""
-        if offered is None:
-            raise ValueError("a hybrid tree's insert needs a window page (or 0) per page")
         part = self.of(node)
         if fresh or part.device is None:
             part.device = np.asarray(offered, dtype=np.int64).copy()
@@ -193,7 +192,7 @@ class TreeWindows:
         seen_host: set[int] = set()
         for node in nodes:
             part = self.of(node)
-            assert 0 <= part.lock_ref <= max(node.lock_ref, 0), f"{node}: window locked by more requests than lock it"
+            assert 0 <= part.lock_ref <= node.lock_ref, f"{node}: window locked by more requests than lock it"
             if part.device is not None:
                 assert node.device_pages is not None and len(part.device) == len(node.device_pages), \
                     f"{node}: window pages without device pages"
