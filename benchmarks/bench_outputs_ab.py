@@ -28,8 +28,8 @@ from hicache.runtime.sampling import SamplingParams
 
 # (name, model, engine options): the demo's model, the hybrid window family, a random hybrid stress
 WORKLOADS = [
-    ("smollm2", "smollm2", dict(max_total_tokens=1024, page_size=16)),
-    ("gemma3-270m", "gemma3-270m", dict(max_total_tokens=1024, page_size=16)),
+    ("smollm2", "smollm2", dict(max_total_tokens=256, page_size=16)),
+    ("gemma3-270m", "gemma3-270m", dict(max_total_tokens=256, page_size=16)),
     ("random-hybrid", "random:gemma-small", dict(dtype="float32", kv_cache_dtype="float32", page_size=4,
                                                  chunked_prefill_size=12, max_total_tokens=160)),
 ]
