@@ -345,8 +345,3 @@ class DeviceWindows:
         if self.tree is not None:
             out.update(self.cached.usage())
         return out
-
-
-def window_slots_of(state, computed_to: int) -> torch.Tensor | None:
-    """The window component's slot of each of the first ``computed_to`` positions (None: no component)."""
-    return None if state.window is None or state.window.slots is None else state.window.slots[..., :computed_to]

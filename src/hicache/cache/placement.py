@@ -142,10 +142,6 @@ class GatherPlan:
     contributions: list[np.ndarray]  # [N] local page ids per rank, each of length pages_per_rank
     page_table: np.ndarray  # [len(prefix)] index into the gathered [N * pages_per_rank] pages
 
-    @property
-    def pages_per_rank(self) -> int:
-        return len(self.contributions[0])
-
     @classmethod
     def for_prefix(cls, placement: PagePlacement, pages: np.ndarray) -> "GatherPlan":
         pages = np.asarray(pages, dtype=np.int64)

@@ -128,10 +128,6 @@ class TreeTokenIndex:
             end = place & ((1 << _SHIFT) - 1)
             yield Occurrence(seg.tokens, end, seg.alive, place)
 
-    def segment_of(self, node: TreeNode) -> Optional[tuple[Segment, int]]:
-        """(segment, start) of an indexed node (tests and introspection)."""
-        return self._where.get(node.id)
-
     def check(self) -> None:
         """Every indexed place lies in a live part of its segment (raise AssertionError if not)."""
         for tables in self._tables.values():
