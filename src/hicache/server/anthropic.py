@@ -17,8 +17,8 @@ the models served are text-only.
 Server tools (a ``type`` other than ``custom``: ``web_search_20250305``, ...) are dropped and named
 (server/builtin_tools.py). ``max_tokens`` is a cap, served within the context's rest (Claude Code
 asks 32K-64K of a model that may hold less). A stream sends ``message_start`` once the prompt is
-admitted (its usage splits cached and computed input) and ``ping`` events while it waits or prefills
-(server/keepalive.py).
+admitted, before its first token (its usage splits cached and computed input), ``ping`` events while
+it waits for that, then empty ``text_delta`` events while the prompt prefills (server/keepalive.py).
 
 ``stop_reason``: ``tool_use``, ``max_tokens``, ``stop_sequence`` (with the one that matched) or
 ``end_turn``. Usage: ``input_tokens`` the prompt tokens computed, ``cache_read_input_tokens`` those
