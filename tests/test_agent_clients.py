@@ -8,15 +8,19 @@ keep-alives on every stream while a prompt prefills."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 from pathlib import Path
 from typing import Any, Iterator
 
+import anthropic
 import httpx
 import pytest
 
+from hicache import Engine, SamplingParams
+from hicache.frontend.loop import EngineLoop, Update
 from hicache.server import keepalive
 from hicache.server.builtin_tools import dropped_header, note_dropped, split_responses_tools
 from hicache.server.system_turns import place_system_messages, takes_system_turns
@@ -245,6 +249,60 @@ def test_streams_keep_alive_while_a_prompt_prefills(small, monkeypatch, path, bo
     if path == "/v1/responses":
         seq = [d["sequence_number"] for k, d in events if isinstance(d, dict) and "sequence_number" in d]
         assert seq == list(range(len(seq)))
+
+
+def test_messages_stream_starts_at_admission_and_keeps_alive_with_events_the_sdk_yields(small, monkeypatch) -> None:
+    """Claude Code's watchdog counts the events the Anthropic SDK yields (it skips ``ping``): while a
+    prompt prefills, ``message_start`` is out already and empty ``text_delta`` events follow; folded
+    by the SDK, the message equals the one streamed without keep-alives."""
+    client = anthropic.Anthropic(base_url=small.base_url, api_key="x")
+    ask = {"model": "tiny", "max_tokens": 6, "extra_body": {"temperature": 0.0},  # (stream() takes no temperature)
+           "messages": [{"role": "user", "content": "Tell me about caches."}]}
+    with client.messages.stream(**ask) as stream:  # quick: no keep-alive
+        plain = stream.get_final_message()
+    assert httpx.post(small.base_url + "/flush_cache").status_code == 200  # the prompt computed again
+    monkeypatch.setattr(keepalive, "KEEPALIVE_INTERVAL_S", 0.05)
+    driver = small.loop.engine.scheduler.driver
+    forward = driver.forward
+
+    def slow_prefill(*args, **kwargs):
+        if not kwargs["generated"]:  # a prompt chunk: minutes on a CPU for an agent's prompt
+            time.sleep(0.5)
+        return forward(*args, **kwargs)
+    monkeypatch.setattr(driver, "forward", slow_prefill)
+    with client.messages.stream(**ask) as stream:
+        events = list(stream)
+        kept = stream.get_final_message()
+    kinds = [e.type if e.type != "text" else ("keep-alive" if e.text == "" else "text") for e in events]
+    assert kinds[0] == "message_start" and kinds[1] == "content_block_start", kinds
+    assert events[0].message.usage.input_tokens == plain.usage.input_tokens  # the split, before any token
+    # several events the SDK yields between message_start and the first token (the keep-alives)
+    first_text = kinds.index("text")
+    assert kinds[2:first_text].count("keep-alive") >= 3, kinds
+    assert plain.content[0].text  # (a reply with text: its block is the one the keep-alives opened)
+    assert kept.model_dump(exclude={"id"}) == plain.model_dump(exclude={"id"})
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=[pytest.mark.multirank, pytest.mark.parallel])])
+def test_a_request_reports_its_admission_before_its_first_token(tp) -> None:
+    """The update a stream starts from (Anthropic's message_start): cache hits known, no token yet; on one
+    rank and through a rank group's leader. The other APIs skip it (no empty chunk)."""
+    engine = Engine("random:tiny", dtype="float32", tp_size=tp, max_total_tokens=512)
+    loop = EngineLoop(engine).start()
+    greedy = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+
+    async def updates() -> list[list[Update]]:
+        return [[u async for u in loop.submit(list(range(3, 60)), greedy)] for _ in range(2)]
+    try:
+        cold, warm = asyncio.run(updates())
+    finally:
+        loop.stop()
+        engine.shutdown()
+    for ups, hit in ((cold, 0), (warm, 48)):
+        assert [u.admission for u in ups] == [True, False, False, False]
+        assert ups[0].cached == {"device": hit, "host": 0, "storage": 0} and ups[0].num_output_tokens == 0
+        assert [len(u.token_ids) for u in ups] == [0, 1, 1, 1] and ups[-1].finished
+    assert [u.token_ids for u in cold] == [u.token_ids for u in warm]
 
 
 def test_a_hostile_tool_type_is_named_cut_and_a_namespace_flattened() -> None:

@@ -9,10 +9,12 @@ import json
 import llguidance
 import pytest
 
+from hicache.model.chat_render import compile_chat_template, render
 from hicache.model.tokenizer import byte_tokenizer
 from hicache.runtime.grammar_vet import ll_tokenizer, tokenizer_config
 from hicache.server.tool_formats import FORMATS, HERMES, choose_format, detect_format
-from hicache.server.tools import ChatChunks
+from hicache.server.protocol import ChatCompletionRequest
+from hicache.server.tools import ChatChunks, chat_prompt
 
 pytestmark = pytest.mark.server
 NAMES = {"get_weather", "add"}
@@ -124,3 +126,25 @@ def test_the_format_comes_from_the_template_unless_named():
     assert detect_format(None).name == "hermes" and detect_format("{{ messages }}").name == "hermes"
     assert choose_format("auto", llama) == (FORMATS["llama3"], "the chat template")
     assert choose_format("hermes", llama) == (HERMES, "--tool-call-parser")
+
+
+# Qwen2.5's template writes a past call's arguments with ``tojson`` (its assistant branch, verbatim)
+QWEN25_CALLS = ("{%- for message in messages %}{%- if message.tool_calls %}"
+                "{%- for tool_call in message.tool_calls %}{%- if tool_call.function is defined %}"
+                "{%- set tool_call = tool_call.function %}{%- endif %}"
+                "{{- '\\n<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}"
+                "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}"
+                "{%- endfor %}{%- endif %}{%- endfor %}")
+
+
+def test_a_past_call_comes_back_in_the_prompt_as_the_model_wrote_it():
+    """A client resends the call as OpenAI writes it (``arguments`` a JSON string): the template gets
+    the object, so the history shows what the model wrote (was a JSON string inside the call)."""
+    written = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    _, (call,) = HERMES.parse(written, NAMES, False)
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call.openai()]}]})
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in NAMES]
+    chat = chat_prompt(body.messages, tools, "auto", True, renders_tools=True)
+    assert render(compile_chat_template(QWEN25_CALLS), 10_000, messages=chat.messages).strip() == written

@@ -6,7 +6,10 @@
 # test, run the tests); per turn it prints, for every request the agent sent: prompt tokens, cached
 # tokens per tier (device / host / storage), TTFT, and whether a tool ran in that turn.
 #
-#   tools/agents_e2e.sh [--model M] [--agents codex,claude] [--turns N] [--port P] [-- serve flags...]
+#   tools/agents_e2e.sh [--model M] [--agents codex,claude] [--turns N] [--task T]... [--port P] [-- serve flags...]
+#
+# --task (repeatable) replaces the default tasks: turn i asks task i (cycling), e.g. a plain ask for a
+# tool: --turns 4 --task "..." x3 --task "Run \`ls\` with your Bash tool and tell me the files."
 #
 # --model (or $HICACHE_E2E_MODEL) defaults to qwen2.5-coder-0.5b (32K context: Claude Code's first
 # prompt is ~19K tokens, Codex's ~10K; SmolLM2's 8K context holds neither). A GGUF path works too.
@@ -25,12 +28,17 @@ CACHE=${HICACHE_AGENTS_CACHE:-$HOME/.cache/hicache/agents}
 CODEX_VERSION=0.171.0
 CLAUDE_VERSION=2.1.197
 SERVE_FLAGS=()
+TASKS=("Add a function mul(a, b) that returns a * b to calc.py."
+       "Add a file test_calc.py with a pytest test for mul."
+       "Run python -m pytest -q in this repository and tell me the result.")
+GIVEN_TASKS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --model) MODEL=$2; shift 2 ;;
     --agents) AGENTS=$2; shift 2 ;;
     --turns) TURNS=$2; shift 2 ;;
     --port) PORT=$2; shift 2 ;;
+    --task) GIVEN_TASKS+=("$2"); shift 2 ;;
     --) shift; SERVE_FLAGS=("$@"); break ;;
     *) echo "unknown argument: $1 (see the header of $0)" >&2; exit 2 ;;
   esac
@@ -46,7 +54,9 @@ if [ -z "${HICACHE_E2E_INSIDE:-}" ]; then
     npm install --silent --prefix "$CACHE/npm" "@openai/codex@$CODEX_VERSION" \
         "@anthropic-ai/claude-code@$CLAUDE_VERSION" >/dev/null
   fi
-  args=(--model "$MODEL" --agents "$AGENTS" --turns "$TURNS" --port "$PORT" -- ${SERVE_FLAGS[@]+"${SERVE_FLAGS[@]}"})
+  args=(--model "$MODEL" --agents "$AGENTS" --turns "$TURNS" --port "$PORT")
+  for t in ${GIVEN_TASKS[@]+"${GIVEN_TASKS[@]}"}; do args+=(--task "$t"); done
+  args+=(-- ${SERVE_FLAGS[@]+"${SERVE_FLAGS[@]}"})
   if unshare -rn true 2>/dev/null; then
     echo "running in a network namespace with loopback only (unshare -rn)"
     exec unshare -rn env HICACHE_E2E_INSIDE=netns bash -c 'ip link set lo up && exec "$0" "$@"' "$0" "${args[@]}"
@@ -83,9 +93,7 @@ new_repo() {  # a scratch git repository with one module
   echo "$repo"
 }
 
-TASKS=("Add a function mul(a, b) that returns a * b to calc.py."
-       "Add a file test_calc.py with a pytest test for mul."
-       "Run python -m pytest -q in this repository and tell me the result.")
+if [ ${#GIVEN_TASKS[@]} -gt 0 ]; then TASKS=("${GIVEN_TASKS[@]}"); fi
 
 report() {  # agent turn log_offset tools: one row per request the server served since the offset
   "$PY" - "$LOG" "$3" "$1" "$2" "$4" <<'EOF'
@@ -142,7 +150,7 @@ EOF
     local cmd=(exec --json --skip-git-repo-check -s workspace-write)
     [ "$turn" -gt 1 ] && cmd=(exec resume --last --json --skip-git-repo-check)
     (cd "$repo" && CODEX_HOME=$home HICACHE_E2E_KEY=none timeout 3600 "$BIN/codex" "${cmd[@]}" \
-        "${TASKS[$(( (turn - 1) % 3 ))]}" </dev/null >"$out" 2>"$out.err") || echo "codex turn $turn exited $?"
+        "${TASKS[$(( (turn - 1) % ${#TASKS[@]} ))]}" </dev/null >"$out" 2>"$out.err") || echo "codex turn $turn exited $?"
     tools=$(grep -c '"type":"item.completed".*"type":"\(command_execution\|file_change\)"' "$out" || true)
     report codex "$turn" "$offset" "$tools"
   done
@@ -163,7 +171,7 @@ run_claude() {
     [ "$turn" -gt 1 ] && cont=(--continue)
     (cd "$repo" && HOME=$home ANTHROPIC_BASE_URL="http://127.0.0.1:$PORT" ANTHROPIC_API_KEY=none \
         CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1 DISABLE_TELEMETRY=1 DISABLE_AUTOUPDATER=1 \
-        DISABLE_ERROR_REPORTING=1 timeout 3600 "$BIN/claude" -p "${TASKS[$(( (turn - 1) % 3 ))]}" \
+        DISABLE_ERROR_REPORTING=1 timeout 3600 "$BIN/claude" -p "${TASKS[$(( (turn - 1) % ${#TASKS[@]} ))]}" \
         ${cont[@]+"${cont[@]}"} --model hicache --output-format stream-json --verbose \
         --permission-mode acceptEdits --allowedTools=Bash </dev/null >"$out" 2>"$out.err") \
         || echo "claude turn $turn exited $?"

@@ -61,6 +61,12 @@ class Update:
     # storage), so a stream can report them before the reply ends (Anthropic's message_start)
     cached: Optional[dict[str, int]] = None
 
+    @property
+    def admission(self) -> bool:
+        """The update a request makes once admitted (its hits known), before its first token: no tokens,
+        not finished. Only the Messages stream writes it (``message_start``); other streams skip it."""
+        return not self.token_ids and not self.finished
+
 
 class Outbox:
     """Updates the loop thread made since it last sent them; :meth:`send` hands them to their event
@@ -74,6 +80,8 @@ class Outbox:
 
     def put(self, handle: "RequestHandle", upd: "Update") -> None:
         self._items.append((handle, upd))
+        if upd.admission:  # sent before the step's forward: a long prompt's first chunk takes tens of seconds
+            self.send()
 
     def send(self) -> None:
         if not self._items:

@@ -195,6 +195,8 @@ class StageLoop:
         if upd.finished:
             self._sent.pop(req.rid, None)
         self._updates.append(upd)
+        if not upd.token_ids and not upd.finished:  # admitted: to the frontend before the step's forward
+            self._report()
 
     def _report(self) -> None:
         if self._updates and not self.frontend_gone:

@@ -282,4 +282,6 @@ class Scheduler(Results):
             req.rid, len(req.prompt_ids), kv.device_hit_tokens, kv.host_hit_tokens, kv.storage_hit_tokens,
             req.admitted_time - req.arrival_time,
         )
+        if req.on_update is not None:  # before its first token: a stream can start (Anthropic's message_start)
+            req.on_update(req)
         return True

@@ -17,8 +17,8 @@ the models served are text-only.
 Server tools (a ``type`` other than ``custom``: ``web_search_20250305``, ...) are dropped and named
 (server/builtin_tools.py). ``max_tokens`` is a cap, served within the context's rest (Claude Code
 asks 32K-64K of a model that may hold less). A stream sends ``message_start`` once the prompt is
-admitted (its usage splits cached and computed input) and ``ping`` events while it waits or prefills
-(server/keepalive.py).
+admitted, before its first token (its usage splits cached and computed input), ``ping`` events while
+it waits for that, then empty ``text_delta`` events while the prompt prefills (server/keepalive.py).
 
 ``stop_reason``: ``tool_use``, ``max_tokens``, ``stop_sequence`` (with the one that matched) or
 ``end_turn``. Usage: ``input_tokens`` the prompt tokens computed, ``cache_read_input_tokens`` those
@@ -36,7 +36,7 @@ import functools
 import json
 import logging
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Callable, Literal, Optional, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Literal, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -278,15 +278,26 @@ def _event(kind: str, data: dict[str, Any]) -> str:
 
 async def _events(p: Prepared, handles: list, base: dict[str, Any],
                   decode: Callable[[list[int]], str]) -> AsyncIterator[str]:
-    """The Messages stream: ``message_start``, a text block's ``content_block_start`` / ``_delta`` /
-    ``_stop`` as text comes (what may begin a tool call is held, as in chat streams), one
-    ``tool_use`` block per call at the end (its input as one ``input_json_delta``), ``message_delta``
-    with the stop reason and usage, ``message_stop``."""
+    """The Messages stream: ``message_start`` once the prompt is admitted, a text block's
+    ``content_block_start`` / ``_delta`` / ``_stop`` as text comes (what may begin a tool call is held,
+    as in chat streams), one ``tool_use`` block per call at the end (its input as one
+    ``input_json_delta``), ``message_delta`` with the stop reason and usage, ``message_stop``.
+    Keep-alives (server/keepalive.py): ``ping`` while queued, then an empty ``text_delta`` in the
+    text block (opened for it) while the prompt prefills."""
     reply_deltas = ReplyDeltas(p, decode)
     index, text_open, started = 0, False, False
-    async for item in with_keepalives(merged_updates(handles)):
-        if item is None:  # the prompt still prefilling, or queued: Anthropic's ping (SDKs skip it)
-            yield ANTHROPIC_PING
+
+    def text(piece: str) -> Iterator[str]:
+        nonlocal text_open
+        if not text_open:
+            text_open = True
+            yield _event("content_block_start", {"index": index, "content_block": {"type": "text", "text": ""}})
+        yield _event("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": piece}})
+
+    async for item in with_keepalives(merged_updates(handles, admissions=True)):
+        if item is None:  # queued: Anthropic's ping; prefilling: an event the SDKs yield (Claude Code's watchdog)
+            for line in (text("") if started else [ANTHROPIC_PING]):
+                yield line
             continue
         _, upd = item
         if not started:  # message_start once the prompt is admitted: its usage splits cached and computed
@@ -301,21 +312,14 @@ async def _events(p: Prepared, handles: list, base: dict[str, Any],
             yield _event("error", {"error": {"type": "api_error", "message": err.message}})
             return
         deltas = reply_deltas(upd)
-        for delta in deltas:
-            if delta.get("content"):
-                if not text_open:
-                    yield _event("content_block_start", {"index": index, "content_block": {"type": "text",
-                                                                                          "text": ""}})
-                    text_open = True
-                yield _event("content_block_delta", {"index": index, "delta": {"type": "text_delta",
-                                                                               "text": delta["content"]}})
+        for line in (line for d in deltas if d.get("content") for line in text(d["content"])):
+            yield line
         if res is None:
             continue
         if text_open:
             yield _event("content_block_stop", {"index": index})
             index += 1
-        calls = deltas[-1].get("tool_calls") or []
-        for call in calls:
+        for call in deltas[-1].get("tool_calls") or []:
             fn = call["function"]
             block = {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": fn["name"], "input": {}}
             yield _event("content_block_start", {"index": index, "content_block": block})
@@ -323,7 +327,7 @@ async def _events(p: Prepared, handles: list, base: dict[str, Any],
                                                                            "partial_json": fn["arguments"]}})
             yield _event("content_block_stop", {"index": index})
             index += 1
-        stop_reason, stop_sequence = _stop(res, p, bool(calls), decode)
+        stop_reason, stop_sequence = _stop(res, p, bool(deltas[-1].get("tool_calls")), decode)
         yield _event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                                        "usage": _usage(res)})
         yield _event("message_stop", {})

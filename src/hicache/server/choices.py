@@ -79,11 +79,14 @@ async def collect_choices(st: ServerState, request: Request, handles: list[Reque
         raise
 
 
-async def merged_updates(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, Update]]:
-    """``(choice index, update)`` as the choices' updates arrive, until every choice finished."""
+async def merged_updates(handles: list[RequestHandle], admissions: bool = False) -> AsyncIterator[tuple[int, Update]]:
+    """``(choice index, update)`` as the choices' updates arrive, until every choice finished; a
+    choice's admission update (no tokens yet: :attr:`Update.admission`) only with ``admissions``
+    (the Messages stream's ``message_start``: the other APIs have no event for it)."""
     if len(handles) == 1:
         async for upd in handles[0]:
-            yield 0, upd
+            if admissions or not upd.admission:
+                yield 0, upd
         return
     queue: asyncio.Queue[tuple[int, Update]] = asyncio.Queue()
 
@@ -97,7 +100,8 @@ async def merged_updates(handles: list[RequestHandle]) -> AsyncIterator[tuple[in
         while left:
             i, upd = await queue.get()
             left -= upd.finished
-            yield i, upd
+            if admissions or not upd.admission:
+                yield i, upd
     finally:
         for t in tasks:
             t.cancel()

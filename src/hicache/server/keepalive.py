@@ -3,12 +3,27 @@ coding-agent prompt takes minutes on a CPU), a queue, a grammar being compiled.
 
 Coding agents drop a stream that stays silent for a while (Claude Code and Codex after 300 s)
 and retry it. Every streaming endpoint therefore writes a keep-alive whenever
-:data:`KEEPALIVE_INTERVAL_S` seconds pass without an event: Anthropic's own ``ping`` event on the
-Messages stream; on the Responses stream ``response.in_progress`` again (an event of the API that
-changes nothing: Codex's watchdog counts events, and an SSE parser skips comments before it sees
-them -- with comments Codex dropped an 8.8K-token prefill at 300 s); an SSE comment line
-(``: keep-alive``) on chat, completions and ``/generate`` streams, whose chunks have no such
-neutral event. Times are seconds.
+:data:`KEEPALIVE_INTERVAL_S` seconds pass without an event: on the Responses stream
+``response.in_progress`` again (an event of the API that changes nothing: Codex's watchdog counts
+events, and an SSE parser skips comments before it sees them -- with comments Codex dropped an
+8.8K-token prefill at 300 s); an SSE comment line (``: keep-alive``) on chat, completions and
+``/generate`` streams, whose chunks have no such neutral event.
+
+The Messages stream: ``ping`` while the request is queued (before ``message_start``, which waits
+for admission to report the cache hits), then, while the prompt prefills, an empty ``text_delta``
+in a text block opened for it (the block the reply's text then goes on in). Why not ``ping``
+alone: the SDKs drop it (Python's ``Stream``, TypeScript's ``Stream.fromSSEResponse``), and Claude
+Code's stream watchdog (300 s) is reset only by the events its SDK yields -- with pings alone it
+dropped a 19K-token prefill at 300 s and resent it. Of the events an SDK yields, the empty
+``text_delta`` is the one that folds into nothing: both SDKs' accumulate functions append its
+text to the block's (``text += ""``), and Claude Code's own loop does the same. A ``message_delta``
+with ``stop_reason: null`` and the current usage leaves the SDKs' accumulated message alone too
+(stop reason, sequence and usage set to what they were), but Claude Code adds a message's usage
+(and its cost) to the session's totals at every ``message_delta``: each keep-alive would count the
+whole prompt once more. The one trace of the text block: a reply that turns out to be tool calls
+only, after a prefill long enough for a keep-alive, has an empty text block before its
+``tool_use`` blocks (read back as no text: the prompt of the next turn is the same). Times are
+seconds.
 """
 
 from __future__ import annotations
@@ -23,7 +38,7 @@ T = TypeVar("T")
 KEEPALIVE_INTERVAL_S = 10.0
 
 SSE_KEEPALIVE = ": keep-alive\n\n"  # an SSE comment: parsers skip it, proxies and watchdogs see bytes
-ANTHROPIC_PING = 'event: ping\ndata: {"type": "ping"}\n\n'
+ANTHROPIC_PING = 'event: ping\ndata: {"type": "ping"}\n\n'  # before message_start (the Messages stream's later ones: above)
 
 
 async def with_keepalives(items: AsyncIterator[T]) -> AsyncIterator[Optional[T]]:

@@ -36,7 +36,7 @@ from ..errors import InvalidRequestError
 from ..frontend.loop import RequestHandle
 from ..runtime.request import GenerateResult
 from ..runtime.sampling import GrammarSpec, SamplingParams
-from .choices import check_choices, event_stream
+from .choices import check_choices, event_stream, merged_updates
 from .detok import IncrementalText
 from .keepalive import SSE_KEEPALIVE, with_keepalives
 from .parsing import parse_body, read_body
@@ -242,10 +242,11 @@ async def _stream(st: ServerState, handle: RequestHandle, rid: str, p: Prepared)
     """A chunk per update with the cumulative text and ids; the last chunk is the whole answer."""
     detok = IncrementalText(st.engine.tokenizer.decode, p.sampling.stop_strings)
     text, ids = "", []
-    async for upd in with_keepalives(handle):
-        if upd is None:
+    async for item in with_keepalives(merged_updates([handle])):
+        if item is None:
             yield SSE_KEEPALIVE
             continue
+        _, upd = item
         if upd.finished:
             res = upd.result
             yield sse_data(engine_dead_during(res).body() if res.finish_reason == "error" else

@@ -128,6 +128,14 @@ def _call_args(call: dict[str, Any]) -> tuple[Any, Any]:
         return fn.get("name"), args
 
 
+def template_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI ``tool_calls`` from the history as a chat template takes them: ``arguments`` the JSON
+    object, not its text (templates write ``arguments | tojson``, as transformers and vLLM pass them:
+    the text would be written as a JSON string, not the object the model wrote)."""
+    return [{**c, "function": {**c["function"], "arguments": _call_args(c)[1]}}
+            if isinstance(c, dict) and isinstance(c.get("function"), dict) else c for c in calls]
+
+
 class CallFormat:
     """One family's tool-call format (module docstring)."""
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from .protocol import APIError
-from .tool_formats import HERMES, CallFormat, SpecialId, ToolCall
+from .tool_formats import HERMES, CallFormat, SpecialId, ToolCall, template_calls
 
 
 def check_tools(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -92,7 +92,7 @@ def chat_prompt(messages: list[Any], tools: Optional[list[Any]], tool_choice: An
         role, content = ("system" if m.role == "developer" else m.role), m.text()
         msg: dict[str, Any] = {"role": role, "content": content}
         if m.tool_calls and renders_tools:
-            msg["tool_calls"] = m.tool_calls
+            msg["tool_calls"] = template_calls(m.tool_calls)
         elif m.tool_calls:
             msg["content"] = f"{content}\n{fmt.render(m.tool_calls)}" if content else fmt.render(m.tool_calls)
         if role == "tool" and not renders_tools:
