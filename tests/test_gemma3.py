@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gguf_references import packaged_transformers_tokenizer
 
 from hicache.model import load_model
 from hicache.model.standalone import prefill_logits
@@ -48,10 +49,8 @@ def test_gemma3_270m_tokenizes_as_transformers_converts_the_file() -> None:
     longest-first as written (llama.cpp's and SentencePiece's rule for user-defined tokens: 31 + 9
     spaces), where transformers' conversion merges the run as ordinary pieces (16 + 24)."""
     from hicache.bench.corpus import TOKENIZER_CORPUS
-    from hicache.model.packaged import packaged_model_path
 
-    path = packaged_model_path("gemma3-270m")
-    theirs = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    theirs = packaged_transformers_tokenizer("gemma3-270m")
     ours = load_model("gemma3-270m", weights=False).tokenizer
     for text in TOKENIZER_CORPUS:
         ids = ours.encode(text)

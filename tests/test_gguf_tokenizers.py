@@ -8,10 +8,10 @@ conversion of the same file must agree with it."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from gguf_edit import rewrite_gguf
+from gguf_references import transformers_tokenizer
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from tokenizers.implementations import SentencePieceBPETokenizer
 
@@ -79,11 +79,6 @@ def train_sentencepiece() -> tuple[SentencePieceBPETokenizer, dict]:
               "tokenizer.ggml.add_space_prefix": True, "tokenizer.chat_template": None,
               "tokenizer.ggml.padding_token_id": None}
     return spm, fields
-
-
-def transformers_tokenizer(path: Path):
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 @pytest.mark.parametrize("pre, split", [("llama-bpe", LLAMA3), ("qwen2", QWEN2), ("gpt-2", None)])

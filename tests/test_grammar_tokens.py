@@ -13,6 +13,7 @@ from functools import lru_cache
 import llguidance
 import numpy as np
 import pytest
+from gguf_references import packaged_transformers_tokenizer
 
 from hicache.model.errors import ModelNotFoundError
 from hicache.model.gguf_loader import load_gguf_tokenizer
@@ -94,10 +95,8 @@ def test_the_tokenizer_equals_transformers_on_text_with_added_tokens(name):
     """transformers' conversion of the GGUF file (Gemma 3's: tests/test_gemma3.py, whose corpus
     holds its control tokens; its thousands of user-defined whitespace and markup tokens are
     matched longest-first, as llama.cpp does, where transformers' conversion differs)."""
-    transformers = pytest.importorskip("transformers")
     tokenizer = shipped(name)[0]
-    path = packaged_model_path(name)
-    theirs = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    theirs = packaged_transformers_tokenizer(name)
     texts = added_texts(tokenizer) + [json.dumps({"name": "f", "arguments": {"x": 1}})]
     for text in texts:
         assert tokenizer.encode(text) == theirs.encode(text, add_special_tokens=False), text

@@ -45,6 +45,7 @@ def test_the_host_budget_is_the_host_pools_bytes(explicit_ratio) -> None:
 
 
 @pytest.mark.engine
+@pytest.mark.slow  # copies held 20 ms a layer: 9.4 s + 3.5 s on a quiet 2-core VM
 @pytest.mark.parametrize("ratio", [None, 0.8])
 def test_backups_still_reading_their_checkpoints_do_not_starve_the_window_pages(ratio) -> None:
     """A host backup window-locks its node's checkpoint until its copy has read it, which no request's

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from gguf_edit import TINY, rewrite_gguf
+from gguf_references import PlainArrayReader
 
 from hicache.config import ConfigError
 from hicache.model import ModelNotFoundError, ModelSpec, load_model
@@ -141,7 +142,8 @@ def test_loading_without_weights_keeps_shape_tokenizer_and_identity(name):
 @pytest.mark.slow
 def test_gguf_header_reads_as_the_gguf_package_reads_it():
     """The fast header reader (hicache.model.gguf_file) gives the gguf package's own reader's
-    metadata values and tensor data for the embedded model's file, byte for byte."""
+    metadata values and tensor data for the embedded model's file, byte for byte; so does the
+    reader transformers' references parse files with in the tests (tests/gguf_references.py)."""
     import gguf
     import numpy as np
 
@@ -157,6 +159,11 @@ def test_gguf_header_reads_as_the_gguf_package_reads_it():
     assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
     for a, b in zip(ours.tensors, theirs.tensors):
         assert a.tensor_type == b.tensor_type and a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data), a.name
+    plain = PlainArrayReader(path)
+    assert {k: f.contents() for k, f in plain.fields.items()} == {k: f.contents() for k, f in theirs.fields.items()}
+    assert [(t.name, t.tensor_type, t.data.dtype, t.data.shape) for t in plain.tensors] == \
+        [(t.name, t.tensor_type, t.data.dtype, t.data.shape) for t in theirs.tensors]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(plain.tensors, theirs.tensors))
 
 
 def test_a_broken_gguf_file_is_one_clear_sentence(tmp_path):

@@ -3,10 +3,9 @@ checks dequantization and the undoing of llama.cpp's q/k row permutation), and s
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
+from gguf_references import fast_gguf_reading
 
 from hicache.model.gguf_loader import find_smollm2_gguf
 from hicache.model.standalone import greedy_paged, prefill_logits
@@ -25,16 +24,11 @@ def hf_smol():
     transformers = pytest.importorskip("transformers")
     # transformers refuses GGUF checkpoints without accelerate installed.
     pytest.importorskip("accelerate")
-    import gguf
-
     path = find_smollm2_gguf()
-    # transformers parses the file's header twice (the config, then the weights) and rebuilds gguf's
-    # tensor-name table for every module of the model: ~12 s of its ~21 s of CPU. Both are pure (a
-    # read-only parse of one file; constant tables), so they are memoized while it loads; it still
-    # dequantizes and un-permutes every tensor its own way.
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gguf, "GGUFReader", functools.lru_cache(maxsize=None)(gguf.GGUFReader))
-        patch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
+    # gguf_references: the header parsed once, over a plain array, and the tensor-name table built once
+    # (~12 s of its ~21 s of CPU with gguf's reader as is); transformers still dequantizes and
+    # un-permutes every tensor its own way.
+    with fast_gguf_reading():
         model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                                   dtype=torch.float32)
     return model.eval()

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import random
+import time
+from typing import Any, Callable
 
 import pytest
 
@@ -89,13 +91,24 @@ def test_a_request_waits_only_for_tokens_the_other_has_not_computed() -> None:
     assert computing_prefix_of(req, [other]) is None  # its prompt is done (cached at prefill end)
 
 
+def sent_late(send: Callable[[Any], None], delay_s: float) -> Callable[[Any], None]:
+    """``send`` with each message ``delay_s`` seconds late."""
+    def late(item: Any) -> None:
+        time.sleep(delay_s)
+        send(item)
+    return late
+
+
 @pytest.mark.multirank
-def test_tp2_ranks_wait_alike_and_answer_as_one_rank(checker: None) -> None:
+def test_tp2_ranks_wait_alike_and_answer_as_one_rank(checker: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """The rule decides on every rank from the requests alone (DESIGN invariant 3): a TP2 engine
-    with the consensus checker on waits, hits and answers as one rank does."""
+    with the consensus checker on waits, hits and answers as one rank does. Each message to the
+    leader is sent 20 ms late (a loaded machine): one generate call's prompts still arrive at one
+    step (sent one message each, the first ran alone and the second missed its pages: [0, 0, 300])."""
     ids = fanned_out(agents=3, system=300, question=20, seed=4)
     one, two = Engine("random:small", dtype="float32", page_size=4, max_total_tokens=8192), \
         Engine("random:small", dtype="float32", page_size=4, max_total_tokens=8192, tp_size=2)
+    monkeypatch.setattr(two.scheduler, "send", sent_late(two.scheduler.send, delay_s=0.02))
     try:
         single, computed = run_together(one, ids)
         ranks, computed_tp = run_together(two, ids)

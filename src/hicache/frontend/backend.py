@@ -39,7 +39,7 @@ class SchedulerView(Protocol):
     @property
     def waiting(self) -> Sequence[Request]: ...
 
-    def add(self, req: Request) -> None: ...
+    def add(self, *reqs: Request) -> None: ...  # taken at one step, in order
 
     def step(self) -> list[Request]: ...
 
@@ -104,8 +104,9 @@ class LocalScheduler:
     def waiting(self) -> Sequence[Request]:
         return self.runtime.waiting
 
-    def add(self, req: Request) -> None:
-        self.runtime.add(req)
+    def add(self, *reqs: Request) -> None:
+        for req in reqs:
+            self.runtime.add(req)
 
     def abort(self, rid: int) -> Request | None:
         return self.runtime.abort(rid)

@@ -272,8 +272,7 @@ class Engine:
             for i in range(1, n):  # (a choice differs in its seed only, kept in range: checked with s)
                 reqs.append(self.make_request(first.prompt_ids, s.for_choice(i), cache_salt))
                 reqs[-1].waits_for = first.rid
-        for req in reqs:
-            sched.add(req)
+        sched.add(*reqs)  # one intake: a rank group's leader takes them all at one step
         pending = {r.rid for r in reqs}
         try:
             while pending or sched.has_work():

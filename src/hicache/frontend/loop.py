@@ -231,7 +231,7 @@ class EngineLoop:
         req.on_update = handle._push
         with self._lock:
             self._inflight += 1
-        self._cmds.put(Add(req))
+        self._cmds.put(Add((req,)))
         return handle
 
     def abort(self, rid: int) -> None:
@@ -308,7 +308,7 @@ class EngineLoop:
         reqs = list(sched.running) + list(sched.waiting)
         for cmd in queued_now(self._cmds):  # and those still queued as commands
             if isinstance(cmd, Add):
-                reqs.append(cmd.request)
+                reqs.extend(cmd.requests)
             elif isinstance(cmd, Call) and cmd.future.set_running_or_notify_cancel():
                 cmd.future.set_exception(EngineDeadError(f"the engine failed: {why}"))
         for req in reqs:

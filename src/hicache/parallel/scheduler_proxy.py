@@ -38,9 +38,10 @@ class SchedulerProxy:
     def has_work(self) -> bool:
         return bool(self.requests)
 
-    def add(self, req: Request) -> None:
-        self.requests[req.rid] = req
-        self.send(Add(RequestSpec.of(req)))
+    def add(self, *reqs: Request) -> None:
+        """Queue ``reqs`` in one message: the leader takes them all at one step."""
+        self.requests.update((req.rid, req) for req in reqs)
+        self.send(Add(tuple(RequestSpec.of(req) for req in reqs)))
 
     def abort(self, rid: int) -> Request | None:
         """Finishes the request here at once (returned; None: not found); the ranks drop it at their next step."""

@@ -155,9 +155,11 @@ class StepDriver:
 # ---- command intake ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Add:
-    """Queue ``request`` (a Request on one rank; its RequestSpec on the way to a rank group)."""
+    """Queue ``requests`` at one step, in order (Requests on one rank; their RequestSpecs on the
+    way to a rank group): one ``Engine.generate`` call's prompts travel as one command, so a
+    leader never schedules the first of them before the others arrived."""
 
-    request: Any
+    requests: tuple[Any, ...]
 
 
 @dataclass(frozen=True)
@@ -189,7 +191,7 @@ def take_intake(get: Callable[[], Any], get_nowait: Callable[[], Any], empty: tu
             return intake
         take = get_nowait
         if isinstance(item, Add):
-            intake.adds.append(item.request)
+            intake.adds.extend(item.requests)
         elif isinstance(item, Abort):
             intake.aborts.append(item.rid)
         else:
