@@ -74,6 +74,35 @@ def test_decision_is_taken_at_decoration_time(monkeypatch):
     assert wrapped(4) == 4  # stays a wrapper; no recorder installed, so it just calls f
 
 
+_GROUPS = """
+import os
+from hicache import Engine
+from hicache.runtime.sampling import SamplingParams
+greedy = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+for checker in ("0", "1"):
+    os.environ["HICACHE_RANK_CONSENSUS_CHECKER"] = checker
+    engine = Engine("random:tiny", tp_size=2, dtype="float32", page_size=4)
+    try:
+        engine.generate([list(range(20, 40))], greedy)
+        print(checker, engine.group.monitor.compared if engine.group.monitor is not None else -1)
+    finally:
+        engine.shutdown()
+"""
+
+
+@pytest.mark.multirank
+def test_a_rank_group_with_the_checker_on_records_after_one_without_in_the_same_process():
+    """Ranks fork from one fork server a process starts with its first rank group: the checker of
+    a later group must not depend on the first group's environment (a test order once left every
+    later group's decorators off: ``compared`` 0)."""
+    env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
+    out = subprocess.run([sys.executable, "-c", _GROUPS], env=env, capture_output=True, text=True, check=True,
+                         timeout=300)
+    first, second = (line.split() for line in out.stdout.splitlines()[-2:])
+    assert first == ["0", "-1"]  # off: no monitor
+    assert second[0] == "1" and int(second[1]) > 0
+
+
 # --- recording --------------------------------------------------------------------------------
 
 

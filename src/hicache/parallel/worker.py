@@ -28,12 +28,13 @@ import sys
 import time
 import traceback
 from collections import deque
+from multiprocessing import forkserver
 from typing import Any
 
 import torch
 
 from ..config import ConfigError, EngineConfig
-from ..consensus_record import install_recorder, make_queue_sink
+from ..consensus_record import ENV_VAR as CHECKER_ENV, install_recorder, make_queue_sink
 from ..device import DTYPES, choose_precision, resolve_device
 from ..disagg.heads import TPRanks
 from ..errors import HicacheError
@@ -265,10 +266,24 @@ def rank_context() -> Any:
     """The multiprocessing context rank processes start from: a fork server that imported this
     module (torch, the model, the runtime) once, so that each rank starts as a fork of it rather
     than a fresh interpreter importing them again (~2 s of CPU a rank). The server starts with
-    the first rank and serves every later rank group of this process; it never touched a device
-    or ran a thread pool, so forking it is safe."""
+    the first rank group and serves every later one of this process; it never touched a device
+    or ran a thread pool, so forking it is safe.
+
+    It imports with the consensus checker's decorators applied (``consensus_check`` decides at
+    import), whatever the first group's environment: a later group with the checker on then
+    records its calls, one with it off passes through them (a rank takes its starter's
+    environment, and installs a recorder only when the checker is on)."""
     ctx = torch.multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload([__name__])
+    saved = os.environ.get(CHECKER_ENV)
+    os.environ[CHECKER_ENV] = "1"  # the server inherits the environment it starts with
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ[CHECKER_ENV]
+        else:
+            os.environ[CHECKER_ENV] = saved
     return ctx
 
 
