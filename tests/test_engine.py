@@ -11,7 +11,8 @@ import torch
 
 from hicache import Engine, InvalidRequestError, SamplingParams
 from hicache import device as device_mod
-from hicache.config import REFUSED, ConfigError
+from hicache.combinations import REFUSED
+from hicache.config import ConfigError
 from hicache.kernels import unavailable_reason
 
 pytestmark = pytest.mark.engine

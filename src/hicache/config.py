@@ -9,6 +9,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Optional, get_args, get_origin, get_type_hints
 
+from .combinations import refuse
 from .disagg_options import DisaggregationOptions
 from .errors import ConfigError
 from .options import opt as _opt
@@ -21,20 +22,6 @@ from .speculative_options import (
 )
 
 CP_STRATEGIES = ("zigzag", "interleave")  # how prefill tokens are split over context-parallel ranks
-# The KV components (cache/components.py) x modes that cannot run yet: the one place a combination
-# is refused (EngineConfig.refuse_combinations), before anything is allocated: a draft's at config
-# time, the model's components (runtime/rank_plan.py::model_components) once its spec is read. The
-# first listed pair a deployment holds is the sentence it gets; ``{model}``: --model.
-REFUSED: dict[tuple[str, str], str] = {
-    ("window", "cp"): "{model} has sliding-window layers, which context parallelism and KV sharding do not implement "
-                      "yet (the window component is not page-sharded); run it without --attn-cp-size / "
-                      "--enable-kv-cache-sharding.",
-    ("full", "latent-tp"): "--enable-kv-cache-sharding without --attn-cp-size shards an MLA latent over the TP ranks, "
-                           "and {model} is not an MLA model (its full component's KV heads are page-sharded over "
-                           "context-parallel ranks only); set --attn-cp-size.",
-    ("draft", "pd"): "--disaggregation-mode with --speculative-algorithm STANDALONE is not supported yet: P/D sends "
-                     "no draft component (a draft model's KV; NGRAM is supported: it needs none).",
-}
 __all__ = ["ConfigError", "EngineConfig", "PassPrecision", "DEFAULT_SPEC_STEPS", "SPEC_ALGORITHMS", "SPEC_KV_LAYOUTS"]
 
 
@@ -339,13 +326,10 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
 
     def refuse_combinations(self, components: set[str]) -> None:
         """Refuse the first pair of ``components`` (names of cache/components.py's kinds) x the modes
-        this config turns on that :data:`REFUSED` lists, in its sentence."""
-        modes = {"cp": self.attn_cp_size > 1 or self.enable_kv_cache_sharding,
-                 "latent-tp": self.enable_kv_cache_sharding and self.attn_cp_size == 1,
-                 "pd": self.disaggregation_mode != "null"}
-        for (component, mode), why in REFUSED.items():
-            if component in components and modes[mode]:
-                raise ConfigError(why.format(model=self.model))
+        this config turns on that :data:`~hicache.combinations.REFUSED` lists, in its sentence."""
+        refuse(components, {"cp": self.attn_cp_size > 1 or self.enable_kv_cache_sharding,
+                            "latent-tp": self.enable_kv_cache_sharding and self.attn_cp_size == 1,
+                            "pd": self.disaggregation_mode != "null"}, self.model)
 
     def _validate_nodes(self) -> None:
         """Ranks across machines: every node runs the same number of ranks, node 0 included."""
