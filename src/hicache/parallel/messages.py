@@ -93,6 +93,11 @@ class RequestUpdate:
     logprobs: list = field(default_factory=list)  # the new tokens' TokenLogprob entries (when asked)
     error_code: str = ""  # finish_reason "error": what failed (runtime.request.Request.error_code)
 
+    @property
+    def admission(self) -> bool:
+        """The update a request makes once admitted, before its first token (no tokens, not finished)."""
+        return not self.token_ids and not self.finished
+
     @classmethod
     def of(cls, req: Request, sent: int) -> "RequestUpdate":
         done = req.status is Status.FINISHED

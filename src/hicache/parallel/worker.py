@@ -196,7 +196,7 @@ class StageLoop:
         if upd.finished:
             self._sent.pop(req.rid, None)
         self._updates.append(upd)
-        if not upd.token_ids and not upd.finished:  # admitted: to the frontend before the step's forward
+        if upd.admission:  # to the frontend before the step's forward (a long first chunk takes a while)
             self._report()
 
     def _report(self) -> None:
