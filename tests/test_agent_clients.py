@@ -133,6 +133,19 @@ def test_claude_code_turns_are_served_and_report_cache_reads_from_the_start(serv
     # (Claude Code's max_tokens 64000, more than a context holds, is served: test_replies_default_...)
 
 
+def test_the_agents_tools_make_the_grammar_of_a_call_the_model_begins(server, caplog) -> None:
+    """Claude Code's 24 tools and Codex's (its namespace flattened in) compile into the lazy grammar
+    of a call under tool_choice auto: schema keywords the grammar engine lacks (Claude Code's
+    ``propertyNames``) go unenforced rather than the grammar refused (it then would be dropped)."""
+    with caplog.at_level(logging.WARNING, "hicache.server"):
+        for name, cap in (("claude_code_turn1", "max_tokens"), ("codex_turn1", "max_output_tokens")):
+            r, _ = replay(server, name, **{cap: 2})
+            assert r.status_code == 200, r.text
+    assert not [m for m in caplog.messages if "without their grammar" in m], caplog.messages
+    stats = httpx.get(server.base_url + "/stats", headers={"authorization": f"Bearer {KEY}"}).json()
+    assert stats["grammar"]["templates"] >= 2 and stats["grammar"]["failed_requests"] == 0, stats["grammar"]
+
+
 def test_head_root_answers_without_a_key(server) -> None:
     assert httpx.head(server.base_url + "/").status_code == 200
     assert httpx.get(server.base_url + "/v1/models").status_code == 401  # the rest still wants the key

@@ -6,6 +6,7 @@ decoding, the prefix cache and TP2."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -13,6 +14,7 @@ import httpx
 import pytest
 
 from hicache import Engine
+from hicache.runtime.grammar_vet import tokenizer_config
 from hicache.runtime.sampling import GrammarSpec, SamplingParams
 
 pytestmark = [pytest.mark.server, pytest.mark.engine]
@@ -221,6 +223,44 @@ def test_grammar_under_speculation_and_with_a_cached_prompt() -> None:
     finally:
         ngram.shutdown()
     assert got.output_ids == want.output_ids and got.spec_verify_steps > 0
+
+
+def test_a_lazy_grammar_is_free_until_its_trigger_then_holds() -> None:
+    """A lazy grammar (how a call the model begins under tool_choice auto is constrained) masks
+    nothing until its trigger matches the output, then takes the trigger's prefix and holds from
+    there; one whose prefix it refuses lets go (the reply is what free decoding writes); one that never
+    matches changes nothing."""
+    prompt = "Count: one two three four five"
+    greedy = SamplingParams(max_new_tokens=24, temperature=0.0)
+    engine = Engine("random:tiny", dtype="float32", max_total_tokens=4096)
+    try:
+        table = tokenizer_config(engine.tokenizer, engine.vocab_size)["tokens"]  # each id's bytes, as Latin-1
+        head = "".join(table[t] for t in engine.generate([prompt], greedy)[0].output_ids[:3])
+
+        def lazy(prefix: str, pattern: str = re.escape(head)) -> SamplingParams:
+            return dataclasses.replace(greedy, grammar=GrammarSpec("regex", "x[0-9]{6}", triggers=((pattern, prefix),)))
+
+        free, held, released, never = engine.generate(
+            [prompt] * 4, [greedy, lazy("x"), lazy("y"), lazy("x", "never seen")])
+        stats = engine.stats()["grammar"]
+    finally:
+        engine.shutdown()
+    assert held.output_ids[:3] == free.output_ids[:3] != held.output_ids[3:6]
+    assert held.finish_reason == "stop" and re.fullmatch("[0-9]{6}", "".join(table[t] for t in held.output_ids[3:-1]))
+    assert released.output_ids == free.output_ids and never.output_ids == free.output_ids
+    assert (stats["lazy_triggered"], stats["lazy_released"], stats["failed_requests"]) == (2, 1, 0)
+
+
+def test_a_tool_schema_the_grammar_engine_refuses_is_a_400_when_forced_and_free_under_auto(server) -> None:
+    """Under tool_choice auto the call grammar is the server's own doing: where it cannot be compiled
+    the request runs without it; a forced call of the same tool is a 400."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"type": "wat"}}}}}
+    payload = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "tools": [tool]}
+    r = httpx.post(server.base_url + "/v1/chat/completions", json=payload, timeout=30)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("length", "stop"), r.text
+    r = httpx.post(server.base_url + "/v1/chat/completions", json={**payload, "tool_choice": "required"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
 
 
 @pytest.mark.multirank

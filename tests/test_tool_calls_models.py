@@ -8,6 +8,7 @@ pinned (its header, its size and its SHA-256) and a plain chat turn on it answer
 from __future__ import annotations
 
 import hashlib
+import json
 
 import pytest
 from live_server import serving
@@ -63,6 +64,37 @@ def test_forced_and_automatic_calls_on_every_api(model, api):
         text, calls = TURNS[api](srv.base_url, name, "What is 17 + 25? Answer with the number only.", [],
                                  "auto", False, max_tokens=16)
         assert "42" in text and not calls
+
+
+BASH = {"type": "function", "function": {"name": "Bash", "description": "Run a shell command and return its output.",
+        "parameters": {"type": "object", "properties": {"command": {"type": "string"}, "timeout": {"type": "number"}},
+                       "required": ["command"], "additionalProperties": False}}}
+READ = {"type": "function", "function": {"name": "Read", "description": "Read a file.", "parameters": {
+        "type": "object", "properties": {"file_path": {"type": "string"}}, "required": ["file_path"]}}}
+
+
+def _fenced_object(text: str) -> dict:
+    return json.loads(text.strip().removeprefix("```json").removesuffix("```"))
+
+
+@pytest.mark.parametrize("model", ["qwen2.5-coder-0.5b"], indirect=True)
+def test_a_call_the_model_begins_follows_the_tools(model):
+    """Qwen2.5 Coder 0.5B, greedy, as a coding agent's tools (Bash, Read) reach it. Its own reply
+    (tool_choice none: the same prompt, nothing constrained or parsed) to "what is in README.md" is
+    a fenced call of a function named "README.md"; under auto the call's grammar takes over at its
+    first key, so the name is one of the tools and the call comes back (llama.cpp's lazy grammars).
+    Where its own call is valid, the grammar changes nothing: the same call, arguments and all."""
+    name, srv = model
+    ask = "Show me what is in README.md"
+    own, _ = TURNS["chat"](srv.base_url, name, ask, [BASH, READ], "none", False, max_tokens=24)
+    assert own.startswith("```json") and '"name": "README.md"' in own, own
+    _, calls = TURNS["chat"](srv.base_url, name, ask, [BASH, READ], "auto", False, max_tokens=96)
+    assert [fn for fn, _ in calls] == ["Read"] and set(calls[0][1]) == {"file_path"}, calls
+    ask = "Count the lines of code in src/ using wc."
+    own, _ = TURNS["chat"](srv.base_url, name, ask, [BASH, READ], "none", False, max_tokens=96)
+    _, calls = TURNS["chat"](srv.base_url, name, ask, [BASH, READ], "auto", False, max_tokens=96)
+    wrote = _fenced_object(own)
+    assert calls == [(wrote["name"], wrote["arguments"])] and wrote["name"] == "Bash", (own, calls)
 
 
 def test_the_packaged_qwen_file_is_the_pinned_one():

@@ -11,6 +11,7 @@ import pytest
 
 from hicache.model.chat_render import compile_chat_template, render
 from hicache.model.tokenizer import byte_tokenizer
+from hicache.runtime.grammar_trigger import TriggerScan, compile_triggers
 from hicache.runtime.grammar_vet import ll_tokenizer, tokenizer_config
 from hicache.server.tool_formats import FORMATS, HERMES, choose_format, detect_format
 from hicache.server.protocol import ChatCompletionRequest
@@ -116,6 +117,54 @@ def test_the_forced_grammar_accepts_what_the_parser_takes(fmt):
     only = fmt_.grammar(schemas, ["add"], False, tokenizer.special_token_id)
     matcher = llguidance.LLMatcher(lltok, llguidance.grammar_from("lark", only), log_level=0)
     assert not matcher.consume_tokens(tokenizer.encode(written))
+
+
+LAZY_SCHEMAS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}}},
+                "add": {"type": "object", "properties": {"a": {"type": "integer"}}}}
+
+
+def _lazy_start(fmt: str, reply: str):
+    """Scan ``reply`` token by token as the engine does: (the grammar's matcher fed the trigger's
+    start, the tokens after the one that triggered, the byte tokenizer) or None when nothing triggers."""
+    tokenizer = byte_tokenizer()
+    config = tokenizer_config(tokenizer, tokenizer.vocab_size)
+    lltok = ll_tokenizer(llguidance, config, lambda t: tokenizer.backend.encode(t, add_special_tokens=False).ids)
+    grammar, triggers = FORMATS[fmt].lazy_grammar(LAZY_SCHEMAS, list(LAZY_SCHEMAS), True, tokenizer.special_token_id)
+    ids, scan = tokenizer.encode(reply), TriggerScan(compile_triggers(triggers))
+    for k in range(1, len(ids) + 1):
+        start = scan.feed(ids[:k], config["tokens"])
+        if start is not None:
+            matcher = llguidance.LLMatcher(lltok, llguidance.grammar_from("lark", grammar), log_level=0)
+            assert matcher.consume_tokens(tokenizer.encode(start)), (start, matcher.get_error())
+            return matcher, ids[k:], tokenizer
+    return None
+
+
+@pytest.mark.parametrize("fmt, reply", [
+    ("hermes", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'),
+    ("hermes", '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```'),
+    ("hermes", ' {"name": "add", "arguments": {"a": 1}}'),
+    ("llama3", '{\n "name": "add",\n "parameters": {"a": 1}\n}'),
+    ("mistral", '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}]'),
+])
+def test_a_lazy_grammar_takes_over_where_a_reply_begins_a_call(fmt, reply):
+    """Under tool_choice auto: a trigger matches where the model begins a call (tags after text, a
+    reply that opens with a call object, pretty-printed or fenced); the grammar then takes the rest
+    of the reply as written, and the parser reads the call back."""
+    matcher, rest, _ = _lazy_start(fmt, reply)
+    assert matcher.consume_tokens(rest) and matcher.is_accepting(), matcher.get_error()
+    assert len(FORMATS[fmt].parse(reply, NAMES)[1]) == 1
+
+
+def test_a_lazy_grammar_leaves_text_and_json_that_is_no_call_alone_and_steers_an_invented_name():
+    for reply in ("The weather is fine.", 'Your package.json:\n```json\n{"name": "my-app"}\n```',
+                  '{"city": "Paris"}'):
+        assert _lazy_start("hermes", reply) is None, reply
+    # a reply that opens with a call object names one of the request's functions from there on
+    matcher, rest, tokenizer = _lazy_start("hermes", '```json\n{"name": "ls", "arguments": {}}\n```')
+    assert not matcher.consume_tokens(rest)
+    matcher, _, _ = _lazy_start("hermes", '```json\n{"name"')
+    assert matcher.consume_tokens(tokenizer.encode(': "add"'))
 
 
 def test_the_format_comes_from_the_template_unless_named():

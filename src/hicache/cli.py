@@ -128,6 +128,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(_engine(args), host=args.host, port=args.port, served_model_name=args.served_model_name,
                       max_queued_requests=args.max_queued_requests, log_level=args.log_level, api_key=api_key,
                       max_request_bytes=args.max_request_bytes, tool_call_parser=args.tool_call_parser,
+                      tool_call_grammar=args.tool_call_grammar,
                       responses_store_size=args.responses_store_size, responses_store_mb=args.responses_store_mb,
                       default_max_tokens=args.default_max_tokens, **limits)
 
@@ -201,6 +202,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "tags: hermes; [TOOL_CALLS]: mistral; <|python_tag|> or Llama 3 headers with \"parameters\": "
                         "llama3; a template without tools: hermes, described in a system message); one log line says "
                         "which (docs/structured_output.md).")
+    p.add_argument("--tool-call-grammar", default="lazy", choices=("lazy", "forced-only"),
+                   help="lazy: once a reply under tool_choice auto begins a call (<tool_call>, a reply that opens "
+                        "with {\"name\" ...), the rest of the call is constrained to a given function and its "
+                        "parameters' schema, as llama.cpp's lazy grammars do; text before it stays free. "
+                        "forced-only: only tool_choice required / a named function constrains the reply.")
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")

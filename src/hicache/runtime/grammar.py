@@ -24,7 +24,11 @@ Here, on every rank that samples, :class:`GrammarMode`:
   with finish reason "error" and error code ``grammar_failed`` (:meth:`GrammarMode.failures`);
   its output so far is what the grammar allowed;
 - verify passes (speculative decoding): row j is masked after the last token and drafts 1..j,
-  so a draft the grammar refuses has probability 0 and is rejected.
+  so a draft the grammar refuses has probability 0 and is rejected;
+- a *lazy* grammar (``GrammarSpec.triggers``: a tool call in an ``auto`` reply) masks nothing until
+  a trigger matches the output (runtime/grammar_trigger.py), then takes the trigger's prefix and the
+  output after it and holds from there. It never fails a request: where its matcher cannot take
+  what the model wrote, or fails later, it lets go and the rest of the reply is free (logged).
 
 Masks of a batch are computed on the mask thread while its forward runs (llguidance releases the
 GIL). Both threads have stacks of :data:`~.grammar_vet.ENGINE_STACK_BYTES`, several times the
@@ -47,6 +51,7 @@ import torch
 from ..model.tokenizer import Tokenizer
 from .batch import Batch, BatchKind
 from .events import WorkEvent
+from .grammar_trigger import TriggerScan, compile_triggers
 from .grammar_vet import ENGINE_STACK_BYTES, PARSER_LIMITS, ll_tokenizer, tokenizer_config
 from .grammar_worker import first_line
 from .modes import Action, Fail, Mode, ModeContext
@@ -70,6 +75,7 @@ class Template:
     agreed: bool = False
     retired: bool = False  # a request's matcher failed: its copies may share a spent lexer, new requests get a new one
     users: int = 0  # admitted requests of this grammar
+    patterns: tuple = ()  # a lazy grammar's triggers, compiled (runtime/grammar_trigger.py)
     waiting: list[Request] = field(default_factory=list)  # requests seen waiting for the build
 
     @property
@@ -85,14 +91,24 @@ class Template:
 @dataclass(eq=False)
 class GrammarState:
     """One request's grammar: its template, its own matcher (copied at its first mask, on the mask
-    thread) and how many output tokens the matcher has taken (it catches up before each mask)."""
+    thread) and how many output tokens the matcher has taken (it catches up before each mask).
+    A lazy grammar's ``scan`` watches the output until a trigger matches; ``released``: it let go."""
 
     template: Template
     matcher: Any = None
     consumed: int = 0
+    scan: Optional[TriggerScan] = None
+    released: bool = False
+
+    @property
+    def holds(self) -> bool:
+        """The grammar masks this request's rows now (a lazy one: triggered, not released)."""
+        return self.scan is None and not self.released
 
     def catch_up(self, req: Request) -> str:
         """Feed the matcher the output tokens it has not seen: "" or why the grammar cannot be kept."""
+        if not self.holds:
+            return ""
         if self.matcher is None:
             self.matcher = self.template.build.result().deep_copy()
         new = req.output_ids[self.consumed:]
@@ -136,6 +152,9 @@ class GrammarMode(Mode):
         self._failed: dict[int, dict[int, str]] = {}
         self.masked_rows = 0
         self.failed_requests = 0
+        self.lazy_triggered = 0  # lazy grammars that took over a reply (a tool call began)
+        self.lazy_released = 0  # ... and let go of it (the model wrote what they could not take)
+        self._token_text: Optional[list[str]] = None  # each id's bytes as Latin-1 text (the mask thread's)
         self.evicted = 0
 
     # ---- admission ---------------------------------------------------------------------
@@ -173,7 +192,8 @@ class GrammarMode(Mode):
     def _start(self, spec: GrammarSpec) -> Template:
         if self.samples and self._builder is None:
             self._builder = StackedWorker("hicache-grammar-build", ENGINE_STACK_BYTES)
-        template = Template(spec, self._builder.submit(self._build, spec) if self.samples else None)
+        template = Template(spec, self._builder.submit(self._build, spec) if self.samples else None,
+                            patterns=compile_triggers(spec.triggers))
         self._templates[spec] = template
         self._building.append(template)
         self._hold(template.bytes)
@@ -208,7 +228,7 @@ class GrammarMode(Mode):
             self._hold(spec.cost.request_bytes)
             self.admitted_mask_us += spec.cost.mask_us
             self.admitted += 1
-            req.grammar = GrammarState(template)
+            req.grammar = GrammarState(template, scan=TriggerScan(template.patterns) if spec.lazy else None)
         return False
 
     def on_finish(self, req: Request) -> bool:
@@ -234,8 +254,8 @@ class GrammarMode(Mode):
         """A P/D decode request's first token, sampled by the prefill server under the same grammar
         (the router sends it the same request): one that breaks the grammar ends the request."""
         state: Optional[GrammarState] = req.grammar
-        if state is None or not self.samples:
-            return None
+        if state is None or not self.samples or state.template.spec.lazy:
+            return None  # (a lazy grammar has not begun at a first token, and never fails a request)
         if state.matcher is None:  # (not in any batch yet: the mask thread does not hold it)
             state.matcher = state.template.build.result().deep_copy()
         if state.matcher.validate_tokens([token]) == 1:
@@ -316,19 +336,50 @@ class GrammarMode(Mode):
             return out
         for i in batch.result_rows():
             req = batch.reqs[i]
-            if req.grammar is not None:
-                why = req.grammar.catch_up(req) or self._add(out, i, req.grammar.matcher)
-                if why:
-                    out.failed[i] = self._failure(req, why)
+            if req.grammar is not None and self._catch_up(req, i, out):
+                self._settle(req, i, self._add(out, i, req.grammar.matcher), out)
         return out
+
+    def _catch_up(self, req: Request, i: int, out: RowMasks) -> bool:
+        """Bring ``req``'s grammar up to its output (a lazy one: scan for its triggers, start there);
+        True when it masks ``req``'s rows now."""
+        state: GrammarState = req.grammar
+        if state.scan is not None:
+            if self._token_text is None:
+                self._token_text = tokenizer_config(self._tokenizer, self._vocab_size)["tokens"]
+            start = state.scan.feed(req.output_ids, self._token_text)
+            if start is None:
+                return False
+            state.scan, state.consumed = None, len(req.output_ids)
+            state.matcher = state.template.build.result().deep_copy()
+            self.lazy_triggered += 1
+            logger.debug("grammar rid=%d: a tool call began after %d output tokens", req.rid, len(req.output_ids))
+            ids = self._tokenizer.backend.encode(start, add_special_tokens=False).ids
+            if not state.matcher.consume_tokens(ids):
+                self._settle(req, i, f"it cannot take the call's beginning {start[:40]!r}", out)
+                return False
+            return True
+        return self._settle(req, i, state.catch_up(req), out) and state.holds
+
+    def _settle(self, req: Request, i: int, why: str, out: RowMasks) -> bool:
+        """True when ``why`` is empty; else a strict grammar fails ``req`` and a lazy one lets go."""
+        if not why:
+            return True
+        state: GrammarState = req.grammar
+        if state.template.spec.lazy:
+            state.released, state.matcher = True, None
+            self.lazy_released += 1
+            logger.info("grammar rid=%d: the tool-call grammar let go after %d output tokens: %s", req.rid,
+                        len(req.output_ids), why)
+        else:
+            out.failed[i] = self._failure(req, why)
+        return False
 
     def _verify_masks(self, i: int, req: Request, row: int, drafts: Sequence[int], out: RowMasks) -> None:
         """Rows ``row + j``: the mask after drafts[:j]. Past a draft the grammar refuses no row is
         masked: that draft has probability 0 at its row, so nothing after it is accepted."""
         state: GrammarState = req.grammar
-        why = state.catch_up(req) or self._add(out, row, state.matcher)
-        if why:
-            out.failed[i] = self._failure(req, why)
+        if not self._catch_up(req, i, out) or not self._settle(req, i, self._add(out, row, state.matcher), out):
             return
         matcher, taken = state.matcher, 0
         for j in range(1, len(drafts) + 1):
@@ -362,6 +413,7 @@ class GrammarMode(Mode):
         if not self._templates and not self.masked_rows and not self.failed_requests:
             return {}
         return {"masked_rows": self.masked_rows, "failed_requests": self.failed_requests,
+                "lazy_triggered": self.lazy_triggered, "lazy_released": self.lazy_released,
                 "templates": len(self._templates), "evicted_templates": self.evicted, "admitted": self.admitted,
                 "held_bytes": self.held_bytes, "peak_held_bytes": self.peak_held_bytes,
                 "budget_bytes": self.memory_bytes,

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -69,11 +70,24 @@ class GrammarSpec:
     """What a request's output must match (runtime/grammar.py compiles it): ``kind`` is
     ``json_schema`` (``source``: the schema as JSON text; ``{"type": "object"}`` is OpenAI's
     json_object mode), ``regex``, ``ebnf`` (GBNF, as SGLang's ``ebnf``) or ``lark``. ``cost``:
-    set once the grammar was vetted (equal specs are the same grammar, vetted or not)."""
+    set once the grammar was vetted (equal specs are the same grammar, vetted or not).
+
+    ``triggers`` (empty: the grammar holds from the first output token) make the grammar *lazy*, as
+    llama.cpp's tool-call grammars are: the output is free until one of them matches it, then the
+    grammar holds for the rest. Each is ``(pattern, prefix)``: a regular expression searched in the
+    output's bytes (the earliest match wins), and the text the grammar takes in place of what it
+    matched (its own spelling of it; the output after the match follows). A lazy grammar promises
+    nothing about the output: where it cannot take what the model wrote, it lets go
+    (runtime/grammar.py)."""
 
     kind: str
     source: str
     cost: Optional[GrammarCost] = field(default=None, compare=False, repr=False)
+    triggers: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def lazy(self) -> bool:
+        return bool(self.triggers)
 
     def validate(self) -> None:
         if self.kind not in GRAMMAR_KINDS:
@@ -83,6 +97,11 @@ class GrammarSpec:
         if len(self.source) > MAX_GRAMMAR_CHARS:
             raise InvalidRequestError(f"the {self.kind} grammar has {len(self.source)} characters; at most "
                                       f"{MAX_GRAMMAR_CHARS} are accepted.")
+        for pattern, _ in self.triggers:
+            try:
+                re.compile(pattern.encode())
+            except re.error as e:
+                raise InvalidRequestError(f"the grammar trigger {pattern!r} is not a regular expression: {e}.") from None
 
 
 @dataclass

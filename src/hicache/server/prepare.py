@@ -26,9 +26,10 @@ _UNKNOWN_LOGGED: set[str] = set()  # request fields already logged as ignored (o
 
 
 def sampling_params(st: ServerState, body: SamplingBody, max_new: Optional[int], default_max: int,
-                    grammar: Optional[GrammarSpec] = None) -> SamplingParams:
+                    grammar: Optional[GrammarSpec] = None, lazy: Optional[GrammarSpec] = None) -> SamplingParams:
     """The request's sampling parameters; ``grammar`` (a forced tool call) or the body's own
-    structured-output fields, checked by the engine's grammar compiler (400 if unusable)."""
+    structured-output fields, checked by the engine's grammar compiler (400 if unusable); else
+    ``lazy`` (the grammar of calls the model begins), dropped where the engine cannot take it."""
     bad = body.unsupported()
     if bad:
         raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
@@ -45,7 +46,7 @@ def sampling_params(st: ServerState, body: SamplingBody, max_new: Optional[int],
         max_new_tokens=max_new if max_new is not None else default_max,
         temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, stop=body.stop,
         stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos, seed=body.seed,
-        grammar=grammar or own, **body.adjustments(),
+        grammar=grammar or own or usable_lazy(st, lazy), **body.adjustments(),
     )
     try:
         st.engine.check_sampling(sp)  # (the grammar is vetted next, without holding this thread: vet_grammar)
@@ -53,6 +54,21 @@ def sampling_params(st: ServerState, body: SamplingBody, max_new: Optional[int],
         field = "tools" if grammar is not None and e.param == "grammar" else body.field_of(e.param)
         raise APIError(400, str(e), param=field or param, code="invalid_value") from None
     return sp
+
+
+def usable_lazy(st: ServerState, spec: Optional[GrammarSpec]) -> Optional[GrammarSpec]:
+    """``spec`` unless the engine cannot take it (grammars off, too long): a request is never refused
+    for the grammar of calls it did not force; it then runs without it (logged)."""
+    if spec is None:
+        return None
+    if st.engine.config.grammar_backend == "none":
+        return None
+    try:
+        spec.validate()
+    except InvalidRequestError as e:
+        logger.warning("tool calls under tool_choice auto run without their grammar: %s", e)
+        return None
+    return spec
 
 
 def prepare_chat(body: ChatCompletionRequest, st: ServerState) -> Prepared:
@@ -63,10 +79,11 @@ def prepare_chat(body: ChatCompletionRequest, st: ServerState) -> Prepared:
     tok = st.engine.tokenizer
     tools, dropped = split_chat_tools(body.tools or [])
     chat = chat_prompt(body.messages, tools or None, body.tool_choice, body.parallel_tool_calls, tok.renders_tools,
-                       st.call_format, tok.special_token_id)
+                       st.call_format, tok.special_token_id, lazy=st.opts.tool_call_grammar == "lazy")
     forced = GrammarSpec("lark", chat.forced_grammar) if chat.forced_grammar else None
+    lazy = GrammarSpec("lark", chat.lazy_grammar[0], triggers=chat.lazy_grammar[1]) if chat.lazy_grammar else None
     # (without a max, the rest of the context once the prompt is tokenized: reply_room below)
-    sp = sampling_params(st, body, body.max_new_tokens(), st.engine.context_length, forced)
+    sp = sampling_params(st, body, body.max_new_tokens(), st.engine.context_length, forced, lazy)
     check_choices(body.n, 1, sp, body.stream, st.opts.max_logprob_tokens)
     try:
         text = tok.apply_chat_template(place_system_messages(chat.messages, tok), add_generation_prompt=True,

@@ -34,6 +34,9 @@ class ServerOptions:
     api_key: Optional[str] = None  # None: no authentication
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     tool_call_parser: str = "auto"  # the tool-call format (server/tool_formats.py); auto: the chat template's
+    # lazy: a call the model begins in an ``auto`` reply follows the function's schema from there on
+    # (server/tools.py); forced-only: only forced calls are constrained
+    tool_call_grammar: str = "lazy"
     max_logprob_tokens: int = DEFAULT_MAX_LOGPROB_TOKENS  # n x prompts x max_tokens of a non-streamed answer with logprobs
     responses_store_size: int = 1024  # responses kept for previous_response_id (server/responses.py)
     responses_store_mb: int = 256  # the bytes they may hold together

@@ -157,10 +157,14 @@ async def vet_grammar(st: ServerState, p: Prepared, request: Request) -> None:
     try:
         waiting = asyncio.wrap_future(st.engine.vet_grammar(spec, request.client.host if request.client else None))
         vetted = await _unless_gone(request, waiting)
-    except InvalidRequestError as e:
-        raise APIError(400, str(e), param=p.grammar_param, code="invalid_value") from None
-    except OverloadedError as e:
-        raise APIError(503, str(e), type="server_error", code="server_overloaded") from None
+    except (InvalidRequestError, OverloadedError) as e:
+        if spec.lazy:  # (the grammar of calls the request did not force: it runs without it)
+            logger.warning("tool calls under tool_choice auto run without their grammar: %s", e)
+            vetted = None
+        elif isinstance(e, InvalidRequestError):
+            raise APIError(400, str(e), param=p.grammar_param, code="invalid_value") from None
+        else:
+            raise APIError(503, str(e), type="server_error", code="server_overloaded") from None
     finally:
         if waiting is not None and not waiting.done():
             waiting.cancel()  # (cancels the engine's future too: the checker drops the job)

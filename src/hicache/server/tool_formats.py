@@ -27,6 +27,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 SpecialId = Callable[[str], Optional[int]]  # a marker's id where the vocabulary has it as a special token
+Triggers = tuple[tuple[str, str], ...]  # (regular expression over the reply, the text the grammar takes for it)
+# A reply that begins with a JSON object whose first key is "name" (pretty-printed or not): a call.
+# Any name, as llama.cpp's Llama 3.x trigger: the grammar then names one of the request's functions.
+_BARE_CALL = (r'\A\s*\{\s*"name"', '{"name"')
 
 
 @dataclass(frozen=True)
@@ -100,14 +104,25 @@ def _whole_reply_held(text: str, starts: tuple[str, ...]) -> int:
     return 0
 
 
-def _object_grammar(tools: dict[str, dict[str, Any]], names: list[str], argument_key: str) -> list[str]:
-    """Lark rules ``fn0 .. fnN``: one call object of each function, its arguments under its schema."""
+# JSON the way a forced call writes it: one line, ", " and ": " (what the format's examples show).
+_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# A call the model began itself keeps its own layout (small models pretty-print; held to one line, a
+# 0.5B model's arguments measurably drift): any whitespace between tokens, at most 40 characters a run.
+# Lenient: schema keywords llguidance does not implement (Claude Code's tools use propertyNames) are
+# not enforced, rather than the whole grammar refused: it is a help to the model, not a promise.
+_AS_WRITTEN = {"whitespace_flexible": True, "whitespace_pattern": "[ \\t\\n]{0,40}", "lenient": True}
+
+
+def _object_grammar(tools: dict[str, dict[str, Any]], names: list[str], argument_key: str,
+                    layout: Optional[dict[str, Any]] = None) -> list[str]:
+    """Lark rules ``fn0 .. fnN``: one call object of each function, its arguments under its schema,
+    laid out as ``layout`` says (llguidance's JSON options; default :data:`_COMPACT`)."""
     rules = []
     for i, name in enumerate(names):
         arguments = {**tools[name], "type": "object"}  # a schema without a type could take any JSON value
         schema = {"type": "object", "properties": {"name": {"const": name}, argument_key: arguments},
                   "required": ["name", argument_key], "additionalProperties": False,
-                  "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+                  "x-guidance": layout or _COMPACT}
         rules.append(f"fn{i}: %json {json.dumps(schema)}")
     return rules
 
@@ -142,6 +157,7 @@ class CallFormat:
     name = ""
     example = ""  # one call, as the model should write it (described to templates without tools)
     _STARTS: tuple[str, ...] = ()  # how a reply that is nothing but calls may begin
+    TRIGGERS: Triggers = ()  # where a call begins in a reply, and the grammar's spelling of it
 
     def parse(self, text: str, names: set[str], truncated: bool = False) -> tuple[Optional[str], list[ToolCall]]:
         """``(content, calls)`` of a reply; ``truncated`` (cut by max_tokens): a call left open at
@@ -154,9 +170,17 @@ class CallFormat:
         return _whole_reply_held(text, self._STARTS)
 
     def grammar(self, tools: dict[str, dict[str, Any]], names: list[str], parallel: bool,
-                special_id: SpecialId) -> str:
-        """A Lark grammar (llguidance's, with inline ``%json``) for one or more calls of ``names``."""
+                special_id: SpecialId, layout: Optional[dict[str, Any]] = None) -> str:
+        """A Lark grammar (llguidance's, with inline ``%json``) for one or more calls of ``names``, their
+        JSON laid out as ``layout`` says (:func:`_object_grammar`)."""
         raise NotImplementedError
+
+    def lazy_grammar(self, tools: dict[str, dict[str, Any]], names: list[str], parallel: bool,
+                     special_id: SpecialId) -> Optional[tuple[str, Triggers]]:
+        """The grammar of the calls a model begins on its own (``tool_choice`` auto) and its triggers
+        (``GrammarSpec.triggers``): once the reply starts a call, the rest of the call follows the
+        function's schema (as llama.cpp's lazy grammars do). None: this format has none."""
+        return (self.grammar(tools, names, parallel, special_id, _AS_WRITTEN), self.TRIGGERS) if self.TRIGGERS else None
 
     def render(self, calls: list[dict[str, Any]]) -> str:
         """Assistant ``tool_calls`` from the history, written back the way the model writes them."""
@@ -212,12 +236,23 @@ class HermesFormat(CallFormat):
         return max(self._tag_held(text), _whole_reply_held(text, self._BARE_STARTS))
 
     def grammar(self, tools: dict[str, dict[str, Any]], names: list[str], parallel: bool,
-                special_id: SpecialId) -> str:
+                special_id: SpecialId, layout: Optional[dict[str, Any]] = None) -> str:
         alternatives = " | ".join(f"fn{i}" for i in range(len(names)))
         start = 'start: call ("\\n" call)*' if parallel else "start: call"
         open_, close = _literal(self.OPEN, special_id), _literal(self.CLOSE, special_id)
         call = f'call: {open_} "\\n" ({alternatives}) "\\n" {close}'
-        return "\n".join([start, call, *_object_grammar(tools, names, "arguments")])
+        return "\n".join([start, call, *_object_grammar(tools, names, "arguments", layout)])
+
+    def lazy_grammar(self, tools: dict[str, dict[str, Any]], names: list[str], parallel: bool,
+                     special_id: SpecialId) -> Optional[tuple[str, Triggers]]:
+        """Tagged calls from ``<tool_call>`` on (after any text), or a reply that is one call object,
+        bare or in a ``json`` fence (how small models write it; :meth:`parse` takes all three)."""
+        tagged = self.grammar(tools, names, parallel, special_id, _AS_WRITTEN).replace("start:", "tagged:", 1)
+        alternatives = " | ".join(f"fn{i}" for i in range(len(names)))
+        whole = f'start: tagged | {json.dumps("```json" + chr(10))} one {json.dumps(chr(10) + "```")} | one'
+        fenced = (r'\A\s*```json\s*\{\s*"name"', '```json\n{"name"')
+        return "\n".join([whole, f"one: {alternatives}", tagged]), ((re.escape(self.OPEN), self.OPEN), fenced,
+                                                                     _BARE_CALL)
 
     def render(self, calls: list[dict[str, Any]]) -> str:
         return "\n".join(f"{self.OPEN}\n{json.dumps(dict(zip(('name', 'arguments'), _call_args(c))))}\n{self.CLOSE}"
@@ -228,6 +263,7 @@ class Llama3Format(CallFormat):
     name = "llama3"
     TAG = "<|python_tag|>"
     _STARTS = ("{", "```json", TAG)
+    TRIGGERS = (_BARE_CALL,)
     example = ('To call a function, answer with only a JSON object per call, one a line, in the format '
                '{"name": "<function name>", "parameters": {<arguments as a JSON object>}}')
 
@@ -236,10 +272,10 @@ class Llama3Format(CallFormat):
         return self._whole(text, names, truncated, whole_reply_calls(body, names, ("parameters", "arguments"), ";"))
 
     def grammar(self, tools: dict[str, dict[str, Any]], names: list[str], parallel: bool,
-                special_id: SpecialId) -> str:
+                special_id: SpecialId, layout: Optional[dict[str, Any]] = None) -> str:
         alternatives = " | ".join(f"fn{i}" for i in range(len(names)))
         start = 'start: call ("\\n" call)*' if parallel else "start: call"
-        return "\n".join([start, f"call: {alternatives}", *_object_grammar(tools, names, "parameters")])
+        return "\n".join([start, f"call: {alternatives}", *_object_grammar(tools, names, "parameters", layout)])
 
     def render(self, calls: list[dict[str, Any]]) -> str:
         return "\n".join(json.dumps(dict(zip(("name", "parameters"), _call_args(c)))) for c in calls)
@@ -250,6 +286,7 @@ class MistralFormat(CallFormat):
     TAG, ARGS = "[TOOL_CALLS]", "[ARGS]"
     _STARTS = ("{", "[", "```json", TAG)
     _V11 = re.compile(r"\s*([A-Za-z0-9_.\-]{1,64})\s*(?:\[ARGS\])?\s*(\{.*)", re.DOTALL)
+    TRIGGERS = ((re.escape(TAG), TAG),)
     example = ('To call functions, answer with only [TOOL_CALLS] followed by a JSON list of calls, each '
                '{"name": "<function name>", "arguments": {<arguments as a JSON object>}}')
 
@@ -277,11 +314,11 @@ class MistralFormat(CallFormat):
         return calls or None
 
     def grammar(self, tools: dict[str, dict[str, Any]], names: list[str], parallel: bool,
-                special_id: SpecialId) -> str:
+                special_id: SpecialId, layout: Optional[dict[str, Any]] = None) -> str:
         alternatives = " | ".join(f"fn{i}" for i in range(len(names)))
         calls = 'call (", " call)*' if parallel else "call"
         return "\n".join([f'start: {_literal(self.TAG, special_id)} "[" {calls} "]"', f"call: {alternatives}",
-                          *_object_grammar(tools, names, "arguments")])
+                          *_object_grammar(tools, names, "arguments", layout)])
 
     def render(self, calls: list[dict[str, Any]]) -> str:
         return self.TAG + json.dumps([dict(zip(("name", "arguments"), _call_args(c))) for c in calls])

@@ -12,7 +12,10 @@ inside ``<tool_response>`` tags.
 call (its reply is parsed; a malformed call stays text); ``required`` or a named function -- the
 reply is one or more calls (one with ``parallel_tool_calls: false``, exactly one for a named
 function) under a Lark grammar whose arguments follow each function's JSON schema, so they always
-parse and validate. A reply cut by ``max_tokens`` keeps every call finished before the cut (its
+parse and validate. Under ``auto`` the same grammar is *lazy* (``--tool-call-grammar lazy``, the
+default, as llama.cpp's): the reply is free until it begins a call in the format's way
+(``CallFormat.lazy_grammar``: ``<tool_call>``, a reply that opens with ``{"name"``), then the call
+names one of the functions and its arguments follow the schema. A reply cut by ``max_tokens`` keeps every call finished before the cut (its
 finish reason stays ``length``); the unfinished one is dropped, never returned as text.
 """
 
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from .protocol import APIError
-from .tool_formats import HERMES, CallFormat, SpecialId, ToolCall, template_calls
+from .tool_formats import HERMES, CallFormat, SpecialId, ToolCall, Triggers, template_calls
 
 
 def check_tools(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -72,19 +75,23 @@ def tool_response(content: str) -> str:
 @dataclass
 class ChatPrompt:
     """A chat request made ready for the template: its messages, the ``tools`` for a template
-    that renders them, the functions whose calls are parsed from the reply (empty: none), and the
-    grammar of a forced call (Lark) or None."""
+    that renders them, the functions whose calls are parsed from the reply (empty: none), the
+    grammar of a forced call (Lark) or None, and under ``auto`` the lazy grammar of a call the model
+    begins with its triggers, or None."""
 
     messages: list[dict[str, Any]]
     template_tools: Optional[list[dict[str, Any]]]
     call_names: frozenset[str]
     forced_grammar: Optional[str]
+    lazy_grammar: Optional[tuple[str, Triggers]] = None
 
 
 def chat_prompt(messages: list[Any], tools: Optional[list[Any]], tool_choice: Any, parallel: bool,
-                renders_tools: bool, fmt: CallFormat = HERMES, special_id: SpecialId = lambda _: None) -> ChatPrompt:
+                renders_tools: bool, fmt: CallFormat = HERMES, special_id: SpecialId = lambda _: None,
+                lazy: bool = False) -> ChatPrompt:
     """``messages`` (protocol ChatMessage) with the tools and past calls written in (module docstring),
-    in ``fmt``; ``special_id``: a marker's id where the vocabulary has it as a special token."""
+    in ``fmt``; ``special_id``: a marker's id where the vocabulary has it as a special token; ``lazy``:
+    make the lazy grammar of ``auto`` calls."""
     schemas = check_tools(tools or [])
     mode, names = chosen(schemas, tool_choice)
     out: list[dict[str, Any]] = []
@@ -109,8 +116,9 @@ def chat_prompt(messages: list[Any], tools: Optional[list[Any]], tool_choice: An
     # A named function is called exactly once (as vLLM and SGLang force it); "required" follows parallel_tool_calls.
     named = mode == "forced" and isinstance(tool_choice, dict)
     grammar = fmt.grammar(schemas, names, parallel and not named, special_id) if mode == "forced" else None
+    lazy_grammar = fmt.lazy_grammar(schemas, names, parallel, special_id) if mode == "auto" and lazy else None
     return ChatPrompt(out, tools if tools and renders_tools else None,
-                      frozenset(names) if mode != "none" else frozenset(), grammar)
+                      frozenset(names) if mode != "none" else frozenset(), grammar, lazy_grammar)
 
 
 # A choice's streamed chunk: (new text, finish reason or None, first chunk?, the new tokens' logprobs)
