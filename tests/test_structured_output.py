@@ -205,24 +205,33 @@ def test_nulls_mean_defaults(server) -> None:
 
 def test_grammar_under_speculation_and_with_a_cached_prompt() -> None:
     """NGRAM drafts that the grammar refuses are rejected; greedy output equals plain decoding
-    under the same grammar, and a second request hits its prompt in the cache."""
+    under the same grammar, and a second request hits its prompt in the cache. A lazy grammar
+    whose trigger the accepted drafts contain (the random model's reply loops, NGRAM copies the
+    loop) masks the rows after it as plain decoding does: the same output."""
     prompt = "List: " + "alpha beta gamma delta " * 8
     spec = GrammarSpec("regex", "(alpha|beta|gamma|delta)( (alpha|beta|gamma|delta)){5,12}")
     greedy = SamplingParams(max_new_tokens=120, temperature=0.0, grammar=spec)
     plain = Engine("random:tiny", dtype="float32", max_total_tokens=4096)
+    ngram = Engine("random:tiny", dtype="float32", max_total_tokens=4096, speculative_algorithm="NGRAM")
     try:
         want = plain.generate([prompt], greedy)[0]
         again = plain.generate([prompt], greedy)[0]
+        got = ngram.generate([prompt], greedy)[0]
+        free = plain.generate([prompt], SamplingParams(max_new_tokens=40, temperature=0.0))[0].output_ids
+        table = tokenizer_config(plain.tokenizer, plain.vocab_size)["tokens"]
+        lazy = [SamplingParams(max_new_tokens=40, temperature=0.0, grammar=GrammarSpec(
+            "regex", "x[0-9]{6}", triggers=((re.escape(table[free[k - 2]] + table[free[k - 1]]), "x"),)))
+            for k in (20, 26, 29, 32)]  # (inside the reply's loop: 26-32 are reached within accepted drafts)
+        lazy_plain = [plain.generate([prompt], sp)[0] for sp in lazy]  # (one at a time: each its own trajectory)
+        lazy_ngram = [ngram.generate([prompt], sp)[0] for sp in lazy]
     finally:
         plain.shutdown()
+        ngram.shutdown()
     assert re.fullmatch(spec.source, want.text) and want.finish_reason == "stop", want.text
     assert again.output_ids == want.output_ids and again.cached_tokens > 0
-    ngram = Engine("random:tiny", dtype="float32", max_total_tokens=4096, speculative_algorithm="NGRAM")
-    try:
-        got = ngram.generate([prompt], greedy)[0]
-    finally:
-        ngram.shutdown()
     assert got.output_ids == want.output_ids and got.spec_verify_steps > 0
+    assert [r.output_ids for r in lazy_ngram] == [r.output_ids for r in lazy_plain]
+    assert all(r.finish_reason == "stop" and r.output_ids != free for r in lazy_plain)
 
 
 def test_a_lazy_grammar_is_free_until_its_trigger_then_holds() -> None:

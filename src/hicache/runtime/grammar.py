@@ -39,6 +39,7 @@ template at its first mask if it is slower.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import OrderedDict
 from concurrent.futures import Future
@@ -354,8 +355,7 @@ class GrammarMode(Mode):
             state.matcher = state.template.build.result().deep_copy()
             self.lazy_triggered += 1
             logger.debug("grammar rid=%d: a tool call began after %d output tokens", req.rid, len(req.output_ids))
-            ids = self._tokenizer.backend.encode(start, add_special_tokens=False).ids
-            if not state.matcher.consume_tokens(ids):
+            if not state.matcher.consume_tokens(self._encode(start)):
                 self._settle(req, i, f"it cannot take the call's beginning {start[:40]!r}", out)
                 return False
             return True
@@ -379,7 +379,11 @@ class GrammarMode(Mode):
         """Rows ``row + j``: the mask after drafts[:j]. Past a draft the grammar refuses no row is
         masked: that draft has probability 0 at its row, so nothing after it is accepted."""
         state: GrammarState = req.grammar
-        if not self._catch_up(req, i, out) or not self._settle(req, i, self._add(out, row, state.matcher), out):
+        if not self._catch_up(req, i, out):
+            if state.scan is not None:
+                self._drafts_triggering(req, row, drafts, out)
+            return
+        if not self._settle(req, i, self._add(out, row, state.matcher), out):
             return
         matcher, taken = state.matcher, 0
         for j in range(1, len(drafts) + 1):
@@ -390,6 +394,28 @@ class GrammarMode(Mode):
                 break  # (the matcher failed at a draft: plain decoding will meet it there)
         if taken:
             matcher.rollback(taken)
+
+    def _drafts_triggering(self, req: Request, row: int, drafts: Sequence[int], out: RowMasks) -> None:
+        """A lazy grammar not triggered yet, in a verify pass: where a draft would trigger it, the rows
+        after are masked as plain decoding would mask them (a scratch scan and matcher: the request's
+        own meet the accepted tokens at its next step), so speculation changes no greedy output."""
+        state: GrammarState = req.grammar
+        scan, ids = dataclasses.replace(state.scan), list(req.output_ids)
+        for j, token in enumerate(drafts, start=1):
+            ids.append(token)
+            start = scan.feed(ids, self._token_text)
+            if start is None:
+                continue
+            matcher = state.template.build.result().deep_copy()
+            if not matcher.consume_tokens(self._encode(start)):
+                return  # (plain decoding lets go here: nothing is masked)
+            for k in range(j, len(drafts) + 1):
+                if (k > j and matcher.try_consume_tokens([drafts[k - 1]]) != 1) or self._add(out, row + k, matcher):
+                    return
+            return
+
+    def _encode(self, text: str) -> list[int]:
+        return self._tokenizer.backend.encode(text, add_special_tokens=False).ids
 
     def _add(self, out: RowMasks, row: int, matcher: Any) -> str:
         """Mask ``row`` by what ``matcher`` allows: "" or why it allows nothing."""
