@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from typing import Any, Callable
@@ -10,6 +11,7 @@ from typing import Any, Callable
 import pytest
 
 from hicache import Engine, SamplingParams
+from hicache.frontend.loop import EngineLoop
 from hicache.runtime.request import Request, Status
 from hicache.runtime.shared_prefill import computing_prefix_of
 
@@ -118,3 +120,34 @@ def test_tp2_ranks_wait_alike_and_answer_as_one_rank(checker: None, monkeypatch:
     finally:
         one.shutdown()
         two.shutdown()
+
+
+def test_a_request_arriving_after_the_others_prompt_was_computed_hits_it() -> None:
+    """A fans out first; B, on the same system prompt, arrives once A is decoding (A's prompt was
+    computed with nobody waiting, so its pages would enter the tree only at A's finish). B's
+    admission caches A's prompt: B computes its question only, and both answer as alone."""
+    a_ids, b_ids = fanned_out(agents=2, system=300, question=20, seed=5)
+    eng = engine()
+    alone = [eng.generate([ids], GREEDY)[0].output_ids for ids in (a_ids, b_ids)]
+    eng.flush_cache()
+    loop = EngineLoop(eng).start()
+    long = SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True)
+
+    async def fan_out() -> tuple[list, list]:
+        a = loop.submit(a_ids, long)
+        first = []
+        async for u in a:  # B is sent once A has its first token (A decodes on)
+            first.append(u)
+            if u.token_ids:
+                break
+        b = [u async for u in loop.submit(b_ids, GREEDY)]
+        return first + [u async for u in a], b
+
+    try:
+        a_ups, b_ups = asyncio.run(fan_out())
+    finally:
+        loop.stop()
+        eng.shutdown()
+    a_res, b_res = a_ups[-1].result, b_ups[-1].result
+    assert b_ups[0].cached["device"] == b_res.cached_tokens == 300  # (before: 0, A still decoding)
+    assert b_res.output_ids == alone[1] and a_res.output_ids[:len(alone[0])] == alone[0]

@@ -27,7 +27,7 @@ from .modes import Action, Fail, Mode, Release, StartDecode
 from .prefetch_policy import PrefetchPolicy
 from .request import PrefetchWait, Request, Status
 from .results import Results
-from .shared_prefill import computing_prefix_of
+from .shared_prefill import computed_prompt_of, computing_prefix_of
 
 logger = logging.getLogger(__name__)
 
@@ -227,6 +227,8 @@ class Scheduler(Results):
                 continue  # n > 1: admitted once its sibling's prompt is cached, to share its pages
             if self.shared_prefill_wait and computing_prefix_of(req, self.running) is not None:
                 continue  # another request is computing its first tokens: it hits them once cached
+            if self.shared_prefill_wait:
+                self._share_computed_prompt(req)
             if shares.over(req, self.cache.pages_for(self._reserve_tokens(req))):
                 continue  # its group has its share: others first
             if not all([m.admissible(req) for m in self.modes]):  # every mode hears of it
@@ -247,6 +249,14 @@ class Scheduler(Results):
     def _reserve_tokens(self, req: Request) -> int:
         """Tokens of KV a request reserves at admission: its prompt, its most output, a mode's slots."""
         return len(req.prompt_ids) + req.max_new_tokens + self.reserve_slots
+
+    def _share_computed_prompt(self, req: Request) -> None:
+        """A running request computed the first tokens of ``req``'s prompt while ``req`` was on its
+        way (nobody waited, so its pages would enter the tree only at its finish): cache its prompt
+        now, for ``req`` to hit. The prompt only: its reply's KV is the decode kernels' arithmetic."""
+        other = computed_prompt_of(req, self.running, self.cache.page_size)
+        if other is not None:
+            self.cache.cache_prefix(other.namespace, other.tokens_np, other.kv)
 
     def _prompt_pending(self, rid: int) -> bool:
         """Request ``rid`` is queued or still computing its prompt."""

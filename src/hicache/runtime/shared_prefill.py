@@ -6,8 +6,10 @@ radix tree can only share what a finished chunk has put there. So a request whos
 another running request has still to compute waits, step by step, until they are cached (at the
 other's next chunk boundary or its prefill end), then hits those pages and computes only what
 follows them. On a CPU a step's time grows with its tokens, so the wait costs the request no
-more than computing them beside the other would have. A function of the requests' tokens and
-states alone: every rank decides the same (DESIGN invariant 3).
+more than computing them beside the other would have. A request that arrives once the other has
+computed its prompt (nobody waited, so it would be cached only at the other's finish) gets that
+prompt cached at its admission (:func:`computed_prompt_of`). A function of the requests' tokens
+and states alone: every rank decides the same (DESIGN invariant 3).
 """
 
 from __future__ import annotations
@@ -30,6 +32,21 @@ def computing_prefix_of(req: Request, running: Sequence[Request], min_tokens: in
             continue
         if common_prefix(other.tokens_np, req.tokens_np) - other.computed >= min_tokens:
             return other.rid
+    return None
+
+
+def computed_prompt_of(req: Request, running: Sequence[Request], page_size: int,
+                       min_tokens: int = SHARED_PREFILL_MIN) -> Optional[Request]:
+    """The first request in ``running`` past its prefill whose prompt starts with at least
+    ``min_tokens`` of ``req``'s tokens beyond the pages the tree holds for it (computed while ``req``
+    was on its way); None if there is none. Its prompt is cached for ``req`` to hit. Not on a hybrid
+    pool (``kv.window`` held): a decoding request has given up the window pages behind its window,
+    so the prompt's end is no longer a boundary its window component can serve."""
+    for other in running:
+        if other.status is not Status.DECODE or other.namespace != req.namespace or other.kv.window is not None:
+            continue
+        if common_prefix(other.tokens_np, req.tokens_np) - other.kv.cached_pages * page_size >= min_tokens:
+            return other
     return None
 
 
