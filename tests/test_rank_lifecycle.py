@@ -115,6 +115,23 @@ def test_ranks_exit_when_the_frontend_is_killed(tmp_path: Path) -> None:
     assert _wait_gone(ranks) == []
 
 
+@pytest.mark.server
+def test_a_server_a_script_started_stops_when_the_script_is_killed() -> None:
+    """A test run or benchmark killed by a timeout (SIGKILL: no cleanup runs) does not leave the
+    `hicache serve` it started running (two P/D servers once ran 1.5 h after their test)."""
+    script = ("import time; from hicache.bench.main import launch_server\n"
+              "proc, url = launch_server('--model random:tiny --max-total-tokens 512', timeout=120)\n"
+              "print(proc.pid, flush=True); time.sleep(600)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        server = int(parent.stdout.readline())
+        assert _alive([server]) == [server]
+    finally:
+        parent.kill()
+        parent.wait()
+    assert _wait_gone([server], timeout=30) == []
+
+
 @pytest.mark.multirank
 @pytest.mark.server
 def test_serve_stops_its_ranks_in_order_on_sigterm() -> None:

@@ -115,7 +115,10 @@ def cmd_agent_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from .processes import die_with_parent
     from .server.serve import run_server
+
+    die_with_parent()  # (a server started by a test, benchmark or demo stops with it)
 
     api_key = _api_key(args.api_key, os.environ.get("HICACHE_API_KEY"))  # refused before the model loads
     limits = {} if args.max_logprob_tokens is None else {"max_logprob_tokens": args.max_logprob_tokens}

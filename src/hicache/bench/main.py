@@ -20,7 +20,7 @@ from typing import Any
 
 from ..errors import HicacheError
 from ..ports import free_port
-from ..processes import stop_process
+from ..processes import child_env, stop_process
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def start_server(server_args: str) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "hicache.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            *shlex.split(server_args)]
     print(f"launching: {' '.join(shlex.quote(c) for c in cmd)}", file=sys.stderr)
-    return subprocess.Popen(cmd), f"http://127.0.0.1:{port}"
+    return subprocess.Popen(cmd, env=child_env()), f"http://127.0.0.1:{port}"
 
 
 def wait_server(proc: subprocess.Popen, url: str, timeout: float) -> None:
