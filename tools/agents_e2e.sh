@@ -169,7 +169,11 @@ run_claude() {
     out=$WORK/claude-turn$turn.jsonl
     local cont=()
     [ "$turn" -gt 1 ] && cont=(--continue)
+    # Claude Code's subagents and small tasks ask for its haiku / sonnet / opus models by name (a subagent's
+    # first request asked for claude-haiku-4-5-20251001 and got 404): its own settings point them at the server too
     (cd "$repo" && HOME=$home ANTHROPIC_BASE_URL="http://127.0.0.1:$PORT" ANTHROPIC_API_KEY=none \
+        ANTHROPIC_DEFAULT_HAIKU_MODEL=hicache ANTHROPIC_DEFAULT_SONNET_MODEL=hicache \
+        ANTHROPIC_DEFAULT_OPUS_MODEL=hicache ANTHROPIC_SMALL_FAST_MODEL=hicache CLAUDE_CODE_SUBAGENT_MODEL=hicache \
         CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1 DISABLE_TELEMETRY=1 DISABLE_AUTOUPDATER=1 \
         DISABLE_ERROR_REPORTING=1 timeout 3600 "$BIN/claude" -p "${TASKS[$(( (turn - 1) % ${#TASKS[@]} ))]}" \
         ${cont[@]+"${cont[@]}"} --model hicache --output-format stream-json --verbose \
