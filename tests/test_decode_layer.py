@@ -18,7 +18,7 @@ from hicache.model import DenseKV, load_model, make_forward_batch
 from hicache.model.decode_stack import DecodeStack
 from hicache.model.llama import DecoderLayer
 
-pytestmark = [pytest.mark.model, pytest.mark.usefixtures("machine_threads"),  # their splits over threads
+pytestmark = [pytest.mark.model,
               pytest.mark.skipif(unavailable_reason() is not None, reason=f"no native kernels: {unavailable_reason()}")]
 
 BIASED = "random:" + json.dumps({"preset": "small", "attention_bias": True})
