@@ -32,7 +32,8 @@ Torch runs on one thread in this process (``MACHINE_THREADS`` is its width befor
 here are tiny, and every engine's loop thread, copy worker and server thread would otherwise hold an
 OpenMP pool of its own; with more OpenMP threads than CPUs libgomp sleeps at every barrier, and on a
 2-core machine that other work also loads its threads spin (the quick tests took ~3x the CPU time).
-Processes the tests start (servers, new-process readers, rank processes) keep their own defaults.
+The processes the tests start (servers, CLI runs, new-process readers) inherit ``OMP_NUM_THREADS=1``
+unless it is set: their answers are compared with this process's, and their threads spin as much.
 ``machine_threads``: torch at ``MACHINE_THREADS`` for one test, for the tests whose subject is the
 threads themselves (the kernels' splits over threads, OpenMP pools).
 
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import importlib
 import multiprocessing
+import os
 import threading
 from typing import Iterator
 
@@ -59,6 +61,7 @@ from hicache.cache.storage.valkey_server import find_valkey_server, start_valkey
 MOONCAKE_SEGMENT_BYTES = 256 << 20
 MACHINE_THREADS = torch.get_num_threads()
 torch.set_num_threads(1)  # before any test module builds an engine: threads started later inherit it
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # the processes the tests start (rank processes set their own)
 AREAS = ("model", "cache", "engine", "parallel", "server", "storage", "spec", "pd", "cp")
 
 
@@ -70,8 +73,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture
-def machine_threads() -> Iterator[int]:
-    """Torch at the machine's width (``MACHINE_THREADS``, yielded) for this test; one thread after."""
+def machine_threads(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
+    """Torch at the machine's width (``MACHINE_THREADS``, yielded) for this test and the processes it
+    starts; one thread after."""
+    monkeypatch.setenv("OMP_NUM_THREADS", str(MACHINE_THREADS))
     torch.set_num_threads(MACHINE_THREADS)
     try:
         yield MACHINE_THREADS
