@@ -28,6 +28,15 @@ started from then on.
 
 ``nothing_left_running`` (every test): whatever engine a test made is fully stopped after it.
 
+Torch runs on one thread in this process (``MACHINE_THREADS`` is its width before): the engines
+here are tiny, and every engine's loop thread, copy worker and server thread would otherwise hold an
+OpenMP pool of its own; with more OpenMP threads than CPUs libgomp sleeps at every barrier, and on a
+2-core machine that other work also loads its threads spin (the quick tests took ~3x the CPU time).
+The processes the tests start (servers, CLI runs, new-process readers) inherit ``OMP_NUM_THREADS=1``
+unless it is set: their answers are compared with this process's, and their threads spin as much.
+``machine_threads``: torch at ``MACHINE_THREADS`` for one test, for the tests whose subject is the
+threads themselves (the kernels' splits over threads, OpenMP pools).
+
 Markers (pyproject.toml): every test carries at least one area marker (AREAS below); a
 test without one stops the run at collection, named. ``multirank`` and ``slow`` say
 what a test costs; ``make test-quick`` leaves both out.
@@ -37,9 +46,12 @@ from __future__ import annotations
 
 import importlib
 import multiprocessing
+import os
 import threading
+from typing import Iterator
 
 import pytest
+import torch
 from live_server import serving
 from rank_workloads import BASE, MODEL, multi_turn
 
@@ -47,6 +59,9 @@ from hicache import Engine, consensus_record
 from hicache.cache.storage.valkey_server import find_valkey_server, start_valkey_server
 
 MOONCAKE_SEGMENT_BYTES = 256 << 20
+MACHINE_THREADS = torch.get_num_threads()
+torch.set_num_threads(1)  # before any test module builds an engine: threads started later inherit it
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # the processes the tests start (rank processes set their own)
 AREAS = ("model", "cache", "engine", "parallel", "server", "storage", "spec", "pd", "cp")
 
 
@@ -55,6 +70,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if unmarked:
         raise pytest.UsageError("tests without an area marker (one of " + ", ".join(AREAS) + "):\n  "
                                 + "\n  ".join(unmarked))
+
+
+@pytest.fixture
+def machine_threads(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
+    """Torch at the machine's width (``MACHINE_THREADS``, yielded) for this test and the processes it
+    starts; one thread after."""
+    monkeypatch.setenv("OMP_NUM_THREADS", str(MACHINE_THREADS))
+    torch.set_num_threads(MACHINE_THREADS)
+    try:
+        yield MACHINE_THREADS
+    finally:
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")

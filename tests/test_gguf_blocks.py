@@ -18,7 +18,7 @@ from hicache.kernels import cpu_kernels, unavailable_reason
 from hicache.model.gguf_blocks import GGUF_BLOCK_TYPES, X16_TYPES, GGUFBlockWeight
 from quant_blocks import linear_error, quantized_blocks, random_blocks, reference
 
-pytestmark = [pytest.mark.model,
+pytestmark = [pytest.mark.model, pytest.mark.usefixtures("machine_threads"),  # their splits over threads
               pytest.mark.skipif(unavailable_reason() is not None, reason=f"no native kernels: {unavailable_reason()}")]
 
 QUANTIZABLE = (2, 3, 6, 7, 8)  # the types gguf.quants.quantize writes (not the K-quants)

@@ -19,7 +19,7 @@ from hicache.model.attention import decode_attention
 from hicache.model.block_quant import pack_exact
 from quant_blocks import q4_1_matrix, q8_0_matrix
 
-pytestmark = [pytest.mark.model,
+pytestmark = [pytest.mark.model, pytest.mark.usefixtures("machine_threads"),  # their splits over threads
               pytest.mark.skipif(unavailable_reason() is not None, reason=f"no native kernels: {unavailable_reason()}")]
 
 

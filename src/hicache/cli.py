@@ -115,11 +115,9 @@ def cmd_agent_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .processes import die_with_parent
-    from .server.serve import run_server
+    from .processes import die_with_parent  # (standard library only)
 
     die_with_parent()  # (a server started by a test, benchmark or demo stops with it)
-
     api_key = _api_key(args.api_key, os.environ.get("HICACHE_API_KEY"))  # refused before the model loads
     limits = {} if args.max_logprob_tokens is None else {"max_logprob_tokens": args.max_logprob_tokens}
     if limits and args.max_logprob_tokens < 1:
@@ -128,6 +126,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError("--responses-store-size and --responses-store-mb must be at least 0.")
     if args.default_max_tokens is not None and args.default_max_tokens < 1:
         raise ConfigError(f"--default-max-tokens must be at least 1, got {args.default_max_tokens}.")
+    from .server.serve import run_server  # after the checks above: a refused flag costs no torch import
+
     return run_server(_engine(args), host=args.host, port=args.port, served_model_name=args.served_model_name,
                       max_queued_requests=args.max_queued_requests, log_level=args.log_level, api_key=api_key,
                       max_request_bytes=args.max_request_bytes, tool_call_parser=args.tool_call_parser,

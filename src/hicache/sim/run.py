@@ -12,13 +12,15 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import asdict, dataclass, field
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from ..config import ConfigError
 from .costs import PROFILES, CostModel
-from .engine import EngineSpec, SimEngine, block_token_ids, shared_storage
 from .router import make_router
 from .trace import BLOCK_TOKENS, TraceRequest
+
+if TYPE_CHECKING:
+    from .engine import EngineSpec
 
 TIERS = ("device", "host", "storage")
 UNLIMITED = math.inf
@@ -137,6 +139,10 @@ def _pages(name: str, tokens: Optional[float], cfg: SimConfig, unlimited_pages: 
 
 
 def engine_spec(cfg: SimConfig, trace: Sequence[TraceRequest]) -> EngineSpec:
+    # The engines (torch, the cache tiers) are imported on use: the ``hicache`` parser reads this
+    # module's TIERS and SimConfig, and every command, ``serve`` refusing a flag included, builds it.
+    from .engine import EngineSpec
+
     if cfg.capacities.storage is not None and cfg.capacities.host is None:
         raise ConfigError("a storage tier needs a host tier (prefetched pages land in host memory): give a host "
                           "capacity too.")
@@ -156,6 +162,8 @@ def engine_spec(cfg: SimConfig, trace: Sequence[TraceRequest]) -> EngineSpec:
 
 def simulate(trace: Sequence[TraceRequest], cfg: SimConfig) -> SimResult:
     """Replay ``trace`` (arrival order) and return hits per tier and TTFT estimates."""
+    from .engine import SimEngine, block_token_ids, shared_storage
+
     spec = engine_spec(cfg, trace)
     longest = max((len(r.hash_ids) for r in trace), default=0) * cfg.block_tokens + 1
     if -(-(longest + 1) // spec.page_size) > spec.device_pages:
