@@ -50,6 +50,8 @@ class HostWindows:
     component (``cached``): which to copy at a backup and a load, what superseded checkpoints free,
     and eviction for window room."""
 
+    name = "window"  # the component (its pages in a transfer op's ``parts``, its ``/stats`` key)
+
     def __init__(self, tier: HostPages, window_host: HostKVPool, cached: TreeWindows) -> None:
         self.tier, self.window_host, self.cached = tier, window_host, cached
         self.shared = tier.host_pool.shared
@@ -200,7 +202,8 @@ class HostWindows:
 
     # ---- accounting ----------------------------------------------------------------------
     def op_bytes(self, op: TransferOp) -> int:
-        return len(op.window_device_pages) * self.window_host.window_page_bytes
+        part = op.parts.get(self.name)
+        return 0 if part is None else len(part.device) * self.window_host.window_page_bytes
 
     def usage(self, full_pool: HostKVPool, page_size: int) -> dict:
         a = self.allocator
