@@ -129,14 +129,15 @@ class HostWindows:
         """The window pages a finished read brought go to ``leaf``, the new host-only leaf of the
         pages the tree took (from ``taken_from`` on; None when it took none); the rest are freed,
         once the reader is surely done with them (:meth:`reaped`)."""
-        pages = op.window_host_pages
-        if not (op.final_applied and op.window_from >= 0):  # the reader may still write them
+        read = op.parts[self.name]
+        pages = read.host_pages
+        if not (op.final_applied and read.first >= 0):  # the reader may still write them
             self._stopped[op.op_id] = pages
             return
         keep = np.zeros(len(pages), dtype=bool)
         if op.completed > taken_from:  # the tree took some: they hang from one new host-only leaf
             assert leaf is not None, f"prefetch op={op.op_id}: the pages the tree took have no leaf"
-            rel = np.arange(op.window_from, op.completed)  # op-relative pages the window objects were read for
+            rel = np.arange(read.first, op.completed)  # op-relative pages the window objects were read for
             keep[: len(rel)] = rel >= taken_from
             self.cached.attach_host(leaf, rel[keep[: len(rel)]] - taken_from, pages[keep])
         self.allocator.free(pages[~keep])
