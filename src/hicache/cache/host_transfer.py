@@ -166,6 +166,8 @@ class TransferController:
         return op
 
     def _part_pages(self, name: str, device: np.ndarray, host: np.ndarray) -> PartPages:
+        """Component ``name``'s pages with each group's rows on both sides, read now (a shared
+        pool's window page maps to one block per sliding group, issue 56)."""
         assert len(device) == len(host)
         device, host, host_pool = np.asarray(device), np.asarray(host), self._part_hosts[name]
         return PartPages(device, host, [(self.device_pool.window_rows(device, k), host_pool.window_rows(host, k))
