@@ -10,8 +10,9 @@ Units: page ids and counts are logical pages of the host pool unless named ``dev
 page mirrors one device page (same page size). Invariant: transfers are queued during a step
 and submitted once per step, one op per direction, in queue order.
 
-A hybrid pool's window component has its host part in :mod:`.host_window` (``HostTier.windows``):
-host window pages for checkpoints only; a backup and a load-back copy its pages with the rest.
+A component with host pages of its own has its host part in ``HostTier.parts`` (by name): a
+hybrid pool's window, :mod:`.host_window` (``HostTier.windows``), host window pages for
+checkpoints only; a backup and a load-back copy each part's pages with the rest.
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ logger = logging.getLogger(__name__)
 
 EMPTY = np.zeros(0, dtype=np.int64)
 
-# One queued copy: device pages, host pages, device and host window pages (a hybrid pool's), and the
+# One queued copy: device pages, host pages, each part's (device, host) pages by component, and the
 # node to unlock when its ack is consumed.
-_Item = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, TreeNode | None]
+_Item = tuple[np.ndarray, np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]], TreeNode | None]
 
 
 class HostTier:
@@ -53,12 +54,14 @@ class HostTier:
         self.pool, self.host_pool, self.allocator, self.tree, self.stats = pool, host_pool, allocator, tree, stats
         self.shard = shard
         window_host = host_pool.window_pool
-        self.controller = TransferController(pool, host_pool, shard, sidecars, window_host)
+        self.controller = TransferController(pool, host_pool, shard, sidecars,
+                                             {} if window_host is None else {HostWindows.name: window_host})
         self.bytes_per_page = host_pool.bytes_per_page + sum(dev.bytes_per_page for dev, _ in sidecars)
         # shared blocks: full pages and window pages (one block per sliding group each) from one allocator
         self.shared = host_pool.shared
         self.windows = HostWindows(self, window_host, tree.windows) if tree is not None and window_host is not None \
             else None
+        self.parts: dict[str, HostWindows] = {} if self.windows is None else {self.windows.name: self.windows}
         # Hits a node needs before it is backed up (write_back: only at eviction).
         self.backup_threshold = {"write_through": 1, "write_through_selective": policy.write_through_threshold,
                                  "write_back": None}[policy.write_policy]
@@ -85,8 +88,8 @@ class HostTier:
                 continue
             self.tree.attach_host_pages(n, host)
             self.tree.inc_lock_ref(n)
-            window = self.windows.backup(n, lock=True) if self.windows is not None else (EMPTY, EMPTY)
-            self._pending[BACKUP].append((n.device_pages, host, *window, n))
+            parts = {name: part.backup(n, lock=True) for name, part in self.parts.items()}
+            self._pending[BACKUP].append((n.device_pages, host, parts, n))
 
     def on_evict(self, node: TreeNode) -> bool:
         """write_back: copy an L1 victim to host before its device pages are freed."""
@@ -95,8 +98,8 @@ class HostTier:
             self.stats.backup_skipped_pages += node.num_pages
             return False
         self.tree.attach_host_pages(node, host)
-        window = self.windows.backup(node, lock=False) if self.windows is not None else None
-        op = self.controller.submit(BACKUP, node.device_pages, host, [], window)
+        parts = {name: part.backup(node, lock=False) for name, part in self.parts.items()}
+        op = self.controller.submit(BACKUP, node.device_pages, host, [], parts)
         op.done.wait()
         return True
 
@@ -107,11 +110,11 @@ class HostTier:
         ``windows`` False: a hybrid hit's window pages arrive otherwise (P/D), full layers only.
         ``device_hit_windows``: (device, host) window pages of the device hit's tombstones whose
         host copy holds them (the request's window lock keeps them)."""
-        for device_window, host_window in device_hit_windows:
-            self._pending[LOAD].append((EMPTY, EMPTY, device_window, host_window, None))
+        for window in device_hit_windows:
+            self._pending[LOAD].append((EMPTY, EMPTY, {HostWindows.name: window}, None))
         for n in nodes:
-            window = self.windows.load(n) if self.windows is not None and windows else (EMPTY, EMPTY)
-            self._pending[LOAD].append((n.device_pages, n.host_pages, *window, n if n is nodes[-1] else None))
+            parts = {name: part.load(n) for name, part in self.parts.items()} if windows else {}
+            self._pending[LOAD].append((n.device_pages, n.host_pages, parts, n if n is nodes[-1] else None))
         if nodes:
             self.tree.inc_lock_ref(nodes[-1])
 
@@ -153,8 +156,10 @@ class HostTier:
         """Submit this step's queued loads and backups, merged into one op per direction."""
         for kind, items in self._pending.items():
             if items:
-                dev, host, wdev, whost = (np.concatenate([item[i] for item in items]) for i in range(4))
-                self.controller.submit(kind, dev, host, [n for *_, n in items if n is not None], (wdev, whost))
+                dev, host = (np.concatenate([item[i] for item in items]) for i in (0, 1))
+                parts = {name: tuple(np.concatenate([item[2].get(name, (EMPTY, EMPTY))[i] for item in items])
+                                     for i in (0, 1)) for name in self.parts}
+                self.controller.submit(kind, dev, host, [n for *_, n in items if n is not None], parts)
                 items.clear()
 
     def ready_acks(self) -> AckCounts:
@@ -169,19 +174,18 @@ class HostTier:
         for kind, n in ((BACKUP, acks.backup), (LOAD, acks.load)):
             for op in self.controller.pop(kind, n):
                 for node in op.payload:
-                    if kind == BACKUP and self.windows is not None:
-                        self.windows.backed_up(node)
+                    for part in self.parts.values() if kind == BACKUP else ():
+                        part.backed_up(node)
                     self.tree.dec_lock_ref(node)
                     if kind == BACKUP and self.lower is not None:
                         self.lower.on_insert(node)
                 self._account(op)
-        if self.windows is not None:
-            self.windows.drop_superseded()
+        for part in self.parts.values():
+            part.drop_superseded()
 
     def _account(self, op: TransferOp) -> None:
-        tokens, nbytes = op.num_pages * self.pool.page_size, op.num_pages * self.bytes_per_page
-        if self.windows is not None:
-            nbytes += self.windows.op_bytes(op)
+        tokens = op.num_pages * self.pool.page_size
+        nbytes = op.num_pages * self.bytes_per_page + sum(part.op_bytes(op) for part in self.parts.values())
         if op.kind == BACKUP:
             self.stats.backup_tokens += tokens
             self.stats.backup_bytes += nbytes
@@ -210,7 +214,7 @@ class HostTier:
             # each host pool once (a shared pool is also the window pair's)
             "host_pool_bytes": sum(h.total_bytes for h in {id(h): h for _, h in self.controller.pairs}.values()),
         }
-        if self.windows is not None:
-            out["window"] = self.windows.usage(self.host_pool, self.pool.page_size)
+        for name, part in self.parts.items():
+            out[name] = part.usage(self.host_pool, self.pool.page_size)
         return out
 

@@ -27,7 +27,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -41,6 +41,7 @@ from .pools import DeviceKVPool
 logger = logging.getLogger(__name__)
 
 BACKUP, LOAD = "backup", "load"
+FULL = "full"  # the op's own pages: the tree's page ids (the target's full layers, each sidecar's layers)
 # A copy worker's staging buffer on a GPU, in pages of one layer's K or V (8 MiB for Llama-3-8B's rows of
 # 16 tokens): a longer op goes through it in chunks, so its size is fixed and budgeted (staging_budget).
 STAGING_PAGES = 256
@@ -50,6 +51,22 @@ def staging_budget(row_bytes: Sequence[int]) -> int:
     """Device bytes the transfer workers' staging buffers take on a GPU: one buffer per direction
     per pool pair (``row_bytes``: each pair's page of one layer's K or V, in bytes)."""
     return 2 * STAGING_PAGES * sum(row_bytes)
+
+
+@dataclass(frozen=True)
+class PartPages:
+    """An op's pages of a component in a page space of its own (a hybrid pool's window: the
+    checkpoint pages, a subset of the op's): device and host ids (same length, same order) and,
+    per group of its layers, the (device, host) rows they copy, read at submit (a shared pool's
+    window page is one block per sliding group, issue 56)."""
+
+    device: np.ndarray
+    host: np.ndarray
+    rows: list[tuple[np.ndarray, np.ndarray]]
+
+    def plans(self, backup: bool) -> list[PagePlan]:
+        """Each group's copy, source first."""
+        return [PagePlan(dev, host) if backup else PagePlan(host, dev) for dev, host in self.rows]
 
 
 @dataclass
@@ -69,11 +86,7 @@ class TransferOp:
     after_compute: Optional[object] = None  # CUDA event: the data's producer on the compute stream
     layer_events: list = field(default_factory=list)  # CUDA: each layer's copies done on the copy stream
     finish_event: Optional[object] = None  # CUDA: every copy of the op done (synchronized before ``done``)
-    # a hybrid pool's window layers: their device and host window pages (a subset of the pages: checkpoints)
-    window_device_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    window_host_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    window_device_rows: np.ndarray = field(default_factory=lambda: np.zeros((1, 0), dtype=np.int64))  # [group, page]
-    window_host_rows: np.ndarray = field(default_factory=lambda: np.zeros((1, 0), dtype=np.int64))  # [group, page]
+    parts: dict[str, PartPages] = field(default_factory=dict)  # by component: pages of a space of its own
 
     @property
     def num_pages(self) -> int:
@@ -83,27 +96,28 @@ class TransferOp:
 class TransferController:
     def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool, shard: ShardView | None = None,
                  sidecars: Sequence[tuple[DeviceKVPool, HostKVPool]] = (),
-                 window_host: HostKVPool | None = None) -> None:
+                 parts: Mapping[str, HostKVPool] = {}) -> None:
         """``shard``: page ids are logical and sharded; this rank copies the pages it holds
         (every rank runs every op, so acks and their order stay the same on all).
         ``sidecars``: more (device, host) pool pairs on the same page ids with rows of their own
         (a speculative draft's KV): an op copies their pages too, as layers after the target's,
-        with their own ready events (``wait_layer(num_target_layers + i)``). ``window_host``: a
-        hybrid pool's window layers' host pool (``host_pool`` then holds its full layers; or
-        ``host_pool`` itself, a pool of shared blocks); those layers copy an op's window pages."""
+        with their own ready events (``wait_layer(num_target_layers + i)``). ``parts``: by component
+        name, the host pool of target layers ``host_pool`` does not hold, whose pages have ids of
+        their own (a hybrid pool's window layers: ``{"window": ...}``, another pool, or
+        ``host_pool`` itself, a pool of shared blocks); those layers copy an op's ``parts``."""
         self.device_pool = device_pool
         self.host_pool = host_pool
         self.shard = shard
-        self.pairs = [(device_pool, host_pool), *sidecars]
-        # Global layer index -> (pool pair, device layer, host layer): the target's layers (a hybrid
-        # pool's window layers on the window pair, the last), then each sidecar's.
-        self.window_host = window_host
-        self.window_pair = len(self.pairs) if window_host is not None else None
-        if window_host is not None:
-            self.pairs.append((device_pool, window_host))
-        target = [(0, i, host_pool.rows[i]) if i in host_pool.layers else
-                  (self.window_pair, i, window_host.rows[i]) for i in range(len(device_pool.k_buffers))]
-        self._layers = target + [(p, i, i) for p, (dev, _) in enumerate(self.pairs[1:len(sidecars) + 1], 1)
+        self.sidecar_pairs = list(sidecars)
+        self.pairs = [(device_pool, host_pool), *sidecars, *((device_pool, h) for h in parts.values())]
+        self._part_hosts = dict(parts)
+        # Global layer index -> (pool pair, device layer, host layer, component, group): the target's
+        # layers (those of a part on its pair, after the sidecars'), then each sidecar's.
+        part_pair = {name: i for i, name in enumerate(parts, 1 + len(sidecars))}
+        target = [(0, i, host_pool.rows[i], FULL, 0) if i in host_pool.layers else
+                  next((part_pair[n], i, h.rows[i], n, device_pool.window_group(i)) for n, h in parts.items()
+                       if i in h.rows) for i in range(len(device_pool.k_buffers))]
+        self._layers = target + [(p, i, i, FULL, 0) for p, (dev, _) in enumerate(sidecars, 1)
                                  for i in range(len(dev.k_buffers))]
         self.num_layers = len(self._layers)
         self.cuda = device_pool.k_buffers[0].is_cuda
@@ -117,7 +131,7 @@ class TransferController:
         self.load_layers: int | None = None
         self._staging_bufs: dict[tuple[str, int], torch.Tensor] = {}
         self._views = [[self._page_views(pair, layer, host_layer, kv) for kv in (0, 1)]
-                       for pair, layer, host_layer in self._layers]
+                       for pair, layer, host_layer, *_ in self._layers]
         self._queues = {kind: queue.Queue() for kind in (BACKUP, LOAD)}
         self._inline = False  # see run_inline
         self._workers = [
@@ -129,28 +143,16 @@ class TransferController:
         # Workers must be joined before the interpreter tears torch down under them.
         atexit.register(self.shutdown)
 
-    @property
-    def sidecar_pairs(self) -> list[tuple[DeviceKVPool, HostKVPool]]:
-        """The (device, host) pools of the sidecars, in order (the window pair is not one)."""
-        return [p for i, p in enumerate(self.pairs) if 0 < i != self.window_pair]
-
     # ---- scheduler-thread API ------------------------------------------------------------
     def submit(self, kind: str, device_pages: np.ndarray, host_pages: np.ndarray, payload: list,
-               window: tuple[np.ndarray, np.ndarray] | None = None) -> TransferOp:
-        """``window``: a hybrid pool's (device, host) window pages the op copies too."""
+               parts: Mapping[str, tuple[np.ndarray, np.ndarray]] = {}) -> TransferOp:
+        """``parts``: by component, the (device, host) pages of its own ids the op copies too."""
+        parts = {name: self._part_pages(name, *pages) for name, pages in parts.items() if len(pages[0])}
         # a hybrid load may carry window pages alone (a device hit's tombstones held on the host)
-        assert len(device_pages) == len(host_pages) and (len(device_pages) or (window is not None and len(window[0])))
+        assert len(device_pages) == len(host_pages) and (len(device_pages) or parts)
         op = TransferOp(next(self._ids), kind, np.asarray(device_pages), np.asarray(host_pages), payload,
                         [threading.Event() for _ in range(self.num_layers)], submit_time=time.perf_counter(),
-                        layer_events=[None] * self.num_layers)
-        if window is not None and len(window[0]):
-            assert self.window_pair is not None and len(window[0]) == len(window[1])
-            op.window_device_pages, op.window_host_pages = np.asarray(window[0]), np.asarray(window[1])
-            # each sliding group's rows on both sides, read now: a shared pool's window pages map to blocks (issue 56)
-            op.window_device_rows = np.stack([self.device_pool.window_rows(op.window_device_pages, k)
-                                              for k in range(self.device_pool.groups)])
-            op.window_host_rows = np.stack([self.window_host.window_rows(op.window_host_pages, k)
-                                            for k in range(self.device_pool.groups)])
+                        layer_events=[None] * self.num_layers, parts=parts)
         if self.cuda:
             op.after_compute = torch.cuda.Event()
             op.after_compute.record(torch.cuda.current_stream(device_pool_device(self.device_pool)))
@@ -162,6 +164,14 @@ class TransferController:
         else:
             self._queues[kind].put(op)
         return op
+
+    def _part_pages(self, name: str, device: np.ndarray, host: np.ndarray) -> PartPages:
+        """Component ``name``'s pages with each group's rows on both sides, read now (a shared
+        pool's window page maps to one block per sliding group, issue 56)."""
+        assert len(device) == len(host)
+        device, host, host_pool = np.asarray(device), np.asarray(host), self._part_hosts[name]
+        return PartPages(device, host, [(self.device_pool.window_rows(device, k), host_pool.window_rows(host, k))
+                                        for k in range(self.device_pool.groups)])
 
     def run_inline(self) -> None:
         """From now on run each op on the submitting thread, when it is submitted (the trace
@@ -252,16 +262,14 @@ class TransferController:
             if not np.array_equal(mine, self.shard.owned(host_pages)):
                 raise RuntimeError(f"{op.kind} {op.op_id}: a device page and its host page have different owners")
             dev_pages, host_pages = self.shard.local(dev_pages[mine]), self.shard.local(host_pages[mine])
-        full_plan = None if not len(op.device_pages) else \
-            PagePlan(dev_pages, host_pages) if backup else PagePlan(host_pages, dev_pages)
-        window_plans = [PagePlan(*(dev, host)[::1 if backup else -1])
-                        for dev, host in zip(op.window_device_rows, op.window_host_rows)] \
-            if len(op.window_device_pages) else None
-        for layer, (pair, dev_layer, _) in enumerate(self._layers):
+        # each component's plans by group (none: the op has no pages of it)
+        plans = {name: part.plans(backup) for name, part in op.parts.items()}
+        if len(op.device_pages):
+            plans[FULL] = [PagePlan(dev_pages, host_pages) if backup else PagePlan(host_pages, dev_pages)]
+        for layer, (pair, _, _, part, group) in enumerate(self._layers):
             if self.delay_fn is not None:
                 time.sleep(self.delay_fn(op, layer))
-            plan = full_plan if pair != self.window_pair else \
-                window_plans[self.device_pool.window_group(dev_layer)] if window_plans else None
+            plan = plans[part][group] if part in plans else None
             if (not backup and self.load_layers is not None and layer >= self.load_layers) or plan is None:
                 op.layer_done[layer].set()
                 continue
@@ -299,7 +307,7 @@ class TransferController:
         buf = self._staging_bufs.get((kind, pair))
         if buf is None:
             like = self.pairs[pair][0].k_buffers[0]
-            first_layer = next(i for i, (p, _, _) in enumerate(self._layers) if p == pair)
+            first_layer = next(i for i, layer in enumerate(self._layers) if layer[0] == pair)
             row = self._views[first_layer][0][0].shape[1:]
             buf = torch.empty((STAGING_PAGES, *row), dtype=like.dtype, device=like.device)
             self._staging_bufs[(kind, pair)] = buf

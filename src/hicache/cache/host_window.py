@@ -50,6 +50,8 @@ class HostWindows:
     component (``cached``): which to copy at a backup and a load, what superseded checkpoints free,
     and eviction for window room."""
 
+    name = "window"  # the component (its pages in a transfer op's ``parts``, its ``/stats`` key)
+
     def __init__(self, tier: HostPages, window_host: HostKVPool, cached: TreeWindows) -> None:
         self.tier, self.window_host, self.cached = tier, window_host, cached
         self.shared = tier.host_pool.shared
@@ -127,14 +129,15 @@ class HostWindows:
         """The window pages a finished read brought go to ``leaf``, the new host-only leaf of the
         pages the tree took (from ``taken_from`` on; None when it took none); the rest are freed,
         once the reader is surely done with them (:meth:`reaped`)."""
-        pages = op.window_host_pages
-        if not (op.final_applied and op.window_from >= 0):  # the reader may still write them
+        read = op.parts[self.name]
+        pages = read.host_pages
+        if not (op.final_applied and read.first >= 0):  # the reader may still write them
             self._stopped[op.op_id] = pages
             return
         keep = np.zeros(len(pages), dtype=bool)
         if op.completed > taken_from:  # the tree took some: they hang from one new host-only leaf
             assert leaf is not None, f"prefetch op={op.op_id}: the pages the tree took have no leaf"
-            rel = np.arange(op.window_from, op.completed)  # op-relative pages the window objects were read for
+            rel = np.arange(read.first, op.completed)  # op-relative pages the window objects were read for
             keep[: len(rel)] = rel >= taken_from
             self.cached.attach_host(leaf, rel[keep[: len(rel)]] - taken_from, pages[keep])
         self.allocator.free(pages[~keep])
@@ -200,7 +203,8 @@ class HostWindows:
 
     # ---- accounting ----------------------------------------------------------------------
     def op_bytes(self, op: TransferOp) -> int:
-        return len(op.window_device_pages) * self.window_host.window_page_bytes
+        part = op.parts.get(self.name)
+        return 0 if part is None else len(part.device) * self.window_host.window_page_bytes
 
     def usage(self, full_pool: HostKVPool, page_size: int) -> dict:
         a = self.allocator

@@ -26,12 +26,15 @@ import numpy as np
 
 from .acks import AckCounts
 from .host_tier import HostTier
+from .host_window import HostWindows
 from .host_transfer import leading_done
 from .placement import ShardView, path_anchor
 from .storage.base import StorageBackend
 from .storage.keys import KeyNamespace, continue_chain, page_hashes
 from .storage.page_objects import PageObject, WholePage, window_object
 from .storage.prefetch_backup import Agree, PrefetchOp, StorageController
+from .storage.storage_ops import PartWrite
+from .storage.window_objects import StoredWindows
 from .tiers import CachePolicy
 from .tree_node import TreeNode
 
@@ -84,11 +87,12 @@ class StorageTier:
             objects = (objects, objects)
         # hybrid: a checkpoint page's window layers in objects of their own ("<key>-window"; the grid's
         # cells with the suffix "_swa" on the unified layout)
-        if window_objects is None and host.windows is not None:
-            window_objects = ([window_object(host.windows.window_host, "-window")],) * 2
+        windows = host.windows
+        if window_objects is None and windows is not None:
+            window_objects = ([window_object(windows.window_host, "-window")],) * 2
+        parts = [] if windows is None else [StoredWindows(*window_objects, windows.span)]
         self.controller = StorageController(backend, host.host_pool, agree, op_timeout=policy.storage_op_timeout,
-                                            reads=objects[0], writes=objects[1], windows=window_objects,
-                                            window_pages=self.host.windows.span if self.host.windows is not None else None)
+                                            reads=objects[0], writes=objects[1], parts=parts)
         self.prefetch_threshold = policy.prefetch_threshold
         # At most this many host pages may be held by prefetches at once.
         self.prefetch_page_limit = int(policy.prefetch_max_host_fraction * host.allocator.capacity)
@@ -112,9 +116,9 @@ class StorageTier:
         if host is None:
             return None
         hashes = page_hashes(tokens[start * self.page_size : (start + tail) * self.page_size], self.page_size, prev)
-        window = self.host.windows.reserve_prefetch(start + tail) if self.host.windows is not None else None
+        parts = {name: part.reserve_prefetch(start + tail) for name, part in self.host.parts.items()}
         if self.shard is None:
-            op = self.controller.prefetch(namespace, digest, hashes, host, start_page=start, window_host_pages=window)
+            op = self.controller.prefetch(namespace, digest, hashes, host, start_page=start, parts=parts)
         else:
             op = self.controller.prefetch(namespace, digest, hashes, host, self.shard.owned_indices(host),
                                           self.shard.local(host), start)
@@ -140,9 +144,10 @@ class StorageTier:
             taken_from = self.tree.insert_host(op.namespace, tokens[: (op.start_page + done) * ps],
                                                op.host_pages[:done], op.start_page, op.hashes[:done])
         self.host.allocator.free(op.host_pages[:taken_from])
-        if op.window_host_pages is not None:
+        if op.parts:
             leaf = self.tree.node_at(op.namespace, tokens[: (op.start_page + done) * ps]) if taken_from < done else None
-            self.host.windows.place_prefetch(op, leaf, taken_from)
+            for name in op.parts:
+                self.host.parts[name].place_prefetch(op, leaf, taken_from)
         self.prefetch_held_pages -= done
         self.controller.stats.prefetched_pages += done
         self.controller.stats.prefetch_bytes += done * self.host.bytes_per_page
@@ -171,8 +176,8 @@ class StorageTier:
                 self.controller.stats.fail(op.failure)
             self.host.allocator.free(unused)
             self.prefetch_held_pages -= len(unused)
-            if self.host.windows is not None:
-                self.host.windows.reaped(op)
+            for part in self.host.parts.values():
+                part.reaped(op)
 
     # ---- backups -------------------------------------------------------------------------
     def on_insert(self, node: TreeNode | None) -> None:
@@ -188,21 +193,20 @@ class StorageTier:
             self.tree.inc_host_ref(n)
             hashes = list(node_hashes(n, self.keys))
             if self.shard is None:
-                window = self.host.windows.stored(n) if self.host.windows is not None else None
-                superseded = self._superseded_hashes(n) if window is not None and len(window[0]) else []
-                self.controller.backup(self.keys.digest(n.namespace), hashes, n.host_pages.copy(), [n], window=window,
-                                       superseded=superseded)
+                parts = {name: PartWrite(*stored, self._superseded_hashes(n, part) if len(stored[0]) else [])
+                         for name, part in self.host.parts.items() if (stored := part.stored(n)) is not None}
+                self.controller.backup(self.keys.digest(n.namespace), hashes, n.host_pages.copy(), [n], parts=parts)
             else:
                 owned = self.shard.owned_indices(n.host_pages)
                 self.controller.backup(self.keys.digest(n.namespace), hashes, self.shard.local(n.host_pages), [n],
                                        owned)
 
-    def _superseded_hashes(self, node: TreeNode) -> list[bytes]:
+    def _superseded_hashes(self, node: TreeNode, part: HostWindows) -> list[bytes]:
         """Page hashes of stored ancestors' checkpoint pages that ``node``'s checkpoint supersedes
         (:meth:`~.host_window.HostWindows.superseded_stored`): their window objects go once
         ``node``'s are written."""
         out = []
-        for anc, idx in self.host.windows.superseded_stored(node):
+        for anc, idx in part.superseded_stored(node):
             hashes = list(node_hashes(anc, self.keys))
             out.extend(hashes[i] for i in idx)
         return out

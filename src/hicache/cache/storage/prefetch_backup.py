@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -33,8 +33,7 @@ from ..host_transfer import leading_done
 from .base import StorageBackend
 from .guard import GuardedBackend, failure_reason
 from .page_objects import PageObject, WholePage
-from .storage_ops import BackupOp, PrefetchOp, StorageStats
-from .window_objects import read_window, write_window
+from .storage_ops import BackupOp, PartRead, PartWrite, PrefetchOp, StorageStats, StoredPart
 from .objects import decode_checked, encode
 
 logger = logging.getLogger(__name__)
@@ -72,9 +71,7 @@ def _log_failure(reason: str, msg: str, *args: object) -> None:
 class StorageController:
     def __init__(self, backend: StorageBackend, host_pool: HostKVPool, agree: tuple[Agree, Agree] | None = None,
                  op_timeout: float = 10.0, reads: Sequence[PageObject] | None = None,
-                 writes: Sequence[PageObject] | None = None,
-                 windows: tuple[Sequence[PageObject], Sequence[PageObject]] | None = None,
-                 window_pages: Callable[[int], int] | None = None) -> None:
+                 writes: Sequence[PageObject] | None = None, parts: Sequence[StoredPart] = ()) -> None:
         """``agree``: the prefetch and the backup thread's MIN-reduce over every rank (None: one
         rank, its own values). ``op_timeout``: deadline in seconds of each backend call (see :mod:`.guard`).
         ``reads`` / ``writes``: the objects each host page is read from and written to
@@ -82,16 +79,14 @@ class StorageController:
         is present only when all of its read objects are; they are read, and written, together.
         A rank with none (a pipeline stage of a hybrid model's window layers only: its full layers'
         cells are empty) counts every page present: the other ranks' objects decide.
-        ``windows``: a hybrid pool's window-layer objects of a checkpoint page (of its own host
-        window page), read and written; ``window_pages(end)``: how many pages before a boundary of
-        ``end`` pages its window reads."""
+        ``parts``: the components whose objects are kept at chosen boundaries only
+        (:class:`~.storage_ops.StoredPart`)."""
         self.guard = backend if isinstance(backend, GuardedBackend) else GuardedBackend(backend, timeout_s=op_timeout)
         self._agree_prefetch, self._agree_backup = agree or (_alone, _alone)
         self.host_pool = host_pool
         self.reads: list[PageObject] = [WholePage(host_pool)] if reads is None else list(reads)
         self.writes: list[PageObject] = self.reads if writes is None else list(writes)
-        self.window_reads, self.window_writes = windows if windows is not None else (None, None)
-        self.window_pages = window_pages
+        self.parts = list(parts)
         self.stats = StorageStats()
         # Seconds to read and verify one page (exponentially weighted over batch reads; None
         # before the first). Written by the prefetch thread, read by the scheduler's prefetch
@@ -129,13 +124,15 @@ class StorageController:
     # ---- scheduler-thread API ------------------------------------------------------------
     def prefetch(self, namespace: str, ns_digest: bytes, hashes: list[bytes], host_pages: np.ndarray,
                  owned: np.ndarray | None = None, local_pages: np.ndarray | None = None, start_page: int = 0,
-                 window_host_pages: np.ndarray | None = None) -> PrefetchOp:
+                 parts: Mapping[str, np.ndarray | None] = {}) -> PrefetchOp:
         """Read the objects of ``hashes`` (pages from ``start_page`` on) into ``host_pages``.
         Sharded KV: this rank reads the ``owned`` ones, into ``local_pages`` (its pool's ids); hit
         and completed counts are agreed over every rank in logical pages, so a page counts once its
-        owner has it. ``window_host_pages``: hybrid, where the window of the range's end goes."""
+        owner has it. ``parts``: by component, the host pages its objects at the range's end go to
+        (a hybrid pool's window)."""
         op = PrefetchOp(next(self._ids), namespace, ns_digest, hashes, host_pages, owned, local_pages,
-                        window_host_pages=window_host_pages, start_page=start_page)
+                        parts={name: PartRead(pages) for name, pages in parts.items() if pages is not None},
+                        start_page=start_page)
         self.stats.prefetch_ops += 1
         if self._inline:
             self._prefetch(op)
@@ -144,14 +141,10 @@ class StorageController:
         return op
 
     def backup(self, ns_digest: bytes, hashes: list[bytes], host_pages: np.ndarray, payload: list,
-               owned: np.ndarray | None = None, window: tuple[np.ndarray, np.ndarray] | None = None,
-               superseded: list[bytes] = ()) -> BackupOp:
-        """``window``: (page indices, their host window pages) whose window objects are written too;
-        ``superseded``: hashes of earlier pages whose window objects are deleted once those are."""
-        op = BackupOp(next(self._ids), ns_digest, hashes, host_pages, payload, owned)
-        if window is not None and len(window[0]):
-            op.window_index, op.window_host_pages = window
-            op.superseded_hashes = list(superseded)
+               owned: np.ndarray | None = None, parts: Mapping[str, PartWrite] = {}) -> BackupOp:
+        """``parts``: by component, its pages whose objects are written too (a hybrid pool's window)."""
+        op = BackupOp(next(self._ids), ns_digest, hashes, host_pages, payload, owned,
+                      {name: part for name, part in parts.items() if len(part.index)})
         self._backups.append(op)
         if self._inline:
             self._backup(op)
@@ -204,33 +197,10 @@ class StorageController:
             op.failure = op.failure or failure_reason(e)
             logger.warning("prefetch op=%d failed: %s", op.op_id, e)
         finally:
-            if self.window_reads is not None:  # before the final ack: a consumed final ack covers the window
-                self._read_window(op)
+            for part in self.parts:  # before the final ack: a consumed final ack covers its pages
+                part.read(self.guard, op, self.stats, self._agree_prefetch)
             op.progress.append((op.progress[-1][0] if op.progress else 0, True))  # the final ack
             op.done.set()
-
-    def _read_window(self, op: PrefetchOp) -> None:
-        """Hybrid: read the window objects of the pages the end of the read range's window covers
-        (a checkpoint where the writer's request ended) into the op's host window pages. Every rank
-        agrees, all or nothing."""
-        done = op.progress[-1][0] if op.progress else 0
-        first = done - min(self.window_pages(op.start_page + done), done)
-        ok = 0
-        if done and op.window_host_pages is not None and done == op.hit_pages and not op.stop.is_set() \
-                and done - first <= len(op.window_host_pages):
-            try:
-                nbytes, failure = read_window(self.guard, self.window_reads, op.ns_digest, op.hashes, first, done,
-                                              op.window_host_pages)
-                if failure:
-                    self.stats.fail(failure)
-                else:
-                    ok = 1
-                    self.stats.window_prefetched_pages += done - first
-                    self.stats.window_prefetch_bytes += nbytes
-            except Exception as e:  # the full pages stand; the tree cuts the hit back without the window
-                logger.warning("prefetch op=%d: reading its window failed: %s", op.op_id, e)
-        if self._agree_prefetch([ok])[0]:
-            op.window_from = first
 
     def _read(self, op: PrefetchOp) -> None:
         keys = [self._keys(self.reads, op, i) for i in range(len(op.hashes))]  # per page: its objects
@@ -314,17 +284,6 @@ class StorageController:
         last = self.read_page_s
         self.read_page_s = per_page if last is None else last + READ_EWMA_ALPHA * (per_page - last)
 
-    def _write_window(self, op: BackupOp) -> None:
-        """Hybrid: the window objects of the op's checkpoint pages (:mod:`.window_objects`)."""
-        pages, nbytes = write_window(self.guard, self.window_writes, op.ns_digest, op.hashes, op.window_index,
-                                     op.window_host_pages)
-        self.stats.backup_bytes += nbytes
-        self.stats.window_backup_bytes += nbytes
-        self.stats.window_backup_pages += pages
-        if pages == len(op.window_index) and op.superseded_hashes:  # the new checkpoint is stored whole
-            self.guard.delete([obj.key(h, op.ns_digest) for h in op.superseded_hashes for obj in self.window_writes])
-            self.stats.window_deleted_pages += len(op.superseded_hashes)
-
     def _backup_worker(self) -> None:
         run_torch_alone()  # its copies on this thread: an OpenMP pool of its own would slow every step
         while (op := self._queues["backup"].get()) is not None:
@@ -349,8 +308,8 @@ class StorageController:
                     op.failure = "short_write"
                     break
             self.stats.backup_bytes += sum(len(b) for b in blobs[: op.written * n])
-            if op.window_index is not None and op.written == len(mine):
-                self._write_window(op)
+            for part in self.parts if op.written == len(mine) else ():
+                part.write(self.guard, op, self.stats)
         except Exception as e:
             op.failure = failure_reason(e)
             _log_failure(op.failure, "storage backup op=%d (%d pages) failed: %s", op.op_id, len(mine), e)

@@ -10,8 +10,31 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable, Protocol
 
 import numpy as np
+
+from .guard import GuardedBackend
+
+
+@dataclass
+class PartRead:
+    """A prefetch's pages of a component kept at one boundary only (a hybrid pool's window of the
+    read range's end, its checkpoint): the host pages reserved for them, and from which page of
+    the op they hold it once read (-1: not read)."""
+
+    host_pages: np.ndarray
+    first: int = -1
+
+
+@dataclass(frozen=True)
+class PartWrite:
+    """A backup's pages of such a component: the op's pages (indices) whose objects are written
+    too, their host pages, and hashes of earlier pages whose objects go once these are written."""
+
+    index: np.ndarray
+    host_pages: np.ndarray
+    superseded: list[bytes]
 
 
 @dataclass
@@ -36,10 +59,7 @@ class PrefetchOp:
     failure: str = ""  # why reading stopped early (missing, checksum, short, backend_error, ...)
     consumed: int = 0  # progress acks the scheduler has applied
     completed: int = 0  # pages the scheduler accepted (value of the last consumed ack)
-    # hybrid: host window pages reserved for the window of the range's end (its checkpoint), and from
-    # which page of the op they hold it once read (-1: not read)
-    window_host_pages: np.ndarray | None = None
-    window_from: int = -1
+    parts: dict[str, PartRead] = field(default_factory=dict)  # by component (a hybrid pool's window)
     start_page: int = 0  # the page of the prompt its first key names
 
     @property
@@ -56,11 +76,7 @@ class BackupOp:
     host_pages: np.ndarray  # this rank's host pool pages, one per key
     payload: list  # what the cache attaches (nodes whose host data must stay)
     owned: np.ndarray | None = None  # sharded KV: the keys this rank writes (indices; None: all)
-    # hybrid: the pages (indices) whose window object is written too, and their host window pages
-    window_index: np.ndarray | None = None
-    window_host_pages: np.ndarray | None = None
-    # hybrid: hashes of earlier checkpoint pages whose window objects are deleted once these are written
-    superseded_hashes: list[bytes] = field(default_factory=list)
+    parts: dict[str, PartWrite] = field(default_factory=dict)  # by component (a hybrid pool's window)
     done: threading.Event = field(default_factory=threading.Event)
     written: int = 0  # leading pages of ``owned`` written
     failure: str = ""
@@ -85,3 +101,15 @@ class StorageStats:
 
     def fail(self, reason: str) -> None:
         self.failures[reason] = self.failures.get(reason, 0) + 1
+
+
+class StoredPart(Protocol):
+    """A component whose objects storage keeps at chosen boundaries only, read and written with an
+    op's pages under ``op.parts[name]`` (a hybrid pool's window: ``window_objects.StoredWindows``)."""
+
+    name: str
+
+    def read(self, guard: GuardedBackend, op: PrefetchOp, stats: StorageStats,
+             agree: Callable[[list[int]], list[int]]) -> None: ...  # every op, on every rank (it agrees)
+
+    def write(self, guard: GuardedBackend, op: BackupOp, stats: StorageStats) -> None: ...

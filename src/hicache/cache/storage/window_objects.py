@@ -3,40 +3,88 @@ checkpoint page, written beside its page objects and read for the window a prefe
 with. Best effort both ways: a reader missing one cuts its hit back to a boundary whose window it
 has; the page objects decide what is stored.
 
+:class:`StoredWindows` is the window component's part of the storage controller (its ``parts``):
+an op carries its pages under ``op.parts["window"]`` (:class:`~.storage_ops.PartRead` /
+:class:`~.storage_ops.PartWrite`).
+
 Units: pages of an op (indices into its hashes); host window pages are the host window pool's.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import logging
+from typing import Callable, Sequence
 
 import numpy as np
 
 from .guard import GuardedBackend
 from .objects import decode_checked, encode
 from .page_objects import PageObject
+from .storage_ops import BackupOp, PrefetchOp, StorageStats
+
+logger = logging.getLogger(__name__)
 
 
-def read_window(guard: GuardedBackend, objects: Sequence[PageObject], ns_digest: bytes, hashes: list[bytes],
-                first: int, done: int, host_pages: np.ndarray) -> tuple[int, str]:
-    """Read pages ``[first, done)``'s window objects into ``host_pages`` (one per page, in order).
-    Returns (bytes read, "" ) when all arrived intact, else (0, why: missing, checksum, ...)."""
-    keys = [obj.key(hashes[i], ns_digest) for i in range(first, done) for obj in objects]
-    blobs = guard.batch_get(keys)
-    for j, blob in enumerate(blobs):
-        page = first + j // len(objects)
-        payload, reason = (None, "missing") if blob is None else decode_checked(blob, ns_digest, hashes[page])
-        if payload is None:
-            return 0, getattr(reason, "value", str(reason))
-        objects[j % len(objects)].load(int(host_pages[page - first]), payload)
-    return sum(len(b) for b in blobs), ""
+class StoredWindows:
+    """``reads`` / ``writes``: the objects of a checkpoint page's window layers (of its own host
+    window page); ``span(end)``: how many pages before a boundary of ``end`` pages its window reads."""
 
+    name = "window"
 
-def write_window(guard: GuardedBackend, objects: Sequence[PageObject], ns_digest: bytes, hashes: list[bytes],
-                 pages: np.ndarray, host_pages: np.ndarray) -> tuple[int, int]:
-    """Write the window objects of ``pages`` (indices) from ``host_pages``; (pages, bytes) stored."""
-    items = list(zip(pages, host_pages))
-    keys = [obj.key(hashes[i], ns_digest) for i, _ in items for obj in objects]
-    blobs = [encode(ns_digest, hashes[i], obj.page_bytes(int(h))) for i, h in items for obj in objects]
-    stored = guard.batch_set(keys, blobs)
-    return stored // max(len(objects), 1), sum(len(b) for b in blobs[:stored])
+    def __init__(self, reads: Sequence[PageObject], writes: Sequence[PageObject], span: Callable[[int], int]) -> None:
+        self.reads, self.writes, self.span = list(reads), list(writes), span
+
+    def read(self, guard: GuardedBackend, op: PrefetchOp, stats: StorageStats,
+             agree: Callable[[list[int]], list[int]]) -> None:
+        """Read the window objects of the pages the end of the read range's window covers (a
+        checkpoint where the writer's request ended) into the op's host window pages. Every rank
+        agrees, all or nothing (every op: the agreement runs on every rank in op order)."""
+        part = op.parts.get(self.name)
+        done = op.progress[-1][0] if op.progress else 0
+        first = done - min(self.span(op.start_page + done), done)
+        ok = 0
+        if done and part is not None and done == op.hit_pages and not op.stop.is_set() \
+                and done - first <= len(part.host_pages):
+            try:
+                keys = [obj.key(op.hashes[i], op.ns_digest) for i in range(first, done) for obj in self.reads]
+                blobs = guard.batch_get(keys)
+                failure = self._load(op, first, part.host_pages, blobs)
+                if failure:
+                    stats.fail(failure)
+                else:
+                    ok = 1
+                    stats.window_prefetched_pages += done - first
+                    stats.window_prefetch_bytes += sum(len(b) for b in blobs)
+            except Exception as e:  # the full pages stand; the tree cuts the hit back without the window
+                logger.warning("prefetch op=%d: reading its window failed: %s", op.op_id, e)
+        if agree([ok])[0] and part is not None:
+            part.first = first
+
+    def _load(self, op: PrefetchOp, first: int, host_pages: np.ndarray, blobs: list) -> str:
+        """Pages ``first ..``'s window objects (``blobs``, in order) into ``host_pages``; "" when all
+        arrived intact, else why not (missing, checksum, ...)."""
+        for j, blob in enumerate(blobs):
+            page = first + j // len(self.reads)
+            payload, reason = (None, "missing") if blob is None else decode_checked(blob, op.ns_digest, op.hashes[page])
+            if payload is None:
+                return getattr(reason, "value", str(reason))
+            self.reads[j % len(self.reads)].load(int(host_pages[page - first]), payload)
+        return ""
+
+    def write(self, guard: GuardedBackend, op: BackupOp, stats: StorageStats) -> None:
+        """The window objects of the op's checkpoint pages, then (stored whole) the deletion of the
+        window objects it supersedes."""
+        part = op.parts.get(self.name)
+        if part is None:
+            return
+        items = list(zip(part.index, part.host_pages))
+        keys = [obj.key(op.hashes[i], op.ns_digest) for i, _ in items for obj in self.writes]
+        blobs = [encode(op.ns_digest, op.hashes[i], obj.page_bytes(int(h))) for i, h in items for obj in self.writes]
+        stored = guard.batch_set(keys, blobs)
+        pages, nbytes = stored // max(len(self.writes), 1), sum(len(b) for b in blobs[:stored])
+        stats.backup_bytes += nbytes
+        stats.window_backup_bytes += nbytes
+        stats.window_backup_pages += pages
+        if pages == len(part.index) and part.superseded:  # the new checkpoint is stored whole
+            guard.delete([obj.key(h, op.ns_digest) for h in part.superseded for obj in self.writes])
+            stats.window_deleted_pages += len(part.superseded)
