@@ -106,7 +106,7 @@ class Request:
     cached: Optional[dict[str, int]] = None  # prompt tokens hit per tier (device/host/storage), set at admission
     spec: Optional["SpecState"] = None  # speculative decoding (set at admission)
     pd: Optional["PDState"] = None  # prefill/decode disaggregation (set with a bootstrap)
-    grammar: Any = None  # structured output: runtime.grammar.GrammarState (set at admission)
+    grammar: Any = None  # structured output: runtime.grammar_state.GrammarState (set at admission)
     penalty: Any = None  # penalties / logit_bias / min_tokens: runtime.penalties.PenaltyState (at admission)
     stop_scan: Any = None  # stop strings: runtime.stopping.StopScan, how far its text was searched (first check)
     # sampling.logprobs: one runtime.logprobs.TokenLogprob per output token, on the rank that reports
