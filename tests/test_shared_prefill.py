@@ -122,12 +122,14 @@ def test_tp2_ranks_wait_alike_and_answer_as_one_rank(checker: None, monkeypatch:
         two.shutdown()
 
 
-def test_a_request_arriving_after_the_others_prompt_was_computed_hits_it() -> None:
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=[pytest.mark.multirank, pytest.mark.parallel])])
+def test_a_request_arriving_after_the_others_prompt_was_computed_hits_it(tp: int, checker: None) -> None:
     """A fans out first; B, on the same system prompt, arrives once A is decoding (A's prompt was
     computed with nobody waiting, so its pages would enter the tree only at A's finish). B's
-    admission caches A's prompt: B computes its question only, and both answer as alone."""
+    admission caches A's prompt: B computes its question only, and both answer as alone; at TP2
+    every rank decides so (the consensus checker on)."""
     a_ids, b_ids = fanned_out(agents=2, system=300, question=20, seed=5)
-    eng = engine()
+    eng = engine(tp_size=tp)
     alone = [eng.generate([ids], GREEDY)[0].output_ids for ids in (a_ids, b_ids)]
     eng.flush_cache()
     loop = EngineLoop(eng).start()
@@ -145,9 +147,12 @@ def test_a_request_arriving_after_the_others_prompt_was_computed_hits_it() -> No
 
     try:
         a_ups, b_ups = asyncio.run(fan_out())
+        divergence = eng.group.monitor.divergence if tp > 1 else None
     finally:
         loop.stop()
         eng.shutdown()
     a_res, b_res = a_ups[-1].result, b_ups[-1].result
+    if tp > 1:
+        assert divergence is None
     assert b_ups[0].cached["device"] == b_res.cached_tokens == 300  # (before: 0, A still decoding)
     assert b_res.output_ids == alone[1] and a_res.output_ids[:len(alone[0])] == alone[0]
