@@ -188,5 +188,13 @@ run_claude() {
 case ",$AGENTS," in *,codex,*) run_codex ;; esac
 case ",$AGENTS," in *,claude,*) run_claude ;; esac
 echo
-echo "server statistics: $(curl -s "http://127.0.0.1:$PORT/stats" | head -c 600)"
+curl -s "http://127.0.0.1:$PORT/stats" > "$WORK/stats.json" || true
+"$PY" - "$WORK/stats.json" <<'PYEOF' || true
+import json, sys
+s = json.load(open(sys.argv[1]))
+g = s.get("grammar") or {}
+print(f"server: prompt tokens {s['prompt_tokens']}, computed {s['prefill_computed_tokens']}, hit tokens "
+      f"{s['hit_tokens']}, hit rate {s['hit_rate']:.1%}; tool-call grammar: {g.get('lazy_triggered', 0)} calls "
+      f"begun under it, {g.get('lazy_released', 0)} let go, {g.get('failed_requests', 0)} failed")
+PYEOF
 echo "agents' outputs and the server log: $WORK"
