@@ -26,6 +26,7 @@ import torch
 from ..cache.pools import DeviceKVPool
 from .heads import RankEndpoint, heads_from
 from .transfer import POLL_MS, IOThread, Receive, head_bytes
+from .window_tail import WINDOW, WindowTail
 from .wire import (JSON_FRAME_BYTES, Answer, Ask, DropLog, RouteAnswer, WireError, json_object, limit_socket,
                    recv_bounded)
 
@@ -59,6 +60,7 @@ class KVReceiver(IOThread):
 
         super().__init__()
         self.pool, self.heads, self.vocab_size, self.askers, self.writes = pool, heads, vocab_size, askers, writes
+        self.parts = {WINDOW: WindowTail(pool)}  # the components a job may ask apart
         k = pool.k_buffers[0]
         self._max_frame = max(k.numel() * k.element_size(), JSON_FRAME_BYTES)  # rows: at most a whole layer
         self._max_frames = 1 + 2 * len(pool.k_buffers)  # header + K and V of every layer
@@ -208,7 +210,7 @@ class KVReceiver(IOThread):
     def _ask(self, job: Receive, route: list[RankEndpoint]) -> None:
         """Ask every prefill rank for the heads it supplies to this rank (maybe none)."""
         try:
-            parts = heads_from(route, self.heads)
+            supply = heads_from(route, self.heads)
         except ValueError as e:
             return self._end(job, str(e))
         start, end = job.decode_prefix_len, len(job.slots)
@@ -217,12 +219,12 @@ class KVReceiver(IOThread):
         # request) if it takes under the grace; zmq rows that come late are dropped here.
         left = job.deadline - time.perf_counter()
         expires_in = max(left - (min(WRITE_GRACE_S, left / 4) if self.writes is not None else 0.0), 0.0)
-        for rank, heads in zip(route, parts):
+        asked = {name: self.parts[name].ask(tail) for name, tail in job.parts.items()}
+        pages = {name: self.parts[name].pages(tail, end) for name, tail in job.parts.items()} if self.writes else {}
+        for rank, heads in zip(route, supply):
             local = range(heads.start - self.heads.start, heads.stop - self.heads.start)
-            window = None if job.window_start is None else (job.window_start, job.window_slots)
-            target = self.writes.describe(job.slots, start, end, local, window) if self.writes is not None else None
-            ask = Ask(job.room, start, end, heads, self.askers, expires_in, target, job.window_start,
-                      tuple(sorted(self.pool.window_layers)) if job.window_start is not None else ())
+            target = self.writes.describe(job.slots, start, end, local, pages) if self.writes is not None else None
+            ask = Ask(job.room, start, end, heads, self.askers, expires_in, target, asked)
             try:
                 self._send(rank.address, ask.to_wire())
             except Exception as e:  # (ranks asked before this one may be writing: _failed waits for them)
@@ -291,7 +293,8 @@ class KVReceiver(IOThread):
         start, end, layers = answer.start, answer.end, answer.layers
         want_frames = 0 if answer.written is not None or not heads else 2 * layers
         if start != job.decode_prefix_len or end != len(job.slots) or layers != len(self.pool.k_buffers) \
-                or answer.heads != heads or len(frames) != want_frames or answer.window_start != job.window_start:
+                or answer.heads != heads or len(frames) != want_frames \
+                or answer.parts != {name: tail.start for name, tail in job.parts.items()}:
             raise WireError(f"tokens {start}-{end} of {layers} layers in {len(frames)} frames, not what was asked")
         if (answer.written is not None) != (self.writes is not None):  # rows in frames xor written by Mooncake
             raise WireError("a Mooncake answer on a zmq transfer (or the reverse)")
@@ -311,11 +314,11 @@ class KVReceiver(IOThread):
 
     def _rows(self, job: Receive) -> list[torch.Tensor]:
         """Per layer, the slots the answer's rows go to: the prompt's from ``decode_prefix_len``, or
-        a hybrid pool's window layers' from ``window_start`` (a shared pool: each layer's group's)."""
-        start, end = job.decode_prefix_len, len(job.slots)
-        window = self.pool.window_layers if job.window_start is not None else frozenset()
-        return [self.pool.layer_window_slots(job.window_slots, i)[job.window_start:end] if i in window
-                else job.slots[start:end] for i in range(len(self.pool.k_buffers))]
+        those of the part that asked the layer apart, from its start."""
+        rows = dict.fromkeys(range(len(self.pool.k_buffers)), (job.decode_prefix_len, job.slots))
+        for name, tail in job.parts.items():
+            rows.update(self.parts[name].targets(tail))
+        return [slots[first:len(job.slots)] for first, slots in rows.values()]
 
     def _copy_frames(self, slots: list[torch.Tensor], frames: list, heads: slice) -> int:
         """Each layer's K and V frames into its ``slots`` (one per row), for ``heads``."""

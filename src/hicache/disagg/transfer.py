@@ -13,8 +13,7 @@ Protocol (one request = one *room*, the ``bootstrap_room`` the router gave both 
    rank supplies to it (:func:`~hicache.disagg.heads.heads_from`; often none) and how many
    decode ranks ask (its TP size), from a DEALER of its own. A hybrid decode pool adds
    ``"window_start", "window_layers"``: those layers' rows are asked from ``window_start`` on
-   (the fresh SWA tail: the window its first decode step and its prompt's checkpoint read),
-   whatever ``decode_prefix_len`` is (its full layers may hold more prefix than its windows).
+   (the fresh SWA tail, :mod:`~hicache.disagg.window_tail`), whatever ``decode_prefix_len`` is.
 3. **Answer.** A prefill rank, once the request's prompt is computed (its own cache decides
    how much) and its first token sampled, answers each ask with one multipart message: a JSON
    header ``{"room", "first_token", "start", "end", "layers", "heads", "head_bytes"}`` then, per
@@ -44,6 +43,7 @@ import torch
 
 from ..cache.pools import DeviceKVPool
 from ..errors import EngineDeadError
+from .window_tail import Tail
 
 logger = logging.getLogger(__name__)
 
@@ -94,10 +94,7 @@ class Send:
     slots: torch.Tensor  # the prompt's device slots, one per token
     first_token: int
     deadline: float  # give up waiting for the decode ranks' asks then (perf_counter)
-    # a hybrid pool: the prompt's window-layer slots (``[groups, tokens]`` on shared blocks: one row per
-    # sliding group), held from token ``window_held_from`` on
-    window_slots: torch.Tensor | None = None
-    window_held_from: int = 0
+    parts: dict[str, Tail] = field(default_factory=dict)  # by component: rows held apart (a hybrid pool's window)
     done: threading.Event = field(default_factory=threading.Event)
     error: str = ""
     askers: int = 0  # decode ranks that ask (their TP size; 0: none heard from yet)
@@ -116,10 +113,7 @@ class Receive:
     decode_prefix_len: int
     slots: torch.Tensor
     deadline: float
-    # a hybrid pool: the window layers' rows from ``window_start`` on go to ``window_slots`` (per token;
-    # ``[groups, tokens]`` on shared blocks: a layer's rows go to its sliding group's)
-    window_start: int | None = None
-    window_slots: torch.Tensor | None = None
+    parts: dict[str, Tail] = field(default_factory=dict)  # by component: rows asked apart (a hybrid pool's window)
     handshake_deadline: float = float("inf")  # the prefill server's route must come by then
     done: threading.Event = field(default_factory=threading.Event)
     first_token: int = -1
