@@ -36,7 +36,7 @@ from ..ports import free_port, split_host_port
 from .channels import WRITERS_GONE, exit_text, queued_now, reader_only
 from .consensus import ConsensusMonitor, Divergence
 from .groups import rank_label
-from .messages import RankCall, RequestUpdate
+from .messages import Flush, RankCall, RankError, RequestUpdate, Shutdown, Stats, Updates
 from .scheduler_proxy import SchedulerProxy
 from .worker import rank_context, start_rank
 
@@ -167,11 +167,11 @@ class RankGroup:
                     self._halt(f"ranks did not start within {STARTUP_TIMEOUT_S:.0f} s")
                 self.check_alive()
                 continue
-            if item[0] == "error":
+            if isinstance(item, RankError):
                 # A bad option shows the same on every rank: report it like a single-rank ConfigError.
-                raise ConfigError(item[2]) if "ConfigError" in item[3] else HicacheError(
-                    f"rank {self.labels[item[1]]} failed to start: {item[2]}")
-            ready[item[1]] = item[2]
+                raise ConfigError(item.message) if "ConfigError" in item.trace else HicacheError(
+                    f"rank {self.labels[item.rank]} failed to start: {item.message}")
+            ready[item.rank] = item.capacity
         if len(set(ready.values())) != 1:
             self._halt(f"ranks disagree on the device pool size: {ready}")
             self.check_alive()
@@ -185,7 +185,7 @@ class RankGroup:
         try:
             if self.failure is None:
                 self._stopping = True  # from here on an exiting rank is not a failure
-                self.inbox.put(RankCall(next(self._calls), "stop"))
+                self.inbox.put(Shutdown(next(self._calls)))
                 deadline = time.monotonic() + 30
                 while any(p.is_alive() for p in self.procs) and time.monotonic() < deadline:
                     try:  # keep reading: the leader's last updates must flow for it to exit
@@ -264,9 +264,9 @@ class RankGroup:
             return self.failure
         reported: dict[int, str] = {}  # arrival order
         for item in queued_now(self.status):
-            if item[0] == "error":
-                reported.setdefault(item[1], item[2])
-                logger.error("rank %s traceback:\n%s", self.labels[item[1]], item[3])
+            if isinstance(item, RankError):
+                reported.setdefault(item.rank, item.message)
+                logger.error("rank %s traceback:\n%s", self.labels[item.rank], item.trace)
         silent = [(r, p) for r, p in self._exited() if r not in reported]
         if silent:
             r, p = silent[0]
@@ -302,10 +302,10 @@ class RankGroup:
             self.check_alive()
             return
         while True:
-            if item[0] == "updates":
-                self._updates.append(item[1])
-            else:  # ("reply", call_id, value)
-                self._replies[item[1]] = item[2]
+            if isinstance(item, Updates):
+                self._updates.append(item.updates)
+            else:
+                self._replies[item.call_id] = item.value
             try:
                 item = self.outbox.get_nowait()
             except (queue.Empty, *WRITERS_GONE):  # the next read reports a gone leader
@@ -319,10 +319,10 @@ class RankGroup:
         self._updates.clear()
         return out
 
-    def call(self, command: str) -> Any:
-        """Run ``command`` ("flush", "stats") on every rank at one step; the leader's answer."""
+    def call(self, command: type[RankCall]) -> Any:
+        """Run ``command`` (Flush, Stats) on every rank at one step; the leader's answer."""
         call_id = next(self._calls)
-        self.send(RankCall(call_id, command))
+        self.send(command(call_id))
         while call_id not in self._replies:
             self.check_alive()
             self._pump(POLL_S)
@@ -331,11 +331,11 @@ class RankGroup:
     # ---- the rest of the Engine's backend interface -----------------------------------------
     def stats(self) -> dict[str, Any]:
         """The leader's cache and queue figures."""
-        return self.call("stats")
+        return self.call(Stats)
 
     def flush(self) -> bool:
         """Every rank empties its cache at the same step."""
-        return bool(self.call("flush"))
+        return bool(self.call(Flush))
 
     def drain_idle(self) -> None:
         """Nothing to do here: the ranks apply their acks themselves, in agreed steps."""
