@@ -15,7 +15,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import queue
 import time
 import warnings
 from typing import TYPE_CHECKING, Optional
@@ -52,6 +51,7 @@ class KVReceiver(IOThread):
     ``submit`` is called on the scheduler thread."""
 
     name = "hicache-kv-receiver"
+    server = "decode"
 
     def __init__(self, pool: DeviceKVPool, heads: range, vocab_size: int, askers: int = 1,
                  writes: Optional["MooncakeWrites"] = None) -> None:
@@ -65,7 +65,6 @@ class KVReceiver(IOThread):
         self._max_frame = max(k.numel() * k.element_size(), JSON_FRAME_BYTES)  # rows: at most a whole layer
         self._max_frames = 1 + 2 * len(pool.k_buffers)  # header + K and V of every layer
         self._ctx = zmq.Context.instance()
-        self._jobs: queue.Queue[Optional[Receive]] = queue.Queue()
         self._open: dict[int, Receive] = {}  # room -> asked (or waiting for the route)
         self._routes: dict[str, list[RankEndpoint]] = {}  # bootstrap address -> its prefill ranks
         self._routing: dict[str, list[Receive]] = {}  # bootstrap address -> jobs waiting for its route
@@ -74,14 +73,7 @@ class KVReceiver(IOThread):
         self._addresses: dict[object, str] = {}
         self._poller = zmq.Poller()
         self._dropped = DropLog(logger)
-        self._start_thread()
-
-    def submit(self, job: Receive) -> None:
-        self._jobs.put(job)
-
-    def close(self) -> None:
-        self._jobs.put(None)
-        self._join()
+        self._thread.start()
 
     # ---- sockets --------------------------------------------------------------------------
     def _socket(self, address: str):
@@ -154,7 +146,9 @@ class KVReceiver(IOThread):
     # ---- the I/O thread -------------------------------------------------------------------
     def _serve(self) -> None:
         try:
-            while self._take_jobs():
+            while not self.closing:
+                for job in self._take_jobs(self._open, wait=not self._socks and not self._open):
+                    self._route(job)
                 for sock, _ in self._poller.poll(POLL_MS) if self._socks else []:
                     if sock in self._monitors:
                         self._on_monitor(sock)
@@ -162,9 +156,7 @@ class KVReceiver(IOThread):
                         self._receive(self._addresses[sock], sock)
                 self._expire(time.perf_counter())
         finally:
-            for job in self._open.values():
-                job.fail("the decode server stopped")
-                job.done.set()
+            self._stopped(self._open)
             for sock in self._socks.values():
                 sock.disable_monitor()
                 sock.close()
@@ -182,30 +174,16 @@ class KVReceiver(IOThread):
         self._forget(address, f"the prefill server at {address} " +
                      ("refused the connection" if refused else "dropped the connection (or sent a frame over the limit)"))
 
-    def _take_jobs(self) -> bool:
-        while True:
+    def _route(self, job: Receive) -> None:
+        """Ask for ``job``'s KV along its prefill server's route, once known (asked for it first)."""
+        if job.address in self._routes:
+            return self._ask(job, self._routes[job.address])
+        if job.address not in self._routing:
             try:
-                job = self._jobs.get(timeout=POLL_MS / 1000) if not self._socks and not self._open \
-                    else self._jobs.get_nowait()
-            except queue.Empty:
-                return True
-            if job is None:
-                return False
-            if job.room in self._open:  # a client reused a room: the first one keeps it
-                job.fail(f"room {job.room} is already in use on this decode server")
-                job.done.set()
-                continue
-            self._open[job.room] = job
-            if job.address in self._routes:
-                self._ask(job, self._routes[job.address])
-                continue
-            if job.address not in self._routing:
-                try:
-                    self._send(job.address, {"route": 1})
-                except Exception as e:  # a host name that does not resolve, a peer that stopped reading
-                    self._end(job, f"cannot ask the prefill server at {job.address} ({type(e).__name__}: {e})")
-                    continue
-            self._routing.setdefault(job.address, []).append(job)
+                self._send(job.address, {"route": 1})
+            except Exception as e:  # a host name that does not resolve, a peer that stopped reading
+                return self._end(job, f"cannot ask the prefill server at {job.address} ({type(e).__name__}: {e})")
+        self._routing.setdefault(job.address, []).append(job)
 
     def _ask(self, job: Receive, route: list[RankEndpoint]) -> None:
         """Ask every prefill rank for the heads it supplies to this rank (maybe none)."""

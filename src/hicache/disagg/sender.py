@@ -15,7 +15,6 @@ import heapq
 import itertools
 import json
 import logging
-import queue
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -57,6 +56,7 @@ class KVSender(IOThread):
     (the server's transfer timeout). ``submit`` is called on the scheduler thread."""
 
     name = "hicache-kv-sender"
+    server = "prefill"
 
     def __init__(self, pool: DeviceKVPool, port: int, host: str, heads: range, max_wait_s: float = 60.0,
                  writes: Optional["MooncakeWrites"] = None) -> None:
@@ -82,7 +82,6 @@ class KVSender(IOThread):
             self._sock.bind(f"tcp://{host}:{port}")
         self.host = host
         self.route: list[RankEndpoint] = []
-        self._jobs: queue.Queue[Optional[Send]] = queue.Queue()
         self._asks: dict[int, dict[int, PendingAsk]] = {}  # room -> seq -> ask whose prefill is not done yet
         self._expiry: list[tuple[float, int, int]] = []  # heap of (expires, seq, room); answered asks linger
         self._seq = itertools.count()
@@ -94,18 +93,11 @@ class KVSender(IOThread):
     def start(self, route: list[RankEndpoint]) -> None:
         """Serve; ``route``: every prefill rank of this server (answered to route asks)."""
         self.route = route
-        self._start_thread()
-
-    def submit(self, job: Send) -> None:
-        self._jobs.put(job)
+        self._thread.start()
 
     def refuse(self, room: int, reason: str, deadline: float) -> None:
         """Answer ``room``'s asks with ``reason`` (its prefill ended without KV to send)."""
         self.submit(Send(room, torch.empty(0, dtype=torch.long), -1, deadline, error=reason))
-
-    def close(self) -> None:
-        self._jobs.put(None)
-        self._join()
 
     # ---- the I/O thread -------------------------------------------------------------------
     def _serve(self) -> None:
@@ -120,13 +112,12 @@ class KVSender(IOThread):
                         self._receive()
                         if not self._sock.poll(0):
                             break
-                if not self._drain_jobs():
+                self._take_jobs(self._waiting)
+                if self.closing:
                     return
                 self._match(time.perf_counter())
         finally:
-            for job in self._waiting.values():
-                job.error = "the prefill server stopped"
-                job.done.set()
+            self._stopped(self._waiting)
             self._sock.close()
 
     def _receive(self) -> None:
@@ -175,20 +166,6 @@ class KVSender(IOThread):
         self._per_peer[a.peer] -= 1
         if not self._per_peer[a.peer]:
             del self._per_peer[a.peer]
-
-    def _drain_jobs(self) -> bool:
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                return True
-            if job is None:
-                return False
-            if job.room in self._waiting:  # a client reused a room: the first one keeps it
-                job.error = f"room {job.room} is already in use on this prefill server"
-                job.done.set()
-                continue
-            self._waiting[job.room] = job
 
     def _match(self, now: float) -> None:
         """Answer the asks of every room whose prefill is done (O(open prefills)), then drop

@@ -35,9 +35,11 @@ safe); the scheduler thread hands it work through a queue and reads results from
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -57,10 +59,22 @@ class IOThread:
     timeout while looking healthy."""
 
     name = "hicache-kv-io"
+    server = ""  # "prefill" | "decode": this side, in messages
 
     def __init__(self) -> None:
         self.failure: str | None = None
+        self.closing = False  # close() was called: the thread ends
+        self._jobs: queue.Queue[Any] = queue.Queue()  # from the scheduler thread; None: close
         self._thread = threading.Thread(target=self._guarded, name=self.name, daemon=True)
+
+    def submit(self, job: Any) -> None:
+        """Called on the scheduler thread."""
+        self._jobs.put(job)
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
 
     def _serve(self) -> None:
         raise NotImplementedError
@@ -72,12 +86,31 @@ class IOThread:
             self.failure = f"{type(e).__name__}: {e}"
             logger.exception("P/D: the %s thread died", self.name)
 
-    def _start_thread(self) -> None:
-        self._thread.start()
+    def _take_jobs(self, open_jobs: dict[int, Any], wait: bool = False) -> list:
+        """The jobs submitted since the last call, each now in ``open_jobs`` by room (waiting up to
+        a poll for the first when ``wait``); sets :attr:`closing` once :meth:`close` was called. A
+        job for a room that is open already fails at once (a client reused it: the first keeps it)."""
+        taken: list = []
+        while True:
+            try:
+                job = self._jobs.get(timeout=POLL_MS / 1000) if wait and not taken else self._jobs.get_nowait()
+            except queue.Empty:
+                return taken
+            if job is None:
+                self.closing = True
+                return taken
+            if job.room in open_jobs:
+                job.error = f"room {job.room} is already in use on this {self.server} server"
+                job.done.set()
+            else:
+                open_jobs[job.room] = job
+                taken.append(job)
 
-    def _join(self) -> None:
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
+    def _stopped(self, open_jobs: dict[int, Any]) -> None:
+        """The thread ends: every open job fails."""
+        for job in open_jobs.values():
+            job.error = job.error or f"the {self.server} server stopped"
+            job.done.set()
 
     def check_alive(self) -> None:
         """Raises EngineDeadError once the thread has died."""
