@@ -17,7 +17,7 @@ import json
 import logging
 import time
 import warnings
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 from urllib.parse import urlsplit
 
 import torch
@@ -37,6 +37,13 @@ logger = logging.getLogger(__name__)
 MAX_PEERS = 256  # prefill endpoints (DEALER sockets) one decode rank holds open at once
 _MONITORS = itertools.count()  # inproc endpoint names of socket monitors, unique in the process
 WRITE_GRACE_S = 2.0  # Mooncake: a prefill rank's write started in time lands within this (see _ask)
+
+
+def _close(sock: Any, monitor: Any) -> None:
+    """Close a DEALER and its monitor socket."""
+    sock.disable_monitor()
+    monitor.close()
+    sock.close()
 
 
 class TooManyPeers(RuntimeError):
@@ -68,9 +75,8 @@ class KVReceiver(IOThread):
         self._open: dict[int, Receive] = {}  # room -> asked (or waiting for the route)
         self._routes: dict[str, list[RankEndpoint]] = {}  # bootstrap address -> its prefill ranks
         self._routing: dict[str, list[Receive]] = {}  # bootstrap address -> jobs waiting for its route
-        self._socks: dict[str, object] = {}  # address -> DEALER
-        self._monitors: dict[object, str] = {}  # the DEALER's monitor socket -> address
-        self._addresses: dict[object, str] = {}
+        self._socks: dict[str, tuple[Any, Any]] = {}  # address -> (its DEALER, the DEALER's monitor socket)
+        self._addresses: dict[Any, str] = {}  # either socket -> address
         self._poller = zmq.Poller()
         self._dropped = DropLog(logger)
         self._thread.start()
@@ -81,8 +87,7 @@ class KVReceiver(IOThread):
         monitor event, :meth:`_on_monitor`)."""
         import zmq
 
-        sock = self._socks.get(address)
-        if sock is None:
+        if address not in self._socks:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             limit_socket(sock, self._max_frame)
@@ -93,14 +98,13 @@ class KVReceiver(IOThread):
             try:
                 sock.connect(address)
             except zmq.ZMQError:
-                sock.disable_monitor()
-                monitor.close()
-                sock.close()
+                _close(sock, monitor)
                 raise
-            self._poller.register(sock, zmq.POLLIN)
-            self._poller.register(monitor, zmq.POLLIN)
-            self._socks[address], self._addresses[sock], self._monitors[monitor] = sock, address, address
-        return sock
+            self._socks[address] = (sock, monitor)
+            for s in (sock, monitor):
+                self._poller.register(s, zmq.POLLIN)
+                self._addresses[s] = address
+        return self._socks[address][0]
 
     def _send(self, address: str, msg: dict) -> None:
         """``msg`` to ``address`` without ever blocking this thread: a peer that stops reading
@@ -133,15 +137,12 @@ class KVReceiver(IOThread):
         for boot, route in list(self._routes.items()):
             if boot == address or any(r.address == address for r in route):
                 del self._routes[boot]
-        sock = self._socks.pop(address, None)
-        if sock is not None:
-            monitor = next(m for m, a in self._monitors.items() if a == address)
-            for s in (sock, monitor):
-                self._poller.unregister(s)
-            del self._monitors[monitor], self._addresses[sock]
-            sock.disable_monitor()
-            monitor.close()
-            sock.close()
+        pair = self._socks.pop(address, None)
+        for s in pair or ():
+            self._poller.unregister(s)
+            del self._addresses[s]
+        if pair is not None:
+            _close(*pair)
 
     # ---- the I/O thread -------------------------------------------------------------------
     def _serve(self) -> None:
@@ -150,26 +151,23 @@ class KVReceiver(IOThread):
                 for job in self._take_jobs(self._open, wait=not self._socks and not self._open):
                     self._route(job)
                 for sock, _ in self._poller.poll(POLL_MS) if self._socks else []:
-                    if sock in self._monitors:
-                        self._on_monitor(sock)
-                    elif sock in self._addresses:  # (not closed by a monitor event of this round)
-                        self._receive(self._addresses[sock], sock)
+                    address = self._addresses.get(sock)  # (None: closed by a monitor event of this round)
+                    if address is not None and sock is self._socks[address][1]:
+                        self._on_monitor(address, sock)
+                    elif address is not None:
+                        self._receive(address, sock)
                 self._expire(time.perf_counter())
         finally:
             self._stopped(self._open)
-            for sock in self._socks.values():
-                sock.disable_monitor()
-                sock.close()
-            for monitor in self._monitors:
-                monitor.close()
+            for pair in self._socks.values():
+                _close(*pair)
 
-    def _on_monitor(self, monitor) -> None:
+    def _on_monitor(self, address: str, monitor: Any) -> None:
         """The connection to a prefill server was refused, or dropped (the peer went away, or
         ZeroMQ cut it for a frame over the limit): what was asked there will never come."""
         import zmq
         from zmq.utils.monitor import recv_monitor_message
 
-        address = self._monitors[monitor]
         refused = recv_monitor_message(monitor)["event"] == zmq.EVENT_CONNECT_RETRIED
         self._forget(address, f"the prefill server at {address} " +
                      ("refused the connection" if refused else "dropped the connection (or sent a frame over the limit)"))

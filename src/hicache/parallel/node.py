@@ -17,9 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
 import queue
 import signal
 import time
@@ -29,11 +27,11 @@ from ..config import ConfigError, EngineConfig
 from ..errors import HicacheError
 from ..model import load_model
 from ..model.parallel import check_parallel
-from .channels import WRITERS_GONE, exit_text, queued_now, reader_only
+from .channels import WRITERS_GONE, exit_text, kill_all, queued_now, reader_only
 from .groups import rank_label
 from .messages import RankError, Ready
-from .rank_group import STARTUP_TIMEOUT_S, init_method, peer_failure, user_main_hidden
-from .worker import rank_context, start_rank
+from .rank_group import STARTUP_TIMEOUT_S, init_method, peer_failure, spawn_ranks
+from .worker import rank_context
 
 logger = logging.getLogger(__name__)
 
@@ -84,14 +82,8 @@ class _Node:
         self.capacity = 0
 
     def start(self) -> None:
-        fields = {f.name: getattr(self.cfg, f.name) for f in dataclasses.fields(self.cfg)}
-        init, level = init_method(self.cfg), logging.getLogger().getEffectiveLevel()
-        with user_main_hidden():  # the ranks never re-run the launching script
-            for r, label in zip(self.ranks, self.labels):
-                p = self.ctx.Process(target=start_rank, name=f"hicache-rank-{label}", daemon=True,
-                                     args=(dict(os.environ), r, fields, init, self.status, None, None, None, level))
-                p.start()
-                self.procs.append(p)
+        init = init_method(self.cfg)
+        spawn_ranks(self.ctx, self.cfg, init, self.ranks, self.procs, self.status)
         reader_only(self.status)  # only the ranks write it: a killed rank reads as end-of-file
         logger.info("node %d of %d: started ranks %s (pids %s), joining %s", self.cfg.node_rank, self.cfg.nnodes,
                     ", ".join(self.labels), [p.pid for p in self.procs], init)
@@ -154,8 +146,4 @@ class _Node:
 
     def kill(self) -> None:
         """Kill the ranks still running (an orderly stop only comes from node 0)."""
-        for p in self.procs:
-            if p.exitcode is None:
-                p.kill()
-        for p in self.procs:
-            p.join(timeout=10)
+        kill_all(self.procs)

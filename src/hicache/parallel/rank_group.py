@@ -26,14 +26,14 @@ import threading
 import time
 import types
 from collections import deque
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from ..config import ConfigError, EngineConfig
 from ..consensus_record import Entry
 from ..consensus_record import enabled as checker_enabled
 from ..errors import EngineDeadError, HicacheError
 from ..ports import free_port, split_host_port
-from .channels import WRITERS_GONE, exit_text, queued_now, reader_only
+from .channels import WRITERS_GONE, exit_text, kill_all, queued_now, reader_only
 from .consensus import ConsensusMonitor, Divergence
 from .groups import rank_label
 from .messages import Flush, RankCall, RankError, RequestUpdate, Shutdown, Stats, Updates
@@ -55,6 +55,21 @@ def init_method(cfg: EngineConfig) -> str:
         return f"tcp://127.0.0.1:{free_port()}"
     host, port = addr
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def spawn_ranks(ctx: Any, cfg: EngineConfig, init: str, ranks: Iterable[int], procs: list[Any], status: Any,
+                frontend: tuple[Any, Any] = (None, None), consensus: Any = None) -> None:
+    """Start rank processes ``ranks`` into ``procs`` (the user's ``__main__`` out of sight), each
+    with the ``status`` and ``consensus`` queues; rank 0 with the ``frontend``'s (inbox, outbox)."""
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    level = logging.getLogger().getEffectiveLevel()
+    with user_main_hidden():
+        for r in ranks:
+            p = ctx.Process(target=start_rank, name=f"hicache-rank-{rank_label(r, cfg.tp_size)}", daemon=True,
+                            args=(dict(os.environ), r, fields, init, status, *(frontend if r == 0 else (None, None)),
+                                  consensus, level))
+            p.start()
+            procs.append(p)
 
 
 @contextlib.contextmanager
@@ -130,18 +145,9 @@ class RankGroup:
             self.monitor = ConsensusMonitor(local_labels, self._on_divergence, ctx, on_entry=self._keep)
             self.monitor.start()
         init = init_method(cfg)
-        fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-        level = logging.getLogger().getEffectiveLevel()
         monitor_queue = self.monitor.queue if self.monitor else None
-        with user_main_hidden():
-            for r in range(self.local_world):
-                p = ctx.Process(
-                    target=start_rank, name=f"hicache-rank-{self.labels[r]}", daemon=True,
-                    args=(dict(os.environ), r, fields, init, self.status, self.inbox if r == 0 else None,
-                          self.outbox if r == 0 else None, monitor_queue, level),
-                )
-                p.start()
-                self.procs.append(p)
+        spawn_ranks(ctx, cfg, init, range(self.local_world), self.procs, self.status, (self.inbox, self.outbox),
+                    monitor_queue)
         reader_only(self.outbox, self.status, monitor_queue)  # only the ranks write these
         logger.info("started %d ranks (tp=%d pp=%d): pids %s", self.local_world, cfg.tp_size, cfg.pp_size,
                     [p.pid for p in self.procs])
@@ -211,11 +217,7 @@ class RankGroup:
     def _stop_all(self) -> None:
         """Stop by force (ranks ignore SIGINT and SIGTERM: only an orderly stop or this ends them)."""
         self._stopping = True
-        for p in self.procs:
-            if p.is_alive():
-                p.kill()
-        for p in self.procs:
-            p.join(timeout=10)
+        kill_all(self.procs)
 
     # ---- failure ----------------------------------------------------------------------------
     def _watch(self) -> None:
