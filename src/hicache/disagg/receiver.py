@@ -242,18 +242,15 @@ class KVReceiver(IOThread):
 
     def _on_route(self, address: str, header: dict) -> None:
         jobs = self._routing.pop(address, [])
+        mine = (len(self.pool.k_buffers), head_bytes(self.pool), str(self.pool.k_buffers[0].dtype))
         try:
             answer = RouteAnswer.parse(header)
+            error = "" if (answer.layers, answer.head_bytes, answer.dtype) == mine else (
+                f"the prefill server's KV has {answer.layers} layers of {answer.head_bytes}-byte {answer.dtype} "
+                f"heads, this server's {mine[0]} of {mine[1]}-byte {mine[2]} (not the same model and dtype)")
         except WireError as e:
-            for job in jobs:
-                self._end(job, f"the prefill server at {address} sent a malformed route ({e})")
-            return
-        mine = str(self.pool.k_buffers[0].dtype)
-        if answer.layers != len(self.pool.k_buffers) or answer.head_bytes != head_bytes(self.pool) \
-                or answer.dtype != mine:
-            error = (f"the prefill server's KV has {answer.layers} layers of {answer.head_bytes}-byte {answer.dtype} "
-                     f"heads, this server's {len(self.pool.k_buffers)} of {head_bytes(self.pool)}-byte {mine} (not "
-                     "the same model and dtype)")
+            error = f"the prefill server at {address} sent a malformed route ({e})"
+        if error:
             for job in jobs:
                 self._end(job, error)
             return

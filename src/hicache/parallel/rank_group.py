@@ -34,7 +34,7 @@ from ..consensus_record import enabled as checker_enabled
 from ..errors import EngineDeadError, HicacheError
 from ..ports import free_port, split_host_port
 from .channels import WRITERS_GONE, exit_text, kill_all, queued_now, reader_only
-from .consensus import ConsensusMonitor, Divergence
+from .consensus import ConsensusMonitor
 from .groups import rank_label
 from .messages import Flush, RankCall, RankError, RequestUpdate, Shutdown, Stats, Updates
 from .scheduler_proxy import SchedulerProxy
@@ -142,7 +142,8 @@ class RankGroup:
         if checker_enabled():
             if self.nnodes > 1:  # other nodes' ranks have no queue to this process
                 logger.warning("the rank consensus checker compares node 0's ranks only (%s)", ", ".join(local_labels))
-            self.monitor = ConsensusMonitor(local_labels, self._on_divergence, ctx, on_entry=self._keep)
+            self.monitor = ConsensusMonitor(local_labels, lambda div: self._halt(str(div)), ctx,
+                                            on_entry=lambda label, entry: self.trace[label].append(entry))
             self.monitor.start()
         init = init_method(cfg)
         monitor_queue = self.monitor.queue if self.monitor else None
@@ -241,12 +242,6 @@ class RankGroup:
             self.failure = why
         logger.error("stopping all ranks: %s", why)
         self._stop_all()
-
-    def _on_divergence(self, div: Divergence) -> None:
-        self._halt(str(div))
-
-    def _keep(self, label: str, entry: Entry) -> None:
-        self.trace[label].append(entry)
 
     def check_alive(self) -> None:
         """Raises EngineDeadError once the ranks were stopped (a failure, or shutdown)."""
