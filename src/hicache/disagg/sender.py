@@ -233,16 +233,13 @@ class KVSender(IOThread):
             frames = []
             if self.writes is not None:  # the rows are in the decode pool already when this returns
                 pages = ask.mooncake.layer_pages(ask.parts)
-                header["written"] = sent = self.writes.write(ask.mooncake, [(*r, p) for r, p in zip(rows, pages)],
-                                                             end, local)
+                header["written"] = self.writes.write(ask.mooncake, [(*r, p) for r, p in zip(rows, pages)], end, local)
             elif heads:
                 for (k, v), (first, slots) in zip(zip(self.pool.k_buffers, self.pool.v_buffers), rows):
                     idx = slots[first:end].to(k.device)  # the slots are CPU tensors; the pool may be on a GPU
                     frames += [raw(k.index_select(0, idx)[:, local.start:local.stop]),
                                raw(v.index_select(0, idx)[:, local.start:local.stop])]
-                sent = sum(f.nbytes for f in frames)
-            else:
-                sent = 0
+            sent = header.get("written", sum(f.nbytes for f in frames))
             self._sock.send_multipart([peer, json.dumps(header).encode(), *frames], copy=False)
             job.sent_bytes += sent
             job.sent_tokens = end - start
