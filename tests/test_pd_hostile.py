@@ -131,7 +131,8 @@ def test_a_mooncake_window_tail_lists_pages_per_sliding_group_and_a_known_group_
     ask = {"room": 1, "decode_prefix_len": 8, "prompt_len": 18, "heads": [0, 1], "askers": 1, "expires_in": 5,
            "window_start": 8, "window_layers": [0, 2], "mooncake": target}
     parsed = Ask.parse(ask, 3)
-    assert parsed.mooncake.window_pages == [[1, 2, 3], [4, 5, 6]] and parsed.mooncake.window_groups == [1, 0]
+    window = parsed.mooncake.parts["window"]
+    assert window.pages == [[1, 2, 3], [4, 5, 6]] and window.groups == [1, 0]
     assert Ask.parse(json.loads(json.dumps(parsed.to_wire())), 3) == parsed
     for bad in ({"window_groups": [2, 0]}, {"window_groups": [0]}, {"window_pages": [[1, 2], [4, 5, 6]]},
                 {"window_pages": [[1, 2, 3]] * 3}, {"window_pages": []}, {"window_pages": [1, 2, 3]}):

@@ -19,6 +19,7 @@ import torch
 
 from ..cache.pools import DeviceKVPool
 from ..config import ConfigError
+from .window_tail import TailPages
 from .wire import MooncakeTarget
 
 logger = logging.getLogger(__name__)
@@ -49,47 +50,37 @@ class MooncakeWrites:
         logger.info("P/D: Mooncake transfer engine at %s, %d KV buffers registered", self.session, len(buffers))
 
     def describe(self, slots: torch.Tensor, start: int, end: int, heads: range,
-                 window: tuple[int, torch.Tensor] | None = None) -> MooncakeTarget:
+                 parts: dict[str, TailPages] = {}) -> MooncakeTarget:
         """Decode side: where the prefill rank should write tokens ``[start, end)`` of the
         pool-local ``heads`` (``slots``: the prompt's slots in this pool; ``start`` is a page
-        boundary); ``window``: a hybrid pool's (window start, window slots) for its window layers (the
-        slots ``[groups, tokens]`` on shared blocks: each sliding group's pages, and each layer's group)."""
+        boundary); ``parts``: the pages of the parts asked apart (by component)."""
         pool, ps, k = self.pool, self.pool.page_size, self.pool.k_buffers[0]
-        window_pages, groups = None, []
-        if window is not None:
-            first, rows = window[0], window[1].view(-1, window[1].shape[-1])
-            window_pages = [[int(row[t]) // ps for t in range(first, end, ps)] for row in rows]
-            groups = [pool.window_group(i) for i in sorted(pool.window_layers)]  # (the ask lists them in this order)
         return MooncakeTarget(self.session, ps, k.shape[1], heads.start, [b.data_ptr() for b in pool.k_buffers],
                               [b.data_ptr() for b in pool.v_buffers],
-                              [int(slots[t]) // ps for t in range(start, end, ps)], window_pages, groups)
+                              [int(slots[t]) // ps for t in range(start, end, ps)], parts)
 
-    def write(self, target: MooncakeTarget, slots: torch.Tensor, start: int, end: int, heads: range,
-              window: tuple[int, torch.Tensor, tuple[int, ...]] | None = None) -> int:
-        """Prefill side: write tokens ``[start, end)`` (at ``slots`` in this pool) of the
-        pool-local ``heads`` into ``target``'s pages; returns the bytes written. Whole rows on
-        both sides go a run of pages per span; a slice of a row (TP sizes differ) a token per
-        span. ``window``: (start, this pool's window slots, the ask's window layers) of the window
-        layers' tail, each layer written from its slots here (its sliding group's row on shared
-        blocks; the prompt's ``slots`` where this pool keeps it with every page) into its group's
-        ``target.window_pages``. Raises ValueError on a layout mismatch, RuntimeError
-        when the engine fails."""
+    def write(self, target: MooncakeTarget, rows: list[tuple[int, torch.Tensor, list[int]]], end: int,
+              heads: range) -> int:
+        """Prefill side: write each layer's rows (its first token, this pool's slot of every token of
+        the prompt, the pages of ``target`` they go to) up to token ``end``, of the pool-local
+        ``heads``; returns the bytes written. Whole rows on both sides go a run of pages per span;
+        a slice of a row (TP sizes differ) a token per span. Raises ValueError on a layout
+        mismatch, RuntimeError when the engine fails."""
         pool, ps = self.pool, self.pool.page_size
         k = pool.k_buffers[0]
         hb = k.shape[-1] * k.element_size()
         src_row, dst_row, width = k.shape[1] * hb, target.row_heads * hb, len(heads) * hb
-        if target.page_size != ps or len(target.k) != len(pool.k_buffers) or start % ps:
+        firsts = sorted({first for first, _, _ in rows})
+        if target.page_size != ps or len(target.k) != len(pool.k_buffers) or any(f % ps for f in firsts):
             raise ValueError(f"the decode pool has {len(target.k)} layers of pages of {target.page_size} "
-                             f"tokens, this one {len(pool.k_buffers)} of {ps} (suffix from token {start})")
+                             f"tokens, this one {len(pool.k_buffers)} of {ps} (rows from tokens {firsts})")
         if target.first_head + len(heads) > target.row_heads:
             raise ValueError(f"the decode rows hold {target.row_heads} heads, not {target.first_head + len(heads)}")
-        if (window is None) != (target.window_pages is None) or (window is not None and window[0] % ps):
-            raise ValueError("the decode pool's window pages and the ask's window tail do not match")
         if not heads:
             return 0
         whole = width == src_row == dst_row
 
-        def spans_of(src_slots: torch.Tensor, pages: list[int], first: int) -> list[tuple[int, int, int]]:
+        def spans_of(first: int, src_slots: torch.Tensor, pages: list[int]) -> list[tuple[int, int, int]]:
             """(source offset, destination offset, bytes) within one buffer, for tokens ``[first, end)``."""
             out = []
             for src_slot, dst_slot, n in _runs(src_slots, pages, first, end, ps):
@@ -100,17 +91,13 @@ class MooncakeWrites:
                              (dst_slot + t) * dst_row + target.first_head * hb, width) for t in range(n)]
             return out
 
-        spans = spans_of(slots, target.pages, start)
-        layer_spans = [spans] * len(pool.k_buffers)
-        if window is not None:
-            first, own, layers = window
-            memo: dict[tuple[int, int], list[tuple[int, int, int]]] = {}  # (source group, destination group) -> spans
-            for layer, dst in zip(layers, target.window_groups):
-                src = pool.window_group(layer) if layer in pool.window_layers else -1  # -1: the prompt's own slots
-                if (src, dst) not in memo:
-                    rows = pool.layer_window_slots(own, layer) if src >= 0 else slots
-                    memo[src, dst] = spans_of(rows, target.window_pages[dst], first)
-                layer_spans[layer] = memo[src, dst]
+        memo: dict[tuple[int, int, int], list[tuple[int, int, int]]] = {}  # layers that share their rows and pages
+        layer_spans = []
+        for first, src, pages in rows:
+            key = (first, id(src), id(pages))
+            if key not in memo:
+                memo[key] = spans_of(first, src, pages)
+            layer_spans.append(memo[key])
         src, dst, lengths = [], [], []
         for bufs, peer in ((pool.k_buffers, target.k), (pool.v_buffers, target.v)):
             for buf, peer_base, layer in zip(bufs, peer, layer_spans):

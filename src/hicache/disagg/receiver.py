@@ -15,10 +15,9 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import queue
 import time
 import warnings
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 from urllib.parse import urlsplit
 
 import torch
@@ -26,6 +25,7 @@ import torch
 from ..cache.pools import DeviceKVPool
 from .heads import RankEndpoint, heads_from
 from .transfer import POLL_MS, IOThread, Receive, head_bytes
+from .window_tail import WINDOW, WindowTail
 from .wire import (JSON_FRAME_BYTES, Answer, Ask, DropLog, RouteAnswer, WireError, json_object, limit_socket,
                    recv_bounded)
 
@@ -37,6 +37,13 @@ logger = logging.getLogger(__name__)
 MAX_PEERS = 256  # prefill endpoints (DEALER sockets) one decode rank holds open at once
 _MONITORS = itertools.count()  # inproc endpoint names of socket monitors, unique in the process
 WRITE_GRACE_S = 2.0  # Mooncake: a prefill rank's write started in time lands within this (see _ask)
+
+
+def _close(sock: Any, monitor: Any) -> None:
+    """Close a DEALER and its monitor socket."""
+    sock.disable_monitor()
+    monitor.close()
+    sock.close()
 
 
 class TooManyPeers(RuntimeError):
@@ -51,6 +58,7 @@ class KVReceiver(IOThread):
     ``submit`` is called on the scheduler thread."""
 
     name = "hicache-kv-receiver"
+    server = "decode"
 
     def __init__(self, pool: DeviceKVPool, heads: range, vocab_size: int, askers: int = 1,
                  writes: Optional["MooncakeWrites"] = None) -> None:
@@ -59,27 +67,19 @@ class KVReceiver(IOThread):
 
         super().__init__()
         self.pool, self.heads, self.vocab_size, self.askers, self.writes = pool, heads, vocab_size, askers, writes
+        self.parts = {WINDOW: WindowTail(pool)}  # the components a job may ask apart
         k = pool.k_buffers[0]
         self._max_frame = max(k.numel() * k.element_size(), JSON_FRAME_BYTES)  # rows: at most a whole layer
         self._max_frames = 1 + 2 * len(pool.k_buffers)  # header + K and V of every layer
         self._ctx = zmq.Context.instance()
-        self._jobs: queue.Queue[Optional[Receive]] = queue.Queue()
         self._open: dict[int, Receive] = {}  # room -> asked (or waiting for the route)
         self._routes: dict[str, list[RankEndpoint]] = {}  # bootstrap address -> its prefill ranks
         self._routing: dict[str, list[Receive]] = {}  # bootstrap address -> jobs waiting for its route
-        self._socks: dict[str, object] = {}  # address -> DEALER
-        self._monitors: dict[object, str] = {}  # the DEALER's monitor socket -> address
-        self._addresses: dict[object, str] = {}
+        self._socks: dict[str, tuple[Any, Any]] = {}  # address -> (its DEALER, the DEALER's monitor socket)
+        self._addresses: dict[Any, str] = {}  # either socket -> address
         self._poller = zmq.Poller()
         self._dropped = DropLog(logger)
-        self._start_thread()
-
-    def submit(self, job: Receive) -> None:
-        self._jobs.put(job)
-
-    def close(self) -> None:
-        self._jobs.put(None)
-        self._join()
+        self._thread.start()
 
     # ---- sockets --------------------------------------------------------------------------
     def _socket(self, address: str):
@@ -87,8 +87,7 @@ class KVReceiver(IOThread):
         monitor event, :meth:`_on_monitor`)."""
         import zmq
 
-        sock = self._socks.get(address)
-        if sock is None:
+        if address not in self._socks:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             limit_socket(sock, self._max_frame)
@@ -99,14 +98,13 @@ class KVReceiver(IOThread):
             try:
                 sock.connect(address)
             except zmq.ZMQError:
-                sock.disable_monitor()
-                monitor.close()
-                sock.close()
+                _close(sock, monitor)
                 raise
-            self._poller.register(sock, zmq.POLLIN)
-            self._poller.register(monitor, zmq.POLLIN)
-            self._socks[address], self._addresses[sock], self._monitors[monitor] = sock, address, address
-        return sock
+            self._socks[address] = (sock, monitor)
+            for s in (sock, monitor):
+                self._poller.register(s, zmq.POLLIN)
+                self._addresses[s] = address
+        return self._socks[address][0]
 
     def _send(self, address: str, msg: dict) -> None:
         """``msg`` to ``address`` without ever blocking this thread: a peer that stops reading
@@ -139,76 +137,56 @@ class KVReceiver(IOThread):
         for boot, route in list(self._routes.items()):
             if boot == address or any(r.address == address for r in route):
                 del self._routes[boot]
-        sock = self._socks.pop(address, None)
-        if sock is not None:
-            monitor = next(m for m, a in self._monitors.items() if a == address)
-            for s in (sock, monitor):
-                self._poller.unregister(s)
-            del self._monitors[monitor], self._addresses[sock]
-            sock.disable_monitor()
-            monitor.close()
-            sock.close()
+        pair = self._socks.pop(address, None)
+        for s in pair or ():
+            self._poller.unregister(s)
+            del self._addresses[s]
+        if pair is not None:
+            _close(*pair)
 
     # ---- the I/O thread -------------------------------------------------------------------
     def _serve(self) -> None:
         try:
-            while self._take_jobs():
+            while not self.closing:
+                for job in self._take_jobs(self._open, wait=not self._socks and not self._open):
+                    self._route(job)
                 for sock, _ in self._poller.poll(POLL_MS) if self._socks else []:
-                    if sock in self._monitors:
-                        self._on_monitor(sock)
-                    elif sock in self._addresses:  # (not closed by a monitor event of this round)
-                        self._receive(self._addresses[sock], sock)
+                    address = self._addresses.get(sock)  # (None: closed by a monitor event of this round)
+                    if address is not None and sock is self._socks[address][1]:
+                        self._on_monitor(address, sock)
+                    elif address is not None:
+                        self._receive(address, sock)
                 self._expire(time.perf_counter())
         finally:
-            for job in self._open.values():
-                job.fail("the decode server stopped")
-                job.done.set()
-            for sock in self._socks.values():
-                sock.disable_monitor()
-                sock.close()
-            for monitor in self._monitors:
-                monitor.close()
+            self._stopped(self._open)
+            for pair in self._socks.values():
+                _close(*pair)
 
-    def _on_monitor(self, monitor) -> None:
+    def _on_monitor(self, address: str, monitor: Any) -> None:
         """The connection to a prefill server was refused, or dropped (the peer went away, or
         ZeroMQ cut it for a frame over the limit): what was asked there will never come."""
         import zmq
         from zmq.utils.monitor import recv_monitor_message
 
-        address = self._monitors[monitor]
         refused = recv_monitor_message(monitor)["event"] == zmq.EVENT_CONNECT_RETRIED
         self._forget(address, f"the prefill server at {address} " +
                      ("refused the connection" if refused else "dropped the connection (or sent a frame over the limit)"))
 
-    def _take_jobs(self) -> bool:
-        while True:
+    def _route(self, job: Receive) -> None:
+        """Ask for ``job``'s KV along its prefill server's route, once known (asked for it first)."""
+        if job.address in self._routes:
+            return self._ask(job, self._routes[job.address])
+        if job.address not in self._routing:
             try:
-                job = self._jobs.get(timeout=POLL_MS / 1000) if not self._socks and not self._open \
-                    else self._jobs.get_nowait()
-            except queue.Empty:
-                return True
-            if job is None:
-                return False
-            if job.room in self._open:  # a client reused a room: the first one keeps it
-                job.fail(f"room {job.room} is already in use on this decode server")
-                job.done.set()
-                continue
-            self._open[job.room] = job
-            if job.address in self._routes:
-                self._ask(job, self._routes[job.address])
-                continue
-            if job.address not in self._routing:
-                try:
-                    self._send(job.address, {"route": 1})
-                except Exception as e:  # a host name that does not resolve, a peer that stopped reading
-                    self._end(job, f"cannot ask the prefill server at {job.address} ({type(e).__name__}: {e})")
-                    continue
-            self._routing.setdefault(job.address, []).append(job)
+                self._send(job.address, {"route": 1})
+            except Exception as e:  # a host name that does not resolve, a peer that stopped reading
+                return self._end(job, f"cannot ask the prefill server at {job.address} ({type(e).__name__}: {e})")
+        self._routing.setdefault(job.address, []).append(job)
 
     def _ask(self, job: Receive, route: list[RankEndpoint]) -> None:
         """Ask every prefill rank for the heads it supplies to this rank (maybe none)."""
         try:
-            parts = heads_from(route, self.heads)
+            supply = heads_from(route, self.heads)
         except ValueError as e:
             return self._end(job, str(e))
         start, end = job.decode_prefix_len, len(job.slots)
@@ -217,12 +195,12 @@ class KVReceiver(IOThread):
         # request) if it takes under the grace; zmq rows that come late are dropped here.
         left = job.deadline - time.perf_counter()
         expires_in = max(left - (min(WRITE_GRACE_S, left / 4) if self.writes is not None else 0.0), 0.0)
-        for rank, heads in zip(route, parts):
+        asked = {name: self.parts[name].ask(tail) for name, tail in job.parts.items()}
+        pages = {name: self.parts[name].pages(tail, end) for name, tail in job.parts.items()} if self.writes else {}
+        for rank, heads in zip(route, supply):
             local = range(heads.start - self.heads.start, heads.stop - self.heads.start)
-            window = None if job.window_start is None else (job.window_start, job.window_slots)
-            target = self.writes.describe(job.slots, start, end, local, window) if self.writes is not None else None
-            ask = Ask(job.room, start, end, heads, self.askers, expires_in, target, job.window_start,
-                      tuple(sorted(self.pool.window_layers)) if job.window_start is not None else ())
+            target = self.writes.describe(job.slots, start, end, local, pages) if self.writes is not None else None
+            ask = Ask(job.room, start, end, heads, self.askers, expires_in, target, asked)
             try:
                 self._send(rank.address, ask.to_wire())
             except Exception as e:  # (ranks asked before this one may be writing: _failed waits for them)
@@ -264,18 +242,15 @@ class KVReceiver(IOThread):
 
     def _on_route(self, address: str, header: dict) -> None:
         jobs = self._routing.pop(address, [])
+        mine = (len(self.pool.k_buffers), head_bytes(self.pool), str(self.pool.k_buffers[0].dtype))
         try:
             answer = RouteAnswer.parse(header)
+            error = "" if (answer.layers, answer.head_bytes, answer.dtype) == mine else (
+                f"the prefill server's KV has {answer.layers} layers of {answer.head_bytes}-byte {answer.dtype} "
+                f"heads, this server's {mine[0]} of {mine[1]}-byte {mine[2]} (not the same model and dtype)")
         except WireError as e:
-            for job in jobs:
-                self._end(job, f"the prefill server at {address} sent a malformed route ({e})")
-            return
-        mine = str(self.pool.k_buffers[0].dtype)
-        if answer.layers != len(self.pool.k_buffers) or answer.head_bytes != head_bytes(self.pool) \
-                or answer.dtype != mine:
-            error = (f"the prefill server's KV has {answer.layers} layers of {answer.head_bytes}-byte {answer.dtype} "
-                     f"heads, this server's {len(self.pool.k_buffers)} of {head_bytes(self.pool)}-byte {mine} (not "
-                     "the same model and dtype)")
+            error = f"the prefill server at {address} sent a malformed route ({e})"
+        if error:
             for job in jobs:
                 self._end(job, error)
             return
@@ -291,7 +266,8 @@ class KVReceiver(IOThread):
         start, end, layers = answer.start, answer.end, answer.layers
         want_frames = 0 if answer.written is not None or not heads else 2 * layers
         if start != job.decode_prefix_len or end != len(job.slots) or layers != len(self.pool.k_buffers) \
-                or answer.heads != heads or len(frames) != want_frames or answer.window_start != job.window_start:
+                or answer.heads != heads or len(frames) != want_frames \
+                or answer.parts != {name: tail.start for name, tail in job.parts.items()}:
             raise WireError(f"tokens {start}-{end} of {layers} layers in {len(frames)} frames, not what was asked")
         if (answer.written is not None) != (self.writes is not None):  # rows in frames xor written by Mooncake
             raise WireError("a Mooncake answer on a zmq transfer (or the reverse)")
@@ -311,11 +287,11 @@ class KVReceiver(IOThread):
 
     def _rows(self, job: Receive) -> list[torch.Tensor]:
         """Per layer, the slots the answer's rows go to: the prompt's from ``decode_prefix_len``, or
-        a hybrid pool's window layers' from ``window_start`` (a shared pool: each layer's group's)."""
-        start, end = job.decode_prefix_len, len(job.slots)
-        window = self.pool.window_layers if job.window_start is not None else frozenset()
-        return [self.pool.layer_window_slots(job.window_slots, i)[job.window_start:end] if i in window
-                else job.slots[start:end] for i in range(len(self.pool.k_buffers))]
+        those of the part that asked the layer apart, from its start."""
+        rows = dict.fromkeys(range(len(self.pool.k_buffers)), (job.decode_prefix_len, job.slots))
+        for name, tail in job.parts.items():
+            rows.update(self.parts[name].targets(tail))
+        return [slots[first:len(job.slots)] for first, slots in rows.values()]
 
     def _copy_frames(self, slots: list[torch.Tensor], frames: list, heads: slice) -> int:
         """Each layer's K and V frames into its ``slots`` (one per row), for ``heads``."""

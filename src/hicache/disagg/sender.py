@@ -15,7 +15,6 @@ import heapq
 import itertools
 import json
 import logging
-import queue
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import torch
 from ..cache.pools import DeviceKVPool
 from .heads import RankEndpoint
 from .transfer import POLL_MS, IOThread, Send, head_bytes, raw
+from .window_tail import WINDOW, Rows, WindowTail
 from .wire import JSON_FRAME_BYTES, Ask, DropLog, WireError, json_object, limit_socket, recv_bounded
 
 if TYPE_CHECKING:
@@ -56,6 +56,7 @@ class KVSender(IOThread):
     (the server's transfer timeout). ``submit`` is called on the scheduler thread."""
 
     name = "hicache-kv-sender"
+    server = "prefill"
 
     def __init__(self, pool: DeviceKVPool, port: int, host: str, heads: range, max_wait_s: float = 60.0,
                  writes: Optional["MooncakeWrites"] = None) -> None:
@@ -65,6 +66,7 @@ class KVSender(IOThread):
 
         super().__init__()
         self.pool, self.heads, self.writes, self.max_wait_s = pool, heads, writes, max_wait_s
+        self.parts = {WINDOW: WindowTail(pool)}  # the components an ask may ask apart
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -80,7 +82,6 @@ class KVSender(IOThread):
             self._sock.bind(f"tcp://{host}:{port}")
         self.host = host
         self.route: list[RankEndpoint] = []
-        self._jobs: queue.Queue[Optional[Send]] = queue.Queue()
         self._asks: dict[int, dict[int, PendingAsk]] = {}  # room -> seq -> ask whose prefill is not done yet
         self._expiry: list[tuple[float, int, int]] = []  # heap of (expires, seq, room); answered asks linger
         self._seq = itertools.count()
@@ -92,18 +93,11 @@ class KVSender(IOThread):
     def start(self, route: list[RankEndpoint]) -> None:
         """Serve; ``route``: every prefill rank of this server (answered to route asks)."""
         self.route = route
-        self._start_thread()
-
-    def submit(self, job: Send) -> None:
-        self._jobs.put(job)
+        self._thread.start()
 
     def refuse(self, room: int, reason: str, deadline: float) -> None:
         """Answer ``room``'s asks with ``reason`` (its prefill ended without KV to send)."""
         self.submit(Send(room, torch.empty(0, dtype=torch.long), -1, deadline, error=reason))
-
-    def close(self) -> None:
-        self._jobs.put(None)
-        self._join()
 
     # ---- the I/O thread -------------------------------------------------------------------
     def _serve(self) -> None:
@@ -118,13 +112,12 @@ class KVSender(IOThread):
                         self._receive()
                         if not self._sock.poll(0):
                             break
-                if not self._drain_jobs():
+                self._take_jobs(self._waiting)
+                if self.closing:
                     return
                 self._match(time.perf_counter())
         finally:
-            for job in self._waiting.values():
-                job.error = "the prefill server stopped"
-                job.done.set()
+            self._stopped(self._waiting)
             self._sock.close()
 
     def _receive(self) -> None:
@@ -174,20 +167,6 @@ class KVSender(IOThread):
         if not self._per_peer[a.peer]:
             del self._per_peer[a.peer]
 
-    def _drain_jobs(self) -> bool:
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                return True
-            if job is None:
-                return False
-            if job.room in self._waiting:  # a client reused a room: the first one keeps it
-                job.error = f"room {job.room} is already in use on this prefill server"
-                job.done.set()
-                continue
-            self._waiting[job.room] = job
-
     def _match(self, now: float) -> None:
         """Answer the asks of every room whose prefill is done (O(open prefills)), then drop
         the asks that expired (O(log n) each)."""
@@ -218,28 +197,14 @@ class KVSender(IOThread):
             self._close(pending)
             self._send_error(pending.peer, room, "no request for this room reached this prefill server in time")
 
-    def _rows(self, ask: Ask, job: Send) -> list[torch.Tensor]:
-        """Per layer, the slots of the rows the ask wants: tokens ``[decode_prefix_len, end)``, or
-        ``[window_start, end)`` of its window layers (from this pool's window component for its own
-        window layers). Raises ValueError for rows this pool no longer holds."""
-        start, end, pool = ask.decode_prefix_len, len(job.slots), self.pool
-        asked = set(ask.window_layers) if ask.window_start is not None else set()
-        if pool.hybrid and not pool.window_layers <= asked:
-            raise ValueError("this prefill server keeps its sliding-window layers' KV for the last window only; the "
-                             "decode server must ask for them as a window (run both with the same "
-                             "--disable-hybrid-swa-memory setting)")
-        if asked and pool.hybrid and ask.window_start < job.window_held_from:
-            raise ValueError(f"the decode server asked for window rows from token {ask.window_start}; this prefill "
-                             f"server holds them from {job.window_held_from}")
-        rows = []
-        for i in range(len(pool.k_buffers)):
-            if i not in asked:
-                rows.append(job.slots[start:end])
-            elif i in pool.window_layers:  # (a shared pool: the row of the layer's sliding group)
-                rows.append(pool.layer_window_slots(job.window_slots, i)[ask.window_start:end])
-            else:
-                rows.append(job.slots[ask.window_start:end])
-        return rows
+    def _rows(self, ask: Ask, job: Send) -> list[Rows]:
+        """Per layer, the rows the ask wants: tokens from ``decode_prefix_len``, or from the start of
+        the part that asked the layer apart (this pool's part decides where it holds them). Raises
+        ValueError for rows this pool no longer holds."""
+        rows = dict.fromkeys(range(len(self.pool.k_buffers)), (ask.decode_prefix_len, job.slots))
+        for name, part in self.parts.items():
+            rows.update(part.sources(ask.parts.get(name), job.parts.get(name), job.slots))
+        return list(rows.values())
 
     def _send_error(self, peer: bytes, room: int, error: str) -> None:
         self._sock.send_multipart([peer, json.dumps({"room": room, "error": error}).encode()])
@@ -263,22 +228,18 @@ class KVSender(IOThread):
                       "layers": len(self.pool.k_buffers), "heads": [heads.start, heads.stop],
                       "head_bytes": head_bytes(self.pool)}
             rows = self._rows(ask, job)
-            window = None
-            if ask.window_start is not None:
-                header["window_start"] = ask.window_start
-                own = job.window_slots if self.pool.hybrid else job.slots  # where this pool holds the tail
-                window = (ask.window_start, own, ask.window_layers)
+            for part in ask.parts.values():
+                header.update(part.echo())
             frames = []
             if self.writes is not None:  # the rows are in the decode pool already when this returns
-                header["written"] = sent = self.writes.write(ask.mooncake, job.slots, start, end, local, window)
+                pages = ask.mooncake.layer_pages(ask.parts)
+                header["written"] = self.writes.write(ask.mooncake, [(*r, p) for r, p in zip(rows, pages)], end, local)
             elif heads:
-                for (k, v), idx in zip(zip(self.pool.k_buffers, self.pool.v_buffers), rows):
-                    idx = idx.to(k.device)  # the slots are CPU tensors; the pool may be on a GPU
+                for (k, v), (first, slots) in zip(zip(self.pool.k_buffers, self.pool.v_buffers), rows):
+                    idx = slots[first:end].to(k.device)  # the slots are CPU tensors; the pool may be on a GPU
                     frames += [raw(k.index_select(0, idx)[:, local.start:local.stop]),
                                raw(v.index_select(0, idx)[:, local.start:local.stop])]
-                sent = sum(f.nbytes for f in frames)
-            else:
-                sent = 0
+            sent = header.get("written", sum(f.nbytes for f in frames))
             self._sock.send_multipart([peer, json.dumps(header).encode(), *frames], copy=False)
             job.sent_bytes += sent
             job.sent_tokens = end - start

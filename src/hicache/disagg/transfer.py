@@ -13,8 +13,7 @@ Protocol (one request = one *room*, the ``bootstrap_room`` the router gave both 
    rank supplies to it (:func:`~hicache.disagg.heads.heads_from`; often none) and how many
    decode ranks ask (its TP size), from a DEALER of its own. A hybrid decode pool adds
    ``"window_start", "window_layers"``: those layers' rows are asked from ``window_start`` on
-   (the fresh SWA tail: the window its first decode step and its prompt's checkpoint read),
-   whatever ``decode_prefix_len`` is (its full layers may hold more prefix than its windows).
+   (the fresh SWA tail, :mod:`~hicache.disagg.window_tail`), whatever ``decode_prefix_len`` is.
 3. **Answer.** A prefill rank, once the request's prompt is computed (its own cache decides
    how much) and its first token sampled, answers each ask with one multipart message: a JSON
    header ``{"room", "first_token", "start", "end", "layers", "heads", "head_bytes"}`` then, per
@@ -36,14 +35,17 @@ safe); the scheduler thread hands it work through a queue and reads results from
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from ..cache.pools import DeviceKVPool
 from ..errors import EngineDeadError
+from .window_tail import Tail
 
 logger = logging.getLogger(__name__)
 
@@ -57,10 +59,22 @@ class IOThread:
     timeout while looking healthy."""
 
     name = "hicache-kv-io"
+    server = ""  # "prefill" | "decode": this side, in messages
 
     def __init__(self) -> None:
         self.failure: str | None = None
+        self.closing = False  # close() was called: the thread ends
+        self._jobs: queue.Queue[Any] = queue.Queue()  # from the scheduler thread; None: close
         self._thread = threading.Thread(target=self._guarded, name=self.name, daemon=True)
+
+    def submit(self, job: Any) -> None:
+        """Called on the scheduler thread."""
+        self._jobs.put(job)
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
 
     def _serve(self) -> None:
         raise NotImplementedError
@@ -72,12 +86,31 @@ class IOThread:
             self.failure = f"{type(e).__name__}: {e}"
             logger.exception("P/D: the %s thread died", self.name)
 
-    def _start_thread(self) -> None:
-        self._thread.start()
+    def _take_jobs(self, open_jobs: dict[int, Any], wait: bool = False) -> list:
+        """The jobs submitted since the last call, each now in ``open_jobs`` by room (waiting up to
+        a poll for the first when ``wait``); sets :attr:`closing` once :meth:`close` was called. A
+        job for a room that is open already fails at once (a client reused it: the first keeps it)."""
+        taken: list = []
+        while True:
+            try:
+                job = self._jobs.get(timeout=POLL_MS / 1000) if wait and not taken else self._jobs.get_nowait()
+            except queue.Empty:
+                return taken
+            if job is None:
+                self.closing = True
+                return taken
+            if job.room in open_jobs:
+                job.error = f"room {job.room} is already in use on this {self.server} server"
+                job.done.set()
+            else:
+                open_jobs[job.room] = job
+                taken.append(job)
 
-    def _join(self) -> None:
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
+    def _stopped(self, open_jobs: dict[int, Any]) -> None:
+        """The thread ends: every open job fails."""
+        for job in open_jobs.values():
+            job.error = job.error or f"the {self.server} server stopped"
+            job.done.set()
 
     def check_alive(self) -> None:
         """Raises EngineDeadError once the thread has died."""
@@ -94,10 +127,7 @@ class Send:
     slots: torch.Tensor  # the prompt's device slots, one per token
     first_token: int
     deadline: float  # give up waiting for the decode ranks' asks then (perf_counter)
-    # a hybrid pool: the prompt's window-layer slots (``[groups, tokens]`` on shared blocks: one row per
-    # sliding group), held from token ``window_held_from`` on
-    window_slots: torch.Tensor | None = None
-    window_held_from: int = 0
+    parts: dict[str, Tail] = field(default_factory=dict)  # by component: rows held apart (a hybrid pool's window)
     done: threading.Event = field(default_factory=threading.Event)
     error: str = ""
     askers: int = 0  # decode ranks that ask (their TP size; 0: none heard from yet)
@@ -116,10 +146,7 @@ class Receive:
     decode_prefix_len: int
     slots: torch.Tensor
     deadline: float
-    # a hybrid pool: the window layers' rows from ``window_start`` on go to ``window_slots`` (per token;
-    # ``[groups, tokens]`` on shared blocks: a layer's rows go to its sliding group's)
-    window_start: int | None = None
-    window_slots: torch.Tensor | None = None
+    parts: dict[str, Tail] = field(default_factory=dict)  # by component: rows asked apart (a hybrid pool's window)
     handshake_deadline: float = float("inf")  # the prefill server's route must come by then
     done: threading.Event = field(default_factory=threading.Event)
     first_token: int = -1

@@ -18,25 +18,20 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
+
+from .fields import MAX_HEADS, MAX_TOKENS, WireError, error_text, head_range, host, int_list, integer, number
+from .window_tail import TailAsk, TailPages
 
 MAX_ROOM = 2**63 - 1  # rooms are non-negative signed 64-bit integers, as SGLang draws them
 MAX_ASKERS = 1024  # decode ranks that ask one prefill rank (the decode server's TP size)
 MAX_RANKS = 64  # prefill ranks in a route (its TP size); each is a socket the decode side opens
-MAX_HEADS = 1 << 16  # model-global KV heads
 MAX_LAYERS = 1 << 16
-MAX_TOKENS = 1 << 31  # prompt tokens
 MAX_ADDRESS = 1 << 64  # Mooncake buffer addresses
-MAX_ERROR_CHARS = 500  # a peer's error text kept (it ends up in a log line and an HTTP error)
 JSON_FRAME_BYTES = 64 << 10  # a route ask, a route answer without Mooncake, any answer header
-_HOST = re.compile(r"[A-Za-z0-9._:%-]{1,253}")  # a host name, an IPv4 or an IPv6 address (maybe scoped)
-
-
-class WireError(ValueError):
-    """A message that is not what the protocol allows (one sentence)."""
+PARTS = (TailAsk,)  # the components an ask asks apart: rows of their own from a start of their own
 
 
 # ---- receiving ----------------------------------------------------------------------------------
@@ -97,53 +92,13 @@ class DropLog:
             self._last, self._count = now, 0
 
 
-# ---- fields -------------------------------------------------------------------------------------
-def integer(msg: dict, key: str, lo: int, hi: int) -> int:
-    value = msg.get(key)
-    if type(value) is not int or not lo <= value <= hi:  # (bool is an int subclass: refused too)
-        raise WireError(f"{key!r} must be an integer in [{lo}, {hi}]")
-    return value
-
-
-def number(msg: dict, key: str, lo: float, hi: float) -> float:
-    value = msg.get(key)
-    if type(value) not in (int, float) or not lo <= value <= hi:  # NaN fails the comparison; 10**400 > hi
-        raise WireError(f"{key!r} must be a number in [{lo}, {hi}]")
-    return float(value)
-
-
-def int_list(msg: dict, key: str, length: int, lo: int, hi: int) -> list[int]:
-    value = msg.get(key)
-    if not isinstance(value, list) or len(value) != length \
-            or any(type(v) is not int or not lo <= v <= hi for v in value):
-        raise WireError(f"{key!r} must be a list of {length} integers in [{lo}, {hi}]")
-    return value
-
-
-def head_range(msg: dict, key: str, limit: int = MAX_HEADS) -> range:
-    start, stop = int_list(msg, key, 2, 0, limit)
-    if start > stop:
-        raise WireError(f"{key!r} must be [first, end) with first <= end")
-    return range(start, stop)
-
-
-def host(value: Any, what: str = "host") -> str:
-    """A host name or IP address (no scheme, port, spaces or wildcards)."""
-    if not isinstance(value, str) or not _HOST.fullmatch(value):
-        raise WireError(f"{what} must be a host name or an IP address")
-    return value
-
-
-def error_text(value: Any) -> str:
-    return (value if isinstance(value, str) else json.dumps(value)[:MAX_ERROR_CHARS])[:MAX_ERROR_CHARS] or "no reason"
-
-
 # ---- messages -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class MooncakeTarget:
     """Where a prefill rank writes an ask's rows with Mooncake (:mod:`hicache.disagg.mooncake_writes`):
     the decode rank's transfer engine, its K and V buffers' base addresses, the pages reserved
-    for the suffix and where the asked heads sit in its rows."""
+    for the suffix and where the asked heads sit in its rows; ``parts``: the pages of each part
+    the ask asks apart (by component: the window's :class:`~.window_tail.TailPages`)."""
 
     session: str
     page_size: int
@@ -152,23 +107,27 @@ class MooncakeTarget:
     k: list[int]
     v: list[int]
     pages: list[int]
-    # a hybrid decode pool: the pages of its buffers that take the asked tail, one list per sliding group
-    # (one list with two pools; shared blocks: a group's blocks), and each asked window layer's group
-    window_pages: Optional[list[list[int]]] = None
-    window_groups: list[int] = field(default_factory=list)
+    parts: dict[str, TailPages] = field(default_factory=dict)
 
     def to_wire(self) -> dict:
         msg = {"session": self.session, "page_size": self.page_size, "row_heads": self.row_heads,
                "first_head": self.first_head, "k": self.k, "v": self.v, "pages": self.pages}
-        if self.window_pages is not None:
-            msg["window_pages"], msg["window_groups"] = self.window_pages, self.window_groups
+        for part in self.parts.values():
+            msg.update(part.to_wire())
         return msg
 
+    def layer_pages(self, asked: Mapping[str, TailAsk]) -> list[list[int]]:
+        """Each layer's pages in the decode pool: the suffix's, or those of the part that asked it."""
+        pages = [self.pages] * len(self.k)
+        for name, part in self.parts.items():
+            for layer, own in asked[name].destinations(part).items():
+                pages[layer] = own
+        return pages
+
     @classmethod
-    def parse(cls, msg: Any, layers: int, suffix_tokens: int, window_tokens: Optional[int] = None,
-              window_layers: int = 0) -> "MooncakeTarget":
-        """``window_tokens``: the asked tail's tokens (None: no tail); ``window_layers``: how many
-        layers the ask asks as a tail."""
+    def parse(cls, msg: Any, layers: int, start: int, prompt_len: int,
+              asked: Mapping[str, TailAsk] = {}) -> "MooncakeTarget":
+        """The suffix from token ``start``; ``asked``: the ask's parts (each reads its own pages)."""
         if not isinstance(msg, dict):
             raise WireError("'mooncake' must be an object")
         session = msg.get("session")
@@ -176,25 +135,19 @@ class MooncakeTarget:
             raise WireError("'mooncake.session' must be host:port")
         host(session.rpartition(":")[0].strip("[]"), "the Mooncake session's host")
         page_size = integer(msg, "page_size", 1, 1 << 20)
-        pages = -(-suffix_tokens // page_size)
-        window, groups = None, []
-        if window_tokens is not None:
-            lists = msg.get("window_pages")
-            if not isinstance(lists, list) or not 1 <= len(lists) <= max(window_layers, 1):
-                raise WireError(f"'window_pages' must list 1 to {max(window_layers, 1)} lists of pages")
-            tail = -(-window_tokens // page_size)
-            window = [int_list({"window_pages": p}, "window_pages", tail, 0, MAX_TOKENS) for p in lists]
-            groups = int_list(msg, "window_groups", window_layers, 0, len(window) - 1)
+        pages = -(-(prompt_len - start) // page_size)
+        parts = {name: part.parse_pages(msg, page_size, prompt_len) for name, part in asked.items()}
         return cls(session, page_size, integer(msg, "row_heads", 1, MAX_HEADS), integer(msg, "first_head", 0, MAX_HEADS),
                    int_list(msg, "k", layers, 0, MAX_ADDRESS), int_list(msg, "v", layers, 0, MAX_ADDRESS),
-                   int_list(msg, "pages", pages, 0, MAX_TOKENS), window, groups)
+                   int_list(msg, "pages", pages, 0, MAX_TOKENS), parts)
 
 
 @dataclass(frozen=True)
 class Ask:
     """A decode rank's ask to a prefill rank (protocol step 2): tokens
     ``[decode_prefix_len, prompt_len)`` of ``room``'s prompt, model-global KV ``heads``;
-    ``askers``: how many decode ranks ask; ``expires_in``: seconds until the asker gives up."""
+    ``askers``: how many decode ranks ask; ``expires_in``: seconds until the asker gives up;
+    ``parts``: the layers asked apart, by component (a hybrid decode pool's window tail)."""
 
     room: int
     decode_prefix_len: int
@@ -203,18 +156,15 @@ class Ask:
     askers: int
     expires_in: float
     mooncake: Optional[MooncakeTarget] = None
-    # a hybrid decode pool: its sliding-window layers' rows are asked from ``window_start`` on (the
-    # fresh SWA tail), whatever ``decode_prefix_len`` is; None: every layer from decode_prefix_len
-    window_start: Optional[int] = None
-    window_layers: tuple[int, ...] = ()
+    parts: dict[str, TailAsk] = field(default_factory=dict)
 
     def to_wire(self) -> dict:
         msg = {"room": self.room, "decode_prefix_len": self.decode_prefix_len, "prompt_len": self.prompt_len,
                "heads": [self.heads.start, self.heads.stop], "askers": self.askers, "expires_in": self.expires_in}
         if self.mooncake is not None:
             msg["mooncake"] = self.mooncake.to_wire()
-        if self.window_start is not None:
-            msg["window_start"], msg["window_layers"] = self.window_start, list(self.window_layers)
+        for part in self.parts.values():
+            msg.update(part.to_wire())
         return msg
 
     @classmethod
@@ -222,20 +172,11 @@ class Ask:
         """``layers``: the prefill pool's (a Mooncake target lists one address per layer)."""
         prompt_len = integer(msg, "prompt_len", 0, MAX_TOKENS)
         start = integer(msg, "decode_prefix_len", 0, prompt_len)
-        window_start, window_layers = None, ()
-        if "window_start" in msg:
-            window_start = integer(msg, "window_start", 0, prompt_len)
-            window_layers = msg.get("window_layers")
-            if not isinstance(window_layers, list) or len(window_layers) > layers or not all(
-                    type(i) is int and 0 <= i < layers for i in window_layers) or len(set(window_layers)) != len(
-                    window_layers):
-                raise WireError(f"'window_layers' must list distinct layers below {layers}")
-            window_layers = tuple(window_layers)
-        mooncake = MooncakeTarget.parse(msg["mooncake"], layers, prompt_len - start, None if window_start is None
-                                        else prompt_len - window_start, len(window_layers)) if "mooncake" in msg else None
+        parts = {p.name: part for p in PARTS if (part := p.parse(msg, layers, prompt_len)) is not None}
+        mooncake = MooncakeTarget.parse(msg["mooncake"], layers, start, prompt_len, parts) \
+            if "mooncake" in msg else None
         return cls(integer(msg, "room", 0, MAX_ROOM), start, prompt_len, head_range(msg, "heads"),
-                   integer(msg, "askers", 1, MAX_ASKERS), number(msg, "expires_in", 0.0, math.inf), mooncake,
-                   window_start, window_layers)
+                   integer(msg, "askers", 1, MAX_ASKERS), number(msg, "expires_in", 0.0, math.inf), mooncake, parts)
 
 
 @dataclass(frozen=True)
@@ -279,7 +220,7 @@ class Answer:
     layers: int = 0
     heads: range = range(0)
     written: Optional[int] = None
-    window_start: Optional[int] = None  # the ask's, echoed: its window layers' rows start there
+    parts: dict[str, int] = field(default_factory=dict)  # the ask's parts' first tokens, echoed
 
     @classmethod
     def parse(cls, msg: dict, vocab_size: int) -> "Answer":
@@ -291,4 +232,4 @@ class Answer:
         written = integer(msg, "written", 0, 1 << 62) if "written" in msg else None
         return cls(room, "", integer(msg, "first_token", 0, vocab_size - 1), integer(msg, "start", 0, end), end,
                    integer(msg, "layers", 1, MAX_LAYERS), head_range(msg, "heads"), written,
-                   integer(msg, "window_start", 0, end) if "window_start" in msg else None)
+                   {p.name: first for p in PARTS if (first := p.parse_echo(msg, end)) is not None})

@@ -41,6 +41,15 @@ def queued_now(q: Any) -> Iterator[Any]:
             return
 
 
+def kill_all(procs: list[Any]) -> None:
+    """Kill the processes still running, then reap them (ranks ignore SIGINT and SIGTERM)."""
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+    for p in procs:
+        p.join(timeout=10)
+
+
 def exit_text(proc: Any) -> str:
     """How a finished process ended, for a message: killed by which signal, or its code."""
     return f"was killed by signal {-proc.exitcode}" if proc.exitcode < 0 else f"exited with code {proc.exitcode}"

@@ -28,6 +28,7 @@ node 0 leaves from).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pickle
@@ -191,6 +192,11 @@ def _register_gloo(address: str) -> None:
     dist.Backend.register_backend(GLOO, create, devices=["cpu", "cuda"])
 
 
+def _gloo_pair(ranks: list[int]) -> tuple[Any, Any]:
+    """Two gloo groups of ``ranks`` (one per thread that runs collectives on them; collective)."""
+    return dist.new_group(ranks, backend=GLOO), dist.new_group(ranks, backend=GLOO)
+
+
 class ParallelGroups:
     def __init__(self, info: RankInfo, init_method: str, device: torch.device, latent_sharding: bool = False) -> None:
         """``latent_sharding``: no CP, but an MLA latent is page-sharded over each stage's TP
@@ -215,17 +221,14 @@ class ParallelGroups:
                 if p == info.pp_rank and c == info.cp_rank:
                     self.tp_tensor = tensor
             if latent_sharding and info.cp_size == 1:  # the TP ranks hold the same latent, sharded
-                pair = (dist.new_group(ranks, backend=GLOO), dist.new_group(ranks, backend=GLOO))
+                pair = _gloo_pair(ranks)
                 if p == info.pp_rank:
-                    self.cp = CPGroup(pair[0], pair[1], info.tp_rank, info.tp_size)
-            if info.cp_size > 1:
-                for t in range(a):  # the same heads on every CP rank
-                    members = ranks[t::a]
-                    pair = (dist.new_group(members, backend=GLOO), dist.new_group(members, backend=GLOO))
-                    if p == info.pp_rank and t == info.attn_tp_rank:
-                        self.cp = CPGroup(pair[0], pair[1], info.cp_rank, info.cp_size)
-        everyone = list(range(info.world_size))
-        self._storage = (dist.new_group(everyone, backend=GLOO), dist.new_group(everyone, backend=GLOO))
+                    self.cp = CPGroup(*pair, info.tp_rank, info.tp_size)
+            for t in range(a if info.cp_size > 1 else 0):  # the same heads on every CP rank
+                pair = _gloo_pair(ranks[t::a])
+                if p == info.pp_rank and t == info.attn_tp_rank:
+                    self.cp = CPGroup(*pair, info.cp_rank, info.cp_size)
+        self._storage = _gloo_pair(list(range(info.world_size)))
         self.stage_leader = info.rank_of(info.pp_rank, 0)
         self._sends: list[tuple[Any, ...]] = []  # in-flight isends and the buffers they read
         self._shm: ShmAllReduce | None = None
@@ -253,29 +256,26 @@ class ParallelGroups:
 
     # ---- agreement ------------------------------------------------------------------------
     @staticmethod
-    def _min(values: list[int], group: Any) -> list[int]:
+    def _reduce(values: list[int], group: Any, op: Any = dist.ReduceOp.MIN) -> list[int]:
+        """Element-wise ``op`` over ``group`` (every rank passes a vector of the same length)."""
         t = torch.tensor(values, dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        dist.all_reduce(t, op=op, group=group)
         return t.tolist()
 
     def tp_min(self, values: list[int]) -> list[int]:
-        """MIN over this stage's TP ranks (every one passes a vector of the same length)."""
-        return values if self.info.tp_size == 1 else self._min(values, self.tp_ctrl)
+        """MIN over this stage's TP ranks."""
+        return values if self.info.tp_size == 1 else self._reduce(values, self.tp_ctrl)
 
     def tp_sum(self, values: list[int]) -> list[int]:
-        """Element-wise SUM over this stage's TP ranks (every one passes a vector of the same length)."""
-        if self.info.tp_size == 1:
-            return values
-        t = torch.tensor(values, dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.tp_ctrl)
-        return t.tolist()
+        """SUM over this stage's TP ranks."""
+        return values if self.info.tp_size == 1 else self._reduce(values, self.tp_ctrl, dist.ReduceOp.SUM)
 
     def world_min(self, values: list[int]) -> list[int]:
-        return values if self.info.world_size == 1 else self._min(values, None)
+        return values if self.info.world_size == 1 else self._reduce(values, None)
 
     def storage_agree(self) -> tuple:
         """``(prefetch, backup)`` MIN-reduce functions, one group each (one thread each)."""
-        return (lambda v: self._min(v, self._storage[0]), lambda v: self._min(v, self._storage[1]))
+        return tuple(functools.partial(self._reduce, group=group) for group in self._storage)
 
     def tp_gather_object(self, obj: Any) -> list[Any]:
         """Every TP rank's ``obj`` of this stage, in TP rank order (a collective: all call it)."""

@@ -40,11 +40,22 @@ class RequestSpec:
 
 @dataclass(frozen=True)
 class RankCall:
-    """The frontend's command to the leader: ``command`` ("flush", "stats", "stop") runs at one step
-    on every rank; the leader's reply carries ``call_id``."""
+    """The frontend's command to the leader: it runs at one step on every rank, after the step's
+    adds and aborts; the leader's :class:`Reply` carries ``call_id``."""
 
     call_id: int
-    command: str
+
+
+class Flush(RankCall):
+    """Empty every tier (refused while a request holds pages); the reply: whether it did."""
+
+
+class Stats(RankCall):
+    """The reply: the leader's stats (with its group's per-rank figures)."""
+
+
+class Shutdown(RankCall):
+    """Abort what is left, drain and stop every rank (no reply)."""
 
 
 @dataclass
@@ -54,8 +65,7 @@ class StepInputs:
 
     adds: list[RequestSpec] = field(default_factory=list)
     aborts: list[int] = field(default_factory=list)
-    command: Optional[str] = None  # "flush" | "stats" | "stop"
-    call_id: int = -1
+    call: Optional[RankCall] = None
 
 
 BatchKey = Optional[tuple[str, list[int], list[int]]]  # (kind, rids, new tokens) of a scheduled batch
@@ -125,6 +135,38 @@ class RequestUpdate:
         if self.finished:
             req.status, req.finish_reason, req.text, req.finish_time = \
                 Status.FINISHED, self.finish_reason, self.text, self.finish_time
+
+
+@dataclass(frozen=True)
+class Updates:
+    """Leader -> frontend: requests' updates, in order."""
+
+    updates: list[RequestUpdate]
+
+
+@dataclass(frozen=True)
+class Reply:
+    """Leader -> frontend: what the :class:`RankCall` ``call_id`` returned."""
+
+    call_id: int
+    value: Any
+
+
+@dataclass(frozen=True)
+class Ready:
+    """A rank -> its node's process: it started; its device pool's (full, window) pages."""
+
+    rank: int
+    capacity: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class RankError:
+    """A rank -> its node's process: it failed (``message``: one line; ``trace``: the traceback)."""
+
+    rank: int
+    message: str
+    trace: str
 
 
 def batch_key(batch: Any) -> BatchKey:

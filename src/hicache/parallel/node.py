@@ -17,9 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
 import queue
 import signal
 import time
@@ -29,10 +27,11 @@ from ..config import ConfigError, EngineConfig
 from ..errors import HicacheError
 from ..model import load_model
 from ..model.parallel import check_parallel
-from .channels import WRITERS_GONE, exit_text, queued_now, reader_only
+from .channels import WRITERS_GONE, exit_text, kill_all, queued_now, reader_only
 from .groups import rank_label
-from .rank_group import STARTUP_TIMEOUT_S, init_method, peer_failure, user_main_hidden
-from .worker import rank_context, start_rank
+from .messages import RankError, Ready
+from .rank_group import STARTUP_TIMEOUT_S, init_method, peer_failure, spawn_ranks
+from .worker import rank_context
 
 logger = logging.getLogger(__name__)
 
@@ -83,14 +82,8 @@ class _Node:
         self.capacity = 0
 
     def start(self) -> None:
-        fields = {f.name: getattr(self.cfg, f.name) for f in dataclasses.fields(self.cfg)}
-        init, level = init_method(self.cfg), logging.getLogger().getEffectiveLevel()
-        with user_main_hidden():  # the ranks never re-run the launching script
-            for r, label in zip(self.ranks, self.labels):
-                p = self.ctx.Process(target=start_rank, name=f"hicache-rank-{label}", daemon=True,
-                                     args=(dict(os.environ), r, fields, init, self.status, None, None, None, level))
-                p.start()
-                self.procs.append(p)
+        init = init_method(self.cfg)
+        spawn_ranks(self.ctx, self.cfg, init, self.ranks, self.procs, self.status)
         reader_only(self.status)  # only the ranks write it: a killed rank reads as end-of-file
         logger.info("node %d of %d: started ranks %s (pids %s), joining %s", self.cfg.node_rank, self.cfg.nnodes,
                     ", ".join(self.labels), [p.pid for p in self.procs], init)
@@ -107,21 +100,21 @@ class _Node:
                     raise NodeFailed(f"ranks {', '.join(self.labels)} did not start within {STARTUP_TIMEOUT_S:.0f} s "
                                      f"(is node 0 up at {self.cfg.dist_init_addr}?)")
                 continue
-            if item[0] == "error":
+            if isinstance(item, RankError):
                 self._failed(item, starting=True)
-            ready.add(item[1])
-            self.capacity = item[2]
+            ready.add(item.rank)
+            self.capacity = item.capacity
 
     def wait_stopped(self) -> None:
         """Until every local rank has exited: 0 for all after node 0's stop, else a failure."""
         while any(p.exitcode is None for p in self.procs):
             item = self._next_report()
-            if item is not None and item[0] == "error":
+            if isinstance(item, RankError):
                 self._failed(item, starting=False)
             self._check_exits(starting=False)
         self._check_exits(starting=False)
 
-    def _next_report(self) -> tuple | None:
+    def _next_report(self) -> Ready | RankError | None:
         try:
             return self.status.get(timeout=POLL_S)
         except queue.Empty:
@@ -140,22 +133,17 @@ class _Node:
     def _drain_reports(self) -> None:
         """An error a rank reported just before exiting explains its exit better: raise that."""
         for item in queued_now(self.status):
-            if item[0] == "error":
+            if isinstance(item, RankError):
                 self._failed(item, starting=False)
 
-    def _failed(self, item: tuple, starting: bool) -> None:
-        _, rank, message, tb = item
-        label = rank_label(rank, self.cfg.tp_size)
-        logger.error("rank %s traceback:\n%s", label, tb)
-        if starting and "ConfigError" in tb:  # a bad option shows the same on every rank
-            raise ConfigError(message)
-        hint = " (a rank on another node failed or its node is gone)" if peer_failure(message) else ""
-        raise NodeFailed(f"rank {label} failed{hint}: {message}")
+    def _failed(self, error: RankError, starting: bool) -> None:
+        label = rank_label(error.rank, self.cfg.tp_size)
+        logger.error("rank %s traceback:\n%s", label, error.trace)
+        if starting and "ConfigError" in error.trace:  # a bad option shows the same on every rank
+            raise ConfigError(error.message)
+        hint = " (a rank on another node failed or its node is gone)" if peer_failure(error.message) else ""
+        raise NodeFailed(f"rank {label} failed{hint}: {error.message}")
 
     def kill(self) -> None:
         """Kill the ranks still running (an orderly stop only comes from node 0)."""
-        for p in self.procs:
-            if p.exitcode is None:
-                p.kill()
-        for p in self.procs:
-            p.join(timeout=10)
+        kill_all(self.procs)

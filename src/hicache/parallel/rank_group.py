@@ -26,17 +26,17 @@ import threading
 import time
 import types
 from collections import deque
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from ..config import ConfigError, EngineConfig
 from ..consensus_record import Entry
 from ..consensus_record import enabled as checker_enabled
 from ..errors import EngineDeadError, HicacheError
 from ..ports import free_port, split_host_port
-from .channels import WRITERS_GONE, exit_text, queued_now, reader_only
-from .consensus import ConsensusMonitor, Divergence
+from .channels import WRITERS_GONE, exit_text, kill_all, queued_now, reader_only
+from .consensus import ConsensusMonitor
 from .groups import rank_label
-from .messages import RankCall, RequestUpdate
+from .messages import Flush, RankCall, RankError, RequestUpdate, Shutdown, Stats, Updates
 from .scheduler_proxy import SchedulerProxy
 from .worker import rank_context, start_rank
 
@@ -55,6 +55,21 @@ def init_method(cfg: EngineConfig) -> str:
         return f"tcp://127.0.0.1:{free_port()}"
     host, port = addr
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def spawn_ranks(ctx: Any, cfg: EngineConfig, init: str, ranks: Iterable[int], procs: list[Any], status: Any,
+                frontend: tuple[Any, Any] = (None, None), consensus: Any = None) -> None:
+    """Start rank processes ``ranks`` into ``procs`` (the user's ``__main__`` out of sight), each
+    with the ``status`` and ``consensus`` queues; rank 0 with the ``frontend``'s (inbox, outbox)."""
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    level = logging.getLogger().getEffectiveLevel()
+    with user_main_hidden():
+        for r in ranks:
+            p = ctx.Process(target=start_rank, name=f"hicache-rank-{rank_label(r, cfg.tp_size)}", daemon=True,
+                            args=(dict(os.environ), r, fields, init, status, *(frontend if r == 0 else (None, None)),
+                                  consensus, level))
+            p.start()
+            procs.append(p)
 
 
 @contextlib.contextmanager
@@ -127,21 +142,13 @@ class RankGroup:
         if checker_enabled():
             if self.nnodes > 1:  # other nodes' ranks have no queue to this process
                 logger.warning("the rank consensus checker compares node 0's ranks only (%s)", ", ".join(local_labels))
-            self.monitor = ConsensusMonitor(local_labels, self._on_divergence, ctx, on_entry=self._keep)
+            self.monitor = ConsensusMonitor(local_labels, lambda div: self._halt(str(div)), ctx,
+                                            on_entry=lambda label, entry: self.trace[label].append(entry))
             self.monitor.start()
         init = init_method(cfg)
-        fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-        level = logging.getLogger().getEffectiveLevel()
         monitor_queue = self.monitor.queue if self.monitor else None
-        with user_main_hidden():
-            for r in range(self.local_world):
-                p = ctx.Process(
-                    target=start_rank, name=f"hicache-rank-{self.labels[r]}", daemon=True,
-                    args=(dict(os.environ), r, fields, init, self.status, self.inbox if r == 0 else None,
-                          self.outbox if r == 0 else None, monitor_queue, level),
-                )
-                p.start()
-                self.procs.append(p)
+        spawn_ranks(ctx, cfg, init, range(self.local_world), self.procs, self.status, (self.inbox, self.outbox),
+                    monitor_queue)
         reader_only(self.outbox, self.status, monitor_queue)  # only the ranks write these
         logger.info("started %d ranks (tp=%d pp=%d): pids %s", self.local_world, cfg.tp_size, cfg.pp_size,
                     [p.pid for p in self.procs])
@@ -167,11 +174,11 @@ class RankGroup:
                     self._halt(f"ranks did not start within {STARTUP_TIMEOUT_S:.0f} s")
                 self.check_alive()
                 continue
-            if item[0] == "error":
+            if isinstance(item, RankError):
                 # A bad option shows the same on every rank: report it like a single-rank ConfigError.
-                raise ConfigError(item[2]) if "ConfigError" in item[3] else HicacheError(
-                    f"rank {self.labels[item[1]]} failed to start: {item[2]}")
-            ready[item[1]] = item[2]
+                raise ConfigError(item.message) if "ConfigError" in item.trace else HicacheError(
+                    f"rank {self.labels[item.rank]} failed to start: {item.message}")
+            ready[item.rank] = item.capacity
         if len(set(ready.values())) != 1:
             self._halt(f"ranks disagree on the device pool size: {ready}")
             self.check_alive()
@@ -185,7 +192,7 @@ class RankGroup:
         try:
             if self.failure is None:
                 self._stopping = True  # from here on an exiting rank is not a failure
-                self.inbox.put(RankCall(next(self._calls), "stop"))
+                self.inbox.put(Shutdown(next(self._calls)))
                 deadline = time.monotonic() + 30
                 while any(p.is_alive() for p in self.procs) and time.monotonic() < deadline:
                     try:  # keep reading: the leader's last updates must flow for it to exit
@@ -211,11 +218,7 @@ class RankGroup:
     def _stop_all(self) -> None:
         """Stop by force (ranks ignore SIGINT and SIGTERM: only an orderly stop or this ends them)."""
         self._stopping = True
-        for p in self.procs:
-            if p.is_alive():
-                p.kill()
-        for p in self.procs:
-            p.join(timeout=10)
+        kill_all(self.procs)
 
     # ---- failure ----------------------------------------------------------------------------
     def _watch(self) -> None:
@@ -240,12 +243,6 @@ class RankGroup:
         logger.error("stopping all ranks: %s", why)
         self._stop_all()
 
-    def _on_divergence(self, div: Divergence) -> None:
-        self._halt(str(div))
-
-    def _keep(self, label: str, entry: Entry) -> None:
-        self.trace[label].append(entry)
-
     def check_alive(self) -> None:
         """Raises EngineDeadError once the ranks were stopped (a failure, or shutdown)."""
         if self.failure is not None:
@@ -264,9 +261,9 @@ class RankGroup:
             return self.failure
         reported: dict[int, str] = {}  # arrival order
         for item in queued_now(self.status):
-            if item[0] == "error":
-                reported.setdefault(item[1], item[2])
-                logger.error("rank %s traceback:\n%s", self.labels[item[1]], item[3])
+            if isinstance(item, RankError):
+                reported.setdefault(item.rank, item.message)
+                logger.error("rank %s traceback:\n%s", self.labels[item.rank], item.trace)
         silent = [(r, p) for r, p in self._exited() if r not in reported]
         if silent:
             r, p = silent[0]
@@ -302,10 +299,10 @@ class RankGroup:
             self.check_alive()
             return
         while True:
-            if item[0] == "updates":
-                self._updates.append(item[1])
-            else:  # ("reply", call_id, value)
-                self._replies[item[1]] = item[2]
+            if isinstance(item, Updates):
+                self._updates.append(item.updates)
+            else:
+                self._replies[item.call_id] = item.value
             try:
                 item = self.outbox.get_nowait()
             except (queue.Empty, *WRITERS_GONE):  # the next read reports a gone leader
@@ -319,10 +316,10 @@ class RankGroup:
         self._updates.clear()
         return out
 
-    def call(self, command: str) -> Any:
-        """Run ``command`` ("flush", "stats") on every rank at one step; the leader's answer."""
+    def call(self, command: type[RankCall]) -> Any:
+        """Run ``command`` (Flush, Stats) on every rank at one step; the leader's answer."""
         call_id = next(self._calls)
-        self.send(RankCall(call_id, command))
+        self.send(command(call_id))
         while call_id not in self._replies:
             self.check_alive()
             self._pump(POLL_S)
@@ -331,11 +328,11 @@ class RankGroup:
     # ---- the rest of the Engine's backend interface -----------------------------------------
     def stats(self) -> dict[str, Any]:
         """The leader's cache and queue figures."""
-        return self.call("stats")
+        return self.call(Stats)
 
     def flush(self) -> bool:
         """Every rank empties its cache at the same step."""
-        return bool(self.call("flush"))
+        return bool(self.call(Flush))
 
     def drain_idle(self) -> None:
         """Nothing to do here: the ranks apply their acks themselves, in agreed steps."""

@@ -50,7 +50,8 @@ from ..runtime.step import Inbound, StepDriver, apply_intake, take_intake
 from .channels import WRITERS_GONE, reader_only, writer_only
 from .faults import FaultPlan
 from .groups import ParallelGroups, RankInfo
-from .messages import RankCall, RequestUpdate, StageMessage, StepInputs
+from .messages import (Flush, RankCall, RankError, Ready, Reply, RequestUpdate, Shutdown, StageMessage, Stats,
+                       StepInputs, Updates)
 from .stage_step import StageAgreement, StageStep, stage_output
 
 logger = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ class StageLoop:
             msg: StageMessage | None = None
             if self.first:
                 inputs = self.groups.tp_broadcast(self._leader_inputs() if self.leader else None)
-                results = self._returned_tokens(inputs.command in ("stop", "flush"))
+                results = self._returned_tokens(isinstance(inputs.call, (Shutdown, Flush)))
             else:
                 msg = self.groups.recv(self.prev)
                 if msg.sent_at:
@@ -100,15 +101,15 @@ class StageLoop:
                     self.hops += 1
                 inputs, results = msg.inputs, msg.results
             self._apply(inputs, results)
-            if inputs.command in ("stop", "flush"):
+            if isinstance(inputs.call, (Shutdown, Flush)):
                 # Forward first: draining waits for storage ops every rank's threads must reach.
                 if not self.last:
                     self.groups.send(self.next, StageMessage(inputs, results, StepEvents(), None, None))
-                if inputs.command == "stop":
+                if isinstance(inputs.call, Shutdown):
                     if self.hops:
                         logger.info("pp_sync hop: %d messages, %.3f ms mean", self.hops, self.hop_s / self.hops * 1e3)
                     return
-                self._reply(inputs.call_id, self._flush())
+                self._reply(inputs.call, self._flush())
                 self.step += 1
                 continue
             batch, _ = self.driver.step(Inbound(msg.events if msg else None, msg.hidden if msg else None,
@@ -145,7 +146,7 @@ class StageLoop:
             for req in reqs:
                 req.on_update = self._on_update
         apply_intake(self.sched, reqs, inputs.aborts)
-        if inputs.command == "stats":
+        if isinstance(inputs.call, Stats):
             out = core_stats(self.core, self.cache.page_size)
             if "kv_sharding" in out:  # every rank's own gather figures, for stats and Prometheus
                 mine = {k: v for k, v in out["kv_sharding"].items() if k.startswith("gather")}
@@ -154,8 +155,8 @@ class StageLoop:
                 out["disaggregation"]["bytes"] = sum(self.groups.tp_gather_object(out["disaggregation"]["bytes"]))
             a = self.agreement
             out["agreement"] = {"steps": a.steps, "tp_min_ms_per_step": a.seconds / max(a.steps, 1) * 1e3}
-            self._reply(inputs.call_id, out)
-        elif inputs.command == "stop":
+            self._reply(inputs.call, out)
+        elif isinstance(inputs.call, Shutdown):
             for req in list(self.sched.running) + list(self.sched.waiting):
                 self.sched.abort(req.rid)
             self._report()
@@ -183,12 +184,11 @@ class StageLoop:
                 if not self.frontend_gone:
                     logger.warning("the frontend process is gone: stopping")
                 self.frontend_gone = True
-                return RankCall(-1, "stop")
+                return Shutdown(-1)
 
         # (A frontend gone after the first item is noticed at the next step.)
         intake = take_intake(first, self.inbox.get_nowait, (queue.Empty, *WRITERS_GONE))
-        cmd = intake.command
-        return StepInputs(intake.adds, intake.aborts, cmd.command if cmd else None, cmd.call_id if cmd else -1)
+        return StepInputs(intake.adds, intake.aborts, intake.command)
 
     def _on_update(self, req: Request) -> None:
         upd = RequestUpdate.of(req, self._sent.get(req.rid, 0))
@@ -201,12 +201,12 @@ class StageLoop:
 
     def _report(self) -> None:
         if self._updates and not self.frontend_gone:
-            self.outbox.put(("updates", self._updates))
+            self.outbox.put(Updates(self._updates))
             self._updates = []
 
-    def _reply(self, call_id: int, value: Any) -> None:
+    def _reply(self, call: RankCall, value: Any) -> None:
         if self.leader:
-            self.outbox.put(("reply", call_id, value))
+            self.outbox.put(Reply(call.call_id, value))
 
 
 def _alter_matches(cache: Any) -> None:
@@ -353,13 +353,13 @@ def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox:
         logger.info("rank ready: %s device pages=%d host pages=%d staging=%.1f MiB", shard.describe(),
                     core.pool.num_pages, core.host_pool.num_pages if core.host_pool is not None else 0,
                     groups.staging_bytes() / 2**20)
-        status.put(("ready", rank, (core.cache.capacity_pages, core.cache.window_capacity_pages)))
+        status.put(Ready(rank, (core.cache.capacity_pages, core.cache.window_capacity_pages)))
         StageLoop(info, groups, core, inbox, outbox).run()
         core.shutdown()
         groups.close()
     except BaseException as e:  # report, then die: the frontend stops every rank
         msg = str(e) if isinstance(e, HicacheError) else f"{type(e).__name__}: {e}"
-        status.put(("error", rank, msg, traceback.format_exc()))
+        status.put(RankError(rank, msg, traceback.format_exc()))
         _exit(1, status, outbox, consensus_queue)
     _exit(0, status, outbox, consensus_queue)
 

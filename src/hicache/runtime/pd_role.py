@@ -34,6 +34,7 @@ from ..disagg.heads import RankEndpoint, TPRanks
 from ..disagg.receiver import KVReceiver
 from ..disagg.sender import KVSender
 from ..disagg.transfer import Receive, Send
+from ..disagg.window_tail import WINDOW, Tail
 from .events import WorkEvent
 from .modes import Action, Fail, Mode, ModeContext, Release, StartDecode
 from .request import Request, Status
@@ -108,7 +109,7 @@ class PrefillRole(Mode):
         n = len(req.prompt_ids)
         job = Send(req.pd.bootstrap.room, req.kv.slots[:n], req.output_ids[0], time.perf_counter() + self.timeout_s)
         if req.kv.window is not None:  # a hybrid pool holds the window layers' rows of the tail only
-            job.window_slots, job.window_held_from = req.kv.window.slots[..., :n], self.cache.window_tail(n)
+            job.parts[WINDOW] = Tail(self.cache.window_tail(n), req.kv.window.slots[..., :n])
         self.sender.submit(job)
         self.sending.append((req, job, req.on_update))
         req.on_update = None
@@ -188,7 +189,7 @@ class DecodeRole(Mode):
                       handshake_deadline=now + self.handshake_s)
         arrival = req.kv.window.arrival if req.kv.window is not None else None
         if arrival is not None:
-            job.window_start, job.window_slots = arrival[0], arrival[1][..., :n]
+            job.parts[WINDOW] = Tail(arrival[0], arrival[1][..., :n])
         req.pd.decode_prefix_len = req.computed
         self.receiver.submit(job)
         self.receiving.append((req, job))
