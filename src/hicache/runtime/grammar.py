@@ -53,8 +53,8 @@ from .batch import Batch, BatchKind
 from .events import WorkEvent
 from .grammar_state import GrammarState, RowMasks, Template
 from .grammar_trigger import TriggerScan, compile_triggers
-from .grammar_vet import ENGINE_STACK_BYTES, PARSER_LIMITS, ll_tokenizer, tokenizer_config
-from .grammar_worker import first_line
+from .grammar_vet import ENGINE_STACK_BYTES, PARSER_LIMITS, tokenizer_config
+from .grammar_worker import first_line, ll_tokenizer, token_bits
 from .modes import Action, Fail, Mode, ModeContext
 from .request import Request, Status
 from .sampling import GrammarSpec
@@ -356,10 +356,10 @@ class GrammarMode(Mode):
 
     def _add(self, out: RowMasks, row: int, matcher: Any) -> str:
         """Mask ``row`` by what ``matcher`` allows: "" or why it allows nothing."""
-        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        bits = token_bits(matcher, self._vocab_size)
         if matcher.is_error():
             return f"its matcher failed: {first_line(matcher.get_error())}"
-        mask = torch.from_numpy(bits[: self._vocab_size].astype(np.bool_))
+        mask = torch.from_numpy(bits.astype(np.bool_))
         if not bool(mask.any()):
             return "it allows no token here"
         out.rows.append(row)

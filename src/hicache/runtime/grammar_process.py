@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from .grammar_worker import write_message
+
 logger = logging.getLogger(__name__)
 
 WORKER = Path(__file__).with_name("grammar_worker.py")
@@ -75,10 +77,8 @@ class WorkerProcess:
         """Send ``message`` and read the answer; None if the worker exited meanwhile; TimeoutError
         once ``expired()`` (checked whenever :data:`POLL_S` passes without a byte)."""
         assert self.proc is not None
-        body = json.dumps(message).encode()
         try:
-            self.proc.stdin.write(struct.pack(">I", len(body)) + body)
-            self.proc.stdin.flush()
+            write_message(self.proc.stdin, message)
         except BrokenPipeError:
             return None  # it died
         fd = self.proc.stdout.fileno()

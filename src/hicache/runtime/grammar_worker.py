@@ -44,7 +44,9 @@ import struct
 import sys
 import threading
 import time
-from typing import Any, BinaryIO, Optional
+from typing import Any, BinaryIO, Callable, Optional
+
+import numpy as np
 
 SENTENCE_CHARS = 300  # an error sentence is cut here (llguidance's can quote the whole grammar)
 
@@ -97,32 +99,43 @@ def first_line(error: object) -> str:
     return (text[:SENTENCE_CHARS] + "...") if len(text) > SENTENCE_CHARS else text + "."
 
 
-class _Vocabulary:
-    """grammar_vet.Vocabulary's twin (this script imports no hicache module): the engine's token
-    table, text encoded by the engine's tokenizer (its JSON)."""
+class Vocabulary:
+    """What ``llguidance.TokenizerWrapper`` reads: the engine's token table (a config of
+    ``grammar_vet.tokenizer_config``, in this worker or on a rank) and ``encode`` (text -> ids, no
+    special tokens added)."""
 
-    def __init__(self, config: dict) -> None:
-        from tokenizers import Tokenizer
-
+    def __init__(self, config: dict, encode: Callable[[str], list[int]]) -> None:
         self.tokens = [t.encode("latin-1") for t in config["tokens"]]
         self.special_token_ids = config["special"]
         self.eos_token_id, self.bos_token_id = config["eos"][0], None
-        self._backend = Tokenizer.from_str(config["tokenizer"])
+        self._encode = encode
 
     def __call__(self, text: str) -> list[int]:
         if not isinstance(text, str):  # (TokenizerWrapper probes bytes first: it then passes text)
             raise TypeError("text only")
-        return self._backend.encode(text, add_special_tokens=False).ids
+        return self._encode(text)
+
+
+def ll_tokenizer(llguidance: Any, config: dict, encode: Callable[[str], list[int]]) -> Any:
+    """llguidance's tokenizer over our token table (see :class:`Vocabulary`)."""
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(Vocabulary(config, encode)),
+                                  n_vocab=config["vocab_size"], eos_token=config["eos"])
+
+
+def token_bits(matcher: Any, vocab_size: int) -> np.ndarray:
+    """What ``matcher`` allows next: one 0/1 byte per token id of the vocabulary."""
+    return np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")[:vocab_size]
 
 
 class Vetter:
     def __init__(self, config: dict) -> None:
         import llguidance
-        import numpy as np
+        from tokenizers import Tokenizer
 
-        self.lg, self.np, self.config = llguidance, np, config
-        self.tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocabulary(config)),
-                                                n_vocab=config["vocab_size"], eos_token=config["eos"])
+        self.lg, self.config = llguidance, config
+        backend = Tokenizer.from_str(config["tokenizer"])
+        self.tokenizer = ll_tokenizer(llguidance, config,
+                                      lambda text: backend.encode(text, add_special_tokens=False).ids)
         self.limits = llguidance.LLParserLimits(**config["parser_limits"])
         self.eos = set(config["eos"])
         self.in_use, self.trim = _heap_meter()
@@ -139,10 +152,8 @@ class Vetter:
             raise ValueError(messages[0] if messages else "the grammar is not valid")
         return grammar
 
-    def allowed(self, matcher: Any) -> Any:
-        bits = self.np.unpackbits(self.np.frombuffer(matcher.compute_bitmask(), dtype=self.np.uint8),
-                                  bitorder="little")
-        return self.np.flatnonzero(bits[: self.config["vocab_size"]])
+    def allowed(self, matcher: Any) -> np.ndarray:
+        return np.flatnonzero(token_bits(matcher, self.config["vocab_size"]))
 
     def vet(self, kind: str, source: str) -> dict:
         what = f"the {kind} grammar"
