@@ -50,7 +50,7 @@ import torch
 
 from ..model.tokenizer import Tokenizer
 from .batch import Batch, BatchKind
-from .events import WorkEvent
+from .events import WorkEvent, split_over
 from .grammar_state import GrammarState, RowMasks, Template
 from .grammar_trigger import TriggerScan, compile_triggers
 from .grammar_vet import ENGINE_STACK_BYTES, PARSER_LIMITS, tokenizer_config
@@ -194,8 +194,7 @@ class GrammarMode(Mode):
         state: Optional[GrammarState] = req.grammar
         if state is None or not self.samples or state.template.spec.lazy:
             return None  # (a lazy grammar has not begun at a first token, and never fails a request)
-        if state.matcher is None:  # (not in any batch yet: the mask thread does not hold it)
-            state.matcher = state.template.build.result().deep_copy()
+        state.catch_up(req)  # its own matcher, made here (not in any batch yet: the mask thread does not hold it)
         if state.matcher.validate_tokens([token]) == 1:
             return None
         self.failed_requests += 1
@@ -212,11 +211,8 @@ class GrammarMode(Mode):
         """Builds that ended on every rank: their requests may be admitted; a failed one fails
         the requests that waited for it (and is forgotten: a later request builds it anew)."""
         actions: list[Action] = []
-        still = []
-        for template, e in zip(self._building, events, strict=True):
-            if not e.ready:
-                still.append(template)
-                continue
+        self._building, over = split_over(events, self._building)
+        for template, e in over:
             if e.ok:
                 template.agreed, template.waiting = True, []
                 continue
@@ -227,7 +223,6 @@ class GrammarMode(Mode):
             logger.warning("grammar: building a %s matcher failed: %s", template.spec.kind, why)
             actions += [Fail(r, f"the {template.spec.kind} grammar could not be built: {why}", GRAMMAR_FAILED)
                         for r in template.waiting if r.status is Status.WAITING]
-        self._building = still
         return actions
 
     # ---- masks -----------------------------------------------------------------------------
