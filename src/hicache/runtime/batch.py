@@ -38,11 +38,6 @@ class Batch:
         drafts), not prompt tokens: only such passes may take the decode arithmetic (issue 57)."""
         return self.kind != BatchKind.PREFILL
 
-    @property
-    def all_logits(self) -> bool:
-        """The pass returns logits at every row (a verify pass), not only at each sequence's last."""
-        return self.kind == BatchKind.VERIFY
-
     def rids(self) -> list[int]:
         return [r.rid for r in self.reqs]
 
