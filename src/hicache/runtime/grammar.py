@@ -261,11 +261,9 @@ class GrammarMode(Mode):
         """The mask of every logits row a grammar request samples from in ``batch`` (mask thread)."""
         out = RowMasks()
         if batch.kind == BatchKind.VERIFY:
-            row = 0
-            for i, (req, n, drafts) in enumerate(zip(batch.reqs, batch.new_tokens, batch.proposal.tokens)):
+            for i, (req, row, drafts) in enumerate(zip(batch.reqs, batch.first_rows(), batch.proposal.tokens)):
                 if req.grammar is not None:
                     self._verify_masks(i, req, row, drafts, out)
-                row += n
             return out
         for i in batch.result_rows():
             req = batch.reqs[i]
