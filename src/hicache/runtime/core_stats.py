@@ -55,8 +55,8 @@ def core_stats(core: EngineCore, page_size: int) -> dict[str, Any]:
     if host is not None:
         out["host_pool"] = host
         out["evicted_host_pages"] = s.evicted_host_pages
-        out["transfers"] = {key: getattr(s, key) for key in ("backup_tokens", "backup_bytes", "load_tokens", "load_bytes",
-                                                             "load_time_s", "backup_skipped_pages")}
+        out["transfers"] = {key: getattr(s, key) for key in (
+            "backup_tokens", "backup_bytes", "load_tokens", "load_bytes", "load_time_s", "backup_skipped_pages")}
     return out
 
 

@@ -62,7 +62,6 @@ from .stacked_worker import StackedWorker
 
 logger = logging.getLogger(__name__)
 
-GRAMMAR_BACKENDS = ("llguidance", "none")
 GRAMMAR_FAILED = "grammar_failed"  # the error code of a request whose grammar could not be kept
 
 

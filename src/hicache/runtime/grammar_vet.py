@@ -32,6 +32,7 @@ taken out of the queue, or, while the worker runs it, stopped (the worker is kil
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -326,12 +327,10 @@ def _pass_on(done: Future, to: Future) -> None:
 
 def _settle_future(future: Future, outcome: Union[GrammarSpec, BaseException, None]) -> None:
     """Set ``future`` to ``outcome`` (an exception: raised; None: cancelled) unless it is done."""
-    try:
+    with contextlib.suppress(InvalidStateError):  # cancelled meanwhile: its caller gave up
         if outcome is None:
             future.cancel()
         elif isinstance(outcome, BaseException):
             future.set_exception(outcome)
         else:
             future.set_result(outcome)
-    except InvalidStateError:
-        pass  # cancelled meanwhile: its caller gave up

@@ -34,6 +34,7 @@ overflow there). The time limit is the parent's (CPU time of this process): it k
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import json
@@ -202,17 +203,13 @@ class Vetter:
 
 
 def _apply_limits(config: dict) -> None:
-    try:  # die with the engine (Linux): a compile in progress must not outlive it
+    with contextlib.suppress(OSError, AttributeError):  # die with the engine (Linux): a compile must not outlive it
         ctypes.CDLL("libc.so.6").prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
-    except (OSError, AttributeError):
-        pass
     if os.getppid() != config["parent"]:
         sys.exit(0)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    try:
+    with contextlib.suppress(OSError):
         os.nice(config["nice"])
-    except OSError:
-        pass
     page = os.sysconf("SC_PAGE_SIZE")
     address_space = int(open("/proc/self/statm").read().split()[0]) * page
     limit = address_space + config["stack_bytes"] + config["memory_bytes"]
