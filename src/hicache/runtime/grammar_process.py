@@ -10,12 +10,10 @@ stopped one is replaced by the next :meth:`WorkerProcess.start`.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import select
 import signal
-import struct
 import subprocess
 import sys
 import tempfile
@@ -23,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from .grammar_worker import write_message
+from .grammar_worker import read_message, write_message
 
 logger = logging.getLogger(__name__)
 
@@ -82,11 +80,7 @@ class WorkerProcess:
         except BrokenPipeError:
             return None  # it died
         fd = self.proc.stdout.fileno()
-        header = _read_exact(fd, 4, expired)
-        if header is None:
-            return None
-        answer = _read_exact(fd, struct.unpack(">I", header)[0], expired)
-        return None if answer is None else json.loads(answer.decode())
+        return read_message(lambda n: _read_exact(fd, n, expired))
 
     def reap(self) -> int:
         """The exit status of a worker that stopped by itself (negative: the signal); it is gone."""

@@ -99,7 +99,6 @@ def tokenizer_config(tokenizer: Tokenizer, vocab_size: int) -> dict:
     return configs[vocab_size]
 
 
-
 # Signals that come from outside the worker (an operator, the OOM killer, a supervisor), not from
 # what the grammar did to it: the check did not happen (503), nothing is remembered.
 EXTERNAL_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})

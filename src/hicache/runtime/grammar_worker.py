@@ -52,12 +52,13 @@ import numpy as np
 SENTENCE_CHARS = 300  # an error sentence is cut here (llguidance's can quote the whole grammar)
 
 
-def read_message(stream: BinaryIO) -> Optional[dict]:
-    header = stream.read(4)
-    if len(header) < 4:
+def read_message(read: Callable[[int], Optional[bytes]]) -> Optional[dict]:
+    """One message; ``read(n)``: the next ``n`` bytes (fewer, or None: the stream ended)."""
+    header = read(4)
+    if header is None or len(header) < 4:
         return None
-    (size,) = struct.unpack(">I", header)
-    return json.loads(stream.read(size).decode())
+    body = read(struct.unpack(">I", header)[0])
+    return None if body is None else json.loads(body.decode())
 
 
 def write_message(stream: BinaryIO, message: dict) -> None:
@@ -218,14 +219,14 @@ def _apply_limits(config: dict) -> None:
 
 def main() -> int:
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    config = read_message(stdin)
+    config = read_message(stdin.read)
     if config is None:
         return 1
     vetter = Vetter(config)
     _apply_limits(config)
     threading.stack_size(config["stack_bytes"])
     write_message(stdout, {"ready": True})
-    while (job := read_message(stdin)) is not None:
+    while (job := read_message(stdin.read)) is not None:
         out: list[dict] = []
 
         def run(job: dict = job) -> None:
