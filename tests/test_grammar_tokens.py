@@ -19,7 +19,8 @@ from hicache.model.errors import ModelNotFoundError
 from hicache.model.gguf_loader import load_gguf_tokenizer
 from hicache.model.packaged import packaged_model_path
 from hicache.model.tokenizer import Tokenizer
-from hicache.runtime.grammar_vet import ll_tokenizer, tokenizer_config
+from hicache.runtime.grammar_vet import tokenizer_config
+from hicache.runtime.grammar_worker import ll_tokenizer
 
 pytestmark = pytest.mark.model
 SHIPPED = ["smollm2", pytest.param("gemma3-270m", marks=pytest.mark.slow),

@@ -12,7 +12,8 @@ import pytest
 from hicache.model.chat_render import compile_chat_template, render
 from hicache.model.tokenizer import byte_tokenizer
 from hicache.runtime.grammar_trigger import TriggerScan, compile_triggers
-from hicache.runtime.grammar_vet import ll_tokenizer, tokenizer_config
+from hicache.runtime.grammar_vet import tokenizer_config
+from hicache.runtime.grammar_worker import ll_tokenizer
 from hicache.server.tool_formats import FORMATS, HERMES, choose_format, detect_format
 from hicache.server.protocol import ChatCompletionRequest
 from hicache.server.tools import ChatChunks, chat_prompt

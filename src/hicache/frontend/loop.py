@@ -316,8 +316,7 @@ class EngineLoop:
                 continue
             req.status, req.finish_reason, req.error = Status.FINISHED, "error", why
             req.finish_time = time.perf_counter()
-            if req.on_update is not None:
-                req.on_update(req)
+            req.notify()
             self._finished(req)
 
     def _drain(self, block: bool) -> bool:

@@ -50,8 +50,7 @@ class SchedulerProxy:
             return None
         req.status, req.finish_reason, req.finish_time = Status.FINISHED, "abort", time.perf_counter()
         self.send(Abort(rid))
-        if req.on_update is not None:
-            req.on_update(req)
+        req.notify()
         return req
 
     def step(self) -> list[Request]:
@@ -64,6 +63,5 @@ class SchedulerProxy:
             if upd.finished:
                 del self.requests[upd.rid]
                 finished.append(req)
-            if req.on_update is not None:
-                req.on_update(req)
+            req.notify()
         return finished

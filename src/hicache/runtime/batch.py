@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -38,11 +39,6 @@ class Batch:
         drafts), not prompt tokens: only such passes may take the decode arithmetic (issue 57)."""
         return self.kind != BatchKind.PREFILL
 
-    @property
-    def all_logits(self) -> bool:
-        """The pass returns logits at every row (a verify pass), not only at each sequence's last."""
-        return self.kind == BatchKind.VERIFY
-
     def rids(self) -> list[int]:
         return [r.rid for r in self.reqs]
 
@@ -64,6 +60,13 @@ class Batch:
         if not self.reqs or self.reqs[0].kv.window is None:
             return None
         return [r.kv.window.slots[..., : r.computed + n] for r, n in zip(self.reqs, self.new_tokens)]
+
+    def first_rows(self) -> list[int]:
+        """Each request's first logits row: a verify pass has ``new_tokens[i]`` rows per request
+        (sequence after sequence), any other pass one."""
+        if self.kind != BatchKind.VERIFY:
+            return list(range(len(self.reqs)))
+        return list(itertools.accumulate(self.new_tokens[:-1], initial=0))
 
     def result_rows(self) -> list[int]:
         """Rows whose logits give a token: decode rows, and prefill rows that end their prompt."""

@@ -114,19 +114,19 @@ def _host_pool(cfg: EngineConfig, pool: DeviceKVPool, host_pages: int, grid: Sto
     if pool.shared:
         logger.info("host KV pool: two pools (full layers; window layers at --swa-full-tokens-ratio %.1f's size), not "
                     "shared blocks: %s", HybridPlan.DEFAULT_RATIO, apart)
-    if pool.hybrid:  # full layers for every host page, window layers for checkpoints (pages of their own)
-        layout, cells = (cfg.hicache_mem_layout, None) if grid is None else \
-            ("page_unified", 0 if grid.mla else grid.head_partition)  # each object a slice of a page, as below
-        host = HostKVPool(pool, host_pages, layout, cell_heads=cells, layers=full)
-        ratio = cfg.swa_full_tokens_ratio or HybridPlan.DEFAULT_RATIO  # checkpoints only: the default's rule when apart
-        window_pages = max(int(ratio * (host_pages - 1)), 1) + 1
-        host.window_pool = HostKVPool(pool, window_pages, layout, cell_heads=cells, layers=tuple(sorted(pool.window_layers)))
-        return host
-    if grid is None:
-        return HostKVPool(pool, host_pages, cfg.hicache_mem_layout)
-    logger.info("host KV pool layout page_unified (--hicache-mem-layout %s set aside): the unified key scheme "
-                "writes and reads each storage object in place", cfg.hicache_mem_layout)
-    return HostKVPool(pool, host_pages, "page_unified", cell_heads=0 if grid.mla else grid.head_partition)
+    layout, cells = cfg.hicache_mem_layout, None
+    if grid is not None:  # each storage object a slice of a page
+        layout, cells = "page_unified", 0 if grid.mla else grid.head_partition
+        logger.info("host KV pool layout page_unified (--hicache-mem-layout %s set aside): the unified key scheme "
+                    "writes and reads each storage object in place", cfg.hicache_mem_layout)
+    if not pool.hybrid:
+        return HostKVPool(pool, host_pages, layout, cell_heads=cells)
+    # full layers for every host page, window layers for checkpoints (pages of their own)
+    host = HostKVPool(pool, host_pages, layout, cell_heads=cells, layers=full)
+    ratio = cfg.swa_full_tokens_ratio or HybridPlan.DEFAULT_RATIO  # checkpoints only: the default's rule when apart
+    window_pages = max(int(ratio * (host_pages - 1)), 1) + 1
+    host.window_pool = HostKVPool(pool, window_pages, layout, cell_heads=cells, layers=tuple(sorted(pool.window_layers)))
+    return host
 
 
 def _sidecar_pools(cfg: EngineConfig, plan: RankPlan, device: torch.device,

@@ -32,7 +32,7 @@ def core_stats(core: EngineCore, page_size: int) -> dict[str, Any]:
             "prefetch_ops": st.prefetch_ops, "prefetched_tokens": st.prefetched_pages * page_size,
             "prefetch_bytes": st.prefetch_bytes, "prefetch_time_s": st.prefetch_time_s,
             # the prefetch policy's decisions and the two measurements the adaptive one weighs
-            "prefetch_policy": sched.prefetch_policy, "prefetch_waited": sched.prefetch_rule.waited,
+            "prefetch_policy": sched.policy.prefetch_policy, "prefetch_waited": sched.prefetch_rule.waited,
             "prefetch_skipped": sched.prefetch_rule.skipped,
             "prefill_tokens_per_s": sched.prefetch_rule.prefill.tokens_per_s,
             "read_s_per_page": cache.storage.read_page_s,
@@ -55,11 +55,8 @@ def core_stats(core: EngineCore, page_size: int) -> dict[str, Any]:
     if host is not None:
         out["host_pool"] = host
         out["evicted_host_pages"] = s.evicted_host_pages
-        out["transfers"] = {
-            "backup_tokens": s.backup_tokens, "backup_bytes": s.backup_bytes,
-            "load_tokens": s.load_tokens, "load_bytes": s.load_bytes,
-            "load_time_s": s.load_time_s, "backup_skipped_pages": s.backup_skipped_pages,
-        }
+        out["transfers"] = {key: getattr(s, key) for key in (
+            "backup_tokens", "backup_bytes", "load_tokens", "load_bytes", "load_time_s", "backup_skipped_pages")}
     return out
 
 

@@ -18,7 +18,7 @@ failed on any.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 from ..cache.acks import AckCounts
 
@@ -64,3 +64,10 @@ class StepEvents:
         prefetches, work = pairs[: values[n]], pairs[values[n]:]
         return cls(AckCounts.from_list(values[:n]), tuple(PrefetchEvent(a, bool(e)) for a, e in prefetches),
                    tuple(WorkEvent(bool(r), bool(o)) for r, o in work))
+
+
+def split_over(events: Sequence[WorkEvent], items: list) -> tuple[list, list[tuple[Any, WorkEvent]]]:
+    """A mode's open ``items`` (paired with their agreed ``events`` in order) as (still open, over
+    with its event)."""
+    pairs = list(zip(items, events, strict=True))
+    return [item for item, e in pairs if not e.ready], [(item, e) for item, e in pairs if e.ready]

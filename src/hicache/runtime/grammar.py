@@ -50,11 +50,11 @@ import torch
 
 from ..model.tokenizer import Tokenizer
 from .batch import Batch, BatchKind
-from .events import WorkEvent
+from .events import WorkEvent, split_over
 from .grammar_state import GrammarState, RowMasks, Template
 from .grammar_trigger import TriggerScan, compile_triggers
-from .grammar_vet import ENGINE_STACK_BYTES, PARSER_LIMITS, ll_tokenizer, tokenizer_config
-from .grammar_worker import first_line
+from .grammar_vet import ENGINE_STACK_BYTES, PARSER_LIMITS, tokenizer_config
+from .grammar_worker import first_line, ll_tokenizer, token_bits
 from .modes import Action, Fail, Mode, ModeContext
 from .request import Request, Status
 from .sampling import GrammarSpec
@@ -62,7 +62,6 @@ from .stacked_worker import StackedWorker
 
 logger = logging.getLogger(__name__)
 
-GRAMMAR_BACKENDS = ("llguidance", "none")
 GRAMMAR_FAILED = "grammar_failed"  # the error code of a request whose grammar could not be kept
 
 
@@ -194,8 +193,7 @@ class GrammarMode(Mode):
         state: Optional[GrammarState] = req.grammar
         if state is None or not self.samples or state.template.spec.lazy:
             return None  # (a lazy grammar has not begun at a first token, and never fails a request)
-        if state.matcher is None:  # (not in any batch yet: the mask thread does not hold it)
-            state.matcher = state.template.build.result().deep_copy()
+        state.catch_up(req)  # its own matcher, made here (not in any batch yet: the mask thread does not hold it)
         if state.matcher.validate_tokens([token]) == 1:
             return None
         self.failed_requests += 1
@@ -212,11 +210,8 @@ class GrammarMode(Mode):
         """Builds that ended on every rank: their requests may be admitted; a failed one fails
         the requests that waited for it (and is forgotten: a later request builds it anew)."""
         actions: list[Action] = []
-        still = []
-        for template, e in zip(self._building, events, strict=True):
-            if not e.ready:
-                still.append(template)
-                continue
+        self._building, over = split_over(events, self._building)
+        for template, e in over:
             if e.ok:
                 template.agreed, template.waiting = True, []
                 continue
@@ -227,7 +222,6 @@ class GrammarMode(Mode):
             logger.warning("grammar: building a %s matcher failed: %s", template.spec.kind, why)
             actions += [Fail(r, f"the {template.spec.kind} grammar could not be built: {why}", GRAMMAR_FAILED)
                         for r in template.waiting if r.status is Status.WAITING]
-        self._building = still
         return actions
 
     # ---- masks -----------------------------------------------------------------------------
@@ -266,11 +260,9 @@ class GrammarMode(Mode):
         """The mask of every logits row a grammar request samples from in ``batch`` (mask thread)."""
         out = RowMasks()
         if batch.kind == BatchKind.VERIFY:
-            row = 0
-            for i, (req, n, drafts) in enumerate(zip(batch.reqs, batch.new_tokens, batch.proposal.tokens)):
+            for i, (req, row, drafts) in enumerate(zip(batch.reqs, batch.first_rows(), batch.proposal.tokens)):
                 if req.grammar is not None:
                     self._verify_masks(i, req, row, drafts, out)
-                row += n
             return out
         for i in batch.result_rows():
             req = batch.reqs[i]
@@ -356,10 +348,10 @@ class GrammarMode(Mode):
 
     def _add(self, out: RowMasks, row: int, matcher: Any) -> str:
         """Mask ``row`` by what ``matcher`` allows: "" or why it allows nothing."""
-        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        bits = token_bits(matcher, self._vocab_size)
         if matcher.is_error():
             return f"its matcher failed: {first_line(matcher.get_error())}"
-        mask = torch.from_numpy(bits[: self._vocab_size].astype(np.bool_))
+        mask = torch.from_numpy(bits.astype(np.bool_))
         if not bool(mask.any()):
             return "it allows no token here"
         out.rows.append(row)

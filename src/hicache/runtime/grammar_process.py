@@ -10,18 +10,18 @@ stopped one is replaced by the next :meth:`WorkerProcess.start`.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import select
 import signal
-import struct
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Optional
+
+from .grammar_worker import read_message, write_message
 
 logger = logging.getLogger(__name__)
 
@@ -75,18 +75,12 @@ class WorkerProcess:
         """Send ``message`` and read the answer; None if the worker exited meanwhile; TimeoutError
         once ``expired()`` (checked whenever :data:`POLL_S` passes without a byte)."""
         assert self.proc is not None
-        body = json.dumps(message).encode()
         try:
-            self.proc.stdin.write(struct.pack(">I", len(body)) + body)
-            self.proc.stdin.flush()
+            write_message(self.proc.stdin, message)
         except BrokenPipeError:
             return None  # it died
         fd = self.proc.stdout.fileno()
-        header = _read_exact(fd, 4, expired)
-        if header is None:
-            return None
-        answer = _read_exact(fd, struct.unpack(">I", header)[0], expired)
-        return None if answer is None else json.loads(answer.decode())
+        return read_message(lambda n: _read_exact(fd, n, expired))
 
     def reap(self) -> int:
         """The exit status of a worker that stopped by itself (negative: the signal); it is gone."""

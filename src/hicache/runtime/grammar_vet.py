@@ -32,6 +32,7 @@ taken out of the queue, or, while the worker runs it, stopped (the worker is kil
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -40,7 +41,7 @@ import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Hashable, NamedTuple, Optional, Union
+from typing import Hashable, NamedTuple, Optional, Union
 
 from ..errors import HicacheError, InvalidRequestError, OverloadedError
 from ..model.token_bytes import token_table
@@ -98,30 +99,6 @@ def tokenizer_config(tokenizer: Tokenizer, vocab_size: int) -> dict:
     return configs[vocab_size]
 
 
-
-class Vocabulary:
-    """What ``llguidance.TokenizerWrapper`` reads: the token table of ``config``
-    (:func:`tokenizer_config`) and ``encode`` (text -> ids, no special tokens added). The worker
-    (grammar_worker.py, which imports no hicache module) builds the same from the same config."""
-
-    def __init__(self, config: dict, encode: Callable[[str], list[int]]) -> None:
-        self.tokens = [t.encode("latin-1") for t in config["tokens"]]
-        self.special_token_ids = config["special"]
-        self.eos_token_id, self.bos_token_id = config["eos"][0], None
-        self._encode = encode
-
-    def __call__(self, text: str) -> list[int]:
-        if not isinstance(text, str):  # (TokenizerWrapper probes bytes first: it then passes text)
-            raise TypeError("text only")
-        return self._encode(text)
-
-
-def ll_tokenizer(llguidance: Any, config: dict, encode: Callable[[str], list[int]]) -> Any:
-    """llguidance's tokenizer over our token table (see :class:`Vocabulary`)."""
-    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(Vocabulary(config, encode)),
-                                  n_vocab=config["vocab_size"], eos_token=config["eos"])
-
-
 # Signals that come from outside the worker (an operator, the OOM killer, a supervisor), not from
 # what the grammar did to it: the check did not happen (503), nothing is remembered.
 EXTERNAL_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
@@ -133,6 +110,16 @@ class _Verdict(NamedTuple):
 
     outcome: Union[GrammarSpec, HicacheError, None]
     keep: bool
+
+    @classmethod
+    def refused(cls, message: str, keep: bool = True) -> "_Verdict":
+        """A verdict on the grammar (HTTP 400)."""
+        return cls(InvalidRequestError(message, param="grammar"), keep)
+
+    @classmethod
+    def unavailable(cls, message: str) -> "_Verdict":
+        """A verdict on the server (HTTP 503): never kept."""
+        return cls(OverloadedError(message), keep=False)
 
 
 class GrammarVetter:
@@ -238,8 +225,8 @@ class GrammarVetter:
                 verdict = self._check(job)
             except Exception as e:  # a bug here must not leave the request waiting forever
                 logger.exception("grammar vetting failed")
-                verdict = _Verdict(OverloadedError(f"the {job.spec.kind} grammar could not be checked "
-                                                   f"({type(e).__name__}); retry later."), keep=False)
+                verdict = _Verdict.unavailable(f"the {job.spec.kind} grammar could not be checked "
+                                               f"({type(e).__name__}); retry later.")
             with self._lock:
                 if self._open.get(job.spec) is job:
                     del self._open[job.spec]
@@ -273,7 +260,7 @@ class GrammarVetter:
             reply = self._worker.ask({"kind": spec.kind, "source": spec.source},
                                      lambda: job.abandoned or budget.spent())
         except CheckerDown as e:  # the server's trouble, not the grammar's
-            return _Verdict(OverloadedError(str(e)), keep=False)
+            return _Verdict.unavailable(str(e))
         except TimeoutError:
             return self._stopped(job, budget)
         if reply is None:
@@ -291,27 +278,24 @@ class GrammarVetter:
         logger.warning("grammar check: a %s grammar (%d chars) ran %.1f CPU-s (%.1f s; limit %.1f CPU-s); worker "
                        "pid=%d killed", spec.kind, len(spec.source), cpu_s, wall_s, self.limits.timeout_s, pid)
         if cpu_s > self.limits.timeout_s:  # CPU time: the grammar's own cost, but near the limit it varies
-            return _Verdict(InvalidRequestError(
-                f"the {spec.kind} grammar takes longer than {self.limits.timeout_s:g} s to compile "
-                "(--grammar-compile-timeout).", param="grammar"), keep=False)
-        return _Verdict(OverloadedError(f"the grammar checker got too little CPU time to check the {spec.kind} "
-                                        f"grammar in {wall_s:.0f} s; retry later."), keep=False)
+            return _Verdict.refused(f"the {spec.kind} grammar takes longer than {self.limits.timeout_s:g} s to "
+                                    "compile (--grammar-compile-timeout).", keep=False)
+        return _Verdict.unavailable(f"the grammar checker got too little CPU time to check the {spec.kind} grammar "
+                                    f"in {wall_s:.0f} s; retry later.")
 
     def _judge(self, spec: GrammarSpec, reply: dict) -> _Verdict:
         what = f"the {spec.kind} grammar"
         if not reply["ok"]:  # a compile error, an empty language, a matcher that fails in the walk
-            return _Verdict(InvalidRequestError(reply["error"], param="grammar"), keep=True)
+            return _Verdict.refused(reply["error"])
         cost = GrammarCost(reply["grammar"], max(reply["template_bytes"], MIN_TEMPLATE_BYTES),
                            max(reply["request_bytes"], MIN_REQUEST_BYTES), reply["mask_us"])
         need, budget = cost.template_bytes + cost.request_bytes, self.limits.memory_bytes
         if need > budget:
-            return _Verdict(InvalidRequestError(
-                f"{what} needs {need / 2**20:.0f} MiB of matcher memory; this server allows {budget / 2**20:.0f} "
-                "MiB (--grammar-memory-budget-mb).", param="grammar"), keep=True)
+            return _Verdict.refused(f"{what} needs {need / 2**20:.0f} MiB of matcher memory; this server allows "
+                                    f"{budget / 2**20:.0f} MiB (--grammar-memory-budget-mb).")
         if cost.mask_us > self.limits.mask_us:  # CPU time again: measured anew next time
-            return _Verdict(InvalidRequestError(
-                f"{what} takes {cost.mask_us / 1e3:.1f} ms a token to enforce; this server allows "
-                f"{self.limits.mask_us / 1e3:g} ms (--grammar-mask-budget-ms).", param="grammar"), keep=False)
+            return _Verdict.refused(f"{what} takes {cost.mask_us / 1e3:.1f} ms a token to enforce; this server "
+                                    f"allows {self.limits.mask_us / 1e3:g} ms (--grammar-mask-budget-ms).", keep=False)
         logger.info("grammar vetted: %s, %d chars, compile %.0f CPU-ms, matcher %d + %d KiB, mask %d CPU-us over "
                     "%d tokens", spec.kind, len(spec.source), reply["compile_ms"], cost.template_bytes >> 10,
                     cost.request_bytes >> 10, cost.mask_us, reply["steps"])
@@ -326,35 +310,26 @@ class GrammarVetter:
         what = f"the {spec.kind} grammar cannot be compiled"
         if "memory allocation" in said or code in (-signal.SIGKILL, -signal.SIGABRT) and "alloc" in said:
             limit = (self.limits.memory_bytes + WORKER_HEADROOM_BYTES) / 2**20
-            return _Verdict(InvalidRequestError(f"{what}: it needs more than {limit:.0f} MiB to compile.",
-                                                param="grammar"), keep=True)
+            return _Verdict.refused(f"{what}: it needs more than {limit:.0f} MiB to compile.")
         if code < 0 and -code in EXTERNAL_SIGNALS:
-            return _Verdict(OverloadedError(f"the grammar checker was stopped ({status(code)}) while it checked the "
-                                            f"{spec.kind} grammar; retry."), keep=False)
+            return _Verdict.unavailable(f"the grammar checker was stopped ({status(code)}) while it checked the "
+                                        f"{spec.kind} grammar; retry.")
         if code == -signal.SIGSEGV:
-            return _Verdict(InvalidRequestError(f"{what}: it crashed the grammar compiler (nested or chained too "
-                                                "deeply).", param="grammar"), keep=True)
-        return _Verdict(InvalidRequestError(f"{what}: it stopped the grammar compiler ({status(code)}).",
-                                            param="grammar"), keep=True)
+            return _Verdict.refused(f"{what}: it crashed the grammar compiler (nested or chained too deeply).")
+        return _Verdict.refused(f"{what}: it stopped the grammar compiler ({status(code)}).")
 
 
 def _pass_on(done: Future, to: Future) -> None:
     """Copy a job's verdict to one caller's future (a caller that gave up is left alone)."""
-    if done.cancelled():
-        to.cancel()
-    else:
-        error = done.exception()
-        _settle_future(to, error if error is not None else done.result())
+    _settle_future(to, None if done.cancelled() else done.exception() or done.result())
 
 
 def _settle_future(future: Future, outcome: Union[GrammarSpec, BaseException, None]) -> None:
     """Set ``future`` to ``outcome`` (an exception: raised; None: cancelled) unless it is done."""
-    try:
+    with contextlib.suppress(InvalidStateError):  # cancelled meanwhile: its caller gave up
         if outcome is None:
             future.cancel()
         elif isinstance(outcome, BaseException):
             future.set_exception(outcome)
         else:
             future.set_result(outcome)
-    except InvalidStateError:
-        pass  # cancelled meanwhile: its caller gave up

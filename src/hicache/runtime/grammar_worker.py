@@ -34,6 +34,7 @@ overflow there). The time limit is the parent's (CPU time of this process): it k
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import json
@@ -44,17 +45,20 @@ import struct
 import sys
 import threading
 import time
-from typing import Any, BinaryIO, Optional
+from typing import Any, BinaryIO, Callable, Optional
+
+import numpy as np
 
 SENTENCE_CHARS = 300  # an error sentence is cut here (llguidance's can quote the whole grammar)
 
 
-def read_message(stream: BinaryIO) -> Optional[dict]:
-    header = stream.read(4)
-    if len(header) < 4:
+def read_message(read: Callable[[int], Optional[bytes]]) -> Optional[dict]:
+    """One message; ``read(n)``: the next ``n`` bytes (fewer, or None: the stream ended)."""
+    header = read(4)
+    if header is None or len(header) < 4:
         return None
-    (size,) = struct.unpack(">I", header)
-    return json.loads(stream.read(size).decode())
+    body = read(struct.unpack(">I", header)[0])
+    return None if body is None else json.loads(body.decode())
 
 
 def write_message(stream: BinaryIO, message: dict) -> None:
@@ -97,32 +101,43 @@ def first_line(error: object) -> str:
     return (text[:SENTENCE_CHARS] + "...") if len(text) > SENTENCE_CHARS else text + "."
 
 
-class _Vocabulary:
-    """grammar_vet.Vocabulary's twin (this script imports no hicache module): the engine's token
-    table, text encoded by the engine's tokenizer (its JSON)."""
+class Vocabulary:
+    """What ``llguidance.TokenizerWrapper`` reads: the engine's token table (a config of
+    ``grammar_vet.tokenizer_config``, in this worker or on a rank) and ``encode`` (text -> ids, no
+    special tokens added)."""
 
-    def __init__(self, config: dict) -> None:
-        from tokenizers import Tokenizer
-
+    def __init__(self, config: dict, encode: Callable[[str], list[int]]) -> None:
         self.tokens = [t.encode("latin-1") for t in config["tokens"]]
         self.special_token_ids = config["special"]
         self.eos_token_id, self.bos_token_id = config["eos"][0], None
-        self._backend = Tokenizer.from_str(config["tokenizer"])
+        self._encode = encode
 
     def __call__(self, text: str) -> list[int]:
         if not isinstance(text, str):  # (TokenizerWrapper probes bytes first: it then passes text)
             raise TypeError("text only")
-        return self._backend.encode(text, add_special_tokens=False).ids
+        return self._encode(text)
+
+
+def ll_tokenizer(llguidance: Any, config: dict, encode: Callable[[str], list[int]]) -> Any:
+    """llguidance's tokenizer over our token table (see :class:`Vocabulary`)."""
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(Vocabulary(config, encode)),
+                                  n_vocab=config["vocab_size"], eos_token=config["eos"])
+
+
+def token_bits(matcher: Any, vocab_size: int) -> np.ndarray:
+    """What ``matcher`` allows next: one 0/1 byte per token id of the vocabulary."""
+    return np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")[:vocab_size]
 
 
 class Vetter:
     def __init__(self, config: dict) -> None:
         import llguidance
-        import numpy as np
+        from tokenizers import Tokenizer
 
-        self.lg, self.np, self.config = llguidance, np, config
-        self.tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocabulary(config)),
-                                                n_vocab=config["vocab_size"], eos_token=config["eos"])
+        self.lg, self.config = llguidance, config
+        backend = Tokenizer.from_str(config["tokenizer"])
+        self.tokenizer = ll_tokenizer(llguidance, config,
+                                      lambda text: backend.encode(text, add_special_tokens=False).ids)
         self.limits = llguidance.LLParserLimits(**config["parser_limits"])
         self.eos = set(config["eos"])
         self.in_use, self.trim = _heap_meter()
@@ -139,10 +154,8 @@ class Vetter:
             raise ValueError(messages[0] if messages else "the grammar is not valid")
         return grammar
 
-    def allowed(self, matcher: Any) -> Any:
-        bits = self.np.unpackbits(self.np.frombuffer(matcher.compute_bitmask(), dtype=self.np.uint8),
-                                  bitorder="little")
-        return self.np.flatnonzero(bits[: self.config["vocab_size"]])
+    def allowed(self, matcher: Any) -> np.ndarray:
+        return np.flatnonzero(token_bits(matcher, self.config["vocab_size"]))
 
     def vet(self, kind: str, source: str) -> dict:
         what = f"the {kind} grammar"
@@ -191,17 +204,13 @@ class Vetter:
 
 
 def _apply_limits(config: dict) -> None:
-    try:  # die with the engine (Linux): a compile in progress must not outlive it
+    with contextlib.suppress(OSError, AttributeError):  # die with the engine (Linux): a compile must not outlive it
         ctypes.CDLL("libc.so.6").prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
-    except (OSError, AttributeError):
-        pass
     if os.getppid() != config["parent"]:
         sys.exit(0)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    try:
+    with contextlib.suppress(OSError):
         os.nice(config["nice"])
-    except OSError:
-        pass
     page = os.sysconf("SC_PAGE_SIZE")
     address_space = int(open("/proc/self/statm").read().split()[0]) * page
     limit = address_space + config["stack_bytes"] + config["memory_bytes"]
@@ -210,14 +219,14 @@ def _apply_limits(config: dict) -> None:
 
 def main() -> int:
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    config = read_message(stdin)
+    config = read_message(stdin.read)
     if config is None:
         return 1
     vetter = Vetter(config)
     _apply_limits(config)
     threading.stack_size(config["stack_bytes"])
     write_message(stdout, {"ready": True})
-    while (job := read_message(stdin)) is not None:
+    while (job := read_message(stdin.read)) is not None:
         out: list[dict] = []
 
         def run(job: dict = job) -> None:

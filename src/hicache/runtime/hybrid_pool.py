@@ -79,11 +79,6 @@ class HybridPlan:
         least a page: :meth:`window_pages` leaves room for a window's)."""
         return max(min(chunk, largest_forward(self.window, self.page_size, window_pages - 1)), self.page_size)
 
-    def saves_memory(self, full_pages: int, window_pages: int) -> bool:
-        """Whether the component holds fewer pages than the full layers (else keeping every layer's
-        KV costs less)."""
-        return window_pages < full_pages
-
 
 def plan_hybrid(cfg: EngineConfig, spec: ModelSpec, layers: range, draft_kv: DraftKV | None = None) -> HybridPlan | None:
     """The window component of a model with sliding-window layers (``layers``: this rank's, global

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch import Batch, BatchKind
+from .batch import Batch
 
 
 @dataclass(frozen=True)
@@ -40,10 +40,7 @@ def batch_logprobs(batch: Batch, logits: torch.Tensor, tokens: list) -> dict[int
     """Per batch position of a request that asked for logprobs: one entry per token it got in
     ``tokens`` (see ``Scheduler.sample``: an int, -1 for a prompt chunk, or a verify pass's list)."""
     out: dict[int, list[TokenLogprob]] = {}
-    row = 0
-    for i, (req, n, tok) in enumerate(zip(batch.reqs, batch.new_tokens, tokens)):
-        start = row if batch.kind == BatchKind.VERIFY else i  # a verify pass has n rows per request
-        row += n
+    for i, (req, start, tok) in enumerate(zip(batch.reqs, batch.first_rows(), tokens)):
         k = req.sampling.logprobs
         many = isinstance(tok, (list, tuple))
         if k is None or (not many and tok < 0):

@@ -28,6 +28,7 @@ which every rank changes at the same points (DESIGN invariant 3).
 from __future__ import annotations
 
 from array import array
+from collections import Counter
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
@@ -134,11 +135,8 @@ def pick_draft(tail: array, sources: Sequence, settings: NgramSettings, want: in
         return [], 0
     best = max(m for m, _ in found)
     top = [occ for m, occ in found if m == best]  # own text first, then the most recent
-    if settings.match_type == "PROB":  # the continuation most occurrences share
-        counts: dict[int, int] = {}
-        for occ in top:
-            counts[occ.tokens[occ.end + 1]] = counts.get(occ.tokens[occ.end + 1], 0) + 1
-        first = max(counts, key=lambda tok: counts[tok])  # ties: the earliest in order wins
+    if settings.match_type == "PROB":  # the continuation most occurrences share (ties: the earliest in order)
+        first = Counter(occ.tokens[occ.end + 1] for occ in top).most_common(1)[0][0]
         top = [occ for occ in top if occ.tokens[occ.end + 1] == first]
     occ = top[0]
     return list(occ.tokens[occ.end + 1:min(occ.limit, occ.end + 1 + want)]), best
@@ -219,9 +217,6 @@ class NgramSpeculator(SpeculativeMode):
     def stats(self) -> dict:
         return {**super().stats(), "algorithm": "NGRAM", "lookups": self.lookups, "drafted_tokens": self.drafted_tokens,
                 "indexed_tokens": self.index.tokens_held if self.index is not None else 0}
-
-    def close(self) -> None:
-        pass
 
 
 def build(ctx: ModeContext) -> Optional[Mode]:

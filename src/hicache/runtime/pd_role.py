@@ -28,14 +28,14 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from ..disagg.heads import RankEndpoint, TPRanks
 from ..disagg.receiver import KVReceiver
 from ..disagg.sender import KVSender
 from ..disagg.transfer import Receive, Send
 from ..disagg.window_tail import WINDOW, Tail
-from .events import WorkEvent
+from .events import WorkEvent, split_over
 from .modes import Action, Fail, Mode, ModeContext, Release, StartDecode
 from .request import Request, Status
 
@@ -70,12 +70,6 @@ def _writes(transport: str, cache: "KVCacheManager", host: str) -> "MooncakeWrit
     from ..disagg.mooncake_writes import MooncakeWrites
 
     return MooncakeWrites(cache.pool, host)
-
-
-def _split(events: Sequence[WorkEvent], items: list) -> tuple[list, list[tuple[Any, WorkEvent]]]:
-    """``items`` (paired with ``events`` in order) as (still open, over with its agreed event)."""
-    pairs = list(zip(items, events, strict=True))
-    return [item for item, e in pairs if not e.ready], [(item, e) for item, e in pairs if e.ready]
 
 
 class PrefillRole(Mode):
@@ -124,7 +118,7 @@ class PrefillRole(Mode):
 
     def apply_events(self, events: Sequence[WorkEvent]) -> list[Action]:
         """Release the KV of every request whose send has ended on every rank, and report it."""
-        self.sending, over = _split(events, self.sending)
+        self.sending, over = split_over(events, self.sending)
         if not over:
             return []
         moved = self.ranks.total([job.sent_bytes for (_, job, _), _ in over])
@@ -216,7 +210,7 @@ class DecodeRole(Mode):
     def apply_events(self, events: Sequence[WorkEvent]) -> list[Action]:
         """Start decoding every request whose KV arrived on every rank; fail those whose
         transfer failed on any; release what aborted requests held."""
-        self.receiving, over = _split(events, self.receiving)
+        self.receiving, over = split_over(events, self.receiving)
         if not over:
             return []
         moved = self.ranks.total([job.received_bytes for (_, job), _ in over])

@@ -103,11 +103,9 @@ class PenaltyMode(Mode):
                 for i in batch.result_rows():
                     self._adjust(batch.reqs[i], logits[i], ())
                 return
-            row = 0
-            for req, n, drafts in zip(batch.reqs, batch.new_tokens, batch.proposal.tokens):
+            for req, n, row, drafts in zip(batch.reqs, batch.new_tokens, batch.first_rows(), batch.proposal.tokens):
                 for j in range(n):  # row j: after the last token and drafts[:j]
                     self._adjust(req, logits[row + j], drafts[:j])
-                row += n
 
     def _adjust(self, req: Request, row: torch.Tensor, drafts: Sequence[int]) -> None:
         state = req.penalty

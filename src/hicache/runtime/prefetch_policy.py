@@ -59,12 +59,6 @@ class PrefillRate:
         return self._tokens / self._seconds if self._seconds > 0 else None
 
 
-def adaptive_wait_s(tokens: int, pages: int, tokens_per_s: float, read_s_per_page: float) -> tuple[float, float]:
-    """``(recompute_s, expected_load_s)`` for a prefetch of ``pages`` pages holding ``tokens``
-    tokens, in seconds."""
-    return tokens / tokens_per_s, pages * read_s_per_page
-
-
 class PrefetchPolicy:
     """Turns a new prefetch into a wait deadline (``time.perf_counter`` seconds) and counts the
     decisions: ``waited`` (deadline in the future) and ``skipped`` (deadline at arrival)."""
@@ -92,7 +86,7 @@ class PrefetchPolicy:
         elif self.prefill.tokens_per_s is None or read_s_per_page is None:
             wait_s = self.timeout(tokens)  # nothing measured yet: the timeout formula
         else:
-            recompute_s, load_s = adaptive_wait_s(tokens, pages, self.prefill.tokens_per_s, read_s_per_page)
+            recompute_s, load_s = tokens / self.prefill.tokens_per_s, pages * read_s_per_page  # seconds
             wait_s = self._adaptive(recompute_s, load_s)
         if wait_s > 0:
             self.waited += 1

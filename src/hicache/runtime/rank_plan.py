@@ -128,7 +128,7 @@ def plan_rank(cfg: EngineConfig, spec: ModelSpec, rank: RankContext, draft: Mode
     every_layer = rank_components(spec, rank.layers(spec), row, None, draft_kv)  # before a window split
     costs = _PageBytes(sum(c.bytes_per_page(cfg.page_size, elem) for c in every_layer), layer_page,
                        layer_page * len(hybrid.window_layers) if hybrid else 0)
-    device_pages, host_pages, hybrid, window_pages, storage = _sized_tiers(
+    device_pages, host_pages, storage, hybrid, window_pages = _sized_tiers(
         cfg, _Budget(device, rank, staging), hybrid, costs, storage_reachable, apart is None)
     components = rank_components(spec, rank.layers(spec), row, hybrid, draft_kv)
     return RankPlan(dtype, layers, row, components, draft_kv, hybrid, device_pages, host_pages, window_pages, apart,
@@ -172,8 +172,8 @@ class _Budget:
 
 
 def _sized_tiers(cfg: EngineConfig, budget: _Budget, hybrid: HybridPlan | None, costs: _PageBytes,
-                 storage_reachable: bool, host_blocks: bool) -> tuple[int, int, HybridPlan | None, int, bool]:
-    """``(device pages, host pages, hybrid plan, window pages, storage on every rank)``, agreed by
+                 storage_reachable: bool, host_blocks: bool) -> tuple[int, int, bool, HybridPlan | None, int]:
+    """``(device pages, host pages, storage on every rank, hybrid plan, window pages)``, agreed by
     every rank. A hybrid pool's pages cost their full layers' bytes and the ratio's share of the
     window layers' bytes; where its window pool could not be smaller than the full one, every layer
     keeps its KV (said in one line) and the pools are sized as such. A shared pool (automatic
@@ -188,26 +188,18 @@ def _sized_tiers(cfg: EngineConfig, budget: _Budget, hybrid: HybridPlan | None, 
             if host_blocks and host_pages and cfg.hicache_size <= 0:  # agreed figures in, the same on every rank
                 host_pages = _host_pool_pages(cfg, blocks, block)
         if hybrid.shared_fits(blocks):
-            return blocks, host_pages, hybrid, hybrid.window_ids(blocks), storage
+            return blocks, host_pages, storage, hybrid, hybrid.window_ids(blocks)
         logger.info("sliding-window layers keep every cached token's KV: %d blocks hold no request's windows "
                     "beside its pages", blocks - 1)
-        return _every_layer(cfg, budget, costs) + (None, 0, storage)
+        return _agreed_tiers(cfg, budget, costs.page, storage) + (None, 0)
     page_cost = hybrid.page_cost(costs.page - costs.window, costs.window) if hybrid else costs.page
     device_pages, host_pages, storage = _agreed_tiers(cfg, budget, -(-page_cost // 1), storage_reachable)
     window_pages = hybrid.window_pages(device_pages) if hybrid else 0
-    if hybrid and not hybrid.saves_memory(device_pages, window_pages):
+    if hybrid and window_pages >= device_pages:  # keeping every layer's KV costs less
         logger.info("sliding-window layers keep every cached token's KV: a window pool of %d pages (one request's "
                     "window) would not be smaller than the %d-page pool", window_pages - 1, device_pages - 1)
-        return _every_layer(cfg, budget, costs) + (None, 0, storage)
-    return device_pages, host_pages, hybrid, window_pages, storage
-
-
-def _every_layer(cfg: EngineConfig, budget: _Budget, costs: _PageBytes) -> tuple[int, int]:
-    """Device and host pages, agreed, when every layer keeps every page."""
-    device_pages = _device_pool_pages(cfg, budget, costs.page)
-    host_pages = _host_pool_pages(cfg, device_pages, costs.page) if cfg.enable_hierarchical_cache else 0
-    device_pages, host_pages = budget.rank.agree([device_pages, host_pages])
-    return device_pages, host_pages
+        return _agreed_tiers(cfg, budget, costs.page, storage) + (None, 0)
+    return device_pages, host_pages, storage, hybrid, window_pages
 
 
 def _agreed_tiers(cfg: EngineConfig, budget: _Budget, bytes_per_page: int,

@@ -122,6 +122,11 @@ class Request:
         if self.sampling.seed is not None:
             self.generator = torch.Generator().manual_seed(self.sampling.seed)
 
+    def notify(self) -> None:
+        """Call ``on_update``, if set."""
+        if self.on_update is not None:
+            self.on_update(self)
+
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
@@ -167,26 +172,19 @@ class GenerateResult:
         admitted = req.cached is not None  # False when aborted before admission: it never held anything
         details = dict(req.cached) if admitted else {"device": 0, "host": 0, "storage": 0}
         started = req.first_token_time > 0
+        spec, pd = req.spec, req.pd
         return cls(
-            rid=req.rid,
-            text=req.text,
-            output_ids=list(req.output_ids),
-            prompt_tokens=len(req.prompt_ids),
-            completion_tokens=len(req.output_ids),
-            cached_tokens=sum(details.values()),
-            cached_tokens_details=details,
-            finish_reason=req.finish_reason,
+            rid=req.rid, text=req.text, output_ids=list(req.output_ids),
+            prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
+            cached_tokens=sum(details.values()), cached_tokens_details=details, finish_reason=req.finish_reason,
             ttft_s=req.first_token_time - req.arrival_time if started else 0.0,
             queue_time_s=req.admitted_time - req.arrival_time if admitted else 0.0,
             forward_time_s=req.first_token_time - req.admitted_time if started else 0.0,
             e2e_s=req.finish_time - req.arrival_time if req.finish_time else 0.0,
-            error=req.error,
-            spec_accept_length=req.spec.accept_length if req.spec else 0.0,
-            spec_verify_steps=req.spec.verify_steps if req.spec else 0,
-            disaggregated=req.pd is not None,
-            decode_prefix_len=req.pd.decode_prefix_len if req.pd else 0,
-            error_code=req.error_code,
-            kv_transferred_tokens=req.pd.transferred_tokens if req.pd else 0,
-            kv_transferred_bytes=req.pd.transferred_bytes if req.pd else 0,
+            error=req.error, error_code=req.error_code,
+            spec_accept_length=spec.accept_length if spec else 0.0, spec_verify_steps=spec.verify_steps if spec else 0,
+            disaggregated=pd is not None, decode_prefix_len=pd.decode_prefix_len if pd else 0,
+            kv_transferred_tokens=pd.transferred_tokens if pd else 0,
+            kv_transferred_bytes=pd.transferred_bytes if pd else 0,
             logprobs=list(req.logprobs),
         )

@@ -88,8 +88,7 @@ class Results:
             if req.status is Status.FINISHED:  # aborted while its batch was in flight
                 continue
             if i in sampled.failed:  # a mode could not go on with it (its grammar failed): no token
-                self._fail(req, *sampled.failed[i])
-                finished.append(req)
+                self._fail(req, *sampled.failed[i], finished)
                 continue
             logprobs = sampled.logprobs.get(i, ())
             if isinstance(tok, (list, tuple)):  # a pass a mode composed: the accepted tokens
@@ -126,8 +125,7 @@ class Results:
             reason = stop_reason(req, self.eos_token_ids, self.decode_text)
             if reason:
                 break
-            if req.on_update is not None:
-                req.on_update(req)
+            req.notify()
         req.computed = min(req.computed, len(req.all_ids))  # an early stop: only what was appended
         for mode in self.modes:
             mode.on_accepted(req, len(tokens) - 1, taken)
@@ -142,8 +140,8 @@ class Results:
         if reason:
             self._finish(req, reason)
             finished.append(req)
-        elif req.on_update is not None:
-            req.on_update(req)
+        else:
+            req.notify()
 
     def _finish(self, req: Request, reason: str) -> None:
         if not any([m.on_finish(req) for m in self.modes]):  # else a mode still uses its KV
@@ -156,8 +154,7 @@ class Results:
         cut = stop_index(req.text, req.sampling.stop_strings)
         if cut >= 0:  # the stop string itself is not part of the answer
             req.text = req.text[:cut]
-        if req.on_update is not None:
-            req.on_update(req)
+        req.notify()
         logger.info(
             "finish rid=%d reason=%s prompt=%d output=%d ttft=%.3fs e2e=%.3fs",
             req.rid, reason, len(req.prompt_ids), len(req.output_ids),
@@ -169,10 +166,11 @@ class Results:
         """Cache the pages of ``req`` that have KV, free the rest, drop its lock."""
         self.cache.release(req.namespace, req.tokens_with_kv(), req.kv)
 
-    def _fail(self, req: Request, code: str, error: str) -> None:
+    def _fail(self, req: Request, code: str, error: str, finished: list[Request]) -> None:
         """End ``req`` with finish reason "error" (a mode's ``code``), running or still waiting."""
         req.error, req.error_code = error, code
         self._end(req, "error")
+        finished.append(req)
 
     def _start_decode(self, req: Request, first_token: int, finished: list[Request]) -> None:
         """``req``'s whole prompt has KV (local tiers + what a mode received): decode from
@@ -182,8 +180,7 @@ class Results:
             mode.on_computed(req)
         refusal = next((r for m in self.modes if (r := m.refuses(req, first_token)) is not None), None)
         if refusal is not None:  # e.g. it breaks the request's grammar: never shown to the client
-            self._fail(req, *refusal)
-            finished.append(req)
+            self._fail(req, *refusal, finished)
             return
         req.first_token_time = time.perf_counter()
         req.status = Status.DECODE

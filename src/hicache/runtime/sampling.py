@@ -324,9 +324,7 @@ def keyed_sample(logits: torch.Tensor, params: SamplingParams, position: int) ->
     """The token of a request at absolute ``position`` from its row of (already constrained)
     ``logits`` ``[vocab]``: greedy (or without a valid distribution) its argmax, else the keyed
     choice over :func:`probabilities` with the request's seed (0 when it has none)."""
-    if params.greedy:
-        return int(top_token(logits))
-    probs = probabilities(logits, params)
+    probs = None if params.greedy else probabilities(logits, params)
     if probs is None:
         return int(top_token(logits))
     return keyed_choice(probs, params.seed or 0, position)

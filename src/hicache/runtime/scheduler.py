@@ -57,9 +57,7 @@ class Scheduler(Results):
         self.cache = cache
         self.decode_text = decode_text
         self.eos_token_ids = eos_token_ids
-        self.chunked_prefill_size = policy.chunked_prefill_size
-        self.max_running_requests = policy.max_running_requests
-        self.prefetch_policy = policy.prefetch_policy
+        self.policy = policy
         self.prefetch_rule = PrefetchPolicy(policy.prefetch_policy, policy.prefetch_timeout)  # wait deadlines
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -115,8 +113,7 @@ class Scheduler(Results):
             self.cache.finish_prefetch(req.prefetch.op, req.tokens_np)
             req.prefetch = None
         req.status, req.finish_reason, req.finish_time = Status.FINISHED, reason, time.perf_counter()
-        if req.on_update is not None:
-            req.on_update(req)
+        req.notify()
 
     # ---- events: what background work finished, applied only as agreed ----------------
     def pending_prefetches(self) -> list[Request]:
@@ -159,12 +156,11 @@ class Scheduler(Results):
             if isinstance(a, StartDecode):
                 self._start_decode(a.req, a.first_token, finished)
             elif isinstance(a, Fail):
-                self._fail(a.req, a.code, a.error)
-                finished.append(a.req)
+                self._fail(a.req, a.code, a.error, finished)
             elif isinstance(a, Release):
                 self.release_kv(a.req)
-                if a.report and a.req.on_update is not None:
-                    a.req.on_update(a.req)
+                if a.report:
+                    a.req.notify()
 
     # ---- scheduling ------------------------------------------------------------------------
     @consensus_check("scheduler.schedule", result=lambda b: None if b is None else (str(b.kind), b.rids(), b.new_tokens))
@@ -192,13 +188,13 @@ class Scheduler(Results):
         else a decode (or verify) pass. A waiting request's first forward is a prompt chunk (its hit
         is not known yet: the whole prompt is counted)."""
         left = len(req.prompt_ids) - req.computed - n if req.status in (Status.WAITING, Status.PREFILL) else 0
-        return max(min(left, self.chunked_prefill_size), 1 + self.reserve_slots)
+        return max(min(left, self.policy.chunked_prefill_size), 1 + self.reserve_slots)
 
     def _schedule_prefill(self) -> list[tuple[Request, int]]:
         """(request, new tokens this step) within the chunked-prefill token budget: queued requests
         first with the share running prompts leave them (runtime/fair_share.py), then running prompts
         with the rest."""
-        budget = self.chunked_prefill_size
+        budget = self.policy.chunked_prefill_size
         prefilling = [r for r in self.running if r.status is Status.PREFILL and not r.in_flight]
         reserved = newcomer_budget(budget, bool(self.waiting), self.cache.page_size) if prefilling else budget
         admitted = self._admit_waiting(reserved)
@@ -217,9 +213,9 @@ class Scheduler(Results):
         a request whose group has its fair share (or whose storage read,
         sibling, shared prefix or mode is not ready) lets later ones go first."""
         batch: list[tuple[Request, int]] = []
-        shares = GroupShares(self.running, self.max_running_requests, self.cache.capacity_pages)
+        shares = GroupShares(self.running, self.policy.max_running_requests, self.cache.capacity_pages)
         for req in list(self.waiting):
-            if budget <= 0 or len(self.running) >= self.max_running_requests:
+            if budget <= 0 or len(self.running) >= self.policy.max_running_requests:
                 break
             if not self._prefetch_settled(req):
                 continue  # its storage read is still arriving; later requests may go first
@@ -269,7 +265,7 @@ class Scheduler(Results):
         wait = req.prefetch
         if wait is None:
             return True
-        if not (wait.op.final_applied or self.prefetch_policy == "best_effort" or wait.expired):
+        if not (wait.op.final_applied or self.policy.prefetch_policy == "best_effort" or wait.expired):
             return False
         req.storage_tokens = self.cache.finish_prefetch(wait.op, req.tokens_np)
         req.prefetch = None
@@ -292,6 +288,5 @@ class Scheduler(Results):
             req.rid, len(req.prompt_ids), kv.device_hit_tokens, kv.host_hit_tokens, kv.storage_hit_tokens,
             req.admitted_time - req.arrival_time,
         )
-        if req.on_update is not None:  # before its first token: a stream can start (Anthropic's message_start)
-            req.on_update(req)
+        req.notify()  # before its first token: a stream can start (Anthropic's message_start)
         return True

@@ -165,10 +165,9 @@ class SpeculativeMode(Mode):
     def verify(self, batch: Batch, logits: torch.Tensor) -> list[list[int]]:
         """The accepted tokens of each request (1 to its drafts + 1): ``logits`` ``[T, vocab]``,
         the target's at each verify row, sequence after sequence (``batch.new_tokens`` rows each)."""
-        out, start = [], 0
-        for b, (r, n) in enumerate(zip(batch.reqs, batch.new_tokens)):
+        out = []
+        for b, (r, n, start) in enumerate(zip(batch.reqs, batch.new_tokens, batch.first_rows())):
             rows = logits[start:start + n]
-            start += n
             drafts, q = batch.proposal.tokens[b], batch.proposal.probs[b]
             if r.sampling.greedy:
                 out.append(greedy_accept(drafts, rows))

@@ -139,8 +139,8 @@ class StepDriver:
                 mode.before_forward(batch, handed)
             out = self.forward(batch.input_ids(), batch.prefix_lens(), batch.context_slots(),
                                inbound.hidden if inbound is not None else None,
-                               logits="all" if batch.all_logits else "last", window_slots=batch.window_slots(),
-                               generated=batch.generated)
+                               logits="all" if batch.kind == BatchKind.VERIFY else "last",  # a verify pass: every row
+                               window_slots=batch.window_slots(), generated=batch.generated)
             for mode in sched.modes:
                 mode.after_forward(batch)
         finished += self.output.hand_on(batch, out, events, inbound)

@@ -88,9 +88,7 @@ class FairQueue:
     def leave(self, job: VetJob, client: Hashable) -> bool:
         """A caller of ``client`` stopped waiting for ``job``; True when nobody waits any more
         (a queued job is then out of the queue)."""
-        job.waiters[client] -= 1
-        if job.waiters[client] <= 0:
-            del job.waiters[client]
+        job.waiters -= Counter([client])  # (a Counter's difference keeps the positive counts only)
         if job.waiters:
             return False
         if not job.running:
