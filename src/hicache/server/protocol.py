@@ -21,6 +21,7 @@ from ..runtime.sampling import GrammarSpec
 
 # Strict types (no "3" -> 3, no "yes" -> True) and no inf/NaN in any float field.
 STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+OPEN = ConfigDict(STRICT, extra="allow")  # the unknown fields kept (model_extra): logged, or refused by name
 
 
 class APIError(Exception):
@@ -75,7 +76,7 @@ class SamplingBody(RequestBody):
     """Fields shared by both endpoints (OpenAI names; ``top_k``, ``ignore_eos``,
     ``stop_token_ids``, ``cache_salt``, ``regex`` and ``ebnf`` are extensions)."""
 
-    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+    model_config = OPEN
 
     model: str
     temperature: float = Field(1.0, ge=0.0)
@@ -216,11 +217,7 @@ class ChatMessage(RequestBody):
     name: Optional[str] = None
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
 
 
 class ChatCompletionRequest(SamplingBody):
