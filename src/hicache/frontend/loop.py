@@ -166,7 +166,7 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._outbox = Outbox()
-        self._inflight = 0  # submitted and not yet finished
+        self.num_inflight = 0  # requests submitted and not finished (queued, waiting or running)
         self.error: BaseException | None = None  # set if the loop thread died
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -204,11 +204,6 @@ class EngineLoop:
         if not self.alive:
             raise EngineDeadError("the engine loop is not running.")
 
-    @property
-    def num_inflight(self) -> int:
-        """Requests submitted and not finished (queued, waiting or running)."""
-        return self._inflight
-
     # ---- commands (any thread) -----------------------------------------------------------
     def submit(
         self,
@@ -230,7 +225,7 @@ class EngineLoop:
         handle = RequestHandle(req, aio_loop or asyncio.get_running_loop(), self._outbox)
         req.on_update = handle._push
         with self._lock:
-            self._inflight += 1
+            self.num_inflight += 1
         self._cmds.put(Add((req,)))
         return handle
 
@@ -282,7 +277,7 @@ class EngineLoop:
                         self._finished(req)
         except BaseException as e:  # a bug or a dead rank: fail every request rather than hang its client
             self.error = e
-            logger.exception("engine loop crashed; failing %d request(s)", self._inflight)
+            logger.exception("engine loop crashed; failing %d request(s)", self.num_inflight)
         finally:
             if self.error is None:
                 self._abort_all()
@@ -348,7 +343,7 @@ class EngineLoop:
 
     def _finished(self, req: Request) -> None:
         with self._lock:
-            self._inflight -= 1
+            self.num_inflight -= 1
         if self.on_finish is not None:
             try:
                 self.on_finish(GenerateResult.from_request(req))

@@ -151,21 +151,15 @@ def as_chat(body: MessagesRequest) -> ChatCompletionRequest:
                      for b in blocks if isinstance(b, ToolResultBlock)]
         if text or not any(isinstance(b, ToolResultBlock) for b in blocks):
             messages.append({"role": "user", "content": text})
-    chat: dict[str, Any] = {"model": body.model, "messages": messages, "temperature": body.temperature,
-                            "stream": body.stream}
-    if body.top_p is not None:
-        chat["top_p"] = body.top_p
-    if body.top_k is not None:
-        chat["top_k"] = body.top_k
-    if body.stop_sequences:
-        chat["stop"] = body.stop_sequences
     tools = [t for t in body.tools or [] if not t.server_tool]
     for i, t in enumerate(tools):
         if t.input_schema is None:
             raise APIError(400, f"tools[{i}].input_schema: Field required.", param="tools")
-    if tools:
-        chat["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
-                                                           "parameters": t.input_schema}} for t in tools]
+    chat: dict[str, Any] = {  # (a None is the field's default: RequestBody)
+        "model": body.model, "messages": messages, "temperature": body.temperature, "stream": body.stream,
+        "top_p": body.top_p, "top_k": body.top_k, "stop": body.stop_sequences or None,
+        "tools": [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                    "parameters": t.input_schema}} for t in tools] or None}
     if body.tool_choice is not None:
         chat["tool_choice"], chat["parallel_tool_calls"] = _tool_choice(body.tool_choice)
     try:

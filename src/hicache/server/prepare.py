@@ -59,9 +59,7 @@ def sampling_params(st: ServerState, body: SamplingBody, max_new: Optional[int],
 def usable_lazy(st: ServerState, spec: Optional[GrammarSpec]) -> Optional[GrammarSpec]:
     """``spec`` unless the engine cannot take it (grammars off, too long): a request is never refused
     for the grammar of calls it did not force; it then runs without it (logged)."""
-    if spec is None:
-        return None
-    if st.engine.config.grammar_backend == "none":
+    if spec is None or st.engine.config.grammar_backend == "none":
         return None
     try:
         spec.validate()
