@@ -156,7 +156,7 @@ async def vet_grammar(st: ServerState, p: Prepared, request: Request) -> None:
     waiting: Optional[asyncio.Future] = None
     try:
         waiting = asyncio.wrap_future(st.engine.vet_grammar(spec, request.client.host if request.client else None))
-        vetted = await _unless_gone(request, waiting)
+        vetted = await _unless_gone(request, waiting, "client disconnected while its grammar waited to be checked")
     except (InvalidRequestError, OverloadedError) as e:
         if spec.lazy:  # (the grammar of calls the request did not force: it runs without it)
             logger.warning("tool calls under tool_choice auto run without their grammar: %s", e)
@@ -171,15 +171,15 @@ async def vet_grammar(st: ServerState, p: Prepared, request: Request) -> None:
     p.sampling = dataclasses.replace(p.sampling, grammar=vetted)
 
 
-async def _unless_gone(request: Request, waiting: asyncio.Future) -> Any:
-    """``waiting``'s result; APIError 499 once the client has closed the connection (checked every
-    :data:`DISCONNECT_POLL_S` seconds; the caller cancels what it waited for)."""
+async def _unless_gone(request: Request, waiting: asyncio.Future, gone: str) -> Any:
+    """``waiting``'s result; APIError 499 (and the log line ``gone``) once the client has closed the
+    connection (checked every :data:`DISCONNECT_POLL_S` seconds; the caller cancels what it waited for)."""
     while True:
         done, _ = await asyncio.wait({waiting}, timeout=DISCONNECT_POLL_S)
         if done:
             return waiting.result()
         if await request.is_disconnected():
-            logger.info("client disconnected while its grammar waited to be checked")
+            logger.info(gone)
             raise APIError(499, "the client closed the connection.", code="client_closed")
 
 
@@ -229,18 +229,12 @@ async def collect_result(st: ServerState, request: Request, handle: RequestHandl
     """Wait for the result; abort the request if the client goes away meanwhile."""
     task = asyncio.ensure_future(handle.wait())
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                res = task.result()
-                if res.finish_reason == "error":
-                    raise engine_dead_during(res)
-                return res
-            if await request.is_disconnected():
-                logger.info("client disconnected rid=%d; aborting", handle.rid)
-                raise APIError(499, "the client closed the connection.", code="client_closed")
+        res = await _unless_gone(request, task, f"client disconnected rid={handle.rid}; aborting")
     finally:
         if not task.done():
             task.cancel()
             st.loop.abort(handle.rid)
+    if res.finish_reason == "error":
+        raise engine_dead_during(res)
+    return res
 
