@@ -148,18 +148,6 @@ def cmd_node(args: argparse.Namespace) -> int:
         return 1
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench.main import run_bench
-
-    return run_bench(args)
-
-
-def cmd_simulate(args: argparse.Namespace) -> int:
-    from .sim.cli import run_simulate
-
-    return run_simulate(args)
-
-
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -220,9 +208,9 @@ def _add_local_commands(command: Callable[..., argparse.ArgumentParser]) -> None
 
 def _add_service_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
     """Commands that serve, join or measure: serve, node, simulate, bench."""
-    from .bench.main import add_bench_args
+    from .bench.main import add_bench_args, run_bench
     from .server.options import ServerOptions  # (standard library only)
-    from .sim.cli import add_simulate_args
+    from .sim.cli import add_simulate_args, run_simulate
 
     p = command("serve", cmd_serve, help="OpenAI-compatible HTTP server (/v1/chat/completions, /metrics, ...).")
     p.add_argument("--host", default="127.0.0.1")
@@ -230,9 +218,9 @@ def _add_service_commands(command: Callable[..., argparse.ArgumentParser]) -> No
     add_cli_args(ServerOptions, p, "server options")
     command("node", cmd_node, help="Run the ranks of node --node-rank R > 0 of an engine served by node 0 "
             "(--nnodes, --dist-init-addr and the same engine flags as node 0).")
-    add_simulate_args(command("simulate", cmd_simulate, help="Replay a Mooncake-format trace through the cache code "
+    add_simulate_args(command("simulate", run_simulate, help="Replay a Mooncake-format trace through the cache code "
                               "(no model) on a virtual clock: hit ratio per tier, TTFT estimates."))
-    add_bench_args(command("bench", cmd_bench, help="Benchmark an OpenAI-compatible server (multi-turn shared "
+    add_bench_args(command("bench", run_bench, help="Benchmark an OpenAI-compatible server (multi-turn shared "
                            "prefix, trace replay)."))
 
 

@@ -67,9 +67,10 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
 class ServerThread:
     """Uvicorn in a background thread on 127.0.0.1 (port 0 = any free port)."""
 
-    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0, **options: Any) -> None:
+    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0,
+                 on_death: Callable[[BaseException], None] | None = None, **options: Any) -> None:
         """``options``: :class:`ServerOptions` fields."""
-        self.app, self.loop = build(engine, ServerOptions(**options))
+        self.app, self.loop = build(engine, ServerOptions(**options), on_death)
         self.server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port, log_level="warning",
                                                     access_log=False, lifespan="off"))
         self._thread = threading.Thread(target=self.server.run, name="hicache-http", daemon=True)
