@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..disagg.bootstrap import Bootstrap
 from ..disagg.wire import MAX_ROOM
@@ -89,7 +89,8 @@ class SamplingBody(RequestBody):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False
-    cache_salt: Optional[str] = None
+    # An empty salt would silently share the unsalted namespace: refused, as vLLM does.
+    cache_salt: Optional[str] = Field(None, min_length=1)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # vLLM / SGLang extension
@@ -117,14 +118,6 @@ class SamplingBody(RequestBody):
             return Bootstrap(self.bootstrap_host, self.bootstrap_port, self.bootstrap_room)
         except ValueError as e:  # a request that could never connect: said now, not at the transfer timeout
             raise APIError(400, str(e), param="bootstrap_host", code="invalid_value") from None
-
-    @field_validator("cache_salt")
-    @classmethod
-    def _salt_not_empty(cls, v: Optional[str]) -> Optional[str]:
-        # An empty salt would silently share the unsalted namespace: refuse it, as vLLM does.
-        if v is not None and not v:
-            raise ValueError("must be a non-empty string when given")
-        return v
 
     def grammar_spec(self) -> Optional[tuple[str, GrammarSpec]]:
         """``(field, spec)``: what the output must match and the field that said so (response_format,
