@@ -97,9 +97,6 @@ class NativeSamplingParams(RequestBody):
                            param="sampling_params", code="invalid_value")
         return given[0] if given else None
 
-    def logit_bias_ids(self) -> Optional[dict[int, float]]:
-        return token_id_keys(self.logit_bias, "sampling_params.logit_bias")
-
 
 class GenerateRequest(SamplingBody):
     """The body of ``/generate``. It shares ``SamplingBody``'s ``cache_salt`` and bootstrap fields
@@ -151,8 +148,8 @@ def _sampling(st: ServerState, body: GenerateRequest, sp: NativeSamplingParams) 
                          stop=sp.stop, stop_token_ids=tuple(sp.stop_token_ids or ()), ignore_eos=sp.ignore_eos,
                          seed=sp.sampling_seed, grammar=sp.grammar(), presence_penalty=sp.presence_penalty,
                          frequency_penalty=sp.frequency_penalty, repetition_penalty=sp.repetition_penalty,
-                         min_p=sp.min_p, logit_bias=sp.logit_bias_ids(), min_tokens=sp.min_new_tokens,
-                         logprobs=body.top_logprobs_num if body.return_logprob else None)
+                         min_p=sp.min_p, logit_bias=token_id_keys(sp.logit_bias, "sampling_params.logit_bias"),
+                         min_tokens=sp.min_new_tokens, logprobs=body.top_logprobs_num if body.return_logprob else None)
     try:
         st.engine.check_sampling(out)  # (the grammar is vetted next, without holding this thread: vet_grammar)
     except InvalidRequestError as e:

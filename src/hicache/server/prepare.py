@@ -33,7 +33,7 @@ def sampling_params(st: ServerState, body: SamplingBody, max_new: Optional[int],
     bad = body.unsupported()
     if bad:
         raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
-    for name in set(body.unknown_fields()) - _UNKNOWN_LOGGED:
+    for name in sorted(body.model_extra.keys() - _UNKNOWN_LOGGED):  # the fields this server does not know
         _UNKNOWN_LOGGED.add(name)
         logger.info("ignoring the request field %r (not an OpenAI, SGLang or vLLM field this server uses)", name)
     if max_new is not None and max_new < 1:

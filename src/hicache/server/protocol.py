@@ -63,10 +63,6 @@ class RequestBody(BaseModel):
             return {k: v for k, v in data.items() if v is not None}
         return data
 
-    def unknown_fields(self) -> list[str]:
-        """Fields of the body this server does not know (ignored)."""
-        return sorted(set(self.model_extra or {}))
-
 
 class StreamOptions(RequestBody):
     include_usage: bool = False
