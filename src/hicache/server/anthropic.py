@@ -141,16 +141,16 @@ def as_chat(body: MessagesRequest) -> ChatCompletionRequest:
         text = "".join(b.text for b in _text_blocks(blocks))
         if m.role == "system":
             messages.append({"role": "system", "content": text})
-            continue
-        if m.role == "assistant":
+        elif m.role == "assistant":
             calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
                      for b in blocks if isinstance(b, ToolUseBlock)]
             messages.append({"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})})
-            continue
-        messages += [{"role": "tool", "content": b.text(), "tool_call_id": b.tool_use_id}
-                     for b in blocks if isinstance(b, ToolResultBlock)]
-        if text or not any(isinstance(b, ToolResultBlock) for b in blocks):
-            messages.append({"role": "user", "content": text})
+        else:
+            results = [{"role": "tool", "content": b.text(), "tool_call_id": b.tool_use_id}
+                       for b in blocks if isinstance(b, ToolResultBlock)]
+            messages += results
+            if text or not results:
+                messages.append({"role": "user", "content": text})
     tools = [t for t in body.tools or [] if not t.server_tool]
     for i, t in enumerate(tools):
         if t.input_schema is None:
