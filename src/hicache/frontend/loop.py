@@ -205,15 +205,9 @@ class EngineLoop:
             raise EngineDeadError("the engine loop is not running.")
 
     # ---- commands (any thread) -----------------------------------------------------------
-    def submit(
-        self,
-        prompt: Prompt,
-        sampling: SamplingParams,
-        cache_salt: str | None = None,
-        aio_loop: asyncio.AbstractEventLoop | None = None,
-        bootstrap: Bootstrap | None = None,
-        waits_for: int | None = None,
-    ) -> RequestHandle:
+    def submit(self, prompt: Prompt, sampling: SamplingParams, cache_salt: str | None = None,
+               aio_loop: asyncio.AbstractEventLoop | None = None, bootstrap: Bootstrap | None = None,
+               waits_for: int | None = None) -> RequestHandle:
         """Queue a request: ``sampling`` passed :meth:`Engine.check_sampling` (the server's prepare
         step checks it once); the prompt is checked here, on the caller's thread (raises
         InvalidRequestError). Call from a coroutine, or pass the event loop that will consume the handle.
