@@ -244,9 +244,9 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
             if not isinstance(extra, dict):
                 raise ConfigError("--hicache-storage-backend-extra-config must be a JSON object.")
         for f in dataclasses.fields(self):
-            choices = f.metadata.get("choices")
-            if choices and getattr(self, f.name) not in choices and f.default is not None:  # None: unset
-                raise ConfigError(f"{flag(f.name)} must be one of {', '.join(choices)}.")
+            choices, value = f.metadata.get("choices"), getattr(self, f.name)
+            if choices and value not in choices and value is not None:  # None: unset
+                raise ConfigError(f"{flag(f.name)} must be one of {', '.join(choices)}, got {value!r}.")
 
     def _validate_context_parallel(self) -> None:
         """The combinations CP is built for; anything else stops here with one sentence."""
