@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
@@ -91,10 +92,8 @@ class Outbox:
             by_loop.setdefault(handle._aio_loop, []).append((handle, upd))
         self._items = []
         for aio_loop, items in by_loop.items():
-            try:
+            with contextlib.suppress(RuntimeError):  # the caller's event loop is closed: nobody listens any more
                 aio_loop.call_soon_threadsafe(_deliver, items)
-            except RuntimeError:  # the caller's event loop is closed: nobody listens any more
-                pass
 
 
 def _deliver(items: list[tuple["RequestHandle", "Update"]]) -> None:
