@@ -34,7 +34,7 @@ class ServerOptions:
     responses_store_mb: int = opt(
         256, "Memory those stored responses may hold together (MiB, roughly); the least recently used are dropped "
         "first.", at_least=0)
-    # (None: the rest of the context, OpenAI's default; server/submit.py reply_room)
+    # (None: the rest of the context, OpenAI's default; server/submit.py with_reply_room)
     default_max_tokens: Optional[int] = opt(
         None, "Most output tokens of a Chat Completions or Responses request that sets no max (default: the rest "
         "of the context, as OpenAI's; such a request reserves KV up to the context length, so this also lets more "

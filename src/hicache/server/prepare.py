@@ -80,7 +80,7 @@ def prepare_chat(body: ChatCompletionRequest, st: ServerState) -> Prepared:
                        st.call_format, tok.special_token_id, lazy=st.opts.tool_call_grammar == "lazy")
     forced = GrammarSpec("lark", chat.forced_grammar) if chat.forced_grammar else None
     lazy = GrammarSpec("lark", chat.lazy_grammar[0], triggers=chat.lazy_grammar[1]) if chat.lazy_grammar else None
-    # (without a max, the rest of the context once the prompt is tokenized: reply_room below)
+    # (without a max, the rest of the context once the prompt is tokenized: with_reply_room below)
     sp = sampling_params(st, body, body.max_new_tokens(), st.engine.context_length, forced, lazy)
     check_choices(body.n, 1, sp, body.stream, st.opts.max_logprob_tokens)
     try:

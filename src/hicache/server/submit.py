@@ -112,22 +112,18 @@ def timing(res: GenerateResult) -> dict[str, float]:
             "e2e_s": res.e2e_s}
 
 
-def reply_room(st: ServerState, prompt_tokens: int, cap: Optional[int]) -> int:
-    """Output tokens a request may take: the rest of the context (OpenAI's default for a chat or
-    Responses request that sets no max), within what the device pool can reserve for one request
-    (admission reserves the prompt plus its most output), at most ``cap`` (``--default-max-tokens``, or
-    a Messages request's ``max_tokens``; None: no cap)."""
+def with_reply_room(st: ServerState, sampling: SamplingParams, prompt_tokens: int,
+                    cap: Optional[int]) -> SamplingParams:
+    """``sampling`` with ``max_new_tokens`` set to the output tokens a request may take: the rest of the
+    context (OpenAI's default for a chat or Responses request that sets no max), within what the device
+    pool can reserve for one request (admission reserves the prompt plus its most output), at most
+    ``cap`` (``--default-max-tokens``, or a Messages request's ``max_tokens``; None: no cap). Checked
+    again: a ``min_tokens`` past the room is refused (400) as it is past an explicit max."""
     eng = st.engine
     pool = eng.capacity_pages * eng.config.page_size - eng.config.speculative_steps
     room = min(eng.context_length, pool) - prompt_tokens
-    return max(1, min(room, cap) if cap is not None else room)  # (a prompt that fills it is refused later)
-
-
-def with_reply_room(st: ServerState, sampling: SamplingParams, prompt_tokens: int,
-                    cap: Optional[int]) -> SamplingParams:
-    """``sampling`` with ``max_new_tokens`` set to :func:`reply_room`, checked again: a ``min_tokens``
-    past the room is refused (400) as it is past an explicit max."""
-    sampling = dataclasses.replace(sampling, max_new_tokens=reply_room(st, prompt_tokens, cap))
+    room = max(1, min(room, cap) if cap is not None else room)  # (a prompt that fills it is refused later)
+    sampling = dataclasses.replace(sampling, max_new_tokens=room)
     try:
         sampling.validate()
     except InvalidRequestError as e:
