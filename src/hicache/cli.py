@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 
 from .config import EngineConfig
 from .errors import ConfigError, HicacheError
+from .options import add_cli_args, from_cli_args
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int = 128, temperature: float = 0.0) -> None:
@@ -38,7 +39,7 @@ def _sampling(args: argparse.Namespace):
 def _engine(args: argparse.Namespace):
     from .frontend import Engine
 
-    cfg = EngineConfig.from_cli_args(args)
+    cfg = from_cli_args(EngineConfig, args)
     if cfg.disaggregation_bootstrap_host is None and getattr(args, "host", None):  # serve: next to the HTTP API
         cfg = dataclasses.replace(cfg, disaggregation_bootstrap_host=args.host)
     return Engine(**dataclasses.asdict(cfg))
@@ -116,24 +117,14 @@ def cmd_agent_demo(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from .processes import die_with_parent  # (standard library only)
+    from .server.options import ServerOptions  # (standard library only)
 
     die_with_parent()  # (a server started by a test, benchmark or demo stops with it)
-    api_key = _api_key(args.api_key, os.environ.get("HICACHE_API_KEY"))  # refused before the model loads
-    limits = {} if args.max_logprob_tokens is None else {"max_logprob_tokens": args.max_logprob_tokens}
-    if limits and args.max_logprob_tokens < 1:
-        raise ConfigError(f"--max-logprob-tokens must be at least 1, got {args.max_logprob_tokens}.")
-    if args.responses_store_size < 0 or args.responses_store_mb < 0:
-        raise ConfigError("--responses-store-size and --responses-store-mb must be at least 0.")
-    if args.default_max_tokens is not None and args.default_max_tokens < 1:
-        raise ConfigError(f"--default-max-tokens must be at least 1, got {args.default_max_tokens}.")
+    # the key and the flags' bounds are refused before the model loads
+    opts = from_cli_args(ServerOptions, args, api_key=_api_key(args.api_key, os.environ.get("HICACHE_API_KEY")))
     from .server.serve import run_server  # after the checks above: a refused flag costs no torch import
 
-    return run_server(_engine(args), host=args.host, port=args.port, served_model_name=args.served_model_name,
-                      max_queued_requests=args.max_queued_requests, log_level=args.log_level, api_key=api_key,
-                      max_request_bytes=args.max_request_bytes, tool_call_parser=args.tool_call_parser,
-                      tool_call_grammar=args.tool_call_grammar,
-                      responses_store_size=args.responses_store_size, responses_store_mb=args.responses_store_mb,
-                      default_max_tokens=args.default_max_tokens, **limits)
+    return run_server(_engine(args), args.host, args.port, opts, args.log_level)
 
 
 def _api_key(flag: str | None, env: str | None) -> str | None:
@@ -151,65 +142,10 @@ def cmd_node(args: argparse.Namespace) -> int:
     from .parallel.node import NodeFailed, run_node
 
     try:
-        return run_node(EngineConfig.from_cli_args(args), report=lambda line: print(line, file=sys.stderr, flush=True))
+        return run_node(from_cli_args(EngineConfig, args), report=lambda line: print(line, file=sys.stderr, flush=True))
     except NodeFailed as e:  # a rank failed (status 1), unlike a bad flag (status 2)
         print(f"error: {e}", file=sys.stderr)
         return 1
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench.main import run_bench
-
-    return run_bench(args)
-
-
-def cmd_simulate(args: argparse.Namespace) -> int:
-    from .sim.cli import run_simulate
-
-    return run_simulate(args)
-
-
-def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    """``hicache serve``'s own flags (the HTTP layer's; the engine's come from EngineConfig)."""
-    from .server.tool_formats import PARSER_CHOICES  # (standard library only)
-
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--served-model-name", default=None, help="Model name clients use (default: --model).")
-    p.add_argument("--max-queued-requests", type=int, default=512,
-                   help="Requests allowed to wait beyond --max-running-requests; more are refused with 503.")
-    p.add_argument("--api-key", default=None,
-                   help="Require 'Authorization: Bearer <key>' on every endpoint but /health and /metrics "
-                        "(default: $HICACHE_API_KEY, else no key).")
-    p.add_argument("--max-request-bytes", type=int, default=8 * 2**20,
-                   help="Largest request body accepted (default 8 MiB); larger ones get 413 before they are "
-                        "read in full.")
-    p.add_argument("--responses-store-size", type=int, default=1024,
-                   help="Responses (/v1/responses with store) kept for previous_response_id, the least recently "
-                        "used dropped first (0: none kept).")
-    p.add_argument("--responses-store-mb", type=int, default=256,
-                   help="Memory those stored responses may hold together (MiB, roughly); the least recently used "
-                        "are dropped first.")
-    p.add_argument("--default-max-tokens", type=int, default=None,
-                   help="Most output tokens of a Chat Completions or Responses request that sets no max (default: "
-                        "the rest of the context, as OpenAI's; such a request reserves KV up to the context length, "
-                        "so this also lets more run at once). Completions keep 16, /generate 128, Messages its "
-                        "max_tokens.")
-    p.add_argument("--max-logprob-tokens", type=int, default=None,
-                   help="Most n x prompts x max_tokens a non-streamed answer with logprobs may ask for (each token "
-                        "carries its top_logprobs alternatives; default 16384, ~25 MB of JSON); larger ones get 400 "
-                        "and should stream.")
-    # server/tool_formats.py writes and parses them; qwen25 and hermes name one format (SGLang's and vLLM's names)
-    p.add_argument("--tool-call-parser", default="auto", choices=PARSER_CHOICES,
-                   help="The format tool calls are written and parsed in. auto: the chat template's (<tool_call> "
-                        "tags: hermes; [TOOL_CALLS]: mistral; <|python_tag|> or Llama 3 headers with \"parameters\": "
-                        "llama3; a template without tools: hermes, described in a system message); one log line says "
-                        "which (docs/structured_output.md).")
-    p.add_argument("--tool-call-grammar", default="lazy", choices=("lazy", "forced-only"),
-                   help="lazy: once a reply under tool_choice auto begins a call (<tool_call>, a reply that opens "
-                        "with {\"name\" ...), the rest of the call is constrained to a given function and its "
-                        "parameters' schema, as llama.cpp's lazy grammars do; text before it stays free. "
-                        "forced-only: only tool_choice required / a named function constrains the reply.")
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -224,43 +160,43 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Log level (also accepted before the subcommand).")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def command(name: str, **kw) -> argparse.ArgumentParser:
-        return sub.add_parser(name, parents=[common], **kw)
+    def command(name: str, func: Callable[[argparse.Namespace], int], **kw) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, parents=[common], **kw)
+        p.set_defaults(func=func)
+        return p
 
     _add_local_commands(command)
     _add_service_commands(command)
+    for name in ENGINE_COMMANDS:
+        add_cli_args(EngineConfig, sub.choices[name], "engine options")
     return parser
+
+
+ENGINE_COMMANDS = ("generate", "chat", "demo", "serve", "node")  # the commands that take EngineConfig's flags
 
 
 def _add_local_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
     """Commands that run an engine in this process: generate, chat, demo, agent-demo."""
-    p = command("generate", help="Generate text for one or more prompts.")
+    p = command("generate", cmd_generate, help="Generate text for one or more prompts.")
     p.add_argument("--prompt", action="append", help="Prompt text (repeatable).")
     p.add_argument("--prompt-file", action="append", help="File whose whole content is one prompt (repeatable).")
     p.add_argument("--chat", action="store_true", help="Wrap each prompt as a user message in the chat template.")
     p.add_argument("--json", action="store_true", help="Print one JSON object per result.")
     _add_sampling_args(p)
-    EngineConfig.add_cli_args(p)
-    p.set_defaults(func=cmd_generate)
 
-    p = command("chat", help="Interactive multi-turn chat.")
+    p = command("chat", cmd_chat, help="Interactive multi-turn chat.")
     p.add_argument("--system", default=None, help="System prompt.")
     _add_sampling_args(p, max_new_tokens=256)
-    EngineConfig.add_cli_args(p)
-    p.set_defaults(func=cmd_chat)
 
-    p = command("demo", help="A scripted multi-turn agent session showing cache hits and TTFT.")
+    p = command("demo", cmd_demo, help="A scripted multi-turn agent session showing cache hits and TTFT.")
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--agents", type=int, default=1, help="Sessions taking turns round-robin.")
     p.add_argument("--max-new-tokens", type=int, default=40)
     p.add_argument("--no-cold-rerun", action="store_true",
                    help="Skip the summary's rerun of the last prompt without the cache (the warm vs. cold TTFT).")
-    EngineConfig.add_cli_args(p)
-    p.set_defaults(func=cmd_demo)
 
-    p = command("agent-demo", help="A three-step tool-using agent on SmolLM2 through the openai SDK and "
-                                          "`hicache serve` (Chat Completions, then the Responses API); exits 1 when "
-                                          "a final answer is wrong.")
+    p = command("agent-demo", cmd_agent_demo, help="A three-step tool-using agent on SmolLM2 through the openai SDK "
+                "and `hicache serve` (Chat Completions, then the Responses API); exits 1 when a final answer is wrong.")
     p.add_argument("--api", default="both", choices=("chat", "responses", "both"),
                    help="Which API drives the agent: chat.completions, responses (previous_response_id), or both, "
                         "one after the other on a flushed cache.")
@@ -268,33 +204,24 @@ def _add_local_commands(command: Callable[..., argparse.ArgumentParser]) -> None
                                                       "smollm2 and qwen2.5-coder-0.5b, the `make demo` runs).")
     p.add_argument("--server-args", default="", help="More `hicache serve` flags, shell-quoted, e.g. "
                                                      "--server-args='--enable-hierarchical-cache'.")
-    p.set_defaults(func=cmd_agent_demo)
 
 
 def _add_service_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
     """Commands that serve, join or measure: serve, node, simulate, bench."""
-    p = command("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /metrics, ...).")
-    _add_serve_args(p)
-    EngineConfig.add_cli_args(p)
-    p.set_defaults(func=cmd_serve)
+    from .bench.main import add_bench_args, run_bench
+    from .server.options import ServerOptions  # (standard library only)
+    from .sim.cli import add_simulate_args, run_simulate
 
-    p = command("node", help="Run the ranks of node --node-rank R > 0 of an engine served by node 0 "
-                                    "(--nnodes, --dist-init-addr and the same engine flags as node 0).")
-    EngineConfig.add_cli_args(p)
-    p.set_defaults(func=cmd_node)
-
-    p = command("simulate", help="Replay a Mooncake-format trace through the cache code (no model) on a "
-                                        "virtual clock: hit ratio per tier, TTFT estimates.")
-    from .sim.cli import add_simulate_args
-
-    add_simulate_args(p)
-    p.set_defaults(func=cmd_simulate)
-
-    p = command("bench", help="Benchmark an OpenAI-compatible server (multi-turn shared prefix, trace replay).")
-    from .bench.main import add_bench_args
-
-    add_bench_args(p)
-    p.set_defaults(func=cmd_bench)
+    p = command("serve", cmd_serve, help="OpenAI-compatible HTTP server (/v1/chat/completions, /metrics, ...).")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    add_cli_args(ServerOptions, p, "server options")
+    command("node", cmd_node, help="Run the ranks of node --node-rank R > 0 of an engine served by node 0 "
+            "(--nnodes, --dist-init-addr and the same engine flags as node 0).")
+    add_simulate_args(command("simulate", run_simulate, help="Replay a Mooncake-format trace through the cache code "
+                              "(no model) on a virtual clock: hit ratio per tier, TTFT estimates."))
+    add_bench_args(command("bench", run_bench, help="Benchmark an OpenAI-compatible server (multi-turn shared "
+                           "prefix, trace replay)."))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

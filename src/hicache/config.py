@@ -3,23 +3,17 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Any, Optional, get_args, get_origin, get_type_hints
+from typing import Any, Optional
 
 from .combinations import refuse
 from .disagg_options import DisaggregationOptions
 from .errors import ConfigError
-from .options import opt as _opt
+from .options import check_bounds, flag, opt as _opt
 from .ports import split_host_port
-from .speculative_options import (
-    DEFAULT_SPEC_STEPS,
-    SPEC_ALGORITHMS,
-    SPEC_KV_LAYOUTS,
-    SpeculativeOptions,
-)
+from .speculative_options import DEFAULT_SPEC_STEPS, SPEC_ALGORITHMS, SPEC_KV_LAYOUTS, SpeculativeOptions
 
 CP_STRATEGIES = ("zigzag", "interleave")  # how prefill tokens are split over context-parallel ranks
 __all__ = ["ConfigError", "EngineConfig", "PassPrecision", "DEFAULT_SPEC_STEPS", "SPEC_ALGORITHMS", "SPEC_KV_LAYOUTS"]
@@ -80,14 +74,15 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
         "int8 where --dtype auto chose float32 on a CPU with the native kernels, else float32.",
         ("auto", "float32", "int8"))
     device: str = _opt("auto", "'auto' (cuda when present, else cpu), 'cpu' or 'cuda[:N]'.")
-    context_length: Optional[int] = _opt(None, "Maximum tokens per request (prompt + output); default: the model's.")
+    context_length: Optional[int] = _opt(None, "Maximum tokens per request (prompt + output); default: the model's.",
+                                         at_least=2)
     random_seed: int = _opt(0, "Seed for random-model weights.")
     num_threads: Optional[int] = _opt(None, "CPU threads for torch (default: torch's choice).")
     skip_server_warmup: bool = _opt(
         False, "Start without the warm-up pass (a 4-token prefill and a decode step on the padding slot, before "
         "the first request; one-rank engines only, counted nowhere).")
     # KV cache
-    page_size: int = _opt(16, "Tokens per KV page; the radix tree matches whole pages.")
+    page_size: int = _opt(16, "Tokens per KV page; the radix tree matches whole pages.", at_least=1)
     max_total_tokens: Optional[int] = _opt(None, "Device KV pool size in tokens (overrides --mem-fraction-static); "
                                            "of a hybrid model (sliding-window layers), its full-attention layers'.")
     swa_full_tokens_ratio: Optional[float] = _opt(
@@ -105,14 +100,15 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
     radix_eviction_policy: str = _opt("lru", "Order in which unlocked leaves leave the device tier.", ("lru", "lfu"))
     # Hierarchical cache (L2 host tier)
     enable_hierarchical_cache: bool = _opt(False, "Keep KV that leaves the device in a host-memory pool (L2).")
-    hicache_ratio: float = _opt(2.0, "Host pool size as a multiple of the device pool.")
-    hicache_size: float = _opt(0.0, "Host pool size in GB (overrides --hicache-ratio when > 0).")
+    hicache_ratio: float = _opt(2.0, "Host pool size as a multiple of the device pool.", above=0)
+    hicache_size: float = _opt(0.0, "Host pool size in GB (overrides --hicache-ratio when > 0).", at_least=0)
     hicache_write_policy: str = _opt(
         "write_through",
         "When device KV is copied to host: on insert, on the Nth hit (selective), or at device eviction.",
         ("write_through", "write_through_selective", "write_back"),
     )
-    hicache_write_through_threshold: int = _opt(2, "Hits before a node is backed up under write_through_selective.")
+    hicache_write_through_threshold: int = _opt(2, "Hits before a node is backed up under write_through_selective.",
+                                                at_least=1)
     hicache_mem_layout: str = _opt(
         "layer_first", "Host pool layout: layer_first, or page_first (one page of all layers contiguous); "
         "the unified key scheme uses page_unified instead.",
@@ -153,11 +149,11 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
     hicache_storage_prefetch_timeout_per_1k_tokens: float = _opt(0.25, "... plus this many seconds per 1K tokens.")
     hicache_storage_op_timeout: float = _opt(
         10.0, "Deadline in seconds of each storage backend call (exists/get/set of one batch); a call past it is "
-        "abandoned and fails (recompute), and a backend that keeps failing is skipped and re-probed."
+        "abandoned and fails (recompute), and a backend that keeps failing is skipped and re-probed.", above=0
     )
     # Parallelism
-    tp_size: int = _opt(1, "Tensor-parallel ranks per pipeline stage (attention heads and MLP sharded).")
-    pp_size: int = _opt(1, "Pipeline stages (layers split across them); tp_size x pp_size rank processes.")
+    tp_size: int = _opt(1, "Tensor-parallel ranks per pipeline stage (attention heads and MLP sharded).", at_least=1)
+    pp_size: int = _opt(1, "Pipeline stages (layers split across them); tp_size x pp_size rank processes.", at_least=1)
     attn_cp_size: int = _opt(
         1, "Context-parallel ranks per TP group (divides --tp-size): each takes a share of the prefill tokens; "
         "weights are replicated across them and tensor-parallel within (tp_size / attn_cp_size ranks)."
@@ -172,7 +168,7 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
         "r and 2N-1-r) or interleave (page-sized blocks dealt round-robin).", choices=CP_STRATEGIES
     )
     nnodes: int = _opt(
-        1, "Machines the ranks run on; each runs tp_size x pp_size / nnodes of them (see docs/parallel.md)."
+        1, "Machines the ranks run on; each runs tp_size x pp_size / nnodes of them (see docs/parallel.md).", at_least=1
     )
     node_rank: int = _opt(
         0, "This machine's index in [0, nnodes): node 0 holds rank 0 and serves; the others run `hicache node`."
@@ -182,13 +178,13 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
     )
     # Scheduling
     chunked_prefill_size: int = _opt(2048, "Most prompt tokens computed in one prefill step (a long prompt is chunked).")
-    max_running_requests: int = _opt(32, "Most requests decoding at once.")
+    max_running_requests: int = _opt(32, "Most requests decoding at once.", at_least=1)
     disable_shared_prefill_wait: bool = _opt(
         False, "Admit a request at once even when a request still computing its prompt holds 64+ more of its "
         "first tokens (by default it waits for those pages and hits them instead of computing them again).")
     max_logprobs: int = _opt(
         20, "Most alternatives a request may ask for per token (top_logprobs, /generate's "
-        "top_logprobs_num; vLLM's flag): each is an entry in the answer, so this bounds its size.")
+        "top_logprobs_num; vLLM's flag): each is an entry in the answer, so this bounds its size.", at_least=0)
     chat_template: Optional[str] = _opt(
         None, "The chat template: a Jinja file, or a built-in name (chatml, gemma, llama3), instead of the model's; "
         "a model without one (a base model) refuses chats unless it is given.")
@@ -198,14 +194,14 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
     grammar_compile_timeout: float = _opt(
         5.0, "CPU seconds a new grammar may take to compile and walk in the contained grammar checker, which runs "
         "at the lowest priority; a slower one is refused with 400, measured again if sent again (a checker that got "
-        "no CPU for 4x that in wall-clock time: 503) (docs/structured_output.md).")
+        "no CPU for 4x that in wall-clock time: 503) (docs/structured_output.md).", above=0)
     grammar_memory_budget_mb: int = _opt(
         1024, "MiB of grammar matchers the engine holds: one per grammar plus each request's copy, as the grammar "
-        "checker measured them. A grammar needing more alone is refused; past it, grammar requests wait.")
+        "checker measured them. A grammar needing more alone is refused; past it, grammar requests wait.", above=0)
     grammar_mask_budget_ms: float = _opt(
         20.0, "Milliseconds of token masks one step may compute for its grammar requests (each grammar's slowest "
         "mask in CPU time, as measured when it was checked): a grammar slower alone is refused (measured again if "
-        "sent again); past it, grammar requests wait.")
+        "sent again); past it, grammar requests wait.", above=0)
     enable_deterministic_inference: bool = _opt(
         False, "Bit-identical output for a greedy or seeded request whatever shares its batch, how its prompt was "
         "chunked, which tier its prefix came from, and with or without speculative decoding (docs/deterministic.md); "
@@ -215,8 +211,7 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
         self.validate()
 
     def validate(self) -> None:
-        if self.page_size < 1:
-            raise ConfigError(f"--page-size must be at least 1, got {self.page_size}.")
+        check_bounds(self)
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ConfigError(
                 f"--max-total-tokens {self.max_total_tokens} is smaller than one page ({self.page_size} tokens)."
@@ -229,26 +224,13 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
             raise ConfigError(
                 f"--chunked-prefill-size {self.chunked_prefill_size} must be at least one page ({self.page_size})."
             )
-        if self.tp_size < 1 or self.pp_size < 1:
-            raise ConfigError("--tp-size and --pp-size must be at least 1.")
         self._validate_nodes()
         self._validate_context_parallel()
         self._validate_speculative(cp=self.attn_cp_size > 1 or self.enable_kv_cache_sharding)
         self._validate_disaggregation()
         self.refuse_combinations({"draft"} if self.uses_draft_model else set())
-        if self.max_running_requests < 1:
-            raise ConfigError("--max-running-requests must be at least 1.")
-        if self.max_logprobs < 0:
-            raise ConfigError(f"--max-logprobs must be >= 0, got {self.max_logprobs}.")
-        if not (self.grammar_compile_timeout > 0 and self.grammar_memory_budget_mb > 0 and self.grammar_mask_budget_ms > 0):
-            raise ConfigError("--grammar-compile-timeout, --grammar-memory-budget-mb and --grammar-mask-budget-ms "
-                              "must be > 0.")
-        if self.context_length is not None and self.context_length < 2:
-            raise ConfigError("--context-length must be at least 2.")
         if self.enable_hierarchical_cache and self.disable_radix_cache:
             raise ConfigError("--enable-hierarchical-cache needs the radix cache; drop --disable-radix-cache.")
-        if self.hicache_ratio <= 0 or self.hicache_size < 0:
-            raise ConfigError("--hicache-ratio must be > 0 and --hicache-size >= 0.")
         if self.hicache_storage_key_scheme == "unified":
             self._validate_unified()
         self._validate_deterministic()
@@ -261,14 +243,10 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
                 raise ConfigError(f"--hicache-storage-backend-extra-config is not valid JSON ({e.msg}).") from None
             if not isinstance(extra, dict):
                 raise ConfigError("--hicache-storage-backend-extra-config must be a JSON object.")
-        if not self.hicache_storage_op_timeout > 0:
-            raise ConfigError(f"--hicache-storage-op-timeout must be > 0 seconds, got {self.hicache_storage_op_timeout}.")
-        if self.hicache_write_through_threshold < 1:
-            raise ConfigError("--hicache-write-through-threshold must be at least 1.")
         for f in dataclasses.fields(self):
-            choices = f.metadata.get("choices")
-            if choices and getattr(self, f.name) not in choices and f.default is not None:  # None: unset
-                raise ConfigError(f"--{f.name.replace('_', '-')} must be one of {', '.join(choices)}.")
+            choices, value = f.metadata.get("choices"), getattr(self, f.name)
+            if choices and value not in choices and value is not None:  # None: unset
+                raise ConfigError(f"{flag(f.name)} must be one of {', '.join(choices)}, got {value!r}.")
 
     def _validate_context_parallel(self) -> None:
         """The combinations CP is built for; anything else stops here with one sentence."""
@@ -334,8 +312,6 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
     def _validate_nodes(self) -> None:
         """Ranks across machines: every node runs the same number of ranks, node 0 included."""
         world = self.tp_size * self.pp_size
-        if self.nnodes < 1:
-            raise ConfigError(f"--nnodes must be at least 1, got {self.nnodes}.")
         if world % self.nnodes:
             raise ConfigError(
                 f"--tp-size x --pp-size ({world}) must be divisible by --nnodes {self.nnodes} (same ranks per node)."
@@ -367,29 +343,10 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
             raise ConfigError(f"unknown engine option(s): {', '.join(unknown)}.")
         return cls(**kwargs)
 
-    # ---- CLI mapping -------------------------------------------------------------------
-    @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        hints = get_type_hints(cls)
-        group = parser.add_argument_group("engine options")
-        for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            typ = hints[f.name]
-            if get_origin(typ) is not None:  # Optional[X]
-                typ = next(a for a in get_args(typ) if a is not type(None))
-            if typ is bool:
-                group.add_argument(flag, action="store_true", default=f.default, help=f.metadata["help"])
-            else:
-                group.add_argument(
-                    flag, type=typ, default=f.default, choices=f.metadata.get("choices"), help=f.metadata["help"]
-                )
-
+    # ---- CLI mapping (options.add_cli_args, options.from_cli_args) ---------------------
     @classmethod
     def choices(cls, name: str) -> tuple:
         """The values flag ``name`` (a field name) accepts."""
         return next(f.metadata["choices"] for f in dataclasses.fields(cls) if f.name == name)
 
-    @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 

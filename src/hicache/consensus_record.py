@@ -87,12 +87,8 @@ def uninstall_recorder() -> None:
     _recorder = None
 
 
-def consensus_check(
-    name: str | Callable[..., Any] | None = None,
-    *,
-    args: Callable[..., Any] | None = None,
-    result: Callable[[Any], Any] | None = None,
-) -> Any:
+def consensus_check(name: str | Callable[..., Any] | None = None, *, args: Callable[..., Any] | None = None,
+                    result: Callable[[Any], Any] | None = None) -> Any:
     """Decorator recording calls of the wrapped function for the rank consensus checker.
 
     Off at decoration time: returns the function unchanged. On: records

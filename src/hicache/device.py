@@ -3,6 +3,7 @@ elsewhere stays device-agnostic (CUDA when present, CPU otherwise)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -50,13 +51,10 @@ def available_host_memory() -> int:
         except ValueError:
             raise ConfigError(f"{HOST_MEMORY_ENV}={os.environ[HOST_MEMORY_ENV]!r}: expected bytes, or a number "
                               "with K, M, G or T (e.g. 120G).") from None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
@@ -85,17 +83,14 @@ def cpu_description() -> str:
     """``cpu: <model> | flags: <the SIMD flags speed depends on> | cores: N``, for benchmark
     headers: every CPU figure depends on them."""
     model, flags = platform.processor() or "?", []
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name") and model in ("?", "", platform.processor()):
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = [x for x in line.split(":", 1)[1].split()
-                             if x in ("avx", "avx2", "fma", "f16c") or x.startswith(("avx512", "amx"))]
-                    break
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("model name") and model in ("?", "", platform.processor()):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = [x for x in line.split(":", 1)[1].split()
+                         if x in ("avx", "avx2", "fma", "f16c") or x.startswith(("avx512", "amx"))]
+                break
     return f"cpu: {model} | flags: {' '.join(flags) or 'no avx'} | cores: {os.cpu_count()}"
 
 

@@ -81,8 +81,6 @@ class SpeculativeOptions:
             if self.speculative_draft_model_path:
                 raise ConfigError("--speculative-draft-model-path needs --speculative-algorithm STANDALONE.")
             return
-        if algo not in SPEC_ALGORITHMS:
-            raise ConfigError(f"--speculative-algorithm must be one of {', '.join(SPEC_ALGORITHMS)}, got {algo!r}.")
         if algo == "STANDALONE" and not self.speculative_draft_model_path:
             raise ConfigError(f"--speculative-algorithm {algo} needs --speculative-draft-model-path (the draft model).")
         if algo == "NGRAM":

@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import IO, Any, Iterator, NamedTuple, Optional, Union
+from typing import IO, Any, Iterator, NamedTuple, Optional
 
 from ..errors import HicacheError
 from ..ports import free_port
@@ -163,14 +163,21 @@ def _run_calls(calls: list[tuple[str, str]]) -> tuple[list[str], str]:
     return results, "; ".join(f"{n}({a}) -> {r.strip()!r}" for (n, a), r in zip(calls, results))
 
 
-class ChatAgent:
-    """The task through ``chat.completions.create``: the client holds the history and resends it."""
+class Agent:
+    """The task through one API, a :meth:`turn` per step. ``input``: what the next request sends (the
+    whole history, or only a turn's new items)."""
 
-    api, how = "chat.completions", "the client resends the history"
+    api = how = ""
 
     def __init__(self, client: Any, model: str, max_tokens: int = MAX_TOKENS) -> None:
         self.client, self.model, self.max_tokens = client, model, max_tokens
-        self.messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}]
+        self.input: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}]
+
+
+class ChatAgent(Agent):
+    """The task through ``chat.completions.create``: the client holds the history and resends it."""
+
+    api, how = "chat.completions", "the client resends the history"
 
     def turn(self, function: Optional[str]) -> Turn:
         """A forced call of ``function`` (run here, its result appended as a ``tool`` message) or, for
@@ -179,14 +186,14 @@ class ChatAgent:
         # so its prefix comes from the cache; the schema keeps the reply to one JSON object
         choice = {"type": "function", "function": {"name": function}} if function else "auto"
         extra = {"parallel_tool_calls": False} if function else {"response_format": ANSWER}
-        resp = self.client.chat.completions.create(model=self.model, messages=self.messages, tools=TOOLS,
+        resp = self.client.chat.completions.create(model=self.model, messages=self.input, tools=TOOLS,
                                                    tool_choice=choice, temperature=0, max_tokens=self.max_tokens,
                                                    **extra)
         message = resp.choices[0].message
-        self.messages.append(message.model_dump(exclude_none=True))
+        self.input.append(message.model_dump(exclude_none=True))
         calls = message.tool_calls or []
         results, summary = _run_calls([(c.function.name, c.function.arguments) for c in calls])
-        self.messages += [{"role": "tool", "tool_call_id": c.id, "content": r} for c, r in zip(calls, results)]
+        self.input += [{"role": "tool", "tool_call_id": c.id, "content": r} for c, r in zip(calls, results)]
         usage = resp.usage
         tiers = (usage.prompt_tokens_details.model_extra or {}).get("cached_tokens_details", {})
         if function is None:
@@ -195,7 +202,7 @@ class ChatAgent:
                     summary or f"no call: {message.content!r}", message.content)
 
 
-class ResponsesAgent:
+class ResponsesAgent(Agent):
     """The task through ``responses.create``: the server stores each response (``store``, its
     default), so a turn sends only its new items -- the call results -- with
     ``previous_response_id``. The system prompt is the first input message, not ``instructions``:
@@ -204,11 +211,7 @@ class ResponsesAgent:
     api, how = "responses", "the server holds the conversation: previous_response_id"
     TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses API's flat shape
     FORMAT = {"type": "json_schema", **ANSWER["json_schema"]}  # text.format: name, strict, schema
-
-    def __init__(self, client: Any, model: str, max_tokens: int = MAX_TOKENS) -> None:
-        self.client, self.model, self.max_tokens = client, model, max_tokens
-        self.previous: Optional[str] = None  # the last response's id
-        self.input: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}]
+    previous: Optional[str] = None  # the last response's id
 
     def turn(self, function: Optional[str]) -> Turn:
         """As :meth:`ChatAgent.turn`, continuing the stored conversation."""
@@ -247,7 +250,6 @@ def final_total(content: str | None) -> float | None:
     return total if isinstance(total, (int, float)) else None
 
 
-Agent = Union[ChatAgent, ResponsesAgent]
 AGENTS: dict[str, tuple[type[Agent], ...]] = {"chat": (ChatAgent,), "responses": (ResponsesAgent,),
                                               "both": (ChatAgent, ResponsesAgent)}  # --api
 

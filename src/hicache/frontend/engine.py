@@ -238,14 +238,9 @@ class Engine:
         return Request(rid=next(self._rids), prompt_ids=ids, sampling=sampling, namespace=namespace,
                        max_new_tokens=max_new, pd=PDState(bootstrap) if bootstrap is not None else None)
 
-    def generate(
-        self,
-        prompts: Prompt | Sequence[Prompt],
-        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-        cache_salt: str | None = None,
-        bootstrap: Bootstrap | Sequence[Bootstrap | None] | None = None,
-        n: int = 1,
-    ) -> list[GenerateResult]:
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling: SamplingParams | Sequence[SamplingParams] | None = None, cache_salt: str | None = None,
+                 bootstrap: Bootstrap | Sequence[Bootstrap | None] | None = None, n: int = 1) -> list[GenerateResult]:
         """Generate for one prompt or a list (text or token ids). Returns ``n`` results per prompt,
         prompt after prompt. An invalid request raises :class:`InvalidRequestError` before anything
         runs. ``n`` > 1: the choices share the prompt's pages (computed once; choice i is seeded
@@ -283,12 +278,8 @@ class Engine:
             raise
         return [GenerateResult.from_request(r) for r in reqs]
 
-    def chat(
-        self,
-        messages: list[dict[str, str]],
-        sampling: SamplingParams | None = None,
-        cache_salt: str | None = None,
-    ) -> GenerateResult:
+    def chat(self, messages: list[dict[str, str]], sampling: SamplingParams | None = None,
+             cache_salt: str | None = None) -> GenerateResult:
         """One chat turn: ``messages`` ([{"role": ..., "content": ...}]) through the model's
         chat template, generation prompt appended."""
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
@@ -91,10 +92,8 @@ class Outbox:
             by_loop.setdefault(handle._aio_loop, []).append((handle, upd))
         self._items = []
         for aio_loop, items in by_loop.items():
-            try:
+            with contextlib.suppress(RuntimeError):  # the caller's event loop is closed: nobody listens any more
                 aio_loop.call_soon_threadsafe(_deliver, items)
-            except RuntimeError:  # the caller's event loop is closed: nobody listens any more
-                pass
 
 
 def _deliver(items: list[tuple["RequestHandle", "Update"]]) -> None:
@@ -166,7 +165,7 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._outbox = Outbox()
-        self._inflight = 0  # submitted and not yet finished
+        self.num_inflight = 0  # requests submitted and not finished (queued, waiting or running)
         self.error: BaseException | None = None  # set if the loop thread died
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -204,21 +203,10 @@ class EngineLoop:
         if not self.alive:
             raise EngineDeadError("the engine loop is not running.")
 
-    @property
-    def num_inflight(self) -> int:
-        """Requests submitted and not finished (queued, waiting or running)."""
-        return self._inflight
-
     # ---- commands (any thread) -----------------------------------------------------------
-    def submit(
-        self,
-        prompt: Prompt,
-        sampling: SamplingParams,
-        cache_salt: str | None = None,
-        aio_loop: asyncio.AbstractEventLoop | None = None,
-        bootstrap: Bootstrap | None = None,
-        waits_for: int | None = None,
-    ) -> RequestHandle:
+    def submit(self, prompt: Prompt, sampling: SamplingParams, cache_salt: str | None = None,
+               aio_loop: asyncio.AbstractEventLoop | None = None, bootstrap: Bootstrap | None = None,
+               waits_for: int | None = None) -> RequestHandle:
         """Queue a request: ``sampling`` passed :meth:`Engine.check_sampling` (the server's prepare
         step checks it once); the prompt is checked here, on the caller's thread (raises
         InvalidRequestError). Call from a coroutine, or pass the event loop that will consume the handle.
@@ -230,7 +218,7 @@ class EngineLoop:
         handle = RequestHandle(req, aio_loop or asyncio.get_running_loop(), self._outbox)
         req.on_update = handle._push
         with self._lock:
-            self._inflight += 1
+            self.num_inflight += 1
         self._cmds.put(Add((req,)))
         return handle
 
@@ -282,7 +270,7 @@ class EngineLoop:
                         self._finished(req)
         except BaseException as e:  # a bug or a dead rank: fail every request rather than hang its client
             self.error = e
-            logger.exception("engine loop crashed; failing %d request(s)", self._inflight)
+            logger.exception("engine loop crashed; failing %d request(s)", self.num_inflight)
         finally:
             if self.error is None:
                 self._abort_all()
@@ -347,7 +335,7 @@ class EngineLoop:
 
     def _finished(self, req: Request) -> None:
         with self._lock:
-            self._inflight -= 1
+            self.num_inflight -= 1
         if self.on_finish is not None:
             try:
                 self.on_finish(GenerateResult.from_request(req))

@@ -141,31 +141,25 @@ def as_chat(body: MessagesRequest) -> ChatCompletionRequest:
         text = "".join(b.text for b in _text_blocks(blocks))
         if m.role == "system":
             messages.append({"role": "system", "content": text})
-            continue
-        if m.role == "assistant":
+        elif m.role == "assistant":
             calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
                      for b in blocks if isinstance(b, ToolUseBlock)]
             messages.append({"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})})
-            continue
-        messages += [{"role": "tool", "content": b.text(), "tool_call_id": b.tool_use_id}
-                     for b in blocks if isinstance(b, ToolResultBlock)]
-        if text or not any(isinstance(b, ToolResultBlock) for b in blocks):
-            messages.append({"role": "user", "content": text})
-    chat: dict[str, Any] = {"model": body.model, "messages": messages, "temperature": body.temperature,
-                            "stream": body.stream}
-    if body.top_p is not None:
-        chat["top_p"] = body.top_p
-    if body.top_k is not None:
-        chat["top_k"] = body.top_k
-    if body.stop_sequences:
-        chat["stop"] = body.stop_sequences
+        else:
+            results = [{"role": "tool", "content": b.text(), "tool_call_id": b.tool_use_id}
+                       for b in blocks if isinstance(b, ToolResultBlock)]
+            messages += results
+            if text or not results:
+                messages.append({"role": "user", "content": text})
     tools = [t for t in body.tools or [] if not t.server_tool]
     for i, t in enumerate(tools):
         if t.input_schema is None:
             raise APIError(400, f"tools[{i}].input_schema: Field required.", param="tools")
-    if tools:
-        chat["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
-                                                           "parameters": t.input_schema}} for t in tools]
+    chat: dict[str, Any] = {  # (a None is the field's default: RequestBody)
+        "model": body.model, "messages": messages, "temperature": body.temperature, "stream": body.stream,
+        "top_p": body.top_p, "top_k": body.top_k, "stop": body.stop_sequences or None,
+        "tools": [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                    "parameters": t.input_schema}} for t in tools] or None}
     if body.tool_choice is not None:
         chat["tool_choice"], chat["parallel_tool_calls"] = _tool_choice(body.tool_choice)
     try:

@@ -47,7 +47,8 @@ from .prepare import prepare_chat, sampling_params
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest
 from .response_store import ResponseStore
 from .responses import add_responses_routes
-from .state import ServerOptions, ServerState
+from .options import ServerOptions
+from .state import ServerState
 from .submit import Prepared, check_fits, engine_dead, engine_dead_during, sse_data, timing, vet_grammar
 from .tools import ChatChunks, ChunkFn, chat_message
 

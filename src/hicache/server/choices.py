@@ -11,6 +11,7 @@ the cache hits of its first choice; ``timing`` is the first choice's.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from typing import Any, AsyncIterator, Callable, Optional
 
@@ -161,10 +162,6 @@ def completion_logprobs(entries: list[TokenLogprob], decode: Callable[[list[int]
     """Completions' ``logprobs``: parallel lists; ``text_offset`` counts characters of the choice's
     text from ``offset`` (where a streamed chunk starts)."""
     tokens = [decode([e.token]) for e in entries]
-    offsets, at = [], offset
-    for t in tokens:
-        offsets.append(at)
-        at += len(t)
     return {"tokens": tokens, "token_logprobs": [_logprob(e.logprob) for e in entries],
             "top_logprobs": [{decode([t]): _logprob(lp) for t, lp in e.top} for e in entries],
-            "text_offset": offsets}
+            "text_offset": list(itertools.accumulate(map(len, tokens), initial=offset))[:-1]}

@@ -40,7 +40,7 @@ from .choices import check_choices, event_stream, merged_updates
 from .detok import IncrementalText
 from .keepalive import SSE_KEEPALIVE, with_keepalives
 from .parsing import parse_body, read_body
-from .protocol import APIError, RequestBody, SamplingBody, token_id_keys
+from .protocol import OPEN, APIError, RequestBody, SamplingBody, token_id_keys
 from .state import ServerState
 from .submit import (Prepared, check_fits, collect_result, disagg_figures, engine_dead_during, spec_figures, sse_data,
                      stop_string_matched, submit_request, timing, vet_grammar)
@@ -49,7 +49,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 
-# sampling_params hicache does not implement, with the values that leave the answer unchanged.
+# sampling_params hicache does not implement, with the values that leave the answer unchanged (read from
+# the body's extra fields, as the UNSUPPORTED_FIELDS; other unknown fields, e.g. stream_interval, are ignored).
 NEUTRAL: dict[str, tuple] = {
     "n": (1,), "no_stop_trim": (False,), "skip_special_tokens": (True,), "stop_regex": ("", []), "beam_width": (1,),
     "custom_params": ({},), "structural_tag": ("",),
@@ -69,6 +70,7 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
 class NativeSamplingParams(RequestBody):
     """``sampling_params`` of ``/generate`` (SGLang's names and defaults; null = the default)."""
 
+    model_config = OPEN
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -77,8 +79,6 @@ class NativeSamplingParams(RequestBody):
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: bool = False
     sampling_seed: Optional[int] = None
-    stream_interval: Optional[int] = None  # how often SGLang streams: no effect on the answer
-    spaces_between_special_tokens: Optional[bool] = None  # special tokens are skipped: no effect
     min_new_tokens: int = 0
     min_p: float = 0.0
     frequency_penalty: float = 0.0
@@ -88,14 +88,6 @@ class NativeSamplingParams(RequestBody):
     json_schema: Optional[str] = None  # structured output: at most one of these three
     regex: Optional[str] = None
     ebnf: Optional[str] = None
-    # Accepted only at their NEUTRAL values.
-    n: Optional[int] = None
-    no_stop_trim: Optional[bool] = None
-    skip_special_tokens: Optional[bool] = None
-    stop_regex: Optional[Union[str, list[str]]] = None
-    beam_width: Optional[int] = None
-    custom_params: Optional[dict[str, Any]] = None
-    structural_tag: Optional[str] = None
 
     def grammar(self) -> Optional[GrammarSpec]:
         given = [GrammarSpec(k, v) for k, v in (("json_schema", self.json_schema), ("regex", self.regex),
@@ -104,9 +96,6 @@ class NativeSamplingParams(RequestBody):
             raise APIError(400, "give one of sampling_params.json_schema, regex and ebnf.",
                            param="sampling_params", code="invalid_value")
         return given[0] if given else None
-
-    def logit_bias_ids(self) -> Optional[dict[int, float]]:
-        return token_id_keys(self.logit_bias, "sampling_params.logit_bias")
 
 
 class GenerateRequest(SamplingBody):
@@ -122,13 +111,6 @@ class GenerateRequest(SamplingBody):
     rid: Optional[str] = Field(None, min_length=1, max_length=256)
     return_logprob: Optional[bool] = None
     top_logprobs_num: int = Field(0, ge=0)
-    return_hidden_states: Optional[bool] = None
-    lora_path: Optional[Any] = None
-    image_data: Optional[Any] = None
-    audio_data: Optional[Any] = None
-    video_data: Optional[Any] = None
-    custom_logit_processor: Optional[Any] = None
-    session_params: Optional[Any] = None
 
 
 # SamplingParams' names (InvalidRequestError.param) -> /generate's fields, where they differ
@@ -149,10 +131,10 @@ def _refuse(field: str, message: str) -> APIError:
 
 def _check_supported(body: GenerateRequest, sp: NativeSamplingParams) -> None:
     for name, message in UNSUPPORTED_FIELDS.items():
-        if getattr(body, name):  # null, false and empty ("lora_path": "", as bench_multiturn.py sends) pass
+        if body.model_extra.get(name):  # null, false and empty ("lora_path": "", as bench_multiturn.py sends) pass
             raise _refuse(name, f"{name}: {message}")
     for name, neutral in NEUTRAL.items():
-        value = getattr(sp, name)
+        value = sp.model_extra.get(name)
         if value is not None and value not in neutral:
             raise _refuse(f"sampling_params.{name}", f"sampling_params.{name} is not supported; leave it at "
                                                      f"{neutral[0]!r}, got {value!r}.")
@@ -166,8 +148,8 @@ def _sampling(st: ServerState, body: GenerateRequest, sp: NativeSamplingParams) 
                          stop=sp.stop, stop_token_ids=tuple(sp.stop_token_ids or ()), ignore_eos=sp.ignore_eos,
                          seed=sp.sampling_seed, grammar=sp.grammar(), presence_penalty=sp.presence_penalty,
                          frequency_penalty=sp.frequency_penalty, repetition_penalty=sp.repetition_penalty,
-                         min_p=sp.min_p, logit_bias=sp.logit_bias_ids(), min_tokens=sp.min_new_tokens,
-                         logprobs=body.top_logprobs_num if body.return_logprob else None)
+                         min_p=sp.min_p, logit_bias=token_id_keys(sp.logit_bias, "sampling_params.logit_bias"),
+                         min_tokens=sp.min_new_tokens, logprobs=body.top_logprobs_num if body.return_logprob else None)
     try:
         st.engine.check_sampling(out)  # (the grammar is vetted next, without holding this thread: vet_grammar)
     except InvalidRequestError as e:
@@ -208,14 +190,11 @@ def _finish_reason(res: GenerateResult, p: Prepared, st: ServerState) -> Optiona
         return {"type": "length", "length": res.completion_tokens}
     if res.finish_reason == "abort":
         return {"type": "abort", "message": "the request was aborted."}
-    out: dict[str, Any] = {"type": "stop", "matched": None}
     last = res.output_ids[-1] if res.output_ids else None
     eos = st.engine.tokenizer.eos_token_ids if not p.sampling.ignore_eos else set()
     if last is not None and (last in eos or last in p.sampling.stop_token_ids):
-        out["matched"] = last
-    else:
-        out["matched"] = stop_string_matched(res, p.sampling.stop_strings, st.engine.tokenizer.decode)
-    return out
+        return {"type": "stop", "matched": last}
+    return {"type": "stop", "matched": stop_string_matched(res, p.sampling.stop_strings, st.engine.tokenizer.decode)}
 
 
 def _answer_of(rid: str, res: GenerateResult, p: Prepared, st: ServerState) -> dict[str, Any]:

@@ -23,7 +23,6 @@ from starlette.requests import Request
 from .protocol import APIError
 
 MAX_JSON_DEPTH = 32  # OpenAI bodies nest ~6 levels (tools schemas a little more)
-DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20  # ~10x a full 128K-token prompt sent as text or as ids (cli.py repeats it)
 
 M = TypeVar("M", bound=BaseModel)
 

@@ -33,7 +33,7 @@ def sampling_params(st: ServerState, body: SamplingBody, max_new: Optional[int],
     bad = body.unsupported()
     if bad:
         raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
-    for name in set(body.unknown_fields()) - _UNKNOWN_LOGGED:
+    for name in sorted(body.model_extra.keys() - _UNKNOWN_LOGGED):  # the fields this server does not know
         _UNKNOWN_LOGGED.add(name)
         logger.info("ignoring the request field %r (not an OpenAI, SGLang or vLLM field this server uses)", name)
     if max_new is not None and max_new < 1:
@@ -59,9 +59,7 @@ def sampling_params(st: ServerState, body: SamplingBody, max_new: Optional[int],
 def usable_lazy(st: ServerState, spec: Optional[GrammarSpec]) -> Optional[GrammarSpec]:
     """``spec`` unless the engine cannot take it (grammars off, too long): a request is never refused
     for the grammar of calls it did not force; it then runs without it (logged)."""
-    if spec is None:
-        return None
-    if st.engine.config.grammar_backend == "none":
+    if spec is None or st.engine.config.grammar_backend == "none":
         return None
     try:
         spec.validate()
@@ -82,7 +80,7 @@ def prepare_chat(body: ChatCompletionRequest, st: ServerState) -> Prepared:
                        st.call_format, tok.special_token_id, lazy=st.opts.tool_call_grammar == "lazy")
     forced = GrammarSpec("lark", chat.forced_grammar) if chat.forced_grammar else None
     lazy = GrammarSpec("lark", chat.lazy_grammar[0], triggers=chat.lazy_grammar[1]) if chat.lazy_grammar else None
-    # (without a max, the rest of the context once the prompt is tokenized: reply_room below)
+    # (without a max, the rest of the context once the prompt is tokenized: with_reply_room below)
     sp = sampling_params(st, body, body.max_new_tokens(), st.engine.context_length, forced, lazy)
     check_choices(body.n, 1, sp, body.stream, st.opts.max_logprob_tokens)
     try:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..disagg.bootstrap import Bootstrap
 from ..disagg.wire import MAX_ROOM
@@ -21,6 +21,7 @@ from ..runtime.sampling import GrammarSpec
 
 # Strict types (no "3" -> 3, no "yes" -> True) and no inf/NaN in any float field.
 STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+OPEN = ConfigDict(STRICT, extra="allow")  # the unknown fields kept (model_extra): logged, or refused by name
 
 
 class APIError(Exception):
@@ -62,10 +63,6 @@ class RequestBody(BaseModel):
             return {k: v for k, v in data.items() if v is not None}
         return data
 
-    def unknown_fields(self) -> list[str]:
-        """Fields of the body this server does not know (ignored)."""
-        return sorted(set(self.model_extra or {}))
-
 
 class StreamOptions(RequestBody):
     include_usage: bool = False
@@ -75,7 +72,7 @@ class SamplingBody(RequestBody):
     """Fields shared by both endpoints (OpenAI names; ``top_k``, ``ignore_eos``,
     ``stop_token_ids``, ``cache_salt``, ``regex`` and ``ebnf`` are extensions)."""
 
-    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+    model_config = OPEN
 
     model: str
     temperature: float = Field(1.0, ge=0.0)
@@ -88,7 +85,8 @@ class SamplingBody(RequestBody):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False
-    cache_salt: Optional[str] = None
+    # An empty salt would silently share the unsalted namespace: refused, as vLLM does.
+    cache_salt: Optional[str] = Field(None, min_length=1)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # vLLM / SGLang extension
@@ -116,14 +114,6 @@ class SamplingBody(RequestBody):
             return Bootstrap(self.bootstrap_host, self.bootstrap_port, self.bootstrap_room)
         except ValueError as e:  # a request that could never connect: said now, not at the transfer timeout
             raise APIError(400, str(e), param="bootstrap_host", code="invalid_value") from None
-
-    @field_validator("cache_salt")
-    @classmethod
-    def _salt_not_empty(cls, v: Optional[str]) -> Optional[str]:
-        # An empty salt would silently share the unsalted namespace: refuse it, as vLLM does.
-        if v is not None and not v:
-            raise ValueError("must be a non-empty string when given")
-        return v
 
     def grammar_spec(self) -> Optional[tuple[str, GrammarSpec]]:
         """``(field, spec)``: what the output must match and the field that said so (response_format,
@@ -216,11 +206,7 @@ class ChatMessage(RequestBody):
     name: Optional[str] = None
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
 
 
 class ChatCompletionRequest(SamplingBody):

@@ -139,16 +139,12 @@ def add_responses_routes(app: FastAPI, st: ServerState, store: ResponseStore) ->
 
     def prepare(raw: bytes) -> _Turn:
         body = parse_body(raw, ResponsesRequest)
-        history: list[dict[str, Any]] = []
-        stored: Optional[Stored] = None
-        if body.previous_response_id is not None:
-            stored = store.get(body.previous_response_id)
-            if stored is None:
-                raise APIError(404, f"no stored response {body.previous_response_id!r} (never stored, deleted, "
-                                    "or dropped to keep within --responses-store-size / --responses-store-mb).",
-                               param="previous_response_id", code="response_not_found")
-            history = stored.messages
-        messages = chat_messages(body, history)
+        stored = store.get(body.previous_response_id) if body.previous_response_id is not None else None
+        if body.previous_response_id is not None and stored is None:
+            raise APIError(404, f"no stored response {body.previous_response_id!r} (never stored, deleted, "
+                                "or dropped to keep within --responses-store-size / --responses-store-mb).",
+                           param="previous_response_id", code="response_not_found")
+        messages = chat_messages(body, stored.messages if stored is not None else [])
         stored_messages = messages[1:] if body.instructions else messages  # instructions are not carried over
         tools, dropped = split_responses_tools(body.tools or [])
         prepared = prepare_chat(as_chat(body, messages, tools), st)

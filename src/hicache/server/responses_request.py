@@ -104,7 +104,7 @@ def _chat_tools(tools: list[Any]) -> list[dict[str, Any]]:
     return out
 
 
-def _chat_tool_choice(choice: Union[str, dict[str, Any]]) -> Any:
+def _chat_tool_choice(choice: Union[str, dict[str, Any], None]) -> Any:
     if isinstance(choice, dict):
         if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
             raise APIError(400, "tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", "
@@ -137,17 +137,10 @@ def _response_format(text: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]
 def as_chat(body: ResponsesRequest, messages: list[dict[str, Any]], tools: list[Any]) -> ChatCompletionRequest:
     """The chat request ``body`` means, with ``messages`` (:func:`chat_messages`) and its function
     ``tools`` (what server/builtin_tools.py kept of ``body.tools``)."""
-    chat: dict[str, Any] = {"model": body.model, "messages": messages, "temperature": body.temperature,
-                            "top_p": body.top_p, "stream": body.stream, "parallel_tool_calls": body.parallel_tool_calls}
-    if body.max_output_tokens is not None:
-        chat["max_tokens"] = body.max_output_tokens
-    if tools:
-        chat["tools"] = _chat_tools(tools)
-    if body.tool_choice is not None:
-        chat["tool_choice"] = _chat_tool_choice(body.tool_choice)
-    fmt = _response_format(body.text)
-    if fmt is not None:
-        chat["response_format"] = fmt
+    chat = {"model": body.model, "messages": messages, "temperature": body.temperature, "top_p": body.top_p,
+            "stream": body.stream, "parallel_tool_calls": body.parallel_tool_calls,
+            "max_tokens": body.max_output_tokens, "tools": _chat_tools(tools) or None,  # (None: the default)
+            "tool_choice": _chat_tool_choice(body.tool_choice), "response_format": _response_format(body.text)}
     if not messages:
         raise APIError(400, "input must hold at least one message or item.", param="input")
     try:

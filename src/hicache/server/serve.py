@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import threading
@@ -14,25 +15,23 @@ from ..frontend.engine import Engine
 from ..frontend.loop import EngineLoop
 from .app import create_app
 from .metrics import ServerMetrics
-from .state import ServerOptions
+from .options import ServerOptions
 
 logger = logging.getLogger(__name__)
 
 GRACEFUL_SHUTDOWN_S = 10  # on stop, open requests get this long before their connections close
 
 
-def build(engine: Engine, served_model_name: str | None = None, on_death: Callable[[BaseException], None] | None = None,
-          **options: Any):
-    """(app, loop): a started EngineLoop over ``engine`` and the app serving it; ``options`` are
-    :class:`ServerOptions` fields."""
+def build(engine: Engine, opts: ServerOptions, on_death: Callable[[BaseException], None] | None = None):
+    """(app, loop): a started EngineLoop over ``engine`` and the app serving it (the model's name
+    where ``opts`` names none)."""
     metrics = ServerMetrics()
     loop = EngineLoop(engine, on_finish=metrics.observe_finished, on_death=on_death).start()
-    opts = ServerOptions(served_model_name=served_model_name or engine.config.model, **options)
+    opts = dataclasses.replace(opts, served_model_name=opts.served_model_name or engine.config.model)
     return create_app(loop, metrics, opts), loop
 
 
-def run_server(engine: Engine, host: str, port: int, served_model_name: str | None = None,
-               log_level: str = "warning", **options: Any) -> int:
+def run_server(engine: Engine, host: str, port: int, opts: ServerOptions, log_level: str = "warning") -> int:
     """Serve until interrupted or until the engine fails (blocks); then stop the engine in order
     (pending host and storage writes finish, rank processes exit). Returns the exit status:
     0 after an orderly stop, 1 when the engine failed (so a supervisor restarts the server)."""
@@ -43,11 +42,11 @@ def run_server(engine: Engine, host: str, port: int, served_model_name: str | No
         if server is not None:
             server.should_exit = True
 
-    app, loop = build(engine, served_model_name, on_death=engine_died, **options)
+    app, loop = build(engine, opts, on_death=engine_died)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
-    logger.warning("hicache serving %s on http://%s:%d%s", served_model_name or engine.config.model, host, port,
-                   " (API key required)" if options.get("api_key") else "")
+    logger.warning("hicache serving %s on http://%s:%d%s", app.state.hicache.opts.served_model_name, host, port,
+                   " (API key required)" if opts.api_key else "")
     if threading.current_thread() is threading.main_thread():
         # uvicorn stops gracefully on SIGTERM, then re-raises it: with the default action the
         # process would die there, before the engine stops (rank processes left running).
@@ -68,8 +67,10 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
 class ServerThread:
     """Uvicorn in a background thread on 127.0.0.1 (port 0 = any free port)."""
 
-    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0, **kw: Any) -> None:
-        self.app, self.loop = build(engine, **kw)
+    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0,
+                 on_death: Callable[[BaseException], None] | None = None, **options: Any) -> None:
+        """``options``: :class:`ServerOptions` fields."""
+        self.app, self.loop = build(engine, ServerOptions(**options), on_death)
         self.server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port, log_level="warning",
                                                     access_log=False, lifespan="off"))
         self._thread = threading.Thread(target=self.server.run, name="hicache-http", daemon=True)

@@ -9,40 +9,17 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from ..frontend.loop import EngineLoop
 from .metrics import ServerMetrics
-from .parsing import DEFAULT_MAX_REQUEST_BYTES
+from .options import ServerOptions
 from .protocol import APIError
 from .tool_formats import choose_format
 
 logger = logging.getLogger(__name__)
 
 PREPARE_WORKERS = 2  # threads that parse and tokenize request bodies
-# --max-logprob-tokens: a non-streamed answer with logprobs for 16Ki tokens x 21 entries is ~25 MB of JSON
-DEFAULT_MAX_LOGPROB_TOKENS = 16384
-
-
-@dataclass
-class ServerOptions:
-    """How the HTTP layer treats clients (``hicache serve`` flags)."""
-
-    served_model_name: str
-    max_queued_requests: int = 512
-    api_key: Optional[str] = None  # None: no authentication
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    tool_call_parser: str = "auto"  # the tool-call format (server/tool_formats.py); auto: the chat template's
-    # lazy: a call the model begins in an ``auto`` reply follows the function's schema from there on
-    # (server/tools.py); forced-only: only forced calls are constrained
-    tool_call_grammar: str = "lazy"
-    max_logprob_tokens: int = DEFAULT_MAX_LOGPROB_TOKENS  # n x prompts x max_tokens of a non-streamed answer with logprobs
-    responses_store_size: int = 1024  # responses kept for previous_response_id (server/responses.py)
-    responses_store_mb: int = 256  # the bytes they may hold together
-    # Chat Completions / Responses requests without a max: at most this many output tokens (None: the
-    # rest of the context, OpenAI's default; server/submit.py reply_room)
-    default_max_tokens: Optional[int] = None
 
 
 class ServerState:

@@ -112,22 +112,18 @@ def timing(res: GenerateResult) -> dict[str, float]:
             "e2e_s": res.e2e_s}
 
 
-def reply_room(st: ServerState, prompt_tokens: int, cap: Optional[int]) -> int:
-    """Output tokens a request may take: the rest of the context (OpenAI's default for a chat or
-    Responses request that sets no max), within what the device pool can reserve for one request
-    (admission reserves the prompt plus its most output), at most ``cap`` (``--default-max-tokens``, or
-    a Messages request's ``max_tokens``; None: no cap)."""
+def with_reply_room(st: ServerState, sampling: SamplingParams, prompt_tokens: int,
+                    cap: Optional[int]) -> SamplingParams:
+    """``sampling`` with ``max_new_tokens`` set to the output tokens a request may take: the rest of the
+    context (OpenAI's default for a chat or Responses request that sets no max), within what the device
+    pool can reserve for one request (admission reserves the prompt plus its most output), at most
+    ``cap`` (``--default-max-tokens``, or a Messages request's ``max_tokens``; None: no cap). Checked
+    again: a ``min_tokens`` past the room is refused (400) as it is past an explicit max."""
     eng = st.engine
     pool = eng.capacity_pages * eng.config.page_size - eng.config.speculative_steps
     room = min(eng.context_length, pool) - prompt_tokens
-    return max(1, min(room, cap) if cap is not None else room)  # (a prompt that fills it is refused later)
-
-
-def with_reply_room(st: ServerState, sampling: SamplingParams, prompt_tokens: int,
-                    cap: Optional[int]) -> SamplingParams:
-    """``sampling`` with ``max_new_tokens`` set to :func:`reply_room`, checked again: a ``min_tokens``
-    past the room is refused (400) as it is past an explicit max."""
-    sampling = dataclasses.replace(sampling, max_new_tokens=reply_room(st, prompt_tokens, cap))
+    room = max(1, min(room, cap) if cap is not None else room)  # (a prompt that fills it is refused later)
+    sampling = dataclasses.replace(sampling, max_new_tokens=room)
     try:
         sampling.validate()
     except InvalidRequestError as e:
@@ -156,7 +152,7 @@ async def vet_grammar(st: ServerState, p: Prepared, request: Request) -> None:
     waiting: Optional[asyncio.Future] = None
     try:
         waiting = asyncio.wrap_future(st.engine.vet_grammar(spec, request.client.host if request.client else None))
-        vetted = await _unless_gone(request, waiting)
+        vetted = await _unless_gone(request, waiting, "client disconnected while its grammar waited to be checked")
     except (InvalidRequestError, OverloadedError) as e:
         if spec.lazy:  # (the grammar of calls the request did not force: it runs without it)
             logger.warning("tool calls under tool_choice auto run without their grammar: %s", e)
@@ -171,15 +167,15 @@ async def vet_grammar(st: ServerState, p: Prepared, request: Request) -> None:
     p.sampling = dataclasses.replace(p.sampling, grammar=vetted)
 
 
-async def _unless_gone(request: Request, waiting: asyncio.Future) -> Any:
-    """``waiting``'s result; APIError 499 once the client has closed the connection (checked every
-    :data:`DISCONNECT_POLL_S` seconds; the caller cancels what it waited for)."""
+async def _unless_gone(request: Request, waiting: asyncio.Future, gone: str) -> Any:
+    """``waiting``'s result; APIError 499 (and the log line ``gone``) once the client has closed the
+    connection (checked every :data:`DISCONNECT_POLL_S` seconds; the caller cancels what it waited for)."""
     while True:
         done, _ = await asyncio.wait({waiting}, timeout=DISCONNECT_POLL_S)
         if done:
             return waiting.result()
         if await request.is_disconnected():
-            logger.info("client disconnected while its grammar waited to be checked")
+            logger.info(gone)
             raise APIError(499, "the client closed the connection.", code="client_closed")
 
 
@@ -229,18 +225,12 @@ async def collect_result(st: ServerState, request: Request, handle: RequestHandl
     """Wait for the result; abort the request if the client goes away meanwhile."""
     task = asyncio.ensure_future(handle.wait())
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                res = task.result()
-                if res.finish_reason == "error":
-                    raise engine_dead_during(res)
-                return res
-            if await request.is_disconnected():
-                logger.info("client disconnected rid=%d; aborting", handle.rid)
-                raise APIError(499, "the client closed the connection.", code="client_closed")
+        res = await _unless_gone(request, task, f"client disconnected rid={handle.rid}; aborting")
     finally:
         if not task.done():
             task.cancel()
             st.loop.abort(handle.rid)
+    if res.finish_reason == "error":
+        raise engine_dead_during(res)
+    return res
 

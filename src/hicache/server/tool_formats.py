@@ -158,6 +158,8 @@ class CallFormat:
     example = ""  # one call, as the model should write it (described to templates without tools)
     _STARTS: tuple[str, ...] = ()  # how a reply that is nothing but calls may begin
     TRIGGERS: Triggers = ()  # where a call begins in a reply, and the grammar's spelling of it
+    ARGUMENTS = "arguments"  # the key of a call object its arguments go under (in a grammar)
+    BETWEEN = '"\\n"'  # what separates parallel calls, in a grammar
 
     def parse(self, text: str, names: set[str], truncated: bool = False) -> tuple[Optional[str], list[ToolCall]]:
         """``(content, calls)`` of a reply; ``truncated`` (cut by max_tokens): a call left open at
@@ -173,7 +175,14 @@ class CallFormat:
                 special_id: SpecialId, layout: Optional[dict[str, Any]] = None) -> str:
         """A Lark grammar (llguidance's, with inline ``%json``) for one or more calls of ``names``, their
         JSON laid out as ``layout`` says (:func:`_object_grammar`)."""
-        raise NotImplementedError
+        calls = f"call ({self.BETWEEN} call)*" if parallel else "call"
+        start, call = self._wrap(calls, " | ".join(f"fn{i}" for i in range(len(names))), special_id)
+        return "\n".join([f"start: {start}", f"call: {call}", *_object_grammar(tools, names, self.ARGUMENTS, layout)])
+
+    def _wrap(self, calls: str, alternatives: str, special_id: SpecialId) -> tuple[str, str]:
+        """The grammar's start rule (``calls``: one call, or several) and call rule (``alternatives``:
+        one call object of each function): bare call objects unless the format marks them."""
+        return calls, alternatives
 
     def lazy_grammar(self, tools: dict[str, dict[str, Any]], names: list[str], parallel: bool,
                      special_id: SpecialId) -> Optional[tuple[str, Triggers]]:
@@ -235,13 +244,9 @@ class HermesFormat(CallFormat):
     def held_back(self, text: str) -> int:
         return max(self._tag_held(text), _whole_reply_held(text, self._BARE_STARTS))
 
-    def grammar(self, tools: dict[str, dict[str, Any]], names: list[str], parallel: bool,
-                special_id: SpecialId, layout: Optional[dict[str, Any]] = None) -> str:
-        alternatives = " | ".join(f"fn{i}" for i in range(len(names)))
-        start = 'start: call ("\\n" call)*' if parallel else "start: call"
+    def _wrap(self, calls: str, alternatives: str, special_id: SpecialId) -> tuple[str, str]:
         open_, close = _literal(self.OPEN, special_id), _literal(self.CLOSE, special_id)
-        call = f'call: {open_} "\\n" ({alternatives}) "\\n" {close}'
-        return "\n".join([start, call, *_object_grammar(tools, names, "arguments", layout)])
+        return calls, f'{open_} "\\n" ({alternatives}) "\\n" {close}'
 
     def lazy_grammar(self, tools: dict[str, dict[str, Any]], names: list[str], parallel: bool,
                      special_id: SpecialId) -> Optional[tuple[str, Triggers]]:
@@ -264,6 +269,7 @@ class Llama3Format(CallFormat):
     TAG = "<|python_tag|>"
     _STARTS = ("{", "```json", TAG)
     TRIGGERS = (_BARE_CALL,)
+    ARGUMENTS = "parameters"
     example = ('To call a function, answer with only a JSON object per call, one a line, in the format '
                '{"name": "<function name>", "parameters": {<arguments as a JSON object>}}')
 
@@ -271,11 +277,6 @@ class Llama3Format(CallFormat):
         body = text.strip().removeprefix(self.TAG)
         return self._whole(text, names, truncated, whole_reply_calls(body, names, ("parameters", "arguments"), ";"))
 
-    def grammar(self, tools: dict[str, dict[str, Any]], names: list[str], parallel: bool,
-                special_id: SpecialId, layout: Optional[dict[str, Any]] = None) -> str:
-        alternatives = " | ".join(f"fn{i}" for i in range(len(names)))
-        start = 'start: call ("\\n" call)*' if parallel else "start: call"
-        return "\n".join([start, f"call: {alternatives}", *_object_grammar(tools, names, "parameters", layout)])
 
     def render(self, calls: list[dict[str, Any]]) -> str:
         return "\n".join(json.dumps(dict(zip(("name", "parameters"), _call_args(c)))) for c in calls)
@@ -287,6 +288,7 @@ class MistralFormat(CallFormat):
     _STARTS = ("{", "[", "```json", TAG)
     _V11 = re.compile(r"\s*([A-Za-z0-9_.\-]{1,64})\s*(?:\[ARGS\])?\s*(\{.*)", re.DOTALL)
     TRIGGERS = ((re.escape(TAG), TAG),)
+    BETWEEN = '", "'
     example = ('To call functions, answer with only [TOOL_CALLS] followed by a JSON list of calls, each '
                '{"name": "<function name>", "arguments": {<arguments as a JSON object>}}')
 
@@ -313,12 +315,8 @@ class MistralFormat(CallFormat):
             calls.append(call)
         return calls or None
 
-    def grammar(self, tools: dict[str, dict[str, Any]], names: list[str], parallel: bool,
-                special_id: SpecialId, layout: Optional[dict[str, Any]] = None) -> str:
-        alternatives = " | ".join(f"fn{i}" for i in range(len(names)))
-        calls = 'call (", " call)*' if parallel else "call"
-        return "\n".join([f'start: {_literal(self.TAG, special_id)} "[" {calls} "]"', f"call: {alternatives}",
-                          *_object_grammar(tools, names, "arguments", layout)])
+    def _wrap(self, calls: str, alternatives: str, special_id: SpecialId) -> tuple[str, str]:
+        return f'{_literal(self.TAG, special_id)} "[" {calls} "]"', alternatives
 
     def render(self, calls: list[dict[str, Any]]) -> str:
         return self.TAG + json.dumps([dict(zip(("name", "arguments"), _call_args(c))) for c in calls])
