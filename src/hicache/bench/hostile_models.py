@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,6 @@ class GGUFDoc:
     alignment: int = 32
     offsets: list[int] | None = None
     version: int = 3
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def set(self, key: str, kind: int, value: Any) -> "GGUFDoc":
         """``key`` set to ``value`` (added at the end when new); returns self."""
@@ -61,11 +61,7 @@ class GGUFDoc:
         out = [struct.pack("<4sIQQ", b"GGUF", self.version, len(self.tensors), len(self.fields))]
         for key, kind, value in self.fields:
             out += [_string(key), struct.pack("<I", kind), _value(kind, value)]
-        offsets, at = [], 0
-        for _, _, _, data in self.tensors:
-            offsets.append(at)
-            at += -(-len(data) // self.alignment) * self.alignment
-        offsets = self.offsets or offsets
+        offsets = self.offsets or self.packed_offsets()
         for (name, dims, kind, _), offset in zip(self.tensors, offsets):
             out += [_string(name), struct.pack(f"<I{len(dims)}Q", len(dims), *dims), struct.pack("<IQ", kind, offset)]
         head = b"".join(out)
@@ -74,6 +70,11 @@ class GGUFDoc:
         for offset, data in placed:
             body[offset:offset + len(data)] = data
         return head + bytes(-len(head) % self.alignment) + bytes(body)
+
+    def packed_offsets(self) -> list[int]:
+        """Each tensor's offset when they lie in order, each aligned (what a well-formed file has)."""
+        sizes = (-(-len(t[3]) // self.alignment) * self.alignment for t in self.tensors)
+        return list(accumulate(sizes, initial=0))[:-1]
 
     def write(self, path: Path) -> Path:
         path.write_bytes(self.to_bytes())
@@ -193,10 +194,7 @@ def _nested_arrays(depth: int) -> Raw:
 
 def _overlapping(doc: GGUFDoc) -> GGUFDoc:
     """Two layers' ``attn_q`` at the same offset: one matrix read for both."""
-    doc.alignment, offsets, at = 32, [], 0
-    for _, _, _, data in doc.tensors:
-        offsets.append(at)
-        at += -(-len(data) // 32) * 32
+    doc.alignment, offsets = 32, doc.packed_offsets()
     names = [t[0] for t in doc.tensors]
     offsets[names.index("blk.1.attn_q.weight")] = offsets[names.index("blk.0.attn_q.weight")]
     doc.offsets = offsets

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -16,7 +17,7 @@ import shlex
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import HicacheError
 from ..ports import free_port
@@ -93,18 +94,36 @@ def wait_server(proc: subprocess.Popen, url: str, timeout: float) -> None:
     is not ready within ``timeout`` seconds."""
     import httpx
 
+    wait_ready(proc, "the launched server", lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200,
+               timeout, 0.5)
+
+
+def wait_ready(proc: subprocess.Popen, what: str, ready: Callable[[], bool], timeout: float, interval: float) -> None:
+    """Poll ``ready()`` every ``interval`` seconds (an HTTP error or a bad reply counts as not
+    ready); HicacheError naming ``what`` if ``proc`` exits first, or, after stopping it, if it is
+    not ready within ``timeout`` seconds."""
+    import httpx
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise HicacheError(f"the launched server exited with status {proc.returncode} before it was ready.")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+            raise HicacheError(f"{what} exited with status {proc.returncode} before it was ready.")
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            if ready():
                 return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
+        time.sleep(interval)
     proc.terminate()
-    raise HicacheError(f"the launched server was not ready within {timeout:.0f} s.")
+    raise HicacheError(f"{what} was not ready within {timeout:.0f} s.")
+
+
+async def _tokens_per_word(client: Any, base_url: str, seed: int) -> float:
+    """Tokens per word of the workloads' text, measured with the server's tokenizer (hicache's)."""
+    import random
+
+    from .client import count_tokens
+    from .workload import random_text
+
+    return (await count_tokens(client, base_url, [random_text(random.Random(seed + 7), 2000)]))[0] / 2000
 
 
 async def _workload(args: argparse.Namespace, client: Any, base_url: str, info: dict[str, Any],
@@ -112,7 +131,7 @@ async def _workload(args: argparse.Namespace, client: Any, base_url: str, info: 
     """(trace requests or None, conversations or None, request count); describes the
     workload into ``workload`` (measured with the server's tokenizer when it is hicache)."""
     from .client import count_tokens
-    from .workload import WORDS, generated_shared_prefix, load_trace, random_text
+    from .workload import WORDS, generated_shared_prefix, load_trace
 
     reqs, convs = None, None
     if args.dataset_name == "mooncake":
@@ -127,12 +146,7 @@ async def _workload(args: argparse.Namespace, client: Any, base_url: str, info: 
         total = len(reqs)
         workload.update(name=f"trace {os.path.basename(args.trace_file)} ({total} requests, x{args.trace_speed})")
     else:
-        import random
-
-        tpw = 1.0
-        if info["hicache"]:  # measure words -> tokens with the server's tokenizer
-            sample = random_text(random.Random(args.seed + 7), 2000)
-            tpw = (await count_tokens(client, base_url, [sample]))[0] / 2000
+        tpw = await _tokens_per_word(client, base_url, args.seed) if info["hicache"] else 1.0
         convs = generated_shared_prefix(args.gsp_num_groups, args.gsp_prompts_per_group,
                                         args.gsp_system_prompt_len, args.gsp_question_len, args.gsp_num_turns,
                                         args.seed, tpw)
@@ -155,17 +169,13 @@ async def _workload(args: argparse.Namespace, client: Any, base_url: str, info: 
 async def _mooncake(args: argparse.Namespace, client: Any, base_url: str, info: dict[str, Any],
                     workload: dict[str, Any]) -> tuple[list, int]:
     """A Mooncake-format trace as scaled-down completion prompts (bench/workload.py)."""
-    import random
-
     from ..sim.trace import SHIPPED_TRACE, TraceError
-    from .client import count_tokens
-    from .workload import mooncake_requests, random_text
+    from .workload import mooncake_requests
 
     if args.block_tokens < 1:
         raise HicacheError("--block-tokens must be at least 1.")
-    tpw = 1.0
-    if info["hicache"] and args.prompt_format == "text":  # measure words -> tokens with the server's tokenizer
-        tpw = (await count_tokens(client, base_url, [random_text(random.Random(args.seed + 7), 2000)]))[0] / 2000
+    text = info["hicache"] and args.prompt_format == "text"
+    tpw = await _tokens_per_word(client, base_url, args.seed) if text else 1.0
     path = args.trace_file or SHIPPED_TRACE
     try:
         reqs = mooncake_requests(path, args.block_tokens, tpw, args.max_requests, args.prompt_format == "token-ids")

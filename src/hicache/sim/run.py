@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import asdict, dataclass, field
+from itertools import accumulate
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from ..config import ConfigError
@@ -113,10 +114,7 @@ def _quantile(sorted_values: Sequence[float], q: float) -> float:
 def tier_hits(cached: dict[str, int], lengths: list[int], block_tokens: int) -> dict[str, int]:
     """Real tokens hit per tier: whole blocks, each by the tier that supplied its last token
     (``cached``: synthetic tokens per tier, in prefix order device -> host -> storage)."""
-    ends, out, end = {}, dict.fromkeys(TIERS, 0), 0
-    for tier in TIERS:
-        end += cached.get(tier, 0)
-        ends[tier] = end
+    ends, out = dict(zip(TIERS, accumulate(cached.get(t, 0) for t in TIERS))), dict.fromkeys(TIERS, 0)
     for i, n in enumerate(lengths):
         last = (i + 1) * block_tokens
         tier = next((t for t in TIERS if last <= ends[t]), None)
