@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from hicache.model.tokenizer import byte_tokenizer, bytes_to_unicode
+
 U8, I8, U16, I16, U32, I32, F32, BOOL, STRING, ARRAY, U64, I64, F64 = range(13)
 _SCALAR_FORMATS = {U8: "B", I8: "b", U16: "H", I16: "h", U32: "I", I32: "i", F32: "f", BOOL: "?", U64: "Q",
                    I64: "q", F64: "d"}
@@ -97,16 +99,6 @@ def _value(kind: int, value: Any) -> bytes:
     return struct.pack("<IQ", item, len(items)) + b"".join(_value(item, v) for v in items)
 
 
-def _byte_alphabet() -> list[str]:
-    """GPT-2's byte-level alphabet (each byte one printable character), as model/tokenizer.py spells it."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    shifted, table = 0, []
-    for byte in range(256):
-        table.append(chr(byte) if byte in keep else chr(256 + shifted))
-        shifted += byte not in keep
-    return table
-
-
 def _layer_shapes() -> dict[str, tuple[int, ...]]:
     """A layer's tensors by GGUF name (after ``blk.N.``), dims fastest first."""
     q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
@@ -128,7 +120,7 @@ def tiny_gguf(seed: int = 0) -> GGUFDoc:
                ("output_norm.weight", (HIDDEN,), 0, weights((HIDDEN,)))]
     for layer in range(LAYERS):
         tensors += [(f"blk.{layer}.{name}.weight", dims, 0, weights(dims)) for name, dims in _layer_shapes().items()]
-    tokens = _byte_alphabet() + list(SPECIALS)
+    tokens = list(bytes_to_unicode().values()) + list(SPECIALS)  # GPT-2's byte-level alphabet, in byte order
     fields = [("general.architecture", STRING, "llama"), ("general.name", STRING, "tiny-hostile"),
               ("llama.vocab_size", U32, VOCAB), ("llama.context_length", U32, CONTEXT),
               ("llama.embedding_length", U32, HIDDEN), ("llama.block_count", U32, LAYERS),
@@ -174,8 +166,6 @@ def write_hf_dir(folder: Path, config: dict[str, Any] | None = None, tensors: di
     (``tensors``, default :func:`hf_tensors`), a byte-level ``tokenizer.json`` and a tokenizer
     config with ChatML."""
     from safetensors.numpy import save_file
-
-    from hicache.model.tokenizer import byte_tokenizer
 
     folder.mkdir(parents=True, exist_ok=True)
     config = dict(HF_CONFIG if config is None else config)

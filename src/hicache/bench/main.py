@@ -127,47 +127,44 @@ async def _tokens_per_word(client: Any, base_url: str, seed: int) -> float:
 
 
 async def _workload(args: argparse.Namespace, client: Any, base_url: str, info: dict[str, Any],
-                    workload: dict[str, Any]) -> tuple[Any, Any, int]:
-    """(trace requests or None, conversations or None, request count); describes the
-    workload into ``workload`` (measured with the server's tokenizer when it is hicache)."""
+                    workload: dict[str, Any]) -> tuple[list, int]:
+    """(trace requests or conversations, request count); describes the workload into
+    ``workload`` (measured with the server's tokenizer when it is hicache)."""
     from .client import count_tokens
     from .workload import WORDS, generated_shared_prefix, load_trace
 
-    reqs, convs = None, None
     if args.dataset_name == "mooncake":
-        reqs, total = await _mooncake(args, client, base_url, info, workload)
-    elif args.dataset_name == "trace":
+        reqs = await _mooncake(args, client, base_url, info, workload)
+        return reqs, len(reqs)
+    if args.dataset_name == "trace":
         if not args.trace_file:
             raise HicacheError("--dataset-name trace needs --trace-file FILE.")
         try:
             reqs = load_trace(args.trace_file, args.trace_max_tokens)
         except (OSError, ValueError) as e:
             raise HicacheError(f"cannot read the trace: {e}.") from None
-        total = len(reqs)
-        workload.update(name=f"trace {os.path.basename(args.trace_file)} ({total} requests, x{args.trace_speed})")
-    else:
-        tpw = await _tokens_per_word(client, base_url, args.seed) if info["hicache"] else 1.0
-        convs = generated_shared_prefix(args.gsp_num_groups, args.gsp_prompts_per_group,
-                                        args.gsp_system_prompt_len, args.gsp_question_len, args.gsp_num_turns,
-                                        args.seed, tpw)
-        total = len(convs) * args.gsp_num_turns
-        workload.update(
-            name=(f"generated-shared-prefix {args.gsp_num_groups} groups x {args.gsp_prompts_per_group} "
-                  f"conversations x {args.gsp_num_turns} turns"),
-            tokens_per_word=tpw, num_words=len(WORDS),
-            **{k: getattr(args, k) for k in ("gsp_system_prompt_len", "gsp_question_len", "gsp_output_len")},
-        )
-        if info["hicache"]:
-            systems = sorted({c.system for c in convs})
-            qs = [q for c in convs for q in c.questions]
-            counts = await count_tokens(client, base_url, systems + qs)
-            workload["measured_system_prompt_len"] = sum(counts[: len(systems)]) / len(systems)
-            workload["measured_question_len"] = sum(counts[len(systems):]) / max(len(qs), 1)
-    return reqs, convs, total
+        workload.update(name=f"trace {os.path.basename(args.trace_file)} ({len(reqs)} requests, x{args.trace_speed})")
+        return reqs, len(reqs)
+    tpw = await _tokens_per_word(client, base_url, args.seed) if info["hicache"] else 1.0
+    convs = generated_shared_prefix(args.gsp_num_groups, args.gsp_prompts_per_group, args.gsp_system_prompt_len,
+                                    args.gsp_question_len, args.gsp_num_turns, args.seed, tpw)
+    workload.update(
+        name=(f"generated-shared-prefix {args.gsp_num_groups} groups x {args.gsp_prompts_per_group} "
+              f"conversations x {args.gsp_num_turns} turns"),
+        tokens_per_word=tpw, num_words=len(WORDS),
+        **{k: getattr(args, k) for k in ("gsp_system_prompt_len", "gsp_question_len", "gsp_output_len")},
+    )
+    if info["hicache"]:
+        systems = sorted({c.system for c in convs})
+        qs = [q for c in convs for q in c.questions]
+        counts = await count_tokens(client, base_url, systems + qs)
+        workload["measured_system_prompt_len"] = sum(counts[: len(systems)]) / len(systems)
+        workload["measured_question_len"] = sum(counts[len(systems):]) / max(len(qs), 1)
+    return convs, len(convs) * args.gsp_num_turns
 
 
 async def _mooncake(args: argparse.Namespace, client: Any, base_url: str, info: dict[str, Any],
-                    workload: dict[str, Any]) -> tuple[list, int]:
+                    workload: dict[str, Any]) -> list:
     """A Mooncake-format trace as scaled-down completion prompts (bench/workload.py)."""
     from ..sim.trace import SHIPPED_TRACE, TraceError
     from .workload import mooncake_requests
@@ -190,7 +187,7 @@ async def _mooncake(args: argparse.Namespace, client: Any, base_url: str, info: 
         raise HicacheError(f"{path} holds no requests.")
     workload.update(name=f"mooncake {os.path.basename(path)} ({len(reqs)} requests, {args.block_tokens} tokens per "
                          f"block, x{args.trace_speed:g} time)", tokens_per_word=tpw, block_tokens=args.block_tokens)
-    return reqs, len(reqs)
+    return reqs
 
 
 async def _run(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
@@ -211,7 +208,7 @@ async def _run(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
         workload: dict[str, Any] = {"base_url": base_url, "model": model, "server_is_hicache": info["hicache"],
                                     "max_concurrency": args.max_concurrency, "request_rate": args.request_rate,
                                     "seed": args.seed}
-        reqs, convs, total = await _workload(args, client, base_url, info, workload)
+        work, total = await _workload(args, client, base_url, info, workload)
         if args.flush_cache and info["hicache"] and not await flush_cache(client, base_url):
             raise HicacheError("the server refused /flush_cache (requests still running).")
 
@@ -221,10 +218,10 @@ async def _run(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
         endpoint = Endpoint(client, base_url, model)
         options = RequestOptions(args.temperature, ignore_eos=not args.disable_ignore_eos)
         if args.dataset_name in ("trace", "mooncake"):
-            records = await run_trace(endpoint, reqs, options, speed=args.trace_speed,
+            records = await run_trace(endpoint, work, options, speed=args.trace_speed,
                                       max_concurrency=args.max_concurrency, on_done=bar.update)
         else:
-            records = await run_conversations(endpoint, convs, options, output_len=args.gsp_output_len,
+            records = await run_conversations(endpoint, work, options, output_len=args.gsp_output_len,
                                               max_concurrency=args.max_concurrency, request_rate=args.request_rate,
                                               seed=args.seed, on_done=bar.update)
         duration, cpu = time.perf_counter() - t0, time.process_time() - cpu0

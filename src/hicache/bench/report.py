@@ -32,11 +32,7 @@ def server_hit_rates(before: dict[str, float], after: dict[str, float]) -> dict[
     if not after or "hicache_prompt_tokens_total{}" not in after:
         return None
     prompt = after["hicache_prompt_tokens_total{}"] - before.get("hicache_prompt_tokens_total{}", 0.0)
-    tiers = {}
-    for key, value in after.items():
-        m = _TIER.match(key)
-        if m:
-            tiers[m.group(1)] = value - before.get(key, 0.0)
+    tiers = {m.group(1): value - before.get(key, 0.0) for key, value in after.items() if (m := _TIER.match(key))}
     rates = {t: (n / prompt if prompt else 0.0) for t, n in tiers.items()}
     return {"prompt_tokens": prompt, "cached_tokens": tiers, "hit_rate": rates,
             "total_hit_rate": sum(rates.values())}
