@@ -147,12 +147,8 @@ async def scrape_metrics(client: httpx.AsyncClient, base_url: str) -> dict[str, 
             return {}
     except httpx.HTTPError:
         return {}
-    out = {}
-    for line in resp.text.splitlines():
-        m = _SAMPLE.match(line)
-        if m:
-            out[f"{m.group(1)}{{{m.group(2) or ''}}}"] = float(m.group(3))
-    return out
+    samples = (_SAMPLE.match(line) for line in resp.text.splitlines())
+    return {f"{m.group(1)}{{{m.group(2) or ''}}}": float(m.group(3)) for m in samples if m}
 
 
 async def flush_cache(client: httpx.AsyncClient, base_url: str) -> bool:
