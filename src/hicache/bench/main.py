@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import logging
 import os
 import shlex
 import subprocess
@@ -22,8 +21,6 @@ from typing import Any, Callable
 from ..errors import HicacheError
 from ..ports import free_port
 from ..processes import child_env, stop_process
-
-logger = logging.getLogger(__name__)
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:

@@ -93,7 +93,6 @@ class SimEngine(NoForwardEngine):
     def __init__(self, spec: EngineSpec, prompt_tokens: int, storage: Optional[MemoryBackend] = None) -> None:
         """``prompt_tokens``: the longest prompt (synthetic tokens): one prefill chunk takes it
         whole. ``storage``: the shared L3 (:func:`shared_storage`)."""
-        self.spec = spec
         pool = DeviceKVPool(1, 1, 1, spec.device_pages + 1, spec.page_size, torch.float32, "cpu")
         host = HostKVPool(pool, spec.host_pages, "page_first", pin_memory=False) if spec.host_pages else None
         policy = CachePolicy(eviction_policy=spec.eviction_policy, write_policy=spec.write_policy,
@@ -110,10 +109,8 @@ class SimEngine(NoForwardEngine):
         """Run one request to its first token; returns its hit tokens per tier (synthetic
         tokens). Every copy and storage write it queued has landed when this returns (copies
         run inline, at submit; between requests a real engine's copy threads are far ahead of
-        arrivals)."""
-        if self.cache.pages_for(len(tokens) + 1) > self.spec.device_pages:
-            raise ValueError(f"a {len(tokens)}-token prompt does not fit the device pool ({self.spec.device_pages} "
-                             f"pages of {self.spec.page_size})")
+        arrivals). The prompt fits the device pool (:func:`hicache.sim.run.simulate` checked the
+        longest)."""
         req = self.add(tokens)
         self.run([req])
         self.cache.drain()
