@@ -79,8 +79,7 @@ async def stream_request(endpoint: Endpoint, rec: RequestRecord, options: Reques
         payload["ignore_eos"] = True
     url = f"{endpoint.base_url}/v1/{'chat/completions' if chat else 'completions'}"
     parts: list[str] = []
-    start = time.perf_counter()
-    last = start
+    start = last = time.perf_counter()
     try:
         async with endpoint.client.stream("POST", url, json=payload) as resp:
             if resp.status_code != 200:
