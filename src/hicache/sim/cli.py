@@ -138,10 +138,10 @@ def plot_sweep(points: list[dict], tier: str, path: str) -> None:
     xs = [p["swept_tokens"] for p in points]
     with saved_figure(path, 110, figsize=(6, 4)) as (fig, ax):
         bottom = [0.0] * len(points)
-        for t in TIERS:
-            share = [p["hit_tokens"][t] / p["input_tokens"] for p in points]
-            ax.fill_between(xs, bottom, [b + s for b, s in zip(bottom, share)], step=None, alpha=0.6, label=t)
-            bottom = [b + s for b, s in zip(bottom, share)]
+        for t in TIERS:  # each tier's share stacked on the ones before
+            top = [b + p["hit_tokens"][t] / p["input_tokens"] for b, p in zip(bottom, points)]
+            ax.fill_between(xs, bottom, top, step=None, alpha=0.6, label=t)
+            bottom = top
         ax.plot(xs, bottom, "k.-", label="combined")
         ax.set_xscale("log")
         ax.set_xlabel(f"{tier} capacity per engine (tokens)")
