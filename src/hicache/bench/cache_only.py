@@ -16,10 +16,8 @@ import torch
 from ..cache.manager import KVCacheManager
 from ..cache.pools import DeviceKVPool, WindowLayout
 from ..runtime.hybrid_pool import HybridPlan
-from ..runtime.request import Request, Status
-from ..runtime.sampling import SamplingParams
-from ..runtime.scheduler import SchedulePolicy, Scheduler
-from ..runtime.step import StepDriver
+from ..runtime.scheduler import SchedulePolicy
+from ..sim.engine import NoForwardEngine
 
 
 @dataclass(frozen=True)
@@ -51,10 +49,6 @@ class Geometry:
 GEMMA3_270M = Geometry()
 
 
-def no_forward(input_ids, prefix_lens, context_slots, hidden=None, logits="last", window_slots=None, generated=False):
-    return torch.zeros(len(input_ids), 1)
-
-
 AUTO = "auto"  # the default: full and window pages share one pool of blocks (issue 56)
 
 
@@ -68,10 +62,12 @@ def shared_plan(g: Geometry) -> HybridPlan:
     return HybridPlan(g.window, g.window_layers, None, g.page, layout, n, -(-len(sliding) // n))
 
 
-class CacheOnly:
+class CacheOnly(NoForwardEngine):
     """The cache manager and scheduler of an engine over ``geometry``, pools sized for ``pool_bytes``;
     ``ratio`` None keeps every layer's KV, :data:`AUTO` shares blocks between full and window pages
     (the engine's default), else window pages per full page (``--swa-full-tokens-ratio``)."""
+
+    namespace = "bench"
 
     def __init__(self, pool_bytes: int, ratio: float | str | None, geometry: Geometry = GEMMA3_270M,
                  chunk: int = 2048, max_running_requests: int = 1) -> None:
@@ -92,25 +88,7 @@ class CacheOnly:
         self.geometry = g
         self.pool = DeviceKVPool(g.layers, 1, g.head_dim, pages, g.page, g.dtype, "cpu",
                                  WindowLayout(layers, window_pages, g.window if window_pages else 0, shared))
-        self.cache = KVCacheManager(self.pool)
-        self.scheduler = Scheduler(self.cache, lambda ids: "", set(), SchedulePolicy(chunk, max_running_requests))
-        self.driver = StepDriver(self.scheduler, no_forward)
-        self.rid = 0
-
-    def add(self, tokens: list[int], max_new_tokens: int = 1) -> Request:
-        self.rid += 1
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
-        req = Request(self.rid, list(tokens), params, "bench", max_new_tokens=max_new_tokens)
-        self.scheduler.add(req)
-        return req
-
-    def run(self, reqs: list[Request], max_steps: int = 100_000) -> int:
-        """Step until every request of ``reqs`` finished; the steps taken."""
-        for steps in range(1, max_steps + 1):
-            self.driver.step()
-            if all(r.status is Status.FINISHED for r in reqs):
-                return steps
-        raise RuntimeError(f"requests still running after {max_steps} steps")
+        super().__init__(KVCacheManager(self.pool), SchedulePolicy(chunk, max_running_requests))
 
     def serve(self, tokens: list[int]) -> int:
         """Serve one prompt to its first token; its device hit tokens."""
@@ -120,7 +98,7 @@ class CacheOnly:
 
     def held(self, tokens: list[int]) -> int:
         """Tokens of ``tokens`` a next request would hit (whole pages, window cut-back included)."""
-        return self.cache.tree.peek_prefix("bench", np.asarray(tokens, dtype=np.int32)).device_hit_tokens
+        return self.cache.tree.peek_prefix(self.namespace, np.asarray(tokens, dtype=np.int32)).device_hit_tokens
 
     def full_use(self) -> float:
         a = self.cache.allocator

@@ -31,7 +31,6 @@ class RequestRecord:
     ttft_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
     e2e_s: float = 0.0
-    start_s: float = 0.0
 
 
 def _error_message(body: bytes, status: int) -> str:
@@ -74,18 +73,13 @@ async def stream_request(endpoint: Endpoint, rec: RequestRecord, options: Reques
     """Send one streaming chat (``messages``) or completion (``prompt``) request, filling ``rec``."""
     chat = messages is not None
     payload: dict[str, Any] = {"model": endpoint.model, "max_tokens": max_tokens, "temperature": options.temperature,
-                               "stream": True, "stream_options": {"include_usage": True}}
+                               "stream": True, "stream_options": {"include_usage": True},
+                               **({"messages": messages} if chat else {"prompt": prompt})}
     if options.ignore_eos:
         payload["ignore_eos"] = True
-    if chat:
-        payload["messages"] = messages
-    else:
-        payload["prompt"] = prompt
-    url = f"{endpoint.base_url}/v1/chat/completions" if chat else f"{endpoint.base_url}/v1/completions"
+    url = f"{endpoint.base_url}/v1/{'chat/completions' if chat else 'completions'}"
     parts: list[str] = []
-    chunks = 0
-    start = rec.start_s = time.perf_counter()
-    last = start
+    start = last = time.perf_counter()
     try:
         async with endpoint.client.stream("POST", url, json=payload) as resp:
             if resp.status_code != 200:
@@ -113,14 +107,13 @@ async def stream_request(endpoint: Endpoint, rec: RequestRecord, options: Reques
                             rec.itl_s.append(now - last)
                         last = now
                         parts.append(piece)
-                        chunks += 1
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         rec.error = f"{type(e).__name__}: {e}"
         return rec
     rec.e2e_s = time.perf_counter() - start
     rec.text = "".join(parts)
     if not rec.completion_tokens:  # a server that does not report usage in the stream
-        rec.completion_tokens = chunks
+        rec.completion_tokens = len(parts)
     if not parts:  # nothing visible came back: count TTFT as the whole request
         rec.ttft_s = rec.e2e_s
     rec.ok = True
@@ -153,12 +146,8 @@ async def scrape_metrics(client: httpx.AsyncClient, base_url: str) -> dict[str, 
             return {}
     except httpx.HTTPError:
         return {}
-    out = {}
-    for line in resp.text.splitlines():
-        m = _SAMPLE.match(line)
-        if m:
-            out[f"{m.group(1)}{{{m.group(2) or ''}}}"] = float(m.group(3))
-    return out
+    samples = (_SAMPLE.match(line) for line in resp.text.splitlines())
+    return {f"{m.group(1)}{{{m.group(2) or ''}}}": float(m.group(3)) for m in samples if m}
 
 
 async def flush_cache(client: httpx.AsyncClient, base_url: str) -> bool:

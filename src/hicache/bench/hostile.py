@@ -6,6 +6,7 @@ from its seed.
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 from typing import Any, Callable
@@ -59,6 +60,14 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "n", "seed", "prese
                    "ignore_eos", "logprobs", "top_logprobs", "stream", "cache_salt", "user", "response_format",
                    "regex", "ebnf", "tools", "tool_choice", "parallel_tool_calls", "stream_options",
                    "max_completion_tokens", "bootstrap_room")
+HELLO = [{"role": "user", "content": "hello there"}]
+# Each route's valid body (less the model's name, which every route but /generate names)
+VALID_BODIES: dict[str, dict[str, Any]] = {
+    "/v1/chat/completions": {"messages": HELLO, "max_tokens": 8},
+    "/v1/completions": {"prompt": "hello there", "max_tokens": 8},
+    "/v1/messages": {"max_tokens": 8, "messages": HELLO}, "/v1/messages/count_tokens": {"messages": HELLO},
+    "/v1/responses": {"input": "hello there", "max_output_tokens": 8},
+    "/generate": {"text": "hello there", "sampling_params": {"max_new_tokens": 8}}}
 KINDS = ("grammar bomb", "field", "token ids", "drop", "sizes", "types", "native", "agent APIs")
 # Fields of the Messages and Responses APIs set to extremes by the "agent APIs" kind
 AGENT_FIELDS = {"/v1/messages": ("max_tokens", "temperature", "top_p", "top_k", "system", "stop_sequences", "tools",
@@ -90,17 +99,9 @@ class RequestFuzzer:
         self._n = 0
 
     def valid(self, route: str) -> dict[str, Any]:
-        if route == "/v1/chat/completions":
-            return {"model": self.model, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 8}
-        if route == "/v1/completions":
-            return {"model": self.model, "prompt": "hello there", "max_tokens": 8}
-        if route == "/v1/messages":
-            return {"model": self.model, "max_tokens": 8, "messages": [{"role": "user", "content": "hello there"}]}
-        if route == "/v1/messages/count_tokens":
-            return {"model": self.model, "messages": [{"role": "user", "content": "hello there"}]}
-        if route == "/v1/responses":
-            return {"model": self.model, "input": "hello there", "max_output_tokens": 8}
-        return {"text": "hello there", "sampling_params": {"max_new_tokens": 8}}
+        """A fresh valid body for ``route`` (the mutations change it in place)."""
+        body = copy.deepcopy(VALID_BODIES[route])
+        return body if route == "/generate" else {"model": self.model, **body}
 
     def next(self) -> tuple[str, str, dict[str, Any]]:
         rng = self.rng

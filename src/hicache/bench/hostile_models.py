@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import json
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from hicache.model.tokenizer import byte_tokenizer, bytes_to_unicode
 
 U8, I8, U16, I16, U32, I32, F32, BOOL, STRING, ARRAY, U64, I64, F64 = range(13)
 _SCALAR_FORMATS = {U8: "B", I8: "b", U16: "H", I16: "h", U32: "I", I32: "i", F32: "f", BOOL: "?", U64: "Q",
@@ -50,7 +53,6 @@ class GGUFDoc:
     alignment: int = 32
     offsets: list[int] | None = None
     version: int = 3
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def set(self, key: str, kind: int, value: Any) -> "GGUFDoc":
         """``key`` set to ``value`` (added at the end when new); returns self."""
@@ -61,11 +63,7 @@ class GGUFDoc:
         out = [struct.pack("<4sIQQ", b"GGUF", self.version, len(self.tensors), len(self.fields))]
         for key, kind, value in self.fields:
             out += [_string(key), struct.pack("<I", kind), _value(kind, value)]
-        offsets, at = [], 0
-        for _, _, _, data in self.tensors:
-            offsets.append(at)
-            at += -(-len(data) // self.alignment) * self.alignment
-        offsets = self.offsets or offsets
+        offsets = self.offsets or self.packed_offsets()
         for (name, dims, kind, _), offset in zip(self.tensors, offsets):
             out += [_string(name), struct.pack(f"<I{len(dims)}Q", len(dims), *dims), struct.pack("<IQ", kind, offset)]
         head = b"".join(out)
@@ -74,6 +72,11 @@ class GGUFDoc:
         for offset, data in placed:
             body[offset:offset + len(data)] = data
         return head + bytes(-len(head) % self.alignment) + bytes(body)
+
+    def packed_offsets(self) -> list[int]:
+        """Each tensor's offset when they lie in order, each aligned (what a well-formed file has)."""
+        sizes = (-(-len(t[3]) // self.alignment) * self.alignment for t in self.tensors)
+        return list(accumulate(sizes, initial=0))[:-1]
 
     def write(self, path: Path) -> Path:
         path.write_bytes(self.to_bytes())
@@ -94,16 +97,6 @@ def _value(kind: int, value: Any) -> bytes:
         return _string(value)
     item, items = value
     return struct.pack("<IQ", item, len(items)) + b"".join(_value(item, v) for v in items)
-
-
-def _byte_alphabet() -> list[str]:
-    """GPT-2's byte-level alphabet (each byte one printable character), as model/tokenizer.py spells it."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    shifted, table = 0, []
-    for byte in range(256):
-        table.append(chr(byte) if byte in keep else chr(256 + shifted))
-        shifted += byte not in keep
-    return table
 
 
 def _layer_shapes() -> dict[str, tuple[int, ...]]:
@@ -127,7 +120,7 @@ def tiny_gguf(seed: int = 0) -> GGUFDoc:
                ("output_norm.weight", (HIDDEN,), 0, weights((HIDDEN,)))]
     for layer in range(LAYERS):
         tensors += [(f"blk.{layer}.{name}.weight", dims, 0, weights(dims)) for name, dims in _layer_shapes().items()]
-    tokens = _byte_alphabet() + list(SPECIALS)
+    tokens = list(bytes_to_unicode().values()) + list(SPECIALS)  # GPT-2's byte-level alphabet, in byte order
     fields = [("general.architecture", STRING, "llama"), ("general.name", STRING, "tiny-hostile"),
               ("llama.vocab_size", U32, VOCAB), ("llama.context_length", U32, CONTEXT),
               ("llama.embedding_length", U32, HIDDEN), ("llama.block_count", U32, LAYERS),
@@ -174,8 +167,6 @@ def write_hf_dir(folder: Path, config: dict[str, Any] | None = None, tensors: di
     config with ChatML."""
     from safetensors.numpy import save_file
 
-    from hicache.model.tokenizer import byte_tokenizer
-
     folder.mkdir(parents=True, exist_ok=True)
     config = dict(HF_CONFIG if config is None else config)
     (folder / "config.json").write_text(config_text if config_text is not None else json.dumps(config))
@@ -193,10 +184,7 @@ def _nested_arrays(depth: int) -> Raw:
 
 def _overlapping(doc: GGUFDoc) -> GGUFDoc:
     """Two layers' ``attn_q`` at the same offset: one matrix read for both."""
-    doc.alignment, offsets, at = 32, [], 0
-    for _, _, _, data in doc.tensors:
-        offsets.append(at)
-        at += -(-len(data) // 32) * 32
+    doc.alignment, offsets = 32, doc.packed_offsets()
     names = [t[0] for t in doc.tensors]
     offsets[names.index("blk.1.attn_q.weight")] = offsets[names.index("blk.0.attn_q.weight")]
     doc.offsets = offsets

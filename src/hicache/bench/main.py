@@ -9,20 +9,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
-import logging
 import os
 import shlex
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import HicacheError
 from ..ports import free_port
 from ..processes import child_env, stop_process
-
-logger = logging.getLogger(__name__)
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -93,79 +91,85 @@ def wait_server(proc: subprocess.Popen, url: str, timeout: float) -> None:
     is not ready within ``timeout`` seconds."""
     import httpx
 
+    wait_ready(proc, "the launched server", lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200,
+               timeout, 0.5)
+
+
+def wait_ready(proc: subprocess.Popen, what: str, ready: Callable[[], bool], timeout: float, interval: float) -> None:
+    """Poll ``ready()`` every ``interval`` seconds (an HTTP error or a bad reply counts as not
+    ready); HicacheError naming ``what`` if ``proc`` exits first, or, after stopping it, if it is
+    not ready within ``timeout`` seconds."""
+    import httpx
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise HicacheError(f"the launched server exited with status {proc.returncode} before it was ready.")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+            raise HicacheError(f"{what} exited with status {proc.returncode} before it was ready.")
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            if ready():
                 return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
+        time.sleep(interval)
     proc.terminate()
-    raise HicacheError(f"the launched server was not ready within {timeout:.0f} s.")
+    raise HicacheError(f"{what} was not ready within {timeout:.0f} s.")
+
+
+async def _tokens_per_word(client: Any, base_url: str, seed: int) -> float:
+    """Tokens per word of the workloads' text, measured with the server's tokenizer (hicache's)."""
+    import random
+
+    from .client import count_tokens
+    from .workload import random_text
+
+    return (await count_tokens(client, base_url, [random_text(random.Random(seed + 7), 2000)]))[0] / 2000
 
 
 async def _workload(args: argparse.Namespace, client: Any, base_url: str, info: dict[str, Any],
-                    workload: dict[str, Any]) -> tuple[Any, Any, int]:
-    """(trace requests or None, conversations or None, request count); describes the
-    workload into ``workload`` (measured with the server's tokenizer when it is hicache)."""
+                    workload: dict[str, Any]) -> tuple[list, int]:
+    """(trace requests or conversations, request count); describes the workload into
+    ``workload`` (measured with the server's tokenizer when it is hicache)."""
     from .client import count_tokens
-    from .workload import WORDS, generated_shared_prefix, load_trace, random_text
+    from .workload import WORDS, generated_shared_prefix, load_trace
 
-    reqs, convs = None, None
     if args.dataset_name == "mooncake":
-        reqs, total = await _mooncake(args, client, base_url, info, workload)
-    elif args.dataset_name == "trace":
+        reqs = await _mooncake(args, client, base_url, info, workload)
+        return reqs, len(reqs)
+    if args.dataset_name == "trace":
         if not args.trace_file:
             raise HicacheError("--dataset-name trace needs --trace-file FILE.")
         try:
             reqs = load_trace(args.trace_file, args.trace_max_tokens)
         except (OSError, ValueError) as e:
             raise HicacheError(f"cannot read the trace: {e}.") from None
-        total = len(reqs)
-        workload.update(name=f"trace {os.path.basename(args.trace_file)} ({total} requests, x{args.trace_speed})")
-    else:
-        import random
-
-        tpw = 1.0
-        if info["hicache"]:  # measure words -> tokens with the server's tokenizer
-            sample = random_text(random.Random(args.seed + 7), 2000)
-            tpw = (await count_tokens(client, base_url, [sample]))[0] / 2000
-        convs = generated_shared_prefix(args.gsp_num_groups, args.gsp_prompts_per_group,
-                                        args.gsp_system_prompt_len, args.gsp_question_len, args.gsp_num_turns,
-                                        args.seed, tpw)
-        total = len(convs) * args.gsp_num_turns
-        workload.update(
-            name=(f"generated-shared-prefix {args.gsp_num_groups} groups x {args.gsp_prompts_per_group} "
-                  f"conversations x {args.gsp_num_turns} turns"),
-            tokens_per_word=tpw, num_words=len(WORDS),
-            **{k: getattr(args, k) for k in ("gsp_system_prompt_len", "gsp_question_len", "gsp_output_len")},
-        )
-        if info["hicache"]:
-            systems = sorted({c.system for c in convs})
-            qs = [q for c in convs for q in c.questions]
-            counts = await count_tokens(client, base_url, systems + qs)
-            workload["measured_system_prompt_len"] = sum(counts[: len(systems)]) / len(systems)
-            workload["measured_question_len"] = sum(counts[len(systems):]) / max(len(qs), 1)
-    return reqs, convs, total
+        workload.update(name=f"trace {os.path.basename(args.trace_file)} ({len(reqs)} requests, x{args.trace_speed})")
+        return reqs, len(reqs)
+    tpw = await _tokens_per_word(client, base_url, args.seed) if info["hicache"] else 1.0
+    convs = generated_shared_prefix(args.gsp_num_groups, args.gsp_prompts_per_group, args.gsp_system_prompt_len,
+                                    args.gsp_question_len, args.gsp_num_turns, args.seed, tpw)
+    workload.update(
+        name=(f"generated-shared-prefix {args.gsp_num_groups} groups x {args.gsp_prompts_per_group} "
+              f"conversations x {args.gsp_num_turns} turns"),
+        tokens_per_word=tpw, num_words=len(WORDS),
+        **{k: getattr(args, k) for k in ("gsp_system_prompt_len", "gsp_question_len", "gsp_output_len")},
+    )
+    if info["hicache"]:
+        systems = sorted({c.system for c in convs})
+        qs = [q for c in convs for q in c.questions]
+        counts = await count_tokens(client, base_url, systems + qs)
+        workload["measured_system_prompt_len"] = sum(counts[: len(systems)]) / len(systems)
+        workload["measured_question_len"] = sum(counts[len(systems):]) / max(len(qs), 1)
+    return convs, len(convs) * args.gsp_num_turns
 
 
 async def _mooncake(args: argparse.Namespace, client: Any, base_url: str, info: dict[str, Any],
-                    workload: dict[str, Any]) -> tuple[list, int]:
+                    workload: dict[str, Any]) -> list:
     """A Mooncake-format trace as scaled-down completion prompts (bench/workload.py)."""
-    import random
-
     from ..sim.trace import SHIPPED_TRACE, TraceError
-    from .client import count_tokens
-    from .workload import mooncake_requests, random_text
+    from .workload import mooncake_requests
 
     if args.block_tokens < 1:
         raise HicacheError("--block-tokens must be at least 1.")
-    tpw = 1.0
-    if info["hicache"] and args.prompt_format == "text":  # measure words -> tokens with the server's tokenizer
-        tpw = (await count_tokens(client, base_url, [random_text(random.Random(args.seed + 7), 2000)]))[0] / 2000
+    text = info["hicache"] and args.prompt_format == "text"
+    tpw = await _tokens_per_word(client, base_url, args.seed) if text else 1.0
     path = args.trace_file or SHIPPED_TRACE
     try:
         reqs = mooncake_requests(path, args.block_tokens, tpw, args.max_requests, args.prompt_format == "token-ids")
@@ -180,7 +184,7 @@ async def _mooncake(args: argparse.Namespace, client: Any, base_url: str, info: 
         raise HicacheError(f"{path} holds no requests.")
     workload.update(name=f"mooncake {os.path.basename(path)} ({len(reqs)} requests, {args.block_tokens} tokens per "
                          f"block, x{args.trace_speed:g} time)", tokens_per_word=tpw, block_tokens=args.block_tokens)
-    return reqs, len(reqs)
+    return reqs
 
 
 async def _run(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
@@ -201,7 +205,7 @@ async def _run(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
         workload: dict[str, Any] = {"base_url": base_url, "model": model, "server_is_hicache": info["hicache"],
                                     "max_concurrency": args.max_concurrency, "request_rate": args.request_rate,
                                     "seed": args.seed}
-        reqs, convs, total = await _workload(args, client, base_url, info, workload)
+        work, total = await _workload(args, client, base_url, info, workload)
         if args.flush_cache and info["hicache"] and not await flush_cache(client, base_url):
             raise HicacheError("the server refused /flush_cache (requests still running).")
 
@@ -211,10 +215,10 @@ async def _run(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
         endpoint = Endpoint(client, base_url, model)
         options = RequestOptions(args.temperature, ignore_eos=not args.disable_ignore_eos)
         if args.dataset_name in ("trace", "mooncake"):
-            records = await run_trace(endpoint, reqs, options, speed=args.trace_speed,
+            records = await run_trace(endpoint, work, options, speed=args.trace_speed,
                                       max_concurrency=args.max_concurrency, on_done=bar.update)
         else:
-            records = await run_conversations(endpoint, convs, options, output_len=args.gsp_output_len,
+            records = await run_conversations(endpoint, work, options, output_len=args.gsp_output_len,
                                               max_concurrency=args.max_concurrency, request_rate=args.request_rate,
                                               seed=args.seed, on_done=bar.update)
         duration, cpu = time.perf_counter() - t0, time.process_time() - cpu0

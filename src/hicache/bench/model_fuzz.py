@@ -11,7 +11,6 @@ another exception (a traceback). :func:`run_campaign` prints what it tried and w
 
 from __future__ import annotations
 
-import json
 import random
 import resource
 import struct
@@ -116,10 +115,7 @@ class ModelFileFuzzer:
         elif choice == 4:
             dims = (*dims, rng.choice((1, 3)))[:rng.choice((1, 4, 5))] or (1,)
         else:
-            offsets, at = [], 0
-            for t in doc.tensors:
-                offsets.append(at)
-                at += -(-len(t[3]) // 32) * 32
+            offsets = doc.packed_offsets()
             offsets[i] = rng.choice((offsets[i] + 1, offsets[i] + 32, 2**62, offsets[i - 1], 0))
             doc.offsets = offsets
             return f"{name} at offset {offsets[i]}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import statistics
+from collections import Counter
 from typing import Any
 
 from .client import RequestRecord
@@ -31,11 +32,7 @@ def server_hit_rates(before: dict[str, float], after: dict[str, float]) -> dict[
     if not after or "hicache_prompt_tokens_total{}" not in after:
         return None
     prompt = after["hicache_prompt_tokens_total{}"] - before.get("hicache_prompt_tokens_total{}", 0.0)
-    tiers = {}
-    for key, value in after.items():
-        m = _TIER.match(key)
-        if m:
-            tiers[m.group(1)] = value - before.get(key, 0.0)
+    tiers = {m.group(1): value - before.get(key, 0.0) for key, value in after.items() if (m := _TIER.match(key))}
     rates = {t: (n / prompt if prompt else 0.0) for t, n in tiers.items()}
     return {"prompt_tokens": prompt, "cached_tokens": tiers, "hit_rate": rates,
             "total_hit_rate": sum(rates.values())}
@@ -67,10 +64,7 @@ def summarize(records: list[RequestRecord], duration_s: float, workload: dict[st
             "hit_rate": (sum(r.cached_tokens for r in rs) / max(sum(r.prompt_tokens for r in rs), 1))}
         for t, rs in sorted(by_turn.items())
     }
-    errors: dict[str, int] = {}
-    for r in records:
-        if not r.ok:
-            errors[r.error] = errors.get(r.error, 0) + 1
+    errors = dict(Counter(r.error for r in records if not r.ok))
     return {
         "workload": workload,
         "completed": len(ok), "failed": len(records) - len(ok), "errors": errors,
@@ -148,27 +142,22 @@ def format_report(rep: dict[str, Any]) -> str:
 
 def plot_report(rep: dict[str, Any], path: str) -> None:
     """PNG: TTFT by turn (mean and p90), and hit rate by tier (server) or by turn (usage)."""
-    import matplotlib
+    from ..sim.cli import saved_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    turns = list(rep["by_turn"])
-    ax1.plot(turns, [rep["by_turn"][t]["ttft_ms"]["mean"] for t in turns], marker="o", label="mean")
-    ax1.plot(turns, [rep["by_turn"][t]["ttft_ms"]["p90"] for t in turns], marker="s", label="p90")
-    ax1.set(title="TTFT by turn", xlabel="turn", ylabel="ms")
-    ax1.set_xticks(turns)
-    ax1.legend()
-    sc = rep.get("server_cache")
-    if sc:
-        tiers = list(sc["hit_rate"])
-        ax2.bar(tiers, [100 * sc["hit_rate"][t] for t in tiers], color=["#3b7", "#37b", "#b73"][: len(tiers)])
-        ax2.set(title="Cache hit rate by tier (server /metrics)", ylabel="% of prompt tokens", ylim=(0, 100))
-    else:
-        ax2.bar([str(t) for t in turns], [100 * rep["by_turn"][t]["hit_rate"] for t in turns])
-        ax2.set(title="Cache hit rate by turn (usage)", xlabel="turn", ylabel="% of prompt tokens", ylim=(0, 100))
-    fig.suptitle(f"{rep['workload'].get('name', '')} on {rep['workload'].get('model', '')}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with saved_figure(path, 100, nrows=1, ncols=2, figsize=(11, 4)) as (fig, (ax1, ax2)):
+        turns = list(rep["by_turn"])
+        ax1.plot(turns, [rep["by_turn"][t]["ttft_ms"]["mean"] for t in turns], marker="o", label="mean")
+        ax1.plot(turns, [rep["by_turn"][t]["ttft_ms"]["p90"] for t in turns], marker="s", label="p90")
+        ax1.set(title="TTFT by turn", xlabel="turn", ylabel="ms")
+        ax1.set_xticks(turns)
+        ax1.legend()
+        sc = rep.get("server_cache")
+        if sc:
+            tiers = list(sc["hit_rate"])
+            ax2.bar(tiers, [100 * sc["hit_rate"][t] for t in tiers], color=["#3b7", "#37b", "#b73"][: len(tiers)])
+            ax2.set(title="Cache hit rate by tier (server /metrics)", ylabel="% of prompt tokens", ylim=(0, 100))
+        else:
+            ax2.bar([str(t) for t in turns], [100 * rep["by_turn"][t]["hit_rate"] for t in turns])
+            ax2.set(title="Cache hit rate by turn (usage)", xlabel="turn", ylabel="% of prompt tokens",
+                    ylim=(0, 100))
+        fig.suptitle(f"{rep['workload'].get('name', '')} on {rep['workload'].get('model', '')}", fontsize=9)

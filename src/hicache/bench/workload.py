@@ -6,9 +6,8 @@ tokenizer when it offers ``/tokenize`` (hicache does), else approximated as one 
 
 from __future__ import annotations
 
-import json
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 WORDS = (
@@ -80,29 +79,20 @@ class TraceRequest:
     messages: Optional[list[dict[str, Any]]] = None
     prompt: Optional[Union[str, list[int]]] = None
     turn: int = 1
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def load_trace(path: str, default_max_tokens: int) -> list[TraceRequest]:
     """Parse a trace file; raises ValueError with the line number on a bad line."""
-    out: list[TraceRequest] = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-                if ("messages" in obj) == ("prompt" in obj):
-                    raise ValueError("give exactly one of 'messages' or 'prompt'")
-                out.append(TraceRequest(
-                    timestamp=float(obj.get("timestamp", 0.0)),
-                    max_tokens=int(obj.get("max_tokens", default_max_tokens)),
-                    messages=obj.get("messages"), prompt=obj.get("prompt"), turn=int(obj.get("turn", 1)),
-                ))
-            except (ValueError, TypeError, AttributeError) as e:
-                raise ValueError(f"{path} line {n}: {e}") from None
-    out.sort(key=lambda r: r.timestamp)
-    return out
+    from ..sim.trace import json_lines
+
+    def request(obj: dict[str, Any]) -> TraceRequest:
+        if ("messages" in obj) == ("prompt" in obj):
+            raise ValueError("give exactly one of 'messages' or 'prompt'")
+        return TraceRequest(timestamp=float(obj.get("timestamp", 0.0)),
+                            max_tokens=int(obj.get("max_tokens", default_max_tokens)),
+                            messages=obj.get("messages"), prompt=obj.get("prompt"), turn=int(obj.get("turn", 1)))
+
+    return sorted(json_lines(path, request), key=lambda r: r.timestamp)
 
 
 TOKEN_ID_RANGE = (20, 250)  # token-id prompts: ids every model here has (past SmolLM2's specials)

@@ -16,12 +16,12 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from typing import Iterator
 
 from ..errors import HicacheError
 from ..ports import free_port
+from ..bench.main import start_server, wait_ready, wait_server
 from ..processes import stop_process
 
 
@@ -60,24 +60,30 @@ def launch_router(mode_args: list[str], workers: int, timeout: float = 60.0,
                              "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
                             stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise HicacheError(f"sglang-router exited with status {proc.returncode} before it was ready.")
-        with contextlib.suppress(httpx.HTTPError, ValueError):
-            listed = httpx.get(f"{url}/workers", timeout=2).json().get("workers", [])
-            if sum(bool(w.get("is_healthy")) for w in listed) >= workers:
-                return proc, url
-        time.sleep(0.2)
-    proc.terminate()
-    raise HicacheError(f"sglang-router was not ready within {timeout:.0f} s.")
+
+    def ready() -> bool:
+        listed = httpx.get(f"{url}/workers", timeout=2).json().get("workers", [])
+        return sum(bool(w.get("is_healthy")) for w in listed) >= workers
+
+    wait_ready(proc, "sglang-router", ready, timeout, 0.2)
+    return proc, url
 
 
 @contextlib.contextmanager
-def _stopped_on_exit() -> Iterator[list[subprocess.Popen]]:
+def _servers(args: list[str], timeout: float) -> Iterator[tuple[list[subprocess.Popen], list[str]]]:
+    """``hicache serve`` with each of ``args``, started together (their start-ups -- imports, model
+    loads: one core each -- overlap), then each waited for; yields (processes, URLs), a list a
+    router may join; on exit all are stopped (SIGTERM at once, then killed each after 15 s)."""
     procs: list[subprocess.Popen] = []
     try:
-        yield procs
+        urls = []
+        for a in args:
+            proc, url = start_server(a)
+            procs.append(proc)
+            urls.append(url)
+        for proc, url in zip(procs, urls):
+            wait_server(proc, url, timeout)
+        yield procs, urls
     finally:
         for proc in reversed(procs):
             proc.terminate()  # all at once, then wait for each
@@ -90,18 +96,10 @@ def pd_servers(common_args: str, prefill_args: str = "", decode_args: str = "",
                timeout: float = 120.0) -> Iterator[PDServers]:
     """A prefill server, a decode server (both ``hicache serve`` with ``common_args``) and the
     router; stopped (SIGTERM, then killed) on exit."""
-    from ..bench.main import start_server, wait_server
-
     bootstrap = free_port()
-    with _stopped_on_exit() as procs:
-        # Started together: their start-ups (imports, model loads: one core each) overlap.
-        prefill, prefill_url = start_server(f"{common_args} --disaggregation-mode prefill "
-                                            f"--disaggregation-bootstrap-port {bootstrap} {prefill_args}")
-        procs.append(prefill)
-        decode, decode_url = start_server(f"{common_args} --disaggregation-mode decode {decode_args}")
-        procs.append(decode)
-        wait_server(prefill, prefill_url, timeout)
-        wait_server(decode, decode_url, timeout)
+    with _servers([f"{common_args} --disaggregation-mode prefill --disaggregation-bootstrap-port {bootstrap} "
+                   f"{prefill_args}", f"{common_args} --disaggregation-mode decode {decode_args}"],
+                  timeout) as (procs, (prefill_url, decode_url)):
         router, url = launch_router(["--pd-disaggregation", "--prefill", prefill_url, str(bootstrap),
                                      "--decode", decode_url], 2, timeout)
         procs.append(router)
@@ -112,16 +110,7 @@ def pd_servers(common_args: str, prefill_args: str = "", decode_args: str = "",
 def dp_servers(server_args: str, engines: int, policy: str, timeout: float = 120.0) -> Iterator[DPServers]:
     """``engines`` ``hicache serve`` processes (each with ``server_args``) behind the router with
     ``--policy`` ``policy`` (``round_robin``, ``cache_aware``, ...); stopped on exit."""
-    from ..bench.main import start_server, wait_server
-
-    with _stopped_on_exit() as procs:
-        urls = []
-        for _ in range(engines):  # started together: their start-ups overlap
-            proc, url = start_server(server_args)
-            procs.append(proc)
-            urls.append(url)
-        for proc, url in zip(procs, urls):
-            wait_server(proc, url, timeout)
+    with _servers([server_args] * engines, timeout) as (procs, urls):
         router, url = launch_router(["--worker-urls", *urls, "--policy", policy], engines, timeout)
         procs.append(router)
         yield DPServers(url, urls)

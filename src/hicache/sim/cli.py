@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
 import time
+from typing import Any, Iterator
 
 from ..config import ConfigError, EngineConfig
 from ..errors import HicacheError
@@ -83,11 +85,14 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
                      args.kv_sharding, cost)
 
 
+def _shares(out: dict) -> str:
+    """Each tier's hits as a share of the input tokens."""
+    return ", ".join(f"{t} {out['hit_tokens'][t] / max(out['input_tokens'], 1):.1%}" for t in TIERS)
+
+
 def _report(out: dict, seconds: float) -> str:
-    hit = out["hit_tokens"]
     lines = [f"{out['requests']} requests, {out['input_tokens'] / 1e6:.1f}M input tokens, simulated in {seconds:.1f} s",
-             f"hit ratio {out['hit_ratio']:.1%}: " + ", ".join(
-                 f"{t} {hit[t] / max(out['input_tokens'], 1):.1%}" for t in TIERS),
+             f"hit ratio {out['hit_ratio']:.1%}: {_shares(out)}",
              "TTFT ({} profile) mean {mean:.2f} s, p50 {p50:.2f} s, p99 {p99:.2f} s".format(
                  out["config"]["cost"], **out["ttft_s"])]
     if len(out["per_engine"]) > 1:
@@ -105,36 +110,44 @@ def _sweep(args: argparse.Namespace, cfg: SimConfig, trace: list) -> list[dict]:
         out["swept_tokens"] = "unlimited" if value == UNLIMITED else value
         points.append(out)
         if not args.json:
-            print(f"{args.sweep} {value:g} tokens: hit ratio {out['hit_ratio']:.1%} "
-                  + ", ".join(f"{t} {out['hit_tokens'][t] / out['input_tokens']:.1%}" for t in TIERS), flush=True)
+            print(f"{args.sweep} {value:g} tokens: hit ratio {out['hit_ratio']:.1%} {_shares(out)}", flush=True)
     plot_sweep(points, args.sweep, args.plot)
     return points
 
 
-def plot_sweep(points: list[dict], tier: str, path: str) -> None:
+@contextlib.contextmanager
+def saved_figure(path: str, dpi: int, **subplots: Any) -> Iterator[tuple[Any, Any]]:
+    """``plt.subplots(**subplots)`` on the Agg backend (no display needed), laid out, written to
+    ``path`` and closed when the block ends."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    finite = [p for p in points if p["swept_tokens"] != "unlimited"]
-    points = finite  # a log axis has no place for "unlimited"
+    fig, axes = plt.subplots(**subplots)
+    try:
+        yield fig, axes
+        fig.tight_layout()
+        fig.savefig(path, dpi=dpi)
+    finally:
+        plt.close(fig)
+
+
+def plot_sweep(points: list[dict], tier: str, path: str) -> None:
+    points = [p for p in points if p["swept_tokens"] != "unlimited"]  # a log axis has no place for "unlimited"
     xs = [p["swept_tokens"] for p in points]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    bottom = [0.0] * len(points)
-    for t in TIERS:
-        share = [p["hit_tokens"][t] / p["input_tokens"] for p in points]
-        ax.fill_between(xs, bottom, [b + s for b, s in zip(bottom, share)], step=None, alpha=0.6, label=t)
-        bottom = [b + s for b, s in zip(bottom, share)]
-    ax.plot(xs, bottom, "k.-", label="combined")
-    ax.set_xscale("log")
-    ax.set_xlabel(f"{tier} capacity per engine (tokens)")
-    ax.set_ylabel("hit ratio (share of input tokens)")
-    ax.set_ylim(0, 1)
-    ax.legend(loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with saved_figure(path, 110, figsize=(6, 4)) as (fig, ax):
+        bottom = [0.0] * len(points)
+        for t in TIERS:  # each tier's share stacked on the ones before
+            top = [b + p["hit_tokens"][t] / p["input_tokens"] for b, p in zip(bottom, points)]
+            ax.fill_between(xs, bottom, top, step=None, alpha=0.6, label=t)
+            bottom = top
+        ax.plot(xs, bottom, "k.-", label="combined")
+        ax.set_xscale("log")
+        ax.set_xlabel(f"{tier} capacity per engine (tokens)")
+        ax.set_ylabel("hit ratio (share of input tokens)")
+        ax.set_ylim(0, 1)
+        ax.legend(loc="upper left")
 
 
 def run_simulate(args: argparse.Namespace) -> int:
@@ -146,18 +159,12 @@ def run_simulate(args: argparse.Namespace) -> int:
     if not trace:
         raise HicacheError(f"{args.trace} holds no requests.")
     t0 = time.perf_counter()
-    if args.sweep:
-        points = _sweep(args, cfg, trace)
-        if args.json:
-            json.dump(points, sys.stdout)
-            print()
-        else:
-            print(f"wrote {args.plot}")
-        return 0
-    out = simulate(trace, cfg).to_json()
+    result = _sweep(args, cfg, trace) if args.sweep else simulate(trace, cfg).to_json()
     if args.json:
-        json.dump(out, sys.stdout)
+        json.dump(result, sys.stdout)
         print()
+    elif args.sweep:
+        print(f"wrote {args.plot}")
     else:
-        print(_report(out, time.perf_counter() - t0))
+        print(_report(result, time.perf_counter() - t0))
     return 0

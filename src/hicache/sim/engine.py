@@ -18,7 +18,6 @@ tokens; :mod:`hicache.sim.run` converts real tokens to them.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Optional
 
@@ -34,9 +33,6 @@ from ..runtime.sampling import SamplingParams
 from ..runtime.scheduler import SchedulePolicy, Scheduler
 from ..runtime.step import StepDriver
 
-logger = logging.getLogger(__name__)
-
-GREEDY_ONE = SamplingParams(max_new_tokens=1, temperature=0.0)
 NAMESPACE = "sim"
 
 
@@ -54,8 +50,8 @@ class EngineSpec:
     write_through_threshold: int = 2
 
 
-def _no_forward(input_ids, prefix_lens, context_slots, hidden=None, logits="last", window_slots=None,
-                generated=False) -> torch.Tensor:
+def no_forward(input_ids, prefix_lens, context_slots, hidden=None, logits="last", window_slots=None,
+               generated=False) -> torch.Tensor:
     """One row of (zero) logits per sequence over a one-token vocabulary."""
     return torch.zeros(len(input_ids), 1)
 
@@ -65,39 +61,58 @@ def shared_storage(spec: EngineSpec) -> Optional[MemoryBackend]:
     return None if spec.storage_pages is None else MemoryBackend(max_objects=spec.storage_pages)
 
 
-class SimEngine:
+class NoForwardEngine:
+    """The project's scheduler over ``cache``, stepping :func:`no_forward`: what it admits, evicts
+    and hits is the engine's; no number is computed. Requests go in :attr:`namespace`."""
+
+    namespace = NAMESPACE
+
+    def __init__(self, cache: KVCacheManager, policy: SchedulePolicy) -> None:
+        self.cache = cache
+        self.scheduler = Scheduler(cache, lambda ids: "", set(), policy)
+        self.driver = StepDriver(self.scheduler, no_forward)
+        self.rid = 0
+
+    def add(self, tokens: list[int], max_new_tokens: int = 1) -> Request:
+        self.rid += 1
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+        req = Request(self.rid, list(tokens), params, self.namespace, max_new_tokens=max_new_tokens)
+        self.scheduler.add(req)
+        return req
+
+    def run(self, reqs: list[Request], max_steps: int = 100_000) -> int:
+        """Step until every request of ``reqs`` finished; the steps taken."""
+        for steps in range(1, max_steps + 1):
+            self.driver.step()
+            if all(r.status is Status.FINISHED for r in reqs):
+                return steps
+        raise RuntimeError(f"requests still running after {max_steps} steps")
+
+
+class SimEngine(NoForwardEngine):
     def __init__(self, spec: EngineSpec, prompt_tokens: int, storage: Optional[MemoryBackend] = None) -> None:
         """``prompt_tokens``: the longest prompt (synthetic tokens): one prefill chunk takes it
         whole. ``storage``: the shared L3 (:func:`shared_storage`)."""
-        self.spec = spec
         pool = DeviceKVPool(1, 1, 1, spec.device_pages + 1, spec.page_size, torch.float32, "cpu")
         host = HostKVPool(pool, spec.host_pages, "page_first", pin_memory=False) if spec.host_pages else None
         policy = CachePolicy(eviction_policy=spec.eviction_policy, write_policy=spec.write_policy,
                              write_through_threshold=spec.write_through_threshold, prefetch_threshold=spec.page_size,
                              storage_op_timeout=None)
-        self.cache = KVCacheManager(pool, host, storage, policy)
-        for controller in (self.cache.controller, self.cache.storage):  # nothing to overlap copies with
+        cache = KVCacheManager(pool, host, storage, policy)
+        for controller in (cache.controller, cache.storage):  # nothing to overlap copies with
             if controller is not None:
                 controller.run_inline()
-        self.scheduler = Scheduler(self.cache, lambda ids: "", set(), SchedulePolicy(
-            prompt_tokens + spec.page_size, max_running_requests=1, prefetch_policy="wait_complete"))
-        self.driver = StepDriver(self.scheduler, _no_forward)
-        self._rid = 0
+        super().__init__(cache, SchedulePolicy(prompt_tokens + spec.page_size, max_running_requests=1,
+                                               prefetch_policy="wait_complete"))
 
     def serve(self, tokens: list[int]) -> dict[str, int]:
         """Run one request to its first token; returns its hit tokens per tier (synthetic
         tokens). Every copy and storage write it queued has landed when this returns (copies
         run inline, at submit; between requests a real engine's copy threads are far ahead of
-        arrivals)."""
-        if self.cache.pages_for(len(tokens) + 1) > self.spec.device_pages:
-            raise ValueError(f"a {len(tokens)}-token prompt does not fit the device pool ({self.spec.device_pages} "
-                             f"pages of {self.spec.page_size})")
-        self._rid += 1
-        req = Request(rid=self._rid, prompt_ids=tokens, sampling=GREEDY_ONE, namespace=NAMESPACE, max_new_tokens=1)
-        sched = self.scheduler
-        sched.add(req)
-        while req.status is not Status.FINISHED:
-            self.driver.step()
+        arrivals). The prompt fits the device pool (:func:`hicache.sim.run.simulate` checked the
+        longest)."""
+        req = self.add(tokens)
+        self.run([req])
         self.cache.drain()
         return req.cached
 

@@ -17,6 +17,7 @@ one engine.
 from __future__ import annotations
 
 from collections import deque
+from itertools import takewhile
 from typing import Protocol
 
 from .trace import TraceRequest
@@ -74,17 +75,10 @@ class CacheAware:
 
 
 def _leading(ids: tuple[int, ...], seen: set[int]) -> int:
-    n = 0
-    for b in ids:
-        if b not in seen:
-            break
-        n += 1
-    return n
+    return sum(1 for _ in takewhile(seen.__contains__, ids))
 
 
 def make_router(name: str, engines: int) -> Router:
-    if name == "round-robin":
-        return RoundRobin(engines)
-    if name == "cache-aware":
-        return CacheAware(engines)
-    raise ValueError(f"unknown router {name!r}; choose {', '.join(ROUTERS)}")
+    if name not in ROUTERS:
+        raise ValueError(f"unknown router {name!r}; choose {', '.join(ROUTERS)}")
+    return (RoundRobin if name == "round-robin" else CacheAware)(engines)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import asdict, dataclass, field
+from itertools import accumulate
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from ..config import ConfigError
@@ -113,10 +114,7 @@ def _quantile(sorted_values: Sequence[float], q: float) -> float:
 def tier_hits(cached: dict[str, int], lengths: list[int], block_tokens: int) -> dict[str, int]:
     """Real tokens hit per tier: whole blocks, each by the tier that supplied its last token
     (``cached``: synthetic tokens per tier, in prefix order device -> host -> storage)."""
-    ends, out, end = {}, dict.fromkeys(TIERS, 0), 0
-    for tier in TIERS:
-        end += cached.get(tier, 0)
-        ends[tier] = end
+    ends, out = dict(zip(TIERS, accumulate(cached.get(t, 0) for t in TIERS))), dict.fromkeys(TIERS, 0)
     for i, n in enumerate(lengths):
         last = (i + 1) * block_tokens
         tier = next((t for t in TIERS if last <= ends[t]), None)
@@ -126,8 +124,9 @@ def tier_hits(cached: dict[str, int], lengths: list[int], block_tokens: int) -> 
     return out
 
 
-def _pages(name: str, tokens: Optional[float], cfg: SimConfig, unlimited_pages: int) -> Optional[int]:
-    """Real tokens -> pages of synthetic tokens (None stays None; UNLIMITED: the whole trace)."""
+def _pages(name: str, tokens: Optional[float], cfg: SimConfig, unlimited_pages: int, shards: int = 1) -> Optional[int]:
+    """Real tokens -> pages of synthetic tokens (None stays None; UNLIMITED: the whole trace), held
+    by each of ``shards`` ranks (the capacity given is per rank)."""
     if tokens is None:
         return None
     if tokens == UNLIMITED:
@@ -135,7 +134,7 @@ def _pages(name: str, tokens: Optional[float], cfg: SimConfig, unlimited_pages: 
     pages = int(tokens // cfg.page_size)
     if pages < 1:
         raise ConfigError(f"the {name} capacity, {tokens:g} tokens, is smaller than one page ({cfg.page_size} tokens).")
-    return pages
+    return pages * shards
 
 
 def engine_spec(cfg: SimConfig, trace: Sequence[TraceRequest]) -> EngineSpec:
@@ -148,14 +147,8 @@ def engine_spec(cfg: SimConfig, trace: Sequence[TraceRequest]) -> EngineSpec:
                           "capacity too.")
     cfg.check()
     everything = sum(-(-(len(r.hash_ids) * cfg.block_tokens + 2) // cfg.sim_page_size) for r in trace) + 1
-    cap = cfg.capacities
-    device, host = _pages("device", cap.device, cfg, everything), _pages("host", cap.host, cfg, everything)
-    n = cfg.kv_sharding  # each rank of the group holds its share of the pages, in device and host memory
-
-    def sharded(pages: Optional[int], tokens: Optional[float]) -> Optional[int]:
-        return pages if pages is None or tokens == UNLIMITED else pages * n
-
-    return EngineSpec(sharded(device, cap.device), sharded(host, cap.host),
+    cap, n = cfg.capacities, cfg.kv_sharding  # each rank of the group holds its share of the pages, device and host
+    return EngineSpec(_pages("device", cap.device, cfg, everything, n), _pages("host", cap.host, cfg, everything, n),
                       _pages("storage", cap.storage, cfg, everything), cfg.sim_page_size, cfg.write_policy,
                       cfg.eviction_policy)
 

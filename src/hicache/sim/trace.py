@@ -12,11 +12,15 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import Iterator
+from itertools import islice
+from typing import Any, Callable, Iterator, TypeVar
 
 BLOCK_TOKENS = 512  # real tokens per hash_ids block in the Mooncake release
 # The Mooncake FAST'25 conversation trace (Apache-2.0), shipped with hicache: see data/README.md.
 SHIPPED_TRACE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "mooncake_conversation_trace.jsonl")
+
+
+T = TypeVar("T")
 
 
 class TraceError(ValueError):
@@ -55,21 +59,24 @@ def _request(obj: object) -> TraceRequest:
     return TraceRequest(float(obj["timestamp"]), n_in, obj["output_length"], tuple(ids))
 
 
-def read_trace(path: str, limit: int | None = None) -> Iterator[TraceRequest]:
-    """The requests of ``path`` in file order (the first ``limit``); raises :class:`TraceError`
-    naming the line of the first malformed one."""
+def json_lines(path: str, parse: Callable[[Any], T], error: type[ValueError] = ValueError) -> Iterator[T]:
+    """``parse`` of each non-blank line of the JSON Lines file ``path``, in file order; raises
+    ``error`` naming the line of the first one that does not parse (ValueError, TypeError or
+    AttributeError from ``parse``)."""
     with open(path, encoding="utf-8") as f:
-        count = 0
         for number, line in enumerate(f, 1):
-            if limit is not None and count >= limit:
-                return
             if not line.strip():
                 continue
             try:
-                yield _request(json.loads(line))
-            except ValueError as e:  # json.JSONDecodeError is one
-                raise TraceError(f"{path} line {number}: {e}") from None
-            count += 1
+                yield parse(json.loads(line))
+            except (ValueError, TypeError, AttributeError) as e:  # json.JSONDecodeError is a ValueError
+                raise error(f"{path} line {number}: {e}") from None
+
+
+def read_trace(path: str, limit: int | None = None) -> Iterator[TraceRequest]:
+    """The requests of ``path`` in file order (the first ``limit``); raises :class:`TraceError`
+    naming the line of the first malformed one."""
+    return islice(json_lines(path, _request, TraceError), limit)
 
 
 def load_trace(path: str, limit: int | None = None) -> list[TraceRequest]:
@@ -85,7 +92,6 @@ def largest_conversations(path: str, conversations: int, requests: int, max_bloc
 
     with open(path, encoding="utf-8") as f:
         lines = [line for line in f.read().splitlines() if line.strip()]
-    heads = [tuple(json.loads(line)["hash_ids"][:2]) for line in lines]
-    sizes = [len(json.loads(line)["hash_ids"]) for line in lines]
-    big = {h for h, _ in Counter(h for h in heads if len(h) == 2).most_common(conversations)}
-    return [line for line, h, n in zip(lines, heads, sizes) if h in big and n <= max_blocks][:requests]
+    ids = [json.loads(line)["hash_ids"] for line in lines]
+    big = {h for h, _ in Counter(tuple(i[:2]) for i in ids if len(i) >= 2).most_common(conversations)}
+    return [line for line, i in zip(lines, ids) if tuple(i[:2]) in big and len(i) <= max_blocks][:requests]
