@@ -11,7 +11,7 @@ import pytest
 
 from hicache.model.chat_render import compile_chat_template, render
 from hicache.model.tokenizer import byte_tokenizer
-from hicache.runtime.grammar_trigger import TriggerScan, compile_triggers
+from hicache.runtime.grammar_trigger import TriggerScan, compile_triggers, unseen_specials
 from hicache.runtime.grammar_vet import tokenizer_config
 from hicache.runtime.grammar_worker import ll_tokenizer
 from hicache.server.tool_formats import FORMATS, HERMES, choose_format, detect_format
@@ -132,8 +132,9 @@ def _lazy_start(fmt: str, reply: str):
     lltok = ll_tokenizer(llguidance, config, lambda t: tokenizer.backend.encode(t, add_special_tokens=False).ids)
     grammar, triggers = FORMATS[fmt].lazy_grammar(LAZY_SCHEMAS, list(LAZY_SCHEMAS), True, tokenizer.special_token_id)
     ids, scan = tokenizer.encode(reply), TriggerScan(compile_triggers(triggers))
+    unseen = unseen_specials(scan.patterns, config["tokens"], config["special"])
     for k in range(1, len(ids) + 1):
-        start = scan.feed(ids[:k], config["tokens"])
+        start = scan.feed(ids[:k], config["tokens"], unseen)
         if start is not None:
             matcher = llguidance.LLMatcher(lltok, llguidance.grammar_from("lark", grammar), log_level=0)
             assert matcher.consume_tokens(tokenizer.encode(start)), (start, matcher.get_error())
@@ -166,6 +167,22 @@ def test_a_lazy_grammar_leaves_text_and_json_that_is_no_call_alone_and_steers_an
     assert not matcher.consume_tokens(rest)
     matcher, _, _ = _lazy_start("hermes", '```json\n{"name"')
     assert matcher.consume_tokens(tokenizer.encode(': "add"'))
+
+
+def test_a_special_token_the_reply_does_not_show_does_not_hide_the_call_after_it():
+    """Seen in a Claude Code session: the reply showed a bare call object naming no tool (the model had
+    opened it with a special token, which decoding leaves out), unsteered: the trigger anchored at the
+    reply's start never matched. The scan reads what the reply shows; a special a trigger names stays."""
+    reply = '<|im_start|>{"name": "add", "arguments": {"a": 1}}'
+    matcher, rest, tokenizer = _lazy_start("hermes", reply)
+    assert matcher.consume_tokens(rest) and matcher.is_accepting(), matcher.get_error()
+    shown = tokenizer.decode(tokenizer.encode(reply))
+    assert shown == reply.removeprefix("<|im_start|>") and len(HERMES.parse(shown, NAMES)[1]) == 1
+    matcher, rest, _ = _lazy_start("hermes", '<|im_start|>{"name": "Receive", "arguments": {}}')
+    assert not matcher.consume_tokens(rest)  # an invented name is steered as without the special token
+    config = tokenizer_config(tokenizer, tokenizer.vocab_size)
+    named = compile_triggers([(r"<\|im_start\|>", "")])
+    assert tokenizer.special_token_id("<|im_start|>") not in unseen_specials(named, config["tokens"], config["special"])
 
 
 def test_the_format_comes_from_the_template_unless_named():

@@ -52,7 +52,7 @@ from ..model.tokenizer import Tokenizer
 from .batch import Batch, BatchKind
 from .events import WorkEvent, split_over
 from .grammar_state import GrammarState, RowMasks, Template
-from .grammar_trigger import TriggerScan, compile_triggers
+from .grammar_trigger import TriggerScan, compile_triggers, unseen_specials
 from .grammar_vet import ENGINE_STACK_BYTES, PARSER_LIMITS, tokenizer_config
 from .grammar_worker import first_line, ll_tokenizer, token_bits
 from .modes import Action, Fail, Mode, ModeContext
@@ -91,7 +91,7 @@ class GrammarMode(Mode):
         self.failed_requests = 0
         self.lazy_triggered = 0  # lazy grammars that took over a reply (a tool call began)
         self.lazy_released = 0  # ... and let go of it (the model wrote what they could not take)
-        self._token_text: Optional[list[str]] = None  # each id's bytes as Latin-1 text (the mask thread's)
+        self._table: Optional[dict] = None  # the token table (tokenizer_config), read on the mask thread
         self.evicted = 0
 
     # ---- admission ---------------------------------------------------------------------
@@ -275,15 +275,13 @@ class GrammarMode(Mode):
         True when it masks ``req``'s rows now."""
         state: GrammarState = req.grammar
         if state.scan is not None:
-            if self._token_text is None:
-                self._token_text = tokenizer_config(self._tokenizer, self._vocab_size)["tokens"]
-            start = state.scan.feed(req.output_ids, self._token_text)
+            start = state.scan.feed(req.output_ids, *self._scan_text(state.template))
             if start is None:
                 return False
             state.scan, state.consumed = None, len(req.output_ids)
             state.matcher = state.template.build.result().deep_copy()
             self.lazy_triggered += 1
-            logger.debug("grammar rid=%d: a tool call began after %d output tokens", req.rid, len(req.output_ids))
+            logger.info("grammar rid=%d: a tool call began after %d output tokens", req.rid, len(req.output_ids))
             if not state.matcher.consume_tokens(self._encode(start)):
                 self._settle(req, i, f"it cannot take the call's beginning {start[:40]!r}", out)
                 return False
@@ -332,7 +330,7 @@ class GrammarMode(Mode):
         scan, ids = dataclasses.replace(state.scan), list(req.output_ids)
         for j, token in enumerate(drafts, start=1):
             ids.append(token)
-            start = scan.feed(ids, self._token_text)
+            start = scan.feed(ids, *self._scan_text(state.template))
             if start is None:
                 continue
             matcher = state.template.build.result().deep_copy()
@@ -342,6 +340,14 @@ class GrammarMode(Mode):
                 if (k > j and matcher.try_consume_tokens([drafts[k - 1]]) != 1) or self._add(out, row + k, matcher):
                     return
             return
+
+    def _scan_text(self, template: Template) -> tuple[list[str], frozenset[int]]:
+        """What a trigger scan of ``template`` reads: each id's text, and the special ids it passes over."""
+        if self._table is None:
+            self._table = tokenizer_config(self._tokenizer, self._vocab_size)
+        if template.unseen is None:
+            template.unseen = unseen_specials(template.patterns, self._table["tokens"], self._table["special"])
+        return self._table["tokens"], template.unseen
 
     def _encode(self, text: str) -> list[int]:
         return self._tokenizer.backend.encode(text, add_special_tokens=False).ids

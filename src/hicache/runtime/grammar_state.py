@@ -27,6 +27,7 @@ class Template:
     retired: bool = False  # a request's matcher failed: its copies may share a spent lexer, new requests get a new one
     users: int = 0  # admitted requests of this grammar
     patterns: tuple = ()  # a lazy grammar's triggers, compiled (runtime/grammar_trigger.py)
+    unseen: Optional[frozenset[int]] = None  # ... and the special ids its scans pass over (made on the mask thread)
     waiting: list[Request] = field(default_factory=list)  # requests seen waiting for the build
 
     @property
