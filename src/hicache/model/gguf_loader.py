@@ -224,8 +224,10 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
             for part, piece in zip(parts, values.split([params[p].shape[0] for p in parts])):
                 n = piece.shape[0]
                 _assign(params[part], piece, t.name)
-                if blocks is not None and dtype == torch.float32 and _keeps_blocks(part, spec):
-                    # decode steps read these (model/decode_blocks.py)
+                # Decode steps read these (model/decode_blocks.py): all but an embedding that is not also
+                # the LM head (lookups read its float32 rows; no matmul would read the blocks).
+                keeps = part != "model.embed_tokens.weight" or spec.tie_word_embeddings
+                if blocks is not None and dtype == torch.float32 and keeps:
                     model.get_submodule(part.removesuffix(".weight")).gguf_blocks = (
                         blocks if len(parts) == 1 else blocks.rows(first, n))
                 first += n
@@ -259,12 +261,6 @@ def _row_blocks(t: GGUFTensor, name: str, heads: int | None) -> GGUFBlockWeight 
     # A copy out of the read-only map either way; numpy's row gather is ~100x torch's on uint8 rows.
     data = np.array(t.data) if heads is None else t.data[unpermute_rope_rows(torch.arange(rows), heads).numpy()]
     return GGUFBlockWeight(int(t.tensor_type), torch.from_numpy(data), int(t.shape[0]))
-
-
-def _keeps_blocks(name: str, spec: ModelSpec) -> bool:
-    """Whether a matrix's module keeps its file blocks: all but an embedding that is not also the
-    LM head (lookups read its float32 rows; no matmul would read the blocks)."""
-    return name != "model.embed_tokens.weight" or spec.tie_word_embeddings
 
 
 def load_gguf_tokenizer(path: Path) -> Tokenizer:

@@ -51,21 +51,16 @@ def parse_random_spec(arg: str) -> ModelSpec:
     ``hidden_size // num_heads``.
     """
     arg = arg.strip()
-    if not arg.startswith("{"):
-        if arg not in PRESETS:
-            raise ModelNotFoundError(
-                f"unknown random model preset {arg!r}: expected one of {', '.join(PRESETS)} or a JSON object of fields."
-            )
-        return ModelSpec(**PRESETS[arg])
     try:
-        overrides = json.loads(arg)
+        overrides = json.loads(arg) if arg.startswith("{") else {"preset": arg}
     except json.JSONDecodeError as e:
         raise ModelSpecError(f"random model spec is not valid JSON ({e.msg} at character {e.pos}).") from None
     if not isinstance(overrides, dict):
         raise ModelSpecError("random model spec JSON must be an object of ModelSpec fields.")
     preset = overrides.pop("preset", "tiny")
     if preset not in PRESETS:
-        raise ModelNotFoundError(f"unknown random model preset {preset!r}: expected one of {', '.join(PRESETS)}.")
+        raise ModelNotFoundError(f"unknown random model preset {preset!r}: expected one of {', '.join(PRESETS)} or a "
+                                 "JSON object of fields.")
     fields = {f.name for f in dataclasses.fields(ModelSpec)}
     unknown = sorted(set(overrides) - fields)
     if unknown:
@@ -94,8 +89,4 @@ def init_random_weights(model: LlamaForCausalLM, seed: int) -> None:
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
         values = torch.randn(param.shape, generator=gen, dtype=torch.float32, device=device)
-        if name.endswith("norm.weight"):
-            values = 1.0 + 0.1 * values
-        else:
-            values = INIT_STD * values
-        param.copy_(values)
+        param.copy_(1.0 + 0.1 * values if name.endswith("norm.weight") else INIT_STD * values)
