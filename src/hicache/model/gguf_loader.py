@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from hicache.kernels import cpu_kernels
-from hicache.model.errors import ModelFormatError, ModelNotFoundError, as_float, as_int, cut, quoted
+from hicache.model.errors import ModelFormatError, as_float, as_int, cut, quoted
 from hicache.model.families import Family, gguf_family, gguf_layer_fields
 from hicache.model.file_checks import GGUF_LAYER, check_finite, check_layer_count, check_shapes, check_token_ids
 from hicache.model.gguf_blocks import GGUF_BLOCK_TYPES, GGUFBlockWeight
