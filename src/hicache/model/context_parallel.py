@@ -229,9 +229,9 @@ class CPBackend:
     def _sharded_decode(self, prefix_lens: Sequence[int], contexts: list[ShardedContext]) -> CPLayout:
         group, device, bsz = self.setup.group, self.device, len(contexts)
         decode_rows = [c.rows[c.owners == group.rank].to(device) for c in contexts]
-        ends = torch.arange(bsz)  # one new token per sequence
-        return CPLayout(group, [], None, bsz, *self._writes(prefix_lens, contexts, True), ends.to(device),
-                        torch.arange(bsz, device=device), bsz, self.setup.page_size, decode_rows=decode_rows)
+        rows = torch.arange(bsz, device=device)  # one new token per sequence: row b is sequence b's last
+        return CPLayout(group, [], None, bsz, *self._writes(prefix_lens, contexts, True), rows, rows, bsz,
+                        self.setup.page_size, decode_rows=decode_rows)
 
     def _prefill(self, lens: list[int], prefix_lens: Sequence[int], contexts: list, starts: list[int],
                  sharded: bool) -> tuple[CPLayout, torch.Tensor]:

@@ -188,6 +188,6 @@ def _weight_copies(model: LlamaForCausalLM | None, dtype: torch.dtype, precision
         if mode not in lossless and getattr(torch, mode) != dtype:
             suffix += f":{phase}-{mode}"
     if model is not None:  # fuses and packs now (before the pool is sized), or in shard_model for a rank's slices
-        model.set_weights(not to_be_sharded, decode_weights=precision.decode_weights,
+        model.set_weights(prepare=not to_be_sharded, decode_weights=precision.decode_weights,
                           decode_activations=decode_activations, prefill_weights=precision.prefill_weights)
     return suffix

@@ -154,8 +154,8 @@ class Projection:
 
     def copies_nbytes(self) -> int:
         """Bytes of the decode and prefill copies (beside the loaded weights)."""
-        copies = [c for c in (self._decode_weight, self._prefill_weight) if c is not None]
-        return sum(c.numel() * c.element_size() for c in copies) + sum(b.resident_nbytes for b in self._blocks)
+        copies = [c.nbytes for c in (self._decode_weight, self._prefill_weight) if c is not None]
+        return sum(copies) + sum(b.resident_nbytes for b in self._blocks)
 
     @property
     def prepared(self) -> bool:

@@ -21,8 +21,6 @@ _COMMON = dict(
     rms_norm_eps=1e-5,
     tie_word_embeddings=False,
     max_position_embeddings=4096,
-    attention_bias=False,
-    rope_scaling=None,
 )
 PRESETS: dict[str, dict] = {
     "tiny": dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128, **_COMMON),

@@ -189,8 +189,7 @@ class ModelSpec:
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes one token's K and V take over all layers at ``dtype``."""
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
