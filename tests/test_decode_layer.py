@@ -112,7 +112,7 @@ def test_the_stack_reads_weights_changed_after_a_step(monkeypatch):
     before, _ = _run(model, spec, 2, "stack", monkeypatch)
     norm = model.model.layers[1].post_attention_layernorm
     norm.weight = torch.nn.Parameter(norm.weight * 1.5, requires_grad=False)
-    model.set_decode_activations("float32")
+    model.set_weights(decode_activations="float32")
     stack, calls = _run(model, spec, 2, "stack", monkeypatch)
     python, _ = _run(model, spec, 2, "python", monkeypatch)
     assert calls == 5 and not torch.equal(before[0], stack[0])

@@ -48,10 +48,8 @@ def kernel_isa() -> str:
     """The instruction set the kernels are built for here: ``$HICACHE_KERNEL_ISA`` if set (an
     ``avx512`` this CPU cannot run is refused by :func:`unavailable_reason`), else the best
     the CPU has."""
-    forced = os.environ.get(ISA_ENV, "").lower()
-    if forced:
-        return forced
-    return "avx512" if torch.backends.cpu.get_cpu_capability() == "AVX512" else "avx2"
+    return os.environ.get(ISA_ENV, "").lower() or (
+        "avx512" if torch.backends.cpu.get_cpu_capability() == "AVX512" else "avx2")
 
 
 def cflags(isa: str) -> list[str]:

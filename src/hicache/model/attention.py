@@ -160,6 +160,12 @@ def _padded_rows(x: torch.Tensor, rows: int, fill: Optional[float] = None) -> to
     return torch.cat((x, pad))
 
 
+def _joined(dtype: torch.dtype, full: list[KVBlock], new: Optional[KVBlock]) -> KVBlock:
+    """The key blocks (``full`` in ``dtype``, then ``new``) concatenated along the key axis."""
+    blocks = [(k.to(dtype), v.to(dtype)) for k, v in full] + ([new] if new is not None else [])
+    return blocks[0] if len(blocks) == 1 else tuple(torch.cat(part) for part in zip(*blocks))
+
+
 def sequence_attention(q: torch.Tensor, full: list[KVBlock], new: Optional[KVBlock],
                        kv_map: Optional[torch.Tensor], joined: Optional[bool] = None) -> torch.Tensor:
     """One sequence: ``q`` ``[n, H, D]`` for its new tokens, the last n positions of its context;
@@ -171,9 +177,7 @@ def sequence_attention(q: torch.Tensor, full: list[KVBlock], new: Optional[KVBlo
     if full and (q.device.type != "cpu" if joined is None else joined):
         return joined_attention(q, full, new, kv_map)
     n, heads, dim = q.shape
-    blocks = [(k.to(q.dtype), v.to(q.dtype)) for k, v in full] + ([new] if new is not None else [])
-    k = torch.cat([b[0] for b in blocks]) if len(blocks) > 1 else blocks[0][0]
-    v = torch.cat([b[1] for b in blocks]) if len(blocks) > 1 else blocks[0][1]
+    k, v = _joined(q.dtype, full, new)
     if kv_map is not None:
         k, v = expand_heads(k, heads, kv_map), expand_heads(v, heads, kv_map)
     length = k.shape[0]
@@ -210,9 +214,7 @@ def joined_attention(q: torch.Tensor, full: list[KVBlock], new: Optional[KVBlock
     grouped heads do not combine on every torch version). A lone decode token (no new block) takes
     :func:`decode_attention` over the joined keys: grouped, no expansion, and the same call however
     many runs its context is stored in."""
-    blocks = [(k.to(q.dtype), v.to(q.dtype)) for k, v in full] + ([new] if new is not None else [])
-    k = torch.cat([b[0] for b in blocks]) if len(blocks) > 1 else blocks[0][0]
-    v = torch.cat([b[1] for b in blocks]) if len(blocks) > 1 else blocks[0][1]
+    k, v = _joined(q.dtype, full, new)
     if new is None and q.shape[0] == 1:
         return decode_attention(q, k[None], v[None], None, kv_map)
     heads = q.shape[1]

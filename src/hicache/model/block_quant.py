@@ -35,8 +35,7 @@ class BlockQuantWeight:
 
     @property
     def nbytes(self) -> int:
-        parts = (self.qs, self.scale) if self.minv is None else (self.qs, self.scale, self.minv)
-        return sum(t.numel() * t.element_size() for t in parts)
+        return sum(t.nbytes for t in (self.qs, self.scale, self.minv) if t is not None)
 
     @property
     def resident_nbytes(self) -> int:

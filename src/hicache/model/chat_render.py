@@ -268,8 +268,7 @@ def render(template: Any, max_chars: int, **context: Any) -> str:
             if size > max_chars:
                 raise ChatTemplateError(f"the chat template's output is longer than its limit of {max_chars} "
                                         "characters.")
-            if piece:
-                pieces.append(piece)
+            pieces.append(piece)
     except ChatTemplateError:
         raise
     except Exception as e:  # whatever the template's code raised (raise_exception, a type error, recursion...)

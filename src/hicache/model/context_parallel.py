@@ -35,6 +35,7 @@ import torch
 from hicache.model.attention import attended, keys_attention, merge_partials, sequence_attention
 from hicache.model.batch import AttentionLayer, ForwardBatch, KVView
 from hicache.model.paged import PagedBackend
+from hicache.model.parallel import split
 from hicache.model.prefix_gather import CPGroup, PrefixGather
 
 CP_STRATEGIES = ("zigzag", "interleave")
@@ -57,12 +58,9 @@ def split_new_tokens(first_position: int, n: int, size: int, strategy: str, page
             mine.append((start, length))
 
     if strategy == "zigzag":  # 2N near-equal pieces; rank r gets the r-th and the (2N-1-r)-th
-        base, extra = divmod(n, 2 * size)
-        start = 0
         for i in range(2 * size):
-            length = base + (1 if i < extra else 0)
-            add(i if i < size else 2 * size - 1 - i, start, length)
-            start += length
+            piece = split(n, 2 * size, i)
+            add(i if i < size else 2 * size - 1 - i, piece.start, len(piece))
     else:  # interleave: page-aligned blocks dealt round-robin by page position
         pos, end = first_position, first_position + n
         while pos < end:
@@ -231,9 +229,9 @@ class CPBackend:
     def _sharded_decode(self, prefix_lens: Sequence[int], contexts: list[ShardedContext]) -> CPLayout:
         group, device, bsz = self.setup.group, self.device, len(contexts)
         decode_rows = [c.rows[c.owners == group.rank].to(device) for c in contexts]
-        ends = torch.arange(bsz)  # one new token per sequence
-        return CPLayout(group, [], None, bsz, *self._writes(prefix_lens, contexts, True), ends.to(device),
-                        torch.arange(bsz, device=device), bsz, self.setup.page_size, decode_rows=decode_rows)
+        rows = torch.arange(bsz, device=device)  # one new token per sequence: row b is sequence b's last
+        return CPLayout(group, [], None, bsz, *self._writes(prefix_lens, contexts, True), rows, rows, bsz,
+                        self.setup.page_size, decode_rows=decode_rows)
 
     def _prefill(self, lens: list[int], prefix_lens: Sequence[int], contexts: list, starts: list[int],
                  sharded: bool) -> tuple[CPLayout, torch.Tensor]:
@@ -286,17 +284,6 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CPLa
     and values (MLA: the latent's two halves into the latent, as key and value)."""
     k_buf, v_buf = kv.k_buffers[layer.layer], kv.v_buffers[layer.layer]
     kv_map, latent = layer.kv_map, layer.latent
-    if not layout.prefill:  # sharded decode: every token here, keys split, partials merged
-        k_buf.index_copy_(0, layout.write_rows, k[layout.write_index].to(k_buf.dtype))
-        v_buf.index_copy_(0, layout.write_rows, v[layout.write_index].to(v_buf.dtype))
-        # Partials in float32 (whatever the pool dtype), rounded once after the merge, as one rank would.
-        q32 = q.float()
-        outs, lses = zip(*(keys_attention(q32[b:b + 1], *(x.float() for x in attended(
-            k_buf.index_select(0, rows), v_buf.index_select(0, rows), latent)), kv_map)
-                           for b, rows in enumerate(layout.decode_rows)))
-        mine = torch.cat([torch.cat(outs), torch.cat(lses)[..., None]], dim=-1)  # [B, H, D + 1]
-        every = layout.group.all_gather(mine)
-        return merge_partials([(part[..., :-1], part[..., -1]) for part in every]).to(q.dtype)
     if layout.chunk_k_rows is None:  # every rank computed every new token
         k_all, v_all = k, v
     else:  # all-gather the chunk's new K/V (rank r sends [K rows | V rows], padded to max_local)
@@ -309,6 +296,15 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CPLa
     k_stored, v_stored = k_all.to(k_buf.dtype), v_all.to(v_buf.dtype)  # rounded once (float16 KV)
     k_buf.index_copy_(0, layout.write_rows, k_stored[layout.write_index])
     v_buf.index_copy_(0, layout.write_rows, v_stored[layout.write_index])
+    if not layout.prefill:  # sharded decode: every token here, keys split, partials merged
+        # Partials in float32 (whatever the pool dtype), rounded once after the merge, as one rank would.
+        q32 = q.float()
+        outs, lses = zip(*(keys_attention(q32[b:b + 1], *(x.float() for x in attended(
+            k_buf.index_select(0, rows), v_buf.index_select(0, rows), latent)), kv_map)
+                           for b, rows in enumerate(layout.decode_rows)))
+        mine = torch.cat([torch.cat(outs), torch.cat(lses)[..., None]], dim=-1)  # [B, H, D + 1]
+        every = layout.group.all_gather(mine)
+        return merge_partials([(part[..., :-1], part[..., -1]) for part in every]).to(q.dtype)
     k_all, v_all = k_stored.to(k.dtype), v_stored.to(v.dtype)  # attended as a later hit reads them
     out = torch.empty_like(q)
     for b, seq in enumerate(layout.seqs):

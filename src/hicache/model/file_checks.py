@@ -16,7 +16,7 @@ Every message is one sentence, its quoted values cut by :func:`~hicache.model.er
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable
 
 import torch
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from hicache.kernels import cpu_kernels
-from hicache.model.errors import ModelFormatError, ModelNotFoundError, as_float, as_int, cut, quoted
+from hicache.model.errors import ModelFormatError, as_float, as_int, cut, quoted
 from hicache.model.families import Family, gguf_family, gguf_layer_fields
 from hicache.model.file_checks import GGUF_LAYER, check_finite, check_layer_count, check_shapes, check_token_ids
 from hicache.model.gguf_blocks import GGUF_BLOCK_TYPES, GGUFBlockWeight
@@ -37,12 +37,14 @@ _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 # The architecture's metadata this loader reads ("<architecture>.<key>"). Fail closed: any other key of
 # the architecture changes the math in a way the model does not implement, unless it holds the value a
-# plain Llama has (:func:`_neutral`): the file is refused, naming it, rather than run wrongly.
+# plain Llama has (:data:`_NEUTRAL_KEYS`): the file is refused, naming it, rather than run wrongly.
 _READ_KEYS = frozenset({"block_count", "context_length", "embedding_length", "feed_forward_length",
                         "attention.head_count", "attention.head_count_kv", "rope.freq_base",
                         "attention.layer_norm_rms_epsilon", "vocab_size", "rope.dimension_count",
                         "attention.key_length", "attention.value_length", "rope.scaling.type",
                         "rope.scaling.factor", "rope.scaling.original_context_length"})
+# Keys of the architecture beyond those, with the values that leave a Llama unchanged.
+_NEUTRAL_KEYS = {"expert_count": (0,), "expert_used_count": (0,)}
 ROPE_SCALING_TYPES = ("none", "linear", "yarn")  # rope.scaling.type values this loader reads
 # What the tensors a llama file may carry beyond the mapped ones do (for the refusal's sentence).
 ROPE_FACTORS = "rope_freqs.weight"  # Llama 3.1+: a frequency factor per rotary pair (spec "freq_factors")
@@ -82,24 +84,20 @@ def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def _field(reader: GGUFFile, key: str, default=None):
-    return reader.fields.get(key, default)
-
-
 def _check_model(reader: GGUFFile) -> Family:
     """The file's family (model/families.py), after refusing, naming it, what this loader would
     otherwise skip and run wrongly: another architecture (checked before the tokenizer, so the
     sentence names the real problem), a metadata key of the architecture that changes the math, a
     tensor with no place in the model."""
-    family = gguf_family(_field(reader, "general.architecture"))
+    family = gguf_family(reader.fields.get("general.architecture"))
     prefix = f"{family.gguf_architecture}."
     for key, value in reader.fields.items():
         short = key.removeprefix(prefix)
         read = short in _READ_KEYS or short in family.gguf_keys
-        if key.startswith(prefix) and not read and not _neutral(short, value, reader, prefix):
+        if key.startswith(prefix) and not read and value not in _NEUTRAL_KEYS.get(short, ()):
             raise ModelFormatError(f"GGUF metadata {cut(key)} = {quoted(value)} changes the math in a way this engine does "
                                    "not implement yet; the file is refused rather than run wrongly.")
-    scaling = _field(reader, prefix + "rope.scaling.type", "none")
+    scaling = reader.fields.get(prefix + "rope.scaling.type", "none")
     if scaling not in ROPE_SCALING_TYPES:
         raise ModelFormatError(f"GGUF metadata {prefix}rope.scaling.type = {quoted(scaling)} is not implemented (only "
                                f"{', '.join(ROPE_SCALING_TYPES)}); the file is refused rather than run wrongly.")
@@ -113,38 +111,32 @@ def _check_model(reader: GGUFFile) -> Family:
     return family
 
 
-def _neutral(key: str, value, reader: GGUFFile, prefix: str) -> bool:
-    """Whether metadata ``key`` (of the architecture) holds the value that leaves a Llama unchanged."""
-    neutral = {"expert_count": (0,), "expert_used_count": (0,)}
-    return key in neutral and value in neutral[key]
-
-
 def _head_dim(reader: GGUFFile, p: str, hidden: int, heads: int) -> int:
     """A head's width: ``attention.key_length`` where the file says (Qwen3: not hidden / heads), else
     the rotary dimensions, else hidden / heads. Values as wide as keys and rotary over the whole head
     are what the model implements: anything else is refused."""
-    head_dim = _int(reader, p + "attention.key_length", _field(reader, p + "rope.dimension_count", hidden // heads))
+    head_dim = _int(reader, p + "attention.key_length", reader.fields.get(p + "rope.dimension_count", hidden // heads))
     for key in ("attention.value_length", "rope.dimension_count"):
         if _int(reader, p + key, head_dim) != head_dim:
-            raise ModelFormatError(f"GGUF metadata {p}{key} = {_field(reader, p + key)} differs from the head width "
+            raise ModelFormatError(f"GGUF metadata {p}{key} = {reader.fields.get(p + key)} differs from the head width "
                                    f"{head_dim}, which this engine does not implement; the file is refused.")
     return head_dim
 
 
 def _int(reader: GGUFFile, key: str, default=None) -> int:
     """Metadata ``key`` (else ``default``) as a positive integer; one sentence naming it otherwise."""
-    return as_int(_field(reader, key, default), f"GGUF metadata {key}")
+    return as_int(reader.fields.get(key, default), f"GGUF metadata {key}")
 
 
 def _float(reader: GGUFFile, key: str, default: float) -> float:
     """Metadata ``key`` (else ``default``) as a finite positive float; one sentence naming it otherwise."""
-    return as_float(_field(reader, key, default), f"GGUF metadata {key}")
+    return as_float(reader.fields.get(key, default), f"GGUF metadata {key}")
 
 
 def _spec_from_gguf(reader: GGUFFile, tensor_names: set[str], family: Family) -> ModelSpec:
     p = f"{family.gguf_architecture}."
     # first: the spec makes a tuple per layer, and the model a module per layer
-    layers = check_layer_count(_field(reader, p + "block_count"), tensor_names, GGUF_LAYER,
+    layers = check_layer_count(reader.fields.get(p + "block_count"), tensor_names, GGUF_LAYER,
                                f"GGUF metadata {p}block_count", "its tensor table")
     hidden = _int(reader, p + "embedding_length")
     heads = _int(reader, p + "attention.head_count")
@@ -173,14 +165,14 @@ def _rope_scaling(reader: GGUFFile, p: str) -> dict | None:
     llama.cpp's defaults for what the file does not say); else None."""
     tensor = next((t for t in reader.tensors if t.name == ROPE_FACTORS), None)
     if tensor is None:
-        factor = as_float(_field(reader, p + "rope.scaling.factor") or 1.0, f"GGUF metadata {p}rope.scaling.factor")
-        kind = _field(reader, p + "rope.scaling.type", "none")
+        factor = as_float(reader.fields.get(p + "rope.scaling.factor") or 1.0, f"GGUF metadata {p}rope.scaling.factor")
+        kind = reader.fields.get(p + "rope.scaling.type", "none")
         if kind == "none" or factor == 1.0:
             return None
         scaling = {"rope_type": kind, "factor": factor}
         if kind == "yarn":
             scaling["original_max_position_embeddings"] = _int(
-                reader, p + "rope.scaling.original_context_length", _field(reader, p + "context_length", 2048))
+                reader, p + "rope.scaling.original_context_length", reader.fields.get(p + "context_length", 2048))
         return scaling
     if int(tensor.tensor_type) != 0:  # GGML_TYPE_F32, as llama.cpp's converter writes it
         raise ModelFormatError(f"GGUF tensor {ROPE_FACTORS} must be F32, got type {int(tensor.tensor_type)}.")
@@ -211,9 +203,9 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
             name = hf_name(t.name, family)
             if name is None:
                 continue
-            parts = family.parts_of(name) or (name,)  # a fused tensor (Phi-3's attn_qkv) fills its parts row by row
-            if any(p not in params for p in parts):
-                raise ModelFormatError(f"GGUF tensor {t.name} has no place in the model.")
+            # A fused tensor (Phi-3's attn_qkv) fills its parts row by row (every part's there, the rows
+            # add up: check_shapes).
+            parts = family.parts_of(name) or (name,)
             heads = _interleaved_heads(name, spec, family)
             blocks = _row_blocks(t, name, heads) if ops is not None or dtype == torch.float32 else None
             if blocks is not None and ops is not None:
@@ -228,16 +220,14 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
                 values = torch.from_numpy(array)
                 if heads is not None:
                     values = unpermute_rope_rows(values, heads)
-            rows = [params[p].shape[0] for p in parts]
-            if len(parts) > 1 and values.shape[0] != sum(rows):
-                raise ModelFormatError(f"GGUF tensor {t.name} has {values.shape[0]} rows, expected {sum(rows)} "
-                                       f"({' + '.join(map(str, rows))}).")
             first = 0
-            for part, n in zip(parts, rows):
-                piece = values if len(parts) == 1 else values[first:first + n]
+            for part, piece in zip(parts, values.split([params[p].shape[0] for p in parts])):
+                n = piece.shape[0]
                 _assign(params[part], piece, t.name)
-                if blocks is not None and dtype == torch.float32 and _keeps_blocks(part, spec):
-                    # decode steps read these (model/decode_blocks.py)
+                # Decode steps read these (model/decode_blocks.py): all but an embedding that is not also
+                # the LM head (lookups read its float32 rows; no matmul would read the blocks).
+                keeps = part != "model.embed_tokens.weight" or spec.tie_word_embeddings
+                if blocks is not None and dtype == torch.float32 and keeps:
                     model.get_submodule(part.removesuffix(".weight")).gguf_blocks = (
                         blocks if len(parts) == 1 else blocks.rows(first, n))
                 first += n
@@ -245,8 +235,7 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
 
 
 def _assign(target: torch.Tensor, values: torch.Tensor, gguf_name: str) -> None:
-    if tuple(values.shape) != tuple(target.shape):
-        raise ModelFormatError(f"GGUF tensor {gguf_name} has shape {tuple(values.shape)}, expected {tuple(target.shape)}.")
+    """``values`` (of ``target``'s shape: check_shapes) into the parameter ``target``."""
     check_finite(values, f"GGUF tensor {cut(gguf_name)}")
     if values.dtype == target.dtype and values.device == target.device and values.is_contiguous():
         target.data = values  # a tensor of our own already: no second copy (the empty one is freed)
@@ -272,12 +261,6 @@ def _row_blocks(t: GGUFTensor, name: str, heads: int | None) -> GGUFBlockWeight 
     # A copy out of the read-only map either way; numpy's row gather is ~100x torch's on uint8 rows.
     data = np.array(t.data) if heads is None else t.data[unpermute_rope_rows(torch.arange(rows), heads).numpy()]
     return GGUFBlockWeight(int(t.tensor_type), torch.from_numpy(data), int(t.shape[0]))
-
-
-def _keeps_blocks(name: str, spec: ModelSpec) -> bool:
-    """Whether a matrix's module keeps its file blocks: all but an embedding that is not also the
-    LM head (lookups read its float32 rows; no matmul would read the blocks)."""
-    return name != "model.embed_tokens.weight" or spec.tie_word_embeddings
 
 
 def load_gguf_tokenizer(path: Path) -> Tokenizer:

@@ -133,10 +133,6 @@ def _add_special_tokens(tok: HFTokenizer, tokens: Sequence[str], types: Sequence
     as llama.cpp does). A byte-level vocabulary spells every real token in its byte alphabet: one
     marked control outside it is a converter's mislabel, left alone (it would grow the vocabulary)."""
     alphabet = set(bytes_to_unicode().values())
-    control = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types)
-               if ty == CONTROL and (not byte_level or set(t) <= alphabet)]
-    user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == USER_DEFINED]
-    if control:
-        tok.add_special_tokens(control)
-    if user:
-        tok.add_tokens(user)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types)
+                            if ty == CONTROL and (not byte_level or set(t) <= alphabet)])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == USER_DEFINED])

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from hicache.config import ConfigError
 from hicache.model.errors import ModelFormatError, ModelNotFoundError, as_float, as_int, cut, quoted
-from hicache.model.families import DEEPSEEK, hf_family, hf_layer_fields
+from hicache.model.families import DEEPSEEK, config_int, hf_family, hf_layer_fields
 from hicache.model.file_checks import HF_LAYER, check_finite, check_layer_count, check_shapes, check_token_ids
 from hicache.model.llama import LlamaForCausalLM
 from hicache.model.spec import ModelSpec
@@ -71,14 +71,11 @@ def _spec(config: dict, tensor_names: Iterable[str] | None) -> ModelSpec:
     if tensor_names is not None:
         check_layer_count(config["num_hidden_layers"], tensor_names, HF_LAYER, "config.json num_hidden_layers",
                           "the checkpoint")
-    hidden = _int(config, "hidden_size")
-    heads = _int(config, "num_attention_heads")
+    hidden = config_int(config, "hidden_size")
+    heads = config_int(config, "num_attention_heads")
     rope = dict(config.get("rope_parameters") or {})
     rope = dict(rope.get("full_attention", rope))  # per layer kind (Gemma 3): the full layers' here
-    partial = rope.pop("partial_rotary_factor", 1.0)  # transformers 5 keeps it here
-    if partial not in (None, 1.0):
-        raise ModelFormatError(f"config.json partial_rotary_factor = {quoted(partial)} changes the math in a way this "
-                               "engine does not implement; the model is refused rather than run wrongly.")
+    _check_config({"partial_rotary_factor": rope.pop("partial_rotary_factor", None)})  # transformers 5 keeps it here
     scaling = config.get("rope_scaling") or None
     theta = config.get("rope_theta")
     theta = rope.get("rope_theta", 10000.0) if theta is None else theta
@@ -86,31 +83,22 @@ def _spec(config: dict, tensor_names: Iterable[str] | None) -> ModelSpec:
         rope.pop("rope_theta", None)
         scaling = rope if rope.get("rope_type", "default") != "default" else None
     return ModelSpec(
-        num_layers=_int(config, "num_hidden_layers"),
+        num_layers=config_int(config, "num_hidden_layers"),
         hidden_size=hidden,
         num_heads=heads,
         num_kv_heads=as_int(config.get("num_key_value_heads") or heads, "config.json num_key_value_heads"),
         head_dim=as_int(config.get("head_dim") or hidden // heads, "config.json head_dim"),
-        intermediate_size=_int(config, "intermediate_size"),
-        vocab_size=_int(config, "vocab_size"),
+        intermediate_size=config_int(config, "intermediate_size"),
+        vocab_size=config_int(config, "vocab_size"),
         rope_theta=as_float(theta, "config.json rope_theta"),
         rms_norm_eps=as_float(config.get("rms_norm_eps", 1e-6), "config.json rms_norm_eps"),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", family.tie_embeddings)),
-        max_position_embeddings=_int(config, "max_position_embeddings", 2048),
+        max_position_embeddings=config_int(config, "max_position_embeddings", 2048),
         attention_bias=bool(config.get("attention_bias", family.attention_bias)),
         rope_scaling=scaling,
         **hf_layer_fields(family, config),
         **(_mla_fields(config) if family is DEEPSEEK else {}),
     )
-
-
-def _int(config: dict, key: str, default: Any = None) -> int:
-    """``config[key]`` (absent or None: ``default``; no default: KeyError) as a positive integer."""
-    value = config.get(key)
-    value = default if value is None else value
-    if value is None:
-        raise KeyError(key)
-    return as_int(value, f"config.json {key}")
 
 
 def _check_config(config: dict) -> None:

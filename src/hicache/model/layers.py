@@ -107,7 +107,9 @@ def rope_inv_freq(spec: ModelSpec, local: bool = False) -> torch.Tensor:
         in_band = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
         inv_freq = torch.where(in_band, blended, scaled)
     elif kind == "yarn":
-        inv_freq = _yarn(inv_freq, spec, scaling)
+        low, high = _yarn_bounds(spec, scaling)
+        ramp = ((torch.arange(inv_freq.numel(), dtype=torch.float64) - low) / max(high - low, 0.001)).clamp(0, 1)
+        inv_freq = inv_freq / float(scaling["factor"]) * ramp + inv_freq * (1 - ramp)
     return inv_freq.to(torch.float32)
 
 
@@ -124,12 +126,6 @@ def _yarn_bounds(spec: ModelSpec, scaling: dict) -> tuple[float, float]:
     if scaling.get("truncate", True):
         low, high = math.floor(low), math.ceil(high)
     return max(low, 0), min(high, dim - 1)
-
-
-def _yarn(inv_freq: torch.Tensor, spec: ModelSpec, scaling: dict) -> torch.Tensor:
-    low, high = _yarn_bounds(spec, scaling)
-    ramp = ((torch.arange(inv_freq.numel(), dtype=torch.float64) - low) / max(high - low, 0.001)).clamp(0, 1)
-    return inv_freq / float(scaling["factor"]) * ramp + inv_freq * (1 - ramp)
 
 
 def rope_attention_factor(spec: ModelSpec) -> float:

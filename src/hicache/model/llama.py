@@ -84,10 +84,7 @@ class Attention(nn.Module):
         v = qkv[:, qk_heads * self.head_dim:].view(t, self.num_kv_heads, self.head_dim)
 
         out = batch.backend.forward(q, k, v, self, batch, kv)  # [T, H, D]; T may be 0 on a CP rank
-        return self._out(out.flatten(1), batch.generated)
-
-    def _out(self, x: torch.Tensor, generated: bool) -> torch.Tensor:
-        out = self.out(x, generated)
+        out = self.out(out.flatten(1), batch.generated)
         return out if self.tp_reduce is None else self.tp_reduce(out)
 
 
@@ -187,6 +184,8 @@ class DecoderLayer(nn.Module):
 
 
 _INIT_LOCK = threading.Lock()
+_WEIGHT_MODES = {"decode_weights": DECODE_WEIGHTS, "decode_activations": DECODE_ACTIVATIONS,
+                 "prefill_weights": PREFILL_WEIGHTS}
 
 
 @contextlib.contextmanager
@@ -290,24 +289,24 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             yield from (part for part in vars(module).values() if isinstance(part, Projection))
 
-    def set_decode_weights(self, mode: str, prepare: bool = True) -> None:
-        """What decode steps read (see :data:`~hicache.model.projection.DECODE_WEIGHTS`): exact
-        blocks where a matrix has them ("auto"), the loaded weights ("same"), or a dtype copy
-        (lossy unless the dtype holds every weight).
-        ``prepare=False``: make the copies later (a rank packs only its shard, in shard_model)."""
-        self._set_weights("decode_weights", mode, DECODE_WEIGHTS, prepare)
-
-    def set_decode_activations(self, mode: str, prepare: bool = True) -> None:
-        """What decode passes multiply GGUF blocks with (see
-        :data:`~hicache.model.projection.DECODE_ACTIVATIONS`): float32 inputs (exact) or inputs
-        quantized to 8 bits per 32 (lossy, faster)."""
-        self._set_weights("decode_activations", mode, DECODE_ACTIVATIONS, prepare)
-
-    def set_prefill_weights(self, mode: str, prepare: bool = True) -> None:
-        """What passes of more than ``DECODE_ROWS`` rows read (see
-        :data:`~hicache.model.projection.PREFILL_WEIGHTS`): the loaded weights ("same") or a
-        dtype copy (lossy unless the dtype holds every weight)."""
-        self._set_weights("prefill_weights", mode, PREFILL_WEIGHTS, prepare)
+    def set_weights(self, prepare: bool = True, **modes: str) -> None:
+        """What passes read, by setting (each a :class:`Projection` attribute, its modes a tuple of
+        model/projection.py): ``decode_weights`` (:data:`DECODE_WEIGHTS`), what decode steps read:
+        exact blocks where a matrix has them ("auto"), the loaded weights ("same"), or a dtype copy
+        (lossy unless the dtype holds every weight); ``decode_activations``
+        (:data:`DECODE_ACTIVATIONS`), what decode passes multiply GGUF blocks with: float32 inputs
+        (exact) or inputs quantized to 8 bits per 32 (lossy, faster); ``prefill_weights``
+        (:data:`PREFILL_WEIGHTS`), what passes of more than ``DECODE_ROWS`` rows read: the loaded
+        weights or a dtype copy. ``prepare=False``: make the copies later (a rank packs only its
+        shard, in shard_model)."""
+        for phase, mode in modes.items():
+            allowed = _WEIGHT_MODES[phase]
+            if mode not in allowed:
+                raise ValueError(f"{phase.replace('_', ' ')} {mode!r}: expected one of {', '.join(allowed)}")
+            for projection in self.projections():
+                setattr(projection, phase, mode)
+        if prepare:
+            self.prepare_projections()
 
     def set_deterministic(self, on: bool = True) -> None:
         """Deterministic inference: every pass computes a token's row on one path whatever its row
@@ -317,14 +316,6 @@ class LlamaForCausalLM(nn.Module):
         for projection in self.projections():
             projection.row_invariant = on
         self.prepare_projections()
-
-    def _set_weights(self, phase: str, mode: str, allowed: tuple[str, ...], prepare: bool) -> None:
-        if mode not in allowed:
-            raise ValueError(f"{phase.replace('_', ' ')} {mode!r}: expected one of {', '.join(allowed)}")
-        for projection in self.projections():
-            setattr(projection, phase, mode)
-        if prepare:
-            self.prepare_projections()
 
     def weight_bytes(self) -> int:
         """Resident bytes of the weights: the parameters (each storage once) and every decode

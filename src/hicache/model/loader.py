@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import time
 from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,12 +12,14 @@ from pathlib import Path
 import torch
 
 from hicache.config import PassPrecision
+from hicache.kernels import unavailable_reason
+from hicache.model.attention import NATIVE_HEAD_DIMS
 from hicache.model.errors import ModelNotFoundError
 from hicache.model.gguf_loader import is_gguf_file, load_gguf
 from hicache.model.hf_loader import load_hf_dir
 from hicache.model.llama import LlamaForCausalLM
 from hicache.model.packaged import PACKAGED, packaged_model_path
-from hicache.model.projection import DECODE_ACTIVATIONS, DECODE_WEIGHTS, PREFILL_WEIGHTS
+from hicache.model.projection import DECODE_ACTIVATIONS, DECODE_WEIGHTS, PREFILL_WEIGHTS, dense_rows_invariant
 from hicache.model.random_model import init_random_weights, parse_random_spec
 from hicache.model.requantize import VARIANT, parse_variant, requantize_
 from hicache.model.spec import ModelSpec, ModelSpecError
@@ -39,7 +40,6 @@ class LoadedModel:
     spec: ModelSpec
     name: str
     identity: str
-    load_seconds: float = 0.0
 
 
 def _digest(text: str) -> str:
@@ -48,11 +48,8 @@ def _digest(text: str) -> str:
 
 def _file_fingerprint(paths: list[Path]) -> str:
     """Cheap stand-in for a content hash: path, size and mtime of each file."""
-    parts = []
-    for p in sorted(paths):
-        st = p.stat()
-        parts.append(f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}")
-    return _digest("|".join(parts))
+    stats = [(p.resolve(), p.stat()) for p in sorted(paths)]
+    return _digest("|".join(f"{p}:{st.st_size}:{st.st_mtime_ns}" for p, st in stats))
 
 
 def split_variant(name: str) -> tuple[str, str | None]:
@@ -71,7 +68,7 @@ def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.dev
 
     ``seed`` only matters for random models. ``weights=False`` reads only the shape, the
     tokenizer and the identity (``model`` is None): what a process that only tokenizes needs.
-    ``precision`` (:class:`~hicache.config.PassPrecision`): ``decode_weights``, what decode steps read (see :meth:`LlamaForCausalLM.set_decode_weights`);
+    ``precision`` (:class:`~hicache.config.PassPrecision`): ``decode_weights``, what decode steps read (see :meth:`LlamaForCausalLM.set_weights`);
     a lossy dtype copy changes the KV they write, so it is part of the identity (exact blocks
     are the same weights and are not). ``prefill_weights``: what larger passes read ("same", or a
     dtype copy: lossy, so named in the identity too). ``decode_activations``: "int8" has decode
@@ -91,7 +88,6 @@ def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.dev
                              f"expected one of {', '.join(DECODE_ACTIVATIONS)}.")
     if torch.device(device).type != "cpu" and weights:  # every native kernel call is gated on a CPU tensor
         logger.info("native CPU kernels off (the model runs on %s): nothing built", torch.device(device).type)
-    start = time.perf_counter()
     base, variant = split_variant(name)
     if variant is not None:
         try:
@@ -110,7 +106,7 @@ def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.dev
         if model is not None:
             model.set_deterministic(True)
         identity += ":deterministic"
-    return LoadedModel(model, tokenizer, spec, name, identity, time.perf_counter() - start)
+    return LoadedModel(model, tokenizer, spec, name, identity)
 
 
 def _load_base(name: str, base: str, dtype: torch.dtype, device: torch.device | str, weights: bool,
@@ -124,14 +120,13 @@ def _load_base(name: str, base: str, dtype: torch.dtype, device: torch.device | 
         model, tokenizer, spec = load_gguf(path, dtype, device, weights)
         identity = f"gguf:{path.name}:{_file_fingerprint([path])}:{dtype_name}"
     elif base.startswith("random:"):
-        spec = parse_random_spec(base[len("random:"):])
+        spec = parse_random_spec(base.removeprefix("random:"))
         model = None
         if weights:
             model = LlamaForCausalLM(spec, dtype, device)
             init_random_weights(model, seed)
         tokenizer = byte_tokenizer()
-        spec_json = json.dumps(spec.to_dict(), sort_keys=True)
-        identity = f"random:{_digest(spec_json)}:seed={seed}:{dtype_name}"
+        identity = f"random:{_digest(json.dumps(spec.to_dict(), sort_keys=True))}:seed={seed}:{dtype_name}"
         if torch.device(device).type != "cpu":  # drawn there: other values than the CPU's (init_random_weights)
             identity += f":drawn-on-{_generator_grid(torch.device(device))}"
     elif Path(base).expanduser().exists() or "/" in base or base.startswith("."):
@@ -160,10 +155,6 @@ def _generator_grid(device: torch.device) -> str:
 def _check_deterministic(spec: ModelSpec, dtype: torch.dtype, device: torch.device | str,
                          precision: PassPrecision) -> None:
     """Refuse (one sentence each) what deterministic inference does not cover."""
-    from hicache.kernels import unavailable_reason
-    from hicache.model.attention import NATIVE_HEAD_DIMS
-    from hicache.model.projection import dense_rows_invariant
-
     why = None
     if torch.device(device).type != "cpu" or dtype != torch.float32:
         why = "it runs on a CPU in float32 only (--dtype float32 or auto)"
@@ -186,20 +177,17 @@ def _weight_copies(model: LlamaForCausalLM | None, dtype: torch.dtype, precision
     copies (a dtype copy changes the KV its passes write; exact blocks do not) and 8-bit decode
     inputs (``decode_activations``; only where ``file_blocks``: the model has a file's blocks for
     them to meet)."""
-    decode_activations = precision.decode_activations if file_blocks else None
+    decode_activations = precision.decode_activations if file_blocks else "float32"
     suffix = ""
     if decode_activations == "int8" and precision.decode_weights == "auto":
         suffix += ":decode-int8v2"  # v2: Q4_0/Q4_1/Q8_0 rows packed 16 at a time (kernels/gguf_x16.cpp)
-    if model is not None and decode_activations is not None:
-        model.set_decode_activations(decode_activations, prepare=False)
     for phase, mode, allowed, lossless in (("decode", precision.decode_weights, DECODE_WEIGHTS, ("auto", "same")),
                                            ("prefill", precision.prefill_weights, PREFILL_WEIGHTS, ("same",))):
         if mode not in allowed:
             raise ModelSpecError(f"{phase} weights {mode!r}: expected one of {', '.join(allowed)}.")
         if mode not in lossless and getattr(torch, mode) != dtype:
             suffix += f":{phase}-{mode}"
-    if model is not None:
-        # Fuses and packs now (before the pool is sized), or in shard_model for a rank's slices.
-        model.set_prefill_weights(precision.prefill_weights, prepare=False)
-        model.set_decode_weights(precision.decode_weights, prepare=not to_be_sharded)
+    if model is not None:  # fuses and packs now (before the pool is sized), or in shard_model for a rank's slices
+        model.set_weights(prepare=not to_be_sharded, decode_weights=precision.decode_weights,
+                          decode_activations=decode_activations, prefill_weights=precision.prefill_weights)
     return suffix

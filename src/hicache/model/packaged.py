@@ -69,10 +69,6 @@ PACKAGED = {
 }
 
 
-def model_cache_dir() -> Path:
-    return Path(os.environ.get(MODEL_CACHE_ENV, Path.home() / ".cache" / "hicache" / "models"))
-
-
 def packaged_model_path(name: str) -> Path:
     """The GGUF file of packaged model ``name``; ModelNotFoundError saying what to install."""
     model = PACKAGED[name]
@@ -123,7 +119,7 @@ def _joined(model: PackagedModel, parts: list[Path], file_name: str, sha256: str
     if missing:
         raise ModelNotFoundError(f"the packaged model {model.name!r} lacks {missing[0]}: reinstall it "
                                  f"(`{model.install}`).")
-    target = model_cache_dir() / file_name
+    target = Path(os.environ.get(MODEL_CACHE_ENV, Path.home() / ".cache" / "hicache" / "models")) / file_name
     checked = target.with_name(target.name + ".sha256")  # the hash the file was checked against
     total = sum(p.stat().st_size for p in parts)
     if target.is_file() and target.stat().st_size == total and _read(checked) == sha256:

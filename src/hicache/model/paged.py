@@ -324,10 +324,8 @@ def _spans(q: torch.Tensor, new: KVBlock, layer: AttentionLayer, spans: list[Seq
         else:
             full = [attended(k_buf[s:s + n], v_buf[s:s + n], layer.latent) for s, n in span.full_runs]
         own = (new[0][rows], new[1][rows]) if span.causal else None
-        if span.window:
-            out[rows] = _windowed_span(q[rows], full, own, span, layer.kv_map)
-            continue
-        out[rows] = sequence_attention(q[rows], full, own, layer.kv_map)
+        out[rows] = (_windowed_span(q[rows], full, own, span, layer.kv_map) if span.window
+                     else sequence_attention(q[rows], full, own, layer.kv_map))
     return out
 
 

@@ -128,15 +128,13 @@ def shard_model(model: LlamaForCausalLM, shard: ModelShard, tp_reduce: Callable[
         attn.layer = local
         if shard.tp_size > 1 and spec.is_mla:
             _keep_mla_heads(attn, spec, shard.q_heads)
-            _keep_rows(layer.mlp.gate_proj, mlp)
-            _keep_rows(layer.mlp.up_proj, mlp)
-            _keep_cols(layer.mlp.down_proj, mlp)
         elif shard.tp_size > 1:
             _keep_rows(attn.q_proj, q)
             _keep_rows(attn.k_proj, kv)
             _keep_rows(attn.v_proj, kv)
             _keep_cols(attn.o_proj, q)
             attn.num_heads, attn.num_kv_heads, attn.kv_map = nq, nkv, kv_map
+        if shard.tp_size > 1:
             _keep_rows(layer.mlp.gate_proj, mlp)
             _keep_rows(layer.mlp.up_proj, mlp)
             _keep_cols(layer.mlp.down_proj, mlp)

@@ -55,7 +55,7 @@ class Projection:
     doubled, and an in-place load reaches both.
 
     ``decode_weights`` (one of :data:`DECODE_WEIGHTS`, set by
-    :meth:`LlamaForCausalLM.set_decode_weights`): passes of generated tokens (decode, verify) of
+    :meth:`LlamaForCausalLM.set_weights`): passes of generated tokens (decode, verify) of
     at most :attr:`decode_rows` rows read exact blocks or a dtype copy when there is one.
     ``prefill_weights`` (one of :data:`PREFILL_WEIGHTS`): every other pass -- prompt tokens
     whatever their count, larger decode batches -- reads the fused originals, or a dtype copy
@@ -154,8 +154,8 @@ class Projection:
 
     def copies_nbytes(self) -> int:
         """Bytes of the decode and prefill copies (beside the loaded weights)."""
-        copies = [c for c in (self._decode_weight, self._prefill_weight) if c is not None]
-        return sum(c.numel() * c.element_size() for c in copies) + sum(b.resident_nbytes for b in self._blocks)
+        copies = [c.nbytes for c in (self._decode_weight, self._prefill_weight) if c is not None]
+        return sum(copies) + sum(b.resident_nbytes for b in self._blocks)
 
     @property
     def prepared(self) -> bool:
@@ -194,19 +194,17 @@ class Projection:
                     self._bias = torch.cat(biases)
                     for p, view in zip(self.parts, self._bias.split(self._sizes)):
                         p.bias = nn.Parameter(view, requires_grad=False)
-            self._decode_weight, self._blocks = None, []
-            if self.decode_weights == "auto":
-                if self._weight.device.type == "cpu" and cpu_kernels() is not None:
-                    self._blocks = decode_blocks(self.parts, self._weight, cpu_kernels(),
-                                                 int8_activations=self.decode_activations == "int8")
-            elif self.decode_weights != "same":
-                dtype = getattr(torch, self.decode_weights)
-                self._decode_weight = None if dtype == self._weight.dtype else self._weight.to(dtype)
-            self._prefill_weight = None
-            if self.prefill_weights != "same":
-                dtype = getattr(torch, self.prefill_weights)
-                self._prefill_weight = None if dtype == self._weight.dtype else self._weight.to(dtype)
+            self._decode_weight, self._prefill_weight = self._copy(self.decode_weights), self._copy(self.prefill_weights)
+            self._blocks = []
+            if self.decode_weights == "auto" and self._weight.device.type == "cpu" and cpu_kernels() is not None:
+                self._blocks = decode_blocks(self.parts, self._weight, cpu_kernels(),
+                                             int8_activations=self.decode_activations == "int8")
         self._key = self._current_key()
+
+    def _copy(self, mode: str) -> Optional[torch.Tensor]:
+        """The fused weight as a copy in dtype ``mode``; None for "same", "auto" and the weight's own dtype."""
+        dtype = self._weight.dtype if mode in ("same", "auto") else getattr(torch, mode)
+        return None if dtype == self._weight.dtype else self._weight.to(dtype)
 
 
 def _linear_in(weight: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:

@@ -21,8 +21,6 @@ _COMMON = dict(
     rms_norm_eps=1e-5,
     tie_word_embeddings=False,
     max_position_embeddings=4096,
-    attention_bias=False,
-    rope_scaling=None,
 )
 PRESETS: dict[str, dict] = {
     "tiny": dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128, **_COMMON),
@@ -51,21 +49,16 @@ def parse_random_spec(arg: str) -> ModelSpec:
     ``hidden_size // num_heads``.
     """
     arg = arg.strip()
-    if not arg.startswith("{"):
-        if arg not in PRESETS:
-            raise ModelNotFoundError(
-                f"unknown random model preset {arg!r}: expected one of {', '.join(PRESETS)} or a JSON object of fields."
-            )
-        return ModelSpec(**PRESETS[arg])
     try:
-        overrides = json.loads(arg)
+        overrides = json.loads(arg) if arg.startswith("{") else {"preset": arg}
     except json.JSONDecodeError as e:
         raise ModelSpecError(f"random model spec is not valid JSON ({e.msg} at character {e.pos}).") from None
     if not isinstance(overrides, dict):
         raise ModelSpecError("random model spec JSON must be an object of ModelSpec fields.")
     preset = overrides.pop("preset", "tiny")
     if preset not in PRESETS:
-        raise ModelNotFoundError(f"unknown random model preset {preset!r}: expected one of {', '.join(PRESETS)}.")
+        raise ModelNotFoundError(f"unknown random model preset {preset!r}: expected one of {', '.join(PRESETS)} or a "
+                                 "JSON object of fields.")
     fields = {f.name for f in dataclasses.fields(ModelSpec)}
     unknown = sorted(set(overrides) - fields)
     if unknown:
@@ -94,8 +87,4 @@ def init_random_weights(model: LlamaForCausalLM, seed: int) -> None:
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
         values = torch.randn(param.shape, generator=gen, dtype=torch.float32, device=device)
-        if name.endswith("norm.weight"):
-            values = 1.0 + 0.1 * values
-        else:
-            values = INIT_STD * values
-        param.copy_(values)
+        param.copy_(1.0 + 0.1 * values if name.endswith("norm.weight") else INIT_STD * values)

@@ -45,12 +45,9 @@ def requantize_matrix(weight: torch.Tensor, bits: int, group: int) -> torch.Tens
 
 
 @torch.no_grad()
-def requantize_(model: nn.Module, bits: int, group: int) -> int:
+def requantize_(model: nn.Module, bits: int, group: int) -> None:
     """Requantize every ``nn.Linear`` weight and every ``nn.Embedding`` table (a tied LM head
-    reads it) of ``model`` in place; returns how many matrices changed. Norms stay exact."""
-    count = 0
+    reads it) of ``model`` in place. Norms stay exact."""
     for module in model.modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
             module.weight.copy_(requantize_matrix(module.weight, bits, group))
-            count += 1
-    return count

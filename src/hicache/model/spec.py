@@ -127,9 +127,8 @@ class ModelSpec:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ModelSpecError(f"model spec field {name} must be a positive integer, got {value!r}.")
         if self.num_heads % self.num_kv_heads:
-            raise ModelSpecError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})."
-            )
+            raise ModelSpecError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                                 f"({self.num_kv_heads}).")
         if self.head_dim % 2:
             raise ModelSpecError(f"head_dim must be even for rotary embeddings, got {self.head_dim}.")
         self._validate_finite()
@@ -140,9 +139,8 @@ class ModelSpec:
         self._validate_layers()
         rope_type = rope_scaling_type(self.rope_scaling)
         if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ModelSpecError(
-                f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}."
-            )
+            raise ModelSpecError(f"unsupported rope scaling type {rope_type!r}; supported: "
+                                 f"{', '.join(SUPPORTED_ROPE_TYPES)}.")
         factor = (self.rope_scaling or {}).get("factor")
         if rope_type in ("linear", "llama3", "yarn") and not (isinstance(factor, (int, float)) and factor > 0):
             raise ModelSpecError(f"rope scaling {rope_type!r} needs a positive factor, got {factor!r}.")
@@ -191,8 +189,7 @@ class ModelSpec:
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes one token's K and V take over all layers at ``dtype``."""
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -30,16 +30,9 @@ class Tokenizer:
     compile leaves completions working; chats are refused, naming why.
     """
 
-    def __init__(
-        self,
-        tokenizer: HFTokenizer,
-        *,
-        bos_token_id: int | None,
-        eos_token_ids: Iterable[int],
-        add_bos: bool = False,
-        chat_template: str | None = None,
-    ) -> None:
-        self._tok = tokenizer
+    def __init__(self, tokenizer: HFTokenizer, *, bos_token_id: int | None, eos_token_ids: Iterable[int],
+                 add_bos: bool = False, chat_template: str | None = None) -> None:
+        self.backend = tokenizer  # the wrapped ``tokenizers.Tokenizer``
         self.bos_token_id = bos_token_id
         self.eos_token_ids: set[int] = {int(i) for i in eos_token_ids}
         self.add_bos = add_bos and bos_token_id is not None
@@ -56,7 +49,7 @@ class Tokenizer:
     def with_chat_template(self, template: str) -> "Tokenizer":
         """This tokenizer (sharing its backend) rendering chats with ``template`` instead; ConfigError
         when it does not compile."""
-        other = Tokenizer(self._tok, bos_token_id=self.bos_token_id, eos_token_ids=self.eos_token_ids,
+        other = Tokenizer(self.backend, bos_token_id=self.bos_token_id, eos_token_ids=self.eos_token_ids,
                           add_bos=self.add_bos, chat_template=template).with_render_limit(self.render_chars)
         if other._template_error:
             raise ConfigError(f"the chat template does not compile: {other._template_error}.")
@@ -68,32 +61,27 @@ class Tokenizer:
         other.render_chars = max_chars
         return other
 
-    @property
-    def backend(self) -> HFTokenizer:
-        """The wrapped ``tokenizers.Tokenizer``."""
-        return self._tok
-
     def token_to_id(self, token: str) -> int | None:
-        return self._tok.token_to_id(token)
+        return self.backend.token_to_id(token)
 
     def id_to_token(self, token_id: int) -> str | None:
-        return self._tok.id_to_token(token_id)
+        return self.backend.id_to_token(token_id)
 
     def special_token_id(self, text: str) -> int | None:
         """The id of special token ``text`` (text never encodes to it unless it is written whole), or None."""
-        token_id = self._tok.token_to_id(text)
+        token_id = self.backend.token_to_id(text)
         return token_id if token_id in self._special_ids else None
 
     def encode(self, text: str) -> list[int]:
         # encode_batch gives the same ids as encode but releases the GIL while it works, so a
         # server tokenizing a huge prompt on a worker thread keeps answering other requests.
-        ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         if self.add_bos and (not ids or ids[0] != self.bos_token_id):
             ids.insert(0, self.bos_token_id)
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     @property
     def renders_tools(self) -> bool:
@@ -113,16 +101,9 @@ class Tokenizer:
             raise InvalidRequestError("this model has no chat template (a base model?): send a completion, or start "
                                       f"it with --chat-template FILE or one of {', '.join(BUILTIN)}.", param="messages")
         bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
-        eos_id = min(self.eos_token_ids) if self.eos_token_ids else None
-        eos = self.id_to_token(eos_id) if eos_id is not None else ""
-        return render(
-            self._template, self.render_chars,
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=bos or "",
-            eos_token=eos or "",
-            **({"tools": tools} if tools else {}),
-        )
+        eos = self.id_to_token(min(self.eos_token_ids)) if self.eos_token_ids else ""
+        return render(self._template, self.render_chars, messages=messages, add_generation_prompt=add_generation_prompt,
+                      bos_token=bos or "", eos_token=eos or "", **({"tools": tools} if tools else {}))
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -132,15 +113,8 @@ def bytes_to_unicode() -> dict[int, str]:
     code points from 256 upward, in byte order, so no byte becomes whitespace or a control.
     """
     keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table: dict[int, str] = {}
-    shifted = 0
-    for byte in range(256):
-        if byte in keep:
-            table[byte] = chr(byte)
-        else:
-            table[byte] = chr(256 + shifted)
-            shifted += 1
-    return table
+    shifted = iter(range(256, 512))
+    return {byte: chr(byte if byte in keep else next(shifted)) for byte in range(256)}
 
 
 def byte_level_bpe(vocab: dict[str, int], merges: Sequence[tuple[str, str]], split: str | None = None) -> HFTokenizer:
@@ -173,13 +147,6 @@ def byte_tokenizer() -> Tokenizer:
     return Tokenizer(tok, bos_token_id=256, eos_token_ids={257, 259}, add_bos=False, chat_template=CHATML)
 
 
-def _token_content(value: Any) -> str | None:
-    """``tokenizer_config.json`` writes special tokens as a string or ``{"content": ...}``."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
 def _as_id_list(value: Any) -> list[int]:
     if value is None:
         return []
@@ -204,8 +171,9 @@ def load_hf_tokenizer(folder: Path, config: dict) -> Tokenizer:
     gen = _read_json(folder / "generation_config.json")
 
     def lookup(value: Any) -> int | None:
-        content = _token_content(value)
-        return tok.token_to_id(content) if content is not None else None
+        """``tokenizer_config.json`` writes a special token as a string or ``{"content": ...}``."""
+        content = value.get("content") if isinstance(value, dict) else value
+        return tok.token_to_id(content) if isinstance(content, str) else None
 
     bos = lookup(tcfg.get("bos_token"))
     if bos is None:

@@ -6,7 +6,7 @@ ModelSpec fields."""
 from __future__ import annotations
 
 from hicache.model.errors import ModelFormatError, quoted
-from hicache.model.families.base import Family, gguf_layer_fields, hf_layer_fields
+from hicache.model.families.base import Family, config_int, gguf_layer_fields, hf_layer_fields
 from hicache.model.families.deepseek import DEEPSEEK
 from hicache.model.families.gemma3 import GEMMA3
 from hicache.model.families.llama import LLAMA, MISTRAL
@@ -15,7 +15,7 @@ from hicache.model.families.qwen import QWEN2, QWEN3
 
 FAMILIES = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3, PHI3, DEEPSEEK)
 __all__ = ["Family", "FAMILIES", "LLAMA", "MISTRAL", "QWEN2", "QWEN3", "GEMMA3", "PHI3", "DEEPSEEK", "gguf_family",
-           "hf_family", "gguf_layer_fields", "hf_layer_fields"]
+           "hf_family", "gguf_layer_fields", "hf_layer_fields", "config_int"]
 
 
 def gguf_family(architecture: object) -> Family:

@@ -84,20 +84,13 @@ class Family:
         return names
 
 
-def _layer_kinds(family: Family, num_layers: int, window: int) -> tuple[LayerKind, ...]:
-    """Each layer full or sliding: the family's pattern, or every layer sliding where a family
-    without one has a window (Mistral)."""
-    return _patterned(family.sliding_pattern, 0, num_layers) if window else ()
-
-
 def _patterned(period: int, first: int, num_layers: int) -> tuple[LayerKind, ...]:
     """Every ``period``-th layer full, the others sliding; without a period, the layers from ``first`` on sliding."""
     full = (lambda i: (i + 1) % period == 0) if period else (lambda i: i < first)
     return tuple(LayerKind.FULL if full(i) else LayerKind.SLIDING for i in range(num_layers))
 
 
-def _common_fields(family: Family, hidden: int, num_layers: int, window: int) -> dict[str, Any]:
-    kinds = _layer_kinds(family, num_layers, window)
+def _common_fields(family: Family, hidden: int, window: int, kinds: tuple[LayerKind, ...]) -> dict[str, Any]:
     return dict(
         qk_norm=family.qk_norm, hidden_act=family.hidden_act, sandwich_norms=family.sandwich_norms,
         embedding_scale=math.sqrt(hidden) if family.scaled_embeddings else 1.0,
@@ -111,7 +104,9 @@ def gguf_layer_fields(family: Family, fields: Mapping[str, Any], hidden: int, nu
     prefix = f"{family.gguf_architecture}."
     key = prefix + "attention.sliding_window"
     window = as_int(fields.get(key, 0) or 0, f"GGUF metadata {key}", 0)
-    out = _common_fields(family, hidden, num_layers, window)
+    # Each layer full or sliding: the family's pattern, or every layer sliding where a family
+    # without one has a window (Mistral).
+    out = _common_fields(family, hidden, window, _patterned(family.sliding_pattern, 0, num_layers) if window else ())
     if family.gguf_attention_scale is not None:
         out["attention_scale"] = family.gguf_attention_scale(fields, prefix)
     return out
@@ -127,9 +122,8 @@ def hf_layer_fields(family: Family, config: Mapping[str, Any]) -> dict[str, Any]
                                f"computes ({family.hidden_act}); the model is refused rather than run wrongly.")
     num_layers, hidden = int(config["num_hidden_layers"]), int(config["hidden_size"])  # (checked by the caller)
     kinds = _hf_layer_kinds(family, config, num_layers)
-    window = _int(config, "sliding_window", 0, least=0) if LayerKind.SLIDING in kinds else 0
-    out = _common_fields(family, hidden, num_layers, window)
-    out["layer_kinds"] = kinds if window else ()
+    window = config_int(config, "sliding_window", 0, least=0) if LayerKind.SLIDING in kinds else 0
+    out = _common_fields(family, hidden, window, kinds if window else ())
     scalar = config.get("query_pre_attn_scalar")
     if scalar is not None:
         out["attention_scale"] = as_float(scalar, "config.json query_pre_attn_scalar") ** -0.5
@@ -151,16 +145,20 @@ def _hf_layer_kinds(family: Family, config: Mapping[str, Any], num_layers: int) 
             raise ModelFormatError(f"config.json layer_types {quoted(sorted(unknown) or types)} are not implemented "
                                    "(full and sliding attention are); the model is refused rather than run wrongly.")
         return tuple(LayerKind.SLIDING if t == "sliding_attention" else LayerKind.FULL for t in types)
-    window = _int(config, "sliding_window", 0, least=0)
+    window = config_int(config, "sliding_window", 0, least=0)
     if not window or not config.get("use_sliding_window", True) or \
-            window >= _int(config, "max_position_embeddings", 2048):
+            window >= config_int(config, "max_position_embeddings", 2048):
         return ()
-    pattern = _int(config, "sliding_window_pattern", family.sliding_pattern, least=0)
-    first = _int(config, "max_window_layers", 0, least=0) if "use_sliding_window" in config and not pattern else 0
+    pattern = config_int(config, "sliding_window_pattern", family.sliding_pattern, least=0)
+    first = config_int(config, "max_window_layers", 0, least=0) if "use_sliding_window" in config and not pattern else 0
     return _patterned(pattern, first, num_layers)
 
 
-def _int(config: Mapping[str, Any], key: str, default: int, least: int = 1) -> int:
-    """``config[key]`` as an integer (None or absent: ``default``); one sentence naming the key otherwise."""
+def config_int(config: Mapping[str, Any], key: str, default: int | None = None, least: int = 1) -> int:
+    """``config[key]`` (absent or None: ``default``; no default: KeyError) as an integer of at least
+    ``least``; one sentence naming the key otherwise."""
     value = config.get(key)
-    return as_int(default if value is None else value, f"config.json {key}", least)
+    value = default if value is None else value
+    if value is None:
+        raise KeyError(key)
+    return as_int(value, f"config.json {key}", least)
