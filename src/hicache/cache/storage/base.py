@@ -8,8 +8,10 @@ Keys are strings naming a whole prefix (see :mod:`.keys`); an object is the enco
 from __future__ import annotations
 
 import abc
+import dataclasses
+import threading
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Iterator
 
 
 class StorageError(RuntimeError):
@@ -35,6 +37,11 @@ class BackendStats:
         self.gets += asked
         self.get_hits += len(hits)
         self.bytes_read += sum(len(v) for v in hits)
+
+    def count_sets(self, values: list[bytes]) -> None:
+        """``values`` were stored."""
+        self.sets += len(values)
+        self.bytes_written += sum(memoryview(v).nbytes for v in values)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,3 +101,32 @@ class StorageBackend(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional
         """Release connections / file handles."""
+
+
+class RemoteStore(StorageBackend):
+    """What the backends of a store server share: keys under ``options.prefix``, batches of at most
+    ``options.batch_size`` keys, and counters of their own (under a lock: the reader and writer
+    threads share them), shown by ``stats()`` with :meth:`_extra`."""
+
+    def __init__(self, options: RemoteStoreOptions) -> None:
+        self.prefix, self.batch_size = options.prefix, int(options.batch_size)
+        self._c = BackendStats()
+        self._lock = threading.Lock()
+
+    def _chunks(self, keys: list[str]) -> Iterator[tuple[int, list[str]]]:
+        """(first index, the server's keys) of each batch of ``keys``."""
+        for start in range(0, len(keys), self.batch_size):
+            yield start, [self.prefix + k for k in keys[start : start + self.batch_size]]
+
+    def _fail(self, msg: str) -> StorageError:
+        """The error to raise, counted."""
+        with self._lock:
+            self._c.errors += 1
+        return StorageError(msg)
+
+    def _extra(self) -> dict:
+        return {}
+
+    def stats(self) -> BackendStats:
+        with self._lock:
+            return dataclasses.replace(self._c, extra=self._extra())

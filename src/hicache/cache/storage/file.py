@@ -20,7 +20,6 @@ view of the index only.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import logging
 import os
 import re
@@ -29,6 +28,7 @@ import stat
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 from .base import BackendStats, StorageBackend, StorageError
 from .file_index import LruIndex
@@ -122,28 +122,31 @@ class FileBackend(StorageBackend):
         """Rebuild the index from disk; delete stray temp files. Returns how many."""
         found: list[tuple[float, str, int]] = []
         stray = 0
-        for sub in os.scandir(self.root):
-            if not sub.is_dir(follow_symlinks=False) or sub.name.startswith("."):
+        for sub, ent in self._entries():
+            name = ent.name
+            if name.startswith(TMP_PREFIX):
+                if self._is_stray(name):
+                    try:
+                        os.unlink(ent.path)
+                        stray += 1
+                    except OSError:
+                        pass
                 continue
-            for ent in os.scandir(sub.path):
-                name = ent.name
-                if name.startswith(TMP_PREFIX):
-                    if self._is_stray(name):
-                        try:
-                            os.unlink(ent.path)
-                            stray += 1
-                        except OSError:
-                            pass
-                    continue
-                if name.startswith(".") or not _KEY_RE.match(name) or name[:2] != sub.name:
-                    continue
-                try:
-                    st = ent.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                found.append((st.st_mtime, name, st.st_size))
+            if name.startswith(".") or not _KEY_RE.match(name) or name[:2] != sub:
+                continue
+            try:
+                st = ent.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            found.append((st.st_mtime, name, st.st_size))
         self._index.load(found)
         return stray
+
+    def _entries(self) -> Iterator[tuple[str, os.DirEntry]]:
+        """(fan-out directory name, entry) of every file under the fan-out directories."""
+        for sub in os.scandir(self.root):
+            if sub.is_dir(follow_symlinks=False) and not sub.name.startswith("."):
+                yield from ((sub.name, ent) for ent in os.scandir(sub.path))
 
     @staticmethod
     def _is_stray(name: str) -> bool:
@@ -189,7 +192,7 @@ class FileBackend(StorageBackend):
 
     def batch_get(self, keys: list[str]) -> list[bytes | None]:
         out: list[bytes | None] = []
-        hits = nread = errors = 0
+        errors = 0
         first_error = ""
         touch_before = time.time() - self.touch_interval_s
         for key in keys:
@@ -205,16 +208,11 @@ class FileBackend(StorageBackend):
                 out.append(None)
                 continue
             out.append(data)
-            hits += 1
-            nread += len(data)
             with self._lock:
                 self._index.touch(key, len(data))
         with self._lock:
-            s = self._stats
-            s.gets += len(keys)
-            s.get_hits += hits
-            s.bytes_read += nread
-            s.errors += errors
+            self._stats.count_gets(len(keys), out)
+            self._stats.errors += errors
         if errors:
             log.warning("file storage: %d of %d reads failed, first %s", errors, len(keys), first_error)
         if errors and errors == len(keys):
@@ -224,7 +222,7 @@ class FileBackend(StorageBackend):
     def batch_set(self, keys: list[str], values: list[bytes]) -> int:
         if len(keys) != len(values):
             raise ValueError("keys and values differ in length")
-        stored = nbytes = 0
+        stored = 0
         evicted = [0, 0]
         for key, value in zip(keys, values):
             size = memoryview(value).nbytes
@@ -256,10 +254,8 @@ class FileBackend(StorageBackend):
                     log.warning("file storage: publishing %s failed: %s", path, e)
                     break
                 self._index.put(key, size)
-                self._stats.sets += 1
-                self._stats.bytes_written += size
+                self._stats.count_sets([value])
             stored += 1
-            nbytes += size
         if evicted[0]:
             log.info(
                 "file storage: evicted %d objects (%d bytes) to stay under max_bytes %d",
@@ -302,15 +298,12 @@ class FileBackend(StorageBackend):
         """Remove every object (and stray temp file) this directory holds."""
         with self._lock:
             n = len(self._index.sizes)
-            for sub in os.scandir(self.root):
-                if not sub.is_dir(follow_symlinks=False) or sub.name.startswith("."):
-                    continue
-                for ent in os.scandir(sub.path):
-                    name = ent.name
-                    if name.startswith(TMP_PREFIX) and not self._is_stray(name):
-                        continue  # a live writer's temp file; it publishes or cleans itself
-                    if name.startswith(TMP_PREFIX) or _KEY_RE.match(name):
-                        _unlink_quiet(Path(ent.path))
+            for _, ent in self._entries():
+                name = ent.name
+                if name.startswith(TMP_PREFIX) and not self._is_stray(name):
+                    continue  # a live writer's temp file; it publishes or cleans itself
+                if name.startswith(TMP_PREFIX) or _KEY_RE.match(name):
+                    _unlink_quiet(Path(ent.path))
             self._index = LruIndex()
         log.info("file storage at %s cleared (%d indexed objects)", self.root, n)
 
@@ -328,33 +321,17 @@ class FileBackend(StorageBackend):
 
 
 def _read_file(path: Path, touch_before: float | None = None) -> bytes:
-    """The whole file in one allocation (fstat for the size, then one read). If its mtime
-    is older than ``touch_before`` (epoch seconds), refresh it so a restart's LRU order
-    sees this read; the interval keeps that to one ``futimens`` per object per interval."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    try:
-        st = os.fstat(fd)
-        size = st.st_size
-        data = os.read(fd, size)
-        if len(data) < size:
-            # Short read (only for huge files or odd filesystems): finish with a loop.
-            parts = [data]
-            got = len(data)
-            while got < size:
-                chunk = os.read(fd, size - got)
-                if not chunk:
-                    break
-                parts.append(chunk)
-                got += len(chunk)
-            data = b"".join(parts)
-        if touch_before is not None and st.st_mtime < touch_before:
+    """The whole file (``readall``: sized by fstat, finished with a loop on a short read). If its
+    mtime is older than ``touch_before`` (epoch seconds), refresh it so a restart's LRU order sees
+    this read; the interval keeps that to one ``futimens`` per object per interval."""
+    with open(path, "rb", buffering=0) as f:
+        data = f.readall()
+        if touch_before is not None and os.fstat(f.fileno()).st_mtime < touch_before:
             try:
-                os.utime(fd if os.utime in os.supports_fd else path)
+                os.utime(f.fileno() if os.utime in os.supports_fd else path)
             except OSError:
                 pass  # read-only media: recency just is not persisted
-        return data
-    finally:
-        os.close(fd)
+    return data
 
 
 def _unlink_quiet(path: Path) -> None:
@@ -363,6 +340,5 @@ def _unlink_quiet(path: Path) -> None:
     except FileNotFoundError:
         pass
     except OSError as e:
-        if e.errno != errno.ENOENT:
-            log.warning("file storage: could not remove %s: %s", path, e)
+        log.warning("file storage: could not remove %s: %s", path, e)
 

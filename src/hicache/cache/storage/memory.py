@@ -59,8 +59,7 @@ class MemoryBackend(StorageBackend):
                 old = self._objects.pop(key, None)
                 self._bytes += len(value) - (len(old) if old is not None else 0)
                 self._objects[key] = bytes(value)
-                self._stats.sets += 1
-                self._stats.bytes_written += len(value)
+                self._stats.count_sets([value])
                 stored += 1
                 self._evict()
             return stored

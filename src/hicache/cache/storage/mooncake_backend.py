@@ -44,7 +44,8 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from .base import BackendStats, RemoteStoreOptions, StorageBackend, StorageError
+from ...ports import split_host_port
+from .base import RemoteStore, RemoteStoreOptions, StorageError
 
 log = logging.getLogger(__name__)
 
@@ -76,19 +77,12 @@ def code_name(code: int) -> str:
     return f"{_NAMES.get(code, 'error')} ({code})"
 
 
-def _reachable(host: str, port: int, timeout_s: float) -> bool:
+def reachable(host: str, port: int, timeout_s: float) -> bool:
     try:
         with socket.create_connection((host, port), timeout=timeout_s):
             return True
     except OSError:
         return False
-
-
-def _host_port(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"expected HOST:PORT, got {address!r}")
-    return host.strip("[]"), int(port)
 
 
 def _regex_escape(s: str) -> str:
@@ -152,30 +146,30 @@ class MooncakeOptions(RemoteStoreOptions):
     connect_timeout_s: float = 2.0
 
 
-class MooncakeBackend(StorageBackend):
+class MooncakeBackend(RemoteStore):
     """Page objects in a Mooncake Store (:class:`MooncakeOptions`) under its ``prefix``."""
 
     name = "mooncake"
     options_type = MooncakeOptions
 
     def __init__(self, options: MooncakeOptions = MooncakeOptions()) -> None:
+        super().__init__(options)
         o = options
         if int(o.global_segment_size) < 0 or int(o.local_buffer_size) < 0:
             raise ValueError("buffer sizes must not be negative")
         self.master = o.master_server_address
-        self._master_hp = _host_port(o.master_server_address)
+        self._master_hp = split_host_port(o.master_server_address)
+        if self._master_hp is None:
+            raise ValueError(f"expected HOST:PORT, got {o.master_server_address!r}")
         self.metadata_server = o.metadata_server
         self._setup_args = (o.local_hostname, o.metadata_server, int(o.global_segment_size),
                             int(o.local_buffer_size), o.protocol, o.device_name, o.master_server_address)
-        self.prefix, self.batch_size = o.prefix, int(o.batch_size)
         self.connect_timeout_s = float(o.connect_timeout_s)
         self._client = _import_store()()
         self._ready = False
         self._open_lock = threading.Lock()
         self._bufs = {"get": _Buffer(self._client), "put": _Buffer(self._client)}
         self._slot = 0  # read slot per key: the largest object seen, rounded up
-        self._c = BackendStats()
-        self._lock = threading.Lock()  # counters only
         if o.check_at_open:
             self._connect()
         log.info("mooncake storage at master %s (metadata %s) prefix %r segment %d bytes: %s",
@@ -196,23 +190,12 @@ class MooncakeBackend(StorageBackend):
                 port = url.port or (443 if url.scheme == "https" else 80)
                 targets.append(("metadata server", self.metadata_server, (url.hostname, port)))
             for what, where, (host, port) in targets:
-                if not _reachable(host, port, self.connect_timeout_s):
+                if not reachable(host, port, self.connect_timeout_s):
                     raise self._fail(f"mooncake {what} at {where} is unreachable")
             rc = self._client.setup(*self._setup_args)
             if rc != OK:
                 raise self._fail(f"mooncake setup against master {self.master} failed: {code_name(rc)}")
             self._ready = True
-
-    def _fail(self, msg: str) -> StorageError:
-        with self._lock:
-            self._c.errors += 1
-        return StorageError(msg)
-
-    def _k(self, key: str) -> str:
-        return self.prefix + key
-
-    def _chunks(self, n: int) -> range:
-        return range(0, n, self.batch_size)
 
     @contextlib.contextmanager
     def _buffer(self, kind: str, nbytes: int) -> Iterator[tuple[int, memoryview]]:
@@ -245,8 +228,7 @@ class MooncakeBackend(StorageBackend):
     # -- StorageBackend -------------------------------------------------------------------
     def exists_prefix(self, keys: list[str]) -> int:
         self._connect()
-        for start in self._chunks(len(keys)):
-            chunk = [self._k(k) for k in keys[start : start + self.batch_size]]
+        for start, chunk in self._chunks(keys):
             codes = self._client.batch_is_exist(chunk)
             for i, found in enumerate(codes):
                 if found == 1:
@@ -259,8 +241,8 @@ class MooncakeBackend(StorageBackend):
     def batch_get(self, keys: list[str]) -> list[bytes | None]:
         self._connect()
         out: list[bytes | None] = []
-        for start in self._chunks(len(keys)):
-            out.extend(self._get_chunk([self._k(k) for k in keys[start : start + self.batch_size]]))
+        for _, chunk in self._chunks(keys):
+            out.extend(self._get_chunk(chunk))
         with self._lock:
             self._c.count_gets(len(keys), out)
         return out
@@ -316,12 +298,11 @@ class MooncakeBackend(StorageBackend):
             raise ValueError("keys and values differ in length")
         self._connect()
         stored = 0
-        for start in self._chunks(len(keys)):
+        for start, chunk in self._chunks(keys):
             vs = values[start : start + self.batch_size]
-            n = self._put_chunk([self._k(k) for k in keys[start : start + self.batch_size]], vs)
+            n = self._put_chunk(chunk, vs)
             with self._lock:
-                self._c.sets += n
-                self._c.bytes_written += sum(memoryview(v).nbytes for v in vs[:n])
+                self._c.count_sets(vs[:n])
             stored += n
             if n < len(vs):
                 break
@@ -348,10 +329,8 @@ class MooncakeBackend(StorageBackend):
 
     def delete(self, keys: list[str]) -> None:
         self._connect()
-        for start in self._chunks(len(keys)):
-            chunk = [self._k(k) for k in keys[start : start + self.batch_size]]
-            if chunk:
-                self._check_codes("remove", self._client.batch_remove(chunk, True), (NOT_FOUND,))
+        for _, chunk in self._chunks(keys):
+            self._check_codes("remove", self._client.batch_remove(chunk, True), (NOT_FOUND,))
 
     def clear(self) -> None:
         """Remove every object whose key starts with ``prefix`` (a forced regex removal; with an
@@ -362,12 +341,9 @@ class MooncakeBackend(StorageBackend):
             raise self._fail(f"mooncake clear at master {self.master} failed: {code_name(n)}")
         log.info("mooncake storage at %s cleared %d objects under %r", self.master, n, self.prefix)
 
-    def stats(self) -> BackendStats:
-        with self._lock:
-            return dataclasses.replace(self._c, extra={
-                "master": self.master, "prefix": self.prefix, "segment_bytes": self._setup_args[2],
-                "buffer_bytes": sum(b.arr.nbytes for b in self._bufs.values() if b.arr is not None),
-            })
+    def _extra(self) -> dict:
+        return {"master": self.master, "prefix": self.prefix, "segment_bytes": self._setup_args[2],
+                "buffer_bytes": sum(b.arr.nbytes for b in self._bufs.values() if b.arr is not None)}
 
     def close(self) -> None:
         """Unregister the buffers (unless a call still uses one) and close the client."""

