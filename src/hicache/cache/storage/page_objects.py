@@ -15,12 +15,13 @@ and its key is a function of the page hash (and, for grid cells, the namespace d
 from __future__ import annotations
 
 import warnings
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import torch
 
 from ..host_pool import HostKVPool
 from .keys import object_key
+from .objects import decode_checked, encode
 from .unified import Cell, StorageGrid
 
 NAMESPACE_KEY_HEX = 16  # hex chars of the namespace digest in a unified key
@@ -36,6 +37,26 @@ class PageObject(Protocol):
         ...
 
     def load(self, host_page: int, payload: memoryview) -> None: ...
+
+
+def encode_pages(objects: Sequence[PageObject], ns_digest: bytes, hashes: list[bytes], pages: Sequence[tuple[int, int]],
+                 ) -> tuple[list[str], list[bytes]]:
+    """The keys and the encoded objects of ``pages``, (index into ``hashes``, host page) pairs, each
+    page's ``objects`` side by side."""
+    keys = [obj.key(hashes[i], ns_digest) for i, _ in pages for obj in objects]
+    return keys, [encode(ns_digest, hashes[i], obj.page_bytes(int(h))) for i, h in pages for obj in objects]
+
+
+def load_page(objects: Sequence[PageObject], blobs: Sequence[bytes | None], ns_digest: bytes, page_hash: bytes,
+              host_page: int) -> str:
+    """A page's ``objects`` from their ``blobs`` into ``host_page``: "" when every one arrived intact,
+    else why the first did not (``missing``, ``checksum``, ...: a :class:`~.objects.DecodeStatus`)."""
+    for obj, blob in zip(objects, blobs):
+        payload, status = decode_checked(blob, ns_digest, page_hash)
+        if payload is None:
+            return status.value
+        obj.load(host_page, payload)
+    return ""
 
 
 def _page(host: HostKVPool, host_page: int) -> torch.Tensor:

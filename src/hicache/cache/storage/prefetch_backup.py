@@ -32,9 +32,8 @@ from ..host_pool import HostKVPool
 from ..host_transfer import leading_done
 from .base import StorageBackend
 from .guard import GuardedBackend, failure_reason
-from .page_objects import PageObject, WholePage
+from .page_objects import PageObject, WholePage, encode_pages, load_page
 from .storage_ops import BackupOp, PartRead, PartWrite, PrefetchOp, StorageStats, StoredPart
-from .objects import decode_checked, encode
 
 logger = logging.getLogger(__name__)
 
@@ -114,12 +113,6 @@ class StorageController:
     @backend.setter
     def backend(self, backend: StorageBackend) -> None:
         self.guard.inner = backend
-
-    # ---- page <-> object payload ---------------------------------------------------------
-    @staticmethod
-    def _keys(objects: Sequence[PageObject], op, i: int) -> list[str]:
-        """The keys of page ``i`` of ``op``'s objects."""
-        return [obj.key(op.hashes[i], op.ns_digest) for obj in objects]
 
     # ---- scheduler-thread API ------------------------------------------------------------
     def prefetch(self, namespace: str, ns_digest: bytes, hashes: list[bytes], host_pages: np.ndarray,
@@ -203,7 +196,7 @@ class StorageController:
             op.done.set()
 
     def _read(self, op: PrefetchOp) -> None:
-        keys = [self._keys(self.reads, op, i) for i in range(len(op.hashes))]  # per page: its objects
+        keys = [[obj.key(h, op.ns_digest) for obj in self.reads] for h in op.hashes]  # per page: its objects
         mine = _mine(op.owned, len(keys))
         n = len(self.reads)
         try:
@@ -259,24 +252,14 @@ class StorageController:
             return mine[0] - start
         good, n = end - start, len(self.reads)
         for j, i in enumerate(mine):
-            if not self._load_objects(op, i, int(pages[i]), blobs[j * n:(j + 1) * n]):
-                good = i - start
+            failure = load_page(self.reads, blobs[j * n:(j + 1) * n], op.ns_digest, op.hashes[i], int(pages[i]))
+            if failure:
+                op.failure, good = failure, i - start
                 break
         elapsed = time.perf_counter() - t0
         self.stats.prefetch_time_s += elapsed
         self._observe_read(end - start, elapsed)  # per page of the prompt: the owners read theirs at once
         return good
-
-    def _load_objects(self, op: PrefetchOp, i: int, host_page: int, blobs: list) -> bool:
-        """Page ``i``'s objects (its own, then each sidecar's) into ``host_page``; False, with
-        ``op.failure`` set, at the first missing or corrupt one."""
-        for obj, blob in zip(self.reads, blobs):
-            payload, reason = (None, "missing") if blob is None else decode_checked(blob, op.ns_digest, op.hashes[i])
-            if payload is None:
-                op.failure = getattr(reason, "value", str(reason))
-                return False
-            obj.load(host_page, payload)
-        return True
 
     def _observe_read(self, pages: int, seconds: float) -> None:
         """Fold one batch read (``pages`` pages asked for, in ``seconds``) into ``read_page_s``."""
@@ -297,9 +280,7 @@ class StorageController:
         try:
             if n == 0:  # every object of these pages is another rank's to write
                 op.written = len(mine)
-            keys = [k for i in mine for k in self._keys(self.writes, op, i)]
-            blobs = [encode(op.ns_digest, op.hashes[i], obj.page_bytes(int(op.host_pages[i])))
-                     for i in mine for obj in self.writes]
+            keys, blobs = encode_pages(self.writes, op.ns_digest, op.hashes, [(i, op.host_pages[i]) for i in mine])
             for i in range(0, len(blobs), BATCH_PAGES * max(n, 1)):
                 batch = blobs[i : i + BATCH_PAGES * n]
                 stored = self.guard.batch_set(keys[i : i + BATCH_PAGES * n], batch)
