@@ -223,7 +223,7 @@ class DeviceTier:
         if self.placement is not None:
             if not self.placement.follows_rotation(state.pages[:n_pages]):
                 raise AssertionError("a sequence's pages must follow the owner rotation of their positions")
-            existing = self._path_anchor(namespace, tokens)
+            existing = path_anchor(self.placement, self.tree.peek_prefix(namespace, tokens).node)  # any tier's
             if existing is not None and existing != self.placement.anchor_of(state.pages):
                 logger.debug("not caching %d pages of %s: the cached path starts on rank %d, these on rank %d",
                              n_pages, namespace, existing, self.placement.anchor_of(state.pages))
@@ -236,10 +236,6 @@ class DeviceTier:
         if self.lower is not None:
             self.lower.on_insert(self.tree.node_at(namespace, tokens))
         return True
-
-    def _path_anchor(self, namespace: str, tokens: np.ndarray) -> int | None:
-        """The rotation anchor of the cached path ``tokens`` starts with (any tier), or None."""
-        return path_anchor(self.placement, self.tree.peek_prefix(namespace, tokens).node)
 
     def owned_pages(self) -> list[int]:
         """Pages in use (cached or held by requests) on each shard's pool; one entry unsharded."""
@@ -266,17 +262,13 @@ class DeviceTier:
         """The window component's pages and bytes (the full component's are the fields above). A shared
         pool: capacity_pages are the window pages the blocks could hold, pool_bytes the whole pool's."""
         pool, out = self.pool, self.windows.usage()
-        if pool.shared:
-            out.update(evicted_pages=self.stats.evicted_window_pages, window_tokens=self.windows.window,
-                       capacity_tokens=out["capacity_pages"] * self.page_size,
-                       cached_tokens=out.get("cached_pages", 0) * self.page_size,
-                       page_bytes=pool.window_bytes_per_page, pool_bytes=pool.total_bytes,
-                       full_pool_bytes=pool.total_bytes, shared_blocks=True, groups=pool.groups)
-            return out
         out.update(evicted_pages=self.stats.evicted_window_pages, window_tokens=self.windows.window,
                    capacity_tokens=out["capacity_pages"] * self.page_size,
-                   cached_tokens=out.get("cached_pages", 0) * self.page_size,
-                   page_bytes=pool.window_bytes_per_page,
-                   pool_bytes=pool.window_bytes_per_page * pool.window_pages,
-                   full_pool_bytes=pool.bytes_per_page * pool.num_pages)
+                   cached_tokens=out.get("cached_pages", 0) * self.page_size, page_bytes=pool.window_bytes_per_page)
+        if pool.shared:
+            out.update(pool_bytes=pool.total_bytes, full_pool_bytes=pool.total_bytes, shared_blocks=True,
+                       groups=pool.groups)
+        else:
+            out.update(pool_bytes=pool.window_bytes_per_page * pool.window_pages,
+                       full_pool_bytes=pool.bytes_per_page * pool.num_pages)
         return out

@@ -232,14 +232,8 @@ class DeviceWindows:
                 raise AssertionError("a request's window reaches a cached page whose window KV is not held")
             wp[missing] = self._alloc(len(missing))
             # only the new pages' slots change (freed pages' slots are never read again): no O(context) rebuild
-            offsets = np.arange(self.page_size)
-            rows = torch.from_numpy((missing[:, None] * self.page_size + offsets).reshape(-1))
-            if self.shared:
-                for k in range(self.allocator.groups):
-                    state.window.slots[k, rows] = torch.from_numpy(
-                        (self.allocator.table[wp[missing], k][:, None] * self.page_size + offsets).reshape(-1))
-            else:
-                state.window.slots[rows] = torch.from_numpy((wp[missing][:, None] * self.page_size + offsets).reshape(-1))
+            rows = torch.from_numpy((missing[:, None] * self.page_size + np.arange(self.page_size)).reshape(-1))
+            state.window.slots[..., rows] = self.slots(wp[missing])  # a shared pool's: each sliding group's row
         budget = self.budget(max(new_tokens, later_tokens), len(wp))
         if budget < state.window.budget:
             self.reserved -= state.window.budget - budget

@@ -321,12 +321,7 @@ class TransferController:
 def leading_done(ops: Iterable[Any]) -> int:
     """How many ops at the head of an ordered queue have finished (``op.done`` set): the
     ready count of an ack queue, the input to agreement."""
-    n = 0
-    for op in ops:
-        if not op.done.is_set():
-            break
-        n += 1
-    return n
+    return sum(1 for _ in itertools.takewhile(lambda op: op.done.is_set(), ops))
 
 
 def device_pool_device(pool: DeviceKVPool) -> torch.device:

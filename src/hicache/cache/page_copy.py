@@ -181,21 +181,13 @@ def cpu_page_arrays(a: torch.Tensor, b: torch.Tensor) -> tuple[np.ndarray, np.nd
     items when both have contiguous rows; else both as strided numpy arrays of elements (a
     page_unified host layer with several head groups), which numpy copies a contiguous inner
     row at a time."""
-    if _rows_contiguous(a) and _rows_contiguous(b):
+    if all(len(t) == 0 or t[0].is_contiguous() for t in (a, b)):
         return page_items(a), page_items(b)
-    return _as_bits(a), _as_bits(b)
-
-
-def _as_bits(t: torch.Tensor) -> np.ndarray:
-    """``t``'s elements as integers of the same size (numpy has no bfloat16)."""
-    return t.view(_BITS[t.element_size()]).numpy()
+    # elements as integers of the same size (numpy has no bfloat16)
+    return tuple(t.view(_BITS[t.element_size()]).numpy() for t in (a, b))
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _rows_contiguous(t: torch.Tensor) -> bool:
-    return t[0].is_contiguous() if len(t) else True
 
 
 def page_items(t: torch.Tensor) -> np.ndarray:

@@ -91,7 +91,7 @@ class TreeWindows:
         self.index = -1  # set when the tree registers it (PageTree.add_component)
         self.window = window  # tokens
         self.allocator = allocator
-        # set by a hybrid host tier (attach_host_allocator): window pages of a fixed split, or shared blocks
+        # set by a hybrid host tier (HostWindows): window pages of a fixed split, or shared blocks
         self.host_allocator: PageAllocator | SharedWindowAllocator | None = None
         self.held_pages = 0  # window pages the tree holds on the device
         self.evicted_pages_total = 0
@@ -208,9 +208,6 @@ class TreeWindows:
         """``node``'s pages ``idx`` (tombstones) now hold their window KV in device ``pages``."""
         self.of(node).device[idx] = pages
         self.held_pages += len(idx)
-
-    def attach_host_allocator(self, allocator: PageAllocator) -> None:
-        self.host_allocator = allocator
 
     def attach_host(self, node: TreeNode, idx: np.ndarray, pages: np.ndarray) -> None:
         """``node``'s new host copy keeps the window of its pages ``idx`` in host window ``pages``."""

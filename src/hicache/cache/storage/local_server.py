@@ -26,13 +26,9 @@ class LocalServer:
     proc: subprocess.Popen
     workdir: tempfile.TemporaryDirectory = field(repr=False)
 
-    @property
-    def log_path(self) -> Path:
-        return Path(self.workdir.name) / LOG_NAME
-
     def log_tail(self, chars: int = 400) -> str:
         try:
-            return self.log_path.read_text(errors="replace").strip()[-chars:]
+            return (Path(self.workdir.name) / LOG_NAME).read_text(errors="replace").strip()[-chars:]
         except OSError:
             return ""
 

@@ -85,11 +85,6 @@ def reachable(host: str, port: int, timeout_s: float) -> bool:
         return False
 
 
-def _regex_escape(s: str) -> str:
-    """Escape regex syntax characters (ECMAScript's set, also valid for RE2) in ``s``."""
-    return re.sub(r"([\^$\\.*+?()\[\]{}|])", r"\\\1", s)
-
-
 class _Buffer:
     """A byte array registered with the client for zero-copy transfers, grown on demand."""
 
@@ -336,7 +331,8 @@ class MooncakeBackend(RemoteStore):
         """Remove every object whose key starts with ``prefix`` (a forced regex removal; with an
         empty prefix that is every object in the store)."""
         self._connect()
-        n = self._client.remove_by_regex("^" + _regex_escape(self.prefix), True)
+        # regex syntax characters (ECMAScript's set, also valid for RE2) escaped: a literal prefix
+        n = self._client.remove_by_regex("^" + re.sub(r"([\^$\\.*+?()\[\]{}|])", r"\\\1", self.prefix), True)
         if n < 0:
             raise self._fail(f"mooncake clear at master {self.master} failed: {code_name(n)}")
         log.info("mooncake storage at %s cleared %d objects under %r", self.master, n, self.prefix)
