@@ -260,7 +260,7 @@ class DeviceWindows:
         n = state.cached_pages
         first = self.first_page(n * self.page_size)
         state.window.pages[first:n] = hit_window[first:n]
-        self._lock(state, n)
+        state.window.lock = self.lock_hit(state.node, n)
         state.window.slots = self.slots(state.window.pages)
 
     def release(self, state) -> None:
@@ -314,12 +314,6 @@ class DeviceWindows:
             else:
                 self.stats.evicted_window_pages += self.cached.evict(-(-short // g), spare_only=step == "spare")
         return a.available - start
-
-    def _lock(self, state, end_page: int) -> None:
-        if self.tree is None or end_page == 0:
-            return
-        state.window.lock = (end_page, self.first_page(end_page * self.page_size))
-        self.cached.lock(state.node, *state.window.lock)
 
     def _free_own(self, state, before: int) -> None:
         """Free the request's own window pages (those past its cached pages) before page ``before``,

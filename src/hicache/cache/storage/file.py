@@ -266,25 +266,21 @@ class FileBackend(StorageBackend):
     def _write_tmp(self, path: Path, value: bytes) -> Path:
         """Write ``value`` to a fresh temp file next to ``path``; return the temp path."""
         tmp = path.parent / f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{path.name}"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
         try:
-            fd = os.open(tmp, flags, 0o644)
+            f = open(tmp, "xb")  # O_EXCL: never another writer's file
         except FileNotFoundError:
             # Fan-out directory missing (first write there, or removed by clear()).
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(tmp, flags, 0o644)
+            f = open(tmp, "xb")
         try:
-            mv = memoryview(value).cast("B")
-            while mv:
-                n = os.write(fd, mv)
-                mv = mv[n:]
-            if self.fsync:
-                os.fsync(fd)
+            with f:
+                f.write(memoryview(value).cast("B"))
+                if self.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
         except BaseException:
-            os.close(fd)
             _unlink_quiet(tmp)
             raise
-        os.close(fd)
         return tmp
 
     def delete(self, keys: list[str]) -> None:

@@ -94,11 +94,11 @@ class StorageController:
         self._ids = itertools.count()
         self._backups: deque[BackupOp] = deque()
         self._inline = False  # see run_inline
-        self._queues: dict[str, queue.Queue] = {"prefetch": queue.Queue(), "backup": queue.Queue()}
-        self._threads = [
-            threading.Thread(target=self._prefetch_worker, name="hicache-prefetch", daemon=True),
-            threading.Thread(target=self._backup_worker, name="hicache-storage-backup", daemon=True),
-        ]
+        # each kind's ops, run in order by its thread (``_run``): name, queue, what runs an op
+        self._kinds = {"prefetch": ("hicache-prefetch", queue.Queue(), self._prefetch),
+                       "backup": ("hicache-storage-backup", queue.Queue(), self._backup)}
+        self._threads = [threading.Thread(target=self._work, args=(kind,), name=name, daemon=True)
+                         for kind, (name, *_) in self._kinds.items()]
         for t in self._threads:
             t.start()
         # Test hook (fault injection): seconds to sleep before each batch read.
@@ -127,10 +127,7 @@ class StorageController:
                         parts={name: PartRead(pages) for name, pages in parts.items() if pages is not None},
                         start_page=start_page)
         self.stats.prefetch_ops += 1
-        if self._inline:
-            self._prefetch(op)
-        else:
-            self._queues["prefetch"].put(op)
+        self._run("prefetch", op)
         return op
 
     def backup(self, ns_digest: bytes, hashes: list[bytes], host_pages: np.ndarray, payload: list,
@@ -139,10 +136,7 @@ class StorageController:
         op = BackupOp(next(self._ids), ns_digest, hashes, host_pages, payload, owned,
                       {name: part for name, part in parts.items() if len(part.index)})
         self._backups.append(op)
-        if self._inline:
-            self._backup(op)
-        else:
-            self._queues["backup"].put(op)
+        self._run("backup", op)
         return op
 
     def run_inline(self) -> None:
@@ -172,16 +166,25 @@ class StorageController:
 
     def _stop_threads(self) -> None:
         """After the ops already queued."""
-        for q in self._queues.values():
+        for _, q, _ in self._kinds.values():
             q.put(None)
         for t in self._threads:
             t.join(timeout=5)
 
     # ---- background threads --------------------------------------------------------------
-    def _prefetch_worker(self) -> None:
+    def _run(self, kind: str, op: PrefetchOp | BackupOp) -> None:
+        """``op`` to its kind's thread (inline: run it now)."""
+        _, ops, run = self._kinds[kind]
+        if self._inline:
+            run(op)
+        else:
+            ops.put(op)
+
+    def _work(self, kind: str) -> None:
         run_torch_alone()  # its copies on this thread: an OpenMP pool of its own would slow every step
-        while (op := self._queues["prefetch"].get()) is not None:
-            self._prefetch(op)
+        _, ops, run = self._kinds[kind]
+        while (op := ops.get()) is not None:
+            run(op)
 
     def _prefetch(self, op: PrefetchOp) -> None:
         try:
@@ -266,11 +269,6 @@ class StorageController:
         per_page = seconds / pages
         last = self.read_page_s
         self.read_page_s = per_page if last is None else last + READ_EWMA_ALPHA * (per_page - last)
-
-    def _backup_worker(self) -> None:
-        run_torch_alone()  # its copies on this thread: an OpenMP pool of its own would slow every step
-        while (op := self._queues["backup"].get()) is not None:
-            self._backup(op)
 
     def _backup(self, op: BackupOp) -> None:
         """One backup op, on the backup thread (or inline)."""
