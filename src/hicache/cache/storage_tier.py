@@ -116,12 +116,9 @@ class StorageTier:
         if host is None:
             return None
         hashes = page_hashes(tokens[start * self.page_size : (start + tail) * self.page_size], self.page_size, prev)
-        parts = {name: part.reserve_prefetch(start + tail) for name, part in self.host.parts.items()}
-        if self.shard is None:
-            op = self.controller.prefetch(namespace, digest, hashes, host, start_page=start, parts=parts)
-        else:
-            op = self.controller.prefetch(namespace, digest, hashes, host, self.shard.owned_indices(host),
-                                          self.shard.local(host), start)
+        parts = {name: part.reserve_prefetch(start + tail) for name, part in self.host.parts.items()}  # none sharded
+        owned, local = (None, None) if self.shard is None else (self.shard.owned_indices(host), self.shard.local(host))
+        op = self.controller.prefetch(namespace, digest, hashes, host, owned, local, start, parts)
         self.prefetch_held_pages += tail
         logger.debug("prefetch op=%d pages=%d from page %d", op.op_id, tail, start)
         return op
@@ -192,14 +189,11 @@ class StorageTier:
             n.stored = True
             self.tree.inc_host_ref(n)
             hashes = list(node_hashes(n, self.keys))
-            if self.shard is None:
-                parts = {name: PartWrite(*stored, self._superseded_hashes(n, part) if len(stored[0]) else [])
-                         for name, part in self.host.parts.items() if (stored := part.stored(n)) is not None}
-                self.controller.backup(self.keys.digest(n.namespace), hashes, n.host_pages.copy(), [n], parts=parts)
-            else:
-                owned = self.shard.owned_indices(n.host_pages)
-                self.controller.backup(self.keys.digest(n.namespace), hashes, self.shard.local(n.host_pages), [n],
-                                       owned)
+            parts = {name: PartWrite(*stored, self._superseded_hashes(n, part) if len(stored[0]) else [])  # not sharded
+                     for name, part in self.host.parts.items() if (stored := part.stored(n)) is not None}
+            owned = None if self.shard is None else self.shard.owned_indices(n.host_pages)
+            pages = n.host_pages.copy() if self.shard is None else self.shard.local(n.host_pages)
+            self.controller.backup(self.keys.digest(n.namespace), hashes, pages, [n], owned, parts)
 
     def _superseded_hashes(self, node: TreeNode, part: HostWindows) -> list[bytes]:
         """Page hashes of stored ancestors' checkpoint pages that ``node``'s checkpoint supersedes

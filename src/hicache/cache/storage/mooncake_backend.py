@@ -39,7 +39,7 @@ import logging
 import re
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -86,10 +86,11 @@ def reachable(host: str, port: int, timeout_s: float) -> bool:
 
 
 class _Buffer:
-    """A byte array registered with the client for zero-copy transfers, grown on demand."""
+    """A byte array registered with the client for zero-copy transfers, grown on demand (``fail``:
+    the backend's counted StorageError)."""
 
-    def __init__(self, client) -> None:
-        self.client = client
+    def __init__(self, client, fail: Callable[[str], StorageError]) -> None:
+        self.client, self.fail = client, fail
         self.arr: np.ndarray | None = None
         self.lock = threading.Lock()
 
@@ -101,7 +102,7 @@ class _Buffer:
             arr = np.empty(size, dtype=np.uint8)
             rc = self.client.register_buffer(arr.ctypes.data, size)
             if rc != OK:
-                raise StorageError(f"mooncake could not register a {size}-byte buffer: {code_name(rc)}")
+                raise self.fail(f"mooncake could not register a {size}-byte buffer: {code_name(rc)}")
             self.arr = arr
         return self.arr.ctypes.data, memoryview(self.arr)
 
@@ -163,7 +164,7 @@ class MooncakeBackend(RemoteStore):
         self._client = _import_store()()
         self._ready = False
         self._open_lock = threading.Lock()
-        self._bufs = {"get": _Buffer(self._client), "put": _Buffer(self._client)}
+        self._bufs = {"get": _Buffer(self._client, self._fail), "put": _Buffer(self._client, self._fail)}
         self._slot = 0  # read slot per key: the largest object seen, rounded up
         if o.check_at_open:
             self._connect()
@@ -197,23 +198,16 @@ class MooncakeBackend(RemoteStore):
         """The reused registered buffer of ``kind``; a temporary one while it is busy (a call
         abandoned by the caller's deadline may still be using it)."""
         buf = self._bufs[kind]
-        if buf.lock.acquire(blocking=False):
-            try:
-                yield self._ensure(buf, nbytes)
-            finally:
-                buf.lock.release()
-            return
-        tmp = _Buffer(self._client)
+        reused = buf.lock.acquire(blocking=False)
+        if not reused:
+            buf = _Buffer(self._client, self._fail)
         try:
-            yield self._ensure(tmp, nbytes)
+            yield buf.ensure(nbytes)
         finally:
-            tmp.release()
-
-    def _ensure(self, buf: _Buffer, nbytes: int) -> tuple[int, memoryview]:
-        try:
-            return buf.ensure(nbytes)
-        except StorageError as e:
-            raise self._fail(str(e)) from e
+            if reused:
+                buf.lock.release()
+            else:
+                buf.release()
 
     def _check_codes(self, op: str, codes: list[int], ok: tuple[int, ...]) -> None:
         """StorageError when every key failed with an error (the store failed as a whole)."""
