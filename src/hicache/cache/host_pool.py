@@ -60,6 +60,7 @@ class HostKVPool:
         layer_page = 2 * self.page_size * k0[0].numel() * k0.element_size()  # one layer's K + V of a page
         # The host layer (row) of each device layer held; a shared pool's rows are the device pool's tensors.
         self.window_blocks: np.ndarray | None = None
+        self.shared = bool(window_ids)  # full pages and window pages are blocks of this one pool
         if window_ids:
             if not device_pool.shared:
                 raise ValueError("a host pool of blocks needs a device pool of shared blocks")
@@ -78,6 +79,7 @@ class HostKVPool:
             self.num_layers = len(self.layers)
             self.window_page_bytes = layer_page * self.num_layers
         self.bytes_per_page = layer_page * self.num_layers  # a shared pool's: a block's
+        self.total_bytes = self.bytes_per_page * num_pages
         # A hybrid device pool's host pool of its window layers (checkpoints only): another pool of its
         # own page ids (two pools), this one (shared blocks), None (no window layers).
         self.window_pool: HostKVPool | None = self if window_ids else None
@@ -101,15 +103,6 @@ class HostKVPool:
         else:
             logger.info("host KV pool: %d pages x %d tokens, %s, %.1f MiB%s", num_pages - 1, self.page_size, layout,
                         needed / 2**20, " pinned" if pin else "")
-
-    @property
-    def total_bytes(self) -> int:
-        return self.bytes_per_page * self.num_pages
-
-    @property
-    def shared(self) -> bool:
-        """Whether full pages and window pages are blocks of this one pool."""
-        return self.window_blocks is not None
 
     def window_rows(self, window_pages: np.ndarray, group: int) -> np.ndarray:
         """The pages of this pool that hold window pages ``window_pages`` for sliding ``group`` (0 but

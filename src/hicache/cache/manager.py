@@ -151,6 +151,9 @@ class KVCacheManager:
         self.device = DeviceTier(pool, policy.eviction_policy, policy.enable_prefix_cache, self.host_allocator,
                                  self.stats, placement)
         self.allocator, self.tree = self.device.allocator, self.device.tree
+        self.capacity_pages = self.allocator.capacity
+        # usable pages of a hybrid pool's window component (0: none)
+        self.window_capacity_pages = self.device.windows.allocator.capacity if self.device.windows is not None else 0
         self.keys = _key_namespace(pool, layout.shard, unified)
         self.host: HostTier | None = None
         self.storage_tier: StorageTier | None = None
@@ -174,20 +177,11 @@ class KVCacheManager:
         self.kv_view = _KVView(pool, self.controller)
         self.sidecar_view = None if sidecar is None else _KVView(sidecar[0], self.controller, len(pool.k_buffers))
 
-    @property
-    def capacity_pages(self) -> int:
-        return self.allocator.capacity
-
     def window_tail(self, prompt_tokens: int) -> int | None:
         """A hybrid pool: the first token of a prompt's fresh SWA tail (the window its checkpoint and
         first decode step read), which P/D moves for the window layers; None without a window pool."""
         windows = self.device.windows
         return None if windows is None else windows.tail_page(prompt_tokens) * self.page_size
-
-    @property
-    def window_capacity_pages(self) -> int:
-        """Usable pages of a hybrid pool's window component (0: none)."""
-        return self.device.windows.allocator.capacity if self.device.windows is not None else 0
 
     def pages_for(self, num_tokens: int) -> int:
         return self.device.pages_for(num_tokens)

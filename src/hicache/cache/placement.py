@@ -83,16 +83,12 @@ class ShardedPageAllocator:
         self.placement = placement
         self.pages_per_shard = pages_per_shard
         self.num_pages = placement.num_shards * pages_per_shard  # logical ids 0 .. num_pages-1
+        self.capacity = self.num_pages - placement.num_shards  # usable logical pages (no shard's padding page)
         self.reset()
 
     def reset(self) -> None:
         n = self.placement.num_shards
         self._free = [list(range(self.pages_per_shard * n + owner - n, owner, -n)) for owner in range(n)]
-
-    @property
-    def capacity(self) -> int:
-        """Usable logical pages (excludes every shard's padding page)."""
-        return self.num_pages - self.placement.num_shards
 
     @property
     def available(self) -> int:
