@@ -205,6 +205,5 @@ def path_anchor(placement: PagePlacement, node) -> int | None:
     host pages; a path keeps one rotation in every tier), or None when there is no node."""
     if node is None or node.is_root:
         return None
-    while not node.parent.is_root:
-        node = node.parent
+    *_, node = node.lineage()  # the path's first node
     return placement.anchor_of(node.device_pages if node.device_pages is not None else node.host_pages)

@@ -213,35 +213,31 @@ class RadixCache(LeafEviction):
             self.evictable_pages += sign * node.num_pages
 
     def inc_lock_ref(self, node: TreeNode) -> None:
-        while node is not None and not node.is_root:
-            if node.lock_ref == 0:
-                self.evictable_pages -= node.num_pages
-                self.protected_pages += node.num_pages
-            node.lock_ref += 1
-            node = node.parent
+        for n in node.lineage():
+            if n.lock_ref == 0:
+                self.evictable_pages -= n.num_pages
+                self.protected_pages += n.num_pages
+            n.lock_ref += 1
 
     def dec_lock_ref(self, node: TreeNode) -> None:
-        while node is not None and not node.is_root:
-            if node.lock_ref <= 0:
-                raise RuntimeError(f"unlock of an unlocked node {node}")
-            node.lock_ref -= 1
-            if node.lock_ref == 0:
-                self.protected_pages -= node.num_pages
-                self.evictable_pages += node.num_pages
-            node = node.parent
+        for n in node.lineage():
+            if n.lock_ref <= 0:
+                raise RuntimeError(f"unlock of an unlocked node {n}")
+            n.lock_ref -= 1
+            if n.lock_ref == 0:
+                self.protected_pages -= n.num_pages
+                self.evictable_pages += n.num_pages
 
     def inc_host_ref(self, node: TreeNode) -> None:
         """Protect the host copies of ``node`` and its ancestors from L2 eviction."""
-        while node is not None and not node.is_root:
-            node.host_ref += 1
-            node = node.parent
+        for n in node.lineage():
+            n.host_ref += 1
 
     def dec_host_ref(self, node: TreeNode) -> None:
-        while node is not None and not node.is_root:
-            if node.host_ref <= 0:
-                raise RuntimeError(f"host unref of an unprotected node {node}")
-            node.host_ref -= 1
-            node = node.parent
+        for n in node.lineage():
+            if n.host_ref <= 0:
+                raise RuntimeError(f"host unref of an unprotected node {n}")
+            n.host_ref -= 1
 
     def attach_host_pages(self, node: TreeNode, host_pages: np.ndarray) -> None:
         """Record ``node``'s L2 copy (its backup is in flight while the node stays locked)."""

@@ -17,6 +17,7 @@ prefetches that are running or stopped but not yet reaped, and stays under the l
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
@@ -179,13 +180,8 @@ class StorageTier:
     # ---- backups -------------------------------------------------------------------------
     def on_insert(self, node: TreeNode | None) -> None:
         """``node`` has a host copy now: write the host copies on its path that storage lacks."""
-        path = []
-        n = node
-        while not n.is_root and not n.stored:
-            if n.host_pages is not None:
-                path.append(n)
-            n = n.parent
-        for n in reversed(path):
+        unstored = itertools.takewhile(lambda m: not m.stored, node.lineage())
+        for n in reversed([m for m in unstored if m.host_pages is not None]):
             n.stored = True
             self.tree.inc_host_ref(n)
             hashes = list(node_hashes(n, self.keys))

@@ -12,7 +12,7 @@ change them through the tree and its components.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Protocol
+from typing import Any, Iterable, Iterator, Protocol
 
 import numpy as np
 
@@ -43,6 +43,13 @@ class TreeNode:
     @property
     def is_root(self) -> bool:
         return self.parent is None
+
+    def lineage(self) -> Iterator[TreeNode]:
+        """This node and its ancestors, nearest first, the root left out."""
+        node = self
+        while not node.is_root:
+            yield node
+            node = node.parent
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, tokens={len(self.key)}, lock_ref={self.lock_ref})"
