@@ -19,17 +19,14 @@ from __future__ import annotations
 
 import itertools
 import logging
-import queue
-import threading
 import time
 from collections import deque
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from ...openmp import run_torch_alone
 from ..host_pool import HostKVPool
-from ..host_transfer import leading_done
+from ..host_transfer import OpThreads, leading_done
 from .base import StorageBackend
 from .guard import GuardedBackend, failure_reason
 from .page_objects import PageObject, WholePage, encode_pages, load_page
@@ -93,14 +90,8 @@ class StorageController:
         self.read_page_s: float | None = None
         self._ids = itertools.count()
         self._backups: deque[BackupOp] = deque()
-        self._inline = False  # see run_inline
-        # each kind's ops, run in order by its thread (``_run``): name, queue, what runs an op
-        self._kinds = {"prefetch": ("hicache-prefetch", queue.Queue(), self._prefetch),
-                       "backup": ("hicache-storage-backup", queue.Queue(), self._backup)}
-        self._threads = [threading.Thread(target=self._work, args=(kind,), name=name, daemon=True)
-                         for kind, (name, *_) in self._kinds.items()]
-        for t in self._threads:
-            t.start()
+        self._workers = OpThreads({"prefetch": ("hicache-prefetch", lambda op, _: self._prefetch(op)),
+                                   "backup": ("hicache-storage-backup", lambda op, _: self._backup(op))})
         # Test hook (fault injection): seconds to sleep before each batch read.
         self.read_delay_fn = None
 
@@ -127,7 +118,7 @@ class StorageController:
                         parts={name: PartRead(pages) for name, pages in parts.items() if pages is not None},
                         start_page=start_page)
         self.stats.prefetch_ops += 1
-        self._run("prefetch", op)
+        self._workers.put("prefetch", op)
         return op
 
     def backup(self, ns_digest: bytes, hashes: list[bytes], host_pages: np.ndarray, payload: list,
@@ -136,15 +127,15 @@ class StorageController:
         op = BackupOp(next(self._ids), ns_digest, hashes, host_pages, payload, owned,
                       {name: part for name, part in parts.items() if len(part.index)})
         self._backups.append(op)
-        self._run("backup", op)
+        self._workers.put("backup", op)
         return op
 
     def run_inline(self) -> None:
         """From now on read and write on the calling thread, at once (the trace simulator:
         nothing to overlap with, no thread hand-offs to pay). One rank only: the agreement
         functions belong to the prefetch and backup threads."""
-        self._stop_threads()
-        self._inline = True
+        self._workers.stop()
+        self._workers.inline = True
 
     def backup_ready_count(self) -> int:
         return leading_done(self._backups)
@@ -161,31 +152,10 @@ class StorageController:
         return ops
 
     def shutdown(self) -> None:
-        self._stop_threads()
+        self._workers.stop()  # after the ops already queued
         self.guard.close()
 
-    def _stop_threads(self) -> None:
-        """After the ops already queued."""
-        for _, q, _ in self._kinds.values():
-            q.put(None)
-        for t in self._threads:
-            t.join(timeout=5)
-
     # ---- background threads --------------------------------------------------------------
-    def _run(self, kind: str, op: PrefetchOp | BackupOp) -> None:
-        """``op`` to its kind's thread (inline: run it now)."""
-        _, ops, run = self._kinds[kind]
-        if self._inline:
-            run(op)
-        else:
-            ops.put(op)
-
-    def _work(self, kind: str) -> None:
-        run_torch_alone()  # its copies on this thread: an OpenMP pool of its own would slow every step
-        _, ops, run = self._kinds[kind]
-        while (op := ops.get()) is not None:
-            run(op)
-
     def _prefetch(self, op: PrefetchOp) -> None:
         try:
             self._read(op)
