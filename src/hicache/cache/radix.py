@@ -39,15 +39,9 @@ class RadixCache(LeafEviction):
     """The prefix index of every tier: match / insert / lock / evict over logical token pages.
     It keeps each node's tier state consistent; when to copy between tiers is the tiers' policy."""
 
-    def __init__(
-        self,
-        page_size: int,
-        allocator: PageAllocator,
-        eviction_policy: str = "lru",
-        host_allocator: PageAllocator | None = None,
-        window: int = 0,
-        window_allocator: PageAllocator | None = None,
-    ) -> None:
+    def __init__(self, page_size: int, allocator: PageAllocator, eviction_policy: str = "lru",
+                 host_allocator: PageAllocator | None = None, window: int = 0,
+                 window_allocator: PageAllocator | None = None) -> None:
         """``window`` (tokens) and ``window_allocator``: a hybrid pool's sliding-window component
         (``self.windows``, :mod:`.window_tree`); 0 / None without one."""
         super().__init__(page_size, allocator, host_allocator, eviction_policy)

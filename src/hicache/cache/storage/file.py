@@ -81,14 +81,8 @@ class FileBackend(StorageBackend):
 
     name = "file"
 
-    def __init__(
-        self,
-        path: str | os.PathLike | None = None,
-        max_bytes: int | None = None,
-        fsync: bool = False,
-        touch_on_read: bool = True,
-        touch_interval_s: float = 60.0,
-    ) -> None:
+    def __init__(self, path: str | os.PathLike | None = None, max_bytes: int | None = None, fsync: bool = False,
+                 touch_on_read: bool = True, touch_interval_s: float = 60.0) -> None:
         self.root = Path(path).expanduser() if path else default_dir()
         if max_bytes is not None and int(max_bytes) <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
@@ -196,20 +190,17 @@ class FileBackend(StorageBackend):
         first_error = ""
         touch_before = time.time() - self.touch_interval_s
         for key in keys:
-            path = self.path_of(key)
+            path, data = self.path_of(key), None
             try:
                 data = _read_file(path, touch_before if self.touch_on_read else None)
+                with self._lock:
+                    self._index.touch(key, len(data))
             except FileNotFoundError:
-                out.append(None)
-                continue
+                pass
             except OSError as e:  # unreadable, not missing: counted and logged (once per batch)
                 errors += 1
                 first_error = first_error or f"{path}: {e}"
-                out.append(None)
-                continue
             out.append(data)
-            with self._lock:
-                self._index.touch(key, len(data))
         with self._lock:
             self._stats.count_gets(len(keys), out)
             self._stats.errors += errors
@@ -227,10 +218,8 @@ class FileBackend(StorageBackend):
         for key, value in zip(keys, values):
             size = memoryview(value).nbytes
             if self.max_bytes is not None and size > self.max_bytes:
-                log.warning(
-                    "file storage: object %s (%d bytes) is larger than max_bytes %d; refused",
-                    key, size, self.max_bytes,
-                )
+                log.warning("file storage: object %s (%d bytes) is larger than max_bytes %d; refused",
+                            key, size, self.max_bytes)
                 break
             path = self.path_of(key)
             try:
@@ -257,10 +246,8 @@ class FileBackend(StorageBackend):
                 self._stats.count_sets([value])
             stored += 1
         if evicted[0]:
-            log.info(
-                "file storage: evicted %d objects (%d bytes) to stay under max_bytes %d",
-                evicted[0], evicted[1], self.max_bytes,
-            )
+            log.info("file storage: evicted %d objects (%d bytes) to stay under max_bytes %d",
+                     evicted[0], evicted[1], self.max_bytes)
         return stored
 
     def _write_tmp(self, path: Path, value: bytes) -> Path:

@@ -259,9 +259,7 @@ class MooncakeBackend(RemoteStore):
         self._slot = -(-size // SLOT_ALIGN) * SLOT_ALIGN
         return True
 
-    def _read_into(
-        self, mkeys: list[str], todo: list[int], sizes: list[int] | None, out: list
-    ) -> list[int]:
+    def _read_into(self, mkeys: list[str], todo: list[int], sizes: list[int] | None, out: list) -> list[int]:
         """Read ``todo``'s keys into ``out`` (slots of ``sizes``, default the read slot); the
         indices whose object did not fit."""
         sizes = sizes or [max(self._slot, SLOT_ALIGN)] * len(todo)

@@ -92,10 +92,8 @@ def _start(name: str, args: list[str], where: str, make: Callable[..., LocalServ
     and wait until it listens (see :func:`.local_server.start_local`)."""
     binary = binary or find_mooncake_binary(name)
     if binary is None:
-        raise FileNotFoundError(
-            f"no {name} found: pip install mooncake-transfer-engine-non-cuda, put {name} on "
-            f"PATH, or set {_ENV[name]}"
-        )
+        raise FileNotFoundError(f"no {name} found: pip install mooncake-transfer-engine-non-cuda, put {name} on "
+                                f"PATH, or set {_ENV[name]}")
     flag = "-rpc_port" if name == "mooncake_master" else "-port"
     return start_local(f"{name} did not start {where}",
                        lambda port, _: [binary, f"{flag}={port}", *args, "-logtostderr"], make,
@@ -103,9 +101,8 @@ def _start(name: str, args: list[str], where: str, make: Callable[..., LocalServ
                        start_timeout_s, attempts)
 
 
-def start_mooncake_master(
-    binary: str | None = None, start_timeout_s: float = 15.0, attempts: int = 3
-) -> MooncakeMaster:
+def start_mooncake_master(binary: str | None = None, start_timeout_s: float = 15.0,
+                          attempts: int = 3) -> MooncakeMaster:
     """Start a master on a free port of 127.0.0.1 and wait until it accepts connections.
     FileNotFoundError without a binary, RuntimeError when it does not come up (retried on new
     ports ``attempts`` times)."""
@@ -115,10 +112,8 @@ def start_mooncake_master(
     ], "on 127.0.0.1", MooncakeMaster, binary, start_timeout_s, attempts)  # fmt: skip
 
 
-def start_store_service(
-    master: MooncakeMaster, segment_bytes: int = 256 << 20, binary: str | None = None,
-    start_timeout_s: float = 15.0, attempts: int = 3,
-) -> MooncakeStoreService:
+def start_store_service(master: MooncakeMaster, segment_bytes: int = 256 << 20, binary: str | None = None,
+                        start_timeout_s: float = 15.0, attempts: int = 3) -> MooncakeStoreService:
     """Start a ``mooncake_client`` that mounts ``segment_bytes`` into ``master``'s pool and
     wait until it serves (it listens once its segment is mounted)."""
     return _start("mooncake_client", [

