@@ -12,6 +12,7 @@ or owned by exactly one :class:`KVState` (``pages[cached_pages:]``).
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 from dataclasses import dataclass, field
@@ -106,10 +107,7 @@ class DeviceTier:
             if self.windows is not None:  # may split a host-hit node: before they are listed
                 window_lock = self.windows.lock_hit(node, (match.device_hit_tokens + match.host_hit_tokens)
                                                     // self.page_size, len(tokens) if window_arrives else None)
-            n = match.last_node
-            while n is not match.last_device_node:
-                host_nodes.append(n)
-                n = n.parent
+            host_nodes = list(itertools.takewhile(lambda n: n is not match.last_device_node, match.last_node.lineage()))
             host_nodes.reverse()
         new_pages = self._alloc(self.pages_for(reserve_tokens) - len(hit_pages), len(hit_pages),
                                 self._anchor(hit_pages, host_nodes))

@@ -45,13 +45,9 @@ logger = logging.getLogger(__name__)
 def node_hashes(node: TreeNode, keys: KeyNamespace) -> list[bytes]:
     """The page hashes of (non-root) ``node``; the missing ones on its path are computed and
     kept on their nodes, so a chain is hashed once however often it is continued."""
-    path = []
-    n = node
-    while not n.is_root and n.hash_values is None:
-        path.append(n)
-        n = n.parent
-    path.reverse()
-    head = keys.digest(node.namespace) if n.is_root else n.hash_values[-1]
+    path = list(itertools.takewhile(lambda m: m.hash_values is None, node.lineage()))[::-1]  # root first
+    above = path[0].parent if path else node  # the nearest node with hashes, or the root
+    head = keys.digest(node.namespace) if above.is_root else above.hash_values[-1]
     for m, hashes in zip(path, continue_chain([m.key for m in path], keys.page_size, head)):
         m.hash_values = hashes
     return node.hash_values
