@@ -19,6 +19,7 @@ view of the index only.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -53,11 +54,9 @@ def _pid_alive(pid: int) -> bool:
         return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
     except PermissionError:  # exists, owned by someone else
         return True
-    except (OverflowError, ValueError):  # not a pid at all
+    except (ProcessLookupError, OverflowError, ValueError):  # gone, or not a pid at all
         return False
     return True
 
@@ -120,11 +119,9 @@ class FileBackend(StorageBackend):
             name = ent.name
             if name.startswith(TMP_PREFIX):
                 if self._is_stray(name):
-                    try:
+                    with contextlib.suppress(OSError):
                         os.unlink(ent.path)
                         stray += 1
-                    except OSError:
-                        pass
                 continue
             if name.startswith(".") or not _KEY_RE.match(name) or name[:2] != sub:
                 continue
@@ -158,12 +155,7 @@ class FileBackend(StorageBackend):
         assert self.max_bytes is not None
         dropped = self._index.evict_to_fit(incoming, self.max_bytes, keep)
         for key, _ in dropped:
-            try:
-                os.unlink(self.root / key[:2] / key)
-            except FileNotFoundError:
-                pass
-            except OSError as e:
-                log.warning("file storage: could not evict %s: %s", key, e)
+            _unlink_quiet(self.root / key[:2] / key, "evict")
         self._stats.evictions += len(dropped)
         return len(dropped), sum(size for _, size in dropped)
 
@@ -310,18 +302,17 @@ def _read_file(path: Path, touch_before: float | None = None) -> bytes:
     with open(path, "rb", buffering=0) as f:
         data = f.readall()
         if touch_before is not None and os.fstat(f.fileno()).st_mtime < touch_before:
-            try:
+            with contextlib.suppress(OSError):  # read-only media: recency just is not persisted
                 os.utime(f.fileno() if os.utime in os.supports_fd else path)
-            except OSError:
-                pass  # read-only media: recency just is not persisted
     return data
 
 
-def _unlink_quiet(path: Path) -> None:
+def _unlink_quiet(path: Path, what: str = "remove") -> None:
+    """Delete ``path``; gone already is fine, anything else is logged."""
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
     except OSError as e:
-        log.warning("file storage: could not remove %s: %s", path, e)
+        log.warning("file storage: could not %s %s: %s", what, path, e)
 
