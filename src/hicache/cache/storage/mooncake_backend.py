@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import re
 import socket
@@ -263,9 +264,7 @@ class MooncakeBackend(RemoteStore):
         """Read ``todo``'s keys into ``out`` (slots of ``sizes``, default the read slot); the
         indices whose object did not fit."""
         sizes = sizes or [max(self._slot, SLOT_ALIGN)] * len(todo)
-        offsets = [0]
-        for n in sizes:
-            offsets.append(offsets[-1] + n)
+        offsets = list(itertools.accumulate(sizes, initial=0))
         with self._buffer("get", offsets[-1]) as (ptr, view):
             ptrs = [ptr + o for o in offsets[:-1]]
             codes = self._client.batch_get_into([mkeys[i] for i in todo], ptrs, sizes)
@@ -300,12 +299,10 @@ class MooncakeBackend(RemoteStore):
         sizes = [memoryview(v).nbytes for v in values]
         self._grow_slot(max(sizes, default=0))
         with self._buffer("put", sum(sizes)) as (ptr, view):
-            offsets, off = [], 0
-            for v, n in zip(values, sizes):
+            offsets = list(itertools.accumulate(sizes, initial=0))
+            for v, off, n in zip(values, offsets, sizes):
                 view[off : off + n] = memoryview(v).cast("B")
-                offsets.append(ptr + off)
-                off += n
-            codes = self._client.batch_put_from(mkeys, offsets, sizes)
+            codes = self._client.batch_put_from(mkeys, [ptr + off for off in offsets[:-1]], sizes)
         for i, rc in enumerate(codes):
             if rc not in (OK, ALREADY_EXISTS):
                 if i == 0 and rc != NO_SPACE:
