@@ -22,6 +22,7 @@ deployment (or a test) may tune them on a live guard.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import queue
@@ -78,8 +79,8 @@ class BreakerState:
     transitions: int = 0
     timeouts: int = 0
     short_circuited: int = 0
-    failures: dict[str, int] = field(default_factory=dict)  # kind ("timeout", "error") -> count
-    failures_by_op: dict[str, int] = field(default_factory=dict)  # "batch_set", ... -> count
+    call_failures: dict[str, int] = field(default_factory=dict)  # kind ("timeout", "error") -> count
+    call_failures_by_op: dict[str, int] = field(default_factory=dict)  # "batch_set", ... -> count
 
 
 class GuardedBackend(StorageBackend):
@@ -155,11 +156,9 @@ class GuardedBackend(StorageBackend):
     def snapshot(self) -> dict[str, Any]:
         """The breaker's state and counters, for ``Engine.stats()`` (stable keys)."""
         with self._lock:
-            b = self.breaker
-            return {"state": b.state, "opens": b.opens, "short_circuited": b.short_circuited,
-                    "timeouts": b.timeouts, "consecutive_failures": b.consecutive_failures,
-                    "cooldown_s": b.cooldown_s, "calls": b.calls, "transitions": b.transitions,
-                    "call_failures": dict(b.failures), "call_failures_by_op": dict(b.failures_by_op)}
+            out = dataclasses.asdict(self.breaker)  # its dicts copied
+        del out["open_until"]  # a clock() time: meaningless outside this process
+        return out
 
     # ---- breaker -------------------------------------------------------------------------
     def _guarded(self, op: str, fn: Callable[[StorageBackend], Any], nkeys: int) -> Any:
@@ -202,8 +201,8 @@ class GuardedBackend(StorageBackend):
                 return
             kind = "timeout" if isinstance(error, StorageTimeout) else "error"
             b.timeouts += kind == "timeout"
-            b.failures[kind] = b.failures.get(kind, 0) + 1
-            b.failures_by_op[op] = b.failures_by_op.get(op, 0) + 1
+            b.call_failures[kind] = b.call_failures.get(kind, 0) + 1
+            b.call_failures_by_op[op] = b.call_failures_by_op.get(op, 0) + 1
             b.consecutive_failures += 1
             why = f"{op} {kind}: {error}"
             if probe:  # the backend is still bad: wait longer before the next probe
