@@ -158,40 +158,38 @@ class DeviceWindows:
         if arriving:
             self._hold_tail(state, prompt_tokens)
             return []
-        first = self.first_page(hit * self.page_size)
-        restored = self._restore_from_host(state, first, device_hit, host_nodes)
-        pos = device_hit
-        for node in host_nodes:
-            n = node.num_pages
-            idx = np.arange(max(first - pos, 0), n)
-            part = self.cached.of(node)  # host nodes: a tree
-            if part.host is not None and len(idx):
-                idx = idx[part.host[idx] != 0]
-                self.cached.give(node, idx, self._alloc(len(idx)))
-                state.window.pages[pos + idx] = part.device[idx]
-            pos += n
+        restored = self._from_host(state, self.first_page(hit * self.page_size), device_hit, host_nodes)
         state.window.slots = self.slots(state.window.pages)
         return restored
 
-    def _restore_from_host(self, state, first: int, device_hit: int, host_nodes: list) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Device window pages for the tombstones of the device hit's pages ``first ..`` whose host
-        copy holds their window (the match counted those as held), given to their nodes; the
-        (device, host) pairs to load."""
-        if first >= device_hit or self.tree is None:
-            return []
-        node = host_nodes[0].parent if host_nodes else state.node
-        loads, pos = [], device_hit
-        while pos > first and not node.is_root:
-            start = pos - node.num_pages
-            idx = np.arange(max(first - start, 0), node.num_pages)
+    def _from_host(self, state, first: int, device_hit: int, host_nodes: list) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Device window pages for the hit's pages ``first ..`` whose host copy holds their window and
+        the device does not (the match counted those as held): the device hit's tombstones, then the
+        host hit's pages, given to their nodes; the (device, host) pairs of the device hit's to load
+        (the host tier loads the host hit's with the rest)."""
+        spans, pos = [], device_hit  # (node, its first page, in the device hit): the device hit's nearest first
+        if first < device_hit and self.tree is not None:
+            for node in (host_nodes[0].parent if host_nodes else state.node).lineage():
+                if pos <= first:
+                    break
+                pos -= node.num_pages
+                spans.append((node, pos, True))
+        pos = device_hit
+        for node in host_nodes:  # then the host hit's, in path order
+            spans.append((node, pos, False))
+            pos += node.num_pages
+        loads = []
+        for node, start, device_hit_node in spans:
             part = self.cached.of(node)
-            if part.host is not None:
-                idx = idx[(part.device[idx] == 0) & (part.host[idx] != 0)]
-                if len(idx):
-                    self.cached.give(node, idx, self._alloc(len(idx)))
-                    state.window.pages[start + idx] = part.device[idx]
+            if part.host is None:
+                continue
+            idx = np.arange(max(first - start, 0), node.num_pages)
+            idx = idx[(part.device[idx] == 0) & (part.host[idx] != 0)]
+            if len(idx):
+                self.cached.give(node, idx, self._alloc(len(idx)))
+                state.window.pages[start + idx] = part.device[idx]
+                if device_hit_node:
                     loads.append((part.device[idx], part.host[idx]))
-            node, pos = node.parent, start
         return loads
 
     def _hold_tail(self, state, prompt_tokens: int) -> None:
