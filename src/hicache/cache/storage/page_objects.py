@@ -96,7 +96,7 @@ class WholePage:
         page.copy_(_as_tensor(payload, self.host.dtype).view(page.shape))
 
 
-class WindowBlocks:
+class WindowBlocks(WholePage):
     """A hybrid page's window layers from a host pool of shared blocks (issue 56), ``<page hash
     hex><suffix>``: each window layer's K and V from its sliding group's block of the host window
     page, laid out as :class:`WholePage` lays out a page of a window host pool of its own (the same
@@ -105,10 +105,7 @@ class WindowBlocks:
     def __init__(self, host: HostKVPool, suffix: str) -> None:
         if not host.shared:
             raise ValueError("window blocks need a host pool of shared blocks")
-        self.host, self.suffix = host, suffix
-
-    def key(self, page_hash: bytes, ns_digest: bytes) -> str:
-        return object_key(page_hash) + self.suffix
+        super().__init__(host, suffix)
 
     def _layers(self, window_page: int) -> list[torch.Tensor]:
         """Each window layer's ``[K/V, token, kv_heads, head_dim]`` of ``window_page`` (views)."""
