@@ -72,15 +72,13 @@ class DeviceTier:
             ShardedPageAllocator(self.placement, pool.num_pages) if self.placement else PageAllocator(pool.num_pages))
         if pool.hybrid and self.placement is not None:
             raise ValueError("a hybrid pool's window component is not page-sharded")
-        window = pool.window
         # a shared pool's window pages take blocks of the full pages' allocator (issue 56)
         window_allocator = None if not pool.hybrid else SharedWindowAllocator(self.allocator, pool.window_blocks) \
             if pool.shared else PageAllocator(pool.window_pages)
         self.tree = RadixCache(self.page_size, self.allocator, eviction_policy, host_allocator,
-                               window if pool.hybrid else 0, window_allocator) if enable_prefix_cache else None
+                               pool.window, window_allocator) if enable_prefix_cache else None
         self.stats = stats
-        self.windows = DeviceWindows(window_allocator, window, self.page_size, self.tree, stats, pool) \
-            if pool.hybrid else None
+        self.windows = DeviceWindows(window_allocator, self.tree, stats, pool) if pool.hybrid else None
         self.lower: Tier | None = None
 
     def pages_for(self, num_tokens: int) -> int:

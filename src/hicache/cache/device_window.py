@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .placement import alloc_evicting
-from .pools import DeviceKVPool, PageAllocator, SharedWindowAllocator, pages_to_slots
+from .pools import DeviceKVPool, PageAllocator, SharedWindowAllocator
 from .radix import RadixCache
 from .tiers import CacheStats
 from .window_tree import window_first_page
@@ -73,15 +73,15 @@ class WindowHold:
 
 
 class DeviceWindows:
-    """Window pages of running requests over ``allocator`` (the component's page ids), with the
-    tree (None: prefix reuse off) holding those of cached pages."""
+    """Window pages of running requests over ``allocator`` (the component's page ids) of ``pool``'s
+    window layers, with the tree (None: prefix reuse off) holding those of cached pages."""
 
-    def __init__(self, allocator: PageAllocator | SharedWindowAllocator, window: int, page_size: int,
-                 tree: RadixCache | None, stats: CacheStats, pool: DeviceKVPool | None = None) -> None:
-        self.allocator, self.window, self.page_size, self.tree, self.stats = allocator, window, page_size, tree, stats
+    def __init__(self, allocator: PageAllocator | SharedWindowAllocator, tree: RadixCache | None, stats: CacheStats,
+                 pool: DeviceKVPool) -> None:
+        self.allocator, self.tree, self.stats, self.pool = allocator, tree, stats, pool
+        self.window, self.page_size = pool.window, pool.page_size
         self.cached = tree.windows if tree is not None else None  # the window pages of cached pages (TreeWindows)
         self.reserved = 0  # window pages reserved by running requests (the sum of their budgets)
-        self.pool = pool
         # A shared pool (issue 56): window pages take ``groups`` blocks each from the full pages' allocator;
         # admission keeps room for the running requests' pages and their budgets' blocks (see :meth:`fits`).
         self.shared = isinstance(allocator, SharedWindowAllocator)
@@ -89,11 +89,6 @@ class DeviceWindows:
         # Waits for the host backups in flight and applies their acks (set by the cache with a host tier): a
         # backup window-locks its node's checkpoint until its copy has read it, which no budget counts.
         self.settle_backups: Callable[[], None] | None = None
-
-    def slots(self, window_pages: np.ndarray) -> torch.Tensor:
-        """Slots of ``window_pages`` (one row per sliding group of a shared pool)."""
-        return self.pool.window_slots(window_pages) if self.pool is not None else \
-            pages_to_slots(window_pages, self.page_size)
 
     def first_page(self, boundary_tokens: int) -> int:
         return window_first_page(boundary_tokens, self.window, self.page_size)
@@ -159,7 +154,7 @@ class DeviceWindows:
             self._hold_tail(state, prompt_tokens)
             return []
         restored = self._from_host(state, self.first_page(hit * self.page_size), device_hit, host_nodes)
-        state.window.slots = self.slots(state.window.pages)
+        state.window.slots = self.pool.window_slots(state.window.pages)
         return restored
 
     def _from_host(self, state, first: int, device_hit: int, host_nodes: list) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -212,8 +207,8 @@ class DeviceWindows:
             node, pos = node.parent, start
         own = np.arange(max(tail, hit), -(-prompt_tokens // ps))
         wp[own] = arriving[own] = self._alloc(len(own))
-        state.window.arrival = (tail * ps, self.slots(arriving))
-        state.window.slots = self.slots(wp)
+        state.window.arrival = (tail * ps, self.pool.window_slots(arriving))
+        state.window.slots = self.pool.window_slots(wp)
 
     def step(self, state, computed: int, new_tokens: int, later_tokens: int) -> None:
         """Before a forward that adds ``new_tokens`` after ``computed``: free the request's own
@@ -231,7 +226,7 @@ class DeviceWindows:
             wp[missing] = self._alloc(len(missing))
             # only the new pages' slots change (freed pages' slots are never read again): no O(context) rebuild
             rows = torch.from_numpy((missing[:, None] * self.page_size + np.arange(self.page_size)).reshape(-1))
-            state.window.slots[..., rows] = self.slots(wp[missing])  # a shared pool's: each sliding group's row
+            state.window.slots[..., rows] = self.pool.window_slots(wp[missing])  # shared: each sliding group's row
         budget = self.budget(max(new_tokens, later_tokens), len(wp))
         if budget < state.window.budget:
             self.reserved -= state.window.budget - budget
@@ -259,7 +254,7 @@ class DeviceWindows:
         first = self.first_page(n * self.page_size)
         state.window.pages[first:n] = hit_window[first:n]
         state.window.lock = self.lock_hit(state.node, n)
-        state.window.slots = self.slots(state.window.pages)
+        state.window.slots = self.pool.window_slots(state.window.pages)
 
     def release(self, state) -> None:
         """The request is done: every window page it still owns goes back, its reservation too."""
