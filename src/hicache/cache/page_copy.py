@@ -65,15 +65,8 @@ class PagePlan:
         self._indices: dict[tuple[str, torch.device], torch.Tensor] = {}
         self._side_runs: dict[tuple[bool, int | None], list[tuple[int, int, int]]] = {}
 
-    def rest_index(self, dst_side: bool, device: torch.device) -> torch.Tensor:
-        """``dst_rest`` (or ``src_rest``) as an int64 tensor on ``device``, made once."""
-        return self._index("dst_rest" if dst_side else "src_rest", device)
-
-    def page_index(self, dst_side: bool, device: torch.device) -> torch.Tensor:
-        """Every ``dst_pages`` (or ``src_pages``) entry as an int64 tensor on ``device``, made once."""
-        return self._index("dst_pages" if dst_side else "src_pages", device)
-
-    def _index(self, name: str, device: torch.device) -> torch.Tensor:
+    def index(self, name: str, device: torch.device) -> torch.Tensor:
+        """Page list ``name`` (``src_rest``, ``dst_pages``, ...) as an int64 tensor on ``device``, made once."""
         key = (name, device)
         if key not in self._indices:
             index = torch.as_tensor(getattr(self, name))
@@ -135,8 +128,8 @@ def copy_pages(src: PageBuf, dst: PageBuf, plan: PagePlan, staging: torch.Tensor
     if n == 0:
         return
     out = staging[:n] if staging is not None else None
-    rows = torch.index_select(src, 0, plan.rest_index(False, src.device), out=out)
-    dst.index_copy_(0, plan.rest_index(True, dst.device), rows)
+    rows = torch.index_select(src, 0, plan.index("src_rest", src.device), out=out)
+    dst.index_copy_(0, plan.index("dst_rest", dst.device), rows)
 
 
 def copy_staged(src: torch.Tensor, dst: torch.Tensor, plan: PagePlan, to_host: bool,
@@ -153,7 +146,7 @@ def copy_staged(src: torch.Tensor, dst: torch.Tensor, plan: PagePlan, to_host: b
     if staging is None:
         staging = torch.empty((n, *src.shape[1:]), dtype=src.dtype, device=device)
     chunk = staging.shape[0]
-    device_pages = plan.page_index(not to_host, device)
+    device_pages = plan.index("src_pages" if to_host else "dst_pages", device)
     runs = iter(plan.side_runs(to_host, chunk))
     for first in range(0, n, chunk):
         rows, index = staging[: min(chunk, n - first)], device_pages[first : first + chunk]
