@@ -103,15 +103,29 @@ class StorageBackend(abc.ABC):
         """Release connections / file handles."""
 
 
-class RemoteStore(StorageBackend):
-    """What the backends of a store server share: keys under ``options.prefix``, batches of at most
-    ``options.batch_size`` keys, and counters of their own (under a lock: the reader and writer
-    threads share them), shown by ``stats()`` with :meth:`_extra`."""
+class CountingBackend(StorageBackend):
+    """A backend that keeps its own counters (``_c``, under ``_lock``, which the reader and writer
+    threads share), shown by ``stats()`` with :meth:`_extra`'s figures."""
 
-    def __init__(self, options: RemoteStoreOptions) -> None:
-        self.prefix, self.batch_size = options.prefix, int(options.batch_size)
+    def __init__(self) -> None:
         self._c = BackendStats()
         self._lock = threading.Lock()
+
+    def _extra(self) -> dict:
+        return {}
+
+    def stats(self) -> BackendStats:
+        with self._lock:
+            return dataclasses.replace(self._c, extra=self._extra())
+
+
+class RemoteStore(CountingBackend):
+    """What the backends of a store server share: keys under ``options.prefix``, batches of at most
+    ``options.batch_size`` keys, counted errors."""
+
+    def __init__(self, options: RemoteStoreOptions) -> None:
+        super().__init__()
+        self.prefix, self.batch_size = options.prefix, int(options.batch_size)
 
     def _chunks(self, keys: list[str]) -> Iterator[tuple[int, list[str]]]:
         """(first index, the server's keys) of each batch of ``keys``."""
@@ -123,10 +137,3 @@ class RemoteStore(StorageBackend):
         with self._lock:
             self._c.errors += 1
         return StorageError(msg)
-
-    def _extra(self) -> dict:
-        return {}
-
-    def stats(self) -> BackendStats:
-        with self._lock:
-            return dataclasses.replace(self._c, extra=self._extra())

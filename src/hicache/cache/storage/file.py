@@ -20,18 +20,16 @@ view of the index only.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import re
 import secrets
 import stat
-import threading
 import time
 from pathlib import Path
 from typing import Iterator
 
-from .base import BackendStats, StorageBackend, StorageError
+from .base import CountingBackend, StorageError
 from .file_index import LruIndex
 
 log = logging.getLogger(__name__)
@@ -61,7 +59,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-class FileBackend(StorageBackend):
+class FileBackend(CountingBackend):
     """Objects as files in ``path`` (default :func:`default_dir`).
 
     ``max_bytes``: cap on stored object bytes (None = unbounded); a write that would pass
@@ -89,9 +87,8 @@ class FileBackend(StorageBackend):
         self.fsync = bool(fsync)
         self.touch_on_read = bool(touch_on_read)
         self.touch_interval_s = float(touch_interval_s)
-        self._lock = threading.Lock()
+        super().__init__()
         self._index = LruIndex()
-        self._stats = BackendStats()
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -156,7 +153,7 @@ class FileBackend(StorageBackend):
         dropped = self._index.evict_to_fit(incoming, self.max_bytes, keep)
         for key, _ in dropped:
             _unlink_quiet(self.root / key[:2] / key, "evict")
-        self._stats.evictions += len(dropped)
+        self._c.evictions += len(dropped)
         return len(dropped), sum(size for _, size in dropped)
 
     # -- StorageBackend -------------------------------------------------------------------
@@ -171,7 +168,7 @@ class FileBackend(StorageBackend):
                 return i
             except OSError as e:
                 with self._lock:
-                    self._stats.errors += 1
+                    self._c.errors += 1
                 log.warning("file storage: cannot stat key %d of %d: %s", i, len(keys), e)
                 raise StorageError(f"file storage at {self.root}: cannot stat an object: {e}") from e
         return len(keys)
@@ -194,8 +191,8 @@ class FileBackend(StorageBackend):
                 first_error = first_error or f"{path}: {e}"
             out.append(data)
         with self._lock:
-            self._stats.count_gets(len(keys), out)
-            self._stats.errors += errors
+            self._c.count_gets(len(keys), out)
+            self._c.errors += errors
         if errors:
             log.warning("file storage: %d of %d reads failed, first %s", errors, len(keys), first_error)
         if errors and errors == len(keys):
@@ -218,7 +215,7 @@ class FileBackend(StorageBackend):
                 tmp = self._write_tmp(path, value)
             except OSError as e:
                 with self._lock:
-                    self._stats.errors += 1
+                    self._c.errors += 1
                 log.warning("file storage: write of %s failed: %s", path, e)
                 break
             with self._lock:
@@ -230,12 +227,12 @@ class FileBackend(StorageBackend):
                 try:
                     os.replace(tmp, path)
                 except OSError as e:
-                    self._stats.errors += 1
+                    self._c.errors += 1
                     _unlink_quiet(tmp)
                     log.warning("file storage: publishing %s failed: %s", path, e)
                     break
                 self._index.put(key, size)
-                self._stats.count_sets([value])
+                self._c.count_sets([value])
             stored += 1
         if evicted[0]:
             log.info("file storage: evicted %d objects (%d bytes) to stay under max_bytes %d",
@@ -282,17 +279,10 @@ class FileBackend(StorageBackend):
             self._index = LruIndex()
         log.info("file storage at %s cleared (%d indexed objects)", self.root, n)
 
-    def stats(self) -> BackendStats:
-        with self._lock:
-            return dataclasses.replace(
-                self._stats,
-                extra={
-                    "path": str(self.root),
-                    "objects": len(self._index.sizes),
-                    "stored_bytes": self._index.total,  # current, not monotonic
-                    "max_bytes": self.max_bytes,
-                },
-            )
+    def _extra(self) -> dict:
+        return {"path": str(self.root), "objects": len(self._index.sizes),
+                "stored_bytes": self._index.total,  # current, not monotonic
+                "max_bytes": self.max_bytes}
 
 
 def _read_file(path: Path, touch_before: float | None = None) -> bytes:
