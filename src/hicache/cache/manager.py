@@ -316,8 +316,7 @@ class KVCacheManager:
             raise RuntimeError("flush while requests still hold device pages")
 
     def shutdown(self) -> None:
-        if self.tiers:
-            self.drain()
+        self.drain()
         for tier in self.tiers:
             tier.shutdown()
 

@@ -25,6 +25,8 @@ change (:class:`~.tree_node.TreeComponent`): a match ends where every component 
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from ..consensus_record import consensus_check
@@ -112,9 +114,8 @@ class RadixCache(LeafEviction):
         # first also refreshed the unmatched lower half, skewing LRU and LFU).
         for node in path:
             self._touch(node)
-        k = 0  # the device hit is the leading run of nodes with device pages
-        while k < len(path) and path[k].device_pages is not None:
-            k += 1
+        # the device hit is the leading run of nodes with device pages
+        k = sum(1 for _ in itertools.takewhile(lambda m: m.device_pages is not None, path))
         pages = np.concatenate([m.device_pages for m in path[:k]]) if k else EMPTY_PAGES
         last_device = path[k - 1] if k else root
         return MatchResult(pages, len(pages) * self.page_size, last_device, host_tokens, path[-1] if path else root,

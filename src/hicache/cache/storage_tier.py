@@ -191,11 +191,7 @@ class StorageTier:
         """Page hashes of stored ancestors' checkpoint pages that ``node``'s checkpoint supersedes
         (:meth:`~.host_window.HostWindows.superseded_stored`): their window objects go once
         ``node``'s are written."""
-        out = []
-        for anc, idx in part.superseded_stored(node):
-            hashes = list(node_hashes(anc, self.keys))
-            out.extend(hashes[i] for i in idx)
-        return out
+        return [node_hashes(anc, self.keys)[i] for anc, idx in part.superseded_stored(node) for i in idx]
 
     # ---- queues --------------------------------------------------------------------------
     def ready_acks(self) -> AckCounts:
