@@ -111,6 +111,12 @@ class CountingBackend(StorageBackend):
         self._c = BackendStats()
         self._lock = threading.Lock()
 
+    def _fail(self, msg: str) -> StorageError:
+        """The error to raise, counted."""
+        with self._lock:
+            self._c.errors += 1
+        return StorageError(msg)
+
     def _extra(self) -> dict:
         return {}
 
@@ -121,7 +127,7 @@ class CountingBackend(StorageBackend):
 
 class RemoteStore(CountingBackend):
     """What the backends of a store server share: keys under ``options.prefix``, batches of at most
-    ``options.batch_size`` keys, counted errors."""
+    ``options.batch_size`` keys."""
 
     def __init__(self, options: RemoteStoreOptions) -> None:
         super().__init__()
@@ -131,9 +137,3 @@ class RemoteStore(CountingBackend):
         """(first index, the server's keys) of each batch of ``keys``."""
         for start in range(0, len(keys), self.batch_size):
             yield start, [self.prefix + k for k in keys[start : start + self.batch_size]]
-
-    def _fail(self, msg: str) -> StorageError:
-        """The error to raise, counted."""
-        with self._lock:
-            self._c.errors += 1
-        return StorageError(msg)

@@ -167,10 +167,8 @@ class FileBackend(CountingBackend):
             except FileNotFoundError:
                 return i
             except OSError as e:
-                with self._lock:
-                    self._c.errors += 1
                 log.warning("file storage: cannot stat key %d of %d: %s", i, len(keys), e)
-                raise StorageError(f"file storage at {self.root}: cannot stat an object: {e}") from e
+                raise self._fail(f"file storage at {self.root}: cannot stat an object: {e}") from e
         return len(keys)
 
     def batch_get(self, keys: list[str]) -> list[bytes | None]:
