@@ -72,11 +72,9 @@ class SharedWindowAllocator:
         return min(self.ids.available, self.blocks.available // self.groups)
 
     def alloc(self, n: int, first_position: int = 0, anchor: int = 0) -> np.ndarray | None:
-        if n < 0:
-            raise ValueError(f"cannot allocate {n} pages")
         if n > self.available:
             return None
-        ids = self.ids.alloc(n)
+        ids = self.ids.alloc(n)  # (raises for n < 0)
         self.table[ids] = self.blocks.alloc(n * self.groups).reshape(n, self.groups)
         return ids
 
