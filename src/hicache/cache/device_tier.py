@@ -12,6 +12,7 @@ or owned by exactly one :class:`KVState` (``pages[cached_pages:]``).
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 from dataclasses import dataclass, field
@@ -71,15 +72,13 @@ class DeviceTier:
             ShardedPageAllocator(self.placement, pool.num_pages) if self.placement else PageAllocator(pool.num_pages))
         if pool.hybrid and self.placement is not None:
             raise ValueError("a hybrid pool's window component is not page-sharded")
-        window = pool.window
         # a shared pool's window pages take blocks of the full pages' allocator (issue 56)
         window_allocator = None if not pool.hybrid else SharedWindowAllocator(self.allocator, pool.window_blocks) \
             if pool.shared else PageAllocator(pool.window_pages)
         self.tree = RadixCache(self.page_size, self.allocator, eviction_policy, host_allocator,
-                               window if pool.hybrid else 0, window_allocator) if enable_prefix_cache else None
+                               pool.window, window_allocator) if enable_prefix_cache else None
         self.stats = stats
-        self.windows = DeviceWindows(window_allocator, window, self.page_size, self.tree, stats, pool) \
-            if pool.hybrid else None
+        self.windows = DeviceWindows(window_allocator, self.tree, stats, pool) if pool.hybrid else None
         self.lower: Tier | None = None
 
     def pages_for(self, num_tokens: int) -> int:
@@ -106,10 +105,7 @@ class DeviceTier:
             if self.windows is not None:  # may split a host-hit node: before they are listed
                 window_lock = self.windows.lock_hit(node, (match.device_hit_tokens + match.host_hit_tokens)
                                                     // self.page_size, len(tokens) if window_arrives else None)
-            n = match.last_node
-            while n is not match.last_device_node:
-                host_nodes.append(n)
-                n = n.parent
+            host_nodes = list(itertools.takewhile(lambda n: n is not match.last_device_node, match.last_node.lineage()))
             host_nodes.reverse()
         new_pages = self._alloc(self.pages_for(reserve_tokens) - len(hit_pages), len(hit_pages),
                                 self._anchor(hit_pages, host_nodes))
@@ -223,7 +219,7 @@ class DeviceTier:
         if self.placement is not None:
             if not self.placement.follows_rotation(state.pages[:n_pages]):
                 raise AssertionError("a sequence's pages must follow the owner rotation of their positions")
-            existing = self._path_anchor(namespace, tokens)
+            existing = path_anchor(self.placement, self.tree.peek_prefix(namespace, tokens).node)  # any tier's
             if existing is not None and existing != self.placement.anchor_of(state.pages):
                 logger.debug("not caching %d pages of %s: the cached path starts on rank %d, these on rank %d",
                              n_pages, namespace, existing, self.placement.anchor_of(state.pages))
@@ -236,10 +232,6 @@ class DeviceTier:
         if self.lower is not None:
             self.lower.on_insert(self.tree.node_at(namespace, tokens))
         return True
-
-    def _path_anchor(self, namespace: str, tokens: np.ndarray) -> int | None:
-        """The rotation anchor of the cached path ``tokens`` starts with (any tier), or None."""
-        return path_anchor(self.placement, self.tree.peek_prefix(namespace, tokens).node)
 
     def owned_pages(self) -> list[int]:
         """Pages in use (cached or held by requests) on each shard's pool; one entry unsharded."""
@@ -266,17 +258,13 @@ class DeviceTier:
         """The window component's pages and bytes (the full component's are the fields above). A shared
         pool: capacity_pages are the window pages the blocks could hold, pool_bytes the whole pool's."""
         pool, out = self.pool, self.windows.usage()
-        if pool.shared:
-            out.update(evicted_pages=self.stats.evicted_window_pages, window_tokens=self.windows.window,
-                       capacity_tokens=out["capacity_pages"] * self.page_size,
-                       cached_tokens=out.get("cached_pages", 0) * self.page_size,
-                       page_bytes=pool.window_bytes_per_page, pool_bytes=pool.total_bytes,
-                       full_pool_bytes=pool.total_bytes, shared_blocks=True, groups=pool.groups)
-            return out
         out.update(evicted_pages=self.stats.evicted_window_pages, window_tokens=self.windows.window,
                    capacity_tokens=out["capacity_pages"] * self.page_size,
-                   cached_tokens=out.get("cached_pages", 0) * self.page_size,
-                   page_bytes=pool.window_bytes_per_page,
-                   pool_bytes=pool.window_bytes_per_page * pool.window_pages,
-                   full_pool_bytes=pool.bytes_per_page * pool.num_pages)
+                   cached_tokens=out.get("cached_pages", 0) * self.page_size, page_bytes=pool.window_bytes_per_page)
+        if pool.shared:
+            out.update(pool_bytes=pool.total_bytes, full_pool_bytes=pool.total_bytes, shared_blocks=True,
+                       groups=pool.groups)
+        else:
+            out.update(pool_bytes=pool.window_bytes_per_page * pool.window_pages,
+                       full_pool_bytes=pool.bytes_per_page * pool.num_pages)
         return out

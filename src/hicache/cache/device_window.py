@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .placement import alloc_evicting
-from .pools import DeviceKVPool, PageAllocator, SharedWindowAllocator, pages_to_slots
+from .pools import DeviceKVPool, PageAllocator, SharedWindowAllocator
 from .radix import RadixCache
 from .tiers import CacheStats
 from .window_tree import window_first_page
@@ -73,15 +73,15 @@ class WindowHold:
 
 
 class DeviceWindows:
-    """Window pages of running requests over ``allocator`` (the component's page ids), with the
-    tree (None: prefix reuse off) holding those of cached pages."""
+    """Window pages of running requests over ``allocator`` (the component's page ids) of ``pool``'s
+    window layers, with the tree (None: prefix reuse off) holding those of cached pages."""
 
-    def __init__(self, allocator: PageAllocator | SharedWindowAllocator, window: int, page_size: int,
-                 tree: RadixCache | None, stats: CacheStats, pool: DeviceKVPool | None = None) -> None:
-        self.allocator, self.window, self.page_size, self.tree, self.stats = allocator, window, page_size, tree, stats
+    def __init__(self, allocator: PageAllocator | SharedWindowAllocator, tree: RadixCache | None, stats: CacheStats,
+                 pool: DeviceKVPool) -> None:
+        self.allocator, self.tree, self.stats, self.pool = allocator, tree, stats, pool
+        self.window, self.page_size = pool.window, pool.page_size
         self.cached = tree.windows if tree is not None else None  # the window pages of cached pages (TreeWindows)
         self.reserved = 0  # window pages reserved by running requests (the sum of their budgets)
-        self.pool = pool
         # A shared pool (issue 56): window pages take ``groups`` blocks each from the full pages' allocator;
         # admission keeps room for the running requests' pages and their budgets' blocks (see :meth:`fits`).
         self.shared = isinstance(allocator, SharedWindowAllocator)
@@ -89,11 +89,6 @@ class DeviceWindows:
         # Waits for the host backups in flight and applies their acks (set by the cache with a host tier): a
         # backup window-locks its node's checkpoint until its copy has read it, which no budget counts.
         self.settle_backups: Callable[[], None] | None = None
-
-    def slots(self, window_pages: np.ndarray) -> torch.Tensor:
-        """Slots of ``window_pages`` (one row per sliding group of a shared pool)."""
-        return self.pool.window_slots(window_pages) if self.pool is not None else \
-            pages_to_slots(window_pages, self.page_size)
 
     def first_page(self, boundary_tokens: int) -> int:
         return window_first_page(boundary_tokens, self.window, self.page_size)
@@ -158,40 +153,38 @@ class DeviceWindows:
         if arriving:
             self._hold_tail(state, prompt_tokens)
             return []
-        first = self.first_page(hit * self.page_size)
-        restored = self._restore_from_host(state, first, device_hit, host_nodes)
-        pos = device_hit
-        for node in host_nodes:
-            n = node.num_pages
-            idx = np.arange(max(first - pos, 0), n)
-            part = self.cached.of(node)  # host nodes: a tree
-            if part.host is not None and len(idx):
-                idx = idx[part.host[idx] != 0]
-                self.cached.give(node, idx, self._alloc(len(idx)))
-                state.window.pages[pos + idx] = part.device[idx]
-            pos += n
-        state.window.slots = self.slots(state.window.pages)
+        restored = self._from_host(state, self.first_page(hit * self.page_size), device_hit, host_nodes)
+        state.window.slots = self.pool.window_slots(state.window.pages)
         return restored
 
-    def _restore_from_host(self, state, first: int, device_hit: int, host_nodes: list) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Device window pages for the tombstones of the device hit's pages ``first ..`` whose host
-        copy holds their window (the match counted those as held), given to their nodes; the
-        (device, host) pairs to load."""
-        if first >= device_hit or self.tree is None:
-            return []
-        node = host_nodes[0].parent if host_nodes else state.node
-        loads, pos = [], device_hit
-        while pos > first and not node.is_root:
-            start = pos - node.num_pages
-            idx = np.arange(max(first - start, 0), node.num_pages)
+    def _from_host(self, state, first: int, device_hit: int, host_nodes: list) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Device window pages for the hit's pages ``first ..`` whose host copy holds their window and
+        the device does not (the match counted those as held): the device hit's tombstones, then the
+        host hit's pages, given to their nodes; the (device, host) pairs of the device hit's to load
+        (the host tier loads the host hit's with the rest)."""
+        spans, pos = [], device_hit  # (node, its first page, in the device hit): the device hit's nearest first
+        if first < device_hit and self.tree is not None:
+            for node in (host_nodes[0].parent if host_nodes else state.node).lineage():
+                if pos <= first:
+                    break
+                pos -= node.num_pages
+                spans.append((node, pos, True))
+        pos = device_hit
+        for node in host_nodes:  # then the host hit's, in path order
+            spans.append((node, pos, False))
+            pos += node.num_pages
+        loads = []
+        for node, start, device_hit_node in spans:
             part = self.cached.of(node)
-            if part.host is not None:
-                idx = idx[(part.device[idx] == 0) & (part.host[idx] != 0)]
-                if len(idx):
-                    self.cached.give(node, idx, self._alloc(len(idx)))
-                    state.window.pages[start + idx] = part.device[idx]
+            if part.host is None:
+                continue
+            idx = np.arange(max(first - start, 0), node.num_pages)
+            idx = idx[(part.device[idx] == 0) & (part.host[idx] != 0)]
+            if len(idx):
+                self.cached.give(node, idx, self._alloc(len(idx)))
+                state.window.pages[start + idx] = part.device[idx]
+                if device_hit_node:
                     loads.append((part.device[idx], part.host[idx]))
-            node, pos = node.parent, start
         return loads
 
     def _hold_tail(self, state, prompt_tokens: int) -> None:
@@ -214,8 +207,8 @@ class DeviceWindows:
             node, pos = node.parent, start
         own = np.arange(max(tail, hit), -(-prompt_tokens // ps))
         wp[own] = arriving[own] = self._alloc(len(own))
-        state.window.arrival = (tail * ps, self.slots(arriving))
-        state.window.slots = self.slots(wp)
+        state.window.arrival = (tail * ps, self.pool.window_slots(arriving))
+        state.window.slots = self.pool.window_slots(wp)
 
     def step(self, state, computed: int, new_tokens: int, later_tokens: int) -> None:
         """Before a forward that adds ``new_tokens`` after ``computed``: free the request's own
@@ -232,14 +225,8 @@ class DeviceWindows:
                 raise AssertionError("a request's window reaches a cached page whose window KV is not held")
             wp[missing] = self._alloc(len(missing))
             # only the new pages' slots change (freed pages' slots are never read again): no O(context) rebuild
-            offsets = np.arange(self.page_size)
-            rows = torch.from_numpy((missing[:, None] * self.page_size + offsets).reshape(-1))
-            if self.shared:
-                for k in range(self.allocator.groups):
-                    state.window.slots[k, rows] = torch.from_numpy(
-                        (self.allocator.table[wp[missing], k][:, None] * self.page_size + offsets).reshape(-1))
-            else:
-                state.window.slots[rows] = torch.from_numpy((wp[missing][:, None] * self.page_size + offsets).reshape(-1))
+            rows = torch.from_numpy((missing[:, None] * self.page_size + np.arange(self.page_size)).reshape(-1))
+            state.window.slots[..., rows] = self.pool.window_slots(wp[missing])  # shared: each sliding group's row
         budget = self.budget(max(new_tokens, later_tokens), len(wp))
         if budget < state.window.budget:
             self.reserved -= state.window.budget - budget
@@ -266,8 +253,8 @@ class DeviceWindows:
         n = state.cached_pages
         first = self.first_page(n * self.page_size)
         state.window.pages[first:n] = hit_window[first:n]
-        self._lock(state, n)
-        state.window.slots = self.slots(state.window.pages)
+        state.window.lock = self.lock_hit(state.node, n)
+        state.window.slots = self.pool.window_slots(state.window.pages)
 
     def release(self, state) -> None:
         """The request is done: every window page it still owns goes back, its reservation too."""
@@ -320,12 +307,6 @@ class DeviceWindows:
             else:
                 self.stats.evicted_window_pages += self.cached.evict(-(-short // g), spare_only=step == "spare")
         return a.available - start
-
-    def _lock(self, state, end_page: int) -> None:
-        if self.tree is None or end_page == 0:
-            return
-        state.window.lock = (end_page, self.first_page(end_page * self.page_size))
-        self.cached.lock(state.node, *state.window.lock)
 
     def _free_own(self, state, before: int) -> None:
         """Free the request's own window pages (those past its cached pages) before page ``before``,

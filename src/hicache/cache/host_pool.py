@@ -60,6 +60,7 @@ class HostKVPool:
         layer_page = 2 * self.page_size * k0[0].numel() * k0.element_size()  # one layer's K + V of a page
         # The host layer (row) of each device layer held; a shared pool's rows are the device pool's tensors.
         self.window_blocks: np.ndarray | None = None
+        self.shared = bool(window_ids)  # full pages and window pages are blocks of this one pool
         if window_ids:
             if not device_pool.shared:
                 raise ValueError("a host pool of blocks needs a device pool of shared blocks")
@@ -81,35 +82,25 @@ class HostKVPool:
         # A hybrid device pool's host pool of its window layers (checkpoints only): another pool of its
         # own page ids (two pools), this one (shared blocks), None (no window layers).
         self.window_pool: HostKVPool | None = self if window_ids else None
-        needed = self.bytes_per_page * num_pages
+        self.total_bytes = self.bytes_per_page * num_pages
         available = available_host_memory()
-        if needed > 0.9 * available:
+        if self.total_bytes > 0.9 * available:
             raise ConfigError(
-                f"the host KV pool needs {needed / 2**30:.2f} GiB but only {available / 2**30:.2f} GiB of host "
-                "memory is available; lower --hicache-ratio or --hicache-size."
+                f"the host KV pool needs {self.total_bytes / 2**30:.2f} GiB but only {available / 2**30:.2f} GiB of "
+                "host memory is available; lower --hicache-ratio or --hicache-size."
             )
         self.cell_heads = cell_heads
         shape = self._shape(layout, num_pages, self.num_layers, self.page_size, *k0.shape[1:])
         # Pinned memory makes CUDA copies asynchronous; the CPU build of torch cannot pin.
-        pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self.buffer = pinned_empty(shape, self.dtype) if pin else torch.empty(shape, dtype=self.dtype)
-        self.pinned = pin
+        self.pinned = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.buffer = pinned_empty(shape, self.dtype) if self.pinned else torch.empty(shape, dtype=self.dtype)
         if window_ids:
             logger.info("host KV pool: %d blocks x %d tokens shared by full pages and window pages (%d tensors, %d "
                         "sliding groups), %s, %.1f MiB%s", num_pages - 1, self.page_size, self.num_layers, self.groups,
-                        layout, needed / 2**20, " pinned" if pin else "")
+                        layout, self.total_bytes / 2**20, " pinned" if self.pinned else "")
         else:
             logger.info("host KV pool: %d pages x %d tokens, %s, %.1f MiB%s", num_pages - 1, self.page_size, layout,
-                        needed / 2**20, " pinned" if pin else "")
-
-    @property
-    def total_bytes(self) -> int:
-        return self.bytes_per_page * self.num_pages
-
-    @property
-    def shared(self) -> bool:
-        """Whether full pages and window pages are blocks of this one pool."""
-        return self.window_blocks is not None
+                        self.total_bytes / 2**20, " pinned" if self.pinned else "")
 
     def window_rows(self, window_pages: np.ndarray, group: int) -> np.ndarray:
         """The pages of this pool that hold window pages ``window_pages`` for sliding ``group`` (0 but

@@ -76,11 +76,8 @@ class HostTier:
         should have a host copy and has none yet. Each is locked until its ack is consumed."""
         if self.backup_threshold is None or node is None:
             return
-        path = []
-        while not node.is_root:
-            if node.host_pages is None and node.device_pages is not None and node.hit_count >= self.backup_threshold:
-                path.append(node)
-            node = node.parent
+        path = [n for n in node.lineage()
+                if n.host_pages is None and n.device_pages is not None and n.hit_count >= self.backup_threshold]
         for n in reversed(path):
             host = self.alloc(n.num_pages, self._anchor_like(n.device_pages))
             if host is None:

@@ -132,14 +132,8 @@ class TransferController:
         self._staging_bufs: dict[tuple[str, int], torch.Tensor] = {}
         self._views = [[self._page_views(pair, layer, host_layer, kv) for kv in (0, 1)]
                        for pair, layer, host_layer, *_ in self._layers]
-        self._queues = {kind: queue.Queue() for kind in (BACKUP, LOAD)}
-        self._inline = False  # see run_inline
-        self._workers = [
-            threading.Thread(target=self._work, args=(kind,), name=f"hicache-{kind}", daemon=True)
-            for kind in (BACKUP, LOAD)
-        ]
-        for w in self._workers:
-            w.start()
+        self.workers = OpThreads({kind: (f"hicache-{kind}", self._execute) for kind in (BACKUP, LOAD)},
+                                 self._copy_stream)
         # Workers must be joined before the interpreter tears torch down under them.
         atexit.register(self.shutdown)
 
@@ -159,10 +153,7 @@ class TransferController:
         self._acks[kind].append(op)
         if kind == LOAD:
             self._last_load = op
-        if self._inline:
-            self._execute(op, None)
-        else:
-            self._queues[kind].put(op)
+        self.workers.put(kind, op)
         return op
 
     def _part_pages(self, name: str, device: np.ndarray, host: np.ndarray) -> PartPages:
@@ -180,7 +171,7 @@ class TransferController:
         if self.cuda:
             raise RuntimeError("inline transfers are for CPU pools")
         self.shutdown()
-        self._inline = True
+        self.workers.inline = True  # ops run on the submitting thread
 
     def ready_count(self, kind: str) -> int:
         """How many leading ops of ``kind`` have finished locally."""
@@ -217,23 +208,16 @@ class TransferController:
 
     def shutdown(self) -> None:
         """Stop the workers after the ops already queued (idempotent)."""
-        if not any(w.is_alive() for w in self._workers):
-            return
-        for kind in (BACKUP, LOAD):
-            self._queues[kind].put(None)
-        for w in self._workers:
-            w.join(timeout=5)
-        atexit.unregister(self.shutdown)
+        if self.workers.stop():
+            atexit.unregister(self.shutdown)
 
     # ---- worker threads ------------------------------------------------------------------
-    def _work(self, kind: str) -> None:
-        run_torch_alone()  # its copies on this thread: an OpenMP pool of its own would slow every step
-        stream = None
-        if self.cuda:
-            torch.cuda.set_device(device_pool_device(self.device_pool))  # a thread starts on GPU 0
-            stream = torch.cuda.Stream(device_pool_device(self.device_pool))
-        while (op := self._queues[kind].get()) is not None:
-            self._execute(op, stream)
+    def _copy_stream(self) -> torch.cuda.Stream | None:
+        """A worker's CUDA stream for its copies (made on its thread); None on CPU."""
+        if not self.cuda:
+            return None
+        torch.cuda.set_device(device_pool_device(self.device_pool))  # a thread starts on GPU 0
+        return torch.cuda.Stream(device_pool_device(self.device_pool))
 
     def _execute(self, op: TransferOp, stream) -> None:
         try:
@@ -244,7 +228,7 @@ class TransferController:
             else:
                 self._run(op, None)
         except BaseException as e:  # surfaced to the scheduler by pop()
-            if self._inline and not isinstance(e, Exception):  # Ctrl-C on the caller's own thread
+            if self.workers.inline and not isinstance(e, Exception):  # Ctrl-C on the caller's own thread
                 raise
             op.error = e
             logger.error("%s transfer %d of %d pages failed: %s", op.kind, op.op_id, op.num_pages, e)
@@ -318,15 +302,48 @@ class TransferController:
         return sum(b.numel() * b.element_size() for b in self._staging_bufs.values())
 
 
+class OpThreads:
+    """One daemon thread per kind of op, each running its kind's ops in the order put, as ``run(op,
+    state)`` (``state``: what ``start()`` made on that thread); with ``inline`` set (after :meth:`stop`),
+    each op at once on the thread that puts it (``state`` None)."""
+
+    def __init__(self, kinds: Mapping[str, tuple[str, Callable[[Any, Any], None]]],
+                 start: Callable[[], Any] = lambda: None) -> None:
+        """``kinds``: (thread name, ``run``) by kind."""
+        self.kinds, self.start, self.inline = dict(kinds), start, False
+        self._queues: dict[str, queue.Queue] = {kind: queue.Queue() for kind in kinds}
+        self._threads = [threading.Thread(target=self._work, args=(kind,), name=name, daemon=True)
+                         for kind, (name, _) in kinds.items()]
+        for t in self._threads:
+            t.start()
+
+    def put(self, kind: str, op: Any) -> None:
+        if self.inline:
+            self.kinds[kind][1](op, None)
+        else:
+            self._queues[kind].put(op)
+
+    def stop(self) -> bool:
+        """Stop the threads after the ops already put; False when they were stopped already."""
+        if not any(t.is_alive() for t in self._threads):
+            return False
+        for q in self._queues.values():
+            q.put(None)
+        for t in self._threads:
+            t.join(timeout=5)
+        return True
+
+    def _work(self, kind: str) -> None:
+        run_torch_alone()  # its copies on this thread: an OpenMP pool of its own would slow every step
+        state, run = self.start(), self.kinds[kind][1]
+        while (op := self._queues[kind].get()) is not None:
+            run(op, state)
+
+
 def leading_done(ops: Iterable[Any]) -> int:
     """How many ops at the head of an ordered queue have finished (``op.done`` set): the
     ready count of an ack queue, the input to agreement."""
-    n = 0
-    for op in ops:
-        if not op.done.is_set():
-            break
-        n += 1
-    return n
+    return sum(1 for _ in itertools.takewhile(lambda op: op.done.is_set(), ops))
 
 
 def device_pool_device(pool: DeviceKVPool) -> torch.device:

@@ -58,7 +58,7 @@ class HostWindows:
         self.allocator: PageAllocator | SharedWindowAllocator = \
             SharedWindowAllocator(tier.allocator, tier.host_pool.window_blocks) if self.shared \
             else PageAllocator(window_host.num_pages)
-        cached.attach_host_allocator(self.allocator)
+        cached.host_allocator = self.allocator
         # the window span each in-flight backup window-locks (its device window pages must not be tombstoned
         # and reused before the copy reads them), by node
         self._spans: dict[TreeNode, tuple[int, int]] = {}

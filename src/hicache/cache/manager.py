@@ -83,14 +83,13 @@ def _key_namespace(pool: DeviceKVPool, shard: str, unified: UnifiedPlan | None) 
     """What names this rank's page objects: its own layers and KV heads (rank-suffix), or the
     whole model's grid (unified: the same on every rank of every compatible deployment)."""
     k = pool.k_buffers[0]
-    if unified is None and pool.hybrid:
-        # a hybrid pool's objects: full layers (the page object), window layers (checkpoints' "-window"
-        # objects): a namespace of their own, so every-layer objects are never read as these
-        return KeyNamespace(pool.page_size, str(k.dtype), tuple(k.shape[1:]), len(pool.k_buffers) - len(
-            pool.window_layers), shard, f"{OBJECT_LAYOUT_V1};window={pool.window}x{len(pool.window_layers)}")
-    if unified is None:
-        return KeyNamespace(pool.page_size, str(k.dtype), tuple(k.shape[1:]), len(pool.k_buffers), shard)
-    return unified.key_namespace(pool.page_size, str(k.dtype), k.shape[2], pool.window)
+    if unified is not None:
+        return unified.key_namespace(pool.page_size, str(k.dtype), k.shape[2], pool.window)
+    # a hybrid pool's objects: full layers (the page object), window layers (checkpoints' "-window"
+    # objects): a namespace of their own, so every-layer objects are never read as these
+    layout = f"{OBJECT_LAYOUT_V1};window={pool.window}x{len(pool.window_layers)}" if pool.hybrid else OBJECT_LAYOUT_V1
+    return KeyNamespace(pool.page_size, str(k.dtype), tuple(k.shape[1:]), len(pool.k_buffers) - len(pool.window_layers),
+                        shard, layout)
 
 
 Objects = tuple[list[GridCell], list[GridCell]]
@@ -152,6 +151,9 @@ class KVCacheManager:
         self.device = DeviceTier(pool, policy.eviction_policy, policy.enable_prefix_cache, self.host_allocator,
                                  self.stats, placement)
         self.allocator, self.tree = self.device.allocator, self.device.tree
+        self.capacity_pages = self.allocator.capacity
+        # usable pages of a hybrid pool's window component (0: none)
+        self.window_capacity_pages = self.device.windows.allocator.capacity if self.device.windows is not None else 0
         self.keys = _key_namespace(pool, layout.shard, unified)
         self.host: HostTier | None = None
         self.storage_tier: StorageTier | None = None
@@ -175,25 +177,11 @@ class KVCacheManager:
         self.kv_view = _KVView(pool, self.controller)
         self.sidecar_view = None if sidecar is None else _KVView(sidecar[0], self.controller, len(pool.k_buffers))
 
-    @property
-    def capacity_pages(self) -> int:
-        return self.allocator.capacity
-
     def window_tail(self, prompt_tokens: int) -> int | None:
         """A hybrid pool: the first token of a prompt's fresh SWA tail (the window its checkpoint and
         first decode step read), which P/D moves for the window layers; None without a window pool."""
         windows = self.device.windows
         return None if windows is None else windows.tail_page(prompt_tokens) * self.page_size
-
-    @property
-    def window_capacity_pages(self) -> int:
-        """Usable pages of a hybrid pool's window component (0: none)."""
-        return self.device.windows.allocator.capacity if self.device.windows is not None else 0
-
-    @property
-    def prefetch_held_pages(self) -> int:
-        """Host pages reserved by prefetches not yet reaped."""
-        return self.storage_tier.prefetch_held_pages if self.storage_tier is not None else 0
 
     def pages_for(self, num_tokens: int) -> int:
         return self.device.pages_for(num_tokens)
@@ -328,8 +316,7 @@ class KVCacheManager:
             raise RuntimeError("flush while requests still hold device pages")
 
     def shutdown(self) -> None:
-        if self.tiers:
-            self.drain()
+        self.drain()
         for tier in self.tiers:
             tier.shutdown()
 

@@ -77,6 +77,3 @@ class NgramTable:
     def all_places(self) -> Iterator[int]:
         for places in self._places.values():
             yield from places
-
-    def clear(self) -> None:
-        self._places.clear()

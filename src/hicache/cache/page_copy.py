@@ -65,15 +65,8 @@ class PagePlan:
         self._indices: dict[tuple[str, torch.device], torch.Tensor] = {}
         self._side_runs: dict[tuple[bool, int | None], list[tuple[int, int, int]]] = {}
 
-    def rest_index(self, dst_side: bool, device: torch.device) -> torch.Tensor:
-        """``dst_rest`` (or ``src_rest``) as an int64 tensor on ``device``, made once."""
-        return self._index("dst_rest" if dst_side else "src_rest", device)
-
-    def page_index(self, dst_side: bool, device: torch.device) -> torch.Tensor:
-        """Every ``dst_pages`` (or ``src_pages``) entry as an int64 tensor on ``device``, made once."""
-        return self._index("dst_pages" if dst_side else "src_pages", device)
-
-    def _index(self, name: str, device: torch.device) -> torch.Tensor:
+    def index(self, name: str, device: torch.device) -> torch.Tensor:
+        """Page list ``name`` (``src_rest``, ``dst_pages``, ...) as an int64 tensor on ``device``, made once."""
         key = (name, device)
         if key not in self._indices:
             index = torch.as_tensor(getattr(self, name))
@@ -135,8 +128,8 @@ def copy_pages(src: PageBuf, dst: PageBuf, plan: PagePlan, staging: torch.Tensor
     if n == 0:
         return
     out = staging[:n] if staging is not None else None
-    rows = torch.index_select(src, 0, plan.rest_index(False, src.device), out=out)
-    dst.index_copy_(0, plan.rest_index(True, dst.device), rows)
+    rows = torch.index_select(src, 0, plan.index("src_rest", src.device), out=out)
+    dst.index_copy_(0, plan.index("dst_rest", dst.device), rows)
 
 
 def copy_staged(src: torch.Tensor, dst: torch.Tensor, plan: PagePlan, to_host: bool,
@@ -153,7 +146,7 @@ def copy_staged(src: torch.Tensor, dst: torch.Tensor, plan: PagePlan, to_host: b
     if staging is None:
         staging = torch.empty((n, *src.shape[1:]), dtype=src.dtype, device=device)
     chunk = staging.shape[0]
-    device_pages = plan.page_index(not to_host, device)
+    device_pages = plan.index("src_pages" if to_host else "dst_pages", device)
     runs = iter(plan.side_runs(to_host, chunk))
     for first in range(0, n, chunk):
         rows, index = staging[: min(chunk, n - first)], device_pages[first : first + chunk]
@@ -181,21 +174,13 @@ def cpu_page_arrays(a: torch.Tensor, b: torch.Tensor) -> tuple[np.ndarray, np.nd
     items when both have contiguous rows; else both as strided numpy arrays of elements (a
     page_unified host layer with several head groups), which numpy copies a contiguous inner
     row at a time."""
-    if _rows_contiguous(a) and _rows_contiguous(b):
+    if all(len(t) == 0 or t[0].is_contiguous() for t in (a, b)):
         return page_items(a), page_items(b)
-    return _as_bits(a), _as_bits(b)
-
-
-def _as_bits(t: torch.Tensor) -> np.ndarray:
-    """``t``'s elements as integers of the same size (numpy has no bfloat16)."""
-    return t.view(_BITS[t.element_size()]).numpy()
+    # elements as integers of the same size (numpy has no bfloat16)
+    return tuple(t.view(_BITS[t.element_size()]).numpy() for t in (a, b))
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _rows_contiguous(t: torch.Tensor) -> bool:
-    return t[0].is_contiguous() if len(t) else True
 
 
 def page_items(t: torch.Tensor) -> np.ndarray:

@@ -91,12 +91,10 @@ class PageTree:
         upper.last_access, upper.hit_count = node.last_access, node.hit_count
         for component in self.components:
             component.split(upper, node, pages_at)
-        if node.device_pages is not None:
-            upper.device_pages, node.device_pages = node.device_pages[:pages_at], node.device_pages[pages_at:]
-        if node.host_pages is not None:
-            upper.host_pages, node.host_pages = node.host_pages[:pages_at], node.host_pages[pages_at:]
-        if node.hash_values is not None:
-            upper.hash_values, node.hash_values = node.hash_values[:pages_at], node.hash_values[pages_at:]
+        for tier in ("device_pages", "host_pages", "hash_values"):  # one entry per key page, where held
+            if (pages := getattr(node, tier)) is not None:
+                setattr(upper, tier, pages[:pages_at])
+                setattr(node, tier, pages[pages_at:])
         node.parent.children[self._page_key(upper.key, 0)] = upper
         node.key = node.key[at:]
         node.parent = upper

@@ -83,16 +83,12 @@ class ShardedPageAllocator:
         self.placement = placement
         self.pages_per_shard = pages_per_shard
         self.num_pages = placement.num_shards * pages_per_shard  # logical ids 0 .. num_pages-1
+        self.capacity = self.num_pages - placement.num_shards  # usable logical pages (no shard's padding page)
         self.reset()
 
     def reset(self) -> None:
         n = self.placement.num_shards
         self._free = [list(range(self.pages_per_shard * n + owner - n, owner, -n)) for owner in range(n)]
-
-    @property
-    def capacity(self) -> int:
-        """Usable logical pages (excludes every shard's padding page)."""
-        return self.num_pages - self.placement.num_shards
 
     @property
     def available(self) -> int:
@@ -188,42 +184,20 @@ def alloc_evicting(allocator: "ShardedPageAllocator | object", n: int, first_pos
     they fit or nothing is left to evict.
     Returns the pages (None: they do not fit) and the pages evicted."""
     evicted = 0
-    while True:
-        pages = allocator.alloc(n, first_position, anchor)
-        short = shortfall(allocator, n, first_position, anchor)
-        if pages is not None or evict is None or short == 0:
-            return pages, evicted
+    while (pages := allocator.alloc(n, first_position, anchor)) is None and evict is not None:
         if isinstance(allocator, ShardedPageAllocator):
-            freed = evict(short, _on_owners(allocator.placement, _short_owners(allocator, n, first_position, anchor)))
+            placement = allocator.placement
+            need = np.bincount(placement.owner_at(np.arange(first_position, first_position + n), anchor),
+                               minlength=placement.num_shards)
+            missing = [max(0, int(need[o]) - allocator.available_on(o)) for o in range(placement.num_shards)]
+            owners = [o for o, m in enumerate(missing) if m]
+            freed = evict(sum(missing), lambda pages: bool(np.isin(placement.owner(pages), owners).any()))
         else:
-            freed = evict(short)
+            freed = evict(max(0, n - allocator.available))
         evicted += freed
         if freed == 0:
             return None, evicted
-
-
-def _missing_per_owner(allocator: ShardedPageAllocator, n: int, first_position: int, anchor: int) -> list[int]:
-    """Pages each owner lacks for an ``n``-page allocation."""
-    placement = allocator.placement
-    need = np.bincount(placement.owner_at(np.arange(first_position, first_position + n), anchor),
-                       minlength=placement.num_shards)
-    return [max(0, int(need[o]) - allocator.available_on(o)) for o in range(placement.num_shards)]
-
-
-def _short_owners(allocator: ShardedPageAllocator, n: int, first_position: int, anchor: int) -> list[int]:
-    return [o for o, missing in enumerate(_missing_per_owner(allocator, n, first_position, anchor)) if missing]
-
-
-def _on_owners(placement: PagePlacement, owners: list[int]) -> Callable[[np.ndarray], bool]:
-    """Accepts a node's pages when one of them lives on one of ``owners``."""
-    return lambda pages: bool(np.isin(placement.owner(pages), owners).any())
-
-
-def shortfall(allocator, n: int, first_position: int, anchor: int = 0) -> int:
-    """Pages missing for an ``n``-page allocation (on each owner, when sharded)."""
-    if not isinstance(allocator, ShardedPageAllocator):
-        return max(0, n - allocator.available)
-    return sum(_missing_per_owner(allocator, n, first_position, anchor))
+    return pages, evicted
 
 
 def path_anchor(placement: PagePlacement, node) -> int | None:
@@ -231,6 +205,5 @@ def path_anchor(placement: PagePlacement, node) -> int | None:
     host pages; a path keeps one rotation in every tier), or None when there is no node."""
     if node is None or node.is_root:
         return None
-    while not node.parent.is_root:
-        node = node.parent
+    *_, node = node.lineage()  # the path's first node
     return placement.anchor_of(node.device_pages if node.device_pages is not None else node.host_pages)

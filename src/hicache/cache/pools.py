@@ -29,12 +29,8 @@ class PageAllocator:
         if num_pages < 2:
             raise ValueError("a page allocator needs at least one usable page besides the reserved page 0")
         self.num_pages = num_pages
+        self.capacity = num_pages - 1  # usable pages (excludes the reserved page 0)
         self._free = np.arange(1, num_pages, dtype=np.int64)
-
-    @property
-    def capacity(self) -> int:
-        """Usable pages (excludes the reserved page 0)."""
-        return self.num_pages - 1
 
     @property
     def available(self) -> int:
@@ -69,21 +65,16 @@ class SharedWindowAllocator:
     def __init__(self, blocks: PageAllocator, table: np.ndarray) -> None:
         self.blocks, self.table, self.groups = blocks, table, table.shape[1]
         self.ids = PageAllocator(table.shape[0])
-
-    @property
-    def capacity(self) -> int:
-        return self.ids.capacity
+        self.capacity = self.ids.capacity
 
     @property
     def available(self) -> int:
         return min(self.ids.available, self.blocks.available // self.groups)
 
     def alloc(self, n: int, first_position: int = 0, anchor: int = 0) -> np.ndarray | None:
-        if n < 0:
-            raise ValueError(f"cannot allocate {n} pages")
         if n > self.available:
             return None
-        ids = self.ids.alloc(n)
+        ids = self.ids.alloc(n)  # (raises for n < 0)
         self.table[ids] = self.blocks.alloc(n * self.groups).reshape(n, self.groups)
         return ids
 
@@ -151,6 +142,7 @@ class DeviceKVPool:
         windows = windows or WindowLayout(frozenset(), 0, 0)
         window_pages, window, shared = windows.pages, windows.window, windows.shared
         self.window_pages = window_pages
+        self.hybrid = window_pages > 0  # the sliding-window layers have a component of their own
         self.window = window if window_pages else 0  # tokens a window layer's token reads, its own included
         if window_pages and window < 1:
             raise ValueError("a window component needs its window size")
@@ -189,11 +181,6 @@ class DeviceKVPool:
         else:
             logger.info("device KV pool: %d pages x %d tokens, %.1f MiB", num_pages - 1, page_size,
                         self.bytes_per_page * num_pages / 2**20)
-
-    @property
-    def hybrid(self) -> bool:
-        """Whether the sliding-window layers have a component of their own."""
-        return self.window_pages > 0
 
     @property
     def total_bytes(self) -> int:

@@ -25,6 +25,8 @@ change (:class:`~.tree_node.TreeComponent`): a match ends where every component 
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from ..consensus_record import consensus_check
@@ -39,15 +41,9 @@ class RadixCache(LeafEviction):
     """The prefix index of every tier: match / insert / lock / evict over logical token pages.
     It keeps each node's tier state consistent; when to copy between tiers is the tiers' policy."""
 
-    def __init__(
-        self,
-        page_size: int,
-        allocator: PageAllocator,
-        eviction_policy: str = "lru",
-        host_allocator: PageAllocator | None = None,
-        window: int = 0,
-        window_allocator: PageAllocator | None = None,
-    ) -> None:
+    def __init__(self, page_size: int, allocator: PageAllocator, eviction_policy: str = "lru",
+                 host_allocator: PageAllocator | None = None, window: int = 0,
+                 window_allocator: PageAllocator | None = None) -> None:
         """``window`` (tokens) and ``window_allocator``: a hybrid pool's sliding-window component
         (``self.windows``, :mod:`.window_tree`); 0 / None without one."""
         super().__init__(page_size, allocator, host_allocator, eviction_policy)
@@ -118,9 +114,8 @@ class RadixCache(LeafEviction):
         # first also refreshed the unmatched lower half, skewing LRU and LFU).
         for node in path:
             self._touch(node)
-        k = 0  # the device hit is the leading run of nodes with device pages
-        while k < len(path) and path[k].device_pages is not None:
-            k += 1
+        # the device hit is the leading run of nodes with device pages
+        k = sum(1 for _ in itertools.takewhile(lambda m: m.device_pages is not None, path))
         pages = np.concatenate([m.device_pages for m in path[:k]]) if k else EMPTY_PAGES
         last_device = path[k - 1] if k else root
         return MatchResult(pages, len(pages) * self.page_size, last_device, host_tokens, path[-1] if path else root,
@@ -213,35 +208,31 @@ class RadixCache(LeafEviction):
             self.evictable_pages += sign * node.num_pages
 
     def inc_lock_ref(self, node: TreeNode) -> None:
-        while node is not None and not node.is_root:
-            if node.lock_ref == 0:
-                self.evictable_pages -= node.num_pages
-                self.protected_pages += node.num_pages
-            node.lock_ref += 1
-            node = node.parent
+        for n in node.lineage():
+            if n.lock_ref == 0:
+                self.evictable_pages -= n.num_pages
+                self.protected_pages += n.num_pages
+            n.lock_ref += 1
 
     def dec_lock_ref(self, node: TreeNode) -> None:
-        while node is not None and not node.is_root:
-            if node.lock_ref <= 0:
-                raise RuntimeError(f"unlock of an unlocked node {node}")
-            node.lock_ref -= 1
-            if node.lock_ref == 0:
-                self.protected_pages -= node.num_pages
-                self.evictable_pages += node.num_pages
-            node = node.parent
+        for n in node.lineage():
+            if n.lock_ref <= 0:
+                raise RuntimeError(f"unlock of an unlocked node {n}")
+            n.lock_ref -= 1
+            if n.lock_ref == 0:
+                self.protected_pages -= n.num_pages
+                self.evictable_pages += n.num_pages
 
     def inc_host_ref(self, node: TreeNode) -> None:
         """Protect the host copies of ``node`` and its ancestors from L2 eviction."""
-        while node is not None and not node.is_root:
-            node.host_ref += 1
-            node = node.parent
+        for n in node.lineage():
+            n.host_ref += 1
 
     def dec_host_ref(self, node: TreeNode) -> None:
-        while node is not None and not node.is_root:
-            if node.host_ref <= 0:
-                raise RuntimeError(f"host unref of an unprotected node {node}")
-            node.host_ref -= 1
-            node = node.parent
+        for n in node.lineage():
+            if n.host_ref <= 0:
+                raise RuntimeError(f"host unref of an unprotected node {n}")
+            n.host_ref -= 1
 
     def attach_host_pages(self, node: TreeNode, host_pages: np.ndarray) -> None:
         """Record ``node``'s L2 copy (its backup is in flight while the node stays locked)."""

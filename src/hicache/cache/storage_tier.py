@@ -17,6 +17,7 @@ prefetches that are running or stopped but not yet reaped, and stays under the l
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
@@ -44,13 +45,9 @@ logger = logging.getLogger(__name__)
 def node_hashes(node: TreeNode, keys: KeyNamespace) -> list[bytes]:
     """The page hashes of (non-root) ``node``; the missing ones on its path are computed and
     kept on their nodes, so a chain is hashed once however often it is continued."""
-    path = []
-    n = node
-    while not n.is_root and n.hash_values is None:
-        path.append(n)
-        n = n.parent
-    path.reverse()
-    head = keys.digest(node.namespace) if n.is_root else n.hash_values[-1]
+    path = list(itertools.takewhile(lambda m: m.hash_values is None, node.lineage()))[::-1]  # root first
+    above = path[0].parent if path else node  # the nearest node with hashes, or the root
+    head = keys.digest(node.namespace) if above.is_root else above.hash_values[-1]
     for m, hashes in zip(path, continue_chain([m.key for m in path], keys.page_size, head)):
         m.hash_values = hashes
     return node.hash_values
@@ -116,12 +113,9 @@ class StorageTier:
         if host is None:
             return None
         hashes = page_hashes(tokens[start * self.page_size : (start + tail) * self.page_size], self.page_size, prev)
-        parts = {name: part.reserve_prefetch(start + tail) for name, part in self.host.parts.items()}
-        if self.shard is None:
-            op = self.controller.prefetch(namespace, digest, hashes, host, start_page=start, parts=parts)
-        else:
-            op = self.controller.prefetch(namespace, digest, hashes, host, self.shard.owned_indices(host),
-                                          self.shard.local(host), start)
+        parts = {name: part.reserve_prefetch(start + tail) for name, part in self.host.parts.items()}  # none sharded
+        owned, local = (None, None) if self.shard is None else (self.shard.owned_indices(host), self.shard.local(host))
+        op = self.controller.prefetch(namespace, digest, hashes, host, owned, local, start, parts)
         self.prefetch_held_pages += tail
         logger.debug("prefetch op=%d pages=%d from page %d", op.op_id, tail, start)
         return op
@@ -182,34 +176,22 @@ class StorageTier:
     # ---- backups -------------------------------------------------------------------------
     def on_insert(self, node: TreeNode | None) -> None:
         """``node`` has a host copy now: write the host copies on its path that storage lacks."""
-        path = []
-        n = node
-        while not n.is_root and not n.stored:
-            if n.host_pages is not None:
-                path.append(n)
-            n = n.parent
-        for n in reversed(path):
+        unstored = itertools.takewhile(lambda m: not m.stored, node.lineage())
+        for n in reversed([m for m in unstored if m.host_pages is not None]):
             n.stored = True
             self.tree.inc_host_ref(n)
             hashes = list(node_hashes(n, self.keys))
-            if self.shard is None:
-                parts = {name: PartWrite(*stored, self._superseded_hashes(n, part) if len(stored[0]) else [])
-                         for name, part in self.host.parts.items() if (stored := part.stored(n)) is not None}
-                self.controller.backup(self.keys.digest(n.namespace), hashes, n.host_pages.copy(), [n], parts=parts)
-            else:
-                owned = self.shard.owned_indices(n.host_pages)
-                self.controller.backup(self.keys.digest(n.namespace), hashes, self.shard.local(n.host_pages), [n],
-                                       owned)
+            parts = {name: PartWrite(*stored, self._superseded_hashes(n, part) if len(stored[0]) else [])  # not sharded
+                     for name, part in self.host.parts.items() if (stored := part.stored(n)) is not None}
+            owned = None if self.shard is None else self.shard.owned_indices(n.host_pages)
+            pages = n.host_pages.copy() if self.shard is None else self.shard.local(n.host_pages)
+            self.controller.backup(self.keys.digest(n.namespace), hashes, pages, [n], owned, parts)
 
     def _superseded_hashes(self, node: TreeNode, part: HostWindows) -> list[bytes]:
         """Page hashes of stored ancestors' checkpoint pages that ``node``'s checkpoint supersedes
         (:meth:`~.host_window.HostWindows.superseded_stored`): their window objects go once
         ``node``'s are written."""
-        out = []
-        for anc, idx in part.superseded_stored(node):
-            hashes = list(node_hashes(anc, self.keys))
-            out.extend(hashes[i] for i in idx)
-        return out
+        return [node_hashes(anc, self.keys)[i] for anc, idx in part.superseded_stored(node) for i in idx]
 
     # ---- queues --------------------------------------------------------------------------
     def ready_acks(self) -> AckCounts:

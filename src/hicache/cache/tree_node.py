@@ -11,36 +11,30 @@ change them through the tree and its components.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Iterable, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Protocol
 
 import numpy as np
 
 
+@dataclass(slots=True, eq=False)  # eq=False: nodes hash by identity (dict keys, heap entries)
 class TreeNode:
     """One edge of the tree: ``key`` tokens and where their KV lives in each tier."""
 
-    __slots__ = (
-        "id", "namespace", "key", "parent", "children", "device_pages", "host_pages",
-        "hash_values", "stored", "lock_ref", "host_ref", "last_access", "hit_count", "parts",
-    )
-
-    def __init__(self, node_id: int, namespace: str, key: np.ndarray, parent: "TreeNode | None",
-                 parts: tuple = ()) -> None:
-        self.id = node_id
-        self.namespace = namespace
-        self.key = key  # int32 token ids, len = num_pages * page_size
-        self.parent = parent
-        self.children: dict[bytes, TreeNode] = {}
-        self.device_pages: np.ndarray | None = None  # L1 page ids
-        self.host_pages: np.ndarray | None = None  # L2 page ids (hierarchical cache)
-        self.hash_values: list[bytes] | None = None  # per-page chained hashes (storage tier)
-        self.stored = False  # a storage backup of this node's pages was issued (L3)
-        self.lock_ref = 0
-        self.host_ref = 0  # in-flight reads of the host copy (storage backups); like lock_ref, path-wide
-        self.last_access = 0
-        self.hit_count = 0
-        self.parts = parts  # one handle per component of the tree (TreeComponent.index)
+    id: int
+    namespace: str
+    key: np.ndarray  # int32 token ids, len = num_pages * page_size
+    parent: TreeNode | None
+    parts: tuple = ()  # one handle per component of the tree (TreeComponent.index)
+    children: dict[bytes, TreeNode] = field(default_factory=dict)
+    device_pages: np.ndarray | None = None  # L1 page ids
+    host_pages: np.ndarray | None = None  # L2 page ids (hierarchical cache)
+    hash_values: list[bytes] | None = None  # per-page chained hashes (storage tier)
+    stored: bool = False  # a storage backup of this node's pages was issued (L3)
+    lock_ref: int = 0
+    host_ref: int = 0  # in-flight reads of the host copy (storage backups); like lock_ref, path-wide
+    last_access: int = 0
+    hit_count: int = 0
 
     @property
     def num_pages(self) -> int:
@@ -49,6 +43,13 @@ class TreeNode:
     @property
     def is_root(self) -> bool:
         return self.parent is None
+
+    def lineage(self) -> Iterator[TreeNode]:
+        """This node and its ancestors, nearest first, the root left out."""
+        node = self
+        while not node.is_root:
+            yield node
+            node = node.parent
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, tokens={len(self.key)}, lock_ref={self.lock_ref})"

@@ -91,7 +91,7 @@ class TreeWindows:
         self.index = -1  # set when the tree registers it (PageTree.add_component)
         self.window = window  # tokens
         self.allocator = allocator
-        # set by a hybrid host tier (attach_host_allocator): window pages of a fixed split, or shared blocks
+        # set by a hybrid host tier (HostWindows): window pages of a fixed split, or shared blocks
         self.host_allocator: PageAllocator | SharedWindowAllocator | None = None
         self.held_pages = 0  # window pages the tree holds on the device
         self.evicted_pages_total = 0
@@ -209,9 +209,6 @@ class TreeWindows:
         self.of(node).device[idx] = pages
         self.held_pages += len(idx)
 
-    def attach_host_allocator(self, allocator: PageAllocator) -> None:
-        self.host_allocator = allocator
-
     def attach_host(self, node: TreeNode, idx: np.ndarray, pages: np.ndarray) -> None:
         """``node``'s new host copy keeps the window of its pages ``idx`` in host window ``pages``."""
         part = self.of(node)
@@ -231,10 +228,7 @@ class TreeWindows:
     # ---- checkpoints ---------------------------------------------------------------------
     def checkpoint_span(self, node: TreeNode) -> tuple[int, int]:
         """(end page, first page) of the window of ``node``'s end boundary, cut to the node."""
-        end, n = 0, node
-        while not n.is_root:
-            end += self.tree.key_pages(n)
-            n = n.parent
+        end = sum(self.tree.key_pages(n) for n in node.lineage())
         return end, max(self.first_page(end * self.page_size), end - self.tree.key_pages(node))
 
     def checkpoint_pages(self, node: TreeNode) -> np.ndarray:
@@ -253,10 +247,7 @@ class TreeWindows:
         reads. The checkpoint just before ``node`` keeps its window (the same prompt again -- a
         retry, a regenerated answer -- hits it); those before it go. (ancestor, page indices)
         pairs, nearest first."""
-        start, n = 0, node.parent
-        while not n.is_root:
-            start += self.tree.key_pages(n)
-            n = n.parent
+        start = sum(self.tree.key_pages(n) for n in node.parent.lineage())
         first = self.first_page(start * self.page_size)
         out, pos, anc = [], start, node.parent
         while not anc.is_root and len(anc.children) == 1:

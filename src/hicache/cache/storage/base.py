@@ -8,8 +8,10 @@ Keys are strings naming a whole prefix (see :mod:`.keys`); an object is the enco
 from __future__ import annotations
 
 import abc
+import dataclasses
+import threading
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Iterator
 
 
 class StorageError(RuntimeError):
@@ -35,6 +37,11 @@ class BackendStats:
         self.gets += asked
         self.get_hits += len(hits)
         self.bytes_read += sum(len(v) for v in hits)
+
+    def count_sets(self, values: list[bytes]) -> None:
+        """``values`` were stored."""
+        self.sets += len(values)
+        self.bytes_written += sum(memoryview(v).nbytes for v in values)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,3 +101,39 @@ class StorageBackend(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional
         """Release connections / file handles."""
+
+
+class CountingBackend(StorageBackend):
+    """A backend that keeps its own counters (``_c``, under ``_lock``, which the reader and writer
+    threads share), shown by ``stats()`` with :meth:`_extra`'s figures."""
+
+    def __init__(self) -> None:
+        self._c = BackendStats()
+        self._lock = threading.Lock()
+
+    def _fail(self, msg: str) -> StorageError:
+        """The error to raise, counted."""
+        with self._lock:
+            self._c.errors += 1
+        return StorageError(msg)
+
+    def _extra(self) -> dict:
+        return {}
+
+    def stats(self) -> BackendStats:
+        with self._lock:
+            return dataclasses.replace(self._c, extra=self._extra())
+
+
+class RemoteStore(CountingBackend):
+    """What the backends of a store server share: keys under ``options.prefix``, batches of at most
+    ``options.batch_size`` keys."""
+
+    def __init__(self, options: RemoteStoreOptions) -> None:
+        super().__init__()
+        self.prefix, self.batch_size = options.prefix, int(options.batch_size)
+
+    def _chunks(self, keys: list[str]) -> Iterator[tuple[int, list[str]]]:
+        """(first index, the server's keys) of each batch of ``keys``."""
+        for start in range(0, len(keys), self.batch_size):
+            yield start, [self.prefix + k for k in keys[start : start + self.batch_size]]

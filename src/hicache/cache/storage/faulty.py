@@ -81,7 +81,8 @@ class FaultyBackend(StorageBackend):
             self.calls.clear()
             self.objects_got = self.objects_set = 0
 
-    def _enter(self, op: str) -> None:
+    def _enter(self, op: str, fail: str = "") -> None:
+        """Count the call, then apply the delay, hang and down knobs and the call's own ``fail`` knob."""
         with self._lock:
             self.calls[op] += 1
         if self.faults.delay_s:
@@ -90,6 +91,8 @@ class FaultyBackend(StorageBackend):
             self._released.wait(self.faults.hang_s)
         if self.faults.down:
             raise StorageError(f"faulty storage: backend is down ({op})")
+        if fail and getattr(self.faults, fail):
+            raise StorageError(f"faulty storage: {op} failed")
 
     def _budget(self, n: int, counter: str) -> int:
         """How many of the next ``n`` objects fit under ``fail_after``; advances the count."""
@@ -101,15 +104,11 @@ class FaultyBackend(StorageBackend):
 
     # -- StorageBackend -------------------------------------------------------------------
     def exists_prefix(self, keys: list[str]) -> int:
-        self._enter("exists_prefix")
-        if self.faults.fail_get:
-            raise StorageError("faulty storage: exists_prefix failed")
+        self._enter("exists_prefix", "fail_get")
         return self.inner.exists_prefix(keys)
 
     def batch_get(self, keys: list[str]) -> list[bytes | None]:
-        self._enter("batch_get")
-        if self.faults.fail_get:
-            raise StorageError("faulty storage: batch_get failed")
+        self._enter("batch_get", "fail_get")
         allowed = self._budget(len(keys), "objects_got")
         if allowed < len(keys) and self.faults.raise_mid_batch:
             raise StorageError(f"faulty storage: batch_get failed after {allowed} objects")
@@ -119,9 +118,7 @@ class FaultyBackend(StorageBackend):
         return out
 
     def batch_set(self, keys: list[str], values: list[bytes]) -> int:
-        self._enter("batch_set")
-        if self.faults.fail_set:
-            raise StorageError("faulty storage: batch_set failed")
+        self._enter("batch_set", "fail_set")
         allowed = self._budget(len(keys), "objects_set")
         stored = self.inner.batch_set(keys[:allowed], values[:allowed]) if allowed else 0
         if allowed < len(keys) and self.faults.raise_mid_batch:

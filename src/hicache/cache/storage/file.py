@@ -19,18 +19,17 @@ view of the index only.
 
 from __future__ import annotations
 
-import dataclasses
-import errno
+import contextlib
 import logging
 import os
 import re
 import secrets
 import stat
-import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
-from .base import BackendStats, StorageBackend, StorageError
+from .base import CountingBackend, StorageError
 from .file_index import LruIndex
 
 log = logging.getLogger(__name__)
@@ -53,16 +52,14 @@ def _pid_alive(pid: int) -> bool:
         return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
     except PermissionError:  # exists, owned by someone else
         return True
-    except (OverflowError, ValueError):  # not a pid at all
+    except (ProcessLookupError, OverflowError, ValueError):  # gone, or not a pid at all
         return False
     return True
 
 
-class FileBackend(StorageBackend):
+class FileBackend(CountingBackend):
     """Objects as files in ``path`` (default :func:`default_dir`).
 
     ``max_bytes``: cap on stored object bytes (None = unbounded); a write that would pass
@@ -81,14 +78,8 @@ class FileBackend(StorageBackend):
 
     name = "file"
 
-    def __init__(
-        self,
-        path: str | os.PathLike | None = None,
-        max_bytes: int | None = None,
-        fsync: bool = False,
-        touch_on_read: bool = True,
-        touch_interval_s: float = 60.0,
-    ) -> None:
+    def __init__(self, path: str | os.PathLike | None = None, max_bytes: int | None = None, fsync: bool = False,
+                 touch_on_read: bool = True, touch_interval_s: float = 60.0) -> None:
         self.root = Path(path).expanduser() if path else default_dir()
         if max_bytes is not None and int(max_bytes) <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
@@ -96,9 +87,8 @@ class FileBackend(StorageBackend):
         self.fsync = bool(fsync)
         self.touch_on_read = bool(touch_on_read)
         self.touch_interval_s = float(touch_interval_s)
-        self._lock = threading.Lock()
+        super().__init__()
         self._index = LruIndex()
-        self._stats = BackendStats()
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -122,28 +112,29 @@ class FileBackend(StorageBackend):
         """Rebuild the index from disk; delete stray temp files. Returns how many."""
         found: list[tuple[float, str, int]] = []
         stray = 0
-        for sub in os.scandir(self.root):
-            if not sub.is_dir(follow_symlinks=False) or sub.name.startswith("."):
+        for sub, ent in self._entries():
+            name = ent.name
+            if name.startswith(TMP_PREFIX):
+                if self._is_stray(name):
+                    with contextlib.suppress(OSError):
+                        os.unlink(ent.path)
+                        stray += 1
                 continue
-            for ent in os.scandir(sub.path):
-                name = ent.name
-                if name.startswith(TMP_PREFIX):
-                    if self._is_stray(name):
-                        try:
-                            os.unlink(ent.path)
-                            stray += 1
-                        except OSError:
-                            pass
-                    continue
-                if name.startswith(".") or not _KEY_RE.match(name) or name[:2] != sub.name:
-                    continue
-                try:
-                    st = ent.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                found.append((st.st_mtime, name, st.st_size))
+            if name.startswith(".") or not _KEY_RE.match(name) or name[:2] != sub:
+                continue
+            try:
+                st = ent.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            found.append((st.st_mtime, name, st.st_size))
         self._index.load(found)
         return stray
+
+    def _entries(self) -> Iterator[tuple[str, os.DirEntry]]:
+        """(fan-out directory name, entry) of every file under the fan-out directories."""
+        for sub in os.scandir(self.root):
+            if sub.is_dir(follow_symlinks=False) and not sub.name.startswith("."):
+                yield from ((sub.name, ent) for ent in os.scandir(sub.path))
 
     @staticmethod
     def _is_stray(name: str) -> bool:
@@ -161,13 +152,8 @@ class FileBackend(StorageBackend):
         assert self.max_bytes is not None
         dropped = self._index.evict_to_fit(incoming, self.max_bytes, keep)
         for key, _ in dropped:
-            try:
-                os.unlink(self.root / key[:2] / key)
-            except FileNotFoundError:
-                pass
-            except OSError as e:
-                log.warning("file storage: could not evict %s: %s", key, e)
-        self._stats.evictions += len(dropped)
+            _unlink_quiet(self.root / key[:2] / key, "evict")
+        self._c.evictions += len(dropped)
         return len(dropped), sum(size for _, size in dropped)
 
     # -- StorageBackend -------------------------------------------------------------------
@@ -181,40 +167,30 @@ class FileBackend(StorageBackend):
             except FileNotFoundError:
                 return i
             except OSError as e:
-                with self._lock:
-                    self._stats.errors += 1
                 log.warning("file storage: cannot stat key %d of %d: %s", i, len(keys), e)
-                raise StorageError(f"file storage at {self.root}: cannot stat an object: {e}") from e
+                raise self._fail(f"file storage at {self.root}: cannot stat an object: {e}") from e
         return len(keys)
 
     def batch_get(self, keys: list[str]) -> list[bytes | None]:
         out: list[bytes | None] = []
-        hits = nread = errors = 0
+        errors = 0
         first_error = ""
         touch_before = time.time() - self.touch_interval_s
         for key in keys:
-            path = self.path_of(key)
+            path, data = self.path_of(key), None
             try:
                 data = _read_file(path, touch_before if self.touch_on_read else None)
+                with self._lock:
+                    self._index.touch(key, len(data))
             except FileNotFoundError:
-                out.append(None)
-                continue
+                pass
             except OSError as e:  # unreadable, not missing: counted and logged (once per batch)
                 errors += 1
                 first_error = first_error or f"{path}: {e}"
-                out.append(None)
-                continue
             out.append(data)
-            hits += 1
-            nread += len(data)
-            with self._lock:
-                self._index.touch(key, len(data))
         with self._lock:
-            s = self._stats
-            s.gets += len(keys)
-            s.get_hits += hits
-            s.bytes_read += nread
-            s.errors += errors
+            self._c.count_gets(len(keys), out)
+            self._c.errors += errors
         if errors:
             log.warning("file storage: %d of %d reads failed, first %s", errors, len(keys), first_error)
         if errors and errors == len(keys):
@@ -224,22 +200,20 @@ class FileBackend(StorageBackend):
     def batch_set(self, keys: list[str], values: list[bytes]) -> int:
         if len(keys) != len(values):
             raise ValueError("keys and values differ in length")
-        stored = nbytes = 0
+        stored = 0
         evicted = [0, 0]
         for key, value in zip(keys, values):
             size = memoryview(value).nbytes
             if self.max_bytes is not None and size > self.max_bytes:
-                log.warning(
-                    "file storage: object %s (%d bytes) is larger than max_bytes %d; refused",
-                    key, size, self.max_bytes,
-                )
+                log.warning("file storage: object %s (%d bytes) is larger than max_bytes %d; refused",
+                            key, size, self.max_bytes)
                 break
             path = self.path_of(key)
             try:
                 tmp = self._write_tmp(path, value)
             except OSError as e:
                 with self._lock:
-                    self._stats.errors += 1
+                    self._c.errors += 1
                 log.warning("file storage: write of %s failed: %s", path, e)
                 break
             with self._lock:
@@ -251,44 +225,36 @@ class FileBackend(StorageBackend):
                 try:
                     os.replace(tmp, path)
                 except OSError as e:
-                    self._stats.errors += 1
+                    self._c.errors += 1
                     _unlink_quiet(tmp)
                     log.warning("file storage: publishing %s failed: %s", path, e)
                     break
                 self._index.put(key, size)
-                self._stats.sets += 1
-                self._stats.bytes_written += size
+                self._c.count_sets([value])
             stored += 1
-            nbytes += size
         if evicted[0]:
-            log.info(
-                "file storage: evicted %d objects (%d bytes) to stay under max_bytes %d",
-                evicted[0], evicted[1], self.max_bytes,
-            )
+            log.info("file storage: evicted %d objects (%d bytes) to stay under max_bytes %d",
+                     evicted[0], evicted[1], self.max_bytes)
         return stored
 
     def _write_tmp(self, path: Path, value: bytes) -> Path:
         """Write ``value`` to a fresh temp file next to ``path``; return the temp path."""
         tmp = path.parent / f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{path.name}"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
         try:
-            fd = os.open(tmp, flags, 0o644)
+            f = open(tmp, "xb")  # O_EXCL: never another writer's file
         except FileNotFoundError:
             # Fan-out directory missing (first write there, or removed by clear()).
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(tmp, flags, 0o644)
+            f = open(tmp, "xb")
         try:
-            mv = memoryview(value).cast("B")
-            while mv:
-                n = os.write(fd, mv)
-                mv = mv[n:]
-            if self.fsync:
-                os.fsync(fd)
+            with f:
+                f.write(memoryview(value).cast("B"))
+                if self.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
         except BaseException:
-            os.close(fd)
             _unlink_quiet(tmp)
             raise
-        os.close(fd)
         return tmp
 
     def delete(self, keys: list[str]) -> None:
@@ -302,67 +268,39 @@ class FileBackend(StorageBackend):
         """Remove every object (and stray temp file) this directory holds."""
         with self._lock:
             n = len(self._index.sizes)
-            for sub in os.scandir(self.root):
-                if not sub.is_dir(follow_symlinks=False) or sub.name.startswith("."):
-                    continue
-                for ent in os.scandir(sub.path):
-                    name = ent.name
-                    if name.startswith(TMP_PREFIX) and not self._is_stray(name):
-                        continue  # a live writer's temp file; it publishes or cleans itself
-                    if name.startswith(TMP_PREFIX) or _KEY_RE.match(name):
-                        _unlink_quiet(Path(ent.path))
+            for _, ent in self._entries():
+                name = ent.name
+                if name.startswith(TMP_PREFIX) and not self._is_stray(name):
+                    continue  # a live writer's temp file; it publishes or cleans itself
+                if name.startswith(TMP_PREFIX) or _KEY_RE.match(name):
+                    _unlink_quiet(Path(ent.path))
             self._index = LruIndex()
         log.info("file storage at %s cleared (%d indexed objects)", self.root, n)
 
-    def stats(self) -> BackendStats:
-        with self._lock:
-            return dataclasses.replace(
-                self._stats,
-                extra={
-                    "path": str(self.root),
-                    "objects": len(self._index.sizes),
-                    "stored_bytes": self._index.total,  # current, not monotonic
-                    "max_bytes": self.max_bytes,
-                },
-            )
+    def _extra(self) -> dict:
+        return {"path": str(self.root), "objects": len(self._index.sizes),
+                "stored_bytes": self._index.total,  # current, not monotonic
+                "max_bytes": self.max_bytes}
 
 
 def _read_file(path: Path, touch_before: float | None = None) -> bytes:
-    """The whole file in one allocation (fstat for the size, then one read). If its mtime
-    is older than ``touch_before`` (epoch seconds), refresh it so a restart's LRU order
-    sees this read; the interval keeps that to one ``futimens`` per object per interval."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    try:
-        st = os.fstat(fd)
-        size = st.st_size
-        data = os.read(fd, size)
-        if len(data) < size:
-            # Short read (only for huge files or odd filesystems): finish with a loop.
-            parts = [data]
-            got = len(data)
-            while got < size:
-                chunk = os.read(fd, size - got)
-                if not chunk:
-                    break
-                parts.append(chunk)
-                got += len(chunk)
-            data = b"".join(parts)
-        if touch_before is not None and st.st_mtime < touch_before:
-            try:
-                os.utime(fd if os.utime in os.supports_fd else path)
-            except OSError:
-                pass  # read-only media: recency just is not persisted
-        return data
-    finally:
-        os.close(fd)
+    """The whole file (``readall``: sized by fstat, finished with a loop on a short read). If its
+    mtime is older than ``touch_before`` (epoch seconds), refresh it so a restart's LRU order sees
+    this read; the interval keeps that to one ``futimens`` per object per interval."""
+    with open(path, "rb", buffering=0) as f:
+        data = f.readall()
+        if touch_before is not None and os.fstat(f.fileno()).st_mtime < touch_before:
+            with contextlib.suppress(OSError):  # read-only media: recency just is not persisted
+                os.utime(f.fileno() if os.utime in os.supports_fd else path)
+    return data
 
 
-def _unlink_quiet(path: Path) -> None:
+def _unlink_quiet(path: Path, what: str = "remove") -> None:
+    """Delete ``path``; gone already is fine, anything else is logged."""
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
     except OSError as e:
-        if e.errno != errno.ENOENT:
-            log.warning("file storage: could not remove %s: %s", path, e)
+        log.warning("file storage: could not %s %s: %s", what, path, e)
 

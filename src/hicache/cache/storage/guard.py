@@ -22,11 +22,13 @@ deployment (or a test) may tune them on a live guard.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -55,17 +57,6 @@ def failure_reason(e: BaseException) -> str:
 
 
 @dataclass
-class _Call:
-    """One backend call handed to a worker thread."""
-
-    fn: Callable[[], Any]
-    done: threading.Event = field(default_factory=threading.Event)
-    result: Any = None
-    error: BaseException | None = None
-    abandoned: bool = False  # the caller stopped waiting: never start it, drop its result
-
-
-@dataclass
 class BreakerState:
     """The breaker and its counters (monotonic unless noted)."""
 
@@ -78,8 +69,8 @@ class BreakerState:
     transitions: int = 0
     timeouts: int = 0
     short_circuited: int = 0
-    failures: dict[str, int] = field(default_factory=dict)  # kind ("timeout", "error") -> count
-    failures_by_op: dict[str, int] = field(default_factory=dict)  # "batch_set", ... -> count
+    call_failures: dict[str, int] = field(default_factory=dict)  # kind ("timeout", "error") -> count
+    call_failures_by_op: dict[str, int] = field(default_factory=dict)  # "batch_set", ... -> count
 
 
 class GuardedBackend(StorageBackend):
@@ -105,7 +96,8 @@ class GuardedBackend(StorageBackend):
         self.clock = clock
         self.breaker = BreakerState()
         self._lock = threading.Lock()
-        self._tasks: queue.Queue[_Call | None] = queue.Queue()
+        # one backend call each (a cancelled future: the caller stopped waiting, never start it), None: exit
+        self._tasks: queue.Queue[tuple[Callable[[], Any], Future] | None] = queue.Queue()
         self._threads: list[threading.Thread] = []
         self._idle = 0  # workers waiting for a task
         self._queued = 0  # tasks not yet taken by a worker
@@ -155,11 +147,9 @@ class GuardedBackend(StorageBackend):
     def snapshot(self) -> dict[str, Any]:
         """The breaker's state and counters, for ``Engine.stats()`` (stable keys)."""
         with self._lock:
-            b = self.breaker
-            return {"state": b.state, "opens": b.opens, "short_circuited": b.short_circuited,
-                    "timeouts": b.timeouts, "consecutive_failures": b.consecutive_failures,
-                    "cooldown_s": b.cooldown_s, "calls": b.calls, "transitions": b.transitions,
-                    "call_failures": dict(b.failures), "call_failures_by_op": dict(b.failures_by_op)}
+            out = dataclasses.asdict(self.breaker)  # its dicts copied
+        del out["open_until"]  # a clock() time: meaningless outside this process
+        return out
 
     # ---- breaker -------------------------------------------------------------------------
     def _guarded(self, op: str, fn: Callable[[StorageBackend], Any], nkeys: int) -> Any:
@@ -202,8 +192,8 @@ class GuardedBackend(StorageBackend):
                 return
             kind = "timeout" if isinstance(error, StorageTimeout) else "error"
             b.timeouts += kind == "timeout"
-            b.failures[kind] = b.failures.get(kind, 0) + 1
-            b.failures_by_op[op] = b.failures_by_op.get(op, 0) + 1
+            b.call_failures[kind] = b.call_failures.get(kind, 0) + 1
+            b.call_failures_by_op[op] = b.call_failures_by_op.get(op, 0) + 1
             b.consecutive_failures += 1
             why = f"{op} {kind}: {error}"
             if probe:  # the backend is still bad: wait longer before the next probe
@@ -233,18 +223,15 @@ class GuardedBackend(StorageBackend):
         """``fn()`` on a worker thread; the caller waits at most ``timeout_s``."""
         if self.timeout_s is None:
             return fn()
-        call = _Call(fn)
-        self._submit(call)
-        if not call.done.wait(self.timeout_s):
-            with self._lock:
-                call.abandoned = True
-            if not call.done.is_set():  # (it may have finished between the wait and the lock)
+        future: Future = Future()
+        self._submit((fn, future))
+        if not wait([future], self.timeout_s).done:
+            future.cancel()  # still queued: it never runs; running: its late result is dropped
+            if future.cancelled() or not future.done():  # (it may have finished between the wait and the cancel)
                 raise StorageTimeout(f"storage {self.inner.name} {what} timed out after {self.timeout_s:g}s")
-        if call.error is not None:
-            raise call.error
-        return call.result
+        return future.result()  # the call's own exception is raised here
 
-    def _submit(self, call: _Call) -> None:
+    def _submit(self, call: tuple[Callable[[], Any], Future]) -> None:
         with self._lock:
             if self._closed:
                 raise StorageError(f"storage {self.inner.name} is closed")
@@ -266,12 +253,11 @@ class GuardedBackend(StorageBackend):
             with self._lock:
                 self._queued -= 1
                 self._idle -= 1
-                skip = call.abandoned
-            if not skip:
+            fn, future = call
+            if future.set_running_or_notify_cancel():  # False: abandoned while queued
                 try:
-                    call.result = call.fn()
+                    future.set_result(fn())
                 except BaseException as e:  # handed to the caller, which re-raises it
-                    call.error = e
-                call.done.set()
+                    future.set_exception(e)
             with self._lock:
                 self._idle += 1

@@ -7,15 +7,13 @@ refresh recency; a write over the cap drops the least recently used objects firs
 
 from __future__ import annotations
 
-import dataclasses
-import threading
 from collections import OrderedDict
 from typing import Optional
 
-from .base import BackendStats, StorageBackend
+from .base import CountingBackend
 
 
-class MemoryBackend(StorageBackend):
+class MemoryBackend(CountingBackend):
     name = "memory"
 
     def __init__(self, max_bytes: Optional[int] = None, max_objects: Optional[int] = None) -> None:
@@ -27,8 +25,7 @@ class MemoryBackend(StorageBackend):
         self.max_objects = None if max_objects is None else int(max_objects)
         self._objects: OrderedDict[str, bytes] = OrderedDict()
         self._bytes = 0
-        self._lock = threading.Lock()  # the prefetch and backup threads call concurrently
-        self._stats = BackendStats()
+        super().__init__()  # its lock guards the objects too: the prefetch and backup threads call concurrently
 
     def exists_prefix(self, keys: list[str]) -> int:
         with self._lock:
@@ -45,7 +42,7 @@ class MemoryBackend(StorageBackend):
                 if value is not None:
                     self._objects.move_to_end(key)
                 values.append(value)
-            self._stats.count_gets(len(keys), values)
+            self._c.count_gets(len(keys), values)
             return values
 
     def batch_set(self, keys: list[str], values: list[bytes]) -> int:
@@ -59,8 +56,7 @@ class MemoryBackend(StorageBackend):
                 old = self._objects.pop(key, None)
                 self._bytes += len(value) - (len(old) if old is not None else 0)
                 self._objects[key] = bytes(value)
-                self._stats.sets += 1
-                self._stats.bytes_written += len(value)
+                self._c.count_sets([value])
                 stored += 1
                 self._evict()
             return stored
@@ -71,7 +67,7 @@ class MemoryBackend(StorageBackend):
                                  or (self.max_objects is not None and len(self._objects) > self.max_objects)):
             _, dropped = self._objects.popitem(last=False)
             self._bytes -= len(dropped)
-            self._stats.evictions += 1
+            self._c.evictions += 1
 
     def delete(self, keys: list[str]) -> None:
         with self._lock:
@@ -85,7 +81,5 @@ class MemoryBackend(StorageBackend):
             self._objects.clear()
             self._bytes = 0
 
-    def stats(self) -> BackendStats:
-        with self._lock:
-            out = dataclasses.replace(self._stats, extra={"objects": len(self._objects), "stored_bytes": self._bytes})
-        return out
+    def _extra(self) -> dict:
+        return {"objects": len(self._objects), "stored_bytes": self._bytes}

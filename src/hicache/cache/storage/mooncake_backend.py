@@ -35,16 +35,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import re
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit
 
 import numpy as np
 
-from .base import BackendStats, RemoteStoreOptions, StorageBackend, StorageError
+from ...ports import split_host_port
+from .base import RemoteStore, RemoteStoreOptions, StorageError
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +78,7 @@ def code_name(code: int) -> str:
     return f"{_NAMES.get(code, 'error')} ({code})"
 
 
-def _reachable(host: str, port: int, timeout_s: float) -> bool:
+def reachable(host: str, port: int, timeout_s: float) -> bool:
     try:
         with socket.create_connection((host, port), timeout=timeout_s):
             return True
@@ -84,23 +86,12 @@ def _reachable(host: str, port: int, timeout_s: float) -> bool:
         return False
 
 
-def _host_port(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"expected HOST:PORT, got {address!r}")
-    return host.strip("[]"), int(port)
-
-
-def _regex_escape(s: str) -> str:
-    """Escape regex syntax characters (ECMAScript's set, also valid for RE2) in ``s``."""
-    return re.sub(r"([\^$\\.*+?()\[\]{}|])", r"\\\1", s)
-
-
 class _Buffer:
-    """A byte array registered with the client for zero-copy transfers, grown on demand."""
+    """A byte array registered with the client for zero-copy transfers, grown on demand (``fail``:
+    the backend's counted StorageError)."""
 
-    def __init__(self, client) -> None:
-        self.client = client
+    def __init__(self, client, fail: Callable[[str], StorageError]) -> None:
+        self.client, self.fail = client, fail
         self.arr: np.ndarray | None = None
         self.lock = threading.Lock()
 
@@ -112,7 +103,7 @@ class _Buffer:
             arr = np.empty(size, dtype=np.uint8)
             rc = self.client.register_buffer(arr.ctypes.data, size)
             if rc != OK:
-                raise StorageError(f"mooncake could not register a {size}-byte buffer: {code_name(rc)}")
+                raise self.fail(f"mooncake could not register a {size}-byte buffer: {code_name(rc)}")
             self.arr = arr
         return self.arr.ctypes.data, memoryview(self.arr)
 
@@ -152,30 +143,30 @@ class MooncakeOptions(RemoteStoreOptions):
     connect_timeout_s: float = 2.0
 
 
-class MooncakeBackend(StorageBackend):
+class MooncakeBackend(RemoteStore):
     """Page objects in a Mooncake Store (:class:`MooncakeOptions`) under its ``prefix``."""
 
     name = "mooncake"
     options_type = MooncakeOptions
 
     def __init__(self, options: MooncakeOptions = MooncakeOptions()) -> None:
+        super().__init__(options)
         o = options
         if int(o.global_segment_size) < 0 or int(o.local_buffer_size) < 0:
             raise ValueError("buffer sizes must not be negative")
         self.master = o.master_server_address
-        self._master_hp = _host_port(o.master_server_address)
+        self._master_hp = split_host_port(o.master_server_address)
+        if self._master_hp is None:
+            raise ValueError(f"expected HOST:PORT, got {o.master_server_address!r}")
         self.metadata_server = o.metadata_server
         self._setup_args = (o.local_hostname, o.metadata_server, int(o.global_segment_size),
                             int(o.local_buffer_size), o.protocol, o.device_name, o.master_server_address)
-        self.prefix, self.batch_size = o.prefix, int(o.batch_size)
         self.connect_timeout_s = float(o.connect_timeout_s)
         self._client = _import_store()()
         self._ready = False
         self._open_lock = threading.Lock()
-        self._bufs = {"get": _Buffer(self._client), "put": _Buffer(self._client)}
+        self._bufs = {"get": _Buffer(self._client, self._fail), "put": _Buffer(self._client, self._fail)}
         self._slot = 0  # read slot per key: the largest object seen, rounded up
-        self._c = BackendStats()
-        self._lock = threading.Lock()  # counters only
         if o.check_at_open:
             self._connect()
         log.info("mooncake storage at master %s (metadata %s) prefix %r segment %d bytes: %s",
@@ -196,46 +187,28 @@ class MooncakeBackend(StorageBackend):
                 port = url.port or (443 if url.scheme == "https" else 80)
                 targets.append(("metadata server", self.metadata_server, (url.hostname, port)))
             for what, where, (host, port) in targets:
-                if not _reachable(host, port, self.connect_timeout_s):
+                if not reachable(host, port, self.connect_timeout_s):
                     raise self._fail(f"mooncake {what} at {where} is unreachable")
             rc = self._client.setup(*self._setup_args)
             if rc != OK:
                 raise self._fail(f"mooncake setup against master {self.master} failed: {code_name(rc)}")
             self._ready = True
 
-    def _fail(self, msg: str) -> StorageError:
-        with self._lock:
-            self._c.errors += 1
-        return StorageError(msg)
-
-    def _k(self, key: str) -> str:
-        return self.prefix + key
-
-    def _chunks(self, n: int) -> range:
-        return range(0, n, self.batch_size)
-
     @contextlib.contextmanager
     def _buffer(self, kind: str, nbytes: int) -> Iterator[tuple[int, memoryview]]:
         """The reused registered buffer of ``kind``; a temporary one while it is busy (a call
         abandoned by the caller's deadline may still be using it)."""
         buf = self._bufs[kind]
-        if buf.lock.acquire(blocking=False):
-            try:
-                yield self._ensure(buf, nbytes)
-            finally:
-                buf.lock.release()
-            return
-        tmp = _Buffer(self._client)
+        reused = buf.lock.acquire(blocking=False)
+        if not reused:
+            buf = _Buffer(self._client, self._fail)
         try:
-            yield self._ensure(tmp, nbytes)
+            yield buf.ensure(nbytes)
         finally:
-            tmp.release()
-
-    def _ensure(self, buf: _Buffer, nbytes: int) -> tuple[int, memoryview]:
-        try:
-            return buf.ensure(nbytes)
-        except StorageError as e:
-            raise self._fail(str(e)) from e
+            if reused:
+                buf.lock.release()
+            else:
+                buf.release()
 
     def _check_codes(self, op: str, codes: list[int], ok: tuple[int, ...]) -> None:
         """StorageError when every key failed with an error (the store failed as a whole)."""
@@ -245,8 +218,7 @@ class MooncakeBackend(StorageBackend):
     # -- StorageBackend -------------------------------------------------------------------
     def exists_prefix(self, keys: list[str]) -> int:
         self._connect()
-        for start in self._chunks(len(keys)):
-            chunk = [self._k(k) for k in keys[start : start + self.batch_size]]
+        for start, chunk in self._chunks(keys):
             codes = self._client.batch_is_exist(chunk)
             for i, found in enumerate(codes):
                 if found == 1:
@@ -259,8 +231,8 @@ class MooncakeBackend(StorageBackend):
     def batch_get(self, keys: list[str]) -> list[bytes | None]:
         self._connect()
         out: list[bytes | None] = []
-        for start in self._chunks(len(keys)):
-            out.extend(self._get_chunk([self._k(k) for k in keys[start : start + self.batch_size]]))
+        for _, chunk in self._chunks(keys):
+            out.extend(self._get_chunk(chunk))
         with self._lock:
             self._c.count_gets(len(keys), out)
         return out
@@ -288,15 +260,11 @@ class MooncakeBackend(StorageBackend):
         self._slot = -(-size // SLOT_ALIGN) * SLOT_ALIGN
         return True
 
-    def _read_into(
-        self, mkeys: list[str], todo: list[int], sizes: list[int] | None, out: list
-    ) -> list[int]:
+    def _read_into(self, mkeys: list[str], todo: list[int], sizes: list[int] | None, out: list) -> list[int]:
         """Read ``todo``'s keys into ``out`` (slots of ``sizes``, default the read slot); the
         indices whose object did not fit."""
         sizes = sizes or [max(self._slot, SLOT_ALIGN)] * len(todo)
-        offsets = [0]
-        for n in sizes:
-            offsets.append(offsets[-1] + n)
+        offsets = list(itertools.accumulate(sizes, initial=0))
         with self._buffer("get", offsets[-1]) as (ptr, view):
             ptrs = [ptr + o for o in offsets[:-1]]
             codes = self._client.batch_get_into([mkeys[i] for i in todo], ptrs, sizes)
@@ -316,12 +284,11 @@ class MooncakeBackend(StorageBackend):
             raise ValueError("keys and values differ in length")
         self._connect()
         stored = 0
-        for start in self._chunks(len(keys)):
+        for start, chunk in self._chunks(keys):
             vs = values[start : start + self.batch_size]
-            n = self._put_chunk([self._k(k) for k in keys[start : start + self.batch_size]], vs)
+            n = self._put_chunk(chunk, vs)
             with self._lock:
-                self._c.sets += n
-                self._c.bytes_written += sum(memoryview(v).nbytes for v in vs[:n])
+                self._c.count_sets(vs[:n])
             stored += n
             if n < len(vs):
                 break
@@ -332,12 +299,10 @@ class MooncakeBackend(StorageBackend):
         sizes = [memoryview(v).nbytes for v in values]
         self._grow_slot(max(sizes, default=0))
         with self._buffer("put", sum(sizes)) as (ptr, view):
-            offsets, off = [], 0
-            for v, n in zip(values, sizes):
+            offsets = list(itertools.accumulate(sizes, initial=0))
+            for v, off, n in zip(values, offsets, sizes):
                 view[off : off + n] = memoryview(v).cast("B")
-                offsets.append(ptr + off)
-                off += n
-            codes = self._client.batch_put_from(mkeys, offsets, sizes)
+            codes = self._client.batch_put_from(mkeys, [ptr + off for off in offsets[:-1]], sizes)
         for i, rc in enumerate(codes):
             if rc not in (OK, ALREADY_EXISTS):
                 if i == 0 and rc != NO_SPACE:
@@ -348,26 +313,22 @@ class MooncakeBackend(StorageBackend):
 
     def delete(self, keys: list[str]) -> None:
         self._connect()
-        for start in self._chunks(len(keys)):
-            chunk = [self._k(k) for k in keys[start : start + self.batch_size]]
-            if chunk:
-                self._check_codes("remove", self._client.batch_remove(chunk, True), (NOT_FOUND,))
+        for _, chunk in self._chunks(keys):
+            self._check_codes("remove", self._client.batch_remove(chunk, True), (NOT_FOUND,))
 
     def clear(self) -> None:
         """Remove every object whose key starts with ``prefix`` (a forced regex removal; with an
         empty prefix that is every object in the store)."""
         self._connect()
-        n = self._client.remove_by_regex("^" + _regex_escape(self.prefix), True)
+        # regex syntax characters (ECMAScript's set, also valid for RE2) escaped: a literal prefix
+        n = self._client.remove_by_regex("^" + re.sub(r"([\^$\\.*+?()\[\]{}|])", r"\\\1", self.prefix), True)
         if n < 0:
             raise self._fail(f"mooncake clear at master {self.master} failed: {code_name(n)}")
         log.info("mooncake storage at %s cleared %d objects under %r", self.master, n, self.prefix)
 
-    def stats(self) -> BackendStats:
-        with self._lock:
-            return dataclasses.replace(self._c, extra={
-                "master": self.master, "prefix": self.prefix, "segment_bytes": self._setup_args[2],
-                "buffer_bytes": sum(b.arr.nbytes for b in self._bufs.values() if b.arr is not None),
-            })
+    def _extra(self) -> dict:
+        return {"master": self.master, "prefix": self.prefix, "segment_bytes": self._setup_args[2],
+                "buffer_bytes": sum(b.arr.nbytes for b in self._bufs.values() if b.arr is not None)}
 
     def close(self) -> None:
         """Unregister the buffers (unless a call still uses one) and close the client."""

@@ -28,15 +28,14 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import subprocess
 import sys
-import tempfile
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
-from ...ports import free_port
-from ...processes import stop_process
+from .local_server import LocalServer, start_local
+from .mooncake_backend import reachable
 
 ENV_MASTER = "HICACHE_MOONCAKE_MASTER"
 ENV_CLIENT = "HICACHE_MOONCAKE_CLIENT"
@@ -58,46 +57,8 @@ def find_mooncake_binary(name: str = "mooncake_master") -> str | None:
     return shutil.which(name)
 
 
-def _listening(port: int, timeout_s: float = 0.2) -> bool:
-    import socket
-
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
-
-
 @dataclass
-class _Process:
-    """A started process with its log; ``stop()`` (or leaving the ``with`` block) ends it."""
-
-    proc: subprocess.Popen
-    workdir: tempfile.TemporaryDirectory = field(repr=False)
-
-    @property
-    def log_path(self) -> Path:
-        return Path(self.workdir.name) / "out.log"
-
-    def log_tail(self, chars: int = 400) -> str:
-        try:
-            return self.log_path.read_text(errors="replace").strip()[-chars:]
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        stop_process(self.proc)
-        self.workdir.cleanup()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-@dataclass
-class MooncakeMaster(_Process):
+class MooncakeMaster(LocalServer):
     """A master on 127.0.0.1; its clients exchange transfer metadata peer to peer."""
 
     rpc_port: int = 0
@@ -118,81 +79,46 @@ class MooncakeMaster(_Process):
 
 
 @dataclass
-class MooncakeStoreService(_Process):
+class MooncakeStoreService(LocalServer):
     """A ``mooncake_client`` holding ``segment_bytes`` of the pool."""
 
     port: int = 0
     segment_bytes: int = 0
 
 
-def _spawn(args: list[str], prefix: str) -> tuple[subprocess.Popen, tempfile.TemporaryDirectory]:
-    workdir = tempfile.TemporaryDirectory(prefix=prefix)
-    # Output goes to a file, not a pipe: an unread pipe could fill and stall the process.
-    with open(Path(workdir.name) / "out.log", "wb") as out:
-        proc = subprocess.Popen(args + ["-logtostderr"], stdout=out, stderr=out,
-                                stdin=subprocess.DEVNULL, cwd=workdir.name)
-    return proc, workdir
-
-
-def _wait(started: _Process, ports: list[int], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and started.proc.poll() is None:
-        if all(_listening(p) for p in ports):
-            return True
-        time.sleep(0.05)
-    return False
-
-
-def _binary(name: str, binary: str | None) -> str:
+def _start(name: str, args: list[str], where: str, make: Callable[..., LocalServer], binary: str | None,
+           start_timeout_s: float, attempts: int):
+    """Start ``name`` (``binary``, else :func:`find_mooncake_binary`'s) with ``args`` on a free port
+    and wait until it listens (see :func:`.local_server.start_local`)."""
     binary = binary or find_mooncake_binary(name)
     if binary is None:
-        raise FileNotFoundError(
-            f"no {name} found: pip install mooncake-transfer-engine-non-cuda, put {name} on "
-            f"PATH, or set {_ENV[name]}"
-        )
-    return binary
+        raise FileNotFoundError(f"no {name} found: pip install mooncake-transfer-engine-non-cuda, put {name} on "
+                                f"PATH, or set {_ENV[name]}")
+    flag = "-rpc_port" if name == "mooncake_master" else "-port"
+    return start_local(f"{name} did not start {where}",
+                       lambda port, _: [binary, f"{flag}={port}", *args, "-logtostderr"], make,
+                       lambda port: reachable("127.0.0.1", port, 0.2), f"hicache-{name.replace('_', '-')}-",
+                       start_timeout_s, attempts)
 
 
-def start_mooncake_master(
-    binary: str | None = None, start_timeout_s: float = 15.0, attempts: int = 3
-) -> MooncakeMaster:
+def start_mooncake_master(binary: str | None = None, start_timeout_s: float = 15.0,
+                          attempts: int = 3) -> MooncakeMaster:
     """Start a master on a free port of 127.0.0.1 and wait until it accepts connections.
     FileNotFoundError without a binary, RuntimeError when it does not come up (retried on new
     ports ``attempts`` times)."""
-    binary = _binary("mooncake_master", binary)
-    last = ""
-    for _ in range(attempts):
-        rpc = free_port()
-        proc, workdir = _spawn([
-            binary, f"-rpc_port={rpc}", "-rpc_address=127.0.0.1", "-enable_http_metadata_server=false",
-            "-metrics_host=127.0.0.1", "-metrics_port=0", "-enable_metric_reporting=false",
-        ], "hicache-mooncake-master-")  # fmt: skip
-        master = MooncakeMaster(proc, workdir, rpc_port=rpc)
-        if _wait(master, [rpc], start_timeout_s):
-            return master
-        last = master.log_tail()
-        master.stop()
-    raise RuntimeError(f"mooncake_master did not start on 127.0.0.1: {last}")
+    return _start("mooncake_master", [
+        "-rpc_address=127.0.0.1", "-enable_http_metadata_server=false",
+        "-metrics_host=127.0.0.1", "-metrics_port=0", "-enable_metric_reporting=false",
+    ], "on 127.0.0.1", MooncakeMaster, binary, start_timeout_s, attempts)  # fmt: skip
 
 
-def start_store_service(
-    master: MooncakeMaster, segment_bytes: int = 256 << 20, binary: str | None = None,
-    start_timeout_s: float = 15.0, attempts: int = 3,
-) -> MooncakeStoreService:
+def start_store_service(master: MooncakeMaster, segment_bytes: int = 256 << 20, binary: str | None = None,
+                        start_timeout_s: float = 15.0, attempts: int = 3) -> MooncakeStoreService:
     """Start a ``mooncake_client`` that mounts ``segment_bytes`` into ``master``'s pool and
     wait until it serves (it listens once its segment is mounted)."""
-    binary = _binary("mooncake_client", binary)
-    last = ""
-    for _ in range(attempts):
-        port = free_port()
-        proc, workdir = _spawn([
-            binary, "-host=127.0.0.1", f"-port={port}", f"-global_segment_size={int(segment_bytes)}",
-            f"-master_server_address={master.address}", f"-metadata_server={master.metadata_server}",
-            "-protocol=tcp",
-        ], "hicache-mooncake-store-")  # fmt: skip
-        service = MooncakeStoreService(proc, workdir, port=port, segment_bytes=int(segment_bytes))
-        if _wait(service, [port], start_timeout_s):
-            return service
-        last = service.log_tail()
-        service.stop()
-    raise RuntimeError(f"mooncake_client did not start against {master.address}: {last}")
+    return _start("mooncake_client", [
+        "-host=127.0.0.1", f"-global_segment_size={int(segment_bytes)}",
+        f"-master_server_address={master.address}", f"-metadata_server={master.metadata_server}",
+        "-protocol=tcp",
+    ], f"against {master.address}", partial(MooncakeStoreService, segment_bytes=int(segment_bytes)), binary,
+        start_timeout_s, attempts)  # fmt: skip

@@ -51,15 +51,12 @@ def encode(ns_digest: bytes, page_hash: bytes, payload: bytes | bytearray | memo
     if len(ns_digest) != 32 or len(page_hash) != 32:
         raise ValueError("ns_digest and page_hash must be 32 bytes each")
     mv = memoryview(payload).cast("B")
-    header = _HEADER.pack(
-        MAGIC, FORMAT_VERSION, HEADER_SIZE, mv.nbytes, zlib.crc32(mv), ns_digest, page_hash
-    )
+    header = _HEADER.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, mv.nbytes, zlib.crc32(mv), ns_digest, page_hash)
     return b"".join((header, mv))
 
 
-def decode_checked(
-    blob: bytes | bytearray | memoryview | None, ns_digest: bytes, page_hash: bytes
-) -> tuple[memoryview | None, DecodeStatus]:
+def decode_checked(blob: bytes | bytearray | memoryview | None, ns_digest: bytes,
+                   page_hash: bytes) -> tuple[memoryview | None, DecodeStatus]:
     """``(payload, DecodeStatus.OK)`` or ``(None, reason)``. Never raises on bad data.
 
     The payload is a zero-copy view into ``blob``; keep ``blob`` alive while using it.
@@ -96,8 +93,6 @@ def decode_checked(
     return payload, DecodeStatus.OK
 
 
-def decode(
-    blob: bytes | bytearray | memoryview | None, ns_digest: bytes, page_hash: bytes
-) -> memoryview | None:
+def decode(blob: bytes | bytearray | memoryview | None, ns_digest: bytes, page_hash: bytes) -> memoryview | None:
     """The payload of a valid object, else None (see :func:`decode_checked` for why)."""
     return decode_checked(blob, ns_digest, page_hash)[0]

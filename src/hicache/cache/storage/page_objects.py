@@ -15,12 +15,13 @@ and its key is a function of the page hash (and, for grid cells, the namespace d
 from __future__ import annotations
 
 import warnings
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import torch
 
 from ..host_pool import HostKVPool
 from .keys import object_key
+from .objects import decode_checked, encode
 from .unified import Cell, StorageGrid
 
 NAMESPACE_KEY_HEX = 16  # hex chars of the namespace digest in a unified key
@@ -36,6 +37,26 @@ class PageObject(Protocol):
         ...
 
     def load(self, host_page: int, payload: memoryview) -> None: ...
+
+
+def encode_pages(objects: Sequence[PageObject], ns_digest: bytes, hashes: list[bytes], pages: Sequence[tuple[int, int]],
+                 ) -> tuple[list[str], list[bytes]]:
+    """The keys and the encoded objects of ``pages``, (index into ``hashes``, host page) pairs, each
+    page's ``objects`` side by side."""
+    keys = [obj.key(hashes[i], ns_digest) for i, _ in pages for obj in objects]
+    return keys, [encode(ns_digest, hashes[i], obj.page_bytes(int(h))) for i, h in pages for obj in objects]
+
+
+def load_page(objects: Sequence[PageObject], blobs: Sequence[bytes | None], ns_digest: bytes, page_hash: bytes,
+              host_page: int) -> str:
+    """A page's ``objects`` from their ``blobs`` into ``host_page``: "" when every one arrived intact,
+    else why the first did not (``missing``, ``checksum``, ...: a :class:`~.objects.DecodeStatus`)."""
+    for obj, blob in zip(objects, blobs):
+        payload, status = decode_checked(blob, ns_digest, page_hash)
+        if payload is None:
+            return status.value
+        obj.load(host_page, payload)
+    return ""
 
 
 def _page(host: HostKVPool, host_page: int) -> torch.Tensor:
@@ -75,7 +96,7 @@ class WholePage:
         page.copy_(_as_tensor(payload, self.host.dtype).view(page.shape))
 
 
-class WindowBlocks:
+class WindowBlocks(WholePage):
     """A hybrid page's window layers from a host pool of shared blocks (issue 56), ``<page hash
     hex><suffix>``: each window layer's K and V from its sliding group's block of the host window
     page, laid out as :class:`WholePage` lays out a page of a window host pool of its own (the same
@@ -84,10 +105,7 @@ class WindowBlocks:
     def __init__(self, host: HostKVPool, suffix: str) -> None:
         if not host.shared:
             raise ValueError("window blocks need a host pool of shared blocks")
-        self.host, self.suffix = host, suffix
-
-    def key(self, page_hash: bytes, ns_digest: bytes) -> str:
-        return object_key(page_hash) + self.suffix
+        super().__init__(host, suffix)
 
     def _layers(self, window_page: int) -> list[torch.Tensor]:
         """Each window layer's ``[K/V, token, kv_heads, head_dim]`` of ``window_page`` (views)."""

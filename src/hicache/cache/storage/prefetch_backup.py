@@ -19,22 +19,18 @@ from __future__ import annotations
 
 import itertools
 import logging
-import queue
-import threading
 import time
 from collections import deque
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from ...openmp import run_torch_alone
 from ..host_pool import HostKVPool
-from ..host_transfer import leading_done
+from ..host_transfer import OpThreads, leading_done
 from .base import StorageBackend
 from .guard import GuardedBackend, failure_reason
-from .page_objects import PageObject, WholePage
+from .page_objects import PageObject, WholePage, encode_pages, load_page
 from .storage_ops import BackupOp, PartRead, PartWrite, PrefetchOp, StorageStats, StoredPart
-from .objects import decode_checked, encode
 
 logger = logging.getLogger(__name__)
 
@@ -94,14 +90,8 @@ class StorageController:
         self.read_page_s: float | None = None
         self._ids = itertools.count()
         self._backups: deque[BackupOp] = deque()
-        self._inline = False  # see run_inline
-        self._queues: dict[str, queue.Queue] = {"prefetch": queue.Queue(), "backup": queue.Queue()}
-        self._threads = [
-            threading.Thread(target=self._prefetch_worker, name="hicache-prefetch", daemon=True),
-            threading.Thread(target=self._backup_worker, name="hicache-storage-backup", daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
+        self._workers = OpThreads({"prefetch": ("hicache-prefetch", lambda op, _: self._prefetch(op)),
+                                   "backup": ("hicache-storage-backup", lambda op, _: self._backup(op))})
         # Test hook (fault injection): seconds to sleep before each batch read.
         self.read_delay_fn = None
 
@@ -114,12 +104,6 @@ class StorageController:
     @backend.setter
     def backend(self, backend: StorageBackend) -> None:
         self.guard.inner = backend
-
-    # ---- page <-> object payload ---------------------------------------------------------
-    @staticmethod
-    def _keys(objects: Sequence[PageObject], op, i: int) -> list[str]:
-        """The keys of page ``i`` of ``op``'s objects."""
-        return [obj.key(op.hashes[i], op.ns_digest) for obj in objects]
 
     # ---- scheduler-thread API ------------------------------------------------------------
     def prefetch(self, namespace: str, ns_digest: bytes, hashes: list[bytes], host_pages: np.ndarray,
@@ -134,10 +118,7 @@ class StorageController:
                         parts={name: PartRead(pages) for name, pages in parts.items() if pages is not None},
                         start_page=start_page)
         self.stats.prefetch_ops += 1
-        if self._inline:
-            self._prefetch(op)
-        else:
-            self._queues["prefetch"].put(op)
+        self._workers.put("prefetch", op)
         return op
 
     def backup(self, ns_digest: bytes, hashes: list[bytes], host_pages: np.ndarray, payload: list,
@@ -146,18 +127,15 @@ class StorageController:
         op = BackupOp(next(self._ids), ns_digest, hashes, host_pages, payload, owned,
                       {name: part for name, part in parts.items() if len(part.index)})
         self._backups.append(op)
-        if self._inline:
-            self._backup(op)
-        else:
-            self._queues["backup"].put(op)
+        self._workers.put("backup", op)
         return op
 
     def run_inline(self) -> None:
         """From now on read and write on the calling thread, at once (the trace simulator:
         nothing to overlap with, no thread hand-offs to pay). One rank only: the agreement
         functions belong to the prefetch and backup threads."""
-        self._stop_threads()
-        self._inline = True
+        self._workers.stop()
+        self._workers.inline = True
 
     def backup_ready_count(self) -> int:
         return leading_done(self._backups)
@@ -174,22 +152,10 @@ class StorageController:
         return ops
 
     def shutdown(self) -> None:
-        self._stop_threads()
+        self._workers.stop()  # after the ops already queued
         self.guard.close()
 
-    def _stop_threads(self) -> None:
-        """After the ops already queued."""
-        for q in self._queues.values():
-            q.put(None)
-        for t in self._threads:
-            t.join(timeout=5)
-
     # ---- background threads --------------------------------------------------------------
-    def _prefetch_worker(self) -> None:
-        run_torch_alone()  # its copies on this thread: an OpenMP pool of its own would slow every step
-        while (op := self._queues["prefetch"].get()) is not None:
-            self._prefetch(op)
-
     def _prefetch(self, op: PrefetchOp) -> None:
         try:
             self._read(op)
@@ -203,7 +169,7 @@ class StorageController:
             op.done.set()
 
     def _read(self, op: PrefetchOp) -> None:
-        keys = [self._keys(self.reads, op, i) for i in range(len(op.hashes))]  # per page: its objects
+        keys = [[obj.key(h, op.ns_digest) for obj in self.reads] for h in op.hashes]  # per page: its objects
         mine = _mine(op.owned, len(keys))
         n = len(self.reads)
         try:
@@ -259,35 +225,20 @@ class StorageController:
             return mine[0] - start
         good, n = end - start, len(self.reads)
         for j, i in enumerate(mine):
-            if not self._load_objects(op, i, int(pages[i]), blobs[j * n:(j + 1) * n]):
-                good = i - start
+            failure = load_page(self.reads, blobs[j * n:(j + 1) * n], op.ns_digest, op.hashes[i], int(pages[i]))
+            if failure:
+                op.failure, good = failure, i - start
                 break
         elapsed = time.perf_counter() - t0
         self.stats.prefetch_time_s += elapsed
         self._observe_read(end - start, elapsed)  # per page of the prompt: the owners read theirs at once
         return good
 
-    def _load_objects(self, op: PrefetchOp, i: int, host_page: int, blobs: list) -> bool:
-        """Page ``i``'s objects (its own, then each sidecar's) into ``host_page``; False, with
-        ``op.failure`` set, at the first missing or corrupt one."""
-        for obj, blob in zip(self.reads, blobs):
-            payload, reason = (None, "missing") if blob is None else decode_checked(blob, op.ns_digest, op.hashes[i])
-            if payload is None:
-                op.failure = getattr(reason, "value", str(reason))
-                return False
-            obj.load(host_page, payload)
-        return True
-
     def _observe_read(self, pages: int, seconds: float) -> None:
         """Fold one batch read (``pages`` pages asked for, in ``seconds``) into ``read_page_s``."""
         per_page = seconds / pages
         last = self.read_page_s
         self.read_page_s = per_page if last is None else last + READ_EWMA_ALPHA * (per_page - last)
-
-    def _backup_worker(self) -> None:
-        run_torch_alone()  # its copies on this thread: an OpenMP pool of its own would slow every step
-        while (op := self._queues["backup"].get()) is not None:
-            self._backup(op)
 
     def _backup(self, op: BackupOp) -> None:
         """One backup op, on the backup thread (or inline)."""
@@ -297,9 +248,7 @@ class StorageController:
         try:
             if n == 0:  # every object of these pages is another rank's to write
                 op.written = len(mine)
-            keys = [k for i in mine for k in self._keys(self.writes, op, i)]
-            blobs = [encode(op.ns_digest, op.hashes[i], obj.page_bytes(int(op.host_pages[i])))
-                     for i in mine for obj in self.writes]
+            keys, blobs = encode_pages(self.writes, op.ns_digest, op.hashes, [(i, op.host_pages[i]) for i in mine])
             for i in range(0, len(blobs), BATCH_PAGES * max(n, 1)):
                 batch = blobs[i : i + BATCH_PAGES * n]
                 stored = self.guard.batch_set(keys[i : i + BATCH_PAGES * n], batch)

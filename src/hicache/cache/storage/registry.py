@@ -43,10 +43,8 @@ def _check_options(name: str, cls: type[StorageBackend], config: dict) -> None:
         accepted = [n for n, p in params.items() if n != "self" and p.kind is not p.VAR_POSITIONAL]
     unknown = sorted(set(config) - set(accepted))
     if unknown:
-        raise ConfigError(
-            f"storage backend {name!r} does not accept option(s) {', '.join(unknown)}; "
-            f"it accepts: {', '.join(accepted) or 'none'}."
-        )
+        raise ConfigError(f"storage backend {name!r} does not accept option(s) {', '.join(unknown)}; "
+                          f"it accepts: {', '.join(accepted) or 'none'}.")
 
 
 def _construct(cls: type[StorageBackend], config: dict) -> StorageBackend:
@@ -67,9 +65,7 @@ def _load_class(spec: str) -> type[StorageBackend]:
         if obj is None:
             raise ConfigError(f"storage backend {spec!r}: {module_name!r} has no {class_name!r}.")
     if not (isinstance(obj, type) and issubclass(obj, StorageBackend)):
-        raise ConfigError(
-            f"storage backend {spec!r} is not a subclass of hicache's StorageBackend."
-        )
+        raise ConfigError(f"storage backend {spec!r} is not a subclass of hicache's StorageBackend.")
     return obj
 
 

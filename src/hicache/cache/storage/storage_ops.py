@@ -8,7 +8,6 @@ Units: pages (indices into an op's hashes) unless named bytes or seconds.
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -49,7 +48,6 @@ class PrefetchOp:
     # Sharded KV: the keys this rank reads (indices; None: all) into its pool's pages ``local_pages``.
     owned: np.ndarray | None = None
     local_pages: np.ndarray | None = None
-    issue_time: float = field(default_factory=time.perf_counter)
     # acks: (pages completed so far (monotonic), is the final ack), appended as one item so a
     # count of consumed acks says whether the final one is among them.
     progress: list[tuple[int, bool]] = field(default_factory=list)

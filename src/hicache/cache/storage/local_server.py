@@ -1,0 +1,68 @@
+"""A throw-away server process on 127.0.0.1 (tests and benchmarks; not the engine), as
+:mod:`.valkey_server` and :mod:`.mooncake_master` start theirs: on a free port, its output in a
+log file of a temp dir (a file, not a pipe: an unread pipe could fill and stall it), retried on a
+new port when it does not come up (a free port can be taken meanwhile), stopped (SIGTERM, then
+SIGKILL) on exit."""
+
+from __future__ import annotations
+
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, TypeVar
+
+from ...ports import free_port
+from ...processes import stop_process
+
+LOG_NAME = "out.log"
+
+
+@dataclass
+class LocalServer:
+    """A started process with its log; ``stop()`` (or leaving the ``with`` block) ends it."""
+
+    proc: subprocess.Popen
+    workdir: tempfile.TemporaryDirectory = field(repr=False)
+
+    def log_tail(self, chars: int = 400) -> str:
+        try:
+            return (Path(self.workdir.name) / LOG_NAME).read_text(errors="replace").strip()[-chars:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+        self.workdir.cleanup()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+S = TypeVar("S", bound=LocalServer)
+
+
+def start_local(what: str, args: Callable[[int, str], list[str]], make: Callable[..., S],
+                ready: Callable[[int], bool], prefix: str, start_timeout_s: float, attempts: int) -> S:
+    """``make(proc, workdir, port)`` of the process ``args(port, workdir)`` runs, once ``ready(port)``;
+    RuntimeError ``"{what}: {log tail}"`` when it does not come up in ``attempts`` tries."""
+    last = ""
+    for _ in range(attempts):
+        port = free_port()
+        workdir = tempfile.TemporaryDirectory(prefix=prefix)
+        with open(Path(workdir.name) / LOG_NAME, "wb") as out:
+            proc = subprocess.Popen(args(port, workdir.name), stdout=out, stderr=out, stdin=subprocess.DEVNULL,
+                                    cwd=workdir.name)
+        server = make(proc, workdir, port)
+        deadline = time.monotonic() + start_timeout_s
+        while time.monotonic() < deadline and proc.poll() is None:
+            if ready(port):
+                return server
+            time.sleep(0.02)
+        last = server.log_tail()
+        server.stop()
+    raise RuntimeError(f"{what}: {last}")
