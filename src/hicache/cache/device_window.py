@@ -53,6 +53,12 @@ def largest_forward(window: int, page_size: int, pages: int) -> int:
     return max(n, 0)
 
 
+def window_page_ids(pool: DeviceKVPool, blocks: PageAllocator) -> PageAllocator | SharedWindowAllocator:
+    """The allocator of ``pool``'s window page ids: its own, or in a shared pool (issue 56) ids whose
+    pages take ``groups`` blocks each of the full pages' allocator ``blocks``."""
+    return SharedWindowAllocator(blocks, pool.window_blocks) if pool.shared else PageAllocator(pool.window_pages)
+
+
 @dataclass
 class WindowHold:
     """One request's hold on the window component (``KVState.window``). ``pages[i]``: page i's window
@@ -321,8 +327,20 @@ class DeviceWindows:
             state.window.pages[drop] = 0
 
     def usage(self) -> dict:
-        a = self.allocator
+        """The window component's pages and bytes (``/stats``' ``window``; the device tier's own fields are
+        the full component's). A shared pool: capacity_pages are the window pages the blocks could hold,
+        pool_bytes the whole pool's."""
+        a, pool, ps = self.allocator, self.pool, self.page_size
         out = {"capacity_pages": a.capacity, "free_pages": a.available, "reserved_pages": self.reserved}
         if self.tree is not None:
             out.update(self.cached.usage())
+        out.update(evicted_pages=self.stats.evicted_window_pages, window_tokens=self.window,
+                   capacity_tokens=a.capacity * ps, cached_tokens=out.get("cached_pages", 0) * ps,
+                   page_bytes=pool.window_bytes_per_page)
+        if self.shared:
+            out.update(pool_bytes=pool.total_bytes, full_pool_bytes=pool.total_bytes, shared_blocks=True,
+                       groups=pool.groups)
+        else:
+            out.update(pool_bytes=pool.window_bytes_per_page * pool.window_pages,
+                       full_pool_bytes=pool.bytes_per_page * pool.num_pages)
         return out
