@@ -33,14 +33,14 @@ import torch
 
 from ..config import ConfigError
 from ..device import available_host_memory
-from .pools import DeviceKVPool
+from .pools import DeviceKVPool, WindowRows
 
 logger = logging.getLogger(__name__)
 
 LAYOUTS = ("layer_first", "page_first", "page_unified")
 
 
-class HostKVPool:
+class HostKVPool(WindowRows):
     def __init__(self, device_pool: DeviceKVPool, num_pages: int, layout: str = "layer_first",
                  pin_memory: bool | None = None, cell_heads: int | None = None,
                  layers: tuple[int, ...] | None = None, window_ids: int = 0) -> None:
@@ -59,7 +59,6 @@ class HostKVPool:
         self.dtype = k0.dtype
         layer_page = 2 * self.page_size * k0[0].numel() * k0.element_size()  # one layer's K + V of a page
         # The host layer (row) of each device layer held; a shared pool's rows are the device pool's tensors.
-        self.window_blocks: np.ndarray | None = None
         self.shared = bool(window_ids)  # full pages and window pages are blocks of this one pool
         if window_ids:
             if not device_pool.shared:
@@ -101,12 +100,6 @@ class HostKVPool:
         else:
             logger.info("host KV pool: %d pages x %d tokens, %s, %.1f MiB%s", num_pages - 1, self.page_size, layout,
                         self.total_bytes / 2**20, " pinned" if self.pinned else "")
-
-    def window_rows(self, window_pages: np.ndarray, group: int) -> np.ndarray:
-        """The pages of this pool that hold window pages ``window_pages`` for sliding ``group`` (0 but
-        in a shared pool, whose group k reads block ``window_blocks[w, k]``)."""
-        pages = np.asarray(window_pages, dtype=np.int64)
-        return self.window_blocks[pages, group] if self.shared else pages
 
     def _shape(self, layout: str, pages: int, layers: int, tokens: int, heads: int, dim: int) -> tuple[int, ...]:
         if layout == "layer_first":
