@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .placement import alloc_evicting
-from .pools import DeviceKVPool, PageAllocator, SharedWindowAllocator
+from .pools import DeviceKVPool, PageAllocator, SharedWindowAllocator, pages_to_slots
 from .radix import RadixCache
 from .tiers import CacheStats
 from .window_tree import window_first_page
@@ -160,7 +160,7 @@ class DeviceWindows:
             self._hold_tail(state, prompt_tokens)
             return []
         restored = self._from_host(state, self.first_page(hit * self.page_size), device_hit, host_nodes)
-        state.window.slots = self.pool.window_slots(state.window.pages)
+        state.window.slots = self._slots(state.window.pages)
         return restored
 
     def _from_host(self, state, first: int, device_hit: int, host_nodes: list) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -213,8 +213,8 @@ class DeviceWindows:
             node, pos = node.parent, start
         own = np.arange(max(tail, hit), -(-prompt_tokens // ps))
         wp[own] = arriving[own] = self._alloc(len(own))
-        state.window.arrival = (tail * ps, self.pool.window_slots(arriving))
-        state.window.slots = self.pool.window_slots(wp)
+        state.window.arrival = (tail * ps, self._slots(arriving))
+        state.window.slots = self._slots(wp)
 
     def step(self, state, computed: int, new_tokens: int, later_tokens: int) -> None:
         """Before a forward that adds ``new_tokens`` after ``computed``: free the request's own
@@ -232,7 +232,7 @@ class DeviceWindows:
             wp[missing] = self._alloc(len(missing))
             # only the new pages' slots change (freed pages' slots are never read again): no O(context) rebuild
             rows = torch.from_numpy((missing[:, None] * self.page_size + np.arange(self.page_size)).reshape(-1))
-            state.window.slots[..., rows] = self.pool.window_slots(wp[missing])  # shared: each sliding group's row
+            state.window.slots[..., rows] = self._slots(wp[missing])  # shared: each sliding group's row
         budget = self.budget(max(new_tokens, later_tokens), len(wp))
         if budget < state.window.budget:
             self.reserved -= state.window.budget - budget
@@ -260,7 +260,7 @@ class DeviceWindows:
         first = self.first_page(n * self.page_size)
         state.window.pages[first:n] = hit_window[first:n]
         state.window.lock = self.lock_hit(state.node, n)
-        state.window.slots = self.pool.window_slots(state.window.pages)
+        state.window.slots = self._slots(state.window.pages)
 
     def release(self, state) -> None:
         """The request is done: every window page it still owns goes back, its reservation too."""
@@ -278,6 +278,13 @@ class DeviceWindows:
         self._free_own(state, self.first_page(computed - computed % self.page_size))
 
     # ---- helpers ---------------------------------------------------------------------------
+    def _slots(self, pages: np.ndarray) -> torch.Tensor:
+        """The slots of window ``pages`` (0: not held): ``[tokens]``, or ``[groups, tokens]`` shared."""
+        if not self.shared:
+            return pages_to_slots(pages, self.page_size)
+        return torch.stack([pages_to_slots(self.pool.window_rows(pages, k), self.page_size)
+                            for k in range(self.pool.groups)])
+
     def _alloc(self, n: int) -> np.ndarray:
         """``n`` window pages, tombstoning unlocked windows while they do not fit (the running
         requests' budgets guarantee they do then)."""

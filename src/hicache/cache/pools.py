@@ -203,16 +203,9 @@ class DeviceKVPool(WindowRows):
         return self.shared[layer][1] - 1 if self.shared and layer in self.window_layers else 0
 
     def layer_window_slots(self, window_slots: torch.Tensor, layer: int) -> torch.Tensor:
-        """Window layer ``layer``'s slots out of ``window_slots`` (:meth:`window_slots`' shape:
+        """Window layer ``layer``'s slots out of ``window_slots`` (a ``WindowHold``'s ``slots``' shape:
         ``[tokens]``, or ``[groups, tokens]`` shared: its sliding group's row)."""
         return window_slots[self.window_group(layer)] if window_slots.dim() == 2 else window_slots
-
-    def window_slots(self, window_pages: np.ndarray) -> torch.Tensor:
-        """The slots of ``window_pages`` (0: not held): ``[tokens]``, or ``[groups, tokens]`` shared."""
-        if not self.shared:
-            return pages_to_slots(window_pages, self.page_size)
-        return torch.stack([pages_to_slots(self.window_rows(window_pages, k), self.page_size)
-                            for k in range(self.groups)])
 
     def wait_layer(self, layer: int) -> None:
         """Nothing is ever in flight into the device pool by itself; loads wrap this view."""
