@@ -65,8 +65,7 @@ class HostKVPool(WindowRows):
                 raise ValueError("a host pool of blocks needs a device pool of shared blocks")
             tensors = sorted({t for t, _ in device_pool.shared.values()})
             self.rows = {i: tensors.index(t) for i, (t, _) in device_pool.shared.items()}
-            self.groups = device_pool.groups
-            self.window_blocks = np.zeros((window_ids, self.groups), dtype=np.int64)
+            self.window_blocks = np.zeros((window_ids, device_pool.groups), dtype=np.int64)
             self.num_layers = len(tensors)
             self.window_page_bytes = layer_page * len(device_pool.window_layers)  # what a window page's blocks hold
             # (row, sliding group) of each window layer, in layer order: where a window page's layers are
@@ -74,7 +73,6 @@ class HostKVPool(WindowRows):
         else:
             self.rows = {i: j for j, i in enumerate(self.layers)}
             self.window_layout = ()
-            self.groups = 1
             self.num_layers = len(self.layers)
             self.window_page_bytes = layer_page * self.num_layers
         self.bytes_per_page = layer_page * self.num_layers  # a shared pool's: a block's
@@ -95,8 +93,8 @@ class HostKVPool(WindowRows):
         self.buffer = pinned_empty(shape, self.dtype) if self.pinned else torch.empty(shape, dtype=self.dtype)
         if window_ids:
             logger.info("host KV pool: %d blocks x %d tokens shared by full pages and window pages (%d tensors, %d "
-                        "sliding groups), %s, %.1f MiB%s", num_pages - 1, self.page_size, self.num_layers, self.groups,
-                        layout, self.total_bytes / 2**20, " pinned" if self.pinned else "")
+                        "sliding groups), %s, %.1f MiB%s", num_pages - 1, self.page_size, self.num_layers,
+                        device_pool.groups, layout, self.total_bytes / 2**20, " pinned" if self.pinned else "")
         else:
             logger.info("host KV pool: %d pages x %d tokens, %s, %.1f MiB%s", num_pages - 1, self.page_size, layout,
                         self.total_bytes / 2**20, " pinned" if self.pinned else "")
