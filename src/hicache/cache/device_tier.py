@@ -184,7 +184,7 @@ class DeviceTier:
         computed), free every other page the request held, drop its lock."""
         keep = 0
         if self.windows is not None:
-            prompt_end = state.window.keep[1] if state.window is not None and state.window.keep is not None else 0
+            prompt_end = state.window.keep[1] if state.window.keep is not None else 0  # (admission set its hold)
             if self.tree is not None and state.cached_pages < prompt_end < len(tokens) // self.page_size:
                 # the prompt's checkpoint ends a node of its own: a host copy keeps each node end's window
                 self.cache_prefix(namespace, tokens[: prompt_end * self.page_size], state)
