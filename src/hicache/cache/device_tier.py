@@ -109,8 +109,8 @@ class DeviceTier:
                                 self._anchor(hit_pages, host_nodes))
         if new_pages is None:
             if node is not None:
-                if window_lock is not None:
-                    self.tree.windows.unlock(node, *window_lock)
+                if self.windows is not None:
+                    self.windows.unlock(node, window_lock)
                 self.tree.dec_lock_ref(node)
             return None
         loaded = 0

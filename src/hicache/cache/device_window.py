@@ -238,12 +238,16 @@ class DeviceWindows:
             self.reserved -= state.window.budget - budget
             state.window.budget = budget
 
+    def unlock(self, node, lock: tuple[int, int] | None) -> None:
+        """Take off a window lock of :meth:`lock_hit` (None: it took none)."""
+        if lock is not None:
+            self.cached.unlock(node, *lock)
+
     def before_insert(self, state) -> None:
         """The request's pages are about to join the tree: its window lock comes off (it is placed
         again over the new boundary by :meth:`after_insert`)."""
-        if state.window.lock is not None:
-            self.cached.unlock(state.node, *state.window.lock)
-            state.window.lock = None
+        self.unlock(state.node, state.window.lock)
+        state.window.lock = None
 
     def offered(self, state, n_pages: int) -> np.ndarray:
         """The window pages an insert of the first ``n_pages`` gives the tree: the request's own
