@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .device_window import DeviceWindows, WindowHold
+from .device_window import DeviceWindows, WindowHold, window_page_ids
 from .placement import PagePlacement, ShardedPageAllocator, alloc_evicting, path_anchor
-from .pools import DeviceKVPool, PageAllocator, SharedWindowAllocator, pages_to_slots
+from .pools import DeviceKVPool, PageAllocator, pages_to_slots
 from .radix import RadixCache
 from .tiers import CacheStats, Tier
 from .tree_node import TreeNode
@@ -72,13 +72,11 @@ class DeviceTier:
             ShardedPageAllocator(self.placement, pool.num_pages) if self.placement else PageAllocator(pool.num_pages))
         if pool.hybrid and self.placement is not None:
             raise ValueError("a hybrid pool's window component is not page-sharded")
-        # a shared pool's window pages take blocks of the full pages' allocator (issue 56)
-        window_allocator = None if not pool.hybrid else SharedWindowAllocator(self.allocator, pool.window_blocks) \
-            if pool.shared else PageAllocator(pool.window_pages)
+        page_ids = window_page_ids(pool, self.allocator) if pool.hybrid else None
         self.tree = RadixCache(self.page_size, self.allocator, eviction_policy, host_allocator,
-                               pool.window, window_allocator) if enable_prefix_cache else None
+                               pool.window, page_ids) if enable_prefix_cache else None
         self.stats = stats
-        self.windows = DeviceWindows(window_allocator, self.tree, stats, pool) if pool.hybrid else None
+        self.windows = DeviceWindows(page_ids, self.tree, stats, pool) if pool.hybrid else None
         self.lower: Tier | None = None
 
     def pages_for(self, num_tokens: int) -> int:
@@ -111,8 +109,8 @@ class DeviceTier:
                                 self._anchor(hit_pages, host_nodes))
         if new_pages is None:
             if node is not None:
-                if window_lock is not None:
-                    self.tree.windows.unlock(node, *window_lock)
+                if self.windows is not None:
+                    self.windows.unlock(node, window_lock)
                 self.tree.dec_lock_ref(node)
             return None
         loaded = 0
@@ -181,18 +179,12 @@ class DeviceTier:
         if self.windows is not None:
             self.windows.after_insert(state, match.parts["window"])
 
-    def window_step(self, state: KVState, computed: int, new_tokens: int, later_tokens: int) -> None:
-        """Hybrid pool: hold the window pages of a forward adding ``new_tokens`` after ``computed``
-        (see :meth:`.device_window.DeviceWindows.step`); nothing otherwise."""
-        if self.windows is not None:
-            self.windows.step(state, computed, new_tokens, later_tokens)
-
     def release(self, namespace: str, tokens: np.ndarray, state: KVState) -> None:
         """The request is done: cache the whole pages of ``tokens`` (those whose KV is
         computed), free every other page the request held, drop its lock."""
         keep = 0
         if self.windows is not None:
-            prompt_end = state.window.keep[1] if state.window is not None and state.window.keep is not None else 0
+            prompt_end = state.window.keep[1] if state.window.keep is not None else 0  # (admission set its hold)
             if self.tree is not None and state.cached_pages < prompt_end < len(tokens) // self.page_size:
                 # the prompt's checkpoint ends a node of its own: a host copy keeps each node end's window
                 self.cache_prefix(namespace, tokens[: prompt_end * self.page_size], state)
@@ -251,20 +243,5 @@ class DeviceTier:
             "locked_pages": tree.protected_pages if tree else 0,
             "request_pages": capacity - self.allocator.available - (tree.cached_pages if tree else 0),
             "device_pool_bytes": self.pool.total_bytes,
-            **({"window": self._window_usage()} if self.windows is not None else {}),
+            **({"window": self.windows.usage()} if self.windows is not None else {}),
         }
-
-    def _window_usage(self) -> dict:
-        """The window component's pages and bytes (the full component's are the fields above). A shared
-        pool: capacity_pages are the window pages the blocks could hold, pool_bytes the whole pool's."""
-        pool, out = self.pool, self.windows.usage()
-        out.update(evicted_pages=self.stats.evicted_window_pages, window_tokens=self.windows.window,
-                   capacity_tokens=out["capacity_pages"] * self.page_size,
-                   cached_tokens=out.get("cached_pages", 0) * self.page_size, page_bytes=pool.window_bytes_per_page)
-        if pool.shared:
-            out.update(pool_bytes=pool.total_bytes, full_pool_bytes=pool.total_bytes, shared_blocks=True,
-                       groups=pool.groups)
-        else:
-            out.update(pool_bytes=pool.window_bytes_per_page * pool.window_pages,
-                       full_pool_bytes=pool.bytes_per_page * pool.num_pages)
-        return out

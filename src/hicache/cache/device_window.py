@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .placement import alloc_evicting
-from .pools import DeviceKVPool, PageAllocator, SharedWindowAllocator
+from .pools import DeviceKVPool, PageAllocator, SharedWindowAllocator, pages_to_slots
 from .radix import RadixCache
 from .tiers import CacheStats
 from .window_tree import window_first_page
@@ -51,6 +51,12 @@ def largest_forward(window: int, page_size: int, pages: int) -> int:
     while n > 0 and window_footprint(window, page_size, n) > pages:
         n -= page_size
     return max(n, 0)
+
+
+def window_page_ids(pool: DeviceKVPool, blocks: PageAllocator) -> PageAllocator | SharedWindowAllocator:
+    """The allocator of ``pool``'s window page ids: its own, or in a shared pool (issue 56) ids whose
+    pages take ``groups`` blocks each of the full pages' allocator ``blocks``."""
+    return SharedWindowAllocator(blocks, pool.window_blocks) if pool.shared else PageAllocator(pool.window_pages)
 
 
 @dataclass
@@ -154,7 +160,7 @@ class DeviceWindows:
             self._hold_tail(state, prompt_tokens)
             return []
         restored = self._from_host(state, self.first_page(hit * self.page_size), device_hit, host_nodes)
-        state.window.slots = self.pool.window_slots(state.window.pages)
+        state.window.slots = self._slots(state.window.pages)
         return restored
 
     def _from_host(self, state, first: int, device_hit: int, host_nodes: list) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -207,8 +213,8 @@ class DeviceWindows:
             node, pos = node.parent, start
         own = np.arange(max(tail, hit), -(-prompt_tokens // ps))
         wp[own] = arriving[own] = self._alloc(len(own))
-        state.window.arrival = (tail * ps, self.pool.window_slots(arriving))
-        state.window.slots = self.pool.window_slots(wp)
+        state.window.arrival = (tail * ps, self._slots(arriving))
+        state.window.slots = self._slots(wp)
 
     def step(self, state, computed: int, new_tokens: int, later_tokens: int) -> None:
         """Before a forward that adds ``new_tokens`` after ``computed``: free the request's own
@@ -226,18 +232,22 @@ class DeviceWindows:
             wp[missing] = self._alloc(len(missing))
             # only the new pages' slots change (freed pages' slots are never read again): no O(context) rebuild
             rows = torch.from_numpy((missing[:, None] * self.page_size + np.arange(self.page_size)).reshape(-1))
-            state.window.slots[..., rows] = self.pool.window_slots(wp[missing])  # shared: each sliding group's row
+            state.window.slots[..., rows] = self._slots(wp[missing])  # shared: each sliding group's row
         budget = self.budget(max(new_tokens, later_tokens), len(wp))
         if budget < state.window.budget:
             self.reserved -= state.window.budget - budget
             state.window.budget = budget
 
+    def unlock(self, node, lock: tuple[int, int] | None) -> None:
+        """Take off a window lock of :meth:`lock_hit` (None: it took none)."""
+        if lock is not None:
+            self.cached.unlock(node, *lock)
+
     def before_insert(self, state) -> None:
         """The request's pages are about to join the tree: its window lock comes off (it is placed
         again over the new boundary by :meth:`after_insert`)."""
-        if state.window.lock is not None:
-            self.cached.unlock(state.node, *state.window.lock)
-            state.window.lock = None
+        self.unlock(state.node, state.window.lock)
+        state.window.lock = None
 
     def offered(self, state, n_pages: int) -> np.ndarray:
         """The window pages an insert of the first ``n_pages`` gives the tree: the request's own
@@ -254,7 +264,7 @@ class DeviceWindows:
         first = self.first_page(n * self.page_size)
         state.window.pages[first:n] = hit_window[first:n]
         state.window.lock = self.lock_hit(state.node, n)
-        state.window.slots = self.pool.window_slots(state.window.pages)
+        state.window.slots = self._slots(state.window.pages)
 
     def release(self, state) -> None:
         """The request is done: every window page it still owns goes back, its reservation too."""
@@ -272,6 +282,13 @@ class DeviceWindows:
         self._free_own(state, self.first_page(computed - computed % self.page_size))
 
     # ---- helpers ---------------------------------------------------------------------------
+    def _slots(self, pages: np.ndarray) -> torch.Tensor:
+        """The slots of window ``pages`` (0: not held): ``[tokens]``, or ``[groups, tokens]`` shared."""
+        if not self.shared:
+            return pages_to_slots(pages, self.page_size)
+        return torch.stack([pages_to_slots(self.pool.window_rows(pages, k), self.page_size)
+                            for k in range(self.pool.groups)])
+
     def _alloc(self, n: int) -> np.ndarray:
         """``n`` window pages, tombstoning unlocked windows while they do not fit (the running
         requests' budgets guarantee they do then)."""
@@ -321,8 +338,20 @@ class DeviceWindows:
             state.window.pages[drop] = 0
 
     def usage(self) -> dict:
-        a = self.allocator
+        """The window component's pages and bytes (``/stats``' ``window``; the device tier's own fields are
+        the full component's). A shared pool: capacity_pages are the window pages the blocks could hold,
+        pool_bytes the whole pool's."""
+        a, pool, ps = self.allocator, self.pool, self.page_size
         out = {"capacity_pages": a.capacity, "free_pages": a.available, "reserved_pages": self.reserved}
         if self.tree is not None:
             out.update(self.cached.usage())
+        out.update(evicted_pages=self.stats.evicted_window_pages, window_tokens=self.window,
+                   capacity_tokens=a.capacity * ps, cached_tokens=out.get("cached_pages", 0) * ps,
+                   page_bytes=pool.window_bytes_per_page)
+        if self.shared:
+            out.update(pool_bytes=pool.total_bytes, full_pool_bytes=pool.total_bytes, shared_blocks=True,
+                       groups=pool.groups)
+        else:
+            out.update(pool_bytes=pool.window_bytes_per_page * pool.window_pages,
+                       full_pool_bytes=pool.bytes_per_page * pool.num_pages)
         return out

@@ -33,14 +33,14 @@ import torch
 
 from ..config import ConfigError
 from ..device import available_host_memory
-from .pools import DeviceKVPool
+from .pools import DeviceKVPool, WindowRows
 
 logger = logging.getLogger(__name__)
 
 LAYOUTS = ("layer_first", "page_first", "page_unified")
 
 
-class HostKVPool:
+class HostKVPool(WindowRows):
     def __init__(self, device_pool: DeviceKVPool, num_pages: int, layout: str = "layer_first",
                  pin_memory: bool | None = None, cell_heads: int | None = None,
                  layers: tuple[int, ...] | None = None, window_ids: int = 0) -> None:
@@ -59,15 +59,13 @@ class HostKVPool:
         self.dtype = k0.dtype
         layer_page = 2 * self.page_size * k0[0].numel() * k0.element_size()  # one layer's K + V of a page
         # The host layer (row) of each device layer held; a shared pool's rows are the device pool's tensors.
-        self.window_blocks: np.ndarray | None = None
         self.shared = bool(window_ids)  # full pages and window pages are blocks of this one pool
         if window_ids:
             if not device_pool.shared:
                 raise ValueError("a host pool of blocks needs a device pool of shared blocks")
             tensors = sorted({t for t, _ in device_pool.shared.values()})
             self.rows = {i: tensors.index(t) for i, (t, _) in device_pool.shared.items()}
-            self.groups = device_pool.groups
-            self.window_blocks = np.zeros((window_ids, self.groups), dtype=np.int64)
+            self.window_blocks = np.zeros((window_ids, device_pool.groups), dtype=np.int64)
             self.num_layers = len(tensors)
             self.window_page_bytes = layer_page * len(device_pool.window_layers)  # what a window page's blocks hold
             # (row, sliding group) of each window layer, in layer order: where a window page's layers are
@@ -75,7 +73,6 @@ class HostKVPool:
         else:
             self.rows = {i: j for j, i in enumerate(self.layers)}
             self.window_layout = ()
-            self.groups = 1
             self.num_layers = len(self.layers)
             self.window_page_bytes = layer_page * self.num_layers
         self.bytes_per_page = layer_page * self.num_layers  # a shared pool's: a block's
@@ -96,17 +93,11 @@ class HostKVPool:
         self.buffer = pinned_empty(shape, self.dtype) if self.pinned else torch.empty(shape, dtype=self.dtype)
         if window_ids:
             logger.info("host KV pool: %d blocks x %d tokens shared by full pages and window pages (%d tensors, %d "
-                        "sliding groups), %s, %.1f MiB%s", num_pages - 1, self.page_size, self.num_layers, self.groups,
-                        layout, self.total_bytes / 2**20, " pinned" if self.pinned else "")
+                        "sliding groups), %s, %.1f MiB%s", num_pages - 1, self.page_size, self.num_layers,
+                        device_pool.groups, layout, self.total_bytes / 2**20, " pinned" if self.pinned else "")
         else:
             logger.info("host KV pool: %d pages x %d tokens, %s, %.1f MiB%s", num_pages - 1, self.page_size, layout,
                         self.total_bytes / 2**20, " pinned" if self.pinned else "")
-
-    def window_rows(self, window_pages: np.ndarray, group: int) -> np.ndarray:
-        """The pages of this pool that hold window pages ``window_pages`` for sliding ``group`` (0 but
-        in a shared pool, whose group k reads block ``window_blocks[w, k]``)."""
-        pages = np.asarray(window_pages, dtype=np.int64)
-        return self.window_blocks[pages, group] if self.shared else pages
 
     def _shape(self, layout: str, pages: int, layers: int, tokens: int, heads: int, dim: int) -> tuple[int, ...]:
         if layout == "layer_first":

@@ -225,7 +225,8 @@ class KVCacheManager:
         """Before a forward that adds ``new_tokens`` after ``computed``: a hybrid pool holds their
         window pages and frees the request's own that fell behind its window; ``later_tokens``: the
         most a later forward of the request adds (its reservation shrinks to that)."""
-        self.device.window_step(state, computed, new_tokens, later_tokens)
+        if self.device.windows is not None:
+            self.device.windows.step(state, computed, new_tokens, later_tokens)
 
     def release(self, namespace: str, tokens: np.ndarray, state: KVState) -> None:
         """The request is done: cache the whole pages of ``tokens`` (those whose KV is

@@ -122,7 +122,19 @@ class WindowLayout:
     groups: int = 0
 
 
-class DeviceKVPool:
+class WindowRows:
+    """A pool's window rows: ``window_blocks[w, k]`` is the block (page) of window page w for sliding group k
+    in a pool of shared blocks (issue 56); without (None), window page ids are the pool's own pages."""
+
+    window_blocks: np.ndarray | None = None
+
+    def window_rows(self, window_pages: np.ndarray, group: int) -> np.ndarray:
+        """The pages of this pool that hold ``window_pages`` for sliding ``group``."""
+        pages = np.asarray(window_pages, dtype=np.int64)
+        return pages if self.window_blocks is None else self.window_blocks[pages, group]
+
+
+class DeviceKVPool(WindowRows):
     """Per-layer K and V buffers ``[slots, num_kv_heads, head_dim]`` (L1), in one or two components.
 
     Full-attention layers hold ``num_pages * page_size`` slots: every page's. A hybrid pool
@@ -139,14 +151,12 @@ class DeviceKVPool:
         self.num_slots = num_pages * page_size
         # Window pages are a deployment-wide decision: a pipeline stage without window layers keeps the
         # count (its allocator and tree decide as every other rank's) and holds no bytes for it.
-        windows = windows or WindowLayout(frozenset(), 0, 0)
-        window_pages, window, shared = windows.pages, windows.window, windows.shared
-        self.window_pages = window_pages
-        self.hybrid = window_pages > 0  # the sliding-window layers have a component of their own
-        self.window = window if window_pages else 0  # tokens a window layer's token reads, its own included
-        if window_pages and window < 1:
+        windows = windows if windows is not None and windows.pages else WindowLayout(frozenset(), 0, 0)
+        if windows.pages and windows.window < 1:
             raise ValueError("a window component needs its window size")
-        self.window_layers = frozenset(windows.layers) if window_pages else frozenset()
+        self.window_pages, self.window = windows.pages, windows.window  # window: tokens a window layer's token reads
+        self.hybrid = self.window_pages > 0  # the sliding-window layers have a component of their own
+        self.window_layers = frozenset(windows.layers)
         row = (num_kv_heads, head_dim)
         layer_page = 2 * page_size * num_kv_heads * head_dim * dtype.itemsize  # one layer's K + V of one page
         self.bytes_per_page = layer_page * (num_layers - len(self.window_layers))  # the full component's
@@ -155,11 +165,11 @@ class DeviceKVPool:
         # full-layer count) tensors of ``num_pages`` blocks each; a block is one page of one tensor per
         # layer of a group. Full layers are group 0 over full page ids (= block ids); sliding group k
         # reads window page w at block ``window_blocks[w, k - 1]`` (see :class:`SharedWindowAllocator`).
-        self.shared = dict(shared) if shared and window_pages else None
+        self.shared = windows.shared or None
         # sliding groups: the model's (``groups``: a pipeline stage sees only its layers), else its layers'
         self.groups = (windows.groups or max(g for _, g in self.shared.values())) if self.shared else 1
-        self.window_blocks = np.zeros((window_pages, self.groups), dtype=np.int64) if self.shared else None
         if self.shared:
+            self.window_blocks = np.zeros((self.window_pages, self.groups), dtype=np.int64)
             used = sorted({t for t, _ in self.shared.values()})
             k = {t: zeroed_buffer((self.num_slots, *row), dtype, device) for t in used}
             v = {t: zeroed_buffer((self.num_slots, *row), dtype, device) for t in used}
@@ -192,22 +202,10 @@ class DeviceKVPool:
         """The sliding group whose slots ``layer`` (a window layer) reads: 0 but in a shared pool."""
         return self.shared[layer][1] - 1 if self.shared and layer in self.window_layers else 0
 
-    def window_rows(self, window_pages: np.ndarray, group: int) -> np.ndarray:
-        """The pages of ``layer``'s buffer that hold ``window_pages`` for sliding ``group``."""
-        pages = np.asarray(window_pages, dtype=np.int64)
-        return self.window_blocks[pages, group] if self.shared else pages
-
     def layer_window_slots(self, window_slots: torch.Tensor, layer: int) -> torch.Tensor:
-        """Window layer ``layer``'s slots out of ``window_slots`` (:meth:`window_slots`' shape:
+        """Window layer ``layer``'s slots out of ``window_slots`` (a ``WindowHold``'s ``slots``' shape:
         ``[tokens]``, or ``[groups, tokens]`` shared: its sliding group's row)."""
         return window_slots[self.window_group(layer)] if window_slots.dim() == 2 else window_slots
-
-    def window_slots(self, window_pages: np.ndarray) -> torch.Tensor:
-        """The slots of ``window_pages`` (0: not held): ``[tokens]``, or ``[groups, tokens]`` shared."""
-        if not self.shared:
-            return pages_to_slots(window_pages, self.page_size)
-        return torch.stack([pages_to_slots(self.window_rows(window_pages, k), self.page_size)
-                            for k in range(self.groups)])
 
     def wait_layer(self, layer: int) -> None:
         """Nothing is ever in flight into the device pool by itself; loads wrap this view."""
