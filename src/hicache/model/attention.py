@@ -129,14 +129,19 @@ def cpu_query_rows(n: int, head_dim: int) -> int:
     The kernel splits the query axis into blocks (256 rows from 768 queries, 64 from 192, else
     32) and multiplies each block by the keys with one GEMM; a block of at most about
     ``head_dim / 24`` rows takes a different GEMM kernel and rounds differently (measured with
-    torch 2.13 on AVX-512: head size 64 from 3 rows on, 128 from 6, 256 from 11 agree with a
-    full block). So a short last block is padded -- with copies of the last row, dropped after --
-    to ``head_dim // 16 + 1`` rows (a full block where that is less). The padding rows attend
-    like the last one, so they cost that row's attention each and change no real row."""
+    torch 2.13 on Intel AVX-512: head size 64 from 3 rows on, 128 from 6, 256 from 11 agree with a
+    full block). On an AMD AVX-512 CPU (Zen 4, where MKL takes other GEMM kernels) blocks of 1-3
+    rows and the last 3 row counts below a full block differ too (head size 32; 64 and 128 agreed).
+    So a short last block is padded -- with copies of the last row, dropped after -- to
+    ``head_dim // 16 + 1`` rows and at least 4 (a full block where that is less), and one within 3
+    rows of a full block to the full block. The padding rows attend like the last one, so they
+    cost that row's attention each and change no real row."""
     split = 256 if n >= 768 else 64 if n >= 192 else 32
     tail = n % split
-    least = min(split, head_dim // 16 + 1)
-    return n if tail == 0 or tail >= least else n - tail + least
+    least = min(split, max(head_dim // 16 + 1, 4))
+    if tail == 0 or least <= tail <= split - 4:
+        return n
+    return n - tail + (least if tail < least else split)
 
 
 def cpu_key_count(length: int) -> int:
