@@ -74,7 +74,7 @@ class DeviceTier:
             raise ValueError("a hybrid pool's window component is not page-sharded")
         page_ids = window_page_ids(pool, self.allocator) if pool.hybrid else None
         self.tree = RadixCache(self.page_size, self.allocator, eviction_policy, host_allocator,
-                               pool.window, page_ids) if enable_prefix_cache else None
+                               pool.windows.window, page_ids) if enable_prefix_cache else None
         self.stats = stats
         self.windows = DeviceWindows(page_ids, self.tree, stats, pool) if pool.hybrid else None
         self.lower: Tier | None = None

@@ -61,15 +61,16 @@ class HostKVPool(WindowRows):
         # The host layer (row) of each device layer held; a shared pool's rows are the device pool's tensors.
         self.shared = bool(window_ids)  # full pages and window pages are blocks of this one pool
         if window_ids:
-            if not device_pool.shared:
+            windows = device_pool.windows
+            if not windows.shared:
                 raise ValueError("a host pool of blocks needs a device pool of shared blocks")
-            tensors = sorted({t for t, _ in device_pool.shared.values()})
-            self.rows = {i: tensors.index(t) for i, (t, _) in device_pool.shared.items()}
-            self.window_blocks = np.zeros((window_ids, device_pool.groups), dtype=np.int64)
+            tensors = sorted({t for t, _ in windows.shared.values()})
+            self.rows = {i: tensors.index(t) for i, (t, _) in windows.shared.items()}
+            self.window_blocks = np.zeros((window_ids, windows.groups), dtype=np.int64)
             self.num_layers = len(tensors)
-            self.window_page_bytes = layer_page * len(device_pool.window_layers)  # what a window page's blocks hold
+            self.window_page_bytes = layer_page * len(windows.layers)  # what a window page's blocks hold
             # (row, sliding group) of each window layer, in layer order: where a window page's layers are
-            self.window_layout = tuple((self.rows[i], device_pool.window_group(i)) for i in sorted(device_pool.window_layers))
+            self.window_layout = tuple((self.rows[i], windows.group(i)) for i in sorted(windows.layers))
         else:
             self.rows = {i: j for j, i in enumerate(self.layers)}
             self.window_layout = ()
@@ -94,7 +95,7 @@ class HostKVPool(WindowRows):
         if window_ids:
             logger.info("host KV pool: %d blocks x %d tokens shared by full pages and window pages (%d tensors, %d "
                         "sliding groups), %s, %.1f MiB%s", num_pages - 1, self.page_size, self.num_layers,
-                        device_pool.groups, layout, self.total_bytes / 2**20, " pinned" if self.pinned else "")
+                        device_pool.windows.groups, layout, self.total_bytes / 2**20, " pinned" if self.pinned else "")
         else:
             logger.info("host KV pool: %d pages x %d tokens, %s, %.1f MiB%s", num_pages - 1, self.page_size, layout,
                         self.total_bytes / 2**20, " pinned" if self.pinned else "")
