@@ -153,7 +153,7 @@ def test_a_shared_pool_over_a_host_tier_loads_windows_back_per_group() -> None:
                           agents=6, together=True)
     engine = Engine(MODEL, **options)
     host = engine.backend.core.host_pool
-    assert host.shared and host.window_pool is host and host.window_blocks.shape == ((host.num_pages - 1) // 5 + 1, 5)
+    assert host.shared and host.window_pool is host and host.windows.blocks.shape == ((host.num_pages - 1) // 5 + 1, 5)
     stats = {}
     generate = engine.generate
 

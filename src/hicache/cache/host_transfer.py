@@ -162,7 +162,7 @@ class TransferController:
         assert len(device) == len(host)
         device, host, host_pool = np.asarray(device), np.asarray(host), self._part_hosts[name]
         w = self.device_pool.windows
-        return PartPages(device, host, [(w.rows(device, k), host_pool.window_rows(host, k)) for k in range(w.groups)])
+        return PartPages(device, host, [(w.rows(device, k), host_pool.windows.rows(host, k)) for k in range(w.groups)])
 
     def run_inline(self) -> None:
         """From now on run each op on the submitting thread, when it is submitted (the trace

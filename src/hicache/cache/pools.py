@@ -141,16 +141,7 @@ class WindowLayout:
         return window_slots[self.group(layer)] if window_slots.dim() == 2 else window_slots
 
 
-class WindowRows:
-    """A host pool's window rows: ``window_blocks[w, k]`` is the block (page) of window page w for sliding group k
-    in a pool of shared blocks (issue 56); without (None), window page ids are the pool's own pages."""
-
-    window_blocks: np.ndarray | None = None
-
-    def window_rows(self, window_pages: np.ndarray, group: int) -> np.ndarray:
-        """The pages of this pool that hold ``window_pages`` for sliding ``group``."""
-        pages = np.asarray(window_pages, dtype=np.int64)
-        return pages if self.window_blocks is None else self.window_blocks[pages, group]
+NO_WINDOWS = WindowLayout(frozenset(), 0, 0)  # a pool's window part where it has none (or its window pages are its own)
 
 
 class DeviceKVPool:
@@ -171,7 +162,7 @@ class DeviceKVPool:
         self.num_slots = num_pages * page_size
         # Window pages are a deployment-wide decision: a pipeline stage without window layers keeps the
         # count (its allocator and tree decide as every other rank's) and holds no bytes for it.
-        windows = windows if windows is not None and windows.pages else WindowLayout(frozenset(), 0, 0)
+        windows = windows if windows is not None and windows.pages else NO_WINDOWS
         if windows.pages and windows.window < 1:
             raise ValueError("a window component needs its window size")
         self.hybrid = windows.pages > 0  # the sliding-window layers have a component of their own
