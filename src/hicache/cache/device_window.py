@@ -53,13 +53,6 @@ def largest_forward(window: int, page_size: int, pages: int) -> int:
     return max(n, 0)
 
 
-def window_page_ids(pool: DeviceKVPool, blocks: PageAllocator) -> PageAllocator | SharedWindowAllocator:
-    """The allocator of ``pool``'s window page ids: its own, or in a shared pool (issue 56) ids whose
-    pages take ``groups`` blocks each of the full pages' allocator ``blocks``."""
-    w = pool.windows
-    return SharedWindowAllocator(blocks, w.blocks) if w.shared else PageAllocator(w.pages)
-
-
 @dataclass
 class WindowHold:
     """One request's hold on the window component (``KVState.window``). ``pages[i]``: page i's window

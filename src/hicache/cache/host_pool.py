@@ -60,10 +60,9 @@ class HostKVPool:
         self.dtype = k0.dtype
         layer_page = 2 * self.page_size * k0[0].numel() * k0.element_size()  # one layer's K + V of a page
         self.shared = bool(window_ids)  # full pages and window pages are blocks of this one pool
-        # Its window part: shared, the device's with ``window_ids`` ids over its blocks; else none (a window pool
-        # of its own addresses its pages by their ids). The host layer (row) of each device layer held; a shared
-        # pool's rows are the device pool's tensors.
-        self.windows: WindowLayout = NO_WINDOWS
+        # Its window part (``windows``): shared, the device's with ``window_ids`` ids over its blocks; else its
+        # own pages (what a window pool of its own holds). The host layer (row) of each device layer held; a
+        # shared pool's rows are the device pool's tensors.
         if window_ids:
             windows = device_pool.windows
             if not windows.shared:
@@ -72,10 +71,11 @@ class HostKVPool:
             self.rows = {i: tensors.index(t) for i, (t, _) in windows.shared.items()}
             self.num_layers = len(tensors)
             blocks = np.zeros((window_ids, windows.groups), dtype=np.int64)
-            self.windows = replace(windows, pages=window_ids, blocks=blocks)
+            self.windows: WindowLayout = replace(windows, pages=window_ids, blocks=blocks)
         else:
             self.rows = {i: j for j, i in enumerate(self.layers)}
             self.num_layers = len(self.layers)
+            self.windows = replace(NO_WINDOWS, pages=num_pages, bytes_per_page=layer_page * self.num_layers)
         self.bytes_per_page = layer_page * self.num_layers  # a shared pool's: a block's
         # A hybrid device pool's host pool of its window layers (checkpoints only): another pool of its
         # own page ids (two pools), this one (shared blocks), None (no window layers).

@@ -126,6 +126,11 @@ class WindowLayout:
     bytes_per_page: int = 0
     blocks: np.ndarray | None = None
 
+    def page_ids(self, blocks: PageAllocator) -> PageAllocator | SharedWindowAllocator:
+        """The allocator of the window page ids: the part's own ``pages``, or shared (issue 56) ids whose
+        pages take ``groups`` blocks each of the full pages' allocator ``blocks``."""
+        return PageAllocator(self.pages) if self.blocks is None else SharedWindowAllocator(blocks, self.blocks)
+
     def rows(self, window_pages: np.ndarray, group: int) -> np.ndarray:
         """The pages of the pool that hold ``window_pages`` for sliding ``group``."""
         pages = np.asarray(window_pages, dtype=np.int64)
@@ -141,7 +146,7 @@ class WindowLayout:
         return window_slots[self.group(layer)] if window_slots.dim() == 2 else window_slots
 
 
-NO_WINDOWS = WindowLayout(frozenset(), 0, 0)  # a pool's window part where it has none (or its window pages are its own)
+NO_WINDOWS = WindowLayout(frozenset(), 0, 0)  # a device pool's window part where it has none
 
 
 class DeviceKVPool:

@@ -116,8 +116,7 @@ class WindowTail:
 
     def targets(self, tail: Tail) -> dict[int, Rows]:
         """Each window layer's rows here (a shared pool: its sliding group's)."""
-        part = self.pool.windows
-        return {i: (tail.start, part.layer_slots(tail.slots, i)) for i in part.layers}
+        return {i: (tail.start, self.pool.windows.layer_slots(tail.slots, i)) for i in self.pool.windows.layers}
 
     # ---- the prefill side ----
     def sources(self, want: Optional[TailAsk], held: Optional[Tail], slots: torch.Tensor) -> dict[int, Rows]:

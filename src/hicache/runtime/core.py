@@ -107,12 +107,11 @@ def _host_pool(cfg: EngineConfig, pool: DeviceKVPool, host_pages: int, grid: Sto
     device pool's is one of ``host_pages`` blocks (issue 56) unless ``apart`` says why not."""
     if not cfg.enable_hierarchical_cache:
         return None
-    windows = pool.windows
-    full = tuple(i for i in range(len(pool.k_buffers)) if i not in windows.layers)
-    if windows.shared and apart is None:  # full pages and window pages (a block per sliding group) from one budget
+    full = tuple(i for i in range(len(pool.k_buffers)) if i not in pool.windows.layers)
+    if pool.windows.shared and apart is None:  # full pages and window pages (a block per sliding group) from one budget
         return HostKVPool(pool, host_pages, cfg.hicache_mem_layout, layers=full,
-                          window_ids=(host_pages - 1) // windows.groups + 1)
-    if windows.shared:
+                          window_ids=(host_pages - 1) // pool.windows.groups + 1)
+    if pool.windows.shared:
         logger.info("host KV pool: two pools (full layers; window layers at --swa-full-tokens-ratio %.1f's size), not "
                     "shared blocks: %s", HybridPlan.DEFAULT_RATIO, apart)
     layout, cells = cfg.hicache_mem_layout, None
@@ -126,7 +125,8 @@ def _host_pool(cfg: EngineConfig, pool: DeviceKVPool, host_pages: int, grid: Sto
     host = HostKVPool(pool, host_pages, layout, cell_heads=cells, layers=full)
     ratio = cfg.swa_full_tokens_ratio or HybridPlan.DEFAULT_RATIO  # checkpoints only: the default's rule when apart
     window_pages = max(int(ratio * (host_pages - 1)), 1) + 1
-    host.window_pool = HostKVPool(pool, window_pages, layout, cell_heads=cells, layers=tuple(sorted(windows.layers)))
+    host.window_pool = HostKVPool(pool, window_pages, layout, cell_heads=cells,
+                                  layers=tuple(sorted(pool.windows.layers)))
     return host
 
 
