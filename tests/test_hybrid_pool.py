@@ -20,7 +20,7 @@ from hicache import Engine
 from hicache.disagg.bootstrap import Bootstrap
 from hicache.cache.pools import PageAllocator
 from hicache.cache.radix import RadixCache
-from hicache.cache.window_tree import usable_boundary
+from hicache.cache.window_tree import TreeWindows, usable_boundary
 from hybrid_conversations import EXACT, GREEDY, MODEL, SYSTEM, cold_outputs, continue_from, conversations, stored
 from transfer_engines import mooncake_transfer_engine_missing
 
@@ -30,7 +30,9 @@ PS, WINDOW = 4, 8  # a window spans two pages and reaches one more from a page b
 
 
 def tree(pages: int = 64, window_pages: int = 64) -> RadixCache:
-    return RadixCache(PS, PageAllocator(pages), window=WINDOW, window_allocator=PageAllocator(window_pages))
+    t = RadixCache(PS, PageAllocator(pages))
+    t.add_component(TreeWindows(t, WINDOW, PageAllocator(window_pages)))
+    return t
 
 
 def tokens(n_pages: int, base: int = 0) -> np.ndarray:

@@ -26,6 +26,7 @@ from .pools import DeviceKVPool, PageAllocator, pages_to_slots
 from .radix import RadixCache
 from .tiers import CacheStats, Tier
 from .tree_node import TreeNode
+from .window_tree import TreeWindows
 
 
 logger = logging.getLogger(__name__)
@@ -73,8 +74,10 @@ class DeviceTier:
         if pool.hybrid and self.placement is not None:
             raise ValueError("a hybrid pool's window component is not page-sharded")
         page_ids = pool.windows.page_ids(self.allocator) if pool.hybrid else None
-        self.tree = RadixCache(self.page_size, self.allocator, eviction_policy, host_allocator,
-                               pool.windows.window, page_ids) if enable_prefix_cache else None
+        self.tree = RadixCache(self.page_size, self.allocator, eviction_policy, host_allocator) \
+            if enable_prefix_cache else None
+        if self.tree is not None and pool.hybrid:
+            self.tree.add_component(TreeWindows(self.tree, pool.windows.window, page_ids))
         self.stats = stats
         self.windows = DeviceWindows(page_ids, self.tree, stats, pool) if pool.hybrid else None
         self.lower: Tier | None = None
