@@ -13,7 +13,7 @@ import torch
 from ..cache.host_pool import HostKVPool
 from ..cache.manager import CachePolicy, KVCacheManager, RankLayout
 from ..cache.placement import PagePlacement
-from ..cache.pools import DeviceKVPool, WindowLayout
+from ..cache.pools import DeviceKVPool
 from ..cache.storage.base import StorageError
 from ..cache.storage.registry import create_backend
 from ..cache.storage.unified import StorageGrid
@@ -92,12 +92,9 @@ def _device_pool(cfg: EngineConfig, plan: RankPlan, device: torch.device) -> Dev
     """The device KV pool: the target's layers and a packed draft's, of ``plan.row`` (KV heads, head dim)
     per token; a hybrid plan's window component beside it (two pools, or shared blocks with its
     sliding groups)."""
-    hybrid, layers = plan.hybrid, plan.layers + plan.packed_layers
-    pool = (layers, *plan.row, plan.device_pages, cfg.page_size, plan.kv_dtype, device)
-    if hybrid is None:
-        return DeviceKVPool(*pool)
-    return DeviceKVPool(*pool, WindowLayout(hybrid.window_layers, plan.window_pages, hybrid.window,
-                                            dict(enumerate(hybrid.layout)) if hybrid.shared else None, hybrid.groups))
+    windows = plan.hybrid.pool_part(plan.window_pages) if plan.hybrid is not None else None
+    return DeviceKVPool(plan.layers + plan.packed_layers, *plan.row, plan.device_pages, cfg.page_size, plan.kv_dtype,
+                        device, windows)
 
 
 def _host_pool(cfg: EngineConfig, pool: DeviceKVPool, host_pages: int, grid: StorageGrid | None,
