@@ -113,7 +113,7 @@ class WindowLayout:
     """A hybrid pool's sliding-window part: ``layers`` (this rank's indices) of ``window`` tokens in
     ``pages`` window pages (+ the reserved page 0; 0: the pool has no window part). ``shared``:
     ``(tensor, group)`` of each layer when window pages are blocks of the full pages' tensors (issue 56);
-    ``groups``: the model's sliding groups (a pipeline stage sees only its own layers). The pool fills
+    ``groups``: the model's sliding groups (a pipeline stage sees only its own layers; 1 unshared). The pool fills
     in ``bytes_per_page`` (its window layers' K + V of one window page) and, shared, ``blocks``:
     ``blocks[w, k]`` is the block (page) of window page w for sliding group k (see
     :class:`SharedWindowAllocator`); without (None), window page ids are the pool's own pages."""
@@ -122,7 +122,7 @@ class WindowLayout:
     pages: int
     window: int
     shared: dict[int, tuple[int, int]] | None = None
-    groups: int = 0
+    groups: int = 1
     bytes_per_page: int = 0
     blocks: np.ndarray | None = None
 
@@ -178,12 +178,9 @@ class DeviceKVPool:
         # full-layer count) tensors of ``num_pages`` blocks each; a block is one page of one tensor per
         # layer of a group. Full layers are group 0 over full page ids (= block ids); sliding group k
         # reads window page w at block ``blocks[w, k - 1]``.
-        shared = windows.shared or None
-        # sliding groups: the model's (``groups``: a pipeline stage sees only its layers), else its layers'
-        groups = (windows.groups or max(g for _, g in shared.values())) if shared else 1
-        self.windows = replace(windows, layers=frozenset(windows.layers), shared=shared, groups=groups,
-                               bytes_per_page=layer_page * len(windows.layers),
-                               blocks=np.zeros((windows.pages, groups), dtype=np.int64) if shared else None)
+        shared = windows.shared
+        self.windows = replace(windows, bytes_per_page=layer_page * len(windows.layers),
+                               blocks=np.zeros((windows.pages, windows.groups), dtype=np.int64) if shared else None)
         if shared:
             used = sorted({t for t, _ in shared.values()})
             k = {t: zeroed_buffer((self.num_slots, *row), dtype, device) for t in used}
@@ -192,7 +189,7 @@ class DeviceKVPool:
             self.v_buffers = [v[shared[i][0]] for i in range(num_layers)]
             self.block_bytes = layer_page * len(used)
             logger.info("device KV pool: %d blocks x %d tokens shared by full pages and window pages (%d tensors, "
-                        "%d sliding groups, %.1f MiB)", num_pages - 1, page_size, len(used), groups,
+                        "%d sliding groups, %.1f MiB)", num_pages - 1, page_size, len(used), windows.groups,
                         self.block_bytes * num_pages / 2**20)
             return
         w = self.windows

@@ -51,7 +51,7 @@ class HybridPlan:
     def pool_part(self, pages: int) -> WindowLayout:
         """The device pool's window part, of ``pages`` window pages (+ page 0)."""
         shared = dict(enumerate(self.layout)) if self.shared else None
-        return WindowLayout(self.window_layers, pages, self.window, shared, self.groups)
+        return WindowLayout(self.window_layers, pages, self.window, shared, self.groups or 1)
 
     def blocks_for_tokens(self, full_pages: int) -> int:
         """Blocks (+ page 0) of a shared pool sized by --max-total-tokens (``full_pages`` + page 0)."""
