@@ -220,7 +220,7 @@ def _held_bytes(engine, row: int) -> tuple[float, float, float]:
 
     core = engine.backend.core
     tree, pool, ps = core.cache.tree, core.pool, core.pool.page_size
-    window_layers = len(pool.window_layers)
+    window_layers = len(pool.windows.layers)
     full_page, window_page = row * ps * (len(pool.k_buffers) - window_layers), row * ps * window_layers
     device = tree.cached_pages * full_page + (tree.windows.held_pages * window_page if pool.hybrid else 0)
     host_stats = engine.stats()["host_pool"]

@@ -20,7 +20,7 @@ from hicache import Engine
 from hicache.disagg.bootstrap import Bootstrap
 from hicache.cache.pools import PageAllocator
 from hicache.cache.radix import RadixCache
-from hicache.cache.window_tree import usable_boundary
+from hicache.cache.window_tree import TreeWindows, usable_boundary
 from hybrid_conversations import EXACT, GREEDY, MODEL, SYSTEM, cold_outputs, continue_from, conversations, stored
 from transfer_engines import mooncake_transfer_engine_missing
 
@@ -30,7 +30,9 @@ PS, WINDOW = 4, 8  # a window spans two pages and reaches one more from a page b
 
 
 def tree(pages: int = 64, window_pages: int = 64) -> RadixCache:
-    return RadixCache(PS, PageAllocator(pages), window=WINDOW, window_allocator=PageAllocator(window_pages))
+    t = RadixCache(PS, PageAllocator(pages))
+    t.add_component(TreeWindows(t, WINDOW, PageAllocator(window_pages)))
+    return t
 
 
 def tokens(n_pages: int, base: int = 0) -> np.ndarray:
@@ -169,16 +171,16 @@ def test_window_layers_hold_their_kv_in_a_smaller_allocation() -> None:
     try:
         pool, spec = hybrid.backend.core.pool, hybrid.loaded.spec
         stats = hybrid.stats()["device_pool"]["window"]
-        assert pool.window_pages - 1 == stats["capacity_pages"] == 1024 // 4  # a quarter of the 1,024 full pages
+        assert pool.windows.pages - 1 == stats["capacity_pages"] == 1024 // 4  # a quarter of the 1,024 full pages
         for i in range(spec.num_layers):
             rows = pool.k_buffers[i].shape[0]
-            assert rows == (pool.window_pages * PS if spec.layer_window(i) else pool.num_slots)
+            assert rows == (pool.windows.pages * PS if spec.layer_window(i) else pool.num_slots)
             assert pool.v_buffers[i].shape == pool.k_buffers[i].shape
         assert stats["pool_bytes"] + stats["full_pool_bytes"] == pool.total_bytes == hybrid.stats()["device_pool"][
             "device_pool_bytes"]
         # the same full-layer tokens in 5/6 x 1/4 + 1/6 of the bytes
         assert pool.total_bytes < 0.4 * full.backend.core.pool.total_bytes
-        assert full.backend.core.pool.window_pages == 0
+        assert full.backend.core.pool.windows.pages == 0
     finally:
         hybrid.shutdown()
         full.shutdown()
@@ -545,9 +547,9 @@ def test_the_kv_budget_counts_both_components(monkeypatch) -> None:
                     swa_full_tokens_ratio=0.25)
     try:
         pool = engine.backend.core.pool
-        reserved = pool.bytes_per_page + pool.window_bytes_per_page  # page 0 of each component
+        reserved = pool.bytes_per_page + pool.windows.bytes_per_page  # page 0 of each component
         assert pool.hybrid and 0.95 * budget <= pool.total_bytes - reserved <= budget
-        assert pool.window_pages - 1 == int(0.25 * (pool.num_pages - 1))
+        assert pool.windows.pages - 1 == int(0.25 * (pool.num_pages - 1))
     finally:
         engine.shutdown()
 

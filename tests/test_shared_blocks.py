@@ -60,9 +60,9 @@ def test_long_contexts_hold_three_times_the_tokens_per_gib(length) -> None:
 def test_a_shared_pool_maps_each_window_page_to_one_block_per_group() -> None:
     engine = CacheOnly(64 * MIB, AUTO)
     pool = engine.pool
-    assert pool.shared and pool.groups == 5  # 15 sliding layers in groups of the 3 full layers
+    assert pool.windows.shared and pool.windows.groups == 5  # 15 sliding layers in groups of the 3 full layers
     assert len({t.data_ptr() for t in pool.k_buffers}) == 3
-    assert pool.window_pages - 1 == (pool.num_pages - 1) // 5
+    assert pool.windows.pages - 1 == (pool.num_pages - 1) // 5
     engine.serve(list(range(1, 2000)))
     held = engine.cache.device.tree.windows.held_pages
     a = engine.cache.allocator
@@ -85,7 +85,7 @@ def test_the_automatic_pool_gives_every_layers_tokens(together, max_total_tokens
                           together=together)
     engine = Engine(MODEL, max_total_tokens=max_total_tokens, **BASE)
     pool = engine.backend.core.pool
-    assert pool.shared and pool.groups == 5
+    assert pool.windows.shared and pool.windows.groups == 5
     outputs, cached = conversations(engine, together=together)
     assert outputs == every[0]
     if max_total_tokens == 4096:
@@ -153,7 +153,7 @@ def test_a_shared_pool_over_a_host_tier_loads_windows_back_per_group() -> None:
                           agents=6, together=True)
     engine = Engine(MODEL, **options)
     host = engine.backend.core.host_pool
-    assert host.shared and host.window_pool is host and host.window_blocks.shape == ((host.num_pages - 1) // 5 + 1, 5)
+    assert host.shared and host.window_pool is host and host.windows.blocks.shape == ((host.num_pages - 1) // 5 + 1, 5)
     stats = {}
     generate = engine.generate
 
@@ -165,7 +165,7 @@ def test_a_shared_pool_over_a_host_tier_loads_windows_back_per_group() -> None:
         return out
 
     engine.generate = keep_stats
-    assert engine.backend.core.pool.shared
+    assert engine.backend.core.pool.windows.shared
     outputs, _ = conversations(engine, agents=6, together=True)
     assert outputs == every[0]
     assert stats["hit_tokens"]["host"] > 0

@@ -406,8 +406,8 @@ def test_a_packed_draft_of_a_hybrid_target_shares_the_blocks_and_answers_as_the_
     engine = Engine(HYBRID, **options, speculative_algorithm="STANDALONE", speculative_draft_model_path=HYBRID_DRAFT,
                     speculative_num_steps=3)
     pool = engine.backend.core.pool
-    assert pool.shared and pool.groups == 2 and len({b.data_ptr() for b in pool.k_buffers}) == 3
-    assert len(pool.k_buffers) == 6 + 2 and not pool.window_layers & {6, 7}  # the draft's layers follow, full
+    assert pool.windows.shared and pool.windows.groups == 2 and len({b.data_ptr() for b in pool.k_buffers}) == 3
+    assert len(pool.k_buffers) == 6 + 2 and not pool.windows.layers & {6, 7}  # the draft's layers follow, full
     outputs, _ = conversations(engine, agents=4, turns=2, together=True, keep=True)
     stats = engine.stats()
     engine.shutdown()
@@ -421,7 +421,7 @@ def test_a_sidecar_draft_of_a_hybrid_target_keeps_the_fixed_split(caplog) -> Non
     sidecar = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=DRAFT, speculative_num_steps=3)
     with caplog.at_level("INFO", logger="hicache.runtime.hybrid_pool"):
         engine = Engine(HYBRID, **HYBRID_BASE, max_total_tokens=1024, **sidecar)
-    assert engine.cache.sidecar_view is not None and not engine.backend.core.pool.shared
+    assert engine.cache.sidecar_view is not None and not engine.backend.core.pool.windows.shared
     assert engine.backend.core.pool.hybrid
     assert any("a sidecar draft model" in r.getMessage() for r in caplog.records)
     engine.shutdown()

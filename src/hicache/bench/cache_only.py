@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..cache.manager import KVCacheManager
-from ..cache.pools import DeviceKVPool, WindowLayout
+from ..cache.pools import DeviceKVPool
 from ..runtime.hybrid_pool import HybridPlan
 from ..runtime.scheduler import SchedulePolicy
 from ..sim.engine import NoForwardEngine
@@ -71,23 +71,20 @@ class CacheOnly(NoForwardEngine):
 
     def __init__(self, pool_bytes: int, ratio: float | str | None, geometry: Geometry = GEMMA3_270M,
                  chunk: int = 2048, max_running_requests: int = 1) -> None:
-        g = geometry
-        shared = None
+        g, windows = geometry, None
         if ratio is None:
-            pages, window_pages, layers = int(pool_bytes // (g.full_page_bytes + g.window_page_bytes)) + 1, 0, frozenset()
+            pages = int(pool_bytes // (g.full_page_bytes + g.window_page_bytes)) + 1
         elif ratio == AUTO:
             plan = shared_plan(g)
             pages = int(pool_bytes // (g.row_bytes * g.page * plan.tensors)) + 1  # blocks
-            window_pages, layers = plan.window_ids(pages), g.window_layers
-            chunk, shared = plan.shared_chunk(pages, chunk), dict(enumerate(plan.layout))
+            windows, chunk = plan.pool_part(plan.window_ids(pages)), plan.shared_chunk(pages, chunk)
         else:
             plan = HybridPlan(g.window, g.window_layers, ratio, g.page)
             pages = int(pool_bytes // plan.page_cost(g.full_page_bytes, g.window_page_bytes)) + 1
-            window_pages = plan.window_pages(pages)
-            chunk, layers = plan.prefill_chunk(window_pages, chunk), g.window_layers
+            windows = plan.pool_part(plan.window_pages(pages))
+            chunk = plan.prefill_chunk(windows.pages, chunk)
         self.geometry = g
-        self.pool = DeviceKVPool(g.layers, 1, g.head_dim, pages, g.page, g.dtype, "cpu",
-                                 WindowLayout(layers, window_pages, g.window if window_pages else 0, shared))
+        self.pool = DeviceKVPool(g.layers, 1, g.head_dim, pages, g.page, g.dtype, "cpu", windows)
         super().__init__(KVCacheManager(self.pool), SchedulePolicy(chunk, max_running_requests))
 
     def serve(self, tokens: list[int]) -> int:

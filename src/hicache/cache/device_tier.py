@@ -20,12 +20,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .device_window import DeviceWindows, WindowHold, window_page_ids
+from .device_window import DeviceWindows, WindowHold
 from .placement import PagePlacement, ShardedPageAllocator, alloc_evicting, path_anchor
 from .pools import DeviceKVPool, PageAllocator, pages_to_slots
 from .radix import RadixCache
 from .tiers import CacheStats, Tier
 from .tree_node import TreeNode
+from .window_tree import TreeWindows
 
 
 logger = logging.getLogger(__name__)
@@ -72,9 +73,11 @@ class DeviceTier:
             ShardedPageAllocator(self.placement, pool.num_pages) if self.placement else PageAllocator(pool.num_pages))
         if pool.hybrid and self.placement is not None:
             raise ValueError("a hybrid pool's window component is not page-sharded")
-        page_ids = window_page_ids(pool, self.allocator) if pool.hybrid else None
-        self.tree = RadixCache(self.page_size, self.allocator, eviction_policy, host_allocator,
-                               pool.window, page_ids) if enable_prefix_cache else None
+        page_ids = pool.windows.page_ids(self.allocator) if pool.hybrid else None
+        self.tree = RadixCache(self.page_size, self.allocator, eviction_policy, host_allocator) \
+            if enable_prefix_cache else None
+        if self.tree is not None and pool.hybrid:
+            self.tree.add_component(TreeWindows(self.tree, pool.windows.window, page_ids))
         self.stats = stats
         self.windows = DeviceWindows(page_ids, self.tree, stats, pool) if pool.hybrid else None
         self.lower: Tier | None = None

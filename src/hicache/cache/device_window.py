@@ -53,12 +53,6 @@ def largest_forward(window: int, page_size: int, pages: int) -> int:
     return max(n, 0)
 
 
-def window_page_ids(pool: DeviceKVPool, blocks: PageAllocator) -> PageAllocator | SharedWindowAllocator:
-    """The allocator of ``pool``'s window page ids: its own, or in a shared pool (issue 56) ids whose
-    pages take ``groups`` blocks each of the full pages' allocator ``blocks``."""
-    return SharedWindowAllocator(blocks, pool.window_blocks) if pool.shared else PageAllocator(pool.window_pages)
-
-
 @dataclass
 class WindowHold:
     """One request's hold on the window component (``KVState.window``). ``pages[i]``: page i's window
@@ -85,7 +79,7 @@ class DeviceWindows:
     def __init__(self, allocator: PageAllocator | SharedWindowAllocator, tree: RadixCache | None, stats: CacheStats,
                  pool: DeviceKVPool) -> None:
         self.allocator, self.tree, self.stats, self.pool = allocator, tree, stats, pool
-        self.window, self.page_size = pool.window, pool.page_size
+        self.window, self.page_size = pool.windows.window, pool.page_size
         self.cached = tree.windows if tree is not None else None  # the window pages of cached pages (TreeWindows)
         self.reserved = 0  # window pages reserved by running requests (the sum of their budgets)
         # A shared pool (issue 56): window pages take ``groups`` blocks each from the full pages' allocator;
@@ -286,8 +280,8 @@ class DeviceWindows:
         """The slots of window ``pages`` (0: not held): ``[tokens]``, or ``[groups, tokens]`` shared."""
         if not self.shared:
             return pages_to_slots(pages, self.page_size)
-        return torch.stack([pages_to_slots(self.pool.window_rows(pages, k), self.page_size)
-                            for k in range(self.pool.groups)])
+        return torch.stack([pages_to_slots(self.pool.windows.rows(pages, k), self.page_size)
+                            for k in range(self.pool.windows.groups)])
 
     def _alloc(self, n: int) -> np.ndarray:
         """``n`` window pages, tombstoning unlocked windows while they do not fit (the running
@@ -341,17 +335,17 @@ class DeviceWindows:
         """The window component's pages and bytes (``/stats``' ``window``; the device tier's own fields are
         the full component's). A shared pool: capacity_pages are the window pages the blocks could hold,
         pool_bytes the whole pool's."""
-        a, pool, ps = self.allocator, self.pool, self.page_size
+        a, pool, w, ps = self.allocator, self.pool, self.pool.windows, self.page_size
         out = {"capacity_pages": a.capacity, "free_pages": a.available, "reserved_pages": self.reserved}
         if self.tree is not None:
             out.update(self.cached.usage())
         out.update(evicted_pages=self.stats.evicted_window_pages, window_tokens=self.window,
                    capacity_tokens=a.capacity * ps, cached_tokens=out.get("cached_pages", 0) * ps,
-                   page_bytes=pool.window_bytes_per_page)
+                   page_bytes=w.bytes_per_page)
         if self.shared:
             out.update(pool_bytes=pool.total_bytes, full_pool_bytes=pool.total_bytes, shared_blocks=True,
-                       groups=pool.groups)
+                       groups=w.groups)
         else:
-            out.update(pool_bytes=pool.window_bytes_per_page * pool.window_pages,
+            out.update(pool_bytes=w.bytes_per_page * w.pages,
                        full_pool_bytes=pool.bytes_per_page * pool.num_pages)
         return out

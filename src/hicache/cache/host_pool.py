@@ -19,7 +19,7 @@ A hybrid device pool's host tier (issue 48, docs/hybrid_kv.md) is either two poo
 layers' for every host page, ``window_pool`` the window layers' for checkpoints, each with page ids
 of its own) or, over a shared device pool (issue 56), one pool of *blocks* like the device's: a
 block is one page of the device pool's G tensors; a host full page is one block, a host window page
-one block per sliding group (``window_blocks[w, k]``), both drawn from one allocator
+one block per sliding group (``windows.blocks[w, k]``), both drawn from one allocator
 (:class:`~.pools.SharedWindowAllocator`), so the host byte budget goes where demand is.
 """
 
@@ -27,20 +27,21 @@ from __future__ import annotations
 
 import logging
 import weakref
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from ..config import ConfigError
 from ..device import available_host_memory
-from .pools import DeviceKVPool, WindowRows
+from .pools import NO_WINDOWS, DeviceKVPool, WindowLayout
 
 logger = logging.getLogger(__name__)
 
 LAYOUTS = ("layer_first", "page_first", "page_unified")
 
 
-class HostKVPool(WindowRows):
+class HostKVPool:
     def __init__(self, device_pool: DeviceKVPool, num_pages: int, layout: str = "layer_first",
                  pin_memory: bool | None = None, cell_heads: int | None = None,
                  layers: tuple[int, ...] | None = None, window_ids: int = 0) -> None:
@@ -58,23 +59,23 @@ class HostKVPool(WindowRows):
         self.num_pages = num_pages
         self.dtype = k0.dtype
         layer_page = 2 * self.page_size * k0[0].numel() * k0.element_size()  # one layer's K + V of a page
-        # The host layer (row) of each device layer held; a shared pool's rows are the device pool's tensors.
         self.shared = bool(window_ids)  # full pages and window pages are blocks of this one pool
+        # Its window part (``windows``): shared, the device's with ``window_ids`` ids over its blocks; else its
+        # own pages (what a window pool of its own holds). The host layer (row) of each device layer held; a
+        # shared pool's rows are the device pool's tensors.
         if window_ids:
-            if not device_pool.shared:
+            windows = device_pool.windows
+            if not windows.shared:
                 raise ValueError("a host pool of blocks needs a device pool of shared blocks")
-            tensors = sorted({t for t, _ in device_pool.shared.values()})
-            self.rows = {i: tensors.index(t) for i, (t, _) in device_pool.shared.items()}
-            self.window_blocks = np.zeros((window_ids, device_pool.groups), dtype=np.int64)
+            tensors = sorted({t for t, _ in windows.shared.values()})
+            self.rows = {i: tensors.index(t) for i, (t, _) in windows.shared.items()}
             self.num_layers = len(tensors)
-            self.window_page_bytes = layer_page * len(device_pool.window_layers)  # what a window page's blocks hold
-            # (row, sliding group) of each window layer, in layer order: where a window page's layers are
-            self.window_layout = tuple((self.rows[i], device_pool.window_group(i)) for i in sorted(device_pool.window_layers))
+            blocks = np.zeros((window_ids, windows.groups), dtype=np.int64)
+            self.windows: WindowLayout = replace(windows, pages=window_ids, blocks=blocks)
         else:
             self.rows = {i: j for j, i in enumerate(self.layers)}
-            self.window_layout = ()
             self.num_layers = len(self.layers)
-            self.window_page_bytes = layer_page * self.num_layers
+            self.windows = replace(NO_WINDOWS, pages=num_pages, bytes_per_page=layer_page * self.num_layers)
         self.bytes_per_page = layer_page * self.num_layers  # a shared pool's: a block's
         # A hybrid device pool's host pool of its window layers (checkpoints only): another pool of its
         # own page ids (two pools), this one (shared blocks), None (no window layers).
@@ -94,7 +95,7 @@ class HostKVPool(WindowRows):
         if window_ids:
             logger.info("host KV pool: %d blocks x %d tokens shared by full pages and window pages (%d tensors, %d "
                         "sliding groups), %s, %.1f MiB%s", num_pages - 1, self.page_size, self.num_layers,
-                        device_pool.groups, layout, self.total_bytes / 2**20, " pinned" if self.pinned else "")
+                        device_pool.windows.groups, layout, self.total_bytes / 2**20, " pinned" if self.pinned else "")
         else:
             logger.info("host KV pool: %d pages x %d tokens, %s, %.1f MiB%s", num_pages - 1, self.page_size, layout,
                         self.total_bytes / 2**20, " pinned" if self.pinned else "")

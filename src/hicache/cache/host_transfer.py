@@ -115,7 +115,7 @@ class TransferController:
         # layers (those of a part on its pair, after the sidecars'), then each sidecar's.
         part_pair = {name: i for i, name in enumerate(parts, 1 + len(sidecars))}
         target = [(0, i, host_pool.rows[i], FULL, 0) if i in host_pool.layers else
-                  next((part_pair[n], i, h.rows[i], n, device_pool.window_group(i)) for n, h in parts.items()
+                  next((part_pair[n], i, h.rows[i], n, device_pool.windows.group(i)) for n, h in parts.items()
                        if i in h.rows) for i in range(len(device_pool.k_buffers))]
         self._layers = target + [(p, i, i, FULL, 0) for p, (dev, _) in enumerate(sidecars, 1)
                                  for i in range(len(dev.k_buffers))]
@@ -161,8 +161,8 @@ class TransferController:
         pool's window page maps to one block per sliding group, issue 56)."""
         assert len(device) == len(host)
         device, host, host_pool = np.asarray(device), np.asarray(host), self._part_hosts[name]
-        return PartPages(device, host, [(self.device_pool.window_rows(device, k), host_pool.window_rows(host, k))
-                                        for k in range(self.device_pool.groups)])
+        w = self.device_pool.windows
+        return PartPages(device, host, [(w.rows(device, k), host_pool.windows.rows(host, k)) for k in range(w.groups)])
 
     def run_inline(self) -> None:
         """From now on run each op on the submitting thread, when it is submitted (the trace

@@ -55,9 +55,8 @@ class HostWindows:
     def __init__(self, tier: HostPages, window_host: HostKVPool, cached: TreeWindows) -> None:
         self.tier, self.window_host, self.cached = tier, window_host, cached
         self.shared = tier.host_pool.shared
-        self.allocator: PageAllocator | SharedWindowAllocator = \
-            SharedWindowAllocator(tier.allocator, tier.host_pool.window_blocks) if self.shared \
-            else PageAllocator(window_host.num_pages)
+        # a window pool of its own: its pages; shared: the ids of window pages of blocks of the full pages' allocator
+        self.allocator: PageAllocator | SharedWindowAllocator = window_host.windows.page_ids(tier.allocator)
         cached.host_allocator = self.allocator
         # the window span each in-flight backup window-locks (its device window pages must not be tombstoned
         # and reused before the copy reads them), by node
@@ -204,7 +203,7 @@ class HostWindows:
     # ---- accounting ----------------------------------------------------------------------
     def op_bytes(self, op: TransferOp) -> int:
         part = op.parts.get(self.name)
-        return 0 if part is None else len(part.device) * self.window_host.window_page_bytes
+        return 0 if part is None else len(part.device) * self.window_host.windows.bytes_per_page
 
     def usage(self, full_pool: HostKVPool, page_size: int) -> dict:
         a = self.allocator
@@ -212,7 +211,7 @@ class HostWindows:
         out = {"capacity_pages": a.capacity, "free_pages": a.available,
                "cached_pages": held, "cached_tokens": held * page_size,
                "superseded_pages": self.tier.stats.superseded_host_window_pages,
-               "page_bytes": self.window_host.window_page_bytes,
+               "page_bytes": self.window_host.windows.bytes_per_page,
                "pool_bytes": self.window_host.total_bytes,
                "full_pool_bytes": full_pool.total_bytes}
         if self.shared:  # one pool of blocks: capacity_pages are the window pages its blocks could hold

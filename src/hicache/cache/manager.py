@@ -68,8 +68,8 @@ class _KVView:
 
     def __init__(self, pool: DeviceKVPool, controller: TransferController | None, offset: int = 0) -> None:
         self.k_buffers, self.v_buffers = pool.k_buffers, pool.v_buffers
-        if pool.shared:
-            self.window_group = pool.window_group  # each sliding group reads slots of its own (issue 56)
+        if pool.windows.shared:
+            self.window_group = pool.windows.group  # each sliding group reads slots of its own (issue 56)
         if controller is None:
             self.wait_layer, self.layer_ready = pool.wait_layer, pool.layer_ready
         elif offset == 0:
@@ -84,11 +84,12 @@ def _key_namespace(pool: DeviceKVPool, shard: str, unified: UnifiedPlan | None) 
     whole model's grid (unified: the same on every rank of every compatible deployment)."""
     k = pool.k_buffers[0]
     if unified is not None:
-        return unified.key_namespace(pool.page_size, str(k.dtype), k.shape[2], pool.window)
+        return unified.key_namespace(pool.page_size, str(k.dtype), k.shape[2], pool.windows.window)
     # a hybrid pool's objects: full layers (the page object), window layers (checkpoints' "-window"
     # objects): a namespace of their own, so every-layer objects are never read as these
-    layout = f"{OBJECT_LAYOUT_V1};window={pool.window}x{len(pool.window_layers)}" if pool.hybrid else OBJECT_LAYOUT_V1
-    return KeyNamespace(pool.page_size, str(k.dtype), tuple(k.shape[1:]), len(pool.k_buffers) - len(pool.window_layers),
+    w = pool.windows
+    layout = f"{OBJECT_LAYOUT_V1};window={w.window}x{len(w.layers)}" if pool.hybrid else OBJECT_LAYOUT_V1
+    return KeyNamespace(pool.page_size, str(k.dtype), tuple(k.shape[1:]), len(pool.k_buffers) - len(w.layers),
                         shard, layout)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import mmap
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -110,38 +110,54 @@ def zeroed_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
 
 @dataclass(frozen=True)
 class WindowLayout:
-    """A hybrid pool's sliding-window component: ``layers`` (this rank's indices) of ``window`` tokens
-    in ``pages`` window pages (+ the reserved page 0). ``shared``: ``(tensor, group)`` of each layer
-    when window pages are blocks of the full pages' tensors (issue 56); ``groups``: the model's
-    sliding groups (a pipeline stage sees only its own layers)."""
+    """A hybrid pool's sliding-window part: ``layers`` (this rank's indices) of ``window`` tokens in
+    ``pages`` window pages (+ the reserved page 0; 0: the pool has no window part). ``shared``:
+    ``(tensor, group)`` of each layer when window pages are blocks of the full pages' tensors (issue 56);
+    ``groups``: the model's sliding groups (a pipeline stage sees only its own layers; 1 unshared). The pool fills
+    in ``bytes_per_page`` (its window layers' K + V of one window page) and, shared, ``blocks``:
+    ``blocks[w, k]`` is the block (page) of window page w for sliding group k (see
+    :class:`SharedWindowAllocator`); without (None), window page ids are the pool's own pages."""
 
     layers: frozenset[int]
     pages: int
     window: int
     shared: dict[int, tuple[int, int]] | None = None
-    groups: int = 0
+    groups: int = 1
+    bytes_per_page: int = 0
+    blocks: np.ndarray | None = None
 
+    def page_ids(self, blocks: PageAllocator) -> PageAllocator | SharedWindowAllocator:
+        """The allocator of the window page ids: the part's own ``pages``, or shared (issue 56) ids whose
+        pages take ``groups`` blocks each of the full pages' allocator ``blocks``."""
+        return PageAllocator(self.pages) if self.blocks is None else SharedWindowAllocator(blocks, self.blocks)
 
-class WindowRows:
-    """A pool's window rows: ``window_blocks[w, k]`` is the block (page) of window page w for sliding group k
-    in a pool of shared blocks (issue 56); without (None), window page ids are the pool's own pages."""
-
-    window_blocks: np.ndarray | None = None
-
-    def window_rows(self, window_pages: np.ndarray, group: int) -> np.ndarray:
-        """The pages of this pool that hold ``window_pages`` for sliding ``group``."""
+    def rows(self, window_pages: np.ndarray, group: int) -> np.ndarray:
+        """The pages of the pool that hold ``window_pages`` for sliding ``group``."""
         pages = np.asarray(window_pages, dtype=np.int64)
-        return pages if self.window_blocks is None else self.window_blocks[pages, group]
+        return pages if self.blocks is None else self.blocks[pages, group]
+
+    def group(self, layer: int) -> int:
+        """The sliding group whose slots ``layer`` (a window layer) reads: 0 but in a shared pool."""
+        return self.shared[layer][1] - 1 if self.shared and layer in self.layers else 0
+
+    def layer_slots(self, window_slots: torch.Tensor, layer: int) -> torch.Tensor:
+        """Window layer ``layer``'s slots out of ``window_slots`` (a ``WindowHold``'s ``slots``' shape:
+        ``[tokens]``, or ``[groups, tokens]`` shared: its sliding group's row)."""
+        return window_slots[self.group(layer)] if window_slots.dim() == 2 else window_slots
 
 
-class DeviceKVPool(WindowRows):
+NO_WINDOWS = WindowLayout(frozenset(), 0, 0)  # a device pool's window part where it has none
+
+
+class DeviceKVPool:
     """Per-layer K and V buffers ``[slots, num_kv_heads, head_dim]`` (L1), in one or two components.
 
-    Full-attention layers hold ``num_pages * page_size`` slots: every page's. A hybrid pool
-    (``window_layers`` of ``window`` tokens, ``window_pages`` > 0) gives its sliding-window layers an allocation of
-    their own, ``window_pages * page_size`` slots, addressed by window page ids from a second
-    allocator: only pages inside some window still needed live there (issue 48). Satisfies the
-    model's ``KVView``: ``k_buffers[i]`` is layer i's buffer in whichever component it belongs to.
+    Full-attention layers hold ``num_pages * page_size`` slots: every page's. A hybrid pool (its
+    window part ``windows``: layers of ``window`` tokens in ``pages`` > 0 window pages) gives its
+    sliding-window layers an allocation of their own, ``pages * page_size`` slots, addressed by window
+    page ids from a second allocator: only pages inside some window still needed live there (issue 48).
+    Satisfies the model's ``KVView``: ``k_buffers[i]`` is layer i's buffer in whichever component it
+    belongs to.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int, page_size: int,
@@ -151,61 +167,49 @@ class DeviceKVPool(WindowRows):
         self.num_slots = num_pages * page_size
         # Window pages are a deployment-wide decision: a pipeline stage without window layers keeps the
         # count (its allocator and tree decide as every other rank's) and holds no bytes for it.
-        windows = windows if windows is not None and windows.pages else WindowLayout(frozenset(), 0, 0)
+        windows = windows if windows is not None and windows.pages else NO_WINDOWS
         if windows.pages and windows.window < 1:
             raise ValueError("a window component needs its window size")
-        self.window_pages, self.window = windows.pages, windows.window  # window: tokens a window layer's token reads
-        self.hybrid = self.window_pages > 0  # the sliding-window layers have a component of their own
-        self.window_layers = frozenset(windows.layers)
+        self.hybrid = windows.pages > 0  # the sliding-window layers have a component of their own
         row = (num_kv_heads, head_dim)
         layer_page = 2 * page_size * num_kv_heads * head_dim * dtype.itemsize  # one layer's K + V of one page
-        self.bytes_per_page = layer_page * (num_layers - len(self.window_layers))  # the full component's
-        self.window_bytes_per_page = layer_page * len(self.window_layers)
+        self.bytes_per_page = layer_page * (num_layers - len(windows.layers))  # the full component's
         # A shared pool (issue 56): ``shared[i] = (tensor, group)`` of each layer; ``tensors`` (the model's
         # full-layer count) tensors of ``num_pages`` blocks each; a block is one page of one tensor per
         # layer of a group. Full layers are group 0 over full page ids (= block ids); sliding group k
-        # reads window page w at block ``window_blocks[w, k - 1]`` (see :class:`SharedWindowAllocator`).
-        self.shared = windows.shared or None
-        # sliding groups: the model's (``groups``: a pipeline stage sees only its layers), else its layers'
-        self.groups = (windows.groups or max(g for _, g in self.shared.values())) if self.shared else 1
-        if self.shared:
-            self.window_blocks = np.zeros((self.window_pages, self.groups), dtype=np.int64)
-            used = sorted({t for t, _ in self.shared.values()})
+        # reads window page w at block ``blocks[w, k - 1]``.
+        shared = windows.shared
+        self.windows = replace(windows, bytes_per_page=layer_page * len(windows.layers),
+                               blocks=np.zeros((windows.pages, windows.groups), dtype=np.int64) if shared else None)
+        if shared:
+            used = sorted({t for t, _ in shared.values()})
             k = {t: zeroed_buffer((self.num_slots, *row), dtype, device) for t in used}
             v = {t: zeroed_buffer((self.num_slots, *row), dtype, device) for t in used}
-            self.k_buffers = [k[self.shared[i][0]] for i in range(num_layers)]
-            self.v_buffers = [v[self.shared[i][0]] for i in range(num_layers)]
+            self.k_buffers = [k[shared[i][0]] for i in range(num_layers)]
+            self.v_buffers = [v[shared[i][0]] for i in range(num_layers)]
             self.block_bytes = layer_page * len(used)
             logger.info("device KV pool: %d blocks x %d tokens shared by full pages and window pages (%d tensors, "
-                        "%d sliding groups, %.1f MiB)", num_pages - 1, page_size, len(used), self.groups,
+                        "%d sliding groups, %.1f MiB)", num_pages - 1, page_size, len(used), windows.groups,
                         self.block_bytes * num_pages / 2**20)
             return
-        slots = [self.window_pages * page_size if i in self.window_layers else self.num_slots for i in range(num_layers)]
+        w = self.windows
+        slots = [w.pages * page_size if i in w.layers else self.num_slots for i in range(num_layers)]
         self.k_buffers = [zeroed_buffer((n, *row), dtype, device) for n in slots]
         self.v_buffers = [zeroed_buffer((n, *row), dtype, device) for n in slots]
         if self.hybrid:
             logger.info("device KV pool: full layers %d pages x %d tokens (%d layers, %.1f MiB), window layers %d "
-                        "pages (%d layers, %.1f MiB)", num_pages - 1, page_size, num_layers - len(self.window_layers),
-                        self.bytes_per_page * num_pages / 2**20, self.window_pages - 1, len(self.window_layers),
-                        self.window_bytes_per_page * self.window_pages / 2**20)
+                        "pages (%d layers, %.1f MiB)", num_pages - 1, page_size, num_layers - len(w.layers),
+                        self.bytes_per_page * num_pages / 2**20, w.pages - 1, len(w.layers),
+                        w.bytes_per_page * w.pages / 2**20)
         else:
             logger.info("device KV pool: %d pages x %d tokens, %.1f MiB", num_pages - 1, page_size,
                         self.bytes_per_page * num_pages / 2**20)
 
     @property
     def total_bytes(self) -> int:
-        if self.shared:
+        if self.windows.shared:
             return self.block_bytes * self.num_pages
-        return self.bytes_per_page * self.num_pages + self.window_bytes_per_page * self.window_pages
-
-    def window_group(self, layer: int) -> int:
-        """The sliding group whose slots ``layer`` (a window layer) reads: 0 but in a shared pool."""
-        return self.shared[layer][1] - 1 if self.shared and layer in self.window_layers else 0
-
-    def layer_window_slots(self, window_slots: torch.Tensor, layer: int) -> torch.Tensor:
-        """Window layer ``layer``'s slots out of ``window_slots`` (a ``WindowHold``'s ``slots``' shape:
-        ``[tokens]``, or ``[groups, tokens]`` shared: its sliding group's row)."""
-        return window_slots[self.window_group(layer)] if window_slots.dim() == 2 else window_slots
+        return self.bytes_per_page * self.num_pages + self.windows.bytes_per_page * self.windows.pages
 
     def wait_layer(self, layer: int) -> None:
         """Nothing is ever in flight into the device pool by itself; loads wrap this view."""

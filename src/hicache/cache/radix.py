@@ -42,17 +42,13 @@ class RadixCache(LeafEviction):
     It keeps each node's tier state consistent; when to copy between tiers is the tiers' policy."""
 
     def __init__(self, page_size: int, allocator: PageAllocator, eviction_policy: str = "lru",
-                 host_allocator: PageAllocator | None = None, window: int = 0,
-                 window_allocator: PageAllocator | None = None) -> None:
-        """``window`` (tokens) and ``window_allocator``: a hybrid pool's sliding-window component
-        (``self.windows``, :mod:`.window_tree`); 0 / None without one."""
+                 host_allocator: PageAllocator | None = None) -> None:
         super().__init__(page_size, allocator, host_allocator, eviction_policy)
-        self.windows: TreeWindows | None = None
-        if window:
-            if window_allocator is None:
-                raise ValueError("a sliding-window component needs its own page allocator")
-            self.windows = TreeWindows(self, window, window_allocator)
-            self.add_component(self.windows)
+
+    @property
+    def windows(self) -> TreeWindows | None:
+        """A hybrid pool's sliding-window component (:mod:`.window_tree`), once added; None without one."""
+        return next((c for c in self.components if isinstance(c, TreeWindows)), None)
 
     # ---- the contract --------------------------------------------------------------------
     def _walk(self, namespace: str, tokens: np.ndarray, cut: bool = True) -> tuple[list[TreeNode], int, int, int]:

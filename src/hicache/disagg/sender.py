@@ -74,7 +74,7 @@ class KVSender(IOThread):
         # tail's pages per sliding group, a group per window layer: bound it by the pool's pages, and the
         # tail by a window (+ the pages it may straddle) where this pool knows the window.
         layers, pages = len(pool.k_buffers), pool.k_buffers[0].shape[0] // pool.page_size
-        tail = min(-(-pool.window // pool.page_size) + 3, pages) if pool.window else pages
+        tail = min(-(-pool.windows.window // pool.page_size) + 3, pages) if pool.windows.window else pages
         self._max_ask_bytes = JSON_FRAME_BYTES + 24 * (3 * layers + pages + layers * tail)
         limit_socket(self._sock, self._max_ask_bytes)
         self.port = self._sock.bind_to_random_port(f"tcp://{host}") if port == 0 else port

@@ -105,26 +105,26 @@ class WindowTail:
 
     # ---- the decode side ----
     def ask(self, tail: Tail) -> TailAsk:
-        return TailAsk(tail.start, tuple(sorted(self.pool.window_layers)))
+        return TailAsk(tail.start, tuple(sorted(self.pool.windows.layers)))
 
     def pages(self, tail: Tail, end: int) -> TailPages:
         """Mooncake: where the prefill rank writes the tail's tokens up to ``end``."""
-        pool, ps = self.pool, self.pool.page_size
+        part, ps = self.pool.windows, self.pool.page_size
         rows = tail.slots.view(-1, tail.slots.shape[-1])
         return TailPages([[int(row[t]) // ps for t in range(tail.start, end, ps)] for row in rows],
-                         [pool.window_group(i) for i in sorted(pool.window_layers)])  # (the ask's order)
+                         [part.group(i) for i in sorted(part.layers)])  # (the ask's order)
 
     def targets(self, tail: Tail) -> dict[int, Rows]:
         """Each window layer's rows here (a shared pool: its sliding group's)."""
-        return {i: (tail.start, self.pool.layer_window_slots(tail.slots, i)) for i in self.pool.window_layers}
+        return {i: (tail.start, self.pool.windows.layer_slots(tail.slots, i)) for i in self.pool.windows.layers}
 
     # ---- the prefill side ----
     def sources(self, want: Optional[TailAsk], held: Optional[Tail], slots: torch.Tensor) -> dict[int, Rows]:
         """Each asked window layer's rows here: this pool's window component for its own window
         layers (a shared pool: the row of the layer's sliding group; one object per group), the
         prompt's ``slots`` for the others. Raises ValueError for rows this pool no longer holds."""
-        pool = self.pool
-        if pool.hybrid and (want is None or not pool.window_layers <= set(want.layers)):
+        pool, part = self.pool, self.pool.windows
+        if pool.hybrid and (want is None or not part.layers <= set(want.layers)):
             raise ValueError("this prefill server keeps its sliding-window layers' KV for the last window only; the "
                              "decode server must ask for them as a window (run both with the same "
                              "--disable-hybrid-swa-memory setting)")
@@ -136,7 +136,7 @@ class WindowTail:
             raise ValueError(f"the decode server asked for window rows from token {want.start}; this prefill "
                              f"server holds them from {held.start}")
         groups: dict[int, torch.Tensor] = {}
-        for i in sorted(pool.window_layers):
-            groups.setdefault(pool.window_group(i), pool.layer_window_slots(held.slots, i))
-        return {i: (want.start, groups[pool.window_group(i)] if i in pool.window_layers else slots)
+        for i in sorted(part.layers):
+            groups.setdefault(part.group(i), part.layer_slots(held.slots, i))
+        return {i: (want.start, groups[part.group(i)] if i in part.layers else slots)
                 for i in want.layers}

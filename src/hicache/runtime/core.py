@@ -13,7 +13,7 @@ import torch
 from ..cache.host_pool import HostKVPool
 from ..cache.manager import CachePolicy, KVCacheManager, RankLayout
 from ..cache.placement import PagePlacement
-from ..cache.pools import DeviceKVPool, WindowLayout
+from ..cache.pools import DeviceKVPool
 from ..cache.storage.base import StorageError
 from ..cache.storage.registry import create_backend
 from ..cache.storage.unified import StorageGrid
@@ -92,12 +92,9 @@ def _device_pool(cfg: EngineConfig, plan: RankPlan, device: torch.device) -> Dev
     """The device KV pool: the target's layers and a packed draft's, of ``plan.row`` (KV heads, head dim)
     per token; a hybrid plan's window component beside it (two pools, or shared blocks with its
     sliding groups)."""
-    hybrid, layers = plan.hybrid, plan.layers + plan.packed_layers
-    pool = (layers, *plan.row, plan.device_pages, cfg.page_size, plan.kv_dtype, device)
-    if hybrid is None:
-        return DeviceKVPool(*pool)
-    return DeviceKVPool(*pool, WindowLayout(hybrid.window_layers, plan.window_pages, hybrid.window,
-                                            dict(enumerate(hybrid.layout)) if hybrid.shared else None, hybrid.groups))
+    windows = plan.hybrid.pool_part(plan.window_pages) if plan.hybrid is not None else None
+    return DeviceKVPool(plan.layers + plan.packed_layers, *plan.row, plan.device_pages, cfg.page_size, plan.kv_dtype,
+                        device, windows)
 
 
 def _host_pool(cfg: EngineConfig, pool: DeviceKVPool, host_pages: int, grid: StorageGrid | None,
@@ -107,11 +104,11 @@ def _host_pool(cfg: EngineConfig, pool: DeviceKVPool, host_pages: int, grid: Sto
     device pool's is one of ``host_pages`` blocks (issue 56) unless ``apart`` says why not."""
     if not cfg.enable_hierarchical_cache:
         return None
-    full = tuple(i for i in range(len(pool.k_buffers)) if i not in pool.window_layers)
-    if pool.shared and apart is None:  # full pages and window pages (a block per sliding group) from one budget
+    full = tuple(i for i in range(len(pool.k_buffers)) if i not in pool.windows.layers)
+    if pool.windows.shared and apart is None:  # full pages and window pages (a block per sliding group) from one budget
         return HostKVPool(pool, host_pages, cfg.hicache_mem_layout, layers=full,
-                          window_ids=(host_pages - 1) // pool.groups + 1)
-    if pool.shared:
+                          window_ids=(host_pages - 1) // pool.windows.groups + 1)
+    if pool.windows.shared:
         logger.info("host KV pool: two pools (full layers; window layers at --swa-full-tokens-ratio %.1f's size), not "
                     "shared blocks: %s", HybridPlan.DEFAULT_RATIO, apart)
     layout, cells = cfg.hicache_mem_layout, None
@@ -125,7 +122,8 @@ def _host_pool(cfg: EngineConfig, pool: DeviceKVPool, host_pages: int, grid: Sto
     host = HostKVPool(pool, host_pages, layout, cell_heads=cells, layers=full)
     ratio = cfg.swa_full_tokens_ratio or HybridPlan.DEFAULT_RATIO  # checkpoints only: the default's rule when apart
     window_pages = max(int(ratio * (host_pages - 1)), 1) + 1
-    host.window_pool = HostKVPool(pool, window_pages, layout, cell_heads=cells, layers=tuple(sorted(pool.window_layers)))
+    host.window_pool = HostKVPool(pool, window_pages, layout, cell_heads=cells,
+                                  layers=tuple(sorted(pool.windows.layers)))
     return host
 
 

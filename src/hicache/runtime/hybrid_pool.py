@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 
 from ..cache.device_window import largest_forward, window_footprint
+from ..cache.pools import WindowLayout
 from ..config import EngineConfig
 from ..model.spec import ModelSpec
 from .speculative import DraftKV
@@ -46,6 +47,11 @@ class HybridPlan:
     @property
     def shared(self) -> bool:
         return self.ratio is None
+
+    def pool_part(self, pages: int) -> WindowLayout:
+        """The device pool's window part, of ``pages`` window pages (+ page 0)."""
+        shared = dict(enumerate(self.layout)) if self.shared else None
+        return WindowLayout(self.window_layers, pages, self.window, shared, self.groups or 1)
 
     def blocks_for_tokens(self, full_pages: int) -> int:
         """Blocks (+ page 0) of a shared pool sized by --max-total-tokens (``full_pages`` + page 0)."""

@@ -109,8 +109,9 @@ class WindowBlocks(WholePage):
 
     def _layers(self, window_page: int) -> list[torch.Tensor]:
         """Each window layer's ``[K/V, token, kv_heads, head_dim]`` of ``window_page`` (views)."""
-        blocks = self.host.window_blocks[window_page]
-        return [_page(self.host, int(blocks[group]))[row] for row, group in self.host.window_layout]
+        host, windows = self.host, self.host.windows
+        blocks = windows.blocks[window_page]
+        return [_page(host, int(blocks[windows.group(i)]))[host.rows[i]] for i in sorted(windows.layers)]
 
     def page_bytes(self, host_page: int) -> memoryview:
         return _bytes_of(torch.stack(self._layers(host_page)))
