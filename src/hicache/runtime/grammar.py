@@ -327,10 +327,10 @@ class GrammarMode(Mode):
         after are masked as plain decoding would mask them (a scratch scan and matcher: the request's
         own meet the accepted tokens at its next step), so speculation changes no greedy output."""
         state: GrammarState = req.grammar
-        scan, ids = dataclasses.replace(state.scan), list(req.output_ids)
+        scan, ids, text = dataclasses.replace(state.scan), list(req.output_ids), self._scan_text(state.template)
         for j, token in enumerate(drafts, start=1):
             ids.append(token)
-            start = scan.feed(ids, *self._scan_text(state.template))
+            start = scan.feed(ids, *text)
             if start is None:
                 continue
             matcher = state.template.build.result().deep_copy()
