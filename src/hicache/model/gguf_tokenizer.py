@@ -25,6 +25,7 @@ from typing import Any, Mapping, Sequence
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, normalizers
 
 from hicache.model.errors import ModelFormatError, quoted
+from hicache.model.sampling_defaults import from_gguf
 from hicache.model.tokenizer import Tokenizer, byte_level_bpe, bytes_to_unicode
 
 # The splits BPE vocabularies were learned over, by their ``tokenizer.ggml.pre`` name. None: GPT-2's
@@ -72,7 +73,7 @@ def tokenizer_from_gguf(fields: Mapping[str, Any], architecture: str) -> Tokeniz
             eos.add(backend.token_to_id(turn_end))
     return Tokenizer(backend, bos_token_id=None if bos is None else int(bos), eos_token_ids=eos,
                      add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", add_bos_default)),
-                     chat_template=fields.get("tokenizer.chat_template"))
+                     chat_template=fields.get("tokenizer.chat_template"), sampling_defaults=from_gguf(fields))
 
 
 def _byte_level(tokens: Sequence[str], merges: Sequence[str], pre: str) -> HFTokenizer:

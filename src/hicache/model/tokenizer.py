@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
@@ -17,6 +17,7 @@ from hicache.errors import ConfigError, InvalidRequestError
 from hicache.model.chat_render import MIN_RENDER_CHARS, ChatTemplateError, compile_chat_template, render
 from hicache.model.chat_templates import BUILTIN, CHATML
 from hicache.model.errors import cut
+from hicache.model.sampling_defaults import from_generation_config
 
 
 class Tokenizer:
@@ -31,8 +32,11 @@ class Tokenizer:
     """
 
     def __init__(self, tokenizer: HFTokenizer, *, bos_token_id: int | None, eos_token_ids: Iterable[int],
-                 add_bos: bool = False, chat_template: str | None = None) -> None:
+                 add_bos: bool = False, chat_template: str | None = None,
+                 sampling_defaults: Mapping[str, float] | None = None) -> None:
         self.backend = tokenizer  # the wrapped ``tokenizers.Tokenizer``
+        # the model's recommended sampling (model/sampling_defaults.py), read with its chat template
+        self.sampling_defaults: dict[str, float] = dict(sampling_defaults or {})
         self.bos_token_id = bos_token_id
         self.eos_token_ids: set[int] = {int(i) for i in eos_token_ids}
         self.add_bos = add_bos and bos_token_id is not None
@@ -50,7 +54,8 @@ class Tokenizer:
         """This tokenizer (sharing its backend) rendering chats with ``template`` instead; ConfigError
         when it does not compile."""
         other = Tokenizer(self.backend, bos_token_id=self.bos_token_id, eos_token_ids=self.eos_token_ids,
-                          add_bos=self.add_bos, chat_template=template).with_render_limit(self.render_chars)
+                          add_bos=self.add_bos, chat_template=template,
+                          sampling_defaults=self.sampling_defaults).with_render_limit(self.render_chars)
         if other._template_error:
             raise ConfigError(f"the chat template does not compile: {other._template_error}.")
         return other
@@ -199,4 +204,5 @@ def load_hf_tokenizer(folder: Path, config: dict) -> Tokenizer:
         template = jinja_file.read_text(encoding="utf-8")
     if template and "<|im_end|>" in template and tok.token_to_id("<|im_end|>") is not None:
         eos.add(tok.token_to_id("<|im_end|>"))
-    return Tokenizer(tok, bos_token_id=bos, eos_token_ids=eos, add_bos=bool(add_bos), chat_template=template)
+    return Tokenizer(tok, bos_token_id=bos, eos_token_ids=eos, add_bos=bool(add_bos), chat_template=template,
+                     sampling_defaults=from_generation_config(gen))

@@ -121,7 +121,7 @@ class MessagesRequest(RequestBody):
     max_tokens: int = Field(1024, ge=1)  # required by Anthropic; count_tokens has none
     system: Optional[Union[str, list[TextBlock]]] = None
     stop_sequences: Optional[list[str]] = None
-    temperature: float = Field(1.0, ge=0.0, le=1.0)
+    temperature: Optional[float] = Field(None, ge=0.0, le=1.0)  # None: the server's default (1 unless set)
     top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
     top_k: Optional[int] = None
     stream: bool = False

@@ -144,6 +144,7 @@ def _check_supported(body: GenerateRequest, sp: NativeSamplingParams) -> None:
 
 def _sampling(st: ServerState, body: GenerateRequest, sp: NativeSamplingParams) -> SamplingParams:
     """hicache's SamplingParams (an invalid combination or an unusable grammar is a 400)."""
+    sp = sp.with_unset(st.sampling_defaults)
     out = SamplingParams(max_new_tokens=sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
                          stop=sp.stop, stop_token_ids=tuple(sp.stop_token_ids or ()), ignore_eos=sp.ignore_eos,
                          seed=sp.sampling_seed, grammar=sp.grammar(), presence_penalty=sp.presence_penalty,

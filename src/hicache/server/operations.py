@@ -98,7 +98,7 @@ def _add_info_routes(app: FastAPI, st: ServerState) -> None:
         the embedded and GGUF models carry their tokenizer inside the weights file."""
         return {"model_path": st.engine.config.model, "tokenizer_path": _tokenizer_dir(st.engine.config.model),
                 "served_model_name": st.opts.served_model_name, "is_generation": True,
-                "preferred_sampling_params": None, "weight_version": "default",
+                "preferred_sampling_params": st.opts.preferred_sampling_params, "weight_version": "default",
                 "has_image_understanding": False, "has_audio_understanding": False}
 
     @app.get("/server_info")
@@ -113,4 +113,7 @@ def _add_info_routes(app: FastAPI, st: ServerState) -> None:
             state["avg_spec_accept_length"] = spec["accept_length"]
         return {**{k: v for k, v in dataclasses.asdict(cfg).items() if isinstance(v, (str, int, float, bool, type(None)))},
                 "served_model_name": st.opts.served_model_name, "context_length": st.engine.context_length,
+                "sampling_defaults": st.opts.sampling_defaults,
+                "preferred_sampling_params": st.opts.preferred_sampling_params,
+                "default_sampling_params": st.sampling_defaults,  # what a request's unset fields take
                 "internal_states": [state]}

@@ -4,15 +4,20 @@ Standard library only: ``hicache serve`` refuses a bad flag before torch is impo
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Optional
 
+from ..errors import ConfigError
 from ..options import check_bounds, opt
 from .tool_formats import PARSER_CHOICES
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20  # ~10x a full 128K-token prompt sent as text or as ids
 # --max-logprob-tokens: a non-streamed answer with logprobs for 16Ki tokens x 21 entries is ~25 MB of JSON
 DEFAULT_MAX_LOGPROB_TOKENS = 16384
+# the sampling fields a request may leave to the server's defaults (the same names in every API)
+SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                           "frequency_penalty")
 
 
 @dataclass
@@ -54,6 +59,34 @@ class ServerOptions:
         "{\"name\" ...), the rest of the call is constrained to a given function and its parameters' schema, as "
         "llama.cpp's lazy grammars do; text before it stays free. forced-only: only tool_choice required / a named "
         "function constrains the reply.", ("lazy", "forced-only"))
+    # server/state.py sampling_defaults: a request's own value > --preferred-sampling-params > the model's
+    sampling_defaults: str = opt(
+        "model", "What a request's unset sampling fields (temperature, top_p, top_k, min_p, repetition_penalty) "
+        "take. model: the model's recommended values (its generation_config.json, or a GGUF file's "
+        "general.sampling.* keys), else OpenAI's defaults; openai: OpenAI's defaults (temperature 1, top_p 1, no "
+        "top_k, min_p or penalty). SGLang's flag; one log line at start says what applies.", ("model", "openai"))
+    preferred_sampling_params: Optional[str] = opt(
+        None, "A JSON object of sampling values for the fields a request leaves unset, over the model's, e.g. "
+        "'{\"temperature\": 0.7, \"top_k\": 20}' (fields: " + ", ".join(SAMPLING_DEFAULT_FIELDS) + "; SGLang's flag).")
 
     def __post_init__(self) -> None:
         check_bounds(self)
+        self.preferred_sampling()
+
+    def preferred_sampling(self) -> dict[str, float]:
+        """--preferred-sampling-params as a dict of numbers; ConfigError naming what is wrong."""
+        if self.preferred_sampling_params is None:
+            return {}
+        try:
+            given = json.loads(self.preferred_sampling_params)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--preferred-sampling-params is not JSON: {e}.") from None
+        if not isinstance(given, dict):
+            raise ConfigError("--preferred-sampling-params must be a JSON object, e.g. '{\"temperature\": 0.7}'.")
+        for name, value in given.items():
+            if name not in SAMPLING_DEFAULT_FIELDS:
+                raise ConfigError(f"--preferred-sampling-params: {name!r} is not one of "
+                                  f"{', '.join(SAMPLING_DEFAULT_FIELDS)}.")
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ConfigError(f"--preferred-sampling-params: {name} must be a number, got {value!r}.")
+        return given

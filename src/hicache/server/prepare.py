@@ -30,6 +30,7 @@ def sampling_params(st: ServerState, body: SamplingBody, max_new: Optional[int],
     """The request's sampling parameters; ``grammar`` (a forced tool call) or the body's own
     structured-output fields, checked by the engine's grammar compiler (400 if unusable); else
     ``lazy`` (the grammar of calls the model begins), dropped where the engine cannot take it."""
+    body = body.with_unset(st.sampling_defaults)
     bad = body.unsupported()
     if bad:
         raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")

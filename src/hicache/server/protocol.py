@@ -11,7 +11,7 @@ SGLang's ``regex`` / ``ebnf`` become one :class:`GrammarSpec` (:meth:`SamplingBo
 from __future__ import annotations
 
 import json
-from typing import Any, ClassVar, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Mapping, Optional, Self, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -62,6 +62,11 @@ class RequestBody(BaseModel):
         if isinstance(data, dict):
             return {k: v for k, v in data.items() if v is not None}
         return data
+
+    def with_unset(self, defaults: Mapping[str, Any]) -> Self:
+        """This body with ``defaults`` in the fields of theirs the client left unset (absent or null)."""
+        fill = {k: v for k, v in defaults.items() if k in type(self).model_fields and k not in self.model_fields_set}
+        return self.model_copy(update=fill) if fill else self
 
 
 class StreamOptions(RequestBody):

@@ -67,7 +67,8 @@ class _Turn:
         out = {"id": self.id, "object": "response", "created_at": self.created, "status": status, "model": b.model,
                "output": output, "instructions": b.instructions, "tools": b.tools or [],
                "tool_choice": b.tool_choice if b.tool_choice is not None else "auto",
-               "parallel_tool_calls": b.parallel_tool_calls, "temperature": b.temperature, "top_p": b.top_p,
+               "parallel_tool_calls": b.parallel_tool_calls,  # the sampling the reply took (the server's defaults too)
+               "temperature": self.p.sampling.temperature, "top_p": self.p.sampling.top_p,
                "max_output_tokens": b.max_output_tokens, "previous_response_id": b.previous_response_id,
                "store": b.store, "text": b.text or {"format": {"type": "text"}}, "metadata": b.metadata or {},
                "error": error, "incomplete_details": None, "usage": None}

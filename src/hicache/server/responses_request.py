@@ -31,8 +31,8 @@ class ResponsesRequest(RequestBody):
     parallel_tool_calls: bool = True
     text: Optional[dict[str, Any]] = None
     max_output_tokens: Optional[int] = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: Optional[float] = Field(None, ge=0.0, le=2.0)  # None: the server's default (1 unless set)
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
     stream: bool = False
     store: bool = True
     previous_response_id: Optional[str] = None

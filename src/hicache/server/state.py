@@ -9,9 +9,11 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
+from ..errors import ConfigError, InvalidRequestError
 from ..frontend.loop import EngineLoop
+from ..runtime.sampling import SamplingParams
 from .metrics import ServerMetrics
 from .options import ServerOptions
 from .protocol import APIError
@@ -37,6 +39,8 @@ class ServerState:
         template = self.engine.tokenizer.chat_template if self.engine.tokenizer is not None else None
         self.call_format, source = choose_format(opts.tool_call_parser, template)
         logger.info("tool calls: %s format (from %s)", self.call_format.name, source)
+        tok = self.engine.tokenizer
+        self.sampling_defaults = sampling_defaults(opts, tok.sampling_defaults if tok is not None else {})
 
     async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` on the worker pool."""
@@ -57,3 +61,27 @@ class ServerState:
 
     def close(self) -> None:
         self.workers.shutdown(wait=False, cancel_futures=True)
+
+
+def sampling_defaults(opts: ServerOptions, recommended: Mapping[str, float]) -> dict[str, float]:
+    """What a request's unset sampling fields take (``RequestBody.with_unset``): --preferred-sampling-params
+    over the model's ``recommended`` values (``--sampling-defaults model``). A model value SamplingParams
+    refuses is left out (logged); a refused preferred one is a ConfigError."""
+    model = dict(recommended) if opts.sampling_defaults == "model" else {}
+    for name, value in list(model.items()):
+        try:
+            SamplingParams(**{name: value}).validate()
+        except InvalidRequestError as e:
+            logger.warning("the model's recommended %s is not used: %s", name, e)
+            del model[name]
+    preferred = opts.preferred_sampling()
+    try:
+        SamplingParams(**preferred).validate()
+    except InvalidRequestError as e:
+        raise ConfigError(f"--preferred-sampling-params: {e}") from None
+    out = {**model, **preferred}
+    if out:
+        logger.info("sampling for the fields a request leaves unset: %s (%s)",
+                    ", ".join(f"{k}={v}" for k, v in out.items()),
+                    " over ".join(w for w, d in (("--preferred-sampling-params", preferred), ("the model's", model)) if d))
+    return out
