@@ -24,7 +24,7 @@ from ..runtime.request import GenerateResult
 from ..runtime.sampling import SamplingParams
 from .protocol import APIError
 from .state import ServerState
-from .submit import Prepared, collect_result, openai_usage, submit_request
+from .submit import Prepared, collect_result, disagg_figures, spec_figures, submit_request
 
 logger = logging.getLogger(__name__)
 
@@ -84,11 +84,6 @@ async def merged_updates(handles: list[RequestHandle], admissions: bool = False)
     """``(choice index, update)`` as the choices' updates arrive, until every choice finished; a
     choice's admission update (no tokens yet: :attr:`Update.admission`) only with ``admissions``
     (the Messages stream's ``message_start``: the other APIs have no event for it)."""
-    if len(handles) == 1:
-        async for upd in handles[0]:
-            if admissions or not upd.admission:
-                yield 0, upd
-        return
     queue: asyncio.Queue[tuple[int, Update]] = asyncio.Queue()
 
     async def pump(i: int, h: RequestHandle) -> None:
@@ -108,20 +103,24 @@ async def merged_updates(handles: list[RequestHandle], admissions: bool = False)
             t.cancel()
 
 
-def usage_of(results: list[GenerateResult], n: int) -> dict[str, Any]:
-    """One usage for all choices: each prompt once (its first choice's hits), every completion."""
+def usage_of(results: list[GenerateResult], n: int = 1) -> dict[str, Any]:
+    """OpenAI's usage of all choices, with hicache's extensions: each prompt once (its first choice's
+    hits, per tier; speculative and P/D figures the first choice's), every completion."""
     firsts = results[::n]
-    out = openai_usage(firsts[0])
-    if len(results) == 1:
-        return out
-    out["prompt_tokens"] = sum(r.prompt_tokens for r in firsts)
-    out["completion_tokens"] = sum(r.completion_tokens for r in results)
-    out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
-    tiers = {t: sum(r.cached_tokens_details[t] for r in firsts) for t in ("device", "host", "storage")}
-    out["prompt_tokens_details"] = {"cached_tokens": sum(r.cached_tokens for r in firsts),
-                                    "cached_tokens_details": tiers}
-    out["hicache_cached_tokens"] = dict(tiers)
-    return out
+    prompt, completion = sum(r.prompt_tokens for r in firsts), sum(r.completion_tokens for r in results)
+    tiers = {t: sum(r.cached_tokens_details[t] for r in firsts) for t in firsts[0].cached_tokens_details}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts),
+                                  "cached_tokens_details": tiers},
+        # The same per-tier counts under a name of hicache's own: proxies (litellm) drop the field above,
+        # whose name another shape of theirs takes.
+        "hicache_cached_tokens": dict(tiers),
+        **spec_figures(firsts[0]),
+        **disagg_figures(firsts[0]),
+    }
 
 
 def check_choices(n: int, prompts: int, sampling: SamplingParams, stream: bool, max_logprob_tokens: int,

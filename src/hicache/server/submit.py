@@ -23,7 +23,7 @@ from .protocol import APIError, SamplingBody
 from .detok import IncrementalText
 from .state import ServerState
 from .tool_formats import HERMES, CallFormat
-from .tools import ChatChunks
+from .tools import ChatChunks, ChunkFn
 
 logger = logging.getLogger(__name__)
 
@@ -73,22 +73,6 @@ def engine_dead_during(res: GenerateResult) -> APIError:
     if res.error_code == "grammar_failed":
         return APIError(422, f"{res.error}.", type="invalid_request_error", code=res.error_code)
     return engine_dead(f"the engine failed during this request: {res.error}")
-
-
-def openai_usage(res: GenerateResult) -> dict[str, Any]:
-    """OpenAI's usage of one request, with hicache's extensions (per-tier cache hits, speculative and P/D figures)."""
-    return {
-        "prompt_tokens": res.prompt_tokens,
-        "completion_tokens": res.completion_tokens,
-        "total_tokens": res.prompt_tokens + res.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": res.cached_tokens,
-                                  "cached_tokens_details": dict(res.cached_tokens_details)},
-        # The same per-tier counts under a name of hicache's own: proxies (litellm) drop the field above,
-        # whose name another shape of theirs takes.
-        "hicache_cached_tokens": dict(res.cached_tokens_details),
-        **spec_figures(res),
-        **disagg_figures(res),
-    }
 
 
 def disagg_figures(res: GenerateResult) -> dict[str, Any]:
@@ -179,23 +163,35 @@ async def _unless_gone(request: Request, waiting: asyncio.Future, gone: str) -> 
             raise APIError(499, "the client closed the connection.", code="client_closed")
 
 
-class ReplyDeltas:
-    """A single-choice chat reply as the chat stream's deltas, update by update (what the Messages and
-    Responses streams write as events of their own): text as it comes, what may begin a tool call
-    held back, and at the end the rest with the calls parsed."""
+class ChoiceStream:
+    """One choice's updates as its stream's chunks (``chunk``: a :data:`ChunkFn`): text as it becomes
+    final (server/detok.py), then the rest and the finish chunk (none after an engine failure: the
+    caller answers that in its API's way)."""
 
-    def __init__(self, p: Prepared, decode: Callable[[list[int]], str]) -> None:
-        self.chunks = ChatChunks({}, p.call_names, fmt=p.call_format)
-        self.detok = IncrementalText(decode, p.sampling.stop_strings)
+    def __init__(self, chunk: ChunkFn, p: Prepared, decode: Callable[[list[int]], str]) -> None:
+        self.chunk, self.detok, self.first = chunk, IncrementalText(decode, p.sampling.stop_strings), True
 
     def __call__(self, upd: Update) -> list[dict[str, Any]]:
-        """The update's delta; once the reply finished (but for an engine failure), the finish delta too."""
         res = upd.result if upd.finished else None
         text = self.detok.finish(res.text) if res is not None else self.detok.add(upd.token_ids)
-        deltas = [self.chunks(text, None, False, [])["choices"][0]["delta"]]
+        out = [self.chunk(text, None, self.first, upd.logprobs)] if res is None or text or self.first or upd.logprobs \
+            else []
         if res is not None and res.finish_reason != "error":
-            deltas.append(self.chunks("", res.finish_reason, False, [])["choices"][0]["delta"])
-        return deltas
+            out.append(self.chunk("", res.finish_reason, False, []))
+        self.first = False
+        return out
+
+
+class ReplyDeltas(ChoiceStream):
+    """A single-choice chat reply as the chat stream's deltas, update by update (what the Messages and
+    Responses streams write as events of their own): what may begin a tool call held back, and at the
+    end the rest with the calls parsed."""
+
+    def __init__(self, p: Prepared, decode: Callable[[list[int]], str]) -> None:
+        super().__init__(ChatChunks({}, p.call_names, fmt=p.call_format), p, decode)
+
+    def __call__(self, upd: Update) -> list[dict[str, Any]]:  # type: ignore[override]
+        return [chunk["choices"][0]["delta"] for chunk in super().__call__(upd)]
 
 
 def sse_data(obj: Any) -> str:
