@@ -40,7 +40,7 @@ from .choices import check_choices, event_stream, merged_updates
 from .detok import IncrementalText
 from .keepalive import SSE_KEEPALIVE, with_keepalives
 from .parsing import parse_body, read_body
-from .protocol import OPEN, APIError, RequestBody, SamplingBody, token_id_keys
+from .protocol import OPEN, APIError, RequestBody, SamplingBody, sampling_fields
 from .state import ServerState
 from .submit import (Prepared, check_fits, collect_result, disagg_figures, engine_dead_during, spec_figures, sse_data,
                      stop_string_matched, submit_request, timing, vet_grammar)
@@ -78,8 +78,8 @@ class NativeSamplingParams(RequestBody):
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: bool = False
-    sampling_seed: Optional[int] = None
-    min_new_tokens: int = 0
+    seed: Optional[int] = Field(None, alias="sampling_seed")  # (SamplingParams' names: protocol.sampling_fields)
+    min_tokens: int = Field(0, alias="min_new_tokens")
     min_p: float = 0.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -144,12 +144,9 @@ def _check_supported(body: GenerateRequest, sp: NativeSamplingParams) -> None:
 
 def _sampling(st: ServerState, body: GenerateRequest, sp: NativeSamplingParams) -> SamplingParams:
     """hicache's SamplingParams (an invalid combination or an unusable grammar is a 400)."""
-    out = SamplingParams(max_new_tokens=sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
-                         stop=sp.stop, stop_token_ids=tuple(sp.stop_token_ids or ()), ignore_eos=sp.ignore_eos,
-                         seed=sp.sampling_seed, grammar=sp.grammar(), presence_penalty=sp.presence_penalty,
-                         frequency_penalty=sp.frequency_penalty, repetition_penalty=sp.repetition_penalty,
-                         min_p=sp.min_p, logit_bias=token_id_keys(sp.logit_bias, "sampling_params.logit_bias"),
-                         min_tokens=sp.min_new_tokens, logprobs=body.top_logprobs_num if body.return_logprob else None)
+    out = SamplingParams(max_new_tokens=sp.max_new_tokens, grammar=sp.grammar(),
+                         **sampling_fields(sp, "sampling_params.logit_bias"),
+                         logprobs=body.top_logprobs_num if body.return_logprob else None)
     try:
         st.engine.check_sampling(out)  # (the grammar is vetted next, without holding this thread: vet_grammar)
     except InvalidRequestError as e:

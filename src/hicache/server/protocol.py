@@ -148,16 +148,20 @@ class SamplingBody(RequestBody):
             return (self.grammar_spec() or ("response_format", None))[0]
         return self.FIELDS.get(param, param) if param else None
 
-    def adjustments(self) -> dict[str, Any]:
-        """SamplingParams' penalties, min_p, logit_bias and min_tokens from this body."""
-        bias = token_id_keys(self.logit_bias, "logit_bias")
-        return {"presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-                "repetition_penalty": self.repetition_penalty, "min_p": self.min_p, "min_tokens": self.min_tokens,
-                "logit_bias": bias, "logprobs": self.top_logprobs_k()}
-
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+# SamplingParams' fields that an OpenAI body and /generate's sampling_params both carry, under these names
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "stop", "ignore_eos", "seed", "presence_penalty",
+                   "frequency_penalty", "repetition_penalty", "min_p", "min_tokens")
+
+
+def sampling_fields(body: Any, bias_param: str) -> dict[str, Any]:
+    """``body``'s :data:`SAMPLING_FIELDS`, ``stop_token_ids`` and ``logit_bias`` as SamplingParams takes them."""
+    return {**{f: getattr(body, f) for f in SAMPLING_FIELDS}, "stop_token_ids": tuple(body.stop_token_ids or ()),
+            "logit_bias": token_id_keys(body.logit_bias, bias_param)}
 
 
 def token_id_keys(bias: Optional[dict[str, float]], param: str) -> Optional[dict[int, float]]:
