@@ -36,7 +36,7 @@ from .anthropic import add_anthropic_routes
 from .builtin_tools import dropped_header
 from .choices import (chat_logprobs, check_choices, collect_choices, completion_logprobs, event_stream, merged_updates,
                       submit_choices, usage_of)
-from .keepalive import SSE_KEEPALIVE, with_keepalives
+from .keepalive import SSE_KEEPALIVE
 from .metrics import ServerMetrics
 from .middleware import CatchAllErrors, RequireApiKey
 from .native import add_native_routes
@@ -110,7 +110,7 @@ def _add_error_handlers(app: FastAPI, st: ServerState) -> None:
     async def _bad_params(_: Request, e: RequestValidationError) -> JSONResponse:
         err = e.errors()[0]
         param = str(err["loc"][-1]) if err.get("loc") else None
-        return answer(APIError(400, f"{param}: {err['msg'].rstrip('.')}.", param=param, code="invalid_value"))
+        return answer(APIError(400, f"{param}: {err['msg'].rstrip('.')}.", param=param))
 
 
 async def _stream(st: ServerState, handles: list[RequestHandle], p: Prepared, chunks: list[ChunkFn], base: dict,
@@ -119,7 +119,7 @@ async def _stream(st: ServerState, handles: list[RequestHandle], p: Prepared, ch
     finish chunk, then the usage of all (when asked) and ``[DONE]``."""
     streams = [ChoiceStream(chunk, p, st.engine.tokenizer.decode) for chunk in chunks]
     results: list[GenerateResult] = []
-    async for item in with_keepalives(merged_updates(handles)):
+    async for item in merged_updates(handles):
         if item is None:  # a prompt still prefilling, or a queue
             yield SSE_KEEPALIVE
             continue

@@ -38,7 +38,7 @@ from ..runtime.request import GenerateResult
 from ..runtime.sampling import GrammarSpec, SamplingParams
 from .choices import check_choices, event_stream, merged_updates
 from .detok import IncrementalText
-from .keepalive import SSE_KEEPALIVE, with_keepalives
+from .keepalive import SSE_KEEPALIVE
 from .parsing import parse_body, read_body
 from .protocol import OPEN, APIError, RequestBody, SamplingBody, sampling_fields
 from .state import ServerState
@@ -93,8 +93,7 @@ class NativeSamplingParams(RequestBody):
         given = [GrammarSpec(k, v) for k, v in (("json_schema", self.json_schema), ("regex", self.regex),
                                                  ("ebnf", self.ebnf)) if v is not None]
         if len(given) > 1:
-            raise APIError(400, "give one of sampling_params.json_schema, regex and ebnf.",
-                           param="sampling_params", code="invalid_value")
+            raise APIError(400, "give one of sampling_params.json_schema, regex and ebnf.", param="sampling_params")
         return given[0] if given else None
 
 
@@ -150,8 +149,7 @@ def _sampling(st: ServerState, body: GenerateRequest, sp: NativeSamplingParams) 
     try:
         st.engine.check_sampling(out)  # (the grammar is vetted next, without holding this thread: vet_grammar)
     except InvalidRequestError as e:
-        raise APIError(400, f"sampling_params: {e}", param=_native_field(e.param, sp) or "sampling_params",
-                       code="invalid_value") from None
+        raise APIError(400, f"sampling_params: {e}", param=_native_field(e.param, sp) or "sampling_params") from None
     return out
 
 
@@ -218,7 +216,7 @@ async def _stream(st: ServerState, handle: RequestHandle, rid: str, p: Prepared)
     """A chunk per update with the cumulative text and ids; the last chunk is the whole answer."""
     detok = IncrementalText(st.engine.tokenizer.decode, p.sampling.stop_strings)
     text, ids = "", []
-    async for item in with_keepalives(merged_updates([handle])):
+    async for item in merged_updates([handle]):
         if item is None:
             yield SSE_KEEPALIVE
             continue
