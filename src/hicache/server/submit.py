@@ -111,7 +111,7 @@ def with_reply_room(st: ServerState, sampling: SamplingParams, prompt_tokens: in
     try:
         sampling.validate()
     except InvalidRequestError as e:
-        raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+        raise APIError(400, str(e), param=e.param) from None
     return sampling
 
 
@@ -142,7 +142,7 @@ async def vet_grammar(st: ServerState, p: Prepared, request: Request) -> None:
             logger.warning("tool calls under tool_choice auto run without their grammar: %s", e)
             vetted = None
         elif isinstance(e, InvalidRequestError):
-            raise APIError(400, str(e), param=p.grammar_param, code="invalid_value") from None
+            raise APIError(400, str(e), param=p.grammar_param) from None
         else:
             raise APIError(503, str(e), type="server_error", code="server_overloaded") from None
     finally:
@@ -198,6 +198,11 @@ def sse_data(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+def sse_event(kind: str, data: dict[str, Any]) -> str:
+    """A typed server-sent event (the Messages and Responses streams): ``data`` with its ``type``."""
+    return f"event: {kind}\n" + sse_data({"type": kind, **data})
+
+
 def submit_request(st: ServerState, p: Prepared, ids: Optional[list[int]] = None,
                    sampling: Optional[SamplingParams] = None, waits_for: Optional[int] = None) -> RequestHandle:
     """Queue a prepared request (or one of its choices: ``ids``, ``sampling``, ``waits_for``);
@@ -212,9 +217,9 @@ def submit_request(st: ServerState, p: Prepared, ids: Optional[list[int]] = None
         raise engine_dead(e) from None
     except InvalidRequestError as e:
         field = p.param if e.param == "prompt" else p.body.field_of(e.param)
-        raise APIError(400, str(e), param=field, code="invalid_value") from None
+        raise APIError(400, str(e), param=field) from None
     except HicacheError as e:
-        raise APIError(400, str(e), code="invalid_value") from None
+        raise APIError(400, str(e)) from None
 
 
 async def collect_result(st: ServerState, request: Request, handle: RequestHandle) -> GenerateResult:
