@@ -113,7 +113,7 @@ class SamplingBody(RequestBody):
         try:
             return Bootstrap(self.bootstrap_host, self.bootstrap_port, self.bootstrap_room)
         except ValueError as e:  # a request that could never connect: said now, not at the transfer timeout
-            raise APIError(400, str(e), param="bootstrap_host", code="invalid_value") from None
+            raise APIError(400, str(e), param="bootstrap_host") from None
 
     def grammar_spec(self) -> Optional[tuple[str, GrammarSpec]]:
         """``(field, spec)``: what the output must match and the field that said so (response_format,
@@ -124,7 +124,7 @@ class SamplingBody(RequestBody):
                  if spec is not None]
         if len(given) > 1:
             raise APIError(400, f"give one of response_format, regex and ebnf, not {' and '.join(f for f, _ in given)}.",
-                           param=given[1][0], code="invalid_value")
+                           param=given[1][0])
         return given[0] if given else None
 
     def unsupported(self) -> tuple[str, str] | None:
@@ -172,7 +172,7 @@ def token_id_keys(bias: Optional[dict[str, float]], param: str) -> Optional[dict
     bad = next((k for k in bias if not (k.isascii() and k.isdigit())), None)
     if bad is not None:
         raise APIError(400, f"{param} keys must be token ids in decimal digits, e.g. {{\"50256\": -100}}; got {bad!r}.",
-                       param=param, code="invalid_value")
+                       param=param)
     return {int(k): v for k, v in bias.items()}
 
 
@@ -189,10 +189,10 @@ def _response_format_grammar(fmt: Optional[dict[str, Any]]) -> Optional[GrammarS
         schema = inner.get("schema", inner.get("schema_")) if isinstance(inner, dict) else None
         if not isinstance(schema, dict):
             raise APIError(400, "response_format json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": "
-                                "{...}}}.", param="response_format", code="invalid_value")
+                                "{...}}}.", param="response_format")
         return GrammarSpec("json_schema", json.dumps(schema))
     raise APIError(400, f"response_format type must be text, json_object or json_schema, got {kind!r}.",
-                   param="response_format", code="invalid_value")
+                   param="response_format")
 
 
 class TextPart(BaseModel):
@@ -230,7 +230,7 @@ class ChatCompletionRequest(SamplingBody):
 
     def top_logprobs_k(self) -> Optional[int]:
         if self.top_logprobs is not None and not self.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs: true.", param="top_logprobs", code="invalid_value")
+            raise APIError(400, "top_logprobs needs logprobs: true.", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
