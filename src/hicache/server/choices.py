@@ -111,7 +111,7 @@ async def merged_updates(handles: list[RequestHandle],
             t.cancel()
 
 
-def usage_of(results: list[GenerateResult], n: int = 1) -> dict[str, Any]:
+def usage_of(results: list[GenerateResult], n: int) -> dict[str, Any]:
     """OpenAI's usage of all choices, with hicache's extensions: each prompt once (its first choice's
     hits, per tier; speculative and P/D figures the first choice's), every completion."""
     firsts = results[::n]

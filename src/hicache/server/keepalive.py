@@ -3,7 +3,8 @@ coding-agent prompt takes minutes on a CPU), a queue, a grammar being compiled.
 
 Coding agents drop a stream that stays silent for a while (Claude Code and Codex after 300 s)
 and retry it. Every streaming endpoint therefore writes a keep-alive whenever
-:data:`KEEPALIVE_INTERVAL_S` seconds pass without an event: on the Responses stream
+:data:`KEEPALIVE_INTERVAL_S` seconds pass without an event (:func:`~.choices.merged_updates` says
+when): on the Responses stream
 ``response.in_progress`` again (an event of the API that changes nothing: Codex's watchdog counts
 events, and an SSE parser skips comments before it sees them -- with comments Codex dropped an
 8.8K-token prefill at 300 s); an SSE comment line (``: keep-alive``) on chat, completions and

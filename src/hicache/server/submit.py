@@ -174,8 +174,9 @@ class ChoiceStream:
     def __call__(self, upd: Update) -> list[dict[str, Any]]:
         res = upd.result if upd.finished else None
         text = self.detok.finish(res.text) if res is not None else self.detok.add(upd.token_ids)
-        out = [self.chunk(text, None, self.first, upd.logprobs)] if res is None or text or self.first or upd.logprobs \
-            else []
+        out = []
+        if res is None or text or self.first or upd.logprobs:  # (a finished reply: its last text, when any)
+            out.append(self.chunk(text, None, self.first, upd.logprobs))
         if res is not None and res.finish_reason != "error":
             out.append(self.chunk("", res.finish_reason, False, []))
         self.first = False
@@ -190,7 +191,7 @@ class ReplyDeltas(ChoiceStream):
     def __init__(self, p: Prepared, decode: Callable[[list[int]], str]) -> None:
         super().__init__(ChatChunks({}, p.call_names, fmt=p.call_format), p, decode)
 
-    def __call__(self, upd: Update) -> list[dict[str, Any]]:  # type: ignore[override]
+    def __call__(self, upd: Update) -> list[dict[str, Any]]:
         return [chunk["choices"][0]["delta"] for chunk in super().__call__(upd)]
 
 
