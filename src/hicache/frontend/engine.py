@@ -181,6 +181,13 @@ class Engine:
                     int(cfg.grammar_mask_budget_ms * 1000)))
         return self._vetter.vet(spec, client)
 
+    def check_grammar(self, sampling: SamplingParams) -> SamplingParams:
+        """``sampling`` with its grammar vetted (waits for the verdict; see :meth:`vet_grammar`)."""
+        spec = sampling.grammar
+        if spec is None or spec.cost is not None:
+            return sampling
+        return dataclasses.replace(sampling, grammar=self.vet_grammar(spec).result())
+
     @property
     def vocab_size(self) -> int:
         return self.loaded.spec.vocab_size
@@ -188,7 +195,7 @@ class Engine:
     def check_sampling(self, sampling: SamplingParams) -> None:
         """InvalidRequestError (naming the field) for parameters this engine cannot honour: any
         :meth:`SamplingParams.validate` refuses, token ids outside the vocabulary, more
-        ``logprobs`` alternatives than ``--max-logprobs``. The grammar is vetted by :meth:`make_request`."""
+        ``logprobs`` alternatives than ``--max-logprobs``. The grammar is :meth:`check_grammar`'s."""
         sampling.validate()
         sampling.check_token_ids(self.vocab_size)
         limit = self.config.max_logprobs
@@ -200,8 +207,7 @@ class Engine:
                      bootstrap: Bootstrap | None = None) -> Request:
         """A request for the scheduler, the prompt checked (InvalidRequestError, ContextLengthError).
         ``sampling`` passed :meth:`check_sampling`, its one check (:meth:`generate`, the server)."""
-        if sampling.grammar is not None and sampling.grammar.cost is None:  # (waits for the verdict: vet_grammar)
-            sampling = dataclasses.replace(sampling, grammar=self.vet_grammar(sampling.grammar).result())
+        sampling = self.check_grammar(sampling)
         try:  # (numpy integers are integers; floats are not)
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [operator.index(t) for t in prompt]
         except TypeError:

@@ -226,12 +226,19 @@ class EngineLoop:
         """Drop a request wherever it is; frees what it holds. No-op once it has finished."""
         self._cmds.put(Abort(rid))
 
-    async def acall(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn()`` on the loop thread between two steps; its result (or error)."""
-        self.check_alive()
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run ``fn()`` on the loop thread between two steps; its result comes back in the future."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            self.check_alive()
+        except EngineDeadError as e:
+            fut.set_exception(e)
+            return fut
         self._cmds.put(Call(fn, fut))
-        return await asyncio.wrap_future(fut)
+        return fut
+
+    async def acall(self, fn: Callable[[], Any]) -> Any:
+        return await asyncio.wrap_future(self.call(fn))
 
     async def flush(self, timeout: float = 0.0, poll_s: float = 0.05) -> bool:
         """Empty the cache once no request is in flight, waiting up to ``timeout`` seconds.
