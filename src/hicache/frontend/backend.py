@@ -95,6 +95,7 @@ class LocalScheduler:
     def __init__(self, scheduler: Scheduler, forward: ForwardFn) -> None:
         self.runtime = scheduler
         self.driver = StepDriver(scheduler, forward)
+        self.abort, self.has_work = scheduler.abort, scheduler.has_work  # the runtime's own, as they are
 
     @property
     def running(self) -> Sequence[Request]:
@@ -107,12 +108,6 @@ class LocalScheduler:
     def add(self, *reqs: Request) -> None:
         for req in reqs:
             self.runtime.add(req)
-
-    def abort(self, rid: int) -> Request | None:
-        return self.runtime.abort(rid)
-
-    def has_work(self) -> bool:
-        return self.runtime.has_work()
 
     def step(self) -> list[Request]:
         """One step (runtime/step.py); returns the requests that finished in it."""

@@ -45,13 +45,14 @@ from pydantic import Field
 from ..runtime.request import GenerateResult
 from .builtin_tools import dropped_header, note_dropped
 from .choices import collect_choices, event_stream, merged_updates, submit_choices
-from .keepalive import ANTHROPIC_PING, with_keepalives
+from .keepalive import ANTHROPIC_PING
 from .parsing import parse_body, read_body
 from .prepare import prepare_chat
 from .protocol import APIError, ChatCompletionRequest, RequestBody, media_refusal
 from .state import ServerState
 from .tools import parse_reply
-from .submit import Prepared, ReplyDeltas, engine_dead_during, stop_string_matched, vet_grammar, with_reply_room
+from .submit import (Prepared, ReplyDeltas, engine_dead_during, sse_event, stop_string_matched, vet_grammar,
+                     with_reply_room)
 
 logger = logging.getLogger(__name__)
 
@@ -266,10 +267,6 @@ def add_anthropic_routes(app: FastAPI, st: ServerState) -> None:
         return {"input_tokens": len(p.ids)}
 
 
-def _event(kind: str, data: dict[str, Any]) -> str:
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
-
-
 async def _events(p: Prepared, handles: list, base: dict[str, Any],
                   decode: Callable[[list[int]], str]) -> AsyncIterator[str]:
     """The Messages stream: ``message_start`` once the prompt is admitted, a text block's
@@ -285,10 +282,10 @@ async def _events(p: Prepared, handles: list, base: dict[str, Any],
         nonlocal text_open
         if not text_open:
             text_open = True
-            yield _event("content_block_start", {"index": index, "content_block": {"type": "text", "text": ""}})
-        yield _event("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": piece}})
+            yield sse_event("content_block_start", {"index": index, "content_block": {"type": "text", "text": ""}})
+        yield sse_event("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": piece}})
 
-    async for item in with_keepalives(merged_updates(handles, admissions=True)):
+    async for item in merged_updates(handles, admissions=True):
         if item is None:  # queued: Anthropic's ping; prefilling: an event the SDKs yield (Claude Code's watchdog)
             for line in (text("") if started else [ANTHROPIC_PING]):
                 yield line
@@ -297,13 +294,13 @@ async def _events(p: Prepared, handles: list, base: dict[str, Any],
         if not started:  # message_start once the prompt is admitted: its usage splits cached and computed
             started = True
             cached = upd.cached or (upd.result.cached_tokens_details if upd.result is not None else {})
-            yield _event("message_start", {"message": {
+            yield sse_event("message_start", {"message": {
                 **base, "content": [], "stop_reason": None, "stop_sequence": None,
                 "usage": _input_usage(len(p.ids), cached, 0)}})
         res = upd.result if upd.finished else None
         if res is not None and res.finish_reason == "error":
             err = engine_dead_during(res)
-            yield _event("error", {"error": {"type": "api_error", "message": err.message}})
+            yield sse_event("error", {"error": {"type": "api_error", "message": err.message}})
             return
         deltas = reply_deltas(upd)
         for line in (line for d in deltas if d.get("content") for line in text(d["content"])):
@@ -311,17 +308,17 @@ async def _events(p: Prepared, handles: list, base: dict[str, Any],
         if res is None:
             continue
         if text_open:
-            yield _event("content_block_stop", {"index": index})
+            yield sse_event("content_block_stop", {"index": index})
             index += 1
         for call in deltas[-1].get("tool_calls") or []:
             fn = call["function"]
             block = {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": fn["name"], "input": {}}
-            yield _event("content_block_start", {"index": index, "content_block": block})
-            yield _event("content_block_delta", {"index": index, "delta": {"type": "input_json_delta",
+            yield sse_event("content_block_start", {"index": index, "content_block": block})
+            yield sse_event("content_block_delta", {"index": index, "delta": {"type": "input_json_delta",
                                                                            "partial_json": fn["arguments"]}})
-            yield _event("content_block_stop", {"index": index})
+            yield sse_event("content_block_stop", {"index": index})
             index += 1
         stop_reason, stop_sequence = _stop(res, p, bool(deltas[-1].get("tool_calls")), decode)
-        yield _event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+        yield sse_event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                                        "usage": _usage(res)})
-        yield _event("message_stop", {})
+        yield sse_event("message_stop", {})

@@ -36,8 +36,7 @@ from .anthropic import add_anthropic_routes
 from .builtin_tools import dropped_header
 from .choices import (chat_logprobs, check_choices, collect_choices, completion_logprobs, event_stream, merged_updates,
                       submit_choices, usage_of)
-from .detok import IncrementalText
-from .keepalive import SSE_KEEPALIVE, with_keepalives
+from .keepalive import SSE_KEEPALIVE
 from .metrics import ServerMetrics
 from .middleware import CatchAllErrors, RequireApiKey
 from .native import add_native_routes
@@ -49,7 +48,7 @@ from .response_store import ResponseStore
 from .responses import add_responses_routes
 from .options import ServerOptions
 from .state import ServerState
-from .submit import Prepared, check_fits, engine_dead, engine_dead_during, sse_data, timing, vet_grammar
+from .submit import ChoiceStream, Prepared, check_fits, engine_dead, engine_dead_during, sse_data, timing, vet_grammar
 from .tools import ChatChunks, ChunkFn, chat_message
 
 logger = logging.getLogger(__name__)
@@ -98,12 +97,9 @@ def _add_error_handlers(app: FastAPI, st: ServerState) -> None:
         return JSONResponse(e.body(), status_code=e.status)
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError) -> JSONResponse:
-        return answer(e)
-
     @app.exception_handler(EngineDeadError)
-    async def _engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:
-        return answer(engine_dead(e))
+    async def _api_error(_: Request, e: APIError | EngineDeadError) -> JSONResponse:
+        return answer(e if isinstance(e, APIError) else engine_dead(e))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -114,35 +110,28 @@ def _add_error_handlers(app: FastAPI, st: ServerState) -> None:
     async def _bad_params(_: Request, e: RequestValidationError) -> JSONResponse:
         err = e.errors()[0]
         param = str(err["loc"][-1]) if err.get("loc") else None
-        return answer(APIError(400, f"{param}: {err['msg'].rstrip('.')}.", param=param, code="invalid_value"))
+        return answer(APIError(400, f"{param}: {err['msg'].rstrip('.')}.", param=param))
 
 
 async def _stream(st: ServerState, handles: list[RequestHandle], p: Prepared, chunks: list[ChunkFn], base: dict,
                   include_usage: bool) -> AsyncIterator[str]:
     """The choices' chunks as their tokens arrive (``chunks[i]`` writes choice i's), each choice's
     finish chunk, then the usage of all (when asked) and ``[DONE]``."""
-    detoks = [IncrementalText(st.engine.tokenizer.decode, p.sampling.stop_strings) for _ in handles]
-    first = [True] * len(handles)
+    streams = [ChoiceStream(chunk, p, st.engine.tokenizer.decode) for chunk in chunks]
     results: list[GenerateResult] = []
-    async for item in with_keepalives(merged_updates(handles)):
+    async for item in merged_updates(handles):
         if item is None:  # a prompt still prefilling, or a queue
             yield SSE_KEEPALIVE
             continue
         i, upd = item
-        if not upd.finished:
-            yield sse_data(chunks[i](detoks[i].add(upd.token_ids), None, first[i], upd.logprobs))
-            first[i] = False
-            continue
-        res = upd.result
-        if res.finish_reason == "error":  # OpenAI's way to fail a stream that has begun
-            yield sse_data(engine_dead_during(res).body())
+        if upd.finished and upd.result.finish_reason == "error":  # OpenAI's way to fail a stream that has begun
+            yield sse_data(engine_dead_during(upd.result).body())
             yield "data: [DONE]\n\n"
             return
-        text = detoks[i].finish(res.text)
-        if text or first[i] or upd.logprobs:
-            yield sse_data(chunks[i](text, None, first[i], upd.logprobs))
-        yield sse_data(chunks[i]("", res.finish_reason, False, []))
-        results.append(res)
+        for chunk in streams[i](upd):
+            yield sse_data(chunk)
+        if upd.finished:
+            results.append(upd.result)
     if include_usage:
         results.sort(key=lambda r: r.rid)  # choice order: submitted in order, rids increase
         yield sse_data({**base, "choices": [], "usage": usage_of(results, p.n), "timing": timing(results[0])})

@@ -22,9 +22,10 @@ from ..frontend.loop import RequestHandle, Update
 from ..runtime.logprobs import TokenLogprob
 from ..runtime.request import GenerateResult
 from ..runtime.sampling import SamplingParams
+from . import keepalive
 from .protocol import APIError
 from .state import ServerState
-from .submit import Prepared, collect_result, openai_usage, submit_request
+from .submit import Prepared, collect_result, disagg_figures, spec_figures, submit_request
 
 logger = logging.getLogger(__name__)
 
@@ -80,15 +81,13 @@ async def collect_choices(st: ServerState, request: Request, handles: list[Reque
         raise
 
 
-async def merged_updates(handles: list[RequestHandle], admissions: bool = False) -> AsyncIterator[tuple[int, Update]]:
-    """``(choice index, update)`` as the choices' updates arrive, until every choice finished; a
-    choice's admission update (no tokens yet: :attr:`Update.admission`) only with ``admissions``
-    (the Messages stream's ``message_start``: the other APIs have no event for it)."""
-    if len(handles) == 1:
-        async for upd in handles[0]:
-            if admissions or not upd.admission:
-                yield 0, upd
-        return
+async def merged_updates(handles: list[RequestHandle],
+                         admissions: bool = False) -> AsyncIterator[Optional[tuple[int, Update]]]:
+    """``(choice index, update)`` as the choices' updates arrive, until every choice finished, and a
+    None each time :data:`~.keepalive.KEEPALIVE_INTERVAL_S` passes without one (the caller writes its
+    API's keep-alive for it: server/keepalive.py); a choice's admission update (no tokens yet:
+    :attr:`Update.admission`) only with ``admissions`` (the Messages stream's ``message_start``: the
+    other APIs have no event for it)."""
     queue: asyncio.Queue[tuple[int, Update]] = asyncio.Queue()
 
     async def pump(i: int, h: RequestHandle) -> None:
@@ -99,7 +98,11 @@ async def merged_updates(handles: list[RequestHandle], admissions: bool = False)
     try:
         left = len(handles)
         while left:
-            i, upd = await queue.get()
+            try:  # (a get cut by the timeout loses no update: wait_for returns one that came meanwhile)
+                i, upd = await asyncio.wait_for(queue.get(), keepalive.KEEPALIVE_INTERVAL_S)
+            except asyncio.TimeoutError:
+                yield None
+                continue
             left -= upd.finished
             if admissions or not upd.admission:
                 yield i, upd
@@ -109,19 +112,23 @@ async def merged_updates(handles: list[RequestHandle], admissions: bool = False)
 
 
 def usage_of(results: list[GenerateResult], n: int) -> dict[str, Any]:
-    """One usage for all choices: each prompt once (its first choice's hits), every completion."""
+    """OpenAI's usage of all choices, with hicache's extensions: each prompt once (its first choice's
+    hits, per tier; speculative and P/D figures the first choice's), every completion."""
     firsts = results[::n]
-    out = openai_usage(firsts[0])
-    if len(results) == 1:
-        return out
-    out["prompt_tokens"] = sum(r.prompt_tokens for r in firsts)
-    out["completion_tokens"] = sum(r.completion_tokens for r in results)
-    out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
-    tiers = {t: sum(r.cached_tokens_details[t] for r in firsts) for t in ("device", "host", "storage")}
-    out["prompt_tokens_details"] = {"cached_tokens": sum(r.cached_tokens for r in firsts),
-                                    "cached_tokens_details": tiers}
-    out["hicache_cached_tokens"] = dict(tiers)
-    return out
+    prompt, completion = sum(r.prompt_tokens for r in firsts), sum(r.completion_tokens for r in results)
+    tiers = {t: sum(r.cached_tokens_details[t] for r in firsts) for t in firsts[0].cached_tokens_details}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts),
+                                  "cached_tokens_details": tiers},
+        # The same per-tier counts under a name of hicache's own: proxies (litellm) drop the field above,
+        # whose name another shape of theirs takes.
+        "hicache_cached_tokens": dict(tiers),
+        **spec_figures(firsts[0]),
+        **disagg_figures(firsts[0]),
+    }
 
 
 def check_choices(n: int, prompts: int, sampling: SamplingParams, stream: bool, max_logprob_tokens: int,
@@ -131,15 +138,14 @@ def check_choices(n: int, prompts: int, sampling: SamplingParams, stream: bool, 
     ``n x prompts x max_tokens`` exceeds ``max_logprob_tokens`` (``--max-logprob-tokens``: each
     token's entry carries its ``top_logprobs`` alternatives, ~70 bytes each in JSON)."""
     if n < 1:
-        raise APIError(400, f"n must be at least 1, got {n}.", param="n", code="invalid_value")
+        raise APIError(400, f"n must be at least 1, got {n}.", param="n")
     if n * prompts > MAX_CHOICES:
-        raise APIError(400, f"n x prompts is {n * prompts}; at most {MAX_CHOICES} choices per request.",
-                       param="n", code="invalid_value")
+        raise APIError(400, f"n x prompts is {n * prompts}; at most {MAX_CHOICES} choices per request.", param="n")
     tokens = n * prompts * sampling.max_new_tokens
     if sampling.logprobs is not None and not stream and tokens > max_logprob_tokens:
         raise APIError(400, f"a response with logprobs for n x prompts x max_tokens = {tokens} tokens is more than "
                             f"this server answers at once ({max_logprob_tokens}, --max-logprob-tokens); lower n or "
-                            "max_tokens, or stream it.", param=max_param, code="invalid_value")
+                            "max_tokens, or stream it.", param=max_param)
 
 
 # ---- logprobs as OpenAI writes them ---------------------------------------------------------------

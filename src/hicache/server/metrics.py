@@ -84,12 +84,10 @@ class ServerMetrics:
         self.generation_tokens.inc(res.completion_tokens)
         for tier, n in res.cached_tokens_details.items():
             self.cached_tokens.labels(tier=tier).inc(n)
-        if res.completion_tokens and res.ttft_s > 0:
-            self.ttft.observe(res.ttft_s)
-        if res.e2e_s > 0:
-            self.e2e.observe(res.e2e_s)
-        if res.queue_time_s > 0:
-            self.queue_time.observe(res.queue_time_s)
+        for histogram, seconds in ((self.ttft, res.ttft_s if res.completion_tokens else 0.0), (self.e2e, res.e2e_s),
+                                   (self.queue_time, res.queue_time_s)):
+            if seconds > 0:
+                histogram.observe(seconds)
         if res.spec_verify_steps:
             self.spec_accept_length.observe(res.spec_accept_length)
             self.spec_verify_steps.observe(res.spec_verify_steps)

@@ -38,9 +38,9 @@ from ..runtime.request import GenerateResult
 from ..runtime.sampling import GrammarSpec, SamplingParams
 from .choices import check_choices, event_stream, merged_updates
 from .detok import IncrementalText
-from .keepalive import SSE_KEEPALIVE, with_keepalives
+from .keepalive import SSE_KEEPALIVE
 from .parsing import parse_body, read_body
-from .protocol import OPEN, APIError, RequestBody, SamplingBody, token_id_keys
+from .protocol import OPEN, APIError, RequestBody, SamplingBody, sampling_fields
 from .state import ServerState
 from .submit import (Prepared, check_fits, collect_result, disagg_figures, engine_dead_during, spec_figures, sse_data,
                      stop_string_matched, submit_request, timing, vet_grammar)
@@ -78,8 +78,8 @@ class NativeSamplingParams(RequestBody):
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: bool = False
-    sampling_seed: Optional[int] = None
-    min_new_tokens: int = 0
+    seed: Optional[int] = Field(None, alias="sampling_seed")  # (SamplingParams' names: protocol.sampling_fields)
+    min_tokens: int = Field(0, alias="min_new_tokens")
     min_p: float = 0.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -93,8 +93,7 @@ class NativeSamplingParams(RequestBody):
         given = [GrammarSpec(k, v) for k, v in (("json_schema", self.json_schema), ("regex", self.regex),
                                                  ("ebnf", self.ebnf)) if v is not None]
         if len(given) > 1:
-            raise APIError(400, "give one of sampling_params.json_schema, regex and ebnf.",
-                           param="sampling_params", code="invalid_value")
+            raise APIError(400, "give one of sampling_params.json_schema, regex and ebnf.", param="sampling_params")
         return given[0] if given else None
 
 
@@ -145,17 +144,13 @@ def _check_supported(body: GenerateRequest, sp: NativeSamplingParams) -> None:
 def _sampling(st: ServerState, body: GenerateRequest, sp: NativeSamplingParams) -> SamplingParams:
     """hicache's SamplingParams (an invalid combination or an unusable grammar is a 400)."""
     sp = sp.with_unset(st.sampling_defaults)
-    out = SamplingParams(max_new_tokens=sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
-                         stop=sp.stop, stop_token_ids=tuple(sp.stop_token_ids or ()), ignore_eos=sp.ignore_eos,
-                         seed=sp.sampling_seed, grammar=sp.grammar(), presence_penalty=sp.presence_penalty,
-                         frequency_penalty=sp.frequency_penalty, repetition_penalty=sp.repetition_penalty,
-                         min_p=sp.min_p, logit_bias=token_id_keys(sp.logit_bias, "sampling_params.logit_bias"),
-                         min_tokens=sp.min_new_tokens, logprobs=body.top_logprobs_num if body.return_logprob else None)
+    out = SamplingParams(max_new_tokens=sp.max_new_tokens, grammar=sp.grammar(),
+                         **sampling_fields(sp, "sampling_params.logit_bias"),
+                         logprobs=body.top_logprobs_num if body.return_logprob else None)
     try:
         st.engine.check_sampling(out)  # (the grammar is vetted next, without holding this thread: vet_grammar)
     except InvalidRequestError as e:
-        raise APIError(400, f"sampling_params: {e}", param=_native_field(e.param, sp) or "sampling_params",
-                       code="invalid_value") from None
+        raise APIError(400, f"sampling_params: {e}", param=_native_field(e.param, sp) or "sampling_params") from None
     return out
 
 
@@ -222,7 +217,7 @@ async def _stream(st: ServerState, handle: RequestHandle, rid: str, p: Prepared)
     """A chunk per update with the cumulative text and ids; the last chunk is the whole answer."""
     detok = IncrementalText(st.engine.tokenizer.decode, p.sampling.stop_strings)
     text, ids = "", []
-    async for item in with_keepalives(merged_updates([handle])):
+    async for item in merged_updates([handle]):
         if item is None:
             yield SSE_KEEPALIVE
             continue

@@ -56,8 +56,8 @@ def add_operation_routes(app: FastAPI, st: ServerState) -> None:
             if not 0.0 <= timeout <= 3600.0:
                 raise ValueError
         except ValueError:
-            raise APIError(400, f"timeout must be a number of seconds in [0, 3600], got {raw!r}.", param="timeout",
-                           code="invalid_value") from None
+            raise APIError(400, f"timeout must be a number of seconds in [0, 3600], got {raw!r}.",
+                           param="timeout") from None
         if await st.loop.flush(timeout):
             logger.info("flush_cache ok")
             return JSONResponse({"flushed": True, "message": "the cache was flushed."})

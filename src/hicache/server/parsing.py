@@ -95,7 +95,7 @@ def _check_text(s: str) -> None:
         s.encode("utf-8")
     except UnicodeEncodeError:
         raise APIError(400, "the request body contains a string that is not valid Unicode (a lone surrogate "
-                            "such as \\ud800).", code="invalid_value") from None
+                            "such as \\ud800).") from None
 
 
 def parse_body(raw: bytes, model: type[M]) -> M:
@@ -109,4 +109,4 @@ def parse_body(raw: bytes, model: type[M]) -> M:
         err = e.errors()[0]
         param = ".".join(str(p) for p in err["loc"]) or None
         msg = err["msg"].removeprefix("Value error, ").rstrip(".")
-        raise APIError(400, f"{param}: {msg}." if param else f"{msg}.", param=param, code="invalid_value") from None
+        raise APIError(400, f"{param}: {msg}." if param else f"{msg}.", param=param) from None

@@ -14,7 +14,7 @@ from ..errors import InvalidRequestError
 from ..runtime.sampling import GrammarSpec, SamplingParams
 from .builtin_tools import note_dropped, split_chat_tools
 from .choices import check_choices
-from .protocol import APIError, ChatCompletionRequest, SamplingBody
+from .protocol import APIError, ChatCompletionRequest, SamplingBody, sampling_fields
 from .state import ServerState
 from .submit import Prepared, check_fits, with_reply_room
 from .system_turns import place_system_messages
@@ -38,22 +38,19 @@ def sampling_params(st: ServerState, body: SamplingBody, max_new: Optional[int],
         _UNKNOWN_LOGGED.add(name)
         logger.info("ignoring the request field %r (not an OpenAI, SGLang or vLLM field this server uses)", name)
     if max_new is not None and max_new < 1:
-        raise APIError(400, f"max_tokens must be at least 1, got {max_new}.", param="max_tokens", code="invalid_value")
+        raise APIError(400, f"max_tokens must be at least 1, got {max_new}.", param="max_tokens")
     param, own = body.grammar_spec() or (None, None)
     if grammar is not None and own is not None:
         raise APIError(400, "a forced tool call cannot be combined with response_format, regex or ebnf.",
-                       param="tool_choice", code="invalid_value")
-    sp = SamplingParams(
-        max_new_tokens=max_new if max_new is not None else default_max,
-        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, stop=body.stop,
-        stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos, seed=body.seed,
-        grammar=grammar or own or usable_lazy(st, lazy), **body.adjustments(),
-    )
+                       param="tool_choice")
+    sp = SamplingParams(max_new_tokens=max_new if max_new is not None else default_max,
+                        grammar=grammar or own or usable_lazy(st, lazy), **sampling_fields(body, "logit_bias"),
+                        logprobs=body.top_logprobs_k())
     try:
         st.engine.check_sampling(sp)  # (the grammar is vetted next, without holding this thread: vet_grammar)
     except InvalidRequestError as e:
         field = "tools" if grammar is not None and e.param == "grammar" else body.field_of(e.param)
-        raise APIError(400, str(e), param=field or param, code="invalid_value") from None
+        raise APIError(400, str(e), param=field or param) from None
     return sp
 
 

@@ -118,7 +118,7 @@ class SamplingBody(RequestBody):
         try:
             return Bootstrap(self.bootstrap_host, self.bootstrap_port, self.bootstrap_room)
         except ValueError as e:  # a request that could never connect: said now, not at the transfer timeout
-            raise APIError(400, str(e), param="bootstrap_host", code="invalid_value") from None
+            raise APIError(400, str(e), param="bootstrap_host") from None
 
     def grammar_spec(self) -> Optional[tuple[str, GrammarSpec]]:
         """``(field, spec)``: what the output must match and the field that said so (response_format,
@@ -129,7 +129,7 @@ class SamplingBody(RequestBody):
                  if spec is not None]
         if len(given) > 1:
             raise APIError(400, f"give one of response_format, regex and ebnf, not {' and '.join(f for f, _ in given)}.",
-                           param=given[1][0], code="invalid_value")
+                           param=given[1][0])
         return given[0] if given else None
 
     def unsupported(self) -> tuple[str, str] | None:
@@ -153,16 +153,20 @@ class SamplingBody(RequestBody):
             return (self.grammar_spec() or ("response_format", None))[0]
         return self.FIELDS.get(param, param) if param else None
 
-    def adjustments(self) -> dict[str, Any]:
-        """SamplingParams' penalties, min_p, logit_bias and min_tokens from this body."""
-        bias = token_id_keys(self.logit_bias, "logit_bias")
-        return {"presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-                "repetition_penalty": self.repetition_penalty, "min_p": self.min_p, "min_tokens": self.min_tokens,
-                "logit_bias": bias, "logprobs": self.top_logprobs_k()}
-
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+# SamplingParams' fields that an OpenAI body and /generate's sampling_params both carry, under these names
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "stop", "ignore_eos", "seed", "presence_penalty",
+                   "frequency_penalty", "repetition_penalty", "min_p", "min_tokens")
+
+
+def sampling_fields(body: Any, bias_param: str) -> dict[str, Any]:
+    """``body``'s :data:`SAMPLING_FIELDS`, ``stop_token_ids`` and ``logit_bias`` as SamplingParams takes them."""
+    return {**{f: getattr(body, f) for f in SAMPLING_FIELDS}, "stop_token_ids": tuple(body.stop_token_ids or ()),
+            "logit_bias": token_id_keys(body.logit_bias, bias_param)}
 
 
 def token_id_keys(bias: Optional[dict[str, float]], param: str) -> Optional[dict[int, float]]:
@@ -173,7 +177,7 @@ def token_id_keys(bias: Optional[dict[str, float]], param: str) -> Optional[dict
     bad = next((k for k in bias if not (k.isascii() and k.isdigit())), None)
     if bad is not None:
         raise APIError(400, f"{param} keys must be token ids in decimal digits, e.g. {{\"50256\": -100}}; got {bad!r}.",
-                       param=param, code="invalid_value")
+                       param=param)
     return {int(k): v for k, v in bias.items()}
 
 
@@ -190,10 +194,10 @@ def _response_format_grammar(fmt: Optional[dict[str, Any]]) -> Optional[GrammarS
         schema = inner.get("schema", inner.get("schema_")) if isinstance(inner, dict) else None
         if not isinstance(schema, dict):
             raise APIError(400, "response_format json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": "
-                                "{...}}}.", param="response_format", code="invalid_value")
+                                "{...}}}.", param="response_format")
         return GrammarSpec("json_schema", json.dumps(schema))
     raise APIError(400, f"response_format type must be text, json_object or json_schema, got {kind!r}.",
-                   param="response_format", code="invalid_value")
+                   param="response_format")
 
 
 class TextPart(BaseModel):
@@ -231,7 +235,7 @@ class ChatCompletionRequest(SamplingBody):
 
     def top_logprobs_k(self) -> Optional[int]:
         if self.top_logprobs is not None and not self.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs: true.", param="top_logprobs", code="invalid_value")
+            raise APIError(400, "top_logprobs needs logprobs: true.", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
 

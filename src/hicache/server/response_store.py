@@ -75,8 +75,7 @@ class ResponseStore:
     def __init__(self, size: int = DEFAULT_STORE_SIZE, max_bytes: int = DEFAULT_STORE_MB << 20) -> None:
         self.size, self.max_bytes = size, max_bytes
         self._items: OrderedDict[str, Stored] = OrderedDict()
-        self._bytes: dict[str, int] = {}  # each entry's nbytes()
-        self._total = 0  # their sum
+        self._total = 0  # their nbytes() (each the same for as long as it is held: nothing in it changes)
         self._lock = threading.Lock()  # preparation runs on worker threads
         # continued turns (previous_response_id): their prompt tokens, and those the prefix cache served
         self.continued = self.continued_prompt_tokens = self.continued_cached_tokens = 0
@@ -104,17 +103,17 @@ class ResponseStore:
             return
         with self._lock:
             self._drop(rid)
-            self._items[rid], self._bytes[rid] = stored, size
+            self._items[rid] = stored
             self._total += size
             while len(self._items) > self.size or self._total > self.max_bytes:
                 self._drop(next(iter(self._items)))
 
     def _drop(self, rid: str) -> bool:
         """Forget ``rid`` (the lock held); whether it was stored."""
-        if self._items.pop(rid, None) is None:
-            return False
-        self._total -= self._bytes.pop(rid)
-        return True
+        dropped = self._items.pop(rid, None)
+        if dropped is not None:
+            self._total -= dropped.nbytes()
+        return dropped is not None
 
     def get(self, rid: str) -> Optional[Stored]:
         with self._lock:

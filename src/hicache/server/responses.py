@@ -28,7 +28,6 @@ forward), as on chat completions.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -40,7 +39,6 @@ from fastapi.responses import JSONResponse, Response
 from ..runtime.request import GenerateResult
 from .builtin_tools import dropped_header, note_dropped, split_responses_tools
 from .choices import collect_choices, event_stream, merged_updates, submit_choices
-from .keepalive import with_keepalives
 from .parsing import parse_body, read_body
 from .prepare import prepare_chat
 from .protocol import APIError
@@ -48,7 +46,7 @@ from .response_store import ResponseStore, Stored
 from .responses_request import ResponsesRequest, as_chat, chat_messages, responses_errors
 from .state import ServerState
 from .tools import parse_reply
-from .submit import Prepared, ReplyDeltas, check_fits, timing, vet_grammar, with_reply_room
+from .submit import Prepared, ReplyDeltas, check_fits, sse_event, timing, vet_grammar, with_reply_room
 
 logger = logging.getLogger(__name__)
 
@@ -194,13 +192,13 @@ async def _events(st: ServerState, turn: _Turn, handles: list, store: ResponseSt
 
     def event(kind: str, **data: Any) -> str:
         seq[0] += 1
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq[0] - 1, **data})}\n\n"
+        return sse_event(kind, {"sequence_number": seq[0] - 1, **data})
 
     reply_deltas = ReplyDeltas(turn.p, st.engine.tokenizer.decode)
     yield event("response.created", response=turn.response("in_progress", []))
     yield event("response.in_progress", response=turn.response("in_progress", []))
     message: Optional[dict[str, Any]] = None
-    async for item in with_keepalives(merged_updates(handles)):
+    async for item in merged_updates(handles):
         if item is None:  # a prompt still prefilling, or a queue: an event, since Codex's watchdog skips comments
             yield event("response.in_progress", response=turn.response("in_progress", []))
             continue

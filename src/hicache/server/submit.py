@@ -23,7 +23,7 @@ from .protocol import APIError, SamplingBody
 from .detok import IncrementalText
 from .state import ServerState
 from .tool_formats import HERMES, CallFormat
-from .tools import ChatChunks
+from .tools import ChatChunks, ChunkFn
 
 logger = logging.getLogger(__name__)
 
@@ -75,22 +75,6 @@ def engine_dead_during(res: GenerateResult) -> APIError:
     return engine_dead(f"the engine failed during this request: {res.error}")
 
 
-def openai_usage(res: GenerateResult) -> dict[str, Any]:
-    """OpenAI's usage of one request, with hicache's extensions (per-tier cache hits, speculative and P/D figures)."""
-    return {
-        "prompt_tokens": res.prompt_tokens,
-        "completion_tokens": res.completion_tokens,
-        "total_tokens": res.prompt_tokens + res.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": res.cached_tokens,
-                                  "cached_tokens_details": dict(res.cached_tokens_details)},
-        # The same per-tier counts under a name of hicache's own: proxies (litellm) drop the field above,
-        # whose name another shape of theirs takes.
-        "hicache_cached_tokens": dict(res.cached_tokens_details),
-        **spec_figures(res),
-        **disagg_figures(res),
-    }
-
-
 def disagg_figures(res: GenerateResult) -> dict[str, Any]:
     """P/D per-request figures (extension; absent for a request without a bootstrap)."""
     if not res.disaggregated:
@@ -127,7 +111,7 @@ def with_reply_room(st: ServerState, sampling: SamplingParams, prompt_tokens: in
     try:
         sampling.validate()
     except InvalidRequestError as e:
-        raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+        raise APIError(400, str(e), param=e.param) from None
     return sampling
 
 
@@ -158,7 +142,7 @@ async def vet_grammar(st: ServerState, p: Prepared, request: Request) -> None:
             logger.warning("tool calls under tool_choice auto run without their grammar: %s", e)
             vetted = None
         elif isinstance(e, InvalidRequestError):
-            raise APIError(400, str(e), param=p.grammar_param, code="invalid_value") from None
+            raise APIError(400, str(e), param=p.grammar_param) from None
         else:
             raise APIError(503, str(e), type="server_error", code="server_overloaded") from None
     finally:
@@ -179,27 +163,45 @@ async def _unless_gone(request: Request, waiting: asyncio.Future, gone: str) -> 
             raise APIError(499, "the client closed the connection.", code="client_closed")
 
 
-class ReplyDeltas:
-    """A single-choice chat reply as the chat stream's deltas, update by update (what the Messages and
-    Responses streams write as events of their own): text as it comes, what may begin a tool call
-    held back, and at the end the rest with the calls parsed."""
+class ChoiceStream:
+    """One choice's updates as its stream's chunks (``chunk``: a :data:`ChunkFn`): text as it becomes
+    final (server/detok.py), then the rest and the finish chunk (none after an engine failure: the
+    caller answers that in its API's way)."""
 
-    def __init__(self, p: Prepared, decode: Callable[[list[int]], str]) -> None:
-        self.chunks = ChatChunks({}, p.call_names, fmt=p.call_format)
-        self.detok = IncrementalText(decode, p.sampling.stop_strings)
+    def __init__(self, chunk: ChunkFn, p: Prepared, decode: Callable[[list[int]], str]) -> None:
+        self.chunk, self.detok, self.first = chunk, IncrementalText(decode, p.sampling.stop_strings), True
 
     def __call__(self, upd: Update) -> list[dict[str, Any]]:
-        """The update's delta; once the reply finished (but for an engine failure), the finish delta too."""
         res = upd.result if upd.finished else None
         text = self.detok.finish(res.text) if res is not None else self.detok.add(upd.token_ids)
-        deltas = [self.chunks(text, None, False, [])["choices"][0]["delta"]]
+        out = []
+        if res is None or text or self.first or upd.logprobs:  # (a finished reply: its last text, when any)
+            out.append(self.chunk(text, None, self.first, upd.logprobs))
         if res is not None and res.finish_reason != "error":
-            deltas.append(self.chunks("", res.finish_reason, False, [])["choices"][0]["delta"])
-        return deltas
+            out.append(self.chunk("", res.finish_reason, False, []))
+        self.first = False
+        return out
+
+
+class ReplyDeltas(ChoiceStream):
+    """A single-choice chat reply as the chat stream's deltas, update by update (what the Messages and
+    Responses streams write as events of their own): what may begin a tool call held back, and at the
+    end the rest with the calls parsed."""
+
+    def __init__(self, p: Prepared, decode: Callable[[list[int]], str]) -> None:
+        super().__init__(ChatChunks({}, p.call_names, fmt=p.call_format), p, decode)
+
+    def __call__(self, upd: Update) -> list[dict[str, Any]]:
+        return [chunk["choices"][0]["delta"] for chunk in super().__call__(upd)]
 
 
 def sse_data(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def sse_event(kind: str, data: dict[str, Any]) -> str:
+    """A typed server-sent event (the Messages and Responses streams): ``data`` with its ``type``."""
+    return f"event: {kind}\n" + sse_data({"type": kind, **data})
 
 
 def submit_request(st: ServerState, p: Prepared, ids: Optional[list[int]] = None,
@@ -216,9 +218,9 @@ def submit_request(st: ServerState, p: Prepared, ids: Optional[list[int]] = None
         raise engine_dead(e) from None
     except InvalidRequestError as e:
         field = p.param if e.param == "prompt" else p.body.field_of(e.param)
-        raise APIError(400, str(e), param=field, code="invalid_value") from None
+        raise APIError(400, str(e), param=field) from None
     except HicacheError as e:
-        raise APIError(400, str(e), code="invalid_value") from None
+        raise APIError(400, str(e)) from None
 
 
 async def collect_result(st: ServerState, request: Request, handle: RequestHandle) -> GenerateResult:

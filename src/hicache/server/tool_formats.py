@@ -294,9 +294,7 @@ class MistralFormat(CallFormat):
 
     def parse(self, text: str, names: set[str], truncated: bool = False) -> tuple[Optional[str], list[ToolCall]]:
         body = text.strip().removeprefix(self.TAG)
-        calls = whole_reply_calls(body, names, ("arguments",))
-        if calls is None:
-            calls = self._v11(body, names)
+        calls = whole_reply_calls(body, names, ("arguments",)) or self._v11(body, names)
         return self._whole(text, names, truncated, calls)
 
     def _v11(self, body: str, names: set[str]) -> Optional[list[ToolCall]]:

@@ -146,8 +146,7 @@ class ChatChunks:
                 delta["content"] = piece
         else:
             rest = self.text[self.sent:]
-            content, calls = self.fmt.parse(rest, set(self.call_names), finish == "length") if self.call_names \
-                else (rest or None, [])
+            content, calls = parse_reply(rest, finish, self.call_names, self.fmt)
             if content:
                 delta["content"] = content
             if calls:
