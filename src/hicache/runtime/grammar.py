@@ -83,8 +83,8 @@ class GrammarMode(Mode):
         self.admitted_mask_us = 0
         self.admitted = 0
         self._lg: Any = None  # llguidance and its tokenizer, made on the builder thread
-        self._builder: Optional[StackedWorker] = None
-        self._masker: Optional[StackedWorker] = None
+        self._builder = StackedWorker("hicache-grammar-build", ENGINE_STACK_BYTES)  # (threads start at first use)
+        self._masker = StackedWorker("hicache-grammar-mask", ENGINE_STACK_BYTES)
         self._pending: dict[int, Future] = {}
         self._failed: dict[int, dict[int, str]] = {}
         self.masked_rows = 0
@@ -127,8 +127,6 @@ class GrammarMode(Mode):
         return self.held_bytes + need <= self.memory_bytes
 
     def _start(self, spec: GrammarSpec) -> Template:
-        if self.samples and self._builder is None:
-            self._builder = StackedWorker("hicache-grammar-build", ENGINE_STACK_BYTES)
         template = Template(spec, self._builder.submit(self._build, spec) if self.samples else None,
                             patterns=compile_triggers(spec.triggers))
         self._templates[spec] = template
@@ -227,14 +225,14 @@ class GrammarMode(Mode):
     # ---- masks -----------------------------------------------------------------------------
     def before_forward(self, batch: Batch, handed: Any = None) -> None:
         if self.overlap and self._grammar_rows(batch):
-            self._pending[id(batch)] = self._mask_thread().submit(self._row_masks, batch)
+            self._pending[id(batch)] = self._masker.submit(self._row_masks, batch)
 
     def constrain(self, batch: Batch, logits: torch.Tensor) -> None:
         future = self._pending.pop(id(batch), None)
         if future is None:
             if not self._grammar_rows(batch):
                 return
-            future = self._mask_thread().submit(self._row_masks, batch)
+            future = self._masker.submit(self._row_masks, batch)
         masks: RowMasks = future.result()
         with torch.inference_mode():  # the forward's logits are inference tensors
             for row, mask in zip(masks.rows, masks.masks):  # the masks are made on the CPU
@@ -250,11 +248,6 @@ class GrammarMode(Mode):
 
     def _grammar_rows(self, batch: Batch) -> bool:
         return self.samples and any(r.grammar is not None for r in batch.reqs)
-
-    def _mask_thread(self) -> StackedWorker:
-        if self._masker is None:
-            self._masker = StackedWorker("hicache-grammar-mask", ENGINE_STACK_BYTES)
-        return self._masker
 
     def _row_masks(self, batch: Batch) -> RowMasks:
         """The mask of every logits row a grammar request samples from in ``batch`` (mask thread)."""
@@ -381,9 +374,8 @@ class GrammarMode(Mode):
                 "admitted_mask_us": self.admitted_mask_us, "mask_budget_us": self.mask_us}
 
     def close(self) -> None:
-        for worker in (self._builder, self._masker):
-            if worker is not None:
-                worker.close()
+        self._builder.close()
+        self._masker.close()
 
 
 def build(ctx: ModeContext) -> Optional[Mode]:

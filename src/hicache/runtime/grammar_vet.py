@@ -48,6 +48,7 @@ from ..model.token_bytes import token_table
 from ..model.tokenizer import Tokenizer
 from .grammar_process import CheckerDown, CpuBudget, WorkerProcess, status
 from .sampling import GrammarCost, GrammarSpec
+from .stacked_worker import StackedWorker
 from .vet_queue import FairQueue, QueueFull, VetJob
 
 logger = logging.getLogger(__name__)
@@ -132,7 +133,6 @@ class GrammarVetter:
                         "json_options": JSON_OPTIONS, "stack_bytes": VET_STACK_BYTES, "walk_steps": WALK_STEPS,
                         "memory_bytes": limits.memory_bytes + WORKER_HEADROOM_BYTES, "nice": 19, "parent": os.getpid()}
         self._lock = threading.Lock()
-        self._ready = threading.Condition(self._lock)
         self._verdicts: OrderedDict[GrammarSpec, tuple[Future, int]] = OrderedDict()  # kept: (verdict, chars)
         self._chars = 0
         self._open: dict[GrammarSpec, VetJob] = {}  # queued or running, and someone waits for it
@@ -141,8 +141,7 @@ class GrammarVetter:
         self._worker = WorkerProcess(self._config)
         self.counts = {"vetted": 0, "refused": 0, "crashed": 0, "timed_out": 0, "unavailable": 0, "abandoned": 0,
                        "displaced": 0}
-        self._thread = threading.Thread(target=self._serve, name="hicache-grammar-vet", daemon=True)
-        self._thread.start()
+        self._dispatcher = StackedWorker("hicache-grammar-vet", 0)  # one _check_next per job added, in turn
 
     def vet(self, spec: GrammarSpec, client: Hashable = None) -> Future:
         """A future of ``spec`` with its :class:`GrammarCost`; it raises InvalidRequestError
@@ -183,7 +182,7 @@ class GrammarVetter:
         if displaced is not None:
             del self._open[displaced.spec]
             self.counts["displaced"] += 1
-        self._ready.notify()
+        self._dispatcher.submit(self._check_next)
         return job, displaced
 
     def _give_up(self, job: VetJob, client: Hashable) -> None:
@@ -210,8 +209,7 @@ class GrammarVetter:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            self._ready.notify_all()
-        self._thread.join(timeout=10)
+        self._dispatcher.close()
         self._worker.close()
         with self._lock:
             left, self._open = list(self._open.values()), {}
@@ -219,28 +217,26 @@ class GrammarVetter:
             _settle_future(job.verdict, OverloadedError("the engine is shutting down."))
 
     # ---- the dispatcher thread -------------------------------------------------------
-    def _serve(self) -> None:
-        while (job := self._next()) is not None:
-            try:
-                verdict = self._check(job)
-            except Exception as e:  # a bug here must not leave the request waiting forever
-                logger.exception("grammar vetting failed")
-                verdict = _Verdict.unavailable(f"the {job.spec.kind} grammar could not be checked "
-                                               f"({type(e).__name__}); retry later.")
-            with self._lock:
-                if self._open.get(job.spec) is job:
-                    del self._open[job.spec]
-                if verdict.keep and verdict.outcome is not None:
-                    self._keep(job.spec, job.verdict, verdict.outcome)
-                self._count(verdict.outcome)
-            _settle_future(job.verdict, verdict.outcome)
-
-    def _next(self) -> Optional[VetJob]:
-        """The next job, once one waits; None once closed."""
+    def _check_next(self) -> None:
+        """Check the job whose turn it is, if any is left (jobs leave the queue when displaced or
+        abandoned, so some calls find none); nothing once closed."""
         with self._lock:
-            while not self._closed and not len(self._queue):
-                self._ready.wait()
-            return None if self._closed else self._queue.take()
+            job = None if self._closed else self._queue.take()
+        if job is None:
+            return
+        try:
+            verdict = self._check(job)
+        except Exception as e:  # a bug here must not leave the request waiting forever
+            logger.exception("grammar vetting failed")
+            verdict = _Verdict.unavailable(f"the {job.spec.kind} grammar could not be checked "
+                                           f"({type(e).__name__}); retry later.")
+        with self._lock:
+            if self._open.get(job.spec) is job:
+                del self._open[job.spec]
+            if verdict.keep and verdict.outcome is not None:
+                self._keep(job.spec, job.verdict, verdict.outcome)
+            self._count(verdict.outcome)
+        _settle_future(job.verdict, verdict.outcome)
 
     def _count(self, outcome: Union[GrammarSpec, HicacheError, None]) -> None:
         if isinstance(outcome, GrammarSpec):
