@@ -272,12 +272,11 @@ class GrammarMode(Mode):
             if start is None:
                 return False
             state.scan, state.consumed = None, len(req.output_ids)
-            state.matcher = state.template.build.result().deep_copy()
+            state.matcher = self._started(state.template, start)
             self.lazy_triggered += 1
             logger.info("grammar rid=%d: a tool call began after %d output tokens", req.rid, len(req.output_ids))
-            if not state.matcher.consume_tokens(self._encode(start)):
-                self._settle(req, i, f"it cannot take the call's beginning {start[:40]!r}", out)
-                return False
+            if state.matcher is None:
+                return self._settle(req, i, f"it cannot take the call's beginning {start[:40]!r}", out)
             return True
         return self._settle(req, i, state.catch_up(req), out) and state.holds
 
@@ -303,11 +302,15 @@ class GrammarMode(Mode):
             if state.scan is not None:
                 self._drafts_triggering(req, row, drafts, out)
             return
-        if not self._settle(req, i, self._add(out, row, state.matcher), out):
-            return
-        matcher, taken = state.matcher, 0
-        for j in range(1, len(drafts) + 1):
-            if matcher.try_consume_tokens([drafts[j - 1]]) != 1:
+        if self._settle(req, i, self._add(out, row, state.matcher), out):
+            self._mask_drafts(out, row, state.matcher, drafts)
+
+    def _mask_drafts(self, out: RowMasks, row: int, matcher: Any, drafts: Sequence[int]) -> None:
+        """Rows ``row + j`` (``j`` >= 1) masked after drafts[:j] (``row`` is already), up to a draft the
+        grammar refuses; ``matcher`` is rolled back to where it was."""
+        taken = 0
+        for j, draft in enumerate(drafts, start=1):
+            if matcher.try_consume_tokens([draft]) != 1:
                 break
             taken += 1
             if self._add(out, row + j, matcher):
@@ -326,12 +329,9 @@ class GrammarMode(Mode):
             start = scan.feed(ids, *text)
             if start is None:
                 continue
-            matcher = state.template.build.result().deep_copy()
-            if not matcher.consume_tokens(self._encode(start)):
-                return  # (plain decoding lets go here: nothing is masked)
-            for k in range(j, len(drafts) + 1):
-                if (k > j and matcher.try_consume_tokens([drafts[k - 1]]) != 1) or self._add(out, row + k, matcher):
-                    return
+            matcher = self._started(state.template, start)  # (None: plain decoding lets go here, nothing is masked)
+            if matcher is not None and not self._add(out, row + j, matcher):
+                self._mask_drafts(out, row + j, matcher, drafts[j:])
             return
 
     def _scan_text(self, template: Template) -> tuple[list[str], frozenset[int]]:
@@ -342,8 +342,11 @@ class GrammarMode(Mode):
             template.unseen = unseen_specials(template.patterns, self._table["tokens"], self._table["special"])
         return self._table["tokens"], template.unseen
 
-    def _encode(self, text: str) -> list[int]:
-        return self._tokenizer.backend.encode(text, add_special_tokens=False).ids
+    def _started(self, template: Template, start: str) -> Any:
+        """A copy of ``template``'s matcher that took a triggered grammar's ``start`` text; None if it cannot."""
+        matcher = template.build.result().deep_copy()
+        return matcher if matcher.consume_tokens(self._tokenizer.backend.encode(start, add_special_tokens=False).ids) \
+            else None
 
     def _add(self, out: RowMasks, row: int, matcher: Any) -> str:
         """Mask ``row`` by what ``matcher`` allows: "" or why it allows nothing."""

@@ -107,20 +107,22 @@ EXTERNAL_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, sig
 
 class _Verdict(NamedTuple):
     """What a check found: the vetted spec, or the error its callers get (None: nobody waits any
-    more); ``keep``: it cannot change with load, so it is cached."""
+    more); ``keep``: it cannot change with load, so it is cached; ``counted``: its key in
+    ``GrammarVetter.counts`` ("": none)."""
 
     outcome: Union[GrammarSpec, HicacheError, None]
     keep: bool
+    counted: str = ""
 
     @classmethod
     def refused(cls, message: str, keep: bool = True) -> "_Verdict":
         """A verdict on the grammar (HTTP 400)."""
-        return cls(InvalidRequestError(message, param="grammar"), keep)
+        return cls(InvalidRequestError(message, param="grammar"), keep, "refused")
 
     @classmethod
     def unavailable(cls, message: str) -> "_Verdict":
         """A verdict on the server (HTTP 503): never kept."""
-        return cls(OverloadedError(message), keep=False)
+        return cls(OverloadedError(message), False, "unavailable")
 
 
 class GrammarVetter:
@@ -235,16 +237,9 @@ class GrammarVetter:
                 del self._open[job.spec]
             if verdict.keep and verdict.outcome is not None:
                 self._keep(job.spec, job.verdict, verdict.outcome)
-            self._count(verdict.outcome)
+            if verdict.counted:
+                self.counts[verdict.counted] += 1
         _settle_future(job.verdict, verdict.outcome)
-
-    def _count(self, outcome: Union[GrammarSpec, HicacheError, None]) -> None:
-        if isinstance(outcome, GrammarSpec):
-            self.counts["vetted"] += 1
-        elif isinstance(outcome, InvalidRequestError):
-            self.counts["refused"] += 1
-        elif outcome is not None:
-            self.counts["unavailable"] += 1
 
     def _check(self, job: VetJob) -> _Verdict:
         """The worker's verdict on ``job``'s grammar (a fresh worker if the last one is gone)."""
@@ -295,7 +290,7 @@ class GrammarVetter:
         logger.info("grammar vetted: %s, %d chars, compile %.0f CPU-ms, matcher %d + %d KiB, mask %d CPU-us over "
                     "%d tokens", spec.kind, len(spec.source), reply["compile_ms"], cost.template_bytes >> 10,
                     cost.request_bytes >> 10, cost.mask_us, reply["steps"])
-        return _Verdict(replace(spec, cost=cost), keep=True)
+        return _Verdict(replace(spec, cost=cost), True, "vetted")
 
     def _died(self, spec: GrammarSpec) -> _Verdict:
         """Why the worker stopped while compiling ``spec`` (it is replaced for the next grammar)."""
