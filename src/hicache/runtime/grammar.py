@@ -345,8 +345,8 @@ class GrammarMode(Mode):
     def _started(self, template: Template, start: str) -> Any:
         """A copy of ``template``'s matcher that took a triggered grammar's ``start`` text; None if it cannot."""
         matcher = template.build.result().deep_copy()
-        return matcher if matcher.consume_tokens(self._tokenizer.backend.encode(start, add_special_tokens=False).ids) \
-            else None
+        ids = self._tokenizer.backend.encode(start, add_special_tokens=False).ids
+        return matcher if matcher.consume_tokens(ids) else None
 
     def _add(self, out: RowMasks, row: int, matcher: Any) -> str:
         """Mask ``row`` by what ``matcher`` allows: "" or why it allows nothing."""

@@ -167,7 +167,9 @@ class GrammarVetter:
             _settle_future(displaced.verdict, OverloadedError(
                 f"{MAX_WAITING} grammars are waiting to be checked, this one for a client with more of them than "
                 "any other; retry later."))
-        source.add_done_callback(lambda done: _pass_on(done, mine))
+        # the job's verdict, copied to this caller's future (a caller that gave up is left alone)
+        source.add_done_callback(lambda done: _settle_future(mine, None if done.cancelled() else done.exception()
+                                                             or done.result()))
         return mine
 
     def _enqueue(self, spec: GrammarSpec, client: Hashable) -> tuple[VetJob, Optional[VetJob]]:
@@ -247,7 +249,7 @@ class GrammarVetter:
         try:
             if not self._worker.alive():
                 self._worker.start()
-            budget = CpuBudget(self._worker.pid, self.limits.timeout_s)
+            budget = CpuBudget(self._worker.proc.pid, self.limits.timeout_s)
             reply = self._worker.ask({"kind": spec.kind, "source": spec.source},
                                      lambda: job.abandoned or budget.spent())
         except CheckerDown as e:  # the server's trouble, not the grammar's
@@ -260,7 +262,7 @@ class GrammarVetter:
 
     def _stopped(self, job: VetJob, budget: CpuBudget) -> _Verdict:
         """Kill the worker at a deadline or for a job nobody waits for; what that means."""
-        spec, pid, cpu_s, wall_s = job.spec, self._worker.pid, budget.cpu_s(), budget.wall_s()
+        spec, pid, cpu_s, wall_s = job.spec, budget.pid, budget.cpu_s(), budget.wall_s()
         self._worker.stop()
         if job.abandoned:
             logger.info("grammar check: nobody waits for a %s grammar any more; worker pid=%d stopped", spec.kind, pid)
@@ -308,11 +310,6 @@ class GrammarVetter:
         if code == -signal.SIGSEGV:
             return _Verdict.refused(f"{what}: it crashed the grammar compiler (nested or chained too deeply).")
         return _Verdict.refused(f"{what}: it stopped the grammar compiler ({status(code)}).")
-
-
-def _pass_on(done: Future, to: Future) -> None:
-    """Copy a job's verdict to one caller's future (a caller that gave up is left alone)."""
-    _settle_future(to, None if done.cancelled() else done.exception() or done.result())
 
 
 def _settle_future(future: Future, outcome: Union[GrammarSpec, BaseException, None]) -> None:
