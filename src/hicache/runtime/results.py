@@ -161,12 +161,10 @@ class Results:
         if cut >= 0:  # the stop string itself is not part of the answer
             req.text = req.text[:cut]
         req.notify()
-        logger.info(
-            "finish rid=%d reason=%s prompt=%d output=%d ttft=%.3fs e2e=%.3fs",
-            req.rid, reason, len(req.prompt_ids), len(req.output_ids),
-            req.first_token_time - req.arrival_time if req.first_token_time else -1.0,
-            req.finish_time - req.arrival_time,
-        )
+        logger.info("finish rid=%d reason=%s prompt=%d output=%d ttft=%.3fs e2e=%.3fs", req.rid, reason,
+                    len(req.prompt_ids), len(req.output_ids),
+                    req.first_token_time - req.arrival_time if req.first_token_time else -1.0,
+                    req.finish_time - req.arrival_time)
 
     def release_kv(self, req: Request) -> None:
         """Cache the pages of ``req`` that have KV, free the rest, drop its lock."""

@@ -266,13 +266,10 @@ class Scheduler(Results):
             return False
         req.kv = kv
         req.cached = {"device": kv.device_hit_tokens, "host": kv.host_hit_tokens, "storage": kv.storage_hit_tokens}
-        req.computed = kv.device_hit_tokens + kv.host_hit_tokens + kv.storage_hit_tokens
+        req.computed = sum(req.cached.values())
         req.status = Status.PREFILL
         req.admitted_time = time.perf_counter()
-        logger.info(
-            "admit rid=%d prompt=%d cached(device=%d host=%d storage=%d) queue=%.3fs",
-            req.rid, len(req.prompt_ids), kv.device_hit_tokens, kv.host_hit_tokens, kv.storage_hit_tokens,
-            req.admitted_time - req.arrival_time,
-        )
+        logger.info("admit rid=%d prompt=%d cached(device=%d host=%d storage=%d) queue=%.3fs", req.rid,
+                    len(req.prompt_ids), *req.cached.values(), req.admitted_time - req.arrival_time)
         req.notify()  # before its first token: a stream can start (Anthropic's message_start)
         return True
