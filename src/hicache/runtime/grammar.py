@@ -87,12 +87,11 @@ class GrammarMode(Mode):
         self._masker = StackedWorker("hicache-grammar-mask", ENGINE_STACK_BYTES)
         self._pending: dict[int, Future] = {}
         self._failed: dict[int, dict[int, str]] = {}
-        self.masked_rows = 0
-        self.failed_requests = 0
-        self.lazy_triggered = 0  # lazy grammars that took over a reply (a tool call began)
-        self.lazy_released = 0  # ... and let go of it (the model wrote what they could not take)
+        # lazy_triggered: lazy grammars that took over a reply (a tool call began); lazy_released: ... and
+        # let go of it (the model wrote what they could not take)
+        self.counts = dict.fromkeys(("masked_rows", "failed_requests", "lazy_triggered", "lazy_released",
+                                     "evicted_templates"), 0)
         self._table: Optional[dict] = None  # the token table (tokenizer_config), read on the mask thread
-        self.evicted = 0
 
     # ---- admission ---------------------------------------------------------------------
     def admissible(self, req: Request) -> bool:
@@ -123,7 +122,7 @@ class GrammarMode(Mode):
             if t is not keep and t.agreed and not t.users:
                 del self._templates[spec]
                 self.held_bytes -= t.bytes
-                self.evicted += 1
+                self.counts["evicted_templates"] += 1
         return self.held_bytes + need <= self.memory_bytes
 
     def _start(self, spec: GrammarSpec) -> Template:
@@ -194,7 +193,7 @@ class GrammarMode(Mode):
         state.catch_up(req)  # its own matcher, made here (not in any batch yet: the mask thread does not hold it)
         if state.matcher.validate_tokens([token]) == 1:
             return None
-        self.failed_requests += 1
+        self.counts["failed_requests"] += 1
         return GRAMMAR_FAILED, self._failure(req, f"the prefill server's first token ({token}) breaks it")
 
     # ---- events: template builds -----------------------------------------------------------
@@ -237,13 +236,13 @@ class GrammarMode(Mode):
         with torch.inference_mode():  # the forward's logits are inference tensors
             for row, mask in zip(masks.rows, masks.masks):  # the masks are made on the CPU
                 logits[row].masked_fill_(~mask.to(logits.device), float("-inf"))
-        self.masked_rows += len(masks.rows)
+        self.counts["masked_rows"] += len(masks.rows)
         if masks.failed:
             self._failed[id(batch)] = masks.failed
 
     def failures(self, batch: Batch) -> dict[int, tuple[str, str]]:
         failed = self._failed.pop(id(batch), {})
-        self.failed_requests += len(failed)
+        self.counts["failed_requests"] += len(failed)
         return {i: (GRAMMAR_FAILED, why) for i, why in failed.items()}
 
     def _grammar_rows(self, batch: Batch) -> bool:
@@ -273,7 +272,7 @@ class GrammarMode(Mode):
                 return False
             state.scan, state.consumed = None, len(req.output_ids)
             state.matcher = self._started(state.template, start)
-            self.lazy_triggered += 1
+            self.counts["lazy_triggered"] += 1
             logger.info("grammar rid=%d: a tool call began after %d output tokens", req.rid, len(req.output_ids))
             if state.matcher is None:
                 return self._settle(req, i, f"it cannot take the call's beginning {start[:40]!r}", out)
@@ -287,7 +286,7 @@ class GrammarMode(Mode):
         state: GrammarState = req.grammar
         if state.template.spec.lazy:
             state.released, state.matcher = True, None
-            self.lazy_released += 1
+            self.counts["lazy_released"] += 1
             logger.info("grammar rid=%d: the tool-call grammar let go after %d output tokens: %s", req.rid,
                         len(req.output_ids), why)
         else:
@@ -367,11 +366,9 @@ class GrammarMode(Mode):
                 f"after them was generated): {why}").rstrip(".")
 
     def stats(self) -> dict[str, Any]:
-        if not self._templates and not self.masked_rows and not self.failed_requests:
+        if not self._templates and not self.counts["masked_rows"] and not self.counts["failed_requests"]:
             return {}
-        return {"masked_rows": self.masked_rows, "failed_requests": self.failed_requests,
-                "lazy_triggered": self.lazy_triggered, "lazy_released": self.lazy_released,
-                "templates": len(self._templates), "evicted_templates": self.evicted, "admitted": self.admitted,
+        return {**self.counts, "templates": len(self._templates), "admitted": self.admitted,
                 "held_bytes": self.held_bytes, "peak_held_bytes": self.peak_held_bytes,
                 "budget_bytes": self.memory_bytes,
                 "admitted_mask_us": self.admitted_mask_us, "mask_budget_us": self.mask_us}
