@@ -59,10 +59,9 @@ class Results:
         return Sampled(tokens, batch_logprobs(batch, logits, tokens) if wanted else {}, failed)
 
     def _tokens(self, batch: "Batch", logits: torch.Tensor) -> list:
-        for mode in self.modes:
-            tokens = mode.sample(batch, logits)
-            if tokens is not None:
-                return tokens
+        composed = next((t for m in self.modes if (t := m.sample(batch, logits)) is not None), None)
+        if composed is not None:  # a batch a mode composed: the tokens it sampled
+            return composed
         rows = batch.result_rows()
         out = [-1] * len(batch.reqs)
         if rows:
