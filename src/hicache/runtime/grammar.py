@@ -21,8 +21,8 @@ Here, on every rank that samples, :class:`GrammarMode`:
   ``max_tokens`` ends with "length");
 - never drops a grammar: a matcher that fails mid-request (it hit one of llguidance's limits, or
   refused a token sampled elsewhere -- a P/D prefill server's first token) ends that request
-  with finish reason "error" and error code ``grammar_failed`` (:meth:`GrammarMode.failures`);
-  its output so far is what the grammar allowed;
+  with finish reason "error" and error code ``grammar_failed`` (what :meth:`GrammarMode.constrain`
+  returns); its output so far is what the grammar allowed;
 - verify passes (speculative decoding): row j is masked after the last token and drafts 1..j,
   so a draft the grammar refuses has probability 0 and is rejected;
 - a *lazy* grammar (``GrammarSpec.triggers``: a tool call in an ``auto`` reply) masks nothing until
@@ -86,7 +86,6 @@ class GrammarMode(Mode):
         self._builder = StackedWorker("hicache-grammar-build", ENGINE_STACK_BYTES)  # (threads start at first use)
         self._masker = StackedWorker("hicache-grammar-mask", ENGINE_STACK_BYTES)
         self._pending: dict[int, Future] = {}
-        self._failed: dict[int, dict[int, str]] = {}
         # lazy_triggered: lazy grammars that took over a reply (a tool call began); lazy_released: ... and
         # let go of it (the model wrote what they could not take)
         self.counts = dict.fromkeys(("masked_rows", "failed_requests", "lazy_triggered", "lazy_released",
@@ -226,24 +225,19 @@ class GrammarMode(Mode):
         if self.overlap and self._grammar_rows(batch):
             self._pending[id(batch)] = self._masker.submit(self._row_masks, batch)
 
-    def constrain(self, batch: Batch, logits: torch.Tensor) -> None:
+    def constrain(self, batch: Batch, logits: torch.Tensor) -> dict[int, tuple[str, str]]:
         future = self._pending.pop(id(batch), None)
         if future is None:
             if not self._grammar_rows(batch):
-                return
+                return {}
             future = self._masker.submit(self._row_masks, batch)
         masks: RowMasks = future.result()
         with torch.inference_mode():  # the forward's logits are inference tensors
             for row, mask in zip(masks.rows, masks.masks):  # the masks are made on the CPU
                 logits[row].masked_fill_(~mask.to(logits.device), float("-inf"))
         self.counts["masked_rows"] += len(masks.rows)
-        if masks.failed:
-            self._failed[id(batch)] = masks.failed
-
-    def failures(self, batch: Batch) -> dict[int, tuple[str, str]]:
-        failed = self._failed.pop(id(batch), {})
-        self.counts["failed_requests"] += len(failed)
-        return {i: (GRAMMAR_FAILED, why) for i, why in failed.items()}
+        self.counts["failed_requests"] += len(masks.failed)
+        return {i: (GRAMMAR_FAILED, why) for i, why in masks.failed.items()}
 
     def _grammar_rows(self, batch: Batch) -> bool:
         return self.samples and any(r.grammar is not None for r in batch.reqs)

@@ -15,7 +15,7 @@ calls back into the scheduler. The fixed points, in step order::
     forward         before_forward(b, handed)  e.g. propose the drafts a verify pass checks
                     after_forward(b)           e.g. the draft's KV for a prefill chunk
     output          constrain(b, logits)       restrict what each row may sample (in place; grammars)
-                    failures(b)                requests that cannot go on (a grammar that failed) -> (code, error)
+                                               -> requests that cannot go on (a grammar failed): (code, error)
                     sample(b, logits)          a verify batch's accepted tokens
                     on_computed(req)           the target's KV grew (prefill chunk, first token)
                     refuses(req, token)        a token sampled elsewhere (P/D's first) cannot be its next
@@ -160,13 +160,10 @@ class Mode:
         """After ``batch``'s forward on this rank (before its output is used)."""
 
     # ---- output ---------------------------------------------------------------------------
-    def constrain(self, batch: Batch, logits: torch.Tensor) -> None:
-        """Set to -inf, in ``logits`` (the rows the batch samples from), what a row may not sample."""
-
-    def failures(self, batch: Batch) -> dict[int, tuple[str, str]]:
-        """Requests of ``batch`` (their index) that cannot go on, each with an error code and why:
-        they end with finish reason "error" instead of a token. Called after :meth:`constrain`,
-        on ranks that sample."""
+    def constrain(self, batch: Batch, logits: torch.Tensor) -> dict[int, tuple[str, str]]:
+        """Set to -inf, in ``logits`` (the rows the batch samples from), what a row may not sample
+        (on ranks that sample). Returns the requests of ``batch`` (their index) that cannot go on,
+        each with an error code and why: they end with finish reason "error" instead of a token."""
         return {}
 
     def sample(self, batch: Batch, logits: torch.Tensor) -> Optional[list]:

@@ -95,17 +95,19 @@ class PenaltyMode(Mode):
             req.penalty = PenaltyState.admitted(req, self.vocab_size)
         return False
 
-    def constrain(self, batch: Batch, logits: torch.Tensor) -> None:
+    def constrain(self, batch: Batch, logits: torch.Tensor) -> dict[int, tuple[str, str]]:
+        """Adjust the rows of requests with a :class:`PenaltyState`; it fails no request."""
         if not any(r.penalty is not None for r in batch.reqs):
-            return
+            return {}
         with torch.inference_mode():  # the forward's logits are inference tensors
             if batch.kind != BatchKind.VERIFY:
                 for i in batch.result_rows():
                     self._adjust(batch.reqs[i], logits[i], ())
-                return
+                return {}
             for req, n, row, drafts in zip(batch.reqs, batch.new_tokens, batch.first_rows(), batch.proposal.tokens):
                 for j in range(n):  # row j: after the last token and drafts[:j]
                     self._adjust(req, logits[row + j], drafts[:j])
+        return {}
 
     def _adjust(self, req: Request, row: torch.Tensor, drafts: Sequence[int]) -> None:
         state = req.penalty

@@ -49,9 +49,7 @@ class Results:
         computed a chunk of its prompt. ``logits``: ``[len(batch.reqs), vocab]``. A batch a
         mode composed: what the mode samples (each request's accepted tokens). The modes
         constrain the logits first (grammar masks, penalties); logprobs are of those logits."""
-        for mode in self.modes:
-            mode.constrain(batch, logits)
-        failed = {i: code_why for m in self.modes for i, code_why in m.failures(batch).items()}
+        failed = {i: code_why for m in self.modes for i, code_why in m.constrain(batch, logits).items()}
         tokens = self._tokens(batch, logits)
         for i in failed:
             tokens[i] = -1
