@@ -152,7 +152,7 @@ class GrammarMode(Mode):
             raise ValueError(first_line(matcher.get_error()))
         return matcher
 
-    def on_admit(self, req: Request) -> bool:
+    def on_admit(self, req: Request) -> None:
         spec = req.sampling.grammar
         if spec is not None:
             template = self._templates[spec]
@@ -162,7 +162,6 @@ class GrammarMode(Mode):
             self.admitted_mask_us += spec.cost.mask_us
             self.admitted += 1
             req.grammar = GrammarState(template, scan=TriggerScan(template.patterns) if spec.lazy else None)
-        return False
 
     def on_finish(self, req: Request) -> bool:
         """Release what ``req`` held. A request whose grammar failed retires its template: llguidance's

@@ -8,7 +8,8 @@ calls back into the scheduler. The fixed points, in step order::
 
     admission       reserve_slots()            KV slots a request needs past its own tokens
                     admissible(req)            False: it waits (e.g. its grammar's matcher is not built)
-                    on_admit(req)              True: its prompt's KV comes from elsewhere
+                    kv_arrives(req)            True: its prompt's KV comes from elsewhere (RECEIVING)
+                    on_admit(req)              it was admitted
     events          local_events()             this rank's view of the mode's open work items
                     apply_events(events)       -> [StartDecode | Fail | Release]
     batch           decode_batch(reqs)         a decode batch's kind, rows per request, drafts known now
@@ -122,15 +123,15 @@ class Mode:
         return True
 
     def kv_arrives(self, req: Request) -> bool:
-        """Whether ``req``'s prompt KV will arrive from elsewhere (a P/D decode server's): then a
-        hybrid pool may hit a full-layer prefix whose window it does not hold, the window of the
-        prompt's end arriving with the rest (the fresh SWA tail)."""
+        """Whether ``req``'s prompt KV will arrive from elsewhere (a P/D decode server's): it is then
+        admitted RECEIVING, to wait for it instead of computing it, and a hybrid pool may hit a
+        full-layer prefix whose window it does not hold, the window of the prompt's end arriving
+        with the rest (the fresh SWA tail)."""
         return False
 
-    def on_admit(self, req: Request) -> bool:
-        """``req`` was just admitted (``req.computed`` prompt tokens hit); True: it waits for its
-        prompt's KV from elsewhere instead of computing it (status RECEIVING)."""
-        return False
+    def on_admit(self, req: Request) -> None:
+        """``req`` was just admitted (``req.computed`` prompt tokens hit; status PREFILL, or
+        RECEIVING where a mode's :meth:`kv_arrives` said so)."""
 
     # ---- events ---------------------------------------------------------------------------
     def open_work(self) -> int:

@@ -155,11 +155,10 @@ class NgramSpeculator(SpeculativeMode):
         self.lookups = 0
         self.drafted_tokens = 0
 
-    def on_admit(self, req: Request) -> bool:
+    def on_admit(self, req: Request) -> None:
         super().on_admit(req)
         req.spec.drafting = Drafting(OwnText(self.settings.levels), self.settings.max_drafts,
                                      self.settings.min_window)
-        return False
 
     @consensus_check("ngram.decode_batch", args=lambda self, reqs: [r.rid for r in reqs],
                      result=lambda plan: None if plan is None else plan.proposal.tokens)

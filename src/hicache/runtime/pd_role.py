@@ -170,12 +170,12 @@ class DecodeRole(Mode):
     def kv_arrives(self, req: Request) -> bool:
         return req.pd is not None
 
-    def on_admit(self, req: Request) -> bool:
+    def on_admit(self, req: Request) -> None:
         """``req`` was admitted with ``req.computed`` prompt tokens from local tiers (a hybrid pool:
         its full layers', the window of the prompt's end to receive): ask the prefill server for the
         rest."""
         if req.pd is None:
-            return False
+            return
         boot = req.pd.bootstrap
         now = time.perf_counter()
         n = len(req.prompt_ids)
@@ -190,7 +190,6 @@ class DecodeRole(Mode):
         if self.ranks.rank == 0:
             logger.info("P/D decode rid=%d room=%d: decode_prefix_len=%d of %d, asking %s for the rest",
                         req.rid, job.room, req.computed, len(req.prompt_ids), job.address)
-        return True
 
     def on_finish(self, req: Request) -> bool:
         """An aborted request still receiving: its pages stay held until the transfer ends."""

@@ -90,10 +90,9 @@ class PenaltyMode(Mode):
         self.stop_ids = torch.as_tensor(sorted(eos_token_ids), dtype=torch.long)
         self.adjusted_rows = 0
 
-    def on_admit(self, req: Request) -> bool:
+    def on_admit(self, req: Request) -> None:
         if req.sampling.adjusts_logits and self.samples:
             req.penalty = PenaltyState.admitted(req, self.vocab_size)
-        return False
 
     def constrain(self, batch: Batch, logits: torch.Tensor) -> dict[int, tuple[str, str]]:
         """Adjust the rows of requests with a :class:`PenaltyState`; it fails no request."""

@@ -220,9 +220,10 @@ class Scheduler(Results):
             shares.admitted(req)
             self.waiting.remove(req)
             self.running.append(req)
-            if any([m.on_admit(req) for m in self.modes]):  # every mode hears of it
-                req.status = Status.RECEIVING  # its prompt's KV comes from elsewhere
-                continue
+            for mode in self.modes:
+                mode.on_admit(req)
+            if req.status is Status.RECEIVING:
+                continue  # its prompt's KV comes from elsewhere
             n = min(len(req.prompt_ids) - req.computed, budget)
             batch.append((req, n))
             budget -= n
@@ -267,7 +268,7 @@ class Scheduler(Results):
         req.kv = kv
         req.cached = {"device": kv.device_hit_tokens, "host": kv.host_hit_tokens, "storage": kv.storage_hit_tokens}
         req.computed = sum(req.cached.values())
-        req.status = Status.PREFILL
+        req.status = Status.RECEIVING if arrives else Status.PREFILL
         req.admitted_time = time.perf_counter()
         logger.info("admit rid=%d prompt=%d cached(device=%d host=%d storage=%d) queue=%.3fs", req.rid,
                     len(req.prompt_ids), *req.cached.values(), req.admitted_time - req.arrival_time)

@@ -140,9 +140,8 @@ class SpeculativeMode(Mode):
     def reserve_slots(self) -> int:
         return self.num_steps  # a verify pass writes KV for its drafts past the last token
 
-    def on_admit(self, req: Request) -> bool:
+    def on_admit(self, req: Request) -> None:
         req.spec = SpecState.admitted(req, self.draft_kv)
-        return False
 
     def sample(self, batch: Batch, logits: torch.Tensor) -> Optional[list]:
         return self.verify(batch, logits) if batch.kind == BatchKind.VERIFY else None
