@@ -85,8 +85,7 @@ class PrefillRole(Mode):
         self.cache = cache
         self.sender = KVSender(cache.pool, port if ranks.rank == 0 else 0, host, ranks.heads, timeout_s,
                                _writes(transport, cache, host))
-        self.port = self.sender.port
-        mine = RankEndpoint(host, self.port, ranks.heads).to_wire()
+        mine = RankEndpoint(host, self.sender.port, ranks.heads).to_wire()
         self.sender.start([RankEndpoint.from_wire(item, host) for item in ranks.gather(mine)])
         self.sending: list[tuple[Request, Send, Callable | None]] = []  # with its deferred finish report
         self.counters = TransferStats()
@@ -139,7 +138,7 @@ class PrefillRole(Mode):
 
     def stats(self) -> dict:
         """``Engine.stats()["disaggregation"]``: the mode, open transfers and this rank's counters."""
-        return {"mode": "prefill", "bootstrap_port": self.port, "open": len(self.sending),
+        return {"mode": "prefill", "bootstrap_port": self.sender.port, "open": len(self.sending),
                 **dataclasses.asdict(self.counters)}
 
     def close(self) -> None:
