@@ -21,8 +21,8 @@ Here, on every rank that samples, :class:`GrammarMode`:
   ``max_tokens`` ends with "length");
 - never drops a grammar: a matcher that fails mid-request (it hit one of llguidance's limits, or
   refused a token sampled elsewhere -- a P/D prefill server's first token) ends that request
-  with finish reason "error" and error code ``grammar_failed`` (:meth:`GrammarMode.failures`);
-  its output so far is what the grammar allowed;
+  with finish reason "error" and error code ``grammar_failed`` (what :meth:`GrammarMode.constrain`
+  returns); its output so far is what the grammar allowed;
 - verify passes (speculative decoding): row j is masked after the last token and drafts 1..j,
   so a draft the grammar refuses has probability 0 and is rejected;
 - a *lazy* grammar (``GrammarSpec.triggers``: a tool call in an ``auto`` reply) masks nothing until
@@ -83,16 +83,14 @@ class GrammarMode(Mode):
         self.admitted_mask_us = 0
         self.admitted = 0
         self._lg: Any = None  # llguidance and its tokenizer, made on the builder thread
-        self._builder: Optional[StackedWorker] = None
-        self._masker: Optional[StackedWorker] = None
+        self._builder = StackedWorker("hicache-grammar-build", ENGINE_STACK_BYTES)  # (threads start at first use)
+        self._masker = StackedWorker("hicache-grammar-mask", ENGINE_STACK_BYTES)
         self._pending: dict[int, Future] = {}
-        self._failed: dict[int, dict[int, str]] = {}
-        self.masked_rows = 0
-        self.failed_requests = 0
-        self.lazy_triggered = 0  # lazy grammars that took over a reply (a tool call began)
-        self.lazy_released = 0  # ... and let go of it (the model wrote what they could not take)
+        # lazy_triggered: lazy grammars that took over a reply (a tool call began); lazy_released: ... and
+        # let go of it (the model wrote what they could not take)
+        self.counts = dict.fromkeys(("masked_rows", "failed_requests", "lazy_triggered", "lazy_released",
+                                     "evicted_templates"), 0)
         self._table: Optional[dict] = None  # the token table (tokenizer_config), read on the mask thread
-        self.evicted = 0
 
     # ---- admission ---------------------------------------------------------------------
     def admissible(self, req: Request) -> bool:
@@ -123,12 +121,10 @@ class GrammarMode(Mode):
             if t is not keep and t.agreed and not t.users:
                 del self._templates[spec]
                 self.held_bytes -= t.bytes
-                self.evicted += 1
+                self.counts["evicted_templates"] += 1
         return self.held_bytes + need <= self.memory_bytes
 
     def _start(self, spec: GrammarSpec) -> Template:
-        if self.samples and self._builder is None:
-            self._builder = StackedWorker("hicache-grammar-build", ENGINE_STACK_BYTES)
         template = Template(spec, self._builder.submit(self._build, spec) if self.samples else None,
                             patterns=compile_triggers(spec.triggers))
         self._templates[spec] = template
@@ -156,7 +152,7 @@ class GrammarMode(Mode):
             raise ValueError(first_line(matcher.get_error()))
         return matcher
 
-    def on_admit(self, req: Request) -> bool:
+    def on_admit(self, req: Request) -> None:
         spec = req.sampling.grammar
         if spec is not None:
             template = self._templates[spec]
@@ -166,7 +162,6 @@ class GrammarMode(Mode):
             self.admitted_mask_us += spec.cost.mask_us
             self.admitted += 1
             req.grammar = GrammarState(template, scan=TriggerScan(template.patterns) if spec.lazy else None)
-        return False
 
     def on_finish(self, req: Request) -> bool:
         """Release what ``req`` held. A request whose grammar failed retires its template: llguidance's
@@ -196,7 +191,7 @@ class GrammarMode(Mode):
         state.catch_up(req)  # its own matcher, made here (not in any batch yet: the mask thread does not hold it)
         if state.matcher.validate_tokens([token]) == 1:
             return None
-        self.failed_requests += 1
+        self.counts["failed_requests"] += 1
         return GRAMMAR_FAILED, self._failure(req, f"the prefill server's first token ({token}) breaks it")
 
     # ---- events: template builds -----------------------------------------------------------
@@ -227,34 +222,24 @@ class GrammarMode(Mode):
     # ---- masks -----------------------------------------------------------------------------
     def before_forward(self, batch: Batch, handed: Any = None) -> None:
         if self.overlap and self._grammar_rows(batch):
-            self._pending[id(batch)] = self._mask_thread().submit(self._row_masks, batch)
+            self._pending[id(batch)] = self._masker.submit(self._row_masks, batch)
 
-    def constrain(self, batch: Batch, logits: torch.Tensor) -> None:
+    def constrain(self, batch: Batch, logits: torch.Tensor) -> dict[int, tuple[str, str]]:
         future = self._pending.pop(id(batch), None)
         if future is None:
             if not self._grammar_rows(batch):
-                return
-            future = self._mask_thread().submit(self._row_masks, batch)
+                return {}
+            future = self._masker.submit(self._row_masks, batch)
         masks: RowMasks = future.result()
         with torch.inference_mode():  # the forward's logits are inference tensors
             for row, mask in zip(masks.rows, masks.masks):  # the masks are made on the CPU
                 logits[row].masked_fill_(~mask.to(logits.device), float("-inf"))
-        self.masked_rows += len(masks.rows)
-        if masks.failed:
-            self._failed[id(batch)] = masks.failed
-
-    def failures(self, batch: Batch) -> dict[int, tuple[str, str]]:
-        failed = self._failed.pop(id(batch), {})
-        self.failed_requests += len(failed)
-        return {i: (GRAMMAR_FAILED, why) for i, why in failed.items()}
+        self.counts["masked_rows"] += len(masks.rows)
+        self.counts["failed_requests"] += len(masks.failed)
+        return {i: (GRAMMAR_FAILED, why) for i, why in masks.failed.items()}
 
     def _grammar_rows(self, batch: Batch) -> bool:
         return self.samples and any(r.grammar is not None for r in batch.reqs)
-
-    def _mask_thread(self) -> StackedWorker:
-        if self._masker is None:
-            self._masker = StackedWorker("hicache-grammar-mask", ENGINE_STACK_BYTES)
-        return self._masker
 
     def _row_masks(self, batch: Batch) -> RowMasks:
         """The mask of every logits row a grammar request samples from in ``batch`` (mask thread)."""
@@ -279,12 +264,11 @@ class GrammarMode(Mode):
             if start is None:
                 return False
             state.scan, state.consumed = None, len(req.output_ids)
-            state.matcher = state.template.build.result().deep_copy()
-            self.lazy_triggered += 1
+            state.matcher = self._started(state.template, start)
+            self.counts["lazy_triggered"] += 1
             logger.info("grammar rid=%d: a tool call began after %d output tokens", req.rid, len(req.output_ids))
-            if not state.matcher.consume_tokens(self._encode(start)):
-                self._settle(req, i, f"it cannot take the call's beginning {start[:40]!r}", out)
-                return False
+            if state.matcher is None:
+                return self._settle(req, i, f"it cannot take the call's beginning {start[:40]!r}", out)
             return True
         return self._settle(req, i, state.catch_up(req), out) and state.holds
 
@@ -295,7 +279,7 @@ class GrammarMode(Mode):
         state: GrammarState = req.grammar
         if state.template.spec.lazy:
             state.released, state.matcher = True, None
-            self.lazy_released += 1
+            self.counts["lazy_released"] += 1
             logger.info("grammar rid=%d: the tool-call grammar let go after %d output tokens: %s", req.rid,
                         len(req.output_ids), why)
         else:
@@ -310,11 +294,15 @@ class GrammarMode(Mode):
             if state.scan is not None:
                 self._drafts_triggering(req, row, drafts, out)
             return
-        if not self._settle(req, i, self._add(out, row, state.matcher), out):
-            return
-        matcher, taken = state.matcher, 0
-        for j in range(1, len(drafts) + 1):
-            if matcher.try_consume_tokens([drafts[j - 1]]) != 1:
+        if self._settle(req, i, self._add(out, row, state.matcher), out):
+            self._mask_drafts(out, row, state.matcher, drafts)
+
+    def _mask_drafts(self, out: RowMasks, row: int, matcher: Any, drafts: Sequence[int]) -> None:
+        """Rows ``row + j`` (``j`` >= 1) masked after drafts[:j] (``row`` is already), up to a draft the
+        grammar refuses; ``matcher`` is rolled back to where it was."""
+        taken = 0
+        for j, draft in enumerate(drafts, start=1):
+            if matcher.try_consume_tokens([draft]) != 1:
                 break
             taken += 1
             if self._add(out, row + j, matcher):
@@ -333,12 +321,9 @@ class GrammarMode(Mode):
             start = scan.feed(ids, *text)
             if start is None:
                 continue
-            matcher = state.template.build.result().deep_copy()
-            if not matcher.consume_tokens(self._encode(start)):
-                return  # (plain decoding lets go here: nothing is masked)
-            for k in range(j, len(drafts) + 1):
-                if (k > j and matcher.try_consume_tokens([drafts[k - 1]]) != 1) or self._add(out, row + k, matcher):
-                    return
+            matcher = self._started(state.template, start)  # (None: plain decoding lets go here, nothing is masked)
+            if matcher is not None and not self._add(out, row + j, matcher):
+                self._mask_drafts(out, row + j, matcher, drafts[j:])
             return
 
     def _scan_text(self, template: Template) -> tuple[list[str], frozenset[int]]:
@@ -349,8 +334,11 @@ class GrammarMode(Mode):
             template.unseen = unseen_specials(template.patterns, self._table["tokens"], self._table["special"])
         return self._table["tokens"], template.unseen
 
-    def _encode(self, text: str) -> list[int]:
-        return self._tokenizer.backend.encode(text, add_special_tokens=False).ids
+    def _started(self, template: Template, start: str) -> Any:
+        """A copy of ``template``'s matcher that took a triggered grammar's ``start`` text; None if it cannot."""
+        matcher = template.build.result().deep_copy()
+        ids = self._tokenizer.backend.encode(start, add_special_tokens=False).ids
+        return matcher if matcher.consume_tokens(ids) else None
 
     def _add(self, out: RowMasks, row: int, matcher: Any) -> str:
         """Mask ``row`` by what ``matcher`` allows: "" or why it allows nothing."""
@@ -371,19 +359,16 @@ class GrammarMode(Mode):
                 f"after them was generated): {why}").rstrip(".")
 
     def stats(self) -> dict[str, Any]:
-        if not self._templates and not self.masked_rows and not self.failed_requests:
+        if not self._templates and not self.counts["masked_rows"] and not self.counts["failed_requests"]:
             return {}
-        return {"masked_rows": self.masked_rows, "failed_requests": self.failed_requests,
-                "lazy_triggered": self.lazy_triggered, "lazy_released": self.lazy_released,
-                "templates": len(self._templates), "evicted_templates": self.evicted, "admitted": self.admitted,
+        return {**self.counts, "templates": len(self._templates), "admitted": self.admitted,
                 "held_bytes": self.held_bytes, "peak_held_bytes": self.peak_held_bytes,
                 "budget_bytes": self.memory_bytes,
                 "admitted_mask_us": self.admitted_mask_us, "mask_budget_us": self.mask_us}
 
     def close(self) -> None:
-        for worker in (self._builder, self._masker):
-            if worker is not None:
-                worker.close()
+        self._builder.close()
+        self._masker.close()
 
 
 def build(ctx: ModeContext) -> Optional[Mode]:

@@ -44,11 +44,6 @@ class WorkerProcess:
         self.proc: Optional[subprocess.Popen] = None
         self._stderr = tempfile.TemporaryFile()
 
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 

@@ -48,6 +48,7 @@ from ..model.token_bytes import token_table
 from ..model.tokenizer import Tokenizer
 from .grammar_process import CheckerDown, CpuBudget, WorkerProcess, status
 from .sampling import GrammarCost, GrammarSpec
+from .stacked_worker import StackedWorker
 from .vet_queue import FairQueue, QueueFull, VetJob
 
 logger = logging.getLogger(__name__)
@@ -106,20 +107,22 @@ EXTERNAL_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, sig
 
 class _Verdict(NamedTuple):
     """What a check found: the vetted spec, or the error its callers get (None: nobody waits any
-    more); ``keep``: it cannot change with load, so it is cached."""
+    more); ``keep``: it cannot change with load, so it is cached; ``counted``: its key in
+    ``GrammarVetter.counts`` ("": none)."""
 
     outcome: Union[GrammarSpec, HicacheError, None]
     keep: bool
+    counted: str = ""
 
     @classmethod
     def refused(cls, message: str, keep: bool = True) -> "_Verdict":
         """A verdict on the grammar (HTTP 400)."""
-        return cls(InvalidRequestError(message, param="grammar"), keep)
+        return cls(InvalidRequestError(message, param="grammar"), keep, "refused")
 
     @classmethod
     def unavailable(cls, message: str) -> "_Verdict":
         """A verdict on the server (HTTP 503): never kept."""
-        return cls(OverloadedError(message), keep=False)
+        return cls(OverloadedError(message), False, "unavailable")
 
 
 class GrammarVetter:
@@ -132,7 +135,6 @@ class GrammarVetter:
                         "json_options": JSON_OPTIONS, "stack_bytes": VET_STACK_BYTES, "walk_steps": WALK_STEPS,
                         "memory_bytes": limits.memory_bytes + WORKER_HEADROOM_BYTES, "nice": 19, "parent": os.getpid()}
         self._lock = threading.Lock()
-        self._ready = threading.Condition(self._lock)
         self._verdicts: OrderedDict[GrammarSpec, tuple[Future, int]] = OrderedDict()  # kept: (verdict, chars)
         self._chars = 0
         self._open: dict[GrammarSpec, VetJob] = {}  # queued or running, and someone waits for it
@@ -141,8 +143,7 @@ class GrammarVetter:
         self._worker = WorkerProcess(self._config)
         self.counts = {"vetted": 0, "refused": 0, "crashed": 0, "timed_out": 0, "unavailable": 0, "abandoned": 0,
                        "displaced": 0}
-        self._thread = threading.Thread(target=self._serve, name="hicache-grammar-vet", daemon=True)
-        self._thread.start()
+        self._dispatcher = StackedWorker("hicache-grammar-vet", 0)  # one _check_next per job added, in turn
 
     def vet(self, spec: GrammarSpec, client: Hashable = None) -> Future:
         """A future of ``spec`` with its :class:`GrammarCost`; it raises InvalidRequestError
@@ -166,7 +167,9 @@ class GrammarVetter:
             _settle_future(displaced.verdict, OverloadedError(
                 f"{MAX_WAITING} grammars are waiting to be checked, this one for a client with more of them than "
                 "any other; retry later."))
-        source.add_done_callback(lambda done: _pass_on(done, mine))
+        # the job's verdict, copied to this caller's future (a caller that gave up is left alone)
+        source.add_done_callback(lambda done: _settle_future(mine, None if done.cancelled() else done.exception()
+                                                             or done.result()))
         return mine
 
     def _enqueue(self, spec: GrammarSpec, client: Hashable) -> tuple[VetJob, Optional[VetJob]]:
@@ -183,7 +186,7 @@ class GrammarVetter:
         if displaced is not None:
             del self._open[displaced.spec]
             self.counts["displaced"] += 1
-        self._ready.notify()
+        self._dispatcher.submit(self._check_next)
         return job, displaced
 
     def _give_up(self, job: VetJob, client: Hashable) -> None:
@@ -210,8 +213,7 @@ class GrammarVetter:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            self._ready.notify_all()
-        self._thread.join(timeout=10)
+        self._dispatcher.close()
         self._worker.close()
         with self._lock:
             left, self._open = list(self._open.values()), {}
@@ -219,36 +221,27 @@ class GrammarVetter:
             _settle_future(job.verdict, OverloadedError("the engine is shutting down."))
 
     # ---- the dispatcher thread -------------------------------------------------------
-    def _serve(self) -> None:
-        while (job := self._next()) is not None:
-            try:
-                verdict = self._check(job)
-            except Exception as e:  # a bug here must not leave the request waiting forever
-                logger.exception("grammar vetting failed")
-                verdict = _Verdict.unavailable(f"the {job.spec.kind} grammar could not be checked "
-                                               f"({type(e).__name__}); retry later.")
-            with self._lock:
-                if self._open.get(job.spec) is job:
-                    del self._open[job.spec]
-                if verdict.keep and verdict.outcome is not None:
-                    self._keep(job.spec, job.verdict, verdict.outcome)
-                self._count(verdict.outcome)
-            _settle_future(job.verdict, verdict.outcome)
-
-    def _next(self) -> Optional[VetJob]:
-        """The next job, once one waits; None once closed."""
+    def _check_next(self) -> None:
+        """Check the job whose turn it is, if any is left (jobs leave the queue when displaced or
+        abandoned, so some calls find none); nothing once closed."""
         with self._lock:
-            while not self._closed and not len(self._queue):
-                self._ready.wait()
-            return None if self._closed else self._queue.take()
-
-    def _count(self, outcome: Union[GrammarSpec, HicacheError, None]) -> None:
-        if isinstance(outcome, GrammarSpec):
-            self.counts["vetted"] += 1
-        elif isinstance(outcome, InvalidRequestError):
-            self.counts["refused"] += 1
-        elif outcome is not None:
-            self.counts["unavailable"] += 1
+            job = None if self._closed else self._queue.take()
+        if job is None:
+            return
+        try:
+            verdict = self._check(job)
+        except Exception as e:  # a bug here must not leave the request waiting forever
+            logger.exception("grammar vetting failed")
+            verdict = _Verdict.unavailable(f"the {job.spec.kind} grammar could not be checked "
+                                           f"({type(e).__name__}); retry later.")
+        with self._lock:
+            if self._open.get(job.spec) is job:
+                del self._open[job.spec]
+            if verdict.keep and verdict.outcome is not None:
+                self._keep(job.spec, job.verdict, verdict.outcome)
+            if verdict.counted:
+                self.counts[verdict.counted] += 1
+        _settle_future(job.verdict, verdict.outcome)
 
     def _check(self, job: VetJob) -> _Verdict:
         """The worker's verdict on ``job``'s grammar (a fresh worker if the last one is gone)."""
@@ -256,7 +249,7 @@ class GrammarVetter:
         try:
             if not self._worker.alive():
                 self._worker.start()
-            budget = CpuBudget(self._worker.pid, self.limits.timeout_s)
+            budget = CpuBudget(self._worker.proc.pid, self.limits.timeout_s)
             reply = self._worker.ask({"kind": spec.kind, "source": spec.source},
                                      lambda: job.abandoned or budget.spent())
         except CheckerDown as e:  # the server's trouble, not the grammar's
@@ -269,7 +262,7 @@ class GrammarVetter:
 
     def _stopped(self, job: VetJob, budget: CpuBudget) -> _Verdict:
         """Kill the worker at a deadline or for a job nobody waits for; what that means."""
-        spec, pid, cpu_s, wall_s = job.spec, self._worker.pid, budget.cpu_s(), budget.wall_s()
+        spec, pid, cpu_s, wall_s = job.spec, budget.pid, budget.cpu_s(), budget.wall_s()
         self._worker.stop()
         if job.abandoned:
             logger.info("grammar check: nobody waits for a %s grammar any more; worker pid=%d stopped", spec.kind, pid)
@@ -299,7 +292,7 @@ class GrammarVetter:
         logger.info("grammar vetted: %s, %d chars, compile %.0f CPU-ms, matcher %d + %d KiB, mask %d CPU-us over "
                     "%d tokens", spec.kind, len(spec.source), reply["compile_ms"], cost.template_bytes >> 10,
                     cost.request_bytes >> 10, cost.mask_us, reply["steps"])
-        return _Verdict(replace(spec, cost=cost), keep=True)
+        return _Verdict(replace(spec, cost=cost), True, "vetted")
 
     def _died(self, spec: GrammarSpec) -> _Verdict:
         """Why the worker stopped while compiling ``spec`` (it is replaced for the next grammar)."""
@@ -317,11 +310,6 @@ class GrammarVetter:
         if code == -signal.SIGSEGV:
             return _Verdict.refused(f"{what}: it crashed the grammar compiler (nested or chained too deeply).")
         return _Verdict.refused(f"{what}: it stopped the grammar compiler ({status(code)}).")
-
-
-def _pass_on(done: Future, to: Future) -> None:
-    """Copy a job's verdict to one caller's future (a caller that gave up is left alone)."""
-    _settle_future(to, None if done.cancelled() else done.exception() or done.result())
 
 
 def _settle_future(future: Future, outcome: Union[GrammarSpec, BaseException, None]) -> None:

@@ -41,10 +41,7 @@ def batch_logprobs(batch: Batch, logits: torch.Tensor, tokens: list) -> dict[int
     ``tokens`` (see ``Scheduler.sample``: an int, -1 for a prompt chunk, or a verify pass's list)."""
     out: dict[int, list[TokenLogprob]] = {}
     for i, (req, start, tok) in enumerate(zip(batch.reqs, batch.first_rows(), tokens)):
-        k = req.sampling.logprobs
-        many = isinstance(tok, (list, tuple))
-        if k is None or (not many and tok < 0):
-            continue
-        toks = tok if many else [tok]
-        out[i] = [row_logprob(logits[start + j], t, k) for j, t in enumerate(toks)]
+        k, toks = req.sampling.logprobs, tok if isinstance(tok, (list, tuple)) else [tok] if tok >= 0 else []
+        if k is not None and toks:
+            out[i] = [row_logprob(logits[start + j], t, k) for j, t in enumerate(toks)]
     return out

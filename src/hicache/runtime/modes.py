@@ -8,14 +8,15 @@ calls back into the scheduler. The fixed points, in step order::
 
     admission       reserve_slots()            KV slots a request needs past its own tokens
                     admissible(req)            False: it waits (e.g. its grammar's matcher is not built)
-                    on_admit(req)              True: its prompt's KV comes from elsewhere
+                    kv_arrives(req)            True: its prompt's KV comes from elsewhere (RECEIVING)
+                    on_admit(req)              it was admitted
     events          local_events()             this rank's view of the mode's open work items
                     apply_events(events)       -> [StartDecode | Fail | Release]
     batch           decode_batch(reqs)         a decode batch's kind, rows per request, drafts known now
     forward         before_forward(b, handed)  e.g. propose the drafts a verify pass checks
                     after_forward(b)           e.g. the draft's KV for a prefill chunk
     output          constrain(b, logits)       restrict what each row may sample (in place; grammars)
-                    failures(b)                requests that cannot go on (a grammar that failed) -> (code, error)
+                                               -> requests that cannot go on (a grammar failed): (code, error)
                     sample(b, logits)          a verify batch's accepted tokens
                     on_computed(req)           the target's KV grew (prefill chunk, first token)
                     refuses(req, token)        a token sampled elsewhere (P/D's first) cannot be its next
@@ -122,15 +123,15 @@ class Mode:
         return True
 
     def kv_arrives(self, req: Request) -> bool:
-        """Whether ``req``'s prompt KV will arrive from elsewhere (a P/D decode server's): then a
-        hybrid pool may hit a full-layer prefix whose window it does not hold, the window of the
-        prompt's end arriving with the rest (the fresh SWA tail)."""
+        """Whether ``req``'s prompt KV will arrive from elsewhere (a P/D decode server's): it is then
+        admitted RECEIVING, to wait for it instead of computing it, and a hybrid pool may hit a
+        full-layer prefix whose window it does not hold, the window of the prompt's end arriving
+        with the rest (the fresh SWA tail)."""
         return False
 
-    def on_admit(self, req: Request) -> bool:
-        """``req`` was just admitted (``req.computed`` prompt tokens hit); True: it waits for its
-        prompt's KV from elsewhere instead of computing it (status RECEIVING)."""
-        return False
+    def on_admit(self, req: Request) -> None:
+        """``req`` was just admitted (``req.computed`` prompt tokens hit; status PREFILL, or
+        RECEIVING where a mode's :meth:`kv_arrives` said so)."""
 
     # ---- events ---------------------------------------------------------------------------
     def open_work(self) -> int:
@@ -160,13 +161,10 @@ class Mode:
         """After ``batch``'s forward on this rank (before its output is used)."""
 
     # ---- output ---------------------------------------------------------------------------
-    def constrain(self, batch: Batch, logits: torch.Tensor) -> None:
-        """Set to -inf, in ``logits`` (the rows the batch samples from), what a row may not sample."""
-
-    def failures(self, batch: Batch) -> dict[int, tuple[str, str]]:
-        """Requests of ``batch`` (their index) that cannot go on, each with an error code and why:
-        they end with finish reason "error" instead of a token. Called after :meth:`constrain`,
-        on ranks that sample."""
+    def constrain(self, batch: Batch, logits: torch.Tensor) -> dict[int, tuple[str, str]]:
+        """Set to -inf, in ``logits`` (the rows the batch samples from), what a row may not sample
+        (on ranks that sample). Returns the requests of ``batch`` (their index) that cannot go on,
+        each with an error code and why: they end with finish reason "error" instead of a token."""
         return {}
 
     def sample(self, batch: Batch, logits: torch.Tensor) -> Optional[list]:

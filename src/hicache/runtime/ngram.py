@@ -148,27 +148,24 @@ class NgramSpeculator(SpeculativeMode):
 
     draft_kv = False
 
-    def __init__(self, settings: NgramSettings, index: Optional[TreeTokenIndex], row_budget: int = DECODE_ROWS,
-                 deterministic: bool = False) -> None:
+    def __init__(self, settings: NgramSettings, index: Optional[TreeTokenIndex], deterministic: bool = False) -> None:
         super().__init__(settings.max_drafts, deterministic)
         self.settings = settings
         self.index = index
-        self.row_budget = row_budget
         self.lookups = 0
         self.drafted_tokens = 0
 
-    def on_admit(self, req: Request) -> bool:
+    def on_admit(self, req: Request) -> None:
         super().on_admit(req)
         req.spec.drafting = Drafting(OwnText(self.settings.levels), self.settings.max_drafts,
                                      self.settings.min_window)
-        return False
 
     @consensus_check("ngram.decode_batch", args=lambda self, reqs: [r.rid for r in reqs],
                      result=lambda plan: None if plan is None else plan.proposal.tokens)
     def decode_batch(self, reqs: Sequence[Request]) -> Optional[DecodePlan]:
         """Each request's draft (maybe none), within the batch's row budget; None when no
         request drafts (a plain decode batch)."""
-        budget = max(self.row_budget, len(reqs)) - len(reqs)
+        budget = max(DECODE_ROWS, len(reqs)) - len(reqs)
         found = [self._draft(r) for r in reqs]
         order = sorted(range(len(reqs)), key=lambda i: -found[i][1])  # the longest matches first
         drafts: list[list[int]] = [[] for _ in reqs]

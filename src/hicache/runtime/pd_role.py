@@ -85,8 +85,7 @@ class PrefillRole(Mode):
         self.cache = cache
         self.sender = KVSender(cache.pool, port if ranks.rank == 0 else 0, host, ranks.heads, timeout_s,
                                _writes(transport, cache, host))
-        self.port = self.sender.port
-        mine = RankEndpoint(host, self.port, ranks.heads).to_wire()
+        mine = RankEndpoint(host, self.sender.port, ranks.heads).to_wire()
         self.sender.start([RankEndpoint.from_wire(item, host) for item in ranks.gather(mine)])
         self.sending: list[tuple[Request, Send, Callable | None]] = []  # with its deferred finish report
         self.counters = TransferStats()
@@ -139,7 +138,7 @@ class PrefillRole(Mode):
 
     def stats(self) -> dict:
         """``Engine.stats()["disaggregation"]``: the mode, open transfers and this rank's counters."""
-        return {"mode": "prefill", "bootstrap_port": self.port, "open": len(self.sending),
+        return {"mode": "prefill", "bootstrap_port": self.sender.port, "open": len(self.sending),
                 **dataclasses.asdict(self.counters)}
 
     def close(self) -> None:
@@ -170,12 +169,12 @@ class DecodeRole(Mode):
     def kv_arrives(self, req: Request) -> bool:
         return req.pd is not None
 
-    def on_admit(self, req: Request) -> bool:
+    def on_admit(self, req: Request) -> None:
         """``req`` was admitted with ``req.computed`` prompt tokens from local tiers (a hybrid pool:
         its full layers', the window of the prompt's end to receive): ask the prefill server for the
         rest."""
         if req.pd is None:
-            return False
+            return
         boot = req.pd.bootstrap
         now = time.perf_counter()
         n = len(req.prompt_ids)
@@ -190,7 +189,6 @@ class DecodeRole(Mode):
         if self.ranks.rank == 0:
             logger.info("P/D decode rid=%d room=%d: decode_prefix_len=%d of %d, asking %s for the rest",
                         req.rid, job.room, req.computed, len(req.prompt_ids), job.address)
-        return True
 
     def on_finish(self, req: Request) -> bool:
         """An aborted request still receiving: its pages stay held until the transfer ends."""

@@ -90,22 +90,23 @@ class PenaltyMode(Mode):
         self.stop_ids = torch.as_tensor(sorted(eos_token_ids), dtype=torch.long)
         self.adjusted_rows = 0
 
-    def on_admit(self, req: Request) -> bool:
+    def on_admit(self, req: Request) -> None:
         if req.sampling.adjusts_logits and self.samples:
             req.penalty = PenaltyState.admitted(req, self.vocab_size)
-        return False
 
-    def constrain(self, batch: Batch, logits: torch.Tensor) -> None:
+    def constrain(self, batch: Batch, logits: torch.Tensor) -> dict[int, tuple[str, str]]:
+        """Adjust the rows of requests with a :class:`PenaltyState`; it fails no request."""
         if not any(r.penalty is not None for r in batch.reqs):
-            return
+            return {}
         with torch.inference_mode():  # the forward's logits are inference tensors
             if batch.kind != BatchKind.VERIFY:
                 for i in batch.result_rows():
                     self._adjust(batch.reqs[i], logits[i], ())
-                return
+                return {}
             for req, n, row, drafts in zip(batch.reqs, batch.new_tokens, batch.first_rows(), batch.proposal.tokens):
                 for j in range(n):  # row j: after the last token and drafts[:j]
                     self._adjust(req, logits[row + j], drafts[:j])
+        return {}
 
     def _adjust(self, req: Request, row: torch.Tensor, drafts: Sequence[int]) -> None:
         state = req.penalty

@@ -35,10 +35,6 @@ from .storage_layout import plan_index, unified_plans
 logger = logging.getLogger(__name__)
 
 
-def _alone(values: list[int]) -> list[int]:
-    return values
-
-
 @dataclass(frozen=True)
 class RankContext:
     """What a rank group tells :func:`~hicache.runtime.core.build_core` of this rank; a lone
@@ -52,7 +48,7 @@ class RankContext:
     ``pd_ranks``, ``share_draws``: what the modes need of the group (runtime/mode_registry.py)."""
 
     shard: ModelShard | None = None
-    agree: Callable[[list[int]], list[int]] = _alone
+    agree: Callable[[list[int]], list[int]] = list  # alone: its own counts
     storage_agree: tuple[Agree, Agree] | None = None
     memory_share: int = 1
     staging_bytes: int = 0

@@ -172,7 +172,7 @@ class GenerateResult:
         admitted = req.cached is not None  # False when aborted before admission: it never held anything
         details = dict(req.cached) if admitted else {"device": 0, "host": 0, "storage": 0}
         started = req.first_token_time > 0
-        spec, pd = req.spec, req.pd
+        spec, pd = req.spec or SpecState(), req.pd or PDState(None)
         return cls(
             rid=req.rid, text=req.text, output_ids=list(req.output_ids),
             prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
@@ -182,9 +182,8 @@ class GenerateResult:
             forward_time_s=req.first_token_time - req.admitted_time if started else 0.0,
             e2e_s=req.finish_time - req.arrival_time if req.finish_time else 0.0,
             error=req.error, error_code=req.error_code,
-            spec_accept_length=spec.accept_length if spec else 0.0, spec_verify_steps=spec.verify_steps if spec else 0,
-            disaggregated=pd is not None, decode_prefix_len=pd.decode_prefix_len if pd else 0,
-            kv_transferred_tokens=pd.transferred_tokens if pd else 0,
-            kv_transferred_bytes=pd.transferred_bytes if pd else 0,
+            spec_accept_length=spec.accept_length, spec_verify_steps=spec.verify_steps,
+            disaggregated=req.pd is not None, decode_prefix_len=pd.decode_prefix_len,
+            kv_transferred_tokens=pd.transferred_tokens, kv_transferred_bytes=pd.transferred_bytes,
             logprobs=list(req.logprobs),
         )

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -33,7 +33,7 @@ logger = logging.getLogger("hicache.runtime.scheduler")  # the scheduler's event
 
 class Results:
     """The scheduler's result phases (mixed into :class:`~hicache.runtime.scheduler.Scheduler`,
-    which sets these fields and defines ``_end``)."""
+    which sets these fields)."""
 
     cache: KVCacheManager
     decode_text: Callable[[Sequence[int]], str]
@@ -41,8 +41,7 @@ class Results:
     modes: list[Mode]
     running: list[Request]
     waiting: deque[Request]
-    deterministic: bool
-    shared_prefill_wait: bool
+    policy: Any  # the scheduler's SchedulePolicy
     prefill_computed_tokens: int
 
     def sample(self, batch: "Batch", logits: torch.Tensor) -> Sampled:
@@ -50,9 +49,7 @@ class Results:
         computed a chunk of its prompt. ``logits``: ``[len(batch.reqs), vocab]``. A batch a
         mode composed: what the mode samples (each request's accepted tokens). The modes
         constrain the logits first (grammar masks, penalties); logprobs are of those logits."""
-        for mode in self.modes:
-            mode.constrain(batch, logits)
-        failed = {i: code_why for m in self.modes for i, code_why in m.failures(batch).items()}
+        failed = {i: code_why for m in self.modes for i, code_why in m.constrain(batch, logits).items()}
         tokens = self._tokens(batch, logits)
         for i in failed:
             tokens[i] = -1
@@ -60,16 +57,15 @@ class Results:
         return Sampled(tokens, batch_logprobs(batch, logits, tokens) if wanted else {}, failed)
 
     def _tokens(self, batch: "Batch", logits: torch.Tensor) -> list:
-        for mode in self.modes:
-            tokens = mode.sample(batch, logits)
-            if tokens is not None:
-                return tokens
+        composed = next((t for m in self.modes if (t := m.sample(batch, logits)) is not None), None)
+        if composed is not None:  # a batch a mode composed: the tokens it sampled
+            return composed
         rows = batch.result_rows()
         out = [-1] * len(batch.reqs)
         if rows:
             reqs = [batch.reqs[i] for i in rows]
             # the new token's index in all_ids: what a keyed sample is keyed by
-            positions = [len(r.all_ids) for r in reqs] if self.deterministic else None
+            positions = [len(r.all_ids) for r in reqs] if self.policy.deterministic else None
             # Every row (a decode batch): no copy of the [rows, vocab] logits (~0.3 ms for 4 rows).
             picked = logits if len(rows) == logits.shape[0] else logits[rows]
             for i, tok in zip(rows, sample(picked, [r.sampling for r in reqs], [r.generator for r in reqs],
@@ -103,7 +99,7 @@ class Results:
                     self.cache.cache_prefix(req.namespace, req.tokens_with_kv(), req.kv)
                     continue
                 if any(w.waits_for == req.rid for w in self.waiting) or (
-                        self.shared_prefill_wait and awaited(req, self.waiting, self.cache.page_size)):
+                        self.policy.shared_prefill_wait and awaited(req, self.waiting, self.cache.page_size)):
                     self.cache.cache_prefix(req.namespace, req.tokens_with_kv(), req.kv)  # for those who wait
                 req.first_token_time = now
                 req.status = Status.DECODE
@@ -144,9 +140,16 @@ class Results:
             req.notify()
 
     def _finish(self, req: Request, reason: str) -> None:
-        if not any([m.on_finish(req) for m in self.modes]):  # else a mode still uses its KV
-            self.release_kv(req)
-        self.running.remove(req)
+        """Finish ``req`` with ``reason``, running or still in the queue (then it holds only its prefetch)."""
+        if any(r is req for r in self.waiting):
+            self.waiting.remove(req)
+            if req.prefetch is not None:
+                self.cache.finish_prefetch(req.prefetch.op, req.tokens_np)
+                req.prefetch = None
+        else:
+            if not any([m.on_finish(req) for m in self.modes]):  # else a mode still uses its KV
+                self.release_kv(req)
+            self.running.remove(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.finish_time = time.perf_counter()
@@ -155,12 +158,10 @@ class Results:
         if cut >= 0:  # the stop string itself is not part of the answer
             req.text = req.text[:cut]
         req.notify()
-        logger.info(
-            "finish rid=%d reason=%s prompt=%d output=%d ttft=%.3fs e2e=%.3fs",
-            req.rid, reason, len(req.prompt_ids), len(req.output_ids),
-            req.first_token_time - req.arrival_time if req.first_token_time else -1.0,
-            req.finish_time - req.arrival_time,
-        )
+        logger.info("finish rid=%d reason=%s prompt=%d output=%d ttft=%.3fs e2e=%.3fs", req.rid, reason,
+                    len(req.prompt_ids), len(req.output_ids),
+                    req.first_token_time - req.arrival_time if req.first_token_time else -1.0,
+                    req.finish_time - req.arrival_time)
 
     def release_kv(self, req: Request) -> None:
         """Cache the pages of ``req`` that have KV, free the rest, drop its lock."""
@@ -169,7 +170,7 @@ class Results:
     def _fail(self, req: Request, code: str, error: str, finished: list[Request]) -> None:
         """End ``req`` with finish reason "error" (a mode's ``code``), running or still waiting."""
         req.error, req.error_code = error, code
-        self._end(req, "error")
+        self._finish(req, "error")
         finished.append(req)
 
     def _start_decode(self, req: Request, first_token: int, finished: list[Request]) -> None:

@@ -90,18 +90,22 @@ class GrammarSpec:
         return bool(self.triggers)
 
     def validate(self) -> None:
+        """InvalidRequestError (``param="grammar"``) for a grammar no backend is asked to compile."""
+        def refuse(message: str) -> None:
+            raise InvalidRequestError(message, param="grammar")
+
         if self.kind not in GRAMMAR_KINDS:
-            raise InvalidRequestError(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.kind!r}.")
+            refuse(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.kind!r}.")
         if not isinstance(self.source, str) or not self.source:
-            raise InvalidRequestError(f"the {self.kind} grammar must be a non-empty string.")
+            refuse(f"the {self.kind} grammar must be a non-empty string.")
         if len(self.source) > MAX_GRAMMAR_CHARS:
-            raise InvalidRequestError(f"the {self.kind} grammar has {len(self.source)} characters; at most "
-                                      f"{MAX_GRAMMAR_CHARS} are accepted.")
+            refuse(f"the {self.kind} grammar has {len(self.source)} characters; at most {MAX_GRAMMAR_CHARS} are "
+                   "accepted.")
         for pattern, _ in self.triggers:
             try:
                 re.compile(pattern.encode())
             except re.error as e:
-                raise InvalidRequestError(f"the grammar trigger {pattern!r} is not a regular expression: {e}.") from None
+                refuse(f"the grammar trigger {pattern!r} is not a regular expression: {e}.")
 
 
 @dataclass
@@ -152,10 +156,7 @@ class SamplingParams:
         self._validate_stop(refuse)
         self._validate_adjustments(refuse)
         if self.grammar is not None:
-            try:
-                self.grammar.validate()
-            except InvalidRequestError as e:
-                refuse("grammar", str(e))
+            self.grammar.validate()
             for name, given in (("ignore_eos", self.ignore_eos), ("min_tokens", self.min_tokens > 0)):
                 if given:
                     refuse(name, f"{name} cannot be combined with a grammar: the grammar decides where the output ends.")

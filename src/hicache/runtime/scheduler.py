@@ -62,8 +62,6 @@ class Scheduler(Results):
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.modes = list(modes)
-        self.deterministic = policy.deterministic
-        self.shared_prefill_wait = policy.shared_prefill_wait
         # slots a request reserves past its tokens (a mode's passes may write KV there)
         self.reserve_slots = sum(m.reserve_slots() for m in self.modes)
         self.prefill_computed_tokens = 0  # prompt tokens the forward computed (cache hits excluded)
@@ -100,20 +98,8 @@ class Scheduler(Results):
         """Drop a request wherever it is, freeing what it holds. The request, if it was found."""
         req = next((r for r in (*self.waiting, *self.running) if r.rid == rid), None)
         if req is not None:
-            self._end(req, "abort")
+            self._finish(req, "abort")
         return req
-
-    def _end(self, req: Request, reason: str) -> None:
-        """Finish ``req`` with ``reason``, running or still in the queue (then it holds only its prefetch)."""
-        if not any(r is req for r in self.waiting):
-            self._finish(req, reason)
-            return
-        self.waiting.remove(req)
-        if req.prefetch is not None:
-            self.cache.finish_prefetch(req.prefetch.op, req.tokens_np)
-            req.prefetch = None
-        req.status, req.finish_reason, req.finish_time = Status.FINISHED, reason, time.perf_counter()
-        req.notify()
 
     # ---- events: what background work finished, applied only as agreed ----------------
     def pending_prefetches(self) -> list[Request]:
@@ -221,9 +207,9 @@ class Scheduler(Results):
                 continue  # its storage read is still arriving; later requests may go first
             if req.waits_for is not None and self._prompt_pending(req.waits_for):
                 continue  # n > 1: admitted once its sibling's prompt is cached, to share its pages
-            if self.shared_prefill_wait and computing_prefix_of(req, self.running) is not None:
+            if self.policy.shared_prefill_wait and computing_prefix_of(req, self.running) is not None:
                 continue  # another request is computing its first tokens: it hits them once cached
-            if self.shared_prefill_wait:
+            if self.policy.shared_prefill_wait:
                 self._share_computed_prompt(req)
             if shares.over(req, self.cache.pages_for(self._reserve_tokens(req))):
                 continue  # its group has its share: others first
@@ -234,9 +220,10 @@ class Scheduler(Results):
             shares.admitted(req)
             self.waiting.remove(req)
             self.running.append(req)
-            if any([m.on_admit(req) for m in self.modes]):  # every mode hears of it
-                req.status = Status.RECEIVING  # its prompt's KV comes from elsewhere
-                continue
+            for mode in self.modes:
+                mode.on_admit(req)
+            if req.status is Status.RECEIVING:
+                continue  # its prompt's KV comes from elsewhere
             n = min(len(req.prompt_ids) - req.computed, budget)
             batch.append((req, n))
             budget -= n
@@ -280,13 +267,10 @@ class Scheduler(Results):
             return False
         req.kv = kv
         req.cached = {"device": kv.device_hit_tokens, "host": kv.host_hit_tokens, "storage": kv.storage_hit_tokens}
-        req.computed = kv.device_hit_tokens + kv.host_hit_tokens + kv.storage_hit_tokens
-        req.status = Status.PREFILL
+        req.computed = sum(req.cached.values())
+        req.status = Status.RECEIVING if arrives else Status.PREFILL
         req.admitted_time = time.perf_counter()
-        logger.info(
-            "admit rid=%d prompt=%d cached(device=%d host=%d storage=%d) queue=%.3fs",
-            req.rid, len(req.prompt_ids), kv.device_hit_tokens, kv.host_hit_tokens, kv.storage_hit_tokens,
-            req.admitted_time - req.arrival_time,
-        )
+        logger.info("admit rid=%d prompt=%d cached(device=%d host=%d storage=%d) queue=%.3fs", req.rid,
+                    len(req.prompt_ids), *req.cached.values(), req.admitted_time - req.arrival_time)
         req.notify()  # before its first token: a stream can start (Anthropic's message_start)
         return True

@@ -27,12 +27,9 @@ SHARED_PREFILL_MIN = 64
 def computing_prefix_of(req: Request, running: Sequence[Request], min_tokens: int = SHARED_PREFILL_MIN) -> Optional[int]:
     """The rid of the first request in ``running`` computing a prompt that starts with at least
     ``min_tokens`` of ``req``'s tokens it has not computed yet; None if there is none."""
-    for other in running:
-        if other.status is not Status.PREFILL or other.namespace != req.namespace:
-            continue
-        if common_prefix(other.tokens_np, req.tokens_np) - other.computed >= min_tokens:
-            return other.rid
-    return None
+    other = next((o for o in running if o.status is Status.PREFILL and o.namespace == req.namespace
+                  and common_prefix(o.tokens_np, req.tokens_np) - o.computed >= min_tokens), None)
+    return None if other is None else other.rid
 
 
 def computed_prompt_of(req: Request, running: Sequence[Request], page_size: int,
@@ -42,12 +39,9 @@ def computed_prompt_of(req: Request, running: Sequence[Request], page_size: int,
     was on its way); None if there is none. Its prompt is cached for ``req`` to hit. Not on a hybrid
     pool (``kv.window`` held): a decoding request has given up the window pages behind its window,
     so the prompt's end is no longer a boundary its window component can serve."""
-    for other in running:
-        if other.status is not Status.DECODE or other.namespace != req.namespace or other.kv.window is not None:
-            continue
-        if common_prefix(other.tokens_np, req.tokens_np) - other.kv.cached_pages * page_size >= min_tokens:
-            return other
-    return None
+    return next((o for o in running if o.status is Status.DECODE and o.namespace == req.namespace
+                 and o.kv.window is None
+                 and common_prefix(o.tokens_np, req.tokens_np) - o.kv.cached_pages * page_size >= min_tokens), None)
 
 
 def awaited(req: Request, waiting: Sequence[Request], page_size: int, min_tokens: int = SHARED_PREFILL_MIN) -> bool:

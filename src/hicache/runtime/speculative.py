@@ -140,9 +140,8 @@ class SpeculativeMode(Mode):
     def reserve_slots(self) -> int:
         return self.num_steps  # a verify pass writes KV for its drafts past the last token
 
-    def on_admit(self, req: Request) -> bool:
+    def on_admit(self, req: Request) -> None:
         req.spec = SpecState.admitted(req, self.draft_kv)
-        return False
 
     def sample(self, batch: Batch, logits: torch.Tensor) -> Optional[list]:
         return self.verify(batch, logits) if batch.kind == BatchKind.VERIFY else None
@@ -339,11 +338,11 @@ def build(ctx: ModeContext) -> Optional[Mode]:
     """The speculative mode (``--speculative-algorithm``): the draft's runner over its KV (packed:
     the layers after the target's; else the sidecar); with speculation on and no draft here (a
     later pipeline stage) one that only verifies what the first stage proposed."""
+    if ctx.draft is None and not ctx.cfg.uses_draft_model:
+        return None
+    runner = None
     if ctx.draft is not None:
         cache = ctx.cache
         view = LayerWindow(cache.kv_view, ctx.layers, ctx.draft_packed) if ctx.draft_packed else cache.sidecar_view
-        return Speculator(ModelRunner(ctx.draft.model, view, ctx.device), ctx.cfg.speculative_steps, ctx.share_draws,
-                          ctx.cfg.enable_deterministic_inference)
-    if ctx.cfg.uses_draft_model:
-        return Speculator(None, ctx.cfg.speculative_steps, ctx.share_draws, ctx.cfg.enable_deterministic_inference)
-    return None
+        runner = ModelRunner(ctx.draft.model, view, ctx.device)
+    return Speculator(runner, ctx.cfg.speculative_steps, ctx.share_draws, ctx.cfg.enable_deterministic_inference)

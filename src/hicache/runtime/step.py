@@ -60,11 +60,9 @@ class Inbound:
 class Agreement(Protocol):
     def agree(self, local: StepEvents, inbound: Optional[Inbound]) -> StepEvents:
         """The events every rank of the group applies this step."""
-        ...
 
     def confirm(self, batch: Optional[Batch], inbound: Optional[Inbound]) -> None:
         """Raise if this rank scheduled something other than its group (before the forward)."""
-        ...
 
 
 class _Alone:
@@ -74,7 +72,7 @@ class _Alone:
         return local
 
     def confirm(self, batch: Optional[Batch], inbound: Optional[Inbound]) -> None:
-        pass
+        """Nothing to compare with."""
 
 
 ALONE: Agreement = _Alone()
@@ -85,7 +83,6 @@ class Output(Protocol):
                 inbound: Optional[Inbound]) -> list[Request]:
         """Do this stage's part with the forward's output (``batch`` None: nothing ran, but a
         pipeline stage still passes the step on). Returns the requests that finished."""
-        ...
 
 
 @dataclass

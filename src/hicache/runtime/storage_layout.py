@@ -9,13 +9,7 @@ from typing import Any
 import torch
 
 from ..cache.storage.page_objects import DRAFT_PREFIX, NAMESPACE_KEY_HEX, WINDOW_SUFFIX
-from ..cache.storage.unified import (
-    DraftPlan,
-    RankShard,
-    StorageGrid,
-    UnifiedPlan,
-    plan_rank,
-)
+from ..cache.storage.unified import DraftPlan, RankShard, StorageGrid, UnifiedPlan, plan_rank
 from ..config import EngineConfig
 from ..model.parallel import model_shard
 from ..model.spec import ModelSpec
@@ -82,32 +76,25 @@ def layout_report(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, tree_n
     # a hybrid pool's objects (full and "_swa" window cells) have a namespace of their own
     window = spec.sliding_window if hybrid else 0
     keys = plans[0].key_namespace(cfg.page_size, str(dtype), spec.head_dim, window)
-    digest = keys.digest(tree_namespace)
+    holders = stage_holders(cfg)
     return {
-        "key_scheme": "unified",
-        "storage_backend": cfg.hicache_storage_backend,
-        "namespace": tree_namespace,
-        "namespace_digest": digest.hex(),
-        "key_pattern": KEY_PATTERN,
-        "key_namespace_digest_chars": NAMESPACE_KEY_HEX,
-        "page_size": cfg.page_size,
+        "key_scheme": "unified", "storage_backend": cfg.hicache_storage_backend, "namespace": tree_namespace,
+        "namespace_digest": keys.digest(tree_namespace).hex(), "key_pattern": KEY_PATTERN,
+        "key_namespace_digest_chars": NAMESPACE_KEY_HEX, "page_size": cfg.page_size,
         "object_layout": keys.object_layout,
         "window_cells": f"{KEY_PATTERN}{WINDOW_SUFFIX} (checkpoint pages only)" if window else None,
         "grid": {"layer_ranges": grid.layer_ranges, "head_groups": len(grid.groups), "mla": grid.mla,
                  "layer_partition": grid.layer_partition, "head_partition": None if grid.mla else grid.head_partition,
                  "objects_per_page": len(grid.cells())},
         # one entry per holder of a stage (stage_holders: with page-sharded KV each page's owner)
-        "ranks": [{"rank": p.shard.rank, "tp_rank": p.shard.rank % stage_holders(cfg),
-                   "pp_rank": p.shard.rank // stage_holders(cfg),
+        "ranks": [{"rank": p.shard.rank, "tp_rank": p.shard.rank % holders, "pp_rank": p.shard.rank // holders,
                    "layers": [p.shard.layers.start, p.shard.layers.stop],
                    "kv_heads": [p.shard.kv_heads.start, p.shard.kv_heads.stop],
-                   "reads": [c.suffix for c in p.objects.reads] + _draft_suffixes(p, "reads"),
-                   "writes": [c.suffix for c in p.objects.writes] + _draft_suffixes(p, "writes")}
-                  for p in plans],
+                   **{which: _suffixes(p, which) for which in ("reads", "writes")}} for p in plans],
     }
 
 
-def _draft_suffixes(plan: UnifiedPlan, which: str) -> list[str]:
-    if plan.draft is None:
-        return []
-    return [DRAFT_PREFIX + c.suffix for c in getattr(plan.draft.objects, which)]
+def _suffixes(plan: UnifiedPlan, which: str) -> list[str]:
+    """The cells ``plan`` reads or writes (``which``), its draft's prefixed ``draft_``."""
+    own = [c.suffix for c in getattr(plan.objects, which)]
+    return own + ([DRAFT_PREFIX + c.suffix for c in getattr(plan.draft.objects, which)] if plan.draft else [])
