@@ -113,15 +113,12 @@ class CPLayout:
     page_size: int
     decode_rows: Optional[list[torch.Tensor]] = None  # sharded decode: each context's keys on this rank
     gather: Optional[PrefixGather] = None
+    # (not a field) Never a decode over this rank's pool alone: the fused native decode layer never serves it.
+    decode = None
 
     @property
     def prefill(self) -> bool:
         return self.decode_rows is None
-
-    @property
-    def decode(self) -> None:
-        """Never a decode over this rank's pool alone: the fused native decode layer never serves it."""
-        return None
 
     def final_rows(self, h: torch.Tensor) -> torch.Tensor:
         """The wanted logits rows ``[num_logits, hidden]`` on every rank: each row's holder puts
