@@ -98,11 +98,10 @@ class DecodeStack:
             return None
         attn, layout, indices = layers[0].self_attn, batch.attn.decode, self._kv_layers
         groups = [window_group(kv, indices[i]) for i in self._local]  # a shared hybrid pool's sliding groups
-        local_cos, local_sin = local if local is not None and self._local else (cos, sin)
         view: tuple = (None,) * 5
         if self._local:  # one layout for every sliding group: a row of slots per group in a shared pool
             local_layout = batch.attn.window_decode(self._window)  # type: ignore[attr-defined]
-            view = (local_cos, local_sin, local_layout.out_slots, local_layout.kv_slots, local_layout.lengths)
+            view = (*(local or (cos, sin)), local_layout.out_slots, local_layout.kv_slots, local_layout.lengths)
         return ops.decode_layers(x, operands[0], operands[1], layers[0].input_layernorm.eps, *operands[2:7], cos, sin,
                                  attn.num_heads, attn.num_kv_heads, [kv.k_buffers[i] for i in indices],
                                  [kv.v_buffers[i] for i in indices], layout.out_slots, layout.kv_slots, layout.lengths,

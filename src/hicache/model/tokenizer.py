@@ -178,10 +178,8 @@ def load_hf_tokenizer(folder: Path, config: dict) -> Tokenizer:
     bos = lookup(tcfg.get("bos_token"))
     if bos is None:
         bos = next(iter(_as_id_list(gen.get("bos_token_id")) or _as_id_list(config.get("bos_token_id"))), None)
-    eos: set[int] = set(_as_id_list(gen.get("eos_token_id"))) | set(_as_id_list(config.get("eos_token_id")))
-    eos_from_cfg = lookup(tcfg.get("eos_token"))
-    if eos_from_cfg is not None:
-        eos.add(eos_from_cfg)
+    eos: set[int] = {*_as_id_list(gen.get("eos_token_id")), *_as_id_list(config.get("eos_token_id")),
+                     lookup(tcfg.get("eos_token"))} - {None}
 
     # Whether the model expects a leading BOS: tokenizer_config says so, or tokenizer.json's
     # post-processor adds one (Llama 3 style) -- detected by encoding with and without specials.
