@@ -38,14 +38,11 @@ from hicache.model.paged import PagedBackend
 from hicache.model.parallel import split
 from hicache.model.prefix_gather import CPGroup, PrefixGather
 
-CP_STRATEGIES = ("zigzag", "interleave")
-
 
 def split_new_tokens(first_position: int, n: int, size: int, strategy: str, page_size: int) -> list[list[tuple[int, int]]]:
     """Per CP rank, the ``(offset, length)`` pieces of a sequence's ``n`` new tokens (offsets
-    from its first new token, at absolute position ``first_position``); adjacent pieces merged."""
-    if strategy not in CP_STRATEGIES:
-        raise ValueError(f"cp strategy {strategy!r}: expected one of {', '.join(CP_STRATEGIES)}")
+    from its first new token, at absolute position ``first_position``); adjacent pieces merged.
+    ``strategy``: one of :data:`hicache.config.CP_STRATEGIES` (``--cp-strategy`` checks it)."""
     pieces: list[list[tuple[int, int]]] = [[] for _ in range(size)]
 
     def add(rank: int, start: int, length: int) -> None:
@@ -149,7 +146,7 @@ class CPSetup(Protocol):
     """An engine's place in a CP group, as the runtime builds it (``runtime/runner.py``)."""
 
     group: CPGroup
-    strategy: str  # one of CP_STRATEGIES
+    strategy: str  # one of hicache.config.CP_STRATEGIES
     page_size: int
     gather: Optional[PrefixGather]  # sharded KV: the prefix-gather scratch; None: replicated
     split_tokens: bool  # False: the group's ranks hold other heads of the same tokens (MLA attention-TP)
