@@ -119,7 +119,7 @@ class PagedMetadata:
     # pool, issue 56: the layer's KVView says its group).
     window_contexts: Optional[list[torch.Tensor]] = None
     _windows: dict = field(default_factory=dict, compare=False, repr=False)  # (window, group) -> its PagedMetadata
-    _group_layouts: dict = field(default_factory=dict, compare=False, repr=False)  # window -> every group's layout
+    _window_layouts: dict = field(default_factory=dict, compare=False, repr=False)  # window -> its decode layout
 
     def final_rows(self, h: torch.Tensor) -> torch.Tensor:
         return h[self.logits_index]
@@ -154,11 +154,11 @@ class PagedMetadata:
         five groups' layouts were ~2 ms of a Gemma 3 270M decode step)."""
         if self.decode is None or self._reads_whole(window):
             return self.decode
-        if window not in self._group_layouts:
+        if window not in self._window_layouts:
             device, contexts = self.out_slots.device, self.window_contexts or self.contexts
             out_slots = torch.cat([c[..., c.shape[-1] - n:] for c, n in zip(contexts, self.lens)], dim=-1).to(device)
-            self._group_layouts[window] = _decode_layout(out_slots, contexts, self.lens, device, window)
-        return self._group_layouts[window]
+            self._window_layouts[window] = _decode_layout(out_slots, contexts, self.lens, device, window)
+        return self._window_layouts[window]
 
 
 def slot_runs(slots: torch.Tensor) -> list[tuple[int, int]]:
