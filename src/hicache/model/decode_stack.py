@@ -61,8 +61,7 @@ class DecodeStack:
             self._operands = (
                 [layer.input_layernorm.weight for layer in layers],
                 [layer.pre_mlp_norm().weight for layer in layers],
-                [n for one in per_layer for n in one[0]], [k for one in per_layer for k in one[1]],
-                [q for one in per_layer for q in one[2]], [w for one in per_layer for w in one[3]],
+                *([x for one in per_layer for x in one[i]] for i in range(4)),  # part counts, kinds, qtypes, weights
                 [] if biases[0] is None else biases,
                 [w for qk, _ in styles for w in qk], [w for _, post in styles for w in post],
             )
