@@ -139,9 +139,7 @@ RANDOM_SPECIAL_TOKENS = ("<bos>", "<eos>", "<|im_start|>", "<|im_end|>")
 def byte_tokenizer() -> Tokenizer:
     """A tiny real tokenizer for random models: ids 0-255 are the bytes, then 4 specials (256-259)."""
     alphabet = bytes_to_unicode()
-    vocab = {alphabet[b]: b for b in range(256)}
-    for i, special in enumerate(RANDOM_SPECIAL_TOKENS):
-        vocab[special] = 256 + i
+    vocab = {alphabet[b]: b for b in range(256)} | {s: 256 + i for i, s in enumerate(RANDOM_SPECIAL_TOKENS)}
     tok = byte_level_bpe(vocab, [])
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in RANDOM_SPECIAL_TOKENS])
     return Tokenizer(tok, bos_token_id=256, eos_token_ids={257, 259}, add_bos=False, chat_template=CHATML)
