@@ -130,14 +130,12 @@ class CPLayout:
 def _pieces_rows(pieces_per_seq: list[list[tuple[int, int]]], new_starts: list[int]) -> tuple[list[tuple], list[int]]:
     """Local rows for this rank's pieces, in sequence order; and each local row's global token."""
     local: list[tuple] = []
-    order: list[int] = []
-    row = 0
+    order: list[int] = []  # (its length: the next local row)
     for pieces, start in zip(pieces_per_seq, new_starts):
         mine = []
         for off, length in pieces:
-            mine.append((row, off, length))
+            mine.append((len(order), off, length))
             order.extend(range(start + off, start + off + length))
-            row += length
         local.append(tuple(mine))
     return local, order
 
