@@ -125,8 +125,8 @@ class PagedMetadata:
         return h[self.logits_index]
 
     def _reads_whole(self, window: int) -> bool:
-        """Whether layers of ``window`` read this forward as it is: full layers, or windows that share
-        the slots and no new token's context is longer than."""
+        """Whether layers of ``window`` read this forward as it is: full layers (0), or windows that share
+        the full layers' slots where no context is longer than the window."""
         return window <= 0 or (self.window_contexts is None and all(c.numel() <= window for c in self.contexts))
 
     def windowed(self, window: int, group: int = 0) -> "PagedMetadata":
