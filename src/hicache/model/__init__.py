@@ -9,17 +9,5 @@ from hicache.model.paged import make_forward_batch
 from hicache.model.spec import ModelSpec, ModelSpecError
 from hicache.model.tokenizer import Tokenizer
 
-__all__ = [
-    "DenseKV",
-    "ForwardBatch",
-    "KVView",
-    "LlamaForCausalLM",
-    "LoadedModel",
-    "ModelFormatError",
-    "ModelNotFoundError",
-    "ModelSpec",
-    "ModelSpecError",
-    "Tokenizer",
-    "load_model",
-    "make_forward_batch",
-]
+__all__ = ["DenseKV", "ForwardBatch", "KVView", "LlamaForCausalLM", "LoadedModel", "ModelFormatError",
+           "ModelNotFoundError", "ModelSpec", "ModelSpecError", "Tokenizer", "load_model", "make_forward_batch"]

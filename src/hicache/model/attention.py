@@ -76,24 +76,6 @@ def _math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tu
     return out.to(q.dtype), lse
 
 
-def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             kv_map: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of ``q`` ``[H, n, D]`` to every key of one block ``k``/``v`` ``[L, KvH, D]``:
-    output ``[H, n, D]`` and log-sum-exp ``[H, n]``.
-
-    With equal head groups each group's queries are stacked along the query axis
-    (``[KvH, G*n, D]``), so keys are never copied per query head."""
-    kernel = _flash_cpu if q.device.type == "cpu" else _math
-    heads, n, dim = q.shape
-    if kv_map is not None:
-        return kernel(q, expand_heads(k, heads, kv_map).transpose(0, 1),
-                      expand_heads(v, heads, kv_map).transpose(0, 1), False)
-    kv_heads = k.shape[1]
-    stacked = q.reshape(kv_heads, (heads // kv_heads) * n, dim)
-    out, lse = kernel(stacked, k.transpose(0, 1), v.transpose(0, 1), False)
-    return out.reshape(heads, n, dim), lse.reshape(heads, n)
-
-
 def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """Combine partial attentions over disjoint key blocks by their log-sum-exp."""
     if len(parts) == 1:
@@ -109,12 +91,21 @@ def keys_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    kv_map: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """``q`` ``[n, H, D]`` attending to every key of ``k``/``v`` ``[L, KvH, D]`` (L may be 0):
     output ``[n, H, D]`` and log-sum-exp ``[n, H]`` (float32; -inf and a zero output for no keys),
-    ready for :func:`merge_partials` with other key blocks."""
+    ready for :func:`merge_partials` with other key blocks.
+
+    With equal head groups each group's queries are stacked along the query axis
+    (``[KvH, G*n, D]``), so keys are never copied per query head."""
+    n, heads, dim = q.shape
     if k.shape[0] == 0:
-        n, heads, _ = q.shape
         return torch.zeros_like(q), torch.full((n, heads), float("-inf"), device=q.device)
-    out, lse = _partial(q.transpose(0, 1), k.to(q.dtype), v.to(q.dtype), kv_map)
-    return out.transpose(0, 1), lse.transpose(0, 1).float()
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    if kv_map is not None:  # an uneven TP split: each query head's KV head, expanded
+        k, v = expand_heads(k, heads, kv_map), expand_heads(v, heads, kv_map)
+    kv_heads = k.shape[1]
+    stacked = q.transpose(0, 1).reshape(kv_heads, (heads // kv_heads) * n, dim)
+    kernel = _flash_cpu if q.device.type == "cpu" else _math
+    out, lse = kernel(stacked, k.transpose(0, 1), v.transpose(0, 1), False)
+    return out.reshape(heads, n, dim).transpose(0, 1), lse.reshape(heads, n).transpose(0, 1).float()
 
 
 # A span over cached keys attends this many query rows per call (a multiple of every query block

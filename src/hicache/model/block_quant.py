@@ -37,10 +37,7 @@ class BlockQuantWeight:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.qs, self.scale, self.minv) if t is not None)
 
-    @property
-    def resident_nbytes(self) -> int:
-        """Bytes held (the same as :attr:`nbytes`: no copy beside the blocks)."""
-        return self.nbytes
+    resident_nbytes = nbytes  # bytes held: no copy beside the blocks (GGUFBlockWeight's may have one)
 
     def linear(self, x: torch.Tensor, ops) -> torch.Tensor:
         """``x @ W.T`` for a contiguous float32 ``x`` (any rows: passes of 8), through the native kernels."""

@@ -38,14 +38,11 @@ from hicache.model.paged import PagedBackend
 from hicache.model.parallel import split
 from hicache.model.prefix_gather import CPGroup, PrefixGather
 
-CP_STRATEGIES = ("zigzag", "interleave")
-
 
 def split_new_tokens(first_position: int, n: int, size: int, strategy: str, page_size: int) -> list[list[tuple[int, int]]]:
     """Per CP rank, the ``(offset, length)`` pieces of a sequence's ``n`` new tokens (offsets
-    from its first new token, at absolute position ``first_position``); adjacent pieces merged."""
-    if strategy not in CP_STRATEGIES:
-        raise ValueError(f"cp strategy {strategy!r}: expected one of {', '.join(CP_STRATEGIES)}")
+    from its first new token, at absolute position ``first_position``); adjacent pieces merged.
+    ``strategy``: one of :data:`hicache.config.CP_STRATEGIES` (``--cp-strategy`` checks it)."""
     pieces: list[list[tuple[int, int]]] = [[] for _ in range(size)]
 
     def add(rank: int, start: int, length: int) -> None:
@@ -113,15 +110,12 @@ class CPLayout:
     page_size: int
     decode_rows: Optional[list[torch.Tensor]] = None  # sharded decode: each context's keys on this rank
     gather: Optional[PrefixGather] = None
+    # (not a field) Never a decode over this rank's pool alone: the fused native decode layer never serves it.
+    decode = None
 
     @property
     def prefill(self) -> bool:
         return self.decode_rows is None
-
-    @property
-    def decode(self) -> None:
-        """Never a decode over this rank's pool alone: the fused native decode layer never serves it."""
-        return None
 
     def final_rows(self, h: torch.Tensor) -> torch.Tensor:
         """The wanted logits rows ``[num_logits, hidden]`` on every rank: each row's holder puts
@@ -136,14 +130,12 @@ class CPLayout:
 def _pieces_rows(pieces_per_seq: list[list[tuple[int, int]]], new_starts: list[int]) -> tuple[list[tuple], list[int]]:
     """Local rows for this rank's pieces, in sequence order; and each local row's global token."""
     local: list[tuple] = []
-    order: list[int] = []
-    row = 0
+    order: list[int] = []  # (its length: the next local row)
     for pieces, start in zip(pieces_per_seq, new_starts):
         mine = []
         for off, length in pieces:
-            mine.append((row, off, length))
+            mine.append((len(order), off, length))
             order.extend(range(start + off, start + off + length))
-            row += length
         local.append(tuple(mine))
     return local, order
 
@@ -152,7 +144,7 @@ class CPSetup(Protocol):
     """An engine's place in a CP group, as the runtime builds it (``runtime/runner.py``)."""
 
     group: CPGroup
-    strategy: str  # one of CP_STRATEGIES
+    strategy: str  # one of hicache.config.CP_STRATEGIES
     page_size: int
     gather: Optional[PrefixGather]  # sharded KV: the prefix-gather scratch; None: replicated
     split_tokens: bool  # False: the group's ranks hold other heads of the same tokens (MLA attention-TP)

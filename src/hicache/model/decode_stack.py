@@ -61,8 +61,7 @@ class DecodeStack:
             self._operands = (
                 [layer.input_layernorm.weight for layer in layers],
                 [layer.pre_mlp_norm().weight for layer in layers],
-                [n for one in per_layer for n in one[0]], [k for one in per_layer for k in one[1]],
-                [q for one in per_layer for q in one[2]], [w for one in per_layer for w in one[3]],
+                *([x for one in per_layer for x in one[i]] for i in range(4)),  # part counts, kinds, qtypes, weights
                 [] if biases[0] is None else biases,
                 [w for qk, _ in styles for w in qk], [w for _, post in styles for w in post],
             )
@@ -98,11 +97,10 @@ class DecodeStack:
             return None
         attn, layout, indices = layers[0].self_attn, batch.attn.decode, self._kv_layers
         groups = [window_group(kv, indices[i]) for i in self._local]  # a shared hybrid pool's sliding groups
-        local_cos, local_sin = local if local is not None and self._local else (cos, sin)
         view: tuple = (None,) * 5
         if self._local:  # one layout for every sliding group: a row of slots per group in a shared pool
             local_layout = batch.attn.window_decode(self._window)  # type: ignore[attr-defined]
-            view = (local_cos, local_sin, local_layout.out_slots, local_layout.kv_slots, local_layout.lengths)
+            view = (*(local or (cos, sin)), local_layout.out_slots, local_layout.kv_slots, local_layout.lengths)
         return ops.decode_layers(x, operands[0], operands[1], layers[0].input_layernorm.eps, *operands[2:7], cos, sin,
                                  attn.num_heads, attn.num_kv_heads, [kv.k_buffers[i] for i in indices],
                                  [kv.v_buffers[i] for i in indices], layout.out_slots, layout.kv_slots, layout.lengths,

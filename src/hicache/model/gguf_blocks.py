@@ -132,9 +132,9 @@ class GGUFBlockWeight:
         if not weights or any(w.qtype != weights[0].qtype or w.in_features != weights[0].in_features
                               for w in weights):
             return None
-        if len(weights) == 1:  # its own rows: no copy (a projection of one part would hold its blocks twice)
-            return GGUFBlockWeight(weights[0].qtype, weights[0].data, weights[0].in_features)
-        return GGUFBlockWeight(weights[0].qtype, torch.cat([w.data for w in weights]), weights[0].in_features)
+        # one matrix: its own rows, no copy (a projection of one part would hold its blocks twice)
+        data = weights[0].data if len(weights) == 1 else torch.cat([w.data for w in weights])
+        return GGUFBlockWeight(weights[0].qtype, data, weights[0].in_features)
 
     def permute_rows(self, index: torch.Tensor) -> GGUFBlockWeight:
         """Row i of the result is row ``index[i]``: whole rows move, blocks untouched (e.g. to undo

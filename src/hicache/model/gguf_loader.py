@@ -214,10 +214,9 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
                 values = blocks.dequantize(ops)
             else:
                 with np.errstate(over="ignore", invalid="ignore"):  # (a hostile file's infinities: refused below)
-                    array = np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type))
-                if not array.flags.writeable:  # F32 tensors come back as views of the read-only mmap
-                    array = array.copy()
-                values = torch.from_numpy(array)
+                    array = gguf.quants.dequantize(t.data, t.tensor_type)
+                # (copied only where not ours already: F32 tensors come back as views of the read-only mmap)
+                values = torch.from_numpy(np.require(array, requirements="CW"))
                 if heads is not None:
                     values = unpermute_rope_rows(values, heads)
             first = 0

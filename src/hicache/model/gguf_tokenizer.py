@@ -68,9 +68,8 @@ def tokenizer_from_gguf(fields: Mapping[str, Any], architecture: str) -> Tokeniz
     _add_special_tokens(backend, tokens, types, byte_level=kind == "gpt2")
     bos = fields.get("tokenizer.ggml.bos_token_id")
     eos = {int(fields["tokenizer.ggml.eos_token_id"])} if "tokenizer.ggml.eos_token_id" in fields else set()
-    for turn_end in ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>"):  # chat models end a turn there
-        if backend.token_to_id(turn_end) is not None:
-            eos.add(backend.token_to_id(turn_end))
+    # chat models end a turn there
+    eos |= {backend.token_to_id(end) for end in ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>")} - {None}
     return Tokenizer(backend, bos_token_id=None if bos is None else int(bos), eos_token_ids=eos,
                      add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", add_bos_default)),
                      chat_template=fields.get("tokenizer.chat_template"), sampling_defaults=from_gguf(fields))

@@ -179,18 +179,15 @@ def load_hf_dir(folder: Path, dtype: torch.dtype, device: torch.device | str,
 
 def _read_config(path: Path) -> dict:
     """config.json: at most :data:`MAX_CONFIG_BYTES`, JSON (``Infinity`` and ``NaN`` as transformers
-    writes them), an object."""
+    writes them)."""
     if path.stat().st_size > MAX_CONFIG_BYTES:
         raise ModelFormatError(f"{path} is {path.stat().st_size} bytes, more than a config.json may be "
                                f"({MAX_CONFIG_BYTES}).")
     try:
         with open(path, encoding="utf-8") as f:
-            config = json.load(f)
+            return json.load(f)  # (an object: spec_from_hf_config checks)
     except (ValueError, RecursionError) as e:  # (JSONDecodeError and UnicodeDecodeError are ValueErrors)
         raise ModelFormatError(f"{path} is not JSON ({quoted(str(e))}).") from None
-    if not isinstance(config, dict):
-        raise ModelFormatError(f"{path} holds {type(config).__name__}, not a JSON object.")
-    return config
 
 
 def _read_headers(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:

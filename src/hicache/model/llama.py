@@ -25,7 +25,7 @@ from hicache.model.batch import ForwardBatch, KVView, window_group
 from hicache.model.decode_stack import DecodeStack
 from hicache.model.layers import MLP, RMSNorm, RotaryEmbedding, native_ops, rotate_half
 from hicache.model.mla import MLAAttention
-from hicache.model.projection import DECODE_ACTIVATIONS, DECODE_ROWS, DECODE_WEIGHTS, PREFILL_WEIGHTS, Projection
+from hicache.model.projection import DECODE_ROWS, Projection
 from hicache.model.spec import ModelSpec
 
 
@@ -58,9 +58,8 @@ class Attention(nn.Module):
         # Uneven TP split: the local KV head of each local query head (None: equal groups).
         self.kv_map: Optional[torch.Tensor] = None
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv: KVView
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
+                kv: KVView) -> torch.Tensor:
         """``x``: ``[T, hidden]``; ``cos``/``sin``: ``[T, 1, head_dim]`` in x's dtype. Returns
         ``[T, hidden]``."""
         t = x.shape[0]
@@ -107,9 +106,8 @@ class DecoderLayer(nn.Module):
         # RoPE of a sliding-window layer with a base of its own (Gemma 3's local layers)
         self.local_rope = spec.local_rope_theta is not None and spec.layer_window(layer) > 0
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv: KVView
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
+                kv: KVView) -> torch.Tensor:
         ops = self._fused_decode_ops(x, batch, kv)
         if ops is not None:
             operands = self._decode_operands()
@@ -184,8 +182,6 @@ class DecoderLayer(nn.Module):
 
 
 _INIT_LOCK = threading.Lock()
-_WEIGHT_MODES = {"decode_weights": DECODE_WEIGHTS, "decode_activations": DECODE_ACTIVATIONS,
-                 "prefill_weights": PREFILL_WEIGHTS}
 
 
 @contextlib.contextmanager
@@ -299,10 +295,7 @@ class LlamaForCausalLM(nn.Module):
         (:data:`PREFILL_WEIGHTS`), what passes of more than ``DECODE_ROWS`` rows read: the loaded
         weights or a dtype copy. ``prepare=False``: make the copies later (a rank packs only its
         shard, in shard_model)."""
-        for phase, mode in modes.items():
-            allowed = _WEIGHT_MODES[phase]
-            if mode not in allowed:
-                raise ValueError(f"{phase.replace('_', ' ')} {mode!r}: expected one of {', '.join(allowed)}")
+        for phase, mode in modes.items():  # (validated by load_model)
             for projection in self.projections():
                 setattr(projection, phase, mode)
         if prepare:

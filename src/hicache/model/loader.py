@@ -83,9 +83,11 @@ def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.dev
         raise ModelSpecError(f"model dtype {dtype} is not supported; use torch.float32, torch.bfloat16 or torch.float16.")
     if dtype == torch.float16 and torch.device(device).type != "cuda":
         raise ModelSpecError("float16 runs ~100x slower than float32 on a CPU; use --dtype auto or float32 there.")
-    if precision.decode_activations not in DECODE_ACTIVATIONS:
-        raise ModelSpecError(f"decode activations {precision.decode_activations!r}: "
-                             f"expected one of {', '.join(DECODE_ACTIVATIONS)}.")
+    for phase, allowed in (("decode_weights", DECODE_WEIGHTS), ("decode_activations", DECODE_ACTIVATIONS),
+                           ("prefill_weights", PREFILL_WEIGHTS)):
+        if getattr(precision, phase) not in allowed:
+            raise ModelSpecError(f"{phase.replace('_', ' ')} {getattr(precision, phase)!r}: "
+                                 f"expected one of {', '.join(allowed)}.")
     if torch.device(device).type != "cpu" and weights:  # every native kernel call is gated on a CPU tensor
         logger.info("native CPU kernels off (the model runs on %s): nothing built", torch.device(device).type)
     base, variant = split_variant(name)
@@ -181,10 +183,8 @@ def _weight_copies(model: LlamaForCausalLM | None, dtype: torch.dtype, precision
     suffix = ""
     if decode_activations == "int8" and precision.decode_weights == "auto":
         suffix += ":decode-int8v2"  # v2: Q4_0/Q4_1/Q8_0 rows packed 16 at a time (kernels/gguf_x16.cpp)
-    for phase, mode, allowed, lossless in (("decode", precision.decode_weights, DECODE_WEIGHTS, ("auto", "same")),
-                                           ("prefill", precision.prefill_weights, PREFILL_WEIGHTS, ("same",))):
-        if mode not in allowed:
-            raise ModelSpecError(f"{phase} weights {mode!r}: expected one of {', '.join(allowed)}.")
+    for phase, mode, lossless in (("decode", precision.decode_weights, ("auto", "same")),
+                                  ("prefill", precision.prefill_weights, ("same",))):
         if mode not in lossless and getattr(torch, mode) != dtype:
             suffix += f":{phase}-{mode}"
     if model is not None:  # fuses and packs now (before the pool is sized), or in shard_model for a rank's slices

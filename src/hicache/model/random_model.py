@@ -15,13 +15,8 @@ from hicache.model.tokenizer import RANDOM_SPECIAL_TOKENS
 # Tokenizer ids: 256 bytes + the specials; the vocab may be larger (unused rows), never smaller.
 MIN_RANDOM_VOCAB = 256 + len(RANDOM_SPECIAL_TOKENS)
 
-_COMMON = dict(
-    vocab_size=320,
-    rope_theta=10000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-    max_position_embeddings=4096,
-)
+_COMMON = dict(vocab_size=320, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+               max_position_embeddings=4096)
 PRESETS: dict[str, dict] = {
     "tiny": dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128, **_COMMON),
     # DeepSeek-V3-style MLA (dense layers): one 48-wide latent per token and layer, 4 heads.

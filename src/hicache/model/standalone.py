@@ -18,9 +18,7 @@ def prefill_logits(model: LlamaForCausalLM, ids: list[int], num_slots: int | Non
     return model(batch, kv)
 
 
-def greedy_paged(
-    model: LlamaForCausalLM, ids: list[int], steps: int, stop_ids: Collection[int] = ()
-) -> list[int]:
+def greedy_paged(model: LlamaForCausalLM, ids: list[int], steps: int, stop_ids: Collection[int] = ()) -> list[int]:
     """Greedy continuation of at most ``steps`` tokens (ending early after a ``stop_ids`` token):
     one prefill, then one-token decode steps that read the context from the cache by slot."""
     kv = DenseKV(model.spec, len(ids) + steps + 1, model.dtype, model.device)

@@ -144,9 +144,7 @@ RANDOM_SPECIAL_TOKENS = ("<bos>", "<eos>", "<|im_start|>", "<|im_end|>")
 def byte_tokenizer() -> Tokenizer:
     """A tiny real tokenizer for random models: ids 0-255 are the bytes, then 4 specials (256-259)."""
     alphabet = bytes_to_unicode()
-    vocab = {alphabet[b]: b for b in range(256)}
-    for i, special in enumerate(RANDOM_SPECIAL_TOKENS):
-        vocab[special] = 256 + i
+    vocab = {alphabet[b]: b for b in range(256)} | {s: 256 + i for i, s in enumerate(RANDOM_SPECIAL_TOKENS)}
     tok = byte_level_bpe(vocab, [])
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in RANDOM_SPECIAL_TOKENS])
     return Tokenizer(tok, bos_token_id=256, eos_token_ids={257, 259}, add_bos=False, chat_template=CHATML)
@@ -183,10 +181,8 @@ def load_hf_tokenizer(folder: Path, config: dict) -> Tokenizer:
     bos = lookup(tcfg.get("bos_token"))
     if bos is None:
         bos = next(iter(_as_id_list(gen.get("bos_token_id")) or _as_id_list(config.get("bos_token_id"))), None)
-    eos: set[int] = set(_as_id_list(gen.get("eos_token_id"))) | set(_as_id_list(config.get("eos_token_id")))
-    eos_from_cfg = lookup(tcfg.get("eos_token"))
-    if eos_from_cfg is not None:
-        eos.add(eos_from_cfg)
+    eos: set[int] = {*_as_id_list(gen.get("eos_token_id")), *_as_id_list(config.get("eos_token_id")),
+                     lookup(tcfg.get("eos_token"))} - {None}
 
     # Whether the model expects a leading BOS: tokenizer_config says so, or tokenizer.json's
     # post-processor adds one (Llama 3 style) -- detected by encoding with and without specials.
