@@ -121,19 +121,13 @@ def consensus_check(name: str | Callable[..., Any] | None = None, *, args: Calla
     return decorate
 
 
-class _QueueSink:
-    """Picklable sink putting ``(label, entry)`` on a queue (any object with ``put``; in
-    practice the monitor's multiprocessing queue)."""
-
-    def __init__(self, q: Any) -> None:
-        self.q = q
-
-    def __call__(self, label: str, entry: Entry) -> None:
-        # Put at once (no batching): the queue's feeder thread still flushes it if this rank
-        # then hangs in a collective, so the entry that explains the hang reaches the monitor.
-        self.q.put((label, entry))
+def _put(q: Any, label: str, entry: Entry) -> None:
+    # Put at once (no batching): the queue's feeder thread still flushes it if this rank
+    # then hangs in a collective, so the entry that explains the hang reaches the monitor.
+    q.put((label, entry))
 
 
 def make_queue_sink(q: Any) -> Sink:
-    """Sink for ``install_recorder`` in a rank process, given the monitor's queue."""
-    return _QueueSink(q)
+    """Sink for ``install_recorder`` in a rank process, given the monitor's queue (any object
+    with ``put``); picklable, it puts ``(label, entry)`` there."""
+    return functools.partial(_put, q)

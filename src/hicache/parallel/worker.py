@@ -20,6 +20,7 @@ different requests are in flight at once.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -246,11 +247,6 @@ def _open_shared_reduce(cfg: EngineConfig, info: RankInfo, groups: ParallelGroup
                           "order, gloo in an order that depends on the size.")
 
 
-def _pd_ranks(info: RankInfo, shard: Any, groups: ParallelGroups) -> TPRanks:
-    """This rank's KV heads and its TP group's collectives, for a P/D role."""
-    return TPRanks(info.tp_rank, info.tp_size, shard.kv_heads, groups.tp_gather_object, groups.tp_sum)
-
-
 def _rank_device(cfg: EngineConfig, info: RankInfo) -> tuple[EngineConfig, torch.device]:
     """This rank's device (its node's GPU by local rank on CUDA) and ``cfg`` with the dtype and
     prefill weights resolved for it (node 0's Engine passes both resolved; a `hicache node`
@@ -297,11 +293,8 @@ def start_rank(env: dict[str, str], *rank_args: Any) -> None:
 
 def _name_process(name: str) -> None:
     """What ``top`` and ``ps -o comm`` show for this process (Linux: 15 bytes; elsewhere nothing)."""
-    try:
-        with open("/proc/self/comm", "w") as f:
-            f.write(name[:15])
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/self/comm", "w") as f:
+        f.write(name[:15])
 
 
 def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox: Any, outbox: Any,
@@ -318,7 +311,6 @@ def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox:
     info = RankInfo(rank, cfg.tp_size, cfg.pp_size, cfg.nnodes, cfg.attn_cp_size)
     _name_process(f"hicache {info.label}")
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s {info.label} %(name)s: %(message)s")
-    groups = None
     try:
         # Threads, devices and memory are this machine's: shared by its node's ranks only.
         torch.set_num_threads(cfg.num_threads or max(1, (os.cpu_count() or 1) // info.ranks_per_node))
@@ -340,7 +332,9 @@ def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox:
                             memory_share=ranks_per_device, staging_bytes=groups.staging_bytes(), cp_group=groups.cp,
                             split_tokens=info.cp_size > 1,
                             draft_row=(len(draft_shard.kv_heads), draft.spec.head_dim) if draft else None,
-                            pd_ranks=_pd_ranks(info, shard, groups),
+                            # a P/D role: this rank's KV heads and its TP group's collectives
+                            pd_ranks=TPRanks(info.tp_rank, info.tp_size, shard.kv_heads, groups.tp_gather_object,
+                                             groups.tp_sum),
                             share_draws=groups.tp_broadcast if info.tp_size > 1 else None)  # one rank's draws a stage
         core = build_core(cfg, loaded, device, dtype, place, draft)
         plan = FaultPlan.from_env()
