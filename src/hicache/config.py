@@ -138,11 +138,11 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
     )
     hicache_storage_head_partition: int = _opt(
         1, "unified: KV heads per storage object (divides the model's KV heads; every rank's KV heads must be "
-        "whole groups). Ignored for MLA, whose latent has no heads."
+        "whole groups). Ignored for MLA, whose latent has no heads.", at_least=1
     )
     hicache_storage_layer_partition: Optional[int] = _opt(
         None, "unified: layers per storage object (default: all of them; every pipeline stage must start on a "
-        "multiple of it)."
+        "multiple of it).", at_least=1
     )
     hicache_storage_prefetch_threshold: int = _opt(256, "Least uncached prompt tokens for which storage is asked.")
     hicache_storage_prefetch_timeout_base: float = _opt(1.0, "timeout formula: seconds a prefetch may take ...")
@@ -231,8 +231,9 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
         self.refuse_combinations({"draft"} if self.uses_draft_model else set())
         if self.enable_hierarchical_cache and self.disable_radix_cache:
             raise ConfigError("--enable-hierarchical-cache needs the radix cache; drop --disable-radix-cache.")
-        if self.hicache_storage_key_scheme == "unified":
-            self._validate_unified()
+        if self.hicache_storage_key_scheme == "unified" and not self.hicache_storage_backend:
+            raise ConfigError("--hicache-storage-key-scheme unified names storage objects: it needs "
+                              "--hicache-storage-backend.")
         self._validate_deterministic()
         if self.hicache_storage_backend and not self.enable_hierarchical_cache:
             raise ConfigError("--hicache-storage-backend needs --enable-hierarchical-cache (storage moves through host memory).")
@@ -258,15 +259,6 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
                               "--tp-size 2 or more for an MLA model.")
         if (cp > 1 or self.enable_kv_cache_sharding) and self.pp_size > 1:
             raise ConfigError("--attn-cp-size or --enable-kv-cache-sharding with --pp-size > 1 is not supported yet.")
-
-    def _validate_unified(self) -> None:
-        """The unified storage layout covers one MHA or MLA pool, TP and PP, for now."""
-        if not self.hicache_storage_backend:
-            raise ConfigError("--hicache-storage-key-scheme unified names storage objects: it needs "
-                              "--hicache-storage-backend.")
-        if self.hicache_storage_head_partition < 1 or (self.hicache_storage_layer_partition or 1) < 1:
-            raise ConfigError("--hicache-storage-head-partition and --hicache-storage-layer-partition must be at "
-                              "least 1.")
 
     @property
     def decode_reuses_prefix(self) -> bool:
