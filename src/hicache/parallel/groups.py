@@ -296,9 +296,7 @@ class ParallelGroups:
         """Sum of every TP rank's ``x``. On CPU the sum runs in float32 (through shared
         memory when enabled, else gloo) and is rounded back to ``x``'s dtype once."""
         if x.device.type == "cpu" and self._shm is not None:
-            y = self._shm(x.float())
-            if y is not None:
-                return y.to(x.dtype)
+            return self._shm(x.float()).to(x.dtype)
         if x.device.type == "cpu" and x.dtype != torch.float32:
             y = x.float()
             dist.all_reduce(y, group=self.tp_tensor)
