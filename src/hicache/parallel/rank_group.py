@@ -298,15 +298,11 @@ class RankGroup:
             self._halt(self._explain(self._exited()))
             self.check_alive()
             return
-        while True:
+        for item in itertools.chain([item], queued_now(self.outbox)):  # (the next read reports a gone leader)
             if isinstance(item, Updates):
                 self._updates.append(item.updates)
             else:
                 self._replies[item.call_id] = item.value
-            try:
-                item = self.outbox.get_nowait()
-            except (queue.Empty, *WRITERS_GONE):  # the next read reports a gone leader
-                return
 
     def updates(self, timeout: float) -> list[RequestUpdate]:
         self.check_alive()
