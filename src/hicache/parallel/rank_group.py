@@ -104,10 +104,8 @@ class RankGroup:
         if cfg.node_rank != 0:
             raise ConfigError(f"node {cfg.node_rank} of {cfg.nnodes} serves nothing: start its ranks with "
                               f"`hicache node --node-rank {cfg.node_rank}` and the same engine flags.")
-        self.world = cfg.tp_size * cfg.pp_size
         self.nnodes = cfg.nnodes
-        self.local_world = cfg.ranks_per_node  # this node's ranks are 0 .. local_world - 1
-        self.labels = [rank_label(r, cfg.tp_size) for r in range(self.world)]
+        self.labels = [rank_label(r, cfg.tp_size) for r in cfg.local_ranks]  # node 0's ranks are 0, 1, ...
         ctx = rank_context()
         self.inbox, self.outbox, self.status = ctx.Queue(), ctx.Queue(), ctx.Queue()
         # What the leader never read is moot once it is gone: never hold up this process's exit
@@ -123,7 +121,7 @@ class RankGroup:
         # Checker: the ranks' call streams, compared here as they arrive (HICACHE_RANK_CONSENSUS_CHECKER=1).
         self.monitor: ConsensusMonitor | None = None
         self.trace: dict[str, deque[Entry]] = {
-            label: deque(maxlen=TRACE_ENTRIES) for label in self.labels[: self.local_world]}
+            label: deque(maxlen=TRACE_ENTRIES) for label in self.labels}
         self.procs: list[Any] = []  # started rank processes (this node's), in rank order
         self._watchdog: threading.Thread | None = None
         try:  # whatever fails or is interrupted from here on, nothing is left running
@@ -138,30 +136,29 @@ class RankGroup:
 
     # ---- lifecycle --------------------------------------------------------------------------
     def _start(self, cfg: EngineConfig, ctx: Any) -> None:
-        local_labels = self.labels[: self.local_world]
         if checker_enabled():
             if self.nnodes > 1:  # other nodes' ranks have no queue to this process
-                logger.warning("the rank consensus checker compares node 0's ranks only (%s)", ", ".join(local_labels))
-            self.monitor = ConsensusMonitor(local_labels, lambda div: self._halt(str(div)), ctx,
+                logger.warning("the rank consensus checker compares node 0's ranks only (%s)", ", ".join(self.labels))
+            self.monitor = ConsensusMonitor(self.labels, lambda div: self._halt(str(div)), ctx,
                                             on_entry=lambda label, entry: self.trace[label].append(entry))
             self.monitor.start()
         init = init_method(cfg)
         monitor_queue = self.monitor.queue if self.monitor else None
-        spawn_ranks(ctx, cfg, init, range(self.local_world), self.procs, self.status, (self.inbox, self.outbox),
+        spawn_ranks(ctx, cfg, init, cfg.local_ranks, self.procs, self.status, (self.inbox, self.outbox),
                     monitor_queue)
         reader_only(self.outbox, self.status, monitor_queue)  # only the ranks write these
-        logger.info("started %d ranks (tp=%d pp=%d): pids %s", self.local_world, cfg.tp_size, cfg.pp_size,
+        logger.info("started %d ranks (tp=%d pp=%d): pids %s", len(self.labels), cfg.tp_size, cfg.pp_size,
                     [p.pid for p in self.procs])
         if self.nnodes > 1:
             logger.info("node 0 of %d: ranks %s here, %d on other nodes joining at %s", self.nnodes,
-                        ", ".join(local_labels), self.world - self.local_world, init)
+                        ", ".join(self.labels), cfg.tp_size * cfg.pp_size - len(self.labels), init)
 
     def _wait_ready(self) -> tuple[int, int]:
         """This node's ranks' capacities, full and window pages (the pools were MIN-agreed over
         every node's ranks before any rank reports ready, so the leader's capacity is the world's)."""
         ready: dict[int, tuple[int, int]] = {}
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while len(ready) < self.local_world:
+        while len(ready) < len(self.labels):
             try:
                 item = self.status.get(timeout=POLL_S * 4)
             except (queue.Empty, *WRITERS_GONE) as e:
