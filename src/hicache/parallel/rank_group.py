@@ -164,9 +164,8 @@ class RankGroup:
             except (queue.Empty, *WRITERS_GONE) as e:
                 if not isinstance(e, queue.Empty):
                     time.sleep(POLL_S)  # every rank has exited: let their exit codes show
-                dead = self._exited()
-                if dead:
-                    self._halt(self._explain(dead))
+                if self._exited():
+                    self._halt(self._explain())
                 elif time.monotonic() > deadline:
                     self._halt(f"ranks did not start within {STARTUP_TIMEOUT_S:.0f} s")
                 self.check_alive()
@@ -222,9 +221,8 @@ class RankGroup:
         """Watchdog: a rank that dies or reports an error stops every rank at once, even while
         the frontend is idle; the next call then raises."""
         while not self._stopping and self.failure is None:
-            dead = self._exited()
-            if dead or not self.status.empty():
-                self._halt(self._explain(dead))
+            if self._exited() or not self.status.empty():
+                self._halt(self._explain())
                 return
             time.sleep(0.2)
 
@@ -247,7 +245,7 @@ class RankGroup:
         if self._stopping:
             raise EngineDeadError("the engine is stopped.")
 
-    def _explain(self, dead: list) -> str:
+    def _explain(self) -> str:
         """The root cause: a divergence if the checker saw one, else a rank that died without
         reporting (killed), else the first error a rank reported that is not a broken
         connection to a peer (peers of a failed rank fail that way too)."""
@@ -273,9 +271,6 @@ class RankGroup:
                         f"{reported[r]}")
             primary = primary or list(reported)
             return f"rank {self.labels[primary[0]]} failed: {reported[primary[0]]}"
-        if dead:
-            r, p = dead[0]
-            return f"rank {self.labels[r]} (pid {p.pid}) exited with code {p.exitcode}"
         return f"rank {self.labels[0]} closed its connection to the frontend"
 
     # ---- talking to the leader -----------------------------------------------------------
@@ -292,7 +287,7 @@ class RankGroup:
             self.check_alive()
             return
         except WRITERS_GONE:  # the leader is gone (maybe in the middle of a message)
-            self._halt(self._explain(self._exited()))
+            self._halt(self._explain())
             self.check_alive()
             return
         for item in itertools.chain([item], queued_now(self.outbox)):  # (the next read reports a gone leader)
