@@ -53,7 +53,7 @@ from .faults import FaultPlan
 from .groups import ParallelGroups, RankInfo
 from .messages import (Flush, RankCall, RankError, Ready, Reply, RequestUpdate, Shutdown, StageMessage, Stats,
                        StepInputs, Updates)
-from .stage_step import StageAgreement, StageStep, stage_output
+from .stage_step import StageAgreement, stage_output
 
 logger = logging.getLogger(__name__)
 
@@ -91,10 +91,10 @@ class StageLoop:
     # ---- the loop -------------------------------------------------------------------------
     def run(self) -> None:
         while True:
-            msg: StageMessage | None = None
             if self.first:
                 inputs = self.groups.tp_broadcast(self._leader_inputs() if self.leader else None)
                 results = self._returned_tokens(isinstance(inputs.call, (Shutdown, Flush)))
+                msg = StageMessage(inputs, results, StepEvents(), None, None)  # the step as a later stage gets it
             else:
                 msg = self.groups.recv(self.prev)
                 if msg.sent_at:
@@ -113,9 +113,7 @@ class StageLoop:
                 self._reply(inputs.call, self._flush())
                 self.step += 1
                 continue
-            batch, _ = self.driver.step(Inbound(msg.events if msg else None, msg.hidden if msg else None,
-                                                StageStep(inputs, results, msg.batch if msg else None),
-                                                msg.proposal if msg else None))
+            batch, _ = self.driver.step(Inbound(msg.events, msg.hidden, msg, msg.proposal))
             self._report()
             if self.leader and batch is None and not self.inflight and self.sched.has_work():
                 time.sleep(PREFETCH_POLL_S)  # only prefetches or KV transfers to wait for: do not spin
