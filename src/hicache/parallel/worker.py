@@ -47,12 +47,12 @@ from ..runtime.core_stats import core_stats
 from ..runtime.rank_plan import RankContext
 from ..runtime.events import StepEvents
 from ..runtime.request import Request
-from ..runtime.step import Inbound, StepDriver, apply_intake, take_intake
+from ..runtime.step import Inbound, Intake, StepDriver, apply_intake, take_intake
 from .channels import WRITERS_GONE, reader_only, writer_only
 from .faults import FaultPlan
 from .groups import ParallelGroups, RankInfo
 from .messages import (Flush, RankCall, RankError, Ready, Reply, RequestUpdate, Shutdown, StageMessage, Stats,
-                       StepInputs, Updates)
+                       Updates)
 from .stage_step import StageAgreement, stage_output
 
 logger = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class StageLoop:
         while True:
             if self.first:
                 inputs = self.groups.tp_broadcast(self._leader_inputs() if self.leader else None)
-                results = self._returned_tokens(isinstance(inputs.call, (Shutdown, Flush)))
+                results = self._returned_tokens(isinstance(inputs.command, (Shutdown, Flush)))
                 msg = StageMessage(inputs, results, StepEvents(), None, None)  # the step as a later stage gets it
             else:
                 msg = self.groups.recv(self.prev)
@@ -102,15 +102,15 @@ class StageLoop:
                     self.hops += 1
                 inputs, results = msg.inputs, msg.results
             self._apply(inputs, results)
-            if isinstance(inputs.call, (Shutdown, Flush)):
+            if isinstance(inputs.command, (Shutdown, Flush)):
                 # Forward first: draining waits for storage ops every rank's threads must reach.
                 if not self.last:
                     self.groups.send(self.next, StageMessage(inputs, results, StepEvents(), None, None))
-                if isinstance(inputs.call, Shutdown):
+                if isinstance(inputs.command, Shutdown):
                     if self.hops:
                         logger.info("pp_sync hop: %d messages, %.3f ms mean", self.hops, self.hop_s / self.hops * 1e3)
                     return
-                self._reply(inputs.call, self._flush())
+                self._reply(inputs.command, self._flush())
                 self.step += 1
                 continue
             batch, _ = self.driver.step(Inbound(msg.events, msg.hidden, msg, msg.proposal))
@@ -134,7 +134,7 @@ class StageLoop:
             return []
         return [self.groups.recv(self.tail)]
 
-    def _apply(self, inputs: StepInputs, results: list[Sampled]) -> None:
+    def _apply(self, inputs: Intake, results: list[Sampled]) -> None:
         """The step's inputs, in the same order on every rank. Adds before aborts: a client
         may abort a request in the same step it arrived."""
         for tokens in results:
@@ -145,7 +145,7 @@ class StageLoop:
             for req in reqs:
                 req.on_update = self._on_update
         apply_intake(self.sched, reqs, inputs.aborts)
-        if isinstance(inputs.call, Stats):
+        if isinstance(inputs.command, Stats):
             out = core_stats(self.core, self.cache.page_size)
             if "kv_sharding" in out:  # every rank's own gather figures, for stats and Prometheus
                 mine = {k: v for k, v in out["kv_sharding"].items() if k.startswith("gather")}
@@ -154,8 +154,8 @@ class StageLoop:
                 out["disaggregation"]["bytes"] = sum(self.groups.tp_gather_object(out["disaggregation"]["bytes"]))
             a = self.agreement
             out["agreement"] = {"steps": a.steps, "tp_min_ms_per_step": a.seconds / max(a.steps, 1) * 1e3}
-            self._reply(inputs.call, out)
-        elif isinstance(inputs.call, Shutdown):
+            self._reply(inputs.command, out)
+        elif isinstance(inputs.command, Shutdown):
             for req in list(self.sched.running) + list(self.sched.waiting):
                 self.sched.abort(req.rid)
             self._report()
@@ -170,7 +170,7 @@ class StageLoop:
         return True
 
     # ---- leader <-> frontend ----------------------------------------------------------------
-    def _leader_inputs(self) -> StepInputs:
+    def _leader_inputs(self) -> Intake:
         """Everything the frontend queued (the same intake as a single-rank EngineLoop's);
         waits up to IDLE_POLL_S when there is nothing to do. A command (flush, stats, stop)
         ends the step's intake: it applies after the adds and aborts."""
@@ -186,8 +186,7 @@ class StageLoop:
                 return Shutdown(-1)
 
         # (A frontend gone after the first item is noticed at the next step.)
-        intake = take_intake(first, self.inbox.get_nowait, (queue.Empty, *WRITERS_GONE))
-        return StepInputs(intake.adds, intake.aborts, intake.command)
+        return take_intake(first, self.inbox.get_nowait, (queue.Empty, *WRITERS_GONE))
 
     def _on_update(self, req: Request) -> None:
         upd = RequestUpdate.of(req, self._sent.get(req.rid, 0))
