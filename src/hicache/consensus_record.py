@@ -28,6 +28,7 @@ Use:
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import threading
 from dataclasses import dataclass
@@ -56,17 +57,14 @@ class Entry:
 
 class _Recorder:
     def __init__(self, label: str, sink: Sink) -> None:
-        self.label = label
-        self.sink = sink
-        self._next = 0
+        self.label, self.sink = label, sink
+        self._indices = itertools.count()
         self._lock = threading.Lock()
 
     def record(self, function: str, params: Any, result: Any) -> None:
         # Index assignment and hand-off happen under one lock, so the sink sees indices in order.
         with self._lock:
-            entry = Entry(self._next, function, params, result)
-            self._next += 1
-            self.sink(self.label, entry)
+            self.sink(self.label, Entry(next(self._indices), function, params, result))
 
 
 _recorder: _Recorder | None = None
