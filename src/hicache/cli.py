@@ -39,10 +39,9 @@ def _sampling(args: argparse.Namespace):
 def _engine(args: argparse.Namespace):
     from .frontend import Engine
 
-    cfg = from_cli_args(EngineConfig, args)
-    if cfg.disaggregation_bootstrap_host is None and getattr(args, "host", None):  # serve: next to the HTTP API
-        cfg = dataclasses.replace(cfg, disaggregation_bootstrap_host=args.host)
-    return Engine(**dataclasses.asdict(cfg))
+    given = args.disaggregation_bootstrap_host
+    host = getattr(args, "host", None) if given is None else given  # serve: next to the HTTP API unless given
+    return Engine(**dataclasses.asdict(from_cli_args(EngineConfig, args, disaggregation_bootstrap_host=host)))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
