@@ -13,10 +13,10 @@ from .disagg_options import DisaggregationOptions
 from .errors import ConfigError
 from .options import check_bounds, flag, opt as _opt
 from .ports import split_host_port
-from .speculative_options import DEFAULT_SPEC_STEPS, SPEC_ALGORITHMS, SPEC_KV_LAYOUTS, SpeculativeOptions
+from .speculative_options import SpeculativeOptions
 
 CP_STRATEGIES = ("zigzag", "interleave")  # how prefill tokens are split over context-parallel ranks
-__all__ = ["ConfigError", "EngineConfig", "PassPrecision", "DEFAULT_SPEC_STEPS", "SPEC_ALGORITHMS", "SPEC_KV_LAYOUTS"]
+__all__ = ["ConfigError", "EngineConfig", "PassPrecision"]
 
 
 @dataclass(frozen=True)

@@ -32,13 +32,12 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 
+from hicache.config import CP_STRATEGIES
 from hicache.model.attention import attended, keys_attention, merge_partials, sequence_attention
 from hicache.model.batch import AttentionLayer, ForwardBatch, KVView
 from hicache.model.paged import PagedBackend
 from hicache.model.parallel import split
 from hicache.model.prefix_gather import CPGroup, PrefixGather
-
-CP_STRATEGIES = ("zigzag", "interleave")
 
 
 def split_new_tokens(first_position: int, n: int, size: int, strategy: str, page_size: int) -> list[list[tuple[int, int]]]:
