@@ -31,6 +31,7 @@ from typing import Any, Iterable, Iterator
 from ..config import ConfigError, EngineConfig
 from ..consensus_record import Entry
 from ..consensus_record import enabled as checker_enabled
+from ..disagg.bootstrap import endpoint
 from ..errors import EngineDeadError, HicacheError
 from ..ports import free_port, split_host_port
 from .channels import WRITERS_GONE, exit_text, kill_all, queued_now, reader_only
@@ -51,10 +52,7 @@ def init_method(cfg: EngineConfig) -> str:
     """torch.distributed's rendezvous: ``--dist-init-addr`` across machines (rank 0 listens
     there), else a free port of 127.0.0.1: on one machine no rank listens beyond loopback."""
     addr = split_host_port(cfg.dist_init_addr) if cfg.nnodes > 1 else None
-    if addr is None:
-        return f"tcp://127.0.0.1:{free_port()}"
-    host, port = addr
-    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+    return endpoint(*addr) if addr is not None else f"tcp://127.0.0.1:{free_port()}"
 
 
 def spawn_ranks(ctx: Any, cfg: EngineConfig, init: str, ranks: Iterable[int], procs: list[Any], status: Any,
