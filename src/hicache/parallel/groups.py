@@ -67,10 +67,6 @@ class RankInfo:
         return self.tp_size // self.cp_size
 
     @property
-    def cp_rank(self) -> int:
-        return self.tp_rank // self.attn_tp_size
-
-    @property
     def attn_tp_rank(self) -> int:
         return self.tp_rank % self.attn_tp_size
 
