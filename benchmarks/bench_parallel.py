@@ -60,7 +60,8 @@ def micro_rank(rank: int, tp: int, pp: int, init: str, repeats: int, out) -> Non
     import torch.distributed as dist
 
     from hicache.parallel.groups import ParallelGroups, RankInfo
-    from hicache.parallel.messages import StageMessage, StepInputs
+    from hicache.parallel.messages import StageMessage
+    from hicache.runtime.step import Intake
     from hicache.runtime.events import StepEvents
 
     torch.set_num_threads(1)
@@ -82,7 +83,7 @@ def micro_rank(rank: int, tp: int, pp: int, init: str, repeats: int, out) -> Non
         for i in range(WARMUP + repeats):
             if info.pp_rank == 0:
                 t = time.perf_counter()
-                groups.send(1, StageMessage(StepInputs(), [], events, None, None, time.perf_counter()))
+                groups.send(1, StageMessage(Intake(), [], events, None, None, time.perf_counter()))
                 groups.recv(1)
                 if i >= WARMUP:
                     rtt.append(time.perf_counter() - t)

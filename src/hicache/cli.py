@@ -39,10 +39,9 @@ def _sampling(args: argparse.Namespace):
 def _engine(args: argparse.Namespace):
     from .frontend import Engine
 
-    cfg = from_cli_args(EngineConfig, args)
-    if cfg.disaggregation_bootstrap_host is None and getattr(args, "host", None):  # serve: next to the HTTP API
-        cfg = dataclasses.replace(cfg, disaggregation_bootstrap_host=args.host)
-    return Engine(**dataclasses.asdict(cfg))
+    given = args.disaggregation_bootstrap_host
+    host = getattr(args, "host", None) if given is None else given  # serve: next to the HTTP API unless given
+    return Engine(**dataclasses.asdict(from_cli_args(EngineConfig, args, disaggregation_bootstrap_host=host)))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -70,35 +69,30 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    sampling = _sampling(args)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(system)
     with _engine(args) as engine:
-        _chat_loop(engine, args)
+        print("hicache chat: type a message; /reset clears the history, /exit quits.", file=sys.stderr)
+        while (line := _read_line()) is not None and line.strip() not in ("/exit", "/quit"):
+            if line.strip() == "/reset":
+                messages = list(system)
+            elif line.strip():
+                messages.append({"role": "user", "content": line})
+                res = engine.chat(messages, sampling)
+                messages.append({"role": "assistant", "content": res.text})
+                print(f"assistant> {res.text}")
+                print(f"  [{res.prompt_tokens} prompt tokens, {res.cached_tokens} cached {res.cached_tokens_details}, "
+                      f"TTFT {res.ttft_s * 1000:.0f} ms]", file=sys.stderr)
     return 0
 
 
-def _chat_loop(engine, args: argparse.Namespace) -> None:
-    sampling = _sampling(args)
-    messages: list[dict[str, str]] = []
-    if args.system:
-        messages.append({"role": "system", "content": args.system})
-    print("hicache chat: type a message; /reset clears the history, /exit quits.", file=sys.stderr)
-    while True:
-        try:
-            line = input("you> ")
-        except EOFError:
-            break
-        if line.strip() in ("/exit", "/quit"):
-            break
-        if line.strip() == "/reset":
-            messages = messages[:1] if args.system else []
-            continue
-        if not line.strip():
-            continue
-        messages.append({"role": "user", "content": line})
-        res = engine.chat(messages, sampling)
-        messages.append({"role": "assistant", "content": res.text})
-        print(f"assistant> {res.text}")
-        print(f"  [{res.prompt_tokens} prompt tokens, {res.cached_tokens} cached {res.cached_tokens_details}, "
-              f"TTFT {res.ttft_s * 1000:.0f} ms]", file=sys.stderr)
+def _read_line() -> str | None:
+    """The user's next line; None at end of input."""
+    try:
+        return input("you> ")
+    except EOFError:
+        return None
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -13,10 +13,10 @@ from .disagg_options import DisaggregationOptions
 from .errors import ConfigError
 from .options import check_bounds, flag, opt as _opt
 from .ports import split_host_port
-from .speculative_options import DEFAULT_SPEC_STEPS, SPEC_ALGORITHMS, SPEC_KV_LAYOUTS, SpeculativeOptions
+from .speculative_options import SpeculativeOptions
 
 CP_STRATEGIES = ("zigzag", "interleave")  # how prefill tokens are split over context-parallel ranks
-__all__ = ["ConfigError", "EngineConfig", "PassPrecision", "DEFAULT_SPEC_STEPS", "SPEC_ALGORITHMS", "SPEC_KV_LAYOUTS"]
+__all__ = ["ConfigError", "EngineConfig", "PassPrecision"]
 
 
 @dataclass(frozen=True)
@@ -37,37 +37,24 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
 
     # Model
     model: str = _opt(
-        "smollm2",
-        "Model to serve: 'smollm2' (embedded SmolLM2-135M-Instruct), a local Hugging Face "
-        "directory (config.json + *.safetensors + tokenizer.json), or 'random:<preset or JSON>'.",
-    )
+        "smollm2", "Model to serve: 'smollm2' (embedded SmolLM2-135M-Instruct), a local Hugging Face "
+        "directory (config.json + *.safetensors + tokenizer.json), or 'random:<preset or JSON>'.")
     dtype: str = _opt(
-        "auto",
-        "Weight and activation dtype (the KV cache's: --kv-cache-dtype). 'auto': bfloat16 on CUDA (float16 without "
-        "bf16), float32 on a CPU.",
-        ("auto", "bfloat16", "float16", "float32"),
-    )
+        "auto", "Weight and activation dtype (the KV cache's: --kv-cache-dtype). 'auto': bfloat16 on CUDA (float16 "
+        "without bf16), float32 on a CPU.", ("auto", "bfloat16", "float16", "float32"))
     kv_cache_dtype: str = _opt(
-        "auto",
-        "What the KV cache stores, in every tier. 'auto': float16 where --dtype auto chose float32 on a CPU with the "
-        "native kernels (decode attention reads half the bytes; llama.cpp's KV is f16 too; lossy: its KV has its own "
-        "cache keys), else --dtype. Attention computes in --dtype either way.",
-        ("auto", "float32", "bfloat16", "float16"),
-    )
+        "auto", "What the KV cache stores, in every tier. 'auto': float16 where --dtype auto chose float32 on a CPU "
+        "with the native kernels (decode attention reads half the bytes; llama.cpp's KV is f16 too; lossy: its KV has "
+        "its own cache keys), else --dtype. Attention computes in --dtype either way.",
+        ("auto", "float32", "bfloat16", "float16"))
     prefill_weight_dtype: str = _opt(
-        "auto",
-        "Weights for passes of more than 8 tokens (prefill). 'auto': a bfloat16 copy where --dtype auto chose "
+        "auto", "Weights for passes of more than 8 tokens (prefill). 'auto': a bfloat16 copy where --dtype auto chose "
         "float32 on a CPU with AVX512-BF16 or AMX, else 'same' (the loaded weights). 'bfloat16': the copy "
-        "(lossy: its KV has its own cache keys).",
-        ("auto", "same", "bfloat16"),
-    )
+        "(lossy: its KV has its own cache keys).", ("auto", "same", "bfloat16"))
     decode_weight_dtype: str = _opt(
-        "auto",
-        "Weights for decode steps (at most 8 tokens). 'auto': a float32 matrix's exact 4/8-bit GGUF blocks "
+        "auto", "Weights for decode steps (at most 8 tokens). 'auto': a float32 matrix's exact 4/8-bit GGUF blocks "
         "(Q4_1/Q8_0, e.g. smollm2) through the native kernels where it has them, else 'same' (the loaded "
-        "weights). 'bfloat16': a rounded copy (lossy: its KV has its own cache keys).",
-        ("auto", "same", "bfloat16"),
-    )
+        "weights). 'bfloat16': a rounded copy (lossy: its KV has its own cache keys).", ("auto", "same", "bfloat16"))
     decode_activations: str = _opt(
         "auto", "What decode steps multiply a GGUF file's quantized blocks with. 'int8': the inputs quantized per 32 "
         "values, as llama.cpp does (lossy: its KV has its own cache keys; faster GEMVs); 'float32': exact. 'auto': "
@@ -93,9 +80,7 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
     disable_hybrid_swa_memory: bool = _opt(
         False, "Keep every layer's KV for every cached token of a hybrid model (no window pool; SGLang's flag).")
     mem_fraction_static: Optional[float] = _opt(
-        None,
-        "Fraction of device memory for weights + KV pool (default 0.85 on CUDA; on CPU 0.10 of available RAM).",
-    )
+        None, "Fraction of device memory for weights + KV pool (default 0.85 on CUDA; on CPU 0.10 of available RAM).")
     disable_radix_cache: bool = _opt(False, "Turn prefix reuse off (every request computes its whole prompt).")
     radix_eviction_policy: str = _opt("lru", "Order in which unlocked leaves leave the device tier.", ("lru", "lfu"))
     # Hierarchical cache (L2 host tier)
@@ -103,10 +88,8 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
     hicache_ratio: float = _opt(2.0, "Host pool size as a multiple of the device pool.", above=0)
     hicache_size: float = _opt(0.0, "Host pool size in GB (overrides --hicache-ratio when > 0).", at_least=0)
     hicache_write_policy: str = _opt(
-        "write_through",
-        "When device KV is copied to host: on insert, on the Nth hit (selective), or at device eviction.",
-        ("write_through", "write_through_selective", "write_back"),
-    )
+        "write_through", "When device KV is copied to host: on insert, on the Nth hit (selective), or at device "
+        "eviction.", ("write_through", "write_through_selective", "write_back"))
     hicache_write_through_threshold: int = _opt(2, "Hits before a node is backed up under write_through_selective.",
                                                 at_least=1)
     hicache_mem_layout: str = _opt(
@@ -123,13 +106,10 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
         None, 'Backend options as JSON, e.g. \'{"path": "/data/kv", "max_bytes": 10000000000}\'.'
     )
     hicache_storage_prefetch_policy: str = _opt(
-        "adaptive",
-        "How long a request waits for its storage prefetch: best_effort, not at all; wait_complete, until the "
-        "read ends (at most 20x the timeout formula); timeout, at most the timeout formula below; adaptive, "
+        "adaptive", "How long a request waits for its storage prefetch: best_effort, not at all; wait_complete, "
+        "until the read ends (at most 20x the timeout formula); timeout, at most the timeout formula below; adaptive, "
         "while loading is measured to be cheaper than recomputing, at most one recompute time (the timeout "
-        "formula until both are measured).",
-        ("best_effort", "wait_complete", "timeout", "adaptive"),
-    )
+        "formula until both are measured).", ("best_effort", "wait_complete", "timeout", "adaptive"))
     hicache_storage_key_scheme: str = _opt(
         "rank-suffix", "How storage objects are cut and named: rank-suffix (one object per page and rank: only a "
         "deployment with the same TP/PP layout reads it) or unified (one fixed grid of layer ranges x KV-head "
@@ -138,11 +118,11 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
     )
     hicache_storage_head_partition: int = _opt(
         1, "unified: KV heads per storage object (divides the model's KV heads; every rank's KV heads must be "
-        "whole groups). Ignored for MLA, whose latent has no heads."
+        "whole groups). Ignored for MLA, whose latent has no heads.", at_least=1
     )
     hicache_storage_layer_partition: Optional[int] = _opt(
         None, "unified: layers per storage object (default: all of them; every pipeline stage must start on a "
-        "multiple of it)."
+        "multiple of it).", at_least=1
     )
     hicache_storage_prefetch_threshold: int = _opt(256, "Least uncached prompt tokens for which storage is asked.")
     hicache_storage_prefetch_timeout_base: float = _opt(1.0, "timeout formula: seconds a prefetch may take ...")
@@ -208,9 +188,6 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
         "prefill is slower.")
 
     def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
         check_bounds(self)
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ConfigError(
@@ -231,8 +208,9 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
         self.refuse_combinations({"draft"} if self.uses_draft_model else set())
         if self.enable_hierarchical_cache and self.disable_radix_cache:
             raise ConfigError("--enable-hierarchical-cache needs the radix cache; drop --disable-radix-cache.")
-        if self.hicache_storage_key_scheme == "unified":
-            self._validate_unified()
+        if self.hicache_storage_key_scheme == "unified" and not self.hicache_storage_backend:
+            raise ConfigError("--hicache-storage-key-scheme unified names storage objects: it needs "
+                              "--hicache-storage-backend.")
         self._validate_deterministic()
         if self.hicache_storage_backend and not self.enable_hierarchical_cache:
             raise ConfigError("--hicache-storage-backend needs --enable-hierarchical-cache (storage moves through host memory).")
@@ -258,15 +236,6 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
                               "--tp-size 2 or more for an MLA model.")
         if (cp > 1 or self.enable_kv_cache_sharding) and self.pp_size > 1:
             raise ConfigError("--attn-cp-size or --enable-kv-cache-sharding with --pp-size > 1 is not supported yet.")
-
-    def _validate_unified(self) -> None:
-        """The unified storage layout covers one MHA or MLA pool, TP and PP, for now."""
-        if not self.hicache_storage_backend:
-            raise ConfigError("--hicache-storage-key-scheme unified names storage objects: it needs "
-                              "--hicache-storage-backend.")
-        if self.hicache_storage_head_partition < 1 or (self.hicache_storage_layer_partition or 1) < 1:
-            raise ConfigError("--hicache-storage-head-partition and --hicache-storage-layer-partition must be at "
-                              "least 1.")
 
     @property
     def decode_reuses_prefix(self) -> bool:

@@ -28,6 +28,7 @@ Use:
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import threading
 from dataclasses import dataclass
@@ -56,17 +57,14 @@ class Entry:
 
 class _Recorder:
     def __init__(self, label: str, sink: Sink) -> None:
-        self.label = label
-        self.sink = sink
-        self._next = 0
+        self.label, self.sink = label, sink
+        self._indices = itertools.count()
         self._lock = threading.Lock()
 
     def record(self, function: str, params: Any, result: Any) -> None:
         # Index assignment and hand-off happen under one lock, so the sink sees indices in order.
         with self._lock:
-            entry = Entry(self._next, function, params, result)
-            self._next += 1
-            self.sink(self.label, entry)
+            self.sink(self.label, Entry(next(self._indices), function, params, result))
 
 
 _recorder: _Recorder | None = None
@@ -121,19 +119,13 @@ def consensus_check(name: str | Callable[..., Any] | None = None, *, args: Calla
     return decorate
 
 
-class _QueueSink:
-    """Picklable sink putting ``(label, entry)`` on a queue (any object with ``put``; in
-    practice the monitor's multiprocessing queue)."""
-
-    def __init__(self, q: Any) -> None:
-        self.q = q
-
-    def __call__(self, label: str, entry: Entry) -> None:
-        # Put at once (no batching): the queue's feeder thread still flushes it if this rank
-        # then hangs in a collective, so the entry that explains the hang reaches the monitor.
-        self.q.put((label, entry))
+def _put(q: Any, label: str, entry: Entry) -> None:
+    # Put at once (no batching): the queue's feeder thread still flushes it if this rank
+    # then hangs in a collective, so the entry that explains the hang reaches the monitor.
+    q.put((label, entry))
 
 
 def make_queue_sink(q: Any) -> Sink:
-    """Sink for ``install_recorder`` in a rank process, given the monitor's queue."""
-    return _QueueSink(q)
+    """Sink for ``install_recorder`` in a rank process, given the monitor's queue (any object
+    with ``put``); picklable, it puts ``(label, entry)`` there."""
+    return functools.partial(_put, q)

@@ -35,15 +35,15 @@ class DisaggregationOptions:
     )
     disaggregation_transfer_timeout: float = opt(
         60.0, "Seconds a request's KV transfer may take: a decode request gets an error (and frees its pages) "
-        "when no KV arrived by then; a finished prefill frees its KV when no decode server asked by then."
+        "when no KV arrived by then; a finished prefill frees its KV when no decode server asked by then.", above=0
     )
     disaggregation_handshake_timeout: float = opt(
         5.0, "Decode side: seconds the prefill server a request names has to answer its first message (the "
-        "route of its ranks); one that does not is taken for dead or hostile and the request fails at once.")
+        "route of its ranks); one that does not is taken for dead or hostile and the request fails at once.", above=0)
     disaggregation_decode_max_receiving: Optional[int] = opt(
         None, "Decode side: most requests waiting for KV from a prefill server at once (each holds a running slot "
         "and its pages); more wait in the queue, unadmitted, so clients naming slow or hostile prefill servers "
-        "cannot take every slot. Default: half of --max-running-requests.")
+        "cannot take every slot. Default: half of --max-running-requests.", at_least=1)
     disaggregation_prefill_allowlist: Optional[str] = opt(
         None, "Decode side: the prefill bootstrap addresses requests may name, 'host:port,host:port' as the router "
         "sends them (default: any). Set it on a decode server that untrusted clients can reach.")
@@ -62,14 +62,6 @@ class DisaggregationOptions:
                 not self.disaggregation_decode_enable_radix_cache:
             raise ConfigError("a decode server reuses its host tier through its radix tree: add "
                               "--disaggregation-decode-enable-radix-cache to --enable-hierarchical-cache.")
-        if not self.disaggregation_transfer_timeout > 0:
-            raise ConfigError(f"--disaggregation-transfer-timeout must be > 0 seconds, got "
-                              f"{self.disaggregation_transfer_timeout}.")
-        if not self.disaggregation_handshake_timeout > 0:
-            raise ConfigError(f"--disaggregation-handshake-timeout must be > 0 seconds, got "
-                              f"{self.disaggregation_handshake_timeout}.")
-        if self.disaggregation_decode_max_receiving is not None and self.disaggregation_decode_max_receiving < 1:
-            raise ConfigError("--disaggregation-decode-max-receiving must be at least 1.")
         if self.disaggregation_prefill_allowlist is not None and self.prefill_allowlist is None:
             raise ConfigError(f"--disaggregation-prefill-allowlist must be 'host:port' entries separated by commas, "
                               f"got {self.disaggregation_prefill_allowlist!r}.")

@@ -33,11 +33,11 @@ class SpeculativeOptions:
     )
     speculative_num_steps: Optional[int] = opt(
         None, "Draft tokens proposed per sequence before each verify pass (default 3, or num_draft_tokens - 1; "
-        "NGRAM: the most, each request's count adapts to its recent acceptance)."
+        "NGRAM: the most, each request's count adapts to its recent acceptance).", at_least=1
     )
     speculative_num_draft_tokens: Optional[int] = opt(
         None, "Tokens per sequence in a verify pass: the last token plus the drafts, so num_steps + 1 for the "
-        "chain drafts built here (the default; NGRAM: min(max trie depth, 8))."
+        "chain drafts built here (the default; NGRAM: min(max trie depth, 8)).", at_least=1
     )
     speculative_draft_kv_layout: str = opt(
         "auto", "Where the draft's KV lives in every tier: 'packed' (extra layers of the target's pages: needs the "
@@ -64,7 +64,7 @@ class SpeculativeOptions:
     )
     speculative_ngram_capacity: int = opt(
         10_000_000, "NGRAM: tokens of the radix tree indexed for lookups (past it the oldest sequences leave the "
-        "index first; the tree itself is untouched)."
+        "index first; the tree itself is untouched).", at_least=1
     )
     speculative_ngram_min_bfs_breadth: int = opt(
         1, "NGRAM: branches per draft level. Drafts here are chains: only 1 is accepted."
@@ -86,10 +86,6 @@ class SpeculativeOptions:
         if algo == "NGRAM":
             self._validate_ngram()
         steps, tokens = self.speculative_num_steps, self.speculative_num_draft_tokens
-        if tokens is not None and tokens < 1:
-            raise ConfigError(f"--speculative-num-draft-tokens must be at least 1, got {tokens}.")
-        if steps is not None and steps < 1:
-            raise ConfigError(f"--speculative-num-steps must be at least 1, got {steps}.")
         if tokens is not None and steps is not None and tokens != steps + 1:
             raise ConfigError(f"--speculative-num-draft-tokens {tokens} must be --speculative-num-steps + 1 "
                               f"({steps + 1}): drafts are chains (tree drafts are not built).")
@@ -119,8 +115,6 @@ class SpeculativeOptions:
         if self.speculative_ngram_match_type not in NGRAM_MATCH_TYPES:
             raise ConfigError(f"--speculative-ngram-match-type must be BFS or PROB, got "
                               f"{self.speculative_ngram_match_type!r}.")
-        if self.speculative_ngram_capacity < 1:
-            raise ConfigError(f"--speculative-ngram-capacity must be at least 1, got {self.speculative_ngram_capacity}.")
 
     @property
     def ngram_trie_depth(self) -> int:

@@ -198,8 +198,7 @@ class RouteAnswer:
             if not isinstance(item, list) or len(item) != 4:
                 raise WireError("a route entry must be [host, port, first_head, end_head]")
             host(item[0], "a prefill rank's host")
-            fields = dict(zip(("port", "first_head", "end_head"), item[1:]))
-            integer(fields, "port", 1, 65535)
+            integer({"port": item[1]}, "port", 1, 65535)
             head_range({"heads": item[2:]}, "heads")
         dtype = msg.get("dtype")
         if not isinstance(dtype, str) or len(dtype) > 64:

@@ -81,14 +81,13 @@ class Divergence:
 class ConsensusComparator:
     """Compares per-rank entry streams by index; keeps only indices not yet seen by every rank.
 
-    The first entry to arrive for an index is the reference; later arrivals are compared with
-    it. Each rank's entries must arrive in index order, but ranks may lag each other freely.
-    Only the first divergence is reported. With two ranks it is reported at once. With three or
-    more, a mismatch makes that index *suspect* and the report waits for every rank's entry
-    there, so that a majority names the odd rank out (the first arrival may be the odd one);
-    a lagging rank that mismatches at an earlier index moves the suspicion there. A rank that
-    never reports (it hung) leaves the vote open: :meth:`decide` then reports the mismatch as
-    first seen.
+    Each rank's entries must arrive in index order, but ranks may lag each other freely; so
+    indices complete (every rank reported) in index order, and the first index that completes
+    with unequal entries is the first divergence. Only that one is reported. The rank outside
+    the strict majority of equal entries is the divergent one (the first arrival may be the odd
+    one); without a majority, the mismatch as first seen (the first entry that differs from the
+    first arrival, which is the reference). A rank that never reports an index (it hung) leaves
+    a mismatch there open: :meth:`decide` then reports it as first seen.
     """
 
     def __init__(self, labels: Sequence[str]) -> None:
@@ -96,12 +95,10 @@ class ConsensusComparator:
             raise ValueError("a consensus comparator needs at least one rank label")
         self.labels = list(labels)
         self._known = set(self.labels)
-        # index -> (reference label, reference entry, labels that reported it)
-        self._pending: dict[int, tuple[str, Entry, set[str]]] = {}
+        self._pending: dict[int, dict[str, Entry]] = {}  # index -> each rank's entry there, in arrival order
         self.compared = 0
         self.diverged: Divergence | None = None
-        # The earliest suspect index: the mismatch as first seen, and every rank's entry there.
-        self._suspect: tuple[Divergence, dict[str, Entry]] | None = None
+        self._suspect: int | None = None  # the earliest index where two entries differ
 
     @property
     def undecided(self) -> bool:
@@ -112,55 +109,34 @@ class ConsensusComparator:
         """Feed one entry; returns the divergence it reveals, if it is the first one."""
         if label not in self._known:
             raise ValueError(f"unknown rank label {label!r} (expected one of {self.labels})")
-        if self.diverged is not None:
-            return None  # one report is enough; storing more would only grow memory
-        if self._suspect is not None:
-            first, arrivals = self._suspect
-            if entry.index > first.index:
-                return None  # this rank already reported the suspect index: nothing to add
-            if entry.index == first.index:
-                if label in arrivals:
-                    raise ValueError(f"rank {label!r} reported call #{entry.index} twice")
-                arrivals[label] = entry
-                return self._vote() if len(arrivals) == len(self._known) else None
-        pending = self._pending.get(entry.index)
-        if pending is None:
-            self._pending[entry.index] = (label, entry, {label})
-            self._maybe_done(entry.index)
-            return None
-        ref_label, ref, seen = pending
-        if label in seen:
+        if self.diverged is not None or (self._suspect is not None and entry.index > self._suspect):
+            return None  # one report is enough (and the earliest suspect is reported first): keep nothing more
+        arrivals = self._pending.setdefault(entry.index, {})
+        if label in arrivals:
             raise ValueError(f"rank {label!r} reported call #{entry.index} twice")
-        kind = self._difference(ref, entry)
-        if kind is None:
-            seen.add(label)
-            self._maybe_done(entry.index)
-            return None
-        first = Divergence(entry.index, ref.function, kind, ref_label, label, ref, entry)
-        if len(self._known) < 3:
-            return self._report(first)
-        # Suspect this index (earlier than any current suspect: entries arrive in index order
-        # per rank, and later indices are ignored once one is suspect).
-        arrivals = {seen_label: ref for seen_label in seen}
         arrivals[label] = entry
-        self._suspect = (first, arrivals)
-        return self._vote() if len(arrivals) == len(self._known) else None
+        if self._difference(next(iter(arrivals.values())), entry) is not None:
+            self._suspect = entry.index if self._suspect is None else min(self._suspect, entry.index)
+        if len(arrivals) < len(self._known):
+            return None
+        if entry.index == self._suspect:
+            return self._vote(entry.index, arrivals)
+        del self._pending[entry.index]
+        self.compared += 1
+        return None
 
     def decide(self) -> Divergence | None:
         """Report an open suspicion as first seen (a rank never reported the index)."""
         if not self.undecided:
             return None
         assert self._suspect is not None
-        return self._report(self._suspect[0])
+        return self._report(self._first_seen(self._suspect, self._pending[self._suspect]))
 
-    def _vote(self) -> Divergence:
-        """Every rank reported the suspect index: the largest group of equal entries is the
-        reference when it is a strict majority; the first rank outside it is the divergent one."""
-        assert self._suspect is not None
-        first, arrivals = self._suspect
-        order = list(arrivals)  # arrival order
+    def _vote(self, index: int, arrivals: dict[str, Entry]) -> Divergence:
+        """Every rank reported ``index``: the largest group of equal entries is the reference
+        when it is a strict majority; the first rank outside it is the divergent one."""
         groups: list[list[str]] = []
-        for label in order:
+        for label in arrivals:
             for group in groups:
                 if self._difference(arrivals[group[0]], arrivals[label]) is None:
                     group.append(label)
@@ -168,25 +144,28 @@ class ConsensusComparator:
             else:
                 groups.append([label])
         majority = max(groups, key=len)
-        if 2 * len(majority) <= len(order):
-            return self._report(first)  # no majority: report the mismatch as first seen
-        ref_label = majority[0]
-        odd = next(label for label in order if label not in majority)
+        if 2 * len(majority) <= len(arrivals):
+            return self._report(self._first_seen(index, arrivals))  # no majority: the mismatch as first seen
+        odd = next(label for label in arrivals if label not in majority)
+        return self._report(self._divergence(index, majority[0], odd, arrivals))
+
+    def _first_seen(self, index: int, arrivals: dict[str, Entry]) -> Divergence:
+        """The first arrival at ``index`` vs the first entry there that differs from it."""
+        ref_label, *later = arrivals
+        odd = next(label for label in later if self._difference(arrivals[ref_label], arrivals[label]) is not None)
+        return self._divergence(index, ref_label, odd, arrivals)
+
+    def _divergence(self, index: int, ref_label: str, odd: str, arrivals: dict[str, Entry]) -> Divergence:
         ref, got = arrivals[ref_label], arrivals[odd]
         kind = self._difference(ref, got)
         assert kind is not None
-        return self._report(Divergence(first.index, ref.function, kind, ref_label, odd, ref, got))
+        return Divergence(index, ref.function, kind, ref_label, odd, ref, got)
 
     def _report(self, div: Divergence) -> Divergence:
         self.diverged = div
         self._pending.clear()
         self._suspect = None
         return div
-
-    def _maybe_done(self, index: int) -> None:
-        if len(self._pending[index][2]) == len(self._known):
-            del self._pending[index]
-            self.compared += 1
 
     @staticmethod
     def _difference(ref: Entry, got: Entry) -> DivergenceKind | None:

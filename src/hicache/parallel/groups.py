@@ -67,10 +67,6 @@ class RankInfo:
         return self.tp_size // self.cp_size
 
     @property
-    def cp_rank(self) -> int:
-        return self.tp_rank // self.attn_tp_size
-
-    @property
     def attn_tp_rank(self) -> int:
         return self.tp_rank % self.attn_tp_size
 
@@ -197,6 +193,14 @@ def _gloo_pair(ranks: list[int]) -> tuple[Any, Any]:
     return dist.new_group(ranks, backend=GLOO), dist.new_group(ranks, backend=GLOO)
 
 
+def _own(rank: int, rank_sets: list[list[int]], backend: str | None) -> tuple[Any, list[int]]:
+    """A group of each of ``rank_sets`` (``backend``; None: a gloo pair); the one ``rank`` is in,
+    and its ranks (None, []: none). new_group is collective: every rank creates every group, in
+    the same order."""
+    made = [_gloo_pair(ranks) if backend is None else dist.new_group(ranks, backend=backend) for ranks in rank_sets]
+    return next(((g, ranks) for g, ranks in zip(made, rank_sets) if rank in ranks), (None, []))
+
+
 class ParallelGroups:
     def __init__(self, info: RankInfo, init_method: str, device: torch.device, latent_sharding: bool = False) -> None:
         """``latent_sharding``: no CP, but an MLA latent is page-sharded over each stage's TP
@@ -207,27 +211,17 @@ class ParallelGroups:
         dist.init_process_group(GLOO, store=rendezvous_store(url.hostname, url.port, info), rank=info.rank,
                                 world_size=info.world_size, timeout=COLLECTIVE_TIMEOUT)
         tensor_backend = "nccl" if device.type == "cuda" else GLOO
-        # new_group is collective: every rank creates every group, in the same order.
-        self.tp_ctrl = self.tp_tensor = None
-        self.cp: CPGroup | None = None
         a = info.attn_tp_size
-        for p in range(info.pp_size):
-            ranks = [info.rank_of(p, t) for t in range(info.tp_size)]
-            ctrl = dist.new_group(ranks, backend=GLOO)
-            if p == info.pp_rank:
-                self.tp_ctrl = ctrl
-            for c in range(info.cp_size):  # each CP rank's attention-TP ranks share partial sums
-                tensor = dist.new_group(ranks[c * a:(c + 1) * a], backend=tensor_backend)
-                if p == info.pp_rank and c == info.cp_rank:
-                    self.tp_tensor = tensor
-            if latent_sharding and info.cp_size == 1:  # the TP ranks hold the same latent, sharded
-                pair = _gloo_pair(ranks)
-                if p == info.pp_rank:
-                    self.cp = CPGroup(*pair, info.tp_rank, info.tp_size)
-            for t in range(a if info.cp_size > 1 else 0):  # the same heads on every CP rank
-                pair = _gloo_pair(ranks[t::a])
-                if p == info.pp_rank and t == info.attn_tp_rank:
-                    self.cp = CPGroup(*pair, info.cp_rank, info.cp_size)
+        stages = [[info.rank_of(p, t) for t in range(info.tp_size)] for p in range(info.pp_size)]
+        self.tp_ctrl = _own(info.rank, stages, GLOO)[0]
+        # each CP rank's attention-TP ranks share partial sums
+        self.tp_tensor = _own(info.rank, [s[c * a:(c + 1) * a] for s in stages for c in range(info.cp_size)],
+                              tensor_backend)[0]
+        # the shard group: the ranks holding the same heads on every CP rank, or (no CP) a stage's TP
+        # ranks holding the same latent, sharded
+        shards = [s[t::a] for s in stages for t in range(a)] if info.cp_size > 1 else stages if latent_sharding else []
+        pair, ranks = _own(info.rank, shards, None)
+        self.cp = CPGroup(*pair, ranks.index(info.rank), len(ranks)) if ranks else None
         self._storage = _gloo_pair(list(range(info.world_size)))
         self.stage_leader = info.rank_of(info.pp_rank, 0)
         self._sends: list[tuple[Any, ...]] = []  # in-flight isends and the buffers they read
@@ -298,9 +292,7 @@ class ParallelGroups:
         """Sum of every TP rank's ``x``. On CPU the sum runs in float32 (through shared
         memory when enabled, else gloo) and is rounded back to ``x``'s dtype once."""
         if x.device.type == "cpu" and self._shm is not None:
-            y = self._shm(x.float())
-            if y is not None:
-                return y.to(x.dtype)
+            return self._shm(x.float()).to(x.dtype)
         if x.device.type == "cpu" and x.dtype != torch.float32:
             y = x.float()
             dist.all_reduce(y, group=self.tp_tensor)

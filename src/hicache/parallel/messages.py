@@ -12,6 +12,7 @@ from ..runtime.batch import Sampled
 from ..runtime.events import StepEvents
 from ..runtime.request import PDState, Request, SpecState, Status
 from ..runtime.sampling import SamplingParams
+from ..runtime.step import Intake
 
 
 @dataclass
@@ -58,16 +59,6 @@ class Shutdown(RankCall):
     """Abort what is left, drain and stop every rank (no reply)."""
 
 
-@dataclass
-class StepInputs:
-    """What the leader (PP0/TP0) took from the frontend for one step. Every rank applies it
-    at the same logical point: after the returned batch's results, before the cache check."""
-
-    adds: list[RequestSpec] = field(default_factory=list)
-    aborts: list[int] = field(default_factory=list)
-    call: Optional[RankCall] = None
-
-
 BatchKey = Optional[tuple[str, list[int], list[int]]]  # (kind, rids, new tokens) of a scheduled batch
 
 
@@ -75,7 +66,8 @@ BatchKey = Optional[tuple[str, list[int], list[int]]]  # (kind, rids, new tokens
 class StageMessage:
     """One step, from stage p to stage p+1 (rank to rank of the same TP position)."""
 
-    inputs: StepInputs
+    inputs: Intake  # what the leader took from the frontend for the step: every rank applies it at the same
+    # logical point (after the returned batches' results, before the cache check); ``command`` ends it
     results: list[Sampled]  # tokens (and logprobs) of the in-flight batches that returned at this step, oldest first
     events: StepEvents  # the agreed events (pp_sync): later stages consume exactly these
     batch: BatchKey  # what stage 0 scheduled, so a later stage can check it scheduled the same

@@ -54,10 +54,10 @@ def run_node(cfg: EngineConfig, report: Callable[[str], None] = logger.info) -> 
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         node.start()
-        node.wait_ready()
+        node.wait(starting=True)
         report(f"node {cfg.node_rank} of {cfg.nnodes}: ranks {', '.join(node.labels)} ready "
                f"(device pages={node.capacity}); waiting for node 0 to stop them")
-        node.wait_stopped()
+        node.wait(starting=False)
         report(f"node {cfg.node_rank} of {cfg.nnodes}: ranks stopped in order")
         return 0
     finally:
@@ -88,31 +88,23 @@ class _Node:
         logger.info("node %d of %d: started ranks %s (pids %s), joining %s", self.cfg.node_rank, self.cfg.nnodes,
                     ", ".join(self.labels), [p.pid for p in self.procs], init)
 
-    def wait_ready(self) -> None:
-        """Until every local rank has joined the world and built its pools."""
+    def wait(self, starting: bool) -> None:
+        """Until every rank has joined the world and built its pools (``starting``), else until
+        every rank has exited (0 for all after node 0's stop); raises on a failure."""
         ready: set[int] = set()
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while len(ready) < len(self.ranks):
-            item = self._next_report()
-            if item is None:
-                self._check_exits(starting=True)
-                if time.monotonic() > deadline:
-                    raise NodeFailed(f"ranks {', '.join(self.labels)} did not start within {STARTUP_TIMEOUT_S:.0f} s "
-                                     f"(is node 0 up at {self.cfg.dist_init_addr}?)")
-                continue
-            if isinstance(item, RankError):
-                self._failed(item, starting=True)
-            ready.add(item.rank)
-            self.capacity = item.capacity
-
-    def wait_stopped(self) -> None:
-        """Until every local rank has exited: 0 for all after node 0's stop, else a failure."""
-        while any(p.exitcode is None for p in self.procs):
+        while len(ready) < len(self.ranks) if starting else any(p.exitcode is None for p in self.procs):
             item = self._next_report()
             if isinstance(item, RankError):
-                self._failed(item, starting=False)
-            self._check_exits(starting=False)
-        self._check_exits(starting=False)
+                self._failed(item, starting)
+            elif item is not None:
+                ready.add(item.rank)
+                self.capacity = item.capacity
+            self._check_exits(starting)
+            if starting and time.monotonic() > deadline:
+                raise NodeFailed(f"ranks {', '.join(self.labels)} did not start within {STARTUP_TIMEOUT_S:.0f} s "
+                                 f"(is node 0 up at {self.cfg.dist_init_addr}?)")
+        self._check_exits(starting)
 
     def _next_report(self) -> Ready | RankError | None:
         try:

@@ -31,6 +31,7 @@ from typing import Any, Iterable, Iterator
 from ..config import ConfigError, EngineConfig
 from ..consensus_record import Entry
 from ..consensus_record import enabled as checker_enabled
+from ..disagg.bootstrap import endpoint
 from ..errors import EngineDeadError, HicacheError
 from ..ports import free_port, split_host_port
 from .channels import WRITERS_GONE, exit_text, kill_all, queued_now, reader_only
@@ -51,10 +52,7 @@ def init_method(cfg: EngineConfig) -> str:
     """torch.distributed's rendezvous: ``--dist-init-addr`` across machines (rank 0 listens
     there), else a free port of 127.0.0.1: on one machine no rank listens beyond loopback."""
     addr = split_host_port(cfg.dist_init_addr) if cfg.nnodes > 1 else None
-    if addr is None:
-        return f"tcp://127.0.0.1:{free_port()}"
-    host, port = addr
-    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+    return endpoint(*addr) if addr is not None else f"tcp://127.0.0.1:{free_port()}"
 
 
 def spawn_ranks(ctx: Any, cfg: EngineConfig, init: str, ranks: Iterable[int], procs: list[Any], status: Any,
@@ -104,10 +102,8 @@ class RankGroup:
         if cfg.node_rank != 0:
             raise ConfigError(f"node {cfg.node_rank} of {cfg.nnodes} serves nothing: start its ranks with "
                               f"`hicache node --node-rank {cfg.node_rank}` and the same engine flags.")
-        self.world = cfg.tp_size * cfg.pp_size
         self.nnodes = cfg.nnodes
-        self.local_world = cfg.ranks_per_node  # this node's ranks are 0 .. local_world - 1
-        self.labels = [rank_label(r, cfg.tp_size) for r in range(self.world)]
+        self.labels = [rank_label(r, cfg.tp_size) for r in cfg.local_ranks]  # node 0's ranks are 0, 1, ...
         ctx = rank_context()
         self.inbox, self.outbox, self.status = ctx.Queue(), ctx.Queue(), ctx.Queue()
         # What the leader never read is moot once it is gone: never hold up this process's exit
@@ -123,7 +119,7 @@ class RankGroup:
         # Checker: the ranks' call streams, compared here as they arrive (HICACHE_RANK_CONSENSUS_CHECKER=1).
         self.monitor: ConsensusMonitor | None = None
         self.trace: dict[str, deque[Entry]] = {
-            label: deque(maxlen=TRACE_ENTRIES) for label in self.labels[: self.local_world]}
+            label: deque(maxlen=TRACE_ENTRIES) for label in self.labels}
         self.procs: list[Any] = []  # started rank processes (this node's), in rank order
         self._watchdog: threading.Thread | None = None
         try:  # whatever fails or is interrupted from here on, nothing is left running
@@ -138,38 +134,36 @@ class RankGroup:
 
     # ---- lifecycle --------------------------------------------------------------------------
     def _start(self, cfg: EngineConfig, ctx: Any) -> None:
-        local_labels = self.labels[: self.local_world]
         if checker_enabled():
             if self.nnodes > 1:  # other nodes' ranks have no queue to this process
-                logger.warning("the rank consensus checker compares node 0's ranks only (%s)", ", ".join(local_labels))
-            self.monitor = ConsensusMonitor(local_labels, lambda div: self._halt(str(div)), ctx,
+                logger.warning("the rank consensus checker compares node 0's ranks only (%s)", ", ".join(self.labels))
+            self.monitor = ConsensusMonitor(self.labels, lambda div: self._halt(str(div)), ctx,
                                             on_entry=lambda label, entry: self.trace[label].append(entry))
             self.monitor.start()
         init = init_method(cfg)
         monitor_queue = self.monitor.queue if self.monitor else None
-        spawn_ranks(ctx, cfg, init, range(self.local_world), self.procs, self.status, (self.inbox, self.outbox),
+        spawn_ranks(ctx, cfg, init, cfg.local_ranks, self.procs, self.status, (self.inbox, self.outbox),
                     monitor_queue)
         reader_only(self.outbox, self.status, monitor_queue)  # only the ranks write these
-        logger.info("started %d ranks (tp=%d pp=%d): pids %s", self.local_world, cfg.tp_size, cfg.pp_size,
+        logger.info("started %d ranks (tp=%d pp=%d): pids %s", len(self.labels), cfg.tp_size, cfg.pp_size,
                     [p.pid for p in self.procs])
         if self.nnodes > 1:
             logger.info("node 0 of %d: ranks %s here, %d on other nodes joining at %s", self.nnodes,
-                        ", ".join(local_labels), self.world - self.local_world, init)
+                        ", ".join(self.labels), cfg.tp_size * cfg.pp_size - len(self.labels), init)
 
     def _wait_ready(self) -> tuple[int, int]:
         """This node's ranks' capacities, full and window pages (the pools were MIN-agreed over
         every node's ranks before any rank reports ready, so the leader's capacity is the world's)."""
         ready: dict[int, tuple[int, int]] = {}
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while len(ready) < self.local_world:
+        while len(ready) < len(self.labels):
             try:
                 item = self.status.get(timeout=POLL_S * 4)
             except (queue.Empty, *WRITERS_GONE) as e:
                 if not isinstance(e, queue.Empty):
                     time.sleep(POLL_S)  # every rank has exited: let their exit codes show
-                dead = self._exited()
-                if dead:
-                    self._halt(self._explain(dead))
+                if self._exited():
+                    self._halt(self._explain())
                 elif time.monotonic() > deadline:
                     self._halt(f"ranks did not start within {STARTUP_TIMEOUT_S:.0f} s")
                 self.check_alive()
@@ -225,9 +219,8 @@ class RankGroup:
         """Watchdog: a rank that dies or reports an error stops every rank at once, even while
         the frontend is idle; the next call then raises."""
         while not self._stopping and self.failure is None:
-            dead = self._exited()
-            if dead or not self.status.empty():
-                self._halt(self._explain(dead))
+            if self._exited() or not self.status.empty():
+                self._halt(self._explain())
                 return
             time.sleep(0.2)
 
@@ -250,7 +243,7 @@ class RankGroup:
         if self._stopping:
             raise EngineDeadError("the engine is stopped.")
 
-    def _explain(self, dead: list) -> str:
+    def _explain(self) -> str:
         """The root cause: a divergence if the checker saw one, else a rank that died without
         reporting (killed), else the first error a rank reported that is not a broken
         connection to a peer (peers of a failed rank fail that way too)."""
@@ -276,9 +269,6 @@ class RankGroup:
                         f"{reported[r]}")
             primary = primary or list(reported)
             return f"rank {self.labels[primary[0]]} failed: {reported[primary[0]]}"
-        if dead:
-            r, p = dead[0]
-            return f"rank {self.labels[r]} (pid {p.pid}) exited with code {p.exitcode}"
         return f"rank {self.labels[0]} closed its connection to the frontend"
 
     # ---- talking to the leader -----------------------------------------------------------
@@ -295,18 +285,14 @@ class RankGroup:
             self.check_alive()
             return
         except WRITERS_GONE:  # the leader is gone (maybe in the middle of a message)
-            self._halt(self._explain(self._exited()))
+            self._halt(self._explain())
             self.check_alive()
             return
-        while True:
+        for item in itertools.chain([item], queued_now(self.outbox)):  # (the next read reports a gone leader)
             if isinstance(item, Updates):
                 self._updates.append(item.updates)
             else:
                 self._replies[item.call_id] = item.value
-            try:
-                item = self.outbox.get_nowait()
-            except (queue.Empty, *WRITERS_GONE):  # the next read reports a gone leader
-                return
 
     def updates(self, timeout: float) -> list[RequestUpdate]:
         self.check_alive()

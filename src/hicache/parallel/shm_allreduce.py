@@ -111,12 +111,10 @@ class ShmAllReduce:
             # /dev/shm however the ranks end (the mappings live until each rank closes or dies).
             self.shm.unlink()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
-        """``x`` summed over the group in rank order (a new tensor); larger than the segment, in
-        pieces (every element's sum is the same); None for a dtype other than float32."""
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (float32) summed over the group in rank order (a new tensor); larger than the
+        segment, in pieces (every element's sum is the same)."""
         n = x.numel()
-        if x.dtype != torch.float32:
-            return None
         if n > self.max_elems:
             flat = x.reshape(-1)
             return torch.cat([self(flat[i:i + self.max_elems]) for i in range(0, n, self.max_elems)]).view_as(x)

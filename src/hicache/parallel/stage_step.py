@@ -22,13 +22,13 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..errors import HicacheError
-from ..runtime.batch import Batch, Sampled
+from ..runtime.batch import Batch
 from ..runtime.events import StepEvents
 from ..runtime.request import Request
 from ..runtime.scheduler import Scheduler
 from ..runtime.step import Inbound, SampleAndApply, sample_batch
 from .groups import ParallelGroups, RankInfo
-from .messages import StageMessage, StepInputs, batch_key
+from .messages import StageMessage, batch_key
 
 # Test switch (never set in production): a later stage uses its own ready counts instead of the
 # agreed ones, to show what pp_sync prevents.
@@ -37,15 +37,6 @@ DISABLE_PP_SYNC_ENV = "HICACHE_TEST_DISABLE_PP_SYNC"
 
 class RankDivergenceError(HicacheError):
     """A later stage scheduled something other than what stage 0 scheduled."""
-
-
-@dataclass
-class StageStep:
-    """The step's data a stage passes on (``Inbound.context``)."""
-
-    inputs: StepInputs
-    results: list[Sampled]  # tokens (and logprobs) of the in-flight batches that returned at this step
-    batch: object = None  # later stages: what stage 0 scheduled (its batch key)
 
 
 @dataclass
@@ -95,7 +86,7 @@ class SendDown:
 
     def hand_on(self, batch: Optional[Batch], out: Optional[torch.Tensor], events: StepEvents,
                 inbound: Optional[Inbound]) -> list[Request]:
-        ctx: StageStep = inbound.context
+        ctx: StageMessage = inbound.context  # the step's message as this stage got it (stage 0: its own)
         self.groups.send(self.next_rank, StageMessage(ctx.inputs, ctx.results, events, batch_key(batch), out,
                                                       time.perf_counter(), batch.proposal if batch else None))
         if batch is not None:

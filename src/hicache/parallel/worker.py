@@ -20,6 +20,7 @@ different requests are in flight at once.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -46,13 +47,13 @@ from ..runtime.core_stats import core_stats
 from ..runtime.rank_plan import RankContext
 from ..runtime.events import StepEvents
 from ..runtime.request import Request
-from ..runtime.step import Inbound, StepDriver, apply_intake, take_intake
+from ..runtime.step import Inbound, Intake, StepDriver, apply_intake, take_intake
 from .channels import WRITERS_GONE, reader_only, writer_only
 from .faults import FaultPlan
 from .groups import ParallelGroups, RankInfo
 from .messages import (Flush, RankCall, RankError, Ready, Reply, RequestUpdate, Shutdown, StageMessage, Stats,
-                       StepInputs, Updates)
-from .stage_step import StageAgreement, StageStep, stage_output
+                       Updates)
+from .stage_step import StageAgreement, stage_output
 
 logger = logging.getLogger(__name__)
 
@@ -90,10 +91,10 @@ class StageLoop:
     # ---- the loop -------------------------------------------------------------------------
     def run(self) -> None:
         while True:
-            msg: StageMessage | None = None
             if self.first:
                 inputs = self.groups.tp_broadcast(self._leader_inputs() if self.leader else None)
-                results = self._returned_tokens(isinstance(inputs.call, (Shutdown, Flush)))
+                results = self._returned_tokens(isinstance(inputs.command, (Shutdown, Flush)))
+                msg = StageMessage(inputs, results, StepEvents(), None, None)  # the step as a later stage gets it
             else:
                 msg = self.groups.recv(self.prev)
                 if msg.sent_at:
@@ -101,20 +102,18 @@ class StageLoop:
                     self.hops += 1
                 inputs, results = msg.inputs, msg.results
             self._apply(inputs, results)
-            if isinstance(inputs.call, (Shutdown, Flush)):
+            if isinstance(inputs.command, (Shutdown, Flush)):
                 # Forward first: draining waits for storage ops every rank's threads must reach.
                 if not self.last:
                     self.groups.send(self.next, StageMessage(inputs, results, StepEvents(), None, None))
-                if isinstance(inputs.call, Shutdown):
+                if isinstance(inputs.command, Shutdown):
                     if self.hops:
                         logger.info("pp_sync hop: %d messages, %.3f ms mean", self.hops, self.hop_s / self.hops * 1e3)
                     return
-                self._reply(inputs.call, self._flush())
+                self._reply(inputs.command, self._flush())
                 self.step += 1
                 continue
-            batch, _ = self.driver.step(Inbound(msg.events if msg else None, msg.hidden if msg else None,
-                                                StageStep(inputs, results, msg.batch if msg else None),
-                                                msg.proposal if msg else None))
+            batch, _ = self.driver.step(Inbound(msg.events, msg.hidden, msg, msg.proposal))
             self._report()
             if self.leader and batch is None and not self.inflight and self.sched.has_work():
                 time.sleep(PREFETCH_POLL_S)  # only prefetches or KV transfers to wait for: do not spin
@@ -135,7 +134,7 @@ class StageLoop:
             return []
         return [self.groups.recv(self.tail)]
 
-    def _apply(self, inputs: StepInputs, results: list[Sampled]) -> None:
+    def _apply(self, inputs: Intake, results: list[Sampled]) -> None:
         """The step's inputs, in the same order on every rank. Adds before aborts: a client
         may abort a request in the same step it arrived."""
         for tokens in results:
@@ -146,7 +145,7 @@ class StageLoop:
             for req in reqs:
                 req.on_update = self._on_update
         apply_intake(self.sched, reqs, inputs.aborts)
-        if isinstance(inputs.call, Stats):
+        if isinstance(inputs.command, Stats):
             out = core_stats(self.core, self.cache.page_size)
             if "kv_sharding" in out:  # every rank's own gather figures, for stats and Prometheus
                 mine = {k: v for k, v in out["kv_sharding"].items() if k.startswith("gather")}
@@ -155,8 +154,8 @@ class StageLoop:
                 out["disaggregation"]["bytes"] = sum(self.groups.tp_gather_object(out["disaggregation"]["bytes"]))
             a = self.agreement
             out["agreement"] = {"steps": a.steps, "tp_min_ms_per_step": a.seconds / max(a.steps, 1) * 1e3}
-            self._reply(inputs.call, out)
-        elif isinstance(inputs.call, Shutdown):
+            self._reply(inputs.command, out)
+        elif isinstance(inputs.command, Shutdown):
             for req in list(self.sched.running) + list(self.sched.waiting):
                 self.sched.abort(req.rid)
             self._report()
@@ -171,7 +170,7 @@ class StageLoop:
         return True
 
     # ---- leader <-> frontend ----------------------------------------------------------------
-    def _leader_inputs(self) -> StepInputs:
+    def _leader_inputs(self) -> Intake:
         """Everything the frontend queued (the same intake as a single-rank EngineLoop's);
         waits up to IDLE_POLL_S when there is nothing to do. A command (flush, stats, stop)
         ends the step's intake: it applies after the adds and aborts."""
@@ -187,8 +186,7 @@ class StageLoop:
                 return Shutdown(-1)
 
         # (A frontend gone after the first item is noticed at the next step.)
-        intake = take_intake(first, self.inbox.get_nowait, (queue.Empty, *WRITERS_GONE))
-        return StepInputs(intake.adds, intake.aborts, intake.command)
+        return take_intake(first, self.inbox.get_nowait, (queue.Empty, *WRITERS_GONE))
 
     def _on_update(self, req: Request) -> None:
         upd = RequestUpdate.of(req, self._sent.get(req.rid, 0))
@@ -246,11 +244,6 @@ def _open_shared_reduce(cfg: EngineConfig, info: RankInfo, groups: ParallelGroup
                           "order, gloo in an order that depends on the size.")
 
 
-def _pd_ranks(info: RankInfo, shard: Any, groups: ParallelGroups) -> TPRanks:
-    """This rank's KV heads and its TP group's collectives, for a P/D role."""
-    return TPRanks(info.tp_rank, info.tp_size, shard.kv_heads, groups.tp_gather_object, groups.tp_sum)
-
-
 def _rank_device(cfg: EngineConfig, info: RankInfo) -> tuple[EngineConfig, torch.device]:
     """This rank's device (its node's GPU by local rank on CUDA) and ``cfg`` with the dtype and
     prefill weights resolved for it (node 0's Engine passes both resolved; a `hicache node`
@@ -297,11 +290,8 @@ def start_rank(env: dict[str, str], *rank_args: Any) -> None:
 
 def _name_process(name: str) -> None:
     """What ``top`` and ``ps -o comm`` show for this process (Linux: 15 bytes; elsewhere nothing)."""
-    try:
-        with open("/proc/self/comm", "w") as f:
-            f.write(name[:15])
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/self/comm", "w") as f:
+        f.write(name[:15])
 
 
 def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox: Any, outbox: Any,
@@ -318,7 +308,6 @@ def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox:
     info = RankInfo(rank, cfg.tp_size, cfg.pp_size, cfg.nnodes, cfg.attn_cp_size)
     _name_process(f"hicache {info.label}")
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s {info.label} %(name)s: %(message)s")
-    groups = None
     try:
         # Threads, devices and memory are this machine's: shared by its node's ranks only.
         torch.set_num_threads(cfg.num_threads or max(1, (os.cpu_count() or 1) // info.ranks_per_node))
@@ -340,7 +329,9 @@ def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox:
                             memory_share=ranks_per_device, staging_bytes=groups.staging_bytes(), cp_group=groups.cp,
                             split_tokens=info.cp_size > 1,
                             draft_row=(len(draft_shard.kv_heads), draft.spec.head_dim) if draft else None,
-                            pd_ranks=_pd_ranks(info, shard, groups),
+                            # a P/D role: this rank's KV heads and its TP group's collectives
+                            pd_ranks=TPRanks(info.tp_rank, info.tp_size, shard.kv_heads, groups.tp_gather_object,
+                                             groups.tp_sum),
                             share_draws=groups.tp_broadcast if info.tp_size > 1 else None)  # one rank's draws a stage
         core = build_core(cfg, loaded, device, dtype, place, draft)
         plan = FaultPlan.from_env()
