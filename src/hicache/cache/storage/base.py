@@ -117,6 +117,16 @@ class CountingBackend(StorageBackend):
             self._c.errors += 1
         return StorageError(msg)
 
+    def _count_gets(self, asked: int, values: list) -> list:
+        """Count one batch read of ``asked`` keys (see :meth:`BackendStats.count_gets`); returns ``values``."""
+        with self._lock:
+            self._c.count_gets(asked, values)
+        return values
+
+    def _count_sets(self, values: list[bytes]) -> None:
+        with self._lock:
+            self._c.count_sets(values)
+
     def _extra(self) -> dict:
         return {}
 

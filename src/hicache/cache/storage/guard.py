@@ -49,11 +49,7 @@ class BreakerOpen(StorageError):
 
 def failure_reason(e: BaseException) -> str:
     """The failure reason the controller reports for an exception of a storage call."""
-    if isinstance(e, BreakerOpen):
-        return "breaker_open"
-    if isinstance(e, StorageTimeout):
-        return "timeout"
-    return "backend_error"
+    return {BreakerOpen: "breaker_open", StorageTimeout: "timeout"}.get(type(e), "backend_error")
 
 
 @dataclass
@@ -116,6 +112,8 @@ class GuardedBackend(StorageBackend):
         return self._guarded("batch_get", lambda b: b.batch_get(keys), len(keys))
 
     def batch_set(self, keys: list[str], values: list[bytes]) -> int:
+        if len(keys) != len(values):  # the one check of the engine's writes: backends zip them
+            raise ValueError("keys and values differ in length")
         return self._guarded("batch_set", lambda b: b.batch_set(keys, values), len(keys))
 
     def delete(self, keys: list[str]) -> None:
