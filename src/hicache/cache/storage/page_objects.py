@@ -20,6 +20,7 @@ from typing import Protocol, Sequence
 import torch
 
 from ..host_pool import HostKVPool
+from .base import StorageBackend
 from .keys import object_key
 from .objects import decode_checked, encode
 from .unified import Cell, StorageGrid
@@ -47,16 +48,34 @@ def encode_pages(objects: Sequence[PageObject], ns_digest: bytes, hashes: list[b
     return keys, [encode(ns_digest, hashes[i], obj.page_bytes(int(h))) for i, h in pages for obj in objects]
 
 
-def load_page(objects: Sequence[PageObject], blobs: Sequence[bytes | None], ns_digest: bytes, page_hash: bytes,
-              host_page: int) -> str:
-    """A page's ``objects`` from their ``blobs`` into ``host_page``: "" when every one arrived intact,
-    else why the first did not (``missing``, ``checksum``, ...: a :class:`~.objects.DecodeStatus`)."""
-    for obj, blob in zip(objects, blobs):
-        payload, status = decode_checked(blob, ns_digest, page_hash)
-        if payload is None:
-            return status.value
-        obj.load(host_page, payload)
-    return ""
+def write_pages(backend: StorageBackend, objects: Sequence[PageObject], ns_digest: bytes, hashes: list[bytes],
+                pages: Sequence[tuple[int, int]], batch_pages: int | None = None) -> tuple[int, int]:
+    """Write ``pages`` (as :func:`encode_pages` takes them), ``batch_pages`` pages a call (None: all in
+    one), until a call stores short: (leading pages stored whole, their bytes). No objects: no call."""
+    n, written, nbytes, step = len(objects), 0, 0, batch_pages or max(len(pages), 1)
+    for at in range(0, len(pages) if n else 0, step):
+        keys, blobs = encode_pages(objects, ns_digest, hashes, pages[at : at + step])
+        stored = backend.batch_set(keys, blobs) // n
+        written, nbytes = written + stored, nbytes + sum(len(b) for b in blobs[: stored * n])
+        if stored * n < len(blobs):
+            break
+    return written, nbytes
+
+
+def read_pages(backend: StorageBackend, objects: Sequence[PageObject], ns_digest: bytes, hashes: list[bytes],
+               pages: Sequence[tuple[int, int]]) -> tuple[int, str, int]:
+    """Read ``pages`` ((index into ``hashes``, host page) pairs), each page's ``objects``, into their
+    host pages in one call: (how many leading pages arrived intact, "" when all did, else why the
+    next did not (``missing``, ``checksum``, ...: a :class:`~.objects.DecodeStatus`), bytes read)."""
+    n = len(objects)
+    blobs = backend.batch_get([obj.key(hashes[i], ns_digest) for i, _ in pages for obj in objects])
+    for j, (i, host_page) in enumerate(pages):
+        for obj, blob in zip(objects, blobs[j * n : (j + 1) * n]):
+            payload, status = decode_checked(blob, ns_digest, hashes[i])
+            if payload is None:
+                return j, status.value, 0
+            obj.load(int(host_page), payload)
+    return len(pages), "", sum(len(b) for b in blobs)
 
 
 def _page(host: HostKVPool, host_page: int) -> torch.Tensor:
