@@ -26,6 +26,7 @@ from .acks import AckCounts
 from .host_pool import HostKVPool
 from .host_transfer import BACKUP, LOAD, TransferController, TransferOp
 from .host_window import HostWindows
+from .page_tree import EMPTY_PAGES
 from .placement import ShardedPageAllocator, ShardView, alloc_evicting
 from .pools import DeviceKVPool, PageAllocator
 from .radix import RadixCache
@@ -33,8 +34,6 @@ from .tiers import CachePolicy, CacheStats, Tier
 from .tree_node import TreeNode
 
 logger = logging.getLogger(__name__)
-
-EMPTY = np.zeros(0, dtype=np.int64)
 
 # One queued copy: device pages, host pages, each part's (device, host) pages by component, and the
 # node to unlock when its ack is consumed.
@@ -79,26 +78,29 @@ class HostTier:
         path = [n for n in node.lineage()
                 if n.host_pages is None and n.device_pages is not None and n.hit_count >= self.backup_threshold]
         for n in reversed(path):
-            host = self.alloc(n.num_pages, self._anchor_like(n.device_pages))
-            if host is None:
-                self.stats.backup_skipped_pages += n.num_pages
-                continue
-            self.tree.attach_host_pages(n, host)
-            self.tree.inc_lock_ref(n)
-            parts = {name: part.backup(n, lock=True) for name, part in self.parts.items()}
-            self._pending[BACKUP].append((n.device_pages, host, parts, n))
+            parts = self._give_host(n, lock=True)
+            if parts is not None:
+                self._pending[BACKUP].append((n.device_pages, n.host_pages, parts, n))
 
     def on_evict(self, node: TreeNode) -> bool:
         """write_back: copy an L1 victim to host before its device pages are freed."""
+        parts = self._give_host(node, lock=False)
+        if parts is None:
+            return False
+        self.controller.submit(BACKUP, node.device_pages, node.host_pages, [], parts).done.wait()
+        return True
+
+    def _give_host(self, node: TreeNode, lock: bool) -> dict[str, tuple[np.ndarray, np.ndarray]] | None:
+        """Host pages for a backup of ``node`` (``lock``: locked until its ack is consumed); each
+        part's (device, host) pages to copy, None (counted) when there is no room."""
         host = self.alloc(node.num_pages, self._anchor_like(node.device_pages))
         if host is None:
             self.stats.backup_skipped_pages += node.num_pages
-            return False
+            return None
         self.tree.attach_host_pages(node, host)
-        parts = {name: part.backup(node, lock=False) for name, part in self.parts.items()}
-        op = self.controller.submit(BACKUP, node.device_pages, host, [], parts)
-        op.done.wait()
-        return True
+        if lock:
+            self.tree.inc_lock_ref(node)
+        return {name: part.backup(node, lock) for name, part in self.parts.items()}
 
     def load_back(self, nodes: list[TreeNode], windows: bool = True,
                   device_hit_windows: list[tuple[np.ndarray, np.ndarray]] = ()) -> None:
@@ -108,7 +110,7 @@ class HostTier:
         ``device_hit_windows``: (device, host) window pages of the device hit's tombstones whose
         host copy holds them (the request's window lock keeps them)."""
         for window in device_hit_windows:
-            self._pending[LOAD].append((EMPTY, EMPTY, {HostWindows.name: window}, None))
+            self._pending[LOAD].append((EMPTY_PAGES, EMPTY_PAGES, {HostWindows.name: window}, None))
         for n in nodes:
             parts = {name: part.load(n) for name, part in self.parts.items()} if windows else {}
             self._pending[LOAD].append((n.device_pages, n.host_pages, parts, n if n is nodes[-1] else None))
@@ -154,7 +156,7 @@ class HostTier:
         for kind, items in self._pending.items():
             if items:
                 dev, host = (np.concatenate([item[i] for item in items]) for i in (0, 1))
-                parts = {name: tuple(np.concatenate([item[2].get(name, (EMPTY, EMPTY))[i] for item in items])
+                parts = {name: tuple(np.concatenate([item[2].get(name, (EMPTY_PAGES,) * 2)[i] for item in items])
                                      for i in (0, 1)) for name in self.parts}
                 self.controller.submit(kind, dev, host, [n for *_, n in items if n is not None], parts)
                 items.clear()

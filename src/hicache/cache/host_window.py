@@ -19,6 +19,7 @@ import numpy as np
 
 from .host_pool import HostKVPool
 from .host_transfer import TransferOp
+from .page_tree import EMPTY_PAGES
 from .placement import ShardedPageAllocator, alloc_evicting
 from .pools import PageAllocator, SharedWindowAllocator
 from .radix import RadixCache
@@ -26,8 +27,6 @@ from .storage.storage_ops import PrefetchOp
 from .tiers import CacheStats
 from .tree_node import TreeNode
 from .window_tree import TreeWindows
-
-EMPTY = np.zeros(0, dtype=np.int64)
 
 
 class HostPages(Protocol):
@@ -72,10 +71,10 @@ class HostWindows:
         leaves) the host copy keeps tombstones there. ``lock``: window-lock the node until
         :meth:`backed_up` (an asynchronous copy)."""
         idx = self.cached.checkpoint_pages(node)
-        host, _ = alloc_evicting(self.allocator, len(idx), 0, self.evict_for_room) if len(idx) else (EMPTY, 0)
+        host, _ = alloc_evicting(self.allocator, len(idx), 0, self.evict_for_room) if len(idx) else (EMPTY_PAGES, 0)
         if host is None:
             self.tier.stats.backup_skipped_window_pages += len(idx)
-            idx, host = EMPTY, EMPTY
+            idx, host = EMPTY_PAGES, EMPTY_PAGES
         self.cached.attach_host(node, idx, host)
         if lock and len(host):  # the whole node: a lock from inside it would split it under this backup
             end = self.cached.checkpoint_span(node)[0]
@@ -111,7 +110,7 @@ class HostWindows:
         device pages to."""
         part = self.cached.of(node)
         if part.device is None:
-            return EMPTY, EMPTY
+            return EMPTY_PAGES, EMPTY_PAGES
         idx = np.flatnonzero(part.device)
         return part.device[idx], part.host[idx]
 
