@@ -107,26 +107,19 @@ class RankObjects:
 
 
 @dataclass(frozen=True)
-class DraftPlan:
-    """A speculative draft's KV on the unified layout: a grid of its own (the same partition
-    flags, its layers and heads), cells keyed ``..._draft_L{a}-{b}[_H{g}]``; planned on the
-    first pipeline stage, where the draft runs. The tree namespace names the draft, so the
-    draft grid needs no field of its own in the key namespace."""
-
-    grid: StorageGrid
-    shard: RankShard
-    objects: RankObjects
-
-
-@dataclass(frozen=True)
 class UnifiedPlan:
     """This rank's part in the unified layout: the grid, its shard, its read and write sets
-    (and its draft's, on the first stage of a speculative deployment)."""
+    (and its draft's, on the first stage of a speculative deployment).
+
+    ``draft``: a speculative draft's KV on the unified layout: a grid of its own (the same partition
+    flags, its layers and heads), cells keyed ``..._draft_L{a}-{b}[_H{g}]``; planned on the first
+    pipeline stage, where the draft runs. The tree namespace names the draft, so the draft grid
+    needs no field of its own in the key namespace."""
 
     grid: StorageGrid
     shard: RankShard
     objects: RankObjects
-    draft: Optional[DraftPlan] = None
+    draft: Optional[UnifiedPlan] = None
 
     @property
     def object_layout(self) -> str:
