@@ -120,7 +120,8 @@ class TransferController:
         self._layers = target + [(p, i, i, FULL, 0) for p, (dev, _) in enumerate(sidecars, 1)
                                  for i in range(len(dev.k_buffers))]
         self.num_layers = len(self._layers)
-        self.cuda = device_pool.k_buffers[0].is_cuda
+        self.device = device_pool.k_buffers[0].device
+        self.cuda = self.device.type == "cuda"
         self._ids = itertools.count()
         self._acks: dict[str, deque[TransferOp]] = {BACKUP: deque(), LOAD: deque()}
         self._last_load: TransferOp | None = None
@@ -149,7 +150,7 @@ class TransferController:
                         layer_events=[None] * self.num_layers, parts=parts)
         if self.cuda:
             op.after_compute = torch.cuda.Event()
-            op.after_compute.record(torch.cuda.current_stream(device_pool_device(self.device_pool)))
+            op.after_compute.record(torch.cuda.current_stream(self.device))
         self._acks[kind].append(op)
         if kind == LOAD:
             self._last_load = op
@@ -204,7 +205,7 @@ class TransferController:
         op.layer_done[layer].wait()
         event = op.layer_events[layer]
         if event is not None:
-            torch.cuda.current_stream(device_pool_device(self.device_pool)).wait_event(event)
+            torch.cuda.current_stream(self.device).wait_event(event)
 
     def shutdown(self) -> None:
         """Stop the workers after the ops already queued (idempotent)."""
@@ -216,17 +217,15 @@ class TransferController:
         """A worker's CUDA stream for its copies (made on its thread); None on CPU."""
         if not self.cuda:
             return None
-        torch.cuda.set_device(device_pool_device(self.device_pool))  # a thread starts on GPU 0
-        return torch.cuda.Stream(device_pool_device(self.device_pool))
+        torch.cuda.set_device(self.device)  # a thread starts on GPU 0
+        return torch.cuda.Stream(self.device)
 
     def _execute(self, op: TransferOp, stream) -> None:
         try:
-            if stream is not None:
-                with torch.cuda.stream(stream):
+            with torch.cuda.stream(stream):  # None (CPU): no stream to switch to
+                if stream is not None:
                     stream.wait_event(op.after_compute)
-                    self._run(op, stream)
-            else:
-                self._run(op, None)
+                self._run(op, stream)
         except BaseException as e:  # surfaced to the scheduler by pop()
             if self.workers.inline and not isinstance(e, Exception):  # Ctrl-C on the caller's own thread
                 raise
@@ -344,7 +343,3 @@ def leading_done(ops: Iterable[Any]) -> int:
     """How many ops at the head of an ordered queue have finished (``op.done`` set): the
     ready count of an ack queue, the input to agreement."""
     return sum(1 for _ in itertools.takewhile(lambda op: op.done.is_set(), ops))
-
-
-def device_pool_device(pool: DeviceKVPool) -> torch.device:
-    return pool.k_buffers[0].device
