@@ -94,11 +94,11 @@ class FileBackend(CountingBackend):
         except OSError as e:
             raise StorageError(f"cannot create storage directory {self.root}: {e}") from e
         stray = self._scan()
-        evicted = self._evict_to_fit(0) if self.max_bytes is not None else (0, 0)
+        evicted = self._evict_to_fit(0)
         log.info("file storage opened at %s: %d objects, %d bytes, cap %s, removed %d stray temp files%s",
                  self.root, len(self._index.sizes), self._index.total,
                  "none" if self.max_bytes is None else f"{self.max_bytes} bytes", stray,
-                 f", evicted {evicted[0]} objects to fit the cap" if evicted[0] else "")
+                 f", evicted {len(evicted)} objects to fit the cap" if evicted else "")
 
     # -- paths ----------------------------------------------------------------------------
     def path_of(self, key: str) -> Path:
@@ -146,15 +146,14 @@ class FileBackend(CountingBackend):
         return not _pid_alive(pid)
 
     # -- eviction -------------------------------------------------------------------------
-    def _evict_to_fit(self, incoming: int, keep: str | None = None) -> tuple[int, int]:
-        """Delete LRU objects until ``total + incoming <= max_bytes``. Caller holds the lock
-        (or is the constructor). Returns (objects, bytes) evicted."""
-        assert self.max_bytes is not None
+    def _evict_to_fit(self, incoming: int, keep: str | None = None) -> list[tuple[str, int]]:
+        """Delete LRU objects until ``total + incoming <= max_bytes`` (if capped). Caller holds the lock
+        (or is the constructor). Returns the (key, size) pairs evicted."""
         dropped = self._index.evict_to_fit(incoming, self.max_bytes, keep)
         for key, _ in dropped:
             _unlink_quiet(self.root / key[:2] / key, "evict")
         self._c.evictions += len(dropped)
-        return len(dropped), sum(size for _, size in dropped)
+        return dropped
 
     # -- StorageBackend -------------------------------------------------------------------
     def exists_prefix(self, keys: list[str]) -> int:
@@ -173,8 +172,7 @@ class FileBackend(CountingBackend):
 
     def batch_get(self, keys: list[str]) -> list[bytes | None]:
         out: list[bytes | None] = []
-        errors = 0
-        first_error = ""
+        failed: list[str] = []  # unreadable, not missing: counted and logged (once per batch)
         touch_before = time.time() - self.touch_interval_s
         for key in keys:
             path, data = self.path_of(key), None
@@ -184,22 +182,21 @@ class FileBackend(CountingBackend):
                     self._index.touch(key, len(data))
             except FileNotFoundError:
                 pass
-            except OSError as e:  # unreadable, not missing: counted and logged (once per batch)
-                errors += 1
-                first_error = first_error or f"{path}: {e}"
+            except OSError as e:
+                failed.append(f"{path}: {e}")
             out.append(data)
         with self._lock:
             self._c.count_gets(len(keys), out)
-            self._c.errors += errors
-        if errors:
-            log.warning("file storage: %d of %d reads failed, first %s", errors, len(keys), first_error)
-        if errors and errors == len(keys):
+            self._c.errors += len(failed)
+        if failed:
+            log.warning("file storage: %d of %d reads failed, first %s", len(failed), len(keys), failed[0])
+        if failed and len(failed) == len(keys):
             raise StorageError(f"file storage at {self.root}: every read in the batch failed")
         return out
 
     def batch_set(self, keys: list[str], values: list[bytes]) -> int:
         stored = 0
-        evicted = [0, 0]
+        evicted: list[tuple[str, int]] = []
         for key, value in zip(keys, values):
             size = memoryview(value).nbytes
             if self.max_bytes is not None and size > self.max_bytes:
@@ -215,11 +212,7 @@ class FileBackend(CountingBackend):
                 log.warning("file storage: write of %s failed: %s", path, e)
                 break
             with self._lock:
-                if self.max_bytes is not None:
-                    old = self._index.sizes.get(key, 0)
-                    n, b = self._evict_to_fit(size - old, keep=key)
-                    evicted[0] += n
-                    evicted[1] += b
+                evicted += self._evict_to_fit(size - self._index.sizes.get(key, 0), keep=key)
                 try:
                     os.replace(tmp, path)
                 except OSError as e:
@@ -230,9 +223,9 @@ class FileBackend(CountingBackend):
                 self._index.put(key, size)
                 self._c.count_sets([value])
             stored += 1
-        if evicted[0]:
+        if evicted:
             log.info("file storage: evicted %d objects (%d bytes) to stay under max_bytes %d",
-                     evicted[0], evicted[1], self.max_bytes)
+                     len(evicted), sum(size for _, size in evicted), self.max_bytes)
         return stored
 
     def _write_tmp(self, path: Path, value: bytes) -> Path:

@@ -25,16 +25,13 @@ option to bind them.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import shutil
 import sys
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Callable
 
-from .local_server import LocalServer, start_local
+from .local_server import LocalServer, find_binary, package_dir, start_local
 from .mooncake_backend import reachable
 
 ENV_MASTER = "HICACHE_MOONCAKE_MASTER"
@@ -44,17 +41,8 @@ _ENV = {"mooncake_master": ENV_MASTER, "mooncake_client": ENV_CLIENT}
 
 def find_mooncake_binary(name: str = "mooncake_master") -> str | None:
     """Path of a runnable ``name`` binary, or None (see the module docstring for the order)."""
-    env = os.environ.get(_ENV.get(name, ""))
-    if env:
-        return env if os.access(env, os.X_OK) else None
-    candidates = [Path(sys.executable).parent / name]
-    spec = importlib.util.find_spec("mooncake")  # finds the package without importing it
-    if spec is not None and spec.submodule_search_locations:
-        candidates.append(Path(next(iter(spec.submodule_search_locations))) / name)
-    for path in candidates:
-        if path.is_file() and os.access(path, os.X_OK):
-            return str(path)
-    return shutil.which(name)
+    pkg = package_dir("mooncake")
+    return find_binary(_ENV.get(name, ""), [Path(sys.executable).parent / name, *([pkg / name] if pkg else [])], name)
 
 
 @dataclass
