@@ -172,13 +172,8 @@ class HostWindows:
         if self.shared:
             return self.make_room(num_pages * self.allocator.groups) // self.allocator.groups
         tier = self.tier
-
-        def take(node: TreeNode) -> int:
-            freed = self.cached.of(node).host_held
-            tier.stats.evicted_host_pages += tier.drop(node)
-            return freed
         return tier.tree.evict_leaves(num_pages, lambda n: tier.evictable(n) and self.cached.of(n).host_held > 0,
-                                      take)
+                                      self._drop)
 
     def make_room(self, blocks: int) -> int:
         """Shared blocks: free at least ``blocks`` blocks if the tree can: the window pages of superseded
@@ -189,15 +184,16 @@ class HostWindows:
         self.drop_superseded()
         short = blocks - (shared.available - start)
         if short > 0:
-            self.tier.tree.evict_leaves(short, self.tier.evictable, self._drop_blocks)
+            self.tier.tree.evict_leaves(short, self.tier.evictable, self._drop)
         return shared.available - start
 
-    def _drop_blocks(self, node: TreeNode) -> int:
-        """Delete a host-only leaf of a shared pool; the blocks its full and window pages held."""
+    def _drop(self, node: TreeNode) -> int:
+        """Delete a host-only leaf (its full pages counted as evicted); what that freed: its window
+        pages (shared: the blocks its full and window pages held)."""
         windows = self.cached.of(node).host_held
         pages = self.tier.drop(node)
         self.tier.stats.evicted_host_pages += pages
-        return pages + windows * self.allocator.groups
+        return pages + windows * self.allocator.groups if self.shared else windows
 
     # ---- accounting ----------------------------------------------------------------------
     def op_bytes(self, op: TransferOp) -> int:

@@ -51,9 +51,12 @@ def encode_pages(objects: Sequence[PageObject], ns_digest: bytes, hashes: list[b
 def write_pages(backend: StorageBackend, objects: Sequence[PageObject], ns_digest: bytes, hashes: list[bytes],
                 pages: Sequence[tuple[int, int]], batch_pages: int | None = None) -> tuple[int, int]:
     """Write ``pages`` (as :func:`encode_pages` takes them), ``batch_pages`` pages a call (None: all in
-    one), until a call stores short: (leading pages stored whole, their bytes). No objects: no call."""
+    one), until a call stores short: (leading pages stored whole, their bytes). No objects (another
+    rank writes them all): no call, every page counts as written."""
     n, written, nbytes, step = len(objects), 0, 0, batch_pages or max(len(pages), 1)
-    for at in range(0, len(pages) if n else 0, step):
+    if not n:
+        return len(pages), 0
+    for at in range(0, len(pages), step):
         keys, blobs = encode_pages(objects, ns_digest, hashes, pages[at : at + step])
         stored = backend.batch_set(keys, blobs) // n
         written, nbytes = written + stored, nbytes + sum(len(b) for b in blobs[: stored * n])

@@ -223,31 +223,22 @@ class StorageController:
             op.failure = failure_reason(e)
             _log_failure(op.failure, "prefetch op=%d: storage read of %d pages failed: %s", op.op_id, len(mine), e)
             return mine[0] - start
-        good = end - start if got == len(mine) else mine[got] - start
         op.failure = failure or op.failure
         elapsed = time.perf_counter() - t0
         self.stats.prefetch_time_s += elapsed
-        self._observe_read(end - start, elapsed)  # per page of the prompt: the owners read theirs at once
-        return good
-
-    def _observe_read(self, pages: int, seconds: float) -> None:
-        """Fold one batch read (``pages`` pages asked for, in ``seconds``) into ``read_page_s``."""
-        per_page = seconds / pages
-        last = self.read_page_s
+        per_page, last = elapsed / (end - start), self.read_page_s  # of the prompt: the owners read theirs at once
         self.read_page_s = per_page if last is None else last + READ_EWMA_ALPHA * (per_page - last)
+        return end - start if got == len(mine) else mine[got] - start
 
     def _backup(self, op: BackupOp) -> None:
         """One backup op, on the backup thread (or inline)."""
         t0 = time.perf_counter()
         mine = _mine(op.owned, len(op.hashes))
-        try:
-            if not self.writes:  # every object of these pages is another rank's to write
-                op.written = len(mine)
-            else:  # `written` is a leading count: a short write ends the chain
-                op.written, nbytes = write_pages(self.guard, self.writes, op.ns_digest, op.hashes,
-                                                 [(i, op.host_pages[i]) for i in mine], BATCH_PAGES)
-                self.stats.backup_bytes += nbytes
-                op.failure = "short_write" if op.written < len(mine) else ""
+        try:  # `written` is a leading count: a short write ends the chain
+            op.written, nbytes = write_pages(self.guard, self.writes, op.ns_digest, op.hashes,
+                                             [(i, op.host_pages[i]) for i in mine], BATCH_PAGES)
+            self.stats.backup_bytes += nbytes
+            op.failure = "short_write" if op.written < len(mine) else ""
             for part in self.parts if op.written == len(mine) else ():
                 part.write(self.guard, op, self.stats)
         except Exception as e:

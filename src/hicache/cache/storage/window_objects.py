@@ -60,7 +60,7 @@ class StoredWindows:
         """The window objects of the op's checkpoint pages, then (stored whole) the deletion of the
         window objects it supersedes."""
         part = op.parts.get(self.name)
-        if part is None:
+        if part is None or not self.writes:  # (another rank writes them all)
             return
         pages, nbytes = write_pages(guard, self.writes, op.ns_digest, op.hashes, list(zip(part.index, part.host_pages)))
         stats.backup_bytes += nbytes
