@@ -56,8 +56,6 @@ class HostTier:
         self.controller = TransferController(pool, host_pool, shard, sidecars,
                                              {} if window_host is None else {HostWindows.name: window_host})
         self.bytes_per_page = host_pool.bytes_per_page + sum(dev.bytes_per_page for dev, _ in sidecars)
-        # shared blocks: full pages and window pages (one block per sliding group each) from one allocator
-        self.shared = host_pool.shared
         self.windows = HostWindows(self, window_host, tree.windows) if tree is not None and window_host is not None \
             else None
         self.parts: dict[str, HostWindows] = {} if self.windows is None else {self.windows.name: self.windows}
@@ -126,7 +124,7 @@ class HostTier:
     def alloc(self, n: int, anchor: int, first_position: int = 0) -> np.ndarray | None:
         """``n`` host pages for positions ``first_position ..`` of a sequence anchored on rank
         ``anchor`` (unsharded: any), evicting host-only leaves first when too few are free."""
-        if self.shared:  # make_room counts the evicted pages
+        if self.host_pool.shared:  # full and window pages from one allocator of blocks; make_room counts the evicted
             return alloc_evicting(self.allocator, n, first_position, self.windows.make_room, anchor)[0]
         pages, evicted = alloc_evicting(self.allocator, n, first_position, self.evict, anchor)
         self.stats.evicted_host_pages += evicted

@@ -167,7 +167,7 @@ class StorageTier:
             op, unused = self._stopped.popleft()
             op.done.wait()
             if op.failure:
-                self.controller.stats.fail(op.failure)
+                self.controller.stats.failures[op.failure] += 1
             self.host.allocator.free(unused)
             self.prefetch_held_pages -= len(unused)
             for part in self.host.parts.values():
@@ -210,7 +210,7 @@ class StorageTier:
                 if op.failure:
                     node.stored = False
             if op.failure:
-                self.controller.stats.fail(op.failure)
+                self.controller.stats.failures[op.failure] += 1
         self._reap(acks.prefetch_reap)
 
     def has_pending(self) -> bool:

@@ -100,10 +100,6 @@ class GuardedBackend(StorageBackend):
         self._ids = itertools.count()
         self._closed = False
 
-    @property
-    def name(self) -> str:  # type: ignore[override]
-        return self.inner.name
-
     # ---- StorageBackend ------------------------------------------------------------------
     def exists_prefix(self, keys: list[str]) -> int:
         return self._guarded("exists_prefix", lambda b: b.exists_prefix(keys), len(keys))

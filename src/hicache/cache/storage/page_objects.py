@@ -122,12 +122,7 @@ class WindowBlocks(WholePage):
     """A hybrid page's window layers from a host pool of shared blocks (issue 56), ``<page hash
     hex><suffix>``: each window layer's K and V from its sliding group's block of the host window
     page, laid out as :class:`WholePage` lays out a page of a window host pool of its own (the same
-    bytes under the same key, whichever host pool wrote them)."""
-
-    def __init__(self, host: HostKVPool, suffix: str) -> None:
-        if not host.shared:
-            raise ValueError("window blocks need a host pool of shared blocks")
-        super().__init__(host, suffix)
+    bytes under the same key, whichever host pool wrote them); made by :func:`window_object`."""
 
     def _layers(self, window_page: int) -> list[torch.Tensor]:
         """Each window layer's ``[K/V, token, kv_heads, head_dim]`` of ``window_page`` (views)."""

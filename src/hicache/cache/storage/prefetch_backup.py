@@ -79,7 +79,6 @@ class StorageController:
         (:class:`~.storage_ops.StoredPart`)."""
         self.guard = backend if isinstance(backend, GuardedBackend) else GuardedBackend(backend, timeout_s=op_timeout)
         self._agree_prefetch, self._agree_backup = agree or (_alone, _alone)
-        self.host_pool = host_pool
         self.reads: list[PageObject] = [WholePage(host_pool)] if reads is None else list(reads)
         self.writes: list[PageObject] = self.reads if writes is None else list(writes)
         self.parts = list(parts)

@@ -46,7 +46,7 @@ class StoredWindows:
                 _, failure, nbytes = read_pages(guard, self.reads, op.ns_digest, op.hashes,
                                                 list(zip(range(first, done), part.host_pages)))
                 if failure:
-                    stats.fail(failure)
+                    stats.failures[failure] += 1
                 else:
                     ok = 1
                     stats.window_prefetched_pages += done - first
