@@ -46,17 +46,19 @@ def default_dir() -> Path:
     return Path(os.environ.get(ENV_DIR) or DEFAULT_DIR).expanduser()
 
 
-def _pid_alive(pid: int) -> bool:
-    """Whether a process with this id exists (on this host's pid namespace)."""
-    if pid <= 0:
-        return False
+def _is_stray(name: str) -> bool:
+    """Whether the writer of temp file ``name`` (``.tmp-<pid>-<rand>-<key>``) is gone: no process with
+    its id exists (on this host's pid namespace)."""
     try:
+        pid = int(name[len(TMP_PREFIX) :].split("-", 1)[0])
+        if pid <= 0:
+            return True
         os.kill(pid, 0)
     except PermissionError:  # exists, owned by someone else
-        return True
-    except (ProcessLookupError, OverflowError, ValueError):  # gone, or not a pid at all
         return False
-    return True
+    except (ProcessLookupError, OverflowError, ValueError):  # gone, or not a pid at all
+        return True
+    return False
 
 
 class FileBackend(CountingBackend):
@@ -115,12 +117,12 @@ class FileBackend(CountingBackend):
         for sub, ent in self._entries():
             name = ent.name
             if name.startswith(TMP_PREFIX):
-                if self._is_stray(name):
+                if _is_stray(name):
                     with contextlib.suppress(OSError):
                         os.unlink(ent.path)
                         stray += 1
                 continue
-            if name.startswith(".") or not _KEY_RE.match(name) or name[:2] != sub:
+            if not _KEY_RE.match(name) or name[:2] != sub:  # (never a name starting with ".")
                 continue
             try:
                 st = ent.stat(follow_symlinks=False)
@@ -135,15 +137,6 @@ class FileBackend(CountingBackend):
         for sub in os.scandir(self.root):
             if sub.is_dir(follow_symlinks=False) and not sub.name.startswith("."):
                 yield from ((sub.name, ent) for ent in os.scandir(sub.path))
-
-    @staticmethod
-    def _is_stray(name: str) -> bool:
-        # ".tmp-<pid>-<rand>-<key>": a temp file is stray once its writer process is gone.
-        try:
-            pid = int(name[len(TMP_PREFIX) :].split("-", 1)[0])
-        except ValueError:
-            return True
-        return not _pid_alive(pid)
 
     # -- eviction -------------------------------------------------------------------------
     def _evict_to_fit(self, incoming: int, keep: str | None = None) -> list[tuple[str, int]]:
@@ -259,11 +252,8 @@ class FileBackend(CountingBackend):
         """Remove every object (and stray temp file) this directory holds."""
         with self._lock:
             n = len(self._index.sizes)
-            for _, ent in self._entries():
-                name = ent.name
-                if name.startswith(TMP_PREFIX) and not self._is_stray(name):
-                    continue  # a live writer's temp file; it publishes or cleans itself
-                if name.startswith(TMP_PREFIX) or _KEY_RE.match(name):
+            for _, ent in self._entries():  # (a live writer's temp file publishes or cleans itself)
+                if _KEY_RE.match(ent.name) or (ent.name.startswith(TMP_PREFIX) and _is_stray(ent.name)):
                     _unlink_quiet(Path(ent.path))
             self._index = LruIndex()
         log.info("file storage at %s cleared (%d indexed objects)", self.root, n)
