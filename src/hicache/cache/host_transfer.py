@@ -258,7 +258,7 @@ class TransferController:
                 continue
             # On CUDA the device side of the copy is staged in a buffer this worker reuses (stream
             # order keeps a layer's gather behind the previous layer's copies); CPU copies need none.
-            staging = self._staging(op.kind, pair) if self.cuda else None
+            staging = self._staging(op.kind, pair, layer) if self.cuda else None
             for dev, host in self._views[layer]:
                 src, dst = (dev, host) if backup else (host, dev)
                 copy_pages(src, dst, plan, staging, self.cuda and self.pairs[pair][1].pinned)
@@ -283,18 +283,15 @@ class TransferController:
         dev = dev.view(dev.shape[0], *host.shape[1:])  # head groups split out as the host has them
         return (dev, host) if self.cuda else cpu_page_arrays(dev, host)
 
-    def _staging(self, kind: str, pair: int) -> torch.Tensor:
+    def _staging(self, kind: str, pair: int, layer: int) -> torch.Tensor:
         """A ``[STAGING_PAGES, *row]`` device buffer of pool pair ``pair``'s page rows (as its page
-        views shape them), owned by ``kind``'s worker, made at its first op (its bytes are in the
-        budget: :func:`staging_budget`; :attr:`staging_bytes` counts what was made)."""
-        buf = self._staging_bufs.get((kind, pair))
-        if buf is None:
-            like = self.pairs[pair][0].k_buffers[0]
-            first_layer = next(i for i, layer in enumerate(self._layers) if layer[0] == pair)
-            row = self._views[first_layer][0][0].shape[1:]
-            buf = torch.empty((STAGING_PAGES, *row), dtype=like.dtype, device=like.device)
-            self._staging_bufs[(kind, pair)] = buf
-        return buf
+        views shape them, ``layer`` one of its layers), owned by ``kind``'s worker, made at its first op
+        (its bytes are in the budget: :func:`staging_budget`; :attr:`staging_bytes` counts what was made)."""
+        if (kind, pair) not in self._staging_bufs:
+            dev = self._views[layer][0][0]
+            self._staging_bufs[(kind, pair)] = torch.empty((STAGING_PAGES, *dev.shape[1:]), dtype=dev.dtype,
+                                                           device=dev.device)
+        return self._staging_bufs[(kind, pair)]
 
     @property
     def staging_bytes(self) -> int:

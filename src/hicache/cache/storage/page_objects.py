@@ -101,7 +101,27 @@ def _as_tensor(payload: memoryview, dtype: torch.dtype) -> torch.Tensor:
         return torch.frombuffer(payload, dtype=torch.uint8).view(dtype)
 
 
-class WholePage:
+class _Views:
+    """An object whose payload is views of its host page laid side by side (:meth:`_views`): written
+    from them (one gathering copy, none for one contiguous view), read back into them."""
+
+    host: HostKVPool
+
+    def _views(self, host_page: int) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def page_bytes(self, host_page: int) -> memoryview:
+        views = self._views(host_page)
+        return _bytes_of(views[0] if len(views) == 1 else torch.stack(views))
+
+    def load(self, host_page: int, payload: memoryview) -> None:
+        views = self._views(host_page)
+        src = _as_tensor(payload, self.host.dtype).view(len(views), *views[0].shape)
+        for dst, rows in zip(views, src):
+            dst.copy_(rows)
+
+
+class WholePage(_Views):
     """Every layer and head of one rank's host page in one object, ``<page hash hex><suffix>``."""
 
     def __init__(self, host: HostKVPool, suffix: str = "") -> None:
@@ -110,12 +130,8 @@ class WholePage:
     def key(self, page_hash: bytes, ns_digest: bytes) -> str:
         return object_key(page_hash) + self.suffix
 
-    def page_bytes(self, host_page: int) -> memoryview:
-        return _bytes_of(_page(self.host, host_page))
-
-    def load(self, host_page: int, payload: memoryview) -> None:
-        page = _page(self.host, host_page)
-        page.copy_(_as_tensor(payload, self.host.dtype).view(page.shape))
+    def _views(self, host_page: int) -> list[torch.Tensor]:
+        return [_page(self.host, host_page)]
 
 
 class WindowBlocks(WholePage):
@@ -124,20 +140,11 @@ class WindowBlocks(WholePage):
     page, laid out as :class:`WholePage` lays out a page of a window host pool of its own (the same
     bytes under the same key, whichever host pool wrote them); made by :func:`window_object`."""
 
-    def _layers(self, window_page: int) -> list[torch.Tensor]:
+    def _views(self, window_page: int) -> list[torch.Tensor]:
         """Each window layer's ``[K/V, token, kv_heads, head_dim]`` of ``window_page`` (views)."""
         host, windows = self.host, self.host.windows
         blocks = windows.blocks[window_page]
         return [_page(host, int(blocks[windows.group(i)]))[host.rows[i]] for i in sorted(windows.layers)]
-
-    def page_bytes(self, host_page: int) -> memoryview:
-        return _bytes_of(torch.stack(self._layers(host_page)))
-
-    def load(self, host_page: int, payload: memoryview) -> None:
-        layers = self._layers(host_page)
-        src = _as_tensor(payload, self.host.dtype).view(len(layers), *layers[0].shape)
-        for dst, rows in zip(layers, src):
-            dst.copy_(rows)
 
 
 def window_object(host: HostKVPool, suffix: str) -> PageObject:
@@ -145,7 +152,7 @@ def window_object(host: HostKVPool, suffix: str) -> PageObject:
     return WindowBlocks(host, suffix) if host.shared else WholePage(host, suffix)
 
 
-class GridCell:
+class GridCell(_Views):
     """One cell of ``grid`` (the unified grid) of this rank's host pages. ``first_layer`` /
     ``first_head``: the model-global indices of the pool's first layer and KV head; with
     ``grid.mla`` the pool's one "head" is an MLA latent split over the K and V buffers;
@@ -170,27 +177,9 @@ class GridCell:
     def key(self, page_hash: bytes, ns_digest: bytes) -> str:
         return f"{object_key(page_hash)}_{ns_digest.hex()[:NAMESPACE_KEY_HEX]}_{self.prefix}{self.cell.suffix}{self.suffix}"
 
-    def _view(self, host_page: int) -> torch.Tensor:
-        """The cell's part of the page, ``[layer, K/V, token, head, dim]`` (strided)."""
-        return _page(self.host, host_page)[self.layers, :, :, self.heads, :]
-
-    def page_bytes(self, host_page: int) -> memoryview:
-        if self.host.layout == "page_unified":
-            return _bytes_of(self.host.cell(host_page, self.layers, self.group))
-        view = self._view(host_page)
-        if self.mla:  # (layer, token, [K half, V half]) = (layer, token, dim)
-            view = view[:, :, :, 0, :].permute(0, 2, 1, 3)
-        return _bytes_of(view)
-
-    def load(self, host_page: int, payload: memoryview) -> None:
-        src = _as_tensor(payload, self.host.dtype)
-        if self.host.layout == "page_unified":
-            cell = self.host.cell(host_page, self.layers, self.group)
-            cell.copy_(src.view(cell.shape))
-            return
-        view = self._view(host_page)
-        if self.mla:
-            layers, kv, tokens, _, dim = view.shape
-            view[:, :, :, 0, :].copy_(src.view(layers, tokens, kv, dim).permute(0, 2, 1, 3))
-        else:
-            view.copy_(src.view(view.shape))
+    def _views(self, host_page: int) -> list[torch.Tensor]:
+        if self.host.layout == "page_unified":  # a contiguous slice of the page: written and read in place
+            return [self.host.cell(host_page, self.layers, self.group)]
+        view = _page(self.host, host_page)[self.layers, :, :, self.heads, :]  # [layer, K/V, token, head, dim]
+        # MLA: (layer, token, [K half, V half]) = (layer, token, dim)
+        return [view[:, :, :, 0, :].permute(0, 2, 1, 3) if self.mla else view]
