@@ -149,8 +149,7 @@ class TransferController:
                         [threading.Event() for _ in range(self.num_layers)], submit_time=time.perf_counter(),
                         layer_events=[None] * self.num_layers, parts=parts)
         if self.cuda:
-            op.after_compute = torch.cuda.Event()
-            op.after_compute.record(torch.cuda.current_stream(self.device))
+            op.after_compute = torch.cuda.current_stream(self.device).record_event()
         self._acks[kind].append(op)
         if kind == LOAD:
             self._last_load = op
@@ -222,10 +221,12 @@ class TransferController:
 
     def _execute(self, op: TransferOp, stream) -> None:
         try:
-            with torch.cuda.stream(stream):  # None (CPU): no stream to switch to
-                if stream is not None:
+            if stream is not None:
+                with torch.cuda.stream(stream):
                     stream.wait_event(op.after_compute)
-                self._run(op, stream)
+                    self._run(op, stream)
+            else:
+                self._run(op, None)
         except BaseException as e:  # surfaced to the scheduler by pop()
             if self.workers.inline and not isinstance(e, Exception):  # Ctrl-C on the caller's own thread
                 raise
@@ -263,13 +264,10 @@ class TransferController:
                 src, dst = (dev, host) if backup else (host, dev)
                 copy_pages(src, dst, plan, staging, self.cuda and self.pairs[pair][1].pinned)
             if stream is not None:
-                event = torch.cuda.Event()
-                event.record(stream)
-                op.layer_events[layer] = event
+                op.layer_events[layer] = stream.record_event()
             op.layer_done[layer].set()
         if stream is not None:  # the seed's finish_event.synchronize(): the bookkeeping follows ``done``
-            op.finish_event = torch.cuda.Event()
-            op.finish_event.record(stream)
+            op.finish_event = stream.record_event()
             op.finish_event.synchronize()
 
     def _page_views(self, pair: int, layer: int, host_layer: int, kv: int) -> tuple[PageBuf, PageBuf]:
