@@ -64,9 +64,7 @@ class HostKVPool:
         # own pages (what a window pool of its own holds). The host layer (row) of each device layer held; a
         # shared pool's rows are the device pool's tensors.
         if window_ids:
-            windows = device_pool.windows
-            if not windows.shared:
-                raise ValueError("a host pool of blocks needs a device pool of shared blocks")
+            windows = device_pool.windows  # (of shared blocks: core.py asks for window ids only then)
             tensors = sorted({t for t, _ in windows.shared.values()})
             self.rows = {i: tensors.index(t) for i, (t, _) in windows.shared.items()}
             self.num_layers = len(tensors)

@@ -228,10 +228,7 @@ class MooncakeBackend(RemoteStore):
 
     def batch_get(self, keys: list[str]) -> list[bytes | None]:
         self._connect()
-        out: list[bytes | None] = []
-        for _, chunk in self._chunks(keys):
-            out.extend(self._get_chunk(chunk))
-        return self._count_gets(len(keys), out)
+        return self._count_gets(len(keys), [v for _, chunk in self._chunks(keys) for v in self._get_chunk(chunk)])
 
     def _get_chunk(self, mkeys: list[str]) -> list[bytes | None]:
         """One chunk's objects. Slots are the largest size seen; objects that do not fit are

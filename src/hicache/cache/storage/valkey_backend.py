@@ -108,10 +108,8 @@ class ValkeyBackend(RemoteStore):
         return len(keys)
 
     def batch_get(self, keys: list[str]) -> list[bytes | None]:
-        out: list[bytes | None] = []
         with self._calls("MGET"):
-            for _, chunk in self._chunks(keys):
-                out.extend(self._client.mget(chunk))
+            out = [v for _, chunk in self._chunks(keys) for v in self._client.mget(chunk)]
         return self._count_gets(len(keys), out)
 
     def batch_set(self, keys: list[str], values: list[bytes]) -> int:
