@@ -64,10 +64,6 @@ class PartPages:
     host: np.ndarray
     rows: list[tuple[np.ndarray, np.ndarray]]
 
-    def plans(self, backup: bool) -> list[PagePlan]:
-        """Each group's copy, source first."""
-        return [PagePlan(dev, host) if backup else PagePlan(host, dev) for dev, host in self.rows]
-
 
 @dataclass
 class TransferOp:
@@ -246,10 +242,11 @@ class TransferController:
             if not np.array_equal(mine, self.shard.owned(host_pages)):
                 raise RuntimeError(f"{op.kind} {op.op_id}: a device page and its host page have different owners")
             dev_pages, host_pages = self.shard.local(dev_pages[mine]), self.shard.local(host_pages[mine])
-        # each component's plans by group (none: the op has no pages of it)
-        plans = {name: part.plans(backup) for name, part in op.parts.items()}
+        # each component's (device, host) pages by group and their copies, source first (none: the op has none of it)
+        rows = {name: part.rows for name, part in op.parts.items()}
         if len(op.device_pages):
-            plans[FULL] = [PagePlan(dev_pages, host_pages) if backup else PagePlan(host_pages, dev_pages)]
+            rows[FULL] = [(dev_pages, host_pages)]
+        plans = {name: [PagePlan(d, h) if backup else PagePlan(h, d) for d, h in pairs] for name, pairs in rows.items()}
         for layer, (pair, _, _, part, group) in enumerate(self._layers):
             if self.delay_fn is not None:
                 time.sleep(self.delay_fn(op, layer))

@@ -31,18 +31,6 @@ class BackendStats:
     evictions: int = 0  # objects the backend dropped to respect its own size cap
     extra: dict = field(default_factory=dict)
 
-    def count_gets(self, asked: int, values: list) -> None:
-        """One batch read of ``asked`` keys gave ``values`` (None where missing)."""
-        hits = [v for v in values if v is not None]
-        self.gets += asked
-        self.get_hits += len(hits)
-        self.bytes_read += sum(len(v) for v in hits)
-
-    def count_sets(self, values: list[bytes]) -> None:
-        """``values`` were stored."""
-        self.sets += len(values)
-        self.bytes_written += sum(memoryview(v).nbytes for v in values)
-
 
 @dataclass(frozen=True, kw_only=True)
 class RemoteStoreOptions:
@@ -105,11 +93,12 @@ class StorageBackend(abc.ABC):
 
 class CountingBackend(StorageBackend):
     """A backend that keeps its own counters (``_c``, under ``_lock``, which the reader and writer
-    threads share), shown by ``stats()`` with :meth:`_extra`'s figures."""
+    threads share; reentrant, so a backend may count while it holds it), shown by ``stats()`` with
+    :meth:`_extra`'s figures."""
 
     def __init__(self) -> None:
         self._c = BackendStats()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
 
     def _fail(self, msg: str) -> StorageError:
         """The error to raise, counted."""
@@ -118,14 +107,19 @@ class CountingBackend(StorageBackend):
         return StorageError(msg)
 
     def _count_gets(self, asked: int, values: list) -> list:
-        """Count one batch read of ``asked`` keys (see :meth:`BackendStats.count_gets`); returns ``values``."""
+        """Count one batch read of ``asked`` keys that gave ``values`` (None where missing); returns ``values``."""
+        hits = [v for v in values if v is not None]
         with self._lock:
-            self._c.count_gets(asked, values)
+            self._c.gets += asked
+            self._c.get_hits += len(hits)
+            self._c.bytes_read += sum(len(v) for v in hits)
         return values
 
     def _count_sets(self, values: list[bytes]) -> None:
+        """``values`` were stored."""
         with self._lock:
-            self._c.count_sets(values)
+            self._c.sets += len(values)
+            self._c.bytes_written += sum(memoryview(v).nbytes for v in values)
 
     def _extra(self) -> dict:
         return {}

@@ -179,7 +179,7 @@ class FileBackend(CountingBackend):
                 failed.append(f"{path}: {e}")
             out.append(data)
         with self._lock:
-            self._c.count_gets(len(keys), out)
+            self._count_gets(len(keys), out)
             self._c.errors += len(failed)
         if failed:
             log.warning("file storage: %d of %d reads failed, first %s", len(failed), len(keys), failed[0])
@@ -214,7 +214,7 @@ class FileBackend(CountingBackend):
                     log.warning("file storage: publishing %s failed: %s", path, e)
                     break
                 self._index.put(key, size)
-                self._c.count_sets([value])
+                self._count_sets([value])
             stored += 1
         if evicted:
             log.info("file storage: evicted %d objects (%d bytes) to stay under max_bytes %d",

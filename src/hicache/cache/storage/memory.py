@@ -37,8 +37,7 @@ class MemoryBackend(CountingBackend):
             for key, value in zip(keys, values):
                 if value is not None:
                     self._index.touch(key, len(value))
-            self._c.count_gets(len(keys), values)
-            return values
+            return self._count_gets(len(keys), values)
 
     def batch_set(self, keys: list[str], values: list[bytes]) -> int:
         """An object bigger than the whole byte cap is refused (and the ones after it), never
@@ -50,7 +49,7 @@ class MemoryBackend(CountingBackend):
                     break
                 self._objects[key] = bytes(value)
                 self._index.put(key, len(value))
-                self._c.count_sets([value])
+                self._count_sets([value])
                 stored += 1
                 self._evict()
             return stored
