@@ -203,14 +203,10 @@ class HostTier:
         self.controller.shutdown()
 
     def usage(self) -> dict:
-        out = {
-            "capacity_pages": self.allocator.capacity,
-            "free_pages": self.allocator.available,
-            "cached_pages": self.tree.host_pages_held,
-            "layout": self.host_pool.layout,
-            # each host pool once (a shared pool is also the window pair's)
-            "host_pool_bytes": sum(h.total_bytes for h in {id(h): h for _, h in self.controller.pairs}.values()),
-        }
+        out = {"capacity_pages": self.allocator.capacity, "free_pages": self.allocator.available,
+               "cached_pages": self.tree.host_pages_held, "layout": self.host_pool.layout,
+               # each host pool once (a shared pool is also the window pair's)
+               "host_pool_bytes": sum(h.total_bytes for h in {id(h): h for _, h in self.controller.pairs}.values())}
         for name, part in self.parts.items():
             out[name] = part.usage(self.host_pool, self.pool.page_size)
         return out

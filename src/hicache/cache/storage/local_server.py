@@ -6,6 +6,7 @@ SIGKILL) on exit."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -39,7 +40,7 @@ def find_binary(env: str, candidates: Iterable[Path], *names: str) -> str | None
 
 
 @dataclass
-class LocalServer:
+class LocalServer(contextlib.AbstractContextManager):
     """A started process with its log; ``stop()`` (or leaving the ``with`` block) ends it."""
 
     proc: subprocess.Popen
@@ -54,9 +55,6 @@ class LocalServer:
     def stop(self) -> None:
         stop_process(self.proc)
         self.workdir.cleanup()
-
-    def __enter__(self):
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -65,11 +65,9 @@ def _import_store():
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as e:
-        raise StorageError(
-            "the mooncake backend needs Mooncake Store: pip install "
-            "mooncake-transfer-engine-non-cuda (or mooncake-transfer-engine with CUDA), and "
-            f"libibverbs1 / librdmacm1 from the OS packages ({e})"
-        ) from e
+        raise StorageError("the mooncake backend needs Mooncake Store: pip install mooncake-transfer-engine-non-cuda "
+                           "(or mooncake-transfer-engine with CUDA), and libibverbs1 / librdmacm1 from the OS "
+                           f"packages ({e})") from e
     return MooncakeDistributedStore
 
 
