@@ -102,7 +102,6 @@ class TransferController:
         their own (a hybrid pool's window layers: ``{"window": ...}``, another pool, or
         ``host_pool`` itself, a pool of shared blocks); those layers copy an op's ``parts``."""
         self.device_pool = device_pool
-        self.host_pool = host_pool
         self.shard = shard
         self.sidecar_pairs = list(sidecars)
         self.pairs = [(device_pool, host_pool), *sidecars, *((device_pool, h) for h in parts.values())]

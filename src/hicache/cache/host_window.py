@@ -62,7 +62,6 @@ class HostWindows:
         self._spans: dict[TreeNode, tuple[int, int]] = {}
         # backed-up nodes whose checkpoint supersedes their ancestors' host windows (drop_superseded)
         self._superseding: list[TreeNode] = []
-        self._stopped: dict[int, np.ndarray] = {}  # stopped prefetches' window pages their reader may write, by op id
 
     # ---- backups -------------------------------------------------------------------------
     def backup(self, node: TreeNode, lock: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -123,15 +122,14 @@ class HostWindows:
         """Host window pages for the window of a prefetch's end (None: no room)."""
         return alloc_evicting(self.allocator, self.span(end_page), 0, self.evict_for_room)[0]
 
-    def place_prefetch(self, op: PrefetchOp, leaf: TreeNode | None, taken_from: int) -> None:
+    def place_prefetch(self, op: PrefetchOp, leaf: TreeNode | None, taken_from: int) -> np.ndarray:
         """The window pages a finished read brought go to ``leaf``, the new host-only leaf of the
-        pages the tree took (from ``taken_from`` on; None when it took none); the rest are freed,
-        once the reader is surely done with them (:meth:`reaped`)."""
+        pages the tree took (from ``taken_from`` on; None when it took none); the rest are freed.
+        Returns the pages to free once the reader is surely done with them (the prefetch is reaped)."""
         read = op.parts[self.name]
         pages = read.host_pages
         if not (op.final_applied and read.first >= 0):  # the reader may still write them
-            self._stopped[op.op_id] = pages
-            return
+            return pages
         keep = np.zeros(len(pages), dtype=bool)
         if op.completed > taken_from:  # the tree took some: they hang from one new host-only leaf
             assert leaf is not None, f"prefetch op={op.op_id}: the pages the tree took have no leaf"
@@ -139,12 +137,7 @@ class HostWindows:
             keep[: len(rel)] = rel >= taken_from
             self.cached.attach_host(leaf, rel[keep[: len(rel)]] - taken_from, pages[keep])
         self.allocator.free(pages[~keep])
-
-    def reaped(self, op: PrefetchOp) -> None:
-        """A stopped prefetch's reader is done: the window pages it held go back."""
-        pages = self._stopped.pop(op.op_id, None)
-        if pages is not None:
-            self.allocator.free(pages)
+        return EMPTY_PAGES
 
     def stored(self, node: TreeNode) -> tuple[np.ndarray, np.ndarray] | None:
         """(page indices, host window pages) of ``node``'s checkpoint pages a storage backup writes."""

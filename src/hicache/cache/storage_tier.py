@@ -94,8 +94,8 @@ class StorageTier:
         # At most this many host pages may be held by prefetches at once.
         self.prefetch_page_limit = int(policy.prefetch_max_host_fraction * host.allocator.capacity)
         self.prefetch_held_pages = 0
-        # Stopped prefetches whose reader may still write their unused host pages.
-        self._stopped: deque[tuple[PrefetchOp, np.ndarray]] = deque()
+        # Stopped prefetches whose reader may still write their unused host pages (and each part's, by name).
+        self._stopped: deque[tuple[PrefetchOp, np.ndarray, dict[str, np.ndarray]]] = deque()
 
     # ---- prefetch ------------------------------------------------------------------------
     def start_prefetch(self, namespace: str, tokens: np.ndarray) -> PrefetchOp | None:
@@ -138,16 +138,15 @@ class StorageTier:
             taken_from = self.tree.insert_host(op.namespace, tokens[: (op.start_page + done) * ps],
                                                op.host_pages[:done], op.start_page, op.hashes[:done])
         self.host.allocator.free(op.host_pages[:taken_from])
-        if op.parts:
-            leaf = self.tree.node_at(op.namespace, tokens[: (op.start_page + done) * ps]) if taken_from < done else None
-            for name in op.parts:
-                self.host.parts[name].place_prefetch(op, leaf, taken_from)
+        took = op.parts and taken_from < done  # the window parts' pages hang from the new leaf
+        leaf = self.tree.node_at(op.namespace, tokens[: (op.start_page + done) * ps]) if took else None
+        later = {name: self.host.parts[name].place_prefetch(op, leaf, taken_from) for name in op.parts}
         self.prefetch_held_pages -= done
         self.controller.stats.prefetched_pages += done
         self.controller.stats.prefetch_bytes += done * self.host.bytes_per_page
         # Its failure (if any) is counted when it is reaped: best_effort stops waiting before the
         # reader knows whether the store answered.
-        self._stopped.append((op, op.host_pages[done:]))
+        self._stopped.append((op, op.host_pages[done:], later))
         return (done - taken_from) * ps if taken_from < done else 0
 
     def _joins_rotation(self, op: PrefetchOp, tokens: np.ndarray) -> bool:
@@ -164,14 +163,14 @@ class StorageTier:
         failures, waiting for their readers to finish (only a drain asks for readers that are
         not done; their backend calls are bounded by deadlines)."""
         for _ in range(n):
-            op, unused = self._stopped.popleft()
+            op, unused, later = self._stopped.popleft()
             op.done.wait()
             if op.failure:
                 self.controller.stats.failures[op.failure] += 1
             self.host.allocator.free(unused)
             self.prefetch_held_pages -= len(unused)
-            for part in self.host.parts.values():
-                part.reaped(op)
+            for name, pages in later.items():  # each part's pages the reader might still have written
+                self.host.parts[name].allocator.free(pages)
 
     # ---- backups -------------------------------------------------------------------------
     def on_insert(self, node: TreeNode | None) -> None:
@@ -196,7 +195,7 @@ class StorageTier:
     # ---- queues --------------------------------------------------------------------------
     def ready_acks(self) -> AckCounts:
         return AckCounts(storage_backup=self.controller.backup_ready_count(),
-                         prefetch_reap=leading_done(op for op, _ in self._stopped))
+                         prefetch_reap=leading_done(op for op, *_ in self._stopped))
 
     def pending_acks(self) -> AckCounts:
         return AckCounts(storage_backup=self.controller.pending_backups(), prefetch_reap=len(self._stopped))
