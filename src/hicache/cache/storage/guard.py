@@ -23,7 +23,6 @@ deployment (or a test) may tune them on a live guard.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import queue
 import threading
@@ -97,7 +96,6 @@ class GuardedBackend(StorageBackend):
         self._threads: list[threading.Thread] = []
         self._idle = 0  # workers waiting for a task
         self._queued = 0  # tasks not yet taken by a worker
-        self._ids = itertools.count()
         self._closed = False
 
     # ---- StorageBackend ------------------------------------------------------------------
@@ -233,17 +231,14 @@ class GuardedBackend(StorageBackend):
             # A worker for every queued call while under the cap: a hung call must not make the
             # next one (a read behind a stuck write) wait for the same thread.
             if self._queued > self._idle and len(self._threads) < self.max_workers:
-                t = threading.Thread(target=self._work, name=f"hicache-storage-call-{next(self._ids)}", daemon=True)
+                t = threading.Thread(target=self._work, name=f"hicache-storage-call-{len(self._threads)}", daemon=True)
                 self._threads.append(t)
                 self._idle += 1
                 t.start()
         self._tasks.put(call)
 
     def _work(self) -> None:
-        while True:
-            call = self._tasks.get()
-            if call is None:
-                return
+        while (call := self._tasks.get()) is not None:
             with self._lock:
                 self._queued -= 1
                 self._idle -= 1

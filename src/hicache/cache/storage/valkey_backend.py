@@ -134,12 +134,10 @@ class ValkeyBackend(RemoteStore):
     def clear(self) -> None:
         """Remove every key under ``prefix`` (SCAN + UNLINK; never FLUSHDB, the db may be
         shared with other users)."""
-        n = 0
         pattern = re.sub(r"([*?\[\]\\])", r"\\\1", self.prefix) + "*"  # glob characters escaped: a literal prefix
         with self._calls("clear"):
             found = self._client.scan_iter(match=pattern, count=1000)
-            for batch in iter(lambda: list(itertools.islice(found, 1000)), []):
-                n += self._client.unlink(*batch)
+            n = sum(self._client.unlink(*batch) for batch in iter(lambda: list(itertools.islice(found, 1000)), []))
         log.info("valkey storage at %s:%d cleared %d keys under %r", self.host, self.port, n, self.prefix)
 
     def _extra(self) -> dict:
