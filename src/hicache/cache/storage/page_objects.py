@@ -53,13 +53,15 @@ def write_pages(backend: StorageBackend, objects: Sequence[PageObject], ns_diges
     """Write ``pages`` (as :func:`encode_pages` takes them), ``batch_pages`` pages a call (None: all in
     one), until a call stores short: (leading pages stored whole, their bytes). No objects (another
     rank writes them all): no call, every page counts as written."""
-    n, written, nbytes, step = len(objects), 0, 0, batch_pages or max(len(pages), 1)
+    n, step = len(objects), batch_pages or max(len(pages), 1)
     if not n:
         return len(pages), 0
+    written = nbytes = 0
     for at in range(0, len(pages), step):
         keys, blobs = encode_pages(objects, ns_digest, hashes, pages[at : at + step])
         stored = backend.batch_set(keys, blobs) // n
-        written, nbytes = written + stored, nbytes + sum(len(b) for b in blobs[: stored * n])
+        written += stored
+        nbytes += sum(len(b) for b in blobs[: stored * n])
         if stored * n < len(blobs):
             break
     return written, nbytes

@@ -225,7 +225,8 @@ class StorageController:
         op.failure = failure or op.failure
         elapsed = time.perf_counter() - t0
         self.stats.prefetch_time_s += elapsed
-        per_page, last = elapsed / (end - start), self.read_page_s  # of the prompt: the owners read theirs at once
+        per_page = elapsed / (end - start)  # per page of the prompt: the owners read theirs at once
+        last = self.read_page_s
         self.read_page_s = per_page if last is None else last + READ_EWMA_ALPHA * (per_page - last)
         return end - start if got == len(mine) else mine[got] - start
 
