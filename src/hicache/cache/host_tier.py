@@ -91,7 +91,9 @@ class HostTier:
     def _give_host(self, node: TreeNode, lock: bool) -> dict[str, tuple[np.ndarray, np.ndarray]] | None:
         """Host pages for a backup of ``node`` (``lock``: locked until its ack is consumed); each
         part's (device, host) pages to copy, None (counted) when there is no room."""
-        host = self.alloc(node.num_pages, self._anchor_like(node.device_pages))
+        # sharded: the host pages start on the first device page's owner, so each has its device page's owner
+        anchor = 0 if self.shard is None else int(self.shard.placement.owner(int(node.device_pages[0])))
+        host = self.alloc(node.num_pages, anchor)
         if host is None:
             self.stats.backup_skipped_pages += node.num_pages
             return None
@@ -116,11 +118,6 @@ class HostTier:
             self.tree.inc_lock_ref(nodes[-1])
 
     # ---- host pages ----------------------------------------------------------------------
-    def _anchor_like(self, device_pages: np.ndarray) -> int:
-        """Sharded: host pages for ``device_pages`` start on their first page's owner, so each
-        host page has its device page's owner."""
-        return 0 if self.shard is None else int(self.shard.placement.owner(int(device_pages[0])))
-
     def alloc(self, n: int, anchor: int, first_position: int = 0) -> np.ndarray | None:
         """``n`` host pages for positions ``first_position ..`` of a sequence anchored on rank
         ``anchor`` (unsharded: any), evicting host-only leaves first when too few are free."""

@@ -60,10 +60,8 @@ class MooncakeMaster(LocalServer):
     def backend_config(self, **overrides) -> dict:
         """The ``MooncakeBackend`` options (extra-config JSON) of a client of this store that
         contributes no memory of its own."""
-        cfg = {"master_server_address": self.address, "metadata_server": self.metadata_server,
-               "local_hostname": self.host, "protocol": "tcp", "global_segment_size": 0}
-        cfg.update(overrides)
-        return cfg
+        return {"master_server_address": self.address, "metadata_server": self.metadata_server,
+                "local_hostname": self.host, "protocol": "tcp", "global_segment_size": 0, **overrides}
 
 
 @dataclass
