@@ -121,11 +121,8 @@ class HostTier:
     def alloc(self, n: int, anchor: int, first_position: int = 0) -> np.ndarray | None:
         """``n`` host pages for positions ``first_position ..`` of a sequence anchored on rank
         ``anchor`` (unsharded: any), evicting host-only leaves first when too few are free."""
-        if self.host_pool.shared:  # full and window pages from one allocator of blocks; make_room counts the evicted
-            return alloc_evicting(self.allocator, n, first_position, self.windows.make_room, anchor)[0]
-        pages, evicted = alloc_evicting(self.allocator, n, first_position, self.evict, anchor)
-        self.stats.evicted_host_pages += evicted
-        return pages
+        evict = self.windows.make_room if self.host_pool.shared else self.evict  # shared: blocks for either kind
+        return alloc_evicting(self.allocator, n, first_position, evict, anchor)[0]
 
     def evict(self, num_pages: int, wanted: Callable[[np.ndarray], bool] | None = None) -> int:
         """Free at least ``num_pages`` host pages by deleting unlocked host-only leaves in
@@ -140,9 +137,10 @@ class HostTier:
                 and node.host_pages is not None and not node.children)
 
     def drop(self, node: TreeNode) -> int:
-        """Delete a host-only leaf; the host pages it held."""
+        """Delete a host-only leaf (its pages counted as evicted); the host pages it held."""
         freed = len(node.host_pages)
         self.tree.delete_subtree(node)
+        self.stats.evicted_host_pages += freed
         return freed
 
     # ---- queues --------------------------------------------------------------------------

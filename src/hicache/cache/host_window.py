@@ -37,7 +37,7 @@ class HostPages(Protocol):
     tree: RadixCache
     stats: CacheStats
 
-    def drop(self, node: TreeNode) -> int: ...  # delete a host-only leaf; the host pages it held
+    def drop(self, node: TreeNode) -> int: ...  # delete a host-only leaf (counted as evicted); the host pages it held
 
     def evictable(self, node: TreeNode) -> bool: ...  # a host-only leaf host eviction may take
 
@@ -181,11 +181,10 @@ class HostWindows:
         return shared.available - start
 
     def _drop(self, node: TreeNode) -> int:
-        """Delete a host-only leaf (its full pages counted as evicted); what that freed: its window
-        pages (shared: the blocks its full and window pages held)."""
+        """Delete a host-only leaf; what that freed: its window pages (shared: the blocks its full and
+        window pages held)."""
         windows = self.cached.of(node).host_held
         pages = self.tier.drop(node)
-        self.tier.stats.evicted_host_pages += pages
         return pages + windows * self.allocator.groups if self.shared else windows
 
     # ---- accounting ----------------------------------------------------------------------
