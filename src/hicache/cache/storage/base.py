@@ -18,6 +18,14 @@ class StorageError(RuntimeError):
     """A backend could not complete an operation (unreachable, I/O error, ...)."""
 
 
+def positive(name: str, value: int | None) -> int | None:
+    """Option ``name`` (a cap or a batch size) as an int, None staying None (no cap); ValueError
+    unless it is positive."""
+    if value is not None and int(value) <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return None if value is None else int(value)
+
+
 @dataclass
 class BackendStats:
     """Counters a backend keeps about itself (monotonic unless noted)."""
@@ -49,8 +57,7 @@ class RemoteStoreOptions:
     check_at_open: bool = True
 
     def __post_init__(self) -> None:
-        if int(self.batch_size) <= 0:
-            raise ValueError(f"batch_size must be positive, got {self.batch_size}")
+        positive("batch_size", self.batch_size)
 
 
 class StorageBackend(abc.ABC):

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from .base import CountingBackend, StorageError
+from .base import CountingBackend, StorageError, positive
 from .file_index import LruIndex
 
 log = logging.getLogger(__name__)
@@ -83,9 +83,7 @@ class FileBackend(CountingBackend):
     def __init__(self, path: str | os.PathLike | None = None, max_bytes: int | None = None, fsync: bool = False,
                  touch_on_read: bool = True, touch_interval_s: float = 60.0) -> None:
         self.root = Path(path).expanduser() if path else default_dir()
-        if max_bytes is not None and int(max_bytes) <= 0:
-            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
-        self.max_bytes = int(max_bytes) if max_bytes is not None else None
+        self.max_bytes = positive("max_bytes", max_bytes)
         self.fsync = bool(fsync)
         self.touch_on_read = bool(touch_on_read)
         self.touch_interval_s = float(touch_interval_s)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .base import CountingBackend
+from .base import CountingBackend, positive
 from .file_index import LruIndex
 
 
@@ -18,11 +18,8 @@ class MemoryBackend(CountingBackend):
 
     def __init__(self, max_bytes: Optional[int] = None, max_objects: Optional[int] = None) -> None:
         """``max_bytes``, ``max_objects``: caps on the objects' bytes and count (None: unlimited)."""
-        for name, cap in (("max_bytes", max_bytes), ("max_objects", max_objects)):
-            if cap is not None and int(cap) <= 0:
-                raise ValueError(f"{name} must be positive, got {cap}")
-        self.max_bytes = None if max_bytes is None else int(max_bytes)
-        self.max_objects = None if max_objects is None else int(max_objects)
+        self.max_bytes = positive("max_bytes", max_bytes)
+        self.max_objects = positive("max_objects", max_objects)
         self._objects: dict[str, bytes] = {}
         self._index = LruIndex()  # their sizes and recency (the file backend's bookkeeping)
         super().__init__()  # its lock guards the objects too: the prefetch and backup threads call concurrently
