@@ -48,15 +48,12 @@ class MemoryBackend(CountingBackend):
                 self._index.put(key, len(value))
                 self._count_sets([value])
                 stored += 1
-                self._evict()
+                # least recently used objects dropped while over a cap
+                dropped = self._index.evict_to_fit(0, self.max_bytes, max_objects=self.max_objects)
+                for key, _ in dropped:
+                    del self._objects[key]
+                self._c.evictions += len(dropped)
             return stored
-
-    def _evict(self) -> None:
-        """Drop least recently used objects while over a cap."""
-        dropped = self._index.evict_to_fit(0, self.max_bytes, max_objects=self.max_objects)
-        for key, _ in dropped:
-            del self._objects[key]
-        self._c.evictions += len(dropped)
 
     def delete(self, keys: list[str]) -> None:
         with self._lock:

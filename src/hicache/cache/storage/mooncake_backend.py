@@ -61,16 +61,6 @@ MIN_BUFFER = 1 << 20
 SLOT_ALIGN = 4096
 
 
-def _import_store():
-    try:
-        from mooncake.store import MooncakeDistributedStore
-    except ImportError as e:
-        raise StorageError("the mooncake backend needs Mooncake Store: pip install mooncake-transfer-engine-non-cuda "
-                           "(or mooncake-transfer-engine with CUDA), and libibverbs1 / librdmacm1 from the OS "
-                           f"packages ({e})") from e
-    return MooncakeDistributedStore
-
-
 def code_name(code: int) -> str:
     """A Mooncake error code as ``NAME (code)``."""
     return f"{_NAMES.get(code, 'error')} ({code})"
@@ -156,7 +146,13 @@ class MooncakeBackend(RemoteStore):
         self._master_hp = split_host_port(o.master_server_address)
         if self._master_hp is None:
             raise ValueError(f"expected HOST:PORT, got {o.master_server_address!r}")
-        self._client = _import_store()()
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as e:
+            raise StorageError("the mooncake backend needs Mooncake Store: pip install "
+                               "mooncake-transfer-engine-non-cuda (or mooncake-transfer-engine with CUDA), and "
+                               f"libibverbs1 / librdmacm1 from the OS packages ({e})") from e
+        self._client = MooncakeDistributedStore()
         self._ready = False
         self._open_lock = threading.Lock()
         self._bufs = {"get": _Buffer(self._client, self._fail), "put": _Buffer(self._client, self._fail)}

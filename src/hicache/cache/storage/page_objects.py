@@ -91,18 +91,6 @@ def _page(host: HostKVPool, host_page: int) -> torch.Tensor:
     return host.buffer[host_page] if host.layout == "page_first" else host.buffer[:, :, host_page]
 
 
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    """``t``'s bytes in its logical order: a view of it when contiguous (the object encoder
-    copies them once, into the object), else one gathering copy."""
-    return memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
-
-
-def _as_tensor(payload: memoryview, dtype: torch.dtype) -> torch.Tensor:
-    with warnings.catch_warnings():  # read-only source: torch warns, but we only read from it
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(payload, dtype=torch.uint8).view(dtype)
-
-
 class _Views:
     """An object whose payload is views of its host page laid side by side (:meth:`_views`): written
     from them (one gathering copy, none for one contiguous view), read back into them."""
@@ -113,12 +101,17 @@ class _Views:
         raise NotImplementedError
 
     def page_bytes(self, host_page: int) -> memoryview:
+        """The views' bytes in their logical order: the one view itself when contiguous (the object
+        encoder copies them once, into the object), else one gathering copy."""
         views = self._views(host_page)
-        return _bytes_of(views[0] if len(views) == 1 else torch.stack(views))
+        t = views[0] if len(views) == 1 else torch.stack(views)
+        return memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
 
     def load(self, host_page: int, payload: memoryview) -> None:
         views = self._views(host_page)
-        src = _as_tensor(payload, self.host.dtype).view(len(views), *views[0].shape)
+        with warnings.catch_warnings():  # read-only source: torch warns, but we only read from it
+            warnings.simplefilter("ignore", UserWarning)
+            src = torch.frombuffer(payload, dtype=torch.uint8).view(self.host.dtype).view(len(views), *views[0].shape)
         for dst, rows in zip(views, src):
             dst.copy_(rows)
 

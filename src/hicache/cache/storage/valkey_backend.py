@@ -26,14 +26,6 @@ from .base import RemoteStore, RemoteStoreOptions, StorageError
 log = logging.getLogger(__name__)
 
 
-def _import_valkey():
-    try:
-        import valkey
-    except ImportError as e:  # pragma: no cover - dependency is declared
-        raise StorageError("the valkey backend needs the 'valkey' package") from e
-    return valkey
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ValkeyOptions(RemoteStoreOptions):
     """A Valkey server at ``host:port`` / ``db`` (``password``: AUTH, None for none).
@@ -63,10 +55,12 @@ class ValkeyBackend(RemoteStore):
     options_type = ValkeyOptions
 
     def __init__(self, options: ValkeyOptions = ValkeyOptions()) -> None:
-        valkey = _import_valkey()
-        from valkey.backoff import NoBackoff
-        from valkey.retry import Retry
-
+        try:
+            import valkey
+            from valkey.backoff import NoBackoff
+            from valkey.retry import Retry
+        except ImportError as e:  # pragma: no cover - dependency is declared
+            raise StorageError("the valkey backend needs the 'valkey' package") from e
         super().__init__(options)
         o = options
         self.host, self.port, self.db = o.host, int(o.port), int(o.db)
