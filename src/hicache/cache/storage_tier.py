@@ -109,7 +109,10 @@ class StorageTier:
         # The chain goes on from the last cached page, inside peek.node when the match ends mid-node.
         digest = self.keys.digest(namespace)
         prev = digest if peek.node is None else node_hashes(peek.node, self.keys)[peek.node_pages - 1]
-        host = self.host.alloc(tail, self._anchor(peek.node), start)
+        # Sharded: the first-page owner of the path ending at peek.node (prefetched pages continue its
+        # rotation); for a prompt with nothing cached, the host rank with the most room.
+        anchor = 0 if self.shard is None else path_anchor(self.shard.placement, peek.node)
+        host = self.host.alloc(tail, self.host.allocator.roomiest_owner() if anchor is None else anchor, start)
         if host is None:
             return None
         hashes = page_hashes(tokens[start * self.page_size : (start + tail) * self.page_size], self.page_size, prev)
@@ -119,14 +122,6 @@ class StorageTier:
         self.prefetch_held_pages += tail
         logger.debug("prefetch op=%d pages=%d from page %d", op.op_id, tail, start)
         return op
-
-    def _anchor(self, node: TreeNode | None) -> int:
-        """Sharded: the first-page owner of the path ending at ``node`` (prefetched pages continue
-        its rotation); for a prompt with nothing cached, the host rank with the most room."""
-        if self.shard is None:
-            return 0
-        anchor = path_anchor(self.shard.placement, node)
-        return self.host.allocator.roomiest_owner() if anchor is None else anchor
 
     def finish_prefetch(self, op: PrefetchOp, tokens: np.ndarray) -> int:
         """Stop waiting: insert the pages the consumed acks cover as host-only nodes, release
