@@ -75,7 +75,7 @@ class StorageTier:
         (its keys name its shard, see ``keys``). ``objects``: (reads, writes), the objects a
         host page is read from and written to (the unified grid's cells); default: one object
         per page of this rank's KV, and one per sidecar pool."""
-        self.host, self.tree, self.keys, self.stats = host, host.tree, keys, host.stats
+        self.host, self.tree, self.keys = host, host.tree, keys
         self.shard = shard
         self.page_size = keys.page_size
         if objects is None:  # one object per page; sidecar KV (a speculative draft's): "<key>-sidecar1", ...

@@ -50,8 +50,8 @@ class MemoryBackend(CountingBackend):
                 stored += 1
                 # least recently used objects dropped while over a cap
                 dropped = self._index.evict_to_fit(0, self.max_bytes, max_objects=self.max_objects)
-                for key, _ in dropped:
-                    del self._objects[key]
+                for old, _ in dropped:
+                    del self._objects[old]
                 self._c.evictions += len(dropped)
             return stored
 
