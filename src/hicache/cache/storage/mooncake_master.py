@@ -34,15 +34,13 @@ from typing import Callable
 from .local_server import LocalServer, find_binary, package_dir, start_local
 from .mooncake_backend import reachable
 
-ENV_MASTER = "HICACHE_MOONCAKE_MASTER"
-ENV_CLIENT = "HICACHE_MOONCAKE_CLIENT"
-_ENV = {"mooncake_master": ENV_MASTER, "mooncake_client": ENV_CLIENT}
-
 
 def find_mooncake_binary(name: str = "mooncake_master") -> str | None:
-    """Path of a runnable ``name`` binary, or None (see the module docstring for the order)."""
+    """Path of a runnable ``name`` binary, or None (see the module docstring for the order; the
+    variable is ``$HICACHE_<NAME>``)."""
     pkg = package_dir("mooncake")
-    return find_binary(_ENV.get(name, ""), [Path(sys.executable).parent / name, *([pkg / name] if pkg else [])], name)
+    candidates = [Path(sys.executable).parent / name, *([pkg / name] if pkg else [])]
+    return find_binary(f"HICACHE_{name.upper()}", candidates, name)
 
 
 @dataclass
@@ -79,7 +77,7 @@ def _start(name: str, args: list[str], where: str, make: Callable[..., LocalServ
     binary = binary or find_mooncake_binary(name)
     if binary is None:
         raise FileNotFoundError(f"no {name} found: pip install mooncake-transfer-engine-non-cuda, put {name} on "
-                                f"PATH, or set {_ENV[name]}")
+                                f"PATH, or set HICACHE_{name.upper()}")
     flag = "-rpc_port" if name == "mooncake_master" else "-port"
     return start_local(f"{name} did not start {where}",
                        lambda port, _: [binary, f"{flag}={port}", *args, "-logtostderr"], make,
