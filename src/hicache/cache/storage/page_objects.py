@@ -15,7 +15,7 @@ and its key is a function of the page hash (and, for grid cells, the namespace d
 from __future__ import annotations
 
 import warnings
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import torch
 
@@ -28,16 +28,6 @@ from .unified import Cell, StorageGrid
 NAMESPACE_KEY_HEX = 16  # hex chars of the namespace digest in a unified key
 DRAFT_PREFIX = "draft_"  # a speculative draft's cells: {page_hash}_{digest}_draft_L{a}-{b}[_H{g}]
 WINDOW_SUFFIX = "_swa"  # a hybrid page's window layers of a cell: {page_hash}_{digest}_L{a}-{b}[_H{g}]_swa
-
-
-class PageObject(Protocol):
-    def key(self, page_hash: bytes, ns_digest: bytes) -> str: ...
-
-    def page_bytes(self, host_page: int) -> memoryview:
-        """The object's payload (a view: valid while the host page is held for the write)."""
-        ...
-
-    def load(self, host_page: int, payload: memoryview) -> None: ...
 
 
 def encode_pages(objects: Sequence[PageObject], ns_digest: bytes, hashes: list[bytes], pages: Sequence[tuple[int, int]],
@@ -91,17 +81,22 @@ def _page(host: HostKVPool, host_page: int) -> torch.Tensor:
     return host.buffer[host_page] if host.layout == "page_first" else host.buffer[:, :, host_page]
 
 
-class _Views:
-    """An object whose payload is views of its host page laid side by side (:meth:`_views`): written
-    from them (one gathering copy, none for one contiguous view), read back into them."""
+class PageObject:
+    """One storage object of every host page: its key, and its payload, views of the page laid side
+    by side (:meth:`_views`), written from them (one gathering copy, none for one contiguous view)
+    and read back into them."""
 
     host: HostKVPool
+
+    def key(self, page_hash: bytes, ns_digest: bytes) -> str:
+        raise NotImplementedError
 
     def _views(self, host_page: int) -> list[torch.Tensor]:
         raise NotImplementedError
 
     def page_bytes(self, host_page: int) -> memoryview:
-        """The views' bytes in their logical order: the one view itself when contiguous (the object
+        """The object's payload (a view: valid while the host page is held for the write): the
+        views' bytes in their logical order, the one view itself when contiguous (the object
         encoder copies them once, into the object), else one gathering copy."""
         views = self._views(host_page)
         t = views[0] if len(views) == 1 else torch.stack(views)
@@ -116,7 +111,7 @@ class _Views:
             dst.copy_(rows)
 
 
-class WholePage(_Views):
+class WholePage(PageObject):
     """Every layer and head of one rank's host page in one object, ``<page hash hex><suffix>``."""
 
     def __init__(self, host: HostKVPool, suffix: str = "") -> None:
@@ -147,7 +142,7 @@ def window_object(host: HostKVPool, suffix: str) -> PageObject:
     return WindowBlocks(host, suffix) if host.shared else WholePage(host, suffix)
 
 
-class GridCell(_Views):
+class GridCell(PageObject):
     """One cell of ``grid`` (the unified grid) of this rank's host pages. ``first_layer`` /
     ``first_head``: the model-global indices of the pool's first layer and KV head; with
     ``grid.mla`` the pool's one "head" is an MLA latent split over the K and V buffers;
