@@ -64,9 +64,7 @@ class HostKVPool:
         # own pages (what a window pool of its own holds). The host layer (row) of each device layer held; a
         # shared pool's rows are the device pool's tensors.
         if window_ids:
-            windows = device_pool.windows
-            if not windows.shared:
-                raise ValueError("a host pool of blocks needs a device pool of shared blocks")
+            windows = device_pool.windows  # (of shared blocks: core.py asks for window ids only then)
             tensors = sorted({t for t, _ in windows.shared.values()})
             self.rows = {i: tensors.index(t) for i, (t, _) in windows.shared.items()}
             self.num_layers = len(tensors)
@@ -83,10 +81,9 @@ class HostKVPool:
         self.total_bytes = self.bytes_per_page * num_pages
         available = available_host_memory()
         if self.total_bytes > 0.9 * available:
-            raise ConfigError(
-                f"the host KV pool needs {self.total_bytes / 2**30:.2f} GiB but only {available / 2**30:.2f} GiB of "
-                "host memory is available; lower --hicache-ratio or --hicache-size."
-            )
+            raise ConfigError(f"the host KV pool needs {self.total_bytes / 2**30:.2f} GiB but only "
+                              f"{available / 2**30:.2f} GiB of host memory is available; lower --hicache-ratio or "
+                              "--hicache-size.")
         self.cell_heads = cell_heads
         shape = self._shape(layout, num_pages, self.num_layers, self.page_size, *k0.shape[1:])
         # Pinned memory makes CUDA copies asynchronous; the CPU build of torch cannot pin.

@@ -26,6 +26,7 @@ from .acks import AckCounts
 from .host_pool import HostKVPool
 from .host_transfer import BACKUP, LOAD, TransferController, TransferOp
 from .host_window import HostWindows
+from .page_tree import EMPTY_PAGES
 from .placement import ShardedPageAllocator, ShardView, alloc_evicting
 from .pools import DeviceKVPool, PageAllocator
 from .radix import RadixCache
@@ -33,8 +34,6 @@ from .tiers import CachePolicy, CacheStats, Tier
 from .tree_node import TreeNode
 
 logger = logging.getLogger(__name__)
-
-EMPTY = np.zeros(0, dtype=np.int64)
 
 # One queued copy: device pages, host pages, each part's (device, host) pages by component, and the
 # node to unlock when its ack is consumed.
@@ -57,8 +56,6 @@ class HostTier:
         self.controller = TransferController(pool, host_pool, shard, sidecars,
                                              {} if window_host is None else {HostWindows.name: window_host})
         self.bytes_per_page = host_pool.bytes_per_page + sum(dev.bytes_per_page for dev, _ in sidecars)
-        # shared blocks: full pages and window pages (one block per sliding group each) from one allocator
-        self.shared = host_pool.shared
         self.windows = HostWindows(self, window_host, tree.windows) if tree is not None and window_host is not None \
             else None
         self.parts: dict[str, HostWindows] = {} if self.windows is None else {self.windows.name: self.windows}
@@ -79,26 +76,31 @@ class HostTier:
         path = [n for n in node.lineage()
                 if n.host_pages is None and n.device_pages is not None and n.hit_count >= self.backup_threshold]
         for n in reversed(path):
-            host = self.alloc(n.num_pages, self._anchor_like(n.device_pages))
-            if host is None:
-                self.stats.backup_skipped_pages += n.num_pages
-                continue
-            self.tree.attach_host_pages(n, host)
-            self.tree.inc_lock_ref(n)
-            parts = {name: part.backup(n, lock=True) for name, part in self.parts.items()}
-            self._pending[BACKUP].append((n.device_pages, host, parts, n))
+            parts = self._give_host(n, lock=True)
+            if parts is not None:
+                self._pending[BACKUP].append((n.device_pages, n.host_pages, parts, n))
 
     def on_evict(self, node: TreeNode) -> bool:
         """write_back: copy an L1 victim to host before its device pages are freed."""
-        host = self.alloc(node.num_pages, self._anchor_like(node.device_pages))
+        parts = self._give_host(node, lock=False)
+        if parts is None:
+            return False
+        self.controller.submit(BACKUP, node.device_pages, node.host_pages, [], parts).done.wait()
+        return True
+
+    def _give_host(self, node: TreeNode, lock: bool) -> dict[str, tuple[np.ndarray, np.ndarray]] | None:
+        """Host pages for a backup of ``node`` (``lock``: locked until its ack is consumed); each
+        part's (device, host) pages to copy, None (counted) when there is no room."""
+        # sharded: the host pages start on the first device page's owner, so each has its device page's owner
+        anchor = 0 if self.shard is None else int(self.shard.placement.owner(int(node.device_pages[0])))
+        host = self.alloc(node.num_pages, anchor)
         if host is None:
             self.stats.backup_skipped_pages += node.num_pages
-            return False
+            return None
         self.tree.attach_host_pages(node, host)
-        parts = {name: part.backup(node, lock=False) for name, part in self.parts.items()}
-        op = self.controller.submit(BACKUP, node.device_pages, host, [], parts)
-        op.done.wait()
-        return True
+        if lock:
+            self.tree.inc_lock_ref(node)
+        return {name: part.backup(node, lock) for name, part in self.parts.items()}
 
     def load_back(self, nodes: list[TreeNode], windows: bool = True,
                   device_hit_windows: list[tuple[np.ndarray, np.ndarray]] = ()) -> None:
@@ -108,7 +110,7 @@ class HostTier:
         ``device_hit_windows``: (device, host) window pages of the device hit's tombstones whose
         host copy holds them (the request's window lock keeps them)."""
         for window in device_hit_windows:
-            self._pending[LOAD].append((EMPTY, EMPTY, {HostWindows.name: window}, None))
+            self._pending[LOAD].append((EMPTY_PAGES, EMPTY_PAGES, {HostWindows.name: window}, None))
         for n in nodes:
             parts = {name: part.load(n) for name, part in self.parts.items()} if windows else {}
             self._pending[LOAD].append((n.device_pages, n.host_pages, parts, n if n is nodes[-1] else None))
@@ -116,19 +118,11 @@ class HostTier:
             self.tree.inc_lock_ref(nodes[-1])
 
     # ---- host pages ----------------------------------------------------------------------
-    def _anchor_like(self, device_pages: np.ndarray) -> int:
-        """Sharded: host pages for ``device_pages`` start on their first page's owner, so each
-        host page has its device page's owner."""
-        return 0 if self.shard is None else int(self.shard.placement.owner(int(device_pages[0])))
-
     def alloc(self, n: int, anchor: int, first_position: int = 0) -> np.ndarray | None:
         """``n`` host pages for positions ``first_position ..`` of a sequence anchored on rank
         ``anchor`` (unsharded: any), evicting host-only leaves first when too few are free."""
-        if self.shared:  # make_room counts the evicted pages
-            return alloc_evicting(self.allocator, n, first_position, self.windows.make_room, anchor)[0]
-        pages, evicted = alloc_evicting(self.allocator, n, first_position, self.evict, anchor)
-        self.stats.evicted_host_pages += evicted
-        return pages
+        evict = self.windows.make_room if self.host_pool.shared else self.evict  # shared: blocks for either kind
+        return alloc_evicting(self.allocator, n, first_position, evict, anchor)[0]
 
     def evict(self, num_pages: int, wanted: Callable[[np.ndarray], bool] | None = None) -> int:
         """Free at least ``num_pages`` host pages by deleting unlocked host-only leaves in
@@ -143,9 +137,10 @@ class HostTier:
                 and node.host_pages is not None and not node.children)
 
     def drop(self, node: TreeNode) -> int:
-        """Delete a host-only leaf; the host pages it held."""
+        """Delete a host-only leaf (its pages counted as evicted); the host pages it held."""
         freed = len(node.host_pages)
         self.tree.delete_subtree(node)
+        self.stats.evicted_host_pages += freed
         return freed
 
     # ---- queues --------------------------------------------------------------------------
@@ -154,7 +149,7 @@ class HostTier:
         for kind, items in self._pending.items():
             if items:
                 dev, host = (np.concatenate([item[i] for item in items]) for i in (0, 1))
-                parts = {name: tuple(np.concatenate([item[2].get(name, (EMPTY, EMPTY))[i] for item in items])
+                parts = {name: tuple(np.concatenate([item[2].get(name, (EMPTY_PAGES,) * 2)[i] for item in items])
                                      for i in (0, 1)) for name in self.parts}
                 self.controller.submit(kind, dev, host, [n for *_, n in items if n is not None], parts)
                 items.clear()
@@ -203,14 +198,10 @@ class HostTier:
         self.controller.shutdown()
 
     def usage(self) -> dict:
-        out = {
-            "capacity_pages": self.allocator.capacity,
-            "free_pages": self.allocator.available,
-            "cached_pages": self.tree.host_pages_held,
-            "layout": self.host_pool.layout,
-            # each host pool once (a shared pool is also the window pair's)
-            "host_pool_bytes": sum(h.total_bytes for h in {id(h): h for _, h in self.controller.pairs}.values()),
-        }
+        out = {"capacity_pages": self.allocator.capacity, "free_pages": self.allocator.available,
+               "cached_pages": self.tree.host_pages_held, "layout": self.host_pool.layout,
+               # each host pool once (a shared pool is also the window pair's)
+               "host_pool_bytes": sum(h.total_bytes for h in {id(h): h for _, h in self.controller.pairs}.values())}
         for name, part in self.parts.items():
             out[name] = part.usage(self.host_pool, self.pool.page_size)
         return out

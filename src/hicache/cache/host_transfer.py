@@ -64,10 +64,6 @@ class PartPages:
     host: np.ndarray
     rows: list[tuple[np.ndarray, np.ndarray]]
 
-    def plans(self, backup: bool) -> list[PagePlan]:
-        """Each group's copy, source first."""
-        return [PagePlan(dev, host) if backup else PagePlan(host, dev) for dev, host in self.rows]
-
 
 @dataclass
 class TransferOp:
@@ -106,7 +102,6 @@ class TransferController:
         their own (a hybrid pool's window layers: ``{"window": ...}``, another pool, or
         ``host_pool`` itself, a pool of shared blocks); those layers copy an op's ``parts``."""
         self.device_pool = device_pool
-        self.host_pool = host_pool
         self.shard = shard
         self.sidecar_pairs = list(sidecars)
         self.pairs = [(device_pool, host_pool), *sidecars, *((device_pool, h) for h in parts.values())]
@@ -120,7 +115,8 @@ class TransferController:
         self._layers = target + [(p, i, i, FULL, 0) for p, (dev, _) in enumerate(sidecars, 1)
                                  for i in range(len(dev.k_buffers))]
         self.num_layers = len(self._layers)
-        self.cuda = device_pool.k_buffers[0].is_cuda
+        self.device = device_pool.k_buffers[0].device
+        self.cuda = self.device.type == "cuda"
         self._ids = itertools.count()
         self._acks: dict[str, deque[TransferOp]] = {BACKUP: deque(), LOAD: deque()}
         self._last_load: TransferOp | None = None
@@ -148,8 +144,7 @@ class TransferController:
                         [threading.Event() for _ in range(self.num_layers)], submit_time=time.perf_counter(),
                         layer_events=[None] * self.num_layers, parts=parts)
         if self.cuda:
-            op.after_compute = torch.cuda.Event()
-            op.after_compute.record(torch.cuda.current_stream(device_pool_device(self.device_pool)))
+            op.after_compute = torch.cuda.current_stream(self.device).record_event()
         self._acks[kind].append(op)
         if kind == LOAD:
             self._last_load = op
@@ -204,7 +199,7 @@ class TransferController:
         op.layer_done[layer].wait()
         event = op.layer_events[layer]
         if event is not None:
-            torch.cuda.current_stream(device_pool_device(self.device_pool)).wait_event(event)
+            torch.cuda.current_stream(self.device).wait_event(event)
 
     def shutdown(self) -> None:
         """Stop the workers after the ops already queued (idempotent)."""
@@ -216,8 +211,8 @@ class TransferController:
         """A worker's CUDA stream for its copies (made on its thread); None on CPU."""
         if not self.cuda:
             return None
-        torch.cuda.set_device(device_pool_device(self.device_pool))  # a thread starts on GPU 0
-        return torch.cuda.Stream(device_pool_device(self.device_pool))
+        torch.cuda.set_device(self.device)  # a thread starts on GPU 0
+        return torch.cuda.Stream(self.device)
 
     def _execute(self, op: TransferOp, stream) -> None:
         try:
@@ -246,10 +241,11 @@ class TransferController:
             if not np.array_equal(mine, self.shard.owned(host_pages)):
                 raise RuntimeError(f"{op.kind} {op.op_id}: a device page and its host page have different owners")
             dev_pages, host_pages = self.shard.local(dev_pages[mine]), self.shard.local(host_pages[mine])
-        # each component's plans by group (none: the op has no pages of it)
-        plans = {name: part.plans(backup) for name, part in op.parts.items()}
+        # each component's (device, host) pages by group and their copies, source first (none: the op has none of it)
+        rows = {name: part.rows for name, part in op.parts.items()}
         if len(op.device_pages):
-            plans[FULL] = [PagePlan(dev_pages, host_pages) if backup else PagePlan(host_pages, dev_pages)]
+            rows[FULL] = [(dev_pages, host_pages)]
+        plans = {name: [PagePlan(d, h) if backup else PagePlan(h, d) for d, h in pairs] for name, pairs in rows.items()}
         for layer, (pair, _, _, part, group) in enumerate(self._layers):
             if self.delay_fn is not None:
                 time.sleep(self.delay_fn(op, layer))
@@ -259,18 +255,15 @@ class TransferController:
                 continue
             # On CUDA the device side of the copy is staged in a buffer this worker reuses (stream
             # order keeps a layer's gather behind the previous layer's copies); CPU copies need none.
-            staging = self._staging(op.kind, pair) if self.cuda else None
+            staging = self._staging(op.kind, pair, layer) if self.cuda else None
             for dev, host in self._views[layer]:
                 src, dst = (dev, host) if backup else (host, dev)
                 copy_pages(src, dst, plan, staging, self.cuda and self.pairs[pair][1].pinned)
             if stream is not None:
-                event = torch.cuda.Event()
-                event.record(stream)
-                op.layer_events[layer] = event
+                op.layer_events[layer] = stream.record_event()
             op.layer_done[layer].set()
         if stream is not None:  # the seed's finish_event.synchronize(): the bookkeeping follows ``done``
-            op.finish_event = torch.cuda.Event()
-            op.finish_event.record(stream)
+            op.finish_event = stream.record_event()
             op.finish_event.synchronize()
 
     def _page_views(self, pair: int, layer: int, host_layer: int, kv: int) -> tuple[PageBuf, PageBuf]:
@@ -284,18 +277,15 @@ class TransferController:
         dev = dev.view(dev.shape[0], *host.shape[1:])  # head groups split out as the host has them
         return (dev, host) if self.cuda else cpu_page_arrays(dev, host)
 
-    def _staging(self, kind: str, pair: int) -> torch.Tensor:
+    def _staging(self, kind: str, pair: int, layer: int) -> torch.Tensor:
         """A ``[STAGING_PAGES, *row]`` device buffer of pool pair ``pair``'s page rows (as its page
-        views shape them), owned by ``kind``'s worker, made at its first op (its bytes are in the
-        budget: :func:`staging_budget`; :attr:`staging_bytes` counts what was made)."""
-        buf = self._staging_bufs.get((kind, pair))
-        if buf is None:
-            like = self.pairs[pair][0].k_buffers[0]
-            first_layer = next(i for i, layer in enumerate(self._layers) if layer[0] == pair)
-            row = self._views[first_layer][0][0].shape[1:]
-            buf = torch.empty((STAGING_PAGES, *row), dtype=like.dtype, device=like.device)
-            self._staging_bufs[(kind, pair)] = buf
-        return buf
+        views shape them, ``layer`` one of its layers), owned by ``kind``'s worker, made at its first op
+        (its bytes are in the budget: :func:`staging_budget`; :attr:`staging_bytes` counts what was made)."""
+        if (kind, pair) not in self._staging_bufs:
+            dev = self._views[layer][0][0]
+            self._staging_bufs[(kind, pair)] = torch.empty((STAGING_PAGES, *dev.shape[1:]), dtype=dev.dtype,
+                                                           device=dev.device)
+        return self._staging_bufs[(kind, pair)]
 
     @property
     def staging_bytes(self) -> int:
@@ -344,7 +334,3 @@ def leading_done(ops: Iterable[Any]) -> int:
     """How many ops at the head of an ordered queue have finished (``op.done`` set): the
     ready count of an ack queue, the input to agreement."""
     return sum(1 for _ in itertools.takewhile(lambda op: op.done.is_set(), ops))
-
-
-def device_pool_device(pool: DeviceKVPool) -> torch.device:
-    return pool.k_buffers[0].device

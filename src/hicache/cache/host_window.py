@@ -19,6 +19,7 @@ import numpy as np
 
 from .host_pool import HostKVPool
 from .host_transfer import TransferOp
+from .page_tree import EMPTY_PAGES
 from .placement import ShardedPageAllocator, alloc_evicting
 from .pools import PageAllocator, SharedWindowAllocator
 from .radix import RadixCache
@@ -26,8 +27,6 @@ from .storage.storage_ops import PrefetchOp
 from .tiers import CacheStats
 from .tree_node import TreeNode
 from .window_tree import TreeWindows
-
-EMPTY = np.zeros(0, dtype=np.int64)
 
 
 class HostPages(Protocol):
@@ -38,7 +37,7 @@ class HostPages(Protocol):
     tree: RadixCache
     stats: CacheStats
 
-    def drop(self, node: TreeNode) -> int: ...  # delete a host-only leaf; the host pages it held
+    def drop(self, node: TreeNode) -> int: ...  # delete a host-only leaf (counted as evicted); the host pages it held
 
     def evictable(self, node: TreeNode) -> bool: ...  # a host-only leaf host eviction may take
 
@@ -63,7 +62,6 @@ class HostWindows:
         self._spans: dict[TreeNode, tuple[int, int]] = {}
         # backed-up nodes whose checkpoint supersedes their ancestors' host windows (drop_superseded)
         self._superseding: list[TreeNode] = []
-        self._stopped: dict[int, np.ndarray] = {}  # stopped prefetches' window pages their reader may write, by op id
 
     # ---- backups -------------------------------------------------------------------------
     def backup(self, node: TreeNode, lock: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -72,10 +70,10 @@ class HostWindows:
         leaves) the host copy keeps tombstones there. ``lock``: window-lock the node until
         :meth:`backed_up` (an asynchronous copy)."""
         idx = self.cached.checkpoint_pages(node)
-        host, _ = alloc_evicting(self.allocator, len(idx), 0, self.evict_for_room) if len(idx) else (EMPTY, 0)
+        host, _ = alloc_evicting(self.allocator, len(idx), 0, self.evict_for_room) if len(idx) else (EMPTY_PAGES, 0)
         if host is None:
             self.tier.stats.backup_skipped_window_pages += len(idx)
-            idx, host = EMPTY, EMPTY
+            idx, host = EMPTY_PAGES, EMPTY_PAGES
         self.cached.attach_host(node, idx, host)
         if lock and len(host):  # the whole node: a lock from inside it would split it under this backup
             end = self.cached.checkpoint_span(node)[0]
@@ -111,7 +109,7 @@ class HostWindows:
         device pages to."""
         part = self.cached.of(node)
         if part.device is None:
-            return EMPTY, EMPTY
+            return EMPTY_PAGES, EMPTY_PAGES
         idx = np.flatnonzero(part.device)
         return part.device[idx], part.host[idx]
 
@@ -124,15 +122,14 @@ class HostWindows:
         """Host window pages for the window of a prefetch's end (None: no room)."""
         return alloc_evicting(self.allocator, self.span(end_page), 0, self.evict_for_room)[0]
 
-    def place_prefetch(self, op: PrefetchOp, leaf: TreeNode | None, taken_from: int) -> None:
+    def place_prefetch(self, op: PrefetchOp, leaf: TreeNode | None, taken_from: int) -> np.ndarray:
         """The window pages a finished read brought go to ``leaf``, the new host-only leaf of the
-        pages the tree took (from ``taken_from`` on; None when it took none); the rest are freed,
-        once the reader is surely done with them (:meth:`reaped`)."""
+        pages the tree took (from ``taken_from`` on; None when it took none); the rest are freed.
+        Returns the pages to free once the reader is surely done with them (the prefetch is reaped)."""
         read = op.parts[self.name]
         pages = read.host_pages
         if not (op.final_applied and read.first >= 0):  # the reader may still write them
-            self._stopped[op.op_id] = pages
-            return
+            return pages
         keep = np.zeros(len(pages), dtype=bool)
         if op.completed > taken_from:  # the tree took some: they hang from one new host-only leaf
             assert leaf is not None, f"prefetch op={op.op_id}: the pages the tree took have no leaf"
@@ -140,12 +137,7 @@ class HostWindows:
             keep[: len(rel)] = rel >= taken_from
             self.cached.attach_host(leaf, rel[keep[: len(rel)]] - taken_from, pages[keep])
         self.allocator.free(pages[~keep])
-
-    def reaped(self, op: PrefetchOp) -> None:
-        """A stopped prefetch's reader is done: the window pages it held go back."""
-        pages = self._stopped.pop(op.op_id, None)
-        if pages is not None:
-            self.allocator.free(pages)
+        return EMPTY_PAGES
 
     def stored(self, node: TreeNode) -> tuple[np.ndarray, np.ndarray] | None:
         """(page indices, host window pages) of ``node``'s checkpoint pages a storage backup writes."""
@@ -173,13 +165,8 @@ class HostWindows:
         if self.shared:
             return self.make_room(num_pages * self.allocator.groups) // self.allocator.groups
         tier = self.tier
-
-        def take(node: TreeNode) -> int:
-            freed = self.cached.of(node).host_held
-            tier.stats.evicted_host_pages += tier.drop(node)
-            return freed
         return tier.tree.evict_leaves(num_pages, lambda n: tier.evictable(n) and self.cached.of(n).host_held > 0,
-                                      take)
+                                      self._drop)
 
     def make_room(self, blocks: int) -> int:
         """Shared blocks: free at least ``blocks`` blocks if the tree can: the window pages of superseded
@@ -190,15 +177,15 @@ class HostWindows:
         self.drop_superseded()
         short = blocks - (shared.available - start)
         if short > 0:
-            self.tier.tree.evict_leaves(short, self.tier.evictable, self._drop_blocks)
+            self.tier.tree.evict_leaves(short, self.tier.evictable, self._drop)
         return shared.available - start
 
-    def _drop_blocks(self, node: TreeNode) -> int:
-        """Delete a host-only leaf of a shared pool; the blocks its full and window pages held."""
+    def _drop(self, node: TreeNode) -> int:
+        """Delete a host-only leaf; what that freed: its window pages (shared: the blocks its full and
+        window pages held)."""
         windows = self.cached.of(node).host_held
         pages = self.tier.drop(node)
-        self.tier.stats.evicted_host_pages += pages
-        return pages + windows * self.allocator.groups
+        return pages + windows * self.allocator.groups if self.shared else windows
 
     # ---- accounting ----------------------------------------------------------------------
     def op_bytes(self, op: TransferOp) -> int:

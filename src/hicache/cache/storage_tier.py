@@ -75,7 +75,7 @@ class StorageTier:
         (its keys name its shard, see ``keys``). ``objects``: (reads, writes), the objects a
         host page is read from and written to (the unified grid's cells); default: one object
         per page of this rank's KV, and one per sidecar pool."""
-        self.host, self.tree, self.keys, self.stats = host, host.tree, keys, host.stats
+        self.host, self.tree, self.keys = host, host.tree, keys
         self.shard = shard
         self.page_size = keys.page_size
         if objects is None:  # one object per page; sidecar KV (a speculative draft's): "<key>-sidecar1", ...
@@ -94,8 +94,8 @@ class StorageTier:
         # At most this many host pages may be held by prefetches at once.
         self.prefetch_page_limit = int(policy.prefetch_max_host_fraction * host.allocator.capacity)
         self.prefetch_held_pages = 0
-        # Stopped prefetches whose reader may still write their unused host pages.
-        self._stopped: deque[tuple[PrefetchOp, np.ndarray]] = deque()
+        # Stopped prefetches whose reader may still write their unused host pages (and each part's, by name).
+        self._stopped: deque[tuple[PrefetchOp, np.ndarray, dict[str, np.ndarray]]] = deque()
 
     # ---- prefetch ------------------------------------------------------------------------
     def start_prefetch(self, namespace: str, tokens: np.ndarray) -> PrefetchOp | None:
@@ -109,7 +109,10 @@ class StorageTier:
         # The chain goes on from the last cached page, inside peek.node when the match ends mid-node.
         digest = self.keys.digest(namespace)
         prev = digest if peek.node is None else node_hashes(peek.node, self.keys)[peek.node_pages - 1]
-        host = self.host.alloc(tail, self._anchor(peek.node), start)
+        # Sharded: the first-page owner of the path ending at peek.node (prefetched pages continue its
+        # rotation); for a prompt with nothing cached, the host rank with the most room.
+        anchor = 0 if self.shard is None else path_anchor(self.shard.placement, peek.node)
+        host = self.host.alloc(tail, self.host.allocator.roomiest_owner() if anchor is None else anchor, start)
         if host is None:
             return None
         hashes = page_hashes(tokens[start * self.page_size : (start + tail) * self.page_size], self.page_size, prev)
@@ -119,14 +122,6 @@ class StorageTier:
         self.prefetch_held_pages += tail
         logger.debug("prefetch op=%d pages=%d from page %d", op.op_id, tail, start)
         return op
-
-    def _anchor(self, node: TreeNode | None) -> int:
-        """Sharded: the first-page owner of the path ending at ``node`` (prefetched pages continue
-        its rotation); for a prompt with nothing cached, the host rank with the most room."""
-        if self.shard is None:
-            return 0
-        anchor = path_anchor(self.shard.placement, node)
-        return self.host.allocator.roomiest_owner() if anchor is None else anchor
 
     def finish_prefetch(self, op: PrefetchOp, tokens: np.ndarray) -> int:
         """Stop waiting: insert the pages the consumed acks cover as host-only nodes, release
@@ -138,16 +133,15 @@ class StorageTier:
             taken_from = self.tree.insert_host(op.namespace, tokens[: (op.start_page + done) * ps],
                                                op.host_pages[:done], op.start_page, op.hashes[:done])
         self.host.allocator.free(op.host_pages[:taken_from])
-        if op.parts:
-            leaf = self.tree.node_at(op.namespace, tokens[: (op.start_page + done) * ps]) if taken_from < done else None
-            for name in op.parts:
-                self.host.parts[name].place_prefetch(op, leaf, taken_from)
+        took = op.parts and taken_from < done  # the window parts' pages hang from the new leaf
+        leaf = self.tree.node_at(op.namespace, tokens[: (op.start_page + done) * ps]) if took else None
+        later = {name: self.host.parts[name].place_prefetch(op, leaf, taken_from) for name in op.parts}
         self.prefetch_held_pages -= done
         self.controller.stats.prefetched_pages += done
         self.controller.stats.prefetch_bytes += done * self.host.bytes_per_page
         # Its failure (if any) is counted when it is reaped: best_effort stops waiting before the
         # reader knows whether the store answered.
-        self._stopped.append((op, op.host_pages[done:]))
+        self._stopped.append((op, op.host_pages[done:], later))
         return (done - taken_from) * ps if taken_from < done else 0
 
     def _joins_rotation(self, op: PrefetchOp, tokens: np.ndarray) -> bool:
@@ -164,14 +158,14 @@ class StorageTier:
         failures, waiting for their readers to finish (only a drain asks for readers that are
         not done; their backend calls are bounded by deadlines)."""
         for _ in range(n):
-            op, unused = self._stopped.popleft()
+            op, unused, later = self._stopped.popleft()
             op.done.wait()
             if op.failure:
-                self.controller.stats.fail(op.failure)
+                self.controller.stats.failures[op.failure] += 1
             self.host.allocator.free(unused)
             self.prefetch_held_pages -= len(unused)
-            for part in self.host.parts.values():
-                part.reaped(op)
+            for name, pages in later.items():  # each part's pages the reader might still have written
+                self.host.parts[name].allocator.free(pages)
 
     # ---- backups -------------------------------------------------------------------------
     def on_insert(self, node: TreeNode | None) -> None:
@@ -196,7 +190,7 @@ class StorageTier:
     # ---- queues --------------------------------------------------------------------------
     def ready_acks(self) -> AckCounts:
         return AckCounts(storage_backup=self.controller.backup_ready_count(),
-                         prefetch_reap=leading_done(op for op, _ in self._stopped))
+                         prefetch_reap=leading_done(op for op, *_ in self._stopped))
 
     def pending_acks(self) -> AckCounts:
         return AckCounts(storage_backup=self.controller.pending_backups(), prefetch_reap=len(self._stopped))
@@ -210,7 +204,7 @@ class StorageTier:
                 if op.failure:
                     node.stored = False
             if op.failure:
-                self.controller.stats.fail(op.failure)
+                self.controller.stats.failures[op.failure] += 1
         self._reap(acks.prefetch_reap)
 
     def has_pending(self) -> bool:

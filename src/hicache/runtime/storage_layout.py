@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ..cache.storage.page_objects import DRAFT_PREFIX, NAMESPACE_KEY_HEX, WINDOW_SUFFIX
-from ..cache.storage.unified import DraftPlan, RankShard, StorageGrid, UnifiedPlan, plan_rank
+from ..cache.storage.unified import RankShard, StorageGrid, UnifiedPlan, plan_rank
 from ..config import EngineConfig
 from ..model.parallel import model_shard
 from ..model.spec import ModelSpec
@@ -40,11 +40,11 @@ def unified_plans(cfg: EngineConfig, spec: ModelSpec, draft: ModelSpec | None = 
     if cfg.hicache_storage_key_scheme != "unified" or not cfg.hicache_storage_backend:
         return []
     grid, shards = _grid_and_shards(cfg, spec, cfg.pp_size)
-    drafts: list[DraftPlan | None] = [None] * len(shards)
+    drafts: list[UnifiedPlan | None] = [None] * len(shards)
     if draft is not None:
         draft_grid, draft_shards = _grid_and_shards(cfg, draft, 1)
         for s in draft_shards:
-            drafts[s.rank] = DraftPlan(draft_grid, s, plan_rank(draft_grid, draft_shards, s.rank))
+            drafts[s.rank] = UnifiedPlan(draft_grid, s, plan_rank(draft_grid, draft_shards, s.rank))
     return [UnifiedPlan(grid, s, plan_rank(grid, shards, s.rank), d) for s, d in zip(shards, drafts)]
 
 

@@ -12,20 +12,6 @@ from .keys import KeyNamespace, continue_chain, namespace_digest, object_key, pa
 from .objects import DecodeStatus, decode, decode_checked, encode
 from .registry import create_backend
 
-__all__ = [
-    "BackendStats",
-    "DecodeStatus",
-    "KeyNamespace",
-    "StorageBackend",
-    "StorageError",
-    "continue_chain",
-    "create_backend",
-    "decode",
-    "decode_checked",
-    "encode",
-    "namespace_digest",
-    "object_key",
-    "page_hashes",
-    "page_keys",
-    "tree_namespace",
-]
+__all__ = ["BackendStats", "DecodeStatus", "KeyNamespace", "StorageBackend", "StorageError", "continue_chain",
+           "create_backend", "decode", "decode_checked", "encode", "namespace_digest", "object_key", "page_hashes",
+           "page_keys", "tree_namespace"]

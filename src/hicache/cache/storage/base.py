@@ -18,6 +18,14 @@ class StorageError(RuntimeError):
     """A backend could not complete an operation (unreachable, I/O error, ...)."""
 
 
+def positive(name: str, value: int | None) -> int | None:
+    """Option ``name`` (a cap or a batch size) as an int, None staying None (no cap); ValueError
+    unless it is positive."""
+    if value is not None and int(value) <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return None if value is None else int(value)
+
+
 @dataclass
 class BackendStats:
     """Counters a backend keeps about itself (monotonic unless noted)."""
@@ -30,18 +38,6 @@ class BackendStats:
     errors: int = 0
     evictions: int = 0  # objects the backend dropped to respect its own size cap
     extra: dict = field(default_factory=dict)
-
-    def count_gets(self, asked: int, values: list) -> None:
-        """One batch read of ``asked`` keys gave ``values`` (None where missing)."""
-        hits = [v for v in values if v is not None]
-        self.gets += asked
-        self.get_hits += len(hits)
-        self.bytes_read += sum(len(v) for v in hits)
-
-    def count_sets(self, values: list[bytes]) -> None:
-        """``values`` were stored."""
-        self.sets += len(values)
-        self.bytes_written += sum(memoryview(v).nbytes for v in values)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,8 +57,7 @@ class RemoteStoreOptions:
     check_at_open: bool = True
 
     def __post_init__(self) -> None:
-        if int(self.batch_size) <= 0:
-            raise ValueError(f"batch_size must be positive, got {self.batch_size}")
+        positive("batch_size", self.batch_size)
 
 
 class StorageBackend(abc.ABC):
@@ -105,17 +100,33 @@ class StorageBackend(abc.ABC):
 
 class CountingBackend(StorageBackend):
     """A backend that keeps its own counters (``_c``, under ``_lock``, which the reader and writer
-    threads share), shown by ``stats()`` with :meth:`_extra`'s figures."""
+    threads share; reentrant, so a backend may count while it holds it), shown by ``stats()`` with
+    :meth:`_extra`'s figures."""
 
     def __init__(self) -> None:
         self._c = BackendStats()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
 
     def _fail(self, msg: str) -> StorageError:
         """The error to raise, counted."""
         with self._lock:
             self._c.errors += 1
         return StorageError(msg)
+
+    def _count_gets(self, asked: int, values: list) -> list:
+        """Count one batch read of ``asked`` keys that gave ``values`` (None where missing); returns ``values``."""
+        hits = [v for v in values if v is not None]
+        with self._lock:
+            self._c.gets += asked
+            self._c.get_hits += len(hits)
+            self._c.bytes_read += sum(len(v) for v in hits)
+        return values
+
+    def _count_sets(self, values: list[bytes]) -> None:
+        """``values`` were stored."""
+        with self._lock:
+            self._c.sets += len(values)
+            self._c.bytes_written += sum(memoryview(v).nbytes for v in values)
 
     def _extra(self) -> dict:
         return {}

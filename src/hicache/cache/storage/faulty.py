@@ -113,8 +113,8 @@ class FaultyBackend(StorageBackend):
         if allowed < len(keys) and self.faults.raise_mid_batch:
             raise StorageError(f"faulty storage: batch_get failed after {allowed} objects")
         out = self.inner.batch_get(keys[:allowed]) + [None] * (len(keys) - allowed)
-        if self.faults.corrupt_get:
-            out = [None if v is None else _flip_last(v) for v in out]
+        if self.faults.corrupt_get:  # each payload's last byte flipped: caught by the checksum
+            out = [v[:-1] + bytes([v[-1] ^ 0xFF]) if v else v for v in out]
         return out
 
     def batch_set(self, keys: list[str], values: list[bytes]) -> int:
@@ -141,10 +141,3 @@ class FaultyBackend(StorageBackend):
 
     def close(self) -> None:
         self.inner.close()
-
-
-def _flip_last(blob: bytes) -> bytes:
-    b = bytearray(blob)
-    if b:
-        b[-1] ^= 0xFF  # the payload's last byte: caught by the checksum
-    return bytes(b)

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from .base import CountingBackend, StorageError
+from .base import CountingBackend, StorageError, positive
 from .file_index import LruIndex
 
 log = logging.getLogger(__name__)
@@ -46,17 +46,19 @@ def default_dir() -> Path:
     return Path(os.environ.get(ENV_DIR) or DEFAULT_DIR).expanduser()
 
 
-def _pid_alive(pid: int) -> bool:
-    """Whether a process with this id exists (on this host's pid namespace)."""
-    if pid <= 0:
-        return False
+def _is_stray(name: str) -> bool:
+    """Whether the writer of temp file ``name`` (``.tmp-<pid>-<rand>-<key>``) is gone: no process with
+    its id exists (on this host's pid namespace)."""
     try:
+        pid = int(name[len(TMP_PREFIX) :].split("-", 1)[0])
+        if pid <= 0:
+            return True
         os.kill(pid, 0)
     except PermissionError:  # exists, owned by someone else
-        return True
-    except (ProcessLookupError, OverflowError, ValueError):  # gone, or not a pid at all
         return False
-    return True
+    except (ProcessLookupError, OverflowError, ValueError):  # gone, or not a pid at all
+        return True
+    return False
 
 
 class FileBackend(CountingBackend):
@@ -81,9 +83,7 @@ class FileBackend(CountingBackend):
     def __init__(self, path: str | os.PathLike | None = None, max_bytes: int | None = None, fsync: bool = False,
                  touch_on_read: bool = True, touch_interval_s: float = 60.0) -> None:
         self.root = Path(path).expanduser() if path else default_dir()
-        if max_bytes is not None and int(max_bytes) <= 0:
-            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
-        self.max_bytes = int(max_bytes) if max_bytes is not None else None
+        self.max_bytes = positive("max_bytes", max_bytes)
         self.fsync = bool(fsync)
         self.touch_on_read = bool(touch_on_read)
         self.touch_interval_s = float(touch_interval_s)
@@ -94,11 +94,11 @@ class FileBackend(CountingBackend):
         except OSError as e:
             raise StorageError(f"cannot create storage directory {self.root}: {e}") from e
         stray = self._scan()
-        evicted = self._evict_to_fit(0) if self.max_bytes is not None else (0, 0)
+        evicted = self._evict_to_fit(0)
         log.info("file storage opened at %s: %d objects, %d bytes, cap %s, removed %d stray temp files%s",
                  self.root, len(self._index.sizes), self._index.total,
                  "none" if self.max_bytes is None else f"{self.max_bytes} bytes", stray,
-                 f", evicted {evicted[0]} objects to fit the cap" if evicted[0] else "")
+                 f", evicted {len(evicted)} objects to fit the cap" if evicted else "")
 
     # -- paths ----------------------------------------------------------------------------
     def path_of(self, key: str) -> Path:
@@ -115,12 +115,12 @@ class FileBackend(CountingBackend):
         for sub, ent in self._entries():
             name = ent.name
             if name.startswith(TMP_PREFIX):
-                if self._is_stray(name):
+                if _is_stray(name):
                     with contextlib.suppress(OSError):
                         os.unlink(ent.path)
                         stray += 1
                 continue
-            if name.startswith(".") or not _KEY_RE.match(name) or name[:2] != sub:
+            if not _KEY_RE.match(name) or name[:2] != sub:  # (never a name starting with ".")
                 continue
             try:
                 st = ent.stat(follow_symlinks=False)
@@ -136,25 +136,15 @@ class FileBackend(CountingBackend):
             if sub.is_dir(follow_symlinks=False) and not sub.name.startswith("."):
                 yield from ((sub.name, ent) for ent in os.scandir(sub.path))
 
-    @staticmethod
-    def _is_stray(name: str) -> bool:
-        # ".tmp-<pid>-<rand>-<key>": a temp file is stray once its writer process is gone.
-        try:
-            pid = int(name[len(TMP_PREFIX) :].split("-", 1)[0])
-        except ValueError:
-            return True
-        return not _pid_alive(pid)
-
     # -- eviction -------------------------------------------------------------------------
-    def _evict_to_fit(self, incoming: int, keep: str | None = None) -> tuple[int, int]:
-        """Delete LRU objects until ``total + incoming <= max_bytes``. Caller holds the lock
-        (or is the constructor). Returns (objects, bytes) evicted."""
-        assert self.max_bytes is not None
+    def _evict_to_fit(self, incoming: int, keep: str | None = None) -> list[tuple[str, int]]:
+        """Delete LRU objects until ``total + incoming <= max_bytes`` (if capped). Caller holds the lock
+        (or is the constructor). Returns the (key, size) pairs evicted."""
         dropped = self._index.evict_to_fit(incoming, self.max_bytes, keep)
         for key, _ in dropped:
             _unlink_quiet(self.root / key[:2] / key, "evict")
         self._c.evictions += len(dropped)
-        return len(dropped), sum(size for _, size in dropped)
+        return dropped
 
     # -- StorageBackend -------------------------------------------------------------------
     def exists_prefix(self, keys: list[str]) -> int:
@@ -173,8 +163,7 @@ class FileBackend(CountingBackend):
 
     def batch_get(self, keys: list[str]) -> list[bytes | None]:
         out: list[bytes | None] = []
-        errors = 0
-        first_error = ""
+        failed: list[str] = []  # unreadable, not missing: counted and logged (once per batch)
         touch_before = time.time() - self.touch_interval_s
         for key in keys:
             path, data = self.path_of(key), None
@@ -184,24 +173,21 @@ class FileBackend(CountingBackend):
                     self._index.touch(key, len(data))
             except FileNotFoundError:
                 pass
-            except OSError as e:  # unreadable, not missing: counted and logged (once per batch)
-                errors += 1
-                first_error = first_error or f"{path}: {e}"
+            except OSError as e:
+                failed.append(f"{path}: {e}")
             out.append(data)
         with self._lock:
-            self._c.count_gets(len(keys), out)
-            self._c.errors += errors
-        if errors:
-            log.warning("file storage: %d of %d reads failed, first %s", errors, len(keys), first_error)
-        if errors and errors == len(keys):
+            self._count_gets(len(keys), out)
+            self._c.errors += len(failed)
+        if failed:
+            log.warning("file storage: %d of %d reads failed, first %s", len(failed), len(keys), failed[0])
+        if failed and len(failed) == len(keys):
             raise StorageError(f"file storage at {self.root}: every read in the batch failed")
         return out
 
     def batch_set(self, keys: list[str], values: list[bytes]) -> int:
-        if len(keys) != len(values):
-            raise ValueError("keys and values differ in length")
         stored = 0
-        evicted = [0, 0]
+        evicted: list[tuple[str, int]] = []
         for key, value in zip(keys, values):
             size = memoryview(value).nbytes
             if self.max_bytes is not None and size > self.max_bytes:
@@ -217,11 +203,7 @@ class FileBackend(CountingBackend):
                 log.warning("file storage: write of %s failed: %s", path, e)
                 break
             with self._lock:
-                if self.max_bytes is not None:
-                    old = self._index.sizes.get(key, 0)
-                    n, b = self._evict_to_fit(size - old, keep=key)
-                    evicted[0] += n
-                    evicted[1] += b
+                evicted += self._evict_to_fit(size - self._index.sizes.get(key, 0), keep=key)
                 try:
                     os.replace(tmp, path)
                 except OSError as e:
@@ -230,11 +212,11 @@ class FileBackend(CountingBackend):
                     log.warning("file storage: publishing %s failed: %s", path, e)
                     break
                 self._index.put(key, size)
-                self._c.count_sets([value])
+                self._count_sets([value])
             stored += 1
-        if evicted[0]:
+        if evicted:
             log.info("file storage: evicted %d objects (%d bytes) to stay under max_bytes %d",
-                     evicted[0], evicted[1], self.max_bytes)
+                     len(evicted), sum(size for _, size in evicted), self.max_bytes)
         return stored
 
     def _write_tmp(self, path: Path, value: bytes) -> Path:
@@ -268,11 +250,8 @@ class FileBackend(CountingBackend):
         """Remove every object (and stray temp file) this directory holds."""
         with self._lock:
             n = len(self._index.sizes)
-            for _, ent in self._entries():
-                name = ent.name
-                if name.startswith(TMP_PREFIX) and not self._is_stray(name):
-                    continue  # a live writer's temp file; it publishes or cleans itself
-                if name.startswith(TMP_PREFIX) or _KEY_RE.match(name):
+            for _, ent in self._entries():  # (a live writer's temp file publishes or cleans itself)
+                if _KEY_RE.match(ent.name) or (ent.name.startswith(TMP_PREFIX) and _is_stray(ent.name)):
                     _unlink_quiet(Path(ent.path))
             self._index = LruIndex()
         log.info("file storage at %s cleared (%d indexed objects)", self.root, n)

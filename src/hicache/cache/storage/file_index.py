@@ -1,8 +1,8 @@
-"""The ``file`` backend's bookkeeping: which objects it holds, their sizes, their recency.
+"""The ``file`` and ``memory`` backends' bookkeeping: which objects they hold, their sizes, their recency.
 
 Units: object bytes (header + payload), not filesystem blocks. Invariants: ``total`` is the
 sum of ``sizes``; ``sizes`` runs least recently used first. No file I/O happens here: the
-backend (:mod:`.file`) deletes the objects :meth:`LruIndex.evict_to_fit` hands back.
+backend (:mod:`.file`, :mod:`.memory`) deletes the objects :meth:`LruIndex.evict_to_fit` hands back.
 """
 
 from __future__ import annotations
@@ -43,13 +43,16 @@ class LruIndex:
         for _, key, size in sorted(found):
             self.put(key, size)
 
-    def evict_to_fit(self, incoming: int, max_bytes: int, keep: str | None = None) -> list[tuple[str, int]]:
-        """Drop least recently used keys until ``total + incoming <= max_bytes``; returns the
-        dropped ``(key, size)`` pairs, for the caller to delete. ``keep`` (the object being
-        replaced, accounted for in ``incoming`` by the caller) is never dropped."""
+    def evict_to_fit(self, incoming: int, max_bytes: int | None, keep: str | None = None,
+                     max_objects: int | None = None) -> list[tuple[str, int]]:
+        """Drop least recently used keys until ``total + incoming <= max_bytes`` and at most
+        ``max_objects`` remain (None: no such cap); returns the dropped ``(key, size)`` pairs, for
+        the caller to delete. ``keep`` (the object being replaced, accounted for in ``incoming`` by
+        the caller) is never dropped."""
         dropped: list[tuple[str, int]] = []
         sizes = self.sizes
-        while sizes and self.total + incoming > max_bytes:
+        while sizes and ((max_bytes is not None and self.total + incoming > max_bytes)
+                         or (max_objects is not None and len(sizes) > max_objects)):
             key = next(iter(sizes))
             if key == keep:
                 sizes.move_to_end(key)

@@ -23,7 +23,6 @@ deployment (or a test) may tune them on a live guard.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import queue
 import threading
@@ -49,11 +48,7 @@ class BreakerOpen(StorageError):
 
 def failure_reason(e: BaseException) -> str:
     """The failure reason the controller reports for an exception of a storage call."""
-    if isinstance(e, BreakerOpen):
-        return "breaker_open"
-    if isinstance(e, StorageTimeout):
-        return "timeout"
-    return "backend_error"
+    return {BreakerOpen: "breaker_open", StorageTimeout: "timeout"}.get(type(e), "backend_error")
 
 
 @dataclass
@@ -101,12 +96,7 @@ class GuardedBackend(StorageBackend):
         self._threads: list[threading.Thread] = []
         self._idle = 0  # workers waiting for a task
         self._queued = 0  # tasks not yet taken by a worker
-        self._ids = itertools.count()
         self._closed = False
-
-    @property
-    def name(self) -> str:  # type: ignore[override]
-        return self.inner.name
 
     # ---- StorageBackend ------------------------------------------------------------------
     def exists_prefix(self, keys: list[str]) -> int:
@@ -116,6 +106,8 @@ class GuardedBackend(StorageBackend):
         return self._guarded("batch_get", lambda b: b.batch_get(keys), len(keys))
 
     def batch_set(self, keys: list[str], values: list[bytes]) -> int:
+        if len(keys) != len(values):  # the one check of the engine's writes: backends zip them
+            raise ValueError("keys and values differ in length")
         return self._guarded("batch_set", lambda b: b.batch_set(keys, values), len(keys))
 
     def delete(self, keys: list[str]) -> None:
@@ -239,17 +231,14 @@ class GuardedBackend(StorageBackend):
             # A worker for every queued call while under the cap: a hung call must not make the
             # next one (a read behind a stuck write) wait for the same thread.
             if self._queued > self._idle and len(self._threads) < self.max_workers:
-                t = threading.Thread(target=self._work, name=f"hicache-storage-call-{next(self._ids)}", daemon=True)
+                t = threading.Thread(target=self._work, name=f"hicache-storage-call-{len(self._threads)}", daemon=True)
                 self._threads.append(t)
                 self._idle += 1
                 t.start()
         self._tasks.put(call)
 
     def _work(self) -> None:
-        while True:
-            call = self._tasks.get()
-            if call is None:
-                return
+        while (call := self._tasks.get()) is not None:
             with self._lock:
                 self._queued -= 1
                 self._idle -= 1

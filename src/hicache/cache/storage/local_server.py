@@ -6,12 +6,16 @@ SIGKILL) on exit."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import os
+import shutil
 import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable, Iterable, TypeVar
 
 from ...ports import free_port
 from ...processes import stop_process
@@ -19,8 +23,24 @@ from ...processes import stop_process
 LOG_NAME = "out.log"
 
 
+def package_dir(name: str) -> Path | None:
+    """The folder of the installed package ``name``, found without importing it (None: not installed)."""
+    spec = importlib.util.find_spec(name)
+    return Path(next(iter(spec.submodule_search_locations))) if spec and spec.submodule_search_locations else None
+
+
+def find_binary(env: str, candidates: Iterable[Path], *names: str) -> str | None:
+    """A server binary: ``$env`` when set (None unless it is executable), else the first executable
+    file of ``candidates``, else the first of ``names`` on ``PATH``."""
+    path = os.environ.get(env)
+    if path:
+        return path if os.access(path, os.X_OK) else None
+    found = next((p for p in candidates if p.is_file() and os.access(p, os.X_OK)), None)
+    return str(found) if found is not None else next(filter(None, map(shutil.which, names)), None)
+
+
 @dataclass
-class LocalServer:
+class LocalServer(contextlib.AbstractContextManager):
     """A started process with its log; ``stop()`` (or leaving the ``with`` block) ends it."""
 
     proc: subprocess.Popen
@@ -35,9 +55,6 @@ class LocalServer:
     def stop(self) -> None:
         stop_process(self.proc)
         self.workdir.cleanup()
-
-    def __enter__(self):
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -7,10 +7,10 @@ refresh recency; a write over the cap drops the least recently used objects firs
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Optional
 
-from .base import CountingBackend
+from .base import CountingBackend, positive
+from .file_index import LruIndex
 
 
 class MemoryBackend(CountingBackend):
@@ -18,32 +18,23 @@ class MemoryBackend(CountingBackend):
 
     def __init__(self, max_bytes: Optional[int] = None, max_objects: Optional[int] = None) -> None:
         """``max_bytes``, ``max_objects``: caps on the objects' bytes and count (None: unlimited)."""
-        for name, cap in (("max_bytes", max_bytes), ("max_objects", max_objects)):
-            if cap is not None and int(cap) <= 0:
-                raise ValueError(f"{name} must be positive, got {cap}")
-        self.max_bytes = None if max_bytes is None else int(max_bytes)
-        self.max_objects = None if max_objects is None else int(max_objects)
-        self._objects: OrderedDict[str, bytes] = OrderedDict()
-        self._bytes = 0
+        self.max_bytes = positive("max_bytes", max_bytes)
+        self.max_objects = positive("max_objects", max_objects)
+        self._objects: dict[str, bytes] = {}
+        self._index = LruIndex()  # their sizes and recency (the file backend's bookkeeping)
         super().__init__()  # its lock guards the objects too: the prefetch and backup threads call concurrently
 
     def exists_prefix(self, keys: list[str]) -> int:
         with self._lock:
-            for i, key in enumerate(keys):
-                if key not in self._objects:
-                    return i
-            return len(keys)
+            return next((i for i, key in enumerate(keys) if key not in self._objects), len(keys))
 
     def batch_get(self, keys: list[str]) -> list[bytes | None]:
         with self._lock:
-            values = []
-            for key in keys:
-                value = self._objects.get(key)
+            values = [self._objects.get(key) for key in keys]
+            for key, value in zip(keys, values):
                 if value is not None:
-                    self._objects.move_to_end(key)
-                values.append(value)
-            self._c.count_gets(len(keys), values)
-            return values
+                    self._index.touch(key, len(value))
+            return self._count_gets(len(keys), values)
 
     def batch_set(self, keys: list[str], values: list[bytes]) -> int:
         """An object bigger than the whole byte cap is refused (and the ones after it), never
@@ -53,33 +44,27 @@ class MemoryBackend(CountingBackend):
             for key, value in zip(keys, values):
                 if self.max_bytes is not None and len(value) > self.max_bytes:
                     break
-                old = self._objects.pop(key, None)
-                self._bytes += len(value) - (len(old) if old is not None else 0)
                 self._objects[key] = bytes(value)
-                self._c.count_sets([value])
+                self._index.put(key, len(value))
+                self._count_sets([value])
                 stored += 1
-                self._evict()
+                # least recently used objects dropped while over a cap
+                dropped = self._index.evict_to_fit(0, self.max_bytes, max_objects=self.max_objects)
+                for old, _ in dropped:
+                    del self._objects[old]
+                self._c.evictions += len(dropped)
             return stored
-
-    def _evict(self) -> None:
-        """Drop least recently used objects while over a cap."""
-        while self._objects and ((self.max_bytes is not None and self._bytes > self.max_bytes)
-                                 or (self.max_objects is not None and len(self._objects) > self.max_objects)):
-            _, dropped = self._objects.popitem(last=False)
-            self._bytes -= len(dropped)
-            self._c.evictions += 1
 
     def delete(self, keys: list[str]) -> None:
         with self._lock:
             for key in keys:
-                old = self._objects.pop(key, None)
-                if old is not None:
-                    self._bytes -= len(old)
+                self._objects.pop(key, None)
+                self._index.pop(key)
 
     def clear(self) -> None:
         with self._lock:
             self._objects.clear()
-            self._bytes = 0
+            self._index = LruIndex()
 
     def _extra(self) -> dict:
-        return {"objects": len(self._objects), "stored_bytes": self._bytes}
+        return {"objects": len(self._objects), "stored_bytes": self._index.total}

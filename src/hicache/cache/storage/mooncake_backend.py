@@ -61,18 +61,6 @@ MIN_BUFFER = 1 << 20
 SLOT_ALIGN = 4096
 
 
-def _import_store():
-    try:
-        from mooncake.store import MooncakeDistributedStore
-    except ImportError as e:
-        raise StorageError(
-            "the mooncake backend needs Mooncake Store: pip install "
-            "mooncake-transfer-engine-non-cuda (or mooncake-transfer-engine with CUDA), and "
-            f"libibverbs1 / librdmacm1 from the OS packages ({e})"
-        ) from e
-    return MooncakeDistributedStore
-
-
 def code_name(code: int) -> str:
     """A Mooncake error code as ``NAME (code)``."""
     return f"{_NAMES.get(code, 'error')} ({code})"
@@ -151,18 +139,20 @@ class MooncakeBackend(RemoteStore):
 
     def __init__(self, options: MooncakeOptions = MooncakeOptions()) -> None:
         super().__init__(options)
-        o = options
+        o = self.options = options
         if int(o.global_segment_size) < 0 or int(o.local_buffer_size) < 0:
             raise ValueError("buffer sizes must not be negative")
         self.master = o.master_server_address
         self._master_hp = split_host_port(o.master_server_address)
         if self._master_hp is None:
             raise ValueError(f"expected HOST:PORT, got {o.master_server_address!r}")
-        self.metadata_server = o.metadata_server
-        self._setup_args = (o.local_hostname, o.metadata_server, int(o.global_segment_size),
-                            int(o.local_buffer_size), o.protocol, o.device_name, o.master_server_address)
-        self.connect_timeout_s = float(o.connect_timeout_s)
-        self._client = _import_store()()
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as e:
+            raise StorageError("the mooncake backend needs Mooncake Store: pip install "
+                               "mooncake-transfer-engine-non-cuda (or mooncake-transfer-engine with CUDA), and "
+                               f"libibverbs1 / librdmacm1 from the OS packages ({e})") from e
+        self._client = MooncakeDistributedStore()
         self._ready = False
         self._open_lock = threading.Lock()
         self._bufs = {"get": _Buffer(self._client, self._fail), "put": _Buffer(self._client, self._fail)}
@@ -181,15 +171,17 @@ class MooncakeBackend(RemoteStore):
         with self._open_lock:
             if self._ready:
                 return
+            o = self.options
             targets = [("master", self.master, self._master_hp)]
-            url = urlsplit(self.metadata_server)
+            url = urlsplit(o.metadata_server)
             if url.scheme in ("http", "https") and url.hostname:
                 port = url.port or (443 if url.scheme == "https" else 80)
-                targets.append(("metadata server", self.metadata_server, (url.hostname, port)))
+                targets.append(("metadata server", o.metadata_server, (url.hostname, port)))
             for what, where, (host, port) in targets:
-                if not reachable(host, port, self.connect_timeout_s):
+                if not reachable(host, port, float(o.connect_timeout_s)):
                     raise self._fail(f"mooncake {what} at {where} is unreachable")
-            rc = self._client.setup(*self._setup_args)
+            rc = self._client.setup(o.local_hostname, o.metadata_server, int(o.global_segment_size),
+                                    int(o.local_buffer_size), o.protocol, o.device_name, self.master)
             if rc != OK:
                 raise self._fail(f"mooncake setup against master {self.master} failed: {code_name(rc)}")
             self._ready = True
@@ -230,12 +222,7 @@ class MooncakeBackend(RemoteStore):
 
     def batch_get(self, keys: list[str]) -> list[bytes | None]:
         self._connect()
-        out: list[bytes | None] = []
-        for _, chunk in self._chunks(keys):
-            out.extend(self._get_chunk(chunk))
-        with self._lock:
-            self._c.count_gets(len(keys), out)
-        return out
+        return self._count_gets(len(keys), [v for _, chunk in self._chunks(keys) for v in self._get_chunk(chunk)])
 
     def _get_chunk(self, mkeys: list[str]) -> list[bytes | None]:
         """One chunk's objects. Slots are the largest size seen; objects that do not fit are
@@ -280,15 +267,12 @@ class MooncakeBackend(RemoteStore):
         return too_small
 
     def batch_set(self, keys: list[str], values: list[bytes]) -> int:
-        if len(keys) != len(values):
-            raise ValueError("keys and values differ in length")
         self._connect()
         stored = 0
         for start, chunk in self._chunks(keys):
             vs = values[start : start + self.batch_size]
             n = self._put_chunk(chunk, vs)
-            with self._lock:
-                self._c.count_sets(vs[:n])
+            self._count_sets(vs[:n])
             stored += n
             if n < len(vs):
                 break
@@ -327,7 +311,7 @@ class MooncakeBackend(RemoteStore):
         log.info("mooncake storage at %s cleared %d objects under %r", self.master, n, self.prefix)
 
     def _extra(self) -> dict:
-        return {"master": self.master, "prefix": self.prefix, "segment_bytes": self._setup_args[2],
+        return {"master": self.master, "prefix": self.prefix, "segment_bytes": int(self.options.global_segment_size),
                 "buffer_bytes": sum(b.arr.nbytes for b in self._bufs.values() if b.arr is not None)}
 
     def close(self) -> None:

@@ -25,36 +25,22 @@ option to bind them.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import shutil
 import sys
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Callable
 
-from .local_server import LocalServer, start_local
+from .local_server import LocalServer, find_binary, package_dir, start_local
 from .mooncake_backend import reachable
-
-ENV_MASTER = "HICACHE_MOONCAKE_MASTER"
-ENV_CLIENT = "HICACHE_MOONCAKE_CLIENT"
-_ENV = {"mooncake_master": ENV_MASTER, "mooncake_client": ENV_CLIENT}
 
 
 def find_mooncake_binary(name: str = "mooncake_master") -> str | None:
-    """Path of a runnable ``name`` binary, or None (see the module docstring for the order)."""
-    env = os.environ.get(_ENV.get(name, ""))
-    if env:
-        return env if os.access(env, os.X_OK) else None
-    candidates = [Path(sys.executable).parent / name]
-    spec = importlib.util.find_spec("mooncake")  # finds the package without importing it
-    if spec is not None and spec.submodule_search_locations:
-        candidates.append(Path(next(iter(spec.submodule_search_locations))) / name)
-    for path in candidates:
-        if path.is_file() and os.access(path, os.X_OK):
-            return str(path)
-    return shutil.which(name)
+    """Path of a runnable ``name`` binary, or None (see the module docstring for the order; the
+    variable is ``$HICACHE_<NAME>``)."""
+    pkg = package_dir("mooncake")
+    candidates = [Path(sys.executable).parent / name, *([pkg / name] if pkg else [])]
+    return find_binary(f"HICACHE_{name.upper()}", candidates, name)
 
 
 @dataclass
@@ -72,10 +58,8 @@ class MooncakeMaster(LocalServer):
     def backend_config(self, **overrides) -> dict:
         """The ``MooncakeBackend`` options (extra-config JSON) of a client of this store that
         contributes no memory of its own."""
-        cfg = {"master_server_address": self.address, "metadata_server": self.metadata_server,
-               "local_hostname": self.host, "protocol": "tcp", "global_segment_size": 0}
-        cfg.update(overrides)
-        return cfg
+        return {"master_server_address": self.address, "metadata_server": self.metadata_server,
+                "local_hostname": self.host, "protocol": "tcp", "global_segment_size": 0, **overrides}
 
 
 @dataclass
@@ -93,7 +77,7 @@ def _start(name: str, args: list[str], where: str, make: Callable[..., LocalServ
     binary = binary or find_mooncake_binary(name)
     if binary is None:
         raise FileNotFoundError(f"no {name} found: pip install mooncake-transfer-engine-non-cuda, put {name} on "
-                                f"PATH, or set {_ENV[name]}")
+                                f"PATH, or set HICACHE_{name.upper()}")
     flag = "-rpc_port" if name == "mooncake_master" else "-port"
     return start_local(f"{name} did not start {where}",
                        lambda port, _: [binary, f"{flag}={port}", *args, "-logtostderr"], make,

@@ -15,11 +15,12 @@ and its key is a function of the page hash (and, for grid cells, the namespace d
 from __future__ import annotations
 
 import warnings
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import torch
 
 from ..host_pool import HostKVPool
+from .base import StorageBackend
 from .keys import object_key
 from .objects import decode_checked, encode
 from .unified import Cell, StorageGrid
@@ -27,16 +28,6 @@ from .unified import Cell, StorageGrid
 NAMESPACE_KEY_HEX = 16  # hex chars of the namespace digest in a unified key
 DRAFT_PREFIX = "draft_"  # a speculative draft's cells: {page_hash}_{digest}_draft_L{a}-{b}[_H{g}]
 WINDOW_SUFFIX = "_swa"  # a hybrid page's window layers of a cell: {page_hash}_{digest}_L{a}-{b}[_H{g}]_swa
-
-
-class PageObject(Protocol):
-    def key(self, page_hash: bytes, ns_digest: bytes) -> str: ...
-
-    def page_bytes(self, host_page: int) -> memoryview:
-        """The object's payload (a view: valid while the host page is held for the write)."""
-        ...
-
-    def load(self, host_page: int, payload: memoryview) -> None: ...
 
 
 def encode_pages(objects: Sequence[PageObject], ns_digest: bytes, hashes: list[bytes], pages: Sequence[tuple[int, int]],
@@ -47,16 +38,39 @@ def encode_pages(objects: Sequence[PageObject], ns_digest: bytes, hashes: list[b
     return keys, [encode(ns_digest, hashes[i], obj.page_bytes(int(h))) for i, h in pages for obj in objects]
 
 
-def load_page(objects: Sequence[PageObject], blobs: Sequence[bytes | None], ns_digest: bytes, page_hash: bytes,
-              host_page: int) -> str:
-    """A page's ``objects`` from their ``blobs`` into ``host_page``: "" when every one arrived intact,
-    else why the first did not (``missing``, ``checksum``, ...: a :class:`~.objects.DecodeStatus`)."""
-    for obj, blob in zip(objects, blobs):
-        payload, status = decode_checked(blob, ns_digest, page_hash)
-        if payload is None:
-            return status.value
-        obj.load(host_page, payload)
-    return ""
+def write_pages(backend: StorageBackend, objects: Sequence[PageObject], ns_digest: bytes, hashes: list[bytes],
+                pages: Sequence[tuple[int, int]], batch_pages: int | None = None) -> tuple[int, int]:
+    """Write ``pages`` (as :func:`encode_pages` takes them), ``batch_pages`` pages a call (None: all in
+    one), until a call stores short: (leading pages stored whole, their bytes). No objects (another
+    rank writes them all): no call, every page counts as written."""
+    n, step = len(objects), batch_pages or max(len(pages), 1)
+    if not n:
+        return len(pages), 0
+    written = nbytes = 0
+    for at in range(0, len(pages), step):
+        keys, blobs = encode_pages(objects, ns_digest, hashes, pages[at : at + step])
+        stored = backend.batch_set(keys, blobs) // n
+        written += stored
+        nbytes += sum(len(b) for b in blobs[: stored * n])
+        if stored * n < len(blobs):
+            break
+    return written, nbytes
+
+
+def read_pages(backend: StorageBackend, objects: Sequence[PageObject], ns_digest: bytes, hashes: list[bytes],
+               pages: Sequence[tuple[int, int]]) -> tuple[int, str, int]:
+    """Read ``pages`` ((index into ``hashes``, host page) pairs), each page's ``objects``, into their
+    host pages in one call: (how many leading pages arrived intact, "" when all did, else why the
+    next did not (``missing``, ``checksum``, ...: a :class:`~.objects.DecodeStatus`), bytes read)."""
+    n = len(objects)
+    blobs = backend.batch_get([obj.key(hashes[i], ns_digest) for i, _ in pages for obj in objects])
+    for j, (i, host_page) in enumerate(pages):
+        for obj, blob in zip(objects, blobs[j * n : (j + 1) * n]):
+            payload, status = decode_checked(blob, ns_digest, hashes[i])
+            if payload is None:
+                return j, status.value, 0
+            obj.load(int(host_page), payload)
+    return len(pages), "", sum(len(b) for b in blobs)
 
 
 def _page(host: HostKVPool, host_page: int) -> torch.Tensor:
@@ -67,19 +81,37 @@ def _page(host: HostKVPool, host_page: int) -> torch.Tensor:
     return host.buffer[host_page] if host.layout == "page_first" else host.buffer[:, :, host_page]
 
 
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    """``t``'s bytes in its logical order: a view of it when contiguous (the object encoder
-    copies them once, into the object), else one gathering copy."""
-    return memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
+class PageObject:
+    """One storage object of every host page: its key, and its payload, views of the page laid side
+    by side (:meth:`_views`), written from them (one gathering copy, none for one contiguous view)
+    and read back into them."""
+
+    host: HostKVPool
+
+    def key(self, page_hash: bytes, ns_digest: bytes) -> str:
+        raise NotImplementedError
+
+    def _views(self, host_page: int) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def page_bytes(self, host_page: int) -> memoryview:
+        """The object's payload (a view: valid while the host page is held for the write): the
+        views' bytes in their logical order, the one view itself when contiguous (the object
+        encoder copies them once, into the object), else one gathering copy."""
+        views = self._views(host_page)
+        t = views[0] if len(views) == 1 else torch.stack(views)
+        return memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
+
+    def load(self, host_page: int, payload: memoryview) -> None:
+        views = self._views(host_page)
+        with warnings.catch_warnings():  # read-only source: torch warns, but we only read from it
+            warnings.simplefilter("ignore", UserWarning)
+            src = torch.frombuffer(payload, dtype=torch.uint8).view(self.host.dtype).view(len(views), *views[0].shape)
+        for dst, rows in zip(views, src):
+            dst.copy_(rows)
 
 
-def _as_tensor(payload: memoryview, dtype: torch.dtype) -> torch.Tensor:
-    with warnings.catch_warnings():  # read-only source: torch warns, but we only read from it
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(payload, dtype=torch.uint8).view(dtype)
-
-
-class WholePage:
+class WholePage(PageObject):
     """Every layer and head of one rank's host page in one object, ``<page hash hex><suffix>``."""
 
     def __init__(self, host: HostKVPool, suffix: str = "") -> None:
@@ -88,39 +120,21 @@ class WholePage:
     def key(self, page_hash: bytes, ns_digest: bytes) -> str:
         return object_key(page_hash) + self.suffix
 
-    def page_bytes(self, host_page: int) -> memoryview:
-        return _bytes_of(_page(self.host, host_page))
-
-    def load(self, host_page: int, payload: memoryview) -> None:
-        page = _page(self.host, host_page)
-        page.copy_(_as_tensor(payload, self.host.dtype).view(page.shape))
+    def _views(self, host_page: int) -> list[torch.Tensor]:
+        return [_page(self.host, host_page)]
 
 
 class WindowBlocks(WholePage):
     """A hybrid page's window layers from a host pool of shared blocks (issue 56), ``<page hash
     hex><suffix>``: each window layer's K and V from its sliding group's block of the host window
     page, laid out as :class:`WholePage` lays out a page of a window host pool of its own (the same
-    bytes under the same key, whichever host pool wrote them)."""
+    bytes under the same key, whichever host pool wrote them); made by :func:`window_object`."""
 
-    def __init__(self, host: HostKVPool, suffix: str) -> None:
-        if not host.shared:
-            raise ValueError("window blocks need a host pool of shared blocks")
-        super().__init__(host, suffix)
-
-    def _layers(self, window_page: int) -> list[torch.Tensor]:
+    def _views(self, window_page: int) -> list[torch.Tensor]:
         """Each window layer's ``[K/V, token, kv_heads, head_dim]`` of ``window_page`` (views)."""
         host, windows = self.host, self.host.windows
         blocks = windows.blocks[window_page]
         return [_page(host, int(blocks[windows.group(i)]))[host.rows[i]] for i in sorted(windows.layers)]
-
-    def page_bytes(self, host_page: int) -> memoryview:
-        return _bytes_of(torch.stack(self._layers(host_page)))
-
-    def load(self, host_page: int, payload: memoryview) -> None:
-        layers = self._layers(host_page)
-        src = _as_tensor(payload, self.host.dtype).view(len(layers), *layers[0].shape)
-        for dst, rows in zip(layers, src):
-            dst.copy_(rows)
 
 
 def window_object(host: HostKVPool, suffix: str) -> PageObject:
@@ -128,7 +142,7 @@ def window_object(host: HostKVPool, suffix: str) -> PageObject:
     return WindowBlocks(host, suffix) if host.shared else WholePage(host, suffix)
 
 
-class GridCell:
+class GridCell(PageObject):
     """One cell of ``grid`` (the unified grid) of this rank's host pages. ``first_layer`` /
     ``first_head``: the model-global indices of the pool's first layer and KV head; with
     ``grid.mla`` the pool's one "head" is an MLA latent split over the K and V buffers;
@@ -153,27 +167,9 @@ class GridCell:
     def key(self, page_hash: bytes, ns_digest: bytes) -> str:
         return f"{object_key(page_hash)}_{ns_digest.hex()[:NAMESPACE_KEY_HEX]}_{self.prefix}{self.cell.suffix}{self.suffix}"
 
-    def _view(self, host_page: int) -> torch.Tensor:
-        """The cell's part of the page, ``[layer, K/V, token, head, dim]`` (strided)."""
-        return _page(self.host, host_page)[self.layers, :, :, self.heads, :]
-
-    def page_bytes(self, host_page: int) -> memoryview:
-        if self.host.layout == "page_unified":
-            return _bytes_of(self.host.cell(host_page, self.layers, self.group))
-        view = self._view(host_page)
-        if self.mla:  # (layer, token, [K half, V half]) = (layer, token, dim)
-            view = view[:, :, :, 0, :].permute(0, 2, 1, 3)
-        return _bytes_of(view)
-
-    def load(self, host_page: int, payload: memoryview) -> None:
-        src = _as_tensor(payload, self.host.dtype)
-        if self.host.layout == "page_unified":
-            cell = self.host.cell(host_page, self.layers, self.group)
-            cell.copy_(src.view(cell.shape))
-            return
-        view = self._view(host_page)
-        if self.mla:
-            layers, kv, tokens, _, dim = view.shape
-            view[:, :, :, 0, :].copy_(src.view(layers, tokens, kv, dim).permute(0, 2, 1, 3))
-        else:
-            view.copy_(src.view(view.shape))
+    def _views(self, host_page: int) -> list[torch.Tensor]:
+        if self.host.layout == "page_unified":  # a contiguous slice of the page: written and read in place
+            return [self.host.cell(host_page, self.layers, self.group)]
+        view = _page(self.host, host_page)[self.layers, :, :, self.heads, :]  # [layer, K/V, token, head, dim]
+        # MLA: (layer, token, [K half, V half]) = (layer, token, dim)
+        return [view[:, :, :, 0, :].permute(0, 2, 1, 3) if self.mla else view]

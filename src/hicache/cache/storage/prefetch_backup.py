@@ -29,7 +29,7 @@ from ..host_pool import HostKVPool
 from ..host_transfer import OpThreads, leading_done
 from .base import StorageBackend
 from .guard import GuardedBackend, failure_reason
-from .page_objects import PageObject, WholePage, encode_pages, load_page
+from .page_objects import PageObject, WholePage, read_pages, write_pages
 from .storage_ops import BackupOp, PartRead, PartWrite, PrefetchOp, StorageStats, StoredPart
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,6 @@ class StorageController:
         (:class:`~.storage_ops.StoredPart`)."""
         self.guard = backend if isinstance(backend, GuardedBackend) else GuardedBackend(backend, timeout_s=op_timeout)
         self._agree_prefetch, self._agree_backup = agree or (_alone, _alone)
-        self.host_pool = host_pool
         self.reads: list[PageObject] = [WholePage(host_pool)] if reads is None else list(reads)
         self.writes: list[PageObject] = self.reads if writes is None else list(writes)
         self.parts = list(parts)
@@ -169,18 +168,18 @@ class StorageController:
             op.done.set()
 
     def _read(self, op: PrefetchOp) -> None:
-        keys = [[obj.key(h, op.ns_digest) for obj in self.reads] for h in op.hashes]  # per page: its objects
-        mine = _mine(op.owned, len(keys))
-        n = len(self.reads)
+        mine, n = _mine(op.owned, len(op.hashes)), len(self.reads)
         try:
             if not n:  # no object of this rank's: every page is the others' to count
                 present = len(mine)
             else:
-                present = self.guard.exists_prefix([k for i in mine for k in keys[i]]) // n if len(mine) else 0
-            hit = _logical(mine, present, len(keys))
+                keys = [obj.key(op.hashes[i], op.ns_digest) for i in mine for obj in self.reads]
+                present = self.guard.exists_prefix(keys) // n if len(mine) else 0
+            hit = _logical(mine, present, len(op.hashes))
         except Exception as e:
             hit, op.failure = 0, failure_reason(e)
-            _log_failure(op.failure, "prefetch op=%d: storage exists query (%d keys) failed: %s", op.op_id, len(keys), e)
+            _log_failure(op.failure, "prefetch op=%d: storage exists query (%d keys) failed: %s", op.op_id,
+                         len(op.hashes), e)
         # Several ranks: every rank reads its own shard of the same pages, so a page counts
         # only when all have it. The agreement runs on every rank for every op, in op order.
         op.hit_pages = self._agree_prefetch([hit])[0]
@@ -191,7 +190,7 @@ class StorageController:
             good = 0
             if not stopped:
                 try:  # a local failure still joins this round's agreement: it just brings 0 pages
-                    good = self._read_batch(op, keys, done, end)
+                    good = self._read_batch(op, done, end)
                 except Exception as e:
                     op.failure = op.failure or failure_reason(e)
                     logger.warning("prefetch op=%d: reading pages %d-%d failed: %s", op.op_id, done, end, e)
@@ -206,57 +205,40 @@ class StorageController:
                                  op.failure)
                 return
 
-    def _read_batch(self, op: PrefetchOp, keys: list[list[str]], start: int, end: int) -> int:
+    def _read_batch(self, op: PrefetchOp, start: int, end: int) -> int:
         """Read pages ``[start, end)`` (this rank's of them) into their host pages; returns how
         many leading ones arrived intact or are another rank's (a missing, short or corrupt
         page of this rank ends the run)."""
         if self.read_delay_fn is not None:
             time.sleep(self.read_delay_fn(op))
-        mine = [int(i) for i in _mine(op.owned, len(keys)) if start <= i < end]
+        mine = [int(i) for i in _mine(op.owned, len(op.hashes)) if start <= i < end]
         if not mine or not self.reads:  # every page (or object) of this batch is another rank's
             return end - start
         pages = op.local_pages if op.local_pages is not None else op.host_pages
         t0 = time.perf_counter()
         try:
-            blobs = self.guard.batch_get([k for i in mine for k in keys[i]])
+            got, failure, _ = read_pages(self.guard, self.reads, op.ns_digest, op.hashes, [(i, pages[i]) for i in mine])
         except Exception as e:
             op.failure = failure_reason(e)
             _log_failure(op.failure, "prefetch op=%d: storage read of %d pages failed: %s", op.op_id, len(mine), e)
             return mine[0] - start
-        good, n = end - start, len(self.reads)
-        for j, i in enumerate(mine):
-            failure = load_page(self.reads, blobs[j * n:(j + 1) * n], op.ns_digest, op.hashes[i], int(pages[i]))
-            if failure:
-                op.failure, good = failure, i - start
-                break
+        op.failure = failure or op.failure
         elapsed = time.perf_counter() - t0
         self.stats.prefetch_time_s += elapsed
-        self._observe_read(end - start, elapsed)  # per page of the prompt: the owners read theirs at once
-        return good
-
-    def _observe_read(self, pages: int, seconds: float) -> None:
-        """Fold one batch read (``pages`` pages asked for, in ``seconds``) into ``read_page_s``."""
-        per_page = seconds / pages
+        per_page = elapsed / (end - start)  # per page of the prompt: the owners read theirs at once
         last = self.read_page_s
         self.read_page_s = per_page if last is None else last + READ_EWMA_ALPHA * (per_page - last)
+        return end - start if got == len(mine) else mine[got] - start
 
     def _backup(self, op: BackupOp) -> None:
         """One backup op, on the backup thread (or inline)."""
         t0 = time.perf_counter()
         mine = _mine(op.owned, len(op.hashes))
-        n = len(self.writes)  # objects per page, written side by side
-        try:
-            if n == 0:  # every object of these pages is another rank's to write
-                op.written = len(mine)
-            keys, blobs = encode_pages(self.writes, op.ns_digest, op.hashes, [(i, op.host_pages[i]) for i in mine])
-            for i in range(0, len(blobs), BATCH_PAGES * max(n, 1)):
-                batch = blobs[i : i + BATCH_PAGES * n]
-                stored = self.guard.batch_set(keys[i : i + BATCH_PAGES * n], batch)
-                op.written += stored // n
-                if stored < len(batch):  # keep `written` a leading count: a gap ends the chain
-                    op.failure = "short_write"
-                    break
-            self.stats.backup_bytes += sum(len(b) for b in blobs[: op.written * n])
+        try:  # `written` is a leading count: a short write ends the chain
+            op.written, nbytes = write_pages(self.guard, self.writes, op.ns_digest, op.hashes,
+                                             [(i, op.host_pages[i]) for i in mine], BATCH_PAGES)
+            self.stats.backup_bytes += nbytes
+            op.failure = "short_write" if op.written < len(mine) else ""
             for part in self.parts if op.written == len(mine) else ():
                 part.write(self.guard, op, self.stats)
         except Exception as e:

@@ -47,10 +47,6 @@ def _check_options(name: str, cls: type[StorageBackend], config: dict) -> None:
                           f"it accepts: {', '.join(accepted) or 'none'}.")
 
 
-def _construct(cls: type[StorageBackend], config: dict) -> StorageBackend:
-    return cls(cls.options_type(**config)) if cls.options_type is not None else cls(**config)
-
-
 def _load_class(spec: str) -> type[StorageBackend]:
     module_name, _, class_name = spec.partition(":")
     if not module_name or not class_name:
@@ -76,14 +72,11 @@ def create_backend(name: str, extra_config: dict | None = None) -> StorageBacken
     config = dict(extra_config or {})
     if not isinstance(name, str) or not name:
         raise ConfigError(f"storage backend must be a name; choose {CHOICES}.")
-    if name in BUILTIN:
-        _check_options(name, BUILTIN[name], config)
-        try:
-            return _construct(BUILTIN[name], config)
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"storage backend {name!r}: bad option value ({e}).") from e
-    if ":" not in name:
-        raise ConfigError(f"unknown storage backend {name!r}; choose {CHOICES}.")
-    cls = _load_class(name)
+    cls = BUILTIN.get(name) or _load_class(name)
     _check_options(name, cls, config)
-    return _construct(cls, config)
+    try:
+        return cls(cls.options_type(**config)) if cls.options_type is not None else cls(**config)
+    except (TypeError, ValueError) as e:
+        if name not in BUILTIN:  # a user class's own errors pass through
+            raise
+        raise ConfigError(f"storage backend {name!r}: bad option value ({e}).") from e

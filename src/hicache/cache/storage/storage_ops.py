@@ -8,6 +8,7 @@ Units: pages (indices into an op's hashes) unless named bytes or seconds.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -95,10 +96,7 @@ class StorageStats:
     window_prefetched_pages: int = 0
     window_prefetch_bytes: int = 0
     window_deleted_pages: int = 0  # superseded checkpoints' window objects deleted
-    failures: dict = field(default_factory=dict)  # reason -> count
-
-    def fail(self, reason: str) -> None:
-        self.failures[reason] = self.failures.get(reason, 0) + 1
+    failures: Counter[str] = field(default_factory=Counter)  # reason -> count
 
 
 class StoredPart(Protocol):

@@ -107,39 +107,29 @@ class RankObjects:
 
 
 @dataclass(frozen=True)
-class DraftPlan:
-    """A speculative draft's KV on the unified layout: a grid of its own (the same partition
-    flags, its layers and heads), cells keyed ``..._draft_L{a}-{b}[_H{g}]``; planned on the
-    first pipeline stage, where the draft runs. The tree namespace names the draft, so the
-    draft grid needs no field of its own in the key namespace."""
-
-    grid: StorageGrid
-    shard: RankShard
-    objects: RankObjects
-
-
-@dataclass(frozen=True)
 class UnifiedPlan:
     """This rank's part in the unified layout: the grid, its shard, its read and write sets
-    (and its draft's, on the first stage of a speculative deployment)."""
+    (and its draft's, on the first stage of a speculative deployment).
+
+    ``draft``: a speculative draft's KV on the unified layout: a grid of its own (the same partition
+    flags, its layers and heads), cells keyed ``..._draft_L{a}-{b}[_H{g}]``; planned on the first
+    pipeline stage, where the draft runs. The tree namespace names the draft, so the draft grid
+    needs no field of its own in the key namespace."""
 
     grid: StorageGrid
     shard: RankShard
     objects: RankObjects
-    draft: Optional[DraftPlan] = None
-
-    @property
-    def object_layout(self) -> str:
-        """What the key namespace records of the objects: layout version and grid (which says
-        MHA head groups or a replicated MLA latent)."""
-        return f"{UNIFIED_LAYOUT_V1}:{self.grid.describe()}"
+    draft: Optional[UnifiedPlan] = None
 
     def key_namespace(self, page_size: int, kv_dtype: str, head_dim: int, window: int = 0) -> KeyNamespace:
         """The key namespace of unified objects: the whole model's grid and no rank, so every
         compatible deployment computes the same chain head for the same tree namespace.
         ``window``: a hybrid pool's (its cells split into full and window objects, checkpoints'
-        only for the latter): a namespace of its own, never read as every-layer objects."""
-        grid, layout = self.grid, self.object_layout + (f";window={window}" if window else "")
+        only for the latter): a namespace of its own, never read as every-layer objects. Its object
+        layout records the layout version and the grid (which says MHA head groups or a replicated
+        MLA latent)."""
+        grid = self.grid
+        layout = f"{UNIFIED_LAYOUT_V1}:{grid.describe()}" + (f";window={window}" if window else "")
         return KeyNamespace(page_size, kv_dtype, (grid.num_kv_heads, head_dim), grid.num_layers, "", layout)
 
 
@@ -151,7 +141,9 @@ def plan_rank(grid: StorageGrid, shards: Sequence[RankShard], rank: int) -> Rank
         _check_aligned(grid, shard)
     mine = next(s for s in shards if s.rank == rank)
     reads = tuple(c for c in grid.cells() if _covers(grid, mine, c))
-    writes = tuple(c for c in reads if _writer(grid, shards, c) == rank)
+    # a cell's writer: the first rank whose shard covers it (an MLA latent or KV heads held by several
+    # TP ranks: the lowest of them)
+    writes = tuple(c for c in reads if min(s.rank for s in shards if _covers(grid, s, c)) == rank)
     return RankObjects(reads, writes)
 
 
@@ -159,12 +151,6 @@ def _covers(grid: StorageGrid, shard: RankShard, cell: Cell) -> bool:
     heads = grid.heads_of(cell)
     return (shard.layers.start <= cell.layer_start and cell.layer_end <= shard.layers.stop
             and (cell.group is None or (shard.kv_heads.start <= heads.start and heads.stop <= shard.kv_heads.stop)))
-
-
-def _writer(grid: StorageGrid, shards: Sequence[RankShard], cell: Cell) -> int:
-    """The first rank whose shard covers ``cell`` (MLA latent and KV heads held by several TP
-    ranks: the lowest of them)."""
-    return min(s.rank for s in shards if _covers(grid, s, cell))
 
 
 def _check_aligned(grid: StorageGrid, shard: RankShard) -> None:

@@ -14,21 +14,16 @@ the server does not tell us.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import itertools
 import logging
 import re
+from typing import Iterator
 
 from .base import RemoteStore, RemoteStoreOptions, StorageError
 
 log = logging.getLogger(__name__)
-
-
-def _import_valkey():
-    try:
-        import valkey
-    except ImportError as e:  # pragma: no cover - dependency is declared
-        raise StorageError("the valkey backend needs the 'valkey' package") from e
-    return valkey
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -60,10 +55,12 @@ class ValkeyBackend(RemoteStore):
     options_type = ValkeyOptions
 
     def __init__(self, options: ValkeyOptions = ValkeyOptions()) -> None:
-        valkey = _import_valkey()
-        from valkey.backoff import NoBackoff
-        from valkey.retry import Retry
-
+        try:
+            import valkey
+            from valkey.backoff import NoBackoff
+            from valkey.retry import Retry
+        except ImportError as e:  # pragma: no cover - dependency is declared
+            raise StorageError("the valkey backend needs the 'valkey' package") from e
         super().__init__(options)
         o = options
         self.host, self.port, self.db = o.host, int(o.port), int(o.db)
@@ -84,12 +81,17 @@ class ValkeyBackend(RemoteStore):
         log.info("valkey storage opened at %s:%d db %d prefix %r ttl %s: %s", o.host, self.port, self.db, o.prefix,
                  "none" if o.ttl_s is None else f"{o.ttl_s}s", state)
 
-    def _error(self, op: str, e: Exception) -> StorageError:
-        return self._fail(f"valkey {op} at {self.host}:{self.port} failed: {e}")
+    @contextlib.contextmanager
+    def _calls(self, op: str) -> Iterator[None]:
+        """The server's errors inside the block as one counted StorageError naming ``op``."""
+        try:
+            yield
+        except self._valkey_error as e:
+            raise self._fail(f"valkey {op} at {self.host}:{self.port} failed: {e}") from e
 
     # -- StorageBackend -------------------------------------------------------------------
     def exists_prefix(self, keys: list[str]) -> int:
-        try:
+        with self._calls("EXISTS"):
             for start, chunk in self._chunks(keys):
                 pipe = self._client.pipeline(transaction=False)
                 for key in chunk:
@@ -97,25 +99,15 @@ class ValkeyBackend(RemoteStore):
                 for i, found in enumerate(pipe.execute()):
                     if not found:
                         return start + i
-        except self._valkey_error as e:
-            raise self._error("EXISTS", e) from e
         return len(keys)
 
     def batch_get(self, keys: list[str]) -> list[bytes | None]:
-        out: list[bytes | None] = []
-        try:
-            for _, chunk in self._chunks(keys):
-                out.extend(self._client.mget(chunk))
-        except self._valkey_error as e:
-            raise self._error("MGET", e) from e
-        with self._lock:
-            self._c.count_gets(len(keys), out)
-        return out
+        with self._calls("MGET"):
+            out = [v for _, chunk in self._chunks(keys) for v in self._client.mget(chunk)]
+        return self._count_gets(len(keys), out)
 
     def batch_set(self, keys: list[str], values: list[bytes]) -> int:
-        if len(keys) != len(values):
-            raise ValueError("keys and values differ in length")
-        try:
+        with self._calls("SET"):
             for start, chunk in self._chunks(keys):
                 vs = values[start : start + self.batch_size]
                 if self.ttl_ms is None:
@@ -125,35 +117,21 @@ class ValkeyBackend(RemoteStore):
                     for k, v in zip(chunk, vs):
                         pipe.set(k, v, px=self.ttl_ms)
                     pipe.execute()
-                with self._lock:
-                    self._c.count_sets(vs)
-        except self._valkey_error as e:
-            raise self._error("SET", e) from e
+                self._count_sets(vs)
         return len(keys)
 
     def delete(self, keys: list[str]) -> None:
-        try:
+        with self._calls("UNLINK"):
             for _, chunk in self._chunks(keys):
                 self._client.unlink(*chunk)
-        except self._valkey_error as e:
-            raise self._error("UNLINK", e) from e
 
     def clear(self) -> None:
         """Remove every key under ``prefix`` (SCAN + UNLINK; never FLUSHDB, the db may be
         shared with other users)."""
-        n = 0
         pattern = re.sub(r"([*?\[\]\\])", r"\\\1", self.prefix) + "*"  # glob characters escaped: a literal prefix
-        try:
-            batch: list[bytes] = []
-            for k in self._client.scan_iter(match=pattern, count=1000):
-                batch.append(k)
-                if len(batch) >= 1000:
-                    n += self._client.unlink(*batch)
-                    batch.clear()
-            if batch:
-                n += self._client.unlink(*batch)
-        except self._valkey_error as e:
-            raise self._error("clear", e) from e
+        with self._calls("clear"):
+            found = self._client.scan_iter(match=pattern, count=1000)
+            n = sum(self._client.unlink(*batch) for batch in iter(lambda: list(itertools.islice(found, 1000)), []))
         log.info("valkey storage at %s:%d cleared %d keys under %r", self.host, self.port, n, self.prefix)
 
     def _extra(self) -> dict:

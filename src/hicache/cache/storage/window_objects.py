@@ -16,7 +16,7 @@ import logging
 from typing import Callable, Sequence
 
 from .guard import GuardedBackend
-from .page_objects import PageObject, encode_pages, load_page
+from .page_objects import PageObject, read_pages, write_pages
 from .storage_ops import BackupOp, PrefetchOp, StorageStats
 
 logger = logging.getLogger(__name__)
@@ -42,21 +42,15 @@ class StoredWindows:
         ok = 0
         if done and part is not None and done == op.hit_pages and not op.stop.is_set() \
                 and done - first <= len(part.host_pages):
-            try:
-                n, failure = len(self.reads), ""
-                blobs = guard.batch_get([obj.key(op.hashes[i], op.ns_digest) for i in range(first, done)
-                                         for obj in self.reads])
-                for j in range(done - first):  # each page's objects into its host window page
-                    failure = load_page(self.reads, blobs[j * n:(j + 1) * n], op.ns_digest, op.hashes[first + j],
-                                        int(part.host_pages[j]))
-                    if failure:
-                        break
+            try:  # each page's objects into its host window page
+                _, failure, nbytes = read_pages(guard, self.reads, op.ns_digest, op.hashes,
+                                                list(zip(range(first, done), part.host_pages)))
                 if failure:
-                    stats.fail(failure)
+                    stats.failures[failure] += 1
                 else:
                     ok = 1
                     stats.window_prefetched_pages += done - first
-                    stats.window_prefetch_bytes += sum(len(b) for b in blobs)
+                    stats.window_prefetch_bytes += nbytes
             except Exception as e:  # the full pages stand; the tree cuts the hit back without the window
                 logger.warning("prefetch op=%d: reading its window failed: %s", op.op_id, e)
         if agree([ok])[0] and part is not None:
@@ -66,11 +60,9 @@ class StoredWindows:
         """The window objects of the op's checkpoint pages, then (stored whole) the deletion of the
         window objects it supersedes."""
         part = op.parts.get(self.name)
-        if part is None:
+        if part is None or not self.writes:  # (another rank writes them all)
             return
-        keys, blobs = encode_pages(self.writes, op.ns_digest, op.hashes, list(zip(part.index, part.host_pages)))
-        stored = guard.batch_set(keys, blobs)
-        pages, nbytes = stored // max(len(self.writes), 1), sum(len(b) for b in blobs[:stored])
+        pages, nbytes = write_pages(guard, self.writes, op.ns_digest, op.hashes, list(zip(part.index, part.host_pages)))
         stats.backup_bytes += nbytes
         stats.window_backup_bytes += nbytes
         stats.window_backup_pages += pages
