@@ -11,6 +11,9 @@
 # --task (repeatable) replaces the default tasks: turn i asks task i (cycling), e.g. a plain ask for a
 # tool: --turns 4 --task "..." x3 --task "Run \`ls\` with your Bash tool and tell me the files."
 #
+# Serve flags after `--` go to `hicache serve`; on qwen2.5-coder-0.5b, none given means Qwen2.5 Instruct's sampling
+# (--preferred-sampling-params: the agents send no temperature).
+#
 # --model (or $HICACHE_E2E_MODEL) defaults to qwen2.5-coder-0.5b (32K context: Claude Code's first
 # prompt is ~19K tokens, Codex's ~10K; SmolLM2's 8K context holds neither). A GGUF path works too.
 # The CLIs go to $HICACHE_AGENTS_CACHE (default ~/.cache/hicache/agents) at pinned versions (the
@@ -28,6 +31,7 @@ CACHE=${HICACHE_AGENTS_CACHE:-$HOME/.cache/hicache/agents}
 CODEX_VERSION=0.171.0
 CLAUDE_VERSION=2.1.197
 SERVE_FLAGS=()
+SERVE_FLAGS_GIVEN=
 TASKS=("Add a function mul(a, b) that returns a * b to calc.py."
        "Add a file test_calc.py with a pytest test for mul."
        "Run python -m pytest -q in this repository and tell me the result.")
@@ -39,10 +43,15 @@ while [ $# -gt 0 ]; do
     --turns) TURNS=$2; shift 2 ;;
     --port) PORT=$2; shift 2 ;;
     --task) GIVEN_TASKS+=("$2"); shift 2 ;;
-    --) shift; SERVE_FLAGS=("$@"); break ;;
+    --) shift; SERVE_FLAGS=("$@"); SERVE_FLAGS_GIVEN=1; break ;;
     *) echo "unknown argument: $1 (see the header of $0)" >&2; exit 2 ;;
   esac
 done
+if [ -z "$SERVE_FLAGS_GIVEN" ] && [ "$MODEL" = qwen2.5-coder-0.5b ]; then
+  # The agents send no temperature: serve them Qwen2.5 Instruct's published sampling (the shipped GGUF names
+  # none; docs/sampling.md "Defaults"). Serve flags after `--` replace these.
+  SERVE_FLAGS=(--preferred-sampling-params '{"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.1}')
+fi
 PY=${HICACHE_PYTHON:-$ROOT/.venv/bin/python}
 export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's server, whichever venv runs it
 BIN=$CACHE/npm/node_modules/.bin
