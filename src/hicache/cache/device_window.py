@@ -31,7 +31,7 @@ from .placement import alloc_evicting
 from .pools import DeviceKVPool, PageAllocator, SharedWindowAllocator, pages_to_slots
 from .radix import RadixCache
 from .tiers import CacheStats
-from .window_tree import window_first_page
+from .window_tree import path_spans, window_first_page
 
 
 def window_footprint(window: int, page_size: int, forward_tokens: int) -> int:
@@ -162,13 +162,9 @@ class DeviceWindows:
         the device does not (the match counted those as held): the device hit's tombstones, then the
         host hit's pages, given to their nodes; the (device, host) pairs of the device hit's to load
         (the host tier loads the host hit's with the rest)."""
-        spans, pos = [], device_hit  # (node, its first page, in the device hit): the device hit's nearest first
-        if first < device_hit and self.tree is not None:
-            for node in (host_nodes[0].parent if host_nodes else state.node).lineage():
-                if pos <= first:
-                    break
-                pos -= node.num_pages
-                spans.append((node, pos, True))
+        # (node, its first page, in the device hit): the device hit's nearest first
+        last = host_nodes[0].parent if host_nodes else state.node
+        spans = [(node, start, True) for node, start in path_spans(last, device_hit, first, self.page_size)]
         pos = device_hit
         for node in host_nodes:  # then the host hit's, in path order
             spans.append((node, pos, False))
@@ -195,16 +191,13 @@ class DeviceWindows:
         ps, wp = self.page_size, state.window.pages
         tail, hit = self.tail_page(prompt_tokens), state.cached_pages
         arriving = np.zeros(len(wp), dtype=np.int64)
-        node, pos = state.node, hit
-        while node is not None and not node.is_root and pos > tail:  # the hit's part (split at the tail)
-            start = pos - node.num_pages
+        for node, start in path_spans(state.node, hit, tail, self.page_size):  # the hit's part (split at the tail)
             idx = np.arange(max(tail - start, 0), node.num_pages)
             node_window = self.cached.of(node).device  # filled in place by give()
             fresh = idx[node_window[idx] == 0]
             self.cached.give(node, fresh, self._alloc(len(fresh)))
             wp[start + idx] = node_window[idx]
             arriving[start + fresh] = node_window[fresh]
-            node, pos = node.parent, start
         own = np.arange(max(tail, hit), -(-prompt_tokens // ps))
         wp[own] = arriving[own] = self._alloc(len(own))
         state.window.arrival = (tail * ps, self._slots(arriving))

@@ -23,7 +23,7 @@ from __future__ import annotations
 import heapq
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
@@ -40,6 +40,16 @@ logger = logging.getLogger(__name__)
 def window_first_page(boundary_tokens: int, window: int, page_size: int) -> int:
     """First page whose window-layer KV a token at position ``boundary_tokens`` reads."""
     return max(0, boundary_tokens - window + 1) // page_size
+
+
+def path_spans(node: TreeNode | None, end: int, first: int, page_size: int) -> Iterator[tuple[TreeNode, int]]:
+    """``node`` (ending ``end`` pages into its namespace) and its ancestors that end after page ``first``,
+    nearest first, each with its first page. A caller may split the node it was given: the walk
+    goes on from the node's parent as it was."""
+    while end > first and not node.is_root:
+        start = end - len(node.key) // page_size
+        yield node, start
+        node, end = node.parent, start
 
 
 def usable_boundary(held: np.ndarray, window: int, page_size: int) -> int:
@@ -94,7 +104,6 @@ class TreeWindows:
         # set by a hybrid host tier (HostWindows): window pages of a fixed split, or shared blocks
         self.host_allocator: PageAllocator | SharedWindowAllocator | None = None
         self.held_pages = 0  # window pages the tree holds on the device
-        self.evicted_pages_total = 0
 
     def of(self, node: TreeNode) -> WindowPart:
         return node.parts[self.index]
@@ -247,15 +256,14 @@ class TreeWindows:
         reads. The checkpoint just before ``node`` keeps its window (the same prompt again -- a
         retry, a regenerated answer -- hits it); those before it go. (ancestor, page indices)
         pairs, nearest first."""
-        start = sum(self.tree.key_pages(n) for n in node.parent.lineage())
-        first = self.first_page(start * self.page_size)
-        out, pos, anc = [], start, node.parent
-        while not anc.is_root and len(anc.children) == 1:
-            start = pos - self.tree.key_pages(anc)
+        end = sum(self.tree.key_pages(n) for n in node.parent.lineage())
+        first, out = self.first_page(end * self.page_size), []
+        for anc, start in path_spans(node.parent, end, 0, self.page_size):
+            if len(anc.children) != 1:
+                break
             idx = np.arange(0, min(self.tree.key_pages(anc), max(first - start, 0)))
             if len(idx):
                 out.append((anc, idx))
-            anc, pos = anc.parent, start
         return out
 
     # ---- locks ---------------------------------------------------------------------------
@@ -263,25 +271,19 @@ class TreeWindows:
         """Protect the window pages of the nodes on ``node``'s path from ``first_page`` to
         ``end_page`` (where ``node`` ends); the node holding ``first_page`` is split there so the
         lock covers no page before it."""
-        pos = end_page
-        while not node.is_root and pos > first_page:
-            start = pos - self.tree.key_pages(node)
+        for n, start in path_spans(node, end_page, first_page, self.page_size):
             if start < first_page:
-                self.tree.split(node, (first_page - start) * self.page_size)  # node keeps the lower part
-                start = first_page
-            self.of(node).lock_ref += 1
-            node, pos = node.parent, start
+                self.tree.split(n, (first_page - start) * self.page_size)  # n keeps the lower part
+            self.of(n).lock_ref += 1
 
     def unlock(self, node: TreeNode, end_page: int, first_page: int) -> None:
         """Undo :meth:`lock` with the same arguments (later splits keep node boundaries inside the
         span, and give both parts the lock)."""
-        pos = end_page
-        while not node.is_root and pos > first_page:
-            part = self.of(node)
+        for n, _ in path_spans(node, end_page, first_page, self.page_size):
+            part = self.of(n)
             if part.lock_ref <= 0:
-                raise RuntimeError(f"window unlock of a node not window-locked {node}")
+                raise RuntimeError(f"window unlock of a node not window-locked {n}")
             part.lock_ref -= 1
-            node, pos = node.parent, pos - self.tree.key_pages(node)
 
     # ---- eviction ------------------------------------------------------------------------
     def _checkpoint_tails(self) -> dict[TreeNode, int]:
@@ -329,7 +331,6 @@ class TreeWindows:
             if not leaves:
                 break
             freed += self.tombstone(min(leaves, key=lambda kn: kn[0])[1])  # then its ancestors' share, above
-        self.evicted_pages_total += freed
         if freed:
             logger.debug("tombstoned %d window pages", freed)
         return freed
