@@ -25,8 +25,8 @@ class LeafEviction(PageTree):
     """A page tree with its device and host pages counted, and device eviction: it frees the
     tree's device pages (and its components') and keeps the page counters right while doing so."""
 
-    def __init__(self, page_size: int, allocator: PageAllocator, host_allocator: PageAllocator | None,
-                 eviction_policy: str) -> None:
+    def __init__(self, page_size: int, allocator: PageAllocator, eviction_policy: str = "lru",
+                 host_allocator: PageAllocator | None = None) -> None:
         if eviction_policy not in ("lru", "lfu"):
             raise ValueError(f"unknown eviction policy {eviction_policy!r}")
         super().__init__(page_size)

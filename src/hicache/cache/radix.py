@@ -32,7 +32,6 @@ import numpy as np
 from ..consensus_record import consensus_check
 from .leaf_eviction import LeafEviction
 from .page_tree import EMPTY_PAGES
-from .pools import PageAllocator
 from .tree_node import MatchResult, PeekResult, TreeNode, check_nodes
 from .window_tree import TreeWindows
 
@@ -40,10 +39,6 @@ from .window_tree import TreeWindows
 class RadixCache(LeafEviction):
     """The prefix index of every tier: match / insert / lock / evict over logical token pages.
     It keeps each node's tier state consistent; when to copy between tiers is the tiers' policy."""
-
-    def __init__(self, page_size: int, allocator: PageAllocator, eviction_policy: str = "lru",
-                 host_allocator: PageAllocator | None = None) -> None:
-        super().__init__(page_size, allocator, host_allocator, eviction_policy)
 
     @property
     def windows(self) -> TreeWindows | None:
