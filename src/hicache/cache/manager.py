@@ -32,9 +32,8 @@ from .storage.keys import OBJECT_LAYOUT_V1, KeyNamespace
 from .storage.page_objects import DRAFT_PREFIX, WINDOW_SUFFIX, GridCell
 from .storage.prefetch_backup import Agree, PrefetchOp
 from .storage.unified import Cell, RankObjects, RankShard, StorageGrid, UnifiedPlan
-from .storage_tier import StorageTier, consume_prefetch_acks, node_hashes
+from .storage_tier import StorageTier, consume_prefetch_acks
 from .tiers import WRITE_POLICIES, CachePolicy, CacheStats, Tier
-from .tree_node import TreeNode
 
 __all__ = ["CachePolicy", "KVCacheManager", "KVState", "CacheStats", "RankLayout", "WRITE_POLICIES"]
 
@@ -72,8 +71,6 @@ class _KVView:
             self.window_group = pool.windows.group  # each sliding group reads slots of its own (issue 56)
         if controller is None:
             self.wait_layer, self.layer_ready = pool.wait_layer, pool.layer_ready
-        elif offset == 0:
-            self.wait_layer, self.layer_ready = controller.wait_layer, controller.layer_ready
         else:
             self.wait_layer = lambda layer: controller.wait_layer(offset + layer)
             self.layer_ready = lambda layer: controller.layer_ready(offset + layer)
@@ -283,9 +280,6 @@ class KVCacheManager:
     def ns_digest(self, namespace: str) -> bytes:
         """Head of the hash chain of ``namespace`` on this rank (see :class:`KeyNamespace`)."""
         return self.keys.digest(namespace)
-
-    def _node_hashes(self, node: TreeNode) -> list[bytes]:
-        return node_hashes(node, self.keys)
 
     def start_prefetch(self, namespace: str, tokens: np.ndarray) -> PrefetchOp | None:
         """Ask storage for the prompt's pages past what the device and host tiers hold, if the
