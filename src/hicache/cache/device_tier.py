@@ -166,8 +166,6 @@ class DeviceTier:
         n_pages = len(tokens) // self.page_size
         if n_pages <= state.cached_pages:
             return
-        if self.windows is not None:
-            self.windows.before_insert(state)  # placed again over the new boundary below
         if not self._insert(namespace, tokens[: n_pages * self.page_size], state):
             return
         match = self.tree.match_prefix(namespace, tokens[: n_pages * self.page_size])
@@ -192,7 +190,6 @@ class DeviceTier:
                 # the prompt's checkpoint ends a node of its own: a host copy keeps each node end's window
                 self.cache_prefix(namespace, tokens[: prompt_end * self.page_size], state)
             self.windows.trim_for_release(state, len(tokens))  # the tree gets the checkpoint's window only
-            self.windows.before_insert(state)
         if self.tree is not None:
             keep = len(tokens) // self.page_size
             if keep <= state.cached_pages or not self._insert(namespace, tokens[: keep * self.page_size], state):

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .placement import alloc_evicting
-from .pools import DeviceKVPool, PageAllocator, SharedWindowAllocator, pages_to_slots
+from .pools import DeviceKVPool, PageAllocator, SharedWindowAllocator, free_held, pages_to_slots
 from .radix import RadixCache
 from .tiers import CacheStats
 from .window_tree import path_spans, window_first_page
@@ -58,15 +58,14 @@ class WindowHold:
     """One request's hold on the window component (``KVState.window``). ``pages[i]``: page i's window
     page (0: not held for this request), the tree's below the state's ``cached_pages`` (locked from
     ``lock``'s first page to its end page through the state's node), its own above; ``slots``: their
-    slots in order (``[groups, tokens]`` on shared blocks); ``budget``: window pages reserved;
-    ``held``: a shared pool's pages counted in ``DeviceWindows.held_pages``; ``keep``: the page range
+    slots in order (``[groups, tokens]`` on shared blocks); ``budget``: window pages reserved (its
+    ``len(pages)`` pages are counted in ``DeviceWindows.held_pages``); ``keep``: the page range
     of its own window pages kept to the end (its prompt's checkpoint); ``arrival`` (P/D decode):
     (first token, slot per token) where the prompt's window tail arrives."""
 
     pages: np.ndarray
     slots: torch.Tensor | None = None
     budget: int = 0
-    held: int = 0
     lock: tuple[int, int] | None = None  # (end page, first page) of the tree span window-locked
     keep: tuple[int, int] | None = None
     arrival: tuple[int, torch.Tensor] | None = None
@@ -146,7 +145,7 @@ class DeviceWindows:
         device_hit, hit = len(device_window) if device_window is not None else 0, state.cached_pages
         prompt_end = (prompt_tokens - 1) // self.page_size  # the last boundary a match of the prompt reaches
         # the lock was taken before allocating: tombstoning spares the hit's window
-        state.window = WindowHold(np.zeros(len(state.pages), dtype=np.int64), budget=budget, held=len(state.pages),
+        state.window = WindowHold(np.zeros(len(state.pages), dtype=np.int64), budget=budget,
                                   lock=lock, keep=(self.first_page(prompt_end * self.page_size), prompt_end))
         if device_hit:
             state.window.pages[:device_hit] = device_window
@@ -238,7 +237,9 @@ class DeviceWindows:
 
     def offered(self, state, n_pages: int) -> np.ndarray:
         """The window pages an insert of the first ``n_pages`` gives the tree: the request's own
-        (from its cached boundary on), 0 for the pages the tree has (it keeps its own)."""
+        (from its cached boundary on), 0 for the pages the tree has (it keeps its own). Its window
+        lock comes off first (:meth:`after_insert` places it again over the new boundary)."""
+        self.before_insert(state)
         offer = state.window.pages[:n_pages].copy()
         offer[:state.cached_pages] = 0
         state.window.pages[state.cached_pages:n_pages] = 0  # handed over: the tree keeps or frees each
@@ -260,8 +261,7 @@ class DeviceWindows:
         self._free_own(state, len(state.window.pages))
         self.reserved -= state.window.budget
         state.window.budget = 0
-        self.held_pages -= state.window.held
-        state.window.held = 0
+        self.held_pages -= len(state.window.pages)
 
     def trim_for_release(self, state, computed: int) -> None:
         """Before the final insert: free own pages behind the window of the last boundary of the
@@ -319,10 +319,7 @@ class DeviceWindows:
         own[state.cached_pages:before] = True
         if state.window.keep is not None and before < len(state.window.pages):
             own[slice(*state.window.keep)] = False
-        drop = own & (state.window.pages != 0)
-        if drop.any():
-            self.allocator.free(state.window.pages[drop])
-            state.window.pages[drop] = 0
+        free_held(self.allocator, state.window.pages, own)
 
     def usage(self) -> dict:
         """The window component's pages and bytes (``/stats``' ``window``; the device tier's own fields are

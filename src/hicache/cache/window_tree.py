@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Iterator
 import numpy as np
 
 from ..consensus_record import consensus_check
-from .pools import PageAllocator, SharedWindowAllocator
+from .pools import PageAllocator, SharedWindowAllocator, free_held
 from .tree_node import TreeNode
 
 if TYPE_CHECKING:
@@ -171,14 +171,9 @@ class TreeWindows:
         """Free the window pages ``node`` holds among its first ``pages`` (default: all), leaving
         tombstones. Returns how many."""
         device = self.of(node).device
-        if device is None:
-            return 0
-        part = device[:pages]
-        held = part[part != 0]
-        self.allocator.free(held)
-        self.held_pages -= len(held)
-        part[:] = 0
-        return len(held)
+        freed = free_held(self.allocator, device, slice(pages)) if device is not None else 0
+        self.held_pages -= freed
+        return freed
 
     def drop_host(self, node: TreeNode) -> None:
         """Free ``node``'s host window pages (its host copy is gone)."""
@@ -226,13 +221,8 @@ class TreeWindows:
 
     def free_host(self, node: TreeNode, idx: np.ndarray) -> int:
         """Free the host window pages of ``node``'s pages ``idx`` (its copy keeps the full KV). Returns how many."""
-        part = self.of(node)
-        held = part.host[idx] if part.host is not None else np.zeros(0, dtype=np.int64)
-        held = held[held != 0]
-        if len(held):
-            self.host_allocator.free(held)
-            part.host[idx] = 0
-        return len(held)
+        host = self.of(node).host
+        return free_held(self.host_allocator, host, idx) if host is not None else 0
 
     # ---- checkpoints ---------------------------------------------------------------------
     def checkpoint_span(self, node: TreeNode) -> tuple[int, int]:
