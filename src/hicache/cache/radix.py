@@ -118,6 +118,15 @@ class RadixCache(LeafEviction):
         path, device, host, n = self._walk(namespace, self._as_tokens(tokens))
         return PeekResult(device, host, path[-1] if path else None, n // self.page_size if path else 0)
 
+    def node_at(self, namespace: str, tokens) -> TreeNode | None:
+        """The node whose path ends exactly after ``tokens`` (whole pages), or None. Read-only:
+        no split, no recency update."""
+        tokens = self._as_tokens(tokens)
+        path, device, host, n = self._walk(namespace, tokens, cut=False)
+        if not path:
+            return self._roots.get(namespace) if len(tokens) == 0 else None
+        return path[-1] if device + host == len(tokens) and n == len(path[-1].key) else None
+
     def insert(self, namespace: str, tokens, pages: np.ndarray, parts: dict[str, np.ndarray] | None = None) -> int:
         """Insert ``tokens`` (whole pages) whose KV lives in device ``pages`` (and, per component
         of the tree, its pages in ``parts[name]``: a hybrid tree's window pages, 0 where the caller
