@@ -46,11 +46,8 @@ def window_footprint(window: int, page_size: int, forward_tokens: int) -> int:
 
 def largest_forward(window: int, page_size: int, pages: int) -> int:
     """The most tokens (whole pages, >= 0) one forward may add for a request's footprint to fit in
-    ``pages`` window pages."""
-    n = (pages - window_footprint(window, page_size, 0)) * page_size
-    while n > 0 and window_footprint(window, page_size, n) > pages:
-        n -= page_size
-    return max(n, 0)
+    ``pages`` window pages: each page a forward adds grows the footprint by exactly one page."""
+    return max(pages - window_footprint(window, page_size, 0), 0) * page_size
 
 
 @dataclass
@@ -127,9 +124,8 @@ class DeviceWindows:
         first = self.first_page(end_page * self.page_size) if arriving is None else self.tail_page(arriving)
         if first >= end_page:
             return None
-        lock = (end_page, first)
-        self.cached.lock(node, *lock)
-        return lock
+        self.cached.lock(node, end_page, first)
+        return end_page, first
 
     def admit(self, state, lock: tuple[int, int] | None, device_window: np.ndarray | None, host_nodes: list,
               forward_tokens: int, prompt_tokens: int, arriving: bool = False) -> list[tuple[np.ndarray, np.ndarray]]:
