@@ -149,32 +149,22 @@ class RadixCache(LeafEviction):
         on_device: int | None = None  # where the device-resident prefix ends
         while pos < len(tokens):
             child = self._child(node, tokens, pos)
-            first = pos // self.page_size
-            if child is None:
-                leaf = self._leaf(node, tokens[pos:])
-                leaf.device_pages = pages[first:].copy()
-                self._adopt(leaf, parts, first, None, fresh=True)
-                self.evictable_pages += leaf.num_pages
-                return pos if on_device is None else on_device
-            n = len(child.key)
-            self._touch(child)  # after the split (see match_prefix)
-            end = (pos + n) // self.page_size
-            if child.device_pages is None:
-                # A node whose device copy was evicted adopts the caller's pages. Eviction is
-                # leaf-first, so everything below it is device-less too: the device prefix ends here.
-                child.device_pages = pages[first:end].copy()
-                self._adopt(child, parts, first, end, fresh=True)
-                self._count(child, +1)
-                if on_device is None:
-                    on_device = pos
+            if child is None:  # the rest is a new leaf
+                child = self._leaf(node, tokens[pos:])
             else:
-                self._adopt(child, parts, first, end, fresh=False)  # fills the node's tombstones
-            node, pos = child, pos + n
+                self._touch(child)  # after the split (see match_prefix)
+            first, end = pos // self.page_size, (pos + len(child.key)) // self.page_size
+            fresh = child.device_pages is None
+            if fresh:
+                # A new leaf, or a node whose device copy was evicted, adopts the caller's pages. Eviction
+                # is leaf-first, so everything below it is device-less too: the device prefix ends here.
+                child.device_pages = pages[first:end].copy()
+                self._count(child, +1)
+                on_device = pos if on_device is None else on_device
+            for c in self.components:  # an old node's: fills its tombstones
+                c.adopt(child, parts[c.name][first:end], fresh)
+            node, pos = child, pos + len(child.key)
         return pos if on_device is None else on_device
-
-    def _adopt(self, node: TreeNode, parts: dict[str, np.ndarray], first: int, end: int | None, fresh: bool) -> None:
-        for c in self.components:
-            c.adopt(node, parts[c.name][first:end], fresh)
 
     def insert_host(self, namespace: str, tokens, host_pages: np.ndarray, start_page: int,
                     hashes: list[bytes] | None = None) -> int:
