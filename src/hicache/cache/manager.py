@@ -153,21 +153,19 @@ class KVCacheManager:
         # usable pages of a hybrid pool's window component (0: none)
         self.window_capacity_pages = self.device.windows.allocator.capacity if self.device.windows is not None else 0
         self.keys = _key_namespace(pool, layout.shard, unified)
-        self.host: HostTier | None = None
+        self.host: HostTier | None = None if host_pool is None else HostTier(
+            pool, host_pool, self.host_allocator, self.tree, policy, self.stats, shard_view,
+            [sidecar] if sidecar else [])
         self.storage_tier: StorageTier | None = None
-        self.tiers: list[Tier] = []  # the lower tiers, top down
-        if host_pool is not None:
-            self.host = HostTier(pool, host_pool, self.host_allocator, self.tree, policy, self.stats, shard_view,
-                                 [sidecar] if sidecar else [])
-            self.device.lower = self.host
-            self.tiers.append(self.host)
         if storage is not None:
             objects, window_objects = _grid_objects(host_pool, unified, sidecar[1] if sidecar else None,
                                                     len(pool.k_buffers)) if unified else (None, None)
             self.storage_tier = StorageTier(storage, self.host, self.keys, layout.storage_agree, policy, shard_view,
                                             objects, window_objects)
             self.host.lower = self.storage_tier
-            self.tiers.append(self.storage_tier)
+        self.device.lower = self.host
+        # the lower tiers, top down
+        self.tiers: list[Tier] = [t for t in (self.host, self.storage_tier) if t is not None]
         if self.host is not None and self.device.windows is not None:
             self.device.windows.settle_backups = self._settle_host
         self.controller = self.host.controller if self.host is not None else None
