@@ -261,8 +261,6 @@ class KVCacheManager:
         """Submit and consume every transfer, storage writes included, waiting for them (flush
         and shutdown only: storage calls are bounded by their deadlines, see storage.guard).
         Tier by tier: host backups consumed first may queue storage writes."""
-        if not self.tiers:
-            return
         self.submit_transfers()
         for tier in self.tiers:
             self.consume_acks(tier.pending_acks())
