@@ -21,6 +21,7 @@ Units: pages unless named tokens; page indices count from the sequence's start.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -160,10 +161,8 @@ class DeviceWindows:
         # (node, its first page, in the device hit): the device hit's nearest first
         last = host_nodes[0].parent if host_nodes else state.node
         spans = [(node, start, True) for node, start in path_spans(last, device_hit, first, self.page_size)]
-        pos = device_hit
-        for node in host_nodes:  # then the host hit's, in path order
-            spans.append((node, pos, False))
-            pos += node.num_pages
+        starts = itertools.accumulate((node.num_pages for node in host_nodes), initial=device_hit)
+        spans += [(node, start, False) for node, start in zip(host_nodes, starts)]  # then the host hit's, in path order
         loads = []
         for node, start, device_hit_node in spans:
             part = self.cached.of(node)
