@@ -252,8 +252,7 @@ class DeviceWindows:
     def release(self, state) -> None:
         """The request is done: every window page it still owns goes back, its reservation too."""
         self.before_insert(state)
-        state.window.keep = None
-        self._free_own(state, len(state.window.pages))
+        self._free_own(state, len(state.window.pages))  # its prompt's checkpoint too
         self.reserved -= state.window.budget
         state.window.budget = 0
         self.held_pages -= len(state.window.pages)
