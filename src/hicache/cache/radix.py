@@ -25,6 +25,7 @@ change (:class:`~.tree_node.TreeComponent`): a match ends where every component 
 
 from __future__ import annotations
 
+import bisect
 import itertools
 
 import numpy as np
@@ -71,21 +72,12 @@ class RadixCache(LeafEviction):
                 break
         if cut and self.components:
             usable = min(c.usable(path, device, host) for c in self.components)
-            if usable < device + host:
-                path, n = self._path_to(path, usable)
+            if usable < device + host:  # the nodes that start before ``usable``, the last matched in part
+                starts = [0, *itertools.accumulate(len(node.key) for node in path)]
+                k = bisect.bisect_left(starts, usable, hi=len(path))
+                path, n = path[:k], usable - starts[k - 1] if k else 0
                 device, host = min(device, usable), max(0, usable - device)
         return path, device, host, n
-
-    def _path_to(self, path: list[TreeNode], tokens: int) -> tuple[list[TreeNode], int]:
-        """``path`` cut after its first ``tokens`` tokens: the nodes reached, and the tokens
-        matched in the last of them."""
-        out, pos = [], 0
-        for node in path:
-            if pos >= tokens:
-                break
-            out.append(node)
-            pos += len(node.key)
-        return out, (len(out[-1].key) - (pos - tokens)) if out else 0
 
     @consensus_check("tree.match_prefix", args=lambda self, ns, tokens, cut=True: (ns, len(tokens), cut),
                      result=lambda m: (m.device_hit_tokens, m.host_hit_tokens))
