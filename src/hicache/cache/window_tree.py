@@ -287,16 +287,11 @@ class TreeWindows:
             order.append((node, end))
             stack.extend((c, end) for c in node.children.values() if c.device_pages is not None)
         reach: dict[TreeNode, int] = {}  # pages back from the node's end its subtree's checkpoints need
-        tails: dict[TreeNode, int] = {}
         for node, end in reversed(order):  # children before parents
             below = [reach[c] - c.num_pages for c in node.children.values() if c in reach]
-            if below:
-                need = max(below)
-            else:  # a leaf: its own checkpoint, if it holds one
-                need = end - self.first_page(end * self.page_size) if self.of(node).held else 0
-            reach[node] = max(need, 0)
-            tails[node] = min(node.num_pages, reach[node])
-        return tails
+            own = end - self.first_page(end * self.page_size) if self.of(node).held else 0  # a leaf's, if held
+            reach[node] = max(max(below, default=own), 0)
+        return {node: min(node.num_pages, need) for node, need in reach.items()}
 
     @consensus_check("tree.evict_windows", args=lambda self, num_pages, spare_only=False: (num_pages, "spare") if spare_only else num_pages,
                      result=lambda freed: freed)
@@ -316,11 +311,11 @@ class TreeWindows:
                 freed += self.tombstone(node, node.num_pages - tails[node])
             if freed >= num_pages or spare_only:
                 break
-            leaves = [(key(n), n) for n in unlocked if tails[n] and self.of(n).held
+            leaves = [n for n in unlocked if tails[n] and self.of(n).held
                       and not any(c.device_pages is not None for c in n.children.values())]
             if not leaves:
                 break
-            freed += self.tombstone(min(leaves, key=lambda kn: kn[0])[1])  # then its ancestors' share, above
+            freed += self.tombstone(min(leaves, key=key))  # then its ancestors' share, above
         if freed:
             logger.debug("tombstoned %d window pages", freed)
         return freed
