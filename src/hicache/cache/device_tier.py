@@ -120,12 +120,11 @@ class DeviceTier:
         for hn in host_nodes:
             self.tree.attach_device_pages(hn, new_pages[loaded : loaded + len(hn.host_pages)])
             loaded += len(hn.host_pages)
+        # Pages that a prefetch just brought from storage arrive as host hits: report them as such.
+        stored = min(storage_tokens, loaded * self.page_size)
         state = KVState(pages=np.concatenate([hit_pages, new_pages]), cached_pages=len(hit_pages) + loaded,
                         node=node, device_hit_tokens=len(hit_pages) * self.page_size,
-                        host_hit_tokens=loaded * self.page_size)
-        # Pages that a prefetch just brought from storage arrive as host hits: report them as such.
-        state.storage_hit_tokens = min(storage_tokens, state.host_hit_tokens)
-        state.host_hit_tokens -= state.storage_hit_tokens
+                        host_hit_tokens=loaded * self.page_size - stored, storage_hit_tokens=stored)
         state.refresh_slots(self.page_size)
         restored = []
         if self.windows is not None:
@@ -182,7 +181,7 @@ class DeviceTier:
         computed), free every other page the request held, drop its lock."""
         if self.windows is not None:
             prompt_end = state.window.keep[1]  # where its prompt's checkpoint ends (admission set it)
-            if self.tree is not None and state.cached_pages < prompt_end < len(tokens) // self.page_size:
+            if prompt_end < len(tokens) // self.page_size:
                 # the prompt's checkpoint ends a node of its own: a host copy keeps each node end's window
                 self.cache_prefix(namespace, tokens[: prompt_end * self.page_size], state)
             self.windows.trim_for_release(state, len(tokens))  # the tree gets the checkpoint's window only

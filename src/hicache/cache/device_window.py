@@ -139,17 +139,17 @@ class DeviceWindows:
         budget = self.budget(forward_tokens, len(state.pages))
         self.reserved += budget
         self.held_pages += len(state.pages)
-        device_hit, hit = len(device_window) if device_window is not None else 0, state.cached_pages
+        device_hit = len(device_window) if device_window is not None else 0
         prompt_end = (prompt_tokens - 1) // self.page_size  # the last boundary a match of the prompt reaches
         # the lock was taken before allocating: tombstoning spares the hit's window
         state.window = WindowHold(np.zeros(len(state.pages), dtype=np.int64), budget=budget,
-                                  lock=lock, keep=(self.first_page(prompt_end * self.page_size), prompt_end))
+                                  lock=lock, keep=(self.tail_page(prompt_tokens), prompt_end))
         if device_hit:
             state.window.pages[:device_hit] = device_window
         if arriving:
             self._hold_tail(state, prompt_tokens)
             return []
-        restored = self._from_host(state, self.first_page(hit * self.page_size), device_hit, host_nodes)
+        restored = self._from_host(state, self.first_page(state.cached_pages * self.page_size), device_hit, host_nodes)
         state.window.slots = self._slots(state.window.pages)
         return restored
 

@@ -246,10 +246,8 @@ class RadixCache(LeafEviction):
         self._roots.clear()
         if self.observer is not None:
             self.observer.on_reset()
-        self.evictable_pages = 0
+        self.evictable_pages = 0  # (each component's counters went down with the nodes it dropped)
         self.host_pages_held = 0
-        for c in self.components:
-            c.reset()
 
     # ---- introspection -------------------------------------------------------------------
     @property

@@ -186,9 +186,6 @@ class TreeWindows:
         """Device eviction takes leaves whose window KV is all tombstoned first (no match can end in them)."""
         return (self.of(node).held > 0,)
 
-    def reset(self) -> None:
-        self.held_pages = 0
-
     def check(self, nodes: list[TreeNode]) -> None:
         """Window pages only beside device pages (host ones beside host pages), one per page, none
         shared; a window lock only on a locked node (a request locks its whole path)."""
