@@ -108,9 +108,7 @@ class LeafEviction(PageTree):
     def delete_subtree(self, node: TreeNode) -> None:
         """Unlink ``node``; free the host pages of it and everything below (none is on device)."""
         del node.parent.children[self._page_key(node.key, 0)]
-        stack = [node]
-        while stack:
-            n = stack.pop()
+        for n in self.all_nodes(node):
             assert n.device_pages is None and n.lock_ref == 0 and n.host_ref == 0, f"{n}: deleting live data"
             if self.observer is not None:
                 self.observer.on_delete(n)
@@ -120,4 +118,3 @@ class LeafEviction(PageTree):
                 n.host_pages = None
                 for component in self.components:
                     component.drop_host(n)
-            stack.extend(n.children.values())

@@ -132,9 +132,9 @@ class PageTree:
     def roots(self) -> list[TreeNode]:
         return list(self._roots.values())
 
-    def all_nodes(self) -> Iterator[TreeNode]:
-        """Every node of every namespace, roots included."""
-        stack = list(self._roots.values())
+    def all_nodes(self, top: TreeNode | None = None) -> Iterator[TreeNode]:
+        """Every node of every namespace, roots included (``top``: of its subtree, itself included)."""
+        stack = list(self._roots.values()) if top is None else [top]
         while stack:
             node = stack.pop()
             yield node
