@@ -97,13 +97,25 @@ class LeafEviction(PageTree):
             self.backup_on_evict(node)
         freed = node.num_pages
         self.evictable_pages -= freed
+        self.drop_device(node)
+        if node.host_pages is None:
+            self.delete_subtree(node)
+        return freed
+
+    def drop_device(self, node: TreeNode) -> None:
+        """Free ``node``'s device copy (its components' device pages with it); the caller keeps the counters."""
         self.allocator.free(node.device_pages)
         for component in self.components:
             component.drop_device(node)
         node.device_pages = None
-        if node.host_pages is None:
-            self.delete_subtree(node)
-        return freed
+
+    def drop_host(self, node: TreeNode) -> None:
+        """Free ``node``'s host copy (its components' host pages with it)."""
+        self.host_allocator.free(node.host_pages)
+        self.host_pages_held -= len(node.host_pages)
+        node.host_pages = None
+        for component in self.components:
+            component.drop_host(node)
 
     def delete_subtree(self, node: TreeNode) -> None:
         """Unlink ``node``; free the host pages of it and everything below (none is on device)."""
@@ -113,8 +125,4 @@ class LeafEviction(PageTree):
             if self.observer is not None:
                 self.observer.on_delete(n)
             if n.host_pages is not None:
-                self.host_allocator.free(n.host_pages)
-                self.host_pages_held -= len(n.host_pages)
-                n.host_pages = None
-                for component in self.components:
-                    component.drop_host(n)
+                self.drop_host(n)

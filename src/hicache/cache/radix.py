@@ -236,18 +236,13 @@ class RadixCache(LeafEviction):
             raise RuntimeError(f"cannot reset the cache while {self.protected_pages} pages are locked")
         for node in self.all_nodes():
             if not node.is_root and node.device_pages is not None:
-                self.allocator.free(node.device_pages)
-                for c in self.components:
-                    c.drop_device(node)
+                self.drop_device(node)
             if not node.is_root and node.host_pages is not None:
-                self.host_allocator.free(node.host_pages)
-                for c in self.components:
-                    c.drop_host(node)
+                self.drop_host(node)
         self._roots.clear()
         if self.observer is not None:
             self.observer.on_reset()
-        self.evictable_pages = 0  # (each component's counters went down with the nodes it dropped)
-        self.host_pages_held = 0
+        self.evictable_pages = 0  # (host_pages_held and each component's counters went down with the drops)
 
     # ---- introspection -------------------------------------------------------------------
     @property
