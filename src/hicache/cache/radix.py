@@ -184,6 +184,7 @@ class RadixCache(LeafEviction):
 
     # ---- refs and page accounting ------------------------------------------------------
     def _count(self, node: TreeNode, sign: int) -> None:
+        """Add (``sign`` +1) or take (-1) ``node``'s device pages to or from the counter its lock puts them in."""
         if node.lock_ref > 0:
             self.protected_pages += sign * node.num_pages
         else:
@@ -191,19 +192,17 @@ class RadixCache(LeafEviction):
 
     def inc_lock_ref(self, node: TreeNode) -> None:
         for n in node.lineage():
-            if n.lock_ref == 0:
-                self.evictable_pages -= n.num_pages
-                self.protected_pages += n.num_pages
+            self._count(n, -1)
             n.lock_ref += 1
+            self._count(n, +1)
 
     def dec_lock_ref(self, node: TreeNode) -> None:
         for n in node.lineage():
             if n.lock_ref <= 0:
                 raise RuntimeError(f"unlock of an unlocked node {n}")
+            self._count(n, -1)
             n.lock_ref -= 1
-            if n.lock_ref == 0:
-                self.protected_pages -= n.num_pages
-                self.evictable_pages += n.num_pages
+            self._count(n, +1)
 
     def inc_host_ref(self, node: TreeNode) -> None:
         """Protect the host copies of ``node`` and its ancestors from L2 eviction."""
