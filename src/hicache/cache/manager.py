@@ -176,8 +176,7 @@ class KVCacheManager:
     def window_tail(self, prompt_tokens: int) -> int | None:
         """A hybrid pool: the first token of a prompt's fresh SWA tail (the window its checkpoint and
         first decode step read), which P/D moves for the window layers; None without a window pool."""
-        windows = self.device.windows
-        return None if windows is None else windows.tail_page(prompt_tokens) * self.page_size
+        return None if self.device.windows is None else self.device.windows.tail_page(prompt_tokens) * self.page_size
 
     def pages_for(self, num_tokens: int) -> int:
         return self.device.pages_for(num_tokens)
