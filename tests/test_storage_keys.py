@@ -182,6 +182,7 @@ def test_cache_manager_digest_and_chain_are_pinned(shard, ns):
     """The manager feeds the builder its pool's fields, and continues chains along tree nodes
     (a path cut into two nodes by a second insert) to the same keys."""
     from hicache.cache.manager import KVCacheManager, RankLayout
+    from hicache.cache.storage_tier import node_hashes
 
     digest_hex, keys = PIN[(shard, ns)]
     cache = KVCacheManager(_pin_pool(), layout=RankLayout(shard=shard))
@@ -192,7 +193,7 @@ def test_cache_manager_digest_and_chain_are_pinned(shard, ns):
     tree.insert(ns, other, cache.allocator.alloc(2))  # splits the first node after page 1
     lower = tree.node_at(ns, PIN_TOKENS[:12])
     assert len(lower.key) == 8 and lower.parent.parent.is_root
-    assert [object_key(h) for h in cache._node_hashes(lower)] == keys[1:]
+    assert [object_key(h) for h in node_hashes(lower, cache.keys)] == keys[1:]
     assert [object_key(h) for h in lower.parent.hash_values] == keys[:1]  # kept on the node
 
 

@@ -120,12 +120,11 @@ class DeviceTier:
         for hn in host_nodes:
             self.tree.attach_device_pages(hn, new_pages[loaded : loaded + len(hn.host_pages)])
             loaded += len(hn.host_pages)
+        # Pages that a prefetch just brought from storage arrive as host hits: report them as such.
+        stored = min(storage_tokens, loaded * self.page_size)
         state = KVState(pages=np.concatenate([hit_pages, new_pages]), cached_pages=len(hit_pages) + loaded,
                         node=node, device_hit_tokens=len(hit_pages) * self.page_size,
-                        host_hit_tokens=loaded * self.page_size)
-        # Pages that a prefetch just brought from storage arrive as host hits: report them as such.
-        state.storage_hit_tokens = min(storage_tokens, state.host_hit_tokens)
-        state.host_hit_tokens -= state.storage_hit_tokens
+                        host_hit_tokens=loaded * self.page_size - stored, storage_hit_tokens=stored)
         state.refresh_slots(self.page_size)
         restored = []
         if self.windows is not None:
@@ -161,14 +160,9 @@ class DeviceTier:
     def cache_prefix(self, namespace: str, tokens: np.ndarray, state: KVState) -> None:
         """Insert the whole pages of ``tokens`` (whose KV is computed) into the tree and move
         the request's lock to the new boundary, so concurrent requests can share it."""
-        if self.tree is None:
-            return
         n_pages = len(tokens) // self.page_size
-        if n_pages <= state.cached_pages:
-            return
-        if self.windows is not None:
-            self.windows.before_insert(state)  # placed again over the new boundary below
-        if not self._insert(namespace, tokens[: n_pages * self.page_size], state):
+        if self.tree is None or n_pages <= state.cached_pages or \
+                not self._insert(namespace, tokens[: n_pages * self.page_size], state):
             return
         match = self.tree.match_prefix(namespace, tokens[: n_pages * self.page_size])
         assert len(match.device_pages) == n_pages, "inserted prefix must match in full"
@@ -185,18 +179,16 @@ class DeviceTier:
     def release(self, namespace: str, tokens: np.ndarray, state: KVState) -> None:
         """The request is done: cache the whole pages of ``tokens`` (those whose KV is
         computed), free every other page the request held, drop its lock."""
-        keep = 0
         if self.windows is not None:
-            prompt_end = state.window.keep[1] if state.window.keep is not None else 0  # (admission set its hold)
-            if self.tree is not None and state.cached_pages < prompt_end < len(tokens) // self.page_size:
+            prompt_end = state.window.keep[1]  # where its prompt's checkpoint ends (admission set it)
+            if prompt_end < len(tokens) // self.page_size:
                 # the prompt's checkpoint ends a node of its own: a host copy keeps each node end's window
                 self.cache_prefix(namespace, tokens[: prompt_end * self.page_size], state)
             self.windows.trim_for_release(state, len(tokens))  # the tree gets the checkpoint's window only
-            self.windows.before_insert(state)
-        if self.tree is not None:
-            keep = len(tokens) // self.page_size
-            if keep <= state.cached_pages or not self._insert(namespace, tokens[: keep * self.page_size], state):
-                keep = state.cached_pages
+        keep = len(tokens) // self.page_size  # (no tree: no page is cached)
+        if self.tree is None or keep <= state.cached_pages or \
+                not self._insert(namespace, tokens[: keep * self.page_size], state):
+            keep = state.cached_pages
         self.allocator.free(state.pages[keep:])
         if self.windows is not None:
             self.windows.release(state)

@@ -21,6 +21,7 @@ Units: pages unless named tokens; page indices count from the sequence's start.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -28,10 +29,10 @@ import numpy as np
 import torch
 
 from .placement import alloc_evicting
-from .pools import DeviceKVPool, PageAllocator, SharedWindowAllocator, pages_to_slots
+from .pools import DeviceKVPool, PageAllocator, SharedWindowAllocator, free_held, pages_to_slots
 from .radix import RadixCache
 from .tiers import CacheStats
-from .window_tree import window_first_page
+from .window_tree import path_spans, window_first_page
 
 
 def window_footprint(window: int, page_size: int, forward_tokens: int) -> int:
@@ -46,11 +47,8 @@ def window_footprint(window: int, page_size: int, forward_tokens: int) -> int:
 
 def largest_forward(window: int, page_size: int, pages: int) -> int:
     """The most tokens (whole pages, >= 0) one forward may add for a request's footprint to fit in
-    ``pages`` window pages."""
-    n = (pages - window_footprint(window, page_size, 0)) * page_size
-    while n > 0 and window_footprint(window, page_size, n) > pages:
-        n -= page_size
-    return max(n, 0)
+    ``pages`` window pages: each page a forward adds grows the footprint by exactly one page."""
+    return max(pages - window_footprint(window, page_size, 0), 0) * page_size
 
 
 @dataclass
@@ -58,15 +56,14 @@ class WindowHold:
     """One request's hold on the window component (``KVState.window``). ``pages[i]``: page i's window
     page (0: not held for this request), the tree's below the state's ``cached_pages`` (locked from
     ``lock``'s first page to its end page through the state's node), its own above; ``slots``: their
-    slots in order (``[groups, tokens]`` on shared blocks); ``budget``: window pages reserved;
-    ``held``: a shared pool's pages counted in ``DeviceWindows.held_pages``; ``keep``: the page range
+    slots in order (``[groups, tokens]`` on shared blocks); ``budget``: window pages reserved (its
+    ``len(pages)`` pages are counted in ``DeviceWindows.held_pages``); ``keep``: the page range
     of its own window pages kept to the end (its prompt's checkpoint); ``arrival`` (P/D decode):
     (first token, slot per token) where the prompt's window tail arrives."""
 
     pages: np.ndarray
     slots: torch.Tensor | None = None
     budget: int = 0
-    held: int = 0
     lock: tuple[int, int] | None = None  # (end page, first page) of the tree span window-locked
     keep: tuple[int, int] | None = None
     arrival: tuple[int, torch.Tensor] | None = None
@@ -128,9 +125,8 @@ class DeviceWindows:
         first = self.first_page(end_page * self.page_size) if arriving is None else self.tail_page(arriving)
         if first >= end_page:
             return None
-        lock = (end_page, first)
-        self.cached.lock(node, *lock)
-        return lock
+        self.cached.lock(node, end_page, first)
+        return end_page, first
 
     def admit(self, state, lock: tuple[int, int] | None, device_window: np.ndarray | None, host_nodes: list,
               forward_tokens: int, prompt_tokens: int, arriving: bool = False) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -143,17 +139,17 @@ class DeviceWindows:
         budget = self.budget(forward_tokens, len(state.pages))
         self.reserved += budget
         self.held_pages += len(state.pages)
-        device_hit, hit = len(device_window) if device_window is not None else 0, state.cached_pages
+        device_hit = len(device_window) if device_window is not None else 0
         prompt_end = (prompt_tokens - 1) // self.page_size  # the last boundary a match of the prompt reaches
         # the lock was taken before allocating: tombstoning spares the hit's window
-        state.window = WindowHold(np.zeros(len(state.pages), dtype=np.int64), budget=budget, held=len(state.pages),
-                                  lock=lock, keep=(self.first_page(prompt_end * self.page_size), prompt_end))
+        state.window = WindowHold(np.zeros(len(state.pages), dtype=np.int64), budget=budget,
+                                  lock=lock, keep=(self.tail_page(prompt_tokens), prompt_end))
         if device_hit:
             state.window.pages[:device_hit] = device_window
         if arriving:
             self._hold_tail(state, prompt_tokens)
             return []
-        restored = self._from_host(state, self.first_page(hit * self.page_size), device_hit, host_nodes)
+        restored = self._from_host(state, self.first_page(state.cached_pages * self.page_size), device_hit, host_nodes)
         state.window.slots = self._slots(state.window.pages)
         return restored
 
@@ -162,17 +158,11 @@ class DeviceWindows:
         the device does not (the match counted those as held): the device hit's tombstones, then the
         host hit's pages, given to their nodes; the (device, host) pairs of the device hit's to load
         (the host tier loads the host hit's with the rest)."""
-        spans, pos = [], device_hit  # (node, its first page, in the device hit): the device hit's nearest first
-        if first < device_hit and self.tree is not None:
-            for node in (host_nodes[0].parent if host_nodes else state.node).lineage():
-                if pos <= first:
-                    break
-                pos -= node.num_pages
-                spans.append((node, pos, True))
-        pos = device_hit
-        for node in host_nodes:  # then the host hit's, in path order
-            spans.append((node, pos, False))
-            pos += node.num_pages
+        # (node, its first page, in the device hit): the device hit's nearest first
+        last = host_nodes[0].parent if host_nodes else state.node
+        spans = [(node, start, True) for node, start in path_spans(last, device_hit, first, self.page_size)]
+        starts = itertools.accumulate((node.num_pages for node in host_nodes), initial=device_hit)
+        spans += [(node, start, False) for node, start in zip(host_nodes, starts)]  # then the host hit's, in path order
         loads = []
         for node, start, device_hit_node in spans:
             part = self.cached.of(node)
@@ -195,16 +185,13 @@ class DeviceWindows:
         ps, wp = self.page_size, state.window.pages
         tail, hit = self.tail_page(prompt_tokens), state.cached_pages
         arriving = np.zeros(len(wp), dtype=np.int64)
-        node, pos = state.node, hit
-        while node is not None and not node.is_root and pos > tail:  # the hit's part (split at the tail)
-            start = pos - node.num_pages
+        for node, start in path_spans(state.node, hit, tail, self.page_size):  # the hit's part (split at the tail)
             idx = np.arange(max(tail - start, 0), node.num_pages)
             node_window = self.cached.of(node).device  # filled in place by give()
             fresh = idx[node_window[idx] == 0]
             self.cached.give(node, fresh, self._alloc(len(fresh)))
             wp[start + idx] = node_window[idx]
             arriving[start + fresh] = node_window[fresh]
-            node, pos = node.parent, start
         own = np.arange(max(tail, hit), -(-prompt_tokens // ps))
         wp[own] = arriving[own] = self._alloc(len(own))
         state.window.arrival = (tail * ps, self._slots(arriving))
@@ -245,7 +232,9 @@ class DeviceWindows:
 
     def offered(self, state, n_pages: int) -> np.ndarray:
         """The window pages an insert of the first ``n_pages`` gives the tree: the request's own
-        (from its cached boundary on), 0 for the pages the tree has (it keeps its own)."""
+        (from its cached boundary on), 0 for the pages the tree has (it keeps its own). Its window
+        lock comes off first (:meth:`after_insert` places it again over the new boundary)."""
+        self.before_insert(state)
         offer = state.window.pages[:n_pages].copy()
         offer[:state.cached_pages] = 0
         state.window.pages[state.cached_pages:n_pages] = 0  # handed over: the tree keeps or frees each
@@ -263,12 +252,10 @@ class DeviceWindows:
     def release(self, state) -> None:
         """The request is done: every window page it still owns goes back, its reservation too."""
         self.before_insert(state)
-        state.window.keep = None
-        self._free_own(state, len(state.window.pages))
+        self._free_own(state, len(state.window.pages))  # its prompt's checkpoint too
         self.reserved -= state.window.budget
         state.window.budget = 0
-        self.held_pages -= state.window.held
-        state.window.held = 0
+        self.held_pages -= len(state.window.pages)
 
     def trim_for_release(self, state, computed: int) -> None:
         """Before the final insert: free own pages behind the window of the last boundary of the
@@ -326,10 +313,7 @@ class DeviceWindows:
         own[state.cached_pages:before] = True
         if state.window.keep is not None and before < len(state.window.pages):
             own[slice(*state.window.keep)] = False
-        drop = own & (state.window.pages != 0)
-        if drop.any():
-            self.allocator.free(state.window.pages[drop])
-            state.window.pages[drop] = 0
+        free_held(self.allocator, state.window.pages, own)
 
     def usage(self) -> dict:
         """The window component's pages and bytes (``/stats``' ``window``; the device tier's own fields are

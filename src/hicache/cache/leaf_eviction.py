@@ -25,8 +25,8 @@ class LeafEviction(PageTree):
     """A page tree with its device and host pages counted, and device eviction: it frees the
     tree's device pages (and its components') and keeps the page counters right while doing so."""
 
-    def __init__(self, page_size: int, allocator: PageAllocator, host_allocator: PageAllocator | None,
-                 eviction_policy: str) -> None:
+    def __init__(self, page_size: int, allocator: PageAllocator, eviction_policy: str = "lru",
+                 host_allocator: PageAllocator | None = None) -> None:
         if eviction_policy not in ("lru", "lfu"):
             raise ValueError(f"unknown eviction policy {eviction_policy!r}")
         super().__init__(page_size)
@@ -97,27 +97,32 @@ class LeafEviction(PageTree):
             self.backup_on_evict(node)
         freed = node.num_pages
         self.evictable_pages -= freed
-        self.allocator.free(node.device_pages)
-        for component in self.components:
-            component.drop_device(node)
-        node.device_pages = None
+        self.drop_device(node)
         if node.host_pages is None:
             self.delete_subtree(node)
         return freed
 
+    def drop_device(self, node: TreeNode) -> None:
+        """Free ``node``'s device copy (its components' device pages with it); the caller keeps the counters."""
+        self.allocator.free(node.device_pages)
+        for component in self.components:
+            component.drop_device(node)
+        node.device_pages = None
+
+    def drop_host(self, node: TreeNode) -> None:
+        """Free ``node``'s host copy (its components' host pages with it)."""
+        self.host_allocator.free(node.host_pages)
+        self.host_pages_held -= len(node.host_pages)
+        node.host_pages = None
+        for component in self.components:
+            component.drop_host(node)
+
     def delete_subtree(self, node: TreeNode) -> None:
         """Unlink ``node``; free the host pages of it and everything below (none is on device)."""
         del node.parent.children[self._page_key(node.key, 0)]
-        stack = [node]
-        while stack:
-            n = stack.pop()
+        for n in self.all_nodes(node):
             assert n.device_pages is None and n.lock_ref == 0 and n.host_ref == 0, f"{n}: deleting live data"
             if self.observer is not None:
                 self.observer.on_delete(n)
             if n.host_pages is not None:
-                self.host_allocator.free(n.host_pages)
-                self.host_pages_held -= len(n.host_pages)
-                n.host_pages = None
-                for component in self.components:
-                    component.drop_host(n)
-            stack.extend(n.children.values())
+                self.drop_host(n)

@@ -32,9 +32,8 @@ from .storage.keys import OBJECT_LAYOUT_V1, KeyNamespace
 from .storage.page_objects import DRAFT_PREFIX, WINDOW_SUFFIX, GridCell
 from .storage.prefetch_backup import Agree, PrefetchOp
 from .storage.unified import Cell, RankObjects, RankShard, StorageGrid, UnifiedPlan
-from .storage_tier import StorageTier, consume_prefetch_acks, node_hashes
+from .storage_tier import StorageTier, consume_prefetch_acks
 from .tiers import WRITE_POLICIES, CachePolicy, CacheStats, Tier
-from .tree_node import TreeNode
 
 __all__ = ["CachePolicy", "KVCacheManager", "KVState", "CacheStats", "RankLayout", "WRITE_POLICIES"]
 
@@ -72,8 +71,6 @@ class _KVView:
             self.window_group = pool.windows.group  # each sliding group reads slots of its own (issue 56)
         if controller is None:
             self.wait_layer, self.layer_ready = pool.wait_layer, pool.layer_ready
-        elif offset == 0:
-            self.wait_layer, self.layer_ready = controller.wait_layer, controller.layer_ready
         else:
             self.wait_layer = lambda layer: controller.wait_layer(offset + layer)
             self.layer_ready = lambda layer: controller.layer_ready(offset + layer)
@@ -156,21 +153,19 @@ class KVCacheManager:
         # usable pages of a hybrid pool's window component (0: none)
         self.window_capacity_pages = self.device.windows.allocator.capacity if self.device.windows is not None else 0
         self.keys = _key_namespace(pool, layout.shard, unified)
-        self.host: HostTier | None = None
+        self.host: HostTier | None = None if host_pool is None else HostTier(
+            pool, host_pool, self.host_allocator, self.tree, policy, self.stats, shard_view,
+            [sidecar] if sidecar else [])
         self.storage_tier: StorageTier | None = None
-        self.tiers: list[Tier] = []  # the lower tiers, top down
-        if host_pool is not None:
-            self.host = HostTier(pool, host_pool, self.host_allocator, self.tree, policy, self.stats, shard_view,
-                                 [sidecar] if sidecar else [])
-            self.device.lower = self.host
-            self.tiers.append(self.host)
         if storage is not None:
             objects, window_objects = _grid_objects(host_pool, unified, sidecar[1] if sidecar else None,
                                                     len(pool.k_buffers)) if unified else (None, None)
             self.storage_tier = StorageTier(storage, self.host, self.keys, layout.storage_agree, policy, shard_view,
                                             objects, window_objects)
             self.host.lower = self.storage_tier
-            self.tiers.append(self.storage_tier)
+        self.device.lower = self.host
+        # the lower tiers, top down
+        self.tiers: list[Tier] = [t for t in (self.host, self.storage_tier) if t is not None]
         if self.host is not None and self.device.windows is not None:
             self.device.windows.settle_backups = self._settle_host
         self.controller = self.host.controller if self.host is not None else None
@@ -181,8 +176,7 @@ class KVCacheManager:
     def window_tail(self, prompt_tokens: int) -> int | None:
         """A hybrid pool: the first token of a prompt's fresh SWA tail (the window its checkpoint and
         first decode step read), which P/D moves for the window layers; None without a window pool."""
-        windows = self.device.windows
-        return None if windows is None else windows.tail_page(prompt_tokens) * self.page_size
+        return None if self.device.windows is None else self.device.windows.tail_page(prompt_tokens) * self.page_size
 
     def pages_for(self, num_tokens: int) -> int:
         return self.device.pages_for(num_tokens)
@@ -266,8 +260,6 @@ class KVCacheManager:
         """Submit and consume every transfer, storage writes included, waiting for them (flush
         and shutdown only: storage calls are bounded by their deadlines, see storage.guard).
         Tier by tier: host backups consumed first may queue storage writes."""
-        if not self.tiers:
-            return
         self.submit_transfers()
         for tier in self.tiers:
             self.consume_acks(tier.pending_acks())
@@ -283,9 +275,6 @@ class KVCacheManager:
     def ns_digest(self, namespace: str) -> bytes:
         """Head of the hash chain of ``namespace`` on this rank (see :class:`KeyNamespace`)."""
         return self.keys.digest(namespace)
-
-    def _node_hashes(self, node: TreeNode) -> list[bytes]:
-        return node_hashes(node, self.keys)
 
     def start_prefetch(self, namespace: str, tokens: np.ndarray) -> PrefetchOp | None:
         """Ask storage for the prompt's pages past what the device and host tiers hold, if the

@@ -10,6 +10,7 @@ tokens themselves.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
@@ -46,19 +47,16 @@ class NgramTable:
     def __init__(self, n: int, per_key: int) -> None:
         self.n = n
         self.per_key = per_key
-        self._places: dict[int, list[int]] = {}
+        self._places: defaultdict[int, list[int]] = defaultdict(list)
 
     def add(self, keys: Iterable[int], places: Iterable[int]) -> None:
         """Record each key's place, in order (later ones are more recent)."""
         table, cap = self._places, self.per_key
         for key, place in zip(keys, places):
-            entry = table.get(key)
-            if entry is None:
-                table[key] = [place]
-            else:
-                entry.append(place)
-                if len(entry) > cap:
-                    del entry[0]
+            entry = table[key]
+            entry.append(place)
+            if len(entry) > cap:
+                del entry[0]
 
     def remove(self, keys: Iterable[int], places: Iterable[int]) -> None:
         """Forget these places (those still held: a common key may have dropped them already)."""

@@ -125,19 +125,6 @@ class PageTree:
         arr = np.asarray(tokens, dtype=np.int32)
         return arr[: len(arr) - len(arr) % self.page_size]
 
-    def node_at(self, namespace: str, tokens) -> TreeNode | None:
-        """The node whose path ends exactly after ``tokens`` (whole pages), or None. Read-only:
-        no split, no recency update."""
-        tokens = self._as_tokens(tokens)
-        node = self._roots.get(namespace)
-        pos = 0
-        while node is not None and pos < len(tokens):
-            node = node.children.get(self._page_key(tokens, pos))
-            if node is None or self._common_pages(node.key, tokens, pos) != len(node.key):
-                return None
-            pos += len(node.key)
-        return node
-
     def key_pages(self, node: TreeNode) -> int:
         """``node``'s length in pages, whichever tiers hold it (``num_pages`` counts device pages)."""
         return len(node.key) // self.page_size
@@ -145,9 +132,9 @@ class PageTree:
     def roots(self) -> list[TreeNode]:
         return list(self._roots.values())
 
-    def all_nodes(self) -> Iterator[TreeNode]:
-        """Every node of every namespace, roots included."""
-        stack = list(self._roots.values())
+    def all_nodes(self, top: TreeNode | None = None) -> Iterator[TreeNode]:
+        """Every node of every namespace, roots included (``top``: of its subtree, itself included)."""
+        stack = list(self._roots.values()) if top is None else [top]
         while stack:
             node = stack.pop()
             yield node

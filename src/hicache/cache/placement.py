@@ -146,11 +146,10 @@ class GatherPlan:
         width = int(counts.max()) if len(pages) else 0
         contributions = [np.zeros(width, dtype=np.int64) for _ in range(placement.num_shards)]
         page_table = np.empty(len(pages), dtype=np.int64)
-        filled = [0] * placement.num_shards
-        for i, (page, owner) in enumerate(zip(pages.tolist(), owners.tolist())):
-            contributions[owner][filled[owner]] = placement.local_page(page)
-            page_table[i] = owner * width + filled[owner]
-            filled[owner] += 1
+        for owner, local in enumerate(contributions):  # each rank's pages, in sequence order
+            idx = np.flatnonzero(owners == owner)
+            local[: len(idx)] = placement.local_page(pages[idx])
+            page_table[idx] = owner * width + np.arange(len(idx))
         return cls(contributions, page_table)
 
 

@@ -90,6 +90,16 @@ class SharedWindowAllocator:
         self.table[:] = 0
 
 
+def free_held(allocator: PageAllocator | SharedWindowAllocator, pages: np.ndarray,
+              where: slice | np.ndarray = slice(None)) -> int:
+    """Free the held (nonzero) entries of ``pages[where]`` and zero them (tombstones). Returns how many."""
+    held = pages[where]
+    held = held[held != 0]
+    allocator.free(held)
+    pages[where] = 0
+    return len(held)
+
+
 def pages_to_slots(pages: np.ndarray, page_size: int, num_tokens: int | None = None) -> torch.Tensor:
     """Slots of the first ``num_tokens`` tokens stored in ``pages`` (all of them by default)."""
     pages_t = torch.as_tensor(np.asarray(pages, dtype=np.int64))

@@ -25,6 +25,7 @@ change (:class:`~.tree_node.TreeComponent`): a match ends where every component 
 
 from __future__ import annotations
 
+import bisect
 import itertools
 
 import numpy as np
@@ -32,7 +33,6 @@ import numpy as np
 from ..consensus_record import consensus_check
 from .leaf_eviction import LeafEviction
 from .page_tree import EMPTY_PAGES
-from .pools import PageAllocator
 from .tree_node import MatchResult, PeekResult, TreeNode, check_nodes
 from .window_tree import TreeWindows
 
@@ -40,10 +40,6 @@ from .window_tree import TreeWindows
 class RadixCache(LeafEviction):
     """The prefix index of every tier: match / insert / lock / evict over logical token pages.
     It keeps each node's tier state consistent; when to copy between tiers is the tiers' policy."""
-
-    def __init__(self, page_size: int, allocator: PageAllocator, eviction_policy: str = "lru",
-                 host_allocator: PageAllocator | None = None) -> None:
-        super().__init__(page_size, allocator, host_allocator, eviction_policy)
 
     @property
     def windows(self) -> TreeWindows | None:
@@ -76,21 +72,12 @@ class RadixCache(LeafEviction):
                 break
         if cut and self.components:
             usable = min(c.usable(path, device, host) for c in self.components)
-            if usable < device + host:
-                path, n = self._path_to(path, usable)
+            if usable < device + host:  # the nodes that start before ``usable``, the last matched in part
+                starts = [0, *itertools.accumulate(len(node.key) for node in path)]
+                k = bisect.bisect_left(starts, usable, hi=len(path))
+                path, n = path[:k], usable - starts[k - 1] if k else 0
                 device, host = min(device, usable), max(0, usable - device)
         return path, device, host, n
-
-    def _path_to(self, path: list[TreeNode], tokens: int) -> tuple[list[TreeNode], int]:
-        """``path`` cut after its first ``tokens`` tokens: the nodes reached, and the tokens
-        matched in the last of them."""
-        out, pos = [], 0
-        for node in path:
-            if pos >= tokens:
-                break
-            out.append(node)
-            pos += len(node.key)
-        return out, (len(out[-1].key) - (pos - tokens)) if out else 0
 
     @consensus_check("tree.match_prefix", args=lambda self, ns, tokens, cut=True: (ns, len(tokens), cut),
                      result=lambda m: (m.device_hit_tokens, m.host_hit_tokens))
@@ -123,6 +110,15 @@ class RadixCache(LeafEviction):
         path, device, host, n = self._walk(namespace, self._as_tokens(tokens))
         return PeekResult(device, host, path[-1] if path else None, n // self.page_size if path else 0)
 
+    def node_at(self, namespace: str, tokens) -> TreeNode | None:
+        """The node whose path ends exactly after ``tokens`` (whole pages), or None. Read-only:
+        no split, no recency update."""
+        tokens = self._as_tokens(tokens)
+        path, device, host, n = self._walk(namespace, tokens, cut=False)
+        if not path:
+            return self._roots.get(namespace) if len(tokens) == 0 else None
+        return path[-1] if device + host == len(tokens) and n == len(path[-1].key) else None
+
     def insert(self, namespace: str, tokens, pages: np.ndarray, parts: dict[str, np.ndarray] | None = None) -> int:
         """Insert ``tokens`` (whole pages) whose KV lives in device ``pages`` (and, per component
         of the tree, its pages in ``parts[name]``: a hybrid tree's window pages, 0 where the caller
@@ -145,32 +141,22 @@ class RadixCache(LeafEviction):
         on_device: int | None = None  # where the device-resident prefix ends
         while pos < len(tokens):
             child = self._child(node, tokens, pos)
-            first = pos // self.page_size
-            if child is None:
-                leaf = self._leaf(node, tokens[pos:])
-                leaf.device_pages = pages[first:].copy()
-                self._adopt(leaf, parts, first, None, fresh=True)
-                self.evictable_pages += leaf.num_pages
-                return pos if on_device is None else on_device
-            n = len(child.key)
-            self._touch(child)  # after the split (see match_prefix)
-            end = (pos + n) // self.page_size
-            if child.device_pages is None:
-                # A node whose device copy was evicted adopts the caller's pages. Eviction is
-                # leaf-first, so everything below it is device-less too: the device prefix ends here.
-                child.device_pages = pages[first:end].copy()
-                self._adopt(child, parts, first, end, fresh=True)
-                self._count(child, +1)
-                if on_device is None:
-                    on_device = pos
+            if child is None:  # the rest is a new leaf
+                child = self._leaf(node, tokens[pos:])
             else:
-                self._adopt(child, parts, first, end, fresh=False)  # fills the node's tombstones
-            node, pos = child, pos + n
+                self._touch(child)  # after the split (see match_prefix)
+            first, end = pos // self.page_size, (pos + len(child.key)) // self.page_size
+            fresh = child.device_pages is None
+            if fresh:
+                # A new leaf, or a node whose device copy was evicted, adopts the caller's pages. Eviction
+                # is leaf-first, so everything below it is device-less too: the device prefix ends here.
+                child.device_pages = pages[first:end].copy()
+                self._count(child, +1)
+                on_device = pos if on_device is None else on_device
+            for c in self.components:  # an old node's: fills its tombstones
+                c.adopt(child, parts[c.name][first:end], fresh)
+            node, pos = child, pos + len(child.key)
         return pos if on_device is None else on_device
-
-    def _adopt(self, node: TreeNode, parts: dict[str, np.ndarray], first: int, end: int | None, fresh: bool) -> None:
-        for c in self.components:
-            c.adopt(node, parts[c.name][first:end], fresh)
 
     def insert_host(self, namespace: str, tokens, host_pages: np.ndarray, start_page: int,
                     hashes: list[bytes] | None = None) -> int:
@@ -198,6 +184,7 @@ class RadixCache(LeafEviction):
 
     # ---- refs and page accounting ------------------------------------------------------
     def _count(self, node: TreeNode, sign: int) -> None:
+        """Add (``sign`` +1) or take (-1) ``node``'s device pages to or from the counter its lock puts them in."""
         if node.lock_ref > 0:
             self.protected_pages += sign * node.num_pages
         else:
@@ -205,19 +192,17 @@ class RadixCache(LeafEviction):
 
     def inc_lock_ref(self, node: TreeNode) -> None:
         for n in node.lineage():
-            if n.lock_ref == 0:
-                self.evictable_pages -= n.num_pages
-                self.protected_pages += n.num_pages
+            self._count(n, -1)
             n.lock_ref += 1
+            self._count(n, +1)
 
     def dec_lock_ref(self, node: TreeNode) -> None:
         for n in node.lineage():
             if n.lock_ref <= 0:
                 raise RuntimeError(f"unlock of an unlocked node {n}")
+            self._count(n, -1)
             n.lock_ref -= 1
-            if n.lock_ref == 0:
-                self.protected_pages -= n.num_pages
-                self.evictable_pages += n.num_pages
+            self._count(n, +1)
 
     def inc_host_ref(self, node: TreeNode) -> None:
         """Protect the host copies of ``node`` and its ancestors from L2 eviction."""
@@ -250,20 +235,13 @@ class RadixCache(LeafEviction):
             raise RuntimeError(f"cannot reset the cache while {self.protected_pages} pages are locked")
         for node in self.all_nodes():
             if not node.is_root and node.device_pages is not None:
-                self.allocator.free(node.device_pages)
-                for c in self.components:
-                    c.drop_device(node)
+                self.drop_device(node)
             if not node.is_root and node.host_pages is not None:
-                self.host_allocator.free(node.host_pages)
-                for c in self.components:
-                    c.drop_host(node)
+                self.drop_host(node)
         self._roots.clear()
         if self.observer is not None:
             self.observer.on_reset()
-        self.evictable_pages = 0
-        self.host_pages_held = 0
-        for c in self.components:
-            c.reset()
+        self.evictable_pages = 0  # (host_pages_held and each component's counters went down with the drops)
 
     # ---- introspection -------------------------------------------------------------------
     @property

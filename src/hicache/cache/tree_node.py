@@ -144,6 +144,4 @@ class TreeComponent(Protocol):
 
     def victim_rank(self, node: TreeNode) -> tuple: ...  # device eviction: order before the policy's key
 
-    def reset(self) -> None: ...  # every node went
-
     def check(self, nodes: list[TreeNode]) -> None: ...  # assert its per-node invariants and counters

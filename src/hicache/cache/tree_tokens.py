@@ -16,6 +16,7 @@ position of its last token inside one segment (places pack the segment id and th
 
 from __future__ import annotations
 
+import itertools
 from array import array
 from dataclasses import dataclass
 from typing import Iterator
@@ -62,22 +63,19 @@ class TreeTokenIndex:
         self._tables: dict[str, dict[int, NgramTable]] = {}
         self._segments: dict[int, Segment] = {}  # oldest first
         self._where: dict[int, tuple[Segment, int]] = {}  # node id -> (its segment, where it starts there)
-        self._next_id = 0
+        self._ids = itertools.count()
 
     # ---- the tree's hooks ------------------------------------------------------------------
     def on_leaf(self, node: TreeNode) -> None:
         """A new leaf: its key is a new segment."""
-        tokens = array("i")
-        tokens.frombytes(np.ascontiguousarray(node.key, dtype=np.int32).tobytes())
-        seg = Segment(self._next_id, node.namespace, tokens, 0)
-        self._next_id += 1
+        tokens = array("i", np.ascontiguousarray(node.key, dtype=np.int32).tobytes())
+        seg = Segment(next(self._ids), node.namespace, tokens, len(tokens))
         self._segments[seg.id] = seg
         self._where[node.id] = (seg, 0)
         tables = self._tables.setdefault(node.namespace, {n: NgramTable(n, self.per_key) for n in self.levels})
         base = seg.id << _SHIFT
         for n, table in tables.items():
             table.add(ngram_keys(node.key, n), range(base + n - 1, base + len(tokens)))
-        seg.alive = len(tokens)
         self.tokens_held += len(tokens)
         while self.tokens_held > self.capacity and len(self._segments) > 1:
             self._cut(next(iter(self._segments.values())), 0)

@@ -23,12 +23,12 @@ from __future__ import annotations
 import heapq
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
 from ..consensus_record import consensus_check
-from .pools import PageAllocator, SharedWindowAllocator
+from .pools import PageAllocator, SharedWindowAllocator, free_held
 from .tree_node import TreeNode
 
 if TYPE_CHECKING:
@@ -40,6 +40,16 @@ logger = logging.getLogger(__name__)
 def window_first_page(boundary_tokens: int, window: int, page_size: int) -> int:
     """First page whose window-layer KV a token at position ``boundary_tokens`` reads."""
     return max(0, boundary_tokens - window + 1) // page_size
+
+
+def path_spans(node: TreeNode | None, end: int, first: int, page_size: int) -> Iterator[tuple[TreeNode, int]]:
+    """``node`` (ending ``end`` pages into its namespace) and its ancestors that end after page ``first``,
+    nearest first, each with its first page. A caller may split the node it was given: the walk
+    goes on from the node's parent as it was."""
+    while end > first and not node.is_root:
+        start = end - len(node.key) // page_size
+        yield node, start
+        node, end = node.parent, start
 
 
 def usable_boundary(held: np.ndarray, window: int, page_size: int) -> int:
@@ -94,7 +104,6 @@ class TreeWindows:
         # set by a hybrid host tier (HostWindows): window pages of a fixed split, or shared blocks
         self.host_allocator: PageAllocator | SharedWindowAllocator | None = None
         self.held_pages = 0  # window pages the tree holds on the device
-        self.evicted_pages_total = 0
 
     def of(self, node: TreeNode) -> WindowPart:
         return node.parts[self.index]
@@ -162,14 +171,9 @@ class TreeWindows:
         """Free the window pages ``node`` holds among its first ``pages`` (default: all), leaving
         tombstones. Returns how many."""
         device = self.of(node).device
-        if device is None:
-            return 0
-        part = device[:pages]
-        held = part[part != 0]
-        self.allocator.free(held)
-        self.held_pages -= len(held)
-        part[:] = 0
-        return len(held)
+        freed = free_held(self.allocator, device, slice(pages)) if device is not None else 0
+        self.held_pages -= freed
+        return freed
 
     def drop_host(self, node: TreeNode) -> None:
         """Free ``node``'s host window pages (its host copy is gone)."""
@@ -181,9 +185,6 @@ class TreeWindows:
     def victim_rank(self, node: TreeNode) -> tuple:
         """Device eviction takes leaves whose window KV is all tombstoned first (no match can end in them)."""
         return (self.of(node).held > 0,)
-
-    def reset(self) -> None:
-        self.held_pages = 0
 
     def check(self, nodes: list[TreeNode]) -> None:
         """Window pages only beside device pages (host ones beside host pages), one per page, none
@@ -217,13 +218,8 @@ class TreeWindows:
 
     def free_host(self, node: TreeNode, idx: np.ndarray) -> int:
         """Free the host window pages of ``node``'s pages ``idx`` (its copy keeps the full KV). Returns how many."""
-        part = self.of(node)
-        held = part.host[idx] if part.host is not None else np.zeros(0, dtype=np.int64)
-        held = held[held != 0]
-        if len(held):
-            self.host_allocator.free(held)
-            part.host[idx] = 0
-        return len(held)
+        host = self.of(node).host
+        return free_held(self.host_allocator, host, idx) if host is not None else 0
 
     # ---- checkpoints ---------------------------------------------------------------------
     def checkpoint_span(self, node: TreeNode) -> tuple[int, int]:
@@ -247,15 +243,14 @@ class TreeWindows:
         reads. The checkpoint just before ``node`` keeps its window (the same prompt again -- a
         retry, a regenerated answer -- hits it); those before it go. (ancestor, page indices)
         pairs, nearest first."""
-        start = sum(self.tree.key_pages(n) for n in node.parent.lineage())
-        first = self.first_page(start * self.page_size)
-        out, pos, anc = [], start, node.parent
-        while not anc.is_root and len(anc.children) == 1:
-            start = pos - self.tree.key_pages(anc)
+        end = sum(self.tree.key_pages(n) for n in node.parent.lineage())
+        first, out = self.first_page(end * self.page_size), []
+        for anc, start in path_spans(node.parent, end, 0, self.page_size):
+            if len(anc.children) != 1:
+                break
             idx = np.arange(0, min(self.tree.key_pages(anc), max(first - start, 0)))
             if len(idx):
                 out.append((anc, idx))
-            anc, pos = anc.parent, start
         return out
 
     # ---- locks ---------------------------------------------------------------------------
@@ -263,25 +258,19 @@ class TreeWindows:
         """Protect the window pages of the nodes on ``node``'s path from ``first_page`` to
         ``end_page`` (where ``node`` ends); the node holding ``first_page`` is split there so the
         lock covers no page before it."""
-        pos = end_page
-        while not node.is_root and pos > first_page:
-            start = pos - self.tree.key_pages(node)
+        for n, start in path_spans(node, end_page, first_page, self.page_size):
             if start < first_page:
-                self.tree.split(node, (first_page - start) * self.page_size)  # node keeps the lower part
-                start = first_page
-            self.of(node).lock_ref += 1
-            node, pos = node.parent, start
+                self.tree.split(n, (first_page - start) * self.page_size)  # n keeps the lower part
+            self.of(n).lock_ref += 1
 
     def unlock(self, node: TreeNode, end_page: int, first_page: int) -> None:
         """Undo :meth:`lock` with the same arguments (later splits keep node boundaries inside the
         span, and give both parts the lock)."""
-        pos = end_page
-        while not node.is_root and pos > first_page:
-            part = self.of(node)
+        for n, _ in path_spans(node, end_page, first_page, self.page_size):
+            part = self.of(n)
             if part.lock_ref <= 0:
-                raise RuntimeError(f"window unlock of a node not window-locked {node}")
+                raise RuntimeError(f"window unlock of a node not window-locked {n}")
             part.lock_ref -= 1
-            node, pos = node.parent, pos - self.tree.key_pages(node)
 
     # ---- eviction ------------------------------------------------------------------------
     def _checkpoint_tails(self) -> dict[TreeNode, int]:
@@ -295,16 +284,11 @@ class TreeWindows:
             order.append((node, end))
             stack.extend((c, end) for c in node.children.values() if c.device_pages is not None)
         reach: dict[TreeNode, int] = {}  # pages back from the node's end its subtree's checkpoints need
-        tails: dict[TreeNode, int] = {}
         for node, end in reversed(order):  # children before parents
             below = [reach[c] - c.num_pages for c in node.children.values() if c in reach]
-            if below:
-                need = max(below)
-            else:  # a leaf: its own checkpoint, if it holds one
-                need = end - self.first_page(end * self.page_size) if self.of(node).held else 0
-            reach[node] = max(need, 0)
-            tails[node] = min(node.num_pages, reach[node])
-        return tails
+            own = end - self.first_page(end * self.page_size) if self.of(node).held else 0  # a leaf's, if held
+            reach[node] = max(max(below, default=own), 0)
+        return {node: min(node.num_pages, need) for node, need in reach.items()}
 
     @consensus_check("tree.evict_windows", args=lambda self, num_pages, spare_only=False: (num_pages, "spare") if spare_only else num_pages,
                      result=lambda freed: freed)
@@ -324,12 +308,11 @@ class TreeWindows:
                 freed += self.tombstone(node, node.num_pages - tails[node])
             if freed >= num_pages or spare_only:
                 break
-            leaves = [(key(n), n) for n in unlocked if tails[n] and self.of(n).held
+            leaves = [n for n in unlocked if tails[n] and self.of(n).held
                       and not any(c.device_pages is not None for c in n.children.values())]
             if not leaves:
                 break
-            freed += self.tombstone(min(leaves, key=lambda kn: kn[0])[1])  # then its ancestors' share, above
-        self.evicted_pages_total += freed
+            freed += self.tombstone(min(leaves, key=key))  # then its ancestors' share, above
         if freed:
             logger.debug("tombstoned %d window pages", freed)
         return freed
