@@ -597,3 +597,36 @@ def test_the_advertised_storage_layout_is_the_one_objects_go_under(tmp_path, max
         assert (layout["window_cells"] is not None) is hybrid
     finally:
         engine.shutdown()
+
+
+def test_window_pages_evicted_before_a_wait_for_backups_are_counted() -> None:
+    """Two pools: a window allocation that evicts what it can and still falls short waits for the host
+    backups (they window-lock their checkpoints until their copies have read them), then evicts again;
+    ``/stats`` counts the window pages of both attempts (it counted only the second's)."""
+    engine = Engine(MODEL, **dict(EXACT, swa_full_tokens_ratio=0.5))
+    try:
+        rng = np.random.default_rng(7)
+        for _ in range(4):
+            engine.generate([rng.integers(20, 200, size=24).tolist()], GREEDY)
+        windows = engine.backend.core.cache.device.windows
+        cached = windows.cached
+        held = [n for n in windows.tree.all_nodes() if not n.is_root and cached.of(n).held]
+        assert len(held) >= 2
+        for n in held[1:]:  # as host backups still reading these checkpoints hold them
+            cached.of(n).lock_ref += 1
+
+        def backups_done() -> None:
+            for n in held[1:]:
+                cached.of(n).lock_ref -= 1
+
+        windows.settle_backups = backups_done
+        usage = lambda: engine.stats()["device_pool"]["window"]  # noqa: E731
+        before = usage()
+        n = before["free_pages"] + cached.of(held[0]).held + 1  # one more than evicting the unlocked one frees
+        pages = windows.alloc(n)
+        after = usage()
+        windows.allocator.free(pages)
+    finally:
+        engine.shutdown()
+    assert len(pages) == n
+    assert after["evicted_pages"] - before["evicted_pages"] == before["cached_pages"] - after["cached_pages"] > 1

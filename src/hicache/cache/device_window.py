@@ -171,7 +171,7 @@ class DeviceWindows:
             idx = np.arange(max(first - start, 0), node.num_pages)
             idx = idx[(part.device[idx] == 0) & (part.host[idx] != 0)]
             if len(idx):
-                self.cached.give(node, idx, self._alloc(len(idx)))
+                self.cached.give(node, idx, self.alloc(len(idx)))
                 state.window.pages[start + idx] = part.device[idx]
                 if device_hit_node:
                     loads.append((part.device[idx], part.host[idx]))
@@ -189,11 +189,11 @@ class DeviceWindows:
             idx = np.arange(max(tail - start, 0), node.num_pages)
             node_window = self.cached.of(node).device  # filled in place by give()
             fresh = idx[node_window[idx] == 0]
-            self.cached.give(node, fresh, self._alloc(len(fresh)))
+            self.cached.give(node, fresh, self.alloc(len(fresh)))
             wp[start + idx] = node_window[idx]
             arriving[start + fresh] = node_window[fresh]
         own = np.arange(max(tail, hit), -(-prompt_tokens // ps))
-        wp[own] = arriving[own] = self._alloc(len(own))
+        wp[own] = arriving[own] = self.alloc(len(own))
         state.window.arrival = (tail * ps, self._slots(arriving))
         state.window.slots = self._slots(wp)
 
@@ -210,7 +210,7 @@ class DeviceWindows:
         if len(missing):
             if missing[0] < state.cached_pages:
                 raise AssertionError("a request's window reaches a cached page whose window KV is not held")
-            wp[missing] = self._alloc(len(missing))
+            wp[missing] = self.alloc(len(missing))
             # only the new pages' slots change (freed pages' slots are never read again): no O(context) rebuild
             rows = torch.from_numpy((missing[:, None] * self.page_size + np.arange(self.page_size)).reshape(-1))
             state.window.slots[..., rows] = self._slots(wp[missing])  # shared: each sliding group's row
@@ -270,13 +270,14 @@ class DeviceWindows:
         return torch.stack([pages_to_slots(self.pool.windows.rows(pages, k), self.page_size)
                             for k in range(self.pool.windows.groups)])
 
-    def _alloc(self, n: int) -> np.ndarray:
+    def alloc(self, n: int) -> np.ndarray:
         """``n`` window pages, tombstoning unlocked windows while they do not fit (the running
         requests' budgets guarantee they do then)."""
         pages, evicted = self._alloc_evicting(n)
         if pages is None and self.settle_backups is not None:  # the rest is locked by copies still reading it
             self.settle_backups()
-            pages, evicted = self._alloc_evicting(n)
+            pages, more = self._alloc_evicting(n)
+            evicted += more  # the first attempt's tombstones are gone too
         if pages is None:
             raise AssertionError(f"the window component cannot hold {n} pages within the reserved budgets")
         self.stats.evicted_window_pages += evicted
