@@ -83,7 +83,7 @@ def test_generation_config_values_and_bad_flags() -> None:
     gen = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 0, "repetition_penalty": 1.05,
            "max_new_tokens": 512, "min_p": "none"}
     assert from_generation_config(gen) == {"temperature": 0.7, "top_p": 0.8, "top_k": -1, "repetition_penalty": 1.05}
-    for bad, said in (("{temperature: 0}", "not JSON"), ("[0.7]", "JSON object"), ('{"seed": 1}', "'seed' is not one"),
+    for bad, said in (("{temperature: 0}", "not valid JSON"), ("[0.7]", "JSON object"), ('{"seed": 1}', "'seed' is not one"),
                       ('{"top_k": "20"}', "must be a number")):
         with pytest.raises(ConfigError, match=said):
             ServerOptions(preferred_sampling_params=bad)

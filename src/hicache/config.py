@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from .combinations import refuse
 from .disagg_options import DisaggregationOptions
 from .errors import ConfigError
-from .options import check_bounds, flag, opt as _opt
+from .options import check_bounds, flag, json_object, opt as _opt
 from .ports import split_host_port
 from .speculative_options import SpeculativeOptions
 
@@ -215,12 +214,7 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
         if self.hicache_storage_backend and not self.enable_hierarchical_cache:
             raise ConfigError("--hicache-storage-backend needs --enable-hierarchical-cache (storage moves through host memory).")
         if self.hicache_storage_backend_extra_config:
-            try:
-                extra = json.loads(self.hicache_storage_backend_extra_config)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"--hicache-storage-backend-extra-config is not valid JSON ({e.msg}).") from None
-            if not isinstance(extra, dict):
-                raise ConfigError("--hicache-storage-backend-extra-config must be a JSON object.")
+            json_object(self.hicache_storage_backend_extra_config, "--hicache-storage-backend-extra-config")
         for f in dataclasses.fields(self):
             choices, value = f.metadata.get("choices"), getattr(self, f.name)
             if choices and value not in choices and value is not None:  # None: unset

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import field
 from typing import Any, get_args, get_origin, get_type_hints
 
@@ -30,6 +31,17 @@ def check_bounds(options: Any) -> None:
             raise ConfigError(f"{flag(f.name)} must be at least {least}, got {value}.")
         if value is not None and above is not None and not value > above:
             raise ConfigError(f"{flag(f.name)} must be > {above}, got {value}.")
+
+
+def json_object(value: str, name: str) -> dict[str, Any]:
+    """The JSON object a flag (``name``, e.g. ``--preferred-sampling-params``) holds; ConfigError otherwise."""
+    try:
+        given = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{name} is not valid JSON ({e.msg}).") from None
+    if not isinstance(given, dict):
+        raise ConfigError(f"{name} must be a JSON object.")
+    return given
 
 
 def add_cli_args(cls: type, parser: argparse.ArgumentParser, title: str) -> None:

@@ -4,12 +4,11 @@ Standard library only: ``hicache serve`` refuses a bad flag before torch is impo
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Optional
 
 from ..errors import ConfigError
-from ..options import check_bounds, opt
+from ..options import check_bounds, json_object, opt
 from .tool_formats import PARSER_CHOICES
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20  # ~10x a full 128K-token prompt sent as text or as ids
@@ -77,12 +76,7 @@ class ServerOptions:
         """--preferred-sampling-params as a dict of numbers; ConfigError naming what is wrong."""
         if self.preferred_sampling_params is None:
             return {}
-        try:
-            given = json.loads(self.preferred_sampling_params)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"--preferred-sampling-params is not JSON: {e}.") from None
-        if not isinstance(given, dict):
-            raise ConfigError("--preferred-sampling-params must be a JSON object, e.g. '{\"temperature\": 0.7}'.")
+        given = json_object(self.preferred_sampling_params, "--preferred-sampling-params")
         for name, value in given.items():
             if name not in SAMPLING_DEFAULT_FIELDS:
                 raise ConfigError(f"--preferred-sampling-params: {name!r} is not one of "
