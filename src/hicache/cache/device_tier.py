@@ -86,7 +86,7 @@ class DeviceTier:
         return -(-num_tokens // self.page_size)
 
     def admit(self, namespace: str, tokens: np.ndarray, reserve_tokens: int, storage_tokens: int,
-              forward_tokens: int = 0, window_arrives: bool = False) -> tuple[KVState, list[TreeNode], list] | None:
+              forward_tokens: int = 0, kv_arrives: bool = False) -> tuple[KVState, list[TreeNode], list] | None:
         """Match, lock and reserve (see :meth:`.manager.KVCacheManager.admit`). Returns the
         state, the host-hit nodes, in path order, that just got device pages (the first new
         pages) and need a load-back, and (hybrid) the (device, host) window pages of device-hit
@@ -100,12 +100,12 @@ class DeviceTier:
         node, match, window_lock = None, None, None
         host_nodes: list[TreeNode] = []
         if self.tree is not None:
-            match = self.tree.match_prefix(namespace, tokens[: len(tokens) - 1], cut=not window_arrives)
+            match = self.tree.match_prefix(namespace, tokens[: len(tokens) - 1], cut=not kv_arrives)
             hit_pages, node = match.device_pages, match.last_node
             self.tree.inc_lock_ref(node)  # also protects the host-hit nodes from L2 eviction
             if self.windows is not None:  # may split a host-hit node: before they are listed
                 window_lock = self.windows.lock_hit(node, (match.device_hit_tokens + match.host_hit_tokens)
-                                                    // self.page_size, len(tokens) if window_arrives else None)
+                                                    // self.page_size, len(tokens) if kv_arrives else None)
             host_nodes = list(itertools.takewhile(lambda n: n is not match.last_device_node, match.last_node.lineage()))
             host_nodes.reverse()
         new_pages = self._alloc(self.pages_for(reserve_tokens) - len(hit_pages), len(hit_pages),
@@ -129,7 +129,7 @@ class DeviceTier:
         restored = []
         if self.windows is not None:
             restored = self.windows.admit(state, window_lock, match.parts["window"] if match is not None else None,
-                                          host_nodes, forward_tokens, len(tokens), window_arrives)
+                                          host_nodes, forward_tokens, len(tokens), kv_arrives)
         self.stats.prompt_tokens += len(tokens)
         self.stats.device_hit_tokens += state.device_hit_tokens
         self.stats.host_hit_tokens += state.host_hit_tokens

@@ -182,12 +182,12 @@ class KVCacheManager:
         return self.device.pages_for(num_tokens)
 
     # ---- requests ------------------------------------------------------------------------
-    @consensus_check("cache.admit", args=lambda self, ns, tokens, reserve, storage=0, forward=0, window_arrives=False:
-                     (ns, len(tokens), reserve, storage, forward, window_arrives),
+    @consensus_check("cache.admit", args=lambda self, ns, tokens, reserve, storage=0, forward=0, kv_arrives=False:
+                     (ns, len(tokens), reserve, storage, forward, kv_arrives),
                      result=lambda s: None if s is None else (s.device_hit_tokens, s.host_hit_tokens,
                                                               s.storage_hit_tokens, len(s.pages)))
     def admit(self, namespace: str, tokens: np.ndarray, reserve_tokens: int, storage_tokens: int = 0,
-              forward_tokens: int = 0, window_arrives: bool = False) -> KVState | None:
+              forward_tokens: int = 0, kv_arrives: bool = False) -> KVState | None:
         """Match ``tokens`` (the prompt), lock the hit and reserve pages up to ``reserve_tokens``
         (prompt + most output). A host hit gets device pages and a load-back (submitted with
         :meth:`submit_transfers`). Returns None, with nothing changed, when the pool cannot hold
@@ -196,16 +196,16 @@ class KVCacheManager:
 
         At least one prompt token is always left uncomputed so the prompt yields logits.
         ``forward_tokens``: the most tokens one of the request's forwards adds (a hybrid pool
-        reserves its window pages for that). ``window_arrives``: the prompt's KV arrives from
+        reserves its window pages for that). ``kv_arrives``: the prompt's KV arrives from
         elsewhere (P/D decode): a hybrid pool hits full layers whatever its windows and holds
         pages for the window of the prompt's end, to receive (``KVState.window.arrival``).
         """
-        admitted = self.device.admit(namespace, tokens, reserve_tokens, storage_tokens, forward_tokens, window_arrives)
+        admitted = self.device.admit(namespace, tokens, reserve_tokens, storage_tokens, forward_tokens, kv_arrives)
         if admitted is None:
             return None
         state, host_nodes, restored = admitted
         if host_nodes or restored:
-            self.host.load_back(host_nodes, windows=not window_arrives, device_hit_windows=restored)
+            self.host.load_back(host_nodes, windows=not kv_arrives, device_hit_windows=restored)
         if state.node is not None and self.host is not None:
             self.host.on_insert(state.node)  # a hit may reach write_through_selective's threshold
         return state
@@ -215,11 +215,12 @@ class KVCacheManager:
         the request's lock to the new boundary, so concurrent requests can share it."""
         self.device.cache_prefix(namespace, tokens, state)
 
-    @consensus_check("cache.window_step", args=lambda self, state, computed, new, later: (computed, new, later))
-    def window_step(self, state: KVState, computed: int, new_tokens: int, later_tokens: int) -> None:
-        """Before a forward that adds ``new_tokens`` after ``computed``: a hybrid pool holds their
-        window pages and frees the request's own that fell behind its window; ``later_tokens``: the
-        most a later forward of the request adds (its reservation shrinks to that)."""
+    @consensus_check("cache.before_forward", args=lambda self, state, computed, new, later: (computed, new, later))
+    def before_forward(self, state: KVState, computed: int, new_tokens: int, later_tokens: int) -> None:
+        """Before a forward that adds ``new_tokens`` after ``computed``: the components whose pages follow
+        the forward take them (a hybrid pool's window: holds their window pages, frees the request's own
+        that fell behind its window); ``later_tokens``: the most a later forward of the request adds (its
+        reservation shrinks to that)."""
         if self.device.windows is not None:
             self.device.windows.step(state, computed, new_tokens, later_tokens)
 

@@ -166,7 +166,7 @@ class Scheduler(Results):
                 Batch(plan.kind, decode, plan.rows, plan.proposal)
         for req, n in zip(batch.reqs, batch.new_tokens):
             req.in_flight = True
-            self.cache.window_step(req.kv, req.computed, n, self._later_tokens(req, n))
+            self.cache.before_forward(req.kv, req.computed, n, self._later_tokens(req, n))
         return batch
 
     def _later_tokens(self, req: Request, n: int) -> int:
@@ -262,7 +262,7 @@ class Scheduler(Results):
         arrives = any([m.kv_arrives(req) for m in self.modes])  # its prompt is not computed here: decode only
         kv = self.cache.admit(req.namespace, req.tokens_np, self._reserve_tokens(req),
                               req.storage_tokens, 1 + self.reserve_slots if arrives else self._later_tokens(req, 0),
-                              window_arrives=arrives)
+                              kv_arrives=arrives)
         if kv is None:
             return False
         req.kv = kv
