@@ -37,7 +37,7 @@ def test_long_prompts_admitted_together_reserve_their_first_chunk_and_all_finish
     ratio = (window_pages - 1) / (pages - 1)
     engine = CacheOnly(pages * SMALL.full_page_bytes + ratio * pages * SMALL.window_page_bytes, ratio, SMALL,
                        max_running_requests=8)
-    assert engine.cache.window_capacity_pages == max(window_pages - 1, 132)
+    assert engine.cache.component_pages["window"] == max(window_pages - 1, 132)
     reqs = [engine.add(p, max_new_tokens=4) for p in prompts(8, 2500, 5000)]
     step = engine.driver.step
 
@@ -60,7 +60,7 @@ def test_short_requests_reserve_their_own_pages_not_a_whole_window() -> None:
     pool_bytes = 1000 * (SMALL.full_page_bytes + SMALL.window_page_bytes)
     hybrid = CacheOnly(pool_bytes, 0.05, SMALL, max_running_requests=16)
     every = CacheOnly(pool_bytes, None, SMALL, max_running_requests=16)
-    assert hybrid.cache.window_capacity_pages < 3 * hybrid.cache.device.windows.footprint(1)
+    assert hybrid.cache.component_pages["window"] < 3 * hybrid.cache.device.windows.footprint(1)
     for engine in (hybrid, every):
         reqs = [engine.add(p, max_new_tokens=8) for p in prompts(16, 40, 41, seed=1)]
         engine.driver.step()

@@ -216,7 +216,7 @@ def test_a_window_pool_too_small_for_every_window_evicts_them_and_stays_exact(ev
 
     core.scheduler.schedule = schedule_and_check
     try:
-        assert cache.window_capacity_pages == 30
+        assert cache.component_pages["window"] == 30
         outputs, cached = conversations(engine, together=True, keep=True)
         stats = engine.stats()["device_pool"]["window"]
     finally:

@@ -150,8 +150,10 @@ class KVCacheManager:
                                  self.stats, placement)
         self.allocator, self.tree = self.device.allocator, self.device.tree
         self.capacity_pages = self.allocator.capacity
-        # usable pages of a hybrid pool's window component (0: none)
-        self.window_capacity_pages = self.device.windows.allocator.capacity if self.device.windows is not None else 0
+        # usable pages of each component with a page space of its own (the full KV's are capacity_pages)
+        self.component_pages = {"full": self.capacity_pages}
+        if self.device.windows is not None:
+            self.component_pages["window"] = self.device.windows.allocator.capacity
         self.keys = _key_namespace(pool, layout.shard, unified)
         self.host: HostTier | None = None if host_pool is None else HostTier(
             pool, host_pool, self.host_allocator, self.tree, policy, self.stats, shard_view,

@@ -50,8 +50,8 @@ class SchedulerView(Protocol):
 
 class Backend(Protocol):
     """The Engine's one backend. ``capacity_pages``: usable device pages (on every rank the
-    same; ``window_capacity_pages``: those of a hybrid pool's window component, else 0);
-    ``core``: the in-process parts when this process holds them, else None."""
+    same; ``component_pages``: those of each component with a page space of its own, by name: "full",
+    a hybrid pool's "window"); ``core``: the in-process parts when this process holds them, else None."""
 
     @property
     def scheduler(self) -> SchedulerView: ...
@@ -60,7 +60,7 @@ class Backend(Protocol):
     def capacity_pages(self) -> int: ...
 
     @property
-    def window_capacity_pages(self) -> int: ...
+    def component_pages(self) -> dict[str, int]: ...
 
     @property
     def core(self) -> EngineCore | None: ...
@@ -124,7 +124,7 @@ class LocalBackend:
         self.core: EngineCore | None = core
         self._scheduler = LocalScheduler(core.scheduler, core.runner.forward)
         self.capacity_pages = core.cache.capacity_pages
-        self.window_capacity_pages = core.cache.window_capacity_pages
+        self.component_pages = core.cache.component_pages
         self._page_size = page_size
 
     def _live(self) -> EngineCore:

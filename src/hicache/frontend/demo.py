@@ -64,7 +64,7 @@ def print_window_pool(engine: Engine) -> None:
 def print_header(engine: Engine, agents: int, turns: int, spec: bool) -> None:
     """The run's setup in one line, then the per-turn table's column names."""
     host = "on" if engine.config.enable_hierarchical_cache else "off"
-    window = engine.backend.window_capacity_pages * engine.config.page_size
+    window = engine.backend.component_pages.get("window", 0) * engine.config.page_size
     print(f"hicache demo: {agents} agent(s) x {turns} turns on {engine.config.model} "
           f"({engine.device}, {engine.config.dtype}, KV {engine.config.kv_cache_dtype}, "
           f"page {engine.config.page_size}, device pool {engine.capacity_pages * engine.config.page_size} tokens"

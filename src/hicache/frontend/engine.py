@@ -112,7 +112,7 @@ class Engine:
         """The device pool in tokens (and, hybrid, each component's tokens and bytes, whole model)."""
         cfg, spec = self.config, self.loaded.spec
         full = self.capacity_pages * cfg.page_size
-        window = self.backend.window_capacity_pages * cfg.page_size
+        window = self.backend.component_pages.get("window", 0) * cfg.page_size
         if not window:
             return f"{full} tokens"
         row = 2 * spec.num_kv_heads * spec.head_dim * self.kv_dtype.itemsize  # K + V of one token, one layer
@@ -340,7 +340,7 @@ class Engine:
         /get_hicache_l3_cache_layout``)."""
         return layout_report(self.config, self.loaded.spec, self.kv_dtype, self.model_namespace,
                              self.draft.spec if self.draft is not None else None,
-                             hybrid=self.backend.window_capacity_pages > 0)
+                             hybrid="window" in self.backend.component_pages)
 
     def shutdown(self) -> None:
         """Drop requests and free the model and pools (stop the rank processes)."""

@@ -146,10 +146,10 @@ class Reply:
 
 @dataclass(frozen=True)
 class Ready:
-    """A rank -> its node's process: it started; its device pool's (full, window) pages."""
+    """A rank -> its node's process: it started; its device pool's pages per component."""
 
     rank: int
-    capacity: tuple[int, int]
+    capacity: dict[str, int]
 
 
 @dataclass(frozen=True)

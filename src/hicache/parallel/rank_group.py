@@ -124,7 +124,8 @@ class RankGroup:
         self._watchdog: threading.Thread | None = None
         try:  # whatever fails or is interrupted from here on, nothing is left running
             self._start(cfg, ctx)
-            self.capacity_pages, self.window_capacity_pages = self._wait_ready()
+            self.component_pages = self._wait_ready()
+            self.capacity_pages = self.component_pages["full"]
         except BaseException:
             self._release()
             raise
@@ -173,7 +174,7 @@ class RankGroup:
                 raise ConfigError(item.message) if "ConfigError" in item.trace else HicacheError(
                     f"rank {self.labels[item.rank]} failed to start: {item.message}")
             ready[item.rank] = item.capacity
-        if len(set(ready.values())) != 1:
+        if len({tuple(sorted(c.items())) for c in ready.values()}) != 1:
             self._halt(f"ranks disagree on the device pool size: {ready}")
             self.check_alive()
         return next(iter(ready.values()))

@@ -344,7 +344,7 @@ def rank_main(rank: int, cfg_fields: dict, init_method: str, status: Any, inbox:
         logger.info("rank ready: %s device pages=%d host pages=%d staging=%.1f MiB", shard.describe(),
                     core.pool.num_pages, core.host_pool.num_pages if core.host_pool is not None else 0,
                     groups.staging_bytes() / 2**20)
-        status.put(Ready(rank, (core.cache.capacity_pages, core.cache.window_capacity_pages)))
+        status.put(Ready(rank, core.cache.component_pages))
         StageLoop(info, groups, core, inbox, outbox).run()
         core.shutdown()
         groups.close()
