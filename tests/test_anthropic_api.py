@@ -139,3 +139,16 @@ def test_images_and_documents_are_refused_in_a_sentence(client, content, says) -
         assert error["type"] == "invalid_request_error"
         assert error["message"].startswith(says + ": this server runs text-only models")
         assert error["message"].count(".") == 1 and error["message"].endswith(".")  # one sentence
+
+
+def test_refusals_are_counted_in_the_metrics(server, client) -> None:
+    def rejected() -> float:
+        lines = httpx.get(f"{server.base_url}/metrics", timeout=30).text.splitlines()
+        return sum(float(line.split()[-1]) for line in lines if line.startswith("hicache_rejected_requests_total{"))
+
+    before = rejected()
+    for call in (lambda: client.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [IMAGE]}]),
+                 lambda: client.messages.count_tokens(model="no-such-model", messages=ASK)):
+        with pytest.raises(anthropic.APIStatusError):
+            call()
+    assert rejected() == before + 2  # as on the OpenAI routes (tests/test_server_hostile.py)

@@ -213,18 +213,25 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 
 
-def anthropic_errors(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-    """``handler`` answering its refusals in Anthropic's error shape (the OpenAI one elsewhere), a tool's
-    parts named as this API names them (the chat machinery's ``tools[i].function.parameters``)."""
-    @functools.wraps(handler)
-    async def wrapped(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return await handler(*args, **kwargs)
-        except APIError as e:
-            message = e.message.replace("].function.parameters", "].input_schema").replace("].function.", "].")
-            body = {"type": "error", "error": {"type": ERROR_TYPES.get(e.status, "api_error"), "message": message}}
-            return JSONResponse(body, status_code=e.status)
-    return wrapped
+Handler = Callable[..., Awaitable[Any]]
+
+
+def anthropic_errors(st: ServerState) -> Callable[[Handler], Handler]:
+    """A handler answering its refusals in Anthropic's error shape (the OpenAI one elsewhere), a tool's
+    parts named as this API names them (the chat machinery's ``tools[i].function.parameters``), and
+    counted in ``/metrics`` as the other routes' are."""
+    def decorate(handler: Handler) -> Handler:
+        @functools.wraps(handler)
+        async def wrapped(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return await handler(*args, **kwargs)
+            except APIError as e:
+                st.metrics.refused(e.status, e.code or e.type)
+                message = e.message.replace("].function.parameters", "].input_schema").replace("].function.", "].")
+                body = {"type": "error", "error": {"type": ERROR_TYPES.get(e.status, "api_error"), "message": message}}
+                return JSONResponse(body, status_code=e.status)
+        return wrapped
+    return decorate
 
 
 def add_anthropic_routes(app: FastAPI, st: ServerState) -> None:
@@ -241,7 +248,7 @@ def add_anthropic_routes(app: FastAPI, st: ServerState) -> None:
         return p
 
     @app.post("/v1/messages")
-    @anthropic_errors
+    @anthropic_errors(st)
     async def messages(request: Request) -> Response:
         p: Prepared = await st.off_loop(prepare, await read_body(request, st.opts.max_request_bytes))
         await vet_grammar(st, p, request)
@@ -261,7 +268,7 @@ def add_anthropic_routes(app: FastAPI, st: ServerState) -> None:
                              "usage": _usage(res)}, headers=headers)
 
     @app.post("/v1/messages/count_tokens")
-    @anthropic_errors
+    @anthropic_errors(st)
     async def count_tokens(request: Request) -> dict:
         p: Prepared = await st.off_loop(prepare, await read_body(request, st.opts.max_request_bytes), True)
         return {"input_tokens": len(p.ids)}

@@ -92,8 +92,7 @@ def create_app(loop: EngineLoop, metrics: ServerMetrics, opts: ServerOptions) ->
 
 def _add_error_handlers(app: FastAPI, st: ServerState) -> None:
     def answer(e: APIError) -> JSONResponse:
-        if e.status != 499:  # a client that left was not refused
-            st.metrics.rejected.labels(reason=e.code or e.type).inc()
+        st.metrics.refused(e.status, e.code or e.type)
         return JSONResponse(e.body(), status_code=e.status)
 
     @app.exception_handler(APIError)

@@ -77,6 +77,11 @@ class ServerMetrics:
         for tier in ("device", "host", "storage"):
             self.cached_tokens.labels(tier=tier)
 
+    def refused(self, status: int, reason: str) -> None:
+        """A request answered with an error (``reason``: its code); not a client that left (499)."""
+        if status != 499:
+            self.rejected.labels(reason=reason).inc()
+
     def observe_finished(self, res: GenerateResult) -> None:
         """Called on the engine-loop thread once per finished request."""
         self.requests.labels(finish_reason=res.finish_reason or "unknown").inc()
