@@ -145,7 +145,7 @@ class SamplingBody(RequestBody):
         return None
 
     # SamplingParams' names (InvalidRequestError.param) -> this body's fields, where they differ
-    FIELDS: ClassVar[dict[str, str]] = {"max_new_tokens": "max_tokens", "logprobs": "logprobs", "grammar": "response_format"}
+    FIELDS: ClassVar[dict[str, str]] = {"max_new_tokens": "max_tokens"}  # (grammar: field_of reads the body)
 
     def field_of(self, param: Optional[str]) -> Optional[str]:
         """The body's field for an engine error's ``param`` (a SamplingParams name)."""
