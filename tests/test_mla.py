@@ -88,6 +88,16 @@ def test_moe_checkpoints_are_refused_with_one_sentence(tmp_path) -> None:
         spec_from_hf_config(config)
 
 
+@pytest.mark.parametrize("key, value", [("kv_lora_rank", "32"), ("v_head_dim", -1), ("qk_rope_head_dim", 1e30),
+                                        ("first_k_dense_replace", [2])])
+def test_latent_sizes_that_are_not_integers_are_refused_with_one_sentence(key, value) -> None:
+    from hicache.model.hf_loader import spec_from_hf_config
+    from hicache.model.errors import ModelFormatError
+    config = dict(TINY, architectures=["DeepseekV3ForCausalLM"], n_routed_experts=8, **{key: value})
+    with pytest.raises(ModelFormatError, match=f"config.json {key} = .* is not an integer from"):
+        spec_from_hf_config(config)
+
+
 def _turns(engine: Engine) -> list[list[int]]:
     """A growing conversation (each prompt extends the last one and its reply), two at a time."""
     history = [[5 + (7 * i) % 250 for i in range(30)], [9 + (11 * i) % 240 for i in range(23)]]

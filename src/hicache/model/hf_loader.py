@@ -113,15 +113,15 @@ def _check_config(config: dict) -> None:
 def _mla_fields(config: dict) -> dict:
     """DeepSeek-V2/V3 attention sizes; only all-dense models (every layer before
     ``first_k_dense_replace``, or no routed experts) are supported."""
-    layers = int(config["num_hidden_layers"])
-    if config.get("n_routed_experts") and int(config.get("first_k_dense_replace", 0)) < layers:
+    layers = config_int(config, "num_hidden_layers")
+    if config.get("n_routed_experts") and config_int(config, "first_k_dense_replace", 0, 0) < layers:
         raise ModelFormatError(
             f"{config.get('architectures', ['this model'])[0]} with mixture-of-experts layers is not supported; "
             "only dense layers (first_k_dense_replace >= num_hidden_layers) are.")
     return dict(
-        kv_lora_rank=int(config["kv_lora_rank"]), q_lora_rank=int(config.get("q_lora_rank") or 0),
-        qk_nope_head_dim=int(config["qk_nope_head_dim"]), qk_rope_head_dim=int(config["qk_rope_head_dim"]),
-        v_head_dim=int(config["v_head_dim"]),
+        kv_lora_rank=config_int(config, "kv_lora_rank"), q_lora_rank=config_int(config, "q_lora_rank", 0, 0),
+        qk_nope_head_dim=config_int(config, "qk_nope_head_dim"),
+        qk_rope_head_dim=config_int(config, "qk_rope_head_dim"), v_head_dim=config_int(config, "v_head_dim"),
         # V3 says so in its config; V2 rotates adjacent pairs too (as complex numbers).
         rope_interleave=bool(config.get("rope_interleave", True)),
     )
