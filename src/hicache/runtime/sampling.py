@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -34,6 +33,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidRequestError
+from ..sampling_ranges import DEFAULTABLE, is_int, is_real, range_error
 
 logger = logging.getLogger(__name__)
 
@@ -141,17 +141,14 @@ class SamplingParams:
         def refuse(param: str, message: str) -> None:
             raise InvalidRequestError(message, param=param)
 
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             refuse("max_new_tokens", f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}.")
-        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            refuse("temperature", f"temperature must be a finite number >= 0, got {self.temperature!r}.")
-        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            refuse("top_p", f"top_p must be in (0, 1], got {self.top_p!r}.")
-        if not _is_int(self.top_k) or (self.top_k != -1 and self.top_k < 1):
-            refuse("top_k", f"top_k must be -1 (off) or >= 1, got {self.top_k!r}.")
-        if self.seed is not None and (not _is_int(self.seed) or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
+        for name in DEFAULTABLE:  # temperature, top_p, top_k, the penalties, min_p
+            if (error := range_error(name, getattr(self, name))) is not None:
+                refuse(name, error)
+        if self.seed is not None and (not is_int(self.seed) or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
             refuse("seed", f"seed must be an integer in [-2^63, 2^64), got {self.seed!r}.")
-        if any(not _is_int(t) for t in self.stop_token_ids):
+        if any(not is_int(t) for t in self.stop_token_ids):
             refuse("stop_token_ids", "stop_token_ids must be integers.")
         self._validate_stop(refuse)
         self._validate_adjustments(refuse)
@@ -176,19 +173,14 @@ class SamplingParams:
                            f"{longest}.")
 
     def _validate_adjustments(self, refuse: Callable[[str, str], None]) -> None:
-        for name, low, high, shown in (("presence_penalty", -2.0, 2.0, "[-2, 2]"), ("frequency_penalty", -2.0, 2.0,
-                                       "[-2, 2]"), ("repetition_penalty", 0.0, 2.0, "(0, 2]"), ("min_p", 0.0, 1.0, "[0, 1]")):
-            v = getattr(self, name)  # (an interval shown open, "(", excludes its low end)
-            if not _is_real(v) or not low <= v <= high or (shown[0] == "(" and v == low):
-                refuse(name, f"{name} must be in {shown}, got {v!r}.")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
             refuse("min_tokens", f"min_tokens must be an integer in [0, max_new_tokens], got {self.min_tokens!r}.")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
             refuse("logprobs", f"top_logprobs must be an integer >= 0, got {self.logprobs!r}.")
         for tok, bias in (self.logit_bias or {}).items():
-            if not _is_int(tok):
+            if not is_int(tok):
                 refuse("logit_bias", f"logit_bias keys must be token ids (integers), got {tok!r}.")
-            if not _is_real(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            if not is_real(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 refuse("logit_bias", f"logit_bias values must be in [-100, 100], got {bias!r} for token {tok}.")
 
     def check_token_ids(self, vocab_size: int) -> None:
@@ -232,14 +224,6 @@ def check_token_ids(param: str, ids: Sequence[int], vocab_size: int) -> None:
         bad = next(t for t in ids if not 0 <= t < vocab_size)
         raise InvalidRequestError(f"{param} must be token ids in [0, {vocab_size}) (this model's vocabulary), "
                                   f"got {bad!r}.", param=param)
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_real(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def top_token(logits: torch.Tensor) -> torch.Tensor:

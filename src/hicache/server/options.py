@@ -9,14 +9,12 @@ from typing import Optional
 
 from ..errors import ConfigError
 from ..options import check_bounds, json_object, opt
+from ..sampling_ranges import DEFAULTABLE, range_error
 from .tool_formats import PARSER_CHOICES
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20  # ~10x a full 128K-token prompt sent as text or as ids
 # --max-logprob-tokens: a non-streamed answer with logprobs for 16Ki tokens x 21 entries is ~25 MB of JSON
 DEFAULT_MAX_LOGPROB_TOKENS = 16384
-# the sampling fields a request may leave to the server's defaults (the same names in every API)
-SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                           "frequency_penalty")
 
 
 @dataclass
@@ -66,21 +64,21 @@ class ServerOptions:
         "top_k, min_p or penalty). SGLang's flag; one log line at start says what applies.", ("model", "openai"))
     preferred_sampling_params: Optional[str] = opt(
         None, "A JSON object of sampling values for the fields a request leaves unset, over the model's, e.g. "
-        "'{\"temperature\": 0.7, \"top_k\": 20}' (fields: " + ", ".join(SAMPLING_DEFAULT_FIELDS) + "; SGLang's flag).")
+        "'{\"temperature\": 0.7, \"top_k\": 20}' (fields: " + ", ".join(DEFAULTABLE) + "; SGLang's flag).")
 
     def __post_init__(self) -> None:
         check_bounds(self)
         self.preferred_sampling()
 
     def preferred_sampling(self) -> dict[str, float]:
-        """--preferred-sampling-params as a dict of numbers; ConfigError naming what is wrong."""
+        """--preferred-sampling-params as a dict; ConfigError naming what is wrong (a field no default
+        is given for, a value out of the range a request's would be refused in)."""
         if self.preferred_sampling_params is None:
             return {}
         given = json_object(self.preferred_sampling_params, "--preferred-sampling-params")
         for name, value in given.items():
-            if name not in SAMPLING_DEFAULT_FIELDS:
-                raise ConfigError(f"--preferred-sampling-params: {name!r} is not one of "
-                                  f"{', '.join(SAMPLING_DEFAULT_FIELDS)}.")
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                raise ConfigError(f"--preferred-sampling-params: {name} must be a number, got {value!r}.")
+            if name not in DEFAULTABLE:
+                raise ConfigError(f"--preferred-sampling-params: {name!r} is not one of {', '.join(DEFAULTABLE)}.")
+            if (error := range_error(name, value)) is not None:
+                raise ConfigError(f"--preferred-sampling-params: {error}")
         return given

@@ -11,9 +11,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping
 
-from ..errors import ConfigError, InvalidRequestError
 from ..frontend.loop import EngineLoop
-from ..runtime.sampling import SamplingParams
+from ..sampling_ranges import range_error
 from .metrics import ServerMetrics
 from .options import ServerOptions
 from .protocol import APIError
@@ -65,20 +64,15 @@ class ServerState:
 
 def sampling_defaults(opts: ServerOptions, recommended: Mapping[str, float]) -> dict[str, float]:
     """What a request's unset sampling fields take (``RequestBody.with_unset``): --preferred-sampling-params
-    over the model's ``recommended`` values (``--sampling-defaults model``). A model value SamplingParams
-    refuses is left out (logged); a refused preferred one is a ConfigError."""
-    model = dict(recommended) if opts.sampling_defaults == "model" else {}
-    for name, value in list(model.items()):
-        try:
-            SamplingParams(**{name: value}).validate()
-        except InvalidRequestError as e:
-            logger.warning("the model's recommended %s is not used: %s", name, e)
-            del model[name]
+    (checked with the flags) over the model's ``recommended`` values (``--sampling-defaults model``); a
+    model value out of a request's range is left out (logged)."""
+    model = {}
+    for name, value in recommended.items() if opts.sampling_defaults == "model" else ():
+        if (error := range_error(name, value)) is None:
+            model[name] = value
+        else:
+            logger.warning("the model's recommended %s is not used: %s", name, error)
     preferred = opts.preferred_sampling()
-    try:
-        SamplingParams(**preferred).validate()
-    except InvalidRequestError as e:
-        raise ConfigError(f"--preferred-sampling-params: {e}") from None
     out = {**model, **preferred}
     if out:
         logger.info("sampling for the fields a request leaves unset: %s (%s)",
