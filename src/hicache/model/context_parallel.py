@@ -32,7 +32,6 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 
-from hicache.config import CP_STRATEGIES
 from hicache.model.attention import attended, keys_attention, merge_partials, sequence_attention
 from hicache.model.batch import AttentionLayer, ForwardBatch, KVView
 from hicache.model.paged import PagedBackend
