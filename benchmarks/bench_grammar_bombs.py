@@ -5,7 +5,7 @@
 
 A probe client sends a plain 8-token chat (short prompt) every 0.2 s, first alone (``--seconds``
 / 3: the baseline), then while two hostile clients send every grammar bomb of
-``hicache.bench.hostile.BOMBS`` (each a new variant every time, half of them with ``n`` choices)
+``BOMBS`` of tests/hostile_requests.py (each a new variant every time, half of them with ``n`` choices)
 for ``--seconds`` (back to back, or ``--pace`` seconds apart). Prints the probe's latency (median, p99, worst) in both phases side by side,
 each bomb's answers, and the resident memory of the server process and of its grammar checker
 before and after. ``--src`` serves another checkout's ``src`` (e.g. the commit before the
@@ -24,11 +24,11 @@ import time
 import httpx
 import psutil
 
-SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src")
-sys.path.insert(0, SRC)
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path[:0] = [os.path.join(ROOT, "src"), os.path.join(ROOT, "tests")]
 
-from hicache.bench.hostile import BOMBS  # noqa: E402
 from hicache.bench.main import launch_server  # noqa: E402
+from hostile_requests import BOMBS  # noqa: E402
 
 
 def rss_mib(proc: psutil.Process) -> dict[str, float]:
@@ -89,7 +89,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--seconds", type=float, default=30.0)
-    ap.add_argument("--bombs", default=",".join(BOMBS), help="comma-separated names from hicache.bench.hostile.BOMBS")
+    ap.add_argument("--bombs", default=",".join(BOMBS), help="comma-separated names from BOMBS in tests/hostile_requests.py")
     ap.add_argument("--n", type=int, default=32, help="choices of every other bomb request")
     ap.add_argument("--pace", type=float, default=0.0,
                     help="seconds each hostile client waits after an answer (0: back to back, a flood of 400s)")

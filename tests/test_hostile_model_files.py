@@ -26,9 +26,6 @@ import pytest
 import torch
 
 from hicache import Engine
-from hicache.bench.hostile_models import (CRAFTED_GGUF, F32, HF_CONFIG, NESTED_RANGES, STRING, crafted_gguf, tiny_gguf,
-                                          write_hf_dir)
-from hicache.bench.model_fuzz import KINDS, one_sentence, run_campaign
 from hicache.config import ConfigError
 from hicache.model import load_model
 from hicache.model.chat_render import (CHARS_PER_TOKEN, RENDER_SECONDS, ChatTemplateError, compile_chat_template,
@@ -36,6 +33,9 @@ from hicache.model.chat_render import (CHARS_PER_TOKEN, RENDER_SECONDS, ChatTemp
 from hicache.model.errors import cut, quoted
 from hicache.model.hf_loader import spec_from_hf_config
 from hicache.server.serve import ServerThread
+from hostile_models import (CRAFTED_GGUF, F32, HF_CONFIG, NESTED_RANGES, STRING, crafted_gguf, tiny_gguf,
+                            write_hf_dir)
+from model_fuzz import KINDS, one_sentence, run_campaign
 
 pytestmark = pytest.mark.model
 

@@ -11,7 +11,7 @@ server is healthy, holds no request, page or grammar, and its RSS grew by less t
 bound. Prints what it tried, by kind and by route.
 
 ``HICACHE_HTTP_FUZZ_SECONDS`` (default 8, at most 60) and ``HICACHE_HTTP_FUZZ_SEED`` replay it.
-Later API routes join it (their own bodies in hicache.bench.hostile)."""
+Later API routes join it (their own bodies in tests/hostile_requests.py)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ import psutil
 import pytest
 
 from hicache import Engine
-from hicache.bench.hostile import AGENT_ROUTES, BOMBS, RequestFuzzer
 from hicache.server.serve import ServerThread
+from hostile_requests import AGENT_ROUTES, BOMBS, RequestFuzzer
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 

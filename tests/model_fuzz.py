@@ -1,5 +1,5 @@
 """The model-file fuzz campaign (issue 56, S6): from a seed, hostile variants of the tiny model of
-:mod:`hicache.bench.hostile_models` -- GGUF metadata set to extremes of every type, header bytes
+:mod:`hostile_models` -- GGUF metadata set to extremes of every type, header bytes
 overwritten, tensor entries bent, files cut short, hostile chat templates, config.json values of
 every JSON type (``Infinity`` and ``NaN`` included), checkpoints with other shapes or broken headers
 -- each loaded in this process as ``hicache`` would load it. Every load must end, within
@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from hicache.bench.hostile_models import (ARRAY, BOOL, CHATML, DOUBLING, F32, F64, HF_CONFIG, I32, I64, NESTED_RANGES,
-                                          STRING, U8, U32, U64, GGUFDoc, Raw, hf_tensors, tiny_gguf, write_hf_dir)
+from hostile_models import (ARRAY, BOOL, CHATML, DOUBLING, F32, F64, HF_CONFIG, I32, I64, NESTED_RANGES,
+                            STRING, U8, U32, U64, GGUFDoc, Raw, hf_tensors, tiny_gguf, write_hf_dir)
 
 CASE_SECONDS = 10.0  # one load, chat render and forward pass (the tiny model takes ~0.1 s)
 # A weight beyond this may overflow float32 activations however the file is read (1e18 * 1e18 in a
