@@ -232,9 +232,9 @@ class GrammarMode(Mode):
             future = self._masker.submit(self._row_masks, batch)
         masks: RowMasks = future.result()
         with torch.inference_mode():  # the forward's logits are inference tensors
-            for row, mask in zip(masks.rows, masks.masks):  # the masks are made on the CPU
+            for row, mask in masks.masks:  # the masks are made on the CPU
                 logits[row].masked_fill_(~mask.to(logits.device), float("-inf"))
-        self.counts["masked_rows"] += len(masks.rows)
+        self.counts["masked_rows"] += len(masks.masks)
         self.counts["failed_requests"] += len(masks.failed)
         return {i: (GRAMMAR_FAILED, why) for i, why in masks.failed.items()}
 
@@ -348,8 +348,7 @@ class GrammarMode(Mode):
         mask = torch.from_numpy(bits.astype(np.bool_))
         if not bool(mask.any()):
             return "it allows no token here"
-        out.rows.append(row)
-        out.masks.append(mask)
+        out.masks.append((row, mask))
         return ""
 
     def _failure(self, req: Request, why: str) -> str:

@@ -72,9 +72,8 @@ class GrammarState:
 
 @dataclass
 class RowMasks:
-    """Allowed tokens per logits row (``rows[i]`` is masked by ``masks[i]``); ``failed``: requests
-    (index in the batch) whose grammar cannot be kept, with why."""
+    """Allowed tokens per logits row (``masks``: (row, its mask)); ``failed``: requests (index in the
+    batch) whose grammar cannot be kept, with why."""
 
-    rows: list[int] = field(default_factory=list)
-    masks: list[torch.Tensor] = field(default_factory=list)
+    masks: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     failed: dict[int, str] = field(default_factory=dict)
