@@ -243,16 +243,10 @@ class GrammarMode(Mode):
 
     def _row_masks(self, batch: Batch) -> RowMasks:
         """The mask of every logits row a grammar request samples from in ``batch`` (mask thread)."""
-        out = RowMasks()
-        if batch.kind == BatchKind.VERIFY:
-            for i, (req, row, drafts) in enumerate(zip(batch.reqs, batch.first_rows(), batch.proposal.tokens)):
-                if req.grammar is not None:
-                    self._verify_masks(i, req, row, drafts, out)
-            return out
-        for i in batch.result_rows():
-            req = batch.reqs[i]
-            if req.grammar is not None and self._catch_up(req, i, out):
-                self._settle(req, i, self._add(out, i, req.grammar.matcher), out)
+        out, rows, verify = RowMasks(), batch.first_rows(), batch.kind == BatchKind.VERIFY
+        for i in batch.result_rows():  # (a verify pass: every request's)
+            if batch.reqs[i].grammar is not None:
+                self._request_masks(i, batch.reqs[i], rows[i], batch.proposal.tokens[i] if verify else (), out)
         return out
 
     def _catch_up(self, req: Request, i: int, out: RowMasks) -> bool:
@@ -286,12 +280,13 @@ class GrammarMode(Mode):
             out.failed[i] = self._failure(req, why)
         return False
 
-    def _verify_masks(self, i: int, req: Request, row: int, drafts: Sequence[int], out: RowMasks) -> None:
-        """Rows ``row + j``: the mask after drafts[:j]. Past a draft the grammar refuses no row is
-        masked: that draft has probability 0 at its row, so nothing after it is accepted."""
+    def _request_masks(self, i: int, req: Request, row: int, drafts: Sequence[int], out: RowMasks) -> None:
+        """Rows ``row + j`` of request ``i``: the mask after ``drafts[:j]`` (a verify pass's; else none).
+        Past a draft the grammar refuses no row is masked: that draft has probability 0 at its row, so
+        nothing after it is accepted."""
         state: GrammarState = req.grammar
         if not self._catch_up(req, i, out):
-            if state.scan is not None:
+            if state.scan is not None and drafts:
                 self._drafts_triggering(req, row, drafts, out)
             return
         if self._settle(req, i, self._add(out, row, state.matcher), out):
