@@ -26,7 +26,7 @@ Here, on every rank that samples, :class:`GrammarMode`:
 - verify passes (speculative decoding): row j is masked after the last token and drafts 1..j,
   so a draft the grammar refuses has probability 0 and is rejected;
 - a *lazy* grammar (``GrammarSpec.triggers``: a tool call in an ``auto`` reply) masks nothing until
-  a trigger matches the output (runtime/grammar_trigger.py), then takes the trigger's prefix and the
+  a trigger matches the output (runtime/grammar_state.py: TriggerScan), then takes the trigger's prefix and the
   output after it and holds from there. It never fails a request: where its matcher cannot take
   what the model wrote, or fails later, it lets go and the rest of the reply is free (logged).
 
@@ -51,8 +51,7 @@ import torch
 from ..model.tokenizer import Tokenizer
 from .batch import Batch, BatchKind
 from .events import WorkEvent, split_over
-from .grammar_state import GrammarState, RowMasks, Template
-from .grammar_trigger import TriggerScan, compile_triggers, unseen_specials
+from .grammar_state import GrammarState, RowMasks, Template, TriggerScan, compile_triggers, unseen_specials
 from .grammar_vet import ENGINE_STACK_BYTES, PARSER_LIMITS, tokenizer_config
 from .grammar_worker import first_line, ll_tokenizer, token_bits
 from .modes import Action, Fail, Mode, ModeContext
