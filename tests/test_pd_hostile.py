@@ -504,7 +504,7 @@ def test_a_dead_transfer_thread_makes_the_server_unhealthy(mode) -> None:
     try:
         assert httpx.get(f"{url}/health", timeout=10).status_code == 200
         role = next(m for m in engine.scheduler.runtime.modes if m.name == "disaggregation")
-        io = role.sender if mode == "prefill" else role.receiver
+        io = role.io
         io._jobs.put(object())
         deadline = time.monotonic() + 5
         while httpx.get(f"{url}/health", timeout=10).status_code == 200 and time.monotonic() < deadline:

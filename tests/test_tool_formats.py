@@ -11,7 +11,7 @@ import pytest
 
 from hicache.model.chat_render import compile_chat_template, render
 from hicache.model.tokenizer import byte_tokenizer
-from hicache.runtime.grammar_trigger import TriggerScan, compile_triggers, unseen_specials
+from hicache.runtime.grammar_state import TriggerScan, compile_triggers, unseen_specials
 from hicache.runtime.grammar_vet import tokenizer_config
 from hicache.runtime.grammar_worker import ll_tokenizer
 from hicache.server.tool_formats import FORMATS, HERMES, choose_format, detect_format

@@ -23,7 +23,7 @@ from ..model.loader import LoadedModel
 from ..model.prefix_gather import PrefixGather
 from .hybrid_pool import HybridPlan
 from .mode_registry import build_modes
-from .modes import Mode, ModeContext
+from .modes import ModeContext
 from .rank_plan import RankContext, RankPlan, plan_rank
 from .runner import ContextParallel, ModelRunner
 from .scheduler import SchedulePolicy, Scheduler
@@ -72,7 +72,11 @@ def build_core(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, dty
     logger.info("rank plan: %s; device pages %d, host pages %d, window pages %d", plan.describe(),
                 plan.device_pages - 1, max(plan.host_pages - 1, 0), max(plan.window_pages - 1, 0))
     cp = _context_parallel(cfg, rank, plan, device)
-    pool = _device_pool(cfg, plan, device)
+    # the target's layers and a packed draft's; a hybrid plan's window component beside them (two pools, or
+    # shared blocks with its sliding groups)
+    windows = plan.hybrid.pool_part(plan.window_pages) if plan.hybrid is not None else None
+    pool = DeviceKVPool(plan.layers + plan.packed_layers, *plan.row, plan.device_pages, cfg.page_size, plan.kv_dtype,
+                        device, windows)
     unified = plan.unified
     host_pool = _host_pool(cfg, pool, plan.host_pages, unified.grid if unified else None, plan.host_apart)
     sidecar = _sidecar_pools(cfg, plan, device, unified.draft.grid if unified and unified.draft else None)
@@ -85,16 +89,12 @@ def build_core(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, dty
                                     rank.pd_ranks or TPRanks.alone(plan.row[0]), draft, plan.packed_layers,
                                     rank.share_draws, tokenizer=loaded.tokenizer,
                                     samples=rank.shard is None or rank.shard.last_stage))
-    return EngineCore(pool, host_pool, cache, runner, _scheduler(cfg, cache, loaded, modes, plan.prefill_chunk), plan)
-
-
-def _device_pool(cfg: EngineConfig, plan: RankPlan, device: torch.device) -> DeviceKVPool:
-    """The device KV pool: the target's layers and a packed draft's, of ``plan.row`` (KV heads, head dim)
-    per token; a hybrid plan's window component beside it (two pools, or shared blocks with its
-    sliding groups)."""
-    windows = plan.hybrid.pool_part(plan.window_pages) if plan.hybrid is not None else None
-    return DeviceKVPool(plan.layers + plan.packed_layers, *plan.row, plan.device_pages, cfg.page_size, plan.kv_dtype,
-                        device, windows)
+    scheduler = Scheduler(cache, loaded.tokenizer.decode, set(loaded.tokenizer.eos_token_ids), SchedulePolicy(
+        plan.prefill_chunk, cfg.max_running_requests, cfg.hicache_storage_prefetch_policy,
+        lambda tokens: cfg.hicache_storage_prefetch_timeout_base
+        + cfg.hicache_storage_prefetch_timeout_per_1k_tokens * tokens / 1000,
+        cfg.enable_deterministic_inference, cfg.decode_reuses_prefix and not cfg.disable_shared_prefill_wait), modes)
+    return EngineCore(pool, host_pool, cache, runner, scheduler, plan)
 
 
 def _host_pool(cfg: EngineConfig, pool: DeviceKVPool, host_pages: int, grid: StorageGrid | None,
@@ -116,14 +116,12 @@ def _host_pool(cfg: EngineConfig, pool: DeviceKVPool, host_pages: int, grid: Sto
         layout, cells = "page_unified", 0 if grid.mla else grid.head_partition
         logger.info("host KV pool layout page_unified (--hicache-mem-layout %s set aside): the unified key scheme "
                     "writes and reads each storage object in place", cfg.hicache_mem_layout)
-    if not pool.hybrid:
-        return HostKVPool(pool, host_pages, layout, cell_heads=cells)
-    # full layers for every host page, window layers for checkpoints (pages of their own)
-    host = HostKVPool(pool, host_pages, layout, cell_heads=cells, layers=full)
-    ratio = cfg.swa_full_tokens_ratio or HybridPlan.DEFAULT_RATIO  # checkpoints only: the default's rule when apart
-    window_pages = max(int(ratio * (host_pages - 1)), 1) + 1
-    host.window_pool = HostKVPool(pool, window_pages, layout, cell_heads=cells,
-                                  layers=tuple(sorted(pool.windows.layers)))
+    host = HostKVPool(pool, host_pages, layout, cell_heads=cells, layers=full)  # (every layer unless hybrid)
+    if pool.hybrid:  # full layers for every host page, window layers for checkpoints (pages of their own)
+        ratio = cfg.swa_full_tokens_ratio or HybridPlan.DEFAULT_RATIO  # checkpoints only: the default's rule when apart
+        window_pages = max(int(ratio * (host_pages - 1)), 1) + 1
+        host.window_pool = HostKVPool(pool, window_pages, layout, cell_heads=cells,
+                                      layers=tuple(sorted(pool.windows.layers)))
     return host
 
 
@@ -135,15 +133,6 @@ def _sidecar_pools(cfg: EngineConfig, plan: RankPlan, device: torch.device,
         return None
     pool = DeviceKVPool(draft_kv.layers, *draft_kv.row, plan.device_pages, cfg.page_size, plan.kv_dtype, device)
     return pool, _host_pool(cfg, pool, plan.host_pages, grid)
-
-
-def _scheduler(cfg: EngineConfig, cache: KVCacheManager, loaded: LoadedModel, modes: list[Mode],
-               prefill_chunk: int) -> Scheduler:
-    return Scheduler(cache, loaded.tokenizer.decode, set(loaded.tokenizer.eos_token_ids), SchedulePolicy(
-        prefill_chunk, cfg.max_running_requests, cfg.hicache_storage_prefetch_policy,
-        lambda tokens: cfg.hicache_storage_prefetch_timeout_base
-        + cfg.hicache_storage_prefetch_timeout_per_1k_tokens * tokens / 1000,
-        cfg.enable_deterministic_inference, cfg.decode_reuses_prefix and not cfg.disable_shared_prefill_wait), modes)
 
 
 def _context_parallel(cfg: EngineConfig, rank: RankContext, plan: RankPlan,

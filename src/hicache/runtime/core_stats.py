@@ -17,13 +17,10 @@ def core_stats(core: EngineCore, page_size: int) -> dict[str, Any]:
     out = {
         "prompt_tokens": s.prompt_tokens,
         "prefill_computed_tokens": sched.prefill_computed_tokens,  # prompt tokens the forward computed
-        "hit_tokens": hits,
-        "hit_rate": (sum(hits.values()) / s.prompt_tokens) if s.prompt_tokens else 0.0,
-        "evicted_device_pages": s.evicted_device_pages,
-        "device_pool": cache.usage(),
+        "hit_tokens": hits, "hit_rate": (sum(hits.values()) / s.prompt_tokens) if s.prompt_tokens else 0.0,
+        "evicted_device_pages": s.evicted_device_pages, "device_pool": cache.usage(),
         "components": [c.summary() for c in core.plan.components],  # this rank's (runtime/rank_plan.py)
-        "running_requests": len(sched.running),
-        "waiting_requests": len(sched.waiting),
+        "running_requests": len(sched.running), "waiting_requests": len(sched.waiting),
     }
     if cache.storage is not None:
         st = cache.storage.stats

@@ -18,21 +18,19 @@ failed on any.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from ..cache.acks import AckCounts
 
 
-@dataclass(frozen=True)
-class PrefetchEvent:
+class PrefetchEvent(NamedTuple):
     """One open storage prefetch, as seen by one rank (or as agreed)."""
 
     acks: int  # progress acks published (monotonic; the last one is final)
     expired: bool  # its wait deadline has come
 
 
-@dataclass(frozen=True)
-class WorkEvent:
+class WorkEvent(NamedTuple):
     """One item of a mode's open background work (a P/D KV transfer), as seen by one rank (or
     as agreed)."""
 
@@ -47,12 +45,8 @@ class StepEvents:
     work: tuple[WorkEvent, ...] = ()  # the modes' items, mode after mode
 
     def to_list(self) -> list[int]:
-        out = self.acks.to_list() + [len(self.prefetches)]
-        for p in self.prefetches:
-            out += [p.acks, int(p.expired)]
-        for t in self.work:
-            out += [int(t.ready), int(t.ok)]
-        return out
+        pairs = [int(v) for e in (*self.prefetches, *self.work) for v in e]  # (acks, expired), (ready, ok)
+        return self.acks.to_list() + [len(self.prefetches)] + pairs
 
     @classmethod
     def from_list(cls, values: Sequence[int]) -> "StepEvents":

@@ -26,7 +26,7 @@ Here, on every rank that samples, :class:`GrammarMode`:
 - verify passes (speculative decoding): row j is masked after the last token and drafts 1..j,
   so a draft the grammar refuses has probability 0 and is rejected;
 - a *lazy* grammar (``GrammarSpec.triggers``: a tool call in an ``auto`` reply) masks nothing until
-  a trigger matches the output (runtime/grammar_trigger.py), then takes the trigger's prefix and the
+  a trigger matches the output (runtime/grammar_state.py: TriggerScan), then takes the trigger's prefix and the
   output after it and holds from there. It never fails a request: where its matcher cannot take
   what the model wrote, or fails later, it lets go and the rest of the reply is free (logged).
 
@@ -51,8 +51,7 @@ import torch
 from ..model.tokenizer import Tokenizer
 from .batch import Batch, BatchKind
 from .events import WorkEvent, split_over
-from .grammar_state import GrammarState, RowMasks, Template
-from .grammar_trigger import TriggerScan, compile_triggers, unseen_specials
+from .grammar_state import GrammarState, RowMasks, Template, TriggerScan, compile_triggers, unseen_specials
 from .grammar_vet import ENGINE_STACK_BYTES, PARSER_LIMITS, tokenizer_config
 from .grammar_worker import first_line, ll_tokenizer, token_bits
 from .modes import Action, Fail, Mode, ModeContext
@@ -232,9 +231,9 @@ class GrammarMode(Mode):
             future = self._masker.submit(self._row_masks, batch)
         masks: RowMasks = future.result()
         with torch.inference_mode():  # the forward's logits are inference tensors
-            for row, mask in zip(masks.rows, masks.masks):  # the masks are made on the CPU
+            for row, mask in masks.masks:  # the masks are made on the CPU
                 logits[row].masked_fill_(~mask.to(logits.device), float("-inf"))
-        self.counts["masked_rows"] += len(masks.rows)
+        self.counts["masked_rows"] += len(masks.masks)
         self.counts["failed_requests"] += len(masks.failed)
         return {i: (GRAMMAR_FAILED, why) for i, why in masks.failed.items()}
 
@@ -243,16 +242,10 @@ class GrammarMode(Mode):
 
     def _row_masks(self, batch: Batch) -> RowMasks:
         """The mask of every logits row a grammar request samples from in ``batch`` (mask thread)."""
-        out = RowMasks()
-        if batch.kind == BatchKind.VERIFY:
-            for i, (req, row, drafts) in enumerate(zip(batch.reqs, batch.first_rows(), batch.proposal.tokens)):
-                if req.grammar is not None:
-                    self._verify_masks(i, req, row, drafts, out)
-            return out
-        for i in batch.result_rows():
-            req = batch.reqs[i]
-            if req.grammar is not None and self._catch_up(req, i, out):
-                self._settle(req, i, self._add(out, i, req.grammar.matcher), out)
+        out, rows, verify = RowMasks(), batch.first_rows(), batch.kind == BatchKind.VERIFY
+        for i in batch.result_rows():  # (a verify pass: every request's)
+            if batch.reqs[i].grammar is not None:
+                self._request_masks(i, batch.reqs[i], rows[i], batch.proposal.tokens[i] if verify else (), out)
         return out
 
     def _catch_up(self, req: Request, i: int, out: RowMasks) -> bool:
@@ -286,12 +279,13 @@ class GrammarMode(Mode):
             out.failed[i] = self._failure(req, why)
         return False
 
-    def _verify_masks(self, i: int, req: Request, row: int, drafts: Sequence[int], out: RowMasks) -> None:
-        """Rows ``row + j``: the mask after drafts[:j]. Past a draft the grammar refuses no row is
-        masked: that draft has probability 0 at its row, so nothing after it is accepted."""
+    def _request_masks(self, i: int, req: Request, row: int, drafts: Sequence[int], out: RowMasks) -> None:
+        """Rows ``row + j`` of request ``i``: the mask after ``drafts[:j]`` (a verify pass's; else none).
+        Past a draft the grammar refuses no row is masked: that draft has probability 0 at its row, so
+        nothing after it is accepted."""
         state: GrammarState = req.grammar
         if not self._catch_up(req, i, out):
-            if state.scan is not None:
+            if state.scan is not None and drafts:
                 self._drafts_triggering(req, row, drafts, out)
             return
         if self._settle(req, i, self._add(out, row, state.matcher), out):
@@ -348,8 +342,7 @@ class GrammarMode(Mode):
         mask = torch.from_numpy(bits.astype(np.bool_))
         if not bool(mask.any()):
             return "it allows no token here"
-        out.rows.append(row)
-        out.masks.append(mask)
+        out.masks.append((row, mask))
         return ""
 
     def _failure(self, req: Request, why: str) -> str:

@@ -77,12 +77,6 @@ class WorkerProcess:
         fd = self.proc.stdout.fileno()
         return read_message(lambda n: _read_exact(fd, n, expired))
 
-    def reap(self) -> int:
-        """The exit status of a worker that stopped by itself (negative: the signal); it is gone."""
-        assert self.proc is not None
-        code, self.proc = self.proc.wait(), None
-        return code
-
     def stop(self) -> None:
         if self.alive():
             self.proc.kill()

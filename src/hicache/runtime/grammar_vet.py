@@ -297,7 +297,7 @@ class GrammarVetter:
     def _died(self, spec: GrammarSpec) -> _Verdict:
         """Why the worker stopped while compiling ``spec`` (it is replaced for the next grammar)."""
         self.counts["crashed"] += 1
-        code, said = self._worker.reap(), self._worker.said()
+        code, said = self._worker.proc.wait(), self._worker.said()  # (negative: the signal)
         logger.warning("grammar check: the worker died (status %d) on a %s grammar of %d chars; %s", code,
                        spec.kind, len(spec.source), said.strip().splitlines()[-1] if said.strip() else "no message")
         what = f"the {spec.kind} grammar cannot be compiled"

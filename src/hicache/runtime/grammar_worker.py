@@ -45,6 +45,7 @@ import struct
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO, Callable, Optional
 
 import numpy as np
@@ -157,6 +158,15 @@ class Vetter:
     def allowed(self, matcher: Any) -> np.ndarray:
         return np.flatnonzero(token_bits(matcher, self.config["vocab_size"]))
 
+    def answer(self, job: dict) -> dict:
+        """The verdict on ``job`` (:meth:`vet`'s), or the sentence for what its compile raised."""
+        try:
+            return self.vet(job["kind"], job["source"])
+        except MemoryError:
+            return {"ok": False, "error": f"the {job['kind']} grammar needs more than its memory limit to compile."}
+        except Exception as e:  # llguidance raising for a grammar: its message, not a traceback
+            return {"ok": False, "error": f"the {job['kind']} grammar cannot be compiled: {first_line(e)}"}
+
     def vet(self, kind: str, source: str) -> dict:
         what = f"the {kind} grammar"
         t0 = time.process_time_ns()
@@ -224,24 +234,11 @@ def main() -> int:
         return 1
     vetter = Vetter(config)
     _apply_limits(config)
-    threading.stack_size(config["stack_bytes"])
+    threading.stack_size(config["stack_bytes"])  # the jobs' thread's
+    jobs = ThreadPoolExecutor(1, "vet")
     write_message(stdout, {"ready": True})
     while (job := read_message(stdin.read)) is not None:
-        out: list[dict] = []
-
-        def run(job: dict = job) -> None:
-            try:
-                out.append(vetter.vet(job["kind"], job["source"]))
-            except MemoryError:
-                out.append({"ok": False, "error": f"the {job['kind']} grammar needs more than its memory limit to "
-                                                  "compile."})
-            except Exception as e:  # llguidance raising for a grammar: its message, not a traceback
-                out.append({"ok": False, "error": f"the {job['kind']} grammar cannot be compiled: {first_line(e)}"})
-
-        thread = threading.Thread(target=run, name="vet")
-        thread.start()
-        thread.join()
-        write_message(stdout, out[0])
+        write_message(stdout, jobs.submit(vetter.answer, job).result())
         gc.collect()
         if vetter.trim is not None:
             vetter.trim(0)  # give the job's memory back, so the next job's figures start low

@@ -28,7 +28,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..disagg.heads import RankEndpoint, TPRanks
 from ..disagg.receiver import KVReceiver
@@ -61,6 +61,12 @@ class TransferStats:
     seconds: float = 0.0
     decode_prefix_tokens: int = 0
 
+    def add(self, **figures: float) -> None:
+        """One more request whose transfer ended, with its ``figures`` (field name -> what it adds)."""
+        self.requests += 1
+        for name, value in figures.items():
+            setattr(self, name, getattr(self, name) + value)
+
 
 def _writes(transport: str, cache: "KVCacheManager", host: str) -> "MooncakeWrites | None":
     """The Mooncake transfer engine for ``--disaggregation-transfer-backend mooncake``, else None
@@ -72,23 +78,46 @@ def _writes(transport: str, cache: "KVCacheManager", host: str) -> "MooncakeWrit
     return MooncakeWrites(cache.pool, host)
 
 
-class PrefillRole(Mode):
-    """``timeout_s``: how long a finished prefill waits for the decode ranks to ask."""
+class _Role(Mode):
+    """What both sides share: their transfer end ``io`` (a KVSender or a KVReceiver, on a thread of its
+    own), its open ``jobs`` (a request first, in the order they opened) and the counters."""
 
     name = "disaggregation"
+
+    def __init__(self, io: "KVSender | KVReceiver", ranks: TPRanks, timeout_s: float) -> None:
+        self.io, self.ranks, self.timeout_s = io, ranks, timeout_s
+        self.jobs: list[tuple] = []
+        self.counters = TransferStats()
+
+    def open_work(self) -> int:
+        return len(self.jobs)
+
+    def _ended(self, events: Sequence[WorkEvent], moved: Callable[[Any], int]) -> list:
+        """The jobs over on every rank (by the agreed ``events``), each with its event and the bytes
+        ``moved`` by every rank of the group for it."""
+        self.jobs, over = split_over(events, self.jobs)
+        return list(zip(over, self.ranks.total([moved(job) for job, _ in over]))) if over else []
+
+    def check_alive(self) -> None:
+        self.io.check_alive()
+
+    def close(self) -> None:
+        self.io.close()
+
+
+class PrefillRole(_Role):
+    """``timeout_s``: how long a finished prefill waits for the decode ranks to ask."""
 
     def __init__(self, cache: "KVCacheManager", port: int, ranks: TPRanks, host: str = "127.0.0.1",
                  timeout_s: float = 60.0, transport: str = "zmq") -> None:
         """Rank 0 binds ``port`` (the bootstrap port; 0: any free one), the other ranks any free
         port; every rank learns all of them (a collective: every rank builds its role)."""
-        self.timeout_s, self.ranks = timeout_s, ranks
+        super().__init__(KVSender(cache.pool, port if ranks.rank == 0 else 0, host, ranks.heads, timeout_s,
+                                  _writes(transport, cache, host)), ranks, timeout_s)
         self.cache = cache
-        self.sender = KVSender(cache.pool, port if ranks.rank == 0 else 0, host, ranks.heads, timeout_s,
-                               _writes(transport, cache, host))
-        mine = RankEndpoint(host, self.sender.port, ranks.heads).to_wire()
-        self.sender.start([RankEndpoint.from_wire(item, host) for item in ranks.gather(mine)])
-        self.sending: list[tuple[Request, Send, Callable | None]] = []  # with its deferred finish report
-        self.counters = TransferStats()
+        mine = RankEndpoint(host, self.io.port, ranks.heads).to_wire()
+        self.io.start([RankEndpoint.from_wire(item, host) for item in ranks.gather(mine)])
+        # jobs: (request, its Send, its deferred finish report)
 
     def on_finish(self, req: Request) -> bool:
         """Start the send of ``req``'s prompt KV (held until the ranks agree it was sent). Its
@@ -96,75 +125,55 @@ class PrefillRole(Mode):
         if req.pd is None:
             return False
         if not req.output_ids:  # aborted (or failed) before its first token: nothing to send
-            self.sender.refuse(req.pd.bootstrap.room, f"the prefill request ended ({req.finish_reason}) before its "
+            self.io.refuse(req.pd.bootstrap.room, f"the prefill request ended ({req.finish_reason}) before its "
                                "first token", time.perf_counter() + self.timeout_s)
             return False
         n = len(req.prompt_ids)
         job = Send(req.pd.bootstrap.room, req.kv.slots[:n], req.output_ids[0], time.perf_counter() + self.timeout_s)
         if req.kv.window is not None:  # a hybrid pool holds the window layers' rows of the tail only
             job.parts[WINDOW] = Tail(self.cache.window_tail(n), req.kv.window.slots[..., :n])
-        self.sender.submit(job)
-        self.sending.append((req, job, req.on_update))
+        self.io.submit(job)
+        self.jobs.append((req, job, req.on_update))
         req.on_update = None
         return True
 
-    def open_work(self) -> int:
-        return len(self.sending)
-
     def local_events(self) -> tuple[WorkEvent, ...]:
         self.check_alive()
-        return tuple(WorkEvent(job.done.is_set(), not job.error) for _, job, _ in self.sending)
+        return tuple(WorkEvent(job.done.is_set(), not job.error) for _, job, _ in self.jobs)
 
     def apply_events(self, events: Sequence[WorkEvent]) -> list[Action]:
         """Release the KV of every request whose send has ended on every rank, and report it."""
-        self.sending, over = split_over(events, self.sending)
-        if not over:
-            return []
-        moved = self.ranks.total([job.sent_bytes for (_, job, _), _ in over])
         actions: list[Action] = []
-        for ((req, job, report), e), total_bytes in zip(over, moved):
+        for ((req, job, report), e), total_bytes in self._ended(events, lambda item: item[1].sent_bytes):
             req.pd.transferred_tokens, req.pd.transferred_bytes = job.sent_tokens, total_bytes
             req.on_update = report
             actions.append(Release(req, report=report is not None))
-            s = self.counters
-            s.requests += 1
-            s.failed += not e.ok
-            s.tokens += job.sent_tokens
-            s.bytes += job.sent_bytes
+            self.counters.add(failed=not e.ok, tokens=job.sent_tokens, bytes=job.sent_bytes)
         return actions
-
-    def check_alive(self) -> None:
-        self.sender.check_alive()
 
     def stats(self) -> dict:
         """``Engine.stats()["disaggregation"]``: the mode, open transfers and this rank's counters."""
-        return {"mode": "prefill", "bootstrap_port": self.sender.port, "open": len(self.sending),
+        return {"mode": "prefill", "bootstrap_port": self.io.port, "open": len(self.jobs),
                 **dataclasses.asdict(self.counters)}
 
-    def close(self) -> None:
-        self.sender.close()
 
-
-class DecodeRole(Mode):
+class DecodeRole(_Role):
     """``timeout_s``: how long a request waits for its KV before it fails; ``handshake_s``: how long
     its prefill server has to answer the first message; ``max_receiving``: most requests waiting
     for KV at once (the others wait unadmitted, holding no slot or page)."""
 
-    name = "disaggregation"
-
     def __init__(self, cache: "KVCacheManager", ranks: TPRanks, vocab_size: int, timeout_s: float = 60.0,
                  transport: str = "zmq", host: str = "127.0.0.1", handshake_s: float = 5.0,
                  max_receiving: int = 16) -> None:
-        self.cache, self.timeout_s, self.ranks = cache, timeout_s, ranks
-        self.handshake_s, self.max_receiving = handshake_s, max_receiving
-        self.receiver = KVReceiver(cache.pool, ranks.heads, vocab_size, ranks.size, _writes(transport, cache, host))
-        self.receiving: list[tuple[Request, Receive]] = []
-        self.counters = TransferStats()
+        super().__init__(KVReceiver(cache.pool, ranks.heads, vocab_size, ranks.size, _writes(transport, cache, host)),
+                         ranks, timeout_s)
+        self.cache, self.handshake_s, self.max_receiving = cache, handshake_s, max_receiving
+        # jobs: (request, its Receive)
 
     def admissible(self, req: Request) -> bool:
         """A request with a bootstrap waits while ``max_receiving`` others wait for their KV: the
         running slots a client's prefill server can hold are bounded (the count is agreed state)."""
-        return req.pd is None or len(self.receiving) < self.max_receiving
+        return req.pd is None or len(self.jobs) < self.max_receiving
 
     def kv_arrives(self, req: Request) -> bool:
         return req.pd is not None
@@ -184,18 +193,15 @@ class DecodeRole(Mode):
         if arrival is not None:
             job.parts[WINDOW] = Tail(arrival[0], arrival[1][..., :n])
         req.pd.decode_prefix_len = req.computed
-        self.receiver.submit(job)
-        self.receiving.append((req, job))
+        self.io.submit(job)
+        self.jobs.append((req, job))
         if self.ranks.rank == 0:
             logger.info("P/D decode rid=%d room=%d: decode_prefix_len=%d of %d, asking %s for the rest",
                         req.rid, job.room, req.computed, len(req.prompt_ids), job.address)
 
     def on_finish(self, req: Request) -> bool:
         """An aborted request still receiving: its pages stay held until the transfer ends."""
-        return any(r is req for r, _ in self.receiving)
-
-    def open_work(self) -> int:
-        return len(self.receiving)
+        return any(r is req for r, _ in self.jobs)
 
     def local_events(self) -> tuple[WorkEvent, ...]:
         """Over: the KV arrived (or the transfer failed) and the local restore of the host
@@ -203,46 +209,32 @@ class DecodeRole(Mode):
         self.check_alive()
         restored = self.cache.kv_view.layer_ready(len(self.cache.pool.k_buffers) - 1)
         return tuple(WorkEvent(job.done.is_set() and (bool(job.error) or restored), not job.error)
-                     for _, job in self.receiving)
+                     for _, job in self.jobs)
 
     def apply_events(self, events: Sequence[WorkEvent]) -> list[Action]:
         """Start decoding every request whose KV arrived on every rank; fail those whose
         transfer failed on any; release what aborted requests held."""
-        self.receiving, over = split_over(events, self.receiving)
-        if not over:
-            return []
-        moved = self.ranks.total([job.received_bytes for (_, job), _ in over])
         actions: list[Action] = []
-        for ((req, job), e), total_bytes in zip(over, moved):
+        for ((req, job), e), total_bytes in self._ended(events, lambda item: item[1].received_bytes):
             if req.status is Status.FINISHED:  # aborted meanwhile
                 actions.append(Release(req))
                 continue
-            s = self.counters
-            s.requests += 1
             if not e.ok:
-                s.failed += 1
+                self.counters.add(failed=1)
                 error = job.error or "the KV transfer failed on another rank of this server"
                 logger.warning("P/D decode rid=%d room=%d failed: %s", req.rid, job.room, error)
                 actions.append(Fail(req, error, KV_TRANSFER_FAILED))
                 continue
-            s.tokens += job.received_tokens
-            s.bytes += job.received_bytes
-            s.seconds += job.seconds
-            s.decode_prefix_tokens += job.decode_prefix_len
+            self.counters.add(tokens=job.received_tokens, bytes=job.received_bytes, seconds=job.seconds,
+                              decode_prefix_tokens=job.decode_prefix_len)
             req.pd.transferred_tokens, req.pd.transferred_bytes = job.received_tokens, total_bytes
             actions.append(StartDecode(req, job.first_token))
         return actions
 
-    def check_alive(self) -> None:
-        self.receiver.check_alive()
-
     def stats(self) -> dict:
         """``Engine.stats()["disaggregation"]``: the mode, open transfers and this rank's counters."""
-        return {"mode": "decode", "open": len(self.receiving), "max_receiving": self.max_receiving,
+        return {"mode": "decode", "open": len(self.jobs), "max_receiving": self.max_receiving,
                 **dataclasses.asdict(self.counters)}
-
-    def close(self) -> None:
-        self.receiver.close()
 
 
 def build(ctx: ModeContext) -> Mode | None:

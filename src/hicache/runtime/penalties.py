@@ -98,14 +98,12 @@ class PenaltyMode(Mode):
         """Adjust the rows of requests with a :class:`PenaltyState`; it fails no request."""
         if not any(r.penalty is not None for r in batch.reqs):
             return {}
+        rows, verify = batch.first_rows(), batch.kind == BatchKind.VERIFY
         with torch.inference_mode():  # the forward's logits are inference tensors
-            if batch.kind != BatchKind.VERIFY:
-                for i in batch.result_rows():
-                    self._adjust(batch.reqs[i], logits[i], ())
-                return {}
-            for req, n, row, drafts in zip(batch.reqs, batch.new_tokens, batch.first_rows(), batch.proposal.tokens):
-                for j in range(n):  # row j: after the last token and drafts[:j]
-                    self._adjust(req, logits[row + j], drafts[:j])
+            for i in batch.result_rows():  # (a verify pass: every request's, a row per draft after its first)
+                drafts = batch.proposal.tokens[i] if verify else ()
+                for j in range(len(drafts) + 1):  # row j: after the last token and drafts[:j]
+                    self._adjust(batch.reqs[i], logits[rows[i] + j], drafts[:j])
         return {}
 
     def _adjust(self, req: Request, row: torch.Tensor, drafts: Sequence[int]) -> None:

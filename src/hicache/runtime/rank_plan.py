@@ -264,7 +264,7 @@ def _transfer_staging(cfg: EngineConfig, device: torch.device, layer_page: int, 
         return 0
     rows = [layer_page // 2] * (2 if hybrid else 1)
     if draft_kv is not None and not draft_kv.packed:
-        rows.append(draft_kv.bytes_per_page(elem, cfg.page_size) // (2 * draft_kv.layers))
+        rows.append(draft_kv.row[0] * draft_kv.row[1] * elem * cfg.page_size)
     return staging_budget(rows)
 
 

@@ -180,10 +180,8 @@ class GenerateResult:
             ttft_s=req.first_token_time - req.arrival_time if started else 0.0,
             queue_time_s=req.admitted_time - req.arrival_time if admitted else 0.0,
             forward_time_s=req.first_token_time - req.admitted_time if started else 0.0,
-            e2e_s=req.finish_time - req.arrival_time if req.finish_time else 0.0,
-            error=req.error, error_code=req.error_code,
-            spec_accept_length=spec.accept_length, spec_verify_steps=spec.verify_steps,
+            e2e_s=req.finish_time - req.arrival_time if req.finish_time else 0.0, error=req.error,
+            error_code=req.error_code, spec_accept_length=spec.accept_length, spec_verify_steps=spec.verify_steps,
             disaggregated=req.pd is not None, decode_prefix_len=pd.decode_prefix_len,
             kv_transferred_tokens=pd.transferred_tokens, kv_transferred_bytes=pd.transferred_bytes,
-            logprobs=list(req.logprobs),
-        )
+            logprobs=list(req.logprobs))

@@ -103,8 +103,7 @@ class Results:
                     self.cache.cache_prefix(req.namespace, req.tokens_with_kv(), req.kv)  # for those who wait
                 req.first_token_time = now
                 req.status = Status.DECODE
-            req.logprobs.extend(logprobs)
-            self._append_token(req, tok, finished)
+            self._end(req, self._append(req, [tok], logprobs), finished)
         return finished
 
     def _apply_accepted(self, req: Request, tokens: Sequence[int], logprobs: Sequence, finished: list[Request]) -> None:
@@ -113,31 +112,31 @@ class Results:
         are dropped); the modes hear what was taken before the request finishes, since
         finishing caches what has KV and a mode may limit that (``Request.tokens_with_kv``)."""
         req.computed = len(req.all_ids) + len(tokens) - 1
-        taken, reason = 0, ""
+        before = len(req.output_ids)
+        reason = self._append(req, tokens, logprobs)
+        req.computed = min(req.computed, len(req.all_ids))  # an early stop: only what was appended
+        for mode in self.modes:
+            mode.on_accepted(req, len(tokens) - 1, len(req.output_ids) - before)
+        self._end(req, reason, finished)
+
+    # ---- finishing -----------------------------------------------------------------------
+    def _append(self, req: Request, tokens: Sequence[int], logprobs: Sequence) -> str:
+        """Append ``tokens`` (and their ``logprobs``) until one stops ``req``: why it stops, or "".
+        The request hears of each token that does not stop it."""
         for j, tok in enumerate(tokens):
             req.output_ids.append(tok)
             req.logprobs.extend(logprobs[j:j + 1])
-            taken += 1
             reason = stop_reason(req, self.eos_token_ids, self.decode_text)
             if reason:
-                break
+                return reason
             req.notify()
-        req.computed = min(req.computed, len(req.all_ids))  # an early stop: only what was appended
-        for mode in self.modes:
-            mode.on_accepted(req, len(tokens) - 1, taken)
-        if reason:
-            self._finish(req, reason)
-            finished.append(req)
+        return ""
 
-    # ---- finishing -----------------------------------------------------------------------
-    def _append_token(self, req: Request, tok: int, finished: list[Request]) -> None:
-        req.output_ids.append(tok)
-        reason = stop_reason(req, self.eos_token_ids, self.decode_text)
+    def _end(self, req: Request, reason: str, finished: list[Request]) -> None:
+        """Finish ``req`` (and count it in ``finished``) when there is a ``reason`` to."""
         if reason:
             self._finish(req, reason)
             finished.append(req)
-        else:
-            req.notify()
 
     def _finish(self, req: Request, reason: str) -> None:
         """Finish ``req`` with ``reason``, running or still in the queue (then it holds only its prefetch)."""
@@ -170,8 +169,7 @@ class Results:
     def _fail(self, req: Request, code: str, error: str, finished: list[Request]) -> None:
         """End ``req`` with finish reason "error" (a mode's ``code``), running or still waiting."""
         req.error, req.error_code = error, code
-        self._finish(req, "error")
-        finished.append(req)
+        self._end(req, "error", finished)
 
     def _start_decode(self, req: Request, first_token: int, finished: list[Request]) -> None:
         """``req``'s whole prompt has KV (local tiers + what a mode received): decode from
@@ -185,4 +183,4 @@ class Results:
             return
         req.first_token_time = time.perf_counter()
         req.status = Status.DECODE
-        self._append_token(req, first_token, finished)
+        self._end(req, self._append(req, [first_token], ()), finished)

@@ -27,7 +27,7 @@ import dataclasses
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import NoReturn, Optional, Sequence
 
 import numpy as np
 import torch
@@ -50,6 +50,10 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI: each bias is in [-100, 100]
 # characters. OpenAI takes 4; these leave room for agent frameworks' lists and bound the rest.
 MAX_STOP_STRINGS = 128
 MAX_STOP_STRING_BYTES = 256  # each one, UTF-8 encoded
+
+
+def _refuse(param: str, message: str) -> NoReturn:
+    raise InvalidRequestError(message, param=param)
 
 
 @dataclass(frozen=True)
@@ -91,21 +95,18 @@ class GrammarSpec:
 
     def validate(self) -> None:
         """InvalidRequestError (``param="grammar"``) for a grammar no backend is asked to compile."""
-        def refuse(message: str) -> None:
-            raise InvalidRequestError(message, param="grammar")
-
         if self.kind not in GRAMMAR_KINDS:
-            refuse(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.kind!r}.")
+            _refuse("grammar", f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.kind!r}.")
         if not isinstance(self.source, str) or not self.source:
-            refuse(f"the {self.kind} grammar must be a non-empty string.")
+            _refuse("grammar", f"the {self.kind} grammar must be a non-empty string.")
         if len(self.source) > MAX_GRAMMAR_CHARS:
-            refuse(f"the {self.kind} grammar has {len(self.source)} characters; at most {MAX_GRAMMAR_CHARS} are "
-                   "accepted.")
+            _refuse("grammar", f"the {self.kind} grammar has {len(self.source)} characters; at most "
+                               f"{MAX_GRAMMAR_CHARS} are accepted.")
         for pattern, _ in self.triggers:
             try:
                 re.compile(pattern.encode())
             except re.error as e:
-                refuse(f"the grammar trigger {pattern!r} is not a regular expression: {e}.")
+                _refuse("grammar", f"the grammar trigger {pattern!r} is not a regular expression: {e}.")
 
 
 @dataclass
@@ -138,50 +139,48 @@ class SamplingParams:
     def validate(self) -> None:
         """Types and ranges that hold for any model (the vocabulary's: :meth:`check_token_ids`);
         InvalidRequestError naming the field otherwise."""
-        def refuse(param: str, message: str) -> None:
-            raise InvalidRequestError(message, param=param)
-
         if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            refuse("max_new_tokens", f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}.")
+            _refuse("max_new_tokens", f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}.")
         for name in DEFAULTABLE:  # temperature, top_p, top_k, the penalties, min_p
             if (error := range_error(name, getattr(self, name))) is not None:
-                refuse(name, error)
+                _refuse(name, error)
         if self.seed is not None and (not is_int(self.seed) or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
-            refuse("seed", f"seed must be an integer in [-2^63, 2^64), got {self.seed!r}.")
+            _refuse("seed", f"seed must be an integer in [-2^63, 2^64), got {self.seed!r}.")
         if any(not is_int(t) for t in self.stop_token_ids):
-            refuse("stop_token_ids", "stop_token_ids must be integers.")
-        self._validate_stop(refuse)
-        self._validate_adjustments(refuse)
+            _refuse("stop_token_ids", "stop_token_ids must be integers.")
+        self._validate_stop()
+        self._validate_adjustments()
         if self.grammar is not None:
             self.grammar.validate()
             for name, given in (("ignore_eos", self.ignore_eos), ("min_tokens", self.min_tokens > 0)):
                 if given:
-                    refuse(name, f"{name} cannot be combined with a grammar: the grammar decides where the output ends.")
+                    _refuse(name, f"{name} cannot be combined with a grammar: the grammar decides where "
+                                  "the output ends.")
 
-    def _validate_stop(self, refuse: Callable[[str, str], None]) -> None:
+    def _validate_stop(self) -> None:
         """At most MAX_STOP_STRINGS stop strings, each at most MAX_STOP_STRING_BYTES UTF-8 bytes."""
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
         if stops is None:
             return
         if not isinstance(stops, (list, tuple)) or any(not isinstance(s, str) for s in stops):
-            refuse("stop", "stop must be a string or a list of strings.")
+            _refuse("stop", "stop must be a string or a list of strings.")
         if len(stops) > MAX_STOP_STRINGS:
-            refuse("stop", f"at most {MAX_STOP_STRINGS} stop strings are accepted, got {len(stops)}.")
+            _refuse("stop", f"at most {MAX_STOP_STRINGS} stop strings are accepted, got {len(stops)}.")
         longest = max((len(s.encode("utf-8", "surrogatepass")) for s in stops), default=0)
         if longest > MAX_STOP_STRING_BYTES:
-            refuse("stop", f"a stop string may have at most {MAX_STOP_STRING_BYTES} bytes (UTF-8), got one of "
-                           f"{longest}.")
+            _refuse("stop", f"a stop string may have at most {MAX_STOP_STRING_BYTES} bytes (UTF-8), got one of "
+                            f"{longest}.")
 
-    def _validate_adjustments(self, refuse: Callable[[str, str], None]) -> None:
+    def _validate_adjustments(self) -> None:
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
-            refuse("min_tokens", f"min_tokens must be an integer in [0, max_new_tokens], got {self.min_tokens!r}.")
+            _refuse("min_tokens", f"min_tokens must be an integer in [0, max_new_tokens], got {self.min_tokens!r}.")
         if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
-            refuse("logprobs", f"top_logprobs must be an integer >= 0, got {self.logprobs!r}.")
+            _refuse("logprobs", f"top_logprobs must be an integer >= 0, got {self.logprobs!r}.")
         for tok, bias in (self.logit_bias or {}).items():
             if not is_int(tok):
-                refuse("logit_bias", f"logit_bias keys must be token ids (integers), got {tok!r}.")
+                _refuse("logit_bias", f"logit_bias keys must be token ids (integers), got {tok!r}.")
             if not is_real(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-                refuse("logit_bias", f"logit_bias values must be in [-100, 100], got {bias!r} for token {tok}.")
+                _refuse("logit_bias", f"logit_bias values must be in [-100, 100], got {bias!r} for token {tok}.")
 
     def check_token_ids(self, vocab_size: int) -> None:
         """Every token id the request names (``stop_token_ids``, ``logit_bias`` keys) is one of the

@@ -207,10 +207,15 @@ class Scheduler(Results):
                 continue  # its storage read is still arriving; later requests may go first
             if req.waits_for is not None and self._prompt_pending(req.waits_for):
                 continue  # n > 1: admitted once its sibling's prompt is cached, to share its pages
-            if self.policy.shared_prefill_wait and computing_prefix_of(req, self.running) is not None:
-                continue  # another request is computing its first tokens: it hits them once cached
             if self.policy.shared_prefill_wait:
-                self._share_computed_prompt(req)
+                if computing_prefix_of(req, self.running) is not None:
+                    continue  # another request is computing its first tokens: it hits them once cached
+                # A running request computed the first tokens of its prompt while it was on its way (nobody
+                # waited, so its pages would enter the tree only at its finish): its prompt is cached now, for
+                # req to hit. The prompt only: its reply's KV is the decode kernels' arithmetic.
+                other = computed_prompt_of(req, self.running, self.cache.page_size)
+                if other is not None:
+                    self.cache.cache_prefix(other.namespace, other.tokens_np, other.kv)
             if shares.over(req, self.cache.pages_for(self._reserve_tokens(req))):
                 continue  # its group has its share: others first
             if not all([m.admissible(req) for m in self.modes]):  # every mode hears of it
@@ -232,14 +237,6 @@ class Scheduler(Results):
     def _reserve_tokens(self, req: Request) -> int:
         """Tokens of KV a request reserves at admission: its prompt, its most output, a mode's slots."""
         return len(req.prompt_ids) + req.max_new_tokens + self.reserve_slots
-
-    def _share_computed_prompt(self, req: Request) -> None:
-        """A running request computed the first tokens of ``req``'s prompt while ``req`` was on its
-        way (nobody waited, so its pages would enter the tree only at its finish): cache its prompt
-        now, for ``req`` to hit. The prompt only: its reply's KV is the decode kernels' arithmetic."""
-        other = computed_prompt_of(req, self.running, self.cache.page_size)
-        if other is not None:
-            self.cache.cache_prefix(other.namespace, other.tokens_np, other.kv)
 
     def _prompt_pending(self, rid: int) -> bool:
         """Request ``rid`` is queued or still computing its prompt."""

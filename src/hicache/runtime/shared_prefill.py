@@ -24,30 +24,31 @@ from .request import Request, Status
 SHARED_PREFILL_MIN = 64
 
 
-def computing_prefix_of(req: Request, running: Sequence[Request], min_tokens: int = SHARED_PREFILL_MIN) -> Optional[int]:
-    """The rid of the first request in ``running`` computing a prompt that starts with at least
-    ``min_tokens`` of ``req``'s tokens it has not computed yet; None if there is none."""
-    other = next((o for o in running if o.status is Status.PREFILL and o.namespace == req.namespace
-                  and common_prefix(o.tokens_np, req.tokens_np) - o.computed >= min_tokens), None)
+def _shares(a: Request, b: Request, done: int) -> bool:
+    """Whether ``a`` and ``b`` (one namespace) start with at least :data:`SHARED_PREFILL_MIN` tokens in
+    common past the first ``done``."""
+    return a.namespace == b.namespace and common_prefix(a.tokens_np, b.tokens_np) - done >= SHARED_PREFILL_MIN
+
+
+def computing_prefix_of(req: Request, running: Sequence[Request]) -> Optional[int]:
+    """The rid of the first request in ``running`` computing a prompt that starts with enough of
+    ``req``'s tokens it has not computed yet; None if there is none."""
+    other = next((o for o in running if o.status is Status.PREFILL and _shares(o, req, o.computed)), None)
     return None if other is None else other.rid
 
 
-def computed_prompt_of(req: Request, running: Sequence[Request], page_size: int,
-                       min_tokens: int = SHARED_PREFILL_MIN) -> Optional[Request]:
-    """The first request in ``running`` past its prefill whose prompt starts with at least
-    ``min_tokens`` of ``req``'s tokens beyond the pages the tree holds for it (computed while ``req``
-    was on its way); None if there is none. Its prompt is cached for ``req`` to hit. Not on a hybrid
-    pool (``kv.window`` held): a decoding request has given up the window pages behind its window,
-    so the prompt's end is no longer a boundary its window component can serve."""
-    return next((o for o in running if o.status is Status.DECODE and o.namespace == req.namespace
-                 and o.kv.window is None
-                 and common_prefix(o.tokens_np, req.tokens_np) - o.kv.cached_pages * page_size >= min_tokens), None)
+def computed_prompt_of(req: Request, running: Sequence[Request], page_size: int) -> Optional[Request]:
+    """The first request in ``running`` past its prefill whose prompt starts with enough of ``req``'s
+    tokens beyond the pages the tree holds for it (computed while ``req`` was on its way); None if
+    there is none. Its prompt is cached for ``req`` to hit. Not on a hybrid pool (``kv.window``
+    held): a decoding request has given up the window pages behind its window, so the prompt's end
+    is no longer a boundary its window component can serve."""
+    return next((o for o in running if o.status is Status.DECODE and o.kv.window is None
+                 and _shares(o, req, o.kv.cached_pages * page_size)), None)
 
 
-def awaited(req: Request, waiting: Sequence[Request], page_size: int, min_tokens: int = SHARED_PREFILL_MIN) -> bool:
-    """Whether a request in ``waiting`` shares at least ``min_tokens`` of ``req``'s prompt past the
-    pages the tree already holds for it: ``req`` has just computed its prompt, which is then
-    cached at once (instead of at its finish) for them to hit."""
-    cached = req.kv.cached_pages * page_size
-    return any(w.namespace == req.namespace and common_prefix(w.tokens_np, req.tokens_np) - cached >= min_tokens
-               for w in waiting)
+def awaited(req: Request, waiting: Sequence[Request], page_size: int) -> bool:
+    """Whether a request in ``waiting`` shares enough of ``req``'s prompt past the pages the tree
+    already holds for it: ``req`` has just computed its prompt, which is then cached at once
+    (instead of at its finish) for them to hit."""
+    return any(_shares(w, req, req.kv.cached_pages * page_size) for w in waiting)

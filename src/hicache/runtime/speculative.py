@@ -87,9 +87,6 @@ class DraftKV:
     layers: int
     row: tuple[int, int]  # (kv_heads, head_dim) of one token of one layer
 
-    def bytes_per_page(self, elem: int, page_size: int) -> int:
-        return 2 * self.layers * self.row[0] * self.row[1] * elem * page_size
-
 
 def plan_draft_kv(cfg: EngineConfig, draft: Optional[ModelSpec], target_row: tuple[int, int],
                   draft_row: Optional[tuple[int, int]] = None) -> Optional[DraftKV]:
