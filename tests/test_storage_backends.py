@@ -11,11 +11,11 @@ import time
 import uuid
 from pathlib import Path
 
+from faulty_backend import FaultyBackend, Faults
 import pytest
 
 from hicache.cache.storage import objects
 from hicache.cache.storage.base import StorageBackend, StorageError
-from hicache.cache.storage.faulty import FaultyBackend, Faults
 from hicache.cache.storage.file import TMP_PREFIX, FileBackend
 from hicache.cache.storage.keys import namespace_digest, object_key, page_hashes
 from hicache.cache.storage.objects import DecodeStatus, decode, decode_checked, encode
