@@ -18,18 +18,17 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
+import zmq
 
 from ..cache.pools import DeviceKVPool
 from .heads import RankEndpoint
+from .mooncake_writes import MooncakeWrites
 from .transfer import POLL_MS, IOThread, Send, head_bytes, raw
 from .window_tail import WINDOW, Rows, WindowTail
 from .wire import JSON_FRAME_BYTES, Ask, DropLog, WireError, json_object, limit_socket, recv_bounded
-
-if TYPE_CHECKING:
-    from .mooncake_writes import MooncakeWrites
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +58,9 @@ class KVSender(IOThread):
     server = "prefill"
 
     def __init__(self, pool: DeviceKVPool, port: int, host: str, heads: range, max_wait_s: float = 60.0,
-                 writes: Optional["MooncakeWrites"] = None) -> None:
+                 writes: Optional[MooncakeWrites] = None) -> None:
         """``port`` 0: any free port. ``writes``: move rows with Mooncake's transfer engine
         instead of message frames. Answers nothing until :meth:`start`."""
-        import zmq
-
         super().__init__()
         self.pool, self.heads, self.writes, self.max_wait_s = pool, heads, writes, max_wait_s
         self.parts = {WINDOW: WindowTail(pool)}  # the components an ask may ask apart
@@ -101,8 +98,6 @@ class KVSender(IOThread):
 
     # ---- the I/O thread -------------------------------------------------------------------
     def _serve(self) -> None:
-        import zmq
-
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         try:
@@ -154,14 +149,8 @@ class KVSender(IOThread):
         self._open += 1
         heapq.heappush(self._expiry, (pending.expires, pending.seq, ask.room))
 
-    def _take(self, room: int) -> list[PendingAsk]:
-        """Every open ask of ``room``, no longer open."""
-        asks = list(self._asks.pop(room, {}).values())
-        for a in asks:
-            self._close(a)
-        return asks
-
     def _close(self, a: PendingAsk) -> None:
+        """``a`` is no longer open (answered or expired)."""
         self._open -= 1
         self._per_peer[a.peer] -= 1
         if not self._per_peer[a.peer]:
@@ -171,7 +160,8 @@ class KVSender(IOThread):
         """Answer the asks of every room whose prefill is done (O(open prefills)), then drop
         the asks that expired (O(log n) each)."""
         for room, job in list(self._waiting.items()):
-            for pending in self._take(room):
+            for pending in self._asks.pop(room, {}).values():
+                self._close(pending)
                 job.askers = pending.ask.askers
                 # (the clock again: answers before this one may have taken a while, and a Mooncake
                 # write must not start after its asker gave up: its pages may be someone else's now)
