@@ -41,10 +41,13 @@ def find_binary(env: str, candidates: Iterable[Path], *names: str) -> str | None
 
 @dataclass
 class LocalServer(contextlib.AbstractContextManager):
-    """A started process with its log; ``stop()`` (or leaving the ``with`` block) ends it."""
+    """A started process with its log, listening on ``host:port``; ``stop()`` (or leaving the ``with``
+    block) ends it."""
 
     proc: subprocess.Popen
     workdir: tempfile.TemporaryDirectory = field(repr=False)
+    port: int = 0
+    host: str = "127.0.0.1"
 
     def log_tail(self, chars: int = 400) -> str:
         try:

@@ -45,15 +45,13 @@ def find_mooncake_binary(name: str = "mooncake_master") -> str | None:
 
 @dataclass
 class MooncakeMaster(LocalServer):
-    """A master on 127.0.0.1; its clients exchange transfer metadata peer to peer."""
+    """A master on 127.0.0.1 (``port``: its RPC port); its clients exchange transfer metadata peer to peer."""
 
-    rpc_port: int = 0
-    host: str = "127.0.0.1"
     metadata_server: str = "P2PHANDSHAKE"
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.rpc_port}"
+        return f"{self.host}:{self.port}"
 
     def backend_config(self, **overrides) -> dict:
         """The ``MooncakeBackend`` options (extra-config JSON) of a client of this store that
@@ -66,7 +64,6 @@ class MooncakeMaster(LocalServer):
 class MooncakeStoreService(LocalServer):
     """A ``mooncake_client`` holding ``segment_bytes`` of the pool."""
 
-    port: int = 0
     segment_bytes: int = 0
 
 

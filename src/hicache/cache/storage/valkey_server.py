@@ -16,7 +16,6 @@ import contextlib
 import os
 import platform
 import socket
-from dataclasses import dataclass
 from pathlib import Path
 
 from .local_server import LocalServer, find_binary, package_dir, start_local
@@ -54,12 +53,8 @@ def ping(host: str, port: int, timeout_s: float = 0.5) -> bool:
         return False
 
 
-@dataclass
 class ValkeyServer(LocalServer):
     """A running server process; ``stop()`` (or leaving the ``with`` block) ends it."""
-
-    port: int = 0
-    host: str = "127.0.0.1"
 
     @property
     def address(self) -> tuple[str, int]:
