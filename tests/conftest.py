@@ -140,7 +140,7 @@ def valkey_server():
 
 def mooncake_skip_reason() -> str | None:
     """Why the Mooncake tests cannot run here, or None."""
-    from hicache.cache.storage.mooncake_master import find_mooncake_binary
+    from mooncake_servers import find_mooncake_binary
 
     try:
         importlib.import_module("mooncake.store")
@@ -156,10 +156,7 @@ def mooncake_skip_reason() -> str | None:
 
 @pytest.fixture(scope="session")
 def mooncake_store():
-    from hicache.cache.storage.mooncake_master import (
-        start_mooncake_master,
-        start_store_service,
-    )
+    from mooncake_servers import start_mooncake_master, start_store_service
 
     reason = mooncake_skip_reason()
     if reason:

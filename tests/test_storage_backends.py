@@ -551,7 +551,7 @@ def test_mooncake_clear_only_its_prefix(mooncake_store):
 
 def test_mooncake_master_dying_midway_raises_storage_error(mooncake_store):
     from hicache.cache.storage.mooncake_backend import MooncakeBackend, MooncakeOptions
-    from hicache.cache.storage.mooncake_master import start_mooncake_master, start_store_service
+    from mooncake_servers import start_mooncake_master, start_store_service
 
     master = start_mooncake_master()
     service = start_store_service(master, 16 << 20)

@@ -1,6 +1,6 @@
 """A throw-away server process on 127.0.0.1 (tests and benchmarks; not the engine), as
-:mod:`.valkey_server` and :mod:`.mooncake_master` start theirs: on a free port, its output in a
-log file of a temp dir (a file, not a pipe: an unread pipe could fill and stall it), retried on a
+:mod:`.valkey_server` and ``tests/mooncake_servers.py`` start theirs: on a free port, its output in
+a log file of a temp dir (a file, not a pipe: an unread pipe could fill and stall it), retried on a
 new port when it does not come up (a free port can be taken meanwhile), stopped (SIGTERM, then
 SIGKILL) on exit."""
 

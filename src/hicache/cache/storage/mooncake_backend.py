@@ -12,7 +12,7 @@ object seen; an object that does not fit is measured (``get_size``) and read aga
 Where objects live: in the segment of whichever client the master placed them in. When that
 process exits, its segment and the objects in it go away. For history that outlives engine
 processes, run store services (``mooncake_client``, shipped in the wheel) that contribute the
-memory and give engines ``global_segment_size=0`` (see :mod:`.mooncake_master`).
+memory and give engines ``global_segment_size=0`` (as ``tests/mooncake_servers.py`` does).
 
 Writes are put-if-absent: keys are content-addressed (same key, same bytes), so an object that
 already exists counts as stored and keeps its first copy. An object becomes readable only once

@@ -1,4 +1,4 @@
-"""Locate and run a throw-away Mooncake Store (tests and benchmarks; not the engine): a
+"""Locate and run a throw-away Mooncake Store (the tests' ``mooncake_store`` fixture): a
 ``mooncake_master`` and, to hold the objects, a ``mooncake_client`` store service.
 
 Objects live in memory segments that clients contribute; a segment (and every object in it)
@@ -31,8 +31,8 @@ from functools import partial
 from pathlib import Path
 from typing import Callable
 
-from .local_server import LocalServer, find_binary, package_dir, start_local
-from .mooncake_backend import reachable
+from hicache.cache.storage.local_server import LocalServer, find_binary, package_dir, start_local
+from hicache.cache.storage.mooncake_backend import reachable
 
 
 def find_mooncake_binary(name: str = "mooncake_master") -> str | None:
@@ -70,7 +70,7 @@ class MooncakeStoreService(LocalServer):
 def _start(name: str, args: list[str], where: str, make: Callable[..., LocalServer], binary: str | None,
            start_timeout_s: float, attempts: int):
     """Start ``name`` (``binary``, else :func:`find_mooncake_binary`'s) with ``args`` on a free port
-    and wait until it listens (see :func:`.local_server.start_local`)."""
+    and wait until it listens (see :func:`hicache.cache.storage.local_server.start_local`)."""
     binary = binary or find_mooncake_binary(name)
     if binary is None:
         raise FileNotFoundError(f"no {name} found: pip install mooncake-transfer-engine-non-cuda, put {name} on "
