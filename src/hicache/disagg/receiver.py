@@ -69,7 +69,6 @@ class KVReceiver(IOThread):
         k = pool.k_buffers[0]
         self._max_frame = max(k.numel() * k.element_size(), JSON_FRAME_BYTES)  # rows: at most a whole layer
         self._max_frames = 1 + 2 * len(pool.k_buffers)  # header + K and V of every layer
-        self._ctx = zmq.Context.instance()
         self._open: dict[int, Receive] = {}  # room -> asked (or waiting for the route)
         self._routes: dict[str, list[RankEndpoint]] = {}  # bootstrap address -> its prefill ranks
         self._routing: dict[str, list[Receive]] = {}  # bootstrap address -> jobs waiting for its route
@@ -92,7 +91,7 @@ class KVReceiver(IOThread):
             if len(self._socks) >= MAX_PEERS:
                 raise TooManyPeers(f"this decode rank already talks to {MAX_PEERS} prefill endpoints")
         if address not in self._socks:
-            sock = self._ctx.socket(zmq.DEALER)
+            sock = zmq.Context.instance().socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             limit_socket(sock, self._max_frame)
             # A name of our own: pyzmq's default names the socket's fd, which a closed socket's

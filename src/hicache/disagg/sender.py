@@ -64,8 +64,7 @@ class KVSender(IOThread):
         super().__init__()
         self.pool, self.heads, self.writes, self.max_wait_s = pool, heads, writes, max_wait_s
         self.parts = {WINDOW: WindowTail(pool)}  # the components an ask may ask apart
-        self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         # A Mooncake ask lists a buffer address per layer, the suffix's pages and (a hybrid decode pool) its
         # tail's pages per sliding group, a group per window layer: bound it by the pool's pages, and the
@@ -132,9 +131,8 @@ class KVSender(IOThread):
             logger.exception("P/D prefill: dropped a message that could not be handled")
 
     def _answer_route(self, peer: bytes) -> None:
-        k = self.pool.k_buffers[0]
         answer = {"route": [r.to_wire() for r in self.route], "layers": len(self.pool.k_buffers),
-                  "head_bytes": head_bytes(self.pool), "dtype": str(k.dtype)}
+                  "head_bytes": head_bytes(self.pool), "dtype": str(self.pool.k_buffers[0].dtype)}
         self._sock.send_multipart([peer, json.dumps(answer).encode()])
 
     def _keep(self, peer: bytes, ask: Ask) -> None:
@@ -227,8 +225,7 @@ class KVSender(IOThread):
             elif heads:
                 for (k, v), (first, slots) in zip(zip(self.pool.k_buffers, self.pool.v_buffers), rows):
                     idx = slots[first:end].to(k.device)  # the slots are CPU tensors; the pool may be on a GPU
-                    frames += [raw(k.index_select(0, idx)[:, local.start:local.stop]),
-                               raw(v.index_select(0, idx)[:, local.start:local.stop])]
+                    frames += [raw(buf.index_select(0, idx)[:, local.start:local.stop]) for buf in (k, v)]
             sent = header.get("written", sum(f.nbytes for f in frames))
             self._sock.send_multipart([peer, json.dumps(header).encode(), *frames], copy=False)
             job.sent_bytes += sent
