@@ -160,13 +160,12 @@ class GuardedBackend(StorageBackend):
         raises BreakerOpen when it may not."""
         with self._lock:
             b = self.breaker
-            if b.state == OPEN and self.clock() >= b.open_until:
+            probe = b.state == OPEN and self.clock() >= b.open_until
+            if probe:
                 self._transition(HALF_OPEN, f"probing with {op}")  # until its result: all else refused
+            if probe or b.state == CLOSED:
                 b.calls += 1
-                return True
-            if b.state == CLOSED:
-                b.calls += 1
-                return False
+                return probe
             b.short_circuited += 1
             state, wait = b.state, max(b.open_until - self.clock(), 0.0)
         raise BreakerOpen(f"storage {self.inner.name} skipped ({op} of {nkeys} keys): breaker {state}, "
