@@ -97,11 +97,9 @@ class KVSender(IOThread):
 
     # ---- the I/O thread -------------------------------------------------------------------
     def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
         try:
             while True:
-                if poller.poll(POLL_MS):
+                if self._sock.poll(POLL_MS):
                     for _ in range(BATCH):
                         self._receive()
                         if not self._sock.poll(0):
