@@ -113,8 +113,7 @@ def _runs(slots: torch.Tensor, pages: list[int], start: int, end: int, ps: int) 
     for j, page in enumerate(pages):
         t0 = start + j * ps
         src, dst, n = int(slots[t0]), page * ps, min(ps, end - t0)
-        last = runs[-1] if runs else None
-        if last is not None and last[0] + last[2] == src and last[1] + last[2] == dst and last[2] % ps == 0:
+        if runs and (last := runs[-1])[0] + last[2] == src and last[1] + last[2] == dst and last[2] % ps == 0:
             last[2] += n
         else:
             runs.append([src, dst, n])

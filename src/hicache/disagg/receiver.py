@@ -92,7 +92,6 @@ class KVReceiver(IOThread):
                 raise TooManyPeers(f"this decode rank already talks to {MAX_PEERS} prefill endpoints")
         if address not in self._socks:
             sock = zmq.Context.instance().socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
             limit_socket(sock, self._max_frame)
             # A name of our own: pyzmq's default names the socket's fd, which a closed socket's
             # monitor may still hold in the shared context when a new socket reuses the number.

@@ -65,7 +65,6 @@ class KVSender(IOThread):
         self.pool, self.heads, self.writes, self.max_wait_s = pool, heads, writes, max_wait_s
         self.parts = {WINDOW: WindowTail(pool)}  # the components an ask may ask apart
         self._sock = zmq.Context.instance().socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
         # A Mooncake ask lists a buffer address per layer, the suffix's pages and (a hybrid decode pool) its
         # tail's pages per sliding group, a group per window layer: bound it by the pool's pages, and the
         # tail by a window (+ the pages it may straddle) where this pool knows the window.

@@ -237,9 +237,8 @@ class FileBackend(CountingBackend):
     def delete(self, keys: list[str]) -> None:
         with self._lock:
             for key in keys:
-                path = self.path_of(key)
                 self._index.pop(key)
-                _unlink_quiet(path)
+                _unlink_quiet(self.path_of(key))
 
     def clear(self) -> None:
         """Remove every object (and stray temp file) this directory holds."""

@@ -77,7 +77,7 @@ class StorageController:
         cells are empty) counts every page present: the other ranks' objects decide.
         ``parts``: the components whose objects are kept at chosen boundaries only
         (:class:`~.storage_ops.StoredPart`)."""
-        self.guard = backend if isinstance(backend, GuardedBackend) else GuardedBackend(backend, timeout_s=op_timeout)
+        self.guard = GuardedBackend(backend, timeout_s=op_timeout)
         self._agree_prefetch, self._agree_backup = agree or (_alone, _alone)
         self.reads: list[PageObject] = [WholePage(host_pool)] if reads is None else list(reads)
         self.writes: list[PageObject] = self.reads if writes is None else list(writes)
