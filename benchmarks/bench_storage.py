@@ -139,7 +139,7 @@ def bench_valkey(keys, blobs, repeats: int, batch: int) -> dict | str:
         import valkey  # noqa: F401
 
         from hicache.cache.storage.valkey_backend import ValkeyBackend, ValkeyOptions
-        from hicache.cache.storage.valkey_server import find_valkey_server, start_valkey_server
+        from hicache.cache.storage.local_server import find_valkey_server, start_valkey_server
     except ImportError as e:
         return f"skipped ({e})"
     if find_valkey_server() is None:

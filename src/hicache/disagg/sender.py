@@ -18,18 +18,17 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
+import zmq
 
 from ..cache.pools import DeviceKVPool
 from .heads import RankEndpoint
+from .mooncake_writes import MooncakeWrites
 from .transfer import POLL_MS, IOThread, Send, head_bytes, raw
 from .window_tail import WINDOW, Rows, WindowTail
 from .wire import JSON_FRAME_BYTES, Ask, DropLog, WireError, json_object, limit_socket, recv_bounded
-
-if TYPE_CHECKING:
-    from .mooncake_writes import MooncakeWrites
 
 logger = logging.getLogger(__name__)
 
@@ -59,17 +58,13 @@ class KVSender(IOThread):
     server = "prefill"
 
     def __init__(self, pool: DeviceKVPool, port: int, host: str, heads: range, max_wait_s: float = 60.0,
-                 writes: Optional["MooncakeWrites"] = None) -> None:
+                 writes: Optional[MooncakeWrites] = None) -> None:
         """``port`` 0: any free port. ``writes``: move rows with Mooncake's transfer engine
         instead of message frames. Answers nothing until :meth:`start`."""
-        import zmq
-
         super().__init__()
         self.pool, self.heads, self.writes, self.max_wait_s = pool, heads, writes, max_wait_s
         self.parts = {WINDOW: WindowTail(pool)}  # the components an ask may ask apart
-        self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
         # A Mooncake ask lists a buffer address per layer, the suffix's pages and (a hybrid decode pool) its
         # tail's pages per sliding group, a group per window layer: bound it by the pool's pages, and the
         # tail by a window (+ the pages it may straddle) where this pool knows the window.
@@ -101,13 +96,9 @@ class KVSender(IOThread):
 
     # ---- the I/O thread -------------------------------------------------------------------
     def _serve(self) -> None:
-        import zmq
-
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
         try:
             while True:
-                if poller.poll(POLL_MS):
+                if self._sock.poll(POLL_MS):
                     for _ in range(BATCH):
                         self._receive()
                         if not self._sock.poll(0):
@@ -137,9 +128,8 @@ class KVSender(IOThread):
             logger.exception("P/D prefill: dropped a message that could not be handled")
 
     def _answer_route(self, peer: bytes) -> None:
-        k = self.pool.k_buffers[0]
         answer = {"route": [r.to_wire() for r in self.route], "layers": len(self.pool.k_buffers),
-                  "head_bytes": head_bytes(self.pool), "dtype": str(k.dtype)}
+                  "head_bytes": head_bytes(self.pool), "dtype": str(self.pool.k_buffers[0].dtype)}
         self._sock.send_multipart([peer, json.dumps(answer).encode()])
 
     def _keep(self, peer: bytes, ask: Ask) -> None:
@@ -154,14 +144,8 @@ class KVSender(IOThread):
         self._open += 1
         heapq.heappush(self._expiry, (pending.expires, pending.seq, ask.room))
 
-    def _take(self, room: int) -> list[PendingAsk]:
-        """Every open ask of ``room``, no longer open."""
-        asks = list(self._asks.pop(room, {}).values())
-        for a in asks:
-            self._close(a)
-        return asks
-
     def _close(self, a: PendingAsk) -> None:
+        """``a`` is no longer open (answered or expired)."""
         self._open -= 1
         self._per_peer[a.peer] -= 1
         if not self._per_peer[a.peer]:
@@ -171,7 +155,8 @@ class KVSender(IOThread):
         """Answer the asks of every room whose prefill is done (O(open prefills)), then drop
         the asks that expired (O(log n) each)."""
         for room, job in list(self._waiting.items()):
-            for pending in self._take(room):
+            for pending in self._asks.pop(room, {}).values():
+                self._close(pending)
                 job.askers = pending.ask.askers
                 # (the clock again: answers before this one may have taken a while, and a Mooncake
                 # write must not start after its asker gave up: its pages may be someone else's now)
@@ -237,8 +222,7 @@ class KVSender(IOThread):
             elif heads:
                 for (k, v), (first, slots) in zip(zip(self.pool.k_buffers, self.pool.v_buffers), rows):
                     idx = slots[first:end].to(k.device)  # the slots are CPU tensors; the pool may be on a GPU
-                    frames += [raw(k.index_select(0, idx)[:, local.start:local.stop]),
-                               raw(v.index_select(0, idx)[:, local.start:local.stop])]
+                    frames += [raw(buf.index_select(0, idx)[:, local.start:local.stop]) for buf in (k, v)]
             sent = header.get("written", sum(f.nbytes for f in frames))
             self._sock.send_multipart([peer, json.dumps(header).encode(), *frames], copy=False)
             job.sent_bytes += sent

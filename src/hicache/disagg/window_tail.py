@@ -135,8 +135,6 @@ class WindowTail:
         if want.start < held.start:
             raise ValueError(f"the decode server asked for window rows from token {want.start}; this prefill "
                              f"server holds them from {held.start}")
-        groups: dict[int, torch.Tensor] = {}
-        for i in sorted(part.layers):
-            groups.setdefault(part.group(i), part.layer_slots(held.slots, i))
+        groups = {part.group(i): part.layer_slots(held.slots, i) for i in part.layers}  # one row per group
         return {i: (want.start, groups[part.group(i)] if i in part.layers else slots)
                 for i in want.layers}

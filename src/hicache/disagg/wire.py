@@ -38,9 +38,10 @@ PARTS = (TailAsk,)  # the components an ask asks apart: rows of their own from a
 def limit_socket(sock: Any, max_frame_bytes: int, max_queued: int = 1000) -> None:
     """A peer that sends a frame over ``max_frame_bytes`` is disconnected by ZeroMQ before it
     is buffered; at most ``max_queued`` messages wait per peer in each direction (incoming ones
-    past it are dropped; a non-blocking send past it raises zmq.Again)."""
+    past it are dropped; a non-blocking send past it raises zmq.Again); closing drops what is unsent."""
     import zmq
 
+    sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
     sock.setsockopt(zmq.RCVHWM, max_queued)
     sock.setsockopt(zmq.SNDHWM, max_queued)
@@ -48,18 +49,15 @@ def limit_socket(sock: Any, max_frame_bytes: int, max_queued: int = 1000) -> Non
 
 def recv_bounded(sock: Any, max_frames: int, copy: bool = True) -> Optional[list]:
     """One whole message from ``sock`` (ready to read), or None when it had more than
-    ``max_frames`` frames (the rest are read and discarded, never kept)."""
+    ``max_frames`` frames (the rest are read and discarded: one past the limit is kept, never more)."""
     import zmq
 
     frames = [sock.recv(copy=copy)]
-    over = False
     while sock.getsockopt(zmq.RCVMORE):
         frame = sock.recv(copy=copy)
-        if len(frames) < max_frames:
+        if len(frames) <= max_frames:
             frames.append(frame)
-        else:
-            over = True
-    return None if over else frames
+    return frames if len(frames) <= max_frames else None
 
 
 def json_object(frame: bytes, limit: int = JSON_FRAME_BYTES) -> dict:

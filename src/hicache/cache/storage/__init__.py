@@ -3,8 +3,8 @@
 Public surface (see each module): :mod:`.keys` (``tree_namespace``, ``KeyNamespace``,
 ``namespace_digest``, ``page_hashes``, ``continue_chain``, ``object_key``), :mod:`.objects`
 (``encode``, ``decode``, ``decode_checked``, ``DecodeStatus``), :mod:`.base` (the
-``StorageBackend`` contract), :mod:`.registry` (``create_backend``), :mod:`.faulty`
-(``FaultyBackend`` for tests).
+``StorageBackend`` contract), :mod:`.registry` (``create_backend``). The tests' fault-injecting
+wrapper is ``tests/faulty_backend.py``.
 """
 
 from .base import BackendStats, StorageBackend, StorageError

@@ -41,11 +41,6 @@ TMP_PREFIX = ".tmp-"
 _KEY_RE = re.compile(r"^[0-9A-Za-z_\-][0-9A-Za-z_.\-]{1,199}$")
 
 
-def default_dir() -> Path:
-    """``$HICACHE_STORAGE_DIR`` if set, else ``~/.cache/hicache/kv``."""
-    return Path(os.environ.get(ENV_DIR) or DEFAULT_DIR).expanduser()
-
-
 def _is_stray(name: str) -> bool:
     """Whether the writer of temp file ``name`` (``.tmp-<pid>-<rand>-<key>``) is gone: no process with
     its id exists (on this host's pid namespace)."""
@@ -62,7 +57,7 @@ def _is_stray(name: str) -> bool:
 
 
 class FileBackend(CountingBackend):
-    """Objects as files in ``path`` (default :func:`default_dir`).
+    """Objects as files in ``path`` (default ``$HICACHE_STORAGE_DIR`` if set, else ``~/.cache/hicache/kv``).
 
     ``max_bytes``: cap on stored object bytes (None = unbounded); a write that would pass
     it first evicts least recently used objects. An object larger than the cap is refused.
@@ -82,7 +77,7 @@ class FileBackend(CountingBackend):
 
     def __init__(self, path: str | os.PathLike | None = None, max_bytes: int | None = None, fsync: bool = False,
                  touch_on_read: bool = True, touch_interval_s: float = 60.0) -> None:
-        self.root = Path(path).expanduser() if path else default_dir()
+        self.root = Path(path or os.environ.get(ENV_DIR) or DEFAULT_DIR).expanduser()
         self.max_bytes = positive("max_bytes", max_bytes)
         self.fsync = bool(fsync)
         self.touch_on_read = bool(touch_on_read)
@@ -242,9 +237,8 @@ class FileBackend(CountingBackend):
     def delete(self, keys: list[str]) -> None:
         with self._lock:
             for key in keys:
-                path = self.path_of(key)
                 self._index.pop(key)
-                _unlink_quiet(path)
+                _unlink_quiet(self.path_of(key))
 
     def clear(self) -> None:
         """Remove every object (and stray temp file) this directory holds."""

@@ -160,13 +160,12 @@ class GuardedBackend(StorageBackend):
         raises BreakerOpen when it may not."""
         with self._lock:
             b = self.breaker
-            if b.state == OPEN and self.clock() >= b.open_until:
+            probe = b.state == OPEN and self.clock() >= b.open_until
+            if probe:
                 self._transition(HALF_OPEN, f"probing with {op}")  # until its result: all else refused
+            if probe or b.state == CLOSED:
                 b.calls += 1
-                return True
-            if b.state == CLOSED:
-                b.calls += 1
-                return False
+                return probe
             b.short_circuited += 1
             state, wait = b.state, max(b.open_until - self.clock(), 0.0)
         raise BreakerOpen(f"storage {self.inner.name} skipped ({op} of {nkeys} keys): breaker {state}, "
@@ -187,19 +186,15 @@ class GuardedBackend(StorageBackend):
             b.call_failures[kind] = b.call_failures.get(kind, 0) + 1
             b.call_failures_by_op[op] = b.call_failures_by_op.get(op, 0) + 1
             b.consecutive_failures += 1
-            why = f"{op} {kind}: {error}"
             if probe:  # the backend is still bad: wait longer before the next probe
-                self._open(min(max(b.cooldown_s, self.cooldown_s) * 2, self.max_cooldown_s), why)
+                b.cooldown_s = min(max(b.cooldown_s, self.cooldown_s) * 2, self.max_cooldown_s)
             elif b.state == CLOSED and b.consecutive_failures >= self.failures:
-                self._open(self.cooldown_s, why)
-            # A call started before the breaker opened and failing now changes nothing else.
-
-    def _open(self, cooldown_s: float, why: str) -> None:
-        b = self.breaker
-        b.cooldown_s = cooldown_s
-        b.open_until = self.clock() + cooldown_s
-        b.opens += 1
-        self._transition(OPEN, why)
+                b.cooldown_s = self.cooldown_s
+            else:  # a call started before the breaker opened and failing now changes nothing else
+                return
+            b.open_until = self.clock() + b.cooldown_s  # open
+            b.opens += 1
+            self._transition(OPEN, f"{op} {kind}: {error}")
 
     def _transition(self, state: str, why: str) -> None:
         """One log line per change, for operators. Caller holds the lock."""

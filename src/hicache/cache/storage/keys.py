@@ -105,23 +105,16 @@ def page_hashes(tokens: np.ndarray | list[int], page_size: int, prev: bytes) -> 
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise ValueError(f"tokens must be 1-D, got shape {arr.shape}")
-    n_pages = arr.shape[0] // page_size
-    if n_pages == 0:
-        return []
-    arr = arr[: n_pages * page_size]
+    arr = arr[: arr.shape[0] // page_size * page_size]
     if arr.dtype != np.dtype("<i4"):
         if arr.size and (arr.min() < -(2**31) or arr.max() >= 2**31):
             raise ValueError("token ids must fit in int32")
         arr = arr.astype("<i4")
-    buf = memoryview(np.ascontiguousarray(arr)).cast("B")
-    step = 4 * page_size
+    pages = np.ascontiguousarray(arr).view(np.uint8).reshape(-1, 4 * page_size)
     out: list[bytes] = []
-    sha256 = hashlib.sha256
     h = bytes(prev)
-    for start in range(0, n_pages * step, step):
-        s = sha256(h)
-        s.update(buf[start : start + step])
-        h = s.digest()
+    for page in pages:
+        h = hashlib.sha256(h + page.tobytes()).digest()
         out.append(h)
     return out
 

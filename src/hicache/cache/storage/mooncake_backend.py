@@ -12,7 +12,7 @@ object seen; an object that does not fit is measured (``get_size``) and read aga
 Where objects live: in the segment of whichever client the master placed them in. When that
 process exits, its segment and the objects in it go away. For history that outlives engine
 processes, run store services (``mooncake_client``, shipped in the wheel) that contribute the
-memory and give engines ``global_segment_size=0`` (see :mod:`.mooncake_master`).
+memory and give engines ``global_segment_size=0`` (as ``tests/mooncake_servers.py`` does).
 
 Writes are put-if-absent: keys are content-addressed (same key, same bytes), so an object that
 already exists counts as stored and keeps its first copy. An object becomes readable only once
@@ -76,7 +76,7 @@ def reachable(host: str, port: int, timeout_s: float) -> bool:
 
 class _Buffer:
     """A byte array registered with the client for zero-copy transfers, grown on demand (``fail``:
-    the backend's counted StorageError)."""
+    the backend's counted StorageError); :meth:`use` lends it out."""
 
     def __init__(self, client, fail: Callable[[str], StorageError]) -> None:
         self.client, self.fail = client, fail
@@ -99,6 +99,19 @@ class _Buffer:
         if self.arr is not None:
             self.client.unregister_buffer(self.arr.ctypes.data)
             self.arr = None
+
+    @contextlib.contextmanager
+    def use(self, nbytes: int) -> Iterator[tuple[int, memoryview]]:
+        """(address, view) of at least ``nbytes`` of this buffer; of a temporary one while it is busy
+        (a call abandoned by the caller's deadline may still be using it)."""
+        buf = self if self.lock.acquire(blocking=False) else _Buffer(self.client, self.fail)
+        try:
+            yield buf.ensure(nbytes)
+        finally:
+            if buf is self:
+                self.lock.release()
+            else:
+                buf.release()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -186,22 +199,6 @@ class MooncakeBackend(RemoteStore):
                 raise self._fail(f"mooncake setup against master {self.master} failed: {code_name(rc)}")
             self._ready = True
 
-    @contextlib.contextmanager
-    def _buffer(self, kind: str, nbytes: int) -> Iterator[tuple[int, memoryview]]:
-        """The reused registered buffer of ``kind``; a temporary one while it is busy (a call
-        abandoned by the caller's deadline may still be using it)."""
-        buf = self._bufs[kind]
-        reused = buf.lock.acquire(blocking=False)
-        if not reused:
-            buf = _Buffer(self._client, self._fail)
-        try:
-            yield buf.ensure(nbytes)
-        finally:
-            if reused:
-                buf.lock.release()
-            else:
-                buf.release()
-
     def _check_codes(self, op: str, codes: list[int], ok: tuple[int, ...]) -> None:
         """StorageError when every key failed with an error (the store failed as a whole)."""
         if codes and all(c < 0 and c not in ok for c in codes):
@@ -252,7 +249,7 @@ class MooncakeBackend(RemoteStore):
         indices whose object did not fit."""
         sizes = sizes or [max(self._slot, SLOT_ALIGN)] * len(todo)
         offsets = list(itertools.accumulate(sizes, initial=0))
-        with self._buffer("get", offsets[-1]) as (ptr, view):
+        with self._bufs["get"].use(offsets[-1]) as (ptr, view):
             ptrs = [ptr + o for o in offsets[:-1]]
             codes = self._client.batch_get_into([mkeys[i] for i in todo], ptrs, sizes)
             self._check_codes("get", codes, (NOT_FOUND, NOT_READY, INVALID_PARAMS))
@@ -282,7 +279,7 @@ class MooncakeBackend(RemoteStore):
         """Store one chunk from the registered buffer; how many leading objects are stored."""
         sizes = [memoryview(v).nbytes for v in values]
         self._grow_slot(max(sizes, default=0))
-        with self._buffer("put", sum(sizes)) as (ptr, view):
+        with self._bufs["put"].use(sum(sizes)) as (ptr, view):
             offsets = list(itertools.accumulate(sizes, initial=0))
             for v, off, n in zip(values, offsets, sizes):
                 view[off : off + n] = memoryview(v).cast("B")

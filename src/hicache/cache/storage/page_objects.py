@@ -30,26 +30,19 @@ DRAFT_PREFIX = "draft_"  # a speculative draft's cells: {page_hash}_{digest}_dra
 WINDOW_SUFFIX = "_swa"  # a hybrid page's window layers of a cell: {page_hash}_{digest}_L{a}-{b}[_H{g}]_swa
 
 
-def encode_pages(objects: Sequence[PageObject], ns_digest: bytes, hashes: list[bytes], pages: Sequence[tuple[int, int]],
-                 ) -> tuple[list[str], list[bytes]]:
-    """The keys and the encoded objects of ``pages``, (index into ``hashes``, host page) pairs, each
-    page's ``objects`` side by side."""
-    keys = [obj.key(hashes[i], ns_digest) for i, _ in pages for obj in objects]
-    return keys, [encode(ns_digest, hashes[i], obj.page_bytes(int(h))) for i, h in pages for obj in objects]
-
-
 def write_pages(backend: StorageBackend, objects: Sequence[PageObject], ns_digest: bytes, hashes: list[bytes],
                 pages: Sequence[tuple[int, int]], batch_pages: int | None = None) -> tuple[int, int]:
-    """Write ``pages`` (as :func:`encode_pages` takes them), ``batch_pages`` pages a call (None: all in
-    one), until a call stores short: (leading pages stored whole, their bytes). No objects (another
-    rank writes them all): no call, every page counts as written."""
+    """Write ``pages`` ((index into ``hashes``, host page) pairs, each page's ``objects`` side by side),
+    ``batch_pages`` pages a call (None: all in one), until a call stores short: (leading pages stored
+    whole, their bytes). No objects (another rank writes them all): no call, every page counts as written."""
     n, step = len(objects), batch_pages or max(len(pages), 1)
     if not n:
         return len(pages), 0
     written = nbytes = 0
     for at in range(0, len(pages), step):
-        keys, blobs = encode_pages(objects, ns_digest, hashes, pages[at : at + step])
-        stored = backend.batch_set(keys, blobs) // n
+        batch = pages[at : at + step]
+        blobs = [encode(ns_digest, hashes[i], obj.page_bytes(int(h))) for i, h in batch for obj in objects]
+        stored = backend.batch_set([obj.key(hashes[i], ns_digest) for i, _ in batch for obj in objects], blobs) // n
         written += stored
         nbytes += sum(len(b) for b in blobs[: stored * n])
         if stored * n < len(blobs):

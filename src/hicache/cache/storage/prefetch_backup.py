@@ -77,7 +77,7 @@ class StorageController:
         cells are empty) counts every page present: the other ranks' objects decide.
         ``parts``: the components whose objects are kept at chosen boundaries only
         (:class:`~.storage_ops.StoredPart`)."""
-        self.guard = backend if isinstance(backend, GuardedBackend) else GuardedBackend(backend, timeout_s=op_timeout)
+        self.guard = GuardedBackend(backend, timeout_s=op_timeout)
         self._agree_prefetch, self._agree_backup = agree or (_alone, _alone)
         self.reads: list[PageObject] = [WholePage(host_pool)] if reads is None else list(reads)
         self.writes: list[PageObject] = self.reads if writes is None else list(writes)
@@ -168,13 +168,10 @@ class StorageController:
             op.done.set()
 
     def _read(self, op: PrefetchOp) -> None:
-        mine, n = _mine(op.owned, len(op.hashes)), len(self.reads)
-        try:
-            if not n:  # no object of this rank's: every page is the others' to count
-                present = len(mine)
-            else:
-                keys = [obj.key(op.hashes[i], op.ns_digest) for i in mine for obj in self.reads]
-                present = self.guard.exists_prefix(keys) // n if len(mine) else 0
+        mine = _mine(op.owned, len(op.hashes))
+        try:  # no key of this rank's (no page, or no object): every page is the others' to count
+            keys = [obj.key(op.hashes[i], op.ns_digest) for i in mine for obj in self.reads]
+            present = self.guard.exists_prefix(keys) // len(self.reads) if keys else len(mine)
             hit = _logical(mine, present, len(op.hashes))
         except Exception as e:
             hit, op.failure = 0, failure_reason(e)

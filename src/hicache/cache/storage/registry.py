@@ -52,10 +52,9 @@ def _load_class(spec: str) -> type[StorageBackend]:
     if not module_name or not class_name:
         raise ConfigError(f"unknown storage backend {spec!r}; choose {CHOICES}.")
     try:
-        module = importlib.import_module(module_name)
+        obj = importlib.import_module(module_name)
     except ImportError as e:
         raise ConfigError(f"storage backend {spec!r}: cannot import {module_name!r} ({e}).") from e
-    obj = module
     for part in class_name.split("."):
         obj = getattr(obj, part, None)
         if obj is None:

@@ -1,4 +1,4 @@
-"""Locate and run a throw-away Mooncake Store (tests and benchmarks; not the engine): a
+"""Locate and run a throw-away Mooncake Store (the tests' ``mooncake_store`` fixture): a
 ``mooncake_master`` and, to hold the objects, a ``mooncake_client`` store service.
 
 Objects live in memory segments that clients contribute; a segment (and every object in it)
@@ -31,8 +31,8 @@ from functools import partial
 from pathlib import Path
 from typing import Callable
 
-from .local_server import LocalServer, find_binary, package_dir, start_local
-from .mooncake_backend import reachable
+from hicache.cache.storage.local_server import LocalServer, find_binary, package_dir, start_local
+from hicache.cache.storage.mooncake_backend import reachable
 
 
 def find_mooncake_binary(name: str = "mooncake_master") -> str | None:
@@ -45,15 +45,13 @@ def find_mooncake_binary(name: str = "mooncake_master") -> str | None:
 
 @dataclass
 class MooncakeMaster(LocalServer):
-    """A master on 127.0.0.1; its clients exchange transfer metadata peer to peer."""
+    """A master on 127.0.0.1 (``port``: its RPC port); its clients exchange transfer metadata peer to peer."""
 
-    rpc_port: int = 0
-    host: str = "127.0.0.1"
     metadata_server: str = "P2PHANDSHAKE"
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.rpc_port}"
+        return f"{self.host}:{self.port}"
 
     def backend_config(self, **overrides) -> dict:
         """The ``MooncakeBackend`` options (extra-config JSON) of a client of this store that
@@ -66,14 +64,13 @@ class MooncakeMaster(LocalServer):
 class MooncakeStoreService(LocalServer):
     """A ``mooncake_client`` holding ``segment_bytes`` of the pool."""
 
-    port: int = 0
     segment_bytes: int = 0
 
 
 def _start(name: str, args: list[str], where: str, make: Callable[..., LocalServer], binary: str | None,
            start_timeout_s: float, attempts: int):
     """Start ``name`` (``binary``, else :func:`find_mooncake_binary`'s) with ``args`` on a free port
-    and wait until it listens (see :func:`.local_server.start_local`)."""
+    and wait until it listens (see :func:`hicache.cache.storage.local_server.start_local`)."""
     binary = binary or find_mooncake_binary(name)
     if binary is None:
         raise FileNotFoundError(f"no {name} found: pip install mooncake-transfer-engine-non-cuda, put {name} on "

@@ -34,7 +34,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from .base import BackendStats, StorageBackend, StorageError
+from hicache.cache.storage.base import BackendStats, StorageBackend, StorageError
 
 
 @dataclass
