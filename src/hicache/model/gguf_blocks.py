@@ -135,8 +135,3 @@ class GGUFBlockWeight:
         # one matrix: its own rows, no copy (a projection of one part would hold its blocks twice)
         data = weights[0].data if len(weights) == 1 else torch.cat([w.data for w in weights])
         return GGUFBlockWeight(weights[0].qtype, data, weights[0].in_features)
-
-    def permute_rows(self, index: torch.Tensor) -> GGUFBlockWeight:
-        """Row i of the result is row ``index[i]``: whole rows move, blocks untouched (e.g. to undo
-        llama.cpp's RoPE row permutation of attn_q / attn_k)."""
-        return GGUFBlockWeight(self.qtype, self.data[index].contiguous(), self.in_features)
