@@ -44,16 +44,13 @@ class Attention(nn.Module):
         scale = spec.attention_scale
         self.q_scale = None if scale is None or scale == spec.head_dim ** -0.5 else scale * spec.head_dim ** 0.5
         q_width, kv_width = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        bias = spec.attention_bias
-        self.q_proj = nn.Linear(spec.hidden_size, q_width, bias=bias)
-        self.k_proj = nn.Linear(spec.hidden_size, kv_width, bias=bias)
-        self.v_proj = nn.Linear(spec.hidden_size, kv_width, bias=bias)
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(spec.hidden_size, width, bias=spec.attention_bias)
+                                                 for width in (q_width, kv_width, kv_width))
         self.o_proj = nn.Linear(q_width, spec.hidden_size, bias=False)
         self.qkv = Projection(self.q_proj, self.k_proj, self.v_proj)
         self.out = Projection(self.o_proj)
         # Qwen3: each q and k head RMS-normalized before RoPE (HF names self_attn.q_norm / k_norm)
-        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.q_norm, self.k_norm = [RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None for _ in "qk"]
         self.tp_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # sum over TP ranks (model/parallel.py)
         # Uneven TP split: the local KV head of each local query head (None: equal groups).
         self.kv_map: Optional[torch.Tensor] = None
@@ -109,15 +106,13 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
                 kv: KVView) -> torch.Tensor:
         ops = self._fused_decode_ops(x, batch, kv)
-        if ops is not None:
-            operands = self._decode_operands()
-            if operands is not None:
-                return self._fused_decode(ops, operands, x, cos, sin, batch, kv)
-        if self.sandwich:
-            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, batch, kv))
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), batch.generated))
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv)
-        return x + self.mlp(self.post_attention_layernorm(x), batch.generated)
+        operands = None if ops is None else self._decode_operands()
+        if operands is not None:
+            return self._fused_decode(ops, operands, x, cos, sin, batch, kv)
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, batch, kv)
+        x = x + (self.post_attention_layernorm(attn) if self.sandwich else attn)
+        mlp = self.mlp(self.pre_mlp_norm()(x), batch.generated)
+        return x + (self.post_feedforward_layernorm(mlp) if self.sandwich else mlp)
 
     # A decode step's layer as one native call (kernels/decode_layer.cpp): the same kernels in the
     # same order as the modules above, bit for bit, without ~25 Python dispatches a layer.

@@ -123,10 +123,7 @@ def _load_base(name: str, base: str, dtype: torch.dtype, device: torch.device | 
         identity = f"gguf:{path.name}:{_file_fingerprint([path])}:{dtype_name}"
     elif base.startswith("random:"):
         spec = parse_random_spec(base.removeprefix("random:"))
-        model = None
-        if weights:
-            model = LlamaForCausalLM(spec, dtype, device)
-            init_random_weights(model, seed)
+        model = init_random_weights(LlamaForCausalLM(spec, dtype, device), seed) if weights else None
         tokenizer = byte_tokenizer()
         identity = f"random:{_digest(json.dumps(spec.to_dict(), sort_keys=True))}:seed={seed}:{dtype_name}"
         if torch.device(device).type != "cpu":  # drawn there: other values than the CPU's (init_random_weights)
@@ -137,11 +134,9 @@ def _load_base(name: str, base: str, dtype: torch.dtype, device: torch.device | 
         files = [p for p in folder.iterdir() if p.suffix in (".json", ".safetensors")]
         identity = f"hf:{folder.resolve().name}:{_file_fingerprint(files)}:{dtype_name}"
     else:
-        raise ModelNotFoundError(
-            f"unknown model {name!r}: expected {' or '.join(map(repr, PACKAGED))} (packaged), a GGUF file, a local "
-            "Hugging Face directory or "
-            "'random:<preset or JSON>', optionally followed by ':int4-g64' (a requantized copy)."
-        )
+        raise ModelNotFoundError(f"unknown model {name!r}: expected {' or '.join(map(repr, PACKAGED))} (packaged), a "
+                                 "GGUF file, a local Hugging Face directory or 'random:<preset or JSON>', optionally "
+                                 "followed by ':int4-g64' (a requantized copy).")
     return model, tokenizer, spec, identity
 
 
