@@ -257,9 +257,6 @@ def native_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.T
     over float32 or float16 KV on a CPU with the kernels, an uneven TP head map, an unusual head
     size): use :func:`decode_attention`."""
     if (q.device.type != "cpu" or q.dtype != torch.float32 or k_buf.dtype not in NATIVE_KV_DTYPES
-            or kv_map is not None or q.shape[-1] not in NATIVE_HEAD_DIMS):
+            or kv_map is not None or q.shape[-1] not in NATIVE_HEAD_DIMS or cpu_kernels() is None):
         return None
-    ops = cpu_kernels()
-    if ops is None:
-        return None
-    return ops.paged_decode_attention(q.contiguous(), k_buf, v_buf, kv_slots, lengths)
+    return cpu_kernels().paged_decode_attention(q.contiguous(), k_buf, v_buf, kv_slots, lengths)

@@ -211,11 +211,8 @@ class CPBackend:
         """The global new tokens whose K/V this rank stores, and the rows of its pool they go to."""
         rows = [c.rows if sharded else torch.as_tensor(c).long() for c in contexts]
         new_rows = torch.cat([r[p:] for r, p in zip(rows, prefix_lens)])
-        if sharded:
-            mine = torch.cat([c.owners[p:] for c, p in zip(contexts, prefix_lens)]) == self.setup.group.rank
-            write_index = mine.nonzero().flatten()
-        else:
-            write_index = torch.arange(len(new_rows))
+        owners = torch.cat([c.owners[p:] for c, p in zip(contexts, prefix_lens)]) if sharded else None
+        write_index = (owners == self.setup.group.rank).nonzero().flatten() if sharded else torch.arange(len(new_rows))
         return write_index.to(self.device), new_rows[write_index].to(self.device)
 
     def _sharded_decode(self, prefix_lens: Sequence[int], contexts: list[ShardedContext]) -> CPLayout:

@@ -215,15 +215,14 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
                     values = unpermute_rope_rows(values, heads)
             first = 0
             for part, piece in zip(parts, values.split([params[p].shape[0] for p in parts])):
-                n = piece.shape[0]
                 _assign(params[part], piece, t.name)
                 # Decode steps read these (model/decode_blocks.py): all but an embedding that is not also
                 # the LM head (lookups read its float32 rows; no matmul would read the blocks).
                 keeps = part != "model.embed_tokens.weight" or spec.tie_word_embeddings
                 if blocks is not None and dtype == torch.float32 and keeps:
                     model.get_submodule(part.removesuffix(".weight")).gguf_blocks = (
-                        blocks if len(parts) == 1 else blocks.rows(first, n))
-                first += n
+                        blocks if len(parts) == 1 else blocks.rows(first, len(piece)))
+                first += len(piece)
     return model, tokenizer, spec  # (every parameter had its tensor: check_shapes)
 
 

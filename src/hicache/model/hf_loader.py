@@ -77,8 +77,7 @@ def _spec(config: dict, tensor_names: Iterable[str] | None) -> ModelSpec:
     rope = dict(rope.get("full_attention", rope))  # per layer kind (Gemma 3): the full layers' here
     _check_config({"partial_rotary_factor": rope.pop("partial_rotary_factor", None)})  # transformers 5 keeps it here
     scaling = config.get("rope_scaling") or None
-    theta = config.get("rope_theta")
-    theta = rope.get("rope_theta", 10000.0) if theta is None else theta
+    theta = config["rope_theta"] if config.get("rope_theta") is not None else rope.get("rope_theta", 10000.0)
     if scaling is None and rope:
         rope.pop("rope_theta", None)
         scaling = rope if rope.get("rope_type", "default") != "default" else None

@@ -157,6 +157,4 @@ class RotaryEmbedding:
         """cos/sin ``[T, 1, rope_dim]`` for ``positions`` ``[T]`` (angles in float32, then cast)."""
         angles = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]
         angles = torch.cat((angles, angles), dim=-1)[:, None, :]
-        if self.scale != 1.0:
-            return (angles.cos() * self.scale).to(dtype), (angles.sin() * self.scale).to(dtype)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        return (angles.cos() * self.scale).to(dtype), (angles.sin() * self.scale).to(dtype)  # (* 1.0: the same bits)
