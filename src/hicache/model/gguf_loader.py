@@ -136,19 +136,14 @@ def _spec_from_gguf(reader: GGUFFile, tensor_names: set[str], family: Family) ->
     heads = _int(reader, p + "attention.head_count")
     vocab = _int(reader, p + "vocab_size", len(reader.fields.get("tokenizer.ggml.tokens") or ()))
     return ModelSpec(
-        num_layers=layers,
-        hidden_size=hidden,
-        num_heads=heads,
-        num_kv_heads=_int(reader, p + "attention.head_count_kv", heads),
-        head_dim=_head_dim(reader, p, hidden, heads),
-        intermediate_size=_int(reader, p + "feed_forward_length"),
-        vocab_size=vocab,
+        num_layers=layers, hidden_size=hidden, num_heads=heads,
+        num_kv_heads=_int(reader, p + "attention.head_count_kv", heads), head_dim=_head_dim(reader, p, hidden, heads),
+        intermediate_size=_int(reader, p + "feed_forward_length"), vocab_size=vocab,
         rope_theta=_float(reader, p + "rope.freq_base", 10000.0),
         rms_norm_eps=_float(reader, p + "attention.layer_norm_rms_epsilon", 1e-5),
         tie_word_embeddings="output.weight" not in tensor_names,
         max_position_embeddings=_int(reader, p + "context_length", 2048),
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
-        rope_scaling=_rope_scaling(reader, p),
+        attention_bias="blk.0.attn_q.bias" in tensor_names, rope_scaling=_rope_scaling(reader, p),
         **gguf_layer_fields(family, reader.fields, hidden, layers),
     )
 

@@ -82,21 +82,16 @@ def _spec(config: dict, tensor_names: Iterable[str] | None) -> ModelSpec:
         rope.pop("rope_theta", None)
         scaling = rope if rope.get("rope_type", "default") != "default" else None
     return ModelSpec(
-        num_layers=config_int(config, "num_hidden_layers"),
-        hidden_size=hidden,
-        num_heads=heads,
+        num_layers=config_int(config, "num_hidden_layers"), hidden_size=hidden, num_heads=heads,
         num_kv_heads=as_int(config.get("num_key_value_heads") or heads, "config.json num_key_value_heads"),
         head_dim=as_int(config.get("head_dim") or hidden // heads, "config.json head_dim"),
-        intermediate_size=config_int(config, "intermediate_size"),
-        vocab_size=config_int(config, "vocab_size"),
+        intermediate_size=config_int(config, "intermediate_size"), vocab_size=config_int(config, "vocab_size"),
         rope_theta=as_float(theta, "config.json rope_theta"),
         rms_norm_eps=as_float(config.get("rms_norm_eps", 1e-6), "config.json rms_norm_eps"),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", family.tie_embeddings)),
         max_position_embeddings=config_int(config, "max_position_embeddings", 2048),
-        attention_bias=bool(config.get("attention_bias", family.attention_bias)),
-        rope_scaling=scaling,
-        **hf_layer_fields(family, config),
-        **(_mla_fields(config) if family is DEEPSEEK else {}),
+        attention_bias=bool(config.get("attention_bias", family.attention_bias)), rope_scaling=scaling,
+        **hf_layer_fields(family, config), **(_mla_fields(config) if family is DEEPSEEK else {}),
     )
 
 

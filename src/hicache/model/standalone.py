@@ -44,12 +44,10 @@ def greedy_paged(model: LlamaForCausalLM, ids: list[int], steps: int, stop_ids: 
     slots = torch.arange(1, len(ids) + steps + 1)
     batch = make_forward_batch([ids], [0], [slots[: len(ids)]], device=model.device)
     out: list[int] = []
-    next_id = int(model(batch, kv)[-1].argmax())
-    for _ in range(steps):
-        out.append(next_id)
-        if next_id in stop_ids:
+    while len(out) < steps:
+        out.append(int(model(batch, kv)[-1].argmax()))
+        if out[-1] in stop_ids:
             break
         n = len(ids) + len(out)
-        batch = make_forward_batch([[next_id]], [n - 1], [slots[:n]], device=model.device, generated=True)
-        next_id = int(model(batch, kv)[-1].argmax())
+        batch = make_forward_batch([out[-1:]], [n - 1], [slots[:n]], device=model.device, generated=True)
     return out
