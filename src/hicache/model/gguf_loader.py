@@ -177,8 +177,7 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
     import gguf  # local import: only this loader needs it, and it is slow-ish to import
 
     reader, tokenizer, family = _read(path)
-    names = {t.name for t in reader.tensors}
-    spec = _spec_from_gguf(reader, names, family)
+    spec = _spec_from_gguf(reader, {t.name for t in reader.tensors}, family)
     check_shapes([(t.name, hf_name(t.name, family), tuple(reversed(t.shape))) for t in reader.tensors
                   if t.name != ROPE_FACTORS], spec, "GGUF", "the GGUF file", family.parts_of)
     check_token_ids(tokenizer, spec, "the GGUF file")

@@ -99,12 +99,11 @@ def rope_inv_freq(spec: ModelSpec, local: bool = False) -> torch.Tensor:
         low = float(scaling.get("low_freq_factor", 1.0))
         high = float(scaling.get("high_freq_factor", 4.0))
         old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
-        wavelen = 2 * math.pi / inv_freq
-        low_freq_wavelen, high_freq_wavelen = old_ctx / low, old_ctx / high
-        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        wavelen = 2 * math.pi / inv_freq  # low frequencies: wavelengths past old_ctx / low; high: below old_ctx / high
+        scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
         smooth = (old_ctx / wavelen - low) / (high - low)
         blended = (1 - smooth) * scaled / factor + smooth * scaled
-        in_band = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        in_band = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
         inv_freq = torch.where(in_band, blended, scaled)
     elif kind == "yarn":
         low, high = _yarn_bounds(spec, scaling)

@@ -269,18 +269,15 @@ class LlamaForCausalLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Input embeddings ``[T, hidden]``, times ``spec.embedding_scale`` (rounded to the weight
-        dtype first, as the reference model does) where it is not 1."""
+        dtype first, as the reference model does; a scale of 1 leaves every bit as it is)."""
         h = self.model.embed_tokens(input_ids)
-        scale = self.spec.embedding_scale
-        if scale != 1.0:
-            h = h * torch.tensor(scale, dtype=torch.float32).to(h.dtype)
-        return h
+        return h * torch.tensor(self.spec.embedding_scale, dtype=torch.float32).to(h.dtype)
 
     def projections(self) -> Iterator[Projection]:
         for module in self.modules():
             yield from (part for part in vars(module).values() if isinstance(part, Projection))
 
-    def set_weights(self, prepare: bool = True, **modes: str) -> None:
+    def set_weights(self, prepare: bool = True, **modes: str | bool) -> None:
         """What passes read, by setting (each a :class:`Projection` attribute, its modes a tuple of
         model/projection.py): ``decode_weights`` (:data:`DECODE_WEIGHTS`), what decode steps read:
         exact blocks where a matrix has them ("auto"), the loaded weights ("same"), or a dtype copy
@@ -288,8 +285,8 @@ class LlamaForCausalLM(nn.Module):
         (:data:`DECODE_ACTIVATIONS`), what decode passes multiply GGUF blocks with: float32 inputs
         (exact) or inputs quantized to 8 bits per 32 (lossy, faster); ``prefill_weights``
         (:data:`PREFILL_WEIGHTS`), what passes of more than ``DECODE_ROWS`` rows read: the loaded
-        weights or a dtype copy. ``prepare=False``: make the copies later (a rank packs only its
-        shard, in shard_model)."""
+        weights or a dtype copy; ``row_invariant`` (a bool: :meth:`set_deterministic`).
+        ``prepare=False``: make the copies later (a rank packs only its shard, in shard_model)."""
         for phase, mode in modes.items():  # (validated by load_model)
             for projection in self.projections():
                 setattr(projection, phase, mode)
@@ -301,9 +298,7 @@ class LlamaForCausalLM(nn.Module):
         count -- the decode weights (blocks, or dense GEMMs padded to 16 rows) and row-wise
         attention (``PagedBackend(rowwise=True)``, chosen by whoever builds the runner)."""
         self.deterministic = on
-        for projection in self.projections():
-            projection.row_invariant = on
-        self.prepare_projections()
+        self.set_weights(row_invariant=on)
 
     def weight_bytes(self) -> int:
         """Resident bytes of the weights: the parameters (each storage once) and every decode
