@@ -83,8 +83,7 @@ def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tens
     lses = torch.stack([lse for _, lse in parts])  # [P, H, n]
     weights = torch.softmax(lses, dim=0)[..., None]  # each block's share of the probability mass
     acc = torch.promote_types(parts[0][0].dtype, torch.float32)
-    out = sum(w.to(acc) * o.to(acc) for w, (o, _) in zip(weights, parts))
-    return out.to(parts[0][0].dtype)
+    return sum(w.to(acc) * o.to(acc) for w, (o, _) in zip(weights, parts)).to(parts[0][0].dtype)
 
 
 def keys_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

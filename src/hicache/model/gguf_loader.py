@@ -73,8 +73,7 @@ def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     ``2j + 1``. Reading GGUF rows as ``[head, j, pair]`` and swapping to ``[head, pair, j]``
     restores the HF order.
     """
-    rows = weight.shape[0]
-    half = rows // num_heads // 2
+    half = weight.shape[0] // num_heads // 2
     return weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 

@@ -178,8 +178,7 @@ def _read_config(path: Path) -> dict:
         raise ModelFormatError(f"{path} is {path.stat().st_size} bytes, more than a config.json may be "
                                f"({MAX_CONFIG_BYTES}).")
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)  # (an object: spec_from_hf_config checks)
+        return json.loads(path.read_text(encoding="utf-8"))  # (an object: spec_from_hf_config checks)
     except (ValueError, RecursionError) as e:  # (JSONDecodeError and UnicodeDecodeError are ValueErrors)
         raise ModelFormatError(f"{path} is not JSON ({quoted(str(e))}).") from None
 

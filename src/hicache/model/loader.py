@@ -52,12 +52,6 @@ def _file_fingerprint(paths: list[Path]) -> str:
     return _digest("|".join(f"{p}:{st.st_size}:{st.st_mtime_ns}" for p, st in stats))
 
 
-def split_variant(name: str) -> tuple[str, str | None]:
-    """``("smollm2", "int4-g64")`` for ``"smollm2:int4-g64"``; ``(name, None)`` without a variant."""
-    base, _, last = name.rpartition(":")
-    return (base, last) if base and VARIANT.match(last) else (name, None)
-
-
 def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu", seed: int = 0,
                weights: bool = True, precision: PassPrecision = PassPrecision(),
                to_be_sharded: bool = False) -> LoadedModel:
@@ -90,7 +84,8 @@ def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.dev
                                  f"expected one of {', '.join(allowed)}.")
     if torch.device(device).type != "cpu" and weights:  # every native kernel call is gated on a CPU tensor
         logger.info("native CPU kernels off (the model runs on %s): nothing built", torch.device(device).type)
-    base, variant = split_variant(name)
+    base, _, variant = name.rpartition(":")  # "smollm2:int4-g64": a requantized copy of "smollm2"
+    base, variant = (base, variant) if base and VARIANT.match(variant) else (name, None)
     if variant is not None:
         try:
             bits, group = parse_variant(variant)

@@ -54,8 +54,7 @@ def token_table(tokenizer: HFTokenizer, vocab_size: int) -> TokenTable:
         else:
             tokens.append(name.replace(space, " ").encode())
     tokens += [b""] * (vocab_size - len(tokens))
-    special = sorted(i for i, t in added.items() if t.special and i < vocab_size)
-    return TokenTable(tokens, special)
+    return TokenTable(tokens, sorted(i for i, t in added.items() if t.special and i < vocab_size))
 
 
 def _spelling(decoder: dict | None) -> tuple[bool, str]:

@@ -152,8 +152,7 @@ def _as_id_list(value: Any) -> list[int]:
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
+    data = json.loads(path.read_text(encoding="utf-8"))
     return data if isinstance(data, dict) else {}
 
 
