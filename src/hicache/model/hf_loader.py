@@ -28,10 +28,9 @@ from hicache.model.tokenizer import Tokenizer, load_hf_tokenizer
 # Fail closed: another value is refused, naming the key, rather than ignored.
 _NEUTRAL_KEYS: dict[str, tuple] = {
     "mlp_bias": (False, None), "attn_logit_softcapping": (None,), "final_logit_softcapping": (None,),
-    "partial_rotary_factor": (None, 1.0), "use_qk_norm": (False, None),
-    "qk_layernorm": (False, None), "embedding_multiplier": (None, 1.0), "logits_scaling": (None, 1.0),
-    "residual_multiplier": (None, 1.0), "attention_multiplier": (None,),
-}
+    "partial_rotary_factor": (None, 1.0), "use_qk_norm": (False, None), "qk_layernorm": (False, None),
+    "embedding_multiplier": (None, 1.0), "logits_scaling": (None, 1.0), "residual_multiplier": (None, 1.0),
+    "attention_multiplier": (None,)}
 
 
 MAX_CONFIG_BYTES = 16 << 20  # config.json (a real one: a few KB)

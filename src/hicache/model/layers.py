@@ -54,8 +54,7 @@ class MLP(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.gelu = spec.hidden_act == "gelu_tanh"
-        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.gate_proj, self.up_proj = (nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False) for _ in "gu")
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
         self.gate_up = Projection(self.gate_proj, self.up_proj)
         self.down = Projection(self.down_proj)

@@ -137,8 +137,7 @@ def _joined(model: PackagedModel, parts: list[Path], file_name: str, sha256: str
                         out.write(block)
         if digest.hexdigest() != sha256:
             raise ModelFormatError(f"the parts of the packaged model {model.name!r} join into a file whose SHA-256 is "
-                                   f"{digest.hexdigest()}, not {sha256}: reinstall them "
-                                   f"(`{model.install}`).")
+                                   f"{digest.hexdigest()}, not {sha256}: reinstall them (`{model.install}`).")
         os.replace(partial, target)
         checked.write_text(sha256)
     finally:
