@@ -170,9 +170,8 @@ def _weight_copies(model: LlamaForCausalLM | None, dtype: torch.dtype, precision
     inputs (``decode_activations``; only where ``file_blocks``: the model has a file's blocks for
     them to meet)."""
     decode_activations = precision.decode_activations if file_blocks else "float32"
-    suffix = ""
-    if decode_activations == "int8" and precision.decode_weights == "auto":
-        suffix += ":decode-int8v2"  # v2: Q4_0/Q4_1/Q8_0 rows packed 16 at a time (kernels/gguf_x16.cpp)
+    # v2: Q4_0/Q4_1/Q8_0 rows packed 16 at a time (kernels/gguf_x16.cpp)
+    suffix = ":decode-int8v2" if decode_activations == "int8" and precision.decode_weights == "auto" else ""
     for phase, mode, lossless in (("decode", precision.decode_weights, ("auto", "same")),
                                   ("prefill", precision.prefill_weights, ("same",))):
         if mode not in lossless and getattr(torch, mode) != dtype:

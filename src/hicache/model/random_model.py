@@ -58,10 +58,9 @@ def parse_random_spec(arg: str) -> ModelSpec:
     unknown = sorted(set(overrides) - fields)
     if unknown:
         raise ModelSpecError(f"unknown random model spec field(s) {', '.join(unknown)}; known: {', '.join(sorted(fields))}.")
-    values = dict(PRESETS[preset])
+    values = {**PRESETS[preset], **overrides}
     if ("hidden_size" in overrides or "num_heads" in overrides) and "head_dim" not in overrides:
-        values["head_dim"] = overrides.get("hidden_size", values["hidden_size"]) // overrides.get("num_heads", values["num_heads"])
-    values.update(overrides)
+        values["head_dim"] = values["hidden_size"] // values["num_heads"]
     spec = ModelSpec(**values)
     if spec.vocab_size < MIN_RANDOM_VOCAB:
         raise ModelSpecError(f"random model vocab_size must be at least {MIN_RANDOM_VOCAB} (the byte tokenizer's size).")
