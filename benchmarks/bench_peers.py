@@ -73,7 +73,7 @@ sys.path.insert(0, os.path.join(ROOT, "src"))
 from hicache import Engine, SamplingParams  # noqa: E402
 from hicache.config import EngineConfig  # noqa: E402
 from hicache.device import cpu_description  # noqa: E402
-from hicache.model.gguf_loader import find_smollm2_gguf  # noqa: E402
+from hicache.model.packaged import packaged_model_path  # noqa: E402
 
 if HERE not in sys.path:
     sys.path.insert(1, HERE)
@@ -566,7 +566,7 @@ def main() -> None:
     elif "llama.cpp-native" in peers and not parts & set("bcd"):
         peers.discard("llama.cpp-native")  # part (a) only: nothing for it to run
 
-    gguf = args.gguf or str(find_smollm2_gguf())
+    gguf = args.gguf or str(packaged_model_path("smollm2"))
     if args.quantize:
         gguf = llamacpp_quantize(args.peers_python, gguf, args.quantize)
     from hicache.model.gguf_loader import load_gguf_tokenizer

@@ -28,7 +28,7 @@ sys.path.insert(0, HERE)
 from bench_spec import COPY_TASKS, cpu_flags  # noqa: E402
 
 from hicache import Engine, SamplingParams  # noqa: E402
-from hicache.model.gguf_loader import find_smollm2_gguf  # noqa: E402
+from hicache.model.packaged import packaged_model_path  # noqa: E402
 
 
 def hicache_runs(prompts: list[list[int]], max_new: int, ngram: bool) -> list[dict]:
@@ -54,7 +54,7 @@ def main() -> None:
     args = ap.parse_args()
     if not os.path.exists(args.peers_python):
         raise SystemExit(f"error: {args.peers_python} is missing: run `make peers-setup` first")
-    gguf = str(find_smollm2_gguf())
+    gguf = str(packaged_model_path("smollm2"))
     probe = Engine("smollm2")
     prompts = [probe.tokenizer.encode(probe.tokenizer.apply_chat_template([{"role": "user", "content": t}]))
                for t in COPY_TASKS]

@@ -114,14 +114,14 @@ def test_sentencepiece_with_byte_fallback_and_recovered_merges(tmp_path) -> None
         assert ids[0] == 1 and ours.decode(ids) == text, text  # BOS first; spaces come back
         source = spm.encode(text).tokens
         if text[:1] != " " and "<unk>" not in source:  # (a leading space: below; the source has no byte fallback)
-            assert [ours.id_to_token(i) for i in ids[1:]] == source, text
+            assert [ours.backend.id_to_token(i) for i in ids[1:]] == source, text
             if ids != theirs.encode(text):
                 disagree.append(text)
     assert not disagree, disagree
     # llama.cpp's rule: a space is prefixed to a text that starts with one too, and after a special token
-    space = ours.token_to_id("\u2581")
+    space = ours.backend.token_to_id("\u2581")
     assert ours.encode(" the quick")[1:] == [space] + ours.encode("the quick")[1:]
-    assert ours.id_to_token(ours.encode("</s>hello")[2])[0] == "\u2581"
+    assert ours.backend.id_to_token(ours.encode("</s>hello")[2])[0] == "\u2581"
     unknown = "\U0001f680"  # not in the vocabulary: byte fallback, never <unk>
     assert ours.decode(ours.encode(unknown)) == unknown and 0 not in ours.encode(unknown)
 
@@ -142,7 +142,7 @@ def test_gemma_sentencepiece_files_merge_in_file_order_and_spell_spaces(tmp_path
     for text in ("Hello world", "a   b", "def f(x):\n    return x"):
         assert ours.encode(text) == theirs.encode(text), text
         assert ours.decode(ours.encode(text)) == text
-    assert ours.id_to_token(ours.encode("a   b")[2]) == "\u2581\u2581\u2581"  # the three-space token, whole
+    assert ours.backend.id_to_token(ours.encode("a   b")[2]) == "\u2581\u2581\u2581"  # the three-space token, whole
 
 
 @pytest.mark.parametrize("change, says", [

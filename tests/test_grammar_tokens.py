@@ -71,7 +71,7 @@ def test_a_tool_call_literal_allows_qwens_single_token():
     the token but consuming it failed ("token [151657] doesn't satisfy the grammar"): every forced
     call on Qwen2.5 was refused."""
     tokenizer, config, ours = shipped("qwen2.5-coder-0.5b")
-    call = tokenizer.token_to_id("<tool_call>")
+    call = tokenizer.backend.token_to_id("<tool_call>")
     written = tokenizer.encode('<tool_call>\n{"x": 1}\n</tool_call>')
     assert call == 151657 and written[:2] == [151657, 198] and written[-1] == 151658
     grammar = 'start: "<tool_call>\\n" %json {"type": "object"} "\\n</tool_call>"'

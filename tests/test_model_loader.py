@@ -148,9 +148,9 @@ def test_gguf_header_reads_as_the_gguf_package_reads_it():
     import numpy as np
 
     from hicache.model.gguf_file import GGUFFile
-    from hicache.model.gguf_loader import find_smollm2_gguf
+    from hicache.model.packaged import packaged_model_path
 
-    path = find_smollm2_gguf()
+    path = packaged_model_path("smollm2")
     ours, theirs = GGUFFile(path), gguf.GGUFReader(path)
     expected = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
     assert ours.fields.keys() == expected.keys() and len(ours.fields["tokenizer.ggml.tokens"]) == 49152
@@ -167,9 +167,9 @@ def test_gguf_header_reads_as_the_gguf_package_reads_it():
 
 
 def test_a_broken_gguf_file_is_one_clear_sentence(tmp_path):
-    from hicache.model.gguf_loader import find_smollm2_gguf
+    from hicache.model.packaged import packaged_model_path
 
-    good = find_smollm2_gguf().read_bytes()
+    good = packaged_model_path("smollm2").read_bytes()
     for name, data in (("cut.gguf", good[:5000]), ("text.gguf", b"not a model at all")):
         (tmp_path / name).write_bytes(data)
         with pytest.raises(ConfigError, match=f"cannot read GGUF file .*{name}: "):

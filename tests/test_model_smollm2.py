@@ -7,7 +7,7 @@ import pytest
 import torch
 from gguf_references import fast_gguf_reading
 
-from hicache.model.gguf_loader import find_smollm2_gguf
+from hicache.model.packaged import packaged_model_path
 from hicache.model.standalone import greedy_paged, prefill_logits
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
@@ -24,7 +24,7 @@ def hf_smol():
     transformers = pytest.importorskip("transformers")
     # transformers refuses GGUF checkpoints without accelerate installed.
     pytest.importorskip("accelerate")
-    path = find_smollm2_gguf()
+    path = packaged_model_path("smollm2")
     # gguf_references: the header parsed once, over a plain array, and the tensor-name table built once
     # (~12 s of its ~21 s of CPU with gguf's reader as is); transformers still dequantizes and
     # un-permutes every tensor its own way.

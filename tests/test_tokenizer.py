@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from gguf_references import packaged_transformers_tokenizer
 
-from hicache.model.gguf_loader import find_smollm2_gguf, load_gguf_tokenizer
+from hicache.model.gguf_loader import load_gguf_tokenizer
+from hicache.model.packaged import packaged_model_path
 from hicache.model.tokenizer import byte_tokenizer
 
 pytestmark = pytest.mark.model
@@ -31,7 +32,7 @@ FIXED = {
 
 @pytest.fixture(scope="module")
 def smol():
-    return load_gguf_tokenizer(find_smollm2_gguf())
+    return load_gguf_tokenizer(packaged_model_path("smollm2"))
 
 
 @pytest.mark.parametrize("text", SAMPLES)
@@ -51,7 +52,7 @@ def test_no_merge_touches_a_digit(smol):
 
 def test_smollm2_specials_and_ids(smol):
     assert smol.bos_token_id == 1 and not smol.add_bos
-    assert smol.eos_token_ids == {2} and smol.id_to_token(2) == "<|im_end|>"
+    assert smol.eos_token_ids == {2} and smol.backend.id_to_token(2) == "<|im_end|>"
     assert smol.vocab_size == 49152
     assert smol.encode("<|im_start|>user\nhi<|im_end|>")[:1] == [1]
     assert smol.encode("<|im_start|>user\nhi<|im_end|>")[-1] == 2

@@ -27,7 +27,7 @@ TOPICS = ("caching", "rivers", "compilers", "gardening", "trains", "music theory
 def export(tokenizer, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.backend.save(str(out / "tokenizer.json"))
-    name = tokenizer.id_to_token
+    name = tokenizer.backend.id_to_token
     config = {"tokenizer_class": "PreTrainedTokenizerFast",
               "bos_token": name(tokenizer.bos_token_id) if tokenizer.bos_token_id is not None else None,
               "eos_token": name(min(tokenizer.eos_token_ids)) if tokenizer.eos_token_ids else None,

@@ -30,11 +30,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("block_quant.cpp", "layer_ops.cpp", "decode_attention.cpp",
-                                                          "decode_layer.cpp", "gguf_blocks.cpp", "gguf_int8.cpp",
-                                                          "gguf_x16.cpp")]
-HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "gguf_blocks.h", "gguf_decode.h", "gguf_int8.h",
-                                                         "gguf_dispatch.h", "decode_attention_plan.h")]
+# Every C++ source and header beside this file (a change to any of them is a new build: build_dir).
+SOURCES, HEADERS = (sorted(Path(__file__).parent.glob(pattern)) for pattern in ("*.cpp", "*.h"))
 # Compiler flags per instruction set; the avx512 build also compiles the blocks' 16-lane paths.
 ISAS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],

@@ -17,4 +17,3 @@ if "--every-isa" in sys.argv[1:] and torch.backends.cpu.get_cpu_capability() == 
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 ops = cpu_kernels()
 print(f"native CPU kernels: {f'{kernel_isa()} build ready in ' + str(build_dir()) if ops is not None else 'off (' + str(unavailable_reason() or 'build failed, see above') + ')'}")
-sys.exit(0)

@@ -83,8 +83,7 @@ def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tens
     lses = torch.stack([lse for _, lse in parts])  # [P, H, n]
     weights = torch.softmax(lses, dim=0)[..., None]  # each block's share of the probability mass
     acc = torch.promote_types(parts[0][0].dtype, torch.float32)
-    out = sum(w.to(acc) * o.to(acc) for w, (o, _) in zip(weights, parts))
-    return out.to(parts[0][0].dtype)
+    return sum(w.to(acc) * o.to(acc) for w, (o, _) in zip(weights, parts)).to(parts[0][0].dtype)
 
 
 def keys_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -257,9 +256,6 @@ def native_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.T
     over float32 or float16 KV on a CPU with the kernels, an uneven TP head map, an unusual head
     size): use :func:`decode_attention`."""
     if (q.device.type != "cpu" or q.dtype != torch.float32 or k_buf.dtype not in NATIVE_KV_DTYPES
-            or kv_map is not None or q.shape[-1] not in NATIVE_HEAD_DIMS):
+            or kv_map is not None or q.shape[-1] not in NATIVE_HEAD_DIMS or cpu_kernels() is None):
         return None
-    ops = cpu_kernels()
-    if ops is None:
-        return None
-    return ops.paged_decode_attention(q.contiguous(), k_buf, v_buf, kv_slots, lengths)
+    return cpu_kernels().paged_decode_attention(q.contiguous(), k_buf, v_buf, kv_slots, lengths)

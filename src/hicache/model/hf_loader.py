@@ -28,10 +28,9 @@ from hicache.model.tokenizer import Tokenizer, load_hf_tokenizer
 # Fail closed: another value is refused, naming the key, rather than ignored.
 _NEUTRAL_KEYS: dict[str, tuple] = {
     "mlp_bias": (False, None), "attn_logit_softcapping": (None,), "final_logit_softcapping": (None,),
-    "partial_rotary_factor": (None, 1.0), "use_qk_norm": (False, None),
-    "qk_layernorm": (False, None), "embedding_multiplier": (None, 1.0), "logits_scaling": (None, 1.0),
-    "residual_multiplier": (None, 1.0), "attention_multiplier": (None,),
-}
+    "partial_rotary_factor": (None, 1.0), "use_qk_norm": (False, None), "qk_layernorm": (False, None),
+    "embedding_multiplier": (None, 1.0), "logits_scaling": (None, 1.0), "residual_multiplier": (None, 1.0),
+    "attention_multiplier": (None,)}
 
 
 MAX_CONFIG_BYTES = 16 << 20  # config.json (a real one: a few KB)
@@ -77,27 +76,21 @@ def _spec(config: dict, tensor_names: Iterable[str] | None) -> ModelSpec:
     rope = dict(rope.get("full_attention", rope))  # per layer kind (Gemma 3): the full layers' here
     _check_config({"partial_rotary_factor": rope.pop("partial_rotary_factor", None)})  # transformers 5 keeps it here
     scaling = config.get("rope_scaling") or None
-    theta = config.get("rope_theta")
-    theta = rope.get("rope_theta", 10000.0) if theta is None else theta
+    theta = config["rope_theta"] if config.get("rope_theta") is not None else rope.get("rope_theta", 10000.0)
     if scaling is None and rope:
         rope.pop("rope_theta", None)
         scaling = rope if rope.get("rope_type", "default") != "default" else None
     return ModelSpec(
-        num_layers=config_int(config, "num_hidden_layers"),
-        hidden_size=hidden,
-        num_heads=heads,
+        num_layers=config_int(config, "num_hidden_layers"), hidden_size=hidden, num_heads=heads,
         num_kv_heads=as_int(config.get("num_key_value_heads") or heads, "config.json num_key_value_heads"),
         head_dim=as_int(config.get("head_dim") or hidden // heads, "config.json head_dim"),
-        intermediate_size=config_int(config, "intermediate_size"),
-        vocab_size=config_int(config, "vocab_size"),
+        intermediate_size=config_int(config, "intermediate_size"), vocab_size=config_int(config, "vocab_size"),
         rope_theta=as_float(theta, "config.json rope_theta"),
         rms_norm_eps=as_float(config.get("rms_norm_eps", 1e-6), "config.json rms_norm_eps"),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", family.tie_embeddings)),
         max_position_embeddings=config_int(config, "max_position_embeddings", 2048),
-        attention_bias=bool(config.get("attention_bias", family.attention_bias)),
-        rope_scaling=scaling,
-        **hf_layer_fields(family, config),
-        **(_mla_fields(config) if family is DEEPSEEK else {}),
+        attention_bias=bool(config.get("attention_bias", family.attention_bias)), rope_scaling=scaling,
+        **hf_layer_fields(family, config), **(_mla_fields(config) if family is DEEPSEEK else {}),
     )
 
 
@@ -184,8 +177,7 @@ def _read_config(path: Path) -> dict:
         raise ModelFormatError(f"{path} is {path.stat().st_size} bytes, more than a config.json may be "
                                f"({MAX_CONFIG_BYTES}).")
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)  # (an object: spec_from_hf_config checks)
+        return json.loads(path.read_text(encoding="utf-8"))  # (an object: spec_from_hf_config checks)
     except (ValueError, RecursionError) as e:  # (JSONDecodeError and UnicodeDecodeError are ValueErrors)
         raise ModelFormatError(f"{path} is not JSON ({quoted(str(e))}).") from None
 

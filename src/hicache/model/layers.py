@@ -54,8 +54,7 @@ class MLP(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.gelu = spec.hidden_act == "gelu_tanh"
-        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.gate_proj, self.up_proj = (nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False) for _ in "gu")
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
         self.gate_up = Projection(self.gate_proj, self.up_proj)
         self.down = Projection(self.down_proj)
@@ -99,12 +98,11 @@ def rope_inv_freq(spec: ModelSpec, local: bool = False) -> torch.Tensor:
         low = float(scaling.get("low_freq_factor", 1.0))
         high = float(scaling.get("high_freq_factor", 4.0))
         old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
-        wavelen = 2 * math.pi / inv_freq
-        low_freq_wavelen, high_freq_wavelen = old_ctx / low, old_ctx / high
-        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        wavelen = 2 * math.pi / inv_freq  # low frequencies: wavelengths past old_ctx / low; high: below old_ctx / high
+        scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
         smooth = (old_ctx / wavelen - low) / (high - low)
         blended = (1 - smooth) * scaled / factor + smooth * scaled
-        in_band = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        in_band = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
         inv_freq = torch.where(in_band, blended, scaled)
     elif kind == "yarn":
         low, high = _yarn_bounds(spec, scaling)
@@ -157,6 +155,4 @@ class RotaryEmbedding:
         """cos/sin ``[T, 1, rope_dim]`` for ``positions`` ``[T]`` (angles in float32, then cast)."""
         angles = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]
         angles = torch.cat((angles, angles), dim=-1)[:, None, :]
-        if self.scale != 1.0:
-            return (angles.cos() * self.scale).to(dtype), (angles.sin() * self.scale).to(dtype)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        return (angles.cos() * self.scale).to(dtype), (angles.sin() * self.scale).to(dtype)  # (* 1.0: the same bits)

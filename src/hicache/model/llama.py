@@ -44,16 +44,13 @@ class Attention(nn.Module):
         scale = spec.attention_scale
         self.q_scale = None if scale is None or scale == spec.head_dim ** -0.5 else scale * spec.head_dim ** 0.5
         q_width, kv_width = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        bias = spec.attention_bias
-        self.q_proj = nn.Linear(spec.hidden_size, q_width, bias=bias)
-        self.k_proj = nn.Linear(spec.hidden_size, kv_width, bias=bias)
-        self.v_proj = nn.Linear(spec.hidden_size, kv_width, bias=bias)
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(spec.hidden_size, width, bias=spec.attention_bias)
+                                                 for width in (q_width, kv_width, kv_width))
         self.o_proj = nn.Linear(q_width, spec.hidden_size, bias=False)
         self.qkv = Projection(self.q_proj, self.k_proj, self.v_proj)
         self.out = Projection(self.o_proj)
         # Qwen3: each q and k head RMS-normalized before RoPE (HF names self_attn.q_norm / k_norm)
-        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.q_norm, self.k_norm = [RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None for _ in "qk"]
         self.tp_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # sum over TP ranks (model/parallel.py)
         # Uneven TP split: the local KV head of each local query head (None: equal groups).
         self.kv_map: Optional[torch.Tensor] = None
@@ -109,15 +106,13 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
                 kv: KVView) -> torch.Tensor:
         ops = self._fused_decode_ops(x, batch, kv)
-        if ops is not None:
-            operands = self._decode_operands()
-            if operands is not None:
-                return self._fused_decode(ops, operands, x, cos, sin, batch, kv)
-        if self.sandwich:
-            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, batch, kv))
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), batch.generated))
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv)
-        return x + self.mlp(self.post_attention_layernorm(x), batch.generated)
+        operands = None if ops is None else self._decode_operands()
+        if operands is not None:
+            return self._fused_decode(ops, operands, x, cos, sin, batch, kv)
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, batch, kv)
+        x = x + (self.post_attention_layernorm(attn) if self.sandwich else attn)
+        mlp = self.mlp(self.pre_mlp_norm()(x), batch.generated)
+        return x + (self.post_feedforward_layernorm(mlp) if self.sandwich else mlp)
 
     # A decode step's layer as one native call (kernels/decode_layer.cpp): the same kernels in the
     # same order as the modules above, bit for bit, without ~25 Python dispatches a layer.
@@ -274,18 +269,15 @@ class LlamaForCausalLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Input embeddings ``[T, hidden]``, times ``spec.embedding_scale`` (rounded to the weight
-        dtype first, as the reference model does) where it is not 1."""
+        dtype first, as the reference model does; a scale of 1 leaves every bit as it is)."""
         h = self.model.embed_tokens(input_ids)
-        scale = self.spec.embedding_scale
-        if scale != 1.0:
-            h = h * torch.tensor(scale, dtype=torch.float32).to(h.dtype)
-        return h
+        return h * torch.tensor(self.spec.embedding_scale, dtype=torch.float32).to(h.dtype)
 
     def projections(self) -> Iterator[Projection]:
         for module in self.modules():
             yield from (part for part in vars(module).values() if isinstance(part, Projection))
 
-    def set_weights(self, prepare: bool = True, **modes: str) -> None:
+    def set_weights(self, prepare: bool = True, **modes: str | bool) -> None:
         """What passes read, by setting (each a :class:`Projection` attribute, its modes a tuple of
         model/projection.py): ``decode_weights`` (:data:`DECODE_WEIGHTS`), what decode steps read:
         exact blocks where a matrix has them ("auto"), the loaded weights ("same"), or a dtype copy
@@ -293,8 +285,8 @@ class LlamaForCausalLM(nn.Module):
         (:data:`DECODE_ACTIVATIONS`), what decode passes multiply GGUF blocks with: float32 inputs
         (exact) or inputs quantized to 8 bits per 32 (lossy, faster); ``prefill_weights``
         (:data:`PREFILL_WEIGHTS`), what passes of more than ``DECODE_ROWS`` rows read: the loaded
-        weights or a dtype copy. ``prepare=False``: make the copies later (a rank packs only its
-        shard, in shard_model)."""
+        weights or a dtype copy; ``row_invariant`` (a bool: :meth:`set_deterministic`).
+        ``prepare=False``: make the copies later (a rank packs only its shard, in shard_model)."""
         for phase, mode in modes.items():  # (validated by load_model)
             for projection in self.projections():
                 setattr(projection, phase, mode)
@@ -306,9 +298,7 @@ class LlamaForCausalLM(nn.Module):
         count -- the decode weights (blocks, or dense GEMMs padded to 16 rows) and row-wise
         attention (``PagedBackend(rowwise=True)``, chosen by whoever builds the runner)."""
         self.deterministic = on
-        for projection in self.projections():
-            projection.row_invariant = on
-        self.prepare_projections()
+        self.set_weights(row_invariant=on)
 
     def weight_bytes(self) -> int:
         """Resident bytes of the weights: the parameters (each storage once) and every decode

@@ -52,12 +52,6 @@ def _file_fingerprint(paths: list[Path]) -> str:
     return _digest("|".join(f"{p}:{st.st_size}:{st.st_mtime_ns}" for p, st in stats))
 
 
-def split_variant(name: str) -> tuple[str, str | None]:
-    """``("smollm2", "int4-g64")`` for ``"smollm2:int4-g64"``; ``(name, None)`` without a variant."""
-    base, _, last = name.rpartition(":")
-    return (base, last) if base and VARIANT.match(last) else (name, None)
-
-
 def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu", seed: int = 0,
                weights: bool = True, precision: PassPrecision = PassPrecision(),
                to_be_sharded: bool = False) -> LoadedModel:
@@ -90,7 +84,8 @@ def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.dev
                                  f"expected one of {', '.join(allowed)}.")
     if torch.device(device).type != "cpu" and weights:  # every native kernel call is gated on a CPU tensor
         logger.info("native CPU kernels off (the model runs on %s): nothing built", torch.device(device).type)
-    base, variant = split_variant(name)
+    base, _, variant = name.rpartition(":")  # "smollm2:int4-g64": a requantized copy of "smollm2"
+    base, variant = (base, variant) if base and VARIANT.match(variant) else (name, None)
     if variant is not None:
         try:
             bits, group = parse_variant(variant)
@@ -123,10 +118,7 @@ def _load_base(name: str, base: str, dtype: torch.dtype, device: torch.device | 
         identity = f"gguf:{path.name}:{_file_fingerprint([path])}:{dtype_name}"
     elif base.startswith("random:"):
         spec = parse_random_spec(base.removeprefix("random:"))
-        model = None
-        if weights:
-            model = LlamaForCausalLM(spec, dtype, device)
-            init_random_weights(model, seed)
+        model = init_random_weights(LlamaForCausalLM(spec, dtype, device), seed) if weights else None
         tokenizer = byte_tokenizer()
         identity = f"random:{_digest(json.dumps(spec.to_dict(), sort_keys=True))}:seed={seed}:{dtype_name}"
         if torch.device(device).type != "cpu":  # drawn there: other values than the CPU's (init_random_weights)
@@ -137,11 +129,9 @@ def _load_base(name: str, base: str, dtype: torch.dtype, device: torch.device | 
         files = [p for p in folder.iterdir() if p.suffix in (".json", ".safetensors")]
         identity = f"hf:{folder.resolve().name}:{_file_fingerprint(files)}:{dtype_name}"
     else:
-        raise ModelNotFoundError(
-            f"unknown model {name!r}: expected {' or '.join(map(repr, PACKAGED))} (packaged), a GGUF file, a local "
-            "Hugging Face directory or "
-            "'random:<preset or JSON>', optionally followed by ':int4-g64' (a requantized copy)."
-        )
+        raise ModelNotFoundError(f"unknown model {name!r}: expected {' or '.join(map(repr, PACKAGED))} (packaged), a "
+                                 "GGUF file, a local Hugging Face directory or 'random:<preset or JSON>', optionally "
+                                 "followed by ':int4-g64' (a requantized copy).")
     return model, tokenizer, spec, identity
 
 
@@ -180,9 +170,8 @@ def _weight_copies(model: LlamaForCausalLM | None, dtype: torch.dtype, precision
     inputs (``decode_activations``; only where ``file_blocks``: the model has a file's blocks for
     them to meet)."""
     decode_activations = precision.decode_activations if file_blocks else "float32"
-    suffix = ""
-    if decode_activations == "int8" and precision.decode_weights == "auto":
-        suffix += ":decode-int8v2"  # v2: Q4_0/Q4_1/Q8_0 rows packed 16 at a time (kernels/gguf_x16.cpp)
+    # v2: Q4_0/Q4_1/Q8_0 rows packed 16 at a time (kernels/gguf_x16.cpp)
+    suffix = ":decode-int8v2" if decode_activations == "int8" and precision.decode_weights == "auto" else ""
     for phase, mode, lossless in (("decode", precision.decode_weights, ("auto", "same")),
                                   ("prefill", precision.prefill_weights, ("same",))):
         if mode not in lossless and getattr(torch, mode) != dtype:

@@ -92,7 +92,6 @@ class MLAAttention(nn.Module):
 
         half = kv.k_buffers[self.layer].shape[-1]  # the latent's first half goes to the K buffer
         out = batch.backend.forward(q_full, latent[..., :half], latent[..., half:], self, batch, kv)
-        out = out[..., : self.rank]  # softmax . c
-        values = torch.einsum("thr,hvr->thv", out, w[:, self.nope:])
+        values = torch.einsum("thr,hvr->thv", out[..., : self.rank], w[:, self.nope:])  # softmax . c, then W_UV
         out = self.out(values.reshape(t, heads * self.v_dim), batch.generated)
         return out if self.tp_reduce is None else self.tp_reduce(out)

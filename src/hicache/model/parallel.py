@@ -15,7 +15,7 @@ the last one applies the final norm and the head; the others pass hidden states 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -84,23 +84,20 @@ def model_shard(spec: ModelSpec, tp_rank: int, tp_size: int, pp_rank: int, pp_si
                       q_heads, kv_heads)
 
 
-def _keep_rows(linear: nn.Linear, rows: slice) -> None:
-    linear.weight = nn.Parameter(linear.weight[rows].clone(), requires_grad=False)
-    if linear.bias is not None:
+def _keep(linear: nn.Linear, rows: slice = slice(None), cols: Optional[slice] = None) -> None:
+    """Keep rows ``rows`` of ``linear`` (its bias's too), or its columns ``cols`` (its bias whole)."""
+    linear.weight = nn.Parameter(linear.weight[rows if cols is None else (rows, cols)].clone(), requires_grad=False)
+    if linear.bias is not None and cols is None:
         linear.bias = nn.Parameter(linear.bias[rows].clone(), requires_grad=False)
-
-
-def _keep_cols(linear: nn.Linear, cols: slice) -> None:
-    linear.weight = nn.Parameter(linear.weight[:, cols].clone(), requires_grad=False)
 
 
 def _keep_mla_heads(attn: nn.Module, spec: ModelSpec, heads: range) -> None:
     """MLA: this rank's query heads of q, kv_b (each head's k_nope and value rows) and o_proj;
     the latent projections (kv_a, q_a) stay whole: every rank computes the same latent."""
     qk, kv = spec.qk_nope_head_dim + spec.qk_rope_head_dim, spec.qk_nope_head_dim + spec.v_head_dim
-    _keep_rows(attn.q_b_proj if attn.q_lora else attn.q_proj, slice(heads.start * qk, heads.stop * qk))
-    _keep_rows(attn.kv_b_proj, slice(heads.start * kv, heads.stop * kv))
-    _keep_cols(attn.o_proj, slice(heads.start * spec.v_head_dim, heads.stop * spec.v_head_dim))
+    _keep(attn.q_b_proj if attn.q_lora else attn.q_proj, slice(heads.start * qk, heads.stop * qk))
+    _keep(attn.kv_b_proj, slice(heads.start * kv, heads.stop * kv))
+    _keep(attn.o_proj, cols=slice(heads.start * spec.v_head_dim, heads.stop * spec.v_head_dim))
     attn.num_heads = len(heads)
 
 
@@ -128,23 +125,19 @@ def shard_model(model: LlamaForCausalLM, shard: ModelShard, tp_reduce: Callable[
         if shard.tp_size > 1 and spec.is_mla:
             _keep_mla_heads(attn, spec, shard.q_heads)
         elif shard.tp_size > 1:
-            _keep_rows(attn.q_proj, q)
-            _keep_rows(attn.k_proj, kv)
-            _keep_rows(attn.v_proj, kv)
-            _keep_cols(attn.o_proj, q)
+            for linear, rows in ((attn.q_proj, q), (attn.k_proj, kv), (attn.v_proj, kv)):
+                _keep(linear, rows)
+            _keep(attn.o_proj, cols=q)
             attn.num_heads, attn.num_kv_heads, attn.kv_map = nq, nkv, kv_map
         if shard.tp_size > 1:
-            _keep_rows(layer.mlp.gate_proj, mlp)
-            _keep_rows(layer.mlp.up_proj, mlp)
-            _keep_cols(layer.mlp.down_proj, mlp)
+            _keep(layer.mlp.gate_proj, mlp)
+            _keep(layer.mlp.up_proj, mlp)
+            _keep(layer.mlp.down_proj, cols=mlp)
         attn.tp_reduce = layer.mlp.tp_reduce = tp_reduce
     model.model.layers = nn.ModuleList(layers)
     model.first_stage, model.last_stage = shard.first_stage, shard.last_stage
-    if not shard.last_stage:
-        model.model.norm = None
-        model.lm_head = None
-        model.head = None  # its part (the LM head or the tied embedding) is freed with it
-    needs_embedding = shard.first_stage or (shard.last_stage and model.lm_head is None)
-    if not needs_embedding:
+    if not shard.last_stage:  # the head's part (the LM head or the tied embedding) is freed with it
+        model.model.norm = model.lm_head = model.head = None
+    if not (shard.first_stage or (shard.last_stage and model.lm_head is None)):  # no stage of its needs the embedding
         model.model.embed_tokens = None
     model.prepare_projections()  # the sliced parts, fused before this rank sizes its KV pool

@@ -103,8 +103,7 @@ class PrefixGather:
             # later layer's restore here). Every rank still starts the gathers in plan order.
             self._start(nxt, kv)
         prefix_rows = self._seqs[b].prefix_rows
-        heads, dim = kv.k_buffers[layer].shape[1:]
-        rows = out.view(-1, heads, dim)
+        rows = out.view(-1, *kv.k_buffers[layer].shape[1:])  # [KvH, D] rows
         page_rows = out.shape[1] // 2  # W pages of K, then W of V, per rank
         return rows.index_select(0, prefix_rows), rows.index_select(0, prefix_rows + page_rows)
 

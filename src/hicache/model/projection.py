@@ -190,10 +190,9 @@ class Projection:
                         setattr(p, attr, nn.Parameter(view, requires_grad=False))
                 setattr(self, f"_{attr}", fused)
             self._decode_weight, self._prefill_weight = self._copy(self.decode_weights), self._copy(self.prefill_weights)
-            self._blocks = []
-            if self.decode_weights == "auto" and self._weight.device.type == "cpu" and cpu_kernels() is not None:
-                self._blocks = decode_blocks(self.parts, self._weight, cpu_kernels(),
-                                             int8_activations=self.decode_activations == "int8")
+            native = self.decode_weights == "auto" and self._weight.device.type == "cpu" and cpu_kernels() is not None
+            self._blocks = decode_blocks(self.parts, self._weight, cpu_kernels(),
+                                         int8_activations=self.decode_activations == "int8") if native else []
         self._key = self._current_key()
 
     def _copy(self, mode: str) -> Optional[torch.Tensor]:
@@ -214,9 +213,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     rows = x.shape[0]
     if rows >= INVARIANT_MIN_ROWS:
         return F.linear(x, weight, bias)
-    padded = x.new_zeros((INVARIANT_MIN_ROWS, x.shape[1]))
-    padded[:rows] = x
-    return F.linear(padded, weight, bias)[:rows]
+    return F.linear(F.pad(x, (0, 0, 0, INVARIANT_MIN_ROWS - rows)), weight, bias)[:rows]  # zero rows below x's
 
 
 @functools.lru_cache(maxsize=1)

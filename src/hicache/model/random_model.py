@@ -58,10 +58,9 @@ def parse_random_spec(arg: str) -> ModelSpec:
     unknown = sorted(set(overrides) - fields)
     if unknown:
         raise ModelSpecError(f"unknown random model spec field(s) {', '.join(unknown)}; known: {', '.join(sorted(fields))}.")
-    values = dict(PRESETS[preset])
+    values = {**PRESETS[preset], **overrides}
     if ("hidden_size" in overrides or "num_heads" in overrides) and "head_dim" not in overrides:
-        values["head_dim"] = overrides.get("hidden_size", values["hidden_size"]) // overrides.get("num_heads", values["num_heads"])
-    values.update(overrides)
+        values["head_dim"] = values["hidden_size"] // values["num_heads"]
     spec = ModelSpec(**values)
     if spec.vocab_size < MIN_RANDOM_VOCAB:
         raise ModelSpecError(f"random model vocab_size must be at least {MIN_RANDOM_VOCAB} (the byte tokenizer's size).")
@@ -69,17 +68,18 @@ def parse_random_spec(arg: str) -> ModelSpec:
 
 
 @torch.no_grad()
-def init_random_weights(model: LlamaForCausalLM, seed: int) -> None:
+def init_random_weights(model: LlamaForCausalLM, seed: int) -> LlamaForCausalLM:
     """Fill every parameter deterministically from ``seed``, independent of dtype: values are
     drawn in float32, in parameter order, then copied in. They are drawn on the model's device
     (the CPU's generator draws ~2e8 values a second: an 8B model would take 40 s), so a GPU's
     random weights are not the CPU's (the loader's identity names the device type they were drawn on).
 
     Matrices and biases ~ N(0, INIT_STD); norm weights ~ 1 + N(0, 0.1) (not all-ones, so a loader
-    that drops them would be caught by parity tests).
+    that drops them would be caught by parity tests). Returns ``model``.
     """
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
         values = torch.randn(param.shape, generator=gen, dtype=torch.float32, device=device)
         param.copy_(1.0 + 0.1 * values if name.endswith("norm.weight") else INIT_STD * values)
+    return model

@@ -1,4 +1,5 @@
-"""Standalone forwards over a :class:`DenseKV`, without an engine: handy for tests and debugging."""
+"""Standalone forwards over a :class:`DenseKV` (a plain in-memory
+:class:`~hicache.model.batch.KVView`), without an engine: handy for tests and debugging."""
 
 from __future__ import annotations
 
@@ -6,9 +7,27 @@ from typing import Collection
 
 import torch
 
-from hicache.model.dense_kv import DenseKV
 from hicache.model.llama import LlamaForCausalLM
 from hicache.model.paged import make_forward_batch
+from hicache.model.spec import ModelSpec
+
+
+class DenseKV:
+    """Per-layer ``[num_slots, num_kv_heads, head_dim]`` K/V buffers with nothing to wait for.
+
+    Slot 0 is the padding slot (never holds real data), so usable slots are ``1..num_slots-1``.
+    """
+
+    def __init__(self, spec: ModelSpec, num_slots: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        shape = (num_slots, spec.num_kv_heads, spec.head_dim)
+        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+
+    def wait_layer(self, layer: int) -> None:
+        """Nothing is ever loaded in the background here."""
+
+    def layer_ready(self, layer: int) -> bool:
+        return True
 
 
 def prefill_logits(model: LlamaForCausalLM, ids: list[int], num_slots: int | None = None) -> torch.Tensor:
@@ -25,12 +44,10 @@ def greedy_paged(model: LlamaForCausalLM, ids: list[int], steps: int, stop_ids: 
     slots = torch.arange(1, len(ids) + steps + 1)
     batch = make_forward_batch([ids], [0], [slots[: len(ids)]], device=model.device)
     out: list[int] = []
-    next_id = int(model(batch, kv)[-1].argmax())
-    for _ in range(steps):
-        out.append(next_id)
-        if next_id in stop_ids:
+    while len(out) < steps:
+        out.append(int(model(batch, kv)[-1].argmax()))
+        if out[-1] in stop_ids:
             break
         n = len(ids) + len(out)
-        batch = make_forward_batch([[next_id]], [n - 1], [slots[:n]], device=model.device, generated=True)
-        next_id = int(model(batch, kv)[-1].argmax())
+        batch = make_forward_batch([out[-1:]], [n - 1], [slots[:n]], device=model.device, generated=True)
     return out

@@ -44,19 +44,17 @@ def token_table(tokenizer: HFTokenizer, vocab_size: int) -> TokenTable:
     size = tokenizer.get_vocab_size(with_added_tokens=True)
     tokens: list[bytes] = []
     for i in range(min(size, vocab_size)):
+        name = tokenizer.id_to_token(i) or ""
         if i in added:
             tokens.append(added[i].content.encode())
-            continue
-        name = tokenizer.id_to_token(i) or ""
-        if byte_level:
+        elif byte_level:
             tokens.append(bytes(alphabet[c] for c in name) if all(c in alphabet for c in name) else b"")
         elif len(name) == 6 and name.startswith("<0x") and name.endswith(">"):
             tokens.append(bytes([int(name[3:5], 16)]))
         else:
             tokens.append(name.replace(space, " ").encode())
     tokens += [b""] * (vocab_size - len(tokens))
-    special = sorted(i for i, t in added.items() if t.special and i < vocab_size)
-    return TokenTable(tokens, special)
+    return TokenTable(tokens, sorted(i for i, t in added.items() if t.special and i < vocab_size))
 
 
 def _spelling(decoder: dict | None) -> tuple[bool, str]:

@@ -66,12 +66,6 @@ class Tokenizer:
         other.render_chars = max_chars
         return other
 
-    def token_to_id(self, token: str) -> int | None:
-        return self.backend.token_to_id(token)
-
-    def id_to_token(self, token_id: int) -> str | None:
-        return self.backend.id_to_token(token_id)
-
     def special_token_id(self, text: str) -> int | None:
         """The id of special token ``text`` (text never encodes to it unless it is written whole), or None."""
         token_id = self.backend.token_to_id(text)
@@ -105,8 +99,8 @@ class Tokenizer:
         if self._template is None:
             raise InvalidRequestError("this model has no chat template (a base model?): send a completion, or start "
                                       f"it with --chat-template FILE or one of {', '.join(BUILTIN)}.", param="messages")
-        bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
-        eos = self.id_to_token(min(self.eos_token_ids)) if self.eos_token_ids else ""
+        bos = self.backend.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
+        eos = self.backend.id_to_token(min(self.eos_token_ids)) if self.eos_token_ids else ""
         return render(self._template, self.render_chars, messages=messages, add_generation_prompt=add_generation_prompt,
                       bos_token=bos or "", eos_token=eos or "", **({"tools": tools} if tools else {}))
 
@@ -151,18 +145,14 @@ def byte_tokenizer() -> Tokenizer:
 
 
 def _as_id_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, int):
-        return [value]
-    return [int(v) for v in value if isinstance(v, int)]
+    """A config's token id or list of ids (None: none) as a list."""
+    return [value] if isinstance(value, int) else [int(v) for v in value or () if isinstance(v, int)]
 
 
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
+    data = json.loads(path.read_text(encoding="utf-8"))
     return data if isinstance(data, dict) else {}
 
 
