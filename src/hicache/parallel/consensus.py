@@ -135,14 +135,7 @@ class ConsensusComparator:
     def _vote(self, index: int, arrivals: dict[str, Entry]) -> Divergence:
         """Every rank reported ``index``: the largest group of equal entries is the reference
         when it is a strict majority; the first rank outside it is the divergent one."""
-        groups: list[list[str]] = []
-        for label in arrivals:
-            for group in groups:
-                if self._difference(arrivals[group[0]], arrivals[label]) is None:
-                    group.append(label)
-                    break
-            else:
-                groups.append([label])
+        groups = [[b for b in arrivals if self._difference(arrivals[a], arrivals[b]) is None] for a in arrivals]
         majority = max(groups, key=len)
         if 2 * len(majority) <= len(arrivals):
             return self._report(self._first_seen(index, arrivals))  # no majority: the mismatch as first seen
@@ -189,14 +182,8 @@ class ConsensusMonitor:
     thread would block the process's exit; ``stop()`` signals through an event instead.
     """
 
-    def __init__(
-        self,
-        labels: Sequence[str],
-        on_divergence: Callable[[Divergence], None],
-        mp_context: Any = None,
-        on_entry: Callable[[str, Entry], None] | None = None,
-        vote_grace_s: float = VOTE_GRACE_S,
-    ) -> None:
+    def __init__(self, labels: Sequence[str], on_divergence: Callable[[Divergence], None], mp_context: Any = None,
+                 on_entry: Callable[[str, Entry], None] | None = None, vote_grace_s: float = VOTE_GRACE_S) -> None:
         """``on_entry(label, entry)`` (optional) sees every entry as it is compared, e.g. to
         keep a trace; it runs on the monitor thread. With three or more ranks a mismatch waits
         up to ``vote_grace_s`` for every rank's entry, to name the odd one out by majority."""

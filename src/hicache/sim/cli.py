@@ -143,10 +143,8 @@ def plot_sweep(points: list[dict], tier: str, path: str) -> None:
             ax.fill_between(xs, bottom, top, step=None, alpha=0.6, label=t)
             bottom = top
         ax.plot(xs, bottom, "k.-", label="combined")
-        ax.set_xscale("log")
-        ax.set_xlabel(f"{tier} capacity per engine (tokens)")
-        ax.set_ylabel("hit ratio (share of input tokens)")
-        ax.set_ylim(0, 1)
+        ax.set(xscale="log", xlabel=f"{tier} capacity per engine (tokens)", ylabel="hit ratio (share of input tokens)",
+               ylim=(0, 1))
         ax.legend(loc="upper left")
 
 

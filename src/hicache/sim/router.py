@@ -63,8 +63,8 @@ class CacheAware:
         lo, hi = min(loads), max(loads)
         if hi - lo > self.balance_abs and hi > lo * self.balance_rel:
             return loads.index(lo)
-        matched = [_leading(req.hash_ids, seen) for seen in self.seen]
-        best = max(range(len(matched)), key=lambda i: matched[i])
+        matched = [sum(1 for _ in takewhile(seen.__contains__, req.hash_ids)) for seen in self.seen]
+        best = matched.index(max(matched))
         if req.hash_ids and matched[best] / len(req.hash_ids) > self.cache_threshold:
             return best
         return loads.index(lo)
@@ -72,10 +72,6 @@ class CacheAware:
     def routed(self, req: TraceRequest, engine: int, done_at: float) -> None:
         self.seen[engine].update(req.hash_ids)
         self.busy[engine].append(done_at)
-
-
-def _leading(ids: tuple[int, ...], seen: set[int]) -> int:
-    return sum(1 for _ in takewhile(seen.__contains__, ids))
 
 
 def make_router(name: str, engines: int) -> Router:
