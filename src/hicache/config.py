@@ -290,18 +290,14 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
             )
 
     @property
-    def ranks_per_node(self) -> int:
-        return self.tp_size * self.pp_size // self.nnodes
-
-    @property
     def local_ranks(self) -> range:
-        """The global ranks this node runs (node 0 holds rank 0, the leader)."""
-        return range(self.node_rank * self.ranks_per_node, (self.node_rank + 1) * self.ranks_per_node)
+        """The global ranks this node runs (node 0 holds rank 0, the leader): as many on every node."""
+        per_node = self.tp_size * self.pp_size // self.nnodes
+        return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - names)
+        unknown = sorted(set(kwargs) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ConfigError(f"unknown engine option(s): {', '.join(unknown)}.")
         return cls(**kwargs)

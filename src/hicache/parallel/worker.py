@@ -82,7 +82,7 @@ class StageLoop:
         # The one step driver, with this stage's agreement (TP MIN / pp_sync) and output.
         self.agreement = StageAgreement(info, groups)
         self.driver = StepDriver(self.sched, core.runner.forward, self.agreement,
-                                 stage_output(info, groups, self.sched, self._sent_down))
+                                 stage_output(info, groups, self.sched, lambda b: self.inflight.append((self.step, b))))
         # Agreement overhead (Engine.stats()["agreement"] from the leader): the agreement counts
         # steps and stage 0's tp_min time; on later stages, the pp_sync hop (send -> our recv).
         self.hop_s, self.hops = 0.0, 0
@@ -110,7 +110,13 @@ class StageLoop:
                     if self.hops:
                         logger.info("pp_sync hop: %d messages, %.3f ms mean", self.hops, self.hop_s / self.hops * 1e3)
                     return
-                self._reply(inputs.command, self._flush())
+                # Empty every tier: the same decision on every rank (it depends on the request stream
+                # only), refused while a request still holds pages (no batch is in flight: this step collected them).
+                flushed = not self.sched.has_work()
+                if flushed:
+                    self.cache.flush()
+                    logger.info("cache flushed")
+                self._reply(inputs.command, flushed)
                 self.step += 1
                 continue
             batch, _ = self.driver.step(Inbound(msg.events, msg.hidden, msg, msg.proposal))
@@ -118,9 +124,6 @@ class StageLoop:
             if self.leader and batch is None and not self.inflight and self.sched.has_work():
                 time.sleep(PREFETCH_POLL_S)  # only prefetches or KV transfers to wait for: do not spin
             self.step += 1
-
-    def _sent_down(self, batch: Batch) -> None:
-        self.inflight.append((self.step, batch))
 
     def _returned_tokens(self, drain: bool) -> list[Sampled]:
         """Stage 0 of a pipeline: the tokens of the oldest in-flight batch once ``pp_size``
@@ -159,15 +162,6 @@ class StageLoop:
             for req in list(self.sched.running) + list(self.sched.waiting):
                 self.sched.abort(req.rid)
             self._report()
-
-    def _flush(self) -> bool:
-        """Empty every tier (the same decision on every rank: it depends on the request
-        stream only). Refused while a request still holds pages."""
-        if self.sched.has_work():  # (no batch is in flight: the flush step collected them)
-            return False
-        self.cache.flush()
-        logger.info("cache flushed")
-        return True
 
     # ---- leader <-> frontend ----------------------------------------------------------------
     def _leader_inputs(self) -> Intake:

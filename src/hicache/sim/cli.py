@@ -6,7 +6,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import sys
 import time
 from typing import Any, Iterator
 
@@ -159,8 +158,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     result = _sweep(args, cfg, trace) if args.sweep else simulate(trace, cfg).to_json()
     if args.json:
-        json.dump(result, sys.stdout)
-        print()
+        print(json.dumps(result))
     elif args.sweep:
         print(f"wrote {args.plot}")
     else:
