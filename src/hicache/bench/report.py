@@ -41,11 +41,10 @@ def server_hit_rates(before: dict[str, float], after: dict[str, float]) -> dict[
 def server_speculation(before: dict[str, float], after: dict[str, float]) -> dict[str, Any] | None:
     """Accept length over the run (tokens per verify pass, token-weighted, as SGLang's
     bench_serving reports it) from hicache's /metrics; None when the server does not speculate."""
-    steps_key, tokens_key = "hicache_spec_verify_steps_sum{}", "hicache_spec_accepted_tokens_total{}"
-    steps = after.get(steps_key, 0.0) - before.get(steps_key, 0.0)
+    steps, tokens = (after.get(key, 0.0) - before.get(key, 0.0)
+                     for key in ("hicache_spec_verify_steps_sum{}", "hicache_spec_accepted_tokens_total{}"))
     if steps <= 0:
         return None
-    tokens = after.get(tokens_key, 0.0) - before.get(tokens_key, 0.0)
     return {"verify_steps": steps, "accepted_tokens": tokens, "accept_length": tokens / steps}
 
 
