@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .combinations import refuse
+from .combinations import REFUSED
 from .disagg_options import DisaggregationOptions
 from .errors import ConfigError
 from .options import check_bounds, flag, json_object, opt as _opt
@@ -268,9 +268,12 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
     def refuse_combinations(self, components: set[str]) -> None:
         """Refuse the first pair of ``components`` (names of cache/components.py's kinds) x the modes
         this config turns on that :data:`~hicache.combinations.REFUSED` lists, in its sentence."""
-        refuse(components, {"cp": self.attn_cp_size > 1 or self.enable_kv_cache_sharding,
-                            "latent-tp": self.enable_kv_cache_sharding and self.attn_cp_size == 1,
-                            "pd": self.disaggregation_mode != "null"}, self.model)
+        modes = {"cp": self.attn_cp_size > 1 or self.enable_kv_cache_sharding,
+                 "latent-tp": self.enable_kv_cache_sharding and self.attn_cp_size == 1,
+                 "pd": self.disaggregation_mode != "null"}
+        for (component, mode), why in REFUSED.items():
+            if component in components and modes[mode]:
+                raise ConfigError(why.format(model=self.model))
 
     def _validate_nodes(self) -> None:
         """Ranks across machines: every node runs the same number of ranks, node 0 included."""
