@@ -33,14 +33,14 @@ async def run_conversations(endpoint: Endpoint, convs: list[Conversation], optio
         messages = [{"role": "system", "content": conv.system}]
         for turn, question in enumerate(conv.questions, 1):
             messages.append({"role": "user", "content": question})
-            rec = RequestRecord(turn=turn, conversation=conv.cid)
+            rec = RequestRecord(turn=turn)
             async with sem:
                 await stream_request(endpoint, rec, options, messages=list(messages), max_tokens=output_len)
             records.append(rec)
             on_done()
             if not rec.ok:  # the rest of this conversation cannot be built
                 for t in range(turn + 1, len(conv.questions) + 1):
-                    records.append(RequestRecord(turn=t, conversation=conv.cid, error="skipped: an earlier turn failed"))
+                    records.append(RequestRecord(turn=t, error="skipped: an earlier turn failed"))
                     on_done()
                 return
             messages.append({"role": "assistant", "content": rec.text})
