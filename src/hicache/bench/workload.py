@@ -37,8 +37,6 @@ def random_text(rng: random.Random, num_words: int) -> str:
 class Conversation:
     """One multi-turn chat: a system prompt shared by its group, one question per turn."""
 
-    cid: int
-    group: int
     system: str
     questions: list[str]
 
@@ -50,11 +48,11 @@ def generated_shared_prefix(num_groups: int, prompts_per_group: int, system_prom
     rng = random.Random(seed)
     system_words, question_words = (max(1, round(n / tokens_per_word)) for n in (system_prompt_len, question_len))
     convs = []
-    for g in range(num_groups):
+    for _ in range(num_groups):
         system = random_text(rng, system_words)
         for _ in range(prompts_per_group):
             qs = [random_text(rng, question_words) for _ in range(num_turns)]
-            convs.append(Conversation(cid=len(convs), group=g, system=system, questions=qs))
+            convs.append(Conversation(system, qs))
     rng.shuffle(convs)
     return convs
 
