@@ -114,13 +114,9 @@ def consensus_check(name: str | Callable[..., Any] | None = None, *, args: Calla
     return decorate
 
 
-def _put(q: Any, label: str, entry: Entry) -> None:
-    # Put at once (no batching): the queue's feeder thread still flushes it if this rank
-    # then hangs in a collective, so the entry that explains the hang reaches the monitor.
-    q.put((label, entry))
-
-
 def make_queue_sink(q: Any) -> Sink:
     """Sink for ``install_recorder`` in a rank process, given the monitor's queue (any object
-    with ``put``); picklable, it puts ``(label, entry)`` there."""
-    return functools.partial(_put, q)
+    with ``put``): it puts ``(label, entry)`` there at once (no batching: the queue's feeder thread
+    still flushes it if this rank then hangs in a collective, so the entry that explains the hang
+    reaches the monitor)."""
+    return lambda label, entry: q.put((label, entry))
