@@ -133,8 +133,7 @@ def format_report(rep: dict[str, Any]) -> str:
     lines.append(f"{' Client ':-^60}")
     row("Client CPU time (s):", f"{rep['client_cpu_s']:.2f}")
     row("Client CPU use (fraction of one core):", f"{rep['client_cpu_util']:.1%}")
-    for err, n in rep["errors"].items():
-        lines.append(f"error x{n}: {err}")
+    lines.extend(f"error x{n}: {err}" for err, n in rep["errors"].items())
     lines.append("=" * 60)
     return "\n".join(lines)
 
