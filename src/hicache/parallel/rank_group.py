@@ -252,10 +252,9 @@ class RankGroup:
             if isinstance(item, RankError):
                 reported.setdefault(item.rank, item.message)
                 logger.error("rank %s traceback:\n%s", self.labels[item.rank], item.trace)
-        silent = [(r, p) for r, p in self._exited() if r not in reported]
-        if silent:
-            r, p = silent[0]
-            return f"rank {self.labels[r]} (pid {p.pid}) {exit_text(p)}"
+        for r, p in self._exited():
+            if r not in reported:  # it died silently
+                return f"rank {self.labels[r]} (pid {p.pid}) {exit_text(p)}"
         if reported:
             primary = [r for r, m in reported.items() if not peer_failure(m)]
             if not primary and self.nnodes > 1:  # the cause is on a machine this process cannot see
