@@ -115,7 +115,7 @@ class RankGroup:
         self._halt_lock = threading.Lock()
         self._calls = itertools.count()
         self._replies: dict[int, Any] = {}
-        self._updates: deque[list[RequestUpdate]] = deque()
+        self._updates: list[RequestUpdate] = []  # the leader's, in order, not yet taken
         # Checker: the ranks' call streams, compared here as they arrive (HICACHE_RANK_CONSENSUS_CHECKER=1).
         self.monitor: ConsensusMonitor | None = None
         self.trace: dict[str, deque[Entry]] = {
@@ -275,16 +275,14 @@ class RankGroup:
         """Read what the leader sent (waiting up to ``timeout`` for the first item)."""
         try:
             item = self.outbox.get(timeout=timeout)
-        except queue.Empty:
-            self.check_alive()
-            return
-        except WRITERS_GONE:  # the leader is gone (maybe in the middle of a message)
-            self._halt(self._explain())
+        except (queue.Empty, *WRITERS_GONE) as e:
+            if not isinstance(e, queue.Empty):  # the leader is gone (maybe in the middle of a message)
+                self._halt(self._explain())
             self.check_alive()
             return
         for item in itertools.chain([item], queued_now(self.outbox)):  # (the next read reports a gone leader)
             if isinstance(item, Updates):
-                self._updates.append(item.updates)
+                self._updates.extend(item.updates)
             else:
                 self._replies[item.call_id] = item.value
 
@@ -292,8 +290,7 @@ class RankGroup:
         self.check_alive()
         if not self._updates:
             self._pump(timeout)
-        out = [u for batch in self._updates for u in batch]
-        self._updates.clear()
+        out, self._updates = self._updates, []
         return out
 
     def call(self, command: type[RankCall]) -> Any:
