@@ -46,9 +46,9 @@ class RoundRobin:
 
 
 class CacheAware:
-    def __init__(self, engines: int, cache_threshold: float = 0.3, balance_abs: int = 64,
-                 balance_rel: float = 1.5) -> None:
-        self.cache_threshold, self.balance_abs, self.balance_rel = cache_threshold, balance_abs, balance_rel
+    CACHE_THRESHOLD, BALANCE_ABS, BALANCE_REL = 0.3, 64, 1.5  # sglang-router 0.3.2's defaults
+
+    def __init__(self, engines: int) -> None:
         self.seen: list[set[int]] = [set() for _ in range(engines)]  # block ids (each names its whole prefix)
         self.busy: list[deque[float]] = [deque() for _ in range(engines)]  # prefill end times, in order
 
@@ -61,11 +61,11 @@ class CacheAware:
     def pick(self, req: TraceRequest, now: float) -> int:
         loads = self._loads(now)
         lo, hi = min(loads), max(loads)
-        if hi - lo > self.balance_abs and hi > lo * self.balance_rel:
+        if hi - lo > self.BALANCE_ABS and hi > lo * self.BALANCE_REL:
             return loads.index(lo)
         matched = [sum(1 for _ in takewhile(seen.__contains__, req.hash_ids)) for seen in self.seen]
         best = matched.index(max(matched))
-        if req.hash_ids and matched[best] / len(req.hash_ids) > self.cache_threshold:
+        if req.hash_ids and matched[best] / len(req.hash_ids) > self.CACHE_THRESHOLD:
             return best
         return loads.index(lo)
 
