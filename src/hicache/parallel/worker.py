@@ -244,7 +244,7 @@ def _rank_device(cfg: EngineConfig, info: RankInfo) -> tuple[EngineConfig, torch
     launcher passes the flags as given)."""
     device = resolve_device(cfg.device)
     if device.type == "cuda":
-        device = torch.device("cuda", info.local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", info.rank % info.ranks_per_node % torch.cuda.device_count())  # local rank
         torch.cuda.set_device(device)
     return choose_precision(cfg, device), device
 
