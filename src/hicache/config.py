@@ -178,16 +178,14 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
         check_bounds(self)
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ConfigError(
-                f"--max-total-tokens {self.max_total_tokens} is smaller than one page ({self.page_size} tokens)."
-            )
+                f"--max-total-tokens {self.max_total_tokens} is smaller than one page ({self.page_size} tokens).")
         if self.swa_full_tokens_ratio is not None and not 0.0 < self.swa_full_tokens_ratio <= 64.0:
             raise ConfigError(f"--swa-full-tokens-ratio must be in (0, 64], got {self.swa_full_tokens_ratio}.")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ConfigError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}.")
         if self.chunked_prefill_size < self.page_size:
             raise ConfigError(
-                f"--chunked-prefill-size {self.chunked_prefill_size} must be at least one page ({self.page_size})."
-            )
+                f"--chunked-prefill-size {self.chunked_prefill_size} must be at least one page ({self.page_size}).")
         self._validate_nodes()
         self._validate_context_parallel()
         self._validate_speculative(cp=self.attn_cp_size > 1 or self.enable_kv_cache_sharding)
@@ -268,12 +266,10 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
         world = self.tp_size * self.pp_size
         if world % self.nnodes:
             raise ConfigError(
-                f"--tp-size x --pp-size ({world}) must be divisible by --nnodes {self.nnodes} (same ranks per node)."
-            )
+                f"--tp-size x --pp-size ({world}) must be divisible by --nnodes {self.nnodes} (same ranks per node).")
         if not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(
-                f"--node-rank must be in [0, {self.nnodes}) for --nnodes {self.nnodes}, got {self.node_rank}."
-            )
+                f"--node-rank must be in [0, {self.nnodes}) for --nnodes {self.nnodes}, got {self.node_rank}.")
         if self.nnodes > 1 and split_host_port(self.dist_init_addr) is None:
             raise ConfigError(
                 f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (node 0's address), "
