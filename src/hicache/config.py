@@ -229,8 +229,7 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
         """The dtypes a cache namespace names (:func:`~hicache.cache.storage.keys.tree_namespace`):
         ``--dtype``, and the KV's where it differs (a float16 KV cache changes every later token's
         KV; namespaces of a KV in the model's dtype keep their old names)."""
-        kv = self.kv_cache_dtype
-        return self.dtype if kv in ("auto", self.dtype) else f"{self.dtype}+kv-{kv}"
+        return self.dtype if self.kv_cache_dtype in ("auto", self.dtype) else f"{self.dtype}+kv-{self.kv_cache_dtype}"
 
     def precision_options(self) -> PassPrecision:  # resolved by hicache.device.choose_precision
         return PassPrecision(self.decode_weight_dtype, self.prefill_weight_dtype, self.decode_activations,
