@@ -183,10 +183,9 @@ class StageLoop:
         return take_intake(first, self.inbox.get_nowait, (queue.Empty, *WRITERS_GONE))
 
     def _on_update(self, req: Request) -> None:
-        upd = RequestUpdate.of(req, self._sent.get(req.rid, 0))
-        self._sent[req.rid] = len(req.output_ids)
-        if upd.finished:
-            self._sent.pop(req.rid, None)
+        upd = RequestUpdate.of(req, self._sent.pop(req.rid, 0))
+        if not upd.finished:
+            self._sent[req.rid] = len(req.output_ids)
         self._updates.append(upd)
         if upd.admission:  # to the frontend before the step's forward (a long first chunk takes a while)
             self._report()
