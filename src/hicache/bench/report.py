@@ -146,8 +146,7 @@ def plot_report(rep: dict[str, Any], path: str) -> None:
         turns = list(rep["by_turn"])
         ax1.plot(turns, [rep["by_turn"][t]["ttft_ms"]["mean"] for t in turns], marker="o", label="mean")
         ax1.plot(turns, [rep["by_turn"][t]["ttft_ms"]["p90"] for t in turns], marker="s", label="p90")
-        ax1.set(title="TTFT by turn", xlabel="turn", ylabel="ms")
-        ax1.set_xticks(turns)
+        ax1.set(title="TTFT by turn", xlabel="turn", ylabel="ms", xticks=turns)
         ax1.legend()
         sc = rep.get("server_cache")
         if sc:
