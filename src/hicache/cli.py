@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import os
+import pathlib
 import sys
 from typing import Callable, Sequence
 
@@ -48,8 +49,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompts = list(args.prompt or [])
     for path in args.prompt_file or []:
         try:
-            with open(path, encoding="utf-8") as f:
-                prompts.append(f.read())
+            prompts.append(pathlib.Path(path).read_text(encoding="utf-8"))
         except OSError as e:
             raise HicacheError(f"cannot read prompt file {path}: {e.strerror}.") from None
     if not prompts:

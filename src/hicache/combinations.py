@@ -1,14 +1,11 @@
-"""The KV components x modes that cannot run together yet, and the one rule that refuses them.
+"""The KV components x modes that cannot run together yet.
 
 A component is a kind of cached state (``cache/components.py``: full, window, latent, draft, ...);
-a mode is a way of running (context parallelism, KV sharding, P/D). ``EngineConfig.refuse_combinations``
-checks this table before anything is allocated: a draft's row when the config is validated, the
-model's components (``runtime/rank_plan.py::model_components``) once its spec is read.
+a mode is a way of running (context parallelism, KV sharding, P/D). ``EngineConfig.refuse_combinations``,
+the one rule that refuses them, checks this table before anything is allocated: a draft's row when
+the config is validated, the model's components (``runtime/rank_plan.py::model_components``) once
+its spec is read.
 """
-
-from __future__ import annotations
-
-from .errors import ConfigError
 
 # (component, mode) -> the sentence a user gets; the first listed pair a deployment holds is refused.
 # ``{model}``: --model.
@@ -22,11 +19,3 @@ REFUSED: dict[tuple[str, str], str] = {
     ("draft", "pd"): "--disaggregation-mode with --speculative-algorithm STANDALONE is not supported yet: P/D sends "
                      "no draft component (a draft model's KV; NGRAM is supported: it needs none).",
 }
-
-
-def refuse(components: set[str], modes: dict[str, bool], model: str) -> None:
-    """Raise ConfigError with the sentence of the first :data:`REFUSED` pair of ``components`` x the
-    modes that are on."""
-    for (component, mode), why in REFUSED.items():
-        if component in components and modes[mode]:
-            raise ConfigError(why.format(model=model))

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .combinations import refuse
+from .combinations import REFUSED
 from .disagg_options import DisaggregationOptions
 from .errors import ConfigError
 from .options import check_bounds, flag, json_object, opt as _opt
@@ -94,16 +94,13 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
     hicache_mem_layout: str = _opt(
         "layer_first", "Host pool layout: layer_first, or page_first (one page of all layers contiguous); "
         "the unified key scheme uses page_unified instead.",
-        ("layer_first", "page_first"),
-    )
+        ("layer_first", "page_first"))
     # Storage tier (L3)
     hicache_storage_backend: Optional[str] = _opt(
         None, "L3 backend: 'file', 'valkey', 'mooncake', 'memory' (this process; gone at exit), or 'module:Class' "
-        "for your own (needs --enable-hierarchical-cache)."
-    )
+        "for your own (needs --enable-hierarchical-cache).")
     hicache_storage_backend_extra_config: Optional[str] = _opt(
-        None, 'Backend options as JSON, e.g. \'{"path": "/data/kv", "max_bytes": 10000000000}\'.'
-    )
+        None, 'Backend options as JSON, e.g. \'{"path": "/data/kv", "max_bytes": 10000000000}\'.')
     hicache_storage_prefetch_policy: str = _opt(
         "adaptive", "How long a request waits for its storage prefetch: best_effort, not at all; wait_complete, "
         "until the read ends (at most 20x the timeout formula); timeout, at most the timeout formula below; adaptive, "
@@ -113,48 +110,39 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
         "rank-suffix", "How storage objects are cut and named: rank-suffix (one object per page and rank: only a "
         "deployment with the same TP/PP layout reads it) or unified (one fixed grid of layer ranges x KV-head "
         "groups per page, shared by every compatible TP/PP layout; docs/unified_layout.md).",
-        ("rank-suffix", "unified"),
-    )
+        ("rank-suffix", "unified"))
     hicache_storage_head_partition: int = _opt(
         1, "unified: KV heads per storage object (divides the model's KV heads; every rank's KV heads must be "
-        "whole groups). Ignored for MLA, whose latent has no heads.", at_least=1
-    )
+        "whole groups). Ignored for MLA, whose latent has no heads.", at_least=1)
     hicache_storage_layer_partition: Optional[int] = _opt(
         None, "unified: layers per storage object (default: all of them; every pipeline stage must start on a "
-        "multiple of it).", at_least=1
-    )
+        "multiple of it).", at_least=1)
     hicache_storage_prefetch_threshold: int = _opt(256, "Least uncached prompt tokens for which storage is asked.")
     hicache_storage_prefetch_timeout_base: float = _opt(1.0, "timeout formula: seconds a prefetch may take ...")
     hicache_storage_prefetch_timeout_per_1k_tokens: float = _opt(0.25, "... plus this many seconds per 1K tokens.")
     hicache_storage_op_timeout: float = _opt(
         10.0, "Deadline in seconds of each storage backend call (exists/get/set of one batch); a call past it is "
-        "abandoned and fails (recompute), and a backend that keeps failing is skipped and re-probed.", above=0
-    )
+        "abandoned and fails (recompute), and a backend that keeps failing is skipped and re-probed.", above=0)
     # Parallelism
     tp_size: int = _opt(1, "Tensor-parallel ranks per pipeline stage (attention heads and MLP sharded).", at_least=1)
     pp_size: int = _opt(1, "Pipeline stages (layers split across them); tp_size x pp_size rank processes.", at_least=1)
     attn_cp_size: int = _opt(
         1, "Context-parallel ranks per TP group (divides --tp-size): each takes a share of the prefill tokens; "
-        "weights are replicated across them and tensor-parallel within (tp_size / attn_cp_size ranks)."
-    )
+        "weights are replicated across them and tensor-parallel within (tp_size / attn_cp_size ranks).")
     enable_kv_cache_sharding: bool = _opt(
         False, "Page-shard the KV cache across the context-parallel ranks (page q on rank q mod N) instead of "
         "replicating it: each rank holds 1/N of every prefix, gathered per layer for attention. Without "
-        "--attn-cp-size, an MLA model's latent (the same on every rank) is sharded over the attention-TP ranks."
-    )
+        "--attn-cp-size, an MLA model's latent (the same on every rank) is sharded over the attention-TP ranks.")
     cp_strategy: str = _opt(
         "zigzag", "How prefill tokens are split over context-parallel ranks: zigzag (2N pieces, rank r takes "
-        "r and 2N-1-r) or interleave (page-sized blocks dealt round-robin).", choices=CP_STRATEGIES
-    )
+        "r and 2N-1-r) or interleave (page-sized blocks dealt round-robin).", choices=CP_STRATEGIES)
     nnodes: int = _opt(
         1, "Machines the ranks run on; each runs tp_size x pp_size / nnodes of them (see docs/parallel.md).", at_least=1
     )
     node_rank: int = _opt(
-        0, "This machine's index in [0, nnodes): node 0 holds rank 0 and serves; the others run `hicache node`."
-    )
+        0, "This machine's index in [0, nnodes): node 0 holds rank 0 and serves; the others run `hicache node`.")
     dist_init_addr: Optional[str] = _opt(
-        None, "HOST:PORT where node 0's rank 0 listens for the other ranks to join (required when nnodes > 1)."
-    )
+        None, "HOST:PORT where node 0's rank 0 listens for the other ranks to join (required when nnodes > 1).")
     # Scheduling
     chunked_prefill_size: int = _opt(2048, "Most prompt tokens computed in one prefill step (a long prompt is chunked).")
     max_running_requests: int = _opt(32, "Most requests decoding at once.", at_least=1)
@@ -190,16 +178,14 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
         check_bounds(self)
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ConfigError(
-                f"--max-total-tokens {self.max_total_tokens} is smaller than one page ({self.page_size} tokens)."
-            )
+                f"--max-total-tokens {self.max_total_tokens} is smaller than one page ({self.page_size} tokens).")
         if self.swa_full_tokens_ratio is not None and not 0.0 < self.swa_full_tokens_ratio <= 64.0:
             raise ConfigError(f"--swa-full-tokens-ratio must be in (0, 64], got {self.swa_full_tokens_ratio}.")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ConfigError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}.")
         if self.chunked_prefill_size < self.page_size:
             raise ConfigError(
-                f"--chunked-prefill-size {self.chunked_prefill_size} must be at least one page ({self.page_size})."
-            )
+                f"--chunked-prefill-size {self.chunked_prefill_size} must be at least one page ({self.page_size}).")
         self._validate_nodes()
         self._validate_context_parallel()
         self._validate_speculative(cp=self.attn_cp_size > 1 or self.enable_kv_cache_sharding)
@@ -243,8 +229,7 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
         """The dtypes a cache namespace names (:func:`~hicache.cache.storage.keys.tree_namespace`):
         ``--dtype``, and the KV's where it differs (a float16 KV cache changes every later token's
         KV; namespaces of a KV in the model's dtype keep their old names)."""
-        kv = self.kv_cache_dtype
-        return self.dtype if kv in ("auto", self.dtype) else f"{self.dtype}+kv-{kv}"
+        return self.dtype if self.kv_cache_dtype in ("auto", self.dtype) else f"{self.dtype}+kv-{self.kv_cache_dtype}"
 
     def precision_options(self) -> PassPrecision:  # resolved by hicache.device.choose_precision
         return PassPrecision(self.decode_weight_dtype, self.prefill_weight_dtype, self.decode_activations,
@@ -268,21 +253,22 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
     def refuse_combinations(self, components: set[str]) -> None:
         """Refuse the first pair of ``components`` (names of cache/components.py's kinds) x the modes
         this config turns on that :data:`~hicache.combinations.REFUSED` lists, in its sentence."""
-        refuse(components, {"cp": self.attn_cp_size > 1 or self.enable_kv_cache_sharding,
-                            "latent-tp": self.enable_kv_cache_sharding and self.attn_cp_size == 1,
-                            "pd": self.disaggregation_mode != "null"}, self.model)
+        modes = {"cp": self.attn_cp_size > 1 or self.enable_kv_cache_sharding,
+                 "latent-tp": self.enable_kv_cache_sharding and self.attn_cp_size == 1,
+                 "pd": self.disaggregation_mode != "null"}
+        for (component, mode), why in REFUSED.items():
+            if component in components and modes[mode]:
+                raise ConfigError(why.format(model=self.model))
 
     def _validate_nodes(self) -> None:
         """Ranks across machines: every node runs the same number of ranks, node 0 included."""
         world = self.tp_size * self.pp_size
         if world % self.nnodes:
             raise ConfigError(
-                f"--tp-size x --pp-size ({world}) must be divisible by --nnodes {self.nnodes} (same ranks per node)."
-            )
+                f"--tp-size x --pp-size ({world}) must be divisible by --nnodes {self.nnodes} (same ranks per node).")
         if not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(
-                f"--node-rank must be in [0, {self.nnodes}) for --nnodes {self.nnodes}, got {self.node_rank}."
-            )
+                f"--node-rank must be in [0, {self.nnodes}) for --nnodes {self.nnodes}, got {self.node_rank}.")
         if self.nnodes > 1 and split_host_port(self.dist_init_addr) is None:
             raise ConfigError(
                 f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (node 0's address), "
@@ -290,18 +276,14 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
             )
 
     @property
-    def ranks_per_node(self) -> int:
-        return self.tp_size * self.pp_size // self.nnodes
-
-    @property
     def local_ranks(self) -> range:
-        """The global ranks this node runs (node 0 holds rank 0, the leader)."""
-        return range(self.node_rank * self.ranks_per_node, (self.node_rank + 1) * self.ranks_per_node)
+        """The global ranks this node runs (node 0 holds rank 0, the leader): as many on every node."""
+        per_node = self.tp_size * self.pp_size // self.nnodes
+        return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - names)
+        unknown = sorted(set(kwargs) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ConfigError(f"unknown engine option(s): {', '.join(unknown)}.")
         return cls(**kwargs)

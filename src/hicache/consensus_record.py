@@ -55,19 +55,7 @@ class Entry:
     result: Any
 
 
-class _Recorder:
-    def __init__(self, label: str, sink: Sink) -> None:
-        self.label, self.sink = label, sink
-        self._indices = itertools.count()
-        self._lock = threading.Lock()
-
-    def record(self, function: str, params: Any, result: Any) -> None:
-        # Index assignment and hand-off happen under one lock, so the sink sees indices in order.
-        with self._lock:
-            self.sink(self.label, Entry(next(self._indices), function, params, result))
-
-
-_recorder: _Recorder | None = None
+_record: Callable[[str, Any, Any], None] | None = None  # (function, params, result) of this process's rank
 
 
 def install_recorder(label: str, sink: Sink) -> None:
@@ -75,14 +63,21 @@ def install_recorder(label: str, sink: Sink) -> None:
 
     Replaces any previous recorder; indices restart at 0.
     """
-    global _recorder
-    _recorder = _Recorder(label, sink)
+    global _record
+    indices, lock = itertools.count(), threading.Lock()
+
+    def record(function: str, params: Any, result: Any) -> None:
+        # Index assignment and hand-off happen under one lock, so the sink sees indices in order.
+        with lock:
+            sink(label, Entry(next(indices), function, params, result))
+
+    _record = record
 
 
 def uninstall_recorder() -> None:
     """Stop recording in this process (checked functions then only call through)."""
-    global _recorder
-    _recorder = None
+    global _record
+    _record = None
 
 
 def consensus_check(name: str | Callable[..., Any] | None = None, *, args: Callable[..., Any] | None = None,
@@ -104,14 +99,14 @@ def consensus_check(name: str | Callable[..., Any] | None = None, *, args: Calla
 
         @functools.wraps(fn)
         def wrapper(*a: Any, **kw: Any) -> Any:
-            rec = _recorder
-            if rec is None:
+            record = _record
+            if record is None:
                 return fn(*a, **kw)
             # Parameters are selected before the call: the function may mutate its inputs
             # (or self), and a mismatch should show the state the call started from.
             params = args(*a, **kw) if args is not None else None
             ret = fn(*a, **kw)
-            rec.record(label, params, result(ret) if result is not None else None)
+            record(label, params, result(ret) if result is not None else None)
             return ret
 
         return wrapper  # type: ignore[return-value]
@@ -119,13 +114,9 @@ def consensus_check(name: str | Callable[..., Any] | None = None, *, args: Calla
     return decorate
 
 
-def _put(q: Any, label: str, entry: Entry) -> None:
-    # Put at once (no batching): the queue's feeder thread still flushes it if this rank
-    # then hangs in a collective, so the entry that explains the hang reaches the monitor.
-    q.put((label, entry))
-
-
 def make_queue_sink(q: Any) -> Sink:
     """Sink for ``install_recorder`` in a rank process, given the monitor's queue (any object
-    with ``put``); picklable, it puts ``(label, entry)`` there."""
-    return functools.partial(_put, q)
+    with ``put``): it puts ``(label, entry)`` there at once (no batching: the queue's feeder thread
+    still flushes it if this rank then hangs in a collective, so the entry that explains the hang
+    reaches the monitor)."""
+    return lambda label, entry: q.put((label, entry))

@@ -13,6 +13,7 @@ Elsewhere (another OpenMP runtime, not Linux) both do nothing and say so.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -24,13 +25,8 @@ import torch
 def release_omp_pool() -> bool:
     """Let the calling thread's idle OpenMP workers exit; True if it did. The pool comes back if
     the thread runs a parallel region again."""
-    lib = _libgomp()
-    if lib is None:
-        return False
-    try:
-        return lib.omp_pause_resource_all(1) == 0  # omp_pause_soft: frees this thread's pool
-    except AttributeError:  # a libgomp older than OpenMP 5.0
-        return False
+    lib = _libgomp()  # (a libgomp older than OpenMP 5.0 lacks the call; omp_pause_soft frees this thread's pool)
+    return lib is not None and hasattr(lib, "omp_pause_resource_all") and lib.omp_pause_resource_all(1) == 0
 
 
 def run_torch_alone() -> bool:
@@ -54,8 +50,6 @@ def _libgomp() -> Optional[ctypes.CDLL]:
         return None
     for path in sorted(paths):
         if os.path.basename(path).startswith("libgomp") and os.path.exists(path):
-            try:
+            with contextlib.suppress(OSError):
                 return ctypes.CDLL(path)  # already loaded: the same handle, nothing new runs
-            except OSError:
-                continue
     return None

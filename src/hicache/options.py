@@ -52,11 +52,8 @@ def add_cli_args(cls: type, parser: argparse.ArgumentParser, title: str) -> None
         typ = hints[f.name]
         if get_origin(typ) is not None:  # Optional[X]
             typ = next(a for a in get_args(typ) if a is not type(None))
-        if typ is bool:
-            group.add_argument(flag(f.name), action="store_true", default=f.default, help=f.metadata["help"])
-        else:
-            group.add_argument(flag(f.name), type=typ, default=f.default, choices=f.metadata.get("choices"),
-                               help=f.metadata["help"])
+        how = {"action": "store_true"} if typ is bool else {"type": typ, "choices": f.metadata.get("choices")}
+        group.add_argument(flag(f.name), default=f.default, help=f.metadata["help"], **how)
 
 
 def from_cli_args(cls: type, args: argparse.Namespace, **given: Any) -> Any:

@@ -18,6 +18,7 @@ DEFAULT_SPEC_STEPS = 3
 # block kernels (model/projection.py DECODE_ROWS); SGLang's default is min(max trie depth, 12).
 DEFAULT_NGRAM_DRAFT_TOKENS = 8
 DEFAULT_NGRAM_TRIE_DEPTH = 18
+BFS_BREADTH_HELP = "NGRAM: branches per draft level. Drafts here are chains: only 1 is accepted."
 
 
 @dataclass
@@ -66,12 +67,8 @@ class SpeculativeOptions:
         10_000_000, "NGRAM: tokens of the radix tree indexed for lookups (past it the oldest sequences leave the "
         "index first; the tree itself is untouched).", at_least=1
     )
-    speculative_ngram_min_bfs_breadth: int = opt(
-        1, "NGRAM: branches per draft level. Drafts here are chains: only 1 is accepted."
-    )
-    speculative_ngram_max_bfs_breadth: int = opt(
-        1, "NGRAM: branches per draft level. Drafts here are chains: only 1 is accepted."
-    )
+    speculative_ngram_min_bfs_breadth: int = opt(1, BFS_BREADTH_HELP)
+    speculative_ngram_max_bfs_breadth: int = opt(1, BFS_BREADTH_HELP)
 
     # ---- checks and derived values ---------------------------------------------------------------
     def _validate_speculative(self, cp: bool) -> None:

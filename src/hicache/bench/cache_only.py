@@ -89,9 +89,7 @@ class CacheOnly(NoForwardEngine):
 
     def serve(self, tokens: list[int]) -> int:
         """Serve one prompt to its first token; its device hit tokens."""
-        req = self.add(tokens)
-        self.run([req])
-        return req.cached["device"]
+        return super().serve(tokens)["device"]
 
     def held(self, tokens: list[int]) -> int:
         """Tokens of ``tokens`` a next request would hit (whole pages, window cut-back included)."""

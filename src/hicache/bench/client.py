@@ -20,14 +20,12 @@ class RequestRecord:
     """What one request measured."""
 
     turn: int
-    conversation: int = -1
     ok: bool = False
     error: str = ""
     text: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-    cached_tokens_details: dict[str, int] = field(default_factory=dict)
     ttft_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
     e2e_s: float = 0.0
@@ -38,15 +36,6 @@ def _error_message(body: bytes, status: int) -> str:
         return f"HTTP {status}: {json.loads(body)['error']['message']}"
     except Exception:
         return f"HTTP {status}: {body[:200].decode(errors='replace')}"
-
-
-def _read_usage(rec: RequestRecord, u: dict[str, Any]) -> None:
-    """The final chunk's ``usage`` (with hicache's per-tier cached-token details)."""
-    rec.prompt_tokens = u.get("prompt_tokens") or 0
-    rec.completion_tokens = u.get("completion_tokens") or 0
-    details = u.get("prompt_tokens_details") or {}
-    rec.cached_tokens = details.get("cached_tokens") or 0
-    rec.cached_tokens_details = dict(details.get("cached_tokens_details") or {})
 
 
 @dataclass(frozen=True)
@@ -95,8 +84,10 @@ async def stream_request(endpoint: Endpoint, rec: RequestRecord, options: Reques
                 if "error" in obj:
                     rec.error = str(obj["error"].get("message", obj["error"]))
                     return rec
-                if obj.get("usage"):
-                    _read_usage(rec, obj["usage"])
+                if u := obj.get("usage"):  # the final chunk's
+                    rec.prompt_tokens = u.get("prompt_tokens") or 0
+                    rec.completion_tokens = u.get("completion_tokens") or 0
+                    rec.cached_tokens = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                 for choice in obj.get("choices") or []:
                     piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
                     if piece:

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import os
+import pathlib
 import shlex
 import subprocess
 import sys
@@ -246,8 +247,7 @@ def run_bench(args: argparse.Namespace) -> int:
             stop_process(proc, 30)
     print(format_report(rep))
     if args.output_file:
-        with open(args.output_file, "w", encoding="utf-8") as f:
-            json.dump(rep, f, indent=2)
+        pathlib.Path(args.output_file).write_text(json.dumps(rep, indent=2), encoding="utf-8")
         print(f"report written to {args.output_file}", file=sys.stderr)
     if args.plot:
         plot_report(rep, args.plot)

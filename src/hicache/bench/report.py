@@ -41,11 +41,10 @@ def server_hit_rates(before: dict[str, float], after: dict[str, float]) -> dict[
 def server_speculation(before: dict[str, float], after: dict[str, float]) -> dict[str, Any] | None:
     """Accept length over the run (tokens per verify pass, token-weighted, as SGLang's
     bench_serving reports it) from hicache's /metrics; None when the server does not speculate."""
-    steps_key, tokens_key = "hicache_spec_verify_steps_sum{}", "hicache_spec_accepted_tokens_total{}"
-    steps = after.get(steps_key, 0.0) - before.get(steps_key, 0.0)
+    steps, tokens = (after.get(key, 0.0) - before.get(key, 0.0)
+                     for key in ("hicache_spec_verify_steps_sum{}", "hicache_spec_accepted_tokens_total{}"))
     if steps <= 0:
         return None
-    tokens = after.get(tokens_key, 0.0) - before.get(tokens_key, 0.0)
     return {"verify_steps": steps, "accepted_tokens": tokens, "accept_length": tokens / steps}
 
 
@@ -134,8 +133,7 @@ def format_report(rep: dict[str, Any]) -> str:
     lines.append(f"{' Client ':-^60}")
     row("Client CPU time (s):", f"{rep['client_cpu_s']:.2f}")
     row("Client CPU use (fraction of one core):", f"{rep['client_cpu_util']:.1%}")
-    for err, n in rep["errors"].items():
-        lines.append(f"error x{n}: {err}")
+    lines.extend(f"error x{n}: {err}" for err, n in rep["errors"].items())
     lines.append("=" * 60)
     return "\n".join(lines)
 
@@ -148,8 +146,7 @@ def plot_report(rep: dict[str, Any], path: str) -> None:
         turns = list(rep["by_turn"])
         ax1.plot(turns, [rep["by_turn"][t]["ttft_ms"]["mean"] for t in turns], marker="o", label="mean")
         ax1.plot(turns, [rep["by_turn"][t]["ttft_ms"]["p90"] for t in turns], marker="s", label="p90")
-        ax1.set(title="TTFT by turn", xlabel="turn", ylabel="ms")
-        ax1.set_xticks(turns)
+        ax1.set(title="TTFT by turn", xlabel="turn", ylabel="ms", xticks=turns)
         ax1.legend()
         sc = rep.get("server_cache")
         if sc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from itertools import accumulate
 from typing import Any, Callable
 
 from .client import Endpoint, RequestOptions, RequestRecord, stream_request
@@ -14,11 +15,8 @@ def _arrivals(n: int, rate: float, seed: int) -> list[float]:
     """Start offsets (s) of ``n`` arrivals: Poisson at ``rate``/s, all at 0 when rate is inf."""
     if rate == float("inf") or rate <= 0:
         return [0.0] * n
-    rng, t, out = random.Random(seed), 0.0, []
-    for _ in range(n):
-        out.append(t)
-        t += rng.expovariate(rate)
-    return out
+    rng = random.Random(seed)
+    return list(accumulate((rng.expovariate(rate) for _ in range(n)), initial=0.0))[:n]
 
 
 async def run_conversations(endpoint: Endpoint, convs: list[Conversation], options: RequestOptions, *, output_len: int,
@@ -35,14 +33,14 @@ async def run_conversations(endpoint: Endpoint, convs: list[Conversation], optio
         messages = [{"role": "system", "content": conv.system}]
         for turn, question in enumerate(conv.questions, 1):
             messages.append({"role": "user", "content": question})
-            rec = RequestRecord(turn=turn, conversation=conv.cid)
+            rec = RequestRecord(turn=turn)
             async with sem:
                 await stream_request(endpoint, rec, options, messages=list(messages), max_tokens=output_len)
             records.append(rec)
             on_done()
             if not rec.ok:  # the rest of this conversation cannot be built
                 for t in range(turn + 1, len(conv.questions) + 1):
-                    records.append(RequestRecord(turn=t, conversation=conv.cid, error="skipped: an earlier turn failed"))
+                    records.append(RequestRecord(turn=t, error="skipped: an earlier turn failed"))
                     on_done()
                 return
             messages.append({"role": "assistant", "content": rec.text})

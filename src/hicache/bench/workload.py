@@ -37,8 +37,6 @@ def random_text(rng: random.Random, num_words: int) -> str:
 class Conversation:
     """One multi-turn chat: a system prompt shared by its group, one question per turn."""
 
-    cid: int
-    group: int
     system: str
     questions: list[str]
 
@@ -48,16 +46,13 @@ def generated_shared_prefix(num_groups: int, prompts_per_group: int, system_prom
     """``num_groups * prompts_per_group`` conversations in a seeded random order. Lengths are in
     tokens; ``tokens_per_word`` converts them to words."""
     rng = random.Random(seed)
-
-    def words(tokens: int) -> int:
-        return max(1, round(tokens / tokens_per_word))
-
+    system_words, question_words = (max(1, round(n / tokens_per_word)) for n in (system_prompt_len, question_len))
     convs = []
-    for g in range(num_groups):
-        system = random_text(rng, words(system_prompt_len))
+    for _ in range(num_groups):
+        system = random_text(rng, system_words)
         for _ in range(prompts_per_group):
-            qs = [random_text(rng, words(question_len)) for _ in range(num_turns)]
-            convs.append(Conversation(cid=len(convs), group=g, system=system, questions=qs))
+            qs = [random_text(rng, question_words) for _ in range(num_turns)]
+            convs.append(Conversation(system, qs))
     rng.shuffle(convs)
     return convs
 

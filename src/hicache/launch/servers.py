@@ -25,12 +25,6 @@ from ..bench.main import start_server, wait_ready, wait_server
 from ..processes import stop_process
 
 
-def find_sglang_router() -> str | None:
-    """The ``sglang-router`` executable: next to this Python's, or on PATH."""
-    here = os.path.join(os.path.dirname(sys.executable), "sglang-router")
-    return here if os.access(here, os.X_OK) else shutil.which("sglang-router")
-
-
 @dataclass
 class PDServers:
     url: str  # the router: where clients send requests
@@ -51,7 +45,8 @@ def launch_router(mode_args: list[str], workers: int, timeout: float = 60.0,
     healthy workers."""
     import httpx
 
-    binary = find_sglang_router()
+    here = os.path.join(os.path.dirname(sys.executable), "sglang-router")  # next to this Python's, or on PATH
+    binary = here if os.access(here, os.X_OK) else shutil.which("sglang-router")
     if binary is None:
         raise HicacheError("sglang-router is not installed: pip install sglang-router (the test extra has it).")
     port = free_port()

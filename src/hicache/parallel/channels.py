@@ -12,6 +12,7 @@ once the reader has.
 from __future__ import annotations
 
 import queue
+import time
 from typing import Any, Iterator
 
 WRITERS_GONE = (EOFError, OSError)  # a whole message was never coming: every writer has exited
@@ -39,6 +40,18 @@ def queued_now(q: Any) -> Iterator[Any]:
             yield q.get_nowait()
         except (queue.Empty, *WRITERS_GONE):
             return
+
+
+def poll(q: Any, timeout: float) -> Any:
+    """The next item of ``q`` within ``timeout`` seconds, or None; None after a pause of ``timeout``
+    once every writer is gone (their exit codes then tell the rest)."""
+    try:
+        return q.get(timeout=timeout)
+    except queue.Empty:
+        return None
+    except WRITERS_GONE:
+        time.sleep(timeout)
+        return None
 
 
 def kill_all(procs: list[Any]) -> None:

@@ -130,42 +130,24 @@ class ConsensusComparator:
         if not self.undecided:
             return None
         assert self._suspect is not None
-        return self._report(self._first_seen(self._suspect, self._pending[self._suspect]))
+        return self._vote(self._suspect, self._pending[self._suspect], first_seen=True)
 
-    def _vote(self, index: int, arrivals: dict[str, Entry]) -> Divergence:
-        """Every rank reported ``index``: the largest group of equal entries is the reference
-        when it is a strict majority; the first rank outside it is the divergent one."""
-        groups: list[list[str]] = []
-        for label in arrivals:
-            for group in groups:
-                if self._difference(arrivals[group[0]], arrivals[label]) is None:
-                    group.append(label)
-                    break
-            else:
-                groups.append([label])
+    def _vote(self, index: int, arrivals: dict[str, Entry], first_seen: bool = False) -> Divergence:
+        """The largest group of equal entries at ``index`` is the reference when every rank
+        reported it and it is a strict majority, else (or ``first_seen``) the first arrival's: the
+        mismatch as first seen. The first rank outside the reference group is the divergent one."""
+        groups = [[b for b in arrivals if self._difference(arrivals[a], arrivals[b]) is None] for a in arrivals]
         majority = max(groups, key=len)
-        if 2 * len(majority) <= len(arrivals):
-            return self._report(self._first_seen(index, arrivals))  # no majority: the mismatch as first seen
+        if first_seen or 2 * len(majority) <= len(arrivals):
+            majority = groups[0]
         odd = next(label for label in arrivals if label not in majority)
-        return self._report(self._divergence(index, majority[0], odd, arrivals))
-
-    def _first_seen(self, index: int, arrivals: dict[str, Entry]) -> Divergence:
-        """The first arrival at ``index`` vs the first entry there that differs from it."""
-        ref_label, *later = arrivals
-        odd = next(label for label in later if self._difference(arrivals[ref_label], arrivals[label]) is not None)
-        return self._divergence(index, ref_label, odd, arrivals)
-
-    def _divergence(self, index: int, ref_label: str, odd: str, arrivals: dict[str, Entry]) -> Divergence:
-        ref, got = arrivals[ref_label], arrivals[odd]
+        ref, got = arrivals[majority[0]], arrivals[odd]
         kind = self._difference(ref, got)
         assert kind is not None
-        return Divergence(index, ref.function, kind, ref_label, odd, ref, got)
-
-    def _report(self, div: Divergence) -> Divergence:
-        self.diverged = div
+        self.diverged = Divergence(index, ref.function, kind, majority[0], odd, ref, got)
         self._pending.clear()
         self._suspect = None
-        return div
+        return self.diverged
 
     @staticmethod
     def _difference(ref: Entry, got: Entry) -> DivergenceKind | None:
@@ -189,14 +171,8 @@ class ConsensusMonitor:
     thread would block the process's exit; ``stop()`` signals through an event instead.
     """
 
-    def __init__(
-        self,
-        labels: Sequence[str],
-        on_divergence: Callable[[Divergence], None],
-        mp_context: Any = None,
-        on_entry: Callable[[str, Entry], None] | None = None,
-        vote_grace_s: float = VOTE_GRACE_S,
-    ) -> None:
+    def __init__(self, labels: Sequence[str], on_divergence: Callable[[Divergence], None], mp_context: Any = None,
+                 on_entry: Callable[[str, Entry], None] | None = None, vote_grace_s: float = VOTE_GRACE_S) -> None:
         """``on_entry(label, entry)`` (optional) sees every entry as it is compared, e.g. to
         keep a trace; it runs on the monitor thread. With three or more ranks a mismatch waits
         up to ``vote_grace_s`` for every rank's entry, to name the odd one out by majority."""

@@ -41,15 +41,14 @@ class FaultPlan:
         rng = random.Random(self.seed * 1009 + rank)
         fixed = self.delays.get(label, {})
         lock = threading.Lock()
-        ordinals: dict[tuple[str, int], int] = {}
-        counters: dict[str, int] = {}
+        ordinals: dict[tuple[str, int], int] = {}  # (kind, op id) -> its place among this rank's ops of that kind
+        last: dict[str, int] = {}  # the last ordinal given, per kind
 
         def delay(kind: str, op_id: int) -> float:
             with lock:
                 key = (kind, op_id)
                 if key not in ordinals:
-                    ordinals[key] = counters.get(kind, 0)
-                    counters[kind] = ordinals[key] + 1
+                    ordinals[key] = last[kind] = last.get(kind, -1) + 1
                 exact = fixed.get(kind, {}).get(str(ordinals[key]))
                 return exact if exact is not None else rng.uniform(0.0, self.max_delay_s)
 

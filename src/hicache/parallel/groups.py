@@ -75,15 +75,6 @@ class RankInfo:
         return self.world_size // self.nnodes
 
     @property
-    def node_rank(self) -> int:
-        return self.rank // self.ranks_per_node
-
-    @property
-    def local_rank(self) -> int:
-        """This rank's index among its node's ranks (threads, devices and memory are per node)."""
-        return self.rank % self.ranks_per_node
-
-    @property
     def tp_on_one_node(self) -> bool:
         """Whether every TP rank of this stage runs on this rank's node."""
         first = self.rank_of(self.pp_rank, 0)
@@ -207,7 +198,7 @@ class ParallelGroups:
         ranks; they then form the stage's shard group (``self.cp``) for the prefix gathers."""
         self.info = info
         url = urlsplit(init_method)
-        _register_gloo(node_address(url.hostname, url.port, info.node_rank))
+        _register_gloo(node_address(url.hostname, url.port, info.rank // info.ranks_per_node))
         dist.init_process_group(GLOO, store=rendezvous_store(url.hostname, url.port, info), rank=info.rank,
                                 world_size=info.world_size, timeout=COLLECTIVE_TIMEOUT)
         tensor_backend = "nccl" if device.type == "cuda" else GLOO

@@ -18,7 +18,6 @@ Invariants:
 from __future__ import annotations
 
 import logging
-import queue
 import signal
 import time
 from typing import Any, Callable
@@ -27,10 +26,10 @@ from ..config import ConfigError, EngineConfig
 from ..errors import HicacheError
 from ..model import load_model
 from ..model.parallel import check_parallel
-from .channels import WRITERS_GONE, exit_text, kill_all, queued_now, reader_only
+from .channels import exit_text, kill_all, poll, queued_now
 from .groups import rank_label
-from .messages import RankError, Ready
-from .rank_group import STARTUP_TIMEOUT_S, init_method, peer_failure, spawn_ranks
+from .messages import RankError
+from .rank_group import STARTUP_TIMEOUT_S, peer_failure, spawn_ranks
 from .worker import rank_context
 
 logger = logging.getLogger(__name__)
@@ -61,7 +60,7 @@ def run_node(cfg: EngineConfig, report: Callable[[str], None] = logger.info) -> 
         report(f"node {cfg.node_rank} of {cfg.nnodes}: ranks stopped in order")
         return 0
     finally:
-        node.kill()  # nothing outlives the launcher, however it ends
+        kill_all(node.procs)  # nothing outlives the launcher, however it ends (an orderly stop comes from node 0)
         signal.signal(signal.SIGTERM, previous)
 
 
@@ -74,17 +73,14 @@ class _Node:
 
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
-        self.ranks = list(cfg.local_ranks)
-        self.labels = [rank_label(r, cfg.tp_size) for r in self.ranks]
+        self.labels = [rank_label(r, cfg.tp_size) for r in cfg.local_ranks]
         self.ctx = rank_context()
         self.status = self.ctx.Queue()
         self.procs: list[Any] = []
         self.capacity = 0
 
     def start(self) -> None:
-        init = init_method(self.cfg)
-        spawn_ranks(self.ctx, self.cfg, init, self.ranks, self.procs, self.status)
-        reader_only(self.status)  # only the ranks write it: a killed rank reads as end-of-file
+        init = spawn_ranks(self.ctx, self.cfg, self.procs, self.status)  # a killed rank then reads as end-of-file
         logger.info("node %d of %d: started ranks %s (pids %s), joining %s", self.cfg.node_rank, self.cfg.nnodes,
                     ", ".join(self.labels), [p.pid for p in self.procs], init)
 
@@ -93,8 +89,8 @@ class _Node:
         every rank has exited (0 for all after node 0's stop); raises on a failure."""
         ready: set[int] = set()
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while len(ready) < len(self.ranks) if starting else any(p.exitcode is None for p in self.procs):
-            item = self._next_report()
+        while len(ready) < len(self.labels) if starting else any(p.exitcode is None for p in self.procs):
+            item = poll(self.status, POLL_S)
             if isinstance(item, RankError):
                 self._failed(item, starting)
             elif item is not None:
@@ -106,27 +102,14 @@ class _Node:
                                  f"(is node 0 up at {self.cfg.dist_init_addr}?)")
         self._check_exits(starting)
 
-    def _next_report(self) -> Ready | RankError | None:
-        try:
-            return self.status.get(timeout=POLL_S)
-        except queue.Empty:
-            return None
-        except WRITERS_GONE:  # every rank has exited: their exit codes tell the rest
-            time.sleep(POLL_S)
-            return None
-
     def _check_exits(self, starting: bool) -> None:
         """A rank that exited non-zero (or at all, before it was ready) without a report."""
         for label, p in zip(self.labels, self.procs):
             if p.exitcode is not None and (p.exitcode != 0 or starting):
-                self._drain_reports()
+                for item in queued_now(self.status):  # an error it reported just before it exited explains it better
+                    if isinstance(item, RankError):
+                        self._failed(item, starting=False)
                 raise NodeFailed(f"rank {label} (pid {p.pid}) {exit_text(p)}")
-
-    def _drain_reports(self) -> None:
-        """An error a rank reported just before exiting explains its exit better: raise that."""
-        for item in queued_now(self.status):
-            if isinstance(item, RankError):
-                self._failed(item, starting=False)
 
     def _failed(self, error: RankError, starting: bool) -> None:
         label = rank_label(error.rank, self.cfg.tp_size)
@@ -135,7 +118,3 @@ class _Node:
             raise ConfigError(error.message)
         hint = " (a rank on another node failed or its node is gone)" if peer_failure(error.message) else ""
         raise NodeFailed(f"rank {label} failed{hint}: {error.message}")
-
-    def kill(self) -> None:
-        """Kill the ranks still running (an orderly stop only comes from node 0)."""
-        kill_all(self.procs)

@@ -26,7 +26,7 @@ import threading
 import time
 import types
 from collections import deque
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 from ..config import ConfigError, EngineConfig
 from ..consensus_record import Entry
@@ -34,7 +34,7 @@ from ..consensus_record import enabled as checker_enabled
 from ..disagg.bootstrap import endpoint
 from ..errors import EngineDeadError, HicacheError
 from ..ports import free_port, split_host_port
-from .channels import WRITERS_GONE, exit_text, kill_all, queued_now, reader_only
+from .channels import WRITERS_GONE, exit_text, kill_all, poll, queued_now, reader_only
 from .consensus import ConsensusMonitor
 from .groups import rank_label
 from .messages import Flush, RankCall, RankError, RequestUpdate, Shutdown, Stats, Updates
@@ -48,26 +48,26 @@ POLL_S = 0.05
 TRACE_ENTRIES = 100_000  # the checker's recent calls kept per rank (for reports and tests)
 
 
-def init_method(cfg: EngineConfig) -> str:
-    """torch.distributed's rendezvous: ``--dist-init-addr`` across machines (rank 0 listens
-    there), else a free port of 127.0.0.1: on one machine no rank listens beyond loopback."""
+def spawn_ranks(ctx: Any, cfg: EngineConfig, procs: list[Any], status: Any, frontend: tuple[Any, Any] = (None, None),
+                consensus: Any = None) -> str:
+    """Start this node's rank processes (``cfg.local_ranks``) into ``procs`` (the user's ``__main__``
+    out of sight), each with the ``status`` and ``consensus`` queues, rank 0 with the ``frontend``'s
+    (inbox, outbox); this process then only reads the queues the ranks write. Returns
+    torch.distributed's rendezvous: ``--dist-init-addr`` across machines (rank 0 listens there),
+    else a free port of 127.0.0.1: on one machine no rank listens beyond loopback."""
     addr = split_host_port(cfg.dist_init_addr) if cfg.nnodes > 1 else None
-    return endpoint(*addr) if addr is not None else f"tcp://127.0.0.1:{free_port()}"
-
-
-def spawn_ranks(ctx: Any, cfg: EngineConfig, init: str, ranks: Iterable[int], procs: list[Any], status: Any,
-                frontend: tuple[Any, Any] = (None, None), consensus: Any = None) -> None:
-    """Start rank processes ``ranks`` into ``procs`` (the user's ``__main__`` out of sight), each
-    with the ``status`` and ``consensus`` queues; rank 0 with the ``frontend``'s (inbox, outbox)."""
+    init = endpoint(*addr) if addr is not None else f"tcp://127.0.0.1:{free_port()}"
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
     level = logging.getLogger().getEffectiveLevel()
     with user_main_hidden():
-        for r in ranks:
+        for r in cfg.local_ranks:
             p = ctx.Process(target=start_rank, name=f"hicache-rank-{rank_label(r, cfg.tp_size)}", daemon=True,
                             args=(dict(os.environ), r, fields, init, status, *(frontend if r == 0 else (None, None)),
                                   consensus, level))
             p.start()
             procs.append(p)
+    reader_only(status, frontend[1], consensus)
+    return init
 
 
 @contextlib.contextmanager
@@ -115,7 +115,7 @@ class RankGroup:
         self._halt_lock = threading.Lock()
         self._calls = itertools.count()
         self._replies: dict[int, Any] = {}
-        self._updates: deque[list[RequestUpdate]] = deque()
+        self._updates: list[RequestUpdate] = []  # the leader's, in order, not yet taken
         # Checker: the ranks' call streams, compared here as they arrive (HICACHE_RANK_CONSENSUS_CHECKER=1).
         self.monitor: ConsensusMonitor | None = None
         self.trace: dict[str, deque[Entry]] = {
@@ -141,11 +141,8 @@ class RankGroup:
             self.monitor = ConsensusMonitor(self.labels, lambda div: self._halt(str(div)), ctx,
                                             on_entry=lambda label, entry: self.trace[label].append(entry))
             self.monitor.start()
-        init = init_method(cfg)
-        monitor_queue = self.monitor.queue if self.monitor else None
-        spawn_ranks(ctx, cfg, init, cfg.local_ranks, self.procs, self.status, (self.inbox, self.outbox),
-                    monitor_queue)
-        reader_only(self.outbox, self.status, monitor_queue)  # only the ranks write these
+        init = spawn_ranks(ctx, cfg, self.procs, self.status, (self.inbox, self.outbox),
+                           self.monitor.queue if self.monitor else None)
         logger.info("started %d ranks (tp=%d pp=%d): pids %s", len(self.labels), cfg.tp_size, cfg.pp_size,
                     [p.pid for p in self.procs])
         if self.nnodes > 1:
@@ -158,11 +155,8 @@ class RankGroup:
         ready: dict[int, tuple[int, int]] = {}
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while len(ready) < len(self.labels):
-            try:
-                item = self.status.get(timeout=POLL_S * 4)
-            except (queue.Empty, *WRITERS_GONE) as e:
-                if not isinstance(e, queue.Empty):
-                    time.sleep(POLL_S)  # every rank has exited: let their exit codes show
+            item = poll(self.status, POLL_S * 4)
+            if item is None:
                 if self._exited():
                     self._halt(self._explain())
                 elif time.monotonic() > deadline:
@@ -258,10 +252,9 @@ class RankGroup:
             if isinstance(item, RankError):
                 reported.setdefault(item.rank, item.message)
                 logger.error("rank %s traceback:\n%s", self.labels[item.rank], item.trace)
-        silent = [(r, p) for r, p in self._exited() if r not in reported]
-        if silent:
-            r, p = silent[0]
-            return f"rank {self.labels[r]} (pid {p.pid}) {exit_text(p)}"
+        for r, p in self._exited():
+            if r not in reported:  # it died silently
+                return f"rank {self.labels[r]} (pid {p.pid}) {exit_text(p)}"
         if reported:
             primary = [r for r, m in reported.items() if not peer_failure(m)]
             if not primary and self.nnodes > 1:  # the cause is on a machine this process cannot see
@@ -282,16 +275,14 @@ class RankGroup:
         """Read what the leader sent (waiting up to ``timeout`` for the first item)."""
         try:
             item = self.outbox.get(timeout=timeout)
-        except queue.Empty:
-            self.check_alive()
-            return
-        except WRITERS_GONE:  # the leader is gone (maybe in the middle of a message)
-            self._halt(self._explain())
+        except (queue.Empty, *WRITERS_GONE) as e:
+            if not isinstance(e, queue.Empty):  # the leader is gone (maybe in the middle of a message)
+                self._halt(self._explain())
             self.check_alive()
             return
         for item in itertools.chain([item], queued_now(self.outbox)):  # (the next read reports a gone leader)
             if isinstance(item, Updates):
-                self._updates.append(item.updates)
+                self._updates.extend(item.updates)
             else:
                 self._replies[item.call_id] = item.value
 
@@ -299,8 +290,7 @@ class RankGroup:
         self.check_alive()
         if not self._updates:
             self._pump(timeout)
-        out = [u for batch in self._updates for u in batch]
-        self._updates.clear()
+        out, self._updates = self._updates, []
         return out
 
     def call(self, command: type[RankCall]) -> Any:

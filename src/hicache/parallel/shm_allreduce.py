@@ -74,12 +74,11 @@ def open_shm_allreduce(tp_rank: int, tp_size: int, max_elems: int, group: Any, l
     box: list[str | None] = [None]
     if tp_rank == 0:
         need, free = segment_bytes(tp_size, max_elems), shm_free_bytes()
+        box = [f"hicache-tp-{uuid.uuid4().hex[:12]}"]
         if free is not None and free < need:
             logger.warning("the shared-memory TP all-reduce needs %.1f MiB but %s has %.1f MiB free: "
                            "summing through gloo instead (slower)", need / 2**20, SHM_DIR, free / 2**20)
             box = [""]
-        else:
-            box = [f"hicache-tp-{uuid.uuid4().hex[:12]}"]
     dist.broadcast_object_list(box, src=leader, group=group)
     return ShmAllReduce(tp_rank, tp_size, max_elems, group, box[0]) if box[0] else None
 

@@ -82,7 +82,7 @@ class StageLoop:
         # The one step driver, with this stage's agreement (TP MIN / pp_sync) and output.
         self.agreement = StageAgreement(info, groups)
         self.driver = StepDriver(self.sched, core.runner.forward, self.agreement,
-                                 stage_output(info, groups, self.sched, self._sent_down))
+                                 stage_output(info, groups, self.sched, lambda b: self.inflight.append((self.step, b))))
         # Agreement overhead (Engine.stats()["agreement"] from the leader): the agreement counts
         # steps and stage 0's tp_min time; on later stages, the pp_sync hop (send -> our recv).
         self.hop_s, self.hops = 0.0, 0
@@ -110,7 +110,13 @@ class StageLoop:
                     if self.hops:
                         logger.info("pp_sync hop: %d messages, %.3f ms mean", self.hops, self.hop_s / self.hops * 1e3)
                     return
-                self._reply(inputs.command, self._flush())
+                # Empty every tier: the same decision on every rank (it depends on the request stream
+                # only), refused while a request still holds pages (no batch is in flight: this step collected them).
+                flushed = not self.sched.has_work()
+                if flushed:
+                    self.cache.flush()
+                    logger.info("cache flushed")
+                self._reply(inputs.command, flushed)
                 self.step += 1
                 continue
             batch, _ = self.driver.step(Inbound(msg.events, msg.hidden, msg, msg.proposal))
@@ -118,9 +124,6 @@ class StageLoop:
             if self.leader and batch is None and not self.inflight and self.sched.has_work():
                 time.sleep(PREFETCH_POLL_S)  # only prefetches or KV transfers to wait for: do not spin
             self.step += 1
-
-    def _sent_down(self, batch: Batch) -> None:
-        self.inflight.append((self.step, batch))
 
     def _returned_tokens(self, drain: bool) -> list[Sampled]:
         """Stage 0 of a pipeline: the tokens of the oldest in-flight batch once ``pp_size``
@@ -160,15 +163,6 @@ class StageLoop:
                 self.sched.abort(req.rid)
             self._report()
 
-    def _flush(self) -> bool:
-        """Empty every tier (the same decision on every rank: it depends on the request
-        stream only). Refused while a request still holds pages."""
-        if self.sched.has_work():  # (no batch is in flight: the flush step collected them)
-            return False
-        self.cache.flush()
-        logger.info("cache flushed")
-        return True
-
     # ---- leader <-> frontend ----------------------------------------------------------------
     def _leader_inputs(self) -> Intake:
         """Everything the frontend queued (the same intake as a single-rank EngineLoop's);
@@ -189,10 +183,9 @@ class StageLoop:
         return take_intake(first, self.inbox.get_nowait, (queue.Empty, *WRITERS_GONE))
 
     def _on_update(self, req: Request) -> None:
-        upd = RequestUpdate.of(req, self._sent.get(req.rid, 0))
-        self._sent[req.rid] = len(req.output_ids)
-        if upd.finished:
-            self._sent.pop(req.rid, None)
+        upd = RequestUpdate.of(req, self._sent.pop(req.rid, 0))
+        if not upd.finished:
+            self._sent[req.rid] = len(req.output_ids)
         self._updates.append(upd)
         if upd.admission:  # to the frontend before the step's forward (a long first chunk takes a while)
             self._report()
@@ -250,7 +243,7 @@ def _rank_device(cfg: EngineConfig, info: RankInfo) -> tuple[EngineConfig, torch
     launcher passes the flags as given)."""
     device = resolve_device(cfg.device)
     if device.type == "cuda":
-        device = torch.device("cuda", info.local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", info.rank % info.ranks_per_node % torch.cuda.device_count())  # local rank
         torch.cuda.set_device(device)
     return choose_precision(cfg, device), device
 

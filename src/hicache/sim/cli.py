@@ -6,7 +6,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import sys
 import time
 from typing import Any, Iterator
 
@@ -143,10 +142,8 @@ def plot_sweep(points: list[dict], tier: str, path: str) -> None:
             ax.fill_between(xs, bottom, top, step=None, alpha=0.6, label=t)
             bottom = top
         ax.plot(xs, bottom, "k.-", label="combined")
-        ax.set_xscale("log")
-        ax.set_xlabel(f"{tier} capacity per engine (tokens)")
-        ax.set_ylabel("hit ratio (share of input tokens)")
-        ax.set_ylim(0, 1)
+        ax.set(xscale="log", xlabel=f"{tier} capacity per engine (tokens)", ylabel="hit ratio (share of input tokens)",
+               ylim=(0, 1))
         ax.legend(loc="upper left")
 
 
@@ -161,8 +158,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     result = _sweep(args, cfg, trace) if args.sweep else simulate(trace, cfg).to_json()
     if args.json:
-        json.dump(result, sys.stdout)
-        print()
+        print(json.dumps(result))
     elif args.sweep:
         print(f"wrote {args.plot}")
     else:

@@ -88,11 +88,21 @@ class NoForwardEngine:
                 return steps
         raise RuntimeError(f"requests still running after {max_steps} steps")
 
+    def serve(self, tokens: list[int]) -> dict[str, int]:
+        """Run one request to its first token; returns its hit tokens per tier. Every copy and
+        storage write it queued has landed when this returns (the simulator's copies run inline,
+        at submit; between requests a real engine's copy threads are far ahead of arrivals)."""
+        req = self.add(tokens)
+        self.run([req])
+        self.cache.drain()
+        return req.cached
+
 
 class SimEngine(NoForwardEngine):
     def __init__(self, spec: EngineSpec, prompt_tokens: int, storage: Optional[MemoryBackend] = None) -> None:
-        """``prompt_tokens``: the longest prompt (synthetic tokens): one prefill chunk takes it
-        whole. ``storage``: the shared L3 (:func:`shared_storage`)."""
+        """``prompt_tokens``: the longest prompt (synthetic tokens; :func:`hicache.sim.run.simulate`
+        checked that it fits the device pool): one prefill chunk takes it whole. ``storage``: the
+        shared L3 (:func:`shared_storage`)."""
         pool = DeviceKVPool(1, 1, 1, spec.device_pages + 1, spec.page_size, torch.float32, "cpu")
         host = HostKVPool(pool, spec.host_pages, "page_first", pin_memory=False) if spec.host_pages else None
         policy = CachePolicy(eviction_policy=spec.eviction_policy, write_policy=spec.write_policy,
@@ -104,17 +114,6 @@ class SimEngine(NoForwardEngine):
                 controller.run_inline()
         super().__init__(cache, SchedulePolicy(prompt_tokens + spec.page_size, max_running_requests=1,
                                                prefetch_policy="wait_complete"))
-
-    def serve(self, tokens: list[int]) -> dict[str, int]:
-        """Run one request to its first token; returns its hit tokens per tier (synthetic
-        tokens). Every copy and storage write it queued has landed when this returns (copies
-        run inline, at submit; between requests a real engine's copy threads are far ahead of
-        arrivals). The prompt fits the device pool (:func:`hicache.sim.run.simulate` checked the
-        longest)."""
-        req = self.add(tokens)
-        self.run([req])
-        self.cache.drain()
-        return req.cached
 
     def close(self) -> None:
         self.cache.shutdown()

@@ -46,9 +46,9 @@ class RoundRobin:
 
 
 class CacheAware:
-    def __init__(self, engines: int, cache_threshold: float = 0.3, balance_abs: int = 64,
-                 balance_rel: float = 1.5) -> None:
-        self.cache_threshold, self.balance_abs, self.balance_rel = cache_threshold, balance_abs, balance_rel
+    CACHE_THRESHOLD, BALANCE_ABS, BALANCE_REL = 0.3, 64, 1.5  # sglang-router 0.3.2's defaults
+
+    def __init__(self, engines: int) -> None:
         self.seen: list[set[int]] = [set() for _ in range(engines)]  # block ids (each names its whole prefix)
         self.busy: list[deque[float]] = [deque() for _ in range(engines)]  # prefill end times, in order
 
@@ -61,21 +61,17 @@ class CacheAware:
     def pick(self, req: TraceRequest, now: float) -> int:
         loads = self._loads(now)
         lo, hi = min(loads), max(loads)
-        if hi - lo > self.balance_abs and hi > lo * self.balance_rel:
+        if hi - lo > self.BALANCE_ABS and hi > lo * self.BALANCE_REL:
             return loads.index(lo)
-        matched = [_leading(req.hash_ids, seen) for seen in self.seen]
-        best = max(range(len(matched)), key=lambda i: matched[i])
-        if req.hash_ids and matched[best] / len(req.hash_ids) > self.cache_threshold:
+        matched = [sum(1 for _ in takewhile(seen.__contains__, req.hash_ids)) for seen in self.seen]
+        best = matched.index(max(matched))
+        if req.hash_ids and matched[best] / len(req.hash_ids) > self.CACHE_THRESHOLD:
             return best
         return loads.index(lo)
 
     def routed(self, req: TraceRequest, engine: int, done_at: float) -> None:
         self.seen[engine].update(req.hash_ids)
         self.busy[engine].append(done_at)
-
-
-def _leading(ids: tuple[int, ...], seen: set[int]) -> int:
-    return sum(1 for _ in takewhile(seen.__contains__, ids))
 
 
 def make_router(name: str, engines: int) -> Router:

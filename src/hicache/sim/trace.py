@@ -36,8 +36,7 @@ class TraceRequest:
 
     def block_lengths(self) -> list[int]:
         """Real tokens of each block: ``BLOCK_TOKENS``, the last one capped at the input length."""
-        n = len(self.hash_ids)
-        return [min(BLOCK_TOKENS, self.input_length - i * BLOCK_TOKENS) for i in range(n)]
+        return [min(BLOCK_TOKENS, self.input_length - i * BLOCK_TOKENS) for i in range(len(self.hash_ids))]
 
 
 def _request(obj: object) -> TraceRequest:
