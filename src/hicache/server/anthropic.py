@@ -27,16 +27,16 @@ without breakpoints or surcharge), plus ``hicache_cached_tokens`` per tier. ``an
 ``anthropic-beta``, ``cache_control``, ``thinking``, ``metadata``, ``context_management`` and
 ``output_config`` are accepted and ignored (none changes the output: no thinking blocks are written);
 ``x-api-key`` is taken as the key (middleware).
-Refusals are in Anthropic's error shape (``{"type": "error", "error": {"type", "message"}}``).
+Refusals are in Anthropic's error shape (``{"type": "error", "error": {"type", "message"}}``: :func:`error_body`,
+which the app answers them with on these routes).
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Literal, Optional, Union
+from typing import Any, AsyncIterator, Callable, Iterator, Literal, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -213,25 +213,15 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 
 
-Handler = Callable[..., Awaitable[Any]]
+MESSAGES_PATHS = ("/v1/messages", "/v1/messages/count_tokens")  # the routes whose refusals are answered so
 
 
-def anthropic_errors(st: ServerState) -> Callable[[Handler], Handler]:
-    """A handler answering its refusals in Anthropic's error shape (the OpenAI one elsewhere), a tool's
-    parts named as this API names them (the chat machinery's ``tools[i].function.parameters``), and
-    counted in ``/metrics`` as the other routes' are."""
-    def decorate(handler: Handler) -> Handler:
-        @functools.wraps(handler)
-        async def wrapped(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return await handler(*args, **kwargs)
-            except APIError as e:
-                st.metrics.refused(e.status, e.code or e.type)
-                message = e.message.replace("].function.parameters", "].input_schema").replace("].function.", "].")
-                body = {"type": "error", "error": {"type": ERROR_TYPES.get(e.status, "api_error"), "message": message}}
-                return JSONResponse(body, status_code=e.status)
-        return wrapped
-    return decorate
+def error_body(e: APIError) -> dict[str, Any]:
+    """A refusal of a Messages route in Anthropic's error shape (the OpenAI one elsewhere: server/app.py
+    answers each in its route's), a tool's parts named as this API names them (the chat machinery's
+    ``tools[i].function.parameters``)."""
+    message = e.message.replace("].function.parameters", "].input_schema").replace("].function.", "].")
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(e.status, "api_error"), "message": message}}
 
 
 def add_anthropic_routes(app: FastAPI, st: ServerState) -> None:
@@ -248,7 +238,6 @@ def add_anthropic_routes(app: FastAPI, st: ServerState) -> None:
         return p
 
     @app.post("/v1/messages")
-    @anthropic_errors(st)
     async def messages(request: Request) -> Response:
         p: Prepared = await st.off_loop(prepare, await read_body(request, st.opts.max_request_bytes))
         await vet_grammar(st, p, request)
@@ -268,7 +257,6 @@ def add_anthropic_routes(app: FastAPI, st: ServerState) -> None:
                              "usage": _usage(res)}, headers=headers)
 
     @app.post("/v1/messages/count_tokens")
-    @anthropic_errors(st)
     async def count_tokens(request: Request) -> dict:
         p: Prepared = await st.off_loop(prepare, await read_body(request, st.opts.max_request_bytes), True)
         return {"input_tokens": len(p.ids)}

@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..errors import EngineDeadError
 from ..frontend.loop import EngineLoop, RequestHandle
 from ..runtime.request import GenerateResult
-from .anthropic import add_anthropic_routes
+from .anthropic import MESSAGES_PATHS, add_anthropic_routes, error_body
 from .builtin_tools import dropped_header
 from .choices import (chat_logprobs, check_choices, collect_choices, completion_logprobs, event_stream, merged_updates,
                       submit_choices, usage_of)
@@ -46,6 +46,7 @@ from .prepare import prepare_chat, sampling_params
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest
 from .response_store import ResponseStore
 from .responses import add_responses_routes
+from .responses_request import own_fields
 from .options import ServerOptions
 from .state import ServerState
 from .submit import ChoiceStream, Prepared, check_fits, engine_dead, engine_dead_during, sse_data, timing, vet_grammar
@@ -91,14 +92,19 @@ def create_app(loop: EngineLoop, metrics: ServerMetrics, opts: ServerOptions) ->
 
 
 def _add_error_handlers(app: FastAPI, st: ServerState) -> None:
-    def answer(e: APIError) -> JSONResponse:
+    def answer(e: APIError, path: str = "") -> JSONResponse:
+        """``e`` counted in ``/metrics`` and answered in the shape of the API whose route ``path`` is (a handler's
+        refusal): Anthropic's on the Messages routes, OpenAI's naming the Responses API's fields on its route,
+        OpenAI's elsewhere."""
         st.metrics.refused(e.status, e.code or e.type)
-        return JSONResponse(e.body(), status_code=e.status)
+        if path in MESSAGES_PATHS:
+            return JSONResponse(error_body(e), status_code=e.status)
+        return JSONResponse((own_fields(e) if path == "/v1/responses" else e).body(), status_code=e.status)
 
     @app.exception_handler(APIError)
     @app.exception_handler(EngineDeadError)
-    async def _api_error(_: Request, e: APIError | EngineDeadError) -> JSONResponse:
-        return answer(e if isinstance(e, APIError) else engine_dead(e))
+    async def _api_error(request: Request, e: APIError | EngineDeadError) -> JSONResponse:
+        return answer(e, request.url.path) if isinstance(e, APIError) else answer(engine_dead(e))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:

@@ -43,7 +43,7 @@ from .parsing import parse_body, read_body
 from .prepare import prepare_chat
 from .protocol import APIError
 from .response_store import ResponseStore, Stored
-from .responses_request import ResponsesRequest, as_chat, chat_messages, responses_errors
+from .responses_request import ResponsesRequest, as_chat, chat_messages
 from .state import ServerState
 from .tools import parse_reply
 from .submit import Prepared, ReplyDeltas, check_fits, sse_event, timing, vet_grammar, with_reply_room
@@ -156,7 +156,6 @@ def add_responses_routes(app: FastAPI, st: ServerState, store: ResponseStore) ->
         return _Turn(body, stored_messages, prepared)
 
     @app.post("/v1/responses")
-    @responses_errors
     async def create(request: Request) -> Response:
         turn: _Turn = await st.off_loop(prepare, await read_body(request, st.opts.max_request_bytes))
         await vet_grammar(st, turn.p, request)

@@ -4,15 +4,14 @@
 ``function_call`` items as the assistant's tool calls, ``function_call_output`` items as tool
 messages); function ``tools`` and ``tool_choice`` the chat API's; ``text.format`` (json_schema /
 json_object) its ``response_format``; ``max_output_tokens`` its ``max_tokens``. The chat
-machinery's refusals are answered naming this API's fields (:func:`responses_errors`).
+machinery's refusals are answered naming this API's fields (:func:`own_fields`, as server/app.py answers them).
 ``metadata`` is held to OpenAI's bounds (it is stored and returned with the response).
 """
 
 from __future__ import annotations
 
-import functools
 import re
-from typing import Any, Awaitable, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 from pydantic import Field, ValidationError, field_validator
 
@@ -163,14 +162,3 @@ def own_fields(e: APIError) -> APIError:
     """``e`` naming this API's fields where the chat machinery named its own."""
     message = _CHAT_WORD.sub(lambda m: "]." if m.group(2) else CHAT_FIELDS[m.group(1)], e.message)
     return APIError(e.status, message, e.type, CHAT_FIELDS.get(e.param or "", e.param), e.code)
-
-
-def responses_errors(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-    """``handler`` whose refusals name the Responses API's fields (:func:`own_fields`)."""
-    @functools.wraps(handler)
-    async def wrapped(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return await handler(*args, **kwargs)
-        except APIError as e:
-            raise own_fields(e) from None
-    return wrapped
