@@ -53,37 +53,27 @@ class Backend(Protocol):
     same; ``component_pages``: those of each component with a page space of its own, by name: "full",
     a hybrid pool's "window"); ``core``: the in-process parts when this process holds them, else None."""
 
+    capacity_pages: int
+    component_pages: dict[str, int]
+    core: EngineCore | None
+
     @property
     def scheduler(self) -> SchedulerView: ...
 
-    @property
-    def capacity_pages(self) -> int: ...
-
-    @property
-    def component_pages(self) -> dict[str, int]: ...
-
-    @property
-    def core(self) -> EngineCore | None: ...
-
     def stats(self) -> dict[str, Any]:
         """Cache and queue figures (``Engine.stats()`` without the layout)."""
-        ...
 
     def flush(self) -> bool:
         """Empty the prefix cache; the caller has checked that no request is in flight."""
-        ...
 
     def drain_idle(self) -> None:
         """Idle housekeeping; never waits."""
-        ...
 
     def check_alive(self) -> None:
         """Raise :class:`~hicache.errors.EngineDeadError` once the backend can no longer serve."""
-        ...
 
     def shutdown(self) -> None:
         """Stop threads or processes and free the model and pools; idempotent."""
-        ...
 
 
 class LocalScheduler:

@@ -9,7 +9,7 @@ import logging
 import threading
 import weakref
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Hashable, Sequence, Union, cast
+from typing import Any, Hashable, Sequence, Union, cast
 
 import torch
 
@@ -22,6 +22,7 @@ from ..model import load_model
 from ..model.chat_render import render_limit_chars
 from ..model.chat_templates import resolve_chat_template
 from ..model.loader import LoadedModel
+from ..parallel.rank_group import RankGroup
 from ..runtime.grammar_vet import GrammarVetter, VetLimits
 from ..runtime.request import GenerateResult, PDState, Request
 from ..runtime.sampling import GrammarSpec, SamplingParams, check_token_ids
@@ -29,16 +30,14 @@ from ..runtime.speculative import check_draft
 from ..runtime.storage_layout import layout_report
 from .backend import Backend, LocalBackend, SchedulerView, make_backend
 
-if TYPE_CHECKING:
-    from ..cache.host_pool import HostKVPool
-    from ..cache.manager import KVCacheManager
-    from ..cache.pools import DeviceKVPool
-    from ..parallel.rank_group import RankGroup
-    from ..runtime.runner import ModelRunner
-
 logger = logging.getLogger(__name__)
 
 Prompt = Union[str, Sequence[int]]
+
+
+def _core_part(name: str) -> property:
+    """That part of the in-process core (``Engine.cache``...); None with several ranks (each rank holds its own)."""
+    return property(lambda engine: getattr(engine.backend.core, name) if engine.backend.core is not None else None)
 
 
 class Engine:
@@ -136,32 +135,16 @@ class Engine:
         """Usable device KV pages (every rank holds the same number)."""
         return self.backend.capacity_pages
 
-    def _core_part(self, name: str) -> Any:
-        """A part of the in-process core; None with several ranks (each rank holds its own)."""
-        core = self.backend.core
-        return getattr(core, name) if core is not None else None
-
-    @property
-    def cache(self) -> KVCacheManager | None:
-        return self._core_part("cache")
-
-    @property
-    def pool(self) -> DeviceKVPool | None:
-        return self._core_part("pool")
-
-    @property
-    def host_pool(self) -> HostKVPool | None:
-        return self._core_part("host_pool")
-
-    @property
-    def runner(self) -> ModelRunner | None:
-        return self._core_part("runner")
+    cache = _core_part("cache")  # KVCacheManager
+    pool = _core_part("pool")  # DeviceKVPool
+    host_pool = _core_part("host_pool")  # HostKVPool
+    runner = _core_part("runner")  # ModelRunner
 
     @property
     def group(self) -> RankGroup | None:
         """The rank processes (their pids, the checker's monitor and trace); None on one rank.
         Inspection only: the engine itself never asks which backend it holds."""
-        return None if isinstance(self.backend, LocalBackend) else cast("RankGroup", self.backend)
+        return None if isinstance(self.backend, LocalBackend) else cast(RankGroup, self.backend)
 
     # ---- requests ------------------------------------------------------------------------
     def vet_grammar(self, spec: GrammarSpec, client: Hashable = None) -> Future:
