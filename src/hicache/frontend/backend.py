@@ -67,7 +67,10 @@ class Backend(Protocol):
         """Empty the prefix cache; the caller has checked that no request is in flight."""
 
     def drain_idle(self) -> None:
-        """Idle housekeeping; never waits."""
+        """Idle housekeeping: apply the transfer acks that are ready so no lock outlives its transfer
+        (several ranks do this themselves, in agreed steps). Never waits: a storage write stuck in a
+        hung backend must not hold the loop thread; the EngineLoop comes back (it polls while idle)
+        and applies the rest once ready."""
 
     def check_alive(self) -> None:
         """Raise :class:`~hicache.errors.EngineDeadError` once the backend can no longer serve."""

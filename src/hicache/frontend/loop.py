@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional
 
 from ..disagg.bootstrap import Bootstrap
 from ..errors import EngineDeadError, HicacheError
@@ -27,13 +27,11 @@ from ..parallel.channels import queued_now
 from ..runtime.request import GenerateResult, Request, Status
 from ..runtime.sampling import SamplingParams
 from ..runtime.step import Abort, Add, apply_intake, take_intake
-from .engine import Engine
+from .engine import Engine, Prompt
 
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.5  # while idle the loop wakes this often to apply finished transfers and check ranks
-
-Prompt = Union[str, Sequence[int]]
 
 
 @dataclass(frozen=True)
@@ -227,18 +225,12 @@ class EngineLoop:
         self._cmds.put(Abort(rid))
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
-        """Run ``fn()`` on the loop thread between two steps; its result comes back in the future."""
+        """Run ``fn()`` on the loop thread between two steps; its result comes back in the future
+        (``await asyncio.wrap_future(...)`` from a coroutine). EngineDeadError unless the loop is serving."""
+        self.check_alive()
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        try:
-            self.check_alive()
-        except EngineDeadError as e:
-            fut.set_exception(e)
-            return fut
         self._cmds.put(Call(fn, fut))
         return fut
-
-    async def acall(self, fn: Callable[[], Any]) -> Any:
-        return await asyncio.wrap_future(self.call(fn))
 
     async def flush(self, timeout: float = 0.0, poll_s: float = 0.05) -> bool:
         """Empty the cache once no request is in flight, waiting up to ``timeout`` seconds.
@@ -246,7 +238,7 @@ class EngineLoop:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(timeout, 0.0)
         while True:
-            if await self.acall(self.engine.flush_cache):
+            if await asyncio.wrap_future(self.call(self.engine.flush_cache)):
                 return True
             if loop.time() >= deadline:
                 return False
@@ -254,7 +246,7 @@ class EngineLoop:
 
     async def stats(self) -> dict[str, Any]:
         """``Engine.stats()`` taken on the loop thread."""
-        return await self.acall(self.engine.stats)
+        return await asyncio.wrap_future(self.call(self.engine.stats))
 
     # ---- the loop thread -----------------------------------------------------------------
     def _run(self) -> None:
@@ -262,7 +254,7 @@ class EngineLoop:
         try:
             while True:
                 self._outbox.send()  # what the last step (or abort) made, before anything may block
-                eng.drain_idle()
+                eng.backend.drain_idle()
                 if not self._drain(block=not sched.has_work()):
                     break
                 if sched.has_work():
