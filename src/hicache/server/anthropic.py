@@ -203,9 +203,8 @@ def _stop(res: GenerateResult, p: Prepared, called: bool, decode: Callable[[list
     return ("stop_sequence", matched) if matched is not None else ("end_turn", None)
 
 
-def _tool_use(call) -> dict[str, Any]:
-    return {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": call.name,
-            "input": json.loads(call.arguments)}
+def _tool_use(name: str, input: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": name, "input": input}
 
 
 # Anthropic's error types by HTTP status (its error bodies: {"type": "error", "error": {"type", "message"}})
@@ -251,7 +250,8 @@ def add_anthropic_routes(app: FastAPI, st: ServerState) -> None:
             return event_stream(st, handles, _events(p, handles, base, decode), headers)
         res = (await collect_choices(st, request, handles))[0]
         content, calls = parse_reply(res.text, res.finish_reason, p.call_names, p.call_format)
-        blocks = ([{"type": "text", "text": content}] if content else []) + [_tool_use(c) for c in calls]
+        blocks = ([{"type": "text", "text": content}] if content else []) + [
+            _tool_use(c.name, json.loads(c.arguments)) for c in calls]
         stop_reason, stop_sequence = _stop(res, p, bool(calls), decode)
         return JSONResponse({**base, "content": blocks, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
                              "usage": _usage(res)}, headers=headers)
@@ -307,8 +307,7 @@ async def _events(p: Prepared, handles: list, base: dict[str, Any],
             index += 1
         for call in deltas[-1].get("tool_calls") or []:
             fn = call["function"]
-            block = {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": fn["name"], "input": {}}
-            yield sse_event("content_block_start", {"index": index, "content_block": block})
+            yield sse_event("content_block_start", {"index": index, "content_block": _tool_use(fn["name"], {})})
             yield sse_event("content_block_delta", {"index": index, "delta": {"type": "input_json_delta",
                                                                            "partial_json": fn["arguments"]}})
             yield sse_event("content_block_stop", {"index": index})

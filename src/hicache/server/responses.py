@@ -28,6 +28,7 @@ forward), as on chat completions.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 import uuid
@@ -84,16 +85,9 @@ class _Turn:
     def output(self, res: GenerateResult) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """The output items of a finished reply and the reply as a chat message (for the store)."""
         content, calls = parse_reply(res.text, res.finish_reason, self.p.call_names, self.p.call_format)
-        items: list[dict[str, Any]] = []
-        if content:
-            items.append(_message_item(content, "completed"))
-        reply: dict[str, Any] = {"role": "assistant", "content": content or ""}
-        if calls:
-            fcs = [_call_item(c.name, c.arguments) for c in calls]
-            items += fcs
-            reply["tool_calls"] = [{"id": f["call_id"], "type": "function",
-                                    "function": {"name": f["name"], "arguments": f["arguments"]}} for f in fcs]
-        return items, reply
+        tool_calls = [c.openai() for c in calls]
+        items = ([_message_item(content, "completed")] if content else []) + [_call_item(t) for t in tool_calls]
+        return items, {"role": "assistant", "content": content or "", **({"tool_calls": tool_calls} if calls else {})}
 
     def finish(self, res: GenerateResult, store: ResponseStore) -> dict[str, Any]:
         if res.finish_reason == "error":
@@ -127,9 +121,11 @@ def _message_item(text: str, status: str) -> dict[str, Any]:
             "content": [{"type": "output_text", "text": text, "annotations": []}]}
 
 
-def _call_item(name: str, arguments: str) -> dict[str, Any]:
-    return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": f"call_{uuid.uuid4().hex[:24]}",
-            "name": name, "arguments": arguments, "status": "completed"}
+def _call_item(call: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI ``tool_calls`` entry as a function_call output item (``call_id``: the entry's id)."""
+    fn = call["function"]
+    return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"], "name": fn["name"],
+            "arguments": fn["arguments"], "status": "completed"}
 
 
 def add_responses_routes(app: FastAPI, st: ServerState, store: ResponseStore) -> None:
@@ -187,11 +183,10 @@ async def _events(st: ServerState, turn: _Turn, handles: list, store: ResponseSt
     ``response.output_text.delta`` events (what may begin a tool call held back, as in chat streams),
     one function_call item per call at the end (its arguments as one delta), then
     ``response.completed`` / ``incomplete`` / ``failed`` with the whole response."""
-    seq = [0]
+    seq = itertools.count()
 
     def event(kind: str, **data: Any) -> str:
-        seq[0] += 1
-        return sse_event(kind, {"sequence_number": seq[0] - 1, **data})
+        return sse_event(kind, {"sequence_number": next(seq), **data})
 
     reply_deltas = ReplyDeltas(turn.p, st.engine.tokenizer.decode)
     yield event("response.created", response=turn.response("in_progress", []))
