@@ -100,10 +100,7 @@ def calculate(expression: str) -> str:
     return str(int(value)) if value.is_integer() else f"{value:g}"
 
 
-def run_tool(name: str, arguments: str) -> str:
-    """Run one call the model made (arguments: a JSON object as text)."""
-    args = json.loads(arguments)
-    return read_file(**args) if name == "read_file" else calculate(**args)
+RUN = {"read_file": read_file, "calculate": calculate}  # what each tool's call runs, its arguments as keywords
 
 
 @contextlib.contextmanager
@@ -153,14 +150,18 @@ class Turn(NamedTuple):
     content: Optional[str]  # the reply's text (the answer turn: its JSON)
 
 
-def _ttft_ms(resp: Any) -> float:
-    return (resp.model_extra or {}).get("timing", {}).get("ttft_s", float("nan")) * 1000
-
-
 def _run_calls(calls: list[tuple[str, str]]) -> tuple[list[str], str]:
-    """Each call ``(name, arguments)`` run: (its results, one summary of calls and results)."""
-    results = [run_tool(name, arguments) for name, arguments in calls]
+    """Each call ``(name, arguments: a JSON object as text)`` run: (its results, one summary of calls and results)."""
+    results = [RUN[name](**json.loads(arguments)) for name, arguments in calls]
     return results, "; ".join(f"{n}({a}) -> {r.strip()!r}" for (n, a), r in zip(calls, results))
+
+
+def _turn(resp: Any, counts: tuple[int, int, dict[str, int]], function: Optional[str], summary: str,
+          text: Optional[str]) -> Turn:
+    """The row of a turn: ``counts`` its prompt, cached and per-tier cached tokens; ``summary`` its calls and their
+    results (the answer turn, ``function`` None: the answer), the TTFT its response's ``timing`` says."""
+    ttft_ms = (resp.model_extra or {}).get("timing", {}).get("ttft_s", float("nan")) * 1000
+    return Turn(*counts, ttft_ms, f"answer: {text}" if function is None else summary or f"no call: {text!r}", text)
 
 
 class Agent:
@@ -194,12 +195,9 @@ class ChatAgent(Agent):
         calls = message.tool_calls or []
         results, summary = _run_calls([(c.function.name, c.function.arguments) for c in calls])
         self.input += [{"role": "tool", "tool_call_id": c.id, "content": r} for c, r in zip(calls, results)]
-        usage = resp.usage
-        tiers = (usage.prompt_tokens_details.model_extra or {}).get("cached_tokens_details", {})
-        if function is None:
-            summary = f"answer: {message.content}"
-        return Turn(usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens, tiers, _ttft_ms(resp),
-                    summary or f"no call: {message.content!r}", message.content)
+        details = resp.usage.prompt_tokens_details
+        tiers = (details.model_extra or {}).get("cached_tokens_details", {})
+        return _turn(resp, (resp.usage.prompt_tokens, details.cached_tokens, tiers), function, summary, message.content)
 
 
 class ResponsesAgent(Agent):
@@ -226,12 +224,9 @@ class ResponsesAgent(Agent):
         self.input = [{"type": "function_call_output", "call_id": c.call_id, "output": r}
                       for c, r in zip(calls, results)]
         usage = resp.usage
-        text = resp.output_text
-        if function is None:
-            summary = f"answer: {text}"
-        return Turn(usage.input_tokens, usage.input_tokens_details.cached_tokens,
-                    (usage.model_extra or {}).get("hicache_cached_tokens", {}), _ttft_ms(resp),
-                    summary or f"no call: {text!r}", text)
+        tiers = (usage.model_extra or {}).get("hicache_cached_tokens", {})
+        return _turn(resp, (usage.input_tokens, usage.input_tokens_details.cached_tokens, tiers), function, summary,
+                     resp.output_text)
 
 
 def turn_row(number: int, turn: Turn) -> str:
