@@ -299,11 +299,10 @@ class Engine:
         return self.backend.scheduler
 
     def stats(self) -> dict[str, Any]:
-        out = self.backend.stats()
         cfg = self.config
-        out["parallel"] = {"tp_size": cfg.tp_size, "pp_size": cfg.pp_size, "attn_cp_size": cfg.attn_cp_size,
-                           "kv_cache_sharding": cfg.enable_kv_cache_sharding}
-        return out
+        return {**self.backend.stats(), "parallel": {"tp_size": cfg.tp_size, "pp_size": cfg.pp_size,
+                                                     "attn_cp_size": cfg.attn_cp_size,
+                                                     "kv_cache_sharding": cfg.enable_kv_cache_sharding}}
 
     def storage_layout(self) -> dict[str, Any]:
         """The L3 object layout for external routers: with the unified key scheme the namespace

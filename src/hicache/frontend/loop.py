@@ -83,8 +83,6 @@ class Outbox:
             self.send()
 
     def send(self) -> None:
-        if not self._items:
-            return
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for handle, upd in self._items:
             by_loop.setdefault(handle._aio_loop, []).append((handle, upd))

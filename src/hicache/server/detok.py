@@ -26,14 +26,10 @@ class IncrementalText:
         end = len(text) - self._hold
         while end > self._emitted and text[end - 1] == "\ufffd":
             end -= 1
-        if end <= self._emitted:
-            return ""
-        out = text[self._emitted : end]
-        self._emitted = end
+        out, self._emitted = text[self._emitted : end], max(end, self._emitted)
         return out
 
     def finish(self, final_text: str) -> str:
         """The rest of ``final_text`` (the engine's text, stop string already cut)."""
-        out = final_text[self._emitted :]
-        self._emitted = len(final_text)
+        out, self._emitted = final_text[self._emitted :], len(final_text)
         return out

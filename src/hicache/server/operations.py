@@ -106,12 +106,10 @@ def _add_info_routes(app: FastAPI, st: ServerState) -> None:
     async def server_info() -> dict:
         """The engine's configuration (SGLang's server args where the names agree), and the
         scheduler's state as SGLang's ``internal_states`` (its bench_serving reads the accept length there)."""
-        cfg = st.engine.config
-        state: dict = {}
         spec = (await st.loop.stats()).get("speculative")
-        if spec is not None:
-            state["avg_spec_accept_length"] = spec["accept_length"]
-        return {**{k: v for k, v in dataclasses.asdict(cfg).items() if isinstance(v, (str, int, float, bool, type(None)))},
+        state = {"avg_spec_accept_length": spec["accept_length"]} if spec is not None else {}
+        return {**{k: v for k, v in dataclasses.asdict(st.engine.config).items()
+                   if isinstance(v, (str, int, float, bool, type(None)))},
                 "served_model_name": st.opts.served_model_name, "context_length": st.engine.context_length,
                 "sampling_defaults": st.opts.sampling_defaults,
                 "preferred_sampling_params": st.opts.preferred_sampling_params,

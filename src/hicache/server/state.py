@@ -35,10 +35,9 @@ class ServerState:
         self.created = int(time.time())
         self.workers = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="hicache-http-prepare")
         self.responses: Any = None  # the Responses API's store (server/responses.py), set by create_app
-        template = self.engine.tokenizer.chat_template if self.engine.tokenizer is not None else None
-        self.call_format, source = choose_format(opts.tool_call_parser, template)
-        logger.info("tool calls: %s format (from %s)", self.call_format.name, source)
         tok = self.engine.tokenizer
+        self.call_format, source = choose_format(opts.tool_call_parser, tok.chat_template if tok is not None else None)
+        logger.info("tool calls: %s format (from %s)", self.call_format.name, source)
         self.sampling_defaults = sampling_defaults(opts, tok.sampling_defaults if tok is not None else {})
 
     async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
