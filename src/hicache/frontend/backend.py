@@ -89,14 +89,7 @@ class LocalScheduler:
         self.runtime = scheduler
         self.driver = StepDriver(scheduler, forward)
         self.abort, self.has_work = scheduler.abort, scheduler.has_work  # the runtime's own, as they are
-
-    @property
-    def running(self) -> Sequence[Request]:
-        return self.runtime.running
-
-    @property
-    def waiting(self) -> Sequence[Request]:
-        return self.runtime.waiting
+        self.running, self.waiting = scheduler.running, scheduler.waiting  # (changed in place, never replaced)
 
     def add(self, *reqs: Request) -> None:
         for req in reqs:

@@ -67,9 +67,8 @@ class Engine:
         spec = self.loaded.spec
         self.context_length = cfg.context_length or spec.max_position_embeddings
         if self.context_length > spec.max_position_embeddings:
-            raise ConfigError(
-                f"--context-length {self.context_length} exceeds the model's {spec.max_position_embeddings} positions."
-            )
+            raise ConfigError(f"--context-length {self.context_length} exceeds the model's "
+                              f"{spec.max_position_embeddings} positions.")
         # chats render within a limit that leaves room for any prompt the context holds (model/chat_render.py)
         self.tokenizer = self.tokenizer.with_render_limit(render_limit_chars(self.context_length))
         self.draft: LoadedModel | None = None  # the speculative draft model
@@ -194,10 +193,8 @@ class Engine:
             raise InvalidRequestError("the prompt is empty.", param="prompt")
         check_token_ids("prompt", ids, self.vocab_size)
         if len(ids) >= self.context_length:
-            raise ContextLengthError(
-                f"the prompt has {len(ids)} tokens but the context length is {self.context_length}; "
-                "shorten it so at least one output token fits."
-            )
+            raise ContextLengthError(f"the prompt has {len(ids)} tokens but the context length is "
+                                     f"{self.context_length}; shorten it so at least one output token fits.")
         allowed = self.config.prefill_allowlist
         if bootstrap is not None and allowed is not None and (bootstrap.host, bootstrap.port) not in allowed:
             raise InvalidRequestError(f"the prefill server {bootstrap.host}:{bootstrap.port} is not one this server "
@@ -208,10 +205,9 @@ class Engine:
         # + the slots a verify pass writes past the last token (speculative decoding)
         need = -(-(len(ids) + max_new + self.config.speculative_steps) // self.config.page_size)
         if need > self.capacity_pages:
-            raise InvalidRequestError(
-                f"the request needs {need} KV pages (prompt {len(ids)} + max_new_tokens {max_new} tokens) but the "
-                f"device pool holds {self.capacity_pages}; raise --max-total-tokens or lower max_new_tokens."
-            )
+            raise InvalidRequestError(f"the request needs {need} KV pages (prompt {len(ids)} + max_new_tokens "
+                                      f"{max_new} tokens) but the device pool holds {self.capacity_pages}; raise "
+                                      "--max-total-tokens or lower max_new_tokens.")
         namespace = tree_namespace(self.cache_identity, self.config.cache_dtypes, self.config.page_size, cache_salt)
         return Request(rid=next(self._rids), prompt_ids=ids, sampling=sampling, namespace=namespace,
                        max_new_tokens=max_new, pd=PDState(bootstrap) if bootstrap is not None else None)
@@ -286,9 +282,8 @@ class Engine:
 
     def _check_driver(self, what: str) -> None:
         if self._driver is not None and threading.current_thread() is not self._driver:
-            raise HicacheError(
-                f"Engine.{what} cannot be called while an EngineLoop drives this engine; go through the loop."
-            )
+            raise HicacheError(f"Engine.{what} cannot be called while an EngineLoop drives this engine; go through "
+                               "the loop.")
 
     def _live_scheduler(self) -> SchedulerView:
         # After shutdown() a remote scheduler would wait for ranks that are gone: refuse at once.
