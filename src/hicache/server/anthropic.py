@@ -193,14 +193,12 @@ def _input_usage(prompt_tokens: int, cached: dict[str, int], output_tokens: int)
             "cache_creation_input_tokens": 0, "hicache_cached_tokens": dict(cached)}
 
 
-def _stop(res: GenerateResult, p: Prepared, called: bool, decode: Callable[[list[int]], str]) -> tuple[str, Optional[str]]:
-    """``(stop_reason, stop_sequence)`` of a finished reply."""
-    if res.finish_reason == "length":
-        return "max_tokens", None
-    if called:
-        return "tool_use", None
+def _stop(res: GenerateResult, p: Prepared, called: bool, decode: Callable[[list[int]], str]) -> dict[str, Any]:
+    """``stop_reason`` and ``stop_sequence`` of a finished reply."""
+    if res.finish_reason == "length" or called:
+        return {"stop_reason": "max_tokens" if res.finish_reason == "length" else "tool_use", "stop_sequence": None}
     matched = stop_string_matched(res, p.sampling.stop_strings, decode)
-    return ("stop_sequence", matched) if matched is not None else ("end_turn", None)
+    return {"stop_reason": "end_turn" if matched is None else "stop_sequence", "stop_sequence": matched}
 
 
 def _tool_use(name: str, input: dict[str, Any]) -> dict[str, Any]:
@@ -252,9 +250,8 @@ def add_anthropic_routes(app: FastAPI, st: ServerState) -> None:
         content, calls = parse_reply(res.text, res.finish_reason, p.call_names, p.call_format)
         blocks = ([{"type": "text", "text": content}] if content else []) + [
             _tool_use(c.name, json.loads(c.arguments)) for c in calls]
-        stop_reason, stop_sequence = _stop(res, p, bool(calls), decode)
-        return JSONResponse({**base, "content": blocks, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-                             "usage": _usage(res)}, headers=headers)
+        return JSONResponse({**base, "content": blocks, **_stop(res, p, bool(calls), decode), "usage": _usage(res)},
+                            headers=headers)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> dict:
@@ -294,8 +291,7 @@ async def _events(p: Prepared, handles: list, base: dict[str, Any],
                 "usage": _input_usage(len(p.ids), cached, 0)}})
         res = upd.result if upd.finished else None
         if res is not None and res.finish_reason == "error":
-            err = engine_dead_during(res)
-            yield sse_event("error", {"error": {"type": "api_error", "message": err.message}})
+            yield sse_event("error", {"error": {"type": "api_error", "message": engine_dead_during(res).message}})
             return
         deltas = reply_deltas(upd)
         for line in (line for d in deltas if d.get("content") for line in text(d["content"])):
@@ -312,7 +308,6 @@ async def _events(p: Prepared, handles: list, base: dict[str, Any],
                                                                            "partial_json": fn["arguments"]}})
             yield sse_event("content_block_stop", {"index": index})
             index += 1
-        stop_reason, stop_sequence = _stop(res, p, bool(deltas[-1].get("tool_calls")), decode)
-        yield sse_event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                                       "usage": _usage(res)})
+        yield sse_event("message_delta", {"delta": _stop(res, p, bool(deltas[-1].get("tool_calls")), decode),
+                                          "usage": _usage(res)})
         yield sse_event("message_stop", {})

@@ -8,6 +8,7 @@ without a code change here.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -40,12 +41,10 @@ class ServerMetrics:
         self.other = Gauge("hicache_engine_stat", "Other numeric groups of Engine.stats() (e.g. transfers), as reported.",
                            ["group", "field"], registry=r)
         self.evicted = Counter("hicache_evicted_pages", "Pages evicted from a tier.", ["tier"], registry=r)
-        self.ttft = Histogram("hicache_time_to_first_token_seconds", "Arrival to first token.",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("hicache_e2e_request_latency_seconds", "Arrival to finish.", buckets=LATENCY_BUCKETS,
-                             registry=r)
-        self.queue_time = Histogram("hicache_queue_time_seconds", "Arrival to admission.", buckets=LATENCY_BUCKETS,
-                                    registry=r)
+        latency = functools.partial(Histogram, buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = latency("hicache_time_to_first_token_seconds", "Arrival to first token.")
+        self.e2e = latency("hicache_e2e_request_latency_seconds", "Arrival to finish.")
+        self.queue_time = latency("hicache_queue_time_seconds", "Arrival to admission.")
         self.rejected = Counter("hicache_rejected_requests", "Requests answered with an error instead of a result, "
                                 "by error code (invalid_value, server_overloaded, engine_dead, invalid_api_key, ...).",
                                 ["reason"], registry=r)
