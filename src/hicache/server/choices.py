@@ -117,18 +117,12 @@ def usage_of(results: list[GenerateResult], n: int) -> dict[str, Any]:
     firsts = results[::n]
     prompt, completion = sum(r.prompt_tokens for r in firsts), sum(r.completion_tokens for r in results)
     tiers = {t: sum(r.cached_tokens_details[t] for r in firsts) for t in firsts[0].cached_tokens_details}
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts),
-                                  "cached_tokens_details": tiers},
-        # The same per-tier counts under a name of hicache's own: proxies (litellm) drop the field above,
-        # whose name another shape of theirs takes.
-        "hicache_cached_tokens": dict(tiers),
-        **spec_figures(firsts[0]),
-        **disagg_figures(firsts[0]),
-    }
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts),
+                                      "cached_tokens_details": tiers},
+            # The same per-tier counts under a name of hicache's own: proxies (litellm) drop the field above,
+            # whose name another shape of theirs takes.
+            "hicache_cached_tokens": dict(tiers), **spec_figures(firsts[0]), **disagg_figures(firsts[0])}
 
 
 def check_choices(n: int, prompts: int, sampling: SamplingParams, stream: bool, max_logprob_tokens: int,

@@ -113,16 +113,14 @@ def _chat_tool_choice(choice: Union[str, dict[str, Any], None]) -> Any:
 
 
 def _response_format(text: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
-    """``text.format`` as the chat API's ``response_format`` (None: plain text)."""
+    """``text.format`` as the chat API's ``response_format`` (``text``: plain text)."""
     fmt = (text or {}).get("format") or {"type": "text"}
     if not isinstance(fmt, dict):
         raise APIError(400, "text.format must be an object such as {\"type\": \"json_schema\", \"name\": ..., "
                             "\"schema\": {...}}.", param="text.format")
     kind = fmt.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"type": "json_object"}
+    if kind in ("text", "json_object"):
+        return {"type": kind}
     if kind == "json_schema":
         if not isinstance(fmt.get("schema"), dict):
             raise APIError(400, "text.format of type json_schema needs its JSON Schema as an object in "

@@ -145,8 +145,7 @@ class ChatChunks:
             if piece or first:
                 delta["content"] = piece
         else:
-            rest = self.text[self.sent:]
-            content, calls = parse_reply(rest, finish, self.call_names, self.fmt)
+            content, calls = parse_reply(self.text[self.sent:], finish, self.call_names, self.fmt)
             if content:
                 delta["content"] = content
             if calls:
