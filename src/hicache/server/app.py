@@ -62,8 +62,9 @@ def _prepare_chat(raw: bytes, st: ServerState) -> Prepared:
 def _prepare_completion(raw: bytes, st: ServerState) -> Prepared:
     body = parse_body(raw, CompletionRequest)
     st.check_model(body.model)
-    sp = sampling_params(st, body, body.max_new_tokens(), 16)
-    texts = body.prompt_list()
+    sp = sampling_params(st, body, body.max_tokens, 16)
+    given = body.prompt  # one prompt, or each of a batch (strings or token id lists)
+    texts = list(given) if isinstance(given, list) and given and isinstance(given[0], (str, list)) else [given]
     check_choices(body.n, len(texts), sp, body.stream, st.opts.max_logprob_tokens)  # before tokenizing them
     prompts = [st.engine.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in texts]
     for ids in prompts:
@@ -118,10 +119,10 @@ def _add_error_handlers(app: FastAPI, st: ServerState) -> None:
         return answer(APIError(400, f"{param}: {err['msg'].rstrip('.')}.", param=param))
 
 
-async def _stream(st: ServerState, handles: list[RequestHandle], p: Prepared, chunks: list[ChunkFn], base: dict,
-                  include_usage: bool) -> AsyncIterator[str]:
+async def _stream(st: ServerState, handles: list[RequestHandle], p: Prepared, chunks: list[ChunkFn],
+                  base: dict) -> AsyncIterator[str]:
     """The choices' chunks as their tokens arrive (``chunks[i]`` writes choice i's), each choice's
-    finish chunk, then the usage of all (when asked) and ``[DONE]``."""
+    finish chunk, then the usage of all (when ``stream_options.include_usage`` asks) and ``[DONE]``."""
     streams = [ChoiceStream(chunk, p, st.engine.tokenizer.decode) for chunk in chunks]
     results: list[GenerateResult] = []
     async for item in merged_updates(handles):
@@ -137,7 +138,7 @@ async def _stream(st: ServerState, handles: list[RequestHandle], p: Prepared, ch
             yield sse_data(chunk)
         if upd.finished:
             results.append(upd.result)
-    if include_usage:
+    if p.body.stream_options and p.body.stream_options.include_usage:
         results.sort(key=lambda r: r.rid)  # choice order: submitted in order, rids increase
         yield sse_data({**base, "choices": [], "usage": usage_of(results, p.n), "timing": timing(results[0])})
     yield "data: [DONE]\n\n"
@@ -151,8 +152,8 @@ async def _answer(st: ServerState, request: Request, p: Prepared, base: dict, ch
     logger.info("%s rid=%s prompt=%s max_new=%d stream=%s", base["object"], ",".join(str(h.rid) for h in handles),
                 ",".join(str(len(ids)) for ids in p.prompts), handles[0].max_new_tokens, p.body.stream)
     if p.body.stream:
-        return event_stream(st, handles, _stream(st, handles, p, [chunk(i) for i in range(len(handles))], base,
-                                                 p.body.include_usage), dropped_header(p.dropped_tools))
+        return event_stream(st, handles, _stream(st, handles, p, [chunk(i) for i in range(len(handles))], base),
+                            dropped_header(p.dropped_tools))
     results = await collect_choices(st, request, handles)
     return JSONResponse({**base, "choices": [choice(i, r) for i, r in enumerate(results)],
                          "usage": usage_of(results, p.n), "timing": timing(results[0])},

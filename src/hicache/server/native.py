@@ -141,19 +141,6 @@ def _check_supported(body: GenerateRequest, sp: NativeSamplingParams) -> None:
         raise _refuse("return_logprob", "return_logprob is not supported for a disaggregated (P/D) request.")
 
 
-def _sampling(st: ServerState, body: GenerateRequest, sp: NativeSamplingParams) -> SamplingParams:
-    """hicache's SamplingParams (an invalid combination or an unusable grammar is a 400)."""
-    sp = sp.with_unset(st.sampling_defaults)
-    out = SamplingParams(max_new_tokens=sp.max_new_tokens, grammar=sp.grammar(),
-                         **sampling_fields(sp, "sampling_params.logit_bias"),
-                         logprobs=body.top_logprobs_num if body.return_logprob else None)
-    try:
-        st.engine.check_sampling(out)  # (the grammar is vetted next, without holding this thread: vet_grammar)
-    except InvalidRequestError as e:
-        raise APIError(400, f"sampling_params: {e}", param=_native_field(e.param, sp) or "sampling_params") from None
-    return out
-
-
 def _prompt(body: GenerateRequest, st: ServerState) -> tuple[list[int], str]:
     """The one prompt's token ids and the field that held it."""
     if (body.text is None) == (body.input_ids is None):
@@ -169,10 +156,19 @@ def _prompt(body: GenerateRequest, st: ServerState) -> tuple[list[int], str]:
 
 
 def _prepare_generate(raw: bytes, st: ServerState) -> Prepared:
+    """The request made ready: hicache's SamplingParams (an invalid combination or an unusable grammar is a 400),
+    then its one prompt."""
     body = parse_body(raw, GenerateRequest)
     sp = body.sampling_params or NativeSamplingParams()
     _check_supported(body, sp)
-    sampling = _sampling(st, body, sp)
+    filled = sp.with_unset(st.sampling_defaults)
+    sampling = SamplingParams(max_new_tokens=filled.max_new_tokens, grammar=filled.grammar(),
+                              **sampling_fields(filled, "sampling_params.logit_bias"),
+                              logprobs=body.top_logprobs_num if body.return_logprob else None)
+    try:
+        st.engine.check_sampling(sampling)  # (the grammar is vetted next, without holding this thread: vet_grammar)
+    except InvalidRequestError as e:
+        raise APIError(400, f"sampling_params: {e}", param=_native_field(e.param, sp) or "sampling_params") from None
     check_choices(1, 1, sampling, bool(body.stream), st.opts.max_logprob_tokens, "sampling_params.max_new_tokens")
     ids, param = _prompt(body, st)
     explicit = sp.max_new_tokens if "max_new_tokens" in sp.model_fields_set else None  # a default one is shortened

@@ -24,16 +24,8 @@ def _tokenize(raw: bytes, st: ServerState) -> dict[str, Any]:
     body = parse_body(raw, TokenizeRequest)
     texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
     ids = [st.engine.tokenizer.encode(t) for t in texts]
-    out: dict[str, Any] = {"counts": [len(x) for x in ids], "max_model_len": st.engine.context_length}
-    if body.return_ids:
-        out["tokens"] = ids
-    return out
-
-
-def _tokenizer_dir(model: str) -> str | None:
-    """The model's Hugging Face directory when it holds a tokenizer.json, else None."""
-    folder = Path(model)
-    return str(folder.resolve()) if (folder / "tokenizer.json").is_file() else None
+    return {"counts": [len(x) for x in ids], "max_model_len": st.engine.context_length,
+            **({"tokens": ids} if body.return_ids else {})}
 
 
 def add_operation_routes(app: FastAPI, st: ServerState) -> None:
@@ -61,9 +53,8 @@ def add_operation_routes(app: FastAPI, st: ServerState) -> None:
         if await st.loop.flush(timeout):
             logger.info("flush_cache ok")
             return JSONResponse({"flushed": True, "message": "the cache was flushed."})
-        n = st.loop.num_inflight
-        raise APIError(400, f"cannot flush the cache while {n} request(s) are running or waiting; retry when idle "
-                            "or pass ?timeout=SECONDS to wait for them.", code="server_busy")
+        raise APIError(400, f"cannot flush the cache while {st.loop.num_inflight} request(s) are running or waiting; "
+                            "retry when idle or pass ?timeout=SECONDS to wait for them.", code="server_busy")
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -96,7 +87,9 @@ def _add_info_routes(app: FastAPI, st: ServerState) -> None:
         """What sglang-router asks every worker at start (SGLang's fields). ``tokenizer_path`` is a
         directory a client can load (bench_serving does when given no --tokenizer), else null:
         the embedded and GGUF models carry their tokenizer inside the weights file."""
-        return {"model_path": st.engine.config.model, "tokenizer_path": _tokenizer_dir(st.engine.config.model),
+        folder = Path(st.engine.config.model)
+        return {"model_path": st.engine.config.model,
+                "tokenizer_path": str(folder.resolve()) if (folder / "tokenizer.json").is_file() else None,
                 "served_model_name": st.opts.served_model_name, "is_generation": True,
                 "preferred_sampling_params": st.opts.preferred_sampling_params, "weight_version": "default",
                 "has_image_understanding": False, "has_audio_understanding": False}

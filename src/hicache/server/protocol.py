@@ -153,10 +153,6 @@ class SamplingBody(RequestBody):
             return (self.grammar_spec() or ("response_format", None))[0]
         return self.FIELDS.get(param, param) if param else None
 
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
-
 
 # SamplingParams' fields that an OpenAI body and /generate's sampling_params both carry, under these names
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "stop", "ignore_eos", "seed", "presence_penalty",
@@ -258,16 +254,6 @@ class CompletionRequest(SamplingBody):
 
     def top_logprobs_k(self) -> Optional[int]:
         return self.logprobs
-
-    def prompt_list(self) -> list[Union[str, list[int]]]:
-        """The request's prompts: one, or each of a batch (strings or token id lists)."""
-        p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            return list(p)
-        return [p]
-
-    def max_new_tokens(self) -> Optional[int]:
-        return self.max_tokens
 
 
 class TokenizeRequest(RequestBody):
