@@ -102,13 +102,10 @@ class RequestHandle:
     """A submitted request as seen from an asyncio event loop: ``async for update in handle``."""
 
     def __init__(self, req: Request, aio_loop: asyncio.AbstractEventLoop, outbox: Outbox) -> None:
-        self.rid = req.rid
-        self.prompt_tokens = len(req.prompt_ids)
-        self.max_new_tokens = req.max_new_tokens
+        self.rid, self.prompt_tokens, self.max_new_tokens = req.rid, len(req.prompt_ids), req.max_new_tokens
         self.finished = False
         self.result: Optional[GenerateResult] = None
-        self._aio_loop = aio_loop
-        self._outbox = outbox
+        self._aio_loop, self._outbox = aio_loop, outbox
         self._queue: asyncio.Queue[Update] = asyncio.Queue()
         self._sent = 0  # output tokens already forwarded; touched by the loop thread only
         self._first_sent = False  # the update carrying the cache hits went out (loop thread only)

@@ -57,8 +57,7 @@ class _Turn:
 
     def __init__(self, body: ResponsesRequest, messages: list[dict[str, Any]], prepared: Prepared) -> None:
         self.body, self.messages, self.p = body, messages, prepared
-        self.id = f"resp_{uuid.uuid4().hex}"
-        self.created = int(time.time())
+        self.id, self.created = f"resp_{uuid.uuid4().hex}", int(time.time())
 
     def response(self, status: str, output: list[dict[str, Any]], res: Optional[GenerateResult] = None,
                  error: Optional[dict[str, Any]] = None) -> dict[str, Any]:

@@ -27,10 +27,7 @@ class ServerState:
     """What the handlers share: the loop, metrics, options and the worker pool."""
 
     def __init__(self, loop: EngineLoop, metrics: ServerMetrics, opts: ServerOptions) -> None:
-        self.loop = loop
-        self.engine = loop.engine
-        self.metrics = metrics
-        self.opts = opts
+        self.loop, self.engine, self.metrics, self.opts = loop, loop.engine, metrics, opts
         self.max_inflight = loop.engine.config.max_running_requests + opts.max_queued_requests
         self.created = int(time.time())
         self.workers = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="hicache-http-prepare")
