@@ -243,5 +243,4 @@ def add_native_routes(app: FastAPI, st: ServerState) -> None:
                     handle.max_new_tokens, p.body.stream)
         if p.body.stream:
             return event_stream(st, [handle], _stream(st, handle, rid, p))
-        res = await collect_result(st, request, handle)
-        return JSONResponse(_answer_of(rid, res, p, st))
+        return JSONResponse(_answer_of(rid, await collect_result(st, request, handle), p, st))

@@ -22,8 +22,7 @@ logger = logging.getLogger("hicache.server.app")
 
 def _tokenize(raw: bytes, st: ServerState) -> dict[str, Any]:
     body = parse_body(raw, TokenizeRequest)
-    texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-    ids = [st.engine.tokenizer.encode(t) for t in texts]
+    ids = [st.engine.tokenizer.encode(t) for t in ([body.prompt] if isinstance(body.prompt, str) else body.prompt)]
     return {"counts": [len(x) for x in ids], "max_model_len": st.engine.context_length,
             **({"tokens": ids} if body.return_ids else {})}
 

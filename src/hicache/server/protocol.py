@@ -59,9 +59,7 @@ class RequestBody(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _null_is_default(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
-        return data
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
     def with_unset(self, defaults: Mapping[str, Any]) -> Self:
         """This body with ``defaults`` in the fields of theirs the client left unset (absent or null)."""
@@ -141,8 +139,7 @@ class SamplingBody(RequestBody):
 
     def top_logprobs_k(self) -> Optional[int]:
         """None: no logprobs; k: each token's log-probability and its k most likely alternatives
-        (each endpoint names them its own way)."""
-        return None
+        (each endpoint names them its own way; none here)."""
 
     # SamplingParams' names (InvalidRequestError.param) -> this body's fields, where they differ
     FIELDS: ClassVar[dict[str, str]] = {"max_new_tokens": "max_tokens"}  # (grammar: field_of reads the body)

@@ -81,21 +81,18 @@ class _Turn:
                 out["incomplete_details"] = {"reason": "max_output_tokens"}
         return out
 
-    def output(self, res: GenerateResult) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        """The output items of a finished reply and the reply as a chat message (for the store)."""
+    def finish(self, res: GenerateResult, store: ResponseStore) -> dict[str, Any]:
+        """The response of a finished reply (its output items), kept in ``store`` with the reply as a chat message."""
+        if res.finish_reason == "error":
+            return self.response("failed", [], res, {"code": res.error_code or "server_error", "message": res.error})
         content, calls = parse_reply(res.text, res.finish_reason, self.p.call_names, self.p.call_format)
         tool_calls = [c.openai() for c in calls]
         items = ([_message_item(content, "completed")] if content else []) + [_call_item(t) for t in tool_calls]
-        return items, {"role": "assistant", "content": content or "", **({"tool_calls": tool_calls} if calls else {})}
-
-    def finish(self, res: GenerateResult, store: ResponseStore) -> dict[str, Any]:
-        if res.finish_reason == "error":
-            return self.response("failed", [], res, {"code": res.error_code or "server_error", "message": res.error})
-        items, reply = self.output(res)
         response = self.response("incomplete" if res.finish_reason == "length" else "completed", items, res)
         if self.body.previous_response_id is not None:
             store.count_continued(res)
         if self.body.store:
+            reply = {"role": "assistant", "content": content or "", **({"tool_calls": tool_calls} if calls else {})}
             store.put(self.id, Stored([*self.messages, reply], [*self.p.ids, *res.output_ids], response))
         return response
 
@@ -160,8 +157,7 @@ def add_responses_routes(app: FastAPI, st: ServerState, store: ResponseStore) ->
         headers = dropped_header(turn.p.dropped_tools)
         if turn.body.stream:
             return event_stream(st, handles, _events(st, turn, handles, store), headers)
-        res = (await collect_choices(st, request, handles))[0]
-        return JSONResponse(turn.finish(res, store), headers=headers)
+        return JSONResponse(turn.finish((await collect_choices(st, request, handles))[0], store), headers=headers)
 
     @app.get("/v1/responses/{response_id}")
     async def get(response_id: str) -> dict:
@@ -199,8 +195,7 @@ async def _events(st: ServerState, turn: _Turn, handles: list, store: ResponseSt
         piece = "".join(d.get("content") or "" for d in reply_deltas(upd))
         if piece:
             if message is None:
-                message = _message_item("", "in_progress")
-                message["content"] = []
+                message = {**_message_item("", "in_progress"), "content": []}
                 yield event("response.output_item.added", output_index=0, item=message)
                 yield event("response.content_part.added", item_id=message["id"], output_index=0,
                             content_index=0, part={"type": "output_text", "text": "", "annotations": []})

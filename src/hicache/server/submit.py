@@ -217,8 +217,7 @@ def submit_request(st: ServerState, p: Prepared, ids: Optional[list[int]] = None
     except EngineDeadError as e:
         raise engine_dead(e) from None
     except InvalidRequestError as e:
-        field = p.param if e.param == "prompt" else p.body.field_of(e.param)
-        raise APIError(400, str(e), param=field) from None
+        raise APIError(400, str(e), param=p.param if e.param == "prompt" else p.body.field_of(e.param)) from None
     except HicacheError as e:
         raise APIError(400, str(e)) from None
 

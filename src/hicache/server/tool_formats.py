@@ -175,8 +175,7 @@ class CallFormat:
         calls = self._calls(text.strip().removeprefix(self.TAG), names)
         if calls:
             return None, calls
-        kept = text[:len(text) - self.held_back(text)] if truncated else text
-        return (kept.strip() or None), []
+        return (text[:len(text) - self.held_back(text)] if truncated else text).strip() or None, []
 
     def _calls(self, body: str, names: set[str]) -> Optional[list[ToolCall]]:
         """The calls a whole reply (its tag removed) is made of, or None (:func:`whole_reply_calls`)."""
@@ -240,8 +239,7 @@ class HermesFormat(CallFormat):
             return super().parse(text, names, truncated)
         tail = text[last:]
         kept.append(tail[:len(tail) - self._tag_held(tail)] if truncated else tail)
-        content = "".join(kept).strip()
-        return (content or None), calls
+        return ("".join(kept).strip() or None), calls
 
     def _tag_held(self, text: str) -> int:
         start = text.find(self.OPEN)
