@@ -37,13 +37,12 @@ from ..frontend.loop import RequestHandle
 from ..runtime.request import GenerateResult
 from ..runtime.sampling import GrammarSpec, SamplingParams
 from .choices import check_choices, event_stream, merged_updates
-from .detok import IncrementalText
 from .keepalive import SSE_KEEPALIVE
 from .parsing import parse_body, read_body
 from .protocol import OPEN, APIError, RequestBody, SamplingBody, sampling_fields
 from .state import ServerState
-from .submit import (Prepared, check_fits, collect_result, disagg_figures, engine_dead_during, spec_figures, sse_data,
-                     stop_string_matched, submit_request, timing, vet_grammar)
+from .submit import (IncrementalText, Prepared, check_fits, collect_result, disagg_figures, engine_dead_during,
+                     spec_figures, sse_data, stop_string_matched, submit_request, timing, vet_grammar)
 
 logger = logging.getLogger(__name__)
 
