@@ -238,11 +238,10 @@ def add_anthropic_routes(app: FastAPI, st: ServerState) -> None:
     async def messages(request: Request) -> Response:
         p: Prepared = await st.off_loop(prepare, await read_body(request, st.opts.max_request_bytes))
         await vet_grammar(st, p, request)
-        msg_id = f"msg_{uuid.uuid4().hex[:24]}"
         handles = submit_choices(st, p)
         logger.info("messages rid=%d prompt=%d max_new=%d stream=%s", handles[0].rid, len(p.ids),
                     handles[0].max_new_tokens, p.body.stream)
-        base = {"id": msg_id, "type": "message", "role": "assistant", "model": p.body.model}
+        base = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant", "model": p.body.model}
         headers = dropped_header(p.dropped_tools)
         if p.body.stream:
             return event_stream(st, handles, _events(p, handles, base, decode), headers)

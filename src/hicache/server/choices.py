@@ -37,14 +37,11 @@ def submit_choices(st: ServerState, p: Prepared) -> list[RequestHandle]:
     handles: list[RequestHandle] = []
     try:
         for k, ids in enumerate(p.prompts):
-            first = None
-            for j in range(p.n):
-                h = submit_request(st, p, ids, p.sampling.for_choice(k * p.n + j), None if first is None else first.rid)
-                first = first or h
-                handles.append(h)
+            for j in range(p.n):  # (a prompt's later choices wait for its first: handles[k * n])
+                handles.append(submit_request(st, p, ids, p.sampling.for_choice(k * p.n + j),
+                                              handles[k * p.n].rid if j else None))
     except BaseException:
-        for h in handles:
-            st.loop.abort(h.rid)
+        abort_unfinished(st, handles)
         raise
     return handles
 
