@@ -82,6 +82,8 @@ class Engine:
             f"{self.loaded.identity}+draft:{self.draft.identity}"
         self.model_namespace = tree_namespace(self.cache_identity, cfg.cache_dtypes, cfg.page_size)
         self.backend: Backend = make_backend(cfg, self.loaded, self.device, self.dtype, self.draft)
+        self.capacity_pages = self.backend.capacity_pages  # usable device KV pages (every rank holds as many)
+        self.vocab_size = spec.vocab_size
         self._closed = False
         self._failed: str | None = None  # why a step raised: the engine's state is no longer known good
         # Stops the ranks or the cache's threads (pending writes finish) on shutdown(), when the
@@ -115,24 +117,19 @@ class Engine:
             return f"{full} tokens"
         row = 2 * spec.num_kv_heads * spec.head_dim * self.kv_dtype.itemsize  # K + V of one token, one layer
         sliding = sum(1 for i in range(spec.num_layers) if spec.layer_window(i))
+        dense = spec.num_layers - sliding
         if self.backend.stats()["device_pool"]["window"].get("shared_blocks"):  # one pool both draw from
             return (f"{full} tokens of full-layer pages or {window} of window pages, shared "
-                    f"({full * row * (spec.num_layers - sliding) / 2**20:.1f} MiB; {spec.num_layers - sliding} full "
-                    f"layers, {sliding} layers of {spec.sliding_window})")
-        return (f"full {full} tokens ({full * row * (spec.num_layers - sliding) / 2**20:.1f} MiB, "
-                f"{spec.num_layers - sliding} layers) + window {window} tokens ({window * row * sliding / 2**20:.1f} MiB, "
-                f"{sliding} layers of {spec.sliding_window})")
+                    f"({full * row * dense / 2**20:.1f} MiB; {dense} full layers, {sliding} layers of "
+                    f"{spec.sliding_window})")
+        return (f"full {full} tokens ({full * row * dense / 2**20:.1f} MiB, {dense} layers) + window {window} tokens "
+                f"({window * row * sliding / 2**20:.1f} MiB, {sliding} layers of {spec.sliding_window})")
 
     # ---- the backend's parts (tests, benchmarks, the demo) -------------------------------
     @property
     def scheduler(self) -> SchedulerView | None:
         """The scheduler (a stand-in for the leader's with several ranks); None once shut down."""
         return None if self._closed else self.backend.scheduler
-
-    @property
-    def capacity_pages(self) -> int:
-        """Usable device KV pages (every rank holds the same number)."""
-        return self.backend.capacity_pages
 
     cache = _core_part("cache")  # KVCacheManager
     pool = _core_part("pool")  # DeviceKVPool
@@ -162,10 +159,6 @@ class Engine:
                     cfg.grammar_compile_timeout, cfg.grammar_memory_budget_mb << 20,
                     int(cfg.grammar_mask_budget_ms * 1000)))
         return self._vetter.vet(spec, client)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.loaded.spec.vocab_size
 
     def check_sampling(self, sampling: SamplingParams) -> None:
         """InvalidRequestError (naming the field) for parameters this engine cannot honour: any
@@ -263,9 +256,7 @@ class Engine:
     def flush_cache(self) -> bool:
         """Empty the prefix cache. Refused (False) while requests are in flight."""
         self._check_driver("flush_cache")
-        if self._live_scheduler().has_work():
-            return False
-        return self.backend.flush()
+        return not self._live_scheduler().has_work() and self.backend.flush()
 
     def check_alive(self) -> None:
         """Raises :class:`EngineDeadError` if the engine can no longer serve (a rank died, a step raised)."""
