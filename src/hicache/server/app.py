@@ -44,7 +44,6 @@ from .operations import add_operation_routes
 from .parsing import parse_body, read_body
 from .prepare import prepare_chat, sampling_params
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest
-from .response_store import ResponseStore
 from .responses import add_responses_routes
 from .responses_request import own_fields
 from .options import ServerOptions
@@ -85,7 +84,6 @@ def create_app(loop: EngineLoop, metrics: ServerMetrics, opts: ServerOptions) ->
                            on_reject=lambda: metrics.rejected.labels(reason="invalid_api_key").inc())
     _add_openai_routes(app, st)
     add_anthropic_routes(app, st)
-    st.responses = ResponseStore(opts.responses_store_size, opts.responses_store_mb << 20)  # /stats reports it
     add_responses_routes(app, st, st.responses)
     add_native_routes(app, st)
     add_operation_routes(app, st)

@@ -70,8 +70,7 @@ def add_operation_routes(app: FastAPI, st: ServerState) -> None:
 
     @app.get("/stats")
     async def stats() -> dict:
-        responses = {"responses": st.responses.stats()} if st.responses is not None else {}
-        return {**(await st.loop.stats()), "inflight_requests": st.loop.num_inflight, **responses}
+        return {**(await st.loop.stats()), "inflight_requests": st.loop.num_inflight, "responses": st.responses.stats()}
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:

@@ -211,11 +211,8 @@ def _finish_events(event: Callable[..., str], response: dict[str, Any],
                    message: Optional[dict[str, Any]]) -> Iterator[str]:
     """The end of a stream: the message item's done events (``message``: the item streamed so far,
     whose id the output keeps), one function_call item per call (its arguments as one delta), then
-    ``response.completed`` / ``incomplete`` / ``failed`` with the whole response."""
-    if response["status"] == "failed":
-        yield event("response.failed", response=response)
-        return
-    for index, item in enumerate(response["output"]):
+    ``response.completed`` / ``incomplete`` / ``failed`` (its status) with the whole response."""
+    for index, item in enumerate(response["output"]):  # (none when it failed)
         if item["type"] == "message":
             item["id"] = message["id"] if message is not None else item["id"]
             part = item["content"][0]
@@ -231,5 +228,4 @@ def _finish_events(event: Callable[..., str], response: dict[str, Any],
             yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                         arguments=item["arguments"])
         yield event("response.output_item.done", output_index=index, item=item)
-    kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
-    yield event(kind, response=response)
+    yield event(f"response.{response['status']}", response=response)
