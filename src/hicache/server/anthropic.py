@@ -288,7 +288,7 @@ async def _events(p: Prepared, handles: list, base: dict[str, Any],
             yield sse_event("message_start", {"message": {
                 **base, "content": [], "stop_reason": None, "stop_sequence": None,
                 "usage": _input_usage(len(p.ids), cached, 0)}})
-        res = upd.result if upd.finished else None
+        res = upd.result  # (set on the final update only)
         if res is not None and res.finish_reason == "error":
             yield sse_event("error", {"error": {"type": "api_error", "message": engine_dead_during(res).message}})
             return
@@ -300,13 +300,12 @@ async def _events(p: Prepared, handles: list, base: dict[str, Any],
         if text_open:
             yield sse_event("content_block_stop", {"index": index})
             index += 1
-        for call in deltas[-1].get("tool_calls") or []:
-            fn = call["function"]
+        calls = [call["function"] for call in deltas[-1].get("tool_calls") or []]
+        for fn in calls:
             yield sse_event("content_block_start", {"index": index, "content_block": _tool_use(fn["name"], {})})
             yield sse_event("content_block_delta", {"index": index, "delta": {"type": "input_json_delta",
                                                                            "partial_json": fn["arguments"]}})
             yield sse_event("content_block_stop", {"index": index})
             index += 1
-        yield sse_event("message_delta", {"delta": _stop(res, p, bool(deltas[-1].get("tool_calls")), decode),
-                                          "usage": _usage(res)})
+        yield sse_event("message_delta", {"delta": _stop(res, p, bool(calls), decode), "usage": _usage(res)})
         yield sse_event("message_stop", {})

@@ -149,8 +149,7 @@ def _prompt(body: GenerateRequest, st: ServerState) -> tuple[list[int], str]:
             raise APIError(400, "one prompt per request is supported; send text as a string.", param="text")
         return st.engine.tokenizer.encode(body.text), "text"
     if body.input_ids and isinstance(body.input_ids[0], list):
-        raise APIError(400, "one prompt per request is supported; send input_ids as a list of ints.",
-                       param="input_ids")
+        raise APIError(400, "one prompt per request is supported; send input_ids as a list of ints.", param="input_ids")
     return list(body.input_ids), "input_ids"  # type: ignore[arg-type]
 
 
@@ -194,8 +193,7 @@ def _answer_of(rid: str, res: GenerateResult, p: Prepared, st: ServerState) -> d
         "id": rid, "finish_reason": _finish_reason(res, p, st), "prompt_tokens": res.prompt_tokens,
         "completion_tokens": res.completion_tokens, "cached_tokens": res.cached_tokens,
         "cached_tokens_details": dict(res.cached_tokens_details), "e2e_latency": res.e2e_s,
-        "timing": timing(res), **spec_figures(res), **disagg_figures(res), **_logprobs(res, p, st),
-    }}
+        "timing": timing(res), **spec_figures(res), **disagg_figures(res), **_logprobs(res, p, st)}}
 
 
 def _logprobs(res: GenerateResult, p: Prepared, st: ServerState) -> dict[str, Any]:
@@ -225,9 +223,8 @@ async def _stream(st: ServerState, handle: RequestHandle, rid: str, p: Prepared)
             return
         text += detok.add(upd.token_ids)
         ids.extend(upd.token_ids)
-        yield sse_data({"text": text, "output_ids": ids, "meta_info": {
-            "id": rid, "finish_reason": None, "prompt_tokens": handle.prompt_tokens,
-            "completion_tokens": upd.num_output_tokens}})
+        yield sse_data({"text": text, "output_ids": ids, "meta_info": {"id": rid, "finish_reason": None,
+                        "prompt_tokens": handle.prompt_tokens, "completion_tokens": upd.num_output_tokens}})
 
 
 def add_native_routes(app: FastAPI, st: ServerState) -> None:

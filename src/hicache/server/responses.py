@@ -106,8 +106,7 @@ def continued_ids(tokenizer: Any, history: list[int], rendered: list[int]) -> li
     said = tokenizer.decode(history, skip_special_tokens=False)
     text = tokenizer.decode(rendered, skip_special_tokens=False)
     if not text.startswith(said):
-        logger.info("continuation re-rendered: the template writes the stored history otherwise (%d ids)",
-                    len(history))
+        logger.info("continuation re-rendered: the template writes the stored history otherwise (%d ids)", len(history))
         return rendered
     return [*history, *tokenizer.backend.encode(text[len(said):], add_special_tokens=False).ids]
 
