@@ -185,11 +185,10 @@ class ChatAgent(Agent):
         None, the final answer under the JSON schema."""
         # tools stay listed on the answer turn too ("auto"): the prompt then extends the last one,
         # so its prefix comes from the cache; the schema keeps the reply to one JSON object
-        choice = {"type": "function", "function": {"name": function}} if function else "auto"
-        extra = {"parallel_tool_calls": False} if function else {"response_format": ANSWER}
-        resp = self.client.chat.completions.create(model=self.model, messages=self.input, tools=TOOLS,
-                                                   tool_choice=choice, temperature=0, max_tokens=self.max_tokens,
-                                                   **extra)
+        extra = ({"tool_choice": {"type": "function", "function": {"name": function}}, "parallel_tool_calls": False}
+                 if function else {"tool_choice": "auto", "response_format": ANSWER})
+        resp = self.client.chat.completions.create(model=self.model, messages=self.input, tools=TOOLS, temperature=0,
+                                                   max_tokens=self.max_tokens, **extra)
         message = resp.choices[0].message
         self.input.append(message.model_dump(exclude_none=True))
         calls = message.tool_calls or []

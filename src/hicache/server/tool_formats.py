@@ -125,14 +125,11 @@ def _object_grammar(tools: dict[str, dict[str, Any]], names: list[str], argument
                     layout: Optional[dict[str, Any]] = None) -> list[str]:
     """Lark rules ``fn0 .. fnN``: one call object of each function, its arguments under its schema,
     laid out as ``layout`` says (llguidance's JSON options; default :data:`_COMPACT`)."""
-    rules = []
-    for i, name in enumerate(names):
-        arguments = {**tools[name], "type": "object"}  # a schema without a type could take any JSON value
-        schema = {"type": "object", "properties": {"name": {"const": name}, argument_key: arguments},
-                  "required": ["name", argument_key], "additionalProperties": False,
-                  "x-guidance": layout or _COMPACT}
-        rules.append(f"fn{i}: %json {json.dumps(schema)}")
-    return rules
+    # (the arguments' schema typed "object": a schema without a type could take any JSON value)
+    return [f"fn{i}: %json " + json.dumps({
+        "type": "object", "properties": {"name": {"const": name}, argument_key: {**tools[name], "type": "object"}},
+        "required": ["name", argument_key], "additionalProperties": False, "x-guidance": layout or _COMPACT})
+        for i, name in enumerate(names)]
 
 
 def _literal(marker: str, special_id: SpecialId) -> str:
