@@ -82,11 +82,9 @@ def create_app(loop: EngineLoop, metrics: ServerMetrics, opts: ServerOptions) ->
     if opts.api_key:
         app.add_middleware(RequireApiKey, api_key=opts.api_key,
                            on_reject=lambda: metrics.rejected.labels(reason="invalid_api_key").inc())
-    _add_openai_routes(app, st)
-    add_anthropic_routes(app, st)
-    add_responses_routes(app, st, st.responses)
-    add_native_routes(app, st)
-    add_operation_routes(app, st)
+    for add_routes in (_add_openai_routes, add_anthropic_routes, add_responses_routes, add_native_routes,
+                       add_operation_routes):
+        add_routes(app, st)
     return app
 
 

@@ -123,9 +123,10 @@ def _call_item(call: dict[str, Any]) -> dict[str, Any]:
             "arguments": fn["arguments"], "status": "completed"}
 
 
-def add_responses_routes(app: FastAPI, st: ServerState, store: ResponseStore) -> None:
+def add_responses_routes(app: FastAPI, st: ServerState) -> None:
     """``/v1/responses`` and a stored response's ``GET`` / ``DELETE``, prepared as chat requests
-    (:func:`prepare_chat`), stored in ``store``."""
+    (:func:`prepare_chat`), stored in the server's store (``st.responses``)."""
+    store = st.responses
 
     def prepare(raw: bytes) -> _Turn:
         body = parse_body(raw, ResponsesRequest)
