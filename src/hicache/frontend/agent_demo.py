@@ -280,8 +280,7 @@ def run_agent_demo(model: str = "smollm2", server_args: str = "", api: str = "bo
     each answer; 0 when every one is right, 1 when one is wrong."""
     import openai
 
-    t0 = time.monotonic()
-    expected, wrong = QUANTITY * UNIT_PRICE, []
+    t0, expected, wrong = time.monotonic(), QUANTITY * UNIT_PRICE, []
     with serving(model, shlex.split(server_args)) as url:
         print(f"hicache agent-demo: {model} behind `hicache serve` at {url} (ready in {time.monotonic() - t0:.1f} s), "
               "driven through the openai SDK, greedy\ntask: " + TASK)

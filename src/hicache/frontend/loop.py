@@ -207,9 +207,8 @@ class EngineLoop:
         with the same prompt (n > 1): admitted once that prompt is cached, it computes only its tail."""
         self.check_alive()
         req = self.engine.make_request(prompt, sampling, cache_salt, bootstrap)
-        req.waits_for = waits_for
         handle = RequestHandle(req, aio_loop or asyncio.get_running_loop(), self._outbox)
-        req.on_update = handle._push
+        req.waits_for, req.on_update = waits_for, handle._push
         with self._lock:
             self.num_inflight += 1
         self._cmds.put(Add((req,)))

@@ -133,10 +133,8 @@ class MessagesRequest(RequestBody):
 def as_chat(body: MessagesRequest) -> ChatCompletionRequest:
     """The chat completion request ``body`` means (module docstring), without ``max_tokens``: the
     caller clips it to the context's rest once the prompt is tokenized (:func:`add_anthropic_routes`)."""
-    messages: list[dict[str, Any]] = []
-    if body.system:
-        system = body.system if isinstance(body.system, str) else "".join(b.text for b in body.system)
-        messages.append({"role": "system", "content": system})
+    system = body.system if isinstance(body.system, str) else "".join(b.text for b in body.system or [])
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if body.system else []
     for m in body.messages:
         blocks = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
         text = "".join(b.text for b in _text_blocks(blocks))

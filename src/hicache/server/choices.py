@@ -49,11 +49,10 @@ def submit_choices(st: ServerState, p: Prepared) -> list[RequestHandle]:
 def abort_unfinished(st: ServerState, handles: list[RequestHandle], why: str = "") -> None:
     """Abort every request of ``handles`` still running (a stream closed early: the client went away
     or the server is stopping; ``why`` says so in the log line), so its pages are freed."""
-    for h in handles:
-        if not h.finished:
-            if why:
-                logger.info("%s rid=%d; aborting", why, h.rid)
-            st.loop.abort(h.rid)
+    for h in (h for h in handles if not h.finished):
+        if why:
+            logger.info("%s rid=%d; aborting", why, h.rid)
+        st.loop.abort(h.rid)
 
 
 def event_stream(st: ServerState, handles: list[RequestHandle], events: AsyncIterator[str],

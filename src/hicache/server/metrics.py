@@ -117,8 +117,7 @@ class ServerMetrics:
                 for field, n in value.items():
                     if isinstance(n, (int, float)) and not isinstance(n, bool):
                         self.other.labels(group=key, field=field).set(n)
-            m = _EVICTED.match(key)
-            if m and isinstance(value, (int, float)):
+            if (m := _EVICTED.match(key)) and isinstance(value, (int, float)):
                 self._advance(self.evicted.labels(tier=m.group(1)), ("evicted", m.group(1)), value)
         if isinstance(stats.get("storage"), dict):
             self._update_storage(stats["storage"])

@@ -71,8 +71,7 @@ class RequireApiKey:
     time."""
 
     def __init__(self, app: ASGIApp, api_key: str, on_reject: Callable[[], None]) -> None:
-        self.app, self.on_reject = app, on_reject
-        self._expected = api_key.encode()
+        self.app, self.on_reject, self._expected = app, on_reject, api_key.encode()
 
     def _accepts(self, authorization: bytes) -> bool:
         scheme, _, key = authorization.partition(b" ")

@@ -201,10 +201,9 @@ async def _events(st: ServerState, turn: _Turn, handles: list, store: ResponseSt
                             content_index=0, part={"type": "output_text", "text": "", "annotations": []})
             yield event("response.output_text.delta", item_id=message["id"], output_index=0, content_index=0,
                         delta=piece)
-        if upd.finished:
+        if upd.finished:  # (the last update: one request)
             for line in _finish_events(event, turn.finish(upd.result, store), message):
                 yield line
-            return
 
 
 def _finish_events(event: Callable[..., str], response: dict[str, Any],

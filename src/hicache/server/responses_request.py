@@ -83,7 +83,8 @@ def chat_messages(body: ResponsesRequest, history: list[dict[str, Any]]) -> list
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
-            out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": _text_of(item.get("output", ""))})
+            out.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                        "content": _text_of(item.get("output", ""))})
         else:
             raise APIError(400, f"input items of type {kind!r} are not supported (messages, function_call and "
                                 "function_call_output are).", param="input")

@@ -172,9 +172,8 @@ class IncrementalText:
     """
 
     def __init__(self, decode: Callable[[Sequence[int]], str], stops: Sequence[str]) -> None:
-        self._decode = decode
+        self._decode, self._emitted = decode, 0  # _emitted: characters already handed out
         self._ids: list[int] = []
-        self._emitted = 0  # characters already handed out
         self._hold = max((len(s) for s in stops), default=1) - 1
 
     def add(self, token_ids: Sequence[int]) -> str:
