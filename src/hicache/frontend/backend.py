@@ -67,10 +67,7 @@ class Backend(Protocol):
         """Empty the prefix cache; the caller has checked that no request is in flight."""
 
     def drain_idle(self) -> None:
-        """Idle housekeeping: apply the transfer acks that are ready so no lock outlives its transfer
-        (several ranks do this themselves, in agreed steps). Never waits: a storage write stuck in a
-        hung backend must not hold the loop thread; the EngineLoop comes back (it polls while idle)
-        and applies the rest once ready."""
+        """Idle housekeeping; never waits."""
 
     def check_alive(self) -> None:
         """Raise :class:`~hicache.errors.EngineDeadError` once the backend can no longer serve."""
@@ -109,8 +106,7 @@ class LocalBackend:
     def __init__(self, core: EngineCore, page_size: int) -> None:
         self.core: EngineCore | None = core
         self._scheduler = LocalScheduler(core.scheduler, core.runner.forward)
-        self.capacity_pages = core.cache.capacity_pages
-        self.component_pages = core.cache.component_pages
+        self.capacity_pages, self.component_pages = core.cache.capacity_pages, core.cache.component_pages
         self._page_size = page_size
 
     def _live(self) -> EngineCore:

@@ -55,8 +55,7 @@ class Engine:
         self.device = resolve_device(cfg.device)
         # Resolved once, here: rank processes, cache namespaces and storage keys see the real dtype.
         self.config = cfg = choose_precision(cfg, self.device)
-        self.dtype = DTYPES[cfg.dtype]
-        self.kv_dtype = DTYPES[cfg.kv_cache_dtype]  # what every KV pool and tier holds
+        self.dtype, self.kv_dtype = DTYPES[cfg.dtype], DTYPES[cfg.kv_cache_dtype]  # kv_dtype: what every KV tier holds
         ranks = cfg.tp_size * cfg.pp_size
         # With several ranks this process only tokenizes: each rank loads its own slice.
         self.loaded = load_model(cfg.model, dtype=self.dtype, device=self.device, seed=cfg.random_seed,
@@ -160,10 +159,17 @@ class Engine:
                     int(cfg.grammar_mask_budget_ms * 1000)))
         return self._vetter.vet(spec, client)
 
+    def check_grammar(self, sampling: SamplingParams) -> SamplingParams:
+        """``sampling`` with its grammar vetted (waits for the verdict; see :meth:`vet_grammar`)."""
+        spec = sampling.grammar
+        if spec is None or spec.cost is not None:
+            return sampling
+        return dataclasses.replace(sampling, grammar=self.vet_grammar(spec).result())
+
     def check_sampling(self, sampling: SamplingParams) -> None:
         """InvalidRequestError (naming the field) for parameters this engine cannot honour: any
         :meth:`SamplingParams.validate` refuses, token ids outside the vocabulary, more
-        ``logprobs`` alternatives than ``--max-logprobs``. The grammar is vetted apart (:meth:`vet_grammar`)."""
+        ``logprobs`` alternatives than ``--max-logprobs``. The grammar is :meth:`check_grammar`'s."""
         sampling.validate()
         sampling.check_token_ids(self.vocab_size)
         limit = self.config.max_logprobs
@@ -174,10 +180,8 @@ class Engine:
     def make_request(self, prompt: Prompt, sampling: SamplingParams, cache_salt: str | None,
                      bootstrap: Bootstrap | None = None) -> Request:
         """A request for the scheduler, the prompt checked (InvalidRequestError, ContextLengthError).
-        ``sampling`` passed :meth:`check_sampling`, its one check (:meth:`generate`, the server); its grammar is
-        vetted here (waiting for the verdict: :meth:`vet_grammar`) unless it was already (the server's)."""
-        if sampling.grammar is not None and sampling.grammar.cost is None:
-            sampling = dataclasses.replace(sampling, grammar=self.vet_grammar(sampling.grammar).result())
+        ``sampling`` passed :meth:`check_sampling`, its one check (:meth:`generate`, the server)."""
+        sampling = self.check_grammar(sampling)
         try:  # (numpy integers are integers; floats are not)
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [operator.index(t) for t in prompt]
         except TypeError:
@@ -257,6 +261,13 @@ class Engine:
         """Empty the prefix cache. Refused (False) while requests are in flight."""
         self._check_driver("flush_cache")
         return not self._live_scheduler().has_work() and self.backend.flush()
+
+    def drain_idle(self) -> None:
+        """Idle housekeeping: apply the transfer acks that are ready so no lock outlives its
+        transfer (several ranks do this themselves, in agreed steps). Never waits: a storage
+        write stuck in a hung backend must not hold the loop thread; the loop comes back (it
+        polls while idle) and applies the rest once ready."""
+        self.backend.drain_idle()
 
     def check_alive(self) -> None:
         """Raises :class:`EngineDeadError` if the engine can no longer serve (a rank died, a step raised)."""

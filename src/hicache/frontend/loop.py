@@ -248,7 +248,7 @@ class EngineLoop:
         try:
             while True:
                 self._outbox.send()  # what the last step (or abort) made, before anything may block
-                eng.backend.drain_idle()
+                eng.drain_idle()
                 if not self._drain(block=not sched.has_work()):
                     break
                 if sched.has_work():

@@ -145,8 +145,7 @@ class ServerMetrics:
         backend = str(storage.get("backend", "unknown"))
         for kind, n in (storage.get("failures") or {}).items():
             self._advance(self.storage_failures.labels(backend=backend, kind=kind), ("fail", backend, kind), n)
-        breaker = storage.get("breaker")
-        if isinstance(breaker, dict):
+        if isinstance(breaker := storage.get("breaker"), dict):
             for state in ("closed", "open", "half_open"):
                 self.breaker_state.labels(backend=backend, state=state).set(float(breaker.get("state") == state))
             self._advance(self.breaker_opens.labels(backend=backend), ("opens", backend), breaker.get("opens", 0))

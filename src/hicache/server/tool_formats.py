@@ -84,8 +84,7 @@ def whole_reply_calls(text: str, names: set[str], argument_keys: tuple[str, ...]
     """The calls a reply is made of, written as bare JSON objects (or one list of them), in a fenced
     block or not; None when anything in it is not such a call."""
     body = text.strip()
-    fenced = _FENCE.fullmatch(body)
-    body = fenced.group(1) if fenced else body
+    body = fenced.group(1) if (fenced := _FENCE.fullmatch(body)) else body
     if not body.startswith(("{", "[")):
         return None
     try:
@@ -107,9 +106,7 @@ def _prefix_held(text: str, markers: tuple[str, ...]) -> int:
 def _whole_reply_held(text: str, starts: tuple[str, ...]) -> int:
     """All of ``text`` after its leading whitespace when that begins like a bare call (or may)."""
     body = text.lstrip()
-    if body and any(body.startswith(s) or s.startswith(body) for s in starts):
-        return len(body)
-    return 0
+    return len(body) if body and any(body.startswith(s) or s.startswith(body) for s in starts) else 0
 
 
 # JSON the way a forced call writes it: one line, ", " and ": " (what the format's examples show).
@@ -134,8 +131,7 @@ def _object_grammar(tools: dict[str, dict[str, Any]], names: list[str], argument
 
 def _literal(marker: str, special_id: SpecialId) -> str:
     """A marker in a Lark grammar: by id where it is a special token (text cannot spell it), else quoted."""
-    token = special_id(marker)
-    return f"<[{token}]>" if token is not None else json.dumps(marker)
+    return f"<[{token}]>" if (token := special_id(marker)) is not None else json.dumps(marker)
 
 
 def _call_args(call: dict[str, Any]) -> tuple[Any, Any]:
