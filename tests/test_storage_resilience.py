@@ -209,7 +209,7 @@ async def served_while_stuck(loop: EngineLoop, engine: Engine, reference: dict) 
     assert first.output_ids == reference[tuple(PROMPT)]
     pending = 0
     for _ in range(int(WAIT_S / 0.02)):  # each answer comes from the loop thread between steps
-        pending = await asyncio.wait_for(loop.acall(engine.cache.storage.pending_backups), WAIT_S)
+        pending = await asyncio.wait_for(asyncio.wrap_future(loop.call(engine.cache.storage.pending_backups)), WAIT_S)
         if pending:
             break
         await asyncio.sleep(0.02)

@@ -100,10 +100,7 @@ def calculate(expression: str) -> str:
     return str(int(value)) if value.is_integer() else f"{value:g}"
 
 
-def run_tool(name: str, arguments: str) -> str:
-    """Run one call the model made (arguments: a JSON object as text)."""
-    args = json.loads(arguments)
-    return read_file(**args) if name == "read_file" else calculate(**args)
+RUN = {"read_file": read_file, "calculate": calculate}  # what each tool's call runs, its arguments as keywords
 
 
 @contextlib.contextmanager
@@ -153,14 +150,18 @@ class Turn(NamedTuple):
     content: Optional[str]  # the reply's text (the answer turn: its JSON)
 
 
-def _ttft_ms(resp: Any) -> float:
-    return (resp.model_extra or {}).get("timing", {}).get("ttft_s", float("nan")) * 1000
-
-
 def _run_calls(calls: list[tuple[str, str]]) -> tuple[list[str], str]:
-    """Each call ``(name, arguments)`` run: (its results, one summary of calls and results)."""
-    results = [run_tool(name, arguments) for name, arguments in calls]
+    """Each call ``(name, arguments: a JSON object as text)`` run: (its results, one summary of calls and results)."""
+    results = [RUN[name](**json.loads(arguments)) for name, arguments in calls]
     return results, "; ".join(f"{n}({a}) -> {r.strip()!r}" for (n, a), r in zip(calls, results))
+
+
+def _turn(resp: Any, counts: tuple[int, int, dict[str, int]], function: Optional[str], summary: str,
+          text: Optional[str]) -> Turn:
+    """The row of a turn: ``counts`` its prompt, cached and per-tier cached tokens; ``summary`` its calls and their
+    results (the answer turn, ``function`` None: the answer), the TTFT its response's ``timing`` says."""
+    ttft_ms = (resp.model_extra or {}).get("timing", {}).get("ttft_s", float("nan")) * 1000
+    return Turn(*counts, ttft_ms, f"answer: {text}" if function is None else summary or f"no call: {text!r}", text)
 
 
 class Agent:
@@ -184,22 +185,18 @@ class ChatAgent(Agent):
         None, the final answer under the JSON schema."""
         # tools stay listed on the answer turn too ("auto"): the prompt then extends the last one,
         # so its prefix comes from the cache; the schema keeps the reply to one JSON object
-        choice = {"type": "function", "function": {"name": function}} if function else "auto"
-        extra = {"parallel_tool_calls": False} if function else {"response_format": ANSWER}
-        resp = self.client.chat.completions.create(model=self.model, messages=self.input, tools=TOOLS,
-                                                   tool_choice=choice, temperature=0, max_tokens=self.max_tokens,
-                                                   **extra)
+        extra = ({"tool_choice": {"type": "function", "function": {"name": function}}, "parallel_tool_calls": False}
+                 if function else {"tool_choice": "auto", "response_format": ANSWER})
+        resp = self.client.chat.completions.create(model=self.model, messages=self.input, tools=TOOLS, temperature=0,
+                                                   max_tokens=self.max_tokens, **extra)
         message = resp.choices[0].message
         self.input.append(message.model_dump(exclude_none=True))
         calls = message.tool_calls or []
         results, summary = _run_calls([(c.function.name, c.function.arguments) for c in calls])
         self.input += [{"role": "tool", "tool_call_id": c.id, "content": r} for c, r in zip(calls, results)]
-        usage = resp.usage
-        tiers = (usage.prompt_tokens_details.model_extra or {}).get("cached_tokens_details", {})
-        if function is None:
-            summary = f"answer: {message.content}"
-        return Turn(usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens, tiers, _ttft_ms(resp),
-                    summary or f"no call: {message.content!r}", message.content)
+        details = resp.usage.prompt_tokens_details
+        tiers = (details.model_extra or {}).get("cached_tokens_details", {})
+        return _turn(resp, (resp.usage.prompt_tokens, details.cached_tokens, tiers), function, summary, message.content)
 
 
 class ResponsesAgent(Agent):
@@ -226,12 +223,9 @@ class ResponsesAgent(Agent):
         self.input = [{"type": "function_call_output", "call_id": c.call_id, "output": r}
                       for c, r in zip(calls, results)]
         usage = resp.usage
-        text = resp.output_text
-        if function is None:
-            summary = f"answer: {text}"
-        return Turn(usage.input_tokens, usage.input_tokens_details.cached_tokens,
-                    (usage.model_extra or {}).get("hicache_cached_tokens", {}), _ttft_ms(resp),
-                    summary or f"no call: {text!r}", text)
+        tiers = (usage.model_extra or {}).get("hicache_cached_tokens", {})
+        return _turn(resp, (usage.input_tokens, usage.input_tokens_details.cached_tokens, tiers), function, summary,
+                     resp.output_text)
 
 
 def turn_row(number: int, turn: Turn) -> str:
@@ -286,8 +280,7 @@ def run_agent_demo(model: str = "smollm2", server_args: str = "", api: str = "bo
     each answer; 0 when every one is right, 1 when one is wrong."""
     import openai
 
-    t0 = time.monotonic()
-    expected, wrong = QUANTITY * UNIT_PRICE, []
+    t0, expected, wrong = time.monotonic(), QUANTITY * UNIT_PRICE, []
     with serving(model, shlex.split(server_args)) as url:
         print(f"hicache agent-demo: {model} behind `hicache serve` at {url} (ready in {time.monotonic() - t0:.1f} s), "
               "driven through the openai SDK, greedy\ntask: " + TASK)

@@ -53,37 +53,27 @@ class Backend(Protocol):
     same; ``component_pages``: those of each component with a page space of its own, by name: "full",
     a hybrid pool's "window"); ``core``: the in-process parts when this process holds them, else None."""
 
+    capacity_pages: int
+    component_pages: dict[str, int]
+    core: EngineCore | None
+
     @property
     def scheduler(self) -> SchedulerView: ...
 
-    @property
-    def capacity_pages(self) -> int: ...
-
-    @property
-    def component_pages(self) -> dict[str, int]: ...
-
-    @property
-    def core(self) -> EngineCore | None: ...
-
     def stats(self) -> dict[str, Any]:
         """Cache and queue figures (``Engine.stats()`` without the layout)."""
-        ...
 
     def flush(self) -> bool:
         """Empty the prefix cache; the caller has checked that no request is in flight."""
-        ...
 
     def drain_idle(self) -> None:
         """Idle housekeeping; never waits."""
-        ...
 
     def check_alive(self) -> None:
         """Raise :class:`~hicache.errors.EngineDeadError` once the backend can no longer serve."""
-        ...
 
     def shutdown(self) -> None:
         """Stop threads or processes and free the model and pools; idempotent."""
-        ...
 
 
 class LocalScheduler:
@@ -96,14 +86,7 @@ class LocalScheduler:
         self.runtime = scheduler
         self.driver = StepDriver(scheduler, forward)
         self.abort, self.has_work = scheduler.abort, scheduler.has_work  # the runtime's own, as they are
-
-    @property
-    def running(self) -> Sequence[Request]:
-        return self.runtime.running
-
-    @property
-    def waiting(self) -> Sequence[Request]:
-        return self.runtime.waiting
+        self.running, self.waiting = scheduler.running, scheduler.waiting  # (changed in place, never replaced)
 
     def add(self, *reqs: Request) -> None:
         for req in reqs:
@@ -123,8 +106,7 @@ class LocalBackend:
     def __init__(self, core: EngineCore, page_size: int) -> None:
         self.core: EngineCore | None = core
         self._scheduler = LocalScheduler(core.scheduler, core.runner.forward)
-        self.capacity_pages = core.cache.capacity_pages
-        self.component_pages = core.cache.component_pages
+        self.capacity_pages, self.component_pages = core.cache.capacity_pages, core.cache.component_pages
         self._page_size = page_size
 
     def _live(self) -> EngineCore:

@@ -9,7 +9,7 @@ import logging
 import threading
 import weakref
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Hashable, Sequence, Union, cast
+from typing import Any, Hashable, Sequence, Union, cast
 
 import torch
 
@@ -22,6 +22,7 @@ from ..model import load_model
 from ..model.chat_render import render_limit_chars
 from ..model.chat_templates import resolve_chat_template
 from ..model.loader import LoadedModel
+from ..parallel.rank_group import RankGroup
 from ..runtime.grammar_vet import GrammarVetter, VetLimits
 from ..runtime.request import GenerateResult, PDState, Request
 from ..runtime.sampling import GrammarSpec, SamplingParams, check_token_ids
@@ -29,16 +30,14 @@ from ..runtime.speculative import check_draft
 from ..runtime.storage_layout import layout_report
 from .backend import Backend, LocalBackend, SchedulerView, make_backend
 
-if TYPE_CHECKING:
-    from ..cache.host_pool import HostKVPool
-    from ..cache.manager import KVCacheManager
-    from ..cache.pools import DeviceKVPool
-    from ..parallel.rank_group import RankGroup
-    from ..runtime.runner import ModelRunner
-
 logger = logging.getLogger(__name__)
 
 Prompt = Union[str, Sequence[int]]
+
+
+def _core_part(name: str) -> property:
+    """That part of the in-process core (``Engine.cache``...); None with several ranks (each rank holds its own)."""
+    return property(lambda engine: getattr(engine.backend.core, name) if engine.backend.core is not None else None)
 
 
 class Engine:
@@ -56,8 +55,7 @@ class Engine:
         self.device = resolve_device(cfg.device)
         # Resolved once, here: rank processes, cache namespaces and storage keys see the real dtype.
         self.config = cfg = choose_precision(cfg, self.device)
-        self.dtype = DTYPES[cfg.dtype]
-        self.kv_dtype = DTYPES[cfg.kv_cache_dtype]  # what every KV pool and tier holds
+        self.dtype, self.kv_dtype = DTYPES[cfg.dtype], DTYPES[cfg.kv_cache_dtype]  # kv_dtype: what every KV tier holds
         ranks = cfg.tp_size * cfg.pp_size
         # With several ranks this process only tokenizes: each rank loads its own slice.
         self.loaded = load_model(cfg.model, dtype=self.dtype, device=self.device, seed=cfg.random_seed,
@@ -68,9 +66,8 @@ class Engine:
         spec = self.loaded.spec
         self.context_length = cfg.context_length or spec.max_position_embeddings
         if self.context_length > spec.max_position_embeddings:
-            raise ConfigError(
-                f"--context-length {self.context_length} exceeds the model's {spec.max_position_embeddings} positions."
-            )
+            raise ConfigError(f"--context-length {self.context_length} exceeds the model's "
+                              f"{spec.max_position_embeddings} positions.")
         # chats render within a limit that leaves room for any prompt the context holds (model/chat_render.py)
         self.tokenizer = self.tokenizer.with_render_limit(render_limit_chars(self.context_length))
         self.draft: LoadedModel | None = None  # the speculative draft model
@@ -84,6 +81,8 @@ class Engine:
             f"{self.loaded.identity}+draft:{self.draft.identity}"
         self.model_namespace = tree_namespace(self.cache_identity, cfg.cache_dtypes, cfg.page_size)
         self.backend: Backend = make_backend(cfg, self.loaded, self.device, self.dtype, self.draft)
+        self.capacity_pages = self.backend.capacity_pages  # usable device KV pages (every rank holds as many)
+        self.vocab_size = spec.vocab_size
         self._closed = False
         self._failed: str | None = None  # why a step raised: the engine's state is no longer known good
         # Stops the ranks or the cache's threads (pending writes finish) on shutdown(), when the
@@ -117,13 +116,13 @@ class Engine:
             return f"{full} tokens"
         row = 2 * spec.num_kv_heads * spec.head_dim * self.kv_dtype.itemsize  # K + V of one token, one layer
         sliding = sum(1 for i in range(spec.num_layers) if spec.layer_window(i))
+        dense = spec.num_layers - sliding
         if self.backend.stats()["device_pool"]["window"].get("shared_blocks"):  # one pool both draw from
             return (f"{full} tokens of full-layer pages or {window} of window pages, shared "
-                    f"({full * row * (spec.num_layers - sliding) / 2**20:.1f} MiB; {spec.num_layers - sliding} full "
-                    f"layers, {sliding} layers of {spec.sliding_window})")
-        return (f"full {full} tokens ({full * row * (spec.num_layers - sliding) / 2**20:.1f} MiB, "
-                f"{spec.num_layers - sliding} layers) + window {window} tokens ({window * row * sliding / 2**20:.1f} MiB, "
-                f"{sliding} layers of {spec.sliding_window})")
+                    f"({full * row * dense / 2**20:.1f} MiB; {dense} full layers, {sliding} layers of "
+                    f"{spec.sliding_window})")
+        return (f"full {full} tokens ({full * row * dense / 2**20:.1f} MiB, {dense} layers) + window {window} tokens "
+                f"({window * row * sliding / 2**20:.1f} MiB, {sliding} layers of {spec.sliding_window})")
 
     # ---- the backend's parts (tests, benchmarks, the demo) -------------------------------
     @property
@@ -131,37 +130,16 @@ class Engine:
         """The scheduler (a stand-in for the leader's with several ranks); None once shut down."""
         return None if self._closed else self.backend.scheduler
 
-    @property
-    def capacity_pages(self) -> int:
-        """Usable device KV pages (every rank holds the same number)."""
-        return self.backend.capacity_pages
-
-    def _core_part(self, name: str) -> Any:
-        """A part of the in-process core; None with several ranks (each rank holds its own)."""
-        core = self.backend.core
-        return getattr(core, name) if core is not None else None
-
-    @property
-    def cache(self) -> KVCacheManager | None:
-        return self._core_part("cache")
-
-    @property
-    def pool(self) -> DeviceKVPool | None:
-        return self._core_part("pool")
-
-    @property
-    def host_pool(self) -> HostKVPool | None:
-        return self._core_part("host_pool")
-
-    @property
-    def runner(self) -> ModelRunner | None:
-        return self._core_part("runner")
+    cache = _core_part("cache")  # KVCacheManager
+    pool = _core_part("pool")  # DeviceKVPool
+    host_pool = _core_part("host_pool")  # HostKVPool
+    runner = _core_part("runner")  # ModelRunner
 
     @property
     def group(self) -> RankGroup | None:
         """The rank processes (their pids, the checker's monitor and trace); None on one rank.
         Inspection only: the engine itself never asks which backend it holds."""
-        return None if isinstance(self.backend, LocalBackend) else cast("RankGroup", self.backend)
+        return None if isinstance(self.backend, LocalBackend) else cast(RankGroup, self.backend)
 
     # ---- requests ------------------------------------------------------------------------
     def vet_grammar(self, spec: GrammarSpec, client: Hashable = None) -> Future:
@@ -188,10 +166,6 @@ class Engine:
             return sampling
         return dataclasses.replace(sampling, grammar=self.vet_grammar(spec).result())
 
-    @property
-    def vocab_size(self) -> int:
-        return self.loaded.spec.vocab_size
-
     def check_sampling(self, sampling: SamplingParams) -> None:
         """InvalidRequestError (naming the field) for parameters this engine cannot honour: any
         :meth:`SamplingParams.validate` refuses, token ids outside the vocabulary, more
@@ -216,10 +190,8 @@ class Engine:
             raise InvalidRequestError("the prompt is empty.", param="prompt")
         check_token_ids("prompt", ids, self.vocab_size)
         if len(ids) >= self.context_length:
-            raise ContextLengthError(
-                f"the prompt has {len(ids)} tokens but the context length is {self.context_length}; "
-                "shorten it so at least one output token fits."
-            )
+            raise ContextLengthError(f"the prompt has {len(ids)} tokens but the context length is "
+                                     f"{self.context_length}; shorten it so at least one output token fits.")
         allowed = self.config.prefill_allowlist
         if bootstrap is not None and allowed is not None and (bootstrap.host, bootstrap.port) not in allowed:
             raise InvalidRequestError(f"the prefill server {bootstrap.host}:{bootstrap.port} is not one this server "
@@ -230,10 +202,9 @@ class Engine:
         # + the slots a verify pass writes past the last token (speculative decoding)
         need = -(-(len(ids) + max_new + self.config.speculative_steps) // self.config.page_size)
         if need > self.capacity_pages:
-            raise InvalidRequestError(
-                f"the request needs {need} KV pages (prompt {len(ids)} + max_new_tokens {max_new} tokens) but the "
-                f"device pool holds {self.capacity_pages}; raise --max-total-tokens or lower max_new_tokens."
-            )
+            raise InvalidRequestError(f"the request needs {need} KV pages (prompt {len(ids)} + max_new_tokens "
+                                      f"{max_new} tokens) but the device pool holds {self.capacity_pages}; raise "
+                                      "--max-total-tokens or lower max_new_tokens.")
         namespace = tree_namespace(self.cache_identity, self.config.cache_dtypes, self.config.page_size, cache_salt)
         return Request(rid=next(self._rids), prompt_ids=ids, sampling=sampling, namespace=namespace,
                        max_new_tokens=max_new, pd=PDState(bootstrap) if bootstrap is not None else None)
@@ -289,9 +260,7 @@ class Engine:
     def flush_cache(self) -> bool:
         """Empty the prefix cache. Refused (False) while requests are in flight."""
         self._check_driver("flush_cache")
-        if self._live_scheduler().has_work():
-            return False
-        return self.backend.flush()
+        return not self._live_scheduler().has_work() and self.backend.flush()
 
     def drain_idle(self) -> None:
         """Idle housekeeping: apply the transfer acks that are ready so no lock outlives its
@@ -315,9 +284,8 @@ class Engine:
 
     def _check_driver(self, what: str) -> None:
         if self._driver is not None and threading.current_thread() is not self._driver:
-            raise HicacheError(
-                f"Engine.{what} cannot be called while an EngineLoop drives this engine; go through the loop."
-            )
+            raise HicacheError(f"Engine.{what} cannot be called while an EngineLoop drives this engine; go through "
+                               "the loop.")
 
     def _live_scheduler(self) -> SchedulerView:
         # After shutdown() a remote scheduler would wait for ranks that are gone: refuse at once.
@@ -328,11 +296,10 @@ class Engine:
         return self.backend.scheduler
 
     def stats(self) -> dict[str, Any]:
-        out = self.backend.stats()
         cfg = self.config
-        out["parallel"] = {"tp_size": cfg.tp_size, "pp_size": cfg.pp_size, "attn_cp_size": cfg.attn_cp_size,
-                           "kv_cache_sharding": cfg.enable_kv_cache_sharding}
-        return out
+        return {**self.backend.stats(), "parallel": {"tp_size": cfg.tp_size, "pp_size": cfg.pp_size,
+                                                     "attn_cp_size": cfg.attn_cp_size,
+                                                     "kv_cache_sharding": cfg.enable_kv_cache_sharding}}
 
     def storage_layout(self) -> dict[str, Any]:
         """The L3 object layout for external routers: with the unified key scheme the namespace

@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional
 
 from ..disagg.bootstrap import Bootstrap
 from ..errors import EngineDeadError, HicacheError
@@ -27,13 +27,11 @@ from ..parallel.channels import queued_now
 from ..runtime.request import GenerateResult, Request, Status
 from ..runtime.sampling import SamplingParams
 from ..runtime.step import Abort, Add, apply_intake, take_intake
-from .engine import Engine
+from .engine import Engine, Prompt
 
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.5  # while idle the loop wakes this often to apply finished transfers and check ranks
-
-Prompt = Union[str, Sequence[int]]
 
 
 @dataclass(frozen=True)
@@ -85,8 +83,6 @@ class Outbox:
             self.send()
 
     def send(self) -> None:
-        if not self._items:
-            return
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for handle, upd in self._items:
             by_loop.setdefault(handle._aio_loop, []).append((handle, upd))
@@ -106,13 +102,10 @@ class RequestHandle:
     """A submitted request as seen from an asyncio event loop: ``async for update in handle``."""
 
     def __init__(self, req: Request, aio_loop: asyncio.AbstractEventLoop, outbox: Outbox) -> None:
-        self.rid = req.rid
-        self.prompt_tokens = len(req.prompt_ids)
-        self.max_new_tokens = req.max_new_tokens
+        self.rid, self.prompt_tokens, self.max_new_tokens = req.rid, len(req.prompt_ids), req.max_new_tokens
         self.finished = False
         self.result: Optional[GenerateResult] = None
-        self._aio_loop = aio_loop
-        self._outbox = outbox
+        self._aio_loop, self._outbox = aio_loop, outbox
         self._queue: asyncio.Queue[Update] = asyncio.Queue()
         self._sent = 0  # output tokens already forwarded; touched by the loop thread only
         self._first_sent = False  # the update carrying the cache hits went out (loop thread only)
@@ -214,9 +207,8 @@ class EngineLoop:
         with the same prompt (n > 1): admitted once that prompt is cached, it computes only its tail."""
         self.check_alive()
         req = self.engine.make_request(prompt, sampling, cache_salt, bootstrap)
-        req.waits_for = waits_for
         handle = RequestHandle(req, aio_loop or asyncio.get_running_loop(), self._outbox)
-        req.on_update = handle._push
+        req.waits_for, req.on_update = waits_for, handle._push
         with self._lock:
             self.num_inflight += 1
         self._cmds.put(Add((req,)))
@@ -227,18 +219,12 @@ class EngineLoop:
         self._cmds.put(Abort(rid))
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
-        """Run ``fn()`` on the loop thread between two steps; its result comes back in the future."""
+        """Run ``fn()`` on the loop thread between two steps; its result comes back in the future
+        (``await asyncio.wrap_future(...)`` from a coroutine). EngineDeadError unless the loop is serving."""
+        self.check_alive()
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        try:
-            self.check_alive()
-        except EngineDeadError as e:
-            fut.set_exception(e)
-            return fut
         self._cmds.put(Call(fn, fut))
         return fut
-
-    async def acall(self, fn: Callable[[], Any]) -> Any:
-        return await asyncio.wrap_future(self.call(fn))
 
     async def flush(self, timeout: float = 0.0, poll_s: float = 0.05) -> bool:
         """Empty the cache once no request is in flight, waiting up to ``timeout`` seconds.
@@ -246,7 +232,7 @@ class EngineLoop:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(timeout, 0.0)
         while True:
-            if await self.acall(self.engine.flush_cache):
+            if await asyncio.wrap_future(self.call(self.engine.flush_cache)):
                 return True
             if loop.time() >= deadline:
                 return False
@@ -254,7 +240,7 @@ class EngineLoop:
 
     async def stats(self) -> dict[str, Any]:
         """``Engine.stats()`` taken on the loop thread."""
-        return await self.acall(self.engine.stats)
+        return await asyncio.wrap_future(self.call(self.engine.stats))
 
     # ---- the loop thread -----------------------------------------------------------------
     def _run(self) -> None:
@@ -299,9 +285,7 @@ class EngineLoop:
                 reqs.extend(cmd.requests)
             elif isinstance(cmd, Call) and cmd.future.set_running_or_notify_cancel():
                 cmd.future.set_exception(EngineDeadError(f"the engine failed: {why}"))
-        for req in reqs:
-            if req.status is Status.FINISHED:
-                continue
+        for req in (r for r in reqs if r.status is not Status.FINISHED):  # (checked as each comes: a request twice)
             req.status, req.finish_reason, req.error = Status.FINISHED, "error", why
             req.finish_time = time.perf_counter()
             req.notify()

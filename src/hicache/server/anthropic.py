@@ -27,16 +27,16 @@ without breakpoints or surcharge), plus ``hicache_cached_tokens`` per tier. ``an
 ``anthropic-beta``, ``cache_control``, ``thinking``, ``metadata``, ``context_management`` and
 ``output_config`` are accepted and ignored (none changes the output: no thinking blocks are written);
 ``x-api-key`` is taken as the key (middleware).
-Refusals are in Anthropic's error shape (``{"type": "error", "error": {"type", "message"}}``).
+Refusals are in Anthropic's error shape (``{"type": "error", "error": {"type", "message"}}``: :func:`error_body`,
+which the app answers them with on these routes).
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Literal, Optional, Union
+from typing import Any, AsyncIterator, Callable, Iterator, Literal, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -133,10 +133,8 @@ class MessagesRequest(RequestBody):
 def as_chat(body: MessagesRequest) -> ChatCompletionRequest:
     """The chat completion request ``body`` means (module docstring), without ``max_tokens``: the
     caller clips it to the context's rest once the prompt is tokenized (:func:`add_anthropic_routes`)."""
-    messages: list[dict[str, Any]] = []
-    if body.system:
-        system = body.system if isinstance(body.system, str) else "".join(b.text for b in body.system)
-        messages.append({"role": "system", "content": system})
+    system = body.system if isinstance(body.system, str) else "".join(b.text for b in body.system or [])
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if body.system else []
     for m in body.messages:
         blocks = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
         text = "".join(b.text for b in _text_blocks(blocks))
@@ -193,19 +191,16 @@ def _input_usage(prompt_tokens: int, cached: dict[str, int], output_tokens: int)
             "cache_creation_input_tokens": 0, "hicache_cached_tokens": dict(cached)}
 
 
-def _stop(res: GenerateResult, p: Prepared, called: bool, decode: Callable[[list[int]], str]) -> tuple[str, Optional[str]]:
-    """``(stop_reason, stop_sequence)`` of a finished reply."""
-    if res.finish_reason == "length":
-        return "max_tokens", None
-    if called:
-        return "tool_use", None
+def _stop(res: GenerateResult, p: Prepared, called: bool, decode: Callable[[list[int]], str]) -> dict[str, Any]:
+    """``stop_reason`` and ``stop_sequence`` of a finished reply."""
+    if res.finish_reason == "length" or called:
+        return {"stop_reason": "max_tokens" if res.finish_reason == "length" else "tool_use", "stop_sequence": None}
     matched = stop_string_matched(res, p.sampling.stop_strings, decode)
-    return ("stop_sequence", matched) if matched is not None else ("end_turn", None)
+    return {"stop_reason": "end_turn" if matched is None else "stop_sequence", "stop_sequence": matched}
 
 
-def _tool_use(call) -> dict[str, Any]:
-    return {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": call.name,
-            "input": json.loads(call.arguments)}
+def _tool_use(name: str, input: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": name, "input": input}
 
 
 # Anthropic's error types by HTTP status (its error bodies: {"type": "error", "error": {"type", "message"}})
@@ -213,25 +208,15 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 
 
-Handler = Callable[..., Awaitable[Any]]
+MESSAGES_PATHS = ("/v1/messages", "/v1/messages/count_tokens")  # the routes whose refusals are answered so
 
 
-def anthropic_errors(st: ServerState) -> Callable[[Handler], Handler]:
-    """A handler answering its refusals in Anthropic's error shape (the OpenAI one elsewhere), a tool's
-    parts named as this API names them (the chat machinery's ``tools[i].function.parameters``), and
-    counted in ``/metrics`` as the other routes' are."""
-    def decorate(handler: Handler) -> Handler:
-        @functools.wraps(handler)
-        async def wrapped(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return await handler(*args, **kwargs)
-            except APIError as e:
-                st.metrics.refused(e.status, e.code or e.type)
-                message = e.message.replace("].function.parameters", "].input_schema").replace("].function.", "].")
-                body = {"type": "error", "error": {"type": ERROR_TYPES.get(e.status, "api_error"), "message": message}}
-                return JSONResponse(body, status_code=e.status)
-        return wrapped
-    return decorate
+def error_body(e: APIError) -> dict[str, Any]:
+    """A refusal of a Messages route in Anthropic's error shape (the OpenAI one elsewhere: server/app.py
+    answers each in its route's), a tool's parts named as this API names them (the chat machinery's
+    ``tools[i].function.parameters``)."""
+    message = e.message.replace("].function.parameters", "].input_schema").replace("].function.", "].")
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(e.status, "api_error"), "message": message}}
 
 
 def add_anthropic_routes(app: FastAPI, st: ServerState) -> None:
@@ -248,27 +233,24 @@ def add_anthropic_routes(app: FastAPI, st: ServerState) -> None:
         return p
 
     @app.post("/v1/messages")
-    @anthropic_errors(st)
     async def messages(request: Request) -> Response:
         p: Prepared = await st.off_loop(prepare, await read_body(request, st.opts.max_request_bytes))
         await vet_grammar(st, p, request)
-        msg_id = f"msg_{uuid.uuid4().hex[:24]}"
         handles = submit_choices(st, p)
         logger.info("messages rid=%d prompt=%d max_new=%d stream=%s", handles[0].rid, len(p.ids),
                     handles[0].max_new_tokens, p.body.stream)
-        base = {"id": msg_id, "type": "message", "role": "assistant", "model": p.body.model}
+        base = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant", "model": p.body.model}
         headers = dropped_header(p.dropped_tools)
         if p.body.stream:
             return event_stream(st, handles, _events(p, handles, base, decode), headers)
         res = (await collect_choices(st, request, handles))[0]
         content, calls = parse_reply(res.text, res.finish_reason, p.call_names, p.call_format)
-        blocks = ([{"type": "text", "text": content}] if content else []) + [_tool_use(c) for c in calls]
-        stop_reason, stop_sequence = _stop(res, p, bool(calls), decode)
-        return JSONResponse({**base, "content": blocks, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-                             "usage": _usage(res)}, headers=headers)
+        blocks = ([{"type": "text", "text": content}] if content else []) + [
+            _tool_use(c.name, json.loads(c.arguments)) for c in calls]
+        return JSONResponse({**base, "content": blocks, **_stop(res, p, bool(calls), decode), "usage": _usage(res)},
+                            headers=headers)
 
     @app.post("/v1/messages/count_tokens")
-    @anthropic_errors(st)
     async def count_tokens(request: Request) -> dict:
         p: Prepared = await st.off_loop(prepare, await read_body(request, st.opts.max_request_bytes), True)
         return {"input_tokens": len(p.ids)}
@@ -304,10 +286,9 @@ async def _events(p: Prepared, handles: list, base: dict[str, Any],
             yield sse_event("message_start", {"message": {
                 **base, "content": [], "stop_reason": None, "stop_sequence": None,
                 "usage": _input_usage(len(p.ids), cached, 0)}})
-        res = upd.result if upd.finished else None
+        res = upd.result  # (set on the final update only)
         if res is not None and res.finish_reason == "error":
-            err = engine_dead_during(res)
-            yield sse_event("error", {"error": {"type": "api_error", "message": err.message}})
+            yield sse_event("error", {"error": {"type": "api_error", "message": engine_dead_during(res).message}})
             return
         deltas = reply_deltas(upd)
         for line in (line for d in deltas if d.get("content") for line in text(d["content"])):
@@ -317,15 +298,12 @@ async def _events(p: Prepared, handles: list, base: dict[str, Any],
         if text_open:
             yield sse_event("content_block_stop", {"index": index})
             index += 1
-        for call in deltas[-1].get("tool_calls") or []:
-            fn = call["function"]
-            block = {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": fn["name"], "input": {}}
-            yield sse_event("content_block_start", {"index": index, "content_block": block})
+        calls = [call["function"] for call in deltas[-1].get("tool_calls") or []]
+        for fn in calls:
+            yield sse_event("content_block_start", {"index": index, "content_block": _tool_use(fn["name"], {})})
             yield sse_event("content_block_delta", {"index": index, "delta": {"type": "input_json_delta",
                                                                            "partial_json": fn["arguments"]}})
             yield sse_event("content_block_stop", {"index": index})
             index += 1
-        stop_reason, stop_sequence = _stop(res, p, bool(deltas[-1].get("tool_calls")), decode)
-        yield sse_event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                                       "usage": _usage(res)})
+        yield sse_event("message_delta", {"delta": _stop(res, p, bool(calls), decode), "usage": _usage(res)})
         yield sse_event("message_stop", {})

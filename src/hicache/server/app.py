@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..errors import EngineDeadError
 from ..frontend.loop import EngineLoop, RequestHandle
 from ..runtime.request import GenerateResult
-from .anthropic import add_anthropic_routes
+from .anthropic import MESSAGES_PATHS, add_anthropic_routes, error_body
 from .builtin_tools import dropped_header
 from .choices import (chat_logprobs, check_choices, collect_choices, completion_logprobs, event_stream, merged_updates,
                       submit_choices, usage_of)
@@ -44,8 +44,8 @@ from .operations import add_operation_routes
 from .parsing import parse_body, read_body
 from .prepare import prepare_chat, sampling_params
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest
-from .response_store import ResponseStore
 from .responses import add_responses_routes
+from .responses_request import own_fields
 from .options import ServerOptions
 from .state import ServerState
 from .submit import ChoiceStream, Prepared, check_fits, engine_dead, engine_dead_during, sse_data, timing, vet_grammar
@@ -61,8 +61,9 @@ def _prepare_chat(raw: bytes, st: ServerState) -> Prepared:
 def _prepare_completion(raw: bytes, st: ServerState) -> Prepared:
     body = parse_body(raw, CompletionRequest)
     st.check_model(body.model)
-    sp = sampling_params(st, body, body.max_new_tokens(), 16)
-    texts = body.prompt_list()
+    sp = sampling_params(st, body, body.max_tokens, 16)
+    given = body.prompt  # one prompt, or each of a batch (strings or token id lists)
+    texts = list(given) if isinstance(given, list) and given and isinstance(given[0], (str, list)) else [given]
     check_choices(body.n, len(texts), sp, body.stream, st.opts.max_logprob_tokens)  # before tokenizing them
     prompts = [st.engine.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in texts]
     for ids in prompts:
@@ -81,24 +82,26 @@ def create_app(loop: EngineLoop, metrics: ServerMetrics, opts: ServerOptions) ->
     if opts.api_key:
         app.add_middleware(RequireApiKey, api_key=opts.api_key,
                            on_reject=lambda: metrics.rejected.labels(reason="invalid_api_key").inc())
-    _add_openai_routes(app, st)
-    add_anthropic_routes(app, st)
-    st.responses = ResponseStore(opts.responses_store_size, opts.responses_store_mb << 20)  # /stats reports it
-    add_responses_routes(app, st, st.responses)
-    add_native_routes(app, st)
-    add_operation_routes(app, st)
+    for add_routes in (_add_openai_routes, add_anthropic_routes, add_responses_routes, add_native_routes,
+                       add_operation_routes):
+        add_routes(app, st)
     return app
 
 
 def _add_error_handlers(app: FastAPI, st: ServerState) -> None:
-    def answer(e: APIError) -> JSONResponse:
+    def answer(e: APIError, path: str = "") -> JSONResponse:
+        """``e`` counted in ``/metrics`` and answered in the shape of the API whose route ``path`` is (a handler's
+        refusal): Anthropic's on the Messages routes, OpenAI's naming the Responses API's fields on its route,
+        OpenAI's elsewhere."""
         st.metrics.refused(e.status, e.code or e.type)
-        return JSONResponse(e.body(), status_code=e.status)
+        if path in MESSAGES_PATHS:
+            return JSONResponse(error_body(e), status_code=e.status)
+        return JSONResponse((own_fields(e) if path == "/v1/responses" else e).body(), status_code=e.status)
 
     @app.exception_handler(APIError)
     @app.exception_handler(EngineDeadError)
-    async def _api_error(_: Request, e: APIError | EngineDeadError) -> JSONResponse:
-        return answer(e if isinstance(e, APIError) else engine_dead(e))
+    async def _api_error(request: Request, e: APIError | EngineDeadError) -> JSONResponse:
+        return answer(e, request.url.path) if isinstance(e, APIError) else answer(engine_dead(e))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -112,10 +115,10 @@ def _add_error_handlers(app: FastAPI, st: ServerState) -> None:
         return answer(APIError(400, f"{param}: {err['msg'].rstrip('.')}.", param=param))
 
 
-async def _stream(st: ServerState, handles: list[RequestHandle], p: Prepared, chunks: list[ChunkFn], base: dict,
-                  include_usage: bool) -> AsyncIterator[str]:
+async def _stream(st: ServerState, handles: list[RequestHandle], p: Prepared, chunks: list[ChunkFn],
+                  base: dict) -> AsyncIterator[str]:
     """The choices' chunks as their tokens arrive (``chunks[i]`` writes choice i's), each choice's
-    finish chunk, then the usage of all (when asked) and ``[DONE]``."""
+    finish chunk, then the usage of all (when ``stream_options.include_usage`` asks) and ``[DONE]``."""
     streams = [ChoiceStream(chunk, p, st.engine.tokenizer.decode) for chunk in chunks]
     results: list[GenerateResult] = []
     async for item in merged_updates(handles):
@@ -131,7 +134,7 @@ async def _stream(st: ServerState, handles: list[RequestHandle], p: Prepared, ch
             yield sse_data(chunk)
         if upd.finished:
             results.append(upd.result)
-    if include_usage:
+    if p.body.stream_options and p.body.stream_options.include_usage:
         results.sort(key=lambda r: r.rid)  # choice order: submitted in order, rids increase
         yield sse_data({**base, "choices": [], "usage": usage_of(results, p.n), "timing": timing(results[0])})
     yield "data: [DONE]\n\n"
@@ -145,8 +148,8 @@ async def _answer(st: ServerState, request: Request, p: Prepared, base: dict, ch
     logger.info("%s rid=%s prompt=%s max_new=%d stream=%s", base["object"], ",".join(str(h.rid) for h in handles),
                 ",".join(str(len(ids)) for ids in p.prompts), handles[0].max_new_tokens, p.body.stream)
     if p.body.stream:
-        return event_stream(st, handles, _stream(st, handles, p, [chunk(i) for i in range(len(handles))], base,
-                                                 p.body.include_usage), dropped_header(p.dropped_tools))
+        return event_stream(st, handles, _stream(st, handles, p, [chunk(i) for i in range(len(handles))], base),
+                            dropped_header(p.dropped_tools))
     results = await collect_choices(st, request, handles)
     return JSONResponse({**base, "choices": [choice(i, r) for i, r in enumerate(results)],
                          "usage": usage_of(results, p.n), "timing": timing(results[0])},

@@ -34,8 +34,7 @@ def split_responses_tools(tools: list[Any]) -> tuple[list[Any], list[str]]:
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind == "namespace" and isinstance(tool.get("tools"), list):
             inner, inner_dropped = split_responses_tools(tool["tools"])
-            kept += inner
-            dropped += inner_dropped
+            kept, dropped = kept + inner, dropped + inner_dropped
         elif kind == "function" or not isinstance(kind, str):
             kept.append(tool)
         else:

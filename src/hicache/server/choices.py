@@ -37,14 +37,11 @@ def submit_choices(st: ServerState, p: Prepared) -> list[RequestHandle]:
     handles: list[RequestHandle] = []
     try:
         for k, ids in enumerate(p.prompts):
-            first = None
-            for j in range(p.n):
-                h = submit_request(st, p, ids, p.sampling.for_choice(k * p.n + j), None if first is None else first.rid)
-                first = first or h
-                handles.append(h)
+            for j in range(p.n):  # (a prompt's later choices wait for its first: handles[k * n])
+                handles.append(submit_request(st, p, ids, p.sampling.for_choice(k * p.n + j),
+                                              handles[k * p.n].rid if j else None))
     except BaseException:
-        for h in handles:
-            st.loop.abort(h.rid)
+        abort_unfinished(st, handles)
         raise
     return handles
 
@@ -52,11 +49,10 @@ def submit_choices(st: ServerState, p: Prepared) -> list[RequestHandle]:
 def abort_unfinished(st: ServerState, handles: list[RequestHandle], why: str = "") -> None:
     """Abort every request of ``handles`` still running (a stream closed early: the client went away
     or the server is stopping; ``why`` says so in the log line), so its pages are freed."""
-    for h in handles:
-        if not h.finished:
-            if why:
-                logger.info("%s rid=%d; aborting", why, h.rid)
-            st.loop.abort(h.rid)
+    for h in (h for h in handles if not h.finished):
+        if why:
+            logger.info("%s rid=%d; aborting", why, h.rid)
+        st.loop.abort(h.rid)
 
 
 def event_stream(st: ServerState, handles: list[RequestHandle], events: AsyncIterator[str],
@@ -117,18 +113,12 @@ def usage_of(results: list[GenerateResult], n: int) -> dict[str, Any]:
     firsts = results[::n]
     prompt, completion = sum(r.prompt_tokens for r in firsts), sum(r.completion_tokens for r in results)
     tiers = {t: sum(r.cached_tokens_details[t] for r in firsts) for t in firsts[0].cached_tokens_details}
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts),
-                                  "cached_tokens_details": tiers},
-        # The same per-tier counts under a name of hicache's own: proxies (litellm) drop the field above,
-        # whose name another shape of theirs takes.
-        "hicache_cached_tokens": dict(tiers),
-        **spec_figures(firsts[0]),
-        **disagg_figures(firsts[0]),
-    }
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts),
+                                      "cached_tokens_details": tiers},
+            # The same per-tier counts under a name of hicache's own: proxies (litellm) drop the field above,
+            # whose name another shape of theirs takes.
+            "hicache_cached_tokens": dict(tiers), **spec_figures(firsts[0]), **disagg_figures(firsts[0])}
 
 
 def check_choices(n: int, prompts: int, sampling: SamplingParams, stream: bool, max_logprob_tokens: int,

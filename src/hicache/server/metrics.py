@@ -8,6 +8,7 @@ without a code change here.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -40,12 +41,10 @@ class ServerMetrics:
         self.other = Gauge("hicache_engine_stat", "Other numeric groups of Engine.stats() (e.g. transfers), as reported.",
                            ["group", "field"], registry=r)
         self.evicted = Counter("hicache_evicted_pages", "Pages evicted from a tier.", ["tier"], registry=r)
-        self.ttft = Histogram("hicache_time_to_first_token_seconds", "Arrival to first token.",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("hicache_e2e_request_latency_seconds", "Arrival to finish.", buckets=LATENCY_BUCKETS,
-                             registry=r)
-        self.queue_time = Histogram("hicache_queue_time_seconds", "Arrival to admission.", buckets=LATENCY_BUCKETS,
-                                    registry=r)
+        latency = functools.partial(Histogram, buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = latency("hicache_time_to_first_token_seconds", "Arrival to first token.")
+        self.e2e = latency("hicache_e2e_request_latency_seconds", "Arrival to finish.")
+        self.queue_time = latency("hicache_queue_time_seconds", "Arrival to admission.")
         self.rejected = Counter("hicache_rejected_requests", "Requests answered with an error instead of a result, "
                                 "by error code (invalid_value, server_overloaded, engine_dead, invalid_api_key, ...).",
                                 ["reason"], registry=r)
@@ -118,8 +117,7 @@ class ServerMetrics:
                 for field, n in value.items():
                     if isinstance(n, (int, float)) and not isinstance(n, bool):
                         self.other.labels(group=key, field=field).set(n)
-            m = _EVICTED.match(key)
-            if m and isinstance(value, (int, float)):
+            if (m := _EVICTED.match(key)) and isinstance(value, (int, float)):
                 self._advance(self.evicted.labels(tier=m.group(1)), ("evicted", m.group(1)), value)
         if isinstance(stats.get("storage"), dict):
             self._update_storage(stats["storage"])
@@ -147,8 +145,7 @@ class ServerMetrics:
         backend = str(storage.get("backend", "unknown"))
         for kind, n in (storage.get("failures") or {}).items():
             self._advance(self.storage_failures.labels(backend=backend, kind=kind), ("fail", backend, kind), n)
-        breaker = storage.get("breaker")
-        if isinstance(breaker, dict):
+        if isinstance(breaker := storage.get("breaker"), dict):
             for state in ("closed", "open", "half_open"):
                 self.breaker_state.labels(backend=backend, state=state).set(float(breaker.get("state") == state))
             self._advance(self.breaker_opens.labels(backend=backend), ("opens", backend), breaker.get("opens", 0))

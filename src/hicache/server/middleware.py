@@ -39,7 +39,7 @@ class CatchAllErrors:
     """Any exception a handler lets escape becomes a 500 ``server_error`` (logged with its
     traceback) if the response has not started; otherwise the response is cut short."""
 
-    def __init__(self, app: ASGIApp, on_error: Callable[[], None] | None = None) -> None:
+    def __init__(self, app: ASGIApp, on_error: Callable[[], None]) -> None:
         self.app, self.on_error = app, on_error
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -57,8 +57,7 @@ class CatchAllErrors:
             await self.app(scope, receive, tracking_send)
         except Exception as e:
             logger.exception("internal error on %s %s", scope.get("method"), scope.get("path"))
-            if self.on_error is not None:
-                self.on_error()
+            self.on_error()
             if not started:
                 await send_error(send, APIError(500, f"internal server error: {type(e).__name__}.",
                                                 type="server_error", code="internal_error"))
@@ -71,9 +70,8 @@ class RequireApiKey:
     and ``BEARER`` too) and may be followed by several spaces; the key is compared in constant
     time."""
 
-    def __init__(self, app: ASGIApp, api_key: str, on_reject: Callable[[], None] | None = None) -> None:
-        self.app, self.on_reject = app, on_reject
-        self._expected = api_key.encode()
+    def __init__(self, app: ASGIApp, api_key: str, on_reject: Callable[[], None]) -> None:
+        self.app, self.on_reject, self._expected = app, on_reject, api_key.encode()
 
     def _accepts(self, authorization: bytes) -> bool:
         scheme, _, key = authorization.partition(b" ")
@@ -93,8 +91,7 @@ class RequireApiKey:
         if self._accepts(given):
             await self.app(scope, receive, send)
             return
-        if self.on_reject is not None:
-            self.on_reject()
+        self.on_reject()
         what = "a wrong API key" if given else "no API key"
         await send_error(send, APIError(401, f"the request has {what}; send 'Authorization: Bearer <key>' "
                                              "with the server's --api-key.", code="invalid_api_key"),

@@ -37,13 +37,12 @@ from ..frontend.loop import RequestHandle
 from ..runtime.request import GenerateResult
 from ..runtime.sampling import GrammarSpec, SamplingParams
 from .choices import check_choices, event_stream, merged_updates
-from .detok import IncrementalText
 from .keepalive import SSE_KEEPALIVE
 from .parsing import parse_body, read_body
 from .protocol import OPEN, APIError, RequestBody, SamplingBody, sampling_fields
 from .state import ServerState
-from .submit import (Prepared, check_fits, collect_result, disagg_figures, engine_dead_during, spec_figures, sse_data,
-                     stop_string_matched, submit_request, timing, vet_grammar)
+from .submit import (IncrementalText, Prepared, check_fits, collect_result, disagg_figures, engine_dead_during,
+                     spec_figures, sse_data, stop_string_matched, submit_request, timing, vet_grammar)
 
 logger = logging.getLogger(__name__)
 
@@ -141,19 +140,6 @@ def _check_supported(body: GenerateRequest, sp: NativeSamplingParams) -> None:
         raise _refuse("return_logprob", "return_logprob is not supported for a disaggregated (P/D) request.")
 
 
-def _sampling(st: ServerState, body: GenerateRequest, sp: NativeSamplingParams) -> SamplingParams:
-    """hicache's SamplingParams (an invalid combination or an unusable grammar is a 400)."""
-    sp = sp.with_unset(st.sampling_defaults)
-    out = SamplingParams(max_new_tokens=sp.max_new_tokens, grammar=sp.grammar(),
-                         **sampling_fields(sp, "sampling_params.logit_bias"),
-                         logprobs=body.top_logprobs_num if body.return_logprob else None)
-    try:
-        st.engine.check_sampling(out)  # (the grammar is vetted next, without holding this thread: vet_grammar)
-    except InvalidRequestError as e:
-        raise APIError(400, f"sampling_params: {e}", param=_native_field(e.param, sp) or "sampling_params") from None
-    return out
-
-
 def _prompt(body: GenerateRequest, st: ServerState) -> tuple[list[int], str]:
     """The one prompt's token ids and the field that held it."""
     if (body.text is None) == (body.input_ids is None):
@@ -163,16 +149,24 @@ def _prompt(body: GenerateRequest, st: ServerState) -> tuple[list[int], str]:
             raise APIError(400, "one prompt per request is supported; send text as a string.", param="text")
         return st.engine.tokenizer.encode(body.text), "text"
     if body.input_ids and isinstance(body.input_ids[0], list):
-        raise APIError(400, "one prompt per request is supported; send input_ids as a list of ints.",
-                       param="input_ids")
+        raise APIError(400, "one prompt per request is supported; send input_ids as a list of ints.", param="input_ids")
     return list(body.input_ids), "input_ids"  # type: ignore[arg-type]
 
 
 def _prepare_generate(raw: bytes, st: ServerState) -> Prepared:
+    """The request made ready: hicache's SamplingParams (an invalid combination or an unusable grammar is a 400),
+    then its one prompt."""
     body = parse_body(raw, GenerateRequest)
     sp = body.sampling_params or NativeSamplingParams()
     _check_supported(body, sp)
-    sampling = _sampling(st, body, sp)
+    filled = sp.with_unset(st.sampling_defaults)
+    sampling = SamplingParams(max_new_tokens=filled.max_new_tokens, grammar=filled.grammar(),
+                              **sampling_fields(filled, "sampling_params.logit_bias"),
+                              logprobs=body.top_logprobs_num if body.return_logprob else None)
+    try:
+        st.engine.check_sampling(sampling)  # (the grammar is vetted next, without holding this thread: vet_grammar)
+    except InvalidRequestError as e:
+        raise APIError(400, f"sampling_params: {e}", param=_native_field(e.param, sp) or "sampling_params") from None
     check_choices(1, 1, sampling, bool(body.stream), st.opts.max_logprob_tokens, "sampling_params.max_new_tokens")
     ids, param = _prompt(body, st)
     explicit = sp.max_new_tokens if "max_new_tokens" in sp.model_fields_set else None  # a default one is shortened
@@ -199,8 +193,7 @@ def _answer_of(rid: str, res: GenerateResult, p: Prepared, st: ServerState) -> d
         "id": rid, "finish_reason": _finish_reason(res, p, st), "prompt_tokens": res.prompt_tokens,
         "completion_tokens": res.completion_tokens, "cached_tokens": res.cached_tokens,
         "cached_tokens_details": dict(res.cached_tokens_details), "e2e_latency": res.e2e_s,
-        "timing": timing(res), **spec_figures(res), **disagg_figures(res), **_logprobs(res, p, st),
-    }}
+        "timing": timing(res), **spec_figures(res), **disagg_figures(res), **_logprobs(res, p, st)}}
 
 
 def _logprobs(res: GenerateResult, p: Prepared, st: ServerState) -> dict[str, Any]:
@@ -230,9 +223,8 @@ async def _stream(st: ServerState, handle: RequestHandle, rid: str, p: Prepared)
             return
         text += detok.add(upd.token_ids)
         ids.extend(upd.token_ids)
-        yield sse_data({"text": text, "output_ids": ids, "meta_info": {
-            "id": rid, "finish_reason": None, "prompt_tokens": handle.prompt_tokens,
-            "completion_tokens": upd.num_output_tokens}})
+        yield sse_data({"text": text, "output_ids": ids, "meta_info": {"id": rid, "finish_reason": None,
+                        "prompt_tokens": handle.prompt_tokens, "completion_tokens": upd.num_output_tokens}})
 
 
 def add_native_routes(app: FastAPI, st: ServerState) -> None:
@@ -247,5 +239,4 @@ def add_native_routes(app: FastAPI, st: ServerState) -> None:
                     handle.max_new_tokens, p.body.stream)
         if p.body.stream:
             return event_stream(st, [handle], _stream(st, handle, rid, p))
-        res = await collect_result(st, request, handle)
-        return JSONResponse(_answer_of(rid, res, p, st))
+        return JSONResponse(_answer_of(rid, await collect_result(st, request, handle), p, st))

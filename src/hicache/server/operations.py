@@ -22,18 +22,9 @@ logger = logging.getLogger("hicache.server.app")
 
 def _tokenize(raw: bytes, st: ServerState) -> dict[str, Any]:
     body = parse_body(raw, TokenizeRequest)
-    texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-    ids = [st.engine.tokenizer.encode(t) for t in texts]
-    out: dict[str, Any] = {"counts": [len(x) for x in ids], "max_model_len": st.engine.context_length}
-    if body.return_ids:
-        out["tokens"] = ids
-    return out
-
-
-def _tokenizer_dir(model: str) -> str | None:
-    """The model's Hugging Face directory when it holds a tokenizer.json, else None."""
-    folder = Path(model)
-    return str(folder.resolve()) if (folder / "tokenizer.json").is_file() else None
+    ids = [st.engine.tokenizer.encode(t) for t in ([body.prompt] if isinstance(body.prompt, str) else body.prompt)]
+    return {"counts": [len(x) for x in ids], "max_model_len": st.engine.context_length,
+            **({"tokens": ids} if body.return_ids else {})}
 
 
 def add_operation_routes(app: FastAPI, st: ServerState) -> None:
@@ -61,9 +52,8 @@ def add_operation_routes(app: FastAPI, st: ServerState) -> None:
         if await st.loop.flush(timeout):
             logger.info("flush_cache ok")
             return JSONResponse({"flushed": True, "message": "the cache was flushed."})
-        n = st.loop.num_inflight
-        raise APIError(400, f"cannot flush the cache while {n} request(s) are running or waiting; retry when idle "
-                            "or pass ?timeout=SECONDS to wait for them.", code="server_busy")
+        raise APIError(400, f"cannot flush the cache while {st.loop.num_inflight} request(s) are running or waiting; "
+                            "retry when idle or pass ?timeout=SECONDS to wait for them.", code="server_busy")
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -80,8 +70,7 @@ def add_operation_routes(app: FastAPI, st: ServerState) -> None:
 
     @app.get("/stats")
     async def stats() -> dict:
-        responses = {"responses": st.responses.stats()} if st.responses is not None else {}
-        return {**(await st.loop.stats()), "inflight_requests": st.loop.num_inflight, **responses}
+        return {**(await st.loop.stats()), "inflight_requests": st.loop.num_inflight, "responses": st.responses.stats()}
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
@@ -96,7 +85,9 @@ def _add_info_routes(app: FastAPI, st: ServerState) -> None:
         """What sglang-router asks every worker at start (SGLang's fields). ``tokenizer_path`` is a
         directory a client can load (bench_serving does when given no --tokenizer), else null:
         the embedded and GGUF models carry their tokenizer inside the weights file."""
-        return {"model_path": st.engine.config.model, "tokenizer_path": _tokenizer_dir(st.engine.config.model),
+        folder = Path(st.engine.config.model)
+        return {"model_path": st.engine.config.model,
+                "tokenizer_path": str(folder.resolve()) if (folder / "tokenizer.json").is_file() else None,
                 "served_model_name": st.opts.served_model_name, "is_generation": True,
                 "preferred_sampling_params": st.opts.preferred_sampling_params, "weight_version": "default",
                 "has_image_understanding": False, "has_audio_understanding": False}
@@ -106,12 +97,10 @@ def _add_info_routes(app: FastAPI, st: ServerState) -> None:
     async def server_info() -> dict:
         """The engine's configuration (SGLang's server args where the names agree), and the
         scheduler's state as SGLang's ``internal_states`` (its bench_serving reads the accept length there)."""
-        cfg = st.engine.config
-        state: dict = {}
         spec = (await st.loop.stats()).get("speculative")
-        if spec is not None:
-            state["avg_spec_accept_length"] = spec["accept_length"]
-        return {**{k: v for k, v in dataclasses.asdict(cfg).items() if isinstance(v, (str, int, float, bool, type(None)))},
+        state = {"avg_spec_accept_length": spec["accept_length"]} if spec is not None else {}
+        return {**{k: v for k, v in dataclasses.asdict(st.engine.config).items()
+                   if isinstance(v, (str, int, float, bool, type(None)))},
                 "served_model_name": st.opts.served_model_name, "context_length": st.engine.context_length,
                 "sampling_defaults": st.opts.sampling_defaults,
                 "preferred_sampling_params": st.opts.preferred_sampling_params,

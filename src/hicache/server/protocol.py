@@ -59,9 +59,7 @@ class RequestBody(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _null_is_default(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
-        return data
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
     def with_unset(self, defaults: Mapping[str, Any]) -> Self:
         """This body with ``defaults`` in the fields of theirs the client left unset (absent or null)."""
@@ -141,8 +139,7 @@ class SamplingBody(RequestBody):
 
     def top_logprobs_k(self) -> Optional[int]:
         """None: no logprobs; k: each token's log-probability and its k most likely alternatives
-        (each endpoint names them its own way)."""
-        return None
+        (each endpoint names them its own way; none here)."""
 
     # SamplingParams' names (InvalidRequestError.param) -> this body's fields, where they differ
     FIELDS: ClassVar[dict[str, str]] = {"max_new_tokens": "max_tokens"}  # (grammar: field_of reads the body)
@@ -152,10 +149,6 @@ class SamplingBody(RequestBody):
         if param == "grammar":
             return (self.grammar_spec() or ("response_format", None))[0]
         return self.FIELDS.get(param, param) if param else None
-
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
 
 
 # SamplingParams' fields that an OpenAI body and /generate's sampling_params both carry, under these names
@@ -258,16 +251,6 @@ class CompletionRequest(SamplingBody):
 
     def top_logprobs_k(self) -> Optional[int]:
         return self.logprobs
-
-    def prompt_list(self) -> list[Union[str, list[int]]]:
-        """The request's prompts: one, or each of a batch (strings or token id lists)."""
-        p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            return list(p)
-        return [p]
-
-    def max_new_tokens(self) -> Optional[int]:
-        return self.max_tokens
 
 
 class TokenizeRequest(RequestBody):

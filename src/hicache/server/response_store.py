@@ -64,8 +64,7 @@ class Stored:
 
     def nbytes(self) -> int:
         """The bytes it holds, every object's header included, plus :data:`ENTRY_OVERHEAD`."""
-        return (ENTRY_OVERHEAD + sys.getsizeof(self) + sys.getsizeof(self._messages) + sys.getsizeof(self._response)
-                + sys.getsizeof(self._ids))
+        return ENTRY_OVERHEAD + sum(map(sys.getsizeof, (self, self._messages, self._response, self._ids)))
 
 
 class ResponseStore:

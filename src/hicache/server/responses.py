@@ -28,6 +28,7 @@ forward), as on chat completions.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 import uuid
@@ -43,7 +44,7 @@ from .parsing import parse_body, read_body
 from .prepare import prepare_chat
 from .protocol import APIError
 from .response_store import ResponseStore, Stored
-from .responses_request import ResponsesRequest, as_chat, chat_messages, responses_errors
+from .responses_request import ResponsesRequest, as_chat, chat_messages
 from .state import ServerState
 from .tools import parse_reply
 from .submit import Prepared, ReplyDeltas, check_fits, sse_event, timing, vet_grammar, with_reply_room
@@ -56,8 +57,7 @@ class _Turn:
 
     def __init__(self, body: ResponsesRequest, messages: list[dict[str, Any]], prepared: Prepared) -> None:
         self.body, self.messages, self.p = body, messages, prepared
-        self.id = f"resp_{uuid.uuid4().hex}"
-        self.created = int(time.time())
+        self.id, self.created = f"resp_{uuid.uuid4().hex}", int(time.time())
 
     def response(self, status: str, output: list[dict[str, Any]], res: Optional[GenerateResult] = None,
                  error: Optional[dict[str, Any]] = None) -> dict[str, Any]:
@@ -81,28 +81,18 @@ class _Turn:
                 out["incomplete_details"] = {"reason": "max_output_tokens"}
         return out
 
-    def output(self, res: GenerateResult) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        """The output items of a finished reply and the reply as a chat message (for the store)."""
-        content, calls = parse_reply(res.text, res.finish_reason, self.p.call_names, self.p.call_format)
-        items: list[dict[str, Any]] = []
-        if content:
-            items.append(_message_item(content, "completed"))
-        reply: dict[str, Any] = {"role": "assistant", "content": content or ""}
-        if calls:
-            fcs = [_call_item(c.name, c.arguments) for c in calls]
-            items += fcs
-            reply["tool_calls"] = [{"id": f["call_id"], "type": "function",
-                                    "function": {"name": f["name"], "arguments": f["arguments"]}} for f in fcs]
-        return items, reply
-
     def finish(self, res: GenerateResult, store: ResponseStore) -> dict[str, Any]:
+        """The response of a finished reply (its output items), kept in ``store`` with the reply as a chat message."""
         if res.finish_reason == "error":
             return self.response("failed", [], res, {"code": res.error_code or "server_error", "message": res.error})
-        items, reply = self.output(res)
+        content, calls = parse_reply(res.text, res.finish_reason, self.p.call_names, self.p.call_format)
+        tool_calls = [c.openai() for c in calls]
+        items = ([_message_item(content, "completed")] if content else []) + [_call_item(t) for t in tool_calls]
         response = self.response("incomplete" if res.finish_reason == "length" else "completed", items, res)
         if self.body.previous_response_id is not None:
             store.count_continued(res)
         if self.body.store:
+            reply = {"role": "assistant", "content": content or "", **({"tool_calls": tool_calls} if calls else {})}
             store.put(self.id, Stored([*self.messages, reply], [*self.p.ids, *res.output_ids], response))
         return response
 
@@ -116,8 +106,7 @@ def continued_ids(tokenizer: Any, history: list[int], rendered: list[int]) -> li
     said = tokenizer.decode(history, skip_special_tokens=False)
     text = tokenizer.decode(rendered, skip_special_tokens=False)
     if not text.startswith(said):
-        logger.info("continuation re-rendered: the template writes the stored history otherwise (%d ids)",
-                    len(history))
+        logger.info("continuation re-rendered: the template writes the stored history otherwise (%d ids)", len(history))
         return rendered
     return [*history, *tokenizer.backend.encode(text[len(said):], add_special_tokens=False).ids]
 
@@ -127,14 +116,17 @@ def _message_item(text: str, status: str) -> dict[str, Any]:
             "content": [{"type": "output_text", "text": text, "annotations": []}]}
 
 
-def _call_item(name: str, arguments: str) -> dict[str, Any]:
-    return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": f"call_{uuid.uuid4().hex[:24]}",
-            "name": name, "arguments": arguments, "status": "completed"}
+def _call_item(call: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI ``tool_calls`` entry as a function_call output item (``call_id``: the entry's id)."""
+    fn = call["function"]
+    return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"], "name": fn["name"],
+            "arguments": fn["arguments"], "status": "completed"}
 
 
-def add_responses_routes(app: FastAPI, st: ServerState, store: ResponseStore) -> None:
+def add_responses_routes(app: FastAPI, st: ServerState) -> None:
     """``/v1/responses`` and a stored response's ``GET`` / ``DELETE``, prepared as chat requests
-    (:func:`prepare_chat`), stored in ``store``."""
+    (:func:`prepare_chat`), stored in the server's store (``st.responses``)."""
+    store = st.responses
 
     def prepare(raw: bytes) -> _Turn:
         body = parse_body(raw, ResponsesRequest)
@@ -156,7 +148,6 @@ def add_responses_routes(app: FastAPI, st: ServerState, store: ResponseStore) ->
         return _Turn(body, stored_messages, prepared)
 
     @app.post("/v1/responses")
-    @responses_errors
     async def create(request: Request) -> Response:
         turn: _Turn = await st.off_loop(prepare, await read_body(request, st.opts.max_request_bytes))
         await vet_grammar(st, turn.p, request)
@@ -166,8 +157,7 @@ def add_responses_routes(app: FastAPI, st: ServerState, store: ResponseStore) ->
         headers = dropped_header(turn.p.dropped_tools)
         if turn.body.stream:
             return event_stream(st, handles, _events(st, turn, handles, store), headers)
-        res = (await collect_choices(st, request, handles))[0]
-        return JSONResponse(turn.finish(res, store), headers=headers)
+        return JSONResponse(turn.finish((await collect_choices(st, request, handles))[0], store), headers=headers)
 
     @app.get("/v1/responses/{response_id}")
     async def get(response_id: str) -> dict:
@@ -188,11 +178,10 @@ async def _events(st: ServerState, turn: _Turn, handles: list, store: ResponseSt
     ``response.output_text.delta`` events (what may begin a tool call held back, as in chat streams),
     one function_call item per call at the end (its arguments as one delta), then
     ``response.completed`` / ``incomplete`` / ``failed`` with the whole response."""
-    seq = [0]
+    seq = itertools.count()
 
     def event(kind: str, **data: Any) -> str:
-        seq[0] += 1
-        return sse_event(kind, {"sequence_number": seq[0] - 1, **data})
+        return sse_event(kind, {"sequence_number": next(seq), **data})
 
     reply_deltas = ReplyDeltas(turn.p, st.engine.tokenizer.decode)
     yield event("response.created", response=turn.response("in_progress", []))
@@ -206,28 +195,23 @@ async def _events(st: ServerState, turn: _Turn, handles: list, store: ResponseSt
         piece = "".join(d.get("content") or "" for d in reply_deltas(upd))
         if piece:
             if message is None:
-                message = _message_item("", "in_progress")
-                message["content"] = []
+                message = {**_message_item("", "in_progress"), "content": []}
                 yield event("response.output_item.added", output_index=0, item=message)
                 yield event("response.content_part.added", item_id=message["id"], output_index=0,
                             content_index=0, part={"type": "output_text", "text": "", "annotations": []})
             yield event("response.output_text.delta", item_id=message["id"], output_index=0, content_index=0,
                         delta=piece)
-        if upd.finished:
+        if upd.finished:  # (the last update: one request)
             for line in _finish_events(event, turn.finish(upd.result, store), message):
                 yield line
-            return
 
 
 def _finish_events(event: Callable[..., str], response: dict[str, Any],
                    message: Optional[dict[str, Any]]) -> Iterator[str]:
     """The end of a stream: the message item's done events (``message``: the item streamed so far,
     whose id the output keeps), one function_call item per call (its arguments as one delta), then
-    ``response.completed`` / ``incomplete`` / ``failed`` with the whole response."""
-    if response["status"] == "failed":
-        yield event("response.failed", response=response)
-        return
-    for index, item in enumerate(response["output"]):
+    ``response.completed`` / ``incomplete`` / ``failed`` (its status) with the whole response."""
+    for index, item in enumerate(response["output"]):  # (none when it failed)
         if item["type"] == "message":
             item["id"] = message["id"] if message is not None else item["id"]
             part = item["content"][0]
@@ -243,5 +227,4 @@ def _finish_events(event: Callable[..., str], response: dict[str, Any],
             yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                         arguments=item["arguments"])
         yield event("response.output_item.done", output_index=index, item=item)
-    kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
-    yield event(kind, response=response)
+    yield event(f"response.{response['status']}", response=response)

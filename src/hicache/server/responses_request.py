@@ -4,15 +4,14 @@
 ``function_call`` items as the assistant's tool calls, ``function_call_output`` items as tool
 messages); function ``tools`` and ``tool_choice`` the chat API's; ``text.format`` (json_schema /
 json_object) its ``response_format``; ``max_output_tokens`` its ``max_tokens``. The chat
-machinery's refusals are answered naming this API's fields (:func:`responses_errors`).
+machinery's refusals are answered naming this API's fields (:func:`own_fields`, as server/app.py answers them).
 ``metadata`` is held to OpenAI's bounds (it is stored and returned with the response).
 """
 
 from __future__ import annotations
 
-import functools
 import re
-from typing import Any, Awaitable, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 from pydantic import Field, ValidationError, field_validator
 
@@ -84,9 +83,8 @@ def chat_messages(body: ResponsesRequest, history: list[dict[str, Any]]) -> list
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
-            output = item.get("output", "")
             out.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                        "content": output if isinstance(output, str) else _text_of(output)})
+                        "content": _text_of(item.get("output", ""))})
         else:
             raise APIError(400, f"input items of type {kind!r} are not supported (messages, function_call and "
                                 "function_call_output are).", param="input")
@@ -114,16 +112,14 @@ def _chat_tool_choice(choice: Union[str, dict[str, Any], None]) -> Any:
 
 
 def _response_format(text: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
-    """``text.format`` as the chat API's ``response_format`` (None: plain text)."""
+    """``text.format`` as the chat API's ``response_format`` (``text``: plain text)."""
     fmt = (text or {}).get("format") or {"type": "text"}
     if not isinstance(fmt, dict):
         raise APIError(400, "text.format must be an object such as {\"type\": \"json_schema\", \"name\": ..., "
                             "\"schema\": {...}}.", param="text.format")
     kind = fmt.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"type": "json_object"}
+    if kind in ("text", "json_object"):
+        return {"type": kind}
     if kind == "json_schema":
         if not isinstance(fmt.get("schema"), dict):
             raise APIError(400, "text.format of type json_schema needs its JSON Schema as an object in "
@@ -163,14 +159,3 @@ def own_fields(e: APIError) -> APIError:
     """``e`` naming this API's fields where the chat machinery named its own."""
     message = _CHAT_WORD.sub(lambda m: "]." if m.group(2) else CHAT_FIELDS[m.group(1)], e.message)
     return APIError(e.status, message, e.type, CHAT_FIELDS.get(e.param or "", e.param), e.code)
-
-
-def responses_errors(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-    """``handler`` whose refusals name the Responses API's fields (:func:`own_fields`)."""
-    @functools.wraps(handler)
-    async def wrapped(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return await handler(*args, **kwargs)
-        except APIError as e:
-            raise own_fields(e) from None
-    return wrapped

@@ -84,8 +84,7 @@ class ServerThread:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("the HTTP server did not start.")
             time.sleep(0.01)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.base_url = f"http://{self.host}:{port}"
+        self.base_url = f"http://{self.host}:{self.server.servers[0].sockets[0].getsockname()[1]}"  # (the port taken)
         return self.base_url
 
     def stop(self) -> None:

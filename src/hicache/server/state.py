@@ -16,6 +16,7 @@ from ..sampling_ranges import range_error
 from .metrics import ServerMetrics
 from .options import ServerOptions
 from .protocol import APIError
+from .response_store import ResponseStore
 from .tool_formats import choose_format
 
 logger = logging.getLogger(__name__)
@@ -27,18 +28,15 @@ class ServerState:
     """What the handlers share: the loop, metrics, options and the worker pool."""
 
     def __init__(self, loop: EngineLoop, metrics: ServerMetrics, opts: ServerOptions) -> None:
-        self.loop = loop
-        self.engine = loop.engine
-        self.metrics = metrics
-        self.opts = opts
+        self.loop, self.engine, self.metrics, self.opts = loop, loop.engine, metrics, opts
         self.max_inflight = loop.engine.config.max_running_requests + opts.max_queued_requests
         self.created = int(time.time())
         self.workers = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="hicache-http-prepare")
-        self.responses: Any = None  # the Responses API's store (server/responses.py), set by create_app
-        template = self.engine.tokenizer.chat_template if self.engine.tokenizer is not None else None
-        self.call_format, source = choose_format(opts.tool_call_parser, template)
-        logger.info("tool calls: %s format (from %s)", self.call_format.name, source)
+        # the Responses API's store (server/responses.py; /stats reports it)
+        self.responses = ResponseStore(opts.responses_store_size, opts.responses_store_mb << 20)
         tok = self.engine.tokenizer
+        self.call_format, source = choose_format(opts.tool_call_parser, tok.chat_template if tok is not None else None)
+        logger.info("tool calls: %s format (from %s)", self.call_format.name, source)
         self.sampling_defaults = sampling_defaults(opts, tok.sampling_defaults if tok is not None else {})
 
     async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:

@@ -1,7 +1,8 @@
 """What every generating endpoint shares (the OpenAI routes in :mod:`.app`, the Messages and Responses
 APIs, SGLang's native ``/generate`` in :mod:`.native`): a prepared request, submitting it, waiting
 for its result while watching the client, the per-request figures of the answer, and server-sent
-events. Counts are tokens; times are seconds.
+events, their text detokenized as it becomes final (:class:`IncrementalText`). Counts are tokens; times are
+seconds.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from ..frontend.loop import RequestHandle, Update
 from ..runtime.request import GenerateResult
 from ..runtime.sampling import SamplingParams
 from .protocol import APIError, SamplingBody
-from .detok import IncrementalText
 from .state import ServerState
 from .tool_formats import HERMES, CallFormat
 from .tools import ChatChunks, ChunkFn
@@ -163,9 +163,38 @@ async def _unless_gone(request: Request, waiting: asyncio.Future, gone: str) -> 
             raise APIError(499, "the client closed the connection.", code="client_closed")
 
 
+class IncrementalText:
+    """Decodes the growing output and hands out only text that cannot change any more.
+
+    Held back: a trailing replacement character (an incomplete UTF-8 sequence may still be
+    completed by the next token) and, when stop strings are set, the last ``len(stop) - 1``
+    characters (they may be the start of a stop string the final text will cut).
+    """
+
+    def __init__(self, decode: Callable[[Sequence[int]], str], stops: Sequence[str]) -> None:
+        self._decode, self._emitted = decode, 0  # _emitted: characters already handed out
+        self._ids: list[int] = []
+        self._hold = max((len(s) for s in stops), default=1) - 1
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Text that became final with these new tokens (may be empty)."""
+        self._ids.extend(token_ids)
+        text = self._decode(self._ids)
+        end = len(text) - self._hold
+        while end > self._emitted and text[end - 1] == "\ufffd":
+            end -= 1
+        out, self._emitted = text[self._emitted : end], max(end, self._emitted)
+        return out
+
+    def finish(self, final_text: str) -> str:
+        """The rest of ``final_text`` (the engine's text, stop string already cut)."""
+        out, self._emitted = final_text[self._emitted :], len(final_text)
+        return out
+
+
 class ChoiceStream:
     """One choice's updates as its stream's chunks (``chunk``: a :data:`ChunkFn`): text as it becomes
-    final (server/detok.py), then the rest and the finish chunk (none after an engine failure: the
+    final (:class:`IncrementalText`), then the rest and the finish chunk (none after an engine failure: the
     caller answers that in its API's way)."""
 
     def __init__(self, chunk: ChunkFn, p: Prepared, decode: Callable[[list[int]], str]) -> None:
@@ -217,8 +246,7 @@ def submit_request(st: ServerState, p: Prepared, ids: Optional[list[int]] = None
     except EngineDeadError as e:
         raise engine_dead(e) from None
     except InvalidRequestError as e:
-        field = p.param if e.param == "prompt" else p.body.field_of(e.param)
-        raise APIError(400, str(e), param=field) from None
+        raise APIError(400, str(e), param=p.param if e.param == "prompt" else p.body.field_of(e.param)) from None
     except HicacheError as e:
         raise APIError(400, str(e)) from None
 

@@ -53,9 +53,7 @@ def place_system_messages(messages: list[dict[str, Any]], tokenizer: Any) -> lis
     """``messages`` (chat dicts with ``role`` / ``content``) with their system messages where the
     template can take them (module docstring); unchanged when there is no later system message or
     the template takes them in place."""
-    lead = 0
-    while lead < len(messages) and messages[lead]["role"] == "system":
-        lead += 1
+    lead = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))  # the leading run
     later = [i for i in range(lead, len(messages)) if messages[i]["role"] == "system"]
     if (lead <= 1 and not later) or takes_system_turns(tokenizer):
         return messages

@@ -61,6 +61,14 @@ def _values(text: str, separators: str) -> Iterator[Any]:
         yield value
 
 
+def _loads(text: str, fallback: Any = None) -> Any:
+    """``text`` as a JSON value, or ``fallback`` when it is not JSON."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return fallback
+
+
 def _call(obj: Any, names: set[str], argument_keys: tuple[str, ...]) -> Optional[ToolCall]:
     if not isinstance(obj, dict) or obj.get("name") not in names:
         return None
@@ -76,8 +84,7 @@ def whole_reply_calls(text: str, names: set[str], argument_keys: tuple[str, ...]
     """The calls a reply is made of, written as bare JSON objects (or one list of them), in a fenced
     block or not; None when anything in it is not such a call."""
     body = text.strip()
-    fenced = _FENCE.fullmatch(body)
-    body = fenced.group(1) if fenced else body
+    body = fenced.group(1) if (fenced := _FENCE.fullmatch(body)) else body
     if not body.startswith(("{", "[")):
         return None
     try:
@@ -99,9 +106,7 @@ def _prefix_held(text: str, markers: tuple[str, ...]) -> int:
 def _whole_reply_held(text: str, starts: tuple[str, ...]) -> int:
     """All of ``text`` after its leading whitespace when that begins like a bare call (or may)."""
     body = text.lstrip()
-    if body and any(body.startswith(s) or s.startswith(body) for s in starts):
-        return len(body)
-    return 0
+    return len(body) if body and any(body.startswith(s) or s.startswith(body) for s in starts) else 0
 
 
 # JSON the way a forced call writes it: one line, ", " and ": " (what the format's examples show).
@@ -117,30 +122,23 @@ def _object_grammar(tools: dict[str, dict[str, Any]], names: list[str], argument
                     layout: Optional[dict[str, Any]] = None) -> list[str]:
     """Lark rules ``fn0 .. fnN``: one call object of each function, its arguments under its schema,
     laid out as ``layout`` says (llguidance's JSON options; default :data:`_COMPACT`)."""
-    rules = []
-    for i, name in enumerate(names):
-        arguments = {**tools[name], "type": "object"}  # a schema without a type could take any JSON value
-        schema = {"type": "object", "properties": {"name": {"const": name}, argument_key: arguments},
-                  "required": ["name", argument_key], "additionalProperties": False,
-                  "x-guidance": layout or _COMPACT}
-        rules.append(f"fn{i}: %json {json.dumps(schema)}")
-    return rules
+    # (the arguments' schema typed "object": a schema without a type could take any JSON value)
+    return [f"fn{i}: %json " + json.dumps({
+        "type": "object", "properties": {"name": {"const": name}, argument_key: {**tools[name], "type": "object"}},
+        "required": ["name", argument_key], "additionalProperties": False, "x-guidance": layout or _COMPACT})
+        for i, name in enumerate(names)]
 
 
 def _literal(marker: str, special_id: SpecialId) -> str:
     """A marker in a Lark grammar: by id where it is a special token (text cannot spell it), else quoted."""
-    token = special_id(marker)
-    return f"<[{token}]>" if token is not None else json.dumps(marker)
+    return f"<[{token}]>" if (token := special_id(marker)) is not None else json.dumps(marker)
 
 
 def _call_args(call: dict[str, Any]) -> tuple[Any, Any]:
     """(name, arguments as a JSON value) of an OpenAI ``tool_calls`` entry from the history."""
     fn = call.get("function", {}) if isinstance(call, dict) else {}
     args = fn.get("arguments", "{}")
-    try:
-        return fn.get("name"), json.loads(args) if isinstance(args, str) else args
-    except json.JSONDecodeError:
-        return fn.get("name"), args
+    return fn.get("name"), _loads(args, args) if isinstance(args, str) else args
 
 
 def template_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -160,11 +158,21 @@ class CallFormat:
     TRIGGERS: Triggers = ()  # where a call begins in a reply, and the grammar's spelling of it
     ARGUMENTS = "arguments"  # the key of a call object its arguments go under (in a grammar)
     BETWEEN = '"\\n"'  # what separates parallel calls, in a grammar
+    TAG = ""  # what a reply made of calls may open with (removed before they are parsed)
+    PARSED_KEYS, SEPARATORS = ("arguments",), ""  # where parsed calls have their arguments; between bare calls
 
     def parse(self, text: str, names: set[str], truncated: bool = False) -> tuple[Optional[str], list[ToolCall]]:
         """``(content, calls)`` of a reply; ``truncated`` (cut by max_tokens): a call left open at
-        the end is dropped, not returned as content."""
-        raise NotImplementedError
+        the end is dropped, not returned as content. Here: a reply that is nothing but calls
+        (:meth:`_calls`), else all of it is content."""
+        calls = self._calls(text.strip().removeprefix(self.TAG), names)
+        if calls:
+            return None, calls
+        return (text[:len(text) - self.held_back(text)] if truncated else text).strip() or None, []
+
+    def _calls(self, body: str, names: set[str]) -> Optional[list[ToolCall]]:
+        """The calls a whole reply (its tag removed) is made of, or None (:func:`whole_reply_calls`)."""
+        return whole_reply_calls(body, names, self.PARSED_KEYS, self.SEPARATORS)
 
     def held_back(self, text: str) -> int:
         """How many characters at the end of streamed ``text`` may begin a call (a whole-reply format:
@@ -201,13 +209,6 @@ class CallFormat:
         return ("You can call functions to help with the user's request. Their signatures, one JSON object a "
                 f"line, are inside <tools></tools>:\n<tools>\n{listing}\n</tools>\n\n{self.example}")
 
-    def _whole(self, text: str, names: set[str], truncated: bool, calls: Optional[list[ToolCall]]
-               ) -> tuple[Optional[str], list[ToolCall]]:
-        if calls:
-            return None, calls
-        kept = text[:len(text) - self.held_back(text)] if truncated else text
-        return (kept.strip() or None), []
-
 
 class HermesFormat(CallFormat):
     name = "hermes"
@@ -221,21 +222,17 @@ class HermesFormat(CallFormat):
     def parse(self, text: str, names: set[str], truncated: bool = False) -> tuple[Optional[str], list[ToolCall]]:
         calls, kept, last = [], [], 0
         for m in self._CALL.finditer(text):
-            try:
-                call = _call(json.loads(m.group(1)), names, ("arguments",))
-            except json.JSONDecodeError:
-                continue
+            call = _call(_loads(m.group(1)), names, ("arguments",))
             if call is None:
                 continue
             calls.append(call)
             kept.append(text[last:m.start()])
             last = m.end()
-        if not calls:
-            return self._whole(text, names, truncated, whole_reply_calls(text, names, ("arguments",)))
+        if not calls:  # a bare call object, or one in a fence
+            return super().parse(text, names, truncated)
         tail = text[last:]
         kept.append(tail[:len(tail) - self._tag_held(tail)] if truncated else tail)
-        content = "".join(kept).strip()
-        return (content or None), calls
+        return ("".join(kept).strip() or None), calls
 
     def _tag_held(self, text: str) -> int:
         start = text.find(self.OPEN)
@@ -270,13 +267,9 @@ class Llama3Format(CallFormat):
     _STARTS = ("{", "```json", TAG)
     TRIGGERS = (_BARE_CALL,)
     ARGUMENTS = "parameters"
+    PARSED_KEYS, SEPARATORS = ("parameters", "arguments"), ";"
     example = ('To call a function, answer with only a JSON object per call, one a line, in the format '
                '{"name": "<function name>", "parameters": {<arguments as a JSON object>}}')
-
-    def parse(self, text: str, names: set[str], truncated: bool = False) -> tuple[Optional[str], list[ToolCall]]:
-        body = text.strip().removeprefix(self.TAG)
-        return self._whole(text, names, truncated, whole_reply_calls(body, names, ("parameters", "arguments"), ";"))
-
 
     def render(self, calls: list[dict[str, Any]]) -> str:
         return "\n".join(json.dumps(dict(zip(("name", "parameters"), _call_args(c)))) for c in calls)
@@ -292,26 +285,15 @@ class MistralFormat(CallFormat):
     example = ('To call functions, answer with only [TOOL_CALLS] followed by a JSON list of calls, each '
                '{"name": "<function name>", "arguments": {<arguments as a JSON object>}}')
 
-    def parse(self, text: str, names: set[str], truncated: bool = False) -> tuple[Optional[str], list[ToolCall]]:
-        body = text.strip().removeprefix(self.TAG)
-        calls = whole_reply_calls(body, names, ("arguments",)) or self._v11(body, names)
-        return self._whole(text, names, truncated, calls)
-
-    def _v11(self, body: str, names: set[str]) -> Optional[list[ToolCall]]:
-        calls = []
-        for piece in body.split(self.TAG):
-            m = self._V11.fullmatch(piece)
-            call = None
-            if m and m.group(1) in names:
-                try:
-                    args = json.loads(m.group(2))
-                except json.JSONDecodeError:
-                    args = None
-                call = _call({"name": m.group(1), "arguments": args}, names, ("arguments",))
-            if call is None:
-                return None
-            calls.append(call)
-        return calls or None
+    def _calls(self, body: str, names: set[str]) -> Optional[list[ToolCall]]:
+        """v3's JSON list of calls, else v11's ``name[ARGS]{...}`` calls, one after each tag."""
+        v3 = super()._calls(body, names)
+        if v3:
+            return v3
+        matches = [self._V11.fullmatch(piece) for piece in body.split(self.TAG)]
+        calls = [_call({"name": m.group(1), "arguments": _loads(m.group(2))}, names, ("arguments",)) if m else None
+                 for m in matches]
+        return calls if all(calls) else None  # type: ignore[return-value]
 
     def _wrap(self, calls: str, alternatives: str, special_id: SpecialId) -> tuple[str, str]:
         return f'{_literal(self.TAG, special_id)} "[" {calls} "]"', alternatives

@@ -68,10 +68,6 @@ def chosen(tools: dict[str, dict[str, Any]], tool_choice: Any) -> tuple[str, lis
     return "forced", [name]
 
 
-def tool_response(content: str) -> str:
-    return f"<tool_response>\n{content}\n</tool_response>"
-
-
 @dataclass
 class ChatPrompt:
     """A chat request made ready for the template: its messages, the ``tools`` for a template
@@ -103,7 +99,7 @@ def chat_prompt(messages: list[Any], tools: Optional[list[Any]], tool_choice: An
         elif m.tool_calls:
             msg["content"] = f"{content}\n{fmt.render(m.tool_calls)}" if content else fmt.render(m.tool_calls)
         if role == "tool" and not renders_tools:
-            msg = {"role": "user", "content": tool_response(content)}
+            msg = {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
         out.append(msg)
     # The tools stay in the prompt under tool_choice "none" too (vLLM's default): the conversation's
     # prefix, cached on earlier turns, stays the same; only calls are not parsed.
@@ -145,8 +141,7 @@ class ChatChunks:
             if piece or first:
                 delta["content"] = piece
         else:
-            rest = self.text[self.sent:]
-            content, calls = parse_reply(rest, finish, self.call_names, self.fmt)
+            content, calls = parse_reply(self.text[self.sent:], finish, self.call_names, self.fmt)
             if content:
                 delta["content"] = content
             if calls:
