@@ -161,8 +161,7 @@ class DeviceTier:
         """Insert the whole pages of ``tokens`` (whose KV is computed) into the tree and move
         the request's lock to the new boundary, so concurrent requests can share it."""
         n_pages = len(tokens) // self.page_size
-        if self.tree is None or n_pages <= state.cached_pages or \
-                not self._insert(namespace, tokens[: n_pages * self.page_size], state):
+        if not self._insert(namespace, tokens, state):
             return
         match = self.tree.match_prefix(namespace, tokens[: n_pages * self.page_size])
         assert len(match.device_pages) == n_pages, "inserted prefix must match in full"
@@ -185,10 +184,7 @@ class DeviceTier:
                 # the prompt's checkpoint ends a node of its own: a host copy keeps each node end's window
                 self.cache_prefix(namespace, tokens[: prompt_end * self.page_size], state)
             self.windows.trim_for_release(state, len(tokens))  # the tree gets the checkpoint's window only
-        keep = len(tokens) // self.page_size  # (no tree: no page is cached)
-        if self.tree is None or keep <= state.cached_pages or \
-                not self._insert(namespace, tokens[: keep * self.page_size], state):
-            keep = state.cached_pages
+        keep = len(tokens) // self.page_size if self._insert(namespace, tokens, state) else state.cached_pages
         self.allocator.free(state.pages[keep:])
         if self.windows is not None:
             self.windows.release(state)
@@ -198,11 +194,14 @@ class DeviceTier:
         state.node = None
 
     def _insert(self, namespace: str, tokens: np.ndarray, state: KVState) -> bool:
-        """Cache the request's pages for ``tokens``; False (nothing changed) when sharded and the
-        tree already holds this path on another rotation (two new sequences with the same start
-        were admitted before either was cached, on different anchors): joining them would put
-        a device page and its host copy, or a gather, on different ranks."""
+        """Cache the request's pages for the whole pages of ``tokens``; False (nothing changed) when
+        there is no tree, the request's cached pages cover them, or sharded and the tree already holds
+        this path on another rotation (two new sequences with the same start were admitted before
+        either was cached, on different anchors): joining them would put a device page and its host
+        copy, or a gather, on different ranks."""
         n_pages = len(tokens) // self.page_size
+        if self.tree is None or n_pages <= state.cached_pages:
+            return False
         if self.placement is not None:
             if not self.placement.follows_rotation(state.pages[:n_pages]):
                 raise AssertionError("a sequence's pages must follow the owner rotation of their positions")

@@ -33,9 +33,9 @@ from .storage.page_objects import DRAFT_PREFIX, WINDOW_SUFFIX, GridCell
 from .storage.prefetch_backup import Agree, PrefetchOp
 from .storage.unified import Cell, RankObjects, RankShard, StorageGrid, UnifiedPlan
 from .storage_tier import StorageTier, consume_prefetch_acks
-from .tiers import WRITE_POLICIES, CachePolicy, CacheStats, Tier
+from .tiers import CachePolicy, CacheStats, Tier
 
-__all__ = ["CachePolicy", "KVCacheManager", "KVState", "CacheStats", "RankLayout", "WRITE_POLICIES"]
+__all__ = ["CachePolicy", "KVCacheManager", "KVState", "CacheStats", "RankLayout"]
 
 
 @dataclass(frozen=True)
