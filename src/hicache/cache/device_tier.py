@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from .device_window import DeviceWindows, WindowHold
+from .page_tree import EMPTY_PAGES
 from .placement import PagePlacement, ShardedPageAllocator, alloc_evicting, path_anchor
 from .pools import DeviceKVPool, PageAllocator, pages_to_slots
 from .radix import RadixCache
@@ -96,9 +97,7 @@ class DeviceTier:
         budget)."""
         if self.windows is not None and not self.windows.fits(forward_tokens, self.pages_for(reserve_tokens)):
             return None
-        hit_pages = np.zeros(0, dtype=np.int64)
-        node, match, window_lock = None, None, None
-        host_nodes: list[TreeNode] = []
+        hit_pages, node, match, window_lock, host_nodes = EMPTY_PAGES, None, None, None, []
         if self.tree is not None:
             match = self.tree.match_prefix(namespace, tokens[: len(tokens) - 1], cut=not kv_arrives)
             hit_pages, node = match.device_pages, match.last_node
@@ -106,8 +105,7 @@ class DeviceTier:
             if self.windows is not None:  # may split a host-hit node: before they are listed
                 window_lock = self.windows.lock_hit(node, (match.device_hit_tokens + match.host_hit_tokens)
                                                     // self.page_size, len(tokens) if kv_arrives else None)
-            host_nodes = list(itertools.takewhile(lambda n: n is not match.last_device_node, match.last_node.lineage()))
-            host_nodes.reverse()
+            host_nodes = list(itertools.takewhile(lambda n: n is not match.last_device_node, node.lineage()))[::-1]
         new_pages = self._alloc(self.pages_for(reserve_tokens) - len(hit_pages), len(hit_pages),
                                 self._anchor(hit_pages, host_nodes))
         if new_pages is None:
@@ -126,10 +124,9 @@ class DeviceTier:
                         node=node, device_hit_tokens=len(hit_pages) * self.page_size,
                         host_hit_tokens=loaded * self.page_size - stored, storage_hit_tokens=stored)
         state.refresh_slots(self.page_size)
-        restored = []
-        if self.windows is not None:
-            restored = self.windows.admit(state, window_lock, match.parts["window"] if match is not None else None,
-                                          host_nodes, forward_tokens, len(tokens), kv_arrives)
+        restored = [] if self.windows is None else self.windows.admit(
+            state, window_lock, match.parts["window"] if match is not None else None, host_nodes, forward_tokens,
+            len(tokens), kv_arrives)
         self.stats.prompt_tokens += len(tokens)
         self.stats.device_hit_tokens += state.device_hit_tokens
         self.stats.host_hit_tokens += state.host_hit_tokens

@@ -152,8 +152,7 @@ class TransferController:
 
     def _part_pages(self, name: str, device: np.ndarray, host: np.ndarray) -> PartPages:
         """Component ``name``'s pages with each group's rows on both sides, read now (a shared
-        pool's window page maps to one block per sliding group, issue 56)."""
-        assert len(device) == len(host)
+        pool's window page maps to one block per sliding group, issue 56; each copy's plan checks their lengths)."""
         device, host, host_pool = np.asarray(device), np.asarray(host), self._part_hosts[name]
         w = self.device_pool.windows
         return PartPages(device, host, [(w.rows(device, k), host_pool.windows.rows(host, k)) for k in range(w.groups)])
