@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from .device_window import DeviceWindows, WindowHold
+from .page_tree import EMPTY_PAGES
 from .placement import PagePlacement, ShardedPageAllocator, alloc_evicting, path_anchor
 from .pools import DeviceKVPool, PageAllocator, pages_to_slots
 from .radix import RadixCache
@@ -96,9 +97,7 @@ class DeviceTier:
         budget)."""
         if self.windows is not None and not self.windows.fits(forward_tokens, self.pages_for(reserve_tokens)):
             return None
-        hit_pages = np.zeros(0, dtype=np.int64)
-        node, match, window_lock = None, None, None
-        host_nodes: list[TreeNode] = []
+        hit_pages, node, match, window_lock, host_nodes = EMPTY_PAGES, None, None, None, []
         if self.tree is not None:
             match = self.tree.match_prefix(namespace, tokens[: len(tokens) - 1], cut=not kv_arrives)
             hit_pages, node = match.device_pages, match.last_node
@@ -106,8 +105,7 @@ class DeviceTier:
             if self.windows is not None:  # may split a host-hit node: before they are listed
                 window_lock = self.windows.lock_hit(node, (match.device_hit_tokens + match.host_hit_tokens)
                                                     // self.page_size, len(tokens) if kv_arrives else None)
-            host_nodes = list(itertools.takewhile(lambda n: n is not match.last_device_node, match.last_node.lineage()))
-            host_nodes.reverse()
+            host_nodes = list(itertools.takewhile(lambda n: n is not match.last_device_node, node.lineage()))[::-1]
         new_pages = self._alloc(self.pages_for(reserve_tokens) - len(hit_pages), len(hit_pages),
                                 self._anchor(hit_pages, host_nodes))
         if new_pages is None:
@@ -126,10 +124,9 @@ class DeviceTier:
                         node=node, device_hit_tokens=len(hit_pages) * self.page_size,
                         host_hit_tokens=loaded * self.page_size - stored, storage_hit_tokens=stored)
         state.refresh_slots(self.page_size)
-        restored = []
-        if self.windows is not None:
-            restored = self.windows.admit(state, window_lock, match.parts["window"] if match is not None else None,
-                                          host_nodes, forward_tokens, len(tokens), kv_arrives)
+        restored = [] if self.windows is None else self.windows.admit(
+            state, window_lock, match.parts["window"] if match is not None else None, host_nodes, forward_tokens,
+            len(tokens), kv_arrives)
         self.stats.prompt_tokens += len(tokens)
         self.stats.device_hit_tokens += state.device_hit_tokens
         self.stats.host_hit_tokens += state.host_hit_tokens
@@ -161,8 +158,7 @@ class DeviceTier:
         """Insert the whole pages of ``tokens`` (whose KV is computed) into the tree and move
         the request's lock to the new boundary, so concurrent requests can share it."""
         n_pages = len(tokens) // self.page_size
-        if self.tree is None or n_pages <= state.cached_pages or \
-                not self._insert(namespace, tokens[: n_pages * self.page_size], state):
+        if not self._insert(namespace, tokens, state):
             return
         match = self.tree.match_prefix(namespace, tokens[: n_pages * self.page_size])
         assert len(match.device_pages) == n_pages, "inserted prefix must match in full"
@@ -185,10 +181,7 @@ class DeviceTier:
                 # the prompt's checkpoint ends a node of its own: a host copy keeps each node end's window
                 self.cache_prefix(namespace, tokens[: prompt_end * self.page_size], state)
             self.windows.trim_for_release(state, len(tokens))  # the tree gets the checkpoint's window only
-        keep = len(tokens) // self.page_size  # (no tree: no page is cached)
-        if self.tree is None or keep <= state.cached_pages or \
-                not self._insert(namespace, tokens[: keep * self.page_size], state):
-            keep = state.cached_pages
+        keep = len(tokens) // self.page_size if self._insert(namespace, tokens, state) else state.cached_pages
         self.allocator.free(state.pages[keep:])
         if self.windows is not None:
             self.windows.release(state)
@@ -198,11 +191,14 @@ class DeviceTier:
         state.node = None
 
     def _insert(self, namespace: str, tokens: np.ndarray, state: KVState) -> bool:
-        """Cache the request's pages for ``tokens``; False (nothing changed) when sharded and the
-        tree already holds this path on another rotation (two new sequences with the same start
-        were admitted before either was cached, on different anchors): joining them would put
-        a device page and its host copy, or a gather, on different ranks."""
+        """Cache the request's pages for the whole pages of ``tokens``; False (nothing changed) when
+        there is no tree, the request's cached pages cover them, or sharded and the tree already holds
+        this path on another rotation (two new sequences with the same start were admitted before
+        either was cached, on different anchors): joining them would put a device page and its host
+        copy, or a gather, on different ranks."""
         n_pages = len(tokens) // self.page_size
+        if self.tree is None or n_pages <= state.cached_pages:
+            return False
         if self.placement is not None:
             if not self.placement.follows_rotation(state.pages[:n_pages]):
                 raise AssertionError("a sequence's pages must follow the owner rotation of their positions")

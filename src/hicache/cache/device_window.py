@@ -273,21 +273,21 @@ class DeviceWindows:
     def alloc(self, n: int) -> np.ndarray:
         """``n`` window pages, tombstoning unlocked windows while they do not fit (the running
         requests' budgets guarantee they do then)."""
-        pages, evicted = self._alloc_evicting(n)
+        pages = self._alloc_evicting(n)
         if pages is None and self.settle_backups is not None:  # the rest is locked by copies still reading it
             self.settle_backups()
-            pages, more = self._alloc_evicting(n)
-            evicted += more  # the first attempt's tombstones are gone too
+            pages = self._alloc_evicting(n)
         if pages is None:
             raise AssertionError(f"the window component cannot hold {n} pages within the reserved budgets")
-        self.stats.evicted_window_pages += evicted
         return pages
 
-    def _alloc_evicting(self, n: int) -> tuple[np.ndarray | None, int]:
-        if self.shared:
+    def _alloc_evicting(self, n: int) -> np.ndarray | None:
+        if self.shared:  # (make_room counts what it evicts)
             groups = self.allocator.groups
-            return alloc_evicting(self.allocator, n, 0, lambda short: self.make_room(short * groups))[0], 0
-        return alloc_evicting(self.allocator, n, 0, self.cached.evict if self.cached is not None else None)
+            return alloc_evicting(self.allocator, n, 0, lambda short: self.make_room(short * groups))[0]
+        pages, evicted = alloc_evicting(self.allocator, n, 0, self.cached.evict if self.cached is not None else None)
+        self.stats.evicted_window_pages += evicted
+        return pages
 
     def make_room(self, blocks: int) -> int:
         """Shared pool: free at least ``blocks`` blocks if the tree can: window pages no checkpoint needs

@@ -7,8 +7,8 @@ copy has ended. On CUDA the worker enqueues its copies on a stream of its own, o
 compute that produced the data (``after_compute``), and records one CUDA event per layer behind
 them; a layer's ready event then means "enqueued", and :meth:`wait_layer` makes the compute
 stream wait on that layer's CUDA event -- on the GPU, without blocking the thread that launches
-the forward -- so layer i's attention waits for layer i's copy only. The worker synchronizes the
-op's ``finish_event`` before setting ``done``, and the tree's bookkeeping only ever follows
+the forward -- so layer i's attention waits for layer i's copy only. The worker synchronizes an
+event recorded behind the op's copies before setting ``done``, and the tree's bookkeeping only ever follows
 ``done`` (through :meth:`pop`).
 
 The scheduler thread never looks at events to change cache state. It asks how many leading
@@ -81,7 +81,6 @@ class TransferOp:
     error: Optional[BaseException] = None
     after_compute: Optional[object] = None  # CUDA event: the data's producer on the compute stream
     layer_events: list = field(default_factory=list)  # CUDA: each layer's copies done on the copy stream
-    finish_event: Optional[object] = None  # CUDA: every copy of the op done (synchronized before ``done``)
     parts: dict[str, PartPages] = field(default_factory=dict)  # by component: pages of a space of its own
 
     @property
@@ -153,8 +152,7 @@ class TransferController:
 
     def _part_pages(self, name: str, device: np.ndarray, host: np.ndarray) -> PartPages:
         """Component ``name``'s pages with each group's rows on both sides, read now (a shared
-        pool's window page maps to one block per sliding group, issue 56)."""
-        assert len(device) == len(host)
+        pool's window page maps to one block per sliding group, issue 56; each copy's plan checks their lengths)."""
         device, host, host_pool = np.asarray(device), np.asarray(host), self._part_hosts[name]
         w = self.device_pool.windows
         return PartPages(device, host, [(w.rows(device, k), host_pool.windows.rows(host, k)) for k in range(w.groups)])
@@ -194,12 +192,10 @@ class TransferController:
         run FIFO): on CPU, block until it has; on CUDA, block until its copies are enqueued and
         make the current stream wait for them on the GPU."""
         op = self._last_load
-        if op is None or op.done.is_set():
-            return
-        op.layer_done[layer].wait()
-        event = op.layer_events[layer]
-        if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
+        if op is not None and not op.done.is_set():
+            op.layer_done[layer].wait()
+            if (event := op.layer_events[layer]) is not None:
+                torch.cuda.current_stream(self.device).wait_event(event)
 
     def shutdown(self) -> None:
         """Stop the workers after the ops already queued (idempotent)."""
@@ -216,12 +212,8 @@ class TransferController:
 
     def _execute(self, op: TransferOp, stream) -> None:
         try:
-            if stream is not None:
-                with torch.cuda.stream(stream):
-                    stream.wait_event(op.after_compute)
-                    self._run(op, stream)
-            else:
-                self._run(op, None)
+            with torch.cuda.stream(stream):  # (None, on CPU: the calling thread's own copies)
+                self._run(op, stream)
         except BaseException as e:  # surfaced to the scheduler by pop()
             if self.workers.inline and not isinstance(e, Exception):  # Ctrl-C on the caller's own thread
                 raise
@@ -234,6 +226,8 @@ class TransferController:
             op.done.set()
 
     def _run(self, op: TransferOp, stream) -> None:
+        if stream is not None:
+            stream.wait_event(op.after_compute)
         backup = op.kind == BACKUP
         dev_pages, host_pages = op.device_pages, op.host_pages
         if self.shard is not None:  # this rank's pages only, as its pools number them
@@ -262,9 +256,8 @@ class TransferController:
             if stream is not None:
                 op.layer_events[layer] = stream.record_event()
             op.layer_done[layer].set()
-        if stream is not None:  # the seed's finish_event.synchronize(): the bookkeeping follows ``done``
-            op.finish_event = stream.record_event()
-            op.finish_event.synchronize()
+        if stream is not None:  # every copy of the op done before ``done``: the bookkeeping follows it
+            stream.record_event().synchronize()
 
     def _page_views(self, pair: int, layer: int, host_layer: int, kv: int) -> tuple[PageBuf, PageBuf]:
         """Pool pair ``pair``'s device ``layer`` (its host pool's ``host_layer``), K (0) or V (1)

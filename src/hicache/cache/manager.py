@@ -33,9 +33,9 @@ from .storage.page_objects import DRAFT_PREFIX, WINDOW_SUFFIX, GridCell
 from .storage.prefetch_backup import Agree, PrefetchOp
 from .storage.unified import Cell, RankObjects, RankShard, StorageGrid, UnifiedPlan
 from .storage_tier import StorageTier, consume_prefetch_acks
-from .tiers import WRITE_POLICIES, CachePolicy, CacheStats, Tier
+from .tiers import CachePolicy, CacheStats, Tier
 
-__all__ = ["CachePolicy", "KVCacheManager", "KVState", "CacheStats", "RankLayout", "WRITE_POLICIES"]
+__all__ = ["CachePolicy", "KVCacheManager", "KVState", "CacheStats", "RankLayout"]
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ class KVCacheManager:
         placement, sidecar, unified = layout.placement, layout.sidecar, layout.unified
         sharded = placement is not None and placement.num_shards > 1
         shard_view = ShardView(placement, layout.shard_rank) if sharded else None
-        self.pool, self.page_size, self.host_pool, self.write_policy = pool, pool.page_size, host_pool, policy.write_policy
+        self.pool, self.page_size, self.host_pool = pool, pool.page_size, host_pool
         self.stats = CacheStats()
         self.host_allocator: PageAllocator | ShardedPageAllocator | None = None
         if host_pool is not None:

@@ -110,7 +110,7 @@ def copy_pages(src: PageBuf, dst: PageBuf, plan: PagePlan, staging: torch.Tensor
             src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype):
         raise ValueError(f"page rows differ: {tuple(src.shape[1:])} {src.dtype} vs {tuple(dst.shape[1:])} {dst.dtype}")
     if _on_cpu(src) and _on_cpu(dst):
-        s, d = as_items(src), as_items(dst)
+        s, d = (b if isinstance(b, np.ndarray) else page_items(b) for b in (src, dst))
         if s.dtype != d.dtype:  # numpy would pad or cut items of another size
             raise ValueError(f"page rows differ: {s.dtype.itemsize} vs {d.dtype.itemsize} bytes")
         for a, b, k in plan.runs:
@@ -188,10 +188,6 @@ def page_items(t: torch.Tensor) -> np.ndarray:
     page's bytes) per page; raises if a page's row is not contiguous."""
     flat = t.view(t.shape[0], -1).view(torch.uint8).numpy()
     return flat.view(np.dtype((np.void, flat.shape[1])))[:, 0]
-
-
-def as_items(buf: PageBuf) -> np.ndarray:
-    return buf if isinstance(buf, np.ndarray) else page_items(buf)
 
 
 def _on_cpu(buf: PageBuf) -> bool:

@@ -84,11 +84,8 @@ class ShardedPageAllocator:
         self.pages_per_shard = pages_per_shard
         self.num_pages = placement.num_shards * pages_per_shard  # logical ids 0 .. num_pages-1
         self.capacity = self.num_pages - placement.num_shards  # usable logical pages (no shard's padding page)
-        self.reset()
-
-    def reset(self) -> None:
-        n = self.placement.num_shards
-        self._free = [list(range(self.pages_per_shard * n + owner - n, owner, -n)) for owner in range(n)]
+        n = placement.num_shards  # each owner's free pages, in descending order
+        self._free = [list(range(self.num_pages + owner - n, owner, -n)) for owner in range(n)]
 
     @property
     def available(self) -> int:

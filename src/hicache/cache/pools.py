@@ -85,10 +85,6 @@ class SharedWindowAllocator:
             self.table[pages] = 0
             self.ids.free(pages)
 
-    def reset(self) -> None:
-        self.ids.reset()
-        self.table[:] = 0
-
 
 def free_held(allocator: PageAllocator | SharedWindowAllocator, pages: np.ndarray,
               where: slice | np.ndarray = slice(None)) -> int:

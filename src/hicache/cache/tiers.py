@@ -26,15 +26,12 @@ from .acks import AckCounts
 from .tree_node import TreeNode
 
 
-# Host tier write policies (host_tier.py): when a device page gets its host copy.
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-
-
 @dataclass(frozen=True)
 class CachePolicy:
     """How the tiers behave: device eviction order and reuse, the host write policy, when
     storage is asked and how much of the host it may fill, the deadline (seconds) of each
-    storage backend call (a breaker skips a backend that keeps failing; None: no deadline)."""
+    storage backend call (a breaker skips a backend that keeps failing; None: no deadline). The
+    engine's flags are checked where they are parsed (:class:`~hicache.config.EngineConfig`)."""
 
     eviction_policy: str = "lru"
     enable_prefix_cache: bool = True
@@ -43,10 +40,6 @@ class CachePolicy:
     prefetch_threshold: int = 256
     prefetch_max_host_fraction: float = 0.5
     storage_op_timeout: float | None = 10.0
-
-    def __post_init__(self) -> None:
-        if self.write_policy not in WRITE_POLICIES:
-            raise ValueError(f"unknown write policy {self.write_policy!r}")
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> CachePolicy:

@@ -92,7 +92,7 @@ def check_nodes(nodes: Iterable[TreeNode], page_size: int) -> tuple[int, int, in
         assert node.lock_ref >= 0 and node.host_ref >= 0, f"{node}: negative ref"
         assert len(node.key) > 0 and len(node.key) % page_size == 0, f"{node}: key not whole pages"
         if node.device_pages is not None:
-            _check_pages(node, node.device_pages, seen_pages, page_size, "device")
+            check_pages(node, node.device_pages, seen_pages, len(node.key) // page_size, "device")
             if node.lock_ref > 0:
                 protected += node.num_pages
             else:
@@ -101,7 +101,7 @@ def check_nodes(nodes: Iterable[TreeNode], page_size: int) -> tuple[int, int, in
             assert node.host_pages is not None, f"{node}: in no tier"
             assert all(c.device_pages is None for c in node.children.values()), f"{node}: device below host-only"
         if node.host_pages is not None:
-            _check_pages(node, node.host_pages, seen_host, page_size, "host")
+            check_pages(node, node.host_pages, seen_host, len(node.key) // page_size, "host")
         assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()), f"{node}: lock below parent"
         assert node.host_ref >= sum(c.host_ref for c in node.children.values()), f"{node}: host ref below parent"
         if node.hash_values is not None:
@@ -110,11 +110,12 @@ def check_nodes(nodes: Iterable[TreeNode], page_size: int) -> tuple[int, int, in
     return evictable, protected, len(seen_host)
 
 
-def _check_pages(node: TreeNode, pages: np.ndarray, seen: set[int], page_size: int, tier: str) -> None:
-    """One page id per key page; page 0 is reserved and no page is shared within a tier."""
-    assert len(pages) * page_size == len(node.key), f"{node}: {tier} pages do not cover key"
-    for p in pages.tolist():
-        assert p != 0 and p not in seen, f"{node}: {tier} page {p} reserved or shared"
+def check_pages(node: TreeNode, pages: np.ndarray, seen: set[int], count: int, what: str, holes: bool = False) -> None:
+    """``count`` page ids (one per page of the node), none shared within a tier (``seen``: its pages so far);
+    page 0 is reserved (``holes``: it marks a page held by none, a window's tombstone)."""
+    assert len(pages) == count, f"{node}: {what} pages do not cover its pages"
+    for p in (pages[pages != 0] if holes else pages).tolist():
+        assert p != 0 and p not in seen, f"{node}: {what} page {p} reserved or shared"
         seen.add(p)
 
 

@@ -47,7 +47,6 @@ class Occurrence:
     tokens: array
     end: int
     limit: int
-    recency: int  # larger: inserted later
 
 
 class TreeTokenIndex:
@@ -124,7 +123,7 @@ class TreeTokenIndex:
         for place in reversed(table.places(key)):
             seg = self._segments[place >> _SHIFT]
             end = place & ((1 << _SHIFT) - 1)
-            yield Occurrence(seg.tokens, end, seg.alive, place)
+            yield Occurrence(seg.tokens, end, seg.alive)
 
     def check(self) -> None:
         """Every indexed place lies in a live part of its segment (raise AssertionError if not)."""

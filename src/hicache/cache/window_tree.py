@@ -29,7 +29,7 @@ import numpy as np
 
 from ..consensus_record import consensus_check
 from .pools import PageAllocator, SharedWindowAllocator, free_held
-from .tree_node import TreeNode
+from .tree_node import TreeNode, check_pages
 
 if TYPE_CHECKING:
     from .leaf_eviction import LeafEviction
@@ -129,18 +129,15 @@ class TreeWindows:
         request may use: cut back to the last boundary whose window is held (on the device or in a
         host copy in the device run -- a tombstone the host holds is loaded back with the hit --,
         on the host after it)."""
-        total = (device_tokens + host_tokens) // self.page_size
-        if total == 0:
-            return 0
-        held, pos, device = [], 0, device_tokens // self.page_size
-        for node in path:
-            if pos >= total:
-                break
-            part, n = self.of(node), min(self.tree.key_pages(node), total - pos)
-            host = part.host[:n] != 0 if part.host is not None else np.zeros(n, dtype=bool)
-            held.append(host | (part.device[:n] != 0) if pos < device and part.device is not None else host)
+        held, pos = np.zeros((device_tokens + host_tokens) // self.page_size, dtype=bool), 0
+        for node in path:  # (each matched in full but the last)
+            part, n = self.of(node), min(self.tree.key_pages(node), len(held) - pos)
+            if part.host is not None:
+                held[pos:pos + n] = part.host[:n] != 0
+            if pos * self.page_size < device_tokens and part.device is not None:
+                held[pos:pos + n] |= part.device[:n] != 0
             pos += n
-        return usable_boundary(np.concatenate(held), self.window, self.page_size) * self.page_size
+        return usable_boundary(held, self.window, self.page_size) * self.page_size
 
     def adopt(self, node: TreeNode, offered: np.ndarray, fresh: bool) -> None:
         """``node`` takes ``offered`` (a request's window pages for its key pages; 0: none) where it
@@ -195,13 +192,11 @@ class TreeWindows:
             part = self.of(node)
             assert 0 <= part.lock_ref <= node.lock_ref, f"{node}: window locked by more requests than lock it"
             if part.device is not None:
-                assert node.device_pages is not None and len(part.device) == len(node.device_pages), \
-                    f"{node}: window pages without device pages"
-                _unshared(node, part.device, seen, "window")
+                assert node.device_pages is not None, f"{node}: window pages without device pages"
+                check_pages(node, part.device, seen, node.num_pages, "window", holes=True)
             if part.host is not None:
-                assert node.host_pages is not None and len(part.host) == len(node.host_pages), \
-                    f"{node}: host window pages without host pages"
-                _unshared(node, part.host, seen_host, "host window")
+                assert node.host_pages is not None, f"{node}: host window pages without host pages"
+                check_pages(node, part.host, seen_host, len(node.host_pages), "host window", holes=True)
         assert len(seen) == self.held_pages, (len(seen), self.held_pages)
 
     # ---- what tiers do to nodes ----------------------------------------------------------
@@ -322,9 +317,3 @@ class TreeWindows:
         locked = sum(self.of(n).held for n in self.tree.all_nodes() if not n.is_root and self.of(n).lock_ref > 0)
         return {"cached_pages": self.held_pages, "locked_pages": locked,
                 "evictable_pages": self.held_pages - locked}
-
-
-def _unshared(node: TreeNode, pages: np.ndarray, seen: set[int], what: str) -> None:
-    for p in pages[pages != 0].tolist():
-        assert p not in seen, f"{node}: {what} page {p} shared"
-        seen.add(p)

@@ -92,7 +92,7 @@ class OwnText:
 
     def occurrences(self, n: int, key: int) -> Iterator[Occurrence]:
         for end in reversed(self.tables[n].places(key)):
-            yield Occurrence(self.tokens, end, len(self.tokens), 1 << 62 | end)  # own text first
+            yield Occurrence(self.tokens, end, len(self.tokens))  # own text first
 
 
 @dataclass
