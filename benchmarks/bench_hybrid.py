@@ -27,11 +27,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 
 import numpy as np  # noqa: E402
 
-from hicache.bench.cache_only import AUTO, GEMMA3_270M, CacheOnly  # noqa: E402
+from cache_only import AUTO, GEMMA3_270M, CacheOnly  # noqa: E402
 from hicache.cache.device_window import window_footprint  # noqa: E402
 from hicache.runtime.sampling import SamplingParams  # noqa: E402
 

@@ -1,12 +1,12 @@
 """Fair shares (issue 56, S5): one request's ``n`` choices, or one long prompt, cannot keep a new
 request from being scheduled. The engine's scheduler and cache over a small pool geometry, its
-forward a no-op (``hicache.bench.cache_only``): steps are what is counted."""
+forward a no-op (``tests/cache_only.py``): steps are what is counted."""
 
 from __future__ import annotations
 
 import pytest
 
-from hicache.bench.cache_only import CacheOnly, Geometry
+from cache_only import CacheOnly, Geometry
 from hicache.runtime.fair_share import headroom
 from hicache.runtime.request import Status
 

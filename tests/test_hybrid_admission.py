@@ -1,5 +1,5 @@
 """Admission into a hybrid pool by what a request will hold (issue 56, H1 and H2), on the engine's
-cache manager and scheduler over Gemma 3 270M's pool geometry (``hicache.bench.cache_only``: a no-op
+cache manager and scheduler over Gemma 3 270M's pool geometry (``tests/cache_only.py``: a no-op
 forward, real sizes): a prompt reserves the window pages of its first chunk, not a decode step's,
 and a short request no more than its own pages."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hicache.bench.cache_only import GEMMA3_270M, CacheOnly, Geometry
+from cache_only import GEMMA3_270M, CacheOnly, Geometry
 from hicache.runtime.request import Status
 
 pytestmark = [pytest.mark.cache, pytest.mark.engine]

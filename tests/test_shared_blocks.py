@@ -12,8 +12,8 @@ import random
 import numpy as np
 import pytest
 
+from cache_only import AUTO, CacheOnly, Geometry
 from hicache import Engine
-from hicache.bench.cache_only import AUTO, CacheOnly, Geometry
 from hicache.runtime.request import Status
 from hybrid_conversations import MODEL, check_host_blocks, conversations
 

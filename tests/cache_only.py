@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..cache.manager import KVCacheManager
-from ..cache.pools import DeviceKVPool
-from ..runtime.hybrid_pool import HybridPlan
-from ..runtime.scheduler import SchedulePolicy
-from ..sim.engine import NoForwardEngine
+from hicache.cache.manager import KVCacheManager
+from hicache.cache.pools import DeviceKVPool
+from hicache.runtime.hybrid_pool import HybridPlan
+from hicache.runtime.scheduler import SchedulePolicy
+from hicache.sim.engine import NoForwardEngine
 
 
 @dataclass(frozen=True)
