@@ -143,7 +143,8 @@ def _scheduler(cfg: EngineConfig, cache: KVCacheManager, loaded: LoadedModel, mo
         prefill_chunk, cfg.max_running_requests, cfg.hicache_storage_prefetch_policy,
         lambda tokens: cfg.hicache_storage_prefetch_timeout_base
         + cfg.hicache_storage_prefetch_timeout_per_1k_tokens * tokens / 1000,
-        cfg.enable_deterministic_inference, cfg.decode_reuses_prefix and not cfg.disable_shared_prefill_wait), modes)
+        cfg.enable_deterministic_inference, cfg.decode_reuses_prefix and not cfg.disable_shared_prefill_wait,
+        cfg.caches_generated_kv), modes)
 
 
 def _context_parallel(cfg: EngineConfig, rank: RankContext, plan: RankPlan,

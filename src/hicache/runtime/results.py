@@ -164,8 +164,13 @@ class Results:
                     req.finish_time - req.arrival_time)
 
     def release_kv(self, req: Request) -> None:
-        """Cache the pages of ``req`` that have KV, free the rest, drop its lock."""
-        self.cache.release(req.namespace, req.tokens_with_kv(), req.kv)
+        """Cache the pages of ``req`` that have KV, free the rest, drop its lock. Its generated
+        tokens' KV only with ``policy.cache_generated``: decode steps compute it with other
+        arithmetic than a prefill, which a later prompt hitting it would inherit (issue 57)."""
+        tokens = req.tokens_with_kv()
+        if not self.policy.cache_generated:
+            tokens = tokens[:len(req.prompt_ids)]
+        self.cache.release(req.namespace, tokens, req.kv)
 
     def _fail(self, req: Request, code: str, error: str, finished: list[Request]) -> None:
         """End ``req`` with finish reason "error" (a mode's ``code``), running or still waiting."""

@@ -39,7 +39,8 @@ class SchedulePolicy:
     ``timeout`` policy allows N tokens); ``deterministic`` (``--enable-deterministic-inference``):
     seeded requests sample keyed by position (runtime/sampling.py), not from their generator in draw
     order; ``shared_prefill_wait``: a request whose first tokens another request is still computing
-    waits for them (runtime/shared_prefill.py)."""
+    waits for them (runtime/shared_prefill.py); ``cache_generated``: a finished request caches its
+    generated tokens' KV too, not only its prompt's (``--cache-generated-kv``)."""
 
     chunked_prefill_size: int
     max_running_requests: int
@@ -47,6 +48,7 @@ class SchedulePolicy:
     prefetch_timeout: Callable[[int], float] = lambda tokens: 1.0
     deterministic: bool = False
     shared_prefill_wait: bool = False
+    cache_generated: bool = False
 
 
 class Scheduler(Results):
