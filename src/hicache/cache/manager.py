@@ -154,6 +154,7 @@ class KVCacheManager:
         self.component_pages = {"full": self.capacity_pages}
         if self.device.windows is not None:
             self.component_pages["window"] = self.device.windows.allocator.capacity
+            self.device.windows.prompt_only = not policy.cache_generated
         self.keys = _key_namespace(pool, layout.shard, unified)
         self.host: HostTier | None = None if host_pool is None else HostTier(
             pool, host_pool, self.host_allocator, self.tree, policy, self.stats, shard_view,
