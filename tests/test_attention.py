@@ -128,10 +128,9 @@ def test_batched_decode_gives_each_sequence_its_own_logits(lm):
 
 # The padding that makes a split prompt's rows take the cold pass's bits (model/attention.py, projection.py)
 # was measured with torch 2.13 on Intel AVX-512 CPUs and on an AMD AVX-512 CPU (Zen 4, where MKL takes other GEMM
-# kernels: the padding rule grew for it): there the tests want the same bits. Not covered: on that AMD CPU a
-# 900-token prompt split after 193-256 tokens still differs by rounding (the key-block rule, cpu_key_count, was
-# measured on Intel only). On another ISA the CPU kernels block differently and the tests want rows within
-# float32 rounding of a few sums.
+# kernels: the padding rule grew for it): there the tests want the same bits (on that AMD CPU a last key block of
+# 256 reduces unlike a full one, so cpu_key_count pads it to 512). On another ISA the CPU kernels block
+# differently and the tests want rows within float32 rounding of a few sums.
 MEASURED_ISA = "AVX512"
 
 
@@ -175,3 +174,17 @@ def test_a_span_over_cached_keys_gives_the_cold_rows_bit_for_bit(cached):
     runs = [(k[a:b], v[a:b]) for a, b in ((0, cached // 2), (cached // 2, cached))]  # the prefix in two runs
     hit = sequence_attention(q[cached:], runs, (k[cached:], v[cached:]), None)
     assert_cold_bits(hit, cold[cached:])
+
+
+@pytest.mark.parametrize("first", [150, 200, 208, 256, 300])
+def test_a_prompts_first_rows_alone_give_the_longer_calls_rows_bit_for_bit(first):
+    """What a hit reads was computed by a shorter prompt: the first ``first`` rows of a 418-token
+    prompt attended on their own (the request that cached them) equal those rows of the cold
+    one-call prompt (float32, CPU). The keys' last block is padded alike (``cpu_key_count``: on an
+    AMD AVX-512 CPU, Zen 4, a block of 193-256 keys rounded unlike a full one)."""
+    length = 418
+    q = _rand(length, 9, 64, seed=41).float()
+    k, v = _rand(length, 3, 64, seed=42).float(), _rand(length, 3, 64, seed=43).float()
+    cold = sequence_attention(q, [], (k, v), None)
+    alone = sequence_attention(q[:first], [], (k[:first], v[:first]), None)
+    assert_cold_bits(alone, cold[:first])

@@ -80,16 +80,21 @@ def test_full_and_partial_hits_keep_greedy_output_and_logits(plain: Engine) -> N
     assert_balanced(engine)
 
 
-def test_multi_turn_reuses_previous_turn(plain: Engine) -> None:
-    engine = make_engine()
+@pytest.mark.parametrize("generated", ["auto", "on"])
+def test_multi_turn_reuses_previous_turn(plain: Engine, generated: str) -> None:
+    """By default (``--cache-generated-kv auto``) a finished turn caches its prompt's KV: the next turn hits
+    the previous prompt's whole pages and computes the reply again as prompt; with ``on`` it hits the reply's
+    KV too (all but the last sampled token, which has none)."""
+    engine = make_engine(cache_generated_kv=generated)
+    ps = engine.config.page_size
     history = prompts(1, 40, 40, seed=3)[0]
     for turn in range(4):
         res = engine.generate([history], GREEDY)[0]
         assert res.output_ids == plain.generate([history], GREEDY)[0].output_ids
         if turn:
-            # Everything but the partial last page of the previous turn's KV is a hit.
-            assert res.cached_tokens >= prev_kv_tokens - engine.config.page_size
-        prev_kv_tokens = len(history) + len(res.output_ids) - 1
+            # Everything but the partial last page of the previous turn's cached KV is a hit.
+            assert res.cached_tokens == prev_kv_tokens // ps * ps
+        prev_kv_tokens = len(history) + (len(res.output_ids) - 1 if generated == "on" else 0)
         history = history + res.output_ids + [11 + turn, 12, 13, 14, 15]
     assert_balanced(engine)
 

@@ -130,7 +130,7 @@ def test_a_file_store_written_through_host_blocks_is_read_back_exactly_by_either
     """Conversations written to a file store from host blocks: a new engine continues them from storage with
     a cold engine's tokens, through host blocks and through the fixed split's two host pools alike (a
     checkpoint page's window object has the same bytes whichever host pool wrote it)."""
-    writer = Engine(MODEL, **stored(tmp_path))
+    writer = Engine(MODEL, **stored(tmp_path, cache_generated_kv="on"))  # replies too: whole histories are stored
     assert writer.backend.core.host_pool.shared
     nexts: list = []
     conversations(writer, keep=True, final=nexts)

@@ -164,6 +164,13 @@ def every_layer() -> tuple[list, list]:
     return conversations(Engine(MODEL, disable_hybrid_swa_memory=True, **BASE))
 
 
+@pytest.fixture(scope="module")
+def every_layer_on() -> tuple[list, list]:
+    """The every-layer pool's conversations when finished requests cache their replies' KV too: each turn
+    after the first hits its whole history (the default caches prompts only: it hits the last prompt's)."""
+    return conversations(Engine(MODEL, disable_hybrid_swa_memory=True, cache_generated_kv="on", **BASE))
+
+
 @pytest.mark.engine
 def test_window_layers_hold_their_kv_in_a_smaller_allocation() -> None:
     hybrid = Engine(MODEL, swa_full_tokens_ratio=0.25, **BASE)
@@ -187,12 +194,17 @@ def test_window_layers_hold_their_kv_in_a_smaller_allocation() -> None:
 
 
 @pytest.mark.engine
-def test_multi_turn_conversations_hit_their_checkpoints_and_give_the_same_tokens(every_layer) -> None:
-    engine = Engine(MODEL, **BASE)
+@pytest.mark.parametrize("generated", ["auto", "on"])
+def test_multi_turn_conversations_hit_their_checkpoints_and_give_the_same_tokens(every_layer, every_layer_on,
+                                                                                 generated) -> None:
+    """Each turn's checkpoint is the window of the last boundary its request caches: its prompt's last whole
+    page by default (a prompt that fills its last page too), its reply's with ``--cache-generated-kv on``."""
+    reference = every_layer_on if generated == "on" else every_layer
+    engine = Engine(MODEL, cache_generated_kv=generated, **BASE)
     assert engine.backend.core.pool.hybrid  # the default for a hybrid model
     outputs, cached = conversations(engine)
-    assert outputs == every_layer[0]
-    assert cached == every_layer[1]  # every turn after the first hits its whole history, as with every layer
+    assert outputs == reference[0]
+    assert cached == reference[1]  # every turn after the first hits what the last one cached, as with every layer
     assert all(c > len(SYSTEM) for c in cached[3:])
 
 
@@ -230,13 +242,17 @@ def test_a_window_pool_too_small_for_every_window_evicts_them_and_stays_exact(ev
 
 @pytest.mark.engine
 @pytest.mark.parametrize("options", [dict(speculative_algorithm="NGRAM"),
-                                     dict(enable_deterministic_inference=True)], ids=["ngram", "deterministic"])
-def test_ngram_drafts_and_deterministic_batches_give_the_same_tokens(every_layer, options) -> None:
+                                     dict(speculative_algorithm="NGRAM", cache_generated_kv="on"),
+                                     dict(enable_deterministic_inference=True)],
+                         ids=["ngram", "ngram-on", "deterministic"])
+def test_ngram_drafts_and_deterministic_batches_give_the_same_tokens(every_layer, every_layer_on, options) -> None:
     engine = Engine(MODEL, **options, **BASE)
     assert engine.backend.core.pool.hybrid
+    # deterministic inference caches replies by default (--cache-generated-kv auto): compared with "on"
+    reference = every_layer_on if engine.config.caches_generated_kv else every_layer
     outputs, cached = conversations(engine, together=True)
-    assert outputs == every_layer[0]
-    assert cached[3:] == every_layer[1][3:]
+    assert outputs == reference[0]
+    assert cached[3:] == reference[1][3:]
 
 
 @pytest.mark.multirank
@@ -262,13 +278,14 @@ def test_tp2_and_pp2_keep_the_same_tombstones_as_one_rank(every_layer, checker, 
 
 
 @pytest.mark.engine
-def test_host_tier_keeps_full_layers_of_every_page_and_windows_of_checkpoints(every_layer) -> None:
+def test_host_tier_keeps_full_layers_of_every_page_and_windows_of_checkpoints(every_layer_on) -> None:
     """A device pool of 160 tokens: conversations move through host memory. The host's full-layer pool holds
     no window-layer bytes; its window pool holds only the window of a backed-up node's end; load-backs
     bring both, and the tokens are the every-layer pool's."""
     # the fixed split (a window pool of its own: the sizes below); the shared pool's host tier: test_shared_blocks.py
+    # replies cached too (two checkpoints a turn: the prompt's end and the reply's), as the every-layer reference
     engine = Engine(MODEL, **dict(BASE, max_total_tokens=160), enable_hierarchical_cache=True, hicache_ratio=4.0,
-                    swa_full_tokens_ratio=0.8)
+                    swa_full_tokens_ratio=0.8, cache_generated_kv="on")
     core = engine.backend.core
     try:
         host, pool, tree = core.host_pool, core.pool, core.cache.tree
@@ -288,7 +305,7 @@ def test_host_tier_keeps_full_layers_of_every_page_and_windows_of_checkpoints(ev
     # the first turn's three requests arrive together: a request admitted beside one still computing their
     # shared head (37 tokens: under the 64 a request waits for, runtime/shared_prefill.py) takes a share of the
     # step (runtime/fair_share.py) and computes the rest itself; later turns hit their own histories
-    assert outputs == every_layer[0] and cached[3:] == every_layer[1][3:]
+    assert outputs == every_layer_on[0] and cached[3:] == every_layer_on[1][3:]
     assert stats["hit_tokens"]["host"] > 0  # some turns came back from host memory
     assert spans and all(spans)  # host windows only inside each node's end window
     window = stats["host_pool"]["window"]
@@ -328,7 +345,8 @@ def test_storage_holds_full_objects_and_checkpoint_windows_a_new_process_reads_e
     only, window objects (5 sliding layers) exist for the pages of each conversation's last checkpoint only
     (issue 56 H4: an earlier turn's checkpoint goes once the turn that extends it is stored), and every-layer
     objects and these never read each other."""
-    writer = Engine(MODEL, **stored(tmp_path / "hybrid", swa_full_tokens_ratio=0.8))  # the fixed split's sizes
+    # the fixed split's sizes; replies cached too: the store holds whole histories (two checkpoints a turn)
+    writer = Engine(MODEL, **stored(tmp_path / "hybrid", swa_full_tokens_ratio=0.8, cache_generated_kv="on"))
     nexts: list = []
     conversations(writer, keep=True, final=nexts)
     written = writer.stats()["storage"]["window"]
@@ -439,7 +457,7 @@ def test_unified_grid_holds_full_and_window_cells_another_layout_reads(tmp_path,
     One rank writes; two pipeline stages, another layout, read them and answer as the every-layer pool."""
     grid = dict(hicache_storage_key_scheme="unified", hicache_storage_layer_partition=3)
     nexts: list = []
-    conversations(Engine(MODEL, **stored(tmp_path, **grid)), final=nexts)
+    conversations(Engine(MODEL, **stored(tmp_path, cache_generated_kv="on", **grid)), final=nexts)  # whole histories
     full, _ = object_files(tmp_path)
     window = [f for f in full if f.name.endswith("_swa")]
     full = [f for f in full if not f.name.endswith("_swa")]
@@ -479,7 +497,8 @@ def test_a_draft_beside_a_hybrid_model_on_the_unified_grid_round_trips_through_s
     drafted = dict(DRAFTED, speculative_draft_kv_layout=layout)
     grid = dict(drafted, hicache_storage_key_scheme="unified", hicache_storage_layer_partition=3)
     nexts: list = []
-    writer = Engine(MODEL, **stored(tmp_path, **grid))
+    # replies cached too: the store holds whole histories, the draft's KV of the replies with them
+    writer = Engine(MODEL, **stored(tmp_path, cache_generated_kv="on", **grid))
     assert writer.backend.core.pool.hybrid and (writer.cache.sidecar_view is None) == (layout == "packed")
     outputs, _ = conversations(writer, final=nexts)
     assert outputs == every_layer[0]

@@ -165,9 +165,12 @@ LAYOUTS = ["packed", "sidecar"]
 
 
 def tiered(path: Path, **kw) -> Engine:
+    # replies cached too (--cache-generated-kv on): the history a tier brings back holds the first turn's
+    # reply, whose draft KV was computed by draft steps and verified, not by a prefill
     opts = dict(BASE, enable_hierarchical_cache=True, hicache_storage_backend="file",
                 hicache_storage_backend_extra_config=json.dumps({"path": str(path)}),
-                hicache_storage_prefetch_threshold=64, hicache_storage_prefetch_policy="wait_complete")
+                hicache_storage_prefetch_threshold=64, hicache_storage_prefetch_policy="wait_complete",
+                cache_generated_kv="on")
     return Engine(TARGET, **{**opts, **SPEC, **kw})
 
 
@@ -401,7 +404,9 @@ def test_a_packed_draft_of_a_hybrid_target_shares_the_blocks_and_answers_as_the_
     """The draft's two layers keep every page, like the target's full layer: G = 3 tensors, the five sliding
     layers in two groups of them. Four two-turn conversations through a pool of a few blocks over host memory
     (histories come back from L2, the draft's layers with the full ones) give the plain engine's tokens."""
-    options = dict(HYBRID_BASE, max_total_tokens=100, enable_hierarchical_cache=True, hicache_ratio=8.0)
+    # replies cached too (their draft KV with them): whole histories move through host memory
+    options = dict(HYBRID_BASE, max_total_tokens=100, enable_hierarchical_cache=True, hicache_ratio=8.0,
+                   cache_generated_kv="on")
     plain = conversations(Engine(HYBRID, **dict(options, max_total_tokens=4096)), agents=4, turns=2, together=True)
     engine = Engine(HYBRID, **options, speculative_algorithm="STANDALONE", speculative_draft_model_path=HYBRID_DRAFT,
                     speculative_num_steps=3)

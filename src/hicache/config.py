@@ -82,6 +82,12 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
         None, "Fraction of device memory for weights + KV pool (default 0.85 on CUDA; on CPU 0.10 of available RAM).")
     disable_radix_cache: bool = _opt(False, "Turn prefix reuse off (every request computes its whole prompt).")
     radix_eviction_policy: str = _opt("lru", "Order in which unlocked leaves leave the device tier.", ("lru", "lfu"))
+    cache_generated_kv: str = _opt(
+        "auto", "Whether a finished request's generated tokens keep their KV in the prefix cache (an agent's next "
+        "turn resends the reply). 'auto': only under --enable-deterministic-inference, where decode steps compute "
+        "the prefill's bits; elsewhere the next turn computes the reply again as prompt, so a hit keeps the cold "
+        "greedy reply. 'on': always (a longer hit; the decode steps' KV may change a greedy reply by rounding). "
+        "'off': never.", ("auto", "on", "off"))
     # Hierarchical cache (L2 host tier)
     enable_hierarchical_cache: bool = _opt(False, "Keep KV that leaves the device in a host-memory pool (L2).")
     hicache_ratio: float = _opt(2.0, "Host pool size as a multiple of the device pool.", above=0)
@@ -223,6 +229,12 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
         --disaggregation-decode-enable-radix-cache (as SGLang)."""
         return not self.disable_radix_cache and (self.disaggregation_mode != "decode"
                                                  or self.disaggregation_decode_enable_radix_cache)
+
+    @property
+    def caches_generated_kv(self) -> bool:
+        """Whether finished requests cache their generated tokens' KV (``--cache-generated-kv``)."""
+        return self.cache_generated_kv == "on" or (self.cache_generated_kv == "auto"
+                                                   and self.enable_deterministic_inference)
 
     @property
     def cache_dtypes(self) -> str:

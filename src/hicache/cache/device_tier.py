@@ -176,7 +176,7 @@ class DeviceTier:
         """The request is done: cache the whole pages of ``tokens`` (those whose KV is
         computed), free every other page the request held, drop its lock."""
         if self.windows is not None:
-            prompt_end = state.window.keep[1]  # where its prompt's checkpoint ends (admission set it)
+            prompt_end = state.window.prompt_end  # where its prompt's checkpoint ends (admission set it)
             if prompt_end < len(tokens) // self.page_size:
                 # the prompt's checkpoint ends a node of its own: a host copy keeps each node end's window
                 self.cache_prefix(namespace, tokens[: prompt_end * self.page_size], state)

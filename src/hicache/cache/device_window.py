@@ -58,14 +58,17 @@ class WindowHold:
     ``lock``'s first page to its end page through the state's node), its own above; ``slots``: their
     slots in order (``[groups, tokens]`` on shared blocks); ``budget``: window pages reserved (its
     ``len(pages)`` pages are counted in ``DeviceWindows.held_pages``); ``keep``: the page range
-    of its own window pages kept to the end (its prompt's checkpoint); ``arrival`` (P/D decode):
-    (first token, slot per token) where the prompt's window tail arrives."""
+    of its own window pages kept to the end (its prompt's checkpoint, see ``DeviceWindows.prompt_only``);
+    ``prompt_end``: the last boundary (pages) a match of its prompt reaches, where the checkpoint
+    ends a node at release; ``arrival`` (P/D decode): (first token, slot per token) where the
+    prompt's window tail arrives."""
 
     pages: np.ndarray
     slots: torch.Tensor | None = None
     budget: int = 0
     lock: tuple[int, int] | None = None  # (end page, first page) of the tree span window-locked
     keep: tuple[int, int] | None = None
+    prompt_end: int = 0
     arrival: tuple[int, torch.Tensor] | None = None
 
 
@@ -86,6 +89,11 @@ class DeviceWindows:
         # Waits for the host backups in flight and applies their acks (set by the cache with a host tier): a
         # backup window-locks its node's checkpoint until its copy has read it, which no budget counts.
         self.settle_backups: Callable[[], None] | None = None
+        # Finished requests cache their prompt's pages only (--cache-generated-kv; set by the cache): the last
+        # boundary they cache is the prompt's last whole page, which the next turn hits, so a request keeps its
+        # window too (a page more than the prompt's checkpoint where the prompt fills its last page; within the
+        # footprint's allowance for the checkpoint, which may straddle one page more).
+        self.prompt_only = False
 
     def first_page(self, boundary_tokens: int) -> int:
         return window_first_page(boundary_tokens, self.window, self.page_size)
@@ -141,9 +149,10 @@ class DeviceWindows:
         self.held_pages += len(state.pages)
         device_hit = len(device_window) if device_window is not None else 0
         prompt_end = (prompt_tokens - 1) // self.page_size  # the last boundary a match of the prompt reaches
+        keep_end = prompt_tokens // self.page_size if self.prompt_only else prompt_end  # (see prompt_only)
         # the lock was taken before allocating: tombstoning spares the hit's window
-        state.window = WindowHold(np.zeros(len(state.pages), dtype=np.int64), budget=budget,
-                                  lock=lock, keep=(self.tail_page(prompt_tokens), prompt_end))
+        state.window = WindowHold(np.zeros(len(state.pages), dtype=np.int64), budget=budget, lock=lock,
+                                  keep=(self.tail_page(prompt_tokens), keep_end), prompt_end=prompt_end)
         if device_hit:
             state.window.pages[:device_hit] = device_window
         if arriving:

@@ -152,8 +152,10 @@ class KVCacheManager:
         self.capacity_pages = self.allocator.capacity
         # usable pages of each component with a page space of its own (the full KV's are capacity_pages)
         self.component_pages = {"full": self.capacity_pages}
+        self.cache_generated = policy.cache_generated
         if self.device.windows is not None:
             self.component_pages["window"] = self.device.windows.allocator.capacity
+            self.device.windows.prompt_only = not policy.cache_generated
         self.keys = _key_namespace(pool, layout.shard, unified)
         self.host: HostTier | None = None if host_pool is None else HostTier(
             pool, host_pool, self.host_allocator, self.tree, policy, self.stats, shard_view,
@@ -226,9 +228,13 @@ class KVCacheManager:
         if self.device.windows is not None:
             self.device.windows.step(state, computed, new_tokens, later_tokens)
 
-    def release(self, namespace: str, tokens: np.ndarray, state: KVState) -> None:
-        """The request is done: cache the whole pages of ``tokens`` (those whose KV is
-        computed), free every other page the request held, drop its lock."""
+    def release(self, namespace: str, tokens: np.ndarray, state: KVState, prompt_tokens: int | None = None) -> None:
+        """The request is done: cache the whole pages of ``tokens`` (those whose KV is computed; of
+        them only its first ``prompt_tokens``, the prompt's, unless ``policy.cache_generated``:
+        decode steps compute a reply's KV with other arithmetic than a prefill, which a later
+        prompt hitting it would inherit), free every other page the request held, drop its lock."""
+        if prompt_tokens is not None and not self.cache_generated:
+            tokens = tokens[:prompt_tokens]
         self.device.release(namespace, tokens, state)
 
     # ---- the tiers' queues ---------------------------------------------------------------

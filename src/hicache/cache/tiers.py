@@ -30,7 +30,9 @@ from .tree_node import TreeNode
 class CachePolicy:
     """How the tiers behave: device eviction order and reuse, the host write policy, when
     storage is asked and how much of the host it may fill, the deadline (seconds) of each
-    storage backend call (a breaker skips a backend that keeps failing; None: no deadline). The
+    storage backend call (a breaker skips a backend that keeps failing; None: no deadline);
+    ``cache_generated``: finished requests cache their generated tokens' KV too, not only their
+    prompt's (``--cache-generated-kv``; a hybrid pool's requests keep the window it caches). The
     engine's flags are checked where they are parsed (:class:`~hicache.config.EngineConfig`)."""
 
     eviction_policy: str = "lru"
@@ -40,6 +42,7 @@ class CachePolicy:
     prefetch_threshold: int = 256
     prefetch_max_host_fraction: float = 0.5
     storage_op_timeout: float | None = 10.0
+    cache_generated: bool = True
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> CachePolicy:
@@ -47,7 +50,7 @@ class CachePolicy:
         return cls(eviction_policy=cfg.radix_eviction_policy, enable_prefix_cache=cfg.decode_reuses_prefix,
                    write_policy=cfg.hicache_write_policy, write_through_threshold=cfg.hicache_write_through_threshold,
                    prefetch_threshold=cfg.hicache_storage_prefetch_threshold,
-                   storage_op_timeout=cfg.hicache_storage_op_timeout)
+                   storage_op_timeout=cfg.hicache_storage_op_timeout, cache_generated=cfg.caches_generated_kv)
 
 
 class Tier(Protocol):

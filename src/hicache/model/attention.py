@@ -141,9 +141,10 @@ def cpu_key_count(length: int) -> int:
     The kernel reads keys in blocks of 512; a row's scores are reduced in vector lanes (a ragged
     tail of the block is summed apart) and its weighted values by a GEMM over the block's keys,
     which splits a reduction of 320-448 keys unlike one of 512 (measured with torch 2.13 on
-    AVX-512). So the last block is made a multiple of 64 keys, and 512 where it would be over 256."""
+    AVX-512), and on an AMD AVX-512 CPU (Zen 4) one of 256 too. So the last block is made a multiple
+    of 64 keys, and 512 where it would be over 192."""
     keys = -(-length // 64) * 64
-    return -(-keys // 512) * 512 if keys % 512 > 256 else keys
+    return -(-keys // 512) * 512 if keys % 512 > 192 else keys
 
 
 def _padded_rows(x: torch.Tensor, rows: int, fill: Optional[float] = None) -> torch.Tensor:

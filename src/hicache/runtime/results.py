@@ -163,8 +163,9 @@ class Results:
                     req.finish_time - req.arrival_time)
 
     def release_kv(self, req: Request) -> None:
-        """Cache the pages of ``req`` that have KV, free the rest, drop its lock."""
-        self.cache.release(req.namespace, req.tokens_with_kv(), req.kv)
+        """Cache the pages of ``req`` that have KV (its reply's as the cache's policy says), free
+        the rest, drop its lock."""
+        self.cache.release(req.namespace, req.tokens_with_kv(), req.kv, len(req.prompt_ids))
 
     def _fail(self, req: Request, code: str, error: str, finished: list[Request]) -> None:
         """End ``req`` with finish reason "error" (a mode's ``code``), running or still waiting."""
