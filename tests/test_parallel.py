@@ -292,7 +292,7 @@ def test_a_corrupt_object_on_one_rank_shortens_the_hit_on_every_rank(tmp_path: P
         engine.generate([prompt], greedy)
         assert engine.flush_cache()  # device and host emptied; storage keeps both ranks' shards
         objects = sorted(p for p in tmp_path.rglob("*") if p.is_file() and not p.name.startswith("."))
-        assert len(objects) == 2 * 31  # 31 pages (prompt + output with KV, page 4) x 2 ranks
+        assert len(objects) == 2 * 30  # the prompt's 30 pages (page 4; a reply's KV is not cached) x 2 ranks
         victim = objects[len(objects) // 2]  # one shard of one page, on whichever rank wrote it
         data = bytearray(victim.read_bytes())
         data[-10] ^= 0xFF

@@ -88,3 +88,4 @@ def test_cache_generated_kv_on_keeps_the_replys_pages_for_the_next_turn():
     assert EngineConfig(enable_deterministic_inference=True).caches_generated_kv
     assert not EngineConfig().caches_generated_kv and EngineConfig(cache_generated_kv="on").caches_generated_kv
     assert not EngineConfig(cache_generated_kv="off", enable_deterministic_inference=True).caches_generated_kv
+    assert EngineConfig(speculative_algorithm="NGRAM").caches_generated_kv  # NGRAM drafts from cached replies

@@ -297,7 +297,7 @@ def test_ranks_on_two_nodes_match_one_rank(tmp_path: Path) -> None:
             node.kill()
             node.wait()
     assert "ranks stopped in order" in log.read_text()
-    assert cached >= 24
+    assert cached >= 20  # the first prompt's 5 pages (its reply's KV is not cached by default)
     single = Engine(MODEL, max_total_tokens=512, **BASE)
     try:
         assert got == _two_turns(single)[0]

@@ -84,10 +84,11 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
     radix_eviction_policy: str = _opt("lru", "Order in which unlocked leaves leave the device tier.", ("lru", "lfu"))
     cache_generated_kv: str = _opt(
         "auto", "Whether a finished request's generated tokens keep their KV in the prefix cache (an agent's next "
-        "turn resends the reply). 'auto': only under --enable-deterministic-inference, where decode steps compute "
-        "the prefill's bits; elsewhere the next turn computes the reply again as prompt, so a hit keeps the cold "
-        "greedy reply. 'on': always (a longer hit; the decode steps' KV may change a greedy reply by rounding). "
-        "'off': never.", ("auto", "on", "off"))
+        "turn resends the reply). 'auto': only under --enable-deterministic-inference (decode steps compute the "
+        "prefill's bits) or speculative decoding (verify passes differ from a cold run anyway; NGRAM drafts from "
+        "the replies the cache holds); elsewhere the next turn computes the reply again as prompt, so a hit keeps "
+        "the cold greedy reply. 'on': always (a longer hit; the decode steps' KV may change a greedy reply by "
+        "rounding). 'off': never.", ("auto", "on", "off"))
     # Hierarchical cache (L2 host tier)
     enable_hierarchical_cache: bool = _opt(False, "Keep KV that leaves the device in a host-memory pool (L2).")
     hicache_ratio: float = _opt(2.0, "Host pool size as a multiple of the device pool.", above=0)
@@ -233,8 +234,8 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
     @property
     def caches_generated_kv(self) -> bool:
         """Whether finished requests cache their generated tokens' KV (``--cache-generated-kv``)."""
-        return self.cache_generated_kv == "on" or (self.cache_generated_kv == "auto"
-                                                   and self.enable_deterministic_inference)
+        return self.cache_generated_kv == "on" or self.cache_generated_kv == "auto" and (
+            self.enable_deterministic_inference or self.speculative_algorithm is not None)
 
     @property
     def cache_dtypes(self) -> str:
