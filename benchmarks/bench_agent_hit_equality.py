@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -106,7 +107,8 @@ def reply_of(path: str, answer: dict[str, Any]) -> tuple[list[Any], int, int]:
 
 def post(http: httpx.Client, path: str, body: dict[str, Any]) -> dict[str, Any]:
     r = http.post(path, json=body)
-    r.raise_for_status()
+    if r.is_error:  # e.g. a prompt longer than the model's context: say so, no traceback
+        raise SystemExit(f"POST {path}: HTTP {r.status_code}: {r.text[:300]}")
     return r.json()
 
 
@@ -133,8 +135,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
     ap.add_argument("--tokens", type=int, default=48, help="reply cap of every request (greedy)")
-    ap.add_argument("--traces", default="claude-code,codex,openai-agents")
+    ap.add_argument("--traces", default="claude-code,codex,openai-agents",
+                    help="comma-separated: claude-code, codex (captured turns), openai-agents (a live SDK run)")
     args = ap.parse_args()
+    unknown = set(args.traces.split(",")) - {*CAPTURED, "openai-agents"}
+    if unknown:
+        ap.error(f"unknown trace(s) {', '.join(sorted(unknown))}: choose from claude-code, codex, openai-agents")
+    if "openai-agents" in args.traces.split(",") and importlib.util.find_spec("agents") is None:
+        ap.error("the openai-agents trace needs the openai-agents package (the test extra `make setup` installs)")
     engine = Engine(args.model)
     srv = ServerThread(engine, served_model_name=NAME)
     results = {}
