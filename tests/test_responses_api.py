@@ -78,6 +78,22 @@ def test_a_function_tool_round_trip(client) -> None:
     assert [o.type for o in named.output] == ["function_call"]  # a named function: exactly one call
 
 
+def test_a_call_of_a_tool_nested_in_a_namespace_names_its_namespace(server) -> None:
+    """Codex nests tools in a ``namespace`` tool and routes a call by namespace and name: without the
+    namespace on the item it answers "unsupported call"."""
+    tools = [{"type": "namespace", "name": "weather_ns", "description": "Weather tools.",
+              "tools": [{**WEATHER, "name": "get_forecast"}]}, WEATHER]
+    for name, namespace in (("get_forecast", "weather_ns"), ("get_weather", None)):
+        for stream in (False, True):
+            body = {"model": MODEL, "input": "Weather?", "tools": tools, "temperature": 0, "max_output_tokens": 200,
+                    "tool_choice": {"type": "function", "name": name}, "stream": stream}
+            r = httpx.post(server.base_url + "/v1/responses", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            final = json.loads(r.text.rsplit("data: ", 1)[1]) if stream else r.json()
+            output = (final["response"] if stream else final)["output"]
+            assert [(o["type"], o["name"], o.get("namespace")) for o in output] == [("function_call", name, namespace)]
+
+
 def test_json_schema_output(client) -> None:
     schema = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
               "required": ["answer"], "additionalProperties": False}

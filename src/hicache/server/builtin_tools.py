@@ -5,7 +5,9 @@ Coding agents list the provider's built-in tools beside their own function tools
 server tools such as ``web_search_20250305``). The provider runs those itself; this server has
 no web search or code interpreter, so such a tool is dropped from the prompt and the request is
 served with the rest: the model never sees it and cannot call it. A ``namespace``'s function
-tools are flattened in under their own names. Each dropped tool is named once in the log (per
+tools are flattened in under their own names, and a call of one names its namespace again
+(``namespace`` on the ``function_call`` item, as OpenAI's API does: Codex routes such a call by
+both). Each dropped tool is named once in the log (per
 server process) and, on every response that dropped any, in the :data:`DROPPED_TOOLS_HEADER`
 header (comma-separated, each name once). A tool without a ``type`` or a malformed function tool
 is kept, for the chat machinery to refuse in its own sentence (server/tools.py ``check_tools``).
@@ -40,6 +42,19 @@ def split_responses_tools(tools: list[Any]) -> tuple[list[Any], list[str]]:
         else:
             dropped.append(kind)
     return kept, dropped
+
+
+def tool_namespaces(tools: list[Any]) -> dict[str, str]:
+    """``{function name: namespace name}`` of the function tools a Responses ``tools`` list nests in a
+    ``namespace`` tool (the innermost one where namespaces nest)."""
+    found: dict[str, str] = {}
+    for tool in tools:
+        if isinstance(tool, dict) and tool.get("type") == "namespace" and isinstance(tool.get("tools"), list):
+            if isinstance(tool.get("name"), str):
+                found.update({fn["name"]: tool["name"] for fn in tool["tools"] if isinstance(fn, dict)
+                              and fn.get("type") == "function" and isinstance(fn.get("name"), str)})
+            found.update(tool_namespaces(tool["tools"]))
+    return found
 
 
 def split_chat_tools(tools: list[Any]) -> tuple[list[Any], list[str]]:

@@ -38,7 +38,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from ..runtime.request import GenerateResult
-from .builtin_tools import dropped_header, note_dropped, split_responses_tools
+from .builtin_tools import dropped_header, note_dropped, split_responses_tools, tool_namespaces
 from .choices import collect_choices, event_stream, merged_updates, submit_choices
 from .parsing import parse_body, read_body
 from .prepare import prepare_chat
@@ -58,6 +58,7 @@ class _Turn:
     def __init__(self, body: ResponsesRequest, messages: list[dict[str, Any]], prepared: Prepared) -> None:
         self.body, self.messages, self.p = body, messages, prepared
         self.id, self.created = f"resp_{uuid.uuid4().hex}", int(time.time())
+        self.namespaces = tool_namespaces(body.tools or [])  # a call of a nested tool names its namespace
 
     def response(self, status: str, output: list[dict[str, Any]], res: Optional[GenerateResult] = None,
                  error: Optional[dict[str, Any]] = None) -> dict[str, Any]:
@@ -87,7 +88,7 @@ class _Turn:
             return self.response("failed", [], res, {"code": res.error_code or "server_error", "message": res.error})
         content, calls = parse_reply(res.text, res.finish_reason, self.p.call_names, self.p.call_format)
         tool_calls = [c.openai() for c in calls]
-        items = ([_message_item(content, "completed")] if content else []) + [_call_item(t) for t in tool_calls]
+        items = ([_message_item(content, "completed")] if content else []) + [_call_item(t, self.namespaces) for t in tool_calls]
         response = self.response("incomplete" if res.finish_reason == "length" else "completed", items, res)
         if self.body.previous_response_id is not None:
             store.count_continued(res)
@@ -116,11 +117,13 @@ def _message_item(text: str, status: str) -> dict[str, Any]:
             "content": [{"type": "output_text", "text": text, "annotations": []}]}
 
 
-def _call_item(call: dict[str, Any]) -> dict[str, Any]:
-    """An OpenAI ``tool_calls`` entry as a function_call output item (``call_id``: the entry's id)."""
+def _call_item(call: dict[str, Any], namespaces: dict[str, str]) -> dict[str, Any]:
+    """An OpenAI ``tool_calls`` entry as a function_call output item (``call_id``: the entry's id), with
+    the ``namespace`` of a tool the request nested in one."""
     fn = call["function"]
+    namespace = {"namespace": namespaces[fn["name"]]} if fn["name"] in namespaces else {}
     return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"], "name": fn["name"],
-            "arguments": fn["arguments"], "status": "completed"}
+            **namespace, "arguments": fn["arguments"], "status": "completed"}
 
 
 def add_responses_routes(app: FastAPI, st: ServerState) -> None:
