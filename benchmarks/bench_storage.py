@@ -139,7 +139,8 @@ def bench_valkey(keys, blobs, repeats: int, batch: int) -> dict | str:
         import valkey  # noqa: F401
 
         from hicache.cache.storage.valkey_backend import ValkeyBackend, ValkeyOptions
-        from hicache.cache.storage.local_server import find_valkey_server, start_valkey_server
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        from local_server import find_valkey_server, start_valkey_server
     except ImportError as e:
         return f"skipped ({e})"
     if find_valkey_server() is None:

@@ -27,7 +27,8 @@ import tempfile
 import time
 import uuid
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path[:0] = [os.path.join(ROOT, "src"), os.path.join(ROOT, "tests")]  # tests/: local_server
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -35,11 +36,11 @@ import torch  # noqa: E402
 from hicache.cache.host_pool import HostKVPool  # noqa: E402
 from hicache.cache.pools import DeviceKVPool  # noqa: E402
 from hicache.cache.storage.keys import page_hashes  # noqa: E402
-from hicache.cache.storage.local_server import start_valkey_server  # noqa: E402
 from hicache.cache.storage.page_objects import GridCell, WholePage  # noqa: E402
 from hicache.cache.storage.prefetch_backup import StorageController  # noqa: E402
 from hicache.cache.storage.registry import create_backend  # noqa: E402
 from hicache.cache.storage.unified import StorageGrid  # noqa: E402
+from local_server import start_valkey_server  # noqa: E402
 
 STORES = {"file": "file backend in the page cache", "valkey": "valkey backend (a local valkey-server on loopback)"}
 

@@ -53,10 +53,10 @@ from typing import Iterator
 import pytest
 import torch
 from live_server import serving
+from local_server import find_valkey_server, start_valkey_server
 from rank_workloads import BASE, MODEL, multi_turn
 
 from hicache import Engine, consensus_record
-from hicache.cache.storage.local_server import find_valkey_server, start_valkey_server
 
 MOONCAKE_SEGMENT_BYTES = 256 << 20
 MACHINE_THREADS = torch.get_num_threads()

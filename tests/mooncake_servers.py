@@ -31,7 +31,8 @@ from functools import partial
 from pathlib import Path
 from typing import Callable
 
-from hicache.cache.storage.local_server import LocalServer, find_binary, package_dir, start_local
+from local_server import LocalServer, find_binary, package_dir, start_local
+
 from hicache.cache.storage.mooncake_backend import reachable
 
 
@@ -70,7 +71,7 @@ class MooncakeStoreService(LocalServer):
 def _start(name: str, args: list[str], where: str, make: Callable[..., LocalServer], binary: str | None,
            start_timeout_s: float, attempts: int):
     """Start ``name`` (``binary``, else :func:`find_mooncake_binary`'s) with ``args`` on a free port
-    and wait until it listens (see :func:`hicache.cache.storage.local_server.start_local`)."""
+    and wait until it listens (see :func:`local_server.start_local`)."""
     binary = binary or find_mooncake_binary(name)
     if binary is None:
         raise FileNotFoundError(f"no {name} found: pip install mooncake-transfer-engine-non-cuda, put {name} on "

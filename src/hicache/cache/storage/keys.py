@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -111,12 +112,8 @@ def page_hashes(tokens: np.ndarray | list[int], page_size: int, prev: bytes) -> 
             raise ValueError("token ids must fit in int32")
         arr = arr.astype("<i4")
     pages = np.ascontiguousarray(arr).view(np.uint8).reshape(-1, 4 * page_size)
-    out: list[bytes] = []
-    h = bytes(prev)
-    for page in pages:
-        h = hashlib.sha256(h + page.tobytes()).digest()
-        out.append(h)
-    return out
+    chain = itertools.accumulate(pages, lambda h, page: hashlib.sha256(h + page.tobytes()).digest(), initial=bytes(prev))
+    return list(chain)[1:]  # (without prev)
 
 
 def continue_chain(segments: Sequence[np.ndarray], page_size: int, prev: bytes) -> list[list[bytes]]:

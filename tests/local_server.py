@@ -1,6 +1,7 @@
-"""Throw-away server processes on 127.0.0.1 (tests and benchmarks; not the engine).
+"""Throw-away server processes on 127.0.0.1 (tests and benchmarks, which put ``tests/`` on their path;
+not the engine).
 
-:func:`start_local` starts one, as :func:`start_valkey_server` and ``tests/mooncake_servers.py``
+:func:`start_local` starts one, as :func:`start_valkey_server` and ``mooncake_servers.py``
 do: on a free port, its output in a log file of a temp dir (a file, not a pipe: an unread pipe
 could fill and stall it), retried on a new port when it does not come up (a free port can be taken
 meanwhile), stopped (SIGTERM, then SIGKILL) on exit.
@@ -28,8 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, TypeVar
 
-from ...ports import free_port
-from ...processes import stop_process
+from hicache.ports import free_port
+from hicache.processes import stop_process
 
 LOG_NAME = "out.log"
 ENV_BINARY = "HICACHE_VALKEY_SERVER"
