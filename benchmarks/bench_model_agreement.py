@@ -26,15 +26,15 @@ from pathlib import Path
 
 os.environ.setdefault("TQDM_DISABLE", "1")
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]  # tests/dense_forward.py: the reference prefill
 
 import torch  # noqa: E402
+from dense_forward import prefill_logits  # noqa: E402
 
 from hicache.bench.corpus import TOKENIZER_CORPUS  # noqa: E402
 from hicache.config import PassPrecision  # noqa: E402
 from hicache.model import load_model  # noqa: E402
 from hicache.model.packaged import PACKAGED, packaged_model_path  # noqa: E402
-from hicache.model.standalone import prefill_logits  # noqa: E402
 
 
 

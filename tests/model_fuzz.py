@@ -193,11 +193,11 @@ def try_load(path: Path) -> str:
     """Load ``path`` as ``hicache`` would, render a chat and compute logits: "loaded" (finite
     logits), "refused" (one HicacheError sentence); anything else raises AssertionError naming it."""
     import torch
+    from dense_forward import prefill_logits
 
     from hicache.errors import HicacheError
     from hicache.model import load_model
     from hicache.model.chat_render import render_limit_chars
-    from hicache.model.standalone import prefill_logits
 
     try:
         loaded = load_model(str(path), dtype=torch.float32)

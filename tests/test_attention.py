@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dense_forward import prefill_logits
 
 from hicache.model import DenseKV, load_model, make_forward_batch
 from hicache.model.attention import MASKED_QUERY_BLOCK, _flash_cpu, _math, decode_attention, sequence_attention
 from hicache.model.paged import MAX_VIEW_RUNS, slot_runs
-from hicache.model.standalone import prefill_logits
 
 pytestmark = pytest.mark.model
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dense_forward import prefill_logits
 from gguf_references import packaged_transformers_tokenizer
 
 from hicache.model import load_model
-from hicache.model.standalone import prefill_logits
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 

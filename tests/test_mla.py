@@ -8,11 +8,11 @@ import json
 
 import pytest
 import torch
+from dense_forward import greedy_paged, prefill_logits
 
 from hicache import Engine, SamplingParams, consensus_record
 from hicache.errors import HicacheError
 from hicache.model import load_model
-from hicache.model.standalone import greedy_paged, prefill_logits
 from hicache.model.tokenizer import byte_tokenizer
 
 pytestmark = pytest.mark.model

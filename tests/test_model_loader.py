@@ -8,6 +8,7 @@ import re
 import numpy as np
 import pytest
 import torch
+from dense_forward import prefill_logits
 from gguf_edit import TINY, rewrite_gguf
 from gguf_references import PlainArrayReader
 
@@ -16,7 +17,6 @@ from hicache.model import ModelNotFoundError, ModelSpec, load_model
 from hicache.model.errors import ModelFormatError
 from hicache.model.hf_loader import spec_from_hf_config
 from hicache.model.spec import ModelSpecError
-from hicache.model.standalone import prefill_logits
 
 pytestmark = pytest.mark.model
 

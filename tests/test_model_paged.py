@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dense_forward import prefill_logits
 
 from hicache.model import DenseKV, load_model, make_forward_batch
-from hicache.model.standalone import prefill_logits
 
 pytestmark = pytest.mark.model
 

@@ -11,11 +11,11 @@ import json
 
 import pytest
 import torch
+from dense_forward import greedy_paged, prefill_logits
 
 from hicache.config import PassPrecision
 from hicache.model import load_model
 from hicache.model.hf_loader import spec_from_hf_config
-from hicache.model.standalone import greedy_paged, prefill_logits
 from hicache.model.tokenizer import byte_tokenizer
 
 pytestmark = pytest.mark.model
@@ -201,8 +201,6 @@ def test_fused_phi3_tensors_split_into_their_parts_blocks_and_all(tmp_path):
     """A Q8_0 Phi-3 file: attn_qkv's and ffn_up's block rows are split into q/k/v and gate/up (blocks are
     per row); decode steps read those blocks and give the logits the dequantized weights give."""
     from hf_to_gguf import hf_to_gguf
-
-    from hicache.model.standalone import greedy_paged
 
     path = hf_to_gguf(_hf_model("phi3", CASES["phi3_fused"][1]), tmp_path / "phi3.gguf", "phi3", q8_0=True)
     ours = load_model(str(path), dtype=torch.float32, precision=PassPrecision(decode_activations="float32"))

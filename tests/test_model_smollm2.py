@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dense_forward import greedy_paged, prefill_logits
 from gguf_references import fast_gguf_reading
 
 from hicache.model.packaged import packaged_model_path
-from hicache.model.standalone import greedy_paged, prefill_logits
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dense_forward import greedy_paged, prefill_logits
 
 from hicache.config import ConfigError, PassPrecision
 from hicache.model import load_model
 from hicache.model.requantize import parse_variant, requantize_matrix
-from hicache.model.standalone import greedy_paged, prefill_logits
 
 pytestmark = pytest.mark.model
 

@@ -244,9 +244,10 @@ def compare(files: dict[str, Path], ids: list[int], cpp: dict[str, np.ndarray], 
     """hicache's float32 logits on each file vs llama.cpp's; the two tokenizers on a few texts."""
     import torch
 
-    sys.path.insert(0, str(ROOT / "src"))
+    sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]  # tests/dense_forward.py: the reference prefill
+    from dense_forward import prefill_logits
+
     from hicache.model.gguf_loader import load_gguf
-    from hicache.model.standalone import prefill_logits
 
     torch.set_num_threads(2)
     ours = {}

@@ -1,5 +1,5 @@
-"""Standalone forwards over a :class:`DenseKV` (a plain in-memory
-:class:`~hicache.model.batch.KVView`), without an engine: handy for tests and debugging."""
+"""Standalone forwards over a :class:`~hicache.model.DenseKV` (a plain in-memory KV view), without
+an engine: the reference runs the model tests (and a few benchmarks and tools) compare against."""
 
 from __future__ import annotations
 
@@ -7,27 +7,7 @@ from typing import Collection
 
 import torch
 
-from hicache.model.llama import LlamaForCausalLM
-from hicache.model.paged import make_forward_batch
-from hicache.model.spec import ModelSpec
-
-
-class DenseKV:
-    """Per-layer ``[num_slots, num_kv_heads, head_dim]`` K/V buffers with nothing to wait for.
-
-    Slot 0 is the padding slot (never holds real data), so usable slots are ``1..num_slots-1``.
-    """
-
-    def __init__(self, spec: ModelSpec, num_slots: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
-        shape = (num_slots, spec.num_kv_heads, spec.head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
-
-    def wait_layer(self, layer: int) -> None:
-        """Nothing is ever loaded in the background here."""
-
-    def layer_ready(self, layer: int) -> bool:
-        return True
+from hicache.model import DenseKV, LlamaForCausalLM, make_forward_batch
 
 
 def prefill_logits(model: LlamaForCausalLM, ids: list[int], num_slots: int | None = None) -> torch.Tensor:
