@@ -30,6 +30,8 @@ pytestmark = pytest.mark.server
 
 AGENTS = Path(__file__).parent / "data" / "agents"
 KEY = "x"  # what the captures authenticate with (Bearer for Codex, x-api-key for Claude Code)
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+        "additionalProperties": False}  # a call's arguments (a random model's strings are short under maxLength)
 CONTEXT = 16384  # a random model's context that holds the captured prompts, shortened (:func:`captured`)
 
 
@@ -262,6 +264,45 @@ def test_streams_keep_alive_while_a_prompt_prefills(small, monkeypatch, path, bo
     if path == "/v1/responses":
         seq = [d["sequence_number"] for k, d in events if isinstance(d, dict) and "sequence_number" in d]
         assert seq == list(range(len(seq)))
+
+
+@pytest.mark.parametrize("path, body, ping", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Weather?"}], "tool_choice": "required",
+                              "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}]},
+     "comment"),
+    ("/v1/responses", {"input": "Weather?", "tool_choice": "required",
+                       "tools": [{"type": "function", "name": "get_weather", "parameters": CITY}]},
+     "response.in_progress"),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "Weather?"}], "tool_choice": {"type": "any"},
+                      "tools": [{"name": "get_weather", "input_schema": CITY}]}, "content_block_delta"),
+])
+def test_streams_keep_alive_while_a_tool_call_is_written(server, monkeypatch, path, body, ping) -> None:
+    """A tool call's tokens are held back until the call is whole: a long one (a 0.5B model once wrote
+    3,499 tokens of arguments) wrote nothing for minutes, and Codex dropped the stream at 300 s. Each
+    step here is quicker than the keep-alive interval, the whole call slower."""
+    monkeypatch.setattr(keepalive, "KEEPALIVE_INTERVAL_S", 0.3)
+    driver = server.loop.engine.scheduler.driver
+    forward = driver.forward
+
+    def slow_decode(*args, **kwargs):
+        if kwargs["generated"]:
+            time.sleep(0.06)
+        return forward(*args, **kwargs)
+    monkeypatch.setattr(driver, "forward", slow_decode)
+    body = {"model": "tiny", "stream": True, "temperature": 0.0, **body,
+            ("max_output_tokens" if path == "/v1/responses" else "max_tokens"): 200}
+    with httpx.stream("POST", server.base_url + path, json=body, timeout=60, headers={"x-api-key": KEY,
+                      "authorization": f"Bearer {KEY}"}) as r:
+        events = list(sse_events(r)) if r.status_code == 200 else r.read()
+    assert r.status_code == 200, events
+    kinds = [k for k, _ in events]
+    start = kinds.index("message_start") + 1 if path == "/v1/messages" else 2 if path == "/v1/responses" else 0
+    call = next(i for i in range(start, len(events))  # the call's first event: written once the call is whole
+                if '"arguments"' in json.dumps(events[i][1]) or '"tool_use"' in json.dumps(events[i][1]))
+    keepalives = [d for k, d in events[start:call] if k == ping]
+    if path == "/v1/messages":  # an empty text_delta (the SDK yields it: Claude Code's watchdog sees it)
+        assert {json.dumps(d["delta"]) for d in keepalives} == {json.dumps({"type": "text_delta", "text": ""})}
+    assert len(keepalives) >= 2, kinds
 
 
 def test_messages_stream_starts_at_admission_and_keeps_alive_with_events_the_sdk_yields(small, monkeypatch) -> None:

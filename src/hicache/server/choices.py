@@ -80,11 +80,12 @@ async def collect_choices(st: ServerState, request: Request, handles: list[Reque
 async def merged_updates(handles: list[RequestHandle],
                          admissions: bool = False) -> AsyncIterator[Optional[tuple[int, Update]]]:
     """``(choice index, update)`` as the choices' updates arrive, until every choice finished, and a
-    None each time :data:`~.keepalive.KEEPALIVE_INTERVAL_S` passes without one (the caller writes its
-    API's keep-alive for it: server/keepalive.py); a choice's admission update (no tokens yet:
-    :attr:`Update.admission`) only with ``admissions`` (the Messages stream's ``message_start``: the
-    other APIs have no event for it)."""
+    None each :data:`~.keepalive.KEEPALIVE_INTERVAL_S`, updates or not (the caller writes its API's
+    keep-alive for it: server/keepalive.py; an update may write nothing, as a tool call's tokens held
+    until the call is whole); a choice's admission update (no tokens yet: :attr:`Update.admission`)
+    only with ``admissions`` (the Messages stream's ``message_start``: the other APIs have no event for it)."""
     queue: asyncio.Queue[tuple[int, Update]] = asyncio.Queue()
+    clock = asyncio.get_running_loop().time
 
     async def pump(i: int, h: RequestHandle) -> None:
         async for upd in h:
@@ -92,11 +93,12 @@ async def merged_updates(handles: list[RequestHandle],
 
     tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
     try:
-        left = len(handles)
+        left, due = len(handles), clock() + keepalive.KEEPALIVE_INTERVAL_S
         while left:
             try:  # (a get cut by the timeout loses no update: wait_for returns one that came meanwhile)
-                i, upd = await asyncio.wait_for(queue.get(), keepalive.KEEPALIVE_INTERVAL_S)
+                i, upd = await asyncio.wait_for(queue.get(), max(0.0, due - clock()))
             except asyncio.TimeoutError:
+                due = clock() + keepalive.KEEPALIVE_INTERVAL_S
                 yield None
                 continue
             left -= upd.finished

@@ -2,9 +2,11 @@
 coding-agent prompt takes minutes on a CPU), a queue, a grammar being compiled.
 
 Coding agents drop a stream that stays silent for a while (Claude Code and Codex after 300 s)
-and retry it. Every streaming endpoint therefore writes a keep-alive whenever
-:data:`KEEPALIVE_INTERVAL_S` seconds pass without an event (:func:`~.choices.merged_updates` says
-when): on the Responses stream
+and retry it. Every streaming endpoint therefore writes a keep-alive every
+:data:`KEEPALIVE_INTERVAL_S` seconds (:func:`~.choices.merged_updates` says when), whether or not
+it wrote other events meanwhile: a reply's tool call is held back until it is whole, and a 0.5B
+model writing 3,499 tokens of one call's arguments kept a Codex stream silent until its watchdog
+dropped it at 300 s. On the Responses stream
 ``response.in_progress`` again (an event of the API that changes nothing: Codex's watchdog counts
 events, and an SSE parser skips comments before it sees them -- with comments Codex dropped an
 8.8K-token prefill at 300 s); an SSE comment line (``: keep-alive``) on chat, completions and
