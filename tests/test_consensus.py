@@ -12,25 +12,24 @@ import time
 
 import pytest
 
-from hicache.consensus_record import (
-    ENV_VAR,
-    Entry,
-    consensus_check,
-    install_recorder,
-    make_queue_sink,
-    uninstall_recorder,
-)
+from hicache import consensus_record
+from hicache.consensus_record import ENV_VAR, Entry, consensus_check, install_recorder, make_queue_sink
 from hicache.parallel import consensus
 from hicache.parallel.consensus import ConsensusComparator, ConsensusMonitor, Divergence
 
 pytestmark = pytest.mark.parallel
 
 
+def uninstall_recorder(monkeypatch) -> None:
+    """Stop recording in this process (checked functions then only call through); the recorder
+    before it comes back after the test. Rank processes never stop recording: tests only."""
+    monkeypatch.setattr(consensus_record, "_record", None)
+
+
 @pytest.fixture
 def checker_on(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "1")
-    yield
-    uninstall_recorder()
+    uninstall_recorder(monkeypatch)  # (and whatever a test installs is gone after it)
 
 
 @pytest.fixture
@@ -149,8 +148,8 @@ def test_exception_records_nothing_and_propagates(recorded):
     assert [(e.index, e.params[0]) for _, e in recorded] == [(0, "a"), (1, "c")]
 
 
-def test_no_recorder_means_plain_call(checker_on):
-    uninstall_recorder()
+def test_no_recorder_means_plain_call(checker_on, monkeypatch):
+    uninstall_recorder(monkeypatch)
     cache = _make_cache()()
     assert cache.admit("a", 2) == ("a", 2)
 

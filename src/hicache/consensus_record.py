@@ -74,12 +74,6 @@ def install_recorder(label: str, sink: Sink) -> None:
     _record = record
 
 
-def uninstall_recorder() -> None:
-    """Stop recording in this process (checked functions then only call through)."""
-    global _record
-    _record = None
-
-
 def consensus_check(name: str | Callable[..., Any] | None = None, *, args: Callable[..., Any] | None = None,
                     result: Callable[[Any], Any] | None = None) -> Any:
     """Decorator recording calls of the wrapped function for the rank consensus checker.

@@ -19,6 +19,7 @@ import torch
 
 from ..cache.pools import DeviceKVPool
 from ..config import ConfigError
+from .transfer import head_bytes
 from .window_tail import TailPages
 from .wire import MooncakeTarget
 
@@ -66,10 +67,8 @@ class MooncakeWrites:
         ``heads``; returns the bytes written. Whole rows on both sides go a run of pages per span;
         a slice of a row (TP sizes differ) a token per span. Raises ValueError on a layout
         mismatch, RuntimeError when the engine fails."""
-        pool, ps = self.pool, self.pool.page_size
-        k = pool.k_buffers[0]
-        hb = k.shape[-1] * k.element_size()
-        src_row, dst_row, width = k.shape[1] * hb, target.row_heads * hb, len(heads) * hb
+        pool, ps, hb = self.pool, self.pool.page_size, head_bytes(self.pool)
+        src_row, dst_row, width = pool.k_buffers[0].shape[1] * hb, target.row_heads * hb, len(heads) * hb
         firsts = sorted({first for first, _, _ in rows})
         if target.page_size != ps or len(target.k) != len(pool.k_buffers) or any(f % ps for f in firsts):
             raise ValueError(f"the decode pool has {len(target.k)} layers of pages of {target.page_size} "

@@ -26,7 +26,7 @@ import threading
 import time
 import types
 from collections import deque
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from ..config import ConfigError, EngineConfig
 from ..consensus_record import Entry
@@ -34,17 +34,18 @@ from ..consensus_record import enabled as checker_enabled
 from ..disagg.bootstrap import endpoint
 from ..errors import EngineDeadError, HicacheError
 from ..ports import free_port, split_host_port
+from ..runtime.request import Request, Status
+from ..runtime.step import Abort, Add
 from .channels import WRITERS_GONE, exit_text, kill_all, poll, queued_now, reader_only
 from .consensus import ConsensusMonitor
 from .groups import rank_label
-from .messages import Flush, RankCall, RankError, RequestUpdate, Shutdown, Stats, Updates
-from .scheduler_proxy import SchedulerProxy
+from .messages import Flush, RankCall, RankError, RequestSpec, RequestUpdate, Shutdown, Stats, Updates
 from .worker import rank_context, start_rank
 
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0
-POLL_S = 0.05
+POLL_S = 0.05  # how long a step (or a wait for a call's reply) waits for the leader's next message
 TRACE_ENTRIES = 100_000  # the checker's recent calls kept per rank (for reports and tests)
 
 
@@ -118,8 +119,7 @@ class RankGroup:
         self._updates: list[RequestUpdate] = []  # the leader's, in order, not yet taken
         # Checker: the ranks' call streams, compared here as they arrive (HICACHE_RANK_CONSENSUS_CHECKER=1).
         self.monitor: ConsensusMonitor | None = None
-        self.trace: dict[str, deque[Entry]] = {
-            label: deque(maxlen=TRACE_ENTRIES) for label in self.labels}
+        self.trace: dict[str, deque[Entry]] = {label: deque(maxlen=TRACE_ENTRIES) for label in self.labels}
         self.procs: list[Any] = []  # started rank processes (this node's), in rank order
         self._watchdog: threading.Thread | None = None
         try:  # whatever fails or is interrupted from here on, nothing is left running
@@ -267,9 +267,8 @@ class RankGroup:
 
     # ---- talking to the leader -----------------------------------------------------------
     def send(self, item: Any) -> None:
-        if self.failure is not None or self._stopping:
-            return
-        self.inbox.put(item)
+        if self.failure is None and not self._stopping:
+            self.inbox.put(item)
 
     def _pump(self, timeout: float) -> None:
         """Read what the leader sent (waiting up to ``timeout`` for the first item)."""
@@ -313,6 +312,58 @@ class RankGroup:
 
     def drain_idle(self) -> None:
         """Nothing to do here: the ranks apply their acks themselves, in agreed steps."""
+
+
+class SchedulerProxy:
+    """The frontend's stand-in for the ranks' scheduler (``RankGroup.scheduler``): it answers the
+    calls the Engine and the EngineLoop make on a local one (``add``, ``abort``, ``step``,
+    ``has_work``, ``running``, ``waiting``) and schedules nothing. Requests stay this process's
+    objects; the leader's updates fill them in, and a step is "read what the leader sent".
+    ``send``: a command to the leader; ``updates(timeout)``: the leader's request updates received
+    within ``timeout`` seconds."""
+
+    def __init__(self, send: Callable[[Add | Abort], None], updates: Callable[[float], list[RequestUpdate]]) -> None:
+        self.send, self.updates = send, updates
+        self.requests: dict[int, Request] = {}
+
+    @property
+    def waiting(self) -> list[Request]:
+        return [r for r in self.requests.values() if r.cached is None]
+
+    @property
+    def running(self) -> list[Request]:
+        return [r for r in self.requests.values() if r.cached is not None]
+
+    def has_work(self) -> bool:
+        return bool(self.requests)
+
+    def add(self, *reqs: Request) -> None:
+        """Queue ``reqs`` in one message: the leader takes them all at one step."""
+        self.requests.update((req.rid, req) for req in reqs)
+        self.send(Add(tuple(RequestSpec.of(req) for req in reqs)))
+
+    def abort(self, rid: int) -> Request | None:
+        """Finishes the request here at once (returned; None: not found); the ranks drop it at their next step."""
+        req = self.requests.pop(rid, None)
+        if req is None:
+            return None
+        req.status, req.finish_reason, req.finish_time = Status.FINISHED, "abort", time.perf_counter()
+        self.send(Abort(rid))
+        req.notify()
+        return req
+
+    def step(self) -> list[Request]:
+        finished = []
+        for upd in self.updates(POLL_S):
+            req = self.requests.get(upd.rid)
+            if req is None:  # aborted here already
+                continue
+            upd.apply(req)
+            if upd.finished:
+                del self.requests[upd.rid]
+                finished.append(req)
+            req.notify()
+        return finished
 
 
 def peer_failure(message: str) -> bool:

@@ -52,15 +52,13 @@ def _text_of(content: Any) -> str:
         return content
     if not isinstance(content, list):
         raise APIError(400, "a message's content must be text or a list of text parts.", param="input")
-    parts = []
     for part in content:
         if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             if kind in MEDIA_TYPES:
                 raise media_refusal(kind, "input")
             raise APIError(400, f"input content of type {kind!r} is not supported (text only).", param="input")
-        parts.append(str(part.get("text", "")))
-    return "".join(parts)
+    return "".join(str(part.get("text", "")) for part in content)
 
 
 def chat_messages(body: ResponsesRequest, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
