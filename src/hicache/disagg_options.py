@@ -19,19 +19,24 @@ DISAGG_BACKENDS = ("zmq", "mooncake")
 class DisaggregationOptions:
     disaggregation_mode: str = opt(
         "null", "This server's role: 'null' (both phases), 'prefill' (computes prompts, sends their KV), or "
-        "'decode' (receives the KV its own tiers lack, decodes).", DISAGG_MODES)
+        "'decode' (receives the KV its own tiers lack, decodes).", DISAGG_MODES
+    )
     disaggregation_bootstrap_port: int = opt(
-        8998, "Prefill side: the port of the bootstrap socket decode servers ask for KV on (0: any free port).")
+        8998, "Prefill side: the port of the bootstrap socket decode servers ask for KV on (0: any free port)."
+    )
     disaggregation_bootstrap_host: Optional[str] = opt(
         None, "The address this server's P/D sockets listen on: the prefill bootstrap socket, a Mooncake transfer "
-        "engine (default: hicache serve's --host; 127.0.0.1 for the Python API).")
+        "engine (default: hicache serve's --host; 127.0.0.1 for the Python API)."
+    )
     disaggregation_transfer_backend: str = opt(
         "zmq", "How KV crosses between the servers: 'zmq' (the rows in ZeroMQ messages) or 'mooncake' (Mooncake's "
         "transfer engine writes them straight into the decode pool's pages; TCP here, RDMA in production).",
-        DISAGG_BACKENDS)
+        DISAGG_BACKENDS
+    )
     disaggregation_transfer_timeout: float = opt(
         60.0, "Seconds a request's KV transfer may take: a decode request gets an error (and frees its pages) "
-        "when no KV arrived by then; a finished prefill frees its KV when no decode server asked by then.", above=0)
+        "when no KV arrived by then; a finished prefill frees its KV when no decode server asked by then.", above=0
+    )
     disaggregation_handshake_timeout: float = opt(
         5.0, "Decode side: seconds the prefill server a request names has to answer its first message (the "
         "route of its ranks); one that does not is taken for dead or hostile and the request fails at once.", above=0)
@@ -44,7 +49,8 @@ class DisaggregationOptions:
         "sends them (default: any). Set it on a decode server that untrusted clients can reach.")
     disaggregation_decode_enable_radix_cache: bool = opt(
         False, "Decode side: keep a radix tree (and with --enable-hierarchical-cache the host and storage tiers) "
-        "so a request asks prefill only for the KV after what it already holds.")
+        "so a request asks prefill only for the KV after what it already holds."
+    )
 
     def _validate_disaggregation(self) -> None:
         if self.disaggregation_mode == "null":

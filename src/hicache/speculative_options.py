@@ -26,36 +26,47 @@ class SpeculativeOptions:
     speculative_algorithm: Optional[str] = opt(
         None, "Speculative decoding: STANDALONE (a separate draft model proposes tokens, the target verifies "
         "them in one pass) or NGRAM (drafts copied from the request's own text and from every token sequence "
-        "the radix tree holds; no draft model); off when unset.", SPEC_ALGORITHMS)
+        "the radix tree holds; no draft model); off when unset.", SPEC_ALGORITHMS
+    )
     speculative_draft_model_path: Optional[str] = opt(
         None, "The draft model: any name --model takes ('smollm2:int4-g64', a GGUF file, a Hugging Face "
-        "directory, 'random:...'); it must share the target's tokenizer.")
+        "directory, 'random:...'); it must share the target's tokenizer."
+    )
     speculative_num_steps: Optional[int] = opt(
         None, "Draft tokens proposed per sequence before each verify pass (default 3, or num_draft_tokens - 1; "
-        "NGRAM: the most, each request's count adapts to its recent acceptance).", at_least=1)
+        "NGRAM: the most, each request's count adapts to its recent acceptance).", at_least=1
+    )
     speculative_num_draft_tokens: Optional[int] = opt(
         None, "Tokens per sequence in a verify pass: the last token plus the drafts, so num_steps + 1 for the "
-        "chain drafts built here (the default; NGRAM: min(max trie depth, 8)).", at_least=1)
+        "chain drafts built here (the default; NGRAM: min(max trie depth, 8)).", at_least=1
+    )
     speculative_draft_kv_layout: str = opt(
         "auto", "Where the draft's KV lives in every tier: 'packed' (extra layers of the target's pages: needs the "
         "same KV row shape and dtype), 'sidecar' (its own pools and storage objects on the target's pages), or "
-        "'auto' (packed when it fits).", SPEC_KV_LAYOUTS)
+        "'auto' (packed when it fits).", SPEC_KV_LAYOUTS
+    )
     speculative_ngram_min_match_window_size: int = opt(
         1, "NGRAM: the fewest trailing tokens of a request that must match earlier text for its continuation to "
-        "be drafted.")
+        "be drafted."
+    )
     speculative_ngram_max_match_window_size: int = opt(
-        12, "NGRAM: the most trailing tokens compared; among matches the longest wins.")
+        12, "NGRAM: the most trailing tokens compared; among matches the longest wins."
+    )
     speculative_ngram_max_trie_depth: Optional[int] = opt(
         None, f"NGRAM: the longest suffix matched, in tokens (default {DEFAULT_NGRAM_TRIE_DEPTH}); caps the match "
-        "window and the default draft tokens.")
+        "window and the default draft tokens."
+    )
     speculative_ngram_branch_length: Optional[int] = opt(
-        None, "Older SGLang name of --speculative-ngram-max-trie-depth.")
+        None, "Older SGLang name of --speculative-ngram-max-trie-depth."
+    )
     speculative_ngram_match_type: str = opt(
         "BFS", "NGRAM: which of the longest matches gives the drafts: BFS (the most recent occurrence) or PROB "
-        "(the continuation most occurrences share).", NGRAM_MATCH_TYPES)
+        "(the continuation most occurrences share).", NGRAM_MATCH_TYPES
+    )
     speculative_ngram_capacity: int = opt(
         10_000_000, "NGRAM: tokens of the radix tree indexed for lookups (past it the oldest sequences leave the "
-        "index first; the tree itself is untouched).", at_least=1)
+        "index first; the tree itself is untouched).", at_least=1
+    )
     speculative_ngram_min_bfs_breadth: int = opt(1, BFS_BREADTH_HELP)
     speculative_ngram_max_bfs_breadth: int = opt(1, BFS_BREADTH_HELP)
 
