@@ -39,7 +39,7 @@ from ..runtime.sampling import GrammarSpec, SamplingParams
 from .choices import check_choices, event_stream, merged_updates
 from .keepalive import SSE_KEEPALIVE
 from .parsing import parse_body, read_body
-from .protocol import APIError, SamplingBody, SamplingFields, sampling_fields
+from .protocol import OPEN, APIError, RequestBody, SamplingBody, sampling_fields
 from .state import ServerState
 from .submit import (IncrementalText, Prepared, check_fits, collect_result, disagg_figures, engine_dead_during,
                      spec_figures, sse_data, stop_string_matched, submit_request, timing, vet_grammar)
@@ -66,13 +66,27 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
 }
 
 
-class NativeSamplingParams(SamplingFields):
+class NativeSamplingParams(RequestBody):
     """``sampling_params`` of ``/generate`` (SGLang's names and defaults; null = the default)."""
 
+    model_config = OPEN
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = -1
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
     seed: Optional[int] = Field(None, alias="sampling_seed")  # (SamplingParams' names: protocol.sampling_fields)
     min_tokens: int = Field(0, alias="min_new_tokens")
-    json_schema: Optional[str] = None  # structured output: at most one of json_schema, regex and ebnf
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Optional[dict[str, float]] = None  # token id (a string) -> bias
+    json_schema: Optional[str] = None  # structured output: at most one of these three
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
 
     def grammar(self) -> Optional[GrammarSpec]:
         given = [GrammarSpec(k, v) for k, v in (("json_schema", self.json_schema), ("regex", self.regex),

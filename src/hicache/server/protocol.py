@@ -71,42 +71,35 @@ class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
-class SamplingFields(RequestBody):
-    """The sampling fields an OpenAI body and ``/generate``'s ``sampling_params`` both carry, under the
-    same names and defaults (each adds ``seed`` and ``min_tokens``, which SGLang names otherwise).
-    Unknown fields are kept (``model_extra``): logged, or refused by name."""
+class SamplingBody(RequestBody):
+    """Fields shared by both endpoints (OpenAI names; ``top_k``, ``ignore_eos``,
+    ``stop_token_ids``, ``cache_salt``, ``regex`` and ``ebnf`` are extensions)."""
 
     model_config = OPEN
 
+    model: str
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = -1
+    n: int = 1
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[int]] = None
+    seed: Optional[int] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False
+    # An empty salt would silently share the unsalted namespace: refused, as vLLM does.
+    cache_salt: Optional[str] = Field(None, min_length=1)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # vLLM / SGLang extension
     min_p: float = 0.0  # vLLM / SGLang extension
-    logit_bias: Optional[dict[str, float]] = None  # token id (as a string, OpenAI's form) -> bias
-    regex: Optional[str] = None  # SGLang: the output matches this regular expression
-    ebnf: Optional[str] = None  # SGLang: the output matches this grammar (GBNF)
-
-
-class SamplingBody(SamplingFields):
-    """Fields shared by both endpoints (OpenAI names; ``top_k``, ``ignore_eos``,
-    ``stop_token_ids``, ``cache_salt``, ``regex`` and ``ebnf`` are extensions)."""
-
-    model: str
-    n: int = 1
-    seed: Optional[int] = None
-    stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    # An empty salt would silently share the unsalted namespace: refused, as vLLM does.
-    cache_salt: Optional[str] = Field(None, min_length=1)
     min_tokens: int = 0  # vLLM extension (SGLang's min_new_tokens)
+    logit_bias: Optional[dict[str, float]] = None  # token id (as a string, OpenAI's form) -> bias
     user: Optional[str] = None
     response_format: Optional[dict[str, Any]] = None
+    regex: Optional[str] = None  # SGLang: the output matches this regular expression
+    ebnf: Optional[str] = None  # SGLang: the output matches this grammar (GBNF)
     # Prefill/decode disaggregation: what sglang-router adds to a request it sends to both
     # servers (SGLang's other extras it adds, e.g. no_stop_trim, are ignored as unknown fields).
     bootstrap_host: Optional[str] = Field(None, min_length=1, max_length=253)
