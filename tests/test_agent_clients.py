@@ -101,6 +101,24 @@ def test_codex_turns_are_served_without_its_builtin_tools(server, caplog) -> Non
     assert r.status_code == 200 and events[-1][0] == "response.incomplete", r.text
 
 
+def test_claude_codes_attribution_line_leaves_the_prefix_cache_alone(server) -> None:
+    """Claude Code's first system block carries values derived from each request (``cc_version=<v>.<3 hex>``,
+    ``cch=``): two subagents' requests, alike but for it and their question, share their whole system prompt."""
+    system = "You are an agent for a coding tool. Read files, run commands, report back. " * 6
+
+    def ask(suffix: str, question: str) -> dict[str, Any]:
+        body = {"model": "tiny", "max_tokens": 2, "temperature": 0.0, "messages": [{"role": "user", "content": question}],
+                "system": [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.197.{suffix}; "
+                                                    "cc_entrypoint=sdk-cli; cch=0a1b2;"},
+                           {"type": "text", "text": system}]}
+        r = httpx.post(server.base_url + "/v1/messages", json=body, headers={"x-api-key": KEY})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]
+    first, second = ask("322", "List the files."), ask("9b1", "Which tests fail?")
+    assert first["cache_read_input_tokens"] < 64  # (at most a page of the template's opening, shared with others)
+    assert second["cache_read_input_tokens"] >= len(system) - 32  # (a byte per token; up to the page it ends in)
+
+
 def test_dropped_tools_are_logged_once(server, caplog) -> None:
     body = {"model": "tiny", "input": "hi", "max_output_tokens": 2,
             "tools": [{"type": "hicache_test_builtin"}, {"type": "hicache_test_builtin"}, {"type": "file_search"}]}

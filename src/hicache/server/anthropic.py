@@ -1,8 +1,9 @@
 """Anthropic's Messages API over the chat machinery: ``POST /v1/messages`` (streamed as its typed
 events or not) and ``POST /v1/messages/count_tokens``.
 
-A request becomes the chat request it means (:func:`as_chat`): ``system`` a system message (a
-``system`` role message mid-conversation one too, placed where the template can take it:
+A request becomes the chat request it means (:func:`as_chat`): ``system`` a system message (less
+Claude Code's attribution line, :data:`BILLING_HEADER`, whose per-request values would defeat the prefix cache;
+a ``system`` role message mid-conversation one too, placed where the template can take it:
 server/system_turns.py), text blocks the turn's text, an assistant's ``tool_use`` blocks its tool
 calls, a user's ``tool_result`` blocks tool messages; ``tools`` (``input_schema``) function tools; ``tool_choice`` auto / any / tool
 / none the chat API's auto / required / named / none (``disable_parallel_tool_use``:
@@ -130,10 +131,23 @@ class MessagesRequest(RequestBody):
     tool_choice: Optional[dict[str, Any]] = None
 
 
+# Claude Code opens its system prompt with an attribution line whose values it derives from the request's
+# content (``cc_version=2.1.197.322``; newer versions add a per-request ``cch=``). Anthropic's API reads it as
+# metadata; left in the prompt it changes the first tokens between a session's subagents (each one's ~11K-token
+# prompt was computed again) and, with ``cch``, between every two requests. SGLang and vllm-mlx drop it too.
+BILLING_HEADER = "x-anthropic-billing-header:"
+
+
+def _without_billing_line(text: str) -> str:
+    """``text`` less a leading :data:`BILLING_HEADER` line (a system block of its own, as Claude Code sends it)."""
+    return text.partition("\n")[2] if text.startswith(BILLING_HEADER) else text
+
+
 def as_chat(body: MessagesRequest) -> ChatCompletionRequest:
     """The chat completion request ``body`` means (module docstring), without ``max_tokens``: the
     caller clips it to the context's rest once the prompt is tokenized (:func:`add_anthropic_routes`)."""
-    system = body.system if isinstance(body.system, str) else "".join(b.text for b in body.system or [])
+    blocks = [body.system] if isinstance(body.system, str) else [b.text for b in body.system or []]
+    system = "".join(_without_billing_line(text) for text in blocks)
     messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if body.system else []
     for m in body.messages:
         blocks = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
