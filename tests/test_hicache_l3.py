@@ -147,9 +147,11 @@ def test_namespaces_do_not_share_storage(tmp_path: Path) -> None:
 @pytest.mark.parametrize("policy, expect", [("best_effort", "none"), ("wait_complete", "all"), ("timeout", "some")])
 def test_prefetch_policies_on_a_slow_backend(tmp_path: Path, reference: list[int], policy: str, expect: str) -> None:
     write_history(tmp_path)
+    # 3 batches of 0.4 s against a 1.0 s timeout: the sleeps alone outlast it (never all), and the first batch has
+    # 0.6 s of slack to land before it (some, on a loaded machine too: with 0.25 s against 0.35 s it once got none)
     engine = storage_engine(tmp_path, hicache_storage_prefetch_policy=policy,
-                            hicache_storage_prefetch_timeout_base=0.35, hicache_storage_prefetch_timeout_per_1k_tokens=0.0)
-    engine.cache.storage.read_delay_fn = lambda op: 0.25  # before each batch
+                            hicache_storage_prefetch_timeout_base=1.0, hicache_storage_prefetch_timeout_per_1k_tokens=0.0)
+    engine.cache.storage.read_delay_fn = lambda op: 0.4  # before each batch
     old_batch, prefetch_backup.BATCH_PAGES = prefetch_backup.BATCH_PAGES, 8  # 24 pages: 3 slow batches
     try:
         res = engine.generate([PROMPT], GREEDY)[0]
