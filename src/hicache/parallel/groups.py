@@ -55,28 +55,46 @@ GLOO = "hicache_gloo"
 
 @dataclass(frozen=True)
 class RankInfo:
-    """One rank's place in the deployment (module docstring): its rank, the group sizes, and what follows."""
-
     rank: int
     tp_size: int
     pp_size: int
     nnodes: int = 1  # machines; each runs world_size // nnodes consecutive ranks
     cp_size: int = 1  # context-parallel ranks per stage (divides tp_size)
 
-    world_size = property(lambda self: self.tp_size * self.pp_size)
-    tp_rank = property(lambda self: self.rank % self.tp_size)
-    pp_rank = property(lambda self: self.rank // self.tp_size)
-    label = property(lambda self: rank_label(self.rank, self.tp_size))  # how logs and the checker name it
-    ranks_per_node = property(lambda self: self.world_size // self.nnodes)
-    # tensor-parallel ranks within one CP rank (heads and MLP split over them), and this rank's place among them
-    attn_tp_size = property(lambda self: self.tp_size // self.cp_size)
-    attn_tp_rank = property(lambda self: self.tp_rank % self.attn_tp_size)
+    @property
+    def attn_tp_size(self) -> int:
+        """Tensor-parallel ranks within one CP rank (heads and MLP split over them)."""
+        return self.tp_size // self.cp_size
+
+    @property
+    def attn_tp_rank(self) -> int:
+        return self.tp_rank % self.attn_tp_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
 
     @property
     def tp_on_one_node(self) -> bool:
         """Whether every TP rank of this stage runs on this rank's node."""
         first = self.rank_of(self.pp_rank, 0)
         return first // self.ranks_per_node == (first + self.tp_size - 1) // self.ranks_per_node
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // self.tp_size
+
+    @property
+    def label(self) -> str:
+        return rank_label(self.rank, self.tp_size)
 
     def rank_of(self, pp_rank: int, tp_rank: int) -> int:
         return pp_rank * self.tp_size + tp_rank
