@@ -25,6 +25,7 @@ from .page_tree import EMPTY_PAGES
 from .placement import PagePlacement, ShardedPageAllocator, alloc_evicting, path_anchor
 from .pools import DeviceKVPool, PageAllocator, pages_to_slots
 from .radix import RadixCache
+from .state_pool import StateHold, StatePool
 from .tiers import CacheStats, Tier
 from .tree_node import TreeNode
 from .window_tree import TreeWindows
@@ -40,6 +41,7 @@ class KVState:
     ``pages[:cached_pages]`` belong to the tree and are locked through ``node``; the rest were
     allocated for this request and are its own until inserted or freed. ``window``: its hold on a
     hybrid pool's window component (:class:`.device_window.WindowHold`; None without one).
+    ``state``: its recurrent-state slot (:class:`.state_pool.StateHold`; None without recurrent layers).
     """
 
     pages: np.ndarray
@@ -50,6 +52,7 @@ class KVState:
     storage_hit_tokens: int = 0
     slots: torch.Tensor = field(default=None)  # slots of every page, in order (cached)
     window: WindowHold | None = None
+    state: StateHold | None = None
 
     def refresh_slots(self, page_size: int) -> None:
         self.slots = pages_to_slots(self.pages, page_size)
@@ -66,8 +69,9 @@ class DeviceTier:
 
     def __init__(self, pool: DeviceKVPool, eviction_policy: str, enable_prefix_cache: bool,
                  host_allocator: PageAllocator | None, stats: CacheStats,
-                 placement: PagePlacement | None = None) -> None:
+                 placement: PagePlacement | None = None, states: StatePool | None = None) -> None:
         self.pool = pool
+        self.states = states  # the recurrent layers' state slots: one per admitted request
         self.page_size = pool.page_size
         self.placement = placement if placement is not None and placement.num_shards > 1 else None
         self.allocator: PageAllocator | ShardedPageAllocator = (
@@ -94,7 +98,20 @@ class DeviceTier:
         pages whose window comes back from their host copy; None, with nothing changed, when the
         pool is too full.
         ``forward_tokens``: the most tokens one of its forwards adds (a hybrid pool's window
-        budget)."""
+        budget). A pool with recurrent layers gives the request a state slot too (none free: None)."""
+        states = self.states
+        slot = states.alloc() if states is not None else 0
+        if slot is None:
+            return None
+        admitted = self._admit_pages(namespace, tokens, reserve_tokens, storage_tokens, forward_tokens, kv_arrives)
+        if states is not None and admitted is None:
+            states.free(slot)
+        elif states is not None:
+            admitted[0].state = StateHold(slot)
+        return admitted
+
+    def _admit_pages(self, namespace: str, tokens: np.ndarray, reserve_tokens: int, storage_tokens: int,
+                     forward_tokens: int, kv_arrives: bool) -> tuple[KVState, list[TreeNode], list] | None:
         if self.windows is not None and not self.windows.fits(forward_tokens, self.pages_for(reserve_tokens)):
             return None
         hit_pages, node, match, window_lock, host_nodes = EMPTY_PAGES, None, None, None, []
@@ -187,6 +204,9 @@ class DeviceTier:
             self.windows.release(state)
         if state.node is not None:
             self.tree.dec_lock_ref(state.node)
+        if state.state is not None:
+            self.states.free(state.state.slot)
+            state.state = None
         state.pages = state.pages[:0]
         state.node = None
 
@@ -235,4 +255,5 @@ class DeviceTier:
             "request_pages": capacity - self.allocator.available - (tree.cached_pages if tree else 0),
             "device_pool_bytes": self.pool.total_bytes,
             **({"window": self.windows.usage()} if self.windows is not None else {}),
+            **({"recurrent_state": self.states.usage()} if self.states is not None else {}),
         }

@@ -27,6 +27,7 @@ from .host_tier import HostTier
 from .host_transfer import TransferController
 from .placement import PagePlacement, ShardedPageAllocator, ShardView
 from .pools import DeviceKVPool, PageAllocator
+from .state_pool import StatePool
 from .storage.base import StorageBackend
 from .storage.keys import OBJECT_LAYOUT_V1, KeyNamespace
 from .storage.page_objects import DRAFT_PREFIX, WINDOW_SUFFIX, GridCell
@@ -51,7 +52,8 @@ class RankLayout:
     (a speculative draft's): every copy and storage object of a page carries its share, and the
     model reads it through :attr:`KVCacheManager.sidecar_view`; ``unified``: storage objects
     follow the unified grid (``--hicache-storage-key-scheme unified``): this rank's read and
-    write cells, under a namespace every compatible deployment shares."""
+    write cells, under a namespace every compatible deployment shares; ``states``: the recurrent
+    layers' state slots beside the KV pages (issue 59), read through :attr:`KVCacheManager.kv_view`."""
 
     shard: str = ""
     storage_agree: tuple[Agree, Agree] | None = None
@@ -59,14 +61,17 @@ class RankLayout:
     shard_rank: int = 0
     sidecar: tuple[DeviceKVPool, HostKVPool | None] | None = None
     unified: UnifiedPlan | None = None
+    states: StatePool | None = None
 
 
 class _KVView:
     """The model's view: device buffers, with reads of layer i gated on in-flight loads
     (``offset``: the pool's layers come after that many others in each transfer: a sidecar)."""
 
-    def __init__(self, pool: DeviceKVPool, controller: TransferController | None, offset: int = 0) -> None:
+    def __init__(self, pool: DeviceKVPool, controller: TransferController | None, offset: int = 0,
+                 states: StatePool | None = None) -> None:
         self.k_buffers, self.v_buffers = pool.k_buffers, pool.v_buffers
+        self.state_buffers = states.buffers if states is not None else []
         if pool.windows.shared:
             self.window_group = pool.windows.group  # each sliding group reads slots of its own (issue 56)
         if controller is None:
@@ -147,7 +152,7 @@ class KVCacheManager:
             self.host_allocator = ShardedPageAllocator(placement, host_pool.num_pages) if sharded \
                 else PageAllocator(host_pool.num_pages)
         self.device = DeviceTier(pool, policy.eviction_policy, policy.enable_prefix_cache, self.host_allocator,
-                                 self.stats, placement)
+                                 self.stats, placement, layout.states)
         self.allocator, self.tree = self.device.allocator, self.device.tree
         self.capacity_pages = self.allocator.capacity
         # usable pages of each component with a page space of its own (the full KV's are capacity_pages)
@@ -174,7 +179,7 @@ class KVCacheManager:
             self.device.windows.settle_backups = self._settle_host
         self.controller = self.host.controller if self.host is not None else None
         self.storage = self.storage_tier.controller if self.storage_tier is not None else None
-        self.kv_view = _KVView(pool, self.controller)
+        self.kv_view = _KVView(pool, self.controller, states=layout.states)
         self.sidecar_view = None if sidecar is None else _KVView(sidecar[0], self.controller, len(pool.k_buffers))
 
     def window_tail(self, prompt_tokens: int) -> int | None:

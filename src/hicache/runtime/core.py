@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -14,6 +14,7 @@ from ..cache.host_pool import HostKVPool
 from ..cache.manager import CachePolicy, KVCacheManager, RankLayout
 from ..cache.placement import PagePlacement
 from ..cache.pools import DeviceKVPool
+from ..cache.state_pool import StatePool
 from ..cache.storage.base import StorageError
 from ..cache.storage.registry import create_backend
 from ..cache.storage.unified import StorageGrid
@@ -75,6 +76,7 @@ def build_core(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, dty
     # the target's layers and a packed draft's; a hybrid plan's window component beside them (two pools, or
     # shared blocks with its sliding groups)
     windows = plan.hybrid.pool_part(plan.window_pages) if plan.hybrid is not None else None
+    states = StatePool(plan.states.layers, plan.states.slots, device) if plan.states is not None else None
     pool = DeviceKVPool(plan.layers + plan.packed_layers, *plan.row, plan.device_pages, cfg.page_size, plan.kv_dtype,
                         device, windows)
     unified = plan.unified
@@ -82,8 +84,13 @@ def build_core(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, dty
     sidecar = _sidecar_pools(cfg, plan, device, unified.draft.grid if unified and unified.draft else None)
     layout = RankLayout(shard=rank.shard.describe() if rank.shard else "", storage_agree=rank.storage_agree,
                         placement=cp.placement if cp is not None else None,
-                        shard_rank=rank.cp_group.rank if rank.cp_group else 0, sidecar=sidecar, unified=unified)
-    cache = KVCacheManager(pool, host_pool, storage, CachePolicy.from_config(cfg), layout)
+                        shard_rank=rank.cp_group.rank if rank.cp_group else 0, sidecar=sidecar, unified=unified,
+                        states=states)
+    reuse = cfg.decode_reuses_prefix and states is None
+    if cfg.decode_reuses_prefix and not reuse:
+        logger.info("prefix cache off: the recurrent layers' states are not snapshotted for a later hit yet")
+    cache = KVCacheManager(pool, host_pool, storage, replace(CachePolicy.from_config(cfg), enable_prefix_cache=reuse),
+                           layout)
     runner = ModelRunner(loaded.model, cache.kv_view, device, cp)
     modes = build_modes(ModeContext(cfg, cache, device, plan.layers, loaded.spec.vocab_size,
                                     rank.pd_ranks or TPRanks.alone(plan.row[0]), draft, plan.packed_layers,
@@ -93,7 +100,7 @@ def build_core(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, dty
         plan.prefill_chunk, cfg.max_running_requests, cfg.hicache_storage_prefetch_policy,
         lambda tokens: cfg.hicache_storage_prefetch_timeout_base
         + cfg.hicache_storage_prefetch_timeout_per_1k_tokens * tokens / 1000,
-        cfg.enable_deterministic_inference, cfg.decode_reuses_prefix and not cfg.disable_shared_prefill_wait), modes)
+        cfg.enable_deterministic_inference, reuse and not cfg.disable_shared_prefill_wait), modes)
     return EngineCore(pool, host_pool, cache, runner, scheduler, plan)
 
 
