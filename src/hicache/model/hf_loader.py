@@ -70,6 +70,8 @@ def _spec(config: dict, tensor_names: Iterable[str] | None) -> ModelSpec:
     if tensor_names is not None:
         check_layer_count(config["num_hidden_layers"], tensor_names, HF_LAYER, "config.json num_hidden_layers",
                           "the checkpoint")
+    if family.hf_config is not None:  # its own keys as the common ones (LFM2's norm_eps, block_ff_dim...): after
+        config = family.hf_config(config)  # the layer count is checked, since they may be per layer
     hidden = config_int(config, "hidden_size")
     heads = config_int(config, "num_attention_heads")
     rope = dict(config.get("rope_parameters") or {})
@@ -141,10 +143,11 @@ def load_hf_dir(folder: Path, dtype: torch.dtype, device: torch.device | str,
     headers = _read_headers(weight_files)
     spec = spec_from_hf_config(config, headers)
     family = hf_family(config.get("architectures") or [], config.get("model_type", "llama"))
-    # Tied checkpoints may still store lm_head; rotary caches are recomputed.
-    stored = {name: where for name, where in headers.items()
+    # Tied checkpoints may still store lm_head; rotary caches are recomputed. Each stored tensor fills
+    # the parameter of the model's name for it (the family's, where they differ: LFM2's feed_forward.w1...).
+    stored = {name: family.hf_param(name) for name in headers
               if not (name == "lm_head.weight" and spec.tie_word_embeddings or name.endswith("rotary_emb.inv_freq"))}
-    check_shapes([(name, name, shape) for name, (_, shape) in stored.items()], spec, "checkpoint",
+    check_shapes([(name, ours, headers[name][1]) for name, ours in stored.items()], spec, "checkpoint",
                  f"the checkpoint in {folder.name}", family.parts_of)
     tokenizer = _tokenizer(folder, config)
     check_token_ids(tokenizer, spec, f"the model directory {folder.name}")
@@ -158,7 +161,8 @@ def load_hf_dir(folder: Path, dtype: torch.dtype, device: torch.device | str,
                 for name in f.keys():
                     if name not in stored:
                         continue
-                    parts = family.parts_of(name) or (name,)  # a fused tensor (Phi-3's qkv_proj) fills its parts
+                    ours = stored[name]
+                    parts = family.parts_of(ours) or (ours,)  # a fused tensor (Phi-3's qkv_proj) fills its parts
                     values = f.get_tensor(name)
                     check_finite(values, f"checkpoint tensor {cut(name)}")
                     if family.hf_norm_offset and name.endswith("norm.weight"):

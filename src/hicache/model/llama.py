@@ -26,7 +26,8 @@ from hicache.model.decode_stack import DecodeStack
 from hicache.model.layers import MLP, RMSNorm, RotaryEmbedding, native_ops, rotate_half
 from hicache.model.mla import MLAAttention
 from hicache.model.projection import DECODE_ROWS, Projection
-from hicache.model.spec import ModelSpec
+from hicache.model.recurrent import ShortConv
+from hicache.model.spec import LayerKind, ModelSpec
 
 
 class Attention(nn.Module):
@@ -36,7 +37,7 @@ class Attention(nn.Module):
 
     def __init__(self, spec: ModelSpec, layer: int) -> None:
         super().__init__()
-        self.layer = layer
+        self.layer = spec.attention_layers.index(layer)  # its KV buffers: compact among the attention layers
         self.window = spec.layer_window(layer)  # 0: a full layer
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         # The backends scale q.k by head_dim ** -0.5; another scale (Gemma's query_pre_attn_scalar) is
@@ -88,12 +89,19 @@ class DecoderLayer(nn.Module):
     """Pre-norm: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``, the second norm named
     ``post_attention_layernorm`` (HF's name). With ``sandwich_norms`` (Gemma, HF names too): the
     attention's output goes through ``post_attention_layernorm`` before its residual add, and the
-    MLP has ``pre_feedforward_layernorm`` and ``post_feedforward_layernorm`` around it."""
+    MLP has ``pre_feedforward_layernorm`` and ``post_feedforward_layernorm`` around it.
+
+    The mixer follows the layer's kind: ``self_attn`` (attention, MLA) or ``conv`` (a recurrent
+    layer: LFM2's :class:`~hicache.model.recurrent.ShortConv`); ``recurrent`` says which."""
 
     def __init__(self, spec: ModelSpec, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = MLAAttention(spec, layer) if spec.is_mla else Attention(spec, layer)
+        self.recurrent = spec.is_recurrent(layer)
+        if self.recurrent:
+            self.conv = ShortConv(spec, layer)
+        else:
+            self.self_attn = MLAAttention(spec, layer) if spec.is_mla else Attention(spec, layer)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.sandwich = spec.sandwich_norms
         if self.sandwich:
@@ -109,7 +117,10 @@ class DecoderLayer(nn.Module):
         operands = None if ops is None else self._decode_operands()
         if operands is not None:
             return self._fused_decode(ops, operands, x, cos, sin, batch, kv)
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, batch, kv)
+        if self.recurrent:
+            attn = self.conv(self.input_layernorm(x), batch, kv)
+        else:
+            attn = self.self_attn(self.input_layernorm(x), cos, sin, batch, kv)
         x = x + (self.post_attention_layernorm(attn) if self.sandwich else attn)
         mlp = self.mlp(self.pre_mlp_norm()(x), batch.generated)
         return x + (self.post_feedforward_layernorm(mlp) if self.sandwich else mlp)
@@ -122,7 +133,10 @@ class DecoderLayer(nn.Module):
     def _fused_decode_ops(self, x: torch.Tensor, batch: ForwardBatch, kv: KVView):
         """The native kernels when this pass is one the fused layer serves: a decode batch of at
         most DECODE_ROWS generated tokens on one rank (never prompt tokens: issue 57), float32 on
-        the CPU, the heads as the kernels take them. Deterministic inference: every pass."""
+        the CPU, the heads as the kernels take them. Deterministic inference: every pass. Never a
+        recurrent layer (the native layer attends)."""
+        if self.recurrent:
+            return None
         attn = self.self_attn
         if not isinstance(attn, Attention):
             return None
@@ -218,20 +232,24 @@ class LlamaModel(nn.Module):
 
 def parameter_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Every parameter of ``LlamaForCausalLM(spec)`` by name, with its shape, allocating none of
-    them: one layer built on the meta device (~1 ms; the layers of a spec share their shapes), its
-    names repeated for every layer. What the loaders check a file's tensor table against before
-    they allocate the model (model/file_checks.py)."""
+    them: one layer of each kind built on the meta device (~1 ms; the layers of a kind share their
+    shapes), its names repeated for every layer of its kind. What the loaders check a file's
+    tensor table against before they allocate the model (model/file_checks.py)."""
     import dataclasses
 
-    one = dataclasses.replace(spec, num_layers=1, layer_kinds=spec.layer_kinds[:1])
+    kind_of = spec.layer_kinds or (LayerKind.FULL,) * spec.num_layers
+    kinds = tuple(dict.fromkeys(kind_of))  # distinct, in order of first use: built layer i is of kinds[i]
+    one = dataclasses.replace(spec, num_layers=len(kinds), layer_kinds=kinds if spec.layer_kinds else ())
     with _no_default_init(), _made_on(torch.device("meta"), torch.float32):
         model = LlamaModel(one)
     shapes: dict[str, tuple[int, ...]] = {}
     for name, p in model.named_parameters():
-        if name.startswith("layers.0."):
-            shapes.update({f"model.layers.{i}.{name[9:]}": tuple(p.shape) for i in range(spec.num_layers)})
-        else:
+        if not name.startswith("layers."):
             shapes[f"model.{name}"] = tuple(p.shape)
+            continue
+        built, _, rest = name.removeprefix("layers.").partition(".")
+        shapes.update({f"model.layers.{i}.{rest}": tuple(p.shape) for i in range(spec.num_layers)
+                       if kind_of[i] == kinds[int(built)]})
     if not spec.tie_word_embeddings:
         shapes["lm_head.weight"] = (spec.vocab_size, spec.hidden_size)
     return shapes
@@ -265,7 +283,8 @@ class LlamaForCausalLM(nn.Module):
         self.first_stage = self.last_stage = True
         self.deterministic = False  # set_deterministic
         self.head: Optional[Projection] = Projection(self.model.embed_tokens if self.lm_head is None else self.lm_head)
-        self.decode_stack = DecodeStack(self.model)
+        # The fused stack runs attention layers only: a model with recurrent layers runs layer by layer.
+        self.decode_stack = None if spec.recurrent_layers else DecodeStack(self.model)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Input embeddings ``[T, hidden]``, times ``spec.embedding_scale`` (rounded to the weight
@@ -322,7 +341,7 @@ class LlamaForCausalLM(nn.Module):
         h = self.embed(batch.input_ids) if self.first_stage else hidden
         cos, sin = self.rope(batch.positions, h.dtype)
         local = self.local_rope(batch.positions, h.dtype) if self.local_rope is not None else None
-        stacked = self.decode_stack.forward(h, cos, sin, batch, kv, local)
+        stacked = None if self.decode_stack is None else self.decode_stack.forward(h, cos, sin, batch, kv, local)
         if stacked is not None:
             h = stacked
         else:

@@ -58,6 +58,9 @@ def check_parallel(spec: ModelSpec, tp_size: int, pp_size: int) -> None:
         raise ConfigError(f"--tp-size {tp_size} exceeds the model's {spec.num_heads} attention heads.")
     if pp_size > spec.num_layers:
         raise ConfigError(f"--pp-size {pp_size} exceeds the model's {spec.num_layers} layers.")
+    if tp_size > 1 and spec.recurrent_layers:
+        raise ConfigError(f"--tp-size {tp_size} is not supported for models with recurrent layers (LFM2's short "
+                          "convolutions) yet; use --tp-size 1.")
 
 
 def split(n: int, parts: int, index: int) -> range:
@@ -103,8 +106,8 @@ def _keep_mla_heads(attn: nn.Module, spec: ModelSpec, heads: range) -> None:
 
 def shard_model(model: LlamaForCausalLM, shard: ModelShard, tp_reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
     """Cut ``model`` (loaded whole) down to ``shard`` in place. ``tp_reduce`` sums a tensor over
-    the TP group (None when ``tp_size == 1``). Layer ``shard.layers[i]`` reads KV layer ``i``
-    of this rank's pool."""
+    the TP group (None when ``tp_size == 1``). The stage's attention layers read this rank's KV
+    buffers in order (the i-th of them buffer ``i``), its recurrent layers its state buffers."""
     spec = model.spec
     d = spec.head_dim
     q = slice(shard.q_heads.start * d, shard.q_heads.stop * d)
@@ -119,7 +122,11 @@ def shard_model(model: LlamaForCausalLM, shard: ModelShard, tp_reduce: Callable[
     even = nq % nkv == 0 and kv_of_q == [j // (nq // nkv) for j in range(nq)]
     kv_map = None if even else torch.tensor(kv_of_q, dtype=torch.long, device=model.device)
     layers = [model.model.layers[i] for i in shard.layers]
-    for local, layer in enumerate(layers):
+    recurrent = [layer for layer in layers if layer.recurrent]
+    for local, layer in enumerate(recurrent):
+        layer.conv.state_index = local
+        layer.conv.tp_reduce = layer.mlp.tp_reduce = tp_reduce  # (TP 1 only: check_parallel)
+    for local, layer in enumerate(layer for layer in layers if not layer.recurrent):
         attn = layer.self_attn
         attn.layer = local
         if shard.tp_size > 1 and spec.is_mla:

@@ -30,10 +30,16 @@ PRESETS: dict[str, dict] = {
                         qk_norm=True, sandwich_norms=True, hidden_act="gelu_tanh", embedding_scale=128 ** 0.5,
                         attention_scale=24 ** -0.5, sliding_window=8, local_rope_theta=10000.0,
                         layer_kinds=(LayerKind.SLIDING,) * 5 + (LayerKind.FULL,), **{**_COMMON, "tie_word_embeddings": True}),
+    # LFM2's layers: two short convolutions (3 taps, a state of 2 inputs per channel) then an attention
+    # layer with QK-norm; the KV pool holds one layer, the state pool two.
+    "lfm2-tiny": dict(num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+                      qk_norm=True, conv_kernel=3, layer_kinds=(LayerKind.CONV, LayerKind.CONV, LayerKind.FULL),
+                      **_COMMON),
 }
 
 # Weight scale: small enough that activations stay tame, large enough that logits differ per token.
 INIT_STD = 0.02
+CONV_TAP_STD = 0.5  # a tap scales one channel's input, as transformers' Conv1d init (bound 1/sqrt(taps)) does
 
 
 def parse_random_spec(arg: str) -> ModelSpec:
@@ -75,11 +81,15 @@ def init_random_weights(model: LlamaForCausalLM, seed: int) -> LlamaForCausalLM:
     random weights are not the CPU's (the loader's identity names the device type they were drawn on).
 
     Matrices and biases ~ N(0, INIT_STD); norm weights ~ 1 + N(0, 0.1) (not all-ones, so a loader
-    that drops them would be caught by parity tests). Returns ``model``.
+    that drops them would be caught by parity tests); a short convolution's taps (per channel
+    scalars, as norm weights are) ~ N(0, CONV_TAP_STD). Returns ``model``.
     """
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
         values = torch.randn(param.shape, generator=gen, dtype=torch.float32, device=device)
-        param.copy_(1.0 + 0.1 * values if name.endswith("norm.weight") else INIT_STD * values)
+        if name.endswith("norm.weight"):
+            param.copy_(1.0 + 0.1 * values)
+        else:
+            param.copy_((CONV_TAP_STD if name.endswith("conv.conv.weight") else INIT_STD) * values)
     return model

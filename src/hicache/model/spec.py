@@ -29,11 +29,14 @@ ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate activation (SwiGLU; GeGLU 
 
 
 class LayerKind(str, Enum):
-    """A layer attends every earlier position, or the last ``sliding_window``. A ``str``: equal to its
-    value, printed and JSON-encoded as it (a spec's JSON and the random models' identities stay)."""
+    """A layer attends every earlier position, or the last ``sliding_window``, or is a recurrent mixer
+    that keeps a fixed-size state per sequence instead of KV (``conv``: LFM2's short convolution). A
+    ``str``: equal to its value, printed and JSON-encoded as it (a spec's JSON and the random models'
+    identities stay)."""
 
     FULL = "full"
     SLIDING = "sliding"
+    CONV = "conv"
     __str__ = str.__str__
 
 
@@ -59,6 +62,13 @@ class ModelSpec:
     every layer keeps all its KV in the pages (the window is a mask). ``local_rope_theta``: those
     layers' RoPE base, without scaling (Gemma 3: 10K); None: the model's own. ``layer_kinds`` empty:
     every layer full.
+
+    Recurrent layers (``layer_kinds[i]`` "conv", LFM2): no KV; a state per sequence instead
+    (:meth:`state_shapes`). ``conv_kernel``: taps of the short convolution (LFM2's ``conv_L_cache``;
+    the state keeps the last ``conv_kernel - 1`` inputs per channel); ``conv_bias``: the conv layer's
+    projections and taps have biases. The KV buffers hold the attention layers only, in order
+    (:attr:`attention_layers`: a layer's *compact* index), the state buffers the recurrent ones
+    (:attr:`recurrent_layers`).
 
     MLA (DeepSeek-V2/V3 attention, ``kv_lora_rank > 0``): each token keeps one latent per layer,
     ``kv_lora_rank`` compressed KV + ``qk_rope_head_dim`` rotary key, stored in the KV pools as
@@ -95,6 +105,8 @@ class ModelSpec:
     sliding_window: int = 0
     layer_kinds: tuple[LayerKind, ...] = ()
     local_rope_theta: float | None = None
+    conv_kernel: int = 0
+    conv_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_lora_rank:
@@ -114,6 +126,28 @@ class ModelSpec:
     @property
     def has_sliding_layers(self) -> bool:
         return LayerKind.SLIDING in self.layer_kinds
+
+    def is_recurrent(self, layer: int) -> bool:
+        """Whether layer ``layer`` keeps a state per sequence instead of KV."""
+        return bool(self.layer_kinds) and self.layer_kinds[layer] == LayerKind.CONV
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """Global indices of the layers with KV (full or sliding), in order: a KV buffer's index is
+        a layer's place in this tuple."""
+        return tuple(i for i in range(self.num_layers) if not self.is_recurrent(i))
+
+    @property
+    def recurrent_layers(self) -> tuple[int, ...]:
+        """Global indices of the recurrent layers, in order: a state buffer's index is a layer's place here."""
+        return tuple(i for i in range(self.num_layers) if self.is_recurrent(i))
+
+    def state_shapes(self, layer: int) -> tuple[tuple[int, ...], ...]:
+        """The shape of each state tensor one sequence (one slot) of recurrent layer ``layer`` keeps:
+        LFM2's conv, ``(hidden_size, conv_kernel - 1)`` (channels, the last inputs in time order)."""
+        if not self.is_recurrent(layer):
+            raise ValueError(f"layer {layer} is an attention layer: it keeps KV, not a state")
+        return ((self.hidden_size, self.conv_kernel - 1),)
 
     @property
     def rope_dim(self) -> int:
@@ -177,6 +211,11 @@ class ModelSpec:
             raise ModelSpecError("embedding_scale and attention_scale must be positive.")
         if self.is_mla and (self.has_sliding_layers or self.sandwich_norms or self.qk_norm):
             raise ModelSpecError("MLA layers with sliding windows, sandwich norms or QK-norm are not supported.")
+        if not (isinstance(self.conv_kernel, int) and not isinstance(self.conv_kernel, bool) and self.conv_kernel >= 0):
+            raise ModelSpecError(f"conv_kernel must be a non-negative integer, got {self.conv_kernel!r}.")
+        if LayerKind.CONV in self.layer_kinds and (self.conv_kernel < 2 or self.is_mla):
+            raise ModelSpecError("conv layers need conv_kernel >= 2 and attention layers without MLA, got "
+                                 f"conv_kernel {self.conv_kernel}{' with MLA' if self.is_mla else ''}.")
 
     def _validate_mla(self) -> None:
         for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
@@ -188,11 +227,21 @@ class ModelSpec:
             raise ModelSpecError("MLA with rope scaling (yarn) is not supported; use a config without rope_scaling.")
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Bytes one token's K and V take over all layers at ``dtype``."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+        """Bytes one token's K and V take over all attention layers at ``dtype`` (recurrent layers keep none)."""
+        return 2 * len(self.attention_layers) * self.num_kv_heads * self.head_dim * dtype.itemsize
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields as a dict; the recurrent ones only where set, so the JSON of a spec without
+        them -- hashed into a random model's identity -- is what it was before they existed."""
+        out = dataclasses.asdict(self)
+        for name, default in _UNHASHED_DEFAULTS.items():
+            if out[name] == default:
+                del out[name]
+        return out
+
+
+# Fields added after random models' identities were first hashed (ModelSpec.to_dict leaves them out at these values).
+_UNHASHED_DEFAULTS: dict[str, Any] = {"conv_kernel": 0, "conv_bias": False}
 
 
 def rope_scaling_type(rope_scaling: dict | None) -> str:

@@ -23,6 +23,8 @@ LLAMA_LAYER_TENSORS: Mapping[str, str] = {
 }
 # config.json names of the activations the MLP computes, by ModelSpec.hidden_act
 HF_ACTIVATIONS = {"silu": ("silu", "swish"), "gelu_tanh": ("gelu_pytorch_tanh", "gelu_tanh")}
+# config.json layer_types of attention layers, by the kind each is
+HF_ATTENTION_TYPES: Mapping[str, LayerKind] = {"full_attention": LayerKind.FULL, "sliding_attention": LayerKind.SLIDING}
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,13 @@ class Family:
     default for the family: Gemma 3's published configs leave the key out).
     ``fused``: a stored projection (HF name after "model.layers.{i}.") -> the model's parts it holds
     row after row (Phi-3's qkv_proj: q, k, v), split by the loaders.
+
+    HF names and keys where they are not Llama's (LFM2): ``hf_names``: a stored module (after
+    "model.layers.{i}.", or its whole name outside the layers) -> the model's (:meth:`hf_param`);
+    ``hf_layer_types``: the ``layer_types`` its config.json may name, by kind; ``hf_config``: the
+    config as the common keys read it (its aliases and derived sizes resolved as transformers'
+    config class does); ``hf_fields``: ModelSpec fields of its own read from the config;
+    ``hf_refused``: architectures and model types of its kin that are refused, each with what it is.
     """
 
     name: str
@@ -66,6 +75,11 @@ class Family:
     gguf_attention_scale: Callable[[Mapping[str, Any], str], float] | None = None
     fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     tie_embeddings: bool = False
+    hf_names: Mapping[str, str] = field(default_factory=dict)
+    hf_layer_types: Mapping[str, LayerKind] = field(default_factory=lambda: HF_ATTENTION_TYPES)
+    hf_config: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
+    hf_fields: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
+    hf_refused: Mapping[str, str] = field(default_factory=dict)
 
     def parts_of(self, name: str) -> tuple[str, ...] | None:
         """The model parameters a stored fused tensor ``name`` ("model.layers.3.self_attn.qkv_proj.weight")
@@ -75,6 +89,18 @@ class Family:
         module, _, kind = tail.rpartition(".")
         parts = self.fused.get(module)
         return None if parts is None else tuple(f"{head}.layers.{layer}.{p}.{kind}" for p in parts)
+
+    def hf_param(self, name: str) -> str:
+        """The model parameter a checkpoint tensor ``name`` fills: its own name, but where the family
+        names the module otherwise ("model.layers.3.feed_forward.w1.weight" -> "...mlp.gate_proj.weight")."""
+        if not self.hf_names:
+            return name
+        module, _, kind = name.rpartition(".")
+        head, sep, rest = module.partition(".layers.")
+        if not sep:
+            return f"{self.hf_names.get(module, module)}.{kind}"
+        layer, _, sub = rest.partition(".")
+        return f"{head}.layers.{layer}.{self.hf_names.get(sub, sub)}.{kind}"
 
     def layer_tensors(self) -> Mapping[str, str]:
         """GGUF layer tensor -> HF parameter for this family (QK-norm and extra norms only where it has them)."""
@@ -123,7 +149,11 @@ def hf_layer_fields(family: Family, config: Mapping[str, Any]) -> dict[str, Any]
     num_layers, hidden = int(config["num_hidden_layers"]), int(config["hidden_size"])  # (checked by the caller)
     kinds = _hf_layer_kinds(family, config, num_layers)
     window = config_int(config, "sliding_window", 0, least=0) if LayerKind.SLIDING in kinds else 0
-    out = _common_fields(family, hidden, window, kinds if window else ())
+    if not window:  # (sliding layers without a window attend every position)
+        kinds = tuple(LayerKind.FULL if kind == LayerKind.SLIDING else kind for kind in kinds)
+    out = _common_fields(family, hidden, window, () if set(kinds) <= {LayerKind.FULL} else kinds)
+    if family.hf_fields is not None:
+        out.update(family.hf_fields(config))
     scalar = config.get("query_pre_attn_scalar")
     if scalar is not None:
         out["attention_scale"] = as_float(scalar, "config.json query_pre_attn_scalar") ** -0.5
@@ -140,11 +170,13 @@ def _hf_layer_kinds(family: Family, config: Mapping[str, Any], num_layers: int) 
     (Mistral; Qwen2's ``use_sliding_window`` from ``max_window_layers`` on)."""
     types = config.get("layer_types")
     if types:
-        unknown = set(types) - {"full_attention", "sliding_attention"}
+        known = family.hf_layer_types
+        unknown = set(types) - set(known)
         if unknown or len(types) != num_layers:
             raise ModelFormatError(f"config.json layer_types {quoted(sorted(unknown) or types)} are not implemented "
-                                   "(full and sliding attention are); the model is refused rather than run wrongly.")
-        return tuple(LayerKind.SLIDING if t == "sliding_attention" else LayerKind.FULL for t in types)
+                                   f"for {family.name} ({', '.join(known)} are, one per layer); the model is refused "
+                                   "rather than run wrongly.")
+        return tuple(known[t] for t in types)
     window = config_int(config, "sliding_window", 0, least=0)
     if not window or not config.get("use_sliding_window", True) or \
             window >= config_int(config, "max_position_embeddings", 2048):

@@ -1,0 +1,77 @@
+"""Recurrent mixers: layers that keep a fixed-size state per sequence instead of KV.
+
+``ShortConv`` is LFM2's: ``in_proj`` (hidden -> 3 hidden: B, C, x, in that order), a depthwise
+causal convolution of ``conv_kernel`` taps over ``B * x``, ``y = C * conv``, ``out_proj``.
+Parameter names are transformers' (``conv.in_proj``, ``conv.conv.weight`` ``[hidden, 1, K]``,
+``conv.out_proj``). The state of a sequence is the last ``K - 1`` conv inputs, ``[hidden, K-1]``
+per state slot (channels first, as transformers keeps it), in ``kv.state_buffers[state_index][0]``.
+
+Each pass reads every sequence's state from its ``batch.state.source`` slot before it writes any
+``running`` slot, and computes every token with the taps of model/scan.py: a prompt in one pass,
+in chunks, or token by token gives the same state bits. A pass of one new token per sequence (a
+decode step) is one batched step; otherwise one span per sequence (never a loop over tokens).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from hicache.model.batch import ForwardBatch, KVView
+from hicache.model.projection import Projection
+from hicache.model.scan import conv_state_after, conv_taps, conv_window
+from hicache.model.spec import ModelSpec
+
+
+class ConvTaps(nn.Module):
+    """The depthwise convolution's parameters as transformers stores them (``nn.Conv1d`` with
+    ``groups = channels``): ``weight`` ``[channels, 1, K]``, ``bias`` ``[channels]`` or None."""
+
+    def __init__(self, channels: int, taps: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, taps))
+        self.bias = nn.Parameter(torch.empty(channels)) if bias else None
+
+
+class ShortConv(nn.Module):
+    """LFM2's short-convolution mixer of layer ``layer`` (see the module docstring)."""
+
+    def __init__(self, spec: ModelSpec, layer: int) -> None:
+        super().__init__()
+        self.state_index = spec.recurrent_layers.index(layer)  # its state buffers in the KV view
+        self.taps = spec.conv_kernel
+        hidden = spec.hidden_size
+        self.in_proj = nn.Linear(hidden, 3 * hidden, bias=spec.conv_bias)
+        self.conv = ConvTaps(hidden, spec.conv_kernel, spec.conv_bias)
+        self.out_proj = nn.Linear(hidden, hidden, bias=spec.conv_bias)
+        self.inp, self.out = Projection(self.in_proj), Projection(self.out_proj)
+        self.tp_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # sum over TP ranks (not sharded yet)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVView) -> torch.Tensor:
+        """``x``: ``[T, hidden]`` (the batch's sequences one after the other); returns ``[T, hidden]``
+        and leaves each sequence's state after its tokens in its running slot."""
+        slots = batch.state
+        if slots is None:
+            raise ValueError("a pass of a model with recurrent layers needs batch.state (its sequences' state slots)")
+        b, c, u = self.inp.whole(x, batch.generated).chunk(3, dim=-1)
+        bx = b * u
+        buffer = kv.state_buffers[self.state_index][0]  # [slots, hidden, K-1]
+        states = buffer.index_select(0, slots.source).transpose(1, 2)  # [B, K-1, hidden]: all read before any write
+        weight, bias = self.conv.weight[:, 0, :], self.conv.bias
+        if max(slots.lengths) == 1:  # one token a sequence (decode): every sequence in one step
+            window = conv_window(states, bx[:, None, :])
+            conv = conv_taps(window, weight, bias)[:, 0, :]
+            after = conv_state_after(window, self.taps)
+        else:
+            outs, ends, start = [], [], 0
+            for state, n in zip(states, slots.lengths):
+                window = conv_window(state, bx[start:start + n])
+                outs.append(conv_taps(window, weight, bias))
+                ends.append(conv_state_after(window, self.taps))
+                start += n
+            conv, after = torch.cat(outs), torch.stack(ends)
+        buffer.index_copy_(0, slots.running, after.transpose(1, 2).to(buffer.dtype))
+        out = self.out(c * conv, batch.generated)
+        return out if self.tp_reduce is None else self.tp_reduce(out)

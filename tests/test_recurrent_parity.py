@@ -1,0 +1,334 @@
+"""LFM2 at the model level (issue 59 step a): an HF directory written by transformers'
+Lfm2ForCausalLM loads through our HF loader to its float32 logits (a tiny config and LFM2-350M's
+layer shapes, 3 layers); a prompt split anywhere, then decode steps, gives the one-pass logits, and
+the conv state after a split prefill is the one-pass state bit for bit; the MLP width is
+transformers' for ``block_auto_adjust_ff_dim`` configs; MoE and unknown layer types are refused in
+one sentence; the engine refuses the model until it has a state pool (step b)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dense_forward import greedy_paged, prefill_logits
+
+from hicache import Engine
+from hicache.errors import ConfigError
+from hicache.model import DenseKV, ModelFormatError, ModelSpec, ModelSpecError, load_model, make_forward_batch
+from hicache.model.families import LFM2
+from hicache.model.hf_loader import spec_from_hf_config
+from hicache.model.llama import parameter_shapes
+from hicache.model.parallel import check_parallel, model_shard, shard_model
+from hicache.model.projection import dense_rows_invariant
+from hicache.model.random_model import parse_random_spec
+from hicache.model.scan import conv_state_after, conv_taps, conv_window
+from hicache.model.tokenizer import byte_tokenizer
+
+pytestmark = pytest.mark.model
+
+transformers = pytest.importorskip("transformers")
+
+SPREAD_TOL = 1e-4  # max |ours - transformers| over the logits' spread (seen: ~3e-7 at both shapes)
+LAYERS = ["conv", "conv", "full_attention"]
+CONFIGS = {  # besides the common keys of lfm2_config
+    "tiny": dict(vocab_size=320, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                 block_auto_adjust_ff_dim=False, conv_bias=True, tie_word_embeddings=False),
+    # LFM2-350M's layer shapes (16 heads, 8 KV heads of 64; the MLP 6656 -> 4608), 3 of its 16 layers, a small vocab
+    "lfm2-350m-shapes": dict(vocab_size=512, hidden_size=1024, num_attention_heads=16, num_key_value_heads=8,
+                             block_ff_dim=6656, block_auto_adjust_ff_dim=True, block_multiple_of=256,
+                             block_ffn_dim_multiplier=1.0),
+}
+
+
+def lfm2_config(**keys) -> "transformers.Lfm2Config":
+    common = dict(num_hidden_layers=3, layer_types=LAYERS, conv_L_cache=3, max_position_embeddings=4096,
+                  bos_token_id=256, eos_token_id=257, pad_token_id=0)
+    return transformers.Lfm2Config(**{**common, **keys})
+
+
+def randomized(hf: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Every parameter drawn (norms too, so a dropped or misplaced tensor shows): matrices at 1/sqrt(fan-in),
+    conv taps ~ N(0, 0.5), embeddings N(0, 1), biases N(0, 0.1)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            r = torch.randn(p.shape, generator=gen)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * r)
+            elif name.endswith("conv.conv.weight"):
+                p.copy_(0.5 * r)
+            elif "embed_tokens" in name:
+                p.copy_(r)
+            else:
+                p.copy_(r / p.shape[1] ** 0.5 if p.dim() == 2 else 0.1 * r)
+    return hf.eval()
+
+
+def write_hf_dir(folder, config: str) -> torch.nn.Module:
+    """transformers' model of ``CONFIGS[config]`` with random weights, saved in ``folder`` as safetensors
+    with a byte tokenizer; returns the model."""
+    hf = randomized(transformers.Lfm2ForCausalLM(lfm2_config(**CONFIGS[config])), seed=3)
+    hf.save_pretrained(folder)
+    byte_tokenizer().backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>", "eos_token": "<eos>"}))
+    return hf
+
+
+@pytest.fixture(scope="module", params=["tiny", pytest.param("lfm2-350m-shapes", marks=pytest.mark.slow)])
+def pair(request, tmp_path_factory):
+    """transformers' model and ours loaded from the directory it saved."""
+    folder = tmp_path_factory.mktemp(request.param)
+    hf = write_hf_dir(folder, request.param)
+    return SimpleNamespace(name=request.param, hf=hf, ours=load_model(str(folder), dtype=torch.float32))
+
+
+def random_ids(n: int, vocab: int, seed: int = 0) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def spread_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / (want.max() - want.min()))
+
+
+def test_logits_match_transformers(pair) -> None:
+    spec = pair.ours.spec
+    assert spec.layer_kinds == ("conv", "conv", "full") and spec.conv_kernel == 3 and spec.qk_norm
+    assert spec.intermediate_size == (4608 if pair.name == "lfm2-350m-shapes" else 128)
+    ids = random_ids(600, spec.vocab_size)
+    with torch.no_grad():
+        want = pair.hf(torch.tensor([ids])).logits[0].float()
+    assert spread_error(prefill_logits(pair.ours.model, ids), want) < SPREAD_TOL
+
+
+def run_pass(model, kv: DenseKV, ids: list[int], start: int, n: int, state: tuple[int, int],
+             generated: bool = False) -> torch.Tensor:
+    """Logits of tokens ``ids[start:start + n]`` after the first ``start`` (slots 1.., state slots ``state``)."""
+    batch = make_forward_batch([ids[start:start + n]], [start], [torch.arange(1, start + n + 1)], logits="all",
+                               generated=generated, state_slots=[state])
+    return model(batch, kv)
+
+
+def states(kv: DenseKV, slot: int) -> list[torch.Tensor]:
+    return [buffers[0][slot].clone() for buffers in kv.state_buffers]
+
+
+def test_split_prefill_then_decode_equals_one_pass(pair) -> None:
+    """Chunks of 100, 1, 1 (shorter than the conv's 2-input state: the old state's rows move along),
+    37 and 141 tokens, then 20 decode steps: every row's logits as the one-pass prompt's, and the conv
+    states after the chunks those of one 280-token pass, bit for bit."""
+    model, spec = pair.ours.model, pair.ours.spec
+    ids = random_ids(300, spec.vocab_size, seed=1)
+    want = prefill_logits(model, ids)
+    kv = DenseKV(spec, 301, torch.float32)
+    rows, start = [], 0
+    for n in (100, 1, 1, 37, 141):
+        rows.append(run_pass(model, kv, ids, start, n, (0 if start == 0 else 1, 1)))
+        start += n
+    split_states = states(kv, 1)
+    for _ in range(20):
+        rows.append(run_pass(model, kv, ids, start, 1, (1, 1), generated=True))
+        start += 1
+    assert spread_error(torch.cat(rows), want) < SPREAD_TOL
+    one = DenseKV(spec, 281, torch.float32)
+    run_pass(model, one, ids, 0, 280, (0, 1))
+    if dense_rows_invariant():  # (the CPU's BLAS gives a row the same bits in any pass: the engine checks it too)
+        assert all(torch.equal(a, b) for a, b in zip(split_states, states(one, 1)))
+    else:
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(split_states, states(one, 1)))
+
+
+def test_conv_taps_give_the_same_bits_in_one_pass_in_chunks_and_token_by_token() -> None:
+    """The scan itself: outputs and end state of one pass, of chunks split anywhere and of batched
+    one-token steps are bitwise equal, and equal to a causal depthwise conv1d (transformers' math)."""
+    gen = torch.Generator().manual_seed(5)
+    channels, taps, n = 24, 4, 50
+    shapes = ((n, channels), (channels, taps), (channels,))
+    inputs, weight, bias = (torch.randn(shape, generator=gen) for shape in shapes)
+    zero = torch.zeros(taps - 1, channels)
+    window = conv_window(zero, inputs)
+    whole, whole_state = conv_taps(window, weight, bias), conv_state_after(window, taps)
+    reference = F.conv1d(inputs.T[None], weight[:, None, :], bias, padding=taps - 1, groups=channels)[0, :, :n].T
+    torch.testing.assert_close(whole, reference, atol=1e-6, rtol=0)
+    for chunks in ((1, 1, 3, 45), (2, 48), (1,) * n):
+        state, outs, start = zero, [], 0
+        for size in chunks:
+            w = conv_window(state[None], inputs[None, start:start + size])  # batched, one sequence
+            outs.append(conv_taps(w, weight, bias)[0])
+            state, start = conv_state_after(w, taps)[0], start + size
+        assert torch.equal(torch.cat(outs), whole) and torch.equal(state, whole_state), chunks
+
+
+def test_sequences_of_one_batch_keep_their_own_state() -> None:
+    """Three prompts in one pass, their next chunks (3, 1 and 4 tokens, each from its own state) in a
+    second, then one decode step of all three: each sequence's logits as it gets alone. A pass reading
+    one slot and writing another (a hit's first forward) leaves the source as it was."""
+    model = load_model("random:lfm2-tiny", dtype=torch.float32).model
+    spec = model.spec
+    seqs = [random_ids(n, 256, seed=n) for n in (31, 18, 25)]
+    spans = [[(0, p), (p, c), (c, c + 1)] for p, c in ((20, 23), (1, 2), (9, 13))]  # each sequence's three passes
+    slots = [torch.arange(1 + 32 * b, 1 + 32 * b + len(ids)) for b, ids in enumerate(seqs)]
+    kv = DenseKV(spec, 96, torch.float32, state_slots=4)
+    together = []
+    for i in range(3):
+        parts = [span[i] for span in spans]
+        batch = make_forward_batch([ids[a:e] for ids, (a, e) in zip(seqs, parts)], [a for a, _ in parts],
+                                   [s[:e] for s, (_, e) in zip(slots, parts)], logits="all", generated=i == 2,
+                                   state_slots=[(0 if i == 0 else b + 1, b + 1) for b in range(3)])
+        together.append(model(batch, kv).split([e - a for a, e in parts]))
+    for b, ids in enumerate(seqs):
+        alone = DenseKV(spec, 64, torch.float32, state_slots=3)
+        (_, prompt), (_, chunk), _ = spans[b]
+        first = run_pass(model, alone, ids, 0, prompt, (0, 1))
+        second = run_pass(model, alone, ids, prompt, chunk - prompt, (1, 1))
+        before = states(alone, 1)
+        third = run_pass(model, alone, ids, chunk, 1, (1, 2), generated=True)
+        assert all(torch.equal(a, c) for a, c in zip(before, states(alone, 1)))  # the source slot untouched
+        for i, want in enumerate((first, second, third)):
+            torch.testing.assert_close(together[i][b], want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("keys", [
+    dict(block_ff_dim=6656),  # LFM2-350M: int(2 * 6656 / 3) = 4437 -> 4608
+    dict(intermediate_size=6656, block_auto_adjust_ff_dim=False),
+    dict(block_ff_dim=12288, block_ffn_dim_multiplier=1.5, block_multiple_of=128),
+    dict(intermediate_size=1000, block_ffn_dim_multiplier=0.9, block_multiple_of=64),  # int(0.9 * 666) = 599 -> 640
+    dict(intermediate_size=512, block_ff_dim=4000),  # block_ff_dim wins
+])
+def test_mlp_width_is_transformers(keys: dict) -> None:
+    """The raw keys (older files: block_ff_dim) and what save_pretrained writes both give Lfm2MLP's width."""
+    from transformers.models.lfm2.modeling_lfm2 import Lfm2MLP
+
+    config = lfm2_config(vocab_size=320, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, **keys)
+    width = Lfm2MLP(config).w1.out_features
+    raw = {**config.to_dict(), **keys, "architectures": ["Lfm2ForCausalLM"]}
+    raw.pop("intermediate_size") if "intermediate_size" not in keys else None
+    assert spec_from_hf_config(raw).intermediate_size == width
+    assert spec_from_hf_config({**config.to_dict(), "architectures": ["Lfm2ForCausalLM"]}).intermediate_size == width
+
+
+def test_older_config_keys_read_as_transformers_reads_them() -> None:
+    """LFM2-350M's published config.json style (full_attn_idxs, tie_embedding, top-level rope_theta, norm_eps,
+    block_ff_dim beside intermediate_size): the same layers, head, RoPE base, eps and width as Lfm2Config."""
+    raw = {"architectures": ["Lfm2ForCausalLM"], "model_type": "lfm2", "hidden_size": 1024, "num_hidden_layers": 16,
+           "num_attention_heads": 16, "num_key_value_heads": 8, "vocab_size": 65536, "max_position_embeddings": 128000,
+           "full_attn_idxs": [2, 5, 8, 10, 12, 14], "tie_embedding": True, "rope_theta": 1000000.0, "norm_eps": 1e-5,
+           "block_ff_dim": 6656, "intermediate_size": 6656, "block_auto_adjust_ff_dim": True, "block_multiple_of": 256,
+           "block_ffn_dim_multiplier": 1.0, "conv_L_cache": 3, "conv_bias": False}
+    theirs = transformers.Lfm2Config(**raw)
+    spec = spec_from_hf_config(raw)
+    assert [{"full": "full_attention"}.get(k, k) for k in spec.layer_kinds] == theirs.layer_types
+    assert spec.attention_layers == (2, 5, 8, 10, 12, 14) and spec.tie_word_embeddings
+    assert (spec.rope_theta, spec.rms_norm_eps, spec.intermediate_size) == (1e6, 1e-5, 4608)
+    assert spec.kv_bytes_per_token(torch.float32) == 6 * 2 * 8 * 64 * 4  # the attention layers' only
+    without = {k: v for k, v in raw.items() if k not in ("rope_theta", "full_attn_idxs")}
+    assert spec_from_hf_config(without).rope_theta == 1e6 and spec_from_hf_config(without).recurrent_layers == ()
+
+
+def one_sentence(message: str) -> bool:
+    return "\n" not in message and message.endswith(".") and ". " not in message
+
+
+@pytest.mark.parametrize("changes, says", [
+    ({"architectures": ["Lfm2MoeForCausalLM"], "model_type": "lfm2_moe"},
+     "mixture-of-experts variant is not supported"),
+    ({"architectures": [], "model_type": "lfm2_moe"}, "mixture-of-experts variant is not supported"),
+    ({"architectures": ["Lfm2VlForConditionalGeneration"]}, "vision-language variant is not supported"),
+    ({"layer_types": ["conv", "linear_attention", "full_attention"]}, "layer_types ['linear_attention'] are not "
+                                                                       "implemented for lfm2"),
+    ({"architectures": ["LlamaForCausalLM"], "model_type": "llama"},
+     "layer_types ['conv'] are not implemented for llama"),
+    ({"conv_L_cache": 1}, "conv_L_cache = 1 is not an integer from 2"),
+])
+def test_what_lfm2_does_not_run_is_refused_in_one_sentence(changes: dict, says: str) -> None:
+    config = {**lfm2_config(**CONFIGS["tiny"]).to_dict(), "architectures": ["Lfm2ForCausalLM"], **changes}
+    with pytest.raises(ModelFormatError, match=r"\b" + says.replace("[", r"\[").replace("]", r"\]")) as caught:
+        spec_from_hf_config(config)
+    assert one_sentence(str(caught.value)), str(caught.value)
+
+
+def test_a_tensor_under_both_names_is_refused(tmp_path) -> None:
+    """The final norm stored as transformers names it and as the model does: which one would load is
+    not for the loader to guess."""
+    from safetensors.torch import load_file, save_file
+
+    write_hf_dir(tmp_path, "tiny")
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors["model.norm.weight"] = tensors["model.embedding_norm.weight"].clone()
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ModelFormatError, match="fills model.norm.weight, which another tensor of the file fills too"):
+        load_model(str(tmp_path), dtype=torch.float32)
+
+
+def test_greedy_paged_equals_transformers_generate() -> None:
+    """lfm2-tiny's random weights in transformers' model (by the family's name table): 16 greedy tokens
+    through prefill and decode steps (conv states, the attention layer's fused decode) equal generate's."""
+    ours = load_model("random:lfm2-tiny", dtype=torch.float32)
+    spec = ours.spec
+    config = lfm2_config(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+                         intermediate_size=spec.intermediate_size, block_auto_adjust_ff_dim=False,
+                         num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+                         norm_eps=spec.rms_norm_eps, tie_word_embeddings=False,
+                         rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
+                         eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    hf = transformers.Lfm2ForCausalLM(config).eval()
+    params = dict(ours.model.named_parameters())
+    hf.load_state_dict({name: params[LFM2.hf_param(name)] for name in hf.state_dict()})
+    ids = ours.tokenizer.encode("Short convolutions keep two inputs a channel; 42 times!")
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False)[0, len(ids):]
+    assert greedy_paged(ours.model, ids, steps=16) == want.tolist()
+
+
+def test_pipeline_stages_index_their_own_kv_and_state_buffers() -> None:
+    """PP2 of lfm2-tiny: stage 0 holds the two conv layers (state buffers 0, 1), stage 1 the attention
+    layer (KV buffer 0); the two stages chained give the whole model's logits."""
+    spec, ids = parse_random_spec("lfm2-tiny"), random_ids(40, 256, seed=2)
+    whole = prefill_logits(load_model("random:lfm2-tiny", dtype=torch.float32).model, ids)
+    stages = [load_model("random:lfm2-tiny", dtype=torch.float32).model for _ in range(2)]
+    for rank, stage in enumerate(stages):
+        shard_model(stage, model_shard(spec, 0, 1, rank, 2), None)
+    assert [layer.conv.state_index for layer in stages[0].model.layers] == [0, 1]
+    assert [layer.self_attn.layer for layer in stages[1].model.layers] == [0]
+    full = DenseKV(spec, 41, torch.float32)
+    views = [SimpleNamespace(k_buffers=[], v_buffers=[], state_buffers=full.state_buffers, wait_layer=full.wait_layer,
+                             layer_ready=full.layer_ready),
+             SimpleNamespace(k_buffers=full.k_buffers, v_buffers=full.v_buffers, state_buffers=[],
+                             wait_layer=full.wait_layer, layer_ready=full.layer_ready)]
+    batch = make_forward_batch([ids], [0], [torch.arange(1, 41)], logits="all", state_slots=[(0, 1)])
+    torch.testing.assert_close(stages[1](batch, views[1], stages[0](batch, views[0])), whole, atol=1e-6, rtol=0)
+
+
+def test_spec_buffers_and_shapes_by_layer_kind() -> None:
+    """lfm2-tiny: one KV buffer (its attention layer), two conv states of [hidden, taps - 1]; the file checks'
+    shapes name each layer's own parameters; conv layers need >= 2 taps and no MLA; the presets that were
+    there keep their identities (storage namespaces and caches keyed by them stay valid)."""
+    spec = parse_random_spec("lfm2-tiny")
+    kv = DenseKV(spec, 8, torch.float32, state_slots=5)
+    assert len(kv.k_buffers) == 1 and [tuple(t.shape) for (t,) in kv.state_buffers] == [(5, 64, 2)] * 2
+    assert spec.kv_bytes_per_token(torch.float32) == 2 * 2 * 16 * 4 and spec.state_shapes(1) == ((64, 2),)
+    shapes = parameter_shapes(spec)
+    assert shapes["model.layers.1.conv.conv.weight"] == (64, 1, 3)
+    assert shapes["model.layers.2.self_attn.q_norm.weight"] == (16,)
+    assert "model.layers.2.conv.in_proj.weight" not in shapes and "model.layers.0.self_attn.q_proj.weight" not in shapes
+    with pytest.raises(ModelSpecError, match="conv layers need conv_kernel >= 2"):
+        ModelSpec(**{**spec.to_dict(), "conv_kernel": 1})
+    with pytest.raises(ModelSpecError, match="with MLA"):
+        ModelSpec(**{**parse_random_spec("mla-tiny").to_dict(), "conv_kernel": 3, "num_layers": 2,
+                     "layer_kinds": ("conv", "full")})
+    identities = {"tiny": "a2259ab9f828999b", "mla-tiny": "2294866286bebf36", "small": "71215ae82043a99d",
+                  "gemma-small": "2ab4e3e3953bd8ca"}  # (as before the recurrent fields existed)
+    for preset, digest in identities.items():
+        assert load_model(f"random:{preset}", weights=False).identity == f"random:{digest}:seed=0:bfloat16", preset
+
+
+def test_tensor_parallel_and_the_engine_refuse_recurrent_layers_in_one_sentence() -> None:
+    spec = parse_random_spec("lfm2-tiny")
+    with pytest.raises(ConfigError, match="--tp-size 2 is not supported for models with recurrent layers") as caught:
+        check_parallel(spec, 2, 1)
+    assert one_sentence(str(caught.value))
+    with pytest.raises(ConfigError, match="recurrent layers .* are not served by the engine yet") as caught:
+        Engine("random:lfm2-tiny", dtype="float32", max_total_tokens=256)
+    assert one_sentence(str(caught.value))
