@@ -111,9 +111,6 @@ def plan_rank(cfg: EngineConfig, spec: ModelSpec, rank: RankContext, draft: Mode
               model_dtype: torch.dtype, storage_reachable: bool) -> RankPlan:
     """This rank's plan. ``draft``: the speculative draft model's spec (None: no draft model on this
     rank); ``storage_reachable``: this rank reached the storage backend (or has none)."""
-    if spec.recurrent_layers:  # (issue 59 step b gives them a state pool)
-        raise ConfigError(f"this model's {len(spec.recurrent_layers)} recurrent layers (LFM2's short convolutions) "
-                          "are not served by the engine yet; the model runs only through hicache.model for now.")
     # Every KV pool, tier and scratch holds --kv-cache-dtype (the model's dtype while unresolved).
     dtype = model_dtype if cfg.kv_cache_dtype == "auto" else DTYPES[cfg.kv_cache_dtype]
     layers = len([layer for layer in rank.layers(spec) if not spec.is_recurrent(layer)])  # those with KV
