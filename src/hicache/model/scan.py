@@ -15,9 +15,11 @@ It holds because
 - the recurrence across blocks is SEQUENTIAL: a block's arithmetic reads only (the state at its
   start, its own rows) -- unlike transformers' SSD, whose all-pairs decay sum over the call's
   chunks gives each chunk's start state a value that depends on how many chunks the call held;
-- every block is computed from fresh contiguous copies of its rows (same shapes, strides and
-  allocator alignment whatever the call's length), so the kernels cannot round differently.
+- every block is computed from fresh contiguous copies of its rows, so its kernels see the same
+  shapes, strides and allocator alignment whatever the call's length (a precaution: BLAS
+  libraries may pick paths by alignment).
 The steps equal the scans within float tolerance, not bitwise (the conv step equals bitwise).
+Decay weights below the dtype's smallest normal number are flushed to zero (:func:`_exp`).
 
 The math is float32 (float64 when the inputs are float64): states are returned in the dtype they
 came in (float32 for the recurrent matrices), outputs in the inputs' dtype.
@@ -25,6 +27,7 @@ came in (float32 for the recurrent matrices), outputs in the inputs' dtype.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, NamedTuple, Sequence
@@ -97,6 +100,14 @@ def _segment_sums(logs: Tensor) -> Tensor:
     return sums.masked_fill(ones.triu(1), float("-inf"))
 
 
+def _exp(logs: Tensor) -> Tensor:
+    """``exp(logs)`` with results below the dtype's smallest normal flushed to zero, as FTZ
+    hardware would: torch's CPU exp takes a path ~50x slower for subnormal results (and ~5x for
+    ``-inf``), which strong decays over a chunk produce in bulk."""
+    keep = logs > math.log(torch.finfo(logs.dtype).tiny)
+    return torch.where(keep, torch.where(keep, logs, 0.0).exp(), 0.0)
+
+
 def _scan(block_fn: Callable[..., tuple[Tensor, Tensor]], rows: Sequence[Tensor], state: Tensor,
           span: ScanSpan, dtype: torch.dtype) -> tuple[Tensor, Tensor, list[Tensor]]:
     """Run ``block_fn(*block_rows, state) -> (out [H, L, W], state)`` over the blocks in order;
@@ -127,10 +138,12 @@ def _taps(window: Tensor, weight: Tensor, bias: Tensor | None, rows: int) -> Ten
     """``sum_j window[j : j + rows] * weight[:, j]`` in tap order, then the bias: separate
     multiplies and adds (no fused op), each exactly rounded, so a row's value is the same
     whatever call or step computes it."""
-    y = window[0:rows] * weight[:, 0]
-    for j in range(1, weight.shape[1]):
-        y = y + window[j:j + rows] * weight[:, j]
-    return y + bias if bias is not None else y
+    columns = weight.transpose(0, 1).contiguous()  # [K, C]: each tap's weights contiguous
+    y = window[0:rows] * columns[0]
+    product = torch.empty_like(y)
+    for j in range(1, columns.shape[0]):
+        y.add_(torch.mul(window[j:j + rows], columns[j], out=product))
+    return y.add_(bias) if bias is not None else y
 
 
 def causal_conv(x: Tensor, weight: Tensor, bias: Tensor | None, state: Tensor,
@@ -182,17 +195,17 @@ def _delta_block(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state
     The UT transform: the block's L delta updates as one unit-lower-triangular solve."""
     q, k = q.repeat_interleave(repeat, 0), k.repeat_interleave(repeat, 0)
     seg = _segment_sums(g)
-    decay = seg.exp()  # [H, L, L]: the decay from row j to row i, 0 above the diagonal
+    decay = _exp(seg)  # [H, L, L]: the decay from row j to row i, 0 above the diagonal
     from_start = g.cumsum(-1)  # log decay from the block's start through row i
     k_beta = k * beta[..., None]
     system = (k_beta @ k.transpose(-1, -2)) * decay  # its diagonal is read as 1
-    rhs = torch.cat([v * beta[..., None], k_beta * from_start.exp()[..., None]], -1)
+    rhs = torch.cat([v * beta[..., None], k_beta * _exp(from_start)[..., None]], -1)
     solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
     u, w = solved.split([v.shape[-1], k.shape[-1]], -1)
     v_new = u - w @ state  # what each row writes: beta (v - the state's prediction)
-    out = (q * from_start.exp()[..., None]) @ state + ((q @ k.transpose(-1, -2)) * decay) @ v_new
-    to_end = seg[:, -1, :].exp()[..., None]  # decay from row j (exclusive) to the block's end
-    state = state * from_start[:, -1:].exp()[..., None] + (k * to_end).transpose(-1, -2) @ v_new
+    out = (q * _exp(from_start)[..., None]) @ state + ((q @ k.transpose(-1, -2)) * decay) @ v_new
+    to_end = _exp(seg[:, -1, :])[..., None]  # decay from row j (exclusive) to the block's end
+    state = state * _exp(from_start[:, -1:])[..., None] + (k * to_end).transpose(-1, -2) @ v_new
     return out, state
 
 
@@ -232,15 +245,16 @@ def _ssd_block(x: Tensor, dt: Tensor, b: Tensor, c: Tensor, state: Tensor, a: Te
                d: Tensor) -> tuple[Tensor, Tensor]:
     """One block: x ``[H, L, P]``, dt ``[H, L]``, b, c ``[G, L, N]``, state ``[H, P, N]``, a, d ``[H]``."""
     repeat = x.shape[0] // b.shape[0]
+    scores = (c @ b.transpose(-1, -2)).repeat_interleave(repeat, 0)  # [H, L, L]: per group, to heads
     b, c = b.repeat_interleave(repeat, 0), c.repeat_interleave(repeat, 0)
     logs = dt * a[:, None]  # [H, L]: log decay of each row
     seg = _segment_sums(logs)
     from_start = logs.cumsum(-1)
     xdt = x * dt[..., None]
-    y = ((c @ b.transpose(-1, -2)) * seg.exp()) @ xdt  # within the block
-    y = y + (c @ state.transpose(-1, -2)) * from_start.exp()[..., None]  # from the start state
-    to_end = seg[:, -1, :].exp()[..., None]
-    state = state * from_start[:, -1:].exp()[..., None] + (xdt * to_end).transpose(-1, -2) @ b
+    y = (scores * _exp(seg)) @ xdt  # within the block
+    y = y + (c @ state.transpose(-1, -2)) * _exp(from_start)[..., None]  # from the start state
+    to_end = _exp(seg[:, -1, :])[..., None]
+    state = state * _exp(from_start[:, -1:])[..., None] + (xdt * to_end).transpose(-1, -2) @ b
     return y + d[:, None, None] * x, state
 
 
