@@ -12,10 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn.functional as F
 from dense_forward import greedy_paged, prefill_logits
 
-from hicache import Engine
 from hicache.errors import ConfigError
 from hicache.model import DenseKV, ModelFormatError, ModelSpec, ModelSpecError, load_model, make_forward_batch
 from hicache.model.families import LFM2
@@ -24,7 +22,6 @@ from hicache.model.llama import parameter_shapes
 from hicache.model.parallel import check_parallel, model_shard, shard_model
 from hicache.model.projection import dense_rows_invariant
 from hicache.model.random_model import parse_random_spec
-from hicache.model.scan import conv_state_after, conv_taps, conv_window
 from hicache.model.tokenizer import byte_tokenizer
 
 pytestmark = pytest.mark.model
@@ -138,27 +135,6 @@ def test_split_prefill_then_decode_equals_one_pass(pair) -> None:
         assert all(torch.equal(a, b) for a, b in zip(split_states, states(one, 1)))
     else:
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(split_states, states(one, 1)))
-
-
-def test_conv_taps_give_the_same_bits_in_one_pass_in_chunks_and_token_by_token() -> None:
-    """The scan itself: outputs and end state of one pass, of chunks split anywhere and of batched
-    one-token steps are bitwise equal, and equal to a causal depthwise conv1d (transformers' math)."""
-    gen = torch.Generator().manual_seed(5)
-    channels, taps, n = 24, 4, 50
-    shapes = ((n, channels), (channels, taps), (channels,))
-    inputs, weight, bias = (torch.randn(shape, generator=gen) for shape in shapes)
-    zero = torch.zeros(taps - 1, channels)
-    window = conv_window(zero, inputs)
-    whole, whole_state = conv_taps(window, weight, bias), conv_state_after(window, taps)
-    reference = F.conv1d(inputs.T[None], weight[:, None, :], bias, padding=taps - 1, groups=channels)[0, :, :n].T
-    torch.testing.assert_close(whole, reference, atol=1e-6, rtol=0)
-    for chunks in ((1, 1, 3, 45), (2, 48), (1,) * n):
-        state, outs, start = zero, [], 0
-        for size in chunks:
-            w = conv_window(state[None], inputs[None, start:start + size])  # batched, one sequence
-            outs.append(conv_taps(w, weight, bias)[0])
-            state, start = conv_state_after(w, taps)[0], start + size
-        assert torch.equal(torch.cat(outs), whole) and torch.equal(state, whole_state), chunks
 
 
 def test_sequences_of_one_batch_keep_their_own_state() -> None:
@@ -324,11 +300,8 @@ def test_spec_buffers_and_shapes_by_layer_kind() -> None:
         assert load_model(f"random:{preset}", weights=False).identity == f"random:{digest}:seed=0:bfloat16", preset
 
 
-def test_tensor_parallel_and_the_engine_refuse_recurrent_layers_in_one_sentence() -> None:
+def test_tensor_parallel_refuses_recurrent_layers_in_one_sentence() -> None:
     spec = parse_random_spec("lfm2-tiny")
     with pytest.raises(ConfigError, match="--tp-size 2 is not supported for models with recurrent layers") as caught:
         check_parallel(spec, 2, 1)
-    assert one_sentence(str(caught.value))
-    with pytest.raises(ConfigError, match="recurrent layers .* are not served by the engine yet") as caught:
-        Engine("random:lfm2-tiny", dtype="float32", max_total_tokens=256)
     assert one_sentence(str(caught.value))

@@ -146,8 +146,16 @@ class StateSlots:
     slot, so a sequence may read and write one slot (a decode step: ``source == running``)."""
 
     source: torch.Tensor  # [B] long: the slot each sequence's state before this pass is read from; 0: from position 0
-    running: torch.Tensor  # [B] long: the slot its state after this pass's tokens is written to (never 0)
+    running: torch.Tensor  # [B] long: the slot its state after this pass's tokens is written to (0: warm-up only)
     lengths: tuple[int, ...]  # [B] new tokens of each sequence, in the pass's row order (sum = T)
+
+    @classmethod
+    def of(cls, pairs: Sequence[tuple[int, int]], lengths: Sequence[int], device: torch.device | str) -> StateSlots:
+        """From each sequence's ``(source, running)`` slots and new-token count."""
+        if len(pairs) != len(lengths):
+            raise ValueError(f"{len(pairs)} state slot pairs for {len(lengths)} sequences")
+        source, running = (torch.tensor([pair[i] for pair in pairs], dtype=torch.long, device=device) for i in (0, 1))
+        return cls(source, running, tuple(lengths))
 
 
 @dataclass

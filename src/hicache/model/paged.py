@@ -290,12 +290,7 @@ def make_forward_batch(input_ids: Sequence[Sequence[int]], prefix_lens: Sequence
     running)`` state slots of each sequence (a model with recurrent layers: :class:`StateSlots`)."""
     batch = PagedBackend(device).prepare(input_ids, prefix_lens, context_slots, logits, window_slots, generated)
     if state_slots is not None:
-        if len(state_slots) != len(input_ids):
-            raise ValueError(f"{len(state_slots)} state slot pairs for {len(input_ids)} sequences")
-        device = batch.positions.device
-        source, running = (torch.tensor([pair[i] for pair in state_slots], dtype=torch.long, device=device)
-                           for i in (0, 1))
-        batch.state = StateSlots(source, running, tuple(len(ids) for ids in input_ids))
+        batch.state = StateSlots.of(state_slots, [len(ids) for ids in input_ids], batch.positions.device)
     return batch
 
 

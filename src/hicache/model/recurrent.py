@@ -21,7 +21,7 @@ from torch import nn
 
 from hicache.model.batch import ForwardBatch, KVView
 from hicache.model.projection import Projection
-from hicache.model.scan import conv_state_after, conv_taps, conv_window
+from hicache.model.scan import causal_conv, conv_step
 from hicache.model.spec import ModelSpec
 
 
@@ -58,20 +58,13 @@ class ShortConv(nn.Module):
         b, c, u = self.inp.whole(x, batch.generated).chunk(3, dim=-1)
         bx = b * u
         buffer = kv.state_buffers[self.state_index][0]  # [slots, hidden, K-1]
-        states = buffer.index_select(0, slots.source).transpose(1, 2)  # [B, K-1, hidden]: all read before any write
+        states = buffer.index_select(0, slots.source)  # [B, hidden, K-1]: all read before any write
         weight, bias = self.conv.weight[:, 0, :], self.conv.bias
         if max(slots.lengths) == 1:  # one token a sequence (decode): every sequence in one step
-            window = conv_window(states, bx[:, None, :])
-            conv = conv_taps(window, weight, bias)[:, 0, :]
-            after = conv_state_after(window, self.taps)
+            conv, after = conv_step(bx, weight, bias, states)
         else:
-            outs, ends, start = [], [], 0
-            for state, n in zip(states, slots.lengths):
-                window = conv_window(state, bx[start:start + n])
-                outs.append(conv_taps(window, weight, bias))
-                ends.append(conv_state_after(window, self.taps))
-                start += n
-            conv, after = torch.cat(outs), torch.stack(ends)
-        buffer.index_copy_(0, slots.running, after.transpose(1, 2).to(buffer.dtype))
+            spans = [causal_conv(rows, weight, bias, state) for state, rows in zip(states, bx.split(slots.lengths))]
+            conv, after = torch.cat([s.out for s in spans]), torch.stack([s.state for s in spans])
+        buffer.index_copy_(0, slots.running, after.to(buffer.dtype))
         out = self.out(c * conv, batch.generated)
         return out if self.tp_reduce is None else self.tp_reduce(out)
