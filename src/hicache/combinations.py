@@ -22,16 +22,19 @@ REFUSED: dict[tuple[str, str], str] = {
     # prompt would each wait for the state at the end of the others' tokens.
     ("recurrent_state", "cp"): "{model} has recurrent layers, whose scan is sequential over a prompt's tokens: "
                                "context parallelism would leave each rank waiting for the state at the end of the "
-                               "previous rank's tokens; run it without --attn-cp-size / --enable-kv-cache-sharding.",
+                               "previous rank's tokens (the recurrent_state component is not split by tokens); run it "
+                               "without --attn-cp-size / --enable-kv-cache-sharding.",
     # The rows below go as issue 59's increments land (docs/recurrent_plan.md, section 3).
     ("recurrent_state", "speculative"): "{model} has recurrent layers, whose state a verify pass would have to roll "
-                                        "back to the accepted drafts: not supported yet; drop --speculative-algorithm.",
+                                        "back to the accepted drafts (the recurrent_state component keeps no state per "
+                                        "draft yet); drop --speculative-algorithm.",
     ("recurrent_state", "hicache"): "{model} has recurrent layers, whose state snapshots the host and storage tiers "
-                                    "do not keep yet; drop --enable-hierarchical-cache.",
+                                    "do not keep yet (the recurrent_state component is on the device only); drop "
+                                    "--enable-hierarchical-cache.",
     ("recurrent_state", "pd"): "{model} has recurrent layers, whose state prefill/decode disaggregation does not "
-                               "send yet; drop --disaggregation-mode.",
-    ("recurrent_state", "tp"): "{model} has recurrent layers, which tensor parallelism does not shard yet; drop "
-                               "--tp-size.",
-    ("recurrent_state", "pp"): "{model} has recurrent layers, whose state slots pipeline stages do not hold yet; "
-                               "drop --pp-size.",
+                               "send yet (no transfer of the recurrent_state component); drop --disaggregation-mode.",
+    ("recurrent_state", "tp"): "{model} has recurrent layers, which tensor parallelism does not shard yet (the "
+                               "recurrent_state component is whole on one rank); drop --tp-size.",
+    ("recurrent_state", "pp"): "{model} has recurrent layers, whose state slots pipeline stages do not hold yet (the "
+                               "recurrent_state component of one rank only); drop --pp-size.",
 }

@@ -23,7 +23,7 @@ class Retention(str, Enum):
 
     EVERY_PAGE = "every page"  # a hit may end at any page boundary
     WINDOW = "window"  # pages inside the window of a checkpoint or of a running request's tail
-    RUNNING = "running requests only"  # a state per running request, none kept for a later hit (yet: issue 59)
+    CHECKPOINTS = "checkpoints"  # a state snapshot at some boundaries only: prompts' checkpoints, branch points
 
 
 class PageSpace(str, Enum):

@@ -25,7 +25,9 @@ from .page_tree import EMPTY_PAGES
 from .placement import PagePlacement, ShardedPageAllocator, alloc_evicting, path_anchor
 from .pools import DeviceKVPool, PageAllocator, pages_to_slots
 from .radix import RadixCache
+from .device_state import DeviceStates
 from .state_pool import StateHold, StatePool
+from .state_tree import TreeStates
 from .tiers import CacheStats, Tier
 from .tree_node import TreeNode
 from .window_tree import TreeWindows
@@ -71,7 +73,7 @@ class DeviceTier:
                  host_allocator: PageAllocator | None, stats: CacheStats,
                  placement: PagePlacement | None = None, states: StatePool | None = None) -> None:
         self.pool = pool
-        self.states = states  # the recurrent layers' state slots: one per admitted request
+
         self.page_size = pool.page_size
         self.placement = placement if placement is not None and placement.num_shards > 1 else None
         self.allocator: PageAllocator | ShardedPageAllocator = (
@@ -84,6 +86,8 @@ class DeviceTier:
         if self.tree is not None and pool.hybrid:
             self.tree.add_component(TreeWindows(self.tree, pool.windows.window, page_ids))
         self.stats = stats
+        # the recurrent layers' state slots: one running slot per admitted request, snapshots on the tree
+        self.states = DeviceStates(states, self.tree) if states is not None else None
         self.windows = DeviceWindows(page_ids, self.tree, stats, pool) if pool.hybrid else None
         self.lower: Tier | None = None
 
@@ -99,15 +103,20 @@ class DeviceTier:
         pool is too full.
         ``forward_tokens``: the most tokens one of its forwards adds (a hybrid pool's window
         budget). A pool with recurrent layers gives the request a state slot too (none free: None)."""
-        states = self.states
-        slot = states.alloc() if states is not None else 0
-        if slot is None:
+        if self.states is None:
+            return self._admit_pages(namespace, tokens, reserve_tokens, storage_tokens, forward_tokens, kv_arrives)
+        hold = self.states.hold()
+        if hold is None:
             return None
+        prompt = tokens[: len(tokens) - 1]  # (as the match: one token is left to compute)
+        kv_tokens = self.tree.peek_prefix(namespace, prompt, cut=False).device_hit_tokens if self.tree else 0
         admitted = self._admit_pages(namespace, tokens, reserve_tokens, storage_tokens, forward_tokens, kv_arrives)
-        if states is not None and admitted is None:
-            states.free(slot)
-        elif states is not None:
-            admitted[0].state = StateHold(slot)
+        if admitted is None:
+            self.states.release(hold)
+            return None
+        state = admitted[0]
+        state.state = hold
+        self.states.on_admit(hold, state.node, state.device_hit_tokens, kv_tokens)
         return admitted
 
     def _admit_pages(self, namespace: str, tokens: np.ndarray, reserve_tokens: int, storage_tokens: int,
@@ -177,7 +186,8 @@ class DeviceTier:
         n_pages = len(tokens) // self.page_size
         if not self._insert(namespace, tokens, state):
             return
-        match = self.tree.match_prefix(namespace, tokens[: n_pages * self.page_size])
+        # (a recurrent model's match would end at a snapshot: its lock moves to the pages' end all the same)
+        match = self.tree.match_prefix(namespace, tokens[: n_pages * self.page_size], cut=self.states is None)
         assert len(match.device_pages) == n_pages, "inserted prefix must match in full"
         if not np.array_equal(match.device_pages, state.pages[:n_pages]):
             state.pages[:n_pages] = match.device_pages
@@ -188,6 +198,8 @@ class DeviceTier:
         state.cached_pages = n_pages
         if self.windows is not None:
             self.windows.after_insert(state, match.parts["window"])
+        if self.states is not None:
+            self.states.after_insert(namespace, tokens, state.state)
 
     def release(self, namespace: str, tokens: np.ndarray, state: KVState) -> None:
         """The request is done: cache the whole pages of ``tokens`` (those whose KV is
@@ -199,14 +211,16 @@ class DeviceTier:
                 self.cache_prefix(namespace, tokens[: prompt_end * self.page_size], state)
             self.windows.trim_for_release(state, len(tokens))  # the tree gets the checkpoint's window only
         keep = len(tokens) // self.page_size if self._insert(namespace, tokens, state) else state.cached_pages
+        if self.states is not None:  # (the tree may hold the pages already: a chunk boundary inserted them)
+            if self.tree is not None:
+                self.states.after_insert(namespace, tokens, state.state)
+            self.states.release(state.state)
+            state.state = None
         self.allocator.free(state.pages[keep:])
         if self.windows is not None:
             self.windows.release(state)
         if state.node is not None:
             self.tree.dec_lock_ref(state.node)
-        if state.state is not None:
-            self.states.free(state.state.slot)
-            state.state = None
         state.pages = state.pages[:0]
         state.node = None
 
@@ -227,7 +241,9 @@ class DeviceTier:
                 logger.debug("not caching %d pages of %s: the cached path starts on rank %d, these on rank %d",
                              n_pages, namespace, existing, self.placement.anchor_of(state.pages))
                 return False
-        parts = {"window": self.windows.offered(state, n_pages)} if self.windows is not None else None
+        parts = {"window": self.windows.offered(state, n_pages)} if self.windows is not None else {}
+        if self.states is not None:  # (snapshots come with DeviceStates.after_insert)
+            parts[TreeStates.name] = np.zeros(n_pages, dtype=np.int64)
         already = self.tree.insert(namespace, tokens, state.pages[:n_pages], parts) // self.page_size
         # Pages we computed for a span another request cached first are duplicates: free them.
         if already > state.cached_pages:

@@ -224,14 +224,29 @@ class KVCacheManager:
         the request's lock to the new boundary, so concurrent requests can share it."""
         self.device.cache_prefix(namespace, tokens, state)
 
-    @consensus_check("cache.before_forward", args=lambda self, state, computed, new, later: (computed, new, later))
-    def before_forward(self, state: KVState, computed: int, new_tokens: int, later_tokens: int) -> None:
-        """Before a forward that adds ``new_tokens`` after ``computed``: the components whose pages follow
-        the forward take them (a hybrid pool's window: holds their window pages, frees the request's own
-        that fell behind its window); ``later_tokens``: the most a later forward of the request adds (its
-        reservation shrinks to that)."""
+    @consensus_check("cache.before_forward", args=lambda self, state, computed, new, later, prompt:
+                     (computed, new, later, prompt))
+    def before_forward(self, state: KVState, computed: int, new_tokens: int, later_tokens: int,
+                       prompt_tokens: int) -> None:
+        """Before a forward that adds ``new_tokens`` after ``computed`` (of a prompt of ``prompt_tokens``):
+        the components whose pages follow the forward take them (a hybrid pool's window: holds their window
+        pages, frees the request's own that fell behind its window; recurrent layers: the snapshot slots a
+        prompt pass writes); ``later_tokens``: the most a later forward of the request adds (its reservation
+        shrinks to that)."""
         if self.device.windows is not None:
             self.device.windows.step(state, computed, new_tokens, later_tokens)
+        if self.device.states is not None:
+            self.device.states.step(state.state, computed, new_tokens, prompt_tokens)
+
+    def chunk_tokens(self, computed: int, new_tokens: int, prompt_tokens: int) -> int:
+        """A prompt chunk's length, ``new_tokens`` cut so that a chunk before the prompt's last ends on
+        the recurrent layers' snapshot grid (the next one then starts where a hit's would, and its scan
+        blocks are the cold run's), unless that leaves nothing to compute."""
+        grid = self.device.states.grid if self.device.states is not None else 1
+        end = computed + new_tokens
+        if grid == 1 or end >= prompt_tokens or end // grid * grid <= computed:
+            return new_tokens
+        return end // grid * grid - computed
 
     def release(self, namespace: str, tokens: np.ndarray, state: KVState, prompt_tokens: int | None = None) -> None:
         """The request is done: cache the whole pages of ``tokens`` (those whose KV is computed; of

@@ -148,14 +148,17 @@ class StateSlots:
     source: torch.Tensor  # [B] long: the slot each sequence's state before this pass is read from; 0: from position 0
     running: torch.Tensor  # [B] long: the slot its state after this pass's tokens is written to (0: warm-up only)
     lengths: tuple[int, ...]  # [B] new tokens of each sequence, in the pass's row order (sum = T)
+    # per sequence, its snapshots: (absolute position p, slot) pairs, p ascending -- also write its state after its
+    # tokens before p (p inside this pass's span: start <= p <= its end) to that slot (the prefix tree keeps it)
+    emits: tuple[tuple[tuple[int, int], ...], ...] = ()
 
     @classmethod
-    def of(cls, pairs: Sequence[tuple[int, int]], lengths: Sequence[int], device: torch.device | str) -> StateSlots:
-        """From each sequence's ``(source, running)`` slots and new-token count."""
-        if len(pairs) != len(lengths):
-            raise ValueError(f"{len(pairs)} state slot pairs for {len(lengths)} sequences")
-        source, running = (torch.tensor([pair[i] for pair in pairs], dtype=torch.long, device=device) for i in (0, 1))
-        return cls(source, running, tuple(lengths))
+    def of(cls, slots: Sequence[tuple], lengths: Sequence[int], device: torch.device | str) -> StateSlots:
+        """From each sequence's ``(source, running)`` or ``(source, running, emits)`` slots and new-token count."""
+        if len(slots) != len(lengths):
+            raise ValueError(f"{len(slots)} state slot pairs for {len(lengths)} sequences")
+        source, running = (torch.tensor([one[i] for one in slots], dtype=torch.long, device=device) for i in (0, 1))
+        return cls(source, running, tuple(lengths), tuple(tuple(one[2]) if len(one) > 2 else () for one in slots))
 
 
 @dataclass

@@ -19,10 +19,29 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from hicache.model.batch import ForwardBatch, KVView
+from hicache.model.batch import ForwardBatch, KVView, StateSlots
 from hicache.model.projection import Projection
-from hicache.model.scan import causal_conv, conv_step
+from hicache.model.scan import ScanSpan, causal_conv, conv_step
 from hicache.model.spec import ModelSpec
+
+
+def sequence_spans(batch: ForwardBatch, chunk: int = 1) -> list[ScanSpan]:
+    """Each sequence's scan span in a pass: its first new token's absolute position, the scan chunk,
+    and the positions of its emits (``batch.state.emits``)."""
+    slots, spans, row = batch.state, [], 0
+    for n, emits in zip(slots.lengths, slots.emits):
+        spans.append(ScanSpan(int(batch.positions[row]) if n else 0, chunk, tuple(p for p, _ in emits)))
+        row += n
+    return spans
+
+
+def write_emitted(slots: StateSlots, emitted: list[list], buffers: tuple[torch.Tensor, ...]) -> None:
+    """Write each sequence's emitted states (``emitted[b][i]``: a tensor per buffer, or a lone tensor
+    for a one-buffer layer) to the slots its emits name."""
+    for emits, states in zip(slots.emits, emitted):
+        for (_, slot), state in zip(emits, states):
+            for buffer, part in zip(buffers, state if isinstance(state, (tuple, list)) else (state,)):
+                buffer[slot] = part.to(buffer.dtype)
 
 
 class ConvTaps(nn.Module):
@@ -60,11 +79,13 @@ class ShortConv(nn.Module):
         buffer = kv.state_buffers[self.state_index][0]  # [slots, hidden, K-1]
         states = buffer.index_select(0, slots.source)  # [B, hidden, K-1]: all read before any write
         weight, bias = self.conv.weight[:, 0, :], self.conv.bias
-        if max(slots.lengths) == 1:  # one token a sequence (decode): every sequence in one step
+        if max(slots.lengths) == 1 and not any(slots.emits):  # one token a sequence (decode): one batched step
             conv, after = conv_step(bx, weight, bias, states)
         else:
-            spans = [causal_conv(rows, weight, bias, state) for state, rows in zip(states, bx.split(slots.lengths))]
+            spans = [causal_conv(rows, weight, bias, state, span) for state, rows, span in
+                     zip(states, bx.split(slots.lengths), sequence_spans(batch))]
             conv, after = torch.cat([s.out for s in spans]), torch.stack([s.state for s in spans])
+            write_emitted(slots, [s.emitted for s in spans], (buffer,))
         buffer.index_copy_(0, slots.running, after.to(buffer.dtype))
         out = self.out(c * conv, batch.generated)
         return out if self.tp_reduce is None else self.tp_reduce(out)

@@ -142,6 +142,13 @@ class ModelSpec:
         """Global indices of the recurrent layers, in order: a state buffer's index is a layer's place here."""
         return tuple(i for i in range(self.num_layers) if self.is_recurrent(i))
 
+    @property
+    def scan_chunk(self) -> int:
+        """Tokens a recurrent layer's prefill scans as one block, on a grid from position 0 (1: no
+        blocks, LFM2's short convolution); a state snapshot for a prefix hit sits on this grid, so the
+        hit's scan starts where the cold run's block did."""
+        return 1
+
     def state_shapes(self, layer: int) -> tuple[tuple[int, ...], ...]:
         """The shape of each state tensor one sequence (one slot) of recurrent layer ``layer`` keeps:
         LFM2's conv, ``(hidden_size, conv_kernel - 1)`` (channels, the last inputs in time order)."""

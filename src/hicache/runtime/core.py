@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -76,7 +76,8 @@ def build_core(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, dty
     # the target's layers and a packed draft's; a hybrid plan's window component beside them (two pools, or
     # shared blocks with its sliding groups)
     windows = plan.hybrid.pool_part(plan.window_pages) if plan.hybrid is not None else None
-    states = StatePool(plan.states.layers, plan.states.slots, device) if plan.states is not None else None
+    s = plan.states
+    states = StatePool(s.layers, s.running, s.snapshots, s.grid, device) if s is not None else None
     pool = DeviceKVPool(plan.layers + plan.packed_layers, *plan.row, plan.device_pages, cfg.page_size, plan.kv_dtype,
                         device, windows)
     unified = plan.unified
@@ -86,11 +87,7 @@ def build_core(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, dty
                         placement=cp.placement if cp is not None else None,
                         shard_rank=rank.cp_group.rank if rank.cp_group else 0, sidecar=sidecar, unified=unified,
                         states=states)
-    reuse = cfg.decode_reuses_prefix and states is None
-    if cfg.decode_reuses_prefix and not reuse:
-        logger.info("prefix cache off: the recurrent layers' states are not snapshotted for a later hit yet")
-    cache = KVCacheManager(pool, host_pool, storage, replace(CachePolicy.from_config(cfg), enable_prefix_cache=reuse),
-                           layout)
+    cache = KVCacheManager(pool, host_pool, storage, CachePolicy.from_config(cfg), layout)
     runner = ModelRunner(loaded.model, cache.kv_view, device, cp)
     modes = build_modes(ModeContext(cfg, cache, device, plan.layers, loaded.spec.vocab_size,
                                     rank.pd_ranks or TPRanks.alone(plan.row[0]), draft, plan.packed_layers,
@@ -100,7 +97,7 @@ def build_core(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, dty
         plan.prefill_chunk, cfg.max_running_requests, cfg.hicache_storage_prefetch_policy,
         lambda tokens: cfg.hicache_storage_prefetch_timeout_base
         + cfg.hicache_storage_prefetch_timeout_per_1k_tokens * tokens / 1000,
-        cfg.enable_deterministic_inference, reuse and not cfg.disable_shared_prefill_wait), modes)
+        cfg.enable_deterministic_inference, cfg.decode_reuses_prefix and not cfg.disable_shared_prefill_wait), modes)
     return EngineCore(pool, host_pool, cache, runner, scheduler, plan)
 
 

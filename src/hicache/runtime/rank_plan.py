@@ -30,7 +30,7 @@ from ..model.prefix_gather import CPGroup, PrefixGather
 from ..model.spec import ModelSpec
 from .hybrid_pool import HybridPlan, plan_hybrid
 from .speculative import DraftKV, plan_draft_kv
-from .state_plan import StatePlan, plan_states
+from .state_plan import StateBudget, StatePlan, plan_states
 from .storage_layout import plan_index, unified_plans
 
 logger = logging.getLogger(__name__)
@@ -122,8 +122,7 @@ def plan_rank(cfg: EngineConfig, spec: ModelSpec, rank: RankContext, draft: Mode
     hybrid = plan_hybrid(cfg, spec, rank.layers(spec), draft_kv)
     staging = rank.staging_bytes + 2 * gather * elem + _transfer_staging(cfg, device, layer_page, elem,
                                                                          hybrid is not None, draft_kv)
-    states = plan_states(spec, rank.layers(spec), model_dtype, cfg.max_running_requests,
-                         None if cfg.max_total_tokens is not None else _Budget(device, rank, staging).free(cfg))
+    states = _state_plan(cfg, spec, rank, model_dtype, _Budget(device, rank, staging))
     staging += states.total_bytes if states else 0  # (the KV pages get what the state slots leave)
     unified = _unified_plan(cfg, spec, rank, draft)
     apart = _host_pools_apart(cfg, spec, hybrid, unified.grid if unified else None)
@@ -135,6 +134,17 @@ def plan_rank(cfg: EngineConfig, spec: ModelSpec, rank: RankContext, draft: Mode
     components = rank_components(spec, rank.layers(spec), row, hybrid, draft_kv, states)
     return RankPlan(dtype, layers, row, components, draft_kv, hybrid, device_pages, host_pages, window_pages, apart,
                     staging, gather, _prefill_chunk(cfg, hybrid, window_pages), unified, storage, states)
+
+
+def _state_plan(cfg: EngineConfig, spec: ModelSpec, rank: RankContext, dtype: torch.dtype,
+                budget: _Budget) -> StatePlan | None:
+    """The recurrent layers' state slots (runtime/state_plan.py), sized against the KV pool they sit beside."""
+    if not spec.recurrent_layers:
+        return None
+    free = budget.free(cfg)
+    kv_tokens = cfg.max_total_tokens or max(free, 0) // spec.kv_bytes_per_token(dtype)
+    return plan_states(spec, rank.layers(spec), dtype, cfg.page_size, StateBudget(
+        cfg.max_running_requests, kv_tokens, cfg.recurrent_snapshot_ratio, free))
 
 
 def rank_components(spec: ModelSpec, layers: range | list[int], row: tuple[int, int], hybrid: HybridPlan | None,
@@ -153,8 +163,8 @@ def rank_components(spec: ModelSpec, layers: range | list[int], row: tuple[int, 
             pd="a fresh window tail after decode_prefix_len"))
     if states is not None:
         out.append(KVComponent(
-            "recurrent_state", len(states.layers), (0, 0), states.slot_bytes, PageSpace.STATE_SLOTS, Retention.RUNNING,
-            host="nothing yet", storage="nothing yet", pd="not supported yet"))
+            "recurrent_state", len(states.layers), (0, 0), states.slot_bytes, PageSpace.STATE_SLOTS,
+            Retention.CHECKPOINTS, host="nothing yet", storage="nothing yet", pd="not supported yet"))
     if draft_kv is not None:
         out.append(KVComponent("draft" if draft_kv.packed else "draft-sidecar", draft_kv.layers, draft_kv.row,
                                PageSpace.PAGES if draft_kv.packed else PageSpace.SIDECAR))

@@ -1,8 +1,9 @@
 """Sizing the recurrent-state slots of one rank (issue 59), before its KV pages are sized.
 
 A recurrent layer's state is per sequence, not per token: the pool holds one slot per running
-request (``--max-running-requests``), each slot every recurrent layer's state tensors. Their bytes
-come out of the device budget first; the KV pages get the rest.
+request (``--max-running-requests``) and the snapshots the prefix tree keeps at cached boundaries
+(``--recurrent-snapshot-ratio`` per 1K KV tokens), each slot every recurrent layer's state tensors.
+Their bytes come out of the device budget first; the KV pages get the rest.
 
 Dtypes: a conv state holds the layer's recent inputs, activations, so it is kept in the model's
 dtype (lossless); a recurrent matrix (gated DeltaNet, Mamba2: the later families) accumulates over
@@ -12,6 +13,7 @@ the whole context and is kept in float32, as their configs' ``mamba_ssm_dtype`` 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -22,14 +24,21 @@ from ..model.spec import ModelSpec
 logger = logging.getLogger(__name__)
 
 BUDGET_SHARE = 4  # running slots take at most 1 / BUDGET_SHARE of the device budget
+SNAPSHOT_SHARE = 2  # snapshot slots at most 1 / SNAPSHOT_SHARE
+SNAPSHOTS_PER_1K_TOKENS = 1.0  # the default: two snapshots per 2K-token conversation the KV pool holds
+SNAPSHOT_FLOOR = 8  # and at least 2 per running request + this many
 
 
 @dataclass(frozen=True)
 class StatePlan:
-    """This rank's state pool: ``layers`` (each recurrent layer's tensors), ``slots`` (usable + the zero slot 0)."""
+    """This rank's state pool: ``layers`` (each recurrent layer's tensors); ``running`` slots (one
+    per running request) and ``snapshots`` slots (the tree's); ``grid``: tokens between the
+    boundaries a snapshot may be taken at (:func:`snapshot_grid`)."""
 
     layers: tuple[LayerState, ...]
-    slots: int
+    running: int
+    snapshots: int
+    grid: int
 
     @property
     def slot_bytes(self) -> int:
@@ -37,7 +46,13 @@ class StatePlan:
 
     @property
     def total_bytes(self) -> int:
-        return self.slot_bytes * self.slots
+        return self.slot_bytes * (1 + self.running + self.snapshots)
+
+
+def snapshot_grid(spec: ModelSpec, page_size: int) -> int:
+    """``lcm(page_size, scan chunk)``: a snapshot ends a page (the tree's boundaries) and a scan
+    chunk (so a hit's scan starts where the cold run's chunk did, docs/recurrent_plan.md rule 1)."""
+    return math.lcm(page_size, spec.scan_chunk)
 
 
 def layer_states(spec: ModelSpec, layers: range | list[int], dtype: torch.dtype) -> tuple[LayerState, ...]:
@@ -47,19 +62,40 @@ def layer_states(spec: ModelSpec, layers: range | list[int], dtype: torch.dtype)
                  for layer in layers if spec.is_recurrent(layer))
 
 
-def plan_states(spec: ModelSpec, layers: range | list[int], dtype: torch.dtype, running: int,
-                budget_bytes: int | None) -> StatePlan | None:
-    """The state pool for ``running`` requests over this rank's ``layers`` (None: none is recurrent),
-    cut (said in one line) where its slots would take more than a quarter of ``budget_bytes`` (None:
-    the pool's size is not drawn from a budget)."""
+@dataclass(frozen=True)
+class StateBudget:
+    """What sizes the slots: ``running`` requests, the KV pool's ``kv_tokens`` (estimated before its
+    pages are sized), the snapshots' ``ratio`` per 1K of them (None: the default), the device
+    ``budget_bytes`` they may take a share of (None: not drawn from a budget)."""
+
+    running: int
+    kv_tokens: int
+    ratio: float | None
+    budget_bytes: int | None
+
+
+def plan_states(spec: ModelSpec, layers: range | list[int], dtype: torch.dtype, page_size: int,
+                budget: StateBudget) -> StatePlan | None:
+    """The state pool over this rank's ``layers`` (None: none is recurrent). Running slots are cut
+    (said in one line) where they would take more than a quarter of the budget, snapshots where they
+    would take more than half."""
     states = layer_states(spec, layers, dtype)
     if not states:
         return None
-    plan = StatePlan(states, running + 1)
-    if budget_bytes is not None and plan.total_bytes > budget_bytes // BUDGET_SHARE:
-        fit = max(budget_bytes // BUDGET_SHARE // plan.slot_bytes - 1, 1)
+    one = slot_bytes(states)
+    running, cap = budget.running, None if budget.budget_bytes is None else budget.budget_bytes // one
+    if cap is not None and running > cap // BUDGET_SHARE:
+        fit = max(cap // BUDGET_SHARE, 1)
         logger.info("recurrent state slots: %d, not --max-running-requests %d: %d slots of %.1f KiB would take over "
                     "1/%d of the %.0f MiB budget; at most %d requests run at once", fit, running, running,
-                    plan.slot_bytes / 2**10, BUDGET_SHARE, budget_bytes / 2**20, fit)
-        plan = StatePlan(states, fit + 1)
-    return plan
+                    one / 2**10, BUDGET_SHARE, budget.budget_bytes / 2**20, fit)
+        running = fit
+    ratio = budget.ratio if budget.ratio is not None else SNAPSHOTS_PER_1K_TOKENS
+    snapshots = int(budget.kv_tokens * ratio / 1000)
+    if budget.ratio is None:
+        snapshots = max(snapshots, 2 * running + SNAPSHOT_FLOOR)
+    if cap is not None and snapshots > cap // SNAPSHOT_SHARE:
+        logger.info("recurrent state snapshots: %d slots, not %d: at most 1/%d of the budget", cap // SNAPSHOT_SHARE,
+                    snapshots, SNAPSHOT_SHARE)
+        snapshots = cap // SNAPSHOT_SHARE
+    return StatePlan(states, running, max(snapshots, 1), snapshot_grid(spec, page_size))
