@@ -43,13 +43,13 @@ class KVComponent:
     name: str  # "full", "window", "latent", "draft", "draft-sidecar", "recurrent_state"
     layers: int  # this rank's layers that hold it
     row: tuple[int, int]  # (KV heads, head dim) of one token of one layer, K and V each; (0, 0): no per-token rows
-    slot_bytes: int = 0  # PageSpace.STATE_SLOTS: one sequence's state over its layers
     space: PageSpace = PageSpace.PAGES
     retention: Retention = Retention.EVERY_PAGE
     window: int = 0  # tokens (Retention.WINDOW)
     host: str = "every page"  # what the host tier (L2) keeps of it
     storage: str = "its layers in each page's object"  # what storage (L3) keeps
     pd: str = "the prompt after decode_prefix_len"  # what a prefill server sends of it
+    slot_bytes: int = 0  # PageSpace.STATE_SLOTS: one sequence's state over its layers
 
     def bytes_per_page(self, page_size: int, elem: int) -> int:
         """Bytes of one page of this component (K and V, every layer; 0 for a state: it costs per slot)."""

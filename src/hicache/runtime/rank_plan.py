@@ -163,8 +163,8 @@ def rank_components(spec: ModelSpec, layers: range | list[int], row: tuple[int, 
             pd="a fresh window tail after decode_prefix_len"))
     if states is not None:
         out.append(KVComponent(
-            "recurrent_state", len(states.layers), (0, 0), states.slot_bytes, PageSpace.STATE_SLOTS,
-            Retention.CHECKPOINTS, host="nothing yet", storage="nothing yet", pd="not supported yet"))
+            "recurrent_state", len(states.layers), (0, 0), PageSpace.STATE_SLOTS, Retention.CHECKPOINTS,
+            host="nothing yet", storage="nothing yet", pd="not supported yet", slot_bytes=states.slot_bytes))
     if draft_kv is not None:
         out.append(KVComponent("draft" if draft_kv.packed else "draft-sidecar", draft_kv.layers, draft_kv.row,
                                PageSpace.PAGES if draft_kv.packed else PageSpace.SIDECAR))
