@@ -15,15 +15,25 @@ from hicache import Engine, SamplingParams
 
 pytestmark = pytest.mark.cache
 
-MODEL = "random:lfm2-tiny"
+MODELS = ["random:lfm2-tiny", "random:gdn-tiny"]  # grid: the page (4); lcm(page, 64) = 64
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, logprobs=0)
 LOGPROB_ATOL = 1e-4  # float32: a hit's last chunk is a shorter GEMM than the cold run's
 
 
-def make_engine(**kw) -> Engine:
-    opts = dict(dtype="float32", page_size=4, max_total_tokens=4096, chunked_prefill_size=48)
+@pytest.fixture(params=MODELS)
+def model(request) -> str:
+    return request.param
+
+
+def make_engine(model: str, **kw) -> Engine:
+    opts = dict(dtype="float32", page_size=4, max_total_tokens=4096, chunked_prefill_size=64)
     opts.update(kw)
-    return Engine(MODEL, **opts)
+    return Engine(model, **opts)
+
+
+def grid(engine: Engine) -> int:
+    """Tokens between the boundaries a snapshot is taken at."""
+    return engine.stats()["device_pool"]["recurrent_state"]["grid_tokens"]
 
 
 def ids(n: int, seed: int) -> list[int]:
@@ -49,56 +59,60 @@ def assert_as_cold(engine: Engine, prompt: list[int], out) -> None:
     assert max(abs(a.logprob - b.logprob) for a, b in zip(out.logprobs, ref.logprobs)) < LOGPROB_ATOL
 
 
-def test_the_same_prompt_again_hits_its_checkpoint_and_keeps_the_cold_tokens() -> None:
-    engine = make_engine()
-    for length in (9, 48, 101):  # one chunk, exactly a chunk, three chunks
+def test_the_same_prompt_again_hits_its_checkpoint_and_keeps_the_cold_tokens(model: str) -> None:
+    engine = make_engine(model)
+    g = grid(engine)
+    for length in (9, 64, 150):  # one chunk, exactly a chunk, three chunks
         prompt = ids(length, seed=length)
         first = engine.generate([prompt], GREEDY)[0]
         again = engine.generate([prompt], GREEDY)[0]
-        # the deepest page boundary before the prompt's last token: its checkpoint (the grid is the page here)
-        assert again.cached_tokens == (length - 1) // 4 * 4
+        assert again.cached_tokens == (length - 1) // g * g  # the deepest boundary before its last token
         assert again.output_ids == first.output_ids
         assert_as_cold(engine, prompt, again)
     engine.cache.tree.check_invariants()
 
 
-def test_each_turn_of_a_conversation_hits_the_previous_prompt() -> None:
-    engine = make_engine()
-    history, previous = ids(30, seed=1), 0
+def test_each_turn_of_a_conversation_hits_the_previous_prompt(model: str) -> None:
+    engine = make_engine(model)
+    g = grid(engine)
+    history, previous = ids(70, seed=1), 0
     for turn in range(4):
         out = engine.generate([history], GREEDY)[0]
         if turn:
-            assert out.cached_tokens == (previous - 1) // 4 * 4  # the previous prompt's checkpoint
+            assert out.cached_tokens == (previous - 1) // g * g  # the previous prompt's checkpoint
         assert_as_cold(engine, history, out)
         previous = len(history)
         history = history + out.output_ids + ids(17, seed=10 + turn)
     assert engine.stats()["device_pool"]["recurrent_state"]["snapshots_cached"] > 0
 
 
-def test_requests_sharing_a_system_prompt_hit_it_once_a_branch_is_seen() -> None:
-    """The first request snapshots only its own checkpoint; the second, which branches from it after
-    the system prompt, snapshots the branch point; the third hits it."""
-    engine = make_engine()
-    system = ids(42, seed=7)
+def test_requests_sharing_a_system_prompt_hit_it_once_a_branch_is_seen(model: str) -> None:
+    """The first request snapshots only its own checkpoint (which the second hits where it lies
+    inside the system prompt: a 64-token grid); the second, which branches from it after the
+    system prompt, snapshots the branch point; the third hits it."""
+    engine = make_engine(model)
+    g, system = grid(engine), ids(70, seed=7)
     prompts = [system + ids(20, seed=20 + i) for i in range(3)]
     outs = [engine.generate([p], GREEDY)[0] for p in prompts]
-    assert outs[0].cached_tokens == 0 and outs[1].cached_tokens == 0
-    assert outs[2].cached_tokens == len(system) // 4 * 4
+    branch = len(system) // 4 * 4 // g * g  # the system prompt's whole pages, on the grid
+    checkpoint = (len(prompts[0]) - 1) // g * g
+    assert outs[0].cached_tokens == 0 and outs[1].cached_tokens == (checkpoint if checkpoint <= branch else 0)
+    assert outs[2].cached_tokens == branch
     for prompt, out in zip(prompts, outs):
         assert_as_cold(engine, prompt, out)
 
 
-def test_a_short_snapshot_pool_degrades_hits_without_failing_a_request() -> None:
+def test_a_short_snapshot_pool_degrades_hits_without_failing_a_request(model: str) -> None:
     """16 conversations of 3 turns, two at a time, in a pool of 2 snapshots (0.5 per 1K KV tokens):
-    a running turn's hit locks its snapshot, so the next turn's checkpoint finds no slot and is not
-    taken -- that turn hits the one before (a shallower hit, not a failure). Every request finishes
-    with the cold tokens, the pool never holds more than it has, the tree's invariants hold after
-    every turn, and turns still hit."""
-    engine = make_engine(recurrent_snapshot_ratio=0.5, max_running_requests=4)
+    a running turn's hit locks its snapshot, so the next turn's checkpoint may find no slot and is
+    not taken -- that turn hits an earlier one (a shallower hit, not a failure). Every request
+    finishes with the cold tokens, the pool never holds more than it has, the tree's invariants
+    hold after every turn, and turns still hit."""
+    engine = make_engine(model, recurrent_snapshot_ratio=0.5, max_running_requests=4)
     assert engine.stats()["device_pool"]["recurrent_state"]["snapshot_slots"] == 2
     hits, turns = 0, 0
     for pair in range(8):
-        histories = [ids(25 + 2 * pair + i, seed=100 + 2 * pair + i) for i in range(2)]
+        histories = [ids(70 + 2 * pair + i, seed=100 + 2 * pair + i) for i in range(2)]
         for turn in range(3):
             outs = engine.generate(histories, GREEDY)
             for i, out in enumerate(outs):

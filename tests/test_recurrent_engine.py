@@ -1,7 +1,8 @@
-"""The engine serving a hybrid recurrent model (issue 59, step b): LFM2's short-convolution layers keep
-a state slot per running request beside the attention layers' KV pages. Greedy tokens equal the
+"""The engine serving a hybrid recurrent model (issue 59, steps b and f): LFM2's short-convolution
+layers, or Qwen3.5's gated DeltaNet layers (a conv state and a float32 recurrent matrix), keep a
+state slot per running request beside the attention layers' KV pages. Greedy tokens equal the
 dense reference's whatever the batch and the prefill chunks; slots come back when requests end;
-what is not built yet is refused in one sentence."""
+what is not built yet is refused in one sentence. Each test runs for both models."""
 
 from __future__ import annotations
 
@@ -17,14 +18,23 @@ from hicache.model.loader import load_model
 
 pytestmark = pytest.mark.engine
 
-MODEL = "random:lfm2-tiny"
+MODELS = ["random:lfm2-tiny", "random:gdn-tiny"]
 STEPS = 10
+# One slot's bytes (float32): lfm2-tiny, two conv layers of [hidden 64, 3 taps - 1]; gdn-tiny, two DeltaNet
+# layers of a conv state [conv_dim = 2 * 2 key heads * 16 + 4 value heads * 16, 4 taps - 1] and a recurrent
+# matrix [4 value heads, 16, 16]
+SLOT_BYTES = {"random:lfm2-tiny": 2 * 64 * 2 * 4, "random:gdn-tiny": 2 * (128 * 3 * 4 + 4 * 16 * 16 * 4)}
 
 
-def make_engine(**kw) -> Engine:
+@pytest.fixture(scope="module", params=MODELS)
+def model(request) -> str:
+    return request.param
+
+
+def make_engine(model: str, **kw) -> Engine:
     opts = dict(dtype="float32", page_size=4, max_total_tokens=2048, chunked_prefill_size=64)
     opts.update(kw)
-    return Engine(MODEL, **opts)
+    return Engine(model, **opts)
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:
@@ -33,15 +43,15 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict[tuple[int, ...], list[int]]:
+def reference(model: str) -> dict[tuple[int, ...], list[int]]:
     """Each prompt's greedy tokens from one dense forward per step, no engine (tests/dense_forward.py)."""
-    model = load_model(MODEL, dtype=torch.float32).model
-    return {tuple(p): greedy_paged(model, p, STEPS) for p in prompts(6, seed=3)}
+    dense = load_model(model, dtype=torch.float32).model
+    return {tuple(p): greedy_paged(dense, p, STEPS) for p in prompts(6, seed=3)}
 
 
 @pytest.mark.parametrize("chunk", [7, 64])
-def test_concurrent_requests_give_the_dense_references_tokens(reference, chunk: int) -> None:
-    engine = make_engine(chunked_prefill_size=chunk)
+def test_concurrent_requests_give_the_dense_references_tokens(model: str, reference, chunk: int) -> None:
+    engine = make_engine(model, chunked_prefill_size=chunk)
     outs = engine.generate([list(p) for p in reference], SamplingParams(max_new_tokens=STEPS, temperature=0.0))
     assert [o.output_ids for o in outs] == list(reference.values())
     states = engine.stats()["device_pool"]["recurrent_state"]
@@ -49,21 +59,20 @@ def test_concurrent_requests_give_the_dense_references_tokens(reference, chunk: 
     assert states["snapshots_free"] + states["snapshots_cached"] == states["snapshot_slots"]  # and every snapshot
 
 
-def test_more_requests_than_state_slots_all_finish(reference) -> None:
-    engine = make_engine(max_running_requests=2)
+def test_more_requests_than_state_slots_all_finish(model: str, reference) -> None:
+    engine = make_engine(model, max_running_requests=2)
     assert engine.stats()["device_pool"]["recurrent_state"]["running_slots"] == 2
     outs = engine.generate([list(p) for p in reference], SamplingParams(max_new_tokens=STEPS, temperature=0.0))
     assert [o.output_ids for o in outs] == list(reference.values())
 
 
-def test_stats_name_the_recurrent_state_component() -> None:
-    stats = make_engine().stats()
+def test_stats_name_the_recurrent_state_component(model: str) -> None:
+    stats = make_engine(model).stats()
     components = {c["name"]: c for c in stats["components"]}
     assert set(components) == {"full", "recurrent_state"}
     assert components["full"]["layers"] == 1 and components["recurrent_state"]["layers"] == 2
-    # lfm2-tiny: two conv layers, each a [hidden 64, kernel 3 - 1] float32 state
-    assert components["recurrent_state"]["slot_bytes"] == 2 * 64 * 2 * 4
-    assert stats["device_pool"]["recurrent_state"]["slot_bytes"] == 2 * 64 * 2 * 4
+    assert components["recurrent_state"]["slot_bytes"] == SLOT_BYTES[model]
+    assert stats["device_pool"]["recurrent_state"]["slot_bytes"] == SLOT_BYTES[model]
 
 
 @pytest.mark.parametrize("flags, says", [
@@ -72,7 +81,7 @@ def test_stats_name_the_recurrent_state_component() -> None:
     (dict(tp_size=2), "drop --tp-size"),
     (dict(pp_size=2), "drop --pp-size"),
 ])
-def test_modes_not_built_yet_are_refused_in_one_sentence(flags: dict, says: str) -> None:
+def test_modes_not_built_yet_are_refused_in_one_sentence(model: str, flags: dict, says: str) -> None:
     with pytest.raises(ConfigError, match=says) as e:
-        make_engine(**flags)
-    assert str(e.value).count(". ") == 0 and MODEL in str(e.value)
+        make_engine(model, **flags)
+    assert str(e.value).count(". ") == 0 and model in str(e.value)

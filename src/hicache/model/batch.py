@@ -48,7 +48,8 @@ class KVView(Protocol):
 class DenseKV:
     """A plain in-memory :class:`KVView` for forwards without an engine (tests, debugging): per
     attention layer ``[num_slots, num_kv_heads, head_dim]`` K/V buffers, per recurrent layer its
-    state tensors ``[state_slots, *shape]`` (zeros, in ``dtype``), with nothing to wait for.
+    state tensors ``[state_slots, *shape]`` (zeros: the conv state in ``dtype``, a recurrent matrix
+    in float32, as the engine's state pool keeps them), with nothing to wait for.
 
     Slot 0 is the padding slot (never holds real data), so usable slots are ``1..num_slots-1``;
     state slot 0 is the zero state, so usable state slots are ``1..state_slots-1``.
@@ -60,8 +61,9 @@ class DenseKV:
         attention = spec.attention_layers
         self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in attention]
         self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in attention]
-        self.state_buffers = [tuple(torch.zeros((state_slots, *one), dtype=dtype, device=device)
-                                    for one in spec.state_shapes(layer)) for layer in spec.recurrent_layers]
+        self.state_buffers = [tuple(torch.zeros((state_slots, *one), dtype=dtype if i == 0 else torch.float32,
+                                                device=device) for i, one in enumerate(spec.state_shapes(layer)))
+                              for layer in spec.recurrent_layers]
 
     def wait_layer(self, layer: int) -> None:
         """Nothing is ever loaded in the background here."""

@@ -26,7 +26,7 @@ from hicache.model.decode_stack import DecodeStack
 from hicache.model.layers import MLP, RMSNorm, RotaryEmbedding, native_ops, rotate_half
 from hicache.model.mla import MLAAttention
 from hicache.model.projection import DECODE_ROWS, Projection
-from hicache.model.recurrent import ShortConv
+from hicache.model.recurrent import GatedDeltaNet, ShortConv
 from hicache.model.spec import LayerKind, ModelSpec
 
 
@@ -45,8 +45,11 @@ class Attention(nn.Module):
         scale = spec.attention_scale
         self.q_scale = None if scale is None or scale == spec.head_dim ** -0.5 else scale * spec.head_dim ** 0.5
         q_width, kv_width = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        # Gated attention (Qwen3.5): q_proj emits each head's query, then that head's gate
+        self.gated = spec.attn_output_gate
         self.q_proj, self.k_proj, self.v_proj = (nn.Linear(spec.hidden_size, width, bias=spec.attention_bias)
-                                                 for width in (q_width, kv_width, kv_width))
+                                                 for width in (q_width * (2 if self.gated else 1), kv_width, kv_width))
+        self.rotary_dim = spec.rope_dim  # the first dims of each head RoPE turns (all but under partial rotary)
         self.o_proj = nn.Linear(q_width, spec.hidden_size, bias=False)
         self.qkv = Projection(self.q_proj, self.k_proj, self.v_proj)
         self.out = Projection(self.o_proj)
@@ -58,10 +61,16 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
                 kv: KVView) -> torch.Tensor:
-        """``x``: ``[T, hidden]``; ``cos``/``sin``: ``[T, 1, head_dim]`` in x's dtype. Returns
+        """``x``: ``[T, hidden]``; ``cos``/``sin``: ``[T, 1, rotary_dim]`` in x's dtype. Returns
         ``[T, hidden]``."""
         t = x.shape[0]
         qkv = self.qkv.whole(x, batch.generated)
+        gate = None
+        if self.gated:  # [q_h | gate_h] per head: the gates aside, the queries joined to k and v as ungated
+            width = self.num_heads * self.head_dim
+            heads = qkv[:, :2 * width].view(t, self.num_heads, 2, self.head_dim)
+            gate = heads[:, :, 1].reshape(t, width)
+            qkv = torch.cat((heads[:, :, 0].reshape(t, width), qkv[:, 2 * width:]), dim=-1)
         # q and k sit side by side in the fused output: rotate both heads' sets in one pass.
         qk_heads = self.num_heads + self.num_kv_heads
         if self.q_norm is not None:  # per head, before RoPE; in place: the fused output is ours
@@ -71,7 +80,10 @@ class Attention(nn.Module):
             qkv[:, q_width:k_end] = self.k_norm(qkv[:, q_width:k_end].reshape(-1, self.head_dim).contiguous()).view(t, -1)
         qk = qkv[:, : qk_heads * self.head_dim].view(t, qk_heads, self.head_dim)
         ops = native_ops(qkv)
-        if ops is not None and self.head_dim % 16 == 0:
+        if self.rotary_dim < self.head_dim:  # partial rotary: the other dims pass as they are
+            turned = qk[..., :self.rotary_dim]
+            qk = torch.cat((turned * cos + rotate_half(turned) * sin, qk[..., self.rotary_dim:]), dim=-1)
+        elif ops is not None and self.head_dim % 16 == 0:
             ops.rope_(qkv, cos.flatten(1), sin.flatten(1), qk_heads, self.head_dim)  # in place: qk sees it
         else:
             qk = qk * cos + rotate_half(qk) * sin
@@ -80,8 +92,10 @@ class Attention(nn.Module):
             q = q * self.q_scale
         v = qkv[:, qk_heads * self.head_dim:].view(t, self.num_kv_heads, self.head_dim)
 
-        out = batch.backend.forward(q, k, v, self, batch, kv)  # [T, H, D]; T may be 0 on a CP rank
-        out = self.out(out.flatten(1), batch.generated)
+        out = batch.backend.forward(q, k, v, self, batch, kv).flatten(1)  # [T, H * D]; T may be 0 on a CP rank
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        out = self.out(out, batch.generated)
         return out if self.tp_reduce is None else self.tp_reduce(out)
 
 
@@ -91,14 +105,18 @@ class DecoderLayer(nn.Module):
     attention's output goes through ``post_attention_layernorm`` before its residual add, and the
     MLP has ``pre_feedforward_layernorm`` and ``post_feedforward_layernorm`` around it.
 
-    The mixer follows the layer's kind: ``self_attn`` (attention, MLA) or ``conv`` (a recurrent
-    layer: LFM2's :class:`~hicache.model.recurrent.ShortConv`); ``recurrent`` says which."""
+    The mixer follows the layer's kind: ``self_attn`` (attention, MLA), ``conv`` (LFM2's
+    :class:`~hicache.model.recurrent.ShortConv`) or ``linear_attn`` (Qwen3.5's
+    :class:`~hicache.model.recurrent.GatedDeltaNet`); ``recurrent`` says whether it keeps a state
+    (:attr:`state_mixer`)."""
 
     def __init__(self, spec: ModelSpec, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.recurrent = spec.is_recurrent(layer)
-        if self.recurrent:
+        if self.recurrent and spec.layer_kinds[layer] == LayerKind.GDN:
+            self.linear_attn = GatedDeltaNet(spec, layer)
+        elif self.recurrent:
             self.conv = ShortConv(spec, layer)
         else:
             self.self_attn = MLAAttention(spec, layer) if spec.is_mla else Attention(spec, layer)
@@ -118,12 +136,17 @@ class DecoderLayer(nn.Module):
         if operands is not None:
             return self._fused_decode(ops, operands, x, cos, sin, batch, kv)
         if self.recurrent:
-            attn = self.conv(self.input_layernorm(x), batch, kv)
+            attn = self.state_mixer(self.input_layernorm(x), batch, kv)
         else:
             attn = self.self_attn(self.input_layernorm(x), cos, sin, batch, kv)
         x = x + (self.post_attention_layernorm(attn) if self.sandwich else attn)
         mlp = self.mlp(self.pre_mlp_norm()(x), batch.generated)
         return x + (self.post_feedforward_layernorm(mlp) if self.sandwich else mlp)
+
+    @property
+    def state_mixer(self) -> nn.Module:
+        """A recurrent layer's mixer (its ``conv`` or ``linear_attn``)."""
+        return self.conv if "conv" in self._modules else self.linear_attn
 
     # A decode step's layer as one native call (kernels/decode_layer.cpp): the same kernels in the
     # same order as the modules above, bit for bit, without ~25 Python dispatches a layer.
@@ -134,11 +157,12 @@ class DecoderLayer(nn.Module):
         """The native kernels when this pass is one the fused layer serves: a decode batch of at
         most DECODE_ROWS generated tokens on one rank (never prompt tokens: issue 57), float32 on
         the CPU, the heads as the kernels take them. Deterministic inference: every pass. Never a
-        recurrent layer (the native layer attends)."""
+        recurrent layer (the native layer attends), a gated one or one with partial rotary (the
+        kernel rotates whole heads and has no output gate)."""
         if self.recurrent:
             return None
         attn = self.self_attn
-        if not isinstance(attn, Attention):
+        if not isinstance(attn, Attention) or attn.gated or attn.rotary_dim != attn.head_dim:
             return None
         invariant = attn.qkv.row_invariant
         rows = sys.maxsize if invariant else DECODE_ROWS

@@ -60,7 +60,7 @@ def check_parallel(spec: ModelSpec, tp_size: int, pp_size: int) -> None:
         raise ConfigError(f"--pp-size {pp_size} exceeds the model's {spec.num_layers} layers.")
     if tp_size > 1 and spec.recurrent_layers:
         raise ConfigError(f"--tp-size {tp_size} is not supported for models with recurrent layers (LFM2's short "
-                          "convolutions) yet; use --tp-size 1.")
+                          "convolutions, gated DeltaNet) yet; use --tp-size 1.")
 
 
 def split(n: int, parts: int, index: int) -> range:
@@ -124,8 +124,8 @@ def shard_model(model: LlamaForCausalLM, shard: ModelShard, tp_reduce: Callable[
     layers = [model.model.layers[i] for i in shard.layers]
     recurrent = [layer for layer in layers if layer.recurrent]
     for local, layer in enumerate(recurrent):
-        layer.conv.state_index = local
-        layer.conv.tp_reduce = layer.mlp.tp_reduce = tp_reduce  # (TP 1 only: check_parallel)
+        layer.state_mixer.state_index = local
+        layer.state_mixer.tp_reduce = layer.mlp.tp_reduce = tp_reduce  # (TP 1 only: check_parallel)
     for local, layer in enumerate(layer for layer in layers if not layer.recurrent):
         attn = layer.self_attn
         attn.layer = local

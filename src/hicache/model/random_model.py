@@ -35,11 +35,18 @@ PRESETS: dict[str, dict] = {
     "lfm2-tiny": dict(num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
                       qk_norm=True, conv_kernel=3, layer_kinds=(LayerKind.CONV, LayerKind.CONV, LayerKind.FULL),
                       **_COMMON),
+    # Qwen3.5's layers: two gated DeltaNet layers (2 key heads, 4 value heads reading them in pairs, a conv of
+    # 4 taps) then a gated attention layer with QK-norm and partial rotary (4 of 16 dims, Qwen3.5's 0.25).
+    "gdn-tiny": dict(num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+                     qk_norm=True, conv_kernel=4, layer_kinds=(LayerKind.GDN, LayerKind.GDN, LayerKind.FULL),
+                     gdn_key_heads=2, gdn_value_heads=4, gdn_key_dim=16, gdn_value_dim=16, attn_output_gate=True,
+                     rotary_dim=4, **_COMMON),
 }
 
 # Weight scale: small enough that activations stay tame, large enough that logits differ per token.
 INIT_STD = 0.02
 CONV_TAP_STD = 0.5  # a tap scales one channel's input, as transformers' Conv1d init (bound 1/sqrt(taps)) does
+CONV_TAPS = ("conv.conv.weight", "linear_attn.conv1d.weight")  # the depthwise convs' taps (LFM2, gated DeltaNet)
 
 
 def parse_random_spec(arg: str) -> ModelSpec:
@@ -82,7 +89,8 @@ def init_random_weights(model: LlamaForCausalLM, seed: int) -> LlamaForCausalLM:
 
     Matrices and biases ~ N(0, INIT_STD); norm weights ~ 1 + N(0, 0.1) (not all-ones, so a loader
     that drops them would be caught by parity tests); a short convolution's taps (per channel
-    scalars, as norm weights are) ~ N(0, CONV_TAP_STD). Returns ``model``.
+    scalars, as norm weights are) ~ N(0, CONV_TAP_STD); a gated DeltaNet's ``A_log`` and ``dt_bias``
+    ~ N(0, INIT_STD) (a decay of about exp(-0.7) a token). Returns ``model``.
     """
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -91,5 +99,5 @@ def init_random_weights(model: LlamaForCausalLM, seed: int) -> LlamaForCausalLM:
         if name.endswith("norm.weight"):
             param.copy_(1.0 + 0.1 * values)
         else:
-            param.copy_((CONV_TAP_STD if name.endswith("conv.conv.weight") else INIT_STD) * values)
+            param.copy_((CONV_TAP_STD if name.endswith(CONV_TAPS) else INIT_STD) * values)
     return model

@@ -1,4 +1,5 @@
-"""Recurrent mixers: layers that keep a fixed-size state per sequence instead of KV.
+"""Recurrent mixers: layers that keep a fixed-size state per sequence instead of KV (LFM2's short
+convolution, Qwen3.5's gated DeltaNet).
 
 ``ShortConv`` is LFM2's: ``in_proj`` (hidden -> 3 hidden: B, C, x, in that order), a depthwise
 causal convolution of ``conv_kernel`` taps over ``B * x``, ``y = C * conv``, ``out_proj``.
@@ -10,6 +11,18 @@ Each pass reads every sequence's state from its ``batch.state.source`` slot befo
 ``running`` slot, and computes every token with the taps of model/scan.py: a prompt in one pass,
 in chunks, or token by token gives the same state bits. A pass of one new token per sequence (a
 decode step) is one batched step; otherwise one span per sequence (never a loop over tokens).
+
+``GatedDeltaNet`` is Qwen3.5's "linear_attention" layer, under transformers' names
+(``linear_attn.in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``, ``conv1d.weight``
+``[conv_dim, 1, K]`` without bias, ``dt_bias``, ``A_log``, ``norm`` (a gated RMSNorm over each value
+head), ``out_proj``): q|k|v (the conv's channels in that order) through the causal conv and SiLU;
+q and k L2-normalised, q scaled by ``dk ** -0.5``; ``g = -exp(A_log) * softplus(a + dt_bias)``,
+``beta = sigmoid(b)``; the gated delta rule (model/scan.py, float32 whatever the model's dtype); the
+output normalised per value head, times ``silu(z)``; ``out_proj``. Its state: the conv's last
+``K - 1`` inputs ``[conv_dim, K-1]`` (``state_buffers[i][0]``) and the recurrent matrix
+``[Hv, dk, dv]`` float32 (``state_buffers[i][1]``). A prompt pass scans each sequence on the
+absolute chunk grid (``ScanSpan(start=<its first new position>, chunk=SCAN_CHUNK)``); a pass of
+generated tokens, one a sequence, is one batched :func:`~hicache.model.scan.delta_rule_step`.
 """
 
 from __future__ import annotations
@@ -17,12 +30,13 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hicache.model.batch import ForwardBatch, KVView, StateSlots
 from hicache.model.projection import Projection
-from hicache.model.scan import ScanSpan, causal_conv, conv_step
-from hicache.model.spec import ModelSpec
+from hicache.model.scan import ScanSpan, causal_conv, conv_step, delta_rule_qk, delta_rule_scan, delta_rule_step
+from hicache.model.spec import SCAN_CHUNK, ModelSpec
 
 
 def sequence_spans(batch: ForwardBatch, chunk: int = 1) -> list[ScanSpan]:
@@ -89,3 +103,99 @@ class ShortConv(nn.Module):
         buffer.index_copy_(0, slots.running, after.to(buffer.dtype))
         out = self.out(c * conv, batch.generated)
         return out if self.tp_reduce is None else self.tp_reduce(out)
+
+
+
+
+def _state_slots(batch: ForwardBatch):
+    if batch.state is None:
+        raise ValueError("a pass of a model with recurrent layers needs batch.state (its sequences' state slots)")
+    return batch.state
+
+
+class GatedRMSNorm(nn.Module):
+    """``weight * (x / rms(x)) * silu(gate)`` over the last axis; the statistics and the gate in
+    float32, the normalised ``x`` rounded to its dtype before the weight (as transformers'
+    ``Qwen3_5RMSNormGated``). Its weight is stored as is (no zero-centred ``1 + w``)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (self.weight * normed * F.silu(gate.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5's gated DeltaNet mixer of layer ``layer`` (see the module docstring)."""
+
+    def __init__(self, spec: ModelSpec, layer: int) -> None:
+        super().__init__()
+        self.state_index = spec.recurrent_layers.index(layer)
+        self.key_heads, self.value_heads = spec.gdn_key_heads, spec.gdn_value_heads
+        self.key_dim, self.value_dim = spec.gdn_key_dim, spec.gdn_value_dim
+        keys, values, hidden = self.key_heads * self.key_dim, self.value_heads * self.value_dim, spec.hidden_size
+        self.widths = (2 * keys + values, values, self.value_heads, self.value_heads)  # qkv, z, b, a
+        self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a = (
+            nn.Linear(hidden, width, bias=False) for width in self.widths)
+        self.conv1d = ConvTaps(self.widths[0], spec.conv_kernel, bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.value_heads))
+        self.A_log = nn.Parameter(torch.empty(self.value_heads))
+        self.norm = GatedRMSNorm(self.value_dim, spec.rms_norm_eps)
+        self.out_proj = nn.Linear(values, hidden, bias=False)
+        self.inp = Projection(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        self.out = Projection(self.out_proj)
+        self.tp_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # sum over TP ranks (not sharded yet)
+
+    def _qkv(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The conv's output ``[T, conv_dim]`` as SiLU'd heads: q, k ``[T, Hk, dk]`` (normalised, q
+        scaled; float32) and v ``[T, Hv, dv]``."""
+        keys = self.key_heads * self.key_dim
+        q, k, v = F.silu(conv).split([keys, keys, self.value_heads * self.value_dim], -1)
+        q, k = delta_rule_qk(q.unflatten(-1, (self.key_heads, self.key_dim)),
+                             k.unflatten(-1, (self.key_heads, self.key_dim)))
+        return q, k, v.unflatten(-1, (self.value_heads, self.value_dim))
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVView) -> torch.Tensor:
+        """``x``: ``[T, hidden]`` (the batch's sequences one after the other); returns ``[T, hidden]``
+        and leaves each sequence's conv and recurrent states after its tokens in its running slot."""
+        slots = _state_slots(batch)
+        mixed, z, b, a = self.inp.whole(x, batch.generated).split(self.widths, dim=-1)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, Hv] log decay, float32
+        conv_buffer, rec_buffer = kv.state_buffers[self.state_index]
+        conv_states = conv_buffer.index_select(0, slots.source)  # all read before any write
+        rec_states = rec_buffer.index_select(0, slots.source).float()
+        weight = self.conv1d.weight[:, 0, :]
+        if batch.generated and max(slots.lengths) == 1 and not any(slots.emits):  # one generated token each: a step
+            conv, conv_after = conv_step(mixed, weight, None, conv_states)
+            out, rec_after = delta_rule_step(*self._qkv(conv), g, beta, rec_states)
+        else:
+            out, conv_after, rec_after = self._scan(mixed, g, beta, (conv_states, rec_states), batch,
+                                                    (conv_buffer, rec_buffer))
+        conv_buffer.index_copy_(0, slots.running, conv_after.to(conv_buffer.dtype))
+        rec_buffer.index_copy_(0, slots.running, rec_after.to(rec_buffer.dtype))
+        out = self.norm(out.to(x.dtype), z.unflatten(-1, (self.value_heads, self.value_dim))).flatten(1)
+        out = self.out(out, batch.generated)
+        return out if self.tp_reduce is None else self.tp_reduce(out)
+
+    def _scan(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, states: tuple[torch.Tensor, torch.Tensor],
+              batch: ForwardBatch, buffers: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Each sequence's rows on their own: the conv over ``[state; rows]``, the delta rule on the
+        absolute grid from the sequence's first new position; the states its emits ask for written
+        to their slots. Returns the outputs ``[T, Hv, dv]`` and the conv and recurrent states after
+        each sequence ``[B, ...]``."""
+        lengths = batch.state.lengths
+        weight = self.conv1d.weight[:, 0, :]
+        outs, convs, recs, emitted = [], [], [], []
+        pieces = zip(mixed.split(lengths), g.split(lengths), beta.split(lengths), *states, sequence_spans(batch, SCAN_CHUNK))
+        for rows, g_rows, beta_rows, conv_state, rec_state, span in pieces:
+            conv = causal_conv(rows, weight, None, conv_state, span)
+            scan = delta_rule_scan(*self._qkv(conv.out), g_rows, beta_rows, rec_state, span)
+            outs.append(scan.out), convs.append(conv.state), recs.append(scan.state)
+            emitted.append(list(zip(conv.emitted, scan.emitted)))
+        write_emitted(batch.state, emitted, buffers)
+        return torch.cat(outs), torch.stack(convs), torch.stack(recs)

@@ -30,14 +30,19 @@ ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate activation (SwiGLU; GeGLU 
 
 class LayerKind(str, Enum):
     """A layer attends every earlier position, or the last ``sliding_window``, or is a recurrent mixer
-    that keeps a fixed-size state per sequence instead of KV (``conv``: LFM2's short convolution). A
-    ``str``: equal to its value, printed and JSON-encoded as it (a spec's JSON and the random models'
-    identities stay)."""
+    that keeps a fixed-size state per sequence instead of KV (``conv``: LFM2's short convolution;
+    ``gdn``: Qwen3.5's gated DeltaNet). A ``str``: equal to its value, printed and JSON-encoded as
+    it (a spec's JSON and the random models' identities stay)."""
 
     FULL = "full"
     SLIDING = "sliding"
     CONV = "conv"
+    GDN = "gdn"
     __str__ = str.__str__
+
+
+SCAN_CHUNK = 64  # tokens a chunked scan (gated DeltaNet) treats as one block, on a grid from position 0
+RECURRENT_KINDS = frozenset({LayerKind.CONV, LayerKind.GDN})  # the kinds that keep a state, not KV
 
 
 @dataclass
@@ -69,6 +74,14 @@ class ModelSpec:
     projections and taps have biases. The KV buffers hold the attention layers only, in order
     (:attr:`attention_layers`: a layer's *compact* index), the state buffers the recurrent ones
     (:attr:`recurrent_layers`).
+
+    Gated DeltaNet layers (``layer_kinds[i]`` "gdn", Qwen3.5): ``gdn_key_heads`` key heads of
+    ``gdn_key_dim`` (queries alike), ``gdn_value_heads`` value heads of ``gdn_value_dim`` (a multiple
+    of the key heads: value head h reads key head ``h // (value heads / key heads)``), a depthwise
+    conv of ``conv_kernel`` taps over the q|k|v channels. Its attention layers (Qwen3.5) have
+    ``attn_output_gate``: q_proj emits each head's query then its gate, and the attention output is
+    multiplied by ``sigmoid(gate)`` before o_proj. ``rotary_dim``: RoPE turns only the first
+    ``rotary_dim`` dims of each q/k head (partial rotary); 0: all ``head_dim`` of them.
 
     MLA (DeepSeek-V2/V3 attention, ``kv_lora_rank > 0``): each token keeps one latent per layer,
     ``kv_lora_rank`` compressed KV + ``qk_rope_head_dim`` rotary key, stored in the KV pools as
@@ -107,6 +120,12 @@ class ModelSpec:
     local_rope_theta: float | None = None
     conv_kernel: int = 0
     conv_bias: bool = False
+    gdn_key_heads: int = 0
+    gdn_value_heads: int = 0
+    gdn_key_dim: int = 0
+    gdn_value_dim: int = 0
+    attn_output_gate: bool = False
+    rotary_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.kv_lora_rank:
@@ -129,7 +148,7 @@ class ModelSpec:
 
     def is_recurrent(self, layer: int) -> bool:
         """Whether layer ``layer`` keeps a state per sequence instead of KV."""
-        return bool(self.layer_kinds) and self.layer_kinds[layer] == LayerKind.CONV
+        return bool(self.layer_kinds) and self.layer_kinds[layer] in RECURRENT_KINDS
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
@@ -147,19 +166,29 @@ class ModelSpec:
         """Tokens a recurrent layer's prefill scans as one block, on a grid from position 0 (1: no
         blocks, LFM2's short convolution); a state snapshot for a prefix hit sits on this grid, so the
         hit's scan starts where the cold run's block did."""
-        return 1
+        return SCAN_CHUNK if LayerKind.GDN in self.layer_kinds else 1
 
     def state_shapes(self, layer: int) -> tuple[tuple[int, ...], ...]:
-        """The shape of each state tensor one sequence (one slot) of recurrent layer ``layer`` keeps:
-        LFM2's conv, ``(hidden_size, conv_kernel - 1)`` (channels, the last inputs in time order)."""
+        """The shape of each state tensor one sequence (one slot) of recurrent layer ``layer`` keeps,
+        the conv's first (channels, the last ``conv_kernel - 1`` inputs in time order): LFM2's
+        ``(hidden_size, K - 1)``; a gated DeltaNet's ``(conv_dim, K - 1)`` then its recurrent matrix
+        ``(value heads, key dim, value dim)`` (kept in float32 by every pool)."""
         if not self.is_recurrent(layer):
             raise ValueError(f"layer {layer} is an attention layer: it keeps KV, not a state")
-        return ((self.hidden_size, self.conv_kernel - 1),)
+        if self.layer_kinds[layer] == LayerKind.CONV:
+            return ((self.hidden_size, self.conv_kernel - 1),)
+        return ((self.gdn_conv_dim, self.conv_kernel - 1), (self.gdn_value_heads, self.gdn_key_dim, self.gdn_value_dim))
+
+    @property
+    def gdn_conv_dim(self) -> int:
+        """Channels of a gated DeltaNet layer's conv: q, k (key heads x key dim each), then v."""
+        return 2 * self.gdn_key_heads * self.gdn_key_dim + self.gdn_value_heads * self.gdn_value_dim
 
     @property
     def rope_dim(self) -> int:
-        """Dimensions each rotary embedding turns: a head's, or MLA's rotary key part."""
-        return self.qk_rope_head_dim if self.is_mla else self.head_dim
+        """Dimensions each rotary embedding turns: a head's (its first ``rotary_dim`` under partial
+        rotary), or MLA's rotary key part."""
+        return self.qk_rope_head_dim if self.is_mla else self.rotary_dim or self.head_dim
 
     def validate(self) -> None:
         for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -220,9 +249,28 @@ class ModelSpec:
             raise ModelSpecError("MLA layers with sliding windows, sandwich norms or QK-norm are not supported.")
         if not (isinstance(self.conv_kernel, int) and not isinstance(self.conv_kernel, bool) and self.conv_kernel >= 0):
             raise ModelSpecError(f"conv_kernel must be a non-negative integer, got {self.conv_kernel!r}.")
-        if LayerKind.CONV in self.layer_kinds and (self.conv_kernel < 2 or self.is_mla):
-            raise ModelSpecError("conv layers need conv_kernel >= 2 and attention layers without MLA, got "
-                                 f"conv_kernel {self.conv_kernel}{' with MLA' if self.is_mla else ''}.")
+        recurrent = sorted(RECURRENT_KINDS & set(self.layer_kinds))
+        if recurrent and (self.conv_kernel < 2 or self.is_mla):
+            raise ModelSpecError(f"{' and '.join(recurrent)} layers need conv_kernel >= 2 and attention layers without "
+                                 f"MLA, got conv_kernel {self.conv_kernel}{' with MLA' if self.is_mla else ''}.")
+        self._validate_gdn()
+
+    def _validate_gdn(self) -> None:
+        """Gated DeltaNet sizes where there are such layers; partial rotary and the output gate."""
+        sizes = ("gdn_key_heads", "gdn_value_heads", "gdn_key_dim", "gdn_value_dim")
+        for name in sizes + ("rotary_dim",):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ModelSpecError(f"model spec field {name} must be a non-negative integer, got {value!r}.")
+        if LayerKind.GDN in self.layer_kinds and (min(getattr(self, n) for n in sizes) < 1
+                                                  or self.gdn_value_heads % self.gdn_key_heads):
+            raise ModelSpecError(f"gdn layers need positive {', '.join(sizes)}, the value heads a multiple of the key "
+                                 f"heads, got {[getattr(self, n) for n in sizes]}.")
+        if self.rotary_dim % 2 or self.rotary_dim > self.head_dim or (self.rotary_dim and self.is_mla):
+            raise ModelSpecError(f"rotary_dim must be even, at most head_dim ({self.head_dim}) and unset for MLA, "
+                                 f"got {self.rotary_dim}.")
+        if self.attn_output_gate and self.is_mla:
+            raise ModelSpecError("attn_output_gate is not supported with MLA layers.")
 
     def _validate_mla(self) -> None:
         for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
@@ -248,7 +296,8 @@ class ModelSpec:
 
 
 # Fields added after random models' identities were first hashed (ModelSpec.to_dict leaves them out at these values).
-_UNHASHED_DEFAULTS: dict[str, Any] = {"conv_kernel": 0, "conv_bias": False}
+_UNHASHED_DEFAULTS: dict[str, Any] = {"conv_kernel": 0, "conv_bias": False, "gdn_key_heads": 0, "gdn_value_heads": 0,
+                                      "gdn_key_dim": 0, "gdn_value_dim": 0, "attn_output_gate": False, "rotary_dim": 0}
 
 
 def rope_scaling_type(rope_scaling: dict | None) -> str:

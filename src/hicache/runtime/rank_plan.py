@@ -157,8 +157,8 @@ def rank_components(spec: ModelSpec, layers: range | list[int], row: tuple[int, 
         out.append(KVComponent("latent" if spec.is_mla else "full", target, row))
     if hybrid is not None:
         out.append(KVComponent(
-            "window", window_layers, row, PageSpace.BLOCKS if hybrid.shared else PageSpace.WINDOW_PAGES,
-            Retention.WINDOW, hybrid.window, host="checkpoints' windows",
+            "window", window_layers, row, space=PageSpace.BLOCKS if hybrid.shared else PageSpace.WINDOW_PAGES,
+            retention=Retention.WINDOW, window=hybrid.window, host="checkpoints' windows",
             storage="checkpoints' windows, an object per page beside the full one",
             pd="a fresh window tail after decode_prefix_len"))
     if states is not None:
@@ -167,7 +167,7 @@ def rank_components(spec: ModelSpec, layers: range | list[int], row: tuple[int, 
             host="nothing yet", storage="nothing yet", pd="not supported yet", slot_bytes=states.slot_bytes))
     if draft_kv is not None:
         out.append(KVComponent("draft" if draft_kv.packed else "draft-sidecar", draft_kv.layers, draft_kv.row,
-                               PageSpace.PAGES if draft_kv.packed else PageSpace.SIDECAR))
+                               space=PageSpace.PAGES if draft_kv.packed else PageSpace.SIDECAR))
     return tuple(out)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from hicache.model.errors import ModelFormatError, as_float, as_int, quoted
 from hicache.model.spec import LayerKind
@@ -56,6 +56,13 @@ class Family:
     config as the common keys read it (its aliases and derived sizes resolved as transformers'
     config class does); ``hf_fields``: ModelSpec fields of its own read from the config;
     ``hf_refused``: architectures and model types of its kin that are refused, each with what it is.
+
+    Qwen3.5's departures: ``partial_rotary``: its config's ``partial_rotary_factor`` is read (by its
+    ``hf_fields``), not refused; ``hf_plain_norms``: norm modules (after "model.layers.{i}.") stored
+    as they are despite ``hf_norm_offset``; ``hf_multimodal``: architectures whose config.json nests
+    the text model's under ``text_config`` (:func:`hf_text_config`); ``hf_prefixes``: a stored
+    name's prefix -> the model's ("model.language_model." -> "model."); ``hf_skipped``: prefixes of
+    stored tensors of parts the engine does not run (a vision tower, an MTP head), left unread.
     """
 
     name: str
@@ -80,6 +87,11 @@ class Family:
     hf_config: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
     hf_fields: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
     hf_refused: Mapping[str, str] = field(default_factory=dict)
+    partial_rotary: bool = False
+    hf_plain_norms: tuple[str, ...] = ()
+    hf_multimodal: tuple[str, ...] = ()
+    hf_prefixes: Mapping[str, str] = field(default_factory=dict)
+    hf_skipped: tuple[str, ...] = ()
 
     def parts_of(self, name: str) -> tuple[str, ...] | None:
         """The model parameters a stored fused tensor ``name`` ("model.layers.3.self_attn.qkv_proj.weight")
@@ -93,6 +105,9 @@ class Family:
     def hf_param(self, name: str) -> str:
         """The model parameter a checkpoint tensor ``name`` fills: its own name, but where the family
         names the module otherwise ("model.layers.3.feed_forward.w1.weight" -> "...mlp.gate_proj.weight")."""
+        stored = next((p for p in self.hf_prefixes if name.startswith(p)), None)
+        if stored is not None:
+            name = self.hf_prefixes[stored] + name[len(stored):]
         if not self.hf_names:
             return name
         module, _, kind = name.rpartition(".")
@@ -101,6 +116,17 @@ class Family:
             return f"{self.hf_names.get(module, module)}.{kind}"
         layer, _, sub = rest.partition(".")
         return f"{head}.layers.{layer}.{self.hf_names.get(sub, sub)}.{kind}"
+
+    def hf_read(self, names: Iterable[str]) -> dict[str, str]:
+        """Each checkpoint tensor of ``names`` the model reads -> the parameter it fills
+        (:meth:`hf_param`); those under ``hf_skipped`` left out."""
+        return {name: self.hf_param(name) for name in names if not name.startswith(self.hf_skipped)}
+
+    def offset_norm(self, param: str) -> bool:
+        """Whether the checkpoint stores model parameter ``param`` as ``w`` for ``1 + w`` (the
+        family's ``hf_norm_offset``, a norm weight, not one of its ``hf_plain_norms``)."""
+        return (self.hf_norm_offset and param.endswith("norm.weight")
+                and not param.removesuffix(".weight").endswith(self.hf_plain_norms))
 
     def layer_tensors(self) -> Mapping[str, str]:
         """GGUF layer tensor -> HF parameter for this family (QK-norm and extra norms only where it has them)."""
@@ -136,6 +162,19 @@ def gguf_layer_fields(family: Family, fields: Mapping[str, Any], hidden: int, nu
     if family.gguf_attention_scale is not None:
         out["attention_scale"] = family.gguf_attention_scale(fields, prefix)
     return out
+
+
+def hf_text_config(family: Family, config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The text model's config: a multimodal config.json's (with a ``text_config``, of a family with
+    ``hf_multimodal`` architectures) ``text_config``, its head tied as the outer config says
+    (transformers' default: untied); any other config as it is."""
+    architectures = config.get("architectures") or []
+    if not family.hf_multimodal or "text_config" not in config:
+        return config
+    text = config["text_config"]
+    if not isinstance(text, dict):
+        raise ModelFormatError(f"config.json text_config holds {quoted(text)}, not a JSON object.")
+    return {**text, "architectures": architectures, "tie_word_embeddings": config.get("tie_word_embeddings", False)}
 
 
 def hf_layer_fields(family: Family, config: Mapping[str, Any]) -> dict[str, Any]:
