@@ -76,7 +76,7 @@ def test_stats_name_the_recurrent_state_component(model: str) -> None:
 
 
 @pytest.mark.parametrize("flags, says", [
-    (dict(enable_hierarchical_cache=True), "drop --enable-hierarchical-cache"),
+    (dict(enable_hierarchical_cache=True, hicache_storage_backend="file"), "drop --hicache-storage-backend"),
     (dict(speculative_algorithm="NGRAM"), "drop --speculative-algorithm"),
     (dict(tp_size=2), "drop --tp-size"),
     (dict(pp_size=2), "drop --pp-size"),

@@ -44,8 +44,11 @@ class DeviceStates:
     def on_admit(self, hold: StateHold, node: TreeNode | None, hit_tokens: int, kv_tokens: int) -> None:
         """The request hit ``hit_tokens`` ending at ``node`` (its match is cut to a snapshot there);
         its prompt's KV reaches ``kv_tokens`` in the tree (where its path branches, when further)."""
-        if hit_tokens:
-            hold.source, hold.start = self.snapshots.of(node).device, hit_tokens
+        if hit_tokens:  # (the match ends at a node with a device snapshot, or a host one: loaded into the running slot)
+            device = self.snapshots.of(node).device
+            if not device:
+                self.snapshots.host.load(node, hold.slot)
+            hold.source, hold.start = device or hold.slot, hit_tokens
         branch = kv_tokens // self.grid * self.grid
         hold.branch = branch if branch > hit_tokens else 0
 

@@ -109,14 +109,16 @@ class DeviceTier:
         if hold is None:
             return None
         prompt = tokens[: len(tokens) - 1]  # (as the match: one token is left to compute)
-        kv_tokens = self.tree.peek_prefix(namespace, prompt, cut=False).device_hit_tokens if self.tree else 0
+        peek = self.tree.peek_prefix(namespace, prompt, cut=False) if self.tree else None
+        kv_tokens = peek.device_hit_tokens + peek.host_hit_tokens if peek else 0
         admitted = self._admit_pages(namespace, tokens, reserve_tokens, storage_tokens, forward_tokens, kv_arrives)
         if admitted is None:
             self.states.release(hold)
             return None
         state = admitted[0]
         state.state = hold
-        self.states.on_admit(hold, state.node, state.device_hit_tokens, kv_tokens)
+        hit = state.device_hit_tokens + state.host_hit_tokens + state.storage_hit_tokens
+        self.states.on_admit(hold, state.node, hit, kv_tokens)
         return admitted
 
     def _admit_pages(self, namespace: str, tokens: np.ndarray, reserve_tokens: int, storage_tokens: int,

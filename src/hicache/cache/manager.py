@@ -27,6 +27,7 @@ from .host_tier import HostTier
 from .host_transfer import TransferController
 from .placement import PagePlacement, ShardedPageAllocator, ShardView
 from .pools import DeviceKVPool, PageAllocator
+from .host_state import HostStates
 from .state_pool import StatePool
 from .storage.base import StorageBackend
 from .storage.keys import OBJECT_LAYOUT_V1, KeyNamespace
@@ -53,7 +54,8 @@ class RankLayout:
     model reads it through :attr:`KVCacheManager.sidecar_view`; ``unified``: storage objects
     follow the unified grid (``--hicache-storage-key-scheme unified``): this rank's read and
     write cells, under a namespace every compatible deployment shares; ``states``: the recurrent
-    layers' state slots beside the KV pages (issue 59), read through :attr:`KVCacheManager.kv_view`."""
+    layers' state slots beside the KV pages (issue 59), read through :attr:`KVCacheManager.kv_view`;
+    ``host_states``: the host tier's snapshot slots (with a host pool)."""
 
     shard: str = ""
     storage_agree: tuple[Agree, Agree] | None = None
@@ -62,6 +64,7 @@ class RankLayout:
     sidecar: tuple[DeviceKVPool, HostKVPool | None] | None = None
     unified: UnifiedPlan | None = None
     states: StatePool | None = None
+    host_states: StatePool | None = None
 
 
 class _KVView:
@@ -173,6 +176,9 @@ class KVCacheManager:
                                             objects, window_objects)
             self.host.lower = self.storage_tier
         self.device.lower = self.host
+        tree_states = self.device.states.snapshots if self.device.states is not None else None
+        self.host_states = HostStates(layout.host_states, layout.states, tree_states) \
+            if self.host is not None and layout.host_states is not None and tree_states is not None else None
         # the lower tiers, top down
         self.tiers: list[Tier] = [t for t in (self.host, self.storage_tier) if t is not None]
         if self.host is not None and self.device.windows is not None:
@@ -344,4 +350,7 @@ class KVCacheManager:
         return self.device.usage()
 
     def host_usage(self) -> dict | None:
-        return self.host.usage() if self.host is not None else None
+        if self.host is None:
+            return None
+        states = {"recurrent_state": self.host_states.usage()} if self.host_states is not None else {}
+        return {**self.host.usage(), **states}

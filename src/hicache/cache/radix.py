@@ -229,6 +229,8 @@ class RadixCache(LeafEviction):
         assert node.host_pages is None and len(host_pages) * self.page_size == len(node.key)
         node.host_pages = host_pages
         self.host_pages_held += len(host_pages)
+        for c in self.components:
+            c.host_attached(node)
 
     def attach_device_pages(self, node: TreeNode, device_pages: np.ndarray) -> None:
         """Give a host-only node device pages (a load-back into them is in flight)."""

@@ -87,9 +87,9 @@ class StatePool:
         self.buffers = [tuple(torch.zeros((self.num_slots, *shape), dtype=dtype, device=device) for shape, dtype in layer)
                         for layer in layers]
         self.bytes_per_slot = slot_bytes(layers)
-        logger.info("device state pool: %d running slots and %d snapshot slots x %d recurrent layers, %.1f KiB a "
-                    "slot, %.1f MiB", running, snapshots, len(layers), self.bytes_per_slot / 2**10,
-                    self.total_bytes / 2**20)
+        logger.info("state pool (%s): %d running slots and %d snapshot slots x %d recurrent layers, %.1f KiB a "
+                    "slot, %.1f MiB", torch.device(device).type, running, snapshots, len(layers),
+                    self.bytes_per_slot / 2**10, self.total_bytes / 2**20)
 
     @property
     def total_bytes(self) -> int:

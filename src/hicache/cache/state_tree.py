@@ -21,7 +21,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -29,14 +29,17 @@ from .state_pool import SlotRange
 from .tree_node import TreeNode
 
 if TYPE_CHECKING:
+    from .host_state import HostStates
     from .radix import RadixCache
 
 
 @dataclass(slots=True)
 class StatePart:
-    """A node's handle on the state component: the snapshot slot of the state at its end (0: none)."""
+    """A node's handle on the state component: the snapshot of the state at its end, as a slot of the
+    device state pool and of the host's (0: none)."""
 
     device: int = 0
+    host: int = 0
 
 
 class TreeStates:
@@ -49,8 +52,9 @@ class TreeStates:
         self.tree, self.page_size = tree, tree.page_size
         self.index = -1  # set when the tree registers it (PageTree.add_component)
         self.slots = slots
-        self.held = 0  # snapshots the tree holds
-        self.evicted = 0  # snapshots freed to make room (not with their node's pages)
+        self.held = 0  # snapshots the tree holds on the device
+        self.evicted = 0  # device snapshots freed to make room (not with their node's pages)
+        self.host: HostStates | None = None  # the host tier's copies (set by it; None without one)
 
     def of(self, node: TreeNode) -> StatePart:
         return node.parts[self.index]
@@ -64,13 +68,15 @@ class TreeStates:
 
     def usable(self, path: list[TreeNode], device_tokens: int, host_tokens: int) -> int:
         """The deepest end of a node matched in full (each but possibly the last) that holds a
-        snapshot, within the device run; 0 when none does."""
+        snapshot: on the device or in its host copy within the device run (a host one is copied to
+        the request's running slot at admission), in its host copy after it; 0 when none does."""
         best, pos = 0, 0
         for node in path:
             pos += len(node.key)
-            if pos > device_tokens:
+            if pos > device_tokens + host_tokens:
                 break
-            if self.of(node).device:
+            part = self.of(node)
+            if part.host or (part.device and pos <= device_tokens):
                 best = pos
         return best
 
@@ -83,36 +89,48 @@ class TreeStates:
     def device_attached(self, node: TreeNode) -> None:
         """A host copy's pages came back; its state does not (the host tier keeps none yet)."""
 
+    def host_attached(self, node: TreeNode) -> None:
+        """The node's pages got a host copy: its snapshot gets one too."""
+        if self.host is not None:
+            self.host.backup(node)
+
     def drop_device(self, node: TreeNode) -> None:
         """The node's device copy goes: its snapshot with it."""
         self._free(node)
 
     def drop_host(self, node: TreeNode) -> None:
-        """The host tier keeps no snapshot yet."""
+        """The node's host copy goes: its host snapshot with it."""
+        if self.host is not None:
+            self.host.free(node)
 
     def victim_rank(self, node: TreeNode) -> tuple:
         """Device eviction takes dead leaves first: without a snapshot at its end no hit ends in one."""
         return (self.of(node).device != 0,)
 
     def check(self, nodes: list[TreeNode]) -> None:
-        """A snapshot only beside device pages, none shared, the count right."""
-        seen: set[int] = set()
+        """A snapshot only beside its tier's pages, none shared within a tier, the counts right."""
+        seen: dict[str, set[int]] = {"device": set(), "host": set()}
         for node in nodes:
-            slot = self.of(node).device
-            if slot:
-                assert node.device_pages is not None, f"{node}: a snapshot without device pages"
-                assert slot not in seen, f"{node}: snapshot slot {slot} shared"
-                seen.add(slot)
-        assert len(seen) == self.held, (len(seen), self.held)
+            part = self.of(node)
+            for tier, slot, pages in (("device", part.device, node.device_pages), ("host", part.host, node.host_pages)):
+                if slot:
+                    assert pages is not None, f"{node}: a {tier} snapshot without {tier} pages"
+                    assert slot not in seen[tier], f"{node}: {tier} snapshot slot {slot} shared"
+                    seen[tier].add(slot)
+        assert len(seen["device"]) == self.held, (len(seen["device"]), self.held)
+        assert len(seen["host"]) == (self.host.held if self.host is not None else 0)
 
     # ---- snapshots -------------------------------------------------------------------------
     def attach(self, node: TreeNode, slot: int) -> bool:
-        """``node`` (ending at the snapshot's position, on the device) takes snapshot ``slot``; False
-        (the caller frees it) when it holds one already or is the root."""
+        """``node`` (ending at the snapshot's position, on the device) takes snapshot ``slot`` (and a
+        host copy where the node has one); False (the caller frees it) when it holds one already or is
+        the root."""
         if node.is_root or node.device_pages is None or self.of(node).device:
             return False
         self.of(node).device = slot
         self.held += 1
+        if self.host is not None and node.host_pages is not None:
+            self.host.backup(node)
         return True
 
     def alloc(self) -> int | None:
@@ -124,23 +142,12 @@ class TreeStates:
         return slot
 
     def evict(self, count: int) -> int:
-        """Free up to ``count`` snapshots of unlocked nodes: *spare* ones first (a deeper snapshot on
-        their path serves the same conversation further: a superseded turn, a chunk end), then each
-        path's deepest, least recently used first. Returns how many."""
-        held = [node for node in self.tree.all_nodes() if not node.is_root and self.of(node).device]
-        spare: set[int] = set()  # ids of nodes with a snapshot somewhere below them
-        for node in held:
-            for above in itertools.islice(node.lineage(), 1, None):
-                if above.id in spare:
-                    break
-                spare.add(above.id)
-        victims = [((node.id not in spare, node.last_access, node.id), node) for node in held if node.lock_ref == 0]
-        freed = 0
-        for _, node in heapq.nsmallest(count, victims):
+        """Free up to ``count`` device snapshots of unlocked nodes (:func:`eviction_order`). Returns how many."""
+        victims = eviction_order(self.tree, lambda node: self.of(node).device, lambda node: node.lock_ref == 0, count)
+        for node in victims:
             self._free(node)
-            freed += 1
-        self.evicted += freed
-        return freed
+        self.evicted += len(victims)
+        return len(victims)
 
     def _free(self, node: TreeNode) -> None:
         part = self.of(node)
@@ -148,3 +155,19 @@ class TreeStates:
             self.slots.free(part.device)
             part.device = 0
             self.held -= 1
+
+
+def eviction_order(tree: "RadixCache", slot_of: Callable[[TreeNode], int], may_go: Callable[[TreeNode], bool],
+                   count: int) -> list[TreeNode]:
+    """Up to ``count`` nodes whose snapshot (``slot_of``: in one tier) ``may_go``, *spare* ones first (a
+    deeper snapshot of the tier on their path serves the same conversation further: a superseded turn,
+    a chunk end), then each path's deepest; least recently used first (the node id breaks ties)."""
+    nodes = [node for node in tree.all_nodes() if not node.is_root and slot_of(node)]
+    spare: set[int] = set()  # ids of nodes with a snapshot somewhere below them
+    for node in nodes:
+        for above in itertools.islice(node.lineage(), 1, None):
+            if above.id in spare:
+                break
+            spare.add(above.id)
+    keyed = [((node.id not in spare, node.last_access, node.id), node) for node in nodes if may_go(node)]
+    return [node for _, node in heapq.nsmallest(count, keyed)]

@@ -78,6 +78,8 @@ def build_core(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, dty
     windows = plan.hybrid.pool_part(plan.window_pages) if plan.hybrid is not None else None
     s = plan.states
     states = StatePool(s.layers, s.running, s.snapshots, s.grid, device) if s is not None else None
+    host_states = StatePool(s.layers, 0, s.host_snapshots, s.grid, "cpu") if s is not None and s.host_snapshots \
+        else None
     pool = DeviceKVPool(plan.layers + plan.packed_layers, *plan.row, plan.device_pages, cfg.page_size, plan.kv_dtype,
                         device, windows)
     unified = plan.unified
@@ -86,7 +88,7 @@ def build_core(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, dty
     layout = RankLayout(shard=rank.shard.describe() if rank.shard else "", storage_agree=rank.storage_agree,
                         placement=cp.placement if cp is not None else None,
                         shard_rank=rank.cp_group.rank if rank.cp_group else 0, sidecar=sidecar, unified=unified,
-                        states=states)
+                        states=states, host_states=host_states)
     cache = KVCacheManager(pool, host_pool, storage, CachePolicy.from_config(cfg), layout)
     runner = ModelRunner(loaded.model, cache.kv_view, device, cp)
     modes = build_modes(ModeContext(cfg, cache, device, plan.layers, loaded.spec.vocab_size,

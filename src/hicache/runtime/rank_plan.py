@@ -131,6 +131,7 @@ def plan_rank(cfg: EngineConfig, spec: ModelSpec, rank: RankContext, draft: Mode
                        layer_page * len(hybrid.window_layers) if hybrid else 0)
     device_pages, host_pages, storage, hybrid, window_pages = _sized_tiers(
         cfg, _Budget(device, rank, staging), hybrid, costs, storage_reachable, apart is None)
+    states = states.with_host(device_pages, host_pages) if states is not None else None
     components = rank_components(spec, rank.layers(spec), row, hybrid, draft_kv, states)
     return RankPlan(dtype, layers, row, components, draft_kv, hybrid, device_pages, host_pages, window_pages, apart,
                     staging, gather, _prefill_chunk(cfg, hybrid, window_pages), unified, storage, states)
@@ -164,7 +165,8 @@ def rank_components(spec: ModelSpec, layers: range | list[int], row: tuple[int, 
     if states is not None:
         out.append(KVComponent(
             "recurrent_state", len(states.layers), (0, 0), PageSpace.STATE_SLOTS, Retention.CHECKPOINTS,
-            host="nothing yet", storage="nothing yet", pd="not supported yet", slot_bytes=states.slot_bytes))
+            host="the snapshots of the nodes it holds", storage="nothing yet", pd="not supported yet",
+            slot_bytes=states.slot_bytes))
     if draft_kv is not None:
         out.append(KVComponent("draft" if draft_kv.packed else "draft-sidecar", draft_kv.layers, draft_kv.row,
                                space=PageSpace.PAGES if draft_kv.packed else PageSpace.SIDECAR))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -39,6 +39,14 @@ class StatePlan:
     running: int
     snapshots: int
     grid: int
+    host_snapshots: int = 0  # the host tier's (0: none): as many per host KV page as the device has per page
+
+    def with_host(self, device_pages: int, host_pages: int) -> StatePlan:
+        """This plan with host snapshot slots for a host pool of ``host_pages`` beside ``device_pages``
+        (counts with the reserved page 0): at least the device's, more with a larger host pool."""
+        if host_pages <= 1:
+            return self
+        return replace(self, host_snapshots=max(self.snapshots, self.snapshots * (host_pages - 1) // max(device_pages - 1, 1)))
 
     @property
     def slot_bytes(self) -> int:
