@@ -76,7 +76,8 @@ def test_stats_name_the_recurrent_state_component(model: str) -> None:
 
 
 @pytest.mark.parametrize("flags, says", [
-    (dict(enable_hierarchical_cache=True, hicache_storage_backend="file"), "drop --hicache-storage-backend"),
+    (dict(enable_hierarchical_cache=True, hicache_storage_backend="file", hicache_storage_key_scheme="unified"),
+     "drop --hicache-storage-key-scheme unified"),
     (dict(speculative_algorithm="NGRAM"), "drop --speculative-algorithm"),
     (dict(tp_size=2), "drop --tp-size"),
     (dict(pp_size=2), "drop --pp-size"),

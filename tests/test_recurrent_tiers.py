@@ -5,6 +5,8 @@ whose tokens and log-probabilities are a cold run's."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from hicache import Engine
@@ -54,3 +56,46 @@ def test_a_device_hit_whose_snapshot_was_dropped_loads_the_host_copy(model: str)
     again = engine.generate([prompt], GREEDY)[0]
     assert again.cached_tokens_details["device"] > 0 and again.cached_tokens_details["host"] == 0
     assert_as_cold(engine, prompt, again)
+
+
+def storage_engine(model: str, path, **kw) -> Engine:
+    return make_engine(model, hicache_storage_backend="file",
+                       hicache_storage_backend_extra_config=json.dumps({"path": str(path)}),
+                       hicache_storage_prefetch_threshold=16, hicache_storage_prefetch_policy="wait_complete", **kw)
+
+
+@pytest.mark.storage
+def test_a_fresh_engine_over_a_file_store_hits_the_stored_snapshot(model: str, tmp_path) -> None:
+    """A writer stores a prompt's pages and its snapshot ("-state" objects); a new engine over the same
+    store prefetches them: a storage hit up to the snapshot's boundary, the cold run's tokens."""
+    prompt = ids(150, seed=5)
+    writer = storage_engine(model, tmp_path)
+    grid = writer.stats()["device_pool"]["recurrent_state"]["grid_tokens"]
+    writer.generate([prompt], GREEDY)
+    writer.shutdown()  # every write reaches the store
+    assert list(tmp_path.rglob("*-state*")), "no state object was written"
+    reader = storage_engine(model, tmp_path)
+    out = reader.generate([prompt], GREEDY)[0]
+    assert out.cached_tokens_details["storage"] > 0
+    assert out.cached_tokens == (len(prompt) - 1) // grid * grid
+    assert_as_cold(reader, prompt, out)
+    reader.cache.tree.check_invariants()
+    reader.shutdown()
+
+
+@pytest.mark.storage
+def test_a_corrupt_state_object_cuts_the_hit_back_never_a_wrong_token(model: str, tmp_path) -> None:
+    prompt = ids(150, seed=6)
+    writer = storage_engine(model, tmp_path)
+    writer.generate([prompt], GREEDY)
+    writer.shutdown()
+    for path in tmp_path.rglob("*-state*"):  # flip a byte of every stored snapshot's payload
+        blob = bytearray(path.read_bytes())
+        blob[-1] ^= 0xFF
+        path.write_bytes(bytes(blob))
+    reader = storage_engine(model, tmp_path)
+    out = reader.generate([prompt], GREEDY)[0]
+    assert out.cached_tokens == 0  # pages arrived, but no snapshot: nothing to resume from
+    assert_as_cold(reader, prompt, out)
+    assert reader.stats()["storage"]["failures"].get("state_checksum", 0) > 0
+    reader.shutdown()

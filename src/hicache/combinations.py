@@ -28,9 +28,9 @@ REFUSED: dict[tuple[str, str], str] = {
     ("recurrent_state", "speculative"): "{model} has recurrent layers, whose state a verify pass would have to roll "
                                         "back to the accepted drafts (the recurrent_state component keeps no state per "
                                         "draft yet); drop --speculative-algorithm.",
-    ("recurrent_state", "storage"): "{model} has recurrent layers, whose state snapshots the storage tier does not "
-                                    "keep yet (the recurrent_state component is on the device and host tiers only); "
-                                    "drop --hicache-storage-backend.",
+    ("recurrent_state", "unified"): "{model} has recurrent layers, which the unified storage grid does not lay out "
+                                    "yet (the recurrent_state component's objects are rank-suffix ones); drop "
+                                    "--hicache-storage-key-scheme unified.",
     ("recurrent_state", "pd"): "{model} has recurrent layers, whose state prefill/decode disaggregation does not "
                                "send yet (no transfer of the recurrent_state component); drop --disaggregation-mode.",
     ("recurrent_state", "tp"): "{model} has recurrent layers, which tensor parallelism does not shard yet (the "

@@ -275,7 +275,8 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
         modes = {"cp": self.attn_cp_size > 1 or self.enable_kv_cache_sharding,
                  "latent-tp": self.enable_kv_cache_sharding and self.attn_cp_size == 1,
                  "pd": self.disaggregation_mode != "null", "tp": self.tp_size > 1, "pp": self.pp_size > 1,
-                 "storage": bool(self.hicache_storage_backend), "speculative": self.speculative_algorithm is not None}
+                 "unified": self.hicache_storage_key_scheme == "unified",
+                 "speculative": self.speculative_algorithm is not None}
         for (component, mode), why in REFUSED.items():
             if component in components and modes[mode]:
                 raise ConfigError(why.format(model=self.model))

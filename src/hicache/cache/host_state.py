@@ -22,7 +22,8 @@ from .tree_node import TreeNode
 
 
 class HostStates:
-    """Host snapshots of ``tree_states``' nodes, copied from and to the ``device`` state pool."""
+    """Host snapshots of ``tree_states``' nodes, copied from and to the ``device`` state pool (and
+    read from and written to storage by :class:`~.storage.state_objects.StoredStates`)."""
 
     def __init__(self, pool: StatePool, device: StatePool, tree_states: TreeStates) -> None:
         self.pool, self.device, self.tree_states = pool, device, tree_states
@@ -36,7 +37,7 @@ class HostStates:
         part = self.tree_states.of(node)
         if not part.device or part.host:
             return False
-        slot = self._alloc()
+        slot = self.reserve()
         if slot is None:
             return False
         _copy(self.device, part.device, self.pool, slot)
@@ -55,11 +56,28 @@ class HostStates:
             part.host = 0
             self.held -= 1
 
-    def _alloc(self) -> int | None:
+    def adopt(self, node: TreeNode, slot: int) -> None:
+        """``node`` (ending where a snapshot read from storage into host ``slot`` belongs, with a host
+        copy of its pages) takes it; freed where it cannot (a duplicate)."""
+        part = self.tree_states.of(node)
+        if node.is_root or node.host_pages is None or part.host:
+            self.pool.snapshots.free(slot)
+            return
+        part.host = slot
+        self.held += 1
+
+    def free_slots(self, slots) -> None:
+        """Free host slots no node took (a stopped prefetch's)."""
+        for slot in slots:
+            self.pool.snapshots.free(int(slot))
+
+    def reserve(self) -> int | None:
+        """A free host snapshot slot, freeing a node's when none is (not one a storage write is
+        reading: ``host_ref``); None when none can go."""
         slot = self.pool.snapshots.alloc()
         if slot is None:
             victims = eviction_order(self.tree_states.tree, lambda node: self.tree_states.of(node).host,
-                                     lambda node: True, 1)
+                                     lambda node: node.host_ref == 0, 1)
             for node in victims:
                 self.free(node)
             self.evicted += len(victims)

@@ -84,7 +84,8 @@ class _KVView:
             self.layer_ready = lambda layer: controller.layer_ready(offset + layer)
 
 
-def _key_namespace(pool: DeviceKVPool, shard: str, unified: UnifiedPlan | None) -> KeyNamespace:
+def _key_namespace(pool: DeviceKVPool, shard: str, unified: UnifiedPlan | None,
+                   states: StatePool | None = None) -> KeyNamespace:
     """What names this rank's page objects: its own layers and KV heads (rank-suffix), or the
     whole model's grid (unified: the same on every rank of every compatible deployment)."""
     k = pool.k_buffers[0]
@@ -94,6 +95,8 @@ def _key_namespace(pool: DeviceKVPool, shard: str, unified: UnifiedPlan | None) 
     # objects): a namespace of their own, so every-layer objects are never read as these
     w = pool.windows
     layout = f"{OBJECT_LAYOUT_V1};window={w.window}x{len(w.layers)}" if pool.hybrid else OBJECT_LAYOUT_V1
+    if states is not None:  # recurrent layers: "-state" objects of this slot size, on this grid
+        layout += f";state={states.bytes_per_slot}Bx{len(states.buffers)}@{states.grid}"
     return KeyNamespace(pool.page_size, str(k.dtype), tuple(k.shape[1:]), len(pool.k_buffers) - len(w.layers),
                         shard, layout)
 
@@ -164,10 +167,15 @@ class KVCacheManager:
         if self.device.windows is not None:
             self.component_pages["window"] = self.device.windows.allocator.capacity
             self.device.windows.prompt_only = not policy.cache_generated
-        self.keys = _key_namespace(pool, layout.shard, unified)
+        self.keys = _key_namespace(pool, layout.shard, unified, layout.states)
         self.host: HostTier | None = None if host_pool is None else HostTier(
             pool, host_pool, self.host_allocator, self.tree, policy, self.stats, shard_view,
             [sidecar] if sidecar else [])
+        tree_states = self.device.states.snapshots if self.device.states is not None else None
+        self.host_states = HostStates(layout.host_states, layout.states, tree_states) \
+            if self.host is not None and layout.host_states is not None and tree_states is not None else None
+        if self.host is not None:
+            self.host.states = self.host_states  # (its storage tier reads and writes them)
         self.storage_tier: StorageTier | None = None
         if storage is not None:
             objects, window_objects = _grid_objects(host_pool, unified, sidecar[1] if sidecar else None,
@@ -176,9 +184,6 @@ class KVCacheManager:
                                             objects, window_objects)
             self.host.lower = self.storage_tier
         self.device.lower = self.host
-        tree_states = self.device.states.snapshots if self.device.states is not None else None
-        self.host_states = HostStates(layout.host_states, layout.states, tree_states) \
-            if self.host is not None and layout.host_states is not None and tree_states is not None else None
         # the lower tiers, top down
         self.tiers: list[Tier] = [t for t in (self.host, self.storage_tier) if t is not None]
         if self.host is not None and self.device.windows is not None:

@@ -119,12 +119,13 @@ class RadixCache(LeafEviction):
             return self._roots.get(namespace) if len(tokens) == 0 else None
         return path[-1] if device + host == len(tokens) and n == len(path[-1].key) else None
 
-    def boundary_node(self, namespace: str, tokens) -> TreeNode | None:
-        """The node ending exactly after ``tokens`` (whole pages, all on the device), split there when
-        a node runs past it; None when they are not all cached on the device. No recency or hit count."""
+    def boundary_node(self, namespace: str, tokens, host: bool = False) -> TreeNode | None:
+        """The node ending exactly after ``tokens`` (whole pages, all on the device; ``host``: in any
+        tier), split there when a node runs past it; None when they are not all cached so. No recency
+        or hit count."""
         tokens = self._as_tokens(tokens)
-        path, device, _, n = self._walk(namespace, tokens, cut=False)
-        if not path or device < len(tokens):
+        path, device, in_host, n = self._walk(namespace, tokens, cut=False)
+        if not path or device + (in_host if host else 0) < len(tokens):
             return None
         return path[-1] if n == len(path[-1].key) else self.split(path[-1], n)
 

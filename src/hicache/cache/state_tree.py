@@ -21,7 +21,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import numpy as np
 
@@ -29,8 +29,17 @@ from .state_pool import SlotRange
 from .tree_node import TreeNode
 
 if TYPE_CHECKING:
-    from .host_state import HostStates
     from .radix import RadixCache
+
+
+class HostCopies(Protocol):
+    """The host tier's snapshots as the tree uses them (:class:`~.host_state.HostStates`)."""
+
+    held: int
+
+    def backup(self, node: TreeNode) -> bool: ...
+
+    def free(self, node: TreeNode) -> None: ...
 
 
 @dataclass(slots=True)
@@ -54,7 +63,7 @@ class TreeStates:
         self.slots = slots
         self.held = 0  # snapshots the tree holds on the device
         self.evicted = 0  # device snapshots freed to make room (not with their node's pages)
-        self.host: HostStates | None = None  # the host tier's copies (set by it; None without one)
+        self.host: HostCopies | None = None  # the host tier's copies (set by it; None without one)
 
     def of(self, node: TreeNode) -> StatePart:
         return node.parts[self.index]

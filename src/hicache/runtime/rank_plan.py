@@ -165,7 +165,8 @@ def rank_components(spec: ModelSpec, layers: range | list[int], row: tuple[int, 
     if states is not None:
         out.append(KVComponent(
             "recurrent_state", len(states.layers), (0, 0), PageSpace.STATE_SLOTS, Retention.CHECKPOINTS,
-            host="the snapshots of the nodes it holds", storage="nothing yet", pd="not supported yet",
+            host="the snapshots of the nodes it holds", storage="a -state object per stored snapshot",
+            pd="not supported yet",
             slot_bytes=states.slot_bytes))
     if draft_kv is not None:
         out.append(KVComponent("draft" if draft_kv.packed else "draft-sidecar", draft_kv.layers, draft_kv.row,
