@@ -312,9 +312,9 @@ def test_spec_buffers_shapes_and_modes() -> None:
     assert shapes["model.layers.0.mamba.in_proj.weight"] == (128 + 192 + 4, 64)
     assert (shapes["model.layers.1.mamba.conv1d.weight"], shapes["model.layers.1.mamba.conv1d.bias"]) == \
         ((192, 1, 4), (192,))
-    assert (shapes["model.layers.0.mamba.A_log"], shapes["model.layers.0.mamba.D"], shapes["model.layers.0.mamba.dt_bias"],
-            shapes["model.layers.0.mamba.norm.weight"], shapes["model.layers.0.mamba.out_proj.weight"]) == \
-        ((4,), (4,), (4,), (128,), (64, 128))
+    mixer = "model.layers.0.mamba."
+    assert [shapes[mixer + name] for name in ("A_log", "D", "dt_bias", "norm.weight", "out_proj.weight")] == \
+        [(4,), (4,), (4,), (128,), (64, 128)]
     assert "model.layers.2.mamba.A_log" not in shapes and "model.layers.0.self_attn.q_proj.weight" not in shapes
     with pytest.raises(ConfigError, match="--tp-size 2 is not supported for models with recurrent layers"):
         check_parallel(spec, 2, 1)

@@ -81,7 +81,7 @@ class Attention(nn.Module):
             qkv[:, q_width:k_end] = self.k_norm(qkv[:, q_width:k_end].reshape(-1, self.head_dim).contiguous()).view(t, -1)
         qk = qkv[:, : qk_heads * self.head_dim].view(t, qk_heads, self.head_dim)
         ops = native_ops(qkv)
-        if self.nope:
+        if self.nope:  # no positional embedding: positions reach the layer through the causal mask alone
             pass
         elif self.rotary_dim < self.head_dim:  # partial rotary: the other dims pass as they are
             turned = qk[..., :self.rotary_dim]

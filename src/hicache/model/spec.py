@@ -202,7 +202,8 @@ class ModelSpec:
         if kind == LayerKind.CONV:
             return ((self.hidden_size, self.conv_kernel - 1),)
         if kind == LayerKind.MAMBA2:
-            return ((self.mamba_conv_dim, self.conv_kernel - 1), (self.mamba_heads, self.mamba_head_dim, self.mamba_state))
+            return ((self.mamba_conv_dim, self.conv_kernel - 1),
+                    (self.mamba_heads, self.mamba_head_dim, self.mamba_state))
         return ((self.gdn_conv_dim, self.conv_kernel - 1), (self.gdn_value_heads, self.gdn_key_dim, self.gdn_value_dim))
 
     @property

@@ -18,7 +18,8 @@ from hicache.model.families.qwen35 import QWEN35
 
 FAMILIES = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3, PHI3, DEEPSEEK, LFM2, QWEN35, GRANITE_HYBRID)
 __all__ = ["Family", "FAMILIES", "LLAMA", "MISTRAL", "QWEN2", "QWEN3", "GEMMA3", "PHI3", "DEEPSEEK", "LFM2", "QWEN35",
-           "GRANITE_HYBRID", "gguf_family", "hf_family", "gguf_layer_fields", "hf_layer_fields", "hf_text_config", "config_int"]
+           "GRANITE_HYBRID", "gguf_family", "hf_family", "gguf_layer_fields", "hf_layer_fields", "hf_text_config",
+           "config_int"]
 
 
 def gguf_family(architecture: object) -> Family:

@@ -81,7 +81,8 @@ def _mamba_fields(config: Mapping[str, Any]) -> dict[str, Any]:
     return dict(mamba_heads=heads, mamba_head_dim=head_dim, mamba_groups=config_int(config, "mamba_n_groups", 1),
                 mamba_state=config_int(config, "mamba_d_state", 256),
                 conv_kernel=config_int(config, "mamba_d_conv", 4, least=2),
-                conv_bias=bool(config.get("mamba_conv_bias", True)), mamba_proj_bias=bool(config.get("mamba_proj_bias")))
+                conv_bias=bool(config.get("mamba_conv_bias", True)),
+                mamba_proj_bias=bool(config.get("mamba_proj_bias")))
 
 
 def _dt_limits(config: Mapping[str, Any]) -> dict[str, Any]:
