@@ -60,7 +60,7 @@ def _nope(config: Mapping[str, Any]) -> bool:
 def _refuse_experts(config: Mapping[str, Any]) -> None:
     experts = config.get("num_local_experts", DEFAULT_EXPERTS)
     sparse = "sparse" in (config.get("mlp_layer_types") or ())
-    if experts not in (0, None) or sparse:
+    if experts != 0 or sparse:  # (null too: transformers' layer compares it with 0 and fails)
         what = "mlp_layer_types naming sparse layers" if sparse else f"num_local_experts = {quoted(experts)}"
         raise ModelFormatError(f"Granite's mixture-of-experts models ({what}) are not supported (only the dense "
                                "Granite 4.0-H models, num_local_experts 0, are).")
