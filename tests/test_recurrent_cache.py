@@ -15,7 +15,7 @@ from hicache import Engine, SamplingParams
 
 pytestmark = pytest.mark.cache
 
-MODELS = ["random:lfm2-tiny", "random:gdn-tiny"]  # grid: the page (4); lcm(page, 64) = 64
+MODELS = ["random:lfm2-tiny", "random:gdn-tiny", "random:mamba2-tiny"]  # grid: the page (4); lcm(page, 64) = 64
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, logprobs=0)
 LOGPROB_ATOL = 1e-4  # float32: a hit's last chunk is a shorter GEMM than the cold run's
 

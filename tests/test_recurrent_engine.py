@@ -1,8 +1,8 @@
 """The engine serving a hybrid recurrent model (issue 59, steps b and f): LFM2's short-convolution
-layers, or Qwen3.5's gated DeltaNet layers (a conv state and a float32 recurrent matrix), keep a
-state slot per running request beside the attention layers' KV pages. Greedy tokens equal the
+layers, Qwen3.5's gated DeltaNet layers or Granite 4.0-H's Mamba2 layers (a conv state and a float32
+recurrent matrix) keep a state slot per running request beside the attention layers' KV pages. Greedy tokens equal the
 dense reference's whatever the batch and the prefill chunks; slots come back when requests end;
-what is not built yet is refused in one sentence. Each test runs for both models."""
+what is not built yet is refused in one sentence. Each test runs for every model."""
 
 from __future__ import annotations
 
@@ -18,12 +18,14 @@ from hicache.model.loader import load_model
 
 pytestmark = pytest.mark.engine
 
-MODELS = ["random:lfm2-tiny", "random:gdn-tiny"]
+MODELS = ["random:lfm2-tiny", "random:gdn-tiny", "random:mamba2-tiny"]
 STEPS = 10
 # One slot's bytes (float32): lfm2-tiny, two conv layers of [hidden 64, 3 taps - 1]; gdn-tiny, two DeltaNet
 # layers of a conv state [conv_dim = 2 * 2 key heads * 16 + 4 value heads * 16, 4 taps - 1] and a recurrent
-# matrix [4 value heads, 16, 16]
-SLOT_BYTES = {"random:lfm2-tiny": 2 * 64 * 2 * 4, "random:gdn-tiny": 2 * (128 * 3 * 4 + 4 * 16 * 16 * 4)}
+# matrix [4 value heads, 16, 16]; mamba2-tiny, two Mamba2 layers of a conv state [conv_dim = 4 heads * 32 +
+# 2 * 2 groups * 16, 4 taps - 1] and an SSM state [4 heads, 32, 16]
+SLOT_BYTES = {"random:lfm2-tiny": 2 * 64 * 2 * 4, "random:gdn-tiny": 2 * (128 * 3 * 4 + 4 * 16 * 16 * 4),
+              "random:mamba2-tiny": 2 * (192 * 3 * 4 + 4 * 32 * 16 * 4)}
 
 
 @pytest.fixture(scope="module", params=MODELS)

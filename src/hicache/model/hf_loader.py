@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Iterable
 
@@ -104,11 +105,10 @@ def _spec(config: dict, tensor_names: Iterable[str] | None) -> ModelSpec:
 
 def _check_config(config: dict, family: Family) -> None:
     """Refuse, naming the key, what a model here would otherwise compute wrongly (the layer's own
-    keys -- activation, windows, a family's partial rotary -- are the family mapping's: ``hf_layer_fields``)."""
+    keys -- activation, windows, a family's partial rotary or multipliers -- are the family mapping's:
+    ``hf_layer_fields``)."""
     for key, neutral in _NEUTRAL_KEYS.items():
-        if key == "partial_rotary_factor" and family.partial_rotary:
-            continue
-        if key in config and config[key] not in neutral:
+        if key in config and key not in family.hf_own_keys and config[key] not in neutral:
             raise ModelFormatError(f"config.json {key} = {quoted(config[key])} changes the math in a way this engine does "
                                    "not implement; the model is refused rather than run wrongly.")
 
@@ -192,14 +192,25 @@ def _log_skipped(folder: Path, family: Family, headers: dict) -> None:
                     "text only", folder.name, len(skipped), ", ".join(f"{p}*" for p in parts))
 
 
+# transformers 5 writes the floats JSON lacks as tagged objects ({"__float__": "Infinity"}); older versions
+# wrote the bare words, which Python's json reads too
+_TAGGED_FLOATS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+def _special_float(obj: dict) -> object:
+    """A tagged float as its value; any other JSON object as it is."""
+    tag = obj.get("__float__") if len(obj) == 1 else None
+    return _TAGGED_FLOATS[tag] if isinstance(tag, str) and tag in _TAGGED_FLOATS else obj
+
+
 def _read_config(path: Path) -> dict:
     """config.json: at most :data:`MAX_CONFIG_BYTES`, JSON (``Infinity`` and ``NaN`` as transformers
-    writes them)."""
+    writes them: bare or tagged)."""
     if path.stat().st_size > MAX_CONFIG_BYTES:
         raise ModelFormatError(f"{path} is {path.stat().st_size} bytes, more than a config.json may be "
                                f"({MAX_CONFIG_BYTES}).")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))  # (an object: spec_from_hf_config checks)
+    try:  # (an object: spec_from_hf_config checks)
+        return json.loads(path.read_text(encoding="utf-8"), object_hook=_special_float)
     except (ValueError, RecursionError) as e:  # (JSONDecodeError and UnicodeDecodeError are ValueErrors)
         raise ModelFormatError(f"{path} is not JSON ({quoted(str(e))}).") from None
 

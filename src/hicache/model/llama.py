@@ -26,7 +26,7 @@ from hicache.model.decode_stack import DecodeStack
 from hicache.model.layers import MLP, RMSNorm, RotaryEmbedding, native_ops, rotate_half
 from hicache.model.mla import MLAAttention
 from hicache.model.projection import DECODE_ROWS, Projection
-from hicache.model.recurrent import GatedDeltaNet, ShortConv
+from hicache.model.recurrent import GatedDeltaNet, Mamba2Mixer, ShortConv
 from hicache.model.spec import LayerKind, ModelSpec
 
 
@@ -50,6 +50,7 @@ class Attention(nn.Module):
         self.q_proj, self.k_proj, self.v_proj = (nn.Linear(spec.hidden_size, width, bias=spec.attention_bias)
                                                  for width in (q_width * (2 if self.gated else 1), kv_width, kv_width))
         self.rotary_dim = spec.rope_dim  # the first dims of each head RoPE turns (all but under partial rotary)
+        self.nope = spec.nope  # no positional embedding at all (Granite 4.0-H)
         self.o_proj = nn.Linear(q_width, spec.hidden_size, bias=False)
         self.qkv = Projection(self.q_proj, self.k_proj, self.v_proj)
         self.out = Projection(self.o_proj)
@@ -80,7 +81,9 @@ class Attention(nn.Module):
             qkv[:, q_width:k_end] = self.k_norm(qkv[:, q_width:k_end].reshape(-1, self.head_dim).contiguous()).view(t, -1)
         qk = qkv[:, : qk_heads * self.head_dim].view(t, qk_heads, self.head_dim)
         ops = native_ops(qkv)
-        if self.rotary_dim < self.head_dim:  # partial rotary: the other dims pass as they are
+        if self.nope:  # no positional embedding: positions reach the layer through the causal mask alone
+            pass
+        elif self.rotary_dim < self.head_dim:  # partial rotary: the other dims pass as they are
             turned = qk[..., :self.rotary_dim]
             qk = torch.cat((turned * cos + rotate_half(turned) * sin, qk[..., self.rotary_dim:]), dim=-1)
         elif ops is not None and self.head_dim % 16 == 0:
@@ -105,19 +108,18 @@ class DecoderLayer(nn.Module):
     attention's output goes through ``post_attention_layernorm`` before its residual add, and the
     MLP has ``pre_feedforward_layernorm`` and ``post_feedforward_layernorm`` around it.
 
-    The mixer follows the layer's kind: ``self_attn`` (attention, MLA), ``conv`` (LFM2's
-    :class:`~hicache.model.recurrent.ShortConv`) or ``linear_attn`` (Qwen3.5's
-    :class:`~hicache.model.recurrent.GatedDeltaNet`); ``recurrent`` says whether it keeps a state
-    (:attr:`state_mixer`)."""
+    The mixer follows the layer's kind: ``self_attn`` (attention, MLA), or a recurrent one of
+    :data:`MIXERS` under its HF name; ``recurrent`` says whether it keeps a state (:attr:`state_mixer`).
+    ``spec.residual_scale`` (Granite) multiplies the mixer's and the MLP's outputs before their adds."""
 
     def __init__(self, spec: ModelSpec, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.recurrent = spec.is_recurrent(layer)
-        if self.recurrent and spec.layer_kinds[layer] == LayerKind.GDN:
-            self.linear_attn = GatedDeltaNet(spec, layer)
-        elif self.recurrent:
-            self.conv = ShortConv(spec, layer)
+        self.residual_scale = spec.residual_scale
+        if self.recurrent:
+            self._mixer_name, mixer = MIXERS[spec.layer_kinds[layer]]
+            self.add_module(self._mixer_name, mixer(spec, layer))
         else:
             self.self_attn = MLAAttention(spec, layer) if spec.is_mla else Attention(spec, layer)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
@@ -139,14 +141,17 @@ class DecoderLayer(nn.Module):
             attn = self.state_mixer(self.input_layernorm(x), batch, kv)
         else:
             attn = self.self_attn(self.input_layernorm(x), cos, sin, batch, kv)
-        x = x + (self.post_attention_layernorm(attn) if self.sandwich else attn)
+        x = x + self._scaled(self.post_attention_layernorm(attn) if self.sandwich else attn)
         mlp = self.mlp(self.pre_mlp_norm()(x), batch.generated)
-        return x + (self.post_feedforward_layernorm(mlp) if self.sandwich else mlp)
+        return x + self._scaled(self.post_feedforward_layernorm(mlp) if self.sandwich else mlp)
+
+    def _scaled(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.residual_scale == 1 else out * self.residual_scale
 
     @property
     def state_mixer(self) -> nn.Module:
-        """A recurrent layer's mixer (its ``conv`` or ``linear_attn``)."""
-        return self.conv if "conv" in self._modules else self.linear_attn
+        """A recurrent layer's mixer (its ``conv``, ``linear_attn`` or ``mamba``)."""
+        return self._modules[self._mixer_name]
 
     # A decode step's layer as one native call (kernels/decode_layer.cpp): the same kernels in the
     # same order as the modules above, bit for bit, without ~25 Python dispatches a layer.
@@ -157,12 +162,12 @@ class DecoderLayer(nn.Module):
         """The native kernels when this pass is one the fused layer serves: a decode batch of at
         most DECODE_ROWS generated tokens on one rank (never prompt tokens: issue 57), float32 on
         the CPU, the heads as the kernels take them. Deterministic inference: every pass. Never a
-        recurrent layer (the native layer attends), a gated one or one with partial rotary (the
-        kernel rotates whole heads and has no output gate)."""
-        if self.recurrent:
+        recurrent layer (the native layer attends), a gated one, one with partial rotary or none, or
+        a residual scale (the kernel rotates whole heads, has no output gate and adds as Llama does)."""
+        if self.recurrent or self.residual_scale != 1:
             return None
         attn = self.self_attn
-        if not isinstance(attn, Attention) or attn.gated or attn.rotary_dim != attn.head_dim:
+        if not isinstance(attn, Attention) or attn.gated or attn.nope or attn.rotary_dim != attn.head_dim:
             return None
         invariant = attn.qkv.row_invariant
         rows = sys.maxsize if invariant else DECODE_ROWS
@@ -214,6 +219,10 @@ class DecoderLayer(nn.Module):
                                 *self.style(), self.mlp.gelu, attn.q_scale or 1.0)
 
 
+# A recurrent layer's mixer by its kind: its module's name (transformers') and class.
+MIXERS: dict[LayerKind, tuple[str, type[nn.Module]]] = {
+    LayerKind.CONV: ("conv", ShortConv), LayerKind.GDN: ("linear_attn", GatedDeltaNet),
+    LayerKind.MAMBA2: ("mamba", Mamba2Mixer)}
 _INIT_LOCK = threading.Lock()
 
 
@@ -375,4 +384,5 @@ class LlamaForCausalLM(nn.Module):
             return h
         # Only the requested rows go through the final norm and the (vocab-wide) head.
         h = self.model.norm(batch.attn.final_rows(h))
-        return self.head(h, batch.generated).float()
+        logits = self.head(h, batch.generated).float()
+        return logits if self.spec.logits_scale == 1 else logits / self.spec.logits_scale  # (Granite divides)

@@ -60,7 +60,7 @@ def check_parallel(spec: ModelSpec, tp_size: int, pp_size: int) -> None:
         raise ConfigError(f"--pp-size {pp_size} exceeds the model's {spec.num_layers} layers.")
     if tp_size > 1 and spec.recurrent_layers:
         raise ConfigError(f"--tp-size {tp_size} is not supported for models with recurrent layers (LFM2's short "
-                          "convolutions, gated DeltaNet) yet; use --tp-size 1.")
+                          "convolutions, gated DeltaNet, Mamba2) yet; use --tp-size 1.")
 
 
 def split(n: int, parts: int, index: int) -> range:

@@ -41,12 +41,19 @@ PRESETS: dict[str, dict] = {
                      qk_norm=True, conv_kernel=4, layer_kinds=(LayerKind.GDN, LayerKind.GDN, LayerKind.FULL),
                      gdn_key_heads=2, gdn_value_heads=4, gdn_key_dim=16, gdn_value_dim=16, attn_output_gate=True,
                      rotary_dim=4, **_COMMON),
+    # Granite 4.0-H's layers: two Mamba2 layers (4 heads of 32 channels, d_inner 128 = 2 x hidden as Granite's
+    # mamba_expand 2; 2 groups of B and C with a state of 16; a conv of 4 taps with a bias) then a NoPE attention
+    # layer scaled by 1 / head_dim; Granite's multipliers on the embeddings, the residual adds and the logits.
+    "mamba2-tiny": dict(num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+                        conv_kernel=4, conv_bias=True, layer_kinds=(LayerKind.MAMBA2, LayerKind.MAMBA2, LayerKind.FULL),
+                        mamba_heads=4, mamba_head_dim=32, mamba_groups=2, mamba_state=16, nope=True,
+                        embedding_scale=12.0, attention_scale=1 / 16, residual_scale=0.22, logits_scale=2.0, **_COMMON),
 }
 
 # Weight scale: small enough that activations stay tame, large enough that logits differ per token.
 INIT_STD = 0.02
 CONV_TAP_STD = 0.5  # a tap scales one channel's input, as transformers' Conv1d init (bound 1/sqrt(taps)) does
-CONV_TAPS = ("conv.conv.weight", "linear_attn.conv1d.weight")  # the depthwise convs' taps (LFM2, gated DeltaNet)
+CONV_TAPS = ("conv.conv.weight", "linear_attn.conv1d.weight", "mamba.conv1d.weight")  # the depthwise convs' taps
 
 
 def parse_random_spec(arg: str) -> ModelSpec:
@@ -89,8 +96,8 @@ def init_random_weights(model: LlamaForCausalLM, seed: int) -> LlamaForCausalLM:
 
     Matrices and biases ~ N(0, INIT_STD); norm weights ~ 1 + N(0, 0.1) (not all-ones, so a loader
     that drops them would be caught by parity tests); a short convolution's taps (per channel
-    scalars, as norm weights are) ~ N(0, CONV_TAP_STD); a gated DeltaNet's ``A_log`` and ``dt_bias``
-    ~ N(0, INIT_STD) (a decay of about exp(-0.7) a token). Returns ``model``.
+    scalars, as norm weights are) ~ N(0, CONV_TAP_STD); a gated DeltaNet's or a Mamba2 layer's ``A_log``
+    and ``dt_bias`` ~ N(0, INIT_STD) (a decay of about exp(-0.7) a token). Returns ``model``.
     """
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)

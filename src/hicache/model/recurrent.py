@@ -1,5 +1,5 @@
 """Recurrent mixers: layers that keep a fixed-size state per sequence instead of KV (LFM2's short
-convolution, Qwen3.5's gated DeltaNet).
+convolution, Qwen3.5's gated DeltaNet, Granite 4.0-H's Mamba2).
 
 ``ShortConv`` is LFM2's: ``in_proj`` (hidden -> 3 hidden: B, C, x, in that order), a depthwise
 causal convolution of ``conv_kernel`` taps over ``B * x``, ``y = C * conv``, ``out_proj``.
@@ -23,6 +23,18 @@ output normalised per value head, times ``silu(z)``; ``out_proj``. Its state: th
 ``[Hv, dk, dv]`` float32 (``state_buffers[i][1]``). A prompt pass scans each sequence on the
 absolute chunk grid (``ScanSpan(start=<its first new position>, chunk=SCAN_CHUNK)``); a pass of
 generated tokens, one a sequence, is one batched :func:`~hicache.model.scan.delta_rule_step`.
+
+``Mamba2Mixer`` is Granite 4.0-H's "mamba" layer, under transformers' names (``mamba.in_proj``,
+``conv1d.weight`` ``[conv_dim, 1, K]`` and its bias, ``dt_bias``, ``A_log``, ``D``, ``norm``,
+``out_proj``): ``in_proj`` emits the gate z (d_inner), x|B|C (the conv's channels in that order:
+d_inner, then groups x N twice) and dt (one per head); x|B|C through the causal conv and SiLU;
+``dt = clamp(softplus(dt + dt_bias), dt_min, dt_max)``, ``A = -exp(A_log)``; the SSD recurrence
+with the D skip (model/scan.py, float32); :class:`GroupGatedRMSNorm` of ``y * silu(z)``;
+``out_proj``. Its state: the conv's last ``K - 1`` inputs ``[conv_dim, K-1]`` and the SSM state
+``[H, P, N]`` float32 (transformers' ``ssm_states`` layout), prompt passes scanned per sequence on
+the absolute chunk grid, a pass of generated tokens one batched :func:`~hicache.model.scan.ssd_step`.
+The clamp applies to both (transformers' token step skips it: the same while ``time_step_limit`` is
+Granite's ``(0, inf)``), so a token's arithmetic does not depend on the path that computes it.
 """
 
 from __future__ import annotations
@@ -35,7 +47,8 @@ from torch import nn
 
 from hicache.model.batch import ForwardBatch, KVView, StateSlots
 from hicache.model.projection import Projection
-from hicache.model.scan import ScanSpan, causal_conv, conv_step, delta_rule_qk, delta_rule_scan, delta_rule_step
+from hicache.model.scan import (ScanSpan, causal_conv, conv_step, delta_rule_qk, delta_rule_scan, delta_rule_step,
+                                ssd_scan, ssd_step)
 from hicache.model.spec import SCAN_CHUNK, ModelSpec
 
 
@@ -103,8 +116,6 @@ class ShortConv(nn.Module):
         buffer.index_copy_(0, slots.running, after.to(buffer.dtype))
         out = self.out(c * conv, batch.generated)
         return out if self.tp_reduce is None else self.tp_reduce(out)
-
-
 
 
 def _state_slots(batch: ForwardBatch):
@@ -199,3 +210,87 @@ class GatedDeltaNet(nn.Module):
             emitted.append(list(zip(conv.emitted, scan.emitted)))
         write_emitted(batch.state, emitted, buffers)
         return torch.cat(outs), torch.stack(convs), torch.stack(recs)
+
+
+class GroupGatedRMSNorm(nn.Module):
+    """Mamba2's gated norm (transformers' ``GraniteMoeHybridRMSNormGated``; the gate before the
+    norm): ``h = x * silu(gate)``, each group of ``size / groups`` channels of h divided by its rms,
+    in float32, rounded to x's dtype before the weight."""
+
+    def __init__(self, size: int, groups: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size))
+        self.groups, self.eps = groups, eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = (x.float() * F.silu(gate.float())).unflatten(-1, (self.groups, -1))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.flatten(-2).to(x.dtype)
+
+
+class Mamba2Mixer(nn.Module):
+    """Granite 4.0-H's Mamba2 mixer of layer ``layer`` (see the module docstring)."""
+
+    def __init__(self, spec: ModelSpec, layer: int) -> None:
+        super().__init__()
+        self.state_index = spec.recurrent_layers.index(layer)
+        self.heads, self.head_dim = spec.mamba_heads, spec.mamba_head_dim
+        self.groups, self.state = spec.mamba_groups, spec.mamba_state
+        inner, hidden = self.heads * self.head_dim, spec.hidden_size
+        self.widths = (inner, spec.mamba_conv_dim, self.heads)  # z, x|B|C, dt
+        self.in_proj = nn.Linear(hidden, sum(self.widths), bias=spec.mamba_proj_bias)
+        self.conv1d = ConvTaps(spec.mamba_conv_dim, spec.conv_kernel, spec.conv_bias)
+        self.dt_bias, self.A_log, self.D = (nn.Parameter(torch.empty(self.heads)) for _ in range(3))
+        self.norm = GroupGatedRMSNorm(inner, self.groups, spec.rms_norm_eps)
+        self.out_proj = nn.Linear(inner, hidden, bias=spec.mamba_proj_bias)
+        self.inp, self.out = Projection(self.in_proj), Projection(self.out_proj)
+        self.dt_limits = (spec.dt_min, spec.dt_max)  # (max None: no upper bound)
+        self.tp_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # sum over TP ranks (not sharded yet)
+
+    def _heads(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The conv's output ``[T, conv_dim]`` SiLU'd and split: x ``[T, H, P]``, B and C ``[T, G, N]``."""
+        x, b, c = F.silu(conv).split([self.heads * self.head_dim, self.groups * self.state,
+                                      self.groups * self.state], -1)
+        return (x.unflatten(-1, (self.heads, self.head_dim)), b.unflatten(-1, (self.groups, self.state)),
+                c.unflatten(-1, (self.groups, self.state)))
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVView) -> torch.Tensor:
+        """``x``: ``[T, hidden]`` (the batch's sequences one after the other); returns ``[T, hidden]``
+        and leaves each sequence's conv and SSM states after its tokens in its running slot."""
+        slots = _state_slots(batch)
+        z, xbc, dt = self.inp.whole(x, batch.generated).split(self.widths, dim=-1)
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.dt_limits)  # [T, H] float32
+        a = -self.A_log.float().exp()
+        conv_buffer, ssm_buffer = kv.state_buffers[self.state_index]
+        conv_states = conv_buffer.index_select(0, slots.source)  # all read before any write
+        ssm_states = ssm_buffer.index_select(0, slots.source).float()
+        if batch.generated and max(slots.lengths) == 1 and not any(slots.emits):  # one generated token each: a step
+            conv, conv_after = conv_step(xbc, self.conv1d.weight[:, 0, :], self.conv1d.bias, conv_states)
+            u, b, c = self._heads(conv)
+            out, ssm_after = ssd_step(u, dt, a, b, c, self.D, ssm_states)
+        else:
+            out, conv_after, ssm_after = self._scan(xbc, dt, a, (conv_states, ssm_states), batch,
+                                                    (conv_buffer, ssm_buffer))
+        conv_buffer.index_copy_(0, slots.running, conv_after.to(conv_buffer.dtype))
+        ssm_buffer.index_copy_(0, slots.running, ssm_after.to(ssm_buffer.dtype))
+        out = self.out(self.norm(out.flatten(1), z), batch.generated)
+        return out if self.tp_reduce is None else self.tp_reduce(out)
+
+    def _scan(self, xbc: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, states: tuple[torch.Tensor, torch.Tensor],
+              batch: ForwardBatch, buffers: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Each sequence's rows on their own: the conv over ``[state; rows]``, the SSD scan on the
+        absolute grid from the sequence's first new position; the states its emits ask for written
+        to their slots. Returns the outputs ``[T, H, P]`` and the conv and SSM states after each
+        sequence ``[B, ...]``."""
+        lengths = batch.state.lengths
+        weight, bias = self.conv1d.weight[:, 0, :], self.conv1d.bias
+        outs, convs, ssms, emitted = [], [], [], []
+        for rows, dt_rows, conv_state, ssm_state, span in zip(xbc.split(lengths), dt.split(lengths), *states,
+                                                              sequence_spans(batch, SCAN_CHUNK)):
+            conv = causal_conv(rows, weight, bias, conv_state, span)
+            u, b, c = self._heads(conv.out)
+            scan = ssd_scan(u, dt_rows, a, b, c, self.D, ssm_state, span)
+            outs.append(scan.out), convs.append(conv.state), ssms.append(scan.state)
+            emitted.append(list(zip(conv.emitted, scan.emitted)))
+        write_emitted(batch.state, emitted, buffers)
+        return torch.cat(outs), torch.stack(convs), torch.stack(ssms)

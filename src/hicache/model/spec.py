@@ -31,18 +31,20 @@ ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate activation (SwiGLU; GeGLU 
 class LayerKind(str, Enum):
     """A layer attends every earlier position, or the last ``sliding_window``, or is a recurrent mixer
     that keeps a fixed-size state per sequence instead of KV (``conv``: LFM2's short convolution;
-    ``gdn``: Qwen3.5's gated DeltaNet). A ``str``: equal to its value, printed and JSON-encoded as
-    it (a spec's JSON and the random models' identities stay)."""
+    ``gdn``: Qwen3.5's gated DeltaNet; ``mamba2``: Granite 4.0-H's Mamba2 mixer). A ``str``: equal
+    to its value, printed and JSON-encoded as it (a spec's JSON and the random models' identities stay)."""
 
     FULL = "full"
     SLIDING = "sliding"
     CONV = "conv"
     GDN = "gdn"
+    MAMBA2 = "mamba2"
     __str__ = str.__str__
 
 
-SCAN_CHUNK = 64  # tokens a chunked scan (gated DeltaNet) treats as one block, on a grid from position 0
-RECURRENT_KINDS = frozenset({LayerKind.CONV, LayerKind.GDN})  # the kinds that keep a state, not KV
+SCAN_CHUNK = 64  # tokens a chunked scan (gated DeltaNet, Mamba2's SSD) treats as one block, on a grid from position 0
+RECURRENT_KINDS = frozenset({LayerKind.CONV, LayerKind.GDN, LayerKind.MAMBA2})  # the kinds that keep a state, not KV
+SCANNED_KINDS = frozenset({LayerKind.GDN, LayerKind.MAMBA2})  # recurrent kinds whose prefill scans chunks of SCAN_CHUNK
 
 
 @dataclass
@@ -82,6 +84,16 @@ class ModelSpec:
     ``attn_output_gate``: q_proj emits each head's query then its gate, and the attention output is
     multiplied by ``sigmoid(gate)`` before o_proj. ``rotary_dim``: RoPE turns only the first
     ``rotary_dim`` dims of each q/k head (partial rotary); 0: all ``head_dim`` of them.
+
+    Mamba2 layers (``layer_kinds[i]`` "mamba2", Granite 4.0-H): ``mamba_heads`` heads of
+    ``mamba_head_dim`` channels (d_inner = their product), ``mamba_groups`` groups of B and C of
+    ``mamba_state`` (N) each (head h reads group ``h // (heads / groups)``), a depthwise conv of
+    ``conv_kernel`` taps over the x|B|C channels (its taps with a bias where ``conv_bias``), ``in_proj``
+    and ``out_proj`` with biases where ``mamba_proj_bias``. The time step ``softplus(dt + dt_bias)``
+    is clamped to ``[dt_min, dt_max]`` (``dt_max`` None: no upper bound, Granite's infinite
+    ``time_step_limit``). Granite's multipliers: ``residual_scale``, each layer's mixer and MLP
+    outputs multiplied by it before their residual add; ``logits_scale``, the logits DIVIDED by it;
+    ``nope``: the attention layers have no positional embedding (no RoPE: Granite 4.0-H's "nope").
 
     MLA (DeepSeek-V2/V3 attention, ``kv_lora_rank > 0``): each token keeps one latent per layer,
     ``kv_lora_rank`` compressed KV + ``qk_rope_head_dim`` rotary key, stored in the KV pools as
@@ -126,6 +138,16 @@ class ModelSpec:
     gdn_value_dim: int = 0
     attn_output_gate: bool = False
     rotary_dim: int = 0
+    mamba_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_groups: int = 0
+    mamba_state: int = 0
+    mamba_proj_bias: bool = False
+    dt_min: float = 0.0
+    dt_max: float | None = None
+    residual_scale: float = 1.0
+    logits_scale: float = 1.0
+    nope: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_lora_rank:
@@ -166,23 +188,33 @@ class ModelSpec:
         """Tokens a recurrent layer's prefill scans as one block, on a grid from position 0 (1: no
         blocks, LFM2's short convolution); a state snapshot for a prefix hit sits on this grid, so the
         hit's scan starts where the cold run's block did."""
-        return SCAN_CHUNK if LayerKind.GDN in self.layer_kinds else 1
+        return SCAN_CHUNK if SCANNED_KINDS & set(self.layer_kinds) else 1
 
     def state_shapes(self, layer: int) -> tuple[tuple[int, ...], ...]:
         """The shape of each state tensor one sequence (one slot) of recurrent layer ``layer`` keeps,
         the conv's first (channels, the last ``conv_kernel - 1`` inputs in time order): LFM2's
         ``(hidden_size, K - 1)``; a gated DeltaNet's ``(conv_dim, K - 1)`` then its recurrent matrix
-        ``(value heads, key dim, value dim)`` (kept in float32 by every pool)."""
+        ``(value heads, key dim, value dim)``; a Mamba2 layer's ``(conv_dim, K - 1)`` then its SSM state
+        ``(heads, head dim, state)`` (the recurrent matrices kept in float32 by every pool)."""
         if not self.is_recurrent(layer):
             raise ValueError(f"layer {layer} is an attention layer: it keeps KV, not a state")
-        if self.layer_kinds[layer] == LayerKind.CONV:
+        kind = self.layer_kinds[layer]
+        if kind == LayerKind.CONV:
             return ((self.hidden_size, self.conv_kernel - 1),)
+        if kind == LayerKind.MAMBA2:
+            return ((self.mamba_conv_dim, self.conv_kernel - 1),
+                    (self.mamba_heads, self.mamba_head_dim, self.mamba_state))
         return ((self.gdn_conv_dim, self.conv_kernel - 1), (self.gdn_value_heads, self.gdn_key_dim, self.gdn_value_dim))
 
     @property
     def gdn_conv_dim(self) -> int:
         """Channels of a gated DeltaNet layer's conv: q, k (key heads x key dim each), then v."""
         return 2 * self.gdn_key_heads * self.gdn_key_dim + self.gdn_value_heads * self.gdn_value_dim
+
+    @property
+    def mamba_conv_dim(self) -> int:
+        """Channels of a Mamba2 layer's conv: x (d_inner = heads x head dim), then B and C (groups x state each)."""
+        return self.mamba_heads * self.mamba_head_dim + 2 * self.mamba_groups * self.mamba_state
 
     @property
     def rope_dim(self) -> int:
@@ -223,7 +255,8 @@ class ModelSpec:
         infinite eps made every norm 0 and the model printed NULs); the rope scaling's numbers too."""
         floats = [("rope_theta", self.rope_theta), ("rms_norm_eps", self.rms_norm_eps),
                   ("embedding_scale", self.embedding_scale), ("attention_scale", self.attention_scale),
-                  ("local_rope_theta", self.local_rope_theta)]
+                  ("local_rope_theta", self.local_rope_theta), ("dt_min", self.dt_min), ("dt_max", self.dt_max),
+                  ("residual_scale", self.residual_scale), ("logits_scale", self.logits_scale)]
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
             raise ModelSpecError(f"rope scaling must be a dict of parameters, got {type(self.rope_scaling).__name__}.")
         for key, value in (self.rope_scaling or {}).items():
@@ -254,6 +287,7 @@ class ModelSpec:
             raise ModelSpecError(f"{' and '.join(recurrent)} layers need conv_kernel >= 2 and attention layers without "
                                  f"MLA, got conv_kernel {self.conv_kernel}{' with MLA' if self.is_mla else ''}.")
         self._validate_gdn()
+        self._validate_mamba2()
 
     def _validate_gdn(self) -> None:
         """Gated DeltaNet sizes where there are such layers; partial rotary and the output gate."""
@@ -271,6 +305,23 @@ class ModelSpec:
                                  f"got {self.rotary_dim}.")
         if self.attn_output_gate and self.is_mla:
             raise ModelSpecError("attn_output_gate is not supported with MLA layers.")
+
+    def _validate_mamba2(self) -> None:
+        """Mamba2 sizes where there are such layers; the time step's clamp; Granite's multipliers."""
+        sizes = ("mamba_heads", "mamba_head_dim", "mamba_groups", "mamba_state")
+        for name in sizes:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ModelSpecError(f"model spec field {name} must be a non-negative integer, got {value!r}.")
+        if LayerKind.MAMBA2 in self.layer_kinds and (min(getattr(self, n) for n in sizes) < 1
+                                                     or self.mamba_heads % self.mamba_groups):
+            raise ModelSpecError(f"mamba2 layers need positive {', '.join(sizes)}, the heads a multiple of the groups, "
+                                 f"got {[getattr(self, n) for n in sizes]}.")
+        if not (self.dt_min >= 0 and (self.dt_max is None or self.dt_max > self.dt_min)):
+            raise ModelSpecError(f"the time step's clamp needs 0 <= dt_min < dt_max (or no dt_max), got {self.dt_min} "
+                                 f"and {self.dt_max}.")
+        if not (self.residual_scale > 0 and self.logits_scale > 0):
+            raise ModelSpecError("residual_scale and logits_scale must be positive.")
 
     def _validate_mla(self) -> None:
         for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
@@ -297,7 +348,10 @@ class ModelSpec:
 
 # Fields added after random models' identities were first hashed (ModelSpec.to_dict leaves them out at these values).
 _UNHASHED_DEFAULTS: dict[str, Any] = {"conv_kernel": 0, "conv_bias": False, "gdn_key_heads": 0, "gdn_value_heads": 0,
-                                      "gdn_key_dim": 0, "gdn_value_dim": 0, "attn_output_gate": False, "rotary_dim": 0}
+                                      "gdn_key_dim": 0, "gdn_value_dim": 0, "attn_output_gate": False, "rotary_dim": 0,
+                                      "mamba_heads": 0, "mamba_head_dim": 0, "mamba_groups": 0, "mamba_state": 0,
+                                      "mamba_proj_bias": False, "dt_min": 0.0, "dt_max": None, "residual_scale": 1.0,
+                                      "logits_scale": 1.0, "nope": False}
 
 
 def rope_scaling_type(rope_scaling: dict | None) -> str:

@@ -9,15 +9,17 @@ from hicache.model.errors import ModelFormatError, quoted
 from hicache.model.families.base import Family, config_int, gguf_layer_fields, hf_layer_fields, hf_text_config
 from hicache.model.families.deepseek import DEEPSEEK
 from hicache.model.families.gemma3 import GEMMA3
+from hicache.model.families.granite_hybrid import GRANITE_HYBRID
 from hicache.model.families.lfm2 import LFM2
 from hicache.model.families.llama import LLAMA, MISTRAL
 from hicache.model.families.phi3 import PHI3
 from hicache.model.families.qwen import QWEN2, QWEN3
 from hicache.model.families.qwen35 import QWEN35
 
-FAMILIES = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3, PHI3, DEEPSEEK, LFM2, QWEN35)
+FAMILIES = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3, PHI3, DEEPSEEK, LFM2, QWEN35, GRANITE_HYBRID)
 __all__ = ["Family", "FAMILIES", "LLAMA", "MISTRAL", "QWEN2", "QWEN3", "GEMMA3", "PHI3", "DEEPSEEK", "LFM2", "QWEN35",
-           "gguf_family", "hf_family", "gguf_layer_fields", "hf_layer_fields", "hf_text_config", "config_int"]
+           "GRANITE_HYBRID", "gguf_family", "hf_family", "gguf_layer_fields", "hf_layer_fields", "hf_text_config",
+           "config_int"]
 
 
 def gguf_family(architecture: object) -> Family:

@@ -57,8 +57,10 @@ class Family:
     config class does); ``hf_fields``: ModelSpec fields of its own read from the config;
     ``hf_refused``: architectures and model types of its kin that are refused, each with what it is.
 
-    Qwen3.5's departures: ``partial_rotary``: its config's ``partial_rotary_factor`` is read (by its
-    ``hf_fields``), not refused; ``hf_plain_norms``: norm modules (after "model.layers.{i}.") stored
+    ``hf_own_keys``: config keys the loader refuses at other than a Llama's values which the
+    family's ``hf_fields`` reads (Qwen3.5's ``partial_rotary_factor``, Granite's multipliers).
+
+    Qwen3.5's departures: ``hf_plain_norms``: norm modules (after "model.layers.{i}.") stored
     as they are despite ``hf_norm_offset``; ``hf_multimodal``: architectures whose config.json nests
     the text model's under ``text_config`` (:func:`hf_text_config`); ``hf_prefixes``: a stored
     name's prefix -> the model's ("model.language_model." -> "model."); ``hf_skipped``: prefixes of
@@ -87,7 +89,7 @@ class Family:
     hf_config: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
     hf_fields: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
     hf_refused: Mapping[str, str] = field(default_factory=dict)
-    partial_rotary: bool = False
+    hf_own_keys: frozenset[str] = frozenset()
     hf_plain_norms: tuple[str, ...] = ()
     hf_multimodal: tuple[str, ...] = ()
     hf_prefixes: Mapping[str, str] = field(default_factory=dict)

@@ -79,7 +79,8 @@ _MOE = "mixture-of-experts variant is not supported (only the dense Qwen3.5 mode
 QWEN35 = Family(
     "qwen3_5", None, ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"), qk_norm=True, hf_norm_offset=True,
     hf_layer_types={"full_attention": HF_ATTENTION_TYPES["full_attention"], "linear_attention": LayerKind.GDN},
-    hf_config=_hf_config, hf_fields=_hf_fields, partial_rotary=True, hf_plain_norms=("linear_attn.norm",),
+    hf_config=_hf_config, hf_fields=_hf_fields, hf_own_keys=frozenset({"partial_rotary_factor"}),
+    hf_plain_norms=("linear_attn.norm",),
     hf_multimodal=("Qwen3_5ForConditionalGeneration",), hf_prefixes={"model.language_model.": "model."},
     hf_skipped=("model.visual.", "mtp."),
     hf_refused={**{name: f"Qwen3.5's {_MOE}" for name in (
