@@ -183,7 +183,7 @@ def test_kv_eviction_takes_leaves_without_a_snapshot_first() -> None:
     tree.check_invariants()
 
 
-@pytest.mark.parametrize("preset", ["lfm2-tiny", "gdn-tiny"])
+@pytest.mark.parametrize("preset", ["lfm2-tiny", "gdn-tiny", "mamba2-tiny"])
 def test_deterministic_inference_hits_and_batches_give_the_same_bits(preset: str) -> None:
     """--enable-deterministic-inference: a hit, a cold run and a batched run give the same tokens and
     the same log-probabilities bit for bit (row-invariant GEMMs; scans on the grid the hit starts on)."""
