@@ -1,6 +1,6 @@
 """Hybrid recurrent models (issue 59), measured side by side in one run:
 
-1. **Parity**: float32 logits vs transformers' own implementation (LFM2, Qwen3.5; random weights at a
+1. **Parity**: float32 logits vs transformers' own implementation (LFM2, Qwen3.5, Granite 4.0-H; random weights at a
    tiny config and at the real layer shapes), max |diff| over the logits' spread, over 600 positions, in
    one pass and with the prompt split inside scan chunks (100 + 1 + 37 + rest).
 2. **Multi-turn agents**: conversations sharing a system prompt, turn after turn, on tiny configs and
@@ -49,13 +49,15 @@ def spec_arg(fields: dict) -> str:
 
 def parity() -> None:
     import test_gdn_parity as gdn
+    import test_mamba2_parity as mamba2
     import test_recurrent_parity as lfm2
     from dense_forward import prefill_logits
     from hicache.model import load_model
 
     print("1. parity vs transformers (float32, 600 positions): max |diff| / logit spread")
     for name, mod, configs in (("LFM2", lfm2, ("tiny", "lfm2-350m-shapes")),
-                               ("Qwen3.5", gdn, ("tiny", "qwen3.5-0.8b-shapes"))):
+                               ("Qwen3.5", gdn, ("tiny", "qwen3.5-0.8b-shapes")),
+                               ("Granite", mamba2, ("tiny", "granite-4.0-h-micro-shapes"))):
         for config in configs:
             with tempfile.TemporaryDirectory() as folder:
                 hf = mod.write_hf_dir(Path(folder), config)
@@ -192,7 +194,7 @@ def main() -> None:
     if "parity" not in skip:
         parity()
     if "agents" not in skip:
-        models = [("lfm2-tiny", "random:lfm2-tiny"), ("gdn-tiny", "random:gdn-tiny")]
+        models = [(name, f"random:{name}") for name in ("lfm2-tiny", "gdn-tiny", "mamba2-tiny")]
         agents(args.turns, models + ([("LFM2-350M shape", spec_arg(LFM2_350M))] if args.big else []))
     if "decode" not in skip:
         decode([int(n) for n in args.contexts.split(",")])
