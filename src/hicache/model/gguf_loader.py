@@ -154,7 +154,8 @@ def _check_kv_layers(reader: GGUFFile, p: str, spec: ModelSpec) -> None:
     value = reader.fields.get(p + "attention.head_count_kv")
     if isinstance(value, list) and [v == 0 for v in value] != [spec.is_recurrent(i) for i in range(spec.num_layers)]:
         raise ModelFormatError(f"GGUF metadata {p}attention.head_count_kv = {quoted(value)} does not give 0 KV heads "
-                               f"to exactly the recurrent layers {list(spec.recurrent_layers)}; the file is refused.")
+                               f"to exactly the recurrent layers {list(spec.recurrent_layers)} of the "
+                               f"{spec.num_layers}; the file is refused.")
 
 
 def model_tensors(reader: GGUFFile, family: Family) -> list[GGUFTensor]:
@@ -163,7 +164,8 @@ def model_tensors(reader: GGUFFile, family: Family) -> list[GGUFTensor]:
     the family reads that key: Qwen3.5)."""
     p = f"{family.gguf_architecture}."
     mtp = reader.fields.get(p + "nextn_predict_layers", 0) if "nextn_predict_layers" in family.gguf_keys else 0
-    if not as_int(mtp, f"GGUF metadata {p}nextn_predict_layers", 0):
+    mtp = as_int(mtp, f"GGUF metadata {p}nextn_predict_layers", 0)
+    if not mtp:
         return list(reader.tensors)
     first = as_int(reader.fields.get(p + "block_count"), f"GGUF metadata {p}block_count") - mtp
     if first < 1:
