@@ -23,7 +23,12 @@ __all__ = ["Family", "FAMILIES", "LLAMA", "MISTRAL", "QWEN2", "QWEN3", "GEMMA3",
 
 
 def gguf_family(architecture: object) -> Family:
-    """The family of a GGUF file's ``general.architecture``; ModelFormatError naming the ones supported."""
+    """The family of a GGUF file's ``general.architecture``; ModelFormatError naming the ones supported,
+    or what a variant a family refuses (Qwen3-Next, the MoE variants) is."""
+    refusal = next((f.gguf_refused[architecture] for f in FAMILIES if isinstance(architecture, str)
+                    and architecture in f.gguf_refused), None)
+    if refusal is not None:
+        raise ModelFormatError(f"GGUF architecture {quoted(architecture)}: {refusal}.")
     family = next((f for f in FAMILIES if f.gguf_architecture == architecture), None)
     if family is None:
         known = ", ".join(repr(f.gguf_architecture) for f in FAMILIES if f.gguf_architecture)

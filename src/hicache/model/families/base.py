@@ -10,8 +10,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
+import torch
+
 from hicache.model.errors import ModelFormatError, as_float, as_int, quoted
-from hicache.model.spec import LayerKind
+from hicache.model.spec import LayerKind, ModelSpec
 
 # GGUF tensor of a layer (after "blk.{i}.") -> HF parameter (after "model.layers.{i}."), as llama.cpp
 # names a Llama layer. A family whose converter maps a name elsewhere says so (Family.gguf_tensors).
@@ -65,6 +67,16 @@ class Family:
     the text model's under ``text_config`` (:func:`hf_text_config`); ``hf_prefixes``: a stored
     name's prefix -> the model's ("model.language_model." -> "model."); ``hf_skipped``: prefixes of
     stored tensors of parts the engine does not run (a vision tower, an MTP head), left unread.
+
+    GGUF layouts of the recurrent families (llama.cpp's converters): ``gguf_tensors`` may name a
+    layer tensor whole, suffix included or absent (Qwen3.5's ``ssm_a`` -> ``linear_attn.A_log``);
+    ``gguf_top``: top-level tensors beyond Llama's (LFM2's final norm is ``token_embd_norm``);
+    ``gguf_fields``: ModelSpec fields of its own from the metadata ``(fields, prefix, layers, tensor
+    names)`` (layer kinds, the mixers' sizes); ``gguf_row_order``: ``(parameter, spec) -> order``
+    where the converter moved rows, the model's rows being the file's at ``order`` (whole rows: a
+    quantized matrix keeps its blocks); ``gguf_values``: ``(parameter, values, spec) -> values`` it
+    stored otherwise (after the row order; None where it did not: a changed tensor keeps no
+    blocks); ``gguf_refused``: architecture names of its kin that are refused, each with what it is.
     """
 
     name: str
@@ -94,6 +106,11 @@ class Family:
     hf_multimodal: tuple[str, ...] = ()
     hf_prefixes: Mapping[str, str] = field(default_factory=dict)
     hf_skipped: tuple[str, ...] = ()
+    gguf_top: Mapping[str, str] = field(default_factory=dict)
+    gguf_fields: Callable[[Mapping[str, Any], str, int, frozenset[str]], dict[str, Any]] | None = None
+    gguf_row_order: Callable[[str, ModelSpec], torch.Tensor | None] | None = None
+    gguf_values: Callable[[str, torch.Tensor, ModelSpec], torch.Tensor | None] | None = None
+    gguf_refused: Mapping[str, str] = field(default_factory=dict)
 
     def parts_of(self, name: str) -> tuple[str, ...] | None:
         """The model parameters a stored fused tensor ``name`` ("model.layers.3.self_attn.qkv_proj.weight")
@@ -153,8 +170,10 @@ def _common_fields(family: Family, hidden: int, window: int, kinds: tuple[LayerK
     )
 
 
-def gguf_layer_fields(family: Family, fields: Mapping[str, Any], hidden: int, num_layers: int) -> dict[str, Any]:
-    """The ModelSpec fields of a family's layer from its GGUF metadata ``fields``."""
+def gguf_layer_fields(family: Family, fields: Mapping[str, Any], hidden: int, num_layers: int,
+                      tensor_names: Iterable[str] = ()) -> dict[str, Any]:
+    """The ModelSpec fields of a family's layer from its GGUF metadata ``fields`` (and, for a family's
+    own fields, the file's ``tensor_names``: LFM2's conv biases)."""
     prefix = f"{family.gguf_architecture}."
     key = prefix + "attention.sliding_window"
     window = as_int(fields.get(key, 0) or 0, f"GGUF metadata {key}", 0)
@@ -163,6 +182,8 @@ def gguf_layer_fields(family: Family, fields: Mapping[str, Any], hidden: int, nu
     out = _common_fields(family, hidden, window, _patterned(family.sliding_pattern, 0, num_layers) if window else ())
     if family.gguf_attention_scale is not None:
         out["attention_scale"] = family.gguf_attention_scale(fields, prefix)
+    if family.gguf_fields is not None:
+        out.update(family.gguf_fields(fields, prefix, num_layers, frozenset(tensor_names)))
     return out
 
 

@@ -12,14 +12,21 @@ layer); ``conv_L_cache``: the convolution's taps (default 3); ``conv_bias``; RoP
 the file gives none. Its names: ``operator_norm`` / ``ffn_norm`` (the two norms), ``self_attn.out_proj``,
 ``q_layernorm`` / ``k_layernorm``, ``feed_forward.w1`` / ``w3`` / ``w2`` (gate, up, down), the
 final norm ``model.embedding_norm``; the conv layer's (``conv.in_proj``...) are the model's own.
-The MoE and vision variants are refused. GGUF files of LFM2 are not read yet.
+The MoE and vision variants are refused.
+
+GGUF files (``general.architecture`` "lfm2", as llama.cpp's converter writes them): the layers
+with 0 in the per-layer ``attention.head_count_kv`` are the conv layers (the others' KV heads);
+``shortconv.l_cache`` the taps; the conv layer's tensors ``shortconv.in_proj`` / ``conv`` (stored
+``[hidden, K]``, squeezed) / ``out_proj``, biases where the file has them; the final norm is
+``token_embd_norm``; q/k rows in HF's order (llama.cpp rotates LFM2 NEOX-style). ``lfm2moe`` is
+refused.
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping
 
-from hicache.model.errors import ModelFormatError, as_float, quoted
+from hicache.model.errors import ModelFormatError, as_float, as_int, quoted
 from hicache.model.families.base import HF_ATTENTION_TYPES, Family, config_int
 from hicache.model.spec import LayerKind
 
@@ -63,9 +70,24 @@ def _hf_fields(config: Mapping[str, Any]) -> dict[str, Any]:
                 conv_bias=bool(config.get("conv_bias", False)))
 
 
+def _gguf_fields(fields: Mapping[str, Any], prefix: str, num_layers: int, tensors: frozenset[str]) -> dict[str, Any]:
+    """LFM2's layers from its GGUF metadata as llama.cpp reads them (module docstring): a layer with
+    0 KV heads is a conv layer; the loader checks the other layers' counts."""
+    key = prefix + "attention.head_count_kv"
+    per_layer = fields.get(key)
+    per_layer = per_layer if isinstance(per_layer, list) else [per_layer] * num_layers
+    if len(per_layer) != num_layers:
+        raise ModelFormatError(f"GGUF metadata {key} holds {len(per_layer)} values for {num_layers} layers.")
+    kinds = tuple(LayerKind.CONV if as_int(n, f"GGUF metadata {key}", 0) == 0 else LayerKind.FULL for n in per_layer)
+    taps = prefix + "shortconv.l_cache"
+    return dict(layer_kinds=kinds if LayerKind.CONV in kinds else (),
+                conv_kernel=as_int(fields.get(taps, 3), f"GGUF metadata {taps}", 2),
+                conv_bias=any(name.endswith(".shortconv.in_proj.bias") for name in tensors))
+
+
 _REFUSED = "is not supported (only the dense text model, Lfm2ForCausalLM, is)"
 LFM2 = Family(
-    "lfm2", None, ("Lfm2ForCausalLM",), qk_norm=True, tie_embeddings=True,
+    "lfm2", "lfm2", ("Lfm2ForCausalLM",), gguf_qk_interleaved=False, qk_norm=True, tie_embeddings=True,
     hf_names={"operator_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
               "self_attn.out_proj": "self_attn.o_proj", "self_attn.q_layernorm": "self_attn.q_norm",
               "self_attn.k_layernorm": "self_attn.k_norm", "feed_forward.w1": "mlp.gate_proj",
@@ -73,6 +95,9 @@ LFM2 = Family(
               "model.embedding_norm": "model.norm"},
     hf_layer_types={"full_attention": HF_ATTENTION_TYPES["full_attention"], "conv": LayerKind.CONV},
     hf_config=_hf_config, hf_fields=_hf_fields,
+    gguf_tensors={"shortconv.in_proj": "conv.in_proj", "shortconv.conv": "conv.conv", "shortconv.out_proj": "conv.out_proj"},
+    gguf_top={"token_embd_norm": "model.norm"}, gguf_keys=frozenset({"shortconv.l_cache"}), gguf_fields=_gguf_fields,
+    gguf_refused={"lfm2moe": f"LFM2's mixture-of-experts variant {_REFUSED}"},
     hf_refused={name: f"LFM2's {what} {_REFUSED}" for name, what in (
         ("Lfm2MoeForCausalLM", "mixture-of-experts variant"), ("lfm2_moe", "mixture-of-experts variant"),
         ("Lfm2VlForConditionalGeneration", "vision-language variant"), ("lfm2_vl", "vision-language variant"))},
