@@ -127,9 +127,10 @@ def _head_dim(reader: GGUFFile, p: str, hidden: int, heads: int, family: Family)
     the rotary dimensions, else hidden / heads. Values as wide as keys, and rotary over the whole head
     but in a family with partial rotary (Qwen3.5: its own fields read ``rope.dimension_count``), are
     what the model implements: anything else is refused."""
-    rotary = None if family.partial_rotary else reader.fields.get(p + "rope.dimension_count")
+    partial = "partial_rotary_factor" in family.hf_own_keys  # (Qwen3.5)
+    rotary = None if partial else reader.fields.get(p + "rope.dimension_count")
     head_dim = _int(reader, p + "attention.key_length", rotary if rotary is not None else hidden // heads)
-    for key in ("attention.value_length",) + (() if family.partial_rotary else ("rope.dimension_count",)):
+    for key in ("attention.value_length",) + (() if partial else ("rope.dimension_count",)):
         if _int(reader, p + key, head_dim) != head_dim:
             raise ModelFormatError(f"GGUF metadata {p}{key} = {reader.fields.get(p + key)} differs from the head width "
                                    f"{head_dim}, which this engine does not implement; the file is refused.")
