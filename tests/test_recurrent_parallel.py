@@ -55,7 +55,8 @@ def test_tp2_gives_tp1s_tokens_and_a_repeated_prompt_hits_its_snapshot(model: st
 
 def storage_engine(path: Path, **kw) -> Engine:
     return make_engine("random:gdn-tiny", enable_hierarchical_cache=True, hicache_ratio=4.0,
-                       hicache_storage_backend="file", hicache_storage_backend_extra_config=json.dumps({"path": str(path)}),
+                       hicache_storage_backend="file",
+                       hicache_storage_backend_extra_config=json.dumps({"path": str(path)}),
                        hicache_storage_prefetch_threshold=16, hicache_storage_prefetch_policy="wait_complete", **kw)
 
 
