@@ -23,6 +23,9 @@ output normalised per value head, times ``silu(z)``; ``out_proj``. Its state: th
 ``[Hv, dk, dv]`` float32 (``state_buffers[i][1]``). A prompt pass scans each sequence on the
 absolute chunk grid (``ScanSpan(start=<its first new position>, chunk=SCAN_CHUNK)``); a pass of
 generated tokens, one a sequence, is one batched :func:`~hicache.model.scan.delta_rule_step`.
+
+Under TP (model/parallel.py) a mixer holds this rank's channels (ShortConv) or key heads with their
+value heads (GatedDeltaNet), its state buffers the matching shard, and ``tp_reduce`` sums its output.
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ class ShortConv(nn.Module):
         self.conv = ConvTaps(hidden, spec.conv_kernel, spec.conv_bias)
         self.out_proj = nn.Linear(hidden, hidden, bias=spec.conv_bias)
         self.inp, self.out = Projection(self.in_proj), Projection(self.out_proj)
-        self.tp_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # sum over TP ranks (not sharded yet)
+        self.tp_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # sum over TP ranks (model/parallel.py)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVView) -> torch.Tensor:
         """``x``: ``[T, hidden]`` (the batch's sequences one after the other); returns ``[T, hidden]``
@@ -148,7 +151,7 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(values, hidden, bias=False)
         self.inp = Projection(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
         self.out = Projection(self.out_proj)
-        self.tp_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # sum over TP ranks (not sharded yet)
+        self.tp_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # sum over TP ranks (model/parallel.py)
 
     def _qkv(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The conv's output ``[T, conv_dim]`` as SiLU'd heads: q, k ``[T, Hk, dk]`` (normalised, q
