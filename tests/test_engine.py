@@ -255,7 +255,6 @@ HOLDING = {("window", "cp"): ("random:gemma-small", dict(tp_size=2, attn_cp_size
                                                                      hicache_storage_backend="file",
                                                                      hicache_storage_key_scheme="unified")),
            ("recurrent_state", "pd"): ("random:lfm2-tiny", dict(disaggregation_mode="prefill")),
-           ("recurrent_state", "tp"): ("random:lfm2-tiny", dict(tp_size=2)),
            ("recurrent_state", "pp"): ("random:lfm2-tiny", dict(pp_size=2))}
 
 

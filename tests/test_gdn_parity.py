@@ -22,7 +22,7 @@ from hicache.model import DenseKV, load_model, make_forward_batch
 from hicache.model.families import QWEN35
 from hicache.model.hf_loader import spec_from_hf_config
 from hicache.model.llama import parameter_shapes
-from hicache.model.parallel import check_parallel
+from hicache.model.parallel import check_parallel, model_shard
 from hicache.model.random_model import parse_random_spec
 from hicache.model.tokenizer import byte_tokenizer
 
@@ -301,7 +301,7 @@ def test_what_qwen35_does_not_run_is_refused_in_one_sentence(changes: dict, says
 def test_spec_buffers_shapes_and_modes() -> None:
     """gdn-tiny: one KV buffer; per DeltaNet layer a conv state [2*2*16 + 4*16, 3] in the model's dtype and a
     recurrent matrix [4, 16, 16] in float32; HF's parameter names and shapes (q_proj emits query and gate);
-    TP refused; the preset's identity is its own."""
+    a TP2 rank's state shapes, TP beyond the key heads refused; the preset's identity is its own."""
     spec = parse_random_spec("gdn-tiny")
     kv = DenseKV(spec, 8, torch.bfloat16, state_slots=5)
     assert len(kv.k_buffers) == 1
@@ -315,8 +315,10 @@ def test_spec_buffers_shapes_and_modes() -> None:
         ((64, 64), (4, 64), (4,), (16,))
     assert shapes["model.layers.2.self_attn.q_proj.weight"] == (2 * 4 * 16, 64)
     assert "model.layers.2.linear_attn.A_log" not in shapes and "model.layers.0.self_attn.q_proj.weight" not in shapes
-    with pytest.raises(ConfigError, match="--tp-size 2 is not supported for models with recurrent layers"):
-        check_parallel(spec, 2, 1)
+    check_parallel(spec, 2, 1)  # a key head a rank, with the two value heads that read it
+    assert model_shard(spec, 1, 2, 0, 1).state_shapes(spec, 0) == ((2 * 16 + 2 * 16, 3), (2, 16, 16))
+    with pytest.raises(ConfigError, match="--tp-size 3 exceeds the model's 2 gated DeltaNet key heads"):
+        check_parallel(spec, 3, 1)
     assert load_model("random:gdn-tiny", weights=False).identity != load_model("random:lfm2-tiny", weights=False).identity
 
 

@@ -81,10 +81,16 @@ def test_stats_name_the_recurrent_state_component(model: str) -> None:
     (dict(enable_hierarchical_cache=True, hicache_storage_backend="file", hicache_storage_key_scheme="unified"),
      "drop --hicache-storage-key-scheme unified"),
     (dict(speculative_algorithm="NGRAM"), "drop --speculative-algorithm"),
-    (dict(tp_size=2), "drop --tp-size"),
     (dict(pp_size=2), "drop --pp-size"),
 ])
 def test_modes_not_built_yet_are_refused_in_one_sentence(model: str, flags: dict, says: str) -> None:
     with pytest.raises(ConfigError, match=says) as e:
         make_engine(model, **flags)
     assert str(e.value).count(". ") == 0 and model in str(e.value)
+
+
+def test_tp_beyond_the_gated_deltanet_key_heads_is_refused_in_one_sentence() -> None:
+    """Each rank holds whole key heads (gdn-tiny has 2): TP3 is refused before any rank starts."""
+    with pytest.raises(ConfigError, match="--tp-size 3 exceeds the model's 2 gated DeltaNet key heads") as e:
+        make_engine("random:gdn-tiny", tp_size=3)
+    assert str(e.value).count(". ") == 0

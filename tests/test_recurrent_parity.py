@@ -14,12 +14,11 @@ import pytest
 import torch
 from dense_forward import greedy_paged, prefill_logits
 
-from hicache.errors import ConfigError
 from hicache.model import DenseKV, ModelFormatError, ModelSpec, ModelSpecError, load_model, make_forward_batch
 from hicache.model.families import LFM2
 from hicache.model.hf_loader import spec_from_hf_config
 from hicache.model.llama import parameter_shapes
-from hicache.model.parallel import check_parallel, model_shard, shard_model
+from hicache.model.parallel import model_shard, shard_model
 from hicache.model.projection import dense_rows_invariant
 from hicache.model.random_model import parse_random_spec
 from hicache.model.tokenizer import byte_tokenizer
@@ -300,8 +299,38 @@ def test_spec_buffers_and_shapes_by_layer_kind() -> None:
         assert load_model(f"random:{preset}", weights=False).identity == f"random:{digest}:seed=0:bfloat16", preset
 
 
-def test_tensor_parallel_refuses_recurrent_layers_in_one_sentence() -> None:
-    spec = parse_random_spec("lfm2-tiny")
-    with pytest.raises(ConfigError, match="--tp-size 2 is not supported for models with recurrent layers") as caught:
-        check_parallel(spec, 2, 1)
-    assert one_sentence(str(caught.value))
+def shard_state_rows(spec: ModelSpec, shard) -> tuple[torch.Tensor, slice]:
+    """Which of the whole layer's conv-state rows, and which value heads of its recurrent matrix, ``shard`` holds."""
+    if shard.conv_channels:
+        return torch.arange(shard.conv_channels.start, shard.conv_channels.stop), slice(None)
+    kh, vh, dk, dv, keys = (shard.gdn_key_heads, shard.gdn_value_heads, spec.gdn_key_dim, spec.gdn_value_dim,
+                            spec.gdn_key_heads * spec.gdn_key_dim)
+    parts = ((kh.start * dk, kh.stop * dk), (keys + kh.start * dk, keys + kh.stop * dk),
+             (2 * keys + vh.start * dv, 2 * keys + vh.stop * dv))  # q, k, v channels
+    rows = torch.cat([torch.arange(a, b) for a, b in parts])
+    return rows, slice(vh.start, vh.stop)
+
+
+@pytest.mark.parametrize("name", ['random:{"preset": "lfm2-tiny", "conv_bias": true}', "random:gdn-tiny"])
+def test_tp_shards_of_a_recurrent_layer_sum_to_its_output_and_hold_slices_of_its_state(name: str) -> None:
+    """TP2 (LFM2 by channels, a bias included; gated DeltaNet by key heads): the shards' partial outputs
+    sum to the whole mixer's, and each shard's state is its rows of the whole state (its pool's shapes)."""
+    whole = load_model(name, dtype=torch.float32).model
+    spec, ids = whole.spec, random_ids(70, 256, seed=4)
+    x = torch.randn(70, spec.hidden_size, generator=torch.Generator().manual_seed(1))
+    batch = make_forward_batch([ids], [0], [torch.arange(1, 71)], state_slots=[(0, 1)])
+    kv = DenseKV(spec, 2, torch.float32)
+    want = whole.model.layers[0].state_mixer(x, batch, kv)
+    got = torch.zeros_like(want)
+    for rank in range(2):
+        shard = model_shard(spec, rank, 2, 0, 1)
+        model = load_model(name, dtype=torch.float32).model
+        shard_model(model, shard, None)
+        states = [tuple(torch.zeros((2, *shape)) for shape in shard.state_shapes(spec, layer))
+                  for layer in spec.recurrent_layers]
+        got += model.model.layers[0].state_mixer(x, batch, SimpleNamespace(state_buffers=states))
+        rows, heads = shard_state_rows(spec, shard)
+        torch.testing.assert_close(states[0][0][1], kv.state_buffers[0][0][1][rows], atol=1e-6, rtol=0)
+        if len(states[0]) > 1:
+            torch.testing.assert_close(states[0][1][1], kv.state_buffers[0][1][1][heads], atol=1e-6, rtol=0)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)

@@ -33,8 +33,6 @@ REFUSED: dict[tuple[str, str], str] = {
                                     "--hicache-storage-key-scheme unified.",
     ("recurrent_state", "pd"): "{model} has recurrent layers, whose state prefill/decode disaggregation does not "
                                "send yet (no transfer of the recurrent_state component); drop --disaggregation-mode.",
-    ("recurrent_state", "tp"): "{model} has recurrent layers, which tensor parallelism does not shard yet (the "
-                               "recurrent_state component is whole on one rank); drop --tp-size.",
     ("recurrent_state", "pp"): "{model} has recurrent layers, whose state slots pipeline stages do not hold yet (the "
                                "recurrent_state component of one rank only); drop --pp-size.",
 }

@@ -35,6 +35,9 @@ with the D skip (model/scan.py, float32); :class:`GroupGatedRMSNorm` of ``y * si
 the absolute chunk grid, a pass of generated tokens one batched :func:`~hicache.model.scan.ssd_step`.
 The clamp applies to both (transformers' token step skips it: the same while ``time_step_limit`` is
 Granite's ``(0, inf)``), so a token's arithmetic does not depend on the path that computes it.
+
+Under TP (model/parallel.py) a mixer holds this rank's channels (ShortConv) or key heads with their
+value heads (GatedDeltaNet; Mamba2 is not sharded yet), its state buffers the matching shard, and ``tp_reduce`` sums its output.
 """
 
 from __future__ import annotations
@@ -93,7 +96,7 @@ class ShortConv(nn.Module):
         self.conv = ConvTaps(hidden, spec.conv_kernel, spec.conv_bias)
         self.out_proj = nn.Linear(hidden, hidden, bias=spec.conv_bias)
         self.inp, self.out = Projection(self.in_proj), Projection(self.out_proj)
-        self.tp_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # sum over TP ranks (not sharded yet)
+        self.tp_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # sum over TP ranks (model/parallel.py)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVView) -> torch.Tensor:
         """``x``: ``[T, hidden]`` (the batch's sequences one after the other); returns ``[T, hidden]``
@@ -159,7 +162,7 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(values, hidden, bias=False)
         self.inp = Projection(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
         self.out = Projection(self.out_proj)
-        self.tp_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # sum over TP ranks (not sharded yet)
+        self.tp_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # sum over TP ranks (model/parallel.py)
 
     def _qkv(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The conv's output ``[T, conv_dim]`` as SiLU'd heads: q, k ``[T, Hk, dk]`` (normalised, q

@@ -139,13 +139,19 @@ def plan_rank(cfg: EngineConfig, spec: ModelSpec, rank: RankContext, draft: Mode
 
 def _state_plan(cfg: EngineConfig, spec: ModelSpec, rank: RankContext, dtype: torch.dtype,
                 budget: _Budget) -> StatePlan | None:
-    """The recurrent layers' state slots (runtime/state_plan.py), sized against the KV pool they sit beside."""
+    """The recurrent layers' state slots (runtime/state_plan.py), this rank's shard of each state tensor,
+    sized against the KV pool they sit beside. The slot counts are MIN-agreed over the ranks, so a slot
+    id names the same sequence or snapshot on every rank (a rank without recurrent layers, a later
+    pipeline stage's, agrees to anything)."""
     if not spec.recurrent_layers:
         return None
     free = budget.free(cfg)
     kv_tokens = cfg.max_total_tokens or max(free, 0) // spec.kv_bytes_per_token(dtype)
-    return plan_states(spec, rank.layers(spec), dtype, cfg.page_size, StateBudget(
-        cfg.max_running_requests, kv_tokens, cfg.recurrent_snapshot_ratio, free))
+    plan = plan_states(spec, rank.layers(spec), dtype, cfg.page_size, StateBudget(
+        cfg.max_running_requests, kv_tokens, cfg.recurrent_snapshot_ratio, free), rank.shard)
+    anything = 2**62
+    running, snapshots = rank.agree([plan.running, plan.snapshots] if plan else [anything, anything])
+    return plan.with_counts(running, snapshots) if plan else None
 
 
 def rank_components(spec: ModelSpec, layers: range | list[int], row: tuple[int, int], hybrid: HybridPlan | None,

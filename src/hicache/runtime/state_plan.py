@@ -5,6 +5,10 @@ request (``--max-running-requests``) and the snapshots the prefix tree keeps at 
 (``--recurrent-snapshot-ratio`` per 1K KV tokens), each slot every recurrent layer's state tensors.
 Their bytes come out of the device budget first; the KV pages get the rest.
 
+Shapes are this rank's (:meth:`~hicache.model.parallel.ModelShard.state_shapes`): under TP each rank's
+pool holds its shard of every state tensor (its conv channels, its gated DeltaNet heads), at the same
+slot ids as every other rank's -- the slot counts are MIN-agreed over the ranks (``plan_rank``).
+
 Dtypes: a conv state holds the layer's recent inputs, activations, so it is kept in the model's
 dtype (lossless); a recurrent matrix (gated DeltaNet, Mamba2: the later families) accumulates over
 the whole context and is kept in float32, as their configs' ``mamba_ssm_dtype`` says.
@@ -19,6 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..cache.state_pool import LayerState, slot_bytes
+from ..model.parallel import ModelShard
 from ..model.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -40,6 +45,10 @@ class StatePlan:
     snapshots: int
     grid: int
     host_snapshots: int = 0  # the host tier's (0: none): as many per host KV page as the device has per page
+
+    def with_counts(self, running: int, snapshots: int) -> StatePlan:
+        """This plan with the slot counts every rank agreed on (each the least any rank planned)."""
+        return replace(self, running=running, snapshots=snapshots)
 
     def with_host(self, device_pages: int, host_pages: int) -> StatePlan:
         """This plan with host snapshot slots for a host pool of ``host_pages`` beside ``device_pages``
@@ -63,10 +72,13 @@ def snapshot_grid(spec: ModelSpec, page_size: int) -> int:
     return math.lcm(page_size, spec.scan_chunk)
 
 
-def layer_states(spec: ModelSpec, layers: range | list[int], dtype: torch.dtype) -> tuple[LayerState, ...]:
-    """The state tensors of each recurrent layer among ``layers``: the first (the conv state) in
-    ``dtype``, any other (a recurrent matrix) in float32."""
-    return tuple(tuple((shape, dtype if i == 0 else torch.float32) for i, shape in enumerate(spec.state_shapes(layer)))
+def layer_states(spec: ModelSpec, layers: range | list[int], dtype: torch.dtype,
+                 shard: ModelShard | None = None) -> tuple[LayerState, ...]:
+    """The state tensors of each recurrent layer among ``layers`` as ``shard`` holds them (None: the
+    whole model's): the first (the conv state) in ``dtype``, any other (a recurrent matrix) in float32."""
+    def shapes(layer: int) -> tuple[tuple[int, ...], ...]:
+        return shard.state_shapes(spec, layer) if shard is not None else spec.state_shapes(layer)
+    return tuple(tuple((shape, dtype if i == 0 else torch.float32) for i, shape in enumerate(shapes(layer)))
                  for layer in layers if spec.is_recurrent(layer))
 
 
@@ -83,11 +95,11 @@ class StateBudget:
 
 
 def plan_states(spec: ModelSpec, layers: range | list[int], dtype: torch.dtype, page_size: int,
-                budget: StateBudget) -> StatePlan | None:
-    """The state pool over this rank's ``layers`` (None: none is recurrent). Running slots are cut
-    (said in one line) where they would take more than a quarter of the budget, snapshots where they
-    would take more than half."""
-    states = layer_states(spec, layers, dtype)
+                budget: StateBudget, shard: ModelShard | None = None) -> StatePlan | None:
+    """The state pool over this rank's ``layers`` as ``shard`` holds them (None: none is recurrent).
+    Running slots are cut (said in one line) where they would take more than a quarter of the budget,
+    snapshots where they would take more than half."""
+    states = layer_states(spec, layers, dtype, shard)
     if not states:
         return None
     one = slot_bytes(states)
