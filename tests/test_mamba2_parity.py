@@ -316,7 +316,7 @@ def test_spec_buffers_shapes_and_modes() -> None:
     assert [shapes[mixer + name] for name in ("A_log", "D", "dt_bias", "norm.weight", "out_proj.weight")] == \
         [(4,), (4,), (4,), (128,), (64, 128)]
     assert "model.layers.2.mamba.A_log" not in shapes and "model.layers.0.self_attn.q_proj.weight" not in shapes
-    with pytest.raises(ConfigError, match="--tp-size 2 is not supported for models with recurrent layers"):
+    with pytest.raises(ConfigError, match="--tp-size 2 is not supported for Mamba2 layers"):
         check_parallel(spec, 2, 1)
     identities = {load_model(f"random:{name}", weights=False).identity for name in ("mamba2-tiny", "gdn-tiny", "tiny")}
     assert len(identities) == 3

@@ -94,3 +94,9 @@ def test_tp_beyond_the_gated_deltanet_key_heads_is_refused_in_one_sentence() -> 
     with pytest.raises(ConfigError, match="--tp-size 3 exceeds the model's 2 gated DeltaNet key heads") as e:
         make_engine("random:gdn-tiny", tp_size=3)
     assert str(e.value).count(". ") == 0
+
+
+def test_tp_of_mamba2_layers_is_refused_in_one_sentence() -> None:
+    with pytest.raises(ConfigError, match="--tp-size 2 is not supported for Mamba2 layers") as e:
+        make_engine("random:mamba2-tiny", tp_size=2)
+    assert str(e.value).count(". ") == 0

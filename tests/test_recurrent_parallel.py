@@ -30,7 +30,7 @@ def snapshot_stats(engine: Engine) -> dict:
     return engine.stats()["device_pool"]["recurrent_state"]
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", [m for m in MODELS if "mamba2" not in m])  # (Mamba2: TP refused)
 def test_tp2_gives_tp1s_tokens_and_a_repeated_prompt_hits_its_snapshot(model: str, checker: None) -> None:
     one = make_engine(model)
     try:
