@@ -15,22 +15,24 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from dense_forward import greedy_paged, prefill_logits
+from dense_forward import prefill_logits
+from recurrent_checks import (SPREAD_TOL, assert_refused, assert_states_close, check_batch_keeps_states,
+                              check_bfloat16_recurrence, check_greedy_equals_generate, check_logits_match,
+                              check_split_then_decode, load_pair, random_ids, randomized, run_pass, save_hf_dir,
+                              spread_error)
 
 from hicache.errors import ConfigError
-from hicache.model import DenseKV, load_model, make_forward_batch
+from hicache.model import DenseKV, load_model
 from hicache.model.families import QWEN35
 from hicache.model.hf_loader import spec_from_hf_config
 from hicache.model.llama import parameter_shapes
 from hicache.model.parallel import check_parallel, model_shard
 from hicache.model.random_model import parse_random_spec
-from hicache.model.tokenizer import byte_tokenizer
 
 pytestmark = pytest.mark.model
 
 transformers = pytest.importorskip("transformers")
 
-SPREAD_TOL = 1e-4  # max |ours - transformers| over the logits' spread (seen: ~1.4e-6 tiny, ~4e-7 at 0.8B's shapes)
 GDN, FULL = "linear_attention", "full_attention"
 CONFIGS = {  # besides the common keys of qwen35_config
     "tiny": dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -58,57 +60,21 @@ def qwen35_config(**keys) -> "transformers.Qwen3_5TextConfig":
     return transformers.Qwen3_5TextConfig(**{**common, **keys})
 
 
-def randomized(hf: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Every parameter drawn: zero-centred norms (stored w, computing 1 + w) ~ N(0, 0.1), the gated norm
-    (stored as it computes) ~ 1 + N(0, 0.1), so a norm offset applied to the wrong norm shows; conv taps
-    N(0, 0.5); A_log, dt_bias N(0, 0.5); embeddings N(0, 1); matrices at 1/sqrt(fan-in)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            r = torch.randn(p.shape, generator=gen)
-            if name.endswith("linear_attn.norm.weight"):
-                p.copy_(1.0 + 0.1 * r)
-            elif name.endswith("norm.weight"):
-                p.copy_(0.1 * r)
-            elif "embed_tokens" in name:
-                p.copy_(r)
-            elif p.dim() == 2:
-                p.copy_(r / p.shape[1] ** 0.5)
-            else:
-                p.copy_(0.5 * r)
-    return hf.eval()
-
-
 def write_hf_dir(folder, config: str) -> torch.nn.Module:
     """transformers' model of ``CONFIGS[config]`` with random weights, saved in ``folder`` as safetensors with
-    a byte tokenizer; returns the model."""
-    hf = randomized(transformers.Qwen3_5ForCausalLM(qwen35_config(**CONFIGS[config])), seed=5)
-    hf.save_pretrained(folder)
-    byte_tokenizer().backend.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>", "eos_token": "<eos>"}))
-    return hf
+    a byte tokenizer; returns the model. Every parameter drawn (recurrent_checks.randomized): zero-centred
+    norms (stored w, computing 1 + w) N(0, 0.1), the gated norm (stored as it computes) 1 + N(0, 0.1), so a
+    norm offset applied to the wrong norm shows; conv taps, A_log, dt_bias N(0, 0.5)."""
+    hf = transformers.Qwen3_5ForCausalLM(qwen35_config(**CONFIGS[config]))
+    return save_hf_dir(randomized(hf, 5, norm_mean=lambda name: float(name.endswith("linear_attn.norm.weight")),
+                                  rest=lambda name: 0.5), folder)
 
 
 @pytest.fixture(scope="module", params=["tiny", "tiny-grouped",
                                         pytest.param("qwen3.5-0.8b-shapes", marks=pytest.mark.slow)])
 def pair(request, tmp_path_factory):
     """transformers' model and ours loaded from the directory it saved."""
-    folder = tmp_path_factory.mktemp(request.param)
-    hf = write_hf_dir(folder, request.param)
-    return SimpleNamespace(name=request.param, hf=hf, folder=folder, ours=load_model(str(folder), dtype=torch.float32))
-
-
-def random_ids(n: int, vocab: int, seed: int = 0) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def spread_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got - want).abs().max() / (want.max() - want.min()))
-
-
-def hf_logits(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float()
+    return load_pair(write_hf_dir, request.param, tmp_path_factory.mktemp(request.param))
 
 
 def test_logits_match_transformers(pair) -> None:
@@ -116,66 +82,22 @@ def test_logits_match_transformers(pair) -> None:
     assert [{"gdn": GDN, "full": FULL}[k] for k in spec.layer_kinds] == config["layer_types"]
     assert spec.attn_output_gate and spec.qk_norm and spec.conv_kernel == 4
     assert spec.rope_dim == int(config["head_dim"] * config.get("partial_rotary_factor", 0.25))
-    ids = random_ids(600, spec.vocab_size)
-    assert spread_error(prefill_logits(pair.ours.model, ids), hf_logits(pair.hf, ids)) < SPREAD_TOL
-
-
-def run_pass(model, kv: DenseKV, ids: list[int], start: int, n: int, state: tuple[int, int],
-             generated: bool = False) -> torch.Tensor:
-    """Logits of tokens ``ids[start:start + n]`` after the first ``start`` (slots 1.., state slots ``state``)."""
-    batch = make_forward_batch([ids[start:start + n]], [start], [torch.arange(1, start + n + 1)], logits="all",
-                               generated=generated, state_slots=[state])
-    return model(batch, kv)
+    check_logits_match(pair)
 
 
 def test_split_prefill_then_decode_equals_one_pass(pair) -> None:
     """Prompt chunks of 100, 1, 37 and 162 tokens (each split inside a 64-token scan chunk, so the scan
     resumes mid chunk), then 24 decode steps (the batched one-token step): every row's logits as the
     one-pass prompt's, and the states after the chunks those of one 300-token pass."""
-    model, spec = pair.ours.model, pair.ours.spec
-    ids = random_ids(324, spec.vocab_size, seed=1)
-    want = prefill_logits(model, ids)
-    kv = DenseKV(spec, 325, torch.float32)
-    rows, start = [], 0
-    for n in (100, 1, 37, 162):
-        rows.append(run_pass(model, kv, ids, start, n, (0 if start == 0 else 1, 1)))
-        start += n
-    split_states = [[t[1].clone() for t in layer] for layer in kv.state_buffers]
-    for _ in range(24):
-        rows.append(run_pass(model, kv, ids, start, 1, (1, 1), generated=True))
-        start += 1
-    assert spread_error(torch.cat(rows), want) < SPREAD_TOL
-    one = DenseKV(spec, 301, torch.float32)
-    run_pass(model, one, ids, 0, 300, (0, 1))
-    for split, whole in zip(split_states, one.state_buffers):
-        torch.testing.assert_close(split[0], whole[0][1], atol=1e-6, rtol=0)  # the conv's last inputs
-        torch.testing.assert_close(split[1], whole[1][1], atol=1e-5, rtol=1e-5)  # the recurrent matrix
+    split, whole = check_split_then_decode(pair.ours.model, (100, 1, 37, 162), steps=24)
+    assert_states_close(split, whole, [(1e-6, 0.0), (1e-5, 1e-5)])  # the conv's last inputs, the recurrent matrix
 
 
 def test_sequences_of_one_batch_keep_their_own_state() -> None:
     """Three prompts in one pass, their next chunks (3, 1 and 70 tokens, each from its own state) in a
     second, then one decode step of all three: each sequence's logits as it gets alone."""
     model = load_model("random:gdn-tiny", dtype=torch.float32).model
-    spec = model.spec
-    seqs = [random_ids(n, 256, seed=n) for n in (31, 18, 100)]
-    spans = [[(0, p), (p, c), (c, c + 1)] for p, c in ((20, 23), (1, 2), (9, 79))]  # each sequence's three passes
-    slots = [torch.arange(1 + 128 * b, 1 + 128 * b + len(ids)) for b, ids in enumerate(seqs)]
-    kv = DenseKV(spec, 384, torch.float32, state_slots=4)
-    together = []
-    for i in range(3):
-        parts = [span[i] for span in spans]
-        batch = make_forward_batch([ids[a:e] for ids, (a, e) in zip(seqs, parts)], [a for a, _ in parts],
-                                   [s[:e] for s, (_, e) in zip(slots, parts)], logits="all", generated=i == 2,
-                                   state_slots=[(0 if i == 0 else b + 1, b + 1) for b in range(3)])
-        together.append(model(batch, kv).split([e - a for a, e in parts]))
-    for b, ids in enumerate(seqs):
-        alone = DenseKV(spec, 128, torch.float32, state_slots=2)
-        (_, prompt), (_, chunk), _ = spans[b]
-        first = run_pass(model, alone, ids, 0, prompt, (0, 1))
-        second = run_pass(model, alone, ids, prompt, chunk - prompt, (1, 1))
-        third = run_pass(model, alone, ids, chunk, 1, (1, 1), generated=True)
-        for i, want in enumerate((first, second, third)):
-            torch.testing.assert_close(together[i][b], want, atol=1e-5, rtol=0)
+    check_batch_keeps_states(model, (31, 18, 100), ((20, 23), (1, 2), (9, 79)))
 
 
 def test_greedy_paged_equals_transformers_generate() -> None:
@@ -191,14 +113,9 @@ def test_greedy_paged_equals_transformers_generate() -> None:
                            layer_types=[GDN, GDN, FULL], rms_norm_eps=spec.rms_norm_eps, tie_word_embeddings=False,
                            partial_rotary_factor=spec.rotary_dim / spec.head_dim)
     config.rope_parameters["rope_theta"] = spec.rope_theta
-    config.eos_token_id = config.bos_token_id = config.pad_token_id = None
-    hf = transformers.Qwen3_5ForCausalLM(config).eval()
-    params = dict(ours.model.named_parameters())
-    hf.load_state_dict({name: params[name] - (1.0 if QWEN35.offset_norm(name) else 0.0) for name in hf.state_dict()})
-    ids = ours.tokenizer.encode("Gated deltas keep a matrix a head; " * 3)
-    with torch.no_grad():
-        want = hf.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False)[0, len(ids):]
-    assert greedy_paged(ours.model, ids, steps=16) == want.tolist()
+    check_greedy_equals_generate(transformers.Qwen3_5ForCausalLM, config, ours,
+                                 lambda params, name: params[name] - (1.0 if QWEN35.offset_norm(name) else 0.0),
+                                 "Gated deltas keep a matrix a head; " * 3)
 
 
 def test_conditional_generation_layout_loads_the_text_model(tmp_path_factory, caplog) -> None:
@@ -269,10 +186,6 @@ def test_published_config_reads_as_transformers_reads_it() -> None:
     assert not spec_from_hf_config({**raw, "tie_word_embeddings": False}).tie_word_embeddings  # the outer config's
 
 
-def one_sentence(message: str) -> bool:
-    return "\n" not in message and message.endswith(".") and ". " not in message
-
-
 @pytest.mark.parametrize("changes, says", [
     ({"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe"},
      "Qwen3.5's mixture-of-experts variant is not supported"),
@@ -290,9 +203,7 @@ def one_sentence(message: str) -> bool:
 ])
 def test_what_qwen35_does_not_run_is_refused_in_one_sentence(changes: dict, says: str) -> None:
     config = {**qwen35_config(**CONFIGS["tiny"]).to_dict(), "architectures": ["Qwen3_5ForCausalLM"], **changes}
-    with pytest.raises(ConfigError, match=says) as caught:
-        spec_from_hf_config(config)
-    assert one_sentence(str(caught.value)), str(caught.value)
+    assert_refused(config, says)
     with pytest.raises(ConfigError, match=says):  # the same inside a ConditionalGeneration config
         spec_from_hf_config({**published_text_config(**{k: v for k, v in changes.items() if k != "architectures"}),
                              **({"architectures": changes["architectures"]} if "architectures" in changes else {})})
@@ -325,14 +236,7 @@ def test_spec_buffers_shapes_and_modes() -> None:
 def test_bfloat16_keeps_the_recurrence_in_float32() -> None:
     """The model in bfloat16: its recurrent matrices stay float32 through a split prefill and decode steps,
     and its logits stay within a few percent of the float32 model's spread."""
-    ids = random_ids(140, 256, seed=6)
-    want = prefill_logits(load_model("random:gdn-tiny", dtype=torch.float32).model, ids)
-    model = load_model("random:gdn-tiny", dtype=torch.bfloat16).model
-    kv = DenseKV(model.spec, 141, torch.bfloat16)
-    rows = [run_pass(model, kv, ids, 0, 100, (0, 1))] + [run_pass(model, kv, ids, p, 1, (1, 1), generated=True)
-                                                         for p in range(100, 140)]
-    assert all(layer[1].dtype == torch.float32 and layer[1][1].abs().sum() > 0 for layer in kv.state_buffers)
-    assert spread_error(torch.cat(rows), want) < 0.03
+    check_bfloat16_recurrence("gdn-tiny")
 
 
 def test_gated_attention_with_partial_rotary_never_takes_the_fused_decode() -> None:

@@ -10,25 +10,24 @@ configs and options the layers do not implement are refused in one sentence."""
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
-from dense_forward import greedy_paged, prefill_logits
+from recurrent_checks import (assert_refused, assert_states_close, check_batch_keeps_states,
+                              check_bfloat16_recurrence, check_greedy_equals_generate, check_logits_match,
+                              check_split_then_decode, load_pair, randomized, save_hf_dir)
 
 from hicache.errors import ConfigError
-from hicache.model import DenseKV, load_model, make_forward_batch
+from hicache.model import DenseKV, load_model
 from hicache.model.hf_loader import spec_from_hf_config
 from hicache.model.llama import parameter_shapes
 from hicache.model.parallel import check_parallel
 from hicache.model.random_model import parse_random_spec
-from hicache.model.tokenizer import byte_tokenizer
 
 pytestmark = pytest.mark.model
 
 transformers = pytest.importorskip("transformers")
 
-SPREAD_TOL = 1e-4  # max |ours - transformers| over the logits' spread
 MAMBA, ATTENTION = "mamba", "attention"
 GRANITE = dict(embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.22, logits_scaling=8.0)
 CONFIGS = {  # besides the common keys of granite_config
@@ -60,54 +59,19 @@ def granite_config(**keys) -> "transformers.GraniteMoeHybridConfig":
     return transformers.GraniteMoeHybridConfig(**{**common, **keys})
 
 
-def randomized(hf: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Every parameter drawn: norms (the gated one too) ~ 1 + N(0, 0.1); embeddings N(0, 1); matrices at
-    1/sqrt(fan-in); the rest -- conv taps and biases, A_log, dt_bias, D -- N(0, 0.5)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            r = torch.randn(p.shape, generator=gen)
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * r)
-            elif "embed_tokens" in name:
-                p.copy_(r)
-            elif p.dim() == 2:
-                p.copy_(r / p.shape[1] ** 0.5)
-            else:
-                p.copy_(0.5 * r)
-    return hf.eval()
-
-
 def write_hf_dir(folder, config: str) -> torch.nn.Module:
     """transformers' model of ``CONFIGS[config]`` with random weights, saved in ``folder`` as safetensors with
-    a byte tokenizer; returns the model."""
-    hf = randomized(transformers.GraniteMoeHybridForCausalLM(granite_config(**CONFIGS[config])), seed=5)
-    hf.save_pretrained(folder)
-    byte_tokenizer().backend.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>", "eos_token": "<eos>"}))
-    return hf
+    a byte tokenizer; returns the model. Every parameter drawn (recurrent_checks.randomized): norms (the gated
+    one too) 1 + N(0, 0.1); the rest -- conv taps and biases, A_log, dt_bias, D -- N(0, 0.5)."""
+    hf = transformers.GraniteMoeHybridForCausalLM(granite_config(**CONFIGS[config]))
+    return save_hf_dir(randomized(hf, 5, norm_mean=lambda name: 1.0, rest=lambda name: 0.5), folder)
 
 
 @pytest.fixture(scope="module", params=["tiny", "tiny-rope",
                                         pytest.param("granite-4.0-h-micro-shapes", marks=pytest.mark.slow)])
 def pair(request, tmp_path_factory):
     """transformers' model and ours loaded from the directory it saved."""
-    folder = tmp_path_factory.mktemp(request.param)
-    hf = write_hf_dir(folder, request.param)
-    return SimpleNamespace(name=request.param, hf=hf, folder=folder, ours=load_model(str(folder), dtype=torch.float32))
-
-
-def random_ids(n: int, vocab: int, seed: int = 0) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def spread_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got - want).abs().max() / (want.max() - want.min()))
-
-
-def hf_logits(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float()
+    return load_pair(write_hf_dir, request.param, tmp_path_factory.mktemp(request.param))
 
 
 def test_logits_match_transformers(pair) -> None:
@@ -118,66 +82,22 @@ def test_logits_match_transformers(pair) -> None:
     assert spec.nope == (config["position_embedding_type"] == "nope") and spec.scan_chunk == 64
     assert spec.intermediate_size == config["shared_intermediate_size"] and spec.conv_kernel == 4
     assert spec.dt_max == (None if "time_step_limit" not in config else config["time_step_limit"][1])
-    ids = random_ids(600, spec.vocab_size)
-    assert spread_error(prefill_logits(pair.ours.model, ids), hf_logits(pair.hf, ids)) < SPREAD_TOL
-
-
-def run_pass(model, kv: DenseKV, ids: list[int], start: int, n: int, state: tuple[int, int],
-             generated: bool = False) -> torch.Tensor:
-    """Logits of tokens ``ids[start:start + n]`` after the first ``start`` (slots 1.., state slots ``state``)."""
-    batch = make_forward_batch([ids[start:start + n]], [start], [torch.arange(1, start + n + 1)], logits="all",
-                               generated=generated, state_slots=[state])
-    return model(batch, kv)
+    check_logits_match(pair)
 
 
 def test_split_prefill_then_decode_equals_one_pass(pair) -> None:
     """Prompt chunks of 100, 1, 37 and 162 tokens (each split inside a 64-token scan chunk, so the scan
     resumes mid chunk), then 24 decode steps (the batched one-token step): every row's logits as the
     one-pass prompt's, and the states after the chunks those of one 300-token pass."""
-    model, spec = pair.ours.model, pair.ours.spec
-    ids = random_ids(324, spec.vocab_size, seed=1)
-    want = prefill_logits(model, ids)
-    kv = DenseKV(spec, 325, torch.float32)
-    rows, start = [], 0
-    for n in (100, 1, 37, 162):
-        rows.append(run_pass(model, kv, ids, start, n, (0 if start == 0 else 1, 1)))
-        start += n
-    split_states = [[t[1].clone() for t in layer] for layer in kv.state_buffers]
-    for _ in range(24):
-        rows.append(run_pass(model, kv, ids, start, 1, (1, 1), generated=True))
-        start += 1
-    assert spread_error(torch.cat(rows), want) < SPREAD_TOL
-    one = DenseKV(spec, 301, torch.float32)
-    run_pass(model, one, ids, 0, 300, (0, 1))
-    for split, whole in zip(split_states, one.state_buffers):
-        torch.testing.assert_close(split[0], whole[0][1], atol=1e-6, rtol=0)  # the conv's last inputs
-        torch.testing.assert_close(split[1], whole[1][1], atol=1e-5, rtol=1e-5)  # the SSM state
+    split, whole = check_split_then_decode(pair.ours.model, (100, 1, 37, 162), steps=24)
+    assert_states_close(split, whole, [(1e-6, 0.0), (1e-5, 1e-5)])  # the conv's last inputs, the SSM state
 
 
 def test_sequences_of_one_batch_keep_their_own_state() -> None:
     """Three prompts in one pass, their next chunks (3, 1 and 70 tokens, each from its own state) in a
     second, then one decode step of all three: each sequence's logits as it gets alone."""
     model = load_model("random:mamba2-tiny", dtype=torch.float32).model
-    spec = model.spec
-    seqs = [random_ids(n, 256, seed=n) for n in (31, 18, 100)]
-    spans = [[(0, p), (p, c), (c, c + 1)] for p, c in ((20, 23), (1, 2), (9, 79))]  # each sequence's three passes
-    slots = [torch.arange(1 + 128 * b, 1 + 128 * b + len(ids)) for b, ids in enumerate(seqs)]
-    kv = DenseKV(spec, 384, torch.float32, state_slots=4)
-    together = []
-    for i in range(3):
-        parts = [span[i] for span in spans]
-        batch = make_forward_batch([ids[a:e] for ids, (a, e) in zip(seqs, parts)], [a for a, _ in parts],
-                                   [s[:e] for s, (_, e) in zip(slots, parts)], logits="all", generated=i == 2,
-                                   state_slots=[(0 if i == 0 else b + 1, b + 1) for b in range(3)])
-        together.append(model(batch, kv).split([e - a for a, e in parts]))
-    for b, ids in enumerate(seqs):
-        alone = DenseKV(spec, 128, torch.float32, state_slots=2)
-        (_, prompt), (_, chunk), _ = spans[b]
-        first = run_pass(model, alone, ids, 0, prompt, (0, 1))
-        second = run_pass(model, alone, ids, prompt, chunk - prompt, (1, 1))
-        third = run_pass(model, alone, ids, chunk, 1, (1, 1), generated=True)
-        for i, want in enumerate((first, second, third)):
-            torch.testing.assert_close(together[i][b], want, atol=1e-5, rtol=0)
+    check_batch_keeps_states(model, (31, 18, 100), ((20, 23), (1, 2), (9, 79)))
 
 
 def hf_tensor(params: dict[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -200,14 +120,8 @@ def test_greedy_paged_equals_transformers_generate() -> None:
                             position_embedding_type="nope", rms_norm_eps=spec.rms_norm_eps, tie_word_embeddings=False,
                             embedding_multiplier=spec.embedding_scale, attention_multiplier=spec.attention_scale,
                             residual_multiplier=spec.residual_scale, logits_scaling=spec.logits_scale)
-    config.eos_token_id = config.bos_token_id = config.pad_token_id = None
-    hf = transformers.GraniteMoeHybridForCausalLM(config).eval()
-    params = dict(ours.model.named_parameters())
-    hf.load_state_dict({name: hf_tensor(params, name) for name in hf.state_dict()})
-    ids = ours.tokenizer.encode("Selective state spaces keep a matrix a head; " * 3)
-    with torch.no_grad():
-        want = hf.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False)[0, len(ids):]
-    assert greedy_paged(ours.model, ids, steps=16) == want.tolist()
+    check_greedy_equals_generate(transformers.GraniteMoeHybridForCausalLM, config, ours, hf_tensor,
+                                 "Selective state spaces keep a matrix a head; " * 3)
 
 
 def published_config(**changes) -> dict:
@@ -268,10 +182,6 @@ def test_a_tagged_infinity_reads_as_the_bare_word(tmp_path) -> None:
     assert load_model(str(folder), weights=False).spec.dt_max is None
 
 
-def one_sentence(message: str) -> bool:
-    return "\n" not in message and message.endswith(".") and ". " not in message
-
-
 @pytest.mark.parametrize("changes, says", [
     ({"num_local_experts": 8}, r"Granite's mixture-of-experts models \(num_local_experts = 8\) are not supported"),
     ({"num_local_experts": None}, r"Granite's mixture-of-experts models \(num_local_experts = None\)"),
@@ -294,9 +204,7 @@ def test_what_granite_does_not_run_is_refused_in_one_sentence(changes: dict, say
     config = {**granite_config(**CONFIGS["tiny"]).to_dict(), "architectures": ["GraniteMoeHybridForCausalLM"]}
     if changes.get("num_local_experts") == "absent":  # transformers' default: 8 experts a layer
         changes, config = {}, {k: v for k, v in config.items() if k != "num_local_experts"}
-    with pytest.raises(ConfigError, match=says) as caught:
-        spec_from_hf_config({**config, **changes})
-    assert one_sentence(str(caught.value)), str(caught.value)
+    assert_refused({**config, **changes}, says)
 
 
 def test_spec_buffers_shapes_and_modes() -> None:
@@ -325,11 +233,4 @@ def test_spec_buffers_shapes_and_modes() -> None:
 def test_bfloat16_keeps_the_recurrence_in_float32() -> None:
     """The model in bfloat16: its SSM states stay float32 through a split prefill and decode steps, and its
     logits stay within a few percent of the float32 model's spread."""
-    ids = random_ids(140, 256, seed=6)
-    want = prefill_logits(load_model("random:mamba2-tiny", dtype=torch.float32).model, ids)
-    model = load_model("random:mamba2-tiny", dtype=torch.bfloat16).model
-    kv = DenseKV(model.spec, 141, torch.bfloat16)
-    rows = [run_pass(model, kv, ids, 0, 100, (0, 1))] + [run_pass(model, kv, ids, p, 1, (1, 1), generated=True)
-                                                         for p in range(100, 140)]
-    assert all(layer[1].dtype == torch.float32 and layer[1][1].abs().sum() > 0 for layer in kv.state_buffers)
-    assert spread_error(torch.cat(rows), want) < 0.03
+    check_bfloat16_recurrence("mamba2-tiny")

@@ -7,12 +7,14 @@ one sentence; the engine refuses the model until it has a state pool (step b).""
 
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import pytest
 import torch
-from dense_forward import greedy_paged, prefill_logits
+from dense_forward import prefill_logits
+from recurrent_checks import (assert_refused, assert_states_close, check_batch_keeps_states,
+                              check_greedy_equals_generate, check_logits_match, check_split_then_decode, load_pair,
+                              random_ids, randomized, save_hf_dir)
 
 from hicache.model import DenseKV, ModelFormatError, ModelSpec, ModelSpecError, load_model, make_forward_batch
 from hicache.model.families import LFM2
@@ -21,13 +23,11 @@ from hicache.model.llama import parameter_shapes
 from hicache.model.parallel import model_shard, shard_model
 from hicache.model.projection import dense_rows_invariant
 from hicache.model.random_model import parse_random_spec
-from hicache.model.tokenizer import byte_tokenizer
 
 pytestmark = pytest.mark.model
 
 transformers = pytest.importorskip("transformers")
 
-SPREAD_TOL = 1e-4  # max |ours - transformers| over the logits' spread (seen: ~3e-7 at both shapes)
 LAYERS = ["conv", "conv", "full_attention"]
 CONFIGS = {  # besides the common keys of lfm2_config
     "tiny": dict(vocab_size=320, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
@@ -45,95 +45,35 @@ def lfm2_config(**keys) -> "transformers.Lfm2Config":
     return transformers.Lfm2Config(**{**common, **keys})
 
 
-def randomized(hf: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Every parameter drawn (norms too, so a dropped or misplaced tensor shows): matrices at 1/sqrt(fan-in),
-    conv taps ~ N(0, 0.5), embeddings N(0, 1), biases N(0, 0.1)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            r = torch.randn(p.shape, generator=gen)
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * r)
-            elif name.endswith("conv.conv.weight"):
-                p.copy_(0.5 * r)
-            elif "embed_tokens" in name:
-                p.copy_(r)
-            else:
-                p.copy_(r / p.shape[1] ** 0.5 if p.dim() == 2 else 0.1 * r)
-    return hf.eval()
-
-
 def write_hf_dir(folder, config: str) -> torch.nn.Module:
     """transformers' model of ``CONFIGS[config]`` with random weights, saved in ``folder`` as safetensors
-    with a byte tokenizer; returns the model."""
-    hf = randomized(transformers.Lfm2ForCausalLM(lfm2_config(**CONFIGS[config])), seed=3)
-    hf.save_pretrained(folder)
-    byte_tokenizer().backend.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>", "eos_token": "<eos>"}))
-    return hf
+    with a byte tokenizer; returns the model. Every parameter drawn (recurrent_checks.randomized): norms
+    1 + N(0, 0.1), conv taps N(0, 0.5), the other vectors (biases) N(0, 0.1)."""
+    hf = transformers.Lfm2ForCausalLM(lfm2_config(**CONFIGS[config]))
+    return save_hf_dir(randomized(hf, 3, norm_mean=lambda name: 1.0,
+                                  rest=lambda name: 0.5 if name.endswith("conv.conv.weight") else 0.1), folder)
 
 
 @pytest.fixture(scope="module", params=["tiny", pytest.param("lfm2-350m-shapes", marks=pytest.mark.slow)])
 def pair(request, tmp_path_factory):
     """transformers' model and ours loaded from the directory it saved."""
-    folder = tmp_path_factory.mktemp(request.param)
-    hf = write_hf_dir(folder, request.param)
-    return SimpleNamespace(name=request.param, hf=hf, ours=load_model(str(folder), dtype=torch.float32))
-
-
-def random_ids(n: int, vocab: int, seed: int = 0) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def spread_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got - want).abs().max() / (want.max() - want.min()))
+    return load_pair(write_hf_dir, request.param, tmp_path_factory.mktemp(request.param))
 
 
 def test_logits_match_transformers(pair) -> None:
     spec = pair.ours.spec
     assert spec.layer_kinds == ("conv", "conv", "full") and spec.conv_kernel == 3 and spec.qk_norm
     assert spec.intermediate_size == (4608 if pair.name == "lfm2-350m-shapes" else 128)
-    ids = random_ids(600, spec.vocab_size)
-    with torch.no_grad():
-        want = pair.hf(torch.tensor([ids])).logits[0].float()
-    assert spread_error(prefill_logits(pair.ours.model, ids), want) < SPREAD_TOL
-
-
-def run_pass(model, kv: DenseKV, ids: list[int], start: int, n: int, state: tuple[int, int],
-             generated: bool = False) -> torch.Tensor:
-    """Logits of tokens ``ids[start:start + n]`` after the first ``start`` (slots 1.., state slots ``state``)."""
-    batch = make_forward_batch([ids[start:start + n]], [start], [torch.arange(1, start + n + 1)], logits="all",
-                               generated=generated, state_slots=[state])
-    return model(batch, kv)
-
-
-def states(kv: DenseKV, slot: int) -> list[torch.Tensor]:
-    return [buffers[0][slot].clone() for buffers in kv.state_buffers]
+    check_logits_match(pair)
 
 
 def test_split_prefill_then_decode_equals_one_pass(pair) -> None:
     """Chunks of 100, 1, 1 (shorter than the conv's 2-input state: the old state's rows move along),
     37 and 141 tokens, then 20 decode steps: every row's logits as the one-pass prompt's, and the conv
     states after the chunks those of one 280-token pass, bit for bit."""
-    model, spec = pair.ours.model, pair.ours.spec
-    ids = random_ids(300, spec.vocab_size, seed=1)
-    want = prefill_logits(model, ids)
-    kv = DenseKV(spec, 301, torch.float32)
-    rows, start = [], 0
-    for n in (100, 1, 1, 37, 141):
-        rows.append(run_pass(model, kv, ids, start, n, (0 if start == 0 else 1, 1)))
-        start += n
-    split_states = states(kv, 1)
-    for _ in range(20):
-        rows.append(run_pass(model, kv, ids, start, 1, (1, 1), generated=True))
-        start += 1
-    assert spread_error(torch.cat(rows), want) < SPREAD_TOL
-    one = DenseKV(spec, 281, torch.float32)
-    run_pass(model, one, ids, 0, 280, (0, 1))
-    if dense_rows_invariant():  # (the CPU's BLAS gives a row the same bits in any pass: the engine checks it too)
-        assert all(torch.equal(a, b) for a, b in zip(split_states, states(one, 1)))
-    else:
-        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(split_states, states(one, 1)))
+    split, whole = check_split_then_decode(pair.ours.model, (100, 1, 1, 37, 141), steps=20)
+    # (the CPU's BLAS gives a row the same bits in any pass: the engine checks it too)
+    assert_states_close(split, whole, [(0.0, 0.0)] if dense_rows_invariant() else [(1e-6, 1e-5)])
 
 
 def test_sequences_of_one_batch_keep_their_own_state() -> None:
@@ -141,28 +81,7 @@ def test_sequences_of_one_batch_keep_their_own_state() -> None:
     second, then one decode step of all three: each sequence's logits as it gets alone. A pass reading
     one slot and writing another (a hit's first forward) leaves the source as it was."""
     model = load_model("random:lfm2-tiny", dtype=torch.float32).model
-    spec = model.spec
-    seqs = [random_ids(n, 256, seed=n) for n in (31, 18, 25)]
-    spans = [[(0, p), (p, c), (c, c + 1)] for p, c in ((20, 23), (1, 2), (9, 13))]  # each sequence's three passes
-    slots = [torch.arange(1 + 32 * b, 1 + 32 * b + len(ids)) for b, ids in enumerate(seqs)]
-    kv = DenseKV(spec, 96, torch.float32, state_slots=4)
-    together = []
-    for i in range(3):
-        parts = [span[i] for span in spans]
-        batch = make_forward_batch([ids[a:e] for ids, (a, e) in zip(seqs, parts)], [a for a, _ in parts],
-                                   [s[:e] for s, (_, e) in zip(slots, parts)], logits="all", generated=i == 2,
-                                   state_slots=[(0 if i == 0 else b + 1, b + 1) for b in range(3)])
-        together.append(model(batch, kv).split([e - a for a, e in parts]))
-    for b, ids in enumerate(seqs):
-        alone = DenseKV(spec, 64, torch.float32, state_slots=3)
-        (_, prompt), (_, chunk), _ = spans[b]
-        first = run_pass(model, alone, ids, 0, prompt, (0, 1))
-        second = run_pass(model, alone, ids, prompt, chunk - prompt, (1, 1))
-        before = states(alone, 1)
-        third = run_pass(model, alone, ids, chunk, 1, (1, 2), generated=True)
-        assert all(torch.equal(a, c) for a, c in zip(before, states(alone, 1)))  # the source slot untouched
-        for i, want in enumerate((first, second, third)):
-            torch.testing.assert_close(together[i][b], want, atol=1e-5, rtol=0)
+    check_batch_keeps_states(model, (31, 18, 25), ((20, 23), (1, 2), (9, 13)), third=(1, 2))
 
 
 @pytest.mark.parametrize("keys", [
@@ -202,10 +121,6 @@ def test_older_config_keys_read_as_transformers_reads_them() -> None:
     assert spec_from_hf_config(without).rope_theta == 1e6 and spec_from_hf_config(without).recurrent_layers == ()
 
 
-def one_sentence(message: str) -> bool:
-    return "\n" not in message and message.endswith(".") and ". " not in message
-
-
 @pytest.mark.parametrize("changes, says", [
     ({"architectures": ["Lfm2MoeForCausalLM"], "model_type": "lfm2_moe"},
      "mixture-of-experts variant is not supported"),
@@ -219,9 +134,7 @@ def one_sentence(message: str) -> bool:
 ])
 def test_what_lfm2_does_not_run_is_refused_in_one_sentence(changes: dict, says: str) -> None:
     config = {**lfm2_config(**CONFIGS["tiny"]).to_dict(), "architectures": ["Lfm2ForCausalLM"], **changes}
-    with pytest.raises(ModelFormatError, match=r"\b" + says.replace("[", r"\[").replace("]", r"\]")) as caught:
-        spec_from_hf_config(config)
-    assert one_sentence(str(caught.value)), str(caught.value)
+    assert_refused(config, r"\b" + says.replace("[", r"\[").replace("]", r"\]"), ModelFormatError)
 
 
 def test_a_tensor_under_both_names_is_refused(tmp_path) -> None:
@@ -246,15 +159,10 @@ def test_greedy_paged_equals_transformers_generate() -> None:
                          intermediate_size=spec.intermediate_size, block_auto_adjust_ff_dim=False,
                          num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
                          norm_eps=spec.rms_norm_eps, tie_word_embeddings=False,
-                         rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
-                         eos_token_id=None, bos_token_id=None, pad_token_id=None)
-    hf = transformers.Lfm2ForCausalLM(config).eval()
-    params = dict(ours.model.named_parameters())
-    hf.load_state_dict({name: params[LFM2.hf_param(name)] for name in hf.state_dict()})
-    ids = ours.tokenizer.encode("Short convolutions keep two inputs a channel; 42 times!")
-    with torch.no_grad():
-        want = hf.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False)[0, len(ids):]
-    assert greedy_paged(ours.model, ids, steps=16) == want.tolist()
+                         rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta})
+    check_greedy_equals_generate(transformers.Lfm2ForCausalLM, config, ours,
+                                 lambda params, name: params[LFM2.hf_param(name)],
+                                 "Short convolutions keep two inputs a channel; 42 times!")
 
 
 def test_pipeline_stages_index_their_own_kv_and_state_buffers() -> None:
