@@ -7,6 +7,7 @@ one sentence; the engine refuses the model until it has a state pool (step b).""
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 from dense_forward import prefill_logits
 from recurrent_checks import (assert_refused, assert_states_close, check_batch_keeps_states,
                               check_greedy_equals_generate, check_logits_match, check_split_then_decode, load_pair,
-                              random_ids, randomized, save_hf_dir)
+                              one_sentence, random_ids, randomized, save_hf_dir)
 
 from hicache.model import DenseKV, ModelFormatError, ModelSpec, ModelSpecError, load_model, make_forward_batch
 from hicache.model.families import LFM2
@@ -205,6 +206,20 @@ def test_spec_buffers_and_shapes_by_layer_kind() -> None:
                   "gemma-small": "2ab4e3e3953bd8ca"}  # (as before the recurrent fields existed)
     for preset, digest in identities.items():
         assert load_model(f"random:{preset}", weights=False).identity == f"random:{digest}:seed=0:bfloat16", preset
+
+
+@pytest.mark.parametrize("field, value, kind", [
+    ("num_heads", 0, "positive"), ("conv_kernel", -1, "non-negative"), ("gdn_value_dim", True, "non-negative"),
+    ("rotary_dim", 2.5, "non-negative"), ("mamba_state", "16", "non-negative"),
+])
+def test_a_size_that_is_not_a_whole_number_is_refused_naming_it(field: str, value, kind: str) -> None:
+    """A size or count (a bool is not one; the recurrent layers' sizes may be 0 in a model without such
+    layers) refused in one sentence naming the field and the value."""
+    spec = parse_random_spec("lfm2-tiny")
+    with pytest.raises(ModelSpecError, match=re.escape(f"model spec field {field} must be a {kind} integer, "
+                                                       f"got {value!r}.")) as caught:
+        ModelSpec(**{**spec.to_dict(), field: value})
+    assert one_sentence(str(caught.value))
 
 
 def shard_state_rows(spec: ModelSpec, shard) -> tuple[torch.Tensor, slice]:

@@ -223,11 +223,8 @@ class ModelSpec:
         return self.qk_rope_head_dim if self.is_mla else self.rotary_dim or self.head_dim
 
     def validate(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
-                     "intermediate_size", "vocab_size", "max_position_embeddings"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ModelSpecError(f"model spec field {name} must be a positive integer, got {value!r}.")
+        self._require_integers(("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                                "intermediate_size", "vocab_size", "max_position_embeddings"), least=1)
         if self.num_heads % self.num_kv_heads:
             raise ModelSpecError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                                  f"({self.num_kv_heads}).")
@@ -249,6 +246,15 @@ class ModelSpec:
         if rope_type == "freq_factors" and len(self.rope_scaling.get("factors", ())) != self.rope_dim // 2:
             raise ModelSpecError(f"rope frequency factors: expected {self.rope_dim // 2} (one per rotary pair), got "
                                  f"{len(self.rope_scaling.get('factors', ()))}.")
+
+    def _require_integers(self, names: tuple[str, ...], least: int) -> None:
+        """Each of the fields ``names`` an int (a bool is not one) of at least ``least`` (1: positive, 0: a
+        size or count a model without such layers leaves at 0)."""
+        for name in names:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ModelSpecError(f"model spec field {name} must be a {'positive' if least else 'non-negative'} "
+                                     f"integer, got {value!r}.")
 
     def _validate_finite(self) -> None:
         """The floats the math divides by, raises to a power or multiplies with are finite (issue 56: an
@@ -280,8 +286,7 @@ class ModelSpec:
             raise ModelSpecError("embedding_scale and attention_scale must be positive.")
         if self.is_mla and (self.has_sliding_layers or self.sandwich_norms or self.qk_norm):
             raise ModelSpecError("MLA layers with sliding windows, sandwich norms or QK-norm are not supported.")
-        if not (isinstance(self.conv_kernel, int) and not isinstance(self.conv_kernel, bool) and self.conv_kernel >= 0):
-            raise ModelSpecError(f"conv_kernel must be a non-negative integer, got {self.conv_kernel!r}.")
+        self._require_integers(("conv_kernel",), least=0)
         recurrent = sorted(RECURRENT_KINDS & set(self.layer_kinds))
         if recurrent and (self.conv_kernel < 2 or self.is_mla):
             raise ModelSpecError(f"{' and '.join(recurrent)} layers need conv_kernel >= 2 and attention layers without "
@@ -292,10 +297,7 @@ class ModelSpec:
     def _validate_gdn(self) -> None:
         """Gated DeltaNet sizes where there are such layers; partial rotary and the output gate."""
         sizes = ("gdn_key_heads", "gdn_value_heads", "gdn_key_dim", "gdn_value_dim")
-        for name in sizes + ("rotary_dim",):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ModelSpecError(f"model spec field {name} must be a non-negative integer, got {value!r}.")
+        self._require_integers(sizes + ("rotary_dim",), least=0)
         if LayerKind.GDN in self.layer_kinds and (min(getattr(self, n) for n in sizes) < 1
                                                   or self.gdn_value_heads % self.gdn_key_heads):
             raise ModelSpecError(f"gdn layers need positive {', '.join(sizes)}, the value heads a multiple of the key "
@@ -309,10 +311,7 @@ class ModelSpec:
     def _validate_mamba2(self) -> None:
         """Mamba2 sizes where there are such layers; the time step's clamp; Granite's multipliers."""
         sizes = ("mamba_heads", "mamba_head_dim", "mamba_groups", "mamba_state")
-        for name in sizes:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ModelSpecError(f"model spec field {name} must be a non-negative integer, got {value!r}.")
+        self._require_integers(sizes, least=0)
         if LayerKind.MAMBA2 in self.layer_kinds and (min(getattr(self, n) for n in sizes) < 1
                                                      or self.mamba_heads % self.mamba_groups):
             raise ModelSpecError(f"mamba2 layers need positive {', '.join(sizes)}, the heads a multiple of the groups, "
