@@ -74,6 +74,13 @@ def write_emitted(slots: StateSlots, emitted: list[list], buffers: tuple[torch.T
                 buffer[slot] = part.to(buffer.dtype)
 
 
+def _state_slots(batch: ForwardBatch) -> StateSlots:
+    """The pass's state slots; every mixer's pass needs them (a batch built without ``state_slots`` is a bug)."""
+    if batch.state is None:
+        raise ValueError("a pass of a model with recurrent layers needs batch.state (its sequences' state slots)")
+    return batch.state
+
+
 class ConvTaps(nn.Module):
     """The depthwise convolution's parameters as transformers stores them (``nn.Conv1d`` with
     ``groups = channels``): ``weight`` ``[channels, 1, K]``, ``bias`` ``[channels]`` or None."""
@@ -101,9 +108,7 @@ class ShortConv(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVView) -> torch.Tensor:
         """``x``: ``[T, hidden]`` (the batch's sequences one after the other); returns ``[T, hidden]``
         and leaves each sequence's state after its tokens in its running slot."""
-        slots = batch.state
-        if slots is None:
-            raise ValueError("a pass of a model with recurrent layers needs batch.state (its sequences' state slots)")
+        slots = _state_slots(batch)
         b, c, u = self.inp.whole(x, batch.generated).chunk(3, dim=-1)
         bx = b * u
         buffer = kv.state_buffers[self.state_index][0]  # [slots, hidden, K-1]
@@ -119,12 +124,6 @@ class ShortConv(nn.Module):
         buffer.index_copy_(0, slots.running, after.to(buffer.dtype))
         out = self.out(c * conv, batch.generated)
         return out if self.tp_reduce is None else self.tp_reduce(out)
-
-
-def _state_slots(batch: ForwardBatch):
-    if batch.state is None:
-        raise ValueError("a pass of a model with recurrent layers needs batch.state (its sequences' state slots)")
-    return batch.state
 
 
 class GatedRMSNorm(nn.Module):
