@@ -52,6 +52,7 @@ def parity() -> None:
     import test_mamba2_parity as mamba2
     import test_recurrent_parity as lfm2
     from dense_forward import prefill_logits
+    from recurrent_checks import hf_logits, random_ids, spread_error
     from hicache.model import load_model
 
     print("1. parity vs transformers (float32, 600 positions): max |diff| / logit spread")
@@ -62,22 +63,19 @@ def parity() -> None:
             with tempfile.TemporaryDirectory() as folder:
                 hf = mod.write_hf_dir(Path(folder), config)
                 ours = load_model(folder, dtype=torch.float32).model
-            ids = mod.random_ids(600, ours.spec.vocab_size)
-            with torch.no_grad():
-                want = hf(torch.tensor([ids])).logits[0].float()
-            one = mod.spread_error(prefill_logits(ours, ids), want)
-            print(f"   {name:8} {config:22} one pass {one:.1e}   split mid-chunk {split_error(ours, ids, want, mod):.1e}")
+            ids = random_ids(600, ours.spec.vocab_size)
+            want = hf_logits(hf, ids)
+            one = spread_error(prefill_logits(ours, ids), want)
+            print(f"   {name:8} {config:22} one pass {one:.1e}   split mid-chunk {split_error(ours, ids, want):.1e}")
 
 
-def split_error(model, ids: list[int], want: torch.Tensor, mod) -> float:
+def split_error(model, ids: list[int], want: torch.Tensor) -> float:
     """The prompt in passes of 100, 1, 37 and the rest (scan chunks of 64: each split inside one)."""
+    from recurrent_checks import prompt_in_chunks, spread_error
     from hicache.model import DenseKV
 
-    kv, rows, start = DenseKV(model.spec, len(ids) + 1, torch.float32), [], 0
-    for n in (100, 1, 37, len(ids) - 138):
-        rows.append(mod.run_pass(model, kv, ids, start, n, (0 if start == 0 else 1, 1)))
-        start += n
-    return mod.spread_error(torch.cat(rows), want)
+    kv = DenseKV(model.spec, len(ids) + 1, torch.float32)
+    return spread_error(torch.cat(prompt_in_chunks(model, kv, ids, (100, 1, 37, len(ids) - 138))), want)
 
 
 def conversations(agents: int, turns: int, system: int, vocab: int, seed: int = 0) -> list[list[list[int]]]:
