@@ -248,7 +248,14 @@ def test_bad_options() -> None:
 HOLDING = {("window", "cp"): ("random:gemma-small", dict(tp_size=2, attn_cp_size=2)),
            ("full", "latent-tp"): ("random:tiny", dict(tp_size=2, enable_kv_cache_sharding=True)),
            ("draft", "pd"): ("random:tiny", dict(speculative_algorithm="STANDALONE", disaggregation_mode="decode",
-                                                 speculative_draft_model_path="random:tiny"))}
+                                                 speculative_draft_model_path="random:tiny")),
+           ("recurrent_state", "cp"): ("random:lfm2-tiny", dict(tp_size=2, attn_cp_size=2)),
+           ("recurrent_state", "speculative"): ("random:lfm2-tiny", dict(speculative_algorithm="NGRAM")),
+           ("recurrent_state", "unified"): ("random:lfm2-tiny", dict(enable_hierarchical_cache=True,
+                                                                     hicache_storage_backend="file",
+                                                                     hicache_storage_key_scheme="unified")),
+           ("recurrent_state", "pd"): ("random:lfm2-tiny", dict(disaggregation_mode="prefill")),
+           ("recurrent_state", "pp"): ("random:lfm2-tiny", dict(pp_size=2))}
 
 
 @pytest.mark.parametrize("component, mode", list(REFUSED))

@@ -18,4 +18,21 @@ REFUSED: dict[tuple[str, str], str] = {
                            "context-parallel ranks only); set --attn-cp-size.",
     ("draft", "pd"): "--disaggregation-mode with --speculative-algorithm STANDALONE is not supported yet: P/D sends "
                      "no draft component (a draft model's KV; NGRAM is supported: it needs none).",
+    # A recurrent layer's state (issue 59): a scan is sequential over a prompt's tokens, so the CP ranks of one
+    # prompt would each wait for the state at the end of the others' tokens.
+    ("recurrent_state", "cp"): "{model} has recurrent layers, whose scan is sequential over a prompt's tokens: "
+                               "context parallelism would leave each rank waiting for the state at the end of the "
+                               "previous rank's tokens (the recurrent_state component is not split by tokens); run it "
+                               "without --attn-cp-size / --enable-kv-cache-sharding.",
+    # The rows below go as issue 59's increments land (docs/recurrent_plan.md, section 3).
+    ("recurrent_state", "speculative"): "{model} has recurrent layers, whose state a verify pass would have to roll "
+                                        "back to the accepted drafts (the recurrent_state component keeps no state per "
+                                        "draft yet); drop --speculative-algorithm.",
+    ("recurrent_state", "unified"): "{model} has recurrent layers, which the unified storage grid does not lay out "
+                                    "yet (the recurrent_state component's objects are rank-suffix ones); drop "
+                                    "--hicache-storage-key-scheme unified.",
+    ("recurrent_state", "pd"): "{model} has recurrent layers, whose state prefill/decode disaggregation does not "
+                               "send yet (no transfer of the recurrent_state component); drop --disaggregation-mode.",
+    ("recurrent_state", "pp"): "{model} has recurrent layers, whose state slots pipeline stages do not hold yet (the "
+                               "recurrent_state component of one rank only); drop --pp-size.",
 }

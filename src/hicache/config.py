@@ -71,6 +71,10 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
     page_size: int = _opt(16, "Tokens per KV page; the radix tree matches whole pages.", at_least=1)
     max_total_tokens: Optional[int] = _opt(None, "Device KV pool size in tokens (overrides --mem-fraction-static); "
                                            "of a hybrid model (sliding-window layers), its full-attention layers'.")
+    recurrent_snapshot_ratio: Optional[float] = _opt(
+        None, "Recurrent-state snapshots kept on the device per 1K tokens the KV pool holds (models with recurrent "
+        "layers: LFM2; a snapshot is every recurrent layer's state at a cached boundary, which a prefix hit resumes "
+        "from). Default: 1, and at least two per running request plus 8.")
     swa_full_tokens_ratio: Optional[float] = _opt(
         None, "A hybrid model's window layers hold only pages inside some window still needed. By default full pages "
         "and window pages draw from one pool of blocks, so the split follows demand; a value fixes it: the window "
@@ -186,6 +190,8 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ConfigError(
                 f"--max-total-tokens {self.max_total_tokens} is smaller than one page ({self.page_size} tokens).")
+        if self.recurrent_snapshot_ratio is not None and not 0.0 < self.recurrent_snapshot_ratio <= 1024.0:
+            raise ConfigError(f"--recurrent-snapshot-ratio must be in (0, 1024], got {self.recurrent_snapshot_ratio}.")
         if self.swa_full_tokens_ratio is not None and not 0.0 < self.swa_full_tokens_ratio <= 64.0:
             raise ConfigError(f"--swa-full-tokens-ratio must be in (0, 64], got {self.swa_full_tokens_ratio}.")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
@@ -268,7 +274,9 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
         this config turns on that :data:`~hicache.combinations.REFUSED` lists, in its sentence."""
         modes = {"cp": self.attn_cp_size > 1 or self.enable_kv_cache_sharding,
                  "latent-tp": self.enable_kv_cache_sharding and self.attn_cp_size == 1,
-                 "pd": self.disaggregation_mode != "null"}
+                 "pd": self.disaggregation_mode != "null", "tp": self.tp_size > 1, "pp": self.pp_size > 1,
+                 "unified": self.hicache_storage_key_scheme == "unified",
+                 "speculative": self.speculative_algorithm is not None}
         for (component, mode), why in REFUSED.items():
             if component in components and modes[mode]:
                 raise ConfigError(why.format(model=self.model))

@@ -23,6 +23,7 @@ class Retention(str, Enum):
 
     EVERY_PAGE = "every page"  # a hit may end at any page boundary
     WINDOW = "window"  # pages inside the window of a checkpoint or of a running request's tail
+    CHECKPOINTS = "checkpoints"  # a state snapshot at some boundaries only: prompts' checkpoints, branch points
 
 
 class PageSpace(str, Enum):
@@ -32,24 +33,26 @@ class PageSpace(str, Enum):
     WINDOW_PAGES = "window pages"  # a pool of its own, addressed by window page ids
     BLOCKS = "blocks"  # window page ids, one block of the shared pool per sliding group
     SIDECAR = "sidecar"  # a pool of its own, addressed by the tree's page ids
+    STATE_SLOTS = "state slots"  # a pool of its own, one slot per sequence (not per page): recurrent layers
 
 
 @dataclass(frozen=True)
 class KVComponent:
     """One kind of cached state on this rank (see the module docstring)."""
 
-    name: str  # "full", "window", "latent", "draft", "draft-sidecar"
+    name: str  # "full", "window", "latent", "draft", "draft-sidecar", "recurrent_state"
     layers: int  # this rank's layers that hold it
-    row: tuple[int, int]  # (KV heads, head dim) of one token of one layer, K and V each
+    row: tuple[int, int]  # (KV heads, head dim) of one token of one layer, K and V each; (0, 0): no per-token rows
     space: PageSpace = PageSpace.PAGES
     retention: Retention = Retention.EVERY_PAGE
     window: int = 0  # tokens (Retention.WINDOW)
     host: str = "every page"  # what the host tier (L2) keeps of it
     storage: str = "its layers in each page's object"  # what storage (L3) keeps
     pd: str = "the prompt after decode_prefix_len"  # what a prefill server sends of it
+    slot_bytes: int = 0  # PageSpace.STATE_SLOTS: one sequence's state over its layers
 
     def bytes_per_page(self, page_size: int, elem: int) -> int:
-        """Bytes of one page of this component (K and V, every layer)."""
+        """Bytes of one page of this component (K and V, every layer; 0 for a state: it costs per slot)."""
         return 2 * self.layers * self.row[0] * self.row[1] * elem * page_size
 
     def describe(self) -> str:
@@ -61,4 +64,4 @@ class KVComponent:
         """What ``/stats`` shows of it."""
         return {"name": self.name, "layers": self.layers, "row": list(self.row), "space": self.space.value,
                 "retention": self.retention.value, "window_tokens": self.window, "host": self.host,
-                "storage": self.storage, "pd": self.pd}
+                "storage": self.storage, "pd": self.pd, **({"slot_bytes": self.slot_bytes} if self.slot_bytes else {})}

@@ -25,6 +25,9 @@ from .page_tree import EMPTY_PAGES
 from .placement import PagePlacement, ShardedPageAllocator, alloc_evicting, path_anchor
 from .pools import DeviceKVPool, PageAllocator, pages_to_slots
 from .radix import RadixCache
+from .device_state import DeviceStates
+from .state_pool import StateHold, StatePool
+from .state_tree import TreeStates
 from .tiers import CacheStats, Tier
 from .tree_node import TreeNode
 from .window_tree import TreeWindows
@@ -40,6 +43,7 @@ class KVState:
     ``pages[:cached_pages]`` belong to the tree and are locked through ``node``; the rest were
     allocated for this request and are its own until inserted or freed. ``window``: its hold on a
     hybrid pool's window component (:class:`.device_window.WindowHold`; None without one).
+    ``state``: its recurrent-state slot (:class:`.state_pool.StateHold`; None without recurrent layers).
     """
 
     pages: np.ndarray
@@ -50,6 +54,7 @@ class KVState:
     storage_hit_tokens: int = 0
     slots: torch.Tensor = field(default=None)  # slots of every page, in order (cached)
     window: WindowHold | None = None
+    state: StateHold | None = None
 
     def refresh_slots(self, page_size: int) -> None:
         self.slots = pages_to_slots(self.pages, page_size)
@@ -66,8 +71,9 @@ class DeviceTier:
 
     def __init__(self, pool: DeviceKVPool, eviction_policy: str, enable_prefix_cache: bool,
                  host_allocator: PageAllocator | None, stats: CacheStats,
-                 placement: PagePlacement | None = None) -> None:
+                 placement: PagePlacement | None = None, states: StatePool | None = None) -> None:
         self.pool = pool
+
         self.page_size = pool.page_size
         self.placement = placement if placement is not None and placement.num_shards > 1 else None
         self.allocator: PageAllocator | ShardedPageAllocator = (
@@ -80,6 +86,8 @@ class DeviceTier:
         if self.tree is not None and pool.hybrid:
             self.tree.add_component(TreeWindows(self.tree, pool.windows.window, page_ids))
         self.stats = stats
+        # the recurrent layers' state slots: one running slot per admitted request, snapshots on the tree
+        self.states = DeviceStates(states, self.tree) if states is not None else None
         self.windows = DeviceWindows(page_ids, self.tree, stats, pool) if pool.hybrid else None
         self.lower: Tier | None = None
 
@@ -94,7 +102,27 @@ class DeviceTier:
         pages whose window comes back from their host copy; None, with nothing changed, when the
         pool is too full.
         ``forward_tokens``: the most tokens one of its forwards adds (a hybrid pool's window
-        budget)."""
+        budget). A pool with recurrent layers gives the request a state slot too (none free: None)."""
+        if self.states is None:
+            return self._admit_pages(namespace, tokens, reserve_tokens, storage_tokens, forward_tokens, kv_arrives)
+        hold = self.states.hold()
+        if hold is None:
+            return None
+        prompt = tokens[: len(tokens) - 1]  # (as the match: one token is left to compute)
+        peek = self.tree.peek_prefix(namespace, prompt, cut=False) if self.tree else None
+        kv_tokens = peek.device_hit_tokens + peek.host_hit_tokens if peek else 0
+        admitted = self._admit_pages(namespace, tokens, reserve_tokens, storage_tokens, forward_tokens, kv_arrives)
+        if admitted is None:
+            self.states.release(hold)
+            return None
+        state = admitted[0]
+        state.state = hold
+        hit = state.device_hit_tokens + state.host_hit_tokens + state.storage_hit_tokens
+        self.states.on_admit(hold, state.node, hit, kv_tokens)
+        return admitted
+
+    def _admit_pages(self, namespace: str, tokens: np.ndarray, reserve_tokens: int, storage_tokens: int,
+                     forward_tokens: int, kv_arrives: bool) -> tuple[KVState, list[TreeNode], list] | None:
         if self.windows is not None and not self.windows.fits(forward_tokens, self.pages_for(reserve_tokens)):
             return None
         hit_pages, node, match, window_lock, host_nodes = EMPTY_PAGES, None, None, None, []
@@ -160,7 +188,8 @@ class DeviceTier:
         n_pages = len(tokens) // self.page_size
         if not self._insert(namespace, tokens, state):
             return
-        match = self.tree.match_prefix(namespace, tokens[: n_pages * self.page_size])
+        # (a recurrent model's match would end at a snapshot: its lock moves to the pages' end all the same)
+        match = self.tree.match_prefix(namespace, tokens[: n_pages * self.page_size], cut=self.states is None)
         assert len(match.device_pages) == n_pages, "inserted prefix must match in full"
         if not np.array_equal(match.device_pages, state.pages[:n_pages]):
             state.pages[:n_pages] = match.device_pages
@@ -171,6 +200,8 @@ class DeviceTier:
         state.cached_pages = n_pages
         if self.windows is not None:
             self.windows.after_insert(state, match.parts["window"])
+        if self.states is not None:
+            self.states.after_insert(namespace, tokens, state.state)
 
     def release(self, namespace: str, tokens: np.ndarray, state: KVState) -> None:
         """The request is done: cache the whole pages of ``tokens`` (those whose KV is
@@ -182,6 +213,11 @@ class DeviceTier:
                 self.cache_prefix(namespace, tokens[: prompt_end * self.page_size], state)
             self.windows.trim_for_release(state, len(tokens))  # the tree gets the checkpoint's window only
         keep = len(tokens) // self.page_size if self._insert(namespace, tokens, state) else state.cached_pages
+        if self.states is not None:  # (the tree may hold the pages already: a chunk boundary inserted them)
+            if self.tree is not None:
+                self.states.after_insert(namespace, tokens, state.state)
+            self.states.release(state.state)
+            state.state = None
         self.allocator.free(state.pages[keep:])
         if self.windows is not None:
             self.windows.release(state)
@@ -207,7 +243,9 @@ class DeviceTier:
                 logger.debug("not caching %d pages of %s: the cached path starts on rank %d, these on rank %d",
                              n_pages, namespace, existing, self.placement.anchor_of(state.pages))
                 return False
-        parts = {"window": self.windows.offered(state, n_pages)} if self.windows is not None else None
+        parts = {"window": self.windows.offered(state, n_pages)} if self.windows is not None else {}
+        if self.states is not None:  # (snapshots come with DeviceStates.after_insert)
+            parts[TreeStates.name] = np.zeros(n_pages, dtype=np.int64)
         already = self.tree.insert(namespace, tokens, state.pages[:n_pages], parts) // self.page_size
         # Pages we computed for a span another request cached first are duplicates: free them.
         if already > state.cached_pages:
@@ -235,4 +273,5 @@ class DeviceTier:
             "request_pages": capacity - self.allocator.available - (tree.cached_pages if tree else 0),
             "device_pool_bytes": self.pool.total_bytes,
             **({"window": self.windows.usage()} if self.windows is not None else {}),
+            **({"recurrent_state": self.states.usage()} if self.states is not None else {}),
         }

@@ -25,6 +25,7 @@ import numpy as np
 from .acks import AckCounts
 from .host_pool import HostKVPool
 from .host_transfer import BACKUP, LOAD, TransferController, TransferOp
+from .host_state import HostStates
 from .host_window import HostWindows
 from .page_tree import EMPTY_PAGES
 from .placement import ShardedPageAllocator, ShardView, alloc_evicting
@@ -65,6 +66,7 @@ class HostTier:
         if tree is not None and policy.write_policy == "write_back":
             tree.backup_on_evict = self.on_evict
         self.lower: Tier | None = None
+        self.states: HostStates | None = None  # recurrent layers: host snapshots (set by the manager)
         self._pending: dict[str, list[_Item]] = {BACKUP: [], LOAD: []}
 
     # ---- write policy --------------------------------------------------------------------

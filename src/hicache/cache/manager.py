@@ -27,6 +27,8 @@ from .host_tier import HostTier
 from .host_transfer import TransferController
 from .placement import PagePlacement, ShardedPageAllocator, ShardView
 from .pools import DeviceKVPool, PageAllocator
+from .host_state import HostStates
+from .state_pool import StatePool
 from .storage.base import StorageBackend
 from .storage.keys import OBJECT_LAYOUT_V1, KeyNamespace
 from .storage.page_objects import DRAFT_PREFIX, WINDOW_SUFFIX, GridCell
@@ -51,7 +53,9 @@ class RankLayout:
     (a speculative draft's): every copy and storage object of a page carries its share, and the
     model reads it through :attr:`KVCacheManager.sidecar_view`; ``unified``: storage objects
     follow the unified grid (``--hicache-storage-key-scheme unified``): this rank's read and
-    write cells, under a namespace every compatible deployment shares."""
+    write cells, under a namespace every compatible deployment shares; ``states``: the recurrent
+    layers' state slots beside the KV pages (issue 59), read through :attr:`KVCacheManager.kv_view`;
+    ``host_states``: the host tier's snapshot slots (with a host pool)."""
 
     shard: str = ""
     storage_agree: tuple[Agree, Agree] | None = None
@@ -59,14 +63,18 @@ class RankLayout:
     shard_rank: int = 0
     sidecar: tuple[DeviceKVPool, HostKVPool | None] | None = None
     unified: UnifiedPlan | None = None
+    states: StatePool | None = None
+    host_states: StatePool | None = None
 
 
 class _KVView:
     """The model's view: device buffers, with reads of layer i gated on in-flight loads
     (``offset``: the pool's layers come after that many others in each transfer: a sidecar)."""
 
-    def __init__(self, pool: DeviceKVPool, controller: TransferController | None, offset: int = 0) -> None:
+    def __init__(self, pool: DeviceKVPool, controller: TransferController | None, offset: int = 0,
+                 states: StatePool | None = None) -> None:
         self.k_buffers, self.v_buffers = pool.k_buffers, pool.v_buffers
+        self.state_buffers = states.buffers if states is not None else []
         if pool.windows.shared:
             self.window_group = pool.windows.group  # each sliding group reads slots of its own (issue 56)
         if controller is None:
@@ -76,7 +84,8 @@ class _KVView:
             self.layer_ready = lambda layer: controller.layer_ready(offset + layer)
 
 
-def _key_namespace(pool: DeviceKVPool, shard: str, unified: UnifiedPlan | None) -> KeyNamespace:
+def _key_namespace(pool: DeviceKVPool, shard: str, unified: UnifiedPlan | None,
+                   states: StatePool | None = None) -> KeyNamespace:
     """What names this rank's page objects: its own layers and KV heads (rank-suffix), or the
     whole model's grid (unified: the same on every rank of every compatible deployment)."""
     k = pool.k_buffers[0]
@@ -86,6 +95,8 @@ def _key_namespace(pool: DeviceKVPool, shard: str, unified: UnifiedPlan | None) 
     # objects): a namespace of their own, so every-layer objects are never read as these
     w = pool.windows
     layout = f"{OBJECT_LAYOUT_V1};window={w.window}x{len(w.layers)}" if pool.hybrid else OBJECT_LAYOUT_V1
+    if states is not None:  # recurrent layers: "-state" objects of this slot size, on this grid
+        layout += f";state={states.bytes_per_slot}Bx{len(states.buffers)}@{states.grid}"
     return KeyNamespace(pool.page_size, str(k.dtype), tuple(k.shape[1:]), len(pool.k_buffers) - len(w.layers),
                         shard, layout)
 
@@ -147,7 +158,7 @@ class KVCacheManager:
             self.host_allocator = ShardedPageAllocator(placement, host_pool.num_pages) if sharded \
                 else PageAllocator(host_pool.num_pages)
         self.device = DeviceTier(pool, policy.eviction_policy, policy.enable_prefix_cache, self.host_allocator,
-                                 self.stats, placement)
+                                 self.stats, placement, layout.states)
         self.allocator, self.tree = self.device.allocator, self.device.tree
         self.capacity_pages = self.allocator.capacity
         # usable pages of each component with a page space of its own (the full KV's are capacity_pages)
@@ -156,10 +167,15 @@ class KVCacheManager:
         if self.device.windows is not None:
             self.component_pages["window"] = self.device.windows.allocator.capacity
             self.device.windows.prompt_only = not policy.cache_generated
-        self.keys = _key_namespace(pool, layout.shard, unified)
+        self.keys = _key_namespace(pool, layout.shard, unified, layout.states)
         self.host: HostTier | None = None if host_pool is None else HostTier(
             pool, host_pool, self.host_allocator, self.tree, policy, self.stats, shard_view,
             [sidecar] if sidecar else [])
+        tree_states = self.device.states.snapshots if self.device.states is not None else None
+        self.host_states = HostStates(layout.host_states, layout.states, tree_states) \
+            if self.host is not None and layout.host_states is not None and tree_states is not None else None
+        if self.host is not None:
+            self.host.states = self.host_states  # (its storage tier reads and writes them)
         self.storage_tier: StorageTier | None = None
         if storage is not None:
             objects, window_objects = _grid_objects(host_pool, unified, sidecar[1] if sidecar else None,
@@ -174,7 +190,7 @@ class KVCacheManager:
             self.device.windows.settle_backups = self._settle_host
         self.controller = self.host.controller if self.host is not None else None
         self.storage = self.storage_tier.controller if self.storage_tier is not None else None
-        self.kv_view = _KVView(pool, self.controller)
+        self.kv_view = _KVView(pool, self.controller, states=layout.states)
         self.sidecar_view = None if sidecar is None else _KVView(sidecar[0], self.controller, len(pool.k_buffers))
 
     def window_tail(self, prompt_tokens: int) -> int | None:
@@ -219,14 +235,29 @@ class KVCacheManager:
         the request's lock to the new boundary, so concurrent requests can share it."""
         self.device.cache_prefix(namespace, tokens, state)
 
-    @consensus_check("cache.before_forward", args=lambda self, state, computed, new, later: (computed, new, later))
-    def before_forward(self, state: KVState, computed: int, new_tokens: int, later_tokens: int) -> None:
-        """Before a forward that adds ``new_tokens`` after ``computed``: the components whose pages follow
-        the forward take them (a hybrid pool's window: holds their window pages, frees the request's own
-        that fell behind its window); ``later_tokens``: the most a later forward of the request adds (its
-        reservation shrinks to that)."""
+    @consensus_check("cache.before_forward", args=lambda self, state, computed, new, later, prompt:
+                     (computed, new, later, prompt))
+    def before_forward(self, state: KVState, computed: int, new_tokens: int, later_tokens: int,
+                       prompt_tokens: int) -> None:
+        """Before a forward that adds ``new_tokens`` after ``computed`` (of a prompt of ``prompt_tokens``):
+        the components whose pages follow the forward take them (a hybrid pool's window: holds their window
+        pages, frees the request's own that fell behind its window; recurrent layers: the snapshot slots a
+        prompt pass writes); ``later_tokens``: the most a later forward of the request adds (its reservation
+        shrinks to that)."""
         if self.device.windows is not None:
             self.device.windows.step(state, computed, new_tokens, later_tokens)
+        if self.device.states is not None:
+            self.device.states.step(state.state, computed, new_tokens, prompt_tokens)
+
+    def chunk_tokens(self, computed: int, new_tokens: int, prompt_tokens: int) -> int:
+        """A prompt chunk's length, ``new_tokens`` cut so that a chunk before the prompt's last ends on
+        the recurrent layers' snapshot grid (the next one then starts where a hit's would, and its scan
+        blocks are the cold run's), unless that leaves nothing to compute."""
+        grid = self.device.states.grid if self.device.states is not None else 1
+        end = computed + new_tokens
+        if grid == 1 or end >= prompt_tokens or end // grid * grid <= computed:
+            return new_tokens
+        return end // grid * grid - computed
 
     def release(self, namespace: str, tokens: np.ndarray, state: KVState, prompt_tokens: int | None = None) -> None:
         """The request is done: cache the whole pages of ``tokens`` (those whose KV is computed; of
@@ -324,4 +355,7 @@ class KVCacheManager:
         return self.device.usage()
 
     def host_usage(self) -> dict | None:
-        return self.host.usage() if self.host is not None else None
+        if self.host is None:
+            return None
+        states = {"recurrent_state": self.host_states.usage()} if self.host_states is not None else {}
+        return {**self.host.usage(), **states}

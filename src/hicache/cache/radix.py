@@ -104,10 +104,10 @@ class RadixCache(LeafEviction):
         return MatchResult(pages, len(pages) * self.page_size, last_device, host_tokens, path[-1] if path else root,
                            {c.name: c.hit_pages(path[:k]) for c in self.components})
 
-    def peek_prefix(self, namespace: str, tokens) -> PeekResult:
+    def peek_prefix(self, namespace: str, tokens, cut: bool = True) -> PeekResult:
         """:meth:`match_prefix`'s lengths without changing any state: no split, no hit count,
         no recency, no root created (a probe, e.g. for a prefetch, is not a hit)."""
-        path, device, host, n = self._walk(namespace, self._as_tokens(tokens))
+        path, device, host, n = self._walk(namespace, self._as_tokens(tokens), cut)
         return PeekResult(device, host, path[-1] if path else None, n // self.page_size if path else 0)
 
     def node_at(self, namespace: str, tokens) -> TreeNode | None:
@@ -118,6 +118,16 @@ class RadixCache(LeafEviction):
         if not path:
             return self._roots.get(namespace) if len(tokens) == 0 else None
         return path[-1] if device + host == len(tokens) and n == len(path[-1].key) else None
+
+    def boundary_node(self, namespace: str, tokens, host: bool = False) -> TreeNode | None:
+        """The node ending exactly after ``tokens`` (whole pages, all on the device; ``host``: in any
+        tier), split there when a node runs past it; None when they are not all cached so. No recency
+        or hit count."""
+        tokens = self._as_tokens(tokens)
+        path, device, in_host, n = self._walk(namespace, tokens, cut=False)
+        if not path or device + (in_host if host else 0) < len(tokens):
+            return None
+        return path[-1] if n == len(path[-1].key) else self.split(path[-1], n)
 
     def insert(self, namespace: str, tokens, pages: np.ndarray, parts: dict[str, np.ndarray] | None = None) -> int:
         """Insert ``tokens`` (whole pages) whose KV lives in device ``pages`` (and, per component
@@ -220,6 +230,8 @@ class RadixCache(LeafEviction):
         assert node.host_pages is None and len(host_pages) * self.page_size == len(node.key)
         node.host_pages = host_pages
         self.host_pages_held += len(host_pages)
+        for c in self.components:
+            c.host_attached(node)
 
     def attach_device_pages(self, node: TreeNode, device_pages: np.ndarray) -> None:
         """Give a host-only node device pages (a load-back into them is in flight)."""

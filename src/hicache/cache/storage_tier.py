@@ -34,6 +34,8 @@ from .storage.base import StorageBackend
 from .storage.keys import KeyNamespace, continue_chain, page_hashes
 from .storage.page_objects import PageObject, WholePage, window_object
 from .storage.prefetch_backup import Agree, PrefetchOp, StorageController
+from .page_tree import EMPTY_PAGES
+from .storage.state_objects import StoredStates
 from .storage.storage_ops import PartWrite
 from .storage.window_objects import StoredWindows
 from .tiers import CachePolicy
@@ -88,6 +90,12 @@ class StorageTier:
         if window_objects is None and windows is not None:
             window_objects = ([window_object(windows.window_host, "-window")],) * 2
         parts = [] if windows is None else [StoredWindows(*window_objects, windows.span)]
+        self.states = host.states  # recurrent layers: their snapshots, "<key>-state" objects (None: none)
+        if self.states is not None:
+            parts.append(StoredStates(self.states.pool, self.page_size))
+        # how each part's reserved host pages (slots) are freed once a stopped prefetch's reader is done
+        self._free_reserved = {**{name: part.allocator.free for name, part in host.parts.items()},
+                               StoredStates.name: self.states.free_slots if self.states is not None else None}
         self.controller = StorageController(backend, host.host_pool, agree, op_timeout=policy.storage_op_timeout,
                                             reads=objects[0], writes=objects[1], parts=parts)
         self.prefetch_threshold = policy.prefetch_threshold
@@ -117,6 +125,9 @@ class StorageTier:
             return None
         hashes = page_hashes(tokens[start * self.page_size : (start + tail) * self.page_size], self.page_size, prev)
         parts = {name: part.reserve_prefetch(start + tail) for name, part in self.host.parts.items()}  # none sharded
+        if self.states is not None:  # a host slot for the deepest snapshot the read finds
+            slot = self.states.reserve()
+            parts[StoredStates.name] = None if slot is None else np.array([slot])
         owned, local = (None, None) if self.shard is None else (self.shard.owned_indices(host), self.shard.local(host))
         op = self.controller.prefetch(namespace, digest, hashes, host, owned, local, start, parts)
         self.prefetch_held_pages += tail
@@ -135,7 +146,10 @@ class StorageTier:
         self.host.allocator.free(op.host_pages[:taken_from])
         took = op.parts and taken_from < done  # the window parts' pages hang from the new leaf
         leaf = self.tree.node_at(op.namespace, tokens[: (op.start_page + done) * ps]) if took else None
-        later = {name: self.host.parts[name].place_prefetch(op, leaf, taken_from) for name in op.parts}
+        later = {name: self.host.parts[name].place_prefetch(op, leaf, taken_from) for name in op.parts
+                 if name != StoredStates.name}
+        if StoredStates.name in op.parts:
+            later[StoredStates.name] = self._place_state(op, tokens)
         self.prefetch_held_pages -= done
         self.controller.stats.prefetched_pages += done
         self.controller.stats.prefetch_bytes += done * self.host.bytes_per_page
@@ -143,6 +157,18 @@ class StorageTier:
         # reader knows whether the store answered.
         self._stopped.append((op, op.host_pages[done:], later))
         return (done - taken_from) * ps if taken_from < done else 0
+
+    def _place_state(self, op: PrefetchOp, tokens: np.ndarray) -> np.ndarray:
+        """The snapshot a finished read found goes to the node ending at its boundary (split there);
+        returns the slot to free once the reader is surely done with it (it found none, or is not done)."""
+        read = op.parts[StoredStates.name]
+        if not (op.final_applied and 0 < read.first <= op.completed):
+            return read.host_pages
+        node = self.tree.boundary_node(op.namespace, tokens[: (op.start_page + read.first) * self.page_size], host=True)
+        if node is None:
+            return read.host_pages
+        self.states.adopt(node, int(read.host_pages[0]))
+        return EMPTY_PAGES
 
     def _joins_rotation(self, op: PrefetchOp, tokens: np.ndarray) -> bool:
         """Sharded: whether the prefetched pages continue the rotation of the path the tree holds
@@ -165,7 +191,7 @@ class StorageTier:
             self.host.allocator.free(unused)
             self.prefetch_held_pages -= len(unused)
             for name, pages in later.items():  # each part's pages the reader might still have written
-                self.host.parts[name].allocator.free(pages)
+                self._free_reserved[name](pages)
 
     # ---- backups -------------------------------------------------------------------------
     def on_insert(self, node: TreeNode | None) -> None:
@@ -177,6 +203,9 @@ class StorageTier:
             hashes = list(node_hashes(n, self.keys))
             parts = {name: PartWrite(*stored, self._superseded_hashes(n, part) if len(stored[0]) else [])  # not sharded
                      for name, part in self.host.parts.items() if (stored := part.stored(n)) is not None}
+            state = self.states.tree_states.of(n).host if self.states is not None else 0
+            if state:  # the snapshot at its end, beside its last page
+                parts[StoredStates.name] = PartWrite(np.array([len(hashes) - 1]), np.array([state]), [])
             owned = None if self.shard is None else self.shard.owned_indices(n.host_pages)
             pages = n.host_pages.copy() if self.shard is None else self.shard.local(n.host_pages)
             self.controller.backup(self.keys.digest(n.namespace), hashes, pages, [n], owned, parts)

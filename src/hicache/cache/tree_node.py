@@ -139,6 +139,8 @@ class TreeComponent(Protocol):
 
     def device_attached(self, node: TreeNode) -> None: ...  # a host-only node got device pages
 
+    def host_attached(self, node: TreeNode) -> None: ...  # a node got its host copy's pages
+
     def drop_device(self, node: TreeNode) -> None: ...  # the node's device copy goes
 
     def drop_host(self, node: TreeNode) -> None: ...  # the node's host copy goes

@@ -159,6 +159,9 @@ class TreeWindows:
         """Its window pages come with the load, where it brings them (``DeviceWindows``)."""
         self.of(node).device = np.zeros(node.num_pages, dtype=np.int64)
 
+    def host_attached(self, node: TreeNode) -> None:
+        """Its host window pages come with the backup (``HostWindows.backup``)."""
+
     def drop_device(self, node: TreeNode) -> None:
         """The node's device copy goes: its window pages with it."""
         self.tombstone(node)

@@ -5,7 +5,13 @@ positions, and the metadata of the attention backend the engine chose once when 
 runner (:class:`AttentionBackend`): the backend prepares that metadata once per forward, and
 every attention layer hands its new q/k/v to the backend, which stores the K/V and attends.
 Units: a *slot* is one token's row in a per-layer KV buffer (slot = page * page_size + offset);
-slot 0 is padding and never holds real data.
+slot 0 is padding and never holds real data. A *state slot* is one sequence's state in a recurrent
+layer's state buffers (LFM2's conv); state slot 0 is the zero state, read by a sequence from
+position 0 and never written.
+
+Layer indices: the KV buffers hold the attention layers only, in order (a *compact attention
+index*, ``Attention.layer``), the state buffers the recurrent layers (a *compact state index*,
+``ShortConv.state_index``); in a model without recurrent layers the attention index is the layer's.
 """
 
 from __future__ import annotations
@@ -21,13 +27,16 @@ from hicache.model.spec import ModelSpec
 class KVView(Protocol):
     """Per-layer KV buffers plus a ready-waiter, as the model sees them.
 
-    ``k_buffers[i]`` / ``v_buffers[i]``: ``[num_slots, num_kv_heads, head_dim]`` for layer i.
-    ``wait_layer(i)`` blocks until layer i's cached prefix is ready to read (layer-wise
+    ``k_buffers[i]`` / ``v_buffers[i]``: ``[num_slots, num_kv_heads, head_dim]`` for attention layer i
+    (compact index). ``state_buffers[j]``: recurrent layer j's state tensors (compact index), each
+    ``[state_slots, *shape]`` (``ModelSpec.state_shapes``); empty without recurrent layers.
+    ``wait_layer(i)`` blocks until attention layer i's cached prefix is ready to read (layer-wise
     load-back from a lower tier); it is a no-op when nothing is being loaded.
     """
 
     k_buffers: Sequence[torch.Tensor]
     v_buffers: Sequence[torch.Tensor]
+    state_buffers: Sequence[tuple[torch.Tensor, ...]]
 
     def wait_layer(self, layer: int) -> None: ...
 
@@ -37,16 +46,24 @@ class KVView(Protocol):
 
 
 class DenseKV:
-    """A plain in-memory :class:`KVView` for forwards without an engine (tests, debugging): per-layer
-    ``[num_slots, num_kv_heads, head_dim]`` K/V buffers with nothing to wait for.
+    """A plain in-memory :class:`KVView` for forwards without an engine (tests, debugging): per
+    attention layer ``[num_slots, num_kv_heads, head_dim]`` K/V buffers, per recurrent layer its
+    state tensors ``[state_slots, *shape]`` (zeros: the conv state in ``dtype``, a recurrent matrix
+    in float32, as the engine's state pool keeps them), with nothing to wait for.
 
-    Slot 0 is the padding slot (never holds real data), so usable slots are ``1..num_slots-1``.
+    Slot 0 is the padding slot (never holds real data), so usable slots are ``1..num_slots-1``;
+    state slot 0 is the zero state, so usable state slots are ``1..state_slots-1``.
     """
 
-    def __init__(self, spec: ModelSpec, num_slots: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+    def __init__(self, spec: ModelSpec, num_slots: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 state_slots: int = 2):
         shape = (num_slots, spec.num_kv_heads, spec.head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+        attention = spec.attention_layers
+        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in attention]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in attention]
+        self.state_buffers = [tuple(torch.zeros((state_slots, *one), dtype=dtype if i == 0 else torch.float32,
+                                                device=device) for i, one in enumerate(spec.state_shapes(layer)))
+                              for layer in spec.recurrent_layers]
 
     def wait_layer(self, layer: int) -> None:
         """Nothing is ever loaded in the background here."""
@@ -90,7 +107,7 @@ class AttentionMetadata(Protocol):
 class AttentionLayer(Protocol):
     """What a backend needs of one attention layer."""
 
-    layer: int  # index of its K/V buffers in the KV view
+    layer: int  # index of its K/V buffers in the KV view (compact: among the attention layers)
     window: int  # positions a query sees, its own included (a sliding-window layer); 0: every earlier one
     kv_map: Optional[torch.Tensor]  # local KV head of each query head (uneven TP split); None: equal groups
     # The K and V buffers hold the two halves of one latent per token (MLA), attended as key and
@@ -124,6 +141,28 @@ class AttentionBackend(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class StateSlots:
+    """Where each sequence of a pass reads and writes its recurrent layers' state (state slots of
+    :attr:`KVView.state_buffers`). A layer reads every ``source`` before it writes any ``running``
+    slot, so a sequence may read and write one slot (a decode step: ``source == running``)."""
+
+    source: torch.Tensor  # [B] long: the slot each sequence's state before this pass is read from; 0: from position 0
+    running: torch.Tensor  # [B] long: the slot its state after this pass's tokens is written to (0: warm-up only)
+    lengths: tuple[int, ...]  # [B] new tokens of each sequence, in the pass's row order (sum = T)
+    # per sequence, its snapshots: (absolute position p, slot) pairs, p ascending -- also write its state after its
+    # tokens before p (p inside this pass's span: start <= p <= its end) to that slot (the prefix tree keeps it)
+    emits: tuple[tuple[tuple[int, int], ...], ...] = ()
+
+    @classmethod
+    def of(cls, slots: Sequence[tuple], lengths: Sequence[int], device: torch.device | str) -> StateSlots:
+        """From each sequence's ``(source, running)`` or ``(source, running, emits)`` slots and new-token count."""
+        if len(slots) != len(lengths):
+            raise ValueError(f"{len(slots)} state slot pairs for {len(lengths)} sequences")
+        source, running = (torch.tensor([one[i] for one in slots], dtype=torch.long, device=device) for i in (0, 1))
+        return cls(source, running, tuple(lengths), tuple(tuple(one[2]) if len(one) > 2 else () for one in slots))
+
+
 @dataclass
 class ForwardBatch:
     """One forward pass. T = new tokens this rank computes, sequence after sequence.
@@ -142,3 +181,6 @@ class ForwardBatch:
     # which always take the prefill's, so a hit's KV and first logits differ from a cold run's only
     # as chunking does. A pass is one or the other: the scheduler never mixes them.
     generated: bool = False
+    # The recurrent layers' state slots of each sequence (set by whoever runs a model with recurrent
+    # layers: make_forward_batch, or the engine after its backend's prepare); None: no recurrent layers.
+    state: Optional[StateSlots] = None

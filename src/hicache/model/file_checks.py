@@ -55,6 +55,10 @@ def check_shapes(found: Iterable[tuple[str, str | None, tuple[int, ...]]], spec:
         parts = (parts_of(name) or (name,)) if name is not None else ()
         if not parts or any(p not in want for p in parts):
             raise ModelFormatError(f"{kind} tensor {cut(file_name)} has no place in the model.")
+        if covered.intersection(parts):  # two names for one parameter (a family's and the model's)
+            twice = sorted(covered.intersection(parts))[0]
+            raise ModelFormatError(f"{kind} tensor {cut(file_name)} fills {cut(twice)}, which another tensor of the "
+                                   "file fills too.")
         expected = (sum(want[p][0] for p in parts), *want[parts[0]][1:])
         if tuple(shape) != expected:
             raise ModelFormatError(f"{kind} tensor {cut(file_name)} has shape {quoted(tuple(shape))}, expected "

@@ -10,6 +10,8 @@ each tensor has its parameter's shape."""
 from __future__ import annotations
 
 import json
+import logging
+import math
 from pathlib import Path
 from typing import Iterable
 
@@ -18,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 
 from hicache.config import ConfigError
 from hicache.model.errors import ModelFormatError, ModelNotFoundError, as_float, as_int, cut, quoted
-from hicache.model.families import DEEPSEEK, config_int, hf_family, hf_layer_fields
+from hicache.model.families import DEEPSEEK, Family, config_int, hf_family, hf_layer_fields, hf_text_config
 from hicache.model.file_checks import HF_LAYER, check_finite, check_layer_count, check_shapes, check_token_ids
 from hicache.model.llama import LlamaForCausalLM
 from hicache.model.spec import ModelSpec
@@ -32,6 +34,7 @@ _NEUTRAL_KEYS: dict[str, tuple] = {
     "embedding_multiplier": (None, 1.0), "logits_scaling": (None, 1.0), "residual_multiplier": (None, 1.0),
     "attention_multiplier": (None,)}
 
+logger = logging.getLogger(__name__)
 
 MAX_CONFIG_BYTES = 16 << 20  # config.json (a real one: a few KB)
 MAX_TOKENIZER_BYTES = 1 << 30  # each tokenizer file (Gemma 3's tokenizer.json: 33 MB)
@@ -66,15 +69,21 @@ def _spec(config: dict, tensor_names: Iterable[str] | None) -> ModelSpec:
         raise ModelFormatError(f"config.json architectures = {quoted(archs)} and model_type = {quoted(model_type)} "
                                "must be a list of names and a name.")
     family = hf_family(archs, model_type)
-    _check_config(config)
-    if tensor_names is not None:
-        check_layer_count(config["num_hidden_layers"], tensor_names, HF_LAYER, "config.json num_hidden_layers",
-                          "the checkpoint")
+    text = hf_text_config(family, config)  # a multimodal checkpoint's text model (Qwen3.5's)
+    if text is not config:  # its own model type refused as the outer one would be (a MoE's text model)
+        hf_family(archs, str(text.get("model_type", model_type)))
+    config = dict(text)
+    _check_config(config, family)
+    if tensor_names is not None:  # (as the model names them: a multimodal checkpoint's prefixes are not)
+        check_layer_count(config["num_hidden_layers"], family.hf_read(tensor_names).values(), HF_LAYER,
+                          "config.json num_hidden_layers", "the checkpoint")
+    if family.hf_config is not None:  # its own keys as the common ones (LFM2's norm_eps, block_ff_dim...): after
+        config = family.hf_config(config)  # the layer count is checked, since they may be per layer
     hidden = config_int(config, "hidden_size")
     heads = config_int(config, "num_attention_heads")
     rope = dict(config.get("rope_parameters") or {})
     rope = dict(rope.get("full_attention", rope))  # per layer kind (Gemma 3): the full layers' here
-    _check_config({"partial_rotary_factor": rope.pop("partial_rotary_factor", None)})  # transformers 5 keeps it here
+    _check_config({"partial_rotary_factor": rope.pop("partial_rotary_factor", None)}, family)  # (transformers 5's place)
     scaling = config.get("rope_scaling") or None
     theta = config["rope_theta"] if config.get("rope_theta") is not None else rope.get("rope_theta", 10000.0)
     if scaling is None and rope:
@@ -94,11 +103,12 @@ def _spec(config: dict, tensor_names: Iterable[str] | None) -> ModelSpec:
     )
 
 
-def _check_config(config: dict) -> None:
+def _check_config(config: dict, family: Family) -> None:
     """Refuse, naming the key, what a model here would otherwise compute wrongly (the layer's own
-    keys -- activation, windows -- are the family mapping's: ``hf_layer_fields``)."""
+    keys -- activation, windows, a family's partial rotary or multipliers -- are the family mapping's:
+    ``hf_layer_fields``)."""
     for key, neutral in _NEUTRAL_KEYS.items():
-        if key in config and config[key] not in neutral:
+        if key in config and key not in family.hf_own_keys and config[key] not in neutral:
             raise ModelFormatError(f"config.json {key} = {quoted(config[key])} changes the math in a way this engine does "
                                    "not implement; the model is refused rather than run wrongly.")
 
@@ -141,10 +151,12 @@ def load_hf_dir(folder: Path, dtype: torch.dtype, device: torch.device | str,
     headers = _read_headers(weight_files)
     spec = spec_from_hf_config(config, headers)
     family = hf_family(config.get("architectures") or [], config.get("model_type", "llama"))
-    # Tied checkpoints may still store lm_head; rotary caches are recomputed.
-    stored = {name: where for name, where in headers.items()
-              if not (name == "lm_head.weight" and spec.tie_word_embeddings or name.endswith("rotary_emb.inv_freq"))}
-    check_shapes([(name, name, shape) for name, (_, shape) in stored.items()], spec, "checkpoint",
+    # Tied checkpoints may still store lm_head; rotary caches are recomputed. Each stored tensor fills
+    # the parameter of the model's name for it (the family's, where they differ: LFM2's feed_forward.w1...).
+    stored = {name: ours for name, ours in family.hf_read(headers).items()
+              if not (ours == "lm_head.weight" and spec.tie_word_embeddings or name.endswith("rotary_emb.inv_freq"))}
+    _log_skipped(folder, family, headers)
+    check_shapes([(name, ours, headers[name][1]) for name, ours in stored.items()], spec, "checkpoint",
                  f"the checkpoint in {folder.name}", family.parts_of)
     tokenizer = _tokenizer(folder, config)
     check_token_ids(tokenizer, spec, f"the model directory {folder.name}")
@@ -158,11 +170,12 @@ def load_hf_dir(folder: Path, dtype: torch.dtype, device: torch.device | str,
                 for name in f.keys():
                     if name not in stored:
                         continue
-                    parts = family.parts_of(name) or (name,)  # a fused tensor (Phi-3's qkv_proj) fills its parts
+                    ours = stored[name]
+                    parts = family.parts_of(ours) or (ours,)  # a fused tensor (Phi-3's qkv_proj) fills its parts
                     values = f.get_tensor(name)
                     check_finite(values, f"checkpoint tensor {cut(name)}")
-                    if family.hf_norm_offset and name.endswith("norm.weight"):
-                        # Gemma stores w and computes 1 + w: add the 1 in float32, then round once to the
+                    if family.offset_norm(ours):
+                        # Gemma (Qwen3.5) stores w and computes 1 + w: add the 1 in float32, then round once to the
                         # model's dtype (as llama.cpp's converter folds it), so every norm is x / rms(x) * weight
                         values = values.float() + 1.0
                     for part, piece in zip(parts, values.split([params[p].shape[0] for p in parts])):
@@ -170,14 +183,34 @@ def load_hf_dir(folder: Path, dtype: torch.dtype, device: torch.device | str,
     return model, tokenizer, spec
 
 
+def _log_skipped(folder: Path, family: Family, headers: dict) -> None:
+    """One line naming the parts of a checkpoint that are not loaded (Qwen3.5's vision tower and MTP head)."""
+    skipped = [name for name in headers if name.startswith(family.hf_skipped)]
+    if skipped:
+        parts = sorted({p for p in family.hf_skipped for name in skipped if name.startswith(p)})
+        logger.info("%s: %d checkpoint tensors of parts this engine does not run (%s) are not loaded; it takes "
+                    "text only", folder.name, len(skipped), ", ".join(f"{p}*" for p in parts))
+
+
+# transformers 5 writes the floats JSON lacks as tagged objects ({"__float__": "Infinity"}); older versions
+# wrote the bare words, which Python's json reads too
+_TAGGED_FLOATS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+def _special_float(obj: dict) -> object:
+    """A tagged float as its value; any other JSON object as it is."""
+    tag = obj.get("__float__") if len(obj) == 1 else None
+    return _TAGGED_FLOATS[tag] if isinstance(tag, str) and tag in _TAGGED_FLOATS else obj
+
+
 def _read_config(path: Path) -> dict:
     """config.json: at most :data:`MAX_CONFIG_BYTES`, JSON (``Infinity`` and ``NaN`` as transformers
-    writes them)."""
+    writes them: bare or tagged)."""
     if path.stat().st_size > MAX_CONFIG_BYTES:
         raise ModelFormatError(f"{path} is {path.stat().st_size} bytes, more than a config.json may be "
                                f"({MAX_CONFIG_BYTES}).")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))  # (an object: spec_from_hf_config checks)
+    try:  # (an object: spec_from_hf_config checks)
+        return json.loads(path.read_text(encoding="utf-8"), object_hook=_special_float)
     except (ValueError, RecursionError) as e:  # (JSONDecodeError and UnicodeDecodeError are ValueErrors)
         raise ModelFormatError(f"{path} is not JSON ({quoted(str(e))}).") from None
 

@@ -26,7 +26,8 @@ from hicache.model.decode_stack import DecodeStack
 from hicache.model.layers import MLP, RMSNorm, RotaryEmbedding, native_ops, rotate_half
 from hicache.model.mla import MLAAttention
 from hicache.model.projection import DECODE_ROWS, Projection
-from hicache.model.spec import ModelSpec
+from hicache.model.recurrent import GatedDeltaNet, Mamba2Mixer, ShortConv
+from hicache.model.spec import LayerKind, ModelSpec
 
 
 class Attention(nn.Module):
@@ -36,7 +37,7 @@ class Attention(nn.Module):
 
     def __init__(self, spec: ModelSpec, layer: int) -> None:
         super().__init__()
-        self.layer = layer
+        self.layer = spec.attention_layers.index(layer)  # its KV buffers: compact among the attention layers
         self.window = spec.layer_window(layer)  # 0: a full layer
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         # The backends scale q.k by head_dim ** -0.5; another scale (Gemma's query_pre_attn_scalar) is
@@ -44,8 +45,12 @@ class Attention(nn.Module):
         scale = spec.attention_scale
         self.q_scale = None if scale is None or scale == spec.head_dim ** -0.5 else scale * spec.head_dim ** 0.5
         q_width, kv_width = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        # Gated attention (Qwen3.5): q_proj emits each head's query, then that head's gate
+        self.gated = spec.attn_output_gate
         self.q_proj, self.k_proj, self.v_proj = (nn.Linear(spec.hidden_size, width, bias=spec.attention_bias)
-                                                 for width in (q_width, kv_width, kv_width))
+                                                 for width in (q_width * (2 if self.gated else 1), kv_width, kv_width))
+        self.rotary_dim = spec.rope_dim  # the first dims of each head RoPE turns (all but under partial rotary)
+        self.nope = spec.nope  # no positional embedding at all (Granite 4.0-H)
         self.o_proj = nn.Linear(q_width, spec.hidden_size, bias=False)
         self.qkv = Projection(self.q_proj, self.k_proj, self.v_proj)
         self.out = Projection(self.o_proj)
@@ -57,10 +62,16 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
                 kv: KVView) -> torch.Tensor:
-        """``x``: ``[T, hidden]``; ``cos``/``sin``: ``[T, 1, head_dim]`` in x's dtype. Returns
+        """``x``: ``[T, hidden]``; ``cos``/``sin``: ``[T, 1, rotary_dim]`` in x's dtype. Returns
         ``[T, hidden]``."""
         t = x.shape[0]
         qkv = self.qkv.whole(x, batch.generated)
+        gate = None
+        if self.gated:  # [q_h | gate_h] per head: the gates aside, the queries joined to k and v as ungated
+            width = self.num_heads * self.head_dim
+            heads = qkv[:, :2 * width].view(t, self.num_heads, 2, self.head_dim)
+            gate = heads[:, :, 1].reshape(t, width)
+            qkv = torch.cat((heads[:, :, 0].reshape(t, width), qkv[:, 2 * width:]), dim=-1)
         # q and k sit side by side in the fused output: rotate both heads' sets in one pass.
         qk_heads = self.num_heads + self.num_kv_heads
         if self.q_norm is not None:  # per head, before RoPE; in place: the fused output is ours
@@ -70,7 +81,12 @@ class Attention(nn.Module):
             qkv[:, q_width:k_end] = self.k_norm(qkv[:, q_width:k_end].reshape(-1, self.head_dim).contiguous()).view(t, -1)
         qk = qkv[:, : qk_heads * self.head_dim].view(t, qk_heads, self.head_dim)
         ops = native_ops(qkv)
-        if ops is not None and self.head_dim % 16 == 0:
+        if self.nope:  # no positional embedding: positions reach the layer through the causal mask alone
+            pass
+        elif self.rotary_dim < self.head_dim:  # partial rotary: the other dims pass as they are
+            turned = qk[..., :self.rotary_dim]
+            qk = torch.cat((turned * cos + rotate_half(turned) * sin, qk[..., self.rotary_dim:]), dim=-1)
+        elif ops is not None and self.head_dim % 16 == 0:
             ops.rope_(qkv, cos.flatten(1), sin.flatten(1), qk_heads, self.head_dim)  # in place: qk sees it
         else:
             qk = qk * cos + rotate_half(qk) * sin
@@ -79,8 +95,10 @@ class Attention(nn.Module):
             q = q * self.q_scale
         v = qkv[:, qk_heads * self.head_dim:].view(t, self.num_kv_heads, self.head_dim)
 
-        out = batch.backend.forward(q, k, v, self, batch, kv)  # [T, H, D]; T may be 0 on a CP rank
-        out = self.out(out.flatten(1), batch.generated)
+        out = batch.backend.forward(q, k, v, self, batch, kv).flatten(1)  # [T, H * D]; T may be 0 on a CP rank
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        out = self.out(out, batch.generated)
         return out if self.tp_reduce is None else self.tp_reduce(out)
 
 
@@ -88,12 +106,22 @@ class DecoderLayer(nn.Module):
     """Pre-norm: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``, the second norm named
     ``post_attention_layernorm`` (HF's name). With ``sandwich_norms`` (Gemma, HF names too): the
     attention's output goes through ``post_attention_layernorm`` before its residual add, and the
-    MLP has ``pre_feedforward_layernorm`` and ``post_feedforward_layernorm`` around it."""
+    MLP has ``pre_feedforward_layernorm`` and ``post_feedforward_layernorm`` around it.
+
+    The mixer follows the layer's kind: ``self_attn`` (attention, MLA), or a recurrent one of
+    :data:`MIXERS` under its HF name; ``recurrent`` says whether it keeps a state (:attr:`state_mixer`).
+    ``spec.residual_scale`` (Granite) multiplies the mixer's and the MLP's outputs before their adds."""
 
     def __init__(self, spec: ModelSpec, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = MLAAttention(spec, layer) if spec.is_mla else Attention(spec, layer)
+        self.recurrent = spec.is_recurrent(layer)
+        self.residual_scale = spec.residual_scale
+        if self.recurrent:
+            self._mixer_name, mixer = MIXERS[spec.layer_kinds[layer]]
+            self.add_module(self._mixer_name, mixer(spec, layer))
+        else:
+            self.self_attn = MLAAttention(spec, layer) if spec.is_mla else Attention(spec, layer)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.sandwich = spec.sandwich_norms
         if self.sandwich:
@@ -109,10 +137,21 @@ class DecoderLayer(nn.Module):
         operands = None if ops is None else self._decode_operands()
         if operands is not None:
             return self._fused_decode(ops, operands, x, cos, sin, batch, kv)
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, batch, kv)
-        x = x + (self.post_attention_layernorm(attn) if self.sandwich else attn)
+        if self.recurrent:
+            attn = self.state_mixer(self.input_layernorm(x), batch, kv)
+        else:
+            attn = self.self_attn(self.input_layernorm(x), cos, sin, batch, kv)
+        x = x + self._scaled(self.post_attention_layernorm(attn) if self.sandwich else attn)
         mlp = self.mlp(self.pre_mlp_norm()(x), batch.generated)
-        return x + (self.post_feedforward_layernorm(mlp) if self.sandwich else mlp)
+        return x + self._scaled(self.post_feedforward_layernorm(mlp) if self.sandwich else mlp)
+
+    def _scaled(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.residual_scale == 1 else out * self.residual_scale
+
+    @property
+    def state_mixer(self) -> nn.Module:
+        """A recurrent layer's mixer (its ``conv``, ``linear_attn`` or ``mamba``)."""
+        return self._modules[self._mixer_name]
 
     # A decode step's layer as one native call (kernels/decode_layer.cpp): the same kernels in the
     # same order as the modules above, bit for bit, without ~25 Python dispatches a layer.
@@ -122,9 +161,13 @@ class DecoderLayer(nn.Module):
     def _fused_decode_ops(self, x: torch.Tensor, batch: ForwardBatch, kv: KVView):
         """The native kernels when this pass is one the fused layer serves: a decode batch of at
         most DECODE_ROWS generated tokens on one rank (never prompt tokens: issue 57), float32 on
-        the CPU, the heads as the kernels take them. Deterministic inference: every pass."""
+        the CPU, the heads as the kernels take them. Deterministic inference: every pass. Never a
+        recurrent layer (the native layer attends), a gated one, one with partial rotary or none, or
+        a residual scale (the kernel rotates whole heads, has no output gate and adds as Llama does)."""
+        if self.recurrent or self.residual_scale != 1:
+            return None
         attn = self.self_attn
-        if not isinstance(attn, Attention):
+        if not isinstance(attn, Attention) or attn.gated or attn.nope or attn.rotary_dim != attn.head_dim:
             return None
         invariant = attn.qkv.row_invariant
         rows = sys.maxsize if invariant else DECODE_ROWS
@@ -176,6 +219,10 @@ class DecoderLayer(nn.Module):
                                 *self.style(), self.mlp.gelu, attn.q_scale or 1.0)
 
 
+# A recurrent layer's mixer by its kind: its module's name (transformers') and class.
+MIXERS: dict[LayerKind, tuple[str, type[nn.Module]]] = {
+    LayerKind.CONV: ("conv", ShortConv), LayerKind.GDN: ("linear_attn", GatedDeltaNet),
+    LayerKind.MAMBA2: ("mamba", Mamba2Mixer)}
 _INIT_LOCK = threading.Lock()
 
 
@@ -218,20 +265,24 @@ class LlamaModel(nn.Module):
 
 def parameter_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Every parameter of ``LlamaForCausalLM(spec)`` by name, with its shape, allocating none of
-    them: one layer built on the meta device (~1 ms; the layers of a spec share their shapes), its
-    names repeated for every layer. What the loaders check a file's tensor table against before
-    they allocate the model (model/file_checks.py)."""
+    them: one layer of each kind built on the meta device (~1 ms; the layers of a kind share their
+    shapes), its names repeated for every layer of its kind. What the loaders check a file's
+    tensor table against before they allocate the model (model/file_checks.py)."""
     import dataclasses
 
-    one = dataclasses.replace(spec, num_layers=1, layer_kinds=spec.layer_kinds[:1])
+    kind_of = spec.layer_kinds or (LayerKind.FULL,) * spec.num_layers
+    kinds = tuple(dict.fromkeys(kind_of))  # distinct, in order of first use: built layer i is of kinds[i]
+    one = dataclasses.replace(spec, num_layers=len(kinds), layer_kinds=kinds if spec.layer_kinds else ())
     with _no_default_init(), _made_on(torch.device("meta"), torch.float32):
         model = LlamaModel(one)
     shapes: dict[str, tuple[int, ...]] = {}
     for name, p in model.named_parameters():
-        if name.startswith("layers.0."):
-            shapes.update({f"model.layers.{i}.{name[9:]}": tuple(p.shape) for i in range(spec.num_layers)})
-        else:
+        if not name.startswith("layers."):
             shapes[f"model.{name}"] = tuple(p.shape)
+            continue
+        built, _, rest = name.removeprefix("layers.").partition(".")
+        shapes.update({f"model.layers.{i}.{rest}": tuple(p.shape) for i in range(spec.num_layers)
+                       if kind_of[i] == kinds[int(built)]})
     if not spec.tie_word_embeddings:
         shapes["lm_head.weight"] = (spec.vocab_size, spec.hidden_size)
     return shapes
@@ -265,7 +316,8 @@ class LlamaForCausalLM(nn.Module):
         self.first_stage = self.last_stage = True
         self.deterministic = False  # set_deterministic
         self.head: Optional[Projection] = Projection(self.model.embed_tokens if self.lm_head is None else self.lm_head)
-        self.decode_stack = DecodeStack(self.model)
+        # The fused stack runs attention layers only: a model with recurrent layers runs layer by layer.
+        self.decode_stack = None if spec.recurrent_layers else DecodeStack(self.model)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Input embeddings ``[T, hidden]``, times ``spec.embedding_scale`` (rounded to the weight
@@ -322,7 +374,7 @@ class LlamaForCausalLM(nn.Module):
         h = self.embed(batch.input_ids) if self.first_stage else hidden
         cos, sin = self.rope(batch.positions, h.dtype)
         local = self.local_rope(batch.positions, h.dtype) if self.local_rope is not None else None
-        stacked = self.decode_stack.forward(h, cos, sin, batch, kv, local)
+        stacked = None if self.decode_stack is None else self.decode_stack.forward(h, cos, sin, batch, kv, local)
         if stacked is not None:
             h = stacked
         else:
@@ -332,4 +384,5 @@ class LlamaForCausalLM(nn.Module):
             return h
         # Only the requested rows go through the final norm and the (vocab-wide) head.
         h = self.model.norm(batch.attn.final_rows(h))
-        return self.head(h, batch.generated).float()
+        logits = self.head(h, batch.generated).float()
+        return logits if self.spec.logits_scale == 1 else logits / self.spec.logits_scale  # (Granite divides)

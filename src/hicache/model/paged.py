@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from hicache.model.attention import (KVBlock, attended, decode_attention, expand_heads, native_decode_attention,
                                      sequence_attention)
-from hicache.model.batch import AttentionLayer, DecodeLayout, ForwardBatch, KVView, window_group
+from hicache.model.batch import AttentionLayer, DecodeLayout, ForwardBatch, KVView, StateSlots, window_group
 
 # Keys stored in at most this many runs of consecutive slots are read as views of the KV
 # buffers; more scattered ones are gathered once per layer (one copy beats many small kernels).
@@ -283,10 +283,15 @@ class PagedBackend:
 def make_forward_batch(input_ids: Sequence[Sequence[int]], prefix_lens: Sequence[int],
                        context_slots: Sequence[torch.Tensor], logits: str = "last",
                        device: torch.device | str = "cpu",
-                       window_slots: Optional[Sequence[torch.Tensor]] = None, generated: bool = False) -> ForwardBatch:
+                       window_slots: Optional[Sequence[torch.Tensor]] = None, generated: bool = False,
+                       state_slots: Optional[Sequence[tuple[int, int]]] = None) -> ForwardBatch:
     """A paged batch on ``device`` (:meth:`PagedBackend.prepare`): forwards without an engine.
-    ``generated``: decode (or verify) rows, not prompt tokens."""
-    return PagedBackend(device).prepare(input_ids, prefix_lens, context_slots, logits, window_slots, generated)
+    ``generated``: decode (or verify) rows, not prompt tokens. ``state_slots``: ``(source,
+    running)`` state slots of each sequence (a model with recurrent layers: :class:`StateSlots`)."""
+    batch = PagedBackend(device).prepare(input_ids, prefix_lens, context_slots, logits, window_slots, generated)
+    if state_slots is not None:
+        batch.state = StateSlots.of(state_slots, [len(ids) for ids in input_ids], batch.positions.device)
+    return batch
 
 
 def _padded_decode(q: torch.Tensor, layer: AttentionLayer, decode: DecodeLayout, k_buf: torch.Tensor,

@@ -30,10 +30,30 @@ PRESETS: dict[str, dict] = {
                         qk_norm=True, sandwich_norms=True, hidden_act="gelu_tanh", embedding_scale=128 ** 0.5,
                         attention_scale=24 ** -0.5, sliding_window=8, local_rope_theta=10000.0,
                         layer_kinds=(LayerKind.SLIDING,) * 5 + (LayerKind.FULL,), **{**_COMMON, "tie_word_embeddings": True}),
+    # LFM2's layers: two short convolutions (3 taps, a state of 2 inputs per channel) then an attention
+    # layer with QK-norm; the KV pool holds one layer, the state pool two.
+    "lfm2-tiny": dict(num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+                      qk_norm=True, conv_kernel=3, layer_kinds=(LayerKind.CONV, LayerKind.CONV, LayerKind.FULL),
+                      **_COMMON),
+    # Qwen3.5's layers: two gated DeltaNet layers (2 key heads, 4 value heads reading them in pairs, a conv of
+    # 4 taps) then a gated attention layer with QK-norm and partial rotary (4 of 16 dims, Qwen3.5's 0.25).
+    "gdn-tiny": dict(num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+                     qk_norm=True, conv_kernel=4, layer_kinds=(LayerKind.GDN, LayerKind.GDN, LayerKind.FULL),
+                     gdn_key_heads=2, gdn_value_heads=4, gdn_key_dim=16, gdn_value_dim=16, attn_output_gate=True,
+                     rotary_dim=4, **_COMMON),
+    # Granite 4.0-H's layers: two Mamba2 layers (4 heads of 32 channels, d_inner 128 = 2 x hidden as Granite's
+    # mamba_expand 2; 2 groups of B and C with a state of 16; a conv of 4 taps with a bias) then a NoPE attention
+    # layer scaled by 1 / head_dim; Granite's multipliers on the embeddings, the residual adds and the logits.
+    "mamba2-tiny": dict(num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+                        conv_kernel=4, conv_bias=True, layer_kinds=(LayerKind.MAMBA2, LayerKind.MAMBA2, LayerKind.FULL),
+                        mamba_heads=4, mamba_head_dim=32, mamba_groups=2, mamba_state=16, nope=True,
+                        embedding_scale=12.0, attention_scale=1 / 16, residual_scale=0.22, logits_scale=2.0, **_COMMON),
 }
 
 # Weight scale: small enough that activations stay tame, large enough that logits differ per token.
 INIT_STD = 0.02
+CONV_TAP_STD = 0.5  # a tap scales one channel's input, as transformers' Conv1d init (bound 1/sqrt(taps)) does
+CONV_TAPS = ("conv.conv.weight", "linear_attn.conv1d.weight", "mamba.conv1d.weight")  # the depthwise convs' taps
 
 
 def parse_random_spec(arg: str) -> ModelSpec:
@@ -75,11 +95,16 @@ def init_random_weights(model: LlamaForCausalLM, seed: int) -> LlamaForCausalLM:
     random weights are not the CPU's (the loader's identity names the device type they were drawn on).
 
     Matrices and biases ~ N(0, INIT_STD); norm weights ~ 1 + N(0, 0.1) (not all-ones, so a loader
-    that drops them would be caught by parity tests). Returns ``model``.
+    that drops them would be caught by parity tests); a short convolution's taps (per channel
+    scalars, as norm weights are) ~ N(0, CONV_TAP_STD); a gated DeltaNet's or a Mamba2 layer's ``A_log``
+    and ``dt_bias`` ~ N(0, INIT_STD) (a decay of about exp(-0.7) a token). Returns ``model``.
     """
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
         values = torch.randn(param.shape, generator=gen, dtype=torch.float32, device=device)
-        param.copy_(1.0 + 0.1 * values if name.endswith("norm.weight") else INIT_STD * values)
+        if name.endswith("norm.weight"):
+            param.copy_(1.0 + 0.1 * values)
+        else:
+            param.copy_((CONV_TAP_STD if name.endswith(CONV_TAPS) else INIT_STD) * values)
     return model

@@ -29,12 +29,22 @@ ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate activation (SwiGLU; GeGLU 
 
 
 class LayerKind(str, Enum):
-    """A layer attends every earlier position, or the last ``sliding_window``. A ``str``: equal to its
-    value, printed and JSON-encoded as it (a spec's JSON and the random models' identities stay)."""
+    """A layer attends every earlier position, or the last ``sliding_window``, or is a recurrent mixer
+    that keeps a fixed-size state per sequence instead of KV (``conv``: LFM2's short convolution;
+    ``gdn``: Qwen3.5's gated DeltaNet; ``mamba2``: Granite 4.0-H's Mamba2 mixer). A ``str``: equal
+    to its value, printed and JSON-encoded as it (a spec's JSON and the random models' identities stay)."""
 
     FULL = "full"
     SLIDING = "sliding"
+    CONV = "conv"
+    GDN = "gdn"
+    MAMBA2 = "mamba2"
     __str__ = str.__str__
+
+
+SCAN_CHUNK = 64  # tokens a chunked scan (gated DeltaNet, Mamba2's SSD) treats as one block, on a grid from position 0
+RECURRENT_KINDS = frozenset({LayerKind.CONV, LayerKind.GDN, LayerKind.MAMBA2})  # the kinds that keep a state, not KV
+SCANNED_KINDS = frozenset({LayerKind.GDN, LayerKind.MAMBA2})  # recurrent kinds whose prefill scans chunks of SCAN_CHUNK
 
 
 @dataclass
@@ -59,6 +69,31 @@ class ModelSpec:
     every layer keeps all its KV in the pages (the window is a mask). ``local_rope_theta``: those
     layers' RoPE base, without scaling (Gemma 3: 10K); None: the model's own. ``layer_kinds`` empty:
     every layer full.
+
+    Recurrent layers (``layer_kinds[i]`` "conv", LFM2): no KV; a state per sequence instead
+    (:meth:`state_shapes`). ``conv_kernel``: taps of the short convolution (LFM2's ``conv_L_cache``;
+    the state keeps the last ``conv_kernel - 1`` inputs per channel); ``conv_bias``: the conv layer's
+    projections and taps have biases. The KV buffers hold the attention layers only, in order
+    (:attr:`attention_layers`: a layer's *compact* index), the state buffers the recurrent ones
+    (:attr:`recurrent_layers`).
+
+    Gated DeltaNet layers (``layer_kinds[i]`` "gdn", Qwen3.5): ``gdn_key_heads`` key heads of
+    ``gdn_key_dim`` (queries alike), ``gdn_value_heads`` value heads of ``gdn_value_dim`` (a multiple
+    of the key heads: value head h reads key head ``h // (value heads / key heads)``), a depthwise
+    conv of ``conv_kernel`` taps over the q|k|v channels. Its attention layers (Qwen3.5) have
+    ``attn_output_gate``: q_proj emits each head's query then its gate, and the attention output is
+    multiplied by ``sigmoid(gate)`` before o_proj. ``rotary_dim``: RoPE turns only the first
+    ``rotary_dim`` dims of each q/k head (partial rotary); 0: all ``head_dim`` of them.
+
+    Mamba2 layers (``layer_kinds[i]`` "mamba2", Granite 4.0-H): ``mamba_heads`` heads of
+    ``mamba_head_dim`` channels (d_inner = their product), ``mamba_groups`` groups of B and C of
+    ``mamba_state`` (N) each (head h reads group ``h // (heads / groups)``), a depthwise conv of
+    ``conv_kernel`` taps over the x|B|C channels (its taps with a bias where ``conv_bias``), ``in_proj``
+    and ``out_proj`` with biases where ``mamba_proj_bias``. The time step ``softplus(dt + dt_bias)``
+    is clamped to ``[dt_min, dt_max]`` (``dt_max`` None: no upper bound, Granite's infinite
+    ``time_step_limit``). Granite's multipliers: ``residual_scale``, each layer's mixer and MLP
+    outputs multiplied by it before their residual add; ``logits_scale``, the logits DIVIDED by it;
+    ``nope``: the attention layers have no positional embedding (no RoPE: Granite 4.0-H's "nope").
 
     MLA (DeepSeek-V2/V3 attention, ``kv_lora_rank > 0``): each token keeps one latent per layer,
     ``kv_lora_rank`` compressed KV + ``qk_rope_head_dim`` rotary key, stored in the KV pools as
@@ -95,6 +130,24 @@ class ModelSpec:
     sliding_window: int = 0
     layer_kinds: tuple[LayerKind, ...] = ()
     local_rope_theta: float | None = None
+    conv_kernel: int = 0
+    conv_bias: bool = False
+    gdn_key_heads: int = 0
+    gdn_value_heads: int = 0
+    gdn_key_dim: int = 0
+    gdn_value_dim: int = 0
+    attn_output_gate: bool = False
+    rotary_dim: int = 0
+    mamba_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_groups: int = 0
+    mamba_state: int = 0
+    mamba_proj_bias: bool = False
+    dt_min: float = 0.0
+    dt_max: float | None = None
+    residual_scale: float = 1.0
+    logits_scale: float = 1.0
+    nope: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_lora_rank:
@@ -115,17 +168,63 @@ class ModelSpec:
     def has_sliding_layers(self) -> bool:
         return LayerKind.SLIDING in self.layer_kinds
 
+    def is_recurrent(self, layer: int) -> bool:
+        """Whether layer ``layer`` keeps a state per sequence instead of KV."""
+        return bool(self.layer_kinds) and self.layer_kinds[layer] in RECURRENT_KINDS
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """Global indices of the layers with KV (full or sliding), in order: a KV buffer's index is
+        a layer's place in this tuple."""
+        return tuple(i for i in range(self.num_layers) if not self.is_recurrent(i))
+
+    @property
+    def recurrent_layers(self) -> tuple[int, ...]:
+        """Global indices of the recurrent layers, in order: a state buffer's index is a layer's place here."""
+        return tuple(i for i in range(self.num_layers) if self.is_recurrent(i))
+
+    @property
+    def scan_chunk(self) -> int:
+        """Tokens a recurrent layer's prefill scans as one block, on a grid from position 0 (1: no
+        blocks, LFM2's short convolution); a state snapshot for a prefix hit sits on this grid, so the
+        hit's scan starts where the cold run's block did."""
+        return SCAN_CHUNK if SCANNED_KINDS & set(self.layer_kinds) else 1
+
+    def state_shapes(self, layer: int) -> tuple[tuple[int, ...], ...]:
+        """The shape of each state tensor one sequence (one slot) of recurrent layer ``layer`` keeps,
+        the conv's first (channels, the last ``conv_kernel - 1`` inputs in time order): LFM2's
+        ``(hidden_size, K - 1)``; a gated DeltaNet's ``(conv_dim, K - 1)`` then its recurrent matrix
+        ``(value heads, key dim, value dim)``; a Mamba2 layer's ``(conv_dim, K - 1)`` then its SSM state
+        ``(heads, head dim, state)`` (the recurrent matrices kept in float32 by every pool)."""
+        if not self.is_recurrent(layer):
+            raise ValueError(f"layer {layer} is an attention layer: it keeps KV, not a state")
+        kind = self.layer_kinds[layer]
+        if kind == LayerKind.CONV:
+            return ((self.hidden_size, self.conv_kernel - 1),)
+        if kind == LayerKind.MAMBA2:
+            return ((self.mamba_conv_dim, self.conv_kernel - 1),
+                    (self.mamba_heads, self.mamba_head_dim, self.mamba_state))
+        return ((self.gdn_conv_dim, self.conv_kernel - 1), (self.gdn_value_heads, self.gdn_key_dim, self.gdn_value_dim))
+
+    @property
+    def gdn_conv_dim(self) -> int:
+        """Channels of a gated DeltaNet layer's conv: q, k (key heads x key dim each), then v."""
+        return 2 * self.gdn_key_heads * self.gdn_key_dim + self.gdn_value_heads * self.gdn_value_dim
+
+    @property
+    def mamba_conv_dim(self) -> int:
+        """Channels of a Mamba2 layer's conv: x (d_inner = heads x head dim), then B and C (groups x state each)."""
+        return self.mamba_heads * self.mamba_head_dim + 2 * self.mamba_groups * self.mamba_state
+
     @property
     def rope_dim(self) -> int:
-        """Dimensions each rotary embedding turns: a head's, or MLA's rotary key part."""
-        return self.qk_rope_head_dim if self.is_mla else self.head_dim
+        """Dimensions each rotary embedding turns: a head's (its first ``rotary_dim`` under partial
+        rotary), or MLA's rotary key part."""
+        return self.qk_rope_head_dim if self.is_mla else self.rotary_dim or self.head_dim
 
     def validate(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
-                     "intermediate_size", "vocab_size", "max_position_embeddings"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ModelSpecError(f"model spec field {name} must be a positive integer, got {value!r}.")
+        self._require_integers(("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                                "intermediate_size", "vocab_size", "max_position_embeddings"), least=1)
         if self.num_heads % self.num_kv_heads:
             raise ModelSpecError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                                  f"({self.num_kv_heads}).")
@@ -148,12 +247,22 @@ class ModelSpec:
             raise ModelSpecError(f"rope frequency factors: expected {self.rope_dim // 2} (one per rotary pair), got "
                                  f"{len(self.rope_scaling.get('factors', ()))}.")
 
+    def _require_integers(self, names: tuple[str, ...], least: int) -> None:
+        """Each of the fields ``names`` an int (a bool is not one) of at least ``least`` (1: positive, 0: a
+        size or count a model without such layers leaves at 0)."""
+        for name in names:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ModelSpecError(f"model spec field {name} must be a {'positive' if least else 'non-negative'} "
+                                     f"integer, got {value!r}.")
+
     def _validate_finite(self) -> None:
         """The floats the math divides by, raises to a power or multiplies with are finite (issue 56: an
         infinite eps made every norm 0 and the model printed NULs); the rope scaling's numbers too."""
         floats = [("rope_theta", self.rope_theta), ("rms_norm_eps", self.rms_norm_eps),
                   ("embedding_scale", self.embedding_scale), ("attention_scale", self.attention_scale),
-                  ("local_rope_theta", self.local_rope_theta)]
+                  ("local_rope_theta", self.local_rope_theta), ("dt_min", self.dt_min), ("dt_max", self.dt_max),
+                  ("residual_scale", self.residual_scale), ("logits_scale", self.logits_scale)]
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
             raise ModelSpecError(f"rope scaling must be a dict of parameters, got {type(self.rope_scaling).__name__}.")
         for key, value in (self.rope_scaling or {}).items():
@@ -177,6 +286,41 @@ class ModelSpec:
             raise ModelSpecError("embedding_scale and attention_scale must be positive.")
         if self.is_mla and (self.has_sliding_layers or self.sandwich_norms or self.qk_norm):
             raise ModelSpecError("MLA layers with sliding windows, sandwich norms or QK-norm are not supported.")
+        self._require_integers(("conv_kernel",), least=0)
+        recurrent = sorted(RECURRENT_KINDS & set(self.layer_kinds))
+        if recurrent and (self.conv_kernel < 2 or self.is_mla):
+            raise ModelSpecError(f"{' and '.join(recurrent)} layers need conv_kernel >= 2 and attention layers without "
+                                 f"MLA, got conv_kernel {self.conv_kernel}{' with MLA' if self.is_mla else ''}.")
+        self._validate_gdn()
+        self._validate_mamba2()
+
+    def _validate_gdn(self) -> None:
+        """Gated DeltaNet sizes where there are such layers; partial rotary and the output gate."""
+        sizes = ("gdn_key_heads", "gdn_value_heads", "gdn_key_dim", "gdn_value_dim")
+        self._require_integers(sizes + ("rotary_dim",), least=0)
+        if LayerKind.GDN in self.layer_kinds and (min(getattr(self, n) for n in sizes) < 1
+                                                  or self.gdn_value_heads % self.gdn_key_heads):
+            raise ModelSpecError(f"gdn layers need positive {', '.join(sizes)}, the value heads a multiple of the key "
+                                 f"heads, got {[getattr(self, n) for n in sizes]}.")
+        if self.rotary_dim % 2 or self.rotary_dim > self.head_dim or (self.rotary_dim and self.is_mla):
+            raise ModelSpecError(f"rotary_dim must be even, at most head_dim ({self.head_dim}) and unset for MLA, "
+                                 f"got {self.rotary_dim}.")
+        if self.attn_output_gate and self.is_mla:
+            raise ModelSpecError("attn_output_gate is not supported with MLA layers.")
+
+    def _validate_mamba2(self) -> None:
+        """Mamba2 sizes where there are such layers; the time step's clamp; Granite's multipliers."""
+        sizes = ("mamba_heads", "mamba_head_dim", "mamba_groups", "mamba_state")
+        self._require_integers(sizes, least=0)
+        if LayerKind.MAMBA2 in self.layer_kinds and (min(getattr(self, n) for n in sizes) < 1
+                                                     or self.mamba_heads % self.mamba_groups):
+            raise ModelSpecError(f"mamba2 layers need positive {', '.join(sizes)}, the heads a multiple of the groups, "
+                                 f"got {[getattr(self, n) for n in sizes]}.")
+        if not (self.dt_min >= 0 and (self.dt_max is None or self.dt_max > self.dt_min)):
+            raise ModelSpecError(f"the time step's clamp needs 0 <= dt_min < dt_max (or no dt_max), got {self.dt_min} "
+                                 f"and {self.dt_max}.")
+        if not (self.residual_scale > 0 and self.logits_scale > 0):
+            raise ModelSpecError("residual_scale and logits_scale must be positive.")
 
     def _validate_mla(self) -> None:
         for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
@@ -188,11 +332,25 @@ class ModelSpec:
             raise ModelSpecError("MLA with rope scaling (yarn) is not supported; use a config without rope_scaling.")
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Bytes one token's K and V take over all layers at ``dtype``."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+        """Bytes one token's K and V take over all attention layers at ``dtype`` (recurrent layers keep none)."""
+        return 2 * len(self.attention_layers) * self.num_kv_heads * self.head_dim * dtype.itemsize
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields as a dict; the recurrent ones only where set, so the JSON of a spec without
+        them -- hashed into a random model's identity -- is what it was before they existed."""
+        out = dataclasses.asdict(self)
+        for name, default in _UNHASHED_DEFAULTS.items():
+            if out[name] == default:
+                del out[name]
+        return out
+
+
+# Fields added after random models' identities were first hashed (ModelSpec.to_dict leaves them out at these values).
+_UNHASHED_DEFAULTS: dict[str, Any] = {"conv_kernel": 0, "conv_bias": False, "gdn_key_heads": 0, "gdn_value_heads": 0,
+                                      "gdn_key_dim": 0, "gdn_value_dim": 0, "attn_output_gate": False, "rotary_dim": 0,
+                                      "mamba_heads": 0, "mamba_head_dim": 0, "mamba_groups": 0, "mamba_state": 0,
+                                      "mamba_proj_bias": False, "dt_min": 0.0, "dt_max": None, "residual_scale": 1.0,
+                                      "logits_scale": 1.0, "nope": False}
 
 
 def rope_scaling_type(rope_scaling: dict | None) -> str:

@@ -55,6 +55,13 @@ class Batch:
     def context_slots(self) -> list[torch.Tensor]:
         return [r.kv.slots[: r.computed + n] for r, n in zip(self.reqs, self.new_tokens)]
 
+    def state_slots(self) -> list[tuple] | None:
+        """Each sequence's (source, running, emit) recurrent-state slots (None: the model has no
+        recurrent layers; emits: the snapshots its pass also writes, ``(position, slot)`` pairs)."""
+        if not self.reqs or self.reqs[0].kv.state is None:
+            return None
+        return [r.kv.state.slots(r.computed) for r in self.reqs]
+
     def window_slots(self) -> list[torch.Tensor] | None:
         """Each context's slots in a hybrid pool's window component (None: the pool has none)."""
         if not self.reqs or self.reqs[0].kv.window is None:

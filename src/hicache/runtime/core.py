@@ -14,6 +14,7 @@ from ..cache.host_pool import HostKVPool
 from ..cache.manager import CachePolicy, KVCacheManager, RankLayout
 from ..cache.placement import PagePlacement
 from ..cache.pools import DeviceKVPool
+from ..cache.state_pool import StatePool
 from ..cache.storage.base import StorageError
 from ..cache.storage.registry import create_backend
 from ..cache.storage.unified import StorageGrid
@@ -75,6 +76,10 @@ def build_core(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, dty
     # the target's layers and a packed draft's; a hybrid plan's window component beside them (two pools, or
     # shared blocks with its sliding groups)
     windows = plan.hybrid.pool_part(plan.window_pages) if plan.hybrid is not None else None
+    s = plan.states
+    states = StatePool(s.layers, s.running, s.snapshots, s.grid, device) if s is not None else None
+    host_states = StatePool(s.layers, 0, s.host_snapshots, s.grid, "cpu") if s is not None and s.host_snapshots \
+        else None
     pool = DeviceKVPool(plan.layers + plan.packed_layers, *plan.row, plan.device_pages, cfg.page_size, plan.kv_dtype,
                         device, windows)
     unified = plan.unified
@@ -82,7 +87,8 @@ def build_core(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, dty
     sidecar = _sidecar_pools(cfg, plan, device, unified.draft.grid if unified and unified.draft else None)
     layout = RankLayout(shard=rank.shard.describe() if rank.shard else "", storage_agree=rank.storage_agree,
                         placement=cp.placement if cp is not None else None,
-                        shard_rank=rank.cp_group.rank if rank.cp_group else 0, sidecar=sidecar, unified=unified)
+                        shard_rank=rank.cp_group.rank if rank.cp_group else 0, sidecar=sidecar, unified=unified,
+                        states=states, host_states=host_states)
     cache = KVCacheManager(pool, host_pool, storage, CachePolicy.from_config(cfg), layout)
     runner = ModelRunner(loaded.model, cache.kv_view, device, cp)
     modes = build_modes(ModeContext(cfg, cache, device, plan.layers, loaded.spec.vocab_size,

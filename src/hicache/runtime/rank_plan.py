@@ -30,6 +30,7 @@ from ..model.prefix_gather import CPGroup, PrefixGather
 from ..model.spec import ModelSpec
 from .hybrid_pool import HybridPlan, plan_hybrid
 from .speculative import DraftKV, plan_draft_kv
+from .state_plan import StateBudget, StatePlan, plan_states
 from .storage_layout import plan_index, unified_plans
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,8 @@ class RankContext:
 
 @dataclass(frozen=True)
 class RankPlan:
-    """What one rank holds (see the module docstring). ``hybrid``: the window component's split
+    """What one rank holds (see the module docstring). ``layers``: this rank's attention layers (those
+    with KV; a recurrent layer's state is in ``states``). ``hybrid``: the window component's split
     (None: every layer keeps every page); ``host_apart``: why a shared device pool's host tier
     keeps two pools (None: blocks, or no shared pool); ``storage``: every rank reached the
     storage backend (False: the tier is off everywhere)."""
@@ -85,6 +87,7 @@ class RankPlan:
     prefill_chunk: int
     unified: UnifiedPlan | None
     storage: bool
+    states: StatePlan | None = None  # the recurrent layers' state slots (issue 59); None: no recurrent layer
 
     @property
     def packed_layers(self) -> int:
@@ -110,7 +113,7 @@ def plan_rank(cfg: EngineConfig, spec: ModelSpec, rank: RankContext, draft: Mode
     rank); ``storage_reachable``: this rank reached the storage backend (or has none)."""
     # Every KV pool, tier and scratch holds --kv-cache-dtype (the model's dtype while unresolved).
     dtype = model_dtype if cfg.kv_cache_dtype == "auto" else DTYPES[cfg.kv_cache_dtype]
-    layers = len(rank.shard.layers) if rank.shard else spec.num_layers
+    layers = len([layer for layer in rank.layers(spec) if not spec.is_recurrent(layer)])  # those with KV
     row = (len(rank.shard.kv_heads) if rank.shard else spec.num_kv_heads, spec.head_dim)
     draft_kv = plan_draft_kv(cfg, draft, row, rank.draft_row)
     elem = torch.empty((), dtype=dtype).element_size()
@@ -119,42 +122,69 @@ def plan_rank(cfg: EngineConfig, spec: ModelSpec, rank: RankContext, draft: Mode
     hybrid = plan_hybrid(cfg, spec, rank.layers(spec), draft_kv)
     staging = rank.staging_bytes + 2 * gather * elem + _transfer_staging(cfg, device, layer_page, elem,
                                                                          hybrid is not None, draft_kv)
+    states = _state_plan(cfg, spec, rank, model_dtype, _Budget(device, rank, staging))
+    staging += states.total_bytes if states else 0  # (the KV pages get what the state slots leave)
     unified = _unified_plan(cfg, spec, rank, draft)
     apart = _host_pools_apart(cfg, spec, hybrid, unified.grid if unified else None)
-    every_layer = rank_components(spec, rank.layers(spec), row, None, draft_kv)  # before a window split
+    every_layer = rank_components(spec, rank.layers(spec), row, None, draft_kv, states)  # before a window split
     costs = _PageBytes(sum(c.bytes_per_page(cfg.page_size, elem) for c in every_layer), layer_page,
                        layer_page * len(hybrid.window_layers) if hybrid else 0)
     device_pages, host_pages, storage, hybrid, window_pages = _sized_tiers(
         cfg, _Budget(device, rank, staging), hybrid, costs, storage_reachable, apart is None)
-    components = rank_components(spec, rank.layers(spec), row, hybrid, draft_kv)
+    states = states.with_host(device_pages, host_pages) if states is not None else None
+    components = rank_components(spec, rank.layers(spec), row, hybrid, draft_kv, states)
     return RankPlan(dtype, layers, row, components, draft_kv, hybrid, device_pages, host_pages, window_pages, apart,
-                    staging, gather, _prefill_chunk(cfg, hybrid, window_pages), unified, storage)
+                    staging, gather, _prefill_chunk(cfg, hybrid, window_pages), unified, storage, states)
+
+
+def _state_plan(cfg: EngineConfig, spec: ModelSpec, rank: RankContext, dtype: torch.dtype,
+                budget: _Budget) -> StatePlan | None:
+    """The recurrent layers' state slots (runtime/state_plan.py), this rank's shard of each state tensor,
+    sized against the KV pool they sit beside. The slot counts are MIN-agreed over the ranks, so a slot
+    id names the same sequence or snapshot on every rank (a rank without recurrent layers, a later
+    pipeline stage's, agrees to anything)."""
+    if not spec.recurrent_layers:
+        return None
+    free = budget.free(cfg)
+    kv_tokens = cfg.max_total_tokens or max(free, 0) // spec.kv_bytes_per_token(dtype)
+    plan = plan_states(spec, rank.layers(spec), dtype, cfg.page_size, StateBudget(
+        cfg.max_running_requests, kv_tokens, cfg.recurrent_snapshot_ratio, free), rank.shard)
+    anything = 2**62
+    running, snapshots = rank.agree([plan.running, plan.snapshots] if plan else [anything, anything])
+    return plan.with_counts(running, snapshots) if plan else None
 
 
 def rank_components(spec: ModelSpec, layers: range | list[int], row: tuple[int, int], hybrid: HybridPlan | None,
-                    draft_kv: DraftKV | None) -> tuple[KVComponent, ...]:
+                    draft_kv: DraftKV | None, states: StatePlan | None = None) -> tuple[KVComponent, ...]:
     """The components this rank holds: what the model (and the draft config) declare, as planned."""
     window_layers = len(hybrid.window_layers) if hybrid else 0
-    target = len(layers) - window_layers
+    target = len([layer for layer in layers if not spec.is_recurrent(layer)]) - window_layers
     out = []
     if target:
         out.append(KVComponent("latent" if spec.is_mla else "full", target, row))
     if hybrid is not None:
         out.append(KVComponent(
-            "window", window_layers, row, PageSpace.BLOCKS if hybrid.shared else PageSpace.WINDOW_PAGES,
-            Retention.WINDOW, hybrid.window, host="checkpoints' windows",
+            "window", window_layers, row, space=PageSpace.BLOCKS if hybrid.shared else PageSpace.WINDOW_PAGES,
+            retention=Retention.WINDOW, window=hybrid.window, host="checkpoints' windows",
             storage="checkpoints' windows, an object per page beside the full one",
             pd="a fresh window tail after decode_prefix_len"))
+    if states is not None:
+        out.append(KVComponent(
+            "recurrent_state", len(states.layers), (0, 0), PageSpace.STATE_SLOTS, Retention.CHECKPOINTS,
+            host="the snapshots of the nodes it holds", storage="a -state object per stored snapshot",
+            pd="not supported yet",
+            slot_bytes=states.slot_bytes))
     if draft_kv is not None:
         out.append(KVComponent("draft" if draft_kv.packed else "draft-sidecar", draft_kv.layers, draft_kv.row,
-                               PageSpace.PAGES if draft_kv.packed else PageSpace.SIDECAR))
+                               space=PageSpace.PAGES if draft_kv.packed else PageSpace.SIDECAR))
     return tuple(out)
 
 
 def model_components(spec: ModelSpec) -> set[str]:
     """The names of the components the model's layers declare, before a plan sizes them (a sliding-window
     model declares its window component even where every layer keeps its KV: its attention still slides)."""
-    return {"latent" if spec.is_mla else "full"} | ({"window"} if spec.has_sliding_layers else set())
+    return ({"latent" if spec.is_mla else "full"} | ({"window"} if spec.has_sliding_layers else set())
+            | ({"recurrent_state"} if spec.recurrent_layers else set()))
 
 
 @dataclass(frozen=True)
@@ -165,6 +195,10 @@ class _Budget:
     device: torch.device
     rank: RankContext
     staging: int
+
+    def free(self, cfg: EngineConfig) -> int:
+        """Bytes left for the pools: this rank's share of the device budget less the staging."""
+        return device_memory_budget(self.device, cfg.mem_fraction_static) // self.rank.memory_share - self.staging
 
 
 def _sized_tiers(cfg: EngineConfig, budget: _Budget, hybrid: HybridPlan | None, costs: _PageBytes,
@@ -212,7 +246,7 @@ def _device_pool_pages(cfg: EngineConfig, budget: _Budget, bytes_per_page: int) 
     """Usable pages + the reserved page 0."""
     if cfg.max_total_tokens is not None:
         return cfg.max_total_tokens // cfg.page_size + 1
-    free = device_memory_budget(budget.device, cfg.mem_fraction_static) // budget.rank.memory_share - budget.staging
+    free = budget.free(cfg)
     pages = free // bytes_per_page
     if pages < 1:
         staging = f" after {budget.staging / 2**20:.0f} MiB of staging buffers" if budget.staging else ""

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ..cache.placement import GatherPlan, PagePlacement
-from ..model.batch import AttentionBackend, KVView
+from ..model.batch import AttentionBackend, KVView, StateSlots
 from ..model.context_parallel import CPBackend, ShardedContext
 from ..model.paged import PagedBackend
 from ..model.prefix_gather import CPGroup, PrefixGather
@@ -64,12 +64,17 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, input_ids: list[list[int]], prefix_lens: list[int], context_slots: list[torch.Tensor],
                 hidden: torch.Tensor | None = None, logits: str = "last",
-                window_slots: list[torch.Tensor] | None = None, generated: bool = False) -> torch.Tensor:
+                window_slots: list[torch.Tensor] | None = None, generated: bool = False,
+                state_slots: list[tuple] | None = None) -> torch.Tensor:
         """Logits ``[B, vocab]`` (float32) at each sequence's last new token (``logits="all"``:
         ``[T, vocab]``, at every new token; not under context parallelism); on a pipeline stage
         before the last, the hidden states of all new tokens (``hidden``: the previous stage's).
         ``window_slots``: each context's slots in a hybrid pool's window component (None: none).
         ``generated``: the new tokens are generated ones (decode, verify, draft passes), which may
-        take the decode arithmetic; prompt tokens never do (``ForwardBatch.generated``)."""
+        take the decode arithmetic; prompt tokens never do (``ForwardBatch.generated``).
+        ``state_slots``: each sequence's (source, running[, emit]) recurrent-state slots (None: no recurrent
+        layers; :class:`~hicache.model.batch.StateSlots`)."""
         batch = self.backend.prepare(input_ids, prefix_lens, context_slots, logits, window_slots, generated)
+        if state_slots is not None:
+            batch.state = StateSlots.of(state_slots, [len(ids) for ids in input_ids], self.device)
         return self.model(batch, self.kv, hidden)

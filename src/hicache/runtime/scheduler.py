@@ -166,7 +166,7 @@ class Scheduler(Results):
                 Batch(plan.kind, decode, plan.rows, plan.proposal)
         for req, n in zip(batch.reqs, batch.new_tokens):
             req.in_flight = True
-            self.cache.before_forward(req.kv, req.computed, n, self._later_tokens(req, n))
+            self.cache.before_forward(req.kv, req.computed, n, self._later_tokens(req, n), len(req.prompt_ids))
         return batch
 
     def _later_tokens(self, req: Request, n: int) -> int:
@@ -192,7 +192,7 @@ class Scheduler(Results):
             n = min(len(req.prompt_ids) - req.computed, budget)
             batch.append((req, n))
             budget -= n
-        return batch + admitted
+        return [(r, self.cache.chunk_tokens(r.computed, n, len(r.prompt_ids))) for r, n in batch + admitted]
 
     def _admit_waiting(self, budget: int) -> list[tuple[Request, int]]:
         """Admit queued requests in arrival order while ``budget`` tokens and the running slots last;

@@ -137,7 +137,8 @@ class StepDriver:
             out = self.forward(batch.input_ids(), batch.prefix_lens(), batch.context_slots(),
                                inbound.hidden if inbound is not None else None,
                                logits="all" if batch.kind == BatchKind.VERIFY else "last",  # a verify pass: every row
-                               window_slots=batch.window_slots(), generated=batch.generated)
+                               window_slots=batch.window_slots(), generated=batch.generated,
+                               state_slots=batch.state_slots())
             for mode in sched.modes:
                 mode.after_forward(batch)
         finished += self.output.hand_on(batch, out, events, inbound)

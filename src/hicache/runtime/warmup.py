@@ -34,13 +34,16 @@ PROMPT_TOKENS = 4
 
 def warm_up(runner: ModelRunner, token_id: int = 0) -> float:
     """A :data:`PROMPT_TOKENS`-token prefill of ``token_id`` and one decode step, batch 1, every
-    token on :data:`PADDING_SLOT` (zeroed again after); returns the seconds it took."""
+    token on :data:`PADDING_SLOT` (a recurrent layer's state in the zero state's slot 0), zeroed again
+    after; returns the seconds it took."""
     t0 = time.perf_counter()
     n = PROMPT_TOKENS
-    runner.forward([[token_id] * n], [0], [torch.full((n,), PADDING_SLOT)])
-    runner.forward([[token_id]], [n], [torch.full((n + 1,), PADDING_SLOT)], generated=True)
+    states = [(PADDING_SLOT, PADDING_SLOT)] if runner.kv.state_buffers else None  # (the zero state slot, written)
+    runner.forward([[token_id] * n], [0], [torch.full((n,), PADDING_SLOT)], state_slots=states)
+    runner.forward([[token_id]], [n], [torch.full((n + 1,), PADDING_SLOT)], generated=True, state_slots=states)
     with torch.inference_mode():
-        for buffer in (*runner.kv.k_buffers, *runner.kv.v_buffers):
+        for buffer in (*runner.kv.k_buffers, *runner.kv.v_buffers, *(t for layer in runner.kv.state_buffers
+                                                                    for t in layer)):
             buffer[PADDING_SLOT].zero_()
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)

@@ -51,7 +51,7 @@ class EngineSpec:
 
 
 def no_forward(input_ids, prefix_lens, context_slots, hidden=None, logits="last", window_slots=None,
-               generated=False) -> torch.Tensor:
+               generated=False, state_slots=None) -> torch.Tensor:
     """One row of (zero) logits per sequence over a one-token vocabulary."""
     return torch.zeros(len(input_ids), 1)
 

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
 
 from hicache.model.errors import ModelFormatError, as_float, as_int, quoted
-from hicache.model.spec import LayerKind
+from hicache.model.spec import LayerKind, ModelSpec
 
 # GGUF tensor of a layer (after "blk.{i}.") -> HF parameter (after "model.layers.{i}."), as llama.cpp
 # names a Llama layer. A family whose converter maps a name elsewhere says so (Family.gguf_tensors).
@@ -23,6 +25,8 @@ LLAMA_LAYER_TENSORS: Mapping[str, str] = {
 }
 # config.json names of the activations the MLP computes, by ModelSpec.hidden_act
 HF_ACTIVATIONS = {"silu": ("silu", "swish"), "gelu_tanh": ("gelu_pytorch_tanh", "gelu_tanh")}
+# config.json layer_types of attention layers, by the kind each is
+HF_ATTENTION_TYPES: Mapping[str, LayerKind] = {"full_attention": LayerKind.FULL, "sliding_attention": LayerKind.SLIDING}
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,32 @@ class Family:
     default for the family: Gemma 3's published configs leave the key out).
     ``fused``: a stored projection (HF name after "model.layers.{i}.") -> the model's parts it holds
     row after row (Phi-3's qkv_proj: q, k, v), split by the loaders.
+
+    HF names and keys where they are not Llama's (LFM2): ``hf_names``: a stored module (after
+    "model.layers.{i}.", or its whole name outside the layers) -> the model's (:meth:`hf_param`);
+    ``hf_layer_types``: the ``layer_types`` its config.json may name, by kind; ``hf_config``: the
+    config as the common keys read it (its aliases and derived sizes resolved as transformers'
+    config class does); ``hf_fields``: ModelSpec fields of its own read from the config;
+    ``hf_refused``: architectures and model types of its kin that are refused, each with what it is.
+
+    ``hf_own_keys``: config keys the loader refuses at other than a Llama's values which the
+    family's ``hf_fields`` reads (Qwen3.5's ``partial_rotary_factor``, Granite's multipliers).
+
+    Qwen3.5's departures: ``hf_plain_norms``: norm modules (after "model.layers.{i}.") stored
+    as they are despite ``hf_norm_offset``; ``hf_multimodal``: architectures whose config.json nests
+    the text model's under ``text_config`` (:func:`hf_text_config`); ``hf_prefixes``: a stored
+    name's prefix -> the model's ("model.language_model." -> "model."); ``hf_skipped``: prefixes of
+    stored tensors of parts the engine does not run (a vision tower, an MTP head), left unread.
+
+    GGUF layouts of the recurrent families (llama.cpp's converters): ``gguf_tensors`` may name a
+    layer tensor whole, suffix included or absent (Qwen3.5's ``ssm_a`` -> ``linear_attn.A_log``);
+    ``gguf_top``: top-level tensors beyond Llama's (LFM2's final norm is ``token_embd_norm``);
+    ``gguf_fields``: ModelSpec fields of its own from the metadata ``(fields, prefix, layers, tensor
+    names)`` (layer kinds, the mixers' sizes); ``gguf_row_order``: ``(parameter, spec) -> order``
+    where the converter moved rows, the model's rows being the file's at ``order`` (whole rows: a
+    quantized matrix keeps its blocks); ``gguf_values``: ``(parameter, values, spec) -> values`` it
+    stored otherwise (after the row order; None where it did not: a changed tensor keeps no
+    blocks); ``gguf_refused``: architecture names of its kin that are refused, each with what it is.
     """
 
     name: str
@@ -66,6 +96,21 @@ class Family:
     gguf_attention_scale: Callable[[Mapping[str, Any], str], float] | None = None
     fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     tie_embeddings: bool = False
+    hf_names: Mapping[str, str] = field(default_factory=dict)
+    hf_layer_types: Mapping[str, LayerKind] = field(default_factory=lambda: HF_ATTENTION_TYPES)
+    hf_config: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
+    hf_fields: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
+    hf_refused: Mapping[str, str] = field(default_factory=dict)
+    hf_own_keys: frozenset[str] = frozenset()
+    hf_plain_norms: tuple[str, ...] = ()
+    hf_multimodal: tuple[str, ...] = ()
+    hf_prefixes: Mapping[str, str] = field(default_factory=dict)
+    hf_skipped: tuple[str, ...] = ()
+    gguf_top: Mapping[str, str] = field(default_factory=dict)
+    gguf_fields: Callable[[Mapping[str, Any], str, int, frozenset[str]], dict[str, Any]] | None = None
+    gguf_row_order: Callable[[str, ModelSpec], torch.Tensor | None] | None = None
+    gguf_values: Callable[[str, torch.Tensor, ModelSpec], torch.Tensor | None] | None = None
+    gguf_refused: Mapping[str, str] = field(default_factory=dict)
 
     def parts_of(self, name: str) -> tuple[str, ...] | None:
         """The model parameters a stored fused tensor ``name`` ("model.layers.3.self_attn.qkv_proj.weight")
@@ -75,6 +120,32 @@ class Family:
         module, _, kind = tail.rpartition(".")
         parts = self.fused.get(module)
         return None if parts is None else tuple(f"{head}.layers.{layer}.{p}.{kind}" for p in parts)
+
+    def hf_param(self, name: str) -> str:
+        """The model parameter a checkpoint tensor ``name`` fills: its own name, but where the family
+        names the module otherwise ("model.layers.3.feed_forward.w1.weight" -> "...mlp.gate_proj.weight")."""
+        stored = next((p for p in self.hf_prefixes if name.startswith(p)), None)
+        if stored is not None:
+            name = self.hf_prefixes[stored] + name[len(stored):]
+        if not self.hf_names:
+            return name
+        module, _, kind = name.rpartition(".")
+        head, sep, rest = module.partition(".layers.")
+        if not sep:
+            return f"{self.hf_names.get(module, module)}.{kind}"
+        layer, _, sub = rest.partition(".")
+        return f"{head}.layers.{layer}.{self.hf_names.get(sub, sub)}.{kind}"
+
+    def hf_read(self, names: Iterable[str]) -> dict[str, str]:
+        """Each checkpoint tensor of ``names`` the model reads -> the parameter it fills
+        (:meth:`hf_param`); those under ``hf_skipped`` left out."""
+        return {name: self.hf_param(name) for name in names if not name.startswith(self.hf_skipped)}
+
+    def offset_norm(self, param: str) -> bool:
+        """Whether the checkpoint stores model parameter ``param`` as ``w`` for ``1 + w`` (the
+        family's ``hf_norm_offset``, a norm weight, not one of its ``hf_plain_norms``)."""
+        return (self.hf_norm_offset and param.endswith("norm.weight")
+                and not param.removesuffix(".weight").endswith(self.hf_plain_norms))
 
     def layer_tensors(self) -> Mapping[str, str]:
         """GGUF layer tensor -> HF parameter for this family (QK-norm and extra norms only where it has them)."""
@@ -99,8 +170,10 @@ def _common_fields(family: Family, hidden: int, window: int, kinds: tuple[LayerK
     )
 
 
-def gguf_layer_fields(family: Family, fields: Mapping[str, Any], hidden: int, num_layers: int) -> dict[str, Any]:
-    """The ModelSpec fields of a family's layer from its GGUF metadata ``fields``."""
+def gguf_layer_fields(family: Family, fields: Mapping[str, Any], hidden: int, num_layers: int,
+                      tensor_names: Iterable[str] = ()) -> dict[str, Any]:
+    """The ModelSpec fields of a family's layer from its GGUF metadata ``fields`` (and, for a family's
+    own fields, the file's ``tensor_names``: LFM2's conv biases)."""
     prefix = f"{family.gguf_architecture}."
     key = prefix + "attention.sliding_window"
     window = as_int(fields.get(key, 0) or 0, f"GGUF metadata {key}", 0)
@@ -109,7 +182,22 @@ def gguf_layer_fields(family: Family, fields: Mapping[str, Any], hidden: int, nu
     out = _common_fields(family, hidden, window, _patterned(family.sliding_pattern, 0, num_layers) if window else ())
     if family.gguf_attention_scale is not None:
         out["attention_scale"] = family.gguf_attention_scale(fields, prefix)
+    if family.gguf_fields is not None:
+        out.update(family.gguf_fields(fields, prefix, num_layers, frozenset(tensor_names)))
     return out
+
+
+def hf_text_config(family: Family, config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The text model's config: a multimodal config.json's (with a ``text_config``, of a family with
+    ``hf_multimodal`` architectures) ``text_config``, its head tied as the outer config says
+    (transformers' default: untied); any other config as it is."""
+    architectures = config.get("architectures") or []
+    if not family.hf_multimodal or "text_config" not in config:
+        return config
+    text = config["text_config"]
+    if not isinstance(text, dict):
+        raise ModelFormatError(f"config.json text_config holds {quoted(text)}, not a JSON object.")
+    return {**text, "architectures": architectures, "tie_word_embeddings": config.get("tie_word_embeddings", False)}
 
 
 def hf_layer_fields(family: Family, config: Mapping[str, Any]) -> dict[str, Any]:
@@ -123,7 +211,11 @@ def hf_layer_fields(family: Family, config: Mapping[str, Any]) -> dict[str, Any]
     num_layers, hidden = int(config["num_hidden_layers"]), int(config["hidden_size"])  # (checked by the caller)
     kinds = _hf_layer_kinds(family, config, num_layers)
     window = config_int(config, "sliding_window", 0, least=0) if LayerKind.SLIDING in kinds else 0
-    out = _common_fields(family, hidden, window, kinds if window else ())
+    if not window:  # (sliding layers without a window attend every position)
+        kinds = tuple(LayerKind.FULL if kind == LayerKind.SLIDING else kind for kind in kinds)
+    out = _common_fields(family, hidden, window, () if set(kinds) <= {LayerKind.FULL} else kinds)
+    if family.hf_fields is not None:
+        out.update(family.hf_fields(config))
     scalar = config.get("query_pre_attn_scalar")
     if scalar is not None:
         out["attention_scale"] = as_float(scalar, "config.json query_pre_attn_scalar") ** -0.5
@@ -140,11 +232,13 @@ def _hf_layer_kinds(family: Family, config: Mapping[str, Any], num_layers: int) 
     (Mistral; Qwen2's ``use_sliding_window`` from ``max_window_layers`` on)."""
     types = config.get("layer_types")
     if types:
-        unknown = set(types) - {"full_attention", "sliding_attention"}
+        known = family.hf_layer_types
+        unknown = set(types) - set(known)
         if unknown or len(types) != num_layers:
             raise ModelFormatError(f"config.json layer_types {quoted(sorted(unknown) or types)} are not implemented "
-                                   "(full and sliding attention are); the model is refused rather than run wrongly.")
-        return tuple(LayerKind.SLIDING if t == "sliding_attention" else LayerKind.FULL for t in types)
+                                   f"for {family.name} ({', '.join(known)} are, one per layer); the model is refused "
+                                   "rather than run wrongly.")
+        return tuple(known[t] for t in types)
     window = config_int(config, "sliding_window", 0, least=0)
     if not window or not config.get("use_sliding_window", True) or \
             window >= config_int(config, "max_position_embeddings", 2048):

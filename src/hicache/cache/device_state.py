@@ -1,0 +1,94 @@
+"""The device tier's recurrent-state part (issue 59): each request's running slot, where its first
+forward reads its state from, and the snapshots its prompt passes leave for the prefix tree.
+
+Snapshots are taken on the grid (``grid`` tokens: a multiple of the page and of the layers' scan
+chunk, runtime/state_plan.py): a prompt pass writes, besides its running slot, the state at
+
+- the prompt's *checkpoint* ``floor((P - 1) / grid) * grid``, the deepest boundary a match of the
+  same prompt can reach (a match leaves one token to compute), for every prompt however short;
+- the boundary where the tree's path *branches* from the request's prompt past its hit (its
+  shared system prompt, a sibling's turn), so the next request on that branch point hits it;
+
+and the node that ends there takes it once the prompt's pages are inserted (:meth:`after_insert`).
+A hit's first forward reads its snapshot and writes the request's running slot: the tree lock the
+request holds on the hit's node keeps the snapshot until the request is done.
+
+Units: tokens; slots are state-pool slot ids.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .radix import RadixCache
+from .state_pool import StateHold, StatePool
+from .state_tree import TreeStates
+from .tree_node import TreeNode
+
+
+class DeviceStates:
+    """The device pool's state slots as the device tier hands them out (see the module docstring)."""
+
+    def __init__(self, pool: StatePool, tree: RadixCache | None) -> None:
+        self.pool, self.grid = pool, pool.grid
+        self.tree = tree
+        self.snapshots = TreeStates(tree, pool.snapshots) if tree is not None else None
+        if self.snapshots is not None:
+            tree.add_component(self.snapshots)
+
+    def hold(self) -> StateHold | None:
+        """A running slot for a request being admitted; None when every one is held."""
+        slot = self.pool.running.alloc()
+        return None if slot is None else StateHold(slot)
+
+    def on_admit(self, hold: StateHold, node: TreeNode | None, hit_tokens: int, kv_tokens: int) -> None:
+        """The request hit ``hit_tokens`` ending at ``node`` (its match is cut to a snapshot there);
+        its prompt's KV reaches ``kv_tokens`` in the tree (where its path branches, when further)."""
+        if hit_tokens:  # (the match ends at a node with a device snapshot, or a host one: loaded into the running slot)
+            device = self.snapshots.of(node).device
+            if not device:
+                self.snapshots.host.load(node, hold.slot)
+            hold.source, hold.start = device or hold.slot, hit_tokens
+        branch = kv_tokens // self.grid * self.grid
+        hold.branch = branch if branch > hit_tokens else 0
+
+    def step(self, hold: StateHold, computed: int, new_tokens: int, prompt_tokens: int) -> None:
+        """Before a forward of ``new_tokens`` after ``computed``: the snapshots it writes (a prompt
+        pass's: its checkpoint and branch point inside its span), each a snapshot slot (none when
+        every slot is locked: the snapshot is not taken)."""
+        hold.forward = ()
+        if self.snapshots is None or computed >= prompt_tokens:
+            return
+        end = min(computed + new_tokens, prompt_tokens - 1)
+        wanted = sorted({p for p in (hold.branch, (prompt_tokens - 1) // self.grid * self.grid) if computed < p <= end})
+        taken = []
+        for position in wanted:
+            slot = self.snapshots.alloc()
+            if slot is not None:
+                taken.append((position, slot))
+        hold.forward = tuple(taken)
+        hold.taken.extend(taken)
+
+    def after_insert(self, namespace: str, tokens: np.ndarray, hold: StateHold) -> None:
+        """The tree now holds the whole pages of ``tokens``: the node ending at each snapshot taken
+        within them takes it (split there as needed); a duplicate is freed."""
+        inserted = len(tokens) // self.tree.page_size * self.tree.page_size
+        for position, slot in [t for t in hold.taken if t[0] <= inserted]:
+            node = self.tree.boundary_node(namespace, tokens[:position])
+            if node is None or not self.snapshots.attach(node, slot):
+                self.pool.snapshots.free(slot)
+        hold.taken = [t for t in hold.taken if t[0] > inserted]
+
+    def release(self, hold: StateHold) -> None:
+        """The request is done: its running slot and the snapshots no insert took are free."""
+        self.pool.running.free(hold.slot)
+        for _, slot in hold.taken:
+            self.pool.snapshots.free(slot)
+        hold.taken.clear()
+
+    def usage(self) -> dict:
+        """``/stats``' ``device_pool.recurrent_state``: the pool's slots, the tree's snapshots."""
+        snapshots = self.snapshots
+        return {**self.pool.usage(), "grid_tokens": self.grid,
+                "snapshots_cached": snapshots.held if snapshots else 0,
+                "snapshots_evicted": snapshots.evicted if snapshots else 0}

@@ -1,0 +1,103 @@
+"""The device pool's recurrent-state slots (issue 59): per recurrent layer, its state tensors.
+
+A recurrent layer (LFM2's short convolution; later gated DeltaNet and Mamba2) keeps no KV history:
+its per-sequence state at position t summarises every token before t. Every layer's state of one
+sequence sits at the same *slot* index of each of that layer's tensors; a slot is the unit every
+mover (device copies, later the host tier, storage objects and P/D) moves, enumerated from
+:attr:`StatePool.buffers` alone so no mover forgets a side tensor.
+
+Units: slots (one sequence's whole state over this rank's recurrent layers). Slot 0 is the zero
+state: read by a sequence starting at position 0, never written, never handed out.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+
+logger = logging.getLogger(__name__)
+
+# One recurrent layer's state: each tensor's per-slot shape and dtype (LFM2: one conv tensor)
+LayerState = tuple[tuple[tuple[int, ...], torch.dtype], ...]
+
+
+@dataclass
+class StateHold:
+    """One request's hold on the state pool: its running ``slot``, read and written in place by each
+    of its forwards but the first, which reads ``source`` (0: the zero state; else a snapshot the
+    request's tree lock keeps) as the state after the first ``start`` tokens of its context.
+    ``branch``: a boundary past its hit where the tree's path branches (0: none), which its forward
+    snapshots. ``forward``: the snapshots its next forward writes, ``(position, slot)``; ``taken``:
+    those written and not yet handed to the tree (the next insert reaching a position takes it)."""
+
+    slot: int
+    source: int = 0
+    start: int = 0
+    branch: int = 0
+    forward: tuple[tuple[int, int], ...] = ()
+    taken: list[tuple[int, int]] = field(default_factory=list)
+
+    def slots(self, computed: int) -> tuple[int, int, tuple[tuple[int, int], ...]]:
+        """``(source, running, snapshots)`` of a forward whose context has ``computed`` tokens before it."""
+        return (self.source if computed == self.start else self.slot), self.slot, self.forward
+
+
+def slot_bytes(layers: Sequence[LayerState]) -> int:
+    """Bytes of one slot over ``layers``."""
+    return sum(torch.Size(shape).numel() * dtype.itemsize for layer in layers for shape, dtype in layer)
+
+
+class SlotRange:
+    """A deterministic free list of the slot ids ``first .. first + count - 1``."""
+
+    def __init__(self, first: int, count: int) -> None:
+        self.first, self.capacity = first, count
+        self._free = list(range(first + count - 1, first - 1, -1))  # popped from the end: lowest first
+
+    @property
+    def available(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def free(self, slot: int) -> None:
+        assert self.first <= slot < self.first + self.capacity and slot not in self._free, slot
+        self._free.append(slot)
+
+
+class StatePool:
+    """``buffers[i]``: recurrent layer i's (compact index, this rank's recurrent layers in order)
+    state tensors, each ``[slots, *shape]``; satisfies the model's ``KVView.state_buffers``. Slots
+    ``1 .. running`` are the running requests' (:attr:`running`), the next ``snapshots`` hold
+    snapshots the tree keeps (:attr:`snapshots`); each handed out deterministically (the same ids on
+    every rank that applies the same operations, as pages are)."""
+
+    def __init__(self, layers: Sequence[LayerState], running: int, snapshots: int, grid: int,
+                 device: torch.device | str) -> None:
+        if not layers:
+            raise ValueError("a state pool needs at least one recurrent layer")
+        self.grid = grid  # tokens: snapshots are taken at multiples of it (runtime/state_plan.py)
+        self.num_slots = 1 + running + snapshots
+        self.running, self.snapshots = SlotRange(1, running), SlotRange(1 + running, snapshots)
+        self.buffers = [tuple(torch.zeros((self.num_slots, *shape), dtype=dtype, device=device) for shape, dtype in layer)
+                        for layer in layers]
+        self.bytes_per_slot = slot_bytes(layers)
+        logger.info("state pool (%s): %d running slots and %d snapshot slots x %d recurrent layers, %.1f KiB a "
+                    "slot, %.1f MiB", torch.device(device).type, running, snapshots, len(layers),
+                    self.bytes_per_slot / 2**10, self.total_bytes / 2**20)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.bytes_per_slot * self.num_slots
+
+    def usage(self) -> dict:
+        """What ``/stats`` shows of the pool (slots; bytes)."""
+        run, snap = self.running, self.snapshots
+        return {"running_slots": run.capacity, "running_slots_held": run.capacity - run.available,
+                "snapshot_slots": snap.capacity, "snapshots_free": snap.available, "slot_bytes": self.bytes_per_slot,
+                "pool_bytes": self.total_bytes}

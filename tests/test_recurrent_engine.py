@@ -1,0 +1,102 @@
+"""The engine serving a hybrid recurrent model (issue 59, steps b and f): LFM2's short-convolution
+layers, Qwen3.5's gated DeltaNet layers or Granite 4.0-H's Mamba2 layers (a conv state and a float32
+recurrent matrix) keep a state slot per running request beside the attention layers' KV pages. Greedy tokens equal the
+dense reference's whatever the batch and the prefill chunks; slots come back when requests end;
+what is not built yet is refused in one sentence. Each test runs for every model."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dense_forward import greedy_paged
+from hicache import Engine, SamplingParams
+from hicache.config import ConfigError
+from hicache.model.loader import load_model
+
+pytestmark = pytest.mark.engine
+
+MODELS = ["random:lfm2-tiny", "random:gdn-tiny", "random:mamba2-tiny"]
+STEPS = 10
+# One slot's bytes (float32): lfm2-tiny, two conv layers of [hidden 64, 3 taps - 1]; gdn-tiny, two DeltaNet
+# layers of a conv state [conv_dim = 2 * 2 key heads * 16 + 4 value heads * 16, 4 taps - 1] and a recurrent
+# matrix [4 value heads, 16, 16]; mamba2-tiny, two Mamba2 layers of a conv state [conv_dim = 4 heads * 32 +
+# 2 * 2 groups * 16, 4 taps - 1] and an SSM state [4 heads, 32, 16]
+SLOT_BYTES = {"random:lfm2-tiny": 2 * 64 * 2 * 4, "random:gdn-tiny": 2 * (128 * 3 * 4 + 4 * 16 * 16 * 4),
+              "random:mamba2-tiny": 2 * (192 * 3 * 4 + 4 * 32 * 16 * 4)}
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def model(request) -> str:
+    return request.param
+
+
+def make_engine(model: str, **kw) -> Engine:
+    opts = dict(dtype="float32", page_size=4, max_total_tokens=2048, chunked_prefill_size=64)
+    opts.update(kw)
+    return Engine(model, **opts)
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 250) for _ in range(rng.randrange(3, 150))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def reference(model: str) -> dict[tuple[int, ...], list[int]]:
+    """Each prompt's greedy tokens from one dense forward per step, no engine (tests/dense_forward.py)."""
+    dense = load_model(model, dtype=torch.float32).model
+    return {tuple(p): greedy_paged(dense, p, STEPS) for p in prompts(6, seed=3)}
+
+
+@pytest.mark.parametrize("chunk", [7, 64])
+def test_concurrent_requests_give_the_dense_references_tokens(model: str, reference, chunk: int) -> None:
+    engine = make_engine(model, chunked_prefill_size=chunk)
+    outs = engine.generate([list(p) for p in reference], SamplingParams(max_new_tokens=STEPS, temperature=0.0))
+    assert [o.output_ids for o in outs] == list(reference.values())
+    states = engine.stats()["device_pool"]["recurrent_state"]
+    assert states["running_slots_held"] == 0  # every running slot came back
+    assert states["snapshots_free"] + states["snapshots_cached"] == states["snapshot_slots"]  # and every snapshot
+
+
+def test_more_requests_than_state_slots_all_finish(model: str, reference) -> None:
+    engine = make_engine(model, max_running_requests=2)
+    assert engine.stats()["device_pool"]["recurrent_state"]["running_slots"] == 2
+    outs = engine.generate([list(p) for p in reference], SamplingParams(max_new_tokens=STEPS, temperature=0.0))
+    assert [o.output_ids for o in outs] == list(reference.values())
+
+
+def test_stats_name_the_recurrent_state_component(model: str) -> None:
+    stats = make_engine(model).stats()
+    components = {c["name"]: c for c in stats["components"]}
+    assert set(components) == {"full", "recurrent_state"}
+    assert components["full"]["layers"] == 1 and components["recurrent_state"]["layers"] == 2
+    assert components["recurrent_state"]["slot_bytes"] == SLOT_BYTES[model]
+    assert stats["device_pool"]["recurrent_state"]["slot_bytes"] == SLOT_BYTES[model]
+
+
+@pytest.mark.parametrize("flags, says", [
+    (dict(enable_hierarchical_cache=True, hicache_storage_backend="file", hicache_storage_key_scheme="unified"),
+     "drop --hicache-storage-key-scheme unified"),
+    (dict(speculative_algorithm="NGRAM"), "drop --speculative-algorithm"),
+    (dict(pp_size=2), "drop --pp-size"),
+])
+def test_modes_not_built_yet_are_refused_in_one_sentence(model: str, flags: dict, says: str) -> None:
+    with pytest.raises(ConfigError, match=says) as e:
+        make_engine(model, **flags)
+    assert str(e.value).count(". ") == 0 and model in str(e.value)
+
+
+def test_tp_beyond_the_gated_deltanet_key_heads_is_refused_in_one_sentence() -> None:
+    """Each rank holds whole key heads (gdn-tiny has 2): TP3 is refused before any rank starts."""
+    with pytest.raises(ConfigError, match="--tp-size 3 exceeds the model's 2 gated DeltaNet key heads") as e:
+        make_engine("random:gdn-tiny", tp_size=3)
+    assert str(e.value).count(". ") == 0
+
+
+def test_tp_of_mamba2_layers_is_refused_in_one_sentence() -> None:
+    with pytest.raises(ConfigError, match="--tp-size 2 is not supported for Mamba2 layers") as e:
+        make_engine("random:mamba2-tiny", tp_size=2)
+    assert str(e.value).count(". ") == 0
