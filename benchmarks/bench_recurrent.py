@@ -36,7 +36,7 @@ from hicache import Engine, SamplingParams  # noqa: E402
 
 # LFM2-350M's layers (10 short convs, attention at 2, 5, 8, 10, 12, 14), hidden 1024, 16 heads, 8 KV heads of 64
 LFM2_350M = dict(preset="lfm2-tiny", num_layers=16, hidden_size=1024, num_heads=16, num_kv_heads=8, head_dim=64,
-                 intermediate_size=4608, vocab_size=4096,
+                 intermediate_size=4608, vocab_size=4096, max_position_embeddings=32768,
                  layer_kinds=["full" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)])
 ALL_ATTENTION_350M = {**LFM2_350M, "preset": "small", "layer_kinds": []}
 REPLY = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
