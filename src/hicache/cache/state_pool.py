@@ -57,16 +57,21 @@ class SlotRange:
     def __init__(self, first: int, count: int) -> None:
         self.first, self.capacity = first, count
         self._free = list(range(first + count - 1, first - 1, -1))  # popped from the end: lowest first
+        self._held: set[int] = set()
 
     @property
     def available(self) -> int:
         return len(self._free)
 
     def alloc(self) -> int | None:
-        return self._free.pop() if self._free else None
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        self._held.add(slot)
+        return slot
 
     def free(self, slot: int) -> None:
-        assert self.first <= slot < self.first + self.capacity and slot not in self._free, slot
+        self._held.remove(slot)  # (a KeyError: a slot freed twice, or never handed out)
         self._free.append(slot)
 
 

@@ -94,8 +94,9 @@ class StorageTier:
         if self.states is not None:
             parts.append(StoredStates(self.states.pool, self.page_size))
         # how each part's reserved host pages (slots) are freed once a stopped prefetch's reader is done
-        self._free_reserved = {**{name: part.allocator.free for name, part in host.parts.items()},
-                               StoredStates.name: self.states.free_slots if self.states is not None else None}
+        self._free_reserved = {name: part.allocator.free for name, part in host.parts.items()}
+        if self.states is not None:
+            self._free_reserved[StoredStates.name] = self.states.free_slots
         self.controller = StorageController(backend, host.host_pool, agree, op_timeout=policy.storage_op_timeout,
                                             reads=objects[0], writes=objects[1], parts=parts)
         self.prefetch_threshold = policy.prefetch_threshold

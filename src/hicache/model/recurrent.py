@@ -66,11 +66,11 @@ def sequence_spans(batch: ForwardBatch, chunk: int = 1) -> list[ScanSpan]:
 
 
 def write_emitted(slots: StateSlots, emitted: list[list], buffers: tuple[torch.Tensor, ...]) -> None:
-    """Write each sequence's emitted states (``emitted[b][i]``: a tensor per buffer, or a lone tensor
-    for a one-buffer layer) to the slots its emits name."""
+    """Write each sequence's emitted states (``emitted[b][i]``: a tensor per buffer of the layer) to the
+    slots its emits name."""
     for emits, states in zip(slots.emits, emitted):
         for (_, slot), state in zip(emits, states):
-            for buffer, part in zip(buffers, state if isinstance(state, (tuple, list)) else (state,)):
+            for buffer, part in zip(buffers, state):
                 buffer[slot] = part.to(buffer.dtype)
 
 
@@ -120,7 +120,7 @@ class ShortConv(nn.Module):
             spans = [causal_conv(rows, weight, bias, state, span) for state, rows, span in
                      zip(states, bx.split(slots.lengths), sequence_spans(batch))]
             conv, after = torch.cat([s.out for s in spans]), torch.stack([s.state for s in spans])
-            write_emitted(slots, [s.emitted for s in spans], (buffer,))
+            write_emitted(slots, [[(state,) for state in s.emitted] for s in spans], (buffer,))
         buffer.index_copy_(0, slots.running, after.to(buffer.dtype))
         out = self.out(c * conv, batch.generated)
         return out if self.tp_reduce is None else self.tp_reduce(out)
