@@ -100,3 +100,30 @@ def test_tp_of_mamba2_layers_is_refused_in_one_sentence() -> None:
     with pytest.raises(ConfigError, match="--tp-size 2 is not supported for Mamba2 layers") as e:
         make_engine("random:mamba2-tiny", tp_size=2)
     assert str(e.value).count(". ") == 0
+
+
+def test_state_slots_come_out_of_the_device_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DESIGN invariant 6: sized from a budget, the KV pages get what the state slots leave."""
+    from hicache.config import EngineConfig
+    from hicache.runtime import rank_plan
+
+    cfg, cpu = EngineConfig(model="random:lfm2-tiny"), torch.device("cpu")
+    spec = load_model("random:lfm2-tiny", torch.float32, weights=False).spec
+    page = 2 * len(spec.attention_layers) * spec.num_kv_heads * spec.head_dim * 4 * cfg.page_size  # float32 K and V
+    monkeypatch.setattr(rank_plan, "device_memory_budget", lambda device, fraction: 4096 * page)
+    plan = rank_plan.plan_rank(cfg, spec, rank_plan.RankContext(), None, cpu, torch.float32, True)
+    assert plan.states is not None and plan.states.total_bytes > page
+    assert plan.device_pages - 1 == (4096 * page - plan.states.total_bytes) // page
+
+
+def test_host_snapshots_that_do_not_fit_in_host_memory_are_refused_in_one_sentence(model: str,
+                                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from hicache.runtime import core
+
+    opts = dict(enable_hierarchical_cache=True, hicache_ratio=2.0)
+    host = make_engine(model, **opts).stats()["host_pool"]
+    kv, states = host["host_pool_bytes"], host["recurrent_state"]["pool_bytes"]
+    monkeypatch.setattr(core, "available_host_memory", lambda: int((kv + states / 2) / 0.9))  # the KV fits, not both
+    with pytest.raises(ConfigError, match="recurrent-state snapshots need") as e:
+        make_engine(model, **opts)
+    assert str(e.value).count(". ") == 0

@@ -18,7 +18,8 @@ from ..cache.state_pool import StatePool
 from ..cache.storage.base import StorageError
 from ..cache.storage.registry import create_backend
 from ..cache.storage.unified import StorageGrid
-from ..config import EngineConfig
+from ..config import ConfigError, EngineConfig
+from ..device import available_host_memory
 from ..disagg.heads import TPRanks
 from ..model.loader import LoadedModel
 from ..model.prefix_gather import PrefixGather
@@ -28,6 +29,7 @@ from .modes import ModeContext
 from .rank_plan import RankContext, RankPlan, plan_rank
 from .runner import ContextParallel, ModelRunner
 from .scheduler import SchedulePolicy, Scheduler
+from .state_plan import StatePlan
 
 logger = logging.getLogger(__name__)
 
@@ -78,12 +80,11 @@ def build_core(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, dty
     windows = plan.hybrid.pool_part(plan.window_pages) if plan.hybrid is not None else None
     s = plan.states
     states = StatePool(s.layers, s.running, s.snapshots, s.grid, device) if s is not None else None
-    host_states = StatePool(s.layers, 0, s.host_snapshots, s.grid, "cpu") if s is not None and s.host_snapshots \
-        else None
     pool = DeviceKVPool(plan.layers + plan.packed_layers, *plan.row, plan.device_pages, cfg.page_size, plan.kv_dtype,
                         device, windows)
     unified = plan.unified
     host_pool = _host_pool(cfg, pool, plan.host_pages, unified.grid if unified else None, plan.host_apart)
+    host_states = _host_states(s, host_pool)
     sidecar = _sidecar_pools(cfg, plan, device, unified.draft.grid if unified and unified.draft else None)
     layout = RankLayout(shard=rank.shard.describe() if rank.shard else "", storage_agree=rank.storage_agree,
                         placement=cp.placement if cp is not None else None,
@@ -129,6 +130,19 @@ def _host_pool(cfg: EngineConfig, pool: DeviceKVPool, host_pages: int, grid: Sto
         host.window_pool = HostKVPool(pool, window_pages, layout, cell_heads=cells,
                                       layers=tuple(sorted(pool.windows.layers)))
     return host
+
+
+def _host_states(plan: StatePlan | None, host_pool: HostKVPool | None) -> StatePool | None:
+    """The host tier's snapshot slots (None without a host tier or recurrent layers), refused in one sentence
+    where they and the host KV pool would not fit in the host's memory (DESIGN invariant 6)."""
+    if plan is None or host_pool is None or not plan.host_snapshots:
+        return None
+    need, available = host_pool.total_bytes + plan.slot_bytes * (1 + plan.host_snapshots), available_host_memory()
+    if need > 0.9 * available:
+        raise ConfigError(f"the host KV pool and its {plan.host_snapshots} recurrent-state snapshots need "
+                          f"{need / 2**30:.2f} GiB but only {available / 2**30:.2f} GiB of host memory is available; "
+                          "lower --hicache-ratio, --hicache-size or --recurrent-snapshot-ratio.")
+    return StatePool(plan.layers, 0, plan.host_snapshots, plan.grid, "cpu")
 
 
 def _sidecar_pools(cfg: EngineConfig, plan: RankPlan, device: torch.device,
