@@ -4,7 +4,7 @@ writes its family (tensor names, metadata keys, Llama's q/k row interleave, Gemm
 package's writer, so the GGUF loader can be checked against transformers on the same weights.
 The tokenizer fields are the committed tiny file's (a 320-token byte-level BPE).
 
-The recurrent families (``lfm2``, ``qwen35``: :func:`recurrent_to_gguf`) follow llama.cpp's
+The recurrent families (``lfm2``, ``qwen35``, ``granitehybrid``: :func:`recurrent_to_gguf`) follow llama.cpp's
 converter as of ggml-org/llama.cpp commit 0024aa7417efd50a7c2a79e049dfbbbceb0beaaf
 (``convert_hf_to_gguf.py``: ``TextModel.set_gguf_parameters``, ``Qwen3NextModel``,
 ``_LinearAttentionVReorderBase``, ``Qwen3_5TextModel``) and 7bca1fd9ca2a681b0182e16f24f832b7be1942af
@@ -25,9 +25,17 @@ the transforms below are this module's reading of the converter:
   ``_b`` / ``_a`` rows, ``A_log`` / ``dt_bias``, ``out_proj``'s columns), then ``A_log`` ->
   ``-exp(A_log)``, ``dt_bias`` -> ``dt_proj.bias``, ``conv1d`` squeezed, ``1 +`` every norm but
   ``linear_attn.norm``.
+- Granite 4.0-H (``GraniteHybridModel`` over ``Mamba2Model``, ``GraniteMoeModel``, ``GraniteModel``,
+  ``LlamaModel``; ``conversion/granite.py`` and ``mamba.py`` of the split converter): the multipliers as
+  ``embedding_scale`` / ``attention.scale`` / ``residual_scale`` / ``logit_scale``, the ``ssm.*`` sizes
+  (``time_step_rank`` the Mamba2 heads), per-layer ``attention.head_count_kv`` (0 for a Mamba2 layer),
+  ``rope.scaling.finetuned`` false and a 2**20 context for any GraniteMoeHybrid; ``input_linear`` split
+  into ``ffn_gate`` / ``ffn_up``, q/k rows interleaved (``undo_permute``), ``dt_bias`` -> ``ssm_dt.bias``,
+  the conv squeezed, ``A_log`` -> ``-exp(A_log)`` and ``D`` as ``[heads, 1]``, the gated norm as
+  ``[groups, d_inner / groups]``.
 
 ``q8_0``: the layers' matrices as Q8_0 blocks, where their rows are whole blocks, but the depthwise
-convs (llama.cpp's quantizer keeps those in F32); the rest F32."""
+convs and the norms (llama.cpp's quantizer keeps those in F32); the rest F32."""
 
 from __future__ import annotations
 
@@ -139,15 +147,15 @@ def finish(writer, path: Path) -> Path:
     return path
 
 
-RECURRENT_ARCHS = {"lfm2": "LFM2", "qwen35": "QWEN35"}  # general.architecture -> gguf.MODEL_ARCH member
+RECURRENT_ARCHS = {"lfm2": "LFM2", "qwen35": "QWEN35", "granitehybrid": "GRANITE_HYBRID"}  # -> gguf.MODEL_ARCH member
 QWEN35_MROPE_SECTIONS = [11, 11, 10, 0]  # what the converter writes where the config gives none
 
 
 def recurrent_to_gguf(model, path: Path, arch: str, q8_0: bool = False, mtp: int = 0, pre: str = "gpt-2") -> Path:
-    """Write transformers' ``Lfm2ForCausalLM`` (``arch`` "lfm2") or ``Qwen3_5ForCausalLM`` ("qwen35") to
-    ``path`` as llama.cpp's converter does (module docstring). ``mtp``: that many multi-token-prediction
-    blocks appended after the model's (random weights of a Qwen3.5 MTP layer's shapes), as a newer
-    converter writes the checkpoint's ``mtp.*``."""
+    """Write transformers' ``Lfm2ForCausalLM`` (``arch`` "lfm2"), ``Qwen3_5ForCausalLM`` ("qwen35") or
+    ``GraniteMoeHybridForCausalLM`` with dense MLPs ("granitehybrid") to ``path`` as llama.cpp's converter
+    does (module docstring). ``mtp``: that many multi-token-prediction blocks appended after the model's
+    (random weights of a Qwen3.5 MTP layer's shapes), as a newer converter writes the checkpoint's ``mtp.*``."""
     import gguf
 
     cfg = model.config
@@ -155,19 +163,21 @@ def recurrent_to_gguf(model, path: Path, arch: str, q8_0: bool = False, mtp: int
     _text_model_metadata(writer, cfg, cfg.num_hidden_layers + mtp)
     if arch == "lfm2":
         _lfm2_metadata(writer, model)
-    else:
+    elif arch == "qwen35":
         _qwen35_metadata(writer, cfg, mtp)
+    else:
+        _granite_metadata(writer, cfg)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if q8_0 else gguf.LlamaFileType.ALL_F32)
     copy_tokenizer(writer, pre)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[RECURRENT_ARCHS[arch]], cfg.num_hidden_layers)
     for name, p in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # (the checkpoint holds no tied head)
-        name, value = (_lfm2_tensor if arch == "lfm2" else _qwen35_tensor)(name, p.detach().float(), cfg)
-        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        if gguf_name is None:
-            raise ValueError(f"the gguf package maps no {arch} tensor to {name}")
-        add_tensor(writer, gguf_name, value.numpy(), q8_0 and _quantized(gguf_name, value))
+        for name, value in TENSORS[arch](name, p.detach().float(), cfg):
+            gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+            if gguf_name is None:
+                raise ValueError(f"the gguf package maps no {arch} tensor to {name}")
+            add_tensor(writer, gguf_name, value.numpy(), q8_0 and _quantized(gguf_name, value))
     gen = torch.Generator().manual_seed(11)
     for block in range(cfg.num_hidden_layers, cfg.num_hidden_layers + mtp):
         for name, shape in _mtp_block(cfg, block).items():
@@ -176,9 +186,10 @@ def recurrent_to_gguf(model, path: Path, arch: str, q8_0: bool = False, mtp: int
 
 
 def _quantized(gguf_name: str, value) -> bool:
-    """Whether Q8_0 takes the tensor: a layer's matrix of whole 32-value blocks a row, not a depthwise conv."""
+    """Whether Q8_0 takes the tensor: a layer's matrix of whole 32-value blocks a row, not a depthwise conv nor
+    a norm (the converter keeps ``*_norm.weight`` in F32: Granite's ``ssm_norm`` is a matrix)."""
     return (gguf_name.startswith("blk.") and value.dim() == 2 and value.shape[1] % 32 == 0
-            and not gguf_name.endswith(("ssm_conv1d.weight", "shortconv.conv.weight")))
+            and not gguf_name.endswith(("ssm_conv1d.weight", "shortconv.conv.weight", "_norm.weight")))
 
 
 def _text_model_metadata(writer, cfg, blocks: int) -> None:
@@ -228,9 +239,9 @@ def _qwen35_metadata(writer, cfg, mtp: int) -> None:
         writer.add_nextn_predict_layers(mtp)
 
 
-def _lfm2_tensor(name: str, value, cfg) -> tuple[str, object]:
+def _lfm2_tensor(name: str, value, cfg) -> list[tuple[str, object]]:
     """``LFM2Model.modify_tensors``: the conv's ``[hidden, 1, K]`` squeezed."""
-    return name, value.squeeze(1) if "conv.conv.weight" in name else value  # (published LFM2s have no conv bias)
+    return [(name, value.squeeze(1) if "conv.conv.weight" in name else value)]  # (published LFM2s have no conv bias)
 
 
 def tiled(value, dim: int, key_heads: int, width: int):
@@ -240,7 +251,7 @@ def tiled(value, dim: int, key_heads: int, width: int):
     return grouped.transpose(dim, dim + 1).reshape(shape)
 
 
-def _qwen35_tensor(name: str, value, cfg) -> tuple[str, object]:
+def _qwen35_tensor(name: str, value, cfg) -> list[tuple[str, object]]:
     """``_LinearAttentionVReorderBase.modify_tensors`` then ``Qwen3NextModel.modify_tensors``."""
     k_heads, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     if k_heads != cfg.linear_num_value_heads and "linear_attn." in name:
@@ -262,7 +273,62 @@ def _qwen35_tensor(name: str, value, cfg) -> tuple[str, object]:
         value = value.squeeze()
     elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
         value = value + 1
-    return name, value
+    return [(name, value)]
+
+
+def _granite_metadata(writer, cfg) -> None:
+    """``GraniteHybridModel.set_gguf_parameters`` after ``GraniteMoeModel`` / ``GraniteModel`` /
+    ``LlamaModel``'s: the multipliers (where non-zero), the shared MLP's width, the Mamba2 sizes, KV
+    heads per layer (0: Mamba2), ``rope.scaling.finetuned`` false and a 2**20 context for every
+    GraniteMoeHybrid (its RoPE is Bamba's only), no experts."""
+    heads = cfg.num_attention_heads
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_rope_dimension_count(cfg.hidden_size // heads)
+    writer.add_expert_count(cfg.num_local_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    for key, add in (("attention_multiplier", writer.add_attention_scale), ("embedding_multiplier",
+                     writer.add_embedding_scale), ("residual_multiplier", writer.add_residual_scale),
+                     ("logits_scaling", writer.add_logit_scale)):
+        if getattr(cfg, key):
+            add(getattr(cfg, key))
+    writer.add_expert_shared_feed_forward_length(cfg.shared_intermediate_size)
+    writer.add_ssm_conv_kernel(cfg.mamba_d_conv)
+    writer.add_ssm_state_size(cfg.mamba_d_state)
+    writer.add_ssm_group_count(cfg.mamba_n_groups)
+    writer.add_ssm_inner_size(cfg.mamba_expand * cfg.hidden_size)
+    writer.add_ssm_time_step_rank(cfg.mamba_n_heads)
+    writer.add_head_count_kv([cfg.num_key_value_heads if t in ("attention", "full_attention") else 0
+                             for t in cfg.layer_types])
+    writer.add_rope_scaling_finetuned(False)
+    writer.add_context_length(2 ** 20)
+
+
+def _granite_tensor(name: str, value, cfg) -> list[tuple[str, object]]:
+    """``GraniteHybridModel.modify_tensors``: the shared MLP's ``input_linear`` split into gate and up
+    (``GraniteMoeModel``'s), q/k rows interleaved (``LlamaModel``'s ``undo_permute``), and Mamba2's
+    (``Mamba2Model``'s): ``dt_bias`` as ``dt_proj.bias``, the conv squeezed, ``A_log`` -> ``-exp(A_log)``
+    and ``D`` as ``[heads, 1]``, the norm as ``[groups, d_inner / groups]``."""
+    layer = name.split(".")[2] if name.startswith("model.layers.") else None
+    if name.endswith("shared_mlp.input_linear.weight"):
+        gate, up = value.split(cfg.shared_intermediate_size)
+        return [(f"model.layers.{layer}.mlp.gate_proj.weight", gate), (f"model.layers.{layer}.mlp.up_proj.weight", up)]
+    if name.endswith("shared_mlp.output_linear.weight"):
+        return [(f"model.layers.{layer}.mlp.down_proj.weight", value)]
+    if ".self_attn.q_proj." in name or ".self_attn.k_proj." in name:
+        heads = cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads
+        return [(name, interleave(value, heads))]
+    if name.endswith(".dt_bias"):
+        return [(name.removesuffix(".dt_bias") + ".dt_proj.bias", value)]
+    if ".conv1d." in name:
+        value = value.squeeze()
+    elif name.endswith((".A_log", ".D")):
+        value = (-value.exp() if name.endswith(".A_log") else value).reshape(-1, 1)
+    elif name.endswith("mamba.norm.weight"):
+        value = value.reshape(cfg.mamba_n_groups, -1)
+    return [(name, value)]
+
+
+TENSORS = {"lfm2": _lfm2_tensor, "qwen35": _qwen35_tensor, "granitehybrid": _granite_tensor}  # by architecture
 
 
 def _mtp_block(cfg, block: int) -> dict[str, tuple[int, ...]]:

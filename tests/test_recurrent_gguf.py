@@ -1,8 +1,8 @@
 """GGUF files of the recurrent families as llama.cpp's converter writes them (issue 59, step f): LFM2
-(``lfm2``) and Qwen3.5 (``qwen35``). Random transformers weights are saved as an HF directory and
+(``lfm2``), Qwen3.5 (``qwen35``) and Granite 4.0-H (``granitehybrid``). Random transformers weights are saved as an HF directory and
 written as GGUF by ``tests/hf_to_gguf.py`` (its docstring: the llama.cpp commits it follows, and
 how the converter stores each tensor: squeezed convs, ``ssm_a = -exp(A_log)``, norms with their 1
-folded in, Qwen3.5's value heads tiled); the GGUF loader must undo each, so that:
+folded in, Qwen3.5's value heads tiled, Granite's vectors as matrices and q/k rows interleaved); the GGUF loader must undo each, so that:
 
 - an F32 file gives the HF directory's spec and, over 320 positions, its logits (bit for bit: every
   transform is exact or, for ``A_log``, rounded once from float64);
@@ -11,7 +11,8 @@ folded in, Qwen3.5's value heads tiled); the GGUF loader must undo each, so that
   within 12% (max) and 1% (mean) of the F32 logits' spread, 90% of the top tokens the same, and
   decode steps read its blocks;
 - a newer converter's MTP blocks are left unread; an unknown or a missing tensor, metadata the
-  model cannot run, and the MoE / Qwen3-Next architectures are refused in one sentence.
+  model cannot run, and the MoE / Qwen3-Next architectures (Granite's MoE by its ``expert_count``) are
+  refused in one sentence.
 
 The written names are checked against the gguf package's tensor list for each architecture (what
 llama.cpp's loader accepts), not only against the loader."""
@@ -27,7 +28,7 @@ import pytest
 import torch
 from dense_forward import greedy_paged, prefill_logits
 from gguf_edit import rewrite_gguf
-from hf_to_gguf import QWEN35_MROPE_SECTIONS, recurrent_to_gguf, tiled
+from hf_to_gguf import QWEN35_MROPE_SECTIONS, RECURRENT_ARCHS, recurrent_to_gguf, tiled
 
 from hicache.errors import ConfigError
 from hicache.model import load_model
@@ -40,7 +41,7 @@ pytestmark = pytest.mark.model
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
-GDN, FULL = "linear_attention", "full_attention"
+GDN, FULL, MAMBA, ATTENTION = "linear_attention", "full_attention", "mamba", "attention"
 POSITIONS = 320
 F32_TOL = 1e-5  # max |GGUF - HF directory| over the logits' spread (seen: 0, bit for bit)
 # Q8_0 vs F32 logits over their spread, max and mean, and the top tokens that agree (seen: 1.0% / 0.12% / 100% LFM2,
@@ -72,6 +73,20 @@ def qwen35_model() -> torch.nn.Module:
     return _randomized(transformers.Qwen3_5ForCausalLM(config), offset_norms=True)
 
 
+def granite_model() -> torch.nn.Module:
+    """Granite 4.0-H as published (dense: no experts; NoPE, the only kind its converter writes; a tied head;
+    conv biases, no projection biases; its four multipliers) with B and C in two groups, so the stored
+    ``[groups, d_inner / groups]`` norm is not a plain row."""
+    config = transformers.GraniteMoeHybridConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=96, shared_intermediate_size=96, num_attention_heads=4,
+        num_key_value_heads=2, num_hidden_layers=4, layer_types=[MAMBA, MAMBA, ATTENTION, MAMBA], mamba_n_heads=4,
+        mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, num_local_experts=0,
+        num_experts_per_tok=0, position_embedding_type="nope", tie_word_embeddings=True, embedding_multiplier=2.0,
+        attention_multiplier=0.25, residual_multiplier=0.5, logits_scaling=4.0, rms_norm_eps=1e-5,
+        max_position_embeddings=4096, bos_token_id=256, eos_token_id=257, pad_token_id=0)
+    return _randomized(transformers.GraniteMoeHybridForCausalLM(config), offset_norms=False)
+
+
 def _randomized(hf: torch.nn.Module, offset_norms: bool) -> torch.nn.Module:
     """Every parameter drawn, so a dropped, misplaced or mis-transformed tensor shows: norms ~ 1 + N(0, 0.1)
     (Qwen3.5's zero-centred ones ~ N(0, 0.1), its gated norm as LFM2's), matrices at 1/sqrt(fan-in),
@@ -90,7 +105,10 @@ def _randomized(hf: torch.nn.Module, offset_norms: bool) -> torch.nn.Module:
     return hf.eval()
 
 
-ARCHS = {"lfm2": lfm2_model, "qwen35": qwen35_model}
+ARCHS = {"lfm2": lfm2_model, "qwen35": qwen35_model, "granitehybrid": granite_model}
+# spec fields a file says otherwise than the HF directory, by architecture: Granite's converter writes a
+# 2**20 context for a model without RoPE
+FILE_FIELDS = {"granitehybrid": ("max_position_embeddings",)}
 
 
 @pytest.fixture(scope="module", params=sorted(ARCHS))
@@ -116,7 +134,8 @@ def test_f32_file_loads_to_the_hf_directorys_spec_and_logits(case) -> None:
     loaded = load_model(str(case.f32), dtype=torch.float32)
     want = case.reference.spec
     assert loaded.spec.rms_norm_eps == pytest.approx(want.rms_norm_eps, rel=1e-6)  # (stored as float32)
-    assert dataclasses.replace(loaded.spec, rms_norm_eps=want.rms_norm_eps) == want
+    same = {key: getattr(want, key) for key in FILE_FIELDS.get(case.arch, ())}
+    assert dataclasses.replace(loaded.spec, rms_norm_eps=want.rms_norm_eps, **same) == want
     got = prefill_logits(loaded.model, case.ids)
     assert spread_error(got, case.logits) <= F32_TOL
     assert torch.equal(got, case.logits)  # (seen on every run: say so if a platform ever differs)
@@ -127,7 +146,7 @@ def test_written_file_has_llama_cpps_layout(case) -> None:
     other), and the stored forms are the converter's: squeezed convs, per-layer KV heads for LFM2,
     ``-exp(A_log)`` and the interval keys for Qwen3.5."""
     reader = GGUFFile(str(case.f32))
-    arch = gguf.MODEL_ARCH.LFM2 if case.arch == "lfm2" else gguf.MODEL_ARCH.QWEN35
+    arch = gguf.MODEL_ARCH[RECURRENT_ARCHS[case.arch]]
     layers = case.hf.config.num_hidden_layers
     allowed = {gguf.TENSOR_NAMES[t].format(bid=i) + suffix for t in gguf.MODEL_TENSORS[arch] for i in range(layers)
                for suffix in (".weight", ".bias", "")}
@@ -138,6 +157,8 @@ def test_written_file_has_llama_cpps_layout(case) -> None:
         assert reader.fields["lfm2.feed_forward_length"] == 128 and reader.fields["lfm2.shortconv.l_cache"] == 3
         assert tensors["blk.0.shortconv.conv.weight"].shape == (3, 64)  # (GGUF order: fastest first)
         assert "token_embd_norm.weight" in tensors and "output.weight" not in tensors
+    elif case.arch == "granitehybrid":
+        _check_granite_layout(reader, tensors, case.hf)
     else:
         assert reader.fields["qwen35.full_attention_interval"] == 4 and reader.fields["qwen35.rope.dimension_count"] == 16
         assert reader.fields["qwen35.rope.dimension_sections"] == [4, 2, 2, 0] != QWEN35_MROPE_SECTIONS
@@ -146,6 +167,37 @@ def test_written_file_has_llama_cpps_layout(case) -> None:
         a_log = case.hf.model.layers[0].linear_attn.A_log.detach()
         stored = torch.from_numpy(np.array(tensors["blk.0.ssm_a"].data))
         assert torch.equal(stored, -tiled(a_log, 0, 2, 1).exp())
+
+
+def _check_granite_layout(reader: GGUFFile, tensors: dict, hf: torch.nn.Module) -> None:
+    """Granite's stored forms: KV heads per layer, no RoPE, the multipliers, the Mamba2 sizes, ``ssm_a`` as
+    ``-exp(A_log)`` in ``[heads, 1]``, the norm as ``[groups, d_inner / groups]``, the MLP split."""
+    fields = reader.fields
+    assert fields["granitehybrid.attention.head_count_kv"] == [0, 0, 2, 0]
+    assert fields["granitehybrid.rope.scaling.finetuned"] is False and fields["granitehybrid.context_length"] == 2 ** 20
+    assert [fields[f"granitehybrid.{key}"] for key in ("embedding_scale", "attention.scale", "residual_scale",
+                                                       "logit_scale")] == [2.0, 0.25, 0.5, 4.0]
+    assert [fields[f"granitehybrid.ssm.{key}"] for key in ("time_step_rank", "inner_size", "group_count", "state_size",
+                                                           "conv_kernel")] == [4, 128, 2, 16, 4]
+    assert tensors["blk.0.ssm_a"].shape == (1, 4) and tensors["blk.0.ssm_norm.weight"].shape == (64, 2)
+    assert tensors["blk.0.ssm_conv1d.weight"].shape == (4, 128 + 2 * 2 * 16)
+    a_log = hf.model.layers[0].mamba.A_log.detach()
+    assert torch.equal(torch.from_numpy(np.array(tensors["blk.0.ssm_a"].data)).reshape(-1), -a_log.exp())
+    assert tensors["blk.2.ffn_gate.weight"].shape == tensors["blk.2.ffn_up.weight"].shape == (64, 96)
+    assert "output.weight" not in tensors and "blk.2.ssm_in.weight" not in tensors
+
+
+def test_granite_rope_follows_rope_scaling_finetuned(tmp_path) -> None:
+    """llama.cpp's Granite switch for RoPE: the converter's false is NoPE; true, or no key (llama.cpp's
+    Granite default), is RoPE, which changes the logits."""
+    source = recurrent_to_gguf(granite_model(), tmp_path / "source.gguf", "granitehybrid")
+    ids = list(range(3, 120, 3))
+    nope = load_model(str(source), dtype=torch.float32)
+    for value in (True, None):
+        path = rewrite_gguf(tmp_path / f"{value}.gguf", src=source, kv={"granitehybrid.rope.scaling.finetuned": value})
+        rope = load_model(str(path), dtype=torch.float32)
+        assert nope.spec.nope and not rope.spec.nope
+        assert not torch.allclose(prefill_logits(rope.model, ids), prefill_logits(nope.model, ids), atol=1e-3)
 
 
 def test_tiled_value_heads_are_put_back() -> None:
@@ -177,9 +229,10 @@ def test_q8_0_file_loads_close_and_decodes_from_its_blocks(case) -> None:
         else:
             assert torch.equal(p, want), name
     # 4 projections a layer (the mixer's two or q|k|v and o, gate|up, down; the DeltaNet's in_proj_qkv|z|b|a is
-    # one) and the F32 head: all of LFM2's layers' from the file's blocks, all of Qwen3.5's but 3 out_proj.
+    # one) and the F32 head: all of LFM2's and Granite's layers' from the file's blocks, all of Qwen3.5's but 3
+    # out_proj.
     formats = q8.model.decode_formats()
-    assert (formats["q8_0"], sum(formats.values())) == ((16, 17) if case.arch == "lfm2" else (13, 17))
+    assert (formats["q8_0"], sum(formats.values())) == ((13, 17) if case.arch == "qwen35" else (16, 17))
     if case.arch == "qwen35":
         mixer = q8.model.model.layers[0].linear_attn
         assert hasattr(mixer.in_proj_b, "gguf_blocks") and not hasattr(mixer.out_proj, "gguf_blocks")
@@ -226,6 +279,12 @@ REFUSED = [  # (arch, what is changed: arch / kv / tensors / drop, what the sent
     ("qwen35", dict(kv={"qwen35.ssm.inner_size": 95}), "ssm.inner_size = 95 is not a multiple of the value heads"),
     ("qwen35", dict(kv={"qwen35.ssm.group_count": 4}), "the value heads a multiple of the key heads"),
     ("qwen35", dict(kv={"qwen35.nextn_predict_layers": 4}), "nextn_predict_layers = 4 leaves no layers"),
+    ("granitehybrid", dict(kv={"granitehybrid.expert_count": 8}),
+     "granitehybrid.expert_count = 8: Granite's mixture-of-experts models are not supported"),
+    ("granitehybrid", dict(kv={"granitehybrid.ssm.inner_size": 126}), "126 is not a multiple of the Mamba2 heads"),
+    ("granitehybrid", dict(drop=("blk.1.ssm_d",)), "the GGUF file lacks tensors for model.layers.1.mamba.D"),
+    ("granitehybrid", dict(kv={"granitehybrid.attention.head_count_kv": [0, 2, 2, 0]}),
+     r"does not give 0 KV heads to exactly the recurrent layers|GGUF tensor blk\.1\.\S+ has no place"),
 ]
 
 

@@ -1,5 +1,5 @@
 """Load a GGUF file of a supported family (model/families/: llama -- the embedded SmolLM2 --,
-qwen2, qwen3, gemma3, phi3, and the recurrent lfm2 and qwen35) into :class:`LlamaForCausalLM`.
+qwen2, qwen3, gemma3, phi3, and the recurrent lfm2, qwen35 and granitehybrid) into :class:`LlamaForCausalLM`.
 
 Fail closed: whatever in a file would change the math and is not implemented -- another
 architecture, an unknown key of the architecture's metadata, a tensor with no place in the model
@@ -15,7 +15,8 @@ Where llama.cpp's converter stored a tensor otherwise than the model holds it, t
 (model/families/base.py): rows it moved (Llama's q/k interleave; Qwen3.5's tiled value heads) are
 put back row by row, which keeps a quantized matrix's blocks; other changes (``ssm_a`` =
 ``-exp(A_log)``, columns moved) are undone on the float32 values, and that tensor keeps no blocks; a
-squeezed depthwise conv ``[C, K]`` fills its ``[C, 1, K]`` parameter. The multi-token-prediction
+squeezed depthwise conv ``[C, K]`` fills its ``[C, 1, K]`` parameter, a vector stored as a matrix
+(Granite's ``ssm_a`` ``[H, 1]``, ``ssm_norm`` ``[G, d / G]``) its flat one. The multi-token-prediction
 blocks a newer converter appends (``nextn_predict_layers``, for a family that lists the key) are
 left unread, as the HF loader leaves ``mtp.*``."""
 
@@ -102,6 +103,9 @@ def _check_model(reader: GGUFFile) -> Family:
     tensor with no place in the model."""
     family = gguf_family(reader.fields.get("general.architecture"))
     prefix = f"{family.gguf_architecture}."
+    experts = reader.fields.get(prefix + "expert_count", 0)
+    if family.gguf_experts_refused and experts != 0:  # (before the keys and tensors the experts bring)
+        raise ModelFormatError(f"GGUF metadata {prefix}expert_count = {quoted(experts)}: {family.gguf_experts_refused}.")
     for key, value in reader.fields.items():
         short = key.removeprefix(prefix)
         read = short in _READ_KEYS or short in family.gguf_keys
@@ -241,7 +245,7 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
     tensors = model_tensors(reader, family)
     spec = _spec_from_gguf(reader, tensors, family)
     found = [(t.name, hf_name(t.name, family), t) for t in tensors if t.name != ROPE_FACTORS]
-    check_shapes([(file_name, name, _model_shape(name, t)) for file_name, name, t in found], spec, "GGUF",
+    check_shapes([(file_name, name, _model_shape(name, t, family)) for file_name, name, t in found], spec, "GGUF",
                  "the GGUF file", family.parts_of)
     check_token_ids(tokenizer, spec, "the GGUF file")
     if len(tensors) != len(reader.tensors):
@@ -274,10 +278,13 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
     return model, tokenizer, spec  # (every parameter had its tensor: check_shapes)
 
 
-def _model_shape(name: str | None, t: GGUFTensor) -> tuple[int, ...]:
+def _model_shape(name: str | None, t: GGUFTensor, family: Family) -> tuple[int, ...]:
     """Tensor ``t``'s shape, slowest dimension first, as the parameter ``name`` holds it: a depthwise
-    conv llama.cpp's converter squeezed to ``[C, K]`` is ``[C, 1, K]``."""
+    conv llama.cpp's converter squeezed to ``[C, K]`` is ``[C, 1, K]``; a vector it stored as a matrix
+    (the family's ``gguf_flat``) is flat."""
     shape = tuple(reversed(t.shape))
+    if name and family.gguf_flat and name.endswith(family.gguf_flat):
+        return (int(np.prod(shape)),)
     return (shape[0], 1, shape[1]) if name and name.endswith(_CONV_WEIGHTS) and len(shape) == 2 else shape
 
 
@@ -300,6 +307,8 @@ def _values(t: GGUFTensor, name: str, spec: ModelSpec, family: Family, ops,
         # (copied only where not ours already: F32 tensors come back as views of the read-only mmap)
         values = torch.from_numpy(np.require(array, requirements="CW"))
         values = values if order is None else values[order]
+    if family.gguf_flat and name.endswith(family.gguf_flat):
+        values = values.reshape(-1)  # (stored [H, 1] or [G, d / G]: :func:`_model_shape`)
     changed = family.gguf_values(name, values, spec) if family.gguf_values is not None else None
     return (values, blocks) if changed is None else (changed, None)
 

@@ -76,7 +76,11 @@ class Family:
     where the converter moved rows, the model's rows being the file's at ``order`` (whole rows: a
     quantized matrix keeps its blocks); ``gguf_values``: ``(parameter, values, spec) -> values`` it
     stored otherwise (after the row order; None where it did not: a changed tensor keeps no
-    blocks); ``gguf_refused``: architecture names of its kin that are refused, each with what it is.
+    blocks); ``gguf_refused``: architecture names of its kin that are refused, each with what it is;
+    ``gguf_flat``: parameters (name suffixes) the converter stored as matrices though they are vectors
+    (Granite's ``ssm_a`` / ``ssm_d`` as ``[heads, 1]``, ``ssm_norm`` as ``[groups, d_inner / groups]``),
+    read flattened; ``gguf_experts_refused``: what a file of the architecture with ``expert_count`` > 0
+    is, refused (Granite 4.0-H's MoE models share the dense ones' architecture name).
     """
 
     name: str
@@ -111,6 +115,8 @@ class Family:
     gguf_row_order: Callable[[str, ModelSpec], torch.Tensor | None] | None = None
     gguf_values: Callable[[str, torch.Tensor, ModelSpec], torch.Tensor | None] | None = None
     gguf_refused: Mapping[str, str] = field(default_factory=dict)
+    gguf_flat: tuple[str, ...] = ()
+    gguf_experts_refused: str | None = None
 
     def parts_of(self, name: str) -> tuple[str, ...] | None:
         """The model parameters a stored fused tensor ``name`` ("model.layers.3.self_attn.qkv_proj.weight")
@@ -185,6 +191,20 @@ def gguf_layer_fields(family: Family, fields: Mapping[str, Any], hidden: int, nu
     if family.gguf_fields is not None:
         out.update(family.gguf_fields(fields, prefix, num_layers, frozenset(tensor_names)))
     return out
+
+
+def kv_layer_kinds(fields: Mapping[str, Any], prefix: str, num_layers: int,
+                   recurrent: LayerKind) -> tuple[LayerKind, ...]:
+    """Each layer's kind from a hybrid file's per-layer ``attention.head_count_kv`` as llama.cpp reads
+    it (LFM2, Granite 4.0-H): a layer with 0 KV heads is ``recurrent``, the others full attention; ()
+    where no layer is recurrent. The loader checks the attention layers' counts."""
+    key = prefix + "attention.head_count_kv"
+    per_layer = fields.get(key)
+    per_layer = per_layer if isinstance(per_layer, list) else [per_layer] * num_layers
+    if len(per_layer) != num_layers:
+        raise ModelFormatError(f"GGUF metadata {key} holds {len(per_layer)} values for {num_layers} layers.")
+    kinds = tuple(recurrent if as_int(n, f"GGUF metadata {key}", 0) == 0 else LayerKind.FULL for n in per_layer)
+    return kinds if recurrent in kinds else ()
 
 
 def hf_text_config(family: Family, config: Mapping[str, Any]) -> Mapping[str, Any]:

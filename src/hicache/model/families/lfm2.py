@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from hicache.model.errors import ModelFormatError, as_float, as_int, quoted
-from hicache.model.families.base import HF_ATTENTION_TYPES, Family, config_int
+from hicache.model.families.base import HF_ATTENTION_TYPES, Family, config_int, kv_layer_kinds
 from hicache.model.spec import LayerKind
 
 DEFAULT_ROPE_THETA = 1e6  # Lfm2Config.default_theta
@@ -72,15 +72,9 @@ def _hf_fields(config: Mapping[str, Any]) -> dict[str, Any]:
 
 def _gguf_fields(fields: Mapping[str, Any], prefix: str, num_layers: int, tensors: frozenset[str]) -> dict[str, Any]:
     """LFM2's layers from its GGUF metadata as llama.cpp reads them (module docstring): a layer with
-    0 KV heads is a conv layer; the loader checks the other layers' counts."""
-    key = prefix + "attention.head_count_kv"
-    per_layer = fields.get(key)
-    per_layer = per_layer if isinstance(per_layer, list) else [per_layer] * num_layers
-    if len(per_layer) != num_layers:
-        raise ModelFormatError(f"GGUF metadata {key} holds {len(per_layer)} values for {num_layers} layers.")
-    kinds = tuple(LayerKind.CONV if as_int(n, f"GGUF metadata {key}", 0) == 0 else LayerKind.FULL for n in per_layer)
+    0 KV heads is a conv layer."""
     taps = prefix + "shortconv.l_cache"
-    return dict(layer_kinds=kinds if LayerKind.CONV in kinds else (),
+    return dict(layer_kinds=kv_layer_kinds(fields, prefix, num_layers, LayerKind.CONV),
                 conv_kernel=as_int(fields.get(taps, 3), f"GGUF metadata {taps}", 2),
                 conv_bias=any(name.endswith(".shortconv.in_proj.bias") for name in tensors))
 
