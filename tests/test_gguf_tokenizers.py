@@ -30,17 +30,21 @@ CORPUS = [
     "   leading spaces and   runs    of spaces   ",
     "numbers 3.14159 and 1,000,000 and 2026-12-04 and 0x7fff",
 ]
+MARKS = "नमस्ते दुनिया, कैसे हैं आप? cafe\u0301 re\u0301sume\u0301"  # combining marks (Qwen3.5's split keeps them)
 TEXTS = CORPUS + ["", " ", "a", "  two", "x\n\ny", "tab\tsep", "1234567", "HELLO World"]
 # The families' split rules as their own tokenizer.json files state them (Meta's Llama 3, Qwen2).
 LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen3.5's tokenizer.json: Qwen2's with combining marks (\p{M}) in the letter runs (llama.cpp's "qwen35").
+QWEN35 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def train_byte_level(split: str | None) -> Tokenizer:
-    """A byte-level BPE trained over ``split`` (None: GPT-2's regex), specials first."""
+def train_byte_level(split: str | None, corpus: list[str] = CORPUS) -> Tokenizer:
+    """A byte-level BPE trained on ``corpus`` over ``split`` (None: GPT-2's regex), specials first."""
     tok = Tokenizer(models.BPE())
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split is None)
     tok.pre_tokenizer = byte_level if split is None else pre_tokenizers.Sequence(
@@ -48,7 +52,7 @@ def train_byte_level(split: str | None) -> Tokenizer:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=SPECIALS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS * 30, trainer)
+    tok.train_from_iterator(corpus * 30, trainer)
     return tok
 
 
@@ -92,6 +96,32 @@ def test_byte_level_bpe_splits_as_its_family(tmp_path, pre, split) -> None:
         assert ids == theirs.encode(text, add_special_tokens=False), text
         assert ours.decode(ids) == text.replace("<|im_start|>", "").replace("<|im_end|>", ""), text
     assert ours.encode("<|im_end|>") == [2] and ours.eos_token_ids == {2}  # control tokens stay whole
+
+
+@pytest.mark.parametrize("pre, split", [("lfm2", LLAMA3), ("qwen35", QWEN35)])
+def test_recurrent_families_pre_tokenizers_split_as_their_hf_tokenizer(tmp_path, pre, split) -> None:
+    """LFM2's files (``lfm2``: llama.cpp splits them as Llama 3's) and Qwen3.5's (``qwen35``): the tokens
+    of the HF tokenizer trained over the family's split; LFM2's add BOS where the file does not say (as
+    llama.cpp does for it)."""
+    source = train_byte_level(split, CORPUS + [MARKS])
+    ours = load_gguf_tokenizer(rewrite_gguf(tmp_path / "bpe.gguf", kv=byte_level_fields(source, pre)))
+    for text in TEXTS + [MARKS]:
+        ids = ours.encode(text)
+        assert ids == source.encode(text, add_special_tokens=False).ids, text
+        assert ours.decode(ids) == text.replace("<|im_start|>", "").replace("<|im_end|>", ""), text
+    unsaid = load_gguf_tokenizer(rewrite_gguf(tmp_path / "unsaid.gguf", kv={
+        **byte_level_fields(source, pre), "tokenizer.ggml.add_bos_token": None}))
+    assert unsaid.add_bos == (pre == "lfm2")
+
+
+def test_qwen35_keeps_combining_marks_in_words(tmp_path) -> None:
+    """The same vocabulary under Qwen2's split cuts a word at each combining mark; under ``qwen35`` the
+    merges learned across the marks apply (fewer tokens)."""
+    fields = byte_level_fields(train_byte_level(QWEN35, CORPUS + [MARKS]), "qwen35")
+    qwen35 = load_gguf_tokenizer(rewrite_gguf(tmp_path / "qwen35.gguf", kv=fields))
+    qwen2 = load_gguf_tokenizer(rewrite_gguf(tmp_path / "qwen2.gguf", kv={**fields, "tokenizer.ggml.pre": "qwen2"}))
+    for word in (" नमस्ते", " cafe\u0301"):
+        assert len(qwen35.encode(word)) < len(qwen2.encode(word)), word
 
 
 def test_smollm_digits_are_split_one_by_one(tmp_path) -> None:

@@ -4,7 +4,11 @@ library -- what llama.cpp's own tokenizer does with the same arrays:
 - ``gpt2``: byte-level BPE. The vocabulary is spelled in GPT-2's byte alphabet and the file lists
   the merges; ``tokenizer.ggml.pre`` names the split the merges were learned over
   (:data:`PRE_TOKENIZERS`): GPT-2's own regex, each digit alone then GPT-2's (SmolLM, StarCoder),
-  Llama 3's (digits in runs of up to three), Qwen2's (digits one by one). An unknown name is refused.
+  Llama 3's (digits in runs of up to three; LFM2's ``lfm2`` too, as llama.cpp maps it), Qwen2's
+  (digits one by one), Qwen3.5's (``qwen35``: Qwen2's with combining marks, ``\\p{M}``, kept with the
+  letters they mark). An unknown name is refused. Where the file does not say
+  (``tokenizer.ggml.add_bos_token``), BOS is added for the names llama.cpp adds it for (Llama 3's and
+  LFM2's).
 - ``llama``: SentencePiece BPE with byte fallback (``<0x0A>``-style byte tokens). Spaces are
   written ``▁``; ``tokenizer.ggml.add_space_prefix`` (default on) puts one before each stretch of
   text that starts the input or follows a special token, as llama.cpp does (transformers' GGUF
@@ -33,12 +37,17 @@ from hicache.model.tokenizer import Tokenizer, byte_level_bpe, bytes_to_unicode
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")  # Llama 3's, digits one by one
+# Qwen3.5's: Qwen2's, a letter run taking the combining marks in it (Devanagari's vowel signs, a
+# decomposed accent), and a run of other symbols not starting at one
+_QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+                 r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 PRE_TOKENIZERS: dict[str, str | None] = {
     "default": None, "gpt2": None, "gpt-2": None,
     "smollm": "digits", "starcoder": "digits", "refact": "digits",
     "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
+    "lfm2": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT, "qwen35": _QWEN35_SPLIT,
 }
+BOS_BY_DEFAULT = frozenset({"llama3", "llama-v3", "llama-bpe", "lfm2"})  # llama.cpp adds BOS where a file says nothing
 TOKENIZER_MODELS = ("gpt2", "llama")
 # GGUF token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
 CONTROL, USER_DEFINED = 3, 4
@@ -57,8 +66,9 @@ def tokenizer_from_gguf(fields: Mapping[str, Any], architecture: str) -> Tokeniz
         raise ModelFormatError("the GGUF file has no tokenizer.ggml.tokens.")
     types = [int(t) for t in fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)]
     if kind == "gpt2":
-        backend = _byte_level(tokens, fields.get("tokenizer.ggml.merges") or [], fields.get("tokenizer.ggml.pre", "default"))
-        add_bos_default = False
+        pre = fields.get("tokenizer.ggml.pre", "default")
+        backend = _byte_level(tokens, fields.get("tokenizer.ggml.merges") or [], pre)
+        add_bos_default = pre in BOS_BY_DEFAULT
     elif kind == "llama":
         backend = _sentencepiece(tokens, types, fields, architecture)
         add_bos_default = True  # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
