@@ -210,7 +210,8 @@ def test_what_granite_does_not_run_is_refused_in_one_sentence(changes: dict, say
 def test_spec_buffers_shapes_and_modes() -> None:
     """mamba2-tiny: one KV buffer; per Mamba2 layer a conv state [4 heads * 32 + 2 * 2 groups * 16, 3] in the
     model's dtype and an SSM state [4, 32, 16] in float32; HF's parameter names and shapes (in_proj emits z,
-    x|B|C and dt); TP refused; the preset's identity is its own."""
+    x|B|C and dt); TP that does not split the heads evenly, or the groups by TP or TP by them, refused; the
+    preset's identity is its own."""
     spec = parse_random_spec("mamba2-tiny")
     kv = DenseKV(spec, 8, torch.bfloat16, state_slots=5)
     assert len(kv.k_buffers) == 1 and spec.scan_chunk == 64
@@ -224,8 +225,11 @@ def test_spec_buffers_shapes_and_modes() -> None:
     assert [shapes[mixer + name] for name in ("A_log", "D", "dt_bias", "norm.weight", "out_proj.weight")] == \
         [(4,), (4,), (4,), (128,), (64, 128)]
     assert "model.layers.2.mamba.A_log" not in shapes and "model.layers.0.self_attn.q_proj.weight" not in shapes
-    with pytest.raises(ConfigError, match="--tp-size 2 is not supported for Mamba2 layers"):
-        check_parallel(spec, 2, 1)
+    check_parallel(spec, 2, 1), check_parallel(spec, 4, 1)  # (TP: tests/test_recurrent_parallel.py)
+    with pytest.raises(ConfigError, match="--tp-size 3 does not split the model's 4 Mamba2 heads in 2 groups"):
+        check_parallel(spec, 3, 1)
+    with pytest.raises(ConfigError, match="--tp-size 2 does not split the model's 6 Mamba2 heads in 3 groups"):
+        check_parallel(parse_random_spec('{"preset": "mamba2-tiny", "mamba_heads": 6, "mamba_groups": 3}'), 2, 1)
     identities = {load_model(f"random:{name}", weights=False).identity for name in ("mamba2-tiny", "gdn-tiny", "tiny")}
     assert len(identities) == 3
 

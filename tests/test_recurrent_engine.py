@@ -96,9 +96,10 @@ def test_tp_beyond_the_gated_deltanet_key_heads_is_refused_in_one_sentence() -> 
     assert str(e.value).count(". ") == 0
 
 
-def test_tp_of_mamba2_layers_is_refused_in_one_sentence() -> None:
-    with pytest.raises(ConfigError, match="--tp-size 2 is not supported for Mamba2 layers") as e:
-        make_engine("random:mamba2-tiny", tp_size=2)
+def test_tp_that_does_not_split_the_mamba2_heads_is_refused_in_one_sentence() -> None:
+    """mamba2-tiny's 4 Mamba2 heads do not split in 3 equal shares: refused before any rank starts."""
+    with pytest.raises(ConfigError, match="--tp-size 3 does not split the model's 4 Mamba2 heads in 2 groups") as e:
+        make_engine("random:mamba2-tiny", tp_size=3)
     assert str(e.value).count(". ") == 0
 
 

@@ -1,6 +1,10 @@
 """Tensor parallelism over recurrent layers (issue 59, step e): LFM2's short convolutions split by
-channels, Qwen3.5's gated DeltaNet by key heads with the value heads that read them, each rank's
-state pool holding its shard of every state tensor at the same slot ids. TP2 gives TP1's greedy
+channels, Qwen3.5's gated DeltaNet by key heads with the value heads that read them, Granite's
+Mamba2 by heads with the groups they read, each rank's state pool holding its shard of every state
+tensor at the same slot ids. At the model level, Mamba2 ranks run as threads summing through a
+barrier: TP2 and TP4 logits within float32 rounding of TP1's whether the groups are split between
+ranks or one group spans them (its gated norm's squares summed over the group), and the same greedy
+tokens through decode steps. TP2 gives TP1's greedy
 tokens; a repeated prompt hits a device snapshot at TP2 with the cold run's tokens; a TP2 writer's
 "-state" objects (one per rank: the namespace names the rank's shard) serve a fresh TP2 reader's
 storage hit. The rank consensus checker watches every cache decision."""
@@ -8,11 +12,15 @@ storage hit. The rank consensus checker watches every cache decision."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from hicache import Engine
+from hicache.model import DenseKV, load_model, make_forward_batch
+from hicache.model.parallel import model_shard, shard_model
 from test_recurrent_cache import GREEDY, MODELS, assert_as_cold, ids
 
 pytestmark = [pytest.mark.parallel, pytest.mark.multirank, pytest.mark.slow]
@@ -30,7 +38,13 @@ def snapshot_stats(engine: Engine) -> dict:
     return engine.stats()["device_pool"]["recurrent_state"]
 
 
-@pytest.mark.parametrize("model", [m for m in MODELS if "mamba2" not in m])  # (Mamba2: TP refused)
+ONE_GROUP = 'random:{"preset": "mamba2-tiny", "mamba_groups": 1}'  # Granite 4.0-H's: B and C on every rank
+# each rank's state bytes where B and C are replicated: half of the whole, plus half of their conv channels
+# (2 Mamba2 layers x 2 x 1 group x 16 states x 3 taps x 4 bytes) that every rank holds whole
+REPLICATED = {ONE_GROUP: 2 * 2 * 16 * 3 * 4 // 2}
+
+
+@pytest.mark.parametrize("model", MODELS + [ONE_GROUP])
 def test_tp2_gives_tp1s_tokens_and_a_repeated_prompt_hits_its_snapshot(model: str, checker: None) -> None:
     one = make_engine(model)
     try:
@@ -42,7 +56,7 @@ def test_tp2_gives_tp1s_tokens_and_a_repeated_prompt_hits_its_snapshot(model: st
     try:
         assert [o.output_ids for o in engine.generate(PROMPTS, GREEDY)] == want
         stats = snapshot_stats(engine)
-        assert stats["slot_bytes"] == whole // 2  # each rank holds half of every state tensor
+        assert stats["slot_bytes"] == whole // 2 + REPLICATED.get(model, 0)  # each rank half of every state tensor
         again = engine.generate([PROMPTS[0]], GREEDY)[0]
         grid = stats["grid_tokens"]
         assert again.cached_tokens_details["device"] == (len(PROMPTS[0]) - 1) // grid * grid > 0
@@ -51,6 +65,80 @@ def test_tp2_gives_tp1s_tokens_and_a_repeated_prompt_hits_its_snapshot(model: st
         assert engine.group.monitor.divergence is None and engine.group.monitor.compared > 50
     finally:
         engine.shutdown()
+
+
+class ThreadGroup:
+    """A TP group of threads: each rank's ``reduce(rank)`` returns the sum, in rank order, of every rank's
+    tensor once all have given theirs."""
+
+    def __init__(self, size: int) -> None:
+        self.barrier, self.parts = threading.Barrier(size), [None] * size
+
+    def reduce(self, rank: int):
+        def tp_reduce(x: torch.Tensor) -> torch.Tensor:
+            self.parts[rank] = x
+            self.barrier.wait()
+            total = sum(self.parts[1:], self.parts[0].clone())
+            self.barrier.wait()  # (every rank has read the parts before any gives its next)
+            return total
+        return tp_reduce
+
+
+def run_rank(name: str, tp: int, rank: int, reduce, prompt: list[int], steps: int) -> tuple[torch.Tensor, list[int]]:
+    """Rank ``rank`` of ``tp`` of random model ``name`` (float32): the prompt's logits in one pass, then
+    ``steps`` greedy decode steps (one token a pass), on a KV view of its shard's sizes."""
+    loaded = load_model(name, dtype=torch.float32)
+    model, spec = loaded.model, loaded.spec
+    shard = model_shard(spec, rank, tp, 0, 1)
+    shard_model(model, shard, reduce)
+    kv = DenseKV(spec, len(prompt) + steps + 1, torch.float32)
+    shape = (len(prompt) + steps + 1, len(shard.kv_heads), spec.head_dim)
+    kv.k_buffers = [torch.zeros(shape) for _ in kv.k_buffers]
+    kv.v_buffers = [torch.zeros(shape) for _ in kv.v_buffers]
+    kv.state_buffers = [tuple(torch.zeros(2, *one) for one in shard.state_shapes(spec, layer))
+                        for layer in spec.recurrent_layers]
+    slots = torch.arange(1, len(prompt) + steps + 1)
+    with torch.no_grad():
+        logits = model(make_forward_batch([prompt], [0], [slots[:len(prompt)]], logits="all", state_slots=[(0, 1)]), kv)
+        out = [int(logits[-1].argmax())]
+        while len(out) < steps:
+            n = len(prompt) + len(out)
+            batch = make_forward_batch([out[-1:]], [n - 1], [slots[:n]], generated=True, state_slots=[(1, 1)])
+            out.append(int(model(batch, kv)[-1].argmax()))
+    return logits, out
+
+
+def run_tp(name: str, tp: int, prompt: list[int], steps: int) -> list[tuple[torch.Tensor, list[int]]]:
+    """Every rank of ``tp`` in its own thread; each rank's result."""
+    group, results = ThreadGroup(tp), [None] * tp
+
+    def one(rank: int) -> None:
+        results[rank] = run_rank(name, tp, rank, group.reduce(rank) if tp > 1 else None, prompt, steps)
+
+    threads = [threading.Thread(target=one, args=(rank,)) for rank in range(tp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(r is not None for r in results)  # (a rank that raised left None)
+    return results
+
+
+MAMBA2_TP = [  # (model, TP): groups split between ranks, one group over every rank, two groups over two ranks each
+    ("random:mamba2-tiny", 2), (ONE_GROUP, 2),
+    ('random:{"preset": "mamba2-tiny", "mamba_groups": 1, "mamba_proj_bias": true}', 4),
+    ("random:mamba2-tiny", 4)]
+
+
+@pytest.mark.parametrize("model, tp", MAMBA2_TP)
+def test_mamba2_ranks_give_one_ranks_logits_and_tokens(model: str, tp: int) -> None:
+    """150 prompt tokens (past the 64-token scan grid) in one pass, then 6 decode steps: every rank's
+    logits within 1e-5 of TP1's spread (the partial sums' rounding), the same greedy tokens."""
+    prompt = ids(150, 3)
+    (want, tokens), = run_tp(model, 1, prompt, 6)
+    for logits, out in run_tp(model, tp, prompt, 6):
+        assert float((logits - want).abs().max() / (want.max() - want.min())) < 1e-5
+        assert out == tokens
 
 
 def storage_engine(path: Path, **kw) -> Engine:

@@ -14,9 +14,15 @@ convolution by channels (the B, C and x rows of ``in_proj``, the conv's rows, ``
 columns); a gated DeltaNet by key heads, each with the value heads that read it (value head ``h``
 reads key head ``h // (Hv / Hk)``): their q, k and v rows of ``in_proj_qkv`` and of the conv, their
 ``z``, ``b``, ``a`` rows, ``A_log`` and ``dt_bias`` entries and ``out_proj`` columns (the gated norm
-is over one value head's dims: whole). Both mixers' outputs are summed over the TP group, as
-o_proj's are. Key heads split unevenly where they do not divide (3 over TP2: 2 + 1); TP beyond the
-key heads is refused.
+is over one value head's dims: whole); Mamba2 by heads (an equal share each): their z, x and dt
+rows of ``in_proj``, x's conv channels, ``A_log`` / ``D`` / ``dt_bias`` entries, ``out_proj``
+columns, with the B and C groups those heads read (rows of ``in_proj`` and of the conv): whole groups
+where the groups divide by TP, else (TP a multiple of the groups: Granite 4.0-H's one group) the one
+group a rank's heads read, replicated on the ranks that share it -- whose gated norm, over a group's
+``d_inner / groups`` channels, then sums its squares over the TP group
+(:class:`~hicache.model.recurrent.GroupGatedRMSNorm`). The mixers' outputs are summed over the TP
+group, as o_proj's are. Key heads split unevenly where they do not divide (3 over TP2: 2 + 1); TP
+beyond the key heads, and Mamba2 heads or groups that do not split so, are refused.
 
 Pipeline parallelism: stage ``p`` keeps layers ``stage_layers(...)``; the first stage embeds,
 the last one applies the final norm and the head; the others pass hidden states along.
@@ -49,6 +55,8 @@ class ModelShard:
     conv_channels: range = range(0)  # LFM2's short convolutions: this rank's channels (range(0): none)
     gdn_key_heads: range = range(0)  # gated DeltaNet: this rank's key heads (range(0): none)
     gdn_value_heads: range = range(0)  # and the value heads that read them
+    mamba_heads: range = range(0)  # Mamba2: this rank's heads (range(0): none)
+    mamba_groups: range = range(0)  # and the B / C groups they read
 
     @property
     def first_stage(self) -> bool:
@@ -60,20 +68,25 @@ class ModelShard:
 
     def describe(self) -> str:
         """Names the slice for storage keys and logs, e.g. ``layers0-14,kvh0-1``; a model with
-        recurrent layers adds its state's slice (``,ch0-31``; ``,gdnk0-0``), so two ranks that hold the
-        same KV heads but other state channels never share a ``-state`` object."""
+        recurrent layers adds its state's slice (``,ch0-31``; ``,gdnk0-0``; ``,mh0-1``), so two ranks that
+        hold the same KV heads but other state channels never share a ``-state`` object."""
         out = f"layers{self.layers.start}-{self.layers.stop - 1},kvh{self.kv_heads.start}-{self.kv_heads.stop - 1}"
-        for name, part in (("ch", self.conv_channels), ("gdnk", self.gdn_key_heads)):
+        for name, part in (("ch", self.conv_channels), ("gdnk", self.gdn_key_heads), ("mh", self.mamba_heads)):
             out += f",{name}{part.start}-{part.stop - 1}" if part else ""
         return out
 
     def state_shapes(self, spec: ModelSpec, layer: int) -> tuple[tuple[int, ...], ...]:
         """:meth:`ModelSpec.state_shapes` of recurrent layer ``layer`` as this rank holds it: its
         channels of the conv state (LFM2), its key and value heads' (gated DeltaNet: q, k, v channels
-        of the conv; the recurrent matrix of its value heads)."""
+        of the conv; the recurrent matrix of its value heads), its heads' and groups' (Mamba2: x, B, C
+        channels of the conv; the SSM state of its heads)."""
         whole = spec.state_shapes(layer)
         if spec.layer_kinds[layer] == LayerKind.CONV:
             return ((len(self.conv_channels), whole[0][1]),)
+        if spec.layer_kinds[layer] == LayerKind.MAMBA2:
+            heads, groups = len(self.mamba_heads), len(self.mamba_groups)
+            conv = heads * spec.mamba_head_dim + 2 * groups * spec.mamba_state
+            return ((conv, whole[0][1]), (heads, *whole[1][1:]))
         keys, values = len(self.gdn_key_heads), len(self.gdn_value_heads)
         conv = 2 * keys * spec.gdn_key_dim + values * spec.gdn_value_dim
         return ((conv, whole[0][1]), (values, *whole[1][1:]))
@@ -89,9 +102,11 @@ def check_parallel(spec: ModelSpec, tp_size: int, pp_size: int) -> None:
     if LayerKind.GDN in spec.layer_kinds and tp_size > spec.gdn_key_heads:
         raise ConfigError(f"--tp-size {tp_size} exceeds the model's {spec.gdn_key_heads} gated DeltaNet key heads "
                           "(each rank holds whole key heads with the value heads that read them).")
-    if LayerKind.MAMBA2 in spec.layer_kinds and tp_size > 1:
-        raise ConfigError(f"--tp-size {tp_size} is not supported for Mamba2 layers (Granite 4.0-H) yet: their heads "
-                          "and groups are not sharded; use --tp-size 1.")
+    heads, groups = spec.mamba_heads, spec.mamba_groups
+    if LayerKind.MAMBA2 in spec.layer_kinds and (heads % tp_size or groups % tp_size and tp_size % groups):
+        raise ConfigError(f"--tp-size {tp_size} does not split the model's {heads} Mamba2 heads in {groups} groups "
+                          "(each rank holds an equal share of the heads, and the groups must divide by --tp-size or "
+                          "it by them).")
 
 
 def split(n: int, parts: int, index: int) -> range:
@@ -118,8 +133,11 @@ def model_shard(spec: ModelSpec, tp_rank: int, tp_size: int, pp_rank: int, pp_si
     channels = split(spec.hidden_size, tp_size, tp_rank) if LayerKind.CONV in kinds else range(0)
     keys = split(spec.gdn_key_heads, tp_size, tp_rank) if LayerKind.GDN in kinds else range(0)
     ratio = spec.gdn_value_heads // spec.gdn_key_heads if keys else 0
+    mamba = split(spec.mamba_heads, tp_size, tp_rank) if LayerKind.MAMBA2 in kinds else range(0)
+    per_group = spec.mamba_heads // spec.mamba_groups if mamba else 1  # head h reads group h // per_group
+    groups = range(mamba.start // per_group, (mamba.stop - 1) // per_group + 1) if mamba else range(0)
     return ModelShard(tp_rank, tp_size, pp_rank, pp_size, stage_layers(spec.num_layers, pp_rank, pp_size),
-                      q_heads, kv_heads, channels, keys, range(keys.start * ratio, keys.stop * ratio))
+                      q_heads, kv_heads, channels, keys, range(keys.start * ratio, keys.stop * ratio), mamba, groups)
 
 
 def _keep(linear: nn.Linear, rows: slice | torch.Tensor = slice(None), cols: Optional[slice] = None) -> None:
@@ -178,6 +196,35 @@ def _keep_gated_deltanet(gdn: nn.Module, spec: ModelSpec, shard: ModelShard) -> 
     gdn.widths = (2 * len(kh) * dk + len(vh) * dv, len(vh) * dv, len(vh), len(vh))
 
 
+def _keep_mamba2(mixer: nn.Module, spec: ModelSpec, shard: ModelShard,
+                 tp_reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+    """Mamba2: this rank's heads -- their z, x and dt rows of ``in_proj``, x's conv channels, ``A_log``
+    / ``D`` / ``dt_bias`` entries and ``out_proj`` columns -- and the groups they read (B and C rows of
+    ``in_proj`` and of the conv); ``out_proj``'s bias added once (rank 0's). Where a group spans ranks,
+    the gated norm sums its squares over the TP group with ``tp_reduce``."""
+    hs, gs, p, n = shard.mamba_heads, shard.mamba_groups, spec.mamba_head_dim, spec.mamba_state
+    inner, groups = spec.mamba_heads * p, spec.mamba_groups * n
+    # in_proj's rows: z (inner), the conv's channels x|B|C (inner + 2 G N), dt (one a head)
+    x, b, c = (range(hs.start * p, hs.stop * p), range(inner + gs.start * n, inner + gs.stop * n),
+               range(inner + groups + gs.start * n, inner + groups + gs.stop * n))  # of the conv's channels
+    conv, z = _rows(x, b, c), x  # (z's rows are x's channels: both come first, inner wide)
+    dt = range(inner + spec.mamba_conv_dim + hs.start, inner + spec.mamba_conv_dim + hs.stop)
+    _keep(mixer.in_proj, torch.cat([_rows(z), inner + conv, _rows(dt)]))
+    mixer.conv1d.weight = nn.Parameter(mixer.conv1d.weight[conv].clone(), requires_grad=False)
+    if mixer.conv1d.bias is not None:
+        mixer.conv1d.bias = nn.Parameter(mixer.conv1d.bias[conv].clone(), requires_grad=False)
+    for name in ("A_log", "D", "dt_bias"):
+        setattr(mixer, name, nn.Parameter(getattr(mixer, name)[hs.start:hs.stop].clone(), requires_grad=False))
+    mixer.norm.weight = nn.Parameter(mixer.norm.weight[x.start:x.stop].clone(), requires_grad=False)
+    _keep(mixer.out_proj, cols=slice(x.start, x.stop))
+    if mixer.out_proj.bias is not None and shard.tp_rank:
+        mixer.out_proj.bias = nn.Parameter(torch.zeros_like(mixer.out_proj.bias), requires_grad=False)
+    mixer.heads, mixer.groups = len(hs), len(gs)
+    mixer.widths = (len(x), len(conv), len(hs))
+    spans = spec.mamba_groups < shard.tp_size  # (else each rank holds whole groups: its norm is its own)
+    mixer.norm.shard(len(gs), gs.start if spans else None, spec.mamba_groups, tp_reduce if spans else None)
+
+
 def _keep_attention(attn: nn.Module, spec: ModelSpec, shard: ModelShard) -> None:
     """This rank's query heads of q_proj (a gated head's query and gate rows together) and o_proj,
     and the KV heads they read of k_proj and v_proj."""
@@ -200,12 +247,15 @@ def _keep_attention(attn: nn.Module, spec: ModelSpec, shard: ModelShard) -> None
     attn.kv_map = None if even else torch.tensor(kv_of_q, dtype=torch.long, device=attn.o_proj.weight.device)
 
 
-def _keep_layer(layer: nn.Module, spec: ModelSpec, shard: ModelShard) -> None:
-    """A layer's TP slice: its mixer's (attention, short conv or gated DeltaNet) and its MLP's units."""
+def _keep_layer(layer: nn.Module, spec: ModelSpec, shard: ModelShard,
+                tp_reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+    """A layer's TP slice: its mixer's (attention, short conv, gated DeltaNet or Mamba2) and its MLP's units."""
     if not layer.recurrent:
         _keep_attention(layer.self_attn, spec, shard)
     elif "conv" in layer._modules:
         _keep_short_conv(layer.conv, spec, shard)
+    elif "mamba" in layer._modules:
+        _keep_mamba2(layer.mamba, spec, shard, tp_reduce)
     else:
         _keep_gated_deltanet(layer.linear_attn, spec, shard)
     units = split(spec.intermediate_size, shard.tp_size, shard.tp_rank)
@@ -226,7 +276,7 @@ def shard_model(model: LlamaForCausalLM, shard: ModelShard, tp_reduce: Callable[
         layer.self_attn.layer = local
     for layer in layers:
         if shard.tp_size > 1:
-            _keep_layer(layer, model.spec, shard)
+            _keep_layer(layer, model.spec, shard, tp_reduce)
         mixer = layer.state_mixer if layer.recurrent else layer.self_attn
         mixer.tp_reduce = layer.mlp.tp_reduce = tp_reduce
     model.model.layers = nn.ModuleList(layers)

@@ -36,8 +36,9 @@ the absolute chunk grid, a pass of generated tokens one batched :func:`~hicache.
 The clamp applies to both (transformers' token step skips it: the same while ``time_step_limit`` is
 Granite's ``(0, inf)``), so a token's arithmetic does not depend on the path that computes it.
 
-Under TP (model/parallel.py) a mixer holds this rank's channels (ShortConv) or key heads with their
-value heads (GatedDeltaNet; Mamba2 is not sharded yet), its state buffers the matching shard, and ``tp_reduce`` sums its output.
+Under TP (model/parallel.py) a mixer holds this rank's channels (ShortConv), key heads with their
+value heads (GatedDeltaNet) or heads with the groups they read (Mamba2), its state buffers the
+matching shard, and ``tp_reduce`` sums its output.
 """
 
 from __future__ import annotations
@@ -217,17 +218,34 @@ class GatedDeltaNet(nn.Module):
 class GroupGatedRMSNorm(nn.Module):
     """Mamba2's gated norm (transformers' ``GraniteMoeHybridRMSNormGated``; the gate before the
     norm): ``h = x * silu(gate)``, each group of ``size / groups`` channels of h divided by its rms,
-    in float32, rounded to x's dtype before the weight."""
+    in float32, rounded to x's dtype before the weight. Under TP (:meth:`shard`) a rank holds whole
+    groups, or part of one group whose mean square then sums over the TP group."""
 
     def __init__(self, size: int, groups: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size))
         self.groups, self.eps = groups, eps
+        self.width = size // groups  # a group's channels, on every rank together
+        self.spread: tuple[int, int] | None = None  # (this rank's group, the model's groups) where it spans ranks
+        self.tp_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+
+    def shard(self, groups: int, group: int | None, total: int,
+              tp_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]]) -> None:
+        """This rank holds ``groups`` whole groups (``group`` None), or a part of group ``group`` of the
+        model's ``total``, whose squares ``tp_reduce`` sums over the TP group (each rank adds its own
+        group's entry of a ``total``-wide vector: ranks of another group add nothing to it)."""
+        self.groups, self.spread, self.tp_reduce = groups, None if group is None else (group, total), tp_reduce
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        h = (x.float() * F.silu(gate.float())).unflatten(-1, (self.groups, -1))
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.flatten(-2).to(x.dtype)
+        h = x.float() * F.silu(gate.float())
+        if self.spread is None:
+            h = h.unflatten(-1, (self.groups, -1))
+            return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2).to(x.dtype)
+        group, total = self.spread
+        squares = h.new_zeros(*h.shape[:-1], total)
+        squares[..., group] = h.pow(2).sum(-1)
+        mean = self.tp_reduce(squares)[..., group:group + 1] / self.width
+        return self.weight * (h * torch.rsqrt(mean + self.eps)).to(x.dtype)
 
 
 class Mamba2Mixer(nn.Module):
@@ -247,7 +265,7 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = nn.Linear(inner, hidden, bias=spec.mamba_proj_bias)
         self.inp, self.out = Projection(self.in_proj), Projection(self.out_proj)
         self.dt_limits = (spec.dt_min, spec.dt_max)  # (max None: no upper bound)
-        self.tp_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # sum over TP ranks (not sharded yet)
+        self.tp_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # sum over TP ranks (model/parallel.py)
 
     def _heads(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The conv's output ``[T, conv_dim]`` SiLU'd and split: x ``[T, H, P]``, B and C ``[T, G, N]``."""
