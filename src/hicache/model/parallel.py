@@ -70,8 +70,10 @@ class ModelShard:
     def state_shapes(self, spec: ModelSpec, layer: int) -> tuple[tuple[int, ...], ...]:
         """:meth:`ModelSpec.state_shapes` of recurrent layer ``layer`` as this rank holds it: its
         channels of the conv state (LFM2), its key and value heads' (gated DeltaNet: q, k, v channels
-        of the conv; the recurrent matrix of its value heads)."""
+        of the conv; the recurrent matrix of its value heads; Mamba2: all of it, unsharded)."""
         whole = spec.state_shapes(layer)
+        if spec.layer_kinds[layer] == LayerKind.MAMBA2:  # whole: its heads are not sharded (TP > 1 is refused)
+            return whole
         if spec.layer_kinds[layer] == LayerKind.CONV:
             return ((len(self.conv_channels), whole[0][1]),)
         keys, values = len(self.gdn_key_heads), len(self.gdn_value_heads)
