@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..consensus_record import consensus_check
 from .radix import RadixCache
 from .state_pool import StateHold, StatePool
 from .state_tree import TreeStates
@@ -52,13 +53,16 @@ class DeviceStates:
         branch = kv_tokens // self.grid * self.grid
         hold.branch = branch if branch > hit_tokens else 0
 
-    def step(self, hold: StateHold, computed: int, new_tokens: int, prompt_tokens: int) -> None:
+    # (the positions snapshotted, not the slots: every rank's must agree, pipeline stages' without a state too)
+    @consensus_check("states.step", args=lambda self, hold, computed, new, prompt: (computed, new, prompt),
+                     result=lambda taken: [position for position, _ in taken])
+    def step(self, hold: StateHold, computed: int, new_tokens: int, prompt_tokens: int) -> tuple[tuple[int, int], ...]:
         """Before a forward of ``new_tokens`` after ``computed``: the snapshots it writes (a prompt
         pass's: its checkpoint and branch point inside its span), each a snapshot slot (none when
-        every slot is locked: the snapshot is not taken)."""
+        every slot is locked: the snapshot is not taken), returned as ``(position, slot)``."""
         hold.forward = ()
         if self.snapshots is None or computed >= prompt_tokens:
-            return
+            return ()
         end = min(computed + new_tokens, prompt_tokens - 1)
         wanted = sorted({p for p in (hold.branch, (prompt_tokens - 1) // self.grid * self.grid) if computed < p <= end})
         taken = []
@@ -68,6 +72,7 @@ class DeviceStates:
                 taken.append((position, slot))
         hold.forward = tuple(taken)
         hold.taken.extend(taken)
+        return hold.forward
 
     def after_insert(self, namespace: str, tokens: np.ndarray, hold: StateHold) -> None:
         """The tree now holds the whole pages of ``tokens``: the node ending at each snapshot taken

@@ -26,6 +26,7 @@ one block per sliding group (``windows.blocks[w, k]``), both drawn from one allo
 from __future__ import annotations
 
 import logging
+import math
 import weakref
 from dataclasses import replace
 
@@ -52,13 +53,12 @@ class HostKVPool:
         this many window page ids (+ id 0); it holds every layer (``layers``: the full ones)."""
         if layout not in LAYOUTS:
             raise ConfigError(f"--hicache-mem-layout must be one of {', '.join(LAYOUTS)}.")
-        k0 = device_pool.k_buffers[0]
         self.layout = layout
         self.page_size = device_pool.page_size
         self.layers = tuple(range(len(device_pool.k_buffers))) if layers is None else tuple(layers)
         self.num_pages = num_pages
-        self.dtype = k0.dtype
-        layer_page = 2 * self.page_size * k0[0].numel() * k0.element_size()  # one layer's K + V of a page
+        self.dtype = device_pool.dtype
+        layer_page = 2 * self.page_size * math.prod(device_pool.row) * self.dtype.itemsize  # one layer's K + V of a page
         self.shared = bool(window_ids)  # full pages and window pages are blocks of this one pool
         # Its window part (``windows``): shared, the device's with ``window_ids`` ids over its blocks; else its
         # own pages (what a window pool of its own holds). The host layer (row) of each device layer held; a
@@ -85,7 +85,7 @@ class HostKVPool:
                               f"{available / 2**30:.2f} GiB of host memory is available; lower --hicache-ratio or "
                               "--hicache-size.")
         self.cell_heads = cell_heads
-        shape = self._shape(layout, num_pages, self.num_layers, self.page_size, *k0.shape[1:])
+        shape = self._shape(layout, num_pages, self.num_layers, self.page_size, *device_pool.row)
         # Pinned memory makes CUDA copies asynchronous; the CPU build of torch cannot pin.
         self.pinned = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.buffer = pinned_empty(shape, self.dtype) if self.pinned else torch.empty(shape, dtype=self.dtype)

@@ -114,7 +114,7 @@ class TransferController:
         self._layers = target + [(p, i, i, FULL, 0) for p, (dev, _) in enumerate(sidecars, 1)
                                  for i in range(len(dev.k_buffers))]
         self.num_layers = len(self._layers)
-        self.device = device_pool.k_buffers[0].device
+        self.device = device_pool.device
         self.cuda = self.device.type == "cuda"
         self._ids = itertools.count()
         self._acks: dict[str, deque[TransferOp]] = {BACKUP: deque(), LOAD: deque()}

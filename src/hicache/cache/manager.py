@@ -88,16 +88,15 @@ def _key_namespace(pool: DeviceKVPool, shard: str, unified: UnifiedPlan | None,
                    states: StatePool | None = None) -> KeyNamespace:
     """What names this rank's page objects: its own layers and KV heads (rank-suffix), or the
     whole model's grid (unified: the same on every rank of every compatible deployment)."""
-    k = pool.k_buffers[0]
     if unified is not None:
-        return unified.key_namespace(pool.page_size, str(k.dtype), k.shape[2], pool.windows.window)
+        return unified.key_namespace(pool.page_size, str(pool.dtype), pool.row[1], pool.windows.window)
     # a hybrid pool's objects: full layers (the page object), window layers (checkpoints' "-window"
     # objects): a namespace of their own, so every-layer objects are never read as these
     w = pool.windows
     layout = f"{OBJECT_LAYOUT_V1};window={w.window}x{len(w.layers)}" if pool.hybrid else OBJECT_LAYOUT_V1
     if states is not None:  # recurrent layers: "-state" objects of this slot size, on this grid
         layout += f";state={states.bytes_per_slot}Bx{len(states.buffers)}@{states.grid}"
-    return KeyNamespace(pool.page_size, str(k.dtype), tuple(k.shape[1:]), len(pool.k_buffers) - len(w.layers),
+    return KeyNamespace(pool.page_size, str(pool.dtype), pool.row, len(pool.k_buffers) - len(w.layers),
                         shard, layout)
 
 

@@ -171,6 +171,9 @@ class DeviceKVPool:
         self.page_size = page_size
         self.num_pages = num_pages
         self.num_slots = num_pages * page_size
+        # (a pipeline stage without attention layers holds no buffer: these name its KV all the same;
+        # the device as a tensor's, with its index: "cuda" is "cuda:<current>")
+        self.dtype, self.row, self.device = dtype, (num_kv_heads, head_dim), torch.empty(0, device=device).device
         # Window pages are a deployment-wide decision: a pipeline stage without window layers keeps the
         # count (its allocator and tree decide as every other rank's) and holds no bytes for it.
         windows = windows if windows is not None and windows.pages else NO_WINDOWS

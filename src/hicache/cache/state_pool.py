@@ -80,12 +80,12 @@ class StatePool:
     state tensors, each ``[slots, *shape]``; satisfies the model's ``KVView.state_buffers``. Slots
     ``1 .. running`` are the running requests' (:attr:`running`), the next ``snapshots`` hold
     snapshots the tree keeps (:attr:`snapshots`); each handed out deterministically (the same ids on
-    every rank that applies the same operations, as pages are)."""
+    every rank that applies the same operations, as pages are). A pipeline stage without recurrent
+    layers holds a pool of none (no buffers, no bytes): its slot ids are handed out as every stage's
+    are, so its tree decides as theirs do."""
 
     def __init__(self, layers: Sequence[LayerState], running: int, snapshots: int, grid: int,
                  device: torch.device | str) -> None:
-        if not layers:
-            raise ValueError("a state pool needs at least one recurrent layer")
         self.grid = grid  # tokens: snapshots are taken at multiples of it (runtime/state_plan.py)
         self.num_slots = 1 + running + snapshots
         self.running, self.snapshots = SlotRange(1, running), SlotRange(1 + running, snapshots)

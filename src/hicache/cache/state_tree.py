@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 
 import numpy as np
 
+from ..consensus_record import consensus_check
 from .state_pool import SlotRange
 from .tree_node import TreeNode
 
@@ -150,6 +151,7 @@ class TreeStates:
             slot = self.slots.alloc()
         return slot
 
+    @consensus_check("tree.evict_states", args=lambda self, count: count, result=lambda freed: freed)
     def evict(self, count: int) -> int:
         """Free up to ``count`` device snapshots of unlocked nodes (:func:`eviction_order`). Returns how many."""
         victims = eviction_order(self.tree, lambda node: self.of(node).device, lambda node: node.lock_ref == 0, count)

@@ -81,7 +81,8 @@ class StorageTier:
         self.shard = shard
         self.page_size = keys.page_size
         if objects is None:  # one object per page; sidecar KV (a speculative draft's): "<key>-sidecar1", ...
-            objects = [WholePage(host.host_pool)] + [
+            # (none of a pipeline stage without attention layers: the other stages' objects decide)
+            objects = [WholePage(host.host_pool)] * bool(host.host_pool.num_layers) + [
                 WholePage(h, f"-sidecar{i}") for i, (_, h) in enumerate(host.controller.sidecar_pairs, start=1)]
             objects = (objects, objects)
         # hybrid: a checkpoint page's window layers in objects of their own ("<key>-window"; the grid's

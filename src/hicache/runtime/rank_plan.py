@@ -35,6 +35,10 @@ from .storage_layout import plan_index, unified_plans
 
 logger = logging.getLogger(__name__)
 
+# The pages a pipeline stage without attention layers plans (its pages cost nothing): a count every other rank's
+# bounds, as the counts are MIN-agreed.
+UNBOUNDED_PAGES = 2**62
+
 
 @dataclass(frozen=True)
 class RankContext:
@@ -141,17 +145,15 @@ def _state_plan(cfg: EngineConfig, spec: ModelSpec, rank: RankContext, dtype: to
                 budget: _Budget) -> StatePlan | None:
     """The recurrent layers' state slots (runtime/state_plan.py), this rank's shard of each state tensor,
     sized against the KV pool they sit beside. The slot counts are MIN-agreed over the ranks, so a slot
-    id names the same sequence or snapshot on every rank (a rank without recurrent layers, a later
-    pipeline stage's, agrees to anything)."""
+    id names the same sequence or snapshot on every rank (a pipeline stage without recurrent layers
+    plans a pool of none, which agrees to the other stages' counts)."""
     if not spec.recurrent_layers:
         return None
     free = budget.free(cfg)
     kv_tokens = cfg.max_total_tokens or max(free, 0) // spec.kv_bytes_per_token(dtype)
     plan = plan_states(spec, rank.layers(spec), dtype, cfg.page_size, StateBudget(
         cfg.max_running_requests, kv_tokens, cfg.recurrent_snapshot_ratio, free), rank.shard)
-    anything = 2**62
-    running, snapshots = rank.agree([plan.running, plan.snapshots] if plan else [anything, anything])
-    return plan.with_counts(running, snapshots) if plan else None
+    return plan.with_counts(*rank.agree([plan.running, plan.snapshots]))
 
 
 def rank_components(spec: ModelSpec, layers: range | list[int], row: tuple[int, int], hybrid: HybridPlan | None,
@@ -246,6 +248,8 @@ def _device_pool_pages(cfg: EngineConfig, budget: _Budget, bytes_per_page: int) 
     """Usable pages + the reserved page 0."""
     if cfg.max_total_tokens is not None:
         return cfg.max_total_tokens // cfg.page_size + 1
+    if not bytes_per_page:
+        return UNBOUNDED_PAGES
     free = budget.free(cfg)
     pages = free // bytes_per_page
     if pages < 1:
@@ -259,6 +263,8 @@ def _device_pool_pages(cfg: EngineConfig, budget: _Budget, bytes_per_page: int) 
 
 def _host_pool_pages(cfg: EngineConfig, device_pages: int, bytes_per_page: int) -> int:
     """Host pages + the reserved page 0: --hicache-size GB, else --hicache-ratio x device."""
+    if not bytes_per_page:
+        return UNBOUNDED_PAGES
     if cfg.hicache_size > 0:
         pages = int(cfg.hicache_size * 1e9 // bytes_per_page)
     else:

@@ -32,6 +32,7 @@ BUDGET_SHARE = 4  # running slots take at most 1 / BUDGET_SHARE of the device bu
 SNAPSHOT_SHARE = 2  # snapshot slots at most 1 / SNAPSHOT_SHARE
 SNAPSHOTS_PER_1K_TOKENS = 1.0  # the default: two snapshots per 2K-token conversation the KV pool holds
 SNAPSHOT_FLOOR = 8  # and at least 2 per running request + this many
+UNBOUNDED = 2**62  # the snapshot slots of a stage that holds no state: any count the other stages agree on
 
 
 @dataclass(frozen=True)
@@ -96,12 +97,16 @@ class StateBudget:
 
 def plan_states(spec: ModelSpec, layers: range | list[int], dtype: torch.dtype, page_size: int,
                 budget: StateBudget, shard: ModelShard | None = None) -> StatePlan | None:
-    """The state pool over this rank's ``layers`` as ``shard`` holds them (None: none is recurrent).
-    Running slots are cut (said in one line) where they would take more than a quarter of the budget,
-    snapshots where they would take more than half."""
+    """The state pool over this rank's ``layers`` as ``shard`` holds them (None: the model has no
+    recurrent layer). Running slots are cut (said in one line) where they would take more than a
+    quarter of the budget, snapshots where they would take more than half. A pipeline stage without
+    recurrent layers plans a pool of none with as many slots as it would allow (:data:`UNBOUNDED`
+    snapshots): the counts every rank agrees on are the other stages'."""
+    if not spec.recurrent_layers:
+        return None
     states = layer_states(spec, layers, dtype, shard)
     if not states:
-        return None
+        return StatePlan((), budget.running, UNBOUNDED, snapshot_grid(spec, page_size))
     one = slot_bytes(states)
     running, cap = budget.running, None if budget.budget_bytes is None else budget.budget_bytes // one
     if cap is not None and running > cap // BUDGET_SHARE:

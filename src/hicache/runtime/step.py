@@ -144,7 +144,7 @@ class StepDriver:
         finished += self.output.hand_on(batch, out, events, inbound)
         if batch is not None:  # its output has been sampled or sent on: the forward is done
             if batch.kind == BatchKind.PREFILL:  # a chunk that samples nothing leaves its kernels queued on a GPU
-                wait_for_device(cache.pool.k_buffers[0].device)
+                wait_for_device(cache.pool.device)
             sched.observe_forward(batch, time.perf_counter() - t0)
         cache.submit_transfers()  # backups of what finished in this step
         return batch, finished

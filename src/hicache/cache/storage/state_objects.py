@@ -78,24 +78,29 @@ class StoredStates:
         ends = [k for k in range(done, 0, -1) if (op.start_page + k) % grid_pages == 0][:PROBES] \
             if part is not None and not op.stop.is_set() else []
         for k in ends:
-            ok = 0
-            try:
-                blob = guard.batch_get([state_key(op.hashes[k - 1])])[0]
-                payload, status = decode_checked(blob, op.ns_digest, op.hashes[k - 1])
-                ok = int(payload is not None and self.load(int(part.host_pages[0]), payload))
-                if payload is None and status.value != "missing":
-                    stats.failures[f"state_{status.value}"] += 1
-            except Exception as e:  # the pages stand; the hit is cut back to a snapshot held elsewhere
-                logger.warning("prefetch op=%d: reading a state at page %d failed: %s", op.op_id, k, e)
+            # a pipeline stage without recurrent layers has nothing to read: the other stages decide
+            ok = self._probe(guard, op, k, int(part.host_pages[0]), stats) if self.pool.buffers else 1
             if agree([ok])[0]:
                 part.first = k
                 stats.prefetch_bytes += self.pool.bytes_per_slot
                 return
 
+    def _probe(self, guard: GuardedBackend, op: PrefetchOp, k: int, slot: int, stats: StorageStats) -> int:
+        """1 when the state object at the end of the op's page ``k`` arrived intact into ``slot``, else 0."""
+        try:
+            blob = guard.batch_get([state_key(op.hashes[k - 1])])[0]
+            payload, status = decode_checked(blob, op.ns_digest, op.hashes[k - 1])
+            if payload is None and status.value != "missing":
+                stats.failures[f"state_{status.value}"] += 1
+            return int(payload is not None and self.load(slot, payload))
+        except Exception as e:  # the pages stand; the hit is cut back to a snapshot held elsewhere
+            logger.warning("prefetch op=%d: reading a state at page %d failed: %s", op.op_id, k, e)
+            return 0
+
     def write(self, guard: GuardedBackend, op: BackupOp, stats: StorageStats) -> None:
         """The snapshot at the end of the op's last page (``part.index``), from its host slot."""
         part = op.parts.get(self.name)
-        if part is None:
+        if part is None or not self.pool.buffers:  # (a pipeline stage without recurrent layers: nothing to store)
             return
         i, slot = int(part.index[0]), int(part.host_pages[0])
         blob = encode(op.ns_digest, op.hashes[i], self.payload(slot))
