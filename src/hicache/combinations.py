@@ -27,9 +27,10 @@ REFUSED: dict[tuple[str, str], str] = {
     # Speculative decoding: NGRAM runs (a verify pass steps the recurrent layers token by token, and the running
     # slot takes the accepted row's state: docs/hybrid_kv.md); a draft model stays refused.
     ("recurrent_state", "standalone"): "{model} has recurrent layers, and --speculative-algorithm STANDALONE is not "
-                                       "supported with them (a verify pass of k+1 rows for every running request "
-                                       "would keep k scratch states per request, and a draft model's own recurrent "
-                                       "state would need the same rollback); use --speculative-algorithm NGRAM.",
+                                       "supported with them (its verify passes of k+1 rows for every running request "
+                                       "would keep k states of the recurrent_state component per request, and a "
+                                       "recurrent draft model's own state would need the same rollback); use "
+                                       "--speculative-algorithm NGRAM.",
     # The rows below go as issue 59's increments land (docs/recurrent_plan.md, section 3).
     ("recurrent_state", "unified"): "{model} has recurrent layers, which the unified storage grid does not lay out "
                                     "yet (the recurrent_state component's objects are rank-suffix ones); drop "
