@@ -15,6 +15,8 @@ import torch
 from recurrent_checks import random_ids, states
 
 from hicache import Engine, SamplingParams
+from hicache.cache.device_state import DeviceStates
+from hicache.cache.state_pool import StatePool
 from hicache.config import ConfigError
 from hicache.model import DenseKV, load_model, make_forward_batch
 
@@ -77,7 +79,41 @@ def _assert_states_close(got: list, want: list) -> None:
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+# ---- the scratch slots -------------------------------------------------------------------------------
+def test_acceptance_keeps_the_accepted_rows_state_and_frees_the_scratch() -> None:
+    """A verify pass of 4 rows holds 3 scratch slots (the state after rows 1..3; its running slot takes
+    the state after all 4); acceptance copies the last accepted row's state into the running slot (none
+    when every draft was taken) and frees the scratch, as an abort in flight does."""
+    pool = StatePool([(((2,), torch.float32),)], running=2, snapshots=1, grid=4, device="cpu", scratch=3)
+    states = DeviceStates(pool, None)
+    hold = states.hold()
+    buffer = pool.buffers[0][0]
+    for kept, want in ((2, 2.0), (4, 9.0), (1, 1.0)):
+        states.step(hold, computed=10, new_tokens=4, prompt_tokens=8)
+        assert len(hold.rows) == 3 and pool.scratch.available == 0
+        for j, slot in enumerate(hold.rows):
+            buffer[slot] = j + 1.0  # the state after row j + 1
+        buffer[hold.slot] = 9.0  # after all four
+        states.accept(hold, kept)
+        assert buffer[hold.slot].tolist() == [want, want] and pool.scratch.available == 3 and hold.rows == ()
+    states.step(hold, computed=10, new_tokens=3, prompt_tokens=8)
+    states.release(hold)  # an abort while the pass is in flight
+    assert pool.scratch.available == 3 and pool.running.available == 2
+    hold = states.hold()
+    with pytest.raises(RuntimeError, match="too few of the state pool's 3 scratch slots"):
+        states.step(hold, computed=10, new_tokens=5, prompt_tokens=8)
+    assert pool.scratch.available == 3
+
+
 # ---- the engine ------------------------------------------------------------------------------------
+def _assert_drafts_accepted_and_rejected(spec: dict) -> None:
+    """Verify passes took drafts (accept length > 1) and turned some down, so the running state was
+    rolled back to an accepted row at least once."""
+    assert spec["request_verify_steps"] > 0 and spec["accept_length"] > 1.0
+    accepted_drafts = spec["accepted_tokens"] - spec["request_verify_steps"]  # less each pass's own token
+    assert 0 < accepted_drafts < spec["drafted_tokens"]
+
+
 def test_greedy_output_equals_the_plain_engine(model: str) -> None:
     """Four requests in one batch (drafting or riding along), chunked prefill: the plain engine's tokens;
     drafts were accepted (accept length > 1) and rejected (so the rollback to the accepted row ran), and
@@ -92,10 +128,7 @@ def test_greedy_output_equals_the_plain_engine(model: str) -> None:
     try:
         out = engine.generate(prompts, GREEDY)
         assert [r.output_ids for r in out] == want
-        spec = engine.stats()["speculative"]
-        assert spec["request_verify_steps"] > 0 and spec["accept_length"] > 1.0
-        accepted_drafts = spec["accepted_tokens"] - spec["request_verify_steps"]  # less each pass's own token
-        assert 0 < accepted_drafts < spec["drafted_tokens"]
+        _assert_drafts_accepted_and_rejected(engine.stats()["speculative"])
         pool = engine.stats()["device_pool"]["recurrent_state"]
         assert pool["scratch_slots"] > 0 and pool["scratch_slots_held"] == 0 and pool["running_slots_held"] == 0
     finally:
@@ -119,6 +152,30 @@ def test_a_prefix_hit_with_ngram_on_gives_the_cold_tokens(model: str) -> None:
         assert hit.output_ids == cold.output_ids
         assert max(abs(a.logprob - b.logprob) for a, b in zip(hit.logprobs, cold.logprobs, strict=True)) < LOGPROB_ATOL
         engine.cache.tree.check_invariants()
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parallel
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.parametrize("model", [m for m in MODELS if "mamba2" not in m], indirect=True)  # (Mamba2: TP refused)
+def test_tp2_ranks_draft_and_answer_like_one_plain_rank(model: str, checker: None) -> None:
+    """Each rank steps its shard of the recurrent layers and keeps the accepted row's state in its own
+    scratch and running slots (the same slot ids on every rank): TP2 with NGRAM gives TP1's plain tokens
+    while drafts are accepted and rejected, and the consensus checker sees the ranks agree on every draft
+    and acceptance."""
+    prompts = _looping_prompts(4)
+    plain = Engine(model, **BASE)
+    try:
+        want = [r.output_ids for r in plain.generate(prompts, GREEDY)]
+    finally:
+        plain.shutdown()
+    engine = Engine(model, **BASE, **NGRAM, tp_size=2)
+    try:
+        assert [r.output_ids for r in engine.generate(prompts, GREEDY)] == want
+        _assert_drafts_accepted_and_rejected(engine.stats()["speculative"])
+        assert engine.group.monitor.divergence is None and engine.group.monitor.compared > 50
     finally:
         engine.shutdown()
 
