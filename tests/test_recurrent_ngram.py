@@ -180,10 +180,17 @@ def test_tp2_ranks_draft_and_answer_like_one_plain_rank(model: str, checker: Non
         engine.shutdown()
 
 
-def test_standalone_speculation_is_refused_in_one_sentence() -> None:
-    with pytest.raises(ConfigError, match="STANDALONE is not supported with them") as e:
-        Engine("random:lfm2-tiny", **BASE, speculative_algorithm="STANDALONE",
-               speculative_draft_model_path="random:lfm2-tiny")
+@pytest.mark.parametrize("target, draft, says", [
+    ("random:lfm2-tiny", "random:tiny", "random:lfm2-tiny has recurrent layers, and --speculative-algorithm "
+                                        "STANDALONE is not supported with them"),
+    ("random:tiny", "random:gdn-tiny", "the draft model 'random:gdn-tiny' has recurrent layers"),
+])
+def test_standalone_speculation_with_recurrent_layers_is_refused_in_one_sentence(target: str, draft: str,
+                                                                                 says: str) -> None:
+    """A recurrent target (its verify passes would hold k states a request) or a recurrent draft (its
+    passes keep no state): refused at start-up, each in one sentence that points to NGRAM."""
+    with pytest.raises(ConfigError) as e:
+        Engine(target, **BASE, speculative_algorithm="STANDALONE", speculative_draft_model_path=draft)
     message = str(e.value)
-    assert "random:lfm2-tiny has recurrent layers" in message and "use --speculative-algorithm NGRAM" in message
-    assert message.count(". ") == 0 and message.endswith(".") and "\n" not in message
+    assert message.startswith(says) and message.endswith("--speculative-algorithm NGRAM.")
+    assert message.count(". ") == 0 and "\n" not in message
