@@ -245,12 +245,12 @@ def test_bad_options() -> None:
 
 
 # a deployment holding each pair REFUSED lists: a model with the component, the flags of the mode
+STANDALONE = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path="random:tiny")
 HOLDING = {("window", "cp"): ("random:gemma-small", dict(tp_size=2, attn_cp_size=2)),
            ("full", "latent-tp"): ("random:tiny", dict(tp_size=2, enable_kv_cache_sharding=True)),
-           ("draft", "pd"): ("random:tiny", dict(speculative_algorithm="STANDALONE", disaggregation_mode="decode",
-                                                 speculative_draft_model_path="random:tiny")),
+           ("draft", "pd"): ("random:tiny", dict(**STANDALONE, disaggregation_mode="decode")),
            ("recurrent_state", "cp"): ("random:lfm2-tiny", dict(tp_size=2, attn_cp_size=2)),
-           ("recurrent_state", "speculative"): ("random:lfm2-tiny", dict(speculative_algorithm="NGRAM")),
+           ("recurrent_state", "standalone"): ("random:lfm2-tiny", STANDALONE),
            ("recurrent_state", "unified"): ("random:lfm2-tiny", dict(enable_hierarchical_cache=True,
                                                                      hicache_storage_backend="file",
                                                                      hicache_storage_key_scheme="unified")),

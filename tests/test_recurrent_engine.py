@@ -80,7 +80,6 @@ def test_stats_name_the_recurrent_state_component(model: str) -> None:
 @pytest.mark.parametrize("flags, says", [
     (dict(enable_hierarchical_cache=True, hicache_storage_backend="file", hicache_storage_key_scheme="unified"),
      "drop --hicache-storage-key-scheme unified"),
-    (dict(speculative_algorithm="NGRAM"), "drop --speculative-algorithm"),
 ])
 def test_modes_not_built_yet_are_refused_in_one_sentence(model: str, flags: dict, says: str) -> None:
     with pytest.raises(ConfigError, match=says) as e:

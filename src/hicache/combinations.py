@@ -24,10 +24,14 @@ REFUSED: dict[tuple[str, str], str] = {
                                "context parallelism would leave each rank waiting for the state at the end of the "
                                "previous rank's tokens (the recurrent_state component is not split by tokens); run it "
                                "without --attn-cp-size / --enable-kv-cache-sharding.",
+    # Speculative decoding: NGRAM runs (a verify pass steps the recurrent layers token by token, and the running
+    # slot takes the accepted row's state: docs/hybrid_kv.md); a draft model stays refused.
+    ("recurrent_state", "standalone"): "{model} has recurrent layers, and --speculative-algorithm STANDALONE is not "
+                                       "supported with them (its verify passes of k+1 rows for every running request "
+                                       "would keep k states of the recurrent_state component per request, and a "
+                                       "recurrent draft model's own state would need the same rollback); use "
+                                       "--speculative-algorithm NGRAM.",
     # The rows below go as issue 59's increments land (docs/recurrent_plan.md, section 3).
-    ("recurrent_state", "speculative"): "{model} has recurrent layers, whose state a verify pass would have to roll "
-                                        "back to the accepted drafts (the recurrent_state component keeps no state per "
-                                        "draft yet); drop --speculative-algorithm.",
     ("recurrent_state", "unified"): "{model} has recurrent layers, which the unified storage grid does not lay out "
                                     "yet (the recurrent_state component's objects are rank-suffix ones); drop "
                                     "--hicache-storage-key-scheme unified.",

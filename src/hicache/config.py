@@ -276,7 +276,7 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
                  "latent-tp": self.enable_kv_cache_sharding and self.attn_cp_size == 1,
                  "pd": self.disaggregation_mode != "null", "tp": self.tp_size > 1, "pp": self.pp_size > 1,
                  "unified": self.hicache_storage_key_scheme == "unified",
-                 "speculative": self.speculative_algorithm is not None}
+                 "speculative": self.speculative_algorithm is not None, "standalone": self.uses_draft_model}
         for (component, mode), why in REFUSED.items():
             if component in components and modes[mode]:
                 raise ConfigError(why.format(model=self.model))

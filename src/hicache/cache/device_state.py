@@ -59,9 +59,13 @@ class DeviceStates:
     def step(self, hold: StateHold, computed: int, new_tokens: int, prompt_tokens: int) -> tuple[tuple[int, int], ...]:
         """Before a forward of ``new_tokens`` after ``computed``: the snapshots it writes (a prompt
         pass's: its checkpoint and branch point inside its span), each a snapshot slot (none when
-        every slot is locked: the snapshot is not taken), returned as ``(position, slot)``."""
+        every slot is locked: the snapshot is not taken), returned as ``(position, slot)``; a verify pass's
+        scratch slots (:meth:`accept`). A pass of generated tokens takes no snapshot: its drafts may be rejected."""
         hold.forward = ()
-        if self.snapshots is None or computed >= prompt_tokens:
+        if computed >= prompt_tokens:
+            self._verify_rows(hold, new_tokens)
+            return ()
+        if self.snapshots is None:
             return ()
         end = min(computed + new_tokens, prompt_tokens - 1)
         wanted = sorted({p for p in (hold.branch, (prompt_tokens - 1) // self.grid * self.grid) if computed < p <= end})
@@ -73,6 +77,34 @@ class DeviceStates:
         hold.forward = tuple(taken)
         hold.taken.extend(taken)
         return hold.forward
+
+    def _verify_rows(self, hold: StateHold, new_tokens: int) -> None:
+        """A scratch slot for the state after each of a verify pass's rows but the last (held until
+        :meth:`accept`). The scratch is sized for the most rows a verify pass has (runtime/state_plan.py)."""
+        if hold.rows:
+            raise RuntimeError("a request's verify pass was scheduled before its previous one was accepted")
+        rows = []
+        for _ in range(new_tokens - 1):
+            slot = self.pool.scratch.alloc()
+            if slot is None:
+                hold.rows = tuple(rows)
+                self._free_rows(hold)
+                raise RuntimeError(f"a verify pass of {new_tokens} rows found too few of the state pool's "
+                                   f"{self.pool.scratch.capacity} scratch slots free")
+            rows.append(slot)
+        hold.rows = tuple(rows)
+
+    def accept(self, hold: StateHold, kept: int) -> None:
+        """A verify pass's first ``kept`` rows are now the request's context: its running slot takes the
+        state after them (the pass left the state after all its rows there), and its scratch is free."""
+        if 0 < kept <= len(hold.rows):
+            self.pool.copy_slot(hold.rows[kept - 1], hold.slot)
+        self._free_rows(hold)
+
+    def _free_rows(self, hold: StateHold) -> None:
+        for slot in hold.rows:
+            self.pool.scratch.free(slot)
+        hold.rows = ()
 
     def after_insert(self, namespace: str, tokens: np.ndarray, hold: StateHold) -> None:
         """The tree now holds the whole pages of ``tokens``: the node ending at each snapshot taken
@@ -87,6 +119,7 @@ class DeviceStates:
     def release(self, hold: StateHold) -> None:
         """The request is done: its running slot and the snapshots no insert took are free."""
         self.pool.running.free(hold.slot)
+        self._free_rows(hold)
         for _, slot in hold.taken:
             self.pool.snapshots.free(slot)
         hold.taken.clear()

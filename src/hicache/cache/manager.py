@@ -248,6 +248,12 @@ class KVCacheManager:
         if self.device.states is not None:
             self.device.states.step(state.state, computed, new_tokens, prompt_tokens)
 
+    def accept_rows(self, state: KVState, kept: int) -> None:
+        """A verify pass's first ``kept`` rows (the last token + the accepted drafts) are the request's
+        context now: recurrent layers keep the state after them, not after the rejected drafts."""
+        if self.device.states is not None:
+            self.device.states.accept(state.state, kept)
+
     def chunk_tokens(self, computed: int, new_tokens: int, prompt_tokens: int) -> int:
         """A prompt chunk's length, ``new_tokens`` cut so that a chunk before the prompt's last ends on
         the recurrent layers' snapshot grid (the next one then starts where a hit's would, and its scan

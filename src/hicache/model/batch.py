@@ -153,14 +153,22 @@ class StateSlots:
     # per sequence, its snapshots: (absolute position p, slot) pairs, p ascending -- also write its state after its
     # tokens before p (p inside this pass's span: start <= p <= its end) to that slot (the prefix tree keeps it)
     emits: tuple[tuple[tuple[int, int], ...], ...] = ()
+    # per sequence of a pass of generated tokens (a speculative verify pass: the last token + drafts), the slots
+    # its state after each of its new tokens but the last is also written to, in row order (empty: none), so the
+    # state at the accepted row can replace the running slot's (runtime: DeviceStates.accept)
+    rows: tuple[tuple[int, ...], ...] = ()
 
     @classmethod
     def of(cls, slots: Sequence[tuple], lengths: Sequence[int], device: torch.device | str) -> StateSlots:
-        """From each sequence's ``(source, running)`` or ``(source, running, emits)`` slots and new-token count."""
+        """From each sequence's ``(source, running[, emits[, rows]])`` slots and new-token count."""
         if len(slots) != len(lengths):
             raise ValueError(f"{len(slots)} state slot pairs for {len(lengths)} sequences")
         source, running = (torch.tensor([one[i] for one in slots], dtype=torch.long, device=device) for i in (0, 1))
-        return cls(source, running, tuple(lengths), tuple(tuple(one[2]) if len(one) > 2 else () for one in slots))
+        emits, rows = (tuple(tuple(one[i]) if len(one) > i else () for one in slots) for i in (2, 3))
+        for n, r in zip(lengths, rows):
+            if r and len(r) != n - 1:
+                raise ValueError(f"{len(r)} row state slots for a sequence of {n} new tokens (one per token but the last)")
+        return cls(source, running, tuple(lengths), emits, rows if any(rows) else ())
 
 
 @dataclass

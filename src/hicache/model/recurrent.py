@@ -10,7 +10,10 @@ per state slot (channels first, as transformers keeps it), in ``kv.state_buffers
 Each pass reads every sequence's state from its ``batch.state.source`` slot before it writes any
 ``running`` slot, and computes every token with the taps of model/scan.py: a prompt in one pass,
 in chunks, or token by token gives the same state bits. A pass of one new token per sequence (a
-decode step) is one batched step; otherwise one span per sequence (never a loop over tokens).
+decode step) is one batched step; a prompt pass one span per sequence (never a loop over tokens); a
+pass of several generated tokens a sequence (a speculative verify pass) the decode step token by token
+(model/token_steps.py), which also writes each sequence's state after each of its rows but the last to
+the slots ``batch.state.rows`` names (the engine keeps the accepted row's).
 
 ``GatedDeltaNet`` is Qwen3.5's "linear_attention" layer, under transformers' names
 (``linear_attn.in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``, ``conv1d.weight``
@@ -22,7 +25,7 @@ output normalised per value head, times ``silu(z)``; ``out_proj``. Its state: th
 ``K - 1`` inputs ``[conv_dim, K-1]`` (``state_buffers[i][0]``) and the recurrent matrix
 ``[Hv, dk, dv]`` float32 (``state_buffers[i][1]``). A prompt pass scans each sequence on the
 absolute chunk grid (``ScanSpan(start=<its first new position>, chunk=SCAN_CHUNK)``); a pass of
-generated tokens, one a sequence, is one batched :func:`~hicache.model.scan.delta_rule_step`.
+generated tokens is :func:`~hicache.model.scan.delta_rule_step` (batched; token by token in a verify pass).
 
 ``Mamba2Mixer`` is Granite 4.0-H's "mamba" layer, under transformers' names (``mamba.in_proj``,
 ``conv1d.weight`` ``[conv_dim, 1, K]`` and its bias, ``dt_bias``, ``A_log``, ``D``, ``norm``,
@@ -32,7 +35,7 @@ d_inner, then groups x N twice) and dt (one per head); x|B|C through the causal 
 with the D skip (model/scan.py, float32); :class:`GroupGatedRMSNorm` of ``y * silu(z)``;
 ``out_proj``. Its state: the conv's last ``K - 1`` inputs ``[conv_dim, K-1]`` and the SSM state
 ``[H, P, N]`` float32 (transformers' ``ssm_states`` layout), prompt passes scanned per sequence on
-the absolute chunk grid, a pass of generated tokens one batched :func:`~hicache.model.scan.ssd_step`.
+the absolute chunk grid, a pass of generated tokens :func:`~hicache.model.scan.ssd_step` as the gated DeltaNet's.
 The clamp applies to both (transformers' token step skips it: the same while ``time_step_limit`` is
 Granite's ``(0, inf)``), so a token's arithmetic does not depend on the path that computes it.
 
@@ -43,6 +46,7 @@ matching shard, and ``tp_reduce`` sums its output.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, Optional
 
 import torch
@@ -54,6 +58,7 @@ from hicache.model.projection import Projection
 from hicache.model.scan import (ScanSpan, causal_conv, conv_step, delta_rule_qk, delta_rule_scan, delta_rule_step,
                                 ssd_scan, ssd_step)
 from hicache.model.spec import SCAN_CHUNK, ModelSpec
+from hicache.model.token_steps import step_tokens
 
 
 def sequence_spans(batch: ForwardBatch, chunk: int = 1) -> list[ScanSpan]:
@@ -64,6 +69,11 @@ def sequence_spans(batch: ForwardBatch, chunk: int = 1) -> list[ScanSpan]:
         spans.append(ScanSpan(int(batch.positions[row]) if n else 0, chunk, tuple(p for p, _ in emits)))
         row += n
     return spans
+
+
+def sequence_starts(batch: ForwardBatch) -> list[int]:
+    """Each sequence's first new position in a pass (0 for a sequence without new tokens)."""
+    return [span.start for span in sequence_spans(batch)]
 
 
 def write_emitted(slots: StateSlots, emitted: list[list], buffers: tuple[torch.Tensor, ...]) -> None:
@@ -117,6 +127,9 @@ class ShortConv(nn.Module):
         weight, bias = self.conv.weight[:, 0, :], self.conv.bias
         if max(slots.lengths) == 1 and not any(slots.emits):  # one token a sequence (decode): one batched step
             conv, after = conv_step(bx, weight, bias, states)
+        elif batch.generated:  # a verify pass: the decode step token by token, each row's state kept
+            conv, (after,) = step_tokens(partial(self._step, weight, bias), (bx,), (states,), slots, (buffer,),
+                                         sequence_starts(batch))
         else:
             spans = [causal_conv(rows, weight, bias, state, span) for state, rows, span in
                      zip(states, bx.split(slots.lengths), sequence_spans(batch))]
@@ -125,6 +138,13 @@ class ShortConv(nn.Module):
         buffer.index_copy_(0, slots.running, after.to(buffer.dtype))
         out = self.out(c * conv, batch.generated)
         return out if self.tp_reduce is None else self.tp_reduce(out)
+
+    @staticmethod
+    def _step(weight: torch.Tensor, bias: Optional[torch.Tensor], bx: torch.Tensor,
+              state: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor]]:
+        """One token of each sequence (model/token_steps.py's step): the conv's output and state."""
+        conv, after = conv_step(bx, weight, bias, state)
+        return conv, (after,)
 
 
 class GatedRMSNorm(nn.Module):
@@ -183,10 +203,9 @@ class GatedDeltaNet(nn.Module):
         conv_buffer, rec_buffer = kv.state_buffers[self.state_index]
         conv_states = conv_buffer.index_select(0, slots.source)  # all read before any write
         rec_states = rec_buffer.index_select(0, slots.source).float()
-        weight = self.conv1d.weight[:, 0, :]
-        if batch.generated and max(slots.lengths) == 1 and not any(slots.emits):  # one generated token each: a step
-            conv, conv_after = conv_step(mixed, weight, None, conv_states)
-            out, rec_after = delta_rule_step(*self._qkv(conv), g, beta, rec_states)
+        if batch.generated:  # decode steps, token by token over a verify pass's rows
+            out, (conv_after, rec_after) = step_tokens(self._step, (mixed, g, beta), (conv_states, rec_states), slots,
+                                                       (conv_buffer, rec_buffer), sequence_starts(batch))
         else:
             out, conv_after, rec_after = self._scan(mixed, g, beta, (conv_states, rec_states), batch,
                                                     (conv_buffer, rec_buffer))
@@ -195,6 +214,13 @@ class GatedDeltaNet(nn.Module):
         out = self.norm(out.to(x.dtype), z.unflatten(-1, (self.value_heads, self.value_dim))).flatten(1)
         out = self.out(out, batch.generated)
         return out if self.tp_reduce is None else self.tp_reduce(out)
+
+    def _step(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_state: torch.Tensor,
+              rec_state: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """One generated token of each sequence: the outputs ``[B, Hv, dv]``, the conv and recurrent states after it."""
+        conv, conv_after = conv_step(mixed, self.conv1d.weight[:, 0, :], None, conv_state)
+        out, rec_after = delta_rule_step(*self._qkv(conv), g, beta, rec_state)
+        return out, (conv_after, rec_after)
 
     def _scan(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, states: tuple[torch.Tensor, torch.Tensor],
               batch: ForwardBatch, buffers: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -284,10 +310,9 @@ class Mamba2Mixer(nn.Module):
         conv_buffer, ssm_buffer = kv.state_buffers[self.state_index]
         conv_states = conv_buffer.index_select(0, slots.source)  # all read before any write
         ssm_states = ssm_buffer.index_select(0, slots.source).float()
-        if batch.generated and max(slots.lengths) == 1 and not any(slots.emits):  # one generated token each: a step
-            conv, conv_after = conv_step(xbc, self.conv1d.weight[:, 0, :], self.conv1d.bias, conv_states)
-            u, b, c = self._heads(conv)
-            out, ssm_after = ssd_step(u, dt, a, b, c, self.D, ssm_states)
+        if batch.generated:  # decode steps, token by token over a verify pass's rows
+            out, (conv_after, ssm_after) = step_tokens(partial(self._step, a), (xbc, dt), (conv_states, ssm_states),
+                                                       slots, (conv_buffer, ssm_buffer), sequence_starts(batch))
         else:
             out, conv_after, ssm_after = self._scan(xbc, dt, a, (conv_states, ssm_states), batch,
                                                     (conv_buffer, ssm_buffer))
@@ -295,6 +320,14 @@ class Mamba2Mixer(nn.Module):
         ssm_buffer.index_copy_(0, slots.running, ssm_after.to(ssm_buffer.dtype))
         out = self.out(self.norm(out.flatten(1), z), batch.generated)
         return out if self.tp_reduce is None else self.tp_reduce(out)
+
+    def _step(self, a: torch.Tensor, xbc: torch.Tensor, dt: torch.Tensor, conv_state: torch.Tensor,
+              ssm_state: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """One generated token of each sequence: the outputs ``[B, H, P]``, the conv and SSM states after it."""
+        conv, conv_after = conv_step(xbc, self.conv1d.weight[:, 0, :], self.conv1d.bias, conv_state)
+        u, b, c = self._heads(conv)
+        out, ssm_after = ssd_step(u, dt, a, b, c, self.D, ssm_state)
+        return out, (conv_after, ssm_after)
 
     def _scan(self, xbc: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, states: tuple[torch.Tensor, torch.Tensor],
               batch: ForwardBatch, buffers: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:

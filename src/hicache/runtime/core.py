@@ -79,7 +79,7 @@ def build_core(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, dty
     # shared blocks with its sliding groups)
     windows = plan.hybrid.pool_part(plan.window_pages) if plan.hybrid is not None else None
     s = plan.states
-    states = StatePool(s.layers, s.running, s.snapshots, s.grid, device) if s is not None else None
+    states = StatePool(s.layers, s.running, s.snapshots, s.grid, device, s.scratch) if s is not None else None
     pool = DeviceKVPool(plan.layers + plan.packed_layers, *plan.row, plan.device_pages, cfg.page_size, plan.kv_dtype,
                         device, windows)
     unified = plan.unified

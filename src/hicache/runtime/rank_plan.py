@@ -30,7 +30,7 @@ from ..model.prefix_gather import CPGroup, PrefixGather
 from ..model.spec import ModelSpec
 from .hybrid_pool import HybridPlan, plan_hybrid
 from .speculative import DraftKV, plan_draft_kv
-from .state_plan import StateBudget, StatePlan, plan_states
+from .state_plan import StateBudget, StatePlan, plan_states, verify_scratch
 from .storage_layout import plan_index, unified_plans
 
 logger = logging.getLogger(__name__)
@@ -152,7 +152,8 @@ def _state_plan(cfg: EngineConfig, spec: ModelSpec, rank: RankContext, dtype: to
     free = budget.free(cfg)
     kv_tokens = cfg.max_total_tokens or max(free, 0) // spec.kv_bytes_per_token(dtype)
     plan = plan_states(spec, rank.layers(spec), dtype, cfg.page_size, StateBudget(
-        cfg.max_running_requests, kv_tokens, cfg.recurrent_snapshot_ratio, free), rank.shard)
+        cfg.max_running_requests, kv_tokens, cfg.recurrent_snapshot_ratio, free,
+        verify_scratch(cfg.speculative_algorithm, cfg.pp_size)), rank.shard)
     return plan.with_counts(*rank.agree([plan.running, plan.snapshots]))
 
 

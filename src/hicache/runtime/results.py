@@ -111,6 +111,7 @@ class Results:
         KV now covers the j proposals. They are appended until one stops the request (the rest
         are dropped); the modes hear what was taken before the request finishes, since
         finishing caches what has KV and a mode may limit that (``Request.tokens_with_kv``)."""
+        self.cache.accept_rows(req.kv, len(tokens))  # the pass's rows: the last token + the accepted drafts
         req.computed = len(req.all_ids) + len(tokens) - 1
         before = len(req.output_ids)
         reason = self._append(req, tokens, logprobs)

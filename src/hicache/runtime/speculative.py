@@ -71,6 +71,10 @@ def check_draft(target: LoadedModel, draft: LoadedModel, draft_name: str, contex
     if problem:
         raise ConfigError(f"the draft model {draft_name!r} cannot speculate for {target.name!r}: {problem}; "
                           "a draft must share the target's tokenizer.")
+    if draft.spec.recurrent_layers:
+        raise ConfigError(f"the draft model {draft_name!r} has recurrent layers, whose state a draft's passes do "
+                          "not keep (the draft has KV pages but no state slots); use a draft without recurrent "
+                          "layers, or --speculative-algorithm NGRAM.")
     if draft.spec.max_position_embeddings < context_length:
         raise ConfigError(f"the draft model {draft_name!r} has {draft.spec.max_position_embeddings} positions, "
                           f"fewer than the context length {context_length}; lower --context-length.")

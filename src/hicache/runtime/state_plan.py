@@ -24,6 +24,7 @@ import torch
 
 from ..cache.state_pool import LayerState, slot_bytes
 from ..model.parallel import ModelShard
+from ..model.projection import DECODE_ROWS
 from ..model.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class StatePlan:
     snapshots: int
     grid: int
     host_snapshots: int = 0  # the host tier's (0: none): as many per host KV page as the device has per page
+    scratch: int = 0  # the states a speculative verify pass leaves after each row (:func:`verify_scratch`)
 
     def with_counts(self, running: int, snapshots: int) -> StatePlan:
         """This plan with the slot counts every rank agreed on (each the least any rank planned)."""
@@ -64,7 +66,7 @@ class StatePlan:
 
     @property
     def total_bytes(self) -> int:
-        return self.slot_bytes * (1 + self.running + self.snapshots)
+        return self.slot_bytes * (1 + self.running + self.snapshots + self.scratch)
 
 
 def snapshot_grid(spec: ModelSpec, page_size: int) -> int:
@@ -93,6 +95,7 @@ class StateBudget:
     kv_tokens: int
     ratio: float | None
     budget_bytes: int | None
+    scratch: int = 0  # slots for verify passes' row states (:func:`verify_scratch`)
 
 
 def plan_states(spec: ModelSpec, layers: range | list[int], dtype: torch.dtype, page_size: int,
@@ -106,7 +109,8 @@ def plan_states(spec: ModelSpec, layers: range | list[int], dtype: torch.dtype, 
         return None
     states = layer_states(spec, layers, dtype, shard)
     if not states:
-        return StatePlan((), budget.running, UNBOUNDED, snapshot_grid(spec, page_size))
+        return StatePlan((), budget.running, UNBOUNDED, snapshot_grid(spec, page_size),
+                         scratch=budget.scratch)
     one = slot_bytes(states)
     running, cap = budget.running, None if budget.budget_bytes is None else budget.budget_bytes // one
     if cap is not None and running > cap // BUDGET_SHARE:
@@ -123,4 +127,13 @@ def plan_states(spec: ModelSpec, layers: range | list[int], dtype: torch.dtype, 
         logger.info("recurrent state snapshots: %d slots, not %d: at most 1/%d of the budget", cap // SNAPSHOT_SHARE,
                     snapshots, SNAPSHOT_SHARE)
         snapshots = cap // SNAPSHOT_SHARE
-    return StatePlan(states, running, max(snapshots, 1), snapshot_grid(spec, page_size))
+    return StatePlan(states, running, max(snapshots, 1), snapshot_grid(spec, page_size), scratch=budget.scratch)
+
+
+def verify_scratch(speculative_algorithm: str | None, pp_size: int) -> int:
+    """Scratch slots for the state after each row of a speculative verify pass but each request's last
+    (kept until acceptance picks one; docs/hybrid_kv.md): with NGRAM a verify pass has at most
+    ``DECODE_ROWS`` rows (runtime/ngram.py) and at least one request, and a pipeline keeps ``pp_size``
+    batches in flight. Qwen3.5-0.8B: 7 slots of 19.3 MiB (18 layers of a 1 MiB float32 matrix and a conv
+    state), 135 MiB. 0 without speculation (STANDALONE is refused with recurrent layers)."""
+    return (DECODE_ROWS - 1) * pp_size if speculative_algorithm == "NGRAM" else 0
