@@ -3,7 +3,8 @@ channels, Qwen3.5's gated DeltaNet by key heads with the value heads that read t
 state pool holding its shard of every state tensor at the same slot ids. TP2 gives TP1's greedy
 tokens; a repeated prompt hits a device snapshot at TP2 with the cold run's tokens; a TP2 writer's
 "-state" objects (one per rank: the namespace names the rank's shard) serve a fresh TP2 reader's
-storage hit. The rank consensus checker watches every cache decision."""
+storage hit; on the unified key scheme a TP1 and a TP2 engine continue each other's conversation from
+the store. The rank consensus checker watches every cache decision."""
 
 from __future__ import annotations
 
@@ -90,3 +91,35 @@ def test_a_tp2_writers_state_objects_serve_a_fresh_tp2_reader(tmp_path: Path, ch
         assert reader.group.monitor.divergence is None and reader.group.monitor.compared > 50
     finally:
         reader.shutdown()
+
+
+@pytest.mark.storage
+def test_tp1_and_tp2_continue_each_others_conversation_on_the_unified_grid(tmp_path: Path, checker: None) -> None:
+    """The unified key scheme: a TP1 engine stores a conversation's first turn (page cells and snapshot
+    cells); a TP2 engine (each rank one of gdn-tiny's two key heads, one state group) continues it from the
+    store and stores its longer second turn; a fresh TP1 engine hits that turn, whose cells past the first
+    turn only the TP2 ranks wrote. Every hit has the cold run's tokens."""
+    turn1 = ids(100, seed=11)
+    turn2 = turn1 + ids(110, seed=12)
+    opts = dict(hicache_storage_key_scheme="unified", hicache_storage_layer_partition=1)
+    first = storage_engine(tmp_path, **opts)
+    try:
+        grid = snapshot_stats(first)["grid_tokens"]
+        assert first.generate([turn1], GREEDY)[0].cached_tokens == 0
+    finally:
+        first.shutdown()
+    wide = storage_engine(tmp_path, tp_size=2, **opts)
+    try:
+        out = wide.generate([turn2], GREEDY)[0]
+        assert out.cached_tokens_details["storage"] == out.cached_tokens == (len(turn1) - 1) // grid * grid > 0
+        assert_as_cold(wide, turn2, out)
+        assert wide.group.monitor.divergence is None
+    finally:
+        wide.shutdown()
+    last = storage_engine(tmp_path, **opts)
+    try:
+        out = last.generate([turn2], GREEDY)[0]
+        assert out.cached_tokens_details["storage"] == out.cached_tokens == (len(turn2) - 1) // grid * grid
+        assert_as_cold(last, turn2, out)
+    finally:
+        last.shutdown()

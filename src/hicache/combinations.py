@@ -28,9 +28,6 @@ REFUSED: dict[tuple[str, str], str] = {
     ("recurrent_state", "speculative"): "{model} has recurrent layers, whose state a verify pass would have to roll "
                                         "back to the accepted drafts (the recurrent_state component keeps no state per "
                                         "draft yet); drop --speculative-algorithm.",
-    ("recurrent_state", "unified"): "{model} has recurrent layers, which the unified storage grid does not lay out "
-                                    "yet (the recurrent_state component's objects are rank-suffix ones); drop "
-                                    "--hicache-storage-key-scheme unified.",
     ("recurrent_state", "pd"): "{model} has recurrent layers, whose state prefill/decode disaggregation does not "
                                "send yet (no transfer of the recurrent_state component); drop --disaggregation-mode.",
     ("recurrent_state", "pp"): "{model} has recurrent layers, whose state slots pipeline stages do not hold yet (the "
