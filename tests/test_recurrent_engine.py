@@ -78,8 +78,6 @@ def test_stats_name_the_recurrent_state_component(model: str) -> None:
 
 
 @pytest.mark.parametrize("flags, says", [
-    (dict(enable_hierarchical_cache=True, hicache_storage_backend="file", hicache_storage_key_scheme="unified"),
-     "drop --hicache-storage-key-scheme unified"),
     (dict(speculative_algorithm="NGRAM"), "drop --speculative-algorithm"),
     (dict(pp_size=2), "drop --pp-size"),
 ])
