@@ -125,3 +125,23 @@ def test_a_reader_off_the_state_groups_takes_its_slice_and_a_writer_off_them_is_
         reader.append((plan, StatePool(layers, running=1, snapshots=1, grid=4, device="cpu"), shard))
     assemble(reader, objects)
     assert_holds(spec, reader, whole)
+
+
+def test_the_layout_report_names_a_snapshots_cells_under_the_engines_namespace(tmp_path) -> None:
+    """What a router reads (``GET /get_hicache_l3_cache_layout``): the state cells' key pattern, each
+    rank's state cells beside its page cells (those of the attention layer: layers 0 and 1 have no KV),
+    and the namespace digest the engine's keys really use."""
+    from hicache import Engine
+
+    engine = Engine("random:gdn-tiny", dtype="float32", page_size=4, max_total_tokens=320,
+                    enable_hierarchical_cache=True, hicache_storage_backend="file",
+                    hicache_storage_backend_extra_config=f'{{"path": "{tmp_path}"}}',
+                    hicache_storage_key_scheme="unified", hicache_storage_layer_partition=1)
+    try:
+        layout = engine.storage_layout()
+        assert layout["namespace_digest"] == engine.cache.keys.digest(engine.model_namespace).hex()
+        assert layout["state_cells"].startswith("{page_hash}_{namespace_digest}_L{start_layer}-{end_layer}_G")
+        cells = ["L2-3_H0", "L2-3_H1"] + [f"L{i}-{i + 1}_G{g}_state" for i in (0, 1) for g in (0, 1)]
+        assert layout["ranks"][0]["reads"] == layout["ranks"][0]["writes"] == cells
+    finally:
+        engine.shutdown()

@@ -146,7 +146,9 @@ def plan_rank(grid: StorageGrid, shards: Sequence[RankShard], rank: int) -> Rank
     for shard in shards:
         _check_aligned(grid, shard)
     mine = next(s for s in shards if s.rank == rank)
-    reads = tuple(c for c in grid.cells() if _covers(grid, mine, c))
+    # (a model with recurrent layers: a cell none of whose layers has KV is no object)
+    reads = tuple(c for c in grid.cells() if _covers(grid, mine, c) and (
+        mine.kv_layers is None or any(c.layer_start <= i < c.layer_end for i in mine.kv_layers)))
     # a cell's writer: the first rank whose shard covers it (an MLA latent or KV heads held by several
     # TP ranks: the lowest of them)
     writes = tuple(c for c in reads if min(s.rank for s in shards if _covers(grid, s, c)) == rank)
