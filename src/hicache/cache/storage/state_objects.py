@@ -74,8 +74,8 @@ class WholeState:
 class CellState:
     """Unified: one cell of the state grid (``plan``: this rank's :class:`~.state_cells.StateCells`),
     ``{hash hex}_{namespace digest}_L{a}-{b}_G{g}_state``. Each of its state tensors is kept as a rank
-    holding exactly the cell's units would keep it; this rank writes it from (a cell it holds whole) or
-    loads into its slot the rows of the units it holds."""
+    holding exactly the cell's units would keep it; this rank writes it (a cell it holds whole) from its
+    rows of a slot, and loads the rows of the cell's units it holds into a slot."""
 
     def __init__(self, pool: StatePool, plan: StateCells, cell: StateCell) -> None:
         self.cell = cell
