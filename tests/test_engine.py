@@ -251,9 +251,6 @@ HOLDING = {("window", "cp"): ("random:gemma-small", dict(tp_size=2, attn_cp_size
            ("draft", "pd"): ("random:tiny", dict(**STANDALONE, disaggregation_mode="decode")),
            ("recurrent_state", "cp"): ("random:lfm2-tiny", dict(tp_size=2, attn_cp_size=2)),
            ("recurrent_state", "standalone"): ("random:lfm2-tiny", STANDALONE),
-           ("recurrent_state", "unified"): ("random:lfm2-tiny", dict(enable_hierarchical_cache=True,
-                                                                     hicache_storage_backend="file",
-                                                                     hicache_storage_key_scheme="unified")),
            ("recurrent_state", "pd"): ("random:lfm2-tiny", dict(disaggregation_mode="prefill"))}
 
 

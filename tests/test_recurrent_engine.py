@@ -77,13 +77,10 @@ def test_stats_name_the_recurrent_state_component(model: str) -> None:
     assert stats["device_pool"]["recurrent_state"]["slot_bytes"] == SLOT_BYTES[model]
 
 
-@pytest.mark.parametrize("flags, says", [
-    (dict(enable_hierarchical_cache=True, hicache_storage_backend="file", hicache_storage_key_scheme="unified"),
-     "drop --hicache-storage-key-scheme unified"),
-])
-def test_modes_not_built_yet_are_refused_in_one_sentence(model: str, flags: dict, says: str) -> None:
-    with pytest.raises(ConfigError, match=says) as e:
-        make_engine(model, **flags)
+def test_context_parallelism_is_refused_in_one_sentence(model: str) -> None:
+    """A scan is sequential over a prompt's tokens: CP ranks would wait for each other's states."""
+    with pytest.raises(ConfigError, match="without --attn-cp-size") as e:
+        make_engine(model, tp_size=2, attn_cp_size=2)
     assert str(e.value).count(". ") == 0 and model in str(e.value)
 
 

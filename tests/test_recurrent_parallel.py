@@ -7,7 +7,8 @@ threads summing through a barrier: TP2 and TP4 logits within float32 rounding of
 groups are split between ranks or one group spans them (its gated norm's squares summed over the
 group), and the same greedy tokens through decode steps. TP2 gives TP1's greedy tokens; a repeated
 prompt hits a device snapshot at TP2 with the cold run's tokens; a TP2 writer's "-state" objects (one
-per rank: the namespace names the rank's shard) serve a fresh TP2 reader's storage hit.
+per rank: the namespace names the rank's shard) serve a fresh TP2 reader's storage hit; on the
+unified key scheme a TP1 and a TP2 engine continue each other's conversation from the store.
 
 PP: each stage holds the state slots of its own recurrent layers. The tiny models' three layers split
 [recurrent, recurrent] / [attention] at PP2: stage 0 holds every state and no KV, stage 1 the KV and a
@@ -282,3 +283,37 @@ def test_a_stage_without_attention_or_recurrent_layers_plans_a_pool_of_none(monk
         == tuple(asked[0][0])  # agreed: stage 0's slots
     pool = StatePool(last.states.layers, last.states.running, last.states.snapshots, last.states.grid, cpu)
     assert pool.buffers == [] and pool.total_bytes == 0 and pool.snapshots.alloc() == 1 + last.states.running
+
+
+@pytest.mark.storage
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_tp1_and_tp2_continue_each_others_conversation_on_the_unified_grid(tmp_path: Path, checker: None) -> None:
+    """The unified key scheme: a TP1 engine stores a conversation's first turn (page cells and snapshot
+    cells); a TP2 engine (each rank one of gdn-tiny's two key heads, one state group) continues it from the
+    store and stores its longer second turn; a fresh TP1 engine hits that turn, whose cells past the first
+    turn only the TP2 ranks wrote. Every hit has the cold run's tokens."""
+    turn1 = ids(100, seed=11)
+    turn2 = turn1 + ids(110, seed=12)
+    opts = dict(hicache_storage_key_scheme="unified", hicache_storage_layer_partition=1)
+    first = storage_engine(tmp_path, **opts)
+    try:
+        grid = snapshot_stats(first)["grid_tokens"]
+        assert first.generate([turn1], GREEDY)[0].cached_tokens == 0
+    finally:
+        first.shutdown()
+    wide = storage_engine(tmp_path, tp_size=2, **opts)
+    try:
+        out = wide.generate([turn2], GREEDY)[0]
+        assert out.cached_tokens_details["storage"] == out.cached_tokens == (len(turn1) - 1) // grid * grid > 0
+        assert_as_cold(wide, turn2, out)
+        assert wide.group.monitor.divergence is None
+    finally:
+        wide.shutdown()
+    last = storage_engine(tmp_path, **opts)
+    try:
+        out = last.generate([turn2], GREEDY)[0]
+        assert out.cached_tokens_details["storage"] == out.cached_tokens == (len(turn2) - 1) // grid * grid
+        assert_as_cold(last, turn2, out)
+    finally:
+        last.shutdown()

@@ -1,7 +1,8 @@
 """Recurrent-state snapshots in the host tier (issue 59, step d): a prompt whose pages and snapshot
 were evicted from the device comes back from the host tier with its snapshot -- a host hit (the
 shape SGLang's host tier gets wrong for gated DeltaNet, #39830, and never hits for Mamba, #33713),
-whose tokens and log-probabilities are a cold run's."""
+whose tokens and log-probabilities are a cold run's. In storage (L3), on both key schemes: a fresh
+engine hits the stored snapshot; a corrupt one cuts the hit back."""
 
 from __future__ import annotations
 
@@ -64,17 +65,29 @@ def storage_engine(model: str, path, **kw) -> Engine:
                        hicache_storage_prefetch_threshold=16, hicache_storage_prefetch_policy="wait_complete", **kw)
 
 
+# The unified grid at one layer per range: the attention layer's page cells, each recurrent layer's state cells.
+SCHEMES = {"rank-suffix": {}, "unified": dict(hicache_storage_key_scheme="unified", hicache_storage_layer_partition=1)}
+STATE_OBJECTS = {"rank-suffix": "*-state", "unified": "*_state"}  # a snapshot's objects: one, or its cells
+
+
 @pytest.mark.storage
-def test_a_fresh_engine_over_a_file_store_hits_the_stored_snapshot(model: str, tmp_path) -> None:
-    """A writer stores a prompt's pages and its snapshot ("-state" objects); a new engine over the same
-    store prefetches them: a storage hit up to the snapshot's boundary, the cold run's tokens."""
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_fresh_engine_over_a_file_store_hits_the_stored_snapshot(model: str, scheme: str, tmp_path) -> None:
+    """A writer stores a prompt's pages and its snapshot (a "-state" object, or on the unified grid its
+    cells); a new engine over the same store prefetches them: a storage hit up to the snapshot's boundary,
+    the cold run's tokens."""
     prompt = ids(150, seed=5)
-    writer = storage_engine(model, tmp_path)
+    writer = storage_engine(model, tmp_path, **SCHEMES[scheme])
     grid = writer.stats()["device_pool"]["recurrent_state"]["grid_tokens"]
     writer.generate([prompt], GREEDY)
     writer.shutdown()  # every write reaches the store
-    assert list(tmp_path.rglob("*-state*")), "no state object was written"
-    reader = storage_engine(model, tmp_path)
+    states = list(tmp_path.rglob(STATE_OBJECTS[scheme]))
+    assert states, "no state object was written"
+    if scheme == "unified":  # cells of the recurrent layers 0 and 1; the pages' of the attention layer 2 only
+        cells = {p.name.split("_", 2)[2] for p in tmp_path.rglob("*_*")}
+        assert {c for c in cells if c.endswith("_state")} >= {"L0-1_G0_state", "L1-2_G0_state"}
+        assert {c for c in cells if not c.endswith("_state")} == {"L2-3_H0", "L2-3_H1"}
+    reader = storage_engine(model, tmp_path, **SCHEMES[scheme])
     out = reader.generate([prompt], GREEDY)[0]
     assert out.cached_tokens_details["storage"] > 0
     assert out.cached_tokens == (len(prompt) - 1) // grid * grid
@@ -84,16 +97,18 @@ def test_a_fresh_engine_over_a_file_store_hits_the_stored_snapshot(model: str, t
 
 
 @pytest.mark.storage
-def test_a_corrupt_state_object_cuts_the_hit_back_never_a_wrong_token(model: str, tmp_path) -> None:
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_corrupt_state_object_cuts_the_hit_back_never_a_wrong_token(model: str, scheme: str, tmp_path) -> None:
     prompt = ids(150, seed=6)
-    writer = storage_engine(model, tmp_path)
+    writer = storage_engine(model, tmp_path, **SCHEMES[scheme])
     writer.generate([prompt], GREEDY)
     writer.shutdown()
-    for path in tmp_path.rglob("*-state*"):  # flip a byte of every stored snapshot's payload
+    # flip a byte of every stored snapshot's payload (on the unified grid: of one cell of each)
+    for path in tmp_path.rglob("*-state" if scheme == "rank-suffix" else "*_L1-2_G0_state"):
         blob = bytearray(path.read_bytes())
         blob[-1] ^= 0xFF
         path.write_bytes(bytes(blob))
-    reader = storage_engine(model, tmp_path)
+    reader = storage_engine(model, tmp_path, **SCHEMES[scheme])
     out = reader.generate([prompt], GREEDY)[0]
     assert out.cached_tokens == 0  # pages arrived, but no snapshot: nothing to resume from
     assert_as_cold(reader, prompt, out)

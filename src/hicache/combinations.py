@@ -32,9 +32,6 @@ REFUSED: dict[tuple[str, str], str] = {
                                        "recurrent draft model's own state would need the same rollback); use "
                                        "--speculative-algorithm NGRAM.",
     # The rows below go as issue 59's increments land (docs/recurrent_plan.md, section 3).
-    ("recurrent_state", "unified"): "{model} has recurrent layers, which the unified storage grid does not lay out "
-                                    "yet (the recurrent_state component's objects are rank-suffix ones); drop "
-                                    "--hicache-storage-key-scheme unified.",
     ("recurrent_state", "pd"): "{model} has recurrent layers, whose state prefill/decode disaggregation does not "
                                "send yet (no transfer of the recurrent_state component); drop --disaggregation-mode.",
 }

@@ -33,8 +33,9 @@ from .storage.base import StorageBackend
 from .storage.keys import OBJECT_LAYOUT_V1, KeyNamespace
 from .storage.page_objects import DRAFT_PREFIX, WINDOW_SUFFIX, GridCell
 from .storage.prefetch_backup import Agree, PrefetchOp
+from .storage.state_objects import CellState
 from .storage.unified import Cell, RankObjects, RankShard, StorageGrid, UnifiedPlan
-from .storage_tier import StorageTier, consume_prefetch_acks
+from .storage_tier import GridObjects, StorageTier, consume_prefetch_acks
 from .tiers import CachePolicy, CacheStats, Tier
 
 __all__ = ["CachePolicy", "KVCacheManager", "KVState", "CacheStats", "RankLayout"]
@@ -107,10 +108,14 @@ def _cut(host: HostKVPool, base: int, grid: StorageGrid, shard: RankShard, objec
          suffix: str = "") -> Objects:
     """(reads, writes) of one component's ``grid`` cut from ``host``: a cell's rows are where ``host``
     keeps its layers (``shard``'s model-global layer g is the device pool's ``base + g - shard's
-    first``); a cell none of whose layers ``host`` keeps is no object (writes are among the reads)."""
-    first = base - shard.layers.start
-    rows = {c: slice(bisect.bisect_left(host.layers, first + c.layer_start),
-                     bisect.bisect_left(host.layers, first + c.layer_end)) for c in objects.reads}
+    first``, or, with recurrent layers, ``base +`` the stage's layers with KV before g); a cell none of
+    whose layers ``host`` keeps is no object (writes are among the reads)."""
+    kv = shard.kv_layers if shard.kv_layers is not None else shard.layers
+
+    def row(layer: int) -> int:  # the device pool's row of the first layer with KV from ``layer`` on
+        return base + bisect.bisect_left(kv, layer) - bisect.bisect_left(kv, shard.layers.start)
+    rows = {c: slice(bisect.bisect_left(host.layers, row(c.layer_start)),
+                     bisect.bisect_left(host.layers, row(c.layer_end))) for c in objects.reads}
 
     def cells(of: tuple[Cell, ...]) -> list[GridCell]:
         return [GridCell(host, c, grid, 0, shard.kv_heads.start, prefix, rows[c], suffix) for c in of
@@ -118,20 +123,24 @@ def _cut(host: HostKVPool, base: int, grid: StorageGrid, shard: RankShard, objec
     return cells(objects.reads), cells(objects.writes)
 
 
-def _grid_objects(host_pool: HostKVPool, plan: UnifiedPlan, sidecar_host: HostKVPool | None,
-                  pool_layers: int) -> tuple[Objects, Objects | None]:
+def _grid_objects(host_pool: HostKVPool, plan: UnifiedPlan, sidecar_host: HostKVPool | None, pool_layers: int,
+                  host_states: StatePool | None) -> GridObjects:
     """This rank's objects cut from its host pages, component by component: of every page, the target's
     layers (a hybrid pool's full ones) and a draft's beside them (packed: the last of the device pool's
     ``pool_layers``, or in the sidecar's host pool; keys ``..._draft_L{a}-{b}``); then, None without a
-    window component, its window layers of checkpoint pages from the window host pool (``..._swa``)."""
-    s, d = plan.shard, plan.draft
+    window component, its window layers of checkpoint pages from the window host pool (``..._swa``); then,
+    None without recurrent layers, the cells of a snapshot in ``host_states`` (``..._G{g}_state``)."""
+    s, d, st = plan.shard, plan.draft, plan.states
     reads, writes = _cut(host_pool, 0, plan.grid, s, plan.objects)
     if d is not None:
         base = 0 if sidecar_host is not None else pool_layers - d.grid.num_layers
         draft_reads, draft_writes = _cut(sidecar_host or host_pool, base, d.grid, d.shard, d.objects, DRAFT_PREFIX)
         reads, writes = reads + draft_reads, writes + draft_writes
     window = host_pool.window_pool
-    return (reads, writes), None if window is None else _cut(window, 0, plan.grid, s, plan.objects, suffix=WINDOW_SUFFIX)
+    windows = None if window is None else _cut(window, 0, plan.grid, s, plan.objects, suffix=WINDOW_SUFFIX)
+    states = None if st is None or host_states is None else tuple(
+        [CellState(host_states, st, c) for c in cells] for cells in (st.reads, st.writes))
+    return GridObjects((reads, writes), windows, states)
 
 
 class KVCacheManager:
@@ -177,10 +186,10 @@ class KVCacheManager:
             self.host.states = self.host_states  # (its storage tier reads and writes them)
         self.storage_tier: StorageTier | None = None
         if storage is not None:
-            objects, window_objects = _grid_objects(host_pool, unified, sidecar[1] if sidecar else None,
-                                                    len(pool.k_buffers)) if unified else (None, None)
+            objects = _grid_objects(host_pool, unified, sidecar[1] if sidecar else None, len(pool.k_buffers),
+                                    layout.host_states) if unified else None
             self.storage_tier = StorageTier(storage, self.host, self.keys, layout.storage_agree, policy, shard_view,
-                                            objects, window_objects)
+                                            objects)
             self.host.lower = self.storage_tier
         self.device.lower = self.host
         # the lower tiers, top down

@@ -21,7 +21,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -35,7 +35,7 @@ from .storage.keys import KeyNamespace, continue_chain, page_hashes
 from .storage.page_objects import PageObject, WholePage, window_object
 from .storage.prefetch_backup import Agree, PrefetchOp, StorageController
 from .page_tree import EMPTY_PAGES
-from .storage.state_objects import StoredStates
+from .storage.state_objects import StateObject, StoredStates
 from .storage.storage_ops import PartWrite
 from .storage.window_objects import StoredWindows
 from .tiers import CachePolicy
@@ -65,41 +65,48 @@ def consume_prefetch_acks(op: PrefetchOp, n: int) -> bool:
     return op.final_applied
 
 
+class GridObjects(NamedTuple):
+    """The objects (reads, writes) each component of a page is read from and written to, where not the
+    rank-suffix scheme's (None): its pages', its window layers' (a checkpoint's), its snapshots'."""
+
+    pages: tuple[Sequence[PageObject], Sequence[PageObject]] | None
+    windows: tuple[Sequence[PageObject], Sequence[PageObject]] | None
+    states: tuple[Sequence[StateObject], Sequence[StateObject]] | None
+
+
 class StorageTier:
     """Implements :class:`~.tiers.Tier` below the host tier, whose pages it borrows."""
 
     def __init__(self, backend: StorageBackend, host: HostTier, keys: KeyNamespace, agree: tuple[Agree, Agree] | None,
-                 policy: CachePolicy, shard: ShardView | None = None,
-                 objects: tuple[Sequence[PageObject], Sequence[PageObject]] | None = None,
-                 window_objects: tuple[Sequence[PageObject], Sequence[PageObject]] | None = None) -> None:
+                 policy: CachePolicy, shard: ShardView | None = None, objects: GridObjects | None = None) -> None:
         """``policy``: the backend calls' deadline, when a prompt is worth a prefetch and how much of the
         host prefetches may hold. ``shard``: sharded KV; this rank reads and writes the objects of the pages it owns
-        (its keys name its shard, see ``keys``). ``objects``: (reads, writes), the objects a
-        host page is read from and written to (the unified grid's cells); default: one object
-        per page of this rank's KV, and one per sidecar pool."""
+        (its keys name its shard, see ``keys``). ``objects``: the objects each component is read from and
+        written to (the unified grid's cells); default: one object per page of this rank's KV, and one per
+        sidecar pool, one per checkpoint's window layers, one per snapshot."""
         self.host, self.tree, self.keys = host, host.tree, keys
         self.shard = shard
         self.page_size = keys.page_size
-        if objects is None:  # one object per page; sidecar KV (a speculative draft's): "<key>-sidecar1", ...
+        objects = objects or GridObjects(None, None, None)
+        pages = objects.pages
+        if pages is None:  # one object per page; sidecar KV (a speculative draft's): "<key>-sidecar1", ...
             # (none of a pipeline stage without attention layers: the other stages' objects decide)
-            objects = [WholePage(host.host_pool)] * bool(host.host_pool.num_layers) + [
-                WholePage(h, f"-sidecar{i}") for i, (_, h) in enumerate(host.controller.sidecar_pairs, start=1)]
-            objects = (objects, objects)
+            pages = ([WholePage(host.host_pool)] * bool(host.host_pool.num_layers) + [
+                WholePage(h, f"-sidecar{i}") for i, (_, h) in enumerate(host.controller.sidecar_pairs, start=1)],) * 2
         # hybrid: a checkpoint page's window layers in objects of their own ("<key>-window"; the grid's
         # cells with the suffix "_swa" on the unified layout)
         windows = host.windows
-        if window_objects is None and windows is not None:
-            window_objects = ([window_object(windows.window_host, "-window")],) * 2
-        parts = [] if windows is None else [StoredWindows(*window_objects, windows.span)]
+        parts = [] if windows is None else [StoredWindows(
+            *(objects.windows or ([window_object(windows.window_host, "-window")],) * 2), windows.span)]
         self.states = host.states  # recurrent layers: their snapshots, "<key>-state" objects (None: none)
         if self.states is not None:
-            parts.append(StoredStates(self.states.pool, self.page_size))
+            parts.append(StoredStates(self.states.pool, self.page_size, objects.states))
         # how each part's reserved host pages (slots) are freed once a stopped prefetch's reader is done
         self._free_reserved = {name: part.allocator.free for name, part in host.parts.items()}
         if self.states is not None:
             self._free_reserved[StoredStates.name] = self.states.free_slots
         self.controller = StorageController(backend, host.host_pool, agree, op_timeout=policy.storage_op_timeout,
-                                            reads=objects[0], writes=objects[1], parts=parts)
+                                            reads=pages[0], writes=pages[1], parts=parts)
         self.prefetch_threshold = policy.prefetch_threshold
         # At most this many host pages may be held by prefetches at once.
         self.prefetch_page_limit = int(policy.prefetch_max_host_fraction * host.allocator.capacity)

@@ -91,6 +91,27 @@ class ModelShard:
         conv = 2 * keys * spec.gdn_key_dim + values * spec.gdn_value_dim
         return ((conv, whole[0][1]), (values, *whole[1][1:]))
 
+    def state_units(self, spec: ModelSpec, layer: int) -> range:
+        """The units of :func:`state_axis` this rank holds of recurrent layer ``layer``."""
+        kind = spec.layer_kinds[layer]
+        return self.conv_channels if kind == LayerKind.CONV else self.gdn_key_heads if kind == LayerKind.GDN \
+            else range(1)
+
+
+def state_axis(spec: ModelSpec, layer: int) -> tuple[int, tuple[tuple[int, ...], ...]]:
+    """How TP cuts recurrent layer ``layer``'s state tensors along their first axis: ``(units, blocks)``.
+    A rank holds a contiguous range of the ``units`` (LFM2: channels; gated DeltaNet: key heads, each with
+    the value heads that read it; Mamba2: one, not split); ``blocks[t]``: state tensor ``t``'s first axis as
+    blocks of rows per unit, in order -- a holder of ``n`` units keeps each block's ``rows * n`` rows of its
+    units, block after block (a gated DeltaNet's conv: its q, then k, then v channels)."""
+    kind = spec.layer_kinds[layer]
+    if kind == LayerKind.CONV:
+        return spec.hidden_size, ((1,),)
+    if kind == LayerKind.GDN:
+        ratio = spec.gdn_value_heads // spec.gdn_key_heads
+        return spec.gdn_key_heads, ((spec.gdn_key_dim, spec.gdn_key_dim, ratio * spec.gdn_value_dim), (ratio,))
+    return 1, ((spec.mamba_conv_dim,), (spec.mamba_heads,))
+
 
 def check_parallel(spec: ModelSpec, tp_size: int, pp_size: int) -> None:
     """Raise :class:`ConfigError` (one sentence) when the model cannot be split this way (the sizes are

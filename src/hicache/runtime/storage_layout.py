@@ -9,12 +9,15 @@ from typing import Any
 import torch
 
 from ..cache.storage.page_objects import DRAFT_PREFIX, NAMESPACE_KEY_HEX, WINDOW_SUFFIX
+from ..cache.storage.state_cells import StateCells, StateGrid, StateLayer, StateShard, plan_states
 from ..cache.storage.unified import RankShard, StorageGrid, UnifiedPlan, plan_rank
 from ..config import EngineConfig
-from ..model.parallel import model_shard
+from ..model.parallel import ModelShard, model_shard, state_axis
 from ..model.spec import ModelSpec
 
 KEY_PATTERN = "{page_hash}_{namespace_digest}_L{start_layer}-{end_layer}[_H{head_group}]"
+# a recurrent-state snapshot's cells, at its boundary's page
+STATE_PATTERN = "{page_hash}_{namespace_digest}_L{start_layer}-{end_layer}_G{state_group}_state (at snapshots)"
 
 
 def stage_holders(cfg: EngineConfig) -> int:
@@ -45,22 +48,43 @@ def unified_plans(cfg: EngineConfig, spec: ModelSpec, draft: ModelSpec | None = 
         draft_grid, draft_shards = _grid_and_shards(cfg, draft, 1)
         for s in draft_shards:
             drafts[s.rank] = UnifiedPlan(draft_grid, s, plan_rank(draft_grid, draft_shards, s.rank))
-    return [UnifiedPlan(grid, s, plan_rank(grid, shards, s.rank), d) for s, d in zip(shards, drafts)]
+    states = _state_cells(cfg, spec, grid)
+    return [UnifiedPlan(grid, s, plan_rank(grid, shards, s.rank), d, st) for s, d, st in zip(shards, drafts, states)]
+
+
+def _model_shards(cfg: EngineConfig, spec: ModelSpec, pp_size: int) -> list[ModelShard]:
+    """``spec``'s shards over ``pp_size`` stages of :func:`stage_holders` ranks (rank = stage x
+    holders + position)."""
+    holders, attn_tp = stage_holders(cfg), cfg.tp_size // cfg.attn_cp_size
+    # CP ranks hold the same heads
+    return [model_shard(spec, t % attn_tp, attn_tp, p, pp_size) for p in range(pp_size) for t in range(holders)]
 
 
 def _grid_and_shards(cfg: EngineConfig, spec: ModelSpec, pp_size: int) -> tuple[StorageGrid, list[RankShard]]:
-    """The grid the partition flags give ``spec``, and its shards over ``pp_size`` stages of
-    :func:`stage_holders` ranks (rank = stage x holders + position)."""
+    """The grid the partition flags give ``spec``, and its shards over ``pp_size`` stages (a model with
+    recurrent layers: the layers of each stage with KV named, its KV pool holds only those)."""
     grid = StorageGrid(spec.num_layers, spec.num_kv_heads,
                        min(cfg.hicache_storage_layer_partition or spec.num_layers, spec.num_layers),
                        cfg.hicache_storage_head_partition, spec.is_mla)
-    holders, attn_tp = stage_holders(cfg), cfg.tp_size // cfg.attn_cp_size
-    shards = []
-    for p in range(pp_size):
-        for t in range(holders):
-            s = model_shard(spec, t % attn_tp, attn_tp, p, pp_size)  # CP ranks hold the same heads
-            shards.append(RankShard(p * holders + t, s.layers, s.kv_heads))
-    return grid, shards
+    recurrent = bool(spec.recurrent_layers)
+    return grid, [RankShard(r, s.layers, s.kv_heads,
+                            tuple(i for i in s.layers if not spec.is_recurrent(i)) if recurrent else None)
+                  for r, s in enumerate(_model_shards(cfg, spec, pp_size))]
+
+
+def _state_cells(cfg: EngineConfig, spec: ModelSpec, grid: StorageGrid) -> list[StateCells | None]:
+    """Each rank's cells of a snapshot of the recurrent layers (None without any): the page grid's layer
+    ranges x state groups, as many as the grid's KV head groups hold attention heads (at most the units of
+    a layer), so the TP sizes that cut the attention heads evenly hold whole groups."""
+    model_shards = _model_shards(cfg, spec, cfg.pp_size)
+    if not spec.recurrent_layers:
+        return [None] * len(model_shards)
+    layers = tuple(StateLayer(i, *state_axis(spec, i), spec.state_shapes(i)) for i in spec.recurrent_layers)
+    groups = max(1, min(spec.num_heads // cfg.hicache_storage_head_partition, *(s.units for s in layers)))
+    state_grid = StateGrid(layers, tuple(grid.layer_ranges), groups)
+    shards = [StateShard(r, tuple(m.state_units(spec, s.layer) if s.layer in m.layers else range(0) for s in layers))
+              for r, m in enumerate(model_shards)]
+    return [plan_states(state_grid, shards, s.rank) for s in shards]
 
 
 def layout_report(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, tree_namespace: str,
@@ -83,6 +107,7 @@ def layout_report(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, tree_n
         "key_namespace_digest_chars": NAMESPACE_KEY_HEX, "page_size": cfg.page_size,
         "object_layout": keys.object_layout,
         "window_cells": f"{KEY_PATTERN}{WINDOW_SUFFIX} (checkpoint pages only)" if window else None,
+        "state_cells": STATE_PATTERN if plans[0].states else None,
         "grid": {"layer_ranges": grid.layer_ranges, "head_groups": len(grid.groups), "mla": grid.mla,
                  "layer_partition": grid.layer_partition, "head_partition": None if grid.mla else grid.head_partition,
                  "objects_per_page": len(grid.cells())},
@@ -95,6 +120,8 @@ def layout_report(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, tree_n
 
 
 def _suffixes(plan: UnifiedPlan, which: str) -> list[str]:
-    """The cells ``plan`` reads or writes (``which``), its draft's prefixed ``draft_``."""
+    """The cells ``plan`` reads or writes (``which``), its draft's prefixed ``draft_``, then a snapshot's
+    (``..._state``: recurrent layers)."""
     own = [c.suffix for c in getattr(plan.objects, which)]
-    return own + ([DRAFT_PREFIX + c.suffix for c in getattr(plan.draft.objects, which)] if plan.draft else [])
+    states = [c.suffix for c in getattr(plan.states, which)] if plan.states else []
+    return own + ([DRAFT_PREFIX + c.suffix for c in getattr(plan.draft.objects, which)] if plan.draft else []) + states

@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 
 from ...config import ConfigError
 from .keys import KeyNamespace
+from .state_cells import StateCells
 
 UNIFIED_LAYOUT_V1 = "unified/v1"
 
@@ -96,6 +97,7 @@ class RankShard:
     rank: int
     layers: range
     kv_heads: range
+    kv_layers: Optional[tuple[int, ...]] = None  # the layers with KV (a model with recurrent layers); None: all
 
 
 @dataclass(frozen=True)
@@ -120,16 +122,20 @@ class UnifiedPlan:
     shard: RankShard
     objects: RankObjects
     draft: Optional[UnifiedPlan] = None
+    states: Optional[StateCells] = None  # a model with recurrent layers: this rank's cells of a snapshot
 
     def key_namespace(self, page_size: int, kv_dtype: str, head_dim: int, window: int = 0) -> KeyNamespace:
         """The key namespace of unified objects: the whole model's grid and no rank, so every
         compatible deployment computes the same chain head for the same tree namespace.
         ``window``: a hybrid pool's (its cells split into full and window objects, checkpoints'
-        only for the latter): a namespace of its own, never read as every-layer objects. Its object
+        only for the latter): a namespace of its own, never read as every-layer objects. Recurrent
+        layers: their state grid (:meth:`~.state_cells.StateGrid.describe`; the tree namespace's model
+        dtype and page size fix the state's dtypes and snapshot grid). Its object
         layout records the layout version and the grid (which says MHA head groups or a replicated
         MLA latent)."""
         grid = self.grid
-        layout = f"{UNIFIED_LAYOUT_V1}:{grid.describe()}" + (f";window={window}" if window else "")
+        layout = f"{UNIFIED_LAYOUT_V1}:{grid.describe()}" + (f";window={window}" if window else "") \
+            + (f";state={self.states.grid.describe()}" if self.states else "")
         return KeyNamespace(page_size, kv_dtype, (grid.num_kv_heads, head_dim), grid.num_layers, "", layout)
 
 
@@ -140,7 +146,9 @@ def plan_rank(grid: StorageGrid, shards: Sequence[RankShard], rank: int) -> Rank
     for shard in shards:
         _check_aligned(grid, shard)
     mine = next(s for s in shards if s.rank == rank)
-    reads = tuple(c for c in grid.cells() if _covers(grid, mine, c))
+    # (a model with recurrent layers: a cell none of whose layers has KV is no object)
+    reads = tuple(c for c in grid.cells() if _covers(grid, mine, c) and (
+        mine.kv_layers is None or any(c.layer_start <= i < c.layer_end for i in mine.kv_layers)))
     # a cell's writer: the first rank whose shard covers it (an MLA latent or KV heads held by several
     # TP ranks: the lowest of them)
     writes = tuple(c for c in reads if min(s.rank for s in shards if _covers(grid, s, c)) == rank)
