@@ -31,8 +31,6 @@ REFUSED: dict[tuple[str, str], str] = {
     ("recurrent_state", "unified"): "{model} has recurrent layers, which the unified storage grid does not lay out "
                                     "yet (the recurrent_state component's objects are rank-suffix ones); drop "
                                     "--hicache-storage-key-scheme unified.",
-    ("recurrent_state", "pd"): "{model} has recurrent layers, whose state prefill/decode disaggregation does not "
-                               "send yet (no transfer of the recurrent_state component); drop --disaggregation-mode.",
     ("recurrent_state", "pp"): "{model} has recurrent layers, whose state slots pipeline stages do not hold yet (the "
                                "recurrent_state component of one rank only); drop --pp-size.",
 }
