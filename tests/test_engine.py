@@ -254,7 +254,6 @@ HOLDING = {("window", "cp"): ("random:gemma-small", dict(tp_size=2, attn_cp_size
            ("recurrent_state", "unified"): ("random:lfm2-tiny", dict(enable_hierarchical_cache=True,
                                                                      hicache_storage_backend="file",
                                                                      hicache_storage_key_scheme="unified")),
-           ("recurrent_state", "pd"): ("random:lfm2-tiny", dict(disaggregation_mode="prefill")),
            ("recurrent_state", "pp"): ("random:lfm2-tiny", dict(pp_size=2))}
 
 
