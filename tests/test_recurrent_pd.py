@@ -89,7 +89,12 @@ def test_a_pd_pair_sends_rows_after_the_hit_and_two_whole_states_and_decodes_as_
             assert got.kv_transferred_bytes == sent.kv_transferred_bytes == rows * row + states * slot
         counts = decode.stats()["disaggregation"], prefill.stats()["disaggregation"]
         assert counts[0]["states"] == counts[1]["states"] == crossed <= 2 * len(turns)  # never one per page
-        # a plain request on the decode server hits the checkpoint the prefill server sent
+        # a decode server that lost its cache asks for the first prompt again: the prefill server hits its
+        # checkpoint and sends that snapshot from its tree; a plain request on the decode server then hits it
+        assert decode.flush_cache()
+        got, sent = serve(prefill, decode, first, len(turns))
+        assert_as_one_engine(got, sent, want[0])
+        assert sent.cached_tokens == 148 // grid * grid and got.kv_transferred_bytes == len(first) * row + 2 * slot
         again = decode.generate([first], GREEDY)[0]
         assert again.cached_tokens == 148 // grid * grid and again.output_ids == want[0].output_ids
         decode.cache.tree.check_invariants()

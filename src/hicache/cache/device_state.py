@@ -78,16 +78,16 @@ class DeviceStates:
         """The prompt's checkpoint: the deepest grid boundary a match of the same prompt reaches."""
         return (prompt_tokens - 1) // self.grid * self.grid
 
-    def held(self, namespace: str, tokens: np.ndarray, hold: StateHold) -> dict[int, int]:
+    def held(self, namespace: str, tokens: np.ndarray, hold: StateHold, locked: TreeNode | None) -> dict[int, int]:
         """P/D prefill: the states of the computed prompt ``tokens`` there are to send, position ->
         slot: its running slot (the state at the prompt's end) and the device snapshot at its checkpoint
-        where one is held -- taken by its own pass (held until release), or the tree's (the request's
-        lock on its path keeps it)."""
+        where one is held -- taken by its own pass (held until release), or the tree's on the path the
+        request keeps ``locked`` (no eviction frees it while the send reads it on another thread)."""
         states, at = {len(tokens): hold.slot}, self.checkpoint(len(tokens))
         slot = next((s for p, s in hold.taken if p == at), 0)
-        if not slot and at and self.snapshots is not None:
+        if not slot and at and self.snapshots is not None and locked is not None:
             node = self.tree.node_at(namespace, tokens[:at])
-            slot = self.snapshots.of(node).device if node is not None else 0
+            slot = self.snapshots.of(node).device if any(n is node for n in locked.lineage()) else 0
         if slot and at:
             states[at] = slot
         return states

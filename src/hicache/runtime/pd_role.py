@@ -144,7 +144,7 @@ class PrefillRole(_Role):
         if req.kv.window is not None:  # a hybrid pool holds the window layers' rows of the tail only
             job.parts[WINDOW] = Tail(self.cache.window_tail(n), req.kv.window.slots[..., :n])
         if req.kv.state is not None:  # recurrent layers: the prompt's end state (and its checkpoint's, if held)
-            job.states = self.cache.device_states.held(req.namespace, req.tokens_np[:n], req.kv.state)
+            job.states = self.cache.device_states.held(req.namespace, req.tokens_np[:n], req.kv.state, req.kv.node)
         self.io.submit(job)
         self.jobs.append((req, job, req.on_update))
         req.on_update = None
