@@ -134,3 +134,32 @@ def test_an_ask_for_states_is_checked_on_the_wire() -> None:
                 {**ask.to_wire(), "state_slots": [3]}, {**ask.to_wire(), "state_buffers": [-1]}):
         with pytest.raises(WireError):
             StateAsk.parse({"state_bytes": 1024, **bad}, prompt_len=40)
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_tp2_servers_move_each_ranks_state_shard_and_unequal_tp_sizes_fail_in_one_sentence(monkeypatch) -> None:
+    """Each prefill rank sends its shard of the states (gdn-tiny at TP2: half the key and value heads) to the
+    decode rank of its index, and the pair decodes as one engine; a decode server of another TP size cannot
+    take the shards and fails the request at the route, in one sentence. The rank consensus checker is on:
+    the ranks of each server agree on the states that arrived (DESIGN invariant 3)."""
+    monkeypatch.setenv("HICACHE_RANK_CONSENSUS_CHECKER", "1")
+    model, prompt = "random:gdn-tiny", ids(150, seed=6)
+    plain = Engine(model, **OPTS)
+    want = plain.generate([prompt], GREEDY)[0]
+    row, slot = row_bytes(plain), plain.stats()["device_pool"]["recurrent_state"]["slot_bytes"]
+    plain.shutdown()
+    prefill = Engine(model, tp_size=2, disaggregation_mode="prefill", disaggregation_bootstrap_port=0, **OPTS)
+    decode = Engine(model, tp_size=2, disaggregation_mode="decode", disaggregation_decode_enable_radix_cache=True,
+                    **OPTS)
+    other = Engine(model, disaggregation_mode="decode", **OPTS)
+    try:
+        got, sent = serve(prefill, decode, prompt, room=1)
+        port = prefill.stats()["disaggregation"]["bootstrap_port"]  # (the route alone refuses it: no prefill asked)
+        refused = other.generate([prompt], GREEDY, bootstrap=Bootstrap("127.0.0.1", port, 2))[0]
+    finally:
+        for engine in (prefill, decode, other):
+            engine.shutdown()
+    assert got.output_ids == want.output_ids  # (a TP decode server returns no log-probabilities here)
+    assert got.kv_transferred_bytes == sent.kv_transferred_bytes == len(prompt) * row + 2 * slot  # both ranks' shards
+    assert refused.finish_reason == "error" and "--tp-size" in refused.error and refused.error.count(". ") == 0
