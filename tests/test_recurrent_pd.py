@@ -68,7 +68,8 @@ def test_a_pd_pair_sends_rows_after_the_hit_and_two_whole_states_and_decodes_as_
     plain.shutdown()
     common = dict(disaggregation_transfer_backend=backend, **OPTS)
     prefill = Engine(model, disaggregation_mode="prefill", disaggregation_bootstrap_port=0, **common)
-    decode = Engine(model, disaggregation_mode="decode", disaggregation_decode_enable_radix_cache=True, **common)
+    decode = Engine(model, disaggregation_mode="decode", disaggregation_decode_enable_radix_cache=True,
+                    enable_hierarchical_cache=True, **common)  # (its host tier copies the snapshots it is sent)
     try:
         pool = decode.stats()["device_pool"]["recurrent_state"]
         grid, slot, row = pool["grid_tokens"], pool["slot_bytes"], row_bytes(decode)
@@ -89,6 +90,8 @@ def test_a_pd_pair_sends_rows_after_the_hit_and_two_whole_states_and_decodes_as_
             assert got.kv_transferred_bytes == sent.kv_transferred_bytes == rows * row + states * slot
         counts = decode.stats()["disaggregation"], prefill.stats()["disaggregation"]
         assert counts[0]["states"] == counts[1]["states"] == crossed <= 2 * len(turns)  # never one per page
+        decode.cache.drain()
+        assert decode.stats()["host_pool"]["recurrent_state"]["snapshots_cached"] == crossed - len(turns)
         # a decode server that lost its cache asks for the first prompt again: the prefill server hits its
         # checkpoint and sends that snapshot from its tree; a plain request on the decode server then hits it
         assert decode.flush_cache()
