@@ -250,8 +250,7 @@ HOLDING = {("window", "cp"): ("random:gemma-small", dict(tp_size=2, attn_cp_size
            ("full", "latent-tp"): ("random:tiny", dict(tp_size=2, enable_kv_cache_sharding=True)),
            ("draft", "pd"): ("random:tiny", dict(**STANDALONE, disaggregation_mode="decode")),
            ("recurrent_state", "cp"): ("random:lfm2-tiny", dict(tp_size=2, attn_cp_size=2)),
-           ("recurrent_state", "standalone"): ("random:lfm2-tiny", STANDALONE),
-           ("recurrent_state", "pd"): ("random:lfm2-tiny", dict(disaggregation_mode="prefill"))}
+           ("recurrent_state", "standalone"): ("random:lfm2-tiny", STANDALONE)}
 
 
 @pytest.mark.parametrize("component, mode", list(REFUSED))

@@ -31,7 +31,4 @@ REFUSED: dict[tuple[str, str], str] = {
                                        "would keep k states of the recurrent_state component per request, and a "
                                        "recurrent draft model's own state would need the same rollback); use "
                                        "--speculative-algorithm NGRAM.",
-    # The rows below go as issue 59's increments land (docs/recurrent_plan.md, section 3).
-    ("recurrent_state", "pd"): "{model} has recurrent layers, whose state prefill/decode disaggregation does not "
-                               "send yet (no transfer of the recurrent_state component); drop --disaggregation-mode.",
 }

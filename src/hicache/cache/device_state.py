@@ -42,9 +42,14 @@ class DeviceStates:
         slot = self.pool.running.alloc()
         return None if slot is None else StateHold(slot)
 
-    def on_admit(self, hold: StateHold, node: TreeNode | None, hit_tokens: int, kv_tokens: int) -> None:
+    def on_admit(self, hold: StateHold, node: TreeNode | None, hit_tokens: int, kv_tokens: int,
+                 arrives: bool = False) -> None:
         """The request hit ``hit_tokens`` ending at ``node`` (its match is cut to a snapshot there);
-        its prompt's KV reaches ``kv_tokens`` in the tree (where its path branches, when further)."""
+        its prompt's KV reaches ``kv_tokens`` in the tree (where its path branches, when further).
+        ``arrives``: its prompt's state arrives whole (P/D decode, :meth:`arriving`): its hit counts
+        attention rows only, no state is read or taken here."""
+        if arrives:
+            return
         if hit_tokens:  # (the match ends at a node with a device snapshot, or a host one: loaded into the running slot)
             device = self.snapshots.of(node).device
             if not device:
@@ -105,6 +110,44 @@ class DeviceStates:
         for slot in hold.rows:
             self.pool.scratch.free(slot)
         hold.rows = ()
+
+    def checkpoint(self, prompt_tokens: int) -> int:
+        """The prompt's checkpoint: the deepest grid boundary a match of the same prompt reaches."""
+        return (prompt_tokens - 1) // self.grid * self.grid
+
+    def held(self, namespace: str, tokens: np.ndarray, hold: StateHold, locked: TreeNode | None) -> dict[int, int]:
+        """P/D prefill: the states of the computed prompt ``tokens`` there are to send, position ->
+        slot: its running slot (the state at the prompt's end) and the device snapshot at its checkpoint
+        where one is held -- taken by its own pass (held until release), or the tree's on the path the
+        request keeps ``locked`` (no eviction frees it while the send reads it on another thread)."""
+        states, at = {len(tokens): hold.slot}, self.checkpoint(len(tokens))
+        slot = next((s for p, s in hold.taken if p == at), 0)
+        if not slot and at and self.snapshots is not None and locked is not None:
+            node = self.tree.node_at(namespace, tokens[:at])
+            slot = self.snapshots.of(node).device if any(n is node for n in locked.lineage()) else 0
+        if slot and at:
+            states[at] = slot
+        return states
+
+    def arriving(self, namespace: str, tokens: np.ndarray, hold: StateHold) -> dict[int, int]:
+        """P/D decode: where the states of the prompt ``tokens`` go, position -> slot (the prompt's end
+        first): the end into the running slot (its first decode step reads it); the checkpoint into a
+        snapshot slot taken for it (the node that ends there takes it at release), unless the tree
+        holds one there already or every snapshot slot is locked."""
+        states, at = {len(tokens): hold.slot}, self.checkpoint(len(tokens))
+        if at and self.snapshots is not None:
+            node = self.tree.node_at(namespace, tokens[:at])
+            if (node is None or not self.snapshots.of(node).device) and (slot := self.snapshots.alloc()) is not None:
+                hold.taken.append((at, slot))
+                states[at] = slot
+        return states
+
+    def arrived(self, hold: StateHold, positions: tuple[int, ...]) -> None:
+        """P/D decode: the snapshot slots taken for states that did not arrive (at other ``positions``:
+        the prefill side did not hold its checkpoint, or the transfer failed) are free again."""
+        for _, slot in [t for t in hold.taken if t[0] not in positions]:
+            self.pool.snapshots.free(slot)
+        hold.taken = [t for t in hold.taken if t[0] in positions]
 
     def after_insert(self, namespace: str, tokens: np.ndarray, hold: StateHold) -> None:
         """The tree now holds the whole pages of ``tokens``: the node ending at each snapshot taken

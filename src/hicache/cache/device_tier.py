@@ -118,7 +118,7 @@ class DeviceTier:
         state = admitted[0]
         state.state = hold
         hit = state.device_hit_tokens + state.host_hit_tokens + state.storage_hit_tokens
-        self.states.on_admit(hold, state.node, hit, kv_tokens)
+        self.states.on_admit(hold, state.node, hit, kv_tokens, kv_arrives)
         return admitted
 
     def _admit_pages(self, namespace: str, tokens: np.ndarray, reserve_tokens: int, storage_tokens: int,

@@ -27,6 +27,7 @@ from .host_tier import HostTier
 from .host_transfer import TransferController
 from .placement import PagePlacement, ShardedPageAllocator, ShardView
 from .pools import DeviceKVPool, PageAllocator
+from .device_state import DeviceStates
 from .host_state import HostStates
 from .state_pool import StatePool
 from .storage.base import StorageBackend
@@ -208,6 +209,11 @@ class KVCacheManager:
 
     def pages_for(self, num_tokens: int) -> int:
         return self.device.pages_for(num_tokens)
+
+    @property
+    def device_states(self) -> DeviceStates | None:
+        """The device tier's recurrent-state slots (P/D moves a prompt's states); None without recurrent layers."""
+        return self.device.states
 
     # ---- requests ------------------------------------------------------------------------
     @consensus_check("cache.admit", args=lambda self, ns, tokens, reserve, storage=0, forward=0, kv_arrives=False:

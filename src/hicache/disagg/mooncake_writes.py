@@ -18,6 +18,7 @@ import logging
 import torch
 
 from ..cache.pools import DeviceKVPool
+from ..cache.state_pool import StatePool
 from ..config import ConfigError
 from .transfer import head_bytes
 from .window_tail import TailPages
@@ -31,7 +32,8 @@ MAX_SPANS = 256  # spans per batched write: a TCP lane refused a batch of thousa
 class MooncakeWrites:
     """One server's transfer engine, with its pool's buffers registered."""
 
-    def __init__(self, pool: DeviceKVPool, hostname: str = "127.0.0.1") -> None:
+    def __init__(self, pool: DeviceKVPool, hostname: str = "127.0.0.1", states: StatePool | None = None) -> None:
+        """``states``: the recurrent layers' state slots, registered too (their states cross whole)."""
         try:
             from mooncake.engine import TransferEngine
         except ImportError as e:
@@ -44,6 +46,7 @@ class MooncakeWrites:
             raise ConfigError(f"Mooncake's transfer engine could not start on {hostname}.")
         # (a pool of shared blocks lists each of its tensors once per layer that reads it: registered once)
         buffers = {buf.data_ptr(): buf for buf in pool.k_buffers + pool.v_buffers}
+        buffers.update({t.data_ptr(): t for layer in (states.buffers if states is not None else []) for t in layer})
         for buf in buffers.values():
             if self.engine.register_memory(buf.data_ptr(), buf.numel() * buf.element_size()) != 0:
                 raise ConfigError("Mooncake's transfer engine could not register the KV pool's memory.")
@@ -98,10 +101,15 @@ class MooncakeWrites:
         spans = [(buf.data_ptr() + s_off, peer_base + d_off, n_bytes)
                  for bufs, peer in ((pool.k_buffers, target.k), (pool.v_buffers, target.v))
                  for buf, peer_base, layer in zip(bufs, peer, layer_spans) for s_off, d_off, n_bytes in layer]
+        return self.write_spans(target.session, spans)
+
+    def write_spans(self, session: str, spans: list[tuple[int, int, int]]) -> int:
+        """Write ``spans`` (source address, destination address, bytes) to the engine at ``session``;
+        returns the bytes written. Raises RuntimeError when the engine fails."""
         for i in range(0, len(spans), MAX_SPANS):  # the engine's queue takes so many spans per call
             src, dst, lengths = map(list, zip(*spans[i : i + MAX_SPANS]))
-            if self.engine.batch_transfer_sync_write(target.session, src, dst, lengths) != 0:
-                raise RuntimeError(f"Mooncake's transfer engine failed to write to {target.session}")
+            if self.engine.batch_transfer_sync_write(session, src, dst, lengths) != 0:
+                raise RuntimeError(f"Mooncake's transfer engine failed to write to {session}")
         return sum(n for _, _, n in spans)
 
 

@@ -25,8 +25,10 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ..cache.pools import DeviceKVPool
+from ..cache.state_pool import StatePool
 from .heads import RankEndpoint, heads_from
 from .mooncake_writes import MooncakeWrites
+from .state_tail import StateSlots
 from .transfer import POLL_MS, IOThread, Receive, head_bytes
 from .window_tail import WINDOW, WindowTail
 from .wire import (JSON_FRAME_BYTES, Answer, Ask, DropLog, RouteAnswer, WireError, json_object, limit_socket,
@@ -54,21 +56,24 @@ class KVReceiver(IOThread):
     """Learns each prefill server's route once, asks its ranks for this rank's heads (one
     DEALER per endpoint) and writes the received rows into the reserved slots. ``heads``: the
     model-global KV heads of ``pool``; ``askers``: this server's TP size (how many of its ranks
-    ask each prefill rank); ``vocab_size``: the model's (a first token must be one of its ids).
-    ``submit`` is called on the scheduler thread."""
+    ask each prefill rank); ``vocab_size``: the model's (a first token must be one of its ids);
+    ``states``: the recurrent layers' state slots (None: none), asked of the prefill rank of this
+    rank's index ``rank``. ``submit`` is called on the scheduler thread."""
 
     name = "hicache-kv-receiver"
     server = "decode"
 
     def __init__(self, pool: DeviceKVPool, heads: range, vocab_size: int, askers: int = 1,
-                 writes: Optional[MooncakeWrites] = None) -> None:
+                 writes: Optional[MooncakeWrites] = None, states: Optional[StatePool] = None, rank: int = 0) -> None:
         """``writes``: the prefill ranks write rows into this pool with Mooncake's transfer engine."""
         super().__init__()
         self.pool, self.heads, self.vocab_size, self.askers, self.writes = pool, heads, vocab_size, askers, writes
         self.parts = {WINDOW: WindowTail(pool)}  # the components a job may ask apart
+        self.state, self.rank = StateSlots(states), rank
         k = pool.k_buffers[0]
-        self._max_frame = max(k.numel() * k.element_size(), JSON_FRAME_BYTES)  # rows: at most a whole layer
-        self._max_frames = 1 + 2 * len(pool.k_buffers)  # header + K and V of every layer
+        # rows: at most a whole layer; a state: one slot of one tensor
+        self._max_frame = max(k.numel() * k.element_size(), JSON_FRAME_BYTES, *self.state.frame_bytes)
+        self._max_frames = 1 + 2 * len(pool.k_buffers) + 2 * len(self.state.tensors)  # header, K and V, 2 states
         self._open: dict[int, Receive] = {}  # room -> asked (or waiting for the route)
         self._routes: dict[str, list[RankEndpoint]] = {}  # bootstrap address -> its prefill ranks
         self._routing: dict[str, list[Receive]] = {}  # bootstrap address -> jobs waiting for its route
@@ -169,7 +174,8 @@ class KVReceiver(IOThread):
         self._routing.setdefault(job.address, []).append(job)
 
     def _ask(self, job: Receive, route: list[RankEndpoint]) -> None:
-        """Ask every prefill rank for the heads it supplies to this rank (maybe none)."""
+        """Ask every prefill rank for the heads it supplies to this rank (maybe none), and the prefill
+        rank of this rank's index for the recurrent states (its shard of them is this rank's)."""
         try:
             supply = heads_from(route, self.heads)
         except ValueError as e:
@@ -182,10 +188,13 @@ class KVReceiver(IOThread):
         expires_in = max(left - (min(WRITE_GRACE_S, left / 4) if self.writes is not None else 0.0), 0.0)
         asked = {name: self.parts[name].ask(tail) for name, tail in job.parts.items()}
         pages = {name: self.parts[name].pages(tail, end) for name, tail in job.parts.items()} if self.writes else {}
-        for rank, heads in zip(route, supply):
+        state = self.state.ask(job.states, self.writes is not None) if job.states else None
+        job.states_from = route[self.rank].address if state is not None else ""
+        for i, (rank, heads) in enumerate(zip(route, supply)):
             local = range(heads.start - self.heads.start, heads.stop - self.heads.start)
             target = self.writes.describe(job.slots, start, end, local, pages) if self.writes is not None else None
-            ask = Ask(job.room, start, end, heads, self.askers, expires_in, target, asked)
+            ask = Ask(job.room, start, end, heads, self.askers, expires_in, target, asked,
+                      state if i == self.rank else None)
             try:
                 self._send(rank.address, ask.to_wire())
             except Exception as e:  # (ranks asked before this one may be writing: _failed waits for them)
@@ -211,7 +220,7 @@ class KVReceiver(IOThread):
             if answer.error:
                 job.fail(f"the prefill server reported: {answer.error}")
             else:
-                self._store(job, answer, frames[1:], heads)
+                self._store(job, answer, frames[1:], heads, address == job.states_from)
         except WireError as e:
             if job is None:  # a peer that breaks the protocol answers none of what was asked there
                 self._dropped("P/D decode: a malformed message from %s (%s)", address, e)
@@ -233,6 +242,7 @@ class KVReceiver(IOThread):
             error = "" if (answer.layers, answer.head_bytes, answer.dtype) == mine else (
                 f"the prefill server's KV has {answer.layers} layers of {answer.head_bytes}-byte {answer.dtype} "
                 f"heads, this server's {mine[0]} of {mine[1]}-byte {mine[2]} (not the same model and dtype)")
+            error = error or self._state_mismatch(answer)
         except WireError as e:
             error = f"the prefill server at {address} sent a malformed route ({e})"
         if error:
@@ -245,11 +255,30 @@ class KVReceiver(IOThread):
             if job.room in self._open:
                 self._ask(job, route)
 
-    def _store(self, job: Receive, answer: Answer, frames: list, heads: range) -> None:
-        """Rows of ``heads`` for tokens ``[start, end)`` into the job's slots; raises WireError
-        when they are not exactly what was asked."""
+    def _state_mismatch(self, answer: RouteAnswer) -> str:
+        """Why this server cannot take the route's recurrent states ('' when it can): each rank holds
+        its TP shard of them, so they cross rank to rank between equal TP sizes."""
+        if answer.state_bytes != self.state.slot_bytes:
+            return (f"the prefill server's recurrent state is {answer.state_bytes} bytes a slot per rank, this "
+                    f"server's {self.state.slot_bytes} (not the same model, dtype or --tp-size)")
+        if self.state.slot_bytes and len(answer.ranks) != self.askers:
+            return (f"the prefill server runs {len(answer.ranks)} ranks and this one {self.askers}: a recurrent "
+                    "model's state shards cross only between servers of the same --tp-size")
+        return ""
+
+    def _store(self, job: Receive, answer: Answer, frames: list, heads: range, states: bool) -> None:
+        """Rows of ``heads`` for tokens ``[start, end)`` into the job's slots, and (``states``: this
+        prefill rank was asked for them) the recurrent states into theirs; raises WireError when they
+        are not exactly what was asked."""
         start, end, layers = answer.start, answer.end, answer.layers
         want_frames = 0 if answer.written is not None or not heads else 2 * layers
+        frames, state_frames = frames[:want_frames], frames[want_frames:]
+        if states:
+            self.state.check_answer(job.states, answer.state_at)
+        elif answer.state_at:
+            raise WireError("recurrent states from a prefill rank not asked for them")
+        if len(state_frames) != (0 if answer.written is not None else len(answer.state_at) * len(self.state.tensors)):
+            raise WireError(f"{len(state_frames)} state frames for the states at {list(answer.state_at)}")
         if start != job.decode_prefix_len or end != len(job.slots) or layers != len(self.pool.k_buffers) \
                 or answer.heads != heads or len(frames) != want_frames \
                 or answer.parts != {name: tail.start for name, tail in job.parts.items()}:
@@ -262,11 +291,15 @@ class KVReceiver(IOThread):
             raise WireError("row frames of other sizes than asked")
         if job.first_token not in (-1, answer.first_token):
             raise WireError("the prefill ranks sent different first tokens")
-        if answer.written is not None:  # Mooncake: the rows were written into the reserved pages
+        if answer.written is not None:  # Mooncake: the rows (and states) were written into the reserved slots
             job.received_bytes += answer.written
-        elif heads:
-            local = slice(heads.start - self.heads.start, heads.stop - self.heads.start)
-            job.received_bytes += self._copy_frames(rows, frames, local)
+        else:
+            if heads:
+                local = slice(heads.start - self.heads.start, heads.stop - self.heads.start)
+                job.received_bytes += self._copy_frames(rows, frames, local)
+            job.received_bytes += self.state.store(job.states, answer.state_at, state_frames)
+        if states:
+            job.states_got = answer.state_at
         job.first_token = answer.first_token
         job.received_tokens = end - start
 

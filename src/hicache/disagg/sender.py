@@ -24,8 +24,10 @@ import torch
 import zmq
 
 from ..cache.pools import DeviceKVPool
+from ..cache.state_pool import StatePool
 from .heads import RankEndpoint
 from .mooncake_writes import MooncakeWrites
+from .state_tail import StateSlots
 from .transfer import POLL_MS, IOThread, Send, head_bytes, raw
 from .window_tail import WINDOW, Rows, WindowTail
 from .wire import JSON_FRAME_BYTES, Ask, DropLog, WireError, json_object, limit_socket, recv_bounded
@@ -58,19 +60,21 @@ class KVSender(IOThread):
     server = "prefill"
 
     def __init__(self, pool: DeviceKVPool, port: int, host: str, heads: range, max_wait_s: float = 60.0,
-                 writes: Optional[MooncakeWrites] = None) -> None:
+                 writes: Optional[MooncakeWrites] = None, states: Optional[StatePool] = None) -> None:
         """``port`` 0: any free port. ``writes``: move rows with Mooncake's transfer engine
-        instead of message frames. Answers nothing until :meth:`start`."""
+        instead of message frames. ``states``: the recurrent layers' state slots (None: none).
+        Answers nothing until :meth:`start`."""
         super().__init__()
         self.pool, self.heads, self.writes, self.max_wait_s = pool, heads, writes, max_wait_s
         self.parts = {WINDOW: WindowTail(pool)}  # the components an ask may ask apart
+        self.state = StateSlots(states)
         self._sock = zmq.Context.instance().socket(zmq.ROUTER)
         # A Mooncake ask lists a buffer address per layer, the suffix's pages and (a hybrid decode pool) its
         # tail's pages per sliding group, a group per window layer: bound it by the pool's pages, and the
         # tail by a window (+ the pages it may straddle) where this pool knows the window.
         layers, pages = len(pool.k_buffers), pool.k_buffers[0].shape[0] // pool.page_size
         tail = min(-(-pool.windows.window // pool.page_size) + 3, pages) if pool.windows.window else pages
-        self._max_ask_bytes = JSON_FRAME_BYTES + 24 * (3 * layers + pages + layers * tail)
+        self._max_ask_bytes = JSON_FRAME_BYTES + 24 * (3 * layers + pages + layers * tail + len(self.state.tensors))
         limit_socket(self._sock, self._max_ask_bytes)
         self.port = self._sock.bind_to_random_port(f"tcp://{host}") if port == 0 else port
         if port:
@@ -129,7 +133,8 @@ class KVSender(IOThread):
 
     def _answer_route(self, peer: bytes) -> None:
         answer = {"route": [r.to_wire() for r in self.route], "layers": len(self.pool.k_buffers),
-                  "head_bytes": head_bytes(self.pool), "dtype": str(self.pool.k_buffers[0].dtype)}
+                  "head_bytes": head_bytes(self.pool), "dtype": str(self.pool.k_buffers[0].dtype),
+                  "state_bytes": self.state.slot_bytes}
         self._sock.send_multipart([peer, json.dumps(answer).encode()])
 
     def _keep(self, peer: bytes, ask: Ask) -> None:
@@ -215,20 +220,26 @@ class KVSender(IOThread):
             rows = self._rows(ask, job)
             for part in ask.parts.values():
                 header.update(part.echo())
+            states = self.state.sendable(ask.state, job.states) if ask.state is not None else ()
+            if states:
+                header["state_at"] = list(states)
             frames = []
             if self.writes is not None:  # the rows are in the decode pool already when this returns
                 pages = ask.mooncake.layer_pages(ask.parts)
-                header["written"] = self.writes.write(ask.mooncake, [(*r, p) for r, p in zip(rows, pages)], end, local)
-            elif heads:
-                for (k, v), (first, slots) in zip(zip(self.pool.k_buffers, self.pool.v_buffers), rows):
+                header["written"] = self.writes.write(ask.mooncake, [(*r, p) for r, p in zip(rows, pages)], end, local) \
+                    + self.writes.write_spans(ask.mooncake.session, self.state.spans(ask.state, job.states, states))
+            else:
+                for (k, v), (first, slots) in zip(zip(self.pool.k_buffers, self.pool.v_buffers), rows if heads else []):
                     idx = slots[first:end].to(k.device)  # the slots are CPU tensors; the pool may be on a GPU
                     frames += [raw(buf.index_select(0, idx)[:, local.start:local.stop]) for buf in (k, v)]
+                frames += self.state.frames([job.states[p] for p in states])
             sent = header.get("written", sum(f.nbytes for f in frames))
             self._sock.send_multipart([peer, json.dumps(header).encode(), *frames], copy=False)
             job.sent_bytes += sent
+            job.sent_states += len(states)
             job.sent_tokens = end - start
-            logger.info("P/D prefill room=%d: sent tokens %d-%d, KV heads %d-%d (%d bytes)", job.room, start, end,
-                        heads.start, heads.stop - 1, sent)
+            logger.info("P/D prefill room=%d: sent tokens %d-%d, KV heads %d-%d, states at %s (%d bytes)", job.room,
+                        start, end, heads.start, heads.stop - 1, list(states), sent)
         except Exception as e:  # the decode side must hear why, or it waits for its deadline
             job.error = str(e)
             self._send_error(peer, job.room, job.error)

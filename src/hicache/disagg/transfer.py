@@ -14,12 +14,15 @@ Protocol (one request = one *room*, the ``bootstrap_room`` the router gave both 
    decode ranks ask (its TP size), from a DEALER of its own. A hybrid decode pool adds
    ``"window_start", "window_layers"``: those layers' rows are asked from ``window_start`` on
    (the fresh SWA tail, :mod:`~hicache.disagg.window_tail`), whatever ``decode_prefix_len`` is.
+   A decode pool with recurrent layers adds ``"state_at", "state_bytes"`` to its ask of the
+   prefill rank of its own index: the states it needs whole (no rows per token).
 3. **Answer.** A prefill rank, once the request's prompt is computed (its own cache decides
    how much) and its first token sampled, answers each ask with one multipart message: a JSON
    header ``{"room", "first_token", "start", "end", "layers", "heads", "head_bytes"}`` then, per
    layer, the K rows and the V rows of tokens ``[start, end)`` (``start = decode_prefix_len``;
    ``[window_start, end)`` for the asked window layers, echoed in the header) restricted to the
-   asked heads: raw bytes, no pickling. ``{"room", "error"}`` when it cannot.
+   asked heads: raw bytes, no pickling; then the recurrent states asked (``state_at``,
+   :mod:`~hicache.disagg.state_tail`: the prompt's end, maybe its checkpoint), a frame per tensor. ``{"room", "error"}`` when it cannot.
    Its KV stays held until every asker was answered (or the timeout).
 4. **Store.** The decode rank copies the rows into its reserved slots (its own head positions);
    its job is done when every prefill rank answered.
@@ -128,12 +131,14 @@ class Send:
     first_token: int
     deadline: float  # give up waiting for the decode ranks' asks then (perf_counter)
     parts: dict[str, Tail] = field(default_factory=dict)  # by component: rows held apart (a hybrid pool's window)
+    states: dict[int, int] = field(default_factory=dict)  # recurrent states held: position -> state slot
     done: threading.Event = field(default_factory=threading.Event)
     error: str = ""
     askers: int = 0  # decode ranks that ask (their TP size; 0: none heard from yet)
     answered: int = 0  # asks answered (rows or an error)
     sent_tokens: int = 0
     sent_bytes: int = 0
+    sent_states: int = 0
 
 
 @dataclass
@@ -147,6 +152,9 @@ class Receive:
     slots: torch.Tensor
     deadline: float
     parts: dict[str, Tail] = field(default_factory=dict)  # by component: rows asked apart (a hybrid pool's window)
+    states: dict[int, int] = field(default_factory=dict)  # recurrent states asked: position -> slot (end first)
+    states_from: str = ""  # the prefill rank asked for them (the one of this rank's index)
+    states_got: tuple[int, ...] = ()  # the positions whose state arrived
     handshake_deadline: float = float("inf")  # the prefill server's route must come by then
     done: threading.Event = field(default_factory=threading.Event)
     first_token: int = -1

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 from .fields import MAX_HEADS, MAX_TOKENS, WireError, error_text, head_range, host, int_list, integer, number
+from .state_tail import StateAsk, positions
 from .window_tail import TailAsk, TailPages
 
 MAX_ROOM = 2**63 - 1  # rooms are non-negative signed 64-bit integers, as SGLang draws them
@@ -145,7 +146,8 @@ class Ask:
     """A decode rank's ask to a prefill rank (protocol step 2): tokens
     ``[decode_prefix_len, prompt_len)`` of ``room``'s prompt, model-global KV ``heads``;
     ``askers``: how many decode ranks ask; ``expires_in``: seconds until the asker gives up;
-    ``parts``: the layers asked apart, by component (a hybrid decode pool's window tail)."""
+    ``parts``: the layers asked apart, by component (a hybrid decode pool's window tail);
+    ``state``: the recurrent states wanted (:mod:`~.state_tail`; None: none)."""
 
     room: int
     decode_prefix_len: int
@@ -155,6 +157,7 @@ class Ask:
     expires_in: float
     mooncake: Optional[MooncakeTarget] = None
     parts: dict[str, TailAsk] = field(default_factory=dict)
+    state: Optional[StateAsk] = None
 
     def to_wire(self) -> dict:
         msg = {"room": self.room, "decode_prefix_len": self.decode_prefix_len, "prompt_len": self.prompt_len,
@@ -163,6 +166,8 @@ class Ask:
             msg["mooncake"] = self.mooncake.to_wire()
         for part in self.parts.values():
             msg.update(part.to_wire())
+        if self.state is not None:
+            msg.update(self.state.to_wire())
         return msg
 
     @classmethod
@@ -174,18 +179,21 @@ class Ask:
         mooncake = MooncakeTarget.parse(msg["mooncake"], layers, start, prompt_len, parts) \
             if "mooncake" in msg else None
         return cls(integer(msg, "room", 0, MAX_ROOM), start, prompt_len, head_range(msg, "heads"),
-                   integer(msg, "askers", 1, MAX_ASKERS), number(msg, "expires_in", 0.0, math.inf), mooncake, parts)
+                   integer(msg, "askers", 1, MAX_ASKERS), number(msg, "expires_in", 0.0, math.inf), mooncake, parts,
+                   StateAsk.parse(msg, prompt_len))
 
 
 @dataclass(frozen=True)
 class RouteAnswer:
     """The prefill server's route (protocol step 1): every rank's KV socket and heads, and the
-    shape of its KV (to refuse a prefill server of another model or dtype)."""
+    shape of its KV (to refuse a prefill server of another model or dtype) and of a rank's
+    recurrent state slot (``state_bytes``; 0: none)."""
 
     ranks: list[list]  # RankEndpoint wire items, checked
     layers: int
     head_bytes: int
     dtype: str
+    state_bytes: int = 0
 
     @classmethod
     def parse(cls, msg: dict) -> "RouteAnswer":
@@ -201,13 +209,16 @@ class RouteAnswer:
         dtype = msg.get("dtype")
         if not isinstance(dtype, str) or len(dtype) > 64:
             raise WireError("'dtype' must be a short string")
-        return cls(ranks, integer(msg, "layers", 1, MAX_LAYERS), integer(msg, "head_bytes", 1, 1 << 24), dtype)
+        state_bytes = integer(msg, "state_bytes", 0, 1 << 40) if "state_bytes" in msg else 0
+        return cls(ranks, integer(msg, "layers", 1, MAX_LAYERS), integer(msg, "head_bytes", 1, 1 << 24), dtype,
+                   state_bytes)
 
 
 @dataclass(frozen=True)
 class Answer:
     """A prefill rank's answer header (protocol step 3): an error, or tokens ``[start, end)``
-    of ``layers`` layers for ``heads``, sent as frames or (``written`` bytes) by Mooncake."""
+    of ``layers`` layers for ``heads``, sent as frames or (``written`` bytes) by Mooncake, and the
+    recurrent states at ``state_at`` (positions; empty: none)."""
 
     room: int
     error: str = ""
@@ -218,6 +229,7 @@ class Answer:
     heads: range = range(0)
     written: Optional[int] = None
     parts: dict[str, int] = field(default_factory=dict)  # the ask's parts' first tokens, echoed
+    state_at: tuple[int, ...] = ()
 
     @classmethod
     def parse(cls, msg: dict, vocab_size: int) -> "Answer":
@@ -229,4 +241,5 @@ class Answer:
         written = integer(msg, "written", 0, 1 << 62) if "written" in msg else None
         return cls(room, "", integer(msg, "first_token", 0, vocab_size - 1), integer(msg, "start", 0, end), end,
                    integer(msg, "layers", 1, MAX_LAYERS), head_range(msg, "heads"), written,
-                   {p.name: first for p in PARTS if (first := p.parse_echo(msg, end)) is not None})
+                   {p.name: first for p in PARTS if (first := p.parse_echo(msg, end)) is not None},
+                   positions(msg, "state_at", end) if "state_at" in msg else ())

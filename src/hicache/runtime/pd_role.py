@@ -4,11 +4,15 @@ finishes, and once per step on the agreed events of its open transfers.
 
 * :class:`PrefillRole`: a request with a bootstrap computes its prompt and first token as usual;
   at finish its KV stays held (not released to the tree) until the sender has streamed the
-  tokens after the decode server's ``decode_prefix_len`` (or given up), then it is released.
+  tokens after the decode server's ``decode_prefix_len`` (or given up), then it is released. A
+  model with recurrent layers sends their state at the prompt's end and, where held, at its
+  checkpoint (:mod:`hicache.disagg.state_tail`), never a state per page.
 * :class:`DecodeRole`: a request with a bootstrap is admitted against this server's own tiers
   (device hits locked, host hits restored layer by layer into reserved pages, storage hits
   only once their prefetch was accepted); ``decode_prefix_len`` is what admission found (whole
-  pages). It then waits, holding its pages, until the suffix's KV has arrived *and* the local
+  pages; a recurrent model's counts attention rows, its states arrive whole: the prompt's end into
+  the running slot, the checkpoint into a snapshot slot its tree takes at release). It then waits,
+  holding its pages, until the suffix's KV has arrived *and* the local
   restore is done, and decodes from the prefill server's first token. If either fails, the
   request ends with an error and everything it held is released.
 
@@ -41,6 +45,7 @@ from .request import Request, Status
 
 if TYPE_CHECKING:
     from ..cache.manager import KVCacheManager
+    from ..cache.state_pool import StatePool
     from ..disagg.mooncake_writes import MooncakeWrites
 
 logger = logging.getLogger(__name__)
@@ -60,12 +65,18 @@ class TransferStats:
     bytes: int = 0
     seconds: float = 0.0
     decode_prefix_tokens: int = 0
+    states: int = 0  # recurrent states (whole slots: a prompt's end, its checkpoint) moved; their bytes are in bytes
 
     def add(self, **figures: float) -> None:
         """One more request whose transfer ended, with its ``figures`` (field name -> what it adds)."""
         self.requests += 1
         for name, value in figures.items():
             setattr(self, name, getattr(self, name) + value)
+
+
+def _states(cache: "KVCacheManager") -> "StatePool | None":
+    """The recurrent layers' state slots of this rank (None: the model has none)."""
+    return cache.device_states.pool if cache.device_states is not None else None
 
 
 def _writes(transport: str, cache: "KVCacheManager", host: str) -> "MooncakeWrites | None":
@@ -75,7 +86,7 @@ def _writes(transport: str, cache: "KVCacheManager", host: str) -> "MooncakeWrit
         return None
     from ..disagg.mooncake_writes import MooncakeWrites
 
-    return MooncakeWrites(cache.pool, host)
+    return MooncakeWrites(cache.pool, host, _states(cache))
 
 
 class _Role(Mode):
@@ -113,7 +124,7 @@ class PrefillRole(_Role):
         """Rank 0 binds ``port`` (the bootstrap port; 0: any free one), the other ranks any free
         port; every rank learns all of them (a collective: every rank builds its role)."""
         super().__init__(KVSender(cache.pool, port if ranks.rank == 0 else 0, host, ranks.heads, timeout_s,
-                                  _writes(transport, cache, host)), ranks, timeout_s)
+                                  _writes(transport, cache, host), _states(cache)), ranks, timeout_s)
         self.cache = cache
         mine = RankEndpoint(host, self.io.port, ranks.heads).to_wire()
         self.io.start([RankEndpoint.from_wire(item, host) for item in ranks.gather(mine)])
@@ -132,6 +143,8 @@ class PrefillRole(_Role):
         job = Send(req.pd.bootstrap.room, req.kv.slots[:n], req.output_ids[0], time.perf_counter() + self.timeout_s)
         if req.kv.window is not None:  # a hybrid pool holds the window layers' rows of the tail only
             job.parts[WINDOW] = Tail(self.cache.window_tail(n), req.kv.window.slots[..., :n])
+        if req.kv.state is not None:  # recurrent layers: the prompt's end state (and its checkpoint's, if held)
+            job.states = self.cache.device_states.held(req.namespace, req.tokens_np[:n], req.kv.state, req.kv.node)
         self.io.submit(job)
         self.jobs.append((req, job, req.on_update))
         req.on_update = None
@@ -148,7 +161,7 @@ class PrefillRole(_Role):
             req.pd.transferred_tokens, req.pd.transferred_bytes = job.sent_tokens, total_bytes
             req.on_update = report
             actions.append(Release(req, report=report is not None))
-            self.counters.add(failed=not e.ok, tokens=job.sent_tokens, bytes=job.sent_bytes)
+            self.counters.add(failed=not e.ok, tokens=job.sent_tokens, bytes=job.sent_bytes, states=job.sent_states)
         return actions
 
     def stats(self) -> dict:
@@ -165,8 +178,8 @@ class DecodeRole(_Role):
     def __init__(self, cache: "KVCacheManager", ranks: TPRanks, vocab_size: int, timeout_s: float = 60.0,
                  transport: str = "zmq", host: str = "127.0.0.1", handshake_s: float = 5.0,
                  max_receiving: int = 16) -> None:
-        super().__init__(KVReceiver(cache.pool, ranks.heads, vocab_size, ranks.size, _writes(transport, cache, host)),
-                         ranks, timeout_s)
+        super().__init__(KVReceiver(cache.pool, ranks.heads, vocab_size, ranks.size, _writes(transport, cache, host),
+                                    _states(cache), ranks.rank), ranks, timeout_s)
         self.cache, self.handshake_s, self.max_receiving = cache, handshake_s, max_receiving
         # jobs: (request, its Receive)
 
@@ -192,6 +205,8 @@ class DecodeRole(_Role):
         arrival = req.kv.window.arrival if req.kv.window is not None else None
         if arrival is not None:
             job.parts[WINDOW] = Tail(arrival[0], arrival[1][..., :n])
+        if req.kv.state is not None:  # recurrent layers: their states arrive whole, not per page
+            job.states = self.cache.device_states.arriving(req.namespace, req.tokens_np[:n], req.kv.state)
         req.pd.decode_prefix_len = req.computed
         self.io.submit(job)
         self.jobs.append((req, job))
@@ -216,6 +231,8 @@ class DecodeRole(_Role):
         transfer failed on any; release what aborted requests held."""
         actions: list[Action] = []
         for ((req, job), e), total_bytes in self._ended(events, lambda item: item[1].received_bytes):
+            if req.kv.state is not None:  # snapshot slots taken for states that did not come are free again
+                self.cache.device_states.arrived(req.kv.state, job.states_got if e.ok else ())
             if req.status is Status.FINISHED:  # aborted meanwhile
                 actions.append(Release(req))
                 continue
@@ -226,7 +243,7 @@ class DecodeRole(_Role):
                 actions.append(Fail(req, error, KV_TRANSFER_FAILED))
                 continue
             self.counters.add(tokens=job.received_tokens, bytes=job.received_bytes, seconds=job.seconds,
-                              decode_prefix_tokens=job.decode_prefix_len)
+                              decode_prefix_tokens=job.decode_prefix_len, states=len(job.states_got))
             req.pd.transferred_tokens, req.pd.transferred_bytes = job.received_tokens, total_bytes
             actions.append(StartDecode(req, job.first_token))
         return actions

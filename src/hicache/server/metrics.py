@@ -71,7 +71,8 @@ class ServerMetrics:
         # Prefill/decode disaggregation: KV that crossed between the servers (this server's side)
         self.kv_transfer = Counter("hicache_kv_transfer", "P/D KV transfers of this server's side: requests, failed, "
                                    "tokens, bytes, seconds (decode side: asking to stored), decode_prefix_tokens "
-                                   "(prompt tokens the decode side's own tiers supplied).", ["field"], registry=r)
+                                   "(prompt tokens the decode side's own tiers supplied), states (a recurrent model's "
+                                   "states, moved whole).", ["field"], registry=r)
         self._seen: dict[tuple, float] = {}  # cumulative figures already counted
         for tier in ("device", "host", "storage"):
             self.cached_tokens.labels(tier=tier)
