@@ -21,6 +21,8 @@ from hicache.model.scan import (
     delta_rule_qk,
     delta_rule_scan,
     delta_rule_step,
+    row_sigmoid,
+    row_softplus,
     ssd_scan,
     ssd_step,
 )
@@ -305,3 +307,16 @@ def test_conv_steps_continue_a_prefill_bitwise():
         out, states = conv_step(torch.stack([s["x"][n + i] for s, n in zip(seqs, lengths)]), weight, bias, states)
         assert all(torch.equal(out[b], whole[b].out[n + i]) for b, n in enumerate(lengths))
     assert all(torch.equal(states[b], whole[b].state) for b in range(2))
+
+
+@pytest.mark.parametrize("fn, reference", [(row_sigmoid, torch.sigmoid), (row_softplus, F.softplus)])
+def test_a_rows_gates_do_not_depend_on_the_rows_beside_it(fn: Callable, reference: Callable) -> None:
+    """The recurrent layers' [T, heads] gates: a row gives the same bits alone as in a batch of any size
+    (deterministic inference batches rows; torch's own CPU sigmoid and softplus round a vector's tail
+    differently), within float32 rounding of torch's function."""
+    torch.manual_seed(0)
+    rows = torch.randn(23, 4) * 6
+    alone = torch.cat([fn(rows[i:i + 1]) for i in range(len(rows))])
+    for n in range(2, len(rows) + 1):
+        assert torch.equal(fn(rows[:n]), alone[:n])
+    torch.testing.assert_close(alone, reference(rows), rtol=1e-6, atol=1e-6)

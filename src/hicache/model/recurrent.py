@@ -56,7 +56,7 @@ from torch import nn
 from hicache.model.batch import ForwardBatch, KVView, StateSlots
 from hicache.model.projection import Projection
 from hicache.model.scan import (ScanSpan, causal_conv, conv_step, delta_rule_qk, delta_rule_scan, delta_rule_step,
-                                ssd_scan, ssd_step)
+                                row_sigmoid, row_softplus, ssd_scan, ssd_step)
 from hicache.model.spec import SCAN_CHUNK, ModelSpec
 from hicache.model.token_steps import step_tokens
 
@@ -198,8 +198,8 @@ class GatedDeltaNet(nn.Module):
         and leaves each sequence's conv and recurrent states after its tokens in its running slot."""
         slots = _state_slots(batch)
         mixed, z, b, a = self.inp.whole(x, batch.generated).split(self.widths, dim=-1)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, Hv] log decay, float32
+        beta = row_sigmoid(b)
+        g = -self.A_log.float().exp() * row_softplus(a.float() + self.dt_bias.float())  # [T, Hv] log decay, float32
         conv_buffer, rec_buffer = kv.state_buffers[self.state_index]
         conv_states = conv_buffer.index_select(0, slots.source)  # all read before any write
         rec_states = rec_buffer.index_select(0, slots.source).float()
@@ -305,7 +305,7 @@ class Mamba2Mixer(nn.Module):
         and leaves each sequence's conv and SSM states after its tokens in its running slot."""
         slots = _state_slots(batch)
         z, xbc, dt = self.inp.whole(x, batch.generated).split(self.widths, dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.dt_limits)  # [T, H] float32
+        dt = row_softplus(dt.float() + self.dt_bias.float()).clamp(*self.dt_limits)  # [T, H] float32
         a = -self.A_log.float().exp()
         conv_buffer, ssm_buffer = kv.state_buffers[self.state_index]
         conv_states = conv_buffer.index_select(0, slots.source)  # all read before any write

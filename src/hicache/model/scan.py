@@ -100,6 +100,21 @@ def _segment_sums(logs: Tensor) -> Tensor:
     return sums.masked_fill(ones.triu(1), float("-inf"))
 
 
+# The gates of a recurrent layer ([T, heads]: a few values a row) computed so that a row's bits do not
+# depend on where it sits in the batch: torch's CPU sigmoid and softplus take a SIMD path over whole
+# vectors and a scalar one for the tail, which round differently (~4% of values differ by an ulp), and in
+# a [T, 4] tensor which rows fall in the tail changes with T -- a batched run would not give a lone run's
+# bits (deterministic inference). exp, log1p and IEEE arithmetic agree on both paths.
+def row_sigmoid(x: Tensor) -> Tensor:
+    """``sigmoid(x)``, the same bits for an element wherever it sits in ``x``."""
+    return 1.0 / (1.0 + torch.exp(-x))
+
+
+def row_softplus(x: Tensor) -> Tensor:
+    """``softplus(x)`` (``x`` itself above 20, as torch's), the same bits wherever an element sits."""
+    return torch.where(x > 20.0, x, torch.log1p(torch.exp(x)))
+
+
 def _exp(logs: Tensor) -> Tensor:
     """``exp(logs)`` with results below the dtype's smallest normal flushed to zero, as FTZ
     hardware would: torch's CPU exp takes a path ~50x slower for subnormal results (and ~5x for
