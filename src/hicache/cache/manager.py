@@ -269,15 +269,21 @@ class KVCacheManager:
         if self.device.states is not None:
             self.device.states.accept(state.state, kept)
 
+    @property
+    def chunk_grid(self) -> int:
+        """Tokens every prompt chunk but a prompt's last ends on a multiple of: the recurrent layers'
+        snapshot grid (1: no constraint)."""
+        return self.device.states.grid if self.device.states is not None else 1
+
     def chunk_tokens(self, computed: int, new_tokens: int, prompt_tokens: int) -> int:
         """A prompt chunk's length, ``new_tokens`` cut so that a chunk before the prompt's last ends on
-        the recurrent layers' snapshot grid (the next one then starts where a hit's would, and its scan
-        blocks are the cold run's), unless that leaves nothing to compute."""
-        grid = self.device.states.grid if self.device.states is not None else 1
-        end = computed + new_tokens
-        if grid == 1 or end >= prompt_tokens or end // grid * grid <= computed:
+        :attr:`chunk_grid` (the next one then starts where a hit's would, and its scan blocks are the
+        cold run's); 0 where that leaves nothing (the request waits for a step with more budget: a
+        chunk off the grid would split a scan block, and a later hit would not give the cold run's bits)."""
+        grid, end = self.chunk_grid, computed + new_tokens
+        if grid == 1 or end >= prompt_tokens:
             return new_tokens
-        return end // grid * grid - computed
+        return max(end // grid * grid - computed, 0)
 
     def release(self, namespace: str, tokens: np.ndarray, state: KVState, prompt_tokens: int | None = None) -> None:
         """The request is done: cache the whole pages of ``tokens`` (those whose KV is computed; of

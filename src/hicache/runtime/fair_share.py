@@ -30,9 +30,11 @@ def headroom(max_running: int) -> int:
     return 0 if max_running <= 1 else max(1, max_running // 4)
 
 
-def newcomer_budget(budget: int, others_waiting: bool, page_size: int) -> int:
-    """Tokens of a prefill step's ``budget`` that running prompts leave to queued requests."""
-    return max(budget // 4, page_size) if others_waiting and budget > page_size else 0
+def newcomer_budget(budget: int, others_waiting: bool, unit: int) -> int:
+    """Tokens of a prefill step's ``budget`` that running prompts leave to queued requests: a quarter,
+    in whole ``unit``s (a page; a recurrent model's snapshot grid, so the running prompts' share ends on
+    it too), at least one."""
+    return max(budget // 4 // unit * unit, unit) if others_waiting and budget > unit else 0
 
 
 class GroupShares:

@@ -138,7 +138,8 @@ def plan_rank(cfg: EngineConfig, spec: ModelSpec, rank: RankContext, draft: Mode
     states = states.with_host(device_pages, host_pages) if states is not None else None
     components = rank_components(spec, rank.layers(spec), row, hybrid, draft_kv, states)
     return RankPlan(dtype, layers, row, components, draft_kv, hybrid, device_pages, host_pages, window_pages, apart,
-                    staging, gather, _prefill_chunk(cfg, hybrid, window_pages), unified, storage, states)
+                    staging, gather, _prefill_chunk(cfg, hybrid, window_pages, states.grid if states else 1), unified,
+                    storage, states)
 
 
 def _state_plan(cfg: EngineConfig, spec: ModelSpec, rank: RankContext, dtype: torch.dtype,
@@ -275,14 +276,19 @@ def _host_pool_pages(cfg: EngineConfig, device_pages: int, bytes_per_page: int) 
     return pages + 1
 
 
-def _prefill_chunk(cfg: EngineConfig, hybrid: HybridPlan | None, window_pages: int) -> int:
+def _prefill_chunk(cfg: EngineConfig, hybrid: HybridPlan | None, window_pages: int, grid: int) -> int:
     """--chunked-prefill-size, cut (and said once) where a chunk's window pages would not fit in
-    a hybrid pool's window component."""
+    a hybrid pool's window component; a whole number of the recurrent layers' snapshot ``grid``
+    (tokens; said once where it changes), since every prompt chunk but the last ends on it."""
     chunk = cfg.chunked_prefill_size if not hybrid else hybrid.shared_chunk((window_pages - 1) * hybrid.groups + 1, cfg.chunked_prefill_size) \
         if hybrid.shared else hybrid.prefill_chunk(window_pages, cfg.chunked_prefill_size)
     if chunk < cfg.chunked_prefill_size:
         logger.info("prefill chunks of %d tokens (--chunked-prefill-size %d): the window pool holds %d pages", chunk,
                     cfg.chunked_prefill_size, window_pages - 1)
+    if chunk % grid:
+        logger.info("prefill chunks of %d tokens (--chunked-prefill-size %d): a whole number of the recurrent "
+                    "layers' %d-token snapshot grid", max(chunk // grid, 1) * grid, cfg.chunked_prefill_size, grid)
+        chunk = max(chunk // grid, 1) * grid
     return chunk
 
 

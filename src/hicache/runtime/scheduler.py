@@ -182,7 +182,8 @@ class Scheduler(Results):
         with the rest."""
         budget = self.policy.chunked_prefill_size
         prefilling = [r for r in self.running if r.status is Status.PREFILL and not r.in_flight]
-        reserved = newcomer_budget(budget, bool(self.waiting), self.cache.page_size) if prefilling else budget
+        unit = max(self.cache.page_size, self.cache.chunk_grid)
+        reserved = newcomer_budget(budget, bool(self.waiting), unit) if prefilling else budget
         admitted = self._admit_waiting(reserved)
         budget -= sum(n for _, n in admitted)
         batch: list[tuple[Request, int]] = []
@@ -192,7 +193,8 @@ class Scheduler(Results):
             n = min(len(req.prompt_ids) - req.computed, budget)
             batch.append((req, n))
             budget -= n
-        return [(r, self.cache.chunk_tokens(r.computed, n, len(r.prompt_ids))) for r, n in batch + admitted]
+        cut = [(r, self.cache.chunk_tokens(r.computed, n, len(r.prompt_ids))) for r, n in batch + admitted]
+        return [(r, n) for r, n in cut if n > 0]  # (a running prompt whose share ends short of the grid waits)
 
     def _admit_waiting(self, budget: int) -> list[tuple[Request, int]]:
         """Admit queued requests in arrival order while ``budget`` tokens and the running slots last;
@@ -201,8 +203,8 @@ class Scheduler(Results):
         batch: list[tuple[Request, int]] = []
         shares = GroupShares(self.running, self.policy.max_running_requests, self.cache.capacity_pages)
         for req in list(self.waiting):
-            if budget <= 0 or len(self.running) >= self.policy.max_running_requests:
-                break
+            if budget < self.cache.chunk_grid or len(self.running) >= self.policy.max_running_requests:
+                break  # (a chunk shorter than the recurrent layers' grid would end off it: docs/hybrid_kv.md)
             if not self._prefetch_settled(req):
                 continue  # its storage read is still arriving; later requests may go first
             if req.waits_for is not None and self._prompt_pending(req.waits_for):
