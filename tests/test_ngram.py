@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 from array import array
 
-import numpy as np
 import pytest
 import torch
 
@@ -188,7 +187,7 @@ def test_copied_drafts_keep_the_targets_distribution() -> None:
 
 
 # ---- the engine ---------------------------------------------------------------------------------
-def _looping_prompts(n: int) -> list[list[int]]:
+def looping_prompts(n: int) -> list[list[int]]:
     """Prompts with repeated runs, as tool output quoted back is: text to copy from."""
     out = []
     for j in range(n):
@@ -201,7 +200,7 @@ def _looping_prompts(n: int) -> list[list[int]]:
 def plain_outputs() -> list[list[int]]:
     engine = Engine("random:tiny", **BASE)
     try:
-        return [r.output_ids for r in engine.generate(_looping_prompts(4), GREEDY)]
+        return [r.output_ids for r in engine.generate(looping_prompts(4), GREEDY)]
     finally:
         engine.shutdown()
 
@@ -211,7 +210,7 @@ def test_greedy_output_equals_the_plain_engine(plain_outputs: list[list[int]]) -
     tokens; drafts were taken and accepted."""
     engine = Engine("random:tiny", **BASE, **NGRAM, chunked_prefill_size=32)
     try:
-        out = engine.generate(_looping_prompts(4), GREEDY)
+        out = engine.generate(looping_prompts(4), GREEDY)
         assert [r.output_ids for r in out] == plain_outputs
         stats = engine.stats()["speculative"]
         assert stats["request_verify_steps"] > 0 and stats["accept_length"] > 1.0
@@ -249,7 +248,7 @@ RANKS_OPTS = dict(dtype="float32", page_size=4, max_total_tokens=1024, enable_hi
 
 def _session(engine: Engine) -> list[tuple[list[int], float]]:
     """Two agents, two turns (histories resent), then a seeded sampled request."""
-    history = _looping_prompts(2)
+    history = looping_prompts(2)
     out = []
     for turn in range(2):
         prompts = [h + [(turn * 11 + i) % 200 + 20 for i in range(8)] for h in history]
@@ -292,7 +291,7 @@ def test_sglang_bench_reads_the_accept_length_from_server_info() -> None:
     srv = ServerThread(engine, served_model_name="tiny")
     base_url = srv.start()
     try:
-        body = {"model": "tiny", "prompt": _looping_prompts(1)[0], "max_tokens": 24, "temperature": 0}
+        body = {"model": "tiny", "prompt": looping_prompts(1)[0], "max_tokens": 24, "temperature": 0}
         usage = httpx.post(base_url + "/v1/completions", json=body, timeout=60).json()["usage"]
         assert usage["spec_verify_steps"] >= 1
         info = httpx.get(base_url + "/get_server_info", timeout=10).json()
@@ -315,7 +314,7 @@ def test_a_pd_decode_server_drafts_and_answers_like_the_plain_engine(plain_outpu
     decode = Engine("random:tiny", disaggregation_mode="decode", **BASE, **NGRAM)
     try:
         port = prefill.stats()["disaggregation"]["bootstrap_port"]
-        for room, prompt in enumerate(_looping_prompts(2)):
+        for room, prompt in enumerate(looping_prompts(2)):
             boot = Bootstrap("127.0.0.1", port, room + 1)
             side = threading.Thread(target=lambda: prefill.generate(prompt, GREEDY, bootstrap=boot))
             side.start()

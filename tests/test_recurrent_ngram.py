@@ -13,6 +13,7 @@ import random
 import pytest
 import torch
 from recurrent_checks import random_ids, states
+from test_ngram import looping_prompts
 
 from hicache import Engine, SamplingParams
 from hicache.cache.device_state import DeviceStates
@@ -29,13 +30,6 @@ GREEDY = SamplingParams(max_new_tokens=40, temperature=0.0)
 LOGPROB_ATOL = 1e-4  # float32: a hit's last chunk is a shorter GEMM than the cold run's (tests/test_recurrent_cache.py)
 
 
-def _looping_prompts(n: int) -> list[list[int]]:
-    """Prompts with repeated runs, as tool output quoted back is: text to copy from."""
-    out = []
-    for j in range(n):
-        block = [(i * 7 + 3 * j) % 200 + 20 for i in range(12 + j)]
-        out.append(block * 3 + block[:5])
-    return out
 
 
 @pytest.fixture(scope="module", params=MODELS)
@@ -106,6 +100,15 @@ def test_acceptance_keeps_the_accepted_rows_state_and_frees_the_scratch() -> Non
 
 
 # ---- the engine ------------------------------------------------------------------------------------
+def plain_tokens(model: str, prompts: list[list[int]], **kw) -> list[list[int]]:
+    """Greedy tokens of ``prompts`` on an engine without speculation."""
+    plain = Engine(model, **BASE, **kw)
+    try:
+        return [r.output_ids for r in plain.generate(prompts, GREEDY)]
+    finally:
+        plain.shutdown()
+
+
 def _assert_drafts_accepted_and_rejected(spec: dict) -> None:
     """Verify passes took drafts (accept length > 1) and turned some down, so the running state was
     rolled back to an accepted row at least once."""
@@ -118,12 +121,8 @@ def test_greedy_output_equals_the_plain_engine(model: str) -> None:
     """Four requests in one batch (drafting or riding along), chunked prefill: the plain engine's tokens;
     drafts were accepted (accept length > 1) and rejected (so the rollback to the accepted row ran), and
     every running and scratch state slot came back."""
-    prompts = _looping_prompts(4)
-    plain = Engine(model, **BASE, chunked_prefill_size=32)
-    try:
-        want = [r.output_ids for r in plain.generate(prompts, GREEDY)]
-    finally:
-        plain.shutdown()
+    prompts = looping_prompts(4)
+    want = plain_tokens(model, prompts, chunked_prefill_size=32)
     engine = Engine(model, **BASE, **NGRAM, chunked_prefill_size=32)
     try:
         out = engine.generate(prompts, GREEDY)
@@ -141,7 +140,7 @@ def test_a_prefix_hit_with_ngram_on_gives_the_cold_tokens(model: str) -> None:
     engine = Engine(model, **BASE, **NGRAM, chunked_prefill_size=64)
     sampling = SamplingParams(max_new_tokens=24, temperature=0.0, logprobs=0)
     try:
-        history = _looping_prompts(1)[0] * 2
+        history = looping_prompts(1)[0] * 2
         first = engine.generate([history], sampling)[0]
         rng = random.Random(5)
         history = history + first.output_ids + [rng.randrange(20, 220) for _ in range(9)]
@@ -165,12 +164,8 @@ def test_tp2_ranks_draft_and_answer_like_one_plain_rank(model: str, checker: Non
     scratch and running slots (the same slot ids on every rank): TP2 with NGRAM gives TP1's plain tokens
     while drafts are accepted and rejected, and the consensus checker sees the ranks agree on every draft
     and acceptance."""
-    prompts = _looping_prompts(4)
-    plain = Engine(model, **BASE)
-    try:
-        want = [r.output_ids for r in plain.generate(prompts, GREEDY)]
-    finally:
-        plain.shutdown()
+    prompts = looping_prompts(4)
+    want = plain_tokens(model, prompts)
     engine = Engine(model, **BASE, **NGRAM, tp_size=2)
     try:
         assert [r.output_ids for r in engine.generate(prompts, GREEDY)] == want

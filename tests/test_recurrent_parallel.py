@@ -49,6 +49,23 @@ def snapshot_stats(engine: Engine) -> dict:
     return engine.stats()["device_pool"]["recurrent_state"]
 
 
+def one_rank(model: str) -> tuple[list[list[int]], int]:
+    """PROMPTS' greedy tokens on one rank, and its state slot's bytes."""
+    one = make_engine(model)
+    try:
+        return [o.output_ids for o in one.generate(PROMPTS, GREEDY)], snapshot_stats(one)["slot_bytes"]
+    finally:
+        one.shutdown()
+
+
+def expect_hit(engine: Engine, prompt: list[int], out, tier: str) -> None:
+    """``out``, a repeat of ``prompt``, hit ``tier`` up to the prompt's checkpoint with a cold run's tokens."""
+    grid = snapshot_stats(engine)["grid_tokens"]
+    assert out.cached_tokens_details[tier] == out.cached_tokens == (len(prompt) - 1) // grid * grid > 0
+    assert_as_cold(engine, prompt, out)
+    assert engine.group.monitor.divergence is None and engine.group.monitor.compared > 50
+
+
 ONE_GROUP = 'random:{"preset": "mamba2-tiny", "mamba_groups": 1}'  # Granite 4.0-H's: B and C on every rank
 # each rank's state bytes where B and C are replicated: half of the whole, plus half of their conv channels
 # (2 Mamba2 layers x 2 x 1 group x 16 states x 3 taps x 4 bytes) that every rank holds whole
@@ -59,23 +76,15 @@ REPLICATED = {ONE_GROUP: 2 * 2 * 16 * 3 * 4 // 2}
 @pytest.mark.multirank
 @pytest.mark.slow
 def test_tp2_gives_tp1s_tokens_and_a_repeated_prompt_hits_its_snapshot(model: str, checker: None) -> None:
-    one = make_engine(model)
-    try:
-        want = [o.output_ids for o in one.generate(PROMPTS, GREEDY)]
-        whole = snapshot_stats(one)["slot_bytes"]
-    finally:
-        one.shutdown()
+    want, whole = one_rank(model)
     engine = make_engine(model, tp_size=2)
     try:
         assert [o.output_ids for o in engine.generate(PROMPTS, GREEDY)] == want
         stats = snapshot_stats(engine)
         assert stats["slot_bytes"] == whole // 2 + REPLICATED.get(model, 0)  # each rank half of every state tensor
         again = engine.generate([PROMPTS[0]], GREEDY)[0]
-        grid = stats["grid_tokens"]
-        assert again.cached_tokens_details["device"] == (len(PROMPTS[0]) - 1) // grid * grid > 0
         assert again.output_ids == want[0]
-        assert_as_cold(engine, PROMPTS[0], again)
-        assert engine.group.monitor.divergence is None and engine.group.monitor.compared > 50
+        expect_hit(engine, PROMPTS[0], again, "device")
     finally:
         engine.shutdown()
 
@@ -165,22 +174,24 @@ def stored_states(path: Path) -> list[Path]:
     return sorted(path.rglob("*-state*"))
 
 
+def store_prompt(path: Path, prompt: list[int], **kw) -> list[Path]:
+    """Run ``prompt`` on a storage engine over ``path`` (ranks as ``kw`` says) to its end: the state
+    objects it stored."""
+    engine = storage_engine(path, **kw)
+    try:
+        engine.generate([prompt], GREEDY)
+    finally:
+        engine.shutdown()  # every write reaches the store
+    return stored_states(path)
+
+
 @pytest.mark.storage
 @pytest.mark.multirank
 @pytest.mark.slow
 def test_a_tp2_writers_state_objects_serve_a_fresh_tp2_reader(tmp_path: Path, checker: None) -> None:
     prompt = PROMPTS[0]
-    one = storage_engine(tmp_path / "tp1")  # what one rank stores: a -state object per stored snapshot
-    try:
-        one.generate([prompt], GREEDY)
-    finally:
-        one.shutdown()
-    writer = storage_engine(tmp_path / "tp2", tp_size=2)
-    try:
-        writer.generate([prompt], GREEDY)
-    finally:
-        writer.shutdown()  # every write reaches the store
-    whole, shards = stored_states(tmp_path / "tp1"), stored_states(tmp_path / "tp2")
+    whole = store_prompt(tmp_path / "tp1", prompt)  # what one rank stores: a -state object per stored snapshot
+    shards = store_prompt(tmp_path / "tp2", prompt, tp_size=2)
     assert whole and len(shards) == 2 * len(whole)  # each rank its own object of each snapshot
     assert max(p.stat().st_size for p in shards) < min(p.stat().st_size for p in whole)  # of its half
     reader = storage_engine(tmp_path / "tp2", tp_size=2)
@@ -195,24 +206,11 @@ def test_a_tp2_writers_state_objects_serve_a_fresh_tp2_reader(tmp_path: Path, ch
         reader.shutdown()
 
 
-def expect_hit(engine: Engine, prompt: list[int], out, tier: str) -> None:
-    """``out``, a repeat of ``prompt``, hit ``tier`` up to the prompt's checkpoint with a cold run's tokens."""
-    grid = snapshot_stats(engine)["grid_tokens"]
-    assert out.cached_tokens_details[tier] == out.cached_tokens == (len(prompt) - 1) // grid * grid > 0
-    assert_as_cold(engine, prompt, out)
-    assert engine.group.monitor.divergence is None and engine.group.monitor.compared > 50
-
-
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.multirank
 @pytest.mark.slow
 def test_pp2_gives_pp1s_tokens_and_a_repeated_prompt_hits_its_snapshot(model: str, checker: None) -> None:
-    one = make_engine(model)
-    try:
-        want = [o.output_ids for o in one.generate(PROMPTS, GREEDY)]
-        whole = snapshot_stats(one)["slot_bytes"]
-    finally:
-        one.shutdown()
+    want, whole = one_rank(model)
     engine = make_engine(model, pp_size=2)
     try:
         assert [o.output_ids for o in engine.generate(PROMPTS, GREEDY)] == want
@@ -233,17 +231,7 @@ def test_a_pp2_writers_state_objects_serve_a_fresh_pp2_reader(tmp_path: Path, ch
     """Only the stage with the recurrent layers stores a snapshot (the other holds none of it); a fresh
     PP2 engine prefetches pages (stage 1's) and states (stage 0's) to a storage hit."""
     prompt = PROMPTS[0]
-    one = storage_engine(tmp_path / "pp1")
-    try:
-        one.generate([prompt], GREEDY)
-    finally:
-        one.shutdown()
-    writer = storage_engine(tmp_path / "pp2", pp_size=2)
-    try:
-        writer.generate([prompt], GREEDY)
-    finally:
-        writer.shutdown()  # every write reaches the store
-    whole, staged = stored_states(tmp_path / "pp1"), stored_states(tmp_path / "pp2")
+    whole, staged = store_prompt(tmp_path / "pp1", prompt), store_prompt(tmp_path / "pp2", prompt, pp_size=2)
     assert whole and len(staged) == len(whole)
     assert sorted(p.stat().st_size for p in staged) == sorted(p.stat().st_size for p in whole)
     reader = storage_engine(tmp_path / "pp2", pp_size=2)
