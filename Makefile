@@ -132,9 +132,13 @@ serve-demo: setup
 # Everything (CI runs this): under 12 minutes on a 2-core machine; --durations shows the
 # slowest tests, to keep it there. Markers pick areas: `$(PY) -m pytest -m pd` (pyproject.toml).
 # The layering (.importlinter, docs/architecture.md) is checked first: a second, not a test run.
+# Two worker processes (pytest-xdist; a test file stays on one worker, for its module fixtures): the tests'
+# torch runs on one thread each (tests/conftest.py), so two keep a 2-core machine busy (~16 -> ~10 min here).
+# The tests that time the CPU (`serial`) run after them, alone.
 test: setup
 	$(VENV)/bin/lint-imports --no-cache --no-logo
-	$(PY) -m pytest -q --durations=20 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20 -m "not serial" tests
+	$(PY) -m pytest -q --durations=5 -m serial tests
 
 # The inner loop: everything but the tests that start rank processes or are slow (SmolLM2,
 # fixed-length campaigns, a second kernel build); under 3 minutes on a 2-core machine.

@@ -59,7 +59,8 @@ from rank_workloads import BASE, MODEL, multi_turn
 from hicache import Engine, consensus_record
 
 MOONCAKE_SEGMENT_BYTES = 256 << 20
-MACHINE_THREADS = torch.get_num_threads()
+# (pytest-xdist's workers inherit OMP_NUM_THREADS=1 from the controller below: the width goes with them)
+MACHINE_THREADS = int(os.environ.setdefault("HICACHE_TEST_MACHINE_THREADS", str(torch.get_num_threads())))
 torch.set_num_threads(1)  # before any test module builds an engine: threads started later inherit it
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # the processes the tests start (rank processes set their own)
 AREAS = ("model", "cache", "engine", "parallel", "server", "storage", "spec", "pd", "cp")

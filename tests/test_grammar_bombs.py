@@ -19,7 +19,7 @@ from hicache.errors import InvalidRequestError
 from hicache.runtime.sampling import GrammarSpec
 from hicache.server.tool_formats import HERMES
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.serial]  # (serial: it times the server)
 
 MODEL = "tiny"
 SLOW_TO_COMPILE = "(a{1000}){1000}"  # ~1 s to its first mask, then its lexer runs out of expressions

@@ -29,6 +29,8 @@ from hicache.runtime.grammar_vet import GrammarVetter, VetLimits
 from hicache.runtime.sampling import GrammarSpec
 from hicache.runtime.vet_queue import FairQueue, QueueFull
 
+pytestmark = pytest.mark.serial  # the checker's CPU budget is the subject: no other test beside it
+
 VOCAB = 320  # random:tiny's vocabulary (byte_tokenizer's 260 tokens and room)
 LIMITS = VetLimits(timeout_s=0.5, memory_bytes=1 << 30, mask_us=20_000)
 

@@ -28,7 +28,7 @@ from hicache import Engine
 from hicache.server.serve import ServerThread
 from hostile_requests import AGENT_ROUTES, BOMBS, RequestFuzzer
 
-pytestmark = [pytest.mark.server, pytest.mark.slow]
+pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.serial]  # (serial: it times replies)
 
 FUZZ_SECONDS = min(float(os.environ.get("HICACHE_HTTP_FUZZ_SECONDS", "8")), 60.0)
 FUZZ_SEED = int(os.environ.get("HICACHE_HTTP_FUZZ_SEED", "46"))
