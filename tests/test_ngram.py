@@ -8,6 +8,7 @@ from array import array
 
 import pytest
 import torch
+from looping_prompts import looping_prompts
 
 from hicache import Engine, SamplingParams
 from hicache.cache.pools import PageAllocator
@@ -187,15 +188,6 @@ def test_copied_drafts_keep_the_targets_distribution() -> None:
 
 
 # ---- the engine ---------------------------------------------------------------------------------
-def looping_prompts(n: int) -> list[list[int]]:
-    """Prompts with repeated runs, as tool output quoted back is: text to copy from."""
-    out = []
-    for j in range(n):
-        block = [(i * 7 + 3 * j) % 200 + 20 for i in range(12 + j)]
-        out.append(block * 3 + block[:5])
-    return out
-
-
 @pytest.fixture(scope="module")
 def plain_outputs() -> list[list[int]]:
     engine = Engine("random:tiny", **BASE)

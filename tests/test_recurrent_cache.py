@@ -7,17 +7,13 @@ degrades hits without failing a request or breaking the tree's invariants."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
+from recurrent_runs import GREEDY, MODELS, assert_as_cold, cold_run, ids
 
 from hicache import Engine, SamplingParams
 
 pytestmark = pytest.mark.cache
 
-MODELS = ["random:lfm2-tiny", "random:gdn-tiny", "random:mamba2-tiny"]  # grid: the page (4); lcm(page, 64) = 64
-GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, logprobs=0)
-LOGPROB_ATOL = 1e-4  # float32: a hit's last chunk is a shorter GEMM than the cold run's
 
 
 @pytest.fixture(params=MODELS)
@@ -36,27 +32,9 @@ def grid(engine: Engine) -> int:
     return engine.stats()["device_pool"]["recurrent_state"]["grid_tokens"]
 
 
-def ids(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(5, 250) for _ in range(n)]
-
-
 def cold(engine: Engine, prompt: list[int]) -> list[int]:
     """The prompt's greedy tokens with nothing to hit (a namespace of its own)."""
     return cold_run(engine, prompt).output_ids
-
-
-def cold_run(engine: Engine, prompt: list[int]):
-    out = engine.generate([prompt], GREEDY, cache_salt=f"cold-{random.random()}")[0]
-    assert out.cached_tokens == 0
-    return out
-
-
-def assert_as_cold(engine: Engine, prompt: list[int], out) -> None:
-    """``out`` (a run that hit) has the tokens of a cold run of ``prompt`` and their log-probabilities."""
-    ref = cold_run(engine, prompt)
-    assert out.output_ids == ref.output_ids
-    assert max(abs(a.logprob - b.logprob) for a, b in zip(out.logprobs, ref.logprobs)) < LOGPROB_ATOL
 
 
 def test_the_same_prompt_again_hits_its_checkpoint_and_keeps_the_cold_tokens(model: str) -> None:

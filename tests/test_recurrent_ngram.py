@@ -12,8 +12,8 @@ import random
 
 import pytest
 import torch
+from looping_prompts import looping_prompts
 from recurrent_checks import random_ids, states
-from test_ngram import looping_prompts
 
 from hicache import Engine, SamplingParams
 from hicache.cache.device_state import DeviceStates

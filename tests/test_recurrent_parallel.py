@@ -32,7 +32,7 @@ from hicache.config import EngineConfig
 from hicache.model import DenseKV, load_model, make_forward_batch
 from hicache.model.parallel import model_shard, shard_model
 from hicache.runtime import rank_plan
-from test_recurrent_cache import GREEDY, MODELS, assert_as_cold, ids
+from recurrent_runs import GREEDY, MODELS, assert_as_cold, ids
 
 pytestmark = pytest.mark.parallel
 

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from hicache import Engine
-from test_recurrent_cache import GREEDY, MODELS, assert_as_cold, ids
+from recurrent_runs import GREEDY, MODELS, assert_as_cold, ids
 
 pytestmark = pytest.mark.cache
 
