@@ -177,3 +177,18 @@ def test_deterministic_inference_hits_and_batches_give_the_same_bits(preset: str
     assert [(t, p.logprob) for t, p in zip(hit.output_ids, hit.logprobs)] \
         == [(t, p.logprob) for t, p in zip(alone.output_ids, alone.logprobs)] \
         == [(t, p.logprob) for t, p in zip(batched.output_ids, batched.logprobs)]
+
+
+def test_a_cached_reply_keeps_a_snapshot_at_its_turns_end(model: str) -> None:
+    """--cache-generated-kv on: decode keeps the state at the turn's last grid boundary, so the next turn
+    (which resends the reply) hits into the reply, past the previous prompt's checkpoint, with a cold run's
+    tokens and log-probabilities; the turn's earlier decode snapshots were not kept."""
+    engine = make_engine(model, cache_generated_kv="on")
+    g = grid(engine)
+    first = ids(100, seed=1)
+    reply = engine.generate([first], SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True))[0]
+    assert engine.stats()["device_pool"]["recurrent_state"]["snapshots_cached"] <= 2  # checkpoint + turn end
+    second = first + reply.output_ids + ids(20, seed=2)
+    out = engine.generate([second], GREEDY)[0]
+    assert out.cached_tokens == (len(first) + 39) // g * g > (len(first) - 1) // g * g  # 39: the last reply token's KV is not computed
+    assert_as_cold(engine, second, out)

@@ -10,6 +10,9 @@ chunk, runtime/state_plan.py): a prompt pass writes, besides its running slot, t
   shared system prompt, a sibling's turn), so the next request on that branch point hits it;
 
 and the node that ends there takes it once the prompt's pages are inserted (:meth:`after_insert`).
+Where replies are cached (:attr:`DeviceStates.turn_ends`), a decode step that ends on the grid writes
+the state there too, the turn's latest such one kept: the next turn, which resends the reply, hits
+it rather than the prompt's checkpoint.
 A hit's first forward reads its snapshot and writes the request's running slot: the tree lock the
 request holds on the hit's node keeps the snapshot until the request is done.
 
@@ -33,6 +36,7 @@ class DeviceStates:
     def __init__(self, pool: StatePool, tree: RadixCache | None) -> None:
         self.pool, self.grid = pool, pool.grid
         self.tree = tree
+        self.turn_ends = False  # snapshots at a turn's last grid boundary (replies cached: CachePolicy)
         self.snapshots = TreeStates(tree, pool.snapshots) if tree is not None else None
         if self.snapshots is not None:
             tree.add_component(self.snapshots)
@@ -65,11 +69,12 @@ class DeviceStates:
         """Before a forward of ``new_tokens`` after ``computed``: the snapshots it writes (a prompt
         pass's: its checkpoint and branch point inside its span), each a snapshot slot (none when
         every slot is locked: the snapshot is not taken), returned as ``(position, slot)``; a verify pass's
-        scratch slots (:meth:`accept`). A pass of generated tokens takes no snapshot: its drafts may be rejected."""
+        scratch slots (:meth:`accept`). A decode step's: the turn's end (:meth:`_turn_end`); a verify pass
+        takes none (its drafts may be rejected)."""
         hold.forward = ()
         if computed >= prompt_tokens:
             self._verify_rows(hold, new_tokens)
-            return ()
+            return self._turn_end(hold, computed, new_tokens, prompt_tokens)
         if self.snapshots is None:
             return ()
         end = min(computed + new_tokens, prompt_tokens - 1)
@@ -81,6 +86,22 @@ class DeviceStates:
                 taken.append((position, slot))
         hold.forward = tuple(taken)
         hold.taken.extend(taken)
+        return hold.forward
+
+    def _turn_end(self, hold: StateHold, computed: int, new_tokens: int, prompt_tokens: int) -> tuple[tuple[int, int], ...]:
+        """A decode step whose token ends on the grid snapshots the state after it, in place of the
+        turn's earlier one (the reply's pages are inserted up to the last whole page at release)."""
+        position = computed + new_tokens
+        if not self.turn_ends or self.snapshots is None or new_tokens != 1 or position % self.grid:
+            return ()
+        for _, slot in [t for t in hold.taken if t[0] > prompt_tokens]:
+            self.pool.snapshots.free(slot)
+        hold.taken = [t for t in hold.taken if t[0] <= prompt_tokens]
+        slot = self.snapshots.alloc()
+        if slot is None:
+            return ()
+        hold.forward = ((position, slot),)
+        hold.taken.append((position, slot))
         return hold.forward
 
     def _verify_rows(self, hold: StateHold, new_tokens: int) -> None:

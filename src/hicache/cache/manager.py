@@ -176,6 +176,8 @@ class KVCacheManager:
         if self.device.windows is not None:
             self.component_pages["window"] = self.device.windows.allocator.capacity
             self.device.windows.prompt_only = not policy.cache_generated
+        if self.device.states is not None:
+            self.device.states.turn_ends = policy.turn_end_states
         self.keys = _key_namespace(pool, layout.shard, unified, layout.states)
         self.host: HostTier | None = None if host_pool is None else HostTier(
             pool, host_pool, self.host_allocator, self.tree, policy, self.stats, shard_view,

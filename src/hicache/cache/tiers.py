@@ -32,7 +32,10 @@ class CachePolicy:
     storage is asked and how much of the host it may fill, the deadline (seconds) of each
     storage backend call (a breaker skips a backend that keeps failing; None: no deadline);
     ``cache_generated``: finished requests cache their generated tokens' KV too, not only their
-    prompt's (``--cache-generated-kv``; a hybrid pool's requests keep the window it caches). The
+    prompt's (``--cache-generated-kv``; a hybrid pool's requests keep the window it caches);
+    ``turn_end_states``: with them, a recurrent model's decode keeps a snapshot at the last grid
+    boundary of a turn (off under deterministic inference: a decode step's state is not a chunked
+    scan's bits, so a hit there would not give a cold run's). The
     engine's flags are checked where they are parsed (:class:`~hicache.config.EngineConfig`)."""
 
     eviction_policy: str = "lru"
@@ -43,6 +46,7 @@ class CachePolicy:
     prefetch_max_host_fraction: float = 0.5
     storage_op_timeout: float | None = 10.0
     cache_generated: bool = True
+    turn_end_states: bool = False
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> CachePolicy:
@@ -50,7 +54,8 @@ class CachePolicy:
         return cls(eviction_policy=cfg.radix_eviction_policy, enable_prefix_cache=cfg.decode_reuses_prefix,
                    write_policy=cfg.hicache_write_policy, write_through_threshold=cfg.hicache_write_through_threshold,
                    prefetch_threshold=cfg.hicache_storage_prefetch_threshold,
-                   storage_op_timeout=cfg.hicache_storage_op_timeout, cache_generated=cfg.caches_generated_kv)
+                   storage_op_timeout=cfg.hicache_storage_op_timeout, cache_generated=cfg.caches_generated_kv,
+                   turn_end_states=cfg.caches_generated_kv and not cfg.enable_deterministic_inference)
 
 
 class Tier(Protocol):
