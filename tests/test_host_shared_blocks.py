@@ -102,6 +102,7 @@ WORKLOADS = [(0.8, 6, 48), (0.1, 10, 16)]
 
 
 @pytest.mark.engine
+@pytest.mark.serial  # (once, beside another xdist worker, the block pool evicted 25 host pages: not understood yet)
 @pytest.mark.parametrize("ratio, count, length", WORKLOADS)
 def test_at_the_same_host_bytes_blocks_hold_what_the_fixed_split_evicts(ratio, count, length) -> None:
     """The same --hicache-size: the fixed split's host pools (full pages, window pages) run out of one kind
