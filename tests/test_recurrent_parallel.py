@@ -265,7 +265,7 @@ def test_a_stage_without_attention_or_recurrent_layers_plans_a_pool_of_none(monk
     assert first.layers == 0 and [c.name for c in first.components] == ["recurrent_state"]
     assert len(first.states.layers) == 2 and last.states.layers == () and last.states.total_bytes == 0
     assert [c.name for c in last.components] == ["full", "recurrent_state"]
-    assert asked[0][-1][0] == rank_plan.UNBOUNDED_PAGES > asked[1][-1][0]  # alone, stage 0's pages are unbounded
+    assert asked[0][-1][0] == rank_plan.UNBOUNDED > asked[1][-1][0]  # alone, stage 0's pages are unbounded
     assert first.device_pages == last.device_pages == asked[1][-1][0]  # agreed: stage 1's
     assert (first.states.running, first.states.snapshots) == (last.states.running, last.states.snapshots) \
         == tuple(asked[0][0])  # agreed: stage 0's slots

@@ -30,14 +30,10 @@ from ..model.prefix_gather import CPGroup, PrefixGather
 from ..model.spec import ModelSpec
 from .hybrid_pool import HybridPlan, plan_hybrid
 from .speculative import DraftKV, plan_draft_kv
-from .state_plan import StateBudget, StatePlan, plan_states, verify_scratch
+from .state_plan import UNBOUNDED, StateBudget, StatePlan, plan_states, verify_scratch
 from .storage_layout import plan_index, unified_plans
 
 logger = logging.getLogger(__name__)
-
-# The pages a pipeline stage without attention layers plans (its pages cost nothing): a count every other rank's
-# bounds, as the counts are MIN-agreed.
-UNBOUNDED_PAGES = 2**62
 
 
 @dataclass(frozen=True)
@@ -251,7 +247,7 @@ def _device_pool_pages(cfg: EngineConfig, budget: _Budget, bytes_per_page: int) 
     if cfg.max_total_tokens is not None:
         return cfg.max_total_tokens // cfg.page_size + 1
     if not bytes_per_page:
-        return UNBOUNDED_PAGES
+        return UNBOUNDED  # (a stage without attention layers: the other stages' count)
     free = budget.free(cfg)
     pages = free // bytes_per_page
     if pages < 1:
@@ -266,7 +262,7 @@ def _device_pool_pages(cfg: EngineConfig, budget: _Budget, bytes_per_page: int) 
 def _host_pool_pages(cfg: EngineConfig, device_pages: int, bytes_per_page: int) -> int:
     """Host pages + the reserved page 0: --hicache-size GB, else --hicache-ratio x device."""
     if not bytes_per_page:
-        return UNBOUNDED_PAGES
+        return UNBOUNDED  # (a stage without attention layers: the other stages' count)
     if cfg.hicache_size > 0:
         pages = int(cfg.hicache_size * 1e9 // bytes_per_page)
     else:

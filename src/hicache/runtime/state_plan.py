@@ -33,7 +33,9 @@ BUDGET_SHARE = 4  # running slots take at most 1 / BUDGET_SHARE of the device bu
 SNAPSHOT_SHARE = 2  # snapshot slots at most 1 / SNAPSHOT_SHARE
 SNAPSHOTS_PER_1K_TOKENS = 1.0  # the default: two snapshots per 2K-token conversation the KV pool holds
 SNAPSHOT_FLOOR = 8  # and at least 2 per running request + this many
-UNBOUNDED = 2**62  # the snapshot slots of a stage that holds no state: any count the other stages agree on
+# What a pipeline stage plans for what it does not hold (snapshot slots without recurrent layers, pages without
+# attention layers): a count every other rank's bounds, as the counts are MIN-agreed.
+UNBOUNDED = 2**62
 
 
 @dataclass(frozen=True)
