@@ -123,3 +123,19 @@ def test_host_snapshots_that_do_not_fit_in_host_memory_are_refused_in_one_senten
     with pytest.raises(ConfigError, match="recurrent-state snapshots need") as e:
         make_engine(model, **opts)
     assert str(e.value).count(". ") == 0
+
+
+def test_ngrams_verify_scratch_comes_out_of_the_device_budget_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DESIGN invariant 6 with NGRAM: the scratch slots a verify pass writes its rows' states to are
+    planned beside the running and snapshot slots, and the KV pages get what all of them leave."""
+    from hicache.config import EngineConfig
+    from hicache.runtime import rank_plan
+
+    cpu = torch.device("cpu")
+    spec = load_model("random:lfm2-tiny", torch.float32, weights=False).spec
+    monkeypatch.setattr(rank_plan, "device_memory_budget", lambda device, fraction: 2**24)
+    plain, ngram = (rank_plan.plan_rank(EngineConfig(model="random:lfm2-tiny", **kw), spec, rank_plan.RankContext(),
+                                        None, cpu, torch.float32, True).states
+                    for kw in ({}, {"speculative_algorithm": "NGRAM"}))
+    assert plain.scratch == 0 and ngram.scratch > 0
+    assert ngram.total_bytes == plain.total_bytes + ngram.scratch * ngram.slot_bytes
