@@ -58,7 +58,9 @@ class KVComponent:
     def describe(self) -> str:
         kept = f"{self.retention.value} of {self.window} tokens" if self.retention is Retention.WINDOW \
             else self.retention.value
-        return f"{self.name} ({self.layers} layers x {self.row[0]}x{self.row[1]}, {self.space.value}, {kept})"
+        shape = f"{self.slot_bytes / 2**10:.1f} KiB a slot" if self.space is PageSpace.STATE_SLOTS \
+            else f"{self.row[0]}x{self.row[1]}"
+        return f"{self.name} ({self.layers} layers x {shape}, {self.space.value}, {kept})"
 
     def summary(self) -> dict[str, object]:
         """What ``/stats`` shows of it."""
