@@ -13,6 +13,7 @@ from typing import Any, Hashable, Sequence, Union, cast
 
 import torch
 
+from ..cache_hints import RetentionHint
 from ..cache.storage.keys import tree_namespace
 from ..config import ConfigError, EngineConfig
 from ..device import DTYPES, choose_precision, resolve_device
@@ -178,9 +179,10 @@ class Engine:
                                       f"{sampling.logprobs}.", param="logprobs")
 
     def make_request(self, prompt: Prompt, sampling: SamplingParams, cache_salt: str | None,
-                     bootstrap: Bootstrap | None = None) -> Request:
+                     bootstrap: Bootstrap | None = None, hints: Sequence[RetentionHint] = ()) -> Request:
         """A request for the scheduler, the prompt checked (InvalidRequestError, ContextLengthError).
-        ``sampling`` passed :meth:`check_sampling`, its one check (:meth:`generate`, the server)."""
+        ``sampling`` passed :meth:`check_sampling`, its one check (:meth:`generate`, the server).
+        ``hints``: prefixes to keep cached a while (:mod:`hicache.cache_hints`)."""
         sampling = self.check_grammar(sampling)
         try:  # (numpy integers are integers; floats are not)
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [operator.index(t) for t in prompt]
@@ -207,16 +209,19 @@ class Engine:
                                       "--max-total-tokens or lower max_new_tokens.")
         namespace = tree_namespace(self.cache_identity, self.config.cache_dtypes, self.config.page_size, cache_salt)
         return Request(rid=next(self._rids), prompt_ids=ids, sampling=sampling, namespace=namespace,
-                       max_new_tokens=max_new, pd=PDState(bootstrap) if bootstrap is not None else None)
+                       max_new_tokens=max_new, pd=PDState(bootstrap) if bootstrap is not None else None,
+                       hints=tuple(hints))
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None, cache_salt: str | None = None,
-                 bootstrap: Bootstrap | Sequence[Bootstrap | None] | None = None, n: int = 1) -> list[GenerateResult]:
+                 bootstrap: Bootstrap | Sequence[Bootstrap | None] | None = None, n: int = 1,
+                 hints: Sequence[RetentionHint] = ()) -> list[GenerateResult]:
         """Generate for one prompt or a list (text or token ids). Returns ``n`` results per prompt,
         prompt after prompt. An invalid request raises :class:`InvalidRequestError` before anything
         runs. ``n`` > 1: the choices share the prompt's pages (computed once; choice i is seeded
         ``seed + i``, :meth:`SamplingParams.for_choice`). ``bootstrap`` (P/D, per prompt): where the
-        request's other half runs; a prefill server returns once each prompt's KV was handed over."""
+        request's other half runs; a prefill server returns once each prompt's KV was handed over.
+        ``hints``: retention hints every prompt carries (``GenerateResult.retention``: what it got)."""
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling is None or isinstance(sampling, SamplingParams):
@@ -233,7 +238,7 @@ class Engine:
         reqs = []
         for p, s, b in zip(prompts, sampling, bootstrap):
             self.check_sampling(s)  # (the one check: make_request trusts it)
-            first = self.make_request(p, s, cache_salt, b)
+            first = self.make_request(p, s, cache_salt, b, hints)
             reqs.append(first)
             for i in range(1, n):  # (a choice differs in its seed only, kept in range: checked with s)
                 reqs.append(self.make_request(first.prompt_ids, s.for_choice(i), cache_salt))

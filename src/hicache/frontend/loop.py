@@ -18,8 +18,9 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
+from ..cache_hints import RetentionHint
 from ..disagg.bootstrap import Bootstrap
 from ..errors import EngineDeadError, HicacheError
 from ..openmp import release_omp_pool
@@ -199,14 +200,15 @@ class EngineLoop:
     # ---- commands (any thread) -----------------------------------------------------------
     def submit(self, prompt: Prompt, sampling: SamplingParams, cache_salt: str | None = None,
                aio_loop: asyncio.AbstractEventLoop | None = None, bootstrap: Bootstrap | None = None,
-               waits_for: int | None = None) -> RequestHandle:
+               waits_for: int | None = None, hints: Sequence[RetentionHint] = ()) -> RequestHandle:
         """Queue a request: ``sampling`` passed :meth:`Engine.check_sampling` (the server's prepare
         step checks it once); the prompt is checked here, on the caller's thread (raises
         InvalidRequestError). Call from a coroutine, or pass the event loop that will consume the handle.
         ``bootstrap``: P/D, where the request's other half runs. ``waits_for``: the rid of a sibling
-        with the same prompt (n > 1): admitted once that prompt is cached, it computes only its tail."""
+        with the same prompt (n > 1): admitted once that prompt is cached, it computes only its tail.
+        ``hints``: retention hints (:mod:`hicache.cache_hints`)."""
         self.check_alive()
-        req = self.engine.make_request(prompt, sampling, cache_salt, bootstrap)
+        req = self.engine.make_request(prompt, sampling, cache_salt, bootstrap, hints)
         handle = RequestHandle(req, aio_loop or asyncio.get_running_loop(), self._outbox)
         req.waits_for, req.on_update = waits_for, handle._push
         with self._lock:

@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..cache_hints import RetentionHint, RetentionOutcome
 from ..disagg.bootstrap import Bootstrap
 from ..runtime.batch import Sampled
 from ..runtime.events import StepEvents
@@ -27,16 +28,19 @@ class RequestSpec:
     arrival_time: float  # perf_counter of the frontend (CLOCK_MONOTONIC: one clock per machine)
     bootstrap: Optional[Bootstrap] = None  # P/D: where its other half runs
     waits_for: Optional[int] = None  # n > 1: the sibling whose prompt it shares
+    hints: tuple[RetentionHint, ...] = ()  # cache hints (the frontend's wall_time stamps them)
+    wall_time: float = 0.0
 
     @classmethod
     def of(cls, req: Request) -> "RequestSpec":
         return cls(req.rid, req.prompt_ids, req.sampling, req.namespace, req.max_new_tokens, req.arrival_time,
-                   req.pd.bootstrap if req.pd is not None else None, req.waits_for)
+                   req.pd.bootstrap if req.pd is not None else None, req.waits_for, req.hints, req.wall_time)
 
     def request(self) -> Request:
         return Request(rid=self.rid, prompt_ids=list(self.prompt_ids), sampling=self.sampling, namespace=self.namespace,
                        max_new_tokens=self.max_new_tokens, arrival_time=self.arrival_time,
-                       pd=PDState(self.bootstrap) if self.bootstrap is not None else None, waits_for=self.waits_for)
+                       pd=PDState(self.bootstrap) if self.bootstrap is not None else None, waits_for=self.waits_for,
+                       hints=self.hints, wall_time=self.wall_time)
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,7 @@ class RequestUpdate:
     transfer: tuple[int, int, int] = (0, 0, 0)  # P/D: (decode_prefix_len, KV tokens, KV bytes) moved
     logprobs: list = field(default_factory=list)  # the new tokens' TokenLogprob entries (when asked)
     error_code: str = ""  # finish_reason "error": what failed (runtime.request.Request.error_code)
+    retention: Optional[RetentionOutcome] = None  # finished: what the cache gave its hints
 
     @property
     def admission(self) -> bool:
@@ -107,13 +112,14 @@ class RequestUpdate:
                    req.admitted_time, req.first_token_time, req.finish_time,
                    (req.spec.verify_steps, req.spec.accepted_tokens) if req.spec else (0, 0), req.error,
                    (req.pd.decode_prefix_len, req.pd.transferred_tokens, req.pd.transferred_bytes) if req.pd
-                   else (0, 0, 0), req.logprobs[sent:], req.error_code)
+                   else (0, 0, 0), req.logprobs[sent:], req.error_code, req.retention if done else None)
 
     def apply(self, req: Request) -> None:
         req.output_ids.extend(self.token_ids)
         req.logprobs.extend(self.logprobs)
         req.cached = self.cached
         req.error, req.error_code = self.error, self.error_code
+        req.retention = self.retention or req.retention
         if req.pd is not None:
             req.pd.decode_prefix_len, req.pd.transferred_tokens, req.pd.transferred_bytes = self.transfer
         req.admitted_time, req.first_token_time = self.admitted_time, self.first_token_time

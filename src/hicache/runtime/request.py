@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from ..cache_hints import RetentionHint, RetentionOutcome
 from ..cache.manager import KVState, PrefetchOp
 from ..disagg.bootstrap import Bootstrap
 from .sampling import SamplingParams
@@ -114,6 +115,11 @@ class Request:
     # n > 1: a sibling waits to be admitted until this request's prompt is computed and cached, so
     # the prompt is computed once (its pages are shared) and each sibling only decodes
     waits_for: Optional[int] = None
+    # cache hints (cache/hints.py): prefixes to keep cached a while; stamped with the frontend's unix
+    # time at arrival (every rank of a group gets the same stamp: the tree's retention clock)
+    hints: tuple[RetentionHint, ...] = ()
+    wall_time: float = field(default_factory=time.time)
+    retention: Optional[RetentionOutcome] = None  # what the cache gave its hints (set when released)
     tokens_np: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -166,6 +172,7 @@ class GenerateResult:
     kv_transferred_tokens: int = 0  # P/D: prompt tokens whose KV crossed between the servers
     kv_transferred_bytes: int = 0
     logprobs: list = field(default_factory=list)  # sampling.logprobs: a TokenLogprob per output token
+    retention: Optional[RetentionOutcome] = None  # what the cache gave the request's hints (None: it had none)
 
     @classmethod
     def from_request(cls, req: Request) -> "GenerateResult":
@@ -184,4 +191,4 @@ class GenerateResult:
             error_code=req.error_code, spec_accept_length=spec.accept_length, spec_verify_steps=spec.verify_steps,
             disaggregated=req.pd is not None, decode_prefix_len=pd.decode_prefix_len,
             kv_transferred_tokens=pd.transferred_tokens, kv_transferred_bytes=pd.transferred_bytes,
-            logprobs=list(req.logprobs))
+            logprobs=list(req.logprobs), retention=req.retention)

@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from fastapi import Request
 
+from ..cache_hints import RetentionHint
 from ..errors import ContextLengthError, EngineDeadError, HicacheError, InvalidRequestError, OverloadedError
 from ..frontend.loop import RequestHandle, Update
 from ..runtime.request import GenerateResult
@@ -43,6 +44,7 @@ class Prepared:
     grammar_param: Optional[str] = None  # the field that holds the grammar, for errors about it
     call_format: CallFormat = HERMES  # how the model writes its calls (server/tool_formats.py)
     dropped_tools: tuple[str, ...] = ()  # tools listed that the server cannot run (server/builtin_tools.py)
+    hints: tuple[RetentionHint, ...] = ()  # cache hints the body carries (hicache.cache_hints)
 
     @property
     def ids(self) -> list[int]:
@@ -240,7 +242,7 @@ def submit_request(st: ServerState, p: Prepared, ids: Optional[list[int]] = None
     st.check_capacity()
     try:
         return st.loop.submit(p.ids if ids is None else ids, sampling or p.sampling, p.body.cache_salt,
-                              bootstrap=p.body.bootstrap(), waits_for=waits_for)
+                              bootstrap=p.body.bootstrap(), waits_for=waits_for, hints=p.hints)
     except ContextLengthError as e:
         raise APIError(400, str(e), param=p.param, code="context_length_exceeded") from None
     except EngineDeadError as e:
