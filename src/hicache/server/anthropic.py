@@ -22,10 +22,12 @@ admitted, before its first token (its usage splits cached and computed input), `
 it waits for that, then empty ``text_delta`` events while the prompt prefills (server/keepalive.py).
 
 ``stop_reason``: ``tool_use``, ``max_tokens``, ``stop_sequence`` (with the one that matched) or
-``end_turn``. Usage: ``input_tokens`` the prompt tokens computed, ``cache_read_input_tokens`` those
-the prefix cache served (every tier), ``cache_creation_input_tokens`` 0 (the cache is written
-without breakpoints or surcharge), plus ``hicache_cached_tokens`` per tier. ``anthropic-version``,
-``anthropic-beta``, ``cache_control``, ``thinking``, ``metadata``, ``context_management`` and
+``end_turn``. ``cache_control`` breakpoints (on system blocks, tools, content blocks, or the request:
+automatic) retain the prompt up to them for their ttl; usage is Anthropic's (``cache_read_input_tokens``
+what the prefix cache served, every tier; ``cache_creation_input_tokens`` what this request wrote at its
+breakpoints, by ttl in ``cache_creation``; ``input_tokens`` the rest), plus ``hicache_cached_tokens``
+per tier and ``hicache_retention`` (what the cache gave the breakpoints): server/cache_control.py.
+``anthropic-version``, ``anthropic-beta``, ``thinking``, ``metadata``, ``context_management`` and
 ``output_config`` are accepted and ignored (none changes the output: no thinking blocks are written);
 ``x-api-key`` is taken as the key (middleware).
 Refusals are in Anthropic's error shape (``{"type": "error", "error": {"type", "message"}}``: :func:`error_body`,
@@ -45,10 +47,12 @@ from pydantic import Field
 
 from ..runtime.request import GenerateResult
 from .builtin_tools import dropped_header, note_dropped
+from .cache_control import Breakpoint, anthropic_usage, breakpoint_hints, read_breakpoints, tokens_within
 from .choices import collect_choices, event_stream, merged_updates, submit_choices
 from .keepalive import ANTHROPIC_PING
 from .parsing import parse_body, read_body
-from .prepare import prepare_chat
+from .hints import retention_usage
+from .prepare import prepare_chat, render_chat
 from .protocol import APIError, ChatCompletionRequest, RequestBody, media_refusal
 from .state import ServerState
 from .tools import parse_reply
@@ -61,6 +65,7 @@ logger = logging.getLogger(__name__)
 class TextBlock(RequestBody):
     type: Literal["text"]
     text: str
+    cache_control: Optional[Any] = None  # a breakpoint (server/cache_control.py), as on the blocks below
 
 
 class ToolUseBlock(RequestBody):
@@ -68,6 +73,7 @@ class ToolUseBlock(RequestBody):
     id: str
     name: str
     input: dict[str, Any]
+    cache_control: Optional[Any] = None
 
 
 class MediaBlock(RequestBody):
@@ -81,6 +87,7 @@ class ToolResultBlock(RequestBody):
     tool_use_id: str
     content: Union[str, list[Union[TextBlock, MediaBlock]]] = ""
     is_error: bool = False
+    cache_control: Optional[Any] = None
 
     def text(self) -> str:
         text = self.content if isinstance(self.content, str) else "".join(b.text for b in _text_blocks(self.content))
@@ -111,6 +118,7 @@ class AnthropicTool(RequestBody):
     name: str
     description: str = ""
     input_schema: Optional[dict[str, Any]] = None
+    cache_control: Optional[Any] = None
 
     @property
     def server_tool(self) -> bool:
@@ -129,6 +137,7 @@ class MessagesRequest(RequestBody):
     stream: bool = False
     tools: Optional[list[AnthropicTool]] = None
     tool_choice: Optional[dict[str, Any]] = None
+    cache_control: Optional[Any] = None  # automatic caching: a breakpoint on the last message's last block
 
 
 # Claude Code opens its system prompt with an attribution line whose values it derives from the request's
@@ -193,16 +202,24 @@ def _tool_choice(choice: dict[str, Any]) -> tuple[Any, bool]:
     return modes[kind], parallel
 
 
-def _usage(res: GenerateResult) -> dict[str, Any]:
-    return _input_usage(res.prompt_tokens, res.cached_tokens_details, res.completion_tokens)
+def _usage(res: GenerateResult, p: Prepared) -> dict[str, Any]:
+    """A finished request's usage (server/cache_control.py), with what the cache gave its breakpoints."""
+    return {**anthropic_usage(res.prompt_tokens, res.cached_tokens_details, res.completion_tokens, p.hints),
+            **retention_usage(p.hints, res)}
 
 
-def _input_usage(prompt_tokens: int, cached: dict[str, int], output_tokens: int) -> dict[str, Any]:
-    """Anthropic's usage: ``input_tokens`` the prompt tokens computed, ``cache_read_input_tokens`` those the
-    prefix cache served (every tier; ``hicache_cached_tokens`` per tier), ``cache_creation_input_tokens`` 0."""
-    hit = sum(cached.values())
-    return {"input_tokens": prompt_tokens - hit, "output_tokens": output_tokens, "cache_read_input_tokens": hit,
-            "cache_creation_input_tokens": 0, "hicache_cached_tokens": dict(cached)}
+def _sentinel(kind: str, fields: dict[str, Any]) -> Any:
+    """A tool, tool_use block or text block (what server/cache_control.py adds after a breakpoint's block)."""
+    return {"tool": AnthropicTool, "tool_use": ToolUseBlock, "text": TextBlock}[kind].model_validate(fields)
+
+
+def request_hints(st: ServerState, body: MessagesRequest, bps: list[Breakpoint], ids: list[int]) -> tuple:
+    """The retention hints of ``body``'s breakpoints, ``ids`` its prompt (server/cache_control.py)."""
+    def render(b: MessagesRequest) -> str:
+        return render_chat(as_chat(b), st)[2]
+
+    text = render(body)
+    return breakpoint_hints(body, bps, render, text, tokens_within(st.engine.tokenizer, text, ids), _sentinel)
 
 
 def _stop(res: GenerateResult, p: Prepared, called: bool, decode: Callable[[list[int]], str]) -> dict[str, Any]:
@@ -240,7 +257,10 @@ def add_anthropic_routes(app: FastAPI, st: ServerState) -> None:
     def prepare(raw: bytes, counting: bool = False) -> Prepared:
         """``counting`` (count_tokens): ``max_tokens`` has no say in what the prompt counts."""
         body = parse_body(raw, MessagesRequest)
+        bps = read_breakpoints(body)
         p = prepare_chat(as_chat(body), st)
+        if bps and not counting:
+            p.hints = request_hints(st, body, bps, p.ids)
         p.dropped_tools = note_dropped([f"{t.name} ({t.type})" for t in body.tools or [] if t.server_tool])
         if not counting:  # Anthropic's required max_tokens, within the context's rest (Claude Code asks 32K-64K)
             p.sampling = with_reply_room(st, p.sampling, len(p.ids), body.max_tokens)
@@ -261,7 +281,7 @@ def add_anthropic_routes(app: FastAPI, st: ServerState) -> None:
         content, calls = parse_reply(res.text, res.finish_reason, p.call_names, p.call_format)
         blocks = ([{"type": "text", "text": content}] if content else []) + [
             _tool_use(c.name, json.loads(c.arguments)) for c in calls]
-        return JSONResponse({**base, "content": blocks, **_stop(res, p, bool(calls), decode), "usage": _usage(res)},
+        return JSONResponse({**base, "content": blocks, **_stop(res, p, bool(calls), decode), "usage": _usage(res, p)},
                             headers=headers)
 
     @app.post("/v1/messages/count_tokens")
@@ -299,7 +319,7 @@ async def _events(p: Prepared, handles: list, base: dict[str, Any],
             cached = upd.cached or (upd.result.cached_tokens_details if upd.result is not None else {})
             yield sse_event("message_start", {"message": {
                 **base, "content": [], "stop_reason": None, "stop_sequence": None,
-                "usage": _input_usage(len(p.ids), cached, 0)}})
+                "usage": anthropic_usage(len(p.ids), cached, 0, p.hints)}})
         res = upd.result  # (set on the final update only)
         if res is not None and res.finish_reason == "error":
             yield sse_event("error", {"error": {"type": "api_error", "message": engine_dead_during(res).message}})
@@ -319,5 +339,5 @@ async def _events(p: Prepared, handles: list, base: dict[str, Any],
                                                                            "partial_json": fn["arguments"]}})
             yield sse_event("content_block_stop", {"index": index})
             index += 1
-        yield sse_event("message_delta", {"delta": _stop(res, p, bool(calls), decode), "usage": _usage(res)})
+        yield sse_event("message_delta", {"delta": _stop(res, p, bool(calls), decode), "usage": _usage(res, p)})
         yield sse_event("message_stop", {})

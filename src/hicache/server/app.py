@@ -36,6 +36,7 @@ from .anthropic import MESSAGES_PATHS, add_anthropic_routes, error_body
 from .builtin_tools import dropped_header
 from .choices import (chat_logprobs, check_choices, collect_choices, completion_logprobs, event_stream, merged_updates,
                       submit_choices, usage_of)
+from .hints import check_key, openai_hints, retention_usage
 from .keepalive import SSE_KEEPALIVE
 from .metrics import ServerMetrics
 from .middleware import CatchAllErrors, RequireApiKey
@@ -61,6 +62,7 @@ def _prepare_chat(raw: bytes, st: ServerState) -> Prepared:
 def _prepare_completion(raw: bytes, st: ServerState) -> Prepared:
     body = parse_body(raw, CompletionRequest)
     st.check_model(body.model)
+    hints, _ = openai_hints(body.prompt_cache_retention), check_key(body.prompt_cache_key)  # (before tokenizing)
     sp = sampling_params(st, body, body.max_tokens, 16)
     given = body.prompt  # one prompt, or each of a batch (strings or token id lists)
     texts = list(given) if isinstance(given, list) and given and isinstance(given[0], (str, list)) else [given]
@@ -69,7 +71,7 @@ def _prepare_completion(raw: bytes, st: ServerState) -> Prepared:
     for ids in prompts:
         check_fits(ids, body.max_tokens if "max_tokens" in body.model_fields_set else None,
                    st.engine.context_length, "prompt")
-    return Prepared(body, prompts, sp, "prompt", n=body.n, grammar_param=body.field_of("grammar"))
+    return Prepared(body, prompts, sp, "prompt", n=body.n, grammar_param=body.field_of("grammar"), hints=hints)
 
 
 def create_app(loop: EngineLoop, metrics: ServerMetrics, opts: ServerOptions) -> FastAPI:
@@ -134,9 +136,11 @@ async def _stream(st: ServerState, handles: list[RequestHandle], p: Prepared, ch
             yield sse_data(chunk)
         if upd.finished:
             results.append(upd.result)
+    results.sort(key=lambda r: r.rid)  # choice order: submitted in order, rids increase
+    st.prompt_cache_keys.count(p.body.prompt_cache_key, results[::p.n])
     if p.body.stream_options and p.body.stream_options.include_usage:
-        results.sort(key=lambda r: r.rid)  # choice order: submitted in order, rids increase
-        yield sse_data({**base, "choices": [], "usage": usage_of(results, p.n), "timing": timing(results[0])})
+        yield sse_data({**base, "choices": [], "usage": {**usage_of(results, p.n), **retention_usage(p.hints, results[0])},
+                        "timing": timing(results[0])})
     yield "data: [DONE]\n\n"
 
 
@@ -151,8 +155,10 @@ async def _answer(st: ServerState, request: Request, p: Prepared, base: dict, ch
         return event_stream(st, handles, _stream(st, handles, p, [chunk(i) for i in range(len(handles))], base),
                             dropped_header(p.dropped_tools))
     results = await collect_choices(st, request, handles)
+    st.prompt_cache_keys.count(p.body.prompt_cache_key, results[::p.n])
     return JSONResponse({**base, "choices": [choice(i, r) for i, r in enumerate(results)],
-                         "usage": usage_of(results, p.n), "timing": timing(results[0])},
+                         "usage": {**usage_of(results, p.n), **retention_usage(p.hints, results[0])},
+                         "timing": timing(results[0])},
                         headers=dropped_header(p.dropped_tools))
 
 

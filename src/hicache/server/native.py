@@ -16,6 +16,8 @@ The answer is ``{"text", "output_ids", "meta_info"}``; ``meta_info`` holds ``id`
 ``cached_tokens_details`` (device / host / storage), ``finish_reason`` as
 ``{"type": "stop" | "length" | "abort", "matched" | "length" | "message": ...}``,
 ``e2e_latency`` (seconds), and hicache's extensions (``timing``, speculative and P/D figures).
+SGLang's ``retention_seconds`` (with ``priority``) asks the cache to keep the prompt and reply
+that long (server/hints.py); what it gave is ``meta_info.hicache_retention``.
 Streamed, every ``data:`` chunk carries the CUMULATIVE text and output ids so far (SGLang's
 default, what its ``bench_serving`` and ``bench_multiturn.py`` read); the last chunk is the
 whole answer, then ``data: [DONE]``. ``bootstrap_host`` / ``bootstrap_port`` /
@@ -37,6 +39,7 @@ from ..frontend.loop import RequestHandle
 from ..runtime.request import GenerateResult
 from ..runtime.sampling import GrammarSpec, SamplingParams
 from .choices import check_choices, event_stream, merged_updates
+from .hints import retention_usage, sglang_hints
 from .keepalive import SSE_KEEPALIVE
 from .parsing import parse_body, read_body
 from .protocol import OPEN, APIError, RequestBody, SamplingBody, sampling_fields
@@ -109,6 +112,9 @@ class GenerateRequest(SamplingBody):
     rid: Optional[str] = Field(None, min_length=1, max_length=256)
     return_logprob: Optional[bool] = None
     top_logprobs_num: int = Field(0, ge=0)
+    # SGLang's retention (server/hints.py): keep the sequence cached this long, ordered by priority
+    retention_seconds: Optional[float] = None
+    priority: Optional[int] = None
 
 
 # SamplingParams' names (InvalidRequestError.param) -> /generate's fields, where they differ
@@ -168,10 +174,11 @@ def _prepare_generate(raw: bytes, st: ServerState) -> Prepared:
     except InvalidRequestError as e:
         raise APIError(400, f"sampling_params: {e}", param=_native_field(e.param, sp) or "sampling_params") from None
     check_choices(1, 1, sampling, bool(body.stream), st.opts.max_logprob_tokens, "sampling_params.max_new_tokens")
+    hints = sglang_hints(body.retention_seconds, body.priority)
     ids, param = _prompt(body, st)
     explicit = sp.max_new_tokens if "max_new_tokens" in sp.model_fields_set else None  # a default one is shortened
     check_fits(ids, explicit, st.engine.context_length, param)
-    return Prepared(body, [ids], sampling, param, grammar_param=_native_field("grammar", sp))
+    return Prepared(body, [ids], sampling, param, grammar_param=_native_field("grammar", sp), hints=hints)
 
 
 def _finish_reason(res: GenerateResult, p: Prepared, st: ServerState) -> Optional[dict[str, Any]]:
@@ -193,7 +200,8 @@ def _answer_of(rid: str, res: GenerateResult, p: Prepared, st: ServerState) -> d
         "id": rid, "finish_reason": _finish_reason(res, p, st), "prompt_tokens": res.prompt_tokens,
         "completion_tokens": res.completion_tokens, "cached_tokens": res.cached_tokens,
         "cached_tokens_details": dict(res.cached_tokens_details), "e2e_latency": res.e2e_s,
-        "timing": timing(res), **spec_figures(res), **disagg_figures(res), **_logprobs(res, p, st)}}
+        "timing": timing(res), **spec_figures(res), **disagg_figures(res), **_logprobs(res, p, st),
+        **retention_usage(p.hints, res)}}
 
 
 def _logprobs(res: GenerateResult, p: Prepared, st: ServerState) -> dict[str, Any]:

@@ -70,7 +70,8 @@ def add_operation_routes(app: FastAPI, st: ServerState) -> None:
 
     @app.get("/stats")
     async def stats() -> dict:
-        return {**(await st.loop.stats()), "inflight_requests": st.loop.num_inflight, "responses": st.responses.stats()}
+        return {**(await st.loop.stats()), "inflight_requests": st.loop.num_inflight, "responses": st.responses.stats(),
+                "prompt_cache_keys": st.prompt_cache_keys.stats()}
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:

@@ -14,11 +14,12 @@ from ..errors import InvalidRequestError
 from ..runtime.sampling import GrammarSpec, SamplingParams
 from .builtin_tools import note_dropped, split_chat_tools
 from .choices import check_choices
+from .hints import check_key, openai_hints
 from .protocol import APIError, ChatCompletionRequest, SamplingBody, sampling_fields
 from .state import ServerState
 from .submit import Prepared, check_fits, with_reply_room
 from .system_turns import place_system_messages
-from .tools import chat_prompt
+from .tools import ChatPrompt, chat_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -67,20 +68,13 @@ def usable_lazy(st: ServerState, spec: Optional[GrammarSpec]) -> Optional[Gramma
     return spec
 
 
-def prepare_chat(body: ChatCompletionRequest, st: ServerState) -> Prepared:
-    """A chat request made ready to submit: the template rendered with its tools, tokenized, sampling
-    checked. The Messages and Responses APIs' requests are prepared here too, as the chat requests
-    they mean (server/anthropic.py, server/responses_request.py)."""
-    st.check_model(body.model)
+def render_chat(body: ChatCompletionRequest, st: ServerState) -> tuple[ChatPrompt, tuple[str, ...], str]:
+    """``body``'s prompt as the template renders it, with its tools written in: the chat prompt (calls'
+    names and grammars), the tools dropped (server/builtin_tools.py) and the prompt's text."""
     tok = st.engine.tokenizer
     tools, dropped = split_chat_tools(body.tools or [])
     chat = chat_prompt(body.messages, tools or None, body.tool_choice, body.parallel_tool_calls, tok.renders_tools,
                        st.call_format, tok.special_token_id, lazy=st.opts.tool_call_grammar == "lazy")
-    forced = GrammarSpec("lark", chat.forced_grammar) if chat.forced_grammar else None
-    lazy = GrammarSpec("lark", chat.lazy_grammar[0], triggers=chat.lazy_grammar[1]) if chat.lazy_grammar else None
-    # (without a max, the rest of the context once the prompt is tokenized: with_reply_room below)
-    sp = sampling_params(st, body, body.max_new_tokens(), st.engine.context_length, forced, lazy)
-    check_choices(body.n, 1, sp, body.stream, st.opts.max_logprob_tokens)
     try:
         text = tok.apply_chat_template(place_system_messages(chat.messages, tok), add_generation_prompt=True,
                                        tools=chat.template_tools)
@@ -88,9 +82,26 @@ def prepare_chat(body: ChatCompletionRequest, st: ServerState) -> Prepared:
         raise APIError(400, str(e), param="messages") from None
     except Exception as e:  # the model's Jinja template refused these messages
         raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
-    ids = tok.encode(text)
+    return chat, dropped, text
+
+
+def prepare_chat(body: ChatCompletionRequest, st: ServerState) -> Prepared:
+    """A chat request made ready to submit: the template rendered with its tools, tokenized, sampling
+    checked, its cache hints read (server/hints.py). The Messages and Responses APIs' requests are
+    prepared here too, as the chat requests they mean (server/anthropic.py, server/responses_request.py)."""
+    st.check_model(body.model)
+    hints = openai_hints(body.prompt_cache_retention)
+    check_key(body.prompt_cache_key)
+    chat, dropped, text = render_chat(body, st)
+    forced = GrammarSpec("lark", chat.forced_grammar) if chat.forced_grammar else None
+    lazy = GrammarSpec("lark", chat.lazy_grammar[0], triggers=chat.lazy_grammar[1]) if chat.lazy_grammar else None
+    # (without a max, the rest of the context once the prompt is tokenized: with_reply_room below)
+    sp = sampling_params(st, body, body.max_new_tokens(), st.engine.context_length, forced, lazy)
+    check_choices(body.n, 1, sp, body.stream, st.opts.max_logprob_tokens)
+    ids = st.engine.tokenizer.encode(text)
     check_fits(ids, body.max_new_tokens(), st.engine.context_length, "messages")
     if body.max_new_tokens() is None:
         sp = with_reply_room(st, sp, len(ids), st.opts.default_max_tokens)
     return Prepared(body, [ids], sp, "messages", chat.call_names, body.n,
-                    "tools" if forced is not None else body.field_of("grammar"), st.call_format, note_dropped(dropped))
+                    "tools" if forced is not None else body.field_of("grammar"), st.call_format, note_dropped(dropped),
+                    hints)

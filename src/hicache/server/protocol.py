@@ -220,6 +220,8 @@ class ChatCompletionRequest(SamplingBody):
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: bool = True
+    prompt_cache_key: Optional[str] = None  # a grouping key, no salt (server/hints.py)
+    prompt_cache_retention: Optional[str] = None  # "in_memory" | "24h" (server/hints.py)
 
     FIELDS: ClassVar[dict[str, str]] = {**SamplingBody.FIELDS, "logprobs": "top_logprobs"}
 
@@ -239,6 +241,8 @@ class CompletionRequest(SamplingBody):
     echo: bool = False
     suffix: Optional[str] = None
     best_of: Optional[int] = None
+    prompt_cache_key: Optional[str] = None  # as on chat completions (server/hints.py)
+    prompt_cache_retention: Optional[str] = None
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.echo:

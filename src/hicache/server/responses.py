@@ -28,6 +28,7 @@ forward), as on chat completions.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import time
@@ -40,6 +41,7 @@ from fastapi.responses import JSONResponse, Response
 from ..runtime.request import GenerateResult
 from .builtin_tools import dropped_header, note_dropped, split_responses_tools, tool_namespaces
 from .choices import collect_choices, event_stream, merged_updates, submit_choices
+from .hints import STORED_HINT, retention_usage
 from .parsing import parse_body, read_body
 from .prepare import prepare_chat
 from .protocol import APIError
@@ -70,13 +72,15 @@ class _Turn:
                "temperature": self.p.sampling.temperature, "top_p": self.p.sampling.top_p,
                "max_output_tokens": b.max_output_tokens, "previous_response_id": b.previous_response_id,
                "store": b.store, "text": b.text or {"format": {"type": "text"}}, "metadata": b.metadata or {},
+               "prompt_cache_key": b.prompt_cache_key, "prompt_cache_retention": b.prompt_cache_retention,
                "error": error, "incomplete_details": None, "usage": None}
         if res is not None:
             out["usage"] = {"input_tokens": res.prompt_tokens, "output_tokens": res.completion_tokens,
                             "total_tokens": res.prompt_tokens + res.completion_tokens,
                             "input_tokens_details": {"cached_tokens": res.cached_tokens},
                             "output_tokens_details": {"reasoning_tokens": 0},
-                            "hicache_cached_tokens": dict(res.cached_tokens_details)}
+                            "hicache_cached_tokens": dict(res.cached_tokens_details),
+                            **retention_usage(self.p.hints, res)}
             out["timing"] = timing(res)  # hicache's extension, as on chat completions
             if res.finish_reason == "length":
                 out["incomplete_details"] = {"reason": "max_output_tokens"}
@@ -143,6 +147,8 @@ def add_responses_routes(app: FastAPI, st: ServerState) -> None:
         tools, dropped = split_responses_tools(body.tools or [])
         prepared = prepare_chat(as_chat(body, messages, tools), st)
         prepared.dropped_tools = note_dropped([*dropped, *prepared.dropped_tools])
+        if body.store:  # the stored conversation's history stays retained while stored (DELETE releases it)
+            prepared.hints = (*prepared.hints, STORED_HINT)
         if stored is not None and not body.instructions:
             prepared.prompts[0] = continued_ids(st.engine.tokenizer, stored.ids, prepared.ids)
             check_fits(prepared.ids, body.max_output_tokens, st.engine.context_length, "input")
@@ -160,7 +166,9 @@ def add_responses_routes(app: FastAPI, st: ServerState) -> None:
         headers = dropped_header(turn.p.dropped_tools)
         if turn.body.stream:
             return event_stream(st, handles, _events(st, turn, handles, store), headers)
-        return JSONResponse(turn.finish((await collect_choices(st, request, handles))[0], store), headers=headers)
+        res = (await collect_choices(st, request, handles))[0]
+        st.prompt_cache_keys.count(turn.body.prompt_cache_key, [res])
+        return JSONResponse(turn.finish(res, store), headers=headers)
 
     @app.get("/v1/responses/{response_id}")
     async def get(response_id: str) -> dict:
@@ -171,8 +179,14 @@ def add_responses_routes(app: FastAPI, st: ServerState) -> None:
 
     @app.delete("/v1/responses/{response_id}")
     async def delete(response_id: str) -> dict:
-        if not store.delete(response_id):
+        """Forget the response, and release the retention its conversation's tokens held (the
+        prompt and the reply, as the model saw and wrote them; Responses requests carry no salt)."""
+        stored = store.get(response_id)
+        if stored is None or not store.delete(response_id):
             raise APIError(404, f"no stored response {response_id!r}.", code="response_not_found")
+        ids = stored.ids
+        released = await asyncio.wrap_future(st.loop.call(lambda: st.engine.release_retention(ids, None)))
+        logger.info("response %s deleted; %d retained tokens released", response_id, released)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 
@@ -205,6 +219,7 @@ async def _events(st: ServerState, turn: _Turn, handles: list, store: ResponseSt
             yield event("response.output_text.delta", item_id=message["id"], output_index=0, content_index=0,
                         delta=piece)
         if upd.finished:  # (the last update: one request)
+            st.prompt_cache_keys.count(turn.body.prompt_cache_key, [upd.result])
             for line in _finish_events(event, turn.finish(upd.result, store), message):
                 yield line
 

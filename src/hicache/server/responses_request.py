@@ -36,6 +36,8 @@ class ResponsesRequest(RequestBody):
     store: bool = True
     previous_response_id: Optional[str] = None
     metadata: Optional[dict[str, Any]] = None
+    prompt_cache_key: Optional[str] = None  # server/hints.py
+    prompt_cache_retention: Optional[str] = None
 
     @field_validator("metadata")
     @classmethod
@@ -134,7 +136,8 @@ def as_chat(body: ResponsesRequest, messages: list[dict[str, Any]], tools: list[
     chat = {"model": body.model, "messages": messages, "temperature": body.temperature, "top_p": body.top_p,
             "stream": body.stream, "parallel_tool_calls": body.parallel_tool_calls,
             "max_tokens": body.max_output_tokens, "tools": _chat_tools(tools) or None,  # (None: the default)
-            "tool_choice": _chat_tool_choice(body.tool_choice), "response_format": _response_format(body.text)}
+            "tool_choice": _chat_tool_choice(body.tool_choice), "response_format": _response_format(body.text),
+            "prompt_cache_key": body.prompt_cache_key, "prompt_cache_retention": body.prompt_cache_retention}
     if not messages:
         raise APIError(400, "input must hold at least one message or item.", param="input")
     try:

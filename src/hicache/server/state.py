@@ -13,6 +13,7 @@ from typing import Any, Callable, Mapping
 
 from ..frontend.loop import EngineLoop
 from ..sampling_ranges import range_error
+from .hints import PromptCacheKeys
 from .metrics import ServerMetrics
 from .options import ServerOptions
 from .protocol import APIError
@@ -34,6 +35,7 @@ class ServerState:
         self.workers = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="hicache-http-prepare")
         # the Responses API's store (server/responses.py; /stats reports it)
         self.responses = ResponseStore(opts.responses_store_size, opts.responses_store_mb << 20)
+        self.prompt_cache_keys = PromptCacheKeys()  # /stats "prompt_cache_keys" (server/hints.py)
         tok = self.engine.tokenizer
         self.call_format, source = choose_format(opts.tool_call_parser, tok.chat_template if tok is not None else None)
         logger.info("tool calls: %s format (from %s)", self.call_format.name, source)

@@ -1,0 +1,193 @@
+"""Cache hints as clients send them (issue 60): Anthropic's ``cache_control`` through the anthropic SDK
+(where each breakpoint ends in the prompt, the usage identity, the split by ttl, streamed usage),
+OpenAI's ``prompt_cache_retention`` / ``prompt_cache_key`` through the openai SDK (Chat Completions,
+Completions, Responses), SGLang's ``retention_seconds`` / ``priority`` on ``/generate``; every API
+reports ``hicache_retention``; bad values are 400s naming the field."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from live_server import serving
+
+from hicache.server import anthropic as messages_api
+from hicache.server.cache_control import read_breakpoints
+from hicache.server.prepare import render_chat
+from hicache.server.tool_formats import choose_format
+
+anthropic = pytest.importorskip("anthropic")
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.server
+
+MODEL = "tiny"
+GREEDY = {"temperature": 0.0}
+CC = {"type": "ephemeral"}
+HOUR = {"type": "ephemeral", "ttl": "1h"}
+WEATHER = {"name": "get_weather", "description": "The weather of a city.",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+CLOCK = {"name": "get_time", "description": "The time.", "input_schema": {"type": "object"}}
+SYSTEM = [{"type": "text", "text": "You answer briefly. " * 8}, {"type": "text", "text": "In French.", "cache_control": HOUR}]
+CONVERSATION = [
+    {"role": "user", "content": [{"type": "text", "text": "What is the weather in Paris? " * 4, "cache_control": CC}]},
+    {"role": "assistant", "content": [{"type": "text", "text": "Let me check."},
+                                      {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Paris"}}]},
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "18 C, sunny"}]}]
+RETENTION_KEYS = {"retained_tokens", "tier", "until", "clipped"}
+
+
+@pytest.fixture(scope="module")
+def server():
+    with serving("random:tiny", name=MODEL) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    return anthropic.Anthropic(base_url=server.base_url, api_key="none")
+
+
+@pytest.fixture(scope="module")
+def gpt(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none")
+
+
+def _packaged_state(name: str) -> SimpleNamespace:
+    """What rendering a chat needs of a server, for a packaged model's tokenizer (no weights loaded)."""
+    from hicache.model.gguf_file import GGUFFile
+    from hicache.model.gguf_tokenizer import tokenizer_from_gguf
+    from hicache.model.packaged import packaged_model_path
+    try:
+        fields = GGUFFile(packaged_model_path(name)).fields
+    except Exception as e:  # (a model file this machine does not have)
+        pytest.skip(f"{name} is not installed: {e}")
+    tok = tokenizer_from_gguf(fields, fields["general.architecture"])
+    return SimpleNamespace(engine=SimpleNamespace(tokenizer=tok), call_format=choose_format("auto", tok.chat_template)[0],
+                           opts=SimpleNamespace(tool_call_grammar="lazy"))
+
+
+@pytest.mark.parametrize("model", ["smollm2", "qwen2.5-coder-0.5b"])
+def test_each_breakpoint_ends_where_its_block_ends_in_the_templates_we_ship(model) -> None:
+    st = _packaged_state(model)
+    tok = st.engine.tokenizer
+    body = messages_api.MessagesRequest.model_validate({
+        "model": "m", "system": SYSTEM, "tools": [WEATHER, {**CLOCK, "cache_control": CC}], "messages": [
+            {"role": "user", "content": "What is the weather in Paris?"}, {"role": "assistant", "content": [{**CONVERSATION[1]["content"][1], "cache_control": CC}]},
+            {"role": "user", "content": [{**CONVERSATION[2]["content"][0], "cache_control": CC}]}]})
+    text = render_chat(messages_api.as_chat(body), st)[2]
+    ids = tok.encode(text)
+    hints = messages_api.request_hints(st, body, read_breakpoints(body), ids)
+    # the tools' JSON (after the system text in these prompts), the system text, the call, the tool result's text
+    ends = ['"parameters": {"type": "object"}}}\n', "In French.", "</tool_call>", "18 C, sunny"]
+    assert len(hints) == 4 and {h.ttl for h in hints} == {"5m", "1h"}
+    for h, end in zip(hints, ends):  # the last whole token within the block, to the character
+        block_end = text.rindex(end) + len(end)
+        within, one_more = (tok.decode(ids[:n], skip_special_tokens=False) for n in (h.tokens, h.tokens + 1))
+        assert text.startswith(within) and len(within) <= block_end < len(one_more), (model, end, within[-40:])
+
+
+def _identity(u) -> None:
+    assert u.input_tokens >= 0 and u.cache_creation_input_tokens >= 0
+    split = u.cache_creation.ephemeral_5m_input_tokens + u.cache_creation.ephemeral_1h_input_tokens
+    assert split == u.cache_creation_input_tokens
+
+
+def test_cache_control_usage_and_a_second_request_reading_what_the_first_wrote(claude, gpt) -> None:
+    kw = dict(model=MODEL, max_tokens=4, system=SYSTEM, tools=[WEATHER, {**CLOCK, "cache_control": CC}],
+              messages=CONVERSATION, extra_body=GREEDY)
+    prompt = claude.messages.count_tokens(model=MODEL, system=SYSTEM, tools=kw["tools"], messages=CONVERSATION).input_tokens
+    first, second = claude.messages.create(**kw), claude.messages.create(**kw)
+    for u in (first.usage, second.usage):
+        _identity(u)
+        assert u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens == prompt
+        assert set(u.model_extra["hicache_retention"] or RETENTION_KEYS) == RETENTION_KEYS
+    u1, u2 = first.usage, second.usage
+    assert u1.cache_read_input_tokens == 0 and u1.cache_creation_input_tokens > 0
+    # the system prompt's breakpoint is an hour's (the tools', after it in the prompt, and the message's are 5m)
+    assert u1.cache_creation.ephemeral_1h_input_tokens > 0 and u1.cache_creation.ephemeral_5m_input_tokens > 0
+    assert u2.cache_read_input_tokens > 0 and u2.cache_creation_input_tokens == 0
+    assert u2.cache_creation.ephemeral_5m_input_tokens == u2.cache_creation.ephemeral_1h_input_tokens == 0
+    plain = claude.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "Hi there"}],
+                                   extra_body=GREEDY).usage
+    assert plain.cache_creation_input_tokens == 0 and "hicache_retention" not in plain.model_extra
+
+
+def test_a_streamed_message_reports_the_same_usage(claude) -> None:
+    kw = dict(model=MODEL, max_tokens=4, system=SYSTEM, messages=CONVERSATION, extra_body=GREEDY)
+    whole = claude.messages.create(**kw).usage  # (now cached: the stream reads what this wrote)
+    with claude.messages.stream(**kw) as stream:
+        events = list(stream)
+    start = next(e for e in events if e.type == "message_start").message.usage
+    final = next(e for e in events if e.type == "message_delta").usage
+    for u in (start, final):
+        assert u.cache_read_input_tokens > 0 and u.cache_creation_input_tokens == 0
+        assert u.input_tokens + u.cache_read_input_tokens == whole.input_tokens + whole.cache_read_input_tokens \
+            + whole.cache_creation_input_tokens
+    assert set(final.model_extra["hicache_retention"] or RETENTION_KEYS) == RETENTION_KEYS
+
+
+@pytest.mark.parametrize("system, says", [
+    ([{"type": "text", "text": "a", "cache_control": {"type": "ephemeral", "ttl": "2h"}}], "system[0].cache_control.ttl"),
+    ([{"type": "text", "text": "a", "cache_control": {"type": "persistent"}}], "system[0].cache_control.type"),
+    ([{"type": "text", "text": str(i), "cache_control": CC} for i in range(5)], "A maximum of 4 blocks with cache_control"),
+])
+def test_bad_breakpoints_are_refused_naming_the_field(server, system, says) -> None:
+    r = httpx.post(server.base_url + "/v1/messages", json={"model": MODEL, "max_tokens": 2, "system": system,
+                                                           "messages": [{"role": "user", "content": "Hi"}]})
+    assert r.status_code == 400 and r.json()["type"] == "error" and says in r.json()["error"]["message"], r.text
+
+
+def test_prompt_cache_retention_and_key_on_chat_completions_and_completions(server, gpt) -> None:
+    chat = gpt.chat.completions.create(model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "Keep me"}],
+                                       prompt_cache_retention="24h", prompt_cache_key="agent-1", temperature=0)
+    usage = chat.usage.model_extra
+    assert set(usage["hicache_retention"] or RETENTION_KEYS) == RETENTION_KEYS
+    text = gpt.completions.create(model=MODEL, prompt="Keep me too", max_tokens=2,
+                                  extra_body={"prompt_cache_retention": "24h", "prompt_cache_key": "agent-1"})
+    assert "hicache_retention" in text.usage.model_extra
+    plain = gpt.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "Hi"}],
+                                        prompt_cache_retention="in_memory")
+    assert "hicache_retention" not in plain.usage.model_extra
+    keys = httpx.get(server.base_url + "/stats").json()["prompt_cache_keys"]
+    assert keys["agent-1"]["requests"] == 2
+    assert keys["agent-1"]["prompt_tokens"] == chat.usage.prompt_tokens + text.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "prompt_cache_retention": "7d"},
+     "prompt_cache_retention"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "prompt_cache_key": "k" * 1025},
+     "prompt_cache_key"),
+    ("/v1/completions", {"prompt": "Hi", "prompt_cache_retention": "forever"}, "prompt_cache_retention"),
+    ("/v1/responses", {"input": "Hi", "prompt_cache_retention": "1h"}, "prompt_cache_retention"),
+    ("/generate", {"text": "Hi", "retention_seconds": -1.0}, "retention_seconds"),
+])
+def test_bad_hints_are_refused_naming_the_field(server, path, body, field) -> None:
+    r = httpx.post(server.base_url + path, json={"model": MODEL, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field and field in r.json()["error"]["message"], r.text
+
+
+def test_responses_keep_a_stored_conversation_and_delete_releases_it(server, gpt) -> None:
+    kept = gpt.responses.create(model=MODEL, input="Remember this", max_output_tokens=3, prompt_cache_key="agent-2",
+                                prompt_cache_retention="24h")
+    assert kept.prompt_cache_key == "agent-2" and kept.prompt_cache_retention == "24h"
+    assert set(kept.usage.model_extra["hicache_retention"] or RETENTION_KEYS) == RETENTION_KEYS
+    unstored = gpt.responses.create(model=MODEL, input="Forget this", max_output_tokens=2, store=False)
+    assert "hicache_retention" not in unstored.usage.model_extra  # (no hint: not stored, in memory)
+    assert httpx.get(server.base_url + "/stats").json()["prompt_cache_keys"]["agent-2"]["requests"] == 1
+    assert gpt.responses.delete(kept.id) is None
+    r = httpx.delete(f"{server.base_url}/v1/responses/{kept.id}")
+    assert r.status_code == 404
+
+
+def test_generate_takes_sglangs_retention_seconds_and_priority(server) -> None:
+    r = httpx.post(server.base_url + "/generate", json={"text": "Keep me", "retention_seconds": 60, "priority": 5,
+                                                        "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 200, r.text
+    meta = r.json()["meta_info"]
+    assert set(meta["hicache_retention"] or RETENTION_KEYS) == RETENTION_KEYS
+    plain = httpx.post(server.base_url + "/generate", json={"text": "Hi", "priority": 5,
+                                                            "sampling_params": {"max_new_tokens": 2}}).json()
+    assert "hicache_retention" not in plain["meta_info"]  # (a priority alone asks nothing of the cache)
