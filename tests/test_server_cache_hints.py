@@ -6,6 +6,7 @@ reports ``hicache_retention``; bad values are 400s naming the field."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import httpx
@@ -35,7 +36,15 @@ CONVERSATION = [
     {"role": "assistant", "content": [{"type": "text", "text": "Let me check."},
                                       {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Paris"}}]},
     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "18 C, sunny"}]}]
-RETENTION_KEYS = {"retained_tokens", "tier", "until", "clipped"}
+DAY_S, HOUR_S = 86400, 3600
+
+
+def _retained(outcome: dict, seconds: float) -> int:
+    """The tokens a hint's outcome says were retained (on the device: this pool is far from full),
+    for about ``seconds`` from now."""
+    assert set(outcome) == {"retained_tokens", "tier", "until", "clipped"} and outcome["clipped"] is None, outcome
+    assert outcome["tier"] == "device" and seconds - 600 < outcome["until"] - time.time() <= seconds, outcome
+    return outcome["retained_tokens"]
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +111,9 @@ def test_cache_control_usage_and_a_second_request_reading_what_the_first_wrote(c
     for u in (first.usage, second.usage):
         _identity(u)
         assert u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens == prompt
-        assert set(u.model_extra["hicache_retention"] or RETENTION_KEYS) == RETENTION_KEYS
+        # the longest prefix a breakpoint asked (whole pages), kept for the longest ttl asked
+        retained = _retained(u.model_extra["hicache_retention"], HOUR_S)
+        assert 0 < retained <= u.cache_read_input_tokens + u.cache_creation_input_tokens
     u1, u2 = first.usage, second.usage
     assert u1.cache_read_input_tokens == 0 and u1.cache_creation_input_tokens > 0
     # the system prompt's breakpoint is an hour's (the tools', after it in the prompt, and the message's are 5m)
@@ -125,7 +136,7 @@ def test_a_streamed_message_reports_the_same_usage(claude) -> None:
         assert u.cache_read_input_tokens > 0 and u.cache_creation_input_tokens == 0
         assert u.input_tokens + u.cache_read_input_tokens == whole.input_tokens + whole.cache_read_input_tokens \
             + whole.cache_creation_input_tokens
-    assert set(final.model_extra["hicache_retention"] or RETENTION_KEYS) == RETENTION_KEYS
+    assert _retained(final.model_extra["hicache_retention"], HOUR_S) > 0
 
 
 @pytest.mark.parametrize("system, says", [
@@ -142,11 +153,11 @@ def test_bad_breakpoints_are_refused_naming_the_field(server, system, says) -> N
 def test_prompt_cache_retention_and_key_on_chat_completions_and_completions(server, gpt) -> None:
     chat = gpt.chat.completions.create(model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "Keep me"}],
                                        prompt_cache_retention="24h", prompt_cache_key="agent-1", temperature=0)
-    usage = chat.usage.model_extra
-    assert set(usage["hicache_retention"] or RETENTION_KEYS) == RETENTION_KEYS
-    text = gpt.completions.create(model=MODEL, prompt="Keep me too", max_tokens=2,
+    # the prompt and the reply, kept a day (whole pages of them)
+    assert 0 < _retained(chat.usage.model_extra["hicache_retention"], DAY_S) <= chat.usage.total_tokens
+    text = gpt.completions.create(model=MODEL, prompt="Keep me too. " * 10, max_tokens=2,
                                   extra_body={"prompt_cache_retention": "24h", "prompt_cache_key": "agent-1"})
-    assert "hicache_retention" in text.usage.model_extra
+    assert _retained(text.usage.model_extra["hicache_retention"], DAY_S) > 0
     plain = gpt.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "Hi"}],
                                         prompt_cache_retention="in_memory")
     assert "hicache_retention" not in plain.usage.model_extra
@@ -169,25 +180,40 @@ def test_bad_hints_are_refused_naming_the_field(server, path, body, field) -> No
     assert r.status_code == 400 and r.json()["error"]["param"] == field and field in r.json()["error"]["message"], r.text
 
 
+def _released(server) -> int:
+    return httpx.get(server.base_url + "/stats").json()["retention"]["released_tokens"]
+
+
 def test_responses_keep_a_stored_conversation_and_delete_releases_it(server, gpt) -> None:
     kept = gpt.responses.create(model=MODEL, input="Remember this", max_output_tokens=3, prompt_cache_key="agent-2",
                                 prompt_cache_retention="24h")
     assert kept.prompt_cache_key == "agent-2" and kept.prompt_cache_retention == "24h"
-    assert set(kept.usage.model_extra["hicache_retention"] or RETENTION_KEYS) == RETENTION_KEYS
+    retained = _retained(kept.usage.model_extra["hicache_retention"], DAY_S)
     unstored = gpt.responses.create(model=MODEL, input="Forget this", max_output_tokens=2, store=False)
     assert "hicache_retention" not in unstored.usage.model_extra  # (no hint: not stored, in memory)
     assert httpx.get(server.base_url + "/stats").json()["prompt_cache_keys"]["agent-2"]["requests"] == 1
+    before = _released(server)
     assert gpt.responses.delete(kept.id) is None
-    r = httpx.delete(f"{server.base_url}/v1/responses/{kept.id}")
-    assert r.status_code == 404
+    assert _released(server) - before == retained  # the conversation's pages are plain LRU again
+    assert httpx.delete(f"{server.base_url}/v1/responses/{kept.id}").status_code == 404
+
+
+def test_deleting_a_turn_keeps_what_a_later_stored_turn_retains(server, gpt) -> None:
+    first = gpt.responses.create(model=MODEL, input="A long conversation. " * 8, max_output_tokens=3)
+    later = gpt.responses.create(model=MODEL, input="And its next turn", max_output_tokens=3,
+                                 previous_response_id=first.id)
+    before = _released(server)
+    gpt.responses.delete(first.id)
+    assert _released(server) == before  # the later turn's history begins with the first's: still retained
+    gpt.responses.delete(later.id)
+    assert _released(server) - before == _retained(later.usage.model_extra["hicache_retention"], DAY_S)
 
 
 def test_generate_takes_sglangs_retention_seconds_and_priority(server) -> None:
-    r = httpx.post(server.base_url + "/generate", json={"text": "Keep me", "retention_seconds": 60, "priority": 5,
+    r = httpx.post(server.base_url + "/generate", json={"text": "Keep me. " * 10, "retention_seconds": 60, "priority": 5,
                                                         "sampling_params": {"max_new_tokens": 2}})
     assert r.status_code == 200, r.text
-    meta = r.json()["meta_info"]
-    assert set(meta["hicache_retention"] or RETENTION_KEYS) == RETENTION_KEYS
+    assert _retained(r.json()["meta_info"]["hicache_retention"], 60) > 0
     plain = httpx.post(server.base_url + "/generate", json={"text": "Hi", "priority": 5,
                                                             "sampling_params": {"max_new_tokens": 2}}).json()
     assert "hicache_retention" not in plain["meta_info"]  # (a priority alone asks nothing of the cache)

@@ -124,3 +124,10 @@ class ResponseStore:
     def delete(self, rid: str) -> bool:
         with self._lock:
             return self._drop(rid)
+
+    def has_continuation(self, ids: list[int]) -> bool:
+        """Whether a stored response's ids begin with ``ids`` (a later turn of that conversation, whose
+        retention covers them: deleting the earlier turn must not release it). O(stored ids), in C."""
+        prefix = array("i", ids)
+        with self._lock:
+            return any(len(s._ids) >= len(prefix) and s._ids[: len(prefix)] == prefix for s in self._items.values())
