@@ -86,8 +86,9 @@ def test_each_breakpoint_ends_where_its_block_ends_in_the_templates_we_ship(mode
             {"role": "user", "content": "What is the weather in Paris?"}, {"role": "assistant", "content": [{**CONVERSATION[1]["content"][1], "cache_control": CC}]},
             {"role": "user", "content": [{**CONVERSATION[2]["content"][0], "cache_control": CC}]}]})
     text = render_chat(messages_api.as_chat(body), st)[2]
-    ids = tok.encode(text)
-    hints = messages_api.request_hints(st, body, read_breakpoints(body), ids)
+    ids, ends = tok.encode_with_ends(text)
+    assert ids == tok.encode(text)
+    hints = messages_api.request_hints(st, body, read_breakpoints(body), text, ends)
     # the tools' JSON (after the system text in these prompts), the system text, the call, the tool result's text
     ends = ['"parameters": {"type": "object"}}}\n', "In French.", "</tool_call>", "18 C, sunny"]
     assert len(hints) == 4 and {h.ttl for h in hints} == {"5m", "1h"}

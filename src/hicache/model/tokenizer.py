@@ -7,6 +7,7 @@ one for random test models; an HF ``tokenizer.json`` is loaded as-is by :func:`l
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -78,6 +79,16 @@ class Tokenizer:
         if self.add_bos and (not ids or ids[0] != self.bos_token_id):
             ids.insert(0, self.bos_token_id)
         return ids
+
+    def encode_with_ends(self, text: str) -> tuple[list[int], list[int]]:
+        """:meth:`encode` and, per token, the character offset in ``text`` where it ends (non-decreasing;
+        a BOS it added ends at 0): how many tokens lie wholly within ``text[:n]`` is a bisection."""
+        enc = self.backend.encode_batch([text], add_special_tokens=False)[0]
+        ids, ends = enc.ids, list(itertools.accumulate((end for _, end in enc.offsets), max))
+        if self.add_bos and (not ids or ids[0] != self.bos_token_id):
+            ids.insert(0, self.bos_token_id)
+            ends.insert(0, 0)
+        return ids, ends
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -213,13 +213,14 @@ def _sentinel(kind: str, fields: dict[str, Any]) -> Any:
     return {"tool": AnthropicTool, "tool_use": ToolUseBlock, "text": TextBlock}[kind].model_validate(fields)
 
 
-def request_hints(st: ServerState, body: MessagesRequest, bps: list[Breakpoint], ids: list[int]) -> tuple:
-    """The retention hints of ``body``'s breakpoints, ``ids`` its prompt (server/cache_control.py)."""
+def request_hints(st: ServerState, body: MessagesRequest, bps: list[Breakpoint], text: str,
+                  ends: list[int]) -> tuple:
+    """The retention hints of ``body``'s breakpoints (server/cache_control.py): ``text`` its prompt,
+    ``ends`` where each of the prompt's tokens ends in it (``Tokenizer.encode_with_ends``)."""
     def render(b: MessagesRequest) -> str:
         return render_chat(as_chat(b), st)[2]
 
-    text = render(body)
-    return breakpoint_hints(body, bps, render, text, tokens_within(st.engine.tokenizer, text, ids), _sentinel)
+    return breakpoint_hints(body, bps, render, text, tokens_within(ends), _sentinel)
 
 
 def _stop(res: GenerateResult, p: Prepared, called: bool, decode: Callable[[list[int]], str]) -> dict[str, Any]:
@@ -257,10 +258,17 @@ def add_anthropic_routes(app: FastAPI, st: ServerState) -> None:
     def prepare(raw: bytes, counting: bool = False) -> Prepared:
         """``counting`` (count_tokens): ``max_tokens`` has no say in what the prompt counts."""
         body = parse_body(raw, MessagesRequest)
-        bps = read_breakpoints(body)
-        p = prepare_chat(as_chat(body), st)
-        if bps and not counting:
-            p.hints = request_hints(st, body, bps, p.ids)
+        bps = read_breakpoints(body) if not counting else []
+        seen: list[tuple[str, list[int]]] = []  # the prompt's text and where its tokens end
+
+        def encode(text: str) -> list[int]:
+            ids, ends = st.engine.tokenizer.encode_with_ends(text)
+            seen.append((text, ends))
+            return ids
+
+        p = prepare_chat(as_chat(body), st, encode if bps else None)
+        if bps:
+            p.hints = request_hints(st, body, bps, *seen[0])
         p.dropped_tools = note_dropped([f"{t.name} ({t.type})" for t in body.tools or [] if t.server_tool])
         if not counting:  # Anthropic's required max_tokens, within the context's rest (Claude Code asks 32K-64K)
             p.sampling = with_reply_room(st, p.sampling, len(p.ids), body.max_tokens)

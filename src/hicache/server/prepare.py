@@ -8,7 +8,7 @@ it imports none of them. Counts are tokens.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 from ..errors import InvalidRequestError
 from ..runtime.sampling import GrammarSpec, SamplingParams
@@ -85,10 +85,12 @@ def render_chat(body: ChatCompletionRequest, st: ServerState) -> tuple[ChatPromp
     return chat, dropped, text
 
 
-def prepare_chat(body: ChatCompletionRequest, st: ServerState) -> Prepared:
-    """A chat request made ready to submit: the template rendered with its tools, tokenized, sampling
-    checked, its cache hints read (server/hints.py). The Messages and Responses APIs' requests are
-    prepared here too, as the chat requests they mean (server/anthropic.py, server/responses_request.py)."""
+def prepare_chat(body: ChatCompletionRequest, st: ServerState,
+                 encode: Optional[Callable[[str], list[int]]] = None) -> Prepared:
+    """A chat request made ready to submit: the template rendered with its tools, tokenized (by
+    ``encode``, the tokenizer's by default), sampling checked, its cache hints read (server/hints.py).
+    The Messages and Responses APIs' requests are prepared here too, as the chat requests they mean
+    (server/anthropic.py, server/responses_request.py)."""
     st.check_model(body.model)
     hints = openai_hints(body.prompt_cache_retention)
     check_key(body.prompt_cache_key)
@@ -98,7 +100,7 @@ def prepare_chat(body: ChatCompletionRequest, st: ServerState) -> Prepared:
     # (without a max, the rest of the context once the prompt is tokenized: with_reply_room below)
     sp = sampling_params(st, body, body.max_new_tokens(), st.engine.context_length, forced, lazy)
     check_choices(body.n, 1, sp, body.stream, st.opts.max_logprob_tokens)
-    ids = st.engine.tokenizer.encode(text)
+    ids = (encode or st.engine.tokenizer.encode)(text)
     check_fits(ids, body.max_new_tokens(), st.engine.context_length, "messages")
     if body.max_new_tokens() is None:
         sp = with_reply_room(st, sp, len(ids), st.opts.default_max_tokens)
