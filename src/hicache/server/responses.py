@@ -18,7 +18,9 @@ continued turn computes little more than its new tokens. Built-in tools
 function tools flattened in; reasoning items and image / file / audio parts (the models served
 are text-only) are refused in one sentence; fields a client sends that cannot change the output
 (``include``, ``truncation``, ``metadata`` within OpenAI's bounds, ``reasoning``, ``user``,
-``prompt_cache_key``, ``client_metadata``, ...) are accepted. Without ``max_output_tokens`` a reply may
+``client_metadata``, ...) are accepted. ``prompt_cache_key`` / ``prompt_cache_retention`` are cache
+hints (server/hints.py), echoed on the response; a stored conversation (``store`` true) stays retained
+while stored, and ``DELETE`` releases it. Without ``max_output_tokens`` a reply may
 take the rest of the context (``--default-max-tokens`` caps it). A stream writes keep-alives while
 the prompt prefills (server/keepalive.py): ``response.in_progress`` again. A grammar
 failure ends the response as ``failed``. Beside the standard usage, hicache's extensions:
