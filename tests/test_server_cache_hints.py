@@ -199,15 +199,25 @@ def test_responses_keep_a_stored_conversation_and_delete_releases_it(server, gpt
     assert httpx.delete(f"{server.base_url}/v1/responses/{kept.id}").status_code == 404
 
 
-def test_deleting_a_turn_keeps_what_a_later_stored_turn_retains(server, gpt) -> None:
+def test_deleting_a_turn_keeps_what_another_stored_turn_of_the_conversation_retains(server, gpt) -> None:
     first = gpt.responses.create(model=MODEL, input="A long conversation. " * 8, max_output_tokens=3)
-    later = gpt.responses.create(model=MODEL, input="And its next turn", max_output_tokens=3,
-                                 previous_response_id=first.id)
+    second = gpt.responses.create(model=MODEL, input="Its next turn", max_output_tokens=3, previous_response_id=first.id)
+    third = gpt.responses.create(model=MODEL, input="And the last", max_output_tokens=3, previous_response_id=second.id)
     before = _released(server)
-    gpt.responses.delete(first.id)
-    assert _released(server) == before  # the later turn's history begins with the first's: still retained
-    gpt.responses.delete(later.id)
-    assert _released(server) - before == _retained(later.usage.model_extra["hicache_retention"], DAY_S)
+    gpt.responses.delete(second.id)  # the first and the third turns still hold its history
+    gpt.responses.delete(first.id)  # the third begins with it
+    assert _released(server) == before
+    gpt.responses.delete(third.id)
+    assert _released(server) - before == _retained(third.usage.model_extra["hicache_retention"], DAY_S)
+
+
+def test_a_response_the_store_drops_releases_its_retention() -> None:
+    with serving("random:tiny", name=MODEL, server={"responses_store_size": 1}) as small:
+        client = openai.OpenAI(base_url=small.base_url + "/v1", api_key="none")
+        dropped = client.responses.create(model=MODEL, input="Soon forgotten. " * 8, max_output_tokens=2)
+        assert _released(small) == 0
+        client.responses.create(model=MODEL, input="Another conversation", max_output_tokens=2)  # the store holds one
+        assert _released(small) == _retained(dropped.usage.model_extra["hicache_retention"], DAY_S)
 
 
 def test_generate_takes_sglangs_retention_seconds_and_priority(server) -> None:

@@ -17,7 +17,7 @@ import sys
 import threading
 from array import array
 from collections import OrderedDict
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ..runtime.request import GenerateResult
 
@@ -69,10 +69,12 @@ class Stored:
 
 class ResponseStore:
     """Stored responses by id (:class:`Stored`), at most ``size`` of them holding at most ``max_bytes``
-    together, the least recently used dropped first (one larger than ``max_bytes`` alone is not kept)."""
+    together, the least recently used dropped first (one larger than ``max_bytes`` alone is not kept).
+    ``on_drop(stored)`` (optional) is called for each one the bounds dropped, after the store let go."""
 
-    def __init__(self, size: int = DEFAULT_STORE_SIZE, max_bytes: int = DEFAULT_STORE_MB << 20) -> None:
-        self.size, self.max_bytes = size, max_bytes
+    def __init__(self, size: int = DEFAULT_STORE_SIZE, max_bytes: int = DEFAULT_STORE_MB << 20,
+                 on_drop: Optional[Callable[[Stored], None]] = None) -> None:
+        self.size, self.max_bytes, self.on_drop = size, max_bytes, on_drop
         self._items: OrderedDict[str, Stored] = OrderedDict()
         self._total = 0  # their nbytes() (each the same for as long as it is held: nothing in it changes)
         self._lock = threading.Lock()  # preparation runs on worker threads
@@ -100,12 +102,17 @@ class ResponseStore:
         if size > self.max_bytes:
             logger.info("response %s not stored: %d bytes, over --responses-store-mb", rid, size)
             return
+        dropped = []
         with self._lock:
             self._drop(rid)
             self._items[rid] = stored
             self._total += size
             while len(self._items) > self.size or self._total > self.max_bytes:
-                self._drop(next(iter(self._items)))
+                oldest = next(iter(self._items))
+                dropped.append(self._items[oldest])
+                self._drop(oldest)
+        for gone in dropped if self.on_drop is not None else ():
+            self.on_drop(gone)
 
     def _drop(self, rid: str) -> bool:
         """Forget ``rid`` (the lock held); whether it was stored."""
@@ -125,9 +132,14 @@ class ResponseStore:
         with self._lock:
             return self._drop(rid)
 
-    def has_continuation(self, ids: list[int]) -> bool:
-        """Whether a stored response's ids begin with ``ids`` (a later turn of that conversation, whose
-        retention covers them: deleting the earlier turn must not release it). O(stored ids), in C."""
-        prefix = array("i", ids)
+    def in_a_stored_chain(self, ids: list[int]) -> bool:
+        """Whether a stored response's ids begin with ``ids`` (a later turn of that conversation) or are
+        a prefix of them (an earlier turn): releasing ``ids``' retention would release theirs too (it
+        clears the whole path). O(the ids stored), compared in C."""
+        mine = array("i", ids)
         with self._lock:
-            return any(len(s._ids) >= len(prefix) and s._ids[: len(prefix)] == prefix for s in self._items.values())
+            for s in self._items.values():
+                n = min(len(s._ids), len(mine))
+                if s._ids[:n] == mine[:n]:
+                    return True
+        return False

@@ -181,16 +181,14 @@ def add_responses_routes(app: FastAPI, st: ServerState) -> None:
 
     @app.delete("/v1/responses/{response_id}")
     async def delete(response_id: str) -> dict:
-        """Forget the response, and release the retention its conversation's tokens held (the
-        prompt and the reply, as the model saw and wrote them; Responses requests carry no salt),
-        unless a later turn still stored continues it (its own retention covers them)."""
+        """Forget the response, and release the retention its conversation's tokens held
+        (:meth:`ServerState.release_stored`)."""
         stored = store.get(response_id)
         if stored is None or not store.delete(response_id):
             raise APIError(404, f"no stored response {response_id!r}.", code="response_not_found")
-        ids = stored.ids
-        if not store.has_continuation(ids):
-            released = await asyncio.wrap_future(st.loop.call(lambda: st.engine.release_retention(ids, None)))
-            logger.info("response %s deleted: %d retained tokens released", response_id, released)
+        released = st.release_stored(stored)
+        if released is not None:
+            logger.info("response %s deleted: %d retained tokens released", response_id, await asyncio.wrap_future(released))
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 

@@ -6,18 +6,20 @@ routes (:mod:`.app`) and the operational ones (:mod:`.operations`) take a :class
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Optional
 
+from ..errors import EngineDeadError
 from ..frontend.loop import EngineLoop
 from ..sampling_ranges import range_error
 from .hints import PromptCacheKeys
 from .metrics import ServerMetrics
 from .options import ServerOptions
 from .protocol import APIError
-from .response_store import ResponseStore
+from .response_store import ResponseStore, Stored
 from .tool_formats import choose_format
 
 logger = logging.getLogger(__name__)
@@ -34,12 +36,33 @@ class ServerState:
         self.created = int(time.time())
         self.workers = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="hicache-http-prepare")
         # the Responses API's store (server/responses.py; /stats reports it)
-        self.responses = ResponseStore(opts.responses_store_size, opts.responses_store_mb << 20)
+        self.responses = ResponseStore(opts.responses_store_size, opts.responses_store_mb << 20,
+                                       on_drop=self._release_dropped)
         self.prompt_cache_keys = PromptCacheKeys()  # /stats "prompt_cache_keys" (server/hints.py)
         tok = self.engine.tokenizer
         self.call_format, source = choose_format(opts.tool_call_parser, tok.chat_template if tok is not None else None)
         logger.info("tool calls: %s format (from %s)", self.call_format.name, source)
         self.sampling_defaults = sampling_defaults(opts, tok.sampling_defaults if tok is not None else {})
+
+    def release_stored(self, stored: Stored) -> Optional[concurrent.futures.Future]:
+        """Release the retention of a Responses conversation no longer stored (deleted, or dropped by the
+        store's bounds): its prompt and reply as the model saw and wrote them (Responses requests carry
+        no salt), on the loop thread; the future holds the tokens released. None (nothing released)
+        while another turn of that conversation is stored -- a release clears the whole path, theirs
+        too -- or once the engine is gone."""
+        ids = stored.ids
+        if self.responses.in_a_stored_chain(ids):
+            return None
+        try:
+            return self.loop.call(lambda: self.engine.release_retention(ids, None))
+        except EngineDeadError:
+            return None
+
+    def _release_dropped(self, stored: Stored) -> None:
+        released = self.release_stored(stored)
+        if released is not None:  # (nobody waits for it: a failure is logged)
+            released.add_done_callback(lambda f: f.exception() and logger.warning(
+                "releasing a dropped response's retention failed: %s", f.exception()))
 
     async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` on the worker pool."""
