@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from types import SimpleNamespace
+from unittest.mock import ANY
 
 import httpx
 import pytest
@@ -140,6 +141,18 @@ def test_a_streamed_message_reports_the_same_usage(claude) -> None:
     assert _retained(final.model_extra["hicache_retention"], HOUR_S) > 0
 
 
+def test_a_top_level_cache_control_marks_the_last_block(server) -> None:
+    """Anthropic's automatic caching: the request's own cache_control is a breakpoint on the last
+    message's last block (here its whole text: the prompt up to the assistant's turn)."""
+    body = {"model": MODEL, "max_tokens": 2, "cache_control": HOUR, "temperature": 0.0,
+            "messages": [{"role": "user", "content": "Cache all of me, please. " * 6}]}
+    u = httpx.post(server.base_url + "/v1/messages", json=body).json()["usage"]
+    assert u["cache_read_input_tokens"] == 0 and u["cache_creation"]["ephemeral_5m_input_tokens"] == 0
+    assert 0 < u["cache_creation_input_tokens"] == u["cache_creation"]["ephemeral_1h_input_tokens"]
+    assert u["input_tokens"] < 16  # (only the template's closing and the assistant's opening: past the breakpoint)
+    assert _retained(u["hicache_retention"], HOUR_S) > 0
+
+
 @pytest.mark.parametrize("system, says", [
     ([{"type": "text", "text": "a", "cache_control": {"type": "ephemeral", "ttl": "2h"}}], "system[0].cache_control.ttl"),
     ([{"type": "text", "text": "a", "cache_control": {"type": "persistent"}}], "system[0].cache_control.type"),
@@ -155,15 +168,21 @@ def test_prompt_cache_retention_and_key_on_chat_completions_and_completions(serv
     chat = gpt.chat.completions.create(model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "Keep me"}],
                                        prompt_cache_retention="24h", prompt_cache_key="agent-1", temperature=0)
     # the prompt and the reply, kept a day (whole pages of them)
-    assert 0 < _retained(chat.usage.model_extra["hicache_retention"], DAY_S) <= chat.usage.total_tokens
+    usage = chat.usage.model_extra
+    assert 0 < _retained(usage["hicache_retention"], DAY_S) <= chat.usage.total_tokens
     text = gpt.completions.create(model=MODEL, prompt="Keep me too. " * 10, max_tokens=2,
                                   extra_body={"prompt_cache_retention": "24h", "prompt_cache_key": "agent-1"})
     assert _retained(text.usage.model_extra["hicache_retention"], DAY_S) > 0
+    stream = gpt.chat.completions.create(model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "Keep me"}],
+                                         prompt_cache_retention="24h", stream=True, stream_options={"include_usage": True},
+                                         temperature=0)
+    last = list(stream)[-1]
+    assert last.usage.model_extra["hicache_retention"] == usage["hicache_retention"] | {"until": ANY}
     plain = gpt.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "Hi"}],
                                         prompt_cache_retention="in_memory")
     assert "hicache_retention" not in plain.usage.model_extra
     keys = httpx.get(server.base_url + "/stats").json()["prompt_cache_keys"]
-    assert keys["agent-1"]["requests"] == 2
+    assert keys["agent-1"]["requests"] == 2  # (the stream carried no key)
     assert keys["agent-1"]["prompt_tokens"] == chat.usage.prompt_tokens + text.usage.prompt_tokens
 
 
