@@ -6,6 +6,7 @@ reports ``hicache_retention``; bad values are 400s naming the field."""
 
 from __future__ import annotations
 
+import json
 import time
 from types import SimpleNamespace
 from unittest.mock import ANY
@@ -15,7 +16,8 @@ import pytest
 from live_server import serving
 
 from hicache.server import anthropic as messages_api
-from hicache.server.cache_control import read_breakpoints
+from hicache.cache_hints import RetentionHint
+from hicache.server.cache_control import anthropic_usage, read_breakpoints
 from hicache.server.prepare import render_chat
 from hicache.server.tool_formats import choose_format
 
@@ -97,6 +99,17 @@ def test_each_breakpoint_ends_where_its_block_ends_in_the_templates_we_ship(mode
         block_end = text.rindex(end) + len(end)
         within, one_more = (tok.decode(ids[:n], skip_special_tokens=False) for n in (h.tokens, h.tokens + 1))
         assert text.startswith(within) and len(within) <= block_end < len(one_more), (model, end, within[-40:])
+
+
+@pytest.mark.parametrize("read, five, hour", [(0, 200, 100), (150, 150, 0), (400, 0, 0)])
+def test_creation_splits_by_the_ttl_of_the_span_it_falls_in(read, five, hour) -> None:
+    """An hour's breakpoint at token 100, then 5 minutes' at 300, in a 500-token prompt: what this request
+    wrote is the part of (read, 300] it computed, each span under its own breakpoint's ttl."""
+    hints = [RetentionHint(300, 300.0, ttl="5m"), RetentionHint(100, 3600.0, ttl="1h")]
+    u = anthropic_usage(500, {"device": read, "host": 0, "storage": 0}, 7, hints)
+    assert u["cache_creation"] == {"ephemeral_5m_input_tokens": five, "ephemeral_1h_input_tokens": hour}
+    assert u["cache_creation_input_tokens"] == five + hour and u["cache_read_input_tokens"] == read
+    assert u["input_tokens"] + read + five + hour == 500 and u["output_tokens"] == 7
 
 
 def _identity(u) -> None:
@@ -209,6 +222,10 @@ def test_responses_keep_a_stored_conversation_and_delete_releases_it(server, gpt
                                 prompt_cache_retention="24h")
     assert kept.prompt_cache_key == "agent-2" and kept.prompt_cache_retention == "24h"
     retained = _retained(kept.usage.model_extra["hicache_retention"], DAY_S)
+    events = list(gpt.responses.create(model=MODEL, input="Also keep this", max_output_tokens=3, stream=True))
+    streamed = events[-1].response  # (response.incomplete: cut at max_output_tokens)
+    assert _retained(streamed.usage.model_extra["hicache_retention"], DAY_S) > 0  # (stored: kept a day)
+    gpt.responses.delete(streamed.id)
     unstored = gpt.responses.create(model=MODEL, input="Forget this", max_output_tokens=2, store=False)
     assert "hicache_retention" not in unstored.usage.model_extra  # (no hint: not stored, in memory)
     assert httpx.get(server.base_url + "/stats").json()["prompt_cache_keys"]["agent-2"]["requests"] == 1
@@ -244,6 +261,10 @@ def test_generate_takes_sglangs_retention_seconds_and_priority(server) -> None:
                                                         "sampling_params": {"max_new_tokens": 2}})
     assert r.status_code == 200, r.text
     assert _retained(r.json()["meta_info"]["hicache_retention"], 60) > 0
+    with httpx.stream("POST", server.base_url + "/generate", json={
+            "text": "Keep me. " * 10, "retention_seconds": 60, "stream": True, "sampling_params": {"max_new_tokens": 2}}) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert _retained(chunks[-1]["meta_info"]["hicache_retention"], 60) > 0  # (the last chunk: the whole answer)
     plain = httpx.post(server.base_url + "/generate", json={"text": "Hi", "priority": 5,
                                                             "sampling_params": {"max_new_tokens": 2}}).json()
     assert "hicache_retention" not in plain["meta_info"]  # (a priority alone asks nothing of the cache)
