@@ -12,6 +12,7 @@ from typing import Any, Iterator
 from ..config import ConfigError, EngineConfig
 from ..errors import HicacheError
 from .costs import PROFILES
+from .compare import compare, parse_policies, policy_table
 from .router import ROUTERS
 from .run import TIERS, UNLIMITED, Capacities, SimConfig, simulate
 from .trace import BLOCK_TOKENS, SHIPPED_TRACE, TraceError, load_trace
@@ -51,7 +52,14 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
                         "fewest that keep each request's own last token out of the cache).")
     p.add_argument("--hicache-write-policy", default="write_through",
                    choices=EngineConfig.choices("hicache_write_policy"))
-    p.add_argument("--radix-eviction-policy", default="lru", choices=EngineConfig.choices("radix_eviction_policy"))
+    p.add_argument("--radix-eviction-policy", default="lru", choices=EngineConfig.choices("radix_eviction_policy"),
+                   help="The tree's own order, which the lru and lru+hints policies use.")
+    p.add_argument("--policy", default="lru",
+                   help="Eviction policy, or several comma-separated run side by side on the same trace and "
+                        "capacities: lru (the tree's own order; hints ignored), lru+hints (the trace's retention "
+                        "hints honoured), belady (the offline optimal per tier: the leaf next used farthest in the "
+                        "future goes first; one engine, storage unlimited or none). With belady, each policy's "
+                        "gap to it.")
     p.add_argument("--engines", type=int, default=1, help="Engines (data parallel) behind the router.")
     p.add_argument("--router", default="cache-aware", choices=ROUTERS, help="sglang-router's policy over the engines.")
     p.add_argument("--kv-sharding", type=int, default=1,
@@ -79,9 +87,15 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     if args.page_size < 1 or BLOCK_TOKENS % args.page_size and args.page_size % BLOCK_TOKENS:
         raise ConfigError(f"--page-size must divide {BLOCK_TOKENS} (a trace block) or be a multiple of it.")
     block_tokens = args.block_tokens or max(2, 2 * BLOCK_TOKENS // args.page_size)  # two or more per page
-    return SimConfig(Capacities(args.device_tokens, host, args.storage_tokens), args.page_size, block_tokens,
-                     args.hicache_write_policy, args.radix_eviction_policy, args.engines, args.router,
-                     args.kv_sharding, cost)
+    policies = parse_policies(args.policy)
+    if args.sweep and len(policies) > 1:
+        raise ConfigError("--sweep runs one --policy at a time.")
+    cfg = SimConfig(Capacities(args.device_tokens, host, args.storage_tokens), args.page_size, block_tokens,
+                    args.hicache_write_policy, args.radix_eviction_policy, args.engines, args.router,
+                    args.kv_sharding, cost, policies[0])
+    for p in policies:  # refused before any runs
+        dataclasses.replace(cfg, policy=p).check()
+    return cfg
 
 
 def _shares(out: dict) -> str:
@@ -156,6 +170,12 @@ def run_simulate(args: argparse.Namespace) -> int:
     if not trace:
         raise HicacheError(f"{args.trace} holds no requests.")
     t0 = time.perf_counter()
+    policies = parse_policies(args.policy)
+    if len(policies) > 1:
+        results = compare(trace, cfg, policies)
+        print(json.dumps({"policies": results}) if args.json else
+              f"{len(trace)} requests, simulated in {time.perf_counter() - t0:.1f} s\n{policy_table(results)}")
+        return 0
     result = _sweep(args, cfg, trace) if args.sweep else simulate(trace, cfg).to_json()
     if args.json:
         print(json.dumps(result))

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from itertools import accumulate
 from typing import TYPE_CHECKING, Optional, Sequence
 
+from ..cache_hints import RetentionHint
 from ..config import ConfigError
 from .costs import PROFILES, CostModel
+from .oracle import NextUse
 from .router import make_router
 from .trace import BLOCK_TOKENS, TraceRequest
 
@@ -24,6 +26,9 @@ if TYPE_CHECKING:
     from .engine import EngineSpec
 
 TIERS = ("device", "host", "storage")
+# Eviction policies to compare: the tree's own policy, the same with the trace's retention hints,
+# and the offline optimal (sim/oracle.py)
+POLICIES = ("lru", "lru+hints", "belady")
 UNLIMITED = math.inf
 
 
@@ -52,6 +57,7 @@ class SimConfig:
     router: str = "round-robin"
     kv_sharding: int = 1  # page-sharded CP over N ranks: the device and host tiers hold N x their capacity
     cost: CostModel = PROFILES["gpu"]
+    policy: str = "lru"  # one of POLICIES
 
     @property
     def sim_page_size(self) -> int:
@@ -64,6 +70,14 @@ class SimConfig:
                               f"--block-tokens x --page-size must be a multiple of {BLOCK_TOKENS}.")
         if self.engines < 1 or self.kv_sharding < 1:
             raise ConfigError("--engines and --kv-sharding must be at least 1.")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"--policy must be one of {', '.join(POLICIES)}, not {self.policy!r}.")
+        if self.policy == "belady" and self.engines > 1:
+            raise ConfigError("--policy belady needs --engines 1 (the oracle knows the next use of a block, "
+                              "not which engine the router will send it to).")
+        if self.policy == "belady" and self.capacities.storage not in (None, UNLIMITED):
+            raise ConfigError("--policy belady orders device and host eviction only: give --storage-tokens "
+                              "unlimited or no storage tier (the store evicts by LRU).")
 
 
 @dataclass
@@ -91,12 +105,25 @@ class SimResult:
     ttft_s: list[float]
     config: SimConfig
     pages: EngineSpec  # what each engine was built with
+    per_class: dict[str, TierHits] = field(default_factory=dict)  # by the trace's request class, where it has one
+    storage_written_tokens: int = 0  # real tokens written to L3 (whole pages)
+
+    def add(self, req: TraceRequest, engine: int, hits: dict[str, int]) -> None:
+        self.total.add(req, hits)
+        self.per_engine[engine].add(req, hits)
+        klass = getattr(req, "klass", None)
+        if klass is not None:
+            self.per_class.setdefault(klass, TierHits()).add(req, hits)
 
     def to_json(self) -> dict:
         t = sorted(self.ttft_s)
         out = self.total.summary()
         out["ttft_s"] = {"mean": statistics.fmean(t) if t else 0.0, "p50": _quantile(t, 0.50), "p99": _quantile(t, 0.99)}
         out["per_engine"] = [e.summary() for e in self.per_engine]
+        if self.per_class:
+            out["per_class"] = {k: v.summary() for k, v in sorted(self.per_class.items())}
+        out["storage_written_tokens"] = self.storage_written_tokens
+        out["storage_written_bytes"] = self.storage_written_tokens * self.config.cost.kv_bytes_per_token
         cfg = asdict(self.config)
         cfg["cost"] = self.config.cost.name
         cfg["capacities"] = {k: ("unlimited" if v == UNLIMITED else v) for k, v in cfg["capacities"].items()}
@@ -153,6 +180,22 @@ def engine_spec(cfg: SimConfig, trace: Sequence[TraceRequest]) -> EngineSpec:
                       cfg.eviction_policy)
 
 
+def dense_blocks(trace: Sequence[TraceRequest]) -> list[tuple[int, ...]]:
+    """Each request's blocks as small ints (token ids are int32; trace ids may be 64-bit hashes),
+    numbered in order of first appearance."""
+    dense: dict[int, int] = {}
+    return [tuple(dense.setdefault(b, len(dense)) for b in req.hash_ids) for req in trace]
+
+
+def sim_hints(req: TraceRequest, cfg: SimConfig) -> tuple[RetentionHint, ...]:
+    """The request's hints in synthetic tokens (whole blocks: a hint's real tokens cut to the
+    blocks they cover), under ``lru+hints``; none under the other policies."""
+    if cfg.policy != "lru+hints":
+        return ()
+    return tuple(h if h.tokens is None else replace(h, tokens=h.tokens // BLOCK_TOKENS * cfg.block_tokens)
+                 for h in getattr(req, "hints", ()))
+
+
 def simulate(trace: Sequence[TraceRequest], cfg: SimConfig) -> SimResult:
     """Replay ``trace`` (arrival order) and return hits per tier and TTFT estimates."""
     from .engine import SimEngine, block_token_ids, shared_storage
@@ -163,27 +206,30 @@ def simulate(trace: Sequence[TraceRequest], cfg: SimConfig) -> SimResult:
         raise ConfigError(f"the device capacity ({spec.device_pages} pages of {cfg.page_size} tokens) cannot hold the "
                           f"trace's longest prompt ({max(r.input_length for r in trace)} tokens); raise "
                           "--device-tokens or shorten the trace.")
+    blocks = dense_blocks(trace)
+    oracle = NextUse(blocks, cfg.block_tokens) if cfg.policy == "belady" else None
     storage = shared_storage(spec)
-    engines = [SimEngine(spec, longest, storage) for _ in range(cfg.engines)]
+    engines = [SimEngine(spec, longest, storage, oracle and oracle.key) for _ in range(cfg.engines)]
     router = make_router(cfg.router, cfg.engines)
     free_at = [0.0] * cfg.engines  # virtual time each engine's prefill queue empties
-    dense: dict[int, int] = {}  # block id -> a small int (token ids are int32; trace ids may be 64-bit hashes)
-    total, per_engine, ttft = TierHits(), [TierHits() for _ in engines], []
+    result = SimResult(TierHits(), [TierHits() for _ in engines], [], cfg, spec)
     try:
         for n, req in enumerate(trace, 1):
             arrival = req.timestamp_ms / 1000
             i = router.pick(req, arrival)
-            blocks = tuple(dense.setdefault(b, len(dense)) for b in req.hash_ids)
-            cached = engines[i].serve(block_token_ids(blocks, cfg.block_tokens, n))
+            if oracle is not None:
+                oracle.now = n - 1
+            cached = engines[i].serve(block_token_ids(blocks[n - 1], cfg.block_tokens, n), sim_hints(req, cfg), arrival)
             hits = tier_hits(cached, req.block_lengths(), cfg.block_tokens)
-            total.add(req, hits)
-            per_engine[i].add(req, hits)
+            result.add(req, i, hits)
             missed = req.input_length - sum(hits.values())
             ready = max(arrival + cfg.cost.storage_read_s(hits["storage"]), free_at[i])
             free_at[i] = ready + cfg.cost.forward_s(missed, hits["host"])
-            ttft.append(free_at[i] - arrival)
+            result.ttft_s.append(free_at[i] - arrival)
             router.routed(req, i, free_at[i])
     finally:
         for e in engines:
             e.close()
-    return SimResult(total, per_engine, ttft, cfg, spec)
+    if storage is not None:
+        result.storage_written_tokens = storage.stats().sets * cfg.page_size
+    return result

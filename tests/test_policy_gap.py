@@ -1,0 +1,90 @@
+"""The offline-optimal eviction order (``hicache simulate --policy belady``) as a yardstick:
+its next-use oracle, and each policy's gap to it (issue 60 item 5)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from hicache.cache.tree_node import TreeNode
+from hicache.cli import main
+from hicache.sim.compare import compare
+from hicache.sim.oracle import NEVER, NextUse
+from hicache.sim.run import Capacities, SimConfig, simulate
+from hicache.sim.trace import BLOCK_TOKENS, SHIPPED_TRACE, TraceRequest, load_trace
+
+pytestmark = pytest.mark.cache
+
+
+def request(t: float, *blocks: int) -> TraceRequest:
+    return TraceRequest(t, len(blocks) * BLOCK_TOKENS, 1, blocks)
+
+
+def test_next_use_is_the_next_request_using_the_nodes_first_block() -> None:
+    oracle = NextUse([(0, 1), (0, 2), (3,), (0, 1, 4)], block_tokens=2)
+    oracle.now = 1
+    assert [oracle.next_use(b) for b in range(5)] == [1, 3, 1, 2, 3]
+    oracle.now = 2
+    assert [oracle.next_use(b) for b in range(5)] == [3, 3, NEVER, 2, 3]
+    # a node holding blocks 1 and 4 (tokens 3, 4, 9, 10) is next used when block 1 is
+    node = TreeNode(7, "sim", np.array([3, 4, 9, 10], dtype=np.int32), None)
+    assert oracle.key(node) == (-3, 7)
+    gone = TreeNode(8, "sim", np.array([5, 6], dtype=np.int32), None)  # block 2: never again
+    assert oracle.key(gone) < oracle.key(node)  # evicted first
+
+
+def test_belady_wins_a_cyclic_scan_one_block_larger_than_the_cache() -> None:
+    """Six one-block prompts in a loop through a device that keeps five of them beside the
+    running request: LRU evicts each block just before it comes back (no hit at all); the optimal
+    misses once per four after the first round (Belady on a cycle of n through k slots: k-1 hits
+    per n-1 requests), 24 hits of 36."""
+    trace = [request(i * 1000.0, i % 6) for i in range(36)]
+    caps = Capacities(device=6 * BLOCK_TOKENS)  # a page per block
+    lru, belady = (simulate(trace, SimConfig(caps, policy=p)).to_json() for p in ("lru", "belady"))
+    assert lru["hit_ratio"] == 0.0
+    assert belady["hit_ratio"] == pytest.approx(24 / 36)
+    seven = simulate(trace, SimConfig(Capacities(device=7 * BLOCK_TOKENS))).to_json()
+    assert seven["hit_ratio"] == pytest.approx(30 / 36)  # room for all six: LRU hits all but the first round
+
+
+def test_belady_hits_nothing_on_a_trace_without_reuse() -> None:
+    trace = [request(i * 1000.0, 2 * i, 2 * i + 1) for i in range(20)]
+    out = simulate(trace, SimConfig(Capacities(device=8 * BLOCK_TOKENS), policy="belady")).to_json()
+    assert out["hit_ratio"] == 0.0 and out["requests"] == 20
+
+
+def test_belady_is_at_least_lru_per_capacity_on_the_mooncake_trace() -> None:
+    trace = load_trace(SHIPPED_TRACE, 400)
+    for caps in (Capacities(device=256 * BLOCK_TOKENS), Capacities(256 * BLOCK_TOKENS, 512 * BLOCK_TOKENS)):
+        results = compare(trace, SimConfig(caps), ["lru", "belady"])
+        lru, belady = results["lru"], results["belady"]
+        assert belady["hit_ratio"] >= lru["hit_ratio"]
+        assert lru["gap_to_belady"]["points"] == pytest.approx(100 * (belady["hit_ratio"] - lru["hit_ratio"]))
+        assert belady["gap_to_belady"] == {"points": 0.0, "share_of_optimal": 1.0}
+
+
+def test_cli_runs_policies_side_by_side(tmp_path, capsys) -> None:
+    path = tmp_path / "scan.jsonl"
+    path.write_text("".join(json.dumps({"timestamp": i * 1000, "input_length": BLOCK_TOKENS, "output_length": 1,
+                                        "hash_ids": [i % 4]}) + "\n" for i in range(20)))
+    args = ["simulate", "--trace", str(path), "--device-tokens", str(4 * BLOCK_TOKENS)]  # 3 of the 4 blocks
+    assert main([*args, "--policy", "lru,belady", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["policies"]
+    assert set(got) == {"lru", "belady"}
+    assert got["lru"]["hit_ratio"] == 0.0 and got["belady"]["hit_ratio"] > 0
+    assert got["lru"]["gap_to_belady"]["share_of_optimal"] == 0.0
+    assert main([*args, "--policy", "lru,belady"]) == 0
+    table = capsys.readouterr().out
+    assert "belady" in table and "gap (points)" in table
+
+
+def test_bad_policies_are_refused_in_one_sentence(capsys) -> None:
+    base = ["simulate", "--max-requests", "5"]
+    assert main([*base, "--policy", "lru,fifo"]) != 0
+    assert "--policy takes lru, lru+hints, belady" in capsys.readouterr().err
+    assert main([*base, "--policy", "belady", "--engines", "2"]) != 0
+    assert "--policy belady needs --engines 1" in capsys.readouterr().err
+    assert main([*base, "--policy", "belady", "--host-tokens", "1e6", "--storage-tokens", "1e6"]) != 0
+    assert "--storage-tokens unlimited" in capsys.readouterr().err
