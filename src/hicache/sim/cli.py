@@ -58,7 +58,7 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
                    help="Eviction policy, or several comma-separated run side by side on the same trace and "
                         "capacities: lru (the tree's own order; hints ignored), lru+hints (the trace's retention "
                         "hints honoured), belady (the offline optimal per tier: the leaf next used farthest in the "
-                        "future goes first; one engine, storage unlimited or none). With belady, each policy's "
+                        "future goes first, in every tier; one engine). With belady, each policy's "
                         "gap to it.")
     p.add_argument("--engines", type=int, default=1, help="Engines (data parallel) behind the router.")
     p.add_argument("--router", default="cache-aware", choices=ROUTERS, help="sglang-router's policy over the engines.")

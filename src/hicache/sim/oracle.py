@@ -39,10 +39,11 @@ class NextUse:
                     uses.append(i)
         self.now = 0  # the request being served
 
-    def next_use(self, block: int) -> float:
-        """The index of the first request at or after :attr:`now` that uses ``block``; ``NEVER``."""
+    def next_use(self, block: int, after_now: bool = False) -> float:
+        """The index of the first request at or after :attr:`now` (``after_now``: after it) that
+        uses ``block``; ``NEVER``."""
         uses = self._uses.get(block, ())
-        j = bisect_left(uses, self.now)
+        j = bisect_left(uses, self.now + after_now)
         return uses[j] if j < len(uses) else NEVER
 
     def block_of(self, token: int) -> int | None:

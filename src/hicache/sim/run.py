@@ -15,15 +15,17 @@ from dataclasses import asdict, dataclass, field, replace
 from itertools import accumulate
 from typing import TYPE_CHECKING, Optional, Sequence
 
+from ..cache.storage.keys import page_hashes
 from ..cache_hints import RetentionHint
 from ..config import ConfigError
 from .costs import PROFILES, CostModel
 from .oracle import NextUse
+from .oracle_store import OracleStore
 from .router import make_router
 from .trace import BLOCK_TOKENS, TraceRequest
 
 if TYPE_CHECKING:
-    from .engine import EngineSpec
+    from .engine import EngineSpec, SimEngine
 
 TIERS = ("device", "host", "storage")
 # Eviction policies to compare: the tree's own policy, the same with the trace's retention hints,
@@ -75,9 +77,6 @@ class SimConfig:
         if self.policy == "belady" and self.engines > 1:
             raise ConfigError("--policy belady needs --engines 1 (the oracle knows the next use of a block, "
                               "not which engine the router will send it to).")
-        if self.policy == "belady" and self.capacities.storage not in (None, UNLIMITED):
-            raise ConfigError("--policy belady orders device and host eviction only: give --storage-tokens "
-                              "unlimited or no storage tier (the store evicts by LRU).")
 
 
 @dataclass
@@ -196,6 +195,16 @@ def sim_hints(req: TraceRequest, cfg: SimConfig) -> tuple[RetentionHint, ...]:
                  for h in getattr(req, "hints", ()))
 
 
+def foresee(oracle: NextUse, storage: object, engine: SimEngine, tokens: list[int], index: int) -> None:
+    """Request ``index`` (``tokens``) is next: move the oracle's clock to it, and tell a store
+    under the oracle's order which of its objects the request names."""
+    oracle.now = index
+    if isinstance(storage, OracleStore):
+        page = engine.cache.page_size
+        hashes = page_hashes(tokens, page, engine.cache.ns_digest(engine.namespace))
+        storage.expect(hashes, [oracle.block_of(tokens[k * page]) for k in range(len(hashes))])
+
+
 def simulate(trace: Sequence[TraceRequest], cfg: SimConfig) -> SimResult:
     """Replay ``trace`` (arrival order) and return hits per tier and TTFT estimates."""
     from .engine import SimEngine, block_token_ids, shared_storage
@@ -208,7 +217,8 @@ def simulate(trace: Sequence[TraceRequest], cfg: SimConfig) -> SimResult:
                           "--device-tokens or shorten the trace.")
     blocks = dense_blocks(trace)
     oracle = NextUse(blocks, cfg.block_tokens) if cfg.policy == "belady" else None
-    storage = shared_storage(spec)
+    storage = shared_storage(spec) if oracle is None or spec.storage_pages is None else \
+        OracleStore(spec.storage_pages, oracle)
     engines = [SimEngine(spec, longest, storage, oracle and oracle.key) for _ in range(cfg.engines)]
     router = make_router(cfg.router, cfg.engines)
     free_at = [0.0] * cfg.engines  # virtual time each engine's prefill queue empties
@@ -217,9 +227,10 @@ def simulate(trace: Sequence[TraceRequest], cfg: SimConfig) -> SimResult:
         for n, req in enumerate(trace, 1):
             arrival = req.timestamp_ms / 1000
             i = router.pick(req, arrival)
+            tokens = block_token_ids(blocks[n - 1], cfg.block_tokens, n)
             if oracle is not None:
-                oracle.now = n - 1
-            cached = engines[i].serve(block_token_ids(blocks[n - 1], cfg.block_tokens, n), sim_hints(req, cfg), arrival)
+                foresee(oracle, storage, engines[i], tokens, n - 1)
+            cached = engines[i].serve(tokens, sim_hints(req, cfg), arrival)
             hits = tier_hits(cached, req.block_lengths(), cfg.block_tokens)
             result.add(req, i, hits)
             missed = req.input_length - sum(hits.values())
