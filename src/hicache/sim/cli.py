@@ -12,10 +12,11 @@ from typing import Any, Iterator
 from ..config import ConfigError, EngineConfig
 from ..errors import HicacheError
 from .costs import PROFILES
-from .compare import compare, parse_policies, policy_table
+from .agentic import CLIENTS, agentic_trace
+from .compare import compare, parse_policies, parse_storage_writes, policy_table
 from .router import ROUTERS
 from .run import TIERS, UNLIMITED, Capacities, SimConfig, simulate
-from .trace import BLOCK_TOKENS, SHIPPED_TRACE, TraceError, load_trace
+from .trace import BLOCK_TOKENS, SHIPPED_TRACE, TraceError, TraceRequest, load_trace
 
 
 def _tokens(text: str) -> float:
@@ -34,7 +35,13 @@ def _tokens(text: str) -> float:
 def add_simulate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default=SHIPPED_TRACE,
                    help="Mooncake-format trace (JSON Lines: timestamp ms, input_length, output_length, hash_ids); "
-                        "default: the Mooncake FAST'25 conversation trace shipped with hicache.")
+                        "default: the Mooncake FAST'25 conversation trace shipped with hicache; 'agentic': the "
+                        "generated agentic trace (a lead agent, subagents, a flood; hit ratios per class).")
+    a = p.add_argument_group("--trace agentic")
+    a.add_argument("--seed", type=int, default=0, help="The agentic trace's seed.")
+    a.add_argument("--time-factor", type=float, default=1.0, help="Scales the agentic trace's tool pauses.")
+    a.add_argument("--client", default="claude-code", choices=CLIENTS,
+                   help="Whose hints the agentic trace's requests carry (cache_control breakpoints, or 24h retention).")
     p.add_argument("--max-requests", type=int, default=None, help="Replay only the first N requests.")
     g = p.add_argument_group("capacities (tokens, or 'unlimited'; with none, every tier is unlimited)")
     g.add_argument("--device-tokens", type=_tokens, default=UNLIMITED,
@@ -52,6 +59,11 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
                         "fewest that keep each request's own last token out of the cache).")
     p.add_argument("--hicache-write-policy", default="write_through",
                    choices=EngineConfig.choices("hicache_write_policy"))
+    p.add_argument("--hicache-storage-write-policy", default="write_through",
+                   help="Which host copies are written to storage: write_through (every one) or selective "
+                        "(retained or hit-twice prefixes); both comma-separated run side by side.")
+    p.add_argument("--cache-retention-max-fraction", type=float, default=0.5,
+                   help="Share of each tier that retention hints may hold (lru+hints).")
     p.add_argument("--radix-eviction-policy", default="lru", choices=EngineConfig.choices("radix_eviction_policy"),
                    help="The tree's own order, which the lru and lru+hints policies use.")
     p.add_argument("--policy", default="lru",
@@ -87,12 +99,14 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     if args.page_size < 1 or BLOCK_TOKENS % args.page_size and args.page_size % BLOCK_TOKENS:
         raise ConfigError(f"--page-size must divide {BLOCK_TOKENS} (a trace block) or be a multiple of it.")
     block_tokens = args.block_tokens or max(2, 2 * BLOCK_TOKENS // args.page_size)  # two or more per page
-    policies = parse_policies(args.policy)
-    if args.sweep and len(policies) > 1:
-        raise ConfigError("--sweep runs one --policy at a time.")
+    policies, writes = parse_policies(args.policy), parse_storage_writes(args.hicache_storage_write_policy)
+    if args.sweep and len(policies) * len(writes) > 1:
+        raise ConfigError("--sweep runs one --policy and one --hicache-storage-write-policy at a time.")
+    if not 0.0 <= args.cache_retention_max_fraction <= 1.0:
+        raise ConfigError("--cache-retention-max-fraction must be in [0, 1].")
     cfg = SimConfig(Capacities(args.device_tokens, host, args.storage_tokens), args.page_size, block_tokens,
                     args.hicache_write_policy, args.radix_eviction_policy, args.engines, args.router,
-                    args.kv_sharding, cost, policies[0])
+                    args.kv_sharding, cost, policies[0], writes[0], args.cache_retention_max_fraction)
     for p in policies:  # refused before any runs
         dataclasses.replace(cfg, policy=p).check()
     return cfg
@@ -161,18 +175,28 @@ def plot_sweep(points: list[dict], tier: str, path: str) -> None:
         ax.legend(loc="upper left")
 
 
-def run_simulate(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)
+def read_trace_arg(args: argparse.Namespace) -> list[TraceRequest]:
+    """``--trace``: a file, or ``agentic`` (generated from --seed, --time-factor, --client)."""
+    if args.trace == "agentic":
+        if not args.time_factor > 0:
+            raise ConfigError("--time-factor must be positive.")
+        return agentic_trace(args.seed, args.time_factor, client=args.client)[:args.max_requests]
     try:
         trace = load_trace(args.trace, args.max_requests)
     except (OSError, TraceError) as e:
         raise HicacheError(f"cannot read the trace: {e}") from None
     if not trace:
         raise HicacheError(f"{args.trace} holds no requests.")
+    return trace
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    trace = read_trace_arg(args)
     t0 = time.perf_counter()
-    policies = parse_policies(args.policy)
-    if len(policies) > 1:
-        results = compare(trace, cfg, policies)
+    policies, writes = parse_policies(args.policy), parse_storage_writes(args.hicache_storage_write_policy)
+    if len(policies) * len(writes) > 1 or trace[0].cls:  # the agentic trace: per class
+        results = compare(trace, cfg, policies, writes)
         print(json.dumps({"policies": results}) if args.json else
               f"{len(trace)} requests, simulated in {time.perf_counter() - t0:.1f} s\n{policy_table(results)}")
         return 0

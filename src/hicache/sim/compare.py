@@ -13,6 +13,8 @@ from typing import Sequence
 
 from ..config import ConfigError
 from .run import POLICIES, TIERS, SimConfig, simulate
+
+STORAGE_WRITES = ("write_through", "selective")  # --hicache-storage-write-policy
 from .trace import TraceRequest
 
 
@@ -31,11 +33,30 @@ def gap(out: dict, optimal: dict) -> dict:
     return {"points": 100 * (best - hit), "share_of_optimal": hit / best if best else None}
 
 
-def compare(trace: Sequence[TraceRequest], cfg: SimConfig, policies: Sequence[str]) -> dict[str, dict]:
-    """Each policy's result on ``trace`` at ``cfg``'s capacities, by name; with ``belady`` among
-    them, each carries ``gap_to_belady`` (and each class's, under ``per_class``)."""
-    results = {p: simulate(trace, replace(cfg, policy=p)).to_json() for p in policies}
-    optimal = results.get("belady")
+def parse_storage_writes(text: str) -> list[str]:
+    """``write_through,selective`` -> the names, each once, in the order given."""
+    names = list(dict.fromkeys(w.strip() for w in text.split(",") if w.strip()))
+    if not names or any(w not in STORAGE_WRITES for w in names):
+        raise ConfigError(f"--hicache-storage-write-policy takes {', '.join(STORAGE_WRITES)} (comma-separated), "
+                          f"not {text!r}.")
+    return names
+
+
+def compare(trace: Sequence[TraceRequest], cfg: SimConfig, policies: Sequence[str],
+            storage_writes: Sequence[str] = ()) -> dict[str, dict]:
+    """Each policy's result on ``trace`` at ``cfg``'s capacities, by name (``policy, storage write
+    policy`` with several of those; none given: ``cfg``'s). With ``belady`` among them, each carries
+    ``gap_to_belady`` (and each class's, under ``per_class``): the distance to belady writing
+    every host copy to storage (the first belady run when that one is not among them)."""
+    writes = list(storage_writes) or [cfg.storage_write_policy]
+    results = {}
+    for w in writes:
+        for p in policies:
+            name = p if len(writes) == 1 else f"{p}, {w}"
+            results[name] = simulate(trace, replace(cfg, policy=p, storage_write_policy=w)).to_json()
+    optimal = results.get("belady", results.get("belady, write_through"))
+    if optimal is None:
+        optimal = next((out for out in results.values() if out["config"]["policy"] == "belady"), None)
     if optimal is not None:
         for out in results.values():
             out["gap_to_belady"] = gap(out, optimal)

@@ -50,6 +50,8 @@ class EngineSpec:
     write_policy: str = "write_through"
     eviction_policy: str = "lru"
     write_through_threshold: int = 2
+    storage_write_policy: str = "write_through"
+    retention_max_fraction: float = 0.5
 
 
 def no_forward(input_ids, prefix_lens, context_slots, hidden=None, logits="last", window_slots=None,
@@ -115,7 +117,8 @@ class SimEngine(NoForwardEngine):
         host = HostKVPool(pool, spec.host_pages, "page_first", pin_memory=False) if spec.host_pages else None
         policy = CachePolicy(eviction_policy=spec.eviction_policy, write_policy=spec.write_policy,
                              write_through_threshold=spec.write_through_threshold, prefetch_threshold=spec.page_size,
-                             storage_op_timeout=None)
+                             storage_op_timeout=None, storage_write_policy=spec.storage_write_policy,
+                             retention_max_fraction=spec.retention_max_fraction)
         cache = KVCacheManager(pool, host, storage, policy)
         cache.tree.eviction_order = eviction_order
         for controller in (cache.controller, cache.storage):  # nothing to overlap copies with

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from itertools import accumulate
 from typing import TYPE_CHECKING, Optional, Sequence
 
@@ -60,6 +60,8 @@ class SimConfig:
     kv_sharding: int = 1  # page-sharded CP over N ranks: the device and host tiers hold N x their capacity
     cost: CostModel = PROFILES["gpu"]
     policy: str = "lru"  # one of POLICIES
+    storage_write_policy: str = "write_through"  # or "selective" (--hicache-storage-write-policy)
+    retention_max_fraction: float = 0.5  # of each tier, for hints (--cache-retention-max-fraction)
 
     @property
     def sim_page_size(self) -> int:
@@ -110,9 +112,8 @@ class SimResult:
     def add(self, req: TraceRequest, engine: int, hits: dict[str, int]) -> None:
         self.total.add(req, hits)
         self.per_engine[engine].add(req, hits)
-        klass = getattr(req, "klass", None)
-        if klass is not None:
-            self.per_class.setdefault(klass, TierHits()).add(req, hits)
+        if req.cls:
+            self.per_class.setdefault(req.cls, TierHits()).add(req, hits)
 
     def to_json(self) -> dict:
         t = sorted(self.ttft_s)
@@ -172,11 +173,15 @@ def engine_spec(cfg: SimConfig, trace: Sequence[TraceRequest]) -> EngineSpec:
         raise ConfigError("a storage tier needs a host tier (prefetched pages land in host memory): give a host "
                           "capacity too.")
     cfg.check()
+    if any(r.block_tokens != BLOCK_TOKENS for r in trace):
+        raise ConfigError(f"the simulator replays traces of {BLOCK_TOKENS}-token blocks; this one has blocks of "
+                          f"{next(r.block_tokens for r in trace if r.block_tokens != BLOCK_TOKENS)} tokens.")
     everything = sum(-(-(len(r.hash_ids) * cfg.block_tokens + 2) // cfg.sim_page_size) for r in trace) + 1
     cap, n = cfg.capacities, cfg.kv_sharding  # each rank of the group holds its share of the pages, device and host
     return EngineSpec(_pages("device", cap.device, cfg, everything, n), _pages("host", cap.host, cfg, everything, n),
                       _pages("storage", cap.storage, cfg, everything), cfg.sim_page_size, cfg.write_policy,
-                      cfg.eviction_policy)
+                      cfg.eviction_policy, storage_write_policy=cfg.storage_write_policy,
+                      retention_max_fraction=cfg.retention_max_fraction)
 
 
 def dense_blocks(trace: Sequence[TraceRequest]) -> list[tuple[int, ...]]:
@@ -187,12 +192,13 @@ def dense_blocks(trace: Sequence[TraceRequest]) -> list[tuple[int, ...]]:
 
 
 def sim_hints(req: TraceRequest, cfg: SimConfig) -> tuple[RetentionHint, ...]:
-    """The request's hints in synthetic tokens (whole blocks: a hint's real tokens cut to the
-    blocks they cover), under ``lru+hints``; none under the other policies."""
+    """The request's hints (whole blocks, :mod:`.trace`) as retention hints in synthetic tokens,
+    under ``lru+hints``; none under the other policies."""
     if cfg.policy != "lru+hints":
         return ()
-    return tuple(h if h.tokens is None else replace(h, tokens=h.tokens // BLOCK_TOKENS * cfg.block_tokens)
-                 for h in getattr(req, "hints", ()))
+    return tuple(RetentionHint(None if h.get("blocks") is None else h["blocks"] * cfg.block_tokens,
+                               float(h["seconds"]), int(h.get("priority", 0)), str(h.get("ttl", "")))
+                 for h in req.hints)
 
 
 def foresee(oracle: NextUse, storage: object, engine: SimEngine, tokens: list[int], index: int) -> None:
