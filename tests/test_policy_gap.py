@@ -10,9 +10,11 @@ import pytest
 
 from hicache.cache.tree_node import TreeNode
 from hicache.cli import main
+from hicache.cache_hints import RetentionHint
+from hicache.sim.agentic import agentic_trace, live_set_tokens
 from hicache.sim.compare import compare
 from hicache.sim.oracle import NEVER, NextUse
-from hicache.sim.run import Capacities, SimConfig, simulate
+from hicache.sim.run import UNLIMITED, Capacities, SimConfig, sim_hints, simulate
 from hicache.sim.trace import BLOCK_TOKENS, SHIPPED_TRACE, TraceRequest, load_trace
 
 pytestmark = pytest.mark.cache
@@ -100,3 +102,48 @@ def test_a_bounded_store_under_belady_keeps_what_comes_back() -> None:
     assert lru["hit_ratio"] == 0.0
     assert belady["hit_tokens"]["storage"] > 0.5 * belady["input_tokens"]
     assert belady["hit_ratio"] <= 30 / 36  # never above the trace's ceiling
+
+
+@pytest.fixture(scope="module")
+def agentic():
+    """The agentic trace at a third of its live set in L1 and two thirds in L2 (issue 60's sizing)."""
+    trace = agentic_trace(seed=0)
+    live = live_set_tokens(trace)
+    return trace, Capacities(device=live // 3, host=live // 1.5)
+
+
+def test_hints_keep_the_lead_agents_history_through_the_flood(agentic) -> None:
+    trace, caps = agentic
+    results = compare(trace, SimConfig(caps), ["lru", "lru+hints", "belady"])
+    assert set(results["lru"]["per_class"]) == {"lead", "subagent", "flood"}
+    lead = {p: out["per_class"]["lead"]["hit_ratio"] for p, out in results.items()}
+    assert lead["lru+hints"] > lead["lru"] + 0.3  # the flood flushes the lead's history under plain LRU
+    for p in ("lru", "lru+hints"):
+        assert results[p]["hit_ratio"] <= results["belady"]["hit_ratio"]
+        assert results[p]["gap_to_belady"]["points"] > 0
+
+
+def test_a_hint_becomes_a_retention_hint_in_the_replays_tokens() -> None:
+    req = TraceRequest(0.0, 3 * BLOCK_TOKENS, 1, (1, 2, 3), hints=(
+        {"blocks": 2, "seconds": 3600.0, "ttl": "1h"}, {"blocks": None, "seconds": 86400.0, "ttl": "24h"}))
+    cfg = SimConfig(block_tokens=4, policy="lru+hints")
+    assert sim_hints(req, cfg) == (RetentionHint(8, 3600.0, 0, "1h"), RetentionHint(None, 86400.0, 0, "24h"))
+    assert sim_hints(req, SimConfig(block_tokens=4)) == ()  # plain lru ignores them
+
+
+def test_selective_storage_writes_fewer_bytes(agentic) -> None:
+    trace, caps = agentic
+    caps = Capacities(caps.device, caps.host, storage=UNLIMITED)
+    results = compare(trace, SimConfig(caps), ["lru+hints"], ["write_through", "selective"])
+    full, selective = results["lru+hints, write_through"], results["lru+hints, selective"]
+    assert 0 < selective["storage_written_bytes"] < full["storage_written_bytes"]
+    assert full["storage_written_bytes"] == full["storage_written_tokens"] * SimConfig().cost.kv_bytes_per_token
+    assert selective["hit_tokens"]["storage"] <= full["hit_tokens"]["storage"]
+
+
+def test_cli_agentic_trace_reports_each_class(capsys) -> None:
+    assert main(["simulate", "--trace", "agentic", "--max-requests", "120", "--device-tokens", "3e4",
+                 "--host-tokens", "6e4", "--policy", "lru+hints", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["policies"]["lru+hints"]
+    assert got["requests"] == 120
+    assert sum(c["requests"] for c in got["per_class"].values()) == 120
