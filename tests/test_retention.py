@@ -161,3 +161,25 @@ def test_selective_storage_writes_keep_only_retained_prefixes_in_l3():
     _run(mgr, other, stamp=2.0)
     mgr.drain()
     assert everything.stats().sets == 8
+
+
+def _stored_pages(mgr: KVCacheManager, store: MemoryBackend, tokens: np.ndarray) -> int:
+    """Leading pages of ``tokens`` whose objects the store holds."""
+    from hicache.cache.storage.keys import page_hashes
+
+    digest = mgr.keys.digest(NS)
+    keys = [obj.key(h, digest) for h in page_hashes(tokens, PAGE, digest) for obj in mgr.storage.writes]
+    return store.exists_prefix(keys) // len(mgr.storage.writes)
+
+
+def test_a_capped_store_drops_retained_objects_after_every_unretained_one():
+    for hinted in (True, False):
+        store = MemoryBackend(max_objects=10)
+        mgr = _manager(device_pages=12, host_pages=12, storage=store)
+        lead = _tokens(1000, 4)
+        _run(mgr, lead, [RetentionHint(None, 60.0)] if hinted else (), stamp=1.0)
+        for i in range(6):  # 24 more objects through a store of 10
+            _run(mgr, _tokens(10_000 * (i + 1), 4), stamp=2.0 + i)
+        mgr.drain()
+        assert _stored_pages(mgr, store, lead) == (4 if hinted else 0)
+        assert store.stats().evictions > 0

@@ -29,7 +29,7 @@ import numpy as np
 from ..cache_hints import TIER_NAMES, RetentionHint, RetentionOutcome
 from ..consensus_record import consensus_check
 from .radix import RadixCache
-from .tiers import Tier
+from .storage_tier import StorageTier
 from .tree_node import TreeNode
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class RetainedPrefixes:
     ``storage``: the L3 tier below, if any (unbounded here: the backend keeps its own size); a
     grant hands it the prefix so that it is written even under selective writes."""
 
-    def __init__(self, tree: RadixCache | None, budgets: Sequence[int | None], storage: Tier | None,
+    def __init__(self, tree: RadixCache | None, budgets: Sequence[int | None], storage: StorageTier | None,
                  max_fraction: float) -> None:
         self.tree, self.max_fraction, self.storage = tree, max_fraction, storage
         self.budgets = list(budgets) + [None]  # the storage level has no page budget
@@ -94,8 +94,11 @@ class RetainedPrefixes:
         for hint in hints:
             path = self._cached_path(namespace, tokens, len(tokens) if hint.tokens is None else hint.tokens)
             got, level, why = self._grant(path, stamp + hint.seconds, hint.priority)
-            if got and self.storage is not None and path[-1].host_pages is not None:
-                self.storage.on_insert(path[-1])  # (a host copy selective writes skipped: written now)
+            if got and self.storage is not None:
+                granted = self._cached_path(namespace, tokens, got)
+                if granted[-1].host_pages is not None:
+                    self.storage.on_insert(granted[-1])  # (a host copy selective writes skipped: written now)
+                self.storage.retain(granted, stamp + hint.seconds)
             if why is not None:
                 self.stats.clipped += 1
                 clipped = clipped or why

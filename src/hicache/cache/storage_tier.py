@@ -227,6 +227,13 @@ class StorageTier:
             pages = n.host_pages.copy() if self.shard is None else self.shard.local(n.host_pages)
             self.controller.backup(self.keys.digest(n.namespace), hashes, pages, [n], owned, parts)
 
+    def retain(self, nodes: list[TreeNode], until: float) -> None:
+        """A retention was granted on ``nodes``: the backend keeps their page objects past every
+        unretained one until ``until`` (those not written yet too: the write follows the host copy)."""
+        for n in nodes:
+            self.controller.retain(self.keys.digest(n.namespace), list(node_hashes(n, self.keys)), until,
+                                   self.tree.retain_clock)
+
     def _superseded_hashes(self, node: TreeNode, part: HostWindows) -> list[bytes]:
         """Page hashes of stored ancestors' checkpoint pages that ``node``'s checkpoint supersedes
         (:meth:`~.host_window.HostWindows.superseded_stored`): their window objects go once
