@@ -33,6 +33,9 @@ def test_shape_lead_subagents_flood():
     assert [r.timestamp_ms for r in reqs] == sorted(r.timestamp_ms for r in reqs)
     for r in reqs:  # whole blocks but a subagent's first (its short task ends in a partial block)
         assert len(r.hash_ids) == -(-r.input_length // 512)
+        # Messages a client can rebuild: system first, replies between user blocks, a user block last.
+        assert len(r.roles) == len(r.hash_ids) and r.roles[0] == "s" and r.roles[-1] == "u"
+        assert "aa" not in r.roles and "as" not in r.roles and "us" not in r.roles
 
 
 def test_lead_and_subagents_share_a_2_to_4k_prefix_the_flood_does_not():
@@ -104,11 +107,12 @@ def test_write_and_load_round_trip(tmp_path):
     write_trace(str(path), reqs)
     line = json.loads(path.read_text().splitlines()[0])
     assert {"timestamp", "input_length", "output_length", "hash_ids", "block_tokens", "class", "session", "turn",
-            "after_pause", "hints"} <= set(line)
+            "after_pause", "hints", "roles"} <= set(line)
     back = load_trace(str(path))
-    assert [(r.timestamp_ms, r.hash_ids, r.cls, r.session, r.turn, r.after_pause, r.hints, r.block_lengths())
-            for r in back] == [(round(r.timestamp_ms, 3), r.hash_ids, r.cls, r.session, r.turn, r.after_pause,
-                                r.hints, r.block_lengths()) for r in reqs]
+    assert [(r.timestamp_ms, r.hash_ids, r.cls, r.session, r.turn, r.after_pause, r.hints, r.roles,
+             r.block_lengths()) for r in back] == \
+        [(round(r.timestamp_ms, 3), r.hash_ids, r.cls, r.session, r.turn, r.after_pause, r.hints, r.roles,
+          r.block_lengths()) for r in reqs]
     # Mooncake lines still load, with the defaults.
     moon = load_trace(SHIPPED_TRACE, 3)
     assert all(r.block_tokens == 512 and r.cls == "" and r.hints == () for r in moon)

@@ -9,8 +9,9 @@ the lead's pauses. The lead spawns the subagents a third of the way in and waits
 Units: the shape is in blocks; ``block_tokens`` real tokens each (512 as in Mooncake for the
 simulator; the live bench scales a trace down with fewer). ``timestamp_ms`` is arrival, ms;
 pauses are seconds, already multiplied by ``time_factor``. A turn's prompt is its session's
-previous prompt (whole blocks), then one block of the previous reply, then 0-1 blocks of tool
-results; a subagent's first prompt ends in a partial block (its short task), so four subagents
+previous prompt (whole blocks), then one block of the previous reply, then 1-2 blocks of tool
+results (``roles``: one letter per block, "s" system+tools, "u" user or tool result, "a" the
+assistant's reply, so a client can rebuild the messages; every prompt ends in a user block); a subagent's first prompt ends in a partial block (its short task), so four subagents
 sharing the prefix compute little beyond one. Hints are breakpoints in whole blocks from the
 prompt start (``blocks``: None is the whole prompt and reply), what the client would send:
 "claude-code" marks the prefix (1 h) and the last message (5 min); "codex" asks
@@ -46,7 +47,7 @@ class AgenticRequest(TraceRequest):
         if self.block_tokens != BLOCK_TOKENS:
             out["block_tokens"] = self.block_tokens
         out.update({"class": self.cls, "session": self.session, "turn": self.turn, "after_pause": self.after_pause,
-                    "pause_s": round(self.pause_s, 4), "hints": [dict(h) for h in self.hints]})
+                    "pause_s": round(self.pause_s, 4), "hints": [dict(h) for h in self.hints], "roles": self.roles})
         return out
 
 
@@ -58,6 +59,7 @@ class _Session:
     cls: str
     name: str
     prompt: list[int]
+    roles: str
     t: float
     pause: float = 0.0
     after_pause: bool = False
@@ -109,20 +111,20 @@ class _Builder:
     def turn(self, s: _Session, tail_tokens: int = 0) -> None:
         """Send ``s.prompt`` (then a partial block of ``tail_tokens``: a short task) at ``s.t``;
         the next prompt holds that block whole (a new id: its content grew) and the reply's."""
-        ids = s.prompt + (self.blocks(1) if tail_tokens else [])
+        ids, roles = s.prompt + (self.blocks(1) if tail_tokens else []), s.roles + ("u" if tail_tokens else "")
         s.reply = self.rng.uniform(0.25, 1.0)
         out = max(1, round(s.reply * self.bt))
         s.turns.append(AgenticRequest(s.t * 1000, len(s.prompt) * self.bt + tail_tokens, out, tuple(ids), self.bt,
                                       s.cls, s.name, len(s.turns) + 1, s.after_pause, s.pause,
-                                      self.hints(s.cls, len(ids))))
-        s.prompt = s.prompt + self.blocks(2 if tail_tokens else 1)
+                                      self.hints(s.cls, len(ids)), roles))
+        s.prompt, s.roles = s.prompt + self.blocks(2 if tail_tokens else 1), s.roles + ("ua" if tail_tokens else "a")
 
     def wait(self, s: _Session, paused: bool, tools: int) -> None:
         """After ``s``'s last turn: its nominal reply time, then a tool pause (``paused``) or a
         quick tool, whose result adds ``tools`` blocks."""
         s.pause, s.after_pause = (self.pause() if paused else self.quick()), paused
         s.t += self.reply_s(s) + s.pause
-        s.prompt = s.prompt + self.blocks(tools)
+        s.prompt, s.roles = s.prompt + self.blocks(tools), s.roles + "u" * tools
 
     def done_at(self, s: _Session) -> float:
         return s.t + self.reply_s(s)
@@ -130,7 +132,8 @@ class _Builder:
 
 def _lead(b: _Builder, prefix: list[int], lead_turns: int, subagents: int) -> tuple[list[_Session], list[tuple]]:
     """The lead and its subagents; returns them and the lead's pause windows (start, end), s."""
-    lead = _Session("lead", "lead", prefix + b.blocks(b.rng.randint(1, 2)), 0.0)
+    task = b.rng.randint(1, 2)
+    lead = _Session("lead", "lead", prefix + b.blocks(task), "s" * len(prefix) + "u" * task, 0.0)
     spawn = max(1, lead_turns // 3)
     paused = set(b.rng.sample(range(2, lead_turns + 1), (lead_turns - 1) // 2)) | {spawn + 1}
     sessions, windows = [lead], []
@@ -139,7 +142,7 @@ def _lead(b: _Builder, prefix: list[int], lead_turns: int, subagents: int) -> tu
         if k == lead_turns:
             break
         start = b.done_at(lead)
-        b.wait(lead, k + 1 in paused, b.rng.randint(0, 1))
+        b.wait(lead, k + 1 in paused, 1)
         if k == spawn:  # the subagents run during this pause; the lead resumes after the last
             subs = _subagents(b, prefix, subagents, start)
             sessions += subs
@@ -153,7 +156,7 @@ def _lead(b: _Builder, prefix: list[int], lead_turns: int, subagents: int) -> tu
 def _subagents(b: _Builder, prefix: list[int], n: int, start: float) -> list[_Session]:
     subs = []
     for i in range(n):
-        s = _Session("subagent", f"sub{i + 1}", list(prefix), start + b.rng.uniform(0, 0.5) * b.tf)
+        s = _Session("subagent", f"sub{i + 1}", list(prefix), "s" * len(prefix), start + b.rng.uniform(0, 0.5) * b.tf)
         turns = b.rng.randint(1, 3)
         b.turn(s, tail_tokens=b.tokens(0.125, 0.5))
         for _ in range(turns - 1):
@@ -164,16 +167,17 @@ def _subagents(b: _Builder, prefix: list[int], n: int, start: float) -> list[_Se
 
 
 def _flood(b: _Builder, sessions: int, windows: Sequence[tuple]) -> list[_Session]:
-    """Short sessions with prefixes of their own (2-6 blocks), each starting in one of the
+    """Short sessions with prompts of their own (1-5 blocks of system, one of user), each starting in one of the
     lead's pauses; half are one request, the rest 2-4 turns apart by a quick tool or a pause."""
     out = []
     for i in range(sessions):
         lo, hi = b.rng.choice(windows) if windows else (0.0, 1.0)
-        s = _Session("flood", f"flood{i + 1}", b.blocks(b.rng.randint(2, 6)), b.rng.uniform(lo, hi))
+        system = b.rng.randint(1, 5)
+        s = _Session("flood", f"flood{i + 1}", b.blocks(system + 1), "s" * system + "u", b.rng.uniform(lo, hi))
         turns = 1 if b.rng.random() < 0.5 else b.rng.randint(2, 4)
         b.turn(s)
         for _ in range(turns - 1):
-            b.wait(s, b.rng.random() < 0.5, b.rng.randint(0, 2))
+            b.wait(s, b.rng.random() < 0.5, b.rng.randint(1, 2))
             b.turn(s)
         out.append(s)
     return out

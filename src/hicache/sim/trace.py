@@ -7,7 +7,7 @@ request's prefix is reusable exactly as far as its ids were seen in that order b
 
 Optional fields (the agentic trace, :mod:`hicache.sim.agentic`, writes them; Mooncake files lack
 them): ``block_tokens`` (real tokens per block when not ``BLOCK_TOKENS``), ``class``,
-``session``, ``turn``, ``after_pause``, ``pause_s`` and ``hints`` (retention hints in whole
+``session``, ``turn``, ``after_pause``, ``pause_s``, ``roles`` and ``hints`` (retention hints in whole
 blocks: ``{"blocks": k or null, "seconds": s, "ttl": "5m"}``); they are kept, not interpreted.
 """
 
@@ -46,6 +46,7 @@ class TraceRequest:
     after_pause: bool = False
     pause_s: float = 0.0  # the pause before this turn, after the session's previous turn ended
     hints: tuple[dict, ...] = ()  # {"blocks": int | None, "seconds": float, "ttl": str}
+    roles: str = ""  # one letter per block: "s" system, "u" user, "a" assistant ("": unknown)
 
     def block_lengths(self) -> list[int]:
         """Real tokens of each block: ``block_tokens``, the last one capped at the input length."""
@@ -81,12 +82,15 @@ def _agentic(obj: dict) -> dict:
                                               and (h.get("blocks") is None or isinstance(h["blocks"], int))
                                               for h in hints):
         raise ValueError('hints must be a list of {"blocks": int or null, "seconds": number, "ttl": str}')
+    roles = obj.get("roles", "")
+    if not isinstance(roles, str) or roles and (len(roles) != len(obj["hash_ids"]) or set(roles) - set("sua")):
+        raise ValueError('roles must be a string of one letter per block: "s", "u" or "a"')
     turn = obj.get("turn", 1)
     if not isinstance(turn, int) or turn < 1:
         raise ValueError("turn must be a positive integer")
     return {"cls": str(obj.get("class", "")), "session": str(obj.get("session", "")), "turn": turn,
             "after_pause": bool(obj.get("after_pause", False)), "pause_s": float(obj.get("pause_s", 0.0)),
-            "hints": tuple(hints)}
+            "hints": tuple(hints), "roles": roles}
 
 
 def json_lines(path: str, parse: Callable[[Any], T], error: type[ValueError] = ValueError) -> Iterator[T]:
