@@ -7,8 +7,8 @@ Mooncake conversation trace, at three capacities each; then the L3 each writes, 
 
 Capacities are fractions of each trace's live set (:func:`hicache.sim.agentic.live_set_tokens`:
 the real tokens of the distinct blocks alive at the peak), device = live / f, host = 2 x device:
-f = 6, 3, 1.5 for Mooncake; f = 3, 2, 1.5 for the agentic trace, whose longest prompt (the
-lead's last turn) does not fit a sixth of its live set. The L3 runs take the middle capacity and
+f = 6, 3, 1.5 for Mooncake; f = 3, 2, 1.5 for the agentic trace, each raised to the trace's
+longest prompt where it is less (the agentic lead's last turn is ~2/5 of its live set). The L3 runs take the middle capacity and
 a store of twice the live set (a store no larger than the host tier adds nothing under
 write_through: it holds a subset of what the host holds). One engine, the gpu cost profile for bytes (320 KiB per token).
 """
@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from hicache.sim.agentic import agentic_trace, live_set_tokens  # noqa: E402
 from hicache.sim.compare import compare, format_rows  # noqa: E402
-from hicache.sim.run import TIERS, Capacities, SimConfig  # noqa: E402
+from hicache.sim.run import TIERS, Capacities, SimConfig, min_device_tokens  # noqa: E402
 from hicache.sim.trace import SHIPPED_TRACE, load_trace  # noqa: E402
 
 FRACTIONS = {"agentic": (3, 2, 1.5), "mooncake": (6, 3, 1.5)}
@@ -48,14 +48,14 @@ def memory_runs(traces: dict[str, list]) -> tuple[list[list[str]], dict]:
              "lead"]]
     raw = {}
     for name, trace in traces.items():
-        live = live_set_tokens(trace)
+        live, least = live_set_tokens(trace), min_device_tokens(trace, SimConfig())
         for f in FRACTIONS[name]:
-            device = live / f
-            caps = f"live/{f:g}: {device / 1e3:,.0f}K / {2 * device / 1e3:,.0f}K"
+            device = max(live / f, least)
+            caps = f"live/{live / device:.2g}: {device / 1e3:,.0f}K / {2 * device / 1e3:,.0f}K"
             results = compare(trace, SimConfig(Capacities(device, 2 * device)), POLICIES)
-            raw[f"{name} live/{f:g}"] = results
+            raw[f"{name} {caps}"] = results
             rows += [_row(name, caps, p, out) for p, out in results.items()]
-            print(f"{name} live/{f:g} done", file=sys.stderr, flush=True)
+            print(f"{name} {caps} done", file=sys.stderr, flush=True)
     return rows, raw
 
 
@@ -64,7 +64,7 @@ def storage_runs(traces: dict[str, list]) -> tuple[list[list[str]], dict]:
     raw = {}
     for name, trace in traces.items():
         live = live_set_tokens(trace)
-        device = live / FRACTIONS[name][1]
+        device = max(live / FRACTIONS[name][1], min_device_tokens(trace, SimConfig()))
         results = compare(trace, SimConfig(Capacities(device, 2 * device, 2 * live)), POLICIES,
                           ["write_through", "selective"])
         raw[name] = results

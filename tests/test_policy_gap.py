@@ -14,7 +14,7 @@ from hicache.cache_hints import RetentionHint
 from hicache.sim.agentic import agentic_trace, live_set_tokens
 from hicache.sim.compare import compare
 from hicache.sim.oracle import NEVER, NextUse
-from hicache.sim.run import UNLIMITED, Capacities, SimConfig, sim_hints, simulate
+from hicache.sim.run import UNLIMITED, Capacities, SimConfig, min_device_tokens, sim_hints, simulate
 from hicache.sim.trace import BLOCK_TOKENS, SHIPPED_TRACE, TraceRequest, load_trace
 
 pytestmark = pytest.mark.cache
@@ -106,10 +106,11 @@ def test_a_bounded_store_under_belady_keeps_what_comes_back() -> None:
 
 @pytest.fixture(scope="module")
 def agentic():
-    """The agentic trace at a third of its live set in L1 and two thirds in L2 (issue 60's sizing)."""
+    """The agentic trace at a third of its live set in L1 (or its longest prompt, if more) and
+    twice that in L2 (issue 60's sizing)."""
     trace = agentic_trace(seed=0)
-    live = live_set_tokens(trace)
-    return trace, Capacities(device=live // 3, host=live // 1.5)
+    device = max(live_set_tokens(trace) / 3, min_device_tokens(trace, SimConfig()))
+    return trace, Capacities(device, 2 * device)
 
 
 def test_hints_keep_the_lead_agents_history_through_the_flood(agentic) -> None:

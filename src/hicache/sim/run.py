@@ -211,13 +211,20 @@ def foresee(oracle: NextUse, storage: object, engine: SimEngine, tokens: list[in
         storage.expect(hashes, [oracle.block_of(tokens[k * page]) for k in range(len(hashes))])
 
 
+def min_device_tokens(trace: Sequence[TraceRequest], cfg: SimConfig) -> int:
+    """The smallest device capacity (real tokens, whole pages) that holds the trace's longest
+    prompt while it runs: its blocks' synthetic tokens, its own token and one more."""
+    longest = max((len(r.hash_ids) for r in trace), default=0) * cfg.block_tokens + 1
+    return -(-(longest + 1) // cfg.sim_page_size) * cfg.page_size
+
+
 def simulate(trace: Sequence[TraceRequest], cfg: SimConfig) -> SimResult:
     """Replay ``trace`` (arrival order) and return hits per tier and TTFT estimates."""
     from .engine import SimEngine, block_token_ids, shared_storage
 
     spec = engine_spec(cfg, trace)
     longest = max((len(r.hash_ids) for r in trace), default=0) * cfg.block_tokens + 1
-    if -(-(longest + 1) // spec.page_size) > spec.device_pages:
+    if min_device_tokens(trace, cfg) > spec.device_pages * cfg.page_size:
         raise ConfigError(f"the device capacity ({spec.device_pages} pages of {cfg.page_size} tokens) cannot hold the "
                           f"trace's longest prompt ({max(r.input_length for r in trace)} tokens); raise "
                           "--device-tokens or shorten the trace.")
