@@ -195,7 +195,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     trace = read_trace_arg(args)
     t0 = time.perf_counter()
     policies, writes = parse_policies(args.policy), parse_storage_writes(args.hicache_storage_write_policy)
-    if len(policies) * len(writes) > 1 or trace[0].cls:  # the agentic trace: per class
+    if not args.sweep and (len(policies) * len(writes) > 1 or trace[0].cls):  # agentic: per class
         results = compare(trace, cfg, policies, writes)
         print(json.dumps({"policies": results}) if args.json else
               f"{len(trace)} requests, simulated in {time.perf_counter() - t0:.1f} s\n{policy_table(results)}")
