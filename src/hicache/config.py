@@ -86,6 +86,10 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
         None, "Fraction of device memory for weights + KV pool (default 0.85 on CUDA; on CPU 0.10 of available RAM).")
     disable_radix_cache: bool = _opt(False, "Turn prefix reuse off (every request computes its whole prompt).")
     radix_eviction_policy: str = _opt("lru", "Order in which unlocked leaves leave the device tier.", ("lru", "lfu"))
+    cache_retention_max_fraction: float = _opt(
+        0.5, "Most of each tier's pool (device, host) that clients' retention hints (Anthropic cache_control, OpenAI "
+        "prompt_cache_retention, retention_seconds) may keep; a hint past it is clipped or kept a tier lower "
+        "(docs/agent_contract.md). 0: hints are reported, never granted.", at_least=0)
     cache_generated_kv: str = _opt(
         "auto", "Whether a finished request's generated tokens keep their KV in the prefix cache (an agent's next "
         "turn resends the reply). 'auto': only under --enable-deterministic-inference (decode steps compute the "
@@ -128,6 +132,10 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
     hicache_storage_layer_partition: Optional[int] = _opt(
         None, "unified: layers per storage object (default: all of them; every pipeline stage must start on a "
         "multiple of it).", at_least=1)
+    hicache_storage_write_policy: str = _opt(
+        "write_through", "Which host copies are written to storage: write_through, every one; selective, only "
+        "prefixes a client asked to retain or hit at least --hicache-write-through-threshold times.",
+        ("write_through", "selective"))
     hicache_storage_prefetch_threshold: int = _opt(256, "Least uncached prompt tokens for which storage is asked.")
     hicache_storage_prefetch_timeout_base: float = _opt(1.0, "timeout formula: seconds a prefetch may take ...")
     hicache_storage_prefetch_timeout_per_1k_tokens: float = _opt(0.25, "... plus this many seconds per 1K tokens.")
@@ -194,6 +202,8 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
             raise ConfigError(f"--recurrent-snapshot-ratio must be in (0, 1024], got {self.recurrent_snapshot_ratio}.")
         if self.swa_full_tokens_ratio is not None and not 0.0 < self.swa_full_tokens_ratio <= 64.0:
             raise ConfigError(f"--swa-full-tokens-ratio must be in (0, 64], got {self.swa_full_tokens_ratio}.")
+        if not 0.0 <= self.cache_retention_max_fraction <= 1.0:
+            raise ConfigError(f"--cache-retention-max-fraction must be in [0, 1], got {self.cache_retention_max_fraction}.")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ConfigError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}.")
         if self.chunked_prefill_size < self.page_size:

@@ -65,6 +65,8 @@ class HostTier:
                                  "write_back": None}[policy.write_policy]
         if tree is not None and policy.write_policy == "write_back":
             tree.backup_on_evict = self.on_evict
+        if tree is not None:  # a victim retained in the host tier is copied here first, whatever the policy
+            tree.demote_on_evict = self.demote
         self.lower: Tier | None = None
         self.states: HostStates | None = None  # recurrent layers: host snapshots (set by the manager)
         self._pending: dict[str, list[_Item]] = {BACKUP: [], LOAD: []}
@@ -88,6 +90,14 @@ class HostTier:
         if parts is None:
             return False
         self.controller.submit(BACKUP, node.device_pages, node.host_pages, [], parts).done.wait()
+        return True
+
+    def demote(self, node: TreeNode) -> bool:
+        """A retained L1 victim: copy it to host (:meth:`on_evict`) and on to storage, as its retention asks."""
+        if not self.on_evict(node):
+            return False
+        if self.lower is not None:
+            self.lower.on_insert(node)
         return True
 
     def _give_host(self, node: TreeNode, lock: bool) -> dict[str, tuple[np.ndarray, np.ndarray]] | None:
@@ -127,10 +137,13 @@ class HostTier:
         return alloc_evicting(self.allocator, n, first_position, evict, anchor)[0]
 
     def evict(self, num_pages: int, wanted: Callable[[np.ndarray], bool] | None = None) -> int:
-        """Free at least ``num_pages`` host pages by deleting unlocked host-only leaves in
-        policy order (``wanted(host_pages)``: only leaves it accepts). Returns the pages freed."""
+        """Free at least ``num_pages`` host pages by deleting unlocked host-only leaves, those a
+        retention keeps in the host tier last, else in policy order (``wanted(host_pages)``: only
+        leaves it accepts). Returns the pages freed."""
         evictable = self.evictable if wanted is None else (lambda n: self.evictable(n) and wanted(n.host_pages))
-        return self.tree.evict_leaves(num_pages, evictable, self.drop)
+        tree = self.tree
+        return tree.evict_leaves(num_pages, evictable, self.drop,
+                                 lambda n: (*tree.retention_rank(n, 1), *tree.eviction_key(n)))
 
     @staticmethod
     def evictable(node: TreeNode) -> bool:

@@ -3,6 +3,11 @@
 Units: pages. Order is a deterministic key (logical tick, hit count, node id), so ranks
 evicting from the same tree pick the same victims (DESIGN invariant 3). A victim with a host
 copy stays in the tree host-only; one without is dropped with its (host-only) subtree.
+
+Retention (:mod:`.retention`) comes before the policy's key: a leaf a client asked to keep in a
+tier goes only after every unretained one there, and a retained victim is demoted (copied to
+the host first) rather than dropped. The retention clock is the newest request's arrival stamp,
+the same on every rank, so retained or expired is decided alike everywhere.
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ class LeafEviction(PageTree):
         # Called for an L1 victim that has no host copy yet; returns True once it has one
         # (write_back). Without it such a victim is dropped.
         self.backup_on_evict: Callable[[TreeNode], bool] | None = None
+        # The same copy for a victim retained in the host tier, whatever the write policy (demotion).
+        self.demote_on_evict: Callable[[TreeNode], bool] | None = None
+        self.retain_clock = 0.0  # unix seconds: the newest arrival stamp seen (cache/retention.py)
         self.host_pages_held = 0
         self.evictable_pages = 0
         self.protected_pages = 0
@@ -45,6 +53,13 @@ class LeafEviction(PageTree):
         if self.eviction_policy == "lfu":
             return (node.hit_count, node.last_access, node.id)
         return (node.last_access, node.id)
+
+    def retention_rank(self, node: TreeNode, level: int) -> tuple[int, int]:
+        """``node``'s place before the policy's key in tier ``level``'s eviction (0 device, 1 host):
+        (1, priority) while a retention keeps it there, after every (0, 0)."""
+        if node.retain_until > self.retain_clock and node.retain_level <= level:
+            return 1, node.retain_priority
+        return 0, 0
 
     def _evictable_leaf(self, node: TreeNode) -> bool:
         return (
@@ -72,9 +87,10 @@ class LeafEviction(PageTree):
         return freed
 
     def _device_victim_key(self, node: TreeNode) -> tuple:
-        """The components' order first (a hybrid tree: leaves whose window KV is all tombstoned),
-        then the policy's."""
-        return (*(r for c in self.components for r in c.victim_rank(node)), *self.eviction_key(node))
+        """Retention first (unretained leaves before retained ones), then the components' order (a
+        hybrid tree: leaves whose window KV is all tombstoned), then the policy's."""
+        return (*self.retention_rank(node, 0), *(r for c in self.components for r in c.victim_rank(node)),
+                *self.eviction_key(node))
 
     @consensus_check("tree.evict", args=lambda self, num_pages, wanted=None: num_pages, result=lambda freed: freed)
     def evict(self, num_pages: int, wanted: Callable[[np.ndarray], bool] | None = None) -> int:
@@ -85,16 +101,18 @@ class LeafEviction(PageTree):
         the pages freed (fewer when too little is evictable)."""
         evictable = self._evictable_leaf if wanted is None else \
             (lambda n: self._evictable_leaf(n) and wanted(n.device_pages))
-        freed = self.evict_leaves(num_pages, evictable, self._evict_device,
-                                  self._device_victim_key if self.components else None)
+        freed = self.evict_leaves(num_pages, evictable, self._evict_device, self._device_victim_key)
         self.evicted_pages_total += freed
         if freed:
             logger.debug("evicted %d device pages", freed)
         return freed
 
     def _evict_device(self, node: TreeNode) -> int:
-        if node.host_pages is None and self.backup_on_evict is not None:
-            self.backup_on_evict(node)
+        if node.host_pages is None:
+            demoted = self.demote_on_evict if self.retention_rank(node, 1)[0] else None
+            backup = self.backup_on_evict or demoted
+            if backup is not None:
+                backup(node)
         freed = node.num_pages
         self.evictable_pages -= freed
         self.drop_device(node)
@@ -122,6 +140,7 @@ class LeafEviction(PageTree):
         del node.parent.children[self._page_key(node.key, 0)]
         for n in self.all_nodes(node):
             assert n.device_pages is None and n.lock_ref == 0 and n.host_ref == 0, f"{n}: deleting live data"
+            self.retained.discard(n)
             if self.observer is not None:
                 self.observer.on_delete(n)
             if n.host_pages is not None:

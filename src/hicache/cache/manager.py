@@ -27,6 +27,7 @@ from .host_tier import HostTier
 from .host_transfer import TransferController
 from .placement import PagePlacement, ShardedPageAllocator, ShardView
 from .pools import DeviceKVPool, PageAllocator
+from .retention import RetainedPrefixes
 from .device_state import DeviceStates
 from .host_state import HostStates
 from .state_pool import StatePool
@@ -195,6 +196,11 @@ class KVCacheManager:
                                             objects)
             self.host.lower = self.storage_tier
         self.device.lower = self.host
+        # clients' retention hints: at most this fraction of each pool (``retention.apply`` at release)
+        fraction = policy.retention_max_fraction
+        self.retention = RetainedPrefixes(self.tree, [int(fraction * self.capacity_pages), None if self.host is None
+                                                      else int(fraction * self.host_allocator.capacity)],
+                                          self.storage_tier, fraction)
         # the lower tiers, top down
         self.tiers: list[Tier] = [t for t in (self.host, self.storage_tier) if t is not None]
         if self.host is not None and self.device.windows is not None:

@@ -50,6 +50,7 @@ class PageTree:
         self._roots: dict[str, TreeNode] = {}
         self.observer: Optional[TreeObserver] = None
         self.components: list[TreeComponent] = []  # each node holds one handle per component, in this order
+        self.retained: set[TreeNode] = set()  # nodes with a retention granted (cache/retention.py), expired or not
 
     def add_component(self, component: TreeComponent) -> None:
         """Register ``component`` (before any node exists): every node gets its handle."""
@@ -89,6 +90,11 @@ class PageTree:
         upper = self._node(node.namespace, node.key[:at], node.parent)
         upper.lock_ref, upper.host_ref, upper.stored = node.lock_ref, node.host_ref, node.stored
         upper.last_access, upper.hit_count = node.last_access, node.hit_count
+        # the upper part is a prefix of the node: retained at least as long (its retention is the node's)
+        upper.retain_until, upper.retain_priority, upper.retain_level = \
+            node.retain_until, node.retain_priority, node.retain_level
+        if node in self.retained:
+            self.retained.add(upper)
         for component in self.components:
             component.split(upper, node, pages_at)
         for tier in ("device_pages", "host_pages", "hash_values"):  # one entry per key page, where held

@@ -251,6 +251,7 @@ class RadixCache(LeafEviction):
             if not node.is_root and node.host_pages is not None:
                 self.drop_host(node)
         self._roots.clear()
+        self.retained.clear()
         if self.observer is not None:
             self.observer.on_reset()
         self.evictable_pages = 0  # (host_pages_held and each component's counters went down with the drops)

@@ -108,6 +108,8 @@ class StorageTier:
         self.controller = StorageController(backend, host.host_pool, agree, op_timeout=policy.storage_op_timeout,
                                             reads=pages[0], writes=pages[1], parts=parts)
         self.prefetch_threshold = policy.prefetch_threshold
+        # selective writes: only prefixes retained for storage or hit this often go to L3
+        self.write_threshold = policy.write_through_threshold if policy.storage_write_policy == "selective" else None
         # At most this many host pages may be held by prefetches at once.
         self.prefetch_page_limit = int(policy.prefetch_max_host_fraction * host.allocator.capacity)
         self.prefetch_held_pages = 0
@@ -204,9 +206,15 @@ class StorageTier:
 
     # ---- backups -------------------------------------------------------------------------
     def on_insert(self, node: TreeNode | None) -> None:
-        """``node`` has a host copy now: write the host copies on its path that storage lacks."""
-        unstored = itertools.takewhile(lambda m: not m.stored, node.lineage())
-        for n in reversed([m for m in unstored if m.host_pages is not None]):
+        """``node`` has a host copy now: write the host copies on its path that storage lacks (selective
+        writes: up to the deepest node retained for storage or hit often enough; an object chain is
+        read from its first page, so everything above a written node is written too)."""
+        unstored = [m for m in itertools.takewhile(lambda m: not m.stored, node.lineage()) if m.host_pages is not None]
+        if self.write_threshold is not None:
+            worth = (i for i, m in enumerate(unstored)
+                     if self.tree.retention_rank(m, 2)[0] or m.hit_count >= self.write_threshold)
+            unstored = unstored[next(worth, len(unstored)):]
+        for n in reversed(unstored):
             n.stored = True
             self.tree.inc_host_ref(n)
             hashes = list(node_hashes(n, self.keys))
@@ -218,6 +226,13 @@ class StorageTier:
             owned = None if self.shard is None else self.shard.owned_indices(n.host_pages)
             pages = n.host_pages.copy() if self.shard is None else self.shard.local(n.host_pages)
             self.controller.backup(self.keys.digest(n.namespace), hashes, pages, [n], owned, parts)
+
+    def retain(self, nodes: list[TreeNode], until: float) -> None:
+        """A retention was granted on ``nodes``: the backend keeps their page objects past every
+        unretained one until ``until`` (those not written yet too: the write follows the host copy)."""
+        for n in nodes:
+            self.controller.retain(self.keys.digest(n.namespace), list(node_hashes(n, self.keys)), until,
+                                   self.tree.retain_clock)
 
     def _superseded_hashes(self, node: TreeNode, part: HostWindows) -> list[bytes]:
         """Page hashes of stored ancestors' checkpoint pages that ``node``'s checkpoint supersedes

@@ -47,6 +47,8 @@ class CachePolicy:
     storage_op_timeout: float | None = 10.0
     cache_generated: bool = True
     turn_end_states: bool = False
+    retention_max_fraction: float = 0.5  # of each tier's pool, for clients' retention hints (cache/retention.py)
+    storage_write_policy: str = "write_through"  # or "selective": retained or hit-threshold prefixes only
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> CachePolicy:
@@ -55,7 +57,9 @@ class CachePolicy:
                    write_policy=cfg.hicache_write_policy, write_through_threshold=cfg.hicache_write_through_threshold,
                    prefetch_threshold=cfg.hicache_storage_prefetch_threshold,
                    storage_op_timeout=cfg.hicache_storage_op_timeout, cache_generated=cfg.caches_generated_kv,
-                   turn_end_states=cfg.caches_generated_kv and not cfg.enable_deterministic_inference)
+                   turn_end_states=cfg.caches_generated_kv and not cfg.enable_deterministic_inference,
+                   retention_max_fraction=cfg.cache_retention_max_fraction,
+                   storage_write_policy=cfg.hicache_storage_write_policy)
 
 
 class Tier(Protocol):

@@ -35,6 +35,12 @@ class TreeNode:
     host_ref: int = 0  # in-flight reads of the host copy (storage backups); like lock_ref, path-wide
     last_access: int = 0
     hit_count: int = 0
+    # A client's retention hint granted here (:mod:`.retention`): kept until ``retain_until`` (unix s, the
+    # tree's retention clock) in tier ``retain_level`` (0 device, 1 host, 2 storage) and every tier below,
+    # evicted from them only after every unretained leaf; a higher ``retain_priority`` goes later.
+    retain_until: float = 0.0
+    retain_priority: int = 0
+    retain_level: int = 0
 
     @property
     def num_pages(self) -> int:

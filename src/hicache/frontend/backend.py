@@ -12,6 +12,7 @@ import logging
 import time
 from typing import Any, Protocol, Sequence
 
+import numpy as np
 import torch
 
 from ..config import EngineConfig
@@ -65,6 +66,9 @@ class Backend(Protocol):
 
     def flush(self) -> bool:
         """Empty the prefix cache; the caller has checked that no request is in flight."""
+
+    def release_retention(self, namespace: str, tokens: list[int]) -> int:
+        """Drop the retention of the cached prefix of ``tokens`` in ``namespace``; the tokens released."""
 
     def drain_idle(self) -> None:
         """Idle housekeeping; never waits."""
@@ -126,6 +130,9 @@ class LocalBackend:
         self._live().cache.flush()
         logger.info("cache flushed")
         return True
+
+    def release_retention(self, namespace: str, tokens: list[int]) -> int:
+        return self._live().cache.retention.release(namespace, np.asarray(tokens, dtype=np.int32))
 
     def drain_idle(self) -> None:
         """Apply the transfer acks that are ready, so no lock outlives its transfer. Never

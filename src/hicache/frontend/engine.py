@@ -267,6 +267,14 @@ class Engine:
         self._check_driver("flush_cache")
         return not self._live_scheduler().has_work() and self.backend.flush()
 
+    def release_retention(self, prompt_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """Drop the retention hints granted on the cached prefix of ``prompt_ids`` (a stored
+        conversation deleted): its pages are plain LRU again. Returns the tokens released."""
+        self._check_driver("release_retention")
+        self._live_scheduler()
+        namespace = tree_namespace(self.cache_identity, self.config.cache_dtypes, self.config.page_size, cache_salt)
+        return self.backend.release_retention(namespace, list(prompt_ids))
+
     def drain_idle(self) -> None:
         """Idle housekeeping: apply the transfer acks that are ready so no lock outlives its
         transfer (several ranks do this themselves, in agreed steps). Never waits: a storage

@@ -55,6 +55,14 @@ class Flush(RankCall):
     """Empty every tier (refused while a request holds pages); the reply: whether it did."""
 
 
+@dataclass(frozen=True)
+class ReleaseRetention(RankCall):
+    """Drop the retention of the cached prefix of ``tokens`` in ``namespace``; the reply: the tokens released."""
+
+    namespace: str = ""
+    tokens: tuple[int, ...] = ()
+
+
 class Stats(RankCall):
     """The reply: the leader's stats (with its group's per-rank figures)."""
 

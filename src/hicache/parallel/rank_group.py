@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -39,7 +40,8 @@ from ..runtime.step import Abort, Add
 from .channels import WRITERS_GONE, exit_text, kill_all, poll, queued_now, reader_only
 from .consensus import ConsensusMonitor
 from .groups import rank_label
-from .messages import Flush, RankCall, RankError, RequestSpec, RequestUpdate, Shutdown, Stats, Updates
+from .messages import (Flush, RankCall, RankError, ReleaseRetention, RequestSpec, RequestUpdate, Shutdown, Stats,
+                       Updates)
 from .worker import rank_context, start_rank
 
 logger = logging.getLogger(__name__)
@@ -292,7 +294,7 @@ class RankGroup:
         out, self._updates = self._updates, []
         return out
 
-    def call(self, command: type[RankCall]) -> Any:
+    def call(self, command: Callable[[int], RankCall]) -> Any:
         """Run ``command`` (Flush, Stats) on every rank at one step; the leader's answer."""
         call_id = next(self._calls)
         self.send(command(call_id))
@@ -309,6 +311,10 @@ class RankGroup:
     def flush(self) -> bool:
         """Every rank empties its cache at the same step."""
         return bool(self.call(Flush))
+
+    def release_retention(self, namespace: str, tokens: list[int]) -> int:
+        """Every rank drops the retention at the same step."""
+        return int(self.call(functools.partial(ReleaseRetention, namespace=namespace, tokens=tuple(tokens))))
 
     def drain_idle(self) -> None:
         """Nothing to do here: the ranks apply their acks themselves, in agreed steps."""

@@ -32,6 +32,7 @@ from collections import deque
 from multiprocessing import forkserver
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..config import ConfigError, EngineConfig
@@ -51,8 +52,8 @@ from ..runtime.step import Inbound, Intake, StepDriver, apply_intake, take_intak
 from .channels import WRITERS_GONE, reader_only, writer_only
 from .faults import FaultPlan
 from .groups import ParallelGroups, RankInfo
-from .messages import (Flush, RankCall, RankError, Ready, Reply, RequestUpdate, Shutdown, StageMessage, Stats,
-                       Updates)
+from .messages import (Flush, RankCall, RankError, Ready, ReleaseRetention, Reply, RequestUpdate, Shutdown,
+                       StageMessage, Stats, Updates)
 from .stage_step import StageAgreement, stage_output
 
 logger = logging.getLogger(__name__)
@@ -158,6 +159,9 @@ class StageLoop:
             a = self.agreement
             out["agreement"] = {"steps": a.steps, "tp_min_ms_per_step": a.seconds / max(a.steps, 1) * 1e3}
             self._reply(inputs.command, out)
+        elif isinstance(inputs.command, ReleaseRetention):
+            cmd = inputs.command
+            self._reply(cmd, self.cache.retention.release(cmd.namespace, np.asarray(cmd.tokens, dtype=np.int32)))
         elif isinstance(inputs.command, Shutdown):
             for req in list(self.sched.running) + list(self.sched.waiting):
                 self.sched.abort(req.rid)

@@ -21,6 +21,7 @@ def core_stats(core: EngineCore, page_size: int) -> dict[str, Any]:
         "evicted_device_pages": s.evicted_device_pages, "device_pool": cache.usage(),
         "components": [c.summary() for c in core.plan.components],  # this rank's (runtime/rank_plan.py)
         "running_requests": len(sched.running), "waiting_requests": len(sched.waiting),
+        "retention": cache.retention.usage(),  # clients' retention hints: retained tokens per tier, clipped, expired
     }
     if cache.storage is not None:
         st = cache.storage.stats

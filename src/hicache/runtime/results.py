@@ -165,8 +165,10 @@ class Results:
 
     def release_kv(self, req: Request) -> None:
         """Cache the pages of ``req`` that have KV (its reply's as the cache's policy says), free
-        the rest, drop its lock."""
-        self.cache.release(req.namespace, req.tokens_with_kv(), req.kv, len(req.prompt_ids))
+        the rest, drop its lock; then grant its retention hints on what got cached."""
+        tokens = req.tokens_with_kv()
+        self.cache.release(req.namespace, tokens, req.kv, len(req.prompt_ids))
+        req.retention = self.cache.retention.apply(req.namespace, tokens, req.hints, req.wall_time)
 
     def _fail(self, req: Request, code: str, error: str, finished: list[Request]) -> None:
         """End ``req`` with finish reason "error" (a mode's ``code``), running or still waiting."""

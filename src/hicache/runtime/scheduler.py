@@ -68,6 +68,7 @@ class Scheduler(Results):
 
     # ---- queue ---------------------------------------------------------------------------
     def add(self, req: Request) -> None:
+        self.cache.retention.advance(req.wall_time)  # the retention clock: arrival stamps, alike on every rank
         op = self.cache.start_prefetch(req.namespace, req.tokens_np)
         if op is not None:
             pages = len(op.hashes)

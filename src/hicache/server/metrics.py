@@ -73,6 +73,11 @@ class ServerMetrics:
                                    "tokens, bytes, seconds (decode side: asking to stored), decode_prefix_tokens "
                                    "(prompt tokens the decode side's own tiers supplied), states (a recurrent model's "
                                    "states, moved whole).", ["field"], registry=r)
+        # Clients' retention hints (docs/agent_contract.md)
+        self.retained_tokens = Gauge("hicache_retained_tokens", "Tokens a client's retention hint keeps, held in each "
+                                     "tier now.", ["tier"], registry=r)
+        self.retention = Counter("hicache_retention", "Retention hints: hints (applied), clipped (granted in part or "
+                                 "not at all), expired_tokens, released_tokens.", ["field"], registry=r)
         self._seen: dict[tuple, float] = {}  # cumulative figures already counted
         for tier in ("device", "host", "storage"):
             self.cached_tokens.labels(tier=tier)
@@ -114,7 +119,7 @@ class ServerMetrics:
                 cap, free = value.get("capacity_pages"), value.get("free_pages")
                 if cap:
                     self.pool_usage.labels(pool=pool).set(1.0 - free / cap if free is not None else 0.0)
-            elif key != "hit_tokens" and isinstance(value, dict):
+            elif key not in ("hit_tokens", "retention") and isinstance(value, dict):
                 for field, n in value.items():
                     if isinstance(n, (int, float)) and not isinstance(n, bool):
                         self.other.labels(group=key, field=field).set(n)
@@ -122,6 +127,11 @@ class ServerMetrics:
                 self._advance(self.evicted.labels(tier=m.group(1)), ("evicted", m.group(1)), value)
         if isinstance(stats.get("storage"), dict):
             self._update_storage(stats["storage"])
+        if isinstance(retention := stats.get("retention"), dict):
+            for tier, n in retention.get("retained_tokens", {}).items():
+                self.retained_tokens.labels(tier=tier).set(n)
+            for field in ("hints", "clipped", "expired_tokens", "released_tokens"):
+                self._advance(self.retention.labels(field=field), ("retention", field), retention.get(field, 0))
         if isinstance(stats.get("kv_sharding"), dict):
             self._update_kv_sharding(stats["kv_sharding"])
         for field, n in (stats.get("disaggregation") or {}).items():

@@ -97,6 +97,11 @@ class StorageBackend(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional
         """Release connections / file handles."""
 
+    def retain(self, keys: list[str], until: float, now: float) -> None:  # noqa: B027 - optional
+        """A client asked to keep ``keys`` (written, or about to be) until ``until`` (unix seconds; ``now``:
+        the caller's clock): a backend that evicts by itself drops them after every other object. Default:
+        nothing (the backend's own eviction decides: Valkey's maxmemory, Mooncake's watermark)."""
+
 
 class CountingBackend(StorageBackend):
     """A backend that keeps its own counters (``_c``, under ``_lock``, which the reader and writer

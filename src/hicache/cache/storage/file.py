@@ -234,6 +234,10 @@ class FileBackend(CountingBackend):
             raise
         return tmp
 
+    def retain(self, keys: list[str], until: float, now: float) -> None:
+        with self._lock:
+            self._index.retain(keys, until, now)
+
     def delete(self, keys: list[str]) -> None:
         with self._lock:
             for key in keys:

@@ -113,6 +113,9 @@ class GuardedBackend(StorageBackend):
     def delete(self, keys: list[str]) -> None:
         self._guarded("delete", lambda b: b.delete(keys), len(keys))
 
+    def retain(self, keys: list[str], until: float, now: float) -> None:
+        self._guarded("retain", lambda b: b.retain(keys, until, now), len(keys))
+
     def clear(self) -> None:
         self._guarded("clear", lambda b: b.clear(), 0)
 

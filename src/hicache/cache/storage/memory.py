@@ -55,6 +55,10 @@ class MemoryBackend(CountingBackend):
                 self._c.evictions += len(dropped)
             return stored
 
+    def retain(self, keys: list[str], until: float, now: float) -> None:
+        with self._lock:
+            self._index.retain(keys, until, now)
+
     def delete(self, keys: list[str]) -> None:
         with self._lock:
             for key in keys:

@@ -90,7 +90,8 @@ class StorageController:
         self._ids = itertools.count()
         self._backups: deque[BackupOp] = deque()
         self._workers = OpThreads({"prefetch": ("hicache-prefetch", lambda op, _: self._prefetch(op)),
-                                   "backup": ("hicache-storage-backup", lambda op, _: self._backup(op))})
+                                   "backup": ("hicache-storage-backup", lambda op, _: self._backup(op)),
+                                   "retain": ("hicache-storage-retain", lambda op, _: self._retain(*op))})
         # Test hook (fault injection): seconds to sleep before each batch read.
         self.read_delay_fn = None
 
@@ -128,6 +129,11 @@ class StorageController:
         self._backups.append(op)
         self._workers.put("backup", op)
         return op
+
+    def retain(self, ns_digest: bytes, hashes: list[bytes], until: float, now: float) -> None:
+        """Ask the backend to keep the page objects of ``hashes`` until ``until`` (unix s; ``now``: the
+        cache's retention clock), on a thread of its own: no ack, nothing waits for it."""
+        self._workers.put("retain", ([obj.key(h, ns_digest) for h in hashes for obj in self.writes], until, now))
 
     def run_inline(self) -> None:
         """From now on read and write on the calling thread, at once (the trace simulator:
@@ -226,6 +232,12 @@ class StorageController:
         last = self.read_page_s
         self.read_page_s = per_page if last is None else last + READ_EWMA_ALPHA * (per_page - last)
         return end - start if got == len(mine) else mine[got] - start
+
+    def _retain(self, keys: list[str], until: float, now: float) -> None:
+        try:
+            self.guard.retain(keys, until, now)
+        except Exception as e:  # a hint the store could not note: its own eviction decides
+            _log_failure(failure_reason(e), "storage retain of %d objects failed: %s", len(keys), e)
 
     def _backup(self, op: BackupOp) -> None:
         """One backup op, on the backup thread (or inline)."""
