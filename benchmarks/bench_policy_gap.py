@@ -8,9 +8,11 @@ Mooncake conversation trace, at three capacities each; then the L3 each writes, 
 Capacities are fractions of each trace's live set (:func:`hicache.sim.agentic.live_set_tokens`:
 the real tokens of the distinct blocks alive at the peak), device = live / f, host = 2 x device:
 f = 6, 3, 1.5 for Mooncake; f = 3, 2, 1.5 for the agentic trace, each raised to the trace's
-longest prompt where it is less (the agentic lead's last turn is ~2/5 of its live set). The L3 runs take the middle capacity and
-a store of twice the live set (a store no larger than the host tier adds nothing under
-write_through: it holds a subset of what the host holds). One engine, the gpu cost profile for bytes (320 KiB per token).
+longest prompt where it is less (the agentic lead's last turn is ~2/5 of its live set). The
+agentic trace is ``hicache bench --dataset agentic``'s default (seed 1, the claude-code client).
+The L3 runs take the middle capacity and a store of twice the live set (a store no larger than
+the host tier adds nothing under write_through: it holds a subset of what the host holds). One
+engine; bytes at the gpu cost profile's 320 KiB per token.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def main() -> None:
     ap.add_argument("--max-requests", type=int, default=2000, help="The Mooncake trace's first N requests.")
     ap.add_argument("--json", default=None, help="Also write every run's result here.")
     args = ap.parse_args()
-    traces = {"agentic": agentic_trace(seed=0), "mooncake": load_trace(SHIPPED_TRACE, args.max_requests)}
+    traces = {"agentic": agentic_trace(seed=1), "mooncake": load_trace(SHIPPED_TRACE, args.max_requests)}
     t0 = time.perf_counter()
     mem, mem_raw = memory_runs(traces)
     l3, l3_raw = storage_runs(traces)

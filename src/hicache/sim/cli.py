@@ -37,11 +37,15 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
                    help="Mooncake-format trace (JSON Lines: timestamp ms, input_length, output_length, hash_ids); "
                         "default: the Mooncake FAST'25 conversation trace shipped with hicache; 'agentic': the "
                         "generated agentic trace (a lead agent, subagents, a flood; hit ratios per class).")
-    a = p.add_argument_group("--trace agentic")
-    a.add_argument("--seed", type=int, default=0, help="The agentic trace's seed.")
-    a.add_argument("--time-factor", type=float, default=1.0, help="Scales the agentic trace's tool pauses.")
-    a.add_argument("--client", default="claude-code", choices=CLIENTS,
-                   help="Whose hints the agentic trace's requests carry (cache_control breakpoints, or 24h retention).")
+    a = p.add_argument_group("--trace agentic (hicache.sim.agentic; the flags and defaults of hicache bench --dataset "
+                             "agentic, so both replay one trace)")
+    a.add_argument("--seed", type=int, default=1, help="The agentic trace's seed.")
+    a.add_argument("--agentic-client", default="claude-code", choices=CLIENTS,
+                   help="Whose hints the requests carry (cache_control breakpoints, or 24h retention).")
+    a.add_argument("--agentic-time-factor", type=float, default=1.0, help="Pauses and arrivals multiplied by this.")
+    a.add_argument("--agentic-lead-turns", type=int, default=24)
+    a.add_argument("--agentic-subagents", type=int, default=4)
+    a.add_argument("--agentic-flood-sessions", type=int, default=200)
     p.add_argument("--max-requests", type=int, default=None, help="Replay only the first N requests.")
     g = p.add_argument_group("capacities (tokens, or 'unlimited'; with none, every tier is unlimited)")
     g.add_argument("--device-tokens", type=_tokens, default=UNLIMITED,
@@ -178,9 +182,12 @@ def plot_sweep(points: list[dict], tier: str, path: str) -> None:
 def read_trace_arg(args: argparse.Namespace) -> list[TraceRequest]:
     """``--trace``: a file, or ``agentic`` (generated from --seed, --time-factor, --client)."""
     if args.trace == "agentic":
-        if not args.time_factor > 0:
-            raise ConfigError("--time-factor must be positive.")
-        return agentic_trace(args.seed, args.time_factor, client=args.client)[:args.max_requests]
+        try:
+            trace = agentic_trace(args.seed, args.agentic_time_factor, BLOCK_TOKENS, args.agentic_lead_turns,
+                                  args.agentic_subagents, args.agentic_flood_sessions, args.agentic_client)
+        except ValueError as e:
+            raise ConfigError(f"--trace agentic: {e}.") from None
+        return trace[:args.max_requests]
     try:
         trace = load_trace(args.trace, args.max_requests)
     except (OSError, TraceError) as e:
