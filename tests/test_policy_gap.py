@@ -89,6 +89,8 @@ def test_bad_policies_are_refused_in_one_sentence(capsys) -> None:
     assert "--policy takes lru, lru+hints, belady" in capsys.readouterr().err
     assert main([*base, "--policy", "belady", "--engines", "2"]) != 0
     assert "--policy belady needs --engines 1" in capsys.readouterr().err
+    assert main(["simulate", "--trace", "agentic", "--agentic-time-factor", "0"]) != 0
+    assert "--trace agentic: time_factor must be > 0" in capsys.readouterr().err
 
 
 def test_a_bounded_store_under_belady_keeps_what_comes_back() -> None:
