@@ -29,9 +29,11 @@ class RequestRecord:
     ttft_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
     e2e_s: float = 0.0
+    end_s: float = 0.0  # time.perf_counter() when the reply ended
+    retention: Optional[dict[str, Any]] = None  # usage.hicache_retention: what the request's cache hints got
 
 
-def _error_message(body: bytes, status: int) -> str:
+def error_message(body: bytes, status: int) -> str:
     try:
         return f"HTTP {status}: {json.loads(body)['error']['message']}"
     except Exception:
@@ -58,21 +60,24 @@ class RequestOptions:
 
 async def stream_request(endpoint: Endpoint, rec: RequestRecord, options: RequestOptions, *, max_tokens: int,
                          messages: Optional[list[dict]] = None,
-                         prompt: Optional[Union[str, list[int]]] = None) -> RequestRecord:
-    """Send one streaming chat (``messages``) or completion (``prompt``) request, filling ``rec``."""
+                         prompt: Optional[Union[str, list[int]]] = None,
+                         extra: Optional[dict[str, Any]] = None) -> RequestRecord:
+    """Send one streaming chat (``messages``) or completion (``prompt``) request, filling ``rec``;
+    ``extra``: more body fields (e.g. ``prompt_cache_retention``)."""
     chat = messages is not None
     payload: dict[str, Any] = {"model": endpoint.model, "max_tokens": max_tokens, "temperature": options.temperature,
                                "stream": True, "stream_options": {"include_usage": True},
                                **({"messages": messages} if chat else {"prompt": prompt})}
     if options.ignore_eos:
         payload["ignore_eos"] = True
+    payload.update(extra or {})
     url = f"{endpoint.base_url}/v1/{'chat/completions' if chat else 'completions'}"
     parts: list[str] = []
     start = last = time.perf_counter()
     try:
         async with endpoint.client.stream("POST", url, json=payload) as resp:
             if resp.status_code != 200:
-                rec.error = _error_message(await resp.aread(), resp.status_code)
+                rec.error = error_message(await resp.aread(), resp.status_code)
                 return rec
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
@@ -88,6 +93,7 @@ async def stream_request(endpoint: Endpoint, rec: RequestRecord, options: Reques
                     rec.prompt_tokens = u.get("prompt_tokens") or 0
                     rec.completion_tokens = u.get("completion_tokens") or 0
                     rec.cached_tokens = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                    rec.retention = u.get("hicache_retention")
                 for choice in obj.get("choices") or []:
                     piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
                     if piece:
@@ -101,7 +107,8 @@ async def stream_request(endpoint: Endpoint, rec: RequestRecord, options: Reques
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         rec.error = f"{type(e).__name__}: {e}"
         return rec
-    rec.e2e_s = time.perf_counter() - start
+    rec.end_s = time.perf_counter()
+    rec.e2e_s = rec.end_s - start
     rec.text = "".join(parts)
     if not rec.completion_tokens:  # a server that does not report usage in the stream
         rec.completion_tokens = len(parts)

@@ -28,7 +28,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:30000", help="Server to measure (OpenAI-compatible).")
     p.add_argument("--model", default=None, help="Model name to request (default: the server's first model).")
     p.add_argument("--dataset-name", "--dataset", default="generated-shared-prefix",
-                   choices=["generated-shared-prefix", "trace", "mooncake"])
+                   choices=["generated-shared-prefix", "trace", "mooncake", "agentic"])
     g = p.add_argument_group("generated-shared-prefix (lengths in tokens)")
     g.add_argument("--gsp-num-groups", type=int, default=4, help="Groups; one shared system prompt each.")
     g.add_argument("--gsp-prompts-per-group", type=int, default=4, help="Conversations per group.")
@@ -43,13 +43,24 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace-speed", type=float, default=1.0, help="Replay speed-up factor.")
     g.add_argument("--time-scale", type=float, default=None,
                    help="Arrival times multiplied by this (0.01: 100x faster); the inverse of --trace-speed.")
-    g.add_argument("--block-tokens", type=int, default=16, help="mooncake: tokens per 512-token trace block.")
+    g.add_argument("--block-tokens", type=int, default=16,
+                   help="mooncake: tokens per 512-token trace block; agentic: tokens per block of the generated trace.")
     g.add_argument("--max-requests", type=int, default=None, help="mooncake: replay only the first N requests.")
     g.add_argument("--max-output-tokens", type=int, default=None,
                    help="mooncake: cap on max_tokens (default: the trace's output length, scaled like the blocks).")
     g.add_argument("--prompt-format", choices=["text", "token-ids"], default="text",
                    help="mooncake: prompts as words (any server) or as token ids (exactly --block-tokens per block).")
     g.add_argument("--trace-max-tokens", type=int, default=64, help="max_tokens when a line gives none.")
+    g = p.add_argument_group("agentic (hicache.sim.agentic; --trace-file: a trace it wrote, instead of generating one)")
+    g.add_argument("--agentic-client", choices=["claude-code", "codex"], default="claude-code",
+                   help="claude-code: the Messages API with cache_control; codex: Chat Completions with "
+                        "prompt_cache_retention=24h.")
+    g.add_argument("--agentic-hints", choices=["on", "off"], default="on", help="Send the client's cache hints.")
+    g.add_argument("--agentic-time-factor", type=float, default=1.0, help="Pauses and arrivals multiplied by this.")
+    g.add_argument("--agentic-lead-turns", type=int, default=24)
+    g.add_argument("--agentic-subagents", type=int, default=4)
+    g.add_argument("--agentic-flood-sessions", type=int, default=200)
+    g.add_argument("--save-outputs", default=None, help="agentic: write each request's reply here (JSON Lines).")
     g = p.add_argument_group("load")
     g.add_argument("--max-concurrency", type=int, default=None, help="Most requests in flight (default: no limit).")
     g.add_argument("--request-rate", type=float, default=float("inf"),
@@ -134,6 +145,9 @@ async def _workload(args: argparse.Namespace, client: Any, base_url: str, info: 
     if args.dataset_name == "mooncake":
         reqs = await _mooncake(args, client, base_url, info, workload)
         return reqs, len(reqs)
+    if args.dataset_name == "agentic":
+        calls = await _agentic(args, client, base_url, info, workload)
+        return calls, len(calls)
     if args.dataset_name == "trace":
         if not args.trace_file:
             raise HicacheError("--dataset-name trace needs --trace-file FILE.")
@@ -188,6 +202,36 @@ async def _mooncake(args: argparse.Namespace, client: Any, base_url: str, info: 
     return reqs
 
 
+async def _agentic(args: argparse.Namespace, client: Any, base_url: str, info: dict[str, Any],
+                   workload: dict[str, Any]) -> list:
+    """The agentic trace as its client's requests (bench/agentic.py)."""
+    from ..sim.agentic import agentic_trace
+    from ..sim.trace import TraceError, load_trace
+    from .agentic import agentic_call
+
+    try:
+        trace = load_trace(args.trace_file) if args.trace_file else agentic_trace(
+            args.seed, args.agentic_time_factor, args.block_tokens, args.agentic_lead_turns, args.agentic_subagents,
+            args.agentic_flood_sessions, args.agentic_client)
+    except (OSError, TraceError) as e:
+        raise HicacheError(f"cannot read the trace: {e}") from None
+    except ValueError as e:
+        raise HicacheError(f"cannot generate the agentic trace: {e}.") from None
+    tpw = await _tokens_per_word(client, base_url, args.seed) if info["hicache"] else 1.0
+    if info["hicache"]:  # the prefix hit ratio counts whole pages
+        workload["page_size"] = (await client.get(f"{base_url}/server_info")).json().get("page_size", 1)
+    try:
+        calls = [agentic_call(r, args.agentic_client, args.agentic_hints == "on",
+                              max(1, round(r.block_tokens / tpw)), min(r.output_length, args.max_output_tokens or
+                                                                       r.output_length)) for r in trace]
+    except ValueError as e:
+        raise HicacheError(f"cannot replay the trace: {e}.") from None
+    workload.update(name=f"agentic ({len(calls)} requests, {args.agentic_client} client, hints "
+                         f"{args.agentic_hints}, {trace[0].block_tokens if trace else 0} tokens per block)",
+                    tokens_per_word=tpw, client=args.agentic_client, hints=args.agentic_hints)
+    return calls
+
+
 async def _run(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
     import httpx
     from tqdm import tqdm
@@ -215,7 +259,11 @@ async def _run(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
         cpu0, t0 = time.process_time(), time.perf_counter()
         endpoint = Endpoint(client, base_url, model)
         options = RequestOptions(args.temperature, ignore_eos=not args.disable_ignore_eos)
-        if args.dataset_name in ("trace", "mooncake"):
+        if args.dataset_name == "agentic":
+            from .agentic import run_agentic
+
+            records = await run_agentic(endpoint, work, options, speed=args.trace_speed, on_done=bar.update)
+        elif args.dataset_name in ("trace", "mooncake"):
             records = await run_trace(endpoint, work, options, speed=args.trace_speed,
                                       max_concurrency=args.max_concurrency, on_done=bar.update)
         else:
@@ -225,7 +273,14 @@ async def _run(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
         duration, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         bar.close()
         after = await scrape_metrics(client, base_url) if info["hicache"] else {}
-    return summarize(records, duration, workload, before, after, cpu)
+    rep = summarize(records, duration, workload, before, after, cpu)
+    if args.dataset_name == "agentic":
+        from .agentic_report import agentic_summary, outputs
+
+        reqs = [c.req for c in work]
+        rep["agentic"] = agentic_summary(reqs, records, workload.get("page_size", 1))
+        rep["outputs"] = outputs(reqs, records)
+    return rep
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -246,6 +301,13 @@ def run_bench(args: argparse.Namespace) -> int:
         if proc is not None:
             stop_process(proc, 30)
     print(format_report(rep))
+    if "agentic" in rep:
+        from .agentic_report import format_agentic
+
+        print(format_agentic(rep["agentic"]))
+        if args.save_outputs:
+            pathlib.Path(args.save_outputs).write_text("".join(json.dumps(o) + "\n" for o in rep["outputs"]),
+                                                       encoding="utf-8")
     if args.output_file:
         pathlib.Path(args.output_file).write_text(json.dumps(rep, indent=2), encoding="utf-8")
         print(f"report written to {args.output_file}", file=sys.stderr)

@@ -48,8 +48,13 @@ class LeafEviction(PageTree):
         self.evictable_pages = 0
         self.protected_pages = 0
         self.evicted_pages_total = 0
+        # An order that replaces the policy's, device and host alike (the simulator's offline
+        # optimal plugs its next-use key in here); None: the policy's.
+        self.eviction_order: Callable[[TreeNode], tuple] | None = None
 
     def eviction_key(self, node: TreeNode) -> tuple:
+        if self.eviction_order is not None:
+            return self.eviction_order(node)
         if self.eviction_policy == "lfu":
             return (node.hit_count, node.last_access, node.id)
         return (node.last_access, node.id)

@@ -12,9 +12,11 @@ from typing import Any, Iterator
 from ..config import ConfigError, EngineConfig
 from ..errors import HicacheError
 from .costs import PROFILES
+from .agentic import CLIENTS, agentic_trace
+from .compare import compare, parse_policies, parse_storage_writes, policy_table
 from .router import ROUTERS
 from .run import TIERS, UNLIMITED, Capacities, SimConfig, simulate
-from .trace import BLOCK_TOKENS, SHIPPED_TRACE, TraceError, load_trace
+from .trace import BLOCK_TOKENS, SHIPPED_TRACE, TraceError, TraceRequest, load_trace
 
 
 def _tokens(text: str) -> float:
@@ -33,7 +35,17 @@ def _tokens(text: str) -> float:
 def add_simulate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default=SHIPPED_TRACE,
                    help="Mooncake-format trace (JSON Lines: timestamp ms, input_length, output_length, hash_ids); "
-                        "default: the Mooncake FAST'25 conversation trace shipped with hicache.")
+                        "default: the Mooncake FAST'25 conversation trace shipped with hicache; 'agentic': the "
+                        "generated agentic trace (a lead agent, subagents, a flood; hit ratios per class).")
+    a = p.add_argument_group("--trace agentic (hicache.sim.agentic; the flags and defaults of hicache bench --dataset "
+                             "agentic, so both replay one trace)")
+    a.add_argument("--seed", type=int, default=1, help="The agentic trace's seed.")
+    a.add_argument("--agentic-client", default="claude-code", choices=CLIENTS,
+                   help="Whose hints the requests carry (cache_control breakpoints, or 24h retention).")
+    a.add_argument("--agentic-time-factor", type=float, default=1.0, help="Pauses and arrivals multiplied by this.")
+    a.add_argument("--agentic-lead-turns", type=int, default=24)
+    a.add_argument("--agentic-subagents", type=int, default=4)
+    a.add_argument("--agentic-flood-sessions", type=int, default=200)
     p.add_argument("--max-requests", type=int, default=None, help="Replay only the first N requests.")
     g = p.add_argument_group("capacities (tokens, or 'unlimited'; with none, every tier is unlimited)")
     g.add_argument("--device-tokens", type=_tokens, default=UNLIMITED,
@@ -51,7 +63,19 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
                         "fewest that keep each request's own last token out of the cache).")
     p.add_argument("--hicache-write-policy", default="write_through",
                    choices=EngineConfig.choices("hicache_write_policy"))
-    p.add_argument("--radix-eviction-policy", default="lru", choices=EngineConfig.choices("radix_eviction_policy"))
+    p.add_argument("--hicache-storage-write-policy", default="write_through",
+                   help="Which host copies are written to storage: write_through (every one) or selective "
+                        "(retained or hit-twice prefixes); both comma-separated run side by side.")
+    p.add_argument("--cache-retention-max-fraction", type=float, default=0.5,
+                   help="Share of each tier that retention hints may hold (lru+hints).")
+    p.add_argument("--radix-eviction-policy", default="lru", choices=EngineConfig.choices("radix_eviction_policy"),
+                   help="The tree's own order, which the lru and lru+hints policies use.")
+    p.add_argument("--policy", default="lru",
+                   help="Eviction policy, or several comma-separated run side by side on the same trace and "
+                        "capacities: lru (the tree's own order; hints ignored), lru+hints (the trace's retention "
+                        "hints honoured), belady (the offline optimal per tier: the leaf next used farthest in the "
+                        "future goes first, in every tier; one engine). With belady, each policy's "
+                        "gap to it.")
     p.add_argument("--engines", type=int, default=1, help="Engines (data parallel) behind the router.")
     p.add_argument("--router", default="cache-aware", choices=ROUTERS, help="sglang-router's policy over the engines.")
     p.add_argument("--kv-sharding", type=int, default=1,
@@ -79,9 +103,17 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     if args.page_size < 1 or BLOCK_TOKENS % args.page_size and args.page_size % BLOCK_TOKENS:
         raise ConfigError(f"--page-size must divide {BLOCK_TOKENS} (a trace block) or be a multiple of it.")
     block_tokens = args.block_tokens or max(2, 2 * BLOCK_TOKENS // args.page_size)  # two or more per page
-    return SimConfig(Capacities(args.device_tokens, host, args.storage_tokens), args.page_size, block_tokens,
-                     args.hicache_write_policy, args.radix_eviction_policy, args.engines, args.router,
-                     args.kv_sharding, cost)
+    policies, writes = parse_policies(args.policy), parse_storage_writes(args.hicache_storage_write_policy)
+    if args.sweep and len(policies) * len(writes) > 1:
+        raise ConfigError("--sweep runs one --policy and one --hicache-storage-write-policy at a time.")
+    if not 0.0 <= args.cache_retention_max_fraction <= 1.0:
+        raise ConfigError("--cache-retention-max-fraction must be in [0, 1].")
+    cfg = SimConfig(Capacities(args.device_tokens, host, args.storage_tokens), args.page_size, block_tokens,
+                    args.hicache_write_policy, args.radix_eviction_policy, args.engines, args.router,
+                    args.kv_sharding, cost, policies[0], writes[0], args.cache_retention_max_fraction)
+    for p in policies:  # refused before any runs
+        dataclasses.replace(cfg, policy=p).check()
+    return cfg
 
 
 def _shares(out: dict) -> str:
@@ -147,15 +179,34 @@ def plot_sweep(points: list[dict], tier: str, path: str) -> None:
         ax.legend(loc="upper left")
 
 
-def run_simulate(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)
+def read_trace_arg(args: argparse.Namespace) -> list[TraceRequest]:
+    """``--trace``: a file, or ``agentic`` (generated from --seed, --time-factor, --client)."""
+    if args.trace == "agentic":
+        try:
+            trace = agentic_trace(args.seed, args.agentic_time_factor, BLOCK_TOKENS, args.agentic_lead_turns,
+                                  args.agentic_subagents, args.agentic_flood_sessions, args.agentic_client)
+        except ValueError as e:
+            raise ConfigError(f"--trace agentic: {e}.") from None
+        return trace[:args.max_requests]
     try:
         trace = load_trace(args.trace, args.max_requests)
     except (OSError, TraceError) as e:
         raise HicacheError(f"cannot read the trace: {e}") from None
     if not trace:
         raise HicacheError(f"{args.trace} holds no requests.")
+    return trace
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    trace = read_trace_arg(args)
     t0 = time.perf_counter()
+    policies, writes = parse_policies(args.policy), parse_storage_writes(args.hicache_storage_write_policy)
+    if not args.sweep and (len(policies) * len(writes) > 1 or trace[0].cls):  # agentic: per class
+        results = compare(trace, cfg, policies, writes)
+        print(json.dumps({"policies": results}) if args.json else
+              f"{len(trace)} requests, simulated in {time.perf_counter() - t0:.1f} s\n{policy_table(results)}")
+        return 0
     result = _sweep(args, cfg, trace) if args.sweep else simulate(trace, cfg).to_json()
     if args.json:
         print(json.dumps(result))

@@ -19,7 +19,7 @@ tokens; :mod:`hicache.sim.run` converts real tokens to them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -28,6 +28,8 @@ from ..cache.host_pool import HostKVPool
 from ..cache.manager import CachePolicy, KVCacheManager
 from ..cache.pools import DeviceKVPool
 from ..cache.storage.memory import MemoryBackend
+from ..cache.tree_node import TreeNode
+from ..cache_hints import RetentionHint
 from ..runtime.request import Request, Status
 from ..runtime.sampling import SamplingParams
 from ..runtime.scheduler import SchedulePolicy, Scheduler
@@ -48,6 +50,8 @@ class EngineSpec:
     write_policy: str = "write_through"
     eviction_policy: str = "lru"
     write_through_threshold: int = 2
+    storage_write_policy: str = "write_through"
+    retention_max_fraction: float = 0.5
 
 
 def no_forward(input_ids, prefix_lens, context_slots, hidden=None, logits="last", window_slots=None,
@@ -73,10 +77,14 @@ class NoForwardEngine:
         self.driver = StepDriver(self.scheduler, no_forward)
         self.rid = 0
 
-    def add(self, tokens: list[int], max_new_tokens: int = 1) -> Request:
+    def add(self, tokens: list[int], max_new_tokens: int = 1, hints: Sequence[RetentionHint] = (),
+            wall_time: float = 0.0) -> Request:
+        """``hints`` in synthetic tokens; ``wall_time``: the arrival on the virtual clock (seconds),
+        the retention clock."""
         self.rid += 1
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
-        req = Request(self.rid, list(tokens), params, self.namespace, max_new_tokens=max_new_tokens)
+        req = Request(self.rid, list(tokens), params, self.namespace, max_new_tokens=max_new_tokens,
+                      hints=tuple(hints), wall_time=wall_time)
         self.scheduler.add(req)
         return req
 
@@ -88,27 +96,31 @@ class NoForwardEngine:
                 return steps
         raise RuntimeError(f"requests still running after {max_steps} steps")
 
-    def serve(self, tokens: list[int]) -> dict[str, int]:
+    def serve(self, tokens: list[int], hints: Sequence[RetentionHint] = (), wall_time: float = 0.0) -> dict[str, int]:
         """Run one request to its first token; returns its hit tokens per tier. Every copy and
         storage write it queued has landed when this returns (the simulator's copies run inline,
         at submit; between requests a real engine's copy threads are far ahead of arrivals)."""
-        req = self.add(tokens)
+        req = self.add(tokens, hints=hints, wall_time=wall_time)
         self.run([req])
         self.cache.drain()
         return req.cached
 
 
 class SimEngine(NoForwardEngine):
-    def __init__(self, spec: EngineSpec, prompt_tokens: int, storage: Optional[MemoryBackend] = None) -> None:
+    def __init__(self, spec: EngineSpec, prompt_tokens: int, storage: Optional[MemoryBackend] = None,
+                 eviction_order: Callable[[TreeNode], tuple] | None = None) -> None:
         """``prompt_tokens``: the longest prompt (synthetic tokens; :func:`hicache.sim.run.simulate`
         checked that it fits the device pool): one prefill chunk takes it whole. ``storage``: the
-        shared L3 (:func:`shared_storage`)."""
+        shared L3 (:func:`shared_storage`). ``eviction_order``: replaces the policy's order in the
+        device and host tiers (the offline optimal's, :mod:`hicache.sim.oracle`)."""
         pool = DeviceKVPool(1, 1, 1, spec.device_pages + 1, spec.page_size, torch.float32, "cpu")
         host = HostKVPool(pool, spec.host_pages, "page_first", pin_memory=False) if spec.host_pages else None
         policy = CachePolicy(eviction_policy=spec.eviction_policy, write_policy=spec.write_policy,
                              write_through_threshold=spec.write_through_threshold, prefetch_threshold=spec.page_size,
-                             storage_op_timeout=None)
+                             storage_op_timeout=None, storage_write_policy=spec.storage_write_policy,
+                             retention_max_fraction=spec.retention_max_fraction)
         cache = KVCacheManager(pool, host, storage, policy)
+        cache.tree.eviction_order = eviction_order
         for controller in (cache.controller, cache.storage):  # nothing to overlap copies with
             if controller is not None:
                 controller.run_inline()

@@ -4,6 +4,11 @@ One JSON object per line: ``timestamp`` (ms since the trace's start), ``input_le
 ``output_length`` (tokens), ``hash_ids`` (the prompt's blocks, ``BLOCK_TOKENS`` tokens each, the
 last one partial; equal ids mean an equal block *and* an equal prefix before it, so a
 request's prefix is reusable exactly as far as its ids were seen in that order before).
+
+Optional fields (the agentic trace, :mod:`hicache.sim.agentic`, writes them; Mooncake files lack
+them): ``block_tokens`` (real tokens per block when not ``BLOCK_TOKENS``), ``class``,
+``session``, ``turn``, ``after_pause``, ``pause_s``, ``roles`` and ``hints`` (retention hints in whole
+blocks: ``{"blocks": k or null, "seconds": s, "ttl": "5m"}``); they are kept, not interpreted.
 """
 
 from __future__ import annotations
@@ -33,10 +38,20 @@ class TraceRequest:
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    block_tokens: int = BLOCK_TOKENS  # real tokens per block
+    # The agentic trace's fields (hicache.sim.agentic); a Mooncake line has the defaults.
+    cls: str = ""  # "lead" | "subagent" | "flood"
+    session: str = ""
+    turn: int = 1
+    after_pause: bool = False
+    pause_s: float = 0.0  # the pause before this turn, after the session's previous turn ended
+    hints: tuple[dict, ...] = ()  # {"blocks": int | None, "seconds": float, "ttl": str}
+    roles: str = ""  # one letter per block: "s" system, "u" user, "a" assistant ("": unknown)
 
     def block_lengths(self) -> list[int]:
-        """Real tokens of each block: ``BLOCK_TOKENS``, the last one capped at the input length."""
-        return [min(BLOCK_TOKENS, self.input_length - i * BLOCK_TOKENS) for i in range(len(self.hash_ids))]
+        """Real tokens of each block: ``block_tokens``, the last one capped at the input length."""
+        b = self.block_tokens
+        return [min(b, self.input_length - i * b) for i in range(len(self.hash_ids))]
 
 
 def _request(obj: object) -> TraceRequest:
@@ -45,17 +60,37 @@ def _request(obj: object) -> TraceRequest:
     missing = [k for k in ("timestamp", "input_length", "output_length", "hash_ids") if k not in obj]
     if missing:
         raise ValueError(f"missing {', '.join(missing)}")
-    ids, n_in = obj["hash_ids"], obj["input_length"]
+    ids, n_in, block = obj["hash_ids"], obj["input_length"], obj.get("block_tokens", BLOCK_TOKENS)
+    if not isinstance(block, int) or block < 1:
+        raise ValueError("block_tokens must be a positive integer")
     if not isinstance(n_in, int) or n_in <= 0 or not isinstance(obj["output_length"], int) or obj["output_length"] < 0:
         raise ValueError("input_length must be a positive integer and output_length a non-negative one")
     if not isinstance(ids, list) or not all(isinstance(i, int) and i >= 0 for i in ids):
         raise ValueError("hash_ids must be a list of non-negative integers")
-    if len(ids) != math.ceil(n_in / BLOCK_TOKENS):
-        raise ValueError(f"{len(ids)} hash_ids for {n_in} input tokens (blocks of {BLOCK_TOKENS}: expected "
-                         f"{math.ceil(n_in / BLOCK_TOKENS)})")
+    if len(ids) != math.ceil(n_in / block):
+        raise ValueError(f"{len(ids)} hash_ids for {n_in} input tokens (blocks of {block}: expected "
+                         f"{math.ceil(n_in / block)})")
     if not isinstance(obj["timestamp"], (int, float)):
         raise ValueError("timestamp must be a number (ms)")
-    return TraceRequest(float(obj["timestamp"]), n_in, obj["output_length"], tuple(ids))
+    return TraceRequest(float(obj["timestamp"]), n_in, obj["output_length"], tuple(ids), block, **_agentic(obj))
+
+
+def _agentic(obj: dict) -> dict:
+    """The optional agentic fields of a line, checked, as :class:`TraceRequest` keywords."""
+    hints = obj.get("hints", [])
+    if not isinstance(hints, list) or not all(isinstance(h, dict) and isinstance(h.get("seconds"), (int, float))
+                                              and (h.get("blocks") is None or isinstance(h["blocks"], int))
+                                              for h in hints):
+        raise ValueError('hints must be a list of {"blocks": int or null, "seconds": number, "ttl": str}')
+    roles = obj.get("roles", "")
+    if not isinstance(roles, str) or roles and (len(roles) != len(obj["hash_ids"]) or set(roles) - set("sua")):
+        raise ValueError('roles must be a string of one letter per block: "s", "u" or "a"')
+    turn = obj.get("turn", 1)
+    if not isinstance(turn, int) or turn < 1:
+        raise ValueError("turn must be a positive integer")
+    return {"cls": str(obj.get("class", "")), "session": str(obj.get("session", "")), "turn": turn,
+            "after_pause": bool(obj.get("after_pause", False)), "pause_s": float(obj.get("pause_s", 0.0)),
+            "hints": tuple(hints), "roles": roles}
 
 
 def json_lines(path: str, parse: Callable[[Any], T], error: type[ValueError] = ValueError) -> Iterator[T]:
