@@ -70,8 +70,11 @@ def agentic_summary(reqs: Sequence[TraceRequest], records: Sequence[RequestRecor
 
 
 def outputs(reqs: Sequence[TraceRequest], records: Sequence[RequestRecord]) -> list[dict[str, Any]]:
-    """Each request's reply, in trace order (greedy replays compare them token for token)."""
-    return [{"session": q.session, "turn": q.turn, "ok": r.ok, "text": r.text} for q, r in zip(reqs, records)]
+    """Each request's reply and figures, in trace order (greedy replays compare the replies token
+    for token)."""
+    return [{"session": q.session, "turn": q.turn, "after_pause": q.after_pause, "ok": r.ok, "text": r.text,
+             "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens, "ttft_ms": round(r.ttft_s * 1000, 2)}
+            for q, r in zip(reqs, records)]
 
 
 def _f(x: float | None, pct: bool = False) -> str:
