@@ -37,10 +37,16 @@ def class_summary(pairs: Sequence[tuple[TraceRequest, RequestRecord]], previous:
     paused = [r.ttft_s for q, r in ok if q.after_pause]
     warm = [r.ttft_s for q, r in ok if q.turn > 1 and not q.after_pause]
     retained = [r.retention for _, r in ok if r.retention]
+    tiers: dict[str, int] = {}
+    for q, r in ok:
+        if q.after_pause:  # where a pause left the prefix: the device, or demoted to the host (or storage)
+            for t, n in r.cached_tiers.items():
+                tiers[t] = tiers.get(t, 0) + n
     return {"requests": len(pairs), "failed": len(pairs) - len(ok), "prompt_tokens": prompt, "cached_tokens": cached,
             "hit_ratio": _ratio(cached, prompt),
             "prefix_hit_ratio": _ratio(sum(h for _, h in shared), sum(p for p, _ in shared)),
             "ttft_ms": _ms([r.ttft_s for _, r in ok]), "ttft_after_pause_ms": _ms(paused), "ttft_warm_ms": _ms(warm),
+            "after_pause_cached_by_tier": tiers,
             "retention": {"reported": len(retained), "retained_tokens": sum(x.get("retained_tokens") or 0
                                                                             for x in retained),
                           "clipped": sum(1 for x in retained if x.get("clipped"))}}
@@ -73,7 +79,8 @@ def outputs(reqs: Sequence[TraceRequest], records: Sequence[RequestRecord]) -> l
     """Each request's reply and figures, in trace order (greedy replays compare the replies token
     for token)."""
     return [{"session": q.session, "turn": q.turn, "after_pause": q.after_pause, "ok": r.ok, "text": r.text,
-             "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens, "ttft_ms": round(r.ttft_s * 1000, 2)}
+             "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens, "cached_tiers": r.cached_tiers,
+             "ttft_ms": round(r.ttft_s * 1000, 2)}
             for q, r in zip(reqs, records)]
 
 
@@ -90,7 +97,9 @@ def format_agentic(summary: dict[str, Any]) -> str:
                      f"{_f(d['prefix_hit_ratio'], True):>11}{d['ttft_ms']['mean']:>10.1f}{d['ttft_ms']['p50']:>10.1f}"
                      f"{d['ttft_after_pause_ms']['p50']:>10.1f}{d['ttft_warm_ms']['p50']:>10.1f}")
     s = summary["show"]
-    lines += [f"lead prefix hit ratio: {_f(s['lead_prefix_hit_ratio'], True)}; lead TTFT after a pause / warm: "
+    tiers = summary["classes"]["lead"]["after_pause_cached_by_tier"]
+    lines += [f"lead after a pause, hits by tier: {', '.join(f'{t} {n}' for t, n in tiers.items()) or '-'}",
+              f"lead prefix hit ratio: {_f(s['lead_prefix_hit_ratio'], True)}; lead TTFT after a pause / warm: "
               f"p50 {_f(s['ttft_after_pause_over_warm_p50'])}, mean {_f(s['ttft_after_pause_over_warm_mean'])}",
               f"{s['subagents']} subagents' first turns computed {s['subagents_prefill_tokens']} prompt tokens: "
               f"{_f(s['subagents_prefill_over_one'])}x one first turn's prompt"]
