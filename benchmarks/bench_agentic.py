@@ -105,6 +105,8 @@ def verdicts(off: dict, on: dict) -> list[str]:
         f"lead TTFT after a pause / warm (p50): hints {num(ratio)} (<= 1.2 wanted), "
         f"LRU {num(s_off['ttft_after_pause_over_warm_p50'])}; means {num(s_on['ttft_after_pause_over_warm_mean'])} "
         f"/ {num(s_off['ttft_after_pause_over_warm_mean'])}",
+        f"lead prompt tokens computed after a pause / warm: hints {num(s_on['prefill_after_pause_over_warm'])}, "
+        f"LRU {num(s_off['prefill_after_pause_over_warm'])} (the cache's share of that TTFT)",
         f"{s_on['subagents']} subagents' prefill / one subagent's prompt: hints {num(sub)} (<= 1.25 wanted), "
         f"LRU {num(s_off['subagents_prefill_over_one'])}",
         f"greedy replies identical hints on / off: {sum(same)} of {len(same)}"
