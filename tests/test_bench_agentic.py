@@ -112,3 +112,12 @@ def test_replay_hints_on_and_off_same_greedy_outputs(base_url: str, tmp_path: Pa
     assert len(set(texts)) > 1  # replies differ by prompt: the comparison below can tell runs apart
     assert texts == [o["text"] for o in reports["off"]["outputs"]]
     assert all(o["ok"] for o in on["outputs"])
+
+
+def test_a_trace_without_roles_is_refused_in_one_line(base_url: str, capsys) -> None:
+    from hicache.sim.trace import SHIPPED_TRACE
+
+    rc = main(["bench", "--base-url", base_url, "--dataset", "agentic", "--trace-file", SHIPPED_TRACE,
+               "--disable-tqdm"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: cannot replay the trace:") and "no roles" in err
