@@ -112,3 +112,48 @@ def test_replay_hints_on_and_off_same_greedy_outputs(base_url: str, tmp_path: Pa
     assert len(set(texts)) > 1  # replies differ by prompt: the comparison below can tell runs apart
     assert texts == [o["text"] for o in reports["off"]["outputs"]]
     assert all(o["ok"] for o in on["outputs"])
+
+
+def test_a_trace_without_roles_is_refused_in_one_line(base_url: str, capsys) -> None:
+    from hicache.sim.trace import SHIPPED_TRACE
+
+    rc = main(["bench", "--base-url", base_url, "--dataset", "agentic", "--trace-file", SHIPPED_TRACE,
+               "--disable-tqdm"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: cannot replay the trace:") and "no roles" in err
+
+
+def test_replay_is_closed_loop(monkeypatch) -> None:
+    """Causal order, whatever the replies take: a turn leaves its pause after the previous reply,
+    subagents after the lead's spawning turn, the lead's next turn after the last subagent."""
+    import asyncio
+    import time
+
+    import hicache.bench.agentic as agentic
+    from hicache.bench.client import RequestOptions
+
+    trace = agentic_trace(seed=3, time_factor=0.002, block_tokens=8, lead_turns=6, flood_sessions=4)
+    calls = [agentic_call(r, "claude-code", True, 8, 2) for r in trace]
+    sent: dict[int, float] = {}
+
+    async def fake_send(endpoint, call, options):
+        sent[id(call)] = time.perf_counter()
+        await asyncio.sleep(0.002 * (1 + call.req.turn % 3))
+        return RequestRecord(turn=call.req.turn, ok=True, end_s=time.perf_counter())
+
+    monkeypatch.setattr(agentic, "send", fake_send)
+    records = asyncio.run(agentic.run_agentic(None, calls, RequestOptions(), speed=1.0, on_done=lambda: None))
+    end = {id(c): r.end_s for c, r in zip(calls, records)}
+    by_session: dict[str, list] = {}
+    for c in calls:
+        by_session.setdefault(c.req.session, []).append(c)
+    for turns in by_session.values():
+        for a, b in zip(turns, turns[1:]):
+            assert sent[id(b)] >= end[id(a)] + b.req.pause_s
+    lead = by_session["lead"]
+    subs = [c for c in calls if c.req.cls == "subagent"]
+    spawn = lead[1]  # lead_turns // 3 = 2
+    assert all(sent[id(c)] >= end[id(spawn)] for c in subs if c.req.turn == 1)
+    assert sent[id(lead[2])] >= max(end[id(c)] for c in subs)
+    for i, (a, _) in anchors(trace).items():  # the flood too starts after the lead's turn it follows
+        assert sent[id(calls[i])] >= end[id(calls[a])]

@@ -144,6 +144,7 @@ def _messages_usage(rec: RequestRecord, u: dict) -> None:
     rec.cached_tokens = read
     rec.completion_tokens = u.get("output_tokens") or 0
     rec.retention = u.get("hicache_retention")
+    rec.cached_tiers = u.get("hicache_cached_tokens") or {}
 
 
 async def send(endpoint: Endpoint, call: AgenticCall, options: RequestOptions) -> RequestRecord:

@@ -31,6 +31,7 @@ class RequestRecord:
     e2e_s: float = 0.0
     end_s: float = 0.0  # time.perf_counter() when the reply ended
     retention: Optional[dict[str, Any]] = None  # usage.hicache_retention: what the request's cache hints got
+    cached_tiers: dict[str, int] = field(default_factory=dict)  # usage.hicache_cached_tokens: hits per tier
 
 
 def error_message(body: bytes, status: int) -> str:
@@ -94,6 +95,7 @@ async def stream_request(endpoint: Endpoint, rec: RequestRecord, options: Reques
                     rec.completion_tokens = u.get("completion_tokens") or 0
                     rec.cached_tokens = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                     rec.retention = u.get("hicache_retention")
+                    rec.cached_tiers = u.get("hicache_cached_tokens") or {}
                 for choice in obj.get("choices") or []:
                     piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
                     if piece:

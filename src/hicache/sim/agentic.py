@@ -33,6 +33,12 @@ CLIENTS = ("claude-code", "codex")
 PAUSE_S = (2.0, 30.0)  # a tool pause's range, before time_factor
 QUICK_S = (0.2, 1.0)  # a quick tool's gap (a file read), before time_factor
 PAUSE_ALPHA = 1.2  # the pauses' Pareto tail
+# The flood: other users' sessions, half of them one request. Sized so the flood, not the lead,
+# makes most of the live set (4-6x the lead's longest prompt at the defaults): pools sized from
+# the live set then hold the lead, and LRU loses it to the flood in a long pause.
+FLOOD_SYSTEM_BLOCKS = (2, 8)
+FLOOD_ONE_OFF = 0.5  # the fraction of flood sessions that are one request
+FLOOD_TURNS = (2, 6)  # the others' turns
 DECODE_TOKENS_PER_S = 50.0  # the nominal reply speed placing a session's next arrival (512-token blocks)
 
 
@@ -167,14 +173,15 @@ def _subagents(b: _Builder, prefix: list[int], n: int, start: float) -> list[_Se
 
 
 def _flood(b: _Builder, sessions: int, windows: Sequence[tuple]) -> list[_Session]:
-    """Short sessions with prompts of their own (1-5 blocks of system, one of user), each starting in one of the
-    lead's pauses; half are one request, the rest 2-4 turns apart by a quick tool or a pause."""
+    """Short sessions with prompts of their own (2-8 blocks of system, one of user), each starting
+    in one of the lead's pauses; half are one request, the rest 2-6 turns apart by a quick tool or
+    a pause."""
     out = []
     for i in range(sessions):
         lo, hi = b.rng.choice(windows) if windows else (0.0, 1.0)
-        system = b.rng.randint(1, 5)
+        system = b.rng.randint(*FLOOD_SYSTEM_BLOCKS)
         s = _Session("flood", f"flood{i + 1}", b.blocks(system + 1), "s" * system + "u", b.rng.uniform(lo, hi))
-        turns = 1 if b.rng.random() < 0.5 else b.rng.randint(2, 4)
+        turns = 1 if b.rng.random() < FLOOD_ONE_OFF else b.rng.randint(*FLOOD_TURNS)
         b.turn(s)
         for _ in range(turns - 1):
             b.wait(s, b.rng.random() < 0.5, b.rng.randint(1, 2))
