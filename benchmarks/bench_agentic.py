@@ -131,6 +131,8 @@ def main() -> None:
     ap.add_argument("--max-output-tokens", type=int, default=4)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--out-dir", default=None, help="Keep the trace, reports and logs here (default: a temp dir).")
+    ap.add_argument("--server-args", default="", help="More `hicache serve` flags for both runs, e.g. "
+                    "'--cache-retention-max-fraction 0.9'.")
     args = ap.parse_args()
 
     trace = agentic_trace(args.seed, args.time_factor, args.block_tokens, args.lead_turns, args.subagents,
@@ -141,7 +143,8 @@ def main() -> None:
     write_trace(trace_file, trace)
     l1, ratio = pools(trace, args.page_size, args.max_output_tokens)
     server_args = (f"--model {args.model} --page-size {args.page_size} --max-total-tokens {l1} "
-                   f"--enable-hierarchical-cache --hicache-ratio {ratio} --enable-deterministic-inference")
+                   f"--enable-hierarchical-cache --hicache-ratio {ratio} --enable-deterministic-inference "
+                   f"{args.server_args}").strip()
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")), "?")
     print(f"agentic trace: seed {args.seed}, {len(trace)} requests ({args.lead_turns} lead turns, {args.subagents} "
