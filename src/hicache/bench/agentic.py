@@ -30,7 +30,8 @@ from typing import Any, Callable, Optional, Sequence
 import httpx
 
 from ..sim.trace import TraceRequest
-from .client import Endpoint, RequestOptions, RequestRecord, error_message, stream_request
+from .client import (Endpoint, RequestOptions, RequestRecord, add_piece, error_message, finish_record,
+                     stream_request)
 from .workload import WORDS
 
 CLIENT_APIS = {"claude-code": "messages", "codex": "chat"}
@@ -120,22 +121,11 @@ async def stream_messages(endpoint: Endpoint, rec: RequestRecord, options: Reque
                     _messages_usage(rec, obj.get("usage") or {})
                 piece = (obj.get("delta") or {}).get("text") if kind == "content_block_delta" else None
                 if piece:
-                    now = time.perf_counter()
-                    if parts:
-                        rec.itl_s.append(now - last)
-                    else:
-                        rec.ttft_s = now - start
-                    last = now
-                    parts.append(piece)
+                    last = add_piece(rec, parts, piece, start, last)
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         rec.error = f"{type(e).__name__}: {e}"
         return rec
-    rec.end_s = time.perf_counter()
-    rec.e2e_s = rec.end_s - start
-    rec.text = "".join(parts)
-    rec.ttft_s = rec.ttft_s if parts else rec.e2e_s
-    rec.ok = True
-    return rec
+    return finish_record(rec, parts, start)
 
 
 def _messages_usage(rec: RequestRecord, u: dict) -> None:

@@ -99,22 +99,32 @@ async def stream_request(endpoint: Endpoint, rec: RequestRecord, options: Reques
                 for choice in obj.get("choices") or []:
                     piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
                     if piece:
-                        now = time.perf_counter()
-                        if not parts:
-                            rec.ttft_s = now - start
-                        else:
-                            rec.itl_s.append(now - last)
-                        last = now
-                        parts.append(piece)
+                        last = add_piece(rec, parts, piece, start, last)
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         rec.error = f"{type(e).__name__}: {e}"
         return rec
+    if not rec.completion_tokens:  # a server that does not report usage in the stream
+        rec.completion_tokens = len(parts)
+    return finish_record(rec, parts, start)
+
+
+def add_piece(rec: RequestRecord, parts: list[str], piece: str, start: float, last: float) -> float:
+    """A streamed piece of text arrived: its TTFT (the first) or inter-token gap; returns its time."""
+    now = time.perf_counter()
+    if parts:
+        rec.itl_s.append(now - last)
+    else:
+        rec.ttft_s = now - start
+    parts.append(piece)
+    return now
+
+
+def finish_record(rec: RequestRecord, parts: list[str], start: float) -> RequestRecord:
+    """The stream ended well: its end, text and E2E (nothing visible came back: TTFT = the whole request)."""
     rec.end_s = time.perf_counter()
     rec.e2e_s = rec.end_s - start
     rec.text = "".join(parts)
-    if not rec.completion_tokens:  # a server that does not report usage in the stream
-        rec.completion_tokens = len(parts)
-    if not parts:  # nothing visible came back: count TTFT as the whole request
+    if not parts:
         rec.ttft_s = rec.e2e_s
     rec.ok = True
     return rec
