@@ -141,10 +141,11 @@ test: setup
 	$(PY) -m pytest -q --durations=5 -m serial tests
 
 # The inner loop: everything but the tests that start rank processes or are slow (SmolLM2,
-# fixed-length campaigns, a second kernel build); under 3 minutes on a 2-core machine.
+# fixed-length campaigns, a second kernel build), on two workers like `test`, the CPU-timing ones after.
 test-quick: setup
 	$(VENV)/bin/lint-imports --no-cache --no-logo
-	$(PY) -m pytest -q --durations=10 -m "not multirank and not slow" tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=10 -m "not multirank and not slow and not serial" tests
+	$(PY) -m pytest -q -m "serial and not multirank and not slow" tests
 
 bench: setup
 	$(PY) benchmarks/bench_radix.py
