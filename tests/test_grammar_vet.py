@@ -7,6 +7,7 @@ run is a 503 and leaves nothing cached, never a 400."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -25,7 +26,9 @@ from hicache.errors import InvalidRequestError, OverloadedError
 from hicache.model.gguf_loader import load_gguf_tokenizer
 from hicache.model.packaged import packaged_model_path
 from hicache.model.tokenizer import byte_tokenizer
-from hicache.runtime.grammar_vet import GrammarVetter, VetLimits
+from hicache.runtime import grammar_worker
+from hicache.runtime.grammar_vet import JSON_OPTIONS, PARSER_LIMITS, WALK_STEPS, GrammarVetter, VetLimits, tokenizer_config
+from hicache.runtime.grammar_worker import Vetter
 from hicache.runtime.sampling import GrammarSpec
 from hicache.runtime.vet_queue import FairQueue, QueueFull
 
@@ -139,6 +142,24 @@ def test_a_refusal_by_time_is_measured_again(vetter, monkeypatch) -> None:
         vetter.vet(trivial()).result(timeout=30)
     vetter.limits = LIMITS  # the load (here: the budget) changed; the grammar did not
     assert vetter.vet(trivial()).result(timeout=30).cost.mask_us < LIMITS.mask_us
+
+
+@pytest.mark.engine
+def test_a_mask_timed_while_the_vm_was_preempted_is_timed_again(monkeypatch) -> None:
+    """CI: one mask of a trivial schema read 21 CPU-ms (the host's stolen time can count as the
+    guest process's CPU time) and the schema was refused. The clock here jumps 21 ms once; a
+    grammar that is really slow (masks of ~40 ms) still reads slow."""
+    config = {**tokenizer_config(byte_tokenizer(), VOCAB), "parser_limits": PARSER_LIMITS,
+              "json_options": JSON_OPTIONS, "walk_steps": WALK_STEPS}
+    worker = Vetter(config)
+    clock, reads = time.process_time_ns, itertools.count(1)
+
+    def stolen() -> int:  # reads 1-2 time the compile, 3-4 the walk's first mask: the host takes 21 ms there
+        return clock() + (21_000_000 if next(reads) == 4 else 0)
+
+    monkeypatch.setattr(grammar_worker.time, "process_time_ns", stolen)
+    assert worker.vet("json_schema", json.dumps({"a": {"type": "integer"}}))["mask_us"] < 5_000
+    assert worker.vet("regex", "(a{300}){300}")["mask_us"] > 5_000
 
 
 # ---- S4: cancelled and fair ----------------------------------------------------------------

@@ -51,6 +51,8 @@ from typing import Any, BinaryIO, Callable, Optional
 import numpy as np
 
 SENTENCE_CHARS = 300  # an error sentence is cut here (llguidance's can quote the whole grammar)
+RETIME_FLOOR_US = 1_000  # a walk's new slowest mask over this is timed again (Vetter.timed_mask)
+RETIMES = 2
 
 
 def read_message(read: Callable[[int], Optional[bytes]]) -> Optional[dict]:
@@ -193,15 +195,31 @@ class Vetter:
         return {"ok": True, "grammar": grammar, "template_bytes": template_bytes, "request_bytes": request_bytes,
                 "mask_us": mask_us, "compile_ms": compile_ms, "steps": steps}
 
+    def timed_mask(self, matcher: Any, slowest: int) -> tuple[np.ndarray, int]:
+        """What ``matcher`` allows next and its cost in CPU microseconds. A cost that would raise
+        ``slowest`` past :data:`RETIME_FLOOR_US` is measured :data:`RETIMES` more times on the same
+        state and the least kept: a mask is a pure function of the state, while in a VM the time the
+        host takes a preempted vCPU away can count as this process's CPU time (CI: one ~0.6 ms mask
+        of a trivial schema read 21 ms). A grammar that is slow is slow every time (a ~40 ms mask
+        repeats at 35-45 ms), so this never lets one through."""
+        best = sys.maxsize
+        for _ in range(1 + RETIMES):
+            t0 = time.process_time_ns()
+            allowed = self.allowed(matcher)
+            cost = (time.process_time_ns() - t0) // 1000
+            best = min(best, cost)
+            if best <= max(slowest, RETIME_FLOOR_US):
+                break
+        return allowed, best
+
     def walk(self, matcher: Any) -> tuple[int, int] | str:
         """Up to ``walk_steps`` tokens the grammar allows (a seeded choice, EOS last), each mask
         timed: (steps, slowest mask in CPU microseconds), or why the matcher failed on the way."""
         pick = random.Random(0)
         slowest, taken = 0, 0
         for _ in range(self.config["walk_steps"]):
-            t0 = time.process_time_ns()
-            allowed = self.allowed(matcher)
-            slowest = max(slowest, (time.process_time_ns() - t0) // 1000)
+            allowed, mask_us = self.timed_mask(matcher, slowest)
+            slowest = max(slowest, mask_us)
             if matcher.is_error():
                 return f"after {taken} token(s) its matcher fails: {first_line(matcher.get_error())}"
             choices = [int(t) for t in allowed[:4096] if int(t) not in self.eos]
