@@ -189,20 +189,24 @@ def dropped_turns(tok: ChatTokenizer, rng: random.Random, target: int, root: Pat
     sizes = [len(m["content"]) for m in turns]
     # whole turns (a question and its answer: two messages), at least one dropped and one kept
     dropped = min(range(2, max(len(turns) - 1, 3), 2), key=lambda d: abs(sum(sizes[:d]) - sum(sizes) / 4))
+    # the reply the next request adds is cut to the dropped characters: both prompts are about as long
+    reply = {**ask[1], "content": ask[1]["content"][:max(sum(sizes[:dropped]) - len(nxt["content"]), 200)]}
     original = Prompt([system, *turns, ask[0]])
-    edited = Prompt([system, *turns[dropped:], *ask, nxt])
+    edited = Prompt([system, *turns[dropped:], ask[0], reply, nxt])
     return Built(original, edited, f"the oldest {dropped // 2} of {len(turns) // 2} turns dropped, one turn added",
                  (*kept, *sections[-2:-1]))
 
 
 def reordered_passages(tok: ChatTokenizer, rng: random.Random, target: int, root: Path) -> Built:
-    """Doc sections retrieved for a question, then the same sections in another (seeded) order."""
-    sections = rng.sample(doc_sections(root), 40)
+    """Doc sections retrieved for a question (each cut to ~1/6 of the prompt: several passages at
+    any size), then the same sections in another (seeded) order."""
+    cap = target * 4 // 6  # characters, at ~4 characters a token
+    sections = [Section(s.path, s.heading, s.text[:cap]) for s in rng.sample(doc_sections(root), 40)]
     system = {"role": "system", "content": "Answer the question from the retrieved passages."}
 
-    def prompt(order: list[Section]) -> Prompt:
+    def prompt(order: list[Section]) -> Prompt:  # the question is about the first passage retrieved
         passages = "\n\n".join(f"[{s.path}: {s.heading}]\n{s.text}" for s in order)
-        question = f"Question: what does {order[0].path} say about \"{order[0].heading}\"?" if order else ""
+        question = f"Question: what does {sections[0].path} say about \"{sections[0].heading}\"?"
         return Prompt([system, {"role": "user", "content": f"{passages}\n\n{question}"}])
 
     hi = sum(len(s.text) for s in sections)
