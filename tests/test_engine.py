@@ -250,7 +250,10 @@ HOLDING = {("window", "cp"): ("random:gemma-small", dict(tp_size=2, attn_cp_size
            ("full", "latent-tp"): ("random:tiny", dict(tp_size=2, enable_kv_cache_sharding=True)),
            ("draft", "pd"): ("random:tiny", dict(**STANDALONE, disaggregation_mode="decode")),
            ("recurrent_state", "cp"): ("random:lfm2-tiny", dict(tp_size=2, attn_cp_size=2)),
-           ("recurrent_state", "standalone"): ("random:lfm2-tiny", STANDALONE)}
+           ("recurrent_state", "standalone"): ("random:lfm2-tiny", STANDALONE),
+           ("window", "edit-reuse"): ("random:gemma-small", dict(enable_edit_reuse=True)),
+           ("recurrent_state", "edit-reuse"): ("random:lfm2-tiny", dict(enable_edit_reuse=True)),
+           ("latent", "edit-reuse"): ("random:mla-tiny", dict(enable_edit_reuse=True))}
 
 
 @pytest.mark.parametrize("component, mode", list(REFUSED))

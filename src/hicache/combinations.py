@@ -31,4 +31,14 @@ REFUSED: dict[tuple[str, str], str] = {
                                        "would keep k states of the recurrent_state component per request, and a "
                                        "recurrent draft model's own state would need the same rollback); use "
                                        "--speculative-algorithm NGRAM.",
+    # Reuse after an edit (issue 61) moves cached keys to new positions by re-rotating them: what is more than a
+    # rotation of its position cannot move (model/rope_shift.py).
+    ("window", "edit-reuse"): "{model} has sliding-window layers, whose window component's keys depend on the window "
+                              "they were computed in and cannot be moved to new positions (reuse after an edit): run it "
+                              "without --enable-edit-reuse.",
+    ("recurrent_state", "edit-reuse"): "{model} has recurrent layers, whose recurrent_state component is not per "
+                                       "token and cannot be moved to new positions (reuse after an edit): run it "
+                                       "without --enable-edit-reuse.",
+    ("latent", "edit-reuse"): "{model} stores an MLA latent, whose latent component's shared rotary half is not "
+                              "re-rotated to new positions yet (reuse after an edit): run it without --enable-edit-reuse.",
 }

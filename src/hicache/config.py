@@ -192,6 +192,18 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
         False, "Bit-identical output for a greedy or seeded request whatever shares its batch, how its prompt was "
         "chunked, which tier its prefix came from, and with or without speculative decoding (docs/deterministic.md); "
         "prefill is slower.")
+    enable_edit_reuse: bool = _opt(
+        False, "Reuse after an edit (docs/edit_reuse.md): past a prompt's cached prefix, spans equal to cached pages "
+        "at other positions reuse their KV (keys re-rotated), each span's first tokens computed again and checked "
+        "by a quality gate that falls back to exact prefix reuse. Approximate KV: off by default, and per request "
+        "(`edit_reuse`).")
+    edit_reuse_recompute_tokens: int = _opt(
+        32, "Reuse after an edit: the first tokens of each reused span that are computed anyway (they absorb the "
+        "change before them); the gate checks their KV against the reused values.", above=0)
+    edit_reuse_max_deviation: Optional[float] = _opt(
+        None, "Reuse after an edit: the quality gate's threshold, the largest relative deviation (L2, any layer) "
+        "between a span's recomputed KV and its reused KV that keeps the reuse. Unset: the model's calibrated value "
+        "(`hicache calibrate-edit-reuse`), else 0.35.", above=0)
 
     def __post_init__(self) -> None:
         check_bounds(self)
@@ -220,6 +232,7 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
             raise ConfigError("--hicache-storage-key-scheme unified names storage objects: it needs "
                               "--hicache-storage-backend.")
         self._validate_deterministic()
+        self._validate_edit_reuse()
         if self.hicache_storage_backend and not self.enable_hierarchical_cache:
             raise ConfigError("--hicache-storage-backend needs --enable-hierarchical-cache (storage moves through host memory).")
         if self.hicache_storage_backend_extra_config:
@@ -279,6 +292,24 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
             if given:
                 raise ConfigError(f"--enable-deterministic-inference: {why}.")
 
+    def _validate_edit_reuse(self) -> None:
+        """The modes reuse after an edit does not run with yet, one sentence each."""
+        if not self.enable_edit_reuse:
+            return
+        refused = (
+            (self.disable_radix_cache, "it finds reusable pages in the radix cache; drop --disable-radix-cache"),
+            (self.enable_deterministic_inference, "its KV is approximate, and deterministic inference promises the "
+                                                  "cold run's bits"),
+            (self.tp_size > 1 or self.pp_size > 1, "its quality gate is measured on each rank's own KV heads and "
+                                                   "ranks do not agree on it yet; run it with --tp-size 1 --pp-size 1"),
+            (self.disaggregation_mode != "null", "prefill/decode disaggregation is not covered yet"),
+            (self.speculative_algorithm is not None, "speculative decoding is not covered yet (a draft model has no "
+                                                     "KV for the reused spans)"),
+        )
+        for given, why in refused:
+            if given:
+                raise ConfigError(f"--enable-edit-reuse: {why}.")
+
     def refuse_combinations(self, components: set[str]) -> None:
         """Refuse the first pair of ``components`` (names of cache/components.py's kinds) x the modes
         this config turns on that :data:`~hicache.combinations.REFUSED` lists, in its sentence."""
@@ -286,7 +317,8 @@ class EngineConfig(SpeculativeOptions, DisaggregationOptions):
                  "latent-tp": self.enable_kv_cache_sharding and self.attn_cp_size == 1,
                  "pd": self.disaggregation_mode != "null", "tp": self.tp_size > 1, "pp": self.pp_size > 1,
                  "unified": self.hicache_storage_key_scheme == "unified",
-                 "speculative": self.speculative_algorithm is not None, "standalone": self.uses_draft_model}
+                 "speculative": self.speculative_algorithm is not None, "standalone": self.uses_draft_model,
+                 "edit-reuse": self.enable_edit_reuse}
         for (component, mode), why in REFUSED.items():
             if component in components and modes[mode]:
                 raise ConfigError(why.format(model=self.model))

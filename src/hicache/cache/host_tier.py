@@ -129,6 +129,11 @@ class HostTier:
         if nodes:
             self.tree.inc_lock_ref(nodes[-1])
 
+    def loading_pages(self) -> frozenset[int]:
+        """Device pages a host->device load may still write: queued or in flight."""
+        pages = [item[0] for item in self._pending[LOAD]] + self.controller.loading_pages()
+        return frozenset(np.concatenate(pages).tolist()) if pages else frozenset()
+
     # ---- host pages ----------------------------------------------------------------------
     def alloc(self, n: int, anchor: int, first_position: int = 0) -> np.ndarray | None:
         """``n`` host pages for positions ``first_position ..`` of a sequence anchored on rank

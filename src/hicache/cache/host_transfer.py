@@ -182,6 +182,10 @@ class TransferController:
                 raise RuntimeError(f"{kind} transfer {op.op_id} failed") from op.error
         return ops
 
+    def loading_pages(self) -> list[np.ndarray]:
+        """The device pages of every load whose ack is not consumed yet (they may still be written)."""
+        return [op.device_pages for op in self._acks[LOAD]]
+
     def layer_ready(self, layer: int) -> bool:
         """Whether :meth:`wait_layer` would return at once."""
         op = self._last_load

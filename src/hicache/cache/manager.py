@@ -318,6 +318,10 @@ class KVCacheManager:
         for tier in self.tiers:
             tier.consume_acks(acks)
 
+    def loading_pages(self) -> frozenset[int]:
+        """Device pages whose KV a load from the host tier may still be writing (none without one)."""
+        return self.host.loading_pages() if self.host is not None else frozenset()
+
     def has_pending_transfers(self) -> bool:
         return any(t.has_pending() for t in self.tiers)
 

@@ -170,9 +170,11 @@ class Engine:
     def check_sampling(self, sampling: SamplingParams) -> None:
         """InvalidRequestError (naming the field) for parameters this engine cannot honour: any
         :meth:`SamplingParams.validate` refuses, token ids outside the vocabulary, more
-        ``logprobs`` alternatives than ``--max-logprobs``. The grammar is :meth:`check_grammar`'s."""
+        ``logprobs`` alternatives than ``--max-logprobs``, ``edit_reuse`` without ``--enable-edit-reuse``. The grammar is :meth:`check_grammar`'s."""
         sampling.validate()
         sampling.check_token_ids(self.vocab_size)
+        if sampling.edit_reuse and not self.config.enable_edit_reuse:
+            raise InvalidRequestError("edit_reuse needs a server started with --enable-edit-reuse.", param="edit_reuse")
         limit = self.config.max_logprobs
         if sampling.logprobs is not None and sampling.logprobs > limit:
             raise InvalidRequestError(f"top_logprobs must be at most {limit} on this server (--max-logprobs), got "

@@ -95,7 +95,7 @@ def build_core(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, dty
     modes = build_modes(ModeContext(cfg, cache, device, plan.layers, loaded.spec.vocab_size,
                                     rank.pd_ranks or TPRanks.alone(plan.row[0]), draft, plan.packed_layers,
                                     rank.share_draws, tokenizer=loaded.tokenizer,
-                                    samples=rank.shard is None or rank.shard.last_stage))
+                                    samples=rank.shard is None or rank.shard.last_stage, spec=loaded.spec))
     scheduler = Scheduler(cache, loaded.tokenizer.decode, set(loaded.tokenizer.eos_token_ids), SchedulePolicy(
         plan.prefill_chunk, cfg.max_running_requests, cfg.hicache_storage_prefetch_policy,
         lambda tokens: cfg.hicache_storage_prefetch_timeout_base

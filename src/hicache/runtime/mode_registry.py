@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from . import grammar, ngram, pd_role, penalties, speculative
+from . import edit_reuse, grammar, ngram, pd_role, penalties, speculative
 from .modes import Mode, ModeContext
 
 MODES: tuple[Callable[[ModeContext], Optional[Mode]], ...] = (
@@ -18,6 +18,7 @@ MODES: tuple[Callable[[ModeContext], Optional[Mode]], ...] = (
     pd_role.build,  # --disaggregation-mode prefill | decode
     penalties.build,  # penalties, logit_bias, min_tokens: each row's logits adjusted before sampling
     grammar.build,  # structured output: grammar masks on the logits (after the drafts are known)
+    edit_reuse.build,  # --enable-edit-reuse: spans past the cached prefix reuse cached KV at other positions
 )
 
 

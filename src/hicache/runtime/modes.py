@@ -21,6 +21,9 @@ calls back into the scheduler. The fixed points, in step order::
                     on_computed(req)           the target's KV grew (prefill chunk, first token)
                     refuses(req, token)        a token sampled elsewhere (P/D's first) cannot be its next
                     on_accepted(req, j, taken) a verify pass accepted j drafts; ``taken`` tokens appended
+    prefill         chunk_limit(req)           the most prompt tokens its next chunk may take (edit reuse)
+                    after_chunk(req)           where its prompt KV ends after a chunk, when a mode filled
+                                               in tokens (or dropped them): ``req.computed`` becomes it
     finish          on_finish(req)             True: the mode still uses its KV (released later)
 
 Which modes an engine runs: :data:`hicache.runtime.mode_registry.MODES`, one builder per mode
@@ -39,6 +42,7 @@ from ..cache.manager import KVCacheManager
 from ..config import EngineConfig
 from ..disagg.heads import TPRanks
 from ..model.loader import LoadedModel
+from ..model.spec import ModelSpec
 from ..model.tokenizer import Tokenizer
 from .batch import Batch, BatchKind
 from .events import WorkEvent
@@ -51,7 +55,7 @@ class ModeContext:
     the target's layers on this rank; ``draft_packed``: the draft's layers when they follow
     the target's in its pools (0: a sidecar or no draft); ``share_draws``: with several TP
     ranks, one rank's random draws for the whole stage; ``samples``: this rank samples tokens
-    (one rank, or a rank of the last pipeline stage)."""
+    (one rank, or a rank of the last pipeline stage); ``spec``: the target model's."""
 
     cfg: EngineConfig
     cache: KVCacheManager
@@ -64,6 +68,7 @@ class ModeContext:
     share_draws: Optional[Callable[[Any], Any]] = None
     tokenizer: Optional[Tokenizer] = None
     samples: bool = True
+    spec: Optional[ModelSpec] = None
 
 
 @dataclass(frozen=True)
@@ -182,6 +187,17 @@ class Mode:
     def on_accepted(self, req: Request, drafts: int, taken: int) -> None:
         """A verify pass accepted ``drafts`` proposals for ``req`` and appended ``taken`` tokens
         (fewer than drafts + 1 when one stopped the request; ``req.computed`` counts them)."""
+
+    # ---- prefill ---------------------------------------------------------------------------
+    def chunk_limit(self, req: Request) -> Optional[int]:
+        """The most prompt tokens ``req``'s next chunk may take (None: no limit of this mode's)."""
+        return None
+
+    def after_chunk(self, req: Request) -> Optional[int]:
+        """After a prompt chunk of ``req`` (``req.computed`` counts it): the length its prompt's KV has
+        now when the mode changed it -- filled in a span (further) or dropped approximate KV (back) --
+        else None."""
+        return None
 
     # ---- finish and life ----------------------------------------------------------------
     def on_finish(self, req: Request) -> bool:

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from ..cache_hints import RetentionHint, RetentionOutcome
+from ..edit_reuse_outcome import EditReuseOutcome
 from ..cache.manager import KVState, PrefetchOp
 from ..disagg.bootstrap import Bootstrap
 from .sampling import SamplingParams
@@ -120,6 +121,10 @@ class Request:
     hints: tuple[RetentionHint, ...] = ()
     wall_time: float = field(default_factory=time.time)
     retention: Optional[RetentionOutcome] = None  # what the cache gave its hints (set when released)
+    # reuse after an edit (runtime/edit_reuse.py): its plan (set at admission), and where its KV stops being
+    # exact (None: exact throughout): only the tokens before ``kv_exact`` are ever cached
+    edit: Any = None
+    kv_exact: Optional[int] = None
     tokens_np: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -139,9 +144,11 @@ class Request:
 
     def tokens_with_kv(self) -> np.ndarray:
         """Token ids whose KV has been computed (the last sampled token has none yet) -- by the
-        draft too, with speculative decoding: only those may be cached."""
+        draft too, with speculative decoding -- and is exact: only those may be cached."""
         draft = None if self.spec is None else self.spec.draft_computed
         n = self.computed if draft is None else min(self.computed, draft)
+        if self.kv_exact is not None:  # approximate KV past it (edit reuse): never cached
+            n = min(n, self.kv_exact)
         if not self.output_ids:
             return self.tokens_np[:n]
         return np.asarray(self.all_ids[:n], dtype=np.int32)
@@ -173,6 +180,12 @@ class GenerateResult:
     kv_transferred_bytes: int = 0
     logprobs: list = field(default_factory=list)  # sampling.logprobs: a TokenLogprob per output token
     retention: Optional[RetentionOutcome] = None  # what the cache gave the request's hints (None: it had none)
+    edit_reuse: Optional[EditReuseOutcome] = None  # reuse after an edit (None: not tried)
+
+    @property
+    def reused_tokens(self) -> int:
+        """Prompt tokens whose KV came from cached pages at other positions (not in ``cached_tokens``)."""
+        return self.edit_reuse.reused_tokens if self.edit_reuse is not None else 0
 
     @classmethod
     def from_request(cls, req: Request) -> "GenerateResult":
@@ -191,4 +204,5 @@ class GenerateResult:
             error_code=req.error_code, spec_accept_length=spec.accept_length, spec_verify_steps=spec.verify_steps,
             disaggregated=req.pd is not None, decode_prefix_len=pd.decode_prefix_len,
             kv_transferred_tokens=pd.transferred_tokens, kv_transferred_bytes=pd.transferred_bytes,
-            logprobs=list(req.logprobs), retention=req.retention)
+            logprobs=list(req.logprobs), retention=req.retention,
+            edit_reuse=req.edit.outcome if req.edit is not None else None)

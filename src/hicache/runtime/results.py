@@ -92,6 +92,8 @@ class Results:
                 continue
             req.computed += n
             self.prefill_computed_tokens += n if req.status is Status.PREFILL else 0
+            if req.status is Status.PREFILL:
+                self._after_chunk(req)
             for mode in self.modes:
                 mode.on_computed(req)
             if req.status is Status.PREFILL:
@@ -105,6 +107,12 @@ class Results:
                 req.status = Status.DECODE
             self._end(req, self._append(req, [tok], logprobs), finished)
         return finished
+
+    def _after_chunk(self, req: Request) -> None:
+        """A mode may have filled in prompt tokens past the chunk, or dropped some (edit reuse)."""
+        for mode in self.modes:
+            if (computed := mode.after_chunk(req)) is not None:
+                req.computed = computed
 
     def _apply_accepted(self, req: Request, tokens: Sequence[int], logprobs: Sequence, finished: list[Request]) -> None:
         """A pass a mode composed gave ``tokens`` (j accepted proposals + the model's own): the

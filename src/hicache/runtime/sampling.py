@@ -135,6 +135,9 @@ class SamplingParams:
     logit_bias: Optional[dict[int, float]] = None  # token id -> added to its logit
     min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many output tokens
     logprobs: Optional[int] = None  # None: off; k: each output token's log-probability and the k most likely
+    # reuse after an edit (--enable-edit-reuse): None the engine's setting, False off for this request, True
+    # asks for it (refused by an engine without it)
+    edit_reuse: Optional[bool] = None
 
     def validate(self) -> None:
         """Types and ranges that hold for any model (the vocabulary's: :meth:`check_token_ids`);
@@ -174,6 +177,8 @@ class SamplingParams:
     def _validate_adjustments(self) -> None:
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
             _refuse("min_tokens", f"min_tokens must be an integer in [0, max_new_tokens], got {self.min_tokens!r}.")
+        if self.edit_reuse is not None and not isinstance(self.edit_reuse, bool):
+            _refuse("edit_reuse", f"edit_reuse must be true or false, got {self.edit_reuse!r}.")
         if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
             _refuse("logprobs", f"top_logprobs must be an integer >= 0, got {self.logprobs!r}.")
         for tok, bias in (self.logit_bias or {}).items():

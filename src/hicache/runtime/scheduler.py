@@ -191,7 +191,7 @@ class Scheduler(Results):
         for req in prefilling:
             if budget <= 0:
                 break
-            n = min(len(req.prompt_ids) - req.computed, budget)
+            n = self._chunk(req, budget)
             batch.append((req, n))
             budget -= n
         cut = [(r, self.cache.chunk_tokens(r.computed, n, len(r.prompt_ids))) for r, n in batch + admitted]
@@ -232,10 +232,15 @@ class Scheduler(Results):
                 mode.on_admit(req)
             if req.status is Status.RECEIVING:
                 continue  # its prompt's KV comes from elsewhere
-            n = min(len(req.prompt_ids) - req.computed, budget)
+            n = self._chunk(req, budget)
             batch.append((req, n))
             budget -= n
         return batch
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        """The prompt tokens ``req``'s next chunk takes within ``budget``, as far as every mode allows."""
+        limits = [limit for m in self.modes if (limit := m.chunk_limit(req)) is not None]
+        return min(len(req.prompt_ids) - req.computed, budget, *limits)
 
     def _reserve_tokens(self, req: Request) -> int:
         """Tokens of KV a request reserves at admission: its prompt, its most output, a mode's slots."""

@@ -42,8 +42,9 @@ def computed_prompt_of(req: Request, running: Sequence[Request], page_size: int)
     tokens beyond the pages the tree holds for it (computed while ``req`` was on its way); None if
     there is none. Its prompt is cached for ``req`` to hit. Not on a hybrid pool (``kv.window``
     held): a decoding request has given up the window pages behind its window, so the prompt's end
-    is no longer a boundary its window component can serve."""
-    return next((o for o in running if o.status is Status.DECODE and o.kv.window is None
+    is no longer a boundary its window component can serve. Nor one whose KV is approximate past
+    ``kv_exact`` (edit reuse)."""
+    return next((o for o in running if o.status is Status.DECODE and o.kv.window is None and o.kv_exact is None
                  and _shares(o, req, o.kv.cached_pages * page_size)), None)
 
 

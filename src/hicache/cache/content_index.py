@@ -1,0 +1,116 @@
+"""Finding a prompt's unchanged spans after an edit (issue 61): a content index over the device
+pages of one namespace's tree, looked up at every position of the prompt past its cached prefix.
+
+Prefix matching stops at the first changed token. Past it, an insertion, a deletion, a changed
+line or a reordering leaves the rest of the prompt equal to cached pages at *other* positions:
+each whole cached page is indexed by its tokens alone (not by its chained prefix hash), and a
+window of the prompt that equals one is extended along the cached sequence that page belongs to
+(the next page of its node, then the child that continues with the prompt's next page), as long
+as the tokens agree page by page. A prompt's span is whole cached pages long but may start at any
+position: the KV it reuses is re-rotated to its new positions by the caller.
+
+Only the request's namespace is searched (a ``cache_salt`` never reads another's pages), only
+device-resident pages (a host-only node's KV would have to be loaded first), and never a page in
+``skip`` (one a host load is still writing). The search is a pure function of the tree and the
+prompt: the same on every rank that holds the same tree.
+
+Units: positions and lengths are tokens; pages are device page ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+
+from .page_tree import PageTree
+from .tree_node import TreeNode
+
+
+@dataclass(frozen=True)
+class ReusedSpan:
+    """``length`` tokens of the prompt from position ``dst`` equal the cached sequence's tokens
+    from position ``src``, whose KV lives in the device ``pages`` (``length / page_size`` of them)."""
+
+    dst: int
+    src: int
+    length: int
+    pages: np.ndarray
+
+    @property
+    def shift(self) -> int:
+        """Positions the span moved (its keys are re-rotated by this many)."""
+        return self.dst - self.src
+
+
+@dataclass(frozen=True)
+class PageRef:
+    """Page ``page`` of ``node``, at position ``position`` of its cached sequence."""
+
+    node: TreeNode
+    page: int
+    position: int
+
+
+def device_nodes(tree: PageTree, namespace: str) -> Iterator[tuple[TreeNode, int]]:
+    """Every node of ``namespace`` with device pages, and the position its key starts at, in a
+    fixed order (depth first, children in insertion order)."""
+    root = next((r for r in tree.roots() if r.namespace == namespace), None)
+    stack = [] if root is None else [(root, 0)]
+    while stack:
+        node, start = stack.pop()
+        if not node.is_root and node.device_pages is not None:
+            yield node, start
+        stack.extend((child, start + len(node.key)) for child in reversed(list(node.children.values())))
+
+
+def index_pages(tree: PageTree, namespace: str, skip: frozenset[int] = frozenset()) -> dict[bytes, PageRef]:
+    """Each device page's tokens -> where it is cached (the first such page in :func:`device_nodes`'
+    order; a page in ``skip`` is left out)."""
+    size, index = tree.page_size, {}
+    for node, start in device_nodes(tree, namespace):
+        for i, page in enumerate(node.device_pages.tolist()):
+            if page not in skip:
+                index.setdefault(node.key[i * size : (i + 1) * size].tobytes(), PageRef(node, i, start + i * size))
+    return index
+
+
+def extend(tree: PageTree, ref: PageRef, tokens: np.ndarray, at: int, end: int,
+           skip: frozenset[int] = frozenset()) -> list[int]:
+    """The device pages of the cached sequence from ``ref`` on that equal ``tokens[at:end]``, page
+    by page, as far as they agree (following the child that continues with the prompt's next page)."""
+    size, node, i, pages = tree.page_size, ref.node, ref.page, []
+    while at + size <= end:
+        window = tokens[at : at + size]
+        if i == len(node.key) // size:
+            child = node.children.get(window.tobytes())
+            if child is None or child.device_pages is None:
+                break
+            node, i = child, 0
+        page = int(node.device_pages[i])
+        if page in skip or not np.array_equal(node.key[i * size : (i + 1) * size], window):
+            break
+        pages.append(page)
+        at, i = at + size, i + 1
+    return pages
+
+
+def find_spans(tree: PageTree, namespace: str, tokens: np.ndarray, start: int, end: int, min_tokens: int,
+               skip: frozenset[int] = frozenset()) -> list[ReusedSpan]:
+    """The spans of ``tokens[start:end]`` (int32) found in the cache, left to right, none shorter
+    than ``min_tokens``: at each position the window of one page is looked up, and a hit is
+    extended as far as the cached sequence agrees; the search goes on after the span."""
+    size = tree.page_size
+    tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+    index = index_pages(tree, namespace, skip)
+    spans, at = [], start
+    while at + size <= end and index:
+        ref = index.get(tokens[at : at + size].tobytes())
+        pages = extend(tree, ref, tokens, at, end, skip) if ref is not None else []
+        if len(pages) * size >= max(min_tokens, size):
+            spans.append(ReusedSpan(at, ref.position, len(pages) * size, np.asarray(pages, dtype=np.int64)))
+            at += len(pages) * size
+        else:
+            at += 1
+    return spans

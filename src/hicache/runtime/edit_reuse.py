@@ -1,0 +1,160 @@
+"""Reuse after an edit (issue 61, docs/edit_reuse.md): a mode that, past a prompt's cached prefix,
+fills spans of the prompt with the KV of equal cached pages found at other positions, and computes
+only the rest.
+
+At admission the request's prompt past its exact hit is searched in the device pages of its
+namespace (:func:`~hicache.cache.content_index.find_spans`); each span found is copied into the
+request's own pages at once, keys re-rotated to their new positions
+(:class:`~hicache.model.rope_shift.RopeShift`). Its prefill then runs as chunks that end where a
+span's first ``recompute`` tokens end: those tokens (and every edited token before them) are
+computed over the prompt so far -- the exact prefix, the edits, the spans already kept -- and the
+span's rest is skipped (``Request.computed`` jumps to its end). A span's first tokens absorb the
+change before it; the gate compares what the forward wrote for the last of them with the reused
+values saved at admission: the largest relative L2 deviation over every layer's K and V. Past
+``max_deviation`` the request falls back to exact prefix reuse: its computed length goes back to
+the end of the first span's head (what came before was exact) and every later token is computed.
+
+The KV past the first span is approximate: ``Request.kv_exact`` keeps it out of the tree (only the
+exact prefix is cached at chunk boundaries and at the finish), so no request without edit reuse, and
+no tier below, ever reads it. One rank only (the config refuses TP/PP: the gate would read each
+rank's own heads). Units: positions and lengths are tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from ..cache.content_index import ReusedSpan, find_spans
+from ..cache.pools import pages_to_slots
+from ..edit_reuse_outcome import EditReuseOutcome
+from ..model.rope_shift import RopeShift
+from .modes import Mode, ModeContext
+from .request import Request, Status
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_DEVIATION = 0.35  # relative L2, any layer: see docs/edit_reuse.md for how it was chosen
+GATE_TOKENS = 4  # the last tokens of each span's head the gate compares
+
+
+@dataclass
+class EditPlan:
+    """A request's reused spans (prompt order) and how far its prefill has got through them."""
+
+    spans: list[ReusedSpan]
+    head: int  # tokens computed at the start of each span
+    saved: list[list[tuple[torch.Tensor, torch.Tensor]]]  # per span, per layer: reused K/V of its gate tokens
+    outcome: EditReuseOutcome = field(default_factory=EditReuseOutcome)
+    next: int = 0  # the span whose head the prefill is computing
+
+    def splice_point(self) -> Optional[int]:
+        """Where the current chunk must end (the next span's head), or None once every span is done."""
+        if self.next >= len(self.spans):
+            return None
+        span = self.spans[self.next]
+        return span.dst + self.head
+
+
+class EditReuseMode(Mode):
+    name = "edit_reuse"
+
+    def __init__(self, ctx: ModeContext) -> None:
+        cfg = ctx.cfg
+        self.cache = ctx.cache
+        self.pool = ctx.cache.pool
+        self.page_size = ctx.cache.page_size
+        self.head = cfg.edit_reuse_recompute_tokens
+        self.max_deviation = cfg.edit_reuse_max_deviation or DEFAULT_MAX_DEVIATION
+        self.shift = RopeShift(ctx.spec, ctx.device)
+        self.counts = {"requests": 0, "spans": 0, "reused_tokens": 0, "recomputed_tokens": 0, "gated_off": 0}
+
+    # ---- admission -----------------------------------------------------------------------
+    def on_admit(self, req: Request) -> None:
+        if req.sampling.edit_reuse is False or req.status is not Status.PREFILL or self.cache.tree is None:
+            return
+        self.counts["requests"] += 1
+        tokens, start = req.tokens_np, req.computed
+        spans = find_spans(self.cache.tree, req.namespace, tokens, start, len(tokens) - 1,
+                           self.head + self.page_size, self.cache.loading_pages())
+        req.edit = EditPlan(spans, self.head, [self._splice(req, span) for span in spans])
+        if spans:
+            req.kv_exact = spans[0].dst
+            logger.info("edit reuse rid=%d prompt=%d hit=%d spans=%d found=%d", req.rid, len(tokens), start,
+                        len(spans), sum(s.length for s in spans))
+
+    def _splice(self, req: Request, span: ReusedSpan) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copy ``span``'s cached KV into the request's slots, keys re-rotated; returns the reused
+        K/V of its gate tokens, per layer (the forward overwrites them with computed ones)."""
+        src = pages_to_slots(span.pages, self.page_size).to(req.kv.slots.device)
+        dst = req.kv.slots[span.dst : span.dst + span.length]
+        gate = slice(self.head - min(GATE_TOKENS, self.head), self.head)
+        saved = []
+        for k, v in zip(self.pool.k_buffers, self.pool.v_buffers):
+            k[dst] = self.shift.keys(k[src], span.shift)
+            v[dst] = v[src]
+            saved.append((k[dst[gate]].clone(), v[dst[gate]].clone()))
+        return saved
+
+    # ---- prefill -------------------------------------------------------------------------
+    def chunk_limit(self, req: Request) -> Optional[int]:
+        plan: Optional[EditPlan] = req.edit
+        point = plan.splice_point() if plan is not None else None
+        return None if point is None else point - req.computed
+
+    def after_chunk(self, req: Request) -> Optional[int]:
+        plan: Optional[EditPlan] = req.edit
+        point = plan.splice_point() if plan is not None else None
+        if point is None or req.computed != point:
+            return None
+        span = plan.spans[plan.next]
+        deviation = self._deviation(req, span, plan.saved[plan.next])
+        plan.outcome.deviation = max(plan.outcome.deviation, deviation)
+        if deviation > self.max_deviation:
+            return self._fall_back(req, plan, deviation)
+        plan.outcome.reused_tokens += span.length - self.head
+        plan.outcome.recomputed_tokens += self.head
+        plan.next += 1
+        return span.dst + span.length
+
+    def _deviation(self, req: Request, span: ReusedSpan, saved: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """The largest relative L2 deviation, over layers and K/V, of the computed gate tokens from the reused ones."""
+        gate = req.kv.slots[span.dst + self.head - len(saved[0][0]) : span.dst + self.head]
+        worst = 0.0
+        for (k, v), (old_k, old_v) in zip(zip(self.pool.k_buffers, self.pool.v_buffers), saved):
+            for new, old in ((k[gate], old_k), (v[gate], old_v)):
+                new, old = new.float(), old.float()
+                worst = max(worst, float((new - old).norm() / new.norm().clamp_min(1e-12)))
+        return worst
+
+    def _fall_back(self, req: Request, plan: EditPlan, deviation: float) -> Optional[int]:
+        """The gate refused a span: every token past the first span's head is computed exactly."""
+        logger.info("edit reuse gated rid=%d span=%d deviation=%.3f > %.3f", req.rid, plan.next, deviation,
+                    self.max_deviation)
+        plan.outcome = EditReuseOutcome(gated=True, deviation=plan.outcome.deviation)
+        first = plan.spans[0].dst + self.head
+        plan.spans, plan.saved, plan.next = [], [], 0
+        req.kv_exact = None
+        return first if req.computed != first else None
+
+    # ---- finish --------------------------------------------------------------------------
+    def on_finish(self, req: Request) -> bool:
+        plan: Optional[EditPlan] = req.edit
+        if plan is not None:
+            out = plan.outcome
+            self.counts["spans"] += plan.next
+            self.counts["reused_tokens"] += out.reused_tokens
+            self.counts["recomputed_tokens"] += out.recomputed_tokens
+            self.counts["gated_off"] += out.gated
+        return False
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.counts, "recompute_tokens": self.head, "max_deviation": self.max_deviation}
+
+
+def build(ctx: ModeContext) -> Optional[EditReuseMode]:
+    return EditReuseMode(ctx) if ctx.cfg.enable_edit_reuse else None
+
