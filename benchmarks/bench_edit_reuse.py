@@ -21,16 +21,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from hicache import Engine, SamplingParams
+from hicache import Engine, EngineConfig, GenerateResult, SamplingParams
 from hicache.bench.edit_quality import agreement, first_divergence, topk_kl
 from hicache.bench.edit_sources import checkout_root, doc_sections
 from hicache.bench.edit_workloads import WORKLOADS, EditPair, edit_pairs
-from hicache.config import EngineConfig
 
 ONE = SamplingParams(max_new_tokens=1, temperature=0.0)
 EXTENSION = 48  # tokens of real text after the original prompt: the exact-prefix-hit check
@@ -42,6 +42,7 @@ class Arm:
     """One arm's result for one edited prompt."""
 
     ttft_s: float
+    cpu_s: float  # this process's CPU seconds to the first token (all threads): steadier than wall time on a shared machine
     cached: int
     reused: int
     output: list[int]
@@ -70,9 +71,18 @@ def make_engines(model: str, k: int) -> dict[str, Engine]:
 
 
 def run_arm(engine: Engine, ids: list[int], sp: SamplingParams) -> Arm:
-    res = engine.generate([ids], sp)[0]
+    """``engine.generate`` of one prompt, stepped here to read the CPU time at the first token."""
+    engine.check_sampling(sp)
+    req, sched = engine.make_request(ids, sp, None), engine.scheduler
+    start, cpu = time.process_time(), 0.0
+    sched.add(req)
+    while sched.has_work():
+        sched.step()
+        if not cpu and req.first_token_time > 0:
+            cpu = time.process_time() - start
+    res = GenerateResult.from_request(req)
     top = res.logprobs[0].top if res.logprobs else ()
-    return Arm(res.ttft_s, res.cached_tokens, getattr(res, "reused_tokens", 0), list(res.output_ids), top,
+    return Arm(res.ttft_s, cpu, res.cached_tokens, getattr(res, "reused_tokens", 0), list(res.output_ids), top,
                res.text, getattr(res, "edit_reuse", None))
 
 
@@ -104,17 +114,20 @@ def reuse_row(workload: str, runs: list[PairRun]) -> str:
     prompt = sum(len(r.pair.edited_ids) for r in runs)
     cached = sum(r.arms["prefix"].cached for r in runs)
     ttft = {a: med([r.arms[a].ttft_s for r in runs if a in r.arms]) for a in ("cold", "prefix", "edit")}
+    cpu = {a: med([r.arms[a].cpu_s for r in runs if a in r.arms]) for a in ("cold", "prefix", "edit")}
     line = f"{workload:<19} {prompt / len(runs):>7.0f} {pct(cached, prompt):>11}"
     if not all("edit" in r.arms for r in runs):
-        return line + f" {'-':>11} {'-':>10} {'-':>6} {ttft['cold'] * 1e3:>9.0f} {ttft['prefix'] * 1e3:>9.0f}"
+        return line + f" {'-':>11} {'-':>10} {'-':>6} {'-':>7} {ttft['cold'] * 1e3:>9.0f} {ttft['prefix'] * 1e3:>9.0f}"
     edit = [r.arms["edit"] for r in runs]
     taken = sum(a.cached + a.reused for a in edit)
     outcomes = [a.outcome for a in edit if a.outcome is not None]
     recomputed = sum(o.recomputed_tokens for o in outcomes)
     gated = sum(bool(o.gated) for o in outcomes)
-    return (line + f" {pct(taken, prompt):>11} {pct(recomputed, prompt):>10} {gated:>2}/{len(outcomes):<3} "
+    deviation = max((o.deviation for o in outcomes), default=0.0)
+    return (line + f" {pct(taken, prompt):>11} {pct(recomputed, prompt):>10} {gated:>2}/{len(outcomes):<3} {deviation:>7.3f} "
             f"{ttft['cold'] * 1e3:>9.0f} {ttft['prefix'] * 1e3:>9.0f} {ttft['edit'] * 1e3:>9.0f} "
-            f"{ttft['prefix'] / ttft['edit']:>8.2f}x {ttft['cold'] / ttft['edit']:>8.2f}x")
+            f"{ttft['prefix'] / ttft['edit']:>8.2f}x {ttft['cold'] / ttft['edit']:>8.2f}x "
+            f"{cpu['prefix'] / cpu['edit']:>8.2f}x {cpu['cold'] / cpu['edit']:>8.2f}x")
 
 
 def quality(runs: list[PairRun], arm: str) -> Optional[tuple[float, float, float, int]]:
@@ -143,9 +156,10 @@ def exact_row(workload: str, runs: list[PairRun]) -> str:
     if not both:
         return f"{workload:<19} (edit-reuse arm skipped)"
     equal = sum(r.exact["edit"].output == r.exact["prefix"].output for r in both)
-    ratio = med([r.exact["edit"].ttft_s for r in both]) / med([r.exact["prefix"].ttft_s for r in both])
+    on, off = med([r.exact["edit"].ttft_s for r in both]), med([r.exact["prefix"].ttft_s for r in both])
     cached = sum(r.exact["edit"].cached for r in both) / len(both)
-    return f"{workload:<19} {equal:>3}/{len(both):<3} equal   TTFT on/off {ratio:>5.2f}x   {cached:.0f} cached"
+    return (f"{workload:<19} {equal:>3}/{len(both):<3} equal   TTFT on {on * 1e3:>6.0f} ms, off {off * 1e3:>6.0f} ms "
+            f"({on / off:.2f}x)   {cached:.0f} cached")
 
 
 def worst(runs: list[PairRun]) -> Optional[PairRun]:
@@ -156,9 +170,11 @@ def worst(runs: list[PairRun]) -> Optional[PairRun]:
 
 
 def print_report(model: str, by_workload: dict[str, list[PairRun]], engines: dict[str, Engine]) -> None:
-    print(f"\n== {model}: reuse and TTFT (medians; edited prompts; % of the prompt tokens) ==")
-    print(f"{'workload':<19} {'prompt':>7} {'prefix-only':>11} {'edit reuse':>11} {'recomputed':>10} {'gated':>6} "
-          f"{'cold ms':>9} {'prefix ms':>9} {'edit ms':>9} {'prefix/edit':>9} {'cold/edit':>9}")
+    print(f"\n== {model}: reuse and TTFT (medians; edited prompts; % of the prompt tokens; max dev: the gate's "
+          f"largest deviation; CPU: this process's CPU seconds to the first token) ==")
+    print(f"{'workload':<19} {'prompt':>7} {'prefix-only':>11} {'edit reuse':>11} {'recomputed':>10} {'gated':>6} {'max dev':>7} "
+          f"{'cold ms':>9} {'prefix ms':>9} {'edit ms':>9} {'prefix/edit':>9} {'cold/edit':>9} "
+          f"{'CPU p/e':>9} {'CPU c/e':>9}")
     for w, runs in by_workload.items():
         print(reuse_row(w, runs))
     print(f"\n== {model}: quality vs cold (greedy, position-wise agreement; KL of the first token) ==")
@@ -195,9 +211,12 @@ def run_model(model: str, args: argparse.Namespace) -> None:
                 run = run_pair(engines, pair, extension, sp)
                 by_workload[w].append(run)
                 ttft = " ".join(f"{a} {x.ttft_s * 1e3:.0f}ms" for a, x in run.arms.items())
+                edit = run.arms.get("edit")
+                got = f"; reused {edit.reused}, {edit.outcome}" if edit is not None else ""
                 print(f"  [{time.perf_counter() - started:6.0f}s] {w} #{pair.index}: {len(pair.edited_ids)} tokens, "
-                      f"{pair.change}; TTFT {ttft}", flush=True)
+                      f"{pair.change}; TTFT {ttft}{got}", flush=True)
         print_report(model, by_workload, engines)
+        print("load average (1, 5, 15 min; other processes share these CPUs): %.1f %.1f %.1f" % os.getloadavg())
     finally:
         for e in engines.values():
             e.shutdown()
