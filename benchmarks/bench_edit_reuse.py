@@ -3,6 +3,7 @@ four edit workloads of real text (src/hicache/bench/edit_workloads.py).
 
     .venv/bin/python benchmarks/bench_edit_reuse.py [--model smollm2 qwen2.5-coder-0.5b] [--prompts 200]
         [--size 4096] [--tokens 64] [--workloads claude_code ...] [--quick]
+        [--edit-reuse-recompute-tokens 32] [--edit-reuse-max-deviation 0.35]
 
 Three engines per model: cold (--disable-radix-cache), prefix-only (the default), edit reuse
 (--enable-edit-reuse). For each (original, edited) pair, prefix-only and edit reuse are flushed,
@@ -10,7 +11,8 @@ warmed with the original prompt (one token), then sent the original extended by 
 prefix hit: its reply and TTFT with the feature on vs off), then the edited prompt; cold gets the
 edited prompt alone. Each edited prompt gets ``--tokens`` greedy tokens, the first with its top
 ``--logprobs`` alternatives. Per workload: prompt tokens; tokens taken from the cache (prefix-only:
-cached; edit reuse: cached + reused, and the recomputed ones); TTFT medians and ratios; how often the
+cached; edit reuse: cached + reused, and the recomputed ones); TTFT medians and ratios (wall, and
+this process's CPU seconds to the first token, steadier on a shared machine); how often the
 gate fell back to exact prefix reuse; quality vs cold (bench/edit_quality.py: position-wise greedy
 agreement, first divergence, top-k KL of the first token, a lower bound), prefix-only's beside it as
 the floor that exact reuse already gives; the worst reply. ``--quick``: smollm2, 1 pair per
@@ -60,11 +62,12 @@ class PairRun:
     exact: dict[str, Arm] = field(default_factory=dict)
 
 
-def make_engines(model: str, k: int) -> dict[str, Engine]:
+def make_engines(model: str, k: int, edit_options: dict[str, Any]) -> dict[str, Engine]:
+    """cold, prefix-only and (when this checkout has it) edit reuse with ``edit_options``."""
     engines = {"cold": Engine(model, disable_radix_cache=True, max_logprobs=k),
                "prefix": Engine(model, max_logprobs=k)}
     if HAS_EDIT_REUSE:
-        engines["edit"] = Engine(model, max_logprobs=k, enable_edit_reuse=True)
+        engines["edit"] = Engine(model, max_logprobs=k, enable_edit_reuse=True, **edit_options)
     for e in engines.values():  # kernels warmed before anything is timed
         e.generate([list(range(100, 164))], ONE)
     return engines
@@ -197,12 +200,15 @@ def print_report(model: str, by_workload: dict[str, list[PairRun]], engines: dic
 
 def run_model(model: str, args: argparse.Namespace) -> None:
     started = time.perf_counter()
-    engines = make_engines(model, args.logprobs)
+    edit_options = {k: v for k, v in (("edit_reuse_recompute_tokens", args.edit_reuse_recompute_tokens),
+                                      ("edit_reuse_max_deviation", args.edit_reuse_max_deviation)) if v is not None}
+    engines = make_engines(model, args.logprobs, edit_options)
     tok = engines["prefix"].tokenizer
     extension = tok.encode(doc_sections(checkout_root())[0].text)[:EXTENSION]
     sp = SamplingParams(max_new_tokens=args.tokens, temperature=0.0, logprobs=args.logprobs)
     print(f"\nmodel={model} dtype={engines['prefix'].config.dtype} page={engines['prefix'].config.page_size} "
-          f"pairs/workload={args.prompts} target={args.size} tokens={args.tokens} top-k={args.logprobs}", flush=True)
+          f"pairs/workload={args.prompts} target={args.size} tokens={args.tokens} top-k={args.logprobs} "
+          f"edit reuse {edit_options or 'defaults'}", flush=True)
     by_workload: dict[str, list[PairRun]] = {}
     try:
         for w in args.workloads:
@@ -231,6 +237,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=None, help="greedy tokens per reply (default 64; --quick: 16)")
     ap.add_argument("--logprobs", type=int, default=20, help="top-k of the first token's distribution (KL)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--edit-reuse-recompute-tokens", type=int, default=None, help="the engine flag (default: its)")
+    ap.add_argument("--edit-reuse-max-deviation", type=float, default=None, help="the engine flag (default: its)")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     quick = args.quick
