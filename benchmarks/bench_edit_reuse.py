@@ -160,9 +160,10 @@ def exact_row(workload: str, runs: list[PairRun]) -> str:
         return f"{workload:<19} (edit-reuse arm skipped)"
     equal = sum(r.exact["edit"].output == r.exact["prefix"].output for r in both)
     on, off = med([r.exact["edit"].ttft_s for r in both]), med([r.exact["prefix"].ttft_s for r in both])
+    cpu_on, cpu_off = med([r.exact["edit"].cpu_s for r in both]), med([r.exact["prefix"].cpu_s for r in both])
     cached = sum(r.exact["edit"].cached for r in both) / len(both)
     return (f"{workload:<19} {equal:>3}/{len(both):<3} equal   TTFT on {on * 1e3:>6.0f} ms, off {off * 1e3:>6.0f} ms "
-            f"({on / off:.2f}x)   {cached:.0f} cached")
+            f"({on / off:.2f}x; CPU {cpu_on / cpu_off:.2f}x)   {cached:.0f} cached")
 
 
 def worst(runs: list[PairRun]) -> Optional[PairRun]:
