@@ -31,6 +31,7 @@ import torch
 
 from ..cache.content_index import EDIT_PREFIX, ReusedSpan, edit_namespace, exact_namespace, find_spans
 from ..cache.pools import pages_to_slots
+from ..consensus_record import consensus_check
 from ..edit_reuse_outcome import EditReuseOutcome
 from ..model.rope_shift import RopeShift
 from .modes import Mode, ModeContext
@@ -82,27 +83,37 @@ class EditReuseMode(Mode):
         this prompt than the exact one holds."""
         if not self.wants(req) or req.namespace.startswith(EDIT_PREFIX):
             return None
-        tree, prompt = self.cache.tree, req.tokens_np[:-1]
-        exact, edited = tree.peek_prefix(req.namespace, prompt), tree.peek_prefix(edit_namespace(req.namespace), prompt)
-        held = lambda peek: peek.device_hit_tokens + peek.host_hit_tokens  # noqa: E731
-        return edit_namespace(req.namespace) if held(edited) > held(exact) else None
+        edited = edit_namespace(req.namespace)
+        return edited if self._held(edited, req) > self._held(req.namespace, req) else None
+
+    def _held(self, namespace: str, req: Request) -> int:
+        """Tokens of ``req``'s prompt a match in ``namespace`` would hit (device and host)."""
+        peek = self.cache.tree.peek_prefix(namespace, req.tokens_np[:-1])
+        return peek.device_hit_tokens + peek.host_hit_tokens
 
     def on_admit(self, req: Request) -> None:
         if not self.wants(req) or req.status is not Status.PREFILL:
             return
         self.counts["requests"] += 1
-        tokens, start = req.tokens_np, req.computed
+        start = req.computed
         approximate = req.namespace.startswith(EDIT_PREFIX)  # (then everything it caches goes there)
-        exact = exact_namespace(req.namespace)
-        namespaces = [req.namespace, exact] if approximate else [exact, edit_namespace(exact)]  # (its own first)
-        spans = find_spans(self.cache.tree, namespaces, tokens, start, len(tokens) - 1,
-                           self.head + self.page_size, self.cache.loading_pages())
+        spans = self._find(req)
         req.edit = EditPlan(spans, self.head, [self._splice(req, span) for span in spans])
         req.edit.outcome.approximate_hit_tokens = start if approximate else 0
-        if spans and not approximate:
-            req.kv_exact = spans[0].dst
-            logger.info("edit reuse rid=%d prompt=%d hit=%d spans=%d found=%d", req.rid, len(tokens), start,
+        if spans:
+            req.kv_exact = None if approximate else spans[0].dst
+            logger.info("edit reuse rid=%d prompt=%d hit=%d spans=%d found=%d", req.rid, len(req.prompt_ids), start,
                         len(spans), sum(s.length for s in spans))
+
+    # (logical positions only, never page ids: ranks with other pool sizes agree on these)
+    @consensus_check("edit_reuse.find", args=lambda self, req: (req.rid, req.namespace, req.computed),
+                     result=lambda spans: [(s.dst, s.src, s.length) for s in spans])
+    def _find(self, req: Request) -> list[ReusedSpan]:
+        """The spans of ``req``'s prompt past its hit found in its namespaces (its own first)."""
+        exact = exact_namespace(req.namespace)
+        namespaces = [req.namespace, exact] if req.namespace != exact else [exact, edit_namespace(exact)]
+        return find_spans(self.cache.tree, namespaces, req.tokens_np, req.computed, len(req.tokens_np) - 1,
+                          self.head + self.page_size, self.cache.loading_pages())
 
     def _splice(self, req: Request, span: ReusedSpan) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copy ``span``'s cached KV into the request's slots, keys re-rotated; returns the reused
