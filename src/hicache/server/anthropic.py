@@ -49,6 +49,7 @@ from ..runtime.request import GenerateResult
 from .builtin_tools import dropped_header, note_dropped
 from .cache_control import Breakpoint, anthropic_usage, breakpoint_hints, read_breakpoints, tokens_within
 from .choices import collect_choices, event_stream, merged_updates, submit_choices
+from .edit_reuse_usage import outcome_usage
 from .keepalive import ANTHROPIC_PING
 from .parsing import parse_body, read_body
 from .hints import retention_usage
@@ -138,6 +139,7 @@ class MessagesRequest(RequestBody):
     tools: Optional[list[AnthropicTool]] = None
     tool_choice: Optional[dict[str, Any]] = None
     cache_control: Optional[Any] = None  # automatic caching: a breakpoint on the last message's last block
+    edit_reuse: Optional[bool] = None  # hicache's extension: reuse after an edit (docs/edit_reuse.md)
 
 
 # Claude Code opens its system prompt with an attribution line whose values it derives from the request's
@@ -179,7 +181,7 @@ def as_chat(body: MessagesRequest) -> ChatCompletionRequest:
             raise APIError(400, f"tools[{i}].input_schema: Field required.", param="tools")
     chat: dict[str, Any] = {  # (a None is the field's default: RequestBody)
         "model": body.model, "messages": messages, "temperature": body.temperature, "stream": body.stream,
-        "top_p": body.top_p, "top_k": body.top_k, "stop": body.stop_sequences or None,
+        "top_p": body.top_p, "top_k": body.top_k, "stop": body.stop_sequences or None, "edit_reuse": body.edit_reuse,
         "tools": [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                     "parameters": t.input_schema}} for t in tools] or None}
     if body.tool_choice is not None:
@@ -205,7 +207,7 @@ def _tool_choice(choice: dict[str, Any]) -> tuple[Any, bool]:
 def _usage(res: GenerateResult, p: Prepared) -> dict[str, Any]:
     """A finished request's usage (server/cache_control.py), with what the cache gave its breakpoints."""
     return {**anthropic_usage(res.prompt_tokens, res.cached_tokens_details, res.completion_tokens, p.hints),
-            **retention_usage(p.hints, res)}
+            **outcome_usage([res]), **retention_usage(p.hints, res)}
 
 
 def _sentinel(kind: str, fields: dict[str, Any]) -> Any:
