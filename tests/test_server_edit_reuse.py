@@ -83,9 +83,13 @@ def test_chat_usage_reports_reused_tokens_apart_from_cached_ones(client) -> None
     streamed = list(client.chat.completions.create(
         model=NAME, messages=[{"role": "system", "content": edited}, {"role": "user", "content": "Go."}],
         max_tokens=4, temperature=0, stream=True, stream_options={"include_usage": True}))
+    # the same edited prompt again, streamed: the body's KV comes back either reused again or as a hit on the
+    # approximate KV the first edited turn left (counted in cached_tokens, and said apart)
     usage = streamed[-1].usage
-    assert usage.prompt_tokens_details.model_extra["reused_tokens"] == usage.model_extra["hicache_edit_reuse"][
-        "reused_tokens"] > 0
+    again = usage.model_extra["hicache_edit_reuse"]
+    assert usage.prompt_tokens_details.model_extra["reused_tokens"] == again["reused_tokens"]
+    assert usage.prompt_tokens_details.cached_tokens >= again["approximate_hit_tokens"]
+    assert again["reused_tokens"] + again["approximate_hit_tokens"] >= 0.7 * len(original)
 
 
 def test_edit_reuse_false_turns_it_off_for_one_request(server, client) -> None:
@@ -109,8 +113,9 @@ def test_metrics_and_stats_count_what_usage_reports(server, client) -> None:
     client.completions.create(model=NAME, prompt=original, max_tokens=1)
     before, stats_before = scrape(server), httpx.get(server.base_url + "/stats").json()["edit_reuse"]
     kept = client.completions.create(model=NAME, prompt=edited, max_tokens=1).usage.model_extra["hicache_edit_reuse"]
-    # the same text inside a chat template: its spans are found, but their first tokens, computed after the
-    # template's head instead of at the prompt's start, deviate past the gate: exact prefix reuse
+    # the same text inside a chat template: its spans are found in the bare prompt's pages, but their first
+    # tokens, computed after the template's head rather than at the prompt's start, deviate past the gate
+    # (0.48 > 0.35 on this model): exact prefix reuse
     gated = chat(client, edited).usage
     client.completions.create(model=NAME, prompt=edited + "More.", max_tokens=1, extra_body={"edit_reuse": False})
     after, stats_after = scrape(server), httpx.get(server.base_url + "/stats").json()["edit_reuse"]
@@ -137,8 +142,10 @@ def test_messages_and_responses_usage_carry_the_figures(server, client) -> None:
     assert reused > 0 and usage["cache_read_input_tokens"] <= EXACT_AT_MOST  # reused tokens are input, not reads
     assert usage["input_tokens"] >= reused
 
-    response = client.responses.create(model=NAME, instructions=edited, input="Go.", max_output_tokens=4,
-                                       temperature=0, store=False)
+    original, edited = prompts(6)  # (the edited Messages turn left its KV for its conversation's next turn)
+    turn = dict(model=NAME, input="Go.", max_output_tokens=4, temperature=0, store=False)
+    client.responses.create(instructions=original, **turn)
+    response = client.responses.create(instructions=edited, **turn)
     details = response.usage.input_tokens_details
     assert details.model_extra["reused_tokens"] == response.usage.model_extra["hicache_edit_reuse"]["reused_tokens"]
     assert details.model_extra["reused_tokens"] > 0 and details.cached_tokens <= EXACT_AT_MOST

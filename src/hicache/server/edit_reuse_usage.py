@@ -39,14 +39,15 @@ def outcome_usage(results: Sequence[GenerateResult]) -> dict[str, Any]:
 
 
 def combined(outcomes: Sequence[Optional[EditReuseOutcome]]) -> Optional[EditReuseOutcome]:
-    """The outcomes of several prompts as one: tokens added, the largest deviation, gated if any
-    was; None when none of them tried."""
+    """The outcomes of several prompts as one: token counts added, the largest deviation, gated if
+    any was; None when none of them tried."""
     tried = [o for o in outcomes if o is not None]
     if not tried:
         return None
     return EditReuseOutcome(reused_tokens=sum(o.reused_tokens for o in tried),
                             recomputed_tokens=sum(o.recomputed_tokens for o in tried),
-                            gated=any(o.gated for o in tried), deviation=max(o.deviation for o in tried))
+                            gated=any(o.gated for o in tried), deviation=max(o.deviation for o in tried),
+                            approximate_hit_tokens=sum(o.approximate_hit_tokens for o in tried))
 
 
 def request_outcome(res: GenerateResult) -> Optional[str]:
