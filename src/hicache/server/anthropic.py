@@ -26,7 +26,9 @@ it waits for that, then empty ``text_delta`` events while the prompt prefills (s
 automatic) retain the prompt up to them for their ttl; usage is Anthropic's (``cache_read_input_tokens``
 what the prefix cache served, every tier; ``cache_creation_input_tokens`` what this request wrote at its
 breakpoints, by ttl in ``cache_creation``; ``input_tokens`` the rest), plus ``hicache_cached_tokens``
-per tier and ``hicache_retention`` (what the cache gave the breakpoints): server/cache_control.py.
+per tier and ``hicache_retention`` (what the cache gave the breakpoints): server/cache_control.py; with reuse
+after an edit (extension field ``edit_reuse``), ``hicache_edit_reuse`` (its reused tokens are part of
+``input_tokens``, never of ``cache_read_input_tokens``: server/edit_reuse_usage.py).
 ``anthropic-version``, ``anthropic-beta``, ``thinking``, ``metadata``, ``context_management`` and
 ``output_config`` are accepted and ignored (none changes the output: no thinking blocks are written);
 ``x-api-key`` is taken as the key (middleware).

@@ -15,7 +15,9 @@ The answer is ``{"text", "output_ids", "meta_info"}``; ``meta_info`` holds ``id`
 ``prompt_tokens``, ``completion_tokens``, ``cached_tokens`` and SGLang's
 ``cached_tokens_details`` (device / host / storage), ``finish_reason`` as
 ``{"type": "stop" | "length" | "abort", "matched" | "length" | "message": ...}``,
-``e2e_latency`` (seconds), and hicache's extensions (``timing``, speculative and P/D figures).
+``e2e_latency`` (seconds), and hicache's extensions (``timing``, speculative and P/D figures,
+``reused_tokens`` / ``hicache_edit_reuse``: server/edit_reuse_usage.py; ``edit_reuse`` in
+``sampling_params`` or at the top level switches it per request).
 SGLang's ``retention_seconds`` (with ``priority``) asks the cache to keep the prompt and reply
 that long (server/hints.py); what it gave is ``meta_info.hicache_retention``.
 Streamed, every ``data:`` chunk carries the CUMULATIVE text and output ids so far (SGLang's

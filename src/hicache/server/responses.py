@@ -24,8 +24,9 @@ while stored, and ``DELETE`` releases it. Without ``max_output_tokens`` a reply 
 take the rest of the context (``--default-max-tokens`` caps it). A stream writes keep-alives while
 the prompt prefills (server/keepalive.py): ``response.in_progress`` again. A grammar
 failure ends the response as ``failed``. Beside the standard usage, hicache's extensions:
-``usage.hicache_cached_tokens`` (cached tokens per tier) and ``timing`` (seconds: TTFT, queue,
-forward), as on chat completions.
+``usage.hicache_cached_tokens`` (cached tokens per tier), ``timing`` (seconds: TTFT, queue,
+forward) and reuse after an edit (``edit_reuse``; ``input_tokens_details.reused_tokens``,
+``usage.hicache_edit_reuse``: server/edit_reuse_usage.py), as on chat completions.
 """
 
 from __future__ import annotations
