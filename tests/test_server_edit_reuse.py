@@ -6,6 +6,7 @@ without the flag refuses a request that asks for it, naming the field."""
 
 from __future__ import annotations
 
+import json
 import random
 import re
 
@@ -141,6 +142,11 @@ def test_messages_and_responses_usage_carry_the_figures(server, client) -> None:
     reused = usage["hicache_edit_reuse"]["reused_tokens"]
     assert reused > 0 and usage["cache_read_input_tokens"] <= EXACT_AT_MOST  # reused tokens are input, not reads
     assert usage["input_tokens"] >= reused
+    events = post(server, "/v1/messages", {**message, "system": edited, "stream": True}).text  # (the same, streamed)
+    final = [json.loads(line[6:]) for line in events.splitlines() if line.startswith("data: ")][-2]
+    again = final["usage"]["hicache_edit_reuse"]  # (message_delta's: the edited turn's KV hit, or reused again)
+    assert final["type"] == "message_delta"
+    assert again["reused_tokens"] + again["approximate_hit_tokens"] > 0.7 * len(edited)
 
     original, edited = prompts(6)  # (the edited Messages turn left its KV for its conversation's next turn)
     turn = dict(model=NAME, input="Go.", max_output_tokens=4, temperature=0, store=False)
@@ -172,3 +178,16 @@ def test_a_server_without_the_flag_refuses_edit_reuse_true_naming_the_field() ->
         # false is always accepted: it asks for what the server does anyway
         assert post(srv, "/v1/chat/completions", {**chat_body, "edit_reuse": False}).status_code == 200
         assert scrape(srv) == {} and "edit_reuse" not in httpx.get(srv.base_url + "/stats").json()
+
+
+def test_several_prompts_and_choices_count_each_prompt_once(client) -> None:
+    original, edited = prompts(7)
+    client.completions.create(model=NAME, prompt=original, max_tokens=1)
+    one = client.completions.create(model=NAME, prompt=edited, max_tokens=1).usage.prompt_tokens_details
+    pairs = [prompts(8), prompts(9)]  # (the same lengths: each reuses as many tokens as the one above)
+    client.completions.create(model=NAME, prompt=[o for o, _ in pairs], max_tokens=1)
+    both = client.completions.create(model=NAME, prompt=[e for _, e in pairs], max_tokens=2, n=2,
+                                     temperature=1, seed=5).usage
+    outcome = both.model_extra["hicache_edit_reuse"]
+    assert both.prompt_tokens_details.model_extra["reused_tokens"] == outcome["reused_tokens"]
+    assert outcome["reused_tokens"] == 2 * one.model_extra["reused_tokens"] > 0 and not outcome["gated"]
