@@ -13,7 +13,9 @@ Only the request's namespaces are searched (its exact one and its :func:`edit_na
 ``cache_salt`` never reads another's pages), only
 device-resident pages (a host-only node's KV would have to be loaded first), and never a page in
 ``skip`` (one a host load is still writing). The search is a pure function of the tree and the
-prompt: the same on every rank that holds the same tree.
+prompt: the same on every rank that holds the same tree. Its cost is the index's build, linear in
+the namespace's device pages (~25 ms for 15,000 pages of 16 tokens on a 2-core AVX2 VM, and ~5 ms
+more per 20,000 prompt tokens looked up); a tail shorter than one span skips it.
 
 Units: positions and lengths are tokens; pages are device page ids.
 """
@@ -119,6 +121,8 @@ def find_spans(tree: PageTree, namespaces: Sequence[str], tokens: np.ndarray, st
     of one page is looked up, and a hit is extended as far as the cached sequence agrees; the search
     goes on after the span."""
     size = tree.page_size
+    if end - start < max(min_tokens, size):
+        return []  # (no span fits: the index is not built)
     tokens = np.ascontiguousarray(tokens, dtype=np.int32)
     index = index_pages(tree, namespaces, skip)
     spans, at = [], start
