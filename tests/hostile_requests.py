@@ -59,7 +59,7 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "n", "seed", "prese
                    "repetition_penalty", "min_tokens", "max_tokens", "stop", "stop_token_ids", "logit_bias",
                    "ignore_eos", "logprobs", "top_logprobs", "stream", "cache_salt", "user", "response_format",
                    "regex", "ebnf", "tools", "tool_choice", "parallel_tool_calls", "stream_options",
-                   "max_completion_tokens", "bootstrap_room")
+                   "max_completion_tokens", "bootstrap_room", "edit_reuse")
 HELLO = [{"role": "user", "content": "hello there"}]
 # Each route's valid body (less the model's name, which every route but /generate names)
 VALID_BODIES: dict[str, dict[str, Any]] = {

@@ -38,7 +38,7 @@ def test_an_insertion_leaves_the_rest_findable_at_its_shifted_position() -> None
     original = [1, 2, 3, 4] + BODY
     tree = cached(original)
     edited = [1, 2, 3, 4, 7, 7, 7] + BODY  # 3 tokens inserted: the body moved by 3, off the page grid
-    spans = find_spans(tree, "m", np.asarray(edited), 4, len(edited), min_tokens=8)
+    spans = find_spans(tree, ["m"], np.asarray(edited), 4, len(edited), min_tokens=8)
     assert [(s.dst, s.src, s.length, s.shift) for s in spans] == [(7, 4, 40, 3)]
     assert np.array_equal(spans[0].pages, pages_of(tree, original)[1:])
 
@@ -48,7 +48,7 @@ def test_a_span_continues_into_the_child_that_follows_the_prompt() -> None:
     first, second = [5] * 4 + BODY[:20] + [8] * 8, [5] * 4 + BODY[:20] + BODY[20:]
     tree = cached(first, second)
     edited = [6] * 4 + [9] + BODY  # the first page changed and one token inserted
-    spans = find_spans(tree, "m", np.asarray(edited), 0, len(edited), min_tokens=8)
+    spans = find_spans(tree, ["m"], np.asarray(edited), 0, len(edited), min_tokens=8)
     assert [(s.dst, s.src, s.length) for s in spans] == [(5, 4, 40)]
     assert np.array_equal(spans[0].pages, pages_of(tree, second)[1:])
 
@@ -57,22 +57,22 @@ def test_reordered_passages_are_each_found() -> None:
     p1, p2 = list(range(200, 224)), list(range(300, 324))
     tree = cached([0] * 4 + p1 + p2)
     edited = [0] * 4 + p2 + p1
-    spans = find_spans(tree, "m", np.asarray(edited), 4, len(edited), min_tokens=8)
+    spans = find_spans(tree, ["m"], np.asarray(edited), 4, len(edited), min_tokens=8)
     assert [(s.dst, s.src, s.length) for s in spans] == [(4, 28, 24), (28, 4, 24)]
 
 
 def test_the_search_stays_in_the_request_namespace_and_skips_loading_pages() -> None:
     tree = cached([1, 2, 3, 4] + BODY, ns="salt-a")
     edited = np.asarray([9, 9] + BODY)
-    assert find_spans(tree, "salt-b", edited, 0, len(edited), min_tokens=8) == []
+    assert find_spans(tree, ["salt-b"], edited, 0, len(edited), min_tokens=8) == []
     loading = frozenset(int(p) for p in pages_of(tree, [1, 2, 3, 4] + BODY, ns="salt-a")[5:6])  # page 5: body 16..19
-    spans = find_spans(tree, "salt-a", edited, 0, len(edited), min_tokens=8, skip=loading)
+    spans = find_spans(tree, ["salt-a"], edited, 0, len(edited), min_tokens=8, skip=loading)
     assert [(s.dst, s.length) for s in spans] == [(2, 16), (22, 20)]  # around the page being loaded
 
 
 def test_spans_shorter_than_the_minimum_and_the_end_bound_are_respected() -> None:
     tree = cached([1, 2, 3, 4] + BODY)
     edited = np.asarray([0] + BODY[:8] + [0] + BODY[8:])
-    spans = find_spans(tree, "m", edited, 0, len(edited) - 1, min_tokens=12)
+    spans = find_spans(tree, ["m"], edited, 0, len(edited) - 1, min_tokens=12)
     # BODY[:8] (2 pages) is under the minimum; the rest stops a page short of the end bound
     assert [(s.dst, s.src, s.length) for s in spans] == [(10, 12, 28)]

@@ -76,6 +76,21 @@ def test_approximate_kv_is_never_served_to_a_request_without_edit_reuse(prefix_o
         e.shutdown()
 
 
+def test_the_next_turn_hits_what_the_edited_turn_left_in_its_own_namespace(prefix_only) -> None:
+    e = warmed()
+    try:
+        first = e.generate(EDITED, GREEDY)[0]
+        turn = EDITED + first.output_ids + [11, 12, 13, 14, 15]
+        nxt = e.generate(turn, GREEDY)[0]
+        hit = (len(EDITED) + len(first.output_ids) - 1) // 16 * 16  # (the reply's last token has no KV)
+        assert nxt.cached_tokens == hit and nxt.edit_reuse.approximate_hit_tokens == hit
+        plain = e.generate(turn, SamplingParams(max_new_tokens=8, temperature=0, edit_reuse=False))[0]
+        assert plain.cached_tokens == len(SYSTEM)  # the approximate namespace is not its to read
+        assert plain.output_ids == prefix_only.generate(turn, GREEDY)[0].output_ids
+    finally:
+        e.shutdown()
+
+
 def test_an_exact_prefix_hit_is_unchanged_with_the_feature_on(prefix_only) -> None:
     e = warmed()
     try:
@@ -112,3 +127,28 @@ def test_opt_in_and_refusals() -> None:
         with pytest.raises(ConfigError, match=f"--enable-edit-reuse: .*{says}"):
             engine(enable_edit_reuse=True, **kw)
     # (models whose KV cannot move: tests/test_engine.py, one case per refused component)
+
+
+def test_edits_under_eviction_with_a_host_tier_keep_every_page_accounted() -> None:
+    """A pool of ~3 prompts and a host tier: edited turns of several conversations evict each other's
+    exact and approximate pages, spans come from whatever is on the device (a turn-2 edit finds the body
+    in turn 1's approximate pages when turn 0's exact ones went to the host); no page is lost or shared."""
+    rng = np.random.default_rng(1)
+    e = Engine("random:small", dtype="float32", max_total_tokens=3072, enable_hierarchical_cache=True,
+               hicache_ratio=4.0, enable_edit_reuse=True)
+    try:
+        bodies = [rng.integers(0, 256, 500).tolist() for _ in range(4)]
+        reused = [0, 0, 0]
+        for turn in range(3):
+            for i, body in enumerate(bodies):
+                prompt = SYSTEM + [200 + turn, 100 + i] * (turn + 1) + body  # the edit grows every turn
+                res = e.generate(prompt, SamplingParams(max_new_tokens=4, temperature=0))[0]
+                assert len(res.output_ids) == 4
+                reused[turn] += res.reused_tokens
+                u, h = e.cache.usage(), e.cache.host_usage()
+                assert u["free_pages"] + u["cached_pages"] + u["request_pages"] == u["capacity_pages"]
+                assert h["free_pages"] + h["cached_pages"] == h["capacity_pages"]
+                e.cache.tree.check_invariants()
+        assert reused[0] == 0 and reused[1] > 0 and reused[2] > 0
+    finally:
+        e.shutdown()

@@ -16,13 +16,17 @@ class EditReuseOutcome:
     tokens of reused spans computed anyway (each span's first tokens); ``gated``: the quality gate
     found a reused span's KV too far from the recomputed one and the request fell back to exact
     prefix reuse (then ``reused_tokens`` is 0); ``deviation``: the largest relative deviation the
-    gate measured (0 when nothing was checked)."""
+    gate measured (0 when nothing was checked); ``approximate_hit_tokens``: of ``cached_tokens``, those
+    hit in the conversation's approximate namespace (KV an earlier edit-reused turn left, exact for
+    no one else)."""
 
     reused_tokens: int = 0
     recomputed_tokens: int = 0
     gated: bool = False
     deviation: float = 0.0
+    approximate_hit_tokens: int = 0
 
     def to_json(self) -> dict:
         return {"reused_tokens": self.reused_tokens, "recomputed_tokens": self.recomputed_tokens,
-                "gated": self.gated, "deviation": round(self.deviation, 6)}
+                "gated": self.gated, "deviation": round(self.deviation, 6),
+                "approximate_hit_tokens": self.approximate_hit_tokens}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from typing import Callable
 
 from dataclasses import dataclass, field
 
@@ -225,6 +226,28 @@ class DeviceTier:
             self.tree.dec_lock_ref(state.node)
         state.pages = state.pages[:0]
         state.node = None
+
+    def cache_copy(self, namespace: str, tokens: np.ndarray, state: KVState,
+                   copy: Callable[[np.ndarray, np.ndarray], None]) -> int:
+        """Cache the whole pages of ``tokens`` under ``namespace``, another than the one the request
+        hit (edit reuse's approximate one): its cached pages are copied into fresh ones (``copy(src,
+        dst)``, device pages), its own pages go to the tree and leave ``state``. Before the request's
+        release only. Returns the pages cached; 0, nothing changed, when no pages are free for the copies."""
+        n, held = len(tokens) // self.page_size, state.cached_pages
+        if self.tree is None or n <= held:
+            return 0
+        copies = self._alloc(held, 0, 0)
+        if copies is None:
+            return 0
+        copy(state.pages[:held], copies)
+        pages = np.concatenate([copies, state.pages[held:n]])
+        already = self.tree.insert(namespace, tokens, pages) // self.page_size
+        self.allocator.free(pages[:already])  # what the namespace held already stays; these were not taken
+        state.pages = np.concatenate([state.pages[:held], state.pages[n:]])
+        state.refresh_slots(self.page_size)
+        if self.lower is not None:
+            self.lower.on_insert(self.tree.node_at(namespace, tokens))
+        return n
 
     def _insert(self, namespace: str, tokens: np.ndarray, state: KVState) -> bool:
         """Cache the request's pages for the whole pages of ``tokens``; False (nothing changed) when

@@ -26,10 +26,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
-from ..cache.content_index import ReusedSpan, find_spans
+from ..cache.content_index import EDIT_PREFIX, ReusedSpan, edit_namespace, exact_namespace, find_spans
 from ..cache.pools import pages_to_slots
+from ..consensus_record import consensus_check
 from ..edit_reuse_outcome import EditReuseOutcome
 from ..model.rope_shift import RopeShift
 from .modes import Mode, ModeContext
@@ -73,18 +75,45 @@ class EditReuseMode(Mode):
         self.counts = {"requests": 0, "spans": 0, "reused_tokens": 0, "recomputed_tokens": 0, "gated_off": 0}
 
     # ---- admission -----------------------------------------------------------------------
+    def wants(self, req: Request) -> bool:
+        return req.sampling.edit_reuse is not False and self.cache.tree is not None
+
+    def admission_namespace(self, req: Request) -> Optional[str]:
+        """The approximate namespace, where an earlier edited turn of the conversation left more of
+        this prompt than the exact one holds."""
+        if not self.wants(req) or req.namespace.startswith(EDIT_PREFIX):
+            return None
+        edited = edit_namespace(req.namespace)
+        return edited if self._held(edited, req) > self._held(req.namespace, req) else None
+
+    def _held(self, namespace: str, req: Request) -> int:
+        """Tokens of ``req``'s prompt a match in ``namespace`` would hit (device and host)."""
+        peek = self.cache.tree.peek_prefix(namespace, req.tokens_np[:-1])
+        return peek.device_hit_tokens + peek.host_hit_tokens
+
     def on_admit(self, req: Request) -> None:
-        if req.sampling.edit_reuse is False or req.status is not Status.PREFILL or self.cache.tree is None:
+        if not self.wants(req) or req.status is not Status.PREFILL:
             return
         self.counts["requests"] += 1
-        tokens, start = req.tokens_np, req.computed
-        spans = find_spans(self.cache.tree, req.namespace, tokens, start, len(tokens) - 1,
-                           self.head + self.page_size, self.cache.loading_pages())
+        start = req.computed
+        approximate = req.namespace.startswith(EDIT_PREFIX)  # (then everything it caches goes there)
+        spans = self._find(req)
         req.edit = EditPlan(spans, self.head, [self._splice(req, span) for span in spans])
+        req.edit.outcome.approximate_hit_tokens = start if approximate else 0
         if spans:
-            req.kv_exact = spans[0].dst
-            logger.info("edit reuse rid=%d prompt=%d hit=%d spans=%d found=%d", req.rid, len(tokens), start,
+            req.kv_exact = None if approximate else spans[0].dst
+            logger.info("edit reuse rid=%d prompt=%d hit=%d spans=%d found=%d", req.rid, len(req.prompt_ids), start,
                         len(spans), sum(s.length for s in spans))
+
+    # (logical positions only, never page ids: ranks with other pool sizes agree on these)
+    @consensus_check("edit_reuse.find", args=lambda self, req: (req.rid, req.namespace, req.computed),
+                     result=lambda spans: [(s.dst, s.src, s.length) for s in spans])
+    def _find(self, req: Request) -> list[ReusedSpan]:
+        """The spans of ``req``'s prompt past its hit found in its namespaces (its own first)."""
+        exact = exact_namespace(req.namespace)
+        namespaces = [req.namespace, exact] if req.namespace != exact else [exact, edit_namespace(exact)]
+        return find_spans(self.cache.tree, namespaces, req.tokens_np, req.computed, len(req.tokens_np) - 1,
+                          self.head + self.page_size, self.cache.loading_pages())
 
     def _splice(self, req: Request, span: ReusedSpan) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copy ``span``'s cached KV into the request's slots, keys re-rotated; returns the reused
@@ -143,6 +172,8 @@ class EditReuseMode(Mode):
     # ---- finish --------------------------------------------------------------------------
     def on_finish(self, req: Request) -> bool:
         plan: Optional[EditPlan] = req.edit
+        if req.kv_exact is not None and req.kv is not None:
+            self._cache_approximate(req)
         if plan is not None:
             out = plan.outcome
             self.counts["spans"] += plan.next
@@ -150,6 +181,25 @@ class EditReuseMode(Mode):
             self.counts["recomputed_tokens"] += out.recomputed_tokens
             self.counts["gated_off"] += out.gated
         return False
+
+    def _cache_approximate(self, req: Request) -> None:
+        """Before its release: the exact part of ``req``'s KV goes to its namespace, the whole of it
+        (the exact part copied; its reply too, whatever --cache-generated-kv says: the KV is
+        approximate already) to the approximate one, for its conversation's next turns."""
+        exact = req.tokens_with_kv()
+        self.cache.cache_prefix(req.namespace, exact, req.kv)
+        req.kv_exact = None
+        whole = req.tokens_with_kv()
+        req.kv_exact = len(exact)
+        pages = self.cache.device.cache_copy(edit_namespace(req.namespace), whole, req.kv, self._copy_pages)
+        logger.info("edit reuse cached rid=%d exact=%d approximate=%d", req.rid, len(exact), pages * self.page_size)
+
+    def _copy_pages(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Device pages ``src`` -> ``dst`` in every layer's K and V."""
+        src_slots, dst_slots = (pages_to_slots(p, self.page_size) for p in (src, dst))
+        for k, v in zip(self.pool.k_buffers, self.pool.v_buffers):
+            k[dst_slots] = k[src_slots]
+            v[dst_slots] = v[src_slots]
 
     def stats(self) -> dict[str, Any]:
         return {**self.counts, "recompute_tokens": self.head, "max_deviation": self.max_deviation}

@@ -7,6 +7,7 @@ state (its object on the request, e.g. ``req.spec``) -- and the scheduler applie
 calls back into the scheduler. The fixed points, in step order::
 
     admission       reserve_slots()            KV slots a request needs past its own tokens
+                    admission_namespace(req)   the namespace it is admitted (and cached) in, when not its own
                     admissible(req)            False: it waits (e.g. its grammar's matcher is not built)
                     kv_arrives(req)            True: its prompt's KV comes from elsewhere (RECEIVING)
                     on_admit(req)              it was admitted
@@ -126,6 +127,11 @@ class Mode:
         """Whether waiting ``req`` may be admitted now: a function of agreed state only (the same
         answer on every rank); False leaves it waiting (later requests may go first)."""
         return True
+
+    def admission_namespace(self, req: Request) -> Optional[str]:
+        """The tree namespace ``req`` should be admitted in and cache into from now on, when not
+        ``req.namespace`` (edit reuse: its approximate one holds more of the prompt); None: its own."""
+        return None
 
     def kv_arrives(self, req: Request) -> bool:
         """Whether ``req``'s prompt KV will arrive from elsewhere (a P/D decode server's): it is then

@@ -264,6 +264,8 @@ class Scheduler(Results):
         return True
 
     def _admit(self, req: Request) -> bool:
+        for mode in self.modes:
+            req.namespace = mode.admission_namespace(req) or req.namespace
         arrives = any([m.kv_arrives(req) for m in self.modes])  # its prompt is not computed here: decode only
         kv = self.cache.admit(req.namespace, req.tokens_np, self._reserve_tokens(req),
                               req.storage_tokens, 1 + self.reserve_slots if arrives else self._later_tokens(req, 0),

@@ -26,7 +26,9 @@ it waits for that, then empty ``text_delta`` events while the prompt prefills (s
 automatic) retain the prompt up to them for their ttl; usage is Anthropic's (``cache_read_input_tokens``
 what the prefix cache served, every tier; ``cache_creation_input_tokens`` what this request wrote at its
 breakpoints, by ttl in ``cache_creation``; ``input_tokens`` the rest), plus ``hicache_cached_tokens``
-per tier and ``hicache_retention`` (what the cache gave the breakpoints): server/cache_control.py.
+per tier and ``hicache_retention`` (what the cache gave the breakpoints): server/cache_control.py; with reuse
+after an edit (extension field ``edit_reuse``), ``hicache_edit_reuse`` (its reused tokens are part of
+``input_tokens``, never of ``cache_read_input_tokens``: server/edit_reuse_usage.py).
 ``anthropic-version``, ``anthropic-beta``, ``thinking``, ``metadata``, ``context_management`` and
 ``output_config`` are accepted and ignored (none changes the output: no thinking blocks are written);
 ``x-api-key`` is taken as the key (middleware).
@@ -49,6 +51,7 @@ from ..runtime.request import GenerateResult
 from .builtin_tools import dropped_header, note_dropped
 from .cache_control import Breakpoint, anthropic_usage, breakpoint_hints, read_breakpoints, tokens_within
 from .choices import collect_choices, event_stream, merged_updates, submit_choices
+from .edit_reuse_usage import outcome_usage
 from .keepalive import ANTHROPIC_PING
 from .parsing import parse_body, read_body
 from .hints import retention_usage
@@ -138,6 +141,7 @@ class MessagesRequest(RequestBody):
     tools: Optional[list[AnthropicTool]] = None
     tool_choice: Optional[dict[str, Any]] = None
     cache_control: Optional[Any] = None  # automatic caching: a breakpoint on the last message's last block
+    edit_reuse: Optional[bool] = None  # hicache's extension: reuse after an edit (docs/edit_reuse.md)
 
 
 # Claude Code opens its system prompt with an attribution line whose values it derives from the request's
@@ -179,7 +183,7 @@ def as_chat(body: MessagesRequest) -> ChatCompletionRequest:
             raise APIError(400, f"tools[{i}].input_schema: Field required.", param="tools")
     chat: dict[str, Any] = {  # (a None is the field's default: RequestBody)
         "model": body.model, "messages": messages, "temperature": body.temperature, "stream": body.stream,
-        "top_p": body.top_p, "top_k": body.top_k, "stop": body.stop_sequences or None,
+        "top_p": body.top_p, "top_k": body.top_k, "stop": body.stop_sequences or None, "edit_reuse": body.edit_reuse,
         "tools": [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                     "parameters": t.input_schema}} for t in tools] or None}
     if body.tool_choice is not None:
@@ -205,7 +209,7 @@ def _tool_choice(choice: dict[str, Any]) -> tuple[Any, bool]:
 def _usage(res: GenerateResult, p: Prepared) -> dict[str, Any]:
     """A finished request's usage (server/cache_control.py), with what the cache gave its breakpoints."""
     return {**anthropic_usage(res.prompt_tokens, res.cached_tokens_details, res.completion_tokens, p.hints),
-            **retention_usage(p.hints, res)}
+            **outcome_usage([res]), **retention_usage(p.hints, res)}
 
 
 def _sentinel(kind: str, fields: dict[str, Any]) -> Any:

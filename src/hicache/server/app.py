@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import AsyncIterator, Callable, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -139,9 +139,13 @@ async def _stream(st: ServerState, handles: list[RequestHandle], p: Prepared, ch
     results.sort(key=lambda r: r.rid)  # choice order: submitted in order, rids increase
     st.prompt_cache_keys.count(p.body.prompt_cache_key, results[::p.n])
     if p.body.stream_options and p.body.stream_options.include_usage:
-        yield sse_data({**base, "choices": [], "usage": {**usage_of(results, p.n), **retention_usage(p.hints, results[0])},
-                        "timing": timing(results[0])})
+        yield sse_data({**base, "choices": [], "usage": _usage(st, p, results), "timing": timing(results[0])})
     yield "data: [DONE]\n\n"
+
+
+def _usage(st: ServerState, p: Prepared, results: list[GenerateResult]) -> dict[str, Any]:
+    """The usage of an answer's choices (streamed or not), with what the cache gave its hints."""
+    return {**usage_of(results, p.n, st.engine.config.enable_edit_reuse), **retention_usage(p.hints, results[0])}
 
 
 async def _answer(st: ServerState, request: Request, p: Prepared, base: dict, chunk: Callable[[int], ChunkFn],
@@ -157,7 +161,7 @@ async def _answer(st: ServerState, request: Request, p: Prepared, base: dict, ch
     results = await collect_choices(st, request, handles)
     st.prompt_cache_keys.count(p.body.prompt_cache_key, results[::p.n])
     return JSONResponse({**base, "choices": [choice(i, r) for i, r in enumerate(results)],
-                         "usage": {**usage_of(results, p.n), **retention_usage(p.hints, results[0])},
+                         "usage": _usage(st, p, results),
                          "timing": timing(results[0])},
                         headers=dropped_header(p.dropped_tools))
 

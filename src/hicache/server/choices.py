@@ -23,6 +23,7 @@ from ..runtime.logprobs import TokenLogprob
 from ..runtime.request import GenerateResult
 from ..runtime.sampling import SamplingParams
 from . import keepalive
+from .edit_reuse_usage import outcome_usage, reused_details
 from .protocol import APIError
 from .state import ServerState
 from .submit import Prepared, collect_result, disagg_figures, spec_figures, submit_request
@@ -109,18 +110,20 @@ async def merged_updates(handles: list[RequestHandle],
             t.cancel()
 
 
-def usage_of(results: list[GenerateResult], n: int) -> dict[str, Any]:
+def usage_of(results: list[GenerateResult], n: int, edit_reuse: bool = False) -> dict[str, Any]:
     """OpenAI's usage of all choices, with hicache's extensions: each prompt once (its first choice's
-    hits, per tier; speculative and P/D figures the first choice's), every completion."""
+    hits, per tier, and tokens reused after an edit -- ``edit_reuse``: the server runs with it,
+    server/edit_reuse_usage.py; speculative and P/D figures the first choice's), every completion."""
     firsts = results[::n]
     prompt, completion = sum(r.prompt_tokens for r in firsts), sum(r.completion_tokens for r in results)
     tiers = {t: sum(r.cached_tokens_details[t] for r in firsts) for t in firsts[0].cached_tokens_details}
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts),
-                                      "cached_tokens_details": tiers},
+                                      "cached_tokens_details": tiers, **reused_details(firsts, edit_reuse)},
             # The same per-tier counts under a name of hicache's own: proxies (litellm) drop the field above,
             # whose name another shape of theirs takes.
-            "hicache_cached_tokens": dict(tiers), **spec_figures(firsts[0]), **disagg_figures(firsts[0])}
+            "hicache_cached_tokens": dict(tiers), **outcome_usage(firsts), **spec_figures(firsts[0]),
+            **disagg_figures(firsts[0])}
 
 
 def check_choices(n: int, prompts: int, sampling: SamplingParams, stream: bool, max_logprob_tokens: int,

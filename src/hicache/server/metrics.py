@@ -15,6 +15,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 from ..runtime.request import GenerateResult
+from .edit_reuse_usage import request_outcome
 
 ACCEPT_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)  # tokens per verify pass
 STEP_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
@@ -78,9 +79,20 @@ class ServerMetrics:
                                      "tier now.", ["tier"], registry=r)
         self.retention = Counter("hicache_retention", "Retention hints: hints (applied), clipped (granted in part or "
                                  "not at all), expired_tokens, released_tokens.", ["field"], registry=r)
+        self._add_edit_reuse()
         self._seen: dict[tuple, float] = {}  # cumulative figures already counted
         for tier in ("device", "host", "storage"):
             self.cached_tokens.labels(tier=tier)
+
+    def _add_edit_reuse(self) -> None:
+        """Reuse after an edit (docs/edit_reuse.md), per finished request that tried it (server/edit_reuse_usage.py)."""
+        self.edit_reuse_tokens = Counter("hicache_edit_reuse_tokens", "Reuse after an edit: prompt tokens whose KV "
+                                         "was reused from another position (reused) or computed at a reused span's "
+                                         "start (recomputed).", ["kind"], registry=self.registry)
+        self.edit_reuse_requests = Counter("hicache_edit_reuse_requests", "Reuse after an edit: finished requests "
+                                           "that tried it, by outcome (kept: tokens reused; gated: the quality gate "
+                                           "fell back to exact prefix reuse; none: no span found).", ["outcome"],
+                                           registry=self.registry)
 
     def refused(self, status: int, reason: str) -> None:
         """A request answered with an error (``reason``: its code); not a client that left (499)."""
@@ -98,6 +110,10 @@ class ServerMetrics:
                                    (self.queue_time, res.queue_time_s)):
             if seconds > 0:
                 histogram.observe(seconds)
+        if (outcome := request_outcome(res)) is not None:
+            self.edit_reuse_requests.labels(outcome=outcome).inc()
+            self.edit_reuse_tokens.labels(kind="reused").inc(res.edit_reuse.reused_tokens)
+            self.edit_reuse_tokens.labels(kind="recomputed").inc(res.edit_reuse.recomputed_tokens)
         if res.spec_verify_steps:
             self.spec_accept_length.observe(res.spec_accept_length)
             self.spec_verify_steps.observe(res.spec_verify_steps)
@@ -110,6 +126,11 @@ class ServerMetrics:
         self.hit_rate.set(stats.get("hit_rate", 0.0))
         for tier in stats.get("hit_tokens", {}):
             self.cached_tokens.labels(tier=tier)
+        if "edit_reuse" in stats:  # (an engine with it on: every series shows, at 0 until it moves)
+            for kind in ("reused", "recomputed"):
+                self.edit_reuse_tokens.labels(kind=kind)
+            for outcome in ("kept", "gated", "none"):
+                self.edit_reuse_requests.labels(outcome=outcome)
         for key, value in stats.items():
             if key.endswith("_pool") and isinstance(value, dict):
                 pool = key[: -len("_pool")]

@@ -15,7 +15,9 @@ The answer is ``{"text", "output_ids", "meta_info"}``; ``meta_info`` holds ``id`
 ``prompt_tokens``, ``completion_tokens``, ``cached_tokens`` and SGLang's
 ``cached_tokens_details`` (device / host / storage), ``finish_reason`` as
 ``{"type": "stop" | "length" | "abort", "matched" | "length" | "message": ...}``,
-``e2e_latency`` (seconds), and hicache's extensions (``timing``, speculative and P/D figures).
+``e2e_latency`` (seconds), and hicache's extensions (``timing``, speculative and P/D figures,
+``reused_tokens`` / ``hicache_edit_reuse``: server/edit_reuse_usage.py; ``edit_reuse`` in
+``sampling_params`` or at the top level switches it per request).
 SGLang's ``retention_seconds`` (with ``priority``) asks the cache to keep the prompt and reply
 that long (server/hints.py); what it gave is ``meta_info.hicache_retention``.
 Streamed, every ``data:`` chunk carries the CUMULATIVE text and output ids so far (SGLang's
@@ -39,6 +41,7 @@ from ..frontend.loop import RequestHandle
 from ..runtime.request import GenerateResult
 from ..runtime.sampling import GrammarSpec, SamplingParams
 from .choices import check_choices, event_stream, merged_updates
+from .edit_reuse_usage import outcome_usage, reused_details
 from .hints import retention_usage, sglang_hints
 from .keepalive import SSE_KEEPALIVE
 from .parsing import parse_body, read_body
@@ -87,6 +90,7 @@ class NativeSamplingParams(RequestBody):
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: Optional[dict[str, float]] = None  # token id (a string) -> bias
+    edit_reuse: Optional[bool] = None  # hicache: reuse after an edit (docs/edit_reuse.md); also top-level
     json_schema: Optional[str] = None  # structured output: at most one of these three
     regex: Optional[str] = None
     ebnf: Optional[str] = None
@@ -165,6 +169,9 @@ def _prepare_generate(raw: bytes, st: ServerState) -> Prepared:
     body = parse_body(raw, GenerateRequest)
     sp = body.sampling_params or NativeSamplingParams()
     _check_supported(body, sp)
+    top_level = sp.edit_reuse is None and body.edit_reuse is not None  # (edit_reuse may be top-level, as cache_salt)
+    if top_level:
+        sp = sp.model_copy(update={"edit_reuse": body.edit_reuse})
     filled = sp.with_unset(st.sampling_defaults)
     sampling = SamplingParams(max_new_tokens=filled.max_new_tokens, grammar=filled.grammar(),
                               **sampling_fields(filled, "sampling_params.logit_bias"),
@@ -172,6 +179,8 @@ def _prepare_generate(raw: bytes, st: ServerState) -> Prepared:
     try:
         st.engine.check_sampling(sampling)  # (the grammar is vetted next, without holding this thread: vet_grammar)
     except InvalidRequestError as e:
+        if e.param == "edit_reuse" and top_level:
+            raise APIError(400, str(e), param="edit_reuse") from None
         raise APIError(400, f"sampling_params: {e}", param=_native_field(e.param, sp) or "sampling_params") from None
     check_choices(1, 1, sampling, bool(body.stream), st.opts.max_logprob_tokens, "sampling_params.max_new_tokens")
     hints = sglang_hints(body.retention_seconds, body.priority)
@@ -200,6 +209,7 @@ def _answer_of(rid: str, res: GenerateResult, p: Prepared, st: ServerState) -> d
         "id": rid, "finish_reason": _finish_reason(res, p, st), "prompt_tokens": res.prompt_tokens,
         "completion_tokens": res.completion_tokens, "cached_tokens": res.cached_tokens,
         "cached_tokens_details": dict(res.cached_tokens_details), "e2e_latency": res.e2e_s,
+        **reused_details([res], st.engine.config.enable_edit_reuse), **outcome_usage([res]),
         "timing": timing(res), **spec_figures(res), **disagg_figures(res), **_logprobs(res, p, st),
         **retention_usage(p.hints, res)}}
 

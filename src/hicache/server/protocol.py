@@ -73,7 +73,7 @@ class StreamOptions(RequestBody):
 
 class SamplingBody(RequestBody):
     """Fields shared by both endpoints (OpenAI names; ``top_k``, ``ignore_eos``,
-    ``stop_token_ids``, ``cache_salt``, ``regex`` and ``ebnf`` are extensions)."""
+    ``stop_token_ids``, ``cache_salt``, ``edit_reuse``, ``regex`` and ``ebnf`` are extensions)."""
 
     model_config = OPEN
 
@@ -90,6 +90,9 @@ class SamplingBody(RequestBody):
     ignore_eos: bool = False
     # An empty salt would silently share the unsalted namespace: refused, as vLLM does.
     cache_salt: Optional[str] = Field(None, min_length=1)
+    # Reuse after an edit (docs/edit_reuse.md): null the server's --enable-edit-reuse, false off for this
+    # request, true asks for it (a 400 on a server without the flag)
+    edit_reuse: Optional[bool] = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # vLLM / SGLang extension
@@ -153,7 +156,7 @@ class SamplingBody(RequestBody):
 
 # SamplingParams' fields that an OpenAI body and /generate's sampling_params both carry, under these names
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "stop", "ignore_eos", "seed", "presence_penalty",
-                   "frequency_penalty", "repetition_penalty", "min_p", "min_tokens")
+                   "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "edit_reuse")
 
 
 def sampling_fields(body: Any, bias_param: str) -> dict[str, Any]:

@@ -24,8 +24,9 @@ while stored, and ``DELETE`` releases it. Without ``max_output_tokens`` a reply 
 take the rest of the context (``--default-max-tokens`` caps it). A stream writes keep-alives while
 the prompt prefills (server/keepalive.py): ``response.in_progress`` again. A grammar
 failure ends the response as ``failed``. Beside the standard usage, hicache's extensions:
-``usage.hicache_cached_tokens`` (cached tokens per tier) and ``timing`` (seconds: TTFT, queue,
-forward), as on chat completions.
+``usage.hicache_cached_tokens`` (cached tokens per tier), ``timing`` (seconds: TTFT, queue,
+forward) and reuse after an edit (``edit_reuse``; ``input_tokens_details.reused_tokens``,
+``usage.hicache_edit_reuse``: server/edit_reuse_usage.py), as on chat completions.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from fastapi.responses import JSONResponse, Response
 from ..runtime.request import GenerateResult
 from .builtin_tools import dropped_header, note_dropped, split_responses_tools, tool_namespaces
 from .choices import collect_choices, event_stream, merged_updates, submit_choices
+from .edit_reuse_usage import outcome_usage, reused_details
 from .hints import STORED_HINT, retention_usage
 from .parsing import parse_body, read_body
 from .prepare import prepare_chat
@@ -59,8 +61,10 @@ logger = logging.getLogger(__name__)
 class _Turn:
     """One request's conversation (for the store) and the response object around its output."""
 
-    def __init__(self, body: ResponsesRequest, messages: list[dict[str, Any]], prepared: Prepared) -> None:
+    def __init__(self, body: ResponsesRequest, messages: list[dict[str, Any]], prepared: Prepared,
+                 edit_reuse: bool = False) -> None:
         self.body, self.messages, self.p = body, messages, prepared
+        self.edit_reuse = edit_reuse  # the server runs with --enable-edit-reuse (server/edit_reuse_usage.py)
         self.id, self.created = f"resp_{uuid.uuid4().hex}", int(time.time())
         self.namespaces = tool_namespaces(body.tools or [])  # a call of a nested tool names its namespace
 
@@ -79,10 +83,11 @@ class _Turn:
         if res is not None:
             out["usage"] = {"input_tokens": res.prompt_tokens, "output_tokens": res.completion_tokens,
                             "total_tokens": res.prompt_tokens + res.completion_tokens,
-                            "input_tokens_details": {"cached_tokens": res.cached_tokens},
+                            "input_tokens_details": {"cached_tokens": res.cached_tokens,
+                                                     **reused_details([res], self.edit_reuse)},
                             "output_tokens_details": {"reasoning_tokens": 0},
                             "hicache_cached_tokens": dict(res.cached_tokens_details),
-                            **retention_usage(self.p.hints, res)}
+                            **outcome_usage([res]), **retention_usage(self.p.hints, res)}
             out["timing"] = timing(res)  # hicache's extension, as on chat completions
             if res.finish_reason == "length":
                 out["incomplete_details"] = {"reason": "max_output_tokens"}
@@ -156,7 +161,7 @@ def add_responses_routes(app: FastAPI, st: ServerState) -> None:
             check_fits(prepared.ids, body.max_output_tokens, st.engine.context_length, "input")
             if body.max_output_tokens is None:  # the rest of the context, counted on the prompt as sent
                 prepared.sampling = with_reply_room(st, prepared.sampling, len(prepared.ids), st.opts.default_max_tokens)
-        return _Turn(body, stored_messages, prepared)
+        return _Turn(body, stored_messages, prepared, st.engine.config.enable_edit_reuse)
 
     @app.post("/v1/responses")
     async def create(request: Request) -> Response:

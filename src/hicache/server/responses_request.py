@@ -38,6 +38,7 @@ class ResponsesRequest(RequestBody):
     metadata: Optional[dict[str, Any]] = None
     prompt_cache_key: Optional[str] = None  # server/hints.py
     prompt_cache_retention: Optional[str] = None
+    edit_reuse: Optional[bool] = None  # hicache's extension: reuse after an edit (docs/edit_reuse.md)
 
     @field_validator("metadata")
     @classmethod
@@ -137,7 +138,8 @@ def as_chat(body: ResponsesRequest, messages: list[dict[str, Any]], tools: list[
             "stream": body.stream, "parallel_tool_calls": body.parallel_tool_calls,
             "max_tokens": body.max_output_tokens, "tools": _chat_tools(tools) or None,  # (None: the default)
             "tool_choice": _chat_tool_choice(body.tool_choice), "response_format": _response_format(body.text),
-            "prompt_cache_key": body.prompt_cache_key, "prompt_cache_retention": body.prompt_cache_retention}
+            "prompt_cache_key": body.prompt_cache_key, "prompt_cache_retention": body.prompt_cache_retention,
+            "edit_reuse": body.edit_reuse}
     if not messages:
         raise APIError(400, "input must hold at least one message or item.", param="input")
     try:
