@@ -161,6 +161,7 @@ bench: setup
 	$(PY) benchmarks/bench_pd.py
 	$(PY) benchmarks/bench_simulate.py
 	$(PY) benchmarks/bench_replay.py
+	$(PY) benchmarks/bench_edit_reuse.py --quick  # the full run (200 pairs x 4 workloads x 2 models at 4K) is days on a 2-core CPU
 
 # hicache vs. llama.cpp (llama-cpp-python, its RAM prompt cache and its OpenAI server) vs.
 # transformers, on the same GGUF file and the same token ids. Not part of `make test`.

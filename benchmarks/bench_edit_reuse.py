@@ -48,9 +48,19 @@ class Arm:
     cached: int
     reused: int
     output: list[int]
-    top: tuple  # the first token's top-k (token, logprob)
+    tops: list[tuple]  # each output token's top-k (token, logprob), most likely first
     text: str
     outcome: Any = None  # EditReuseOutcome or None (the request did not try edit reuse)
+
+    @property
+    def top(self) -> tuple:
+        """The first token's top-k."""
+        return self.tops[0] if self.tops else ()
+
+    def margin(self, i: int) -> float:
+        """Nats between the two likeliest tokens at output position ``i`` (a small one: a near tie)."""
+        top = self.tops[i] if i < len(self.tops) else ()
+        return top[0][1] - top[1][1] if len(top) > 1 else float("nan")
 
 
 @dataclass
@@ -84,8 +94,8 @@ def run_arm(engine: Engine, ids: list[int], sp: SamplingParams) -> Arm:
         if not cpu and req.first_token_time > 0:
             cpu = time.process_time() - start
     res = GenerateResult.from_request(req)
-    top = res.logprobs[0].top if res.logprobs else ()
-    return Arm(res.ttft_s, cpu, res.cached_tokens, getattr(res, "reused_tokens", 0), list(res.output_ids), top,
+    return Arm(res.ttft_s, cpu, res.cached_tokens, getattr(res, "reused_tokens", 0), list(res.output_ids),
+               [lp.top for lp in res.logprobs],
                res.text, getattr(res, "edit_reuse", None))
 
 
@@ -193,8 +203,11 @@ def print_report(model: str, by_workload: dict[str, list[PairRun]], engines: dic
     bad = worst(every)
     if bad is not None:
         a = agreement(bad.arms["cold"].output, bad.arms["edit"].output)
+        at = first_divergence(bad.arms["cold"].output, bad.arms["edit"].output)
+        margin = "" if at is None else (f", where cold's two likeliest tokens are {bad.arms['cold'].margin(at):.3f} "
+                                        f"nats apart, edit reuse's {bad.arms['edit'].margin(at):.3f}")
         print(f"\nworst edit-reuse reply ({bad.pair.workload} #{bad.pair.index}, {bad.pair.change}; agreement {a:.0%}, "
-              f"first divergence at {first_divergence(bad.arms['cold'].output, bad.arms['edit'].output)}):")
+              f"first divergence at token {at}{margin}):")
         print(f"  edit reuse: {bad.arms['edit'].text!r}\n  cold:       {bad.arms['cold'].text!r}")
         print(f"engine stats edit_reuse: {engines['edit'].stats().get('edit_reuse')}")
 
