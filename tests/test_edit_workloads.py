@@ -73,13 +73,15 @@ def test_uuid_and_timestamp_change_in_the_first_line_only(tok):
         assert 0.95 * 4096 <= len(pair.original_ids) <= 4096
 
 
-def test_dropped_turns_keep_the_newer_turns_in_order(tok):
-    for pair in edit_pairs("dropped_turns", tok, 3, target_tokens=4096):
+@pytest.mark.parametrize("size", [1024, 4096])
+def test_dropped_turns_keep_the_newer_turns_in_order(tok, size):
+    for pair in edit_pairs("dropped_turns", tok, 3, target_tokens=size):
         orig, edit = pair.original.messages, pair.edited.messages
         assert orig[0] == edit[0]
         kept = edit[1:-2]  # the turns kept and the last question, then the new reply and question
         dropped = len(orig) - len(kept)
         assert dropped >= 3 and (dropped - 1) % 2 == 0 and orig[dropped:] == kept  # whole turns, oldest first
+        assert len(kept) >= 3  # a turn kept, and the last question
         assert edit[-2]["role"] == "assistant" and edit[-1]["role"] == "user"
         assert_real(pair)
         assert all(m["content"] in {s.text for s in pair.sections} for m in orig[1:] if m["role"] == "assistant")

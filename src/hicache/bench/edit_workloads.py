@@ -174,10 +174,11 @@ def _turns(sections: list[Section]) -> list[dict[str, Any]]:
 
 
 def dropped_turns(tok: ChatTokenizer, rng: random.Random, target: int, root: Path) -> Built:
-    """A history of doc questions answered with the sections' text; the next request drops the oldest
-    turns (those holding closest to a quarter of the history's characters) and adds the last reply and a
-    new question."""
-    sections = rng.sample(doc_sections(root), 60)
+    """A history of doc questions answered with the sections' text (each cut to ~1/6 of the prompt);
+    the next request drops the oldest turns (those holding closest to a quarter of the history's
+    characters) and adds the last reply and a new question."""
+    cap = target * 4 // 6  # characters a reply (~1/6 of the prompt at ~4 a token): several turns at any size
+    sections = [Section(s.path, s.heading, s.text[:cap]) for s in rng.sample(doc_sections(root), 60)]
     system = {"role": "system", "content": "You answer questions about the hicache project from its documentation."}
 
     hi = sum(len(s.text) for s in sections[:-2])
