@@ -22,8 +22,10 @@ rank's own heads). Units: positions and lengths are tokens.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
@@ -39,7 +41,8 @@ from .request import Request, Status
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_DEVIATION = 0.35  # relative L2, any layer: see docs/edit_reuse.md for how it was chosen
+DEFAULT_MAX_DEVIATION = 0.35  # relative L2, any layer: for a model with no calibrated value (docs/edit_reuse.md)
+CALIBRATION_FILE = Path(__file__).with_name("edit_reuse_calibration.json")  # `hicache calibrate-edit-reuse`
 GATE_TOKENS = 4  # the last tokens of each span's head the gate compares
 
 
@@ -70,7 +73,7 @@ class EditReuseMode(Mode):
         self.pool = ctx.cache.pool
         self.page_size = ctx.cache.page_size
         self.head = cfg.edit_reuse_recompute_tokens
-        self.max_deviation = cfg.edit_reuse_max_deviation or DEFAULT_MAX_DEVIATION
+        self.max_deviation = cfg.edit_reuse_max_deviation or calibrated_max_deviation(cfg.model) or DEFAULT_MAX_DEVIATION
         self.shift = RopeShift(ctx.spec, ctx.device)
         self.counts = {"requests": 0, "spans": 0, "reused_tokens": 0, "recomputed_tokens": 0, "gated_off": 0}
 
@@ -203,6 +206,14 @@ class EditReuseMode(Mode):
 
     def stats(self) -> dict[str, Any]:
         return {**self.counts, "recompute_tokens": self.head, "max_deviation": self.max_deviation}
+
+
+def calibrated_max_deviation(model: str) -> Optional[float]:
+    """The gate threshold ``hicache calibrate-edit-reuse --write`` measured for ``model`` (its --model
+    name), or None."""
+    table = json.loads(CALIBRATION_FILE.read_text()) if CALIBRATION_FILE.exists() else {}
+    entry = table.get(model)
+    return float(entry["max_deviation"]) if entry else None
 
 
 def build(ctx: ModeContext) -> Optional[EditReuseMode]:
