@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from hicache import Engine, SamplingParams
-from hicache.bench import edit_calibration
 from hicache.bench.edit_calibration import PairQuality, threshold, write
 from hicache.runtime import edit_reuse
 
