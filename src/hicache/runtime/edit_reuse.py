@@ -75,7 +75,8 @@ class EditReuseMode(Mode):
         self.head = cfg.edit_reuse_recompute_tokens
         self.max_deviation = cfg.edit_reuse_max_deviation or calibrated_max_deviation(cfg.model) or DEFAULT_MAX_DEVIATION
         self.shift = RopeShift(ctx.spec, ctx.device)
-        self.counts = {"requests": 0, "spans": 0, "reused_tokens": 0, "recomputed_tokens": 0, "gated_off": 0}
+        self.counts = {"requests": 0, "spans": 0, "reused_tokens": 0, "reused_host_tokens": 0, "recomputed_tokens": 0,
+                       "gated_off": 0}
 
     # ---- admission -----------------------------------------------------------------------
     def wants(self, req: Request) -> bool:
@@ -116,20 +117,32 @@ class EditReuseMode(Mode):
         exact = exact_namespace(req.namespace)
         namespaces = [req.namespace, exact] if req.namespace != exact else [exact, edit_namespace(exact)]
         return find_spans(self.cache.tree, namespaces, req.tokens_np, req.computed, len(req.tokens_np) - 1,
-                          self.head + self.page_size, self.cache.loading_pages())
+                          self.head + self.page_size, self.cache.unreadable_pages())
 
     def _splice(self, req: Request, span: ReusedSpan) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copy ``span``'s cached KV into the request's slots, keys re-rotated; returns the reused
         K/V of its gate tokens, per layer (the forward overwrites them with computed ones)."""
-        src = pages_to_slots(span.pages, self.page_size).to(req.kv.slots.device)
         dst = req.kv.slots[span.dst : span.dst + span.length]
         gate = slice(self.head - min(GATE_TOKENS, self.head), self.head)
         saved = []
-        for k, v in zip(self.pool.k_buffers, self.pool.v_buffers):
-            k[dst] = self.shift.keys(k[src], span.shift)
-            v[dst] = v[src]
+        for layer, (k, v) in enumerate(zip(self.pool.k_buffers, self.pool.v_buffers)):
+            k[dst] = self.shift.keys(self._rows(span, layer, 0, k), span.shift)
+            v[dst] = self._rows(span, layer, 1, v).to(v.device)
             saved.append((k[dst[gate]].clone(), v[dst[gate]].clone()))
         return saved
+
+    def _rows(self, span: ReusedSpan, layer: int, kv: int, buffer: torch.Tensor) -> torch.Tensor:
+        """``span``'s cached K (0) or V (1) rows of ``layer``, ``[length, KvH, D]`` on the device: from
+        the device pool, and from the host pool where the span's pages are there."""
+        device = pages_to_slots(span.pages[~span.host], self.page_size).to(buffer.device)
+        if not span.host.any():
+            return buffer[device]
+        rows = buffer.new_empty((span.length, *buffer.shape[1:]))
+        on_host = torch.from_numpy(np.repeat(span.host, self.page_size)).to(buffer.device)
+        rows[~on_host] = buffer[device]
+        host = self.cache.host_pool.page_view(layer, kv)[torch.from_numpy(span.pages[span.host])]
+        rows[on_host] = host.reshape(-1, *buffer.shape[1:]).to(buffer.device, non_blocking=False)
+        return rows
 
     # ---- prefill -------------------------------------------------------------------------
     def chunk_limit(self, req: Request) -> Optional[int]:
@@ -148,6 +161,7 @@ class EditReuseMode(Mode):
         if deviation > self.max_deviation:
             return self._fall_back(req, plan, deviation)
         plan.outcome.reused_tokens += span.length - self.head
+        self.counts["reused_host_tokens"] += int(span.host.sum()) * self.page_size  # (its head included)
         plan.outcome.recomputed_tokens += self.head
         plan.next += 1
         return span.dst + span.length
