@@ -18,9 +18,9 @@ def pair(deviation: float, kl: float, reused: int = 100) -> PairQuality:
 
 def test_the_threshold_is_the_largest_deviation_whose_kept_pairs_hold_the_targets() -> None:
     pairs = [pair(0.05, 0.001), pair(0.10, 0.01), pair(0.20, 0.09), pair(0.30, 0.002), pair(0.5, 0.3)]
-    # up to 0.10: mean 0.0055; with 0.20: one pair over 5 x 0.02; with 0.30: still that pair
+    # up to 0.10 every pair is under 0.02; 0.20's pair is over it, and every threshold past it keeps that pair
     assert threshold(pairs, target_kl=0.02) == 0.10
-    assert threshold(pairs, target_kl=0.05) == 0.30  # looser: only 0.5 pushes the mean (0.081) over
+    assert threshold(pairs, target_kl=0.1) == 0.30  # looser: only 0.5's pair is over it
     assert threshold([pair(0.05, 0.5)], target_kl=0.02) is None
     assert threshold([pair(0.01, 0.0, reused=0), pair(0.2, 0.001)], 0.02) == 0.2  # a pair that reused nothing: no say
 
