@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hicache.cache.content_index import find_spans
+from hicache.cache.content_index import Unreadable, find_spans
 from hicache.cache.pools import PageAllocator
 from hicache.cache.radix import RadixCache
 
@@ -66,7 +66,7 @@ def test_the_search_stays_in_the_request_namespace_and_skips_loading_pages() -> 
     edited = np.asarray([9, 9] + BODY)
     assert find_spans(tree, ["salt-b"], edited, 0, len(edited), min_tokens=8) == []
     loading = frozenset(int(p) for p in pages_of(tree, [1, 2, 3, 4] + BODY, ns="salt-a")[5:6])  # page 5: body 16..19
-    spans = find_spans(tree, ["salt-a"], edited, 0, len(edited), min_tokens=8, skip=loading)
+    spans = find_spans(tree, ["salt-a"], edited, 0, len(edited), min_tokens=8, unreadable=Unreadable(device=loading))
     assert [(s.dst, s.length) for s in spans] == [(2, 16), (22, 20)]  # around the page being loaded
 
 
@@ -76,3 +76,20 @@ def test_spans_shorter_than_the_minimum_and_the_end_bound_are_respected() -> Non
     spans = find_spans(tree, ["m"], edited, 0, len(edited) - 1, min_tokens=12)
     # BODY[:8] (2 pages) is under the minimum; the rest stops a page short of the end bound
     assert [(s.dst, s.src, s.length) for s in spans] == [(10, 12, 28)]
+
+
+def test_a_span_runs_on_from_device_pages_into_host_pages_and_skips_a_backup_in_flight() -> None:
+    original = [1, 2, 3, 4] + BODY
+    alloc = PageAllocator(256)
+    tree = RadixCache(PAGE, alloc, "lru", PageAllocator(256))
+    head = np.asarray(original[:24], dtype=np.int32)  # 6 pages on the device; the other 5 only on the host
+    tree.insert("m", head, alloc.alloc(6))
+    assert tree.insert_host("m", np.asarray(original, dtype=np.int32), np.arange(100, 105), start_page=6) == 0
+    edited = np.asarray([9, 9, 9] + BODY)
+    [span] = find_spans(tree, ["m"], edited, 0, len(edited), min_tokens=8)
+    assert (span.dst, span.src, span.length) == (3, 4, 40)
+    assert span.host.tolist() == [False] * 5 + [True] * 5 and span.pages[5:].tolist() == [100, 101, 102, 103, 104]
+    first, after = find_spans(tree, ["m"], edited, 0, len(edited), min_tokens=8,
+                              unreadable=Unreadable(host=frozenset({102})))  # a backup still writes host page 102
+    assert (first.dst, first.length, after.dst, after.src, after.length) == (3, 28, 35, 36, 8)
+    assert first.host.tolist() == [False] * 5 + [True] * 2 and after.pages.tolist() == [103, 104]

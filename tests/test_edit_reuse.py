@@ -152,3 +152,24 @@ def test_edits_under_eviction_with_a_host_tier_keep_every_page_accounted() -> No
         assert reused[0] == 0 and reused[1] > 0 and reused[2] > 0
     finally:
         e.shutdown()
+
+
+def test_spans_whose_pages_went_to_the_host_are_read_from_there_bit_for_bit() -> None:
+    """A device pool too small to keep the original: its body is found in host pages (L2), copied
+    into the request's slots and re-rotated like device pages, so the reply is the one an engine
+    that kept it on the device gives."""
+    filler = np.random.default_rng(2).integers(0, 256, 700).tolist()
+    replies = []
+    for tokens in (8192, 1024):
+        e = Engine("random:small", dtype="float32", max_total_tokens=tokens, enable_edit_reuse=True,
+                   enable_hierarchical_cache=True, hicache_ratio=8.0)
+        try:
+            e.generate(ORIGINAL, SamplingParams(max_new_tokens=1))
+            e.generate(filler, SamplingParams(max_new_tokens=1))  # (in the small pool: the original's pages go)
+            res = e.generate(EDITED, GREEDY)[0]
+            replies.append((res.output_ids, res.reused_tokens, e.stats()["edit_reuse"]["reused_host_tokens"]))
+        finally:
+            e.shutdown()
+    (device_reply, device_reused, from_host_big), (host_reply, host_reused, from_host_small) = replies
+    assert from_host_big == 0 and from_host_small > 0 and host_reused == device_reused > 0
+    assert host_reply == device_reply

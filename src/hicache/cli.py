@@ -216,6 +216,20 @@ def _add_service_commands(command: Callable[..., argparse.ArgumentParser]) -> No
                               "(no model) on a virtual clock: hit ratio per tier, TTFT estimates."))
     add_bench_args(command("bench", run_bench, help="Benchmark an OpenAI-compatible server (multi-turn shared "
                            "prefix, trace replay)."))
+    p = command("calibrate-edit-reuse", cmd_calibrate_edit_reuse, help="Measure edit reuse's quality gate threshold "
+                "for a model on the edit workloads (docs/edit_reuse.md); --write records it for the engine.")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--pairs", type=int, default=4, help="Edit pairs per workload.")
+    p.add_argument("--tokens", type=int, default=2048, help="Prompt size of each pair, in tokens.")
+    p.add_argument("--target-kl", type=float, default=0.02, help="Mean first-token KL (nats) the kept pairs may have.")
+    p.add_argument("--write", action="store_true", help="Record the threshold in the table the engine reads.")
+
+
+def cmd_calibrate_edit_reuse(args: argparse.Namespace) -> int:
+    from .bench.edit_calibration import calibrate
+
+    value = calibrate(args.model, args.pairs, target_tokens=args.tokens, target_kl=args.target_kl, save=args.write)
+    return 0 if value is not None else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

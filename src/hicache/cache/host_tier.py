@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .acks import AckCounts
+from .content_index import Unreadable
 from .host_pool import HostKVPool
 from .host_transfer import BACKUP, LOAD, TransferController, TransferOp
 from .host_state import HostStates
@@ -129,10 +130,13 @@ class HostTier:
         if nodes:
             self.tree.inc_lock_ref(nodes[-1])
 
-    def loading_pages(self) -> frozenset[int]:
-        """Device pages a host->device load may still write: queued or in flight."""
-        pages = [item[0] for item in self._pending[LOAD]] + self.controller.loading_pages()
-        return frozenset(np.concatenate(pages).tolist()) if pages else frozenset()
+    def unreadable(self) -> Unreadable:
+        """Pages a copy queued or in flight may still write: device pages of loads, host pages of backups."""
+        def pages(kind: str, side: int) -> frozenset[int]:
+            ids = [item[side] for item in self._pending[kind]] + [
+                op.device_pages if side == 0 else op.host_pages for op in self.controller.unacked(kind)]
+            return frozenset(np.concatenate(ids).tolist()) if ids else frozenset()
+        return Unreadable(pages(LOAD, 0), pages(BACKUP, 1))
 
     # ---- host pages ----------------------------------------------------------------------
     def alloc(self, n: int, anchor: int, first_position: int = 0) -> np.ndarray | None:

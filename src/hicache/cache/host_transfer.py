@@ -182,9 +182,9 @@ class TransferController:
                 raise RuntimeError(f"{kind} transfer {op.op_id} failed") from op.error
         return ops
 
-    def loading_pages(self) -> list[np.ndarray]:
-        """The device pages of every load whose ack is not consumed yet (they may still be written)."""
-        return [op.device_pages for op in self._acks[LOAD]]
+    def unacked(self, kind: str) -> list[TransferOp]:
+        """The ops of ``kind`` whose ack is not consumed yet (their destination may still be written)."""
+        return list(self._acks[kind])
 
     def layer_ready(self, layer: int) -> bool:
         """Whether :meth:`wait_layer` would return at once."""

@@ -21,6 +21,7 @@ import numpy as np
 
 from ..consensus_record import consensus_check
 from .acks import AckCounts
+from .content_index import Unreadable
 from .device_tier import DeviceTier, KVState
 from .host_pool import HostKVPool
 from .host_tier import HostTier
@@ -318,9 +319,9 @@ class KVCacheManager:
         for tier in self.tiers:
             tier.consume_acks(acks)
 
-    def loading_pages(self) -> frozenset[int]:
-        """Device pages whose KV a load from the host tier may still be writing (none without one)."""
-        return self.host.loading_pages() if self.host is not None else frozenset()
+    def unreadable_pages(self) -> Unreadable:
+        """Pages whose KV a copy between the tiers may still be writing (none without a host tier)."""
+        return self.host.unreadable() if self.host is not None else Unreadable()
 
     def has_pending_transfers(self) -> bool:
         return any(t.has_pending() for t in self.tiers)

@@ -22,8 +22,10 @@ rank's own heads). Units: positions and lengths are tokens.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
@@ -39,7 +41,8 @@ from .request import Request, Status
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_DEVIATION = 0.35  # relative L2, any layer: see docs/edit_reuse.md for how it was chosen
+DEFAULT_MAX_DEVIATION = 0.35  # relative L2, any layer: for a model with no calibrated value (docs/edit_reuse.md)
+CALIBRATION_FILE = Path(__file__).with_name("edit_reuse_calibration.json")  # `hicache calibrate-edit-reuse`
 GATE_TOKENS = 4  # the last tokens of each span's head the gate compares
 
 
@@ -70,9 +73,10 @@ class EditReuseMode(Mode):
         self.pool = ctx.cache.pool
         self.page_size = ctx.cache.page_size
         self.head = cfg.edit_reuse_recompute_tokens
-        self.max_deviation = cfg.edit_reuse_max_deviation or DEFAULT_MAX_DEVIATION
+        self.max_deviation = cfg.edit_reuse_max_deviation or calibrated_max_deviation(cfg.model) or DEFAULT_MAX_DEVIATION
         self.shift = RopeShift(ctx.spec, ctx.device)
-        self.counts = {"requests": 0, "spans": 0, "reused_tokens": 0, "recomputed_tokens": 0, "gated_off": 0}
+        self.counts = {"requests": 0, "spans": 0, "reused_tokens": 0, "reused_host_tokens": 0, "recomputed_tokens": 0,
+                       "gated_off": 0}
 
     # ---- admission -----------------------------------------------------------------------
     def wants(self, req: Request) -> bool:
@@ -113,20 +117,32 @@ class EditReuseMode(Mode):
         exact = exact_namespace(req.namespace)
         namespaces = [req.namespace, exact] if req.namespace != exact else [exact, edit_namespace(exact)]
         return find_spans(self.cache.tree, namespaces, req.tokens_np, req.computed, len(req.tokens_np) - 1,
-                          self.head + self.page_size, self.cache.loading_pages())
+                          self.head + self.page_size, self.cache.unreadable_pages())
 
     def _splice(self, req: Request, span: ReusedSpan) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copy ``span``'s cached KV into the request's slots, keys re-rotated; returns the reused
         K/V of its gate tokens, per layer (the forward overwrites them with computed ones)."""
-        src = pages_to_slots(span.pages, self.page_size).to(req.kv.slots.device)
         dst = req.kv.slots[span.dst : span.dst + span.length]
         gate = slice(self.head - min(GATE_TOKENS, self.head), self.head)
         saved = []
-        for k, v in zip(self.pool.k_buffers, self.pool.v_buffers):
-            k[dst] = self.shift.keys(k[src], span.shift)
-            v[dst] = v[src]
+        for layer, (k, v) in enumerate(zip(self.pool.k_buffers, self.pool.v_buffers)):
+            k[dst] = self.shift.keys(self._rows(span, layer, 0, k), span.shift)
+            v[dst] = self._rows(span, layer, 1, v).to(v.device)
             saved.append((k[dst[gate]].clone(), v[dst[gate]].clone()))
         return saved
+
+    def _rows(self, span: ReusedSpan, layer: int, kv: int, buffer: torch.Tensor) -> torch.Tensor:
+        """``span``'s cached K (0) or V (1) rows of ``layer``, ``[length, KvH, D]`` on the device: from
+        the device pool, and from the host pool where the span's pages are there."""
+        device = pages_to_slots(span.pages[~span.host], self.page_size).to(buffer.device)
+        if not span.host.any():
+            return buffer[device]
+        rows = buffer.new_empty((span.length, *buffer.shape[1:]))
+        on_host = torch.from_numpy(np.repeat(span.host, self.page_size)).to(buffer.device)
+        rows[~on_host] = buffer[device]
+        host = self.cache.host_pool.page_view(layer, kv)[torch.from_numpy(span.pages[span.host])]
+        rows[on_host] = host.reshape(-1, *buffer.shape[1:]).to(buffer.device, non_blocking=False)
+        return rows
 
     # ---- prefill -------------------------------------------------------------------------
     def chunk_limit(self, req: Request) -> Optional[int]:
@@ -145,6 +161,7 @@ class EditReuseMode(Mode):
         if deviation > self.max_deviation:
             return self._fall_back(req, plan, deviation)
         plan.outcome.reused_tokens += span.length - self.head
+        self.counts["reused_host_tokens"] += int(span.host.sum()) * self.page_size  # (its head included)
         plan.outcome.recomputed_tokens += self.head
         plan.next += 1
         return span.dst + span.length
@@ -203,6 +220,14 @@ class EditReuseMode(Mode):
 
     def stats(self) -> dict[str, Any]:
         return {**self.counts, "recompute_tokens": self.head, "max_deviation": self.max_deviation}
+
+
+def calibrated_max_deviation(model: str) -> Optional[float]:
+    """The gate threshold ``hicache calibrate-edit-reuse --write`` measured for ``model`` (its --model
+    name), or None."""
+    table = json.loads(CALIBRATION_FILE.read_text()) if CALIBRATION_FILE.exists() else {}
+    entry = table.get(model)
+    return float(entry["max_deviation"]) if entry else None
 
 
 def build(ctx: ModeContext) -> Optional[EditReuseMode]:
