@@ -12,8 +12,8 @@ from hicache.runtime import edit_reuse
 pytestmark = pytest.mark.engine
 
 
-def pair(deviation: float, kl: float, reused: int = 100) -> PairQuality:
-    return PairQuality("uuid_timestamp", 0, deviation, kl, 1.0, reused, 200)
+def pair(deviation: float, kl: float, reused: int = 100, top1: float = 1.0) -> PairQuality:
+    return PairQuality("uuid_timestamp", 0, deviation, kl, top1, 1.0, reused, 200)
 
 
 def test_the_threshold_is_the_largest_deviation_whose_kept_pairs_hold_the_targets() -> None:
@@ -22,6 +22,7 @@ def test_the_threshold_is_the_largest_deviation_whose_kept_pairs_hold_the_target
     assert threshold(pairs, target_kl=0.02) == 0.10
     assert threshold(pairs, target_kl=0.1) == 0.30  # looser: only 0.5's pair is over it
     assert threshold([pair(0.05, 0.5)], target_kl=0.02) is None
+    assert threshold([pair(0.05, 0.001), pair(0.1, 0.001, top1=0.75)], target_kl=0.02) == 0.05  # a top-1 flipped
     assert threshold([pair(0.01, 0.0, reused=0), pair(0.2, 0.001)], 0.02) == 0.2  # a pair that reused nothing: no say
 
 

@@ -3,10 +3,11 @@
 For each edit pair of the benchmark's workloads (bench/edit_workloads.py: real text), the edited
 prompt runs twice: cold (every token computed: the reference) and with edit reuse after its
 original, the gate open (it measures, never refuses). Each pair gives the gate's deviation and the
-quality of the reply against the reference: the first token's KL divergence (top-k lower bound,
-bench/edit_quality.py) and the greedy replies' agreement. The threshold is the largest deviation at
-which every pair the gate would keep (deviation at or under it) holds the target: its KL at most
-``target_kl`` (a mean would let a few bad replies through: smollm2's reordered passages at 0.6-0.85
+quality against the reference, teacher-forced at a few positions of cold's reply (:data:`PROBES`):
+the mean KL divergence of the next-token distributions (top-k lower bound, bench/edit_quality.py)
+and the share whose most likely token is cold's. The threshold is the largest deviation at which the
+pairs the gate would keep (deviation at or under it) hold the targets: top-1 agreement at least
+:data:`TARGET_TOP1` over them, every pair's KL at most ``target_kl`` (a mean would let a few bad replies through: smollm2's reordered passages at 0.6-0.85
 deviation read 0.006-0.036 nats, and their greedy replies part from cold within a few tokens). Written (``--write``) into the
 table the engine reads when ``--edit-reuse-max-deviation`` is not given (runtime/edit_reuse.py).
 
@@ -25,10 +26,12 @@ from ..frontend.engine import Engine
 from ..runtime.edit_reuse import CALIBRATION_FILE
 from ..runtime.sampling import SamplingParams
 from .edit_quality import agreement, topk_kl
-from .edit_workloads import WORKLOADS, edit_pairs
+from .edit_workloads import WORKLOADS, EditPair, edit_pairs
 
+TARGET_TOP1 = 0.99  # the kept pairs' probes whose most likely token is cold's (the issue's top-1 agreement)
 WORST_KL_FACTOR = 1.0  # no kept pair's KL over this many times the target: the target bounds every kept pair
 OPEN_GATE = 1e9  # a threshold no deviation reaches: the gate measures and keeps every span
+PROBES = (0, 8, 16, 24)  # positions of cold's reply where edit reuse's next-token distribution is compared
 
 
 @dataclass(frozen=True)
@@ -36,10 +39,30 @@ class PairQuality:
     workload: str
     index: int
     deviation: float
-    kl: float
-    agreement: float
+    kl: float  # mean teacher-forced KL over the probes
+    top1: float  # share of the probes whose most likely token is cold's
+    agreement: float  # the greedy replies' position-wise agreement (free-running: reported, not a criterion)
     reused: int
     prompt: int
+
+
+def probe_pair(cold: Engine, edit: Engine, pair: EditPair, sp: SamplingParams) -> PairQuality:
+    """One pair: cold's greedy reply R, then edit reuse's distribution at each of :data:`PROBES`
+    positions of R with R's tokens before it in the context (teacher-forced: the later probes are
+    the edited prompt + R[:j], whose edited part hits the approximate KV the first one left)."""
+    ref = cold.generate([pair.edited_ids], sp)[0]
+    edit.flush_cache()
+    edit.generate([pair.original_ids], SamplingParams(max_new_tokens=1))
+    got = edit.generate([pair.edited_ids], sp)[0]
+    probes = [j for j in PROBES if j < len(ref.output_ids)]
+    one = SamplingParams(max_new_tokens=1, temperature=0, logprobs=sp.logprobs)
+    tops = [got.logprobs[0]] + [edit.generate([pair.edited_ids + ref.output_ids[:j]], one)[0].logprobs[0]
+                                for j in probes[1:]]
+    kls = [topk_kl(ref.logprobs[j].top, top.top) for j, top in zip(probes, tops)]
+    top1 = sum(top.top[0][0] == ref.output_ids[j] for j, top in zip(probes, tops)) / len(probes)
+    tried = got.edit_reuse
+    return PairQuality(pair.workload, pair.index, tried.deviation if tried else 0.0, sum(kls) / len(kls), top1,
+                       agreement(ref.output_ids, got.output_ids), got.reused_tokens, got.prompt_tokens)
 
 
 def measure(model: str, workloads: Sequence[str], pairs: int, target_tokens: int, new_tokens: int,
@@ -52,16 +75,9 @@ def measure(model: str, workloads: Sequence[str], pairs: int, target_tokens: int
     try:
         for workload in workloads:
             for pair in edit_pairs(workload, edit.tokenizer, pairs, target_tokens=target_tokens):
-                ref = cold.generate([pair.edited_ids], sp)[0]
-                edit.flush_cache()
-                edit.generate([pair.original_ids], SamplingParams(max_new_tokens=1))
-                got = edit.generate([pair.edited_ids], sp)[0]
-                tried = got.edit_reuse
-                q = PairQuality(workload, pair.index, tried.deviation if tried else 0.0,
-                                topk_kl(ref.logprobs[0].top, got.logprobs[0].top),
-                                agreement(ref.output_ids, got.output_ids), got.reused_tokens, got.prompt_tokens)
-                print(f"  {workload}[{pair.index}] deviation {q.deviation:.3f} KL {q.kl:.4f} "
-                      f"agreement {q.agreement:.2f} reused {q.reused}/{q.prompt}", flush=True)
+                q = probe_pair(cold, edit, pair, sp)
+                print(f"  {workload}[{pair.index}] deviation {q.deviation:.3f} KL {q.kl:.4f} top-1 {q.top1:.2f} "
+                      f"free-running agreement {q.agreement:.2f} reused {q.reused}/{q.prompt}", flush=True)
                 out.append(q)
     finally:
         cold.shutdown()
@@ -77,7 +93,8 @@ def threshold(pairs: Sequence[PairQuality], target_kl: float) -> Optional[float]
     for i, p in enumerate(tried):
         kept = tried[: i + 1]
         mean = sum(k.kl for k in kept) / len(kept)
-        if mean <= target_kl and max(k.kl for k in kept) <= WORST_KL_FACTOR * target_kl:
+        if (mean <= target_kl and max(k.kl for k in kept) <= WORST_KL_FACTOR * target_kl
+                and sum(k.top1 for k in kept) / len(kept) >= TARGET_TOP1):
             best = p.deviation
     return best
 
