@@ -113,7 +113,7 @@ def calibrate(model: str, pairs: int = 4, workloads: Sequence[str] = WORKLOADS, 
               new_tokens: int = 32, target_kl: float = 0.02, save: bool = False) -> Optional[float]:
     """Measure, choose the threshold, print the outcome (and ``save`` it); the threshold or None."""
     print(f"calibrating edit reuse's gate for {model}: {pairs} pair(s) of {', '.join(workloads)}, "
-          f"~{target_tokens} tokens, target mean KL <= {target_kl}", flush=True)
+          f"~{target_tokens} tokens; kept pairs: KL <= {target_kl} each, top-1 >= {TARGET_TOP1:.0%}", flush=True)
     measured = measure(model, workloads, pairs, target_tokens, new_tokens)
     value = threshold(measured, target_kl)
     if value is None:

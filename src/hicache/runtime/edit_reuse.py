@@ -99,7 +99,7 @@ class EditReuseMode(Mode):
         if not self.wants(req) or req.status is not Status.PREFILL:
             return
         self.counts["requests"] += 1
-        start = req.computed
+        start, req.kv_exact = req.computed, None
         approximate = req.namespace.startswith(EDIT_PREFIX)  # (then everything it caches goes there)
         spans = self._find(req)
         req.edit = EditPlan(spans, self.head, [self._splice(req, span) for span in spans])
