@@ -64,6 +64,24 @@ class EditPlan:
         return span.dst + self.head
 
 
+@dataclass(frozen=True)
+class SpanSource:
+    """Where a span's rows are read, worked out once for every layer: the device slots of its device
+    pages, and (some pages on the host) which of its tokens are there and their host pages."""
+
+    device_slots: torch.Tensor
+    on_host: Optional[torch.Tensor]  # bool per token; None: every page on the device
+    host_pages: Optional[torch.Tensor]
+
+    @classmethod
+    def of(cls, span: ReusedSpan, page_size: int, device: torch.device) -> "SpanSource":
+        slots = pages_to_slots(span.pages[~span.host], page_size).to(device)
+        if not span.host.any():
+            return cls(slots, None, None)
+        on_host = torch.from_numpy(np.repeat(span.host, page_size)).to(device)
+        return cls(slots, on_host, torch.from_numpy(span.pages[span.host]))
+
+
 class EditReuseMode(Mode):
     name = "edit_reuse"
 
@@ -124,24 +142,23 @@ class EditReuseMode(Mode):
         K/V of its gate tokens, per layer (the forward overwrites them with computed ones)."""
         dst = req.kv.slots[span.dst : span.dst + span.length]
         gate = slice(self.head - min(GATE_TOKENS, self.head), self.head)
+        source = SpanSource.of(span, self.page_size, dst.device)
         saved = []
         for layer, (k, v) in enumerate(zip(self.pool.k_buffers, self.pool.v_buffers)):
-            k[dst] = self.shift.keys(self._rows(span, layer, 0, k), span.shift)
-            v[dst] = self._rows(span, layer, 1, v).to(v.device)
+            k[dst] = self.shift.keys(self._rows(source, layer, 0, k), span.shift)
+            v[dst] = self._rows(source, layer, 1, v)
             saved.append((k[dst[gate]].clone(), v[dst[gate]].clone()))
         return saved
 
-    def _rows(self, span: ReusedSpan, layer: int, kv: int, buffer: torch.Tensor) -> torch.Tensor:
-        """``span``'s cached K (0) or V (1) rows of ``layer``, ``[length, KvH, D]`` on the device: from
+    def _rows(self, source: "SpanSource", layer: int, kv: int, buffer: torch.Tensor) -> torch.Tensor:
+        """The span's cached K (0) or V (1) rows of ``layer``, ``[length, KvH, D]`` on the device: from
         the device pool, and from the host pool where the span's pages are there."""
-        device = pages_to_slots(span.pages[~span.host], self.page_size).to(buffer.device)
-        if not span.host.any():
-            return buffer[device]
-        rows = buffer.new_empty((span.length, *buffer.shape[1:]))
-        on_host = torch.from_numpy(np.repeat(span.host, self.page_size)).to(buffer.device)
-        rows[~on_host] = buffer[device]
-        host = self.cache.host_pool.page_view(layer, kv)[torch.from_numpy(span.pages[span.host])]
-        rows[on_host] = host.reshape(-1, *buffer.shape[1:]).to(buffer.device, non_blocking=False)
+        if source.on_host is None:
+            return buffer[source.device_slots]
+        rows = buffer.new_empty((len(source.on_host), *buffer.shape[1:]))
+        rows[~source.on_host] = buffer[source.device_slots]
+        host = self.cache.host_pool.page_view(layer, kv)[source.host_pages]
+        rows[source.on_host] = host.reshape(-1, *buffer.shape[1:]).to(buffer.device)
         return rows
 
     # ---- prefill -------------------------------------------------------------------------
@@ -205,10 +222,8 @@ class EditReuseMode(Mode):
         approximate already) to the approximate one, for its conversation's next turns."""
         exact = req.tokens_with_kv()
         self.cache.cache_prefix(req.namespace, exact, req.kv)
-        req.kv_exact = None
-        whole = req.tokens_with_kv()
-        req.kv_exact = len(exact)
-        pages = self.cache.device.cache_copy(edit_namespace(req.namespace), whole, req.kv, self._copy_pages)
+        pages = self.cache.device.cache_copy(edit_namespace(req.namespace), req.tokens_with_kv(approximate=True),
+                                             req.kv, self._copy_pages)
         logger.info("edit reuse cached rid=%d exact=%d approximate=%d", req.rid, len(exact), pages * self.page_size)
 
     def _copy_pages(self, src: np.ndarray, dst: np.ndarray) -> None:

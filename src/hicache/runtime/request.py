@@ -142,12 +142,13 @@ class Request:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
-    def tokens_with_kv(self) -> np.ndarray:
+    def tokens_with_kv(self, approximate: bool = False) -> np.ndarray:
         """Token ids whose KV has been computed (the last sampled token has none yet) -- by the
-        draft too, with speculative decoding -- and is exact: only those may be cached."""
+        draft too, with speculative decoding -- and is exact: only those may be cached in the
+        request's namespace. ``approximate``: past ``kv_exact`` too (edit reuse's own namespace)."""
         draft = None if self.spec is None else self.spec.draft_computed
         n = self.computed if draft is None else min(self.computed, draft)
-        if self.kv_exact is not None:  # approximate KV past it (edit reuse): never cached
+        if self.kv_exact is not None and not approximate:  # approximate KV past it (edit reuse): never cached
             n = min(n, self.kv_exact)
         if not self.output_ids:
             return self.tokens_np[:n]
