@@ -218,10 +218,10 @@ def _add_service_commands(command: Callable[..., argparse.ArgumentParser]) -> No
                            "prefix, trace replay)."))
     p = command("calibrate-edit-reuse", cmd_calibrate_edit_reuse, help="Measure edit reuse's quality gate threshold "
                 "for a model on the edit workloads (docs/edit_reuse.md); --write records it for the engine.")
-    p.add_argument("--model", default="smollm2")
+    p.add_argument("--model", default="smollm2", help="The model, as --model names it (the table's key).")
     p.add_argument("--pairs", type=int, default=4, help="Edit pairs per workload.")
     p.add_argument("--tokens", type=int, default=2048, help="Prompt size of each pair, in tokens.")
-    p.add_argument("--target-kl", type=float, default=0.02, help="Mean first-token KL (nats) the kept pairs may have.")
+    p.add_argument("--target-kl", type=float, default=0.02, help="The teacher-forced KL (nats) each kept pair may have at most.")
     p.add_argument("--write", action="store_true", help="Record the threshold in the table the engine reads.")
 
 
